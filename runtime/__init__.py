@@ -1,0 +1,1 @@
+"""distgraph.runtime: array backends, communicators, executors and the launcher."""

@@ -1,3 +1,17 @@
-"""distgraph: a Paddle-style auto-parallel training framework."""
+"""distgraph: a Paddle-style auto-parallel training framework.
+
+Public names (see the README): ``trace``, ``InputSpec``, ``Engine``, ``Strategy``,
+``ops``, ``nn``, ``optim``, ``set_default_dtype``, ``seed``, the error classes, and the
+distributed attributes ``ProcessMesh``, ``ShardSpec``, ``shard_tensor``, ``shard_op``.
+"""
 
 from distgraph.errors import DistGraphError, PlanError, ResourceFileError, RuntimeFault, ShardingError
+from distgraph.dtypes import get_default_dtype, seed, set_default_dtype
+from distgraph import ops
+from distgraph.ir import Operation, Program, Value
+from distgraph.parameter import Parameter
+from distgraph.trace import InputSpec, trace
+from distgraph import nn, optim
+from distgraph.autodiff import append_backward
+from distgraph.strategy import Strategy
+from distgraph.engine import Engine, History

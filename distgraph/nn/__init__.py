@@ -1,0 +1,5 @@
+"""Layers, models and losses."""
+
+from distgraph.nn.layer import Layer, LayerList
+from distgraph.nn.layers import (GPT, MLP, CrossEntropyLoss, Dropout, Embedding, LayerNorm, Linear,
+                                 MSELoss, MultiHeadAttention, TransformerBlock)

@@ -1,0 +1,227 @@
+"""The serial compute graph: a Program is an ordered list of Operations over SSA Values.
+
+Every later stage (completion, partition, reshard, execution) reads and annotates these
+objects, so they stay plain: a Value is a name, a static shape and a dtype; an Operation
+is a type, its operand Values, its result Values, attributes and a role.
+
+Example::
+
+    prog = dg.trace(model, dg.InputSpec([4, 16], name="x"))
+    print(prog.pretty())
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from distgraph import dtypes
+from distgraph.errors import DistGraphError
+
+ROLES = ("forward", "loss", "backward", "optimize")
+
+
+class TensorOps:
+    """Python operators on traced tensors (``+ - * / @ .T`` and unary minus).
+
+    Shared by Values and by Parameters, which become Values when a traced op uses them.
+    """
+
+    def __add__(self, other):
+        from distgraph import ops
+        return ops.add(self, other)
+
+    def __radd__(self, other):
+        from distgraph import ops
+        return ops.add(other, self)
+
+    def __sub__(self, other):
+        from distgraph import ops
+        return ops.subtract(self, other)
+
+    def __rsub__(self, other):
+        from distgraph import ops
+        return ops.subtract(other, self)
+
+    def __mul__(self, other):
+        from distgraph import ops
+        return ops.multiply(self, other)
+
+    def __rmul__(self, other):
+        from distgraph import ops
+        return ops.multiply(other, self)
+
+    def __truediv__(self, other):
+        from distgraph import ops
+        return ops.divide(self, other)
+
+    def __rtruediv__(self, other):
+        from distgraph import ops
+        return ops.divide(other, self)
+
+    def __matmul__(self, other):
+        from distgraph import ops
+        return ops.matmul(self, other)
+
+    def __rmatmul__(self, other):
+        from distgraph import ops
+        return ops.matmul(other, self)
+
+    def __neg__(self):
+        from distgraph import ops
+        return ops.neg(self)
+
+    @property
+    def T(self):
+        from distgraph import ops
+        perm = list(range(len(self.shape)))
+        perm[-2:] = perm[-2:][::-1]
+        return ops.transpose(self, perm)
+
+
+@dataclass(eq=False)
+class Value(TensorOps):
+    """One SSA value. ``dist_attr`` is what its producer makes (set by completion);
+    ``annotation`` is the user's ``shard_tensor`` choice, which completion never changes.
+    ``alias_of`` names the persistable value an update op writes back to."""
+
+    name: str
+    shape: tuple
+    dtype: str
+    is_parameter: bool = False
+    persistable: bool = False
+    role: str = "forward"
+    alias_of: str | None = None
+    annotation: Any = None
+    dist_attr: Any = None
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n * dtypes.itemsize(self.dtype)
+
+    def type_str(self) -> str:
+        return f"{self.name}[{','.join(map(str, self.shape))}]:{self.dtype}"
+
+    def __repr__(self) -> str:
+        return f"Value({self.type_str()})"
+
+    __hash__ = object.__hash__
+
+
+@dataclass(eq=False)
+class Operation:
+    """One op. ``layer`` is the path of the Layer that emitted it (for errors and stage
+    construction); ``forward_op`` links a backward op to the forward op it differentiates;
+    ``annotation`` holds ``shard_op`` choices; ``dist_attr`` is set by completion."""
+
+    type: str
+    inputs: list
+    outputs: list
+    attrs: dict = field(default_factory=dict)
+    role: str = "forward"
+    layer: str = ""
+    forward_op: "Operation | None" = None
+    annotation: Any = None
+    dist_attr: Any = None
+
+    def __repr__(self) -> str:
+        ins = ", ".join(v.name for v in self.inputs)
+        outs = ", ".join(v.name for v in self.outputs)
+        return f"{self.type}({ins}) -> {outs}"
+
+    __hash__ = object.__hash__
+
+
+class Program:
+    """Ordered Operations over Values, plus the feeds (``inputs``) and ``outputs``."""
+
+    def __init__(self) -> None:
+        self.ops: list[Operation] = []
+        self.values: dict[str, Value] = {}
+        self.inputs: list[Value] = []
+        self.outputs: list[Value] = []
+        self._counters: dict[str, int] = {}
+
+    # -- building -----------------------------------------------------------------------
+    def unique_name(self, hint: str) -> str:
+        while True:
+            n = self._counters.get(hint, 0)
+            self._counters[hint] = n + 1
+            name = f"{hint}_{n}"
+            if name not in self.values:
+                return name
+
+    def add_value(self, value: Value) -> Value:
+        if value.name in self.values:
+            raise DistGraphError(f"value name {value.name!r} is already used in this program")
+        self.values[value.name] = value
+        return value
+
+    def rename_value(self, value: Value, new_name: str) -> None:
+        if new_name in self.values:
+            raise DistGraphError(f"value name {new_name!r} is already used in this program")
+        del self.values[value.name]
+        value.name = new_name
+        self.values[new_name] = value
+
+    def append_op(self, op: Operation) -> Operation:
+        self.ops.append(op)
+        return op
+
+    # -- queries ------------------------------------------------------------------------
+    @property
+    def parameters(self) -> list[Value]:
+        return [v for v in self.values.values() if v.is_parameter]
+
+    @property
+    def persistables(self) -> list[Value]:
+        return [v for v in self.values.values() if v.persistable]
+
+    def producers(self) -> dict[str, Operation]:
+        return {out.name: op for op in self.ops for out in op.outputs}
+
+    def consumers(self) -> dict[str, list[Operation]]:
+        result: dict[str, list[Operation]] = {}
+        for op in self.ops:
+            for v in op.inputs:
+                result.setdefault(v.name, []).append(op)
+        return result
+
+    def ops_by_role(self, *roles: str) -> list[Operation]:
+        return [op for op in self.ops if op.role in roles]
+
+    # -- printing -----------------------------------------------------------------------
+    def pretty(self) -> str:
+        """Readable text: feeds, persistables, then one line per op (with dist attrs)."""
+        lines = [f"Program: {len(self.ops)} ops, {len(self.parameters)} parameters"]
+        lines.append("  inputs:  " + ", ".join(_value_str(v) for v in self.inputs))
+        for v in self.persistables:
+            kind = "param" if v.is_parameter else "state"
+            lines.append(f"  {kind}:   {_value_str(v)}")
+        for i, op in enumerate(self.ops):
+            ins = ", ".join(v.name for v in op.inputs)
+            outs = ", ".join(_value_str(v) for v in op.outputs)
+            attrs = {k: a for k, a in op.attrs.items() if not k.startswith("_")}
+            attr_s = " {" + ", ".join(f"{k}={a}" for k, a in attrs.items()) + "}" if attrs else ""
+            lines.append(f"  #{i:<4} {op.role:<9} {op.type}({ins}) -> {outs}{attr_s}")
+            if op.dist_attr is not None:
+                lines.append(f"         {op.dist_attr}")
+        lines.append("  outputs: " + ", ".join(v.name for v in self.outputs))
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return f"<Program {len(self.ops)} ops>"
+
+
+def _value_str(v: Value) -> str:
+    s = v.type_str()
+    if v.dist_attr is not None:
+        s += f" {v.dist_attr}"
+    return s

@@ -1,0 +1,176 @@
+"""Standard layers and the GPT-2 model (nanoGPT architecture and parameter names)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from distgraph import dtypes, ops
+from distgraph.errors import DistGraphError
+from distgraph.nn.layer import Layer, LayerList
+from distgraph.parameter import Parameter
+
+
+def _uniform(shape, bound):
+    return dtypes.param_rng().uniform(-bound, bound, size=shape)
+
+
+def _normal(shape, std):
+    return dtypes.param_rng().normal(0.0, std, size=shape)
+
+
+class Linear(Layer):
+    """``y = x @ weight + bias`` with ``weight`` of shape [in_features, out_features]."""
+
+    def __init__(self, in_features, out_features, bias=True, init_std=None):
+        super().__init__()
+        bound = 1.0 / math.sqrt(in_features)
+        init = (lambda s: _normal(s, init_std)) if init_std else (lambda s: _uniform(s, bound))
+        self.weight = Parameter(init((in_features, out_features)))
+        self.bias = None
+        if bias:
+            self.bias = Parameter(np.zeros(out_features) if init_std else _uniform((out_features,), bound))
+
+    def forward(self, x):
+        y = ops.matmul(x, self.weight)
+        return y + self.bias if self.bias is not None else y
+
+
+class Embedding(Layer):
+    def __init__(self, num_embeddings, embedding_dim, init_std=1.0):
+        super().__init__()
+        self.weight = Parameter(_normal((num_embeddings, embedding_dim), init_std))
+
+    def forward(self, ids):
+        return ops.embedding(ids, self.weight)
+
+
+class LayerNorm(Layer):
+    def __init__(self, normalized_shape, epsilon=1e-5):
+        super().__init__()
+        self.epsilon = epsilon
+        self.weight = Parameter(np.ones(normalized_shape))
+        self.bias = Parameter(np.zeros(normalized_shape))
+
+    def forward(self, x):
+        return ops.layer_norm(x, None, self.weight, self.bias, self.epsilon)
+
+
+class Dropout(Layer):
+    """Seeded dropout: the mask depends on the layer's seed and the training step only."""
+
+    def __init__(self, p=0.5):
+        super().__init__()
+        if not 0.0 <= p < 1.0:
+            raise DistGraphError(f"Dropout p must be in [0, 1), got {p}")
+        self.p = p
+        self.seed = int(dtypes.param_rng().integers(2**31))
+
+    def forward(self, x):
+        return ops.dropout(x, self.p, training=self.training, seed=self.seed)
+
+
+class MLP(Layer):
+    """fc1 -> activation -> fc2 (``activation`` is "gelu" or "relu")."""
+
+    def __init__(self, d_in, d_hidden, d_out=None, activation="gelu", init_std=None, dropout=0.0):
+        super().__init__()
+        if activation not in ("gelu", "relu"):
+            raise DistGraphError(f"MLP activation must be gelu or relu, got {activation!r}")
+        self.activation = activation
+        self.fc1 = Linear(d_in, d_hidden, init_std=init_std)
+        self.fc2 = Linear(d_hidden, d_out or d_in, init_std=init_std)
+        self.drop = Dropout(dropout)
+
+    def forward(self, x):
+        h = ops.gelu(self.fc1(x)) if self.activation == "gelu" else ops.relu(self.fc1(x))
+        return self.drop(self.fc2(h))
+
+
+class MultiHeadAttention(Layer):
+    """Causal self-attention with one fused ``qkv`` projection (q | k | v, heads contiguous)."""
+
+    def __init__(self, d_model, n_head, dropout=0.0, causal=True, init_std=None):
+        super().__init__()
+        if d_model % n_head:
+            raise DistGraphError(f"d_model {d_model} is not divisible by n_head {n_head}")
+        self.n_head, self.causal = n_head, causal
+        self.qkv = Linear(d_model, 3 * d_model, init_std=init_std)
+        self.proj = Linear(d_model, d_model, init_std=init_std)
+        self.attn_drop = Dropout(dropout)
+        self.resid_drop = Dropout(dropout)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        h, hd = self.n_head, d // self.n_head
+        q, k, v = ops.split(self.qkv(x), 3, axis=-1)
+
+        def heads(z):
+            return ops.transpose(ops.reshape(z, [b, t, h, hd]), [0, 2, 1, 3])
+
+        q, k, v = heads(q), heads(k), heads(v)
+        att = ops.scale(ops.matmul(q, k, transpose_y=True), 1.0 / math.sqrt(hd))
+        if self.causal:
+            att = ops.where(ops.causal_mask(t), att, float("-inf"))
+        att = self.attn_drop(ops.softmax(att, axis=-1))
+        y = ops.reshape(ops.transpose(ops.matmul(att, v), [0, 2, 1, 3]), [b, t, d])
+        return self.resid_drop(self.proj(y))
+
+
+class TransformerBlock(Layer):
+    """Pre-norm block: x + attn(ln1(x)), then x + mlp(ln2(x))."""
+
+    def __init__(self, d_model, n_head, dropout=0.0, init_std=None):
+        super().__init__()
+        self.ln1 = LayerNorm(d_model)
+        self.attn = MultiHeadAttention(d_model, n_head, dropout, init_std=init_std)
+        self.ln2 = LayerNorm(d_model)
+        self.mlp = MLP(d_model, 4 * d_model, activation="gelu", init_std=init_std, dropout=dropout)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(Layer):
+    """GPT-2: token + position embedding, blocks, final LayerNorm, untied LM head.
+
+    Example::
+
+        model = GPT(vocab_size=128, d_model=64, n_layer=2, n_head=4, max_seq_len=32)
+        prog = dg.trace(model, dg.InputSpec([4, 32], "int64", "tokens"))
+    """
+
+    def __init__(self, vocab_size, d_model, n_layer, n_head, max_seq_len, dropout=0.0):
+        super().__init__()
+        self.max_seq_len = max_seq_len
+        self.wte = Embedding(vocab_size, d_model, init_std=0.02)
+        self.wpe = Embedding(max_seq_len, d_model, init_std=0.02)
+        self.drop = Dropout(dropout)
+        self.blocks = LayerList(TransformerBlock(d_model, n_head, dropout, init_std=0.02)
+                                for _ in range(n_layer))
+        self.ln_f = LayerNorm(d_model)
+        self.lm_head = Linear(d_model, vocab_size, bias=False, init_std=0.02)
+
+    def forward(self, idx):
+        t = idx.shape[-1]
+        if t > self.max_seq_len:
+            raise DistGraphError(f"sequence length {t} exceeds max_seq_len {self.max_seq_len}")
+        pos = ops.slice(self.wpe.weight, [0], [0], [t])
+        x = self.drop(self.wte(idx) + pos)
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+
+class CrossEntropyLoss(Layer):
+    """Mean softmax cross-entropy over all tokens; labels are int64 class ids."""
+
+    def forward(self, logits, labels):
+        return ops.cross_entropy(logits, labels)
+
+
+class MSELoss(Layer):
+    def forward(self, pred, target):
+        return ops.mse_loss(pred, target)

@@ -1,0 +1,83 @@
+"""Helpers shared by op entries: type inference, FLOP counts, gradient plumbing."""
+
+from __future__ import annotations
+
+from distgraph.errors import DistGraphError
+from distgraph.ops.registry import ShapeError, TensorType, size
+from distgraph.trace import current_builder, emit1
+
+
+def broadcast_shapes(*shapes) -> tuple:
+    rank = max(len(s) for s in shapes)
+    out = []
+    for i in range(rank):
+        dims = {s[i - rank + len(s)] for s in shapes if i - rank + len(s) >= 0}
+        dims.discard(1)
+        if len(dims) > 1:
+            raise ShapeError(f"shapes {' and '.join(str(list(s)) for s in shapes)} do not "
+                             f"broadcast (dim {i - rank})")
+        out.append(dims.pop() if dims else 1)
+    return tuple(out)
+
+
+def same_dtype(*ts: TensorType) -> str:
+    dts = {t.dtype for t in ts}
+    if len(dts) > 1:
+        raise ShapeError(f"operand dtypes differ: {', '.join(sorted(dts))}; cast one first")
+    return dts.pop()
+
+
+def broadcast_infer(*ts: TensorType) -> TensorType:
+    return TensorType(broadcast_shapes(*(t.shape for t in ts)), same_dtype(*ts))
+
+
+def normalize_axes(axis, rank: int) -> tuple:
+    if axis is None:
+        return tuple(range(rank))
+    axes = (axis,) if isinstance(axis, int) else tuple(axis)
+    out = []
+    for a in axes:
+        if not -rank <= a < max(rank, 1):
+            raise ShapeError(f"axis {a} is out of range for rank {rank}")
+        out.append(a % rank if rank else 0)
+    return tuple(sorted(set(out)))
+
+
+def elementwise_flops(per_element: int):
+    def flops(ins, outs, **attrs):
+        return per_element * size(outs[0])
+    return flops
+
+
+def reduce_to_shape(g, shape):
+    """Sum a broadcast gradient back to ``shape`` (the operand's shape)."""
+    from distgraph import ops
+    shape = tuple(shape)
+    if tuple(g.shape) == shape:
+        return g
+    lead = len(g.shape) - len(shape)
+    axes = list(range(lead))
+    axes += [lead + i for i, n in enumerate(shape) if n == 1 and g.shape[lead + i] != 1]
+    out = ops.sum(g, axis=axes, keepdim=False) if axes else g
+    if tuple(out.shape) != shape:
+        out = ops.reshape(out, list(shape))
+    return out
+
+
+def constant(value, dtype: str):
+    """A 0-d constant Value (Python scalars in arithmetic become these)."""
+    return emit1("full", [], {"shape": (), "value": float(value), "dtype": dtype})
+
+
+def as_tensor_pair(x, y):
+    """Turn a Python scalar operand into a 0-d constant of the other operand's dtype."""
+    if isinstance(x, (int, float)) and isinstance(y, (int, float)):
+        raise DistGraphError("at least one operand must be a traced tensor")
+    b = current_builder()
+    if isinstance(x, (int, float)):
+        y = b.as_value(y)
+        x = constant(x, y.dtype)
+    elif isinstance(y, (int, float)):
+        x = b.as_value(x)
+        y = constant(y, x.dtype)
+    return x, y

@@ -1,0 +1,411 @@
+"""Elementwise ops with numpy broadcasting, constants, activations, where/mask, dropout.
+
+Sharding: every entry here uses the broadcasting einsum family (``elementwise_rule``):
+S(i) x S(i) -> S(i) per letter, a stretched size-1 dim is never split.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from distgraph import dtypes
+from distgraph.ops.common import as_tensor_pair, broadcast_infer, elementwise_flops, reduce_to_shape
+from distgraph.ops.registry import ShapeError, TensorType, register_op
+from distgraph.spmd import EinsumRule, elementwise_rule
+from distgraph.trace import emit, emit1
+
+GELU_C = math.sqrt(2.0 / math.pi)
+
+
+# -- arithmetic --------------------------------------------------------------------------------
+@register_op("add", spmd=elementwise_rule())
+class Add:
+    infer = broadcast_infer
+    flops = elementwise_flops(1)
+
+    def kernel(ctx, x, y):
+        return x + y
+
+    def grad(op, dz):
+        x, y = op.inputs
+        return [reduce_to_shape(dz, x.shape), reduce_to_shape(dz, y.shape)]
+
+
+@register_op("subtract", spmd=elementwise_rule())
+class Subtract:
+    infer = broadcast_infer
+    flops = elementwise_flops(1)
+
+    def kernel(ctx, x, y):
+        return x - y
+
+    def grad(op, dz):
+        x, y = op.inputs
+        return [reduce_to_shape(dz, x.shape), reduce_to_shape(neg(dz), y.shape)]
+
+
+@register_op("multiply", spmd=elementwise_rule())
+class Multiply:
+    infer = broadcast_infer
+    flops = elementwise_flops(1)
+
+    def kernel(ctx, x, y):
+        return x * y
+
+    def grad(op, dz):
+        x, y = op.inputs
+        return [reduce_to_shape(multiply(dz, y), x.shape), reduce_to_shape(multiply(dz, x), y.shape)]
+
+
+@register_op("divide", spmd=elementwise_rule())
+class Divide:
+    infer = broadcast_infer
+    flops = elementwise_flops(1)
+
+    def kernel(ctx, x, y):
+        return x / y
+
+    def grad(op, dz):
+        x, y = op.inputs
+        z = op.outputs[0]
+        dx = divide(dz, y)
+        return [reduce_to_shape(dx, x.shape), reduce_to_shape(neg(multiply(dx, z)), y.shape)]
+
+
+@register_op("scale", spmd=elementwise_rule())
+class Scale:
+    """``x * scale + bias`` with Python-number attributes."""
+
+    flops = elementwise_flops(2)
+
+    def infer(x, scale=1.0, bias=0.0):
+        return x
+
+    def kernel(ctx, x, scale=1.0, bias=0.0):
+        out = x * x.dtype.type(scale)
+        if bias:
+            out += x.dtype.type(bias)
+        return out
+
+    def grad(op, dz):
+        return [scale_(dz, op.attrs["scale"])]
+
+
+@register_op("neg", spmd=elementwise_rule())
+class Neg:
+    flops = elementwise_flops(1)
+
+    def infer(x):
+        return x
+
+    def kernel(ctx, x):
+        return -x
+
+    def grad(op, dz):
+        return [neg(dz)]
+
+
+# -- unary math ---------------------------------------------------------------------------------
+@register_op("exp", spmd=elementwise_rule())
+class Exp:
+    flops = elementwise_flops(1)
+
+    def infer(x):
+        return x
+
+    def kernel(ctx, x):
+        return ctx.xp.exp(x)
+
+    def grad(op, dz):
+        return [multiply(dz, op.outputs[0])]
+
+
+@register_op("log", spmd=elementwise_rule())
+class Log:
+    flops = elementwise_flops(1)
+
+    def infer(x):
+        return x
+
+    def kernel(ctx, x):
+        return ctx.xp.log(x)
+
+    def grad(op, dz):
+        return [divide(dz, op.inputs[0])]
+
+
+@register_op("sqrt", spmd=elementwise_rule())
+class Sqrt:
+    flops = elementwise_flops(1)
+
+    def infer(x):
+        return x
+
+    def kernel(ctx, x):
+        return ctx.xp.sqrt(x)
+
+    def grad(op, dz):
+        return [scale_(divide(dz, op.outputs[0]), 0.5)]
+
+
+@register_op("tanh", spmd=elementwise_rule())
+class Tanh:
+    flops = elementwise_flops(1)
+
+    def infer(x):
+        return x
+
+    def kernel(ctx, x):
+        return ctx.xp.tanh(x)
+
+    def grad(op, dz):
+        return [emit1("tanh_grad", [op.outputs[0], dz])]
+
+
+@register_op("tanh_grad", spmd=elementwise_rule(), differentiable=False)
+class TanhGrad:
+    """dx = dy * (1 - y^2)."""
+
+    flops = elementwise_flops(3)
+
+    def infer(y, dy):
+        return broadcast_infer(y, dy)
+
+    def kernel(ctx, y, dy):
+        return dy * (1 - y * y)
+
+
+@register_op("relu", spmd=elementwise_rule())
+class Relu:
+    flops = elementwise_flops(1)
+
+    def infer(x):
+        return x
+
+    def kernel(ctx, x):
+        return ctx.xp.maximum(x, 0)
+
+    def grad(op, dz):
+        return [emit1("relu_grad", [op.outputs[0], dz])]
+
+
+@register_op("relu_grad", spmd=elementwise_rule(), differentiable=False)
+class ReluGrad:
+    """dx = dy where y > 0 else 0."""
+
+    flops = elementwise_flops(1)
+
+    def infer(y, dy):
+        return broadcast_infer(y, dy)
+
+    def kernel(ctx, y, dy):
+        return dy * (y > 0)
+
+
+@register_op("gelu", spmd=elementwise_rule())
+class Gelu:
+    """GELU, tanh approximation: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))."""
+
+    flops = elementwise_flops(8)
+
+    def infer(x):
+        return x
+
+    def kernel(ctx, x):
+        xp = ctx.xp
+        inner = x.dtype.type(GELU_C) * (x + x.dtype.type(0.044715) * x * x * x)
+        return x.dtype.type(0.5) * x * (1 + xp.tanh(inner))
+
+    def grad(op, dz):
+        return [emit1("gelu_grad", [op.inputs[0], dz])]
+
+
+@register_op("gelu_grad", spmd=elementwise_rule(), differentiable=False)
+class GeluGrad:
+    flops = elementwise_flops(14)
+
+    def infer(x, dy):
+        return broadcast_infer(x, dy)
+
+    def kernel(ctx, x, dy):
+        t = x.dtype.type
+        th = ctx.xp.tanh(t(GELU_C) * (x + t(0.044715) * x * x * x))
+        d_inner = t(GELU_C) * (1 + t(3 * 0.044715) * x * x)
+        return dy * (t(0.5) * (1 + th) + t(0.5) * x * (1 - th * th) * d_inner)
+
+
+@register_op("cast", spmd=elementwise_rule())
+class Cast:
+    def infer(x, dtype):
+        return TensorType(x.shape, dtypes.canonical(dtype))
+
+    def kernel(ctx, x, dtype):
+        return x.astype(dtype)
+
+    def grad(op, dz):
+        x = op.inputs[0]
+        return [cast(dz, x.dtype) if dtypes.is_float(x.dtype) else None]
+
+
+# -- constants, where, masks --------------------------------------------------------------------
+@register_op("full", spmd=EinsumRule(lambda shapes, attrs: "->" + "1" * len(attrs["shape"])),
+             differentiable=False)
+class Full:
+    """A constant tensor (replicated: its dims are never split)."""
+
+    def infer(shape, value, dtype):
+        return TensorType(tuple(shape), dtypes.canonical(dtype))
+
+    def kernel(ctx, shape, value, dtype):
+        return ctx.xp.full(shape, value, dtype=dtype)
+
+
+@register_op("where", spmd=elementwise_rule())
+class Where:
+    """``cond ? x : y`` with broadcasting; ``cond`` is bool."""
+
+    flops = elementwise_flops(1)
+
+    def infer(cond, x, y):
+        if cond.dtype != "bool":
+            raise ShapeError(f"where: condition must be bool, got {cond.dtype}")
+        t = broadcast_infer(x, y)
+        return TensorType(broadcast_infer(TensorType(cond.shape, t.dtype), t).shape, t.dtype)
+
+    def kernel(ctx, cond, x, y):
+        return ctx.xp.where(cond, x, y)
+
+    def grad(op, dz):
+        cond, x, y = op.inputs
+        zero = constant_like(dz, 0.0)
+        return [None, reduce_to_shape(where(cond, dz, zero), x.shape),
+                reduce_to_shape(where(cond, zero, dz), y.shape)]
+
+
+@register_op("causal_mask", spmd=EinsumRule("->AB"), differentiable=False)
+class CausalMask:
+    """Bool [size, size], True where query i may attend to key j (j <= i)."""
+
+    def infer(size):
+        return TensorType((size, size), "bool")
+
+    def kernel(ctx, size):
+        return ctx.xp.tril(ctx.xp.ones((size, size), dtype=bool))
+
+
+@register_op("dropout", spmd=elementwise_rule(n_out=2))
+class Dropout:
+    """Outputs (y, keep mask). The mask is drawn for the whole global tensor from
+    (seed, step) and sliced, so every partition of it sees the same numbers."""
+
+    flops = elementwise_flops(2)
+
+    def infer(x, p, seed):
+        return x, TensorType(x.shape, "bool")
+
+    def kernel(ctx, x, p, seed):
+        shape = ctx.out_global_shape or x.shape
+        rng = np.random.Generator(np.random.Philox(key=seed, counter=ctx.step))
+        keep = rng.random(shape) >= p
+        if ctx.out_slices is not None:
+            keep = keep[ctx.out_slices]
+        keep = ctx.xp.asarray(keep)
+        return x * keep * x.dtype.type(1.0 / (1.0 - p)), keep
+
+    def grad(op, dz, dmask=None):
+        return [emit1("dropout_grad", [op.outputs[1], dz], {"p": op.attrs["p"]})]
+
+
+@register_op("dropout_grad", spmd=elementwise_rule(), differentiable=False)
+class DropoutGrad:
+    flops = elementwise_flops(2)
+
+    def infer(keep, dy, p):
+        return dy
+
+    def kernel(ctx, keep, dy, p):
+        return dy * keep * dy.dtype.type(1.0 / (1.0 - p))
+
+
+# -- functional API -----------------------------------------------------------------------------
+def add(x, y):
+    return emit1("add", as_tensor_pair(x, y))
+
+
+def subtract(x, y):
+    return emit1("subtract", as_tensor_pair(x, y))
+
+
+def multiply(x, y):
+    return emit1("multiply", as_tensor_pair(x, y))
+
+
+def divide(x, y):
+    return emit1("divide", as_tensor_pair(x, y))
+
+
+def scale_(x, scale=1.0, bias=0.0):
+    return emit1("scale", [x], {"scale": float(scale), "bias": float(bias)})
+
+
+def neg(x):
+    return emit1("neg", [x])
+
+
+def exp(x):
+    return emit1("exp", [x])
+
+
+def log(x):
+    return emit1("log", [x])
+
+
+def sqrt(x):
+    return emit1("sqrt", [x])
+
+
+def tanh(x):
+    return emit1("tanh", [x])
+
+
+def relu(x):
+    return emit1("relu", [x])
+
+
+def gelu(x, approximate=True):
+    if not approximate:
+        raise ShapeError("gelu: only the tanh approximation (approximate=True) is implemented")
+    return emit1("gelu", [x])
+
+
+def cast(x, dtype):
+    return emit1("cast", [x], {"dtype": dtypes.canonical(dtype)})
+
+
+def full(shape, value, dtype=None):
+    return emit1("full", [], {"shape": tuple(shape), "value": float(value),
+                              "dtype": dtypes.canonical(dtype or dtypes.get_default_dtype())})
+
+
+def constant_like(x, value):
+    return full((), value, x.dtype)
+
+
+def where(cond, x, y):
+    x, y = as_tensor_pair(x, y)
+    return emit1("where", [cond, x, y])
+
+
+def causal_mask(size):
+    return emit1("causal_mask", [], {"size": int(size)})
+
+
+def dropout(x, p=0.5, training=True, seed=0):
+    """Zero each element with probability ``p`` and scale the rest by 1/(1-p)."""
+    if not 0.0 <= p < 1.0:
+        raise ShapeError(f"dropout: p must be in [0, 1), got {p}")
+    if not training or p == 0.0:
+        return x
+    return emit("dropout", [x], {"p": float(p), "seed": int(seed)})[0]

@@ -1,0 +1,315 @@
+"""Neural-network ops: softmax, log_softmax, layer_norm, embedding, softmax cross-entropy.
+
+Sharding (hand-written notations; UPPERCASE = never split):
+- softmax/log_softmax over ``axis``: ``"abC->abC"``.
+- layer_norm over the last dim: ``"abC,C,C->abC,ab,ab"``; its grad reduces the batch
+  letters into dweight/dbias, so those come out Partial where the batch is split.
+- embedding: ``"ab,vh->abh"``: a split vocabulary ``v`` gives a Partial output
+  (vocabulary-parallel embedding); its grad ``"ab,abh->vh"`` is Partial over the batch.
+- softmax_cross_entropy: ``"abC,ab->ab"``.
+"""
+
+from __future__ import annotations
+
+from distgraph import dtypes
+from distgraph.ops.common import elementwise_flops, normalize_axes
+from distgraph.ops.registry import ShapeError, TensorType, register_op, size
+from distgraph.spmd import LETTERS, EinsumRule, axis_rule
+from distgraph.trace import emit, emit1
+
+
+def _check_float(x, op):
+    if not dtypes.is_float(x.dtype):
+        raise ShapeError(f"{op} needs a floating tensor, got {x.dtype}")
+
+
+@register_op("softmax", spmd=axis_rule())
+class Softmax:
+    flops = elementwise_flops(5)
+
+    def infer(x, axis=-1):
+        _check_float(x, "softmax")
+        return x
+
+    def kernel(ctx, x, axis=-1):
+        xp = ctx.xp
+        e = xp.exp(x - xp.max(x, axis=axis, keepdims=True))
+        e /= xp.sum(e, axis=axis, keepdims=True)
+        return e
+
+    def grad(op, dz):
+        return [emit1("softmax_grad", [op.outputs[0], dz], {"axis": op.attrs["axis"]})]
+
+
+@register_op("softmax_grad", spmd=axis_rule(n_in=2), differentiable=False)
+class SoftmaxGrad:
+    """dx = y * (dy - sum(dy * y, axis))."""
+
+    flops = elementwise_flops(4)
+
+    def infer(y, dy, axis=-1):
+        return y
+
+    def kernel(ctx, y, dy, axis=-1):
+        return y * (dy - ctx.xp.sum(dy * y, axis=axis, keepdims=True))
+
+
+@register_op("log_softmax", spmd=axis_rule())
+class LogSoftmax:
+    flops = elementwise_flops(5)
+
+    def infer(x, axis=-1):
+        _check_float(x, "log_softmax")
+        return x
+
+    def kernel(ctx, x, axis=-1):
+        xp = ctx.xp
+        shifted = x - xp.max(x, axis=axis, keepdims=True)
+        return shifted - xp.log(xp.sum(xp.exp(shifted), axis=axis, keepdims=True))
+
+    def grad(op, dz):
+        return [emit1("log_softmax_grad", [op.outputs[0], dz], {"axis": op.attrs["axis"]})]
+
+
+@register_op("log_softmax_grad", spmd=axis_rule(n_in=2), differentiable=False)
+class LogSoftmaxGrad:
+    """dx = dy - exp(y) * sum(dy, axis)."""
+
+    flops = elementwise_flops(4)
+
+    def infer(y, dy, axis=-1):
+        return y
+
+    def kernel(ctx, y, dy, axis=-1):
+        xp = ctx.xp
+        return dy - xp.exp(y) * xp.sum(dy, axis=axis, keepdims=True)
+
+
+# -- layer norm ---------------------------------------------------------------------------------
+def _ln_notation(in_shapes, attrs):
+    rank = len(in_shapes[0])
+    batch = LETTERS[:rank - 1]
+    return f"{batch}C,C,C->{batch}C,{batch},{batch}"
+
+
+def _ln_grad_notation(in_shapes, attrs):
+    rank = len(in_shapes[0])
+    batch = LETTERS[:rank - 1]
+    return f"{batch}C,C,{batch},{batch},{batch}C->{batch}C,C,C"
+
+
+@register_op("layer_norm", spmd=EinsumRule(_ln_notation))
+class LayerNorm:
+    """Normalise over the last dim; outputs (y, mean, rstd) — the latter two for the grad."""
+
+    flops = elementwise_flops(8)
+
+    def infer(x, w, b, epsilon=1e-5):
+        _check_float(x, "layer_norm")
+        h = x.shape[-1]
+        if tuple(w.shape) != (h,) or tuple(b.shape) != (h,):
+            raise ShapeError(f"weight {list(w.shape)} and bias {list(b.shape)} must both be [{h}]")
+        stat = TensorType(x.shape[:-1], x.dtype)
+        return x, stat, stat
+
+    def kernel(ctx, x, w, b, epsilon=1e-5):
+        xp = ctx.xp
+        mean = xp.mean(x, axis=-1)
+        xc = x - mean[..., None]
+        rstd = 1.0 / xp.sqrt(xp.mean(xc * xc, axis=-1) + x.dtype.type(epsilon))
+        return xc * rstd[..., None] * w + b, mean, rstd.astype(x.dtype)
+
+    def grad(op, dy, dmean=None, drstd=None):
+        x, w, _ = op.inputs
+        _, mean, rstd = op.outputs
+        return emit("layer_norm_grad", [x, w, mean, rstd, dy])
+
+
+@register_op("layer_norm_grad", spmd=EinsumRule(_ln_grad_notation), differentiable=False)
+class LayerNormGrad:
+    flops = elementwise_flops(10)
+
+    def infer(x, w, mean, rstd, dy):
+        return x, w, w
+
+    def kernel(ctx, x, w, mean, rstd, dy):
+        xp = ctx.xp
+        batch_axes = tuple(range(x.ndim - 1))
+        xhat = (x - mean[..., None]) * rstd[..., None]
+        dw = xp.sum(dy * xhat, axis=batch_axes)
+        db = xp.sum(dy, axis=batch_axes)
+        g = dy * w
+        h = x.shape[-1]
+        dx = rstd[..., None] / h * (h * g - xp.sum(g, axis=-1, keepdims=True)
+                                    - xhat * xp.sum(g * xhat, axis=-1, keepdims=True))
+        return dx, dw, db
+
+
+# -- embedding ----------------------------------------------------------------------------------
+def _emb_notation(in_shapes, attrs):
+    batch = LETTERS[:len(in_shapes[0])]
+    return f"{batch},vh->{batch}h"
+
+
+def _emb_grad_notation(in_shapes, attrs):
+    batch = LETTERS[:len(in_shapes[0])]
+    return f"{batch},{batch}h->vh"
+
+
+@register_op("embedding", spmd=EinsumRule(_emb_notation))
+class Embedding:
+    """out[..., :] = table[ids[...], :]; ``vocab_start`` lets a vocabulary shard look up
+    only the ids it owns (others give zeros), which is how the split form works."""
+
+    def infer(ids, table, vocab_start=None):
+        if ids.dtype not in dtypes.INT_DTYPES:
+            raise ShapeError(f"embedding ids must be integers, got {ids.dtype}")
+        if len(table.shape) != 2:
+            raise ShapeError(f"embedding table must be 2-D [vocab, dim], got {list(table.shape)}")
+        return TensorType(tuple(ids.shape) + (table.shape[1],), table.dtype)
+
+    def kernel(ctx, ids, table, vocab_start=None):
+        if vocab_start is None:
+            return table[ids]
+        local = ids - vocab_start
+        inside = (local >= 0) & (local < table.shape[0])
+        out = table[ctx.xp.where(inside, local, 0)]
+        out *= inside[..., None]
+        return out
+
+    def grad(op, dz):
+        ids, table = op.inputs
+        return [None, emit1("embedding_grad", [ids, dz],
+                            {"vocab_size": table.shape[0],
+                             "vocab_start": op.attrs.get("vocab_start")})]
+
+
+@register_op("embedding_grad", spmd=EinsumRule(_emb_grad_notation), differentiable=False)
+class EmbeddingGrad:
+    def infer(ids, dy, vocab_size, vocab_start=None):
+        return TensorType((vocab_size, dy.shape[-1]), dy.dtype)
+
+    def kernel(ctx, ids, dy, vocab_size, vocab_start=None):
+        xp = ctx.xp
+        flat = ids.reshape(-1) - (vocab_start or 0)
+        rows = dy.reshape(-1, dy.shape[-1])
+        inside = (flat >= 0) & (flat < vocab_size)
+        out = xp.zeros((vocab_size, dy.shape[-1]), dtype=dy.dtype)
+        xp.add.at(out, flat[inside], rows[inside])
+        return out
+
+
+# -- softmax cross-entropy ----------------------------------------------------------------------
+def _sce_notation(in_shapes, attrs):
+    batch = LETTERS[:len(in_shapes[1])]
+    return f"{batch}C,{batch}->{batch}"
+
+
+def _sce_grad_notation(in_shapes, attrs):
+    batch = LETTERS[:len(in_shapes[1])]
+    return f"{batch}C,{batch},{batch}->{batch}C"
+
+
+@register_op("softmax_cross_entropy", spmd=EinsumRule(_sce_notation))
+class SoftmaxCrossEntropy:
+    """Per-sample loss ``logsumexp(logits) - logits[label]`` over the last (class) dim."""
+
+    flops = elementwise_flops(6)
+
+    def infer(logits, labels):
+        _check_float(logits, "softmax_cross_entropy")
+        if labels.dtype not in dtypes.INT_DTYPES:
+            raise ShapeError(f"labels must be integers, got {labels.dtype}")
+        if tuple(labels.shape) != tuple(logits.shape[:-1]):
+            raise ShapeError(f"labels {list(labels.shape)} must match logits "
+                             f"{list(logits.shape)} without the class dim")
+        return TensorType(labels.shape, logits.dtype)
+
+    def kernel(ctx, logits, labels):
+        xp = ctx.xp
+        m = xp.max(logits, axis=-1, keepdims=True)
+        lse = xp.log(xp.sum(xp.exp(logits - m), axis=-1)) + m[..., 0]
+        picked = xp.take_along_axis(logits, labels[..., None], axis=-1)[..., 0]
+        return lse - picked
+
+    def grad(op, dz):
+        logits, labels = op.inputs
+        return [emit1("softmax_cross_entropy_grad", [logits, labels, dz]), None]
+
+
+@register_op("softmax_cross_entropy_grad", spmd=EinsumRule(_sce_grad_notation),
+             differentiable=False)
+class SoftmaxCrossEntropyGrad:
+    """dlogits = (softmax(logits) - onehot(label)) * dloss."""
+
+    flops = elementwise_flops(6)
+
+    def infer(logits, labels, dloss):
+        return logits
+
+    def kernel(ctx, logits, labels, dloss):
+        xp = ctx.xp
+        p = xp.exp(logits - xp.max(logits, axis=-1, keepdims=True))
+        p /= xp.sum(p, axis=-1, keepdims=True)
+        xp.put_along_axis(p, labels[..., None],
+                          xp.take_along_axis(p, labels[..., None], axis=-1) - 1, axis=-1)
+        p *= dloss[..., None]
+        return p
+
+
+# -- functional API -----------------------------------------------------------------------------
+def softmax(x, axis=-1):
+    return emit1("softmax", [x], {"axis": normalize_axes(axis, len(x.shape))[0]})
+
+
+def log_softmax(x, axis=-1):
+    return emit1("log_softmax", [x], {"axis": normalize_axes(axis, len(x.shape))[0]})
+
+
+def layer_norm(x, normalized_shape=None, weight=None, bias=None, epsilon=1e-5):
+    """Paddle's layer_norm; distgraph normalises over the last dim with weight and bias."""
+    h = x.shape[-1]
+    if normalized_shape is not None:
+        ns = [normalized_shape] if isinstance(normalized_shape, int) else list(normalized_shape)
+        if ns != [h]:
+            raise ShapeError(f"layer_norm normalises over the last dim only; got "
+                             f"normalized_shape={ns} for input {list(x.shape)}")
+    if weight is None or bias is None:
+        raise ShapeError("layer_norm needs weight and bias (use nn.LayerNorm to create them)")
+    return emit("layer_norm", [x, weight, bias], {"epsilon": float(epsilon)})[0]
+
+
+def embedding(x, weight):
+    return emit1("embedding", [x, weight])
+
+
+def softmax_cross_entropy(logits, labels):
+    return emit1("softmax_cross_entropy", [logits, labels])
+
+
+def cross_entropy(input, label, reduction="mean"):  # noqa: A002  (Paddle's names)
+    """Softmax cross-entropy with integer labels; ``reduction`` is mean, sum or none."""
+    from distgraph.ops.reduce import mean, sum
+    loss = softmax_cross_entropy(input, label)
+    if reduction == "mean":
+        return mean(loss)
+    if reduction == "sum":
+        return sum(loss)
+    if reduction == "none":
+        return loss
+    raise ShapeError(f"cross_entropy: reduction must be mean, sum or none, got {reduction!r}")
+
+
+def mse_loss(input, label, reduction="mean"):  # noqa: A002
+    """Mean squared error, composed from subtract, multiply and mean."""
+    from distgraph.ops.elementwise import multiply, subtract
+    from distgraph.ops.reduce import mean, sum
+    d = subtract(input, label)
+    sq = multiply(d, d)
+    if reduction == "mean":
+        return mean(sq)
+    if reduction == "sum":
+        return sum(sq)
+    if reduction == "none":
+        return sq
+    raise ShapeError(f"mse_loss: reduction must be mean, sum or none, got {reduction!r}")

@@ -1,0 +1,92 @@
+"""Optimizer update ops. They write into their operands (``inplace``), as a hand-written
+training loop would, so a step needs no second copy of parameters or moments.
+
+Sharding: elementwise over the parameter's dims; the 0-d step counter is replicated.
+S(i) x S(i) x S(i) x S(i) -> S(i) x S(i) x S(i).
+"""
+
+from __future__ import annotations
+
+import math
+
+from distgraph.ops.common import elementwise_flops
+from distgraph.ops.registry import ShapeError, TensorType, register_op
+from distgraph.spmd import EinsumRule, LETTERS
+
+
+def _same_shapes(*ts):
+    if len({tuple(t.shape) for t in ts}) != 1:
+        raise ShapeError(f"update operands must share a shape, got {[list(t.shape) for t in ts]}")
+
+
+def _update_notation(n_tensor_in, n_out, scalar_in=0):
+    def notation(in_shapes, attrs):
+        word = LETTERS[:len(in_shapes[0])]
+        ins = [word] * n_tensor_in + [""] * scalar_in
+        return ",".join(ins) + "->" + ",".join([word] * n_out)
+    notation.__name__ = f"update{n_tensor_in}x{n_out}"
+    return notation
+
+
+@register_op("increment", spmd=EinsumRule("->"), inplace=((0, 0),), differentiable=False)
+class Increment:
+    """step += 1 on a 0-d counter."""
+
+    def infer(step):
+        return step
+
+    def kernel(ctx, step):
+        step += 1
+        return step
+
+
+@register_op("sgd_update", spmd=EinsumRule(_update_notation(3, 2)), inplace=((0, 0), (1, 2)),
+             differentiable=False)
+class SgdUpdate:
+    """velocity = momentum * velocity + grad; param -= lr * velocity (PyTorch's form)."""
+
+    flops = elementwise_flops(4)
+
+    def infer(param, grad, velocity, lr, momentum):
+        _same_shapes(param, grad, velocity)
+        return param, velocity
+
+    def kernel(ctx, param, grad, velocity, lr, momentum):
+        t = param.dtype.type
+        velocity *= t(momentum)
+        velocity += grad
+        param -= t(lr) * velocity
+        return param, velocity
+
+
+@register_op("adam_update", spmd=EinsumRule(_update_notation(4, 3, scalar_in=1)),
+             inplace=((0, 0), (1, 2), (2, 3)), differentiable=False)
+class AdamUpdate:
+    """Adam / AdamW (decoupled ``weight_decay``), PyTorch's formulation:
+    m = b1 m + (1-b1) g; v = b2 v + (1-b2) g^2;
+    p -= lr * (m / (1-b1^t)) / (sqrt(v / (1-b2^t)) + eps), after p *= 1 - lr * wd."""
+
+    flops = elementwise_flops(12)
+
+    def infer(param, grad, m, v, step, lr, beta1, beta2, epsilon, weight_decay):
+        _same_shapes(param, grad, m, v)
+        if step.shape != ():
+            raise ShapeError("adam step counter must be 0-d")
+        return param, m, v
+
+    def kernel(ctx, param, grad, m, v, step, lr, beta1, beta2, epsilon, weight_decay):
+        t = param.dtype.type
+        n = float(step)
+        if weight_decay:
+            param *= t(1.0 - lr * weight_decay)
+        m *= t(beta1)
+        m += t(1.0 - beta1) * grad
+        v *= t(beta2)
+        v += t(1.0 - beta2) * (grad * grad)
+        denom = ctx.xp.sqrt(v)
+        denom *= t(1.0 / math.sqrt(1.0 - beta2 ** n))
+        denom += t(epsilon)
+        update = m / denom
+        update *= t(lr / (1.0 - beta1 ** n))
+        param -= update
+        return param, m, v

@@ -1,0 +1,117 @@
+"""The op registry: one entry per op type holds everything distgraph knows about it.
+
+An entry is written as a class and registered by a one-line decorator::
+
+    @register_op("relu", spmd=elementwise_rule())
+    class Relu:
+        def infer(x):                 # TensorTypes in -> TensorType(s) out
+            return x
+        def kernel(ctx, x):           # arrays in (ctx.xp is numpy or cupy) -> array(s)
+            return ctx.xp.maximum(x, 0)
+        def grad(op, dy):             # traced: returns one gradient Value (or None) per input
+            return [relu_grad(op.inputs[0], dy)]
+        def flops(ins, outs, **attrs):
+            return size(outs[0])
+
+``spmd`` (the sharding rule) is required: an op without one cannot be registered.
+``grad`` may be omitted only with ``differentiable=False``.
+``inplace`` lists (output index, input index) pairs whose kernel writes into the input.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, NamedTuple
+
+from distgraph.errors import DistGraphError
+
+
+class TensorType(NamedTuple):
+    shape: tuple
+    dtype: str
+
+    def __str__(self) -> str:
+        return f"[{', '.join(map(str, self.shape))}]:{self.dtype}"
+
+
+class ShapeError(DistGraphError):
+    """Raised by an op's ``infer``; the tracer adds the op, the layer path and all shapes."""
+
+
+@dataclass(frozen=True)
+class OpDef:
+    type: str
+    infer: Callable
+    kernel: Callable
+    grad: Callable | None
+    spmd: Any
+    flops: Callable
+    inplace: tuple = ()
+    differentiable: bool = True
+
+
+_REGISTRY: dict[str, OpDef] = {}
+
+
+def register_op(op_type: str, *, spmd, inplace=(), differentiable=True):
+    """Class decorator that validates and registers one op entry."""
+
+    def wrap(cls):
+        if op_type in _REGISTRY:
+            raise DistGraphError(f"op {op_type!r} is registered twice")
+        if spmd is None:
+            raise DistGraphError(f"op {op_type!r} has no sharding (spmd) rule; every op needs one")
+        members = vars(cls)
+        for needed in ("infer", "kernel"):
+            if needed not in members:
+                raise DistGraphError(f"op {op_type!r} defines no {needed}()")
+        grad = members.get("grad")
+        if differentiable and grad is None:
+            raise DistGraphError(f"op {op_type!r} defines no grad(); pass differentiable=False "
+                                 "if it has no gradient")
+        flops = members.get("flops", _zero_flops)
+        _REGISTRY[op_type] = OpDef(op_type, members["infer"], members["kernel"], grad, spmd,
+                                   flops, tuple(inplace), differentiable)
+        return cls
+
+    return wrap
+
+
+def _zero_flops(ins, outs, **attrs) -> int:
+    return 0
+
+
+def get_op(op_type: str) -> OpDef:
+    try:
+        return _REGISTRY[op_type]
+    except KeyError:
+        raise DistGraphError(f"unknown op type {op_type!r}") from None
+
+
+def registered_ops() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def spmd_rule(op_type: str):
+    """The sharding rule of an op: ``spmd_rule("matmul").infer_forward(...)``."""
+    return get_op(op_type).spmd
+
+
+def size(t: TensorType) -> int:
+    n = 1
+    for d in t.shape:
+        n *= d
+    return n
+
+
+@dataclass
+class KernelContext:
+    """What a kernel may know beyond its operands: the array namespace (numpy or cupy),
+    the training step (seeds random ops), and, for a shard of a distributed tensor, the
+    global shape and the slices this process holds of the op's first output (so random
+    ops draw the same global numbers whatever the partition)."""
+
+    xp: Any
+    step: int = 0
+    out_global_shape: tuple | None = None
+    out_slices: tuple | None = None

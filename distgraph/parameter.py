@@ -1,0 +1,48 @@
+"""Parameters: named, persistent arrays owned by Layers; they become Values when traced."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from distgraph import dtypes
+from distgraph.errors import DistGraphError
+from distgraph.ir import TensorOps
+
+
+class Parameter(TensorOps):
+    """A trainable array. ``annotation`` holds a ``shard_tensor`` choice (a DistAttr).
+
+    Example::
+
+        w = Parameter(np.zeros((4, 8)))
+        w.set_value(np.ones((4, 8)))
+        w.numpy().sum()  # 32.0
+    """
+
+    def __init__(self, data, dtype: str | None = None, trainable: bool = True):
+        dtype = dtypes.canonical(dtype or dtypes.get_default_dtype())
+        self._data = np.ascontiguousarray(np.asarray(data, dtype=dtype))
+        self.trainable = trainable
+        self.annotation = None
+
+    @property
+    def shape(self) -> tuple:
+        return tuple(self._data.shape)
+
+    @property
+    def dtype(self) -> str:
+        return self._data.dtype.name
+
+    def numpy(self) -> np.ndarray:
+        """A copy of the current value."""
+        return self._data.copy()
+
+    def set_value(self, value) -> None:
+        value = np.asarray(value)
+        if tuple(value.shape) != self.shape:
+            raise DistGraphError(f"set_value: shape {list(value.shape)} does not match the "
+                                 f"parameter's shape {list(self.shape)}")
+        self._data = np.ascontiguousarray(value.astype(self.dtype, copy=True))
+
+    def __repr__(self) -> str:
+        return f"Parameter(shape={list(self.shape)}, dtype={self.dtype})"

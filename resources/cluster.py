@@ -1,0 +1,562 @@
+"""The unified resource graph: devices, links, machines, device meshes and the cluster.
+
+A :class:`Cluster` holds :class:`Machine` s; a machine holds compute :class:`Device` s
+(CPU, GPU, XPU, ...), optional network interfaces (devices of type ``NIC``) and the
+:class:`Link` s inside it. Links between machines (usually NIC to NIC, or NIC to a
+:class:`Switch`) live on the cluster. Underneath is an undirected networkx graph whose
+nodes are global ids and whose edges carry bandwidth (GB/s, 10^9 bytes/s) and latency (µs).
+
+The *best path* between two nodes maximises the bottleneck bandwidth; among paths with
+that bottleneck it minimises the summed latency. ``cluster.bandwidth(a, b)`` is that
+bottleneck and ``cluster.latency(a, b)`` that latency (see :mod:`.paths`).
+
+A :class:`DeviceMesh` is a homogeneous group (same type and model) of compute devices with
+a shape; a cluster holds one or more (inferred from the machines when not given).
+
+Example::
+
+    >>> from distgraph.resources.cluster import Cluster
+    >>> c = Cluster.local(4)
+    >>> c.device_meshes[0].shape, c.device_meshes[0].device_ids
+    ((4,), [0, 1, 2, 3])
+    >>> c.bandwidth(0, 3), c.latency(0, 3)
+    (10.0, 1.0)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Mapping
+
+import networkx as nx
+import numpy as np
+
+from distgraph.errors import PlanError, ResourceFileError
+from distgraph.resources.paths import best_paths
+
+COMPUTE_TYPES = ("CPU", "GPU", "XPU", "NPU", "DCU", "MLU", "IPU", "TPU")
+NETWORK_TYPES = ("NIC",)
+DEVICE_TYPES = COMPUTE_TYPES + NETWORK_TYPES
+
+# Defaults of Cluster.local: rough figures for one CPU rank, not measurements
+# (`distgraph cluster calibrate` measures them). Shared-memory MPI moves a few GB/s
+# at about a microsecond of latency.
+LOCAL_MODEL = "cpu"
+LOCAL_GFLOPS = {"float32": 50.0, "float64": 25.0}
+LOCAL_MEMORY_GB = 4.0
+LOCAL_BANDWIDTH_GBPS = 10.0
+LOCAL_LATENCY_US = 1.0
+
+
+class FrozenMap(dict):
+    """A read-only, hashable dict (GFLOP/s per dtype, calibration figures)."""
+
+    def __hash__(self):
+        return hash(tuple(sorted(self.items())))
+
+    def _read_only(self, *args, **kwargs):
+        raise TypeError(f"{type(self).__name__} is read-only; build a new one instead")
+
+    __setitem__ = __delitem__ = clear = pop = popitem = setdefault = update = _read_only
+    __ior__ = _read_only
+
+    def __reduce__(self):
+        return (type(self), (dict(self),))
+
+
+class InvalidCluster(ResourceFileError):
+    """A structural problem found while building a Cluster; ``key`` is the schema key path.
+
+    The file loader catches it and adds the file name and line.
+    """
+
+    def __init__(self, key: str, problem: str):
+        super().__init__(f"{key}: {problem}")
+        self.key = key
+        self.problem = problem
+
+
+def _set(obj, name, value):
+    # Frozen dataclasses normalise their own fields once, in __post_init__.
+    object.__setattr__(obj, name, value)
+
+
+@dataclass(frozen=True)
+class Device:
+    """One device. ``gflops`` maps a dtype name to GFLOP/s; ``memory`` is in GB.
+
+    Example: ``Device(0, 0, 0, "GPU", "A100-SXM4-40GB", {"float32": 19500}, 40)``.
+    """
+
+    global_id: int
+    local_id: int
+    machine_id: int
+    type: str
+    model: str = ""
+    gflops: Mapping[str, float] = field(default_factory=FrozenMap)
+    memory: float = 0.0
+
+    def __post_init__(self):
+        if self.type not in DEVICE_TYPES:
+            raise InvalidCluster(f"device {self.global_id}.type",
+                                 f"unknown device type {self.type!r}; expected one of "
+                                 f"{', '.join(DEVICE_TYPES)}")
+        _set(self, "gflops", FrozenMap({str(k): float(v) for k, v in self.gflops.items()}))
+        _set(self, "memory", float(self.memory))
+
+    @property
+    def is_compute(self) -> bool:
+        return self.type in COMPUTE_TYPES
+
+    def flops(self, dtype: str = "float32") -> float:
+        """FLOP/s for ``dtype`` (0.0 when the device does not list it)."""
+        return self.gflops.get(dtype, 0.0) * 1e9
+
+    def __str__(self):
+        return f"{self.type}{self.global_id}"
+
+
+@dataclass(frozen=True)
+class Link:
+    """An undirected link; endpoints are stored with ``source < target``.
+
+    ``bandwidth`` in GB/s (> 0), ``latency`` in µs (>= 0), ``type`` a free label such as
+    ``NVL``, ``PCIe``, ``NET`` or ``SHM``.
+    """
+
+    source: int
+    target: int
+    bandwidth: float
+    latency: float
+    type: str = ""
+
+    def __post_init__(self):
+        if self.source == self.target:
+            raise InvalidCluster(f"link {self.source}-{self.target}",
+                                 "a link needs two different endpoints")
+        if not (self.bandwidth > 0 and math.isfinite(self.bandwidth)):
+            raise InvalidCluster(f"link {self.source}-{self.target}.bandwidth",
+                                 f"got {self.bandwidth}; expected a finite number of GB/s > 0")
+        if not (self.latency >= 0 and math.isfinite(self.latency)):
+            raise InvalidCluster(f"link {self.source}-{self.target}.latency",
+                                 f"got {self.latency}; expected a finite number of µs >= 0")
+        if self.source > self.target:
+            a, b = self.target, self.source
+            _set(self, "source", a)
+            _set(self, "target", b)
+        _set(self, "bandwidth", float(self.bandwidth))
+        _set(self, "latency", float(self.latency))
+
+    @property
+    def endpoints(self) -> tuple[int, int]:
+        return (self.source, self.target)
+
+
+@dataclass(frozen=True)
+class Switch:
+    """A network switch between machines: routes traffic, hosts no process."""
+
+    global_id: int
+    name: str = ""
+
+
+@dataclass(frozen=True)
+class Machine:
+    """A host: compute ``devices``, network interfaces ``nics`` and the ``links`` among them."""
+
+    id: int
+    hostname: str
+    devices: tuple[Device, ...]
+    links: tuple[Link, ...] = ()
+    nics: tuple[Device, ...] = ()
+    addr: str = ""
+    port: int | None = None
+
+    def __post_init__(self):
+        _set(self, "devices", tuple(self.devices))
+        _set(self, "links", tuple(self.links))
+        _set(self, "nics", tuple(self.nics))
+
+    @property
+    def node_ids(self) -> list[int]:
+        return [d.global_id for d in self.devices + self.nics]
+
+
+@dataclass(frozen=True)
+class DeviceMesh:
+    """A homogeneous group of compute devices arranged in ``shape`` (row-major ``ids``).
+
+    ``dim_bandwidths[k]`` / ``dim_latencies[k]`` describe the worst pair of devices that
+    differ only in coordinate ``k`` (GB/s and µs); the owning Cluster fills them in.
+
+    Example: ``DeviceMesh("gpu", (2, 8), tuple(range(16)))``.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    ids: tuple[int, ...]
+    device_type: str = field(default="", compare=False)
+    model: str = field(default="", compare=False)
+    dim_bandwidths: tuple[float, ...] = field(default=(), compare=False)
+    dim_latencies: tuple[float, ...] = field(default=(), compare=False)
+
+    def __post_init__(self):
+        _set(self, "shape", tuple(int(s) for s in self.shape))
+        _set(self, "ids", tuple(int(i) for i in self.ids))
+
+    @property
+    def device_ids(self) -> list[int]:
+        """Device global ids, flat, in row-major order (a list, like ProcessMesh.process_ids)."""
+        return list(self.ids)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return len(self.ids)
+
+    def __str__(self):
+        dims = ", ".join(f"{bw:g} GB/s {lat:g} us" for bw, lat in
+                         zip(self.dim_bandwidths, self.dim_latencies))
+        return (f"DeviceMesh {self.name}: {self.device_type} {self.model} shape "
+                f"{self.shape} [{dims}]")
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """Machines, links between them, switches and device meshes.
+
+    ``device_meshes=None`` infers one mesh per (type, model): shape ``(machines,
+    devices per machine)`` when every machine holding them has the same count, else
+    ``(count,)``. Construction validates ids, link endpoints, meshes and connectivity and
+    raises :class:`InvalidCluster` (a ResourceFileError) naming the key at fault.
+    """
+
+    machines: tuple[Machine, ...]
+    links: tuple[Link, ...] = ()
+    switches: tuple[Switch, ...] = ()
+    device_meshes: tuple[DeviceMesh, ...] | None = None
+    name: str = ""
+    calibration: Mapping[str, float] = field(default_factory=FrozenMap)
+
+    def __post_init__(self):
+        _set(self, "machines", tuple(self.machines))
+        _set(self, "links", tuple(self.links))
+        _set(self, "switches", tuple(self.switches))
+        _set(self, "calibration", FrozenMap(self.calibration))
+        self._check_nodes()
+        self._check_links()
+        meshes = self._infer_meshes() if self.device_meshes is None else tuple(self.device_meshes)
+        _set(self, "device_meshes", tuple(self._complete_mesh(k, m) for k, m in enumerate(meshes)))
+        self._check_meshes()
+
+    # ---- construction checks -------------------------------------------------------
+    def _check_nodes(self):
+        if not self.machines:
+            raise InvalidCluster("machines", "a cluster needs at least one machine")
+        seen: dict[int, str] = {}
+        machine_ids: set[int] = set()
+        for i, m in enumerate(self.machines):
+            if m.id in machine_ids:
+                raise InvalidCluster(f"machines[{i}].id", f"machine id {m.id} is used twice")
+            machine_ids.add(m.id)
+            for kind, group in (("devices", m.devices), ("nics", m.nics)):
+                for j, d in enumerate(group):
+                    key = f"machines[{i}].{kind}[{j}]"
+                    if d.machine_id != m.id:
+                        raise InvalidCluster(f"{key}.machine_id", f"device {d.global_id} says "
+                                             f"machine {d.machine_id} but sits in machine {m.id}")
+                    if d.is_compute != (kind == "devices"):
+                        raise InvalidCluster(f"{key}.type", f"a {d.type} belongs in "
+                                             f"{'devices' if d.is_compute else 'nics'}")
+                    if d.global_id in seen:
+                        raise InvalidCluster(f"{key}.global_id", f"global id {d.global_id} is "
+                                             f"already used by {seen[d.global_id]}")
+                    seen[d.global_id] = key
+        for k, s in enumerate(self.switches):
+            if s.global_id in seen:
+                raise InvalidCluster(f"switches[{k}].global_id", f"global id {s.global_id} is "
+                                     f"already used by {seen[s.global_id]}")
+            seen[s.global_id] = f"switches[{k}]"
+        if not any(m.devices for m in self.machines):
+            raise InvalidCluster("machines", "the cluster has no compute device")
+
+    def _check_links(self):
+        owner = {nid: m.id for m in self.machines for nid in m.node_ids}
+        switch_ids = {s.global_id for s in self.switches}
+        pairs: set[tuple[int, int]] = set()
+        groups = [(f"machines[{i}].links", m.links, m.id) for i, m in enumerate(self.machines)]
+        for where, links, machine in groups + [("links", self.links, None)]:
+            for j, ln in enumerate(links):
+                key = f"{where}[{j}]"
+                for end in ln.endpoints:
+                    if end not in owner and (machine is not None or end not in switch_ids):
+                        raise InvalidCluster(key, f"endpoint {end} is not a device, NIC"
+                                             f"{'' if machine is not None else ' or switch'}"
+                                             f"{' of this machine' if machine is not None else ''}")
+                    if machine is not None and owner[end] != machine:
+                        raise InvalidCluster(key, f"endpoint {end} belongs to machine "
+                                             f"{owner[end]}; list links between machines "
+                                             "under the top-level 'links'")
+                if machine is None and ln.source in owner and ln.target in owner \
+                        and owner[ln.source] == owner[ln.target]:
+                    raise InvalidCluster(key, f"both endpoints are in machine "
+                                         f"{owner[ln.source]}; list it under that machine's links")
+                if ln.endpoints in pairs:
+                    raise InvalidCluster(key, f"link {ln.source}-{ln.target} is given twice")
+                pairs.add(ln.endpoints)
+        graph = self.graph
+        compute = [d.global_id for d in self.devices]
+        reach = nx.node_connected_component(graph, compute[0])
+        lost = [g for g in compute if g not in reach]
+        if lost:
+            raise InvalidCluster("links", f"devices {_ranges(lost)} cannot reach device "
+                                 f"{compute[0]}; add links (e.g. between the machines' NICs)")
+
+    def _infer_meshes(self) -> tuple[DeviceMesh, ...]:
+        groups: dict[tuple[str, str], list[Device]] = {}
+        for d in self.devices:
+            groups.setdefault((d.type, d.model), []).append(d)
+        names: dict[str, int] = {}
+        meshes = []
+        for (dtype, _model), devs in groups.items():
+            per_machine: dict[int, list[Device]] = {}
+            for d in devs:
+                per_machine.setdefault(d.machine_id, []).append(d)
+            counts = {len(v) for v in per_machine.values()}
+            ordered = [d for m in self.machines for d in
+                       sorted(per_machine.get(m.id, []), key=lambda d: (d.local_id, d.global_id))]
+            if len(per_machine) > 1 and counts != {1} and len(counts) == 1:
+                shape = (len(per_machine), counts.pop())
+            else:
+                shape = (len(devs),)
+            base = dtype.lower()
+            names[base] = names.get(base, 0) + 1
+            name = base if names[base] == 1 else f"{base}_{names[base] - 1}"
+            meshes.append(DeviceMesh(name, shape, tuple(d.global_id for d in ordered)))
+        return tuple(meshes)
+
+    def _complete_mesh(self, k: int, mesh: DeviceMesh) -> DeviceMesh:
+        key = f"device_meshes[{k}]"
+        if any(s < 1 for s in mesh.shape) or not mesh.shape:
+            raise InvalidCluster(f"{key}.shape", f"got {list(mesh.shape)}; expected a "
+                                 "non-empty list of positive integers")
+        if math.prod(mesh.shape) != len(mesh.ids):
+            raise InvalidCluster(f"{key}.device_ids", f"{len(mesh.ids)} ids do not fill shape "
+                                 f"{list(mesh.shape)} ({math.prod(mesh.shape)} devices)")
+        by_id = self._device_index
+        unknown = [i for i in mesh.ids if i not in by_id]
+        if unknown:
+            raise InvalidCluster(f"{key}.device_ids", f"ids {_ranges(unknown)} are not compute "
+                                 "devices of this cluster")
+        devs = [by_id[i] for i in mesh.ids]
+        kinds = sorted({(d.type, d.model) for d in devs})
+        if len(kinds) > 1:
+            raise InvalidCluster(f"{key}.device_ids", "a device mesh must be homogeneous; it "
+                                 f"mixes {', '.join(f'{t} {m!r}' for t, m in kinds)}")
+        bws, lats = self._mesh_dims(mesh)
+        return DeviceMesh(mesh.name, mesh.shape, mesh.ids, devs[0].type, devs[0].model,
+                          bws, lats)
+
+    def _check_meshes(self):
+        names: set[str] = set()
+        owner: dict[int, str] = {}
+        for k, mesh in enumerate(self.device_meshes):
+            if not mesh.name or mesh.name in names:
+                raise InvalidCluster(f"device_meshes[{k}].name", f"name {mesh.name!r} is empty "
+                                     "or used twice; expected a unique name")
+            names.add(mesh.name)
+            for i in mesh.ids:
+                if i in owner:
+                    raise InvalidCluster(f"device_meshes[{k}].device_ids", f"device {i} is "
+                                         f"already in mesh {owner[i]!r}; meshes are disjoint")
+                owner[i] = mesh.name
+
+    def _mesh_dims(self, mesh: DeviceMesh) -> tuple[tuple[float, ...], tuple[float, ...]]:
+        # Worst pair along each dim: min bandwidth / max latency over device pairs that
+        # differ only in that coordinate.
+        index, bw, lat = self._paths
+        grid = np.array([index[i] for i in mesh.ids]).reshape(mesh.shape)
+        bws, lats = [], []
+        for dim, n in enumerate(mesh.shape):
+            if n == 1:
+                bws.append(math.inf)
+                lats.append(0.0)
+                continue
+            rows = np.moveaxis(grid, dim, -1).reshape(-1, n)
+            sub_bw = bw[rows[:, :, None], rows[:, None, :]]
+            sub_lat = lat[rows[:, :, None], rows[:, None, :]]
+            off = ~np.eye(n, dtype=bool)
+            bws.append(float(sub_bw[:, off].min()))
+            lats.append(float(sub_lat[:, off].max()))
+        return tuple(bws), tuple(lats)
+
+    # ---- graph and paths -------------------------------------------------------------
+    @cached_property
+    def _device_index(self) -> dict[int, Device]:
+        return {d.global_id: d for m in self.machines for d in m.devices}
+
+    @cached_property
+    def _node_index(self) -> dict[int, Device | Switch]:
+        nodes: dict[int, Device | Switch] = {}
+        for m in self.machines:
+            for d in m.devices + m.nics:
+                nodes[d.global_id] = d
+        for s in self.switches:
+            nodes[s.global_id] = s
+        return nodes
+
+    @property
+    def all_links(self) -> list[Link]:
+        """Links inside every machine, then links between machines."""
+        return [ln for m in self.machines for ln in m.links] + list(self.links)
+
+    @cached_property
+    def graph(self) -> nx.Graph:
+        """Undirected graph: nodes are global ids (attr ``node``), edges carry the Link."""
+        g = nx.Graph()
+        for nid, node in self._node_index.items():
+            g.add_node(nid, node=node)
+        for ln in self.all_links:
+            g.add_edge(ln.source, ln.target, link=ln, bandwidth=ln.bandwidth,
+                       latency=ln.latency)
+        return g
+
+    @cached_property
+    def _paths(self) -> tuple[dict[int, int], np.ndarray, np.ndarray]:
+        ids = sorted(self._node_index)
+        index = {nid: k for k, nid in enumerate(ids)}
+        links = self.all_links
+        bw, lat = best_paths(len(ids), [index[ln.source] for ln in links],
+                             [index[ln.target] for ln in links],
+                             [ln.bandwidth for ln in links], [ln.latency for ln in links])
+        return index, bw, lat
+
+    def _pair(self, a: int, b: int) -> tuple[int, int]:
+        index = self._paths[0]
+        for x in (a, b):
+            if x not in index:
+                raise PlanError(f"{x!r} is not a device of cluster {self.name or '(unnamed)'}; "
+                                f"device ids are {_ranges(sorted(self._device_index))}")
+        return index[a], index[b]
+
+    def bandwidth(self, a: int, b: int) -> float:
+        """Bottleneck bandwidth (GB/s) of the best path between global ids; inf when a == b."""
+        i, j = self._pair(a, b)
+        return float(self._paths[1][i, j])
+
+    def latency(self, a: int, b: int) -> float:
+        """Summed latency (µs) along the best path between global ids; 0 when a == b."""
+        i, j = self._pair(a, b)
+        return float(self._paths[2][i, j])
+
+    def path_matrices(self, ids) -> tuple[np.ndarray, np.ndarray]:
+        """(bandwidth GB/s, latency µs) matrices between the given global ids, in that order."""
+        index, bw, lat = self._paths
+        try:
+            rows = np.array([index[i] for i in ids], dtype=np.intp)
+        except KeyError as err:
+            raise PlanError(f"{err.args[0]!r} is not a device of cluster "
+                            f"{self.name or '(unnamed)'}") from None
+        return bw[np.ix_(rows, rows)], lat[np.ix_(rows, rows)]
+
+    # ---- views -----------------------------------------------------------------------
+    @property
+    def devices(self) -> list[Device]:
+        """Compute devices (no NICs), by global id."""
+        return sorted(self._device_index.values(), key=lambda d: d.global_id)
+
+    @property
+    def nics(self) -> list[Device]:
+        return [n for m in self.machines for n in m.nics]
+
+    def device(self, global_id: int) -> Device:
+        try:
+            return self._device_index[global_id]
+        except KeyError:
+            raise PlanError(f"{global_id!r} is not a compute device of cluster "
+                            f"{self.name or '(unnamed)'}; device ids are "
+                            f"{_ranges(sorted(self._device_index))}") from None
+
+    def machine_of(self, global_id: int) -> Machine:
+        mid = self.device(global_id).machine_id
+        return next(m for m in self.machines if m.id == mid)
+
+    def device_mesh(self, name: str) -> DeviceMesh:
+        for mesh in self.device_meshes:
+            if mesh.name == name:
+                return mesh
+        raise PlanError(f"cluster has no device mesh {name!r}; it has "
+                        f"{', '.join(m.name for m in self.device_meshes)}")
+
+    def describe(self) -> str:
+        """Machines, device meshes and a link table, for people."""
+        from distgraph.resources.describe import describe
+        return describe(self)
+
+    def __str__(self):
+        return self.describe()
+
+    def __repr__(self):
+        return (f"Cluster(name={self.name!r}, machines={len(self.machines)}, "
+                f"devices={len(self._device_index)}, meshes="
+                f"{[m.name for m in self.device_meshes]})")
+
+    # ---- files -----------------------------------------------------------------------
+    @classmethod
+    def from_file(cls, path) -> "Cluster":
+        """Load a YAML or JSON resource file (distgraph schema or Paddle's cluster JSON)."""
+        from distgraph.resources.files import load_cluster
+        return load_cluster(path)
+
+    @classmethod
+    def from_dict(cls, data, source: str = "<dict>") -> "Cluster":
+        """Build from already-parsed file content; errors name ``source``."""
+        from distgraph.resources.files import cluster_from_data
+        return cluster_from_data(data, source)
+
+    def to_dict(self) -> dict:
+        """Plain data in the distgraph schema (what ``save`` writes)."""
+        from distgraph.resources.schema import cluster_to_dict
+        return cluster_to_dict(self)
+
+    def save(self, path) -> None:
+        """Write the cluster as YAML (.yaml/.yml) or JSON (.json)."""
+        from distgraph.resources.files import save_cluster
+        save_cluster(self, path)
+
+    @classmethod
+    def local(cls, nprocs: int) -> "Cluster":
+        """This machine as ``nprocs`` CPU devices on one shared-memory mesh of shape (n,).
+
+        The figures are defaults (see LOCAL_* in this module), not measurements.
+        """
+        if not isinstance(nprocs, int) or nprocs < 1:
+            raise PlanError(f"Cluster.local needs a positive number of processes, got {nprocs!r}")
+        devices = tuple(Device(i, i, 0, "CPU", LOCAL_MODEL, LOCAL_GFLOPS, LOCAL_MEMORY_GB)
+                        for i in range(nprocs))
+        links = tuple(Link(i, j, LOCAL_BANDWIDTH_GBPS, LOCAL_LATENCY_US, "SHM")
+                      for i in range(nprocs) for j in range(i + 1, nprocs))
+        return cls(machines=(Machine(0, "localhost", devices, links),), name=f"local{nprocs}")
+
+
+def _ranges(ids) -> str:
+    """Compact id list: [0, 1, 2, 5] -> '0-2, 5'."""
+    ids = sorted(ids)
+    parts = []
+    start = prev = None
+    for i in ids:
+        if start is None:
+            start = prev = i
+        elif i == prev + 1:
+            prev = i
+        else:
+            parts.append(f"{start}-{prev}" if prev != start else f"{start}")
+            start = prev = i
+    if start is not None:
+        parts.append(f"{start}-{prev}" if prev != start else f"{start}")
+    return ", ".join(parts)

@@ -1,0 +1,147 @@
+"""Reading and writing resource files (YAML or JSON, chosen by suffix).
+
+Loading parses the text, builds a key-path -> line map (so schema errors can say where
+they are), detects Paddle's cluster JSON and otherwise applies the distgraph schema.
+Syntax errors report the parser's line and column.
+
+Example::
+
+    >>> from distgraph.resources.files import load_cluster
+    >>> load_cluster("resources/clusters/gpu_2x8.yaml").device_meshes[0].shape  # doctest: +SKIP
+    (2, 8)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import yaml
+
+from distgraph.errors import ResourceFileError
+from distgraph.resources.paddle_format import cluster_from_paddle, is_paddle_format
+from distgraph.resources.reader import Reader, join
+from distgraph.resources.schema import cluster_from_dict, cluster_to_dict
+
+YAML_SUFFIXES = (".yaml", ".yml")
+JSON_SUFFIXES = (".json",)
+
+
+def load_cluster(path):
+    """Read ``path`` and return the Cluster; any problem raises ResourceFileError."""
+    source = os.fspath(path)
+    try:
+        with open(source, encoding="utf-8") as f:
+            text = f.read()
+    except FileNotFoundError:
+        raise ResourceFileError(f"{source}: no such resource file; expected a path to a "
+                                ".yaml or .json file (examples in resources/clusters/)") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise ResourceFileError(f"{source}: cannot read the file ({err}); expected a readable "
+                                "UTF-8 text file") from None
+    data = _parse(source, text)
+    return cluster_from_data(data, source, line_map(text))
+
+
+def cluster_from_data(data, source: str = "<dict>", lines: dict[str, int] | None = None):
+    """Build a Cluster from parsed content, in Paddle's format or distgraph's."""
+    if is_paddle_format(data):
+        return cluster_from_paddle(data, Reader(source, lines, lenient_numbers=True))
+    return cluster_from_dict(data, Reader(source, lines))
+
+
+def _parse(source: str, text: str):
+    if not text.strip():
+        raise ResourceFileError(f"{source}: <top level>: the file is empty; expected a mapping "
+                                "with a 'machines' list (see resources/README.md)")
+    if source.lower().endswith(JSON_SUFFIXES):
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as err:
+            raise ResourceFileError(f"{source} (line {err.lineno}, column {err.colno}): invalid "
+                                    f"JSON: {err.msg}; expected valid JSON syntax") from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+        problem = getattr(err, "problem", None) or str(err)
+        raise ResourceFileError(f"{source}{where}: invalid YAML: {problem}; expected valid "
+                                "YAML syntax") from None
+
+
+def line_map(text: str) -> dict[str, int]:
+    """Key path -> 1-based line, from PyYAML's node tree (JSON is parsed as YAML here).
+
+    Returns {} when the text does not compose as YAML (the error then names no line).
+    """
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError:
+        return {}
+    lines: dict[str, int] = {}
+
+    def walk(node, key: str, depth: int):
+        if depth > 64:  # aliases can nest deeply; paths that deep are never reported
+            return
+        lines.setdefault(key, node.start_mark.line + 1)
+        if isinstance(node, yaml.MappingNode):
+            for k, v in node.value:
+                name = k.value if isinstance(k, yaml.ScalarNode) else "?"
+                child = join(key, name)
+                lines.setdefault(child, k.start_mark.line + 1)
+                walk(v, child, depth + 1)
+        elif isinstance(node, yaml.SequenceNode):
+            for i, v in enumerate(node.value):
+                walk(v, join(key, i), depth + 1)
+
+    if root is not None:
+        walk(root, "", 0)
+    return lines
+
+
+class _FlowDict(dict):
+    """A mapping written on one line: one device, NIC, link or mesh per line."""
+
+
+class _Dumper(yaml.SafeDumper):
+    pass
+
+
+_Dumper.add_representer(_FlowDict, lambda dumper, data: dumper.represent_mapping(
+    "tag:yaml.org,2002:map", data.items(), flow_style=True))
+
+
+def _flow_entries(data: dict) -> dict:
+    def flow(entries):
+        return [_FlowDict(e) for e in entries]
+
+    out = dict(data)
+    out["machines"] = []
+    for m in data["machines"]:
+        m = dict(m)
+        for key in ("devices", "nics", "links"):
+            if key in m:
+                m[key] = flow(m[key])
+        out["machines"].append(m)
+    for key in ("switches", "links", "device_meshes"):
+        if key in out:
+            out[key] = flow(out[key])
+    return out
+
+
+def save_cluster(cluster, path) -> None:
+    """Write ``cluster`` in the distgraph schema; the suffix picks YAML or JSON."""
+    target = os.fspath(path)
+    data = cluster_to_dict(cluster)
+    lower = target.lower()
+    if lower.endswith(JSON_SUFFIXES):
+        text = json.dumps(data, indent=1) + "\n"
+    elif lower.endswith(YAML_SUFFIXES):
+        text = yaml.dump(_flow_entries(data), Dumper=_Dumper, sort_keys=False,
+                         default_flow_style=False, width=140)
+    else:
+        raise ResourceFileError(f"{target}: cannot tell the format from the suffix; expected "
+                                "a name ending in .yaml, .yml or .json")
+    with open(target, "w", encoding="utf-8") as f:
+        f.write(text)

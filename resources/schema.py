@@ -1,0 +1,260 @@
+"""The distgraph resource-file schema: plain data <-> Cluster (see resources/README.md).
+
+Parsing checks every key, type and reference and reports the key path of the first
+problem; the Cluster constructor then checks what needs the whole picture (device meshes,
+connectivity). ``cluster_to_dict`` writes the canonical form: one entry per link (no
+``group`` shorthand), every optional key that carries information.
+
+Example::
+
+    >>> from distgraph.resources.reader import Reader
+    >>> data = {"machines": [{"hostname": "h", "devices": [
+    ...     {"global_id": 0, "type": "CPU", "memory": 4, "gflops": {"float32": 50}}]}]}
+    >>> cluster_from_dict(data, Reader("inline")).devices[0].memory
+    4.0
+"""
+
+from __future__ import annotations
+
+from itertools import combinations
+
+from distgraph.resources.cluster import (COMPUTE_TYPES, Cluster, Device, DeviceMesh,
+                                         InvalidCluster, Link, Machine, Switch)
+from distgraph.resources.reader import Reader, join
+
+TOP_KEYS = ("name", "machines", "links", "switches", "device_meshes", "calibration")
+MACHINE_KEYS = ("id", "hostname", "addr", "port", "devices", "nics", "links")
+DEVICE_KEYS = ("global_id", "local_id", "type", "model", "gflops", "memory")
+NIC_KEYS = ("global_id", "local_id", "type", "model")
+LINK_KEYS = ("source", "target", "group", "bandwidth", "latency", "type")
+SWITCH_KEYS = ("global_id", "name")
+MESH_KEYS = ("name", "shape", "device_ids")
+DTYPES = ("float16", "bfloat16", "float32", "float64", "int8")
+
+
+class _Ids:
+    """Where each global id was defined, and by which machine (None for switches)."""
+
+    def __init__(self, reader: Reader):
+        self.reader = reader
+        self.where: dict[int, str] = {}
+        self.machine: dict[int, int | None] = {}
+
+    def define(self, gid: int, key: str, machine: int | None):
+        if gid in self.where:
+            self.reader.fail(join(key, "global_id"), f"global id {gid} is already used at "
+                             f"{self.where[gid]}", "ids unique across devices, NICs and switches")
+        self.where[gid] = key
+        self.machine[gid] = machine
+
+
+def cluster_from_dict(data, reader: Reader) -> Cluster:
+    """Validate ``data`` (parsed YAML/JSON) against the schema and build the Cluster."""
+    if data is None:
+        reader.fail("", "the file is empty", "a mapping with a 'machines' list")
+    top = reader.mapping(data, "", TOP_KEYS, "a mapping with a 'machines' list")
+    ids = _Ids(reader)
+    raw_machines = reader.sequence(reader.get(top, "machines", ""), "machines",
+                                   "a list of machines", nonempty=True)
+    parsed = [_machine(reader, raw, join("machines", i), i, ids)
+              for i, raw in enumerate(raw_machines)]
+    machine_ids: dict[int, str] = {}
+    for i, (mid, *_rest) in enumerate(parsed):
+        if mid in machine_ids:
+            reader.fail(f"machines[{i}].id", f"machine id {mid} is already used by "
+                        f"{machine_ids[mid]}", "unique machine ids")
+        machine_ids[mid] = f"machines[{i}]"
+    switches = []
+    for k, raw in enumerate(reader.sequence(top.get("switches", []), "switches")):
+        key = join("switches", k)
+        s = reader.mapping(raw, key, SWITCH_KEYS)
+        gid = reader.integer(s, "global_id", key)
+        ids.define(gid, key, None)
+        switches.append(Switch(gid, reader.string(s, "name", key, default="")))
+    pairs: dict[tuple[int, int], str] = {}
+    machines = []
+    for i, (mid, hostname, addr, port, devices, nics, raw_links) in enumerate(parsed):
+        links = _links(reader, raw_links, f"machines[{i}].links", mid, ids, pairs)
+        machines.append(Machine(mid, hostname, devices, links, nics, addr, port))
+    inter = _links(reader, reader.sequence(top.get("links", []), "links"), "links", None,
+                   ids, pairs)
+    meshes = None
+    if "device_meshes" in top:
+        meshes = [_mesh(reader, raw, join("device_meshes", k)) for k, raw in
+                  enumerate(reader.sequence(top["device_meshes"], "device_meshes"))]
+    calibration = {}
+    raw_cal = reader.mapping(top.get("calibration", {}), "calibration", None,
+                             "a mapping of name to number")
+    for name in raw_cal:
+        calibration[str(name)] = reader.number(raw_cal, name, "calibration")
+    try:
+        return Cluster(tuple(machines), tuple(inter), tuple(switches),
+                       None if meshes is None else tuple(meshes),
+                       reader.string(top, "name", "", default=reader.default_name), calibration)
+    except InvalidCluster as err:
+        reader.fail(err.key, err.problem)
+
+
+def _machine(reader: Reader, raw, key: str, index: int, ids: _Ids):
+    m = reader.mapping(raw, key, MACHINE_KEYS)
+    mid = reader.integer(m, "id", key, default=index)
+    hostname = reader.string(m, "hostname", key, nonempty=True)
+    addr = reader.string(m, "addr", key, default="")
+    port = reader.integer(m, "port", key, default=None)
+    devices = []
+    local_seen: dict[tuple[str, int], str] = {}
+    raw_devices = reader.sequence(reader.get(m, "devices", key), join(key, "devices"),
+                                  "a list of devices", nonempty=True)
+    for j, raw_dev in enumerate(raw_devices):
+        dkey = join(join(key, "devices"), j)
+        d = reader.mapping(raw_dev, dkey, DEVICE_KEYS)
+        gid = reader.integer(d, "global_id", dkey)
+        dtype = reader.string(d, "type", dkey, choices=COMPUTE_TYPES)
+        local = reader.integer(d, "local_id", dkey,
+                               default=sum(1 for x in devices if x.type == dtype))
+        _unique_local(reader, local_seen, (dtype, local), join(dkey, "local_id"))
+        memory = reader.number(d, "memory", dkey, strict=True, unit="GB")
+        gkey = join(dkey, "gflops")
+        raw_gflops = reader.mapping(reader.get(d, "gflops", dkey), gkey, DTYPES,
+                                    "a mapping of dtype to GFLOP/s, e.g. {float32: 19500}")
+        if not raw_gflops:
+            reader.fail(gkey, "got an empty mapping", "at least one dtype, e.g. {float32: 19500}")
+        gflops = {k: reader.number(raw_gflops, k, gkey, strict=True, unit="GFLOP/s")
+                  for k in raw_gflops}
+        ids.define(gid, dkey, mid)
+        devices.append(Device(gid, local, mid, dtype, reader.string(d, "model", dkey, default=""),
+                              gflops, memory))
+    nics = []
+    for j, raw_nic in enumerate(reader.sequence(m.get("nics", []), join(key, "nics"))):
+        nkey = join(join(key, "nics"), j)
+        n = reader.mapping(raw_nic, nkey, NIC_KEYS)
+        gid = reader.integer(n, "global_id", nkey)
+        reader.string(n, "type", nkey, default="NIC", choices=("NIC",))
+        local = reader.integer(n, "local_id", nkey, default=len(nics))
+        _unique_local(reader, local_seen, ("NIC", local), join(nkey, "local_id"))
+        ids.define(gid, nkey, mid)
+        nics.append(Device(gid, local, mid, "NIC", reader.string(n, "model", nkey, default="")))
+    raw_links = reader.sequence(m.get("links", []), join(key, "links"))
+    return mid, hostname, addr, port, tuple(devices), tuple(nics), raw_links
+
+
+def _unique_local(reader: Reader, seen: dict, slot: tuple[str, int], key: str):
+    if slot in seen:
+        reader.fail(key, f"local id {slot[1]} of a {slot[0]} is already used at {seen[slot]}",
+                    "local ids unique per device type within a machine")
+    seen[slot] = key
+
+
+def _links(reader: Reader, raw_links: list, key: str, machine: int | None, ids: _Ids,
+           pairs: dict) -> tuple[Link, ...]:
+    """Links of one machine (``machine`` = its id) or between machines (None)."""
+    out = []
+    for j, raw in enumerate(raw_links):
+        lkey = join(key, j)
+        ln = reader.mapping(raw, lkey, LINK_KEYS)
+        bandwidth = reader.number(ln, "bandwidth", lkey, strict=True, unit="GB/s")
+        latency = reader.number(ln, "latency", lkey, unit="µs")
+        ltype = reader.string(ln, "type", lkey, default="")
+        if "group" in ln:
+            if "source" in ln or "target" in ln:
+                reader.fail(lkey, "has both 'group' and 'source'/'target'",
+                            "either a source/target pair or a group (all pairs)")
+            gkey = join(lkey, "group")
+            members = reader.sequence(ln["group"], gkey, "a list of at least two global ids")
+            ends = [(_endpoint(reader, {i: g}, i, gkey, machine, ids), join(gkey, i))
+                    for i, g in enumerate(members)]
+            if len({e for e, _ in ends}) != len(ends) or len(ends) < 2:
+                reader.fail(gkey, f"got {members}", "at least two different global ids")
+            endpoint_pairs = [(a, b) for a, b in combinations(ends, 2)]
+        else:
+            a = (_endpoint(reader, ln, "source", lkey, machine, ids), join(lkey, "source"))
+            b = (_endpoint(reader, ln, "target", lkey, machine, ids), join(lkey, "target"))
+            if a[0] == b[0]:
+                reader.fail(b[1], f"source and target are both {a[0]}", "two different ids")
+            endpoint_pairs = [(a, b)]
+        for (s, skey), (t, _tkey) in endpoint_pairs:
+            if machine is None and ids.machine[s] is not None and ids.machine[s] == ids.machine[t]:
+                reader.fail(skey, f"both ends of link {s}-{t} are in machine {ids.machine[s]}",
+                            "links inside a machine under that machine's 'links'")
+            pair = (min(s, t), max(s, t))
+            if pair in pairs:
+                reader.fail(lkey, f"link {pair[0]}-{pair[1]} is also given at {pairs[pair]}",
+                            "each pair of endpoints linked once")
+            pairs[pair] = lkey
+            out.append(Link(s, t, bandwidth, latency, ltype))
+    return tuple(out)
+
+
+def _endpoint(reader: Reader, data: dict, name, key: str, machine: int | None, ids: _Ids) -> int:
+    gid = reader.integer(data, name, key)
+    path = join(key, name)
+    if gid not in ids.where:
+        reader.fail(path, f"global id {gid} is not defined",
+                    "the global_id of a device, NIC" + (" or switch" if machine is None else ""))
+    if machine is not None and ids.machine[gid] != machine:
+        reader.fail(path, f"global id {gid} is not in machine {machine} "
+                    f"(defined at {ids.where[gid]})",
+                    "a device or NIC of this machine; links between machines go under the "
+                    "top-level 'links'")
+    return gid
+
+
+def _mesh(reader: Reader, raw, key: str) -> DeviceMesh:
+    m = reader.mapping(raw, key, MESH_KEYS)
+    name = reader.string(m, "name", key, nonempty=True)
+    shape_raw = reader.sequence(reader.get(m, "shape", key), join(key, "shape"),
+                                "a list of positive integers", nonempty=True)
+    shape = [reader.integer({i: v}, i, join(key, "shape"), minimum=1)
+             for i, v in enumerate(shape_raw)]
+    ids_raw = reader.sequence(reader.get(m, "device_ids", key), join(key, "device_ids"),
+                              "a list of device global ids", nonempty=True)
+    ids = [reader.integer({i: v}, i, join(key, "device_ids")) for i, v in enumerate(ids_raw)]
+    return DeviceMesh(name, tuple(shape), tuple(ids))
+
+
+def _num(x: float):
+    # Integral figures print as integers (300 rather than 300.0); they load back equal.
+    return int(x) if float(x).is_integer() else float(x)
+
+
+def cluster_to_dict(cluster: Cluster) -> dict:
+    """The canonical plain-data form of ``cluster`` (what ``Cluster.save`` writes)."""
+    out: dict = {}
+    if cluster.name:
+        out["name"] = cluster.name
+    out["machines"] = [_machine_dict(m) for m in cluster.machines]
+    if cluster.switches:
+        out["switches"] = [{"global_id": s.global_id, **({"name": s.name} if s.name else {})}
+                           for s in cluster.switches]
+    if cluster.links:
+        out["links"] = [_link_dict(ln) for ln in cluster.links]
+    out["device_meshes"] = [{"name": m.name, "shape": list(m.shape), "device_ids": list(m.ids)}
+                            for m in cluster.device_meshes]
+    if cluster.calibration:
+        out["calibration"] = {k: _num(v) for k, v in cluster.calibration.items()}
+    return out
+
+
+def _machine_dict(m: Machine) -> dict:
+    out: dict = {"id": m.id, "hostname": m.hostname}
+    if m.addr:
+        out["addr"] = m.addr
+    if m.port is not None:
+        out["port"] = m.port
+    out["devices"] = [{"global_id": d.global_id, "local_id": d.local_id, "type": d.type,
+                       "model": d.model, "memory": _num(d.memory),
+                       "gflops": {k: _num(v) for k, v in d.gflops.items()}} for d in m.devices]
+    if m.nics:
+        out["nics"] = [{"global_id": n.global_id, "local_id": n.local_id,
+                        **({"model": n.model} if n.model else {})} for n in m.nics]
+    if m.links:
+        out["links"] = [_link_dict(ln) for ln in m.links]
+    return out
+
+
+def _link_dict(ln: Link) -> dict:
+    out = {"source": ln.source, "target": ln.target, "bandwidth": _num(ln.bandwidth),
+           "latency": _num(ln.latency)}
+    if ln.type:
+        out["type"] = ln.type
+    return out

@@ -15,3 +15,7 @@ from distgraph import nn, optim
 from distgraph.autodiff import append_backward
 from distgraph.strategy import Strategy
 from distgraph.engine import Engine, History
+from distgraph.mesh import ProcessMesh
+from distgraph.placement import DistAttr, Partial, Replicate, Shard, ShardSpec
+from distgraph.annotation import shard_op, shard_tensor
+from distgraph import passes

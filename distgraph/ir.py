@@ -148,6 +148,9 @@ class Program:
         self.inputs: list[Value] = []
         self.outputs: list[Value] = []
         self._counters: dict[str, int] = {}
+        # completion records, per Value name, the op that set its spec and the operands
+        # it came from (read by passes.explain)
+        self.completion_origin: dict = {}
 
     # -- building -----------------------------------------------------------------------
     def unique_name(self, hint: str) -> str:

@@ -133,23 +133,32 @@ class EinsumRule:
 
     def infer_forward(self, in_specs, in_shapes, mesh, fixed=(), **attrs) -> SpmdResult:
         """Inputs -> outputs. ``fixed`` lists operand indices whose specs are annotations."""
-        ins = [DimsSpec.of(s) for s in in_specs]
-        return self._solve(ins, [], in_shapes, None, mesh, attrs, fixed_in=set(fixed))
+        return self.infer(in_specs, None, in_shapes, None, mesh, fixed, (), False, **attrs)
 
     def infer_backward(self, in_specs, out_specs, in_shapes, out_shapes, mesh, fixed=(),
                        **attrs) -> SpmdResult:
         """Outputs (and what is known of inputs) -> inputs; outputs take priority."""
+        return self.infer(in_specs, out_specs, in_shapes, out_shapes, mesh, fixed, (), True,
+                          **attrs)
+
+    def infer(self, in_specs, out_specs, in_shapes, out_shapes, mesh, fixed_in=(), fixed_out=(),
+              outputs_first=False, **attrs) -> SpmdResult:
+        """The general form used by completion: sources in priority order are the fixed
+        inputs, the fixed outputs, then the other inputs and outputs (outputs first when
+        ``outputs_first``)."""
         ins = [DimsSpec.of(s) for s in in_specs]
-        outs = [DimsSpec.of(s) for s in out_specs]
-        return self._solve(ins, outs, in_shapes, out_shapes, mesh, attrs, fixed_in=set(fixed),
-                           outputs_first=True)
+        outs = [DimsSpec.of(s) for s in (out_specs or [])]
+        return self._solve(ins, outs, in_shapes, out_shapes, mesh, attrs, set(fixed_in),
+                           set(fixed_out), outputs_first)
 
     # -- the merge ------------------------------------------------------------------------
-    def _solve(self, ins, outs, in_shapes, out_shapes, mesh, attrs, fixed_in, outputs_first=False):
+    def _solve(self, ins, outs, in_shapes, out_shapes, mesh, attrs, fixed_in, fixed_out,
+               outputs_first):
         notation = self.notation(in_shapes, attrs)
         lhs, rhs = notation.split("->")
-        in_letters = lhs.split(",") if lhs else []
-        out_letters = rhs.split(",") if rhs else []
+        # "" is either no operand or one 0-d operand; the operand count decides
+        in_letters = lhs.split(",") if (lhs or len(ins) == 1) else []
+        out_letters = rhs.split(",")
         if len(in_letters) != len(ins):
             raise ValueError(f"rule {notation!r} expects {len(in_letters)} inputs, got {len(ins)}")
         sizes = _mesh_sizes(mesh)
@@ -158,8 +167,10 @@ class EinsumRule:
         in_sources = [(in_letters[i], ins[i], f"input {i}") for i in range(len(ins))]
         out_sources = [(out_letters[j], outs[j], f"output {j}") for j in range(len(outs))]
         fixed = [in_sources[i] for i in sorted(fixed_in)]
+        fixed += [out_sources[j] for j in sorted(fixed_out) if j < len(out_sources)]
         rest = [s for i, s in enumerate(in_sources) if i not in fixed_in]
-        sources = fixed + (out_sources + rest if outputs_first else rest + out_sources)
+        rest_out = [s for j, s in enumerate(out_sources) if j not in fixed_out]
+        sources = fixed + (rest_out + rest if outputs_first else rest + rest_out)
 
         dim_sizes: dict[str, set] = {}
         for letters, shapes in ((in_letters, in_shapes), (out_letters, out_shapes or [])):

@@ -76,7 +76,8 @@ class Builder:
 
     @property
     def layer(self) -> str:
-        return ".".join(p for p in self.layer_path if p)
+        """The innermost layer's full path ('' at the top level)."""
+        return next((p for p in reversed(self.layer_path) if p), "")
 
     def as_value(self, x) -> Value:
         if isinstance(x, Value):

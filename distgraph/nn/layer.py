@@ -48,7 +48,7 @@ class Layer:
         from distgraph.trace import _ACTIVE
         if not _ACTIVE:
             return self.forward(*args, **kwargs)
-        with _ACTIVE[-1].scope(layer=self._path or type(self).__name__):
+        with _ACTIVE[-1].scope(layer=self._path):
             return self.forward(*args, **kwargs)
 
     # -- traversal ------------------------------------------------------------------------

@@ -75,24 +75,36 @@ class ReshapeRule:
         return DimsSpec(tuple(out))
 
     def infer_forward(self, in_specs, in_shapes, mesh, fixed=(), shape=None, **attrs):
-        src = tuple(in_shapes[0])
-        notes: list[str] = []
-        x = DimsSpec.of(in_specs[0])
-        out = self._map(x, src, tuple(shape), mesh, notes)
-        back = self._map(out, tuple(shape), src, mesh, [])
-        return SpmdResult((back,), (out,), tuple(notes))
+        return self.infer(in_specs, None, in_shapes, None, mesh, fixed, (), False, shape=shape)
 
     def infer_backward(self, in_specs, out_specs, in_shapes, out_shapes, mesh, fixed=(),
                        shape=None, **attrs):
-        src, dst = tuple(in_shapes[0]), tuple(out_shapes[0])
+        return self.infer(in_specs, out_specs, in_shapes, out_shapes, mesh, fixed, (), True,
+                          shape=shape)
+
+    def infer(self, in_specs, out_specs, in_shapes, out_shapes, mesh, fixed_in=(), fixed_out=(),
+              outputs_first=False, shape=None, **attrs) -> SpmdResult:
+        """Known entries of the input and of the output both constrain the other side;
+        the input wins unless the output is fixed or ``outputs_first``."""
+        src, dst = tuple(in_shapes[0]), tuple(shape)
         notes: list[str] = []
         x = DimsSpec.of(in_specs[0])
-        if 0 in fixed:
-            return self.infer_forward([x], in_shapes, mesh, fixed, shape=dst)
-        inp = self._map(DimsSpec.of(out_specs[0]), dst, src, mesh, notes)
-        merged = DimsSpec(tuple(a if a is not UNKNOWN else b for a, b in zip(inp.dims, x.dims)))
-        out = self._map(merged, src, dst, mesh, [])
-        return SpmdResult((merged,), (out,), tuple(notes))
+        out = DimsSpec.of(out_specs[0]) if out_specs else DimsSpec.unknown(len(dst))
+        out_first = (outputs_first or 0 in fixed_out) and 0 not in fixed_in
+        if out_first:
+            x = _fill(self._map(out, dst, src, mesh, notes), x)
+        else:
+            out = _fill(self._map(x, src, dst, mesh, notes), out)
+            x = _fill(x, self._map(out, dst, src, mesh, []))
+        new_out = self._map(x, src, dst, mesh, notes)
+        back = self._map(new_out, dst, src, mesh, [])
+        return SpmdResult((_fill(back, x),), (new_out,), tuple(notes))
+
+
+def _fill(spec: DimsSpec, other: DimsSpec) -> DimsSpec:
+    """Known entries of ``spec``, unknown ones taken from ``other``."""
+    return DimsSpec(tuple(b if a is UNKNOWN else a for a, b in zip(spec.dims, other.dims)),
+                    spec.partial)
 
 
 @register_op("reshape", spmd=ReshapeRule())

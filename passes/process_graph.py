@@ -1,0 +1,178 @@
+"""The process graph that rank mapping places: logical processes and the bytes between them.
+
+Processes are ``0..P-1``. Each has an optional required device type (``"GPU"``, ...),
+a compute need (GFLOP per step) and a memory need (GB). Each unordered pair carries the
+bytes the two exchange per step (both directions together).
+
+Collective traffic is turned into pairs by the ring algorithms the cost model uses, with
+``B`` = bytes per process of the full buffer and ``n`` = group size; each process sends
+to its successor in the group's listed order:
+
+================  ====================================================================
+``all_reduce``    ring: each process sends 2(n-1)/n * B to its successor
+``all_gather``    ring: (n-1)/n * B to the successor (B = gathered size)
+``reduce_scatter`` ring: (n-1)/n * B to the successor (B = input size)
+``all_to_all``    every ordered pair: B/n, so 2B/n per unordered pair
+``p2p``           chain, not ring: g[i] sends B to g[i+1] (pipeline stages)
+================  ====================================================================
+
+Example::
+
+    >>> g = ProcessGraph(4).with_group_traffic([[0, 1], [2, 3]], 1e6, "all_reduce")
+    >>> g.traffic[(0, 1)]                     # 2 * (1/2) * 1e6 each way
+    2000000.0
+    >>> grid_groups((2, 2), axis=1)           # rows of a 2x2 grid: "tp" groups
+    [[0, 1], [2, 3]]
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from distgraph.errors import PlanError
+from distgraph.resources.cluster import COMPUTE_TYPES, FrozenMap
+
+COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
+
+
+def collective_traffic(groups: Sequence[Sequence[int]], bytes_per_process: float,
+                       kind: str = "all_reduce") -> dict[tuple[int, int], float]:
+    """Bytes per unordered pair for one collective run by every group (see module table)."""
+    if kind not in COLLECTIVE_KINDS:
+        raise PlanError(f"unknown collective kind {kind!r}; expected one of "
+                        f"{', '.join(COLLECTIVE_KINDS)}")
+    if not (bytes_per_process >= 0 and math.isfinite(bytes_per_process)):
+        raise PlanError(f"{kind}: bytes_per_process must be a finite number >= 0, "
+                        f"got {bytes_per_process}")
+    out: dict[tuple[int, int], float] = {}
+
+    def add(a: int, b: int, nbytes: float):
+        pair = (min(a, b), max(a, b))
+        out[pair] = out.get(pair, 0.0) + nbytes
+
+    for group in groups:
+        g = [int(p) for p in group]
+        n = len(g)
+        if len(set(g)) != n:
+            raise PlanError(f"{kind} group {g} lists a process twice")
+        if n < 2:
+            continue
+        B = float(bytes_per_process)
+        if kind == "p2p":
+            for a, b in zip(g, g[1:]):
+                add(a, b, B)
+        elif kind == "all_to_all":
+            for i in range(n):
+                for j in range(i + 1, n):
+                    add(g[i], g[j], 2 * B / n)
+        else:
+            per_step = (2 if kind == "all_reduce" else 1) * (n - 1) / n * B
+            for i in range(n):
+                add(g[i], g[(i + 1) % n], per_step)
+    return out
+
+
+def grid_groups(shape: Sequence[int], axis: int) -> list[list[int]]:
+    """Groups of process ids along ``axis`` of a row-major grid of ``shape``.
+
+    ``grid_groups((pp, dp, tp), 2)`` are the tensor-parallel groups, axis 1 the
+    data-parallel ones, axis 0 the pipeline chains.
+    """
+    ids = np.arange(math.prod(shape)).reshape(tuple(shape))
+    return np.moveaxis(ids, axis, -1).reshape(-1, shape[axis]).tolist()
+
+
+def _per_process(value, n: int, name: str):
+    if value is None or isinstance(value, (str, int, float)):
+        return (value,) * n
+    values = tuple(value)
+    if len(values) != n:
+        raise PlanError(f"ProcessGraph: {name} has {len(values)} entries for {n} processes; "
+                        f"give one per process or a single value for all")
+    return values
+
+
+@dataclass(frozen=True)
+class ProcessGraph:
+    """Logical processes with needs, and bytes exchanged per step per unordered pair.
+
+    ``traffic`` maps ``(i, j)`` to bytes (either order; both orders are summed).
+    ``device_types``, ``compute`` (GFLOP per step) and ``memory`` (GB) take one value per
+    process or a single value for all. A graph is a value: ``with_traffic`` and
+    ``with_group_traffic`` return new graphs.
+    """
+
+    num_processes: int
+    traffic: Mapping[tuple[int, int], float] = field(default_factory=FrozenMap)
+    device_types: Sequence[str | None] | str | None = None
+    compute: Sequence[float] | float = 0.0
+    memory: Sequence[float] | float = 0.0
+
+    def __post_init__(self):
+        n = self.num_processes
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise PlanError(f"ProcessGraph needs at least one process, got {n!r}")
+        pairs: dict[tuple[int, int], float] = {}
+        for key, nbytes in dict(self.traffic).items():
+            try:
+                i, j = (int(x) for x in key)
+            except (TypeError, ValueError):
+                raise PlanError(f"ProcessGraph traffic key {key!r} is not a pair of "
+                                "process ids") from None
+            if not (0 <= i < n and 0 <= j < n) or i == j:
+                raise PlanError(f"ProcessGraph traffic pair {key!r}: expected two different "
+                                f"process ids in 0..{n - 1}")
+            if not (float(nbytes) >= 0 and math.isfinite(float(nbytes))):
+                raise PlanError(f"ProcessGraph traffic {key!r}: bytes must be finite and "
+                                f">= 0, got {nbytes!r}")
+            pair = (min(i, j), max(i, j))
+            pairs[pair] = pairs.get(pair, 0.0) + float(nbytes)
+        object.__setattr__(self, "traffic", FrozenMap(sorted(pairs.items())))
+        types = _per_process(self.device_types, n, "device_types")
+        for p, t in enumerate(types):
+            if t is not None and t not in COMPUTE_TYPES:
+                raise PlanError(f"ProcessGraph: process {p} asks for device type {t!r}; "
+                                f"expected None or one of {', '.join(COMPUTE_TYPES)}")
+        object.__setattr__(self, "device_types", types)
+        for name in ("compute", "memory"):
+            values = tuple(float(v) for v in _per_process(getattr(self, name), n, name))
+            if any(not (v >= 0 and math.isfinite(v)) for v in values):
+                raise PlanError(f"ProcessGraph: {name} needs must be finite and >= 0")
+            object.__setattr__(self, name, values)
+
+    def with_traffic(self, pairs: Mapping[tuple[int, int], float]) -> "ProcessGraph":
+        """A new graph with ``pairs`` bytes added to the existing traffic."""
+        merged = dict(self.traffic)
+        for (i, j), nbytes in pairs.items():
+            key = (min(i, j), max(i, j))
+            merged[key] = merged.get(key, 0.0) + float(nbytes)
+        return ProcessGraph(self.num_processes, merged, self.device_types, self.compute,
+                            self.memory)
+
+    def with_group_traffic(self, groups: Sequence[Sequence[int]], bytes_per_process: float,
+                           kind: str = "all_reduce") -> "ProcessGraph":
+        """A new graph with the traffic of ``kind`` run in every group added."""
+        return self.with_traffic(collective_traffic(groups, bytes_per_process, kind))
+
+    def traffic_matrix(self) -> np.ndarray:
+        """Dense symmetric (P, P) matrix of bytes per step; zero diagonal."""
+        t = np.zeros((self.num_processes, self.num_processes))
+        for (i, j), nbytes in self.traffic.items():
+            t[i, j] = t[j, i] = nbytes
+        return t
+
+    @property
+    def total_bytes(self) -> float:
+        return float(sum(self.traffic.values()))
+
+    def __str__(self):
+        types = {}
+        for t in self.device_types:
+            types[t or "any"] = types.get(t or "any", 0) + 1
+        kinds = ", ".join(f"{k} x{v}" for k, v in types.items())
+        return (f"ProcessGraph({self.num_processes} processes [{kinds}], "
+                f"{len(self.traffic)} pairs, {self.total_bytes / 1e6:.3g} MB/step)")

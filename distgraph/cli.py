@@ -1,0 +1,23 @@
+"""The ``distgraph`` console script (a minimal entry point; more commands join later).
+
+Each subcommand's parser sets ``func``, a handler that takes the parsed args and returns
+the exit code.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from distgraph.resources.cli import add_cluster_parser
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="distgraph", description="distgraph command line")
+    commands = parser.add_subparsers(dest="command", required=True)
+    add_cluster_parser(commands)
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,178 @@
+"""Measure this machine's MPI ranks and write a resource file.
+
+Per rank: GEMM GFLOP/s in float32 and float64 (numpy matmul, best of a few runs). Per pair
+of ranks: point-to-point latency (half the round trip of an 8-byte ping-pong) and
+bandwidth (a multi-megabyte ping-pong). For the whole group: all-reduce latency (8 bytes)
+and bus bandwidth (2(n-1)/n * bytes / time, the figure the ring formula uses). Ranks on
+the same host form one machine; pairs on one host get ``SHM`` links, pairs across hosts
+``NET`` links between machines. Rank r becomes device r.
+
+Run it through the CLI (``distgraph cluster calibrate -n 2 -o mine.yaml``) or by hand::
+
+    mpiexec -n 2 python resources/calibrate.py -o mine.yaml
+
+Only rank 0 writes the file. The defaults keep a 2-rank run to about a second of
+measuring; raise ``--repeats`` for steadier figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import time
+
+import numpy as np
+
+GEMM_SIZE = 384
+SMALL_BYTES = 8
+LARGE_BYTES = 4 * 2**20
+ALLREDUCE_BYTES = 4 * 2**20
+
+
+def gemm_gflops(dtype, size: int = GEMM_SIZE, repeats: int = 5) -> float:
+    """Best-of-``repeats`` GFLOP/s of a size^3 matmul (2 size^3 flops), after one warm-up."""
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((size, size)).astype(dtype)
+    b = rng.standard_normal((size, size)).astype(dtype)
+    a @ b
+    best = np.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    return 2.0 * size**3 / best / 1e9
+
+
+def ping_pong(comm, peer: int, first: bool, nbytes: int, iters: int, batches: int) -> float:
+    """One-way seconds per message: half the round trip, mean over ``iters`` exchanges,
+    best of ``batches`` (the best batch is the least disturbed by other processes)."""
+    buf = np.zeros(max(nbytes, 1), dtype=np.uint8)
+    best = np.inf
+    for batch in range(batches + 1):  # batch 0 warms up the connection, and is not counted
+        comm.Barrier()
+        start = time.perf_counter()
+        for _ in range(iters):
+            if first:
+                comm.Send(buf, dest=peer)
+                comm.Recv(buf, source=peer)
+            else:
+                comm.Recv(buf, source=peer)
+                comm.Send(buf, dest=peer)
+        if batch:
+            best = min(best, (time.perf_counter() - start) / iters / 2.0)
+    return best
+
+
+def measure_pairs(comm, repeats: int) -> dict[tuple[int, int], tuple[float, float]]:
+    """(bandwidth GB/s, latency µs) for every pair, measured one pair at a time."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    out = {}
+    for a in range(size):
+        for b in range(a + 1, size):
+            if rank in (a, b):
+                peer, first = (b, True) if rank == a else (a, False)
+                lat = ping_pong(comm, peer, first, SMALL_BYTES, 50, repeats)
+                t = ping_pong(comm, peer, first, LARGE_BYTES, 2, repeats)
+                if rank == a:
+                    out[(a, b)] = (LARGE_BYTES / t / 1e9, lat * 1e6)
+            comm.Barrier()
+    return out
+
+
+def measure_allreduce(comm, repeats: int) -> tuple[float, float]:
+    """(bus bandwidth GB/s, latency µs) of MPI all-reduce (sum, float64)."""
+    from mpi4py import MPI
+
+    n = comm.Get_size()
+    small_in, small_out = np.ones(1), np.empty(1)
+    big_in = np.ones(ALLREDUCE_BYTES // 8)
+    big_out = np.empty_like(big_in)
+    timings = []
+    for send, recv, iters in ((small_in, small_out, 50), (big_in, big_out, 2)):
+        best = np.inf
+        for batch in range(repeats + 1):  # batch 0 warms up, and is not counted
+            comm.Barrier()
+            start = time.perf_counter()
+            for _ in range(iters):
+                comm.Allreduce(send, recv, op=MPI.SUM)
+            if batch:
+                best = min(best, (time.perf_counter() - start) / iters)
+        # Ranks time the same collective; the slowest rank's view is the collective's.
+        timings.append(comm.allreduce(best, op=MPI.MAX))
+    bus = 2.0 * (n - 1) / n * ALLREDUCE_BYTES / timings[1] / 1e9
+    return bus, timings[0] * 1e6
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "cpu"
+
+
+def host_memory_gb() -> float:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
+    except (ValueError, OSError, AttributeError):
+        return 4.0
+
+
+def build_cluster(ranks: list[dict], pairs: dict, allreduce, name: str):
+    """The Cluster for gathered per-rank records and pair measurements."""
+    from distgraph.resources.cluster import Cluster, Device, Link, Machine
+
+    hosts = list(dict.fromkeys(r["host"] for r in ranks))
+    machine_of = {r["rank"]: hosts.index(r["host"]) for r in ranks}
+    per_host = {h: sum(1 for r in ranks if r["host"] == h) for h in hosts}
+    machines = []
+    for m, host in enumerate(hosts):
+        mine = [r for r in ranks if r["host"] == host]
+        devices = [Device(r["rank"], k, m, "CPU", r["model"], r["gflops"],
+                          round(r["memory"] / per_host[host], 3)) for k, r in enumerate(mine)]
+        links = [Link(a, b, bw, lat, "SHM") for (a, b), (bw, lat) in pairs.items()
+                 if machine_of[a] == m and machine_of[b] == m]
+        machines.append(Machine(m, host, devices, links))
+    inter = [Link(a, b, bw, lat, "NET") for (a, b), (bw, lat) in pairs.items()
+             if machine_of[a] != machine_of[b]]
+    calibration = {"ranks": len(ranks), "gemm_size": GEMM_SIZE, "p2p_bytes": LARGE_BYTES}
+    if allreduce is not None:
+        calibration.update(allreduce_bus_bandwidth=round(allreduce[0], 4),
+                           allreduce_latency=round(allreduce[1], 3),
+                           allreduce_bytes=ALLREDUCE_BYTES)
+    return Cluster(machines, inter, name=name, calibration=calibration)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description="measure MPI ranks, write a resource file")
+    parser.add_argument("-o", "--output", required=True, help="file to write (.yaml or .json)")
+    parser.add_argument("--repeats", type=int, default=3, help="scale the measurement counts")
+    args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error(f"--repeats must be at least 1, got {args.repeats}")
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    rank, size = comm.Get_rank(), comm.Get_size()
+    record = {"rank": rank, "host": MPI.Get_processor_name(), "model": cpu_model(),
+              "memory": host_memory_gb(),
+              "gflops": {"float32": round(gemm_gflops(np.float32, repeats=args.repeats), 3),
+                         "float64": round(gemm_gflops(np.float64, repeats=args.repeats), 3)}}
+    pairs = measure_pairs(comm, args.repeats)
+    allreduce = measure_allreduce(comm, args.repeats) if size > 1 else None
+    records = comm.gather(record, root=0)
+    all_pairs = comm.gather(pairs, root=0)
+    if rank == 0:
+        merged = {k: (round(bw, 4), round(lat, 3)) for part in all_pairs for k, (bw, lat)
+                  in part.items()}
+        cluster = build_cluster(records, merged, allreduce, f"calibrated{size}")
+        cluster.save(args.output)
+    comm.Barrier()
+
+
+if __name__ == "__main__":
+    main()

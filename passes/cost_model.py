@@ -1,0 +1,82 @@
+"""Communication cost model: alpha-beta formulas for ring collectives and p2p.
+
+All formulas are *per process* on a group of ``n`` processes connected as a ring, with
+``B`` (``nbytes``) the size of one process's local buffer defined per kind as below.
+The reshard planner (:mod:`distgraph.passes.reshard`) and the communicators' byte
+counters (:mod:`distgraph.runtime.comm`) both use :func:`collective_bytes`, so a plan's
+bytes equal what the runtime counts.
+
+=============== ====================================== =============================== ============================
+kind            B is                                   bytes sent per process          time
+=============== ====================================== =============================== ============================
+all_gather      the gathered (output) local buffer     (n-1)/n * B                     a(n-1) + (n-1)/n * B/bw
+reduce_scatter  the input local buffer                 (n-1)/n * B                     a(n-1) + (n-1)/n * B/bw
+all_reduce      the local buffer                       2 (n-1)/n * B                   2 a(n-1) + 2 (n-1)/n * B/bw
+all_to_all      the local buffer (input = output size) (n-1)/n * B                     a(n-1) + (n-1)/n * B/bw
+send_recv (p2p) the message                            B                               a + B/bw
+=============== ====================================== =============================== ============================
+
+all_to_all is modelled as n-1 rounds in which each process sends one of its n chunks
+(B/n bytes) to a different peer: (n-1)/n * B bytes and n-1 latencies. The DESIGN's
+"(n-1)/n^2" form is the same thing written with B the sum of all n local buffers.
+Local steps (``slice``, ``make_partial``, ``local_copy``) cost nothing.
+
+Example::
+
+    >>> collective_bytes("all_gather", 4, 4096)     # 4 x 1 KiB pieces -> 4 KiB output
+    3072.0
+    >>> round(collective_time("all_reduce", 2, 1e9, bandwidth_GBps=100, latency_us=5), 6)
+    0.01001
+"""
+
+from __future__ import annotations
+
+from distgraph.errors import PlanError
+
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
+P2P = ("send_recv", "p2p")
+LOCAL = ("slice", "make_partial", "local_copy")
+KINDS = COLLECTIVES + P2P + LOCAL
+
+
+def _check(kind: str, n: int, nbytes: float) -> None:
+    if kind not in KINDS:
+        raise PlanError(f"unknown communication kind {kind!r}; known kinds are {list(KINDS)}")
+    if n < 1:
+        raise PlanError(f"{kind} over {n} processes: a group has at least one process")
+    if nbytes < 0:
+        raise PlanError(f"{kind} of {nbytes} bytes: the size cannot be negative")
+
+
+def collective_bytes(kind: str, n: int, nbytes: float) -> float:
+    """Bytes one process sends for ``kind`` over ``n`` processes with buffer ``nbytes``
+    (see the module table for which buffer ``nbytes`` is)."""
+    _check(kind, n, nbytes)
+    if kind in LOCAL:
+        return 0.0
+    if kind in P2P:
+        return float(nbytes)
+    factor = 2 if kind == "all_reduce" else 1
+    return factor * (n - 1) * nbytes / n
+
+
+def collective_time(kind: str, n: int, nbytes: float, bandwidth_GBps: float,
+                    latency_us: float) -> float:
+    """Seconds for ``kind`` over ``n`` processes: alpha-beta on a ring (module table).
+
+    ``bandwidth_GBps`` is the per-link bandwidth in GB/s (1e9 bytes/s) and
+    ``latency_us`` the per-message latency in microseconds.
+    """
+    _check(kind, n, nbytes)
+    if bandwidth_GBps <= 0:
+        raise PlanError(f"{kind}: bandwidth must be positive, got {bandwidth_GBps} GB/s")
+    if kind in LOCAL:
+        return 0.0
+    alpha = latency_us * 1e-6
+    beta_bytes = collective_bytes(kind, n, nbytes) / (bandwidth_GBps * 1e9)
+    if kind in P2P:
+        return alpha + beta_bytes
+    if n == 1:
+        return 0.0
+    rounds = 2 * (n - 1) if kind == "all_reduce" else n - 1
+    return alpha * rounds + beta_bytes

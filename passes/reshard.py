@@ -1,0 +1,418 @@
+"""Reshard planner: the communication steps that turn one DistAttr into another.
+
+:func:`plan_reshard` is pure: it returns a list of frozen :class:`Step` values and never
+touches data; :mod:`distgraph.runtime.reshard_exec` executes them. Every step's ``bytes``
+is the per-process formula of :mod:`distgraph.passes.cost_model` applied to the step's
+local buffer, so ``plan_bytes(steps)`` is what the communicators count.
+
+Same mesh: a shortest-path search over layouts, each edge one step of the transition
+table below (cost = bytes per process, ties broken by fewer steps). It finds the direct
+step where one exists (S(i)->S(j) is one all_to_all, P->S one reduce_scatter) and
+otherwise the cheapest valid sequence, e.g. gathering a dim then slicing it.
+
+Different meshes (other process set or shape): reduce any Partial inside the source mesh
+(reduce_scatter onto the largest divisible dim, else all_reduce), then one ``send_recv``
+step of point-to-point tiles with senders balanced across replicas (least loaded, then
+round-robin); where the destination is replicated along a mesh dim, each replica may
+receive only a slice that the destination mesh then all-gathers (Alpa's local
+all-gather; chosen where it lowers the busiest sender's p2p bytes). A Partial
+destination is received by coordinate 0 of its partial mesh dims only; the other
+processes hold zeros (make_partial folded into the p2p step).
+
+Example::
+
+    >>> mesh = ProcessMesh([0, 1], ["x"])
+    >>> steps = plan_reshard(DistAttr(mesh, ShardSpec(["x", None])),
+    ...                      DistAttr(mesh, ShardSpec([None, "x"])), (4, 4))
+    >>> [str(s) for s in steps]
+    ['all_to_all(x) dim0->dim1 n=2 16B']
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass
+import math
+from math import prod
+
+import numpy as np
+
+from distgraph.errors import PlanError
+from distgraph.mesh import ProcessMesh
+from distgraph.passes.cost_model import collective_bytes, collective_time
+from distgraph.placement import DistAttr, ShardSpec
+
+STEP_KINDS = ("all_gather", "slice", "all_reduce", "reduce_scatter", "all_to_all",
+              "make_partial", "send_recv")
+
+
+def _fmt_bytes(b: float) -> str:
+    return f"{int(b)}B" if float(b).is_integer() else f"{b:.1f}B"
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One p2p tile: ``src`` sends the global box ``region`` ([start, stop) per tensor
+    dim) to ``dst``. ``src == dst`` is a local copy and costs nothing."""
+
+    src: int
+    dst: int
+    region: tuple[tuple[int, int], ...]
+    nbytes: int
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(b - a for a, b in self.region)
+
+    def slices(self, origin=None) -> tuple[slice, ...]:
+        """Slices of the global tensor, or of a local block starting at ``origin``."""
+        origin = origin or (0,) * len(self.region)
+        return tuple(slice(a - o, b - o) for (a, b), o in zip(self.region, origin))
+
+    def __str__(self) -> str:
+        box = ",".join(f"{a}:{b}" for a, b in self.region)
+        return f"{self.src}->{self.dst} [{box}] {self.nbytes}B"
+
+
+@dataclass(frozen=True)
+class Step:
+    """One reshard step. Fields by kind:
+
+    - every step: ``mesh`` (where it runs; the source mesh for send_recv), ``before`` /
+      ``after`` (the spec before and after it), ``shape`` (global), ``dtype``, ``bytes``
+      (bytes sent per participating process; for send_recv the busiest sender's sum of
+      tile bytes), ``buffer_bytes`` (the local buffer B of the cost formula).
+    - collectives, slice, make_partial: ``mesh_dim`` and ``group_size`` (its size).
+    - all_gather / slice / reduce_scatter: ``tensor_dim`` gathered / sliced / scattered.
+    - all_to_all: ``tensor_dim`` (was split, gets gathered = concat axis) and
+      ``to_tensor_dim`` (gets split = split axis).
+    - send_recv: ``dst_mesh`` and ``transfers``. Every destination process starts from
+      zeros and fills the tiles addressed to it; a ``Partial`` mesh dim in ``after``
+      means only its coordinate-0 processes receive (the value stays a valid sum).
+    """
+
+    kind: str
+    mesh: ProcessMesh
+    before: ShardSpec
+    after: ShardSpec
+    shape: tuple[int, ...]
+    dtype: str
+    bytes: float
+    buffer_bytes: int = 0
+    mesh_dim: str | None = None
+    group_size: int = 1
+    tensor_dim: int | None = None
+    to_tensor_dim: int | None = None
+    dst_mesh: ProcessMesh | None = None
+    transfers: tuple[Transfer, ...] = ()
+
+    def __post_init__(self):
+        if self.kind not in STEP_KINDS:
+            raise PlanError(f"unknown reshard step kind {self.kind!r}; known: {STEP_KINDS}")
+        if (self.kind == "send_recv") != (self.dst_mesh is not None):
+            raise PlanError(f"{self.kind} step: dst_mesh is given exactly for send_recv")
+        if self.kind != "send_recv" and self.mesh_dim not in self.mesh.dim_names:
+            raise PlanError(f"{self.kind} step: mesh dim {self.mesh_dim!r} is not in "
+                            f"{self.mesh}")
+
+    @property
+    def src_attr(self) -> DistAttr:
+        return DistAttr(self.mesh, self.before)
+
+    @property
+    def dst_attr(self) -> DistAttr:
+        return DistAttr(self.dst_mesh or self.mesh, self.after)
+
+    def bytes_sent_by(self, process_id: int) -> float:
+        """Bytes ``process_id`` sends in this step (0 if it does not take part)."""
+        if self.kind == "send_recv":
+            return float(sum(t.nbytes for t in self.transfers
+                             if t.src == process_id and t.dst != process_id))
+        return self.bytes if process_id in self.mesh else 0.0
+
+    def time(self, bandwidth_GBps: float, latency_us: float) -> float:
+        """Alpha-beta seconds; for send_recv, the busiest sender's messages in sequence."""
+        if self.kind != "send_recv":
+            return collective_time(self.kind, self.group_size, self.buffer_bytes,
+                                   bandwidth_GBps, latency_us)
+        remote = [t for t in self.transfers if t.src != t.dst]
+        msgs = max((sum(1 for t in remote if t.src == p) for p in {t.src for t in remote}),
+                   default=0)
+        return msgs * latency_us * 1e-6 + self.bytes / (bandwidth_GBps * 1e9)
+
+    def __str__(self) -> str:
+        b = _fmt_bytes(self.bytes)
+        if self.kind == "send_recv":
+            remote = sum(1 for t in self.transfers if t.src != t.dst)
+            local = len(self.transfers) - remote
+            extra = f" +{local} local" if local else ""
+            return f"send_recv {remote} tiles{extra} max {b}"
+        head = f"{self.kind}({self.mesh_dim})"
+        if self.kind == "all_to_all":
+            head += f" dim{self.tensor_dim}->dim{self.to_tensor_dim}"
+        elif self.tensor_dim is not None:
+            head += f" dim{self.tensor_dim}"
+        return f"{head} n={self.group_size} {b}"
+
+
+def plan_bytes(steps) -> float:
+    """Sum of the steps' per-process bytes."""
+    return float(sum(s.bytes for s in steps))
+
+
+def plan_time(steps, bandwidth_GBps: float, latency_us: float) -> float:
+    """Sum of the steps' alpha-beta times on one uniform link class."""
+    return sum(s.time(bandwidth_GBps, latency_us) for s in steps)
+
+
+def format_plan(steps) -> str:
+    """One line per step: ``kind ... | before -> after``."""
+    return "\n".join(f"{s} | {s.before} -> {s.after}" for s in steps) or "(no steps)"
+
+
+def plan_reshard(src: DistAttr, dst: DistAttr, shape, dtype="float32") -> list[Step]:
+    """Steps that turn a tensor of global ``shape`` laid out as ``src`` into ``dst``."""
+    shape = tuple(int(s) for s in shape)
+    dtype = np.dtype(dtype).name
+    src.spec.validate(src.mesh, shape, "reshard source")
+    dst.spec.validate(dst.mesh, shape, "reshard destination")
+    if src.mesh == dst.mesh:
+        return _plan_same_mesh(src.mesh, src.spec, dst.spec, shape, dtype)
+    if src.mesh.process_ids == dst.mesh.process_ids and src.mesh.shape == dst.mesh.shape:
+        rename = dict(zip(dst.mesh.dim_names, src.mesh.dim_names))
+        return _plan_same_mesh(src.mesh, src.spec, _renamed(dst.spec, rename), shape, dtype)
+    return _plan_cross_mesh(src, dst, shape, dtype)
+
+
+def _renamed(spec: ShardSpec, rename: dict) -> ShardSpec:
+    return ShardSpec([tuple(rename[n] for n in spec.entry(i)) for i in range(spec.ndim)],
+                     {rename[n] for n in spec.partial})
+
+
+# ---- same mesh: shortest path over layouts ------------------------------------------
+#
+# Transition table, per mesh dim m of size n; B = the local buffer before the step.
+#
+#   from \ to | R                      | S(e)                            | P
+#   ----------+------------------------+---------------------------------+-------------
+#   R         | -                      | slice e           0             | make_partial 0
+#   S(d)      | all_gather (n-1)B      | all_to_all d->e   (n-1)/n B     | (via R)
+#   P         | all_reduce 2(n-1)/n B  | reduce_scatter e  (n-1)/n B     | -
+#
+# A tuple entry (x, y) means block index cx*ny + cy, so a step may only touch the
+# *minor-most* (last) mesh dim of an entry: all_gather and all_to_all need m last in
+# dims[d]; slice, reduce_scatter and all_to_all append m last to dims[e]. Every state
+# on a path keeps each tensor dim divisible by its parts. Moves are goal-directed:
+# a mesh dim is only appended to dims[e] where that extends a prefix of the goal's
+# dims[e], and only made partial where the goal is partial over it; gathers and
+# all-reduces are always allowed. That keeps the search small and plans plain, and
+# it stays complete: gathering everything, then slicing in goal order, is always a path.
+# Any other change (reordering a tuple entry, moving a major mesh dim) is a sequence
+# found by the search, typically gathering the dim and slicing it again.
+
+_State = tuple  # (dims: tuple[tuple[str, ...], ...], partial: frozenset[str])
+
+
+@dataclass(frozen=True)
+class _Move:
+    kind: str
+    mesh_dim: str
+    after: _State
+    buffer_bytes: int
+    cost: int  # bytes scaled by the lcm of the mesh dim sizes, so sums stay exact
+    tensor_dim: int | None = None
+    to_tensor_dim: int | None = None
+
+
+def _state(spec: ShardSpec) -> _State:
+    return tuple(spec.entry(i) for i in range(spec.ndim)), spec.partial
+
+
+def _spec(state: _State) -> ShardSpec:
+    dims, partial = state
+    return ShardSpec([e if e else None for e in dims], partial)
+
+
+def _moves(mesh: ProcessMesh, state: _State, goal: _State, shape, itemsize: int, scale: int):
+    dims, partial = state
+    goal_dims, goal_partial = goal
+    parts = [prod(mesh.dim_size(m) for m in e) for e in dims]
+    local_bytes = prod(s // p for s, p in zip(shape, parts)) * itemsize
+
+    def targets(base, m):
+        """Tensor dims where appending m to ``base`` extends a prefix of the goal."""
+        n = mesh.dim_size(m)
+        return [e for e, entry in enumerate(base)
+                if goal_dims[e][:len(entry) + 1] == entry + (m,)
+                and shape[e] % (prod(mesh.dim_size(x) for x in entry) * n) == 0]
+
+    def append(ds, e, m):
+        return tuple(entry + (m,) if i == e else entry for i, entry in enumerate(ds))
+
+    def move(kind, m, after, buf, **dims_kw):
+        n = mesh.dim_size(m)
+        factor = {"all_reduce": 2, "slice": 0, "make_partial": 0}.get(kind, 1)
+        return _Move(kind, m, after, buf, factor * (n - 1) * buf * (scale // n), **dims_kw)
+
+    for m in mesh.dim_names:
+        d = next((i for i, e in enumerate(dims) if m in e), None)
+        if m in partial:
+            yield move("all_reduce", m, (dims, partial - {m}), local_bytes)
+            for e in targets(dims, m):
+                yield move("reduce_scatter", m, (append(dims, e, m), partial - {m}),
+                           local_bytes, tensor_dim=e)
+        elif d is None:
+            for e in targets(dims, m):
+                yield move("slice", m, (append(dims, e, m), partial), local_bytes,
+                           tensor_dim=e)
+            if m in goal_partial:
+                yield move("make_partial", m, (dims, partial | {m}), local_bytes)
+        elif dims[d][-1] == m:
+            n = mesh.dim_size(m)
+            gathered = tuple(entry[:-1] if i == d else entry for i, entry in enumerate(dims))
+            yield move("all_gather", m, (gathered, partial), local_bytes * n, tensor_dim=d)
+            for e in targets(gathered, m):
+                if e != d:
+                    yield move("all_to_all", m, (append(gathered, e, m), partial),
+                               local_bytes, tensor_dim=d, to_tensor_dim=e)
+
+
+def _plan_same_mesh(mesh, src_spec, dst_spec, shape, dtype) -> list[Step]:
+    start, goal = _state(src_spec), _state(dst_spec)
+    itemsize = np.dtype(dtype).itemsize
+    scale = math.lcm(*mesh.shape)
+    best = {start: (0, 0)}
+    back: dict = {}
+    heap = [(0, 0, 0, start)]
+    tick = 1
+    while heap:
+        cost, nsteps, _, state = heapq.heappop(heap)
+        if state == goal:
+            break
+        if (cost, nsteps) > best[state]:
+            continue
+        for mv in _moves(mesh, state, goal, shape, itemsize, scale):
+            key = (cost + mv.cost, nsteps + 1)
+            if mv.after not in best or key < best[mv.after]:
+                best[mv.after] = key
+                back[mv.after] = (state, mv)
+                heapq.heappush(heap, (*key, tick, mv.after))
+                tick += 1
+    if goal not in best:
+        raise PlanError(f"no reshard path from {src_spec} to {dst_spec} on {mesh} for "
+                        f"shape {list(shape)}; this is a planner bug, please report it")
+    path = []
+    state = goal
+    while state != start:
+        prev, mv = back[state]
+        n = mesh.dim_size(mv.mesh_dim)
+        path.append(Step(mv.kind, mesh, _spec(prev), _spec(state), shape, dtype,
+                         collective_bytes(mv.kind, n, mv.buffer_bytes), mv.buffer_bytes,
+                         mv.mesh_dim, n, mv.tensor_dim, mv.to_tensor_dim))
+        state = prev
+    return path[::-1]
+
+
+# ---- different meshes: reduce, p2p tiles, local all-gather -----------------------------
+
+def _largest_fitting_dim(mesh, dims, shape, n) -> int | None:
+    """Tensor dim with the largest local extent that can be split n more ways."""
+    best, best_extent = None, 0
+    for e, entry in enumerate(dims):
+        parts = prod(mesh.dim_size(m) for m in entry)
+        if shape[e] % (parts * n) == 0 and shape[e] // parts > best_extent:
+            best, best_extent = e, shape[e] // parts
+    return best
+
+
+def _reduced_spec(mesh, spec: ShardSpec, shape) -> ShardSpec:
+    """``spec`` without Partial: each partial mesh dim becomes a split where one fits."""
+    dims = [list(spec.entry(i)) for i in range(spec.ndim)]
+    for m in sorted(spec.partial, key=mesh.dim_index):
+        n = mesh.dim_size(m)
+        e = _largest_fitting_dim(mesh, dims, shape, n) if n > 1 else None
+        if e is not None:
+            dims[e].append(m)
+    return ShardSpec([tuple(e) for e in dims])
+
+
+def _receive_spec(mesh, spec: ShardSpec, shape, split) -> ShardSpec | None:
+    """``spec`` with each mesh dim in ``split`` (replicated in ``spec``) also splitting
+    the largest tensor dim it fits, so that each replica receives a distinct slice and
+    the destination all-gathers it; None if one does not fit anywhere."""
+    dims = [list(spec.entry(i)) for i in range(spec.ndim)]
+    for m in split:
+        e = _largest_fitting_dim(mesh, dims, shape, mesh.dim_size(m))
+        if e is None:
+            return None
+        dims[e].append(m)
+    return ShardSpec([tuple(e) for e in dims], spec.partial)
+
+
+def _region(attr: DistAttr, shape, pid) -> tuple[tuple[int, int], ...]:
+    return tuple((s.start, s.stop) for s in attr.local_slices(shape, pid))
+
+
+def _intersect(a, b):
+    box = tuple((max(a0, b0), min(a1, b1)) for (a0, a1), (b0, b1) in zip(a, b))
+    return box if all(lo < hi for lo, hi in box) else None
+
+
+def _send_recv_step(src: DistAttr, dst: DistAttr, shape, dtype) -> Step:
+    """p2p tiles from ``src`` (no Partial) to ``dst``. Where ``dst`` is Partial, only the
+    processes at coordinate 0 of those mesh dims receive; the others hold zeros."""
+    itemsize = np.dtype(dtype).itemsize
+    holders: dict = {}
+    for p in src.mesh.process_ids:
+        holders.setdefault(_region(src, shape, p), []).append(p)
+    load = {p: 0 for p in src.mesh.process_ids}
+    picks = {r: 0 for r in holders}
+    partial_axes = [dst.mesh.dim_index(m) for m in dst.spec.partial]
+    transfers = []
+    for q in dst.mesh.process_ids:
+        if any(dst.mesh.coord(q)[a] for a in partial_axes):
+            continue
+        want = _region(dst, shape, q)
+        for region, pids in holders.items():
+            tile = _intersect(region, want)
+            if tile is None:
+                continue
+            nbytes = prod(hi - lo for lo, hi in tile) * itemsize
+            if q in pids:
+                sender = q
+            else:
+                # least-loaded replica; among equals, round-robin from this region's turn
+                k = picks[region]
+                picks[region] += 1
+                sender = min(pids, key=lambda p: (load[p], (pids.index(p) - k) % len(pids)))
+                load[sender] += nbytes
+            transfers.append(Transfer(sender, q, tile, nbytes))
+    busiest = max(load.values(), default=0)
+    return Step("send_recv", src.mesh, src.spec, dst.spec, shape, dtype,
+                collective_bytes("send_recv", 2, busiest), busiest,
+                dst_mesh=dst.mesh, transfers=tuple(transfers))
+
+
+def _plan_cross_mesh(src: DistAttr, dst: DistAttr, shape, dtype) -> list[Step]:
+    reduced = _reduced_spec(src.mesh, src.spec, shape)
+    head = _plan_same_mesh(src.mesh, src.spec, reduced, shape, dtype)
+    # Which replicated destination mesh dims receive slices and all-gather them (Alpa's
+    # local all-gather): try every subset, keep the one with the least busiest-sender
+    # p2p bytes, then least total p2p bytes, then least all-gather bytes.
+    replicated = [m for m in dst.mesh.dim_names
+                  if dst.mesh.dim_size(m) > 1 and m not in dst.spec.mesh_dims()]
+    best = None
+    for chosen in itertools.product((False, True), repeat=len(replicated)):
+        split = [m for m, c in zip(replicated, chosen) if c]
+        receive = _receive_spec(dst.mesh, dst.spec, shape, split)
+        if receive is None:
+            continue
+        p2p = _send_recv_step(DistAttr(src.mesh, reduced), DistAttr(dst.mesh, receive),
+                              shape, dtype)
+        tail = _plan_same_mesh(dst.mesh, receive, dst.spec, shape, dtype)
+        remote = sum(t.nbytes for t in p2p.transfers if t.src != t.dst)
+        key = (p2p.bytes, remote, plan_bytes(tail), len(tail))
+        if best is None or key < best[0]:
+            best = (key, [p2p] + tail)
+    return head + best[1]

@@ -1,0 +1,347 @@
+"""Communicators over logical ranks: the interface, byte counters, and a simulated world.
+
+A :class:`Communicator` offers the collectives reshard and training need on *groups*
+(tuples of ranks; a rank's position in the tuple is its coordinate), plus p2p
+send/recv. Every call adds to ``bytes_sent[kind]`` the bytes this rank sends under the
+ring model of :mod:`distgraph.passes.cost_model`, computed from the buffers actually
+passed, so tests can compare a plan's bytes with what ran.
+
+Semantics (identical for every implementation):
+
+- ``all_gather(arr, group, axis)``: concatenation of the members' arrays along ``axis``
+  in group order.
+- ``all_reduce(arr, group, op="sum")``: elementwise sum (or max/min) of the members' arrays.
+- ``reduce_scatter(arr, group, axis)``: the sum, split along ``axis`` into ``len(group)``
+  equal chunks; member i gets chunk i.
+- ``all_to_all(arr, group, split_axis, concat_axis)``: member i splits its array along
+  ``split_axis`` into n chunks and sends chunk j to member j; each member concatenates
+  what it receives along ``concat_axis`` in group order.
+- ``send(arr, dst, tag)`` never blocks (the array is copied); ``wait_sends()`` waits
+  until this rank's sends are delivered. ``recv(shape, dtype, src, tag)`` returns the
+  next message from ``src`` with that tag.
+
+Nothing waits forever: a receive or collective that waits longer than ``timeout``
+seconds (default 60, or the env var ``DISTGRAPH_COMM_TIMEOUT``) raises RuntimeFault
+naming the rank and what it waited for.
+
+:class:`SimulatedWorld` runs N ranks as N threads of one process::
+
+    >>> world = SimulatedWorld(2)
+    >>> world.run(lambda comm: comm.all_reduce(np.array([comm.rank + 1.0]), (0, 1)))
+    [array([3.]), array([3.])]
+
+:class:`MPICommunicator` (module :mod:`distgraph.runtime.mpi_comm`, importable from here)
+runs them over mpi4py.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections import defaultdict, deque
+
+import numpy as np
+
+from distgraph.errors import RuntimeFault
+from distgraph.passes.cost_model import collective_bytes
+
+DEFAULT_TIMEOUT = 60.0
+MAX_TAG = 1 << 14  # user tags are [0, MAX_TAG); MPI's upper tags are kept for internals
+COUNTED_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send_recv")
+REDUCE_OPS = {"sum": np.add, "max": np.maximum, "min": np.minimum}
+
+
+def default_timeout() -> float:
+    """Seconds a receive or collective may wait: $DISTGRAPH_COMM_TIMEOUT, else 60."""
+    raw = os.environ.get("DISTGRAPH_COMM_TIMEOUT")
+    if raw is None:
+        return DEFAULT_TIMEOUT
+    try:
+        value = float(raw)
+    except ValueError:
+        raise RuntimeFault(f"DISTGRAPH_COMM_TIMEOUT={raw!r} is not a number of seconds") from None
+    if value <= 0:
+        raise RuntimeFault(f"DISTGRAPH_COMM_TIMEOUT={raw!r} must be positive")
+    return value
+
+
+class Communicator(ABC):
+    """Collectives and p2p over logical ranks, with per-kind counters of bytes sent.
+
+    Subclasses implement the ``_``-prefixed methods; the public ones validate, handle
+    one-member groups locally and count bytes.
+    """
+
+    def __init__(self, rank: int, size: int, timeout: float | None = None):
+        self.rank = rank
+        self.size = size
+        self.timeout = default_timeout() if timeout is None else float(timeout)
+        self.reset_counters()
+
+    # ---- counters -------------------------------------------------------------------
+    def reset_counters(self) -> None:
+        self.bytes_sent = {k: 0.0 for k in COUNTED_KINDS}
+        self.calls = {k: 0 for k in COUNTED_KINDS}
+
+    @property
+    def total_bytes_sent(self) -> float:
+        return sum(self.bytes_sent.values())
+
+    def _count(self, kind: str, n: int, nbytes: int) -> None:
+        self.calls[kind] += 1
+        self.bytes_sent[kind] += collective_bytes(kind, n, nbytes)
+
+    # ---- validation -----------------------------------------------------------------
+    def _group(self, group, what: str) -> tuple[int, ...]:
+        group = tuple(int(r) for r in group)
+        if len(set(group)) != len(group) or not all(0 <= r < self.size for r in group):
+            raise RuntimeFault(f"rank {self.rank}: {what} on group {group}: a group holds "
+                               f"distinct ranks in [0, {self.size})")
+        if self.rank not in group:
+            raise RuntimeFault(f"rank {self.rank}: {what} on group {group}, which does not "
+                               f"contain this rank; only members call a collective")
+        return group
+
+    def _split_axis(self, arr, axis: int, n: int, what: str) -> int:
+        axis = axis + arr.ndim if axis < 0 else axis
+        if not 0 <= axis < arr.ndim or arr.shape[axis] % n:
+            raise RuntimeFault(f"rank {self.rank}: {what}: axis {axis} of an array of shape "
+                               f"{arr.shape} cannot be split into {n} equal chunks")
+        return axis
+
+    def _peer(self, peer: int, tag: int, what: str) -> None:
+        if not 0 <= peer < self.size:
+            raise RuntimeFault(f"rank {self.rank}: {what} peer {peer} is not a rank in "
+                               f"[0, {self.size})")
+        if not 0 <= tag < MAX_TAG:
+            raise RuntimeFault(f"rank {self.rank}: {what} tag {tag} is outside [0, {MAX_TAG})")
+
+    # ---- public API -------------------------------------------------------------------
+    def all_gather(self, arr, group, axis: int = 0) -> np.ndarray:
+        arr = np.require(arr, requirements="C")  # keeps 0-d arrays 0-d
+        group = self._group(group, "all_gather")
+        axis = axis + arr.ndim if axis < 0 else axis
+        self._count("all_gather", len(group), arr.nbytes * len(group))
+        if len(group) == 1:
+            return arr.copy()
+        return self._all_gather(arr, group, axis)
+
+    def all_reduce(self, arr, group, op: str = "sum") -> np.ndarray:
+        arr = np.require(arr, requirements="C")  # keeps 0-d arrays 0-d
+        group = self._group(group, "all_reduce")
+        if op not in REDUCE_OPS:
+            raise RuntimeFault(f"rank {self.rank}: all_reduce op {op!r}; use one of "
+                               f"{sorted(REDUCE_OPS)}")
+        self._count("all_reduce", len(group), arr.nbytes)
+        if len(group) == 1:
+            return arr.copy()
+        return self._all_reduce(arr, group, op)
+
+    def reduce_scatter(self, arr, group, axis: int = 0) -> np.ndarray:
+        arr = np.require(arr, requirements="C")  # keeps 0-d arrays 0-d
+        group = self._group(group, "reduce_scatter")
+        axis = self._split_axis(arr, axis, len(group), "reduce_scatter")
+        self._count("reduce_scatter", len(group), arr.nbytes)
+        if len(group) == 1:
+            return arr.copy()
+        return self._reduce_scatter(arr, group, axis)
+
+    def all_to_all(self, arr, group, split_axis: int, concat_axis: int) -> np.ndarray:
+        arr = np.require(arr, requirements="C")  # keeps 0-d arrays 0-d
+        group = self._group(group, "all_to_all")
+        split_axis = self._split_axis(arr, split_axis, len(group), "all_to_all")
+        concat_axis = concat_axis + arr.ndim if concat_axis < 0 else concat_axis
+        self._count("all_to_all", len(group), arr.nbytes)
+        if len(group) == 1:
+            return arr.copy()
+        return self._all_to_all(arr, group, split_axis, concat_axis)
+
+    def send(self, arr, dst: int, tag: int = 0) -> None:
+        """Send a copy of ``arr`` to rank ``dst`` without blocking."""
+        self._peer(dst, tag, "send to")
+        arr = np.array(arr, copy=True, order="C")
+        self._count("send_recv", 2, arr.nbytes)
+        self._send(arr, dst, tag)
+
+    def recv(self, shape, dtype, src: int, tag: int = 0) -> np.ndarray:
+        """The next array from rank ``src`` with ``tag``; RuntimeFault after the timeout."""
+        self._peer(src, tag, "recv from")
+        return self._recv(tuple(int(s) for s in shape), np.dtype(dtype), src, tag)
+
+    def wait_sends(self) -> None:
+        """Block (up to the timeout) until this rank's pending sends are delivered."""
+
+    @abstractmethod
+    def barrier(self) -> None: ...
+
+    @abstractmethod
+    def _all_gather(self, arr, group, axis): ...
+
+    @abstractmethod
+    def _all_reduce(self, arr, group, op): ...
+
+    @abstractmethod
+    def _reduce_scatter(self, arr, group, axis): ...
+
+    @abstractmethod
+    def _all_to_all(self, arr, group, split_axis, concat_axis): ...
+
+    @abstractmethod
+    def _send(self, arr, dst, tag): ...
+
+    @abstractmethod
+    def _recv(self, shape, dtype, src, tag): ...
+
+
+# ---- simulated: N threads, one rendezvous world ---------------------------------------
+
+class SimulatedWorld:
+    """N ranks in one process. ``run(fn)`` calls ``fn(comm)`` on N threads and returns the
+    per-rank results, re-raising the first exception (the other ranks then stop waiting
+    and raise RuntimeFault instead of hanging)."""
+
+    def __init__(self, size: int, timeout: float | None = None):
+        if size < 1:
+            raise RuntimeFault(f"SimulatedWorld({size}): a world has at least one rank")
+        self.size = size
+        self._cond = threading.Condition()
+        self._comms = [SimulatedCommunicator(self, r, timeout) for r in range(size)]
+        self._reset()
+
+    def _reset(self) -> None:
+        self._mail: dict = defaultdict(deque)
+        self._slots: dict = {}
+        self._failed: tuple | None = None
+        for comm in self._comms:
+            comm._seq = {}
+
+    def communicator(self, rank: int) -> "SimulatedCommunicator":
+        return self._comms[rank]
+
+    def run(self, fn, *args) -> list:
+        """``[fn(comm_0, *args), ..., fn(comm_{N-1}, *args)]``, each on its own thread."""
+        self._reset()
+        results = [None] * self.size
+
+        def body(rank):
+            try:
+                results[rank] = fn(self._comms[rank], *args)
+            except BaseException as exc:  # noqa: BLE001 - re-raised by run()
+                with self._cond:
+                    if self._failed is None:
+                        self._failed = (rank, exc)
+                    self._cond.notify_all()
+
+        threads = [threading.Thread(target=body, args=(r,), daemon=True,
+                                    name=f"distgraph-sim-rank{r}") for r in range(self.size)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if self._failed is not None:
+            raise self._failed[1]
+        return results
+
+    def _wait(self, ready, rank: int, timeout: float, what) -> None:
+        """Wait on the world condition (held by the caller) until ``ready()``."""
+        deadline = time.monotonic() + timeout
+        while not ready():
+            if self._failed is not None and self._failed[0] != rank:
+                failed, exc = self._failed
+                raise RuntimeFault(f"rank {rank}: stopped waiting for {what()}: rank {failed} "
+                                   f"failed with {type(exc).__name__}: {exc}")
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise RuntimeFault(f"rank {rank}: timed out after {timeout:g} s waiting for "
+                                   f"{what()}; a peer did not make the matching call (check "
+                                   f"that every rank runs the same plan)")
+            self._cond.wait(remaining)
+
+
+class SimulatedCommunicator(Communicator):
+    """One rank of a :class:`SimulatedWorld`; the same semantics as MPI, in threads."""
+
+    def __init__(self, world: SimulatedWorld, rank: int, timeout: float | None = None):
+        super().__init__(rank, world.size, timeout)
+        self._world = world
+        self._seq: dict = {}
+
+    def _exchange(self, kind: str, group, arr, meta=()) -> dict:
+        """Deposit ``arr`` for the next ``kind`` on ``group``; return every member's."""
+        seq = self._seq.get(group, 0)
+        self._seq[group] = seq + 1
+        w = self._world
+        with w._cond:
+            slot = w._slots.setdefault((group, seq), {"call": (kind, meta), "data": {},
+                                                      "left": len(group)})
+            if slot["call"] != (kind, meta):
+                raise RuntimeFault(f"rank {self.rank}: called {kind}{meta} as call #{seq} on "
+                                   f"group {group}, but another member called "
+                                   f"{slot['call'][0]}{slot['call'][1]}; the ranks run "
+                                   f"different plans")
+            slot["data"][self.rank] = None if arr is None else arr.copy()
+            w._cond.notify_all()
+            w._wait(lambda: len(slot["data"]) == len(group), self.rank, self.timeout,
+                    lambda: f"{kind} #{seq} on group {group} (missing ranks "
+                            f"{sorted(set(group) - set(slot['data']))})")
+            data = dict(slot["data"])
+            slot["left"] -= 1
+            if slot["left"] == 0:
+                del w._slots[(group, seq)]
+        return data
+
+    def _all_gather(self, arr, group, axis):
+        data = self._exchange("all_gather", group, arr, (axis,))
+        return np.concatenate([data[r] for r in group], axis=axis)
+
+    def _reduced(self, kind, arr, group, op, meta=()):
+        data = self._exchange(kind, group, arr, (op, *meta))
+        out = data[group[0]].copy()
+        for r in group[1:]:
+            REDUCE_OPS[op](out, data[r], out=out)
+        return out
+
+    def _all_reduce(self, arr, group, op):
+        return self._reduced("all_reduce", arr, group, op)
+
+    def _reduce_scatter(self, arr, group, axis):
+        total = self._reduced("reduce_scatter", arr, group, "sum", (axis,))
+        return np.split(total, len(group), axis=axis)[group.index(self.rank)].copy()
+
+    def _all_to_all(self, arr, group, split_axis, concat_axis):
+        data = self._exchange("all_to_all", group, arr, (split_axis, concat_axis))
+        me = group.index(self.rank)
+        chunks = [np.split(data[r], len(group), axis=split_axis)[me] for r in group]
+        return np.concatenate(chunks, axis=concat_axis)
+
+    def _send(self, arr, dst, tag):
+        w = self._world
+        with w._cond:
+            w._mail[(self.rank, dst, tag)].append(arr)
+            w._cond.notify_all()
+
+    def _recv(self, shape, dtype, src, tag):
+        w = self._world
+        box = (src, self.rank, tag)
+        with w._cond:
+            w._wait(lambda: bool(w._mail[box]), self.rank, self.timeout,
+                    lambda: f"a message from rank {src} with tag {tag} ({shape} {dtype})")
+            arr = w._mail[box].popleft()
+        if arr.shape != shape or arr.dtype != dtype:
+            raise RuntimeFault(f"rank {self.rank}: expected {shape} {dtype} from rank {src} "
+                               f"(tag {tag}) but received {arr.shape} {arr.dtype}")
+        return arr
+
+    def barrier(self) -> None:
+        self._exchange("barrier", tuple(range(self.size)), None)
+
+
+def __getattr__(name):
+    # MPICommunicator lives in its own module so that importing this one never
+    # initialises MPI.
+    if name == "MPICommunicator":
+        from distgraph.runtime.mpi_comm import MPICommunicator
+        return MPICommunicator
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,154 @@
+"""MPICommunicator: the Communicator interface over mpi4py.
+
+Buffer-based (uppercase) nonblocking calls on contiguous numpy arrays, completed by
+polling against a deadline, so that a peer that never arrives turns into a RuntimeFault
+(and, under the launcher's bootstrap, an aborted job) instead of a hang.
+
+Groups run on sub-communicators created on first use with ``Comm.Create_group``, which
+is collective over the group's members only, and cached per communicator instance.
+Before creating one, the members exchange a small handshake under the timeout, so a
+member that never asks for the group is reported rather than waited for.
+
+Example (under ``mpiexec -n 4``)::
+
+    comm = MPICommunicator()
+    x = np.full(2, float(comm.rank))
+    comm.all_gather(x, group=(0, 2) if comm.rank % 2 == 0 else (1, 3))
+"""
+
+from __future__ import annotations
+
+import time
+import zlib
+
+import numpy as np
+
+from distgraph.errors import RuntimeFault
+from distgraph.runtime.comm import MAX_TAG, Communicator
+
+_HANDSHAKE_TAG = MAX_TAG + 1
+_CREATE_TAG = MAX_TAG + 2
+
+
+class MPICommunicator(Communicator):
+    """A Communicator over an mpi4py communicator (default ``MPI.COMM_WORLD``)."""
+
+    def __init__(self, comm=None, timeout: float | None = None):
+        from mpi4py import MPI
+
+        self._MPI = MPI
+        self._comm = MPI.COMM_WORLD if comm is None else comm
+        super().__init__(self._comm.Get_rank(), self._comm.Get_size(), timeout)
+        self._subcomms: dict = {}
+        self._pending: list = []
+        self._ops = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
+
+    # ---- waiting with a deadline -----------------------------------------------------
+    def _wait(self, requests, what: str, receives=()) -> None:
+        """Poll ``requests`` until done; on timeout cancel ``receives`` (so MPI never
+        writes into a buffer given up on) and raise RuntimeFault."""
+        deadline = time.monotonic() + self.timeout
+        delay = 0.0
+        while True:
+            try:
+                done = self._MPI.Request.Testall(requests)
+            except self._MPI.Exception as exc:
+                raise RuntimeFault(f"rank {self.rank}: MPI error while waiting for {what}: "
+                                   f"{exc}") from None
+            if done:
+                return
+            if time.monotonic() > deadline:
+                for req in receives:
+                    if req != self._MPI.REQUEST_NULL:
+                        req.Cancel()
+                        req.Wait()
+                raise RuntimeFault(f"rank {self.rank}: timed out after {self.timeout:g} s "
+                                   f"waiting for {what}; a peer did not make the matching "
+                                   f"call (check that every rank runs the same plan)")
+            time.sleep(delay)
+            delay = min(delay * 2 or 1e-5, 1e-3)
+
+    # ---- sub-communicators -------------------------------------------------------------
+    def _sub(self, group: tuple[int, ...]):
+        if group == tuple(range(self.size)):
+            return self._comm
+        sub = self._subcomms.get(group)
+        if sub is None:
+            self._handshake(group)
+            world_group = self._comm.Get_group()
+            mpi_group = world_group.Incl(list(group))
+            sub = self._comm.Create_group(mpi_group, tag=_CREATE_TAG)
+            mpi_group.Free()
+            world_group.Free()
+            self._subcomms[group] = sub
+        return sub
+
+    def _handshake(self, group) -> None:
+        token = np.array([len(group), zlib.crc32(repr(group).encode())], dtype=np.int64)
+        peers = [r for r in group if r != self.rank]
+        inbox = {r: np.empty(2, dtype=np.int64) for r in peers}
+        sends = [self._comm.Isend(token, dest=r, tag=_HANDSHAKE_TAG) for r in peers]
+        recvs = [self._comm.Irecv(inbox[r], source=r, tag=_HANDSHAKE_TAG) for r in peers]
+        self._wait(recvs, f"the members of group {group} to set it up (some rank never "
+                          f"called a collective on this group)", receives=recvs)
+        self._wait(sends, f"the members of group {group} to take the set-up message")
+        for r, got in inbox.items():
+            if not np.array_equal(got, token):
+                raise RuntimeFault(f"rank {self.rank}: set up group {group} while rank {r} "
+                                   f"set up a different group; the ranks run collectives "
+                                   f"in different orders")
+
+    # ---- collectives --------------------------------------------------------------------
+    def _all_gather(self, arr, group, axis):
+        out = np.empty((len(group),) + arr.shape, dtype=arr.dtype)
+        self._wait([self._sub(group).Iallgather(arr, out)], f"all_gather on group {group}")
+        return np.concatenate(list(out), axis=axis)
+
+    def _all_reduce(self, arr, group, op):
+        out = np.empty_like(arr)
+        self._wait([self._sub(group).Iallreduce(arr, out, op=self._ops[op])],
+                   f"all_reduce on group {group}")
+        return out
+
+    def _reduce_scatter(self, arr, group, axis):
+        send = np.ascontiguousarray(np.stack(np.split(arr, len(group), axis=axis)))
+        out = np.empty(send.shape[1:], dtype=arr.dtype)
+        self._wait([self._sub(group).Ireduce_scatter_block(send, out, op=self._MPI.SUM)],
+                   f"reduce_scatter on group {group}")
+        return out
+
+    def _all_to_all(self, arr, group, split_axis, concat_axis):
+        send = np.ascontiguousarray(np.stack(np.split(arr, len(group), axis=split_axis)))
+        out = np.empty_like(send)
+        self._wait([self._sub(group).Ialltoall(send, out)], f"all_to_all on group {group}")
+        return np.concatenate(list(out), axis=concat_axis)
+
+    def barrier(self) -> None:
+        self.wait_sends()
+        self._wait([self._comm.Ibarrier()], "a barrier of all ranks")
+
+    # ---- point to point -----------------------------------------------------------------
+    def _send(self, arr, dst, tag):
+        self._pending = [p for p in self._pending if not p[0].Test()]
+        self._pending.append((self._comm.Isend(arr, dest=dst, tag=tag), arr, dst, tag))
+
+    def wait_sends(self) -> None:
+        if self._pending:
+            targets = sorted({(p[2], p[3]) for p in self._pending})
+            self._wait([p[0] for p in self._pending],
+                       f"rank(s)/tag(s) {targets} to receive this rank's sends")
+            self._pending = []
+
+    def _recv(self, shape, dtype, src, tag):
+        out = np.empty(shape, dtype=dtype)
+        req = self._comm.Irecv(out, source=src, tag=tag)
+        self._wait([req], f"a message from rank {src} with tag {tag} ({shape} {dtype})",
+                   receives=[req])
+        return out
+
+    def free(self) -> None:
+        """Wait for pending sends and free the cached sub-communicators."""
+        self.wait_sends()
+        for sub in self._subcomms.values():
+            sub.Free()
+        self._subcomms = {}

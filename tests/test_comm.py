@@ -1,0 +1,163 @@
+import subprocess
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from distgraph.errors import RuntimeFault
+from distgraph.passes.cost_model import collective_bytes, collective_time
+from distgraph.runtime.comm import SimulatedWorld, default_timeout
+from distgraph.runtime.launcher import launch_command, rank_env
+
+SCRIPT = Path(__file__).parent / "mpi_scripts" / "comm_checks.py"
+
+
+def value(rank, shape=(4, 6)):
+    return np.arange(np.prod(shape), dtype=np.float64).reshape(shape) * (rank + 1)
+
+
+@pytest.mark.parametrize("group", [(0, 1, 2, 3), (3, 1), (2,)])
+def test_simulated_collectives_match_numpy(group):
+    n = len(group)
+
+    def body(comm):
+        if comm.rank not in group:
+            return None
+        x = value(comm.rank)
+        me = group.index(comm.rank)
+        total = sum(value(g) for g in group)
+        assert np.array_equal(comm.all_gather(x, group, axis=1),
+                              np.concatenate([value(g) for g in group], axis=1))
+        assert np.array_equal(comm.all_reduce(x, group), total)
+        assert np.array_equal(comm.all_reduce(x, group, op="max"), value(max(group)))
+        assert np.array_equal(comm.reduce_scatter(x, group, axis=0),
+                              np.split(total, n, axis=0)[me])
+        y = value(comm.rank, (4, 4))
+        want = np.concatenate([np.split(value(g, (4, 4)), n, axis=1)[me] for g in group],
+                              axis=0)
+        assert np.array_equal(comm.all_to_all(y, group, split_axis=1, concat_axis=0), want)
+        return dict(comm.bytes_sent)
+
+    results = SimulatedWorld(4, timeout=20).run(body)
+    b = value(0).nbytes
+    expected = {"all_gather": collective_bytes("all_gather", n, n * b),
+                "all_reduce": 2 * collective_bytes("all_reduce", n, b),
+                "reduce_scatter": collective_bytes("reduce_scatter", n, b),
+                "all_to_all": collective_bytes("all_to_all", n, value(0, (4, 4)).nbytes),
+                "send_recv": 0.0}
+    for rank in group:
+        assert results[rank] == expected
+
+
+def test_simulated_p2p_counts_and_orders_messages():
+    def body(comm):
+        right, left = (comm.rank + 1) % 3, (comm.rank - 1) % 3
+        comm.send(np.full((2, 2), comm.rank), right, tag=1)
+        comm.send(np.full(3, 10.0 * comm.rank), right, tag=2)
+        comm.send(np.full(3, 20.0 * comm.rank), right, tag=2)
+        a = comm.recv((3,), np.float64, left, tag=2)
+        b = comm.recv((3,), np.float64, left, tag=2)
+        c = comm.recv((2, 2), np.int64, left, tag=1)
+        comm.wait_sends()
+        comm.barrier()
+        return a[0], b[0], c[0, 0], comm.bytes_sent["send_recv"], comm.calls["send_recv"]
+
+    out = SimulatedWorld(3, timeout=20).run(body)
+    assert out[0] == (20.0, 40.0, 2, 32 + 24 + 24, 3)
+
+
+def test_simulated_recv_timeout_names_rank_and_message():
+    world = SimulatedWorld(2, timeout=0.3)
+    with pytest.raises(RuntimeFault, match=r"rank 1: timed out after 0.3 s waiting for a "
+                                           r"message from rank 0 with tag 5"):
+        world.run(lambda comm: comm.recv((2,), "float64", 0, tag=5) if comm.rank else None)
+
+
+def test_simulated_collective_timeout_names_missing_ranks():
+    world = SimulatedWorld(3, timeout=0.3)
+    with pytest.raises(RuntimeFault, match=r"all_reduce #0 on group \(0, 1, 2\) \(missing "
+                                           r"ranks \[2\]\)"):
+        world.run(lambda comm: comm.all_reduce(np.ones(2), (0, 1, 2)) if comm.rank < 2 else 0)
+
+
+def test_simulated_mismatched_collectives_raise():
+    world = SimulatedWorld(2, timeout=20)
+
+    def body(comm):
+        if comm.rank == 0:
+            return comm.all_reduce(np.ones(2), (0, 1))
+        return comm.all_gather(np.ones(2), (0, 1))
+
+    with pytest.raises(RuntimeFault, match="different plans"):
+        world.run(body)
+
+
+def test_simulated_failure_on_one_rank_releases_the_others():
+    world = SimulatedWorld(4, timeout=30)
+    released = []
+
+    def body(comm):
+        if comm.rank == 2:
+            raise ValueError("boom on rank 2")
+        try:
+            comm.barrier()
+        except RuntimeFault as exc:
+            released.append(str(exc))
+            raise
+
+    with pytest.raises(ValueError, match="boom on rank 2"):
+        world.run(body)
+    assert len(released) == 3 and all("rank 2 failed" in m for m in released)
+    # the world is reusable after a failure
+    assert world.run(lambda comm: comm.rank) == [0, 1, 2, 3]
+    assert threading.active_count() < 20
+
+
+def test_bad_calls_raise_runtime_fault():
+    def body(comm):
+        with pytest.raises(RuntimeFault, match="does not contain this rank"):
+            comm.all_reduce(np.ones(2), (1 - comm.rank,))
+        with pytest.raises(RuntimeFault, match="cannot be split into 2"):
+            comm.reduce_scatter(np.ones(3), (0, 1))
+        with pytest.raises(RuntimeFault, match="distinct ranks"):
+            comm.all_gather(np.ones(3), (0, 0))
+        with pytest.raises(RuntimeFault, match="tag"):
+            comm.send(np.ones(1), 1 - comm.rank, tag=-1)
+        with pytest.raises(RuntimeFault, match="op 'mean'"):
+            comm.all_reduce(np.ones(2), (0, 1), op="mean")
+
+    SimulatedWorld(2, timeout=5).run(body)
+
+
+def test_default_timeout_from_environment(monkeypatch):
+    monkeypatch.delenv("DISTGRAPH_COMM_TIMEOUT", raising=False)
+    assert default_timeout() == 60.0
+    monkeypatch.setenv("DISTGRAPH_COMM_TIMEOUT", "2.5")
+    assert default_timeout() == 2.5
+    assert SimulatedWorld(1).communicator(0).timeout == 2.5
+    monkeypatch.setenv("DISTGRAPH_COMM_TIMEOUT", "soon")
+    with pytest.raises(RuntimeFault, match="DISTGRAPH_COMM_TIMEOUT"):
+        default_timeout()
+
+
+def test_cost_formulas():
+    assert collective_bytes("all_gather", 4, 4096) == 3072
+    assert collective_bytes("reduce_scatter", 4, 4096) == 3072
+    assert collective_bytes("all_reduce", 4, 4096) == 6144
+    assert collective_bytes("all_to_all", 4, 4096) == 3072
+    assert collective_bytes("send_recv", 2, 100) == 100
+    assert collective_bytes("slice", 4, 100) == 0
+    assert collective_bytes("all_reduce", 1, 100) == 0
+    t = collective_time("all_gather", 4, 4e9, bandwidth_GBps=1, latency_us=10)
+    assert t == pytest.approx(3 * 10e-6 + 3.0)
+    assert collective_time("all_reduce", 4, 4e9, 1, 10) == pytest.approx(2 * t)
+    assert collective_time("send_recv", 2, 1e9, 2, 5) == pytest.approx(5e-6 + 0.5)
+
+
+@pytest.mark.mpi
+def test_mpi_communicator_on_four_ranks():
+    proc = subprocess.run(launch_command(4, [str(SCRIPT)]), env=rank_env(),
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert "comm-mpi OK" in proc.stdout

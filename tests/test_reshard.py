@@ -1,0 +1,223 @@
+import importlib.util
+import math
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from distgraph.errors import ShardingError
+from distgraph.mesh import ProcessMesh
+from distgraph.passes.cost_model import collective_bytes
+from distgraph.passes.reshard import format_plan, plan_bytes, plan_reshard
+from distgraph.placement import DistAttr, ShardSpec
+from distgraph.runtime.comm import SimulatedWorld
+from distgraph.runtime.launcher import launch_command, rank_env
+
+SCRIPT = Path(__file__).parent / "mpi_scripts" / "reshard_cases.py"
+_spec = importlib.util.spec_from_file_location("reshard_cases", SCRIPT)
+cases = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(cases)
+
+M22 = ProcessMesh([[0, 1], [2, 3]], ["x", "y"])
+M4 = ProcessMesh([0, 1, 2, 3], ["x"])
+
+
+def plan(src_spec, dst_spec, shape, src_mesh=M22, dst_mesh=None, dtype="float32"):
+    return plan_reshard(DistAttr(src_mesh, src_spec), DistAttr(dst_mesh or src_mesh, dst_spec),
+                        shape, dtype)
+
+
+class HypothesisDraw:
+    def __init__(self, data):
+        self.data = data
+
+    def choice(self, seq):
+        return self.data.draw(st.sampled_from(list(seq)))
+
+    def perm(self, seq):
+        return self.data.draw(st.permutations(list(seq)))
+
+
+# ---- the same-mesh table, one row at a time ---------------------------------------------
+
+@pytest.mark.parametrize("src, dst, kind, nbytes", [
+    (ShardSpec(["x", None]), ShardSpec([None, None]), "all_gather", 3 * 16 * 4),
+    (ShardSpec([None, None]), ShardSpec([None, "x"]), "slice", 0),
+    (ShardSpec([None, None], "x"), ShardSpec([None, None]), "all_reduce", 2 * 3 / 4 * 64 * 4),
+    (ShardSpec([None, None], "x"), ShardSpec(["x", None]), "reduce_scatter", 3 / 4 * 64 * 4),
+    (ShardSpec(["x", None]), ShardSpec([None, "x"]), "all_to_all", 3 / 4 * 16 * 4),
+    (ShardSpec([None, None]), ShardSpec([None, None], "x"), "make_partial", 0),
+])
+def test_single_step_per_table_row(src, dst, kind, nbytes):
+    steps = plan(src, dst, (8, 8), src_mesh=M4)
+    assert [s.kind for s in steps] == [kind]
+    assert steps[0].bytes == nbytes and plan_bytes(steps) == nbytes
+    assert steps[0].mesh_dim == "x" and steps[0].group_size == 4
+
+
+def test_identical_attrs_need_no_steps():
+    assert plan(ShardSpec(["x", "y"]), ShardSpec(["x", "y"]), (4, 4)) == []
+
+
+def test_step_str_and_fields():
+    (step,) = plan(ShardSpec(["x", None]), ShardSpec([None, None]), (16, 16))
+    assert str(step) == "all_gather(x) dim0 n=2 512B"
+    assert (step.tensor_dim, step.buffer_bytes, step.before, step.after) == \
+        (0, 1024, ShardSpec(["x", None]), ShardSpec([None, None]))
+    (a2a,) = plan(ShardSpec(["x", None]), ShardSpec([None, "x"]), (4, 4))
+    assert str(a2a) == "all_to_all(x) dim0->dim1 n=2 16B"
+    assert (a2a.tensor_dim, a2a.to_tensor_dim) == (0, 1)
+    assert "all_gather(x)" in format_plan([step]) and format_plan([]) == "(no steps)"
+
+
+def test_tuple_entry_order_is_respected():
+    # (x, y) -> (y, x): no single step applies; the plan must end at the exact order
+    steps = plan(ShardSpec([("x", "y"), None]), ShardSpec([("y", "x"), None]), (8, 4))
+    assert steps[-1].after == ShardSpec([("y", "x"), None])
+    for a, b in zip(steps, steps[1:]):
+        assert a.after == b.before
+    # only the minor-most mesh dim of an entry is ever gathered
+    (step,) = plan(ShardSpec([("x", "y")]), ShardSpec(["x"]), (8,))
+    assert (step.kind, step.mesh_dim) == ("all_gather", "y")
+
+
+def test_plans_respect_divisibility_of_every_intermediate():
+    for step in plan(ShardSpec(["x", "y"]), ShardSpec(["y", "x"]), (2, 2)):
+        step.src_attr.local_shape(step.shape)
+        step.dst_attr.local_shape(step.shape)
+
+
+def test_invalid_endpoints_raise_sharding_error():
+    with pytest.raises(ShardingError, match="reshard source.*not divisible"):
+        plan(ShardSpec(["x"]), ShardSpec([None]), (3,))
+    with pytest.raises(ShardingError, match="reshard destination.*2 entries for a 1-d"):
+        plan(ShardSpec([None]), ShardSpec([None, None]), (4,))
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.data())
+def test_moving_one_mesh_dim_between_tensor_dims_is_one_all_to_all(data):
+    draw = HypothesisDraw(data)
+    mesh = cases.draw_mesh(draw, 8)
+    ndim = draw.choice([2, 3])
+    base = cases.draw_spec(draw, mesh, ndim)
+    free = [m for m in mesh.dim_names if m not in base.mesh_dims()]
+    if not free:
+        return
+    m = draw.choice(free)
+    i, j = draw.perm(range(ndim))[:2]
+    entries = [list(base.entry(d)) for d in range(ndim)]
+    src = ShardSpec([tuple(e + [m]) if d == i else tuple(e) for d, e in enumerate(entries)],
+                    base.partial)
+    dst = ShardSpec([tuple(e + [m]) if d == j else tuple(e) for d, e in enumerate(entries)],
+                    base.partial)
+    shape = tuple(math.lcm(DistAttr(mesh, src).parts(d), DistAttr(mesh, dst).parts(d))
+                  for d in range(ndim))
+    steps = plan(src, dst, shape, src_mesh=mesh)
+    if mesh.dim_size(m) > 1:
+        assert [(s.kind, s.mesh_dim, s.tensor_dim, s.to_tensor_dim) for s in steps] == \
+            [("all_to_all", m, i, j)]
+
+
+# ---- cross mesh --------------------------------------------------------------------------
+
+def test_cross_mesh_local_all_gather_and_balanced_senders():
+    src = DistAttr(ProcessMesh([[0, 1], [2, 3]], ["x", "y"]), ShardSpec(["x", None]))
+    dst = DistAttr(ProcessMesh([[4, 5], [6, 7]], ["a", "b"]), ShardSpec(["a", None]))
+    steps = plan_reshard(src, dst, (8, 8), "float64")
+    assert [s.kind for s in steps] == ["send_recv", "all_gather"]
+    p2p, gather = steps
+    assert (gather.mesh_dim, gather.mesh) == ("b", dst.mesh)
+    # every destination process receives a distinct quarter once (no duplicate tiles)
+    assert sorted(t.dst for t in p2p.transfers) == [4, 5, 6, 7]
+    assert all(t.nbytes == 2 * 8 * 8 for t in p2p.transfers)
+    # the two replicas of each source block share the sending
+    assert sorted(t.src for t in p2p.transfers) == [0, 1, 2, 3]
+    assert p2p.bytes == 128 and str(p2p) == "send_recv 4 tiles max 128B"
+
+
+def test_cross_mesh_reduces_partial_inside_the_source_first():
+    src = DistAttr(ProcessMesh([0, 1], ["x"]), ShardSpec([None, None], "x"))
+    dst = DistAttr(ProcessMesh([2, 3, 4], ["z"]), ShardSpec([None, "z"]))
+    steps = plan_reshard(src, dst, (4, 6))
+    assert steps[0].kind == "reduce_scatter" and steps[0].mesh == src.mesh
+    assert steps[1].kind == "send_recv" and steps[1].dst_mesh == dst.mesh
+
+
+def test_cross_mesh_partial_destination_receives_on_coordinate_zero_only():
+    src = DistAttr(ProcessMesh([0], ["x"]), ShardSpec([None]))
+    dst = DistAttr(ProcessMesh([1, 2], ["p"]), ShardSpec([None], "p"))
+    (step,) = plan_reshard(src, dst, (4,))
+    assert [(t.src, t.dst) for t in step.transfers] == [(0, 1)]
+
+
+def test_same_processes_other_names_plan_on_one_mesh():
+    other = ProcessMesh([[0, 1], [2, 3]], ["a", "b"])
+    steps = plan(ShardSpec(["x", None]), ShardSpec([None, "a"]), (4, 4), dst_mesh=other)
+    assert [s.kind for s in steps] == ["all_to_all"]
+
+
+# ---- bytes: plan = cost formula = communicator counters, and exact results ------------------
+
+def formula_bytes(step) -> float:
+    """The cost formula with B recomputed from the step's before/after layouts."""
+    itemsize = np.dtype(step.dtype).itemsize
+    before = math.prod(step.src_attr.local_shape(step.shape)) * itemsize
+    after = math.prod(step.dst_attr.local_shape(step.shape)) * itemsize
+    if step.kind == "send_recv":
+        return max((step.bytes_sent_by(p) for p in step.mesh.process_ids), default=0.0)
+    buffer = {"all_gather": after}.get(step.kind, before)
+    return collective_bytes(step.kind, step.group_size, buffer)
+
+
+def check_plan_bytes(steps):
+    for step in steps:
+        assert math.isclose(step.bytes, formula_bytes(step), abs_tol=1e-9), str(step)
+    for step in steps:
+        if step.kind == "send_recv":
+            for t in step.transfers:
+                assert t.nbytes == math.prod(t.shape) * np.dtype(step.dtype).itemsize
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data())
+def test_random_reshards_are_exact_and_count_the_planned_bytes(data):
+    src, dst, shape = cases.draw_case(HypothesisDraw(data), 8)
+    steps = plan_reshard(src, dst, shape, "float64")
+    check_plan_bytes(steps)
+    for a, b in zip(steps, steps[1:]):
+        assert a.after == b.before or a.kind == "send_recv" or b.kind == "send_recv"
+    full = cases.global_tensor(shape)
+    locals_ = cases.make_locals(src, full)
+    world = SimulatedWorld(8, timeout=30)
+    results = world.run(lambda comm: cases.run_steps(steps, locals_.get(comm.rank), comm,
+                                                     comm.rank))
+    cases.check_case(src, dst, shape, dict(enumerate(results)), steps)
+
+
+def test_rank_of_maps_process_ids_to_ranks():
+    mesh = ProcessMesh([[10, 11], [12, 13]], ["x", "y"])
+    other = ProcessMesh([20, 21], ["z"])
+    src, dst = DistAttr(mesh, ShardSpec(["x", "y"], ())), DistAttr(other, ShardSpec([None, "z"]))
+    steps = plan_reshard(src, dst, (4, 4), "float64")
+    full = cases.global_tensor((4, 4))
+    locals_ = cases.make_locals(src, full)
+    pids = [10, 11, 12, 13, 20, 21]
+    rank_of = {p: r for r, p in enumerate(pids)}
+    results = SimulatedWorld(6, timeout=30).run(
+        lambda comm: cases.run_steps(steps, locals_.get(pids[comm.rank]), comm,
+                                     pids[comm.rank], rank_of))
+    cases.check_case(src, dst, (4, 4), dict(zip(pids, results)), steps)
+
+
+@pytest.mark.mpi
+def test_fixed_cases_on_four_mpi_ranks():
+    proc = subprocess.run(launch_command(4, [str(SCRIPT)]), env=rank_env(),
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert "reshard-mpi OK 47 cases" in proc.stdout
+    for kind in ("all_to_all", "reduce_scatter", "send_recv", "make_partial"):
+        assert kind in proc.stdout

@@ -172,7 +172,12 @@ def format_plan(steps) -> str:
 
 
 def plan_reshard(src: DistAttr, dst: DistAttr, shape, dtype="float32") -> list[Step]:
-    """Steps that turn a tensor of global ``shape`` laid out as ``src`` into ``dst``."""
+    """Steps that turn a tensor of global ``shape`` laid out as ``src`` into ``dst``.
+
+    Both attrs are validated first (ShardingError naming the side, shape, spec, mesh).
+    Meshes with the same ids and shape but other dim names are planned as one mesh: the
+    steps then name ``src.mesh`` and its dims. ``dtype`` sets the bytes of every step.
+    """
     shape = tuple(int(s) for s in shape)
     dtype = np.dtype(dtype).name
     src.spec.validate(src.mesh, shape, "reshard source")

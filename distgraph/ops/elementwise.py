@@ -314,6 +314,10 @@ class Dropout:
         keep = ctx.xp.asarray(keep)
         return x * keep * x.dtype.type(1.0 / (1.0 - p)), keep
 
+    def localize(attrs, site):
+        return attrs, {"out_global_shape": tuple(site.out_shapes[0]),
+                       "out_slices": site.out_slices(0)}
+
     def grad(op, dz, dmask=None):
         return [emit1("dropout_grad", [op.outputs[1], dz], {"p": op.attrs["p"]})]
 

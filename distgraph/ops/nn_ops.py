@@ -177,6 +177,11 @@ class Embedding:
         out *= inside[..., None]
         return out
 
+    def localize(attrs, site):
+        rows = site.in_slices(1)[0]
+        split = rows.stop - rows.start != site.in_shapes[1][0]
+        return {**attrs, "vocab_start": rows.start if split else None}, {}
+
     def grad(op, dz):
         ids, table = op.inputs
         return [None, emit1("embedding_grad", [ids, dz],
@@ -197,6 +202,12 @@ class EmbeddingGrad:
         out = xp.zeros((vocab_size, dy.shape[-1]), dtype=dy.dtype)
         xp.add.at(out, flat[inside], rows[inside])
         return out
+
+    def localize(attrs, site):
+        rows = site.out_slices(0)[0]
+        split = rows.stop - rows.start != site.out_shapes[0][0]
+        return {**attrs, "vocab_size": rows.stop - rows.start,
+                "vocab_start": rows.start if split else None}, {}
 
 
 # -- softmax cross-entropy ----------------------------------------------------------------------

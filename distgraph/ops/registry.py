@@ -16,6 +16,9 @@ An entry is written as a class and registered by a one-line decorator::
 ``spmd`` (the sharding rule) is required: an op without one cannot be registered.
 ``grad`` may be omitted only with ``differentiable=False``.
 ``inplace`` lists (output index, input index) pairs whose kernel writes into the input.
+``localize(attrs, site) -> (attrs, ctx)`` (optional) adapts an op to run on local shards:
+shape attributes become local, a vocabulary shard learns its first row, a random op
+learns which slice of the global tensor it draws (``site`` is a :class:`LocalSite`).
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ class OpDef:
     flops: Callable
     inplace: tuple = ()
     differentiable: bool = True
+    localize: Callable | None = None
 
 
 _REGISTRY: dict[str, OpDef] = {}
@@ -71,7 +75,7 @@ def register_op(op_type: str, *, spmd, inplace=(), differentiable=True):
                                  "if it has no gradient")
         flops = members.get("flops", _zero_flops)
         _REGISTRY[op_type] = OpDef(op_type, members["infer"], members["kernel"], grad, spmd,
-                                   flops, tuple(inplace), differentiable)
+                                   flops, tuple(inplace), differentiable, members.get("localize"))
         return cls
 
     return wrap
@@ -115,3 +119,24 @@ class KernelContext:
     step: int = 0
     out_global_shape: tuple | None = None
     out_slices: tuple | None = None
+
+
+@dataclass(frozen=True)
+class LocalSite:
+    """Where one op runs in a partitioned program: the process, and the global shape and
+    DistAttr of each operand (as consumed) and result (as produced)."""
+
+    process_id: int
+    in_shapes: tuple
+    in_attrs: tuple
+    out_shapes: tuple
+    out_attrs: tuple
+
+    def out_local_shape(self, j: int = 0) -> tuple:
+        return self.out_attrs[j].local_shape(self.out_shapes[j])
+
+    def out_slices(self, j: int = 0) -> tuple:
+        return self.out_attrs[j].local_slices(self.out_shapes[j], self.process_id)
+
+    def in_slices(self, i: int) -> tuple:
+        return self.in_attrs[i].local_slices(self.in_shapes[i], self.process_id)

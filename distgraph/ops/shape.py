@@ -123,6 +123,9 @@ class Reshape:
     def kernel(ctx, x, shape):
         return x.reshape(shape)
 
+    def localize(attrs, site):
+        return {**attrs, "shape": site.out_local_shape()}, {}
+
     def grad(op, dz):
         return [reshape(dz, list(op.inputs[0].shape))]
 
@@ -195,6 +198,9 @@ class BroadcastTo:
 
     def kernel(ctx, x, shape):
         return ctx.xp.ascontiguousarray(ctx.xp.broadcast_to(x, shape))
+
+    def localize(attrs, site):
+        return {**attrs, "shape": site.out_local_shape()}, {}
 
     def grad(op, dz):
         from distgraph.ops.common import reduce_to_shape
@@ -330,6 +336,9 @@ class SliceGrad:
             index[a] = slice(s, e)
         out[tuple(index)] = dy
         return out
+
+    def localize(attrs, site):
+        return {**attrs, "shape": site.out_local_shape()}, {}
 
 
 def slice_(x, axes, starts, ends):

@@ -1,0 +1,218 @@
+"""Partition: one local program per logical process, with its reshard points.
+
+For process ``p`` the local program holds the ops whose mesh contains ``p``, on local
+shapes (an op whose sharded form differs adapts through its registry ``localize``).
+Wherever a consumer wants an operand laid out differently from how its producer made it
+(``op.dist_attr.input_specs[i]`` vs ``value.dist_attr``), a :class:`ReshardPoint` with the
+steps of :func:`plan_reshard` is placed before the consumer — in the programs of every
+process of the source and destination meshes, at the same place of the global op order,
+so all processes meet their collectives and messages in one order. A value resharded
+once to a given layout is reused by every later consumer that wants that layout.
+
+Example::
+
+    local = partition(completed_program, process_id=1)
+    print(local.pretty())
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from distgraph.errors import PlanError
+from distgraph.ir import Operation, Program, Value
+from distgraph.mesh import ProcessMesh
+from distgraph.ops.registry import LocalSite, get_op
+from distgraph.passes.reshard import plan_bytes, plan_reshard
+from distgraph.placement import DistAttr, ShardSpec
+
+
+@dataclass(frozen=True)
+class ReshardPoint:
+    """Reshard ``value`` from ``src`` to ``dst``. ``reads`` is the local name of the
+    source held by this process (empty if it holds none); ``writes`` the local name of
+    the result (empty if it is not in the destination). ``seq`` numbers the points in
+    the global program order, the same on every process (it tags their messages)."""
+
+    value: str
+    src: DistAttr
+    dst: DistAttr
+    shape: tuple
+    dtype: str
+    steps: tuple
+    reads: tuple
+    writes: tuple
+    seq: int = 0
+
+    @property
+    def bytes(self) -> float:
+        return plan_bytes(self.steps)
+
+    def __str__(self) -> str:
+        steps = "; ".join(map(str, self.steps)) or "local"
+        return f"reshard {self.value}: {self.src.spec} -> {self.dst.spec} [{steps}]"
+
+
+@dataclass
+class LocalProgram:
+    """What one process runs: ``program`` on local shapes, ``comm_points[i]`` before its
+    op i (``len(ops)``: after the last), ``op_context`` for kernels that need it."""
+
+    process_id: int
+    program: Program
+    comm_points: dict = field(default_factory=dict)
+    op_context: dict = field(default_factory=dict)
+
+    def points(self) -> list:
+        return [p for i in sorted(self.comm_points) for p in self.comm_points[i]]
+
+    def pretty(self) -> str:
+        lines = [f"process {self.process_id}: {len(self.program.ops)} ops, "
+                 f"{len(self.points())} reshard points"]
+        for i, op in enumerate(self.program.ops + [None]):
+            for p in self.comm_points.get(i, ()):
+                lines.append(f"  {p}")
+            if op is not None:
+                ins = ", ".join(v.type_str() for v in op.inputs)
+                outs = ", ".join(v.type_str() for v in op.outputs)
+                lines.append(f"  {op.type}({ins}) -> {outs}")
+        return "\n".join(lines)
+
+
+def process_ids(program: Program) -> list[int]:
+    """Every process id any op or value of a completed program lives on."""
+    ids = set()
+    for op in program.ops:
+        ids.update(op.dist_attr.mesh.process_ids)
+    for v in program.values.values():
+        ids.update(v.dist_attr.mesh.process_ids)
+    return sorted(ids)
+
+
+def world_mesh(program: Program) -> ProcessMesh:
+    return ProcessMesh(process_ids(program), dim_names=["world"])
+
+
+def _local_view_only(src: DistAttr, dst: DistAttr) -> bool:
+    """A replicated value read on a sub-mesh of its own processes needs no message."""
+    replicated = all(e is None for e in src.spec.dims) and not src.spec.partial
+    return (replicated and all(e is None for e in dst.spec.dims) and not dst.spec.partial
+            and set(dst.mesh.process_ids) <= set(src.mesh.process_ids))
+
+
+class _Partitioner:
+    def __init__(self, program: Program, pid: int):
+        if any(op.dist_attr is None for op in program.ops):
+            raise PlanError("partition needs a completed program: call dg.passes.complete first")
+        self.g, self.pid = program, pid
+        self.local = Program()
+        self.points: dict[int, list] = {}
+        self.cache: dict = {}
+        self.plans: dict = {}
+
+    def held(self, v: Value) -> bool:
+        return self.pid in v.dist_attr.mesh
+
+    def local_value(self, v: Value, name=None, attr: DistAttr | None = None) -> Value:
+        name = name or v.name
+        if name not in self.local.values:
+            attr = attr or v.dist_attr
+            self.local.add_value(Value(name, attr.local_shape(v.shape), v.dtype,
+                                       v.is_parameter, v.persistable, v.role, v.alias_of,
+                                       v.annotation, attr))
+        return self.local.values[name]
+
+    def reshard(self, v: Value, dst: DistAttr) -> str | None:
+        """Place a reshard point (once per value and layout); the local name of the result."""
+        key = (v.name, dst)
+        if key in self.cache:
+            return self.cache[key]
+        src = v.dist_attr
+        name = f"{v.name}@{len([k for k in self.cache if k[0] == v.name])}"
+        if self.pid in src.mesh or self.pid in dst.mesh:
+            plan_key = (src, dst, v.shape, v.dtype)
+            if plan_key not in self.plans:
+                self.plans[plan_key] = (() if _local_view_only(src, dst)
+                                        else tuple(plan_reshard(src, dst, v.shape, v.dtype)))
+            steps = self.plans[plan_key]
+            reads = (v.name,) if self.held(v) else ()
+            writes = (name,) if self.pid in dst.mesh else ()
+            if writes:
+                self.local_value(v, name, dst)
+            self.points.setdefault(len(self.local.ops), []).append(
+                ReshardPoint(v.name, src, dst, tuple(v.shape), v.dtype, steps, reads, writes,
+                             len(self.cache)))
+        self.cache[key] = name
+        return name
+
+    def run(self) -> LocalProgram:
+        for v in self.g.inputs:
+            if self.held(v):
+                self.local.inputs.append(self.local_value(v))
+        for v in self.g.persistables:
+            if self.held(v):
+                self.local_value(v)
+        context = {}
+        for op in self.g.ops:
+            da = op.dist_attr
+            ins = []
+            for i, v in enumerate(op.inputs):
+                dst = DistAttr(da.mesh, da.input_specs[i])
+                if dst == v.dist_attr:
+                    if self.pid in da.mesh:
+                        ins.append(self.local_value(v))
+                else:
+                    name = self.reshard(v, dst)
+                    if self.pid in da.mesh:
+                        ins.append(self.local.values[name])
+            if self.pid not in da.mesh:
+                continue
+            for j, o in enumerate(op.outputs):
+                out_attr = DistAttr(da.mesh, da.output_specs[j])
+                if out_attr != o.dist_attr:
+                    raise PlanError(f"op {op.type} ({op.layer}) produces {o.name} as "
+                                    f"{out_attr}, but the value says {o.dist_attr}")
+                if o.alias_of and self.g.values[o.alias_of].dist_attr != out_attr:
+                    raise PlanError(f"update op {op.type} ({op.layer}) writes {o.alias_of} as "
+                                    f"{out_attr.spec}, but it is stored as "
+                                    f"{self.g.values[o.alias_of].dist_attr.spec}")
+            outs = [self.local_value(o) for o in op.outputs]
+            attrs = dict(op.attrs)
+            localize = get_op(op.type).localize
+            if localize is not None:
+                site = LocalSite(self.pid, tuple(v.shape for v in op.inputs),
+                                 tuple(DistAttr(da.mesh, s) for s in da.input_specs),
+                                 tuple(o.shape for o in op.outputs),
+                                 tuple(DistAttr(da.mesh, s) for s in da.output_specs))
+                attrs, ctx = localize(attrs, site)
+                if ctx:
+                    context[len(self.local.ops)] = ctx
+            self.local.append_op(Operation(op.type, ins, outs, attrs, op.role, op.layer,
+                                           annotation=op.annotation, dist_attr=da))
+        return LocalProgram(self.pid, self.local, self.points, context)
+
+
+def partition(program: Program, process_id: int) -> LocalProgram:
+    """The local program of ``process_id`` (see the module docstring)."""
+    if process_id not in process_ids(program):
+        raise PlanError(f"process {process_id} has no part in this program "
+                        f"(processes {process_ids(program)})")
+    return _Partitioner(program, process_id).run()
+
+
+def gather_points(program: Program, names, process_id: int) -> list[ReshardPoint]:
+    """Reshard points that bring the global value of each of ``names`` to every process
+    (used to report the loss and to read parameters whatever the plan)."""
+    world = world_mesh(program)
+    points = []
+    for seq, name in enumerate(names):
+        v = program.values[name]
+        dst = DistAttr(world, ShardSpec.replicated(v.ndim))
+        if v.dist_attr == dst:
+            steps = ()
+        else:
+            steps = tuple(plan_reshard(v.dist_attr, dst, v.shape, v.dtype))
+        points.append(ReshardPoint(name, v.dist_attr, dst, tuple(v.shape), v.dtype, steps,
+                                   (name,) if process_id in v.dist_attr.mesh else (),
+                                   (f"{name}@GLOBAL",), seq))
+    return points

@@ -1,0 +1,118 @@
+"""Run one training step of a completed program on this process, talking to the others.
+
+The planner side (partition, reshard plans) is pure; this module binds the plan to a
+Communicator: each reshard point becomes an instruction that runs its steps with
+:func:`apply_reshard`, interleaved with the local kernels in the global op order.
+
+Example (inside a rank)::
+
+    runner = SpmdRunner(completed_program, process_id=comm.rank, comm=comm, fetch=["loss"])
+    scope = runner.shard_scope(global_arrays)
+    out = runner.run(scope, feed=global_batch, step=0)    # {"loss": global loss}
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from distgraph.errors import PlanError, RuntimeFault
+from distgraph.ir import Program
+from distgraph.passes.partition import gather_points, partition, process_ids
+from distgraph.runtime.executor import ProgramRunner
+from distgraph.runtime.comm import MAX_TAG
+from distgraph.runtime.reshard_exec import apply_reshard
+
+
+class BoundReshard:
+    """A reshard point bound to a communicator: an instruction of the executor."""
+
+    def __init__(self, point, comm, process_id, rank_of, tag):
+        self.point, self.comm, self.pid, self.rank_of, self.tag = point, comm, process_id, rank_of, tag
+        self.reads, self.writes = point.reads, point.writes
+
+    def execute(self, env) -> None:
+        p = self.point
+        local = env[p.reads[0]] if p.reads else None
+        try:
+            out = apply_reshard(p.steps, local, self.comm, self.pid, self.rank_of, self.tag)
+        except RuntimeFault as e:
+            raise RuntimeFault(f"process {self.pid}, reshard of {p.value} "
+                               f"({p.src.spec} -> {p.dst.spec}): {e}") from None
+        if p.writes:
+            if out is None:
+                raise RuntimeFault(f"process {self.pid}: reshard of {p.value} gave no result")
+            env[p.writes[0]] = out
+
+
+def required_processes(program: Program) -> int:
+    return len(process_ids(program))
+
+
+def check_world(program: Program, world_size: int, rank_of=None) -> None:
+    """Fail fast, saying how to launch, when the job has the wrong number of ranks."""
+    ids = process_ids(program)
+    if len(ids) != world_size:
+        raise PlanError(f"this plan needs {len(ids)} processes (process ids {ids}) but the job "
+                        f"has {world_size}; launch it with `distgraph run -n {len(ids)} "
+                        f"SCRIPT.py` (or `mpiexec -n {len(ids)} python SCRIPT.py`)")
+    if rank_of is None and ids != list(range(world_size)):
+        raise PlanError(f"process ids {ids} are not 0..{world_size - 1}; give a rank mapping")
+
+
+class SpmdRunner:
+    """This process's part of a completed program, with communication bound to ``comm``.
+    ``fetch`` names values whose *global* value every process receives after the step."""
+
+    def __init__(self, program: Program, process_id: int, comm, rank_of=None, xp=np,
+                 fetch=()):
+        self.program, self.pid, self.comm, self.xp = program, process_id, comm, xp
+        self.rank_of = rank_of
+        self.local = partition(program, process_id)
+        # Message tags: program points count up from 0, gathers down from MAX_TAG - 1,
+        # both from global sequence numbers so every process agrees.
+        points: dict = {}
+        for index, plist in self.local.comm_points.items():
+            points[index] = [self._bind(p, p.seq % (MAX_TAG // 2)) for p in plist]
+        end = len(self.local.program.ops)
+        for p in gather_points(program, fetch, process_id):
+            points.setdefault(end, []).append(self._bind(p, MAX_TAG - 1 - p.seq % (MAX_TAG // 2)))
+        self.fetch = list(fetch)
+        self.runner = ProgramRunner(self.local.program, xp, op_context=self.local.op_context,
+                                    comm_points=points)
+
+    def _bind(self, point, tag):
+        return BoundReshard(point, self.comm, self.pid, self.rank_of, tag)
+
+    def local_slice(self, name: str, global_array):
+        """This process's shard of a global array of Value ``name`` (None if it holds none)."""
+        attr = self.program.values[name].dist_attr
+        if self.pid not in attr.mesh:
+            return None
+        if attr.spec.partial:
+            raise PlanError(f"cannot shard {name}: a stored or fed value cannot be Partial")
+        return np.array(global_array[attr.local_slices(global_array.shape, self.pid)], order="C")
+
+    def shard_scope(self, global_values: dict) -> dict:
+        """Local shards of persistable values from their global arrays."""
+        scope = {}
+        for v in self.local.program.persistables:
+            if v.name not in global_values:
+                raise PlanError(f"no initial value for {v.name}")
+            scope[v.name] = self.xp.asarray(self.local_slice(v.name, np.asarray(global_values[v.name])))
+        return scope
+
+    def run(self, scope: dict, feed: dict, step: int = 0) -> dict:
+        """One step. ``feed`` holds global batches; returns the global fetched values."""
+        local_feed = {v.name: self.xp.asarray(self.local_slice(v.name, np.asarray(feed[v.name])))
+                      for v in self.local.program.inputs}
+        out = self.runner.run(scope, local_feed, [f"{n}@GLOBAL" for n in self.fetch], step)
+        return {n: out[f"{n}@GLOBAL"] for n in self.fetch}
+
+    def gather(self, scope: dict, names) -> dict:
+        """Global values of persistables ``names`` on every process."""
+        out = {}
+        for point in gather_points(self.program, names, self.pid):
+            local = scope[point.value] if point.reads else None
+            out[point.value] = apply_reshard(point.steps, local, self.comm, self.pid,
+                                             self.rank_of, MAX_TAG - 1 - point.seq % (MAX_TAG // 2))
+        return out

@@ -21,7 +21,8 @@ class Parameter(TensorOps):
 
     def __init__(self, data, dtype: str | None = None, trainable: bool = True):
         dtype = dtypes.canonical(dtype or dtypes.get_default_dtype())
-        self._data = np.ascontiguousarray(np.asarray(data, dtype=dtype))
+        # np.array, not ascontiguousarray: the latter turns a 0-d array into shape (1,).
+        self._data = np.array(data, dtype=dtype, order="C")
         self.trainable = trainable
         self.annotation = None
 
@@ -42,7 +43,7 @@ class Parameter(TensorOps):
         if tuple(value.shape) != self.shape:
             raise DistGraphError(f"set_value: shape {list(value.shape)} does not match the "
                                  f"parameter's shape {list(self.shape)}")
-        self._data = np.ascontiguousarray(value.astype(self.dtype, copy=True))
+        self._data = np.array(value, dtype=self.dtype, order="C")
 
     def __repr__(self) -> str:
         return f"Parameter(shape={list(self.shape)}, dtype={self.dtype})"

@@ -75,18 +75,23 @@ class AdamUpdate:
         return param, m, v
 
     def kernel(ctx, param, grad, m, v, step, lr, beta1, beta2, epsilon, weight_decay):
-        t = param.dtype.type
+        xp, t = ctx.xp, param.dtype.type
         n = float(step)
         if weight_decay:
             param *= t(1.0 - lr * weight_decay)
+        # One scratch buffer holds every intermediate: each fresh parameter-sized
+        # temporary costs a pass of page faults, which is more than its arithmetic.
+        tmp = xp.multiply(grad, t(1.0 - beta1))
         m *= t(beta1)
-        m += t(1.0 - beta1) * grad
+        m += tmp
+        xp.multiply(grad, grad, out=tmp)
+        tmp *= t(1.0 - beta2)
         v *= t(beta2)
-        v += t(1.0 - beta2) * (grad * grad)
-        denom = ctx.xp.sqrt(v)
-        denom *= t(1.0 / math.sqrt(1.0 - beta2 ** n))
-        denom += t(epsilon)
-        update = m / denom
-        update *= t(lr / (1.0 - beta1 ** n))
-        param -= update
+        v += tmp
+        xp.sqrt(v, out=tmp)
+        tmp *= t(1.0 / math.sqrt(1.0 - beta2 ** n))
+        tmp += t(epsilon)
+        xp.divide(m, tmp, out=tmp)
+        tmp *= t(lr / (1.0 - beta1 ** n))
+        param -= tmp
         return param, m, v

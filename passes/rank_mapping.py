@@ -2,7 +2,7 @@
 
 Cost of a mapping, in seconds per step::
 
-    cost = sum over process pairs {i, j} of bytes_ij * (latency_s(d_i, d_j) + 1 / bandwidth_Bps(d_i, d_j))
+    cost = sum over pairs {i, j}: bytes_ij * (latency_s(d_i, d_j) + 1 / bandwidth_Bps(d_i, d_j))
 
 with latency in seconds and bandwidth in bytes/s of the best path between the two
 devices (``Cluster.latency`` µs * 1e-6, ``Cluster.bandwidth`` GB/s * 1e9). Both terms are

@@ -33,12 +33,16 @@ from typing import Mapping
 import networkx as nx
 import numpy as np
 
-from distgraph.errors import PlanError, ResourceFileError
+from distgraph.errors import PlanError
+from distgraph.resources.elements import (COMPUTE_TYPES, DEVICE_TYPES, NETWORK_TYPES, Device,
+                                          DeviceMesh, FrozenMap, InvalidCluster, Link, Machine,
+                                          Switch, _ranges, _set)
 from distgraph.resources.paths import best_paths
 
-COMPUTE_TYPES = ("CPU", "GPU", "XPU", "NPU", "DCU", "MLU", "IPU", "TPU")
-NETWORK_TYPES = ("NIC",)
-DEVICE_TYPES = COMPUTE_TYPES + NETWORK_TYPES
+# The value classes live in elements.py and are re-exported here, so that
+# `from distgraph.resources.cluster import Cluster, Device, Link` is the one import needed.
+__all__ = ["COMPUTE_TYPES", "DEVICE_TYPES", "NETWORK_TYPES", "Cluster", "Device", "DeviceMesh",
+           "FrozenMap", "InvalidCluster", "Link", "Machine", "Switch"]
 
 # Defaults of Cluster.local: rough figures for one CPU rank, not measurements
 # (`distgraph cluster calibrate` measures them). Shared-memory MPI moves a few GB/s
@@ -48,182 +52,6 @@ LOCAL_GFLOPS = {"float32": 50.0, "float64": 25.0}
 LOCAL_MEMORY_GB = 4.0
 LOCAL_BANDWIDTH_GBPS = 10.0
 LOCAL_LATENCY_US = 1.0
-
-
-class FrozenMap(dict):
-    """A read-only, hashable dict (GFLOP/s per dtype, calibration figures)."""
-
-    def __hash__(self):
-        return hash(tuple(sorted(self.items())))
-
-    def _read_only(self, *args, **kwargs):
-        raise TypeError(f"{type(self).__name__} is read-only; build a new one instead")
-
-    __setitem__ = __delitem__ = clear = pop = popitem = setdefault = update = _read_only
-    __ior__ = _read_only
-
-    def __reduce__(self):
-        return (type(self), (dict(self),))
-
-
-class InvalidCluster(ResourceFileError):
-    """A structural problem found while building a Cluster; ``key`` is the schema key path.
-
-    The file loader catches it and adds the file name and line.
-    """
-
-    def __init__(self, key: str, problem: str):
-        super().__init__(f"{key}: {problem}")
-        self.key = key
-        self.problem = problem
-
-
-def _set(obj, name, value):
-    # Frozen dataclasses normalise their own fields once, in __post_init__.
-    object.__setattr__(obj, name, value)
-
-
-@dataclass(frozen=True)
-class Device:
-    """One device. ``gflops`` maps a dtype name to GFLOP/s; ``memory`` is in GB.
-
-    Example: ``Device(0, 0, 0, "GPU", "A100-SXM4-40GB", {"float32": 19500}, 40)``.
-    """
-
-    global_id: int
-    local_id: int
-    machine_id: int
-    type: str
-    model: str = ""
-    gflops: Mapping[str, float] = field(default_factory=FrozenMap)
-    memory: float = 0.0
-
-    def __post_init__(self):
-        if self.type not in DEVICE_TYPES:
-            raise InvalidCluster(f"device {self.global_id}.type",
-                                 f"unknown device type {self.type!r}; expected one of "
-                                 f"{', '.join(DEVICE_TYPES)}")
-        _set(self, "gflops", FrozenMap({str(k): float(v) for k, v in self.gflops.items()}))
-        _set(self, "memory", float(self.memory))
-
-    @property
-    def is_compute(self) -> bool:
-        return self.type in COMPUTE_TYPES
-
-    def flops(self, dtype: str = "float32") -> float:
-        """FLOP/s for ``dtype`` (0.0 when the device does not list it)."""
-        return self.gflops.get(dtype, 0.0) * 1e9
-
-    def __str__(self):
-        return f"{self.type}{self.global_id}"
-
-
-@dataclass(frozen=True)
-class Link:
-    """An undirected link; endpoints are stored with ``source < target``.
-
-    ``bandwidth`` in GB/s (> 0), ``latency`` in µs (>= 0), ``type`` a free label such as
-    ``NVL``, ``PCIe``, ``NET`` or ``SHM``.
-    """
-
-    source: int
-    target: int
-    bandwidth: float
-    latency: float
-    type: str = ""
-
-    def __post_init__(self):
-        if self.source == self.target:
-            raise InvalidCluster(f"link {self.source}-{self.target}",
-                                 "a link needs two different endpoints")
-        if not (self.bandwidth > 0 and math.isfinite(self.bandwidth)):
-            raise InvalidCluster(f"link {self.source}-{self.target}.bandwidth",
-                                 f"got {self.bandwidth}; expected a finite number of GB/s > 0")
-        if not (self.latency >= 0 and math.isfinite(self.latency)):
-            raise InvalidCluster(f"link {self.source}-{self.target}.latency",
-                                 f"got {self.latency}; expected a finite number of µs >= 0")
-        if self.source > self.target:
-            a, b = self.target, self.source
-            _set(self, "source", a)
-            _set(self, "target", b)
-        _set(self, "bandwidth", float(self.bandwidth))
-        _set(self, "latency", float(self.latency))
-
-    @property
-    def endpoints(self) -> tuple[int, int]:
-        return (self.source, self.target)
-
-
-@dataclass(frozen=True)
-class Switch:
-    """A network switch between machines: routes traffic, hosts no process."""
-
-    global_id: int
-    name: str = ""
-
-
-@dataclass(frozen=True)
-class Machine:
-    """A host: compute ``devices``, network interfaces ``nics`` and the ``links`` among them."""
-
-    id: int
-    hostname: str
-    devices: tuple[Device, ...]
-    links: tuple[Link, ...] = ()
-    nics: tuple[Device, ...] = ()
-    addr: str = ""
-    port: int | None = None
-
-    def __post_init__(self):
-        _set(self, "devices", tuple(self.devices))
-        _set(self, "links", tuple(self.links))
-        _set(self, "nics", tuple(self.nics))
-
-    @property
-    def node_ids(self) -> list[int]:
-        return [d.global_id for d in self.devices + self.nics]
-
-
-@dataclass(frozen=True)
-class DeviceMesh:
-    """A homogeneous group of compute devices arranged in ``shape`` (row-major ``ids``).
-
-    ``dim_bandwidths[k]`` / ``dim_latencies[k]`` describe the worst pair of devices that
-    differ only in coordinate ``k`` (GB/s and µs); the owning Cluster fills them in.
-
-    Example: ``DeviceMesh("gpu", (2, 8), tuple(range(16)))``.
-    """
-
-    name: str
-    shape: tuple[int, ...]
-    ids: tuple[int, ...]
-    device_type: str = field(default="", compare=False)
-    model: str = field(default="", compare=False)
-    dim_bandwidths: tuple[float, ...] = field(default=(), compare=False)
-    dim_latencies: tuple[float, ...] = field(default=(), compare=False)
-
-    def __post_init__(self):
-        _set(self, "shape", tuple(int(s) for s in self.shape))
-        _set(self, "ids", tuple(int(i) for i in self.ids))
-
-    @property
-    def device_ids(self) -> list[int]:
-        """Device global ids, flat, in row-major order (a list, like ProcessMesh.process_ids)."""
-        return list(self.ids)
-
-    @property
-    def ndim(self) -> int:
-        return len(self.shape)
-
-    @property
-    def size(self) -> int:
-        return len(self.ids)
-
-    def __str__(self):
-        dims = ", ".join(f"{bw:g} GB/s {lat:g} us" for bw, lat in
-                         zip(self.dim_bandwidths, self.dim_latencies))
-        return (f"DeviceMesh {self.name}: {self.device_type} {self.model} shape "
-                f"{self.shape} [{dims}]")
 
 
 @dataclass(frozen=True)
@@ -257,33 +85,38 @@ class Cluster:
     # ---- construction checks -------------------------------------------------------
     def _check_nodes(self):
         if not self.machines:
-            raise InvalidCluster("machines", "a cluster needs at least one machine")
+            raise InvalidCluster("machines", "no machines", "at least one machine")
         seen: dict[int, str] = {}
         machine_ids: set[int] = set()
         for i, m in enumerate(self.machines):
             if m.id in machine_ids:
-                raise InvalidCluster(f"machines[{i}].id", f"machine id {m.id} is used twice")
+                raise InvalidCluster(f"machines[{i}].id", f"machine id {m.id} is used twice",
+                                     "unique machine ids")
             machine_ids.add(m.id)
             for kind, group in (("devices", m.devices), ("nics", m.nics)):
                 for j, d in enumerate(group):
                     key = f"machines[{i}].{kind}[{j}]"
                     if d.machine_id != m.id:
                         raise InvalidCluster(f"{key}.machine_id", f"device {d.global_id} says "
-                                             f"machine {d.machine_id} but sits in machine {m.id}")
+                                             f"machine {d.machine_id} but sits in machine {m.id}",
+                                             f"machine_id {m.id}")
                     if d.is_compute != (kind == "devices"):
-                        raise InvalidCluster(f"{key}.type", f"a {d.type} belongs in "
-                                             f"{'devices' if d.is_compute else 'nics'}")
+                        raise InvalidCluster(f"{key}.type", f"a {d.type} is listed in {kind}",
+                                             "compute devices in devices, NICs in nics")
                     if d.global_id in seen:
                         raise InvalidCluster(f"{key}.global_id", f"global id {d.global_id} is "
-                                             f"already used by {seen[d.global_id]}")
+                                             f"already used by {seen[d.global_id]}",
+                                             "ids unique across devices, NICs and switches")
                     seen[d.global_id] = key
         for k, s in enumerate(self.switches):
             if s.global_id in seen:
                 raise InvalidCluster(f"switches[{k}].global_id", f"global id {s.global_id} is "
-                                     f"already used by {seen[s.global_id]}")
+                                     f"already used by {seen[s.global_id]}",
+                                     "ids unique across devices, NICs and switches")
             seen[s.global_id] = f"switches[{k}]"
         if not any(m.devices for m in self.machines):
-            raise InvalidCluster("machines", "the cluster has no compute device")
+            raise InvalidCluster("machines", "the cluster has no compute device",
+                                 "at least one device of type " + "/".join(COMPUTE_TYPES))
 
     def _check_links(self):
         owner = {nid: m.id for m in self.machines for nid in m.node_ids}
@@ -295,19 +128,20 @@ class Cluster:
                 key = f"{where}[{j}]"
                 for end in ln.endpoints:
                     if end not in owner and (machine is not None or end not in switch_ids):
-                        raise InvalidCluster(key, f"endpoint {end} is not a device, NIC"
-                                             f"{'' if machine is not None else ' or switch'}"
-                                             f"{' of this machine' if machine is not None else ''}")
+                        raise InvalidCluster(key, f"endpoint {end} is not defined",
+                                             "a device or NIC" + (" of this machine" if machine
+                                                                  is not None else " or switch"))
                     if machine is not None and owner[end] != machine:
                         raise InvalidCluster(key, f"endpoint {end} belongs to machine "
-                                             f"{owner[end]}; list links between machines "
-                                             "under the top-level 'links'")
+                                             f"{owner[end]}", "links between machines under "
+                                             "the top-level 'links'")
                 if machine is None and ln.source in owner and ln.target in owner \
                         and owner[ln.source] == owner[ln.target]:
                     raise InvalidCluster(key, f"both endpoints are in machine "
-                                         f"{owner[ln.source]}; list it under that machine's links")
+                                         f"{owner[ln.source]}", "it under that machine's links")
                 if ln.endpoints in pairs:
-                    raise InvalidCluster(key, f"link {ln.source}-{ln.target} is given twice")
+                    raise InvalidCluster(key, f"link {ln.source}-{ln.target} is given twice",
+                                         "each pair of endpoints linked once")
                 pairs.add(ln.endpoints)
         graph = self.graph
         compute = [d.global_id for d in self.devices]
@@ -315,7 +149,8 @@ class Cluster:
         lost = [g for g in compute if g not in reach]
         if lost:
             raise InvalidCluster("links", f"devices {_ranges(lost)} cannot reach device "
-                                 f"{compute[0]}; add links (e.g. between the machines' NICs)")
+                                 f"{compute[0]}", "links joining every machine (e.g. between "
+                                 "the machines' NICs, or through a switch)")
 
     def _infer_meshes(self) -> tuple[DeviceMesh, ...]:
         groups: dict[tuple[str, str], list[Device]] = {}
@@ -343,21 +178,24 @@ class Cluster:
     def _complete_mesh(self, k: int, mesh: DeviceMesh) -> DeviceMesh:
         key = f"device_meshes[{k}]"
         if any(s < 1 for s in mesh.shape) or not mesh.shape:
-            raise InvalidCluster(f"{key}.shape", f"got {list(mesh.shape)}; expected a "
-                                 "non-empty list of positive integers")
+            raise InvalidCluster(f"{key}.shape", f"got {list(mesh.shape)}",
+                                 "a non-empty list of positive integers")
         if math.prod(mesh.shape) != len(mesh.ids):
             raise InvalidCluster(f"{key}.device_ids", f"{len(mesh.ids)} ids do not fill shape "
-                                 f"{list(mesh.shape)} ({math.prod(mesh.shape)} devices)")
+                                 f"{list(mesh.shape)}", f"{math.prod(mesh.shape)} device ids, "
+                                 "row-major")
         by_id = self._device_index
         unknown = [i for i in mesh.ids if i not in by_id]
         if unknown:
             raise InvalidCluster(f"{key}.device_ids", f"ids {_ranges(unknown)} are not compute "
-                                 "devices of this cluster")
+                                 "devices of this cluster", "ids of compute devices "
+                                 f"({_ranges(by_id)})")
         devs = [by_id[i] for i in mesh.ids]
         kinds = sorted({(d.type, d.model) for d in devs})
         if len(kinds) > 1:
-            raise InvalidCluster(f"{key}.device_ids", "a device mesh must be homogeneous; it "
-                                 f"mixes {', '.join(f'{t} {m!r}' for t, m in kinds)}")
+            raise InvalidCluster(f"{key}.device_ids", "the mesh mixes "
+                                 f"{', '.join(f'{t} {m!r}' for t, m in kinds)}",
+                                 "a homogeneous mesh: one device type and model")
         bws, lats = self._mesh_dims(mesh)
         return DeviceMesh(mesh.name, mesh.shape, mesh.ids, devs[0].type, devs[0].model,
                           bws, lats)
@@ -368,12 +206,12 @@ class Cluster:
         for k, mesh in enumerate(self.device_meshes):
             if not mesh.name or mesh.name in names:
                 raise InvalidCluster(f"device_meshes[{k}].name", f"name {mesh.name!r} is empty "
-                                     "or used twice; expected a unique name")
+                                     "or used twice", "a unique, non-empty name")
             names.add(mesh.name)
             for i in mesh.ids:
                 if i in owner:
                     raise InvalidCluster(f"device_meshes[{k}].device_ids", f"device {i} is "
-                                         f"already in mesh {owner[i]!r}; meshes are disjoint")
+                                         f"already in mesh {owner[i]!r}", "disjoint meshes")
                 owner[i] = mesh.name
 
     def _mesh_dims(self, mesh: DeviceMesh) -> tuple[tuple[float, ...], tuple[float, ...]]:
@@ -542,21 +380,3 @@ class Cluster:
         links = tuple(Link(i, j, LOCAL_BANDWIDTH_GBPS, LOCAL_LATENCY_US, "SHM")
                       for i in range(nprocs) for j in range(i + 1, nprocs))
         return cls(machines=(Machine(0, "localhost", devices, links),), name=f"local{nprocs}")
-
-
-def _ranges(ids) -> str:
-    """Compact id list: [0, 1, 2, 5] -> '0-2, 5'."""
-    ids = sorted(ids)
-    parts = []
-    start = prev = None
-    for i in ids:
-        if start is None:
-            start = prev = i
-        elif i == prev + 1:
-            prev = i
-        else:
-            parts.append(f"{start}-{prev}" if prev != start else f"{start}")
-            start = prev = i
-    if start is not None:
-        parts.append(f"{start}-{prev}" if prev != start else f"{start}")
-    return ", ".join(parts)

@@ -56,6 +56,9 @@ def describe(cluster) -> str:
     lines += _table(["id", "host", "devices", "ids", "nics"], rows)
     if nm > MAX_MACHINE_ROWS:
         lines.append(f"  ... {nm - MAX_MACHINE_ROWS} more machines")
+    if cluster.switches:
+        lines.append("Switches: " + ", ".join(f"{s.global_id}" + (f" ({s.name})" if s.name else "")
+                                              for s in cluster.switches))
     lines.append("Device meshes (per dim: worst pair's bandwidth GB/s / latency us):")
     rows = []
     for mesh in cluster.device_meshes:

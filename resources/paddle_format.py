@@ -33,7 +33,8 @@ Example::
 
 from __future__ import annotations
 
-from distgraph.resources.cluster import COMPUTE_TYPES, Cluster, Device, InvalidCluster, Link, Machine
+from distgraph.resources.cluster import (COMPUTE_TYPES, Cluster, Device, InvalidCluster, Link,
+                                         Machine)
 from distgraph.resources.reader import Reader, join
 
 GFLOPS_KEYS = {"sp_gflops": "float32", "dp_gflops": "float64", "hp_gflops": "float16"}
@@ -89,7 +90,7 @@ def cluster_from_paddle(data, reader: Reader) -> Cluster:
     try:
         return Cluster(machines, tuple(inter), name=str(top.get("name", "") or reader.default_name))
     except InvalidCluster as err:
-        reader.fail(err.key, err.problem)
+        reader.fail(err.key, err.problem, err.expected)
 
 
 def _devices(reader: Reader, m: dict, key: str, machine: int, owner: dict):

@@ -92,7 +92,7 @@ def cluster_from_dict(data, reader: Reader) -> Cluster:
                        None if meshes is None else tuple(meshes),
                        reader.string(top, "name", "", default=reader.default_name), calibration)
     except InvalidCluster as err:
-        reader.fail(err.key, err.problem)
+        reader.fail(err.key, err.problem, err.expected)
 
 
 def _machine(reader: Reader, raw, key: str, index: int, ids: _Ids):

@@ -1,0 +1,218 @@
+"""The values of the resource graph: devices, links, switches, machines, device meshes.
+
+All are frozen dataclasses, validated at construction; the Cluster (``cluster.py``)
+checks what needs the whole picture. Units: memory GB, compute GFLOP/s per dtype,
+bandwidth GB/s (10^9 bytes/s), latency µs.
+
+Example::
+
+    >>> Link(3, 1, bandwidth=300, latency=2, type="NVL").endpoints   # stored sorted
+    (1, 3)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from distgraph.errors import ResourceFileError
+
+COMPUTE_TYPES = ("CPU", "GPU", "XPU", "NPU", "DCU", "MLU", "IPU", "TPU")
+NETWORK_TYPES = ("NIC",)
+DEVICE_TYPES = COMPUTE_TYPES + NETWORK_TYPES
+
+
+class FrozenMap(dict):
+    """A read-only, hashable dict (GFLOP/s per dtype, calibration figures)."""
+
+    def __hash__(self):
+        return hash(tuple(sorted(self.items())))
+
+    def _read_only(self, *args, **kwargs):
+        raise TypeError(f"{type(self).__name__} is read-only; build a new one instead")
+
+    __setitem__ = __delitem__ = clear = pop = popitem = setdefault = update = _read_only
+    __ior__ = _read_only
+
+    def __reduce__(self):
+        return (type(self), (dict(self),))
+
+
+class InvalidCluster(ResourceFileError):
+    """A structural problem found while building a Cluster; ``key`` is the schema key path.
+
+    The file loader catches it and adds the file name and line.
+    """
+
+    def __init__(self, key: str, problem: str, expected: str):
+        super().__init__(f"{key}: {problem}; expected {expected}")
+        self.key = key
+        self.problem = problem
+        self.expected = expected
+
+
+def _set(obj, name, value):
+    # Frozen dataclasses normalise their own fields once, in __post_init__.
+    object.__setattr__(obj, name, value)
+
+
+@dataclass(frozen=True)
+class Device:
+    """One device. ``gflops`` maps a dtype name to GFLOP/s; ``memory`` is in GB.
+
+    Example: ``Device(0, 0, 0, "GPU", "A100-SXM4-40GB", {"float32": 19500}, 40)``.
+    """
+
+    global_id: int
+    local_id: int
+    machine_id: int
+    type: str
+    model: str = ""
+    gflops: Mapping[str, float] = field(default_factory=FrozenMap)
+    memory: float = 0.0
+
+    def __post_init__(self):
+        if self.type not in DEVICE_TYPES:
+            raise InvalidCluster(f"device {self.global_id}.type",
+                                 f"unknown device type {self.type!r}",
+                                 f"one of {', '.join(DEVICE_TYPES)}")
+        _set(self, "gflops", FrozenMap({str(k): float(v) for k, v in self.gflops.items()}))
+        _set(self, "memory", float(self.memory))
+
+    @property
+    def is_compute(self) -> bool:
+        return self.type in COMPUTE_TYPES
+
+    def flops(self, dtype: str = "float32") -> float:
+        """FLOP/s for ``dtype`` (0.0 when the device does not list it)."""
+        return self.gflops.get(dtype, 0.0) * 1e9
+
+    def __str__(self):
+        return f"{self.type}{self.global_id}"
+
+
+@dataclass(frozen=True)
+class Link:
+    """An undirected link; endpoints are stored with ``source < target``.
+
+    ``bandwidth`` in GB/s (> 0), ``latency`` in µs (>= 0), ``type`` a free label such as
+    ``NVL``, ``PCIe``, ``NET`` or ``SHM``.
+    """
+
+    source: int
+    target: int
+    bandwidth: float
+    latency: float
+    type: str = ""
+
+    def __post_init__(self):
+        if self.source == self.target:
+            raise InvalidCluster(f"link {self.source}-{self.target}",
+                                 "both endpoints are the same", "two different endpoints")
+        if not (self.bandwidth > 0 and math.isfinite(self.bandwidth)):
+            raise InvalidCluster(f"link {self.source}-{self.target}.bandwidth",
+                                 f"got {self.bandwidth}", "a finite number of GB/s > 0")
+        if not (self.latency >= 0 and math.isfinite(self.latency)):
+            raise InvalidCluster(f"link {self.source}-{self.target}.latency",
+                                 f"got {self.latency}", "a finite number of µs >= 0")
+        if self.source > self.target:
+            a, b = self.target, self.source
+            _set(self, "source", a)
+            _set(self, "target", b)
+        _set(self, "bandwidth", float(self.bandwidth))
+        _set(self, "latency", float(self.latency))
+
+    @property
+    def endpoints(self) -> tuple[int, int]:
+        return (self.source, self.target)
+
+
+@dataclass(frozen=True)
+class Switch:
+    """A network switch between machines: routes traffic, hosts no process."""
+
+    global_id: int
+    name: str = ""
+
+
+@dataclass(frozen=True)
+class Machine:
+    """A host: compute ``devices``, network interfaces ``nics`` and the ``links`` among them."""
+
+    id: int
+    hostname: str
+    devices: tuple[Device, ...]
+    links: tuple[Link, ...] = ()
+    nics: tuple[Device, ...] = ()
+    addr: str = ""
+    port: int | None = None
+
+    def __post_init__(self):
+        _set(self, "devices", tuple(self.devices))
+        _set(self, "links", tuple(self.links))
+        _set(self, "nics", tuple(self.nics))
+
+    @property
+    def node_ids(self) -> list[int]:
+        return [d.global_id for d in self.devices + self.nics]
+
+
+@dataclass(frozen=True)
+class DeviceMesh:
+    """A homogeneous group of compute devices arranged in ``shape`` (row-major ``ids``).
+
+    ``dim_bandwidths[k]`` / ``dim_latencies[k]`` describe the worst pair of devices that
+    differ only in coordinate ``k`` (GB/s and µs); the owning Cluster fills them in.
+
+    Example: ``DeviceMesh("gpu", (2, 8), tuple(range(16)))``.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    ids: tuple[int, ...]
+    device_type: str = field(default="", compare=False)
+    model: str = field(default="", compare=False)
+    dim_bandwidths: tuple[float, ...] = field(default=(), compare=False)
+    dim_latencies: tuple[float, ...] = field(default=(), compare=False)
+
+    def __post_init__(self):
+        _set(self, "shape", tuple(int(s) for s in self.shape))
+        _set(self, "ids", tuple(int(i) for i in self.ids))
+
+    @property
+    def device_ids(self) -> list[int]:
+        """Device global ids, flat, in row-major order (a list, like ProcessMesh.process_ids)."""
+        return list(self.ids)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return len(self.ids)
+
+    def __str__(self):
+        dims = ", ".join(f"{bw:g} GB/s {lat:g} us" for bw, lat in
+                         zip(self.dim_bandwidths, self.dim_latencies))
+        return (f"DeviceMesh {self.name}: {self.device_type} {self.model} shape "
+                f"{self.shape} [{dims}]")
+
+
+def _ranges(ids) -> str:
+    """Compact id list: [0, 1, 2, 5] -> '0-2, 5'."""
+    ids = sorted(ids)
+    parts = []
+    start = prev = None
+    for i in ids:
+        if start is None:
+            start = prev = i
+        elif i == prev + 1:
+            prev = i
+        else:
+            parts.append(f"{start}-{prev}" if prev != start else f"{start}")
+            start = prev = i
+    if start is not None:
+        parts.append(f"{start}-{prev}" if prev != start else f"{start}")
+    return ", ".join(parts)

@@ -1,4 +1,4 @@
-"""The ``distgraph`` console script (a minimal entry point; more commands join later).
+"""The ``distgraph`` console script: ``distgraph run ...`` and ``distgraph cluster ...``.
 
 Each subcommand's parser sets ``func``, a handler that takes the parsed args and returns
 the exit code.
@@ -9,11 +9,13 @@ from __future__ import annotations
 import argparse
 
 from distgraph.resources.cli import add_cluster_parser
+from distgraph.run import add_run_parser
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="distgraph", description="distgraph command line")
     commands = parser.add_subparsers(dest="command", required=True)
+    add_run_parser(commands)
     add_cluster_parser(commands)
     args = parser.parse_args(argv)
     return args.func(args)

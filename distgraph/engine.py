@@ -56,12 +56,16 @@ class DataLoader:
     def __len__(self):
         return len(self.dataset) // self.batch_size
 
-    def epoch(self, epoch: int):
+    def epoch(self, epoch: int, rows: slice | None = None):
+        """Batches of one epoch; ``rows`` keeps only those rows of each batch (a
+        data-parallel rank reads only its shard of the samples)."""
         order = np.arange(len(self.dataset))
         if self.shuffle:
             order = np.random.default_rng((self.seed, epoch)).permutation(order)
         for b in range(len(self)):
             idx = order[b * self.batch_size:(b + 1) * self.batch_size]
+            if rows is not None:
+                idx = idx[rows]
             samples = [_as_fields(self.dataset[int(i)]) for i in idx]
             yield [np.stack([np.asarray(s[k]) for s in samples]) for k in range(len(samples[0]))]
 
@@ -77,80 +81,163 @@ class DataLoader:
         return ins, labels
 
 
+def _is_annotated(program) -> bool:
+    return (any(v.annotation is not None for v in program.values.values())
+            or any(op.annotation is not None for op in program.ops))
+
+
+class _SerialBackend:
+    """One process runs the whole program."""
+
+    def __init__(self, built: BuiltProgram):
+        from distgraph.runtime.executor import ProgramRunner
+        self.built, self.runner = built, ProgramRunner(built.program)
+
+    def scope(self, global_values: dict) -> dict:
+        return {v.name: global_values[v.name] for v in self.built.program.persistables}
+
+    def rows(self):
+        return None
+
+    def step(self, scope, feed, fetch, step):
+        return self.runner.run(scope, feed, fetch, step)
+
+    def gather(self, scope, names):
+        return {n: scope[n] for n in names}
+
+
+class _SpmdBackend:
+    """This rank's part of a completed program; the other ranks run theirs."""
+
+    def __init__(self, built: BuiltProgram, comm, fetch, sharding_dim=None):
+        from distgraph.passes.completion import complete
+        from distgraph.passes.sharding import shard_updates
+        from distgraph.runtime.spmd import SpmdRunner, check_world
+        complete(built.program)
+        if sharding_dim is not None and shard_updates(built.program, sharding_dim):
+            complete(built.program)
+        check_world(built.program, comm.size)
+        self.built = built
+        self.runner = SpmdRunner(built.program, comm.rank, comm, fetch=fetch)
+
+    def scope(self, global_values: dict) -> dict:
+        return self.runner.shard_scope(global_values)
+
+    def rows(self):
+        """The batch rows this rank reads, if every input it holds splits only dim 0 alike."""
+        program = self.built.program
+        slices = [program.values[v.name].dist_attr.local_slices(v_shape, self.runner.pid)
+                  for v, v_shape in ((v, program.values[v.name].shape)
+                                     for v in self.runner.local.program.inputs)]
+        if not slices or any(s[0] != slices[0][0] for s in slices):
+            return None
+        return slices[0][0] if all(len(s) > 0 for s in slices) else None
+
+    def step(self, scope, feed, fetch, step):
+        return self.runner.run(scope, feed, step, rows=self.rows())
+
+    def gather(self, scope, names):
+        return self.runner.gather(scope, names)
+
+
+def _world_communicator():
+    """MPI's world when this script runs under mpiexec (or `distgraph run`)."""
+    from distgraph.runtime.mpi_comm import MPICommunicator
+    return MPICommunicator()
+
+
 class Engine:
-    """Builds the training, evaluation and prediction programs of a model and runs them."""
+    """Builds the training, evaluation and prediction programs of a model and runs them.
+
+    A model without annotations trains on one process; with ``shard_tensor`` /
+    ``shard_op`` annotations every rank of the job runs its part of the completed and
+    partitioned program, and the results equal serial training.
+    """
 
     def __init__(self, model, loss=None, optimizer=None, metrics=None, cluster=None,
-                 strategy: Strategy | None = None):
+                 strategy: Strategy | None = None, communicator=None):
         self.model, self.loss, self.optimizer = model, loss, optimizer
         self.cluster = cluster
         self.strategy = strategy or Strategy()
+        self._comm = communicator
         self._built: dict[str, BuiltProgram] = {}
-        self._runners: dict = {}
-        self._scope: dict | None = None
+        self._backends: dict = {}
+        self._scopes: dict = {}
+        self._state: dict | None = None          # global optimizer states between modes
         self._step = 0
 
     # -- building ---------------------------------------------------------------------------
     def prepare(self, inputs_spec, labels_spec=(), mode="train") -> BuiltProgram:
-        """Build (and plan) the program for ``mode`` without running it."""
+        """Build the program for ``mode`` (completed and partitioned when annotated)."""
         built = build_program(self.model, list(inputs_spec), list(labels_spec), self.loss,
                               self.optimizer if mode == "train" else None, mode)
         self._built[mode] = built
-        self._runners.pop(mode, None)
+        self._backends.pop(mode, None)
+        self._scopes.pop(mode, None)
+        self._backend(mode)
         return built
+
+    def _backend(self, mode):
+        if mode not in self._backends:
+            built = self._built[mode]
+            fetch = [built.loss_name] if built.loss_name else built.output_names
+            if _is_annotated(built.program):
+                if self._comm is None:
+                    self._comm = _world_communicator()
+                dim = self.strategy.sharding_mesh_dim if self.strategy.sharding else None
+                self._backends[mode] = _SpmdBackend(built, self._comm, fetch, dim)
+            else:
+                self._backends[mode] = _SerialBackend(built)
+        return self._backends[mode]
 
     def _ensure(self, mode, loader: DataLoader):
         if mode not in self._built:
             ins, labels = loader.specs(0 if mode == "predict" else 1)
             self.prepare(ins, labels, mode)
-        if mode not in self._runners:
-            from distgraph.runtime.executor import ProgramRunner
-            built = self._built[mode]
-            self._runners[mode] = ProgramRunner(built.program)
-        return self._built[mode], self._runners[mode]
+        backend = self._backend(mode)
+        if mode not in self._scopes:
+            self._publish()
+            values = {n: p._data for n, p in self.model.named_parameters()}
+            if self.optimizer is not None:
+                values.update(self.optimizer.initial_state(self._built[mode].program))
+            values.update(self._state or {})
+            self._scopes[mode] = backend.scope(values)
+        return self._built[mode], backend, self._scopes[mode]
 
-    def _scope_for(self, program) -> dict:
-        if self._scope is None:
-            self._scope = {}
-        params = dict(self.model.named_parameters())
-        for v in program.persistables:
-            if v.name in self._scope:
-                continue
-            if v.is_parameter:
-                self._scope[v.name] = params[v.name]._data
-            else:
-                self._scope[v.name] = np.zeros(v.shape, dtype=v.dtype)
-        return self._scope
-
-    def _sync_model(self) -> None:
-        """Parameters are updated in place in the scope; keep the model pointing at them."""
-        if self._scope is None:
-            return
-        for name, p in self.model.named_parameters():
-            if name in self._scope:
-                p._data = self._scope[name]
+    def _publish(self) -> None:
+        """Write the global values of every live scope back to the model (collective)."""
+        for mode, scope in list(self._scopes.items()):
+            program = self._built[mode].program
+            names = [v.name for v in program.persistables]
+            values = self._backends[mode].gather(scope, names)
+            params = dict(self.model.named_parameters())
+            for name, value in values.items():
+                if name in params:
+                    params[name]._data = np.array(value, order="C")
+            self._state = {n: np.array(v) for n, v in values.items() if n not in params}
+            del self._scopes[mode]
 
     # -- running ------------------------------------------------------------------------------
     def fit(self, train_data, batch_size=1, epochs=1, steps_per_epoch=None, valid_data=None,
             shuffle=False, verbose=0) -> History:
+        """Train; every rank returns the same History of global losses."""
         loader = DataLoader(train_data, batch_size, shuffle, self.strategy.seed)
-        built, runner = self._ensure("train", loader)
-        scope = self._scope_for(built.program)
+        built, backend, scope = self._ensure("train", loader)
         history = History()
         for epoch in range(epochs):
             losses = []
-            for b, batch in enumerate(loader.epoch(epoch)):
+            for b, batch in enumerate(loader.epoch(epoch, backend.rows())):
                 if steps_per_epoch is not None and b >= steps_per_epoch:
                     break
-                feed = dict(zip(built.feed_names, batch))
-                out = runner.run(scope, feed, [built.loss_name], step=self._step)
+                out = backend.step(scope, dict(zip(built.feed_names, batch)), [built.loss_name],
+                                   self._step)
                 self._step += 1
                 losses.append(float(out[built.loss_name]))
-            self._sync_model()
             history.losses.extend(losses)
             record = {"epoch": epoch, "loss": float(np.mean(losses)) if losses else float("nan")}
             if valid_data is not None:
                 record["val_loss"] = self.evaluate(valid_data, batch_size)["loss"]
+                built, backend, scope = self._ensure("train", loader)
             history.epochs.append(record)
             if verbose:
                 print(" ".join(f"{k}={v:.5g}" if isinstance(v, float) else f"{k}={v}"
@@ -159,27 +246,26 @@ class Engine:
 
     def evaluate(self, valid_data, batch_size=1) -> dict:
         loader = DataLoader(valid_data, batch_size)
-        built, runner = self._ensure("eval", loader)
-        scope = self._scope_for(built.program)
-        losses = [float(runner.run(scope, dict(zip(built.feed_names, batch)),
-                                   [built.loss_name])[built.loss_name])
-                  for batch in loader.epoch(0)]
+        built, backend, scope = self._ensure("eval", loader)
+        losses = [float(backend.step(scope, dict(zip(built.feed_names, batch)),
+                                     [built.loss_name], self._step)[built.loss_name])
+                  for batch in loader.epoch(0, backend.rows())]
         return {"loss": float(np.mean(losses))}
 
     def predict(self, test_data, batch_size=1) -> list:
         loader = DataLoader(test_data, batch_size)
-        built, runner = self._ensure("predict", loader)
-        scope = self._scope_for(built.program)
+        built, backend, scope = self._ensure("predict", loader)
         results = []
-        for batch in loader.epoch(0):
-            feed = dict(zip(built.feed_names, batch))
-            out = runner.run(scope, feed, built.output_names)
-            results.append([out[n] for n in built.output_names])
+        for batch in loader.epoch(0, backend.rows()):
+            out = backend.step(scope, dict(zip(built.feed_names, batch)), built.output_names,
+                               self._step)
+            results.append([np.asarray(out[n]) for n in built.output_names])
         return results
 
     def state_dict(self) -> dict:
-        """Global numpy arrays of every parameter (copies)."""
-        self._sync_model()
+        """Global numpy arrays of every parameter, on every rank (a collective when
+        distributed: call it on all ranks)."""
+        self._publish()
         return {n: p.numpy() for n, p in self.model.named_parameters()}
 
     def plan(self, mode="train") -> BuiltProgram:

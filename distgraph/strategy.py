@@ -10,8 +10,9 @@ from distgraph.errors import DistGraphError
 @dataclass(frozen=True)
 class Strategy:
     """``auto_mode``: "semi" completes from annotations; "full" searches (later).
-    ``micro_batches`` > 1 enables gradient accumulation / pipelining; ``seed`` seeds
-    shuffling and dropout."""
+    ``micro_batches`` > 1 enables gradient accumulation / pipelining; ``sharding`` splits
+    optimizer states and updates over ``sharding_mesh_dim`` (ZeRO-style); ``seed`` seeds
+    shuffling."""
 
     auto_mode: str = "semi"
     pipeline: bool = False
@@ -19,6 +20,7 @@ class Strategy:
     micro_batches: int = 1
     recompute: bool = False
     sharding: bool = False
+    sharding_mesh_dim: str = "dp"
     solver_time_limit: float = 60.0
     memory_budget_gb: float | None = None
     seed: int = 0

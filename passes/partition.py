@@ -32,7 +32,9 @@ class ReshardPoint:
     """Reshard ``value`` from ``src`` to ``dst``. ``reads`` is the local name of the
     source held by this process (empty if it holds none); ``writes`` the local name of
     the result (empty if it is not in the destination). ``seq`` numbers the points in
-    the global program order, the same on every process (it tags their messages)."""
+    the global program order, the same on every process (it tags their messages).
+    ``stores`` names the persistable the result replaces (an update written back in the
+    layout its parameter is stored in)."""
 
     value: str
     src: DistAttr
@@ -43,6 +45,7 @@ class ReshardPoint:
     reads: tuple
     writes: tuple
     seq: int = 0
+    stores: tuple = ()
 
     @property
     def bytes(self) -> float:
@@ -113,16 +116,14 @@ class _Partitioner:
     def held(self, v: Value) -> bool:
         return self.pid in v.dist_attr.mesh
 
-    def local_value(self, v: Value, name=None, attr: DistAttr | None = None) -> Value:
-        name = name or v.name
-        if name not in self.local.values:
-            attr = attr or v.dist_attr
-            self.local.add_value(Value(name, attr.local_shape(v.shape), v.dtype,
+    def local_value(self, v: Value) -> Value:
+        if v.name not in self.local.values:
+            self.local.add_value(Value(v.name, v.dist_attr.local_shape(v.shape), v.dtype,
                                        v.is_parameter, v.persistable, v.role, v.alias_of,
-                                       v.annotation, attr))
-        return self.local.values[name]
+                                       v.annotation, v.dist_attr))
+        return self.local.values[v.name]
 
-    def reshard(self, v: Value, dst: DistAttr) -> str | None:
+    def reshard(self, v: Value, dst: DistAttr, stores: str | None = None) -> str | None:
         """Place a reshard point (once per value and layout); the local name of the result."""
         key = (v.name, dst)
         if key in self.cache:
@@ -138,10 +139,11 @@ class _Partitioner:
             reads = (v.name,) if self.held(v) else ()
             writes = (name,) if self.pid in dst.mesh else ()
             if writes:
-                self.local_value(v, name, dst)
+                self.local.add_value(Value(name, dst.local_shape(v.shape), v.dtype,
+                                           role=v.role, dist_attr=dst))
             self.points.setdefault(len(self.local.ops), []).append(
                 ReshardPoint(v.name, src, dst, tuple(v.shape), v.dtype, steps, reads, writes,
-                             len(self.cache)))
+                             len(self.cache), (stores,) if stores and writes else ()))
         self.cache[key] = name
         return name
 
@@ -153,7 +155,11 @@ class _Partitioner:
             if self.held(v):
                 self.local_value(v)
         context = {}
+        writebacks = []
         for op in self.g.ops:
+            for v, target in writebacks:     # updates stored in another layout, e.g. the
+                self.reshard(v, target.dist_attr, target.name)  # all-gather after ZeRO
+            writebacks = []
             da = op.dist_attr
             ins = []
             for i, v in enumerate(op.inputs):
@@ -165,6 +171,9 @@ class _Partitioner:
                     name = self.reshard(v, dst)
                     if self.pid in da.mesh:
                         ins.append(self.local.values[name])
+            # Every process notes the write-backs, so all number reshard points alike.
+            writebacks = [(o, self.g.values[o.alias_of]) for o in op.outputs if o.alias_of
+                          and self.g.values[o.alias_of].dist_attr != o.dist_attr]
             if self.pid not in da.mesh:
                 continue
             for j, o in enumerate(op.outputs):
@@ -172,11 +181,9 @@ class _Partitioner:
                 if out_attr != o.dist_attr:
                     raise PlanError(f"op {op.type} ({op.layer}) produces {o.name} as "
                                     f"{out_attr}, but the value says {o.dist_attr}")
-                if o.alias_of and self.g.values[o.alias_of].dist_attr != out_attr:
-                    raise PlanError(f"update op {op.type} ({op.layer}) writes {o.alias_of} as "
-                                    f"{out_attr.spec}, but it is stored as "
-                                    f"{self.g.values[o.alias_of].dist_attr.spec}")
             outs = [self.local_value(o) for o in op.outputs]
+            for o, _ in writebacks:
+                self.local.values[o.name].alias_of = None
             attrs = dict(op.attrs)
             localize = get_op(op.type).localize
             if localize is not None:
@@ -189,6 +196,8 @@ class _Partitioner:
                     context[len(self.local.ops)] = ctx
             self.local.append_op(Operation(op.type, ins, outs, attrs, op.role, op.layer,
                                            annotation=op.annotation, dist_attr=da))
+        for v, target in writebacks:
+            self.reshard(v, target.dist_attr, target.name)
         return LocalProgram(self.pid, self.local, self.points, context)
 
 

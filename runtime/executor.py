@@ -86,6 +86,8 @@ class ProgramRunner:
                 self._run_op(i, item, env, scope, step, base)
             else:
                 item.execute(env)
+                for name, target in zip(item.writes, getattr(item, "stores", ())):
+                    scope[target] = env[name]
             for name in fetch.intersection(_writes(item)):
                 fetched[name] = env[name]
             for name in free:

@@ -28,7 +28,7 @@ class BoundReshard:
 
     def __init__(self, point, comm, process_id, rank_of, tag):
         self.point, self.comm, self.pid, self.rank_of, self.tag = point, comm, process_id, rank_of, tag
-        self.reads, self.writes = point.reads, point.writes
+        self.reads, self.writes, self.stores = point.reads, point.writes, point.stores
 
     def execute(self, env) -> None:
         p = self.point
@@ -101,10 +101,17 @@ class SpmdRunner:
             scope[v.name] = self.xp.asarray(self.local_slice(v.name, np.asarray(global_values[v.name])))
         return scope
 
-    def run(self, scope: dict, feed: dict, step: int = 0) -> dict:
-        """One step. ``feed`` holds global batches; returns the global fetched values."""
-        local_feed = {v.name: self.xp.asarray(self.local_slice(v.name, np.asarray(feed[v.name])))
-                      for v in self.local.program.inputs}
+    def run(self, scope: dict, feed: dict, step: int = 0, rows: slice | None = None) -> dict:
+        """One step; returns the global fetched values. ``feed`` holds global batches, or,
+        with ``rows``, only those rows of dim 0 (what this process reads of the batch)."""
+        local_feed = {}
+        for v in self.local.program.inputs:
+            g = self.program.values[v.name]
+            index = g.dist_attr.local_slices(g.shape, self.pid)
+            if rows is not None:
+                index = (slice(None),) + tuple(index[1:])
+            local_feed[v.name] = self.xp.asarray(np.array(np.asarray(feed[v.name])[index],
+                                                          order="C"))
         out = self.runner.run(scope, local_feed, [f"{n}@GLOBAL" for n in self.fetch], step)
         return {n: out[f"{n}@GLOBAL"] for n in self.fetch}
 

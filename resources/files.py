@@ -80,10 +80,13 @@ def line_map(text: str) -> dict[str, int]:
     except yaml.YAMLError:
         return {}
     lines: dict[str, int] = {}
+    seen: set[int] = set()
 
     def walk(node, key: str, depth: int):
-        if depth > 64:  # aliases can nest deeply; paths that deep are never reported
+        # An alias repeats a node: walk it once, so that nested aliases cannot blow up.
+        if depth > 64 or id(node) in seen:
             return
+        seen.add(id(node))
         lines.setdefault(key, node.start_mark.line + 1)
         if isinstance(node, yaml.MappingNode):
             for k, v in node.value:

@@ -48,10 +48,11 @@ def is_paddle_format(data) -> bool:
     for m in machines:
         if not isinstance(m, dict):
             continue
-        for d in m.get("devices") or []:
+        devices, links = m.get("devices"), m.get("links")
+        for d in devices if isinstance(devices, list) else []:
             if isinstance(d, dict) and GFLOPS_KEYS.keys() & d.keys():
                 return True
-        for ln in m.get("links") or []:
+        for ln in links if isinstance(links, list) else []:
             if isinstance(ln, dict) and "source_global_id" in ln:
                 return True
     return False

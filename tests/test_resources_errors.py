@@ -10,6 +10,7 @@ import json
 
 import pytest
 import yaml
+from hypothesis import given, settings, strategies as st
 
 from distgraph.errors import ResourceFileError
 from distgraph.resources.cluster import Cluster
@@ -255,3 +256,42 @@ def test_paddle_error_names_file_and_key(tmp_path, case_id, mutate, key):
     path = write(tmp_path, f"paddle_{case_id}", ".json", data)
     msg = load_error(path)
     assert path.name in msg and f": {key}" in msg, msg
+
+
+def leaf_paths(data, prefix=()):
+    """Every path (tuple of keys/indices) into nested dicts and lists."""
+    yield prefix
+    if isinstance(data, dict):
+        for k, v in data.items():
+            yield from leaf_paths(v, prefix + (k,))
+    elif isinstance(data, list):
+        for i, v in enumerate(data):
+            yield from leaf_paths(v, prefix + (i,))
+
+
+JUNK = st.one_of(st.none(), st.booleans(), st.integers(-5, 10**12), st.floats(allow_nan=True),
+                 st.text(max_size=5), st.lists(st.integers(-1, 3), max_size=3),
+                 st.dictionaries(st.text(max_size=3), st.integers(), max_size=2))
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data())
+def test_any_corruption_is_a_resource_file_error_or_loads(data):
+    base = valid() if data.draw(st.booleans()) else paddle_valid()
+    paths = list(leaf_paths(base))[1:]
+    for _ in range(data.draw(st.integers(1, 3))):
+        path = data.draw(st.sampled_from(paths))
+        parent = base
+        try:
+            for key in path[:-1]:
+                parent = parent[key]
+            if data.draw(st.booleans()):
+                parent[path[-1]] = data.draw(JUNK)
+            elif isinstance(parent, dict):
+                parent.pop(path[-1], None)
+        except (KeyError, IndexError, TypeError):
+            continue  # an earlier corruption removed this path; nothing to do
+    try:
+        Cluster.from_dict(base, "fuzz.json")
+    except ResourceFileError as err:
+        assert str(err).startswith("fuzz.json")

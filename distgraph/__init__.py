@@ -19,3 +19,4 @@ from distgraph.mesh import ProcessMesh
 from distgraph.placement import DistAttr, Partial, Replicate, Shard, ShardSpec
 from distgraph.annotation import shard_op, shard_tensor
 from distgraph import passes
+from distgraph.resources.cluster import Cluster

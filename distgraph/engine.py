@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from distgraph import dtypes
-from distgraph.errors import DistGraphError
+from distgraph.errors import DistGraphError, PlanError
 from distgraph.program_builder import BuiltProgram, build_program
 from distgraph.strategy import Strategy
 from distgraph.trace import InputSpec
@@ -109,7 +109,8 @@ class _SerialBackend:
 class _SpmdBackend:
     """This rank's part of a completed program; the other ranks run theirs."""
 
-    def __init__(self, built: BuiltProgram, comm, fetch, sharding_dim=None):
+    def __init__(self, built: BuiltProgram, comm, fetch, sharding_dim=None, cluster=None,
+                 rank_mapping=None):
         from distgraph.passes.completion import complete
         from distgraph.passes.sharding import shard_updates
         from distgraph.runtime.spmd import SpmdRunner, check_world
@@ -118,7 +119,11 @@ class _SpmdBackend:
             complete(built.program)
         check_world(built.program, comm.size)
         self.built = built
-        self.runner = SpmdRunner(built.program, comm.rank, comm, fetch=fetch)
+        self.rank_of = _rank_of(built.program, comm.size, cluster, rank_mapping)
+        pid = comm.rank
+        if self.rank_of is not None:
+            pid = {r: p for p, r in self.rank_of.items()}[comm.rank]
+        self.runner = SpmdRunner(built.program, pid, comm, rank_of=self.rank_of, fetch=fetch)
 
     def scope(self, global_values: dict) -> dict:
         return self.runner.shard_scope(global_values)
@@ -140,6 +145,30 @@ class _SpmdBackend:
         return self.runner.gather(scope, names)
 
 
+def _rank_of(program, world_size, cluster, rank_mapping):
+    """Logical process -> MPI rank: process p runs on the rank that owns its device, rank r
+    owning the cluster's r-th device. Without a cluster or mapping: process p on rank p."""
+    if cluster is None and rank_mapping is None:
+        return None
+    from distgraph.resources.cluster import Cluster
+    cluster = cluster or Cluster.local(world_size)
+    if rank_mapping is None:
+        from distgraph.passes.plan_traffic import process_graph
+        from distgraph.passes.rank_mapping import map_ranks
+        rank_mapping = map_ranks(process_graph(program), cluster)
+    to_device = dict(getattr(rank_mapping, "process_to_device", rank_mapping))
+    owner = {d.global_id: r for r, d in enumerate(cluster.devices[:world_size])}
+    missing = sorted(d for d in to_device.values() if d not in owner)
+    if missing:
+        raise PlanError(f"the rank mapping uses devices {missing}, but this job's "
+                        f"{world_size} ranks own devices {sorted(owner)}")
+    rank_of = {p: owner[d] for p, d in to_device.items()}
+    if sorted(rank_of.values()) != list(range(world_size)):
+        raise PlanError(f"the rank mapping {to_device} does not give each of the "
+                        f"{world_size} ranks exactly one process")
+    return rank_of
+
+
 def _world_communicator():
     """MPI's world when this script runs under mpiexec (or `distgraph run`)."""
     from distgraph.runtime.mpi_comm import MPICommunicator
@@ -151,13 +180,16 @@ class Engine:
 
     A model without annotations trains on one process; with ``shard_tensor`` /
     ``shard_op`` annotations every rank of the job runs its part of the completed and
-    partitioned program, and the results equal serial training.
+    partitioned program, and the results equal serial training. With a ``cluster`` the
+    logical processes are placed on its devices by the rank mapper (or as
+    ``rank_mapping``, {process: device global id}, says).
     """
 
     def __init__(self, model, loss=None, optimizer=None, metrics=None, cluster=None,
-                 strategy: Strategy | None = None, communicator=None):
+                 strategy: Strategy | None = None, communicator=None, rank_mapping=None):
         self.model, self.loss, self.optimizer = model, loss, optimizer
         self.cluster = cluster
+        self.rank_mapping = rank_mapping
         self.strategy = strategy or Strategy()
         self._comm = communicator
         self._built: dict[str, BuiltProgram] = {}
@@ -185,7 +217,8 @@ class Engine:
                 if self._comm is None:
                     self._comm = _world_communicator()
                 dim = self.strategy.sharding_mesh_dim if self.strategy.sharding else None
-                self._backends[mode] = _SpmdBackend(built, self._comm, fetch, dim)
+                self._backends[mode] = _SpmdBackend(built, self._comm, fetch, dim, self.cluster,
+                                                    self.rank_mapping)
             else:
                 self._backends[mode] = _SerialBackend(built)
         return self._backends[mode]

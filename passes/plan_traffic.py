@@ -1,0 +1,65 @@
+"""The process graph of a completed program: what rank mapping needs to place it.
+
+Bytes between processes come from the reshard points of every process's partition
+(collectives spread over their rings as in :mod:`distgraph.passes.process_graph`, p2p
+tiles as sent); memory is each process's local persistable bytes (GB); compute its
+local FLOPs (GFLOP per step); a process needs the device type given, if any.
+
+Example::
+
+    graph = process_graph(completed_program, device_type="GPU")
+    mapping = map_ranks(graph, cluster)
+"""
+
+from __future__ import annotations
+
+from distgraph.ir import Program
+from distgraph.ops.registry import TensorType, get_op
+from distgraph.passes.partition import partition, process_ids
+from distgraph.passes.process_graph import ProcessGraph, collective_traffic
+
+_COLLECTIVES = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all")
+
+
+def _point_traffic(point) -> dict:
+    """Bytes per unordered pair of one reshard point (its steps, all processes)."""
+    traffic: dict = {}
+
+    def add(pairs):
+        for pair, b in pairs.items():
+            traffic[pair] = traffic.get(pair, 0.0) + b
+
+    for step in point.steps:
+        if step.kind in _COLLECTIVES:
+            add(collective_traffic(step.mesh.groups(step.mesh_dim), step.buffer_bytes, step.kind))
+        elif step.kind == "send_recv":
+            add({(min(t.src, t.dst), max(t.src, t.dst)): float(t.nbytes)
+                 for t in step.transfers if t.src != t.dst})
+    return traffic
+
+
+def process_graph(program: Program, device_type: str | None = None) -> ProcessGraph:
+    """Traffic, memory and compute per process of a completed program."""
+    ids = process_ids(program)
+    if ids != list(range(len(ids))):
+        raise ValueError(f"process ids must be 0..{len(ids) - 1}, got {ids}")
+    traffic: dict = {}
+    memory, compute = [], []
+    seen_points = set()
+    for pid in ids:
+        local = partition(program, pid)
+        for point in local.points():
+            key = (point.value, point.dst, point.seq)
+            if key in seen_points:
+                continue
+            seen_points.add(key)
+            for pair, b in _point_traffic(point).items():
+                traffic[pair] = traffic.get(pair, 0.0) + b
+        memory.append(sum(v.nbytes for v in local.program.persistables) / 1e9)
+        flops = 0
+        for op in local.program.ops:
+            ins = [TensorType(v.shape, v.dtype) for v in op.inputs]
+            outs = [TensorType(v.shape, v.dtype) for v in op.outputs]
+            flops += get_op(op.type).flops(ins, outs, **op.attrs)
+        compute.append(flops / 1e9)
+    return ProcessGraph(len(ids), traffic, device_type, compute, memory)

@@ -155,7 +155,8 @@ def _rank_of(program, world_size, cluster, rank_mapping):
     if rank_mapping is None:
         from distgraph.passes.plan_traffic import process_graph
         from distgraph.passes.rank_mapping import map_ranks
-        rank_mapping = map_ranks(process_graph(program), cluster)
+        rank_mapping = map_ranks(process_graph(program), cluster,
+                                 devices=[d.global_id for d in cluster.devices[:world_size]])
     to_device = dict(getattr(rank_mapping, "process_to_device", rank_mapping))
     owner = {d.global_id: r for r, d in enumerate(cluster.devices[:world_size])}
     missing = sorted(d for d in to_device.values() if d not in owner)

@@ -10,6 +10,7 @@ from distgraph.dtypes import get_default_dtype, seed, set_default_dtype
 from distgraph import ops
 from distgraph.ir import Operation, Program, Value
 from distgraph.parameter import Parameter
+from distgraph.ops.registry import ShapeError
 from distgraph.trace import InputSpec, trace
 from distgraph import nn, optim
 from distgraph.autodiff import append_backward

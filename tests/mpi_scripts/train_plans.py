@@ -1,0 +1,67 @@
+"""Train several plans of tests/plans.py on real MPI ranks and print one JSON result line.
+
+Usage (the job size must equal every listed plan's process count)::
+
+    distgraph run -n 4 tests/mpi_scripts/train_plans.py float64 gpt:dp mlp:zero_dp_tp ...
+
+Every rank trains each plan through ``Engine.fit`` and trains the serial oracle itself;
+rank 0 prints ``PLANS-RESULT {json}`` with, per plan, every rank's ``History.losses``, its
+largest errors against serial, the serial losses, and the kinds of the reshard steps
+that touch gradients and parameters in rank 0's partitioned program.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import distgraph as dg  # noqa: E402
+from distgraph.passes.partition import partition  # noqa: E402
+from distgraph.runtime.mpi_comm import MPICommunicator  # noqa: E402
+
+import plans as P  # noqa: E402
+
+
+def reshard_kinds(engine, pid) -> dict:
+    """{"grad": kinds of steps on gradients, "param": kinds written back to parameters}."""
+    local = partition(engine.plan().program, pid)
+    grad, param = set(), set()
+    for point in local.points():
+        kinds = {s.kind for s in point.steps}
+        if point.value.endswith("@GRAD"):
+            grad |= kinds
+        if point.stores:
+            param |= kinds
+    return {"grad": sorted(grad), "param": sorted(param)}
+
+
+def main(argv) -> None:
+    dtype, keys = argv[0], [tuple(k.split(":")) for k in argv[1:]]
+    dg.set_default_dtype(dtype)
+    comm = MPICommunicator()
+    refs = {}
+    report = {"dtype": dtype, "world": comm.size, "plans": {}}
+    for kind, name in keys:
+        plan = P.PLANS[kind, name, comm.size]
+        if kind not in refs:
+            refs[kind] = P.serial_reference(kind)
+        model = P.build_model(kind)
+        plan.annotate(model)
+        engine = P.prepare(P.make_engine(model, kind, comm, plan.sharding), kind)
+        history = engine.fit(P.Dataset(kind), batch_size=P.BATCH, epochs=1)
+        errors = P.compare((history.losses, engine.state_dict()), refs[kind], dtype)
+        mine = {"losses": history.losses, "errors": errors}
+        everyone = comm._comm.gather(mine, root=0)
+        if comm.rank == 0:
+            report["plans"][str(plan)] = {"ranks": everyone, "serial": refs[kind][0],
+                                          "reshards": reshard_kinds(engine, 0)}
+    comm.free()
+    if comm.rank == 0:
+        print("PLANS-RESULT " + json.dumps(report), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

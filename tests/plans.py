@@ -1,0 +1,301 @@
+"""Parallel plans of an MLP and GPT-tiny for the SPMD tests, and the training loop that
+runs them on any communicator (SimulatedWorld threads or MPI ranks) through the Engine.
+
+A plan is a name, a process count and a function that annotates a freshly built model:
+``shard_tensor`` on parameters, and hooks the models' ``forward`` consults to annotate
+activations (``act``) or to run a part of the model under ``shard_op`` (``wrap``).
+Training the same seed serially (no annotations) gives the oracle.
+
+Example::
+
+    model = build_model("gpt", seed=0)
+    PLANS["gpt", "dp_tp", 4].annotate(model)
+    losses, params = train(model, "gpt", comm, sharding=False)
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+import distgraph as dg
+
+STEPS = 3
+BATCH = 8
+MLP_DIMS = dict(seq=4, d_in=8, hidden=16, d_out=4)
+GPT_DIMS = dict(vocab_size=64, d_model=32, n_layer=2, n_head=4, max_seq_len=8)
+LEARNING_RATE = 0.01
+
+# Tracing keeps its builder stack in module state, so ranks that share one process
+# (SimulatedWorld threads) must build their programs one at a time.
+BUILD_LOCK = threading.Lock()
+
+
+class Hooks:
+    """Plan hooks: ``acts[where](value) -> value`` annotates an activation;
+    ``wraps[where](fn) -> fn`` runs a part of the model under ``shard_op``."""
+
+    def __init__(self):
+        self.acts: dict = {}
+        self.wraps: dict = {}
+
+    def act(self, where: str, value):
+        fn = self.acts.get(where)
+        return value if fn is None else fn(value)
+
+    def wrap(self, where: str, fn):
+        w = self.wraps.get(where)
+        return fn if w is None else w(fn)
+
+
+class PlanMLP(dg.nn.Layer):
+    """A token-wise MLP on [batch, seq, features]: fc1 -> relu -> fc2."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = dg.nn.Linear(MLP_DIMS["d_in"], MLP_DIMS["hidden"])
+        self.fc2 = dg.nn.Linear(MLP_DIMS["hidden"], MLP_DIMS["d_out"])
+        self.hooks = Hooks()
+
+    def forward(self, x):
+        h = self.hooks
+        x = h.act("input", x)
+        y = h.wrap("stage0", lambda v: dg.ops.relu(self.fc1(v)))(x)
+        y = h.act("hidden", y)
+        y = h.wrap("stage1", self.fc2)(y)
+        return h.act("output", y)
+
+
+class PlanGPT(dg.nn.GPT):
+    """GPT-2 with the plan hooks between its parts (parameter names as ``dg.nn.GPT``)."""
+
+    def __init__(self):
+        super().__init__(**GPT_DIMS)
+        self.hooks = Hooks()
+
+    def _embed(self, idx):
+        pos = dg.ops.slice(self.wpe.weight, [0], [0], [idx.shape[-1]])
+        return self.drop(self.wte(idx) + pos)
+
+    def _head(self, x):
+        return self.lm_head(self.ln_f(x))
+
+    def forward(self, idx):
+        h = self.hooks
+        idx = h.act("input", idx)
+        x = h.wrap("embed", self._embed)(idx)
+        for i, block in enumerate(self.blocks):
+            x = h.act("block_in", x)
+            x = h.wrap(f"block{i}", block)(x)
+        x = h.act("block_out", x)
+        return h.wrap("head", self._head)(x)
+
+
+def build_model(kind: str, seed: int = 0):
+    dg.seed(seed)
+    return PlanMLP() if kind == "mlp" else PlanGPT()
+
+
+def loss_fn(kind: str):
+    return dg.nn.MSELoss() if kind == "mlp" else dg.nn.CrossEntropyLoss()
+
+
+class Dataset:
+    """STEPS batches of BATCH samples: (x, y) for the MLP, (tokens, next tokens) for GPT."""
+
+    def __init__(self, kind: str, seed: int = 1):
+        rng = np.random.default_rng(seed)
+        n = STEPS * BATCH
+        dtype = dg.get_default_dtype()
+        if kind == "mlp":
+            s = MLP_DIMS["seq"]
+            self.fields = [rng.normal(size=(n, s, MLP_DIMS["d_in"])).astype(dtype),
+                           rng.normal(size=(n, s, MLP_DIMS["d_out"])).astype(dtype)]
+        else:
+            t, v = GPT_DIMS["max_seq_len"], GPT_DIMS["vocab_size"]
+            tokens = rng.integers(0, v, size=(n, t + 1))
+            self.fields = [tokens[:, :-1].astype(np.int64), tokens[:, 1:].astype(np.int64)]
+
+    def __len__(self):
+        return len(self.fields[0])
+
+    def __getitem__(self, i):
+        return tuple(f[i] for f in self.fields)
+
+
+# ---- plans ----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Plan:
+    """``annotate(model)`` marks a fresh model; ``sharding`` turns on ZeRO-style update
+    sharding over ``dp`` (Strategy(sharding=True))."""
+
+    kind: str
+    name: str
+    nprocs: int
+    annotate: Callable
+    sharding: bool = False
+
+    def __str__(self) -> str:
+        return f"{self.kind}-{self.name}-n{self.nprocs}"
+
+
+def _set_act(model, where, mesh, spec):
+    model.hooks.acts[where] = lambda v: dg.shard_tensor(v, mesh, spec)
+
+
+def _on_mesh(model, where, mesh):
+    model.hooks.wraps[where] = lambda fn: dg.shard_op(fn, mesh)
+
+
+def _batch_spec(kind, dim="dp"):
+    return [dim, None, None] if kind == "mlp" else [dim, None]
+
+
+def _tensor_parallel(model, mesh, dim="mp"):
+    """Megatron: column-split first matmuls, row-split second ones."""
+    if isinstance(model, PlanMLP):
+        dg.shard_tensor(model.fc1.weight, mesh, [None, dim])
+        dg.shard_tensor(model.fc2.weight, mesh, [dim, None])
+        return
+    for block in model.blocks:
+        dg.shard_tensor(block.attn.qkv.weight, mesh, [None, dim])
+        dg.shard_tensor(block.attn.proj.weight, mesh, [dim, None])
+        dg.shard_tensor(block.mlp.fc1.weight, mesh, [None, dim])
+        dg.shard_tensor(block.mlp.fc2.weight, mesh, [dim, None])
+
+
+def dp_plan(kind, n):
+    def annotate(model):
+        _set_act(model, "input", dg.ProcessMesh(list(range(n)), ["dp"]), _batch_spec(kind))
+    return annotate
+
+
+def tp_plan(kind, n):
+    def annotate(model):
+        _tensor_parallel(model, dg.ProcessMesh(list(range(n)), ["mp"]))
+    return annotate
+
+
+def dp_tp_plan(kind, n):
+    assert n == 4
+
+    def annotate(model):
+        mesh = dg.ProcessMesh([[0, 1], [2, 3]], ["dp", "mp"])
+        _tensor_parallel(model, mesh)
+        _set_act(model, "input", mesh, _batch_spec(kind))
+    return annotate
+
+
+def sp_plan(kind, n):
+    """Activations split along the sequence between blocks (MLP: around each layer)."""
+    def annotate(model):
+        mesh = dg.ProcessMesh(list(range(n)), ["sp"])
+        spec = [None, "sp", None]
+        wheres = ("input", "hidden", "output") if kind == "mlp" else ("block_in", "block_out")
+        for where in wheres:
+            _set_act(model, where, mesh, spec)
+    return annotate
+
+
+def two_stage_plan(kind, n):
+    """Stage 0 on the first half of the processes, stage 1 on the second half; each
+    stage data-parallel over its processes (GPT: first half of the blocks in stage 0)."""
+    half = n // 2
+
+    def annotate(model):
+        a = dg.ProcessMesh(list(range(half)), ["dp"])
+        b = dg.ProcessMesh(list(range(half, n)), ["dp"])
+        if kind == "mlp":
+            _on_mesh(model, "stage0", a)
+            _on_mesh(model, "stage1", b)
+            _set_act(model, "input", a, _batch_spec(kind))
+            _set_act(model, "hidden", b, _batch_spec(kind))
+            return
+        n_layer = len(model.blocks._items)
+        _on_mesh(model, "embed", a)
+        for i in range(n_layer):
+            _on_mesh(model, f"block{i}", a if i < n_layer // 2 else b)
+        _on_mesh(model, "head", b)
+        _set_act(model, "input", a, _batch_spec(kind))
+    return annotate
+
+
+PLAN_FACTORIES = {
+    "dp": (dp_plan, False),
+    "tp": (tp_plan, False),
+    "dp_tp": (dp_tp_plan, False),
+    "sp": (sp_plan, False),
+    "zero": (dp_plan, True),
+    "zero_dp_tp": (dp_tp_plan, True),
+    "two_stage": (two_stage_plan, False),
+}
+FOUR_ONLY = ("dp_tp", "zero_dp_tp")
+
+PLANS = {}
+for _kind in ("mlp", "gpt"):
+    for _n in (2, 4):
+        for _name, (_factory, _sharding) in PLAN_FACTORIES.items():
+            if _n == 2 and _name in FOUR_ONLY:
+                continue
+            PLANS[_kind, _name, _n] = Plan(_kind, _name, _n, _factory(_kind, _n), _sharding)
+
+
+# ---- training ---------------------------------------------------------------------------
+
+def make_optimizer(name: str):
+    if name == "adamw":
+        return dg.optim.AdamW(LEARNING_RATE)
+    if name == "sgd":
+        return dg.optim.SGD(LEARNING_RATE, momentum=0.9)
+    raise ValueError(f"unknown optimizer {name!r}")
+
+
+def make_engine(model, kind, comm=None, sharding=False, optimizer="adamw"):
+    return dg.Engine(model, loss_fn(kind), make_optimizer(optimizer),
+                     strategy=dg.Strategy(sharding=sharding), communicator=comm)
+
+
+def prepare(engine, kind):
+    """Build and plan (under the build lock, so threads may call it)."""
+    ins, labels = dg.engine.DataLoader(Dataset(kind), BATCH).specs(1)
+    with BUILD_LOCK:
+        engine.prepare(ins, labels)
+    return engine
+
+
+def train(model, kind, comm=None, sharding=False, optimizer="adamw"):
+    """STEPS optimizer steps; (History.losses, global parameters) on this rank."""
+    engine = prepare(make_engine(model, kind, comm, sharding, optimizer), kind)
+    history = engine.fit(Dataset(kind), batch_size=BATCH, epochs=1)
+    return history.losses, engine.state_dict()
+
+
+def serial_reference(kind, seed=0, optimizer="adamw"):
+    return train(build_model(kind, seed), kind, optimizer=optimizer)
+
+
+def compare(result, reference, dtype) -> dict:
+    """Largest errors of one rank's (losses, params) against the serial ones: absolute
+    for float64, relative to the tensor's largest entry for float32."""
+    losses, params = result
+    ref_losses, ref_params = reference
+    rel = dtype == "float32"
+
+    def err(a, b):
+        a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+        scale = max(float(np.max(np.abs(b))), 1e-30) if rel else 1.0
+        return float(np.max(np.abs(a - b))) / scale
+
+    if sorted(params) != sorted(ref_params):
+        raise AssertionError(f"parameters differ: {sorted(params)} vs {sorted(ref_params)}")
+    return {"loss": max(err(a, b) for a, b in zip(losses, ref_losses)) if losses else np.inf,
+            "param": max(err(params[k], ref_params[k]) for k in params),
+            "worst_param": max(params, key=lambda k: err(params[k], ref_params[k])),
+            "steps": len(losses)}
+
+
+TOLERANCE = {"float64": 1e-10, "float32": 1e-5}

@@ -1,0 +1,88 @@
+"""A failing, dying or stalled rank ends the whole MPI job quickly with a non-zero exit
+code and a message naming the rank; a job started with the wrong number of processes
+stops at once saying how many it needs and how to launch it."""
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).parent / "mpi_scripts" / "fail_rank.py"
+DEADLINE = 30.0   # the job must be over by then
+TIMEOUT = 60      # subprocess guard, well past the deadline
+
+
+def run(argv, **env):
+    """(exit code, stdout + stderr, seconds) of a command with one BLAS thread."""
+    start = time.monotonic()
+    proc = subprocess.run(argv, env=dict(os.environ, OMP_NUM_THREADS="1", **env),
+                          capture_output=True, text=True, timeout=TIMEOUT)
+    return proc.returncode, proc.stdout + proc.stderr, time.monotonic() - start
+
+
+def launch(nprocs, *args, **env):
+    return run([sys.executable, "-m", "distgraph.run", "-n", str(nprocs), str(SCRIPT), *args],
+               **env)
+
+
+@pytest.mark.mpi
+def test_the_healthy_job_trains():
+    rc, out, _ = launch(4, "ok")
+    assert rc == 0, out[-3000:]
+    assert out.count("FAIL-RANK OK 3 steps") == 4
+
+
+@pytest.mark.mpi
+def test_a_kernel_error_on_one_rank_ends_the_job_naming_rank_and_op():
+    rc, out, seconds = launch(4, "raise")
+    assert rc != 0
+    assert seconds < DEADLINE
+    assert "rank 1 failed" in out, out[-3000:]
+    assert "op 'relu'" in out and "injected failure" in out, out[-3000:]
+    assert "FAIL-RANK OK" not in out
+
+
+@pytest.mark.mpi
+def test_a_dead_rank_ends_the_job():
+    rc, out, seconds = launch(4, "exit")
+    assert rc != 0, out[-3000:]
+    assert seconds < DEADLINE
+    assert "FAIL-RANK OK" not in out
+
+
+@pytest.mark.mpi
+def test_a_message_that_never_arrives_ends_with_runtime_fault_naming_the_rank():
+    rc, out, seconds = launch(2, "skip", DISTGRAPH_COMM_TIMEOUT="5")
+    assert rc != 0
+    assert seconds < DEADLINE
+    assert "RuntimeFault" in out, out[-3000:]
+    assert "rank 0 failed" in out and "timed out after 5 s" in out, out[-3000:]
+    assert "from rank 1" in out, out[-3000:]
+
+
+def check_launch_error(out):
+    assert "PlanError" in out, out[-3000:]
+    assert "this plan needs 4 processes" in out, out[-3000:]
+    assert "distgraph run -n 4" in out, out[-3000:]
+
+
+@pytest.mark.mpi
+def test_a_four_process_plan_started_as_one_plain_process_stops_at_once():
+    rc, out, seconds = run([sys.executable, str(SCRIPT), "ok"])
+    assert rc != 0
+    assert seconds < DEADLINE
+    check_launch_error(out)
+    assert "job has 1" in out
+
+
+@pytest.mark.mpi
+def test_a_four_process_plan_under_the_wrong_n_stops_every_rank():
+    rc, out, seconds = launch(2, "ok")
+    assert rc != 0
+    assert seconds < DEADLINE   # every rank exited: the job (mpiexec) is over
+    check_launch_error(out)
+    assert "job has 2" in out
+    assert "FAIL-RANK OK" not in out

@@ -1,0 +1,59 @@
+"""A sample of the plan matrix on real MPI ranks (``python -m distgraph.run -n N``, the
+``distgraph run`` command): every rank's ``History.losses`` and parameters equal serial
+training, the losses are the same on every rank, and ZeRO's partitioned program
+reduce-scatters gradients and all-gathers parameters."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).parent / "mpi_scripts" / "train_plans.py"
+TOLERANCE = 1e-10
+
+FOUR = ["mlp:dp", "gpt:dp", "gpt:tp", "gpt:dp_tp", "gpt:two_stage", "gpt:zero", "gpt:sp",
+        "mlp:zero_dp_tp"]
+TWO = ["mlp:tp", "mlp:sp", "mlp:zero", "mlp:two_stage", "gpt:dp"]
+
+
+def run_plans(nprocs, keys, dtype="float64"):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "distgraph.run", "-n", str(nprocs), str(SCRIPT),
+                           dtype, *keys], env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("PLANS-RESULT ")]
+    assert len(lines) == 1, proc.stdout[-3000:]
+    return json.loads(lines[0].split(" ", 1)[1])
+
+
+def check_report(report, nprocs, keys):
+    assert report["world"] == nprocs
+    assert sorted(report["plans"]) == sorted(
+        f"{k.split(':')[0]}-{k.split(':')[1]}-n{nprocs}" for k in keys)
+    for name, result in report["plans"].items():
+        ranks = result["ranks"]
+        assert len(ranks) == nprocs
+        for rank, mine in enumerate(ranks):
+            assert mine["losses"] == ranks[0]["losses"], f"{name}: rank {rank} differs"
+            assert len(mine["losses"]) == len(result["serial"]) == 3
+            assert max(abs(a - b) for a, b in zip(mine["losses"], result["serial"])) <= TOLERANCE
+            assert mine["errors"]["loss"] <= TOLERANCE, (name, rank, mine["errors"])
+            assert mine["errors"]["param"] <= TOLERANCE, (name, rank, mine["errors"])
+        if "-zero" in name:
+            assert "reduce_scatter" in result["reshards"]["grad"], name
+            assert result["reshards"]["param"] == ["all_gather"], name
+        elif "-two_stage" in name:
+            assert "send_recv" in result["reshards"]["grad"], name
+
+
+@pytest.mark.mpi
+def test_plans_on_four_mpi_ranks():
+    check_report(run_plans(4, FOUR), 4, FOUR)
+
+
+@pytest.mark.mpi
+def test_plans_on_two_mpi_ranks():
+    check_report(run_plans(2, TWO), 2, TWO)

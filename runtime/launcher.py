@@ -16,6 +16,8 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
+import time
 
 from distgraph.errors import PlanError
 
@@ -56,7 +58,39 @@ def launch_command(nprocs: int, argv: list[str]) -> list[str]:
 
 def launch(nprocs: int, argv: list[str], cluster: str | None = None,
            env: dict | None = None, timeout: float | None = None) -> int:
-    """Run ``argv`` on ``nprocs`` ranks and return mpiexec's exit code."""
-    proc = subprocess.run(launch_command(nprocs, argv), env=rank_env(env, cluster),
-                          timeout=timeout, check=False)
+    """Run ``argv`` on ``nprocs`` ranks and return mpiexec's exit code. When the job fails,
+    say which ranks failed and which ended without a word (killed, or exited abruptly)."""
+    with tempfile.TemporaryDirectory(prefix="distgraph-status-") as status:
+        rank_vars = rank_env(env, cluster)
+        rank_vars["DISTGRAPH_STATUS_DIR"] = status
+        proc = subprocess.run(launch_command(nprocs, argv), env=rank_vars, timeout=timeout,
+                              check=False)
+        if proc.returncode != 0:
+            sys.stderr.write(failure_report(status, nprocs, proc.returncode) + "\n")
     return proc.returncode
+
+
+def failure_report(status_dir: str, nprocs: int, returncode: int) -> str:
+    """Which ranks failed (with their error) or died first without a word, from the
+    status files the ranks and their watchers write (see runtime/bootstrap.py)."""
+
+    def read(rank, kind):
+        path = os.path.join(status_dir, f"{rank}.{kind}")
+        if not os.path.exists(path):
+            return None
+        with open(path) as f:
+            return f.read()
+
+    time.sleep(0.2)   # the watchers of ranks killed a moment ago write their last file
+    lines = [f"distgraph: the job failed (mpiexec exit code {returncode})"]
+    failed = {r: read(r, "failed") for r in range(nprocs) if read(r, "failed") is not None}
+    for rank, message in failed.items():
+        lines.append(f"  rank {rank} failed: {message}")
+    if not failed:
+        silent = [(float(read(r, "ended")), r) for r in range(nprocs)
+                  if read(r, "done") is None and read(r, "ended")]
+        if silent:
+            first = min(silent)[1]
+            lines.append(f"  rank {first} died first without reporting an error (it was "
+                         "killed or exited abruptly); the other ranks were stopped after it")
+    return "\n".join(lines)

@@ -13,6 +13,9 @@ Example (inside a rank)::
 
 from __future__ import annotations
 
+import os
+import sys
+
 import numpy as np
 
 from distgraph.errors import PlanError, RuntimeFault
@@ -24,17 +27,21 @@ from distgraph.runtime.reshard_exec import apply_reshard
 
 
 class BoundReshard:
-    """A reshard point bound to a communicator: an instruction of the executor."""
+    """A reshard point bound to a communicator: an instruction of the executor, which
+    may donate the array it reads (see ProgramRunner)."""
+
+    can_donate = True
 
     def __init__(self, point, comm, process_id, rank_of, tag):
         self.point, self.comm, self.pid, self.rank_of, self.tag = point, comm, process_id, rank_of, tag
         self.reads, self.writes, self.stores = point.reads, point.writes, point.stores
 
-    def execute(self, env) -> None:
+    def execute(self, env, donate: bool = False) -> None:
         p = self.point
         local = env[p.reads[0]] if p.reads else None
         try:
-            out = apply_reshard(p.steps, local, self.comm, self.pid, self.rank_of, self.tag)
+            out = apply_reshard(p.steps, local, self.comm, self.pid, self.rank_of, self.tag,
+                                donate)
         except RuntimeFault as e:
             raise RuntimeFault(f"process {self.pid}, reshard of {p.value} "
                                f"({p.src.spec} -> {p.dst.spec}): {e}") from None
@@ -52,9 +59,11 @@ def check_world(program: Program, world_size: int, rank_of=None) -> None:
     """Fail fast, saying how to launch, when the job has the wrong number of ranks."""
     ids = process_ids(program)
     if len(ids) != world_size:
+        script = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0].endswith(".py") \
+            else "SCRIPT.py"
         raise PlanError(f"this plan needs {len(ids)} processes (process ids {ids}) but the job "
                         f"has {world_size}; launch it with `distgraph run -n {len(ids)} "
-                        f"SCRIPT.py` (or `mpiexec -n {len(ids)} python SCRIPT.py`)")
+                        f"{script}` (or `mpiexec -n {len(ids)} python {script}`)")
     if rank_of is None and ids != list(range(world_size)):
         raise PlanError(f"process ids {ids} are not 0..{world_size - 1}; give a rank mapping")
 

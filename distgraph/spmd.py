@@ -10,16 +10,19 @@ ShardSpec. Almost every op's rule is generated from an einsum-like notation::
     "a1c,abc->abc"     broadcasting: '1' is a size-1 dim stretched, never split
 
 Per letter the entries of all operands are merged on the semilattice
-unknown < {None, 'x', ('x','y'), ...}: the first known entry (fixed annotations first,
-then operand order) wins and any different known entry is reported as a conflict, which
-the reshard pass later resolves. A mesh dim that would split two letters is dropped from
-the later one; a split that does not divide every dim of its letter is dropped too.
+unknown < {None, 'x', ('x','y'), ...}: the first known entry (fixed annotations first —
+an annotated result before annotated operands — then operand order) wins and any
+different known entry is reported as a conflict ("input 1 dim 'k' wants y, kept x;
+input 1 is resharded"): the rule's spec for that operand is what the op consumes, and
+the reshard pass moves the operand there. A mesh dim that would split two letters is
+dropped from the later one; a split that does not divide every dim of its letter is
+dropped too.
 For each output, the mesh dims of letters it lacks (contracted, reduced) become Partial.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 
@@ -54,12 +57,12 @@ def entry_str(entry) -> str:
     return entry if isinstance(entry, str) else "(" + ",".join(entry) + ")"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class DimsSpec:
     """A shard spec during completion: entries may be UNKNOWN. ``str``: ``[x, ?] P(y)``."""
 
     dims: tuple
-    partial: frozenset = field(default_factory=frozenset)
+    partial: frozenset = frozenset()
 
     @staticmethod
     def unknown(ndim: int) -> "DimsSpec":
@@ -80,6 +83,8 @@ class DimsSpec:
 
     def known(self) -> "DimsSpec":
         """Unknown entries become None (what completion does at the end)."""
+        if UNKNOWN not in self.dims:
+            return self
         return DimsSpec(tuple(None if e is UNKNOWN else e for e in self.dims), self.partial)
 
     def __str__(self) -> str:
@@ -96,7 +101,7 @@ def _normalise(entry):
     return entry
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class SpmdResult:
     """What a rule decided: consumer specs of the inputs, producer specs of the outputs,
     and human-readable notes on conflicts and dropped splits (for the explain view)."""
@@ -144,48 +149,62 @@ class EinsumRule:
     def infer(self, in_specs, out_specs, in_shapes, out_shapes, mesh, fixed_in=(), fixed_out=(),
               outputs_first=False, **attrs) -> SpmdResult:
         """The general form used by completion: sources in priority order are the fixed
-        inputs, the fixed outputs, then the other inputs and outputs (outputs first when
-        ``outputs_first``)."""
+        outputs (an annotated result is produced as annotated), the fixed inputs, then the
+        other inputs and outputs (outputs first when ``outputs_first``)."""
         ins = [DimsSpec.of(s) for s in in_specs]
         outs = [DimsSpec.of(s) for s in (out_specs or [])]
-        return self._solve(ins, outs, in_shapes, out_shapes, mesh, attrs, set(fixed_in),
-                           set(fixed_out), outputs_first)
+        plan = self.compile(in_shapes, out_shapes, mesh, attrs)
+        return plan.solve(ins, outs, set(fixed_in), set(fixed_out), outputs_first)
 
-    # -- the merge ------------------------------------------------------------------------
-    def _solve(self, ins, outs, in_shapes, out_shapes, mesh, attrs, fixed_in, fixed_out,
-               outputs_first):
-        notation = self.notation(in_shapes, attrs)
+    def compile(self, in_shapes, out_shapes, mesh, attrs: dict) -> "EinsumPlan":
+        """The notation parsed for these shapes, attributes and mesh: everything about a
+        call that does not depend on the specs (completion reuses it across calls)."""
+        return EinsumPlan(self.notation(in_shapes, attrs), in_shapes, out_shapes, mesh,
+                          self.linear)
+
+
+class EinsumPlan:
+    """An EinsumRule's notation parsed for one set of shapes and one mesh; ``solve``
+    merges specs (the semilattice merge of the module docstring)."""
+
+    def __init__(self, notation: str, in_shapes, out_shapes, mesh, linear: bool):
+        self.notation = notation
+        self.linear = linear
         lhs, rhs = notation.split("->")
+        self.lhs = lhs
+        self.out_letters = rhs.split(",")
+        self.sizes = _mesh_sizes(mesh)
+        self.dim_sizes: dict[str, set] = {}
+        in_letters = lhs.split(",") if lhs else []
+        for letters, shapes in ((in_letters, in_shapes), (self.out_letters, out_shapes or [])):
+            for word, shape in zip(letters, shapes):
+                for letter, n in zip(word, shape):
+                    self.dim_sizes.setdefault(letter, set()).add(n)
+        self.order: list[str] = []             # letters in order of first appearance
+        for word in in_letters + self.out_letters:
+            for letter in word:
+                if letter not in self.order and letter != "1":
+                    self.order.append(letter)
+
+    def solve(self, ins, outs, fixed_in, fixed_out, outputs_first) -> SpmdResult:
+        notation, out_letters, sizes = self.notation, self.out_letters, self.sizes
+        lhs = self.lhs
         # "" is either no operand or one 0-d operand; the operand count decides
         in_letters = lhs.split(",") if (lhs or len(ins) == 1) else []
-        out_letters = rhs.split(",")
         if len(in_letters) != len(ins):
             raise ValueError(f"rule {notation!r} expects {len(in_letters)} inputs, got {len(ins)}")
-        sizes = _mesh_sizes(mesh)
         notes: list[str] = []
 
         in_sources = [(in_letters[i], ins[i], f"input {i}") for i in range(len(ins))]
         out_sources = [(out_letters[j], outs[j], f"output {j}") for j in range(len(outs))]
-        fixed = [in_sources[i] for i in sorted(fixed_in)]
-        fixed += [out_sources[j] for j in sorted(fixed_out) if j < len(out_sources)]
+        fixed = [out_sources[j] for j in sorted(fixed_out) if j < len(out_sources)]
+        fixed += [in_sources[i] for i in sorted(fixed_in)]
         rest = [s for i, s in enumerate(in_sources) if i not in fixed_in]
         rest_out = [s for j, s in enumerate(out_sources) if j not in fixed_out]
         sources = fixed + (rest_out + rest if outputs_first else rest + rest_out)
 
-        dim_sizes: dict[str, set] = {}
-        for letters, shapes in ((in_letters, in_shapes), (out_letters, out_shapes or [])):
-            for word, shape in zip(letters, shapes):
-                for letter, n in zip(word, shape):
-                    dim_sizes.setdefault(letter, set()).add(n)
-
-        merged: dict[str, object] = {}
-        order: list[str] = []
-        for word in in_letters + out_letters:
-            for letter in word:
-                if letter not in order and letter != "1":
-                    order.append(letter)
-                    if letter.isupper():
-                        merged[letter] = None
+        order = self.order
+        merged: dict[str, object] = {c: None for c in order if c.isupper()}
         for word, spec, who in sources:
             if len(word) != len(spec.dims):
                 raise ValueError(f"rule {notation!r}: {who} has {len(spec.dims)} dims, "
@@ -195,12 +214,15 @@ class EinsumRule:
                     continue
                 if letter not in merged:
                     merged[letter] = entry
-                elif merged[letter] != entry and not letter.isupper():
-                    notes.append(f"{who} dim '{letter}' wants {entry_str(entry)}, "
-                                 f"kept {entry_str(merged[letter])}")
+                elif merged[letter] != entry:
+                    why = "that dim is never split here" if letter.isupper() \
+                        else f"kept {entry_str(merged[letter])}"
+                    notes.append(f"{who} dim '{letter}' wants {entry_str(entry)}, {why}; "
+                                 f"{who} is resharded")
 
         # Drop splits that do not divide their dims, then mesh dims used by two letters.
         used: set = set()
+        dim_sizes = self.dim_sizes
         for letter in order:
             entry = merged.get(letter, UNKNOWN)
             if entry is UNKNOWN or entry is None:
@@ -223,7 +245,7 @@ class EinsumRule:
                 used |= set(dims)
         if not self.linear:
             contracted = set("".join(in_letters)) - set("".join(out_letters))
-            for letter in contracted:
+            for letter in sorted(contracted):
                 if merged.get(letter) not in (None, UNKNOWN):
                     notes.append(f"dim '{letter}' is reduced non-linearly; left unsplit")
                 merged[letter] = None

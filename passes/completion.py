@@ -9,10 +9,16 @@
 2. ShardSpec propagation on the semilattice unknown < {None, 'x', ...}: forward sweeps
    (inputs -> outputs) and backward sweeps (outputs and consumers -> inputs) alternate until
    nothing changes. Each op's rule is its registry entry's (see ``distgraph.spmd``).
-   Annotations are never changed: a consumer that wants something else keeps its own
-   operand spec, and the difference is a reshard point.
+   Annotations are never changed. An annotated Value is consumed as annotated unless the
+   consuming op's rule cannot take it so (another annotation wins a conflict, an axis
+   that is never split): then the op consumes what its rule decided, its notes say why,
+   and the difference is a reshard point. An annotated result is produced as annotated
+   (its operands are resharded instead) wherever the op's rule can make that layout.
+   A sweep visits only the ops whose operands changed since their last visit in that
+   direction, and rule results are memoised per (op signature, specs) within the run:
+   the result is the one full sweeps would give, in time linear in the op count.
 3. Unknown entries end as None; a final forward sweep makes every op's produced specs
-   consistent with what it consumes.
+   consistent with what it consumes: each op's specs are then a fixpoint of its rule.
 
 Example::
 
@@ -37,22 +43,33 @@ MAX_SWEEPS = 100
 def _used(spec: DimsSpec) -> set:
     used = set(spec.partial)
     for e in spec.dims:
-        used |= set(entry_dims(e))
+        used.update(entry_dims(e))
     return used
 
 
 def fill(spec: DimsSpec, other: DimsSpec) -> DimsSpec:
     """Unknown entries of ``spec`` taken from ``other`` unless that would use a mesh dim
     twice; known entries and ``spec.partial`` stay."""
+    dims = spec.dims
+    if UNKNOWN not in dims:
+        return spec
+    odims = other.dims
+    todo = [i for i, (a, b) in enumerate(zip(dims, odims)) if a is UNKNOWN and b is not UNKNOWN]
+    if not todo:
+        return spec
     used = _used(spec)
-    dims = list(spec.dims)
-    for i, (a, b) in enumerate(zip(spec.dims, other.dims)):
-        if a is UNKNOWN and b is not UNKNOWN:
-            new = set(entry_dims(b))
-            if not (new & used):
-                dims[i] = b
-                used |= new
-    return DimsSpec(tuple(dims), spec.partial)
+    out = list(dims)
+    for i in todo:
+        new = entry_dims(odims[i])
+        if used.isdisjoint(new):
+            out[i] = odims[i]
+            used.update(new)
+    return DimsSpec(tuple(out), spec.partial)
+
+
+def _strip(spec: DimsSpec) -> DimsSpec:
+    """``spec`` without its partial mesh dims."""
+    return DimsSpec(spec.dims) if spec.partial else spec
 
 
 def _pick(meshes: list) -> ProcessMesh:
@@ -139,6 +156,14 @@ class _Completion:
 
     # -- 2. specs -------------------------------------------------------------------------
     def init_specs(self) -> None:
+        unknown: dict = {}                  # one all-unknown spec per rank, shared
+
+        def unknown_spec(ndim):
+            spec = unknown.get(ndim)
+            if spec is None:
+                spec = unknown[ndim] = DimsSpec.unknown(ndim)
+            return spec
+
         self.vspec, self.vfixed = {}, set()
         for v in self.program.values.values():
             if (v.annotation is not None and v.name not in self.producer
@@ -146,129 +171,296 @@ class _Completion:
                 self.vspec[v.name] = DimsSpec.of(v.annotation.spec)
                 self.vfixed.add(v.name)
             else:
-                self.vspec[v.name] = DimsSpec.unknown(v.ndim)
-        self.ispec, self.ifixed = {}, set()
+                self.vspec[v.name] = unknown_spec(v.ndim)
+        # ispec: how each operand is consumed. A fixed operand (a shard_op in_spec, or an
+        # annotated Value on the op's mesh) is given to the rule as ``fixed_spec``; its
+        # ispec is what the rule decided, which differs only where the rule had to
+        # reshard it (a conflict with another annotation, an axis that is never split).
+        self.ispec, self.fixed_spec = {}, {}
         self.ospec: dict = {}
         self.notes: dict = {}
         self.origin: dict = {}
         for k, op in enumerate(self.ops):
             wanted = dict(op.annotation.in_specs) if op.annotation is not None else {}
             for i, v in enumerate(op.inputs):
-                spec = DimsSpec.unknown(v.ndim)
+                spec = unknown_spec(v.ndim)
                 if v.name in wanted:
                     spec = DimsSpec.of(wanted[v.name])
-                    self.ifixed.add((k, i))
+                    self.fixed_spec[(k, i)] = spec
                 elif v.annotation is not None and v.annotation.mesh == self.mesh[k]:
                     spec = DimsSpec(DimsSpec.of(v.annotation.spec).dims)
-                    self.ifixed.add((k, i))
+                    self.fixed_spec[(k, i)] = spec
                 self.ispec[(k, i)] = spec
+        n = len(self.ops)
+        self.meta = [self._meta(k) for k in range(n)]
+        # Work lists: an op is visited again (per direction) only when something it
+        # reads changed since its last visit in that direction; a visit whose reads are
+        # unchanged would recompute and rewrite exactly what it wrote before.
+        self.dirty = {False: bytearray(b"\1" * n), True: bytearray(b"\1" * n)}
+        # Rules are pure: within this run, the same (op signature, specs) gives the
+        # same result, and the GPT blocks repeat the same signatures layer after layer.
+        shared: dict = {}                   # equal signatures become one object
+        self.signature = [self._signature(k, shared) for k in range(n)]
+        self.plans: dict = {}
+        self.memo: dict = {}
+        self.last_forward: list = [None] * n
 
-    def _requirement(self, name: str, mesh) -> DimsSpec:
-        """What the same-mesh consumers of ``name`` want, first consumer first."""
-        spec = DimsSpec(self.vspec[name].dims)
-        for k, i in self.consumers.get(name, []):
-            if self.mesh[k] == mesh:
-                spec = fill(spec, self.ispec[(k, i)])
+    def _meta(self, k: int) -> tuple:
+        """What a visit of op k needs that never changes during the run.
+
+        Per input: (index, name, fixed spec or None, same mesh as the op, a source whose
+        spec the op may fill). Per output: (index, name, annotation on the op's mesh or
+        None, the same-mesh consumers asked for its requirement)."""
+        op, mesh = self.ops[k], self.mesh[k]
+        ins = []
+        for i, v in enumerate(op.inputs):
+            same = self.vmesh[v.name] == mesh
+            source = same and v.name not in self.producer and v.name not in self.vfixed
+            ins.append((i, v.name, self.fixed_spec.get((k, i)), same, source))
+        outs = []
+        for j, o in enumerate(op.outputs):
+            ann = None
+            if o.annotation is not None and o.annotation.mesh == mesh:
+                ann = DimsSpec.of(o.annotation.spec)
+            wanted = tuple((c, i) for c, i in self.consumers.get(o.name, ())
+                           if self.mesh[c] == mesh)
+            outs.append((j, o.name, ann, wanted))
+        fixed_in = tuple(i for i, _, f, _, _ in ins if f is not None)
+        fixed_out = tuple(j for j, _, a, _ in outs if a is not None)
+        return tuple(ins), tuple(outs), fixed_in, fixed_out
+
+    def _signature(self, k: int, shared: dict):
+        """What, besides the specs, a rule call of op k depends on: op type, shapes,
+        mesh and attributes (None if an attribute is unhashable: never memoised)."""
+        op = self.ops[k]
+        key = (op.type, tuple(tuple(v.shape) for v in op.inputs),
+               tuple(tuple(o.shape) for o in op.outputs), self.mesh[k],
+               tuple(sorted(op.attrs.items())))
+        try:
+            return shared.setdefault(key, key)
+        except TypeError:
+            return None
+
+    def _mark_value(self, name: str) -> None:
+        """vspec[name] changed: its producer and consumers read it."""
+        fwd, bwd = self.dirty[False], self.dirty[True]
+        p = self.producer.get(name)
+        if p is not None:
+            fwd[p[0]] = bwd[p[0]] = 1
+        for c, _ in self.consumers.get(name, ()):
+            fwd[c] = bwd[c] = 1
+
+    def _mark_operand(self, k: int, name: str) -> None:
+        """ispec of an operand ``name`` of op k changed: op k reads it, and so does the
+        operand's producer when it asks what its consumers want."""
+        self.dirty[False][k] = self.dirty[True][k] = 1
+        p = self.producer.get(name)
+        if p is not None:
+            self.dirty[True][p[0]] = 1
+
+    def _requirement(self, name: str, consumers) -> DimsSpec:
+        """What the same-mesh ``consumers`` of ``name`` want, first consumer first."""
+        spec = _strip(self.vspec[name])
+        for key in consumers:
+            spec = fill(spec, self.fixed_spec.get(key) or self.ispec[key])
         return spec
 
-    def visit(self, k: int, outputs_first: bool) -> bool:
+    def _rule(self, k: int, ins, outs, fixed_in, fixed_out, outputs_first):
+        sig = self.signature[k]
+        key = None
+        if sig is not None:
+            key = (sig, tuple(ins), tuple(outs), fixed_in, fixed_out, outputs_first)
+            res = self.memo.get(key)
+            if res is not None:
+                return res
         op, mesh = self.ops[k], self.mesh[k]
-        ins, fixed_in = [], []
-        for i, v in enumerate(op.inputs):
-            s = self.ispec[(k, i)]
-            if (k, i) in self.ifixed:
-                fixed_in.append(i)
-            elif self.vmesh[v.name] == mesh:
-                s = fill(s, DimsSpec(self.vspec[v.name].dims))
-            ins.append(s)
-        outs, fixed_out = [], []
-        for j, o in enumerate(op.outputs):
-            if o.annotation is not None and o.annotation.mesh == mesh:
-                outs.append(DimsSpec.of(o.annotation.spec))
-                fixed_out.append(j)
-            else:
-                outs.append(self._requirement(o.name, mesh) if outputs_first
-                            else DimsSpec(self.vspec[o.name].dims))
+        rule = get_op(op.type).spmd
+        in_shapes = [v.shape for v in op.inputs]
+        out_shapes = [o.shape for o in op.outputs]
+
+        def run(fixed):
+            if sig is not None and hasattr(rule, "compile"):
+                plan = self.plans.get(sig)
+                if plan is None:
+                    plan = self.plans[sig] = rule.compile(in_shapes, out_shapes, mesh, op.attrs)
+                return plan.solve(ins, outs, set(fixed), set(fixed_out), outputs_first)
+            return rule.infer(ins, outs, in_shapes, out_shapes, mesh, fixed, fixed_out,
+                              outputs_first, **op.attrs)
+
+        def honours(r):
+            return all(r.out_specs[j].dims == outs[j].dims for j in fixed_out)
+
         try:
-            res = get_op(op.type).spmd.infer(ins, outs, [v.shape for v in op.inputs],
-                                              [o.shape for o in op.outputs], mesh, fixed_in,
-                                              fixed_out, outputs_first, **op.attrs)
+            res = run(fixed_in)
+            if fixed_in and not honours(res):
+                # An annotated result is produced as annotated: a rule that ranks the
+                # annotated operands first (reshape) is asked again with them free.
+                again = run(())
+                if honours(again):
+                    res = again
         except ValueError as e:
             raise PlanError(f"sharding rule of op #{k} '{op.type}' ({op.layer or 'top level'}) "
                             f"on {mesh}: {e}") from None
-        self.notes[k] = list(res.notes)
+        if key is not None:
+            self.memo[key] = res
+        return res
+
+    def visit(self, k: int, outputs_first: bool) -> bool:
+        """Run op k's rule on what is known of its operands and merge the result back;
+        True if any spec changed."""
+        in_meta, out_meta, fixed_in, fixed_out = self.meta[k]
+        ispec, vspec = self.ispec, self.vspec
+        ins = []
+        for i, name, fixed, same, _ in in_meta:
+            if fixed is not None:
+                ins.append(fixed)
+            else:
+                s = ispec[(k, i)]
+                ins.append(fill(s, _strip(vspec[name])) if same else s)
+        outs = []
+        for j, name, ann, wanted in out_meta:
+            if ann is not None:
+                outs.append(ann)
+            elif outputs_first:
+                outs.append(self._requirement(name, wanted))
+            else:
+                outs.append(_strip(vspec[name]))
+        res = self._rule(k, ins, outs, fixed_in, fixed_out, outputs_first)
+        if not outputs_first:
+            self.last_forward[k] = res
+        self.notes[k] = res.notes
         changed = False
-        known = [v.name for v, s in zip(op.inputs + op.outputs, ins + outs)
-                 if any(e not in (UNKNOWN, None) for e in s.dims)]
-        for i, v in enumerate(op.inputs):
-            if (k, i) not in self.ifixed:
-                new = fill(self.ispec[(k, i)], res.in_specs[i])
-                changed |= new != self.ispec[(k, i)]
-                self.ispec[(k, i)] = new
-            if v.name not in self.producer and v.name not in self.vfixed \
-                    and self.vmesh[v.name] == mesh:
-                new = fill(self.vspec[v.name], self.ispec[(k, i)])
-                if new != self.vspec[v.name]:
+        known = None
+        for i, name, fixed, _, source in in_meta:
+            if fixed is not None:
+                # consumed as the rule decided (a reshard point where that differs)
+                self.ispec[(k, i)] = DimsSpec(fill(res.in_specs[i], fixed).dims, fixed.partial)
+                consumed = fixed
+            else:
+                old = ispec[(k, i)]
+                consumed = fill(old, res.in_specs[i])
+                if consumed != old:
                     changed = True
-                    self.vspec[v.name] = new
-                    self.origin.setdefault(v.name, (k, [n for n in known if n != v.name]))
-        for j, o in enumerate(op.outputs):
+                    ispec[(k, i)] = consumed
+                    self._mark_operand(k, name)
+            if source:
+                old = vspec[name]
+                new = fill(old, consumed)
+                if new != old:
+                    changed = True
+                    vspec[name] = new
+                    self._mark_value(name)
+                    if known is None:
+                        known = _known_names(self.ops[k], ins, outs)
+                    self.origin.setdefault(name, (k, tuple(n for n in known if n != name)))
+        for j, name, _, _ in out_meta:
             out = res.out_specs[j]
             self.ospec[(k, j)] = out
-            old = self.vspec[o.name]
-            dims = fill(DimsSpec(old.dims), DimsSpec(out.dims)).dims
-            new = DimsSpec(dims, out.partial - _used(DimsSpec(dims)))
+            old = vspec[name]
+            dims = fill(_strip(old), _strip(out)).dims
+            partial = out.partial - _used(DimsSpec(dims)) if out.partial else out.partial
+            new = DimsSpec(dims, partial)
             if new != old:
                 changed = True
-                self.vspec[o.name] = new
+                vspec[name] = new
+                self._mark_value(name)
                 if any(e is not UNKNOWN for e in new.dims) or new.partial:
-                    self.origin.setdefault(o.name, (k, [n for n in known if n != o.name]))
+                    if known is None:
+                        known = _known_names(self.ops[k], ins, outs)
+                    self.origin.setdefault(name, (k, tuple(n for n in known if n != name)))
         return changed
 
     def fixpoint(self) -> None:
+        """Forward sweeps (inputs -> outputs) and backward sweeps (outputs -> inputs)
+        alternate until nothing changes, each visiting only the ops marked dirty."""
+        n = len(self.ops)
+        fwd, bwd = self.dirty[False], self.dirty[True]
         for _ in range(MAX_SWEEPS):
-            changed = False
-            for k in range(len(self.ops)):
-                changed |= self.visit(k, outputs_first=False)
-            for k in reversed(range(len(self.ops))):
-                changed |= self.visit(k, outputs_first=True)
-            if not changed:
+            if not (any(fwd) or any(bwd)):
                 return
-        raise PlanError(f"completion did not reach a fixpoint in {MAX_SWEEPS} sweeps")
+            for k in range(n):
+                if fwd[k]:
+                    fwd[k] = 0
+                    self.visit(k, outputs_first=False)
+            for k in reversed(range(n)):
+                if bwd[k]:
+                    bwd[k] = 0
+                    self.visit(k, outputs_first=True)
+        if any(fwd) or any(bwd):
+            raise PlanError(f"completion did not reach a fixpoint in {MAX_SWEEPS} sweeps")
 
     def finish(self) -> None:
         for name in self.vspec:                       # sources nobody constrained: unsplit
             if name not in self.producer:
-                self.vspec[name] = DimsSpec(tuple(None if e is UNKNOWN else e
-                                                  for e in self.vspec[name].dims))
+                new = DimsSpec(tuple(None if e is UNKNOWN else e
+                                     for e in self.vspec[name].dims))
+                if new != self.vspec[name]:
+                    self.vspec[name] = new
+                    self._mark_value(name)
         self.fixpoint()
         for (k, i), s in self.ispec.items():
             v = self.ops[k].inputs[i]
             if self.vmesh[v.name] == self.mesh[k]:
-                s = fill(s, DimsSpec(self.vspec[v.name].dims))
-            self.ispec[(k, i)] = s.known()
+                s = fill(s, _strip(self.vspec[v.name]))
+            s = s.known()
+            if s != self.ispec[(k, i)]:
+                self.ispec[(k, i)] = s
+                self._mark_operand(k, v.name)
         for name, s in self.vspec.items():
-            self.vspec[name] = s.known()
+            if UNKNOWN in s.dims:
+                self.vspec[name] = s.known()
+                self._mark_value(name)
+        # One last forward sweep makes what each op produces follow what it consumes. An
+        # op whose reads did not change since its last forward visit keeps that visit's
+        # result (visiting it again would recompute exactly that).
+        fwd = self.dirty[False]
         for k in range(len(self.ops)):
-            self.visit(k, outputs_first=False)
+            if fwd[k] or self.last_forward[k] is None:
+                fwd[k] = 0
+                self.visit(k, outputs_first=False)
+            else:
+                self._keep(k, self.last_forward[k])
+
+    def _keep(self, k: int, res) -> None:
+        """Record ``res``, the result of op k's last forward visit, as its final one."""
+        self.notes[k] = res.notes
+        for j in range(len(self.ops[k].outputs)):
+            self.ospec[(k, j)] = res.out_specs[j]
+        for i, _, fixed, _, _ in self.meta[k][0]:
+            if fixed is not None:
+                self.ispec[(k, i)] = DimsSpec(fill(res.in_specs[i], fixed).dims, fixed.partial)
 
     def write(self) -> None:
+        attrs: dict = {}
+
+        def attr(mesh, spec, v):
+            key = (mesh, spec.known(), tuple(v.shape))
+            a = attrs.get(key)
+            if a is None:
+                a = attrs[key] = _attr(mesh, spec, v)
+            return a
+
         for v in self.program.values.values():
             mesh = self.vmesh[v.name]
             if v.name in self.producer:
                 spec = self.ospec[self.producer[v.name]].known()
             else:
                 spec = self.vspec[v.name]
-            v.dist_attr = _attr(mesh, spec, v)
+            v.dist_attr = attr(mesh, spec, v)
         for k, op in enumerate(self.ops):
             mesh = self.mesh[k]
             op.dist_attr = OpDistAttr(
                 mesh,
-                [_attr(mesh, self.ispec[(k, i)], v).spec for i, v in enumerate(op.inputs)],
-                [_attr(mesh, self.ospec[(k, j)].known(), o).spec for j, o in enumerate(op.outputs)],
-                self.notes.get(k, []))
+                [attr(mesh, self.ispec[(k, i)], v).spec for i, v in enumerate(op.inputs)],
+                [attr(mesh, self.ospec[(k, j)].known(), o).spec for j, o in enumerate(op.outputs)],
+                list(self.notes.get(k, [])))
         self.program.completion_origin = {n: (self.ops[k], srcs) for n, (k, srcs)
                                           in self.origin.items()}
+
+
+def _known_names(op, ins, outs) -> list:
+    return [v.name for v, s in zip(op.inputs + op.outputs, ins + outs)
+            if any(e not in (UNKNOWN, None) for e in s.dims)]
 
 
 def _attr(mesh, spec: DimsSpec, v) -> DistAttr:
@@ -296,6 +488,11 @@ def complete(program: Program, default_mesh: ProcessMesh | None = None) -> Progr
     return program
 
 
+def _producer_of(program: Program, name: str):
+    """The op that produces Value ``name`` (None for inputs and parameters)."""
+    return next((op for op in program.ops if any(o.name == name for o in op.outputs)), None)
+
+
 def explain(program: Program, name: str) -> str:
     """Why ``name`` has its spec: the chain of ops back to the annotation it came from,
     conflicts the rules resolved on the way, and where consumers reshard it."""
@@ -315,6 +512,12 @@ def explain(program: Program, name: str) -> str:
         if val.annotation is not None:
             lines.append(f"{n} {val.dist_attr.spec}: annotated by the user as "
                          f"{val.annotation.spec} on {val.annotation.mesh}")
+            if val.annotation != val.dist_attr:
+                op = _producer_of(program, n)
+                lines.append(f"    its producer {op.type if op else '?'} cannot make that "
+                             f"layout; consumers on {val.annotation.mesh} reshard it")
+                for note in (op.dist_attr.notes if op else []):
+                    lines.append(f"    note on {op.type}: {note}")
             continue
         if n not in origin:
             lines.append(f"{n} {val.dist_attr.spec}: no annotation reached it (unsplit by default)")
@@ -333,4 +536,7 @@ def explain(program: Program, name: str) -> str:
                 lines.append(f"reshard: op #{k} {op.type}{' in ' + op.layer if op.layer else ''} consumes "
                              f"{name} as {op.dist_attr.input_specs[i]} on "
                              f"{op.dist_attr.mesh} (produced {v.dist_attr})")
+                for note in op.dist_attr.notes:      # the rule's reason, where it gave one
+                    if note.startswith(f"input {i} "):
+                        lines.append(f"    because on {op.type}: {note}")
     return "\n".join(lines)

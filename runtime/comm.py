@@ -10,7 +10,9 @@ Semantics (identical for every implementation):
 
 - ``all_gather(arr, group, axis)``: concatenation of the members' arrays along ``axis``
   in group order.
-- ``all_reduce(arr, group, op="sum")``: elementwise sum (or max/min) of the members' arrays.
+- ``all_reduce(arr, group, op="sum", inplace=False)``: elementwise sum (or max/min) of the
+  members' arrays. With ``inplace`` the caller hands ``arr`` over: the result may be
+  written into it and returned, which saves a buffer of its size and a pass over it.
 - ``reduce_scatter(arr, group, axis)``: the sum, split along ``axis`` into ``len(group)``
   equal chunks; member i gets chunk i.
 - ``all_to_all(arr, group, split_axis, concat_axis)``: member i splits its array along
@@ -128,15 +130,18 @@ class Communicator(ABC):
             return arr.copy()
         return self._all_gather(arr, group, axis)
 
-    def all_reduce(self, arr, group, op: str = "sum") -> np.ndarray:
+    def all_reduce(self, arr, group, op: str = "sum", inplace: bool = False) -> np.ndarray:
         arr = np.require(arr, requirements="C")  # keeps 0-d arrays 0-d
         group = self._group(group, "all_reduce")
         if op not in REDUCE_OPS:
             raise RuntimeFault(f"rank {self.rank}: all_reduce op {op!r}; use one of "
                                f"{sorted(REDUCE_OPS)}")
         self._count("all_reduce", len(group), arr.nbytes)
+        inplace = inplace and arr.flags.writeable
         if len(group) == 1:
-            return arr.copy()
+            return arr if inplace else arr.copy()
+        if inplace:
+            return self._all_reduce_inplace(arr, group, op)
         return self._all_reduce(arr, group, op)
 
     def reduce_scatter(self, arr, group, axis: int = 0) -> np.ndarray:
@@ -181,6 +186,11 @@ class Communicator(ABC):
 
     @abstractmethod
     def _all_reduce(self, arr, group, op): ...
+
+    def _all_reduce_inplace(self, arr, group, op):
+        """All-reduce that may reuse ``arr`` (a C-contiguous array the caller gave up)
+        for its result; implementations with an in-place collective override it."""
+        return self._all_reduce(arr, group, op)
 
     @abstractmethod
     def _reduce_scatter(self, arr, group, axis): ...

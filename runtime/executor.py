@@ -20,6 +20,8 @@ from distgraph.errors import RuntimeFault
 from distgraph.ir import Program
 from distgraph.ops.registry import KernelContext, get_op
 
+DONATE_MIN_BYTES = 1 << 16   # below this a fresh buffer costs about nothing
+
 
 @dataclass(frozen=True)
 class _Instr:
@@ -41,6 +43,11 @@ class ProgramRunner:
     communication points run before that op (index ``len(ops)``: after the last op);
     each has ``reads``, ``writes`` and ``execute(env)``, and counts in the liveness
     analysis like an op, so a value is kept until the last message that sends it.
+
+    A point with ``can_donate`` is run as ``execute(env, donate=True)`` when the value
+    it reads dies there (not fed, fetched or persistable) and its array, at least
+    ``DONATE_MIN_BYTES``, is no view and has none among the live values: the point may
+    then overwrite it, e.g. all-reduce a gradient in place instead of into a new buffer.
     """
 
     def __init__(self, program: Program, xp=np, fetch_always=(), op_context=None,
@@ -65,10 +72,14 @@ class ProgramRunner:
             for name in _reads(item) + _writes(item):
                 last_use[name] = i
         compiled = []
+        self.donatable: dict[int, tuple] = {}
         for i, item in enumerate(items):
             free = tuple(sorted({n for n in _reads(item) + _writes(item)
                                  if last_use.get(n) == i and n not in keep}))
             compiled.append((item, free))
+            dying = tuple(n for n in _reads(item) if n in free and n not in self.feed_names)
+            if getattr(item, "can_donate", False) and dying:
+                self.donatable[i] = dying
         self.items = compiled
 
     def run(self, scope: dict, feed: dict | None = None, fetch=(), step: int = 0) -> dict:
@@ -85,7 +96,11 @@ class ProgramRunner:
             if isinstance(item, _Instr):
                 self._run_op(i, item, env, scope, step, base)
             else:
-                item.execute(env)
+                if i in self.donatable and _donatable(self.donatable[i], env, scope, fetch,
+                                                      fetched):
+                    item.execute(env, donate=True)
+                else:
+                    item.execute(env)
                 for name, target in zip(item.writes, getattr(item, "stores", ())):
                     scope[target] = env[name]
             for name in fetch.intersection(_writes(item)):
@@ -115,6 +130,21 @@ class ProgramRunner:
             env[name] = arr
         for k, target in ins.writeback:
             scope[target] = result[k]
+
+
+def _donatable(names, env, scope, fetch, fetched) -> bool:
+    """Whether the arrays of ``names`` are this step's alone: not fetched, large enough
+    for a saved buffer to matter, owning their memory, and neither the same object nor
+    the memory owner of any other live, stored or fetched value."""
+    for name in names:
+        a = env[name]
+        if name in fetch or getattr(a, "base", 0) is not None or a.nbytes < DONATE_MIN_BYTES:
+            return False
+        for values in (env, scope, fetched):
+            for other_name, other in values.items():
+                if other_name != name and (other is a or getattr(other, "base", None) is a):
+                    return False
+    return True
 
 
 def _reads(item) -> tuple:

@@ -110,6 +110,11 @@ class MPICommunicator(Communicator):
                    f"all_reduce on group {group}")
         return out
 
+    def _all_reduce_inplace(self, arr, group, op):
+        self._wait([self._sub(group).Iallreduce(self._MPI.IN_PLACE, arr, op=self._ops[op])],
+                   f"all_reduce on group {group}")
+        return arr
+
     def _reduce_scatter(self, arr, group, axis):
         send = np.ascontiguousarray(np.stack(np.split(arr, len(group), axis=axis)))
         out = np.empty(send.shape[1:], dtype=arr.dtype)

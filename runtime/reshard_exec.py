@@ -25,20 +25,29 @@ def _rank_fn(rank_of):
     return rank_of.__getitem__
 
 
-def apply_reshard(steps, local, comm, process_id: int, rank_of=None, tag: int = 0):
+def apply_reshard(steps, local, comm, process_id: int, rank_of=None, tag: int = 0,
+                  donate: bool = False):
     """Run ``steps`` on this process's ``local`` array (None if it is not in the source
     mesh) and return its new local array, or None if it is not in the destination mesh.
 
     ``rank_of`` maps a logical process id to a communicator rank: a mapping, a callable
-    or None (identity). ``tag`` is the p2p tag used by send_recv steps.
+    or None (identity). ``tag`` is the p2p tag used by send_recv steps. With ``donate``
+    the caller gives ``local`` up, and an all-reduce may reduce into it in place (the
+    arrays that earlier steps made are reused so in any case).
     """
+    owned = donate
     for step in steps:
-        local = apply_step(step, local, comm, process_id, rank_of, tag)
+        out = apply_step(step, local, comm, process_id, rank_of, tag, owned)
+        # Collectives and make_partial return fresh arrays; a local slice is a view of
+        # its input, owned exactly when the input was.
+        owned = owned if step.kind == "slice" or out is local else True
+        local = out
     return local
 
 
-def apply_step(step: Step, local, comm, process_id: int, rank_of=None, tag: int = 0):
-    """Run one step; see :func:`apply_reshard`."""
+def apply_step(step: Step, local, comm, process_id: int, rank_of=None, tag: int = 0,
+               donate: bool = False):
+    """Run one step; see :func:`apply_reshard` (``donate``: ``local`` may be reused)."""
     rank = _rank_fn(rank_of)
     if step.kind == "send_recv":
         return _send_recv(step, local, comm, process_id, rank, tag)
@@ -51,7 +60,7 @@ def apply_step(step: Step, local, comm, process_id: int, rank_of=None, tag: int 
     if step.kind == "all_gather":
         return comm.all_gather(local, group, axis=step.tensor_dim)
     if step.kind == "all_reduce":
-        return comm.all_reduce(local, group)
+        return comm.all_reduce(local, group, inplace=donate)
     if step.kind == "reduce_scatter":
         return comm.reduce_scatter(local, group, axis=step.tensor_dim)
     if step.kind == "all_to_all":

@@ -18,6 +18,7 @@ Example (under ``mpiexec -n 4``)::
 
 from __future__ import annotations
 
+import os
 import time
 import zlib
 
@@ -28,6 +29,7 @@ from distgraph.runtime.comm import MAX_TAG, Communicator
 
 _HANDSHAKE_TAG = MAX_TAG + 1
 _CREATE_TAG = MAX_TAG + 2
+SPIN_SECONDS = 0.1   # how long a wait polls without sleeping (see MPICommunicator._wait)
 
 
 class MPICommunicator(Communicator):
@@ -46,8 +48,16 @@ class MPICommunicator(Communicator):
     # ---- waiting with a deadline -----------------------------------------------------
     def _wait(self, requests, what: str, receives=()) -> None:
         """Poll ``requests`` until done; on timeout cancel ``receives`` (so MPI never
-        writes into a buffer given up on) and raise RuntimeFault."""
-        deadline = time.monotonic() + self.timeout
+        writes into a buffer given up on) and raise RuntimeFault.
+
+        A nonblocking collective or large message moves only while its ranks call into
+        MPI, so for the first ``SPIN_SECONDS`` the loop polls back to back, yielding the
+        core between polls (to another rank, when ranks outnumber cores), as MPI's own
+        blocking calls spin. Sleeping there stalls every transfer behind the sleeper.
+        Only a longer wait (a slow peer, an idle pipeline stage) backs off with sleeps
+        of up to 1 ms, so that it does not hold a core."""
+        start = time.monotonic()
+        deadline = start + self.timeout
         delay = 0.0
         while True:
             try:
@@ -65,6 +75,9 @@ class MPICommunicator(Communicator):
                 raise RuntimeFault(f"rank {self.rank}: timed out after {self.timeout:g} s "
                                    f"waiting for {what}; a peer did not make the matching "
                                    f"call (check that every rank runs the same plan)")
+            if time.monotonic() - start < SPIN_SECONDS:
+                os.sched_yield()
+                continue
             time.sleep(delay)
             delay = min(delay * 2 or 1e-5, 1e-3)
 

@@ -111,15 +111,18 @@ class ShardSpec:
     def validate_mesh(self, mesh: ProcessMesh, tensor_name: str = "tensor",
                       shape=None) -> None:
         """Checks that need only the mesh: known mesh dims, each used at most once."""
-        where = self._where(mesh, tensor_name, shape)
+        # The message prefix is built only on failure: validation runs on every
+        # DistAttr, and formatting a mesh costs more than the checks.
         used = self.mesh_dims()
         for name in used:
             if name not in mesh.dim_names:
+                where = self._where(mesh, tensor_name, shape)
                 raise ShardingError(f"{where}: unknown mesh dim {name!r}; the mesh dims are "
                                     f"{list(mesh.dim_names)}")
         seen = set()
         for name in used:
             if name in seen:
+                where = self._where(mesh, tensor_name, shape)
                 raise ShardingError(f"{where}: mesh dim {name!r} is used twice; a mesh dim "
                                     f"splits at most one tensor dim and is never both "
                                     f"split and partial")
@@ -129,8 +132,8 @@ class ShardSpec:
         """Raise ShardingError (naming tensor, shape, spec and mesh) if this spec cannot
         lay out a tensor of ``shape`` on ``mesh``."""
         shape = tuple(shape)
-        where = self._where(mesh, tensor_name, shape)
         if len(shape) != self.ndim:
+            where = self._where(mesh, tensor_name, shape)
             raise ShardingError(f"{where}: the spec has {self.ndim} entries for a "
                                 f"{len(shape)}-d tensor; give one entry per tensor dim")
         self.validate_mesh(mesh, tensor_name, shape)
@@ -139,6 +142,7 @@ class ShardSpec:
             for name in self.entry(i):
                 parts *= mesh.dim_size(name)
             if size % parts:
+                where = self._where(mesh, tensor_name, shape)
                 raise ShardingError(f"{where}: tensor dim {i} of size {size} is not "
                                     f"divisible by {parts} (the size of mesh dims "
                                     f"{list(self.entry(i))}); pad the tensor or split it "

@@ -43,7 +43,9 @@ class Increment:
 @register_op("sgd_update", spmd=EinsumRule(_update_notation(3, 2)), inplace=((0, 0), (1, 2)),
              differentiable=False)
 class SgdUpdate:
-    """velocity = momentum * velocity + grad; param -= lr * velocity (PyTorch's form)."""
+    """velocity = momentum * velocity + grad; param -= lr * velocity (PyTorch's form).
+    With momentum 0 the velocity is never read again, so it is left alone (zero, as
+    PyTorch keeps no buffer then) and the update is param -= lr * grad."""
 
     flops = elementwise_flops(4)
 
@@ -53,6 +55,10 @@ class SgdUpdate:
 
     def kernel(ctx, param, grad, velocity, lr, momentum):
         t = param.dtype.type
+        if momentum == 0:
+            # two parameter-sized passes instead of four
+            param -= t(lr) * grad
+            return param, velocity
         velocity *= t(momentum)
         velocity += grad
         param -= t(lr) * velocity

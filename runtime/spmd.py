@@ -13,7 +13,6 @@ Example (inside a rank)::
 
 from __future__ import annotations
 
-import os
 import sys
 
 import numpy as np
@@ -59,8 +58,8 @@ def check_world(program: Program, world_size: int, rank_of=None) -> None:
     """Fail fast, saying how to launch, when the job has the wrong number of ranks."""
     ids = process_ids(program)
     if len(ids) != world_size:
-        script = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0].endswith(".py") \
-            else "SCRIPT.py"
+        # the path as the user gave it, so that the hint runs from where they are
+        script = sys.argv[0] if sys.argv and sys.argv[0].endswith(".py") else "SCRIPT.py"
         raise PlanError(f"this plan needs {len(ids)} processes (process ids {ids}) but the job "
                         f"has {world_size}; launch it with `distgraph run -n {len(ids)} "
                         f"{script}` (or `mpiexec -n {len(ids)} python {script}`)")

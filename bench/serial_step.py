@@ -19,7 +19,6 @@ compare the two numbers of one run, not numbers across runs.
 from __future__ import annotations
 
 import argparse
-import math
 import statistics
 import time
 import tracemalloc
@@ -30,6 +29,8 @@ import distgraph as dg
 from distgraph.program_builder import build_program
 from distgraph.runtime.executor import ProgramRunner
 
+from reference_adam import adam_ as adam_inplace  # bench/ is on the path
+
 BATCH, D_IN, D_HIDDEN, D_OUT = 64, 1024, 4096, 1024
 LR, BETA1, BETA2, EPS = 1e-3, 0.9, 0.999, 1e-8
 PARAMS = ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias")
@@ -38,21 +39,7 @@ TIME_TARGET, MEMORY_TARGET = 1.10, 1.25
 
 # -- the numpy reference ------------------------------------------------------------------------
 def adam_(p, g, m, v, t):
-    """PyTorch's Adam, in place on p, m, v (step t counts from 1), with one scratch
-    buffer for every intermediate, as a careful numpy programmer writes it."""
-    tmp = np.multiply(g, np.float32(1.0 - BETA1))
-    m *= np.float32(BETA1)
-    m += tmp
-    np.multiply(g, g, out=tmp)
-    tmp *= np.float32(1.0 - BETA2)
-    v *= np.float32(BETA2)
-    v += tmp
-    np.sqrt(v, out=tmp)
-    tmp *= np.float32(1.0 / math.sqrt(1.0 - BETA2 ** t))
-    tmp += np.float32(EPS)
-    np.divide(m, tmp, out=tmp)
-    tmp *= np.float32(LR / (1.0 - BETA1 ** t))
-    p -= tmp
+    adam_inplace(p, g, m, v, t, LR, BETA1, BETA2, EPS)
 
 
 def numpy_step(state: dict, x: np.ndarray, y: np.ndarray) -> float:

@@ -77,6 +77,8 @@ def main(argv: list[str] | None = None) -> None:
     watch_this_rank()
     install_abort_hook()
     sys.argv = args
+    # as `python script.py` does: the script's folder comes first on the import path
+    sys.path.insert(0, os.path.dirname(os.path.abspath(args[0])))
     runpy.run_path(args[0], run_name="__main__")
     _write_status("done")
 

@@ -27,15 +27,6 @@ CONTRACT_RTOL = 1e-6
 STRONG_RTOL = 1e-9
 
 
-@pytest.fixture
-def float64():
-    dg.set_default_dtype("float64")
-    try:
-        yield
-    finally:
-        dg.set_default_dtype("float32")
-
-
 def reference_params(seed=1):
     return init_params(V, D, L, H, T, seed=seed)
 

@@ -16,15 +16,6 @@ from distgraph.program_builder import build_program
 ops = dg.ops
 
 
-@pytest.fixture
-def float64():
-    dg.set_default_dtype("float64")
-    try:
-        yield
-    finally:
-        dg.set_default_dtype("float32")
-
-
 class TwoLayer(dg.nn.Layer):
     def __init__(self, d_in=16, d_hidden=32, d_hidden2=None, d_out=8):
         super().__init__()

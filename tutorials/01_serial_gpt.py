@@ -1,10 +1,9 @@
 """Tutorial 01: train a tiny GPT on one process.
 
-The data is a synthetic next-token task: each sequence counts upward from a random start
-with a random stride (mod the vocabulary), so after two tokens the rest is predictable.
-A GPT that learns the pattern drives the loss far below ln(vocab).
+The data (tutorials/counting_data.py) is a synthetic next-token task that a GPT which
+learns the pattern solves far below ln(vocab).
 
-    python tutorials/01_serial_gpt.py            # default size, about a minute on 2 cores
+    python tutorials/01_serial_gpt.py            # default size, a few seconds on 2 cores
     python tutorials/01_serial_gpt.py --steps 50 # quicker
 """
 
@@ -16,23 +15,7 @@ import numpy as np
 
 import distgraph as dg
 
-
-class CountingSequences:
-    """Samples (tokens[t], labels[t] = tokens[t+1]) of x_t = (start + stride * t) mod vocab."""
-
-    def __init__(self, n, seq_len, vocab, seed=0):
-        rng = np.random.default_rng(seed)
-        starts = rng.integers(0, vocab, n)
-        strides = rng.integers(1, 4, n)
-        t = np.arange(seq_len + 1)
-        self.seqs = (starts[:, None] + strides[:, None] * t[None, :]) % vocab
-
-    def __len__(self):
-        return len(self.seqs)
-
-    def __getitem__(self, i):
-        s = self.seqs[i]
-        return s[:-1].astype(np.int64), s[1:].astype(np.int64)
+from counting_data import CountingSequences  # tutorials/ is on the path
 
 
 def main():

@@ -41,23 +41,7 @@ import distgraph as dg
 from distgraph.passes.partition import partition
 from distgraph.runtime.mpi_comm import MPICommunicator
 
-
-class CountingSequences:
-    """Samples (tokens[t], labels[t] = tokens[t+1]) of x_t = (start + stride * t) mod vocab."""
-
-    def __init__(self, n, seq_len, vocab, seed=0):
-        rng = np.random.default_rng(seed)
-        starts = rng.integers(0, vocab, n)
-        strides = rng.integers(1, 4, n)
-        t = np.arange(seq_len + 1)
-        self.seqs = (starts[:, None] + strides[:, None] * t[None, :]) % vocab
-
-    def __len__(self):
-        return len(self.seqs)
-
-    def __getitem__(self, i):
-        s = self.seqs[i]
-        return s[:-1].astype(np.int64), s[1:].astype(np.int64)
+from counting_data import CountingSequences  # tutorials/ is on the path
 
 
 class DataParallelGPT(dg.nn.GPT):

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from distgraph import dtypes
 from distgraph.ops.common import elementwise_flops, normalize_axes
-from distgraph.ops.registry import ShapeError, TensorType, register_op, size
+from distgraph.ops.registry import ShapeError, TensorType, register_op
 from distgraph.spmd import LETTERS, EinsumRule, axis_rule
 from distgraph.trace import emit, emit1
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 
 from distgraph.ops.common import elementwise_flops
-from distgraph.ops.registry import ShapeError, TensorType, register_op
+from distgraph.ops.registry import ShapeError, register_op
 from distgraph.spmd import EinsumRule, LETTERS
 
 

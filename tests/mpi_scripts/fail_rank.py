@@ -56,7 +56,7 @@ def main(mode: str) -> None:
     elif mode == "exit":
         patch_relu(2, lambda: os._exit(3))
     model = P.build_model("mlp")
-    P.PLANS["mlp", *plan].annotate(model)
+    P.PLANS[("mlp", *plan)].annotate(model)
     engine = P.make_engine(model, "mlp")
     steps = None
     if mode == "skip":

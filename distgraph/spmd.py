@@ -121,11 +121,14 @@ class EinsumRule:
     ``notation`` is a string, or a function ``(in_shapes, attrs) -> str`` for ops whose
     notation depends on ranks and attributes. ``linear`` says whether contracted letters
     may be split (the output is then Partial); when False they are never split.
+    ``internal`` names letters the op reduces with its own communication when they are
+    split (its distributed form): they may be split and make no output Partial.
     """
 
-    def __init__(self, notation: str | Callable, linear: bool = True):
+    def __init__(self, notation: str | Callable, linear: bool = True, internal: str = ""):
         self._notation = notation
         self.linear = linear
+        self.internal = internal
 
     def notation(self, in_shapes: Sequence[tuple], attrs: dict) -> str:
         if callable(self._notation):
@@ -160,16 +163,18 @@ class EinsumRule:
         """The notation parsed for these shapes, attributes and mesh: everything about a
         call that does not depend on the specs (completion reuses it across calls)."""
         return EinsumPlan(self.notation(in_shapes, attrs), in_shapes, out_shapes, mesh,
-                          self.linear)
+                          self.linear, self.internal)
 
 
 class EinsumPlan:
     """An EinsumRule's notation parsed for one set of shapes and one mesh; ``solve``
     merges specs (the semilattice merge of the module docstring)."""
 
-    def __init__(self, notation: str, in_shapes, out_shapes, mesh, linear: bool):
+    def __init__(self, notation: str, in_shapes, out_shapes, mesh, linear: bool,
+                 internal: str = ""):
         self.notation = notation
         self.linear = linear
+        self.internal = set(internal)
         lhs, rhs = notation.split("->")
         self.lhs = lhs
         self.out_letters = rhs.split(",")
@@ -244,7 +249,7 @@ class EinsumPlan:
             else:
                 used |= set(dims)
         if not self.linear:
-            contracted = set("".join(in_letters)) - set("".join(out_letters))
+            contracted = set("".join(in_letters)) - set("".join(out_letters)) - self.internal
             for letter in sorted(contracted):
                 if merged.get(letter) not in (None, UNKNOWN):
                     notes.append(f"dim '{letter}' is reduced non-linearly; left unsplit")
@@ -255,7 +260,7 @@ class EinsumPlan:
                             partial)
 
         new_ins = tuple(spec_of(w) for w in in_letters)
-        all_in = set("".join(in_letters))
+        all_in = set("".join(in_letters)) - self.internal
         new_outs = []
         for word in out_letters:
             partial = set()

@@ -51,9 +51,10 @@ class ProgramRunner:
     """
 
     def __init__(self, program: Program, xp=np, fetch_always=(), op_context=None,
-                 comm_points=None):
+                 comm_points=None, comm=None, rank_of=None):
         self.program = program
         self.xp = xp
+        self.comm, self.rank_of = comm, rank_of
         self.feed_names = [v.name for v in program.inputs]
         keep = {v.name for v in program.values.values() if v.persistable}
         keep |= set(fetch_always)
@@ -91,7 +92,7 @@ class ProgramRunner:
             env[name] = feed[name]
         fetch = set(fetch)
         fetched = {}
-        base = KernelContext(self.xp, step)
+        base = KernelContext(self.xp, step, comm=self.comm, rank_of=self.rank_of)
         for i, (item, free) in enumerate(self.items):
             if isinstance(item, _Instr):
                 self._run_op(i, item, env, scope, step, base)
@@ -114,7 +115,8 @@ class ProgramRunner:
         return fetched
 
     def _run_op(self, i, ins, env, scope, step, base):
-        ctx = KernelContext(self.xp, step, **ins.ctx_extra) if ins.ctx_extra else base
+        ctx = KernelContext(self.xp, step, comm=self.comm, rank_of=self.rank_of,
+                            **ins.ctx_extra) if ins.ctx_extra else base
         try:
             result = ins.kernel(ctx, *[env[n] for n in ins.ins], **ins.attrs)
         except KeyError as e:

@@ -86,7 +86,7 @@ class SpmdRunner:
             points.setdefault(end, []).append(self._bind(p, MAX_TAG - 1 - p.seq % (MAX_TAG // 2)))
         self.fetch = list(fetch)
         self.runner = ProgramRunner(self.local.program, xp, op_context=self.local.op_context,
-                                    comm_points=points)
+                                    comm_points=points, comm=comm, rank_of=rank_of)
 
     def _bind(self, point, tag):
         return BoundReshard(point, self.comm, self.pid, self.rank_of, tag)

@@ -6,7 +6,8 @@ Sharding (hand-written notations; UPPERCASE = never split):
   letters into dweight/dbias, so those come out Partial where the batch is split.
 - embedding: ``"ab,vh->abh"``: a split vocabulary ``v`` gives a Partial output
   (vocabulary-parallel embedding); its grad ``"ab,abh->vh"`` is Partial over the batch.
-- softmax_cross_entropy: ``"abC,ab->ab"``.
+- softmax_cross_entropy: ``"abz,ab->ab,ab"`` with ``z`` reduced inside the op: a split
+  class dim gives replicated results (its distributed form communicates), not Partial.
 """
 
 from __future__ import annotations
@@ -213,59 +214,97 @@ class EmbeddingGrad:
 # -- softmax cross-entropy ----------------------------------------------------------------------
 def _sce_notation(in_shapes, attrs):
     batch = LETTERS[:len(in_shapes[1])]
-    return f"{batch}C,{batch}->{batch}"
+    return f"{batch}z,{batch}->{batch},{batch}"
 
 
 def _sce_grad_notation(in_shapes, attrs):
     batch = LETTERS[:len(in_shapes[1])]
-    return f"{batch}C,{batch},{batch}->{batch}C"
+    return f"{batch}z,{batch},{batch},{batch}->{batch}z"
 
 
-@register_op("softmax_cross_entropy", spmd=EinsumRule(_sce_notation))
+def _logsumexp(xp, x, axis=-1):
+    m = xp.max(x, axis=axis, keepdims=True)
+    return xp.log(xp.sum(xp.exp(x - m), axis=axis)) + m[..., 0]
+
+
+def _class_split(site):
+    """(first class this shard holds, its group) when the class dim is split, else None."""
+    cols = site.in_slices(0)[-1]
+    if cols.stop - cols.start == site.in_shapes[0][-1]:
+        return None
+    return cols.start, site.split_group(0, -1)
+
+
+@register_op("softmax_cross_entropy", spmd=EinsumRule(_sce_notation, internal="z"))
 class SoftmaxCrossEntropy:
-    """Per-sample loss ``logsumexp(logits) - logits[label]`` over the last (class) dim."""
+    """Per-sample loss ``logsumexp(logits) - logits[label]`` over the last (class) dim;
+    the second output is the logsumexp, which the gradient reuses.
+
+    Distributed form (class dim split, S(c) x R -> R, R): each shard's logsumexp is
+    all-gathered and combined, and the picked logit all-reduced, inside the op."""
 
     flops = elementwise_flops(6)
 
-    def infer(logits, labels):
+    def infer(logits, labels, class_start=None):
         _check_float(logits, "softmax_cross_entropy")
         if labels.dtype not in dtypes.INT_DTYPES:
             raise ShapeError(f"labels must be integers, got {labels.dtype}")
         if tuple(labels.shape) != tuple(logits.shape[:-1]):
             raise ShapeError(f"labels {list(labels.shape)} must match logits "
                              f"{list(logits.shape)} without the class dim")
-        return TensorType(labels.shape, logits.dtype)
+        out = TensorType(labels.shape, logits.dtype)
+        return out, out
 
-    def kernel(ctx, logits, labels):
+    def kernel(ctx, logits, labels, class_start=None):
         xp = ctx.xp
-        m = xp.max(logits, axis=-1, keepdims=True)
-        lse = xp.log(xp.sum(xp.exp(logits - m), axis=-1)) + m[..., 0]
-        picked = xp.take_along_axis(logits, labels[..., None], axis=-1)[..., 0]
-        return lse - picked
+        lse = _logsumexp(xp, logits)
+        local = labels - (class_start or 0)
+        inside = (local >= 0) & (local < logits.shape[-1])
+        picked = xp.take_along_axis(logits, xp.where(inside, local, 0)[..., None], axis=-1)[..., 0]
+        if class_start is None:
+            return lse - picked, lse
+        ranks = ctx.group_ranks()
+        lse = _logsumexp(xp, ctx.comm.all_gather(lse[..., None], ranks, axis=-1))
+        picked = ctx.comm.all_reduce(picked * inside, ranks)
+        return lse - picked, lse
 
-    def grad(op, dz):
+    def localize(attrs, site):
+        split = _class_split(site)
+        if split is None:
+            return attrs, {}
+        return {**attrs, "class_start": split[0]}, {"group": split[1]}
+
+    def grad(op, dz, dlse=None):
         logits, labels = op.inputs
-        return [emit1("softmax_cross_entropy_grad", [logits, labels, dz]), None]
+        return [emit1("softmax_cross_entropy_grad", [logits, labels, op.outputs[1], dz]), None]
 
 
 @register_op("softmax_cross_entropy_grad", spmd=EinsumRule(_sce_grad_notation),
              differentiable=False)
 class SoftmaxCrossEntropyGrad:
-    """dlogits = (softmax(logits) - onehot(label)) * dloss."""
+    """dlogits = (exp(logits - logsumexp) - onehot(label)) * dloss; with the class dim
+    split each shard does its own columns, no communication (S(c) x R x R x R -> S(c))."""
 
     flops = elementwise_flops(6)
 
-    def infer(logits, labels, dloss):
+    def infer(logits, labels, lse, dloss, class_start=None):
         return logits
 
-    def kernel(ctx, logits, labels, dloss):
+    def kernel(ctx, logits, labels, lse, dloss, class_start=None):
         xp = ctx.xp
-        p = xp.exp(logits - xp.max(logits, axis=-1, keepdims=True))
-        p /= xp.sum(p, axis=-1, keepdims=True)
-        xp.put_along_axis(p, labels[..., None],
-                          xp.take_along_axis(p, labels[..., None], axis=-1) - 1, axis=-1)
+        p = xp.exp(logits - lse[..., None])
+        local = labels - (class_start or 0)
+        inside = (local >= 0) & (local < logits.shape[-1])
+        index = xp.where(inside, local, 0)[..., None]
+        xp.put_along_axis(p, index, xp.take_along_axis(p, index, axis=-1) - inside[..., None],
+                          axis=-1)
         p *= dloss[..., None]
         return p
+
+    def localize(attrs, site):
+        cols = site.in_slices(0)[-1]
+        split = cols.stop - cols.start != site.in_shapes[0][-1]
+        return ({**attrs, "class_start": cols.start} if split else attrs), {}
 
 
 # -- functional API -----------------------------------------------------------------------------
@@ -295,7 +334,8 @@ def embedding(x, weight):
 
 
 def softmax_cross_entropy(logits, labels):
-    return emit1("softmax_cross_entropy", [logits, labels])
+    """Per-sample softmax cross-entropy with integer labels over the last dim."""
+    return emit("softmax_cross_entropy", [logits, labels])[0]
 
 
 def cross_entropy(input, label, reduction="mean"):  # noqa: A002  (Paddle's names)

@@ -113,12 +113,25 @@ class KernelContext:
     """What a kernel may know beyond its operands: the array namespace (numpy or cupy),
     the training step (seeds random ops), and, for a shard of a distributed tensor, the
     global shape and the slices this process holds of the op's first output (so random
-    ops draw the same global numbers whatever the partition)."""
+    ops draw the same global numbers whatever the partition). An op whose distributed
+    form communicates inside its kernel gets the communicator, the map from process ids
+    to ranks and its ``group`` of process ids (set by its ``localize``)."""
 
     xp: Any
     step: int = 0
     out_global_shape: tuple | None = None
     out_slices: tuple | None = None
+    comm: Any = None
+    rank_of: Any = None
+    group: tuple | None = None
+
+    def group_ranks(self) -> tuple:
+        if self.comm is None or self.group is None:
+            raise RuntimeError("this kernel communicates but was given no communicator/group")
+        if self.rank_of is None:
+            return tuple(self.group)
+        rank = self.rank_of if callable(self.rank_of) else self.rank_of.__getitem__
+        return tuple(rank(p) for p in self.group)
 
 
 @dataclass(frozen=True)
@@ -140,3 +153,13 @@ class LocalSite:
 
     def in_slices(self, i: int) -> tuple:
         return self.in_attrs[i].local_slices(self.in_shapes[i], self.process_id)
+
+    def split_group(self, i: int, dim: int) -> tuple:
+        """The processes holding the other blocks of operand i's ``dim`` (this process
+        included), in block order: the group an op's own collective over that dim uses."""
+        attr = self.in_attrs[i]
+        along = set(attr.spec.entry(dim % len(self.in_shapes[i])))
+        mesh, me = attr.mesh, attr.mesh.coord(self.process_id)
+        fixed = [k for k, name in enumerate(mesh.dim_names) if name not in along]
+        group = [q for q in mesh.process_ids if all(mesh.coord(q)[k] == me[k] for k in fixed)]
+        return tuple(sorted(group, key=lambda q: attr.block_index(dim % len(self.in_shapes[i]), q)))

@@ -4,9 +4,9 @@ It runs the script as ``__main__`` and turns an uncaught exception into ``MPI_Ab
 that one failing rank ends the whole job with a non-zero exit code instead of leaving the
 other ranks blocked in a collective. When the launcher gives a status folder
 (``DISTGRAPH_STATUS_DIR``), each rank writes ``<rank>.failed`` with its error, or
-``<rank>.done`` when the script returns; and a watcher process forked before MPI starts
-writes ``<rank>.ended`` (a timestamp) the moment its rank's process is gone, however it
-ended. The rank that ended first without a word is the one that died.
+``<rank>.done`` when the script returns; and a supervisor forked before MPI starts writes
+``<rank>.exit`` when its rank ended otherwise (killed, crashed, ``os._exit``), so the
+launcher can name a rank that died without a word.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import runpy
 import sys
-import time
 
 STATUS_DIR = "DISTGRAPH_STATUS_DIR"
 
@@ -31,25 +30,47 @@ def _write_status(kind: str, text: str = "") -> None:
             f.write(text)
 
 
-def watch_this_rank() -> None:
-    """Fork a watcher that records when this process ends (a pipe's far end closes)."""
+def _die_with_parent() -> None:
+    """Ask Linux to SIGKILL this process when its parent dies (prctl PR_SET_PDEATHSIG)."""
+    import ctypes
+    import signal
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, signal.SIGKILL)    # 1 = PR_SET_PDEATHSIG
+
+
+def supervise_this_rank() -> None:
+    """Fork: the child goes on to be the rank; this process waits for it, writes
+    ``<rank>.exit`` with how it ended, and ends the same way. The launcher kills every
+    supervisor as soon as one rank ends badly, so only the rank that ended on its own
+    leaves a status (and the killed supervisors' children follow them)."""
+    import signal
     folder = os.environ.get(STATUS_DIR)
-    if not folder:
+    if not folder or not hasattr(os, "fork"):
         return
-    read_end, write_end = os.pipe()
-    if os.fork() == 0:
-        os.close(write_end)
-        os.setsid()                       # outlive the rank's process group
-        null = os.open(os.devnull, os.O_RDWR)
-        for fd in (0, 1, 2):              # never hold the launcher's pipes open
-            os.dup2(null, fd)
-        os.dup2(read_end, 3)              # nor MPI's process-manager socket
-        os.closerange(4, os.sysconf("SC_OPEN_MAX"))
-        os.read(3, 1)                     # returns at EOF: the rank is gone
-        with open(os.path.join(folder, f"{_rank()}.ended"), "w") as f:
-            f.write(repr(time.time()))
-        os._exit(0)
-    os.close(read_end)                    # the rank keeps write_end open until it ends
+    parent = os.getpid()
+    child = os.fork()
+    if child == 0:
+        _die_with_parent()
+        if os.getppid() != parent:       # the supervisor died before prctl took effect
+            os._exit(1)
+        return
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(sig, lambda signum, frame: os.kill(child, signum))
+    while True:
+        try:
+            _, status = os.waitpid(child, 0)
+            break
+        except InterruptedError:
+            continue
+    if os.WIFSIGNALED(status):
+        how, code = f"killed by signal {os.WTERMSIG(status)}", 128 + os.WTERMSIG(status)
+    else:
+        code = os.WEXITSTATUS(status)
+        how = f"exited with code {code}"
+    if not os.path.exists(os.path.join(folder, f"{_rank()}.done")):
+        with open(os.path.join(folder, f"{_rank()}.exit"), "w") as f:
+            f.write(how)
+    os._exit(code)
 
 
 def install_abort_hook() -> None:
@@ -74,7 +95,7 @@ def main(argv: list[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args:
         sys.exit("usage: python -m distgraph.runtime.bootstrap script.py [args...]")
-    watch_this_rank()
+    supervise_this_rank()
     install_abort_hook()
     sys.argv = args
     # as `python script.py` does: the script's folder comes first on the import path

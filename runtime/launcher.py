@@ -19,7 +19,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 
 from distgraph.errors import PlanError
 
@@ -82,8 +81,8 @@ def launch(nprocs: int, argv: list[str], cluster: str | None = None,
 
 
 def failure_report(status_dir: str, nprocs: int, returncode: int) -> str:
-    """Which ranks failed (with their error) or died first without a word, from the
-    status files the ranks and their watchers write (see runtime/bootstrap.py)."""
+    """Which ranks failed (with their error) or died without a word, from the status
+    files the ranks and their supervisors write (see runtime/bootstrap.py)."""
 
     def read(rank, kind):
         path = os.path.join(status_dir, f"{rank}.{kind}")
@@ -92,16 +91,12 @@ def failure_report(status_dir: str, nprocs: int, returncode: int) -> str:
         with open(path) as f:
             return f.read()
 
-    time.sleep(0.2)   # the watchers of ranks killed a moment ago write their last file
     lines = [f"distgraph: the job failed (mpiexec exit code {returncode})"]
-    failed = {r: read(r, "failed") for r in range(nprocs) if read(r, "failed") is not None}
-    for rank, message in failed.items():
-        lines.append(f"  rank {rank} failed: {message}")
-    if not failed:
-        silent = [(float(read(r, "ended")), r) for r in range(nprocs)
-                  if read(r, "done") is None and read(r, "ended")]
-        if silent:
-            first = min(silent)[1]
-            lines.append(f"  rank {first} died first without reporting an error (it was "
-                         "killed or exited abruptly); the other ranks were stopped after it")
+    for rank in range(nprocs):
+        failed, ended = read(rank, "failed"), read(rank, "exit")
+        if failed is not None:
+            lines.append(f"  rank {rank} failed: {failed}")
+        elif ended is not None:
+            lines.append(f"  rank {rank} died without reporting an error ({ended}); "
+                         "the other ranks were stopped after it")
     return "\n".join(lines)

@@ -23,6 +23,7 @@ from distgraph.errors import PlanError
 from distgraph.ir import Operation, Program, Value
 from distgraph.mesh import ProcessMesh
 from distgraph.ops.registry import LocalSite, get_op
+from distgraph.passes.cost_model import collective_bytes
 from distgraph.passes.reshard import plan_bytes, plan_reshard
 from distgraph.placement import DistAttr, ShardSpec
 
@@ -65,9 +66,24 @@ class LocalProgram:
     program: Program
     comm_points: dict = field(default_factory=dict)
     op_context: dict = field(default_factory=dict)
+    op_comm: dict = field(default_factory=dict)
 
     def points(self) -> list:
         return [p for i in sorted(self.comm_points) for p in self.comm_points[i]]
+
+    def bytes_sent(self) -> dict:
+        """Bytes this process sends per step by kind: the reshard steps, and the
+        collectives inside ops' distributed forms (``op_comm``: op index -> (kind, n, B))."""
+        sent: dict = {}
+        for point in self.points():
+            for step in point.steps:
+                b = step.bytes_sent_by(self.process_id)
+                if b:
+                    sent[step.kind] = sent.get(step.kind, 0.0) + b
+        for collectives in self.op_comm.values():
+            for kind, n, nbytes in collectives:
+                sent[kind] = sent.get(kind, 0.0) + float(collective_bytes(kind, n, nbytes))
+        return sent
 
     def pretty(self) -> str:
         lines = [f"process {self.process_id}: {len(self.program.ops)} ops, "
@@ -154,7 +170,7 @@ class _Partitioner:
         for v in self.g.persistables:
             if self.held(v):
                 self.local_value(v)
-        context = {}
+        context, op_comm = {}, {}
         writebacks = []
         for op in self.g.ops:
             for v, target in writebacks:     # updates stored in another layout, e.g. the
@@ -185,20 +201,24 @@ class _Partitioner:
             for o, _ in writebacks:
                 self.local.values[o.name].alias_of = None
             attrs = dict(op.attrs)
-            localize = get_op(op.type).localize
-            if localize is not None:
+            opdef = get_op(op.type)
+            if opdef.localize is not None or opdef.comm is not None:
                 site = LocalSite(self.pid, tuple(v.shape for v in op.inputs),
                                  tuple(DistAttr(da.mesh, s) for s in da.input_specs),
                                  tuple(o.shape for o in op.outputs),
-                                 tuple(DistAttr(da.mesh, s) for s in da.output_specs))
-                attrs, ctx = localize(attrs, site)
+                                 tuple(DistAttr(da.mesh, s) for s in da.output_specs),
+                                 tuple(v.dtype for v in op.inputs))
+            if opdef.localize is not None:
+                attrs, ctx = opdef.localize(attrs, site)
                 if ctx:
                     context[len(self.local.ops)] = ctx
+            if opdef.comm is not None and opdef.comm(site):
+                op_comm[len(self.local.ops)] = tuple(opdef.comm(site))
             self.local.append_op(Operation(op.type, ins, outs, attrs, op.role, op.layer,
                                            annotation=op.annotation, dist_attr=da))
         for v, target in writebacks:
             self.reshard(v, target.dist_attr, target.name)
-        return LocalProgram(self.pid, self.local, self.points, context)
+        return LocalProgram(self.pid, self.local, self.points, context, op_comm)
 
 
 def partition(program: Program, process_id: int) -> LocalProgram:

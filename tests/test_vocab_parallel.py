@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import distgraph as dg
-from distgraph.passes.partition import partition
+from distgraph.passes.partition import gather_points, partition
 from distgraph.program_builder import build_program
 from distgraph.runtime.comm import SimulatedWorld
 from distgraph.runtime.executor import ProgramRunner
@@ -77,3 +77,25 @@ def test_plan_keeps_logits_and_table_split(float64):
     assert not any(p.value == logits for p in local.points())   # consumed where produced
     ce_local = next(op for op in local.program.ops if op.type == "softmax_cross_entropy")
     assert ce_local.attrs["class_start"] == 0 and ce_local.inputs[0].shape == (B, T, V // 2)
+
+
+def test_bytes_counted_equal_the_plan_with_collectives_inside_ops(float64):
+    built, init = build(dg.ProcessMesh([0, 1, 2, 3], ["mp"]))
+    dg.passes.complete(built.program)
+    (x, y), = batches()[:1]
+
+    def rank(comm):
+        runner = SpmdRunner(built.program, comm.rank, comm, fetch=[built.loss_name])
+        scope = runner.shard_scope(init)
+        comm.reset_counters()
+        runner.run(scope, {"tokens": x, "labels": y}, 0)
+        planned = runner.local.bytes_sent()
+        for point in gather_points(built.program, [built.loss_name], comm.rank):
+            for step in point.steps:
+                planned[step.kind] = planned.get(step.kind, 0.0) + step.bytes_sent_by(comm.rank)
+        return planned, dict(comm.bytes_sent), runner.local.op_comm
+
+    for planned, counted, op_comm in SimulatedWorld(4).run(rank):
+        assert op_comm                      # the cross-entropy's own collectives are planned
+        kinds = set(planned) | {k for k, b in counted.items() if b}
+        assert {k: planned.get(k, 0.0) for k in kinds} == {k: counted.get(k, 0.0) for k in kinds}

@@ -274,6 +274,17 @@ class SoftmaxCrossEntropy:
             return attrs, {}
         return {**attrs, "class_start": split[0]}, {"group": split[1]}
 
+    def comm(site):
+        split = _class_split(site)
+        if split is None:
+            return ()
+        n = len(split[1])
+        rows = 1
+        for d in site.out_attrs[0].local_shape(site.out_shapes[0]):
+            rows *= d
+        item = dtypes.itemsize(site.in_dtypes[0])
+        return (("all_gather", n, rows * n * item), ("all_reduce", n, rows * item))
+
     def grad(op, dz, dlse=None):
         logits, labels = op.inputs
         return [emit1("softmax_cross_entropy_grad", [logits, labels, op.outputs[1], dz]), None]

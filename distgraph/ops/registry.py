@@ -16,6 +16,8 @@ An entry is written as a class and registered by a one-line decorator::
 ``spmd`` (the sharding rule) is required: an op without one cannot be registered.
 ``grad`` may be omitted only with ``differentiable=False``.
 ``inplace`` lists (output index, input index) pairs whose kernel writes into the input.
+``comm(site) -> ((kind, group size, buffer bytes), ...)`` (optional) declares the
+collectives an op's distributed form runs inside its kernel, so the plan counts them.
 ``localize(attrs, site) -> (attrs, ctx)`` (optional) adapts an op to run on local shards:
 shape attributes become local, a vocabulary shard learns its first row, a random op
 learns which slice of the global tensor it draws (``site`` is a :class:`LocalSite`).
@@ -52,6 +54,7 @@ class OpDef:
     inplace: tuple = ()
     differentiable: bool = True
     localize: Callable | None = None
+    comm: Callable | None = None
 
 
 _REGISTRY: dict[str, OpDef] = {}
@@ -75,7 +78,8 @@ def register_op(op_type: str, *, spmd, inplace=(), differentiable=True):
                                  "if it has no gradient")
         flops = members.get("flops", _zero_flops)
         _REGISTRY[op_type] = OpDef(op_type, members["infer"], members["kernel"], grad, spmd,
-                                   flops, tuple(inplace), differentiable, members.get("localize"))
+                                   flops, tuple(inplace), differentiable, members.get("localize"),
+                                   members.get("comm"))
         return cls
 
     return wrap
@@ -144,6 +148,7 @@ class LocalSite:
     in_attrs: tuple
     out_shapes: tuple
     out_attrs: tuple
+    in_dtypes: tuple = ()
 
     def out_local_shape(self, j: int = 0) -> tuple:
         return self.out_attrs[j].local_shape(self.out_shapes[j])

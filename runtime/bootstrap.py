@@ -74,8 +74,12 @@ def supervise_this_rank() -> None:
 
 
 def install_abort_hook() -> None:
-    """Make an uncaught exception print its traceback, name the rank, and abort the job."""
+    """Make an uncaught exception print its traceback, name the rank, and abort the job.
+    Installed once per process: by this bootstrap, and by every MPI communicator, so a
+    script started with a plain ``mpiexec`` ends the same way instead of hanging."""
     previous = sys.excepthook
+    if getattr(previous, "distgraph_abort", False):
+        return
 
     def hook(exc_type, exc, tb):
         previous(exc_type, exc, tb)
@@ -88,6 +92,7 @@ def install_abort_hook() -> None:
             sys.stderr.flush()
             world.Abort(1)
 
+    hook.distgraph_abort = True
     sys.excepthook = hook
 
 

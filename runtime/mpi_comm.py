@@ -38,9 +38,12 @@ class MPICommunicator(Communicator):
     def __init__(self, comm=None, timeout: float | None = None):
         from mpi4py import MPI
 
+        from distgraph.runtime.bootstrap import install_abort_hook
+
         self._MPI = MPI
         self._comm = MPI.COMM_WORLD if comm is None else comm
         super().__init__(self._comm.Get_rank(), self._comm.Get_size(), timeout)
+        install_abort_hook()     # one failing rank must end the job, however it was started
         self._subcomms: dict = {}
         self._pending: list = []
         self._ops = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}

@@ -46,6 +46,15 @@ def test_a_kernel_error_on_one_rank_ends_the_job_naming_rank_and_op():
 
 
 @pytest.mark.mpi
+def test_under_a_plain_mpiexec_a_kernel_error_also_ends_the_job():
+    from distgraph.runtime.launcher import mpiexec_path
+    rc, out, seconds = run([mpiexec_path(), "-n", "4", sys.executable, str(SCRIPT), "raise"])
+    assert rc != 0
+    assert seconds < DEADLINE
+    assert "rank 1 failed" in out and "op 'relu'" in out, out[-3000:]
+
+
+@pytest.mark.mpi
 def test_a_dead_rank_ends_the_job():
     rc, out, seconds = launch(4, "exit")
     assert rc != 0, out[-3000:]

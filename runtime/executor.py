@@ -12,6 +12,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,6 +34,7 @@ class _Instr:
     attrs: dict
     writeback: tuple      # (output position, persistable name)
     ctx_extra: dict
+    donors: tuple = ()    # inputs whose buffer may become the result (see ``donate``)
 
 
 class ProgramRunner:
@@ -48,6 +50,8 @@ class ProgramRunner:
     it reads dies there (not fed, fetched or persistable) and its array, at least
     ``DONATE_MIN_BYTES``, is no view and has none among the live values: the point may
     then overwrite it, e.g. all-reduce a gradient in place instead of into a new buffer.
+    Ops registered with ``donate`` get such a dying input of their result's shape and
+    dtype as ``ctx.out`` (a bias add writes into the matmul result it consumes).
     """
 
     def __init__(self, program: Program, xp=np, fetch_always=(), op_context=None,
@@ -74,9 +78,16 @@ class ProgramRunner:
                 last_use[name] = i
         compiled = []
         self.donatable: dict[int, tuple] = {}
+        values = program.values
         for i, item in enumerate(items):
             free = tuple(sorted({n for n in _reads(item) + _writes(item)
                                  if last_use.get(n) == i and n not in keep}))
+            if isinstance(item, _Instr) and get_op(item.op_type).donate:
+                out = values[item.outs[0]]
+                donors = tuple(n for n in dict.fromkeys(item.ins)
+                               if n in free and n not in self.feed_names
+                               and values[n].shape == out.shape and values[n].dtype == out.dtype)
+                item = dataclasses.replace(item, donors=donors)
             compiled.append((item, free))
             dying = tuple(n for n in _reads(item) if n in free and n not in self.feed_names)
             if getattr(item, "can_donate", False) and dying:
@@ -95,7 +106,7 @@ class ProgramRunner:
         base = KernelContext(self.xp, step, comm=self.comm, rank_of=self.rank_of)
         for i, (item, free) in enumerate(self.items):
             if isinstance(item, _Instr):
-                self._run_op(i, item, env, scope, step, base)
+                self._run_op(i, item, env, scope, step, base, fetch, fetched)
             else:
                 if i in self.donatable and _donatable(self.donatable[i], env, scope, fetch,
                                                       fetched):
@@ -114,9 +125,13 @@ class ProgramRunner:
             fetched[name] = env[name]
         return fetched
 
-    def _run_op(self, i, ins, env, scope, step, base):
+    def _run_op(self, i, ins, env, scope, step, base, fetch, fetched):
         ctx = KernelContext(self.xp, step, comm=self.comm, rank_of=self.rank_of,
                             **ins.ctx_extra) if ins.ctx_extra else base
+        for name in ins.donors:
+            if _donatable((name,), env, scope, fetch, fetched):
+                ctx = dataclasses.replace(ctx, out=env[name])
+                break
         try:
             result = ins.kernel(ctx, *[env[n] for n in ins.ins], **ins.attrs)
         except KeyError as e:

@@ -20,52 +20,52 @@ GELU_C = math.sqrt(2.0 / math.pi)
 
 
 # -- arithmetic --------------------------------------------------------------------------------
-@register_op("add", spmd=elementwise_rule())
+@register_op("add", spmd=elementwise_rule(), donate=True)
 class Add:
     infer = broadcast_infer
     flops = elementwise_flops(1)
 
     def kernel(ctx, x, y):
-        return x + y
+        return ctx.xp.add(x, y, out=ctx.out)
 
     def grad(op, dz):
         x, y = op.inputs
         return [reduce_to_shape(dz, x.shape), reduce_to_shape(dz, y.shape)]
 
 
-@register_op("subtract", spmd=elementwise_rule())
+@register_op("subtract", spmd=elementwise_rule(), donate=True)
 class Subtract:
     infer = broadcast_infer
     flops = elementwise_flops(1)
 
     def kernel(ctx, x, y):
-        return x - y
+        return ctx.xp.subtract(x, y, out=ctx.out)
 
     def grad(op, dz):
         x, y = op.inputs
         return [reduce_to_shape(dz, x.shape), reduce_to_shape(neg(dz), y.shape)]
 
 
-@register_op("multiply", spmd=elementwise_rule())
+@register_op("multiply", spmd=elementwise_rule(), donate=True)
 class Multiply:
     infer = broadcast_infer
     flops = elementwise_flops(1)
 
     def kernel(ctx, x, y):
-        return x * y
+        return ctx.xp.multiply(x, y, out=ctx.out)
 
     def grad(op, dz):
         x, y = op.inputs
         return [reduce_to_shape(multiply(dz, y), x.shape), reduce_to_shape(multiply(dz, x), y.shape)]
 
 
-@register_op("divide", spmd=elementwise_rule())
+@register_op("divide", spmd=elementwise_rule(), donate=True)
 class Divide:
     infer = broadcast_infer
     flops = elementwise_flops(1)
 
     def kernel(ctx, x, y):
-        return x / y
+        return ctx.xp.divide(x, y, out=ctx.out)
 
     def grad(op, dz):
         x, y = op.inputs
@@ -74,7 +74,7 @@ class Divide:
         return [reduce_to_shape(dx, x.shape), reduce_to_shape(neg(multiply(dx, z)), y.shape)]
 
 
-@register_op("scale", spmd=elementwise_rule())
+@register_op("scale", spmd=elementwise_rule(), donate=True)
 class Scale:
     """``x * scale + bias`` with Python-number attributes."""
 
@@ -84,7 +84,7 @@ class Scale:
         return x
 
     def kernel(ctx, x, scale=1.0, bias=0.0):
-        out = x * x.dtype.type(scale)
+        out = ctx.xp.multiply(x, x.dtype.type(scale), out=ctx.out)
         if bias:
             out += x.dtype.type(bias)
         return out
@@ -177,7 +177,7 @@ class TanhGrad:
         return dy * (1 - y * y)
 
 
-@register_op("relu", spmd=elementwise_rule())
+@register_op("relu", spmd=elementwise_rule(), donate=True)
 class Relu:
     flops = elementwise_flops(1)
 
@@ -185,13 +185,13 @@ class Relu:
         return x
 
     def kernel(ctx, x):
-        return ctx.xp.maximum(x, 0)
+        return ctx.xp.maximum(x, x.dtype.type(0), out=ctx.out)
 
     def grad(op, dz):
         return [emit1("relu_grad", [op.outputs[0], dz])]
 
 
-@register_op("relu_grad", spmd=elementwise_rule(), differentiable=False)
+@register_op("relu_grad", spmd=elementwise_rule(), differentiable=False, donate=True)
 class ReluGrad:
     """dx = dy where y > 0 else 0."""
 
@@ -201,7 +201,7 @@ class ReluGrad:
         return broadcast_infer(y, dy)
 
     def kernel(ctx, y, dy):
-        return dy * (y > 0)
+        return ctx.xp.multiply(dy, y > 0, out=ctx.out)
 
 
 @register_op("gelu", spmd=elementwise_rule())

@@ -16,6 +16,8 @@ An entry is written as a class and registered by a one-line decorator::
 ``spmd`` (the sharding rule) is required: an op without one cannot be registered.
 ``grad`` may be omitted only with ``differentiable=False``.
 ``inplace`` lists (output index, input index) pairs whose kernel writes into the input.
+``donate=True`` says the kernel writes its (single) result into ``ctx.out`` when the
+executor gives one: an input buffer of the result's shape and dtype that dies at this op.
 ``comm(site) -> ((kind, group size, buffer bytes), ...)`` (optional) declares the
 collectives an op's distributed form runs inside its kernel, so the plan counts them.
 ``localize(attrs, site) -> (attrs, ctx)`` (optional) adapts an op to run on local shards:
@@ -55,12 +57,13 @@ class OpDef:
     differentiable: bool = True
     localize: Callable | None = None
     comm: Callable | None = None
+    donate: bool = False
 
 
 _REGISTRY: dict[str, OpDef] = {}
 
 
-def register_op(op_type: str, *, spmd, inplace=(), differentiable=True):
+def register_op(op_type: str, *, spmd, inplace=(), differentiable=True, donate=False):
     """Class decorator that validates and registers one op entry."""
 
     def wrap(cls):
@@ -79,7 +82,7 @@ def register_op(op_type: str, *, spmd, inplace=(), differentiable=True):
         flops = members.get("flops", _zero_flops)
         _REGISTRY[op_type] = OpDef(op_type, members["infer"], members["kernel"], grad, spmd,
                                    flops, tuple(inplace), differentiable, members.get("localize"),
-                                   members.get("comm"))
+                                   members.get("comm"), donate)
         return cls
 
     return wrap
@@ -119,7 +122,8 @@ class KernelContext:
     global shape and the slices this process holds of the op's first output (so random
     ops draw the same global numbers whatever the partition). An op whose distributed
     form communicates inside its kernel gets the communicator, the map from process ids
-    to ranks and its ``group`` of process ids (set by its ``localize``)."""
+    to ranks and its ``group`` of process ids (set by its ``localize``). ``out`` is a
+    buffer a ``donate`` op may write its result into (None: allocate)."""
 
     xp: Any
     step: int = 0
@@ -128,6 +132,7 @@ class KernelContext:
     comm: Any = None
     rank_of: Any = None
     group: tuple | None = None
+    out: Any = None
 
     def group_ranks(self) -> tuple:
         if self.comm is None or self.group is None:

@@ -161,3 +161,42 @@ def test_a_small_value_is_not_donated():
         return dg.ops.scale(dg.ops.scale(x, 2.0), 5.0), dg.ops.scale(x, 3.0)
     flags, _, _, _ = run_with_point(fn, at=2, n=8)
     assert flags == [False]
+
+
+# -- ops registered with donate ---------------------------------------------------------------------
+class BiasRelu(dg.nn.Layer):
+    def __init__(self):
+        super().__init__()
+        self.fc = dg.nn.Linear(N, N)
+
+    def forward(self, x):
+        h = self.fc(x)                          # matmul, then the bias add
+        return dg.ops.relu(h), dg.ops.tanh(h)   # h is read twice: never donated to relu
+
+
+def test_dying_inputs_become_results_and_live_ones_never_do(float64):
+    model = BiasRelu()
+    prog = dg.trace(model, dg.InputSpec([N, N], name="x"))
+    runner = ProgramRunner(prog)
+    ops = [op.type for op in prog.ops]
+    donors = {item.op_type: item.donors for item, _ in runner.items}
+    assert donors["add"] == (prog.ops[ops.index("matmul")].outputs[0].name,)
+    assert donors["relu"] == ()                 # h is still needed by tanh
+    x = np.random.default_rng(0).normal(size=(N, N))
+    scope = {n: p.numpy() for n, p in model.named_parameters()}
+    relu_out, tanh_out = (prog.outputs[0].name, prog.outputs[1].name)
+    out = runner.run(scope, {"x": x}, [relu_out, tanh_out])
+    h = x @ scope["fc.weight"] + scope["fc.bias"]
+    assert np.array_equal(out[relu_out], np.maximum(h, 0))
+    assert np.array_equal(out[tanh_out], np.tanh(h))
+    assert not np.shares_memory(out[relu_out], out[tanh_out])
+
+
+def test_a_fetched_value_is_never_overwritten(float64):
+    model = BiasRelu()
+    prog = dg.trace(model, dg.InputSpec([N, N], name="x"))
+    matmul_out = prog.ops[0].outputs[0].name
+    x = np.random.default_rng(1).normal(size=(N, N))
+    scope = {n: p.numpy() for n, p in model.named_parameters()}
+    out = ProgramRunner(prog).run(scope, {"x": x}, [matmul_out])
+    assert np.array_equal(out[matmul_out], x @ scope["fc.weight"])

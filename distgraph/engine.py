@@ -226,8 +226,8 @@ class Engine:
 
     def _ensure(self, mode, loader: DataLoader):
         if mode not in self._built:
-            ins, labels = loader.specs(0 if mode == "predict" else 1)
-            self.prepare(ins, labels, mode)
+            ins, labels = loader.specs(self._label_count(mode))
+            self.prepare(ins, labels[:0] if mode == "predict" else labels, mode)
         backend = self._backend(mode)
         if mode not in self._scopes:
             self._publish()
@@ -237,6 +237,15 @@ class Engine:
             values.update(self._state or {})
             self._scopes[mode] = backend.scope(values)
         return self._built[mode], backend, self._scopes[mode]
+
+    def _label_count(self, mode) -> int:
+        """Trailing label fields of a sample: one when training or evaluating; when
+        predicting, as many as the train or eval program has (so a dataset with labels
+        works), else none."""
+        if mode != "predict":
+            return 1
+        known = self._built.get("train") or self._built.get("eval")
+        return len(known.label_names) if known is not None else 0
 
     def _publish(self) -> None:
         """Write the global values of every live scope back to the model (collective)."""

@@ -28,6 +28,7 @@ class BuiltProgram:
     output_names: list
     loss_name: str | None = None
     grad_names: dict = field(default_factory=dict)
+    label_names: list = field(default_factory=list)
 
 
 def build_program(model, input_specs, label_specs=(), loss=None, optimizer=None,
@@ -60,4 +61,4 @@ def build_program(model, input_specs, label_specs=(), loss=None, optimizer=None,
     return BuiltProgram(program, mode, [v.name for v in program.inputs],
                         [v.name for v in outputs],
                         loss_value.name if loss_value is not None else None,
-                        {n: g.name for n, g in grads.items()})
+                        {n: g.name for n, g in grads.items()}, [v.name for v in labels])

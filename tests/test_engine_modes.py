@@ -36,9 +36,10 @@ class MLP(dg.nn.Layer):
         return self.fc2(dg.ops.relu(self.fc1(x)))
 
 
-def session(comm=None, annotate=True):
-    dg.seed(0)
-    engine = dg.Engine(MLP(annotate), dg.nn.MSELoss(), dg.optim.AdamW(0.01), communicator=comm,
+def session(comm=None, annotate=True, init=None):
+    model = MLP(annotate)
+    model.set_state_dict(init)   # simulated ranks are threads sharing dg.seed's generator
+    engine = dg.Engine(model, dg.nn.MSELoss(), dg.optim.AdamW(0.01), communicator=comm,
                        strategy=dg.Strategy(sharding=True))
     history = engine.fit(Data(0), batch_size=8, epochs=2, valid_data=Data(1))
     evaluated = engine.evaluate(Data(1), 8)["loss"]
@@ -50,8 +51,11 @@ def session(comm=None, annotate=True):
 
 
 def test_every_mode_equals_serial(float64):
-    losses, val, evaluated, predicted, params = session(annotate=False)
-    for r_losses, r_val, r_eval, r_pred, r_params in SimulatedWorld(4, timeout=60).run(session):
+    dg.seed(0)
+    init = MLP(annotate=False).state_dict()
+    losses, val, evaluated, predicted, params = session(annotate=False, init=init)
+    ranks = SimulatedWorld(4, timeout=60).run(lambda comm: session(comm, init=init))
+    for r_losses, r_val, r_eval, r_pred, r_params in ranks:
         assert np.allclose(r_losses, losses, rtol=1e-12, atol=0)
         assert np.allclose(r_val, val, rtol=1e-12, atol=0)
         assert abs(r_eval - evaluated) < 1e-12

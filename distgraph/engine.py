@@ -124,22 +124,26 @@ class _SpmdBackend:
         if self.rank_of is not None:
             pid = {r: p for p, r in self.rank_of.items()}[comm.rank]
         self.runner = SpmdRunner(built.program, pid, comm, rank_of=self.rank_of, fetch=fetch)
+        self._rows = self._batch_rows()
+
+    def _batch_rows(self):
+        """The rows of dim 0 this rank reads, when all inputs it holds want the same ones
+        (a data-parallel rank loads only its samples; other dims are sliced after)."""
+        program, pid = self.built.program, self.runner.pid
+        slices = [program.values[v.name].dist_attr.local_slices(program.values[v.name].shape, pid)
+                  for v in self.runner.local.program.inputs]
+        if not slices or any(not s or s[0] != slices[0][0] for s in slices):
+            return None
+        return slices[0][0]
 
     def scope(self, global_values: dict) -> dict:
         return self.runner.shard_scope(global_values)
 
     def rows(self):
-        """The batch rows this rank reads, if every input it holds splits only dim 0 alike."""
-        program = self.built.program
-        slices = [program.values[v.name].dist_attr.local_slices(v_shape, self.runner.pid)
-                  for v, v_shape in ((v, program.values[v.name].shape)
-                                     for v in self.runner.local.program.inputs)]
-        if not slices or any(s[0] != slices[0][0] for s in slices):
-            return None
-        return slices[0][0] if all(len(s) > 0 for s in slices) else None
+        return self._rows
 
     def step(self, scope, feed, fetch, step):
-        return self.runner.run(scope, feed, step, rows=self.rows())
+        return self.runner.run(scope, feed, step, rows=self._rows)
 
     def gather(self, scope, names):
         return self.runner.gather(scope, names)

@@ -1,4 +1,6 @@
-"""distgraph.passes: completion, reshard planning, cost model, rank mapping."""
+"""distgraph.passes: completion, reshard planning, planning into a Plan, cost model, rank
+mapping."""
 
 from distgraph.passes.completion import complete, explain
+from distgraph.passes.plan import Plan, plan
 from distgraph.passes.reshard import plan_reshard

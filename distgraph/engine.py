@@ -167,7 +167,7 @@ class Engine:
     def prepare(self, inputs_spec, labels_spec=(), mode="train"):
         """Build and plan the program for ``mode``; returns the Plan. Needs no running job:
         only running needs as many ranks as the plan has processes."""
-        from distgraph.passes.plan import plan
+        from distgraph.passes.planner import plan
         built = build_program(self.model, list(inputs_spec), list(labels_spec), self.loss,
                               self.optimizer if mode == "train" else None, mode)
         self._plans[mode] = plan(built, self.strategy, self.cluster, self.rank_mapping)

@@ -2,5 +2,5 @@
 mapping."""
 
 from distgraph.passes.completion import complete, explain
-from distgraph.passes.plan import Plan, plan
+from distgraph.passes.planner import Plan, plan
 from distgraph.passes.reshard import plan_reshard

@@ -324,8 +324,9 @@ def solve(problem: ShardingProblem, time_limit: float = 60.0) -> Solution:
     Returns the optimal choice (``status == "optimal"``) or the best one found when time
     runs out (``"time_limit"``, with its ``gap``). Raises ``PlanError`` when no choice
     satisfies the constraints: for a memory budget it names the smallest peak memory any
-    choice reaches (found by minimising the peak in the time left), otherwise the nodes
-    whose forbidden strategies or pairs conflict.
+    choice reaches (found by minimising the peak in the time left, or in a tenth of
+    ``time_limit`` if less is left), otherwise the nodes whose forbidden strategies or
+    pairs conflict.
     """
     if not isinstance(problem, ShardingProblem):
         raise PlanError(f"solve expects a ShardingProblem, got {type(problem).__name__}")

@@ -61,7 +61,6 @@ from distgraph.passes.ilp_problem import ShardingProblem, evaluate, peak_memory
 
 __all__ = ["ShardingProblem", "Solution", "evaluate", "peak_memory", "solve"]
 
-STATUSES = ("optimal", "time_limit")
 CONFLICT = ("the sharding problem has no allowed choice, whatever the memory: its aliases "
             "and forbidden (inf) strategies and pairs contradict each other along a chain of "
             "nodes; check the aliases of tied (follow/share) nodes")

@@ -13,7 +13,8 @@ shard folder it commits), ``world_size``, and per tensor (``tensors``): ``shape`
 "optimizer"), ``mesh`` (process ids, shape, dim names), ``spec`` (as ``[dp, None]``)
 and ``shards``: for each distinct block, the ``file``, byte ``offset``, ``start`` (global
 index of its first element per dim) and ``shape``. A block held by several processes
-(replicated) is written once, by the rank of its lowest process id. The caller adds
+(replicated) is written once, by the holder whose file is the smallest so far (the
+lowest process id on a tie), which spreads replicated tensors over the ranks. The caller adds
 ``training`` (step, epoch, batch position, batch size, shuffle, dataset size),
 ``optimizer`` (type, hyper-parameters, learning rate or schedule) and ``rng`` (data
 seed, dropout seeds, the parameter generator's state).
@@ -99,9 +100,13 @@ def layout(entries) -> tuple[dict, dict]:
             mesh, spec = {"process_ids": [0], "shape": [1], "dim_names": ["world"]}, \
                 str([None] * len(e.shape)).replace("'", "")
         else:
+            holders: dict = {}
             for pid in sorted(e.attr.mesh.process_ids):
                 index = e.attr.local_slices(e.shape, pid)
-                blocks.setdefault(tuple((s.start, s.stop) for s in index), e.rank_of(pid))
+                holders.setdefault(tuple((s.start, s.stop) for s in index), []).append(pid)
+            for block, pids in holders.items():   # the holder that has written least
+                blocks[block] = min((sizes.get(e.rank_of(p), 0), p) for p in pids)[1]
+            blocks = {block: e.rank_of(pid) for block, pid in blocks.items()}
             mesh, spec = _mesh_dict(e.attr.mesh), str(e.attr.spec)
         shards = []
         for block, rank in blocks.items():
@@ -152,7 +157,9 @@ def _write_files(tmp: str, rank: int, mine: list) -> None:
         for e, block, offset in mine:
             f.seek(offset)
             local = e.local if e.attr is not None else np.asarray(e.local)[block]
-            data = np.ascontiguousarray(local, dtype=np.dtype(e.dtype))
+            data = np.asarray(local, dtype=np.dtype(e.dtype))
+            if not data.flags.c_contiguous:      # (ascontiguousarray makes 0-d arrays 1-d)
+                data = data.copy(order="C")
             if tuple(data.shape) != tuple(s.stop - s.start for s in block):
                 raise CheckpointError(f"{e.name}: this rank holds a block of shape "
                                       f"{list(data.shape)}, the layout says "
@@ -295,6 +302,7 @@ class CheckpointReader:
         self.meta = meta
         self.tensors = meta["tensors"]
         self.data_dir = os.path.join(self.path, meta["data"])
+        self.bytes_read = 0     # bytes copied out of shard files by read()
 
     @property
     def names(self) -> list:
@@ -335,7 +343,9 @@ class CheckpointReader:
             src = tuple(slice(a - s, b - s) for (a, b), s in zip(inter, start))
             dst = tuple(slice(a - r, b - r) for (a, b), (r, _) in zip(inter, region))
             out[dst] = self._shard(name, shard, dtype)[src]
-            filled += int(np.prod([b - a for a, b in inter], dtype=np.int64))
+            n = int(np.prod([b - a for a, b in inter], dtype=np.int64))
+            filled += n
+            self.bytes_read += n * dtype.itemsize
         if filled != out.size:
             raise CheckpointError(f"checkpoint {self.path}: the shards of {name} cover "
                                   f"{filled} of the {out.size} elements asked for; the "
@@ -355,10 +365,16 @@ class CheckpointReader:
                                   f"in {fname}: {e}") from None
 
 
-def check_tensors(reader: CheckpointReader, expected: dict, allowed_missing=()) -> None:
+def _names(names: list, limit: int = 8) -> str:
+    shown = ", ".join(names[:limit])
+    return f"[{shown}" + (f", ... ({len(names) - limit} more)]" if len(names) > limit else "]")
+
+
+def check_tensors(reader: CheckpointReader, expected: dict, allowed_missing=(),
+                  hint: str = "") -> None:
     """Raise CheckpointError naming every tensor the model expects ({name: (shape,
     dtype)}) that the checkpoint lacks, holds extra, or holds with another shape or
-    dtype. Names in ``allowed_missing`` may be absent."""
+    dtype. Names in ``allowed_missing`` may be absent; ``hint`` ends the message."""
     have = set(reader.tensors)
     missing = sorted(set(expected) - have - set(allowed_missing))
     extra = sorted(have - set(expected))
@@ -371,11 +387,12 @@ def check_tensors(reader: CheckpointReader, expected: dict, allowed_missing=()) 
     if missing or extra or wrong:
         parts = []
         if missing:
-            parts.append(f"missing {missing}")
+            parts.append(f"missing {len(missing)} tensor(s) {_names(missing)}")
         if extra:
-            parts.append(f"unexpected {extra}")
+            parts.append(f"unexpected {len(extra)} tensor(s) {_names(extra)}")
         if wrong:
-            parts.append("mismatched: " + "; ".join(wrong))
+            parts.append(f"mismatched {len(wrong)}: " + "; ".join(wrong[:8]))
         raise CheckpointError(f"checkpoint {reader.path} does not fit this model: "
-                              + "; ".join(parts) + ". Load a checkpoint saved from the same "
-                              "model and optimizer (and the same dg.set_default_dtype)")
+                              + "; ".join(parts) + ". " + (hint or "Load a checkpoint saved "
+                              "from the same model and optimizer (and the same "
+                              "dg.set_default_dtype)"))

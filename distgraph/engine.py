@@ -273,8 +273,9 @@ class Engine:
         """The built program, backend and scope of ``mode`` for a batch of ``batch_rows``
         samples: planned once per batch shape, with the held values laid out for it."""
         ins, labels = loader.specs(self._label_count(mode), batch_rows)
-        if mode == "predict":
-            labels = labels[:0]
+        return self._bind(mode, ins, labels[:0] if mode == "predict" else labels)
+
+    def _bind(self, mode, ins, labels):
         key = (mode, self._program_key(mode, ins, labels))
         if key not in self._plan_cache:
             self.prepare(ins, labels, mode)
@@ -476,6 +477,17 @@ class Engine:
         self._held.load(reader)
         self._scopes = {}
         restore_info(self, reader.info)
+        if "train" in self._plans:    # lay the values out for the training plan now
+            self._bind_again("train")
+
+    def _bind_again(self, mode) -> None:
+        """Bind the held values to ``mode``'s current feeds (planning again when the
+        program key changed, e.g. dropout seeds restored by ``load``)."""
+        built = self._plans[mode].built
+        values = self._plans[mode].program.values
+        specs = [InputSpec(values[n].shape, values[n].dtype, n) for n in built.feed_names]
+        self._bind(mode, [s for s in specs if s.name not in built.label_names],
+                   [s for s in specs if s.name in built.label_names])
 
     def plan(self, mode="train"):
         """The Plan of ``mode`` (``.program``: the completed serial program with dist

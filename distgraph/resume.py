@@ -64,9 +64,14 @@ def check_checkpoint(engine, reader) -> None:
             owner = name.rsplit("@", 1)[0]
             states[name] = ((), "int64") if name == STEP else \
                 (trainable[owner].shape, trainable[owner].dtype)
+    saved = (reader.info.get("optimizer") or {}).get("type")
+    hint = ""
+    if opt is not None and reader.has_optimizer_state and saved != type(opt).__name__:
+        hint = (f"The checkpoint was saved with the {saved} optimizer, this Engine has "
+                f"{type(opt).__name__}: give the Engine the checkpoint's optimizer")
     # Which states a training program keeps depends on which parameters get gradients;
     # a missing one is named when the training program is bound (ProcessState.bind).
-    check_tensors(reader, {**expected, **states}, allowed_missing=states)
+    check_tensors(reader, {**expected, **states}, allowed_missing=states, hint=hint)
 
 
 def restore_info(engine, info: dict) -> None:

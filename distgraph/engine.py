@@ -192,7 +192,7 @@ class Engine:
         self._backends: dict = {}
         self._scopes: dict = {}
         self._plan_cache: dict = {}        # (mode, program key) -> Plan
-        self._backend_cache: dict = {}     # id(Plan) -> backend
+        self._backend_cache: dict = {}     # (id(Plan), fetches outputs) -> backend
         self._active: dict = {}            # mode -> key of the plan in _plans[mode]
         self._held = ProcessState(model, optimizer)
         self._step = 0                     # optimizer steps taken (dropout and LR use it)
@@ -244,43 +244,42 @@ class Engine:
     def _activate(self, mode, key) -> None:
         if self._active.get(mode) == key:
             return
-        p = self._plan_cache[key]
-        self._plans[mode] = p
-        if id(p) in self._backend_cache:
-            self._backends[mode] = self._backend_cache[id(p)]
-        else:
-            self._backends.pop(mode, None)
+        self._plans[mode] = self._plan_cache[key]
+        self._backends.pop(mode, None)
         self._scopes.pop(mode, None)
         self._active[mode] = key
 
-    def _backend(self, mode):
-        if mode not in self._backends:
-            p = self._plans[mode]
+    def _backend(self, mode, outputs=False):
+        """The backend of ``mode``'s plan; with ``outputs`` a distributed one also brings
+        the model's global outputs to every rank (what metrics read)."""
+        p = self._plans[mode]
+        key = (id(p), bool(outputs and p.distributed))
+        if key not in self._backend_cache:
             if p.distributed:
                 if self._comm is None:
                     self._comm = _world_communicator()
                 built = p.built
                 fetch = [built.loss_name] if built.loss_name else built.output_names
-                if mode == "eval":      # metrics read the outputs
+                if outputs and built.loss_name:
                     fetch = fetch + built.output_names
-                self._backends[mode] = _SpmdBackend(p, self._comm, fetch)
+                self._backend_cache[key] = _SpmdBackend(p, self._comm, fetch)
             else:
-                self._backends[mode] = _SerialBackend(p)
-            self._backend_cache[id(p)] = self._backends[mode]
+                self._backend_cache[key] = _SerialBackend(p)
+        self._backends[mode] = self._backend_cache[key]
         return self._backends[mode]
 
-    def _ensure(self, mode, loader: DataLoader, batch_rows: int | None = None):
+    def _ensure(self, mode, loader: DataLoader, batch_rows: int | None = None, outputs=False):
         """The built program, backend and scope of ``mode`` for a batch of ``batch_rows``
         samples: planned once per batch shape, with the held values laid out for it."""
         ins, labels = loader.specs(self._label_count(mode), batch_rows)
-        return self._bind(mode, ins, labels[:0] if mode == "predict" else labels)
+        return self._bind(mode, ins, labels[:0] if mode == "predict" else labels, outputs)
 
-    def _bind(self, mode, ins, labels):
+    def _bind(self, mode, ins, labels, outputs=False):
         key = (mode, self._program_key(mode, ins, labels))
         if key not in self._plan_cache:
             self.prepare(ins, labels, mode)
         self._activate(mode, key)
-        backend = self._backend(mode)
+        backend = self._backend(mode, outputs)
         p = self._plans[mode]
         pid = p.process_of(self._comm.rank) if p.distributed else 0
         self._scopes = {mode: self._held.bind(p, pid, backend)}
@@ -403,7 +402,7 @@ class Engine:
             m.reset()
         total, count = 0.0, 0
         for idx in loader.indices(0):
-            built, backend, scope = self._ensure("eval", loader, len(idx))
+            built, backend, scope = self._ensure("eval", loader, len(idx), outputs=bool(ms))
             rows = backend.rows()
             if ms:
                 batch = loader.load(idx)
@@ -461,8 +460,9 @@ class Engine:
             else:
                 entries.append(checkpoint.Entry(name, layout.shape, layout.dtype, kind,
                                                 layout.attr, layout.plan.rank, local))
-        comm = self._comm if any(p.distributed for p in self._plans.values()) else None
-        checkpoint.save(path, entries, checkpoint_info(self), comm)
+        if self._comm is None and any(p.distributed for p in self._plans.values()):
+            self._comm = _world_communicator()
+        checkpoint.save(path, entries, checkpoint_info(self), self._comm)
 
     def load(self, path) -> None:
         """Restore a checkpoint written by ``save`` under any plan: each process reads

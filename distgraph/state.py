@@ -145,20 +145,25 @@ class ProcessState:
 
     def publish(self) -> tuple[dict, dict]:
         """(parameters, optimizer states) as global arrays, written back to the model's
-        parameters and kept as ``states`` (collective)."""
+        parameters (collective). Values that are laid out stay where they are; only the
+        others are kept as global ``states``."""
         self.take_user_changes()
         values = {n: np.array(a) for n, a in self.gather(list(self.layouts)).items()}
         for name in sorted(self.pending_names):
             values[name] = self.pending.read(name)
         self.pending_names.clear()
         params = dict(self.model.named_parameters())
-        for name in params:
+        for name, p in params.items():
             if name in values:
-                params[name]._data = np.array(values[name], dtype=params[name].dtype, order="C")
+                a = values[name]
+                if a.dtype != p._data.dtype or not a.flags.c_contiguous:
+                    a = np.array(a, dtype=p._data.dtype, order="C")
+                p._data = a
         self.mark_synced()
-        self.states.update({n: a for n, a in values.items() if n not in params})
+        states = {**self.states, **{n: a for n, a in values.items() if n not in params}}
+        self.states = {n: a for n, a in states.items() if n not in self.layouts}
         return ({n: p._data for n, p in params.items()},
-                {n: a for n, a in self.states.items() if n != LR})
+                {n: a for n, a in states.items() if n != LR})
 
     def load(self, reader) -> None:
         """Forget every value held; read them from ``reader`` when next bound."""

@@ -3,6 +3,7 @@ stopping, the progress bar (rank 0 only), CSV logs, metrics (distributed == seri
 new model values taking effect, a new batch size planning again, and the short last
 batch (drop_last). Oracles: hand-written SGD on a linear model, numpy on predictions."""
 
+import io
 
 import numpy as np
 import pytest
@@ -295,3 +296,34 @@ def test_distributed_engines_take_new_model_values_too(float64):
     for losses, got in world.run(lambda comm: session(engines[comm.rank])):
         np.testing.assert_allclose(losses, want, rtol=1e-12)
         assert all(np.max(np.abs(got[k] - params[k])) < 1e-12 for k in params)
+
+
+def test_only_rank_zero_shows_progress(float64):
+    class DataParallel(dg.nn.Layer):
+        def __init__(self):
+            super().__init__()
+            self.fc = dg.nn.Linear(3, 2)
+
+        def forward(self, x):
+            return self.fc(dg.shard_tensor(x, dg.ProcessMesh([0, 1], ["dp"]), ["dp", None]))
+
+    world = SimulatedWorld(2, timeout=60)
+    files = [io.StringIO(), io.StringIO()]
+    engines = []
+    for r in range(2):
+        dg.seed(0)
+        engines.append(dg.Engine(DataParallel(), dg.nn.MSELoss(), dg.optim.SGD(0.05),
+                                 communicator=world.communicator(r)))
+        engines[-1].prepare(*dg.engine.DataLoader(Rows(8), 4).specs(1))
+    world.run(lambda comm: engines[comm.rank].fit(
+        Rows(8), batch_size=4, epochs=2,
+        callbacks=[dg.callbacks.ProgressBar(file=files[comm.rank])]))
+    assert "epoch 2/2" in files[0].getvalue() and "samples/s" in files[0].getvalue()
+    assert files[1].getvalue() == ""
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "half"])
+def test_half_precision_is_refused(dtype):
+    with pytest.raises(dg.DistGraphError, match="precision is not offered"):
+        dg.set_default_dtype(dtype)
+    assert dg.get_default_dtype() == "float32"

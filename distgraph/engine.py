@@ -217,8 +217,9 @@ class Engine:
 
     # -- building ---------------------------------------------------------------------------
     def _program_key(self, mode, inputs_spec, labels_spec) -> tuple:
-        """What a built program depends on besides the model's structure: the feeds, the
-        optimizer's settings (its learning rate is fed), the dropout seeds."""
+        """What a plan depends on besides the model's structure: the feeds, the
+        optimizer's settings (its learning rate is fed), the dropout seeds, the strategy
+        (a new ``engine.strategy`` plans again and re-lays the values it moves)."""
         from distgraph.nn.layers import Dropout
         feeds = tuple((s.name, tuple(s.shape), s.dtype) for s in list(inputs_spec) +
                       list(labels_spec))
@@ -226,7 +227,7 @@ class Engine:
             if mode == "train" and self.optimizer is not None else None
         seeds = tuple(layer.seed for _, layer in self.model.named_sublayers()
                       if isinstance(layer, Dropout))
-        return feeds, optim, seeds
+        return feeds, optim, seeds, self.strategy
 
     def prepare(self, inputs_spec, labels_spec=(), mode="train"):
         """Build and plan the program for ``mode``; returns the Plan. Needs no running job:
@@ -452,8 +453,9 @@ class Engine:
         from distgraph import checkpoint
         from distgraph.resume import checkpoint_info
         entries = []
+        params = {n for n, _ in self.model.named_parameters()}
         for name, layout, local in self._held.entries():
-            kind = "parameter" if name in dict(self.model.named_parameters()) else "optimizer"
+            kind = "parameter" if name in params else "optimizer"
             if layout is None:
                 entries.append(checkpoint.Entry(name, tuple(local.shape), str(local.dtype),
                                                 kind, local=local))

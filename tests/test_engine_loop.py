@@ -327,3 +327,32 @@ def test_half_precision_is_refused(dtype):
     with pytest.raises(dg.DistGraphError, match="precision is not offered"):
         dg.set_default_dtype(dtype)
     assert dg.get_default_dtype() == "float32"
+
+
+def test_a_new_strategy_plans_again_and_moves_the_states(float64):
+    """ZeRO shards the Adam moments over dp: switching it on between fits gathers them
+    from the plain layout and lays them out anew (and back), as serial training goes on."""
+    dg.seed(0)
+    init = Classifier(False).state_dict()
+
+    def session(engine, switch):
+        losses = engine.fit(Labelled(), batch_size=8, verbose=0).losses
+        for sharding in (True, False):
+            if switch:
+                engine.strategy = dg.Strategy(sharding=sharding)
+            losses += engine.fit(Labelled(), batch_size=8, verbose=0).losses
+        return losses, engine.state_dict(), engine.optimizer_state_dict()
+
+    want, params, states = session(classify(init=init), switch=False)
+    world = SimulatedWorld(4, timeout=60)
+    engines = [classify(world.communicator(r), True, init) for r in range(4)]
+    specs = dg.engine.DataLoader(Labelled(), 8).specs(1)
+    for e in engines:
+        for sharding in (True, False):
+            e.strategy = dg.Strategy(sharding=sharding)
+            e.prepare(*specs)
+    ranks = world.run(lambda comm: session(engines[comm.rank], switch=True))
+    for losses, got, got_states in ranks:
+        np.testing.assert_allclose(losses, want, rtol=1e-12)
+        assert all(np.max(np.abs(got[k] - params[k])) < 1e-12 for k in params)
+        assert all(np.max(np.abs(got_states[k] - states[k])) < 1e-12 for k in states)

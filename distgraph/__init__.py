@@ -21,3 +21,5 @@ from distgraph.placement import DistAttr, Partial, Replicate, Shard, ShardSpec
 from distgraph.annotation import shard_op, shard_tensor
 from distgraph import passes
 from distgraph.resources.cluster import Cluster
+from distgraph import callbacks, metrics
+from distgraph.checkpoint import CheckpointError

@@ -18,8 +18,16 @@ DTYPES = FLOAT_DTYPES + INT_DTYPES + ("bool", "uint8")
 _settings = {"dtype": "float32", "rng": np.random.default_rng(0)}
 
 
+# Half-precision names people reach for when they want mixed precision.
+_HALF = ("float16", "half", "fp16", "bfloat16", "bf16")
+
+
 def set_default_dtype(dtype: str) -> None:
     """Set the floating dtype of new parameters and of InputSpecs that name none."""
+    if str(dtype).lower() in _HALF:
+        raise DistGraphError(f"set_default_dtype({dtype!r}): mixed / half precision is not "
+                             f"offered: the numpy backend computes in float32 or float64 "
+                             f"only; use 'float32' (or 'float64' for exact comparisons)")
     dtype = canonical(dtype)
     if dtype not in ("float32", "float64"):
         raise DistGraphError(f"default dtype must be float32 or float64, got {dtype!r}")
@@ -41,6 +49,9 @@ def param_rng() -> np.random.Generator:
 
 def canonical(dtype) -> str:
     """Normalise a dtype given as str, numpy dtype or type to its name, e.g. 'float32'."""
+    if isinstance(dtype, str) and dtype.lower() in ("bfloat16", "bf16"):
+        raise DistGraphError(f"unsupported dtype {dtype!r}: numpy has no bfloat16, and mixed "
+                             f"precision is not offered; use float32 or float64")
     name = np.dtype(dtype).name if not isinstance(dtype, str) else str(np.dtype(dtype))
     if name not in DTYPES:
         raise DistGraphError(f"unsupported dtype {dtype!r}; expected one of {', '.join(DTYPES)}")

@@ -22,10 +22,13 @@ from distgraph.trace import InputSpec
 
 @dataclass
 class History:
-    """``losses``: the global loss of every optimizer step; ``epochs``: per-epoch means
-    (``loss``, and ``val_loss`` when validation data was given)."""
+    """``losses``: the global loss of every optimizer step this fit ran; ``steps``: their
+    global step numbers (a fit resumed from a checkpoint starts past 0); ``epochs``: one
+    record per epoch (``epoch``, mean ``loss``, ``lr``, and ``val_loss`` /
+    ``val_<metric>`` when validation data was given)."""
 
     losses: list = field(default_factory=list)
+    steps: list = field(default_factory=list)
     epochs: list = field(default_factory=list)
 
 
@@ -42,43 +45,59 @@ def _field_dtype(arr: np.ndarray) -> str:
 
 
 class DataLoader:
-    """Stacks dataset samples into fixed-size batches (a short last batch is dropped, as
-    programs have static shapes). ``shuffle`` permutes with (seed, epoch)."""
+    """Stacks dataset samples into batches. ``shuffle`` permutes with (seed, epoch).
+    Programs have static shapes, so a short last batch runs on a plan of its own; with
+    ``drop_last`` it is dropped instead."""
 
-    def __init__(self, dataset, batch_size, shuffle=False, seed=0):
+    def __init__(self, dataset, batch_size, shuffle=False, seed=0, drop_last=False):
         if not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
             raise DistGraphError("a dataset needs __len__ and __getitem__ returning numpy arrays")
         if batch_size < 1 or batch_size > len(dataset):
             raise DistGraphError(f"batch_size {batch_size} must be between 1 and the dataset "
                                  f"size {len(dataset)}")
         self.dataset, self.batch_size, self.shuffle, self.seed = dataset, batch_size, shuffle, seed
+        self.drop_last = drop_last
+        self._specs: dict = {}
 
     def __len__(self):
-        return len(self.dataset) // self.batch_size
+        full, rest = divmod(len(self.dataset), self.batch_size)
+        return full + (1 if rest and not self.drop_last else 0)
 
-    def epoch(self, epoch: int, rows: slice | None = None):
-        """Batches of one epoch; ``rows`` keeps only those rows of each batch (a
-        data-parallel rank reads only its shard of the samples)."""
+    def indices(self, epoch: int) -> list:
+        """The sample indices of every batch of ``epoch``."""
         order = np.arange(len(self.dataset))
         if self.shuffle:
             order = np.random.default_rng((self.seed, epoch)).permutation(order)
-        for b in range(len(self)):
-            idx = order[b * self.batch_size:(b + 1) * self.batch_size]
-            if rows is not None:
-                idx = idx[rows]
-            samples = [_as_fields(self.dataset[int(i)]) for i in idx]
-            yield [np.stack([np.asarray(s[k]) for s in samples]) for k in range(len(samples[0]))]
+        return [order[b * self.batch_size:(b + 1) * self.batch_size] for b in range(len(self))]
 
-    def specs(self, n_labels: int):
-        first = next(self.epoch(0))
-        if len(first) <= n_labels:
-            raise DistGraphError(f"dataset samples have {len(first)} fields; expected inputs "
-                                 f"followed by {n_labels} label field(s)")
-        cut = len(first) - n_labels
-        ins = [InputSpec(a.shape, _field_dtype(a), f"input_{i}") for i, a in enumerate(first[:cut])]
-        labels = [InputSpec(a.shape, _field_dtype(a), f"label_{i}")
-                  for i, a in enumerate(first[cut:])]
-        return ins, labels
+    def load(self, idx, rows: slice | None = None) -> list:
+        """One batch of samples ``idx``; ``rows`` keeps only those rows (a data-parallel
+        rank reads only its shard of the samples)."""
+        if rows is not None:
+            idx = idx[rows]
+        samples = [_as_fields(self.dataset[int(i)]) for i in idx]
+        return [np.stack([np.asarray(s[k]) for s in samples]) for k in range(len(samples[0]))]
+
+    def epoch(self, epoch: int, rows: slice | None = None):
+        """Batches of one epoch (see :meth:`load`)."""
+        for idx in self.indices(epoch):
+            yield self.load(idx, rows)
+
+    def specs(self, n_labels: int, batch_rows: int | None = None):
+        """InputSpecs of a batch of ``batch_rows`` samples (default: ``batch_size``)."""
+        rows = batch_rows or self.batch_size
+        if (n_labels, rows) not in self._specs:
+            first = [np.asarray(f) for f in _as_fields(self.dataset[0])]
+            if len(first) <= n_labels:
+                raise DistGraphError(f"dataset samples have {len(first)} fields; expected "
+                                     f"inputs followed by {n_labels} label field(s)")
+            cut = len(first) - n_labels
+            ins = [InputSpec((rows,) + a.shape, _field_dtype(a), f"input_{i}")
+                   for i, a in enumerate(first[:cut])]
+            labels = [InputSpec((rows,) + a.shape, _field_dtype(a), f"label_{i}")
+                      for i, a in enumerate(first[cut:])]
+            self._specs[n_labels, rows] = (ins, labels)
+        return self._specs[n_labels, rows]
 
 
 class _SerialBackend:
@@ -147,12 +166,24 @@ class Engine:
     ``shard_op`` annotations every rank of the job runs its part of the completed and
     partitioned program, and the results equal serial training. With a ``cluster`` the
     logical processes are placed on its devices by the rank mapper (or as
-    ``rank_mapping``, {process: device global id}, says).
+    ``rank_mapping``, {process: device global id}, says). ``metrics`` (``dg.metrics``)
+    are reported by ``evaluate`` and by the validation of ``fit``.
+
+    The Engine keeps the parameters and optimizer states on its processes between calls;
+    ``state_dict()`` and ``optimizer_state_dict()`` return them whole, ``save(path)``
+    writes a checkpoint that ``load(path)`` restores under any plan. Setting new values
+    on the model (``model.set_state_dict``) takes effect at the next step.
     """
 
     def __init__(self, model, loss=None, optimizer=None, metrics=None, cluster=None,
                  strategy: Strategy | None = None, communicator=None, rank_mapping=None):
+        from distgraph.metrics import as_metrics
+        from distgraph.state import ProcessState
         self.model, self.loss, self.optimizer = model, loss, optimizer
+        self.metrics = as_metrics(metrics)
+        if self.metrics and loss is None:
+            raise DistGraphError("metrics are computed by evaluate(), which needs a loss: "
+                                 "give the Engine a loss too")
         self.cluster = cluster
         self.rank_mapping = rank_mapping
         self.strategy = strategy or Strategy()
@@ -160,47 +191,100 @@ class Engine:
         self._plans: dict = {}
         self._backends: dict = {}
         self._scopes: dict = {}
-        self._state: dict | None = None          # global optimizer states between modes
-        self._step = 0
+        self._plan_cache: dict = {}        # (mode, program key) -> Plan
+        self._backend_cache: dict = {}     # (id(Plan), fetches outputs) -> backend
+        self._active: dict = {}            # mode -> key of the plan in _plans[mode]
+        self._held = ProcessState(model, optimizer)
+        self._step = 0                     # optimizer steps taken (dropout and LR use it)
+        self._position = (0, 0)            # (epoch, batch) the last fit reached
+        self._resume = None                # training position a loaded checkpoint gives
+        self._fit_config = None            # how the last fit read its data
+        self._data_seed = self.strategy.seed
+        self.stop_training = False
+
+    @property
+    def global_step(self) -> int:
+        """Optimizer steps taken by this Engine (restored by ``load``)."""
+        return self._step
+
+    @property
+    def rank(self) -> int:
+        """This process's rank in the job (0 when it runs alone)."""
+        if self._comm is not None:
+            return self._comm.rank
+        import os
+        return int(os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", 0)))
 
     # -- building ---------------------------------------------------------------------------
+    def _program_key(self, mode, inputs_spec, labels_spec) -> tuple:
+        """What a plan depends on besides the model's structure: the feeds, the
+        optimizer's settings (its learning rate is fed), the dropout seeds, the strategy
+        (a new ``engine.strategy`` plans again and re-lays the values it moves)."""
+        from distgraph.nn.layers import Dropout
+        feeds = tuple((s.name, tuple(s.shape), s.dtype) for s in list(inputs_spec) +
+                      list(labels_spec))
+        optim = repr(sorted(self.optimizer.hyperparameters().items())) \
+            if mode == "train" and self.optimizer is not None else None
+        seeds = tuple(layer.seed for _, layer in self.model.named_sublayers()
+                      if isinstance(layer, Dropout))
+        return feeds, optim, seeds, self.strategy
+
     def prepare(self, inputs_spec, labels_spec=(), mode="train"):
         """Build and plan the program for ``mode``; returns the Plan. Needs no running job:
         only running needs as many ranks as the plan has processes."""
         from distgraph.passes.planner import plan
-        built = build_program(self.model, list(inputs_spec), list(labels_spec), self.loss,
+        inputs_spec, labels_spec = list(inputs_spec), list(labels_spec)
+        key = (mode, self._program_key(mode, inputs_spec, labels_spec))
+        built = build_program(self.model, inputs_spec, labels_spec, self.loss,
                               self.optimizer if mode == "train" else None, mode)
-        self._plans[mode] = plan(built, self.strategy, self.cluster, self.rank_mapping)
-        self._backends.pop(mode, None)
-        self._scopes.pop(mode, None)
+        self._plan_cache[key] = plan(built, self.strategy, self.cluster, self.rank_mapping)
+        self._active.pop(mode, None)
+        self._activate(mode, key)
         return self._plans[mode]
 
-    def _backend(self, mode):
-        if mode not in self._backends:
-            p = self._plans[mode]
+    def _activate(self, mode, key) -> None:
+        if self._active.get(mode) == key:
+            return
+        self._plans[mode] = self._plan_cache[key]
+        self._backends.pop(mode, None)
+        self._scopes.pop(mode, None)
+        self._active[mode] = key
+
+    def _backend(self, mode, outputs=False):
+        """The backend of ``mode``'s plan; with ``outputs`` a distributed one also brings
+        the model's global outputs to every rank (what metrics read)."""
+        p = self._plans[mode]
+        key = (id(p), bool(outputs and p.distributed))
+        if key not in self._backend_cache:
             if p.distributed:
                 if self._comm is None:
                     self._comm = _world_communicator()
                 built = p.built
                 fetch = [built.loss_name] if built.loss_name else built.output_names
-                self._backends[mode] = _SpmdBackend(p, self._comm, fetch)
+                if outputs and built.loss_name:
+                    fetch = fetch + built.output_names
+                self._backend_cache[key] = _SpmdBackend(p, self._comm, fetch)
             else:
-                self._backends[mode] = _SerialBackend(p)
+                self._backend_cache[key] = _SerialBackend(p)
+        self._backends[mode] = self._backend_cache[key]
         return self._backends[mode]
 
-    def _ensure(self, mode, loader: DataLoader):
-        if mode not in self._plans:
-            ins, labels = loader.specs(self._label_count(mode))
-            self.prepare(ins, labels[:0] if mode == "predict" else labels, mode)
-        backend = self._backend(mode)
-        if mode not in self._scopes:
-            self._publish()
-            values = {n: p._data for n, p in self.model.named_parameters()}
-            if self.optimizer is not None:
-                values.update(self.optimizer.initial_state(self._plans[mode].program))
-            values.update(self._state or {})
-            self._scopes[mode] = backend.scope(values)
-        return self._plans[mode].built, backend, self._scopes[mode]
+    def _ensure(self, mode, loader: DataLoader, batch_rows: int | None = None, outputs=False):
+        """The built program, backend and scope of ``mode`` for a batch of ``batch_rows``
+        samples: planned once per batch shape, with the held values laid out for it."""
+        ins, labels = loader.specs(self._label_count(mode), batch_rows)
+        return self._bind(mode, ins, labels[:0] if mode == "predict" else labels, outputs)
+
+    def _bind(self, mode, ins, labels, outputs=False):
+        key = (mode, self._program_key(mode, ins, labels))
+        if key not in self._plan_cache:
+            self.prepare(ins, labels, mode)
+        self._activate(mode, key)
+        backend = self._backend(mode, outputs)
+        p = self._plans[mode]
+        pid = p.process_of(self._comm.rank) if p.distributed else 0
+        self._scopes = {mode: self._held.bind(p, pid, backend)}
+        return p.built, backend, self._scopes[mode]
 
     def _label_count(self, mode) -> int:
         """Trailing label fields of a sample: one when training or evaluating; when
@@ -211,69 +295,201 @@ class Engine:
         known = self._plans.get("train") or self._plans.get("eval")
         return len(known.built.label_names) if known is not None else 0
 
-    def _publish(self) -> None:
-        """Write the global values of every live scope back to the model (collective)."""
-        for mode, scope in list(self._scopes.items()):
-            program = self._plans[mode].program
-            names = [v.name for v in program.persistables]
-            values = self._backends[mode].gather(scope, names)
-            params = dict(self.model.named_parameters())
-            for name, value in values.items():
-                if name in params:
-                    params[name]._data = np.array(value, order="C")
-            self._state = {n: np.array(v) for n, v in values.items() if n not in params}
-            del self._scopes[mode]
+    def _publish(self):
+        """The global parameters and optimizer states, written back to the model
+        (collective)."""
+        return self._held.publish()
 
     # -- running ------------------------------------------------------------------------------
     def fit(self, train_data, batch_size=1, epochs=1, steps_per_epoch=None, valid_data=None,
-            shuffle=False, verbose=0) -> History:
-        """Train; every rank returns the same History of global losses."""
-        loader = DataLoader(train_data, batch_size, shuffle, self.strategy.seed)
-        built, backend, scope = self._ensure("train", loader)
+            shuffle=False, verbose=1, callbacks=None, drop_last=False) -> History:
+        """Train for ``epochs`` epochs (of at most ``steps_per_epoch`` batches); every rank
+        returns the same History of global losses. After ``load``, runs only the epochs
+        and steps the checkpoint had not done. ``callbacks``: ``dg.callbacks`` objects;
+        ``verbose`` 1 shows a progress bar (rank 0), 2 a line per epoch, 0 nothing. A
+        short last batch trains on a plan of its own unless ``drop_last``."""
+        from distgraph.callbacks import CallbackList
+        if self.optimizer is None or self.loss is None:
+            raise DistGraphError("fit needs an Engine with a loss and an optimizer")
+        loader = DataLoader(train_data, batch_size, shuffle, self._data_seed, drop_last)
+        n_batches = len(loader) if steps_per_epoch is None else min(steps_per_epoch, len(loader))
+        first_epoch, first_batch = self._start(loader, n_batches, steps_per_epoch)
+        self._fit_config = {"batch_size": batch_size, "shuffle": bool(shuffle),
+                            "drop_last": bool(drop_last), "steps_per_epoch": steps_per_epoch,
+                            "dataset_size": len(train_data)}
+        for rows in sorted({len(idx) for idx in loader.indices(0)[:n_batches]}, reverse=True):
+            self._plan_batch("train", loader, rows)      # plan every batch shape up front
+        cbs = CallbackList(_progress(verbose, callbacks) + list(callbacks or []), self)
         history = History()
-        for epoch in range(epochs):
-            losses = []
-            for b, batch in enumerate(loader.epoch(epoch, backend.rows())):
-                if steps_per_epoch is not None and b >= steps_per_epoch:
-                    break
+        self.stop_training = False
+        cbs.on_train_begin({"epochs": epochs, "steps_per_epoch": n_batches,
+                            "batch_size": batch_size, "step": self._step})
+        for epoch in range(first_epoch, epochs):
+            start = first_batch if epoch == first_epoch else 0
+            self._position = (epoch, start)
+            cbs.on_epoch_begin(epoch, {"batch": start})
+            losses, lr = [], None
+            for b, idx in enumerate(loader.indices(epoch)[start:n_batches], start=start):
+                built, backend, scope = self._ensure("train", loader, len(idx))
+                batch = loader.load(idx, backend.rows())
+                lr = self.optimizer.lr_at(self._step)
+                self._held.set_lr(lr)
+                logs = {"epoch": epoch, "batch": b, "lr": lr, "batch_size": len(idx)}
+                cbs.on_step_begin(self._step, logs)
                 out = backend.step(scope, dict(zip(built.feed_names, batch)), [built.loss_name],
                                    self._step)
+                loss = float(out[built.loss_name])
                 self._step += 1
-                losses.append(float(out[built.loss_name]))
-            history.losses.extend(losses)
-            record = {"epoch": epoch, "loss": float(np.mean(losses)) if losses else float("nan")}
-            if valid_data is not None:
-                record["val_loss"] = self.evaluate(valid_data, batch_size)["loss"]
-                built, backend, scope = self._ensure("train", loader)
+                self._position = (epoch, b + 1) if b + 1 < n_batches else (epoch + 1, 0)
+                losses.append(loss)
+                history.losses.append(loss)
+                history.steps.append(self._step - 1)
+                cbs.on_step_end(self._step - 1, {**logs, "loss": loss})
+                if self.stop_training:
+                    break
+            record = {"epoch": epoch, "loss": float(np.mean(losses)) if losses else float("nan"),
+                      "lr": lr}
+            if valid_data is not None and self._position[1] == 0:
+                record.update({f"val_{k}": v for k, v in
+                               self.evaluate(valid_data, batch_size, drop_last=drop_last).items()})
             history.epochs.append(record)
-            if verbose:
-                print(" ".join(f"{k}={v:.5g}" if isinstance(v, float) else f"{k}={v}"
-                               for k, v in record.items()), flush=True)
+            cbs.on_epoch_end(epoch, record)
+            if self.stop_training:
+                break
+        cbs.on_train_end({"steps": len(history.losses), "step": self._step})
         return history
 
-    def evaluate(self, valid_data, batch_size=1) -> dict:
-        loader = DataLoader(valid_data, batch_size)
-        built, backend, scope = self._ensure("eval", loader)
-        losses = [float(backend.step(scope, dict(zip(built.feed_names, batch)),
-                                     [built.loss_name], self._step)[built.loss_name])
-                  for batch in loader.epoch(0, backend.rows())]
-        return {"loss": float(np.mean(losses))}
+    def _start(self, loader, n_batches, steps_per_epoch) -> tuple:
+        """(epoch, batch) to start at: (0, 0), or where a loaded checkpoint stopped."""
+        resume, self._resume = self._resume, None
+        if resume is None:
+            return 0, 0
+        epoch, batch = resume["epoch"], resume["batch"]
+        if batch:     # inside an epoch: only the same batches continue it
+            now = {"batch_size": loader.batch_size, "shuffle": loader.shuffle,
+                   "dataset_size": len(loader.dataset), "drop_last": loader.drop_last,
+                   "steps_per_epoch": steps_per_epoch}
+            diff = [f"{k}={now[k]!r} (checkpoint: {resume.get(k)!r})" for k in now
+                    if resume.get(k) != now[k]]
+            if diff:
+                raise DistGraphError(f"the checkpoint stopped inside epoch {epoch} after "
+                                     f"batch {batch}; continuing it needs the same batches, "
+                                     f"but this fit has " + ", ".join(diff))
+            if batch >= n_batches:
+                return epoch + 1, 0
+        return epoch, batch
 
-    def predict(self, test_data, batch_size=1) -> list:
-        loader = DataLoader(test_data, batch_size)
-        built, backend, scope = self._ensure("predict", loader)
+    def _plan_batch(self, mode, loader, rows):
+        """Plan (without running) the program of a batch of ``rows`` samples."""
+        ins, labels = loader.specs(self._label_count(mode), rows)
+        try:
+            if (mode, self._program_key(mode, ins, labels)) not in self._plan_cache:
+                self.prepare(ins, labels, mode)
+        except DistGraphError as e:
+            if rows == loader.batch_size:
+                raise
+            raise type(e)(f"the last batch has {rows} samples (dataset of "
+                          f"{len(loader.dataset)}, batch_size {loader.batch_size}) and "
+                          f"cannot be planned: {e}. Pass drop_last=True, or a batch size "
+                          f"that divides the dataset") from None
+
+    def evaluate(self, valid_data, batch_size=1, metrics=None, drop_last=False) -> dict:
+        """{"loss": mean loss over the samples, <metric name>: value, ...}; ``metrics``
+        (default: the Engine's) see the global outputs and labels of every batch."""
+        from distgraph.metrics import as_metrics
+        ms = self.metrics if metrics is None else as_metrics(metrics)
+        loader = DataLoader(valid_data, batch_size, drop_last=drop_last)
+        for m in ms:
+            m.reset()
+        total, count = 0.0, 0
+        for idx in loader.indices(0):
+            built, backend, scope = self._ensure("eval", loader, len(idx), outputs=bool(ms))
+            rows = backend.rows()
+            if ms:
+                batch = loader.load(idx)
+                feed = batch if rows is None else [a[rows] for a in batch]
+            else:
+                feed = loader.load(idx, rows)
+            fetch = [built.loss_name] + (built.output_names if ms else [])
+            out = backend.step(scope, dict(zip(built.feed_names, feed)), fetch, self._step)
+            total += float(out[built.loss_name]) * len(idx)
+            count += len(idx)
+            if ms:
+                n_in = len(built.feed_names) - len(built.label_names)
+                outputs = [np.asarray(out[n]) for n in built.output_names]
+                for m in ms:
+                    m.update(outputs, batch[n_in:])
+        return {"loss": total / count, **{m.name: float(m.result()) for m in ms}}
+
+    def predict(self, test_data, batch_size=1, drop_last=False) -> list:
+        """Per batch, the list of the model's outputs (global arrays)."""
+        loader = DataLoader(test_data, batch_size, drop_last=drop_last)
         results = []
-        for batch in loader.epoch(0, backend.rows()):
-            out = backend.step(scope, dict(zip(built.feed_names, batch)), built.output_names,
-                               self._step)
+        for idx in loader.indices(0):
+            built, backend, scope = self._ensure("predict", loader, len(idx))
+            out = backend.step(scope, dict(zip(built.feed_names, loader.load(idx, backend.rows()))),
+                               built.output_names, self._step)
             results.append([np.asarray(out[n]) for n in built.output_names])
         return results
 
+    # -- state -------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         """Global numpy arrays of every parameter, on every rank (a collective when
         distributed: call it on all ranks)."""
         self._publish()
         return {n: p.numpy() for n, p in self.model.named_parameters()}
+
+    def optimizer_state_dict(self) -> dict:
+        """Global numpy arrays of every optimizer state (``fc1.weight@MOMENT1``,
+        ``optimizer@STEP``, ...), on every rank (collective, like ``state_dict``)."""
+        _, states = self._publish()
+        return {n: np.array(a) for n, a in states.items()}
+
+    def save(self, path) -> None:
+        """Write a checkpoint directory: every parameter and optimizer state (each rank
+        writes its own shards), the training position, the optimizer's settings and
+        learning-rate schedule, and the random state. Collective: call it on every rank.
+        Atomic: a job killed while saving leaves the previous checkpoint at ``path``."""
+        from distgraph import checkpoint
+        from distgraph.resume import checkpoint_info
+        entries = []
+        params = {n for n, _ in self.model.named_parameters()}
+        for name, layout, local in self._held.entries():
+            kind = "parameter" if name in params else "optimizer"
+            if layout is None:
+                entries.append(checkpoint.Entry(name, tuple(local.shape), str(local.dtype),
+                                                kind, local=local))
+            else:
+                entries.append(checkpoint.Entry(name, layout.shape, layout.dtype, kind,
+                                                layout.attr, layout.plan.rank, local))
+        if self._comm is None and any(p.distributed for p in self._plans.values()):
+            self._comm = _world_communicator()
+        checkpoint.save(path, entries, checkpoint_info(self), self._comm)
+
+    def load(self, path) -> None:
+        """Restore a checkpoint written by ``save`` under any plan: each process reads
+        only its blocks when it next runs. Restores the step, the training position (the
+        next ``fit`` runs only the epochs and batches not done yet), the data order and
+        the dropout seeds. The optimizer's settings stay the ones given to this Engine.
+        Collective like ``save``: call it on every rank."""
+        from distgraph.checkpoint import CheckpointReader
+        from distgraph.resume import check_checkpoint, restore_info
+        reader = CheckpointReader(path)
+        check_checkpoint(self, reader)
+        self._held.load(reader)
+        self._scopes = {}
+        restore_info(self, reader.info)
+        if "train" in self._plans:    # lay the values out for the training plan now
+            self._bind_again("train")
+
+    def _bind_again(self, mode) -> None:
+        """Bind the held values to ``mode``'s current feeds (planning again when the
+        program key changed, e.g. dropout seeds restored by ``load``)."""
+        built = self._plans[mode].built
+        values = self._plans[mode].program.values
+        specs = [InputSpec(values[n].shape, values[n].dtype, n) for n in built.feed_names]
+        self._bind(mode, [s for s in specs if s.name not in built.label_names],
+                   [s for s in specs if s.name in built.label_names])
 
     def plan(self, mode="train"):
         """The Plan of ``mode`` (``.program``: the completed serial program with dist
@@ -281,3 +497,11 @@ class Engine:
         if mode not in self._plans:
             raise DistGraphError(f"no {mode} program yet: call prepare() or fit() first")
         return self._plans[mode]
+
+
+def _progress(verbose, callbacks) -> list:
+    """The progress callback ``verbose`` asks for, unless the user gave one."""
+    from distgraph.callbacks import ProgressBar
+    if not verbose or any(isinstance(cb, ProgressBar) for cb in callbacks or ()):
+        return []
+    return [ProgressBar(bar=verbose == 1)]

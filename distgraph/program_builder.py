@@ -29,6 +29,7 @@ class BuiltProgram:
     loss_name: str | None = None
     grad_names: dict = field(default_factory=dict)
     label_names: list = field(default_factory=list)
+    block_paths: tuple = ()       # paths of the model's TransformerBlocks (recompute units)
 
 
 def build_program(model, input_specs, label_specs=(), loss=None, optimizer=None,
@@ -58,7 +59,10 @@ def build_program(model, input_specs, label_specs=(), loss=None, optimizer=None,
         params = [v for v in program.parameters if v.name in trainable]
         grads = append_backward(program, loss_value, params)
         optimizer.append_update(program, grads)
+    from distgraph.nn.layers import TransformerBlock
+    blocks = tuple(p for p, layer in model.named_sublayers() if isinstance(layer, TransformerBlock))
     return BuiltProgram(program, mode, [v.name for v in program.inputs],
                         [v.name for v in outputs],
                         loss_value.name if loss_value is not None else None,
-                        {n: g.name for n, g in grads.items()}, [v.name for v in labels])
+                        {n: g.name for n, g in grads.items()}, [v.name for v in labels],
+                        blocks)

@@ -13,7 +13,10 @@ SCHEDULES = ("1F1B", "FThenB", "ZB")
 class Strategy:
     """``auto_mode``: "semi" completes from annotations; "full" searches.
     ``micro_batches`` > 1 enables gradient accumulation / pipelining with ``schedule``
-    ("1F1B", "FThenB" or "ZB"); ``sharding`` splits optimizer states and updates over
+    ("1F1B", "FThenB" or "ZB"); ``recompute`` frees the forward activations inside every
+    ``TransformerBlock`` (True) or inside the given layer paths (e.g.
+    ``["blocks.0", "blocks.1.mlp"]``) and recomputes them in the backward pass;
+    ``sharding`` splits optimizer states and updates over
     ``sharding_mesh_dim`` (ZeRO-style); ``profile`` records a timeline; ``seed`` seeds
     shuffling. The planner (:func:`distgraph.passes.plan`) raises PlanError for an option
     that is not available yet: none is silently ignored."""
@@ -22,7 +25,7 @@ class Strategy:
     pipeline: bool = False
     schedule: str = "1F1B"
     micro_batches: int = 1
-    recompute: bool = False
+    recompute: bool | tuple = False
     sharding: bool = False
     sharding_mesh_dim: str = "dp"
     solver_time_limit: float = 60.0
@@ -35,6 +38,14 @@ class Strategy:
             raise DistGraphError(f"Strategy.auto_mode must be 'semi' or 'full', got {self.auto_mode!r}")
         if self.micro_batches < 1:
             raise DistGraphError(f"Strategy.micro_batches must be >= 1, got {self.micro_batches}")
+        if not isinstance(self.recompute, bool):
+            given = self.recompute
+            paths = () if isinstance(given, str) or not hasattr(given, "__iter__") \
+                else tuple(given)
+            if not paths or not all(isinstance(p, str) and p for p in paths):
+                raise DistGraphError(f"Strategy.recompute must be True/False or a list of "
+                                     f"layer paths such as ['blocks.0'], got {given!r}")
+            object.__setattr__(self, "recompute", paths)
         if self.schedule not in SCHEDULES:
             raise DistGraphError(f"Strategy.schedule must be one of {SCHEDULES}, got "
                                  f"{self.schedule!r}")

@@ -3,6 +3,8 @@
 :func:`plan` is pure: it copies the built program, completes the copy's distributed
 attributes (with ``Strategy(sharding=True)``, shards the updates and completes again),
 places the logical processes on the cluster's devices, and returns a :class:`Plan`.
+With ``Strategy(recompute=...)`` the copy is first rewritten so that the chosen layers'
+activations are recomputed in the backward (:mod:`distgraph.passes.recompute`).
 The built program is left as it was, so a search can score many plans of one program,
 and planning needs no running job: a 4-process plan can be made and printed from one
 process.
@@ -33,6 +35,7 @@ from distgraph.mesh import ProcessMesh
 from distgraph.passes.completion import complete
 from distgraph.passes.estimate import fmt_bytes
 from distgraph.passes.partition import LocalProgram, partition, process_ids
+from distgraph.passes.recompute import recompute, segments
 from distgraph.passes.sharding import shard_updates
 from distgraph.strategy import Strategy
 
@@ -169,6 +172,8 @@ def plan(built, strategy: Strategy | None = None, cluster=None, rank_mapping=Non
     _check_supported(strategy)
     program = built.program.clone()
     copy = dataclasses.replace(built, program=program)
+    if strategy.recompute and program.ops_by_role("backward"):
+        recompute(program, segments(copy, strategy.recompute))
     distributed = _is_annotated(program)
     updates = bool(program.ops_by_role("optimize"))
     if distributed:
@@ -194,7 +199,6 @@ _NOT_YET = (
                           "dg.shard_tensor and use Strategy(auto_mode='semi')"),
     ("pipeline", True, "pipelined execution is not available yet; place stages on separate "
                        "meshes with dg.shard_tensor/shard_op (they run one after another)"),
-    ("recompute", True, "recomputation is not available yet; leave Strategy(recompute=False)"),
     ("profile", True, "profiling is not available yet; leave Strategy(profile=False)"),
 )
 

@@ -146,7 +146,7 @@ def test_rank_mapping_is_part_of_the_plan():
 
 
 @pytest.mark.parametrize("options", [
-    dict(auto_mode="full"), dict(pipeline=True), dict(recompute=True), dict(profile=True),
+    dict(auto_mode="full"), dict(pipeline=True), dict(profile=True),
     dict(micro_batches=2), dict(schedule="ZB"), dict(schedule="FThenB"),
     dict(memory_budget_gb=1.0),
 ], ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))

@@ -86,7 +86,8 @@ def test_gradients_are_named_name_at_grad():
         assert prog.values[grad].role == "backward"
     roles = [op.role for op in prog.ops]
     assert roles == sorted(roles, key=["forward", "loss", "backward", "optimize"].index)
-    assert {op.type for op in prog.ops_by_role("optimize")} == {"sgd_update"}
+    # the updates, and the read of the learning rate they share
+    assert {op.type for op in prog.ops_by_role("optimize")} == {"sgd_update", "scale"}
 
 
 def test_append_backward_names_gradients():

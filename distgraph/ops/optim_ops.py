@@ -1,8 +1,10 @@
 """Optimizer update ops. They write into their operands (``inplace``), as a hand-written
-training loop would, so a step needs no second copy of parameters or moments.
+training loop would, so a step needs no second copy of parameters or moments. The
+learning rate is an operand (a 0-d array the Engine sets before each step), not an
+attribute, so a schedule needs no new program.
 
-Sharding: elementwise over the parameter's dims; the 0-d step counter is replicated.
-S(i) x S(i) x S(i) x S(i) -> S(i) x S(i) x S(i).
+Sharding: elementwise over the parameter's dims; the 0-d step counter and learning rate
+are replicated. S(i) x S(i) x S(i) x S(i) x R x R -> S(i) x S(i) x S(i).
 """
 
 from __future__ import annotations
@@ -17,6 +19,11 @@ from distgraph.spmd import EinsumRule, LETTERS
 def _same_shapes(*ts):
     if len({tuple(t.shape) for t in ts}) != 1:
         raise ShapeError(f"update operands must share a shape, got {[list(t.shape) for t in ts]}")
+
+
+def _scalar(what, t):
+    if tuple(t.shape) != ():
+        raise ShapeError(f"the {what} must be 0-d, got shape {list(t.shape)}")
 
 
 def _update_notation(n_tensor_in, n_out, scalar_in=0):
@@ -40,8 +47,8 @@ class Increment:
         return step
 
 
-@register_op("sgd_update", spmd=EinsumRule(_update_notation(3, 2)), inplace=((0, 0), (1, 2)),
-             differentiable=False)
+@register_op("sgd_update", spmd=EinsumRule(_update_notation(3, 2, scalar_in=1)),
+             inplace=((0, 0), (1, 2)), differentiable=False)
 class SgdUpdate:
     """velocity = momentum * velocity + grad; param -= lr * velocity (PyTorch's form).
     With momentum 0 the velocity is never read again, so it is left alone (zero, as
@@ -51,10 +58,11 @@ class SgdUpdate:
 
     def infer(param, grad, velocity, lr, momentum):
         _same_shapes(param, grad, velocity)
+        _scalar("sgd learning rate", lr)
         return param, velocity
 
     def kernel(ctx, param, grad, velocity, lr, momentum):
-        t = param.dtype.type
+        t, lr = param.dtype.type, float(lr)
         if momentum == 0:
             # two parameter-sized passes instead of four
             param -= t(lr) * grad
@@ -65,7 +73,7 @@ class SgdUpdate:
         return param, velocity
 
 
-@register_op("adam_update", spmd=EinsumRule(_update_notation(4, 3, scalar_in=1)),
+@register_op("adam_update", spmd=EinsumRule(_update_notation(4, 3, scalar_in=2)),
              inplace=((0, 0), (1, 2), (2, 3)), differentiable=False)
 class AdamUpdate:
     """Adam / AdamW (decoupled ``weight_decay``), PyTorch's formulation:
@@ -76,13 +84,13 @@ class AdamUpdate:
 
     def infer(param, grad, m, v, step, lr, beta1, beta2, epsilon, weight_decay):
         _same_shapes(param, grad, m, v)
-        if step.shape != ():
-            raise ShapeError("adam step counter must be 0-d")
+        _scalar("adam step counter", step)
+        _scalar("adam learning rate", lr)
         return param, m, v
 
     def kernel(ctx, param, grad, m, v, step, lr, beta1, beta2, epsilon, weight_decay):
         xp, t = ctx.xp, param.dtype.type
-        n = float(step)
+        n, lr = float(step), float(lr)
         if weight_decay:
             param *= t(1.0 - lr * weight_decay)
         # One scratch buffer holds every intermediate: each fresh parameter-sized

@@ -1,0 +1,257 @@
+"""Callbacks: code that ``Engine.fit`` runs at fixed points of training.
+
+The protocol (override what you need; every method gets a ``logs`` dict)::
+
+    on_train_begin(logs)          logs: {"epochs", "steps_per_epoch", "batch_size", "step"}
+    on_epoch_begin(epoch, logs)
+    on_step_begin(step, logs)     step: the global optimizer step about to run (0-based);
+                                  logs: {"epoch", "batch", "lr", "batch_size"}
+    on_step_end(step, logs)       logs as above plus "loss" (the global loss)
+    on_epoch_end(epoch, logs)     logs: the epoch's record: "loss" (mean), "lr", and
+                                  "val_loss" / "val_<metric>" when fit validates
+    on_train_end(logs)            logs: {"steps": steps run by this fit, "step": global}
+
+Callbacks run on every rank with identical logs, so a collective inside one
+(``engine.save``) is safe; ``self.engine`` is the Engine and ``self.engine.rank`` the
+rank. Setting ``self.engine.stop_training = True`` ends ``fit`` after the current step.
+
+Shipped: :class:`ProgressBar` (added by ``fit(verbose=1)``, the default),
+:class:`ModelCheckpoint`, :class:`EarlyStopping`, :class:`CSVLogger`. Learning-rate
+schedules need no callback: the optimizer's schedule is read before every step.
+
+Example::
+
+    engine.fit(data, batch_size=16, epochs=10, valid_data=valid,
+               callbacks=[dg.callbacks.ModelCheckpoint("ckpt", every_n_steps=100),
+                          dg.callbacks.EarlyStopping("val_loss", patience=2),
+                          dg.callbacks.CSVLogger("train.csv")])
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import sys
+import time
+
+from distgraph.errors import DistGraphError
+
+
+class Callback:
+    """Base class; every hook does nothing."""
+
+    engine = None
+
+    def set_engine(self, engine) -> None:
+        self.engine = engine
+
+    def on_train_begin(self, logs=None):
+        pass
+
+    def on_train_end(self, logs=None):
+        pass
+
+    def on_epoch_begin(self, epoch, logs=None):
+        pass
+
+    def on_epoch_end(self, epoch, logs=None):
+        pass
+
+    def on_step_begin(self, step, logs=None):
+        pass
+
+    def on_step_end(self, step, logs=None):
+        pass
+
+
+class CallbackList(Callback):
+    """Calls each callback in order."""
+
+    def __init__(self, callbacks, engine):
+        self.callbacks = list(callbacks or [])
+        for cb in self.callbacks:
+            if not isinstance(cb, Callback):
+                raise DistGraphError(f"callbacks must be dg.callbacks.Callback objects, got "
+                                     f"{cb!r}")
+            cb.set_engine(engine)
+
+    def on_train_begin(self, logs=None):
+        for cb in self.callbacks:
+            cb.on_train_begin(logs)
+
+    def on_train_end(self, logs=None):
+        for cb in self.callbacks:
+            cb.on_train_end(logs)
+
+    def on_epoch_begin(self, epoch, logs=None):
+        for cb in self.callbacks:
+            cb.on_epoch_begin(epoch, logs)
+
+    def on_epoch_end(self, epoch, logs=None):
+        for cb in self.callbacks:
+            cb.on_epoch_end(epoch, logs)
+
+    def on_step_begin(self, step, logs=None):
+        for cb in self.callbacks:
+            cb.on_step_begin(step, logs)
+
+    def on_step_end(self, step, logs=None):
+        for cb in self.callbacks:
+            cb.on_step_end(step, logs)
+
+
+def _fmt(value) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+class ProgressBar(Callback):
+    """A tqdm bar per epoch on rank 0: the step's loss, steps/s and samples/s (global
+    samples). With ``bar=False``, one line per epoch instead (``fit(verbose=2)``).
+
+    Example::
+
+        engine.fit(data, batch_size=16, verbose=0, callbacks=[dg.callbacks.ProgressBar()])
+    """
+
+    def __init__(self, bar: bool = True, file=None):
+        self.bar, self.file = bar, file
+        self._tqdm = None
+
+    def _active(self) -> bool:
+        return self.engine is None or self.engine.rank == 0
+
+    def on_train_begin(self, logs=None):
+        self.epochs = logs.get("epochs")
+        self.steps = logs.get("steps_per_epoch")
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._start, self._samples, self._count = time.perf_counter(), 0, 0
+        if self.bar and self._active():
+            from tqdm import tqdm
+            self._tqdm = tqdm(total=self.steps, desc=f"epoch {epoch + 1}/{self.epochs}",
+                              unit="step", file=self.file or sys.stderr, dynamic_ncols=True,
+                              leave=True)
+            self._tqdm.update(logs.get("batch", 0) if logs else 0)
+
+    def _rates(self) -> dict:
+        seconds = max(time.perf_counter() - self._start, 1e-9)
+        return {"steps/s": f"{self._count / seconds:.3g}",
+                "samples/s": f"{self._samples / seconds:.4g}"}
+
+    def on_step_end(self, step, logs=None):
+        self._count += 1
+        self._samples += logs.get("batch_size", 0)
+        if self._tqdm is not None:
+            self._tqdm.set_postfix({"loss": f"{logs['loss']:.4g}", **self._rates()},
+                                   refresh=False)
+            self._tqdm.update(1)
+
+    def on_epoch_end(self, epoch, logs=None):
+        shown = {k: v for k, v in (logs or {}).items() if k != "epoch"}
+        if self._tqdm is not None:
+            self._tqdm.set_postfix({**{k: _fmt(v) for k, v in shown.items()},
+                                    **self._rates()})
+            self._tqdm.close()
+            self._tqdm = None
+        elif self._active():
+            text = " ".join(f"{k}={_fmt(v)}" for k, v in {**shown, **self._rates()}.items())
+            print(f"epoch {epoch + 1}/{self.epochs} {text}", file=self.file or sys.stdout,
+                  flush=True)
+
+    def on_train_end(self, logs=None):
+        if self._tqdm is not None:           # stopped inside an epoch
+            self._tqdm.close()
+            self._tqdm = None
+
+
+class ModelCheckpoint(Callback):
+    """``engine.save(path)`` every ``every_n_steps`` optimizer steps, or at the end of
+    every epoch when ``every_n_steps`` is None. ``path`` may hold ``{step}`` and
+    ``{epoch}`` to keep several checkpoints; otherwise each save replaces the last one
+    atomically. Runs on every rank (saving is collective)."""
+
+    def __init__(self, path, every_n_steps: int | None = None):
+        if every_n_steps is not None and int(every_n_steps) < 1:
+            raise DistGraphError(f"ModelCheckpoint every_n_steps must be >= 1, got "
+                                 f"{every_n_steps}")
+        self.path, self.every_n_steps = str(path), every_n_steps
+        self.saved: list = []
+
+    def _save(self, epoch):
+        path = self.path.format(step=self.engine.global_step, epoch=epoch)
+        self.engine.save(path)
+        self.saved.append(path)
+
+    def on_step_end(self, step, logs=None):
+        if self.every_n_steps and (step + 1) % self.every_n_steps == 0:
+            self._save(logs.get("epoch"))
+
+    def on_epoch_end(self, epoch, logs=None):
+        if not self.every_n_steps:
+            self._save(epoch)
+
+
+class EarlyStopping(Callback):
+    """Stop training when ``monitor`` (a key of the epoch logs, e.g. "val_loss" or
+    "val_accuracy") has not improved by more than ``min_delta`` for ``patience``
+    epochs. ``mode`` "min", "max", or "auto" (max for accuracies, else min)."""
+
+    def __init__(self, monitor="val_loss", patience=0, min_delta=0.0, mode="auto"):
+        if mode not in ("min", "max", "auto"):
+            raise DistGraphError(f"EarlyStopping mode must be 'min', 'max' or 'auto', got "
+                                 f"{mode!r}")
+        if mode == "auto":
+            mode = "max" if "acc" in monitor else "min"
+        self.monitor, self.patience = monitor, int(patience)
+        self.min_delta, self.mode = abs(float(min_delta)), mode
+        self.stopped_epoch = None
+
+    def on_train_begin(self, logs=None):
+        self.best, self.wait, self.stopped_epoch = None, 0, None
+
+    def on_epoch_end(self, epoch, logs=None):
+        if self.monitor not in logs:
+            raise DistGraphError(f"EarlyStopping monitors {self.monitor!r}, but the epoch "
+                                 f"logs hold only {sorted(logs)}; give fit valid_data to get "
+                                 f"'val_loss', or monitor 'loss'")
+        value = float(logs[self.monitor])
+        sign = 1.0 if self.mode == "min" else -1.0
+        if self.best is None or sign * (self.best - value) > self.min_delta:
+            self.best, self.wait = value, 0
+            return
+        self.wait += 1
+        if self.wait > self.patience:
+            self.stopped_epoch = epoch
+            self.engine.stop_training = True
+
+
+class CSVLogger(Callback):
+    """Rank 0 writes one row per epoch (the epoch's logs) to ``path``; ``append`` keeps
+    earlier rows (a resumed run continues the file)."""
+
+    def __init__(self, path, append: bool = False):
+        self.path, self.append = str(path), append
+        self._file = self._writer = None
+
+    def on_train_begin(self, logs=None):
+        if self.engine.rank == 0:
+            self._file = open(self.path, "a" if self.append else "w", newline="")
+            self._writer = None
+
+    def on_epoch_end(self, epoch, logs=None):
+        if self._file is None:
+            return
+        row = {k: ("" if isinstance(v, float) and math.isnan(v) else v)
+               for k, v in logs.items()}
+        if self._writer is None:
+            self._writer = csv.DictWriter(self._file, fieldnames=list(row), restval="",
+                                          extrasaction="ignore")
+            if self._file.tell() == 0:
+                self._writer.writeheader()
+        self._writer.writerow(row)
+        self._file.flush()
+
+    def on_train_end(self, logs=None):
+        if self._file is not None:
+            self._file.close()
+            self._file = None

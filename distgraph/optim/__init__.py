@@ -1,0 +1,169 @@
+"""Optimizers append update ops (role ``optimize``) to a training Program.
+
+Each keeps its state as persistable Values named after the parameter
+(``fc1.weight@MOMENT1``); the step counter is ``optimizer@STEP``. The learning rate is
+the 0-d persistable ``optimizer@LR``, which the Engine sets before every step from
+``optimizer.learning_rate`` (a number or a :mod:`distgraph.optim.lr` schedule), so a
+schedule or a new learning rate needs no new plan.
+
+Example::
+
+    grads = append_backward(prog, loss)
+    dg.optim.AdamW(1e-3).append_update(prog, grads)
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from distgraph.errors import DistGraphError
+from distgraph.ir import Program, Value
+from distgraph.optim import lr
+from distgraph.trace import Builder
+
+STEP = "optimizer@STEP"
+LR = "optimizer@LR"
+
+
+class Optimizer:
+    """Base: ``learning_rate`` is a positive number or a schedule; it may be reassigned
+    between fits. ``hyperparameters()`` are the other settings, baked into the update
+    ops (changing one makes the Engine plan again)."""
+
+    state_suffixes: tuple = ()
+
+    def __init__(self, learning_rate):
+        self.learning_rate = learning_rate
+
+    @property
+    def learning_rate(self):
+        return self._learning_rate
+
+    @learning_rate.setter
+    def learning_rate(self, value):
+        lr.as_schedule(value)                  # validates numbers and schedules alike
+        self._learning_rate = value
+
+    def lr_at(self, step: int) -> float:
+        """The learning rate of the optimizer step after ``step`` steps."""
+        value = float(lr.as_schedule(self._learning_rate)(step))
+        if not value >= 0.0:
+            raise DistGraphError(f"the learning-rate schedule {self._learning_rate!r} gave "
+                                 f"{value} at step {step}; a learning rate must be >= 0")
+        return value
+
+    def hyperparameters(self) -> dict:
+        """Type and settings other than the learning rate, as plain data."""
+        return {"type": type(self).__name__}
+
+    def state_names(self, parameter_names) -> list:
+        """Names of the state Values this optimizer keeps for ``parameter_names``."""
+        names = [f"{p}@{s}" for p in parameter_names for s in self.state_suffixes]
+        return names + ([STEP] if self._uses_step else [])
+
+    _uses_step = False
+
+    def append_update(self, program: Program, grads: dict[str, Value]) -> None:
+        """Append one update op per parameter that has a gradient."""
+        if not grads:
+            raise DistGraphError("no parameter gradients to update")
+        builder = Builder(program)
+        with builder.active(), builder.scope(role="optimize"):
+            step = self._step_value(builder)
+            rate = self._lr_value(builder)
+            for name, grad in grads.items():
+                param = program.values[name]
+                states = [builder.program.add_value(
+                    Value(f"{name}@{suffix}", param.shape, param.dtype, persistable=True,
+                          role="optimize")) for suffix in self.state_suffixes]
+                with builder.scope(layer=name):
+                    self._emit_update(builder, param, grad, states, step, rate)
+
+    def _lr_value(self, builder):
+        value = builder.program.add_value(Value(LR, (), "float64", persistable=True,
+                                                role="optimize"))
+        # Read once through an op of its own: like the step counter, it then lives on
+        # the union of the update meshes, and every update reads it without a message.
+        (read,) = builder.emit("scale", [value], {"scale": 1.0, "bias": 0.0},
+                               names=[f"{LR}@READ"])
+        return read
+
+    def _step_value(self, builder):
+        return None
+
+    def _emit_update(self, builder, param, grad, states, step, rate):
+        raise NotImplementedError
+
+    def initial_state(self, program: Program) -> dict:
+        """Zero arrays for every optimizer state Value of ``program``, and the learning
+        rate of the first step."""
+        out = {}
+        for v in program.persistables:
+            if not v.is_parameter:
+                out[v.name] = np.zeros(v.shape, dtype=v.dtype)
+        if LR in out:
+            out[LR] = np.array(self.lr_at(0), dtype=np.float64)
+        return out
+
+
+def _outputs_alias(outs, targets):
+    for out, target in zip(outs, targets):
+        out.alias_of = target.name
+
+
+class SGD(Optimizer):
+    """SGD with optional momentum (PyTorch form: v = mu v + g; p -= lr v)."""
+
+    state_suffixes = ("VELOCITY",)
+
+    def __init__(self, learning_rate, momentum=0.0):
+        super().__init__(learning_rate)
+        self.momentum = float(momentum)
+
+    def hyperparameters(self):
+        return {"type": type(self).__name__, "momentum": self.momentum}
+
+    def _emit_update(self, builder, param, grad, states, step, rate):
+        (vel,) = states
+        outs = builder.emit("sgd_update", [param, grad, vel, rate], {"momentum": self.momentum},
+                            names=[f"{param.name}@OUT", f"{vel.name}@OUT"])
+        _outputs_alias(outs, [param, vel])
+
+
+class Adam(Optimizer):
+    state_suffixes = ("MOMENT1", "MOMENT2")
+    weight_decay = 0.0
+    _uses_step = True
+
+    def __init__(self, learning_rate, beta1=0.9, beta2=0.999, epsilon=1e-8):
+        super().__init__(learning_rate)
+        self.beta1, self.beta2, self.epsilon = float(beta1), float(beta2), float(epsilon)
+
+    def hyperparameters(self):
+        return {"type": type(self).__name__, "beta1": self.beta1, "beta2": self.beta2,
+                "epsilon": self.epsilon, "weight_decay": self.weight_decay}
+
+    def _step_value(self, builder):
+        step = builder.program.values.get(STEP)
+        if step is None:
+            step = builder.program.add_value(Value(STEP, (), "int64", persistable=True,
+                                                   role="optimize"))
+        (out,) = builder.emit("increment", [step], names=[f"{STEP}@OUT"])
+        out.alias_of = STEP
+        return out
+
+    def _emit_update(self, builder, param, grad, states, step, rate):
+        m, v = states
+        outs = builder.emit("adam_update", [param, grad, m, v, step, rate],
+                            {"beta1": self.beta1, "beta2": self.beta2,
+                             "epsilon": self.epsilon, "weight_decay": self.weight_decay},
+                            names=[f"{param.name}@OUT", f"{m.name}@OUT", f"{v.name}@OUT"])
+        _outputs_alias(outs, [param, m, v])
+
+
+class AdamW(Adam):
+    """Adam with decoupled weight decay (p *= 1 - lr * weight_decay before the step)."""
+
+    def __init__(self, learning_rate, beta1=0.9, beta2=0.999, epsilon=1e-8, weight_decay=0.01):
+        super().__init__(learning_rate, beta1, beta2, epsilon)
+        self.weight_decay = float(weight_decay)

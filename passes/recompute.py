@@ -1,0 +1,132 @@
+"""Recomputation (activation checkpointing) as a program transform.
+
+For each segment (a layer path: every forward op whose ``layer`` is the path or below
+it), the activations the segment makes for its own backward are not kept: the forward
+ops that make them are copied, in order, just before the first backward op that reads
+one, and every backward op reads the copies instead. The originals then die at their
+last forward use (the executor frees each value after its last reader), so between the
+forward and the backward a segment keeps only what leaves it (its outputs, read by the
+next layer) and what enters it (its inputs, read again by the copies).
+
+The copies are ordinary ops with role ``backward`` and ``forward_op`` set to the op they
+copy, so completion gives them the same mesh and layouts, partition the same local
+form, and a random op the same numbers: dropout draws its mask from (seed, step), both
+the same for the copy. Results equal the plain program's bit for bit.
+
+Example::
+
+    n = recompute(program, ["blocks.0", "blocks.1"])   # before completion
+    peak_activation_bytes(program)                     # lower than before
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from distgraph.errors import PlanError
+from distgraph.ir import Operation, Program, Value
+
+SUFFIX = "@RECOMPUTE"
+
+
+def _inside(layer: str, path: str) -> bool:
+    return layer == path or layer.startswith(path + ".")
+
+
+def segments(built, option) -> list:
+    """Layer paths that ``Strategy.recompute`` names: every TransformerBlock of the
+    model for True, else the given paths (each must be a layer that emitted ops)."""
+    if option is True:
+        if not built.block_paths:
+            raise PlanError("Strategy(recompute=True) recomputes each TransformerBlock, but "
+                            "the model has none; give the layer paths to recompute, e.g. "
+                            "Strategy(recompute=['encoder.0', 'encoder.1'])")
+        return list(built.block_paths)
+    layers = {op.layer for op in built.program.ops if op.role == "forward"}
+    for path in option:
+        if not any(_inside(layer, path) for layer in layers):
+            known = sorted({layer.rsplit(".", 1)[0] for layer in layers if layer})[:12]
+            raise PlanError(f"Strategy(recompute=[..., {path!r}, ...]): no forward op of the "
+                            f"model comes from layer {path!r}; layers with ops include "
+                            f"{known}")
+    return list(option)
+
+
+def recompute(program: Program, paths) -> int:
+    """Rewrite ``program`` (forward, backward and update ops, not yet completed) so the
+    activations of each layer path are recomputed in the backward; returns how many ops
+    were copied."""
+    copied = 0
+    for path in paths:
+        copied += _recompute_segment(program, path)
+    return copied
+
+
+def _recompute_segment(program: Program, path: str) -> int:
+    ops = program.ops
+    seg = [i for i, op in enumerate(ops) if op.role == "forward" and _inside(op.layer, path)]
+    if not seg:
+        return 0
+    members = set(seg)
+    produced = {o.name for i in seg for o in ops[i].outputs}
+    # What leaves the segment in the forward is live anyway: read it, do not recompute it.
+    leaving = {v.name for i, op in enumerate(ops) if op.role in ("forward", "loss")
+               and i not in members for v in op.inputs if v.name in produced}
+    leaving |= {v.name for v in program.outputs if v.name in produced}
+    backward = [i for i, op in enumerate(ops) if op.role == "backward"]
+    needed = {v.name for i in backward for v in ops[i].inputs
+              if v.name in produced and v.name not in leaving}
+    if not needed:
+        return 0
+    # The segment's ops that make the needed values, and the segment values they read.
+    wanted, todo = set(), set(needed)
+    for i in reversed(seg):
+        if any(o.name in todo for o in ops[i].outputs):
+            wanted.add(i)
+            todo |= {v.name for v in ops[i].inputs if v.name in produced and v.name not in leaving}
+    first = min(i for i in backward if any(v.name in needed for v in ops[i].inputs))
+    copies: dict = {}
+    clones = []
+    for i in sorted(wanted):
+        op = ops[i]
+        outs = [program.add_value(Value(o.name + SUFFIX, o.shape, o.dtype, role="backward",
+                                        annotation=o.annotation)) for o in op.outputs]
+        clones.append(Operation(op.type, [copies.get(v.name, v) for v in op.inputs], outs,
+                                dict(op.attrs), "backward", op.layer, op,
+                                _renamed(op.annotation, copies)))
+        copies.update({o.name: c for o, c in zip(op.outputs, outs)})
+    for i in backward:
+        if i >= first:
+            ops[i].inputs = [copies[v.name] if v.name in needed else v for v in ops[i].inputs]
+    program.ops = ops[:first] + clones + ops[first:]
+    return len(clones)
+
+
+def _renamed(annotation, copies):
+    """A shard_op annotation whose operand names follow the copies."""
+    if annotation is None or not getattr(annotation, "in_specs", None):
+        return annotation
+    specs = tuple((copies[n].name if n in copies else n, s) for n, s in annotation.in_specs)
+    return dataclasses.replace(annotation, in_specs=specs)
+
+
+def peak_activation_bytes(program: Program) -> int:
+    """The most bytes of values that are neither fed nor persistable alive at once while
+    ``program`` runs, each freed after its last reader as the executor does: the
+    activations, gradients and temporaries of one step."""
+    skip = {v.name for v in program.inputs} | {v.name for v in program.persistables}
+    keep = {v.name for v in program.outputs}
+    last: dict = {}
+    for i, op in enumerate(program.ops):
+        for v in op.inputs + op.outputs:
+            last[v.name] = i
+    live, peak, total = {}, 0, 0
+    for i, op in enumerate(program.ops):
+        for o in op.outputs:
+            if o.name not in skip and o.alias_of is None and o.name not in live:
+                live[o.name] = o.nbytes
+                total += o.nbytes
+        peak = max(peak, total)
+        for name in [n for n in live if last[n] <= i and n not in keep]:
+            total -= live.pop(name)
+    return peak

@@ -1,0 +1,358 @@
+"""The training loop: callbacks in protocol order with the History's numbers, early
+stopping, the progress bar (rank 0 only), CSV logs, metrics (distributed == serial),
+new model values taking effect, a new batch size planning again, and the short last
+batch (drop_last). Oracles: hand-written SGD on a linear model, numpy on predictions."""
+
+import io
+
+import numpy as np
+import pytest
+
+import distgraph as dg
+from distgraph.runtime.comm import SimulatedWorld
+
+MESH = dg.ProcessMesh([[0, 1], [2, 3]], ["dp", "mp"])
+
+
+class Rows:
+    def __init__(self, n=12, seed=0, d_in=3, d_out=2):
+        rng = np.random.default_rng(seed)
+        self.x, self.y = rng.normal(size=(n, d_in)), rng.normal(size=(n, d_out))
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return self.x[i], self.y[i]
+
+
+def sgd_by_hand(w, b, batches, rate):
+    """Plain SGD on mean((x w + b - y)^2) over the given (x, y) batches."""
+    losses = []
+    for x, y in batches:
+        d = x @ w + b - y
+        losses.append(float(np.mean(d * d)))
+        g = 2.0 * d / d.size
+        w, b = w - rate * (x.T @ g), b - rate * g.sum(axis=0)
+    return losses, w, b
+
+
+def linear(seed=0):
+    dg.seed(seed)
+    model = dg.nn.Linear(3, 2)
+    return model, model.weight.numpy(), model.bias.numpy()
+
+
+class Recorder(dg.callbacks.Callback):
+    def __init__(self):
+        self.events = []
+
+    def on_train_begin(self, logs=None):
+        self.events.append(("train_begin", logs["epochs"], logs["steps_per_epoch"]))
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.events.append(("epoch_begin", epoch))
+
+    def on_step_begin(self, step, logs=None):
+        self.events.append(("step_begin", step, logs["epoch"], logs["batch"]))
+
+    def on_step_end(self, step, logs=None):
+        self.events.append(("step_end", step, logs["loss"]))
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.events.append(("epoch_end", epoch, logs["loss"], "val_loss" in logs))
+
+    def on_train_end(self, logs=None):
+        self.events.append(("train_end", logs["steps"]))
+
+
+def test_callbacks_run_in_protocol_order_with_the_histories_numbers(float64):
+    model, _, _ = linear()
+    rec = Recorder()
+    engine = dg.Engine(model, dg.nn.MSELoss(), dg.optim.SGD(0.05))
+    history = engine.fit(Rows(6), batch_size=2, epochs=2, valid_data=Rows(4, seed=1),
+                         callbacks=[rec], verbose=0)
+    want = [("train_begin", 2, 3)]
+    for epoch in range(2):
+        want.append(("epoch_begin", epoch))
+        for b in range(3):
+            step = 3 * epoch + b
+            want += [("step_begin", step, epoch, b), ("step_end", step, history.losses[step])]
+        want.append(("epoch_end", epoch, history.epochs[epoch]["loss"], True))
+    want.append(("train_end", 6))
+    assert rec.events == want
+    assert history.steps == list(range(6)) and engine.global_step == 6
+
+
+def test_stop_training_inside_an_epoch_and_early_stopping(float64):
+    class StopAt(dg.callbacks.Callback):
+        def on_step_end(self, step, logs=None):
+            if step == 1:
+                self.engine.stop_training = True
+
+    model, _, _ = linear()
+    engine = dg.Engine(model, dg.nn.MSELoss(), dg.optim.SGD(0.05))
+    history = engine.fit(Rows(6), batch_size=2, epochs=3, callbacks=[StopAt()], verbose=0)
+    assert len(history.losses) == 2 and len(history.epochs) == 1
+
+    # SGD with a rate far too large diverges: the loss rises every epoch from the first.
+    model, _, _ = linear()
+    engine = dg.Engine(model, dg.nn.MSELoss(), dg.optim.SGD(5.0))
+    stop = dg.callbacks.EarlyStopping("loss", patience=1)
+    history = engine.fit(Rows(6), batch_size=2, epochs=10, callbacks=[stop], verbose=0)
+    losses = [e["loss"] for e in history.epochs]
+    assert losses == sorted(losses) and len(losses) == 3 and stop.stopped_epoch == 2
+
+    with pytest.raises(dg.DistGraphError, match="val_loss.*valid_data"):
+        engine.fit(Rows(6), batch_size=2, callbacks=[dg.callbacks.EarlyStopping()], verbose=0)
+
+
+def test_progress_bar_shows_loss_and_rates(float64, capsys):
+    model, _, _ = linear()
+    engine = dg.Engine(model, dg.nn.MSELoss(), dg.optim.SGD(0.05))
+    engine.fit(Rows(6), batch_size=2, epochs=2)                 # verbose=1: the bar
+    err = capsys.readouterr().err
+    assert "epoch 2/2" in err and "loss=" in err and "steps/s" in err and "samples/s" in err
+    engine.fit(Rows(6), batch_size=2, epochs=1, verbose=2)      # a line per epoch
+    out, err = capsys.readouterr()
+    assert out.startswith("epoch 1/1 loss=") and "samples/s=" in out and err == ""
+    engine.fit(Rows(6), batch_size=2, epochs=1, verbose=0)
+    assert capsys.readouterr() == ("", "")
+
+
+def test_csv_logger_writes_a_row_per_epoch(float64, tmp_path):
+    model, _, _ = linear()
+    engine = dg.Engine(model, dg.nn.MSELoss(), dg.optim.SGD(0.05))
+    path = tmp_path / "log.csv"
+    history = engine.fit(Rows(6), batch_size=2, epochs=2, valid_data=Rows(4, seed=1),
+                         callbacks=[dg.callbacks.CSVLogger(path)], verbose=0)
+    lines = path.read_text().splitlines()
+    assert lines[0] == "epoch,loss,lr,val_loss" and len(lines) == 3
+    assert [float(v) for v in lines[2].split(",")] == pytest.approx(
+        [1, history.epochs[1]["loss"], 0.05, history.epochs[1]["val_loss"]], rel=1e-12)
+
+
+def test_new_model_values_take_effect_at_the_next_step(float64):
+    model, _, _ = linear()
+    engine = dg.Engine(model, dg.nn.MSELoss(), dg.optim.SGD(0.05))
+    engine.fit(Rows(4), batch_size=2, verbose=0)
+    _, w, b = linear(seed=7)
+    model.set_state_dict({"weight": w, "bias": b})
+    assert np.array_equal(engine.state_dict()["weight"], w)
+    losses = engine.fit(Rows(4, seed=3), batch_size=2, verbose=0).losses
+    data = Rows(4, seed=3)
+    want, w2, _ = sgd_by_hand(w, b, [(data.x[:2], data.y[:2]), (data.x[2:], data.y[2:])], 0.05)
+    np.testing.assert_allclose(losses, want, rtol=1e-13)
+    np.testing.assert_allclose(engine.state_dict()["weight"], w2, rtol=1e-13)
+
+    class SetMidway(dg.callbacks.Callback):     # inside a fit, too
+        def on_step_end(self, step, logs=None):
+            model.weight.set_value(np.zeros((3, 2)))
+
+    before = engine.state_dict()
+    after = engine.fit(Rows(4), batch_size=2, callbacks=[SetMidway()], verbose=0).losses
+    data = Rows(4)
+    first, _, b1 = sgd_by_hand(before["weight"], before["bias"], [(data.x[:2], data.y[:2])],
+                               0.05)
+    second, w2, b2 = sgd_by_hand(np.zeros((3, 2)), b1, [(data.x[2:], data.y[2:])], 0.05)
+    np.testing.assert_allclose(after, first + second, rtol=1e-13)
+    np.testing.assert_array_equal(engine.state_dict()["weight"], np.zeros((3, 2)))  # set again
+
+
+def test_a_new_batch_size_plans_again(float64):
+    model, w, b = linear()
+    engine = dg.Engine(model, dg.nn.MSELoss(), dg.optim.SGD(0.05))
+    data = Rows(8)
+    first = engine.fit(data, batch_size=4, verbose=0).losses
+    second = engine.fit(data, batch_size=2, verbose=0).losses
+    batches = [(data.x[i:i + 4], data.y[i:i + 4]) for i in (0, 4)] + \
+              [(data.x[i:i + 2], data.y[i:i + 2]) for i in range(0, 8, 2)]
+    want, w, b = sgd_by_hand(w, b, batches, 0.05)
+    np.testing.assert_allclose(first + second, want, rtol=1e-13)
+    assert engine.plan().program.values["input_0"].shape == (2, 3)
+
+
+def test_short_last_batch_trains_on_its_own_plan_unless_dropped(float64):
+    model, w, b = linear()
+    engine = dg.Engine(model, dg.nn.MSELoss(), dg.optim.SGD(0.05))
+    data = Rows(10)
+    losses = engine.fit(data, batch_size=4, epochs=2, verbose=0).losses
+    batches = [(data.x[i:i + 4], data.y[i:i + 4]) for i in (0, 4, 8)] * 2
+    want, w, b = sgd_by_hand(w, b, batches, 0.05)
+    np.testing.assert_allclose(losses, want, rtol=1e-13)
+    assert len(engine.fit(data, batch_size=4, drop_last=True, verbose=0).losses) == 2
+
+    preds = engine.predict(data, batch_size=4)
+    assert [p[0].shape for p in preds] == [(4, 2), (4, 2), (2, 2)]
+    out = np.concatenate([p[0] for p in preds])
+    assert engine.evaluate(data, batch_size=4)["loss"] == pytest.approx(
+        float(np.mean((out - data.y) ** 2)), rel=1e-13)
+
+
+def test_a_short_batch_that_cannot_be_split_says_drop_last():
+    class DataParallel(dg.nn.Layer):
+        def __init__(self):
+            super().__init__()
+            self.fc = dg.nn.Linear(3, 2)
+
+        def forward(self, x):
+            return self.fc(dg.shard_tensor(x, MESH, ["dp", None]))
+
+    engine = dg.Engine(DataParallel(), dg.nn.MSELoss(), dg.optim.SGD(0.05))
+    with pytest.raises(dg.DistGraphError, match="last batch has 3 samples.*drop_last=True"):
+        engine.fit(Rows(11), batch_size=4, verbose=0)
+
+
+class Classifier(dg.nn.Layer):
+    def __init__(self, annotate):
+        super().__init__()
+        self.fc1, self.fc2, self.annotate = dg.nn.Linear(6, 16), dg.nn.Linear(16, 5), annotate
+        if annotate:
+            dg.shard_tensor(self.fc1.weight, MESH, [None, "mp"])
+            dg.shard_tensor(self.fc2.weight, MESH, ["mp", None])
+
+    def forward(self, x):
+        if self.annotate:
+            dg.shard_tensor(x, MESH, ["dp", None])
+        return self.fc2(dg.ops.relu(self.fc1(x)))
+
+
+class Labelled:
+    def __init__(self, n=16, seed=0):
+        rng = np.random.default_rng(seed)
+        self.x = rng.normal(size=(n, 6))
+        self.y = rng.integers(0, 5, size=n).astype(np.int64)
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return self.x[i], self.y[i]
+
+
+def classify(comm=None, annotate=False, init=None):
+    model = Classifier(annotate)
+    model.set_state_dict(init)
+    engine = dg.Engine(model, dg.nn.CrossEntropyLoss(), dg.optim.Adam(0.01),
+                       metrics=[dg.metrics.Accuracy(), dg.metrics.Accuracy(topk=2)],
+                       communicator=comm)
+    return engine
+
+
+def test_accuracy_matches_numpy_and_distributed_equals_serial(float64):
+    dg.seed(0)
+    init = Classifier(False).state_dict()
+    serial = classify(init=init)
+    history = serial.fit(Labelled(), batch_size=8, epochs=2, valid_data=Labelled(8, 1),
+                         verbose=0)
+    assert {"val_loss", "val_accuracy", "val_top2_accuracy"} <= set(history.epochs[-1])
+    result = serial.evaluate(Labelled(8, 1), batch_size=4)
+    logits = np.concatenate([p[0] for p in serial.predict(Labelled(8, 1), batch_size=4)])
+    labels = Labelled(8, 1).y
+    assert result["accuracy"] == np.mean(np.argmax(logits, -1) == labels)
+    top2 = np.argsort(-logits, axis=-1)[:, :2]
+    assert result["top2_accuracy"] == np.mean(np.any(top2 == labels[:, None], axis=-1))
+
+    world = SimulatedWorld(4, timeout=60)
+    engines = [classify(world.communicator(r), True, init) for r in range(4)]
+    ins, labels_spec = dg.engine.DataLoader(Labelled(), 8).specs(1)
+    for e in engines:         # tracing is not thread-safe: plan before the threads start
+        e.prepare(ins, labels_spec)
+        e.prepare(*dg.engine.DataLoader(Labelled(8, 1), 4).specs(1), mode="eval")
+    ranks = world.run(lambda comm: (
+        engines[comm.rank].fit(Labelled(), batch_size=8, epochs=2, verbose=0).losses,
+        engines[comm.rank].evaluate(Labelled(8, 1), batch_size=4)))
+    for losses, evaluated in ranks:
+        np.testing.assert_allclose(losses, history.losses, rtol=1e-12)
+        assert evaluated["accuracy"] == result["accuracy"]
+        assert evaluated["loss"] == pytest.approx(result["loss"], rel=1e-12)
+
+
+def test_bad_metrics_and_callbacks_raise():
+    with pytest.raises(dg.DistGraphError, match="Metric"):
+        dg.Engine(dg.nn.Linear(2, 2), dg.nn.MSELoss(), dg.optim.SGD(0.1), metrics=["acc"])
+    with pytest.raises(dg.DistGraphError, match="needs a loss"):
+        dg.Engine(dg.nn.Linear(2, 2), metrics=[dg.metrics.Accuracy()])
+    engine = dg.Engine(dg.nn.Linear(3, 2), dg.nn.MSELoss(), dg.optim.SGD(0.1))
+    with pytest.raises(dg.DistGraphError, match="Callback"):
+        engine.fit(Rows(4), batch_size=2, callbacks=[print], verbose=0)
+
+
+def test_distributed_engines_take_new_model_values_too(float64):
+    dg.seed(0)
+    init, other = Classifier(False).state_dict(), Classifier(False).state_dict()
+
+    def session(engine):
+        first = engine.fit(Labelled(), batch_size=8, verbose=0).losses
+        engine.model.set_state_dict(other)
+        return first + engine.fit(Labelled(), batch_size=8, verbose=0).losses, \
+            engine.state_dict()
+
+    want, params = session(classify(init=init))
+    world = SimulatedWorld(4, timeout=60)
+    engines = [classify(world.communicator(r), True, init) for r in range(4)]
+    for e in engines:
+        e.prepare(*dg.engine.DataLoader(Labelled(), 8).specs(1))
+    for losses, got in world.run(lambda comm: session(engines[comm.rank])):
+        np.testing.assert_allclose(losses, want, rtol=1e-12)
+        assert all(np.max(np.abs(got[k] - params[k])) < 1e-12 for k in params)
+
+
+def test_only_rank_zero_shows_progress(float64):
+    class DataParallel(dg.nn.Layer):
+        def __init__(self):
+            super().__init__()
+            self.fc = dg.nn.Linear(3, 2)
+
+        def forward(self, x):
+            return self.fc(dg.shard_tensor(x, dg.ProcessMesh([0, 1], ["dp"]), ["dp", None]))
+
+    world = SimulatedWorld(2, timeout=60)
+    files = [io.StringIO(), io.StringIO()]
+    engines = []
+    for r in range(2):
+        dg.seed(0)
+        engines.append(dg.Engine(DataParallel(), dg.nn.MSELoss(), dg.optim.SGD(0.05),
+                                 communicator=world.communicator(r)))
+        engines[-1].prepare(*dg.engine.DataLoader(Rows(8), 4).specs(1))
+    world.run(lambda comm: engines[comm.rank].fit(
+        Rows(8), batch_size=4, epochs=2,
+        callbacks=[dg.callbacks.ProgressBar(file=files[comm.rank])]))
+    assert "epoch 2/2" in files[0].getvalue() and "samples/s" in files[0].getvalue()
+    assert files[1].getvalue() == ""
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "half"])
+def test_half_precision_is_refused(dtype):
+    with pytest.raises(dg.DistGraphError, match="precision is not offered"):
+        dg.set_default_dtype(dtype)
+    assert dg.get_default_dtype() == "float32"
+
+
+def test_a_new_strategy_plans_again_and_moves_the_states(float64):
+    """ZeRO shards the Adam moments over dp: switching it on between fits gathers them
+    from the plain layout and lays them out anew (and back), as serial training goes on."""
+    dg.seed(0)
+    init = Classifier(False).state_dict()
+
+    def session(engine, switch):
+        losses = engine.fit(Labelled(), batch_size=8, verbose=0).losses
+        for sharding in (True, False):
+            if switch:
+                engine.strategy = dg.Strategy(sharding=sharding)
+            losses += engine.fit(Labelled(), batch_size=8, verbose=0).losses
+        return losses, engine.state_dict(), engine.optimizer_state_dict()
+
+    want, params, states = session(classify(init=init), switch=False)
+    world = SimulatedWorld(4, timeout=60)
+    engines = [classify(world.communicator(r), True, init) for r in range(4)]
+    specs = dg.engine.DataLoader(Labelled(), 8).specs(1)
+    for e in engines:
+        for sharding in (True, False):
+            e.strategy = dg.Strategy(sharding=sharding)
+            e.prepare(*specs)
+    ranks = world.run(lambda comm: session(engines[comm.rank], switch=True))
+    for losses, got, got_states in ranks:
+        np.testing.assert_allclose(losses, want, rtol=1e-12)
+        assert all(np.max(np.abs(got[k] - params[k])) < 1e-12 for k in params)
+        assert all(np.max(np.abs(got_states[k] - states[k])) < 1e-12 for k in states)

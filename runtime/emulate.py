@@ -325,9 +325,10 @@ class Emulation:
     def _kick(self, m) -> None:
         """Send one datagram to the hub from machine ``m``: the qdisc then dequeues, and a
         restored link releases what it held without waiting for TCP's next timer."""
-        _run(["ip", "netns", "exec", m.namespace, sys.executable, "-c",
-              "import socket; socket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendto("
-              f"b'', ('{self.layout.hub_address}', 9))"], "wake a restored link")
+        send = ("import socket; socket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendto("
+                f"b'', ('{self.layout.hub_address}', 9))")
+        _run(["ip", "netns", "exec", m.namespace, sys.executable, "-c", send],
+             "wake a restored link")
 
 
 def _minor(machine_index: int) -> int:

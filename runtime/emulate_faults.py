@@ -115,7 +115,7 @@ class FaultInjector:
                 return
             try:
                 self.emulation.set_link(fault.a, fault.b, state)
-            except BaseException as exc:    # reported by the launcher after the job
+            except Exception as exc:    # reported by the launcher after the job
                 self.error = exc
                 return
             elapsed = time.monotonic() - self._t0

@@ -124,8 +124,10 @@ class Layout:
         return {m.address: [m.namespace, m.hostname] for m in self.machines}
 
     def describe(self) -> str:
-        lines = [f"emulated cluster {self.cluster_name!r}: {_count(len(self.machines), 'machine')}, "
-                 f"{_count(len(self.rank_machine), 'rank')}, addresses {self.subnet}.0/24"]
+        head = (f"emulated cluster {self.cluster_name!r}: "
+                f"{_count(len(self.machines), 'machine')}, "
+                f"{_count(len(self.rank_machine), 'rank')}, addresses {self.subnet}.0/24")
+        lines = [head]
         lines += [f"  {m}" for m in self.machines]
         for s in self.shapes:
             if s.src < s.dst:

@@ -183,7 +183,7 @@ def test_a_signal_to_the_launcher_removes_everything(launched, sig, code):
     _wait_for_namespaces(launched, proc, 3)
     time.sleep(2)          # let the ranks start
     proc.send_signal(sig)
-    out, err = proc.communicate(timeout=60)
+    _, err = proc.communicate(timeout=60)
     assert proc.returncode == code, err[-2000:]
     assert "the emulated cluster was removed" in err
     assert launched.namespaces_of(proc) == []

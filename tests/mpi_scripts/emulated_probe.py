@@ -2,7 +2,7 @@
 
 Usage::
 
-    distgraph run -n 4 --emulate FILE tests/mpi_scripts/emulated_probe.py A-B [C-D ...] [--allreduce SECONDS]
+    distgraph run -n 4 --emulate FILE tests/mpi_scripts/emulated_probe.py [A-B ...] [--allreduce S]
 
 With ``--allreduce S`` the ranks first all-reduce vectors of ones (distgraph's
 MPICommunicator, so a lost peer times out) until rank 0 has run S seconds, checking every

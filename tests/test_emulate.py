@@ -130,6 +130,33 @@ def test_ranks_run_on_the_files_machines_and_cross_machines_over_the_shaped_link
     assert report["bandwidth"]["0-1"] > 4 * LINK_GBPS, report
 
 
+THREE_MACHINES = """
+name: three
+machines:
+  - {hostname: ma, devices: [{global_id: 0, type: CPU, memory: 1, gflops: {float32: 1}}]}
+  - {hostname: mb, devices: [{global_id: 1, type: CPU, memory: 1, gflops: {float32: 1}}]}
+  - {hostname: mc, devices: [{global_id: 2, type: CPU, memory: 1, gflops: {float32: 1}}]}
+links:
+  - {source: 0, target: 1, bandwidth: 0.25, latency: 10}
+  - {source: 0, target: 2, bandwidth: 0.0625, latency: 10}
+  - {source: 1, target: 2, bandwidth: 0.0625, latency: 10}
+"""
+
+
+def test_each_pair_of_machines_gets_its_own_bandwidth(launched, tmp_path):
+    # Machine ma sends to mb at 2 Gbit/s and to mc at 0.5 Gbit/s over the same interface:
+    # the shaping is per destination.
+    path = tmp_path / "three.yaml"
+    path.write_text(THREE_MACHINES)
+    cluster = dg.Cluster.from_file(path)
+    report = probe(launched.run("run", "-n", "3", "--emulate", str(path), PROBE, "0-1", "0-2",
+                                "1-2"))
+    assert report["hostnames"] == ["ma", "mb", "mc"]
+    for pair, measured in report["bandwidth"].items():
+        a, b = map(int, pair.split("-"))
+        assert abs(measured / cluster.bandwidth(a, b) - 1) <= TOLERANCE, report
+
+
 def test_training_over_emulated_machines_equals_serial(launched):
     keys = ["gpt:dp_tp", "mlp:two_stage"]
     result = launched.run("run", "-n", "4", "--emulate", FILE_2X2, TRAIN, "float64", *keys)

@@ -142,16 +142,12 @@ def predict(program, cluster, to_device: dict) -> dict:
     return {"total": total, "compute": compute, "comm": comm}
 
 
-def measure(engine, data, comm, steps: int, repeats: int) -> float:
-    engine.fit(data, batch_size=BATCH, epochs=1, steps_per_epoch=2)      # warm up
-    best = float("inf")
-    for _ in range(repeats):
-        comm.barrier()
-        start = time.perf_counter()
-        engine.fit(data, batch_size=BATCH, epochs=1, steps_per_epoch=steps)
-        comm.barrier()
-        best = min(best, (time.perf_counter() - start) / steps)
-    return best
+def time_steps(engine, data, comm, steps: int) -> float:
+    comm.barrier()
+    start = time.perf_counter()
+    engine.fit(data, batch_size=BATCH, epochs=1, steps_per_epoch=steps)
+    comm.barrier()
+    return (time.perf_counter() - start) / steps
 
 
 def mapper_choice(program, cluster) -> str:
@@ -170,7 +166,7 @@ def rank_part(args) -> None:
     comm = MPICommunicator()
     if comm.size != 4:
         raise dg.PlanError(f"this benchmark runs on 4 ranks, not {comm.size}")
-    rows = []
+    rows, runs = [], []
     for kind, plan, annotate, where, mapping in configs():
         dg.seed(0)
         model = BenchMLP() if kind == "mlp" else BenchGPT()
@@ -178,14 +174,19 @@ def rank_part(args) -> None:
         engine = dg.Engine(model, P.loss_fn(kind), dg.optim.AdamW(1e-3), cluster=cluster,
                            communicator=comm, rank_mapping=mapping)
         data = Data(kind, BATCH * (args.steps + 2))
-        row = {"model": kind, "plan": plan, "placement": where,
-               "measured": measure(engine, data, comm, args.steps, args.repeats)}
+        time_steps(engine, data, comm, 2)                                 # warm up
+        row = {"model": kind, "plan": plan, "placement": where, "measured": float("inf")}
         if comm.rank == 0:
             program = engine.plan().program
             row.update(predict(program, cluster, mapping))
             if plan == "dp x mp":
                 row["mapper"] = mapper_choice(program, cluster)
         rows.append(row)
+        runs.append((engine, data))
+    # Round-robin over the plans, so that a change in the machine's load hits them alike.
+    for _ in range(args.repeats):
+        for row, (engine, data) in zip(rows, runs):
+            row["measured"] = min(row["measured"], time_steps(engine, data, comm, args.steps))
     comm.free()
     if comm.rank == 0:
         with open(args.rank_part, "w") as f:

@@ -231,14 +231,16 @@ def test_namespaces_of_a_killed_launcher_go_at_the_next_start(launched):
 
 
 def test_without_root_the_launcher_says_so_before_creating_anything(launched):
-    # A user namespace makes this process an unprivileged user (uid 65534).
-    before = our_namespaces()
-    result = subprocess.run(["unshare", "--user", sys.executable, "-m", "distgraph.cli", "run",
-                             "-n", "2", "--emulate", FILE_2X2, PROBE], capture_output=True,
-                            text=True, cwd=ROOT, timeout=60)
-    assert result.returncode == 2
-    assert "emulated clusters need root" in result.stderr
-    assert our_namespaces() == before
+    # A user namespace makes the launcher an unprivileged user (uid 65534); unshare execs
+    # it in place, so its pid is the one its namespaces would be named after.
+    proc = subprocess.Popen(["unshare", "--user", sys.executable, "-m", "distgraph.cli", "run",
+                             "-n", "2", "--emulate", FILE_2X2, PROBE], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    launched.procs.append(proc)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 2
+    assert "emulated clusters need root" in err
+    assert launched.namespaces_of(proc) == []
 
 
 def test_the_module_left_no_namespace_device_or_qdisc_behind(network_before):

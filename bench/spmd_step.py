@@ -43,7 +43,6 @@ import time
 import numpy as np
 
 import distgraph as dg
-from distgraph.passes.completion import complete
 from distgraph.passes.cost_model import collective_bytes
 from distgraph.program_builder import build_program
 from distgraph.runtime.mpi_comm import MPICommunicator
@@ -175,7 +174,7 @@ class Reference:
 
 # -- distgraph ------------------------------------------------------------------------------------
 class Distgraph:
-    """The same step through build_program + complete + SpmdRunner over MPI."""
+    """The same step through build_program + dg.passes.plan + SpmdRunner over MPI."""
 
     def __init__(self, plan, optimizer, comm: MPICommunicator, x, y):
         mesh = dg.ProcessMesh(list(range(WORLD)), dim_names=["dp" if plan == "dp" else "mp"])
@@ -185,10 +184,11 @@ class Distgraph:
         self.built = build_program(model, [dg.InputSpec([BATCH, D_IN], "float32", "x")],
                                    [dg.InputSpec([BATCH, D_OUT], "float32", "y")],
                                    dg.nn.MSELoss(), opt)
-        program = complete(self.built.program)
-        check_world(program, comm.size)
+        plan = dg.passes.plan(self.built)
+        check_world(plan, comm.size)
+        program = plan.program
         self.comm = comm
-        self.runner = SpmdRunner(program, comm.rank, comm, fetch=[self.built.loss_name])
+        self.runner = SpmdRunner(plan, comm.rank, comm, fetch=[self.built.loss_name])
         self.global_params = {n: p.numpy() for n, p in model.named_parameters()}
         values = dict(self.global_params)
         values.update(opt.initial_state(program))

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from distgraph import dtypes
-from distgraph.errors import DistGraphError, PlanError
-from distgraph.program_builder import BuiltProgram, build_program
+from distgraph.errors import DistGraphError
+from distgraph.program_builder import build_program
 from distgraph.strategy import Strategy
 from distgraph.trace import InputSpec
 
@@ -81,20 +81,15 @@ class DataLoader:
         return ins, labels
 
 
-def _is_annotated(program) -> bool:
-    return (any(v.annotation is not None for v in program.values.values())
-            or any(op.annotation is not None for op in program.ops))
-
-
 class _SerialBackend:
     """One process runs the whole program."""
 
-    def __init__(self, built: BuiltProgram):
+    def __init__(self, plan):
         from distgraph.runtime.executor import ProgramRunner
-        self.built, self.runner = built, ProgramRunner(built.program)
+        self.plan, self.runner = plan, ProgramRunner(plan.program)
 
     def scope(self, global_values: dict) -> dict:
-        return {v.name: global_values[v.name] for v in self.built.program.persistables}
+        return {v.name: global_values[v.name] for v in self.plan.program.persistables}
 
     def rows(self):
         return None
@@ -107,29 +102,19 @@ class _SerialBackend:
 
 
 class _SpmdBackend:
-    """This rank's part of a completed program; the other ranks run theirs."""
+    """This rank's part of a distributed plan; the other ranks run theirs."""
 
-    def __init__(self, built: BuiltProgram, comm, fetch, sharding_dim=None, cluster=None,
-                 rank_mapping=None):
-        from distgraph.passes.completion import complete
-        from distgraph.passes.sharding import shard_updates
+    def __init__(self, plan, comm, fetch):
         from distgraph.runtime.spmd import SpmdRunner, check_world
-        complete(built.program)
-        if sharding_dim is not None and shard_updates(built.program, sharding_dim):
-            complete(built.program)
-        check_world(built.program, comm.size)
-        self.built = built
-        self.rank_of = _rank_of(built.program, comm.size, cluster, rank_mapping)
-        pid = comm.rank
-        if self.rank_of is not None:
-            pid = {r: p for p, r in self.rank_of.items()}[comm.rank]
-        self.runner = SpmdRunner(built.program, pid, comm, rank_of=self.rank_of, fetch=fetch)
+        check_world(plan, comm.size)
+        self.plan = plan
+        self.runner = SpmdRunner(plan, plan.process_of(comm.rank), comm, fetch=fetch)
         self._rows = self._batch_rows()
 
     def _batch_rows(self):
         """The rows of dim 0 this rank reads, when all inputs it holds want the same ones
         (a data-parallel rank loads only its samples; other dims are sliced after)."""
-        program, pid = self.built.program, self.runner.pid
+        program, pid = self.plan.program, self.runner.pid
         slices = [program.values[v.name].dist_attr.local_slices(program.values[v.name].shape, pid)
                   for v in self.runner.local.program.inputs]
         if not slices or any(not s or s[0] != slices[0][0] for s in slices):
@@ -147,31 +132,6 @@ class _SpmdBackend:
 
     def gather(self, scope, names):
         return self.runner.gather(scope, names)
-
-
-def _rank_of(program, world_size, cluster, rank_mapping):
-    """Logical process -> MPI rank: process p runs on the rank that owns its device, rank r
-    owning the cluster's r-th device. Without a cluster or mapping: process p on rank p."""
-    if cluster is None and rank_mapping is None:
-        return None
-    from distgraph.resources.cluster import Cluster
-    cluster = cluster or Cluster.local(world_size)
-    if rank_mapping is None:
-        from distgraph.passes.plan_traffic import process_graph
-        from distgraph.passes.rank_mapping import map_ranks
-        rank_mapping = map_ranks(process_graph(program), cluster,
-                                 devices=[d.global_id for d in cluster.devices[:world_size]])
-    to_device = dict(getattr(rank_mapping, "process_to_device", rank_mapping))
-    owner = {d.global_id: r for r, d in enumerate(cluster.devices[:world_size])}
-    missing = sorted(d for d in to_device.values() if d not in owner)
-    if missing:
-        raise PlanError(f"the rank mapping uses devices {missing}, but this job's "
-                        f"{world_size} ranks own devices {sorted(owner)}")
-    rank_of = {p: owner[d] for p, d in to_device.items()}
-    if sorted(rank_of.values()) != list(range(world_size)):
-        raise PlanError(f"the rank mapping {to_device} does not give each of the "
-                        f"{world_size} ranks exactly one process")
-    return rank_of
 
 
 def _world_communicator():
@@ -197,39 +157,39 @@ class Engine:
         self.rank_mapping = rank_mapping
         self.strategy = strategy or Strategy()
         self._comm = communicator
-        self._built: dict[str, BuiltProgram] = {}
+        self._plans: dict = {}
         self._backends: dict = {}
         self._scopes: dict = {}
         self._state: dict | None = None          # global optimizer states between modes
         self._step = 0
 
     # -- building ---------------------------------------------------------------------------
-    def prepare(self, inputs_spec, labels_spec=(), mode="train") -> BuiltProgram:
-        """Build the program for ``mode`` (completed and partitioned when annotated)."""
+    def prepare(self, inputs_spec, labels_spec=(), mode="train"):
+        """Build and plan the program for ``mode``; returns the Plan. Needs no running job:
+        only running needs as many ranks as the plan has processes."""
+        from distgraph.passes.planner import plan
         built = build_program(self.model, list(inputs_spec), list(labels_spec), self.loss,
                               self.optimizer if mode == "train" else None, mode)
-        self._built[mode] = built
+        self._plans[mode] = plan(built, self.strategy, self.cluster, self.rank_mapping)
         self._backends.pop(mode, None)
         self._scopes.pop(mode, None)
-        self._backend(mode)
-        return built
+        return self._plans[mode]
 
     def _backend(self, mode):
         if mode not in self._backends:
-            built = self._built[mode]
-            fetch = [built.loss_name] if built.loss_name else built.output_names
-            if _is_annotated(built.program):
+            p = self._plans[mode]
+            if p.distributed:
                 if self._comm is None:
                     self._comm = _world_communicator()
-                dim = self.strategy.sharding_mesh_dim if self.strategy.sharding else None
-                self._backends[mode] = _SpmdBackend(built, self._comm, fetch, dim, self.cluster,
-                                                    self.rank_mapping)
+                built = p.built
+                fetch = [built.loss_name] if built.loss_name else built.output_names
+                self._backends[mode] = _SpmdBackend(p, self._comm, fetch)
             else:
-                self._backends[mode] = _SerialBackend(built)
+                self._backends[mode] = _SerialBackend(p)
         return self._backends[mode]
 
     def _ensure(self, mode, loader: DataLoader):
-        if mode not in self._built:
+        if mode not in self._plans:
             ins, labels = loader.specs(self._label_count(mode))
             self.prepare(ins, labels[:0] if mode == "predict" else labels, mode)
         backend = self._backend(mode)
@@ -237,10 +197,10 @@ class Engine:
             self._publish()
             values = {n: p._data for n, p in self.model.named_parameters()}
             if self.optimizer is not None:
-                values.update(self.optimizer.initial_state(self._built[mode].program))
+                values.update(self.optimizer.initial_state(self._plans[mode].program))
             values.update(self._state or {})
             self._scopes[mode] = backend.scope(values)
-        return self._built[mode], backend, self._scopes[mode]
+        return self._plans[mode].built, backend, self._scopes[mode]
 
     def _label_count(self, mode) -> int:
         """Trailing label fields of a sample: one when training or evaluating; when
@@ -248,13 +208,13 @@ class Engine:
         works), else none."""
         if mode != "predict":
             return 1
-        known = self._built.get("train") or self._built.get("eval")
-        return len(known.label_names) if known is not None else 0
+        known = self._plans.get("train") or self._plans.get("eval")
+        return len(known.built.label_names) if known is not None else 0
 
     def _publish(self) -> None:
         """Write the global values of every live scope back to the model (collective)."""
         for mode, scope in list(self._scopes.items()):
-            program = self._built[mode].program
+            program = self._plans[mode].program
             names = [v.name for v in program.persistables]
             values = self._backends[mode].gather(scope, names)
             params = dict(self.model.named_parameters())
@@ -315,7 +275,9 @@ class Engine:
         self._publish()
         return {n: p.numpy() for n, p in self.model.named_parameters()}
 
-    def plan(self, mode="train") -> BuiltProgram:
-        if mode not in self._built:
+    def plan(self, mode="train"):
+        """The Plan of ``mode`` (``.program``: the completed serial program with dist
+        attributes; ``.local(pid)``: a process's program; ``.explain()``)."""
+        if mode not in self._plans:
             raise DistGraphError(f"no {mode} program yet: call prepare() or fit() first")
-        return self._built[mode]
+        return self._plans[mode]

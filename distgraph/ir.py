@@ -178,6 +178,26 @@ class Program:
         self.ops.append(op)
         return op
 
+    def clone(self) -> "Program":
+        """A copy with new Values and Operations (same names, shapes, roles, attrs and
+        annotations; dist attributes and completion records left out), so that a planner
+        can complete and rewrite it without touching this program."""
+        new = Program()
+        new._counters = dict(self._counters)
+        for v in self.values.values():
+            new.values[v.name] = Value(v.name, tuple(v.shape), v.dtype, v.is_parameter,
+                                       v.persistable, v.role, v.alias_of, v.annotation)
+        ops: dict[int, Operation] = {}
+        for op in self.ops:
+            ops[id(op)] = new.append_op(Operation(
+                op.type, [new.values[v.name] for v in op.inputs],
+                [new.values[v.name] for v in op.outputs], dict(op.attrs), op.role, op.layer,
+                ops[id(op.forward_op)] if op.forward_op is not None else None,
+                op.annotation))
+        new.inputs = [new.values[v.name] for v in self.inputs]
+        new.outputs = [new.values[v.name] for v in self.outputs]
+        return new
+
     # -- queries ------------------------------------------------------------------------
     @property
     def parameters(self) -> list[Value]:

@@ -6,13 +6,17 @@ from dataclasses import dataclass
 
 from distgraph.errors import DistGraphError
 
+SCHEDULES = ("1F1B", "FThenB", "ZB")
+
 
 @dataclass(frozen=True)
 class Strategy:
-    """``auto_mode``: "semi" completes from annotations; "full" searches (later).
-    ``micro_batches`` > 1 enables gradient accumulation / pipelining; ``sharding`` splits
-    optimizer states and updates over ``sharding_mesh_dim`` (ZeRO-style); ``seed`` seeds
-    shuffling."""
+    """``auto_mode``: "semi" completes from annotations; "full" searches.
+    ``micro_batches`` > 1 enables gradient accumulation / pipelining with ``schedule``
+    ("1F1B", "FThenB" or "ZB"); ``sharding`` splits optimizer states and updates over
+    ``sharding_mesh_dim`` (ZeRO-style); ``profile`` records a timeline; ``seed`` seeds
+    shuffling. The planner (:func:`distgraph.passes.plan`) raises PlanError for an option
+    that is not available yet: none is silently ignored."""
 
     auto_mode: str = "semi"
     pipeline: bool = False
@@ -23,6 +27,7 @@ class Strategy:
     sharding_mesh_dim: str = "dp"
     solver_time_limit: float = 60.0
     memory_budget_gb: float | None = None
+    profile: bool = False
     seed: int = 0
 
     def __post_init__(self):
@@ -30,5 +35,6 @@ class Strategy:
             raise DistGraphError(f"Strategy.auto_mode must be 'semi' or 'full', got {self.auto_mode!r}")
         if self.micro_batches < 1:
             raise DistGraphError(f"Strategy.micro_batches must be >= 1, got {self.micro_batches}")
-        if self.schedule != "1F1B":
-            raise DistGraphError(f"Strategy.schedule: only '1F1B' is supported, got {self.schedule!r}")
+        if self.schedule not in SCHEDULES:
+            raise DistGraphError(f"Strategy.schedule must be one of {SCHEDULES}, got "
+                                 f"{self.schedule!r}")

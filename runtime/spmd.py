@@ -1,12 +1,14 @@
-"""Run one training step of a completed program on this process, talking to the others.
+"""Run one training step of a plan on this process, talking to the others.
 
-The planner side (partition, reshard plans) is pure; this module binds the plan to a
-Communicator: each reshard point becomes an instruction that runs its steps with
-:func:`apply_reshard`, interleaved with the local kernels in the global op order.
+The planner side (:func:`distgraph.passes.plan`, partition, reshard plans) is pure; this
+module binds a Plan to a Communicator: each reshard point of the process's local program
+becomes an instruction that runs its steps with :func:`apply_reshard`, interleaved with
+the local kernels in the global op order.
 
 Example (inside a rank)::
 
-    runner = SpmdRunner(completed_program, process_id=comm.rank, comm=comm, fetch=["loss"])
+    p = dg.passes.plan(built, strategy)
+    runner = SpmdRunner(p, p.process_of(comm.rank), comm, fetch=["loss"])
     scope = runner.shard_scope(global_arrays)
     out = runner.run(scope, feed=global_batch, step=0)    # {"loss": global loss}
 """
@@ -18,8 +20,7 @@ import sys
 import numpy as np
 
 from distgraph.errors import PlanError, RuntimeFault
-from distgraph.ir import Program
-from distgraph.passes.partition import gather_points, partition, process_ids
+from distgraph.passes.partition import gather_points
 from distgraph.runtime.executor import ProgramRunner
 from distgraph.runtime.comm import MAX_TAG
 from distgraph.runtime.reshard_exec import apply_reshard
@@ -50,32 +51,28 @@ class BoundReshard:
             env[p.writes[0]] = out
 
 
-def required_processes(program: Program) -> int:
-    return len(process_ids(program))
-
-
-def check_world(program: Program, world_size: int, rank_of=None) -> None:
+def check_world(plan, world_size: int) -> None:
     """Fail fast, saying how to launch, when the job has the wrong number of ranks."""
-    ids = process_ids(program)
+    ids = list(plan.process_ids)
     if len(ids) != world_size:
         # the path as the user gave it, so that the hint runs from where they are
         script = sys.argv[0] if sys.argv and sys.argv[0].endswith(".py") else "SCRIPT.py"
         raise PlanError(f"this plan needs {len(ids)} processes (process ids {ids}) but the job "
                         f"has {world_size}; launch it with `distgraph run -n {len(ids)} "
                         f"{script}` (or `mpiexec -n {len(ids)} python {script}`)")
-    if rank_of is None and ids != list(range(world_size)):
+    if plan.rank_of is None and ids != list(range(world_size)):
         raise PlanError(f"process ids {ids} are not 0..{world_size - 1}; give a rank mapping")
 
 
 class SpmdRunner:
-    """This process's part of a completed program, with communication bound to ``comm``.
+    """Process ``process_id``'s part of ``plan``, with communication bound to ``comm``.
     ``fetch`` names values whose *global* value every process receives after the step."""
 
-    def __init__(self, program: Program, process_id: int, comm, rank_of=None, xp=np,
-                 fetch=()):
+    def __init__(self, plan, process_id: int, comm, xp=np, fetch=()):
+        program = plan.program
         self.program, self.pid, self.comm, self.xp = program, process_id, comm, xp
-        self.rank_of = rank_of
-        self.local = partition(program, process_id)
+        self.rank_of = rank_of = plan.rank_of
+        self.local = plan.local(process_id)
         # Message tags: program points count up from 0, gathers down from MAX_TAG - 1,
         # both from global sequence numbers so every process agrees.
         points: dict = {}

@@ -54,10 +54,11 @@ class Hooks:
 class PlanMLP(dg.nn.Layer):
     """A token-wise MLP on [batch, seq, features]: fc1 -> relu -> fc2."""
 
-    def __init__(self):
+    def __init__(self, dims=None):
         super().__init__()
-        self.fc1 = dg.nn.Linear(MLP_DIMS["d_in"], MLP_DIMS["hidden"])
-        self.fc2 = dg.nn.Linear(MLP_DIMS["hidden"], MLP_DIMS["d_out"])
+        dims = dims or MLP_DIMS
+        self.fc1 = dg.nn.Linear(dims["d_in"], dims["hidden"])
+        self.fc2 = dg.nn.Linear(dims["hidden"], dims["d_out"])
         self.hooks = Hooks()
 
     def forward(self, x):
@@ -72,8 +73,8 @@ class PlanMLP(dg.nn.Layer):
 class PlanGPT(dg.nn.GPT):
     """GPT-2 with the plan hooks between its parts (parameter names as ``dg.nn.GPT``)."""
 
-    def __init__(self):
-        super().__init__(**GPT_DIMS)
+    def __init__(self, dims=None):
+        super().__init__(**(dims or GPT_DIMS))
         self.hooks = Hooks()
 
     def _embed(self, idx):
@@ -94,9 +95,10 @@ class PlanGPT(dg.nn.GPT):
         return h.wrap("head", self._head)(x)
 
 
-def build_model(kind: str, seed: int = 0):
+def build_model(kind: str, seed: int = 0, dims=None):
+    """A fresh model of ``kind``; ``dims`` overrides MLP_DIMS / GPT_DIMS (benchmarks)."""
     dg.seed(seed)
-    return PlanMLP() if kind == "mlp" else PlanGPT()
+    return PlanMLP(dims) if kind == "mlp" else PlanGPT(dims)
 
 
 def loss_fn(kind: str):
@@ -104,18 +106,20 @@ def loss_fn(kind: str):
 
 
 class Dataset:
-    """STEPS batches of BATCH samples: (x, y) for the MLP, (tokens, next tokens) for GPT."""
+    """STEPS batches of BATCH samples (or ``n`` samples of a model of ``dims``): (x, y) for
+    the MLP, (tokens, next tokens) for GPT."""
 
-    def __init__(self, kind: str, seed: int = 1):
+    def __init__(self, kind: str, seed: int = 1, n: int = STEPS * BATCH, dims=None):
         rng = np.random.default_rng(seed)
-        n = STEPS * BATCH
         dtype = dg.get_default_dtype()
         if kind == "mlp":
-            s = MLP_DIMS["seq"]
-            self.fields = [rng.normal(size=(n, s, MLP_DIMS["d_in"])).astype(dtype),
-                           rng.normal(size=(n, s, MLP_DIMS["d_out"])).astype(dtype)]
+            dims = dims or MLP_DIMS
+            s = dims["seq"]
+            self.fields = [rng.normal(size=(n, s, dims["d_in"])).astype(dtype),
+                           rng.normal(size=(n, s, dims["d_out"])).astype(dtype)]
         else:
-            t, v = GPT_DIMS["max_seq_len"], GPT_DIMS["vocab_size"]
+            dims = dims or GPT_DIMS
+            t, v = dims["max_seq_len"], dims["vocab_size"]
             tokens = rng.integers(0, v, size=(n, t + 1))
             self.fields = [tokens[:, :-1].astype(np.int64), tokens[:, 1:].astype(np.int64)]
 

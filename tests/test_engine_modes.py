@@ -40,7 +40,7 @@ def session(comm=None, annotate=True, init=None):
     model = MLP(annotate)
     model.set_state_dict(init)   # simulated ranks are threads sharing dg.seed's generator
     engine = dg.Engine(model, dg.nn.MSELoss(), dg.optim.AdamW(0.01), communicator=comm,
-                       strategy=dg.Strategy(sharding=True))
+                       strategy=dg.Strategy(sharding=annotate))
     history = engine.fit(Data(0), batch_size=8, epochs=2, valid_data=Data(1))
     evaluated = engine.evaluate(Data(1), 8)["loss"]
     predicted = [out[0] for out in engine.predict(Data(2), 8)]

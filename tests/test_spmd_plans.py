@@ -15,10 +15,8 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import distgraph as dg  # noqa: E402
-from distgraph.passes.completion import complete  # noqa: E402
 from distgraph.passes.cost_model import collective_bytes  # noqa: E402
 from distgraph.passes.partition import gather_points, partition  # noqa: E402
-from distgraph.passes.sharding import shard_updates  # noqa: E402
 from distgraph.placement import DistAttr  # noqa: E402
 from distgraph.program_builder import build_program  # noqa: E402
 from distgraph.runtime.comm import COUNTED_KINDS, SimulatedWorld  # noqa: E402
@@ -222,9 +220,8 @@ def one_step_traffic(plan):
     optimizer = dg.optim.AdamW(P.LEARNING_RATE)
     ins, labels = dg.engine.DataLoader(P.Dataset(plan.kind), P.BATCH).specs(1)
     built = build_program(model, ins, labels, P.loss_fn(plan.kind), optimizer)
-    program = complete(built.program)
-    if plan.sharding and shard_updates(program, "dp"):
-        complete(program)
+    planned_ = dg.passes.plan(built, dg.Strategy(sharding=plan.sharding))
+    program = planned_.program
     init = {n: p.numpy() for n, p in model.named_parameters()}
     init.update(optimizer.initial_state(program))
     data = P.Dataset(plan.kind)
@@ -232,7 +229,7 @@ def one_step_traffic(plan):
             for k, name in enumerate(built.feed_names)}
 
     def body(comm):
-        runner = SpmdRunner(program, comm.rank, comm, fetch=[built.loss_name])
+        runner = SpmdRunner(planned_, comm.rank, comm, fetch=[built.loss_name])
         scope = runner.shard_scope(init)
         comm.reset_counters()
         runner.run(scope, feed, step=0)

@@ -46,11 +46,11 @@ def serial():
 def test_split_vocabulary_trains_like_serial(float64, n):
     ref_losses, ref = serial()
     built, init = build(dg.ProcessMesh(list(range(n)), ["mp"]))
-    dg.passes.complete(built.program)
-    names = [v.name for v in built.program.persistables]
+    plan = dg.passes.plan(built)
+    names = [v.name for v in plan.program.persistables]
 
     def rank(comm):
-        runner = SpmdRunner(built.program, comm.rank, comm, fetch=[built.loss_name])
+        runner = SpmdRunner(plan, comm.rank, comm, fetch=[built.loss_name])
         scope = runner.shard_scope(init)
         losses = [float(runner.run(scope, {"tokens": x, "labels": y}, s)[built.loss_name])
                   for s, (x, y) in enumerate(batches())]
@@ -81,16 +81,16 @@ def test_plan_keeps_logits_and_table_split(float64):
 
 def test_bytes_counted_equal_the_plan_with_collectives_inside_ops(float64):
     built, init = build(dg.ProcessMesh([0, 1, 2, 3], ["mp"]))
-    dg.passes.complete(built.program)
+    plan = dg.passes.plan(built)
     (x, y), = batches()[:1]
 
     def rank(comm):
-        runner = SpmdRunner(built.program, comm.rank, comm, fetch=[built.loss_name])
+        runner = SpmdRunner(plan, comm.rank, comm, fetch=[built.loss_name])
         scope = runner.shard_scope(init)
         comm.reset_counters()
         runner.run(scope, {"tokens": x, "labels": y}, 0)
         planned = runner.local.bytes_sent()
-        for point in gather_points(built.program, [built.loss_name], comm.rank):
+        for point in gather_points(plan.program, [built.loss_name], comm.rank):
             for step in point.steps:
                 planned[step.kind] = planned.get(step.kind, 0.0) + step.bytes_sent_by(comm.rank)
         return planned, dict(comm.bytes_sent), runner.local.op_comm

@@ -38,7 +38,6 @@ from collections import Counter
 import numpy as np
 
 import distgraph as dg
-from distgraph.passes.partition import partition
 from distgraph.runtime.mpi_comm import MPICommunicator
 
 from counting_data import CountingSequences  # tutorials/ is on the path
@@ -88,8 +87,8 @@ def main():
     seconds = time.perf_counter() - start
     sent = comm.total_bytes_sent
 
-    # The plan: the completed program, partitioned for this process (a pure function).
-    local = partition(engine.plan().program, comm.rank)
+    # The plan: the completed program and this process's part of it (pure values).
+    local = engine.plan().local(comm.rank)
     points = local.points()
     planned = sum(p.bytes for p in points)
     # Every rank holds the same global losses, so every rank reaches the same verdict.

@@ -84,12 +84,12 @@ class Layer:
             object.__setattr__(layer, "_path", path)
 
     def train(self):
-        for layer in [self] + [l for _, l in self.named_sublayers()]:
+        for layer in [self] + [sub for _, sub in self.named_sublayers()]:
             object.__setattr__(layer, "training", True)
         return self
 
     def eval(self):
-        for layer in [self] + [l for _, l in self.named_sublayers()]:
+        for layer in [self] + [sub for _, sub in self.named_sublayers()]:
             object.__setattr__(layer, "training", False)
         return self
 

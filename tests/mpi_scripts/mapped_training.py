@@ -3,27 +3,49 @@ whether losses and parameters are bitwise identical and which mappings were used
 import json
 
 import numpy as np
+from mpi4py import MPI
 
 import distgraph as dg
+
 dg.set_default_dtype("float64")
+MESH = dg.ProcessMesh([[0, 1], [2, 3]], ["dp", "mp"])
+MAPPINGS = [None, {0: 3, 1: 2, 2: 1, 3: 0}, {0: 1, 1: 0, 2: 3, 3: 2}]
+
+
 class Data:
-    def __init__(s): r=np.random.default_rng(0); s.x=r.normal(size=(64,8)); s.y=r.normal(size=(64,4))
-    def __len__(s): return 64
-    def __getitem__(s,i): return s.x[i], s.y[i]
-mesh=dg.ProcessMesh([[0,1],[2,3]],["dp","mp"])
-class M(dg.nn.Layer):
-    def __init__(s):
-        super().__init__(); s.fc1=dg.nn.Linear(8,16); s.fc2=dg.nn.Linear(16,4)
-    def forward(s,x):
-        dg.shard_tensor(x, mesh, ["dp",None]); return s.fc2(dg.ops.relu(s.fc1(x)))
-res=[]
-for mapping in [None, {0:3,1:2,2:1,3:0}, {0:1,1:0,2:3,3:2}]:
-    dg.seed(0); m=M(); dg.shard_tensor(m.fc1.weight, mesh, [None,"mp"]); dg.shard_tensor(m.fc2.weight, mesh, ["mp",None])
-    e=dg.Engine(m, dg.nn.MSELoss(), dg.optim.Adam(0.01), cluster=dg.Cluster.local(4), rank_mapping=mapping)
-    h=e.fit(Data(), batch_size=16); sd=e.state_dict()
-    res.append((h.losses, sd, e._backends["train"].rank_of))
-from mpi4py import MPI  # noqa: E402
-if MPI.COMM_WORLD.rank==0:
-    same = all(r[0] == res[0][0] and all(np.array_equal(r[1][k], res[0][1][k]) for k in r[1])
-               for r in res)
-    print(json.dumps({"identical": same, "rank_of": [r[2] for r in res]}))
+    def __init__(self):
+        rng = np.random.default_rng(0)
+        self.x, self.y = rng.normal(size=(64, 8)), rng.normal(size=(64, 4))
+
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        return self.x[i], self.y[i]
+
+
+class MLP(dg.nn.Layer):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = dg.nn.Linear(8, 16), dg.nn.Linear(16, 4)
+        dg.shard_tensor(self.fc1.weight, MESH, [None, "mp"])
+        dg.shard_tensor(self.fc2.weight, MESH, ["mp", None])
+
+    def forward(self, x):
+        dg.shard_tensor(x, MESH, ["dp", None])
+        return self.fc2(dg.ops.relu(self.fc1(x)))
+
+
+results = []
+for mapping in MAPPINGS:
+    dg.seed(0)
+    engine = dg.Engine(MLP(), dg.nn.MSELoss(), dg.optim.Adam(0.01),
+                       cluster=dg.Cluster.local(4), rank_mapping=mapping)
+    history = engine.fit(Data(), batch_size=16)
+    results.append((history.losses, engine.state_dict(), dict(engine.plan().rank_of)))
+if MPI.COMM_WORLD.rank == 0:
+    first_losses, first_params = results[0][0], results[0][1]
+    same = all(losses == first_losses
+               and all(np.array_equal(params[k], first_params[k]) for k in params)
+               for losses, params, _ in results)
+    print(json.dumps({"identical": same, "rank_of": [r[2] for r in results]}))

@@ -19,7 +19,6 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import distgraph as dg  # noqa: E402
-from distgraph.passes.partition import partition  # noqa: E402
 from distgraph.runtime.mpi_comm import MPICommunicator  # noqa: E402
 
 import plans as P  # noqa: E402
@@ -27,7 +26,7 @@ import plans as P  # noqa: E402
 
 def reshard_kinds(engine, pid) -> dict:
     """{"grad": kinds of steps on gradients, "param": kinds written back to parameters}."""
-    local = partition(engine.plan().program, pid)
+    local = engine.plan().local(pid)
     grad, param = set(), set()
     for point in local.points():
         kinds = {s.kind for s in point.steps}

@@ -1,0 +1,282 @@
+"""Plan: everything decided about one built program, as a value the runtime consumes.
+
+:func:`plan` is pure: it copies the built program, completes the copy's distributed
+attributes (with ``Strategy(sharding=True)``, shards the updates and completes again),
+places the logical processes on the cluster's devices, and returns a :class:`Plan`.
+The built program is left as it was, so a search can score many plans of one program,
+and planning needs no running job: a 4-process plan can be made and printed from one
+process.
+
+A Plan holds the completed program (``plan.program``; its Values and ops carry their
+``dist_attr``), the logical processes and the rank each runs on, the stages (the meshes
+of the forward program in data-flow order), and gives each process's local program and
+reshard points on demand (``plan.local(pid)``, partitioned once and kept).
+
+Example::
+
+    built = build_program(model, [InputSpec([8, 16], name="x")], [InputSpec([8, 4], name="y")],
+                          loss=dg.nn.MSELoss(), optimizer=dg.optim.SGD(0.1))
+    p = dg.passes.plan(built, dg.Strategy(), cluster=None)
+    print(p.explain())            # processes, stages, layouts, reshards with bytes
+    p.local(1).pretty()           # what process 1 runs
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+from distgraph.errors import PlanError
+from distgraph.mesh import ProcessMesh
+from distgraph.passes.completion import complete
+from distgraph.passes.estimate import fmt_bytes
+from distgraph.passes.partition import LocalProgram, partition, process_ids
+from distgraph.passes.sharding import shard_updates
+from distgraph.strategy import Strategy
+
+SERIAL_MESH = ProcessMesh([0], dim_names=["world"])
+
+
+@dataclass(frozen=True, eq=False)
+class Plan:
+    """A planned program. ``built`` is a completed copy of the BuiltProgram given to
+    :func:`plan` (same feed, output, loss and gradient names); ``distributed`` says
+    whether it runs as an SPMD job (it carries annotations) or on one process;
+    ``rank_of`` maps each logical process to the MPI rank that runs it (None: process p
+    runs on rank p); ``stages`` are the meshes of the forward program in data-flow
+    order; ``estimate`` is the cost model's estimate, where one was made."""
+
+    built: object
+    strategy: Strategy
+    distributed: bool
+    process_ids: tuple
+    rank_of: object
+    stages: tuple
+    cluster: object = None
+    estimate: object = None
+    _locals: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def program(self):
+        """The completed serial program (forward, backward, update, with dist attrs)."""
+        return self.built.program
+
+    @property
+    def world_size(self) -> int:
+        return len(self.process_ids)
+
+    def rank(self, process_id: int) -> int:
+        return process_id if self.rank_of is None else self.rank_of[process_id]
+
+    def process_of(self, rank: int) -> int:
+        """The logical process that ``rank`` runs."""
+        if self.rank_of is None:
+            return rank
+        for pid, r in self.rank_of.items():
+            if r == rank:
+                return pid
+        raise PlanError(f"rank {rank} runs no process of this plan (ranks "
+                        f"{sorted(self.rank_of.values())})")
+
+    def local(self, process_id: int) -> LocalProgram:
+        """The local program of ``process_id`` (partitioned on first use, then kept)."""
+        if process_id not in self._locals:
+            self._locals[process_id] = partition(self.program, process_id)
+        return self._locals[process_id]
+
+    def reshards(self) -> list:
+        """Every reshard point of the plan once (in global order), whoever runs it."""
+        points: dict = {}
+        for pid in self.process_ids:
+            for point in self.local(pid).points():
+                points.setdefault(point.seq, point)
+        return [points[s] for s in sorted(points)]
+
+    def bytes_sent(self) -> dict:
+        """Bytes each process sends per step: {process id: {kind: bytes}}."""
+        return {pid: self.local(pid).bytes_sent() for pid in self.process_ids}
+
+    # -- printing ---------------------------------------------------------------------------
+    def explain(self) -> str:
+        """Readable summary: processes and ranks, stages, parameter layouts per layer,
+        reshards with their bytes, and the estimate when there is one."""
+        lines = [f"Plan: {self.world_size} process(es), "
+                 f"{'distributed' if self.distributed else 'serial'}, "
+                 f"{len(self.program.ops)} ops"]
+        if self.rank_of is not None:
+            lines.append("  ranks: " + ", ".join(f"process {p} -> rank {r}"
+                                                 for p, r in sorted(self.rank_of.items())))
+        for s, mesh in enumerate(self.stages):
+            lines.append(f"  stage {s}: {mesh}")
+        lines.append("  parameters (layer: name shape spec):")
+        for layer, params in _parameters_by_layer(self.program).items():
+            lines.append(f"    {layer or '(model)'}:")
+            for v in params:
+                lines.append(f"      {v.name} {list(v.shape)} {v.dist_attr.spec}")
+        points = self.reshards() if self.distributed else []
+        sent = self.bytes_sent() if self.distributed else {}
+        busiest = max((sum(k.values()) for k in sent.values()), default=0.0)
+        lines.append(f"  reshards: {len(points)} per step; busiest process sends "
+                     f"{fmt_bytes(busiest)} per step")
+        for p in points:
+            lines.append(f"    {p} ({fmt_bytes(p.bytes)})")
+        if self.estimate is not None:
+            lines.append("  estimate: " + str(self.estimate).replace("\n", "\n  "))
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict:
+        """The plan as plain data (what :meth:`to_json` writes)."""
+        prog = self.program
+        out = {
+            "distributed": self.distributed,
+            "processes": list(self.process_ids),
+            "rank_of": None if self.rank_of is None else
+            {str(p): r for p, r in sorted(self.rank_of.items())},
+            "stages": [_mesh_dict(m) for m in self.stages],
+            "strategy": dataclasses.asdict(self.strategy),
+            "parameters": {v.name: {"shape": list(v.shape), "dtype": v.dtype,
+                                    "mesh": _mesh_dict(v.dist_attr.mesh),
+                                    "spec": str(v.dist_attr.spec)}
+                           for v in prog.parameters},
+            "ops": [{"type": op.type, "layer": op.layer, "role": op.role,
+                     "mesh": list(op.dist_attr.mesh.process_ids),
+                     "inputs": [str(s) for s in op.dist_attr.input_specs],
+                     "outputs": [str(s) for s in op.dist_attr.output_specs]}
+                    for op in prog.ops],
+            "reshards": [],
+            "bytes_sent": {},
+        }
+        if self.distributed:
+            out["reshards"] = [{"value": p.value, "src": str(p.src), "dst": str(p.dst),
+                                "steps": [str(s) for s in p.steps], "bytes": p.bytes}
+                               for p in self.reshards()]
+            out["bytes_sent"] = {str(pid): kinds for pid, kinds in self.bytes_sent().items()}
+        if self.estimate is not None:
+            out["estimate"] = self.estimate.to_dict()
+        return out
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+
+def plan(built, strategy: Strategy | None = None, cluster=None, rank_mapping=None) -> Plan:
+    """Plan ``built`` (a BuiltProgram) under ``strategy`` on ``cluster`` (see the module
+    docstring). ``rank_mapping`` ({process: device global id}) overrides the rank
+    mapper. Pure: ``built`` is not modified."""
+    strategy = strategy or Strategy()
+    _check_supported(strategy)
+    program = built.program.clone()
+    copy = dataclasses.replace(built, program=program)
+    distributed = _is_annotated(program)
+    updates = bool(program.ops_by_role("optimize"))
+    if distributed:
+        complete(program)
+        if strategy.sharding and updates:
+            _shard_updates(program, strategy.sharding_mesh_dim)
+    else:
+        if strategy.sharding and updates:
+            raise PlanError("Strategy(sharding=True) shards optimizer states over a data-"
+                            "parallel mesh dim, but the model carries no annotations: "
+                            "annotate its inputs with dg.shard_tensor(x, mesh, ['dp', ...])")
+        complete(program, default_mesh=SERIAL_MESH)
+    ids = tuple(process_ids(program))
+    rank_of = _rank_of(program, ids, cluster, rank_mapping) if distributed else None
+    return Plan(copy, strategy, distributed, ids,
+                None if rank_of is None else MappingProxyType(rank_of),
+                _stages(program), cluster)
+
+
+# Options that later work makes real; until then they are refused, never ignored.
+_NOT_YET = (
+    ("auto_mode", "full", "the automatic search is not available yet; annotate tensors with "
+                          "dg.shard_tensor and use Strategy(auto_mode='semi')"),
+    ("pipeline", True, "pipelined execution is not available yet; place stages on separate "
+                       "meshes with dg.shard_tensor/shard_op (they run one after another)"),
+    ("recompute", True, "recomputation is not available yet; leave Strategy(recompute=False)"),
+    ("profile", True, "profiling is not available yet; leave Strategy(profile=False)"),
+)
+
+
+def _check_supported(strategy: Strategy) -> None:
+    for name, value, why in _NOT_YET:
+        if getattr(strategy, name) == value:
+            raise PlanError(f"Strategy({name}={value!r}): {why}")
+    if strategy.micro_batches > 1:
+        raise PlanError(f"Strategy(micro_batches={strategy.micro_batches}): gradient "
+                        f"accumulation is not available yet; use micro_batches=1 and a "
+                        f"smaller batch size")
+    if strategy.schedule != "1F1B":
+        raise PlanError(f"Strategy(schedule={strategy.schedule!r}): only '1F1B' is "
+                        f"available yet")
+    if strategy.memory_budget_gb is not None:
+        raise PlanError("Strategy(memory_budget_gb=...) constrains the automatic search, "
+                        "which is not available yet; leave it None")
+
+
+def _shard_updates(program, mesh_dim: str) -> None:
+    meshes = {op.dist_attr.mesh for op in program.ops if op.role == "optimize"}
+    if not any(mesh_dim in m.dim_names for m in meshes):
+        raise PlanError(f"Strategy(sharding=True) shards updates over mesh dim {mesh_dim!r}, "
+                        f"but no update runs on a mesh with that dim (meshes: "
+                        f"{', '.join(sorted(map(str, meshes)))}); set "
+                        f"Strategy(sharding_mesh_dim=...) to a data-parallel dim")
+    if shard_updates(program, mesh_dim):
+        complete(program)
+
+
+def _is_annotated(program) -> bool:
+    return (any(v.annotation is not None for v in program.values.values())
+            or any(op.annotation is not None for op in program.ops))
+
+
+def _stages(program) -> tuple:
+    """Meshes of the forward ops in order of first use (the data flow's order)."""
+    stages: list = []
+    for op in program.ops:
+        if op.role in ("forward", "loss") and op.dist_attr.mesh not in stages:
+            stages.append(op.dist_attr.mesh)
+    return tuple(stages)
+
+
+def _rank_of(program, ids, cluster, rank_mapping):
+    """Logical process -> MPI rank: process p runs on the rank that owns its device, rank
+    r owning the cluster's r-th device. Without a cluster or mapping: None (p on rank p)."""
+    if cluster is None and rank_mapping is None:
+        return None
+    from distgraph.resources.cluster import Cluster
+    world_size = len(ids)
+    cluster = cluster or Cluster.local(world_size)
+    if len(cluster.devices) < world_size:
+        raise PlanError(f"this plan has {world_size} processes but the cluster has only "
+                        f"{len(cluster.devices)} devices")
+    if rank_mapping is None:
+        from distgraph.passes.plan_traffic import process_graph
+        from distgraph.passes.rank_mapping import map_ranks
+        rank_mapping = map_ranks(process_graph(program), cluster,
+                                 devices=[d.global_id for d in cluster.devices[:world_size]])
+    to_device = dict(getattr(rank_mapping, "process_to_device", rank_mapping))
+    owner = {d.global_id: r for r, d in enumerate(cluster.devices[:world_size])}
+    missing = sorted(d for d in to_device.values() if d not in owner)
+    if missing:
+        raise PlanError(f"the rank mapping uses devices {missing}, but this job's "
+                        f"{world_size} ranks own devices {sorted(owner)}")
+    rank_of = {p: owner[d] for p, d in to_device.items()}
+    if sorted(rank_of) != list(ids) or sorted(rank_of.values()) != list(range(world_size)):
+        raise PlanError(f"the rank mapping {to_device} does not give each of the "
+                        f"{world_size} ranks exactly one of the processes {list(ids)}")
+    return rank_of
+
+
+def _parameters_by_layer(program) -> dict:
+    layers: dict = {}
+    for v in program.parameters:
+        layer, _, _ = v.name.rpartition(".")
+        layers.setdefault(layer, []).append(v)
+    return layers
+
+
+def _mesh_dict(mesh: ProcessMesh) -> dict:
+    return {"process_ids": list(mesh.process_ids), "shape": list(mesh.shape),
+            "dim_names": list(mesh.dim_names)}

@@ -9,7 +9,10 @@ A fault is one line::
 A and B are machine hostnames of the resource file; T and D are seconds after ``mpiexec``
 starts (``5``, ``5s``, ``500ms``). Without ``for D`` the fault lasts until the job ends.
 Control traffic (launcher to ranks) does not cross machine links, so a job whose link is
-down still ends: its ranks time out (``DISTGRAPH_COMM_TIMEOUT``) with a RuntimeFault.
+down still ends: its ranks time out (``DISTGRAPH_COMM_TIMEOUT``) with a RuntimeFault. A
+rank blocked where that timeout does not reach (a fault that lands while MPI is still
+starting, inside ``MPI_Init``) is ended by the launcher instead, two timeouts after a
+lasting fault, with the same report.
 
 Example::
 
@@ -123,6 +126,12 @@ class FaultInjector:
             self.log.write(f"distgraph: emulated fault at {elapsed:.1f} s: link "
                            f"{fault.a}-{fault.b} {state} ({fault})\n")
             self.log.flush()
+
+    def cut_since(self) -> float | None:
+        """Seconds since a link went down or stalled for good (no ``for D``): the
+        earliest such fault applied so far; None when there is none."""
+        since = [t for t, f, state in self.applied if state != "up" and f.duration is None]
+        return time.monotonic() - self._t0 - min(since) if since else None
 
     def report(self, layout) -> str:
         """Which ranks the applied faults cut apart, one line per fault."""

@@ -30,6 +30,7 @@ import shlex
 import subprocess
 import sys
 import tempfile
+import time
 
 from distgraph.errors import DistGraphError, PlanError
 from distgraph.runtime.emulate import Emulation, Terminated, check_prerequisites, taken_subnets
@@ -40,6 +41,7 @@ from distgraph.runtime.emulate_layout import choose_subnet, plan_layout, this_jo
 EXEC_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "emulate_exec.py")
 TRANSPORT_ENV = {"MPICH_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp", "FI_TCP_IFACE": "dg0"}
 STATUS_DIR = "DISTGRAPH_STATUS_DIR"
+POLL_SECONDS = 0.2
 
 
 def prepare(cluster_file: str, nprocs: int, faults=()):
@@ -97,12 +99,7 @@ def launch_emulated(cluster_file: str, nprocs: int, argv: list[str], faults=(),
             proc = subprocess.Popen(mpiexec_command(layout, _write_wrapper(tmp), argv),
                                     env=ranks)
             injector = FaultInjector(emulation, parsed, log).start()
-            try:
-                rc = proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                log.write(f"distgraph: the emulated job did not end within {timeout:g} s; "
-                          "stopping it\n")
-                rc = 124
+            rc = _wait(proc, timeout, injector, _comm_timeout(ranks), log)
             injector.stop()
             if rc != 0:
                 log.write(failure_report(status, nprocs, rc) + "\n")
@@ -124,6 +121,38 @@ def launch_emulated(cluster_file: str, nprocs: int, argv: list[str], faults=(),
         if proc is not None:
             proc.wait()
     return rc
+
+
+def _comm_timeout(env: dict) -> float:
+    from distgraph.runtime.comm import DEFAULT_TIMEOUT
+
+    try:
+        return float(env.get("DISTGRAPH_COMM_TIMEOUT", DEFAULT_TIMEOUT))
+    except ValueError:
+        return DEFAULT_TIMEOUT
+
+
+def _wait(proc, timeout, injector, comm_timeout: float, log) -> int:
+    """mpiexec's exit code; 124 past ``timeout``; 1 when the job outlives a lasting link
+    fault by two communication timeouts (its ranks are blocked where distgraph's
+    timeouts do not reach, e.g. in MPI_Init). The emulation's removal then ends it."""
+    start = time.monotonic()
+    while True:
+        try:
+            return proc.wait(timeout=POLL_SECONDS)
+        except subprocess.TimeoutExpired:
+            pass
+        if timeout is not None and time.monotonic() - start > timeout:
+            log.write(f"distgraph: the emulated job did not end within {timeout:g} s; "
+                      "stopping it\n")
+            return 124
+        cut = injector.cut_since()
+        if cut is not None and cut > 2 * comm_timeout:
+            log.write(f"distgraph: the job is still running {cut:.0f} s after a lasting "
+                      f"emulated fault (communication timeout {comm_timeout:g} s): its ranks "
+                      "are blocked where distgraph's timeouts do not reach (e.g. MPI start-up)"
+                      "; stopping it\n")
+            return 1
 
 
 def run_command(args) -> int:

@@ -183,16 +183,29 @@ def test_calibrate_measures_the_files_link_figures(launched, tmp_path):
 
 
 def test_a_link_that_goes_down_ends_the_job_with_a_runtime_fault_naming_the_ranks(launched):
+    # At 6 s the ranks are past MPI start-up (about 3 s here under load), so they are the
+    # ones that notice: every all-reduce crosses the link and times out.
     timeout = 3
     result = launched.run("run", "-n", "4", "--emulate", FILE_2X2, "--emulate-fault",
-                          "link node0-node1 down at 3s", PROBE, "--allreduce", "60",
+                          "link node0-node1 down at 6s", PROBE, "--allreduce", "60",
                           env={"DISTGRAPH_COMM_TIMEOUT": str(timeout)}, timeout=90)
     assert result.returncode != 0
     err = result.stderr
     assert "emulated fault at" in err and "link node0-node1 down" in err
-    assert f"timed out after {timeout} s" in err
-    assert ("RuntimeFault: emulated fault 'link node0-node1 down at 3s'" in err
+    assert f"timed out after {timeout} s" in err, err[-3000:]
+    assert ("RuntimeFault: emulated fault 'link node0-node1 down at 6s'" in err
             and "ranks 0, 1 on node0 lost their peers, ranks 2, 3 on node1" in err), err
+
+
+def test_a_fault_during_mpi_start_up_still_ends_the_job(launched):
+    # Cut at once, the link fails MPI's own start-up, which has no distgraph timeout; the
+    # launcher ends the job two timeouts later with the same report.
+    timeout = 2
+    result = launched.run("run", "-n", "4", "--emulate", FILE_2X2, "--emulate-fault",
+                          "link node0-node1 down at 0s", PROBE, "--allreduce", "60",
+                          env={"DISTGRAPH_COMM_TIMEOUT": str(timeout)}, timeout=90)
+    assert result.returncode != 0
+    assert "ranks 0, 1 on node0 lost their peers, ranks 2, 3 on node1" in result.stderr
 
 
 def test_a_stall_shorter_than_the_timeout_delays_the_job_and_the_sums_stay_right(launched):

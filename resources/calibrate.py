@@ -51,9 +51,12 @@ def ping_pong(comm, peer: int, first: bool, nbytes: int, iters: int, batches: in
     """One-way seconds per message: half the round trip, mean over ``iters`` exchanges,
     best of ``batches`` (the best batch is the least disturbed by other processes)."""
     buf = np.zeros(max(nbytes, 1), dtype=np.uint8)
+    token, echo = np.zeros(1, dtype=np.uint8), np.empty(1, dtype=np.uint8)
     best = np.inf
     for batch in range(batches + 1):  # batch 0 warms up the connection, and is not counted
-        comm.Barrier()
+        # Synchronise the pair only: the other ranks wait in measure_pairs' barrier, and a
+        # world barrier here would pair with theirs and deadlock beyond two ranks.
+        comm.Sendrecv(token, dest=peer, recvbuf=echo, source=peer)
         start = time.perf_counter()
         for _ in range(iters):
             if first:

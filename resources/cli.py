@@ -35,6 +35,9 @@ def add_cluster_parser(subparsers) -> argparse.ArgumentParser:
     cal.add_argument("--repeats", type=int, default=3, help="measurement batches (default 3)")
     cal.add_argument("--timeout", type=float, default=300.0,
                      help="seconds before the measurement is abandoned (default 300)")
+    cal.add_argument("--emulate", metavar="FILE",
+                     help="measure FILE's machines emulated as network namespaces (root only); "
+                          "the output keeps FILE's machines and device ids")
     cal.set_defaults(func=calibrate_command)
     return parser
 
@@ -60,6 +63,9 @@ def calibrate_command(args) -> int:
         print(f"distgraph cluster calibrate: {args.output}: expected a name ending in .yaml, "
               ".yml or .json", file=sys.stderr)
         return 2
+    if args.emulate:
+        from distgraph.runtime.emulate_calibrate import calibrate_command_emulated
+        return calibrate_command_emulated(args)
     try:
         cmd = launch_command(args.nprocs, [CALIBRATE_SCRIPT, "-o", output,
                                            "--repeats", str(args.repeats)])

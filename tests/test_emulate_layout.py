@@ -1,0 +1,155 @@
+"""The pure parts of emulated clusters (no root needed): the layout a resource file gets,
+subnet choice, namespace names, fault lines, and the relabelling of a calibration."""
+
+import argparse
+import os
+
+import pytest
+
+import distgraph as dg
+from distgraph.errors import PlanError
+from distgraph.resources.calibrate import build_cluster
+from distgraph.runtime.emulate_calibrate import comparison, relabel
+from distgraph.runtime.emulate_faults import parse_fault
+from distgraph.runtime.emulate_launch import run_command
+from distgraph.runtime.emulate_layout import (choose_subnet, namespace_name, parse_namespace,
+                                              plan_layout, process_start, subnets_of, this_job)
+
+CLUSTERS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                        "resources", "clusters")
+FILE_2X2 = os.path.join(CLUSTERS, "emulated_2x2.yaml")
+
+
+def two_by_two():
+    return dg.Cluster.from_file(FILE_2X2)
+
+
+def test_layout_places_rank_r_on_device_r_and_shapes_every_pair_to_the_file():
+    cluster = two_by_two()
+    layout = plan_layout(cluster, 4, job="77.5", subnet="10.9.8")
+    assert [m.hostname for m in layout.machines] == ["node0", "node1"]
+    assert [m.ranks for m in layout.machines] == [(0, 1), (2, 3)]
+    assert [m.address for m in layout.machines] == ["10.9.8.2", "10.9.8.3"]
+    assert layout.hub_address == "10.9.8.1"
+    assert layout.namespaces == ["distgraph-77.5-hub", "distgraph-77.5-m0", "distgraph-77.5-m1"]
+    assert layout.hosts_argument() == "10.9.8.2:2,10.9.8.3:2"
+    assert layout.host_map() == {"10.9.8.2": ["distgraph-77.5-m0", "node0"],
+                                 "10.9.8.3": ["distgraph-77.5-m1", "node1"]}
+    assert sorted((s.src, s.dst) for s in layout.shapes) == [(0, 1), (1, 0)]
+    for s in layout.shapes:
+        assert s.bandwidth_GBps == cluster.bandwidth(0, 2) == 0.125
+        assert s.latency_us == cluster.latency(0, 2) == 100
+        assert s.rate_bits == 10**9
+    assert layout.notes == ()
+
+
+def test_layout_of_fewer_ranks_holds_only_their_machines():
+    layout = plan_layout(two_by_two(), 2, job="1.2", subnet="10.1.1")
+    assert [m.hostname for m in layout.machines] == ["node0"]
+    assert layout.shapes == ()
+    assert plan_layout(two_by_two(), 3, "1.2", "10.1.1").rank_machine == (0, 0, 1)
+
+
+@pytest.mark.parametrize("nprocs, message", [(5, "at most 4 ranks"), (0, "at least 1")])
+def test_layout_refuses_a_rank_count_the_file_cannot_hold(nprocs, message):
+    with pytest.raises(PlanError, match=message):
+        plan_layout(two_by_two(), nprocs, "1.2", "10.1.1")
+
+
+def test_interleaved_devices_give_one_hydra_host_entry_per_run_of_ranks():
+    def machine(mid, ids):
+        return {"id": mid, "hostname": f"h{mid}", "devices": [
+            {"global_id": i, "type": "CPU", "memory": 1, "gflops": {"float32": 1}} for i in ids]}
+    cluster = dg.Cluster.from_dict({
+        "machines": [machine(0, [0, 2]), machine(1, [1, 3])],
+        "links": [{"source": a, "target": b, "bandwidth": 1, "latency": 5}
+                  for a, b in ((0, 1), (0, 3), (2, 1), (2, 3))]})
+    layout = plan_layout(cluster, 4, "1.2", "10.1.1")
+    assert layout.rank_machine == (0, 1, 0, 1)
+    assert layout.hosts_argument() == "10.1.1.2:1,10.1.1.3:1,10.1.1.2:1,10.1.1.3:1"
+
+
+def test_pairs_of_a_heterogeneous_file_take_their_own_figures():
+    cluster = dg.Cluster.from_file(os.path.join(CLUSTERS, "hetero_2gpu_2xpu.yaml"))
+    n = len(cluster.devices)
+    layout = plan_layout(cluster, n, "1.2", "10.1.1")
+    assert len(layout.machines) == len(cluster.machines)
+    for s in layout.shapes:
+        a, b = layout.machines[s.src], layout.machines[s.dst]
+        pairs = [(x, y) for x in a.devices for y in b.devices]
+        assert s.bandwidth_GBps == min(cluster.bandwidth(x, y) for x, y in pairs)
+        assert s.latency_us == max(cluster.latency(x, y) for x, y in pairs)
+
+
+def test_subnets_are_picked_by_hash_and_skip_those_in_use():
+    job = "4242.99"
+    first = choose_subnet(job, set())
+    assert first == choose_subnet(job, set())
+    assert first.startswith("10.") and first not in ("10.0.0", "10.255.255")
+    second = choose_subnet(job, {first})
+    assert second != first
+    assert subnets_of(["10.5.6.7/32"]) == {"10.5.6"}
+    assert subnets_of(["192.168.1.2/24", "127.0.0.1/8"]) == set()
+    assert len(subnets_of(["10.3.0.0/16"])) == 256
+    assert choose_subnet(job, subnets_of(["10.0.0.0/9"])).split(".")[1] >= "128"
+
+
+def test_namespace_names_say_which_job_owns_them():
+    job = this_job()
+    pid, start = map(int, job.split("."))
+    assert pid == os.getpid() and start == process_start(os.getpid())
+    assert parse_namespace(namespace_name(job, "m3")) == (pid, start, "m3")
+    assert parse_namespace("someone-else") is None
+    assert parse_namespace("distgraph-x.1-hub") is None
+
+
+def test_fault_lines():
+    hosts = ["node0", "node1", "gpu-a", "gpu-b"]
+    f = parse_fault("link node0-node1 down at 5s", hosts)
+    assert (f.a, f.b, f.state, f.at, f.duration) == ("node0", "node1", "down", 5.0, None)
+    assert f.events() == [(5.0, "down")]
+    f = parse_fault("link gpu-a-gpu-b stall at 500ms for 2", hosts)
+    assert (f.a, f.b, f.state, f.at, f.duration) == ("gpu-a", "gpu-b", "stall", 0.5, 2.0)
+    assert f.events() == [(0.5, "stall"), (2.5, "up")]
+
+
+@pytest.mark.parametrize("line, message", [
+    ("link node0-node9 down at 5s", "not two machines"),
+    ("link node0-node1 down at soon", "not a time"),
+    ("link node0-node0 down at 1s", "two different machines"),
+    ("link node0-node1 broken at 1s", "expected 'link A-B down|stall"),
+])
+def test_bad_fault_lines_say_what_is_expected(line, message):
+    with pytest.raises(PlanError, match=message):
+        parse_fault(line, ["node0", "node1"])
+
+
+def test_calibration_is_relabelled_into_the_files_machines_and_ids():
+    source = dg.Cluster.from_file(FILE_2X2)
+    ranks = [{"rank": r, "host": f"node{r // 2}", "model": "cpu", "memory": 8.0,
+              "gflops": {"float32": 10.0 + r}} for r in range(4)]
+    pairs = {(a, b): (0.1 if a // 2 != b // 2 else 3.0, 40.0) for a in range(4)
+             for b in range(a + 1, 4)}
+    measured = build_cluster(ranks, pairs, (0.2, 300.0), "calibrated4")
+    out = relabel(measured, source, 4)
+    assert [(m.id, m.hostname) for m in out.machines] == [(0, "node0"), (1, "node1")]
+    assert [d.global_id for d in out.devices] == [0, 1, 2, 3]
+    assert [d.gflops["float32"] for d in out.devices] == [10.0, 11.0, 12.0, 13.0]
+    assert [(m.name, m.shape, list(m.ids)) for m in out.device_meshes] == \
+        [(m.name, m.shape, list(m.ids)) for m in source.device_meshes]
+    assert out.bandwidth(0, 2) == pytest.approx(0.1)
+    table, ratios = comparison(source, out)
+    assert ratios == pytest.approx([0.8] * 4)
+    assert "4 of 4 pairs measure within 20%" in table
+
+
+def _args(**kw):
+    base = dict(nprocs=2, cluster=None, emulate=None, emulate_fault=[], script="x.py", args=[])
+    return argparse.Namespace(**{**base, **kw})
+
+
+def test_run_command_checks_its_options_before_anything_starts(capsys):
+    assert run_command(_args(emulate_fault=["link node0-node1 down at 1s"])) == 2
+    assert "--emulate-fault needs --emulate" in capsys.readouterr().err
+    assert run_command(_args(emulate=FILE_2X2, cluster="other.yaml")) == 2
+    assert "give only --emulate" in capsys.readouterr().err

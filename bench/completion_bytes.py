@@ -102,22 +102,25 @@ def conflict_add():
 
 
 def conflict_cross_entropy():
-    """softmax cross-entropy: logits split on the class dim, labels on the batch dim."""
-    def f(logits, labels):
-        dg.shard_tensor(logits, X4, [None, None, "x"])
+    """softmax cross-entropy: logits from a vocabulary-parallel head (class dim split
+    over x, batch dims not yet known), labels split on the batch over x."""
+    def f(h, w, labels):
+        dg.shard_tensor(w, X4, [None, "x"])
         dg.shard_tensor(labels, X4, ["x", None])
-        return dg.ops.cross_entropy(logits, labels)
-    return _traced(f, dg.InputSpec([8, 16, 256], name="logits"),
+        return dg.ops.cross_entropy(dg.ops.matmul(h, w), labels)
+    return _traced(f, dg.InputSpec([8, 16, 32], name="h"), dg.InputSpec([32, 256], name="w"),
                    dg.InputSpec([8, 16], "int64", name="labels"))
 
 
 def conflict_bias():
-    """an annotated bias [x] added to an activation [?, x]."""
+    """an annotated bias [x] added to an activation that wants x for its batch dim: the
+    layer runs under shard_op with its input consumed [x, None], its weight [None, x]."""
     dg.seed(0)
     lin = dg.nn.Linear(16, 64)
     dg.shard_tensor(lin.weight, X4, [None, "x"])
     dg.shard_tensor(lin.bias, X4, ["x"])
-    return _traced(lambda a: dg.ops.relu(lin(a)), dg.InputSpec([8, 16], name="a"))
+    layer = dg.shard_op(lin, X4, in_shard_specs=[["x", None]])
+    return _traced(lambda a: dg.ops.relu(layer(a)), dg.InputSpec([8, 16], name="a"))
 
 
 def conflict_embedding():

@@ -55,8 +55,8 @@ __all__ = ["complete", "explain", "fill"]
 
 MAX_SWEEPS = 100
 # Settling conflicts tries whole completions: at most TRIAL_OPS / (ops in the program)
-# of them (a 2-layer GPT training program, ~190 ops, gets 129; 12 layers 24; 128 layers 2).
-TRIAL_OPS = 25_000
+# of them (a 2-layer GPT training program, ~190 ops, gets 103; 12 layers 19; 128 layers 1).
+TRIAL_OPS = 20_000
 
 
 def _used(spec: DimsSpec) -> set:

@@ -67,7 +67,11 @@ class Candidate:
         return (sum(e.time for e in self.edges), sum(e.bytes for e in self.edges))
 
     def moves(self) -> str:
-        return ", ".join(f"{e.name} ({fmt_bytes(e.bytes)})" for e in self.edges) or "nothing"
+        """``a (6 KiB), b (96 B)``: the bytes each operand moves (over its consumers)."""
+        per: dict = {}
+        for e in self.edges:
+            per[e.name] = per.get(e.name, 0.0) + e.bytes
+        return ", ".join(f"{n} ({fmt_bytes(b)})" for n, b in per.items()) or "nothing"
 
 
 class Conflict(NamedTuple):
@@ -169,9 +173,11 @@ def planned_traffic(points, op_comm, pricer: ReshardPricer) -> Traffic:
 
 
 def fmt_bytes(n: float) -> str:
+    """``96 B``, ``4.69 KiB``, ``1003 KiB``, ``1.5 MiB``."""
     for unit, size in (("MiB", 2 ** 20), ("KiB", 2 ** 10)):
         if n >= size:
-            return f"{n / size:.3g} {unit}"
+            v = n / size
+            return f"{v:.3g} {unit}" if v < 100 else f"{v:.0f} {unit}"
     return f"{n:.0f} B"
 
 

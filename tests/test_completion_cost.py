@@ -8,9 +8,8 @@ costs the time over the links decides; annotated results and shard_op in_specs h
 explain says what was kept and what the alternative would have moved.
 """
 
-import os
-import sys
-
+import conflicts
+import plans as P
 import pytest
 from distgraph.passes.completion import CompletionSetup, _Completion
 from distgraph.passes.partition import partition, process_ids
@@ -19,10 +18,6 @@ from distgraph.passes.sharding import shard_updates
 
 import distgraph as dg
 from distgraph.program_builder import build_program
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
-import completion_bytes as B
-import plans as P
 
 X4 = dg.ProcessMesh([0, 1, 2, 3], ["x"])
 XY = dg.ProcessMesh([[0, 1, 2], [3, 4, 5]], ["x", "y"])
@@ -43,7 +38,7 @@ def op_of(program, op_type):
 
 
 def test_cross_entropy_keeps_the_logits_and_gathers_the_labels():
-    prog = B.conflict_cross_entropy()
+    prog = conflicts.conflict_cross_entropy()
     sce = op_of(prog, "softmax_cross_entropy")
     assert specs(sce)[0] == ["[None, None, x]", "[None, None]"]
     # labels [8, 16] int64 gathered over 4: (n-1)/n of the 1 KiB gathered buffer per
@@ -61,26 +56,26 @@ def test_cross_entropy_keeps_the_logits_and_gathers_the_labels():
 
 
 def test_combined_split_kept_where_cheaper_than_the_rule_order():
-    prog = B.conflict_embedding()
+    prog = conflicts.conflict_embedding()
     emb = op_of(prog, "embedding")
     # keeping the table's (x, y) split gathers the ids over x: 1 KiB of int64 per process
     assert specs(emb) == (["[None, None]", "[None, (x,y)]"], ["[None, None, (x,y)]"])
     assert step_bytes(prog) == pytest.approx(6 * (1 / 2 * 8 * 16 * 8))
-    prog = B.conflict_matmul()
+    prog = conflicts.conflict_matmul()
     mm = op_of(prog, "matmul")
     assert specs(mm) == (["[None, None]", "[None, (x,y)]"], ["[None, (x,y)]"])
     assert step_bytes(prog) == pytest.approx(6 * (1 / 2 * 32 * 16 * 4))
 
 
 def test_equal_costs_keep_the_rule_order():
-    prog = B.conflict_add()
+    prog = conflicts.conflict_add()
     add = op_of(prog, "add")
     assert specs(add) == (["[None, None, x]", "[None, None, x]"], ["[None, None, x]"])
     assert any(n.startswith("kept a [None, None, x]") for n in add.dist_attr.notes)
 
 
 def test_shard_op_in_specs_and_annotated_results_hold():
-    prog = B.conflict_bias()
+    prog = conflicts.conflict_bias()
     mm = op_of(prog, "matmul")
     assert specs(mm)[0][0] == "[x, None]"            # shard_op in_shard_specs
     mesh = dg.ProcessMesh([0, 1], ["x"])
@@ -156,4 +151,4 @@ def test_completion_measures_traffic_as_partition_places_it(plan):
 
 
 def test_settled_plans_are_deterministic():
-    assert B.random_gpt_program(0).pretty() == B.random_gpt_program(0).pretty()
+    assert conflicts.random_gpt_program(0).pretty() == conflicts.random_gpt_program(0).pretty()

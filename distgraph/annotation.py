@@ -20,18 +20,27 @@ from distgraph.parameter import Parameter
 from distgraph.placement import DistAttr, Partial, Replicate, Shard, ShardSpec
 
 
-def to_shard_spec(spec, mesh: ProcessMesh, ndim: int) -> ShardSpec:
-    """Accept a ShardSpec, a list of entries, or a list of placements (one per mesh dim)."""
+def to_shard_spec(spec, mesh: ProcessMesh, ndim: int, label: str = "tensor") -> ShardSpec:
+    """Accept a ShardSpec, a list of entries, or a list of placements (one per mesh dim).
+    ``label`` names the tensor in errors."""
     if isinstance(spec, ShardSpec):
         return spec
+    if isinstance(spec, str):
+        example = [spec] + [None] * (ndim - 1)
+        raise ShardingError(f"{label}: shard spec {spec!r} is a string; pass a list with one "
+                            f"entry per tensor dim ({ndim}), e.g. {example} on {mesh}")
+    if not hasattr(spec, "__iter__"):
+        raise ShardingError(f"{label}: shard spec {spec!r}; pass a list with one entry per "
+                            f"tensor dim ({ndim}) on {mesh}")
     spec = list(spec)
     if spec and all(isinstance(p, (Shard, Replicate, Partial)) for p in spec):
         return ShardSpec.from_placements(spec, mesh, ndim)
     return ShardSpec(spec)
 
 
-def _name_of(x) -> str:
-    return x.name if isinstance(x, Value) else "parameter"
+def _label_of(x) -> str:
+    """How errors name ``x``: ``tensor 'h'`` or ``parameter 'weight' of Linear(16, 64)``."""
+    return f"tensor {x.name!r}" if isinstance(x, Value) else x.describe()
 
 
 def shard_tensor(x, mesh: ProcessMesh, shard_spec):
@@ -43,8 +52,9 @@ def shard_tensor(x, mesh: ProcessMesh, shard_spec):
     if not isinstance(x, (Parameter, Value)):
         raise ShardingError(f"shard_tensor: expected a Parameter or a traced tensor, got "
                             f"{type(x).__name__}")
-    spec = to_shard_spec(shard_spec, mesh, len(x.shape))
-    spec.validate(mesh, x.shape, _name_of(x))
+    label = _label_of(x)
+    spec = to_shard_spec(shard_spec, mesh, len(x.shape), label)
+    spec.validate(mesh, x.shape, label=label)
     x.annotation = DistAttr(mesh, spec)
     return x
 
@@ -74,7 +84,7 @@ def shard_op(fn_or_layer, mesh: ProcessMesh, in_shard_specs=None, out_shard_spec
             if spec is None:
                 continue
             v = values[k]
-            s = to_shard_spec(spec, mesh, len(v.shape))
+            s = to_shard_spec(spec, mesh, len(v.shape), _label_of(v))
             s.validate(mesh, v.shape, v.name)
             in_specs.append((v.name, s))
         first = len(builder.program.ops)

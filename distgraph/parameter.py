@@ -25,6 +25,17 @@ class Parameter(TensorOps):
         self._data = np.array(data, dtype=dtype, order="C")
         self.trainable = trainable
         self.annotation = None
+        self.owner = None          # the Layer it was first assigned to, and as what
+        self.attr_name = None
+
+    def describe(self) -> str:
+        """How errors name it: ``parameter 'weight' of Linear(16, 64)``; once its model
+        was traced, by its path: ``parameter 'fc1.weight' of Linear(16, 64)``."""
+        if self.owner is None:
+            return "parameter"
+        path = self.owner._path
+        name = f"{path}.{self.attr_name}" if path else self.attr_name
+        return f"parameter {name!r} of {self.owner!r}"
 
     @property
     def shape(self) -> tuple:

@@ -27,7 +27,8 @@ from distgraph.errors import ShardingError
 from distgraph.mesh import ProcessMesh
 
 
-def _entry_str(entry) -> str:
+def format_entry(entry) -> str:
+    """How a spec entry prints: None, x, (x,y)."""
     if entry is None:
         return "None"
     if isinstance(entry, tuple):
@@ -109,48 +110,50 @@ class ShardSpec:
         return None
 
     def validate_mesh(self, mesh: ProcessMesh, tensor_name: str = "tensor",
-                      shape=None) -> None:
+                      shape=None, label: str | None = None) -> None:
         """Checks that need only the mesh: known mesh dims, each used at most once."""
         # The message prefix is built only on failure: validation runs on every
         # DistAttr, and formatting a mesh costs more than the checks.
         used = self.mesh_dims()
         for name in used:
             if name not in mesh.dim_names:
-                where = self._where(mesh, tensor_name, shape)
+                where = self._where(mesh, tensor_name, shape, label)
                 raise ShardingError(f"{where}: unknown mesh dim {name!r}; the mesh dims are "
                                     f"{list(mesh.dim_names)}")
         seen = set()
         for name in used:
             if name in seen:
-                where = self._where(mesh, tensor_name, shape)
+                where = self._where(mesh, tensor_name, shape, label)
                 raise ShardingError(f"{where}: mesh dim {name!r} is used twice; a mesh dim "
                                     f"splits at most one tensor dim and is never both "
                                     f"split and partial")
             seen.add(name)
 
-    def validate(self, mesh: ProcessMesh, shape, tensor_name: str = "tensor") -> None:
+    def validate(self, mesh: ProcessMesh, shape, tensor_name: str = "tensor",
+                 label: str | None = None) -> None:
         """Raise ShardingError (naming tensor, shape, spec and mesh) if this spec cannot
-        lay out a tensor of ``shape`` on ``mesh``."""
+        lay out a tensor of ``shape`` on ``mesh``. ``label`` names the tensor in full
+        (``parameter 'weight' of Linear(16, 64)``) instead of ``tensor '<tensor_name>'``."""
         shape = tuple(shape)
         if len(shape) != self.ndim:
-            where = self._where(mesh, tensor_name, shape)
+            where = self._where(mesh, tensor_name, shape, label)
             raise ShardingError(f"{where}: the spec has {self.ndim} entries for a "
                                 f"{len(shape)}-d tensor; give one entry per tensor dim")
-        self.validate_mesh(mesh, tensor_name, shape)
+        self.validate_mesh(mesh, tensor_name, shape, label)
         for i, size in enumerate(shape):
             parts = 1
             for name in self.entry(i):
                 parts *= mesh.dim_size(name)
             if size % parts:
-                where = self._where(mesh, tensor_name, shape)
+                where = self._where(mesh, tensor_name, shape, label)
                 raise ShardingError(f"{where}: tensor dim {i} of size {size} is not "
                                     f"divisible by {parts} (the size of mesh dims "
                                     f"{list(self.entry(i))}); pad the tensor or split it "
                                     f"over fewer processes")
 
-    def _where(self, mesh, tensor_name, shape) -> str:
+    def _where(self, mesh, tensor_name, shape, label=None) -> str:
         shape_s = "" if shape is None else f" of shape {list(shape)}"
-        return f"tensor '{tensor_name}'{shape_s} with spec {self} on {mesh}"
+        return f"{label or f'tensor {tensor_name!r}'}{shape_s} with spec {self} on {mesh}"
 
     # ---- placements view ----------------------------------------------------------
     @classmethod
@@ -189,13 +192,13 @@ class ShardSpec:
         for i in range(self.ndim):
             entry = self.entry(i)
             if list(entry) != sorted(entry, key=mesh.dim_index):
-                raise ShardingError(f"spec {self} on {mesh}: entry {i} {_entry_str(self.dims[i])} "
+                raise ShardingError(f"spec {self} on {mesh}: entry {i} {format_entry(self.dims[i])} "
                                     f"is not in mesh dim order, so placements cannot express "
                                     f"it; keep the ShardSpec form")
         return tuple(out)
 
     def __str__(self) -> str:
-        s = "[" + ", ".join(_entry_str(e) for e in self.dims) + "]"
+        s = "[" + ", ".join(format_entry(e) for e in self.dims) + "]"
         if self.partial:
             s += " P(" + ",".join(sorted(self.partial)) + ")"
         return s

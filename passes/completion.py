@@ -1,11 +1,6 @@
 """Completion: give every Value and every operand of every Operation a DistAttr.
 
-1. ProcessMesh propagation. An op takes, in order of preference: its ``shard_op`` mesh;
-   the mesh of an annotated operand; the meshes of its inputs' producers (where two meet,
-   the one that contains the other); the nearest resolved op before it (after it, for the
-   ops ahead of every annotation). Ops without inputs (constants) take their first
-   consumer's mesh, backward ops their forward op's, update ops their parameter's; the
-   step counter shared by all updates lives on the union of their meshes.
+1. ProcessMesh propagation (:mod:`distgraph.passes.mesh_propagation`).
 2. ShardSpec propagation on the semilattice unknown < {None, 'x', ...}: forward sweeps
    (inputs -> outputs) and backward sweeps (outputs and consumers -> inputs) alternate until
    nothing changes. Each op's rule is its registry entry's (see ``distgraph.spmd``).
@@ -15,10 +10,18 @@
    and the difference is a reshard point. An annotated result is produced as annotated
    (its operands are resharded instead) wherever the op's rule can make that layout.
    A sweep visits only the ops whose operands changed since their last visit in that
-   direction, and rule results are memoised per (op signature, specs) within the run:
-   the result is the one full sweeps would give, in time linear in the op count.
-3. Unknown entries end as None; a final forward sweep makes every op's produced specs
-   consistent with what it consumes: each op's specs are then a fixpoint of its rule.
+   direction, and rule results are memoised per (op signature, specs): the result is
+   the one full sweeps would give, in time linear in the op count.
+3. Unknown entries end as None; a final forward sweep makes every op consume and produce
+   what its rule answers on the known specs: each op's specs are a fixpoint of its rule.
+4. Conflicts settled by cost (:mod:`distgraph.passes.resolution`). Where an op's rule
+   reshards an operand, the answers with another operand in the lead are candidates,
+   priced by the redistribution they cause on the op's edges. Per op signature (the
+   ops of repeated layers alike), each candidate is tried as a whole completion, the
+   locally cheapest first, and kept where the program's planned traffic per step goes
+   down; the number of trials is bounded by the program size (``TRIAL_OPS``). A shard_op
+   in_spec and an annotated result are never given up; annotated Values keep their
+   layout, though a cheaper candidate may reshard one where an op consumes it.
 
 Example::
 
@@ -29,15 +32,31 @@ Example::
 
 from __future__ import annotations
 
+from distgraph.passes.completion_setup import CompletionSetup
+from distgraph.passes.explain import explain
+from distgraph.passes.resolution import (
+    Candidate,
+    Conflict,
+    Outcome,
+    ReshardPricer,
+    conflict_note,
+    planned_traffic,
+)
+
 from distgraph.annotation import OpDistAttr
 from distgraph.errors import PlanError
 from distgraph.ir import Program
 from distgraph.mesh import ProcessMesh
-from distgraph.ops.registry import get_op
+from distgraph.ops.registry import LocalSite, get_op
 from distgraph.placement import DistAttr, ShardSpec
-from distgraph.spmd import UNKNOWN, DimsSpec, entry_dims
+from distgraph.spmd import UNKNOWN, DimsSpec, RuleQuery, entry_dims
+
+__all__ = ["complete", "explain", "fill"]
 
 MAX_SWEEPS = 100
+# Settling conflicts tries whole completions: at most TRIAL_OPS / (ops in the program)
+# of them (a 2-layer GPT training program, ~190 ops, gets 103; 12 layers 19; 128 layers 1).
+TRIAL_OPS = 20_000
 
 
 def _used(spec: DimsSpec) -> set:
@@ -72,174 +91,31 @@ def _strip(spec: DimsSpec) -> DimsSpec:
     return DimsSpec(spec.dims) if spec.partial else spec
 
 
-def _pick(meshes: list) -> ProcessMesh:
-    for m in meshes:
-        if all(m.contains_mesh(o) for o in meshes):
-            return m
-    return meshes[0]
-
-
 class _Completion:
-    def __init__(self, program: Program, default_mesh: ProcessMesh | None):
-        self.program = program
-        self.ops = program.ops
-        self.default_mesh = default_mesh
-        self.producer = {o.name: (k, j) for k, op in enumerate(self.ops)
-                         for j, o in enumerate(op.outputs)}
-        self.consumers: dict[str, list] = {}
-        for k, op in enumerate(self.ops):
-            for i, v in enumerate(op.inputs):
-                self.consumers.setdefault(v.name, []).append((k, i))
+    """One completion run of a program (its :class:`CompletionSetup` part shared with other
+    runs). ``choices`` maps an op signature to the operand that leads its rule's
+    answers; the run records the conflicts it meets, per signature."""
 
-    # -- 1. meshes ------------------------------------------------------------------------
-    def assign_meshes(self) -> None:
-        n = len(self.ops)
-        mesh: list = [None] * n
-        vmesh: dict = {v.name: v.annotation.mesh for v in self.program.values.values()
-                       if v.annotation is not None and v.name not in self.producer}
-
-        def set_op(k, m):
-            mesh[k] = m
-            for o in self.ops[k].outputs:
-                vmesh[o.name] = m
-
-        forward = [k for k, op in enumerate(self.ops) if op.role in ("forward", "loss")]
-        last = None
-        for k in forward:
-            op = self.ops[k]
-            if not op.inputs and op.annotation is None:
-                continue                      # constants: from their consumer, below
-            if op.annotation is not None:
-                m = op.annotation.mesh
-            else:
-                cands = [v.annotation.mesh for v in op.inputs + op.outputs if v.annotation]
-                if not cands:
-                    cands = [vmesh[v.name] for v in op.inputs if v.name in vmesh]
-                m = _pick(cands) if cands else last
-            if m is not None:
-                set_op(k, m)
-                last = m
-        first = next((mesh[k] for k in forward if mesh[k] is not None), self.default_mesh)
-        if first is None:
-            raise PlanError("no ProcessMesh found: annotate at least one tensor with "
-                            "dg.shard_tensor (or an op with dg.shard_op), or pass default_mesh")
-        for k in forward:
-            if mesh[k] is None and self.ops[k].inputs:
-                set_op(k, first)
-        def sources_from_consumers():
-            for k, op in enumerate(self.ops):
-                for v in op.inputs:
-                    if v.name not in vmesh and mesh[k] is not None:
-                        vmesh[v.name] = mesh[k]
-
-        sources_from_consumers()                      # parameters and inputs
-        index = {id(op): k for k, op in enumerate(self.ops)}
-        for k, op in enumerate(self.ops):
-            if op.role == "backward" and op.forward_op is not None:
-                set_op(k, mesh[index[id(op.forward_op)]] or first)
-        for k, op in enumerate(self.ops):
-            if op.role == "optimize" and op.inputs and op.inputs[0].is_parameter:
-                set_op(k, vmesh.get(op.inputs[0].name, first))
-        update_meshes = [mesh[k] for k, op in enumerate(self.ops)
-                         if op.role == "optimize" and mesh[k] is not None]
-        for k, op in enumerate(self.ops):
-            if op.role == "optimize" and mesh[k] is None:
-                set_op(k, _union(update_meshes) if update_meshes else first)
-        for k in reversed(range(n)):                # constants and the rest: first consumer
-            if mesh[k] is None:
-                cons = [c for o in self.ops[k].outputs for c, _ in self.consumers.get(o.name, [])]
-                set_op(k, mesh[min(cons)] if cons and mesh[min(cons)] is not None else first)
-        sources_from_consumers()                      # optimizer states
-        for v in self.program.values.values():
-            vmesh.setdefault(v.name, first)
-        self.mesh, self.vmesh = mesh, vmesh
-
-    # -- 2. specs -------------------------------------------------------------------------
-    def init_specs(self) -> None:
-        unknown: dict = {}                  # one all-unknown spec per rank, shared
-
-        def unknown_spec(ndim):
-            spec = unknown.get(ndim)
-            if spec is None:
-                spec = unknown[ndim] = DimsSpec.unknown(ndim)
-            return spec
-
-        self.vspec, self.vfixed = {}, set()
-        for v in self.program.values.values():
-            if (v.annotation is not None and v.name not in self.producer
-                    and v.annotation.mesh == self.vmesh[v.name]):
-                self.vspec[v.name] = DimsSpec.of(v.annotation.spec)
-                self.vfixed.add(v.name)
-            else:
-                self.vspec[v.name] = unknown_spec(v.ndim)
-        # ispec: how each operand is consumed. A fixed operand (a shard_op in_spec, or an
-        # annotated Value on the op's mesh) is given to the rule as ``fixed_spec``; its
-        # ispec is what the rule decided, which differs only where the rule had to
-        # reshard it (a conflict with another annotation, an axis that is never split).
-        self.ispec, self.fixed_spec = {}, {}
+    def __init__(self, static: CompletionSetup, choices: dict | None = None):
+        self.static = static
+        self.program, self.ops, self.pricer = static.program, static.ops, static.pricer
+        self.producer, self.consumers = static.producer, static.consumers
+        self.mesh, self.vmesh, self.meta = static.mesh, static.vmesh, static.meta
+        self.fixed_spec, self.signature = static.fixed_spec, static.signature
+        self.choices = dict(choices or {})
+        self.conflicts: dict = {}
+        self.outcomes: dict = {}
+        self.vspec, self.ispec = dict(static.vspec), dict(static.ispec)
         self.ospec: dict = {}
         self.notes: dict = {}
         self.origin: dict = {}
-        for k, op in enumerate(self.ops):
-            wanted = dict(op.annotation.in_specs) if op.annotation is not None else {}
-            for i, v in enumerate(op.inputs):
-                spec = unknown_spec(v.ndim)
-                if v.name in wanted:
-                    spec = DimsSpec.of(wanted[v.name])
-                    self.fixed_spec[(k, i)] = spec
-                elif v.annotation is not None and v.annotation.mesh == self.mesh[k]:
-                    spec = DimsSpec(DimsSpec.of(v.annotation.spec).dims)
-                    self.fixed_spec[(k, i)] = spec
-                self.ispec[(k, i)] = spec
         n = len(self.ops)
-        self.meta = [self._meta(k) for k in range(n)]
         # Work lists: an op is visited again (per direction) only when something it
         # reads changed since its last visit in that direction; a visit whose reads are
         # unchanged would recompute and rewrite exactly what it wrote before.
         self.dirty = {False: bytearray(b"\1" * n), True: bytearray(b"\1" * n)}
-        # Rules are pure: within this run, the same (op signature, specs) gives the
-        # same result, and the GPT blocks repeat the same signatures layer after layer.
-        shared: dict = {}                   # equal signatures become one object
-        self.signature = [self._signature(k, shared) for k in range(n)]
-        self.plans: dict = {}
-        self.memo: dict = {}
-        self.last_forward: list = [None] * n
-
-    def _meta(self, k: int) -> tuple:
-        """What a visit of op k needs that never changes during the run.
-
-        Per input: (index, name, fixed spec or None, same mesh as the op, a source whose
-        spec the op may fill). Per output: (index, name, annotation on the op's mesh or
-        None, the same-mesh consumers asked for its requirement)."""
-        op, mesh = self.ops[k], self.mesh[k]
-        ins = []
-        for i, v in enumerate(op.inputs):
-            same = self.vmesh[v.name] == mesh
-            source = same and v.name not in self.producer and v.name not in self.vfixed
-            ins.append((i, v.name, self.fixed_spec.get((k, i)), same, source))
-        outs = []
-        for j, o in enumerate(op.outputs):
-            ann = None
-            if o.annotation is not None and o.annotation.mesh == mesh:
-                ann = DimsSpec.of(o.annotation.spec)
-            wanted = tuple((c, i) for c, i in self.consumers.get(o.name, ())
-                           if self.mesh[c] == mesh)
-            outs.append((j, o.name, ann, wanted))
-        fixed_in = tuple(i for i, _, f, _, _ in ins if f is not None)
-        fixed_out = tuple(j for j, _, a, _ in outs if a is not None)
-        return tuple(ins), tuple(outs), fixed_in, fixed_out
-
-    def _signature(self, k: int, shared: dict):
-        """What, besides the specs, a rule call of op k depends on: op type, shapes,
-        mesh and attributes (None if an attribute is unhashable: never memoised)."""
-        op = self.ops[k]
-        key = (op.type, tuple(tuple(v.shape) for v in op.inputs),
-               tuple(tuple(o.shape) for o in op.outputs), self.mesh[k],
-               tuple(sorted(op.attrs.items())))
-        try:
-            return shared.setdefault(key, key)
-        except TypeError:
-            return None
+        self.last_forward: list = [None] * n      # (rule answer, query) per op
+        self.final_query: list = [None] * n
 
     def _mark_value(self, name: str) -> None:
         """vspec[name] changed: its producer and consumers read it."""
@@ -265,83 +141,96 @@ class _Completion:
             spec = fill(spec, self.fixed_spec.get(key) or self.ispec[key])
         return spec
 
-    def _rule(self, k: int, ins, outs, fixed_in, fixed_out, outputs_first):
-        sig = self.signature[k]
-        key = None
-        if sig is not None:
-            key = (sig, tuple(ins), tuple(outs), fixed_in, fixed_out, outputs_first)
-            res = self.memo.get(key)
-            if res is not None:
-                return res
-        op, mesh = self.ops[k], self.mesh[k]
-        rule = get_op(op.type).spmd
-        in_shapes = [v.shape for v in op.inputs]
-        out_shapes = [o.shape for o in op.outputs]
+    def _conflict(self, k: int, query: RuleQuery, res) -> Conflict:
+        """The candidates of a conflict: ``res`` and the rule's answers with each other
+        operand in the lead, priced on op k's edges. The op's shard_op in_specs stay as
+        ``res`` consumes them; annotated results stay first."""
+        op, meta = self.ops[k], self.meta[k]
+        cands = [self._price(k, res, None, "", "")]
+        seen = [res]
+        for source in query.sources():
+            if query.is_fixed(source) and source.side == "output":
+                continue
+            if all(e is UNKNOWN for e in query.spec(source).dims):
+                continue
+            alt = self.static.rule(k, query._replace(lead=source))
+            if alt in seen or any(alt.in_specs[i] != res.in_specs[i] for i in meta.hard):
+                continue
+            seen.append(alt)
+            value = (op.inputs if source.side == "input" else op.outputs)[source.index]
+            cands.append(self._price(k, alt, source, value.name, str(query.spec(source))))
+        others = sorted(cands[1:], key=lambda c: c.cost)
+        return Conflict(k, tuple([cands[0]] + others))
 
-        def run(fixed):
-            if sig is not None and hasattr(rule, "compile"):
-                plan = self.plans.get(sig)
-                if plan is None:
-                    plan = self.plans[sig] = rule.compile(in_shapes, out_shapes, mesh, op.attrs)
-                return plan.solve(ins, outs, set(fixed), set(fixed_out), outputs_first)
-            return rule.infer(ins, outs, in_shapes, out_shapes, mesh, fixed, fixed_out,
-                              outputs_first, **op.attrs)
+    def _price(self, k: int, res, lead, lead_name: str, lead_spec: str) -> Candidate:
+        """The reshards ``res`` needs on op k's edges: inputs from their Values' layouts,
+        outputs to what their consumers on the op's mesh take."""
+        op, mesh, meta = self.ops[k], self.mesh[k], self.meta[k]
+        edges = []
+        for m, v in zip(meta.ins, op.inputs):
+            if m.same_mesh:
+                edges.append(self.pricer.edge("input", v.name, mesh, self.vspec[v.name],
+                                              res.in_specs[m.index], v.shape, v.dtype))
+        for m, o in zip(meta.outs, op.outputs):
+            for key in m.consumers:
+                want = self.fixed_spec.get(key) or self.ispec[key]
+                edges.append(self.pricer.edge("output", o.name, mesh, res.out_specs[m.index], want,
+                                              o.shape, o.dtype))
+        return Candidate(res, lead, lead_name, lead_spec, tuple(e for e in edges if e is not None))
 
-        def honours(r):
-            return all(r.out_specs[j].dims == outs[j].dims for j in fixed_out)
-
-        try:
-            res = run(fixed_in)
-            if fixed_in and not honours(res):
-                # An annotated result is produced as annotated: a rule that ranks the
-                # annotated operands first (reshape) is asked again with them free.
-                again = run(())
-                if honours(again):
-                    res = again
-        except ValueError as e:
-            raise PlanError(f"sharding rule of op #{k} '{op.type}' ({op.layer or 'top level'}) "
-                            f"on {mesh}: {e}") from None
-        if key is not None:
-            self.memo[key] = res
-        return res
-
-    def visit(self, k: int, outputs_first: bool) -> bool:
+    def visit(self, k: int, outputs_first: bool, final: bool = False) -> bool:
         """Run op k's rule on what is known of its operands and merge the result back;
-        True if any spec changed."""
-        in_meta, out_meta, fixed_in, fixed_out = self.meta[k]
+        True if any spec changed. ``final`` (the last forward sweep): every spec is
+        known, and the op consumes exactly what its rule answers."""
+        meta = self.meta[k]
         ispec, vspec = self.ispec, self.vspec
+        # (the records are unpacked in the loops: a visit is the hot path)
         ins = []
-        for i, name, fixed, same, _ in in_meta:
+        for i, name, fixed, same_mesh, _ in meta.ins:
             if fixed is not None:
                 ins.append(fixed)
             else:
                 s = ispec[(k, i)]
-                ins.append(fill(s, _strip(vspec[name])) if same else s)
+                ins.append(fill(s, _strip(vspec[name])) if same_mesh else s)
         outs = []
-        for j, name, ann, wanted in out_meta:
-            if ann is not None:
-                outs.append(ann)
+        for _, name, annotation, consumers in meta.outs:
+            if annotation is not None:
+                outs.append(annotation)
             elif outputs_first:
-                outs.append(self._requirement(name, wanted))
+                outs.append(self._requirement(name, consumers))
             else:
                 outs.append(_strip(vspec[name]))
-        res = self._rule(k, ins, outs, fixed_in, fixed_out, outputs_first)
+        query = RuleQuery(tuple(ins), tuple(outs), meta.fixed_in, meta.fixed_out,
+                          outputs_first)
+        res = self.static.rule(k, query)
+        # Conflicts are settled per op signature: the ops of repeated layers alike.
+        key = self.signature[k]
+        if key is not None:
+            if res.resharded and key not in self.conflicts:
+                self.conflicts[key] = self._conflict(k, query, res)
+            lead = self.choices.get(key)
+            if lead is not None:
+                res = self.static.rule(k, query._replace(lead=lead))
         if not outputs_first:
-            self.last_forward[k] = res
+            self.last_forward[k] = (res, query)
+        if final:
+            self._keep(k, res, query)
+            return False
         self.notes[k] = res.notes
         changed = False
         known = None
-        for i, name, fixed, _, source in in_meta:
+        for i, name, fixed, _, source in meta.ins:
+            key = (k, i)
             if fixed is not None:
                 # consumed as the rule decided (a reshard point where that differs)
-                self.ispec[(k, i)] = DimsSpec(fill(res.in_specs[i], fixed).dims, fixed.partial)
+                ispec[key] = DimsSpec(fill(res.in_specs[i], fixed).dims, fixed.partial)
                 consumed = fixed
             else:
-                old = ispec[(k, i)]
+                old = ispec[key]
                 consumed = fill(old, res.in_specs[i])
                 if consumed != old:
                     changed = True
-                    ispec[(k, i)] = consumed
+                    ispec[key] = consumed
                     self._mark_operand(k, name)
             if source:
                 old = vspec[name]
@@ -353,7 +242,7 @@ class _Completion:
                     if known is None:
                         known = _known_names(self.ops[k], ins, outs)
                     self.origin.setdefault(name, (k, tuple(n for n in known if n != name)))
-        for j, name, _, _ in out_meta:
+        for j, name, _, _ in meta.outs:
             out = res.out_specs[j]
             self.ospec[(k, j)] = out
             old = vspec[name]
@@ -417,20 +306,30 @@ class _Completion:
         for k in range(len(self.ops)):
             if fwd[k] or self.last_forward[k] is None:
                 fwd[k] = 0
-                self.visit(k, outputs_first=False)
+                self.visit(k, outputs_first=False, final=True)
             else:
-                self._keep(k, self.last_forward[k])
+                self._keep(k, *self.last_forward[k])
 
-    def _keep(self, k: int, res) -> None:
-        """Record ``res``, the result of op k's last forward visit, as its final one."""
+    def run(self) -> _Completion:
+        self.fixpoint()
+        self.finish()
+        return self
+
+    def _keep(self, k: int, res, query: RuleQuery) -> None:
+        """Record ``res``, the answer of op k's rule to ``query`` on its known specs, as
+        its final one: the op consumes and produces what the rule says."""
+        self.final_query[k] = query
         self.notes[k] = res.notes
         for j in range(len(self.ops[k].outputs)):
             self.ospec[(k, j)] = res.out_specs[j]
-        for i, _, fixed, _, _ in self.meta[k][0]:
-            if fixed is not None:
-                self.ispec[(k, i)] = DimsSpec(fill(res.in_specs[i], fixed).dims, fixed.partial)
+        for m in self.meta[k].ins:
+            spec = res.in_specs[m.index].known()
+            if m.fixed is not None:
+                spec = DimsSpec(fill(res.in_specs[m.index], m.fixed).dims, m.fixed.partial)
+            self.ispec[(k, m.index)] = spec
 
-    def write(self) -> None:
+    def layout(self) -> tuple:
+        """The completed layout: {value name: DistAttr} and one OpDistAttr per op."""
         attrs: dict = {}
 
         def attr(mesh, spec, v):
@@ -440,22 +339,117 @@ class _Completion:
                 a = attrs[key] = _attr(mesh, spec, v)
             return a
 
+        values = {}
         for v in self.program.values.values():
             mesh = self.vmesh[v.name]
             if v.name in self.producer:
                 spec = self.ospec[self.producer[v.name]].known()
             else:
                 spec = self.vspec[v.name]
-            v.dist_attr = attr(mesh, spec, v)
+            values[v.name] = attr(mesh, spec, v)
+        ops = []
         for k, op in enumerate(self.ops):
             mesh = self.mesh[k]
-            op.dist_attr = OpDistAttr(
+            notes = list(self.notes.get(k, [])) + self._cost_notes(k)
+            ops.append(OpDistAttr(
                 mesh,
                 [attr(mesh, self.ispec[(k, i)], v).spec for i, v in enumerate(op.inputs)],
                 [attr(mesh, self.ospec[(k, j)].known(), o).spec for j, o in enumerate(op.outputs)],
-                list(self.notes.get(k, [])))
+                notes))
+        return values, ops
+
+    def _cost_notes(self, k: int) -> list:
+        """Op k's final answer settled a conflict: what it kept and what it cost."""
+        query, sig = self.final_query[k], self.signature[k]
+        if query is None or sig is None:
+            return []
+        default = self.static.rule(k, query)
+        if not default.resharded:
+            return []
+        note = conflict_note(self._conflict(k, query, default), self.choices.get(sig),
+                             self.outcomes.get(sig))
+        return [note] if note else []
+
+    def traffic(self):
+        """The planned communication per step of this run's layout (what partition
+        will place), computed from the specs: DistAttrs only where a reshard is."""
+        attrs: dict = {}
+
+        def attr(mesh, spec):
+            key = (mesh, spec)
+            if key not in attrs:
+                attrs[key] = DistAttr(mesh, ShardSpec(spec.dims, spec.partial))
+            return attrs[key]
+
+        final = {}
+        for name, spec in self.vspec.items():
+            p = self.producer.get(name)
+            final[name] = (self.ospec[p].known() if p is not None else spec.known())
+        points, op_comm = [], []
+        for k, op in enumerate(self.ops):
+            mesh = self.mesh[k]
+            for i, v in enumerate(op.inputs):
+                dst = self.ispec[(k, i)].known()
+                if self.vmesh[v.name] != mesh or final[v.name] != dst:
+                    points.append((v.name, attr(self.vmesh[v.name], final[v.name]),
+                                   attr(mesh, dst), v.shape, v.dtype))
+            for o in op.outputs:
+                if o.alias_of and (self.vmesh[o.alias_of] != mesh
+                                   or final[o.alias_of] != final[o.name]):
+                    points.append((o.name, attr(mesh, final[o.name]),
+                                   attr(self.vmesh[o.alias_of], final[o.alias_of]),
+                                   o.shape, o.dtype))
+            hook = get_op(op.type).comm
+            if hook is not None:
+                ins = tuple(attr(mesh, self.ispec[(k, i)].known()) for i in range(len(op.inputs)))
+                outs = tuple(attr(mesh, self.ospec[(k, j)].known())
+                             for j in range(len(op.outputs)))
+                for pid in mesh.process_ids:
+                    op_comm.append((hook, LocalSite(
+                        pid, tuple(v.shape for v in op.inputs), ins,
+                        tuple(o.shape for o in op.outputs), outs,
+                        tuple(v.dtype for v in op.inputs))))
+        return planned_traffic(points, op_comm, self.pricer)
+
+    def write(self) -> None:
+        values, ops = self.layout()
+        for v in self.program.values.values():
+            v.dist_attr = values[v.name]
+        for op, da in zip(self.ops, ops):
+            op.dist_attr = da
         self.program.completion_origin = {n: (self.ops[k], srcs) for n, (k, srcs)
                                           in self.origin.items()}
+
+
+def _settle(static: CompletionSetup, best: _Completion) -> _Completion:
+    """Conflicts settled by cost: per op signature, in the order met, the other
+    candidates are tried (one completion each, the locally cheapest first, at most
+    TRIAL_OPS / ops in all) and the first that lowers the whole program's planned
+    traffic is kept. Deterministic: the same program gives the same trials."""
+    budget = TRIAL_OPS // max(len(static.ops), 1)
+    total = best.traffic()
+    tried: set = set()
+    outcomes: dict = {}
+    trials = 0
+    while trials < budget:
+        pending = [(key, c) for key, c in best.conflicts.items()
+                   if key not in tried and key not in best.choices]
+        if not pending:
+            break
+        key, conflict = pending[0]
+        tried.add(key)
+        for cand in conflict.candidates[1:1 + budget - trials]:
+            trials += 1
+            trial = _Completion(static, {**best.choices, key: cand.lead}).run()
+            after = trial.traffic()
+            kept = after.key() < total.key()
+            if key not in outcomes or kept:
+                outcomes[key] = Outcome(cand.lead_name, after, total, kept)
+            if kept:
+                best, total = trial, after
+                break
+    best.outcomes = outcomes
+    return best
 
 
 def _known_names(op, ins, outs) -> list:
@@ -469,74 +463,16 @@ def _attr(mesh, spec: DimsSpec, v) -> DistAttr:
     return DistAttr(mesh, s)
 
 
-def _union(meshes) -> ProcessMesh:
-    first = meshes[0]
-    if all(m == first for m in meshes):
-        return first
-    ids = sorted({p for m in meshes for p in m.process_ids})
-    return ProcessMesh(ids, dim_names=["all"])
+def complete(program: Program, default_mesh: ProcessMesh | None = None,
+             link_costs: dict | None = None) -> Program:
+    """Complete the distributed attributes of ``program`` in place and return it.
 
-
-def complete(program: Program, default_mesh: ProcessMesh | None = None) -> Program:
-    """Complete the distributed attributes of ``program`` in place and return it."""
-    c = _Completion(program, default_mesh)
-    c.assign_meshes()
-    c.init_specs()
-    c.fixpoint()
-    c.finish()
-    c.write()
+    ``link_costs`` ({mesh dim name: (GB/s, latency us)}) prices the reshards that
+    conflicts between operands cost; by default every mesh dim costs alike, so the
+    fewest bytes win."""
+    static = CompletionSetup(program, default_mesh, ReshardPricer(link_costs))
+    best = _Completion(static).run()
+    if best.conflicts:
+        best = _settle(static, best)
+    best.write()
     return program
-
-
-def _producer_of(program: Program, name: str):
-    """The op that produces Value ``name`` (None for inputs and parameters)."""
-    return next((op for op in program.ops if any(o.name == name for o in op.outputs)), None)
-
-
-def explain(program: Program, name: str) -> str:
-    """Why ``name`` has its spec: the chain of ops back to the annotation it came from,
-    conflicts the rules resolved on the way, and where consumers reshard it."""
-    if name not in program.values:
-        raise PlanError(f"explain: no value named {name!r}")
-    v = program.values[name]
-    if v.dist_attr is None:
-        raise PlanError("explain: the program is not completed; call dg.passes.complete first")
-    origin = program.completion_origin
-    lines, seen, todo = [], set(), [name]
-    while todo:
-        n = todo.pop(0)
-        if n in seen:
-            continue
-        seen.add(n)
-        val = program.values[n]
-        if val.annotation is not None:
-            lines.append(f"{n} {val.dist_attr.spec}: annotated by the user as "
-                         f"{val.annotation.spec} on {val.annotation.mesh}")
-            if val.annotation != val.dist_attr:
-                op = _producer_of(program, n)
-                lines.append(f"    its producer {op.type if op else '?'} cannot make that "
-                             f"layout; consumers on {val.annotation.mesh} reshard it")
-                for note in (op.dist_attr.notes if op else []):
-                    lines.append(f"    note on {op.type}: {note}")
-            continue
-        if n not in origin:
-            lines.append(f"{n} {val.dist_attr.spec}: no annotation reached it (unsplit by default)")
-            continue
-        op, srcs = origin[n]
-        where = f" in {op.layer}" if op.layer else ""
-        lines.append(f"{n} {val.dist_attr.spec}: from op {op.type}{where} "
-                     f"(operands with known specs: {', '.join(srcs) or 'none'})")
-        for note in op.dist_attr.notes:
-            lines.append(f"    note on {op.type}: {note}")
-        todo.extend(srcs)
-    for k, op in enumerate(program.ops):
-        for i, u in enumerate(op.inputs):
-            if u.name == name and (op.dist_attr.input_specs[i] != v.dist_attr.spec
-                                   or op.dist_attr.mesh != v.dist_attr.mesh):
-                lines.append(f"reshard: op #{k} {op.type}{' in ' + op.layer if op.layer else ''} consumes "
-                             f"{name} as {op.dist_attr.input_specs[i]} on "
-                             f"{op.dist_attr.mesh} (produced {v.dist_attr})")
-                for note in op.dist_attr.notes:      # the rule's reason, where it gave one
-                    if note.startswith(f"input {i} "):
-                        lines.append(f"    because on {op.type}: {note}")
-    return "\n".join(lines)

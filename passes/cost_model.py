@@ -60,6 +60,12 @@ def collective_bytes(kind: str, n: int, nbytes: float) -> float:
     return factor * (n - 1) * nbytes / n
 
 
+def comm_bytes(collectives) -> float:
+    """Bytes one process sends for ``((kind, n, nbytes), ...)``, e.g. an op strategy's
+    ``comm``."""
+    return float(sum(collective_bytes(kind, n, nbytes) for kind, n, nbytes in collectives))
+
+
 def collective_time(kind: str, n: int, nbytes: float, bandwidth_GBps: float,
                     latency_us: float) -> float:
     """Seconds for ``kind`` over ``n`` processes: alpha-beta on a ring (module table).

@@ -407,6 +407,12 @@ def test_no_mesh_anywhere_is_a_plan_error():
 MESH2 = dg.ProcessMesh([0, 1], ["x"])
 
 
+class Holder(dg.nn.Layer):
+    def __init__(self, shape):
+        super().__init__()
+        self.w = dg.Parameter(np.zeros(shape))
+
+
 @pytest.mark.parametrize("shape, bad, words", [
     ((8, 16), ["x"], ["1 entries for a 2-d tensor"]),
     ((8, 16), ["z", None], ["unknown mesh dim 'z'"]),
@@ -416,9 +422,11 @@ MESH2 = dg.ProcessMesh([0, 1], ["x"])
 @pytest.mark.parametrize("target", ["parameter", "traced"])
 def test_bad_annotation_names_tensor_shape_spec_and_mesh(shape, bad, words, target):
     if target == "parameter":
+        holder = Holder(shape)
         with pytest.raises(dg.ShardingError) as err:
-            dg.shard_tensor(dg.Parameter(np.zeros(shape)), MESH2, bad)
-        name = "parameter"
+            dg.shard_tensor(holder.w, MESH2, bad)
+        name = "w"
+        words = words + ["parameter 'w' of Holder()"]
     else:
         with pytest.raises(dg.ShardingError) as err:
             dg.trace(lambda a: dg.ops.relu(dg.shard_tensor(a, MESH2, bad)),
@@ -427,6 +435,32 @@ def test_bad_annotation_names_tensor_shape_spec_and_mesh(shape, bad, words, targ
     msg = str(err.value)
     for w in words + [f"'{name}'", str(list(shape)), str(dg.ShardSpec(bad)), str(MESH2)]:
         assert w in msg, (w, msg)
+
+
+def test_errors_on_a_parameter_name_it_and_its_layer_path_once_traced():
+    mesh = dg.ProcessMesh([0, 1, 2, 3], ["mp"])
+    model = MLP(16, 64, 4)
+    with pytest.raises(dg.ShardingError, match=r"^parameter 'weight' of Linear\(16, 64\) "
+                                               r"of shape \[16, 64\] with spec \[x, None\]"):
+        dg.shard_tensor(model.fc1.weight, mesh, ["x", None])
+    dg.trace(model, dg.InputSpec([4, 16], name="x"))
+    with pytest.raises(dg.ShardingError, match=r"^parameter 'fc1.bias' of Linear\(16, 64\)"):
+        dg.shard_tensor(model.fc1.bias, mesh, ["mp", None])
+    assert repr(dg.nn.Linear(3, 4, bias=False)) == "Linear(3, 4, bias=False)"
+
+
+def test_a_string_spec_is_an_error_saying_to_pass_a_list():
+    mesh = dg.ProcessMesh([0, 1, 2, 3], ["mp"])
+    model = MLP(16, 64, 4)
+    with pytest.raises(dg.ShardingError) as err:
+        dg.shard_tensor(model.fc1.weight, mesh, "mp")
+    msg = str(err.value)
+    assert "parameter 'weight' of Linear(16, 64): shard spec 'mp' is a string" in msg
+    assert "pass a list with one entry per tensor dim (2), e.g. ['mp', None]" in msg
+    assert "unknown mesh dim" not in msg
+    with pytest.raises(dg.ShardingError, match="tensor 'acts': shard spec 'mp' is a string"):
+        dg.trace(lambda a: dg.ops.relu(dg.shard_tensor(a, mesh, "mp")),
+                 dg.InputSpec([4, 8], name="acts"))
 
 
 def test_duplicate_process_ids_in_a_mesh():

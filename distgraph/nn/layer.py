@@ -26,8 +26,15 @@ class Layer:
     def __init__(self):
         object.__setattr__(self, "_parameters", OrderedDict())
         object.__setattr__(self, "_sublayers", OrderedDict())
-        object.__setattr__(self, "_path", "")
+        object.__setattr__(self, "_path", "")     # set by assign_paths when traced
         object.__setattr__(self, "training", True)
+
+    def extra_repr(self) -> str:
+        """What ``repr`` shows between the parentheses: ``Linear(16, 64)``."""
+        return ""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.extra_repr()})"
 
     def __setattr__(self, name, value):
         if "_parameters" not in self.__dict__:
@@ -37,6 +44,8 @@ class Layer:
         self._sublayers.pop(name, None)
         if isinstance(value, Parameter):
             self._parameters[name] = value
+            if value.owner is None:
+                value.owner, value.attr_name = self, name
         elif isinstance(value, Layer):
             self._sublayers[name] = value
         object.__setattr__(self, name, value)

@@ -32,6 +32,10 @@ class Linear(Layer):
         if bias:
             self.bias = Parameter(np.zeros(out_features) if init_std else _uniform((out_features,), bound))
 
+    def extra_repr(self) -> str:
+        n_in, n_out = self.weight.shape
+        return f"{n_in}, {n_out}" + ("" if self.bias is not None else ", bias=False")
+
     def forward(self, x):
         y = ops.matmul(x, self.weight)
         return y + self.bias if self.bias is not None else y
@@ -41,6 +45,9 @@ class Embedding(Layer):
     def __init__(self, num_embeddings, embedding_dim, init_std=1.0):
         super().__init__()
         self.weight = Parameter(_normal((num_embeddings, embedding_dim), init_std))
+
+    def extra_repr(self) -> str:
+        return ", ".join(map(str, self.weight.shape))
 
     def forward(self, ids):
         return ops.embedding(ids, self.weight)
@@ -52,6 +59,9 @@ class LayerNorm(Layer):
         self.epsilon = epsilon
         self.weight = Parameter(np.ones(normalized_shape))
         self.bias = Parameter(np.zeros(normalized_shape))
+
+    def extra_repr(self) -> str:
+        return ", ".join(map(str, self.weight.shape))
 
     def forward(self, x):
         return ops.layer_norm(x, None, self.weight, self.bias, self.epsilon)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from distgraph.ops.common import elementwise_flops, normalize_axes
 from distgraph.ops.registry import TensorType, register_op, size
-from distgraph.spmd import LETTERS, EinsumRule
+from distgraph.spmd import LETTERS, EinsumRule, axes_of
 from distgraph.trace import emit1
 
 
@@ -21,7 +21,7 @@ def _reduced_shape(shape, axes, keepdim):
 def reduce_notation(upper: bool):
     def notation(in_shapes, attrs):
         rank = len(in_shapes[0])
-        axes = set(attrs["axis"])
+        axes = set(axes_of(attrs["axis"], rank))
         word = "".join(LETTERS[i].upper() if (upper and i in axes) else LETTERS[i]
                        for i in range(rank))
         if attrs.get("keepdim"):

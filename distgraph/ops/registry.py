@@ -27,10 +27,13 @@ learns which slice of the global tensor it draws (``site`` is a :class:`LocalSit
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import inspect
+from dataclasses import dataclass, replace
 from typing import Any, Callable, NamedTuple
 
 from distgraph.errors import DistGraphError
+from distgraph.placement import DistAttr
+from distgraph.spmd import Rule, SpmdRuleError
 
 
 class TensorType(NamedTuple):
@@ -79,8 +82,12 @@ def register_op(op_type: str, *, spmd, inplace=(), differentiable=True, donate=F
         if differentiable and grad is None:
             raise DistGraphError(f"op {op_type!r} defines no grad(); pass differentiable=False "
                                  "if it has no gradient")
+        if not isinstance(spmd, Rule):
+            raise DistGraphError(f"op {op_type!r}: its spmd rule {spmd!r} is not a "
+                                 f"distgraph.spmd.Rule")
         flops = members.get("flops", _zero_flops)
-        _REGISTRY[op_type] = OpDef(op_type, members["infer"], members["kernel"], grad, spmd,
+        rule = OpRule(op_type, spmd, members["infer"], members.get("comm"))
+        _REGISTRY[op_type] = OpDef(op_type, members["infer"], members["kernel"], grad, rule,
                                    flops, tuple(inplace), differentiable, members.get("localize"),
                                    members.get("comm"), donate)
         return cls
@@ -103,9 +110,60 @@ def registered_ops() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def spmd_rule(op_type: str):
-    """The sharding rule of an op: ``spmd_rule("matmul").infer_forward(...)``."""
+def spmd_rule(op_type: str) -> OpRule:
+    """The sharding rule of an op: ``spmd_rule("matmul").infer_forward(...)`` (the calls
+    are listed in :mod:`distgraph.spmd`)."""
     return get_op(op_type).spmd
+
+
+class OpRule(Rule):
+    """An op's sharding rule as the registry hands it out: the attributes a call passes
+    are checked against the op's (its ``infer`` signature: an unknown or missing one is
+    an SpmdRuleError), and its strategies carry the collectives of the op's distributed
+    form (its ``comm`` hook)."""
+
+    def __init__(self, op_type: str, rule: Rule, infer: Callable, comm: Callable | None):
+        self.op_type, self.rule, self.comm = op_type, rule, comm
+        self.signature = inspect.signature(infer)
+
+    def __repr__(self) -> str:
+        return f"spmd_rule({self.op_type!r}) = {self.rule!r}"
+
+    def check_attrs(self, n_inputs: int, attrs: dict) -> None:
+        unknown = sorted(set(attrs) - set(self.signature.parameters))
+        problem = f"unknown attribute(s) {unknown}" if unknown else None
+        if problem is None:
+            try:
+                self.signature.bind(*[None] * n_inputs, **attrs)
+            except TypeError as e:
+                problem = str(e)
+        if problem is not None:
+            raise SpmdRuleError(f"rule of {self.op_type!r} with {n_inputs} inputs and "
+                                f"attributes {sorted(attrs)}: {problem}; {self.op_type} "
+                                f"takes {self.signature}")
+
+    def bind(self, in_shapes, out_shapes, mesh, attrs: dict):
+        self.check_attrs(len(in_shapes), attrs)
+        try:
+            return self.rule.bind(in_shapes, out_shapes, mesh, attrs)
+        except SpmdRuleError as e:
+            raise SpmdRuleError(f"rule of {self.op_type!r}: {e}") from None
+
+    def strategies(self, in_shapes, out_shapes, mesh, in_dtypes=None, **attrs) -> list:
+        found = self.bind(in_shapes, out_shapes, mesh, attrs).strategies()
+        if self.comm is None:
+            return found
+        dtypes = tuple(in_dtypes) if in_dtypes is not None else ("float32",) * len(in_shapes)
+        pid = mesh.process_ids[0]         # every process of a strategy communicates alike
+        out = []
+        for s in found:
+            site = LocalSite(pid, tuple(map(tuple, in_shapes)),
+                             tuple(DistAttr(mesh, x) for x in s.in_specs),
+                             tuple(map(tuple, out_shapes)),
+                             tuple(DistAttr(mesh, x) for x in s.out_specs), dtypes)
+            comm = tuple(self.comm(site))
+            out.append(replace(s, comm=comm) if comm else s)
+        return out
 
 
 def size(t: TensorType) -> int:

@@ -1,15 +1,18 @@
 """Shape ops: reshape, transpose, broadcast_to, concat, split, slice.
 
 Sharding: transpose permutes letters (``"abc->cab"``); concat/split/slice never split the
-axis they cut; broadcast_to never splits a stretched dim; reshape has its own rule (a
-split moves between the major dims of a merged or split group, see ReshapeRule).
+axis they cut; broadcast_to never splits a stretched dim; reshape gives each merged or
+split group one letter on its major dims (see ``reshape_notation``).
 """
 
 from __future__ import annotations
 
+import math
+import numbers
+
 from distgraph.ops.common import normalize_axes, same_dtype
 from distgraph.ops.registry import ShapeError, TensorType, register_op
-from distgraph.spmd import LETTERS, UNKNOWN, DimsSpec, EinsumRule, SpmdResult, entry_dims, entry_str
+from distgraph.spmd import LETTERS, EinsumRule, SpmdRuleError, axes_of, axis_of
 from distgraph.trace import emit, emit1
 
 
@@ -39,75 +42,33 @@ def reshape_groups(src, dst):
     return groups
 
 
-class ReshapeRule:
-    """A split survives a reshape only on the major (first) dim of a merged/split group:
-    [S(x), R] (4, 6) -> (24,) gives [S(x)]; (24,) [S(x)] -> (4, 6) gives [S(x), R] when the
-    mesh dim divides 4. Splits on minor dims of a group are dropped (input resharded)."""
+def reshape_notation(in_shapes, attrs) -> str:
+    """One letter per merge/split group, on the group's major (first non-1) dim on each
+    side; the group's other dims are UPPERCASE (never split) and size-1 dims '1'.
 
-    def __repr__(self) -> str:
-        return "ReshapeRule()"
-
-    def _map(self, spec, src, dst, mesh, notes):
-        sizes = dict(zip(mesh.dim_names, mesh.shape))
-        out = [None] * len(dst)
-        for gi, gj in reshape_groups(src, dst):
-            if not gi or not gj:
-                continue
-            major = next((d for d in gi if src[d] != 1), gi[0])
-            for d in gi:
-                if d != major and spec.dims[d] not in (None, UNKNOWN):
-                    notes.append(f"dim {d} split {entry_str(spec.dims[d])} is not the major dim "
-                                 f"of its reshape group; left unsplit")
-            entry = spec.dims[major]
-            target = next((d for d in gj if dst[d] != 1), gj[0])
-            for d in gj:
-                out[d] = UNKNOWN if entry is UNKNOWN else None
-            if entry not in (None, UNKNOWN):
-                ways = 1
-                for m in entry_dims(entry):
-                    ways *= sizes[m]
-                if dst[target] % ways == 0:
-                    out[target] = entry
-                else:
-                    notes.append(f"split {entry_str(entry)} of {src[major]} does not divide "
-                                 f"{dst[target]} after reshape; left unsplit")
-                    out[target] = None
-        return DimsSpec(tuple(out))
-
-    def infer_forward(self, in_specs, in_shapes, mesh, fixed=(), shape=None, **attrs):
-        return self.infer(in_specs, None, in_shapes, None, mesh, fixed, (), False, shape=shape)
-
-    def infer_backward(self, in_specs, out_specs, in_shapes, out_shapes, mesh, fixed=(),
-                       shape=None, **attrs):
-        return self.infer(in_specs, out_specs, in_shapes, out_shapes, mesh, fixed, (), True,
-                          shape=shape)
-
-    def infer(self, in_specs, out_specs, in_shapes, out_shapes, mesh, fixed_in=(), fixed_out=(),
-              outputs_first=False, shape=None, **attrs) -> SpmdResult:
-        """Known entries of the input and of the output both constrain the other side;
-        the input wins unless the output is fixed or ``outputs_first``."""
-        src, dst = tuple(in_shapes[0]), tuple(shape)
-        notes: list[str] = []
-        x = DimsSpec.of(in_specs[0])
-        out = DimsSpec.of(out_specs[0]) if out_specs else DimsSpec.unknown(len(dst))
-        out_first = (outputs_first or 0 in fixed_out) and 0 not in fixed_in
-        if out_first:
-            x = _fill(self._map(out, dst, src, mesh, notes), x)
-        else:
-            out = _fill(self._map(x, src, dst, mesh, notes), out)
-            x = _fill(x, self._map(out, dst, src, mesh, []))
-        new_out = self._map(x, src, dst, mesh, notes)
-        back = self._map(new_out, dst, src, mesh, [])
-        return SpmdResult((_fill(back, x),), (new_out,), tuple(notes))
+    A split survives a reshape only on the major dims: (4, 6) -> (24,) is "aB->a", so
+    [S(x), R] gives [S(x)] and a split of the minor dim is dropped on the input too;
+    (24,) -> (4, 6) is "a->aB" and a split needs to divide both 24 and 4.
+    """
+    src = tuple(in_shapes[0])
+    shape = attrs["shape"]
+    if not all(isinstance(n, numbers.Integral) and not isinstance(n, bool) and n > 0
+               for n in shape):
+        raise SpmdRuleError(f"reshape shape={shape!r}: give positive ints (no -1 here)")
+    dst = tuple(shape)
+    if math.prod(src) != math.prod(dst):
+        raise SpmdRuleError(f"cannot reshape {list(src)} to {list(dst)}")
+    minors = iter(LETTERS.upper())
+    left, right = [], []
+    for g, (gi, gj) in enumerate(reshape_groups(src, dst)):
+        for dims, sizes, word in ((gi, src, left), (gj, dst, right)):
+            major = next((d for d in dims if sizes[d] != 1), None)
+            for d in dims:
+                word.append("1" if sizes[d] == 1 else LETTERS[g] if d == major else next(minors))
+    return "".join(left) + "->" + "".join(right)
 
 
-def _fill(spec: DimsSpec, other: DimsSpec) -> DimsSpec:
-    """Known entries of ``spec``, unknown ones taken from ``other``."""
-    return DimsSpec(tuple(b if a is UNKNOWN else a for a, b in zip(spec.dims, other.dims)),
-                    spec.partial)
-
-
-@register_op("reshape", spmd=ReshapeRule())
+@register_op("reshape", spmd=EinsumRule(reshape_notation, out_shapes=lambda s, a: [a["shape"]]))
 class Reshape:
     def infer(x, shape):
         total = 1
@@ -151,8 +112,12 @@ def reshape(x, shape):
 
 # -- transpose, broadcast_to --------------------------------------------------------------------
 def _transpose_notation(in_shapes, attrs):
-    word = LETTERS[:len(in_shapes[0])]
-    return word + "->" + "".join(word[p] for p in attrs["perm"])
+    rank = len(in_shapes[0])
+    perm = [axis_of(p, rank, "perm") for p in attrs["perm"]]
+    if sorted(perm) != list(range(rank)):
+        raise SpmdRuleError(f"perm {list(attrs['perm'])} is not a permutation of {rank} dims")
+    word = LETTERS[:rank]
+    return word + "->" + "".join(word[p] for p in perm)
 
 
 @register_op("transpose", spmd=EinsumRule(_transpose_notation))
@@ -181,9 +146,11 @@ def transpose(x, perm):
 
 
 def _broadcast_notation(in_shapes, attrs):
-    src, dst = in_shapes[0], attrs["shape"]
+    src, dst = in_shapes[0], tuple(attrs["shape"])
     out = LETTERS[:len(dst)]
     off = len(dst) - len(src)
+    if off < 0 or any(n not in (1, dst[off + i]) for i, n in enumerate(src)):
+        raise SpmdRuleError(f"cannot broadcast {list(src)} to {list(dst)}")
     word = "".join("1" if n == 1 and dst[off + i] != 1 else out[off + i] for i, n in enumerate(src))
     return f"{word}->{out}"
 
@@ -220,7 +187,7 @@ def _axis_word(rank, axis):
 
 
 def _concat_notation(in_shapes, attrs):
-    word = _axis_word(len(in_shapes[0]), attrs["axis"])
+    word = _axis_word(len(in_shapes[0]), axis_of(attrs["axis"], len(in_shapes[0])))
     return ",".join([word] * len(in_shapes)) + "->" + word
 
 
@@ -251,7 +218,7 @@ def concat(xs, axis=0):
 
 
 def _split_notation(in_shapes, attrs):
-    word = _axis_word(len(in_shapes[0]), attrs["axis"])
+    word = _axis_word(len(in_shapes[0]), axis_of(attrs["axis"], len(in_shapes[0])))
     return word + "->" + ",".join([word] * len(attrs["sections"]))
 
 
@@ -296,7 +263,8 @@ def split(x, num_or_sections, axis=0):
 
 def _slice_notation(in_shapes, attrs):
     rank = len(in_shapes[0])
-    word = "".join(LETTERS[i].upper() if i in attrs["axes"] else LETTERS[i] for i in range(rank))
+    axes = axes_of(attrs["axes"], rank, "axes")
+    word = "".join(LETTERS[i].upper() if i in axes else LETTERS[i] for i in range(rank))
     return f"{word}->{word}"
 
 

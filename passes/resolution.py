@@ -1,0 +1,222 @@
+"""Cost-aware conflict resolution (MindSpore's sharding propagation, seed 003): when an
+op's operands disagree, price each way of settling it by the redistribution it causes.
+
+A conflict is a visit of completion whose rule answer reshards an operand. Its
+:class:`Candidate` s are the rule's answer and the answers with each other operand in
+the lead (``RuleQuery.lead``); a candidate's :class:`Edge` s are the reshards it needs on
+the op's edges (inputs from their Values' layouts, outputs to what each consumer takes),
+priced by the alpha-beta time of their :func:`plan_reshard` steps over the links of the
+mesh dims they run on. Without given links every mesh dim costs 1 GB/s and no latency:
+the time is then the bytes moved.
+
+A local price does not see what a choice does downstream (keeping a split activation can
+cost more gathers later than it saves), so completion keeps a locally cheaper answer
+only where the whole program's planned traffic per step (:func:`planned_traffic`, what
+partition will place) goes down; otherwise the rule's own order stands. Every conflict
+gets a note saying what was kept and what the alternative would move.
+
+Example::
+
+    pricer = ReshardPricer({"dp": (12.5, 5.0), "mp": (300.0, 2.0)})   # GB/s, us
+    edge = pricer.edge("input", "labels", mesh, DimsSpec(("x", None)), DimsSpec((None, None)),
+                       (8, 16), "int64")
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from distgraph.passes.cost_model import comm_bytes
+from distgraph.passes.partition import _local_view_only
+from distgraph.passes.reshard import plan_bytes, plan_reshard
+
+from distgraph.placement import DistAttr, ShardSpec
+from distgraph.spmd import UNKNOWN, DimsSpec, entry_dims
+
+UNIT_LINK = (1.0, 0.0)           # GB/s, us: time = bytes / 1e9
+
+
+@dataclass(frozen=True)
+class Edge:
+    """One operand's reshard under a candidate: ``name`` moves ``src`` -> ``dst``
+    (``side``: "input" from its Value's layout, "output" to what a consumer takes)."""
+
+    side: str
+    name: str
+    src: ShardSpec
+    dst: ShardSpec
+    time: float
+    bytes: float
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """An answer of an op's rule (``result``), the operand that led it (``lead``, None:
+    the rule's own order; ``lead_name`` and ``lead_spec`` its Value and known layout)
+    and the reshards it needs."""
+
+    result: object
+    lead: object
+    lead_name: str
+    lead_spec: str
+    edges: tuple
+
+    @property
+    def cost(self) -> tuple:
+        return (sum(e.time for e in self.edges), sum(e.bytes for e in self.edges))
+
+    def moves(self) -> str:
+        """``a (6 KiB), b (96 B)``: the bytes each operand moves (over its consumers)."""
+        per: dict = {}
+        for e in self.edges:
+            per[e.name] = per.get(e.name, 0.0) + e.bytes
+        return ", ".join(f"{n} ({fmt_bytes(b)})" for n, b in per.items()) or "nothing"
+
+
+class Conflict(NamedTuple):
+    """Where a conflict was first met (op index) and its candidates, the rule's answer
+    first, then the others from the cheapest."""
+
+    op: int
+    candidates: tuple
+
+
+class Traffic(NamedTuple):
+    """A program's planned communication per step: alpha-beta seconds of its reshard
+    steps in sequence, and bytes sent summed over all processes. ``timed``: priced over
+    given links, so the time decides (else the bytes)."""
+
+    time: float
+    bytes: float
+    timed: bool = False
+
+    def key(self) -> tuple:
+        return (self.time, self.bytes) if self.timed else (self.bytes,)
+
+    def __str__(self) -> str:
+        if self.timed:
+            return f"{fmt_bytes(self.bytes)} taking {self.time * 1e6:.3g} us"
+        return fmt_bytes(self.bytes)
+
+
+def _fill(spec: DimsSpec, other: DimsSpec) -> tuple:
+    """Unknown entries of ``spec`` from ``other`` where that uses no mesh dim twice, the
+    rest None (an unknown side has no preference: it costs nothing to match)."""
+    used = set(spec.partial)
+    for e in spec.dims:
+        used.update(entry_dims(e))
+    out = []
+    for a, b in zip(spec.dims, other.dims):
+        if a is UNKNOWN:
+            a = b if b is not UNKNOWN and used.isdisjoint(entry_dims(b)) else None
+            used.update(entry_dims(a))
+        out.append(a)
+    return tuple(out)
+
+
+class ReshardPricer:
+    """Prices reshards; ``links`` maps a mesh dim name to (GB/s, latency us)."""
+
+    def __init__(self, links: dict | None = None):
+        self.links = dict(links or {})
+        self.timed = bool(self.links)
+        self.cache: dict = {}
+
+    def steps_cost(self, src: DistAttr, dst: DistAttr, shape, dtype) -> Traffic:
+        """(alpha-beta seconds of the steps, bytes sent over all processes)."""
+        key = (src, dst, tuple(shape), dtype)
+        if key not in self.cache:
+            if src == dst or _local_view_only(src, dst):
+                self.cache[key] = Traffic(0.0, 0.0, self.timed)
+            else:
+                steps = plan_reshard(src, dst, shape, dtype)
+                time = sum(s.time(*self.links.get(s.mesh_dim, UNIT_LINK)) for s in steps)
+                procs = set(src.mesh.process_ids) | set(dst.mesh.process_ids)
+                total = sum(s.bytes_sent_by(p) for s in steps for p in procs)
+                self.cache[key] = Traffic(time, float(total), self.timed)
+        return self.cache[key]
+
+    def edge(self, side, name, mesh, src: DimsSpec, dst: DimsSpec, shape, dtype) -> Edge | None:
+        """The reshard of ``name`` from ``src`` to ``dst`` on ``mesh`` (unknown entries
+        match the other side), None if it moves nothing; bytes are per process."""
+        s = ShardSpec(_fill(src, dst), src.partial)
+        d = ShardSpec(_fill(dst, DimsSpec(s.dims)), dst.partial)
+        if s == d:
+            return None
+        key = ("edge", mesh, s, d, tuple(shape), dtype)
+        if key not in self.cache:
+            steps = plan_reshard(DistAttr(mesh, s), DistAttr(mesh, d), shape, dtype)
+            time = sum(st.time(*self.links.get(st.mesh_dim, UNIT_LINK)) for st in steps)
+            self.cache[key] = (time, plan_bytes(steps))
+        time, nbytes = self.cache[key]
+        return Edge(side, name, s, d, time, nbytes) if nbytes or time else None
+
+
+def planned_traffic(points, op_comm, pricer: ReshardPricer) -> Traffic:
+    """What partition will place for a completed layout, summed over all processes:
+    ``points`` are the reshards ``(value name, src DistAttr, dst DistAttr, shape, dtype)``
+    (one per value and destination layout, as partition places them, write-backs of
+    updates included); ``op_comm`` the ``(comm hook, LocalSite)`` of every process of
+    every op that communicates inside its distributed form."""
+    seen: set = set()
+    time = total = 0.0
+    for name, src, dst, shape, dtype in points:
+        if (name, dst) in seen:
+            continue
+        seen.add((name, dst))
+        t = pricer.steps_cost(src, dst, shape, dtype)
+        time, total = time + t.time, total + t.bytes
+    for hook, site in op_comm:
+        total += comm_bytes(hook(site))
+    return Traffic(time, total, pricer.timed)
+
+
+def fmt_bytes(n: float) -> str:
+    """``96 B``, ``4.69 KiB``, ``1003 KiB``, ``1.5 MiB``."""
+    for unit, size in (("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+        if n >= size:
+            v = n / size
+            return f"{v:.3g} {unit}" if v < 100 else f"{v:.0f} {unit}"
+    return f"{n:.0f} B"
+
+
+class Outcome(NamedTuple):
+    """How completion settled one op signature's conflicts: the lead it tried (None:
+    no answer was locally cheaper than the rule's), the planned traffic with it and
+    without it, and whether it was kept."""
+
+    lead_name: str | None
+    after: Traffic | None
+    before: Traffic | None
+    kept: bool
+
+
+def conflict_note(conflict: Conflict, lead, outcome: Outcome | None) -> str | None:
+    """What explain() says about a settled conflict (None if nothing else was possible):
+    what was kept, what the alternative would reshard, and the program-level check."""
+    default, others = conflict.candidates[0], conflict.candidates[1:]
+    if not others:
+        return None
+    if lead is not None:
+        chosen = next((c for c in others if c.lead == lead), None)
+        if chosen is None:
+            return None
+        text = (f"kept {chosen.lead_name} {chosen.lead_spec}: resharding {chosen.moves()} instead of "
+                f"{default.moves()}")
+        if outcome is not None and outcome.kept:
+            text += f" (planned {outcome.after} per step against {outcome.before})"
+        return text
+    # the first answer that moves other operands than the rule's (same moves: no choice)
+    alt = next((c for c in others if c.edges != default.edges), None)
+    if alt is None:
+        return None
+    if alt.cost < default.cost and outcome is not None and outcome.after is not None:
+        return (f"kept the rule's order: resharding {default.moves()} instead of "
+                f"{alt.moves()} here, but keeping {outcome.lead_name} would plan "
+                f"{outcome.after} per step against {outcome.before}")
+    moved = {e.name for e in default.edges}
+    kept = [f"{e.name} {e.src if e.side == 'input' else e.dst}" for e in alt.edges
+            if e.name not in moved]
+    return (f"kept {', '.join(kept) or 'the rule order'}: resharding {default.moves()} "
+            f"instead of {alt.moves()}")

@@ -46,8 +46,8 @@ class OpCase:
         return f"{self.op}{list(map(list, self.in_shapes))}{'(' + attrs + ')' if attrs else ''}"
 
 
-F, I, B = "float32", "int64", "bool"
-ADAM = {"lr": 0.01, "beta1": 0.9, "beta2": 0.999, "epsilon": 1e-8, "weight_decay": 0.0}
+F, INT, B = "float32", "int64", "bool"
+ADAM = {"beta1": 0.9, "beta2": 0.999, "epsilon": 1e-8, "weight_decay": 0.0}
 
 CASES = [
     OpCase("matmul", ((12, 6), (6, 4))),
@@ -98,10 +98,10 @@ CASES = [
     OpCase("log_softmax_grad", ((6, 4), (6, 4)), {"axis": 1}),
     OpCase("layer_norm", ((4, 6, 12), (12,), (12,)), {"epsilon": 1e-5}),
     OpCase("layer_norm_grad", ((4, 6, 12), (12,), (4, 6), (4, 6), (4, 6, 12))),
-    OpCase("embedding", ((4, 6), (24, 12)), {}, (I, F)),
-    OpCase("embedding_grad", ((4, 6), (4, 6, 12)), {"vocab_size": 24}, (I, F)),
-    OpCase("softmax_cross_entropy", ((4, 6, 12), (4, 6)), {}, (F, I)),
-    OpCase("softmax_cross_entropy_grad", ((4, 6, 12), (4, 6), (4, 6), (4, 6)), {}, (F, I, F, F)),
-    OpCase("sgd_update", ((12, 6), (12, 6), (12, 6)), {"lr": 0.1, "momentum": 0.9}),
-    OpCase("adam_update", ((12, 6), (12, 6), (12, 6), (12, 6), ()), ADAM),
+    OpCase("embedding", ((4, 6), (24, 12)), {}, (INT, F)),
+    OpCase("embedding_grad", ((4, 6), (4, 6, 12)), {"vocab_size": 24}, (INT, F)),
+    OpCase("softmax_cross_entropy", ((4, 6, 12), (4, 6)), {}, (F, INT)),
+    OpCase("softmax_cross_entropy_grad", ((4, 6, 12), (4, 6), (4, 6), (4, 6)), {}, (F, INT, F, F)),
+    OpCase("sgd_update", ((12, 6), (12, 6), (12, 6), ()), {"momentum": 0.9}),
+    OpCase("adam_update", ((12, 6), (12, 6), (12, 6), (12, 6), (), ()), ADAM),
 ]

@@ -109,17 +109,7 @@ class _SpmdBackend:
         check_world(plan, comm.size)
         self.plan = plan
         self.runner = SpmdRunner(plan, plan.process_of(comm.rank), comm, fetch=fetch)
-        self._rows = self._batch_rows()
-
-    def _batch_rows(self):
-        """The rows of dim 0 this rank reads, when all inputs it holds want the same ones
-        (a data-parallel rank loads only its samples; other dims are sliced after)."""
-        program, pid = self.plan.program, self.runner.pid
-        slices = [program.values[v.name].dist_attr.local_slices(program.values[v.name].shape, pid)
-                  for v in self.runner.local.program.inputs]
-        if not slices or any(not s or s[0] != slices[0][0] for s in slices):
-            return None
-        return slices[0][0]
+        self._rows = self.runner.batch_rows()
 
     def scope(self, global_values: dict) -> dict:
         return self.runner.shard_scope(global_values)

@@ -48,6 +48,7 @@ import numpy as np
 
 from distgraph.errors import RuntimeFault
 from distgraph.passes.cost_model import collective_bytes
+from distgraph.runtime.backend import NUMPY
 
 DEFAULT_TIMEOUT = 60.0
 MAX_TAG = 1 << 14  # user tags are [0, MAX_TAG); MPI's upper tags are kept for internals
@@ -73,12 +74,15 @@ class Communicator(ABC):
     """Collectives and p2p over logical ranks, with per-kind counters of bytes sent.
 
     Subclasses implement the ``_``-prefixed methods; the public ones validate, handle
-    one-member groups locally and count bytes.
+    one-member groups locally and count bytes. ``backend`` (an
+    :class:`~distgraph.runtime.backend.ArrayBackend`, numpy by default) makes every array
+    a communicator allocates, copies or cuts.
     """
 
-    def __init__(self, rank: int, size: int, timeout: float | None = None):
+    def __init__(self, rank: int, size: int, timeout: float | None = None, backend=None):
         self.rank = rank
         self.size = size
+        self.backend = backend or NUMPY
         self.timeout = default_timeout() if timeout is None else float(timeout)
         self.reset_counters()
 
@@ -106,6 +110,10 @@ class Communicator(ABC):
                                f"contain this rank; only members call a collective")
         return group
 
+    def _c(self, arr):
+        """``arr`` as a C-contiguous array of the backend (0-d arrays stay 0-d)."""
+        return self.backend.contiguous(self.backend.asarray(arr))
+
     def _split_axis(self, arr, axis: int, n: int, what: str) -> int:
         axis = axis + arr.ndim if axis < 0 else axis
         if not 0 <= axis < arr.ndim or arr.shape[axis] % n:
@@ -121,8 +129,8 @@ class Communicator(ABC):
             raise RuntimeFault(f"rank {self.rank}: {what} tag {tag} is outside [0, {MAX_TAG})")
 
     # ---- public API -------------------------------------------------------------------
-    def all_gather(self, arr, group, axis: int = 0) -> np.ndarray:
-        arr = np.require(arr, requirements="C")  # keeps 0-d arrays 0-d
+    def all_gather(self, arr, group, axis: int = 0):
+        arr = self._c(arr)
         group = self._group(group, "all_gather")
         axis = axis + arr.ndim if axis < 0 else axis
         self._count("all_gather", len(group), arr.nbytes * len(group))
@@ -130,8 +138,8 @@ class Communicator(ABC):
             return arr.copy()
         return self._all_gather(arr, group, axis)
 
-    def all_reduce(self, arr, group, op: str = "sum", inplace: bool = False) -> np.ndarray:
-        arr = np.require(arr, requirements="C")  # keeps 0-d arrays 0-d
+    def all_reduce(self, arr, group, op: str = "sum", inplace: bool = False):
+        arr = self._c(arr)
         group = self._group(group, "all_reduce")
         if op not in REDUCE_OPS:
             raise RuntimeFault(f"rank {self.rank}: all_reduce op {op!r}; use one of "
@@ -144,8 +152,8 @@ class Communicator(ABC):
             return self._all_reduce_inplace(arr, group, op)
         return self._all_reduce(arr, group, op)
 
-    def reduce_scatter(self, arr, group, axis: int = 0) -> np.ndarray:
-        arr = np.require(arr, requirements="C")  # keeps 0-d arrays 0-d
+    def reduce_scatter(self, arr, group, axis: int = 0):
+        arr = self._c(arr)
         group = self._group(group, "reduce_scatter")
         axis = self._split_axis(arr, axis, len(group), "reduce_scatter")
         self._count("reduce_scatter", len(group), arr.nbytes)
@@ -153,8 +161,8 @@ class Communicator(ABC):
             return arr.copy()
         return self._reduce_scatter(arr, group, axis)
 
-    def all_to_all(self, arr, group, split_axis: int, concat_axis: int) -> np.ndarray:
-        arr = np.require(arr, requirements="C")  # keeps 0-d arrays 0-d
+    def all_to_all(self, arr, group, split_axis: int, concat_axis: int):
+        arr = self._c(arr)
         group = self._group(group, "all_to_all")
         split_axis = self._split_axis(arr, split_axis, len(group), "all_to_all")
         concat_axis = concat_axis + arr.ndim if concat_axis < 0 else concat_axis
@@ -166,11 +174,11 @@ class Communicator(ABC):
     def send(self, arr, dst: int, tag: int = 0) -> None:
         """Send a copy of ``arr`` to rank ``dst`` without blocking."""
         self._peer(dst, tag, "send to")
-        arr = np.array(arr, copy=True, order="C")
+        arr = self.backend.copy(arr)
         self._count("send_recv", 2, arr.nbytes)
         self._send(arr, dst, tag)
 
-    def recv(self, shape, dtype, src: int, tag: int = 0) -> np.ndarray:
+    def recv(self, shape, dtype, src: int, tag: int = 0):
         """The next array from rank ``src`` with ``tag``; RuntimeFault after the timeout."""
         self._peer(src, tag, "recv from")
         return self._recv(tuple(int(s) for s in shape), np.dtype(dtype), src, tag)
@@ -212,12 +220,12 @@ class SimulatedWorld:
     per-rank results, re-raising the first exception (the other ranks then stop waiting
     and raise RuntimeFault instead of hanging)."""
 
-    def __init__(self, size: int, timeout: float | None = None):
+    def __init__(self, size: int, timeout: float | None = None, backend=None):
         if size < 1:
             raise RuntimeFault(f"SimulatedWorld({size}): a world has at least one rank")
         self.size = size
         self._cond = threading.Condition()
-        self._comms = [SimulatedCommunicator(self, r, timeout) for r in range(size)]
+        self._comms = [SimulatedCommunicator(self, r, timeout, backend) for r in range(size)]
         self._reset()
 
     def _reset(self) -> None:
@@ -273,8 +281,9 @@ class SimulatedWorld:
 class SimulatedCommunicator(Communicator):
     """One rank of a :class:`SimulatedWorld`; the same semantics as MPI, in threads."""
 
-    def __init__(self, world: SimulatedWorld, rank: int, timeout: float | None = None):
-        super().__init__(rank, world.size, timeout)
+    def __init__(self, world: SimulatedWorld, rank: int, timeout: float | None = None,
+                 backend=None):
+        super().__init__(rank, world.size, timeout, backend)
         self._world = world
         self._seq: dict = {}
 
@@ -304,13 +313,14 @@ class SimulatedCommunicator(Communicator):
 
     def _all_gather(self, arr, group, axis):
         data = self._exchange("all_gather", group, arr, (axis,))
-        return np.concatenate([data[r] for r in group], axis=axis)
+        return self.backend.concatenate([data[r] for r in group], axis=axis)
 
     def _reduced(self, kind, arr, group, op, meta=()):
         data = self._exchange(kind, group, arr, (op, *meta))
         out = data[group[0]].copy()
+        reduce = self.backend.reducer(op)
         for r in group[1:]:
-            REDUCE_OPS[op](out, data[r], out=out)
+            reduce(out, data[r], out=out)
         return out
 
     def _all_reduce(self, arr, group, op):
@@ -318,13 +328,13 @@ class SimulatedCommunicator(Communicator):
 
     def _reduce_scatter(self, arr, group, axis):
         total = self._reduced("reduce_scatter", arr, group, "sum", (axis,))
-        return np.split(total, len(group), axis=axis)[group.index(self.rank)].copy()
+        return self.backend.chunk(total, len(group), axis, group.index(self.rank)).copy()
 
     def _all_to_all(self, arr, group, split_axis, concat_axis):
         data = self._exchange("all_to_all", group, arr, (split_axis, concat_axis))
         me = group.index(self.rank)
-        chunks = [np.split(data[r], len(group), axis=split_axis)[me] for r in group]
-        return np.concatenate(chunks, axis=concat_axis)
+        chunks = [self.backend.split(data[r], len(group), split_axis)[me] for r in group]
+        return self.backend.concatenate(chunks, axis=concat_axis)
 
     def _send(self, arr, dst, tag):
         w = self._world

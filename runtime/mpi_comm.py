@@ -35,14 +35,14 @@ SPIN_SECONDS = 0.1   # how long a wait polls without sleeping (see MPICommunicat
 class MPICommunicator(Communicator):
     """A Communicator over an mpi4py communicator (default ``MPI.COMM_WORLD``)."""
 
-    def __init__(self, comm=None, timeout: float | None = None):
+    def __init__(self, comm=None, timeout: float | None = None, backend=None):
         from mpi4py import MPI
 
         from distgraph.runtime.bootstrap import install_abort_hook
 
         self._MPI = MPI
         self._comm = MPI.COMM_WORLD if comm is None else comm
-        super().__init__(self._comm.Get_rank(), self._comm.Get_size(), timeout)
+        super().__init__(self._comm.Get_rank(), self._comm.Get_size(), timeout, backend)
         install_abort_hook()     # one failing rank must end the job, however it was started
         self._subcomms: dict = {}
         self._pending: list = []
@@ -116,12 +116,13 @@ class MPICommunicator(Communicator):
 
     # ---- collectives --------------------------------------------------------------------
     def _all_gather(self, arr, group, axis):
-        out = np.empty((len(group),) + arr.shape, dtype=arr.dtype)
+        xb = self.backend
+        out = xb.empty((len(group),) + arr.shape, arr.dtype)
         self._wait([self._sub(group).Iallgather(arr, out)], f"all_gather on group {group}")
-        return np.concatenate(list(out), axis=axis)
+        return xb.concatenate(list(out), axis=axis)
 
     def _all_reduce(self, arr, group, op):
-        out = np.empty_like(arr)
+        out = self.backend.empty(arr.shape, arr.dtype)
         self._wait([self._sub(group).Iallreduce(arr, out, op=self._ops[op])],
                    f"all_reduce on group {group}")
         return out
@@ -132,17 +133,19 @@ class MPICommunicator(Communicator):
         return arr
 
     def _reduce_scatter(self, arr, group, axis):
-        send = np.ascontiguousarray(np.stack(np.split(arr, len(group), axis=axis)))
-        out = np.empty(send.shape[1:], dtype=arr.dtype)
+        xb = self.backend
+        send = xb.stack(xb.split(arr, len(group), axis))
+        out = xb.empty(send.shape[1:], arr.dtype)
         self._wait([self._sub(group).Ireduce_scatter_block(send, out, op=self._MPI.SUM)],
                    f"reduce_scatter on group {group}")
         return out
 
     def _all_to_all(self, arr, group, split_axis, concat_axis):
-        send = np.ascontiguousarray(np.stack(np.split(arr, len(group), axis=split_axis)))
-        out = np.empty_like(send)
+        xb = self.backend
+        send = xb.stack(xb.split(arr, len(group), split_axis))
+        out = xb.empty(send.shape, send.dtype)
         self._wait([self._sub(group).Ialltoall(send, out)], f"all_to_all on group {group}")
-        return np.concatenate(list(out), axis=concat_axis)
+        return xb.concatenate(list(out), axis=concat_axis)
 
     def barrier(self) -> None:
         self.wait_sends()
@@ -161,7 +164,7 @@ class MPICommunicator(Communicator):
             self._pending = []
 
     def _recv(self, shape, dtype, src, tag):
-        out = np.empty(shape, dtype=dtype)
+        out = self.backend.empty(shape, dtype)
         req = self._comm.Irecv(out, source=src, tag=tag)
         self._wait([req], f"a message from rank {src} with tag {tag} ({shape} {dtype})",
                    receives=[req])

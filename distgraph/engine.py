@@ -88,6 +88,9 @@ class _SerialBackend:
         from distgraph.runtime.executor import ProgramRunner
         self.plan, self.runner = plan, ProgramRunner(plan.program)
 
+    def timeline(self):
+        raise DistGraphError("no timeline was recorded: use Strategy(profile=True)")
+
     def scope(self, global_values: dict) -> dict:
         return {v.name: global_values[v.name] for v in self.plan.program.persistables}
 
@@ -102,14 +105,28 @@ class _SerialBackend:
 
 
 class _SpmdBackend:
-    """This rank's part of a distributed plan; the other ranks run theirs."""
+    """This rank's part of a distributed plan; the other ranks run theirs. A plan with
+    micro-batches (or a timeline to record) runs as actors over its task graph; a
+    one-process plan of that kind runs here without a communicator."""
 
     def __init__(self, plan, comm, fetch):
         from distgraph.runtime.spmd import SpmdRunner, check_world
-        check_world(plan, comm.size)
         self.plan = plan
-        self.runner = SpmdRunner(plan, plan.process_of(comm.rank), comm, fetch=fetch)
+        if plan.pipelined:
+            from distgraph.runtime.pipeline import PipelineRunner
+            if comm is not None:
+                check_world(plan, comm.size)
+            pid = plan.process_of(comm.rank) if comm is not None else 0
+            self.runner = PipelineRunner(plan, pid, comm, fetch=fetch)
+        else:
+            check_world(plan, comm.size)
+            self.runner = SpmdRunner(plan, plan.process_of(comm.rank), comm, fetch=fetch)
         self._rows = self.runner.batch_rows()
+
+    def timeline(self):
+        if not self.plan.pipelined:
+            raise DistGraphError("no timeline was recorded: use Strategy(profile=True)")
+        return self.runner.timeline()
 
     def scope(self, global_values: dict) -> dict:
         return self.runner.shard_scope(global_values)
@@ -174,6 +191,10 @@ class Engine:
                 built = p.built
                 fetch = [built.loss_name] if built.loss_name else built.output_names
                 self._backends[mode] = _SpmdBackend(p, self._comm, fetch)
+            elif p.pipelined:
+                built = p.built
+                fetch = [built.loss_name] if built.loss_name else built.output_names
+                self._backends[mode] = _SpmdBackend(p, None, fetch)
             else:
                 self._backends[mode] = _SerialBackend(p)
         return self._backends[mode]
@@ -264,6 +285,17 @@ class Engine:
         distributed: call it on all ranks)."""
         self._publish()
         return {n: p.numpy() for n, p in self.model.named_parameters()}
+
+    def timeline(self, mode="train"):
+        """The timeline of the steps run so far in ``mode``, merged over every rank (a
+        collective: call it on all ranks). Needs ``Strategy(profile=True)``; see
+        :class:`distgraph.runtime.timeline.Timeline` (``.events``, ``.save``, ``.plot``)."""
+        if not self.strategy.profile:
+            raise DistGraphError("no timeline was recorded: create the Engine with "
+                                 "Strategy(profile=True)")
+        if mode not in self._backends:
+            raise DistGraphError(f"no {mode} step has run yet: call fit() first")
+        return self._backends[mode].timeline()
 
     def plan(self, mode="train"):
         """The Plan of ``mode`` (``.program``: the completed serial program with dist

@@ -21,6 +21,11 @@ Semantics (identical for every implementation):
 - ``send(arr, dst, tag)`` never blocks (the array is copied); ``wait_sends()`` waits
   until this rank's sends are delivered. ``recv(shape, dtype, src, tag)`` returns the
   next message from ``src`` with that tag.
+- ``isend(arr, dst, tag)`` and ``irecv(shape, dtype, src, tag)`` start a send or a
+  receive and return a :class:`Request` at once; ``request.test()`` says whether it is
+  done (a receive's array is then ``request.value``). The caller must not change a sent
+  array until its request is done. They never wait, so whoever polls them (the pipeline
+  actors) owns the timeout.
 
 Nothing waits forever: a receive or collective that waits longer than ``timeout``
 seconds (default 60, or the env var ``DISTGRAPH_COMM_TIMEOUT``) raises RuntimeFault
@@ -183,6 +188,26 @@ class Communicator(ABC):
         self._peer(src, tag, "recv from")
         return self._recv(tuple(int(s) for s in shape), np.dtype(dtype), src, tag)
 
+    def isend(self, arr, dst: int, tag: int = 0, count: bool = True) -> "Request":
+        """Start sending ``arr`` to rank ``dst``; ``count=False`` for control messages that
+        are no part of the plan's data (left out of ``bytes_sent``)."""
+        self._peer(dst, tag, "isend to")
+        arr = self._c(arr)
+        if count:
+            self._count("send_recv", 2, arr.nbytes)
+        return self._isend(arr, dst, tag)
+
+    def irecv(self, shape, dtype, src: int, tag: int = 0) -> "Request":
+        """Start receiving the next array from rank ``src`` with ``tag``."""
+        self._peer(src, tag, "irecv from")
+        return self._irecv(tuple(int(s) for s in shape), np.dtype(dtype), src, tag)
+
+    def _isend(self, arr, dst, tag) -> "Request":
+        raise RuntimeFault(f"{type(self).__name__} has no nonblocking send")
+
+    def _irecv(self, shape, dtype, src, tag) -> "Request":
+        raise RuntimeFault(f"{type(self).__name__} has no nonblocking receive")
+
     def wait_sends(self) -> None:
         """Block (up to the timeout) until this rank's pending sends are delivered."""
 
@@ -211,6 +236,23 @@ class Communicator(ABC):
 
     @abstractmethod
     def _recv(self, shape, dtype, src, tag): ...
+
+
+class Request:
+    """A started nonblocking send or receive: ``test()`` is True once it is done (then a
+    receive's array is ``value``); ``cancel()`` gives up a receive that is not done.
+    ``what`` says what it is, for error messages."""
+
+    def __init__(self, what: str = ""):
+        self.what = what
+        self.value = None
+        self.done = False
+
+    def test(self) -> bool:
+        return self.done
+
+    def cancel(self) -> None:
+        """Give up the request if it is not done."""
 
 
 # ---- simulated: N threads, one rendezvous world ---------------------------------------
@@ -356,6 +398,44 @@ class SimulatedCommunicator(Communicator):
 
     def barrier(self) -> None:
         self._exchange("barrier", tuple(range(self.size)), None)
+
+    def _isend(self, arr, dst, tag):
+        self._send(arr.copy(), dst, tag)      # the receiver owns its copy, as over MPI
+        req = Request(f"a message to rank {dst} with tag {tag}")
+        req.done = True
+        return req
+
+    def _irecv(self, shape, dtype, src, tag):
+        return _SimulatedReceive(self, shape, dtype, src, tag)
+
+
+class _SimulatedReceive(Request):
+    """A receive from the world's mailbox; ``test`` raises RuntimeFault once another
+    rank of the world has failed (as a real job would be ended)."""
+
+    def __init__(self, comm, shape, dtype, src, tag):
+        super().__init__(f"a message from rank {src} with tag {tag} ({shape} {dtype})")
+        self._comm, self._shape, self._dtype = comm, shape, dtype
+        self._box = (src, comm.rank, tag)
+
+    def test(self) -> bool:
+        if self.done:
+            return True
+        w, rank = self._comm._world, self._comm.rank
+        with w._cond:
+            if w._failed is not None and w._failed[0] != rank:
+                failed, exc = w._failed
+                raise RuntimeFault(f"rank {rank}: stopped waiting for {self.what}: rank "
+                                   f"{failed} failed with {type(exc).__name__}: {exc}")
+            if not w._mail[self._box]:
+                return False
+            arr = w._mail[self._box].popleft()
+        if arr.shape != self._shape or arr.dtype != self._dtype:
+            raise RuntimeFault(f"rank {rank}: expected {self._shape} {self._dtype} from rank "
+                               f"{self._box[0]} (tag {self._box[2]}) but received "
+                               f"{arr.shape} {arr.dtype}")
+        self.value, self.done = arr, True
+        return True
 
 
 def __getattr__(name):

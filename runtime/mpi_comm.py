@@ -25,7 +25,7 @@ import zlib
 import numpy as np
 
 from distgraph.errors import RuntimeFault
-from distgraph.runtime.comm import MAX_TAG, Communicator
+from distgraph.runtime.comm import MAX_TAG, Communicator, Request
 
 _HANDSHAKE_TAG = MAX_TAG + 1
 _CREATE_TAG = MAX_TAG + 2
@@ -170,9 +170,46 @@ class MPICommunicator(Communicator):
                    receives=[req])
         return out
 
+    def _isend(self, arr, dst, tag):
+        return _MPIRequest(self, self._comm.Isend(arr, dest=dst, tag=tag), arr,
+                           f"a message to rank {dst} with tag {tag}")
+
+    def _irecv(self, shape, dtype, src, tag):
+        out = self.backend.empty(shape, dtype)
+        return _MPIRequest(self, self._comm.Irecv(out, source=src, tag=tag), out,
+                           f"a message from rank {src} with tag {tag} ({shape} {dtype})",
+                           receive=True)
+
     def free(self) -> None:
         """Wait for pending sends and free the cached sub-communicators."""
         self.wait_sends()
         for sub in self._subcomms.values():
             sub.Free()
         self._subcomms = {}
+
+
+class _MPIRequest(Request):
+    """An MPI request and the buffer it reads or fills (kept alive until it is done)."""
+
+    def __init__(self, comm, request, buffer, what, receive=False):
+        super().__init__(what)
+        self._comm, self._request, self._buffer, self._receive = comm, request, buffer, receive
+
+    def test(self) -> bool:
+        if self.done:
+            return True
+        try:
+            done = self._request.Test()
+        except self._comm._MPI.Exception as exc:
+            raise RuntimeFault(f"rank {self._comm.rank}: MPI error on {self.what}: "
+                               f"{exc}") from None
+        if done:
+            self.done = True
+            self.value = self._buffer if self._receive else None
+            self._buffer = None if not self._receive else self._buffer
+        return done
+
+    def cancel(self) -> None:
+        if not self.done and self._receive:
+            self._request.Cancel()
+            self._request.Wait()

@@ -128,12 +128,18 @@ class SpmdRunner:
 
     def gather(self, scope: dict, names) -> dict:
         """Global values of persistables ``names`` on every process."""
-        out = {}
-        for point in gather_points(self.program, names, self.pid):
-            local = scope[point.value] if point.reads else None
-            out[point.value] = apply_reshard(point.steps, local, self.comm, self.pid,
-                                             self.rank_of, MAX_TAG - 1 - point.seq % (MAX_TAG // 2))
-        return out
+        return gather_scope(self.program, scope, names, self.comm, self.pid, self.rank_of)
+
+
+def gather_scope(program, scope: dict, names, comm, pid: int, rank_of) -> dict:
+    """Global values of persistables ``names`` of a completed ``program`` on every
+    process (a collective of all of them), from their local blocks in ``scope``."""
+    out = {}
+    for point in gather_points(program, names, pid):
+        local = scope[point.value] if point.reads else None
+        out[point.value] = apply_reshard(point.steps, local, comm, pid, rank_of,
+                                         MAX_TAG - 1 - point.seq % (MAX_TAG // 2))
+    return out
 
 
 def local_slice(program, pid: int, name: str, global_array):

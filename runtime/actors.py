@@ -73,7 +73,7 @@ class Carrier:
         self.events: list = []
         self.memory: list = []
         self.timeout = comm.timeout if comm is not None else 60.0
-        self.spin = getattr(comm, "poll_spin_seconds", 0.0)
+        self.spin = comm.poll_spin_seconds if comm is not None else 0.0
         self.feed_names: set = set()
         self._recv_at = self._recv_positions()
 

@@ -84,6 +84,8 @@ class Communicator(ABC):
     a communicator allocates, copies or cuts.
     """
 
+    poll_spin_seconds = 0.0   # how long a poller of requests spins before it sleeps
+
     def __init__(self, rank: int, size: int, timeout: float | None = None, backend=None):
         self.rank = rank
         self.size = size

@@ -33,7 +33,11 @@ SPIN_SECONDS = 0.1   # how long a wait polls without sleeping (see MPICommunicat
 
 
 class MPICommunicator(Communicator):
-    """A Communicator over an mpi4py communicator (default ``MPI.COMM_WORLD``)."""
+    """A Communicator over an mpi4py communicator (default ``MPI.COMM_WORLD``).
+    ``poll_spin_seconds``: how long a poller of nonblocking requests (the pipeline's
+    actors) polls back to back before it sleeps, as :meth:`_wait` does."""
+
+    poll_spin_seconds = SPIN_SECONDS
 
     def __init__(self, comm=None, timeout: float | None = None, backend=None):
         from mpi4py import MPI

@@ -17,7 +17,9 @@ Example (inside a rank)::
 
 from __future__ import annotations
 
+import socket
 import time
+import zlib
 
 import numpy as np
 
@@ -109,11 +111,21 @@ class PipelineRunner:
         """One step; returns the global fetched values. ``feed`` holds global batches, or,
         with ``rows`` (from :meth:`batch_rows`), only those rows."""
         if self.profile and self._t0 is None:
-            if self.comm is not None:
-                self.comm.barrier()          # one start for every rank's clock
-            self._t0 = time.perf_counter()
+            self._t0 = self._start_clock()
         out = self.carrier.run(scope, self._micro_feeds(feed, rows), step)
         return {n: out[n] for n in self.fetch}
+
+    def _start_clock(self) -> float:
+        """The time every rank's records count from: the end of one barrier. Ranks on one
+        machine share its monotonic clock, so they take one start (exact alignment);
+        another machine's ranks start at their own end of the barrier."""
+        if self.comm is None or self.comm.size == 1:
+            return time.perf_counter()
+        self.comm.barrier()
+        host = float(zlib.crc32(socket.gethostname().encode()))
+        mine = np.array([[host, time.perf_counter()]])
+        everyone = self.comm.all_gather(mine, tuple(range(self.comm.size)), axis=0)
+        return float(everyone[everyone[:, 0] == host, 1].min())
 
     def timeline(self) -> Timeline:
         """The timeline of every step run so far, merged over all ranks (a collective:

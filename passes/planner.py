@@ -119,7 +119,11 @@ class Plan:
         return [points[s] for s in sorted(points)]
 
     def bytes_sent(self) -> dict:
-        """Bytes each process sends per step: {process id: {kind: bytes}}."""
+        """Bytes each process sends per step: {process id: {kind: bytes}} (with
+        micro-batches, a micro-batch's reshards once per micro-batch)."""
+        if self.accumulation is not None:
+            graph = self.task_graph()
+            return {pid: graph.step_bytes(self, pid) for pid in self.process_ids}
         return {pid: self.local(pid).bytes_sent() for pid in self.process_ids}
 
     # -- printing ---------------------------------------------------------------------------
@@ -227,9 +231,13 @@ def _plan(built, strategy, cluster, rank_mapping, accumulation) -> Plan:
         complete(program, default_mesh=SERIAL_MESH)
     ids = tuple(process_ids(program))
     rank_of = _rank_of(program, ids, cluster, rank_mapping) if distributed else None
-    return Plan(copy, strategy, distributed, ids,
-                None if rank_of is None else MappingProxyType(rank_of),
-                _stages(program), cluster, accumulation=accumulation)
+    planned = Plan(copy, strategy, distributed, ids,
+                   None if rank_of is None else MappingProxyType(rank_of),
+                   _stages(program), cluster, accumulation=accumulation)
+    if planned.pipelined:
+        from distgraph.passes.task_graph import stage_of_processes
+        stage_of_processes(planned)          # every process in one stage, or a PlanError
+    return planned
 
 
 # Options that later work makes real; until then they are refused, never ignored.

@@ -142,6 +142,28 @@ class TaskGraph:
     def leader(self, stage: int) -> int:
         return min(self.stages[stage].process_ids)
 
+    def step_bytes(self, plan, process: int) -> dict:
+        """Bytes ``process`` sends in one step, by kind: each reshard point and each op's
+        own collectives once per micro-batch in a per-micro-batch task, once in the
+        update (the fetched values' gathers left out, as in ``LocalProgram.bytes_sent``)."""
+        from distgraph.passes.cost_model import collective_bytes
+        local = plan.local(process)
+        points = {p.seq: p for p in local.points()}
+        sent: dict = {}
+        for task in self.tasks_of(process).values():
+            times = self.micro_batches if task.per_micro_batch else 1
+            for it in task.items:
+                if it.kind in ("point", "send", "recv"):    # each half counts its own
+                    for step in points[it.index].steps:
+                        b = step.bytes_sent_by(process)
+                        if b:
+                            sent[step.kind] = sent.get(step.kind, 0.0) + times * b
+                elif it.kind == "op":
+                    for kind, n, nbytes in local.op_comm.get(it.index, ()):
+                        sent[kind] = sent.get(kind, 0.0) + times * float(
+                            collective_bytes(kind, n, nbytes))
+        return sent
+
     # -- tags ---------------------------------------------------------------------------
     def tag(self, seq: int, micro_batch: int) -> int:
         """Tag of the messages of point ``seq`` for ``micro_batch``."""
@@ -197,7 +219,7 @@ def build_task_graph(plan) -> TaskGraph:
     strategy = plan.strategy
     m = plan.micro_batches
     stages = plan.stages
-    stage_of = _stage_of(plan)
+    stage_of = stage_of_processes(plan)
     n_stages = len(stages)
     if strategy.schedule == "FThenB":
         caps = tuple(m for _ in stages)
@@ -238,7 +260,7 @@ def _fetch_names(plan) -> list:
     return [built.loss_name] if built.loss_name else list(built.output_names)
 
 
-def _stage_of(plan) -> dict:
+def stage_of_processes(plan) -> dict:
     """{process: its stage}; a process belongs to exactly one stage."""
     out = {}
     for pid in plan.process_ids:

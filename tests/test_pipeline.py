@@ -302,3 +302,40 @@ def test_a_message_that_never_arrives_is_a_runtime_fault():
     text = str(info.value)
     assert "rank 0 (process 0, stage 0): timed out after 1 s" in text
     assert "backward micro-batch 0 waits for" in text and "from rank 1" in text
+
+
+# ---- bytes: what the communicators count = the plan's per-step bytes ------------------------
+
+@pytest.mark.parametrize("key,micro_batches", [(("mlp", "two_stage", 4), 4),
+                                               (("gpt", "two_stage_tp", 4), 2)],
+                         ids=lambda v: "-".join(map(str, v)) if isinstance(v, tuple) else str(v))
+def test_counted_bytes_equal_the_plans_step_bytes(float64, key, micro_batches):
+    from distgraph.passes.partition import gather_points
+    plan = ALL[key]
+    kind, n = key[0], key[2]
+    models = [P.build_model(kind) for _ in range(n)]
+    for m in models:
+        plan.annotate(m)
+    strategy = dg.Strategy(micro_batches=micro_batches, schedule="ZB")
+
+    def rank(comm):
+        engine = dg.Engine(models[comm.rank], P.loss_fn(kind), P.make_optimizer("adamw"),
+                           strategy=strategy, communicator=comm)
+        data = P.Dataset(kind, batch=BATCH)
+        with P.BUILD_LOCK:
+            engine.prepare(*dg.engine.DataLoader(data, BATCH).specs(1))
+        engine.fit(data, batch_size=BATCH, epochs=1, steps_per_epoch=1)   # set-up, warm
+        comm.reset_counters()
+        engine.fit(data, batch_size=BATCH, epochs=1, steps_per_epoch=1)
+        p = engine.plan()
+        planned = dict(p.bytes_sent()[comm.rank])
+        for point in gather_points(p.program, [p.built.loss_name], comm.rank):
+            for step in point.steps:
+                planned[step.kind] = planned.get(step.kind, 0.0) + step.bytes_sent_by(comm.rank)
+        return planned, dict(comm.bytes_sent)
+
+    for planned, counted in SimulatedWorld(n, timeout=60).run(rank):
+        assert planned.get("send_recv", 0) > 0
+        for kind, b in counted.items():
+            assert b == pytest.approx(planned.get(kind, 0.0), rel=1e-12, abs=0), (kind, planned,
+                                                                                counted)

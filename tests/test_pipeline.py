@@ -339,3 +339,54 @@ def test_counted_bytes_equal_the_plans_step_bytes(float64, key, micro_batches):
         for kind, b in counted.items():
             assert b == pytest.approx(planned.get(kind, 0.0), rel=1e-12, abs=0), (kind, planned,
                                                                                 counted)
+
+
+# ---- a parameter used on two stages ------------------------------------------------------------
+
+class Tied(dg.nn.Layer):
+    """y = relu(x W + b) W^T, the second use of W on another stage (tied weights): W goes
+    to stage 1 with every micro-batch and its gradient share comes back."""
+
+    def __init__(self, stages=None):
+        super().__init__()
+        self.fc, self.stages = dg.nn.Linear(8, 16), stages
+
+    def forward(self, x):
+        first = lambda v: dg.ops.relu(self.fc(v))   # noqa: E731
+        second = lambda v: v @ self.fc.weight.T     # noqa: E731
+        if self.stages is None:
+            return second(first(x))
+        return dg.shard_op(second, self.stages[1])(dg.shard_op(first, self.stages[0])(x))
+
+
+class Pairs:
+    def __init__(self):
+        rng = np.random.default_rng(0)
+        self.x, self.y = rng.normal(size=(48, 8)), rng.normal(size=(48, 8))
+
+    def __len__(self):
+        return 48
+
+    def __getitem__(self, i):
+        return self.x[i], self.y[i]
+
+
+def test_a_parameter_shared_by_two_stages(float64):
+    def fit(model, comm=None, strategy=None):
+        engine = dg.Engine(model, dg.nn.MSELoss(), dg.optim.AdamW(0.01), strategy=strategy,
+                           communicator=comm)
+        return engine.fit(Pairs(), batch_size=16).losses, engine.state_dict()
+
+    dg.seed(0)
+    reference = fit(Tied())
+    stages = (dg.ProcessMesh([0], ["dp"]), dg.ProcessMesh([1], ["dp"]))
+    for schedule in SCHEDULES:
+        models = []
+        for _ in range(2):
+            dg.seed(0)
+            models.append(Tied(stages))
+        strategy = dg.Strategy(micro_batches=4, schedule=schedule)
+        for losses, params in SimulatedWorld(2, timeout=60).run(
+                lambda comm: fit(models[comm.rank], comm, strategy)):
+            assert np.allclose(losses, reference[0], rtol=1e-12, atol=0), schedule
+            assert all(np.max(np.abs(params[k] - reference[1][k])) < 1e-12 for k in params)

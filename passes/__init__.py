@@ -2,5 +2,6 @@
 mapping."""
 
 from distgraph.passes.completion import complete, explain
+from distgraph.passes.estimate import Estimate, estimate
 from distgraph.passes.planner import Plan, plan
 from distgraph.passes.reshard import plan_reshard

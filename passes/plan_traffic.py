@@ -1,6 +1,6 @@
 """The process graph of a completed program: what rank mapping needs to place it.
 
-Bytes between processes come from the reshard points of every process's partition
+Bytes and messages between processes come from the reshard points of every process's partition
 (collectives spread over their rings as in :mod:`distgraph.passes.process_graph`, p2p
 tiles as sent); memory is each process's local persistable bytes (GB); compute its
 local FLOPs (GFLOP per step); a process needs the device type given, if any.
@@ -16,26 +16,31 @@ from __future__ import annotations
 from distgraph.ir import Program
 from distgraph.ops.registry import TensorType, get_op
 from distgraph.passes.partition import partition, process_ids
-from distgraph.passes.process_graph import ProcessGraph, collective_traffic
+from distgraph.passes.process_graph import (ProcessGraph, collective_messages,
+                                            collective_traffic)
 
 _COLLECTIVES = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all")
 
 
-def _point_traffic(point) -> dict:
-    """Bytes per unordered pair of one reshard point (its steps, all processes)."""
-    traffic: dict = {}
+def _add(into: dict, pairs: dict) -> None:
+    for pair, amount in pairs.items():
+        into[pair] = into.get(pair, 0.0) + amount
 
-    def add(pairs):
-        for pair, b in pairs.items():
-            traffic[pair] = traffic.get(pair, 0.0) + b
 
+def _point_traffic(point, traffic: dict, messages: dict) -> None:
+    """Add the bytes and messages per unordered pair of one reshard point (its steps, all
+    processes) to ``traffic`` and ``messages``."""
     for step in point.steps:
         if step.kind in _COLLECTIVES:
-            add(collective_traffic(step.mesh.groups(step.mesh_dim), step.buffer_bytes, step.kind))
+            groups = step.mesh.groups(step.mesh_dim)
+            _add(traffic, collective_traffic(groups, step.buffer_bytes, step.kind))
+            _add(messages, collective_messages(groups, step.kind))
         elif step.kind == "send_recv":
-            add({(min(t.src, t.dst), max(t.src, t.dst)): float(t.nbytes)
-                 for t in step.transfers if t.src != t.dst})
-    return traffic
+            for t in step.transfers:
+                if t.src != t.dst:
+                    pair = (min(t.src, t.dst), max(t.src, t.dst))
+                    _add(traffic, {pair: float(t.nbytes)})
+                    _add(messages, {pair: 1.0})
 
 
 def process_graph(program: Program, device_type: str | None = None) -> ProcessGraph:
@@ -44,6 +49,7 @@ def process_graph(program: Program, device_type: str | None = None) -> ProcessGr
     if ids != list(range(len(ids))):
         raise ValueError(f"process ids must be 0..{len(ids) - 1}, got {ids}")
     traffic: dict = {}
+    messages: dict = {}
     memory, compute = [], []
     seen_points = set()
     for pid in ids:
@@ -53,8 +59,7 @@ def process_graph(program: Program, device_type: str | None = None) -> ProcessGr
             if key in seen_points:
                 continue
             seen_points.add(key)
-            for pair, b in _point_traffic(point).items():
-                traffic[pair] = traffic.get(pair, 0.0) + b
+            _point_traffic(point, traffic, messages)
         memory.append(sum(v.nbytes for v in local.program.persistables) / 1e9)
         flops = 0
         for op in local.program.ops:
@@ -62,4 +67,4 @@ def process_graph(program: Program, device_type: str | None = None) -> ProcessGr
             outs = [TensorType(v.shape, v.dtype) for v in op.outputs]
             flops += get_op(op.type).flops(ins, outs, **op.attrs)
         compute.append(flops / 1e9)
-    return ProcessGraph(len(ids), traffic, device_type, compute, memory)
+    return ProcessGraph(len(ids), traffic, device_type, compute, memory, messages)

@@ -32,6 +32,7 @@ from distgraph.errors import PlanError, ShardingError
 from distgraph.mesh import ProcessMesh
 from distgraph.passes.accumulate import split_micro_batches
 from distgraph.passes.completion import complete
+from distgraph.passes.estimate import fmt_bytes
 from distgraph.passes.partition import LocalProgram, partition, process_ids
 from distgraph.passes.sharding import shard_updates
 from distgraph.strategy import Strategy
@@ -150,9 +151,9 @@ class Plan:
         sent = self.bytes_sent() if self.distributed else {}
         busiest = max((sum(k.values()) for k in sent.values()), default=0.0)
         lines.append(f"  reshards: {len(points)} per step; busiest process sends "
-                     f"{_fmt_bytes(busiest)} per step")
+                     f"{fmt_bytes(busiest)} per step")
         for p in points:
-            lines.append(f"    {p} ({_fmt_bytes(p.bytes)})")
+            lines.append(f"    {p} ({fmt_bytes(p.bytes)})")
         if self.estimate is not None:
             lines.append("  estimate: " + str(self.estimate).replace("\n", "\n  "))
         return "\n".join(lines)
@@ -326,10 +327,3 @@ def _parameters_by_layer(program) -> dict:
 def _mesh_dict(mesh: ProcessMesh) -> dict:
     return {"process_ids": list(mesh.process_ids), "shape": list(mesh.shape),
             "dim_names": list(mesh.dim_names)}
-
-
-def _fmt_bytes(b: float) -> str:
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if b >= size:
-            return f"{b / size:.1f} {unit}"
-    return f"{b:.0f} B"

@@ -4,9 +4,13 @@ Processes are ``0..P-1``. Each has an optional required device type (``"GPU"``, 
 a compute need (GFLOP per step) and a memory need (GB). Each unordered pair carries the
 bytes the two exchange per step (both directions together).
 
+Each pair also carries the messages the two exchange per step, so that a mapping costs
+``α`` per message plus ``B/β`` per byte, as the cost model charges a collective.
 Collective traffic is turned into pairs by the ring algorithms the cost model uses, with
 ``B`` = bytes per process of the full buffer and ``n`` = group size; each process sends
-to its successor in the group's listed order:
+to its successor in the group's listed order (messages: a ring step is one message from
+each process to its successor, 2(n-1) steps for all_reduce, n-1 for all_gather and
+reduce_scatter; all_to_all sends one message each way per pair; p2p one):
 
 ================  ====================================================================
 ``all_reduce``    ring: each process sends 2(n-1)/n * B to its successor
@@ -76,6 +80,31 @@ def collective_traffic(groups: Sequence[Sequence[int]], bytes_per_process: float
     return out
 
 
+def collective_messages(groups: Sequence[Sequence[int]],
+                        kind: str = "all_reduce") -> dict[tuple[int, int], float]:
+    """Messages per unordered pair for one collective run by every group (module text)."""
+    if kind not in COLLECTIVE_KINDS:
+        raise PlanError(f"unknown collective kind {kind!r}; expected one of "
+                        f"{', '.join(COLLECTIVE_KINDS)}")
+    out: dict[tuple[int, int], float] = {}
+    for group in groups:
+        g = [int(p) for p in group]
+        n = len(g)
+        if n < 2:
+            continue
+        if kind == "p2p":
+            pairs = [(a, b, 1.0) for a, b in zip(g, g[1:])]
+        elif kind == "all_to_all":
+            pairs = [(g[i], g[j], 2.0) for i in range(n) for j in range(i + 1, n)]
+        else:
+            steps = 2 * (n - 1) if kind == "all_reduce" else n - 1
+            pairs = [(g[i], g[(i + 1) % n], float(steps)) for i in range(n)]
+        for a, b, count in pairs:
+            pair = (min(a, b), max(a, b))
+            out[pair] = out.get(pair, 0.0) + count
+    return out
+
+
 def grid_groups(shape: Sequence[int], axis: int) -> list[list[int]]:
     """Groups of process ids along ``axis`` of a row-major grid of ``shape``.
 
@@ -100,7 +129,8 @@ def _per_process(value, n: int, name: str):
 class ProcessGraph:
     """Logical processes with needs, and bytes exchanged per step per unordered pair.
 
-    ``traffic`` maps ``(i, j)`` to bytes (either order; both orders are summed).
+    ``traffic`` maps ``(i, j)`` to bytes (either order; both orders are summed) and
+    ``messages`` to the number of messages (a pair missing there counts none).
     ``device_types``, ``compute`` (GFLOP per step) and ``memory`` (GB) take one value per
     process or a single value for all. A graph is a value: ``with_traffic`` and
     ``with_group_traffic`` return new graphs.
@@ -111,27 +141,14 @@ class ProcessGraph:
     device_types: Sequence[str | None] | str | None = None
     compute: Sequence[float] | float = 0.0
     memory: Sequence[float] | float = 0.0
+    messages: Mapping[tuple[int, int], float] = field(default_factory=FrozenMap)
 
     def __post_init__(self):
         n = self.num_processes
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise PlanError(f"ProcessGraph needs at least one process, got {n!r}")
-        pairs: dict[tuple[int, int], float] = {}
-        for key, nbytes in dict(self.traffic).items():
-            try:
-                i, j = (int(x) for x in key)
-            except (TypeError, ValueError):
-                raise PlanError(f"ProcessGraph traffic key {key!r} is not a pair of "
-                                "process ids") from None
-            if not (0 <= i < n and 0 <= j < n) or i == j:
-                raise PlanError(f"ProcessGraph traffic pair {key!r}: expected two different "
-                                f"process ids in 0..{n - 1}")
-            if not (float(nbytes) >= 0 and math.isfinite(float(nbytes))):
-                raise PlanError(f"ProcessGraph traffic {key!r}: bytes must be finite and "
-                                f">= 0, got {nbytes!r}")
-            pair = (min(i, j), max(i, j))
-            pairs[pair] = pairs.get(pair, 0.0) + float(nbytes)
-        object.__setattr__(self, "traffic", FrozenMap(sorted(pairs.items())))
+        for name, unit in (("traffic", "bytes"), ("messages", "messages")):
+            object.__setattr__(self, name, _pairs(getattr(self, name), n, name, unit))
         types = _per_process(self.device_types, n, "device_types")
         for p, t in enumerate(types):
             if t is not None and t not in COMPUTE_TYPES:
@@ -144,19 +161,17 @@ class ProcessGraph:
                 raise PlanError(f"ProcessGraph: {name} needs must be finite and >= 0")
             object.__setattr__(self, name, values)
 
-    def with_traffic(self, pairs: Mapping[tuple[int, int], float]) -> "ProcessGraph":
-        """A new graph with ``pairs`` bytes added to the existing traffic."""
-        merged = dict(self.traffic)
-        for (i, j), nbytes in pairs.items():
-            key = (min(i, j), max(i, j))
-            merged[key] = merged.get(key, 0.0) + float(nbytes)
-        return ProcessGraph(self.num_processes, merged, self.device_types, self.compute,
-                            self.memory)
+    def with_traffic(self, pairs: Mapping[tuple[int, int], float],
+                     messages: Mapping[tuple[int, int], float] | None = None) -> "ProcessGraph":
+        """A new graph with ``pairs`` bytes (and ``messages``) added to the existing ones."""
+        return ProcessGraph(self.num_processes, _merged(self.traffic, pairs), self.device_types,
+                            self.compute, self.memory, _merged(self.messages, messages or {}))
 
     def with_group_traffic(self, groups: Sequence[Sequence[int]], bytes_per_process: float,
                            kind: str = "all_reduce") -> "ProcessGraph":
         """A new graph with the traffic of ``kind`` run in every group added."""
-        return self.with_traffic(collective_traffic(groups, bytes_per_process, kind))
+        return self.with_traffic(collective_traffic(groups, bytes_per_process, kind),
+                                 collective_messages(groups, kind))
 
     def traffic_matrix(self) -> np.ndarray:
         """Dense symmetric (P, P) matrix of bytes per step; zero diagonal."""
@@ -176,3 +191,31 @@ class ProcessGraph:
         kinds = ", ".join(f"{k} x{v}" for k, v in types.items())
         return (f"ProcessGraph({self.num_processes} processes [{kinds}], "
                 f"{len(self.traffic)} pairs, {self.total_bytes / 1e6:.3g} MB/step)")
+
+
+def _pairs(raw, n: int, name: str, unit: str) -> FrozenMap:
+    """Validated {(i, j): amount} with i < j, both orders of a pair summed."""
+    pairs: dict[tuple[int, int], float] = {}
+    for key, amount in dict(raw).items():
+        try:
+            i, j = (int(x) for x in key)
+        except (TypeError, ValueError):
+            raise PlanError(f"ProcessGraph {name} key {key!r} is not a pair of "
+                            "process ids") from None
+        if not (0 <= i < n and 0 <= j < n) or i == j:
+            raise PlanError(f"ProcessGraph {name} pair {key!r}: expected two different "
+                            f"process ids in 0..{n - 1}")
+        if not (float(amount) >= 0 and math.isfinite(float(amount))):
+            raise PlanError(f"ProcessGraph {name} {key!r}: {unit} must be finite and "
+                            f">= 0, got {amount!r}")
+        pair = (min(i, j), max(i, j))
+        pairs[pair] = pairs.get(pair, 0.0) + float(amount)
+    return FrozenMap(sorted(pairs.items()))
+
+
+def _merged(base: Mapping, extra: Mapping) -> dict:
+    out = dict(base)
+    for (i, j), amount in extra.items():
+        key = (min(i, j), max(i, j))
+        out[key] = out.get(key, 0.0) + float(amount)
+    return out

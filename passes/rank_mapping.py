@@ -1,16 +1,13 @@
 """Rank mapping (Paddle's 物理映射): place logical processes onto devices of a Cluster.
 
-Cost of a mapping, in seconds per step::
+Cost of a mapping, in seconds per step, as the cost model charges communication::
 
-    cost = sum over pairs {i, j}: bytes_ij * (latency_s(d_i, d_j) + 1 / bandwidth_Bps(d_i, d_j))
+    cost = sum over pairs {i, j}: messages_ij * latency_s(d_i, d_j) + bytes_ij / bandwidth_Bps(d_i, d_j)
 
 with latency in seconds and bandwidth in bytes/s of the best path between the two
-devices (``Cluster.latency`` µs * 1e-6, ``Cluster.bandwidth`` GB/s * 1e9). Both terms are
-weighted by the bytes, so the unit is bytes * seconds-per-byte, "seconds-like": a score
-that ranks placements, not a runtime prediction. With µs latencies and GB/s bandwidths
-the latency term dominates (1e-6 per byte against 1e-10..1e-12), so in practice the score
-is the byte-weighted path latency, i.e. topological distance; the bandwidth term decides
-between paths of equal latency (e.g. Paddle files, whose latencies are often 0).
+devices (``Cluster.latency`` µs * 1e-6, ``Cluster.bandwidth`` GB/s * 1e9): alpha per
+message plus beta per byte (messages and bytes from the process graph). It ranks
+placements; the traffic of collectives that overlap is summed, not raced.
 
 :func:`map_ranks` works in two phases:
 
@@ -104,10 +101,10 @@ class _Problem:
         self.machine = np.array([machine_ids.index(d.machine_id) for d in devs])
         self.num_machines = len(machine_ids)
         bw, lat = cluster.path_matrices(self.ids.tolist())
-        with np.errstate(divide="ignore"):
-            cost = lat * 1e-6 + 1.0 / (bw * 1e9)
-        np.fill_diagonal(cost, 0.0)
-        self.cost = cost
+        per_byte = 1.0 / (bw * 1e9)
+        per_message = lat * 1e-6
+        np.fill_diagonal(per_byte, 0.0)
+        np.fill_diagonal(per_message, 0.0)
         P = graph.num_processes
         types = np.array([d.type for d in devs])
         memory = np.array([d.memory for d in devs])
@@ -116,12 +113,18 @@ class _Problem:
             want = graph.device_types[p]
             ok = memory >= graph.memory[p]
             self.compat[p] = ok if want is None else ok & (types == want)
-        pairs = np.array(list(graph.traffic.keys()), dtype=np.intp).reshape(-1, 2)
-        nbytes = np.array(list(graph.traffic.values()), dtype=float)
-        self.pairs, self.nbytes = pairs, nbytes
+        keys = sorted(set(graph.traffic) | set(graph.messages))
+        pairs = np.array(keys, dtype=np.intp).reshape(-1, 2)
+        nbytes = np.array([graph.traffic.get(k, 0.0) for k in keys])
+        msgs = np.array([graph.messages.get(k, 0.0) for k in keys])
+        self.pairs = pairs
         rows = np.concatenate([pairs[:, 0], pairs[:, 1]])
         cols = np.concatenate([pairs[:, 1], pairs[:, 0]])
-        self.T = csr_matrix((np.concatenate([nbytes, nbytes]), (rows, cols)), shape=(P, P))
+        # Every cost below is linear in (amount on a pair) x (cost per unit between two
+        # devices); the bytes and the messages are two such terms, kept side by side.
+        self.terms = [(csr_matrix((np.concatenate([w, w]), (rows, cols)), shape=(P, P)), c, w)
+                      for w, c in ((nbytes, per_byte), (msgs, per_message))]
+        self.T = self.terms[0][0]            # bytes: what the heuristics weigh processes by
         self.total = np.asarray(self.T.sum(axis=1)).ravel()
         self._check(types, memory)
 
@@ -151,14 +154,30 @@ class _Problem:
                             f"parallelism, recompute) or use devices with more memory")
 
     def neighbours(self, p: int):
+        """(neighbour ids, their bytes with p); every term shares this sparsity."""
         lo, hi = self.T.indptr[p], self.T.indptr[p + 1]
         return self.T.indices[lo:hi], self.T.data[lo:hi]
+
+    def weights(self, p: int):
+        """Per term: (neighbour ids, amounts with p, cost matrix)."""
+        for T, C, _ in self.terms:
+            lo, hi = T.indptr[p], T.indptr[p + 1]
+            yield T.indices[lo:hi], T.data[lo:hi], C
+
+    def added_cost(self, p: int, dev_of: np.ndarray, placed: np.ndarray) -> np.ndarray:
+        """Cost of p on each device towards its placed neighbours."""
+        added = np.zeros(len(self.devices))
+        for nb, w, C in self.weights(p):
+            here = placed[nb]
+            if here.any():
+                added += w[here] @ C[dev_of[nb[here]]]
+        return added
 
     def cost_of(self, dev_of: np.ndarray) -> float:
         if not self.pairs.size:
             return 0.0
-        c = self.cost[dev_of[self.pairs[:, 0]], dev_of[self.pairs[:, 1]]]
-        return float(np.dot(self.nbytes, c))
+        a, b = dev_of[self.pairs[:, 0]], dev_of[self.pairs[:, 1]]
+        return float(sum(np.dot(w, C[a, b]) for _, C, w in self.terms))
 
     def result(self, dev_of: np.ndarray, method: str) -> RankMapping:
         mapping = {p: int(self.ids[d]) for p, d in enumerate(dev_of)}
@@ -228,7 +247,7 @@ def _greedy(prob: _Problem) -> np.ndarray:
         p = int(top[0])
         nb, w = prob.neighbours(p)
         here = placed[nb]
-        added = w[here] @ prob.cost[dev_of[nb[here]]] if here.any() else np.zeros(D)
+        added = prob.added_cost(p, dev_of, placed)
         ok = free & prob.compat[p]
         if not ok.any():
             prob.no_device(p)
@@ -252,10 +271,10 @@ def _greedy(prob: _Problem) -> np.ndarray:
 def _improve(prob: _Problem, dev_of: np.ndarray, max_rounds: int) -> int:
     """Pairwise swaps in place; returns the number of rounds run."""
     P, D = prob.compat.shape
-    C, compat = prob.cost, prob.compat
+    compat = prob.compat
     slot = np.full(D, -1)
     slot[dev_of] = np.arange(P)
-    M = np.asarray(prob.T @ C[dev_of, :])          # M[p, d]: cost of p on d, others fixed
+    M = sum(np.asarray(T @ C[dev_of, :]) for T, C, _ in prob.terms)  # M[p, d]: p on d
     own = M[np.arange(P), dev_of]
     tol = 1e-12 * max(prob.cost_of(dev_of), 1e-300)
     order = np.argsort(-prob.total, kind="stable")
@@ -268,13 +287,14 @@ def _improve(prob: _Problem, dev_of: np.ndarray, max_rounds: int) -> int:
             dp = dev_of[p]
             occ = slot >= 0
             qs = slot[occ]
-            nb, w = prob.neighbours(p)
-            t_at = np.zeros(D)
-            t_at[dev_of[nb]] = w
             # Gain of p <-> q (q on d, dp where p is):
             # M[p,d] - M[p,dp] + M[q,dp] - M[q,d] + 2 T[p,q] C[dp,d]; a free d has no q.
             delta = M[p] - own[p]
-            delta[occ] += M[qs, dp] - own[qs] + 2.0 * t_at[occ] * C[dp, occ]
+            delta[occ] += M[qs, dp] - own[qs]
+            for nb, w, C in prob.weights(p):
+                t_at = np.zeros(D)
+                t_at[dev_of[nb]] = w
+                delta[occ] += 2.0 * t_at[occ] * C[dp, occ]
             ok = compat[p].copy()
             ok[occ] &= compat[qs, dp]
             ok[dp] = False
@@ -290,15 +310,16 @@ def _improve(prob: _Problem, dev_of: np.ndarray, max_rounds: int) -> int:
 
 def _swap(prob: _Problem, M, own, dev_of, slot, p: int, d: int):
     dp, q = dev_of[p], slot[d]
-    diff = prob.cost[d] - prob.cost[dp]
-    nb_p, w_p = prob.neighbours(p)
-    M[nb_p] += w_p[:, None] * diff
-    touched = [nb_p, [p]]
+    touched = [[p]]
+    for nb_p, w_p, C in prob.weights(p):
+        M[nb_p] += w_p[:, None] * (C[d] - C[dp])
+        touched.append(nb_p)
     if q >= 0:
-        nb_q, w_q = prob.neighbours(q)
-        M[nb_q] -= w_q[:, None] * diff
+        for nb_q, w_q, C in prob.weights(q):
+            M[nb_q] -= w_q[:, None] * (C[d] - C[dp])
+            touched.append(nb_q)
         dev_of[q] = dp
-        touched += [nb_q, [q]]
+        touched.append([q])
     dev_of[p] = d
     slot[d], slot[dp] = p, q
     rows = np.unique(np.concatenate(touched)).astype(np.intp)
@@ -384,5 +405,8 @@ def mapping_cost(process_graph: ProcessGraph, cluster: Cluster,
     total = 0.0
     for (i, j), nbytes in process_graph.traffic.items():
         a, b = pos[devs[i]], pos[devs[j]]
-        total += nbytes * (lat[a, b] * 1e-6 + 1.0 / (bw[a, b] * 1e9))
+        total += nbytes / (bw[a, b] * 1e9)
+    for (i, j), count in process_graph.messages.items():
+        a, b = pos[devs[i]], pos[devs[j]]
+        total += count * lat[a, b] * 1e-6
     return total

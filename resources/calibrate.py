@@ -1,6 +1,7 @@
 """Measure this machine's MPI ranks and write a resource file.
 
-Per rank: GEMM GFLOP/s in float32 and float64 (numpy matmul, best of a few runs). Per pair
+Per rank: GEMM GFLOP/s in float32 and float64 (numpy matmul, best of a few runs), memory
+bandwidth and distgraph's per-op overhead (:mod:`distgraph.resources.device_probe`). Per pair
 of ranks: point-to-point latency (half the round trip of an 8-byte ping-pong) and
 bandwidth (a multi-megabyte ping-pong). For the whole group: all-reduce latency (8 bytes)
 and bus bandwidth (2(n-1)/n * bytes / time, the figure the ring formula uses). Ranks on
@@ -23,6 +24,8 @@ import platform
 import time
 
 import numpy as np
+
+from distgraph.resources.device_probe import memory_bandwidth_gbps, op_overhead_us
 
 GEMM_SIZE = 384
 SMALL_BYTES = 8
@@ -133,7 +136,8 @@ def build_cluster(ranks: list[dict], pairs: dict, allreduce, name: str):
     for m, host in enumerate(hosts):
         mine = [r for r in ranks if r["host"] == host]
         devices = [Device(r["rank"], k, m, "CPU", r["model"], r["gflops"],
-                          round(r["memory"] / per_host[host], 3)) for k, r in enumerate(mine)]
+                          round(r["memory"] / per_host[host], 3), r.get("memory_bandwidth"),
+                          r.get("op_overhead")) for k, r in enumerate(mine)]
         links = [Link(a, b, bw, lat, "SHM") for (a, b), (bw, lat) in pairs.items()
                  if machine_of[a] == m and machine_of[b] == m]
         machines.append(Machine(m, host, devices, links))
@@ -161,7 +165,9 @@ def main(argv=None) -> None:
     record = {"rank": rank, "host": MPI.Get_processor_name(), "model": cpu_model(),
               "memory": host_memory_gb(),
               "gflops": {"float32": round(gemm_gflops(np.float32, repeats=args.repeats), 3),
-                         "float64": round(gemm_gflops(np.float64, repeats=args.repeats), 3)}}
+                         "float64": round(gemm_gflops(np.float64, repeats=args.repeats), 3)},
+              "memory_bandwidth": round(memory_bandwidth_gbps(args.repeats), 3),
+              "op_overhead": round(op_overhead_us(args.repeats), 3)}
     pairs = measure_pairs(comm, args.repeats)
     allreduce = measure_allreduce(comm, args.repeats) if size > 1 else None
     records = comm.gather(record, root=0)

@@ -59,7 +59,9 @@ def _set(obj, name, value):
 
 @dataclass(frozen=True)
 class Device:
-    """One device. ``gflops`` maps a dtype name to GFLOP/s; ``memory`` is in GB.
+    """One device. ``gflops`` maps a dtype name to GFLOP/s; ``memory`` is in GB;
+    ``memory_bandwidth`` (GB/s) and ``op_overhead`` (µs per op launch) feed the cost model
+    and are None where the file does not give them (it then uses defaults per type).
 
     Example: ``Device(0, 0, 0, "GPU", "A100-SXM4-40GB", {"float32": 19500}, 40)``.
     """
@@ -71,6 +73,8 @@ class Device:
     model: str = ""
     gflops: Mapping[str, float] = field(default_factory=FrozenMap)
     memory: float = 0.0
+    memory_bandwidth: float | None = None
+    op_overhead: float | None = None
 
     def __post_init__(self):
         if self.type not in DEVICE_TYPES:

@@ -24,7 +24,8 @@ from distgraph.resources.reader import Reader, join
 
 TOP_KEYS = ("name", "machines", "links", "switches", "device_meshes", "calibration")
 MACHINE_KEYS = ("id", "hostname", "addr", "port", "devices", "nics", "links")
-DEVICE_KEYS = ("global_id", "local_id", "type", "model", "gflops", "memory")
+DEVICE_KEYS = ("global_id", "local_id", "type", "model", "gflops", "memory",
+               "memory_bandwidth", "op_overhead")
 NIC_KEYS = ("global_id", "local_id", "type", "model")
 LINK_KEYS = ("source", "target", "group", "bandwidth", "latency", "type")
 SWITCH_KEYS = ("global_id", "name")
@@ -122,8 +123,11 @@ def _machine(reader: Reader, raw, key: str, index: int, ids: _Ids):
         gflops = {k: reader.number(raw_gflops, k, gkey, strict=True, unit="GFLOP/s")
                   for k in raw_gflops}
         ids.define(gid, dkey, mid)
+        mem_bw = reader.number(d, "memory_bandwidth", dkey, default=None, strict=True,
+                               unit="GB/s")
+        overhead = reader.number(d, "op_overhead", dkey, default=None, unit="µs")
         devices.append(Device(gid, local, mid, dtype, reader.string(d, "model", dkey, default=""),
-                              gflops, memory))
+                              gflops, memory, mem_bw, overhead))
     nics = []
     for j, raw_nic in enumerate(reader.sequence(m.get("nics", []), join(key, "nics"))):
         nkey = join(join(key, "nics"), j)
@@ -235,15 +239,22 @@ def cluster_to_dict(cluster: Cluster) -> dict:
     return out
 
 
+def _device_dict(d) -> dict:
+    out = {"global_id": d.global_id, "local_id": d.local_id, "type": d.type, "model": d.model,
+           "memory": _num(d.memory), "gflops": {k: _num(v) for k, v in d.gflops.items()}}
+    for key in ("memory_bandwidth", "op_overhead"):
+        if getattr(d, key) is not None:
+            out[key] = _num(getattr(d, key))
+    return out
+
+
 def _machine_dict(m: Machine) -> dict:
     out: dict = {"id": m.id, "hostname": m.hostname}
     if m.addr:
         out["addr"] = m.addr
     if m.port is not None:
         out["port"] = m.port
-    out["devices"] = [{"global_id": d.global_id, "local_id": d.local_id, "type": d.type,
-                       "model": d.model, "memory": _num(d.memory),
-                       "gflops": {k: _num(v) for k, v in d.gflops.items()}} for d in m.devices]
+    out["devices"] = [_device_dict(d) for d in m.devices]
     if m.nics:
         out["nics"] = [{"global_id": n.global_id, "local_id": n.local_id,
                         **({"model": n.model} if n.model else {})} for n in m.nics]

@@ -56,9 +56,10 @@ class PlanMLP(dg.nn.Layer):
     or fc1 -> relu -> ... -> fc{layers}; part i (a layer and its relu) is ``stage{i}``,
     the activation after part 0 ``hidden``, after part i > 0 ``hidden{i}``."""
 
-    def __init__(self, layers: int = 2):
+    def __init__(self, dims=None, layers: int = 2):
         super().__init__()
-        widths = [MLP_DIMS["d_in"]] + [MLP_DIMS["hidden"]] * (layers - 1) + [MLP_DIMS["d_out"]]
+        dims = dims or MLP_DIMS
+        widths = [dims["d_in"]] + [dims["hidden"]] * (layers - 1) + [dims["d_out"]]
         self.layers = layers
         for i in range(layers):
             setattr(self, f"fc{i + 1}", dg.nn.Linear(widths[i], widths[i + 1]))
@@ -78,8 +79,8 @@ class PlanMLP(dg.nn.Layer):
 class PlanGPT(dg.nn.GPT):
     """GPT-2 with the plan hooks between its parts (parameter names as ``dg.nn.GPT``)."""
 
-    def __init__(self, dropout: float = 0.0):
-        super().__init__(**GPT_DIMS, dropout=dropout)
+    def __init__(self, dims=None, dropout: float = 0.0):
+        super().__init__(**(dims or GPT_DIMS), dropout=dropout)
         self.hooks = Hooks()
 
     def _embed(self, idx):
@@ -100,12 +101,13 @@ class PlanGPT(dg.nn.GPT):
         return h.wrap("head", self._head)(x)
 
 
-def build_model(kind: str, seed: int = 0, dropout: float = 0.0):
-    """``mlp`` (2 layers), ``mlp4`` (4 layers, for 4 stages) or ``gpt`` (with ``dropout``)."""
+def build_model(kind: str, seed: int = 0, dims=None, dropout: float = 0.0):
+    """A fresh model of ``kind``: ``mlp`` (2 layers), ``mlp4`` (4 layers, for 4 stages) or
+    ``gpt`` (with ``dropout``); ``dims`` overrides MLP_DIMS / GPT_DIMS (benchmarks)."""
     dg.seed(seed)
     if kind.startswith("mlp"):
-        return PlanMLP(4 if kind == "mlp4" else 2)
-    return PlanGPT(dropout)
+        return PlanMLP(dims, 4 if kind == "mlp4" else 2)
+    return PlanGPT(dims, dropout)
 
 
 def loss_fn(kind: str):
@@ -113,18 +115,22 @@ def loss_fn(kind: str):
 
 
 class Dataset:
-    """STEPS batches of BATCH samples: (x, y) for the MLP, (tokens, next tokens) for GPT."""
+    """STEPS batches of BATCH samples (or ``n`` samples of a model of ``dims``): (x, y) for
+    the MLP, (tokens, next tokens) for GPT."""
 
-    def __init__(self, kind: str, seed: int = 1, batch: int = BATCH):
+    def __init__(self, kind: str, seed: int = 1, n: int | None = None, dims=None,
+                 batch: int = BATCH):
         rng = np.random.default_rng(seed)
-        n = STEPS * batch
+        n = STEPS * batch if n is None else n
         dtype = dg.get_default_dtype()
         if kind.startswith("mlp"):
-            s = MLP_DIMS["seq"]
-            self.fields = [rng.normal(size=(n, s, MLP_DIMS["d_in"])).astype(dtype),
-                           rng.normal(size=(n, s, MLP_DIMS["d_out"])).astype(dtype)]
+            dims = dims or MLP_DIMS
+            s = dims["seq"]
+            self.fields = [rng.normal(size=(n, s, dims["d_in"])).astype(dtype),
+                           rng.normal(size=(n, s, dims["d_out"])).astype(dtype)]
         else:
-            t, v = GPT_DIMS["max_seq_len"], GPT_DIMS["vocab_size"]
+            dims = dims or GPT_DIMS
+            t, v = dims["max_seq_len"], dims["vocab_size"]
             tokens = rng.integers(0, v, size=(n, t + 1))
             self.fields = [tokens[:, :-1].astype(np.int64), tokens[:, 1:].astype(np.int64)]
 

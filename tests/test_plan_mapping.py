@@ -28,9 +28,11 @@ class MLP(dg.nn.Layer):
 
 def test_tp_groups_of_a_real_plan_stay_inside_a_machine():
     # A large batch of activations against small weights, as in Megatron-sized layers:
-    # the activation all-reduces inside TP groups outweigh the gradient all-reduces.
-    built = build_program(MLP(), [dg.InputSpec([2048, 64], name="x")],
-                          [dg.InputSpec([2048, 64], name="y")], dg.nn.MSELoss(),
+    # the activation all-reduces inside TP groups outweigh the gradient all-reduces, and
+    # by so much that bandwidth, not the per-message latency, decides (the mapping cost
+    # is alpha per message + beta per byte).
+    built = build_program(MLP(), [dg.InputSpec([65536, 64], name="x")],
+                          [dg.InputSpec([65536, 64], name="y")], dg.nn.MSELoss(),
                           dg.optim.Adam(1e-3))
     graph = process_graph(dg.passes.complete(built.program), device_type="GPU")
     tp = sum(graph.traffic.get(tuple(sorted(p)), 0.0)

@@ -14,7 +14,8 @@ from hypothesis import given, settings, strategies as st
 
 import distgraph.resources
 from distgraph.errors import PlanError
-from distgraph.passes.process_graph import ProcessGraph, collective_traffic, grid_groups
+from distgraph.passes.process_graph import (ProcessGraph, collective_messages,
+                                            collective_traffic, grid_groups)
 from distgraph.passes.rank_mapping import (best_random_mapping, bfs_first_free_mapping,
                                            improve_mapping, map_ranks, mapping_cost,
                                            random_mapping)
@@ -63,6 +64,15 @@ def test_collective_traffic_formulas():
     assert len(a2a) == 6 and set(a2a.values()) == {0.5e6}
     assert collective_traffic([[0, 1, 2]], B, "p2p") == {(0, 1): B, (1, 2): B}
     assert collective_traffic([[5]], B) == {}
+    # messages: one per ring step to the successor, one each way per all_to_all pair
+    assert collective_messages([[0, 1, 2, 3]], "all_reduce") == \
+        {(0, 1): 6.0, (1, 2): 6.0, (2, 3): 6.0, (0, 3): 6.0}
+    assert collective_messages([[0, 1]], "all_gather") == {(0, 1): 2.0}
+    assert collective_messages([[0, 1, 2]], "all_to_all") == {(0, 1): 2.0, (0, 2): 2.0,
+                                                             (1, 2): 2.0}
+    assert collective_messages([[0, 1, 2]], "p2p") == {(0, 1): 1.0, (1, 2): 1.0}
+    g = ProcessGraph(4).with_group_traffic([[0, 1], [2, 3]], B, "reduce_scatter")
+    assert dict(g.messages) == {(0, 1): 2.0, (2, 3): 2.0}
     with pytest.raises(PlanError, match="unknown collective"):
         collective_traffic([[0, 1]], B, "broadcastish")
 
@@ -178,12 +188,12 @@ def exhaustive_best(graph, cluster):
 
 def test_cost_formula_by_hand():
     c = tiny_cluster()
-    g = ProcessGraph(3, {(0, 1): 1e6, (1, 2): 3e6})
+    g = ProcessGraph(3, {(0, 1): 1e6, (1, 2): 3e6}, messages={(0, 1): 2, (1, 2): 5})
     placement = {0: 0, 1: 4, 2: 5}
-    by_hand = 1e6 * (c.latency(0, 4) * 1e-6 + 1 / (c.bandwidth(0, 4) * 1e9)) \
-        + 3e6 * (c.latency(4, 5) * 1e-6 + 1 / (c.bandwidth(4, 5) * 1e9))
+    by_hand = 2 * c.latency(0, 4) * 1e-6 + 1e6 / (c.bandwidth(0, 4) * 1e9) \
+        + 5 * c.latency(4, 5) * 1e-6 + 3e6 / (c.bandwidth(4, 5) * 1e9)
     # 0 -> 4: 1 + 5 + 1 us at 1 GB/s; 4 -> 5: 2 us at 2 GB/s.
-    assert by_hand == pytest.approx(1e6 * (7e-6 + 1e-9) + 3e6 * (2e-6 + 0.5e-9))
+    assert by_hand == pytest.approx(2 * 7e-6 + 1e6 * 1e-9 + 5 * 2e-6 + 3e6 * 0.5e-9)
     assert mapping_cost(g, c, placement) == pytest.approx(by_hand)
     with pytest.raises(PlanError, match="share a device"):
         mapping_cost(g, c, {0: 0, 1: 0, 2: 1})

@@ -1,0 +1,289 @@
+"""Cost model estimate of a Plan on a Cluster: step time split into compute,
+communication and bubble, and peak memory per process.
+
+- **Compute**: each op of a process's local program takes
+  ``op_overhead + max(FLOPs / GFLOP/s of its dtype, bytes touched / memory bandwidth)``
+  on the process's device: a roofline plus the cost of launching an op (framework
+  dispatch and kernel launch), which dominates small tensors.
+- **Communication**: every reshard step and every collective inside an op, with the
+  alpha-beta formulas of :mod:`distgraph.passes.cost_model`, on the links between the
+  devices of the step's group (the ring's bottleneck bandwidth and largest hop latency);
+  a p2p step takes as long as its busiest sender's messages, each ``α + B/β`` of its pair.
+- **Step**: processes meet at every collective, so a stage takes as long as its busiest
+  process. Without micro-batches the stages run one after another, ``T = Σ t_s``. With M
+  micro-batches (Alpa's formula) ``T = Σ u_s + (M-1) max u_s + max update_s`` where
+  ``u_s`` is stage s's forward + backward time for one micro-batch (a micro-batched
+  plan's local programs are one micro-batch's: their forward and backward ops and
+  reshards count M times a step, the update's once). The bottleneck
+  process's compute and communication are reported, and ``bubble`` is its idle time.
+- **Memory** per process: parameters, optimizer states, and the transient values
+  (gradients, activations) live at the peak of the executor's free-after-last-use order;
+  under a pipeline schedule a stage holds the activations of the micro-batches in
+  flight (M for FThenB, S - s for 1F1B on stage s).
+
+Devices that do not give ``memory_bandwidth`` or ``op_overhead`` in the resource file get
+the defaults of :data:`DEFAULTS` for their type; ``distgraph cluster calibrate`` measures
+both.
+
+Example::
+
+    est = dg.passes.estimate(plan, cluster)
+    print(est)                # step, compute / communication / bubble, memory per process
+    est.step_time, est.processes[0].peak_memory
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from distgraph import dtypes
+from distgraph.errors import PlanError
+from distgraph.ops.registry import TensorType, get_op
+from distgraph.passes.cost_model import collective_time
+from distgraph.passes.partition import gather_points
+
+# (memory bandwidth GB/s, op overhead µs) by device type when the file gives none.
+DEFAULTS = {"CPU": (10.0, 20.0), "GPU": (1000.0, 10.0), "XPU": (500.0, 10.0),
+            "NPU": (500.0, 10.0), "DCU": (500.0, 10.0)}
+COLLECTIVES = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all")
+
+
+@dataclass(frozen=True)
+class ProcessEstimate:
+    """One process: its device, seconds of compute and communication per step, and
+    bytes at its memory peak (``peak_memory`` = parameters + states + gradients +
+    activations live then)."""
+
+    process: int
+    device: int
+    stage: int
+    compute: float
+    communication: float
+    parameters: int
+    states: int
+    gradients: int
+    activations: int
+
+    @property
+    def busy(self) -> float:
+        return self.compute + self.communication
+
+    @property
+    def peak_memory(self) -> int:
+        return self.parameters + self.states + self.gradients + self.activations
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """A plan's predicted step: ``step_time`` = ``compute`` + ``communication`` +
+    ``bubble`` of the bottleneck process (seconds), and every process's figures."""
+
+    step_time: float
+    compute: float
+    communication: float
+    bubble: float
+    processes: tuple
+
+    @property
+    def peak_memory(self) -> int:
+        return max(p.peak_memory for p in self.processes)
+
+    def to_dict(self) -> dict:
+        return {"step_time": self.step_time, "compute": self.compute,
+                "communication": self.communication, "bubble": self.bubble,
+                "peak_memory": self.peak_memory,
+                "processes": [dict(asdict(p), peak_memory=p.peak_memory)
+                              for p in self.processes]}
+
+    def __str__(self) -> str:
+        lines = [f"step {self.step_time * 1e3:.3f} ms = compute {self.compute * 1e3:.3f} + "
+                 f"communication {self.communication * 1e3:.3f} + bubble "
+                 f"{self.bubble * 1e3:.3f} ms"]
+        for p in self.processes:
+            lines.append(f"  process {p.process} (device {p.device}, stage {p.stage}): "
+                         f"compute {p.compute * 1e3:.3f} ms, communication "
+                         f"{p.communication * 1e3:.3f} ms, peak {fmt_bytes(p.peak_memory)} "
+                         f"(parameters {fmt_bytes(p.parameters)}, states "
+                         f"{fmt_bytes(p.states)}, gradients {fmt_bytes(p.gradients)}, "
+                         f"activations {fmt_bytes(p.activations)})")
+        return "\n".join(lines)
+
+
+def fmt_bytes(b: float) -> str:
+    """``1.5 MiB``-style size for people."""
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if b >= size:
+            return f"{b / size:.1f} {unit}"
+    return f"{b:.0f} B"
+
+
+def device_rates(device) -> tuple[float, float]:
+    """(memory bandwidth bytes/s, op overhead s) of a device, defaults filled in."""
+    bw, overhead = DEFAULTS.get(device.type, DEFAULTS["CPU"])
+    if device.memory_bandwidth is not None:
+        bw = device.memory_bandwidth
+    if device.op_overhead is not None:
+        overhead = device.op_overhead
+    return bw * 1e9, overhead * 1e-6
+
+
+def op_time(op_type: str, ins, outs, attrs: dict, device) -> float:
+    """Seconds for one op on ``device``; ``ins``/``outs`` are TensorTypes (local shapes)."""
+    flops = get_op(op_type).flops(ins, outs, **attrs)
+    touched = sum(_nbytes(t) for t in ins) + sum(_nbytes(t) for t in outs)
+    dtype = outs[0].dtype if outs else (ins[0].dtype if ins else "float32")
+    rate = device.flops(dtype) or device.flops("float32") or max(device.gflops.values()) * 1e9
+    mem_bw, overhead = device_rates(device)
+    return overhead + max(flops / rate, touched / mem_bw)
+
+
+def ring_links(cluster, devices) -> tuple[float, float]:
+    """(bandwidth GB/s, latency µs) of a ring over ``devices``: its bottleneck hop and
+    its slowest hop's latency."""
+    hops = list(zip(devices, devices[1:] + devices[:1]))
+    return (min(cluster.bandwidth(a, b) for a, b in hops),
+            max(cluster.latency(a, b) for a, b in hops))
+
+
+def step_time(step, process: int, cluster, device_of) -> float:
+    """Seconds that reshard ``step`` costs ``process`` (0 where it takes no part)."""
+    if step.kind == "send_recv":
+        if process not in step.mesh and process not in step.dst_mesh:
+            return 0.0
+        per_sender: dict = {}
+        for t in step.transfers:
+            if t.src != t.dst:
+                a, b = device_of(t.src), device_of(t.dst)
+                per_sender[t.src] = (per_sender.get(t.src, 0.0) + cluster.latency(a, b) * 1e-6
+                                     + t.nbytes / (cluster.bandwidth(a, b) * 1e9))
+        return max(per_sender.values(), default=0.0)
+    if step.kind not in COLLECTIVES or process not in step.mesh or step.group_size == 1:
+        return 0.0
+    group = [device_of(q) for q in step.mesh.group_of(process, step.mesh_dim)]
+    bw, lat = ring_links(cluster, group)
+    return collective_time(step.kind, step.group_size, step.buffer_bytes, bw, lat)
+
+
+def estimate(plan, cluster=None) -> Estimate:
+    """The plan's predicted step time and memory on ``cluster`` (default: the plan's own
+    cluster, else ``Cluster.local`` of its size). See the module docstring."""
+    from distgraph.resources.cluster import Cluster
+    cluster = cluster or plan.cluster or Cluster.local(plan.world_size)
+    devices = cluster.devices
+    if len(devices) < plan.world_size:
+        raise PlanError(f"the plan has {plan.world_size} processes but the cluster has "
+                        f"{len(devices)} devices")
+
+    def device_of(pid: int) -> int:
+        return devices[plan.rank(pid)].global_id
+
+    stage_of = {}
+    for s, mesh in enumerate(plan.stages):
+        for pid in mesh.process_ids:
+            stage_of.setdefault(pid, s)
+    fetch = [plan.built.loss_name] if plan.built.loss_name else []
+    per_process, update_time = [], {}
+    for pid in plan.process_ids:
+        device = cluster.device(device_of(pid))
+        compute, comm, updates = _process_times(plan, pid, device, cluster, device_of, fetch)
+        memory = _peak_memory(plan, pid, stage_of.get(pid, 0))
+        per_process.append(ProcessEstimate(pid, device.global_id, stage_of.get(pid, 0),
+                                           compute, comm, *memory))
+        update_time[pid] = updates
+    return _combine(plan, per_process, update_time)
+
+
+def _process_times(plan, pid, device, cluster, device_of, fetch):
+    local = plan.local(pid)
+    m = plan.micro_batches        # > 1: the local program is one micro-batch's
+
+    def times(role: str) -> int:
+        return 1 if role == "optimize" else m
+
+    compute = updates = 0.0
+    for op in local.program.ops:
+        t = op_time(op.type, [TensorType(v.shape, v.dtype) for v in op.inputs],
+                    [TensorType(v.shape, v.dtype) for v in op.outputs], op.attrs, device)
+        compute += t * times(op.role)
+        if op.role == "optimize":
+            updates += t
+    roles = [op.role for op in plan.program.ops]
+    comm = sum(times(roles[p.anchor]) * step_time(s, pid, cluster, device_of)
+               for p in local.points() for s in p.steps)
+    if plan.distributed:
+        comm += sum(step_time(s, pid, cluster, device_of)
+                    for p in gather_points(plan.program, fetch, pid) for s in p.steps)
+    if local.op_comm:
+        ops = local.program.ops
+        for index, collectives in local.op_comm.items():
+            # The op's own collectives run inside its mesh: the worst ring of that mesh.
+            bw, lat = ring_links(cluster, [device_of(q)
+                                           for q in ops[index].dist_attr.mesh.process_ids])
+            comm += times(ops[index].role) * sum(collective_time(kind, n, nbytes, bw, lat)
+                                                 for kind, n, nbytes in collectives)
+    return compute, comm, updates
+
+
+def _peak_memory(plan, pid, stage) -> tuple[int, int, int, int]:
+    """(parameters, states, gradients, activations) bytes at the process's peak."""
+    local = plan.local(pid)
+    prog = local.program
+    params = sum(v.nbytes for v in prog.persistables if v.is_parameter)
+    states = sum(v.nbytes for v in prog.persistables if not v.is_parameter)
+    items = []
+    for i, op in enumerate(prog.ops + [None]):
+        for point in local.comm_points.get(i, ()):
+            items.append((point.reads, point.writes))
+        if op is not None:
+            items.append((tuple(v.name for v in op.inputs),
+                          tuple(o.name for o in op.outputs if not o.alias_of)))
+    last = {}
+    for k, (reads, writes) in enumerate(items):
+        for name in reads + writes:
+            last[name] = k
+    keep = {v.name for v in prog.persistables}
+    live = {v.name: v.nbytes for v in prog.inputs}
+    peak, at_peak = sum(live.values()), dict(live)
+    for k, (reads, writes) in enumerate(items):
+        for name in writes:
+            if name not in keep:
+                live[name] = prog.values[name].nbytes
+        total = sum(live.values())
+        if total > peak:
+            peak, at_peak = total, dict(live)
+        for name in set(reads + writes):
+            if last.get(name) == k:
+                live.pop(name, None)
+    grads = sum(b for n, b in at_peak.items() if "@GRAD" in n)
+    acts = sum(b for n, b in at_peak.items() if "@GRAD" not in n)
+    m = plan.micro_batches
+    if m > 1:
+        # the local program is one micro-batch's, and a stage holds the activations of
+        # the micro-batches in flight
+        in_flight = m if plan.strategy.schedule == "FThenB" else min(m, len(plan.stages) - stage)
+        acts = acts * in_flight
+    return params, states, grads, acts
+
+
+def _combine(plan, processes, update_time) -> Estimate:
+    by_stage: dict = {}
+    for p in processes:
+        by_stage.setdefault(p.stage, []).append(p)
+    slowest = {s: max(ps, key=lambda p: p.busy) for s, ps in by_stage.items()}
+    m = plan.micro_batches
+    if m == 1:
+        total = sum(p.busy for p in slowest.values())
+    else:
+        upd = {s: update_time[p.process] for s, p in slowest.items()}
+        per_mb = [(p.busy - upd[s]) / m for s, p in slowest.items()]
+        total = sum(per_mb) + (m - 1) * max(per_mb) + max(upd.values())
+    bottleneck = max(processes, key=lambda p: p.busy)
+    return Estimate(total, bottleneck.compute, bottleneck.communication,
+                    max(total - bottleneck.busy, 0.0), tuple(processes))
+
+
+def _nbytes(t: TensorType) -> int:
+    n = 1
+    for d in t.shape:
+        n *= d
+    return n * dtypes.itemsize(t.dtype)

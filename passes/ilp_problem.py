@@ -1,0 +1,270 @@
+"""The input of the intra-op sharding ILP: a validated :class:`ShardingProblem`.
+
+Nodes are ``0..n-1`` (ops, or tensors such as parameters); node ``v`` has
+``strategy_counts[v]`` candidate strategies and, per strategy, a compute time, a
+communication time and a memory size (``compute[v][i]``, ``comm[v][i]``,
+``memory[v][i]``). The rest describes how choices interact:
+
+- ``edges``: ``(u, v, R)`` with ``R`` of shape ``(k_u, k_v)``: ``R[i][j]`` is the
+  resharding cost paid when ``u`` takes strategy ``i`` and ``v`` takes ``j``.
+- ``aliases``: ``(u, v, V)``, same shape; ``V[i][j] == 1`` forbids that pair (a
+  parameter and its update must agree on a layout).
+- ``follow``: ``follow[i] == j`` makes node ``i`` take node ``j``'s strategy index (a
+  light op following its operand); ``-1`` leaves it free.
+- ``share``: classes of nodes tied to one strategy index, e.g. the same op in every
+  identical transformer block: ``share = list(zip(*nodes_of_block))``.
+- ``liveness``: the nodes whose memory is live together at each time; with
+  ``memory_budget`` the summed memory at every time must stay within it.
+
+An ``inf`` entry in ``compute``, ``comm`` or ``R`` forbids that strategy or pair. Tied
+nodes (follow, share) need equal strategy counts: their strategies correspond by index.
+Errors are :class:`~distgraph.errors.PlanError` naming the node (by ``names`` when given),
+the field and the fix.
+
+Example::
+
+    >>> p = ShardingProblem([2, 2], compute=[[1, 2], [1, 1]], comm=[[0, 0], [0, 0]],
+    ...                     memory=[[2, 1], [2, 1]], edges=[(0, 1, [[0, 5], [5, 0]])])
+    >>> p.n, p.strategy_counts
+    (2, (2, 2))
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from distgraph.errors import PlanError
+
+
+def _set(obj, name, value):
+    object.__setattr__(obj, name, value)
+
+
+@dataclass(frozen=True, eq=False)
+class ShardingProblem:
+    """One sharding ILP (see the module docstring for the meaning of every field)."""
+
+    strategy_counts: Sequence[int]
+    compute: Sequence[Sequence[float]]
+    comm: Sequence[Sequence[float]]
+    memory: Sequence[Sequence[float]]
+    edges: Sequence[tuple[int, int, Any]] = ()
+    aliases: Sequence[tuple[int, int, Any]] = ()
+    follow: Sequence[int] | None = None
+    liveness: Sequence[Sequence[int]] = ()
+    memory_budget: float | None = None
+    share: Sequence[Sequence[int]] = ()
+    names: Sequence[str] | None = None
+
+    def __post_init__(self):
+        counts = tuple(self.strategy_counts)
+        for v, k in enumerate(counts):
+            if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
+                raise PlanError(f"ShardingProblem: strategy_counts[{v}] = {k!r}; every node "
+                                "needs a whole number >= 1 of candidate strategies")
+        _set(self, "strategy_counts", tuple(int(k) for k in counts))
+        n = len(counts)
+        if self.names is not None:
+            if len(self.names) != n:
+                raise PlanError(f"ShardingProblem: {len(self.names)} names for {n} nodes; "
+                                "give one name per node or none")
+            _set(self, "names", tuple(str(s) for s in self.names))
+        for field in ("compute", "comm", "memory"):
+            _set(self, field, self._vectors(field, getattr(self, field)))
+        _set(self, "edges", self._matrices("edges", self.edges, self._cost_matrix))
+        _set(self, "aliases", self._matrices("aliases", self.aliases, self._alias_matrix))
+        _set(self, "follow", self._follow())
+        _set(self, "share", self._share())
+        _set(self, "liveness", self._liveness())
+        budget = self.memory_budget
+        if budget is not None:
+            if isinstance(budget, bool) or not isinstance(budget, (int, float, np.number)) \
+                    or not (budget >= 0 and math.isfinite(budget)):
+                raise PlanError(f"ShardingProblem: memory_budget = {budget!r}; give a finite "
+                                "number >= 0 (in the unit of `memory`) or None for no limit")
+            if not self.liveness:
+                raise PlanError("ShardingProblem: memory_budget is set but liveness is empty, "
+                                "so the budget would bound nothing; pass liveness (e.g. "
+                                "[list(range(n))] to bound the total) or memory_budget=None")
+            _set(self, "memory_budget", float(budget))
+
+    # ---- views -------------------------------------------------------------------------
+    @property
+    def n(self) -> int:
+        """Number of nodes."""
+        return len(self.strategy_counts)
+
+    def node(self, v: int) -> str:
+        """``node 3`` or ``node 3 ('blocks.0.mlp.fc1')`` for messages."""
+        return f"node {v}" + (f" ({self.names[v]!r})" if self.names is not None else "")
+
+    # ---- validation --------------------------------------------------------------------
+    def _vectors(self, field: str, rows) -> tuple[np.ndarray, ...]:
+        if len(rows) != self.n:
+            raise PlanError(f"ShardingProblem: {field} has {len(rows)} rows for {self.n} "
+                            f"nodes; give one row per node")
+        out = []
+        for v, row in enumerate(rows):
+            arr = np.asarray(row, dtype=np.float64).reshape(-1)
+            k = self.strategy_counts[v]
+            if arr.size != k:
+                raise PlanError(f"ShardingProblem: {field}[{v}] has {arr.size} entries but "
+                                f"{self.node(v)} has strategy_counts[{v}] = {k}; give one "
+                                "entry per strategy")
+            if field == "memory":
+                bad, allowed = ~np.isfinite(arr) | (arr < 0), "finite numbers >= 0"
+            else:
+                bad, allowed = np.isnan(arr) | (arr == -np.inf), "numbers, or inf to forbid it"
+            if bad.any():
+                i = int(np.flatnonzero(bad)[0])
+                raise PlanError(f"ShardingProblem: {field}[{v}][{i}] = {arr[i]} for "
+                                f"{self.node(v)}; expected {allowed}")
+            arr.setflags(write=False)
+            out.append(arr)
+        return tuple(out)
+
+    def _node_id(self, where: str, v) -> int:
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not 0 <= v < self.n:
+            raise PlanError(f"ShardingProblem: {where} names node {v!r}; nodes are 0..{self.n - 1}")
+        return int(v)
+
+    def _matrices(self, field: str, items, convert) -> tuple:
+        out = []
+        for k, item in enumerate(items):
+            try:
+                u, v, mat = item
+            except (TypeError, ValueError):
+                raise PlanError(f"ShardingProblem: {field}[{k}] is {item!r}; expected a "
+                                "triple (u, v, matrix)") from None
+            u, v = self._node_id(f"{field}[{k}]", u), self._node_id(f"{field}[{k}]", v)
+            if u == v:
+                raise PlanError(f"ShardingProblem: {field}[{k}] joins {self.node(u)} to "
+                                "itself; an edge or alias joins two different nodes")
+            arr = np.asarray(mat, dtype=np.float64)
+            shape = (self.strategy_counts[u], self.strategy_counts[v])
+            if arr.shape != shape:
+                raise PlanError(f"ShardingProblem: {field}[{k}] ({self.node(u)} -> "
+                                f"{self.node(v)}) has a matrix of shape {arr.shape}; expected "
+                                f"{shape} = (strategies of {u}, strategies of {v})")
+            arr = convert(f"{field}[{k}]", arr)
+            arr.setflags(write=False)
+            out.append((u, v, arr))
+        return tuple(out)
+
+    @staticmethod
+    def _cost_matrix(where: str, arr: np.ndarray) -> np.ndarray:
+        bad = np.isnan(arr) | (arr == -np.inf)
+        if bad.any():
+            i, j = map(int, np.argwhere(bad)[0])
+            raise PlanError(f"ShardingProblem: {where} R[{i}][{j}] = {arr[i, j]}; expected a "
+                            "number, or inf to forbid the pair")
+        return arr
+
+    @staticmethod
+    def _alias_matrix(where: str, arr: np.ndarray) -> np.ndarray:
+        bad = (arr != 0) & (arr != 1)
+        if bad.any():
+            i, j = map(int, np.argwhere(bad)[0])
+            raise PlanError(f"ShardingProblem: {where} V[{i}][{j}] = {arr[i, j]}; expected 0 "
+                            "(pair allowed) or 1 (pair forbidden)")
+        return arr.astype(bool)
+
+    def _tie(self, where: str, i: int, j: int) -> None:
+        if self.strategy_counts[i] != self.strategy_counts[j]:
+            raise PlanError(f"ShardingProblem: {where} ties {self.node(i)} "
+                            f"({self.strategy_counts[i]} strategies) to {self.node(j)} "
+                            f"({self.strategy_counts[j]}); tied nodes take the same strategy "
+                            "index, so they need the same strategy count")
+
+    def _follow(self) -> tuple[int, ...]:
+        if self.follow is None:
+            return (-1,) * self.n
+        if len(self.follow) != self.n:
+            raise PlanError(f"ShardingProblem: follow has {len(self.follow)} entries for "
+                            f"{self.n} nodes; give one per node (-1 = free)")
+        out = []
+        for i, j in enumerate(self.follow):
+            if j == -1:
+                out.append(-1)
+                continue
+            j = self._node_id(f"follow[{i}]", j)
+            if j == i:
+                raise PlanError(f"ShardingProblem: follow[{i}] = {i}: {self.node(i)} follows "
+                                "itself; use -1 for a free node")
+            self._tie(f"follow[{i}]", i, j)
+            out.append(j)
+        for start in range(self.n):
+            # Walk the chain; a chain longer than n nodes has a cycle.
+            path, v = [start], out[start]
+            while v != -1 and len(path) <= self.n:
+                path.append(v)
+                v = out[v]
+            if v != -1:
+                cycle = path[path.index(path[-1]):]
+                raise PlanError("ShardingProblem: follow has a cycle "
+                                f"{' -> '.join(self.node(c) for c in cycle)}; let one node of "
+                                "the cycle lead (follow = -1) and the others follow it")
+        return tuple(out)
+
+    def _share(self) -> tuple[tuple[int, ...], ...]:
+        seen: dict[int, int] = {}
+        out = []
+        for c, group in enumerate(self.share):
+            ids = tuple(self._node_id(f"share[{c}]", v) for v in group)
+            for v in ids:
+                if v in seen:
+                    raise PlanError(f"ShardingProblem: {self.node(v)} is in share[{seen[v]}] "
+                                    f"and share[{c}]; put each node in at most one class "
+                                    "(merge the classes if they are meant to be tied)")
+                seen[v] = c
+                self._tie(f"share[{c}]", ids[0], v)
+            out.append(ids)
+        return tuple(out)
+
+    def _liveness(self) -> tuple[tuple[int, ...], ...]:
+        out = []
+        for t, live in enumerate(self.liveness):
+            ids = tuple(self._node_id(f"liveness[{t}]", v) for v in live)
+            if len(set(ids)) != len(ids):
+                dup = next(v for v in ids if ids.count(v) > 1)
+                raise PlanError(f"ShardingProblem: liveness[{t}] lists {self.node(dup)} "
+                                "twice; a live set names each node once")
+            out.append(ids)
+        return tuple(out)
+
+
+def evaluate(problem: ShardingProblem, choice: Sequence[int]) -> float:
+    """The objective of ``choice`` (one strategy index per node); ``inf`` when it picks a
+    forbidden strategy or pair or breaks a follow/share tie. Ignores the memory budget."""
+    c = _check_choice(problem, choice)
+    ties = [(i, j) for i, j in enumerate(problem.follow) if j != -1]
+    ties += [(g[0], v) for g in problem.share for v in g]
+    if any(c[i] != c[j] for i, j in ties):
+        return math.inf
+    if any(mat[c[u], c[v]] for u, v, mat in problem.aliases):
+        return math.inf
+    total = sum(float(problem.compute[v][c[v]] + problem.comm[v][c[v]]) for v in range(problem.n))
+    return total + sum(float(mat[c[u], c[v]]) for u, v, mat in problem.edges)
+
+
+def peak_memory(problem: ShardingProblem, choice: Sequence[int]) -> float:
+    """The largest summed memory over the liveness sets under ``choice`` (0 without any)."""
+    c = _check_choice(problem, choice)
+    per_node = [float(problem.memory[v][c[v]]) for v in range(problem.n)]
+    return max((sum(per_node[v] for v in live) for live in problem.liveness), default=0.0)
+
+
+def _check_choice(problem: ShardingProblem, choice: Sequence[int]) -> list[int]:
+    c = [int(i) for i in choice]
+    if len(c) != problem.n:
+        raise PlanError(f"choice has {len(c)} entries for {problem.n} nodes")
+    for v, i in enumerate(c):
+        if not 0 <= i < problem.strategy_counts[v]:
+            raise PlanError(f"choice[{v}] = {i} but {problem.node(v)} has "
+                            f"{problem.strategy_counts[v]} strategies")
+    return c

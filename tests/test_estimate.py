@@ -1,0 +1,180 @@
+"""The cost model's estimate of a plan against closed forms: compute as the roofline plus
+launch cost, communication as the alpha-beta of the links the groups use, stages in
+sequence, memory as the executor's live set at its peak."""
+
+import pytest
+
+import distgraph as dg
+from distgraph.program_builder import build_program
+
+BW, LAT = 2.0, 5.0                       # GB/s, µs between any two devices
+GFLOPS, MEM_BW, OVERHEAD = 10.0, 4.0, 7.0
+
+
+def cluster(n, inter_bw=None):
+    """n CPU devices on one machine (or two machines of n/2 when ``inter_bw`` is given)."""
+    def dev(i):
+        return {"global_id": i, "type": "CPU", "memory": 1, "gflops": {"float64": GFLOPS},
+                "memory_bandwidth": MEM_BW, "op_overhead": OVERHEAD}
+    if inter_bw is None:
+        links = [{"group": list(range(n)), "bandwidth": BW, "latency": LAT}] if n > 1 else []
+        machines = [{"hostname": "a", "devices": [dev(i) for i in range(n)], "links": links}]
+        return dg.Cluster.from_dict({"machines": machines})
+    half = n // 2
+    machines = [{"hostname": f"m{m}", "devices": [dev(i) for i in range(m * half, (m + 1) * half)],
+                 "links": [{"group": list(range(m * half, (m + 1) * half)), "bandwidth": BW,
+                            "latency": LAT}]} for m in range(2)]
+    links = [{"source": i, "target": i + half, "bandwidth": inter_bw, "latency": LAT}
+             for i in range(half)]
+    return dg.Cluster.from_dict({"machines": machines, "links": links})
+
+
+class MLP(dg.nn.Layer):
+    def __init__(self, mesh=None, spec=None):
+        super().__init__()
+        self.mesh, self.spec = mesh, spec
+        self.fc1, self.fc2 = dg.nn.Linear(8, 16), dg.nn.Linear(16, 4)
+
+    def forward(self, x):
+        if self.mesh is not None:
+            dg.shard_tensor(x, self.mesh, self.spec)
+        return self.fc2(dg.ops.relu(self.fc1(x)))
+
+
+def train_plan(model, batch=8, **kw):
+    built = build_program(model, [dg.InputSpec([batch, 8], name="x")],
+                          [dg.InputSpec([batch, 4], name="y")], dg.nn.MSELoss(),
+                          dg.optim.SGD(0.1))
+    return dg.passes.plan(built, **kw)
+
+
+def test_data_parallel_communication_is_one_all_reduce_per_gradient(float64):
+    p = train_plan(MLP(dg.ProcessMesh([0, 1], ["dp"]), ["dp", None]))
+    kinds = {s.kind for point in p.reshards() for s in point.steps}
+    assert kinds == {"all_reduce"}
+    est = dg.passes.estimate(p, cluster(2))
+    grads = [v for v in p.program.parameters]
+    grad_bytes = sum(v.nbytes for v in grads)
+    # ring of 2: each all-reduce 2 latencies + 2 (n-1)/n B / bw; the loss (a Partial
+    # scalar) is one more all-reduce of 8 bytes when every process fetches it
+    messages = len(grads) + 1
+    expected = messages * 2 * LAT * 1e-6 + (grad_bytes + 8) / (BW * 1e9)
+    for proc in est.processes:
+        assert proc.communication == pytest.approx(expected, rel=1e-12)
+
+
+def test_compute_is_roofline_plus_launch_cost(float64):
+    class Proj(dg.nn.Layer):
+        def __init__(self):
+            super().__init__()
+            self.w = dg.nn.Linear(64, 32, bias=False)
+
+        def forward(self, x):
+            return self.w(x)
+
+    built = build_program(Proj(), [dg.InputSpec([16, 64], name="x")], mode="predict")
+    p = dg.passes.plan(built)
+    assert [op.type for op in p.program.ops] == ["matmul"]
+    est = dg.passes.estimate(p, cluster(1))
+    flops = 2 * 16 * 64 * 32
+    moved = (16 * 64 + 64 * 32 + 16 * 32) * 8
+    expected = OVERHEAD * 1e-6 + max(flops / (GFLOPS * 1e9), moved / (MEM_BW * 1e9))
+    assert est.step_time == pytest.approx(expected, rel=1e-12)
+    assert est.compute == est.step_time and est.communication == 0 and est.bubble == 0
+
+
+def test_activation_peak_is_the_executors_live_set(float64):
+    built = build_program(MLP(), [dg.InputSpec([8, 8], name="x")], mode="predict")
+    est = dg.passes.estimate(dg.passes.plan(built), cluster(1))
+    (proc,) = est.processes
+    # x[8,8] -> h=x@w1 [8,16] -> h+b [8,16] (h dies) -> relu [8,16] -> @w2 [8,4] -> +b:
+    # at most two [8,16] float64 values live at once
+    assert proc.activations == 2 * 8 * 16 * 8
+    assert proc.parameters == (8 * 16 + 16 + 16 * 4 + 4) * 8
+    assert proc.gradients == 0 and proc.states == 0
+
+
+def test_stages_run_one_after_another():
+    first, second = dg.ProcessMesh([0], ["s"]), dg.ProcessMesh([1], ["s"])
+
+    class TwoStage(dg.nn.Layer):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = dg.nn.Linear(8, 16), dg.nn.Linear(16, 4)
+
+        def forward(self, x):
+            return dg.shard_op(self.fc2, second)(dg.shard_op(self.fc1, first)(x))
+
+    p = train_plan(TwoStage())
+    est = dg.passes.estimate(p, cluster(2))
+    by_stage = {proc.stage: proc for proc in est.processes}
+    assert set(by_stage) == {0, 1}
+    assert est.step_time == pytest.approx(by_stage[0].busy + by_stage[1].busy, rel=1e-12)
+    slowest = max(by_stage.values(), key=lambda q: q.busy)
+    assert est.bubble == pytest.approx(est.step_time - slowest.busy, rel=1e-12)
+    assert est.bubble > 0
+
+
+def test_placement_that_keeps_tensor_parallel_groups_together_is_cheaper():
+    mesh = dg.ProcessMesh([[0, 1], [2, 3]], ["dp", "mp"])
+
+    class Megatron(MLP):
+        def __init__(self):
+            super().__init__(mesh, ["dp", None])
+            dg.shard_tensor(self.fc1.weight, mesh, [None, "mp"])
+            dg.shard_tensor(self.fc2.weight, mesh, ["mp", None])
+
+    # a large batch: the activations' all-reduces inside mp groups outweigh the gradients'
+    # all-reduces across dp
+    slow = cluster(4, inter_bw=0.01)          # machines {0, 1} and {2, 3}
+    inside = train_plan(Megatron(), 1024, cluster=slow, rank_mapping={0: 0, 1: 1, 2: 2, 3: 3})
+    across = train_plan(Megatron(), 1024, cluster=slow, rank_mapping={0: 0, 1: 2, 2: 1, 3: 3})
+    t_inside = dg.passes.estimate(inside).step_time
+    t_across = dg.passes.estimate(across).step_time
+    assert t_inside < t_across
+
+
+def test_estimate_prints_and_exports(float64):
+    p = train_plan(MLP(dg.ProcessMesh([0, 1], ["dp"]), ["dp", None]))
+    est = dg.passes.estimate(p, cluster(2))
+    text = str(est)
+    assert "compute" in text and "process 1 (device 1, stage 0)" in text
+    data = est.to_dict()
+    assert data["peak_memory"] == max(q["peak_memory"] for q in data["processes"])
+    with pytest.raises(dg.PlanError, match="2 processes but the cluster has 1"):
+        dg.passes.estimate(p, cluster(1))
+
+
+class TwoStageMLP(dg.nn.Layer):
+    def __init__(self, width):
+        super().__init__()
+        self.fc1, self.fc2 = dg.nn.Linear(width, width), dg.nn.Linear(width, width)
+        self.meshes = (dg.ProcessMesh([0], ["dp"]), dg.ProcessMesh([1], ["dp"]))
+
+    def forward(self, x):
+        h = dg.shard_op(lambda v: dg.ops.relu(self.fc1(v)), self.meshes[0])(x)
+        return dg.shard_op(self.fc2, self.meshes[1])(h)
+
+
+def test_a_micro_batched_plan_counts_forward_and_backward_once_per_micro_batch(float64):
+    """A micro-batched plan's local programs are one micro-batch's: its forward and
+    backward ops count M times a step, its updates once, and two stages overlap."""
+    from distgraph.ops.registry import TensorType
+    from distgraph.passes.estimate import op_time
+
+    def plan(m):
+        built = build_program(TwoStageMLP(256), [dg.InputSpec([64, 256], name="x")],
+                              [dg.InputSpec([64, 256], name="y")], dg.nn.MSELoss(),
+                              dg.optim.SGD(0.1))
+        return dg.passes.plan(built, dg.Strategy(micro_batches=m))
+
+    whole, micro = plan(1), plan(4)
+    c = cluster(2)
+    device = c.devices[0]
+    ops = micro.local(0).program.ops
+    expected = sum(op_time(op.type, [TensorType(v.shape, v.dtype) for v in op.inputs],
+                           [TensorType(v.shape, v.dtype) for v in op.outputs], op.attrs,
+                           device) * (1 if op.role == "optimize" else 4) for op in ops)
+    est = dg.passes.estimate(micro, c)
+    assert est.processes[0].compute == pytest.approx(expected, rel=1e-12)
+    assert est.step_time < dg.passes.estimate(whole, c).step_time

@@ -1,0 +1,234 @@
+"""The sharding ILP (passes/ilp.py) against brute force.
+
+Oracle: every choice of every node enumerated, each checked and costed by the code in
+this file (written from the contract, not from the solver): objective = node costs + edge
+matrices, aliases forbid, follow/share tie, liveness sets bound memory.
+"""
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+
+from distgraph.errors import PlanError
+from distgraph.passes.ilp import ShardingProblem, evaluate, peak_memory, solve
+
+
+def random_problem(seed, budget_kind="random"):
+    """A small random problem using every feature: inf costs, edges (some with inf
+    entries, some separable), aliases, follow chains, share classes, liveness."""
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(2, 7))
+    counts = [int(rng.integers(1, 5)) for _ in range(n)]
+    compute = [rng.integers(0, 10, k).astype(float) for k in counts]
+    comm = [rng.integers(0, 5, k).astype(float) for k in counts]
+    memory = [rng.integers(0, 8, k).astype(float) for k in counts]
+    for v in range(n):
+        if counts[v] > 1 and rng.random() < 0.15:
+            compute[v][rng.integers(counts[v])] = math.inf
+    follow = [-1] * n
+    for i in range(1, n):
+        leaders = [j for j in range(i) if counts[j] == counts[i]]
+        if leaders and rng.random() < 0.25:
+            follow[i] = int(rng.choice(leaders))
+    share = []
+    free = [v for v in range(n) if follow[v] == -1]
+    if rng.random() < 0.4:
+        by_count = {}
+        for v in free:
+            by_count.setdefault(counts[v], []).append(v)
+        groups = [g for g in by_count.values() if len(g) >= 2]
+        if groups:
+            share.append(groups[0][:int(rng.integers(2, len(groups[0]) + 1))])
+    edges, aliases = [], []
+    pairs = [(u, v) for u in range(n) for v in range(n) if u != v]
+    for k in rng.choice(len(pairs), size=min(len(pairs), int(rng.integers(0, 2 * n))),
+                        replace=False):
+        u, v = pairs[k]
+        kind = rng.random()
+        if kind < 0.2:      # separable: a[i] + b[j]
+            mat = rng.integers(0, 5, (counts[u], 1)) + rng.integers(0, 5, (1, counts[v]))
+            mat = mat.astype(float)
+        else:
+            mat = rng.integers(0, 12, (counts[u], counts[v])).astype(float)
+            if kind > 0.9:
+                mat[rng.integers(counts[u]), rng.integers(counts[v])] = math.inf
+        edges.append((u, v, mat))
+    for _ in range(int(rng.integers(0, 3))):
+        u, v = pairs[int(rng.integers(len(pairs)))]
+        forbid = (rng.random((counts[u], counts[v])) < 0.35).astype(int)
+        aliases.append((u, v, forbid))
+    liveness = []
+    for _ in range(int(rng.integers(0, 5))):
+        size = int(rng.integers(1, n + 1))
+        liveness.append(sorted(rng.choice(n, size=size, replace=False).tolist()))
+    budget = None
+    if liveness and budget_kind == "random":
+        budget = float(rng.integers(0, 25)) if rng.random() < 0.6 else None
+    elif liveness and budget_kind == "tight":
+        budget = 0.0
+    return ShardingProblem(counts, compute, comm, memory, edges=edges, aliases=aliases,
+                           follow=follow, liveness=liveness, memory_budget=budget, share=share)
+
+
+def oracle(p):
+    """(best objective, smallest peak) over the choices that satisfy everything except the
+    budget, and the best objective within the budget; inf where nothing qualifies."""
+    best, best_in_budget, smallest_peak = math.inf, math.inf, math.inf
+    for c in itertools.product(*[range(k) for k in p.strategy_counts]):
+        if any(j != -1 and c[i] != c[j] for i, j in enumerate(p.follow)):
+            continue
+        if any(c[v] != c[g[0]] for g in p.share for v in g):
+            continue
+        if any(V[c[u]][c[v]] for u, v, V in p.aliases):
+            continue
+        cost = sum(p.compute[v][c[v]] + p.comm[v][c[v]] for v in range(p.n))
+        cost += sum(R[c[u]][c[v]] for u, v, R in p.edges)
+        if math.isinf(cost):
+            continue
+        peak = max((sum(p.memory[v][c[v]] for v in live) for live in p.liveness), default=0)
+        best = min(best, cost)
+        smallest_peak = min(smallest_peak, peak)
+        if p.memory_budget is None or peak <= p.memory_budget:
+            best_in_budget = min(best_in_budget, cost)
+    return best, best_in_budget, smallest_peak
+
+
+def check_against_oracle(p):
+    best, best_in_budget, smallest_peak = oracle(p)
+    if math.isinf(best):
+        with pytest.raises(PlanError, match=r"no allowed (choice|strategy)|forbid every pair"):
+            solve(p, time_limit=30)
+        return "conflict"
+    if math.isinf(best_in_budget):
+        with pytest.raises(PlanError, match="smallest peak memory any choice reaches is "
+                                            f"{smallest_peak:g};"):
+            solve(p, time_limit=30)
+        return "over budget"
+    sol = solve(p, time_limit=30)
+    assert sol.status == "optimal" and sol.gap == 0
+    assert sol.objective == pytest.approx(best_in_budget, abs=1e-9)
+    assert evaluate(p, sol.choice) == pytest.approx(best_in_budget, abs=1e-9)
+    assert sol.peak_memory == peak_memory(p, sol.choice)
+    if p.memory_budget is not None:
+        assert sol.peak_memory <= p.memory_budget + 1e-9
+    return "solved"
+
+
+@pytest.mark.parametrize("seed", range(120))
+def test_random_problems_match_brute_force(seed):
+    check_against_oracle(random_problem(seed))
+
+
+def test_random_problems_cover_every_outcome():
+    outcomes = {check_against_oracle(random_problem(seed, "tight")) for seed in range(40)}
+    assert outcomes == {"conflict", "over budget", "solved"}
+
+
+def test_issue_example():
+    R02 = [[0, 1, 2, 3], [1, 0, 1, 2], [2, 1, 0, 1], [3, 2, 1, 0]]
+    V12 = [[0, 1, 1, 1], [1, 0, 1, 1], [1, 1, 0, 1]]
+    kw = {"compute": [[4, 2, 2, 1], [1, 1, 1], [1, 2, 3, 4]],
+          "comm": [[0] * 4, [0] * 3, [0] * 4], "memory": [[8, 4, 2, 1], [3, 3, 3], [8, 4, 2, 1]],
+          "edges": [(0, 2, R02)], "aliases": [(1, 2, V12)], "follow": [-1, -1, 0],
+          "liveness": [[0], [0, 1], [1, 2]]}
+    # c0 = c2 = i (follow), c1 = i (alias; i = 3 has no partner): cost = 6, 5, 6 and
+    # peak memory = 11, 7, 5 for i = 0, 1, 2.
+    sol = solve(ShardingProblem([4, 3, 4], **kw, memory_budget=None), time_limit=60)
+    assert sol.choice == (1, 1, 1) and sol.objective == 5 and sol.peak_memory == 7
+    assert sol.status == "optimal" and sol.gap == 0 and sol.solve_time > 0
+    sol = solve(ShardingProblem([4, 3, 4], **kw, memory_budget=6), time_limit=60)
+    assert sol.choice == (2, 2, 2) and sol.objective == 6 and sol.peak_memory == 5
+    with pytest.raises(PlanError, match="smallest peak memory any choice reaches is 5;"):
+        solve(ShardingProblem([4, 3, 4], **kw, memory_budget=4.5), time_limit=60)
+
+
+def test_share_ties_blocks_and_keeps_boundary_edges():
+    """Three identical 'blocks' of two nodes; a boundary edge from each block's second
+    node to the next block's first node. Sharing makes every block choose alike; the
+    objective equals brute force over tied choices and is >= the unshared one."""
+    node_costs = [[1.0, 3.0], [2.0, 0.0]]
+    inner, boundary = [[0.0, 4.0], [4.0, 0.0]], [[0, 5], [5, 0]]
+    counts, compute, comm, memory, edges = [2] * 6, node_costs * 3, [[0, 0]] * 6, [[0, 0]] * 6, []
+    for b in range(3):
+        edges.append((2 * b, 2 * b + 1, inner))
+        if b:
+            edges.append((2 * b - 1, 2 * b, boundary))
+    free = ShardingProblem(counts, compute, comm, memory, edges=edges)
+    shared = ShardingProblem(counts, compute, comm, memory, edges=edges,
+                             share=[[0, 2, 4], [1, 3, 5]])
+    s_free, s_shared = solve(free), solve(shared)
+    assert s_shared.choice[0::2] == (s_shared.choice[0],) * 3
+    assert s_shared.choice[1::2] == (s_shared.choice[1],) * 3
+    assert s_free.objective == oracle(free)[0]
+    assert s_shared.objective == oracle(shared)[0] >= s_free.objective
+    assert s_shared.variables < s_free.variables
+
+
+def test_separable_edges_need_no_edge_variables():
+    # R[i][j] = a[i] + b[j] folds into the node costs: only the one-hot s variables remain.
+    a, b = np.array([1.0, 5.0, 2.0]), np.array([0.0, 3.0])
+    p = ShardingProblem([3, 2], [[0, 0, 0], [0, 0]], [[0, 0, 0], [0, 0]], [[0, 0, 0], [0, 0]],
+                        edges=[(0, 1, a[:, None] + b[None, :])])
+    sol = solve(p)
+    assert sol.variables == 5 and sol.objective == 1.0 and sol.choice == (0, 0)
+
+
+def hard_problem(n=45, k=6, seed=0):
+    """Dense random edges between every pair: a quadratic assignment-like instance."""
+    rng = np.random.default_rng(seed)
+    edges = [(u, v, rng.integers(0, 100, (k, k))) for u in range(n) for v in range(u + 1, n)]
+    zeros = [[0.0] * k] * n
+    return ShardingProblem([k] * n, rng.integers(0, 50, (n, k)), zeros, zeros, edges=edges)
+
+
+@pytest.mark.slow
+def test_time_limit_returns_best_found_with_gap():
+    p = hard_problem()
+    sol = solve(p, time_limit=2)
+    assert sol.status == "time_limit"
+    assert sol.gap > 0
+    assert sol.objective == evaluate(p, sol.choice) < math.inf
+
+
+def base(**kw):
+    fields = {"strategy_counts": [2, 2], "compute": [[0, 0], [0, 0]],
+              "comm": [[0, 0], [0, 0]], "memory": [[0, 0], [0, 0]], "names": ["fc1", "relu"]}
+    fields.update(kw)
+    return fields
+
+
+@pytest.mark.parametrize("fields, message", [
+    (base(strategy_counts=[2, 0]), r"strategy_counts\[1\] = 0"),
+    (base(compute=[[0, 0], [0]]), r"compute\[1\] has 1 entries but node 1 \('relu'\)"),
+    (base(comm=[[0, 0]]), "comm has 1 rows for 2 nodes"),
+    (base(memory=[[0, -1], [0, 0]]), r"memory\[0\]\[1\] = -1.0 .*finite numbers >= 0"),
+    (base(compute=[[0, float("nan")], [0, 0]]), r"compute\[0\]\[1\] = nan"),
+    (base(edges=[(0, 1, [[0, 1, 2], [0, 1, 2]])]),
+     r"edges\[0\].*shape \(2, 3\); expected \(2, 2\)"),
+    (base(edges=[(0, 0, [[0, 1], [0, 1]])]), "joins node 0 .* to itself"),
+    (base(edges=[(0, 2, [[0, 1], [0, 1]])]), r"edges\[0\] names node 2; nodes are 0..1"),
+    (base(aliases=[(0, 1, [[0, 2], [0, 1]])]), r"V\[0\]\[1\] = 2.0; expected 0"),
+    (base(follow=[1, 0]), "follow has a cycle node 0 .* -> node 1 .* -> node 0"),
+    (base(follow=[-1]), "follow has 1 entries for 2 nodes"),
+    (base(strategy_counts=[2, 3], compute=[[0, 0], [0, 0, 0]], comm=[[0, 0], [0, 0, 0]],
+          memory=[[0, 0], [0, 0, 0]], follow=[-1, 0]), "same strategy count"),
+    (base(share=[[0, 1], [1]]), r"in share\[0\] and share\[1\]"),
+    (base(liveness=[[0, 0]]), r"liveness\[0\] lists node 0 \('fc1'\) twice"),
+    (base(memory_budget=3), "memory_budget is set but liveness is empty"),
+    (base(liveness=[[0]], memory_budget=float("inf")), "memory_budget = inf"),
+    (base(names=["a"]), "1 names for 2 nodes"),
+])
+def test_invalid_problems_name_the_field(fields, message):
+    with pytest.raises(PlanError, match=message):
+        ShardingProblem(**fields)
+
+
+def test_forbidden_everything_names_the_node_or_pair():
+    with pytest.raises(PlanError, match=r"node 1 \('relu'\) has no allowed strategy"):
+        solve(ShardingProblem(**base(compute=[[0, 0], [math.inf, math.inf]])))
+    with pytest.raises(PlanError, match=r"between node 0 \('fc1'\) and node 1 .* forbid every"):
+        solve(ShardingProblem(**base(aliases=[(0, 1, [[1, 1], [1, 1]])])))
+    with pytest.raises(PlanError, match="time_limit = 0"):
+        solve(ShardingProblem(**base()), time_limit=0)

@@ -107,6 +107,9 @@ class _SerialBackend:
         from distgraph.runtime.executor import ProgramRunner
         self.plan, self.runner = plan, ProgramRunner(plan.program)
 
+    def timeline(self):
+        raise DistGraphError("no timeline was recorded: use Strategy(profile=True)")
+
     def scope(self, global_values: dict) -> dict:
         return {v.name: global_values[v.name] for v in self.plan.program.persistables}
 
@@ -121,24 +124,28 @@ class _SerialBackend:
 
 
 class _SpmdBackend:
-    """This rank's part of a distributed plan; the other ranks run theirs."""
+    """This rank's part of a distributed plan; the other ranks run theirs. A plan with
+    micro-batches (or a timeline to record) runs as actors over its task graph; a
+    one-process plan of that kind runs here without a communicator."""
 
     def __init__(self, plan, comm, fetch):
         from distgraph.runtime.spmd import SpmdRunner, check_world
-        check_world(plan, comm.size)
         self.plan = plan
-        self.runner = SpmdRunner(plan, plan.process_of(comm.rank), comm, fetch=fetch)
-        self._rows = self._batch_rows()
+        if plan.pipelined:
+            from distgraph.runtime.pipeline import PipelineRunner
+            if comm is not None:
+                check_world(plan, comm.size)
+            pid = plan.process_of(comm.rank) if comm is not None else 0
+            self.runner = PipelineRunner(plan, pid, comm, fetch=fetch)
+        else:
+            check_world(plan, comm.size)
+            self.runner = SpmdRunner(plan, plan.process_of(comm.rank), comm, fetch=fetch)
+        self._rows = self.runner.batch_rows()
 
-    def _batch_rows(self):
-        """The rows of dim 0 this rank reads, when all inputs it holds want the same ones
-        (a data-parallel rank loads only its samples; other dims are sliced after)."""
-        program, pid = self.plan.program, self.runner.pid
-        slices = [program.values[v.name].dist_attr.local_slices(program.values[v.name].shape, pid)
-                  for v in self.runner.local.program.inputs]
-        if not slices or any(not s or s[0] != slices[0][0] for s in slices):
-            return None
-        return slices[0][0]
+    def timeline(self):
+        if not self.plan.pipelined:
+            raise DistGraphError("no timeline was recorded: use Strategy(profile=True)")
+        return self.runner.timeline()
 
     def scope(self, global_values: dict) -> dict:
         return self.runner.shard_scope(global_values)
@@ -254,16 +261,20 @@ class Engine:
         """The backend of ``mode``'s plan; with ``outputs`` a distributed one also brings
         the model's global outputs to every rank (what metrics read)."""
         p = self._plans[mode]
-        key = (id(p), bool(outputs and p.distributed))
+        # outputs come back through the runner's fetch list only where a runner keeps one
+        fetch_outputs = bool(outputs and (p.distributed or p.pipelined))
+        key = (id(p), fetch_outputs)
         if key not in self._backend_cache:
+            built = p.built
+            fetch = [built.loss_name] if built.loss_name else built.output_names
+            if fetch_outputs and built.loss_name:
+                fetch = fetch + built.output_names
             if p.distributed:
                 if self._comm is None:
                     self._comm = _world_communicator()
-                built = p.built
-                fetch = [built.loss_name] if built.loss_name else built.output_names
-                if outputs and built.loss_name:
-                    fetch = fetch + built.output_names
                 self._backend_cache[key] = _SpmdBackend(p, self._comm, fetch)
+            elif p.pipelined:
+                self._backend_cache[key] = _SpmdBackend(p, None, fetch)
             else:
                 self._backend_cache[key] = _SerialBackend(p)
         self._backends[mode] = self._backend_cache[key]
@@ -490,6 +501,17 @@ class Engine:
         specs = [InputSpec(values[n].shape, values[n].dtype, n) for n in built.feed_names]
         self._bind(mode, [s for s in specs if s.name not in built.label_names],
                    [s for s in specs if s.name in built.label_names])
+
+    def timeline(self, mode="train"):
+        """The timeline of the steps run so far in ``mode``, merged over every rank (a
+        collective: call it on all ranks). Needs ``Strategy(profile=True)``; see
+        :class:`distgraph.runtime.timeline.Timeline` (``.events``, ``.save``, ``.plot``)."""
+        if not self.strategy.profile:
+            raise DistGraphError("no timeline was recorded: create the Engine with "
+                                 "Strategy(profile=True)")
+        if mode not in self._backends:
+            raise DistGraphError(f"no {mode} step has run yet: call fit() first")
+        return self._backends[mode].timeline()
 
     def plan(self, mode="train"):
         """The Plan of ``mode`` (``.program``: the completed serial program with dist

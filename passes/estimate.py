@@ -12,7 +12,9 @@ communication and bubble, and peak memory per process.
 - **Step**: processes meet at every collective, so a stage takes as long as its busiest
   process. Without micro-batches the stages run one after another, ``T = Σ t_s``. With M
   micro-batches (Alpa's formula) ``T = Σ u_s + (M-1) max u_s + max update_s`` where
-  ``u_s`` is stage s's forward + backward time for one micro-batch. The bottleneck
+  ``u_s`` is stage s's forward + backward time for one micro-batch (a micro-batched
+  plan's local programs are one micro-batch's: their forward and backward ops and
+  reshards count M times a step, the update's once). The bottleneck
   process's compute and communication are reported, and ``bubble`` is its idle time.
 - **Memory** per process: parameters, optimizer states, and the transient values
   (gradients, activations) live at the peak of the executor's free-after-last-use order;
@@ -193,24 +195,32 @@ def estimate(plan, cluster=None) -> Estimate:
 
 def _process_times(plan, pid, device, cluster, device_of, fetch):
     local = plan.local(pid)
+    m = plan.micro_batches        # > 1: the local program is one micro-batch's
+
+    def times(role: str) -> int:
+        return 1 if role == "optimize" else m
+
     compute = updates = 0.0
     for op in local.program.ops:
         t = op_time(op.type, [TensorType(v.shape, v.dtype) for v in op.inputs],
                     [TensorType(v.shape, v.dtype) for v in op.outputs], op.attrs, device)
-        compute += t
+        compute += t * times(op.role)
         if op.role == "optimize":
             updates += t
-    points = local.points() + (gather_points(plan.program, fetch, pid) if plan.distributed
-                               else [])
-    comm = sum(step_time(s, pid, cluster, device_of) for p in points for s in p.steps)
+    roles = [op.role for op in plan.program.ops]
+    comm = sum(times(roles[p.anchor]) * step_time(s, pid, cluster, device_of)
+               for p in local.points() for s in p.steps)
+    if plan.distributed:
+        comm += sum(step_time(s, pid, cluster, device_of)
+                    for p in gather_points(plan.program, fetch, pid) for s in p.steps)
     if local.op_comm:
         ops = local.program.ops
         for index, collectives in local.op_comm.items():
             # The op's own collectives run inside its mesh: the worst ring of that mesh.
             bw, lat = ring_links(cluster, [device_of(q)
                                            for q in ops[index].dist_attr.mesh.process_ids])
-            comm += sum(collective_time(kind, n, nbytes, bw, lat)
-                        for kind, n, nbytes in collectives)
+            comm += times(ops[index].role) * sum(collective_time(kind, n, nbytes, bw, lat)
+                                                 for kind, n, nbytes in collectives)
     return compute, comm, updates
 
 
@@ -246,12 +256,12 @@ def _peak_memory(plan, pid, stage) -> tuple[int, int, int, int]:
                 live.pop(name, None)
     grads = sum(b for n, b in at_peak.items() if "@GRAD" in n)
     acts = sum(b for n, b in at_peak.items() if "@GRAD" not in n)
-    m = plan.strategy.micro_batches
+    m = plan.micro_batches
     if m > 1:
-        # the local program is the full batch's: one micro-batch holds 1/M of its
-        # activations, and a stage holds those of the micro-batches in flight
+        # the local program is one micro-batch's, and a stage holds the activations of
+        # the micro-batches in flight
         in_flight = m if plan.strategy.schedule == "FThenB" else min(m, len(plan.stages) - stage)
-        acts = acts * in_flight // m
+        acts = acts * in_flight
     return params, states, grads, acts
 
 
@@ -260,7 +270,7 @@ def _combine(plan, processes, update_time) -> Estimate:
     for p in processes:
         by_stage.setdefault(p.stage, []).append(p)
     slowest = {s: max(ps, key=lambda p: p.busy) for s, ps in by_stage.items()}
-    m = plan.strategy.micro_batches
+    m = plan.micro_batches
     if m == 1:
         total = sum(p.busy for p in slowest.values())
     else:

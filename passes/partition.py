@@ -35,7 +35,9 @@ class ReshardPoint:
     the result (empty if it is not in the destination). ``seq`` numbers the points in
     the global program order, the same on every process (it tags their messages).
     ``stores`` names the persistable the result replaces (an update written back in the
-    layout its parameter is stored in)."""
+    layout its parameter is stored in). ``anchor`` is the index, in the global program,
+    of the op the point belongs to: the consumer it is placed before, or for a write-back
+    the update op that made the value."""
 
     value: str
     src: DistAttr
@@ -47,6 +49,7 @@ class ReshardPoint:
     writes: tuple
     seq: int = 0
     stores: tuple = ()
+    anchor: int = -1
 
     @property
     def bytes(self) -> float:
@@ -128,6 +131,7 @@ class _Partitioner:
         self.points: dict[int, list] = {}
         self.cache: dict = {}
         self.plans: dict = {}
+        self.at = -1      # global index of the op being partitioned (see ReshardPoint.anchor)
 
     def held(self, v: Value) -> bool:
         return self.pid in v.dist_attr.mesh
@@ -159,7 +163,7 @@ class _Partitioner:
                                            role=v.role, dist_attr=dst))
             self.points.setdefault(len(self.local.ops), []).append(
                 ReshardPoint(v.name, src, dst, tuple(v.shape), v.dtype, steps, reads, writes,
-                             len(self.cache), (stores,) if stores and writes else ()))
+                             len(self.cache), (stores,) if stores and writes else (), self.at))
         self.cache[key] = name
         return name
 
@@ -172,10 +176,11 @@ class _Partitioner:
                 self.local_value(v)
         context, op_comm = {}, {}
         writebacks = []
-        for op in self.g.ops:
+        for k, op in enumerate(self.g.ops):
             for v, target in writebacks:     # updates stored in another layout, e.g. the
                 self.reshard(v, target.dist_attr, target.name)  # all-gather after ZeRO
             writebacks = []
+            self.at = k
             da = op.dist_attr
             ins = []
             for i, v in enumerate(op.inputs):

@@ -30,8 +30,9 @@ import json
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-from distgraph.errors import PlanError
+from distgraph.errors import PlanError, ShardingError
 from distgraph.mesh import ProcessMesh
+from distgraph.passes.accumulate import split_micro_batches
 from distgraph.passes.completion import complete
 from distgraph.passes.estimate import fmt_bytes
 from distgraph.passes.partition import LocalProgram, partition, process_ids
@@ -49,7 +50,12 @@ class Plan:
     whether it runs as an SPMD job (it carries annotations) or on one process;
     ``rank_of`` maps each logical process to the MPI rank that runs it (None: process p
     runs on rank p); ``stages`` are the meshes of the forward program in data-flow
-    order; ``estimate`` is the cost model's estimate, where one was made."""
+    order; ``estimate`` is the cost model's estimate, where one was made.
+
+    With ``Strategy(micro_batches=M)``, M > 1, ``program`` is the *micro-batch* program
+    (forward, backward and update on micro-batch shapes) and ``accumulation`` says how
+    the step accumulates over the micro-batches (:mod:`distgraph.passes.accumulate`);
+    :meth:`task_graph` gives the tasks each process runs per micro-batch."""
 
     built: object
     strategy: Strategy
@@ -59,6 +65,7 @@ class Plan:
     stages: tuple
     cluster: object = None
     estimate: object = None
+    accumulation: object = None
     _locals: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -69,6 +76,24 @@ class Plan:
     @property
     def world_size(self) -> int:
         return len(self.process_ids)
+
+    @property
+    def micro_batches(self) -> int:
+        return 1 if self.accumulation is None else self.accumulation.micro_batches
+
+    @property
+    def pipelined(self) -> bool:
+        """Whether the step runs as a task graph of actors (micro-batches, or a timeline
+        asked for) rather than one pass over each local program."""
+        return self.accumulation is not None or self.strategy.profile
+
+    def task_graph(self):
+        """The per-process tasks and their edges (:mod:`distgraph.passes.task_graph`),
+        built on first use and kept."""
+        if "task_graph" not in self._locals:
+            from distgraph.passes.task_graph import build_task_graph
+            self._locals["task_graph"] = build_task_graph(self)
+        return self._locals["task_graph"]
 
     def rank(self, process_id: int) -> int:
         return process_id if self.rank_of is None else self.rank_of[process_id]
@@ -98,7 +123,11 @@ class Plan:
         return [points[s] for s in sorted(points)]
 
     def bytes_sent(self) -> dict:
-        """Bytes each process sends per step: {process id: {kind: bytes}}."""
+        """Bytes each process sends per step: {process id: {kind: bytes}} (with
+        micro-batches, a micro-batch's reshards once per micro-batch)."""
+        if self.accumulation is not None:
+            graph = self.task_graph()
+            return {pid: graph.step_bytes(self, pid) for pid in self.process_ids}
         return {pid: self.local(pid).bytes_sent() for pid in self.process_ids}
 
     # -- printing ---------------------------------------------------------------------------
@@ -113,6 +142,9 @@ class Plan:
                                                  for p, r in sorted(self.rank_of.items())))
         for s, mesh in enumerate(self.stages):
             lines.append(f"  stage {s}: {mesh}")
+        if self.accumulation is not None:
+            lines.append(f"  schedule: {self.strategy.schedule}, "
+                         + self.accumulation.pretty().replace("\n", "\n  "))
         lines.append("  parameters (layer: name shape spec):")
         for layer, params in _parameters_by_layer(self.program).items():
             lines.append(f"    {layer or '(model)'}:")
@@ -139,6 +171,9 @@ class Plan:
             {str(p): r for p, r in sorted(self.rank_of.items())},
             "stages": [_mesh_dict(m) for m in self.stages],
             "strategy": dataclasses.asdict(self.strategy),
+            "micro_batches": self.micro_batches,
+            "accumulation": None if self.accumulation is None else
+            {name: self.accumulation.mode(name) for name in self.accumulation.boundary},
             "parameters": {v.name: {"shape": list(v.shape), "dtype": v.dtype,
                                     "mesh": _mesh_dict(v.dist_attr.mesh),
                                     "spec": str(v.dist_attr.spec)}
@@ -170,6 +205,20 @@ def plan(built, strategy: Strategy | None = None, cluster=None, rank_mapping=Non
     mapper. Pure: ``built`` is not modified."""
     strategy = strategy or Strategy()
     _check_supported(strategy)
+    accumulation = None
+    if strategy.micro_batches > 1:
+        built, accumulation = split_micro_batches(built, strategy.micro_batches)
+    try:
+        return _plan(built, strategy, cluster, rank_mapping, accumulation)
+    except ShardingError as e:
+        if accumulation is None:
+            raise
+        raise ShardingError(f"{e} (with Strategy(micro_batches={accumulation.micro_batches}) "
+                            f"the program runs on micro-batches of "
+                            f"{accumulation.micro_batch_rows} rows)") from None
+
+
+def _plan(built, strategy, cluster, rank_mapping, accumulation) -> Plan:
     program = built.program.clone()
     copy = dataclasses.replace(built, program=program)
     if strategy.recompute and program.ops_by_role("backward"):
@@ -188,18 +237,23 @@ def plan(built, strategy: Strategy | None = None, cluster=None, rank_mapping=Non
         complete(program, default_mesh=SERIAL_MESH)
     ids = tuple(process_ids(program))
     rank_of = _rank_of(program, ids, cluster, rank_mapping) if distributed else None
-    return Plan(copy, strategy, distributed, ids,
-                None if rank_of is None else MappingProxyType(rank_of),
-                _stages(program), cluster)
+    planned = Plan(copy, strategy, distributed, ids,
+                   None if rank_of is None else MappingProxyType(rank_of),
+                   _stages(program), cluster, accumulation=accumulation)
+    if planned.pipelined:
+        from distgraph.passes.task_graph import stage_of_processes
+        stage_of_processes(planned)          # every process in one stage, or a PlanError
+    return planned
 
 
 # Options that later work makes real; until then they are refused, never ignored.
 _NOT_YET = (
     ("auto_mode", "full", "the automatic search is not available yet; annotate tensors with "
                           "dg.shard_tensor and use Strategy(auto_mode='semi')"),
-    ("pipeline", True, "pipelined execution is not available yet; place stages on separate "
-                       "meshes with dg.shard_tensor/shard_op (they run one after another)"),
-    ("profile", True, "profiling is not available yet; leave Strategy(profile=False)"),
+    ("pipeline", True, "pipeline=True asks for the automatic stage search, which is not "
+                       "available yet; stages are the meshes you place the model on with "
+                       "dg.shard_tensor/shard_op, and Strategy(micro_batches=M, "
+                       "schedule=...) pipelines them (leave pipeline=False)"),
 )
 
 
@@ -207,13 +261,6 @@ def _check_supported(strategy: Strategy) -> None:
     for name, value, why in _NOT_YET:
         if getattr(strategy, name) == value:
             raise PlanError(f"Strategy({name}={value!r}): {why}")
-    if strategy.micro_batches > 1:
-        raise PlanError(f"Strategy(micro_batches={strategy.micro_batches}): gradient "
-                        f"accumulation is not available yet; use micro_batches=1 and a "
-                        f"smaller batch size")
-    if strategy.schedule != "1F1B":
-        raise PlanError(f"Strategy(schedule={strategy.schedule!r}): only '1F1B' is "
-                        f"available yet")
     if strategy.memory_budget_gb is not None:
         raise PlanError("Strategy(memory_budget_gb=...) constrains the automatic search, "
                         "which is not available yet; leave it None")

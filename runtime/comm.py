@@ -21,6 +21,11 @@ Semantics (identical for every implementation):
 - ``send(arr, dst, tag)`` never blocks (the array is copied); ``wait_sends()`` waits
   until this rank's sends are delivered. ``recv(shape, dtype, src, tag)`` returns the
   next message from ``src`` with that tag.
+- ``isend(arr, dst, tag)`` and ``irecv(shape, dtype, src, tag)`` start a send or a
+  receive and return a :class:`Request` at once; ``request.test()`` says whether it is
+  done (a receive's array is then ``request.value``). The caller must not change a sent
+  array until its request is done. They never wait, so whoever polls them (the pipeline
+  actors) owns the timeout.
 
 Nothing waits forever: a receive or collective that waits longer than ``timeout``
 seconds (default 60, or the env var ``DISTGRAPH_COMM_TIMEOUT``) raises RuntimeFault
@@ -48,6 +53,7 @@ import numpy as np
 
 from distgraph.errors import RuntimeFault
 from distgraph.passes.cost_model import collective_bytes
+from distgraph.runtime.backend import NUMPY
 
 DEFAULT_TIMEOUT = 60.0
 MAX_TAG = 1 << 14  # user tags are [0, MAX_TAG); MPI's upper tags are kept for internals
@@ -73,12 +79,17 @@ class Communicator(ABC):
     """Collectives and p2p over logical ranks, with per-kind counters of bytes sent.
 
     Subclasses implement the ``_``-prefixed methods; the public ones validate, handle
-    one-member groups locally and count bytes.
+    one-member groups locally and count bytes. ``backend`` (an
+    :class:`~distgraph.runtime.backend.ArrayBackend`, numpy by default) makes every array
+    a communicator allocates, copies or cuts.
     """
 
-    def __init__(self, rank: int, size: int, timeout: float | None = None):
+    poll_spin_seconds = 0.0   # how long a poller of requests spins before it sleeps
+
+    def __init__(self, rank: int, size: int, timeout: float | None = None, backend=None):
         self.rank = rank
         self.size = size
+        self.backend = backend or NUMPY
         self.timeout = default_timeout() if timeout is None else float(timeout)
         self.reset_counters()
 
@@ -106,6 +117,10 @@ class Communicator(ABC):
                                f"contain this rank; only members call a collective")
         return group
 
+    def _c(self, arr):
+        """``arr`` as a C-contiguous array of the backend (0-d arrays stay 0-d)."""
+        return self.backend.contiguous(self.backend.asarray(arr))
+
     def _split_axis(self, arr, axis: int, n: int, what: str) -> int:
         axis = axis + arr.ndim if axis < 0 else axis
         if not 0 <= axis < arr.ndim or arr.shape[axis] % n:
@@ -121,8 +136,8 @@ class Communicator(ABC):
             raise RuntimeFault(f"rank {self.rank}: {what} tag {tag} is outside [0, {MAX_TAG})")
 
     # ---- public API -------------------------------------------------------------------
-    def all_gather(self, arr, group, axis: int = 0) -> np.ndarray:
-        arr = np.require(arr, requirements="C")  # keeps 0-d arrays 0-d
+    def all_gather(self, arr, group, axis: int = 0):
+        arr = self._c(arr)
         group = self._group(group, "all_gather")
         axis = axis + arr.ndim if axis < 0 else axis
         self._count("all_gather", len(group), arr.nbytes * len(group))
@@ -130,8 +145,8 @@ class Communicator(ABC):
             return arr.copy()
         return self._all_gather(arr, group, axis)
 
-    def all_reduce(self, arr, group, op: str = "sum", inplace: bool = False) -> np.ndarray:
-        arr = np.require(arr, requirements="C")  # keeps 0-d arrays 0-d
+    def all_reduce(self, arr, group, op: str = "sum", inplace: bool = False):
+        arr = self._c(arr)
         group = self._group(group, "all_reduce")
         if op not in REDUCE_OPS:
             raise RuntimeFault(f"rank {self.rank}: all_reduce op {op!r}; use one of "
@@ -144,8 +159,8 @@ class Communicator(ABC):
             return self._all_reduce_inplace(arr, group, op)
         return self._all_reduce(arr, group, op)
 
-    def reduce_scatter(self, arr, group, axis: int = 0) -> np.ndarray:
-        arr = np.require(arr, requirements="C")  # keeps 0-d arrays 0-d
+    def reduce_scatter(self, arr, group, axis: int = 0):
+        arr = self._c(arr)
         group = self._group(group, "reduce_scatter")
         axis = self._split_axis(arr, axis, len(group), "reduce_scatter")
         self._count("reduce_scatter", len(group), arr.nbytes)
@@ -153,8 +168,8 @@ class Communicator(ABC):
             return arr.copy()
         return self._reduce_scatter(arr, group, axis)
 
-    def all_to_all(self, arr, group, split_axis: int, concat_axis: int) -> np.ndarray:
-        arr = np.require(arr, requirements="C")  # keeps 0-d arrays 0-d
+    def all_to_all(self, arr, group, split_axis: int, concat_axis: int):
+        arr = self._c(arr)
         group = self._group(group, "all_to_all")
         split_axis = self._split_axis(arr, split_axis, len(group), "all_to_all")
         concat_axis = concat_axis + arr.ndim if concat_axis < 0 else concat_axis
@@ -166,14 +181,34 @@ class Communicator(ABC):
     def send(self, arr, dst: int, tag: int = 0) -> None:
         """Send a copy of ``arr`` to rank ``dst`` without blocking."""
         self._peer(dst, tag, "send to")
-        arr = np.array(arr, copy=True, order="C")
+        arr = self.backend.copy(arr)
         self._count("send_recv", 2, arr.nbytes)
         self._send(arr, dst, tag)
 
-    def recv(self, shape, dtype, src: int, tag: int = 0) -> np.ndarray:
+    def recv(self, shape, dtype, src: int, tag: int = 0):
         """The next array from rank ``src`` with ``tag``; RuntimeFault after the timeout."""
         self._peer(src, tag, "recv from")
         return self._recv(tuple(int(s) for s in shape), np.dtype(dtype), src, tag)
+
+    def isend(self, arr, dst: int, tag: int = 0, count: bool = True) -> "Request":
+        """Start sending ``arr`` to rank ``dst``; ``count=False`` for control messages that
+        are no part of the plan's data (left out of ``bytes_sent``)."""
+        self._peer(dst, tag, "isend to")
+        arr = self._c(arr)
+        if count:
+            self._count("send_recv", 2, arr.nbytes)
+        return self._isend(arr, dst, tag)
+
+    def irecv(self, shape, dtype, src: int, tag: int = 0) -> "Request":
+        """Start receiving the next array from rank ``src`` with ``tag``."""
+        self._peer(src, tag, "irecv from")
+        return self._irecv(tuple(int(s) for s in shape), np.dtype(dtype), src, tag)
+
+    def _isend(self, arr, dst, tag) -> "Request":
+        raise RuntimeFault(f"{type(self).__name__} has no nonblocking send")
+
+    def _irecv(self, shape, dtype, src, tag) -> "Request":
+        raise RuntimeFault(f"{type(self).__name__} has no nonblocking receive")
 
     def wait_sends(self) -> None:
         """Block (up to the timeout) until this rank's pending sends are delivered."""
@@ -205,6 +240,23 @@ class Communicator(ABC):
     def _recv(self, shape, dtype, src, tag): ...
 
 
+class Request:
+    """A started nonblocking send or receive: ``test()`` is True once it is done (then a
+    receive's array is ``value``); ``cancel()`` gives up a receive that is not done.
+    ``what`` says what it is, for error messages."""
+
+    def __init__(self, what: str = ""):
+        self.what = what
+        self.value = None
+        self.done = False
+
+    def test(self) -> bool:
+        return self.done
+
+    def cancel(self) -> None:
+        """Give up the request if it is not done."""
+
+
 # ---- simulated: N threads, one rendezvous world ---------------------------------------
 
 class SimulatedWorld:
@@ -212,12 +264,12 @@ class SimulatedWorld:
     per-rank results, re-raising the first exception (the other ranks then stop waiting
     and raise RuntimeFault instead of hanging)."""
 
-    def __init__(self, size: int, timeout: float | None = None):
+    def __init__(self, size: int, timeout: float | None = None, backend=None):
         if size < 1:
             raise RuntimeFault(f"SimulatedWorld({size}): a world has at least one rank")
         self.size = size
         self._cond = threading.Condition()
-        self._comms = [SimulatedCommunicator(self, r, timeout) for r in range(size)]
+        self._comms = [SimulatedCommunicator(self, r, timeout, backend) for r in range(size)]
         self._reset()
 
     def _reset(self) -> None:
@@ -273,8 +325,9 @@ class SimulatedWorld:
 class SimulatedCommunicator(Communicator):
     """One rank of a :class:`SimulatedWorld`; the same semantics as MPI, in threads."""
 
-    def __init__(self, world: SimulatedWorld, rank: int, timeout: float | None = None):
-        super().__init__(rank, world.size, timeout)
+    def __init__(self, world: SimulatedWorld, rank: int, timeout: float | None = None,
+                 backend=None):
+        super().__init__(rank, world.size, timeout, backend)
         self._world = world
         self._seq: dict = {}
 
@@ -304,13 +357,14 @@ class SimulatedCommunicator(Communicator):
 
     def _all_gather(self, arr, group, axis):
         data = self._exchange("all_gather", group, arr, (axis,))
-        return np.concatenate([data[r] for r in group], axis=axis)
+        return self.backend.concatenate([data[r] for r in group], axis=axis)
 
     def _reduced(self, kind, arr, group, op, meta=()):
         data = self._exchange(kind, group, arr, (op, *meta))
         out = data[group[0]].copy()
+        reduce = self.backend.reducer(op)
         for r in group[1:]:
-            REDUCE_OPS[op](out, data[r], out=out)
+            reduce(out, data[r], out=out)
         return out
 
     def _all_reduce(self, arr, group, op):
@@ -318,13 +372,13 @@ class SimulatedCommunicator(Communicator):
 
     def _reduce_scatter(self, arr, group, axis):
         total = self._reduced("reduce_scatter", arr, group, "sum", (axis,))
-        return np.split(total, len(group), axis=axis)[group.index(self.rank)].copy()
+        return self.backend.chunk(total, len(group), axis, group.index(self.rank)).copy()
 
     def _all_to_all(self, arr, group, split_axis, concat_axis):
         data = self._exchange("all_to_all", group, arr, (split_axis, concat_axis))
         me = group.index(self.rank)
-        chunks = [np.split(data[r], len(group), axis=split_axis)[me] for r in group]
-        return np.concatenate(chunks, axis=concat_axis)
+        chunks = [self.backend.split(data[r], len(group), split_axis)[me] for r in group]
+        return self.backend.concatenate(chunks, axis=concat_axis)
 
     def _send(self, arr, dst, tag):
         w = self._world
@@ -346,6 +400,44 @@ class SimulatedCommunicator(Communicator):
 
     def barrier(self) -> None:
         self._exchange("barrier", tuple(range(self.size)), None)
+
+    def _isend(self, arr, dst, tag):
+        self._send(arr.copy(), dst, tag)      # the receiver owns its copy, as over MPI
+        req = Request(f"a message to rank {dst} with tag {tag}")
+        req.done = True
+        return req
+
+    def _irecv(self, shape, dtype, src, tag):
+        return _SimulatedReceive(self, shape, dtype, src, tag)
+
+
+class _SimulatedReceive(Request):
+    """A receive from the world's mailbox; ``test`` raises RuntimeFault once another
+    rank of the world has failed (as a real job would be ended)."""
+
+    def __init__(self, comm, shape, dtype, src, tag):
+        super().__init__(f"a message from rank {src} with tag {tag} ({shape} {dtype})")
+        self._comm, self._shape, self._dtype = comm, shape, dtype
+        self._box = (src, comm.rank, tag)
+
+    def test(self) -> bool:
+        if self.done:
+            return True
+        w, rank = self._comm._world, self._comm.rank
+        with w._cond:
+            if w._failed is not None and w._failed[0] != rank:
+                failed, exc = w._failed
+                raise RuntimeFault(f"rank {rank}: stopped waiting for {self.what}: rank "
+                                   f"{failed} failed with {type(exc).__name__}: {exc}")
+            if not w._mail[self._box]:
+                return False
+            arr = w._mail[self._box].popleft()
+        if arr.shape != self._shape or arr.dtype != self._dtype:
+            raise RuntimeFault(f"rank {rank}: expected {self._shape} {self._dtype} from rank "
+                               f"{self._box[0]} (tag {self._box[2]}) but received "
+                               f"{arr.shape} {arr.dtype}")
+        self.value, self.done = arr, True
+        return True
 
 
 def __getattr__(name):

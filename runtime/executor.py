@@ -133,20 +133,26 @@ class ProgramRunner:
                 ctx = dataclasses.replace(ctx, out=env[name])
                 break
         try:
-            result = ins.kernel(ctx, *[env[n] for n in ins.ins], **ins.attrs)
+            args = [env[n] for n in ins.ins]
         except KeyError as e:
             raise RuntimeFault(f"op '{ins.op_type}' needs {e.args[0]!r}, which is not "
                                "computed or fed") from None
-        except Exception as e:
-            where = f" in layer '{ins.layer}'" if ins.layer else ""
-            raise RuntimeFault(f"op '{ins.op_type}'{where} failed: "
-                               f"{type(e).__name__}: {e}") from e
-        if not isinstance(result, tuple):
-            result = (result,)
+        result = call_kernel(ins.kernel, ins.op_type, ins.layer, ctx, args, ins.attrs)
         for name, arr in zip(ins.outs, result):
             env[name] = arr
         for k, target in ins.writeback:
             scope[target] = result[k]
+
+
+def call_kernel(kernel, op_type: str, layer: str, ctx, args, attrs) -> tuple:
+    """``kernel(ctx, *args, **attrs)`` as a tuple of results; a failure becomes a
+    RuntimeFault naming the op and its layer."""
+    try:
+        result = kernel(ctx, *args, **attrs)
+    except Exception as e:
+        where = f" in layer '{layer}'" if layer else ""
+        raise RuntimeFault(f"op '{op_type}'{where} failed: {type(e).__name__}: {e}") from e
+    return result if isinstance(result, tuple) else (result,)
 
 
 def _donatable(names, env, scope, fetch, fetched) -> bool:

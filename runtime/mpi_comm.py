@@ -25,7 +25,7 @@ import zlib
 import numpy as np
 
 from distgraph.errors import RuntimeFault
-from distgraph.runtime.comm import MAX_TAG, Communicator
+from distgraph.runtime.comm import MAX_TAG, Communicator, Request
 
 _HANDSHAKE_TAG = MAX_TAG + 1
 _CREATE_TAG = MAX_TAG + 2
@@ -33,16 +33,20 @@ SPIN_SECONDS = 0.1   # how long a wait polls without sleeping (see MPICommunicat
 
 
 class MPICommunicator(Communicator):
-    """A Communicator over an mpi4py communicator (default ``MPI.COMM_WORLD``)."""
+    """A Communicator over an mpi4py communicator (default ``MPI.COMM_WORLD``).
+    ``poll_spin_seconds``: how long a poller of nonblocking requests (the pipeline's
+    actors) polls back to back before it sleeps, as :meth:`_wait` does."""
 
-    def __init__(self, comm=None, timeout: float | None = None):
+    poll_spin_seconds = SPIN_SECONDS
+
+    def __init__(self, comm=None, timeout: float | None = None, backend=None):
         from mpi4py import MPI
 
         from distgraph.runtime.bootstrap import install_abort_hook
 
         self._MPI = MPI
         self._comm = MPI.COMM_WORLD if comm is None else comm
-        super().__init__(self._comm.Get_rank(), self._comm.Get_size(), timeout)
+        super().__init__(self._comm.Get_rank(), self._comm.Get_size(), timeout, backend)
         install_abort_hook()     # one failing rank must end the job, however it was started
         self._subcomms: dict = {}
         self._pending: list = []
@@ -116,12 +120,13 @@ class MPICommunicator(Communicator):
 
     # ---- collectives --------------------------------------------------------------------
     def _all_gather(self, arr, group, axis):
-        out = np.empty((len(group),) + arr.shape, dtype=arr.dtype)
+        xb = self.backend
+        out = xb.empty((len(group),) + arr.shape, arr.dtype)
         self._wait([self._sub(group).Iallgather(arr, out)], f"all_gather on group {group}")
-        return np.concatenate(list(out), axis=axis)
+        return xb.concatenate(list(out), axis=axis)
 
     def _all_reduce(self, arr, group, op):
-        out = np.empty_like(arr)
+        out = self.backend.empty(arr.shape, arr.dtype)
         self._wait([self._sub(group).Iallreduce(arr, out, op=self._ops[op])],
                    f"all_reduce on group {group}")
         return out
@@ -132,17 +137,19 @@ class MPICommunicator(Communicator):
         return arr
 
     def _reduce_scatter(self, arr, group, axis):
-        send = np.ascontiguousarray(np.stack(np.split(arr, len(group), axis=axis)))
-        out = np.empty(send.shape[1:], dtype=arr.dtype)
+        xb = self.backend
+        send = xb.stack(xb.split(arr, len(group), axis))
+        out = xb.empty(send.shape[1:], arr.dtype)
         self._wait([self._sub(group).Ireduce_scatter_block(send, out, op=self._MPI.SUM)],
                    f"reduce_scatter on group {group}")
         return out
 
     def _all_to_all(self, arr, group, split_axis, concat_axis):
-        send = np.ascontiguousarray(np.stack(np.split(arr, len(group), axis=split_axis)))
-        out = np.empty_like(send)
+        xb = self.backend
+        send = xb.stack(xb.split(arr, len(group), split_axis))
+        out = xb.empty(send.shape, send.dtype)
         self._wait([self._sub(group).Ialltoall(send, out)], f"all_to_all on group {group}")
-        return np.concatenate(list(out), axis=concat_axis)
+        return xb.concatenate(list(out), axis=concat_axis)
 
     def barrier(self) -> None:
         self.wait_sends()
@@ -161,11 +168,21 @@ class MPICommunicator(Communicator):
             self._pending = []
 
     def _recv(self, shape, dtype, src, tag):
-        out = np.empty(shape, dtype=dtype)
+        out = self.backend.empty(shape, dtype)
         req = self._comm.Irecv(out, source=src, tag=tag)
         self._wait([req], f"a message from rank {src} with tag {tag} ({shape} {dtype})",
                    receives=[req])
         return out
+
+    def _isend(self, arr, dst, tag):
+        return _MPIRequest(self, self._comm.Isend(arr, dest=dst, tag=tag), arr,
+                           f"a message to rank {dst} with tag {tag}")
+
+    def _irecv(self, shape, dtype, src, tag):
+        out = self.backend.empty(shape, dtype)
+        return _MPIRequest(self, self._comm.Irecv(out, source=src, tag=tag), out,
+                           f"a message from rank {src} with tag {tag} ({shape} {dtype})",
+                           receive=True)
 
     def free(self) -> None:
         """Wait for pending sends and free the cached sub-communicators."""
@@ -173,3 +190,30 @@ class MPICommunicator(Communicator):
         for sub in self._subcomms.values():
             sub.Free()
         self._subcomms = {}
+
+
+class _MPIRequest(Request):
+    """An MPI request and the buffer it reads or fills (kept alive until it is done)."""
+
+    def __init__(self, comm, request, buffer, what, receive=False):
+        super().__init__(what)
+        self._comm, self._request, self._buffer, self._receive = comm, request, buffer, receive
+
+    def test(self) -> bool:
+        if self.done:
+            return True
+        try:
+            done = self._request.Test()
+        except self._comm._MPI.Exception as exc:
+            raise RuntimeFault(f"rank {self._comm.rank}: MPI error on {self.what}: "
+                               f"{exc}") from None
+        if done:
+            self.done = True
+            self.value = self._buffer if self._receive else None
+            self._buffer = None if not self._receive else self._buffer
+        return done
+
+    def cancel(self) -> None:
+        if not self.done and self._receive:
+            self._request.Cancel()
+            self._request.Wait()

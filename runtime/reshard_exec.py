@@ -15,6 +15,7 @@ import numpy as np
 
 from distgraph.errors import RuntimeFault
 from distgraph.passes.reshard import Step
+from distgraph.runtime.backend import backend_of
 
 
 def _rank_fn(rank_of):
@@ -66,12 +67,12 @@ def apply_step(step: Step, local, comm, process_id: int, rank_of=None, tag: int 
     if step.kind == "all_to_all":
         return comm.all_to_all(local, group, split_axis=step.to_tensor_dim,
                                concat_axis=step.tensor_dim)
+    xb = backend_of(comm)
     if step.kind == "slice":
-        chunk = np.split(local, len(members), axis=step.tensor_dim)[me]
-        return np.ascontiguousarray(chunk)
+        return xb.chunk(local, len(members), step.tensor_dim, me)
     if step.kind == "make_partial":
         # the value stays on coordinate 0 of the mesh dim; the others hold zeros
-        return local.copy() if me == 0 else np.zeros_like(local)
+        return xb.copy(local) if me == 0 else xb.zeros_like(local)
     raise RuntimeFault(f"process {process_id}: no executor for reshard step {step}")
 
 
@@ -85,28 +86,58 @@ def _check_local(step: Step, local, process_id: int) -> None:
                            f"the steps in order")
 
 
+def _origin(attr, shape, process_id) -> tuple:
+    return tuple(s.start for s in attr.local_slices(shape, process_id))
+
+
+def outgoing_tiles(step: Step, local, process_id: int) -> list:
+    """The tiles ``process_id`` sends to other processes in a send_recv ``step``, as
+    ``[(destination process, array)]`` in transfer order (the order a receiver expects
+    them in): the send half of the step, which an actor posts without waiting."""
+    if process_id not in step.mesh:
+        return []
+    _check_local(step, local, process_id)
+    origin = _origin(step.src_attr, step.shape, process_id)
+    return [(t.dst, local[t.slices(origin)]) for t in step.transfers
+            if t.src == process_id and t.dst != process_id]
+
+
+def incoming_tiles(step: Step, process_id: int) -> list:
+    """``[(source process, tile shape)]`` that ``process_id`` receives from others in a
+    send_recv ``step``, in transfer order (per source, the order they are sent in)."""
+    return [(t.src, t.shape) for t in step.transfers
+            if t.dst == process_id and t.src != process_id]
+
+
+def assemble_tiles(step: Step, process_id: int, received: list, local, xb):
+    """The receive half: ``process_id``'s new local array from the ``received`` tiles
+    (in :func:`incoming_tiles` order) and, where it also holds the source, ``local``.
+    A single tile that is the whole local block is used as it is, without a copy."""
+    dst = step.dst_attr
+    shape = dst.local_shape(step.shape)
+    mine = [t for t in step.transfers if t.dst == process_id]
+    if len(mine) == 1 and mine[0].src != process_id and tuple(mine[0].shape) == tuple(shape):
+        return received[0]
+    out = xb.zeros(shape, step.dtype)
+    origin = _origin(dst, step.shape, process_id)
+    src_origin = _origin(step.src_attr, step.shape, process_id) if local is not None else None
+    tiles = iter(received)
+    for t in mine:
+        if t.src == process_id:
+            out[t.slices(origin)] = local[t.slices(src_origin)]
+        else:
+            out[t.slices(origin)] = next(tiles)
+    return out
+
+
 def _send_recv(step: Step, local, comm, process_id: int, rank, tag: int):
-    if process_id in step.mesh:
-        _check_local(step, local, process_id)
-        origin = tuple(s.start for s in step.src_attr.local_slices(step.shape, process_id))
-        for t in step.transfers:
-            if t.src == process_id and t.dst != process_id:
-                comm.send(local[t.slices(origin)], rank(t.dst), tag)
+    for dst, tile in outgoing_tiles(step, local, process_id):
+        comm.send(tile, rank(dst), tag)
     out = None
     if process_id in step.dst_mesh:
-        dst = step.dst_attr
-        out = np.zeros(dst.local_shape(step.shape), dtype=step.dtype)
-        origin = tuple(s.start for s in dst.local_slices(step.shape, process_id))
-        src_origin = None
-        if process_id in step.mesh:
-            src_origin = tuple(s.start for s in step.src_attr.local_slices(step.shape,
-                                                                            process_id))
-        for t in step.transfers:
-            if t.dst != process_id:
-                continue
-            if t.src == process_id:
-                out[t.slices(origin)] = local[t.slices(src_origin)]
-            else:
-                out[t.slices(origin)] = comm.recv(t.shape, step.dtype, rank(t.src), tag)
+        received = [comm.recv(shape, step.dtype, rank(src), tag)
+                    for src, shape in incoming_tiles(step, process_id)]
+        out = assemble_tiles(step, process_id, received,
+                             local if process_id in step.mesh else None, backend_of(comm))
     comm.wait_sends()
     return out

@@ -21,6 +21,7 @@ import numpy as np
 
 from distgraph.errors import PlanError, RuntimeFault
 from distgraph.passes.partition import gather_points
+from distgraph.runtime.backend import backend_of
 from distgraph.runtime.executor import ProgramRunner
 from distgraph.runtime.comm import MAX_TAG
 from distgraph.runtime.reshard_exec import apply_reshard
@@ -66,11 +67,14 @@ def check_world(plan, world_size: int) -> None:
 
 class SpmdRunner:
     """Process ``process_id``'s part of ``plan``, with communication bound to ``comm``.
-    ``fetch`` names values whose *global* value every process receives after the step."""
+    ``fetch`` names values whose *global* value every process receives after the step.
+    Arrays are made by ``backend`` (the communicator's, numpy by default)."""
 
-    def __init__(self, plan, process_id: int, comm, xp=np, fetch=()):
+    def __init__(self, plan, process_id: int, comm, fetch=(), backend=None):
         program = plan.program
-        self.program, self.pid, self.comm, self.xp = program, process_id, comm, xp
+        self.program, self.pid, self.comm = program, process_id, comm
+        self.backend = backend or backend_of(comm)
+        xp = self.backend.xp
         self.rank_of = rank_of = plan.rank_of
         self.local = plan.local(process_id)
         # Message tags: program points count up from 0, gathers down from MAX_TAG - 1,
@@ -90,21 +94,24 @@ class SpmdRunner:
 
     def local_slice(self, name: str, global_array):
         """This process's shard of a global array of Value ``name`` (None if it holds none)."""
-        attr = self.program.values[name].dist_attr
-        if self.pid not in attr.mesh:
-            return None
-        if attr.spec.partial:
-            raise PlanError(f"cannot shard {name}: a stored or fed value cannot be Partial")
-        return np.array(global_array[attr.local_slices(global_array.shape, self.pid)], order="C")
+        return local_slice(self.program, self.pid, name, global_array)
 
     def shard_scope(self, global_values: dict) -> dict:
         """Local shards of persistable values from their global arrays."""
-        scope = {}
-        for v in self.local.program.persistables:
-            if v.name not in global_values:
-                raise PlanError(f"no initial value for {v.name}")
-            scope[v.name] = self.xp.asarray(self.local_slice(v.name, np.asarray(global_values[v.name])))
-        return scope
+        return shard_scope(self.program, self.local.program, self.pid, global_values,
+                           self.backend)
+
+    def batch_rows(self):
+        """The rows of dim 0 of each batch this process reads, when all inputs it holds
+        want the same ones (a data-parallel rank loads only its samples; other dims are
+        sliced after); None: it reads whole batches."""
+        program = self.program
+        slices = [program.values[v.name].dist_attr.local_slices(program.values[v.name].shape,
+                                                                 self.pid)
+                  for v in self.local.program.inputs]
+        if not slices or any(not s or s[0] != slices[0][0] for s in slices):
+            return None
+        return slices[0][0]
 
     def run(self, scope: dict, feed: dict, step: int = 0, rows: slice | None = None) -> dict:
         """One step; returns the global fetched values. ``feed`` holds global batches, or,
@@ -115,16 +122,44 @@ class SpmdRunner:
             index = g.dist_attr.local_slices(g.shape, self.pid)
             if rows is not None:
                 index = (slice(None),) + tuple(index[1:])
-            local_feed[v.name] = self.xp.asarray(np.array(np.asarray(feed[v.name])[index],
-                                                          order="C"))
+            local_feed[v.name] = self.backend.from_host(np.asarray(feed[v.name])[index])
         out = self.runner.run(scope, local_feed, [f"{n}@GLOBAL" for n in self.fetch], step)
         return {n: out[f"{n}@GLOBAL"] for n in self.fetch}
 
     def gather(self, scope: dict, names) -> dict:
         """Global values of persistables ``names`` on every process."""
-        out = {}
-        for point in gather_points(self.program, names, self.pid):
-            local = scope[point.value] if point.reads else None
-            out[point.value] = apply_reshard(point.steps, local, self.comm, self.pid,
-                                             self.rank_of, MAX_TAG - 1 - point.seq % (MAX_TAG // 2))
-        return out
+        return gather_scope(self.program, scope, names, self.comm, self.pid, self.rank_of)
+
+
+def gather_scope(program, scope: dict, names, comm, pid: int, rank_of) -> dict:
+    """Global values of persistables ``names`` of a completed ``program`` on every
+    process (a collective of all of them), from their local blocks in ``scope``."""
+    out = {}
+    for point in gather_points(program, names, pid):
+        local = scope[point.value] if point.reads else None
+        out[point.value] = apply_reshard(point.steps, local, comm, pid, rank_of,
+                                         MAX_TAG - 1 - point.seq % (MAX_TAG // 2))
+    return out
+
+
+def local_slice(program, pid: int, name: str, global_array):
+    """Process ``pid``'s block of the global (host) array of Value ``name`` of a completed
+    ``program``, as a C-contiguous host array (None if it holds none)."""
+    attr = program.values[name].dist_attr
+    if pid not in attr.mesh:
+        return None
+    if attr.spec.partial:
+        raise PlanError(f"cannot shard {name}: a stored or fed value cannot be Partial")
+    return np.array(global_array[attr.local_slices(global_array.shape, pid)], order="C")
+
+
+def shard_scope(program, local_program, pid: int, global_values: dict, backend) -> dict:
+    """Process ``pid``'s blocks of the persistables of ``local_program``, from their
+    global arrays, as arrays of ``backend``."""
+    scope = {}
+    for v in local_program.persistables:
+        if v.name not in global_values:
+            raise PlanError(f"no initial value for {v.name}")
+        block = local_slice(program, pid, v.name, np.asarray(global_values[v.name]))
+        scope[v.name] = backend.from_host(block)
+    return scope

@@ -52,29 +52,35 @@ class Hooks:
 
 
 class PlanMLP(dg.nn.Layer):
-    """A token-wise MLP on [batch, seq, features]: fc1 -> relu -> fc2."""
+    """A token-wise MLP on [batch, seq, features]: fc1 -> relu -> fc2 (``layers`` = 2),
+    or fc1 -> relu -> ... -> fc{layers}; part i (a layer and its relu) is ``stage{i}``,
+    the activation after part 0 ``hidden``, after part i > 0 ``hidden{i}``."""
 
-    def __init__(self, dims=None):
+    def __init__(self, dims=None, layers: int = 2):
         super().__init__()
         dims = dims or MLP_DIMS
-        self.fc1 = dg.nn.Linear(dims["d_in"], dims["hidden"])
-        self.fc2 = dg.nn.Linear(dims["hidden"], dims["d_out"])
+        widths = [dims["d_in"]] + [dims["hidden"]] * (layers - 1) + [dims["d_out"]]
+        self.layers = layers
+        for i in range(layers):
+            setattr(self, f"fc{i + 1}", dg.nn.Linear(widths[i], widths[i + 1]))
         self.hooks = Hooks()
 
     def forward(self, x):
         h = self.hooks
-        x = h.act("input", x)
-        y = h.wrap("stage0", lambda v: dg.ops.relu(self.fc1(v)))(x)
-        y = h.act("hidden", y)
-        y = h.wrap("stage1", self.fc2)(y)
+        y = h.act("input", x)
+        for i in range(self.layers - 1):
+            fc = getattr(self, f"fc{i + 1}")
+            y = h.wrap(f"stage{i}", lambda v, fc=fc: dg.ops.relu(fc(v)))(y)
+            y = h.act("hidden" if i == 0 else f"hidden{i}", y)
+        y = h.wrap(f"stage{self.layers - 1}", getattr(self, f"fc{self.layers}"))(y)
         return h.act("output", y)
 
 
 class PlanGPT(dg.nn.GPT):
     """GPT-2 with the plan hooks between its parts (parameter names as ``dg.nn.GPT``)."""
 
-    def __init__(self, dims=None):
-        super().__init__(**(dims or GPT_DIMS))
+    def __init__(self, dims=None, dropout: float = 0.0):
+        super().__init__(**(dims or GPT_DIMS), dropout=dropout)
         self.hooks = Hooks()
 
     def _embed(self, idx):
@@ -95,24 +101,29 @@ class PlanGPT(dg.nn.GPT):
         return h.wrap("head", self._head)(x)
 
 
-def build_model(kind: str, seed: int = 0, dims=None):
-    """A fresh model of ``kind``; ``dims`` overrides MLP_DIMS / GPT_DIMS (benchmarks)."""
+def build_model(kind: str, seed: int = 0, dims=None, dropout: float = 0.0):
+    """A fresh model of ``kind``: ``mlp`` (2 layers), ``mlp4`` (4 layers, for 4 stages) or
+    ``gpt`` (with ``dropout``); ``dims`` overrides MLP_DIMS / GPT_DIMS (benchmarks)."""
     dg.seed(seed)
-    return PlanMLP(dims) if kind == "mlp" else PlanGPT(dims)
+    if kind.startswith("mlp"):
+        return PlanMLP(dims, 4 if kind == "mlp4" else 2)
+    return PlanGPT(dims, dropout)
 
 
 def loss_fn(kind: str):
-    return dg.nn.MSELoss() if kind == "mlp" else dg.nn.CrossEntropyLoss()
+    return dg.nn.MSELoss() if kind.startswith("mlp") else dg.nn.CrossEntropyLoss()
 
 
 class Dataset:
     """STEPS batches of BATCH samples (or ``n`` samples of a model of ``dims``): (x, y) for
     the MLP, (tokens, next tokens) for GPT."""
 
-    def __init__(self, kind: str, seed: int = 1, n: int = STEPS * BATCH, dims=None):
+    def __init__(self, kind: str, seed: int = 1, n: int | None = None, dims=None,
+                 batch: int = BATCH):
         rng = np.random.default_rng(seed)
+        n = STEPS * batch if n is None else n
         dtype = dg.get_default_dtype()
-        if kind == "mlp":
+        if kind.startswith("mlp"):
             dims = dims or MLP_DIMS
             s = dims["seq"]
             self.fields = [rng.normal(size=(n, s, dims["d_in"])).astype(dtype),
@@ -156,7 +167,7 @@ def _on_mesh(model, where, mesh):
 
 
 def _batch_spec(kind, dim="dp"):
-    return [dim, None, None] if kind == "mlp" else [dim, None]
+    return [dim, None, None] if kind.startswith("mlp") else [dim, None]
 
 
 def _tensor_parallel(model, mesh, dim="mp"):
@@ -228,6 +239,50 @@ def two_stage_plan(kind, n):
     return annotate
 
 
+def four_stage_plan(kind, n):
+    """Four stages, one process each: the MLP's four layers (``mlp4``), or GPT's embedding,
+    block 0, block 1 and head."""
+    assert n == 4
+    meshes = [dg.ProcessMesh([p], ["dp"]) for p in range(4)]
+
+    def annotate(model):
+        if kind.startswith("mlp"):
+            assert model.layers == 4, "four stages of the MLP need kind 'mlp4'"
+            for i, mesh in enumerate(meshes):
+                _on_mesh(model, f"stage{i}", mesh)
+        else:
+            assert len(model.blocks._items) == 2
+            for where, mesh in zip(("embed", "block0", "block1", "head"), meshes):
+                _on_mesh(model, where, mesh)
+        _set_act(model, "input", meshes[0], _batch_spec(kind))
+    return annotate
+
+
+def two_stage_tp_plan(kind, n):
+    """Two stages of two processes, each stage Megatron tensor parallel over its "mp"
+    (its processes meet in collectives inside forward and backward)."""
+    assert n == 4
+    a, b = dg.ProcessMesh([0, 1], ["mp"]), dg.ProcessMesh([2, 3], ["mp"])
+
+    def annotate(model):
+        if kind.startswith("mlp"):
+            dg.shard_tensor(model.fc1.weight, a, [None, "mp"])
+            dg.shard_tensor(model.fc2.weight, b, [None, "mp"])
+            _on_mesh(model, "stage0", a)
+            _on_mesh(model, "stage1", b)
+            return
+        _on_mesh(model, "embed", a)
+        for i, block in enumerate(model.blocks):
+            mesh = a if i < len(model.blocks._items) // 2 else b
+            _on_mesh(model, f"block{i}", mesh)
+            dg.shard_tensor(block.attn.qkv.weight, mesh, [None, "mp"])
+            dg.shard_tensor(block.attn.proj.weight, mesh, ["mp", None])
+            dg.shard_tensor(block.mlp.fc1.weight, mesh, [None, "mp"])
+            dg.shard_tensor(block.mlp.fc2.weight, mesh, ["mp", None])
+        _on_mesh(model, "head", b)
+    return annotate
+
+
 PLAN_FACTORIES = {
     "dp": (dp_plan, False),
     "tp": (tp_plan, False),
@@ -239,6 +294,8 @@ PLAN_FACTORIES = {
 }
 FOUR_ONLY = ("dp_tp", "zero_dp_tp")
 
+PIPELINE_FACTORIES = {"four_stage": four_stage_plan, "two_stage_tp": two_stage_tp_plan}
+
 PLANS = {}
 for _kind in ("mlp", "gpt"):
     for _n in (2, 4):
@@ -246,6 +303,11 @@ for _kind in ("mlp", "gpt"):
             if _n == 2 and _name in FOUR_ONLY:
                 continue
             PLANS[_kind, _name, _n] = Plan(_kind, _name, _n, _factory(_kind, _n), _sharding)
+
+# Plans only the pipeline tests run (more stages, tensor parallel stages).
+PIPELINE_PLANS = {(_kind, _name, 4): Plan(_kind, _name, 4, PIPELINE_FACTORIES[_name](_kind, 4))
+                  for _kind, _name in (("mlp4", "four_stage"), ("gpt", "four_stage"),
+                                       ("mlp", "two_stage_tp"), ("gpt", "two_stage_tp"))}
 
 
 # ---- training ---------------------------------------------------------------------------

@@ -143,3 +143,38 @@ def test_estimate_prints_and_exports(float64):
     assert data["peak_memory"] == max(q["peak_memory"] for q in data["processes"])
     with pytest.raises(dg.PlanError, match="2 processes but the cluster has 1"):
         dg.passes.estimate(p, cluster(1))
+
+
+class TwoStageMLP(dg.nn.Layer):
+    def __init__(self, width):
+        super().__init__()
+        self.fc1, self.fc2 = dg.nn.Linear(width, width), dg.nn.Linear(width, width)
+        self.meshes = (dg.ProcessMesh([0], ["dp"]), dg.ProcessMesh([1], ["dp"]))
+
+    def forward(self, x):
+        h = dg.shard_op(lambda v: dg.ops.relu(self.fc1(v)), self.meshes[0])(x)
+        return dg.shard_op(self.fc2, self.meshes[1])(h)
+
+
+def test_a_micro_batched_plan_counts_forward_and_backward_once_per_micro_batch(float64):
+    """A micro-batched plan's local programs are one micro-batch's: its forward and
+    backward ops count M times a step, its updates once, and two stages overlap."""
+    from distgraph.ops.registry import TensorType
+    from distgraph.passes.estimate import op_time
+
+    def plan(m):
+        built = build_program(TwoStageMLP(256), [dg.InputSpec([64, 256], name="x")],
+                              [dg.InputSpec([64, 256], name="y")], dg.nn.MSELoss(),
+                              dg.optim.SGD(0.1))
+        return dg.passes.plan(built, dg.Strategy(micro_batches=m))
+
+    whole, micro = plan(1), plan(4)
+    c = cluster(2)
+    device = c.devices[0]
+    ops = micro.local(0).program.ops
+    expected = sum(op_time(op.type, [TensorType(v.shape, v.dtype) for v in op.inputs],
+                           [TensorType(v.shape, v.dtype) for v in op.outputs], op.attrs,
+                           device) * (1 if op.role == "optimize" else 4) for op in ops)
+    est = dg.passes.estimate(micro, c)
+    assert est.processes[0].compute == pytest.approx(expected, rel=1e-12)
+    assert est.step_time < dg.passes.estimate(whole, c).step_time

@@ -6,7 +6,9 @@ Usage: ``distgraph run -n N tests/mpi_scripts/fail_rank.py MODE``, MODE one of
 - ``exit``:  rank 2 dies with ``os._exit(3)`` in the second step (N = 4, data parallel);
 - ``skip``:  rank 1 trains one step fewer than rank 0 and leaves, so rank 0 waits for a
   message that never comes (N = 2, two stages);
-- ``ok``:    the data-parallel plan trains normally; prints ``FAIL-RANK OK``.
+- ``ok``:    the data-parallel plan trains normally; prints ``FAIL-RANK OK``;
+- ``pipe_raise``, ``pipe_skip``: as ``raise`` (on rank 0) and ``skip``, with the two stages
+  pipelined over 4 micro-batches (N = 2).
 
 The plans need exactly 4 (``skip``: 2) processes, so the same script started with
 another ``-n`` or as a plain ``python`` process shows the launch error.
@@ -50,20 +52,23 @@ def injected_error():
 def main(mode: str) -> None:
     dg.set_default_dtype("float64")
     plan = {"raise": ("tp", 4), "exit": ("dp", 4), "skip": ("two_stage", 2),
-            "ok": ("dp", 4)}[mode]
+            "ok": ("dp", 4), "pipe_raise": ("two_stage", 2), "pipe_skip": ("two_stage", 2)}[mode]
+    strategy = dg.Strategy(micro_batches=4) if mode.startswith("pipe_") else dg.Strategy()
     if mode == "raise":
         patch_relu(1, injected_error)
+    elif mode == "pipe_raise":
+        patch_relu(0, injected_error)
     elif mode == "exit":
         patch_relu(2, lambda: os._exit(3))
     model = P.build_model("mlp")
     P.PLANS[("mlp", *plan)].annotate(model)
-    engine = P.make_engine(model, "mlp")
+    engine = dg.Engine(model, P.loss_fn("mlp"), P.make_optimizer("adamw"), strategy=strategy)
     steps = None
-    if mode == "skip":
+    if mode in ("skip", "pipe_skip"):
         from mpi4py import MPI
         steps = P.STEPS - 1 if MPI.COMM_WORLD.Get_rank() == 1 else None
     history = engine.fit(P.Dataset("mlp"), batch_size=P.BATCH, epochs=1, steps_per_epoch=steps)
-    if mode == "skip" and steps is not None:
+    if mode in ("skip", "pipe_skip") and steps is not None:
         return  # rank 1 leaves without the last step (and without the collective gather)
     engine.state_dict()
     print(f"FAIL-RANK OK {len(history.losses)} steps", flush=True)

@@ -1,0 +1,352 @@
+"""Pipelined training steps: distgraph's actor runtime against the same two-mesh plan
+without micro-batches and against a hand-written mpi4py 1F1B; the measured bubble of
+each schedule; the live activations each stage keeps.
+
+Run::
+
+    distgraph run -n 2 bench/pipeline_step.py     # step times and bubbles (one rank per core)
+    distgraph run -n 4 bench/pipeline_step.py     # memory on four stages (correctness-only
+                                                  # timing: 4 ranks share 2 cores)
+
+The model is an MLP (ReLU between layers), float32, MSE loss (mean over the global
+batch), SGD: a narrow input layer (``--in-width`` -> ``--width``), then 2 S layers of
+``--width``; stage 0 holds the input layer and two more, every other stage two (one
+rank per stage). A stage's first layer needs no input gradient, so the narrow layer
+makes the stages' work equal (but for the loss): each runs 2 large matmuls forward
+and 4 backward per micro-batch.
+
+On 2 ranks, the same global initial parameters and batch on every side:
+
+- *sequential*: distgraph's two-mesh plan without micro-batches (stage 1 waits for stage
+  0's forward, then stage 0 for stage 1's backward: one core is idle at a time);
+- *distgraph 1F1B*: the same plan with ``Strategy(micro_batches=M, schedule="1F1B")``;
+- *reference 1F1B*: hand-written numpy + mpi4py, Megatron's 1F1B order (stage s runs
+  S - s - 1 warm-up forwards, then forward/backward pairs, then the last backwards),
+  ``Isend`` for activations and gradients, a blocking ``Recv`` where one is needed,
+  gradients accumulated over the micro-batches, one SGD update.
+
+All three must give the same parameters after one step (checked), then they alternate
+step by step; a step's time is the slowest rank's, each after a barrier. Rank 0 prints
+the medians and the ratios against the targets (distgraph 1F1B <= 0.65 x sequential and
+<= 1.20 x reference).
+
+Bubble: with ``Strategy(profile=True)`` the timeline gives each rank's idle share of the
+pipeline's span (first forward to last backward of a step, over all ranks), averaged
+over ranks and the timed steps; compared with (S - 1) / (M + S - 1) for FThenB (GPipe)
+and 1F1B (target: within 25%), and ZB against 1F1B (target: lower).
+
+On 4 ranks (four stages): each rank's peak activations between tasks under 1F1B, FThenB
+and ZB, in bytes and in micro-batches' worth (bytes of one micro-batch's stash on that
+stage under 1F1B, measured when it holds exactly one); bound: S - s under 1F1B, M under
+GPipe. ZB keeps S - s micro-batches in flight too, but a micro-batch whose weight
+gradients wait holds its output gradients as well, so its bytes may exceed S - s worth.
+
+Timings on a shared 2-core machine are noisy: compare the numbers of one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import numpy as np
+
+import distgraph as dg
+from distgraph.program_builder import build_program
+from distgraph.runtime.mpi_comm import MPICommunicator
+from distgraph.runtime.pipeline import PipelineRunner
+from distgraph.runtime.spmd import SpmdRunner, check_world
+
+LR = 1e-3
+SPEEDUP_TARGET = 0.65      # distgraph 1F1B / sequential
+REFERENCE_TARGET = 1.20    # distgraph 1F1B / hand-written 1F1B
+BUBBLE_TOLERANCE = 0.25
+
+
+def stage_of_layer(i: int) -> int:
+    """Stage of layer i: layers 0-2 on stage 0, then two layers per stage."""
+    return 0 if i < 3 else (i - 1) // 2
+
+
+class StageMLP(dg.nn.Layer):
+    """Linear(in_width, width), then ``2 S`` Linear(width, width), ReLU between; layer i
+    on ``meshes[stage_of_layer(i)]``."""
+
+    def __init__(self, in_width, width, meshes):
+        super().__init__()
+        self.meshes, self.n = meshes, 1 + 2 * len(meshes)
+        for i in range(self.n):
+            setattr(self, f"fc{i}", dg.nn.Linear(in_width if i == 0 else width, width))
+
+    def forward(self, x):
+        for i in range(self.n):
+            fc = getattr(self, f"fc{i}")
+            part = (lambda v, fc=fc: dg.ops.relu(fc(v))) if i < self.n - 1 else fc
+            x = dg.shard_op(part, self.meshes[stage_of_layer(i)])(x)
+        return x
+
+
+class Distgraph:
+    """One step of the plan under ``strategy`` through dg.passes.plan and the runner the
+    Engine would pick (SpmdRunner, or PipelineRunner for micro-batches / profiling)."""
+
+    def __init__(self, args, comm, strategy, x, y):
+        meshes = [dg.ProcessMesh([r], ["dp"]) for r in range(comm.size)]
+        dg.seed(0)
+        model = StageMLP(args.in_width, args.width, meshes)
+        self.names = [n for n, _ in model.named_parameters()]
+        self.init = {n: p.numpy() for n, p in model.named_parameters()}
+        opt = dg.optim.SGD(LR)
+        built = build_program(model, [dg.InputSpec(x.shape, "float32", "x")],
+                              [dg.InputSpec(y.shape, "float32", "y")], dg.nn.MSELoss(), opt)
+        self.plan = dg.passes.plan(built, strategy)
+        check_world(self.plan, comm.size)
+        runner = PipelineRunner if self.plan.pipelined else SpmdRunner
+        self.runner = runner(self.plan, comm.rank, comm, fetch=[built.loss_name])
+        values = dict(self.init)
+        values.update(opt.initial_state(self.plan.program))
+        self.scope = self.runner.shard_scope(values)
+        self.feed, self.loss, self.t = {"x": x, "y": y}, built.loss_name, 0
+
+    def step(self) -> float:
+        out = self.runner.run(self.scope, self.feed, self.t)
+        self.t += 1
+        return float(out[self.loss])
+
+    def params(self) -> dict:
+        return self.runner.gather(self.scope, self.names)
+
+
+class Reference:
+    """Hand-written 1F1B of the same model and split: this rank's layers, its rows of
+    each micro-batch's activations, Isend/Recv between neighbouring stages."""
+
+    def __init__(self, args, comm, init, x, y):
+        from mpi4py import MPI
+        self.MPI, self.comm = MPI, comm
+        self.s, self.S = comm.Get_rank(), comm.Get_size()
+        n = 1 + 2 * self.S
+        self.layers = [i for i in range(n) if stage_of_layer(i) == self.s]
+        self.last = n - 1
+        self.w = {i: np.array(init[f"fc{i}.weight"]) for i in self.layers}
+        self.b = {i: np.array(init[f"fc{i}.bias"]) for i in self.layers}
+        self.m = args.micro_batches
+        rows = x.shape[0] // self.m
+        self.x = [x[k * rows:(k + 1) * rows] for k in range(self.m)]
+        self.y = [y[k * rows:(k + 1) * rows] for k in range(self.m)]
+        self.scale = np.float32(2.0 / (x.shape[0] * y.shape[1]))
+        self.shape = (rows, y.shape[1])
+
+    def forward(self, k):
+        if self.s == 0:
+            h = self.x[k]
+        else:
+            h = np.empty(self.shape, np.float32)
+            self.comm.Recv(h, source=self.s - 1, tag=k)
+        saved = []
+        for i in self.layers:
+            saved.append(h)
+            h = h @ self.w[i]
+            h += self.b[i]
+            if i != self.last:
+                np.maximum(h, 0, out=h)
+        if self.s < self.S - 1:
+            self.pending.append(self.comm.Isend(h, dest=self.s + 1, tag=k))
+            self.stash[k] = (saved, h)
+        else:
+            d = h - self.y[k]
+            self.loss += float(np.vdot(d, d))
+            d *= self.scale
+            self.stash[k] = (saved, d)
+
+    def backward(self, k):
+        saved, out = self.stash.pop(k)
+        if self.s < self.S - 1:
+            g = np.empty(self.shape, np.float32)
+            self.comm.Recv(g, source=self.s + 1, tag=self.m + k)
+            g *= out > 0                         # this stage's last ReLU
+        else:
+            g = out
+        for j in reversed(range(len(self.layers))):
+            i, h = self.layers[j], saved[j]
+            gw, gb = h.T @ g, g.sum(axis=0)
+            if k == 0:
+                self.gw[i], self.gb[i] = gw, gb
+            else:
+                self.gw[i] += gw
+                self.gb[i] += gb
+            if j > 0 or self.s > 0:
+                g = g @ self.w[i].T
+                if j > 0:
+                    g *= h > 0
+        if self.s > 0:
+            self.pending.append(self.comm.Isend(g, dest=self.s - 1, tag=self.m + k))
+
+    def step(self) -> float:
+        self.stash, self.pending, self.gw, self.gb, self.loss = {}, [], {}, {}, 0.0
+        warmup = min(self.S - self.s - 1, self.m)
+        for k in range(warmup):
+            self.forward(k)
+        for k in range(self.m - warmup):
+            self.forward(warmup + k)
+            self.backward(k)
+        for k in range(self.m - warmup, self.m):
+            self.backward(k)
+        self.MPI.Request.Waitall(self.pending)
+        for i in self.layers:
+            self.gw[i] *= np.float32(LR)
+            self.w[i] -= self.gw[i]
+            self.gb[i] *= np.float32(LR)
+            self.b[i] -= self.gb[i]
+        return self.loss
+
+    def params(self) -> dict:
+        mine = {f"fc{i}.weight": self.w[i] for i in self.layers}
+        mine.update({f"fc{i}.bias": self.b[i] for i in self.layers})
+        out = {}
+        for part in self.comm.allgather(mine):
+            out.update(part)
+        return out
+
+
+def timed(fns, steps, warmup, comm):
+    """Alternate the step functions; per step, the slowest rank's seconds."""
+    for _ in range(warmup):
+        for fn in fns:
+            fn()
+    times = np.zeros((len(fns), steps))
+    for i in range(steps):
+        for j, fn in enumerate(fns):
+            comm.Barrier()
+            t0 = time.perf_counter()
+            fn()
+            times[j, i] = time.perf_counter() - t0
+    from mpi4py import MPI
+    comm.Allreduce(MPI.IN_PLACE, times, op=MPI.MAX)
+    return times
+
+
+def check_same(a: dict, b: dict, what: str) -> None:
+    for k in a:
+        np.testing.assert_allclose(a[k], b[k], rtol=2e-4, atol=1e-6, err_msg=f"{what}: {k}")
+
+
+def throughput(args, comm, world, x, y):
+    seq = Distgraph(args, comm, dg.Strategy(), x, y)
+    pipe = Distgraph(args, comm, dg.Strategy(micro_batches=args.micro_batches), x, y)
+    ref = Reference(args, world, seq.init, x, y)
+    seq.step(), pipe.step(), ref.step()
+    a, b, c = seq.params(), pipe.params(), ref.params()
+    check_same(b, a, "1F1B vs sequential")
+    check_same(c, a, "reference vs sequential")
+    times = timed([seq.step, pipe.step, ref.step], args.steps, args.warmup, world)
+    return np.median(times, axis=1), times.min(axis=1)
+
+
+def bubbles(args, comm, x, y):
+    out = {}
+    for schedule in ("FThenB", "1F1B", "ZB"):
+        for m in (4, 8):
+            run = Distgraph(args, comm, dg.Strategy(micro_batches=m, schedule=schedule,
+                                                    profile=True), x, y)
+            for _ in range(args.warmup + args.bubble_steps):
+                comm.barrier()
+                run.step()
+            tl = run.runner.timeline()
+            steps = tl.steps[args.warmup:]
+            idle = [np.mean(list(tl.idle_fraction(s).values())) for s in steps]
+            out[schedule, m] = (float(np.median(idle)), float(np.min(idle)))
+    return out
+
+
+def memory(args, comm, x, y):
+    """{schedule: {rank: (peak bytes, peak live micro-batches)}} of step 2, and {rank:
+    bytes of one micro-batch's stash} (under 1F1B, when the rank holds exactly one)."""
+    peaks, unit = {}, {}
+    for schedule in ("1F1B", "FThenB", "ZB"):
+        run = Distgraph(args, comm, dg.Strategy(micro_batches=args.micro_batches,
+                                                schedule=schedule, profile=True), x, y)
+        run.step()
+        run.step()
+        tl = run.runner.timeline()
+        peaks[schedule] = tl.peak_activations(step=1)
+        if schedule == "1F1B":
+            for rank in tl.ranks:
+                unit[rank] = max(s.bytes for s in tl.memory
+                                 if s.rank == rank and s.step == 1 and s.micro_batches == 1)
+    return peaks, unit
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--in-width", type=int, default=16)
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--batch", type=int, default=512, help="global batch rows")
+    parser.add_argument("--micro-batches", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=15, help="timed steps of each")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--bubble-steps", type=int, default=8)
+    args = parser.parse_args(argv)
+
+    from mpi4py import MPI
+    comm, world = MPICommunicator(), MPI.COMM_WORLD
+    if comm.size not in (2, 4):
+        if comm.rank == 0:
+            print("run on 2 ranks (times, bubbles) or 4 ranks (memory): distgraph run -n 2 "
+                  "bench/pipeline_step.py", file=sys.stderr)
+        return 2
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((args.batch, args.in_width)).astype(np.float32)
+    y = rng.standard_normal((args.batch, args.width)).astype(np.float32)
+    head = (f"MLP Linear({args.in_width}, {args.width}) + {2 * comm.size} x Linear({args.width}),"
+            f" ReLU, batch {args.batch}, float32, MSE, SGD; {comm.size} stages, one rank each")
+    if comm.size == 4:
+        peaks, unit = memory(args, comm, x, y)
+        if comm.rank == 0:
+            print(f"{head}; {args.micro_batches} micro-batches; peak activations per rank "
+                  f"between tasks (step 2), in micro-batches' worth = bytes / one micro-batch's "
+                  f"stash under 1F1B")
+            for schedule, rows in peaks.items():
+                for rank, (peak, live) in sorted(rows.items()):
+                    bound = args.micro_batches if schedule == "FThenB" else comm.size - rank
+                    worth = peak / unit[rank]
+                    ok = live <= bound and (schedule == "ZB" or worth <= bound + 1e-9)
+                    print(f"  {schedule:<6} stage {rank}: {peak / 2**20:6.2f} MiB = {worth:4.2f} "
+                          f"x {unit[rank] / 2**20:.2f} MiB, {live} micro-batches live; bound "
+                          f"{bound} micro-batches {'OK' if ok else 'EXCEEDED'}")
+        return 0
+    medians, mins = throughput(args, comm, world, x, y)
+    bub = bubbles(args, comm, x, y)
+    if comm.rank == 0:
+        seq, pipe, ref = medians
+        print(f"{head}; {args.micro_batches} micro-batches; {args.steps} timed steps each, "
+              f"interleaved; same parameters after one step: OK")
+        print(f"  sequential (no micro-batches) median {seq * 1e3:8.2f} ms  min "
+              f"{mins[0] * 1e3:8.2f} ms")
+        print(f"  distgraph 1F1B               median {pipe * 1e3:8.2f} ms  min "
+              f"{mins[1] * 1e3:8.2f} ms")
+        print(f"  reference 1F1B (mpi4py)      median {ref * 1e3:8.2f} ms  min "
+              f"{mins[2] * 1e3:8.2f} ms")
+        r1, r2 = pipe / seq, pipe / ref
+        print(f"  distgraph 1F1B / sequential: {r1:.3f} (min {mins[1] / mins[0]:.3f}) target <= "
+              f"{SPEEDUP_TARGET} {'OK' if r1 <= SPEEDUP_TARGET else 'MISSED'}")
+        print(f"  distgraph 1F1B / reference:  {r2:.3f} (min {mins[1] / mins[2]:.3f}) target <= "
+              f"{REFERENCE_TARGET} {'OK' if r2 <= REFERENCE_TARGET else 'MISSED'}")
+        s = comm.size
+        print(f"  bubble (idle share of the pipeline span, median of {args.bubble_steps} steps):")
+        for (schedule, m), (idle, best) in bub.items():
+            ideal = (s - 1) / (m + s - 1)
+            if schedule == "ZB":
+                verdict = ("lower than 1F1B OK" if idle < bub["1F1B", m][0]
+                           else "NOT lower than 1F1B")
+            else:
+                off = abs(idle - ideal) / ideal
+                verdict = (f"{off:.0%} off (S-1)/(M+S-1) = {ideal:.3f} "
+                           f"{'OK' if off <= BUBBLE_TOLERANCE else 'MISSED'}")
+            print(f"    {schedule:<6} M={m}: {idle:.3f} (least of a step {best:.3f})  {verdict}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

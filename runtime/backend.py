@@ -1,0 +1,130 @@
+"""The runtime's array backend: one object that says how arrays are made, copied, cut
+and brought to the host, so that communicators, reshard execution, the SPMD runner and
+the pipeline actors never call numpy directly.
+
+A backend has ``xp`` (the array namespace kernels use: numpy, or cupy on a GPU) and the
+handful of operations the runtime needs around kernels. :data:`NUMPY` is the CPU backend;
+:func:`get_backend` returns a backend by name (``"numpy"``, or ``"cupy"``, which needs
+CuPy and a CUDA device), so a GPU backend plugs in without touching the scheduler.
+
+Example::
+
+    from distgraph.runtime.backend import get_backend
+    xb = get_backend("numpy")
+    buf = xb.zeros((2, 3), "float64")
+    host = xb.to_host(buf)                 # a numpy array whatever the backend
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from distgraph.errors import RuntimeFault
+
+
+class ArrayBackend:
+    """Array operations over the namespace ``xp`` (numpy's API; CuPy mirrors it)."""
+
+    name = "numpy"
+
+    def __init__(self, xp=np):
+        self.xp = xp
+
+    def __repr__(self) -> str:
+        return f"<ArrayBackend {self.name}>"
+
+    # -- making arrays ----------------------------------------------------------------
+    def asarray(self, a, dtype=None):
+        """``a`` as an array of this backend (no copy when it already is one)."""
+        return self.xp.asarray(a, dtype=dtype)
+
+    def from_host(self, a, dtype=None):
+        """A C-contiguous array of this backend holding host array ``a``'s values (on the
+        numpy backend ``a`` itself when it already is one; 0-d arrays stay 0-d)."""
+        return self.contiguous(self.xp.asarray(a, dtype=dtype))
+
+    def zeros(self, shape, dtype):
+        return self.xp.zeros(tuple(shape), dtype=dtype)
+
+    def empty(self, shape, dtype):
+        return self.xp.empty(tuple(shape), dtype=dtype)
+
+    def zeros_like(self, a):
+        return self.xp.zeros_like(a)
+
+    # -- copies and layout --------------------------------------------------------------
+    def copy(self, a):
+        """A C-contiguous copy (0-d arrays stay 0-d)."""
+        return self.xp.array(a, copy=True, order="C")
+
+    def contiguous(self, a):
+        """``a`` itself when C-contiguous, else a C-contiguous copy (0-d stays 0-d)."""
+        if a.flags.c_contiguous:
+            return a
+        return self.xp.array(a, copy=True, order="C")
+
+    def to_host(self, a) -> np.ndarray:
+        """A numpy array with ``a``'s values (``a`` itself on the numpy backend)."""
+        return np.asarray(a)
+
+    # -- cutting and joining ------------------------------------------------------------
+    def split(self, a, n: int, axis: int) -> list:
+        return self.xp.split(a, n, axis=axis)
+
+    def chunk(self, a, n: int, axis: int, index: int):
+        """The ``index``-th of ``n`` equal chunks of ``a`` along ``axis``, C-contiguous."""
+        return self.contiguous(self.xp.split(a, n, axis=axis)[index])
+
+    def concatenate(self, arrays, axis: int):
+        return self.xp.concatenate(list(arrays), axis=axis)
+
+    def stack(self, arrays):
+        return self.xp.stack(list(arrays))
+
+    def dtype(self, d):
+        return np.dtype(d)
+
+    def reducer(self, op: str):
+        """The ufunc of a reduction (``sum``, ``max``, ``min``) with ``out=`` support."""
+        try:
+            return {"sum": self.xp.add, "max": self.xp.maximum, "min": self.xp.minimum}[op]
+        except KeyError:
+            raise RuntimeFault(f"unknown reduction {op!r}; use sum, max or min") from None
+
+    def nbytes(self, a) -> int:
+        return int(a.nbytes)
+
+
+class CupyBackend(ArrayBackend):
+    """CuPy arrays on the current CUDA device; ``to_host`` copies to numpy."""
+
+    name = "cupy"
+
+    def __init__(self):
+        try:
+            import cupy
+        except ImportError:
+            raise RuntimeFault("the cupy backend needs CuPy and a CUDA GPU: "
+                               "pip install 'distgraph[gpu]'") from None
+        super().__init__(cupy)
+
+    def to_host(self, a) -> np.ndarray:
+        return self.xp.asnumpy(a)
+
+
+NUMPY = ArrayBackend(np)
+
+
+def get_backend(name: str = "numpy") -> ArrayBackend:
+    """The backend called ``name``: ``"numpy"`` (CPU) or ``"cupy"`` (GPU)."""
+    if name == "numpy":
+        return NUMPY
+    if name == "cupy":
+        return CupyBackend()
+    raise RuntimeFault(f"unknown array backend {name!r}; use 'numpy' or 'cupy'")
+
+
+def backend_of(obj) -> ArrayBackend:
+    """The backend an object (a communicator, a runner) works with: its ``backend``
+    attribute, numpy when it has none (or is None)."""
+    return getattr(obj, "backend", None) or NUMPY

@@ -1,0 +1,125 @@
+"""Gradient accumulation as program structure: the micro-batch program, what the update
+accumulates and how, and the programs that cannot be split (PlanErrors naming why)."""
+
+import os
+import sys
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import distgraph as dg  # noqa: E402
+from distgraph.passes.accumulate import micro_batch_context, split_micro_batches  # noqa: E402
+from distgraph.program_builder import build_program  # noqa: E402
+
+import plans as P  # noqa: E402
+
+
+def built_of(kind, batch=8, model=None):
+    model = model or P.build_model(kind)
+    ins, labels = dg.engine.DataLoader(P.Dataset(kind, batch=batch), batch).specs(1)
+    return build_program(model, ins, labels, P.loss_fn(kind), P.make_optimizer("adamw"))
+
+
+@pytest.mark.parametrize("kind", ["mlp", "gpt"])
+def test_micro_batch_program_and_what_it_accumulates(kind):
+    built = built_of(kind)
+    mb, acc = split_micro_batches(built, 4)
+    assert acc.micro_batches == 4 and acc.batch == 8 and acc.micro_batch_rows == 2
+    for name in built.feed_names:
+        assert mb.program.values[name].shape[0] == 2
+        assert built.program.values[name].shape[0] == 8      # the built program is untouched
+        assert acc.split_axis[name] == 0
+    params = {v.name for v in built.program.parameters}
+    grads = [n for n in acc.boundary if n != built.loss_name]
+    assert sorted(grads) == sorted(f"{p}@GRAD" for p in params)
+    assert all(acc.mode(n) == "sum" for n in acc.boundary)       # gradients and the loss
+    assert acc.boundary[-1] == built.loss_name
+    for p in params:                                             # parameters keep their shape
+        assert mb.program.values[p].shape == built.program.values[p].shape
+        assert acc.mode(p) == "keep"
+    assert "sum" in acc.pretty() and "4 micro-batches of 2 rows" in acc.pretty()
+
+
+def test_a_mean_loss_keeps_the_full_batch_scale():
+    """Each micro-batch's loss is its share of the full batch's mean: the mean's 1/N is
+    the full batch's N, and the micro-batch losses sum to the full-batch loss."""
+    built = built_of("mlp")
+    mb, _ = split_micro_batches(built, 4)
+    full = [op.attrs["scale"] for op in built.program.ops if op.type == "scale"
+            and op.role == "loss"]
+    micro = [op.attrs["scale"] for op in mb.program.ops if op.type == "scale"
+             and op.role == "loss"]
+    assert full == micro and full[0] == pytest.approx(1 / (8 * 4 * 4))
+
+
+def test_reshapes_take_micro_batch_shapes():
+    built = built_of("gpt")
+    mb, _ = split_micro_batches(built, 2)
+    reshapes = [(a, b) for a, b in zip(built.program.ops, mb.program.ops) if a.type == "reshape"]
+    assert reshapes
+    for full, micro in reshapes:
+        if full.attrs["shape"][0] == 8:
+            assert micro.attrs["shape"][0] == 4
+        assert tuple(micro.attrs["shape"]) == tuple(micro.outputs[0].shape)
+
+
+def test_plan_with_micro_batches():
+    model = P.build_model("mlp")
+    P.PLANS["mlp", "two_stage", 2].annotate(model)
+    p = dg.passes.plan(built_of("mlp", model=model),
+                       dg.Strategy(micro_batches=4, schedule="ZB"))
+    assert p.micro_batches == 4 and p.pipelined
+    assert p.program.inputs[0].shape[0] == 2
+    text = p.explain()
+    assert "schedule: ZB, gradient accumulation: 4 micro-batches of 2 rows" in text
+    d = p.to_dict()
+    assert d["micro_batches"] == 4 and d["accumulation"]["fc1.weight@GRAD"] == "sum"
+    one = dg.passes.plan(built_of("mlp", model=model), dg.Strategy())
+    assert one.micro_batches == 1 and not one.pipelined and one.accumulation is None
+
+
+def test_micro_batch_context_moves_the_slice():
+    ctx = {"out_global_shape": (4, 6), "out_slices": (slice(2, 4), slice(0, 3))}
+    moved = micro_batch_context(ctx, 0, 3, 2)
+    assert moved["out_global_shape"] == (12, 6)
+    assert moved["out_slices"] == (slice(10, 12), slice(0, 3))
+    assert micro_batch_context(ctx, None, 3, 2) is ctx
+    # the slice of micro-batch m of a full tensor is the full tensor's rows of m
+    full = np.arange(72).reshape(12, 6)
+    assert np.array_equal(full[moved["out_slices"]], full[10:12, :3])
+
+
+# ---- what cannot be split ------------------------------------------------------------------
+
+class BatchCentred(dg.nn.Layer):
+    """Subtracts the batch mean: every sample depends on the whole batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = dg.nn.Linear(8, 4)
+
+    def forward(self, x):
+        y = self.fc(x)
+        return y - dg.ops.mean(y, axis=0, keepdim=True)
+
+
+def test_an_op_that_mixes_samples_cannot_be_split():
+    built = build_program(BatchCentred(), [dg.InputSpec([8, 8], name="x")],
+                          [dg.InputSpec([8, 4], name="y")], dg.nn.MSELoss(),
+                          dg.optim.SGD(0.1))
+    with pytest.raises(dg.PlanError, match="mixes samples across the batch"):
+        split_micro_batches(built, 2)
+
+
+def test_a_batch_that_does_not_divide_is_refused():
+    with pytest.raises(dg.PlanError, match="use a batch size divisible by 3"):
+        dg.passes.plan(built_of("mlp"), dg.Strategy(micro_batches=3))
+
+
+def test_a_micro_batch_too_small_for_data_parallelism_says_so():
+    model = P.build_model("mlp")
+    P.PLANS["mlp", "dp", 4].annotate(model)
+    with pytest.raises(dg.ShardingError, match="micro-batches of 1 rows"):
+        dg.passes.plan(built_of("mlp", model=model), dg.Strategy(micro_batches=8))

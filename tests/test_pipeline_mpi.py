@@ -1,0 +1,83 @@
+"""Pipelines on real MPI ranks (``python -m distgraph.run``, the ``distgraph run`` command):
+a sample of plans and schedules trains like serial full-batch training on 2 and 4 ranks,
+the schedules come out as their buffers say, and a failing task or a message that never
+arrives ends the job naming the rank and the task."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from test_failures import DEADLINE, launch
+
+SCRIPT = Path(__file__).parent / "mpi_scripts" / "train_pipeline.py"
+TOLERANCE = 1e-10
+TWO = ["mlp:two_stage:8:1F1B", "gpt:two_stage:4:ZB", "gpt:two_stage:2:FThenB"]
+FOUR = ["gpt:four_stage:8:1F1B", "gpt:two_stage_tp:4:ZB", "mlp:two_stage:8:FThenB",
+        "mlp4:four_stage:4:ZB"]
+
+
+def run_items(nprocs, items):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "distgraph.run", "-n", str(nprocs), str(SCRIPT),
+                           *items], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("PIPELINE-RESULT ")]
+    assert len(lines) == 1, proc.stdout[-3000:]
+    return json.loads(lines[0].split(" ", 1)[1])
+
+
+def check(report, nprocs, items):
+    assert report["world"] == nprocs and sorted(report["runs"]) == sorted(items)
+    for item, run in report["runs"].items():
+        kind, name, m, schedule = item.split(":")
+        m = int(m)
+        stages = 4 if name == "four_stage" else 2
+        for rank, mine in enumerate(run["ranks"]):
+            assert mine["losses"] == run["ranks"][0]["losses"], f"{item}: rank {rank} differs"
+            assert mine["errors"]["loss"] <= TOLERANCE, (item, rank, mine["errors"])
+            assert mine["errors"]["param"] <= TOLERANCE, (item, rank, mine["errors"])
+        for rank_s, order in run["order"].items():
+            rank = int(rank_s)
+            stage = rank if stages == nprocs else rank * stages // nprocs
+            kinds = [k for k, _ in order]
+            assert kinds[-1] == "update"
+            if schedule == "FThenB":
+                assert kinds[:m] == ["forward"] * m, (item, rank, order)
+            if schedule == "1F1B" and stage == stages - 1:
+                assert kinds[:-1] == ["forward", "backward"] * m, (item, rank, order)
+            cap = m if schedule == "FThenB" else min(m, stages - stage)
+            assert run["peak"][rank_s][1] <= cap, (item, rank, run["peak"])
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_pipelines_on_two_mpi_ranks():
+    check(run_items(2, TWO), 2, TWO)
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_pipelines_on_four_mpi_ranks():
+    check(run_items(4, FOUR), 4, FOUR)
+
+
+@pytest.mark.mpi
+def test_a_failing_pipeline_task_ends_the_job_naming_rank_and_task():
+    rc, out, seconds = launch(2, "pipe_raise")
+    assert rc != 0 and seconds < DEADLINE
+    assert "rank 0 failed" in out, out[-3000:]
+    assert "task forward of stage 0, micro-batch 0 in step 1" in out, out[-3000:]
+    assert "op 'relu'" in out and "injected failure" in out, out[-3000:]
+
+
+@pytest.mark.mpi
+def test_a_pipeline_message_that_never_arrives_is_a_runtime_fault():
+    rc, out, seconds = launch(2, "pipe_skip", DISTGRAPH_COMM_TIMEOUT="5")
+    assert rc != 0 and seconds < DEADLINE
+    assert "RuntimeFault" in out and "rank 0 failed" in out, out[-3000:]
+    assert "timed out after 5 s" in out and "from rank 1" in out, out[-3000:]
+    assert "backward micro-batch 0 waits for" in out, out[-3000:]

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from distgraph import dtypes
+from distgraph import engine_checks as checks
 from distgraph.errors import DistGraphError, PlanError
 from distgraph.program_builder import BuiltProgram, build_program
 from distgraph.strategy import Strategy
@@ -67,7 +68,8 @@ class DataLoader:
             if rows is not None:
                 idx = idx[rows]
             samples = [_as_fields(self.dataset[int(i)]) for i in idx]
-            yield [np.stack([np.asarray(s[k]) for s in samples]) for k in range(len(samples[0]))]
+            self.batch_indices = idx          # which samples the batch holds, for errors
+            yield checks.stack_batch(samples, idx)
 
     def specs(self, n_labels: int):
         first = next(self.epoch(0))
@@ -193,7 +195,7 @@ class Engine:
     def __init__(self, model, loss=None, optimizer=None, metrics=None, cluster=None,
                  strategy: Strategy | None = None, communicator=None, rank_mapping=None):
         self.model, self.loss, self.optimizer = model, loss, optimizer
-        self.cluster = cluster
+        self.cluster = cluster if cluster is not None else checks.launcher_cluster()
         self.rank_mapping = rank_mapping
         self.strategy = strategy or Strategy()
         self._comm = communicator
@@ -265,21 +267,26 @@ class Engine:
             del self._scopes[mode]
 
     # -- running ------------------------------------------------------------------------------
+    @checks.collective("Engine.fit()")
     def fit(self, train_data, batch_size=1, epochs=1, steps_per_epoch=None, valid_data=None,
             shuffle=False, verbose=0) -> History:
         """Train; every rank returns the same History of global losses."""
         loader = DataLoader(train_data, batch_size, shuffle, self.strategy.seed)
         built, backend, scope = self._ensure("train", loader)
+        check_feed = checks.FeedCheck(built.program)
         history = History()
         for epoch in range(epochs):
             losses = []
             for b, batch in enumerate(loader.epoch(epoch, backend.rows())):
                 if steps_per_epoch is not None and b >= steps_per_epoch:
                     break
-                out = backend.step(scope, dict(zip(built.feed_names, batch)), [built.loss_name],
-                                   self._step)
+                feed = dict(zip(built.feed_names, batch))
+                check_feed(feed, loader.batch_indices, epoch, b)
+                out = backend.step(scope, feed, [built.loss_name], self._step)
                 self._step += 1
                 losses.append(float(out[built.loss_name]))
+                if self.strategy.check_finite:
+                    checks.check_finite(losses[-1], self._step - 1, epoch, b)
             history.losses.extend(losses)
             record = {"epoch": epoch, "loss": float(np.mean(losses)) if losses else float("nan")}
             if valid_data is not None:
@@ -291,24 +298,33 @@ class Engine:
                                for k, v in record.items()), flush=True)
         return history
 
+    @checks.collective("Engine.evaluate()")
     def evaluate(self, valid_data, batch_size=1) -> dict:
         loader = DataLoader(valid_data, batch_size)
         built, backend, scope = self._ensure("eval", loader)
-        losses = [float(backend.step(scope, dict(zip(built.feed_names, batch)),
-                                     [built.loss_name], self._step)[built.loss_name])
-                  for batch in loader.epoch(0, backend.rows())]
+        check_feed = checks.FeedCheck(built.program)
+        losses = []
+        for b, batch in enumerate(loader.epoch(0, backend.rows())):
+            feed = dict(zip(built.feed_names, batch))
+            check_feed(feed, loader.batch_indices, 0, b)
+            losses.append(float(backend.step(scope, feed, [built.loss_name],
+                                             self._step)[built.loss_name]))
         return {"loss": float(np.mean(losses))}
 
+    @checks.collective("Engine.predict()")
     def predict(self, test_data, batch_size=1) -> list:
         loader = DataLoader(test_data, batch_size)
         built, backend, scope = self._ensure("predict", loader)
+        check_feed = checks.FeedCheck(built.program)
         results = []
-        for batch in loader.epoch(0, backend.rows()):
-            out = backend.step(scope, dict(zip(built.feed_names, batch)), built.output_names,
-                               self._step)
+        for b, batch in enumerate(loader.epoch(0, backend.rows())):
+            feed = dict(zip(built.feed_names, batch))
+            check_feed(feed, loader.batch_indices, 0, b)
+            out = backend.step(scope, feed, built.output_names, self._step)
             results.append([np.asarray(out[n]) for n in built.output_names])
         return results
 
+    @checks.collective("Engine.state_dict()")
     def state_dict(self) -> dict:
         """Global numpy arrays of every parameter, on every rank (a collective when
         distributed: call it on all ranks)."""

@@ -11,8 +11,9 @@ from distgraph.errors import DistGraphError
 class Strategy:
     """``auto_mode``: "semi" completes from annotations; "full" searches (later).
     ``micro_batches`` > 1 enables gradient accumulation / pipelining; ``sharding`` splits
-    optimizer states and updates over ``sharding_mesh_dim`` (ZeRO-style); ``seed`` seeds
-    shuffling."""
+    optimizer states and updates over ``sharding_mesh_dim`` (ZeRO-style);
+    ``check_finite`` stops training with a RuntimeFault at a NaN or infinite loss
+    (False: train on); ``seed`` seeds shuffling."""
 
     auto_mode: str = "semi"
     pipeline: bool = False
@@ -23,6 +24,7 @@ class Strategy:
     sharding_mesh_dim: str = "dp"
     solver_time_limit: float = 60.0
     memory_budget_gb: float | None = None
+    check_finite: bool = True
     seed: int = 0
 
     def __post_init__(self):

@@ -37,16 +37,7 @@ from distgraph.runtime.progress import Progress, behind, read_where
 _HANDSHAKE_TAG = MAX_TAG + 1
 _CREATE_TAG = MAX_TAG + 2
 SPIN_SECONDS = 0.1   # how long a wait polls without sleeping (see MPICommunicator._wait)
-SHARED_CORE_SLEEP = 2e-4   # the longest nap in that time when ranks outnumber cores
 PEER_CHECK_SECONDS = 1.0   # how often a long wait looks at its peers' progress
-
-
-def ranks_outnumber_cores(world_size: int) -> bool:
-    """Whether this host runs more ranks than this process may use cores (then a
-    spinning wait takes the core from the peer it waits for)."""
-    local = os.environ.get("MPI_LOCALNRANKS") or os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE")
-    ranks_here = int(local) if local and local.isdigit() else world_size
-    return ranks_here > len(os.sched_getaffinity(0))
 
 
 class MPICommunicator(Communicator):
@@ -65,7 +56,6 @@ class MPICommunicator(Communicator):
         world = MPI.Comm.Compare(self._comm, MPI.COMM_WORLD) in (MPI.IDENT, MPI.CONGRUENT)
         self._status = status_folder() if world else None
         self.progress = Progress.open(self._status, self.rank)
-        self._spin = not ranks_outnumber_cores(self.size)
         self._subcomms: dict = {}
         self._pending: list = []
         self._ops = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
@@ -82,10 +72,9 @@ class MPICommunicator(Communicator):
         core between polls, as MPI's own blocking calls spin. Sleeping there stalls
         every transfer behind the sleeper. Only a longer wait (a slow peer, an idle
         pipeline stage) backs off with sleeps of up to 1 ms, so that it does not hold a
-        core. When this host runs more ranks than there are cores, spinning would take
-        the core from the very peer being waited for, so there the first SPIN_SECONDS
-        sleep too, in naps of up to ``SHARED_CORE_SLEEP`` (4 ranks on 2 cores: tutorial
-        02 trained faster so than spinning, or than backing off to 1 ms at once)."""
+        core. The spin stays with more ranks than cores too: the yield hands the core
+        to a waiting peer at once, where a short sleep makes it wait out the nap (tutorial
+        02 on 4 ranks and 2 cores trained slower with sleeps of up to 0.2 ms there)."""
         self.progress.wait_begin(what)
         self._poll(requests, what, receives, peers, collective)
         self.progress.wait_end()     # a wait given up on stays on record until the end
@@ -109,15 +98,14 @@ class MPICommunicator(Communicator):
                 self._cancel(receives)
                 raise RuntimeFault(self._gave_up(f"timed out after {self.timeout:g} s "
                                                  f"waiting for {what}", peers, collective))
-            early = now - start < SPIN_SECONDS
-            if early and self._spin:
+            if now - start < SPIN_SECONDS:
                 os.sched_yield()
                 continue
             if self._status and now > check:
                 check = now + PEER_CHECK_SECONDS
                 finished = self._finished_peers(peers, finished, what, receives, collective)
             time.sleep(delay)
-            delay = min(delay * 2 or 1e-5, SHARED_CORE_SLEEP if early else 1e-3)
+            delay = min(delay * 2 or 1e-5, 1e-3)
 
     def _cancel(self, receives) -> None:
         for req in receives:

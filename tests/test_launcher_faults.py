@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 
 from distgraph.resources.cluster import Cluster
-from distgraph.runtime.mpi_comm import ranks_outnumber_cores
 
 JOBS = Path(__file__).parent / "mpi_scripts" / "fault_jobs.py"
 CLUSTERS = Path(__file__).parent.parent / "resources" / "clusters"
@@ -216,17 +215,6 @@ def test_calibrate_four_ranks_finishes_and_reports_progress(tmp_path):
     cluster = Cluster.from_file(out_file)
     assert [d.global_id for d in cluster.devices] == [0, 1, 2, 3]
     assert all(cluster.bandwidth(a, b) > 0 for a in range(4) for b in range(a + 1, 4))
-
-
-def test_ranks_outnumber_cores_counts_the_ranks_on_this_host(monkeypatch):
-    cores = len(os.sched_getaffinity(0))
-    monkeypatch.setenv("MPI_LOCALNRANKS", str(cores))
-    assert not ranks_outnumber_cores(4 * cores)       # the others run on other hosts
-    monkeypatch.setenv("MPI_LOCALNRANKS", str(cores + 1))
-    assert ranks_outnumber_cores(cores + 1)
-    monkeypatch.delenv("MPI_LOCALNRANKS")
-    monkeypatch.delenv("OMPI_COMM_WORLD_LOCAL_SIZE", raising=False)
-    assert ranks_outnumber_cores(cores + 1) and not ranks_outnumber_cores(cores)
 
 
 # ---- 8. collective calls on some ranks only --------------------------------------------------

@@ -28,6 +28,12 @@ CLUSTERS = Path(__file__).parent.parent / "resources" / "clusters"
 
 
 @pytest.fixture(autouse=True)
+def _job_temp(tmp_path, monkeypatch):
+    """Jobs that fail or are stopped keep their default log folder: keep it here."""
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+
+
+@pytest.fixture(autouse=True)
 def _float64(float64):
     """The jobs of fault_jobs.py train in float64; the default is restored after."""
 

@@ -15,6 +15,12 @@ DEADLINE = 30.0   # the job must be over by then
 TIMEOUT = 60      # subprocess guard, well past the deadline
 
 
+@pytest.fixture(autouse=True)
+def _job_temp(tmp_path, monkeypatch):
+    """Failed jobs keep their default log folder: keep it here."""
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+
+
 def run(argv, **env):
     """(exit code, stdout + stderr, seconds) of a command with one BLAS thread."""
     start = time.monotonic()

@@ -22,6 +22,12 @@ DEADLINE = 30.0   # a failing job must be over by then (the comm timeout is 60 s
 TIMEOUT = 90
 
 
+@pytest.fixture(autouse=True)
+def _job_temp(tmp_path, monkeypatch):
+    """Jobs that fail or are stopped keep their default log folder: keep it here."""
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+
+
 def command(*args):
     return [sys.executable, "-m", "distgraph.cli", *map(str, args)]
 

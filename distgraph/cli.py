@@ -6,14 +6,12 @@ the exit code.
 
 from __future__ import annotations
 
-import argparse
-
 from distgraph.resources.cli import add_cluster_parser
-from distgraph.run import add_run_parser
+from distgraph.run import OneLineParser, add_run_parser
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="distgraph", description="distgraph command line")
+    parser = OneLineParser(prog="distgraph", description="distgraph command line")
     commands = parser.add_subparsers(dest="command", required=True)
     add_run_parser(commands)
     add_cluster_parser(commands)

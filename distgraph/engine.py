@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from distgraph import dtypes
+from distgraph import engine_checks as checks
 from distgraph.errors import DistGraphError
 from distgraph.program_builder import build_program
 from distgraph.strategy import Strategy
@@ -75,8 +76,7 @@ class DataLoader:
         rank reads only its shard of the samples)."""
         if rows is not None:
             idx = idx[rows]
-        samples = [_as_fields(self.dataset[int(i)]) for i in idx]
-        return [np.stack([np.asarray(s[k]) for s in samples]) for k in range(len(samples[0]))]
+        return checks.stack_batch([_as_fields(self.dataset[int(i)]) for i in idx], idx)
 
     def epoch(self, epoch: int, rows: slice | None = None):
         """Batches of one epoch (see :meth:`load`)."""
@@ -191,7 +191,7 @@ class Engine:
         if self.metrics and loss is None:
             raise DistGraphError("metrics are computed by evaluate(), which needs a loss: "
                                  "give the Engine a loss too")
-        self.cluster = cluster
+        self.cluster = cluster if cluster is not None else checks.launcher_cluster()
         self.rank_mapping = rank_mapping
         self.strategy = strategy or Strategy()
         self._comm = communicator
@@ -199,6 +199,7 @@ class Engine:
         self._backends: dict = {}
         self._scopes: dict = {}
         self._plan_cache: dict = {}        # (mode, program key) -> Plan
+        self._feed_checks: dict = {}       # id(BuiltProgram) -> its FeedCheck
         self._backend_cache: dict = {}     # (id(Plan), fetches outputs) -> backend
         self._active: dict = {}            # mode -> key of the plan in _plans[mode]
         self._held = ProcessState(model, optimizer)
@@ -312,6 +313,7 @@ class Engine:
         return self._held.publish()
 
     # -- running ------------------------------------------------------------------------------
+    @checks.collective("Engine.fit()")
     def fit(self, train_data, batch_size=1, epochs=1, steps_per_epoch=None, valid_data=None,
             shuffle=False, verbose=1, callbacks=None, drop_last=False) -> History:
         """Train for ``epochs`` epochs (of at most ``steps_per_epoch`` batches); every rank
@@ -342,14 +344,15 @@ class Engine:
             losses, lr = [], None
             for b, idx in enumerate(loader.indices(epoch)[start:n_batches], start=start):
                 built, backend, scope = self._ensure("train", loader, len(idx))
-                batch = loader.load(idx, backend.rows())
+                feed = self._feed(built, loader, idx, backend.rows(), epoch, b)
                 lr = self.optimizer.lr_at(self._step)
                 self._held.set_lr(lr)
                 logs = {"epoch": epoch, "batch": b, "lr": lr, "batch_size": len(idx)}
                 cbs.on_step_begin(self._step, logs)
-                out = backend.step(scope, dict(zip(built.feed_names, batch)), [built.loss_name],
-                                   self._step)
+                out = backend.step(scope, feed, [built.loss_name], self._step)
                 loss = float(out[built.loss_name])
+                if self.strategy.check_finite:
+                    checks.check_finite(loss, self._step, epoch, b)
                 self._step += 1
                 self._position = (epoch, b + 1) if b + 1 < n_batches else (epoch + 1, 0)
                 losses.append(loss)
@@ -369,6 +372,20 @@ class Engine:
                 break
         cbs.on_train_end({"steps": len(history.losses), "step": self._step})
         return history
+
+    def _feed(self, built, loader, idx, rows, epoch: int, batch: int) -> dict:
+        """The feed of one batch (this rank's ``rows`` of samples ``idx``), checked."""
+        return self._checked(built, loader.load(idx, rows), idx if rows is None else idx[rows],
+                             epoch, batch)
+
+    def _checked(self, built, arrays, samples, epoch: int, batch: int) -> dict:
+        """``arrays`` as a feed of ``built``, its labels and ids checked against their
+        ranges (the error names dataset sample ``samples[row]``)."""
+        if id(built) not in self._feed_checks:
+            self._feed_checks[id(built)] = checks.FeedCheck(built.program)
+        feed = dict(zip(built.feed_names, arrays))
+        self._feed_checks[id(built)](feed, samples, epoch, batch)
+        return feed
 
     def _start(self, loader, n_batches, steps_per_epoch) -> tuple:
         """(epoch, batch) to start at: (0, 0), or where a loaded checkpoint stopped."""
@@ -404,6 +421,7 @@ class Engine:
                           f"cannot be planned: {e}. Pass drop_last=True, or a batch size "
                           f"that divides the dataset") from None
 
+    @checks.collective("Engine.evaluate()")
     def evaluate(self, valid_data, batch_size=1, metrics=None, drop_last=False) -> dict:
         """{"loss": mean loss over the samples, <metric name>: value, ...}; ``metrics``
         (default: the Engine's) see the global outputs and labels of every batch."""
@@ -413,16 +431,17 @@ class Engine:
         for m in ms:
             m.reset()
         total, count = 0.0, 0
-        for idx in loader.indices(0):
+        for b, idx in enumerate(loader.indices(0)):
             built, backend, scope = self._ensure("eval", loader, len(idx), outputs=bool(ms))
             rows = backend.rows()
-            if ms:
+            if ms:       # metrics see every row of the batch
                 batch = loader.load(idx)
-                feed = batch if rows is None else [a[rows] for a in batch]
+                feed = self._checked(built, batch if rows is None else [a[rows] for a in batch],
+                                     idx if rows is None else idx[rows], 0, b)
             else:
-                feed = loader.load(idx, rows)
+                feed = self._feed(built, loader, idx, rows, 0, b)
             fetch = [built.loss_name] + (built.output_names if ms else [])
-            out = backend.step(scope, dict(zip(built.feed_names, feed)), fetch, self._step)
+            out = backend.step(scope, feed, fetch, self._step)
             total += float(out[built.loss_name]) * len(idx)
             count += len(idx)
             if ms:
@@ -432,30 +451,34 @@ class Engine:
                     m.update(outputs, batch[n_in:])
         return {"loss": total / count, **{m.name: float(m.result()) for m in ms}}
 
+    @checks.collective("Engine.predict()")
     def predict(self, test_data, batch_size=1, drop_last=False) -> list:
         """Per batch, the list of the model's outputs (global arrays)."""
         loader = DataLoader(test_data, batch_size, drop_last=drop_last)
         results = []
-        for idx in loader.indices(0):
+        for b, idx in enumerate(loader.indices(0)):
             built, backend, scope = self._ensure("predict", loader, len(idx))
-            out = backend.step(scope, dict(zip(built.feed_names, loader.load(idx, backend.rows()))),
+            out = backend.step(scope, self._feed(built, loader, idx, backend.rows(), 0, b),
                                built.output_names, self._step)
             results.append([np.asarray(out[n]) for n in built.output_names])
         return results
 
     # -- state -------------------------------------------------------------------------------
+    @checks.collective("Engine.state_dict()")
     def state_dict(self) -> dict:
         """Global numpy arrays of every parameter, on every rank (a collective when
         distributed: call it on all ranks)."""
         self._publish()
         return {n: p.numpy() for n, p in self.model.named_parameters()}
 
+    @checks.collective("Engine.optimizer_state_dict()")
     def optimizer_state_dict(self) -> dict:
         """Global numpy arrays of every optimizer state (``fc1.weight@MOMENT1``,
         ``optimizer@STEP``, ...), on every rank (collective, like ``state_dict``)."""
         _, states = self._publish()
         return {n: np.array(a) for n, a in states.items()}
 
+    @checks.collective("Engine.save()")
     def save(self, path) -> None:
         """Write a checkpoint directory: every parameter and optimizer state (each rank
         writes its own shards), the training position, the optimizer's settings and
@@ -477,6 +500,7 @@ class Engine:
             self._comm = _world_communicator()
         checkpoint.save(path, entries, checkpoint_info(self), self._comm)
 
+    @checks.collective("Engine.load()")
     def load(self, path) -> None:
         """Restore a checkpoint written by ``save`` under any plan: each process reads
         only its blocks when it next runs. Restores the step, the training position (the

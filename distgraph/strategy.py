@@ -17,9 +17,10 @@ class Strategy:
     ``TransformerBlock`` (True) or inside the given layer paths (e.g.
     ``["blocks.0", "blocks.1.mlp"]``) and recomputes them in the backward pass;
     ``sharding`` splits optimizer states and updates over
-    ``sharding_mesh_dim`` (ZeRO-style); ``profile`` records a timeline; ``seed`` seeds
-    shuffling. The planner (:func:`distgraph.passes.plan`) raises PlanError for an option
-    that is not available yet: none is silently ignored."""
+    ``sharding_mesh_dim`` (ZeRO-style); ``profile`` records a timeline; ``check_finite``
+    stops training with a RuntimeFault at a NaN or infinite loss (False: train on);
+    ``seed`` seeds shuffling. The planner (:func:`distgraph.passes.plan`) raises
+    PlanError for an option that is not available yet: none is silently ignored."""
 
     auto_mode: str = "semi"
     pipeline: bool = False
@@ -31,6 +32,7 @@ class Strategy:
     solver_time_limit: float = 60.0
     memory_budget_gb: float | None = None
     profile: bool = False
+    check_finite: bool = True
     seed: int = 0
 
     def __post_init__(self):

@@ -19,9 +19,13 @@ The step then runs as Alpa's compute-grad / accumulate-grad / apply-grad split:
   over ``mb``, kept once where it does not depend on the batch;
 - the update ops run once, on the accumulated values.
 
-A program that needs samples of other micro-batches before the update (an op that
-mixes rows of the batch, such as a batch-wide normalisation) cannot be split: that is
-a PlanError naming the op. Random ops (dropout) draw for the full batch's tensor and
+A sum over the samples that only the feeds make, and that an op needs whole (the count
+of labels that are not ``ignore_index``, which a mean cross-entropy divides by) is the
+*prologue*: its ops run on every micro-batch before the step's first forward, their
+results are summed, and the micro-batches read the whole batch's value, so that each
+contributes its share of the full batch's mean. Any other program that needs samples
+of other micro-batches before the update (an op that mixes rows of the batch, such as a
+batch-wide normalisation) cannot be split: that is a PlanError naming the op. Random ops (dropout) draw for the full batch's tensor and
 take their micro-batch's slice (:func:`micro_batch_context`), so their masks equal the
 full-batch step's.
 
@@ -53,13 +57,19 @@ class Accumulation:
     rows. ``split_axis[name]`` is the dim of Value ``name`` that carries the samples
     (absent: it carries none); ``partial`` names the Values that sum over the samples
     (gradients, losses). ``boundary`` lists the Values the update ops read from forward
-    and backward, each accumulated by :meth:`mode`."""
+    and backward, each accumulated by :meth:`mode`. ``prologue`` names the whole-batch
+    sums the prologue makes, ``prologue_values`` every Value its ops make, and
+    ``skipped`` the Values whose ops the micro-batches do not run again (the prologue's
+    sums and what only they read)."""
 
     micro_batches: int
     batch: int
     split_axis: MappingProxyType
     partial: frozenset
     boundary: tuple
+    prologue: frozenset = frozenset()
+    prologue_values: frozenset = frozenset()
+    skipped: frozenset = frozenset()
 
     @property
     def micro_batch_rows(self) -> int:
@@ -80,6 +90,8 @@ class Accumulation:
                  f"{self.micro_batch_rows} rows (batch {self.batch})"]
         for name in self.boundary:
             lines.append(f"  {self.mode(name):<6} {name}")
+        for name in sorted(self.prologue):
+            lines.append(f"  whole  {name} (summed over the micro-batches before the step)")
         return "\n".join(lines)
 
 
@@ -123,7 +135,7 @@ def split_micro_batches(built, micro_batches: int):
         for i in range(spec.ndim):
             if MB_DIM in spec.entry(i):
                 split_axis[v.name] = i
-    partial = _sums_over_samples(analysed, split_axis)
+    partial, prologue = _sums_over_samples(analysed, split_axis, _feed_only(analysed))
     boundary = _boundary(analysed, built)
     for name in boundary:
         if name in split_axis and name not in built.output_names:
@@ -132,8 +144,9 @@ def split_micro_batches(built, micro_batches: int):
                             f"gradient accumulation can only carry sums over the batch "
                             f"into the update; use micro_batches=1")
     mb_program = _micro_batch_program(program, analysed)
+    made, skipped = _prologue_ops(analysed, prologue, boundary)
     accumulation = Accumulation(m, batch, MappingProxyType(split_axis), frozenset(partial),
-                                tuple(boundary))
+                                tuple(boundary), frozenset(prologue), made, skipped)
     return dataclasses.replace(built, program=mb_program), accumulation
 
 
@@ -176,13 +189,17 @@ def _linear_in_sums(op, sum_inputs, sample_free) -> bool:
     return False
 
 
-def _sums_over_samples(analysed, split_axis) -> set:
-    """Values that are sums over the samples: Partial over ``mb``, and the results of
-    linear ops on them (completion reduces a Partial operand before any op consumes it;
-    within one micro-batch that is impossible, and for a linear op needless). Any other
-    op that consumes a Value in another layout over the micro-batches than it is made
-    in would move samples between micro-batches: a PlanError naming it."""
+def _sums_over_samples(analysed, split_axis, feed_only) -> tuple[set, set]:
+    """(sums, prologue). Sums over the samples: Values Partial over ``mb``, and the
+    results of linear ops on them (completion reduces a Partial operand before any op
+    consumes it; within one micro-batch that is impossible, and for a linear op
+    needless). A sum that an op needs whole and that only the feeds make (in
+    ``feed_only``) goes to the prologue. Any other op that consumes a Value in another
+    layout over the micro-batches than it is made in would move samples between
+    micro-batches: a PlanError naming it."""
     sums = {v.name for v in analysed.values.values() if MB_DIM in v.dist_attr.spec.partial}
+    prologue: set = set()
+    shared: set = set()        # sums a linear op passed on as shares
 
     def sample_free(name):
         return name not in sums and name not in split_axis
@@ -193,8 +210,21 @@ def _sums_over_samples(analysed, split_axis) -> set:
         summed = [i for i, v in enumerate(op.inputs) if v.name in sums]
         if summed and _linear_in_sums(op, summed, sample_free):
             sums.update(o.name for o in op.outputs)
+            shared.update(op.inputs[i].name for i in summed)
             continue
+        whole = [i for i in summed if op.inputs[i].name in feed_only]
+        for i in whole:
+            name = op.inputs[i].name
+            if name in shared:
+                raise PlanError(f"op #{k} '{op.type}' ({op.layer or 'top level'}) needs the "
+                                f"whole batch's {name}, which other ops take per "
+                                f"micro-batch; the batch cannot be split into micro-batches; "
+                                f"use micro_batches=1")
+            sums.discard(name)
+            prologue.add(name)
         for i, v in enumerate(op.inputs):
+            if i in whole:
+                continue
             want = op.dist_attr.input_specs[i]
             if i in summed or want != v.dist_attr.spec:
                 made = "a sum over the samples" if i in summed else str(v.dist_attr.spec)
@@ -203,7 +233,46 @@ def _sums_over_samples(analysed, split_axis) -> set:
                                 f"micro-batches but it is made as {made}: the op mixes "
                                 f"samples across the batch, so the batch cannot be split "
                                 f"into micro-batches; use micro_batches=1")
-    return sums
+    return sums, prologue
+
+
+def _feed_only(analysed) -> set:
+    """Values that only the feeds (and constants) make, by forward ops that draw no
+    random numbers and whose distributed form does not communicate."""
+    made = {v.name for v in analysed.inputs}
+    for op in analysed.ops:
+        opdef = get_op(op.type)
+        if (op.role in ("forward", "loss") and op.type != "dropout" and opdef.comm is None
+                and all(v.name in made for v in op.inputs)):
+            made.update(o.name for o in op.outputs)
+    return made
+
+
+def _prologue_ops(analysed, prologue, boundary) -> tuple[frozenset, frozenset]:
+    """(Values the prologue's ops make, Values whose ops the micro-batches skip): the
+    prologue runs every op the prologue's sums come from; the micro-batches skip the ops
+    that make those sums, and ops whose results only skipped ops read."""
+    if not prologue:
+        return frozenset(), frozenset()
+    producer = {o.name: op for op in analysed.ops for o in op.outputs}
+    made: set = set()
+    todo = list(prologue)
+    while todo:
+        op = producer.get(todo.pop())
+        if op is None or op.outputs[0].name in made:
+            continue
+        made.update(o.name for o in op.outputs)
+        todo.extend(v.name for v in op.inputs)
+    consumers = analysed.consumers()
+    skipped = set(prologue)
+    for op in reversed(analysed.ops):
+        outs = [o.name for o in op.outputs]
+        if not outs or not set(outs) <= made or set(outs) & set(boundary):
+            continue
+        if all(c.outputs and {o.name for o in c.outputs} <= skipped
+               for n in outs for c in consumers.get(n, ())):
+            skipped.update(outs)
+    return frozenset(made), frozenset(skipped)
 
 
 def _boundary(analysed, built) -> list:

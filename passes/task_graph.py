@@ -10,6 +10,10 @@ instance per micro-batch, each with its own memory):
   once per micro-batch, in micro-batch order;
 - ``update`` runs once per step, on the gradients accumulated over the micro-batches.
 
+Ops of the accumulation's prologue (whole-batch sums that only the feeds make) belong to
+no task: the runner makes their results before the step's first task (see
+:class:`~distgraph.runtime.pipeline.PipelineRunner`).
+
 A reshard point of the plan becomes task items: run in place where all the processes
 it involves belong to one stage (a collective inside the stage, e.g. Megatron's
 all-reduce) or where it feeds the update; otherwise (an activation or gradient crossing
@@ -42,6 +46,7 @@ from distgraph.passes.partition import gather_points
 
 PER_MICRO_BATCH = ("forward", "backward", "backward_input", "backward_weight")
 KINDS = PER_MICRO_BATCH + ("update",)
+PROLOGUE = "prologue"      # ops the runner runs before the step's tasks (no task)
 REMOTE_BUFFER = 2        # slots of an edge between processes (double buffering)
 MAX_TAG = 1 << 14        # as distgraph.runtime.comm.MAX_TAG (passes import nothing above)
 
@@ -226,6 +231,10 @@ def build_task_graph(plan) -> TaskGraph:
     else:
         caps = tuple(max(1, min(m, n_stages - s)) for s in range(n_stages))
     kind_of = _op_kinds(program, split=strategy.schedule == "ZB")
+    acc = plan.accumulation
+    if acc is not None and acc.skipped:
+        kind_of = [PROLOGUE if op.outputs and all(o.name in acc.skipped for o in op.outputs)
+                   else kind for op, kind in zip(program.ops, kind_of)]
     producer = {o.name: k for k, op in enumerate(program.ops) for o in op.outputs}
     uses: dict = {}
     for k, op in enumerate(program.ops):
@@ -322,7 +331,7 @@ class _ProcessTasks:
                             f"the plan; please report it")
         self.local_of = {k: i for i, k in enumerate(self.global_index)}
         self.fetch = fetch
-        self.items: dict = {kind: [] for kind in KINDS}
+        self.items: dict = {kind: [] for kind in KINDS + (PROLOGUE,)}
         self.remote: list = []       # (src process, src kind, dst process, dst kind, seq)
         self._place()
 
@@ -339,6 +348,11 @@ class _ProcessTasks:
             da = ops[k].dist_attr
             if da.mesh == p.dst.mesh and da.input_specs[i] == p.dst.spec:
                 kinds.add(self._kind_at(k))
+        if PROLOGUE in kinds:
+            raise PlanError(f"the micro-batches' prologue (whole-batch sums of the feeds) "
+                            f"would reshard {p.value} ({p.src} -> {p.dst}); lay the feeds "
+                            f"out as the ops that sum them consume them, or use "
+                            f"micro_batches=1")
         return min(kinds, key=KINDS.index)
 
     def _place(self) -> None:

@@ -1,12 +1,17 @@
 """Measure this machine's MPI ranks and write a resource file.
 
-Per rank: GEMM GFLOP/s in float32 and float64 (numpy matmul, best of a few runs), memory
-bandwidth and distgraph's per-op overhead (:mod:`distgraph.resources.device_probe`). Per pair
-of ranks: point-to-point latency (half the round trip of an 8-byte ping-pong) and
-bandwidth (a multi-megabyte ping-pong). For the whole group: all-reduce latency (8 bytes)
-and bus bandwidth (2(n-1)/n * bytes / time, the figure the ring formula uses). Ranks on
-the same host form one machine; pairs on one host get ``SHM`` links, pairs across hosts
-``NET`` links between machines. Rank r becomes device r.
+Per rank: GEMM GFLOP/s in float32 and float64 (numpy matmul, best of a few runs, all
+ranks at once: what each rank gets while all compute), memory bandwidth and distgraph's
+per-op overhead (:mod:`distgraph.resources.device_probe`). Per pair of ranks, one pair at a
+time: point-to-point latency (half the round trip of an 8-byte ping-pong) and bandwidth
+(a multi-megabyte ping-pong). For the whole group: all-reduce latency (8 bytes) and bus
+bandwidth (2(n-1)/n * bytes / time, the figure the ring formula uses). Ranks on the same
+host form one machine; pairs on one host get ``SHM`` links, pairs across hosts ``NET``
+links between machines. Rank r becomes device r. Rank 0 prints each result as it comes.
+
+While a pair measures, the other ranks wait in a barrier that sleeps between polls
+(:func:`idle_barrier`), not in MPI's own, which spins: with more ranks than cores a
+spinning rank would take the core from a measuring one.
 
 Run it through the CLI (``distgraph cluster calibrate -n 2 -o mine.yaml``) or by hand::
 
@@ -47,16 +52,27 @@ def gemm_gflops(dtype, size: int = GEMM_SIZE, repeats: int = 5) -> float:
     return 2.0 * size**3 / best / 1e9
 
 
+def idle_barrier(comm, poll: float = 1e-3) -> None:
+    """A barrier of all ranks that sleeps between polls instead of spinning."""
+    request = comm.Ibarrier()
+    while not request.Test():
+        time.sleep(poll)
+
+
+def say(comm, text: str) -> None:
+    """Progress, printed by rank 0."""
+    if comm.Get_rank() == 0:
+        print(f"calibrate: {text}", flush=True)
+
+
 def ping_pong(comm, peer: int, first: bool, nbytes: int, iters: int, batches: int) -> float:
-    """One-way seconds per message: half the round trip, mean over ``iters`` exchanges,
-    best of ``batches`` (the best batch is the least disturbed by other processes)."""
+    """One-way seconds per message between this rank and ``peer`` (only the two call
+    it): half the round trip, mean over ``iters`` exchanges, best of ``batches`` (the
+    best batch is the least disturbed by other processes). The exchanges keep the two in
+    step, so batches need no barrier."""
     buf = np.zeros(max(nbytes, 1), dtype=np.uint8)
-    token, echo = np.zeros(1, dtype=np.uint8), np.empty(1, dtype=np.uint8)
     best = np.inf
     for batch in range(batches + 1):  # batch 0 warms up the connection, and is not counted
-        # Synchronise the pair only: the other ranks wait in measure_pairs' barrier, and a
-        # world barrier here would pair with theirs and deadlock beyond two ranks.
-        comm.Sendrecv(token, dest=peer, recvbuf=echo, source=peer)
         start = time.perf_counter()
         for _ in range(iters):
             if first:
@@ -71,18 +87,25 @@ def ping_pong(comm, peer: int, first: bool, nbytes: int, iters: int, batches: in
 
 
 def measure_pairs(comm, repeats: int) -> dict[tuple[int, int], tuple[float, float]]:
-    """(bandwidth GB/s, latency µs) for every pair, measured one pair at a time."""
+    """(bandwidth GB/s, latency µs) for every pair, measured one pair at a time while
+    the other ranks sleep; rank 0 prints each pair's figures."""
     rank, size = comm.Get_rank(), comm.Get_size()
+    pairs = [(a, b) for a in range(size) for b in range(a + 1, size)]
     out = {}
-    for a in range(size):
-        for b in range(a + 1, size):
-            if rank in (a, b):
-                peer, first = (b, True) if rank == a else (a, False)
-                lat = ping_pong(comm, peer, first, SMALL_BYTES, 50, repeats)
-                t = ping_pong(comm, peer, first, LARGE_BYTES, 2, repeats)
-                if rank == a:
-                    out[(a, b)] = (LARGE_BYTES / t / 1e9, lat * 1e6)
-            comm.Barrier()
+    for k, (a, b) in enumerate(pairs):
+        idle_barrier(comm)
+        if rank in (a, b):
+            peer, first = (b, True) if rank == a else (a, False)
+            lat = ping_pong(comm, peer, first, SMALL_BYTES, 50, repeats)
+            t = ping_pong(comm, peer, first, LARGE_BYTES, 2, repeats)
+            if rank == a:
+                out[(a, b)] = (LARGE_BYTES / t / 1e9, lat * 1e6)
+                if a != 0:
+                    comm.send(out[(a, b)], dest=0, tag=k)
+        if rank == 0:
+            bw, lat = out[(a, b)] if a == 0 else comm.recv(source=a, tag=k)
+            say(comm, f"pair {k + 1}/{len(pairs)} ranks {a}-{b}: {bw:.2f} GB/s, {lat:.1f} us")
+    idle_barrier(comm)
     return out
 
 
@@ -98,7 +121,7 @@ def measure_allreduce(comm, repeats: int) -> tuple[float, float]:
     for send, recv, iters in ((small_in, small_out, 50), (big_in, big_out, 2)):
         best = np.inf
         for batch in range(repeats + 1):  # batch 0 warms up, and is not counted
-            comm.Barrier()
+            idle_barrier(comm)
             start = time.perf_counter()
             for _ in range(iters):
                 comm.Allreduce(send, recv, op=MPI.SUM)
@@ -165,22 +188,30 @@ def main(argv=None) -> None:
 
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
+    say(comm, f"{size} ranks: GEMM {GEMM_SIZE}^3 on every rank at once")
     record = {"rank": rank, "host": MPI.Get_processor_name(), "model": cpu_model(),
               "memory": host_memory_gb(),
               "gflops": {"float32": round(gemm_gflops(np.float32, repeats=args.repeats), 3),
                          "float64": round(gemm_gflops(np.float64, repeats=args.repeats), 3)},
               "memory_bandwidth": round(memory_bandwidth_gbps(args.repeats), 3),
               "op_overhead": round(op_overhead_us(args.repeats), 3)}
-    pairs = measure_pairs(comm, args.repeats)
-    allreduce = measure_allreduce(comm, args.repeats) if size > 1 else None
     records = comm.gather(record, root=0)
+    if rank == 0:
+        say(comm, "GEMM GFLOP/s per rank (float32/float64): " + ", ".join(
+            f"{r['gflops']['float32']:.1f}/{r['gflops']['float64']:.1f}" for r in records))
+    pairs = measure_pairs(comm, args.repeats)
+    allreduce = None
+    if size > 1:
+        allreduce = measure_allreduce(comm, args.repeats)
+        say(comm, f"all-reduce of {size} ranks: bus {allreduce[0]:.2f} GB/s, latency "
+                  f"{allreduce[1]:.1f} us")
     all_pairs = comm.gather(pairs, root=0)
     if rank == 0:
         merged = {k: (round(bw, 4), round(lat, 3)) for part in all_pairs for k, (bw, lat)
                   in part.items()}
         cluster = build_cluster(records, merged, allreduce, f"calibrated{size}")
         cluster.save(args.output)
-    comm.Barrier()
+    idle_barrier(comm)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 
 from distgraph.errors import DistGraphError
@@ -56,7 +55,7 @@ def show_command(args) -> int:
 
 def calibrate_command(args) -> int:
     from distgraph.resources.cluster import Cluster
-    from distgraph.runtime.launcher import launch_command, rank_env
+    from distgraph.runtime.launcher import TIMED_OUT, launch
 
     output = os.path.abspath(args.output)
     if not output.lower().endswith((".yaml", ".yml", ".json")):
@@ -67,20 +66,19 @@ def calibrate_command(args) -> int:
         from distgraph.runtime.emulate_calibrate import calibrate_command_emulated
         return calibrate_command_emulated(args)
     try:
-        cmd = launch_command(args.nprocs, [CALIBRATE_SCRIPT, "-o", output,
-                                           "--repeats", str(args.repeats)])
-        proc = subprocess.run(cmd, env=rank_env(), timeout=args.timeout, check=False)
+        code = launch(args.nprocs, [CALIBRATE_SCRIPT, "-o", output, "--repeats",
+                                    str(args.repeats)], timeout=args.timeout)
     except DistGraphError as err:
         print(f"distgraph cluster calibrate: {err}", file=sys.stderr)
         return 2
-    except subprocess.TimeoutExpired:
+    if code == TIMED_OUT:
         print(f"distgraph cluster calibrate: the {args.nprocs} ranks did not finish within "
               f"{args.timeout:g} s; try fewer ranks or a larger --timeout", file=sys.stderr)
         return 1
-    if proc.returncode != 0:
-        print(f"distgraph cluster calibrate: the measuring ranks failed (exit code "
-              f"{proc.returncode}); see their output above", file=sys.stderr)
-        return proc.returncode
+    if code != 0:
+        print(f"distgraph cluster calibrate: the measuring ranks failed (exit code {code})",
+              file=sys.stderr)
+        return code
     try:
         cluster = Cluster.from_file(output)
     except DistGraphError as err:

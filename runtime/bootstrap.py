@@ -2,11 +2,11 @@
 
 It runs the script as ``__main__`` and turns an uncaught exception into ``MPI_Abort`` so
 that one failing rank ends the whole job with a non-zero exit code instead of leaving the
-other ranks blocked in a collective. When the launcher gives a status folder
-(``DISTGRAPH_STATUS_DIR``), each rank writes ``<rank>.failed`` with its error, or
-``<rank>.done`` when the script returns; and a supervisor forked before MPI starts writes
-``<rank>.exit`` when its rank ended otherwise (killed, crashed, ``os._exit``), so the
-launcher can name a rank that died without a word.
+other ranks blocked in a collective. Under the launcher (a status folder in
+``DISTGRAPH_STATUS_DIR``, see :mod:`distgraph.runtime.job_status`) a supervisor forked
+before MPI starts watches the rank (:mod:`distgraph.runtime.supervisor`); the rank writes
+``<rank>.failed`` with its error or ``<rank>.done`` when the script returns, and its
+traceback goes to its log file only: the launcher prints the one-line causes.
 """
 
 from __future__ import annotations
@@ -15,62 +15,19 @@ import os
 import runpy
 import sys
 
-STATUS_DIR = "DISTGRAPH_STATUS_DIR"
+from distgraph.runtime.job_status import log_path, write_status
+from distgraph.runtime.supervisor import supervise_this_rank
 
 
-def _rank() -> str:
-    # Set by MPICH's launcher before the process starts; readable without MPI.
-    return os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "?"))
-
-
-def _write_status(kind: str, text: str = "") -> None:
-    folder = os.environ.get(STATUS_DIR)
-    if folder:
-        with open(os.path.join(folder, f"{_rank()}.{kind}"), "w") as f:
-            f.write(text)
-
-
-def _die_with_parent() -> None:
-    """Ask Linux to SIGKILL this process when its parent dies (prctl PR_SET_PDEATHSIG)."""
-    import ctypes
-    import signal
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(1, signal.SIGKILL)    # 1 = PR_SET_PDEATHSIG
-
-
-def supervise_this_rank() -> None:
-    """Fork: the child goes on to be the rank; this process waits for it, writes
-    ``<rank>.exit`` with how it ended, and ends the same way. The launcher kills every
-    supervisor as soon as one rank ends badly, so only the rank that ended on its own
-    leaves a status (and the killed supervisors' children follow them)."""
-    import signal
-    folder = os.environ.get(STATUS_DIR)
-    if not folder or not hasattr(os, "fork"):
+def _report(exc_type, exc, tb, previous) -> None:
+    """The traceback: into the rank's log under the launcher, else as Python prints it."""
+    logfile = log_path()
+    if logfile is None:
+        previous(exc_type, exc, tb)
         return
-    parent = os.getpid()
-    child = os.fork()
-    if child == 0:
-        _die_with_parent()
-        if os.getppid() != parent:       # the supervisor died before prctl took effect
-            os._exit(1)
-        return
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
-        signal.signal(sig, lambda signum, frame: os.kill(child, signum))
-    while True:
-        try:
-            _, status = os.waitpid(child, 0)
-            break
-        except InterruptedError:
-            continue
-    if os.WIFSIGNALED(status):
-        how, code = f"killed by signal {os.WTERMSIG(status)}", 128 + os.WTERMSIG(status)
-    else:
-        code = os.WEXITSTATUS(status)
-        how = f"exited with code {code}"
-    if not os.path.exists(os.path.join(folder, f"{_rank()}.done")):
-        with open(os.path.join(folder, f"{_rank()}.exit"), "w") as f:
-            f.write(how)
-    os._exit(code)
+    import traceback
+    with open(logfile, "a") as f:
+        traceback.print_exception(exc_type, exc, tb, file=f)
 
 
 def install_abort_hook() -> None:
@@ -82,14 +39,20 @@ def install_abort_hook() -> None:
         return
 
     def hook(exc_type, exc, tb):
-        previous(exc_type, exc, tb)
-        _write_status("failed", f"{exc_type.__name__}: {exc}")
+        _report(exc_type, exc, tb, previous)
+        message = f"{exc_type.__name__}: {exc}".replace("\n", " ")
+        write_status("failed", message)
         from mpi4py import MPI
         if MPI.Is_initialized() and not MPI.Is_finalized():
             world = MPI.COMM_WORLD
-            sys.stderr.write(f"distgraph: rank {world.Get_rank()} failed: "
-                             f"{exc_type.__name__}: {exc}; aborting the job\n")
-            sys.stderr.flush()
+            logfile = log_path()
+            if logfile is None:
+                sys.stderr.write(f"distgraph: rank {world.Get_rank()} failed: {message}; "
+                                 "aborting the job\n")
+                sys.stderr.flush()
+            else:   # MPI's own abort notice goes with the traceback, not to the terminal
+                fd = os.open(logfile, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+                os.dup2(fd, 2)
             world.Abort(1)
 
     hook.distgraph_abort = True
@@ -106,7 +69,7 @@ def main(argv: list[str] | None = None) -> None:
     # as `python script.py` does: the script's folder comes first on the import path
     sys.path.insert(0, os.path.dirname(os.path.abspath(args[0])))
     runpy.run_path(args[0], run_name="__main__")
-    _write_status("done")
+    write_status("done")
 
 
 if __name__ == "__main__":

@@ -31,6 +31,11 @@ Nothing waits forever: a receive or collective that waits longer than ``timeout`
 seconds (default 60, or the env var ``DISTGRAPH_COMM_TIMEOUT``) raises RuntimeFault
 naming the rank and what it waited for.
 
+API calls that are collective (``Engine.fit``, ``Engine.state_dict``, ...) run inside
+``collective_call(name)``: the ranks first compare the name of the call they are in, so
+ranks calling different ones fail at once, and a rank waiting for peers that never call
+says "NAME is collective: call it on every rank".
+
 :class:`SimulatedWorld` runs N ranks as N threads of one process::
 
     >>> world = SimulatedWorld(2)
@@ -48,17 +53,20 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections import defaultdict, deque
+from contextlib import contextmanager
 
 import numpy as np
 
 from distgraph.errors import RuntimeFault
 from distgraph.passes.cost_model import collective_bytes
 from distgraph.runtime.backend import NUMPY
+from distgraph.runtime.progress import NO_PROGRESS
 
 DEFAULT_TIMEOUT = 60.0
 MAX_TAG = 1 << 14  # user tags are [0, MAX_TAG); MPI's upper tags are kept for internals
 COUNTED_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send_recv")
 REDUCE_OPS = {"sum": np.add, "max": np.maximum, "min": np.minimum}
+CALL_NAME_BYTES = 64
 
 
 def default_timeout() -> float:
@@ -81,17 +89,48 @@ class Communicator(ABC):
     Subclasses implement the ``_``-prefixed methods; the public ones validate, handle
     one-member groups locally and count bytes. ``backend`` (an
     :class:`~distgraph.runtime.backend.ArrayBackend`, numpy by default) makes every array
-    a communicator allocates, copies or cuts.
+    a communicator allocates, copies or cuts. ``progress`` is where this rank records
+    what it runs and waits for (see :mod:`distgraph.runtime.progress`); ``phase`` names
+    the collective API call in progress.
     """
 
     poll_spin_seconds = 0.0   # how long a poller of requests spins before it sleeps
+    progress = NO_PROGRESS
 
     def __init__(self, rank: int, size: int, timeout: float | None = None, backend=None):
         self.rank = rank
         self.size = size
         self.backend = backend or NUMPY
         self.timeout = default_timeout() if timeout is None else float(timeout)
+        self.phase = ""
         self.reset_counters()
+
+    # ---- collective API calls -----------------------------------------------------------
+    @contextmanager
+    def collective_call(self, name: str):
+        """Run the block as the collective call ``name`` of every rank: the ranks first
+        check that all of them are in the same call (uncounted: it is no step traffic);
+        nested calls are checked once."""
+        if self.phase or self.size == 1:
+            yield
+            return
+        raw = name.encode()[:CALL_NAME_BYTES]
+        mine = np.frombuffer(raw.ljust(CALL_NAME_BYTES, b"\0"), dtype=np.uint8)
+        self.phase = name
+        try:
+            with self.progress.phase(name):
+                names = self._all_gather(mine, tuple(range(self.size)), 0)
+                names = [bytes(row).rstrip(b"\0").decode(errors="replace")
+                         for row in names.reshape(self.size, CALL_NAME_BYTES)]
+                others = {r: n for r, n in enumerate(names) if n != names[self.rank]}
+                if others:
+                    raise RuntimeFault(f"rank {self.rank}: {name} is collective: call it on "
+                                       f"every rank; here "
+                                       + ", ".join(f"rank {r} called {n}"
+                                                   for r, n in sorted(others.items())))
+                yield
+        finally:
+            self.phase = ""
 
     # ---- counters -------------------------------------------------------------------
     def reset_counters(self) -> None:
@@ -306,8 +345,9 @@ class SimulatedWorld:
             raise self._failed[1]
         return results
 
-    def _wait(self, ready, rank: int, timeout: float, what) -> None:
-        """Wait on the world condition (held by the caller) until ``ready()``."""
+    def _wait(self, ready, rank: int, timeout: float, what, fix: str = "") -> None:
+        """Wait on the world condition (held by the caller) until ``ready()``; ``fix``
+        ends the timeout message (default: the p2p advice)."""
         deadline = time.monotonic() + timeout
         while not ready():
             if self._failed is not None and self._failed[0] != rank:
@@ -317,8 +357,9 @@ class SimulatedWorld:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise RuntimeFault(f"rank {rank}: timed out after {timeout:g} s waiting for "
-                                   f"{what()}; a peer did not make the matching call (check "
-                                   f"that every rank runs the same plan)")
+                                   f"{what()}; " + (fix or "a peer did not make the matching "
+                                                    "call (check that every rank runs the "
+                                                    "same plan)"))
             self._cond.wait(remaining)
 
 
@@ -348,7 +389,10 @@ class SimulatedCommunicator(Communicator):
             w._cond.notify_all()
             w._wait(lambda: len(slot["data"]) == len(group), self.rank, self.timeout,
                     lambda: f"{kind} #{seq} on group {group} (missing ranks "
-                            f"{sorted(set(group) - set(slot['data']))})")
+                            f"{sorted(set(group) - set(slot['data']))})",
+                    f"{self.phase} is collective: call it on every rank" if self.phase else
+                    "this call is collective: call it on every rank of the group (check "
+                    "that every rank runs the same plan)")
             data = dict(slot["data"])
             slot["left"] -= 1
             if slot["left"] == 0:

@@ -27,10 +27,8 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import subprocess
 import sys
 import tempfile
-import time
 
 from distgraph.errors import DistGraphError, PlanError
 from distgraph.runtime.emulate import Emulation, Terminated, check_prerequisites, taken_subnets
@@ -40,8 +38,6 @@ from distgraph.runtime.emulate_layout import choose_subnet, plan_layout, this_jo
 
 EXEC_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "emulate_exec.py")
 TRANSPORT_ENV = {"MPICH_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp", "FI_TCP_IFACE": "dg0"}
-STATUS_DIR = "DISTGRAPH_STATUS_DIR"
-POLL_SECONDS = 0.2
 
 
 def prepare(cluster_file: str, nprocs: int, faults=()):
@@ -56,14 +52,11 @@ def prepare(cluster_file: str, nprocs: int, faults=()):
     return layout, [parse_fault(f, hostnames) for f in faults]
 
 
-def mpiexec_command(layout, wrapper: str, argv: list[str]) -> list[str]:
-    """The command that starts the job's ranks from the hub namespace."""
-    from distgraph.runtime.launcher import mpiexec_path
-
-    return ["ip", "netns", "exec", layout.hub_namespace, mpiexec_path(),
-            "-launcher", "ssh", "-launcher-exec", wrapper, "-localhost", layout.hub_address,
-            "-hosts", layout.hosts_argument(), "-n", str(len(layout.rank_machine)),
-            sys.executable, "-m", "distgraph.runtime.bootstrap", *argv]
+def hydra_args(layout, wrapper: str) -> list[str]:
+    """mpiexec options that start each machine's proxy through ``wrapper`` (Hydra's ssh
+    launcher) at the machines' addresses, from the hub namespace's address."""
+    return ["-launcher", "ssh", "-launcher-exec", wrapper, "-localhost", layout.hub_address,
+            "-hosts", layout.hosts_argument()]
 
 
 def _write_wrapper(folder: str) -> str:
@@ -76,50 +69,56 @@ def _write_wrapper(folder: str) -> str:
 
 
 def launch_emulated(cluster_file: str, nprocs: int, argv: list[str], faults=(),
-                    env: dict | None = None, timeout: float | None = None, log=None) -> int:
+                    env: dict | None = None, timeout: float | None = None, log=None,
+                    log_dir: str | None = None) -> int:
     """Run ``argv`` (a script and its args) on ``nprocs`` ranks of the emulated
-    ``cluster_file``; mpiexec's exit code (128 + signal when interrupted, 124 on
-    ``timeout``). Whatever happens, the namespaces are gone when it returns."""
-    from distgraph.runtime.launcher import failure_report, rank_env
+    ``cluster_file`` through :func:`distgraph.runtime.launcher.launch` (signals, per-rank
+    logs and failure reports as for any job); its exit code. Whatever happens, the
+    namespaces are gone when it returns."""
+    from distgraph.runtime.launcher import launch
 
     log = sys.stderr if log is None else log
     layout, parsed = prepare(cluster_file, nprocs, faults)
-    proc = injector = None
+    comm_timeout = _comm_timeout(os.environ if env is None else env)
+    injector = None
     try:
         with tempfile.TemporaryDirectory(prefix="distgraph-emulate-") as tmp, \
                 Emulation(layout, log) as emulation:
             log.write(layout.describe() + "\n")
             log.flush()
-            status = os.path.join(tmp, "status")
-            os.mkdir(status)
-            ranks = rank_env(env, cluster_file)
-            ranks.update(TRANSPORT_ENV)
-            ranks[STATUS_DIR] = status
-            ranks[HOSTS_VAR] = json.dumps(layout.host_map())
-            proc = subprocess.Popen(mpiexec_command(layout, _write_wrapper(tmp), argv),
-                                    env=ranks)
             injector = FaultInjector(emulation, parsed, log).start()
-            rc = _wait(proc, timeout, injector, _comm_timeout(ranks), log)
+
+            def watch():
+                # ranks blocked where distgraph's timeouts do not reach (MPI start-up)
+                cut = injector.cut_since()
+                if cut is not None and cut > 2 * comm_timeout:
+                    return (f"the job was still running {cut:.0f} s after a lasting emulated "
+                            f"fault (communication timeout {comm_timeout:g} s)")
+                return None
+
+            rc = launch(nprocs, argv, cluster=cluster_file, env=env, timeout=timeout,
+                        log_dir=log_dir, mpiexec_args=hydra_args(layout, _write_wrapper(tmp)),
+                        prefix=("ip", "netns", "exec", layout.hub_namespace),
+                        extra_env={**TRANSPORT_ENV, HOSTS_VAR: json.dumps(layout.host_map())},
+                        watch=watch)
             injector.stop()
-            if rc != 0:
-                log.write(failure_report(status, nprocs, rc) + "\n")
-                if injector.report(layout):
-                    log.write(f"distgraph: RuntimeFault: {injector.report(layout)}\n")
+            if rc != 0 and injector.report(layout):
+                log.write(f"distgraph: RuntimeFault: {injector.report(layout)}\n")
             if injector.error is not None:
                 log.write(f"distgraph: could not inject a fault: {injector.error}\n")
                 rc = rc or 1
-    except KeyboardInterrupt as exc:
+    except KeyboardInterrupt as exc:         # a signal while the cluster was being built
         signum = exc.signum if isinstance(exc, Terminated) else 2
         log.write(f"distgraph: interrupted by signal {signum}; the emulated cluster was "
                   "removed\n")
         rc = 128 + signum
+    else:
+        if rc > 128:           # launch() stopped the job on a signal; the cluster is gone now
+            log.write(f"distgraph: stopped by signal {rc - 128}; the emulated cluster was "
+                      "removed\n")
     finally:
         if injector is not None:
             injector.stop()
-        if proc is not None and proc.poll() is None:
-            proc.kill()
-        if proc is not None:
-            proc.wait()
     return rc
 
 
@@ -130,29 +129,6 @@ def _comm_timeout(env: dict) -> float:
         return float(env.get("DISTGRAPH_COMM_TIMEOUT", DEFAULT_TIMEOUT))
     except ValueError:
         return DEFAULT_TIMEOUT
-
-
-def _wait(proc, timeout, injector, comm_timeout: float, log) -> int:
-    """mpiexec's exit code; 124 past ``timeout``; 1 when the job outlives a lasting link
-    fault by two communication timeouts (its ranks are blocked where distgraph's
-    timeouts do not reach, e.g. in MPI_Init). The emulation's removal then ends it."""
-    start = time.monotonic()
-    while True:
-        try:
-            return proc.wait(timeout=POLL_SECONDS)
-        except subprocess.TimeoutExpired:
-            pass
-        if timeout is not None and time.monotonic() - start > timeout:
-            log.write(f"distgraph: the emulated job did not end within {timeout:g} s; "
-                      "stopping it\n")
-            return 124
-        cut = injector.cut_since()
-        if cut is not None and cut > 2 * comm_timeout:
-            log.write(f"distgraph: the job is still running {cut:.0f} s after a lasting "
-                      f"emulated fault (communication timeout {comm_timeout:g} s): its ranks "
-                      "are blocked where distgraph's timeouts do not reach (e.g. MPI start-up)"
-                      "; stopping it\n")
-            return 1
 
 
 def run_command(args) -> int:
@@ -167,7 +143,7 @@ def run_command(args) -> int:
         return 2
     try:
         return launch_emulated(args.emulate, args.nprocs, [args.script, *args.args],
-                               faults=args.emulate_fault)
+                               faults=args.emulate_fault, log_dir=args.log_dir)
     except (DistGraphError, PlanError) as err:
         print(f"distgraph run: {err}", file=sys.stderr)
         return 2

@@ -16,6 +16,7 @@ import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
+from distgraph.runtime.progress import NO_PROGRESS
 
 from distgraph.errors import RuntimeFault
 from distgraph.ir import Program
@@ -52,6 +53,10 @@ class ProgramRunner:
     then overwrite it, e.g. all-reduce a gradient in place instead of into a new buffer.
     Ops registered with ``donate`` get such a dying input of their result's shape and
     dtype as ``ctx.out`` (a bias add writes into the matmul result it consumes).
+
+    With a communicator whose ``progress`` is watched (under the launcher), the runner
+    marks each instruction it starts, so a rank that stops making progress can be named
+    with the step and the op it is in.
     """
 
     def __init__(self, program: Program, xp=np, fetch_always=(), op_context=None,
@@ -93,6 +98,9 @@ class ProgramRunner:
             if getattr(item, "can_donate", False) and dying:
                 self.donatable[i] = dying
         self.items = compiled
+        self.progress = getattr(comm, "progress", NO_PROGRESS)
+        self._table = self.progress.table([_label(item) for item, _ in compiled]) \
+            if self.progress.active else -1
 
     def run(self, scope: dict, feed: dict | None = None, fetch=(), step: int = 0) -> dict:
         """Execute once; returns {name: array} for ``fetch``."""
@@ -104,7 +112,10 @@ class ProgramRunner:
         fetch = set(fetch)
         fetched = {}
         base = KernelContext(self.xp, step, comm=self.comm, rank_of=self.rank_of)
+        progress = self.progress
+        progress.begin_step(step, self._table)
         for i, (item, free) in enumerate(self.items):
+            progress.at(i)
             if isinstance(item, _Instr):
                 self._run_op(i, item, env, scope, step, base, fetch, fetched)
             else:
@@ -119,6 +130,7 @@ class ProgramRunner:
                 fetched[name] = env[name]
             for name in free:
                 env.pop(name, None)
+        progress.end_step()
         for name in fetch - set(fetched):
             if name not in env:
                 raise RuntimeFault(f"cannot fetch {name!r}: no such value was computed")
@@ -151,7 +163,8 @@ def call_kernel(kernel, op_type: str, layer: str, ctx, args, attrs) -> tuple:
         result = kernel(ctx, *args, **attrs)
     except Exception as e:
         where = f" in layer '{layer}'" if layer else ""
-        raise RuntimeFault(f"op '{op_type}'{where} failed: {type(e).__name__}: {e}") from e
+        raise RuntimeFault(f"op '{op_type}'{where} failed in step {ctx.step}: "
+                           f"{type(e).__name__}: {e}") from e
     return result if isinstance(result, tuple) else (result,)
 
 
@@ -168,6 +181,13 @@ def _donatable(names, env, scope, fetch, fetched) -> bool:
                 if other_name != name and (other is a or getattr(other, "base", None) is a):
                     return False
     return True
+
+
+def _label(item) -> str:
+    """How progress reports name an instruction: the op and its layer, or the reshard."""
+    if isinstance(item, _Instr):
+        return f"op '{item.op_type}'" + (f" in layer '{item.layer}'" if item.layer else "")
+    return str(getattr(item, "point", item))
 
 
 def _reads(item) -> tuple:

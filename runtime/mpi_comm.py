@@ -9,6 +9,11 @@ is collective over the group's members only, and cached per communicator instanc
 Before creating one, the members exchange a small handshake under the timeout, so a
 member that never asks for the group is reported rather than waited for.
 
+Under the launcher a waiting rank keeps its progress record up to date (what it waits
+for, see :mod:`distgraph.runtime.progress`); it gives up early when a peer has finished
+its script, and on a timeout it names the peers that did not reach the call and where
+they are.
+
 Example (under ``mpiexec -n 4``)::
 
     comm = MPICommunicator()
@@ -26,10 +31,13 @@ import numpy as np
 
 from distgraph.errors import RuntimeFault
 from distgraph.runtime.comm import MAX_TAG, Communicator, Request
+from distgraph.runtime.job_status import status_folder
+from distgraph.runtime.progress import Progress, behind, read_where
 
 _HANDSHAKE_TAG = MAX_TAG + 1
 _CREATE_TAG = MAX_TAG + 2
 SPIN_SECONDS = 0.1   # how long a wait polls without sleeping (see MPICommunicator._wait)
+PEER_CHECK_SECONDS = 1.0   # how often a long wait looks at its peers' progress
 
 
 class MPICommunicator(Communicator):
@@ -48,23 +56,38 @@ class MPICommunicator(Communicator):
         self._comm = MPI.COMM_WORLD if comm is None else comm
         super().__init__(self._comm.Get_rank(), self._comm.Get_size(), timeout, backend)
         install_abort_hook()     # one failing rank must end the job, however it was started
+        # Progress records are per world rank: a sub-communicator's ranks are not.
+        world = MPI.Comm.Compare(self._comm, MPI.COMM_WORLD) in (MPI.IDENT, MPI.CONGRUENT)
+        self._status = status_folder() if world else None
+        self.progress = Progress.open(self._status, self.rank)
         self._subcomms: dict = {}
         self._pending: list = []
         self._ops = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
 
     # ---- waiting with a deadline -----------------------------------------------------
-    def _wait(self, requests, what: str, receives=()) -> None:
+    def _wait(self, requests, what: str, receives=(), peers=None,
+              collective: bool = True) -> None:
         """Poll ``requests`` until done; on timeout cancel ``receives`` (so MPI never
-        writes into a buffer given up on) and raise RuntimeFault.
+        writes into a buffer given up on) and raise RuntimeFault naming ``peers`` (the
+        ranks this call waits on; default all) that did not reach it.
 
         A nonblocking collective or large message moves only while its ranks call into
         MPI, so for the first ``SPIN_SECONDS`` the loop polls back to back, yielding the
-        core between polls (to another rank, when ranks outnumber cores), as MPI's own
-        blocking calls spin. Sleeping there stalls every transfer behind the sleeper.
-        Only a longer wait (a slow peer, an idle pipeline stage) backs off with sleeps
-        of up to 1 ms, so that it does not hold a core."""
+        core between polls, as MPI's own blocking calls spin. Sleeping there stalls
+        every transfer behind the sleeper. Only a longer wait (a slow peer, an idle
+        pipeline stage) backs off with sleeps of up to 1 ms, so that it does not hold a
+        core. The spin stays with more ranks than cores too: the yield hands the core
+        to a waiting peer at once, where a short sleep makes it wait out the nap (tutorial
+        02 on 4 ranks and 2 cores trained slower with sleeps of up to 0.2 ms there)."""
+        self.progress.wait_begin(what)
+        self._poll(requests, what, receives, peers, collective)
+        self.progress.wait_end()     # a wait given up on stays on record until the end
+
+    def _poll(self, requests, what, receives, peers, collective) -> None:
         start = time.monotonic()
         deadline = start + self.timeout
+        check = start + PEER_CHECK_SECONDS
+        finished: set = set()
         delay = 0.0
         while True:
             try:
@@ -74,19 +97,56 @@ class MPICommunicator(Communicator):
                                    f"{exc}") from None
             if done:
                 return
-            if time.monotonic() > deadline:
-                for req in receives:
-                    if req != self._MPI.REQUEST_NULL:
-                        req.Cancel()
-                        req.Wait()
-                raise RuntimeFault(f"rank {self.rank}: timed out after {self.timeout:g} s "
-                                   f"waiting for {what}; a peer did not make the matching "
-                                   f"call (check that every rank runs the same plan)")
-            if time.monotonic() - start < SPIN_SECONDS:
+            now = time.monotonic()
+            if now > deadline:
+                self._cancel(receives)
+                raise RuntimeFault(self._gave_up(f"timed out after {self.timeout:g} s "
+                                                 f"waiting for {what}", peers, collective))
+            if now - start < SPIN_SECONDS:
                 os.sched_yield()
                 continue
+            if self._status and now > check:
+                check = now + PEER_CHECK_SECONDS
+                finished = self._finished_peers(peers, finished, what, receives, collective)
             time.sleep(delay)
             delay = min(delay * 2 or 1e-5, 1e-3)
+
+    def _cancel(self, receives) -> None:
+        for req in receives:
+            if req != self._MPI.REQUEST_NULL:
+                req.Cancel()
+                req.Wait()
+
+    def _finished_peers(self, peers, seen: set, what, receives, collective) -> set:
+        """Peers that have finished their script; one seen so at two checks in a row
+        (a message it sent before finishing has had a second to arrive) will never make
+        the call: give up now instead of at the timeout."""
+        ranks = range(self.size) if peers is None else peers
+        now = {r for r in ranks if r != self.rank
+               and read_where(self._status, r).state == "finished"}
+        if now & seen:
+            self._cancel(receives)
+            raise RuntimeFault(self._gave_up(f"waiting for {what}", peers, collective))
+        return now
+
+    def _gave_up(self, waited: str, peers, collective: bool) -> str:
+        """The message of a wait given up on: what it waited for, who did not come and
+        where they are, and the fix."""
+        ranks = range(self.size) if peers is None else peers
+        lagging, states = behind(self._status, self.rank, ranks)
+        where = f"; {lagging}" if lagging else ""
+        if self.phase:
+            fix = f"{self.phase} is collective: call it on every rank"
+        elif "computing" in states:
+            fix = (f"it is stuck there or slower than the timeout ({self.timeout:g} s; "
+                   "DISTGRAPH_COMM_TIMEOUT sets it)")
+        elif collective:
+            fix = ("this call is collective: call it on every rank of the group (check "
+                   "that every rank runs the same plan)")
+        else:
+            fix = ("a peer did not make the matching call (check that every rank runs the "
+                   "same plan)")
+        return f"rank {self.rank}: {waited}{where}; {fix}"
 
     # ---- sub-communicators -------------------------------------------------------------
     def _sub(self, group: tuple[int, ...]):
@@ -110,8 +170,9 @@ class MPICommunicator(Communicator):
         sends = [self._comm.Isend(token, dest=r, tag=_HANDSHAKE_TAG) for r in peers]
         recvs = [self._comm.Irecv(inbox[r], source=r, tag=_HANDSHAKE_TAG) for r in peers]
         self._wait(recvs, f"the members of group {group} to set it up (some rank never "
-                          f"called a collective on this group)", receives=recvs)
-        self._wait(sends, f"the members of group {group} to take the set-up message")
+                          f"called a collective on this group)", receives=recvs, peers=group)
+        self._wait(sends, f"the members of group {group} to take the set-up message",
+                   peers=group)
         for r, got in inbox.items():
             if not np.array_equal(got, token):
                 raise RuntimeFault(f"rank {self.rank}: set up group {group} while rank {r} "
@@ -122,18 +183,19 @@ class MPICommunicator(Communicator):
     def _all_gather(self, arr, group, axis):
         xb = self.backend
         out = xb.empty((len(group),) + arr.shape, arr.dtype)
-        self._wait([self._sub(group).Iallgather(arr, out)], f"all_gather on group {group}")
+        self._wait([self._sub(group).Iallgather(arr, out)], f"all_gather on group {group}",
+                   peers=group)
         return xb.concatenate(list(out), axis=axis)
 
     def _all_reduce(self, arr, group, op):
         out = self.backend.empty(arr.shape, arr.dtype)
         self._wait([self._sub(group).Iallreduce(arr, out, op=self._ops[op])],
-                   f"all_reduce on group {group}")
+                   f"all_reduce on group {group}", peers=group)
         return out
 
     def _all_reduce_inplace(self, arr, group, op):
         self._wait([self._sub(group).Iallreduce(self._MPI.IN_PLACE, arr, op=self._ops[op])],
-                   f"all_reduce on group {group}")
+                   f"all_reduce on group {group}", peers=group)
         return arr
 
     def _reduce_scatter(self, arr, group, axis):
@@ -141,14 +203,15 @@ class MPICommunicator(Communicator):
         send = xb.stack(xb.split(arr, len(group), axis))
         out = xb.empty(send.shape[1:], arr.dtype)
         self._wait([self._sub(group).Ireduce_scatter_block(send, out, op=self._MPI.SUM)],
-                   f"reduce_scatter on group {group}")
+                   f"reduce_scatter on group {group}", peers=group)
         return out
 
     def _all_to_all(self, arr, group, split_axis, concat_axis):
         xb = self.backend
         send = xb.stack(xb.split(arr, len(group), split_axis))
         out = xb.empty(send.shape, send.dtype)
-        self._wait([self._sub(group).Ialltoall(send, out)], f"all_to_all on group {group}")
+        self._wait([self._sub(group).Ialltoall(send, out)], f"all_to_all on group {group}",
+                   peers=group)
         return xb.concatenate(list(out), axis=concat_axis)
 
     def barrier(self) -> None:
@@ -164,14 +227,15 @@ class MPICommunicator(Communicator):
         if self._pending:
             targets = sorted({(p[2], p[3]) for p in self._pending})
             self._wait([p[0] for p in self._pending],
-                       f"rank(s)/tag(s) {targets} to receive this rank's sends")
+                       f"rank(s)/tag(s) {targets} to receive this rank's sends",
+                       peers=sorted({t[0] for t in targets}), collective=False)
             self._pending = []
 
     def _recv(self, shape, dtype, src, tag):
         out = self.backend.empty(shape, dtype)
         req = self._comm.Irecv(out, source=src, tag=tag)
         self._wait([req], f"a message from rank {src} with tag {tag} ({shape} {dtype})",
-                   receives=[req])
+                   receives=[req], peers=(src,), collective=False)
         return out
 
     def _isend(self, arr, dst, tag):

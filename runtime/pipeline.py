@@ -24,8 +24,10 @@ import zlib
 import numpy as np
 
 from distgraph.errors import DistGraphError, PlanError
+from distgraph.ops.registry import KernelContext, get_op
 from distgraph.runtime.actors import Carrier
 from distgraph.runtime.backend import backend_of
+from distgraph.runtime.executor import call_kernel
 from distgraph.runtime.spmd import gather_scope, shard_scope
 from distgraph.runtime.timeline import Timeline
 
@@ -54,6 +56,9 @@ class PipelineRunner:
         self.rows_per_micro_batch = (acc.micro_batch_rows if acc is not None else
                                      (self.program.values[inputs[0].name].shape[0]
                                       if inputs else 0))
+        made = acc.prologue_values if acc is not None else frozenset()
+        self.prologue = [op for op in self.local.program.ops
+                         if op.outputs and all(o.name in made for o in op.outputs)]
 
     def _clock(self) -> float:
         return time.perf_counter() - (self._t0 or 0.0)
@@ -112,8 +117,28 @@ class PipelineRunner:
         with ``rows`` (from :meth:`batch_rows`), only those rows."""
         if self.profile and self._t0 is None:
             self._t0 = self._start_clock()
-        out = self.carrier.run(scope, self._micro_feeds(feed, rows), step)
+        feeds = self._micro_feeds(feed, rows)
+        if self.prologue:
+            self._run_prologue(feeds, step)
+        out = self.carrier.run(scope, feeds, step)
         return {n: out[n] for n in self.fetch}
+
+    def _run_prologue(self, feeds: list, step: int) -> None:
+        """The accumulation's prologue: its ops on every micro-batch, its sums added up
+        over the micro-batches and given to every micro-batch as the whole batch's."""
+        wanted = self.plan.accumulation.prologue
+        ctx = KernelContext(self.backend.xp, step)
+        totals: dict = {}
+        for micro in feeds:
+            env = dict(micro)
+            for op in self.prologue:
+                outs = call_kernel(get_op(op.type).kernel, op.type, op.layer, ctx,
+                                   [env[v.name] for v in op.inputs], op.attrs)
+                env.update(zip((o.name for o in op.outputs), outs))
+            for name in wanted & env.keys():
+                totals[name] = env[name] + totals[name] if name in totals else env[name]
+        for micro in feeds:
+            micro.update(totals)
 
     def _start_clock(self) -> float:
         """The time every rank's records count from: the end of one barrier. Ranks on one

@@ -101,6 +101,7 @@ CASES = [
     OpCase("embedding", ((4, 6), (24, 12)), {}, (INT, F)),
     OpCase("embedding_grad", ((4, 6), (4, 6, 12)), {"vocab_size": 24}, (INT, F)),
     OpCase("softmax_cross_entropy", ((4, 6, 12), (4, 6)), {}, (F, INT)),
+    OpCase("label_mask", ((4, 6),), {"ignore_index": -100, "dtype": "float32"}, (INT,)),
     OpCase("softmax_cross_entropy_grad", ((4, 6, 12), (4, 6), (4, 6), (4, 6)), {}, (F, INT, F, F)),
     OpCase("sgd_update", ((12, 6), (12, 6), (12, 6), ()), {"momentum": 0.9}),
     OpCase("adam_update", ((12, 6), (12, 6), (12, 6), (12, 6), (), ()), ADAM),

@@ -43,10 +43,12 @@ def test_cross_entropy_keeps_the_logits_and_gathers_the_labels():
     assert specs(sce)[0] == ["[None, None, x]", "[None, None]"]
     # labels [8, 16] int64 gathered over 4: (n-1)/n of the 1 KiB gathered buffer per
     # process; the op's own all-gather of 128 logsumexps x 4 and all-reduce of 128
-    # picked logits (float32), per process
+    # picked logits (float32), per process; and the mean's count of labels that are not
+    # ignore_index, counted where the labels are split: one float32 all-reduce
     labels = 3 / 4 * 8 * 16 * 8
     inside = 3 / 4 * 128 * 4 * 4 + 2 * 3 / 4 * 128 * 4
-    assert step_bytes(prog) == pytest.approx(4 * (labels + inside))
+    count = 2 * 3 / 4 * 4
+    assert step_bytes(prog) == pytest.approx(4 * (labels + inside + count))
     note = next(n for n in sce.dist_attr.notes if n.startswith("kept"))
     assert note.startswith("kept matmul_0 [None, None, x]: resharding labels (768 B) instead "
                            "of matmul_0 (24 KiB)")

@@ -339,6 +339,24 @@ for _label, _shape in (("5x7", (5, 7)), ("2x3x6", (2, 3, 6))):
             {"logits": 2.0 * normal(rng, shape)}, {"labels": labels}
     CASES.append(Case("softmax_cross_entropy", _label, _make_sce))
 
+for _label, _ignore in (("ignored-labels", -100), ("ignore-index-2", 2)):
+    def _make_sce_ignored(rng, ignore=_ignore):
+        # every other label is ignore_index: those positions get loss 0 and gradient 0
+        labels = rng.integers(0, 6, (4, 3)).astype(np.int64)
+        labels[::2] = ignore
+        return (lambda p, f: ops.softmax_cross_entropy(p["logits"], f["labels"], ignore)), \
+            {"logits": normal(rng, (4, 3, 6))}, {"labels": labels}
+    CASES.append(Case("softmax_cross_entropy", _label, _make_sce_ignored))
+
+for _label, _fraction in (("cross_entropy-mean-ignored", 0.5), ("cross_entropy-mean-all-ignored", 1)):
+    def _make_ce_ignored(rng, fraction=_fraction):
+        # the mean is over the labels that are not ignored (all ignored: loss and grads 0)
+        labels = rng.integers(0, 6, (2, 4)).astype(np.int64)
+        labels[rng.random((2, 4)) < fraction] = -100
+        return (lambda p, f: ops.cross_entropy(p["logits"], f["labels"])), \
+            {"logits": normal(rng, (2, 4, 6))}, {"labels": labels}
+    CASES.append(Case("softmax_cross_entropy", _label, _make_ce_ignored))
+
 for _reduction in ("mean", "sum", "none"):
     def _make_ce(rng, reduction=_reduction):
         labels = rng.integers(0, 6, (2, 3)).astype(np.int64)

@@ -280,11 +280,13 @@ def test_step_bytes_equal_formula_and_counters(plan, default_dtype):
 @pytest.mark.parametrize("kind", ["mlp", "gpt"])
 def test_data_parallel_moves_one_all_reduce_of_the_gradients(kind, default_dtype):
     """DP on n processes: all-reduce of every gradient, 2 (n-1)/n x its bytes, plus the
-    scalar loss; nothing else (the closed form of the ring all-reduce)."""
+    scalar loss, plus (GPT's mean cross-entropy) the scalar count of labels that are not
+    ignore_index; nothing else (the closed form of the ring all-reduce)."""
     n = 4
     program, per_rank = one_step_traffic(P.PLANS[kind, "dp", n])
     param_bytes = sum(math.prod(v.shape) * 8 for v in program.parameters)
-    expected = 2 * (n - 1) / n * (param_bytes + 8)
+    scalars = 2 if kind == "gpt" else 1
+    expected = 2 * (n - 1) / n * (param_bytes + 8 * scalars)
     for _, _, counted, total in per_rank:
         # (GPT's position table: the all-reduce is of the gradient of its slice, which
         # here is the whole table, so the bytes are the same)

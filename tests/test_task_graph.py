@@ -56,7 +56,12 @@ def test_tasks_cut_each_local_program_by_role():
         assert sorted(tasks) == ["backward", "forward", "update"]
         local = p.local(pid)
         ops = [it.index for t in tasks.values() for it in t.items if it.kind == "op"]
-        assert sorted(ops) == list(range(len(local.program.ops)))       # each op once
+        # each op once; the mean's count of labels is the prologue's, in no task
+        prologue = [i for i, op in enumerate(local.program.ops)
+                    if {o.name for o in op.outputs} <= p.accumulation.skipped]
+        assert [local.program.ops[i].type for i in prologue] == \
+            (["label_mask", "sum"] if pid >= 2 else [])
+        assert sorted(ops + prologue) == list(range(len(local.program.ops)))
         roles = {kind: {local.program.ops[it.index].role for it in t.items if it.kind == "op"}
                  for kind, t in tasks.items()}
         assert roles["forward"] <= {"forward", "loss"}

@@ -175,10 +175,16 @@ class GPT(Layer):
 
 
 class CrossEntropyLoss(Layer):
-    """Mean softmax cross-entropy over all tokens; labels are int64 class ids."""
+    """Mean softmax cross-entropy over all tokens; labels are int64 class ids. Tokens
+    labelled ``ignore_index`` (default -100, as Paddle and PyTorch) count for nothing:
+    the mean is over the others."""
+
+    def __init__(self, ignore_index: int = -100):
+        super().__init__()
+        self.ignore_index = int(ignore_index)
 
     def forward(self, logits, labels):
-        return ops.cross_entropy(logits, labels)
+        return ops.cross_entropy(logits, labels, ignore_index=self.ignore_index)
 
 
 class MSELoss(Layer):

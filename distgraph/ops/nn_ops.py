@@ -8,15 +8,53 @@ Sharding (hand-written notations; UPPERCASE = never split):
   (vocabulary-parallel embedding); its grad ``"ab,abh->vh"`` is Partial over the batch.
 - softmax_cross_entropy: ``"abz,ab->ab,ab"`` with ``z`` reduced inside the op: a split
   class dim gives replicated results (its distributed form communicates), not Partial.
+
+Labels and ids are checked in the serial and the split form alike: a label outside
+``[0, classes)`` that is not ``ignore_index`` (default -100, as Paddle and PyTorch), or an
+id outside ``[0, vocabulary)``, raises :class:`OutOfRange` naming the value and its
+position in the batch. An ignored label gives loss 0 and gradient 0.
 """
 
 from __future__ import annotations
 
 from distgraph import dtypes
+from distgraph.errors import DistGraphError
 from distgraph.ops.common import elementwise_flops, normalize_axes
 from distgraph.ops.registry import ShapeError, TensorType, register_op
-from distgraph.spmd import LETTERS, EinsumRule, axis_rule
+from distgraph.spmd import LETTERS, EinsumRule, axis_rule, elementwise_rule
 from distgraph.trace import emit, emit1
+
+IGNORE_INDEX = -100
+
+
+class OutOfRange(DistGraphError):
+    """An integer input (a label, an embedding id) outside its valid range; ``position``
+    is its index in the op's (local) batch, ``value`` the value."""
+
+    def __init__(self, message: str, position: tuple, value: int):
+        super().__init__(message)
+        self.position, self.value = position, value
+
+
+def check_range(xp, values, low: int, high: int | None, what: str, allowed=None) -> None:
+    """Raise OutOfRange for the first entry of ``values`` outside ``[low, high)`` (no
+    upper bound when ``high`` is None) that is not ``allowed``."""
+    if values.size == 0:
+        return
+    if values.min() >= low and (high is None or values.max() < high):
+        return
+    bad = values < low
+    if high is not None:
+        bad |= values >= high
+    if allowed is not None:
+        bad &= values != allowed
+    if not bad.any():
+        return
+    position = tuple(int(i) for i in xp.argwhere(bad)[0])
+    value = int(values[position])
+    valid = f"[{low}, {high})" if high is not None else f">= {low}"
+    raise OutOfRange(f"{what} {value} at batch position {position} is outside {valid}", position,
+                     value)
 
 
 def _check_float(x, op):
@@ -160,16 +198,19 @@ def _emb_grad_notation(in_shapes, attrs):
 @register_op("embedding", spmd=EinsumRule(_emb_notation))
 class Embedding:
     """out[..., :] = table[ids[...], :]; ``vocab_start`` lets a vocabulary shard look up
-    only the ids it owns (others give zeros), which is how the split form works."""
+    only the ids it owns (others give zeros), which is how the split form works;
+    ``vocab_size`` is then the whole vocabulary, against which every shard checks the ids."""
 
-    def infer(ids, table, vocab_start=None):
+    def infer(ids, table, vocab_start=None, vocab_size=None):
         if ids.dtype not in dtypes.INT_DTYPES:
             raise ShapeError(f"embedding ids must be integers, got {ids.dtype}")
         if len(table.shape) != 2:
             raise ShapeError(f"embedding table must be 2-D [vocab, dim], got {list(table.shape)}")
         return TensorType(tuple(ids.shape) + (table.shape[1],), table.dtype)
 
-    def kernel(ctx, ids, table, vocab_start=None):
+    def kernel(ctx, ids, table, vocab_start=None, vocab_size=None):
+        size = table.shape[0] if vocab_start is None else vocab_size
+        check_range(ctx.xp, ids, 0, size, "embedding id")
         if vocab_start is None:
             return table[ids]
         local = ids - vocab_start
@@ -180,8 +221,9 @@ class Embedding:
 
     def localize(attrs, site):
         rows = site.in_slices(1)[0]
-        split = rows.stop - rows.start != site.in_shapes[1][0]
-        return {**attrs, "vocab_start": rows.start if split else None}, {}
+        if rows.stop - rows.start == site.in_shapes[1][0]:
+            return {**attrs, "vocab_start": None}, {}
+        return {**attrs, "vocab_start": rows.start, "vocab_size": site.in_shapes[1][0]}, {}
 
     def grad(op, dz):
         ids, table = op.inputs
@@ -237,15 +279,17 @@ def _class_split(site):
 
 @register_op("softmax_cross_entropy", spmd=EinsumRule(_sce_notation, internal="z"))
 class SoftmaxCrossEntropy:
-    """Per-sample loss ``logsumexp(logits) - logits[label]`` over the last (class) dim;
-    the second output is the logsumexp, which the gradient reuses.
+    """Per-sample loss ``logsumexp(logits) - logits[label]`` over the last (class) dim,
+    0 where the label is ``ignore_index``; the second output is the logsumexp, which the
+    gradient reuses.
 
     Distributed form (class dim split, S(c) x R -> R, R): each shard's logsumexp is
-    all-gathered and combined, and the picked logit all-reduced, inside the op."""
+    all-gathered and combined, and the picked logit all-reduced, inside the op;
+    ``class_start`` is the shard's first class and ``num_classes`` all of them."""
 
     flops = elementwise_flops(6)
 
-    def infer(logits, labels, class_start=None):
+    def infer(logits, labels, ignore_index=IGNORE_INDEX, class_start=None, num_classes=None):
         _check_float(logits, "softmax_cross_entropy")
         if labels.dtype not in dtypes.INT_DTYPES:
             raise ShapeError(f"labels must be integers, got {labels.dtype}")
@@ -255,24 +299,30 @@ class SoftmaxCrossEntropy:
         out = TensorType(labels.shape, logits.dtype)
         return out, out
 
-    def kernel(ctx, logits, labels, class_start=None):
+    def kernel(ctx, logits, labels, ignore_index=IGNORE_INDEX, class_start=None,
+               num_classes=None):
         xp = ctx.xp
+        classes = logits.shape[-1] if class_start is None else num_classes
+        check_range(xp, labels, 0, classes, f"label (ignore_index={ignore_index})",
+                    allowed=ignore_index)
         lse = _logsumexp(xp, logits)
         local = labels - (class_start or 0)
         inside = (local >= 0) & (local < logits.shape[-1])
         picked = xp.take_along_axis(logits, xp.where(inside, local, 0)[..., None], axis=-1)[..., 0]
-        if class_start is None:
-            return lse - picked, lse
-        ranks = ctx.group_ranks()
-        lse = _logsumexp(xp, ctx.comm.all_gather(lse[..., None], ranks, axis=-1))
-        picked = ctx.comm.all_reduce(picked * inside, ranks)
-        return lse - picked, lse
+        if class_start is not None:
+            ranks = ctx.group_ranks()
+            lse = _logsumexp(xp, ctx.comm.all_gather(lse[..., None], ranks, axis=-1))
+            picked = ctx.comm.all_reduce(picked * inside, ranks)
+        loss = lse - picked
+        loss *= labels != ignore_index
+        return loss, lse
 
     def localize(attrs, site):
         split = _class_split(site)
         if split is None:
             return attrs, {}
-        return {**attrs, "class_start": split[0]}, {"group": split[1]}
+        return ({**attrs, "class_start": split[0], "num_classes": site.in_shapes[0][-1]},
+                {"group": split[1]})
 
     def comm(site):
         split = _class_split(site)
@@ -287,21 +337,24 @@ class SoftmaxCrossEntropy:
 
     def grad(op, dz, dlse=None):
         logits, labels = op.inputs
-        return [emit1("softmax_cross_entropy_grad", [logits, labels, op.outputs[1], dz]), None]
+        ignore = op.attrs.get("ignore_index", IGNORE_INDEX)
+        return [emit1("softmax_cross_entropy_grad", [logits, labels, op.outputs[1], dz],
+                      {"ignore_index": ignore}), None]
 
 
 @register_op("softmax_cross_entropy_grad", spmd=EinsumRule(_sce_grad_notation),
              differentiable=False)
 class SoftmaxCrossEntropyGrad:
-    """dlogits = (exp(logits - logsumexp) - onehot(label)) * dloss; with the class dim
-    split each shard does its own columns, no communication (S(c) x R x R x R -> S(c))."""
+    """dlogits = (exp(logits - logsumexp) - onehot(label)) * dloss, 0 for an ignored
+    label; with the class dim split each shard does its own columns, no communication
+    (S(c) x R x R x R -> S(c))."""
 
     flops = elementwise_flops(6)
 
-    def infer(logits, labels, lse, dloss, class_start=None):
+    def infer(logits, labels, lse, dloss, ignore_index=IGNORE_INDEX, class_start=None):
         return logits
 
-    def kernel(ctx, logits, labels, lse, dloss, class_start=None):
+    def kernel(ctx, logits, labels, lse, dloss, ignore_index=IGNORE_INDEX, class_start=None):
         xp = ctx.xp
         p = xp.exp(logits - lse[..., None])
         local = labels - (class_start or 0)
@@ -309,13 +362,29 @@ class SoftmaxCrossEntropyGrad:
         index = xp.where(inside, local, 0)[..., None]
         xp.put_along_axis(p, index, xp.take_along_axis(p, index, axis=-1) - inside[..., None],
                           axis=-1)
-        p *= dloss[..., None]
+        p *= (dloss * (labels != ignore_index))[..., None]
         return p
 
     def localize(attrs, site):
         cols = site.in_slices(0)[-1]
         split = cols.stop - cols.start != site.in_shapes[0][-1]
         return ({**attrs, "class_start": cols.start} if split else attrs), {}
+
+
+@register_op("label_mask", spmd=elementwise_rule(), differentiable=False)
+class LabelMask:
+    """1 where a label is not ``ignore_index``, else 0, as ``dtype``: the positions a
+    mean cross-entropy averages over."""
+
+    flops = elementwise_flops(1)
+
+    def infer(labels, ignore_index=IGNORE_INDEX, dtype="float32"):
+        if labels.dtype not in dtypes.INT_DTYPES:
+            raise ShapeError(f"labels must be integers, got {labels.dtype}")
+        return TensorType(labels.shape, dtypes.canonical(dtype))
+
+    def kernel(ctx, labels, ignore_index=IGNORE_INDEX, dtype="float32"):
+        return (labels != ignore_index).astype(dtype)
 
 
 # -- functional API -----------------------------------------------------------------------------
@@ -344,17 +413,29 @@ def embedding(x, weight):
     return emit1("embedding", [x, weight])
 
 
-def softmax_cross_entropy(logits, labels):
-    """Per-sample softmax cross-entropy with integer labels over the last dim."""
-    return emit("softmax_cross_entropy", [logits, labels])[0]
+def softmax_cross_entropy(logits, labels, ignore_index=IGNORE_INDEX):
+    """Per-sample softmax cross-entropy with integer labels over the last dim (0 where a
+    label is ``ignore_index``)."""
+    return emit("softmax_cross_entropy", [logits, labels], {"ignore_index": int(ignore_index)})[0]
 
 
-def cross_entropy(input, label, reduction="mean"):  # noqa: A002  (Paddle's names)
-    """Softmax cross-entropy with integer labels; ``reduction`` is mean, sum or none."""
-    from distgraph.ops.reduce import mean, sum
-    loss = softmax_cross_entropy(input, label)
+# Added to the count of labels a mean averages over: exact for any count >= 1 (far below
+# half an ulp of 1 in float32 and float64), and a batch whose labels are all ignored
+# gets loss 0 / TINY = 0, as Paddle gives, instead of 0 / 0.
+TINY = 1e-30
+
+
+def cross_entropy(input, label, reduction="mean", ignore_index=IGNORE_INDEX):  # noqa: A002
+    """Softmax cross-entropy with integer labels (Paddle's names); ``reduction`` is mean,
+    sum or none. Positions whose label is ``ignore_index`` count for nothing: "mean"
+    averages over the other positions."""
+    from distgraph.ops.elementwise import divide
+    from distgraph.ops.reduce import sum
+    loss = softmax_cross_entropy(input, label, ignore_index)
     if reduction == "mean":
-        return mean(loss)
+        count = sum(emit1("label_mask", [label], {"ignore_index": int(ignore_index),
+                                                  "dtype": input.dtype}))
+        return divide(sum(loss), count + TINY)
     if reduction == "sum":
         return sum(loss)
     if reduction == "none":

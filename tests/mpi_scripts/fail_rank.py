@@ -67,7 +67,8 @@ def main(mode: str) -> None:
     if mode in ("skip", "pipe_skip"):
         from mpi4py import MPI
         steps = P.STEPS - 1 if MPI.COMM_WORLD.Get_rank() == 1 else None
-    history = engine.fit(P.Dataset("mlp"), batch_size=P.BATCH, epochs=1, steps_per_epoch=steps)
+    history = engine.fit(P.Dataset("mlp"), batch_size=P.BATCH, epochs=1, steps_per_epoch=steps,
+                         verbose=0)
     if mode in ("skip", "pipe_skip") and steps is not None:
         return  # rank 1 leaves without the last step (and without the collective gather)
     engine.state_dict()

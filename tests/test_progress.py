@@ -1,0 +1,93 @@
+"""Progress records (what a rank runs and waits for) read back as the launcher and the
+waiting ranks read them, and collective API calls checked across ranks."""
+
+import numpy as np
+import pytest
+
+from distgraph.errors import RuntimeFault
+from distgraph.runtime.comm import SimulatedWorld
+from distgraph.runtime.progress import NO_PROGRESS, Progress, behind, read_where
+
+
+def test_a_record_reads_back_as_step_instruction_and_wait(tmp_path):
+    p = Progress(str(tmp_path), 2)
+    table = p.table(["op 'matmul' in layer 'fc1'", "op 'relu'", "reshard x: [dp] -> []"])
+    assert str(read_where(str(tmp_path), 2)) == \
+        "rank 2 is outside a training step, not waiting for any peer"
+    p.begin_step(7, table)
+    p.at(1)
+    assert str(read_where(str(tmp_path), 2)) == \
+        "rank 2 is at step 7, op 'relu', not waiting for any peer"
+    p.at(2)
+    p.wait_begin("all_reduce on group (0, 2)")
+    where = read_where(str(tmp_path), 2)
+    assert where.state == "waiting" and where.at == "all_reduce on group (0, 2)"
+    assert where.step == 7 and where.seconds >= 0
+    p.wait_end()
+    assert read_where(str(tmp_path), 2).at == "reshard x: [dp] -> []"
+    p.end_step()
+    with p.phase("Engine.state_dict()"):
+        assert read_where(str(tmp_path), 2).phase == "Engine.state_dict()"
+    assert read_where(str(tmp_path), 2).phase == ""
+
+
+def test_status_files_take_precedence(tmp_path):
+    Progress(str(tmp_path), 0)
+    (tmp_path / "0.done").write_text("")
+    assert read_where(str(tmp_path), 0).state == "finished"
+    (tmp_path / "1.exit").write_text("killed by signal 9")
+    assert str(read_where(str(tmp_path), 1)) == "rank 1 has ended (killed by signal 9)"
+    assert read_where(str(tmp_path), 3).state == "not started"
+
+
+def test_behind_names_the_ranks_that_are_not_waiting_first(tmp_path):
+    folder = str(tmp_path)
+    records = {r: Progress(folder, r) for r in range(4)}
+    tables = {r: p.table(["op 'matmul'", "op 'relu'", "reshard g"]) for r, p in records.items()}
+    for r, p in records.items():
+        p.begin_step(3, tables[r])
+        p.at(2)
+        if r != 2:
+            p.wait_begin("all_reduce on group (0, 1, 2, 3)")
+    records[2].at(1)                               # rank 2 is still computing
+    sentence, states = behind(folder, 0, range(4))
+    assert sentence == "rank 2 is at step 3, op 'relu', not waiting for any peer"
+    assert states == {"computing"}
+    records[2].wait_begin("all_gather on group (0, 2)")    # now every rank waits
+    sentence, states = behind(folder, 0, range(4))
+    assert sentence.startswith("every peer is waiting as well, for different calls: ")
+    assert "rank 2 waits (step 3, for " in sentence and "all_gather on group (0, 2)" in sentence
+    (tmp_path / "3.failed").write_text("RuntimeFault: ...")
+    (tmp_path / "1.done").write_text("")
+    sentence, _ = behind(folder, 0, range(4))
+    assert sentence == "rank 1 has finished its script"     # a failed rank is reported apart
+    assert behind(None, 0, range(4)) == ("", set())
+    assert not NO_PROGRESS.active and NO_PROGRESS.table(["x"]) == -1
+
+
+def test_ranks_in_different_collective_calls_fail_at_once():
+    def rank(comm):
+        name = "Engine.state_dict()" if comm.rank == 0 else "Engine.evaluate()"
+        with comm.collective_call(name):
+            return "ran"
+
+    with pytest.raises(RuntimeFault, match=r"is collective: call it on every rank; here rank"):
+        SimulatedWorld(2).run(rank)
+
+    def same(comm):
+        with comm.collective_call("Engine.fit()"), \
+                comm.collective_call("Engine.evaluate()"):     # nested: checked once
+            return comm.all_reduce(np.ones(1), (0, 1))[0]
+
+    assert SimulatedWorld(2).run(same) == [2.0, 2.0]
+
+
+def test_a_collective_call_made_on_one_rank_says_so_at_the_timeout():
+    def rank(comm):
+        if comm.rank == 0:
+            with comm.collective_call("Engine.state_dict()"):
+                pass
+
+    with pytest.raises(RuntimeFault, match=r"Engine.state_dict\(\) is collective: call it on "
+                                           r"every rank"):
+        SimulatedWorld(2, timeout=0.5).run(rank)

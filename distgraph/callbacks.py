@@ -147,7 +147,9 @@ class ProgressBar(Callback):
             self._tqdm.update(1)
 
     def on_epoch_end(self, epoch, logs=None):
-        shown = {k: v for k, v in (logs or {}).items() if k != "epoch"}
+        # the epoch's record: its mean loss, shown apart from the last step's "loss"
+        shown = {("mean_loss" if k == "loss" else k): v for k, v in (logs or {}).items()
+                 if k != "epoch"}
         if self._tqdm is not None:
             self._tqdm.set_postfix({**{k: _fmt(v) for k, v in shown.items()},
                                     **self._rates()})

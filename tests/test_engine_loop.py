@@ -112,10 +112,11 @@ def test_progress_bar_shows_loss_and_rates(float64, capsys):
     engine = dg.Engine(model, dg.nn.MSELoss(), dg.optim.SGD(0.05))
     engine.fit(Rows(6), batch_size=2, epochs=2)                 # verbose=1: the bar
     err = capsys.readouterr().err
-    assert "epoch 2/2" in err and "loss=" in err and "steps/s" in err and "samples/s" in err
+    assert "epoch 2/2" in err and "loss=" in err and "mean_loss=" in err
+    assert "steps/s" in err and "samples/s" in err
     engine.fit(Rows(6), batch_size=2, epochs=1, verbose=2)      # a line per epoch
     out, err = capsys.readouterr()
-    assert out.startswith("epoch 1/1 loss=") and "samples/s=" in out and err == ""
+    assert out.startswith("epoch 1/1 mean_loss=") and "samples/s=" in out and err == ""
     engine.fit(Rows(6), batch_size=2, epochs=1, verbose=0)
     assert capsys.readouterr() == ("", "")
 

@@ -37,8 +37,9 @@ import numpy as np
 
 from distgraph.errors import DistGraphError, RuntimeFault
 from distgraph.passes.task_graph import PER_MICRO_BATCH
-from distgraph.runtime.task_exec import (Accumulator, GatherStep, OpStep, PointStep,
-                                         ProcessTasks, RecvStep, SendStep, StepRunner)
+from distgraph.runtime.executor import OpInstr
+from distgraph.runtime.task_exec import (Accumulator, GatherStep, PointStep, ProcessTasks,
+                                         RecvStep, SendStep, StepRunner)
 
 _KIND_CODES = {k: i for i, k in enumerate(PER_MICRO_BATCH)}
 
@@ -296,7 +297,7 @@ class Carrier:
         accumulate = set(task.accumulates)
         frees = self.tasks.frees
         for j, st in enumerate(self.tasks.steps[kind]):
-            if isinstance(st, OpStep):
+            if isinstance(st, OpInstr):
                 runner.run_op(st, env, scope, self.step, m)
                 made = st.outs
             elif isinstance(st, PointStep):
@@ -335,7 +336,7 @@ class Carrier:
         env = self.acc.result()
         scope, runner = self.scope, self.runner
         for st in self.tasks.steps.get("update", ()):
-            if isinstance(st, OpStep):
+            if isinstance(st, OpInstr):
                 runner.run_op(st, env, scope, self.step, 0)
             elif isinstance(st, GatherStep):
                 self.fetched[st.point.value] = self._gather(st, env)

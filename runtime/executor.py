@@ -26,7 +26,10 @@ DONATE_MIN_BYTES = 1 << 16   # below this a fresh buffer costs about nothing
 
 
 @dataclass(frozen=True)
-class _Instr:
+class OpInstr:
+    """One op, compiled: its kernel and the names it reads and writes. Shared by the
+    executor and the pipeline's tasks (:mod:`distgraph.runtime.task_exec`)."""
+
     kernel: object
     op_type: str
     layer: str
@@ -34,8 +37,17 @@ class _Instr:
     outs: tuple
     attrs: dict
     writeback: tuple      # (output position, persistable name)
-    ctx_extra: dict
+    ctx: dict             # KernelContext fields from partition (random ops, groups)
     donors: tuple = ()    # inputs whose buffer may become the result (see ``donate``)
+    axis: int | None = None   # the result's sample dim, for random ops' micro-batch slice
+
+
+def op_instr(op, ctx=None, axis=None) -> OpInstr:
+    """The instruction of Operation ``op`` (``ctx``: its extra KernelContext fields)."""
+    writeback = tuple((k, o.alias_of) for k, o in enumerate(op.outputs) if o.alias_of)
+    return OpInstr(get_op(op.type).kernel, op.type, op.layer, tuple(v.name for v in op.inputs),
+                   tuple(o.name for o in op.outputs), dict(op.attrs), writeback,
+                   dict(ctx or {}), axis=axis)
 
 
 class ProgramRunner:
@@ -72,29 +84,26 @@ class ProgramRunner:
         items: list = []
         for i, op in enumerate(program.ops):
             items.extend(comm_points.get(i, ()))
-            writeback = tuple((k, o.alias_of) for k, o in enumerate(op.outputs) if o.alias_of)
-            items.append(_Instr(get_op(op.type).kernel, op.type, op.layer,
-                                tuple(v.name for v in op.inputs), tuple(o.name for o in op.outputs),
-                                dict(op.attrs), writeback, dict(op_context.get(i, {}))))
+            items.append(op_instr(op, op_context.get(i)))
         items.extend(comm_points.get(len(program.ops), ()))
         last_use: dict[str, int] = {}
         for i, item in enumerate(items):
-            for name in _reads(item) + _writes(item):
+            for name in reads_of(item) + writes_of(item):
                 last_use[name] = i
         compiled = []
         self.donatable: dict[int, tuple] = {}
         values = program.values
         for i, item in enumerate(items):
-            free = tuple(sorted({n for n in _reads(item) + _writes(item)
+            free = tuple(sorted({n for n in reads_of(item) + writes_of(item)
                                  if last_use.get(n) == i and n not in keep}))
-            if isinstance(item, _Instr) and get_op(item.op_type).donate:
+            if isinstance(item, OpInstr) and get_op(item.op_type).donate:
                 out = values[item.outs[0]]
                 donors = tuple(n for n in dict.fromkeys(item.ins)
                                if n in free and n not in self.feed_names
                                and values[n].shape == out.shape and values[n].dtype == out.dtype)
                 item = dataclasses.replace(item, donors=donors)
             compiled.append((item, free))
-            dying = tuple(n for n in _reads(item) if n in free and n not in self.feed_names)
+            dying = tuple(n for n in reads_of(item) if n in free and n not in self.feed_names)
             if getattr(item, "can_donate", False) and dying:
                 self.donatable[i] = dying
         self.items = compiled
@@ -116,7 +125,7 @@ class ProgramRunner:
         progress.begin_step(step, self._table)
         for i, (item, free) in enumerate(self.items):
             progress.at(i)
-            if isinstance(item, _Instr):
+            if isinstance(item, OpInstr):
                 self._run_op(i, item, env, scope, step, base, fetch, fetched)
             else:
                 if i in self.donatable and _donatable(self.donatable[i], env, scope, fetch,
@@ -126,7 +135,7 @@ class ProgramRunner:
                     item.execute(env)
                 for name, target in zip(item.writes, getattr(item, "stores", ())):
                     scope[target] = env[name]
-            for name in fetch.intersection(_writes(item)):
+            for name in fetch.intersection(writes_of(item)):
                 fetched[name] = env[name]
             for name in free:
                 env.pop(name, None)
@@ -139,7 +148,7 @@ class ProgramRunner:
 
     def _run_op(self, i, ins, env, scope, step, base, fetch, fetched):
         ctx = KernelContext(self.xp, step, comm=self.comm, rank_of=self.rank_of,
-                            **ins.ctx_extra) if ins.ctx_extra else base
+                            **ins.ctx) if ins.ctx else base
         for name in ins.donors:
             if _donatable((name,), env, scope, fetch, fetched):
                 ctx = dataclasses.replace(ctx, out=env[name])
@@ -185,14 +194,14 @@ def _donatable(names, env, scope, fetch, fetched) -> bool:
 
 def _label(item) -> str:
     """How progress reports name an instruction: the op and its layer, or the reshard."""
-    if isinstance(item, _Instr):
+    if isinstance(item, OpInstr):
         return f"op '{item.op_type}'" + (f" in layer '{item.layer}'" if item.layer else "")
     return str(getattr(item, "point", item))
 
 
-def _reads(item) -> tuple:
-    return item.ins if isinstance(item, _Instr) else tuple(item.reads)
+def reads_of(item) -> tuple:
+    return item.ins if isinstance(item, OpInstr) else tuple(item.reads)
 
 
-def _writes(item) -> tuple:
-    return item.outs if isinstance(item, _Instr) else tuple(item.writes)
+def writes_of(item) -> tuple:
+    return item.outs if isinstance(item, OpInstr) else tuple(item.writes)

@@ -46,6 +46,21 @@ def apply_reshard(steps, local, comm, process_id: int, rank_of=None, tag: int = 
     return local
 
 
+def run_point(point, local, comm, process_id: int, rank_of=None, tag: int = 0,
+              donate: bool = False):
+    """Reshard ``point`` (a ReshardPoint) from this process's block ``local`` (None when
+    it holds none): its result, None where the process receives nothing. Errors name the
+    value and its two layouts."""
+    try:
+        out = apply_reshard(point.steps, local, comm, process_id, rank_of, tag, donate)
+    except RuntimeFault as e:
+        raise RuntimeFault(f"process {process_id}, reshard of {point.value} "
+                           f"({point.src.spec} -> {point.dst.spec}): {e}") from None
+    if point.writes and out is None:
+        raise RuntimeFault(f"process {process_id}: reshard of {point.value} gave no result")
+    return out
+
+
 def apply_step(step: Step, local, comm, process_id: int, rank_of=None, tag: int = 0,
                donate: bool = False):
     """Run one step; see :func:`apply_reshard` (``donate``: ``local`` may be reused)."""

@@ -19,12 +19,12 @@ import sys
 
 import numpy as np
 
-from distgraph.errors import PlanError, RuntimeFault
+from distgraph.errors import PlanError
 from distgraph.passes.partition import gather_points
 from distgraph.runtime.backend import backend_of
 from distgraph.runtime.executor import ProgramRunner
 from distgraph.runtime.comm import MAX_TAG
-from distgraph.runtime.reshard_exec import apply_reshard
+from distgraph.runtime.reshard_exec import apply_reshard, run_point
 
 
 class BoundReshard:
@@ -39,16 +39,9 @@ class BoundReshard:
 
     def execute(self, env, donate: bool = False) -> None:
         p = self.point
-        local = env[p.reads[0]] if p.reads else None
-        try:
-            out = apply_reshard(p.steps, local, self.comm, self.pid, self.rank_of, self.tag,
-                                donate)
-        except RuntimeFault as e:
-            raise RuntimeFault(f"process {self.pid}, reshard of {p.value} "
-                               f"({p.src.spec} -> {p.dst.spec}): {e}") from None
+        out = run_point(p, env[p.reads[0]] if p.reads else None, self.comm, self.pid,
+                        self.rank_of, self.tag, donate)
         if p.writes:
-            if out is None:
-                raise RuntimeFault(f"process {self.pid}: reshard of {p.value} gave no result")
             env[p.writes[0]] = out
 
 

@@ -21,26 +21,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from distgraph.errors import RuntimeFault
-from distgraph.ops.registry import KernelContext, get_op
+from distgraph.ops.registry import KernelContext
 from distgraph.passes.accumulate import micro_batch_context
 from distgraph.passes.partition import gather_points
 from distgraph.passes.task_graph import PER_MICRO_BATCH
-from distgraph.runtime.executor import call_kernel
+from distgraph.runtime.executor import OpInstr, call_kernel, op_instr, reads_of, writes_of
 from distgraph.runtime.reshard_exec import (apply_reshard, assemble_tiles, incoming_tiles,
-                                            outgoing_tiles)
-
-
-@dataclass(frozen=True)
-class OpStep:
-    kernel: object
-    op_type: str
-    layer: str
-    ins: tuple
-    outs: tuple
-    attrs: dict
-    writeback: tuple          # (output position, persistable name)
-    ctx: dict                 # KernelContext fields from partition (random ops, groups)
-    axis: int | None          # the result's sample dim, for random ops' micro-batch slice
+                                            outgoing_tiles, run_point)
 
 
 @dataclass(frozen=True)
@@ -125,23 +112,18 @@ class ProcessTasks:
                     g = gathers[it.index]
                     steps.append(GatherStep(g, it.index, g.reads, g.writes))
                 st = steps[-1]
-                for name in _writes(st):         # a point's result holds its point's Value
-                    self.source_of.setdefault(name, name if isinstance(st, OpStep)
+                for name in writes_of(st):         # a point's result holds its point's Value
+                    self.source_of.setdefault(name, name if isinstance(st, OpInstr)
                                               else st.point.value)
             self.steps[kind] = steps
         self.persistable = {v.name for v in local.program.persistables}
         self.order = [k for k in PER_MICRO_BATCH if k in self.tasks]
         self.frees = self._liveness()
 
-    def _op_step(self, i, acc) -> OpStep:
+    def _op_step(self, i, acc) -> OpInstr:
         op = self.local.program.ops[i]
-        writeback = tuple((k, o.alias_of) for k, o in enumerate(op.outputs) if o.alias_of)
-        axis = None
-        if acc is not None and op.outputs:
-            axis = acc.split_axis.get(op.outputs[0].name)
-        return OpStep(get_op(op.type).kernel, op.type, op.layer,
-                      tuple(v.name for v in op.inputs), tuple(o.name for o in op.outputs),
-                      dict(op.attrs), writeback, dict(self.local.op_context.get(i, {})), axis)
+        axis = acc.split_axis.get(op.outputs[0].name) if acc is not None and op.outputs else None
+        return op_instr(op, self.local.op_context.get(i), axis)
 
     def _liveness(self) -> dict:
         """{(kind, step index): names to drop from the micro-batch's environment after
@@ -149,7 +131,7 @@ class ProcessTasks:
         last: dict = {}
         for kind in self.order:
             for j, st in enumerate(self.steps[kind]):
-                for name in _reads(st) + _writes(st):
+                for name in reads_of(st) + writes_of(st):
                     last[name] = (kind, j)
         frees: dict = {}
         for name, at in last.items():
@@ -162,14 +144,6 @@ class ProcessTasks:
         if acc is None:
             return "keep"
         return acc.mode(self.source_of.get(name, name))
-
-
-def _reads(st) -> tuple:
-    return st.ins if isinstance(st, OpStep) else tuple(st.reads)
-
-
-def _writes(st) -> tuple:
-    return st.outs if isinstance(st, OpStep) else tuple(st.writes)
 
 
 class Accumulator:
@@ -213,7 +187,7 @@ class StepRunner:
         self.rank = (lambda p: p) if rank_of is None else rank_of.__getitem__
         self.micro_batches = tasks.graph.micro_batches
 
-    def run_op(self, st: OpStep, env, scope, step, micro_batch):
+    def run_op(self, st: OpInstr, env, scope, step, micro_batch):
         try:
             args = [env[n] if n in env else scope[n] for n in st.ins]
         except KeyError as e:
@@ -230,16 +204,9 @@ class StepRunner:
             scope[target] = result[k]
 
     def run_point(self, st, env, scope, tag):
-        p = st.point
-        local = _get(env, scope, st.reads[0]) if st.reads else None
-        try:
-            out = apply_reshard(p.steps, local, self.comm, self.t.pid, self.rank_of, tag)
-        except RuntimeFault as e:
-            raise RuntimeFault(f"reshard of {p.value} ({p.src.spec} -> {p.dst.spec}): "
-                               f"{e}") from None
+        out = run_point(st.point, _get(env, scope, st.reads[0]) if st.reads else None,
+                        self.comm, self.t.pid, self.rank_of, tag)
         if st.writes:
-            if out is None:
-                raise RuntimeFault(f"reshard of {p.value} gave process {self.t.pid} no result")
             env[st.writes[0]] = out
         for target in st.stores:
             scope[target] = env[st.writes[0]]

@@ -83,22 +83,15 @@ class PlanGPT(dg.nn.GPT):
         super().__init__(**(dims or GPT_DIMS), dropout=dropout)
         self.hooks = Hooks()
 
-    def _embed(self, idx):
-        pos = dg.ops.slice(self.wpe.weight, [0], [0], [idx.shape[-1]])
-        return self.drop(self.wte(idx) + pos)
-
-    def _head(self, x):
-        return self.lm_head(self.ln_f(x))
-
     def forward(self, idx):
         h = self.hooks
         idx = h.act("input", idx)
-        x = h.wrap("embed", self._embed)(idx)
+        x = h.wrap("embed", self.embed)(idx)
         for i, block in enumerate(self.blocks):
             x = h.act("block_in", x)
             x = h.wrap(f"block{i}", block)(x)
         x = h.act("block_out", x)
-        return h.wrap("head", self._head)(x)
+        return h.wrap("head", self.head)(x)
 
 
 def build_model(kind: str, seed: int = 0, dims=None, dropout: float = 0.0):

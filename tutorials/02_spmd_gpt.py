@@ -41,27 +41,7 @@ import distgraph as dg
 from distgraph.runtime.mpi_comm import MPICommunicator
 
 from counting_data import CountingSequences  # tutorials/ is on the path
-
-
-class DataParallelGPT(dg.nn.GPT):
-    """GPT whose input batch is split over the mesh's ``dp`` dim."""
-
-    def __init__(self, mesh, **kwargs):
-        super().__init__(**kwargs)
-        self.mesh = mesh
-
-    def forward(self, idx):
-        dg.shard_tensor(idx, self.mesh, ["dp", None])
-        return super().forward(idx)
-
-
-def megatron(model, mesh):
-    """Column-split the first Linear of each attention and MLP, row-split the second."""
-    for block in model.blocks:
-        for first, second in ((block.attn.qkv, block.attn.proj), (block.mlp.fc1, block.mlp.fc2)):
-            dg.shard_tensor(first.weight, mesh, [None, "mp"])
-            dg.shard_tensor(first.bias, mesh, ["mp"])
-            dg.shard_tensor(second.weight, mesh, ["mp", None])
+from gpt_plans import DataParallelGPT, megatron  # the annotations described above
 
 
 def main():

@@ -46,21 +46,14 @@ class TwoStageGPT(dg.nn.GPT):
         super().__init__(**kwargs)
         self.stages = stages
 
-    def _embed(self, idx):
-        pos = dg.ops.slice(self.wpe.weight, [0], [0], [idx.shape[-1]])
-        return self.drop(self.wte(idx) + pos)
-
-    def _head(self, x):
-        return self.lm_head(self.ln_f(x))
-
     def forward(self, idx):
         first, second = self.stages
         dg.shard_tensor(idx, first, ["dp", None])
-        x = dg.shard_op(self._embed, first)(idx)
+        x = dg.shard_op(self.embed, first)(idx)
         half = len(self.blocks._items) // 2
         for i, block in enumerate(self.blocks):
             x = dg.shard_op(block, first if i < half else second)(x)
-        return dg.shard_op(self._head, second)(x)
+        return dg.shard_op(self.head, second)(x)
 
 
 def main():

@@ -35,31 +35,19 @@ import numpy as np
 import distgraph as dg
 
 from counting_data import CountingSequences  # tutorials/ is on the path
+from gpt_plans import DataParallelGPT, megatron  # tutorial 02's annotations
 
 EPOCHS, BATCH, SEQ, VOCAB, SAMPLES = 3, 16, 32, 64, 256     # 16 steps per epoch
 SAVE_EVERY = 10
 
 
-class DataParallelGPT(dg.nn.GPT):
-    """GPT-tiny; on 4 ranks the batch is split over ``dp`` and each block's Linear layers
-    over ``mp`` (tutorial 02's plan)."""
-
-    def __init__(self, mesh):
-        super().__init__(vocab_size=VOCAB, d_model=64, n_layer=2, n_head=4, max_seq_len=SEQ,
-                         dropout=0.1)
-        self.mesh = mesh
-        if mesh is not None:
-            for block in self.blocks:
-                for first, second in ((block.attn.qkv, block.attn.proj),
-                                      (block.mlp.fc1, block.mlp.fc2)):
-                    dg.shard_tensor(first.weight, mesh, [None, "mp"])
-                    dg.shard_tensor(first.bias, mesh, ["mp"])
-                    dg.shard_tensor(second.weight, mesh, ["mp", None])
-
-    def forward(self, idx):
-        if self.mesh is not None:
-            dg.shard_tensor(idx, self.mesh, ["dp", None])
-        return super().forward(idx)
+def gpt(mesh):
+    """GPT-tiny; on 4 ranks tutorial 02's plan (``mesh`` None: serial)."""
+    model = DataParallelGPT(mesh, vocab_size=VOCAB, d_model=64, n_layer=2, n_head=4,
+                            max_seq_len=SEQ, dropout=0.1)
+    if mesh is not None:
+        megatron(model, mesh)
+    return model
 
 
 def make_engine(seed):
@@ -71,7 +59,7 @@ def make_engine(seed):
         mesh = dg.ProcessMesh([[0, 1], [2, 3]], dim_names=["dp", "mp"])
     dg.seed(seed)
     lr = dg.optim.lr.LinearWarmup(dg.optim.lr.CosineDecay(3e-3, decay_steps=40), 8)
-    return dg.Engine(DataParallelGPT(mesh), loss=dg.nn.CrossEntropyLoss(),
+    return dg.Engine(gpt(mesh), loss=dg.nn.CrossEntropyLoss(),
                      optimizer=dg.optim.AdamW(lr), communicator=communicator)
 
 

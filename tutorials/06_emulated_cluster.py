@@ -37,32 +37,12 @@ from distgraph.runtime.emulate_launch import launch_emulated
 from distgraph.runtime.mpi_comm import MPICommunicator
 
 from counting_data import CountingSequences  # tutorials/ is on the path
+from gpt_plans import DataParallelGPT, megatron  # tutorial 02's annotations
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CLUSTER = os.path.join(os.path.dirname(HERE), "resources", "clusters", "emulated_2x2.yaml")
 GPT = dict(vocab_size=256, d_model=256, n_layer=2, n_head=4, max_seq_len=16)
 BATCH = 8
-
-
-class AnnotatedGPT(dg.nn.GPT):
-    """GPT whose input batch is split over the mesh's ``dp`` dim (as in tutorial 02)."""
-
-    def __init__(self, mesh, **kwargs):
-        super().__init__(**kwargs)
-        self.mesh = mesh
-
-    def forward(self, idx):
-        dg.shard_tensor(idx, self.mesh, ["dp", None])
-        return super().forward(idx)
-
-
-def megatron(model, mesh):
-    """Column-split the first Linear of each attention and MLP, row-split the second."""
-    for block in model.blocks:
-        for first, second in ((block.attn.qkv, block.attn.proj), (block.mlp.fc1, block.mlp.fc2)):
-            dg.shard_tensor(first.weight, mesh, [None, "mp"])
-            dg.shard_tensor(first.bias, mesh, ["mp"])
-            dg.shard_tensor(second.weight, mesh, ["mp", None])
 
 
 def hand_plans():
@@ -72,11 +52,11 @@ def hand_plans():
     grid = dg.ProcessMesh([[0, 1], [2, 3]], dim_names=["dp", "mp"])
 
     def dp_x_mp():
-        model = AnnotatedGPT(grid, **GPT)
+        model = DataParallelGPT(grid, **GPT)
         megatron(model, grid)
         return model
 
-    return {"dp": lambda: AnnotatedGPT(dp, **GPT), "dp x mp": dp_x_mp}
+    return {"dp": lambda: DataParallelGPT(dp, **GPT), "dp x mp": dp_x_mp}
 
 
 def searched_plan(cluster):

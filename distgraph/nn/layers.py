@@ -163,15 +163,23 @@ class GPT(Layer):
         self.ln_f = LayerNorm(d_model)
         self.lm_head = Linear(d_model, vocab_size, bias=False, init_std=0.02)
 
-    def forward(self, idx):
+    def embed(self, idx):
+        """Token plus position embedding of ``idx`` [batch, seq] (then dropout)."""
         t = idx.shape[-1]
         if t > self.max_seq_len:
             raise DistGraphError(f"sequence length {t} exceeds max_seq_len {self.max_seq_len}")
         pos = ops.slice(self.wpe.weight, [0], [0], [t])
-        x = self.drop(self.wte(idx) + pos)
+        return self.drop(self.wte(idx) + pos)
+
+    def head(self, x):
+        """Final LayerNorm and LM head: the logits of hidden states ``x``."""
+        return self.lm_head(self.ln_f(x))
+
+    def forward(self, idx):
+        x = self.embed(idx)
         for block in self.blocks:
             x = block(x)
-        return self.lm_head(self.ln_f(x))
+        return self.head(x)
 
 
 class CrossEntropyLoss(Layer):

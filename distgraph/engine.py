@@ -244,10 +244,29 @@ class Engine:
         key = (mode, self._program_key(mode, inputs_spec, labels_spec))
         built = build_program(self.model, inputs_spec, labels_spec, self.loss,
                               self.optimizer if mode == "train" else None, mode)
-        self._plan_cache[key] = plan(built, self.strategy, self.cluster, self.rank_mapping)
+        self._plan_cache[key] = plan(built, self.strategy, self._planning_cluster(),
+                                     self.rank_mapping)
         self._active.pop(mode, None)
         self._activate(mode, key)
         return self._plans[mode]
+
+    def _planning_cluster(self):
+        """The Engine's cluster; for the automatic search without one, the file that
+        ``distgraph run/plan --cluster`` exports (``$DISTGRAPH_CLUSTER``), else this
+        machine as the job's ranks (``Cluster.local``: the communicator's size, or the
+        MPI launcher's)."""
+        if self.cluster is not None or self.strategy.auto_mode != "full":
+            return self.cluster
+        import os
+
+        from distgraph.resources.cluster import Cluster
+        path = os.environ.get("DISTGRAPH_CLUSTER")
+        if path:
+            return Cluster.from_file(path)
+        if self._comm is not None:
+            return Cluster.local(self._comm.size)
+        return Cluster.local(int(os.environ.get("PMI_SIZE",
+                                                os.environ.get("OMPI_COMM_WORLD_SIZE", 1))))
 
     def _activate(self, mode, key) -> None:
         if self._active.get(mode) == key:

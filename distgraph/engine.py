@@ -291,6 +291,8 @@ class Engine:
             if p.distributed:
                 if self._comm is None:
                     self._comm = _world_communicator()
+                if p.search is not None:
+                    _check_same_search(p, self._comm)
                 self._backend_cache[key] = _SpmdBackend(p, self._comm, fetch)
             elif p.pipelined:
                 self._backend_cache[key] = _SpmdBackend(p, None, fetch)
@@ -538,6 +540,22 @@ class Engine:
         if mode not in self._plans:
             raise DistGraphError(f"no {mode} program yet: call prepare() or fit() first")
         return self._plans[mode]
+
+
+def _check_same_search(plan, comm) -> None:
+    """Every rank searched its plan itself: make sure all chose the same (a search that
+    ran out of time may stop at other choices on other ranks)."""
+    import hashlib
+    digest = hashlib.sha256(repr(plan.search.layouts).encode()).digest()
+    mine = np.array([int.from_bytes(digest[:6], "big")], dtype=np.float64)
+    ranks = list(range(comm.size))
+    low = comm.all_reduce(mine, ranks, op="min")
+    high = comm.all_reduce(mine, ranks, op="max")
+    if low[0] != high[0]:
+        raise DistGraphError(f"rank {comm.rank}: the ranks' searches chose different plans "
+                             f"(search status {plan.search.status}, gap {plan.search.gap:.3g}): "
+                             "raise Strategy.solver_time_limit so that the search finishes, or "
+                             "annotate more tensors")
 
 
 def _progress(verbose, callbacks) -> list:

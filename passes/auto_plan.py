@@ -94,6 +94,10 @@ def annotate(copy, strategy, cluster, accumulation, ilp_budget) -> AutoChoice:
     """Search the plan of ``copy`` (a BuiltProgram the planner completes next) under
     ``ilp_budget`` bytes per process (None: no limit) and write the choice onto its
     program as annotations."""
+    if strategy.pipeline:
+        from distgraph.passes.stage_search import plan_pipeline
+        choice = plan_pipeline(copy, strategy, cluster, accumulation, ilp_budget)
+        return AutoChoice(choice, choice.rank_mapping)
     from distgraph.passes.search import search
     program = copy.program
     mesh, device_of = search_mesh(program, cluster)

@@ -16,6 +16,8 @@ The problem (:class:`~distgraph.passes.ilp_problem.ShardingProblem`):
   ``weights`` (a micro-batched program's forward and backward run once per micro-batch);
   a feed's layout costs the copy of its local part; the fetched loss pays its gather,
   as the runtime does;
+- **stage outputs** (a search of part of the program): a Partial result that ops
+  outside read is settled first, at the cost of its cheapest settlement;
 - **edges**: per operand of an op, the reshard seconds from each layout its producer may
   make to each layout the op may consume (an op reading one Value twice pays once);
 - **aliases**: an update's write-back (``alias_of``) must be laid out as the parameter
@@ -129,15 +131,20 @@ class SearchResult:
     def strategy(self, node: int):
         return self.space.nodes[node].strategies[self.choice[node]]
 
-    def annotate(self, program) -> None:
+    def annotate(self, program, mesh: ProcessMesh | None = None) -> None:
         """Write the choice onto ``program`` (the program the space was built on, or a
         clone of it) as annotations: every source Value's layout, every op's consumed
-        specs (as ``shard_op`` in_specs) and produced specs."""
-        mesh = self.space.mesh
+        specs (as ``shard_op`` in_specs) and produced specs. ``mesh``: a mesh of the same
+        shape and dim names to place them on instead (a stage's own processes)."""
+        mesh = mesh or self.space.mesh
+        if (mesh.shape, mesh.dim_names) != (self.space.mesh.shape, self.space.mesh.dim_names):
+            raise PlanError(f"the choice was made on {self.space.mesh}; {mesh} has another "
+                            "shape or dim names")
         for node in self.space.nodes:
             s = self.strategy(node.index)
             if node.is_source:
-                program.values[node.value].annotation = DistAttr(mesh, s.out_specs[0])
+                if node.value not in self.space.boundary:
+                    program.values[node.value].annotation = DistAttr(mesh, s.out_specs[0])
                 continue
             op = program.ops[node.op]
             wanted = dict((v.name, spec) for v, spec in zip(op.inputs, s.in_specs))
@@ -149,6 +156,8 @@ class SearchResult:
         """Raise PlanError unless the completed ``program`` has the chosen layouts."""
         for node in self.space.nodes:
             s = self.strategy(node.index)
+            if node.value in self.space.boundary:
+                continue
             if node.is_source:
                 got = program.values[node.value].dist_attr.spec
                 if got != s.out_specs[0]:
@@ -164,19 +173,21 @@ class SearchResult:
 def search(program, mesh: ProcessMesh, cluster, device_of: dict, *, ops=None,
            weights: dict | None = None, loss: str | None = None, world=None,
            memory_budget: float | None = None, time_limit: float = 60.0,
-           blocks=()) -> SearchResult:
+           blocks=(), memory: bool = False) -> SearchResult:
     """Choose a strategy for every op (of ``ops``, default all) and source Value of
     ``program`` on ``mesh`` (module docstring). ``device_of``: process -> device global id
     of ``cluster``; ``weights``: op role -> times it runs per step (default 1);
     ``loss``: the fetched Value whose gather onto ``world`` (a ProcessMesh; default the
     mesh's processes) the runtime pays; ``memory_budget``: bytes per process;
-    ``blocks``: layer paths of repeated blocks (interior ones share a choice)."""
+    ``blocks``: layer paths of repeated blocks (interior ones share a choice);
+    ``memory``: model the live memory even without a budget (the report's peak)."""
     start = time.perf_counter()
     space = SearchSpace(program, mesh, ops)
     costs = SearchCosts(cluster, mesh, device_of)
     world = world or ProcessMesh(sorted(mesh.process_ids), dim_names=["world"])
     share = _shared_blocks(space, blocks)
-    problem = _problem(space, costs, weights or {}, loss, world, memory_budget, share)
+    problem = _problem(space, costs, weights or {}, loss, world, memory_budget, share,
+                       memory or memory_budget is not None)
     build_time = time.perf_counter() - start
     sol = solve(problem, time_limit=max(time_limit - build_time, 0.1 * time_limit))
     layouts = _layouts(space, sol.choice)
@@ -187,7 +198,7 @@ def search(program, mesh: ProcessMesh, cluster, device_of: dict, *, ops=None,
     return SearchResult(space, sol.choice, report, problem)
 
 
-def _problem(space, costs, weights, loss, world, budget, share) -> ShardingProblem:
+def _problem(space, costs, weights, loss, world, budget, share, live) -> ShardingProblem:
     program, nodes = space.program, space.nodes
     feeds = {v.name for v in program.inputs}
     compute, comm, memory = [], [], []
@@ -207,6 +218,9 @@ def _problem(space, costs, weights, loss, world, budget, share) -> ShardingProbl
         c, m = costs.op(op, node.strategies)
         forbid = np.where(np.array(node.allowed), 0.0, math.inf)
         compute.append(c * w + forbid)
+        for j, o in enumerate(op.outputs):
+            if o.name in space.leaving:     # a pending sum is settled before it leaves
+                m = m + np.array([costs.settle(s.out_specs[j], o) for s in node.strategies])
         comm.append(m * w)
         kept = [j for j, o in enumerate(op.outputs) if not o.alias_of]
         memory.append(np.array([local_bytes([s.out_local_shapes[j] for j in kept],
@@ -246,7 +260,7 @@ def _problem(space, costs, weights, loss, world, budget, share) -> ShardingProbl
                 layouts = [s.out_specs[0] for s in nodes[s_node].strategies]
                 forbid = [[s.out_specs[j] != lay for lay in layouts] for s in node.strategies]
                 aliases.append((node.index, s_node, np.array(forbid, dtype=float)))
-    liveness = _liveness(space) if budget is not None else ()
+    liveness = _liveness(space) if live else ()
     return ShardingProblem([len(n.strategies) for n in nodes], compute, comm, memory, edges,
                            aliases, [n.leader for n in nodes], liveness, budget, share,
                            [n.label for n in nodes])

@@ -96,6 +96,20 @@ class SearchCosts:
             self._matrices[key] = small[np.ix_(row_of, col_of)]
         return self._matrices[key]
 
+    def settle(self, spec: ShardSpec, value) -> float:
+        """Seconds to settle ``spec``'s pending sum (an all-reduce, or a reduce-scatter
+        onto an unsplit dim its mesh dim divides, whichever is cheaper); 0 if none."""
+        if not spec.partial:
+            return 0.0
+        ways = [ShardSpec(spec.dims)]
+        if len(spec.partial) == 1:
+            (m,) = spec.partial
+            size = self.mesh.dim_size(m)
+            for d, (entry, n) in enumerate(zip(spec.dims, value.shape)):
+                if entry is None and n % size == 0:
+                    ways.append(ShardSpec(spec.dims[:d] + (m,) + spec.dims[d + 1:]))
+        return min(self.reshard(spec, w, value.shape, value.dtype) for w in ways)
+
     def gather(self, spec: ShardSpec, value, world) -> float:
         """Seconds to bring ``value`` (laid out ``spec`` on the mesh) whole to every
         process of ``world`` (``partition.world_mesh``: how the runtime fetches the loss)."""

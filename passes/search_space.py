@@ -83,9 +83,12 @@ class Node:
 
 @dataclass
 class SearchSpace:
-    """The nodes of ``program``'s ops (or of the op indices ``ops``) on ``mesh``; see the
-    module docstring. ``op_node[k]`` / ``source_node[name]`` index :attr:`nodes`;
-    ``producer[name]`` is (node, output index) of the node that makes a Value."""
+    """The nodes of ``program``'s ops (or of the op indices ``ops``: a stage) on ``mesh``;
+    see the module docstring. ``op_node[k]`` / ``source_node[name]`` index :attr:`nodes`;
+    ``producer[name]`` is (node, output index) of the node that makes a Value;
+    ``boundary`` names the Values a stage receives from ops outside it (one source
+    node each, replicated: any split of it is a local slice); ``leaving`` those it
+    sends to ops outside it."""
 
     program: object
     mesh: ProcessMesh
@@ -94,9 +97,21 @@ class SearchSpace:
     op_node: dict = field(default_factory=dict)
     source_node: dict = field(default_factory=dict)
     producer: dict = field(default_factory=dict)
+    boundary: set = field(default_factory=set)
+    leaving: set = field(default_factory=set)
 
     def __post_init__(self):
-        self.ops = tuple(range(len(self.program.ops)) if self.ops is None else self.ops)
+        whole = self.ops is None
+        self.ops = tuple(range(len(self.program.ops)) if whole else self.ops)
+        # Values a part of the program receives from ops outside it (a stage's inputs)
+        self._outside = set() if whole else \
+            {o.name for op in self.program.ops for o in op.outputs} - \
+            {o.name for k in self.ops for o in self.program.ops[k].outputs}
+        if not whole:
+            inside = set(self.ops)
+            made_here = {o.name for k in self.ops for o in self.program.ops[k].outputs}
+            self.leaving = {v.name for k, op in enumerate(self.program.ops) if k not in inside
+                            for v in op.inputs if v.name in made_here}
         self._rules: dict = {}
         self._followed: dict = {}
         depth: dict = {}
@@ -128,7 +143,13 @@ class SearchSpace:
 
     def _add_source(self, v) -> None:
         found = layouts(v.shape, self.mesh)
-        if v.annotation is not None:
+        if v.name in self._outside:
+            # received from another stage: it arrives as the ops here consume it (the
+            # p2p transfer is the same whatever they want), so it offers one layout
+            # from which every split is a local slice
+            found = found[:1]
+            self.boundary.add(v.name)
+        elif v.annotation is not None:
             found = [s for s in found if s.out_specs[0] == v.annotation.spec]
             if not found:
                 raise PlanError(f"{v.name} {list(v.shape)} is annotated {v.annotation.spec} on "

@@ -42,16 +42,33 @@ def mlp_program(batch: int, hidden: int, annotate=None):
                          dg.optim.SGD(0.1))
 
 
-def _device(gid: int, local: int) -> dict:
-    return dict(DEVICE, global_id=gid, local_id=local)
+# A device whose time is its FLOPs alone (no launch cost, memory never the bottleneck):
+# layers of equal FLOPs then cost the same.
+FLOPS_ONLY = dict(DEVICE, memory_bandwidth=1e6, op_overhead=0)
 
 
-def line_cluster(n: int, bandwidth: float = 10.0, latency: float = 1.0) -> dg.Cluster:
+def _device(gid: int, local: int, device=None) -> dict:
+    return dict(device or DEVICE, global_id=gid, local_id=local)
+
+
+def line_cluster(n: int, bandwidth: float = 10.0, latency: float = 1.0,
+                 device=None) -> dg.Cluster:
     """One machine of ``n`` devices, every pair linked alike: a 1-D device mesh."""
     links = [{"group": list(range(n)), "bandwidth": bandwidth, "latency": latency}]
     return dg.Cluster.from_dict({"name": f"line{n}", "machines": [
-        {"id": 0, "hostname": "m0", "devices": [_device(i, i) for i in range(n)],
+        {"id": 0, "hostname": "m0", "devices": [_device(i, i, device) for i in range(n)],
          "links": links}]})
+
+
+def two_speed_cluster(ratio: float = 2.0) -> dg.Cluster:
+    """Two machines of one device each, the first ``ratio`` times the second's GFLOP/s
+    (two device models, so two device meshes)."""
+    fast = dict(FLOPS_ONLY, model="fast", gflops={"float32": 50 * ratio, "float64": 25 * ratio})
+    slow = dict(FLOPS_ONLY, model="slow")
+    machines = [{"id": m, "hostname": f"node{m}", "devices": [_device(m, 0, kind)]}
+                for m, kind in enumerate((fast, slow))]
+    return dg.Cluster.from_dict({"name": "two_speeds", "machines": machines, "links": [
+        {"source": 0, "target": 1, "bandwidth": 10.0, "latency": 1.0}]})
 
 
 def grid_cluster(fast: float = 100.0, slow: float = 1.0, latency: float = 1.0) -> dg.Cluster:

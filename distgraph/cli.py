@@ -1,4 +1,5 @@
-"""The ``distgraph`` console script: ``distgraph run ...`` and ``distgraph cluster ...``.
+"""The ``distgraph`` console script: ``distgraph run ...``, ``distgraph plan ...`` and
+``distgraph cluster ...``.
 
 Each subcommand's parser sets ``func``, a handler that takes the parsed args and returns
 the exit code.
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 
+from distgraph.plan_cli import add_plan_parser
 from distgraph.resources.cli import add_cluster_parser
 from distgraph.run import add_run_parser
 
@@ -16,6 +18,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="distgraph", description="distgraph command line")
     commands = parser.add_subparsers(dest="command", required=True)
     add_run_parser(commands)
+    add_plan_parser(commands)
     add_cluster_parser(commands)
     args = parser.parse_args(argv)
     return args.func(args)

@@ -351,6 +351,7 @@ class Engine:
                             "dataset_size": len(train_data)}
         for rows in sorted({len(idx) for idx in loader.indices(0)[:n_batches]}, reverse=True):
             self._plan_batch("train", loader, rows)      # plan every batch shape up front
+        self._only_planning("train")
         cbs = CallbackList(_progress(verbose, callbacks) + list(callbacks or []), self)
         history = History()
         self.stop_training = False
@@ -411,6 +412,20 @@ class Engine:
                 return epoch + 1, 0
         return epoch, batch
 
+    def _only_planning(self, mode, loader=None) -> None:
+        """Under ``distgraph plan`` (``$DISTGRAPH_PLAN_OUT`` set): plan ``mode``'s first
+        batch (with ``loader``; ``fit`` has planned already), write the report there and
+        end this process (see :mod:`distgraph.plan_cli`)."""
+        import os
+        path = os.environ.get("DISTGRAPH_PLAN_OUT")
+        if not path:
+            return
+        from distgraph.plan_cli import write_report
+        if loader is not None:
+            self._plan_batch(mode, loader, len(loader.indices(0)[0]))
+        write_report(self._plans[mode], path)
+        raise SystemExit(0)
+
     def _plan_batch(self, mode, loader, rows):
         """Plan (without running) the program of a batch of ``rows`` samples."""
         ins, labels = loader.specs(self._label_count(mode), rows)
@@ -431,6 +446,7 @@ class Engine:
         from distgraph.metrics import as_metrics
         ms = self.metrics if metrics is None else as_metrics(metrics)
         loader = DataLoader(valid_data, batch_size, drop_last=drop_last)
+        self._only_planning("eval", loader)
         for m in ms:
             m.reset()
         total, count = 0.0, 0
@@ -456,6 +472,7 @@ class Engine:
     def predict(self, test_data, batch_size=1, drop_last=False) -> list:
         """Per batch, the list of the model's outputs (global arrays)."""
         loader = DataLoader(test_data, batch_size, drop_last=drop_last)
+        self._only_planning("predict", loader)
         results = []
         for idx in loader.indices(0):
             built, backend, scope = self._ensure("predict", loader, len(idx))

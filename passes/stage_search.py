@@ -66,6 +66,10 @@ class PipelineReport:
         return self.stage_plan.objective
 
     @property
+    def gap(self) -> float:
+        return max(s.gap for s in self.stages)
+
+    @property
     def layouts(self) -> tuple:
         return tuple(x for s in self.stages for x in s.layouts)
 

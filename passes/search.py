@@ -21,17 +21,22 @@ The problem (:class:`~distgraph.passes.ilp_problem.ShardingProblem`):
 - **edges**: per operand of an op, the reshard seconds from each layout its producer may
   make to each layout the op may consume (an op reading one Value twice pays once);
 - **aliases**: an update's write-back (``alias_of``) must be laid out as the parameter
-  or state it replaces, so no write-back reshard is ever planned;
+  or state it replaces, so no write-back reshard is ever planned (tied by index where
+  the source follows its update, an alias constraint where it is annotated);
 - **sharing**: the interior blocks of ``blocks`` (repeated layers such as the
   TransformerBlocks, checked identical op by op) take one strategy per position, with
   their boundary edges in the problem; the first and last block stay free;
 - **memory** (with ``memory_budget`` bytes): every live result at each op of the
-  program order (parameters and states always) within the budget.
+  program order (parameters and states always) within the budget. Reshard buffers are
+  not counted (they depend on two choices): the planner checks the budget against the
+  estimate and searches again with less (:mod:`distgraph.passes.auto_plan`).
 
 The objective is then the estimate (:func:`distgraph.passes.estimate`) of the plan the
 choice makes, except that a Value resharded to one layout for several consumers is
-reshared once by the partitioner but charged per consumer here: objective = estimated
-step time + the seconds of those repeated reshards (tests check this relation).
+resharded once by the partitioner but charged per consumer here: objective = estimated
+step time + the seconds of those repeated reshards (tests check this relation). The
+estimate takes the busiest process; the search prices one process of the mesh for all,
+so the two agree where the mesh's links are uniform per dim.
 
 Example::
 

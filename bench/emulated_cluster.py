@@ -5,8 +5,10 @@ Run as root (the emulation makes network namespaces)::
     python bench/emulated_cluster.py [--cluster resources/clusters/emulated_2x2.yaml]
 
 The MLP and GPT-tiny of tests/plans.py (at bench sizes) train under data parallel (dp),
-Megatron tensor parallel (mp) and a 2 x 2 dp x mp mesh placed both ways: mp groups inside
-the machines and dp across them, or mp across the machines. The program runs every plan
+Megatron tensor parallel (mp), a 2 x 2 dp x mp mesh placed both ways (mp groups inside
+the machines and dp across them, or mp across the machines), and the plan the search
+chooses for the file (``Strategy(auto_mode="full")``, "auto"), whose measured step is
+compared with the best hand plan's (target <= 1.10 x). The program runs every plan
 twice on 4 ranks: on the emulated cluster (``launch_emulated``), and as a reference on
 this machine's shared memory (``launch`` with the same file, so the same plans and
 placements). It prints per plan the step time the cost model (``dg.passes.estimate``)
@@ -49,24 +51,6 @@ PLACEMENTS = {"dp across machines": {0: 0, 1: 1, 2: 2, 3: 3},
               "mp across machines": {0: 0, 1: 2, 2: 1, 3: 3}}
 
 
-class BenchMLP(P.PlanMLP):
-    """tests/plans.py's MLP (same hooks and forward) at bench size."""
-
-    def __init__(self):
-        dg.nn.Layer.__init__(self)
-        self.fc1 = dg.nn.Linear(MLP["d_in"], MLP["hidden"])
-        self.fc2 = dg.nn.Linear(MLP["hidden"], MLP["d_out"])
-        self.hooks = P.Hooks()
-
-
-class BenchGPT(P.PlanGPT):
-    """tests/plans.py's GPT (same hooks and forward) at bench size."""
-
-    def __init__(self):
-        dg.nn.GPT.__init__(self, **GPT)
-        self.hooks = P.Hooks()
-
-
 class Data:
     def __init__(self, kind: str, n: int, seed: int = 0):
         rng = np.random.default_rng(seed)
@@ -85,12 +69,14 @@ class Data:
 
 
 def configs():
-    """(model kind, plan name, annotate, placement name, process -> device)."""
+    """(model kind, plan name, annotate, placement name, process -> device); the "auto"
+    plan is the search's (Strategy(auto_mode="full") for the file), placed as it chose."""
     for kind in ("mlp", "gpt"):
         yield kind, "dp", P.dp_plan(kind, 4), "-", PLACEMENTS["dp across machines"]
         yield kind, "mp", P.tp_plan(kind, 4), "-", PLACEMENTS["dp across machines"]
         for where, mapping in PLACEMENTS.items():
             yield kind, "dp x mp", P.dp_tp_plan(kind, 4), where, mapping
+        yield kind, "auto", lambda model: None, "searched", None
 
 
 def predict(engine, cluster) -> dict:
@@ -103,7 +89,7 @@ def predict(engine, cluster) -> dict:
 def time_steps(engine, data, comm, steps: int) -> float:
     comm.barrier()
     start = time.perf_counter()
-    engine.fit(data, batch_size=BATCH, epochs=1, steps_per_epoch=steps)
+    engine.fit(data, batch_size=BATCH, epochs=1, steps_per_epoch=steps, verbose=0)
     comm.barrier()
     return (time.perf_counter() - start) / steps
 
@@ -126,11 +112,11 @@ def rank_part(args) -> None:
         raise dg.PlanError(f"this benchmark runs on 4 ranks, not {comm.size}")
     rows, runs = [], []
     for kind, plan, annotate, where, mapping in configs():
-        dg.seed(0)
-        model = BenchMLP() if kind == "mlp" else BenchGPT()
+        model = P.build_model(kind, 0, MLP if kind == "mlp" else GPT)
         annotate(model)
+        auto = dg.Strategy(auto_mode="full") if plan == "auto" else dg.Strategy()
         engine = dg.Engine(model, P.loss_fn(kind), dg.optim.AdamW(1e-3), cluster=cluster,
-                           communicator=comm, rank_mapping=mapping)
+                           communicator=comm, rank_mapping=mapping, strategy=auto)
         data = Data(kind, BATCH * (args.steps + 2))
         time_steps(engine, data, comm, 2)                                 # warm up
         row = {"model": kind, "plan": plan, "placement": where, "measured": float("inf")}
@@ -209,6 +195,12 @@ def report(cluster, rows, local) -> None:
                  [r["measured"] - b["measured"] for r, b in mine])):
             print(f"{kind} {what} times: predicted {_names(_order(key, pred))}; measured "
                   f"{_names(_order(key, meas))}; {_pairs(pred, meas)}")
+        hand = {(r["plan"], r["placement"]): r["measured"] for r, _ in mine
+                if r["plan"] != "auto"}
+        best = min(hand, key=hand.get)
+        auto = next(r["measured"] for r, _ in mine if r["plan"] == "auto")
+        print(f"{kind} searched plan: {auto * 1e3:.1f} ms = {auto / hand[best]:.2f} x the "
+              f"best hand plan ({_names([best])}, {hand[best] * 1e3:.1f} ms); target <= 1.10")
         two = {r["placement"]: r["measured"] for r, _ in mine if r["plan"] == "dp x mp"}
         fastest = min(two, key=two.get)
         ratio = two[fastest] / max(two.values())

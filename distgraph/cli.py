@@ -1,4 +1,5 @@
-"""The ``distgraph`` console script: ``distgraph run ...`` and ``distgraph cluster ...``.
+"""The ``distgraph`` console script: ``distgraph run ...``, ``distgraph plan ...`` and
+``distgraph cluster ...``.
 
 Each subcommand's parser sets ``func``, a handler that takes the parsed args and returns
 the exit code.
@@ -6,6 +7,7 @@ the exit code.
 
 from __future__ import annotations
 
+from distgraph.plan_cli import add_plan_parser
 from distgraph.resources.cli import add_cluster_parser
 from distgraph.run import OneLineParser, add_run_parser
 
@@ -14,6 +16,7 @@ def main(argv=None) -> int:
     parser = OneLineParser(prog="distgraph", description="distgraph command line")
     commands = parser.add_subparsers(dest="command", required=True)
     add_run_parser(commands)
+    add_plan_parser(commands)
     add_cluster_parser(commands)
     args = parser.parse_args(argv)
     return args.func(args)

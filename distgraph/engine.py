@@ -9,6 +9,7 @@ Example::
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -245,10 +246,23 @@ class Engine:
         key = (mode, self._program_key(mode, inputs_spec, labels_spec))
         built = build_program(self.model, inputs_spec, labels_spec, self.loss,
                               self.optimizer if mode == "train" else None, mode)
-        self._plan_cache[key] = plan(built, self.strategy, self.cluster, self.rank_mapping)
+        self._plan_cache[key] = plan(built, self.strategy, self._planning_cluster(),
+                                     self.rank_mapping)
         self._active.pop(mode, None)
         self._activate(mode, key)
         return self._plans[mode]
+
+    def _planning_cluster(self):
+        """The Engine's cluster (given, or the file ``distgraph run/plan --cluster``
+        exports); for the automatic search without one, this machine as the job's ranks
+        (``Cluster.local``: the communicator's size, or the MPI launcher's)."""
+        if self.cluster is not None or self.strategy.auto_mode != "full":
+            return self.cluster
+        from distgraph.resources.cluster import Cluster
+        if self._comm is not None:
+            return Cluster.local(self._comm.size)
+        return Cluster.local(int(os.environ.get("PMI_SIZE",
+                                                os.environ.get("OMPI_COMM_WORLD_SIZE", 1))))
 
     def _activate(self, mode, key) -> None:
         if self._active.get(mode) == key:
@@ -273,6 +287,8 @@ class Engine:
             if p.distributed:
                 if self._comm is None:
                     self._comm = _world_communicator()
+                if p.search is not None:
+                    _check_same_search(p, self._comm)
                 self._backend_cache[key] = _SpmdBackend(p, self._comm, fetch)
             elif p.pipelined:
                 self._backend_cache[key] = _SpmdBackend(p, None, fetch)
@@ -332,6 +348,7 @@ class Engine:
                             "dataset_size": len(train_data)}
         for rows in sorted({len(idx) for idx in loader.indices(0)[:n_batches]}, reverse=True):
             self._plan_batch("train", loader, rows)      # plan every batch shape up front
+        self._only_planning("train")
         cbs = CallbackList(_progress(verbose, callbacks) + list(callbacks or []), self)
         history = History()
         self.stop_training = False
@@ -407,6 +424,20 @@ class Engine:
                 return epoch + 1, 0
         return epoch, batch
 
+    def _only_planning(self, mode, loader=None) -> None:
+        """Under ``distgraph plan`` (``$DISTGRAPH_PLAN_OUT`` set): plan ``mode``'s first
+        batch (with ``loader``; ``fit`` has planned already), write the report there and
+        end this process (see :mod:`distgraph.plan_cli`)."""
+        import os
+        path = os.environ.get("DISTGRAPH_PLAN_OUT")
+        if not path:
+            return
+        from distgraph.plan_cli import write_report
+        if loader is not None:
+            self._plan_batch(mode, loader, len(loader.indices(0)[0]))
+        write_report(self._plans[mode], path)
+        raise SystemExit(0)
+
     def _plan_batch(self, mode, loader, rows):
         """Plan (without running) the program of a batch of ``rows`` samples."""
         ins, labels = loader.specs(self._label_count(mode), rows)
@@ -428,6 +459,7 @@ class Engine:
         from distgraph.metrics import as_metrics
         ms = self.metrics if metrics is None else as_metrics(metrics)
         loader = DataLoader(valid_data, batch_size, drop_last=drop_last)
+        self._only_planning("eval", loader)
         for m in ms:
             m.reset()
         total, count = 0.0, 0
@@ -455,6 +487,7 @@ class Engine:
     def predict(self, test_data, batch_size=1, drop_last=False) -> list:
         """Per batch, the list of the model's outputs (global arrays)."""
         loader = DataLoader(test_data, batch_size, drop_last=drop_last)
+        self._only_planning("predict", loader)
         results = []
         for b, idx in enumerate(loader.indices(0)):
             built, backend, scope = self._ensure("predict", loader, len(idx))
@@ -543,6 +576,22 @@ class Engine:
         if mode not in self._plans:
             raise DistGraphError(f"no {mode} program yet: call prepare() or fit() first")
         return self._plans[mode]
+
+
+def _check_same_search(plan, comm) -> None:
+    """Every rank searched its plan itself: make sure all chose the same (a search that
+    ran out of time may stop at other choices on other ranks)."""
+    import hashlib
+    digest = hashlib.sha256(repr(plan.search.layouts).encode()).digest()
+    mine = np.array([int.from_bytes(digest[:6], "big")], dtype=np.float64)
+    ranks = list(range(comm.size))
+    low = comm.all_reduce(mine, ranks, op="min")
+    high = comm.all_reduce(mine, ranks, op="max")
+    if low[0] != high[0]:
+        raise DistGraphError(f"rank {comm.rank}: the ranks' searches chose different plans "
+                             f"(search status {plan.search.status}, gap {plan.search.gap:.3g}): "
+                             "raise Strategy.solver_time_limit so that the search finishes, or "
+                             "annotate more tensors")
 
 
 def _progress(verbose, callbacks) -> list:

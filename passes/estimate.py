@@ -4,7 +4,8 @@ communication and bubble, and peak memory per process.
 - **Compute**: each op of a process's local program takes
   ``op_overhead + max(FLOPs / GFLOP/s of its dtype, bytes touched / memory bandwidth)``
   on the process's device: a roofline plus the cost of launching an op (framework
-  dispatch and kernel launch), which dominates small tensors.
+  dispatch and kernel launch), which dominates small tensors; and each process copies
+  in its part of the feeds (bytes / memory bandwidth).
 - **Communication**: every reshard step and every collective inside an op, with the
   alpha-beta formulas of :mod:`distgraph.passes.cost_model`, on the links between the
   devices of the step's group (the ring's bottleneck bandwidth and largest hop latency);
@@ -137,6 +138,11 @@ def op_time(op_type: str, ins, outs, attrs: dict, device) -> float:
     return overhead + max(flops / rate, touched / mem_bw)
 
 
+def feed_time(nbytes: int, device) -> float:
+    """Seconds to copy ``nbytes`` of a feed into a process (its memory bandwidth)."""
+    return nbytes / device_rates(device)[0]
+
+
 def ring_links(cluster, devices) -> tuple[float, float]:
     """(bandwidth GB/s, latency µs) of a ring over ``devices``: its bottleneck hop and
     its slowest hop's latency."""
@@ -200,7 +206,9 @@ def _process_times(plan, pid, device, cluster, device_of, fetch):
     def times(role: str) -> int:
         return 1 if role == "optimize" else m
 
-    compute = updates = 0.0
+    # each process copies in its part of every feed, once per micro-batch
+    compute = m * sum(feed_time(v.nbytes, device) for v in local.program.inputs)
+    updates = 0.0
     for op in local.program.ops:
         t = op_time(op.type, [TensorType(v.shape, v.dtype) for v in op.inputs],
                     [TensorType(v.shape, v.dtype) for v in op.outputs], op.attrs, device)

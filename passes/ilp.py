@@ -395,10 +395,13 @@ def _raise_budget(p: ShardingProblem, red: _Reduced, start: float, time_limit: f
                         "limit to name the smallest peak; raise the budget or the time limit")
     peak = peak_memory(p, choice)
     if status == "optimal":
-        raise PlanError(f"no sharding choice fits {budget}: the smallest peak memory any "
+        err = PlanError(f"no sharding choice fits {budget}: the smallest peak memory any "
                         f"choice reaches is {peak:g}; raise the budget to at least that, or "
                         "add cheaper-memory strategies (e.g. more sharding)")
-    bound = model.scip.getDualbound()
-    raise PlanError(f"no sharding choice fits {budget}: the smallest peak memory found "
-                    f"within the time limit is {peak:g} (none is below {bound:g}); raise the "
-                    "budget")
+    else:
+        bound = model.scip.getDualbound()
+        err = PlanError(f"no sharding choice fits {budget}: the smallest peak memory found "
+                        f"within the time limit is {peak:g} (none is below {bound:g}); raise "
+                        "the budget")
+    err.smallest_peak = peak          # for callers that speak other units
+    raise err

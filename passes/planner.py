@@ -33,8 +33,9 @@ from types import MappingProxyType
 from distgraph.errors import PlanError, ShardingError
 from distgraph.mesh import ProcessMesh
 from distgraph.passes.accumulate import split_micro_batches
+from distgraph.passes.auto_plan import annotate, within_budget
 from distgraph.passes.completion import complete
-from distgraph.passes.estimate import fmt_bytes
+from distgraph.passes.estimate import estimate, fmt_bytes
 from distgraph.passes.partition import LocalProgram, partition, process_ids
 from distgraph.passes.recompute import recompute, segments
 from distgraph.passes.sharding import shard_updates
@@ -50,7 +51,8 @@ class Plan:
     whether it runs as an SPMD job (it carries annotations) or on one process;
     ``rank_of`` maps each logical process to the MPI rank that runs it (None: process p
     runs on rank p); ``stages`` are the meshes of the forward program in data-flow
-    order; ``estimate`` is the cost model's estimate, where one was made.
+    order; ``estimate`` is the cost model's estimate, where one was made; ``search``
+    the report of the automatic search (``Strategy(auto_mode="full")``), else None.
 
     With ``Strategy(micro_batches=M)``, M > 1, ``program`` is the *micro-batch* program
     (forward, backward and update on micro-batch shapes) and ``accumulation`` says how
@@ -66,6 +68,7 @@ class Plan:
     cluster: object = None
     estimate: object = None
     accumulation: object = None
+    search: object = None
     _locals: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -157,6 +160,8 @@ class Plan:
                      f"{fmt_bytes(busiest)} per step")
         for p in points:
             lines.append(f"    {p} ({fmt_bytes(p.bytes)})")
+        if self.search is not None:
+            lines.append("  " + str(self.search).replace("\n", "\n  "))
         if self.estimate is not None:
             lines.append("  estimate: " + str(self.estimate).replace("\n", "\n  "))
         return "\n".join(lines)
@@ -193,6 +198,8 @@ class Plan:
             out["bytes_sent"] = {str(pid): kinds for pid, kinds in self.bytes_sent().items()}
         if self.estimate is not None:
             out["estimate"] = self.estimate.to_dict()
+        if self.search is not None:
+            out["search"] = self.search.to_dict()
         return out
 
     def to_json(self, indent: int | None = 2) -> str:
@@ -209,6 +216,9 @@ def plan(built, strategy: Strategy | None = None, cluster=None, rank_mapping=Non
     if strategy.micro_batches > 1:
         built, accumulation = split_micro_batches(built, strategy.micro_batches)
     try:
+        if strategy.auto_mode == "full":
+            return within_budget(strategy, lambda ilp_budget: _plan(
+                built, strategy, cluster, rank_mapping, accumulation, ilp_budget))
         return _plan(built, strategy, cluster, rank_mapping, accumulation)
     except ShardingError as e:
         if accumulation is None:
@@ -218,11 +228,15 @@ def plan(built, strategy: Strategy | None = None, cluster=None, rank_mapping=Non
                             f"{accumulation.micro_batch_rows} rows)") from None
 
 
-def _plan(built, strategy, cluster, rank_mapping, accumulation) -> Plan:
+def _plan(built, strategy, cluster, rank_mapping, accumulation, ilp_budget=None) -> Plan:
     program = built.program.clone()
     copy = dataclasses.replace(built, program=program)
     if strategy.recompute and program.ops_by_role("backward"):
         recompute(program, segments(copy, strategy.recompute))
+    searched = None
+    if strategy.auto_mode == "full":
+        searched = annotate(copy, strategy, cluster, accumulation, ilp_budget)
+        rank_mapping = rank_mapping or searched.rank_mapping
     distributed = _is_annotated(program)
     updates = bool(program.ops_by_role("optimize"))
     if distributed:
@@ -243,27 +257,34 @@ def _plan(built, strategy, cluster, rank_mapping, accumulation) -> Plan:
     if planned.pipelined:
         from distgraph.passes.task_graph import stage_of_processes
         stage_of_processes(planned)          # every process in one stage, or a PlanError
+    if searched is not None:
+        searched.result.check(program)
+        planned = dataclasses.replace(planned, estimate=estimate(planned, cluster),
+                                      search=searched.result.report)
     return planned
 
 
-# Options that later work makes real; until then they are refused, never ignored.
-_NOT_YET = (
-    ("auto_mode", "full", "the automatic search is not available yet; annotate tensors with "
-                          "dg.shard_tensor and use Strategy(auto_mode='semi')"),
-    ("pipeline", True, "pipeline=True asks for the automatic stage search, which is not "
-                       "available yet; stages are the meshes you place the model on with "
-                       "dg.shard_tensor/shard_op, and Strategy(micro_batches=M, "
-                       "schedule=...) pipelines them (leave pipeline=False)"),
-)
-
-
 def _check_supported(strategy: Strategy) -> None:
-    for name, value, why in _NOT_YET:
-        if getattr(strategy, name) == value:
-            raise PlanError(f"Strategy({name}={value!r}): {why}")
-    if strategy.memory_budget_gb is not None:
-        raise PlanError("Strategy(memory_budget_gb=...) constrains the automatic search, "
-                        "which is not available yet; leave it None")
+    """Options that only mean something together are refused apart, never ignored."""
+    full = strategy.auto_mode == "full"
+    if strategy.pipeline and not full:
+        raise PlanError("Strategy(pipeline=True) asks the search to choose the stages: use it "
+                        "with auto_mode='full'; with auto_mode='semi' the stages are the "
+                        "meshes you place the model on, pipelined by Strategy(micro_batches=M)")
+    if strategy.memory_budget_gb is not None and not full:
+        raise PlanError("Strategy(memory_budget_gb=...) constrains the automatic search: use "
+                        "it with auto_mode='full' (or leave it None)")
+    if strategy.memory_budget_gb is not None and not strategy.memory_budget_gb > 0:
+        raise PlanError(f"Strategy(memory_budget_gb={strategy.memory_budget_gb!r}): give a "
+                        "number of GB > 0 per device, or None")
+    if not strategy.solver_time_limit > 0:
+        raise PlanError(f"Strategy(solver_time_limit={strategy.solver_time_limit!r}): give a "
+                        "number of seconds > 0")
+    if full and strategy.sharding:
+        raise PlanError("Strategy(sharding=True) with auto_mode='full' is not supported: the "
+                        "search lays parameters and updates out itself (a parameter it "
+                        "shards over a data-parallel dim is ZeRO-3-like); leave sharding=False, "
+                        "or annotate by hand with auto_mode='semi' for ZeRO update sharding")
 
 
 def _shard_updates(program, mesh_dim: str) -> None:

@@ -139,13 +139,15 @@ class Dataset:
 @dataclass(frozen=True)
 class Plan:
     """``annotate(model)`` marks a fresh model; ``sharding`` turns on ZeRO-style update
-    sharding over ``dp`` (Strategy(sharding=True))."""
+    sharding over ``dp`` (Strategy(sharding=True)); ``auto`` lets the search plan the
+    unannotated model (Strategy(auto_mode="full") on ``Cluster.local(nprocs)``)."""
 
     kind: str
     name: str
     nprocs: int
     annotate: Callable
     sharding: bool = False
+    auto: bool = False
 
     def __str__(self) -> str:
         return f"{self.kind}-{self.name}-n{self.nprocs}"
@@ -297,6 +299,14 @@ for _kind in ("mlp", "gpt"):
                 continue
             PLANS[_kind, _name, _n] = Plan(_kind, _name, _n, _factory(_kind, _n), _sharding)
 
+def _no_annotation(model):
+    return None
+
+
+# The automatic search's plan of each model (tests/test_search_training.py).
+AUTO_PLANS = {(_kind, "auto", _n): Plan(_kind, "auto", _n, _no_annotation, auto=True)
+              for _kind in ("mlp", "gpt") for _n in (2, 4)}
+
 # Plans only the pipeline tests run (more stages, tensor parallel stages).
 PIPELINE_PLANS = {(_kind, _name, 4): Plan(_kind, _name, 4, PIPELINE_FACTORIES[_name](_kind, 4))
                   for _kind, _name in (("mlp4", "four_stage"), ("gpt", "four_stage"),
@@ -313,9 +323,10 @@ def make_optimizer(name: str):
     raise ValueError(f"unknown optimizer {name!r}")
 
 
-def make_engine(model, kind, comm=None, sharding=False, optimizer="adamw"):
-    return dg.Engine(model, loss_fn(kind), make_optimizer(optimizer),
-                     strategy=dg.Strategy(sharding=sharding), communicator=comm)
+def make_engine(model, kind, comm=None, sharding=False, optimizer="adamw", auto=False):
+    strategy = dg.Strategy(sharding=sharding, auto_mode="full" if auto else "semi")
+    return dg.Engine(model, loss_fn(kind), make_optimizer(optimizer), strategy=strategy,
+                     communicator=comm)
 
 
 def prepare(engine, kind):
@@ -326,9 +337,9 @@ def prepare(engine, kind):
     return engine
 
 
-def train(model, kind, comm=None, sharding=False, optimizer="adamw"):
+def train(model, kind, comm=None, sharding=False, optimizer="adamw", auto=False):
     """STEPS optimizer steps; (History.losses, global parameters) on this rank."""
-    engine = prepare(make_engine(model, kind, comm, sharding, optimizer), kind)
+    engine = prepare(make_engine(model, kind, comm, sharding, optimizer, auto), kind)
     history = engine.fit(Dataset(kind), batch_size=BATCH, epochs=1)
     return history.losses, engine.state_dict()
 

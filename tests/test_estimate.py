@@ -78,7 +78,8 @@ def test_compute_is_roofline_plus_launch_cost(float64):
     est = dg.passes.estimate(p, cluster(1))
     flops = 2 * 16 * 64 * 32
     moved = (16 * 64 + 64 * 32 + 16 * 32) * 8
-    expected = OVERHEAD * 1e-6 + max(flops / (GFLOPS * 1e9), moved / (MEM_BW * 1e9))
+    feed = 16 * 64 * 8 / (MEM_BW * 1e9)          # the process copies its feed in
+    expected = OVERHEAD * 1e-6 + max(flops / (GFLOPS * 1e9), moved / (MEM_BW * 1e9)) + feed
     assert est.step_time == pytest.approx(expected, rel=1e-12)
     assert est.compute == est.step_time and est.communication == 0 and est.bubble == 0
 
@@ -160,7 +161,7 @@ def test_a_micro_batched_plan_counts_forward_and_backward_once_per_micro_batch(f
     """A micro-batched plan's local programs are one micro-batch's: its forward and
     backward ops count M times a step, its updates once, and two stages overlap."""
     from distgraph.ops.registry import TensorType
-    from distgraph.passes.estimate import op_time
+    from distgraph.passes.estimate import feed_time, op_time
 
     def plan(m):
         built = build_program(TwoStageMLP(256), [dg.InputSpec([64, 256], name="x")],
@@ -175,6 +176,7 @@ def test_a_micro_batched_plan_counts_forward_and_backward_once_per_micro_batch(f
     expected = sum(op_time(op.type, [TensorType(v.shape, v.dtype) for v in op.inputs],
                            [TensorType(v.shape, v.dtype) for v in op.outputs], op.attrs,
                            device) * (1 if op.role == "optimize" else 4) for op in ops)
+    expected += 4 * sum(feed_time(v.nbytes, device) for v in micro.local(0).program.inputs)
     est = dg.passes.estimate(micro, c)
     assert est.processes[0].compute == pytest.approx(expected, rel=1e-12)
     assert est.step_time < dg.passes.estimate(whole, c).step_time

@@ -15,8 +15,8 @@ SCRIPT = Path(__file__).parent / "mpi_scripts" / "train_plans.py"
 TOLERANCE = 1e-10
 
 FOUR = ["mlp:dp", "gpt:dp", "gpt:tp", "gpt:dp_tp", "gpt:two_stage", "gpt:zero", "gpt:sp",
-        "mlp:zero_dp_tp"]
-TWO = ["mlp:tp", "mlp:sp", "mlp:zero", "mlp:two_stage", "gpt:dp"]
+        "mlp:zero_dp_tp", "gpt:auto"]
+TWO = ["mlp:tp", "mlp:sp", "mlp:zero", "mlp:two_stage", "gpt:dp", "mlp:auto", "gpt:auto"]
 
 
 def run_plans(nprocs, keys, dtype="float64"):

@@ -33,7 +33,7 @@ from typing import Any, Callable, NamedTuple
 
 from distgraph.errors import DistGraphError
 from distgraph.placement import DistAttr
-from distgraph.spmd import Rule, SpmdRuleError
+from distgraph.spmd import DimsSpec, OpStrategy, Rule, SpmdRuleError
 
 
 class TensorType(NamedTuple):
@@ -151,19 +151,27 @@ class OpRule(Rule):
 
     def strategies(self, in_shapes, out_shapes, mesh, in_dtypes=None, **attrs) -> list:
         found = self.bind(in_shapes, out_shapes, mesh, attrs).strategies()
+        return [self.with_comm(s, in_shapes, out_shapes, mesh, in_dtypes) for s in found]
+
+    def strategy(self, in_specs, out_specs, in_shapes, out_shapes, mesh, in_dtypes=None):
+        """The strategy record of complete ``in_specs`` / ``out_specs`` (e.g. a rule's
+        answer with every entry known), as :meth:`strategies` lists them."""
+        s = OpStrategy.build(mesh, [DimsSpec.of(x) for x in in_specs],
+                             [DimsSpec.of(x) for x in out_specs], in_shapes, out_shapes)
+        return self.with_comm(s, in_shapes, out_shapes, mesh, in_dtypes)
+
+    def with_comm(self, s: OpStrategy, in_shapes, out_shapes, mesh, in_dtypes=None):
+        """``s`` with the collectives the op's distributed form runs (its ``comm`` hook)."""
         if self.comm is None:
-            return found
+            return s
         dtypes = tuple(in_dtypes) if in_dtypes is not None else ("float32",) * len(in_shapes)
         pid = mesh.process_ids[0]         # every process of a strategy communicates alike
-        out = []
-        for s in found:
-            site = LocalSite(pid, tuple(map(tuple, in_shapes)),
-                             tuple(DistAttr(mesh, x) for x in s.in_specs),
-                             tuple(map(tuple, out_shapes)),
-                             tuple(DistAttr(mesh, x) for x in s.out_specs), dtypes)
-            comm = tuple(self.comm(site))
-            out.append(replace(s, comm=comm) if comm else s)
-        return out
+        site = LocalSite(pid, tuple(map(tuple, in_shapes)),
+                         tuple(DistAttr(mesh, x) for x in s.in_specs),
+                         tuple(map(tuple, out_shapes)),
+                         tuple(DistAttr(mesh, x) for x in s.out_specs), dtypes)
+        comm = tuple(self.comm(site))
+        return replace(s, comm=comm) if comm else s
 
 
 def size(t: TensorType) -> int:

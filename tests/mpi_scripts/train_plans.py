@@ -2,7 +2,7 @@
 
 Usage (the job size must equal every listed plan's process count)::
 
-    distgraph run -n 4 tests/mpi_scripts/train_plans.py float64 gpt:dp mlp:zero_dp_tp ...
+    distgraph run -n 4 tests/mpi_scripts/train_plans.py float64 gpt:dp mlp:zero_dp_tp gpt:auto
 
 Every rank trains each plan through ``Engine.fit`` and trains the serial oracle itself;
 rank 0 prints ``PLANS-RESULT {json}`` with, per plan, every rank's ``History.losses``, its
@@ -44,12 +44,13 @@ def main(argv) -> None:
     refs = {}
     report = {"dtype": dtype, "world": comm.size, "plans": {}}
     for kind, name in keys:
-        plan = P.PLANS[kind, name, comm.size]
+        plan = {**P.PLANS, **P.AUTO_PLANS}[kind, name, comm.size]
         if kind not in refs:
             refs[kind] = P.serial_reference(kind)
         model = P.build_model(kind)
         plan.annotate(model)
-        engine = P.prepare(P.make_engine(model, kind, comm, plan.sharding), kind)
+        engine = P.prepare(P.make_engine(model, kind, comm, plan.sharding, auto=plan.auto),
+                           kind)
         history = engine.fit(P.Dataset(kind), batch_size=P.BATCH, epochs=1)
         errors = P.compare((history.losses, engine.state_dict()), refs[kind], dtype)
         mine = {"losses": history.losses, "errors": errors}

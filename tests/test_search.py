@@ -1,0 +1,185 @@
+"""The intra-op search (passes/search.py, Strategy(auto_mode="full")): the issue's MLP
+cases pick data parallelism, Megatron, and each split on the mesh dim whose links suit
+it; a memory budget is met or refused; annotations stay; the search's objective is the
+estimate of the plan it makes plus the reshards that plan shares between consumers;
+sharing identical blocks never beats the unshared optimum."""
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import distgraph as dg  # noqa: E402
+from distgraph.passes.estimate import step_time  # noqa: E402
+from distgraph.passes.search import search  # noqa: E402
+from distgraph.placement import DistAttr  # noqa: E402
+from distgraph.program_builder import build_program  # noqa: E402
+
+import plans as P  # noqa: E402
+import search_cases as S  # noqa: E402
+
+
+def auto(built, cluster, **options):
+    return dg.passes.plan(built, dg.Strategy(auto_mode="full", **options), cluster)
+
+
+def consumed(op) -> list:
+    return [str(s) for s in op.dist_attr.input_specs]
+
+
+def spec(plan, name) -> str:
+    return str(plan.program.values[name].dist_attr.spec)
+
+
+def test_large_batch_mlp_is_data_parallel():
+    plan = auto(S.mlp_program(batch=1024, hidden=128), S.line_cluster(4))
+    for op in S.forward_matmuls(plan):          # batch split, weights whole
+        assert consumed(op) == ["[x, None]", "[None, None]"], op.layer
+
+
+def test_wide_mlp_is_megatron():
+    plan = auto(S.mlp_program(batch=128, hidden=1024), S.line_cluster(4))
+    first, second = S.forward_matmuls(plan)
+    assert consumed(first)[1] == "[None, x]"     # w1 column-split
+    assert consumed(second)[1] == "[x, None]"    # w2 row-split
+    assert spec(plan, "fc1.weight") == "[None, x]" and spec(plan, "fc2.weight") == "[x, None]"
+    assert not [p for p in plan.reshards() if p.value.startswith("fc")], \
+        "Megatron's weights are used where they are stored"
+
+
+def test_batch_split_on_the_slow_dim_megatron_on_the_fast_one():
+    cluster = S.grid_cluster(fast=100.0, slow=1.0)
+    assert cluster.device_meshes[0].dim_bandwidths == (1.0, 100.0)
+    plan = auto(S.mlp_program(batch=1024, hidden=256), cluster)
+    for op in S.forward_matmuls(plan):
+        activation, weight = op.dist_attr.input_specs
+        assert activation.dims[0] == "x", op.layer               # batch on the slow dim
+        assert "y" in weight.dims and "x" not in weight.dims, op.layer   # weights on the fast
+    first, second = S.forward_matmuls(plan)
+    # Megatron's pair: one matmul splits its weight's rows, the other its columns
+    assert {first.dist_attr.input_specs[1].dims.index("y"),
+            second.dist_attr.input_specs[1].dims.index("y")} == {0, 1}
+
+
+def test_a_memory_budget_below_the_unconstrained_peak_is_met_or_refused():
+    cluster = S.line_cluster(4, bandwidth=0.1)
+    free = auto(S.mlp_program(batch=256, hidden=512), cluster)
+    budget = 0.8 * free.estimate.peak_memory
+    tight = auto(S.mlp_program(batch=256, hidden=512), cluster, memory_budget_gb=budget / 1e9)
+    assert tight.estimate.peak_memory <= budget
+    assert tight.search.memory_budget is not None
+    # the unconstrained optimum does not fit, so the plan that does cannot be cheaper
+    assert tight.search.objective >= free.search.objective
+    with pytest.raises(dg.PlanError, match="smallest peak memory any plan reaches is"):
+        auto(S.mlp_program(batch=256, hidden=512), cluster,
+             memory_budget_gb=0.3 * free.estimate.peak_memory / 1e9)
+
+
+def repeated_reshard_seconds(plan, cluster) -> float:
+    """Seconds of the reshards the partitioner does once for several consumer ops (the
+    search charges each consumer, as often as it runs in a step: once per micro-batch
+    but for the updates)."""
+    ops = plan.program.ops
+    runs = {role: 1 if role == "optimize" else plan.micro_batches
+            for role in ("forward", "loss", "backward", "optimize")}
+    total = 0.0
+    for point in plan.reshards():
+        users = {k for k, op in enumerate(ops) for v, s in zip(op.inputs,
+                                                                op.dist_attr.input_specs)
+                 if v.name == point.value and DistAttr(op.dist_attr.mesh, s) == point.dst}
+        seconds = sum(step_time(s, 0, cluster, lambda p: cluster.devices[plan.rank(p)].global_id)
+                      for s in point.steps)
+        charged = sum(runs[ops[k].role] for k in users)
+        total += (charged - runs[ops[point.anchor].role]) * seconds
+    return total
+
+
+def gpt_program():
+    model = P.build_model("gpt")
+    ins, labels = dg.engine.DataLoader(P.Dataset("gpt"), P.BATCH).specs(1)
+    return build_program(model, ins, labels, P.loss_fn("gpt"), dg.optim.AdamW(0.01))
+
+
+@pytest.mark.parametrize("case", ["dp", "megatron", "grid", "gpt", "micro-batched"])
+def test_objective_is_the_estimate_plus_the_reshards_shared_by_consumers(case):
+    built, cluster = {
+        "dp": lambda: (S.mlp_program(1024, 128), S.line_cluster(4)),
+        "megatron": lambda: (S.mlp_program(128, 1024), S.line_cluster(4)),
+        "grid": lambda: (S.mlp_program(1024, 256), S.grid_cluster()),
+        "gpt": lambda: (gpt_program(), S.line_cluster(4)),
+        "micro-batched": lambda: (S.mlp_program(128, 1024), S.line_cluster(4)),
+    }[case]()
+    plan = auto(built, cluster, micro_batches=4 if case == "micro-batched" else 1)
+    assert plan.search.status == "optimal" and plan.search.gap == 0
+    expected = plan.estimate.step_time + repeated_reshard_seconds(plan, cluster)
+    assert plan.search.objective == pytest.approx(expected, rel=1e-9)
+    assert plan.search.objective >= plan.estimate.step_time
+
+
+def test_annotations_are_hard_constraints():
+    mesh = dg.ProcessMesh([0, 1, 2, 3], dim_names=["x"])
+
+    def megatron_w1(model):
+        dg.shard_tensor(model.fc1.weight, mesh, [None, "x"])
+
+    plan = auto(S.mlp_program(1024, 128, annotate=megatron_w1), S.line_cluster(4))
+    assert spec(plan, "fc1.weight") == "[None, x]"
+    free = auto(S.mlp_program(1024, 128), S.line_cluster(4))
+    assert spec(free, "fc1.weight") != "[None, x]"
+    assert plan.search.objective >= free.search.objective
+
+
+def test_shared_blocks_never_beat_the_unshared_optimum():
+    dims = dict(P.GPT_DIMS, n_layer=5)
+    model = P.build_model("gpt", dims=dims)
+    ins, labels = dg.engine.DataLoader(P.Dataset("gpt", dims=dims), P.BATCH).specs(1)
+    built = build_program(model, ins, labels, P.loss_fn("gpt"), dg.optim.AdamW(0.01))
+    mesh = dg.ProcessMesh([0, 1, 2, 3], dim_names=["x"])
+    cluster = S.line_cluster(4)
+    devices = {p: p for p in range(4)}
+    shared = search(built.program, mesh, cluster, devices, loss=built.loss_name,
+                    blocks=built.block_paths)
+    alone = search(built.program, mesh, cluster, devices, loss=built.loss_name)
+    assert shared.report.shared_blocks == 3 and alone.report.shared_blocks == 0
+    assert shared.report.free_nodes == alone.report.free_nodes
+    assert shared.report.variables < alone.report.variables
+    assert shared.report.objective >= alone.report.objective * (1 - 1e-12)
+    # every interior block took the same strategies
+    space = shared.space
+    for path in ("blocks.2", "blocks.3"):
+        for n1, n2 in zip(*[[n for n in space.nodes if n.layer.startswith(p + ".")]
+                            for p in ("blocks.1", path)]):
+            assert shared.strategy(n1.index).name == shared.strategy(n2.index).name
+
+
+def test_explain_and_json_report_the_search():
+    plan = auto(S.mlp_program(128, 1024), S.line_cluster(4))
+    text = plan.explain()
+    assert "search on ProcessMesh" in text and "optimal" in text and "fc1.weight: [None, x]" in text
+    data = plan.to_dict()
+    assert data["search"]["status"] == "optimal"
+    assert data["estimate"]["step_time"] == plan.estimate.step_time
+    assert ["fc1", "fc1.weight", "[None, x]", "parameter"] in data["search"]["layouts"]
+
+
+@pytest.mark.parametrize("options, match", [
+    (dict(auto_mode="full", sharding=True), "sharding=True"),
+    (dict(pipeline=True), "auto_mode='full'"),
+    (dict(memory_budget_gb=1.0), "auto_mode='full'"),
+    (dict(auto_mode="full", memory_budget_gb=0.0), "memory_budget_gb"),
+    (dict(auto_mode="full", solver_time_limit=0), "solver_time_limit"),
+])
+def test_options_that_do_not_combine_are_refused(options, match):
+    with pytest.raises(dg.PlanError, match=match):
+        dg.passes.plan(S.mlp_program(64, 64), dg.Strategy(**options), S.line_cluster(4))
+
+
+def test_the_search_needs_a_cluster_with_one_device_mesh():
+    with pytest.raises(dg.PlanError, match="cluster"):
+        dg.passes.plan(S.mlp_program(64, 64), dg.Strategy(auto_mode="full"), None)
+    hetero = dg.Cluster.from_file(os.path.join(os.path.dirname(__file__), "..", "resources",
+                                               "clusters", "hetero_2gpu_2xpu.yaml"))
+    with pytest.raises(dg.PlanError, match="pipeline=True"):
+        dg.passes.plan(S.mlp_program(64, 64), dg.Strategy(auto_mode="full"), hetero)

@@ -39,7 +39,7 @@ from dataclasses import asdict, dataclass
 
 from distgraph import dtypes
 from distgraph.errors import PlanError
-from distgraph.ops.registry import TensorType, get_op
+from distgraph.ops.registry import TensorType, get_op, op_work
 from distgraph.passes.cost_model import collective_time
 from distgraph.passes.partition import gather_points
 
@@ -129,7 +129,12 @@ def device_rates(device) -> tuple[float, float]:
 
 
 def op_time(op_type: str, ins, outs, attrs: dict, device) -> float:
-    """Seconds for one op on ``device``; ``ins``/``outs`` are TensorTypes (local shapes)."""
+    """Seconds for one op on ``device``; ``ins``/``outs`` are TensorTypes (local shapes).
+    The device's measured cost of the op type where it has one (per call + per unit of
+    work), else the roofline with the device's launch cost."""
+    costs = device.op_costs.get(op_type) if device.op_costs else None
+    if costs is not None:
+        return costs[0] * 1e-6 + costs[1] * 1e-9 * op_work(op_type, ins, outs, attrs)
     flops = get_op(op_type).flops(ins, outs, **attrs)
     touched = sum(_nbytes(t) for t in ins) + sum(_nbytes(t) for t in outs)
     dtype = outs[0].dtype if outs else (ins[0].dtype if ins else "float32")
@@ -152,10 +157,19 @@ def ring_links(cluster, devices) -> tuple[float, float]:
 
 
 def step_time(step, process: int, cluster, device_of) -> float:
-    """Seconds that reshard ``step`` costs ``process`` (0 where it takes no part)."""
+    """Seconds that reshard ``step`` costs ``process`` (0 where it takes no part): the
+    alpha-beta of its messages plus the software cost of a step of its kind on the
+    process's device (``Device.reshard_overhead``, measured by calibrate)."""
+    involved = process in step.mesh or (step.dst_mesh is not None and process in step.dst_mesh)
+    if not involved:
+        return 0.0
+    software = cluster.device(device_of(process)).reshard_overhead
+    return _message_time(step, process, cluster, device_of) + \
+        (software.get(step.kind, 0.0) * 1e-6 if software else 0.0)
+
+
+def _message_time(step, process: int, cluster, device_of) -> float:
     if step.kind == "send_recv":
-        if process not in step.mesh and process not in step.dst_mesh:
-            return 0.0
         per_sender: dict = {}
         for t in step.transfers:
             if t.src != t.dst:
@@ -163,7 +177,7 @@ def step_time(step, process: int, cluster, device_of) -> float:
                 per_sender[t.src] = (per_sender.get(t.src, 0.0) + cluster.latency(a, b) * 1e-6
                                      + t.nbytes / (cluster.bandwidth(a, b) * 1e9))
         return max(per_sender.values(), default=0.0)
-    if step.kind not in COLLECTIVES or process not in step.mesh or step.group_size == 1:
+    if step.kind not in COLLECTIVES or step.group_size == 1:
         return 0.0
     group = [device_of(q) for q in step.mesh.group_of(process, step.mesh_dim)]
     bw, lat = ring_links(cluster, group)

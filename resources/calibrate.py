@@ -24,13 +24,14 @@ measuring; raise ``--repeats`` for steadier figures.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import platform
 import time
 
 import numpy as np
 
-from distgraph.resources.device_probe import memory_bandwidth_gbps, op_overhead_us
+from distgraph.resources.device_probe import memory_bandwidth_gbps, op_costs, op_overhead_us
 
 GEMM_SIZE = 384
 SMALL_BYTES = 8
@@ -151,8 +152,75 @@ def host_memory_gb() -> float:
         return 4.0
 
 
-def build_cluster(ranks: list[dict], pairs: dict, allreduce, name: str):
-    """The Cluster for gathered per-rank records and pair measurements."""
+RESHARD_KINDS = ("slice", "all_gather", "all_reduce", "reduce_scatter", "all_to_all")
+
+
+def measure_reshard_steps(comm, repeats: int) -> dict:
+    """{step kind: seconds} of one reshard step of each kind through distgraph's runtime
+    on a tiny tensor over all ranks (the slowest rank's view): the software cost a step
+    adds to what its messages cost on the links."""
+    import distgraph as dg
+    from distgraph.passes.reshard import plan_reshard
+    from distgraph.placement import DistAttr, ShardSpec
+    # the runtime is what the figure describes; imported at measurement time only
+    from distgraph.runtime.mpi_comm import MPICommunicator
+    from distgraph.runtime.reshard_exec import apply_reshard
+
+    n = comm.Get_size()
+    runtime = MPICommunicator(comm)
+    mesh = dg.ProcessMesh(list(range(n)), ["x"])
+    shape = (8 * n, 8 * n)
+    layouts = {"slice": ([None, None], (), ["x", None]),
+               "all_gather": (["x", None], (), [None, None]),
+               "all_reduce": ([None, None], ("x",), [None, None]),
+               "reduce_scatter": ([None, None], ("x",), ["x", None]),
+               "all_to_all": (["x", None], (), [None, "x"])}
+    out = {}
+    for kind in RESHARD_KINDS if n > 1 else ("slice",):
+        before, partial, after = layouts[kind]
+        src = DistAttr(mesh, ShardSpec(before, partial=partial))
+        steps = plan_reshard(src, DistAttr(mesh, ShardSpec(after)), shape, "float32")
+        local = np.ones(src.local_shape(shape), dtype=np.float32)
+        best = np.inf
+        for batch in range(repeats + 1):       # batch 0 warms up
+            runtime.barrier()
+            start = time.perf_counter()
+            for _ in range(50):
+                apply_reshard(steps, local, runtime, runtime.rank)
+            if batch:
+                best = min(best, (time.perf_counter() - start) / 50)
+        out[kind] = comm.allreduce(best, op=_mpi_max())
+    return out
+
+
+def _mpi_max():
+    from mpi4py import MPI
+    return MPI.MAX
+
+
+def reshard_overheads(cluster, steps: dict) -> dict:
+    """{step kind: µs} a step costs beyond the alpha-beta of the links its messages take
+    (what :func:`measure_reshard_steps` measured, less the cost model's charge)."""
+    from distgraph.passes.cost_model import collective_time
+
+    ids = [d.global_id for d in cluster.devices]
+    n = len(ids)
+    hops = list(zip(ids, ids[1:] + ids[:1]))
+    bw = min((cluster.bandwidth(a, b) for a, b in hops if a != b), default=1.0)
+    lat = max((cluster.latency(a, b) for a, b in hops if a != b), default=0.0)
+    shape_bytes = (8 * n) * (8 * n) * 4
+    buffer = {"all_gather": shape_bytes, "all_reduce": shape_bytes,
+              "reduce_scatter": shape_bytes, "all_to_all": shape_bytes // n}
+    out = {}
+    for kind, seconds in steps.items():
+        charged = collective_time(kind, n, buffer[kind], bw, lat) if kind in buffer else 0.0
+        out[kind] = round(max(seconds - charged, 0.0) * 1e6, 3)
+    return out
+
+
+def build_cluster(ranks: list[dict], pairs: dict, allreduce, name: str, steps=None):
+    """The Cluster for gathered per-rank records and pair measurements (and the measured
+    reshard steps, whose software cost every device then carries)."""
     from distgraph.resources.cluster import Cluster, Device, Link, Machine
 
     hosts = list(dict.fromkeys(r["host"] for r in ranks))
@@ -163,13 +231,19 @@ def build_cluster(ranks: list[dict], pairs: dict, allreduce, name: str):
         mine = [r for r in ranks if r["host"] == host]
         devices = [Device(r["rank"], k, m, "CPU", r["model"], r["gflops"],
                           round(r["memory"] / per_host[host], 3), r.get("memory_bandwidth"),
-                          r.get("op_overhead")) for k, r in enumerate(mine)]
+                          r.get("op_overhead"), r.get("op_costs")) for k, r in enumerate(mine)]
         links = [Link(a, b, bw, lat, "SHM") for (a, b), (bw, lat) in pairs.items()
                  if machine_of[a] == m and machine_of[b] == m]
         machines.append(Machine(m, host, devices, links))
     inter = [Link(a, b, bw, lat, "NET") for (a, b), (bw, lat) in pairs.items()
              if machine_of[a] != machine_of[b]]
     calibration = {"ranks": len(ranks), "gemm_size": GEMM_SIZE, "p2p_bytes": LARGE_BYTES}
+    if steps:
+        measured = Cluster(machines, inter, name=name)
+        overheads = reshard_overheads(measured, steps)
+        machines = [dataclasses.replace(m, devices=tuple(
+            dataclasses.replace(d, reshard_overhead=overheads) for d in m.devices))
+            for m in machines]
     if allreduce is not None:
         calibration.update(allreduce_bus_bandwidth=round(allreduce[0], 4),
                            allreduce_latency=round(allreduce[1], 3),
@@ -194,7 +268,8 @@ def main(argv=None) -> None:
               "gflops": {"float32": round(gemm_gflops(np.float32, repeats=args.repeats), 3),
                          "float64": round(gemm_gflops(np.float64, repeats=args.repeats), 3)},
               "memory_bandwidth": round(memory_bandwidth_gbps(args.repeats), 3),
-              "op_overhead": round(op_overhead_us(args.repeats), 3)}
+              "op_overhead": round(op_overhead_us(args.repeats), 3),
+              "op_costs": op_costs(args.repeats)}
     records = comm.gather(record, root=0)
     if rank == 0:
         say(comm, "GEMM GFLOP/s per rank (float32/float64): " + ", ".join(
@@ -205,11 +280,14 @@ def main(argv=None) -> None:
         allreduce = measure_allreduce(comm, args.repeats)
         say(comm, f"all-reduce of {size} ranks: bus {allreduce[0]:.2f} GB/s, latency "
                   f"{allreduce[1]:.1f} us")
+    steps = measure_reshard_steps(comm, args.repeats)
+    say(comm, "reshard steps through distgraph: " + ", ".join(
+        f"{k} {v * 1e6:.1f} us" for k, v in steps.items()))
     all_pairs = comm.gather(pairs, root=0)
     if rank == 0:
         merged = {k: (round(bw, 4), round(lat, 3)) for part in all_pairs for k, (bw, lat)
                   in part.items()}
-        cluster = build_cluster(records, merged, allreduce, f"calibrated{size}")
+        cluster = build_cluster(records, merged, allreduce, f"calibrated{size}", steps)
         cluster.save(args.output)
     idle_barrier(comm)
 

@@ -6,13 +6,21 @@
   are tiny, so that the arithmetic is negligible: the mean over every op of a one-layer
   GPT training step (forward, backward and Adam update), so that the mix of op types is
   the one models have.
+- ``op_costs``: per op type, ``(µs per call, ns per unit of work)`` fitted (least
+  squares, both >= 0) to every op of GPT and MLP training steps at three sizes, timed
+  one by one in distgraph's executor; work is an op's FLOPs for a matmul and the
+  elements it reads and writes otherwise (:func:`distgraph.ops.registry.op_work`). It
+  captures what FLOPs miss: transcendental functions (GELU's tanh, softmax's exp), views
+  that move nothing, small matmuls far below the GEMM rate.
 
-``distgraph cluster calibrate`` writes both into each device of the resource file.
+``distgraph cluster calibrate`` writes all three into each device of the resource file.
 
 Example::
 
     >>> memory_bandwidth_gbps() > 0 and op_overhead_us() > 0
     True
+    >>> op_costs()["matmul"]     # doctest: +SKIP
+    (4.1, 0.009)
 """
 
 from __future__ import annotations
@@ -64,3 +72,78 @@ def op_overhead_us(repeats: int = 3, steps: int = 20) -> float:
             runner.run(scope, feed, fetch, step)
         best = min(best, (time.perf_counter() - start) / steps)
     return best / len(program.ops) * 1e6
+
+
+# (GPT dims, batch) and (MLP dims, batch) of the programs op_costs times: small enough to
+# run in seconds, far enough apart to separate the per-call cost from the per-unit one.
+GPT_SIZES = ((dict(vocab_size=64, d_model=16, n_layer=1, n_head=2, max_seq_len=8), 2),
+             (dict(vocab_size=128, d_model=64, n_layer=1, n_head=4, max_seq_len=32), 8),
+             (dict(vocab_size=256, d_model=128, n_layer=1, n_head=4, max_seq_len=64), 8))
+MLP_SIZES = (((16, 32, 8), 8), ((256, 1024, 256), 64), ((512, 2048, 512), 64))
+
+
+def op_costs(repeats: int = 3, steps: int = 5) -> dict:
+    """{op type: (µs per call, ns per unit of work)} on this process (module docstring)."""
+    from scipy.optimize import nnls
+
+    samples: dict = {}
+    for program, run in _probe_programs():
+        per_run = []
+        run([])                                        # warm-up
+        for _ in range(repeats * steps):
+            timings: list = []
+            run(timings)
+            per_run.append(timings)
+        seconds = np.median(np.array(per_run), axis=0)
+        for op, t in zip(program.ops, seconds):
+            samples.setdefault(op.type, []).append((_work(op), float(t)))
+    costs = {}
+    for op_type, pairs in samples.items():
+        work = np.array([w for w, _ in pairs])
+        t = np.array([s for _, s in pairs])
+        if work.max() == work.min():         # one size only: all of it is the call's
+            alpha, beta = float(np.median(t)), 0.0
+        else:
+            (alpha, beta), _ = nnls(np.stack([np.ones_like(work), work], axis=1), t)
+        costs[op_type] = (round(float(alpha) * 1e6, 4), round(float(beta) * 1e9, 6))
+    return costs
+
+
+def _work(op) -> float:
+    from distgraph.ops.registry import TensorType, op_work
+    return op_work(op.type, [TensorType(v.shape, v.dtype) for v in op.inputs],
+                   [TensorType(v.shape, v.dtype) for v in op.outputs], op.attrs)
+
+
+def _probe_programs():
+    """(program, run(timings)) of the training steps op_costs times."""
+    import distgraph as dg
+    from distgraph.program_builder import build_program
+    from distgraph.runtime.executor import ProgramRunner
+
+    rng = np.random.default_rng(0)
+    cases = []
+    for dims, batch in GPT_SIZES:
+        t = dims["max_seq_len"]
+        tokens = rng.integers(0, dims["vocab_size"], size=(batch, t))
+        cases.append((dg.nn.GPT(**dims), dg.nn.CrossEntropyLoss(),
+                      [("tokens", tokens), ("labels", np.roll(tokens, -1, axis=1))]))
+    for (d_in, hidden, d_out), batch in MLP_SIZES:
+        model = dg.nn.MLP(d_in, hidden, d_out, activation="relu")
+        cases.append((model, dg.nn.MSELoss(),
+                      [("x", rng.normal(size=(batch, d_in)).astype(np.float32)),
+                       ("y", rng.normal(size=(batch, d_out)).astype(np.float32))]))
+    for model, loss, fields in cases:
+        (x_name, x), (y_name, y) = fields
+        optimizer = dg.optim.Adam(1e-3)
+        built = build_program(model, [dg.InputSpec(x.shape, str(x.dtype), x_name)],
+                              [dg.InputSpec(y.shape, str(y.dtype), y_name)], loss, optimizer)
+        scope = {n: p.numpy() for n, p in model.named_parameters()}
+        scope.update(optimizer.initial_state(built.program))
+        runner = ProgramRunner(built.program)
+        feed = {x_name: x, y_name: y}
+
+        def run(timings, runner=runner, scope=scope, feed=feed, fetch=[built.loss_name]):
+            runner.run(scope, feed, fetch, 0, timings=timings)
+
+        yield built.program, run

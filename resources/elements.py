@@ -61,7 +61,12 @@ def _set(obj, name, value):
 class Device:
     """One device. ``gflops`` maps a dtype name to GFLOP/s; ``memory`` is in GB;
     ``memory_bandwidth`` (GB/s) and ``op_overhead`` (µs per op launch) feed the cost model
-    and are None where the file does not give them (it then uses defaults per type).
+    and are None where the file does not give them (it then uses defaults per type);
+    ``op_costs`` maps an op type to its measured ``(µs per call, ns per unit of work)``
+    (work: FLOPs of a matmul, else elements read and written; see
+    :func:`distgraph.ops.registry.op_work`), which the cost model prefers;
+    ``reshard_overhead`` maps a reshard step kind (``all_reduce``, ``slice``, ...) to the
+    µs of software one such step costs beyond its messages' alpha-beta.
 
     Example: ``Device(0, 0, 0, "GPU", "A100-SXM4-40GB", {"float32": 19500}, 40)``.
     """
@@ -75,6 +80,8 @@ class Device:
     memory: float = 0.0
     memory_bandwidth: float | None = None
     op_overhead: float | None = None
+    op_costs: Mapping[str, tuple] | None = None
+    reshard_overhead: Mapping[str, float] | None = None
 
     def __post_init__(self):
         if self.type not in DEVICE_TYPES:
@@ -83,6 +90,12 @@ class Device:
                                  f"one of {', '.join(DEVICE_TYPES)}")
         _set(self, "gflops", FrozenMap({str(k): float(v) for k, v in self.gflops.items()}))
         _set(self, "memory", float(self.memory))
+        if self.reshard_overhead is not None:
+            _set(self, "reshard_overhead", FrozenMap({str(k): float(v) for k, v
+                                                      in self.reshard_overhead.items()}))
+        if self.op_costs is not None:
+            _set(self, "op_costs", FrozenMap({str(k): (float(a), float(b))
+                                              for k, (a, b) in self.op_costs.items()}))
 
     @property
     def is_compute(self) -> bool:

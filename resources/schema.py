@@ -25,7 +25,7 @@ from distgraph.resources.reader import Reader, join
 TOP_KEYS = ("name", "machines", "links", "switches", "device_meshes", "calibration")
 MACHINE_KEYS = ("id", "hostname", "addr", "port", "devices", "nics", "links")
 DEVICE_KEYS = ("global_id", "local_id", "type", "model", "gflops", "memory",
-               "memory_bandwidth", "op_overhead")
+               "memory_bandwidth", "op_overhead", "op_costs", "reshard_overhead")
 NIC_KEYS = ("global_id", "local_id", "type", "model")
 LINK_KEYS = ("source", "target", "group", "bandwidth", "latency", "type")
 SWITCH_KEYS = ("global_id", "name")
@@ -126,8 +126,10 @@ def _machine(reader: Reader, raw, key: str, index: int, ids: _Ids):
         mem_bw = reader.number(d, "memory_bandwidth", dkey, default=None, strict=True,
                                unit="GB/s")
         overhead = reader.number(d, "op_overhead", dkey, default=None, unit="µs")
+        costs = _op_costs(reader, d, dkey)
+        reshard = _reshard_overhead(reader, d, dkey)
         devices.append(Device(gid, local, mid, dtype, reader.string(d, "model", dkey, default=""),
-                              gflops, memory, mem_bw, overhead))
+                              gflops, memory, mem_bw, overhead, costs, reshard))
     nics = []
     for j, raw_nic in enumerate(reader.sequence(m.get("nics", []), join(key, "nics"))):
         nkey = join(join(key, "nics"), j)
@@ -239,12 +241,47 @@ def cluster_to_dict(cluster: Cluster) -> dict:
     return out
 
 
+def _op_costs(reader: Reader, d: dict, dkey: str):
+    """A device's ``op_costs``: {op type: [µs per call, ns per unit of work]}, or None."""
+    from distgraph.ops.registry import registered_ops
+    raw = reader.get(d, "op_costs", dkey, default=None)
+    if raw is None:
+        return None
+    key = join(dkey, "op_costs")
+    known = registered_ops()
+    costs = {}
+    for op_type, pair in reader.mapping(raw, key, known, "a mapping of op type to "
+                                        "[µs per call, ns per unit of work]").items():
+        pkey = join(key, op_type)
+        pair = reader.sequence(pair, pkey, "[µs per call, ns per unit of work]")
+        if len(pair) != 2:
+            reader.fail(pkey, f"got {len(pair)} numbers", "two: [µs per call, ns per unit]")
+        costs[op_type] = tuple(reader.number({str(i): v}, str(i), pkey)
+                               for i, v in enumerate(pair))
+    return costs
+
+
+def _reshard_overhead(reader: Reader, d: dict, dkey: str):
+    """A device's ``reshard_overhead``: {reshard step kind: µs}, or None."""
+    from distgraph.passes.reshard import STEP_KINDS
+    raw = reader.get(d, "reshard_overhead", dkey, default=None)
+    if raw is None:
+        return None
+    key = join(dkey, "reshard_overhead")
+    raw = reader.mapping(raw, key, STEP_KINDS, "a mapping of reshard step kind to µs")
+    return {kind: reader.number(raw, kind, key, unit="µs") for kind in raw}
+
+
 def _device_dict(d) -> dict:
     out = {"global_id": d.global_id, "local_id": d.local_id, "type": d.type, "model": d.model,
            "memory": _num(d.memory), "gflops": {k: _num(v) for k, v in d.gflops.items()}}
     for key in ("memory_bandwidth", "op_overhead"):
         if getattr(d, key) is not None:
             out[key] = _num(getattr(d, key))
+    if d.op_costs:
+        out["op_costs"] = {k: [_num(a), _num(b)] for k, (a, b) in sorted(d.op_costs.items())}
+    if d.reshard_overhead:
+        out["reshard_overhead"] = {k: _num(v) for k, v in sorted(d.reshard_overhead.items())}
     return out
 
 

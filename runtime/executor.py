@@ -13,6 +13,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -111,8 +112,10 @@ class ProgramRunner:
         self._table = self.progress.table([_label(item) for item, _ in compiled]) \
             if self.progress.active else -1
 
-    def run(self, scope: dict, feed: dict | None = None, fetch=(), step: int = 0) -> dict:
-        """Execute once; returns {name: array} for ``fetch``."""
+    def run(self, scope: dict, feed: dict | None = None, fetch=(), step: int = 0,
+            timings: list | None = None) -> dict:
+        """Execute once; returns {name: array} for ``fetch``. With ``timings`` (a list),
+        the seconds each op took are appended to it in program order."""
         env = dict(scope)
         for name in self.feed_names:
             if feed is None or name not in feed:
@@ -126,7 +129,12 @@ class ProgramRunner:
         for i, (item, free) in enumerate(self.items):
             progress.at(i)
             if isinstance(item, OpInstr):
-                self._run_op(i, item, env, scope, step, base, fetch, fetched)
+                if timings is None:
+                    self._run_op(i, item, env, scope, step, base, fetch, fetched)
+                else:
+                    start = time.perf_counter()
+                    self._run_op(i, item, env, scope, step, base, fetch, fetched)
+                    timings.append(time.perf_counter() - start)
             else:
                 if i in self.donatable and _donatable(self.donatable[i], env, scope, fetch,
                                                       fetched):

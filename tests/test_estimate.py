@@ -5,6 +5,7 @@ sequence, memory as the executor's live set at its peak."""
 import pytest
 
 import distgraph as dg
+from distgraph.passes.partition import gather_points
 from distgraph.program_builder import build_program
 
 BW, LAT = 2.0, 5.0                       # GB/s, µs between any two devices
@@ -180,3 +181,53 @@ def test_a_micro_batched_plan_counts_forward_and_backward_once_per_micro_batch(f
     est = dg.passes.estimate(micro, c)
     assert est.processes[0].compute == pytest.approx(expected, rel=1e-12)
     assert est.step_time < dg.passes.estimate(whole, c).step_time
+
+
+def test_measured_op_costs_and_reshard_overheads_replace_the_roofline(float64, tmp_path):
+    """A device's measured per-op-type costs (µs per call + ns per unit of work) and
+    per-step reshard overheads are what the estimate charges; they round-trip through a
+    resource file, and bad entries are errors naming the key."""
+    data = {"machines": [{"hostname": "a", "devices": [
+        {"global_id": i, "type": "CPU", "memory": 1, "gflops": {"float64": GFLOPS},
+         "op_costs": {"matmul": [3.0, 0.5], "add": [2.0, 0.25]},
+         "reshard_overhead": {"all_reduce": 11.0}} for i in range(2)],
+        "links": [{"group": [0, 1], "bandwidth": BW, "latency": LAT}]}]}
+    c = dg.Cluster.from_dict(data)
+    c.save(tmp_path / "c.yaml")
+    assert dg.Cluster.from_file(tmp_path / "c.yaml").devices == c.devices
+    dev = c.devices[0]
+    assert dev.op_costs["matmul"] == (3.0, 0.5) and dev.reshard_overhead["all_reduce"] == 11.0
+
+    class Proj(dg.nn.Layer):
+        def __init__(self):
+            super().__init__()
+            self.w = dg.nn.Linear(64, 32)
+
+        def forward(self, x):
+            return self.w(x)
+
+    built = build_program(Proj(), [dg.InputSpec([16, 64], name="x")], mode="predict")
+    est = dg.passes.estimate(dg.passes.plan(built), c)
+    matmul = 3.0e-6 + 0.5e-9 * (2 * 16 * 64 * 32)        # per call + per FLOP
+    add = 2.0e-6 + 0.25e-9 * (16 * 32 + 32 + 16 * 32)      # per call + per element moved
+    feed = 16 * 64 * 8 / 10e9            # x copied in at the CPU default 10 GB/s
+    assert est.step_time == pytest.approx(matmul + add + feed, rel=1e-12)
+
+    p = train_plan(MLP(dg.ProcessMesh([0, 1], ["dp"]), ["dp", None]))
+    plain = dg.passes.estimate(p, cluster(2))
+    fetched = gather_points(p.program, [p.built.loss_name], 0)
+    steps = sum(1 for point in p.reshards() + fetched for s in point.steps
+                if s.kind == "all_reduce")
+    with_software = dg.passes.estimate(p, dg.Cluster.from_dict({**data, "machines": [
+        {**data["machines"][0], "devices": [
+            {**d, "op_costs": None, "memory_bandwidth": MEM_BW, "op_overhead": OVERHEAD}
+            for d in data["machines"][0]["devices"]]}]}))
+    assert with_software.processes[0].communication == pytest.approx(
+        plain.processes[0].communication + steps * 11e-6, rel=1e-9)
+
+    bad = {**data["machines"][0]["devices"][0], "op_costs": {"no_such_op": [1, 2]}}
+    with pytest.raises(dg.ResourceFileError, match="op_costs.no_such_op"):
+        dg.Cluster.from_dict({"machines": [{"hostname": "a", "devices": [bad]}]})
+    bad = {**data["machines"][0]["devices"][0], "op_costs": {"add": [1]}}
+    with pytest.raises(dg.ResourceFileError, match="two"):
+        dg.Cluster.from_dict({"machines": [{"hostname": "a", "devices": [bad]}]})

@@ -106,6 +106,20 @@ def get_op(op_type: str) -> OpDef:
         raise DistGraphError(f"unknown op type {op_type!r}") from None
 
 
+# Ops whose time follows their FLOPs (dense contractions); every other op's follows the
+# elements it reads and writes.
+FLOP_BOUND = ("matmul",)
+
+
+def op_work(op_type: str, ins, outs, attrs) -> float:
+    """The amount a device's time for one op grows with: FLOPs for a dense contraction,
+    else the elements of its operands and results (TensorTypes, local shapes). Cost
+    tables per op type (``Device.op_costs``) are fitted against it."""
+    if op_type in FLOP_BOUND:
+        return float(get_op(op_type).flops(ins, outs, **attrs))
+    return float(sum(size(t) for t in ins) + sum(size(t) for t in outs))
+
+
 def registered_ops() -> list[str]:
     return sorted(_REGISTRY)
 

@@ -269,7 +269,7 @@ def main(argv=None) -> None:
                          "float64": round(gemm_gflops(np.float64, repeats=args.repeats), 3)},
               "memory_bandwidth": round(memory_bandwidth_gbps(args.repeats), 3),
               "op_overhead": round(op_overhead_us(args.repeats), 3),
-              "op_costs": op_costs(args.repeats)}
+              "op_costs": op_costs(args.repeats, sync=lambda: idle_barrier(comm))}
     records = comm.gather(record, root=0)
     if rank == 0:
         say(comm, "GEMM GFLOP/s per rank (float32/float64): " + ", ".join(

@@ -8,7 +8,8 @@
   the one models have.
 - ``op_costs``: per op type, ``(µs per call, ns per unit of work)`` fitted (least
   squares, both >= 0) to every op of GPT and MLP training steps at three sizes, timed
-  one by one in distgraph's executor; work is an op's FLOPs for a matmul and the
+  one by one in distgraph's executor, and scaled to the steps' measured totals (see
+  :func:`op_costs`); work is an op's FLOPs for a matmul and the
   elements it reads and writes otherwise (:func:`distgraph.ops.registry.op_work`). It
   captures what FLOPs miss: transcendental functions (GELU's tanh, softmax's exp), views
   that move nothing, small matmuls far below the GEMM rate.
@@ -82,31 +83,51 @@ GPT_SIZES = ((dict(vocab_size=64, d_model=16, n_layer=1, n_head=2, max_seq_len=8
 MLP_SIZES = (((16, 32, 8), 8), ((256, 1024, 256), 64), ((512, 2048, 512), 64))
 
 
-def op_costs(repeats: int = 3, steps: int = 5) -> dict:
-    """{op type: (µs per call, ns per unit of work)} on this process (module docstring)."""
+def op_costs(repeats: int = 3, steps: int = 5, sync=None) -> dict:
+    """{op type: (µs per call, ns per unit of work)} on this process (module docstring).
+
+    The fit takes each op's median time; the costs are then scaled so that they add up
+    to the mean whole step of each program (the executor's own work between ops, and
+    the share of a core this process really gets when other ranks compute beside it:
+    with more ranks than cores, single ops are often timed while a neighbour waits).
+    ``sync`` (e.g. an MPI barrier) lines the ranks up before each timed step, so that
+    all of them compute at once, as in training."""
     from scipy.optimize import nnls
 
     samples: dict = {}
+    totals = []
     for program, run in _probe_programs():
-        per_run = []
+        per_run, whole = [], []
         run([])                                        # warm-up
         for _ in range(repeats * steps):
             timings: list = []
+            if sync is not None:
+                sync()
+            start = time.perf_counter()
             run(timings)
+            whole.append(time.perf_counter() - start)
             per_run.append(timings)
         seconds = np.median(np.array(per_run), axis=0)
-        for op, t in zip(program.ops, seconds):
-            samples.setdefault(op.type, []).append((_work(op), float(t)))
-    costs = {}
+        works = [_work(op) for op in program.ops]
+        # the mean, not the median: with more ranks than cores a short step often runs
+        # alone in its time slice, and only the mean carries the share of a core
+        totals.append((program, works, float(np.mean(whole))))
+        for op, w, t in zip(program.ops, works, seconds):
+            samples.setdefault(op.type, []).append((w, float(t)))
+    fitted = {}
     for op_type, pairs in samples.items():
         work = np.array([w for w, _ in pairs])
         t = np.array([s for _, s in pairs])
         if work.max() == work.min():         # one size only: all of it is the call's
-            alpha, beta = float(np.median(t)), 0.0
+            fitted[op_type] = (float(np.median(t)), 0.0)
         else:
             (alpha, beta), _ = nnls(np.stack([np.ones_like(work), work], axis=1), t)
-        costs[op_type] = (round(float(alpha) * 1e6, 4), round(float(beta) * 1e9, 6))
-    return costs
+            fitted[op_type] = (float(alpha), float(beta))
+    scale = float(np.median([measured / sum(fitted[op.type][0] + fitted[op.type][1] * w
+                                           for op, w in zip(program.ops, works))
+                             for program, works, measured in totals]))
+    return {op_type: (round(a * scale * 1e6, 4), round(b * scale * 1e9, 6))
+            for op_type, (a, b) in fitted.items()}
 
 
 def _work(op) -> float:

@@ -88,10 +88,10 @@ def rank_part(args):
         engine = dg.Engine(build(), loss=dg.nn.CrossEntropyLoss(),
                            optimizer=dg.optim.AdamW(3e-3), cluster=cluster, communicator=comm,
                            strategy=strategy)
-        engine.fit(data, batch_size=BATCH, epochs=1, steps_per_epoch=2)     # warm up
+        engine.fit(data, batch_size=BATCH, epochs=1, steps_per_epoch=2, verbose=0)  # warm up
         comm.barrier()
         start = time.perf_counter()
-        engine.fit(data, batch_size=BATCH, epochs=1, steps_per_epoch=args.steps)
+        engine.fit(data, batch_size=BATCH, epochs=1, steps_per_epoch=args.steps, verbose=0)
         comm.barrier()
         timings[name] = (time.perf_counter() - start) / args.steps
     comm.free()

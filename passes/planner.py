@@ -280,6 +280,19 @@ def _check_supported(strategy: Strategy) -> None:
     if not strategy.solver_time_limit > 0:
         raise PlanError(f"Strategy(solver_time_limit={strategy.solver_time_limit!r}): give a "
                         "number of seconds > 0")
+    defaults = Strategy()
+    if strategy.solver_time_limit != defaults.solver_time_limit and not full:
+        raise PlanError(f"Strategy(solver_time_limit={strategy.solver_time_limit!r}) bounds "
+                        "the automatic search: use it with auto_mode='full'")
+    if strategy.sharding_mesh_dim != defaults.sharding_mesh_dim and not strategy.sharding:
+        raise PlanError(f"Strategy(sharding_mesh_dim={strategy.sharding_mesh_dim!r}) names "
+                        "the dim ZeRO-style sharding splits updates over: use it with "
+                        "sharding=True")
+    if strategy.schedule != defaults.schedule and strategy.micro_batches == 1 \
+            and not strategy.pipeline and not strategy.profile:
+        raise PlanError(f"Strategy(schedule={strategy.schedule!r}) orders the tasks of the "
+                        "pipeline runtime: use it with micro_batches > 1 (or profile=True, "
+                        "which runs one micro-batch on it)")
     if full and strategy.sharding:
         raise PlanError("Strategy(sharding=True) with auto_mode='full' is not supported: the "
                         "search lays parameters and updates out itself (a parameter it "

@@ -21,67 +21,10 @@ from distgraph.errors import DistGraphError
 ROLES = ("forward", "loss", "backward", "optimize")
 
 
-class TensorOps:
-    """Python operators on traced tensors (``+ - * / @ .T`` and unary minus).
-
-    Shared by Values and by Parameters, which become Values when a traced op uses them.
-    """
-
-    def __add__(self, other):
-        from distgraph import ops
-        return ops.add(self, other)
-
-    def __radd__(self, other):
-        from distgraph import ops
-        return ops.add(other, self)
-
-    def __sub__(self, other):
-        from distgraph import ops
-        return ops.subtract(self, other)
-
-    def __rsub__(self, other):
-        from distgraph import ops
-        return ops.subtract(other, self)
-
-    def __mul__(self, other):
-        from distgraph import ops
-        return ops.multiply(self, other)
-
-    def __rmul__(self, other):
-        from distgraph import ops
-        return ops.multiply(other, self)
-
-    def __truediv__(self, other):
-        from distgraph import ops
-        return ops.divide(self, other)
-
-    def __rtruediv__(self, other):
-        from distgraph import ops
-        return ops.divide(other, self)
-
-    def __matmul__(self, other):
-        from distgraph import ops
-        return ops.matmul(self, other)
-
-    def __rmatmul__(self, other):
-        from distgraph import ops
-        return ops.matmul(other, self)
-
-    def __neg__(self):
-        from distgraph import ops
-        return ops.neg(self)
-
-    @property
-    def T(self):
-        from distgraph import ops
-        perm = list(range(len(self.shape)))
-        perm[-2:] = perm[-2:][::-1]
-        return ops.transpose(self, perm)
-
-
 @dataclass(eq=False)
-class Value(TensorOps):
-    """One SSA value. ``dist_attr`` is what its producer makes (set by completion);
+class Value:
+    """One SSA value (``+ - * / @ .T`` trace ops: :mod:`distgraph.ops.operators`).
+    ``dist_attr`` is what its producer makes (set by completion);
     ``annotation`` is the user's ``shard_tensor`` choice, which completion never changes.
     ``alias_of`` names the persistable value an update op writes back to."""
 

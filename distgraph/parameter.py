@@ -6,10 +6,9 @@ import numpy as np
 
 from distgraph import dtypes
 from distgraph.errors import DistGraphError
-from distgraph.ir import TensorOps
 
 
-class Parameter(TensorOps):
+class Parameter:
     """A trainable array. ``annotation`` holds a ``shard_tensor`` choice (a DistAttr).
 
     Example::

@@ -13,3 +13,9 @@ from distgraph.ops.linalg import matmul
 from distgraph.ops.nn_ops import (cross_entropy, embedding, layer_norm, log_softmax, mse_loss,
                                   softmax, softmax_cross_entropy)
 from distgraph.ops import optim_ops  # noqa: F401  (registers the update ops)
+from distgraph.ops import operators as _operators
+from distgraph.ir import Value as _Value
+from distgraph.parameter import Parameter as _Parameter
+
+_operators.install(_Value)         # x + y, x @ w, x.T on traced values and parameters
+_operators.install(_Parameter)

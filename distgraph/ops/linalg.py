@@ -7,6 +7,7 @@ S(m) x R -> S(m); R x S(n) -> S(n); S(k) x S(k) -> P; a broadcast batch dim is n
 from __future__ import annotations
 
 from distgraph.ops.common import broadcast_shapes, reduce_to_shape, same_dtype
+from distgraph.ops.shape import reshape
 from distgraph.ops.registry import ShapeError, TensorType, register_op, size
 from distgraph.spmd import EinsumRule
 from distgraph.trace import emit1
@@ -83,6 +84,3 @@ class Matmul:
 
 def matmul(x, y, transpose_x=False, transpose_y=False):
     return emit1("matmul", [x, y], {"transpose_x": bool(transpose_x), "transpose_y": bool(transpose_y)})
-
-
-from distgraph.ops.shape import reshape  # noqa: E402  (shape ops import nothing from here)

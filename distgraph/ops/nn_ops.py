@@ -20,6 +20,9 @@ from __future__ import annotations
 from distgraph import dtypes
 from distgraph.errors import DistGraphError
 from distgraph.ops.common import elementwise_flops, normalize_axes
+from distgraph.ops.elementwise import divide, multiply, subtract
+from distgraph.ops.reduce import mean as reduce_mean
+from distgraph.ops.reduce import sum as reduce_sum
 from distgraph.ops.registry import ShapeError, TensorType, register_op
 from distgraph.spmd import LETTERS, EinsumRule, axis_rule, elementwise_rule
 from distgraph.trace import emit, emit1
@@ -429,15 +432,13 @@ def cross_entropy(input, label, reduction="mean", ignore_index=IGNORE_INDEX):  #
     """Softmax cross-entropy with integer labels (Paddle's names); ``reduction`` is mean,
     sum or none. Positions whose label is ``ignore_index`` count for nothing: "mean"
     averages over the other positions."""
-    from distgraph.ops.elementwise import divide
-    from distgraph.ops.reduce import sum
     loss = softmax_cross_entropy(input, label, ignore_index)
     if reduction == "mean":
-        count = sum(emit1("label_mask", [label], {"ignore_index": int(ignore_index),
-                                                  "dtype": input.dtype}))
-        return divide(sum(loss), count + TINY)
+        count = reduce_sum(emit1("label_mask", [label], {"ignore_index": int(ignore_index),
+                                                         "dtype": input.dtype}))
+        return divide(reduce_sum(loss), count + TINY)
     if reduction == "sum":
-        return sum(loss)
+        return reduce_sum(loss)
     if reduction == "none":
         return loss
     raise ShapeError(f"cross_entropy: reduction must be mean, sum or none, got {reduction!r}")
@@ -445,14 +446,12 @@ def cross_entropy(input, label, reduction="mean", ignore_index=IGNORE_INDEX):  #
 
 def mse_loss(input, label, reduction="mean"):  # noqa: A002
     """Mean squared error, composed from subtract, multiply and mean."""
-    from distgraph.ops.elementwise import multiply, subtract
-    from distgraph.ops.reduce import mean, sum
     d = subtract(input, label)
     sq = multiply(d, d)
     if reduction == "mean":
-        return mean(sq)
+        return reduce_mean(sq)
     if reduction == "sum":
-        return sum(sq)
+        return reduce_sum(sq)
     if reduction == "none":
         return sq
     raise ShapeError(f"mse_loss: reduction must be mean, sum or none, got {reduction!r}")

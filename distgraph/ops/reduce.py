@@ -7,6 +7,8 @@ Sharding: ``"abc->ac"`` for sum over axis 1: S(b) -> P; ``"aBc->ac"`` for max.
 from __future__ import annotations
 
 from distgraph.ops.common import elementwise_flops, normalize_axes
+from distgraph.ops.elementwise import scale_
+from distgraph.ops.shape import broadcast_to, reshape
 from distgraph.ops.registry import TensorType, register_op, size
 from distgraph.spmd import LETTERS, EinsumRule, axes_of
 from distgraph.trace import emit1
@@ -108,7 +110,3 @@ def mean(x, axis=None, keepdim=False):
 
 def max(x, axis=None, keepdim=False):  # noqa: A001
     return emit1("max", [x], {"axis": normalize_axes(axis, len(x.shape)), "keepdim": bool(keepdim)})
-
-
-from distgraph.ops.elementwise import scale_  # noqa: E402
-from distgraph.ops.shape import broadcast_to, reshape  # noqa: E402

@@ -31,13 +31,19 @@ def reshape_groups(src, dst):
         i, j = i + bool(gi), j + bool(gj)
         while ps != pd:
             if ps < pd:
-                gi.append(i); ps *= src[i]; i += 1
+                gi.append(i)
+                ps *= src[i]
+                i += 1
             else:
-                gj.append(j); pd *= dst[j]; j += 1
+                gj.append(j)
+                pd *= dst[j]
+                j += 1
         while i < len(src) and src[i] == 1 and (j >= len(dst) or dst[j] != 1):
-            gi.append(i); i += 1
+            gi.append(i)
+            i += 1
         while j < len(dst) and dst[j] == 1 and (i >= len(src) or src[i] != 1):
-            gj.append(j); j += 1
+            gj.append(j)
+            j += 1
         groups.append((tuple(gi), tuple(gj)))
     return groups
 

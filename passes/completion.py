@@ -49,41 +49,14 @@ from distgraph.ir import Program
 from distgraph.mesh import ProcessMesh
 from distgraph.ops.registry import LocalSite, get_op
 from distgraph.placement import DistAttr, ShardSpec
-from distgraph.spmd import UNKNOWN, DimsSpec, RuleQuery, entry_dims
+from distgraph.spmd import UNKNOWN, DimsSpec, RuleQuery
 
-__all__ = ["complete", "explain", "fill"]
+__all__ = ["complete", "explain"]
 
 MAX_SWEEPS = 100
 # Settling conflicts tries whole completions: at most TRIAL_OPS / (ops in the program)
 # of them (a 2-layer GPT training program, ~190 ops, gets 103; 12 layers 19; 128 layers 1).
 TRIAL_OPS = 20_000
-
-
-def _used(spec: DimsSpec) -> set:
-    used = set(spec.partial)
-    for e in spec.dims:
-        used.update(entry_dims(e))
-    return used
-
-
-def fill(spec: DimsSpec, other: DimsSpec) -> DimsSpec:
-    """Unknown entries of ``spec`` taken from ``other`` unless that would use a mesh dim
-    twice; known entries and ``spec.partial`` stay."""
-    dims = spec.dims
-    if UNKNOWN not in dims:
-        return spec
-    odims = other.dims
-    todo = [i for i, (a, b) in enumerate(zip(dims, odims)) if a is UNKNOWN and b is not UNKNOWN]
-    if not todo:
-        return spec
-    used = _used(spec)
-    out = list(dims)
-    for i in todo:
-        new = entry_dims(odims[i])
-        if used.isdisjoint(new):
-            out[i] = odims[i]
-            used.update(new)
-    return DimsSpec(tuple(out), spec.partial)
 
 
 def _strip(spec: DimsSpec) -> DimsSpec:
@@ -138,7 +111,7 @@ class _Completion:
         """What the same-mesh ``consumers`` of ``name`` want, first consumer first."""
         spec = _strip(self.vspec[name])
         for key in consumers:
-            spec = fill(spec, self.fixed_spec.get(key) or self.ispec[key])
+            spec = spec.filled_from(self.fixed_spec.get(key) or self.ispec[key])
         return spec
 
     def _conflict(self, k: int, query: RuleQuery, res) -> Conflict:
@@ -191,7 +164,7 @@ class _Completion:
                 ins.append(fixed)
             else:
                 s = ispec[(k, i)]
-                ins.append(fill(s, _strip(vspec[name])) if same_mesh else s)
+                ins.append(s.filled_from(_strip(vspec[name])) if same_mesh else s)
         outs = []
         for _, name, annotation, consumers in meta.outs:
             if annotation is not None:
@@ -223,18 +196,18 @@ class _Completion:
             key = (k, i)
             if fixed is not None:
                 # consumed as the rule decided (a reshard point where that differs)
-                ispec[key] = DimsSpec(fill(res.in_specs[i], fixed).dims, fixed.partial)
+                ispec[key] = DimsSpec(res.in_specs[i].filled_from(fixed).dims, fixed.partial)
                 consumed = fixed
             else:
                 old = ispec[key]
-                consumed = fill(old, res.in_specs[i])
+                consumed = old.filled_from(res.in_specs[i])
                 if consumed != old:
                     changed = True
                     ispec[key] = consumed
                     self._mark_operand(k, name)
             if source:
                 old = vspec[name]
-                new = fill(old, consumed)
+                new = old.filled_from(consumed)
                 if new != old:
                     changed = True
                     vspec[name] = new
@@ -246,8 +219,8 @@ class _Completion:
             out = res.out_specs[j]
             self.ospec[(k, j)] = out
             old = vspec[name]
-            dims = fill(_strip(old), _strip(out)).dims
-            partial = out.partial - _used(DimsSpec(dims)) if out.partial else out.partial
+            dims = _strip(old).filled_from(_strip(out)).dims
+            partial = out.partial - DimsSpec(dims).used() if out.partial else out.partial
             new = DimsSpec(dims, partial)
             if new != old:
                 changed = True
@@ -290,7 +263,7 @@ class _Completion:
         for (k, i), s in self.ispec.items():
             v = self.ops[k].inputs[i]
             if self.vmesh[v.name] == self.mesh[k]:
-                s = fill(s, _strip(self.vspec[v.name]))
+                s = s.filled_from(_strip(self.vspec[v.name]))
             s = s.known()
             if s != self.ispec[(k, i)]:
                 self.ispec[(k, i)] = s
@@ -325,7 +298,7 @@ class _Completion:
         for m in self.meta[k].ins:
             spec = res.in_specs[m.index].known()
             if m.fixed is not None:
-                spec = DimsSpec(fill(res.in_specs[m.index], m.fixed).dims, m.fixed.partial)
+                spec = DimsSpec(res.in_specs[m.index].filled_from(m.fixed).dims, m.fixed.partial)
             self.ispec[(k, m.index)] = spec
 
     def layout(self) -> tuple:

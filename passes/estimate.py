@@ -40,13 +40,12 @@ from dataclasses import asdict, dataclass
 from distgraph import dtypes
 from distgraph.errors import PlanError
 from distgraph.ops.registry import TensorType, get_op, op_work
-from distgraph.passes.cost_model import collective_time
+from distgraph.passes.cost_model import COLLECTIVES, collective_time
 from distgraph.passes.partition import gather_points
 
 # (memory bandwidth GB/s, op overhead µs) by device type when the file gives none.
 DEFAULTS = {"CPU": (10.0, 20.0), "GPU": (1000.0, 10.0), "XPU": (500.0, 10.0),
             "NPU": (500.0, 10.0), "DCU": (500.0, 10.0)}
-COLLECTIVES = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all")
 
 
 @dataclass(frozen=True)

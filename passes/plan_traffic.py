@@ -14,12 +14,12 @@ Example::
 from __future__ import annotations
 
 from distgraph.ir import Program
+from distgraph.passes.cost_model import COLLECTIVES
 from distgraph.ops.registry import TensorType, get_op
 from distgraph.passes.partition import partition, process_ids
 from distgraph.passes.process_graph import (ProcessGraph, collective_messages,
                                             collective_traffic)
 
-_COLLECTIVES = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all")
 
 
 def _add(into: dict, pairs: dict) -> None:
@@ -31,7 +31,7 @@ def _point_traffic(point, traffic: dict, messages: dict) -> None:
     """Add the bytes and messages per unordered pair of one reshard point (its steps, all
     processes) to ``traffic`` and ``messages``."""
     for step in point.steps:
-        if step.kind in _COLLECTIVES:
+        if step.kind in COLLECTIVES:
             groups = step.mesh.groups(step.mesh_dim)
             _add(traffic, collective_traffic(groups, step.buffer_bytes, step.kind))
             _add(messages, collective_messages(groups, step.kind))

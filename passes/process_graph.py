@@ -38,9 +38,10 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from distgraph.errors import PlanError
+from distgraph.passes.cost_model import COLLECTIVES
 from distgraph.resources.cluster import COMPUTE_TYPES, FrozenMap
 
-COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
+COLLECTIVE_KINDS = COLLECTIVES + ("p2p",)     # p2p: a chain of pipeline stages
 
 
 def collective_traffic(groups: Sequence[Sequence[int]], bytes_per_process: float,

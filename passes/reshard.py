@@ -40,11 +40,10 @@ import numpy as np
 
 from distgraph.errors import PlanError
 from distgraph.mesh import ProcessMesh
-from distgraph.passes.cost_model import collective_bytes, collective_time
+from distgraph.passes.cost_model import COLLECTIVES, collective_bytes, collective_time
 from distgraph.placement import DistAttr, ShardSpec
 
-STEP_KINDS = ("all_gather", "slice", "all_reduce", "reduce_scatter", "all_to_all",
-              "make_partial", "send_recv")
+STEP_KINDS = COLLECTIVES + ("slice", "make_partial", "send_recv")
 
 
 def _fmt_bytes(b: float) -> str:

@@ -32,7 +32,7 @@ from distgraph.passes.partition import _local_view_only
 from distgraph.passes.reshard import plan_bytes, plan_reshard
 
 from distgraph.placement import DistAttr, ShardSpec
-from distgraph.spmd import UNKNOWN, DimsSpec, entry_dims
+from distgraph.spmd import DimsSpec
 
 UNIT_LINK = (1.0, 0.0)           # GB/s, us: time = bytes / 1e9
 
@@ -100,21 +100,6 @@ class Traffic(NamedTuple):
         return fmt_bytes(self.bytes)
 
 
-def _fill(spec: DimsSpec, other: DimsSpec) -> tuple:
-    """Unknown entries of ``spec`` from ``other`` where that uses no mesh dim twice, the
-    rest None (an unknown side has no preference: it costs nothing to match)."""
-    used = set(spec.partial)
-    for e in spec.dims:
-        used.update(entry_dims(e))
-    out = []
-    for a, b in zip(spec.dims, other.dims):
-        if a is UNKNOWN:
-            a = b if b is not UNKNOWN and used.isdisjoint(entry_dims(b)) else None
-            used.update(entry_dims(a))
-        out.append(a)
-    return tuple(out)
-
-
 class ReshardPricer:
     """Prices reshards; ``links`` maps a mesh dim name to (GB/s, latency us)."""
 
@@ -140,8 +125,8 @@ class ReshardPricer:
     def edge(self, side, name, mesh, src: DimsSpec, dst: DimsSpec, shape, dtype) -> Edge | None:
         """The reshard of ``name`` from ``src`` to ``dst`` on ``mesh`` (unknown entries
         match the other side), None if it moves nothing; bytes are per process."""
-        s = ShardSpec(_fill(src, dst), src.partial)
-        d = ShardSpec(_fill(dst, DimsSpec(s.dims)), dst.partial)
+        s = ShardSpec(src.filled_from(dst).known().dims, src.partial)
+        d = ShardSpec(dst.filled_from(DimsSpec(s.dims)).known().dims, dst.partial)
         if s == d:
             return None
         key = ("edge", mesh, s, d, tuple(shape), dtype)

@@ -36,6 +36,7 @@ import time
 import numpy as np
 
 from distgraph.errors import DistGraphError, RuntimeFault
+from distgraph.ops.registry import rank_lookup
 from distgraph.passes.task_graph import PER_MICRO_BATCH
 from distgraph.runtime.executor import OpInstr
 from distgraph.runtime.task_exec import (Accumulator, GatherStep, PointStep, ProcessTasks,
@@ -55,7 +56,7 @@ class Carrier:
         self.pid, self.comm, self.xb = pid, comm, backend
         self.rank = comm.rank if comm is not None else 0
         self.rank_of = plan.rank_of
-        self.ranks = (lambda p: p) if plan.rank_of is None else plan.rank_of.__getitem__
+        self.ranks = rank_lookup(plan.rank_of)
         self.runner = StepRunner(self.tasks, comm, backend, plan.rank_of)
         self.stage = graph.stage_of[pid]
         self.m = graph.micro_batches

@@ -58,13 +58,13 @@ from contextlib import contextmanager
 import numpy as np
 
 from distgraph.errors import RuntimeFault
-from distgraph.passes.cost_model import collective_bytes
+from distgraph.passes.cost_model import COLLECTIVES, collective_bytes
 from distgraph.runtime.backend import NUMPY
 from distgraph.runtime.progress import NO_PROGRESS
 
 DEFAULT_TIMEOUT = 60.0
 MAX_TAG = 1 << 14  # user tags are [0, MAX_TAG); MPI's upper tags are kept for internals
-COUNTED_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send_recv")
+COUNTED_KINDS = COLLECTIVES + ("send_recv",)
 REDUCE_OPS = {"sum": np.add, "max": np.maximum, "min": np.minimum}
 CALL_NAME_BYTES = 64
 

@@ -14,16 +14,9 @@ from __future__ import annotations
 import numpy as np
 
 from distgraph.errors import RuntimeFault
+from distgraph.ops.registry import rank_lookup
 from distgraph.passes.reshard import Step
 from distgraph.runtime.backend import backend_of
-
-
-def _rank_fn(rank_of):
-    if rank_of is None:
-        return int
-    if callable(rank_of):
-        return rank_of
-    return rank_of.__getitem__
 
 
 def apply_reshard(steps, local, comm, process_id: int, rank_of=None, tag: int = 0,
@@ -64,7 +57,7 @@ def run_point(point, local, comm, process_id: int, rank_of=None, tag: int = 0,
 def apply_step(step: Step, local, comm, process_id: int, rank_of=None, tag: int = 0,
                donate: bool = False):
     """Run one step; see :func:`apply_reshard` (``donate``: ``local`` may be reused)."""
-    rank = _rank_fn(rank_of)
+    rank = rank_lookup(rank_of)
     if step.kind == "send_recv":
         return _send_recv(step, local, comm, process_id, rank, tag)
     if process_id not in step.mesh:

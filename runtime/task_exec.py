@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from distgraph.errors import RuntimeFault
-from distgraph.ops.registry import KernelContext
+from distgraph.ops.registry import KernelContext, rank_lookup
 from distgraph.passes.accumulate import micro_batch_context
 from distgraph.passes.partition import gather_points
 from distgraph.passes.task_graph import PER_MICRO_BATCH
@@ -184,7 +184,7 @@ class StepRunner:
     def __init__(self, tasks: ProcessTasks, comm, backend, rank_of):
         self.t, self.comm, self.xb = tasks, comm, backend
         self.rank_of = rank_of
-        self.rank = (lambda p: p) if rank_of is None else rank_of.__getitem__
+        self.rank = rank_lookup(rank_of)
         self.micro_batches = tasks.graph.micro_batches
 
     def run_op(self, st: OpInstr, env, scope, step, micro_batch):

@@ -217,10 +217,16 @@ class KernelContext:
     def group_ranks(self) -> tuple:
         if self.comm is None or self.group is None:
             raise RuntimeError("this kernel communicates but was given no communicator/group")
-        if self.rank_of is None:
-            return tuple(self.group)
-        rank = self.rank_of if callable(self.rank_of) else self.rank_of.__getitem__
+        rank = rank_lookup(self.rank_of)
         return tuple(rank(p) for p in self.group)
+
+
+def rank_lookup(rank_of):
+    """``rank(process)`` for a process-to-rank map: None (process p on rank p), a mapping
+    or a callable."""
+    if rank_of is None:
+        return int
+    return rank_of if callable(rank_of) else rank_of.__getitem__
 
 
 @dataclass(frozen=True)

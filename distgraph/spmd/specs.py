@@ -86,6 +86,31 @@ class DimsSpec:
     def is_complete(self) -> bool:
         return UNKNOWN not in self.dims
 
+    def used(self) -> set:
+        """The mesh dims its entries and ``partial`` take."""
+        used = set(self.partial)
+        for e in self.dims:
+            used.update(entry_dims(e))
+        return used
+
+    def filled_from(self, other: DimsSpec) -> DimsSpec:
+        """Unknown entries taken from ``other`` (in dim order) unless that would use a
+        mesh dim twice; known entries and ``partial`` stay."""
+        if UNKNOWN not in self.dims:
+            return self
+        todo = [i for i, (a, b) in enumerate(zip(self.dims, other.dims))
+                if a is UNKNOWN and b is not UNKNOWN]
+        if not todo:
+            return self
+        used = self.used()
+        out = list(self.dims)
+        for i in todo:
+            new = entry_dims(other.dims[i])
+            if used.isdisjoint(new):
+                out[i] = other.dims[i]
+                used.update(new)
+        return DimsSpec(tuple(out), self.partial)
+
     def known(self) -> DimsSpec:
         """Unknown entries become None (what completion does at the end)."""
         if UNKNOWN not in self.dims:

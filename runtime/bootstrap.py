@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import runpy
 import sys
+import time
 
 from distgraph.runtime.job_status import log_path, write_status
 from distgraph.runtime.supervisor import supervise_this_rank
@@ -28,6 +29,9 @@ def _report(exc_type, exc, tb, previous) -> None:
     import traceback
     with open(logfile, "a") as f:
         traceback.print_exception(exc_type, exc, tb, file=f)
+
+
+ABORT_GRACE = 0.2    # seconds between the failure line and MPI_Abort under a plain mpiexec
 
 
 def install_abort_hook() -> None:
@@ -50,6 +54,9 @@ def install_abort_hook() -> None:
                 sys.stderr.write(f"distgraph: rank {world.Get_rank()} failed: {message}; "
                                  "aborting the job\n")
                 sys.stderr.flush()
+                # MPI_Abort ends mpiexec's proxies too; give them a moment to forward
+                # this line (without it the cause is sometimes lost)
+                time.sleep(ABORT_GRACE)
             else:   # MPI's own abort notice goes with the traceback, not to the terminal
                 fd = os.open(logfile, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
                 os.dup2(fd, 2)

@@ -9,7 +9,8 @@ communication and bubble, and peak memory per process.
   ``cpu_cores`` are fewer than the plan's processes there time-share them: their
   compute is charged ``processes / cores`` times (:func:`time_shares`).
 - **Communication**: every reshard step and every collective inside an op, with the
-  alpha-beta formulas of :mod:`distgraph.passes.cost_model`, on the links between the
+  alpha-beta formulas of :mod:`distgraph.passes.cost_model` plus the device's measured
+  software cost of a step of that kind (``reshard_overhead``), on the links between the
   devices of the step's group (the ring's bottleneck bandwidth and largest hop latency);
   a p2p step takes as long as its busiest sender's messages, each ``α + B/β`` of its pair.
 - **Step**: processes meet at every collective, so a stage takes as long as its busiest
@@ -177,9 +178,24 @@ def step_time(step, process: int, cluster, device_of) -> float:
     involved = process in step.mesh or (step.dst_mesh is not None and process in step.dst_mesh)
     if not involved:
         return 0.0
-    software = cluster.device(device_of(process)).reshard_overhead
     return _message_time(step, process, cluster, device_of) + \
-        (software.get(step.kind, 0.0) * 1e-6 if software else 0.0)
+        software_time(cluster.device(device_of(process)), step.kind)
+
+
+def software_time(device, kind: str) -> float:
+    """Seconds of software a communication step of ``kind`` costs on ``device`` beyond
+    its messages (``Device.reshard_overhead``; 0 where not measured)."""
+    software = device.reshard_overhead
+    return software.get(kind, 0.0) * 1e-6 if software else 0.0
+
+
+def op_collective_time(kind: str, n: int, nbytes: float, ring: tuple, device) -> float:
+    """Seconds of a collective an op runs itself over ``n`` processes on ``ring``
+    (bandwidth GB/s, latency µs): its alpha-beta plus the software cost a reshard step
+    of that kind pays on ``device``."""
+    if n == 1:
+        return 0.0
+    return collective_time(kind, n, nbytes, *ring) + software_time(device, kind)
 
 
 def _message_time(step, process: int, cluster, device_of) -> float:
@@ -256,9 +272,10 @@ def _process_times(plan, pid, device, cluster, device_of, fetch, share):
         ops = local.program.ops
         for index, collectives in local.op_comm.items():
             # The op's own collectives run inside its mesh: the worst ring of that mesh.
-            bw, lat = ring_links(cluster, [device_of(q)
-                                           for q in ops[index].dist_attr.mesh.process_ids])
-            comm += times(ops[index].role) * sum(collective_time(kind, n, nbytes, bw, lat)
+            ring = ring_links(cluster, [device_of(q)
+                                        for q in ops[index].dist_attr.mesh.process_ids])
+            comm += times(ops[index].role) * sum(op_collective_time(kind, n, nbytes, ring,
+                                                                    device)
                                                  for kind, n, nbytes in collectives)
     return compute, comm, updates
 

@@ -25,9 +25,8 @@ import numpy as np
 
 from distgraph import dtypes
 from distgraph.ops.registry import LocalSite, TensorType, get_op
-from distgraph.passes.cost_model import collective_time
-from distgraph.passes.estimate import (feed_time, op_time, ring_links, step_time,
-                                       time_shares)
+from distgraph.passes.estimate import (feed_time, op_collective_time, op_time, ring_links,
+                                       step_time, time_shares)
 from distgraph.passes.reshard import plan_reshard
 from distgraph.placement import DistAttr, ShardSpec
 
@@ -53,9 +52,8 @@ class SearchCosts:
                repr(sorted(op.attrs.items())), tuple(s.name for s in strategies))
         if key not in self._ops:
             compute = np.array([self._compute(op, s) for s in strategies])
-            bw, lat = self.op_ring
-            comm = np.array([sum(collective_time(kind, n, b, bw, lat) for kind, n, b in s.comm)
-                             for s in strategies])
+            comm = np.array([sum(op_collective_time(kind, n, b, self.op_ring, self.device)
+                                 for kind, n, b in s.comm) for s in strategies])
             self._ops[key] = (compute, comm)
         return self._ops[key]
 

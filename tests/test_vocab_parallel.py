@@ -99,3 +99,32 @@ def test_bytes_counted_equal_the_plan_with_collectives_inside_ops(float64):
         assert op_comm                      # the cross-entropy's own collectives are planned
         kinds = set(planned) | {k for k, b in counted.items() if b}
         assert {k: planned.get(k, 0.0) for k in kinds} == {k: counted.get(k, 0.0) for k in kinds}
+
+
+def test_estimate_charges_a_collective_inside_an_op_the_software_cost_of_its_kind(float64):
+    """A device's measured software cost per communication step (``reshard_overhead``)
+    is paid by the collectives an op runs itself (the split cross-entropy's) as by
+    reshard steps: the estimate's communication grows by one overhead per step and per
+    op collective of each kind."""
+    built, _ = build(dg.ProcessMesh([0, 1, 2, 3], ["mp"]))
+    plan = dg.passes.plan(built)
+    overhead = {"all_reduce": 11.0, "all_gather": 13.0, "reduce_scatter": 17.0,
+                "all_to_all": 19.0, "slice": 23.0}
+
+    def cluster(software):
+        return dg.Cluster.from_dict({"machines": [{"hostname": "a", "devices": [
+            {"global_id": i, "type": "CPU", "memory": 1, "gflops": {"float64": 10},
+             **({"reshard_overhead": overhead} if software else {})} for i in range(4)],
+            "links": [{"group": [0, 1, 2, 3], "bandwidth": 2, "latency": 5}]}]})
+
+    plain, charged = dg.passes.estimate(plan, cluster(False)), dg.passes.estimate(plan,
+                                                                                  cluster(True))
+    for pid, a, b in zip(plan.process_ids, plain.processes, charged.processes):
+        local = plan.local(pid)
+        steps = [s.kind for p in local.points() + gather_points(plan.program,
+                                                                [built.loss_name], pid)
+                 for s in p.steps]
+        inside = [kind for collectives in local.op_comm.values() for kind, _, _ in collectives]
+        assert inside                                    # the op's own collectives
+        expected = sum(overhead[k] for k in steps + inside) * 1e-6
+        assert b.communication - a.communication == pytest.approx(expected, rel=1e-9)

@@ -5,9 +5,7 @@ communication and bubble, and peak memory per process.
   ``op_overhead + max(FLOPs / GFLOP/s of its dtype, bytes touched / memory bandwidth)``
   on the process's device: a roofline plus the cost of launching an op (framework
   dispatch and kernel launch), which dominates small tensors; and each process copies
-  in its part of the feeds (bytes / memory bandwidth). CPU devices of a machine whose
-  ``cpu_cores`` are fewer than the plan's processes there time-share them: their
-  compute is charged ``processes / cores`` times (:func:`time_shares`).
+  in its part of the feeds (bytes / memory bandwidth).
 - **Communication**: every reshard step and every collective inside an op, with the
   alpha-beta formulas of :mod:`distgraph.passes.cost_model` plus the device's measured
   software cost of a step of that kind (``reshard_overhead``), on the links between the
@@ -145,19 +143,6 @@ def op_time(op_type: str, ins, outs, attrs: dict, device) -> float:
     return overhead + max(flops / rate, touched / mem_bw)
 
 
-def time_shares(cluster, device_ids) -> dict:
-    """{device id: factor >= 1 its compute slows by} for ``device_ids`` (the devices a
-    plan uses): on a machine that gives ``cpu_cores``, the CPU devices in use share them
-    (4 processes on 2 cores compute 2x slower each); 1 for every other device."""
-    in_use = set(device_ids)
-    shares = dict.fromkeys(in_use, 1.0)
-    for m in cluster.machines:
-        cpus = [d.global_id for d in m.devices if d.type == "CPU" and d.global_id in in_use]
-        if m.cpu_cores and len(cpus) > m.cpu_cores:
-            shares.update(dict.fromkeys(cpus, len(cpus) / m.cpu_cores))
-    return shares
-
-
 def feed_time(nbytes: int, device) -> float:
     """Seconds to copy ``nbytes`` of a feed into a process (its memory bandwidth)."""
     return nbytes / device_rates(device)[0]
@@ -232,12 +217,10 @@ def estimate(plan, cluster=None) -> Estimate:
         for pid in mesh.process_ids:
             stage_of.setdefault(pid, s)
     fetch = [plan.built.loss_name] if plan.built.loss_name else []
-    shares = time_shares(cluster, [device_of(pid) for pid in plan.process_ids])
     per_process, update_time = [], {}
     for pid in plan.process_ids:
         device = cluster.device(device_of(pid))
-        compute, comm, updates = _process_times(plan, pid, device, cluster, device_of, fetch,
-                                                shares[device.global_id])
+        compute, comm, updates = _process_times(plan, pid, device, cluster, device_of, fetch)
         memory = _peak_memory(plan, pid, stage_of.get(pid, 0))
         per_process.append(ProcessEstimate(pid, device.global_id, stage_of.get(pid, 0),
                                            compute, comm, *memory))
@@ -245,7 +228,7 @@ def estimate(plan, cluster=None) -> Estimate:
     return _combine(plan, per_process, update_time)
 
 
-def _process_times(plan, pid, device, cluster, device_of, fetch, share):
+def _process_times(plan, pid, device, cluster, device_of, fetch):
     local = plan.local(pid)
     m = plan.micro_batches        # > 1: the local program is one micro-batch's
 
@@ -253,12 +236,11 @@ def _process_times(plan, pid, device, cluster, device_of, fetch, share):
         return 1 if role == "optimize" else m
 
     # each process copies in its part of every feed, once per micro-batch
-    compute = share * m * sum(feed_time(v.nbytes, device) for v in local.program.inputs)
+    compute = m * sum(feed_time(v.nbytes, device) for v in local.program.inputs)
     updates = 0.0
     for op in local.program.ops:
-        t = share * op_time(op.type, [TensorType(v.shape, v.dtype) for v in op.inputs],
-                            [TensorType(v.shape, v.dtype) for v in op.outputs], op.attrs,
-                            device)
+        t = op_time(op.type, [TensorType(v.shape, v.dtype) for v in op.inputs],
+                    [TensorType(v.shape, v.dtype) for v in op.outputs], op.attrs, device)
         compute += t * times(op.role)
         if op.role == "optimize":
             updates += t

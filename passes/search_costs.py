@@ -2,8 +2,7 @@
 applied to one strategy, one reshard or one tensor before any plan exists.
 
 - an op's strategy: ``op_time`` on its local shapes (and its local attributes, as the
-  partitioned op will have them) on the mesh's device (times its ``time_shares``
-  factor), plus its own collectives on the
+  partitioned op will have them) on the mesh's device, plus its own collectives on the
   worst ring of the mesh (as the estimate charges them);
 - a reshard between two layouts of a Value: ``plan_reshard``'s steps, each
   ``step_time`` on the links of the devices of its mesh dim's group;
@@ -26,7 +25,7 @@ import numpy as np
 from distgraph import dtypes
 from distgraph.ops.registry import LocalSite, TensorType, get_op
 from distgraph.passes.estimate import (feed_time, op_collective_time, op_time, ring_links,
-                                       step_time, time_shares)
+                                       step_time)
 from distgraph.passes.reshard import plan_reshard
 from distgraph.placement import DistAttr, ShardSpec
 
@@ -39,7 +38,6 @@ class SearchCosts:
         self.cluster, self.mesh, self.device_of = cluster, mesh, dict(device_of)
         self.pid = mesh.process_ids[0]
         self.device = cluster.device(self.device_of[self.pid])
-        self.share = time_shares(cluster, self.device_of.values())[self.device.global_id]
         self.op_ring = ring_links(cluster, [self.device_of[p] for p in mesh.process_ids])
         self._ops: dict = {}
         self._reshards: dict = {}
@@ -69,11 +67,11 @@ class SearchCosts:
             attrs, _ = opdef.localize(dict(attrs), site)
         ins = [TensorType(shape, v.dtype) for shape, v in zip(s.in_local_shapes, op.inputs)]
         outs = [TensorType(shape, o.dtype) for shape, o in zip(s.out_local_shapes, op.outputs)]
-        return self.share * op_time(op.type, ins, outs, attrs, self.device)
+        return op_time(op.type, ins, outs, attrs, self.device)
 
     def feed(self, local_shape, dtype: str) -> float:
         """Seconds for a process to copy in its ``local_shape`` part of a feed."""
-        return self.share * feed_time(local_bytes([local_shape], [dtype]), self.device)
+        return feed_time(local_bytes([local_shape], [dtype]), self.device)
 
     def reshard(self, src: ShardSpec, dst: ShardSpec, shape, dtype: str) -> float:
         """Seconds to turn ``src`` into ``dst`` (both on the mesh), 0 when equal."""

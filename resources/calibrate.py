@@ -1,11 +1,8 @@
 """Measure this machine's MPI ranks and write a resource file.
 
-Per rank: GEMM GFLOP/s in float32 and float64 (numpy matmul, best of a few runs),
-memory bandwidth and distgraph's per-op costs (:mod:`distgraph.resources.device_probe`),
-measured by as many ranks of a host at once as it has cores (the cores a rank may run on,
-counted over the host's ranks), the others waiting their turn: the figures describe a
-device, and the host's ``cpu_cores`` lets the cost model charge the time-sharing of a
-plan that runs more processes than that. Per pair of ranks, one pair at a
+Per rank: GEMM GFLOP/s in float32 and float64 (numpy matmul, best of a few runs, all
+ranks at once: what each rank gets while all compute), memory bandwidth and distgraph's
+per-op overhead (:mod:`distgraph.resources.device_probe`). Per pair of ranks, one pair at a
 time: point-to-point latency (half the round trip of an 8-byte ping-pong) and bandwidth
 (a multi-megabyte ping-pong). For the whole group: all-reduce latency (8 bytes) and bus
 bandwidth (2(n-1)/n * bytes / time, the figure the ring formula uses). Ranks on the same
@@ -221,37 +218,6 @@ def reshard_overheads(cluster, steps: dict) -> dict:
     return out
 
 
-def usable_cores() -> set:
-    """The cores this process may run on."""
-    try:
-        return set(os.sched_getaffinity(0))
-    except AttributeError:                     # not Linux
-        return set(range(os.cpu_count() or 1))
-
-
-def compute_turns(comm, host: str) -> tuple[int, int, int]:
-    """(this rank's turn, number of turns, cores of its host): a host's ranks take turns
-    in groups of as many ranks as the host's ranks have cores between them."""
-    everyone = comm.allgather((host, sorted(usable_cores())))
-    cores: dict = {}
-    ranks: dict = {}
-    for r, (h, cpus) in enumerate(everyone):
-        cores.setdefault(h, set()).update(cpus)
-        ranks.setdefault(h, []).append(r)
-    turns = max(-(-len(ranks[h]) // len(cores[h])) for h in ranks)
-    return ranks[host].index(comm.Get_rank()) // len(cores[host]), turns, len(cores[host])
-
-
-def device_record(repeats: int, sync) -> dict:
-    """This rank's device figures (module docstring)."""
-    return {"model": cpu_model(), "memory": host_memory_gb(),
-            "gflops": {"float32": round(gemm_gflops(np.float32, repeats=repeats), 3),
-                       "float64": round(gemm_gflops(np.float64, repeats=repeats), 3)},
-            "memory_bandwidth": round(memory_bandwidth_gbps(repeats), 3),
-            "op_overhead": round(op_overhead_us(repeats), 3),
-            "op_costs": op_costs(repeats, sync=sync)}
-
-
 def build_cluster(ranks: list[dict], pairs: dict, allreduce, name: str, steps=None):
     """The Cluster for gathered per-rank records and pair measurements (and the measured
     reshard steps, whose software cost every device then carries)."""
@@ -268,7 +234,7 @@ def build_cluster(ranks: list[dict], pairs: dict, allreduce, name: str, steps=No
                           r.get("op_overhead"), r.get("op_costs")) for k, r in enumerate(mine)]
         links = [Link(a, b, bw, lat, "SHM") for (a, b), (bw, lat) in pairs.items()
                  if machine_of[a] == m and machine_of[b] == m]
-        machines.append(Machine(m, host, devices, links, cpu_cores=mine[0].get("cpu_cores")))
+        machines.append(Machine(m, host, devices, links))
     inter = [Link(a, b, bw, lat, "NET") for (a, b), (bw, lat) in pairs.items()
              if machine_of[a] != machine_of[b]]
     calibration = {"ranks": len(ranks), "gemm_size": GEMM_SIZE, "p2p_bytes": LARGE_BYTES}
@@ -296,18 +262,14 @@ def main(argv=None) -> None:
 
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
-    host = MPI.Get_processor_name()
-    turn, turns, cores = compute_turns(comm, host)
-    say(comm, f"{size} ranks: GEMM {GEMM_SIZE}^3, memory bandwidth and op costs, "
-              f"{turns} turn(s) of at most one rank per core")
-    group = comm.Split(turn, rank)
-    record = None
-    for t in range(turns):
-        if t == turn:
-            record = device_record(args.repeats, sync=lambda: idle_barrier(group))
-        idle_barrier(comm)
-    group.Free()
-    record.update(rank=rank, host=host, cpu_cores=cores)
+    say(comm, f"{size} ranks: GEMM {GEMM_SIZE}^3 on every rank at once")
+    record = {"rank": rank, "host": MPI.Get_processor_name(), "model": cpu_model(),
+              "memory": host_memory_gb(),
+              "gflops": {"float32": round(gemm_gflops(np.float32, repeats=args.repeats), 3),
+                         "float64": round(gemm_gflops(np.float64, repeats=args.repeats), 3)},
+              "memory_bandwidth": round(memory_bandwidth_gbps(args.repeats), 3),
+              "op_overhead": round(op_overhead_us(args.repeats), 3),
+              "op_costs": op_costs(args.repeats, sync=lambda: idle_barrier(comm))}
     records = comm.gather(record, root=0)
     if rank == 0:
         say(comm, "GEMM GFLOP/s per rank (float32/float64): " + ", ".join(

@@ -155,10 +155,7 @@ class Switch:
 
 @dataclass(frozen=True)
 class Machine:
-    """A host: compute ``devices``, network interfaces ``nics`` and the ``links`` among them.
-    ``cpu_cores`` (None: not given) is how many cores its CPU devices run on; where a
-    plan uses more of its CPU devices than that, they time-share the cores (the cost
-    model charges their compute accordingly)."""
+    """A host: compute ``devices``, network interfaces ``nics`` and the ``links`` among them."""
 
     id: int
     hostname: str
@@ -167,14 +164,8 @@ class Machine:
     nics: tuple[Device, ...] = ()
     addr: str = ""
     port: int | None = None
-    cpu_cores: int | None = None
 
     def __post_init__(self):
-        if self.cpu_cores is not None and (isinstance(self.cpu_cores, bool) or
-                                           int(self.cpu_cores) != self.cpu_cores or
-                                           self.cpu_cores < 1):
-            raise InvalidCluster(f"machine {self.id}.cpu_cores", f"got {self.cpu_cores!r}",
-                                 "a positive integer")
         _set(self, "devices", tuple(self.devices))
         _set(self, "links", tuple(self.links))
         _set(self, "nics", tuple(self.nics))

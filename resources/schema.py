@@ -23,7 +23,7 @@ from distgraph.resources.cluster import (COMPUTE_TYPES, Cluster, Device, DeviceM
 from distgraph.resources.reader import Reader, join
 
 TOP_KEYS = ("name", "machines", "links", "switches", "device_meshes", "calibration")
-MACHINE_KEYS = ("id", "hostname", "addr", "port", "cpu_cores", "devices", "nics", "links")
+MACHINE_KEYS = ("id", "hostname", "addr", "port", "devices", "nics", "links")
 DEVICE_KEYS = ("global_id", "local_id", "type", "model", "gflops", "memory",
                "memory_bandwidth", "op_overhead", "op_costs", "reshard_overhead")
 NIC_KEYS = ("global_id", "local_id", "type", "model")
@@ -74,9 +74,9 @@ def cluster_from_dict(data, reader: Reader) -> Cluster:
         switches.append(Switch(gid, reader.string(s, "name", key, default="")))
     pairs: dict[tuple[int, int], str] = {}
     machines = []
-    for i, (mid, hostname, addr, port, cores, devices, nics, raw_links) in enumerate(parsed):
+    for i, (mid, hostname, addr, port, devices, nics, raw_links) in enumerate(parsed):
         links = _links(reader, raw_links, f"machines[{i}].links", mid, ids, pairs)
-        machines.append(Machine(mid, hostname, devices, links, nics, addr, port, cores))
+        machines.append(Machine(mid, hostname, devices, links, nics, addr, port))
     inter = _links(reader, reader.sequence(top.get("links", []), "links"), "links", None,
                    ids, pairs)
     meshes = None
@@ -102,7 +102,6 @@ def _machine(reader: Reader, raw, key: str, index: int, ids: _Ids):
     hostname = reader.string(m, "hostname", key, nonempty=True)
     addr = reader.string(m, "addr", key, default="")
     port = reader.integer(m, "port", key, default=None)
-    cores = reader.integer(m, "cpu_cores", key, default=None, minimum=1)
     devices = []
     local_seen: dict[tuple[str, int], str] = {}
     raw_devices = reader.sequence(reader.get(m, "devices", key), join(key, "devices"),
@@ -142,7 +141,7 @@ def _machine(reader: Reader, raw, key: str, index: int, ids: _Ids):
         ids.define(gid, nkey, mid)
         nics.append(Device(gid, local, mid, "NIC", reader.string(n, "model", nkey, default="")))
     raw_links = reader.sequence(m.get("links", []), join(key, "links"))
-    return mid, hostname, addr, port, cores, tuple(devices), tuple(nics), raw_links
+    return mid, hostname, addr, port, tuple(devices), tuple(nics), raw_links
 
 
 def _unique_local(reader: Reader, seen: dict, slot: tuple[str, int], key: str):
@@ -292,8 +291,6 @@ def _machine_dict(m: Machine) -> dict:
         out["addr"] = m.addr
     if m.port is not None:
         out["port"] = m.port
-    if m.cpu_cores is not None:
-        out["cpu_cores"] = m.cpu_cores
     out["devices"] = [_device_dict(d) for d in m.devices]
     if m.nics:
         out["nics"] = [{"global_id": n.global_id, "local_id": n.local_id,

@@ -44,7 +44,7 @@ def relabel(measured: Cluster, source: Cluster, nprocs: int) -> Cluster:
             inside = tuple(ln for ln in links if machine_of[ln.source] == m.id ==
                            machine_of[ln.target])
             machines.append(Machine(m.id, m.hostname, devices, inside, addr=m.addr,
-                                    port=m.port, cpu_cores=m.cpu_cores))
+                                    port=m.port))
     between = [ln for ln in links if machine_of[ln.source] != machine_of[ln.target]]
     meshes = None
     if all(i in rank_of for mesh in source.device_meshes for i in mesh.ids):

@@ -5,7 +5,6 @@ sequence, memory as the executor's live set at its peak."""
 import pytest
 
 import distgraph as dg
-from distgraph.passes.estimate import time_shares
 from distgraph.passes.partition import gather_points
 from distgraph.program_builder import build_program
 
@@ -232,34 +231,3 @@ def test_measured_op_costs_and_reshard_overheads_replace_the_roofline(float64, t
     bad = {**data["machines"][0]["devices"][0], "op_costs": {"add": [1]}}
     with pytest.raises(dg.ResourceFileError, match="two"):
         dg.Cluster.from_dict({"machines": [{"hostname": "a", "devices": [bad]}]})
-
-
-def test_processes_beyond_a_machines_cores_time_share_them(float64, tmp_path):
-    """4 processes on a machine of 2 cores compute 2x slower each (closed form: the same
-    plan's compute on the unshared machine, doubled); communication is unchanged; 2
-    processes on it share nothing; ``cpu_cores`` round-trips and is checked."""
-    def on(cores):
-        c = cluster(4)
-        data = c.to_dict()
-        if cores is not None:
-            data["machines"][0]["cpu_cores"] = cores
-        return dg.Cluster.from_dict(data)
-
-    p = train_plan(MLP(dg.ProcessMesh([0, 1, 2, 3], ["dp"]), ["dp", None]))
-    alone, shared = dg.passes.estimate(p, on(None)), dg.passes.estimate(p, on(2))
-    for a, s in zip(alone.processes, shared.processes):
-        assert s.compute == pytest.approx(2 * a.compute, rel=1e-12)
-        assert s.communication == pytest.approx(a.communication, rel=1e-12)
-    assert dg.passes.estimate(p, on(4)).step_time == pytest.approx(alone.step_time, rel=1e-12)
-    two = train_plan(MLP(dg.ProcessMesh([0, 1], ["dp"]), ["dp", None]))
-    assert dg.passes.estimate(two, on(2)).step_time == pytest.approx(
-        dg.passes.estimate(two, on(None)).step_time, rel=1e-12)
-    assert time_shares(on(2), [0, 1, 2]) == {0: 1.5, 1: 1.5, 2: 1.5}
-
-    on(2).save(tmp_path / "c.yaml")
-    assert dg.Cluster.from_file(tmp_path / "c.yaml").machines[0].cpu_cores == 2
-    for bad in (0, "two", 1.5):
-        data = cluster(2).to_dict()
-        data["machines"][0]["cpu_cores"] = bad
-        with pytest.raises(dg.ResourceFileError, match="cpu_cores"):
-            dg.Cluster.from_dict(data)

@@ -18,12 +18,12 @@ beside it. Timings on a shared 2-core machine are noisy: 4 ranks share 2 cores.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
+
+from bench_jobs import calibrated, rows_from_ranks, write_rows
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
@@ -105,26 +105,14 @@ def main() -> None:
     parser.add_argument("--cluster", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rank_output:                       # inside an N-rank job
-        rows = measure_rank(args.cluster, args.steps, args.repeats)
-        if rows:
-            with open(args.rank_output, "w") as f:
-                json.dump(rows, f)
+        write_rows(args.rank_output, measure_rank(args.cluster, args.steps, args.repeats))
         return
-    env = dict(os.environ, OMP_NUM_THREADS="1")
     with tempfile.TemporaryDirectory() as tmp:
         for n in (int(x) for x in args.ranks.split(",")):
-            cluster = getattr(args, f"cluster{n}", None)
-            if cluster is None:
-                cluster = os.path.join(tmp, f"calibrated{n}.yaml")
-                subprocess.run(["distgraph", "cluster", "calibrate", "-n", str(n), "-o",
-                                cluster], check=True, env=env, stdout=subprocess.DEVNULL)
-            out = os.path.join(tmp, f"rows{n}.json")
-            subprocess.run(["distgraph", "run", "-n", str(n), os.path.abspath(__file__),
-                            "--cluster", os.path.abspath(cluster), "--steps", str(args.steps),
-                            "--repeats", str(args.repeats), "--rank-output", out],
-                           check=True, env=env)
-            with open(out) as f:
-                report(n, json.load(f))
+            cluster = calibrated(n, getattr(args, f"cluster{n}", None), tmp)
+            report(n, rows_from_ranks(n, __file__, [
+                "--cluster", os.path.abspath(cluster), "--steps", str(args.steps),
+                "--repeats", str(args.repeats)], tmp))
 
 
 if __name__ == "__main__":

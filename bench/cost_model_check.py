@@ -17,14 +17,14 @@ step, best of three batches of ``--steps`` steps after a warm-up.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 
 import numpy as np
+
+from bench_jobs import calibrated, rows_from_ranks, write_rows
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
@@ -126,24 +126,12 @@ def main() -> None:
     parser.add_argument("--rank-output", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rank_output:                       # inside the 2-rank job
-        rows = measure_rank(args.cluster, args.steps)
-        if rows:
-            with open(args.rank_output, "w") as f:
-                json.dump(rows, f)
+        write_rows(args.rank_output, measure_rank(args.cluster, args.steps))
         return
-    env = dict(os.environ, OMP_NUM_THREADS="1")
     with tempfile.TemporaryDirectory() as tmp:
-        cluster = args.cluster
-        if cluster is None:
-            cluster = os.path.join(tmp, "calibrated2.yaml")
-            subprocess.run(["distgraph", "cluster", "calibrate", "-n", "2", "-o", cluster],
-                           check=True, env=env, stdout=subprocess.DEVNULL)
-        out = os.path.join(tmp, "rows.json")
-        subprocess.run(["distgraph", "run", "-n", "2", os.path.abspath(__file__), "--cluster",
-                        os.path.abspath(cluster), "--steps", str(args.steps), "--rank-output",
-                        out], check=True, env=env)
-        with open(out) as f:
-            report(json.load(f))
+        cluster = calibrated(2, args.cluster, tmp)
+        report(rows_from_ranks(2, __file__, ["--cluster", os.path.abspath(cluster),
+                                             "--steps", str(args.steps)], tmp))
 
 
 if __name__ == "__main__":

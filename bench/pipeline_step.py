@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 
 import numpy as np
 
@@ -57,6 +56,8 @@ from distgraph.program_builder import build_program
 from distgraph.runtime.mpi_comm import MPICommunicator
 from distgraph.runtime.pipeline import PipelineRunner
 from distgraph.runtime.spmd import SpmdRunner, check_world
+
+from bench_jobs import timed
 
 LR = 1e-3
 SPEEDUP_TARGET = 0.65      # distgraph 1F1B / sequential
@@ -208,23 +209,6 @@ class Reference:
         for part in self.comm.allgather(mine):
             out.update(part)
         return out
-
-
-def timed(fns, steps, warmup, comm):
-    """Alternate the step functions; per step, the slowest rank's seconds."""
-    for _ in range(warmup):
-        for fn in fns:
-            fn()
-    times = np.zeros((len(fns), steps))
-    for i in range(steps):
-        for j, fn in enumerate(fns):
-            comm.Barrier()
-            t0 = time.perf_counter()
-            fn()
-            times[j, i] = time.perf_counter() - t0
-    from mpi4py import MPI
-    comm.Allreduce(MPI.IN_PLACE, times, op=MPI.MAX)
-    return times
 
 
 def check_same(a: dict, b: dict, what: str) -> None:

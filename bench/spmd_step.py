@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 
 import numpy as np
 
@@ -47,6 +46,8 @@ from distgraph.passes.cost_model import collective_bytes
 from distgraph.program_builder import build_program
 from distgraph.runtime.mpi_comm import MPICommunicator
 from distgraph.runtime.spmd import SpmdRunner, check_world
+
+from bench_jobs import timed
 
 from reference_adam import adam_ as adam_inplace  # bench/ is on the path
 
@@ -226,23 +227,6 @@ def check_same(plan, dgs: Distgraph, ref: Reference, comm) -> None:
         for k in PARAMS:
             np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-7,
                                        err_msg=f"{plan} {k} after one step")
-
-
-def timed(fns, steps, warmup, comm):
-    """Alternate the step functions; per step, the slowest rank's seconds."""
-    for _ in range(warmup):
-        for fn in fns:
-            fn()
-    times = np.zeros((len(fns), steps))
-    for i in range(steps):
-        for j, fn in enumerate(fns):
-            comm.Barrier()
-            t0 = time.perf_counter()
-            fn()
-            times[j, i] = time.perf_counter() - t0
-    from mpi4py import MPI
-    comm.Allreduce(MPI.IN_PLACE, times, op=MPI.MAX)
-    return times
 
 
 def main(argv=None) -> int:

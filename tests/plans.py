@@ -134,6 +134,20 @@ class Dataset:
         return tuple(f[i] for f in self.fields)
 
 
+class Tokens:
+    """``n`` samples of (tokens [seq], the next tokens [seq]) over a vocabulary of ``vocab``:
+    the small next-token dataset of the Engine, checkpoint and recompute tests."""
+
+    def __init__(self, n=16, seed=0, seq=8, vocab=32):
+        self.t = np.random.default_rng(seed).integers(0, vocab, size=(n, seq + 1))
+
+    def __len__(self):
+        return len(self.t)
+
+    def __getitem__(self, i):
+        return self.t[i, :-1].astype(np.int64), self.t[i, 1:].astype(np.int64)
+
+
 # ---- plans ----------------------------------------------------------------------------
 
 @dataclass(frozen=True)

@@ -33,15 +33,6 @@ def run(argv, tag, nprocs=None):
     return json.loads(lines[0].split(" ", 1)[1])
 
 
-class Tokens:
-    def __init__(self, n=16, seed=0):
-        self.t = np.random.default_rng(seed).integers(0, 32, size=(n, 9))
-
-    def __len__(self):
-        return len(self.t)
-
-    def __getitem__(self, i):
-        return self.t[i, :-1].astype(np.int64), self.t[i, 1:].astype(np.int64)
 
 
 def gpt_engine(seed=0, n_layer=2, optimizer=None):
@@ -52,7 +43,7 @@ def gpt_engine(seed=0, n_layer=2, optimizer=None):
 
 def test_a_checkpoint_is_shard_files_and_metadata(float64, tmp_path):
     engine = gpt_engine()
-    engine.fit(Tokens(), batch_size=4, epochs=1, verbose=0)
+    engine.fit(P.Tokens(), batch_size=4, epochs=1, verbose=0)
     engine.save(tmp_path / "ckpt")
     names = sorted(os.listdir(tmp_path / "ckpt"))
     assert names[1] == "metadata.json" and names[0].startswith("data-step4-")
@@ -89,7 +80,7 @@ def test_saving_again_replaces_the_checkpoint_and_keeps_one_data_folder(float64,
     engine = gpt_engine()
     engine.save(tmp_path / "ckpt")                      # before any training: parameters
     assert not CheckpointReader(tmp_path / "ckpt").has_optimizer_state
-    engine.fit(Tokens(), batch_size=4, verbose=0)
+    engine.fit(P.Tokens(), batch_size=4, verbose=0)
     engine.save(tmp_path / "ckpt")
     assert len([n for n in os.listdir(tmp_path / "ckpt") if n.startswith("data-")]) == 1
     assert CheckpointReader(tmp_path / "ckpt").info["training"]["step"] == 4
@@ -97,7 +88,7 @@ def test_saving_again_replaces_the_checkpoint_and_keeps_one_data_folder(float64,
 
 def test_another_models_checkpoint_is_a_clear_error(float64, tmp_path):
     engine = gpt_engine()
-    engine.fit(Tokens(), batch_size=4, verbose=0)
+    engine.fit(P.Tokens(), batch_size=4, verbose=0)
     engine.save(tmp_path / "ckpt")
     with pytest.raises(dg.CheckpointError, match=r"missing 12 tensor\(s\) \[blocks.2.attn.proj.bias, "):
         gpt_engine(n_layer=3).load(tmp_path / "ckpt")
@@ -124,9 +115,9 @@ def test_weights_only_checkpoint_starts_fresh_optimizer_states(float64, tmp_path
     gpt_engine(seed=4).save(tmp_path / "weights")
     engine = gpt_engine(seed=5)
     engine.load(tmp_path / "weights")
-    engine.fit(Tokens(), batch_size=4, verbose=0)
+    engine.fit(P.Tokens(), batch_size=4, verbose=0)
     reference = gpt_engine(seed=4)
-    reference.fit(Tokens(), batch_size=4, verbose=0)
+    reference.fit(P.Tokens(), batch_size=4, verbose=0)
     want = reference.state_dict()
     assert all(np.array_equal(v, want[k]) for k, v in engine.state_dict().items())
 
@@ -135,22 +126,22 @@ def test_model_checkpoint_and_fit_after_load_runs_only_what_is_left(float64, tmp
     engine = gpt_engine()
     saver = dg.callbacks.ModelCheckpoint(tmp_path / "every2-{step}", every_n_steps=2)
     per_epoch = dg.callbacks.ModelCheckpoint(tmp_path / "epoch")
-    full = engine.fit(Tokens(), batch_size=4, epochs=3, callbacks=[saver, per_epoch],
+    full = engine.fit(P.Tokens(), batch_size=4, epochs=3, callbacks=[saver, per_epoch],
                       verbose=0)
     assert [Path(p).name for p in saver.saved] == [f"every2-{s}" for s in (2, 4, 6, 8, 10, 12)]
     assert CheckpointReader(tmp_path / "epoch").info["training"]["epoch"] == 3
 
     resumed = gpt_engine(seed=1)
     resumed.load(tmp_path / "every2-4")            # the end of epoch 0 (4 batches of 4)
-    history = resumed.fit(Tokens(), batch_size=4, epochs=3, verbose=0)
+    history = resumed.fit(P.Tokens(), batch_size=4, epochs=3, verbose=0)
     assert history.steps == list(range(4, 12)) and [e["epoch"] for e in history.epochs] == [1, 2]
     assert history.losses == full.losses[4:]
-    assert resumed.fit(Tokens(), batch_size=4, epochs=3, verbose=0).losses != []  # a new run
+    assert resumed.fit(P.Tokens(), batch_size=4, epochs=3, verbose=0).losses != []  # a new run
 
     inside = gpt_engine(seed=1)
     inside.load(tmp_path / "every2-6")              # inside epoch 1
     with pytest.raises(dg.DistGraphError, match="inside epoch 1 after batch 2.*batch_size=2"):
-        inside.fit(Tokens(), batch_size=2, epochs=3, verbose=0)
+        inside.fit(P.Tokens(), batch_size=2, epochs=3, verbose=0)
 
 
 @pytest.mark.slow
@@ -207,7 +198,7 @@ def test_a_save_killed_midway_leaves_a_loadable_checkpoint(float64, tmp_path, po
     want = dict(np.load(tmp_path / f"step{step}.npz"))
     got = {**engine.state_dict(), **engine.optimizer_state_dict()}
     assert sorted(got) == sorted(want) and all(np.array_equal(got[k], want[k]) for k in want)
-    engine.fit(Tokens(), batch_size=4, verbose=0)        # and the next save cleans up
+    engine.fit(P.Tokens(), batch_size=4, verbose=0)        # and the next save cleans up
     engine.save(tmp_path / "ckpt")
     assert sorted(n[:5] for n in os.listdir(tmp_path / "ckpt")) == ["data-", "metad"]
 

@@ -18,15 +18,6 @@ sys.path.insert(0, str(Path(__file__).parent))
 import plans as P  # noqa: E402
 
 
-class Tokens:
-    def __init__(self, n=16, seed=0, seq=8, vocab=32):
-        self.t = np.random.default_rng(seed).integers(0, vocab, size=(n, seq + 1))
-
-    def __len__(self):
-        return len(self.t)
-
-    def __getitem__(self, i):
-        return self.t[i, :-1].astype(np.int64), self.t[i, 1:].astype(np.int64)
 
 
 def gpt_run(recompute, epochs=2):
@@ -34,7 +25,7 @@ def gpt_run(recompute, epochs=2):
     model = dg.nn.GPT(32, 16, 2, 2, 8, dropout=0.1)
     engine = dg.Engine(model, dg.nn.CrossEntropyLoss(), dg.optim.AdamW(1e-2),
                        strategy=dg.Strategy(recompute=recompute))
-    history = engine.fit(Tokens(), batch_size=4, epochs=epochs, shuffle=True, verbose=0)
+    history = engine.fit(P.Tokens(), batch_size=4, epochs=epochs, shuffle=True, verbose=0)
     return engine, history.losses, engine.state_dict()
 
 
@@ -67,7 +58,7 @@ def test_recompute_equals_the_plain_run_and_keeps_fewer_bytes(float64):
     assert {op.layer.split(".")[1] for op in copies} == {"0", "1"}
     assert peak_activation_bytes(program) < 0.8 * peak_activation_bytes(plain.plan().program)
 
-    batch = Tokens(8, seed=5)
+    batch = P.Tokens(8, seed=5)
     assert step_peak(again, batch) < step_peak(plain, batch)
 
 
@@ -88,7 +79,7 @@ def test_bad_recompute_options_raise():
                        dg.optim.SGD(0.1), strategy=dg.Strategy(recompute=["blocks.7"]))
     with pytest.raises(dg.PlanError, match="no forward op of the model comes from layer "
                                            "'blocks.7'"):
-        engine.fit(Tokens(), batch_size=4, verbose=0)
+        engine.fit(P.Tokens(), batch_size=4, verbose=0)
     engine = dg.Engine(dg.nn.Linear(8, 2), dg.nn.MSELoss(), dg.optim.SGD(0.1),
                        strategy=dg.Strategy(recompute=True))
     with pytest.raises(dg.PlanError, match="has no(ne)?.*TransformerBlock|TransformerBlock.*none"):

@@ -23,19 +23,13 @@ import numpy as np
 
 import distgraph as dg
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from plans import Tokens  # noqa: E402
+
 STOP_AFTER = 9
 FIT = dict(batch_size=4, epochs=3, shuffle=True, verbose=0)
 
 
-class Tokens:
-    def __init__(self, n=24, seed=0):
-        self.t = np.random.default_rng(seed).integers(0, 32, size=(n, 9))
-
-    def __len__(self):
-        return len(self.t)
-
-    def __getitem__(self, i):
-        return self.t[i, :-1].astype(np.int64), self.t[i, 1:].astype(np.int64)
 
 
 class GPT(dg.nn.GPT):
@@ -89,16 +83,16 @@ def main(plan, phase, directory) -> None:
     result = {"plan": plan, "phase": phase}
     if phase == "first":
         full = engine(plan, 0, comm)
-        result["full"] = full.fit(Tokens(), **FIT).losses
+        result["full"] = full.fit(Tokens(24), **FIT).losses
         values = state(full)
         if rank == 0:
             np.savez(os.path.join(directory, "full.npz"), **values)
         first = engine(plan, 0, comm)
-        result["first"] = first.fit(Tokens(), callbacks=[StopAndSave(ckpt)], **FIT).losses
+        result["first"] = first.fit(Tokens(24), callbacks=[StopAndSave(ckpt)], **FIT).losses
     else:
         resumed = engine(plan, 1, comm)
         resumed.load(ckpt)
-        history = resumed.fit(Tokens(), **FIT)
+        history = resumed.fit(Tokens(24), **FIT)
         result["resumed"], result["steps"] = history.losses, history.steps
         values = state(resumed)
         if rank == 0:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from typing import NoReturn
 
 from distgraph.errors import ResourceFileError
@@ -109,7 +110,8 @@ class Reader:
         if value is default and default is not _MISSING:
             return value
         path = join(key, name)
-        if self.lenient_numbers and isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        if self.lenient_numbers and isinstance(value, str) \
+                and re.fullmatch(r"-?[0-9]+", value.strip()):
             value = int(value)
         if isinstance(value, bool) or not isinstance(value, int):
             self.fail(path, f"got {type(value).__name__} {_show(value)}",

@@ -41,7 +41,7 @@ def measure_rank(cluster_file: str, steps: int, repeats: int) -> list:
 
     import distgraph as dg
     import plans as P
-    from distgraph.runtime.mpi_comm import MPICommunicator
+    from distgraph.runtime.comm.mpi import MPICommunicator
 
     world = MPI.COMM_WORLD
     comm = MPICommunicator()

@@ -22,9 +22,9 @@ import json
 import os
 import sys
 
-from distgraph.passes.completion import complete
+from distgraph.passes.completion.complete import complete
 from distgraph.passes.partition import partition, process_ids
-from distgraph.passes.sharding import shard_updates
+from distgraph.passes.transforms.zero import shard_updates
 
 import distgraph as dg
 from distgraph.program_builder import build_program
@@ -47,7 +47,7 @@ def step_bytes(program) -> tuple[float, int]:
 def plan_program(plan):
     model = P.build_model(plan.kind)
     plan.annotate(model)
-    ins, labels = dg.engine.DataLoader(P.Dataset(plan.kind), P.BATCH).specs(1)
+    ins, labels = dg.app.data.DataLoader(P.Dataset(plan.kind), P.BATCH).specs(1)
     built = build_program(model, ins, labels, P.loss_fn(plan.kind), dg.optim.AdamW(0.01))
     program = complete(built.program)
     if plan.sharding and shard_updates(program, "dp"):

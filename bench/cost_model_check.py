@@ -49,9 +49,9 @@ def measure_rank(cluster_file: str, steps: int) -> list:
     import distgraph as dg
     import plans as P
     from distgraph.program_builder import build_program
-    from distgraph.runtime.executor import ProgramRunner
-    from distgraph.runtime.mpi_comm import MPICommunicator
-    from distgraph.runtime.spmd import SpmdRunner
+    from distgraph.runtime.execution.executor import ProgramRunner
+    from distgraph.runtime.comm.mpi import MPICommunicator
+    from distgraph.runtime.execution.spmd import SpmdRunner
 
     world = MPI.COMM_WORLD
     comm = MPICommunicator()
@@ -66,7 +66,7 @@ def measure_rank(cluster_file: str, steps: int) -> list:
             if name != "serial":
                 P.PLANS[kind, "dp" if sharding else name, 2].annotate(model)
             optimizer = dg.optim.Adam(1e-3)
-            ins, labels = dg.engine.DataLoader(data, batch).specs(1)
+            ins, labels = dg.app.data.DataLoader(data, batch).specs(1)
             built = build_program(model, ins, labels, P.loss_fn(kind), optimizer)
             plan = dg.passes.plan(built, dg.Strategy(sharding=sharding), cluster=cluster)
             predicted = dg.passes.estimate(plan, cluster).step_time

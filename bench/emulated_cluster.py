@@ -32,12 +32,12 @@ import time
 import numpy as np
 
 import distgraph as dg
-from distgraph.passes.plan_traffic import process_graph
-from distgraph.passes.rank_mapping import map_ranks
-from distgraph.runtime.emulate import check_prerequisites
-from distgraph.runtime.emulate_launch import launch_emulated
-from distgraph.runtime.launcher import launch
-from distgraph.runtime.mpi_comm import MPICommunicator
+from distgraph.passes.mapping.traffic import process_graph
+from distgraph.passes.mapping.rank_mapping import map_ranks
+from distgraph.runtime.emulate.namespaces import check_prerequisites
+from distgraph.runtime.emulate.launch import launch_emulated
+from distgraph.runtime.launch.launcher import launch
+from distgraph.runtime.comm.mpi import MPICommunicator
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))

@@ -21,8 +21,8 @@ from __future__ import annotations
 import os
 import time
 
-from distgraph.passes.process_graph import ProcessGraph, grid_groups
-from distgraph.passes.rank_mapping import (best_random_mapping, bfs_first_free_mapping,
+from distgraph.passes.mapping.process_graph import ProcessGraph, grid_groups
+from distgraph.passes.mapping.rank_mapping import (best_random_mapping, bfs_first_free_mapping,
                                            improve_mapping, map_ranks, random_mapping)
 from distgraph.resources.cluster import Cluster, Device, Link, Machine, Switch
 

@@ -53,9 +53,9 @@ import numpy as np
 
 import distgraph as dg
 from distgraph.program_builder import build_program
-from distgraph.runtime.mpi_comm import MPICommunicator
-from distgraph.runtime.pipeline import PipelineRunner
-from distgraph.runtime.spmd import SpmdRunner, check_world
+from distgraph.runtime.comm.mpi import MPICommunicator
+from distgraph.runtime.execution.pipeline import PipelineRunner
+from distgraph.runtime.execution.spmd import SpmdRunner, check_world
 
 from bench_jobs import timed
 

@@ -21,7 +21,7 @@ import tracemalloc
 import numpy as np
 
 import distgraph as dg
-from distgraph.passes.recompute import peak_activation_bytes
+from distgraph.passes.transforms.recompute import peak_activation_bytes
 
 MODELS = {
     "GPT-tiny": dict(vocab_size=64, d_model=64, n_layer=2, n_head=4, max_seq_len=32, batch=16),

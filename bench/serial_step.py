@@ -27,7 +27,7 @@ import numpy as np
 
 import distgraph as dg
 from distgraph.program_builder import build_program
-from distgraph.runtime.executor import ProgramRunner
+from distgraph.runtime.execution.executor import ProgramRunner
 
 from reference_adam import adam_ as adam_inplace  # bench/ is on the path
 

@@ -44,8 +44,8 @@ import numpy as np
 import distgraph as dg
 from distgraph.passes.cost_model import collective_bytes
 from distgraph.program_builder import build_program
-from distgraph.runtime.mpi_comm import MPICommunicator
-from distgraph.runtime.spmd import SpmdRunner, check_world
+from distgraph.runtime.comm.mpi import MPICommunicator
+from distgraph.runtime.execution.spmd import SpmdRunner, check_world
 
 from bench_jobs import timed
 

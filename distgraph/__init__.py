@@ -10,16 +10,16 @@ from distgraph.dtypes import get_default_dtype, seed, set_default_dtype
 from distgraph import ops
 from distgraph.ir import Operation, Program, Value
 from distgraph.parameter import Parameter
-from distgraph.ops.registry import ShapeError
+from distgraph.registry import ShapeError
 from distgraph.trace import InputSpec, trace
 from distgraph import nn, optim
 from distgraph.autodiff import append_backward
 from distgraph.strategy import Strategy
-from distgraph.engine import Engine, History
+from distgraph.app.engine import Engine, History
 from distgraph.mesh import ProcessMesh
 from distgraph.placement import DistAttr, Partial, Replicate, Shard, ShardSpec
 from distgraph.annotation import shard_op, shard_tensor
 from distgraph import passes
 from distgraph.resources.cluster import Cluster
 from distgraph import callbacks, metrics
-from distgraph.checkpoint import CheckpointError
+from distgraph.app.checkpoint import CheckpointError

@@ -18,6 +18,7 @@ from distgraph.ir import Value
 from distgraph.mesh import ProcessMesh
 from distgraph.parameter import Parameter
 from distgraph.placement import DistAttr, Partial, Replicate, Shard, ShardSpec
+from distgraph.trace import current_builder, flatten_outputs
 
 
 def to_shard_spec(spec, mesh: ProcessMesh, ndim: int, label: str = "tensor") -> ShardSpec:
@@ -76,7 +77,6 @@ def shard_op(fn_or_layer, mesh: ProcessMesh, in_shard_specs=None, out_shard_spec
         raise ShardingError(f"shard_op: mesh must be a ProcessMesh, got {type(mesh).__name__}")
 
     def wrapped(*args):
-        from distgraph.trace import current_builder, flatten_outputs
         builder = current_builder()
         values = [builder.as_value(a) if isinstance(a, (Value, Parameter)) else a for a in args]
         in_specs = []

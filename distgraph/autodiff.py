@@ -14,7 +14,7 @@ from __future__ import annotations
 from distgraph import dtypes
 from distgraph.errors import DistGraphError
 from distgraph.ir import Program, Value
-from distgraph.ops.registry import get_op
+from distgraph.registry import get_op
 from distgraph.trace import Builder
 
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from distgraph.autodiff import append_backward
 from distgraph.errors import DistGraphError
 from distgraph.ir import Program
+from distgraph.nn.layers import TransformerBlock
 from distgraph.trace import Builder, flatten_outputs, make_inputs
 
 MODES = ("train", "eval", "predict")
@@ -59,7 +60,6 @@ def build_program(model, input_specs, label_specs=(), loss=None, optimizer=None,
         params = [v for v in program.parameters if v.name in trainable]
         grads = append_backward(program, loss_value, params)
         optimizer.append_update(program, grads)
-    from distgraph.nn.layers import TransformerBlock
     blocks = tuple(p for p, layer in model.named_sublayers() if isinstance(layer, TransformerBlock))
     return BuiltProgram(program, mode, [v.name for v in program.inputs],
                         [v.name for v in outputs],

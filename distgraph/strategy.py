@@ -13,8 +13,8 @@ SCHEDULES = ("1F1B", "FThenB", "ZB")
 class Strategy:
     """``auto_mode``: "semi" completes from annotations; "full" searches the layouts
     (Alpa's intra-op ILP, within ``solver_time_limit`` seconds per search and
-    ``memory_budget_gb`` per device; :mod:`distgraph.passes.search`), and with
-    ``pipeline=True`` the stages too (:mod:`distgraph.passes.stage_search`).
+    ``memory_budget_gb`` per device; :mod:`distgraph.passes.search.intra_op`), and with
+    ``pipeline=True`` the stages too (:mod:`distgraph.passes.search.stages`).
     ``micro_batches`` > 1 enables gradient accumulation / pipelining with ``schedule``
     ("1F1B", "FThenB" or "ZB"); ``recompute`` frees the forward activations inside every
     ``TransformerBlock`` (True) or inside the given layer paths (e.g.

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from distgraph import dtypes
 from distgraph.errors import DistGraphError
 from distgraph.ir import Operation, Program, Value
-from distgraph.ops.registry import ShapeError, TensorType, get_op
+from distgraph.registry import ShapeError, TensorType, get_op
 from distgraph.parameter import Parameter
 
 # The builders of the traces in progress (innermost last); only ``trace`` and autodiff
@@ -122,6 +122,11 @@ class Builder:
         return out_vals
 
 
+def active_builder() -> Builder | None:
+    """The builder of the trace in progress, None outside ``trace``."""
+    return _ACTIVE[-1] if _ACTIVE else None
+
+
 def current_builder() -> Builder:
     if not _ACTIVE:
         raise DistGraphError("distgraph ops build a graph and must be called inside dg.trace(...) "
@@ -160,10 +165,8 @@ def trace(fn_or_layer, *input_specs: InputSpec) -> Program:
 
     Parameters of a Layer are named by their path (``blocks.0.attn.qkv.bias``).
     """
-    from distgraph.nn.layer import Layer
-
     param_names = {}
-    if isinstance(fn_or_layer, Layer):
+    if hasattr(fn_or_layer, "named_parameters"):     # a Layer (distgraph.nn builds on this)
         fn_or_layer.assign_paths()
         param_names = {id(p): n for n, p in fn_or_layer.named_parameters()}
     builder = Builder(Program(), param_names)

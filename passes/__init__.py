@@ -1,7 +1,7 @@
 """distgraph.passes: completion, reshard planning, planning into a Plan, cost model, rank
 mapping."""
 
-from distgraph.passes.completion import complete, explain
+from distgraph.passes.completion.complete import complete, explain
 from distgraph.passes.estimate import Estimate, estimate
 from distgraph.passes.planner import Plan, plan
 from distgraph.passes.reshard import plan_reshard

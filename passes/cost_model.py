@@ -3,7 +3,7 @@
 All formulas are *per process* on a group of ``n`` processes connected as a ring, with
 ``B`` (``nbytes``) the size of one process's local buffer defined per kind as below.
 The reshard planner (:mod:`distgraph.passes.reshard`) and the communicators' byte
-counters (:mod:`distgraph.runtime.comm`) both use :func:`collective_bytes`, so a plan's
+counters (:mod:`distgraph.runtime.comm.base`) both use :func:`collective_bytes`, so a plan's
 bytes equal what the runtime counts.
 
 =============== ====================================== =============================== ============================
@@ -32,8 +32,7 @@ Example::
 from __future__ import annotations
 
 from distgraph.errors import PlanError
-
-COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
+from distgraph.resources.elements import COLLECTIVE_KINDS as COLLECTIVES
 P2P = ("send_recv", "p2p")
 LOCAL = ("slice", "make_partial", "local_copy")
 KINDS = COLLECTIVES + P2P + LOCAL

@@ -40,9 +40,10 @@ from dataclasses import asdict, dataclass
 
 from distgraph import dtypes
 from distgraph.errors import PlanError
-from distgraph.ops.registry import TensorType, get_op, op_work
 from distgraph.passes.cost_model import COLLECTIVES, collective_time
 from distgraph.passes.partition import gather_points
+from distgraph.registry import TensorType, get_op, op_work
+from distgraph.resources.cluster import Cluster
 
 # (memory bandwidth GB/s, op overhead µs) by device type when the file gives none.
 DEFAULTS = {"CPU": (10.0, 20.0), "GPU": (1000.0, 10.0), "XPU": (500.0, 10.0),
@@ -202,7 +203,6 @@ def _message_time(step, process: int, cluster, device_of) -> float:
 def estimate(plan, cluster=None) -> Estimate:
     """The plan's predicted step time and memory on ``cluster`` (default: the plan's own
     cluster, else ``Cluster.local`` of its size). See the module docstring."""
-    from distgraph.resources.cluster import Cluster
     cluster = cluster or plan.cluster or Cluster.local(plan.world_size)
     devices = cluster.devices
     if len(devices) < plan.world_size:

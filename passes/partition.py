@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from distgraph.errors import PlanError
 from distgraph.ir import Operation, Program, Value
 from distgraph.mesh import ProcessMesh
-from distgraph.ops.registry import LocalSite, get_op
+from distgraph.registry import LocalSite, get_op
 from distgraph.passes.cost_model import collective_bytes
 from distgraph.passes.reshard import plan_bytes, plan_reshard
 from distgraph.placement import DistAttr, ShardSpec

@@ -4,7 +4,7 @@
 attributes (with ``Strategy(sharding=True)``, shards the updates and completes again),
 places the logical processes on the cluster's devices, and returns a :class:`Plan`.
 With ``Strategy(recompute=...)`` the copy is first rewritten so that the chosen layers'
-activations are recomputed in the backward (:mod:`distgraph.passes.recompute`).
+activations are recomputed in the backward (:mod:`distgraph.passes.transforms.recompute`).
 The built program is left as it was, so a search can score many plans of one program,
 and planning needs no running job: a 4-process plan can be made and printed from one
 process.
@@ -32,13 +32,17 @@ from types import MappingProxyType
 
 from distgraph.errors import PlanError, ShardingError
 from distgraph.mesh import ProcessMesh
-from distgraph.passes.accumulate import split_micro_batches
-from distgraph.passes.auto_plan import annotate, within_budget
-from distgraph.passes.completion import complete
+from distgraph.passes.completion.complete import complete
 from distgraph.passes.estimate import estimate, fmt_bytes
+from distgraph.passes.mapping.rank_mapping import map_ranks
+from distgraph.passes.mapping.traffic import process_graph
 from distgraph.passes.partition import LocalProgram, partition, process_ids
-from distgraph.passes.recompute import recompute, segments
-from distgraph.passes.sharding import shard_updates
+from distgraph.passes.pipeline.accumulate import split_micro_batches
+from distgraph.passes.pipeline.task_graph import build_task_graph, stage_of_processes
+from distgraph.passes.search.auto import annotate, within_budget
+from distgraph.passes.transforms.recompute import recompute, segments
+from distgraph.passes.transforms.zero import shard_updates
+from distgraph.resources.cluster import Cluster
 from distgraph.strategy import Strategy
 
 SERIAL_MESH = ProcessMesh([0], dim_names=["world"])
@@ -56,7 +60,7 @@ class Plan:
 
     With ``Strategy(micro_batches=M)``, M > 1, ``program`` is the *micro-batch* program
     (forward, backward and update on micro-batch shapes) and ``accumulation`` says how
-    the step accumulates over the micro-batches (:mod:`distgraph.passes.accumulate`);
+    the step accumulates over the micro-batches (:mod:`distgraph.passes.pipeline.accumulate`);
     :meth:`task_graph` gives the tasks each process runs per micro-batch."""
 
     built: object
@@ -91,10 +95,9 @@ class Plan:
         return self.accumulation is not None or self.strategy.profile
 
     def task_graph(self):
-        """The per-process tasks and their edges (:mod:`distgraph.passes.task_graph`),
+        """The per-process tasks and their edges (:mod:`distgraph.passes.pipeline.task_graph`),
         built on first use and kept."""
         if "task_graph" not in self._locals:
-            from distgraph.passes.task_graph import build_task_graph
             self._locals["task_graph"] = build_task_graph(self)
         return self._locals["task_graph"]
 
@@ -255,7 +258,6 @@ def _plan(built, strategy, cluster, rank_mapping, accumulation, ilp_budget=None)
                    None if rank_of is None else MappingProxyType(rank_of),
                    _stages(program), cluster, accumulation=accumulation)
     if planned.pipelined:
-        from distgraph.passes.task_graph import stage_of_processes
         stage_of_processes(planned)          # every process in one stage, or a PlanError
     if searched is not None:
         searched.result.check(program)
@@ -330,15 +332,12 @@ def _rank_of(program, ids, cluster, rank_mapping):
     r owning the cluster's r-th device. Without a cluster or mapping: None (p on rank p)."""
     if cluster is None and rank_mapping is None:
         return None
-    from distgraph.resources.cluster import Cluster
     world_size = len(ids)
     cluster = cluster or Cluster.local(world_size)
     if len(cluster.devices) < world_size:
         raise PlanError(f"this plan has {world_size} processes but the cluster has only "
                         f"{len(cluster.devices)} devices")
     if rank_mapping is None:
-        from distgraph.passes.plan_traffic import process_graph
-        from distgraph.passes.rank_mapping import map_ranks
         rank_mapping = map_ranks(process_graph(program), cluster,
                                  devices=[d.global_id for d in cluster.devices[:world_size]])
     to_device = dict(getattr(rank_mapping, "process_to_device", rank_mapping))

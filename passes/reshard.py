@@ -1,7 +1,7 @@
 """Reshard planner: the communication steps that turn one DistAttr into another.
 
 :func:`plan_reshard` is pure: it returns a list of frozen :class:`Step` values and never
-touches data; :mod:`distgraph.runtime.reshard_exec` executes them. Every step's ``bytes``
+touches data; :mod:`distgraph.runtime.execution.reshard` executes them. Every step's ``bytes``
 is the per-process formula of :mod:`distgraph.passes.cost_model` applied to the step's
 local buffer, so ``plan_bytes(steps)`` is what the communicators count.
 
@@ -40,10 +40,11 @@ import numpy as np
 
 from distgraph.errors import PlanError
 from distgraph.mesh import ProcessMesh
-from distgraph.passes.cost_model import COLLECTIVES, collective_bytes, collective_time
+from distgraph.passes.cost_model import collective_bytes, collective_time
 from distgraph.placement import DistAttr, ShardSpec
+from distgraph.resources.elements import RESHARD_STEP_KINDS
 
-STEP_KINDS = COLLECTIVES + ("slice", "make_partial", "send_recv")
+STEP_KINDS = RESHARD_STEP_KINDS
 
 
 def _fmt_bytes(b: float) -> str:

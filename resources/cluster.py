@@ -37,6 +37,7 @@ from distgraph.errors import PlanError
 from distgraph.resources.elements import (COMPUTE_TYPES, DEVICE_TYPES, NETWORK_TYPES, Device,
                                           DeviceMesh, FrozenMap, InvalidCluster, Link, Machine,
                                           Switch, _ranges, _set)
+from distgraph.resources import describe as _describe, files as _files, schema as _schema
 from distgraph.resources.paths import best_paths
 
 # The value classes live in elements.py and are re-exported here, so that
@@ -333,8 +334,7 @@ class Cluster:
 
     def describe(self) -> str:
         """Machines, device meshes and a link table, for people."""
-        from distgraph.resources.describe import describe
-        return describe(self)
+        return _describe.describe(self)
 
     def __str__(self):
         return self.describe()
@@ -348,24 +348,20 @@ class Cluster:
     @classmethod
     def from_file(cls, path) -> "Cluster":
         """Load a YAML or JSON resource file (distgraph schema or Paddle's cluster JSON)."""
-        from distgraph.resources.files import load_cluster
-        return load_cluster(path)
+        return _files.load_cluster(path, cls)
 
     @classmethod
     def from_dict(cls, data, source: str = "<dict>") -> "Cluster":
         """Build from already-parsed file content; errors name ``source``."""
-        from distgraph.resources.files import cluster_from_data
-        return cluster_from_data(data, source)
+        return _files.cluster_from_data(data, cls, source)
 
     def to_dict(self) -> dict:
         """Plain data in the distgraph schema (what ``save`` writes)."""
-        from distgraph.resources.schema import cluster_to_dict
-        return cluster_to_dict(self)
+        return _schema.cluster_to_dict(self)
 
     def save(self, path) -> None:
         """Write the cluster as YAML (.yaml/.yml) or JSON (.json)."""
-        from distgraph.resources.files import save_cluster
-        save_cluster(self, path)
+        _files.save_cluster(self, path)
 
     @classmethod
     def local(cls, nprocs: int) -> "Cluster":

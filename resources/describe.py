@@ -16,6 +16,8 @@ from __future__ import annotations
 import math
 from collections import Counter
 
+from distgraph.resources.elements import _ranges
+
 MAX_MACHINE_ROWS = 16
 MAX_PAIRS_SHOWN = 3
 
@@ -33,8 +35,6 @@ def _table(header: list[str], rows: list[list[str]], indent: str = "  ") -> list
 
 
 def describe(cluster) -> str:
-    from distgraph.resources.cluster import _ranges
-
     devices = cluster.devices
     counts = Counter(d.type for d in devices)
     kinds = ", ".join(f"{n} {t}" for t, n in counts.items())
@@ -78,8 +78,6 @@ def describe(cluster) -> str:
 
 
 def _link_rows(cluster) -> list[str]:
-    from distgraph.resources.cluster import _ranges
-
     # Rows group links inside machines by (type, bandwidth, latency) across machines, so
     # identical machines share one row; links between machines form their own rows.
     groups: dict[tuple, list] = {}

@@ -64,7 +64,7 @@ class Device:
     and are None where the file does not give them (it then uses defaults per type);
     ``op_costs`` maps an op type to its measured ``(µs per call, ns per unit of work)``
     (work: FLOPs of a matmul, else elements read and written; see
-    :func:`distgraph.ops.registry.op_work`), which the cost model prefers;
+    :func:`distgraph.registry.op_work`), which the cost model prefers;
     ``reshard_overhead`` maps a reshard step kind (``all_reduce``, ``slice``, ...) to the
     µs of software one such step costs beyond its messages' alpha-beta.
 
@@ -216,6 +216,11 @@ class DeviceMesh:
         return (f"DeviceMesh {self.name}: {self.device_type} {self.model} shape "
                 f"{self.shape} [{dims}]")
 
+
+# The communication kinds of a reshard: collectives, local steps, point-to-point. A
+# device's measured software cost per step (``reshard_overhead``) is given per kind.
+COLLECTIVE_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
+RESHARD_STEP_KINDS = COLLECTIVE_KINDS + ("slice", "make_partial", "send_recv")
 
 def _ranges(ids) -> str:
     """Compact id list: [0, 1, 2, 5] -> '0-2, 5'."""

@@ -6,8 +6,8 @@ Syntax errors report the parser's line and column.
 
 Example::
 
-    >>> from distgraph.resources.files import load_cluster
-    >>> load_cluster("resources/clusters/gpu_2x8.yaml").device_meshes[0].shape  # doctest: +SKIP
+    >>> from distgraph.resources.cluster import Cluster
+    >>> Cluster.from_file("resources/clusters/gpu_2x8.yaml").device_meshes[0].shape  # doctest: +SKIP
     (2, 8)
 """
 
@@ -27,8 +27,9 @@ YAML_SUFFIXES = (".yaml", ".yml")
 JSON_SUFFIXES = (".json",)
 
 
-def load_cluster(path):
-    """Read ``path`` and return the Cluster; any problem raises ResourceFileError."""
+def load_cluster(path, make):
+    """Read ``path`` and return the Cluster ``make`` (the Cluster class) builds; any problem
+    raises ResourceFileError."""
     source = os.fspath(path)
     try:
         with open(source, encoding="utf-8") as f:
@@ -40,14 +41,14 @@ def load_cluster(path):
         raise ResourceFileError(f"{source}: cannot read the file ({err}); expected a readable "
                                 "UTF-8 text file") from None
     data = _parse(source, text)
-    return cluster_from_data(data, source, line_map(text))
+    return cluster_from_data(data, make, source, line_map(text))
 
 
-def cluster_from_data(data, source: str = "<dict>", lines: dict[str, int] | None = None):
-    """Build a Cluster from parsed content, in Paddle's format or distgraph's."""
+def cluster_from_data(data, make, source: str = "<dict>", lines: dict[str, int] | None = None):
+    """Build a Cluster with ``make`` from parsed content, in Paddle's format or distgraph's."""
     if is_paddle_format(data):
-        return cluster_from_paddle(data, Reader(source, lines, lenient_numbers=True))
-    return cluster_from_dict(data, Reader(source, lines))
+        return cluster_from_paddle(data, Reader(source, lines, lenient_numbers=True), make)
+    return cluster_from_dict(data, Reader(source, lines), make)
 
 
 def _parse(source: str, text: str):

@@ -22,18 +22,19 @@ Detection: a file is Paddle's when some device has ``sp_gflops``/``dp_gflops``/
 
 Example::
 
+    >>> from distgraph.resources.cluster import Cluster
     >>> from distgraph.resources.reader import Reader
     >>> data = {"machines": [{"hostname": "h", "devices": [{"global_id": 0, "local_id": 0,
     ...     "type": "GPU", "model": "V100", "memory": "32", "sp_gflops": "15700"}]}]}
     >>> is_paddle_format(data)
     True
-    >>> cluster_from_paddle(data, Reader("p.json", lenient_numbers=True)).devices[0].memory
+    >>> cluster_from_paddle(data, Reader("p.json", lenient_numbers=True), Cluster).devices[0].memory
     32.0
 """
 
 from __future__ import annotations
 
-from distgraph.resources.cluster import (COMPUTE_TYPES, Cluster, Device, InvalidCluster, Link,
+from distgraph.resources.elements import (COMPUTE_TYPES, Device, InvalidCluster, Link,
                                          Machine)
 from distgraph.resources.reader import Reader, join
 
@@ -58,8 +59,9 @@ def is_paddle_format(data) -> bool:
     return False
 
 
-def cluster_from_paddle(data, reader: Reader) -> Cluster:
-    """Validate Paddle's cluster JSON and convert it (errors name Paddle's key paths)."""
+def cluster_from_paddle(data, reader: Reader, make):
+    """Validate Paddle's cluster JSON and convert it with ``make`` (the Cluster class);
+    errors name Paddle's key paths."""
     top = reader.mapping(data, "", None, "a mapping with a 'machines' list")
     raw_machines = reader.sequence(reader.get(top, "machines", ""), "machines",
                                    "a list of machines", nonempty=True)
@@ -89,7 +91,7 @@ def cluster_from_paddle(data, reader: Reader) -> Cluster:
     machines = tuple(Machine(i, host, devices, tuple(intra[i]), nics, addr, port)
                      for i, (host, addr, port, devices, nics) in enumerate(headers))
     try:
-        return Cluster(machines, tuple(inter), name=str(top.get("name", "") or reader.default_name))
+        return make(machines, tuple(inter), name=str(top.get("name", "") or reader.default_name))
     except InvalidCluster as err:
         reader.fail(err.key, err.problem, err.expected)
 

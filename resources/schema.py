@@ -7,10 +7,11 @@ connectivity). ``cluster_to_dict`` writes the canonical form: one entry per link
 
 Example::
 
+    >>> from distgraph.resources.cluster import Cluster
     >>> from distgraph.resources.reader import Reader
     >>> data = {"machines": [{"hostname": "h", "devices": [
     ...     {"global_id": 0, "type": "CPU", "memory": 4, "gflops": {"float32": 50}}]}]}
-    >>> cluster_from_dict(data, Reader("inline")).devices[0].memory
+    >>> cluster_from_dict(data, Reader("inline"), Cluster).devices[0].memory
     4.0
 """
 
@@ -18,8 +19,9 @@ from __future__ import annotations
 
 from itertools import combinations
 
-from distgraph.resources.cluster import (COMPUTE_TYPES, Cluster, Device, DeviceMesh,
-                                         InvalidCluster, Link, Machine, Switch)
+from distgraph.registry import registered_ops
+from distgraph.resources.elements import (COMPUTE_TYPES, RESHARD_STEP_KINDS, Device, DeviceMesh,
+                                          InvalidCluster, Link, Machine, Switch)
 from distgraph.resources.reader import Reader, join
 
 TOP_KEYS = ("name", "machines", "links", "switches", "device_meshes", "calibration")
@@ -49,8 +51,9 @@ class _Ids:
         self.machine[gid] = machine
 
 
-def cluster_from_dict(data, reader: Reader) -> Cluster:
-    """Validate ``data`` (parsed YAML/JSON) against the schema and build the Cluster."""
+def cluster_from_dict(data, reader: Reader, make):
+    """Validate ``data`` (parsed YAML/JSON) against the schema and build the Cluster with
+    ``make`` (the Cluster class, which calls this module: it is passed, not imported)."""
     if data is None:
         reader.fail("", "the file is empty", "a mapping with a 'machines' list")
     top = reader.mapping(data, "", TOP_KEYS, "a mapping with a 'machines' list")
@@ -89,7 +92,7 @@ def cluster_from_dict(data, reader: Reader) -> Cluster:
     for name in raw_cal:
         calibration[str(name)] = reader.number(raw_cal, name, "calibration")
     try:
-        return Cluster(tuple(machines), tuple(inter), tuple(switches),
+        return make(tuple(machines), tuple(inter), tuple(switches),
                        None if meshes is None else tuple(meshes),
                        reader.string(top, "name", "", default=reader.default_name), calibration)
     except InvalidCluster as err:
@@ -223,7 +226,7 @@ def _num(x: float):
     return int(x) if float(x).is_integer() else float(x)
 
 
-def cluster_to_dict(cluster: Cluster) -> dict:
+def cluster_to_dict(cluster) -> dict:
     """The canonical plain-data form of ``cluster`` (what ``Cluster.save`` writes)."""
     out: dict = {}
     if cluster.name:
@@ -243,7 +246,6 @@ def cluster_to_dict(cluster: Cluster) -> dict:
 
 def _op_costs(reader: Reader, d: dict, dkey: str):
     """A device's ``op_costs``: {op type: [µs per call, ns per unit of work]}, or None."""
-    from distgraph.ops.registry import registered_ops
     raw = reader.get(d, "op_costs", dkey, default=None)
     if raw is None:
         return None
@@ -263,12 +265,11 @@ def _op_costs(reader: Reader, d: dict, dkey: str):
 
 def _reshard_overhead(reader: Reader, d: dict, dkey: str):
     """A device's ``reshard_overhead``: {reshard step kind: µs}, or None."""
-    from distgraph.passes.reshard import STEP_KINDS
     raw = reader.get(d, "reshard_overhead", dkey, default=None)
     if raw is None:
         return None
     key = join(dkey, "reshard_overhead")
-    raw = reader.mapping(raw, key, STEP_KINDS, "a mapping of reshard step kind to µs")
+    raw = reader.mapping(raw, key, RESHARD_STEP_KINDS, "a mapping of reshard step kind to µs")
     return {kind: reader.number(raw, kind, key, unit="µs") for kind in raw}
 
 

@@ -13,7 +13,7 @@ import itertools
 import random
 
 import plans as P
-from distgraph.passes.completion import complete
+from distgraph.passes.completion.complete import complete
 
 import distgraph as dg
 from distgraph.program_builder import build_program

@@ -18,7 +18,7 @@ import numpy as np
 import distgraph as dg
 from distgraph.nn.layer import Layer
 from distgraph.parameter import Parameter
-from distgraph.runtime.executor import ProgramRunner
+from distgraph.runtime.execution.executor import ProgramRunner
 
 
 class _Holder(Layer):

@@ -345,7 +345,7 @@ def make_engine(model, kind, comm=None, sharding=False, optimizer="adamw", auto=
 
 def prepare(engine, kind):
     """Build and plan (under the build lock, so threads may call it)."""
-    ins, labels = dg.engine.DataLoader(Dataset(kind), BATCH).specs(1)
+    ins, labels = dg.app.data.DataLoader(Dataset(kind), BATCH).specs(1)
     with BUILD_LOCK:
         engine.prepare(ins, labels)
     return engine

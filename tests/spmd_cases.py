@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import distgraph as dg
-from distgraph.ops.registry import TensorType, get_op
+from distgraph.registry import TensorType, get_op
 
 MESHES = {"4": dg.ProcessMesh([0, 1, 2, 3], ["x"]),
           "2x3": dg.ProcessMesh([[0, 1, 2], [3, 4, 5]], ["x", "y"])}

@@ -10,7 +10,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import distgraph as dg  # noqa: E402
-from distgraph.passes.accumulate import micro_batch_context, split_micro_batches  # noqa: E402
+from distgraph.passes.pipeline.accumulate import micro_batch_context, split_micro_batches  # noqa: E402
 from distgraph.program_builder import build_program  # noqa: E402
 
 import plans as P  # noqa: E402
@@ -18,7 +18,7 @@ import plans as P  # noqa: E402
 
 def built_of(kind, batch=8, model=None):
     model = model or P.build_model(kind)
-    ins, labels = dg.engine.DataLoader(P.Dataset(kind, batch=batch), batch).specs(1)
+    ins, labels = dg.app.data.DataLoader(P.Dataset(kind, batch=batch), batch).specs(1)
     return build_program(model, ins, labels, P.loss_fn(kind), P.make_optimizer("adamw"))
 
 

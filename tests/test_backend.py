@@ -10,8 +10,8 @@ from distgraph.mesh import ProcessMesh
 from distgraph.passes.reshard import plan_reshard
 from distgraph.placement import DistAttr, ShardSpec
 from distgraph.runtime.backend import NUMPY, ArrayBackend, get_backend
-from distgraph.runtime.comm import SimulatedWorld
-from distgraph.runtime.reshard_exec import apply_reshard
+from distgraph.runtime.comm.simulated import SimulatedWorld
+from distgraph.runtime.execution.reshard import apply_reshard
 
 
 def test_numpy_backend_keeps_zero_d_and_avoids_copies():

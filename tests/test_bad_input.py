@@ -16,8 +16,8 @@ import pytest
 
 import distgraph as dg
 from distgraph.errors import DistGraphError, ResourceFileError, RuntimeFault
-from distgraph.runtime.comm import SimulatedWorld
-from distgraph.runtime.executor import ProgramRunner
+from distgraph.runtime.comm.simulated import SimulatedWorld
+from distgraph.runtime.execution.executor import ProgramRunner
 
 sys.path.insert(0, str(Path(__file__).parent / "mpi_scripts"))
 sys.path.insert(0, str(Path(__file__).parent))
@@ -39,7 +39,7 @@ def _float64(float64):
 
 
 def launch(n, *args):
-    proc = subprocess.run([sys.executable, "-m", "distgraph.run", "-n", str(n),
+    proc = subprocess.run([sys.executable, "-m", "distgraph.cli", "run", "-n", str(n),
                            str(J.__file__), *map(str, args)], check=False,
                           env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True,
                           text=True, timeout=90)
@@ -71,7 +71,7 @@ def simulated(n, fn):
 def fit_gpt(data, comm=None, n=1):
     engine = J.gpt_engine(n, communicator=comm)
     with BUILD_LOCK:
-        engine.prepare(*dg.engine.DataLoader(data, 8).specs(1))
+        engine.prepare(*dg.app.data.DataLoader(data, 8).specs(1))
     return engine.fit(data, batch_size=8)
 
 
@@ -125,7 +125,7 @@ def test_the_kernels_check_labels_and_ids_outside_the_engine_too():
 
 
 def test_the_split_forms_check_against_the_whole_vocabulary():
-    from distgraph.runtime.spmd import SpmdRunner
+    from distgraph.runtime.execution.spmd import SpmdRunner
     from test_vocab_parallel import B, T, V, build
 
     built, init = build(dg.ProcessMesh([0, 1], ["mp"]))
@@ -171,7 +171,7 @@ def test_ignored_labels_count_for_nothing(ignore_index):
 
 
 def test_ignore_index_trains_the_same_serially_and_vocabulary_parallel():
-    from distgraph.runtime.spmd import SpmdRunner
+    from distgraph.runtime.execution.spmd import SpmdRunner
     from test_vocab_parallel import batches, build
 
     data = [(x, np.where(np.arange(y.size).reshape(y.shape) % 3 == 0, -100, y))
@@ -211,7 +211,7 @@ def test_a_nan_loss_stops_training_at_its_step_on_every_rank():
     def rank(comm):
         engine = J.mlp_engine(2, communicator=comm)
         with BUILD_LOCK:
-            engine.prepare(*dg.engine.DataLoader(J.Regression(), 8).specs(1))
+            engine.prepare(*dg.app.data.DataLoader(J.Regression(), 8).specs(1))
         engine.fit(J.Regression(nan_at=20), batch_size=8)
 
     assert simulated(2, rank) == [serial] * 2

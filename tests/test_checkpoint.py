@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import distgraph as dg
-from distgraph.checkpoint import CheckpointReader
+from distgraph.app.checkpoint import CheckpointReader
 
 sys.path.insert(0, str(Path(__file__).parent))
 import plans as P  # noqa: E402
@@ -24,7 +24,7 @@ ENV = dict(os.environ, OMP_NUM_THREADS="1")
 
 
 def run(argv, tag, nprocs=None):
-    cmd = [sys.executable, *(["-m", "distgraph.run", "-n", str(nprocs)] if nprocs else []),
+    cmd = [sys.executable, *(["-m", "distgraph.cli", "run", "-n", str(nprocs)] if nprocs else []),
            *map(str, argv)]
     proc = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -7,8 +7,9 @@ import pytest
 
 from distgraph.errors import RuntimeFault
 from distgraph.passes.cost_model import collective_bytes, collective_time
-from distgraph.runtime.comm import SimulatedWorld, default_timeout
-from distgraph.runtime.launcher import launch_command, rank_env
+from distgraph.runtime.comm.base import default_timeout
+from distgraph.runtime.comm.simulated import SimulatedWorld
+from distgraph.runtime.launch.launcher import launch_command, rank_env
 
 SCRIPT = Path(__file__).parent / "mpi_scripts" / "comm_checks.py"
 

@@ -11,10 +11,10 @@ explain says what was kept and what the alternative would have moved.
 import conflicts
 import plans as P
 import pytest
-from distgraph.passes.completion import CompletionSetup, _Completion
+from distgraph.passes.completion.complete import CompletionSetup, _Completion
 from distgraph.passes.partition import partition, process_ids
-from distgraph.passes.resolution import ReshardPricer
-from distgraph.passes.sharding import shard_updates
+from distgraph.passes.completion.resolution import ReshardPricer
+from distgraph.passes.transforms.zero import shard_updates
 
 import distgraph as dg
 from distgraph.program_builder import build_program
@@ -139,7 +139,7 @@ def test_completion_measures_traffic_as_partition_places_it(plan):
     program, written, then partitioned."""
     model = P.build_model(plan.kind)
     plan.annotate(model)
-    ins, labels = dg.engine.DataLoader(P.Dataset(plan.kind), P.BATCH).specs(1)
+    ins, labels = dg.app.data.DataLoader(P.Dataset(plan.kind), P.BATCH).specs(1)
     program = build_program(model, ins, labels, P.loss_fn(plan.kind),
                             dg.optim.AdamW(0.01)).program
     if plan.sharding:

@@ -9,9 +9,9 @@ import distgraph as dg
 from distgraph.mesh import ProcessMesh
 from distgraph.passes.reshard import plan_reshard
 from distgraph.placement import DistAttr, ShardSpec
-from distgraph.runtime.comm import SimulatedWorld
-from distgraph.runtime.executor import DONATE_MIN_BYTES, ProgramRunner
-from distgraph.runtime.reshard_exec import apply_reshard
+from distgraph.runtime.comm.simulated import SimulatedWorld
+from distgraph.runtime.execution.executor import DONATE_MIN_BYTES, ProgramRunner
+from distgraph.runtime.execution.reshard import apply_reshard
 
 N = 128   # float64 N x N = 128 KiB, above DONATE_MIN_BYTES
 assert N * N * 8 >= DONATE_MIN_BYTES

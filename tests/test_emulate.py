@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 
 import distgraph as dg
-from distgraph.runtime.emulate import (check_prerequisites, job_alive, our_namespaces,
+from distgraph.runtime.emulate.namespaces import (check_prerequisites, job_alive, our_namespaces,
                                        remove_job)
-from distgraph.runtime.emulate_layout import namespace_name, parse_namespace, this_job
+from distgraph.runtime.emulate.layout import namespace_name, parse_namespace, this_job
 from test_spmd_mpi import check_report
 
 ROOT = Path(__file__).resolve().parent.parent

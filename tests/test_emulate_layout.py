@@ -8,11 +8,11 @@ import pytest
 
 import distgraph as dg
 from distgraph.errors import PlanError
-from distgraph.resources.calibrate import build_cluster
-from distgraph.runtime.emulate_calibrate import comparison, relabel
-from distgraph.runtime.emulate_faults import parse_fault
-from distgraph.runtime.emulate_launch import run_command
-from distgraph.runtime.emulate_layout import (choose_subnet, namespace_name, parse_namespace,
+from distgraph.tools.calibrate import build_cluster
+from distgraph.tools.emulated import comparison, relabel
+from distgraph.runtime.emulate.faults import parse_fault
+from distgraph.runtime.emulate.launch import run_command
+from distgraph.runtime.emulate.layout import (choose_subnet, namespace_name, parse_namespace,
                                               plan_layout, process_start, subnets_of, this_job)
 
 CLUSTERS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),

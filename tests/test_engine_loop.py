@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import distgraph as dg
-from distgraph.runtime.comm import SimulatedWorld
+from distgraph.runtime.comm.simulated import SimulatedWorld
 
 MESH = dg.ProcessMesh([[0, 1], [2, 3]], ["dp", "mp"])
 
@@ -256,10 +256,10 @@ def test_accuracy_matches_numpy_and_distributed_equals_serial(float64):
 
     world = SimulatedWorld(4, timeout=60)
     engines = [classify(world.communicator(r), True, init) for r in range(4)]
-    ins, labels_spec = dg.engine.DataLoader(Labelled(), 8).specs(1)
+    ins, labels_spec = dg.app.data.DataLoader(Labelled(), 8).specs(1)
     for e in engines:         # tracing is not thread-safe: plan before the threads start
         e.prepare(ins, labels_spec)
-        e.prepare(*dg.engine.DataLoader(Labelled(8, 1), 4).specs(1), mode="eval")
+        e.prepare(*dg.app.data.DataLoader(Labelled(8, 1), 4).specs(1), mode="eval")
     ranks = world.run(lambda comm: (
         engines[comm.rank].fit(Labelled(), batch_size=8, epochs=2, verbose=0).losses,
         engines[comm.rank].evaluate(Labelled(8, 1), batch_size=4)))
@@ -293,7 +293,7 @@ def test_distributed_engines_take_new_model_values_too(float64):
     world = SimulatedWorld(4, timeout=60)
     engines = [classify(world.communicator(r), True, init) for r in range(4)]
     for e in engines:
-        e.prepare(*dg.engine.DataLoader(Labelled(), 8).specs(1))
+        e.prepare(*dg.app.data.DataLoader(Labelled(), 8).specs(1))
     for losses, got in world.run(lambda comm: session(engines[comm.rank])):
         np.testing.assert_allclose(losses, want, rtol=1e-12)
         assert all(np.max(np.abs(got[k] - params[k])) < 1e-12 for k in params)
@@ -315,7 +315,7 @@ def test_only_rank_zero_shows_progress(float64):
         dg.seed(0)
         engines.append(dg.Engine(DataParallel(), dg.nn.MSELoss(), dg.optim.SGD(0.05),
                                  communicator=world.communicator(r)))
-        engines[-1].prepare(*dg.engine.DataLoader(Rows(8), 4).specs(1))
+        engines[-1].prepare(*dg.app.data.DataLoader(Rows(8), 4).specs(1))
     world.run(lambda comm: engines[comm.rank].fit(
         Rows(8), batch_size=4, epochs=2,
         callbacks=[dg.callbacks.ProgressBar(file=files[comm.rank])]))
@@ -347,7 +347,7 @@ def test_a_new_strategy_plans_again_and_moves_the_states(float64):
     want, params, states = session(classify(init=init), switch=False)
     world = SimulatedWorld(4, timeout=60)
     engines = [classify(world.communicator(r), True, init) for r in range(4)]
-    specs = dg.engine.DataLoader(Labelled(), 8).specs(1)
+    specs = dg.app.data.DataLoader(Labelled(), 8).specs(1)
     for e in engines:
         for sharding in (True, False):
             e.strategy = dg.Strategy(sharding=sharding)

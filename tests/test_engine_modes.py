@@ -5,7 +5,7 @@ and predict plans through the global values)."""
 import numpy as np
 
 import distgraph as dg
-from distgraph.runtime.comm import SimulatedWorld
+from distgraph.runtime.comm.simulated import SimulatedWorld
 
 MESH = dg.ProcessMesh([[0, 1], [2, 3]], ["dp", "mp"])
 

@@ -161,7 +161,7 @@ class TwoStageMLP(dg.nn.Layer):
 def test_a_micro_batched_plan_counts_forward_and_backward_once_per_micro_batch(float64):
     """A micro-batched plan's local programs are one micro-batch's: its forward and
     backward ops count M times a step, its updates once, and two stages overlap."""
-    from distgraph.ops.registry import TensorType
+    from distgraph.registry import TensorType
     from distgraph.passes.estimate import feed_time, op_time
 
     def plan(m):

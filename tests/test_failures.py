@@ -30,7 +30,7 @@ def run(argv, **env):
 
 
 def launch(nprocs, *args, **env):
-    return run([sys.executable, "-m", "distgraph.run", "-n", str(nprocs), str(SCRIPT), *args],
+    return run([sys.executable, "-m", "distgraph.cli", "run", "-n", str(nprocs), str(SCRIPT), *args],
                **env)
 
 
@@ -53,7 +53,7 @@ def test_a_kernel_error_on_one_rank_ends_the_job_naming_rank_and_op():
 
 @pytest.mark.mpi
 def test_under_a_plain_mpiexec_a_kernel_error_also_ends_the_job():
-    from distgraph.runtime.launcher import mpiexec_path
+    from distgraph.runtime.launch.launcher import mpiexec_path
     rc, out, seconds = run([mpiexec_path(), "-n", "4", sys.executable, str(SCRIPT), "raise"])
     assert rc != 0
     assert seconds < DEADLINE

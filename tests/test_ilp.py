@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from distgraph.errors import PlanError
-from distgraph.passes.ilp import ShardingProblem, evaluate, peak_memory, solve
+from distgraph.passes.search.ilp import ShardingProblem, evaluate, peak_memory, solve
 
 
 def random_problem(seed, budget_kind="random"):

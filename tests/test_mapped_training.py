@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from distgraph.runtime.launcher import launch_command, rank_env
+from distgraph.runtime.launch.launcher import launch_command, rank_env
 
 SCRIPT = Path(__file__).parent / "mpi_scripts" / "mapped_training.py"
 

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 import distgraph as dg
 from distgraph.ops import registered_ops, get_op
-from distgraph.runtime.executor import ProgramRunner
+from distgraph.runtime.execution.executor import ProgramRunner
 from distgraph.trace import emit1
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

@@ -15,7 +15,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import distgraph as dg  # noqa: E402
-from distgraph.runtime.comm import SimulatedWorld  # noqa: E402
+from distgraph.runtime.comm.simulated import SimulatedWorld  # noqa: E402
 
 import plans as P  # noqa: E402
 
@@ -28,7 +28,7 @@ def train(model, kind, comm=None, strategy=None, batch=BATCH):
     """(losses, global parameters, engine) after P.STEPS steps."""
     engine = dg.Engine(model, P.loss_fn(kind), P.make_optimizer("adamw"),
                        strategy=strategy or dg.Strategy(), communicator=comm)
-    ins, labels = dg.engine.DataLoader(P.Dataset(kind, batch=batch), batch).specs(1)
+    ins, labels = dg.app.data.DataLoader(P.Dataset(kind, batch=batch), batch).specs(1)
     with P.BUILD_LOCK:
         engine.prepare(ins, labels)
     history = engine.fit(P.Dataset(kind, batch=batch), batch_size=batch, epochs=1)
@@ -141,7 +141,7 @@ def test_ignored_labels_average_over_the_whole_batch(float64):
     def fit(model, comm=None, strategy=None):
         engine = dg.Engine(model, P.loss_fn("gpt"), P.make_optimizer("adamw"),
                            strategy=strategy or dg.Strategy(), communicator=comm)
-        ins, labels = dg.engine.DataLoader(IgnoredLabels(), BATCH).specs(1)
+        ins, labels = dg.app.data.DataLoader(IgnoredLabels(), BATCH).specs(1)
         with P.BUILD_LOCK:
             engine.prepare(ins, labels)
         history = engine.fit(IgnoredLabels(), batch_size=BATCH, verbose=0)
@@ -312,7 +312,7 @@ def test_timeline_needs_profile():
 # ---- failures -----------------------------------------------------------------------------------
 
 def test_a_failing_task_names_rank_task_and_micro_batch(monkeypatch):
-    from distgraph.ops import registry
+    from distgraph import registry
     op = registry.get_op("relu")
 
     def kernel(ctx, x, **attrs):
@@ -366,7 +366,7 @@ def test_counted_bytes_equal_the_plans_step_bytes(float64, key, micro_batches):
                            strategy=strategy, communicator=comm)
         data = P.Dataset(kind, batch=BATCH)
         with P.BUILD_LOCK:
-            engine.prepare(*dg.engine.DataLoader(data, BATCH).specs(1))
+            engine.prepare(*dg.app.data.DataLoader(data, BATCH).specs(1))
         engine.fit(data, batch_size=BATCH, epochs=1, steps_per_epoch=1)   # set-up, warm
         comm.reset_counters()
         engine.fit(data, batch_size=BATCH, epochs=1, steps_per_epoch=1)

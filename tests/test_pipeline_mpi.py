@@ -1,4 +1,4 @@
-"""Pipelines on real MPI ranks (``python -m distgraph.run``, the ``distgraph run`` command):
+"""Pipelines on real MPI ranks (``python -m distgraph.cli run``, the ``distgraph run`` command):
 a sample of plans and schedules trains like serial full-batch training on 2 and 4 ranks,
 the schedules come out as their buffers say, and a failing task or a message that never
 arrives ends the job naming the rank and the task."""
@@ -22,7 +22,7 @@ FOUR = ["gpt:four_stage:8:1F1B", "gpt:two_stage_tp:4:ZB", "mlp:two_stage:8:FThen
 
 def run_items(nprocs, items):
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-m", "distgraph.run", "-n", str(nprocs), str(SCRIPT),
+    proc = subprocess.run([sys.executable, "-m", "distgraph.cli", "run", "-n", str(nprocs), str(SCRIPT),
                            *items], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("PIPELINE-RESULT ")]

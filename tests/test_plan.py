@@ -9,7 +9,7 @@ import pytest
 import distgraph as dg
 from distgraph.passes.partition import partition
 from distgraph.program_builder import build_program
-from distgraph.runtime.comm import SimulatedWorld
+from distgraph.runtime.comm.simulated import SimulatedWorld
 
 MESH = dg.ProcessMesh([[0, 1], [2, 3]], ["dp", "mp"])
 

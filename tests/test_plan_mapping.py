@@ -5,8 +5,8 @@ import itertools
 import pathlib
 
 import distgraph as dg
-from distgraph.passes.plan_traffic import process_graph
-from distgraph.passes.rank_mapping import best_random_mapping, bfs_first_free_mapping, map_ranks
+from distgraph.passes.mapping.traffic import process_graph
+from distgraph.passes.mapping.rank_mapping import best_random_mapping, bfs_first_free_mapping, map_ranks
 from distgraph.program_builder import build_program
 from distgraph.resources.cluster import Cluster
 

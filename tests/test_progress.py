@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 from distgraph.errors import RuntimeFault
-from distgraph.runtime.comm import SimulatedWorld
-from distgraph.runtime.progress import NO_PROGRESS, Progress, behind, read_where
+from distgraph.runtime.comm.simulated import SimulatedWorld
+from distgraph.runtime.launch.progress import NO_PROGRESS, Progress, behind, read_where
 
 
 def test_a_record_reads_back_as_step_instruction_and_wait(tmp_path):

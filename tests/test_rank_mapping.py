@@ -14,9 +14,9 @@ from hypothesis import given, settings, strategies as st
 
 import distgraph.resources
 from distgraph.errors import PlanError
-from distgraph.passes.process_graph import (ProcessGraph, collective_messages,
+from distgraph.passes.mapping.process_graph import (ProcessGraph, collective_messages,
                                             collective_traffic, grid_groups)
-from distgraph.passes.rank_mapping import (best_random_mapping, bfs_first_free_mapping,
+from distgraph.passes.mapping.rank_mapping import (best_random_mapping, bfs_first_free_mapping,
                                            improve_mapping, map_ranks, mapping_cost,
                                            random_mapping)
 from distgraph.resources.cluster import Cluster, Device, Link, Machine

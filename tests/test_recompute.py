@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 import distgraph as dg
-from distgraph.passes.recompute import SUFFIX, peak_activation_bytes
-from distgraph.runtime.comm import SimulatedWorld
+from distgraph.passes.transforms.recompute import SUFFIX, peak_activation_bytes
+from distgraph.runtime.comm.simulated import SimulatedWorld
 
 sys.path.insert(0, str(Path(__file__).parent))
 import plans as P  # noqa: E402

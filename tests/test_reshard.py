@@ -13,8 +13,8 @@ from distgraph.mesh import ProcessMesh
 from distgraph.passes.cost_model import collective_bytes
 from distgraph.passes.reshard import format_plan, plan_bytes, plan_reshard
 from distgraph.placement import DistAttr, ShardSpec
-from distgraph.runtime.comm import SimulatedWorld
-from distgraph.runtime.launcher import launch_command, rank_env
+from distgraph.runtime.comm.simulated import SimulatedWorld
+from distgraph.runtime.launch.launcher import launch_command, rank_env
 
 SCRIPT = Path(__file__).parent / "mpi_scripts" / "reshard_cases.py"
 _spec = importlib.util.spec_from_file_location("reshard_cases", SCRIPT)

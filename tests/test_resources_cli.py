@@ -6,7 +6,7 @@ import os
 import pytest
 
 import distgraph.resources
-from distgraph.resources.cli import add_cluster_parser
+from distgraph.cli.cluster import add_cluster_parser
 from distgraph.resources.cluster import Cluster
 
 CLUSTERS = os.path.join(os.path.dirname(distgraph.resources.__file__), "clusters")

@@ -13,7 +13,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import distgraph as dg  # noqa: E402
 from distgraph.passes.estimate import step_time  # noqa: E402
-from distgraph.passes.search import search  # noqa: E402
+from distgraph.passes.search.intra_op import search  # noqa: E402
 from distgraph.placement import DistAttr  # noqa: E402
 from distgraph.program_builder import build_program  # noqa: E402
 
@@ -98,7 +98,7 @@ def repeated_reshard_seconds(plan, cluster) -> float:
 
 def gpt_program():
     model = P.build_model("gpt")
-    ins, labels = dg.engine.DataLoader(P.Dataset("gpt"), P.BATCH).specs(1)
+    ins, labels = dg.app.data.DataLoader(P.Dataset("gpt"), P.BATCH).specs(1)
     return build_program(model, ins, labels, P.loss_fn("gpt"), dg.optim.AdamW(0.01))
 
 
@@ -134,7 +134,7 @@ def test_annotations_are_hard_constraints():
 def test_shared_blocks_never_beat_the_unshared_optimum():
     dims = dict(P.GPT_DIMS, n_layer=5)
     model = P.build_model("gpt", dims=dims)
-    ins, labels = dg.engine.DataLoader(P.Dataset("gpt", dims=dims), P.BATCH).specs(1)
+    ins, labels = dg.app.data.DataLoader(P.Dataset("gpt", dims=dims), P.BATCH).specs(1)
     built = build_program(model, ins, labels, P.loss_fn("gpt"), dg.optim.AdamW(0.01))
     mesh = dg.ProcessMesh([0, 1, 2, 3], dim_names=["x"])
     cluster = S.line_cluster(4)

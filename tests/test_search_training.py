@@ -10,7 +10,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import distgraph as dg  # noqa: E402
-from distgraph.runtime.comm import SimulatedWorld  # noqa: E402
+from distgraph.runtime.comm.simulated import SimulatedWorld  # noqa: E402
 
 import plans as P  # noqa: E402
 

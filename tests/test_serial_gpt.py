@@ -17,7 +17,7 @@ import pytest
 
 import distgraph as dg
 from distgraph.program_builder import build_program
-from distgraph.runtime.executor import ProgramRunner
+from distgraph.runtime.execution.executor import ProgramRunner
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from reference_gpt import gpt_loss_and_grads, init_params  # noqa: E402

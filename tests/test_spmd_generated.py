@@ -26,7 +26,7 @@ import pytest
 from spmd_cases import CASES, MESHES
 
 import distgraph as dg
-from distgraph.ops.registry import get_op, registered_ops
+from distgraph.registry import get_op, registered_ops
 from distgraph.placement import DistAttr, ShardSpec
 from distgraph.spmd import UNKNOWN as U
 from distgraph.spmd import DimsSpec, EinsumPlan, RuleQuery, SpmdRuleError, entry_dims

@@ -1,4 +1,4 @@
-"""A sample of the plan matrix on real MPI ranks (``python -m distgraph.run -n N``, the
+"""A sample of the plan matrix on real MPI ranks (``python -m distgraph.cli run -n N``, the
 ``distgraph run`` command): every rank's ``History.losses`` and parameters equal serial
 training, the losses are the same on every rank, and ZeRO's partitioned program
 reduce-scatters gradients and all-gathers parameters."""
@@ -21,7 +21,7 @@ TWO = ["mlp:tp", "mlp:sp", "mlp:zero", "mlp:two_stage", "gpt:dp", "mlp:auto", "g
 
 def run_plans(nprocs, keys, dtype="float64"):
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-m", "distgraph.run", "-n", str(nprocs), str(SCRIPT),
+    proc = subprocess.run([sys.executable, "-m", "distgraph.cli", "run", "-n", str(nprocs), str(SCRIPT),
                            dtype, *keys], env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("PLANS-RESULT ")]

@@ -19,8 +19,9 @@ from distgraph.passes.cost_model import collective_bytes  # noqa: E402
 from distgraph.passes.partition import gather_points, partition  # noqa: E402
 from distgraph.placement import DistAttr  # noqa: E402
 from distgraph.program_builder import build_program  # noqa: E402
-from distgraph.runtime.comm import COUNTED_KINDS, SimulatedWorld  # noqa: E402
-from distgraph.runtime.spmd import SpmdRunner  # noqa: E402
+from distgraph.runtime.comm.base import COUNTED_KINDS  # noqa: E402
+from distgraph.runtime.comm.simulated import SimulatedWorld  # noqa: E402
+from distgraph.runtime.execution.spmd import SpmdRunner  # noqa: E402
 
 import plans as P  # noqa: E402
 
@@ -218,7 +219,7 @@ def one_step_traffic(plan):
     the communicator counted per kind, its total)."""
     model = annotated_models(plan)[0]
     optimizer = dg.optim.AdamW(P.LEARNING_RATE)
-    ins, labels = dg.engine.DataLoader(P.Dataset(plan.kind), P.BATCH).specs(1)
+    ins, labels = dg.app.data.DataLoader(P.Dataset(plan.kind), P.BATCH).specs(1)
     built = build_program(model, ins, labels, P.loss_fn(plan.kind), optimizer)
     planned_ = dg.passes.plan(built, dg.Strategy(sharding=plan.sharding))
     program = planned_.program

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from distgraph.errors import PlanError
-from distgraph.passes.stage_dp import StageCost, plan_stages, submesh_shapes
+from distgraph.passes.search.stage_dp import StageCost, plan_stages, submesh_shapes
 from distgraph.resources.cluster import Cluster, Device, DeviceMesh, Link, Machine
 
 

@@ -13,9 +13,9 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import distgraph as dg  # noqa: E402
-from distgraph.passes.layer_clustering import _cut  # noqa: E402
+from distgraph.passes.search.layers import _cut  # noqa: E402
 from distgraph.program_builder import build_program  # noqa: E402
-from distgraph.runtime.comm import SimulatedWorld  # noqa: E402
+from distgraph.runtime.comm.simulated import SimulatedWorld  # noqa: E402
 
 import plans as P  # noqa: E402
 import search_cases as S  # noqa: E402
@@ -34,7 +34,7 @@ def mlp(layers, width=64):
 
 def program(model, kind="mlp", dims=None):
     data = P.Dataset(kind, dims=dims, batch=BATCH)
-    ins, labels = dg.engine.DataLoader(data, BATCH).specs(1)
+    ins, labels = dg.app.data.DataLoader(data, BATCH).specs(1)
     return build_program(model, ins, labels, P.loss_fn(kind), dg.optim.AdamW(0.01))
 
 
@@ -119,7 +119,7 @@ def train(model, kind, comm, cluster, dims=None):
                        strategy=pipeline(4), communicator=comm)
     data = P.Dataset(kind, dims=dims, batch=BATCH)
     with P.BUILD_LOCK:
-        engine.prepare(*dg.engine.DataLoader(data, BATCH).specs(1))
+        engine.prepare(*dg.app.data.DataLoader(data, BATCH).specs(1))
     history = engine.fit(data, batch_size=BATCH, epochs=1, verbose=0)
     return history.losses, engine.state_dict(), engine.plan()
 

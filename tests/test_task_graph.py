@@ -21,7 +21,7 @@ def plan_of(key, **strategy):
     kind = key[0]
     model = P.build_model(kind)
     ALL[key].annotate(model)
-    ins, labels = dg.engine.DataLoader(P.Dataset(kind, batch=16), 16).specs(1)
+    ins, labels = dg.app.data.DataLoader(P.Dataset(kind, batch=16), 16).specs(1)
     built = build_program(model, ins, labels, P.loss_fn(kind), P.make_optimizer("adamw"))
     return dg.passes.plan(built, dg.Strategy(**strategy))
 
@@ -119,7 +119,7 @@ def test_overlapping_stages_are_refused():
     model = P.build_model("mlp")
     model.hooks.wraps["stage0"] = lambda fn: dg.shard_op(fn, a)
     model.hooks.wraps["stage1"] = lambda fn: dg.shard_op(fn, b)
-    ins, labels = dg.engine.DataLoader(P.Dataset("mlp"), 8).specs(1)
+    ins, labels = dg.app.data.DataLoader(P.Dataset("mlp"), 8).specs(1)
     built = build_program(model, ins, labels, P.loss_fn("mlp"), P.make_optimizer("sgd"))
     with pytest.raises(dg.PlanError, match="process 1 belongs to stages"):
         dg.passes.plan(built, dg.Strategy(micro_batches=2))

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import distgraph as dg
-from distgraph.ops.registry import ShapeError
+from distgraph.registry import ShapeError
 from distgraph.program_builder import build_program
 
 ops = dg.ops

@@ -8,9 +8,9 @@ import pytest
 import distgraph as dg
 from distgraph.passes.partition import gather_points, partition
 from distgraph.program_builder import build_program
-from distgraph.runtime.comm import SimulatedWorld
-from distgraph.runtime.executor import ProgramRunner
-from distgraph.runtime.spmd import SpmdRunner
+from distgraph.runtime.comm.simulated import SimulatedWorld
+from distgraph.runtime.execution.executor import ProgramRunner
+from distgraph.runtime.execution.spmd import SpmdRunner
 
 V, D, LAYERS, HEADS, T, B = 64, 32, 2, 4, 8, 4
 

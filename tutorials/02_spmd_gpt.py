@@ -38,7 +38,7 @@ from collections import Counter
 import numpy as np
 
 import distgraph as dg
-from distgraph.runtime.mpi_comm import MPICommunicator
+from distgraph.runtime.comm.mpi import MPICommunicator
 
 from counting_data import CountingSequences  # tutorials/ is on the path
 from gpt_plans import DataParallelGPT, megatron  # the annotations described above

@@ -49,7 +49,7 @@ def strategy(args) -> dg.Strategy:
 
 
 def program(model, data):
-    return build_program(model, *dg.engine.DataLoader(data, BATCH).specs(1),
+    return build_program(model, *dg.app.data.DataLoader(data, BATCH).specs(1),
                          dg.nn.CrossEntropyLoss(), dg.optim.AdamW(3e-3), "train")
 
 
@@ -106,7 +106,7 @@ def show(args, cluster) -> None:
 
 def train(args) -> None:
     """On every rank: train a few steps with the searched plan."""
-    from distgraph.runtime.mpi_comm import MPICommunicator
+    from distgraph.runtime.comm.mpi import MPICommunicator
     comm = MPICommunicator()
     cluster = dg.Cluster.from_file(os.environ["DISTGRAPH_CLUSTER"])
     dg.seed(0)
@@ -139,7 +139,7 @@ def main():
     show(args, cluster)
     if args.no_train:
         return
-    from distgraph.runtime.launcher import launch
+    from distgraph.runtime.launch.launcher import launch
     print(f"\ntraining on {len(cluster.devices)} ranks ...", flush=True)
     argv = [os.path.abspath(__file__), "--rank-part", "--steps", str(args.steps)]
     rc = launch(len(cluster.devices), argv + (["--pipeline"] if args.pipeline else []),

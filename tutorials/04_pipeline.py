@@ -33,7 +33,7 @@ import time
 import numpy as np
 
 import distgraph as dg
-from distgraph.runtime.mpi_comm import MPICommunicator
+from distgraph.runtime.comm.mpi import MPICommunicator
 
 from counting_data import CountingSequences  # tutorials/ is on the path
 

@@ -54,7 +54,7 @@ def make_engine(seed):
     communicator = None
     mesh = None
     if int(os.environ.get("PMI_SIZE", "1")) > 1:
-        from distgraph.runtime.mpi_comm import MPICommunicator
+        from distgraph.runtime.comm.mpi import MPICommunicator
         communicator = MPICommunicator()
         mesh = dg.ProcessMesh([[0, 1], [2, 3]], dim_names=["dp", "mp"])
     dg.seed(seed)
@@ -98,7 +98,7 @@ def command(nprocs, role, directory):
     script = [os.path.abspath(__file__), "--role", role, "--dir", directory]
     if nprocs == 1:
         return [sys.executable, *script]
-    return [sys.executable, "-m", "distgraph.run", "-n", str(nprocs), *script]
+    return [sys.executable, "-m", "distgraph.cli", "run", "-n", str(nprocs), *script]
 
 
 def run(nprocs, role, directory) -> dict:

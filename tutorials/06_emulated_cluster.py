@@ -33,8 +33,8 @@ import time
 
 import distgraph as dg
 from distgraph.program_builder import build_program
-from distgraph.runtime.emulate_launch import launch_emulated
-from distgraph.runtime.mpi_comm import MPICommunicator
+from distgraph.runtime.emulate.launch import launch_emulated
+from distgraph.runtime.comm.mpi import MPICommunicator
 
 from counting_data import CountingSequences  # tutorials/ is on the path
 from gpt_plans import DataParallelGPT, megatron  # tutorial 02's annotations
@@ -66,7 +66,7 @@ def searched_plan(cluster):
     GPT on ``cluster``: the layouts of the first block's weights, and its prediction."""
     dg.seed(0)
     data = CountingSequences(BATCH, GPT["max_seq_len"], GPT["vocab_size"])
-    built = build_program(dg.nn.GPT(**GPT), *dg.engine.DataLoader(data, BATCH).specs(1),
+    built = build_program(dg.nn.GPT(**GPT), *dg.app.data.DataLoader(data, BATCH).specs(1),
                           dg.nn.CrossEntropyLoss(), dg.optim.AdamW(3e-3), "train")
     plan = dg.passes.plan(built, dg.Strategy(auto_mode="full"), cluster)
     weights = [f"{name.removeprefix('blocks.0.')} {spec}" for layer, name, spec, role

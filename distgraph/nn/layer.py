@@ -20,6 +20,7 @@ import numpy as np
 
 from distgraph.errors import DistGraphError
 from distgraph.parameter import Parameter
+from distgraph.trace import active_builder
 
 
 class Layer:
@@ -54,10 +55,10 @@ class Layer:
         raise NotImplementedError(f"{type(self).__name__} defines no forward()")
 
     def __call__(self, *args, **kwargs):
-        from distgraph.trace import _ACTIVE
-        if not _ACTIVE:
+        builder = active_builder()
+        if builder is None:
             return self.forward(*args, **kwargs)
-        with _ACTIVE[-1].scope(layer=self._path):
+        with builder.scope(layer=self._path):
             return self.forward(*args, **kwargs)
 
     # -- traversal ------------------------------------------------------------------------

@@ -4,7 +4,7 @@ Each op's inference, kernel, gradient, sharding rule and FLOP count live togethe
 one registry entry; ``spmd_rule(op_type)`` returns the sharding rule.
 """
 
-from distgraph.ops.registry import KernelContext, OpDef, TensorType, get_op, registered_ops, spmd_rule
+from distgraph.registry import KernelContext, OpDef, TensorType, get_op, registered_ops, spmd_rule
 from distgraph.ops.elementwise import (add, cast, causal_mask, divide, dropout, exp, full, gelu, log,
                                        multiply, neg, relu, scale_ as scale, sqrt, subtract, tanh, where)
 from distgraph.ops.shape import broadcast_to, concat, reshape, slice_ as slice, split, transpose

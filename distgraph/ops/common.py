@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from distgraph.errors import DistGraphError
-from distgraph.ops.registry import ShapeError, TensorType, size
+from distgraph.registry import ShapeError, TensorType, size
 from distgraph.trace import current_builder, emit1
 
 
@@ -50,18 +50,23 @@ def elementwise_flops(per_element: int):
 
 
 def reduce_to_shape(g, shape):
-    """Sum a broadcast gradient back to ``shape`` (the operand's shape)."""
-    from distgraph import ops
+    """Sum a broadcast gradient back to ``shape`` (the operand's shape). Emits the ops by
+    name: the functional wrappers live in modules that import this one."""
     shape = tuple(shape)
     if tuple(g.shape) == shape:
         return g
     lead = len(g.shape) - len(shape)
     axes = list(range(lead))
     axes += [lead + i for i, n in enumerate(shape) if n == 1 and g.shape[lead + i] != 1]
-    out = ops.sum(g, axis=axes, keepdim=False) if axes else g
+    out = emit1("sum", [g], {"axis": tuple(axes), "keepdim": False}) if axes else g
     if tuple(out.shape) != shape:
-        out = ops.reshape(out, list(shape))
+        out = emit1("reshape", [out], {"shape": shape})
     return out
+
+
+def zeros(shape, dtype: str):
+    """A Value of zeros of ``shape`` (a gradient that no consumer gave)."""
+    return emit1("full", [], {"shape": tuple(shape), "value": 0.0, "dtype": dtype})
 
 
 def constant(value, dtype: str):

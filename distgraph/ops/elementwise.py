@@ -12,7 +12,7 @@ import numpy as np
 
 from distgraph import dtypes
 from distgraph.ops.common import as_tensor_pair, broadcast_infer, elementwise_flops, reduce_to_shape
-from distgraph.ops.registry import ShapeError, TensorType, register_op
+from distgraph.registry import ShapeError, TensorType, register_op
 from distgraph.spmd import EinsumRule, elementwise_rule
 from distgraph.trace import emit, emit1
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from distgraph.ops.common import broadcast_shapes, reduce_to_shape, same_dtype
 from distgraph.ops.shape import reshape
-from distgraph.ops.registry import ShapeError, TensorType, register_op, size
+from distgraph.registry import ShapeError, TensorType, register_op, size
 from distgraph.spmd import EinsumRule
 from distgraph.trace import emit1
 

@@ -23,7 +23,7 @@ from distgraph.ops.common import elementwise_flops, normalize_axes
 from distgraph.ops.elementwise import divide, multiply, subtract
 from distgraph.ops.reduce import mean as reduce_mean
 from distgraph.ops.reduce import sum as reduce_sum
-from distgraph.ops.registry import ShapeError, TensorType, register_op
+from distgraph.registry import ShapeError, TensorType, register_op
 from distgraph.spmd import LETTERS, EinsumRule, axis_rule, elementwise_rule
 from distgraph.trace import emit, emit1
 

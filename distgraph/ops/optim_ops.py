@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 
 from distgraph.ops.common import elementwise_flops
-from distgraph.ops.registry import ShapeError, register_op
+from distgraph.registry import ShapeError, register_op
 from distgraph.spmd import EinsumRule, LETTERS
 
 

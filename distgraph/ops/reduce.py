@@ -9,7 +9,7 @@ from __future__ import annotations
 from distgraph.ops.common import elementwise_flops, normalize_axes
 from distgraph.ops.elementwise import scale_
 from distgraph.ops.shape import broadcast_to, reshape
-from distgraph.ops.registry import TensorType, register_op, size
+from distgraph.registry import TensorType, register_op, size
 from distgraph.spmd import LETTERS, EinsumRule, axes_of
 from distgraph.trace import emit1
 

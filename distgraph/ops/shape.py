@@ -10,8 +10,8 @@ from __future__ import annotations
 import math
 import numbers
 
-from distgraph.ops.common import normalize_axes, same_dtype
-from distgraph.ops.registry import ShapeError, TensorType, register_op
+from distgraph.ops.common import normalize_axes, reduce_to_shape, same_dtype, zeros
+from distgraph.registry import ShapeError, TensorType, register_op
 from distgraph.spmd import LETTERS, EinsumRule, SpmdRuleError, axes_of, axis_of
 from distgraph.trace import emit, emit1
 
@@ -176,7 +176,6 @@ class BroadcastTo:
         return {**attrs, "shape": site.out_local_shape()}, {}
 
     def grad(op, dz):
-        from distgraph.ops.common import reduce_to_shape
         return [reduce_to_shape(dz, op.inputs[0].shape)]
 
 
@@ -249,8 +248,7 @@ class Split:
         return tuple(ctx.xp.ascontiguousarray(p) for p in ctx.xp.split(x, bounds, axis=axis))
 
     def grad(op, *dzs):
-        from distgraph.ops.elementwise import full
-        parts = [dz if dz is not None else full(out.shape, 0.0, out.dtype)
+        parts = [dz if dz is not None else zeros(out.shape, out.dtype)
                  for dz, out in zip(dzs, op.outputs)]
         return [concat(parts, op.attrs["axis"])]
 

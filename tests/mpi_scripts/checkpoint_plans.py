@@ -25,7 +25,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import distgraph as dg  # noqa: E402
-from distgraph.runtime.mpi_comm import MPICommunicator  # noqa: E402
+from distgraph.runtime.comm.mpi import MPICommunicator  # noqa: E402
 
 import plans as P  # noqa: E402
 

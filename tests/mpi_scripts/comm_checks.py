@@ -11,7 +11,7 @@ import numpy as np
 
 from distgraph.errors import RuntimeFault
 from distgraph.passes.cost_model import collective_bytes
-from distgraph.runtime.mpi_comm import _HANDSHAKE_TAG, MPICommunicator
+from distgraph.runtime.comm.mpi import _HANDSHAKE_TAG, MPICommunicator
 
 
 def value(rank: int, shape=(4, 6)) -> np.ndarray:

@@ -22,7 +22,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from distgraph.runtime.mpi_comm import MPICommunicator
+from distgraph.runtime.comm.mpi import MPICommunicator
 
 PING_BYTES = 8 * 2**20
 

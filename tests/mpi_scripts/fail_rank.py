@@ -23,7 +23,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import distgraph as dg  # noqa: E402
-from distgraph.ops import registry  # noqa: E402
+from distgraph import registry  # noqa: E402
 
 import plans as P  # noqa: E402
 

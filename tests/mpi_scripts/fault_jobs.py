@@ -29,7 +29,7 @@ import time
 import numpy as np
 
 import distgraph as dg
-from distgraph.ops import registry
+from distgraph import registry
 
 V, T = 16, 4       # GPT vocabulary and sequence length
 

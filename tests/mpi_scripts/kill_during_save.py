@@ -21,7 +21,7 @@ import time
 import numpy as np
 
 import distgraph as dg
-from distgraph import checkpoint
+from distgraph.app import checkpoint
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from plans import Tokens  # noqa: E402

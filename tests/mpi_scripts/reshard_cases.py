@@ -1,6 +1,6 @@
 """Reshard cases and oracles shared by tests/test_reshard.py and its MPI run.
 
-As a script (``mpiexec -n 4 python -m distgraph.runtime.bootstrap reshard_cases.py``)
+As a script (``mpiexec -n 4 python -m distgraph.runtime.launch.bootstrap reshard_cases.py``)
 it plans and executes a fixed sample of cases on real MPI ranks, checks every result and
 every step's byte counters on rank 0, and prints ``reshard-mpi OK <n> cases``.
 
@@ -18,8 +18,8 @@ import numpy as np
 from distgraph.mesh import ProcessMesh
 from distgraph.passes.reshard import plan_reshard
 from distgraph.placement import DistAttr, ShardSpec
-from distgraph.runtime.comm import COUNTED_KINDS
-from distgraph.runtime.reshard_exec import apply_step
+from distgraph.runtime.comm.base import COUNTED_KINDS
+from distgraph.runtime.execution.reshard import apply_step
 
 MESH_NAMES = ("x", "y", "z")
 
@@ -192,7 +192,7 @@ def fixed_cases(n_procs: int = 4, n_random: int = 40):
 def main() -> None:
     from mpi4py import MPI
 
-    from distgraph.runtime.mpi_comm import MPICommunicator
+    from distgraph.runtime.comm.mpi import MPICommunicator
 
     comm = MPICommunicator()
     cases = fixed_cases(comm.size)

@@ -76,7 +76,7 @@ def main(plan, phase, directory) -> None:
     dg.set_default_dtype("float64")
     comm = None
     if plan != "serial":
-        from distgraph.runtime.mpi_comm import MPICommunicator
+        from distgraph.runtime.comm.mpi import MPICommunicator
         comm = MPICommunicator()
     rank = comm.rank if comm is not None else 0
     ckpt = os.path.join(directory, "ckpt")

@@ -1,0 +1,122 @@
+"""Checks the Engine makes on what users give it and on what training produces.
+
+- :func:`stack_batch`: samples of a batch must have equal shapes (the error names the
+  sample indices and shapes, not numpy's bare message);
+- :class:`FeedCheck`: labels and embedding ids fed straight to the loss / an embedding
+  must be in range (the error names the dataset sample, the position, the value and the
+  range), the same on every rank as in a serial run;
+- :func:`check_finite`: a NaN or infinite loss stops training with a RuntimeFault
+  naming the step (the loss is global, so every rank stops at the same step);
+- :func:`collective`: Engine methods that are collective check that every rank is in
+  the same call (see ``Communicator.collective_call``);
+- :func:`launcher_cluster`: the cluster ``distgraph run --cluster FILE`` gave.
+
+Example::
+
+    check = FeedCheck(built.program)
+    check({"label_0": labels}, sample_indices=[8, 9, 10, 11], epoch=0, batch=1)
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+
+import numpy as np
+
+from distgraph.errors import DistGraphError, RuntimeFault
+from distgraph.ops.nn_ops import IGNORE_INDEX, OutOfRange, check_range
+from distgraph.resources.cluster import Cluster
+from distgraph.runtime.launch.status import CLUSTER_VAR
+
+
+def launcher_cluster():
+    """The Cluster of ``$DISTGRAPH_CLUSTER`` (set by ``distgraph run --cluster FILE``),
+    or None when it is not set."""
+    path = os.environ.get(CLUSTER_VAR)
+    if not path:
+        return None
+    return Cluster.from_file(path)
+
+
+def stack_batch(samples: list, indices) -> list:
+    """Stack the fields of ``samples`` (dataset items ``indices``) into batch arrays."""
+    fields = [[np.asarray(f) for f in s] for s in samples]
+    first = fields[0]
+    for i, s in zip(indices, fields):
+        if len(s) != len(first):
+            raise DistGraphError(f"dataset sample {int(i)} has {len(s)} fields but sample "
+                                 f"{int(indices[0])} has {len(first)}; every sample needs the "
+                                 "same fields (inputs, then labels)")
+        for k, (a, b) in enumerate(zip(s, first)):
+            if a.shape != b.shape:
+                raise DistGraphError(f"dataset sample {int(i)} field {k} has shape "
+                                     f"{list(a.shape)} but sample {int(indices[0])} has "
+                                     f"{list(b.shape)}; samples of a batch must have equal "
+                                     "shapes (pad or crop them)")
+    return [np.stack([s[k] for s in fields]) for k in range(len(first))]
+
+
+class FeedCheck:
+    """The valid ranges of the integer feeds of ``program`` that an embedding or the
+    softmax cross-entropy consumes directly; calling it checks a batch."""
+
+    def __init__(self, program):
+        self.ranges: dict[str, list] = {}
+        feeds = {v.name for v in program.inputs}
+        for op in program.ops:
+            if op.type == "embedding" and op.inputs[0].name in feeds:
+                where = f"embedding{_layer(op)} with {op.inputs[1].shape[0]} rows"
+                self._add(op.inputs[0].name, "id", op.inputs[1].shape[0], None, where)
+            elif op.type == "softmax_cross_entropy" and op.inputs[1].name in feeds:
+                ignore = op.attrs.get("ignore_index", IGNORE_INDEX)
+                where = (f"cross-entropy{_layer(op)} over {op.inputs[0].shape[-1]} classes "
+                         f"(ignore_index={ignore})")
+                self._add(op.inputs[1].name, "label", op.inputs[0].shape[-1], ignore, where)
+
+    def _add(self, feed, what, high, allowed, where):
+        self.ranges.setdefault(feed, []).append((what, high, allowed, where))
+
+    def __call__(self, feed: dict, sample_indices, epoch: int, batch: int) -> None:
+        for name, checks in self.ranges.items():
+            values = np.asarray(feed[name])
+            for what, high, allowed, where in checks:
+                try:
+                    check_range(np, values, 0, high, what, allowed)
+                except OutOfRange as e:
+                    row, rest = e.position[0], e.position[1:]
+                    at = f" at position {list(rest)}" if rest else ""
+                    raise RuntimeFault(
+                        f"epoch {epoch}, batch {batch}: dataset sample "
+                        f"{int(sample_indices[row])}: {name}{at} is {e.value}, outside "
+                        f"[0, {high}) for the {where}") from None
+
+
+def _layer(op) -> str:
+    return f" '{op.layer}'" if op.layer else ""
+
+
+def check_finite(loss: float, step: int, epoch: int, batch: int) -> None:
+    """Stop training on a NaN or infinite loss (the same global loss on every rank)."""
+    if not math.isfinite(loss):
+        raise RuntimeFault(f"step {step} (epoch {epoch}, batch {batch}): the loss is {loss}; "
+                           "training stopped after this step's update. Look for the cause "
+                           "(inputs, learning rate, a log or division of 0), or pass "
+                           "Strategy(check_finite=False) to train on")
+
+
+def collective(name: str):
+    """Decorate an Engine method that every rank must call: when the Engine runs
+    distributed, the ranks check that they are all in ``name`` before it runs."""
+
+    def wrap(method):
+        @functools.wraps(method)
+        def run(engine, *args, **kwargs):
+            comm = engine._comm
+            if comm is None or not hasattr(comm, "collective_call"):
+                return method(engine, *args, **kwargs)
+            with comm.collective_call(name):
+                return method(engine, *args, **kwargs)
+        return run
+    return wrap

@@ -1,0 +1,89 @@
+"""Batches of a dataset: the Engine's data loader.
+
+A dataset is any object with ``__len__`` and ``__getitem__`` returning numpy arrays (the
+inputs followed by the labels). :class:`DataLoader` stacks samples into batches,
+shuffles with (seed, epoch), and gives a data-parallel rank only its rows.
+
+Example::
+
+    loader = DataLoader(dataset, batch_size=8, shuffle=True, seed=0)
+    ins, labels = loader.specs(n_labels=1)        # InputSpecs of one batch
+    for idx in loader.indices(epoch=0):
+        batch = loader.load(idx)
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from distgraph import dtypes
+from distgraph.app import checks
+from distgraph.errors import DistGraphError
+from distgraph.trace import InputSpec
+
+
+def _as_fields(sample) -> list:
+    return list(sample) if isinstance(sample, (tuple, list)) else [sample]
+
+
+def _field_dtype(arr: np.ndarray) -> str:
+    if np.issubdtype(arr.dtype, np.integer):
+        return "int64"
+    if np.issubdtype(arr.dtype, np.bool_):
+        return "bool"
+    return dtypes.get_default_dtype()
+
+
+class DataLoader:
+    """Stacks dataset samples into batches. ``shuffle`` permutes with (seed, epoch).
+    Programs have static shapes, so a short last batch runs on a plan of its own; with
+    ``drop_last`` it is dropped instead."""
+
+    def __init__(self, dataset, batch_size, shuffle=False, seed=0, drop_last=False):
+        if not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
+            raise DistGraphError("a dataset needs __len__ and __getitem__ returning numpy arrays")
+        if batch_size < 1 or batch_size > len(dataset):
+            raise DistGraphError(f"batch_size {batch_size} must be between 1 and the dataset "
+                                 f"size {len(dataset)}")
+        self.dataset, self.batch_size, self.shuffle, self.seed = dataset, batch_size, shuffle, seed
+        self.drop_last = drop_last
+        self._specs: dict = {}
+
+    def __len__(self):
+        full, rest = divmod(len(self.dataset), self.batch_size)
+        return full + (1 if rest and not self.drop_last else 0)
+
+    def indices(self, epoch: int) -> list:
+        """The sample indices of every batch of ``epoch``."""
+        order = np.arange(len(self.dataset))
+        if self.shuffle:
+            order = np.random.default_rng((self.seed, epoch)).permutation(order)
+        return [order[b * self.batch_size:(b + 1) * self.batch_size] for b in range(len(self))]
+
+    def load(self, idx, rows: slice | None = None) -> list:
+        """One batch of samples ``idx``; ``rows`` keeps only those rows (a data-parallel
+        rank reads only its shard of the samples)."""
+        if rows is not None:
+            idx = idx[rows]
+        return checks.stack_batch([_as_fields(self.dataset[int(i)]) for i in idx], idx)
+
+    def epoch(self, epoch: int, rows: slice | None = None):
+        """Batches of one epoch (see :meth:`load`)."""
+        for idx in self.indices(epoch):
+            yield self.load(idx, rows)
+
+    def specs(self, n_labels: int, batch_rows: int | None = None):
+        """InputSpecs of a batch of ``batch_rows`` samples (default: ``batch_size``)."""
+        rows = batch_rows or self.batch_size
+        if (n_labels, rows) not in self._specs:
+            first = [np.asarray(f) for f in _as_fields(self.dataset[0])]
+            if len(first) <= n_labels:
+                raise DistGraphError(f"dataset samples have {len(first)} fields; expected "
+                                     f"inputs followed by {n_labels} label field(s)")
+            cut = len(first) - n_labels
+            ins = [InputSpec((rows,) + a.shape, _field_dtype(a), f"input_{i}")
+                   for i, a in enumerate(first[:cut])]
+            labels = [InputSpec((rows,) + a.shape, _field_dtype(a), f"label_{i}")
+                      for i, a in enumerate(first[cut:])]
+            self._specs[n_labels, rows] = (ins, labels)
+        return self._specs[n_labels, rows]

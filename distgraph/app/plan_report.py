@@ -1,0 +1,74 @@
+"""The report ``distgraph plan`` prints: a Plan as plain data with its estimate and a
+per-layer summary of its layouts, written by the first Engine call of a script run under
+``distgraph plan`` (see :mod:`distgraph.cli.plan`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+
+from distgraph.errors import DistGraphError
+from distgraph.passes.estimate import estimate
+from distgraph.resources.cluster import Cluster
+
+
+def report(plan, cluster=None) -> dict:
+    """The plan as plain data with its estimate (priced on ``cluster``, else the plan's
+    own, else this machine as the plan's processes) and the per-layer op summary."""
+    data = plan.to_dict()
+    data["layers"] = layer_summary(plan)
+    data["text"] = plan.explain()
+    if plan.estimate is None:
+        try:
+            est = estimate(plan, cluster if cluster is not None and
+                           len(cluster.devices) >= plan.world_size else None)
+        except DistGraphError as e:
+            data["estimate_error"] = str(e)
+        else:
+            data["estimate"] = est.to_dict()
+            data["text"] += "\n  estimate: " + str(est).replace("\n", "\n  ")
+    data["text"] += "\n" + "\n".join(_summary_lines(data["layers"]))
+    return data
+
+
+def layer_summary(plan) -> dict:
+    """{layer: ["matmul [x, None] x [None, None] -> [x, None] (x2)", ...]}: the distinct
+    layouts of each layer's forward ops, in program order."""
+    out: dict = {}
+    for op in plan.program.ops:
+        if op.role not in ("forward", "loss"):
+            continue
+        da = op.dist_attr
+        line = (f"{op.type} " + " x ".join(map(str, da.input_specs)) + " -> "
+                + ", ".join(map(str, da.output_specs)) + f" on {list(da.mesh.process_ids)}")
+        lines = out.setdefault(op.layer or "(model)", {})
+        lines[line] = lines.get(line, 0) + 1
+    return {layer: [f"{line} (x{n})" if n > 1 else line for line, n in lines.items()]
+            for layer, lines in out.items()}
+
+
+def _summary_lines(layers: dict) -> list:
+    lines = ["forward op layouts per layer:"]
+    for layer, ops in layers.items():
+        lines.append(f"  {layer}:")
+        lines += [f"    {line}" for line in ops]
+    return lines
+
+
+def write_report(plan, path: str) -> None:
+    """Write ``report(plan)`` to ``path`` unless another process already did (the first
+    complete report wins; readers never see a partial file)."""
+    cluster_file = os.environ.get("DISTGRAPH_CLUSTER")
+    cluster = Cluster.from_file(cluster_file) if cluster_file else None
+    data = report(plan, cluster)
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", suffix=".part")
+    with os.fdopen(fd, "w") as f:
+        json.dump(data, f)
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        pass
+    finally:
+        os.unlink(tmp)

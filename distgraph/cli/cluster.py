@@ -1,0 +1,87 @@
+"""The ``distgraph cluster`` commands: ``show FILE`` and ``calibrate -n N -o FILE``.
+
+``add_cluster_parser(subparsers)`` registers them on an argparse subparsers object; each
+parser sets ``func`` to a handler taking the parsed args and returning an exit code::
+
+    parser = argparse.ArgumentParser(prog="distgraph")
+    add_cluster_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["cluster", "show", "resources/clusters/gpu_2x8.yaml"])
+    raise SystemExit(args.func(args))
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from distgraph.errors import DistGraphError
+from distgraph.resources.cluster import Cluster
+from distgraph.runtime.launch.launcher import TIMED_OUT, launch
+from distgraph.tools.calibrate import SCRIPT as CALIBRATE_SCRIPT
+from distgraph.tools.emulated import calibrate_command_emulated
+
+
+def add_cluster_parser(subparsers) -> argparse.ArgumentParser:
+    """Add ``cluster show`` and ``cluster calibrate`` to ``subparsers``; returns the parser."""
+    parser = subparsers.add_parser("cluster", help="inspect or measure resource files",
+                                   description="Inspect or measure resource files.")
+    commands = parser.add_subparsers(dest="cluster_command", required=True)
+    show = commands.add_parser("show", help="print a resource file's machines, meshes, links")
+    show.add_argument("file", help="a .yaml or .json resource file (distgraph or Paddle format)")
+    show.set_defaults(func=show_command)
+    cal = commands.add_parser("calibrate", help="measure N MPI ranks here, write a resource file")
+    cal.add_argument("-n", "--nprocs", type=int, required=True, help="number of MPI ranks")
+    cal.add_argument("-o", "--output", required=True, help="file to write (.yaml or .json)")
+    cal.add_argument("--repeats", type=int, default=3, help="measurement batches (default 3)")
+    cal.add_argument("--timeout", type=float, default=300.0,
+                     help="seconds before the measurement is abandoned (default 300)")
+    cal.add_argument("--emulate", metavar="FILE",
+                     help="measure FILE's machines emulated as network namespaces (root only); "
+                          "the output keeps FILE's machines and device ids")
+    cal.set_defaults(func=calibrate_command)
+    return parser
+
+
+def show_command(args) -> int:
+
+    try:
+        cluster = Cluster.from_file(args.file)
+    except DistGraphError as err:
+        print(f"distgraph cluster show: {err}", file=sys.stderr)
+        return 1
+    print(cluster.describe())
+    return 0
+
+
+def calibrate_command(args) -> int:
+
+    output = os.path.abspath(args.output)
+    if not output.lower().endswith((".yaml", ".yml", ".json")):
+        print(f"distgraph cluster calibrate: {args.output}: expected a name ending in .yaml, "
+              ".yml or .json", file=sys.stderr)
+        return 2
+    if args.emulate:
+        return calibrate_command_emulated(args)
+    try:
+        code = launch(args.nprocs, [CALIBRATE_SCRIPT, "-o", output, "--repeats",
+                                    str(args.repeats)], timeout=args.timeout)
+    except DistGraphError as err:
+        print(f"distgraph cluster calibrate: {err}", file=sys.stderr)
+        return 2
+    if code == TIMED_OUT:
+        print(f"distgraph cluster calibrate: the {args.nprocs} ranks did not finish within "
+              f"{args.timeout:g} s; try fewer ranks or a larger --timeout", file=sys.stderr)
+        return 1
+    if code != 0:
+        print(f"distgraph cluster calibrate: the measuring ranks failed (exit code {code})",
+              file=sys.stderr)
+        return code
+    try:
+        cluster = Cluster.from_file(output)
+    except DistGraphError as err:
+        print(f"distgraph cluster calibrate: wrote an unreadable file: {err}", file=sys.stderr)
+        return 1
+    print(f"wrote {args.output}")
+    print(cluster.describe())
+    return 0

@@ -1,0 +1,261 @@
+"""The op registry: one entry per op type holds everything distgraph knows about it.
+
+An entry is written as a class and registered by a one-line decorator::
+
+    @register_op("relu", spmd=elementwise_rule())
+    class Relu:
+        def infer(x):                 # TensorTypes in -> TensorType(s) out
+            return x
+        def kernel(ctx, x):           # arrays in (ctx.xp is numpy or cupy) -> array(s)
+            return ctx.xp.maximum(x, 0)
+        def grad(op, dy):             # traced: returns one gradient Value (or None) per input
+            return [relu_grad(op.inputs[0], dy)]
+        def flops(ins, outs, **attrs):
+            return size(outs[0])
+
+``spmd`` (the sharding rule) is required: an op without one cannot be registered.
+``grad`` may be omitted only with ``differentiable=False``.
+``inplace`` lists (output index, input index) pairs whose kernel writes into the input.
+``donate=True`` says the kernel writes its (single) result into ``ctx.out`` when the
+executor gives one: an input buffer of the result's shape and dtype that dies at this op.
+``comm(site) -> ((kind, group size, buffer bytes), ...)`` (optional) declares the
+collectives an op's distributed form runs inside its kernel, so the plan counts them.
+``localize(attrs, site) -> (attrs, ctx)`` (optional) adapts an op to run on local shards:
+shape attributes become local, a vocabulary shard learns its first row, a random op
+learns which slice of the global tensor it draws (``site`` is a :class:`LocalSite`).
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, replace
+from typing import Any, Callable, NamedTuple
+
+from distgraph.errors import DistGraphError
+from distgraph.placement import DistAttr
+from distgraph.spmd import DimsSpec, OpStrategy, Rule, SpmdRuleError
+
+
+class TensorType(NamedTuple):
+    shape: tuple
+    dtype: str
+
+    def __str__(self) -> str:
+        return f"[{', '.join(map(str, self.shape))}]:{self.dtype}"
+
+
+class ShapeError(DistGraphError):
+    """Raised by an op's ``infer``; the tracer adds the op, the layer path and all shapes."""
+
+
+@dataclass(frozen=True)
+class OpDef:
+    type: str
+    infer: Callable
+    kernel: Callable
+    grad: Callable | None
+    spmd: Any
+    flops: Callable
+    inplace: tuple = ()
+    differentiable: bool = True
+    localize: Callable | None = None
+    comm: Callable | None = None
+    donate: bool = False
+
+
+_REGISTRY: dict[str, OpDef] = {}
+
+
+def register_op(op_type: str, *, spmd, inplace=(), differentiable=True, donate=False):
+    """Class decorator that validates and registers one op entry."""
+
+    def wrap(cls):
+        if op_type in _REGISTRY:
+            raise DistGraphError(f"op {op_type!r} is registered twice")
+        if spmd is None:
+            raise DistGraphError(f"op {op_type!r} has no sharding (spmd) rule; every op needs one")
+        members = vars(cls)
+        for needed in ("infer", "kernel"):
+            if needed not in members:
+                raise DistGraphError(f"op {op_type!r} defines no {needed}()")
+        grad = members.get("grad")
+        if differentiable and grad is None:
+            raise DistGraphError(f"op {op_type!r} defines no grad(); pass differentiable=False "
+                                 "if it has no gradient")
+        if not isinstance(spmd, Rule):
+            raise DistGraphError(f"op {op_type!r}: its spmd rule {spmd!r} is not a "
+                                 f"distgraph.spmd.Rule")
+        flops = members.get("flops", _zero_flops)
+        rule = OpRule(op_type, spmd, members["infer"], members.get("comm"))
+        _REGISTRY[op_type] = OpDef(op_type, members["infer"], members["kernel"], grad, rule,
+                                   flops, tuple(inplace), differentiable, members.get("localize"),
+                                   members.get("comm"), donate)
+        return cls
+
+    return wrap
+
+
+def _zero_flops(ins, outs, **attrs) -> int:
+    return 0
+
+
+def get_op(op_type: str) -> OpDef:
+    try:
+        return _REGISTRY[op_type]
+    except KeyError:
+        raise DistGraphError(f"unknown op type {op_type!r}") from None
+
+
+# Ops whose time follows their FLOPs (dense contractions); every other op's follows the
+# elements it reads and writes.
+FLOP_BOUND = ("matmul",)
+
+
+def op_work(op_type: str, ins, outs, attrs) -> float:
+    """The amount a device's time for one op grows with: FLOPs for a dense contraction,
+    else the elements of its operands and results (TensorTypes, local shapes). Cost
+    tables per op type (``Device.op_costs``) are fitted against it."""
+    if op_type in FLOP_BOUND:
+        return float(get_op(op_type).flops(ins, outs, **attrs))
+    return float(sum(size(t) for t in ins) + sum(size(t) for t in outs))
+
+
+def registered_ops() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def spmd_rule(op_type: str) -> OpRule:
+    """The sharding rule of an op: ``spmd_rule("matmul").infer_forward(...)`` (the calls
+    are listed in :mod:`distgraph.spmd`)."""
+    return get_op(op_type).spmd
+
+
+class OpRule(Rule):
+    """An op's sharding rule as the registry hands it out: the attributes a call passes
+    are checked against the op's (its ``infer`` signature: an unknown or missing one is
+    an SpmdRuleError), and its strategies carry the collectives of the op's distributed
+    form (its ``comm`` hook)."""
+
+    def __init__(self, op_type: str, rule: Rule, infer: Callable, comm: Callable | None):
+        self.op_type, self.rule, self.comm = op_type, rule, comm
+        self.signature = inspect.signature(infer)
+
+    def __repr__(self) -> str:
+        return f"spmd_rule({self.op_type!r}) = {self.rule!r}"
+
+    def check_attrs(self, n_inputs: int, attrs: dict) -> None:
+        unknown = sorted(set(attrs) - set(self.signature.parameters))
+        problem = f"unknown attribute(s) {unknown}" if unknown else None
+        if problem is None:
+            try:
+                self.signature.bind(*[None] * n_inputs, **attrs)
+            except TypeError as e:
+                problem = str(e)
+        if problem is not None:
+            raise SpmdRuleError(f"rule of {self.op_type!r} with {n_inputs} inputs and "
+                                f"attributes {sorted(attrs)}: {problem}; {self.op_type} "
+                                f"takes {self.signature}")
+
+    def bind(self, in_shapes, out_shapes, mesh, attrs: dict):
+        self.check_attrs(len(in_shapes), attrs)
+        try:
+            return self.rule.bind(in_shapes, out_shapes, mesh, attrs)
+        except SpmdRuleError as e:
+            raise SpmdRuleError(f"rule of {self.op_type!r}: {e}") from None
+
+    def strategies(self, in_shapes, out_shapes, mesh, in_dtypes=None, **attrs) -> list:
+        found = self.bind(in_shapes, out_shapes, mesh, attrs).strategies()
+        return [self.with_comm(s, in_shapes, out_shapes, mesh, in_dtypes) for s in found]
+
+    def strategy(self, in_specs, out_specs, in_shapes, out_shapes, mesh, in_dtypes=None):
+        """The strategy record of complete ``in_specs`` / ``out_specs`` (e.g. a rule's
+        answer with every entry known), as :meth:`strategies` lists them."""
+        s = OpStrategy.build(mesh, [DimsSpec.of(x) for x in in_specs],
+                             [DimsSpec.of(x) for x in out_specs], in_shapes, out_shapes)
+        return self.with_comm(s, in_shapes, out_shapes, mesh, in_dtypes)
+
+    def with_comm(self, s: OpStrategy, in_shapes, out_shapes, mesh, in_dtypes=None):
+        """``s`` with the collectives the op's distributed form runs (its ``comm`` hook)."""
+        if self.comm is None:
+            return s
+        dtypes = tuple(in_dtypes) if in_dtypes is not None else ("float32",) * len(in_shapes)
+        pid = mesh.process_ids[0]         # every process of a strategy communicates alike
+        site = LocalSite(pid, tuple(map(tuple, in_shapes)),
+                         tuple(DistAttr(mesh, x) for x in s.in_specs),
+                         tuple(map(tuple, out_shapes)),
+                         tuple(DistAttr(mesh, x) for x in s.out_specs), dtypes)
+        comm = tuple(self.comm(site))
+        return replace(s, comm=comm) if comm else s
+
+
+def size(t: TensorType) -> int:
+    n = 1
+    for d in t.shape:
+        n *= d
+    return n
+
+
+@dataclass
+class KernelContext:
+    """What a kernel may know beyond its operands: the array namespace (numpy or cupy),
+    the training step (seeds random ops), and, for a shard of a distributed tensor, the
+    global shape and the slices this process holds of the op's first output (so random
+    ops draw the same global numbers whatever the partition). An op whose distributed
+    form communicates inside its kernel gets the communicator, the map from process ids
+    to ranks and its ``group`` of process ids (set by its ``localize``). ``out`` is a
+    buffer a ``donate`` op may write its result into (None: allocate)."""
+
+    xp: Any
+    step: int = 0
+    out_global_shape: tuple | None = None
+    out_slices: tuple | None = None
+    comm: Any = None
+    rank_of: Any = None
+    group: tuple | None = None
+    out: Any = None
+
+    def group_ranks(self) -> tuple:
+        if self.comm is None or self.group is None:
+            raise RuntimeError("this kernel communicates but was given no communicator/group")
+        rank = rank_lookup(self.rank_of)
+        return tuple(rank(p) for p in self.group)
+
+
+def rank_lookup(rank_of):
+    """``rank(process)`` for a process-to-rank map: None (process p on rank p), a mapping
+    or a callable."""
+    if rank_of is None:
+        return int
+    return rank_of if callable(rank_of) else rank_of.__getitem__
+
+
+@dataclass(frozen=True)
+class LocalSite:
+    """Where one op runs in a partitioned program: the process, and the global shape and
+    DistAttr of each operand (as consumed) and result (as produced)."""
+
+    process_id: int
+    in_shapes: tuple
+    in_attrs: tuple
+    out_shapes: tuple
+    out_attrs: tuple
+    in_dtypes: tuple = ()
+
+    def out_local_shape(self, j: int = 0) -> tuple:
+        return self.out_attrs[j].local_shape(self.out_shapes[j])
+
+    def out_slices(self, j: int = 0) -> tuple:
+        return self.out_attrs[j].local_slices(self.out_shapes[j], self.process_id)
+
+    def in_slices(self, i: int) -> tuple:
+        return self.in_attrs[i].local_slices(self.in_shapes[i], self.process_id)
+
+    def split_group(self, i: int, dim: int) -> tuple:
+        """The processes holding the other blocks of operand i's ``dim`` (this process
+        included), in block order: the group an op's own collective over that dim uses."""
+        attr = self.in_attrs[i]
+        along = set(attr.spec.entry(dim % len(self.in_shapes[i])))
+        mesh, me = attr.mesh, attr.mesh.coord(self.process_id)
+        fixed = [k for k, name in enumerate(mesh.dim_names) if name not in along]
+        group = [q for q in mesh.process_ids if all(mesh.coord(q)[k] == me[k] for k in fixed)]
+        return tuple(sorted(group, key=lambda q: attr.block_index(dim % len(self.in_shapes[i]), q)))

@@ -1,0 +1,298 @@
+"""Measure this machine's MPI ranks and write a resource file.
+
+Per rank: GEMM GFLOP/s in float32 and float64 (numpy matmul, best of a few runs, all
+ranks at once: what each rank gets while all compute), memory bandwidth and distgraph's
+per-op overhead (:mod:`distgraph.tools.device_probe`). Per pair of ranks, one pair at a
+time: point-to-point latency (half the round trip of an 8-byte ping-pong) and bandwidth
+(a multi-megabyte ping-pong). For the whole group: all-reduce latency (8 bytes) and bus
+bandwidth (2(n-1)/n * bytes / time, the figure the ring formula uses). Ranks on the same
+host form one machine; pairs on one host get ``SHM`` links, pairs across hosts ``NET``
+links between machines. Rank r becomes device r. Rank 0 prints each result as it comes.
+
+While a pair measures, the other ranks wait in a barrier that sleeps between polls
+(:func:`idle_barrier`), not in MPI's own, which spins: with more ranks than cores a
+spinning rank would take the core from a measuring one.
+
+Run it through the CLI (``distgraph cluster calibrate -n 2 -o mine.yaml``) or by hand::
+
+    mpiexec -n 2 python resources/calibrate.py -o mine.yaml
+
+Only rank 0 writes the file. The defaults keep a 2-rank run to about a second of
+measuring; raise ``--repeats`` for steadier figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import platform
+import time
+
+import numpy as np
+
+from distgraph.passes.cost_model import collective_time
+from distgraph.passes.reshard import plan_reshard
+from distgraph.placement import DistAttr, ShardSpec
+from distgraph.resources.cluster import Cluster, Device, Link, Machine
+from distgraph.runtime.execution.reshard import apply_reshard
+from distgraph.tools.device_probe import memory_bandwidth_gbps, op_costs, op_overhead_us
+
+SCRIPT = os.path.abspath(__file__)   # what `distgraph cluster calibrate` starts on each rank
+GEMM_SIZE = 384
+SMALL_BYTES = 8
+LARGE_BYTES = 4 * 2**20
+ALLREDUCE_BYTES = 4 * 2**20
+
+
+def gemm_gflops(dtype, size: int = GEMM_SIZE, repeats: int = 5) -> float:
+    """Best-of-``repeats`` GFLOP/s of a size^3 matmul (2 size^3 flops), after one warm-up."""
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((size, size)).astype(dtype)
+    b = rng.standard_normal((size, size)).astype(dtype)
+    a @ b
+    best = np.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    return 2.0 * size**3 / best / 1e9
+
+
+def idle_barrier(comm, poll: float = 1e-3) -> None:
+    """A barrier of all ranks that sleeps between polls instead of spinning."""
+    request = comm.Ibarrier()
+    while not request.Test():
+        time.sleep(poll)
+
+
+def say(comm, text: str) -> None:
+    """Progress, printed by rank 0."""
+    if comm.Get_rank() == 0:
+        print(f"calibrate: {text}", flush=True)
+
+
+def ping_pong(comm, peer: int, first: bool, nbytes: int, iters: int, batches: int) -> float:
+    """One-way seconds per message between this rank and ``peer`` (only the two call
+    it): half the round trip, mean over ``iters`` exchanges, best of ``batches`` (the
+    best batch is the least disturbed by other processes). The exchanges keep the two in
+    step, so batches need no barrier."""
+    buf = np.zeros(max(nbytes, 1), dtype=np.uint8)
+    best = np.inf
+    for batch in range(batches + 1):  # batch 0 warms up the connection, and is not counted
+        start = time.perf_counter()
+        for _ in range(iters):
+            if first:
+                comm.Send(buf, dest=peer)
+                comm.Recv(buf, source=peer)
+            else:
+                comm.Recv(buf, source=peer)
+                comm.Send(buf, dest=peer)
+        if batch:
+            best = min(best, (time.perf_counter() - start) / iters / 2.0)
+    return best
+
+
+def measure_pairs(comm, repeats: int) -> dict[tuple[int, int], tuple[float, float]]:
+    """(bandwidth GB/s, latency µs) for every pair, measured one pair at a time while
+    the other ranks sleep; rank 0 prints each pair's figures."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    pairs = [(a, b) for a in range(size) for b in range(a + 1, size)]
+    out = {}
+    for k, (a, b) in enumerate(pairs):
+        idle_barrier(comm)
+        if rank in (a, b):
+            peer, first = (b, True) if rank == a else (a, False)
+            lat = ping_pong(comm, peer, first, SMALL_BYTES, 50, repeats)
+            t = ping_pong(comm, peer, first, LARGE_BYTES, 2, repeats)
+            if rank == a:
+                out[(a, b)] = (LARGE_BYTES / t / 1e9, lat * 1e6)
+                if a != 0:
+                    comm.send(out[(a, b)], dest=0, tag=k)
+        if rank == 0:
+            bw, lat = out[(a, b)] if a == 0 else comm.recv(source=a, tag=k)
+            say(comm, f"pair {k + 1}/{len(pairs)} ranks {a}-{b}: {bw:.2f} GB/s, {lat:.1f} us")
+    idle_barrier(comm)
+    return out
+
+
+def measure_allreduce(comm, repeats: int) -> tuple[float, float]:
+    """(bus bandwidth GB/s, latency µs) of MPI all-reduce (sum, float64)."""
+    from mpi4py import MPI
+
+    n = comm.Get_size()
+    small_in, small_out = np.ones(1), np.empty(1)
+    big_in = np.ones(ALLREDUCE_BYTES // 8)
+    big_out = np.empty_like(big_in)
+    timings = []
+    for send, recv, iters in ((small_in, small_out, 50), (big_in, big_out, 2)):
+        best = np.inf
+        for batch in range(repeats + 1):  # batch 0 warms up, and is not counted
+            idle_barrier(comm)
+            start = time.perf_counter()
+            for _ in range(iters):
+                comm.Allreduce(send, recv, op=MPI.SUM)
+            if batch:
+                best = min(best, (time.perf_counter() - start) / iters)
+        # Ranks time the same collective; the slowest rank's view is the collective's.
+        timings.append(comm.allreduce(best, op=MPI.MAX))
+    bus = 2.0 * (n - 1) / n * ALLREDUCE_BYTES / timings[1] / 1e9
+    return bus, timings[0] * 1e6
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "cpu"
+
+
+def host_memory_gb() -> float:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
+    except (ValueError, OSError, AttributeError):
+        return 4.0
+
+
+RESHARD_KINDS = ("slice", "all_gather", "all_reduce", "reduce_scatter", "all_to_all")
+
+
+def measure_reshard_steps(comm, repeats: int) -> dict:
+    """{step kind: seconds} of one reshard step of each kind through distgraph's runtime
+    on a tiny tensor over all ranks (the slowest rank's view): the software cost a step
+    adds to what its messages cost on the links."""
+    import distgraph as dg
+
+    # the runtime is what the figure describes; imported at measurement time only
+    from distgraph.runtime.comm.mpi import MPICommunicator
+
+    n = comm.Get_size()
+    runtime = MPICommunicator(comm)
+    mesh = dg.ProcessMesh(list(range(n)), ["x"])
+    shape = (8 * n, 8 * n)
+    layouts = {"slice": ([None, None], (), ["x", None]),
+               "all_gather": (["x", None], (), [None, None]),
+               "all_reduce": ([None, None], ("x",), [None, None]),
+               "reduce_scatter": ([None, None], ("x",), ["x", None]),
+               "all_to_all": (["x", None], (), [None, "x"])}
+    out = {}
+    for kind in RESHARD_KINDS if n > 1 else ("slice",):
+        before, partial, after = layouts[kind]
+        src = DistAttr(mesh, ShardSpec(before, partial=partial))
+        steps = plan_reshard(src, DistAttr(mesh, ShardSpec(after)), shape, "float32")
+        local = np.ones(src.local_shape(shape), dtype=np.float32)
+        best = np.inf
+        for batch in range(repeats + 1):       # batch 0 warms up
+            runtime.barrier()
+            start = time.perf_counter()
+            for _ in range(50):
+                apply_reshard(steps, local, runtime, runtime.rank)
+            if batch:
+                best = min(best, (time.perf_counter() - start) / 50)
+        out[kind] = comm.allreduce(best, op=_mpi_max())
+    return out
+
+
+def _mpi_max():
+    from mpi4py import MPI
+    return MPI.MAX
+
+
+def reshard_overheads(cluster, steps: dict) -> dict:
+    """{step kind: µs} a step costs beyond the alpha-beta of the links its messages take
+    (what :func:`measure_reshard_steps` measured, less the cost model's charge)."""
+
+    ids = [d.global_id for d in cluster.devices]
+    n = len(ids)
+    hops = list(zip(ids, ids[1:] + ids[:1]))
+    bw = min((cluster.bandwidth(a, b) for a, b in hops if a != b), default=1.0)
+    lat = max((cluster.latency(a, b) for a, b in hops if a != b), default=0.0)
+    shape_bytes = (8 * n) * (8 * n) * 4
+    buffer = {"all_gather": shape_bytes, "all_reduce": shape_bytes,
+              "reduce_scatter": shape_bytes, "all_to_all": shape_bytes // n}
+    out = {}
+    for kind, seconds in steps.items():
+        charged = collective_time(kind, n, buffer[kind], bw, lat) if kind in buffer else 0.0
+        out[kind] = round(max(seconds - charged, 0.0) * 1e6, 3)
+    return out
+
+
+def build_cluster(ranks: list[dict], pairs: dict, allreduce, name: str, steps=None):
+    """The Cluster for gathered per-rank records and pair measurements (and the measured
+    reshard steps, whose software cost every device then carries)."""
+
+    hosts = list(dict.fromkeys(r["host"] for r in ranks))
+    machine_of = {r["rank"]: hosts.index(r["host"]) for r in ranks}
+    per_host = {h: sum(1 for r in ranks if r["host"] == h) for h in hosts}
+    machines = []
+    for m, host in enumerate(hosts):
+        mine = [r for r in ranks if r["host"] == host]
+        devices = [Device(r["rank"], k, m, "CPU", r["model"], r["gflops"],
+                          round(r["memory"] / per_host[host], 3), r.get("memory_bandwidth"),
+                          r.get("op_overhead"), r.get("op_costs")) for k, r in enumerate(mine)]
+        links = [Link(a, b, bw, lat, "SHM") for (a, b), (bw, lat) in pairs.items()
+                 if machine_of[a] == m and machine_of[b] == m]
+        machines.append(Machine(m, host, devices, links))
+    inter = [Link(a, b, bw, lat, "NET") for (a, b), (bw, lat) in pairs.items()
+             if machine_of[a] != machine_of[b]]
+    calibration = {"ranks": len(ranks), "gemm_size": GEMM_SIZE, "p2p_bytes": LARGE_BYTES}
+    if steps:
+        measured = Cluster(machines, inter, name=name)
+        overheads = reshard_overheads(measured, steps)
+        machines = [dataclasses.replace(m, devices=tuple(
+            dataclasses.replace(d, reshard_overhead=overheads) for d in m.devices))
+            for m in machines]
+    if allreduce is not None:
+        calibration.update(allreduce_bus_bandwidth=round(allreduce[0], 4),
+                           allreduce_latency=round(allreduce[1], 3),
+                           allreduce_bytes=ALLREDUCE_BYTES)
+    return Cluster(machines, inter, name=name, calibration=calibration)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description="measure MPI ranks, write a resource file")
+    parser.add_argument("-o", "--output", required=True, help="file to write (.yaml or .json)")
+    parser.add_argument("--repeats", type=int, default=3, help="scale the measurement counts")
+    args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error(f"--repeats must be at least 1, got {args.repeats}")
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    rank, size = comm.Get_rank(), comm.Get_size()
+    say(comm, f"{size} ranks: GEMM {GEMM_SIZE}^3 on every rank at once")
+    record = {"rank": rank, "host": MPI.Get_processor_name(), "model": cpu_model(),
+              "memory": host_memory_gb(),
+              "gflops": {"float32": round(gemm_gflops(np.float32, repeats=args.repeats), 3),
+                         "float64": round(gemm_gflops(np.float64, repeats=args.repeats), 3)},
+              "memory_bandwidth": round(memory_bandwidth_gbps(args.repeats), 3),
+              "op_overhead": round(op_overhead_us(args.repeats), 3),
+              "op_costs": op_costs(args.repeats, sync=lambda: idle_barrier(comm))}
+    records = comm.gather(record, root=0)
+    if rank == 0:
+        say(comm, "GEMM GFLOP/s per rank (float32/float64): " + ", ".join(
+            f"{r['gflops']['float32']:.1f}/{r['gflops']['float64']:.1f}" for r in records))
+    pairs = measure_pairs(comm, args.repeats)
+    allreduce = None
+    if size > 1:
+        allreduce = measure_allreduce(comm, args.repeats)
+        say(comm, f"all-reduce of {size} ranks: bus {allreduce[0]:.2f} GB/s, latency "
+                  f"{allreduce[1]:.1f} us")
+    steps = measure_reshard_steps(comm, args.repeats)
+    say(comm, "reshard steps through distgraph: " + ", ".join(
+        f"{k} {v * 1e6:.1f} us" for k, v in steps.items()))
+    all_pairs = comm.gather(pairs, root=0)
+    if rank == 0:
+        merged = {k: (round(bw, 4), round(lat, 3)) for part in all_pairs for k, (bw, lat)
+                  in part.items()}
+        cluster = build_cluster(records, merged, allreduce, f"calibrated{size}", steps)
+        cluster.save(args.output)
+    idle_barrier(comm)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,166 @@
+"""Device figures the cost model needs beyond GEMM GFLOP/s, measured on this process.
+
+- ``memory_bandwidth_gbps``: GB/s of a large elementwise add (two arrays read, one
+  written), the rate of memory-bound ops.
+- ``op_overhead_us``: µs per op that distgraph's executor spends on an op whose tensors
+  are tiny, so that the arithmetic is negligible: the mean over every op of a one-layer
+  GPT training step (forward, backward and Adam update), so that the mix of op types is
+  the one models have.
+- ``op_costs``: per op type, ``(µs per call, ns per unit of work)`` fitted (least
+  squares, both >= 0) to every op of GPT and MLP training steps at three sizes, timed
+  one by one in distgraph's executor, and scaled to the steps' measured totals (see
+  :func:`op_costs`); work is an op's FLOPs for a matmul and the
+  elements it reads and writes otherwise (:func:`distgraph.registry.op_work`). It
+  captures what FLOPs miss: transcendental functions (GELU's tanh, softmax's exp), views
+  that move nothing, small matmuls far below the GEMM rate.
+
+``distgraph cluster calibrate`` writes all three into each device of the resource file.
+
+Example::
+
+    >>> memory_bandwidth_gbps() > 0 and op_overhead_us() > 0
+    True
+    >>> op_costs()["matmul"]     # doctest: +SKIP
+    (4.1, 0.009)
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from distgraph.nn.layers import GPT, MLP, CrossEntropyLoss, MSELoss
+from distgraph.optim import Adam
+from distgraph.program_builder import build_program
+from distgraph.registry import TensorType, op_work
+from distgraph.runtime.execution.executor import ProgramRunner
+from distgraph.trace import InputSpec
+
+BANDWIDTH_BYTES = 32 * 2**20       # per array: well past the caches
+
+
+def memory_bandwidth_gbps(repeats: int = 3) -> float:
+    """Best-of-``repeats`` GB/s of ``c = a + b`` on float64 arrays (3 arrays moved)."""
+    n = BANDWIDTH_BYTES // 8
+    a, b, c = np.ones(n), np.ones(n), np.empty(n)
+    np.add(a, b, out=c)
+    best = np.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        np.add(a, b, out=c)
+        best = min(best, time.perf_counter() - start)
+    return 3 * BANDWIDTH_BYTES / best / 1e9
+
+
+def op_overhead_us(repeats: int = 3, steps: int = 20) -> float:
+    """Mean µs per op of a tiny one-layer GPT training step run by distgraph's executor
+    (best of ``repeats`` batches of ``steps`` steps)."""
+    model = GPT(vocab_size=16, d_model=8, n_layer=1, n_head=2, max_seq_len=4)
+    built = build_program(model, [InputSpec([1, 4], "int64", "tokens")],
+                          [InputSpec([1, 4], "int64", "labels")], CrossEntropyLoss(), Adam(1e-3))
+    program = built.program
+    scope = {n: p.numpy() for n, p in model.named_parameters()}
+    scope.update(Adam(1e-3).initial_state(program))
+    runner = ProgramRunner(program)
+    feed = {"tokens": np.zeros((1, 4), np.int64), "labels": np.ones((1, 4), np.int64)}
+    fetch = [built.loss_name]
+    runner.run(scope, feed, fetch, 0)
+    best = np.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for step in range(steps):
+            runner.run(scope, feed, fetch, step)
+        best = min(best, (time.perf_counter() - start) / steps)
+    return best / len(program.ops) * 1e6
+
+
+# (GPT dims, batch) and (MLP dims, batch) of the programs op_costs times: small enough to
+# run in seconds, far enough apart to separate the per-call cost from the per-unit one.
+GPT_SIZES = ((dict(vocab_size=64, d_model=16, n_layer=1, n_head=2, max_seq_len=8), 2),
+             (dict(vocab_size=128, d_model=64, n_layer=1, n_head=4, max_seq_len=32), 8),
+             (dict(vocab_size=256, d_model=128, n_layer=1, n_head=4, max_seq_len=64), 8))
+MLP_SIZES = (((16, 32, 8), 8), ((256, 1024, 256), 64), ((512, 2048, 512), 64))
+
+
+def op_costs(repeats: int = 3, steps: int = 5, sync=None) -> dict:
+    """{op type: (µs per call, ns per unit of work)} on this process (module docstring).
+
+    The fit takes each op's median time; the costs are then scaled so that they add up
+    to the mean whole step of each program (the executor's own work between ops, and
+    the share of a core this process really gets when other ranks compute beside it:
+    with more ranks than cores, single ops are often timed while a neighbour waits).
+    ``sync`` (e.g. an MPI barrier) lines the ranks up before each timed step, so that
+    all of them compute at once, as in training."""
+    from scipy.optimize import nnls
+
+    samples: dict = {}
+    totals = []
+    for program, run in _probe_programs():
+        per_run, whole = [], []
+        run([])                                        # warm-up
+        for _ in range(repeats * steps):
+            timings: list = []
+            if sync is not None:
+                sync()
+            start = time.perf_counter()
+            run(timings)
+            whole.append(time.perf_counter() - start)
+            per_run.append(timings)
+        seconds = np.median(np.array(per_run), axis=0)
+        works = [_work(op) for op in program.ops]
+        # the mean, not the median: with more ranks than cores a short step often runs
+        # alone in its time slice, and only the mean carries the share of a core
+        totals.append((program, works, float(np.mean(whole))))
+        for op, w, t in zip(program.ops, works, seconds):
+            samples.setdefault(op.type, []).append((w, float(t)))
+    fitted = {}
+    for op_type, pairs in samples.items():
+        work = np.array([w for w, _ in pairs])
+        t = np.array([s for _, s in pairs])
+        if work.max() == work.min():         # one size only: all of it is the call's
+            fitted[op_type] = (float(np.median(t)), 0.0)
+        else:
+            (alpha, beta), _ = nnls(np.stack([np.ones_like(work), work], axis=1), t)
+            fitted[op_type] = (float(alpha), float(beta))
+    scale = float(np.median([measured / sum(fitted[op.type][0] + fitted[op.type][1] * w
+                                           for op, w in zip(program.ops, works))
+                             for program, works, measured in totals]))
+    return {op_type: (round(a * scale * 1e6, 4), round(b * scale * 1e9, 6))
+            for op_type, (a, b) in fitted.items()}
+
+
+def _work(op) -> float:
+    return op_work(op.type, [TensorType(v.shape, v.dtype) for v in op.inputs],
+                   [TensorType(v.shape, v.dtype) for v in op.outputs], op.attrs)
+
+
+def _probe_programs():
+    """(program, run(timings)) of the training steps op_costs times."""
+
+    rng = np.random.default_rng(0)
+    cases = []
+    for dims, batch in GPT_SIZES:
+        t = dims["max_seq_len"]
+        tokens = rng.integers(0, dims["vocab_size"], size=(batch, t))
+        cases.append((GPT(**dims), CrossEntropyLoss(),
+                      [("tokens", tokens), ("labels", np.roll(tokens, -1, axis=1))]))
+    for (d_in, hidden, d_out), batch in MLP_SIZES:
+        model = MLP(d_in, hidden, d_out, activation="relu")
+        cases.append((model, MSELoss(),
+                      [("x", rng.normal(size=(batch, d_in)).astype(np.float32)),
+                       ("y", rng.normal(size=(batch, d_out)).astype(np.float32))]))
+    for model, loss, fields in cases:
+        (x_name, x), (y_name, y) = fields
+        optimizer = Adam(1e-3)
+        built = build_program(model, [InputSpec(x.shape, str(x.dtype), x_name)],
+                              [InputSpec(y.shape, str(y.dtype), y_name)], loss, optimizer)
+        scope = {n: p.numpy() for n, p in model.named_parameters()}
+        scope.update(optimizer.initial_state(built.program))
+        runner = ProgramRunner(built.program)
+        feed = {x_name: x, y_name: y}
+
+        def run(timings, runner=runner, scope=scope, feed=feed, fetch=[built.loss_name]):
+            runner.run(scope, feed, fetch, 0, timings=timings)
+
+        yield built.program, run

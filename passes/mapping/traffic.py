@@ -1,0 +1,70 @@
+"""The process graph of a completed program: what rank mapping needs to place it.
+
+Bytes and messages between processes come from the reshard points of every process's partition
+(collectives spread over their rings as in :mod:`distgraph.passes.mapping.process_graph`, p2p
+tiles as sent); memory is each process's local persistable bytes (GB); compute its
+local FLOPs (GFLOP per step); a process needs the device type given, if any.
+
+Example::
+
+    graph = process_graph(completed_program, device_type="GPU")
+    mapping = map_ranks(graph, cluster)
+"""
+
+from __future__ import annotations
+
+from distgraph.ir import Program
+from distgraph.passes.cost_model import COLLECTIVES
+from distgraph.registry import TensorType, get_op
+from distgraph.passes.partition import partition, process_ids
+from distgraph.passes.mapping.process_graph import (ProcessGraph, collective_messages,
+                                            collective_traffic)
+
+
+
+def _add(into: dict, pairs: dict) -> None:
+    for pair, amount in pairs.items():
+        into[pair] = into.get(pair, 0.0) + amount
+
+
+def _point_traffic(point, traffic: dict, messages: dict) -> None:
+    """Add the bytes and messages per unordered pair of one reshard point (its steps, all
+    processes) to ``traffic`` and ``messages``."""
+    for step in point.steps:
+        if step.kind in COLLECTIVES:
+            groups = step.mesh.groups(step.mesh_dim)
+            _add(traffic, collective_traffic(groups, step.buffer_bytes, step.kind))
+            _add(messages, collective_messages(groups, step.kind))
+        elif step.kind == "send_recv":
+            for t in step.transfers:
+                if t.src != t.dst:
+                    pair = (min(t.src, t.dst), max(t.src, t.dst))
+                    _add(traffic, {pair: float(t.nbytes)})
+                    _add(messages, {pair: 1.0})
+
+
+def process_graph(program: Program, device_type: str | None = None) -> ProcessGraph:
+    """Traffic, memory and compute per process of a completed program."""
+    ids = process_ids(program)
+    if ids != list(range(len(ids))):
+        raise ValueError(f"process ids must be 0..{len(ids) - 1}, got {ids}")
+    traffic: dict = {}
+    messages: dict = {}
+    memory, compute = [], []
+    seen_points = set()
+    for pid in ids:
+        local = partition(program, pid)
+        for point in local.points():
+            key = (point.value, point.dst, point.seq)
+            if key in seen_points:
+                continue
+            seen_points.add(key)
+            _point_traffic(point, traffic, messages)
+        memory.append(sum(v.nbytes for v in local.program.persistables) / 1e9)
+        flops = 0
+        for op in local.program.ops:
+            ins = [TensorType(v.shape, v.dtype) for v in op.inputs]
+            outs = [TensorType(v.shape, v.dtype) for v in op.outputs]
+            flops += get_op(op.type).flops(ins, outs, **op.attrs)
+        compute.append(flops / 1e9)
+    return ProcessGraph(len(ids), traffic, device_type, compute, memory, messages)

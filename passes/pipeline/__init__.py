@@ -1,0 +1,2 @@
+"""Micro-batches and pipelines: gradient accumulation as program structure, and the
+task graph each process runs per micro-batch."""

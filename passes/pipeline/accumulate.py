@@ -1,0 +1,328 @@
+"""Gradient accumulation as program structure: one step's batch in M micro-batches.
+
+:func:`split_micro_batches` is pure. It finds how every Value depends on the batch by
+completing a copy of the program on a virtual mesh of M "processes" along a dim ``mb``
+with every feed split along its dim 0 (micro-batch m is rows [m B/M, (m+1) B/M) of
+the batch): the same sharding rules that plan data parallelism say which dim of each
+Value carries the samples (split over ``mb``), which Values sum over them (Partial over
+``mb``: gradients, and a loss that averages over the batch, whose ``1/B`` scale is the
+full batch's, so that each micro-batch contributes its share), and which do not depend
+on them (replicated). Partitioning that copy for micro-batch 0 gives the *micro-batch
+program*: the same ops and names on micro-batch shapes, shape attributes made local.
+
+The step then runs as Alpa's compute-grad / accumulate-grad / apply-grad split:
+
+- forward and backward ops run once per micro-batch (on the micro-batch program, which
+  the planner completes and partitions like any program);
+- every Value that crosses from them into the update (the *boundary*: gradients, and
+  the fetched loss) is accumulated over the micro-batches: summed where it is Partial
+  over ``mb``, kept once where it does not depend on the batch;
+- the update ops run once, on the accumulated values.
+
+A sum over the samples that only the feeds make, and that an op needs whole (the count
+of labels that are not ``ignore_index``, which a mean cross-entropy divides by) is the
+*prologue*: its ops run on every micro-batch before the step's first forward, their
+results are summed, and the micro-batches read the whole batch's value, so that each
+contributes its share of the full batch's mean. Any other program that needs samples
+of other micro-batches before the update (an op that mixes rows of the batch, such as a
+batch-wide normalisation) cannot be split: that is a PlanError naming the op. Random ops (dropout) draw for the full batch's tensor and
+take their micro-batch's slice (:func:`micro_batch_context`), so their masks equal the
+full-batch step's.
+
+Example::
+
+    built_mb, acc = split_micro_batches(built, 4)
+    print(acc.pretty())     # boundary values and how each is accumulated
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from types import MappingProxyType
+
+from distgraph.errors import PlanError, ShardingError
+from distgraph.mesh import ProcessMesh
+from distgraph.registry import TensorType, get_op
+from distgraph.passes.completion.complete import complete
+from distgraph.passes.partition import partition
+from distgraph.placement import DistAttr, ShardSpec
+
+MB_DIM = "mb"
+
+
+@dataclass(frozen=True)
+class Accumulation:
+    """How one step splits into ``micro_batches`` micro-batches of ``batch // micro_batches``
+    rows. ``split_axis[name]`` is the dim of Value ``name`` that carries the samples
+    (absent: it carries none); ``partial`` names the Values that sum over the samples
+    (gradients, losses). ``boundary`` lists the Values the update ops read from forward
+    and backward, each accumulated by :meth:`mode`. ``prologue`` names the whole-batch
+    sums the prologue makes, ``prologue_values`` every Value its ops make, and
+    ``skipped`` the Values whose ops the micro-batches do not run again (the prologue's
+    sums and what only they read)."""
+
+    micro_batches: int
+    batch: int
+    split_axis: MappingProxyType
+    partial: frozenset
+    boundary: tuple
+    prologue: frozenset = frozenset()
+    prologue_values: frozenset = frozenset()
+    skipped: frozenset = frozenset()
+
+    @property
+    def micro_batch_rows(self) -> int:
+        return self.batch // self.micro_batches
+
+    def mode(self, name: str) -> str:
+        """How Value ``name`` combines over micro-batches: ``"sum"`` (Partial over the
+        samples), ``"concat"`` (split along :attr:`split_axis`), ``"keep"`` (the same in
+        every micro-batch)."""
+        if name in self.partial:
+            return "sum"
+        if name in self.split_axis:
+            return "concat"
+        return "keep"
+
+    def pretty(self) -> str:
+        lines = [f"gradient accumulation: {self.micro_batches} micro-batches of "
+                 f"{self.micro_batch_rows} rows (batch {self.batch})"]
+        for name in self.boundary:
+            lines.append(f"  {self.mode(name):<6} {name}")
+        for name in sorted(self.prologue):
+            lines.append(f"  whole  {name} (summed over the micro-batches before the step)")
+        return "\n".join(lines)
+
+
+def micro_batch_context(ctx: dict, axis: int | None, micro_batches: int, m: int) -> dict:
+    """The kernel context of a random op for micro-batch ``m``: its ``out_global_shape``
+    (a micro-batch's global tensor) grown to the full batch along ``axis`` and its
+    ``out_slices`` moved to micro-batch ``m``'s rows. Unchanged when the op's result does
+    not carry samples (``axis`` None)."""
+    if axis is None or "out_global_shape" not in ctx:
+        return ctx
+    shape = list(ctx["out_global_shape"])
+    rows = shape[axis]
+    shape[axis] = rows * micro_batches
+    slices = list(ctx.get("out_slices") or tuple(slice(0, n) for n in ctx["out_global_shape"]))
+    s = slices[axis]
+    slices[axis] = slice(s.start + m * rows, s.stop + m * rows)
+    return {**ctx, "out_global_shape": tuple(shape), "out_slices": tuple(slices)}
+
+
+def split_micro_batches(built, micro_batches: int):
+    """``(micro-batch BuiltProgram, Accumulation)`` for ``built`` split into
+    ``micro_batches`` micro-batches (see the module docstring). Pure."""
+    m = int(micro_batches)
+    program = built.program
+    feeds = [program.values[n] for n in built.feed_names]
+    if not feeds:
+        raise PlanError("micro-batching splits the batch of the program's inputs, but this "
+                        "program has none")
+    batch = feeds[0].shape[0] if feeds[0].shape else None
+    for v in feeds:
+        if not v.shape or v.shape[0] != batch or batch % m:
+            raise PlanError(f"Strategy(micro_batches={m}) splits dim 0 of every input into "
+                            f"{m} micro-batches, but input {v.name} has shape "
+                            f"{list(v.shape)} (inputs: "
+                            f"{', '.join(f'{f.name}{list(f.shape)}' for f in feeds)}); use a "
+                            f"batch size divisible by {m}")
+    analysed = _analyse(program, feeds, m)
+    split_axis = {}
+    for v in analysed.values.values():
+        spec = v.dist_attr.spec
+        for i in range(spec.ndim):
+            if MB_DIM in spec.entry(i):
+                split_axis[v.name] = i
+    partial, prologue = _sums_over_samples(analysed, split_axis, _feed_only(analysed))
+    boundary = _boundary(analysed, built)
+    for name in boundary:
+        if name in split_axis and name not in built.output_names:
+            raise PlanError(f"the update reads {name} {list(program.values[name].shape)}, "
+                            f"which holds one row per sample (dim {split_axis[name]}); "
+                            f"gradient accumulation can only carry sums over the batch "
+                            f"into the update; use micro_batches=1")
+    mb_program = _micro_batch_program(program, analysed)
+    made, skipped = _prologue_ops(analysed, prologue, boundary)
+    accumulation = Accumulation(m, batch, MappingProxyType(split_axis), frozenset(partial),
+                                tuple(boundary), frozenset(prologue), made, skipped)
+    return dataclasses.replace(built, program=mb_program), accumulation
+
+
+def _analyse(program, feeds, m):
+    """A copy of ``program``, without annotations, completed on the virtual mesh of
+    ``m`` micro-batches with every feed split along dim 0."""
+    mesh = ProcessMesh(list(range(m)), dim_names=[MB_DIM])
+    copy = program.clone()
+    for v in copy.values.values():
+        v.annotation = None
+    for op in copy.ops:
+        op.annotation = None
+    for v in feeds:
+        copy.values[v.name].annotation = DistAttr(
+            mesh, ShardSpec([MB_DIM] + [None] * (len(v.shape) - 1)))
+    try:
+        complete(copy, default_mesh=mesh)
+    except ShardingError as e:
+        raise PlanError(f"cannot split the batch into {m} micro-batches: {e}") from None
+    return copy
+
+
+# Ops that are linear in their one tensor operand: applied to one micro-batch's share
+# of a sum over the samples they give its share of the result (the mean's scale after
+# the sum of a loss; slice_grad on the gradient of a sliced parameter).
+_LINEAR_UNARY = ("scale", "neg", "reshape", "transpose", "sum", "slice", "slice_grad",
+                 "broadcast_to")
+
+
+def _linear_in_sums(op, sum_inputs, sample_free) -> bool:
+    """Whether ``op`` maps shares of sums to shares of its results: linear in the
+    operands at ``sum_inputs``, its other operands the same for every micro-batch."""
+    others = [v for i, v in enumerate(op.inputs) if i not in sum_inputs]
+    if op.type in _LINEAR_UNARY:
+        return len(op.inputs) == 1 and not (op.type == "scale" and op.attrs.get("bias", 0.0))
+    if op.type in ("add", "subtract"):
+        return not others
+    if op.type in ("multiply", "matmul") or (op.type == "divide" and sum_inputs == [0]):
+        return len(sum_inputs) == 1 and all(sample_free(v.name) for v in others)
+    return False
+
+
+def _sums_over_samples(analysed, split_axis, feed_only) -> tuple[set, set]:
+    """(sums, prologue). Sums over the samples: Values Partial over ``mb``, and the
+    results of linear ops on them (completion reduces a Partial operand before any op
+    consumes it; within one micro-batch that is impossible, and for a linear op
+    needless). A sum that an op needs whole and that only the feeds make (in
+    ``feed_only``) goes to the prologue. Any other op that consumes a Value in another
+    layout over the micro-batches than it is made in would move samples between
+    micro-batches: a PlanError naming it."""
+    sums = {v.name for v in analysed.values.values() if MB_DIM in v.dist_attr.spec.partial}
+    prologue: set = set()
+    shared: set = set()        # sums a linear op passed on as shares
+
+    def sample_free(name):
+        return name not in sums and name not in split_axis
+
+    for k, op in enumerate(analysed.ops):
+        if op.role == "optimize":
+            continue
+        summed = [i for i, v in enumerate(op.inputs) if v.name in sums]
+        if summed and _linear_in_sums(op, summed, sample_free):
+            sums.update(o.name for o in op.outputs)
+            shared.update(op.inputs[i].name for i in summed)
+            continue
+        whole = [i for i in summed if op.inputs[i].name in feed_only]
+        for i in whole:
+            name = op.inputs[i].name
+            if name in shared:
+                raise PlanError(f"op #{k} '{op.type}' ({op.layer or 'top level'}) needs the "
+                                f"whole batch's {name}, which other ops take per "
+                                f"micro-batch; the batch cannot be split into micro-batches; "
+                                f"use micro_batches=1")
+            sums.discard(name)
+            prologue.add(name)
+        for i, v in enumerate(op.inputs):
+            if i in whole:
+                continue
+            want = op.dist_attr.input_specs[i]
+            if i in summed or want != v.dist_attr.spec:
+                made = "a sum over the samples" if i in summed else str(v.dist_attr.spec)
+                raise PlanError(f"op #{k} '{op.type}' ({op.layer or 'top level'}) needs "
+                                f"{v.name} {list(v.shape)} laid out as {want} over the "
+                                f"micro-batches but it is made as {made}: the op mixes "
+                                f"samples across the batch, so the batch cannot be split "
+                                f"into micro-batches; use micro_batches=1")
+    return sums, prologue
+
+
+def _feed_only(analysed) -> set:
+    """Values that only the feeds (and constants) make, by forward ops that draw no
+    random numbers and whose distributed form does not communicate."""
+    made = {v.name for v in analysed.inputs}
+    for op in analysed.ops:
+        opdef = get_op(op.type)
+        if (op.role in ("forward", "loss") and op.type != "dropout" and opdef.comm is None
+                and all(v.name in made for v in op.inputs)):
+            made.update(o.name for o in op.outputs)
+    return made
+
+
+def _prologue_ops(analysed, prologue, boundary) -> tuple[frozenset, frozenset]:
+    """(Values the prologue's ops make, Values whose ops the micro-batches skip): the
+    prologue runs every op the prologue's sums come from; the micro-batches skip the ops
+    that make those sums, and ops whose results only skipped ops read."""
+    if not prologue:
+        return frozenset(), frozenset()
+    producer = {o.name: op for op in analysed.ops for o in op.outputs}
+    made: set = set()
+    todo = list(prologue)
+    while todo:
+        op = producer.get(todo.pop())
+        if op is None or op.outputs[0].name in made:
+            continue
+        made.update(o.name for o in op.outputs)
+        todo.extend(v.name for v in op.inputs)
+    consumers = analysed.consumers()
+    skipped = set(prologue)
+    for op in reversed(analysed.ops):
+        outs = [o.name for o in op.outputs]
+        if not outs or not set(outs) <= made or set(outs) & set(boundary):
+            continue
+        if all(c.outputs and {o.name for o in c.outputs} <= skipped
+               for n in outs for c in consumers.get(n, ())):
+            skipped.update(outs)
+    return frozenset(made), frozenset(skipped)
+
+
+def _boundary(analysed, built) -> list:
+    """Values made before the update and read by it, then the fetched ones, in order."""
+    made_by = {o.name: op.role for op in analysed.ops for o in op.outputs}
+    names: list = []
+    for op in analysed.ops:
+        if op.role != "optimize":
+            continue
+        for v in op.inputs:
+            if made_by.get(v.name, "optimize") != "optimize" and v.name not in names:
+                names.append(v.name)
+    fetched = [built.loss_name] if built.loss_name else list(built.output_names)
+    for name in fetched:
+        if name not in names:
+            names.append(name)
+    return names
+
+
+def _micro_batch_program(program, analysed):
+    """A copy of ``program`` (annotations kept) on micro-batch shapes, with the shape
+    attributes its ops take on micro-batch 0 (the same for every micro-batch)."""
+    local = partition(analysed, 0)
+    if len(local.program.ops) != len(program.ops):
+        raise PlanError("internal error: the micro-batch partition lost ops; please report it")
+    out = program.clone()
+    for v in out.values.values():
+        v.shape = analysed.values[v.name].dist_attr.local_shape(v.shape)
+    for k, (op, lop) in enumerate(zip(out.ops, local.program.ops)):
+        op.attrs = dict(lop.attrs)
+        _check_shapes(k, op)
+    return out
+
+
+def _check_shapes(k, op) -> None:
+    """The op's own shape inference on micro-batch operands must give the micro-batch
+    shapes of its results (an attribute that hard-codes the batch would not)."""
+    opdef = get_op(op.type)
+    ins = [TensorType(tuple(v.shape), v.dtype) for v in op.inputs]
+    try:
+        got = opdef.infer(*ins, **op.attrs)
+    except Exception as e:   # noqa: BLE001 - any inference failure is reported as a plan error
+        got = e
+    if isinstance(got, TensorType):
+        got = (got,)
+    want = tuple(tuple(o.shape) for o in op.outputs)
+    if isinstance(got, Exception) or tuple(tuple(t.shape) for t in got) != want:
+        raise PlanError(f"op #{k} '{op.type}' ({op.layer or 'top level'}) cannot run on a "
+                        f"micro-batch: on operands "
+                        f"{[list(v.shape) for v in op.inputs]} it gives "
+                        f"{got if isinstance(got, Exception) else [list(t.shape) for t in got]}"
+                        f", not {[list(s) for s in want]} (an attribute fixes the batch "
+                        f"size); use micro_batches=1")

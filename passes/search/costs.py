@@ -1,0 +1,141 @@
+"""What the intra-op search charges: the cost model of :mod:`distgraph.passes.estimate`,
+applied to one strategy, one reshard or one tensor before any plan exists.
+
+- an op's strategy: ``op_time`` on its local shapes (and its local attributes, as the
+  partitioned op will have them) on the mesh's device, plus its own collectives on the
+  worst ring of the mesh (as the estimate charges them);
+- a reshard between two layouts of a Value: ``plan_reshard``'s steps, each
+  ``step_time`` on the links of the devices of its mesh dim's group;
+- memory: a strategy's local result bytes.
+
+A process of the mesh stands for all: every process of one SPMD mesh runs the same
+local program. Results are cached by signature, so the identical blocks of a
+transformer cost one computation each.
+
+Example::
+
+    costs = SearchCosts(cluster, mesh, {0: 0, 1: 1})
+    costs.reshard(ShardSpec(["x", None]), ShardSpec([None, None]), (8, 4), "float32")
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from distgraph import dtypes
+from distgraph.registry import LocalSite, TensorType, get_op
+from distgraph.passes.estimate import (feed_time, op_collective_time, op_time, ring_links,
+                                       step_time)
+from distgraph.passes.reshard import plan_reshard
+from distgraph.placement import DistAttr, ShardSpec
+
+
+class SearchCosts:
+    """Seconds and bytes of strategies on ``mesh``, whose process p runs on device
+    ``device_of[p]`` of ``cluster``."""
+
+    def __init__(self, cluster, mesh, device_of: dict):
+        self.cluster, self.mesh, self.device_of = cluster, mesh, dict(device_of)
+        self.pid = mesh.process_ids[0]
+        self.device = cluster.device(self.device_of[self.pid])
+        self.op_ring = ring_links(cluster, [self.device_of[p] for p in mesh.process_ids])
+        self._ops: dict = {}
+        self._reshards: dict = {}
+        self._matrices: dict = {}
+
+    def op(self, op, strategies) -> tuple[np.ndarray, np.ndarray]:
+        """(compute seconds, own-collective seconds) of each strategy of ``op``."""
+        key = (op.type, tuple(tuple(v.shape) for v in op.inputs),
+               tuple(tuple(o.shape) for o in op.outputs), tuple(v.dtype for v in op.inputs),
+               repr(sorted(op.attrs.items())), tuple(s.name for s in strategies))
+        if key not in self._ops:
+            compute = np.array([self._compute(op, s) for s in strategies])
+            comm = np.array([sum(op_collective_time(kind, n, b, self.op_ring, self.device)
+                                 for kind, n, b in s.comm) for s in strategies])
+            self._ops[key] = (compute, comm)
+        return self._ops[key]
+
+    def _compute(self, op, s) -> float:
+        attrs = op.attrs
+        opdef = get_op(op.type)
+        if opdef.localize is not None:
+            site = LocalSite(self.pid, tuple(v.shape for v in op.inputs),
+                             tuple(DistAttr(self.mesh, x) for x in s.in_specs),
+                             tuple(o.shape for o in op.outputs),
+                             tuple(DistAttr(self.mesh, x) for x in s.out_specs),
+                             tuple(v.dtype for v in op.inputs))
+            attrs, _ = opdef.localize(dict(attrs), site)
+        ins = [TensorType(shape, v.dtype) for shape, v in zip(s.in_local_shapes, op.inputs)]
+        outs = [TensorType(shape, o.dtype) for shape, o in zip(s.out_local_shapes, op.outputs)]
+        return op_time(op.type, ins, outs, attrs, self.device)
+
+    def feed(self, local_shape, dtype: str) -> float:
+        """Seconds for a process to copy in its ``local_shape`` part of a feed."""
+        return feed_time(local_bytes([local_shape], [dtype]), self.device)
+
+    def reshard(self, src: ShardSpec, dst: ShardSpec, shape, dtype: str) -> float:
+        """Seconds to turn ``src`` into ``dst`` (both on the mesh), 0 when equal."""
+        if src == dst:
+            return 0.0
+        key = (src, dst, tuple(shape), dtype)
+        if key not in self._reshards:
+            steps = plan_reshard(DistAttr(self.mesh, src), DistAttr(self.mesh, dst),
+                                 tuple(shape), dtype)
+            self._reshards[key] = sum(step_time(s, self.pid, self.cluster, self.device_of.get)
+                                      for s in steps)
+        return self._reshards[key]
+
+    def matrix(self, made: tuple, wanted: tuple, shape, dtype: str) -> np.ndarray:
+        """R[i][j]: seconds from layout ``made[i]`` to ``wanted[j]``."""
+        key = (made, wanted, tuple(shape), dtype)
+        if key not in self._matrices:
+            rows, row_of = _unique(made)
+            cols, col_of = _unique(wanted)
+            small = np.array([[self.reshard(a, b, shape, dtype) for b in cols] for a in rows])
+            self._matrices[key] = small[np.ix_(row_of, col_of)]
+        return self._matrices[key]
+
+    def settle(self, spec: ShardSpec, value) -> float:
+        """Seconds to settle ``spec``'s pending sum (an all-reduce, or a reduce-scatter
+        onto an unsplit dim its mesh dim divides, whichever is cheaper); 0 if none."""
+        if not spec.partial:
+            return 0.0
+        ways = [ShardSpec(spec.dims)]
+        if len(spec.partial) == 1:
+            (m,) = spec.partial
+            size = self.mesh.dim_size(m)
+            for d, (entry, n) in enumerate(zip(spec.dims, value.shape)):
+                if entry is None and n % size == 0:
+                    ways.append(ShardSpec(spec.dims[:d] + (m,) + spec.dims[d + 1:]))
+        return min(self.reshard(spec, w, value.shape, value.dtype) for w in ways)
+
+    def gather(self, spec: ShardSpec, value, world) -> float:
+        """Seconds to bring ``value`` (laid out ``spec`` on the mesh) whole to every
+        process of ``world`` (``partition.world_mesh``: how the runtime fetches the loss)."""
+        src = DistAttr(self.mesh, spec)
+        dst = DistAttr(world, ShardSpec.replicated(len(value.shape)))
+        if src == dst:
+            return 0.0
+        steps = plan_reshard(src, dst, tuple(value.shape), value.dtype)
+        return sum(step_time(s, self.pid, self.cluster, self.device_of.get) for s in steps)
+
+
+def local_bytes(shapes, dtype_names) -> int:
+    """Bytes of local shards of ``shapes`` with those dtypes."""
+    total = 0
+    for shape, dtype in zip(shapes, dtype_names):
+        n = 1
+        for d in shape:
+            n *= d
+        total += n * dtypes.itemsize(dtype)
+    return total
+
+
+def _unique(specs: tuple):
+    index: dict = {}
+    order = []
+    for s in specs:
+        if s not in index:
+            index[s] = len(order)
+            order.append(s)
+    return order, np.array([index[s] for s in specs], dtype=np.intp)

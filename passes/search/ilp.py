@@ -1,0 +1,409 @@
+"""Alpa's intra-op sharding ILP (seed 000, §4), solved with SCIP through pyscipopt.
+(The model is built with pyscipopt directly: cvxpy as a modelling layer added its own
+compile step on top and hid SCIP's status, gap and time limit, so it is not used.)
+
+:func:`solve` picks one strategy per node of a :class:`ShardingProblem` (see
+:mod:`distgraph.passes.search.ilp_problem` for its fields), minimising
+
+    sum_v (compute[v][c_v] + comm[v][c_v])  +  sum over edges (u, v, R) of R[c_u][c_v]
+
+subject to the aliases, follow and share ties, and, with a ``memory_budget``, the summed
+memory of every liveness set. It returns a :class:`Solution`; when no choice fits the
+budget it raises ``PlanError`` naming the smallest peak memory that any choice reaches.
+
+The model (legend: the single-letter names below are used in this module only)::
+
+    s[c][i]   binary: tie class c (the nodes tied by follow/share) takes strategy i;
+              sum_i s[c][i] == 1
+    e[a][b]   continuous in [0, 1], one per allowed entry of an edge's matrix; it
+              linearises s[u][i] * s[v][j] (Alpa's edge variables) through both marginals:
+              sum_b e[a][b] == sum_{i in row group a} s[u][i],
+              sum_a e[a][b] == sum_{j in column group b} s[v][j].
+              With one-hot s the marginals admit exactly one e, the outer product, so e
+              needs no integrality; this is also tighter than Alpa's e <= s rows.
+    R, V      an edge's resharding-cost matrix, an alias's forbidden-pair matrix
+    m[t]      continuous: memory live at liveness step t, as a running sum
+              m[t] == m[t-1] + memory of the nodes entering at t - of those leaving;
+              m[t] <= budget. A node live over an interval appears in two rows, not in
+              every row of its interval, so the model stays linear in program size.
+    z         the peak, max_t m[t]; minimised only to name the smallest peak
+
+Reductions before the model is built (each exact, so the optimum is unchanged):
+
+1. Nodes tied by ``follow`` or ``share`` collapse into one class; their costs add, and
+   edges between two classes add up (an edge inside a class adds its diagonal).
+2. A matrix of the form a[i] + b[j] (a constant or zero one included) moves into the
+   node costs and needs no e.
+3. Identical rows (columns) of a matrix share one row (column) group of e: strategies
+   that present the same layout to this edge.
+
+Sharing one transformer block's choice across identical blocks (``share``) is step 1:
+the model is one block's size, with the blocks' boundary edges as edges inside it.
+
+Example::
+
+    >>> p = ShardingProblem([2, 2], compute=[[1, 2], [3, 1]], comm=[[0, 0], [0, 0]],
+    ...                     memory=[[1, 1], [1, 1]], edges=[(0, 1, [[0, 5], [5, 0]])])
+    >>> sol = solve(p, time_limit=10)
+    >>> sol.choice, sol.objective, sol.status       # 2 + 1 + R[1][1] = 3
+    ((1, 1), 3.0, 'optimal')
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import numpy as np
+from pyscipopt import Model, quicksum
+
+from distgraph.errors import PlanError
+from distgraph.passes.search.ilp_problem import ShardingProblem, evaluate, peak_memory
+
+__all__ = ["ShardingProblem", "Solution", "evaluate", "peak_memory", "solve"]
+
+CONFLICT = ("the sharding problem has no allowed choice, whatever the memory: its aliases "
+            "and forbidden (inf) strategies and pairs contradict each other along a chain of "
+            "nodes; check the aliases of tied (follow/share) nodes")
+
+
+@dataclass(frozen=True)
+class Solution:
+    """A solver's answer.
+
+    ``choice``: strategy index per node; ``objective``: its cost (recomputed on the
+    problem); ``status``: "optimal" or "time_limit" (the best choice found in time);
+    ``gap``: SCIP's relative gap between that choice and its lower bound (0 when
+    optimal); ``solve_time``: seconds in :func:`solve`, model building included;
+    ``peak_memory``: the largest liveness-set memory of the choice (0 without liveness);
+    ``variables`` / ``constraints``: the size of the model SCIP solved.
+    """
+
+    choice: tuple[int, ...]
+    objective: float
+    status: str
+    gap: float
+    solve_time: float
+    peak_memory: float
+    variables: int
+    constraints: int
+
+    def __str__(self):
+        return (f"{self.status}: objective {self.objective:.6g}, gap {self.gap:.3g}, peak "
+                f"memory {self.peak_memory:.6g}, {self.solve_time:.3g} s, {self.variables} "
+                f"variables, {self.constraints} constraints")
+
+
+@dataclass
+class _Pair:
+    """An interaction between two classes after reduction: compressed matrix and groups."""
+
+    u: int
+    v: int
+    cost: np.ndarray        # (row groups, column groups); inf = forbidden
+    rows: np.ndarray        # group of each strategy of u
+    cols: np.ndarray        # group of each strategy of v
+
+
+@dataclass
+class _Reduced:
+    cls: np.ndarray                      # class of each node
+    cost: list[np.ndarray]               # per class, per strategy; inf = forbidden
+    pairs: list[_Pair]
+    steps: list[dict[int, np.ndarray]]   # liveness: per changing step, class -> delta
+    memory: list[np.ndarray]             # per class, per strategy: members' memory summed
+
+
+def _classes(p: ShardingProblem) -> np.ndarray:
+    parent = list(range(p.n))
+
+    def root(v):
+        while parent[v] != v:
+            parent[v] = parent[parent[v]]
+            v = parent[v]
+        return v
+
+    ties = [(i, j) for i, j in enumerate(p.follow) if j != -1]
+    ties += [(g[0], v) for g in p.share for v in g[1:]]
+    for i, j in ties:
+        a, b = root(i), root(j)
+        if a != b:
+            parent[max(a, b)] = min(a, b)
+    roots = [root(v) for v in range(p.n)]
+    index = {r: c for c, r in enumerate(sorted(set(roots)))}
+    return np.array([index[r] for r in roots], dtype=np.intp)
+
+
+def _reduce(p: ShardingProblem) -> _Reduced:
+    cls = _classes(p)
+    ncls = int(cls.max()) + 1 if p.n else 0
+    cost = [None] * ncls
+    for v in range(p.n):
+        c = cls[v]
+        node = p.compute[v] + p.comm[v]
+        cost[c] = node.copy() if cost[c] is None else cost[c] + node
+    mats: dict[tuple[int, int], np.ndarray] = {}
+
+    def oriented(u, v, mat):
+        cu, cv = int(cls[u]), int(cls[v])
+        if cu == cv:
+            return cu, None
+        key = (cu, cv) if cu < cv else (cv, cu)
+        if key not in mats:
+            mats[key] = np.zeros((len(cost[key[0]]), len(cost[key[1]])))
+        return key, (mat if cu < cv else mat.T)
+
+    for u, v, mat in p.edges:
+        key, m = oriented(u, v, mat)
+        if m is None:
+            cost[key] = cost[key] + np.diag(mat)
+        else:
+            mats[key] += m
+    for u, v, forbid in p.aliases:
+        key, m = oriented(u, v, forbid)
+        if m is None:
+            cost[key] = np.where(np.diag(forbid), np.inf, cost[key])
+        else:
+            mats[key] = np.where(m, np.inf, mats[key])
+    pairs = []
+    for (cu, cv), mat in mats.items():
+        if np.isfinite(mat).all():
+            a, b = mat[:, 0], mat[0, :] - mat[0, 0]
+            scale = max(1.0, float(np.abs(mat).max()))
+            if np.allclose(mat, a[:, None] + b[None, :], rtol=0, atol=1e-12 * scale):
+                cost[cu], cost[cv] = cost[cu] + a, cost[cv] + b
+                continue
+        uniq, rows = np.unique(mat, axis=0, return_inverse=True)
+        uniq, cols = np.unique(uniq, axis=1, return_inverse=True)
+        pairs.append(_Pair(cu, cv, uniq, rows.reshape(-1), cols.reshape(-1)))
+    memory = [np.zeros(len(c)) for c in cost]
+    for v in range(p.n):
+        memory[cls[v]] = memory[cls[v]] + p.memory[v]
+    return _Reduced(cls, cost, pairs, _memory_steps(p, cls), memory)
+
+
+def _memory_steps(p: ShardingProblem, cls: np.ndarray) -> list[dict[int, np.ndarray]]:
+    steps, previous = [], set()
+    for live in p.liveness:
+        current = set(live)
+        delta: dict[int, np.ndarray] = {}
+        for sign, nodes in ((1.0, current - previous), (-1.0, previous - current)):
+            for v in nodes:
+                c = int(cls[v])
+                delta[c] = delta.get(c, 0.0) + sign * p.memory[v]
+        delta = {c: d for c, d in delta.items() if np.any(d)}
+        if delta:        # an unchanged level needs no new row
+            steps.append(delta)
+        previous = current
+    return steps
+
+
+class _Model:
+    """The SCIP model of a reduced problem, either minimising cost or the peak memory."""
+
+    def __init__(self, red: _Reduced, budget: float | None, minimise_peak: bool):
+        self.red = red
+        self.scip = scip = Model()
+        scip.hideOutput()
+        weight = 0.0 if minimise_peak else 1.0
+        self.s = []
+        for costs in red.cost:
+            row = [scip.addVar(vtype="B", ub=0.0 if math.isinf(x) else 1.0,
+                               obj=0.0 if math.isinf(x) else weight * float(x)) for x in costs]
+            scip.addCons(quicksum(row) == 1)
+            self.s.append(row)
+        self.e = [self._pair(pair, weight) for pair in red.pairs]
+        m_prev = None
+        ub = budget if budget is not None and not minimise_peak else None
+        self.z = z = scip.addVar(lb=0.0, obj=1.0) if minimise_peak else None
+        self.m = []
+        for delta in red.steps:
+            m = scip.addVar(lb=0.0, ub=ub)
+            self.m.append(m)
+            terms = [(-1.0, m)] if m_prev is None else [(-1.0, m), (1.0, m_prev)]
+            for c, coefs in delta.items():
+                terms += [(float(coef), self.s[c][i]) for i, coef in enumerate(coefs) if coef]
+            scip.addCons(quicksum(coef * x for coef, x in terms) == 0)
+            if z is not None:
+                scip.addCons(z - m >= 0)
+            m_prev = m
+
+    def _pair(self, pair: _Pair, weight: float) -> dict:
+        scip, su, sv = self.scip, self.s[pair.u], self.s[pair.v]
+        nrow, ncol = pair.cost.shape
+        # Each marginal row: sum of its e minus the s of its strategy group == 0.
+        row_e = [[] for _ in range(nrow)]
+        col_e = [[] for _ in range(ncol)]
+        e_of = {}
+        for a, b in zip(*np.nonzero(np.isfinite(pair.cost))):
+            e = e_of[a, b] = scip.addVar(lb=0.0, ub=1.0, obj=weight * float(pair.cost[a, b]))
+            row_e[a].append(e)
+            col_e[b].append(e)
+        for es, group, s in [(row_e[a], pair.rows == a, su) for a in range(nrow)] + \
+                [(col_e[b], pair.cols == b, sv) for b in range(ncol)]:
+            scip.addCons(quicksum(es) - quicksum(s[i] for i in np.flatnonzero(group)) == 0)
+        return e_of
+
+    def warm_start(self, per_class: list[int]) -> None:
+        """Offer SCIP a starting choice; it keeps it only if it is feasible."""
+        scip, red = self.scip, self.red
+        sol = scip.createSol()
+        for c, row in enumerate(self.s):
+            for i, x in enumerate(row):
+                scip.setSolVal(sol, x, float(i == per_class[c]))
+        for pair, e_of in zip(red.pairs, self.e):
+            key = (pair.rows[per_class[pair.u]], pair.cols[per_class[pair.v]])
+            if key not in e_of:
+                scip.freeSol(sol)
+                return
+            for ab, e in e_of.items():
+                scip.setSolVal(sol, e, float(ab == key))
+        level = peak = 0.0
+        for delta, m in zip(red.steps, self.m):
+            level += sum(float(d[per_class[c]]) for c, d in delta.items())
+            peak = max(peak, level)
+            scip.setSolVal(sol, m, max(level, 0.0))
+        if self.z is not None:
+            scip.setSolVal(sol, self.z, peak)
+        scip.addSol(sol, free=True)
+
+    def run(self, deadline: float) -> str:
+        scip = self.scip
+        scip.setParam("limits/time", max(deadline - time.perf_counter(), 0.01))
+        scip.optimize()
+        return scip.getStatus()
+
+    def choice(self) -> tuple[int, ...] | None:
+        if self.scip.getNSols() == 0:
+            return None
+        sol = self.scip.getBestSol()
+        per_class = [int(np.argmax([sol[x] for x in row])) for row in self.s]
+        return tuple(per_class[c] for c in self.red.cls)
+
+    def size(self) -> tuple[int, int]:
+        return self.scip.getNVars(transformed=False), self.scip.getNConss(transformed=False)
+
+
+def _starts(red: _Reduced) -> list[list[int]]:
+    """Two starting choices for SCIP: the cheapest, and the one with the least memory."""
+    lean = [np.where(np.isinf(c), np.inf, m) for c, m in zip(red.cost, red.memory)]
+    return [_greedy(red, red.cost, edge_costs=True), _greedy(red, lean, edge_costs=False)]
+
+
+def _greedy(red: _Reduced, node_cost: list[np.ndarray], edge_costs: bool,
+            sweeps: int = 5) -> list[int]:
+    """Each class's best strategy by ``node_cost``, then a few sweeps that re-pick it given
+    its neighbours' choices (iterated conditional modes); forbidden pairs always count,
+    edge costs only with ``edge_costs``."""
+    choice = [int(np.argmin(costs)) for costs in node_cost]
+    around: list[list[_Pair]] = [[] for _ in red.cost]
+    for pair in red.pairs:
+        around[pair.u].append(pair)
+        around[pair.v].append(pair)
+    for _ in range(sweeps):
+        changed = False
+        for c, costs in enumerate(node_cost):
+            total = costs.copy()
+            for pair in around[c]:
+                mat = pair.cost if edge_costs else np.where(np.isinf(pair.cost), np.inf, 0.0)
+                if pair.u == c:
+                    total += mat[pair.rows, pair.cols[choice[pair.v]]]
+                else:
+                    total += mat[pair.rows[choice[pair.u]], pair.cols]
+            best = int(np.argmin(total))
+            if total[best] < total[choice[c]]:
+                choice[c], changed = best, True
+        if not changed:
+            break
+    return choice
+
+
+def solve(problem: ShardingProblem, time_limit: float = 60.0) -> Solution:
+    """Solve ``problem`` with SCIP within ``time_limit`` seconds (model building included).
+
+    Returns the optimal choice (``status == "optimal"``) or the best one found when time
+    runs out (``"time_limit"``, with its ``gap``). Raises ``PlanError`` when no choice
+    satisfies the constraints: for a memory budget it names the smallest peak memory any
+    choice reaches (found by minimising the peak in the time left, or in a tenth of
+    ``time_limit`` if less is left), otherwise the nodes whose forbidden strategies or
+    pairs conflict.
+    """
+    if not isinstance(problem, ShardingProblem):
+        raise PlanError(f"solve expects a ShardingProblem, got {type(problem).__name__}")
+    if isinstance(time_limit, bool) or not isinstance(time_limit, (int, float)) \
+            or not (time_limit > 0 and math.isfinite(time_limit)):
+        raise PlanError(f"solve: time_limit = {time_limit!r}; give a finite number of seconds > 0")
+    start = time.perf_counter()
+    deadline = start + time_limit
+    red = _reduce(problem)
+    _check_forbidden(problem, red)
+    model = _Model(red, problem.memory_budget, minimise_peak=False)
+    for choice in _starts(red):
+        model.warm_start(choice)
+    status = model.run(deadline)
+    choice = model.choice()
+    if status == "infeasible":
+        if problem.memory_budget is None:
+            raise PlanError(CONFLICT)
+        _raise_budget(problem, red, start, time_limit)
+    if status not in ("optimal", "timelimit"):
+        raise PlanError(f"SCIP ended with status {status!r} on the sharding problem")
+    if choice is None:
+        raise PlanError(f"SCIP found no feasible choice within time_limit = {time_limit} s; "
+                        "raise the time limit (Strategy.solver_time_limit)")
+    variables, constraints = model.size()
+    scip = model.scip
+    gap = 0.0 if status == "optimal" else float(scip.getGap())
+    if gap >= scip.infinity():     # no lower bound yet (the root LP did not finish)
+        gap = math.inf
+    return Solution(choice, evaluate(problem, choice),
+                    "optimal" if status == "optimal" else "time_limit", gap,
+                    time.perf_counter() - start, peak_memory(problem, choice), variables,
+                    constraints)
+
+
+def _check_forbidden(p: ShardingProblem, red: _Reduced) -> None:
+    """Name a node with no allowed strategy, or a pair that allows no combination."""
+    first = {int(c): v for v, c in reversed(list(enumerate(red.cls)))}
+    for c, costs in enumerate(red.cost):
+        if np.isinf(costs).all():
+            raise PlanError(f"{p.node(first[c])} has no allowed strategy: every strategy "
+                            "costs inf, or an alias/edge among nodes tied to it forbids them "
+                            "all; allow at least one")
+    for pair in red.pairs:
+        allowed = np.isfinite(pair.cost)[pair.rows][:, pair.cols]
+        allowed &= np.isfinite(red.cost[pair.u])[:, None] & np.isfinite(red.cost[pair.v])[None]
+        if not allowed.any():
+            raise PlanError(f"the aliases/edges between {p.node(first[pair.u])} and "
+                            f"{p.node(first[pair.v])} (and the nodes tied to them) forbid every "
+                            "pair of their allowed strategies; allow at least one pair")
+
+
+def _raise_budget(p: ShardingProblem, red: _Reduced, start: float, time_limit: float):
+    # Minimise the peak in the time left (at least a tenth of the limit), so the message
+    # can say what budget would work.
+    deadline = max(start + time_limit, time.perf_counter() + 0.1 * time_limit)
+    model = _Model(red, None, minimise_peak=True)
+    for choice in _starts(red):
+        model.warm_start(choice)
+    status = model.run(deadline)
+    choice = model.choice()
+    budget = f"memory_budget = {p.memory_budget:g}"
+    if status == "infeasible":
+        raise PlanError(CONFLICT)
+    if choice is None:
+        raise PlanError(f"no sharding choice fits {budget}, and none was found in the time "
+                        "limit to name the smallest peak; raise the budget or the time limit")
+    peak = peak_memory(p, choice)
+    if status == "optimal":
+        err = PlanError(f"no sharding choice fits {budget}: the smallest peak memory any "
+                        f"choice reaches is {peak:g}; raise the budget to at least that, or "
+                        "add cheaper-memory strategies (e.g. more sharding)")
+    else:
+        bound = model.scip.getDualbound()
+        err = PlanError(f"no sharding choice fits {budget}: the smallest peak memory found "
+                        f"within the time limit is {peak:g} (none is below {bound:g}); raise "
+                        "the budget")
+    err.smallest_peak = peak          # for callers that speak other units
+    raise err

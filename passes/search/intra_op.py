@@ -1,0 +1,361 @@
+"""The intra-op search (Alpa, seed 000 §4): one strategy per op and source tensor of a
+training program on one ProcessMesh, chosen by the ILP of :mod:`distgraph.passes.search.ilp`
+(SCIP) on the costs of :mod:`distgraph.passes.search.costs`.
+
+**The whole training graph is searched** — forward, loss, backward and update ops — as
+Alpa does: the backward holds two thirds of the FLOPs and all of the gradient traffic
+(data parallelism costs exactly the reshard from a Partial gradient to the layout its
+update wants), which a forward-only search could only guess. Backward ops are free to
+differ from their forward op; the resharding edges price what that costs.
+
+The problem (:class:`~distgraph.passes.search.ilp_problem.ShardingProblem`):
+
+- **nodes**: :class:`~distgraph.passes.search.space.SearchSpace` (ops and source Values;
+  light ops follow their deepest operand);
+- **node costs**: an op strategy's compute and own collectives, times the op's
+  ``weights`` (a micro-batched program's forward and backward run once per micro-batch);
+  a feed's layout costs the copy of its local part; the fetched loss pays its gather,
+  as the runtime does;
+- **stage outputs** (a search of part of the program): a Partial result that ops
+  outside read is settled first, at the cost of its cheapest settlement;
+- **edges**: per operand of an op, the reshard seconds from each layout its producer may
+  make to each layout the op may consume (an op reading one Value twice pays once);
+- **aliases**: an update's write-back (``alias_of``) must be laid out as the parameter
+  or state it replaces, so no write-back reshard is ever planned (tied by index where
+  the source follows its update, an alias constraint where it is annotated);
+- **sharing**: the interior blocks of ``blocks`` (repeated layers such as the
+  TransformerBlocks, checked identical op by op) take one strategy per position, with
+  their boundary edges in the problem; the first and last block stay free;
+- **memory** (with ``memory_budget`` bytes): every live result at each op of the
+  program order (parameters and states always) within the budget. Reshard buffers are
+  not counted (they depend on two choices): the planner checks the budget against the
+  estimate and searches again with less (:mod:`distgraph.passes.search.auto`).
+
+The objective is then the estimate (:func:`distgraph.passes.estimate`) of the plan the
+choice makes, except that a Value resharded to one layout for several consumers is
+resharded once by the partitioner but charged per consumer here: objective = estimated
+step time + the seconds of those repeated reshards (tests check this relation). The
+estimate takes the busiest process; the search prices one process of the mesh for all,
+so the two agree where the mesh's links are uniform per dim.
+
+Example::
+
+    result = search(program, mesh, cluster, {p: p for p in mesh.process_ids})
+    print(result.report)
+    result.annotate(program)          # hard constraints for completion
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from distgraph.annotation import OpAnnotation
+from distgraph.errors import PlanError
+from distgraph.mesh import ProcessMesh
+from distgraph.passes.estimate import fmt_bytes
+from distgraph.passes.search.costs import SearchCosts, local_bytes
+from distgraph.passes.search.ilp import solve
+from distgraph.passes.search.ilp_problem import ShardingProblem
+from distgraph.passes.search.space import SearchSpace
+from distgraph.placement import DistAttr
+
+
+@dataclass(frozen=True)
+class SearchReport:
+    """What the search did: the mesh, the solver's status, objective (s), gap and solve
+    time, the time spent building the problem, the problem's size, how many blocks
+    shared one strategy, the memory budget (bytes, or None) and the peak the ILP sees,
+    and the chosen layouts (``layouts``: (layer, what, strategy, role) of every
+    parameter and every op that chose freely). ``str`` summarises them per layer:
+    parameters and forward ops; ``to_dict`` lists them all."""
+
+    mesh: ProcessMesh
+    status: str
+    objective: float
+    gap: float
+    solve_time: float
+    build_time: float
+    nodes: int
+    free_nodes: int
+    shared_blocks: int
+    variables: int
+    constraints: int
+    memory_budget: float | None
+    peak_memory: float
+    layouts: tuple
+
+    def __str__(self) -> str:
+        budget = "none" if self.memory_budget is None else fmt_bytes(self.memory_budget)
+        lines = [f"search on {self.mesh}: {self.status}, objective "
+                 f"{self.objective * 1e3:.4f} ms, gap {self.gap:.3g}, solved in "
+                 f"{self.solve_time:.2f} s (problem built in {self.build_time:.2f} s)",
+                 f"  {self.nodes} nodes ({self.free_nodes} choosing freely, the rest following "
+                 f"an operand), {self.shared_blocks} blocks sharing one choice, "
+                 f"{self.variables} variables, {self.constraints} constraints; memory "
+                 f"budget {budget}"]
+        current, hidden = None, 0
+        for layer, what, name, role in self.layouts:
+            if role not in ("parameter", "forward", "loss"):
+                hidden += 1
+                continue
+            if layer != current:
+                lines.append(f"  {layer or '(model)'}:")
+                current = layer
+            lines.append(f"    {what}: {name}")
+        if hidden:
+            lines.append(f"  ({hidden} backward and update ops chose freely too; "
+                         "Plan.to_json() lists them)")
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict:
+        return {"mesh": {"process_ids": list(self.mesh.process_ids),
+                         "shape": list(self.mesh.shape),
+                         "dim_names": list(self.mesh.dim_names)},
+                "status": self.status, "objective": self.objective, "gap": self.gap,
+                "solve_time": self.solve_time, "build_time": self.build_time,
+                "nodes": self.nodes, "free_nodes": self.free_nodes,
+                "shared_blocks": self.shared_blocks, "variables": self.variables,
+                "constraints": self.constraints, "memory_budget": self.memory_budget,
+                "peak_memory": self.peak_memory,
+                "layouts": [list(x) for x in self.layouts]}
+
+
+@dataclass
+class SearchResult:
+    """The chosen strategy index of every node of ``space``, and the report."""
+
+    space: SearchSpace
+    choice: tuple
+    report: SearchReport
+    problem: ShardingProblem
+
+    def strategy(self, node: int):
+        return self.space.nodes[node].strategies[self.choice[node]]
+
+    def annotate(self, program, mesh: ProcessMesh | None = None) -> None:
+        """Write the choice onto ``program`` (the program the space was built on, or a
+        clone of it) as annotations: every source Value's layout, every op's consumed
+        specs (as ``shard_op`` in_specs) and produced specs. ``mesh``: a mesh of the same
+        shape and dim names to place them on instead (a stage's own processes)."""
+        mesh = mesh or self.space.mesh
+        if (mesh.shape, mesh.dim_names) != (self.space.mesh.shape, self.space.mesh.dim_names):
+            raise PlanError(f"the choice was made on {self.space.mesh}; {mesh} has another "
+                            "shape or dim names")
+        for node in self.space.nodes:
+            s = self.strategy(node.index)
+            if node.is_source:
+                if node.value not in self.space.boundary:
+                    program.values[node.value].annotation = DistAttr(mesh, s.out_specs[0])
+                continue
+            op = program.ops[node.op]
+            wanted = dict((v.name, spec) for v, spec in zip(op.inputs, s.in_specs))
+            op.annotation = OpAnnotation(mesh, tuple(wanted.items()))
+            for o, spec in zip(op.outputs, s.out_specs):
+                o.annotation = DistAttr(mesh, spec)
+
+    def check(self, program) -> None:
+        """Raise PlanError unless the completed ``program`` has the chosen layouts."""
+        for node in self.space.nodes:
+            s = self.strategy(node.index)
+            if node.value in self.space.boundary:
+                continue
+            if node.is_source:
+                got = program.values[node.value].dist_attr.spec
+                if got != s.out_specs[0]:
+                    raise PlanError(f"completion laid {node.value} out as {got}, the search "
+                                    f"chose {s.out_specs[0]}")
+                continue
+            da = program.ops[node.op].dist_attr
+            if tuple(da.input_specs) != s.in_specs or tuple(da.output_specs) != s.out_specs:
+                raise PlanError(f"completion gave op {node.label} {da}, the search chose "
+                                f"{s.name}")
+
+
+def search(program, mesh: ProcessMesh, cluster, device_of: dict, *, ops=None,
+           weights: dict | None = None, loss: str | None = None, world=None,
+           memory_budget: float | None = None, time_limit: float = 60.0,
+           blocks=(), memory: bool = False) -> SearchResult:
+    """Choose a strategy for every op (of ``ops``, default all) and source Value of
+    ``program`` on ``mesh`` (module docstring). ``device_of``: process -> device global id
+    of ``cluster``; ``weights``: op role -> times it runs per step (default 1);
+    ``loss``: the fetched Value whose gather onto ``world`` (a ProcessMesh; default the
+    mesh's processes) the runtime pays; ``memory_budget``: bytes per process;
+    ``blocks``: layer paths of repeated blocks (interior ones share a choice);
+    ``memory``: model the live memory even without a budget (the report's peak)."""
+    start = time.perf_counter()
+    space = SearchSpace(program, mesh, ops)
+    costs = SearchCosts(cluster, mesh, device_of)
+    world = world or ProcessMesh(sorted(mesh.process_ids), dim_names=["world"])
+    share = _shared_blocks(space, blocks)
+    problem = _problem(space, costs, weights or {}, loss, world, memory_budget, share,
+                       memory or memory_budget is not None)
+    build_time = time.perf_counter() - start
+    sol = solve(problem, time_limit=max(time_limit - build_time, 0.1 * time_limit))
+    layouts = _layouts(space, sol.choice)
+    report = SearchReport(mesh, sol.status, sol.objective, sol.gap, sol.solve_time, build_time,
+                          len(space.nodes), sum(1 for n in space.nodes if n.leader < 0),
+                          len(share[0]) if share else 0, sol.variables, sol.constraints,
+                          memory_budget, sol.peak_memory, layouts)
+    return SearchResult(space, sol.choice, report, problem)
+
+
+def _problem(space, costs, weights, loss, world, budget, share, live) -> ShardingProblem:
+    program, nodes = space.program, space.nodes
+    feeds = {v.name for v in program.inputs}
+    compute, comm, memory = [], [], []
+    for node in nodes:
+        k = len(node.strategies)
+        if node.is_source:
+            v = program.values[node.value]
+            feed = v.name in feeds
+            compute.append(np.array([costs.feed(s.out_local_shapes[0], v.dtype) if feed else 0.0
+                                     for s in node.strategies]) * weights.get("forward", 1))
+            comm.append(np.zeros(k))
+            memory.append(np.array([local_bytes(s.out_local_shapes, [v.dtype])
+                                    for s in node.strategies], float))
+            continue
+        op = program.ops[node.op]
+        w = weights.get(op.role, 1)
+        c, m = costs.op(op, node.strategies)
+        forbid = np.where(np.array(node.allowed), 0.0, math.inf)
+        compute.append(c * w + forbid)
+        for j, o in enumerate(op.outputs):
+            if o.name in space.leaving:     # a pending sum is settled before it leaves
+                m = m + np.array([costs.settle(s.out_specs[j], o) for s in node.strategies])
+        comm.append(m * w)
+        kept = [j for j, o in enumerate(op.outputs) if not o.alias_of]
+        memory.append(np.array([local_bytes([s.out_local_shapes[j] for j in kept],
+                                            [op.outputs[j].dtype for j in kept])
+                                for s in node.strategies], float))
+    if loss is not None and loss in space.producer:
+        u, j = space.producer[loss]
+        v = program.values[loss]
+        comm[u] = comm[u] + np.array([costs.gather(s.out_specs[j], v, world)
+                                      for s in nodes[u].strategies])
+    tied = _tie_classes(nodes, share)
+    edges, aliases = [], []
+    for node in nodes:
+        if node.is_source:
+            continue
+        op = program.ops[node.op]
+        w = weights.get(op.role, 1)
+        seen = set()
+        for i, v in enumerate(op.inputs):
+            if v.name in seen:
+                continue
+            seen.add(v.name)
+            u, j = space.producer[v.name]
+            made = tuple(s.out_specs[j] for s in nodes[u].strategies)
+            wanted = tuple(s.in_specs[i] for s in node.strategies)
+            if tied[u] == tied[node.index]:      # same class: only the diagonal is ever taken
+                mat = np.diag([costs.reshard(a, b, v.shape, v.dtype) for a, b in zip(made, wanted)])
+            else:
+                mat = costs.matrix(made, wanted, v.shape, v.dtype)
+            if mat.any():
+                edges.append((u, node.index, mat * w))
+        for j, o in enumerate(op.outputs):
+            if o.alias_of and o.alias_of in space.source_node:
+                s_node = space.source_node[o.alias_of]
+                if nodes[s_node].leader == node.index:      # already tied by index
+                    continue
+                layouts = [s.out_specs[0] for s in nodes[s_node].strategies]
+                forbid = [[s.out_specs[j] != lay for lay in layouts] for s in node.strategies]
+                aliases.append((node.index, s_node, np.array(forbid, dtype=float)))
+    liveness = _liveness(space) if live else ()
+    return ShardingProblem([len(n.strategies) for n in nodes], compute, comm, memory, edges,
+                           aliases, [n.leader for n in nodes], liveness, budget, share,
+                           [n.label for n in nodes])
+
+
+def _tie_classes(nodes, share) -> list:
+    parent = list(range(len(nodes)))
+
+    def root(v):
+        while parent[v] != v:
+            parent[v] = parent[parent[v]]
+            v = parent[v]
+        return v
+
+    ties = [(n.index, n.leader) for n in nodes if n.leader >= 0]
+    ties += [(g[0], v) for g in share for v in g[1:]]
+    for a, b in ties:
+        ra, rb = root(a), root(b)
+        if ra != rb:
+            parent[max(ra, rb)] = min(ra, rb)
+    return [root(v) for v in range(len(nodes))]
+
+
+def _shared_blocks(space, blocks) -> list:
+    """Classes of nodes at the same position of the interior ``blocks`` (empty unless
+    they are identical op by op: same types, shapes, attributes and strategies)."""
+    interior = list(blocks)[1:-1]
+    if len(interior) < 2:
+        return []
+    members = []
+    for path in interior:
+        prefix = path + "."
+        members.append([n for n in space.nodes if n.layer == path or n.layer.startswith(prefix)
+                        or (n.is_source and n.value.startswith(prefix))])
+
+    def signature(n, path):
+        if n.is_source:
+            v = space.program.values[n.value]
+            what = (n.value[len(path):], v.shape, v.dtype)
+        else:
+            op = space.program.ops[n.op]
+            what = (op.type, op.role, tuple(v.shape for v in op.inputs), repr(op.attrs))
+        return what + (tuple(s.name for s in n.strategies), n.allowed, n.hints)
+
+    first = [signature(n, interior[0]) for n in members[0]]
+    for path, nodes in zip(interior[1:], members[1:]):
+        if [signature(n, path) for n in nodes] != first:
+            return []
+    return [tuple(n.index for n in group) for group in zip(*members)]
+
+
+def _liveness(space) -> list:
+    """The nodes whose results are live at each op (program order): persistable sources
+    always, feeds until their last use, op results from their op to their last use."""
+    program, nodes = space.program, space.nodes
+    position = {k: t for t, k in enumerate(space.ops)}
+    last: dict = {}
+    for k in space.ops:
+        for v in program.ops[k].inputs:
+            last[space.producer[v.name][0]] = position[k]
+    always, starts = [], {}
+    for n in nodes:
+        if n.is_source:
+            if program.values[n.value].persistable:
+                always.append(n.index)
+                continue
+            span = (0, last.get(n.index, 0))
+        else:
+            t = position[n.op]
+            span = (t, max(t, last.get(n.index, t)))
+        starts.setdefault(span[0], []).append((span[1], n.index))
+    out, live = [], {}
+    for t in range(len(space.ops)):
+        for end, i in starts.get(t, ()):
+            live[i] = end
+        out.append(tuple(always) + tuple(live))
+        live = {i: end for i, end in live.items() if end > t}
+    return out
+
+
+def _layouts(space, choice) -> tuple:
+    """(layer, what, strategy, role) of every parameter and every freely choosing op."""
+    out = []
+    for node in space.nodes:
+        s = node.strategies[choice[node.index]]
+        if node.is_source:
+            v = space.program.values[node.value]
+            if v.is_parameter:
+                out.append((node.layer, node.value, str(s.out_specs[0]), "parameter"))
+        elif node.leader < 0:
+            out.append((node.layer, node.label, s.name, space.program.ops[node.op].role))
+    order = {layer: n for n, layer in enumerate(dict.fromkeys(x[0] for x in out))}
+    return tuple(sorted(out, key=lambda x: order[x[0]]))

@@ -1,0 +1,344 @@
+"""The nodes of the intra-op search: what each op and each source tensor may choose.
+
+A training program (forward, loss, backward and update ops: Alpa searches the whole
+training graph, see :mod:`distgraph.passes.search.intra_op`) on one ProcessMesh becomes a list of
+:class:`Node` records:
+
+- one node per **source** Value (a feed, parameter or optimizer state, or for a stage the
+  activations it receives), whose strategies are its layouts on the mesh: every mesh dim
+  of size > 1 splits one of its dims (that it divides) or none;
+- one node per **op**, whose strategies are its rule's (``OpStrategy`` records: specs
+  consumed and produced, local shapes, the op's own collectives).
+
+**Light ops follow an operand** (Alpa's graph simplification, seed 000 §4): an op that
+contracts no letter shared by two operands (elementwise, reshape, transpose, reductions,
+softmax, layer_norm, the update ops...) takes the strategy its rule answers to the
+layout of its deepest operand (the one with the longest path from the sources; the
+first on ties). Its strategy list is then one entry per strategy of that operand, in
+the same order, so that the ILP can tie the two by index (``follow``). It follows the
+deepest operand that leaves it a choice (a broadcast of a scalar, which has one layout,
+would pin the loss gradient replicated; it then chooses freely). Heavy ops (matmul,
+embedding gradients) and ops without operands choose freely.
+
+**A Partial result offers each way to settle it.** An operand that comes as a pending
+sum is resharded before a light op; which layout the op then takes is a choice (an
+all-reduce leaves it unsplit, a reduce-scatter splits a dim, as after Megatron's row-split
+matmul). So a freely choosing op lists each strategy with a Partial output once per way
+to settle it (its ``hints``: what followers are given); the copies cost the same, and
+the reshard from the true Partial layout is priced on the edge to each consumer.
+
+**A parameter follows its update.** An update writes the parameter and its states back
+in the update's layout (``alias_of``), so their sources take the update's strategy
+index: the same choices as an alias constraint, in fewer variables.
+
+**Annotations are hard constraints**: an annotated source keeps its layout, an annotated
+result is produced as annotated, a ``shard_op`` in_spec is consumed as given; an op that
+carries one chooses freely among the strategies that agree. A strategy that consumes
+one Value in two different layouts is never offered (the program names an operand's
+layout once per op).
+
+Example::
+
+    space = SearchSpace(program, mesh)
+    node = space.nodes[space.op_node[3]]
+    [s.name for s in node.strategies][:2]
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+from distgraph.errors import PlanError
+from distgraph.mesh import ProcessMesh
+from distgraph.registry import spmd_rule
+from distgraph.placement import ShardSpec
+from distgraph.spmd import LETTERS, DimsSpec, EinsumPlan, OpStrategy, RuleQuery, SpmdRuleError
+
+GB = 1e9                     # resource files give memory in GB
+MESH_DIMS = "xyzw"           # names of the dims of a mesh the search makes
+
+
+@dataclass(frozen=True)
+class Node:
+    """One choice of the search. ``op`` is the op's index in the program (None for a
+    source Value, named by ``value``); ``strategies`` are OpStrategy records (a source's
+    have one output: its layout); ``leader`` is the node whose strategy index this one
+    takes (-1: free); ``allowed[i]`` is False where strategy i is forbidden (a follower's
+    answer that consumes a Value in two layouts); ``hints[i]`` holds, per output, the
+    layout a follower is given under strategy i: the output's spec, or for a Partial
+    output one way to settle the sum (module docstring)."""
+
+    index: int
+    op: int | None
+    value: str | None
+    label: str
+    layer: str
+    strategies: tuple
+    leader: int = -1
+    allowed: tuple = ()
+    hints: tuple = ()
+
+    @property
+    def is_source(self) -> bool:
+        return self.op is None
+
+
+@dataclass
+class SearchSpace:
+    """The nodes of ``program``'s ops (or of the op indices ``ops``: a stage) on ``mesh``;
+    see the module docstring. ``op_node[k]`` / ``source_node[name]`` index :attr:`nodes`;
+    ``producer[name]`` is (node, output index) of the node that makes a Value;
+    ``boundary`` names the Values a stage receives from ops outside it (one source
+    node each, replicated: any split of it is a local slice); ``leaving`` those it
+    sends to ops outside it."""
+
+    program: object
+    mesh: ProcessMesh
+    ops: tuple = None
+    nodes: list = field(default_factory=list)
+    op_node: dict = field(default_factory=dict)
+    source_node: dict = field(default_factory=dict)
+    producer: dict = field(default_factory=dict)
+    boundary: set = field(default_factory=set)
+    leaving: set = field(default_factory=set)
+
+    def __post_init__(self):
+        whole = self.ops is None
+        self.ops = tuple(range(len(self.program.ops)) if whole else self.ops)
+        # Values a part of the program receives from ops outside it (a stage's inputs)
+        self._outside = set() if whole else \
+            {o.name for op in self.program.ops for o in op.outputs} - \
+            {o.name for k in self.ops for o in self.program.ops[k].outputs}
+        if not whole:
+            inside = set(self.ops)
+            made_here = {o.name for k in self.ops for o in self.program.ops[k].outputs}
+            self.leaving = {v.name for k, op in enumerate(self.program.ops) if k not in inside
+                            for v in op.inputs if v.name in made_here}
+        self._rules: dict = {}
+        self._followed: dict = {}
+        depth: dict = {}
+        for k in self.ops:
+            op = self.program.ops[k]
+            self._check_mesh(op)
+            for v in op.inputs:
+                if v.name not in self.producer:
+                    self._add_source(v)
+            operands = [self.producer[v.name][0] for v in op.inputs]
+            depth_of = [depth.get(n, 0) for n in operands]
+            self._add_op(k, op, operands, depth_of)
+            depth[len(self.nodes) - 1] = 1 + max(depth_of, default=0)
+            for j, o in enumerate(op.outputs):
+                self.producer[o.name] = (len(self.nodes) - 1, j)
+        self._tie_sources_to_updates()
+
+    # -- nodes ------------------------------------------------------------------------------
+    def _check_mesh(self, op) -> None:
+        annotated = [op.annotation.mesh] if op.annotation is not None else []
+        annotated += [v.annotation.mesh for v in op.inputs + op.outputs
+                      if v.annotation is not None]
+        for mesh in annotated:
+            if mesh != self.mesh:
+                raise PlanError(f"op {op.type} ({op.layer or 'top level'}) is annotated on "
+                                f"{mesh}, but the search plans on {self.mesh}: with "
+                                "Strategy(auto_mode='full') annotate on that mesh (or on "
+                                "none), or use auto_mode='semi'")
+
+    def _add_source(self, v) -> None:
+        found = layouts(v.shape, self.mesh)
+        if v.name in self._outside:
+            # received from another stage: it arrives as the ops here consume it (the
+            # p2p transfer is the same whatever they want), so it offers one layout
+            # from which every split is a local slice
+            found = found[:1]
+            self.boundary.add(v.name)
+        elif v.annotation is not None:
+            found = [s for s in found if s.out_specs[0] == v.annotation.spec]
+            if not found:
+                raise PlanError(f"{v.name} {list(v.shape)} is annotated {v.annotation.spec} on "
+                                f"{self.mesh}, which is not a layout of it there")
+        index = len(self.nodes)
+        self.nodes.append(Node(index, None, v.name, f"value {v.name}", _layer_of_value(v.name),
+                               tuple(found), -1, (True,) * len(found),
+                               tuple(s.out_specs for s in found)))
+        self.source_node[v.name] = index
+        self.producer[v.name] = (index, 0)
+
+    def _add_op(self, k: int, op, operands: list, depth_of: list) -> None:
+        index = len(self.nodes)
+        label = f"#{k} {op.type} ({op.layer or 'top level'})"
+        constrained = op.annotation is not None or any(o.annotation is not None
+                                                       for o in op.outputs)
+        if op.inputs and not constrained and self._light(op):
+            for pick in sorted(range(len(op.inputs)), key=lambda i: (-depth_of[i], i)):
+                induced = self._follow(op, pick, operands[pick])
+                if len({s.name for s in induced}) >= min(2, len(self._strategies(op))):
+                    self.nodes.append(Node(
+                        index, k, None, label, op.layer, tuple(induced), operands[pick],
+                        tuple(_consistent(op, s) for s in induced),
+                        tuple(s.out_specs for s in induced)))
+                    self.op_node[k] = index
+                    return
+        found = [s for s in self._strategies(op) if _consistent(op, s) and _agrees(op, s)]
+        if not found:
+            raise PlanError(f"op {label} has no strategy on {self.mesh} that agrees with its "
+                            "annotations; change the annotations")
+        strategies, hints = [], []
+        for s in found:
+            for hint in _settlements(s, [o.shape for o in op.outputs], self.mesh):
+                strategies.append(s)
+                hints.append(hint)
+        self.nodes.append(Node(index, k, None, label, op.layer, tuple(strategies), -1,
+                               (True,) * len(strategies), tuple(hints)))
+        self.op_node[k] = index
+
+    def _tie_sources_to_updates(self) -> None:
+        """A parameter or state that an update writes back is laid out as the update
+        writes it: the source takes its update's strategy index (unless it is annotated
+        or another node already follows it)."""
+        followed = {n.leader for n in self.nodes}
+        for node in list(self.nodes):
+            if node.is_source:
+                continue
+            op = self.program.ops[node.op]
+            for j, o in enumerate(op.outputs):
+                src = self.source_node.get(o.alias_of) if o.alias_of else None
+                if src is None or src in followed or \
+                        self.program.values[o.alias_of].annotation is not None:
+                    continue
+                made = [OpStrategy(str(s.out_specs[j]), (), (s.out_specs[j],), (),
+                                   (s.out_local_shapes[j],), s.flops_fraction)
+                        for s in node.strategies]
+                old = self.nodes[src]
+                self.nodes[src] = Node(src, None, old.value, old.label, old.layer, tuple(made),
+                                       node.index, (True,) * len(made),
+                                       tuple(m.out_specs for m in made))
+
+    # -- strategies ----------------------------------------------------------------------------
+    def _signature(self, op) -> tuple:
+        return (op.type, tuple(tuple(v.shape) for v in op.inputs),
+                tuple(tuple(o.shape) for o in op.outputs),
+                tuple(v.dtype for v in op.inputs), repr(sorted(op.attrs.items())))
+
+    def _bound(self, op):
+        key = self._signature(op)
+        if key not in self._rules:
+            rule = spmd_rule(op.type)
+            try:
+                bound = rule.bind([v.shape for v in op.inputs], [o.shape for o in op.outputs],
+                                  self.mesh, op.attrs)
+                found = rule.strategies([v.shape for v in op.inputs],
+                                        [o.shape for o in op.outputs], self.mesh,
+                                        [v.dtype for v in op.inputs], **op.attrs)
+            except SpmdRuleError as e:
+                raise PlanError(f"sharding rule of {op.type} ({op.layer or 'top level'}) on "
+                                f"{self.mesh}: {e}") from None
+            self._rules[key] = (rule, bound, tuple(found))
+        return self._rules[key]
+
+    def _strategies(self, op) -> tuple:
+        return self._bound(op)[2]
+
+    def _light(self, op) -> bool:
+        """No letter is contracted between two operands (Alpa's "light" ops)."""
+        bound = self._bound(op)[1]
+        if not isinstance(bound, EinsumPlan):
+            return False
+        outs = set("".join(bound.out_letters))
+        seen: dict = {}
+        for word in bound.in_letters:
+            for letter in set(word):
+                seen[letter] = seen.get(letter, 0) + 1
+        return not any(n > 1 and c not in outs and c not in bound.internal and c != "1"
+                       for c, n in seen.items())
+
+    def _follow(self, op, pick: int, leader: int) -> list:
+        """One strategy per strategy of the leader: the rule's answer when the operand
+        ``pick`` (and every other position of the same Value) comes as the leader makes it."""
+        node = self.nodes[leader]
+        j = self.producer[op.inputs[pick].name][1]
+        made = tuple(h[j] for h in node.hints)
+        same = tuple(i for i, v in enumerate(op.inputs) if v.name == op.inputs[pick].name)
+        key = (self._signature(op), same, made)
+        if key not in self._followed:
+            rule, bound, _ = self._bound(op)
+            in_shapes = [v.shape for v in op.inputs]
+            out_shapes = [o.shape for o in op.outputs]
+            answers = {}
+            out = []
+            for spec in made:
+                if spec not in answers:
+                    given = DimsSpec(spec.dims)
+                    ins = [given if i in same else DimsSpec.unknown(len(v.shape))
+                           for i, v in enumerate(op.inputs)]
+                    res = bound.solve(RuleQuery.make(
+                        ins, [DimsSpec.unknown(len(o.shape)) for o in op.outputs],
+                        fixed_in=same))
+                    answers[spec] = rule.strategy(
+                        [s.known() for s in res.in_specs], [s.known() for s in res.out_specs],
+                        in_shapes, out_shapes, self.mesh, [v.dtype for v in op.inputs])
+                out.append(answers[spec])
+            self._followed[key] = out
+        return self._followed[key]
+
+
+def layouts(shape, mesh: ProcessMesh) -> list:
+    """Every layout of a tensor of ``shape`` on ``mesh`` (replicated first), as one-output
+    OpStrategy records: each mesh dim of size > 1 splits a dim it divides, or none."""
+    ndim = len(shape)
+    word = LETTERS[:ndim]
+    plan = EinsumPlan(f"{word}->{word}", [tuple(shape)], [tuple(shape)], mesh)
+    return [OpStrategy(str(s.out_specs[0]), (), s.out_specs, (), s.out_local_shapes,
+                       s.flops_fraction) for s in plan.strategies()]
+
+
+def _settlements(s, out_shapes, mesh) -> list:
+    """The hints a strategy offers its followers, one tuple of output layouts each: the
+    outputs as made, except that a Partial output may be settled by an all-reduce (the
+    partial mesh dims left unsplit) or a reduce-scatter onto one of its unsplit dims."""
+    options = []
+    for spec, shape in zip(s.out_specs, out_shapes):
+        if not spec.partial:
+            options.append([spec])
+            continue
+        ways = [ShardSpec(spec.dims)]
+        for m in sorted(spec.partial):
+            size = mesh.dim_size(m)
+            for d, (entry, n) in enumerate(zip(spec.dims, shape)):
+                if entry is None and n % size == 0 and len(spec.partial) == 1:
+                    dims = list(spec.dims)
+                    dims[d] = m
+                    ways.append(ShardSpec(dims))
+        options.append(ways)
+    return [tuple(c) for c in itertools.product(*options)]
+
+
+def _layer_of_value(name: str) -> str:
+    """The layer path of a parameter or its state (``blocks.0.ln1.weight@MOMENT1`` ->
+    ``blocks.0.ln1``); '' for feeds and global states."""
+    base = name.split("@")[0]
+    layer, dot, _ = base.rpartition(".")
+    return layer if dot else ""
+
+
+def _consistent(op, s) -> bool:
+    """The strategy consumes each Value in one layout."""
+    seen: dict = {}
+    for v, spec in zip(op.inputs, s.in_specs):
+        if seen.setdefault(v.name, spec) != spec:
+            return False
+    return True
+
+
+def _agrees(op, s) -> bool:
+    """The strategy keeps the op's annotations: shard_op in_specs, annotated results."""
+    if op.annotation is not None:
+        wanted = dict(op.annotation.in_specs)
+        for v, spec in zip(op.inputs, s.in_specs):
+            if v.name in wanted and ShardSpec(wanted[v.name].dims) != spec:
+                return False
+    for o, spec in zip(op.outputs, s.out_specs):
+        if o.annotation is not None and o.annotation.spec != spec:
+            return False
+    return True
+

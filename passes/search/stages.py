@@ -1,0 +1,211 @@
+"""``Strategy(auto_mode="full", pipeline=True)``: Alpa's inter-op search (seed 000 §5).
+
+1. **Layers**: the forward ops cut into layers (:mod:`distgraph.passes.search.layers`;
+   at most ``2 x devices + 2`` of them), every other op with its layer.
+2. **Stage costs**: for each range of consecutive layers and each submesh shape of each
+   device mesh (:func:`distgraph.passes.search.stage_dp.submesh_shapes`), the intra-op search
+   (:mod:`distgraph.passes.search.intra_op`) of those layers' ops on a ProcessMesh of that shape,
+   priced on the first devices of that shape in the mesh. Its objective, with the forward
+   and backward counted once and the updates once per ``micro_batches``, is the stage's
+   time per micro-batch; its parameters and states are the stage's memory, the rest of
+   its peak the activations of one micro-batch in flight. Ranges of identical ops (the
+   same blocks at other depths) are searched once. Each search has
+   ``Strategy.solver_time_limit`` seconds.
+3. **Stages**: :func:`distgraph.passes.search.stage_dp.plan_stages` chooses the stages and their
+   submeshes minimising ``sum t + (micro_batches - 1) max t`` within each device's
+   memory (``Strategy.memory_budget_gb`` lowers it).
+4. **Annotations**: stage s's ops are annotated on a ProcessMesh of its devices (process
+   p is device p of the cluster, rank p) with its search's choice; completion then
+   places the learning-rate read and step counter on the union of the stages, and the
+   micro-batched runtime runs the stages (``Strategy.micro_batches``, ``schedule``).
+
+Cross-stage transfers are not priced in the DP (Alpa neither: they are small by
+design); the plan's estimate counts them.
+
+Example::
+
+    p = dg.passes.plan(built, dg.Strategy(auto_mode="full", pipeline=True,
+                                          micro_batches=4), cluster)
+    print(p.search)           # layers, stages and each stage's search
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from distgraph.errors import PlanError
+from distgraph.mesh import ProcessMesh
+from distgraph.passes.search.ilp_problem import peak_memory
+from distgraph.passes.search.intra_op import search
+from distgraph.passes.search.layers import cluster_layers
+from distgraph.passes.search.space import GB, MESH_DIMS
+from distgraph.passes.search.stage_dp import StageCost, plan_stages
+from distgraph.resources.cluster import Cluster
+
+
+@dataclass(frozen=True)
+class PipelineReport:
+    """What the stage search did: the layers, the stage plan, each stage's intra-op
+    search report, how many intra-op searches costed the DP and the seconds it all
+    took."""
+
+    layering: object
+    stage_plan: object
+    stages: tuple
+    searches: int
+    seconds: float
+
+    @property
+    def status(self) -> str:
+        return "optimal" if all(s.status == "optimal" for s in self.stages) else "time_limit"
+
+    @property
+    def objective(self) -> float:
+        return self.stage_plan.objective
+
+    @property
+    def gap(self) -> float:
+        return max(s.gap for s in self.stages)
+
+    @property
+    def layouts(self) -> tuple:
+        return tuple(x for s in self.stages for x in s.layouts)
+
+    def __str__(self) -> str:
+        lines = [f"stage search: {self.layering}; {self.searches} intra-op searches, "
+                 f"{self.seconds:.2f} s",
+                 "  " + str(self.stage_plan).replace("\n", "\n  ")]
+        for s, report in enumerate(self.stages):
+            lines.append(f"  stage {s} " + str(report).replace("\n", "\n  "))
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict:
+        return {"layers": self.layering.count,
+                "layer_flops": list(self.layering.flops),
+                "objective": self.objective, "status": self.status,
+                "searches": self.searches, "seconds": self.seconds,
+                "stages": [dict(report.to_dict(), layers=[st.layers.start, st.layers.stop],
+                                devices=list(st.device_ids), time=st.time, memory=st.memory)
+                           for report, st in zip(self.stages, self.stage_plan.stages)]}
+
+
+@dataclass(frozen=True)
+class PipelineChoice:
+    """The stage search's outcome for the planner: ``report``, the per-stage search
+    results (checked after completion) and the rank mapping (process p on device p)."""
+
+    report: PipelineReport
+    results: tuple
+    rank_mapping: dict
+
+    @property
+    def result(self):
+        return self
+
+    def check(self, program) -> None:
+        for r in self.results:
+            r.check(program)
+
+
+def plan_pipeline(copy, strategy, cluster, accumulation, memory_budget=None) -> PipelineChoice:
+    """Choose layers, stages and each stage's layouts for ``copy`` (a BuiltProgram the
+    planner completes next) and annotate its program (module docstring).
+    ``memory_budget``: bytes per device (None: the devices' memory)."""
+    start = time.perf_counter()
+    if cluster is None:
+        raise PlanError("Strategy(pipeline=True) searches stages on a cluster: pass cluster="
+                        "dg.Cluster.from_file(...) or dg.Cluster.local(N)")
+    program = copy.program
+    micro = accumulation.micro_batches if accumulation is not None else 1
+    devices = [d.global_id for d in cluster.devices]
+    layering = cluster_layers(program, max_layers=2 * len(devices) + 2)
+    stage_cost = _StageCosts(copy, strategy, cluster, layering, micro)
+    target = cluster if memory_budget is None else _capped(cluster, memory_budget / GB)
+    stage_plan = plan_stages(layering.count, target, stage_cost, micro_batches=micro)
+    results = [stage_cost.result(st.layers, cluster.device_mesh(st.mesh), st.shape)
+               for st in stage_plan.stages]          # every search before any annotation
+    for stage, result in zip(stage_plan.stages, results):
+        pids = [devices.index(d) for d in stage.device_ids]
+        mesh = result.space.mesh
+        result.annotate(program, ProcessMesh(np.array(pids).reshape(mesh.shape).tolist(),
+                                             dim_names=list(mesh.dim_names)))
+    reports = [r.report for r in results]
+    report = PipelineReport(layering, stage_plan, tuple(reports), stage_cost.searches,
+                            time.perf_counter() - start)
+    return PipelineChoice(report, tuple(results), {p: d for p, d in enumerate(devices)})
+
+
+class _StageCosts:
+    """The DP's cost callback: one intra-op search per (distinct layer range, submesh)."""
+
+    def __init__(self, copy, strategy, cluster, layering, micro):
+        self.copy, self.strategy, self.cluster = copy, strategy, cluster
+        self.layering, self.micro = layering, micro
+        self.costs: dict = {}
+        self.results: dict = {}
+        self.searches = 0
+
+    def __call__(self, layers: range, sub) -> StageCost:
+        ops = self.layering.ops(layers)
+        key = (self._signature(ops), sub.mesh.name, sub.shape)
+        if key not in self.costs:
+            result = self.result(layers, sub.mesh, sub.shape, ops)
+            problem, choice = result.problem, result.choice
+            persistent = sum(float(problem.memory[n.index][choice[n.index]])
+                             for n in result.space.nodes if n.is_source and
+                             self.copy.program.values[n.value].persistable)
+            peak = peak_memory(problem, choice)
+            self.costs[key] = StageCost(result.report.objective, persistent / GB,
+                                        max(peak - persistent, 0.0) / GB)
+        return self.costs[key]
+
+    def result(self, layers: range, device_mesh, shape, ops=None):
+        """The search of exactly ``layers`` on a ``shape`` submesh of ``device_mesh``."""
+        key = (layers.start, layers.stop, device_mesh.name, tuple(shape))
+        if key not in self.results:
+            ops = self.layering.ops(layers) if ops is None else ops
+            mesh, device_of = _submesh(device_mesh, shape)
+            program = self.copy.program
+            loss = self.copy.loss_name
+            if loss is not None and not any(o.name == loss for k in ops
+                                             for o in program.ops[k].outputs):
+                loss = None
+            weights = {"forward": 1, "loss": 1, "backward": 1, "optimize": 1 / self.micro}
+            self.searches += 1
+            self.results[key] = search(program, mesh, self.cluster, device_of, ops=ops,
+                                       weights=weights, loss=loss,
+                                       time_limit=self.strategy.solver_time_limit,
+                                       blocks=self.copy.block_paths, memory=True)
+        return self.results[key]
+
+    def _signature(self, ops) -> tuple:
+        program = self.copy.program
+        return tuple((op.type, op.role, tuple(v.shape for v in op.inputs),
+                      tuple(o.shape for o in op.outputs), repr(sorted(op.attrs.items())))
+                     for op in (program.ops[k] for k in ops))
+
+
+def _submesh(device_mesh, shape) -> tuple[ProcessMesh, dict]:
+    """A ProcessMesh of submesh ``shape`` (rows, columns) and its processes' devices: the
+    first rows and columns of the device mesh (1-D device meshes give 1-D meshes)."""
+    rows, cols = shape
+    if len(device_mesh.shape) == 1:
+        ids = list(device_mesh.ids[:cols])
+        return ProcessMesh(list(range(cols)), dim_names=[MESH_DIMS[0]]), dict(enumerate(ids))
+    grid = np.array(device_mesh.ids).reshape(device_mesh.shape)[:rows, :cols]
+    mesh = ProcessMesh(np.arange(rows * cols).reshape(rows, cols).tolist(),
+                       dim_names=list(MESH_DIMS[:2]))
+    return mesh, dict(enumerate(int(d) for d in grid.reshape(-1)))
+
+
+def _capped(cluster, gb: float):
+    """``cluster`` with every device's memory at most ``gb``."""
+    data = cluster.to_dict()
+    for machine in data["machines"]:
+        for device in machine["devices"]:
+            if "memory" in device:
+                device["memory"] = min(device["memory"], gb)
+    return Cluster.from_dict(data)

@@ -1,0 +1,2 @@
+"""Program transforms the planner applies around completion: recomputation of
+activations, ZeRO-style update sharding."""

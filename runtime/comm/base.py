@@ -1,0 +1,287 @@
+"""Communicators over logical ranks: the interface and its byte counters.
+
+A :class:`Communicator` offers the collectives reshard and training need on *groups*
+(tuples of ranks; a rank's position in the tuple is its coordinate), plus p2p
+send/recv. Every call adds to ``bytes_sent[kind]`` the bytes this rank sends under the
+ring model of :mod:`distgraph.passes.cost_model`, computed from the buffers actually
+passed, so tests can compare a plan's bytes with what ran.
+
+Semantics (identical for every implementation):
+
+- ``all_gather(arr, group, axis)``: concatenation of the members' arrays along ``axis``
+  in group order.
+- ``all_reduce(arr, group, op="sum", inplace=False)``: elementwise sum (or max/min) of the
+  members' arrays. With ``inplace`` the caller hands ``arr`` over: the result may be
+  written into it and returned, which saves a buffer of its size and a pass over it.
+- ``reduce_scatter(arr, group, axis)``: the sum, split along ``axis`` into ``len(group)``
+  equal chunks; member i gets chunk i.
+- ``all_to_all(arr, group, split_axis, concat_axis)``: member i splits its array along
+  ``split_axis`` into n chunks and sends chunk j to member j; each member concatenates
+  what it receives along ``concat_axis`` in group order.
+- ``send(arr, dst, tag)`` never blocks (the array is copied); ``wait_sends()`` waits
+  until this rank's sends are delivered. ``recv(shape, dtype, src, tag)`` returns the
+  next message from ``src`` with that tag.
+- ``isend(arr, dst, tag)`` and ``irecv(shape, dtype, src, tag)`` start a send or a
+  receive and return a :class:`Request` at once; ``request.test()`` says whether it is
+  done (a receive's array is then ``request.value``). The caller must not change a sent
+  array until its request is done. They never wait, so whoever polls them (the pipeline
+  actors) owns the timeout.
+
+Nothing waits forever: a receive or collective that waits longer than ``timeout``
+seconds (default 60, or the env var ``DISTGRAPH_COMM_TIMEOUT``) raises RuntimeFault
+naming the rank and what it waited for.
+
+API calls that are collective (``Engine.fit``, ``Engine.state_dict``, ...) run inside
+``collective_call(name)``: the ranks first compare the name of the call they are in, so
+ranks calling different ones fail at once, and a rank waiting for peers that never call
+says "NAME is collective: call it on every rank".
+
+:class:`~distgraph.runtime.comm.simulated.SimulatedWorld` runs N ranks as threads of one
+process; :class:`~distgraph.runtime.comm.mpi.MPICommunicator` runs them over mpi4py.
+"""
+
+from __future__ import annotations
+
+import os
+from abc import ABC, abstractmethod
+from contextlib import contextmanager
+
+import numpy as np
+
+from distgraph.errors import RuntimeFault
+from distgraph.passes.cost_model import COLLECTIVES, collective_bytes
+from distgraph.runtime.backend import NUMPY
+from distgraph.runtime.launch.progress import NO_PROGRESS
+
+DEFAULT_TIMEOUT = 60.0
+MAX_TAG = 1 << 14  # user tags are [0, MAX_TAG); MPI's upper tags are kept for internals
+COUNTED_KINDS = COLLECTIVES + ("send_recv",)
+REDUCE_OPS = {"sum": np.add, "max": np.maximum, "min": np.minimum}
+CALL_NAME_BYTES = 64
+
+
+def default_timeout() -> float:
+    """Seconds a receive or collective may wait: $DISTGRAPH_COMM_TIMEOUT, else 60."""
+    raw = os.environ.get("DISTGRAPH_COMM_TIMEOUT")
+    if raw is None:
+        return DEFAULT_TIMEOUT
+    try:
+        value = float(raw)
+    except ValueError:
+        raise RuntimeFault(f"DISTGRAPH_COMM_TIMEOUT={raw!r} is not a number of seconds") from None
+    if value <= 0:
+        raise RuntimeFault(f"DISTGRAPH_COMM_TIMEOUT={raw!r} must be positive")
+    return value
+
+
+class Communicator(ABC):
+    """Collectives and p2p over logical ranks, with per-kind counters of bytes sent.
+
+    Subclasses implement the ``_``-prefixed methods; the public ones validate, handle
+    one-member groups locally and count bytes. ``backend`` (an
+    :class:`~distgraph.runtime.backend.ArrayBackend`, numpy by default) makes every array
+    a communicator allocates, copies or cuts. ``progress`` is where this rank records
+    what it runs and waits for (see :mod:`distgraph.runtime.launch.progress`); ``phase`` names
+    the collective API call in progress.
+    """
+
+    poll_spin_seconds = 0.0   # how long a poller of requests spins before it sleeps
+    progress = NO_PROGRESS
+
+    def __init__(self, rank: int, size: int, timeout: float | None = None, backend=None):
+        self.rank = rank
+        self.size = size
+        self.backend = backend or NUMPY
+        self.timeout = default_timeout() if timeout is None else float(timeout)
+        self.phase = ""
+        self.reset_counters()
+
+    # ---- collective API calls -----------------------------------------------------------
+    @contextmanager
+    def collective_call(self, name: str):
+        """Run the block as the collective call ``name`` of every rank: the ranks first
+        check that all of them are in the same call (uncounted: it is no step traffic);
+        nested calls are checked once."""
+        if self.phase or self.size == 1:
+            yield
+            return
+        raw = name.encode()[:CALL_NAME_BYTES]
+        mine = np.frombuffer(raw.ljust(CALL_NAME_BYTES, b"\0"), dtype=np.uint8)
+        self.phase = name
+        try:
+            with self.progress.phase(name):
+                names = self._all_gather(mine, tuple(range(self.size)), 0)
+                names = [bytes(row).rstrip(b"\0").decode(errors="replace")
+                         for row in names.reshape(self.size, CALL_NAME_BYTES)]
+                others = {r: n for r, n in enumerate(names) if n != names[self.rank]}
+                if others:
+                    raise RuntimeFault(f"rank {self.rank}: {name} is collective: call it on "
+                                       f"every rank; here "
+                                       + ", ".join(f"rank {r} called {n}"
+                                                   for r, n in sorted(others.items())))
+                yield
+        finally:
+            self.phase = ""
+
+    # ---- counters -------------------------------------------------------------------
+    def reset_counters(self) -> None:
+        self.bytes_sent = {k: 0.0 for k in COUNTED_KINDS}
+        self.calls = {k: 0 for k in COUNTED_KINDS}
+
+    @property
+    def total_bytes_sent(self) -> float:
+        return sum(self.bytes_sent.values())
+
+    def _count(self, kind: str, n: int, nbytes: int) -> None:
+        self.calls[kind] += 1
+        self.bytes_sent[kind] += collective_bytes(kind, n, nbytes)
+
+    # ---- validation -----------------------------------------------------------------
+    def _group(self, group, what: str) -> tuple[int, ...]:
+        group = tuple(int(r) for r in group)
+        if len(set(group)) != len(group) or not all(0 <= r < self.size for r in group):
+            raise RuntimeFault(f"rank {self.rank}: {what} on group {group}: a group holds "
+                               f"distinct ranks in [0, {self.size})")
+        if self.rank not in group:
+            raise RuntimeFault(f"rank {self.rank}: {what} on group {group}, which does not "
+                               f"contain this rank; only members call a collective")
+        return group
+
+    def _c(self, arr):
+        """``arr`` as a C-contiguous array of the backend (0-d arrays stay 0-d)."""
+        return self.backend.contiguous(self.backend.asarray(arr))
+
+    def _split_axis(self, arr, axis: int, n: int, what: str) -> int:
+        axis = axis + arr.ndim if axis < 0 else axis
+        if not 0 <= axis < arr.ndim or arr.shape[axis] % n:
+            raise RuntimeFault(f"rank {self.rank}: {what}: axis {axis} of an array of shape "
+                               f"{arr.shape} cannot be split into {n} equal chunks")
+        return axis
+
+    def _peer(self, peer: int, tag: int, what: str) -> None:
+        if not 0 <= peer < self.size:
+            raise RuntimeFault(f"rank {self.rank}: {what} peer {peer} is not a rank in "
+                               f"[0, {self.size})")
+        if not 0 <= tag < MAX_TAG:
+            raise RuntimeFault(f"rank {self.rank}: {what} tag {tag} is outside [0, {MAX_TAG})")
+
+    # ---- public API -------------------------------------------------------------------
+    def all_gather(self, arr, group, axis: int = 0):
+        arr = self._c(arr)
+        group = self._group(group, "all_gather")
+        axis = axis + arr.ndim if axis < 0 else axis
+        self._count("all_gather", len(group), arr.nbytes * len(group))
+        if len(group) == 1:
+            return arr.copy()
+        return self._all_gather(arr, group, axis)
+
+    def all_reduce(self, arr, group, op: str = "sum", inplace: bool = False):
+        arr = self._c(arr)
+        group = self._group(group, "all_reduce")
+        if op not in REDUCE_OPS:
+            raise RuntimeFault(f"rank {self.rank}: all_reduce op {op!r}; use one of "
+                               f"{sorted(REDUCE_OPS)}")
+        self._count("all_reduce", len(group), arr.nbytes)
+        inplace = inplace and arr.flags.writeable
+        if len(group) == 1:
+            return arr if inplace else arr.copy()
+        if inplace:
+            return self._all_reduce_inplace(arr, group, op)
+        return self._all_reduce(arr, group, op)
+
+    def reduce_scatter(self, arr, group, axis: int = 0):
+        arr = self._c(arr)
+        group = self._group(group, "reduce_scatter")
+        axis = self._split_axis(arr, axis, len(group), "reduce_scatter")
+        self._count("reduce_scatter", len(group), arr.nbytes)
+        if len(group) == 1:
+            return arr.copy()
+        return self._reduce_scatter(arr, group, axis)
+
+    def all_to_all(self, arr, group, split_axis: int, concat_axis: int):
+        arr = self._c(arr)
+        group = self._group(group, "all_to_all")
+        split_axis = self._split_axis(arr, split_axis, len(group), "all_to_all")
+        concat_axis = concat_axis + arr.ndim if concat_axis < 0 else concat_axis
+        self._count("all_to_all", len(group), arr.nbytes)
+        if len(group) == 1:
+            return arr.copy()
+        return self._all_to_all(arr, group, split_axis, concat_axis)
+
+    def send(self, arr, dst: int, tag: int = 0) -> None:
+        """Send a copy of ``arr`` to rank ``dst`` without blocking."""
+        self._peer(dst, tag, "send to")
+        arr = self.backend.copy(arr)
+        self._count("send_recv", 2, arr.nbytes)
+        self._send(arr, dst, tag)
+
+    def recv(self, shape, dtype, src: int, tag: int = 0):
+        """The next array from rank ``src`` with ``tag``; RuntimeFault after the timeout."""
+        self._peer(src, tag, "recv from")
+        return self._recv(tuple(int(s) for s in shape), np.dtype(dtype), src, tag)
+
+    def isend(self, arr, dst: int, tag: int = 0, count: bool = True) -> "Request":
+        """Start sending ``arr`` to rank ``dst``; ``count=False`` for control messages that
+        are no part of the plan's data (left out of ``bytes_sent``)."""
+        self._peer(dst, tag, "isend to")
+        arr = self._c(arr)
+        if count:
+            self._count("send_recv", 2, arr.nbytes)
+        return self._isend(arr, dst, tag)
+
+    def irecv(self, shape, dtype, src: int, tag: int = 0) -> "Request":
+        """Start receiving the next array from rank ``src`` with ``tag``."""
+        self._peer(src, tag, "irecv from")
+        return self._irecv(tuple(int(s) for s in shape), np.dtype(dtype), src, tag)
+
+    def _isend(self, arr, dst, tag) -> "Request":
+        raise RuntimeFault(f"{type(self).__name__} has no nonblocking send")
+
+    def _irecv(self, shape, dtype, src, tag) -> "Request":
+        raise RuntimeFault(f"{type(self).__name__} has no nonblocking receive")
+
+    def wait_sends(self) -> None:
+        """Block (up to the timeout) until this rank's pending sends are delivered."""
+
+    @abstractmethod
+    def barrier(self) -> None: ...
+
+    @abstractmethod
+    def _all_gather(self, arr, group, axis): ...
+
+    @abstractmethod
+    def _all_reduce(self, arr, group, op): ...
+
+    def _all_reduce_inplace(self, arr, group, op):
+        """All-reduce that may reuse ``arr`` (a C-contiguous array the caller gave up)
+        for its result; implementations with an in-place collective override it."""
+        return self._all_reduce(arr, group, op)
+
+    @abstractmethod
+    def _reduce_scatter(self, arr, group, axis): ...
+
+    @abstractmethod
+    def _all_to_all(self, arr, group, split_axis, concat_axis): ...
+
+    @abstractmethod
+    def _send(self, arr, dst, tag): ...
+
+    @abstractmethod
+    def _recv(self, shape, dtype, src, tag): ...
+
+
+class Request:
+    """A started nonblocking send or receive: ``test()`` is True once it is done (then a
+    receive's array is ``value``); ``cancel()`` gives up a receive that is not done.
+    ``what`` says what it is, for error messages."""
+
+    def __init__(self, what: str = ""):
+        self.what = what
+        self.value = None
+        self.done = False
+
+    def test(self) -> bool:
+        return self.done
+
+    def cancel(self) -> None:
+        """Give up the request if it is not done."""

@@ -1,0 +1,83 @@
+"""Per-rank entry point used by the launcher: ``python -m distgraph.runtime.launch.bootstrap script.py args``.
+
+It runs the script as ``__main__`` and turns an uncaught exception into ``MPI_Abort`` so
+that one failing rank ends the whole job with a non-zero exit code instead of leaving the
+other ranks blocked in a collective. Under the launcher (a status folder in
+``DISTGRAPH_STATUS_DIR``, see :mod:`distgraph.runtime.launch.status`) a supervisor forked
+before MPI starts watches the rank (:mod:`distgraph.runtime.launch.supervisor`); the rank writes
+``<rank>.failed`` with its error or ``<rank>.done`` when the script returns, and its
+traceback goes to its log file only: the launcher prints the one-line causes.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+import time
+
+from distgraph.runtime.launch.status import log_path, write_status
+from distgraph.runtime.launch.supervisor import supervise_this_rank
+
+
+def _report(exc_type, exc, tb, previous) -> None:
+    """The traceback: into the rank's log under the launcher, else as Python prints it."""
+    logfile = log_path()
+    if logfile is None:
+        previous(exc_type, exc, tb)
+        return
+    import traceback
+    with open(logfile, "a") as f:
+        traceback.print_exception(exc_type, exc, tb, file=f)
+
+
+ABORT_GRACE = 0.2    # seconds between the failure line and MPI_Abort under a plain mpiexec
+
+
+def install_abort_hook() -> None:
+    """Make an uncaught exception print its traceback, name the rank, and abort the job.
+    Installed once per process: by this bootstrap, and by every MPI communicator, so a
+    script started with a plain ``mpiexec`` ends the same way instead of hanging."""
+    previous = sys.excepthook
+    if getattr(previous, "distgraph_abort", False):
+        return
+
+    def hook(exc_type, exc, tb):
+        _report(exc_type, exc, tb, previous)
+        message = f"{exc_type.__name__}: {exc}".replace("\n", " ")
+        write_status("failed", message)
+        from mpi4py import MPI
+        if MPI.Is_initialized() and not MPI.Is_finalized():
+            world = MPI.COMM_WORLD
+            logfile = log_path()
+            if logfile is None:
+                sys.stderr.write(f"distgraph: rank {world.Get_rank()} failed: {message}; "
+                                 "aborting the job\n")
+                sys.stderr.flush()
+                # MPI_Abort ends mpiexec's proxies too; give them a moment to forward
+                # this line (without it the cause is sometimes lost)
+                time.sleep(ABORT_GRACE)
+            else:   # MPI's own abort notice goes with the traceback, not to the terminal
+                fd = os.open(logfile, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+                os.dup2(fd, 2)
+            world.Abort(1)
+
+    hook.distgraph_abort = True
+    sys.excepthook = hook
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args:
+        sys.exit("usage: python -m distgraph.runtime.launch.bootstrap script.py [args...]")
+    supervise_this_rank()
+    install_abort_hook()
+    sys.argv = args
+    # as `python script.py` does: the script's folder comes first on the import path
+    sys.path.insert(0, os.path.dirname(os.path.abspath(args[0])))
+    runpy.run_path(args[0], run_name="__main__")
+    write_status("done")
+
+
+if __name__ == "__main__":
+    main()

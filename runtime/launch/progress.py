@@ -1,0 +1,245 @@
+"""Where each rank is, in a small file the other ranks and the launcher can read.
+
+Under the launcher every rank maps ``<rank>.progress`` (256 bytes) of the job's status
+folder into memory and keeps in it the step it runs, the instruction it is at, and what
+it waits for while it waits on a peer. Updating it is a store into shared memory (no
+system call), so the executor marks every instruction. Instruction names are written
+once per runner to ``<rank>.table-<n>``, one per line; the record holds the table number
+and the index.
+
+When a wait times out, :func:`behind` reads the peers' records and names the ranks that
+have not reached the call and where they are, instead of blaming the rank that waited.
+
+Example (inside a rank)::
+
+    progress = Progress.open(folder, rank)        # or NO_PROGRESS outside the launcher
+    table = progress.table(["op 'matmul'", "op 'relu'"])
+    progress.begin_step(3, table)
+    progress.at(1)                               # now at op 'relu' of step 3
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import random
+import struct
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from distgraph.runtime.launch.status import read_status
+
+SIZE = 256
+IDLE, STEP, WAITING = 0, 1, 2
+# int64 fields at the start of the record: state, step, index, table, waits entered
+_STATE, _STEP, _INDEX, _TABLE, _WAITS = range(5)
+_INTS = 5
+_SINCE = struct.Struct("<d")          # when the current wait began (time.time())
+_SINCE_AT = 8 * _INTS
+_PHASE_AT, _PHASE_LEN = 48, 64        # the collective API call in progress, if any
+_TEXT_AT, _TEXT_LEN = 112, SIZE - 112  # what the rank waits for
+
+
+def _put_text(mm, at: int, length: int, text: str) -> None:
+    raw = text.encode("utf-8", "replace")[:length - 1]
+    mm[at:at + len(raw) + 1] = raw + b"\0"
+
+
+def _get_text(raw: bytes) -> str:
+    return raw.split(b"\0", 1)[0].decode("utf-8", "replace")
+
+
+class NullProgress:
+    """Progress of a process that nobody watches: every method does nothing."""
+
+    active = False
+
+    def table(self, labels) -> int:
+        return -1
+
+    def begin_step(self, step: int, table: int) -> None:
+        pass
+
+    def at(self, index: int) -> None:
+        pass
+
+    def end_step(self) -> None:
+        pass
+
+    def wait_begin(self, what: str) -> None:
+        pass
+
+    def wait_end(self) -> None:
+        pass
+
+    @contextmanager
+    def phase(self, name: str):
+        yield
+
+
+NO_PROGRESS = NullProgress()
+
+
+class Progress(NullProgress):
+    """This rank's record in ``<folder>/<rank>.progress``."""
+
+    active = True
+
+    def __init__(self, folder: str, rank: int):
+        self.folder, self.rank = folder, rank
+        path = os.path.join(folder, f"{rank}.progress")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            os.ftruncate(fd, SIZE)
+            self._mm = mmap.mmap(fd, SIZE)
+        finally:
+            os.close(fd)
+        self._ints = memoryview(self._mm)[:8 * _INTS].cast("q")
+        self._ints[_STEP] = -1
+        self._ints[_TABLE] = -1
+        self._resume = IDLE
+        # Table numbers start at a random point: two runners (or two communicators) of
+        # one process never write the same table file.
+        self._next_table = random.randrange(1 << 40)
+
+    @classmethod
+    def open(cls, folder: str | None, rank: int) -> NullProgress:
+        """The record of ``rank`` in ``folder``, or NO_PROGRESS when there is no folder."""
+        return cls(folder, rank) if folder else NO_PROGRESS
+
+    def table(self, labels) -> int:
+        """Write the names of a runner's instructions once; returns the table's number."""
+        number = self._next_table
+        self._next_table += 1
+        path = os.path.join(self.folder, f"{self.rank}.table-{number}")
+        with open(path, "w") as f:
+            f.write("\n".join(label.replace("\n", " ") for label in labels))
+        return number
+
+    def begin_step(self, step: int, table: int) -> None:
+        ints = self._ints
+        ints[_STEP], ints[_TABLE], ints[_INDEX], ints[_STATE] = step, table, -1, STEP
+
+    def at(self, index: int) -> None:
+        self._ints[_INDEX] = index
+
+    def end_step(self) -> None:
+        self._ints[_STATE] = IDLE
+
+    def wait_begin(self, what: str) -> None:
+        _put_text(self._mm, _TEXT_AT, _TEXT_LEN, what)
+        _SINCE.pack_into(self._mm, _SINCE_AT, time.time())
+        self._ints[_WAITS] += 1
+        if self._ints[_STATE] != WAITING:    # (a wait given up on is still on record)
+            self._resume = self._ints[_STATE]
+        self._ints[_STATE] = WAITING
+
+    def wait_end(self) -> None:
+        self._ints[_STATE] = self._resume
+
+    @contextmanager
+    def phase(self, name: str):
+        """Name the collective API call this rank is in (``Engine.state_dict()``)."""
+        _put_text(self._mm, _PHASE_AT, _PHASE_LEN, name)
+        try:
+            yield
+        finally:
+            _put_text(self._mm, _PHASE_AT, _PHASE_LEN, "")
+
+
+# ---- reading ------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Where:
+    """A rank's progress as read back: ``state`` is "finished", "failed", "ended",
+    "not started", "computing" or "waiting"; ``at`` describes the place."""
+
+    rank: int
+    state: str
+    step: int
+    at: str
+    phase: str
+    seconds: float
+
+    def __str__(self) -> str:
+        phase = f" in {self.phase}" if self.phase else ""
+        step = f"step {self.step}, " if self.step >= 0 else ""
+        if self.state == "waiting":
+            return (f"rank {self.rank} waits{phase} ({step}for {self.seconds:.1f} s) "
+                    f"for {self.at}")
+        if self.state == "computing":
+            place = f"at {step}{self.at}" if self.step >= 0 else self.at
+            return f"rank {self.rank} is {place}{phase}, not waiting for any peer"
+        return f"rank {self.rank} {self.at}"
+
+
+def _label(folder: str, rank: int, table: int, index: int) -> str:
+    if table < 0:
+        return "outside a training step"
+    try:
+        with open(os.path.join(folder, f"{rank}.table-{table}")) as f:
+            labels = f.read().split("\n")
+    except OSError:
+        return f"instruction {index}"
+    if index < 0:
+        return "the start of the step"
+    if index >= len(labels):
+        return "the end of the step (fetching results)"
+    return labels[index]
+
+
+def read_where(folder: str, rank: int) -> Where:
+    """Where ``rank`` is, from its status files and progress record."""
+    failed = read_status(folder, rank, "failed")
+    if failed is not None:       # (its error is reported on its own)
+        return Where(rank, "failed", -1, "has failed", "", 0.0)
+    if read_status(folder, rank, "done") is not None:
+        return Where(rank, "finished", -1, "has finished its script", "", 0.0)
+    ended = read_status(folder, rank, "exit")
+    if ended is not None:
+        return Where(rank, "ended", -1, f"has ended ({ended})", "", 0.0)
+    try:
+        with open(os.path.join(folder, f"{rank}.progress"), "rb") as f:
+            raw = f.read(SIZE)
+    except OSError:
+        raw = b""
+    if len(raw) < SIZE:
+        return Where(rank, "not started", -1, "has not started communicating", "", 0.0)
+    state, step, index, table, _ = struct.unpack_from(f"<{_INTS}q", raw)
+    phase = _get_text(raw[_PHASE_AT:_PHASE_AT + _PHASE_LEN])
+    if state == WAITING:
+        since, = _SINCE.unpack_from(raw, _SINCE_AT)
+        return Where(rank, "waiting", step, _get_text(raw[_TEXT_AT:]), phase,
+                     max(0.0, time.time() - since))
+    at = _label(folder, rank, table, index) if state == STEP else "outside a training step"
+    return Where(rank, "computing", step if state == STEP else -1, at, phase, 0.0)
+
+
+def behind(folder: str | None, me: int, peers) -> tuple[str, set]:
+    """(a sentence naming the peers that keep ``me`` waiting and where they are, the
+    set of their states). Those that finished, failed or are not waiting come first
+    (lowest step first: the furthest behind); if every peer waits too, the sentence says
+    where each waits (the ranks called collectives in different orders). ("", set())
+    without a status folder."""
+    if not folder:
+        return "", set()
+    others = [read_where(folder, r) for r in sorted(set(peers)) if r != me]
+    if not others:
+        return "", set()
+    stuck = [w for w in others if w.state not in ("waiting", "failed", "ended")]
+    stuck = stuck or [w for w in others if w.state != "waiting"]
+    if stuck:
+        stuck.sort(key=lambda w: (w.step, w.rank))
+        states = {w.state for w in stuck}
+        if len(stuck) == 1:
+            return str(stuck[0]), states
+        names = ", ".join(str(w.rank) for w in stuck)
+        return (f"ranks {names} did not reach the matching call: "
+                + "; ".join(map(str, stuck)), states)
+    lowest = min(w.step for w in others)
+    late = [w for w in others if w.step == lowest]
+    if lowest >= 0 and len(late) < len(others):
+        return "furthest behind: " + "; ".join(map(str, late)), {"waiting"}
+    return ("every peer is waiting as well, for different calls: "
+            + "; ".join(map(str, others)), {"waiting"})

@@ -1,0 +1,104 @@
+"""The status folder of a launched job: what each rank and its supervisor leave there.
+
+The launcher makes a private folder per job and names it to every rank in
+``DISTGRAPH_STATUS_DIR`` (and the per-rank log folder in ``DISTGRAPH_LOG_DIR``). Files,
+each named after the rank (``PMI_RANK``):
+
+- ``<rank>.pids``     the supervisor's and the rank's process ids, written at start;
+- ``<rank>.failed``   the one-line error of an uncaught exception (by the rank);
+- ``<rank>.done``     the script returned (by the rank);
+- ``<rank>.exit``     how the rank ended when it neither failed nor finished (by its
+  supervisor: killed by a signal, ``os._exit``, a crash);
+- ``<rank>.progress`` where the rank is (see :mod:`distgraph.runtime.launch.progress`).
+
+Reading them back::
+
+    states = read_states(folder, nprocs)
+    print("\\n".join(failure_lines(states)))
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+STATUS_DIR = "DISTGRAPH_STATUS_DIR"
+LOG_DIR = "DISTGRAPH_LOG_DIR"
+CLUSTER_VAR = "DISTGRAPH_CLUSTER"     # the resource file of ``distgraph run --cluster``
+
+
+def env_rank() -> str:
+    """This process's rank as the MPI launcher set it (readable before MPI starts)."""
+    return os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "?"))
+
+
+def status_folder() -> str | None:
+    return os.environ.get(STATUS_DIR) or None
+
+
+def log_path(rank=None) -> str | None:
+    """This rank's log file under the launcher (None when not launched by it)."""
+    folder = os.environ.get(LOG_DIR)
+    if not folder:
+        return None
+    return os.path.join(folder, f"rank-{env_rank() if rank is None else rank}.log")
+
+
+def write_status(kind: str, text: str = "", folder: str | None = None) -> None:
+    """Write ``<rank>.<kind>`` in the status folder (nothing when there is none)."""
+    folder = folder or status_folder()
+    if folder:     # whole or not at all: a rank may be killed while it writes
+        path = os.path.join(folder, f"{env_rank()}.{kind}")
+        with open(f"{path}.tmp", "w") as f:
+            f.write(text)
+        os.replace(f"{path}.tmp", path)
+
+
+def read_status(folder: str, rank, kind: str) -> str | None:
+    try:
+        with open(os.path.join(folder, f"{rank}.{kind}")) as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+@dataclass(frozen=True)
+class RankState:
+    """How one rank ended (or where it is): the contents of its status files."""
+
+    rank: int
+    failed: str | None
+    done: bool
+    exit: str | None
+    pids: tuple
+
+
+def read_states(folder: str, nprocs: int) -> list[RankState]:
+    states = []
+    for rank in range(nprocs):
+        pids = read_status(folder, rank, "pids") or ""
+        states.append(RankState(rank, read_status(folder, rank, "failed"),
+                                read_status(folder, rank, "done") is not None,
+                                read_status(folder, rank, "exit"),
+                                tuple(int(p) for p in pids.split() if p.isdigit())))
+    return states
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else \
+        f"ranks {', '.join(map(str, ranks))}"
+
+
+def failure_lines(states: list[RankState]) -> list[str]:
+    """One line per distinct cause: the ranks that failed with the same error together,
+    then each rank that died without a word."""
+    by_error: dict[str, list[int]] = {}
+    for s in states:
+        if s.failed is not None:
+            by_error.setdefault(s.failed, []).append(s.rank)
+    lines = [f"{_ranks(ranks)} failed: {error}" for error, ranks in by_error.items()]
+    for s in states:
+        if s.failed is None and s.exit is not None:
+            lines.append(f"rank {s.rank} died without reporting an error ({s.exit}); "
+                         "the other ranks were stopped after it")
+    return lines

@@ -1,9 +1,11 @@
-"""User annotations: ``shard_tensor`` and ``shard_op``, and the per-op DistAttr record.
+"""User annotations: ``shard_tensor``, ``shard_op`` and ``shard_dataloader``, and the
+per-op DistAttr record.
 
 Example::
 
-    mesh = dg.ProcessMesh([0, 1, 2, 3], dim_names=["mp"])
+    mesh = dg.ProcessMesh([[0, 1], [2, 3]], dim_names=["dp", "mp"])
     dg.shard_tensor(model.fc1.weight, mesh, [None, "mp"])      # a parameter
+    data = dg.shard_dataloader(dataset, mesh, shard_dims="dp")  # the batch split over dp
     def forward(self, x):
         x = dg.shard_tensor(x, mesh, ["mp", None])             # a traced activation
         return dg.shard_op(self.fc1, mesh, out_shard_specs=[[None, "mp"]])(x)
@@ -11,6 +13,8 @@ Example::
 
 from __future__ import annotations
 
+import copy
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from distgraph.errors import ShardingError
@@ -18,7 +22,7 @@ from distgraph.ir import Value
 from distgraph.mesh import ProcessMesh
 from distgraph.parameter import Parameter
 from distgraph.placement import DistAttr, Partial, Replicate, Shard, ShardSpec
-from distgraph.trace import current_builder, flatten_outputs
+from distgraph.trace import active_builder, current_builder, flatten_outputs
 
 
 def to_shard_spec(spec, mesh: ProcessMesh, ndim: int, label: str = "tensor") -> ShardSpec:
@@ -55,9 +59,31 @@ def shard_tensor(x, mesh: ProcessMesh, shard_spec):
                             f"{type(x).__name__}")
     label = _label_of(x)
     spec = to_shard_spec(shard_spec, mesh, len(x.shape), label)
+    if isinstance(x, Value) and _is_feed(x):
+        check_batch_split(spec, mesh, x.shape, f"input {x.name!r}")
     spec.validate(mesh, x.shape, label=label)
     x.annotation = DistAttr(mesh, spec)
     return x
+
+
+def _is_feed(v: Value) -> bool:
+    builder = active_builder()
+    return builder is not None and any(v is i for i in builder.program.inputs)
+
+
+def check_batch_split(spec: ShardSpec, mesh: ProcessMesh, shape, what: str) -> None:
+    """A feed's dim 0 is the batch: when ``spec`` splits it into parts that do not divide
+    it, say so in the user's terms (the batch size), not the tensor's."""
+    if not shape or len(spec.dims) != len(shape):
+        return
+    parts = 1
+    for name in spec.entry(0):
+        if name in mesh.dim_names:
+            parts *= mesh.dim_size(name)
+    if shape[0] % parts:
+        raise ShardingError(f"{what}: a batch of {shape[0]} samples cannot be split over the "
+                            f"{parts} processes of mesh dims {list(spec.entry(0))} of {mesh}; "
+                            f"use a batch size divisible by {parts}")
 
 
 @dataclass(frozen=True)
@@ -72,10 +98,33 @@ class OpAnnotation:
 def shard_op(fn_or_layer, mesh: ProcessMesh, in_shard_specs=None, out_shard_specs=None):
     """Wrap a callable so the ops it traces run on ``mesh``. ``in_shard_specs`` fix how
     each argument is consumed (None entries leave one free); ``out_shard_specs`` annotate
-    the results as ``shard_tensor`` would."""
+    the results as ``shard_tensor`` would.
+
+    A Layer gives a Layer: the same layer (the same sub-layers and parameters, under the
+    same names) whose forward runs on ``mesh``, so it can be given to the Engine::
+
+        engine = dg.Engine(dg.shard_op(model, mesh, in_shard_specs=[["dp", None]]), ...)
+
+    Any other callable gives a function."""
     if not isinstance(mesh, ProcessMesh):
         raise ShardingError(f"shard_op: mesh must be a ProcessMesh, got {type(mesh).__name__}")
+    if _is_layer(fn_or_layer):
+        clone = copy.copy(fn_or_layer)
+        # its own registries (adding to one does not add to the other), the same entries
+        object.__setattr__(clone, "_parameters", OrderedDict(fn_or_layer._parameters))
+        object.__setattr__(clone, "_sublayers", OrderedDict(fn_or_layer._sublayers))
+        object.__setattr__(clone, "forward",
+                           _on_mesh(clone.forward, mesh, in_shard_specs, out_shard_specs))
+        return clone
+    return _on_mesh(fn_or_layer, mesh, in_shard_specs, out_shard_specs)
 
+
+def _is_layer(x) -> bool:
+    # duck-typed: distgraph.nn builds on this module
+    return hasattr(x, "named_parameters") and hasattr(x, "_sublayers")
+
+
+def _on_mesh(fn, mesh, in_shard_specs, out_shard_specs):
     def wrapped(*args):
         builder = current_builder()
         values = [builder.as_value(a) if isinstance(a, (Value, Parameter)) else a for a in args]
@@ -85,11 +134,13 @@ def shard_op(fn_or_layer, mesh: ProcessMesh, in_shard_specs=None, out_shard_spec
                 continue
             v = values[k]
             s = to_shard_spec(spec, mesh, len(v.shape), _label_of(v))
+            if _is_feed(v):
+                check_batch_split(s, mesh, v.shape, f"input {v.name!r}")
             s.validate(mesh, v.shape, v.name)
             in_specs.append((v.name, s))
         first = len(builder.program.ops)
         with builder.scope(op_annotation=OpAnnotation(mesh, tuple(in_specs))):
-            out = fn_or_layer(*values)
+            out = fn(*values)
         if out_shard_specs is not None:
             outs = flatten_outputs(out)
             if len(outs) != len(out_shard_specs):
@@ -102,7 +153,100 @@ def shard_op(fn_or_layer, mesh: ProcessMesh, in_shard_specs=None, out_shard_spec
             raise ShardingError("shard_op: the wrapped callable traced no op")
         return out
 
+    wrapped.__wrapped__ = fn       # inspect.signature reads the callable's arguments
     return wrapped
+
+
+class ShardDataloader:
+    """A dataset whose batches come in split over a mesh dim: what
+    :func:`shard_dataloader` returns. Indexing and ``len`` are the dataset's; the Engine
+    reads :meth:`feed_attrs` to annotate the feeds of each batch."""
+
+    def __init__(self, dataset, meshes: tuple, shard_dims: tuple):
+        self.dataset, self.meshes, self.shard_dims = dataset, meshes, shard_dims
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, i):
+        return self.dataset[i]
+
+    def __repr__(self) -> str:
+        where = ", ".join(f"{m} by {d!r}" for m, d in zip(self.meshes, self.shard_dims))
+        return f"shard_dataloader({type(self.dataset).__name__}, {where})"
+
+    def feed_attrs(self, shapes: list, n_labels: int) -> list:
+        """One DistAttr per field of a batch (fields of ``shapes``, the last ``n_labels``
+        of them labels): dim 0 split over the shard dim of the field's mesh.
+
+        One mesh holds every field; one per field each its own; two for more fields: the
+        inputs on the first, the labels on the second (Paddle's [inputs, label])."""
+        n = len(shapes)
+        if len(self.meshes) == 1:
+            which = [0] * n
+        elif len(self.meshes) == n:
+            which = list(range(n))
+        elif len(self.meshes) == 2:
+            which = [0] * (n - n_labels) + [1] * n_labels
+        else:
+            raise ShardingError(f"shard_dataloader: {len(self.meshes)} meshes for samples of "
+                                f"{n} fields; give one mesh, one per field, or two (inputs, "
+                                "labels)")
+        attrs = []
+        for k, shape in enumerate(shapes):
+            mesh, dim = self.meshes[which[k]], self.shard_dims[which[k]]
+            spec = ShardSpec([dim] + [None] * (len(shape) - 1)) if shape else ShardSpec([])
+            what = (f"dataset field {k} ({'label' if k >= n - n_labels else 'input'}), "
+                    f"split by shard_dataloader")
+            check_batch_split(spec, mesh, shape, what)
+            attrs.append(DistAttr(mesh, spec))
+        return attrs
+
+
+def shard_dataloader(dataset, meshes, shard_dims=None) -> ShardDataloader:
+    """Paddle's ``shard_dataloader``: the Engine feeds each batch of ``dataset`` split
+    over mesh dim ``shard_dims`` (a dim name or index; None: not split, whole on the
+    mesh), the labels too, so any model trains data parallel without annotating its
+    inputs. ``meshes``: one ProcessMesh for every field; a list with one per field; or
+    two, the inputs' and the labels' (a pipeline's first and last stage).
+    ``shard_dims`` may be a list, one per mesh.
+
+    Example::
+
+        mesh = dg.ProcessMesh([0, 1, 2, 3], dim_names=["dp"])
+        engine = dg.Engine(dg.nn.MLP(16, 64, 4), loss=dg.nn.MSELoss(),
+                           optimizer=dg.optim.SGD(0.1))
+        engine.fit(dg.shard_dataloader(dataset, mesh, shard_dims="dp"), batch_size=16)
+    """
+    if isinstance(dataset, ShardDataloader):
+        dataset = dataset.dataset
+    if not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
+        raise ShardingError("shard_dataloader: the dataset needs __len__ and __getitem__ "
+                            f"returning numpy arrays, got {type(dataset).__name__}")
+    meshes = (meshes,) if isinstance(meshes, ProcessMesh) else tuple(meshes)
+    if not meshes or not all(isinstance(m, ProcessMesh) for m in meshes):
+        raise ShardingError(f"shard_dataloader: meshes must be a ProcessMesh or a list of "
+                            f"them, got {meshes!r}")
+    dims = shard_dims if isinstance(shard_dims, (list, tuple)) else [shard_dims] * len(meshes)
+    if len(dims) != len(meshes):
+        raise ShardingError(f"shard_dataloader: {len(dims)} shard_dims for {len(meshes)} "
+                            "meshes; give one, or one per mesh")
+    return ShardDataloader(dataset, meshes, tuple(_mesh_dim(m, d) for m, d in zip(meshes, dims)))
+
+
+def _mesh_dim(mesh: ProcessMesh, dim):
+    """A mesh dim given by name or index, as its name (None stays None)."""
+    if dim is None:
+        return None
+    if isinstance(dim, int) and not isinstance(dim, bool):
+        if not -mesh.ndim <= dim < mesh.ndim:
+            raise ShardingError(f"shard_dataloader: shard_dims {dim} is out of range for "
+                                f"{mesh} ({mesh.ndim} dims)")
+        return mesh.dim_names[dim]
+    if dim not in mesh.dim_names:
+        raise ShardingError(f"shard_dataloader: shard_dims {dim!r} is not a dim of {mesh}; "
+                            f"its dims are {list(mesh.dim_names)}")
+    return dim
 
 
 @dataclass

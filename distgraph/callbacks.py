@@ -63,6 +63,10 @@ class Callback:
     def on_step_end(self, step, logs=None):
         pass
 
+    def close(self):
+        """Release what the callback keeps open (a progress bar) when ``fit`` ends by an
+        error, without the end-of-training hooks."""
+
 
 class CallbackList(Callback):
     """Calls each callback in order."""
@@ -99,6 +103,10 @@ class CallbackList(Callback):
         for cb in self.callbacks:
             cb.on_step_end(step, logs)
 
+    def close(self):
+        for cb in self.callbacks:
+            cb.close()
+
 
 def _fmt(value) -> str:
     return f"{value:.4g}" if isinstance(value, float) else str(value)
@@ -107,15 +115,19 @@ def _fmt(value) -> str:
 class ProgressBar(Callback):
     """A tqdm bar per epoch on rank 0: the step's loss, steps/s and samples/s (global
     samples). With ``bar=False``, one line per epoch instead (``fit(verbose=2)``).
+    ``label`` names the bar instead of ``epoch i/n`` (``evaluate`` shows "evaluate").
 
     Example::
 
         engine.fit(data, batch_size=16, verbose=0, callbacks=[dg.callbacks.ProgressBar()])
     """
 
-    def __init__(self, bar: bool = True, file=None):
-        self.bar, self.file = bar, file
+    def __init__(self, bar: bool = True, file=None, label: str | None = None):
+        self.bar, self.file, self.label = bar, file, label
         self._tqdm = None
+
+    def _name(self, epoch) -> str:
+        return self.label or f"epoch {epoch + 1}/{self.epochs}"
 
     def _active(self) -> bool:
         return self.engine is None or self.engine.rank == 0
@@ -128,7 +140,7 @@ class ProgressBar(Callback):
         self._start, self._samples, self._count = time.perf_counter(), 0, 0
         if self.bar and self._active():
             from tqdm import tqdm
-            self._tqdm = tqdm(total=self.steps, desc=f"epoch {epoch + 1}/{self.epochs}",
+            self._tqdm = tqdm(total=self.steps, desc=self._name(epoch),
                               unit="step", file=self.file or sys.stderr, dynamic_ncols=True,
                               leave=True)
             self._tqdm.update(logs.get("batch", 0) if logs else 0)
@@ -157,11 +169,13 @@ class ProgressBar(Callback):
             self._tqdm = None
         elif self._active():
             text = " ".join(f"{k}={_fmt(v)}" for k, v in {**shown, **self._rates()}.items())
-            print(f"epoch {epoch + 1}/{self.epochs} {text}", file=self.file or sys.stdout,
-                  flush=True)
+            print(f"{self._name(epoch)} {text}", file=self.file or sys.stdout, flush=True)
 
     def on_train_end(self, logs=None):
-        if self._tqdm is not None:           # stopped inside an epoch
+        self.close()                         # stopped inside an epoch
+
+    def close(self):
+        if self._tqdm is not None:
             self._tqdm.close()
             self._tqdm = None
 

@@ -62,5 +62,9 @@ def is_float(dtype: str) -> bool:
     return dtype in FLOAT_DTYPES
 
 
+def is_integer(dtype: str) -> bool:
+    return np.issubdtype(np.dtype(dtype), np.integer)
+
+
 def itemsize(dtype: str) -> int:
     return np.dtype(dtype).itemsize

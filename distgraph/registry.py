@@ -48,6 +48,11 @@ class ShapeError(DistGraphError):
     """Raised by an op's ``infer``; the tracer adds the op, the layer path and all shapes."""
 
 
+class DTypeError(ShapeError):
+    """An operand's dtype is not one the op (or loss) takes: integer labels for a
+    regression loss, float labels for cross-entropy, operands of two dtypes."""
+
+
 @dataclass(frozen=True)
 class OpDef:
     type: str

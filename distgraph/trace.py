@@ -23,11 +23,14 @@ _ACTIVE: list["Builder"] = []
 
 @dataclass(frozen=True)
 class InputSpec:
-    """Shape, dtype and name of one model input: ``InputSpec([32, 64], "int64", "tokens")``."""
+    """Shape, dtype and name of one model input: ``InputSpec([32, 64], "int64", "tokens")``.
+    ``dist_attr`` (a DistAttr, optional) annotates the input as ``shard_tensor`` would
+    (``dg.shard_dataloader`` sets it for the feeds it splits)."""
 
     shape: tuple
     dtype: str | None = None
     name: str | None = None
+    dist_attr: object = None
 
     def __post_init__(self):
         shape = tuple(int(d) for d in self.shape)
@@ -111,7 +114,7 @@ class Builder:
         except ShapeError as e:
             shapes = ", ".join(f"{v.name}{list(v.shape)}:{v.dtype}" for v in ins)
             where = f" in layer '{self.layer}'" if self.layer else ""
-            raise ShapeError(f"op '{op_type}'{where}: {e} (operands: {shapes})") from None
+            raise type(e)(f"op '{op_type}'{where}: {e} (operands: {shapes})") from None
         if isinstance(outs, TensorType):
             outs = [outs]
         names = names or [None] * len(outs)
@@ -155,6 +158,9 @@ def make_inputs(builder: Builder, specs) -> list[Value]:
     for i, spec in enumerate(specs):
         name = spec.name or f"input_{i}"
         v = builder.program.add_value(Value(name, spec.shape, spec.dtype, role="forward"))
+        if spec.dist_attr is not None:
+            spec.dist_attr.spec.validate(spec.dist_attr.mesh, spec.shape, name)
+            v.annotation = spec.dist_attr
         builder.program.inputs.append(v)
         values.append(v)
     return values

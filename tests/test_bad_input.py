@@ -253,3 +253,63 @@ def test_the_engine_takes_the_cluster_of_distgraph_run(monkeypatch):
     monkeypatch.setenv("DISTGRAPH_CLUSTER", str(CLUSTERS / "no-such-file.yaml"))
     with pytest.raises(ResourceFileError, match="no-such-file.yaml"):
         J.mlp_engine(1)
+
+
+# ---- samples that do not fit the model or the loss ----------------------------------------
+
+class Fields:
+    """Samples of ``n_x`` inputs x [8] and a label y [4] of ``label`` dtype (or dicts)."""
+
+    def __init__(self, n_x=1, label="float64", as_dict=False, n=16):
+        rng = np.random.default_rng(0)
+        self.x = rng.normal(size=(n, 8))
+        self.y = rng.normal(size=(n, 4)).astype(label)
+        self.n_x, self.as_dict = n_x, as_dict
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        if self.as_dict:
+            return {"x": self.x[i], "y": self.y[i]}
+        return (self.x[i],) * self.n_x + (self.y[i],)
+
+
+def mlp_fit(data, loss=None):
+    dg.seed(0)
+    engine = dg.Engine(dg.nn.MLP(8, 16, 4), loss or dg.nn.MSELoss(), dg.optim.SGD(0.01))
+    return engine.fit(data, batch_size=8, verbose=0)
+
+
+@pytest.mark.parametrize("data, loss, error, words", [
+    (Fields(n_x=2), None, DistGraphError,
+     "dataset samples have 3 field(s) (the last is the label), so the model gets 2 input(s), "
+     "but MLP.forward(x) takes 1: return samples of 1 input, then the label"),
+    (Fields(as_dict=True), None, DistGraphError,
+     "dataset sample 0 is a dict (keys 'x', 'y'); samples must be tuples"),
+    (Fields(label="int64"), None, dg.DTypeError,
+     "MSELoss: the label 'label_0' is integer (int64) but the model's output is float64"),
+    (Fields(), dg.nn.CrossEntropyLoss(), dg.DTypeError,
+     "CrossEntropyLoss: the label 'label_0' is float64, but cross-entropy takes integer "
+     "class ids"),
+])
+def test_samples_that_do_not_fit_the_model_or_the_loss_say_how(data, loss, error, words):
+    with pytest.raises(error) as info:
+        mlp_fit(data, loss)
+    assert words in str(info.value)
+
+
+def test_float64_samples_for_a_float32_model_are_cast_and_said_once(capsys):
+    dg.set_default_dtype("float32")           # the module's fixture restores it
+    casted = mlp_fit(Fields()).losses
+    err = capsys.readouterr().err
+    assert err == ("distgraph: warning: dataset field 0 (an input) is float64 and is cast to "
+                   "float32, the model's dtype; dg.set_default_dtype('float64') computes in "
+                   "float64, or give float32 samples\n"
+                   "distgraph: warning: dataset field 1 (the label) is float64 and is cast "
+                   "to float32, the model's dtype; dg.set_default_dtype('float64') computes "
+                   "in float64, or give float32 samples\n")
+    data32 = Fields()
+    data32.x, data32.y = data32.x.astype(np.float32), data32.y.astype(np.float32)
+    assert mlp_fit(data32).losses == casted            # the same numbers as float32 data
+    assert capsys.readouterr().err == ""

@@ -111,6 +111,47 @@ def test_another_models_checkpoint_is_a_clear_error(float64, tmp_path):
         engine.save(tmp_path / "mine")
 
 
+class Wrapper(dg.nn.Layer):
+    """A user's layer around the model: its parameters are named ``inner.*``."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, idx):
+        return self.inner(idx)
+
+
+def test_a_wrapped_models_checkpoint_loads_into_the_bare_model_and_back(float64, tmp_path):
+    wrapped = dg.Engine(Wrapper(gpt_engine().model), dg.nn.CrossEntropyLoss(),
+                        dg.optim.AdamW(1e-2))
+    wrapped.fit(P.Tokens(), batch_size=4, verbose=0)
+    wrapped.save(tmp_path / "wrapped")
+    bare = gpt_engine(seed=1)
+    with pytest.raises(dg.CheckpointError, match=r"missing 29 tensor.*The names differ by a "
+                       r"common prefix: the checkpoint's start with 'inner.'. Load it with "
+                       r"engine.load\(path, strip_prefix='inner.'\)"):
+        bare.load(tmp_path / "wrapped")
+    bare.load(tmp_path / "wrapped", strip_prefix="inner.")
+    want = {k.removeprefix("inner."): v for k, v in wrapped.optimizer_state_dict().items()}
+    assert {k: v.tolist() for k, v in bare.optimizer_state_dict().items()} == \
+        {k: v.tolist() for k, v in want.items()}
+    assert all(np.array_equal(bare.state_dict()[k.removeprefix("inner.")], v)
+               for k, v in wrapped.state_dict().items())
+    bare.save(tmp_path / "bare")
+    again = dg.Engine(Wrapper(gpt_engine(seed=2).model), dg.nn.CrossEntropyLoss(),
+                      dg.optim.AdamW(1e-2))
+    with pytest.raises(dg.CheckpointError, match=r"the model's start with 'inner.'. Load it "
+                       r"with engine.load\(path, prefix='inner.'\)"):
+        again.load(tmp_path / "bare")
+    again.load(tmp_path / "bare", prefix="inner.")
+    assert all(np.array_equal(again.state_dict()[k], v)
+               for k, v in wrapped.state_dict().items())
+    # the loaded one trains on as the wrapped one does (the same batches; no shuffle)
+    assert again.fit(P.Tokens(), batch_size=4, epochs=2, verbose=0).losses == \
+        wrapped.fit(P.Tokens(), batch_size=4, epochs=1, verbose=0).losses
+
+
 def test_weights_only_checkpoint_starts_fresh_optimizer_states(float64, tmp_path):
     gpt_engine(seed=4).save(tmp_path / "weights")
     engine = gpt_engine(seed=5)

@@ -121,6 +121,30 @@ def test_progress_bar_shows_loss_and_rates(float64, capsys):
     assert capsys.readouterr() == ("", "")
 
 
+def test_a_fit_that_raises_closes_its_bar_and_evaluate_takes_verbose(float64, capsys):
+    model, _, _ = linear()
+    engine = dg.Engine(model, dg.nn.MSELoss(), dg.optim.SGD(0.05))
+
+    class Boom(dg.callbacks.Callback):
+        def on_step_end(self, step, logs=None):
+            if step == 1:
+                raise RuntimeError("boom")
+
+    bar = dg.callbacks.ProgressBar()
+    with pytest.raises(RuntimeError, match="boom"):
+        engine.fit(Rows(6), batch_size=2, epochs=2, callbacks=[bar, Boom()])
+    assert bar._tqdm is None                     # closed: nothing prints at exit
+    assert capsys.readouterr().err.endswith("\n")
+    expected = engine.evaluate(Rows(6), batch_size=2, verbose=0)
+    assert capsys.readouterr() == ("", "")
+    assert engine.evaluate(Rows(6), batch_size=2, verbose=2) == expected
+    assert capsys.readouterr().out.startswith("evaluate mean_loss=")
+    assert engine.evaluate(Rows(6), batch_size=2) == expected          # verbose=1: a bar
+    assert "evaluate: 100%" in capsys.readouterr().err
+    with pytest.raises(dg.DistGraphError, match="verbose=3: give 0"):
+        engine.evaluate(Rows(6), batch_size=2, verbose=3)
+
+
 def test_csv_logger_writes_a_row_per_epoch(float64, tmp_path):
     model, _, _ = linear()
     engine = dg.Engine(model, dg.nn.MSELoss(), dg.optim.SGD(0.05))

@@ -48,8 +48,10 @@ from typing import Callable
 import numpy as np
 
 from distgraph.errors import DistGraphError
+from distgraph.version import __version__
 
 FORMAT = "distgraph-checkpoint"
+GLOBAL_STATE = "optimizer@"      # optimizer states of no one parameter (optimizer@STEP)
 VERSION = 1
 METADATA = "metadata.json"
 ALIGN = 64
@@ -76,11 +78,7 @@ class Entry:
 
 
 def distgraph_version() -> str:
-    try:
-        from importlib.metadata import version
-        return version("distgraph")
-    except Exception:      # running from a source tree without installed metadata
-        return "unknown"
+    return __version__
 
 
 def _mesh_dict(mesh) -> dict:
@@ -280,7 +278,7 @@ class CheckpointReader:
         r.read("fc1.weight")                      # the whole tensor
     """
 
-    def __init__(self, path):
+    def __init__(self, path, strip_prefix: str = "", prefix: str = ""):
         self.path = os.path.abspath(os.fspath(path))
         meta_path = os.path.join(self.path, METADATA)
         if not os.path.isfile(meta_path):
@@ -300,7 +298,7 @@ class CheckpointReader:
                                   f"{meta.get('version')}; this distgraph reads version "
                                   f"{VERSION}")
         self.meta = meta
-        self.tensors = meta["tensors"]
+        self.tensors = _renamed(meta["tensors"], strip_prefix, prefix)
         self.data_dir = os.path.join(self.path, meta["data"])
         self.bytes_read = 0     # bytes copied out of shard files by read()
 
@@ -365,6 +363,47 @@ class CheckpointReader:
                                   f"in {fname}: {e}") from None
 
 
+def _renamed(tensors: dict, strip_prefix: str, prefix: str) -> dict:
+    """The checkpoint's tensors under the names a model of another nesting uses: a
+    leading ``strip_prefix`` removed, then ``prefix`` put in front (global optimizer
+    states such as ``optimizer@STEP`` keep their names)."""
+    if not strip_prefix and not prefix:
+        return tensors
+    out = {}
+    for name, t in tensors.items():
+        if name.startswith(GLOBAL_STATE):
+            out[name] = t
+            continue
+        if strip_prefix and name.startswith(strip_prefix):
+            name = name[len(strip_prefix):]
+        out[prefix + name] = t
+    return out
+
+
+def _prefix_hint(have: set, expected: set, allowed_missing: set) -> str:
+    """How to load anyway when the checkpoint's names and the model's differ only by a
+    common leading prefix (a model saved inside a wrapper layer and loaded bare, or the
+    reverse); "" when they do not."""
+    theirs = {n for n in have if not n.startswith(GLOBAL_STATE)}
+    ours = {n for n in expected if not n.startswith(GLOBAL_STATE)}
+    need = ours - set(allowed_missing)
+
+    def fits(renamed: set) -> bool:
+        return bool(renamed) and renamed <= ours and need <= renamed
+
+    for arg, longer, shorter in (("strip_prefix", theirs, ours), ("prefix", ours, theirs)):
+        cuts = {n[:len(n) - len(m)] for n in longer for m in shorter
+                if len(n) > len(m) and n.endswith("." + m)}
+        for cut in sorted(cuts, key=len):
+            renamed = ({n[len(cut):] for n in theirs if n.startswith(cut)}
+                       if arg == "strip_prefix" else {cut + n for n in theirs})
+            if len(renamed) == len(theirs) and fits(renamed):
+                whose = "checkpoint's" if arg == "strip_prefix" else "model's"
+                return (f"The names differ by a common prefix: the {whose} start with "
+                        f"{cut!r}. Load it with engine.load(path, {arg}={cut!r})")
+    return ""
+
+
 def _names(names: list, limit: int = 8) -> str:
     shown = ", ".join(names[:limit])
     return f"[{shown}" + (f", ... ({len(names) - limit} more)]" if len(names) > limit else "]")
@@ -392,6 +431,7 @@ def check_tensors(reader: CheckpointReader, expected: dict, allowed_missing=(),
             parts.append(f"unexpected {len(extra)} tensor(s) {_names(extra)}")
         if wrong:
             parts.append(f"mismatched {len(wrong)}: " + "; ".join(wrong[:8]))
+        hint = _prefix_hint(have, set(expected), set(allowed_missing)) or hint
         raise CheckpointError(f"checkpoint {reader.path} does not fit this model: "
                               + "; ".join(parts) + ". " + (hint or "Load a checkpoint saved "
                               "from the same model and optimizer (and the same "

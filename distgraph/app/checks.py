@@ -1,5 +1,7 @@
 """Checks the Engine makes on what users give it and on what training produces.
 
+- :func:`check_fields`: a sample's fields (inputs, then labels) must match the
+  arguments of the model's forward;
 - :func:`stack_batch`: samples of a batch must have equal shapes (the error names the
   sample indices and shapes, not numpy's bare message);
 - :class:`FeedCheck`: labels and embedding ids fed straight to the loss / an embedding
@@ -20,6 +22,7 @@ Example::
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 import os
 
@@ -38,6 +41,33 @@ def launcher_cluster():
     if not path:
         return None
     return Cluster.from_file(path)
+
+
+def check_fields(model, n_fields: int, n_labels: int) -> None:
+    """Raise DistGraphError unless the model's forward takes the ``n_fields - n_labels``
+    inputs a sample gives (the last ``n_labels`` fields are labels)."""
+    try:
+        sig = inspect.signature(model.forward)
+    except (TypeError, ValueError):      # a forward inspect cannot read: nothing to check
+        return
+    kinds = inspect.Parameter
+    positional = [p for p in sig.parameters.values()
+                  if p.kind in (kinds.POSITIONAL_ONLY, kinds.POSITIONAL_OR_KEYWORD)]
+    required = [p for p in positional if p.default is p.empty]
+    varargs = any(p.kind == kinds.VAR_POSITIONAL for p in sig.parameters.values())
+    n_in = n_fields - n_labels
+    if len(required) <= n_in and (varargs or n_in <= len(positional)):
+        return
+    names = ", ".join(p.name for p in positional) + (", *args" if varargs else "")
+    takes = (f"{len(required)} to {len(positional)}" if len(required) < len(positional)
+             else str(len(positional)))
+    labels = ("the last is the label" if n_labels == 1 else
+              f"the last {n_labels} are labels" if n_labels else "none is a label")
+    want = len(required) or 1
+    raise DistGraphError(f"dataset samples have {n_fields} field(s) ({labels}), so the model "
+                         f"gets {n_in} input(s), but {type(model).__name__}.forward({names}) "
+                         f"takes {takes}: return samples of {want} input{'s' * (want > 1)}"
+                         f"{', then the label' if n_labels else ''}")
 
 
 def stack_batch(samples: list, indices) -> list:

@@ -1,8 +1,12 @@
 """Batches of a dataset: the Engine's data loader.
 
-A dataset is any object with ``__len__`` and ``__getitem__`` returning numpy arrays (the
-inputs followed by the labels). :class:`DataLoader` stacks samples into batches,
-shuffles with (seed, epoch), and gives a data-parallel rank only its rows.
+A dataset is any object with ``__len__`` and ``__getitem__`` returning a tuple of numpy
+arrays (the inputs followed by the labels). :class:`DataLoader` stacks samples into
+batches, shuffles with (seed, epoch), and gives a data-parallel rank only its rows. Fields
+are fed in the model's dtypes: integers as int64, floating point in the default dtype
+(``dg.get_default_dtype()``); :meth:`DataLoader.casts` says which fields that casts
+from a wider float (the Engine warns once). A dataset from ``dg.shard_dataloader`` (or
+the ``sharding`` of one) annotates each field so that its batch comes split.
 
 Example::
 
@@ -17,12 +21,18 @@ from __future__ import annotations
 import numpy as np
 
 from distgraph import dtypes
+from distgraph.annotation import ShardDataloader
 from distgraph.app import checks
 from distgraph.errors import DistGraphError
 from distgraph.trace import InputSpec
 
 
-def _as_fields(sample) -> list:
+def _as_fields(sample, index: int = 0) -> list:
+    if isinstance(sample, dict):
+        raise DistGraphError(f"dataset sample {index} is a dict (keys "
+                             f"{', '.join(map(repr, sample))}); samples must be tuples: the "
+                             "model's inputs in the order of its forward's arguments, then "
+                             "the label, e.g. return (x, y)")
     return list(sample) if isinstance(sample, (tuple, list)) else [sample]
 
 
@@ -39,14 +49,18 @@ class DataLoader:
     Programs have static shapes, so a short last batch runs on a plan of its own; with
     ``drop_last`` it is dropped instead."""
 
-    def __init__(self, dataset, batch_size, shuffle=False, seed=0, drop_last=False):
+    def __init__(self, dataset, batch_size, shuffle=False, seed=0, drop_last=False,
+                 sharding: ShardDataloader | None = None):
         if not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
             raise DistGraphError("a dataset needs __len__ and __getitem__ returning numpy arrays")
         if batch_size < 1 or batch_size > len(dataset):
             raise DistGraphError(f"batch_size {batch_size} must be between 1 and the dataset "
                                  f"size {len(dataset)}")
+        if isinstance(dataset, ShardDataloader):
+            dataset, sharding = dataset.dataset, dataset
         self.dataset, self.batch_size, self.shuffle, self.seed = dataset, batch_size, shuffle, seed
         self.drop_last = drop_last
+        self.sharding = sharding
         self._specs: dict = {}
 
     def __len__(self):
@@ -65,25 +79,44 @@ class DataLoader:
         rank reads only its shard of the samples)."""
         if rows is not None:
             idx = idx[rows]
-        return checks.stack_batch([_as_fields(self.dataset[int(i)]) for i in idx], idx)
+        batch = checks.stack_batch([_as_fields(self.dataset[int(i)], int(i)) for i in idx], idx)
+        return [np.asarray(a, dtype=_field_dtype(a)) for a in batch]
 
     def epoch(self, epoch: int, rows: slice | None = None):
         """Batches of one epoch (see :meth:`load`)."""
         for idx in self.indices(epoch):
             yield self.load(idx, rows)
 
+    def fields(self) -> list:
+        """The fields of the first sample, as arrays."""
+        return [np.asarray(f) for f in _as_fields(self.dataset[0])]
+
     def specs(self, n_labels: int, batch_rows: int | None = None):
-        """InputSpecs of a batch of ``batch_rows`` samples (default: ``batch_size``)."""
+        """InputSpecs of a batch of ``batch_rows`` samples (default: ``batch_size``),
+        annotated where the dataset came from ``dg.shard_dataloader``."""
         rows = batch_rows or self.batch_size
         if (n_labels, rows) not in self._specs:
-            first = [np.asarray(f) for f in _as_fields(self.dataset[0])]
+            first = self.fields()
             if len(first) <= n_labels:
-                raise DistGraphError(f"dataset samples have {len(first)} fields; expected "
-                                     f"inputs followed by {n_labels} label field(s)")
+                raise DistGraphError(f"dataset samples have {len(first)} field(s); expected "
+                                     f"the model's inputs followed by {n_labels} label "
+                                     "field(s)")
+            shapes = [(rows,) + a.shape for a in first]
+            attrs = (self.sharding.feed_attrs(shapes, n_labels) if self.sharding is not None
+                     else [None] * len(first))
             cut = len(first) - n_labels
-            ins = [InputSpec((rows,) + a.shape, _field_dtype(a), f"input_{i}")
-                   for i, a in enumerate(first[:cut])]
-            labels = [InputSpec((rows,) + a.shape, _field_dtype(a), f"label_{i}")
-                      for i, a in enumerate(first[cut:])]
-            self._specs[n_labels, rows] = (ins, labels)
+            specs = [InputSpec(shape, _field_dtype(a),
+                               f"input_{i}" if i < cut else f"label_{i - cut}", attr)
+                     for i, (a, shape, attr) in enumerate(zip(first, shapes, attrs))]
+            self._specs[n_labels, rows] = (specs[:cut], specs[cut:])
         return self._specs[n_labels, rows]
+
+    def casts(self) -> list:
+        """(field index, dataset dtype, fed dtype) of each floating field fed in a
+        narrower float than the dataset's (float64 samples for a float32 model)."""
+        out = []
+        for i, a in enumerate(self.fields()):
+            fed = np.dtype(_field_dtype(a))
+            if np.issubdtype(a.dtype, np.floating) and a.dtype.itemsize > fed.itemsize:
+                out.append((i, str(a.dtype), str(fed)))
+        return out

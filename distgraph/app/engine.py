@@ -10,10 +10,12 @@ Example::
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from distgraph.annotation import ShardDataloader
 from distgraph.app import checkpoint, checks
 from distgraph.app.checkpoint import CheckpointReader
 from distgraph.app.data import DataLoader
@@ -31,7 +33,6 @@ from distgraph.runtime.execution.executor import ProgramRunner
 from distgraph.runtime.execution.pipeline import PipelineRunner
 from distgraph.runtime.execution.spmd import SpmdRunner, check_world
 from distgraph.strategy import Strategy
-from distgraph.trace import InputSpec
 
 
 @dataclass
@@ -123,6 +124,12 @@ class Engine:
     ``state_dict()`` and ``optimizer_state_dict()`` return them whole, ``save(path)``
     writes a checkpoint that ``load(path)`` restores under any plan. Setting new values
     on the model (``model.set_state_dict``) takes effect at the next step.
+
+    A dataset from ``dg.shard_dataloader`` feeds each batch split over a mesh dim;
+    ``evaluate``, ``predict`` and the validation of ``fit`` split plain datasets the
+    way the last ``fit``'s shard_dataloader did. ``engine.rank`` and
+    ``engine.world_size`` say where this script runs; ``engine.process`` which logical
+    process of the plan this rank runs (``engine.plan().local(engine.process)``).
     """
 
     def __init__(self, model, loss=None, optimizer=None, metrics=None, cluster=None,
@@ -149,6 +156,9 @@ class Engine:
         self._resume = None                # training position a loaded checkpoint gives
         self._fit_config = None            # how the last fit read its data
         self._data_seed = self.strategy.seed
+        self._feed_specs: dict = {}        # plan key -> the (inputs, labels) InputSpecs planned
+        self._sharding = None              # the last fit's shard_dataloader, for plain datasets
+        self._warned: set = set()          # warnings this Engine printed already
         self.stop_training = False
 
     @property
@@ -158,19 +168,48 @@ class Engine:
 
     @property
     def rank(self) -> int:
-        """This process's rank in the job (0 when it runs alone)."""
+        """This script's rank in the job: 0 to ``world_size - 1`` (0 when it runs alone).
+        A rank is a running process of the job; which part of the plan it runs is
+        :attr:`process`."""
         if self._comm is not None:
             return self._comm.rank
-        import os
         return int(os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", 0)))
+
+    @property
+    def world_size(self) -> int:
+        """How many ranks the job has (``distgraph run -n N``: N; 1 when it runs alone)."""
+        if self._comm is not None:
+            return self._comm.size
+        return int(os.environ.get("PMI_SIZE", os.environ.get("OMPI_COMM_WORLD_SIZE", 1)))
+
+    @property
+    def process(self) -> int:
+        """The logical process of the current plan (training's, else evaluation's or
+        prediction's) that this rank runs: ``engine.plan().local(engine.process)`` is its
+        program. Process ids are the ProcessMesh's; with a cluster the rank mapper may run
+        process p on another rank than p."""
+        for mode in ("train", "eval", "predict"):
+            if mode in self._plans:
+                p = self._plans[mode]
+                return p.process_of(self.rank) if p.distributed else 0
+        raise DistGraphError("no plan yet: call fit(), evaluate(), predict() or prepare() "
+                             "first")
+
+    def _warn(self, text: str) -> None:
+        """One line on rank 0's stderr, once per Engine."""
+        if text in self._warned:
+            return
+        self._warned.add(text)
+        if self.rank == 0:
+            print(f"distgraph: warning: {text}", file=sys.stderr, flush=True)
 
     # -- building ---------------------------------------------------------------------------
     def _program_key(self, mode, inputs_spec, labels_spec) -> tuple:
         """What a plan depends on besides the model's structure: the feeds, the
         optimizer's settings (its learning rate is fed), the dropout seeds, the strategy
         (a new ``engine.strategy`` plans again and re-lays the values it moves)."""
-        feeds = tuple((s.name, tuple(s.shape), s.dtype) for s in list(inputs_spec) +
-                      list(labels_spec))
+        feeds = tuple((s.name, tuple(s.shape), s.dtype, s.dist_attr)
+                      for s in list(inputs_spec) + list(labels_spec))
         optim = repr(sorted(self.optimizer.hyperparameters().items())) \
             if mode == "train" and self.optimizer is not None else None
         seeds = tuple(layer.seed for _, layer in self.model.named_sublayers()
@@ -186,6 +225,7 @@ class Engine:
                               self.optimizer if mode == "train" else None, mode)
         self._plan_cache[key] = plan(built, self.strategy, self._planning_cluster(),
                                      self.rank_mapping)
+        self._feed_specs[key] = (inputs_spec, labels_spec)
         self._active.pop(mode, None)
         self._activate(mode, key)
         return self._plans[mode]
@@ -196,10 +236,7 @@ class Engine:
         (``Cluster.local``: the communicator's size, or the MPI launcher's)."""
         if self.cluster is not None or self.strategy.auto_mode != "full":
             return self.cluster
-        if self._comm is not None:
-            return Cluster.local(self._comm.size)
-        return Cluster.local(int(os.environ.get("PMI_SIZE",
-                                                os.environ.get("OMPI_COMM_WORLD_SIZE", 1))))
+        return Cluster.local(self.world_size)
 
     def _activate(self, mode, key) -> None:
         if self._active.get(mode) == key:
@@ -240,6 +277,23 @@ class Engine:
         ins, labels = loader.specs(self._label_count(mode), batch_rows)
         return self._bind(mode, ins, labels[:0] if mode == "predict" else labels, outputs)
 
+    def _loader(self, data, batch_size, shuffle=False, drop_last=False) -> DataLoader:
+        """A DataLoader of ``data``; a plain dataset is split as the last fit's
+        ``shard_dataloader`` split its data."""
+        return DataLoader(data, batch_size, shuffle, self._data_seed, drop_last,
+                          sharding=self._sharding)
+
+    def _check_data(self, mode, loader: DataLoader) -> None:
+        """The samples' fields against the model's forward; a warning for fields fed in a
+        narrower dtype than the dataset's."""
+        n_fields, n_labels = len(loader.fields()), self._label_count(mode)
+        checks.check_fields(self.model, n_fields, n_labels)
+        for k, have, fed in loader.casts():
+            what = "the label" if k >= n_fields - n_labels else "an input"
+            self._warn(f"dataset field {k} ({what}) is {have} and is cast to {fed}, the "
+                       f"model's dtype; dg.set_default_dtype({have!r}) computes in {have}, "
+                       f"or give {fed} samples")
+
     def _bind(self, mode, ins, labels, outputs=False):
         key = (mode, self._program_key(mode, ins, labels))
         if key not in self._plan_cache:
@@ -247,9 +301,18 @@ class Engine:
         self._activate(mode, key)
         backend = self._backend(mode, outputs)
         p = self._plans[mode]
+        if not p.distributed and self.world_size > 1:
+            self._warn_unsplit(mode)
         pid = p.process_of(self._comm.rank) if p.distributed else 0
         self._scopes = {mode: self._held.bind(p, pid, backend)}
         return p.built, backend, self._scopes[mode]
+
+    def _warn_unsplit(self, mode) -> None:
+        verb = {"train": "trains on", "eval": "evaluates", "predict": "predicts"}[mode]
+        self._warn(f"the model has no annotation, so each of the {self.world_size} ranks "
+                   f"{verb} the whole batch (the same work {self.world_size} times); split "
+                   f"the batch with dg.shard_dataloader(dataset, mesh, shard_dims=\"dp\") "
+                   f"or annotate the model with dg.shard_tensor")
 
     def _label_count(self, mode) -> int:
         """Trailing label fields of a sample: one when training or evaluating; when
@@ -276,7 +339,9 @@ class Engine:
         short last batch trains on a plan of its own unless ``drop_last``."""
         if self.optimizer is None or self.loss is None:
             raise DistGraphError("fit needs an Engine with a loss and an optimizer")
-        loader = DataLoader(train_data, batch_size, shuffle, self._data_seed, drop_last)
+        self._sharding = train_data if isinstance(train_data, ShardDataloader) else None
+        loader = self._loader(train_data, batch_size, shuffle, drop_last)
+        self._check_data("train", loader)
         n_batches = len(loader) if steps_per_epoch is None else min(steps_per_epoch, len(loader))
         first_epoch, first_batch = self._start(loader, n_batches, steps_per_epoch)
         self._fit_config = {"batch_size": batch_size, "shuffle": bool(shuffle),
@@ -286,10 +351,20 @@ class Engine:
             self._plan_batch("train", loader, rows)      # plan every batch shape up front
         self._only_planning("train")
         cbs = CallbackList(_progress(verbose, callbacks) + list(callbacks or []), self)
+        try:
+            return self._train(loader, n_batches, first_epoch, first_batch, epochs, cbs,
+                               valid_data, drop_last)
+        except BaseException:
+            cbs.close()          # a progress bar left open prints again at interpreter exit
+            raise
+
+    def _train(self, loader, n_batches, first_epoch, first_batch, epochs, cbs, valid_data,
+               drop_last) -> History:
+        """The epochs of ``fit`` from (first_epoch, first_batch)."""
         history = History()
         self.stop_training = False
         cbs.on_train_begin({"epochs": epochs, "steps_per_epoch": n_batches,
-                            "batch_size": batch_size, "step": self._step})
+                            "batch_size": loader.batch_size, "step": self._step})
         for epoch in range(first_epoch, epochs):
             start = first_batch if epoch == first_epoch else 0
             self._position = (epoch, start)
@@ -318,7 +393,8 @@ class Engine:
                       "lr": lr}
             if valid_data is not None and self._position[1] == 0:
                 record.update({f"val_{k}": v for k, v in
-                               self.evaluate(valid_data, batch_size, drop_last=drop_last).items()})
+                               self.evaluate(valid_data, loader.batch_size, drop_last=drop_last,
+                                             verbose=0).items()})
             history.epochs.append(record)
             cbs.on_epoch_end(epoch, record)
             if self.stop_training:
@@ -388,14 +464,26 @@ class Engine:
                           f"that divides the dataset") from None
 
     @checks.collective("Engine.evaluate()")
-    def evaluate(self, valid_data, batch_size=1, metrics=None, drop_last=False) -> dict:
+    def evaluate(self, valid_data, batch_size=1, metrics=None, drop_last=False,
+                 verbose=1) -> dict:
         """{"loss": mean loss over the samples, <metric name>: value, ...}; ``metrics``
-        (default: the Engine's) see the global outputs and labels of every batch."""
+        (default: the Engine's) see the global outputs and labels of every batch.
+        ``verbose`` as in ``fit``: 1 a progress bar (rank 0), 2 one line, 0 nothing."""
         ms = self.metrics if metrics is None else as_metrics(metrics)
-        loader = DataLoader(valid_data, batch_size, drop_last=drop_last)
+        loader = self._loader(valid_data, batch_size, drop_last=drop_last)
+        self._check_data("eval", loader)
         self._only_planning("eval", loader)
+        progress = CallbackList(_progress(verbose, None, label="evaluate"), self)
+        try:
+            return self._evaluate(loader, ms, progress)
+        finally:
+            progress.close()
+
+    def _evaluate(self, loader, ms, progress) -> dict:
         for m in ms:
             m.reset()
+        progress.on_train_begin({"epochs": 1, "steps_per_epoch": len(loader)})
+        progress.on_epoch_begin(0, {})
         total, count = 0.0, 0
         for b, idx in enumerate(loader.indices(0)):
             built, backend, scope = self._ensure("eval", loader, len(idx), outputs=bool(ms))
@@ -408,19 +496,24 @@ class Engine:
                 feed = self._feed(built, loader, idx, rows, 0, b)
             fetch = [built.loss_name] + (built.output_names if ms else [])
             out = backend.step(scope, feed, fetch, self._step)
-            total += float(out[built.loss_name]) * len(idx)
+            loss = float(out[built.loss_name])
+            total += loss * len(idx)
             count += len(idx)
             if ms:
                 n_in = len(built.feed_names) - len(built.label_names)
                 outputs = [np.asarray(out[n]) for n in built.output_names]
                 for m in ms:
                     m.update(outputs, batch[n_in:])
-        return {"loss": total / count, **{m.name: float(m.result()) for m in ms}}
+            progress.on_step_end(b, {"loss": loss, "batch_size": len(idx)})
+        result = {"loss": total / count, **{m.name: float(m.result()) for m in ms}}
+        progress.on_epoch_end(0, result)
+        return result
 
     @checks.collective("Engine.predict()")
     def predict(self, test_data, batch_size=1, drop_last=False) -> list:
         """Per batch, the list of the model's outputs (global arrays)."""
-        loader = DataLoader(test_data, batch_size, drop_last=drop_last)
+        loader = self._loader(test_data, batch_size, drop_last=drop_last)
+        self._check_data("predict", loader)
         self._only_planning("predict", loader)
         results = []
         for b, idx in enumerate(loader.indices(0)):
@@ -466,13 +559,18 @@ class Engine:
         checkpoint.save(path, entries, checkpoint_info(self), self._comm)
 
     @checks.collective("Engine.load()")
-    def load(self, path) -> None:
+    def load(self, path, strip_prefix: str = "", prefix: str = "") -> None:
         """Restore a checkpoint written by ``save`` under any plan: each process reads
         only its blocks when it next runs. Restores the step, the training position (the
         next ``fit`` runs only the epochs and batches not done yet), the data order and
         the dropout seeds. The optimizer's settings stay the ones given to this Engine.
-        Collective like ``save``: call it on every rank."""
-        reader = CheckpointReader(path)
+        Collective like ``save``: call it on every rank.
+
+        A checkpoint of the same model nested otherwise loads with its names renamed:
+        ``strip_prefix="inner."`` drops that start of the checkpoint's names (saved
+        from a wrapper layer whose ``inner`` is this model), ``prefix="inner."`` adds it
+        (saved from the bare model, loaded into a wrapper)."""
+        reader = CheckpointReader(path, strip_prefix=strip_prefix, prefix=prefix)
         check_checkpoint(self, reader)
         self._held.load(reader)
         self._scopes = {}
@@ -483,11 +581,7 @@ class Engine:
     def _bind_again(self, mode) -> None:
         """Bind the held values to ``mode``'s current feeds (planning again when the
         program key changed, e.g. dropout seeds restored by ``load``)."""
-        built = self._plans[mode].built
-        values = self._plans[mode].program.values
-        specs = [InputSpec(values[n].shape, values[n].dtype, n) for n in built.feed_names]
-        self._bind(mode, [s for s in specs if s.name not in built.label_names],
-                   [s for s in specs if s.name in built.label_names])
+        self._bind(mode, *self._feed_specs[self._active[mode]])
 
     def timeline(self, mode="train"):
         """The timeline of the steps run so far in ``mode``, merged over every rank (a
@@ -524,8 +618,11 @@ def _check_same_search(plan, comm) -> None:
                              "annotate more tensors")
 
 
-def _progress(verbose, callbacks) -> list:
+def _progress(verbose, callbacks, label=None) -> list:
     """The progress callback ``verbose`` asks for, unless the user gave one."""
+    if verbose not in (0, 1, 2, False, True):
+        raise DistGraphError(f"verbose={verbose!r}: give 0 (nothing), 1 (a progress bar) or "
+                             "2 (one line per epoch)")
     if not verbose or any(isinstance(cb, ProgressBar) for cb in callbacks or ()):
         return []
-    return [ProgressBar(bar=verbose == 1)]
+    return [ProgressBar(bar=verbose == 1, label=label)]

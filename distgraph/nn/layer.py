@@ -133,6 +133,13 @@ class LayerList(Layer):
     def __getitem__(self, i):
         return self._items[i]
 
+    def __setitem__(self, i, layer: Layer) -> None:
+        """Replace item ``i`` (its name stays ``str(i)``), e.g. with ``dg.shard_op(item,
+        mesh)``."""
+        i = range(len(self._items))[i]
+        setattr(self, str(i), layer)
+        self._items[i] = layer
+
     def __len__(self):
         return len(self._items)
 

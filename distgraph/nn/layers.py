@@ -8,6 +8,7 @@ import numpy as np
 
 from distgraph import dtypes, ops
 from distgraph.errors import DistGraphError
+from distgraph.registry import DTypeError
 from distgraph.nn.layer import Layer, LayerList
 from distgraph.parameter import Parameter
 
@@ -192,9 +193,22 @@ class CrossEntropyLoss(Layer):
         self.ignore_index = int(ignore_index)
 
     def forward(self, logits, labels):
+        if not dtypes.is_integer(labels.dtype):
+            raise DTypeError(f"CrossEntropyLoss: the label {labels.name!r} is "
+                             f"{labels.dtype}, but cross-entropy takes integer class ids: "
+                             "give the dataset int64 labels (e.g. y.astype(np.int64)); for "
+                             "float targets use MSELoss")
         return ops.cross_entropy(logits, labels, ignore_index=self.ignore_index)
 
 
 class MSELoss(Layer):
+    """Mean squared error between the model's output and a label of its dtype."""
+
     def forward(self, pred, target):
+        if target.dtype != pred.dtype:
+            kind = "integer" if dtypes.is_integer(target.dtype) else target.dtype
+            raise DTypeError(f"MSELoss: the label {target.name!r} is {kind} ({target.dtype}) "
+                             f"but the model's output is {pred.dtype}: give the dataset "
+                             f"float labels (fed as {pred.dtype}); for class ids use "
+                             "CrossEntropyLoss")
         return ops.mse_loss(pred, target)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from distgraph.errors import DistGraphError
-from distgraph.registry import ShapeError, TensorType, size
+from distgraph.registry import DTypeError, ShapeError, TensorType, size
 from distgraph.trace import current_builder, emit1
 
 
@@ -23,7 +23,7 @@ def broadcast_shapes(*shapes) -> tuple:
 def same_dtype(*ts: TensorType) -> str:
     dts = {t.dtype for t in ts}
     if len(dts) > 1:
-        raise ShapeError(f"operand dtypes differ: {', '.join(sorted(dts))}; cast one first")
+        raise DTypeError(f"operand dtypes differ: {', '.join(sorted(dts))}; cast one first")
     return dts.pop()
 
 

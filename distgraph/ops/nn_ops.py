@@ -23,7 +23,7 @@ from distgraph.ops.common import elementwise_flops, normalize_axes
 from distgraph.ops.elementwise import divide, multiply, subtract
 from distgraph.ops.reduce import mean as reduce_mean
 from distgraph.ops.reduce import sum as reduce_sum
-from distgraph.registry import ShapeError, TensorType, register_op
+from distgraph.registry import DTypeError, ShapeError, TensorType, register_op
 from distgraph.spmd import LETTERS, EinsumRule, axis_rule, elementwise_rule
 from distgraph.trace import emit, emit1
 
@@ -62,7 +62,7 @@ def check_range(xp, values, low: int, high: int | None, what: str, allowed=None)
 
 def _check_float(x, op):
     if not dtypes.is_float(x.dtype):
-        raise ShapeError(f"{op} needs a floating tensor, got {x.dtype}")
+        raise DTypeError(f"{op} needs a floating tensor, got {x.dtype}")
 
 
 @register_op("softmax", spmd=axis_rule())
@@ -206,7 +206,7 @@ class Embedding:
 
     def infer(ids, table, vocab_start=None, vocab_size=None):
         if ids.dtype not in dtypes.INT_DTYPES:
-            raise ShapeError(f"embedding ids must be integers, got {ids.dtype}")
+            raise DTypeError(f"embedding ids must be integers, got {ids.dtype}")
         if len(table.shape) != 2:
             raise ShapeError(f"embedding table must be 2-D [vocab, dim], got {list(table.shape)}")
         return TensorType(tuple(ids.shape) + (table.shape[1],), table.dtype)
@@ -295,7 +295,7 @@ class SoftmaxCrossEntropy:
     def infer(logits, labels, ignore_index=IGNORE_INDEX, class_start=None, num_classes=None):
         _check_float(logits, "softmax_cross_entropy")
         if labels.dtype not in dtypes.INT_DTYPES:
-            raise ShapeError(f"labels must be integers, got {labels.dtype}")
+            raise DTypeError(f"labels must be integers, got {labels.dtype}")
         if tuple(labels.shape) != tuple(logits.shape[:-1]):
             raise ShapeError(f"labels {list(labels.shape)} must match logits "
                              f"{list(logits.shape)} without the class dim")
@@ -383,7 +383,7 @@ class LabelMask:
 
     def infer(labels, ignore_index=IGNORE_INDEX, dtype="float32"):
         if labels.dtype not in dtypes.INT_DTYPES:
-            raise ShapeError(f"labels must be integers, got {labels.dtype}")
+            raise DTypeError(f"labels must be integers, got {labels.dtype}")
         return TensorType(labels.shape, dtypes.canonical(dtype))
 
     def kernel(ctx, labels, ignore_index=IGNORE_INDEX, dtype="float32"):

@@ -90,7 +90,9 @@ def _link_rows(cluster) -> list[str]:
     for (scope, ltype, bw, lat), members in groups.items():
         if scope == "inside":
             ids = sorted({mid for mid, _ in members})
-            where = f"machine{'s' if len(ids) > 1 else ''} {_ranges(ids)}"
+            # "machines 0-1" would read as a link between machines 0 and 1
+            where = (f"inside machine {ids[0]}" if len(ids) == 1
+                     else f"inside each of machines {_ranges(ids)}")
         else:
             where = "between machines"
         pairs = ", ".join(f"{ln.source}-{ln.target}" for _, ln in members[:MAX_PAIRS_SHOWN])

@@ -104,34 +104,16 @@ def line_map(text: str) -> dict[str, int]:
     return lines
 
 
-class _FlowDict(dict):
-    """A mapping written on one line: one device, NIC, link or mesh per line."""
-
-
 class _Dumper(yaml.SafeDumper):
-    pass
+    """Block style, one figure per line, so people can read and edit the file; a list of
+    plain numbers or names (a mesh shape, a link group) stays on one line."""
+
+    def represent_list(self, data):
+        flat = all(isinstance(x, (int, float, str, bool)) or x is None for x in data)
+        return self.represent_sequence("tag:yaml.org,2002:seq", data, flow_style=flat)
 
 
-_Dumper.add_representer(_FlowDict, lambda dumper, data: dumper.represent_mapping(
-    "tag:yaml.org,2002:map", data.items(), flow_style=True))
-
-
-def _flow_entries(data: dict) -> dict:
-    def flow(entries):
-        return [_FlowDict(e) for e in entries]
-
-    out = dict(data)
-    out["machines"] = []
-    for m in data["machines"]:
-        m = dict(m)
-        for key in ("devices", "nics", "links"):
-            if key in m:
-                m[key] = flow(m[key])
-        out["machines"].append(m)
-    for key in ("switches", "links", "device_meshes"):
-        if key in out:
-            out[key] = flow(out[key])
-    return out
+_Dumper.add_representer(list, _Dumper.represent_list)
 
 
 def save_cluster(cluster, path) -> None:
@@ -142,8 +124,8 @@ def save_cluster(cluster, path) -> None:
     if lower.endswith(JSON_SUFFIXES):
         text = json.dumps(data, indent=1) + "\n"
     elif lower.endswith(YAML_SUFFIXES):
-        text = yaml.dump(_flow_entries(data), Dumper=_Dumper, sort_keys=False,
-                         default_flow_style=False, width=140)
+        text = yaml.dump(data, Dumper=_Dumper, sort_keys=False, default_flow_style=False,
+                         width=100)
     else:
         raise ResourceFileError(f"{target}: cannot tell the format from the suffix; expected "
                                 "a name ending in .yaml, .yml or .json")

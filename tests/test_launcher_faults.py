@@ -200,6 +200,26 @@ def test_an_argument_error_is_one_line_and_starts_nothing(tmp_path, args, expect
     assert not list(marks.iterdir())
 
 
+@pytest.mark.mpi
+def test_a_plan_for_two_processes_under_plain_python_is_the_same_one_line(tmp_path):
+    rc, out, _ = run([sys.executable, str(JOBS), "two"])
+    assert rc == 1 and out == (f"distgraph: PlanError: this plan needs 2 processes (process ids "
+                               f"[0, 1]) but the job has 1; launch it with `distgraph run -n 2 "
+                               f"{JOBS}` (or `mpiexec -n 2 python {JOBS}`)\n"), out
+    rc, launched, _ = run(command("run", "-n", 1, JOBS, "two"))
+    assert rc != 0 and launched.splitlines()[0] == "distgraph: rank 0 failed: " + \
+        out.removeprefix("distgraph: ").strip(), launched
+
+
+@pytest.mark.mpi
+def test_an_error_of_several_lines_keeps_them(tmp_path):
+    rc, out, _ = run(command("run", "-n", 2, JOBS, "lines"))
+    assert rc != 0 and out.splitlines()[:3] == [
+        "distgraph: ranks 0, 1 failed: RuntimeFault: the first line",
+        "    then a second",
+        "    and a third"], out
+
+
 def test_run_help_is_plain_text():
     rc, out, _ = run(command("run", "--help"))
     assert rc == 0 and "--log-dir" in out and "--cluster" in out

@@ -8,6 +8,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import distgraph as dg
+
 ROOT = Path(__file__).resolve().parent.parent
 
 SCRIPT = textwrap.dedent("""
@@ -75,3 +77,60 @@ def test_a_script_that_never_plans_is_an_error(tmp_path):
     proc = plan_cli(script)
     assert proc.returncode == 1
     assert "without planning a step" in proc.stderr and "hello from the script" in proc.stderr
+
+
+DP_SCRIPT = textwrap.dedent("""
+    import sys
+    import distgraph as dg
+    sys.path.insert(0, {tests!r})
+    import plans as P
+
+    data = P.Dataset("mlp")
+    if {split}:
+        data = dg.shard_dataloader(data, dg.ProcessMesh([0, 1], ["dp"]), shard_dims="dp")
+    engine = dg.Engine(P.build_model("mlp"), P.loss_fn("mlp"), dg.optim.SGD(0.1))
+    engine.fit(data, batch_size=P.BATCH)
+""")
+
+
+def test_the_process_count_asked_for_is_checked_against_the_plan(tmp_path):
+    split = write(tmp_path, "split.py", DP_SCRIPT.format(tests=str(ROOT / "tests"), split=True))
+    proc = plan_cli(split, "-n", 3)
+    assert proc.returncode == 1 and proc.stdout == ""
+    assert proc.stderr == (f"distgraph plan: this plan needs 2 processes (process ids [0, 1]) "
+                           f"but -n 3 was given; plan it with -n 2 and launch it with "
+                           f"`distgraph run -n 2 {split}`\n")
+    proc = plan_cli(split, "-n", 2)
+    assert proc.returncode == 0 and proc.stderr == ""
+    assert proc.stdout.startswith("Plan: 2 process(es), distributed")
+    whole = write(tmp_path, "whole.py", DP_SCRIPT.format(tests=str(ROOT / "tests"), split=False))
+    proc = plan_cli(whole, "-n", 2)
+    assert proc.returncode == 0 and proc.stdout.startswith("Plan: 1 process(es), serial")
+    assert proc.stderr == ("distgraph plan: warning: the model has no annotation, so under "
+                           "`distgraph run -n 2` each of the 2 ranks would train on the whole "
+                           "batch (the same work 2 times); split the batch with "
+                           "dg.shard_dataloader(dataset, mesh, shard_dims=\"dp\") or annotate "
+                           "the model with dg.shard_tensor\n")
+
+
+def test_a_bad_cluster_file_or_script_is_one_line(tmp_path):
+    bad = write(tmp_path, "bad.yaml", "machines: [\n")
+    proc = plan_cli("--cluster", bad, ROOT / "tutorials" / "01_serial_gpt.py")
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.count("\n") == 1 and proc.stderr.startswith(f"distgraph plan: {bad}")
+    proc = plan_cli(tmp_path / "missing.py")
+    assert proc.returncode == 2 and proc.stderr == f"distgraph plan: {tmp_path}/missing.py: " \
+        "no such file\n"
+
+
+def test_version_and_help_are_plain_text():
+    version = subprocess.run([sys.executable, "-m", "distgraph.cli", "--version"],
+                             capture_output=True, text=True, check=True).stdout
+    assert version.strip() == f"distgraph {dg.__version__}" and dg.__version__ != "unknown"
+    for command in (["plan"], ["run"], ["cluster", "calibrate"], ["cluster", "show"]):
+        out = subprocess.run([sys.executable, "-m", "distgraph.cli", *command, "--help"],
+                             capture_output=True, text=True, check=True).stdout
+        usage, description = out.split("\n\n")[:2]
+        assert description[0].isupper() and len(description) > 40, out   # says what it does
+        for markup in ("``", ":func:", ":mod:", ".. ", ".py)"):
+            assert markup not in out, (command, out)

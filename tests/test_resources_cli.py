@@ -27,6 +27,24 @@ def test_show_prints_machines_meshes_and_links(capsys):
     assert "between machines" in out and "12.5" in out
 
 
+def test_show_says_inside_which_machines_a_link_row_is(capsys):
+    assert run(["cluster", "show", os.path.join(CLUSTERS, "gpu_2x8.yaml")]) == 0
+    rows = [ln.split("  ")[1] for ln in capsys.readouterr().out.split("Links:")[1].splitlines()[2:]]
+    assert rows == ["inside each of machines 0-1", "inside each of machines 0-1",
+                    "between machines"]
+    assert run(["cluster", "show", os.path.join(CLUSTERS, "local4.yaml")]) == 0
+    assert "  inside machine 0  SHM" in capsys.readouterr().out
+
+
+def test_a_saved_yaml_file_is_block_style_one_figure_per_line(tmp_path):
+    cluster = Cluster.from_file(os.path.join(CLUSTERS, "gpu_2x8.yaml"))
+    cluster.save(tmp_path / "out.yaml")
+    text = (tmp_path / "out.yaml").read_text()
+    assert "{" not in text and max(len(ln) for ln in text.splitlines()) <= 100
+    assert "    bandwidth: 300\n" in text and "  shape: [2, 8]\n" in text
+    assert Cluster.from_file(tmp_path / "out.yaml").describe() == cluster.describe()
+
+
 def test_show_reports_a_bad_file(tmp_path, capsys):
     bad = tmp_path / "bad.yaml"
     bad.write_text("machines: []\n")

@@ -27,10 +27,18 @@ def add_cluster_parser(subparsers) -> argparse.ArgumentParser:
     parser = subparsers.add_parser("cluster", help="inspect or measure resource files",
                                    description="Inspect or measure resource files.")
     commands = parser.add_subparsers(dest="cluster_command", required=True)
-    show = commands.add_parser("show", help="print a resource file's machines, meshes, links")
+    show = commands.add_parser("show", help="print a resource file's machines, meshes, links",
+                               description="Print a resource file's machines, devices, "
+                               "device meshes and links, as distgraph reads it.")
     show.add_argument("file", help="a .yaml or .json resource file (distgraph or Paddle format)")
     show.set_defaults(func=show_command)
-    cal = commands.add_parser("calibrate", help="measure N MPI ranks here, write a resource file")
+    cal = commands.add_parser(
+        "calibrate", help="measure N MPI ranks here, write a resource file",
+        description="Measure this machine with N MPI ranks and write a resource file: each "
+        "rank's GEMM rate, the links between ranks (one pair at a time while the others "
+        "sleep), and what the cost model charges per op type and per reshard step. Each "
+        "figure is printed as it comes; the file is written at the end.",
+        epilog="Example: distgraph cluster calibrate -n 4 -o here.yaml")
     cal.add_argument("-n", "--nprocs", type=int, required=True, help="number of MPI ranks")
     cal.add_argument("-o", "--output", required=True, help="file to write (.yaml or .json)")
     cal.add_argument("--repeats", type=int, default=3, help="measurement batches (default 3)")

@@ -34,10 +34,27 @@ import sys
 import tempfile
 import time
 
+from distgraph.errors import DistGraphError
 from distgraph.resources.cluster import Cluster
 
 PLAN_OUT = "DISTGRAPH_PLAN_OUT"
 GRACE = 10.0           # seconds a stopped script gets to clean up (emulated clusters do)
+DESCRIPTION = """\
+Print the plan a training script's Engine would use, without training: its processes and
+stages, the layouts per layer, every reshard with its bytes, the search's report, and the
+predicted step time and peak memory per device. The script runs as one plain process
+until its first Engine.fit, evaluate or predict has planned a batch."""
+EPILOG = """\
+The script's own arguments follow the script (after -- where they share a name with the
+options above). -n N prices the plan on this machine as N processes and says when the plan
+needs another number; --cluster FILE plans and prices it for FILE's machines.
+
+Examples:
+  distgraph plan tutorials/02_spmd_gpt.py -n 4
+  distgraph plan tutorials/02_spmd_gpt.py -n 4 --plot plan.png
+  distgraph plan tutorials/01_serial_gpt.py -- --steps 10
+  distgraph plan tutorials/03_auto_parallel.py --cluster resources/clusters/local4.yaml --json
+"""
 
 
 def _options(p) -> None:
@@ -48,7 +65,8 @@ def _options(p) -> None:
 
 def add_plan_parser(commands) -> None:
     p = commands.add_parser("plan", help="print the plan a training script would use",
-                            description=__doc__.splitlines()[0])
+                            description=DESCRIPTION, epilog=EPILOG,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
     _options(p)
     p.add_argument("script", help="the training script")
     p.add_argument("args", nargs=argparse.REMAINDER,
@@ -73,13 +91,22 @@ def _split(args):
 
 def _plan(args) -> int:
     args = _split(args)
+    try:
+        if args.cluster:
+            Cluster.from_file(args.cluster)            # a bad file fails here, named
+        if args.nprocs is not None and args.nprocs < 1:
+            raise DistGraphError(f"-n {args.nprocs}: give a number of processes >= 1")
+        if not os.path.isfile(args.script):
+            raise DistGraphError(f"{args.script}: no such file")
+    except DistGraphError as err:
+        print(f"distgraph plan: {err}", file=sys.stderr)
+        return 2
     with tempfile.TemporaryDirectory(prefix="distgraph-plan-") as tmp:
         env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
         out = os.path.join(tmp, "plan.json")
         env[PLAN_OUT] = out
         if args.cluster:
             env["DISTGRAPH_CLUSTER"] = os.path.abspath(args.cluster)
-            Cluster.from_file(args.cluster)            # a bad file fails here, named
         elif args.nprocs:
             path = os.path.join(tmp, f"local{args.nprocs}.yaml")
             Cluster.local(args.nprocs).save(path)
@@ -101,13 +128,35 @@ def _plan(args) -> int:
             return 1
         with open(out) as f:
             data = json.load(f)
+    mismatch = _process_count(data, args)
+    if mismatch and data["distributed"]:
+        print(f"distgraph plan: {mismatch}", file=sys.stderr)
+        return 1
     if args.json:
         print(json.dumps({k: v for k, v in data.items() if k != "text"}, indent=2))
     else:
         print(data["text"])
         if "estimate_error" in data:
             print(f"no estimate: {data['estimate_error']}")
+    if mismatch:
+        print(f"distgraph plan: warning: {mismatch}", file=sys.stderr)
     return 0
+
+
+def _process_count(data: dict, args) -> str:
+    """What to say when the plan's processes are not the ``-n`` asked for ("" when they
+    are, or when no -n was given)."""
+    n, have = args.nprocs, len(data["processes"])
+    if not n or n == have:
+        return ""
+    if not data["distributed"]:
+        return (f"the model has no annotation, so under `distgraph run -n {n}` each of the "
+                f"{n} ranks would train on the whole batch (the same work {n} times); split "
+                "the batch with dg.shard_dataloader(dataset, mesh, shard_dims=\"dp\") or "
+                "annotate the model with dg.shard_tensor")
+    return (f"this plan needs {have} processes (process ids {data['processes']}) but -n {n} "
+            f"was given; plan it with -n {have} and launch it with `distgraph run -n {have} "
+            f"{args.script}`")
 
 
 def _stop(proc) -> None:

@@ -54,7 +54,8 @@ def _arguments(p) -> None:
                    help="folder for the per-rank logs rank-<r>.log (default: a temporary one)")
     p.add_argument("--emulate", metavar="FILE",
                    help="run on an emulated cluster: FILE's machines as network namespaces "
-                        "with links shaped to its figures (root only; see runtime/emulate.py)")
+                        "with links shaped to its figures (root only; the README's "
+                        "'Emulated clusters' says more)")
     p.add_argument("--emulate-fault", action="append", default=[], metavar="SPEC",
                    help="with --emulate: a fault to inject, e.g. 'link node0-node1 down at 5s'")
     p.add_argument("script", help="the Python script to run on every rank")

@@ -15,7 +15,7 @@ spinning rank would take the core from a measuring one.
 
 Run it through the CLI (``distgraph cluster calibrate -n 2 -o mine.yaml``) or by hand::
 
-    mpiexec -n 2 python resources/calibrate.py -o mine.yaml
+    mpiexec -n 2 python -m distgraph.tools.calibrate -o mine.yaml
 
 Only rank 0 writes the file. The defaults keep a 2-rank run to about a second of
 measuring; raise ``--repeats`` for steadier figures.

@@ -16,6 +16,7 @@ import runpy
 import sys
 import time
 
+from distgraph.errors import DistGraphError
 from distgraph.runtime.launch.status import log_path, write_status
 from distgraph.runtime.launch.supervisor import supervise_this_rank
 
@@ -37,17 +38,27 @@ ABORT_GRACE = 0.2    # seconds between the failure line and MPI_Abort under a pl
 def install_abort_hook() -> None:
     """Make an uncaught exception print its traceback, name the rank, and abort the job.
     Installed once per process: by this bootstrap, and by every MPI communicator, so a
-    script started with a plain ``mpiexec`` ends the same way instead of hanging."""
+    script started with a plain ``mpiexec`` ends the same way instead of hanging. A
+    script started as one plain process (``python script.py``, MPI's world of 1) has
+    nobody to abort: a distgraph error is the one line it is under ``distgraph run``
+    (``distgraph: PlanError: ...``), anything else Python's traceback."""
     previous = sys.excepthook
     if getattr(previous, "distgraph_abort", False):
         return
 
     def hook(exc_type, exc, tb):
-        _report(exc_type, exc, tb, previous)
-        message = f"{exc_type.__name__}: {exc}".replace("\n", " ")
-        write_status("failed", message)
+        message = f"{exc_type.__name__}: {exc}"      # its lines kept: the launcher indents them
         from mpi4py import MPI
-        if MPI.Is_initialized() and not MPI.Is_finalized():
+        running = MPI.Is_initialized() and not MPI.Is_finalized()
+        if running and MPI.COMM_WORLD.Get_size() == 1 and log_path() is None:
+            if issubclass(exc_type, DistGraphError):
+                sys.stderr.write(f"distgraph: {message}\n")
+            else:
+                previous(exc_type, exc, tb)
+            return
+        _report(exc_type, exc, tb, previous)
+        write_status("failed", message)
+        if running:
             world = MPI.COMM_WORLD
             logfile = log_path()
             if logfile is None:

@@ -96,7 +96,9 @@ def failure_lines(states: list[RankState]) -> list[str]:
     for s in states:
         if s.failed is not None:
             by_error.setdefault(s.failed, []).append(s.rank)
-    lines = [f"{_ranks(ranks)} failed: {error}" for error, ranks in by_error.items()]
+    # an error of several lines keeps them, indented under the first
+    lines = [f"{_ranks(ranks)} failed: " + error.rstrip("\n").replace("\n", "\n  ")
+             for error, ranks in by_error.items()]
     for s in states:
         if s.failed is None and s.exit is not None:
             lines.append(f"rank {s.rank} died without reporting an error ({s.exit}); "

@@ -13,7 +13,9 @@ Usage: ``distgraph run -n N tests/mpi_scripts/fault_jobs.py MODE [ARG]`` (or pla
 - ``nan``:     data-parallel MLP (N = 2; serial when N = 1) whose sample 20 holds NaN;
 - ``subset``:  tensor-parallel MLP; after training only rank 0 calls ``state_dict``
   (ARG ``evaluate``: rank 1 calls ``evaluate`` meanwhile);
-- ``fail``:    the relu kernel raises on rank 1 in step 1 (N = 4).
+- ``fail``:    the relu kernel raises on rank 1 in step 1 (N = 4);
+- ``two``:     a data-parallel MLP planned for 2 processes, whatever N is;
+- ``lines``:   every rank raises a RuntimeFault of three lines.
 
 Every mode first writes ``started.<rank>`` into $FAULT_JOB_MARKS when that is set, so a
 test can tell whether any rank started at all.
@@ -161,6 +163,10 @@ def main(mode: str, arg: str | None) -> None:
             raise ValueError("injected failure")
         on_rank_in_step("relu", 1, 1, fail)
         mlp_engine(n).fit(Regression(), batch_size=8, verbose=0)
+    elif mode == "two":
+        mlp_engine(2).fit(Regression(), batch_size=8, verbose=0)
+    elif mode == "lines":
+        raise dg.RuntimeFault("the first line\n  then a second\n  and a third")
     else:
         raise SystemExit(f"unknown mode {mode!r}")
 

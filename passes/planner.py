@@ -38,6 +38,7 @@ from distgraph.passes.mapping.rank_mapping import map_ranks
 from distgraph.passes.mapping.traffic import process_graph
 from distgraph.passes.partition import LocalProgram, partition, process_ids
 from distgraph.passes.pipeline.accumulate import split_micro_batches
+from distgraph.passes.plan_plot import plot_plan
 from distgraph.passes.pipeline.task_graph import build_task_graph, stage_of_processes
 from distgraph.passes.search.auto import annotate, within_budget
 from distgraph.passes.transforms.recompute import recompute, segments
@@ -207,6 +208,13 @@ class Plan:
 
     def to_json(self, indent: int | None = 2) -> str:
         return json.dumps(self.to_dict(), indent=indent)
+
+    def plot(self, path) -> None:
+        """Draw the plan into ``path`` (PNG, SVG or PDF by its suffix): a column per
+        stage with its mesh, the layers on it, how each weight is split per mesh dim, the
+        reshards in each layer and between stages with their bytes. Needs matplotlib
+        (``pip install 'distgraph[plot]'``); see :mod:`distgraph.passes.plan_plot`."""
+        plot_plan(self, path)
 
 
 def plan(built, strategy: Strategy | None = None, cluster=None, rank_mapping=None) -> Plan:

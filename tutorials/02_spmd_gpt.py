@@ -4,7 +4,9 @@ The 4 ranks form a 2 x 2 ProcessMesh with dims ``dp`` (data parallel) and ``mp``
 parallel). Two kinds of annotation are all distgraph needs; completion infers the layout
 of every other tensor, and partition places the communication:
 
-- the input batch is split over ``dp``: each dp row of the mesh reads half of each batch;
+- the input batch is split over ``dp`` by ``dg.shard_dataloader(data, mesh,
+  shard_dims="dp")``: each dp row of the mesh reads half of each batch (its labels too);
+  the model stays the plain ``dg.nn.GPT``;
 - each block's weights are split the Megatron way over ``mp``: the first Linear of the
   attention (``qkv``) and of the MLP (``fc1``) by columns (weight and bias), the second
   (``proj``, ``fc2``) by rows. Each block then all-reduces over ``mp`` the partial
@@ -25,9 +27,12 @@ Run it with the launcher (4 MPI ranks, one BLAS thread each)::
     distgraph run -n 4 tutorials/02_spmd_gpt.py --steps 40 # quicker
 
 Started as one plain process (``python tutorials/02_spmd_gpt.py``) it stops with a
-PlanError that says how to launch it. Rank 0 prints the plan summary (what process 0
-runs and sends per step, planned and counted), the loss curve's start and end and the
-time; the job fails unless the loss fell by at least half.
+PlanError that says how to launch it. ``engine.rank`` is this script's rank in the job and
+``engine.process`` the process of the plan it runs (the mesh's process ids; with a
+cluster the rank mapper may place process p on another rank). Rank 0 prints what its
+process runs and sends per step, the loss curve's start and end and the time; the job
+fails unless the loss fell by at least half. ``distgraph plan -n 4
+tutorials/02_spmd_gpt.py --plot plan.png`` draws the plan.
 """
 
 import argparse
@@ -38,10 +43,9 @@ from collections import Counter
 import numpy as np
 
 import distgraph as dg
-from distgraph.runtime.comm.mpi import MPICommunicator
 
 from counting_data import CountingSequences  # tutorials/ is on the path
-from gpt_plans import DataParallelGPT, megatron  # the annotations described above
+from gpt_plans import megatron  # the annotations described above
 
 
 def main():
@@ -54,33 +58,30 @@ def main():
 
     mesh = dg.ProcessMesh([[0, 1], [2, 3]], dim_names=["dp", "mp"])
     dg.seed(0)
-    model = DataParallelGPT(mesh, vocab_size=args.vocab, d_model=64, n_layer=2, n_head=4,
-                            max_seq_len=args.seq_len)
+    model = dg.nn.GPT(vocab_size=args.vocab, d_model=64, n_layer=2, n_head=4,
+                      max_seq_len=args.seq_len)
     megatron(model, mesh)
     data = CountingSequences(args.steps * args.batch_size, args.seq_len, args.vocab)
-    comm = MPICommunicator()
-    engine = dg.Engine(model, loss=dg.nn.CrossEntropyLoss(), optimizer=dg.optim.AdamW(3e-3),
-                       communicator=comm)
+    engine = dg.Engine(model, loss=dg.nn.CrossEntropyLoss(), optimizer=dg.optim.AdamW(3e-3))
 
     start = time.perf_counter()
-    history = engine.fit(data, batch_size=args.batch_size, epochs=1)
+    history = engine.fit(dg.shard_dataloader(data, mesh, shard_dims="dp"),
+                         batch_size=args.batch_size, epochs=1)
     seconds = time.perf_counter() - start
-    sent = comm.total_bytes_sent
 
-    # The plan: the completed program and this process's part of it (pure values).
-    local = engine.plan().local(comm.rank)
+    # The plan: the completed program and this rank's part of it (pure values).
+    local = engine.plan().local(engine.process)
     points = local.points()
-    planned = sum(p.bytes for p in points)
+    sent = sum(local.bytes_sent().values())
     # Every rank holds the same global losses, so every rank reaches the same verdict.
     first, last = history.losses[0], float(np.mean(history.losses[-10:]))
     halved = last <= first / 2
-    if comm.rank == 0:
+    if engine.rank == 0:
         kinds = Counter(step.kind for p in points for step in p.steps)
-        print(f"plan on {mesh}: process 0 runs {len(local.program.ops)} ops and "
-              f"{len(points)} reshard points per step "
-              f"({', '.join(f'{n} {k}' for k, n in sorted(kinds.items()))}), "
-              f"{planned / 1024:.1f} KiB sent per step; measured "
-              f"{sent / len(history.losses) / 1024:.1f} KiB per step")
+        print(f"plan on {mesh}: rank {engine.rank} of {engine.world_size} runs process "
+              f"{engine.process}: {len(local.program.ops)} ops and {len(points)} reshard "
+              f"points per step ({', '.join(f'{n} {k}' for k, n in sorted(kinds.items()))}), "
+              f"sending {sent / 1024:.1f} KiB per step")
         print(f"steps {len(history.losses)}  loss {first:.3f} -> {last:.3f} (mean of the "
               f"last 10; ln vocab = {math.log(args.vocab):.3f})  {seconds:.1f} s")
         print("loss halved" if halved else "loss NOT halved")

@@ -106,21 +106,18 @@ def show(args, cluster) -> None:
 
 def train(args) -> None:
     """On every rank: train a few steps with the searched plan."""
-    from distgraph.runtime.comm.mpi import MPICommunicator
-    comm = MPICommunicator()
     cluster = dg.Cluster.from_file(os.environ["DISTGRAPH_CLUSTER"])
     dg.seed(0)
     engine = dg.Engine(dg.nn.GPT(**GPT), loss=dg.nn.CrossEntropyLoss(),
                        optimizer=dg.optim.AdamW(3e-3), cluster=cluster,
-                       strategy=strategy(args), communicator=comm)
+                       strategy=strategy(args))
     data = CountingSequences(BATCH * args.steps, GPT["max_seq_len"], GPT["vocab_size"])
     history = engine.fit(data, batch_size=BATCH, epochs=1, verbose=0)
     first, last = history.losses[0], sum(history.losses[-5:]) / 5
-    if comm.rank == 0:
-        print(f"trained {len(history.losses)} steps on {comm.size} ranks with the searched "
-              f"plan: loss {first:.3f} -> {last:.3f} (ln vocab = "
+    if engine.rank == 0:
+        print(f"trained {len(history.losses)} steps on {engine.world_size} ranks with the "
+              f"searched plan: loss {first:.3f} -> {last:.3f} (ln vocab = "
               f"{math.log(GPT['vocab_size']):.3f})")
-    comm.free()
     if not last < first:
         raise RuntimeError(f"the loss did not fall ({first:.3f} -> {last:.3f})")
 

@@ -35,32 +35,32 @@ import numpy as np
 import distgraph as dg
 
 from counting_data import CountingSequences  # tutorials/ is on the path
-from gpt_plans import DataParallelGPT, megatron  # tutorial 02's annotations
+from gpt_plans import megatron  # tutorial 02's annotations
 
 EPOCHS, BATCH, SEQ, VOCAB, SAMPLES = 3, 16, 32, 64, 256     # 16 steps per epoch
 SAVE_EVERY = 10
 
 
-def gpt(mesh):
-    """GPT-tiny; on 4 ranks tutorial 02's plan (``mesh`` None: serial)."""
-    model = DataParallelGPT(mesh, vocab_size=VOCAB, d_model=64, n_layer=2, n_head=4,
-                            max_seq_len=SEQ, dropout=0.1)
-    if mesh is not None:
-        megatron(model, mesh)
-    return model
+MESH = dg.ProcessMesh([[0, 1], [2, 3]], dim_names=["dp", "mp"])
 
 
 def make_engine(seed):
-    communicator = None
-    mesh = None
-    if int(os.environ.get("PMI_SIZE", "1")) > 1:
-        from distgraph.runtime.comm.mpi import MPICommunicator
-        communicator = MPICommunicator()
-        mesh = dg.ProcessMesh([[0, 1], [2, 3]], dim_names=["dp", "mp"])
+    """GPT-tiny; on 4 ranks tutorial 02's plan (annotated once the Engine says how many
+    ranks the job has)."""
     dg.seed(seed)
+    model = dg.nn.GPT(vocab_size=VOCAB, d_model=64, n_layer=2, n_head=4, max_seq_len=SEQ,
+                      dropout=0.1)
     lr = dg.optim.lr.LinearWarmup(dg.optim.lr.CosineDecay(3e-3, decay_steps=40), 8)
-    return dg.Engine(gpt(mesh), loss=dg.nn.CrossEntropyLoss(),
-                     optimizer=dg.optim.AdamW(lr), communicator=communicator)
+    engine = dg.Engine(model, loss=dg.nn.CrossEntropyLoss(), optimizer=dg.optim.AdamW(lr))
+    if engine.world_size > 1:
+        megatron(model, MESH)
+    return engine
+
+
+def dataset(engine):
+    """The samples; on 4 ranks each batch split over the mesh's dp dim."""
+    data = CountingSequences(SAMPLES, SEQ, VOCAB)
+    return dg.shard_dataloader(data, MESH, "dp") if engine.world_size > 1 else data
 
 
 class PrintSteps(dg.callbacks.Callback):
@@ -77,18 +77,17 @@ class PrintSteps(dg.callbacks.Callback):
 
 
 def child(role, directory):
-    data = CountingSequences(SAMPLES, SEQ, VOCAB)
     fit = dict(batch_size=BATCH, epochs=EPOCHS, shuffle=True, verbose=0)
     path = os.path.join(directory, "ckpt")
     if role == "train":
         engine = make_engine(seed=0)
         saver = dg.callbacks.ModelCheckpoint(path, every_n_steps=SAVE_EVERY)
-        engine.fit(data, callbacks=[saver, PrintSteps(saver)], **fit)
+        engine.fit(dataset(engine), callbacks=[saver, PrintSteps(saver)], **fit)
         return
     engine = make_engine(seed=0 if role == "reference" else 123)
     if role == "resume":
         engine.load(path)
-    history = engine.fit(data, **fit)
+    history = engine.fit(dataset(engine), **fit)
     if engine.rank == 0:
         print("RESULT " + json.dumps({"steps": history.steps, "losses": history.losses}),
               flush=True)

@@ -19,7 +19,7 @@ from distgraph.annotation import ShardDataloader
 from distgraph.app import checkpoint, checks
 from distgraph.app.checkpoint import CheckpointReader
 from distgraph.app.data import DataLoader
-from distgraph.app.plan_report import write_report
+from distgraph.app import plan_report
 from distgraph.app.resume import check_checkpoint, checkpoint_info, restore_info
 from distgraph.app.state import ProcessState
 from distgraph.callbacks import CallbackList, ProgressBar
@@ -159,6 +159,7 @@ class Engine:
         self._feed_specs: dict = {}        # plan key -> the (inputs, labels) InputSpecs planned
         self._sharding = None              # the last fit's shard_dataloader, for plain datasets
         self._warned: set = set()          # warnings this Engine printed already
+        self._plan_request = plan_report.requested()   # under `distgraph plan`: what to write
         self.stop_training = False
 
     @property
@@ -437,17 +438,17 @@ class Engine:
         return epoch, batch
 
     def _only_planning(self, mode, loader=None) -> None:
-        """Under ``distgraph plan`` (``$DISTGRAPH_PLAN_OUT`` set): plan ``mode``'s first
-        batch (with ``loader``; ``fit`` has planned already), write the report there and
-        end this process (see :mod:`distgraph.cli.plan`)."""
-        import os
-        path = os.environ.get("DISTGRAPH_PLAN_OUT")
-        if not path:
+        """Under ``distgraph plan`` (the request this Engine was created with): plan
+        ``mode``'s first batch (with ``loader``; ``fit`` has planned already), write the
+        report and end this process (see :mod:`distgraph.app.plan_report`)."""
+        if self._plan_request is None:
             return
         if loader is not None:
             self._plan_batch(mode, loader, len(loader.indices(0)[0]))
-        write_report(self._plans[mode], path)
-        raise SystemExit(0)
+        # priced on the command's --cluster / -n when it gave one (else the plan's own)
+        plan_report.write_report(self._plans[mode], self._plan_request,
+                                 checks.launcher_cluster())
+        raise plan_report.PlanReported()
 
     def _plan_batch(self, mode, loader, rows):
         """Plan (without running) the program of a batch of ``rows`` samples."""

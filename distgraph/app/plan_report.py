@@ -1,6 +1,11 @@
 """The report ``distgraph plan`` prints: a Plan as plain data with its estimate and a
 per-layer summary of its layouts, written by the first Engine call of a script run under
 ``distgraph plan`` (see :mod:`distgraph.cli.plan`).
+
+The command asks through the script's environment, as ``distgraph run --cluster`` passes
+the cluster file: ``$DISTGRAPH_PLAN_OUT`` is where the report goes, ``$DISTGRAPH_PLAN_PLOT``
+where the plan's picture goes when ``--plot`` asked for one. An Engine reads the request
+once, when it is created (:func:`requested`), and holds it.
 """
 
 from __future__ import annotations
@@ -8,10 +13,36 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from dataclasses import dataclass
 
 from distgraph.errors import DistGraphError
 from distgraph.passes.estimate import estimate
-from distgraph.resources.cluster import Cluster
+
+
+PLAN_OUT = "DISTGRAPH_PLAN_OUT"
+PLAN_PLOT = "DISTGRAPH_PLAN_PLOT"
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """What ``distgraph plan`` asked of a script: the report's path, the picture's."""
+
+    out: str
+    plot: str | None = None
+
+
+def requested() -> PlanRequest | None:
+    """The request of ``distgraph plan`` this process runs under, or None."""
+    out = os.environ.get(PLAN_OUT)
+    return PlanRequest(out, os.environ.get(PLAN_PLOT) or None) if out else None
+
+
+class PlanReported(SystemExit):
+    """Ends a script run under ``distgraph plan`` once its report is written (exit code
+    0, like the end of the script)."""
+
+    def __init__(self):
+        super().__init__(0)
 
 
 def report(plan, cluster=None) -> dict:
@@ -57,12 +88,17 @@ def _summary_lines(layers: dict) -> list:
     return lines
 
 
-def write_report(plan, path: str) -> None:
-    """Write ``report(plan)`` to ``path`` unless another process already did (the first
-    complete report wins; readers never see a partial file)."""
-    cluster_file = os.environ.get("DISTGRAPH_CLUSTER")
-    cluster = Cluster.from_file(cluster_file) if cluster_file else None
+def write_report(plan, request: PlanRequest, cluster=None) -> None:
+    """Write ``report(plan)`` to ``request.out`` (and the plan's picture to
+    ``request.plot``) unless another process already did (the first complete report
+    wins; readers never see a partial file, and the picture is there before the report)."""
+    path = request.out
     data = report(plan, cluster)
+    if request.plot:
+        try:
+            plan.plot(request.plot)
+        except DistGraphError as e:
+            data["plot_error"] = str(e)
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", suffix=".part")
     with os.fdopen(fd, "w") as f:
         json.dump(data, f)

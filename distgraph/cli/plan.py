@@ -1,15 +1,18 @@
-"""``distgraph plan SCRIPT.py [--cluster FILE] [-n N] [--json] [-- ARGS]``: print the plan
-a training script's Engine would use, without training.
+"""``distgraph plan SCRIPT.py [--cluster FILE] [-n N] [--json] [--plot PNG] [-- ARGS]``:
+print the plan a training script's Engine would use, without training.
 
 How: the script runs as it would (``python SCRIPT.py ARGS``, one process) with
-``$DISTGRAPH_PLAN_OUT`` set. The first ``Engine.fit`` / ``evaluate`` / ``predict`` of any
-process of the script (a script that launches its ranks or its runs as child processes
-included) plans its first batch, writes the report there and ends that process; the
-command then stops the script and everything it started, and prints the report: the
-processes and stages, per-op layouts summarised per layer, every reshard with its bytes,
-the search's report under ``Strategy(auto_mode="full")``, and the predicted step time
-(compute / communication / bubble) and peak memory per device. ``--json`` prints the
-same as JSON (``Plan.to_dict()`` with the estimate and the layer summary).
+``$DISTGRAPH_PLAN_OUT`` set (see :mod:`distgraph.app.plan_report`). The first
+``Engine.fit`` / ``evaluate`` / ``predict`` of any process of the script (a script that
+launches its ranks or its runs as child processes included) plans its first batch,
+writes the report there and ends that process; the command then stops the script and
+everything it started, and prints the report: the processes and stages, per-op layouts
+summarised per layer, every reshard with its bytes, the search's report under
+``Strategy(auto_mode="full")``, and the predicted step time (compute / communication /
+bubble) and peak memory per device. ``--json`` prints the same as JSON
+(``Plan.to_dict()`` with the estimate and the layer summary); ``--plot PNG`` also draws
+the plan (``Plan.plot``). With ``-n N``, a plan of another number of processes is an
+error, and a one-process plan of an unannotated model a warning.
 
 ``--cluster FILE`` is exported as ``$DISTGRAPH_CLUSTER`` (the cluster the search plans
 for when the Engine has none, and the one the estimate prices); ``-n N`` without a file
@@ -34,10 +37,10 @@ import sys
 import tempfile
 import time
 
+from distgraph.app.plan_report import PLAN_OUT, PLAN_PLOT
 from distgraph.errors import DistGraphError
 from distgraph.resources.cluster import Cluster
 
-PLAN_OUT = "DISTGRAPH_PLAN_OUT"
 GRACE = 10.0           # seconds a stopped script gets to clean up (emulated clusters do)
 DESCRIPTION = """\
 Print the plan a training script's Engine would use, without training: its processes and
@@ -61,6 +64,8 @@ def _options(p) -> None:
     p.add_argument("--cluster", help="resource file the plan is made and priced for")
     p.add_argument("-n", "--nprocs", type=int, help="without --cluster: Cluster.local(N)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--plot", metavar="PNG", help="also draw the plan into PNG (or .svg, .pdf): "
+                   "stages, layers, weight splits, reshards; needs matplotlib")
 
 
 def add_plan_parser(commands) -> None:
@@ -82,7 +87,7 @@ def _split(args):
     after = argparse.ArgumentParser(prog="distgraph plan SCRIPT")
     _options(after)
     mine, theirs = after.parse_known_args(rest[:cut])
-    for name in ("cluster", "nprocs", "json"):
+    for name in ("cluster", "nprocs", "json", "plot"):
         if getattr(mine, name):
             setattr(args, name, getattr(mine, name))
     args.args = theirs + rest[cut + 1:]
@@ -105,6 +110,8 @@ def _plan(args) -> int:
         env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
         out = os.path.join(tmp, "plan.json")
         env[PLAN_OUT] = out
+        if args.plot:
+            env[PLAN_PLOT] = os.path.abspath(args.plot)
         if args.cluster:
             env["DISTGRAPH_CLUSTER"] = os.path.abspath(args.cluster)
         elif args.nprocs:
@@ -138,6 +145,11 @@ def _plan(args) -> int:
         print(data["text"])
         if "estimate_error" in data:
             print(f"no estimate: {data['estimate_error']}")
+    if "plot_error" in data:
+        print(f"distgraph plan: no picture: {data['plot_error']}", file=sys.stderr)
+        return 1
+    if args.plot and not args.json:
+        print(f"wrote {args.plot}")
     if mismatch:
         print(f"distgraph plan: warning: {mismatch}", file=sys.stderr)
     return 0

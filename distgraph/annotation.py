@@ -73,7 +73,7 @@ def _is_feed(v: Value) -> bool:
 
 def check_batch_split(spec: ShardSpec, mesh: ProcessMesh, shape, what: str) -> None:
     """A feed's dim 0 is the batch: when ``spec`` splits it into parts that do not divide
-    it, say so in the user's terms (the batch size), not the tensor's."""
+    it, say so in the user's terms (the batch size) as well as the tensor's."""
     if not shape or len(spec.dims) != len(shape):
         return
     parts = 1
@@ -81,9 +81,10 @@ def check_batch_split(spec: ShardSpec, mesh: ProcessMesh, shape, what: str) -> N
         if name in mesh.dim_names:
             parts *= mesh.dim_size(name)
     if shape[0] % parts:
-        raise ShardingError(f"{what}: a batch of {shape[0]} samples cannot be split over the "
-                            f"{parts} processes of mesh dims {list(spec.entry(0))} of {mesh}; "
-                            f"use a batch size divisible by {parts}")
+        where = f"{what} of shape {list(shape)} with spec {spec} on {mesh}"
+        raise ShardingError(f"{where}: the batch dim 0 of size {shape[0]} is not divisible "
+                            f"by {parts} (the size of mesh dims {list(spec.entry(0))}); use "
+                            f"a batch size divisible by {parts}")
 
 
 @dataclass(frozen=True)
@@ -196,8 +197,8 @@ class ShardDataloader:
         for k, shape in enumerate(shapes):
             mesh, dim = self.meshes[which[k]], self.shard_dims[which[k]]
             spec = ShardSpec([dim] + [None] * (len(shape) - 1)) if shape else ShardSpec([])
-            what = (f"dataset field {k} ({'label' if k >= n - n_labels else 'input'}), "
-                    f"split by shard_dataloader")
+            what = (f"dataset field {k} ({'label' if k >= n - n_labels else 'input'}, split "
+                    f"by shard_dataloader)")
             check_batch_split(spec, mesh, shape, what)
             attrs.append(DistAttr(mesh, spec))
         return attrs

@@ -162,8 +162,9 @@ def test_feed_attrs_place_each_field_as_paddle_does(meshes, dims, fields, labels
     (lambda: dg.shard_dataloader(Tokens(), [DP, DP], ["dp"]), "1 shard_dims for 2 meshes"),
     (lambda: dg.shard_dataloader(Tokens(), "dp"), "meshes must be a ProcessMesh"),
     (lambda: dg.shard_dataloader([1, 2], DP, "dp").feed_attrs([(3,), (3,)], 1),
-     "a batch of 3 samples cannot be split over the 2 processes of mesh dims ['dp'] of "
-     "ProcessMesh([0, 1], dims=[dp]); use a batch size divisible by 2"),
+     "dataset field 0 (input, split by shard_dataloader) of shape [3] with spec [dp] on "
+     "ProcessMesh([0, 1], dims=[dp]): the batch dim 0 of size 3 is not divisible by 2 (the "
+     "size of mesh dims ['dp']); use a batch size divisible by 2"),
     (lambda: dg.shard_dataloader([1], [DP, DP, DP], "dp").feed_attrs([(2,), (2,)], 1),
      "3 meshes for samples of 2 fields"),
 ])
@@ -183,8 +184,9 @@ def test_a_batch_not_divisible_by_the_dp_degree_asks_for_another_batch_size():
             return self.inner(dg.shard_tensor(x, DP, ["dp", None, None]))
 
     data = Dataset("mlp", dims=dict(seq=4, d_in=8, d_out=4), n=16)
-    with pytest.raises(dg.ShardingError, match="input 'input_0': a batch of 5 samples cannot "
-                       "be split over the 2 processes .*; use a batch size divisible by 2"):
+    with pytest.raises(dg.ShardingError, match=r"input 'input_0' of shape \[5, 4, 8\] .*: the "
+                       r"batch dim 0 of size 5 is not divisible by 2 .*; use a batch size "
+                       r"divisible by 2"):
         engine_of(DataParallel()).fit(data, batch_size=5, verbose=0)
 
 

@@ -9,10 +9,10 @@ Oracles, for every answer:
 - valid: every spec lays its tensor out on the mesh (no mesh dim twice, divisible);
 - consistent: fed its own specs, the rule gives them back and reshards nothing;
 - not beaten: among the answers built from the splits the operands offer (for each
-  letter of the notation, a part of an offered entry, in order, or None), none that is
-  valid reshards only operand dims ours reshards too and is more sharded (the product of
-  the mesh dims splitting the op's letters). Brute force over the letters ours does not
-  keep from any operand.
+  letter of the notation, a part of an offered entry, or None), none that is valid
+  reshards only operands ours reshards too and is more sharded (the product of the mesh
+  dims splitting the op's letters). Brute force over every letter an operand offers a
+  split for.
 Then: every strategy an op lists is valid, a fixpoint of its own rule, and the list
 starts with the replicated one; negative axes read from the end; out-of-range axes,
 unknown and missing attributes are errors; and the issue's examples give Paddle's answers.
@@ -89,41 +89,43 @@ def _sharded(assign, sizes) -> int:
     return math.prod(sizes[m] for dims in assign.values() for m in dims)
 
 
+def _operands(moved) -> set:
+    return {k for k, _ in moved}
+
+
 def check_not_beaten(bound, given, res):
-    """``given``: [(notation word, known spec)] of the operands the rule was told."""
+    """``given``: [(notation word, known spec)] of the operands the rule was told. No
+    valid answer built from the offered splits reshards only operands ours reshards too
+    and is more sharded than ours (brute force over every letter an operand offers a
+    split for)."""
     ours = _assignment(bound, res)
-    moved = _resharded(ours, given)
+    moved = _operands(_resharded(ours, given))
     offers: dict = {}
-    kept = set()
-    for k, (word, spec) in enumerate(given):
-        for d, (letter, entry) in enumerate(zip(word, spec.dims)):
-            if letter != "1" and entry is not U:
+    for word, spec in given:
+        for letter, entry in zip(word, spec.dims):
+            if letter != "1" and entry is not U and entry_dims(entry):
                 offers.setdefault(letter, set()).add(entry_dims(entry))
-                if (k, d) not in moved:
-                    kept.add(letter)
-    free = [c for c in bound.order if c.islower() and c in offers and c not in kept]
+    letters = [c for c in bound.order if c.islower() and c in offers]
     options = []
-    for c in free:
+    for c in letters:
         opts = {()}
         for dims in offers[c]:
             for r in range(1, len(dims) + 1):
                 opts.update(itertools.combinations(dims, r))
         options.append(sorted(opts))
-    base = {c: ours.get(c, ()) for c in bound.order if c not in free}
     best = _sharded(ours, bound.sizes)
     for combo in itertools.product(*options):
-        other = dict(base, **dict(zip(free, combo)))
+        other = dict(zip(letters, combo))
         used = [m for dims in other.values() for m in dims]
-        if len(used) != len(set(used)):
+        if len(used) != len(set(used)) or _sharded(other, bound.sizes) <= best:
             continue
         if any(n % math.prod(bound.sizes[m] for m in dims)
                for c, dims in other.items() for n in bound.dim_sizes.get(c, ())):
             continue
-        if any(dims for c, dims in other.items() if not c.islower()):
-            continue
-        if _resharded(other, given) <= moved and _sharded(other, bound.sizes) > best:
-            raise AssertionError(f"{other} reshards {sorted(_resharded(other, given))} "
-                                 f"(ours {sorted(moved)}) and is more sharded than ours {ours}")
+        if _operands(_resharded(other, given)) <= moved:
+            raise AssertionError(f"{other} reshards operands "
+                                 f"{sorted(_operands(_resharded(other, given)))} (ours "
+                                 f"{sorted(moved)}) and is more sharded than ours {ours}")
 
 
 def test_every_registered_op_has_a_case():
@@ -349,3 +351,16 @@ def test_rule_protocol_records():
     bound = rule.bind([(8, 4), (4, 8)], [(8, 8)], MESHES["4"], {})
     res = bound.solve(query)
     assert [str(s) for s in res.in_specs] == ["[None, None]", "[None, x]"]
+
+
+def test_concat_keeps_the_input_it_can_and_splits_as_paddle_does():
+    # issue 21: the first input's None and y no longer decide for an input resharded anyway
+    shapes = [(12, 24, 36), (12, 12, 36), (12, 36, 36)]
+    ins, outs, res = fwd("concat", [[None, "x", "y"], [None, "x", "y"], ["y", None, "x"]],
+                         shapes, "2x3", axis=1)
+    assert ins == ["[y, None, x]"] * 3 and outs == ["[y, None, x]"]
+    assert res.resharded == (dg.spmd.Source("input", 0), dg.spmd.Source("input", 1))
+    assert "splitting the op 6 ways instead of 3" in res.notes[0]
+    # where the inputs agree, nothing changes
+    ins, outs, res = fwd("concat", [["y", None, "x"]] * 3, shapes, "2x3", axis=1)
+    assert outs == ["[y, None, x]"] and res.resharded == () and res.notes == ()

@@ -40,6 +40,12 @@ Tie-break: how a rule settles operands that disagree
 4. UPPERCASE and '1' letters are never split; a split offered there is resharded.
 5. For each output, the mesh dims of the letters it lacks (contracted, reduced) make it
    Partial, except the letters an op reduces with its own communication (``internal``).
+6. A second opinion where that reshards an operand (:mod:`distgraph.spmd.keep`): with the
+   operands it keeps as they are, the other letters take the splits of the resharded
+   operands' offers that divide the op the most ways; that answer wins when it splits
+   more ways. So no answer reshards only operands ours reshards and is more split:
+   ``concat`` of ``[None, x, y]``, ``[None, x, y]`` and ``[y, None, x]`` along axis 1
+   gives ``[y, None, x]`` (the third kept), not ``[None, None, y]``.
 
 Paddle's phi rules agree on 1 and 3 (the first tensor axis to claim a mesh dim keeps
 it). They differ where an operand leaves a dim unsplit and another splits it: Paddle

@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Sequence
 
+from distgraph.spmd.keep import split_most
 from distgraph.spmd.rule import OpStrategy, Rule, RuleQuery, SpmdResult
 from distgraph.spmd.specs import UNKNOWN, DimsSpec, SpmdRuleError, entry_dims, entry_of, entry_str
 
@@ -125,13 +126,25 @@ class EinsumPlan:
                 raise SpmdRuleError(f"rule {self.notation!r}: {source} spec {spec} has "
                                     f"{len(spec.dims)} dims, the notation gives it {len(word)}")
             words[source] = word
+        decided, seen, notes, resharded = self._merge(query, words, query.sources())
+        res = self._result(decided, seen, notes, resharded)
+        if resharded:      # a second opinion: split more at no more resharding
+            better = split_most(self, query, words, decided, set(resharded))
+            if better is not None:
+                return self._result(*better)
+        return res
+
+    def _merge(self, query, words, order) -> tuple:
+        """The tie-break of :mod:`distgraph.spmd` over ``order``: (decided, seen, notes,
+        resharded); ``decided[letter]`` the mesh dims splitting it, ``seen`` the letters
+        some operand has a known entry for."""
         notes: list[str] = []
         resharded: list = []
         # decided[letter]: the mesh dims splitting it; a letter not in it is still open
         decided: dict[str, tuple] = {c: () for c in self.order if c.isupper()}
         owner: dict[str, str] = {}            # mesh dim -> the letter it splits
         seen: set = set()                     # letters some operand has a known entry for
-        for source in query.sources():
+        for source in order:
             for letter, entry in zip(words[source], query.spec(source).dims):
                 if letter == "1" or entry is UNKNOWN:
                     continue
@@ -156,7 +169,9 @@ class EinsumPlan:
                 if keep != dims:
                     notes.append(self._drop_note(source, letter, entry, keep, owner))
                     resharded.append(source)
+        return decided, seen, notes, resharded
 
+    def _result(self, decided, seen, notes, resharded) -> SpmdResult:
         def final(letter):
             if letter in decided:
                 return entry_of(decided[letter])
@@ -175,6 +190,11 @@ class EinsumPlan:
                 partial.update(entry_dims(merged.get(letter)))
             new_outs.append(spec_of(word, frozenset(partial)))
         return SpmdResult(new_ins, tuple(new_outs), tuple(notes), tuple(dict.fromkeys(resharded)))
+
+    def divides(self, letter, dims) -> bool:
+        """Whether ``dims`` together divide every dim of ``letter``."""
+        ways = self._ways(dims)
+        return not any(n % ways for n in self.dim_sizes.get(letter, ()))
 
     def _drop_note(self, source, letter, entry, keep, owner) -> str:
         dims = entry_dims(entry)

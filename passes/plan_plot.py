@@ -145,6 +145,8 @@ def picture(plan) -> Picture:
         name = layer_of(op.layer) if op is not None and op.layer else ""
         if name not in reshards:           # ops of the model itself: the nearest layer
             name = _nearest(order, program, point.anchor)
+        if name not in reshards:           # a model without parameters: nowhere to draw it
+            continue
         steps = " + ".join(f"{s.kind}·{s.mesh_dim}" if s.mesh_dim else s.kind
                            for s in point.steps)
         key = (role, steps)

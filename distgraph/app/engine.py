@@ -16,10 +16,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from distgraph.annotation import ShardDataloader
-from distgraph.app import checkpoint, checks
+from distgraph.app import checkpoint, checks, plan_report
 from distgraph.app.checkpoint import CheckpointReader
 from distgraph.app.data import DataLoader
-from distgraph.app import plan_report
 from distgraph.app.resume import check_checkpoint, checkpoint_info, restore_info
 from distgraph.app.state import ProcessState
 from distgraph.callbacks import CallbackList, ProgressBar

@@ -8,7 +8,8 @@ Each item is ``kind:plan:micro_batches:schedule``. Every rank trains the plan th
 ``Engine.fit`` with ``Strategy(micro_batches=M, schedule=S, profile=True)`` on batches of
 16 and trains the serial oracle (whole batches, one process) itself; rank 0 prints
 ``PIPELINE-RESULT {json}`` with, per item, every rank's losses and largest errors
-against serial, and the merged timeline's tasks per rank in the order they ran.
+against serial, the merged timeline's tasks per rank in the order they ran, and the
+plan's schedule per rank.
 """
 
 from __future__ import annotations
@@ -56,8 +57,11 @@ def main(argv) -> None:
             order = {r: [(e.kind, e.micro_batch) for e in timeline.events
                          if e.rank == r and e.step == 0 and e.kind not in ("send", "recv")]
                      for r in timeline.ranks}
+            plan = engine.plan()
+            schedule = {plan.ranks(pid): [[a.task, a.micro_batch] for a in acts]
+                        for pid, acts in plan.schedule().items()}
             report["runs"][item] = {"ranks": everyone, "serial": refs[kind][0],
-                                    "order": order,
+                                    "order": order, "schedule": schedule,
                                     "peak": timeline.peak_activations(step=0)}
     comm.free()
     if comm.rank == 0:

@@ -4,8 +4,9 @@ Usage (the job size must equal every listed plan's process count)::
 
     distgraph run -n 4 tests/mpi_scripts/train_pipeline.py gpt:four_stage:4:1F1B ...
 
-Each item is ``kind:plan:micro_batches:schedule``. Every rank trains the plan through
-``Engine.fit`` with ``Strategy(micro_batches=M, schedule=S, profile=True)`` on batches of
+Each item is ``kind:plan:micro_batches:schedule[:virtual_stages]``. Every rank trains the
+plan through ``Engine.fit`` with ``Strategy(micro_batches=M, schedule=S, profile=True,
+virtual_stages=v)`` on batches of
 16 and trains the serial oracle (whole batches, one process) itself; rank 0 prints
 ``PIPELINE-RESULT {json}`` with, per item, every rank's losses and largest errors
 against serial, the merged timeline's tasks per rank in the order they ran, and the
@@ -43,12 +44,13 @@ def main(argv) -> None:
     refs: dict = {}
     report = {"world": comm.size, "runs": {}}
     for item in argv:
-        kind, name, m, schedule = item.split(":")
+        kind, name, m, schedule, *virtual = item.split(":")
         if kind not in refs:
             refs[kind] = train(kind, P.build_model(kind), dg.Strategy())[1]
         model = P.build_model(kind)
         plans[kind, name, comm.size].annotate(model)
-        strategy = dg.Strategy(micro_batches=int(m), schedule=schedule, profile=True)
+        strategy = dg.Strategy(micro_batches=int(m), schedule=schedule, profile=True,
+                               virtual_stages=int(virtual[0]) if virtual else 1)
         engine, result = train(kind, model, strategy, comm)
         timeline = engine.timeline()
         mine = {"losses": result[0], "errors": P.compare(result, refs[kind], "float64")}

@@ -49,9 +49,8 @@ def measure_rank(cluster_file: str, steps: int) -> list:
     import distgraph as dg
     import plans as P
     from distgraph.program_builder import build_program
-    from distgraph.runtime.execution.executor import ProgramRunner
     from distgraph.runtime.comm.mpi import MPICommunicator
-    from distgraph.runtime.execution.spmd import SpmdRunner
+    from distgraph.runtime.execution.runner import PlanRunner
 
     world = MPI.COMM_WORLD
     comm = MPICommunicator()
@@ -74,19 +73,12 @@ def measure_rank(cluster_file: str, steps: int) -> list:
             init.update(optimizer.initial_state(plan.program))
             feed = dict(zip(built.feed_names, feed_arrays))
             runs = plan.distributed or world.rank == 0
-            if plan.distributed:
-                runner = SpmdRunner(plan, plan.process_of(comm.rank), comm,
-                                    fetch=[built.loss_name])
+            if runs:
+                runner = PlanRunner(plan, comm if plan.distributed else None)
                 scope = runner.shard_scope(init)
 
                 def step(s, runner=runner, scope=scope, feed=feed):
                     runner.run(scope, feed, s)
-            elif runs:
-                serial = ProgramRunner(plan.program)
-                scope = dict(init)
-
-                def step(s, serial=serial, scope=scope, feed=feed, loss=built.loss_name):
-                    serial.run(scope, feed, [loss], s)
             best = np.inf
             for batch_no in range(4):          # batch 0 warms up
                 world.Barrier()

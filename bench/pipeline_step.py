@@ -54,8 +54,7 @@ import numpy as np
 import distgraph as dg
 from distgraph.program_builder import build_program
 from distgraph.runtime.comm.mpi import MPICommunicator
-from distgraph.runtime.execution.pipeline import PipelineRunner
-from distgraph.runtime.execution.spmd import SpmdRunner, check_world
+from distgraph.runtime.execution.runner import PlanRunner
 
 from bench_jobs import timed
 
@@ -89,8 +88,8 @@ class StageMLP(dg.nn.Layer):
 
 
 class Distgraph:
-    """One step of the plan under ``strategy`` through dg.passes.plan and the runner the
-    Engine would pick (SpmdRunner, or PipelineRunner for micro-batches / profiling)."""
+    """One step of the plan under ``strategy`` through dg.passes.plan and the one runtime
+    (PlanRunner), as the Engine runs it."""
 
     def __init__(self, args, comm, strategy, x, y):
         meshes = [dg.ProcessMesh([r], ["dp"]) for r in range(comm.size)]
@@ -102,9 +101,7 @@ class Distgraph:
         built = build_program(model, [dg.InputSpec(x.shape, "float32", "x")],
                               [dg.InputSpec(y.shape, "float32", "y")], dg.nn.MSELoss(), opt)
         self.plan = dg.passes.plan(built, strategy)
-        check_world(self.plan, comm.size)
-        runner = PipelineRunner if self.plan.pipelined else SpmdRunner
-        self.runner = runner(self.plan, comm.rank, comm, fetch=[built.loss_name])
+        self.runner = PlanRunner(self.plan, comm)
         values = dict(self.init)
         values.update(opt.initial_state(self.plan.program))
         self.scope = self.runner.shard_scope(values)

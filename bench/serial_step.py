@@ -1,8 +1,9 @@
 """One Adam training step of an MLP through distgraph versus hand-written numpy.
 
 The model is fc1 (1024 -> 4096) -> ReLU -> fc2 (4096 -> 1024), batch 64, float32, MSE
-loss, Adam. distgraph runs the built training program with ``ProgramRunner`` (parameters
-and Adam moments in the scope, updated in place); the reference is the same forward,
+loss, Adam. distgraph plans the built training program (one process) and runs it on its
+one runtime, as the Engine does (``PlanRunner``: parameters and Adam moments in the scope,
+updated in place); the reference is the same forward,
 backward and Adam update (PyTorch's form) written by hand in numpy, updating its arrays
 in place. Both run in this process, interleaved, on the same inputs.
 
@@ -27,7 +28,7 @@ import numpy as np
 
 import distgraph as dg
 from distgraph.program_builder import build_program
-from distgraph.runtime.execution.executor import ProgramRunner
+from distgraph.runtime.execution.runner import PlanRunner
 
 from reference_adam import adam_ as adam_inplace  # bench/ is on the path
 
@@ -116,18 +117,17 @@ def main(argv=None) -> None:
 
     dg.seed(0)
     model, built = build_distgraph()
-    runner = ProgramRunner(built.program)
+    runner = PlanRunner(dg.passes.plan(built))
     rng = np.random.default_rng(0)
     x = rng.standard_normal((BATCH, D_IN)).astype(np.float32)
     y = rng.standard_normal((BATCH, D_OUT)).astype(np.float32)
     feed = {"x": x, "y": y}
-    fetch = [built.loss_name]
-
-    dg_state = initial_state(model, built)
+    dg_state = runner.shard_scope(initial_state(model, built))
     np_state = numpy_state(dg_state)
+    step = iter(range(1 << 30))
 
     def dg_step():
-        return float(runner.run(dg_state, feed, fetch)[built.loss_name])
+        return float(runner.run(dg_state, feed, next(step))[built.loss_name])
 
     def np_step():
         return numpy_step(np_state, x, y)

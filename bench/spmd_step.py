@@ -20,7 +20,7 @@ initial parameters on every rank and read the same global batch.
   output gradient.
 
 distgraph runs through its lower-level API: ``build_program``, ``complete``, then a
-``SpmdRunner`` bound to an ``MPICommunicator`` on the world. Before timing, one step of
+``PlanRunner`` (the one runtime) bound to an ``MPICommunicator`` on the world. Before timing, one step of
 each side from the same start must give the same global parameters (gathered, compared
 on rank 0). Then the two sides alternate step by step; each timed step starts after a
 barrier, and a step's time is the slowest rank's. Rank 0 prints the medians, the ratio
@@ -45,7 +45,7 @@ import distgraph as dg
 from distgraph.passes.cost_model import collective_bytes
 from distgraph.program_builder import build_program
 from distgraph.runtime.comm.mpi import MPICommunicator
-from distgraph.runtime.execution.spmd import SpmdRunner, check_world
+from distgraph.runtime.execution.runner import PlanRunner
 
 from bench_jobs import timed
 
@@ -175,7 +175,7 @@ class Reference:
 
 # -- distgraph ------------------------------------------------------------------------------------
 class Distgraph:
-    """The same step through build_program + dg.passes.plan + SpmdRunner over MPI."""
+    """The same step through build_program + dg.passes.plan + PlanRunner over MPI."""
 
     def __init__(self, plan, optimizer, comm: MPICommunicator, x, y):
         mesh = dg.ProcessMesh(list(range(WORLD)), dim_names=["dp" if plan == "dp" else "mp"])
@@ -186,10 +186,9 @@ class Distgraph:
                                    [dg.InputSpec([BATCH, D_OUT], "float32", "y")],
                                    dg.nn.MSELoss(), opt)
         plan = dg.passes.plan(self.built)
-        check_world(plan, comm.size)
         program = plan.program
         self.comm = comm
-        self.runner = SpmdRunner(plan, comm.rank, comm, fetch=[self.built.loss_name])
+        self.runner = PlanRunner(plan, comm)
         self.global_params = {n: p.numpy() for n, p in model.named_parameters()}
         values = dict(self.global_params)
         values.update(opt.initial_state(program))

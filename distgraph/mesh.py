@@ -241,3 +241,59 @@ class ProcessMesh:
     def __repr__(self) -> str:
         return (f"ProcessMesh({_nested(self._ids, self._shape)}, "
                 f"dim_names={list(self._dim_names)!r})")
+
+
+class ProcessRanks:
+    """Which communicator rank runs each logical process id: the one process-group value
+    of a plan (``Plan.ranks``). ``mapping`` ({process: rank}) or None: process p runs on
+    rank p. Calling it maps a process to its rank.
+
+    Example::
+
+        >>> ranks = ProcessRanks({0: 1, 1: 0})
+        >>> ranks(0), ranks.process(0), ranks.of((0, 1))
+        (1, 1, (1, 0))
+    """
+
+    __slots__ = ("_rank", "_process")
+
+    def __init__(self, mapping=None):
+        rank = None if mapping is None else {int(p): int(r) for p, r in dict(mapping).items()}
+        if rank is not None and len(set(rank.values())) != len(rank):
+            raise ShardingError(f"ProcessRanks({mapping}): two processes share a rank")
+        object.__setattr__(self, "_rank", rank)
+        object.__setattr__(self, "_process",
+                           None if rank is None else {r: p for p, r in rank.items()})
+
+    def __setattr__(self, name, value):
+        raise AttributeError("ProcessRanks is immutable")
+
+    def __call__(self, process: int) -> int:
+        return process if self._rank is None else self._rank[process]
+
+    def of(self, processes) -> tuple:
+        """The ranks of ``processes``, in their order (a communicator group)."""
+        return tuple(self(p) for p in processes)
+
+    def process(self, rank: int) -> int:
+        """The logical process that ``rank`` runs."""
+        if self._process is None:
+            return rank
+        if rank not in self._process:
+            raise ShardingError(f"rank {rank} runs no process of this plan (ranks "
+                                f"{sorted(self._process)})")
+        return self._process[rank]
+
+    @property
+    def mapping(self):
+        """{process: rank}, or None for the identity."""
+        return None if self._rank is None else dict(self._rank)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, ProcessRanks) and self._rank == other._rank
+
+    def __hash__(self) -> int:
+        return hash(None if self._rank is None else tuple(sorted(self._rank.items())))
+
+    def __repr__(self) -> str:
+        return "ProcessRanks(identity)" if self._rank is None else f"ProcessRanks({self._rank})"

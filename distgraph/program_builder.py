@@ -32,6 +32,16 @@ class BuiltProgram:
     label_names: list = field(default_factory=list)
     block_paths: tuple = ()       # paths of the model's TransformerBlocks (recompute units)
 
+    @property
+    def fetch_names(self) -> list:
+        """What a step brings to every process: the loss when training, the loss and the
+        outputs when evaluating (metrics read them), the outputs when predicting."""
+        if self.mode == "train" or self.loss_name is None:
+            return [self.loss_name] if self.loss_name else list(self.output_names)
+        if self.mode == "eval":
+            return [self.loss_name] + [n for n in self.output_names if n != self.loss_name]
+        return list(self.output_names)
+
 
 def build_program(model, input_specs, label_specs=(), loss=None, optimizer=None,
                   mode="train") -> BuiltProgram:

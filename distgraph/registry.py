@@ -125,6 +125,13 @@ def op_work(op_type: str, ins, outs, attrs) -> float:
     return float(sum(size(t) for t in ins) + sum(size(t) for t in outs))
 
 
+def op_flops(op) -> float:
+    """The FLOPs of one Operation (global shapes), from its registry entry."""
+    return float(get_op(op.type).flops([TensorType(v.shape, v.dtype) for v in op.inputs],
+                                       [TensorType(o.shape, o.dtype) for o in op.outputs],
+                                       **op.attrs))
+
+
 def registered_ops() -> list[str]:
     return sorted(_REGISTRY)
 
@@ -228,7 +235,7 @@ class KernelContext:
 
 def rank_lookup(rank_of):
     """``rank(process)`` for a process-to-rank map: None (process p on rank p), a mapping
-    or a callable."""
+    or a callable (a :class:`~distgraph.mesh.ProcessRanks` is one)."""
     if rank_of is None:
         return int
     return rank_of if callable(rank_of) else rank_of.__getitem__

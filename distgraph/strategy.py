@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from distgraph.errors import DistGraphError
 
-SCHEDULES = ("1F1B", "FThenB", "ZB")
+SCHEDULES = ("1F1B", "FThenB", "ZB", "ZBV")
 
 
 @dataclass(frozen=True)
@@ -16,7 +16,9 @@ class Strategy:
     ``memory_budget_gb`` per device; :mod:`distgraph.passes.search.intra_op`), and with
     ``pipeline=True`` the stages too (:mod:`distgraph.passes.search.stages`).
     ``micro_batches`` > 1 enables gradient accumulation / pipelining with ``schedule``
-    ("1F1B", "FThenB" or "ZB"); ``recompute`` frees the forward activations inside every
+    ("1F1B", "FThenB", "ZB" or "ZBV"); ``virtual_stages`` v > 1 cuts the forward into
+    ``v`` chunks per stage mesh, chunk c on stage c mod S (interleaved 1F1B or zero
+    bubble; "ZBV" places two chunks per stage in a V); ``recompute`` frees the forward activations inside every
     ``TransformerBlock`` (True) or inside the given layer paths (e.g.
     ``["blocks.0", "blocks.1.mlp"]``) and recomputes them in the backward pass;
     ``sharding`` splits optimizer states and updates over
@@ -37,12 +39,16 @@ class Strategy:
     profile: bool = False
     check_finite: bool = True
     seed: int = 0
+    virtual_stages: int = 1
 
     def __post_init__(self):
         if self.auto_mode not in ("semi", "full"):
             raise DistGraphError(f"Strategy.auto_mode must be 'semi' or 'full', got {self.auto_mode!r}")
         if self.micro_batches < 1:
             raise DistGraphError(f"Strategy.micro_batches must be >= 1, got {self.micro_batches}")
+        if not isinstance(self.virtual_stages, int) or self.virtual_stages < 1:
+            raise DistGraphError(f"Strategy.virtual_stages must be an integer >= 1, got "
+                                 f"{self.virtual_stages!r}")
         if not isinstance(self.recompute, bool):
             given = self.recompute
             paths = () if isinstance(given, str) or not hasattr(given, "__iter__") \

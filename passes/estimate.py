@@ -210,7 +210,7 @@ def estimate(plan, cluster=None) -> Estimate:
                         f"{len(devices)} devices")
 
     def device_of(pid: int) -> int:
-        return devices[plan.rank(pid)].global_id
+        return devices[plan.ranks(pid)].global_id
 
     stage_of = {}
     for s, mesh in enumerate(plan.stages):

@@ -9,10 +9,13 @@ The built program is left as it was, so a search can score many plans of one pro
 and planning needs no running job: a 4-process plan can be made and printed from one
 process.
 
-A Plan holds the completed program (``plan.program``; its Values and ops carry their
-``dist_attr``), the logical processes and the rank each runs on, the stages (the meshes
-of the forward program in data-flow order), and gives each process's local program and
-reshard points on demand (``plan.local(pid)``, partitioned once and kept).
+A Plan holds everything the runtime reads, computed once here: the completed program
+(``plan.program``; its Values and ops carry their ``dist_attr``), the logical processes
+and the rank each runs on (``plan.ranks``), the stages (the meshes of the forward program
+in data-flow order), each process's local program and reshard points
+(``plan.local(pid)``, partitioned once), the task graph (``plan.task_graph()``: tasks per
+stage and kind, message tags, the values fetched) and the schedule (``plan.schedule()``:
+each process's actions in order, checked to complete before any rank starts).
 
 Example::
 
@@ -21,6 +24,7 @@ Example::
     p = dg.passes.plan(built, dg.Strategy(), cluster=None)
     print(p.explain())            # processes, stages, layouts, reshards with bytes
     p.local(1).pretty()           # what process 1 runs
+    p.schedule()                  # {0: [Action(0, 'F', 0), Action(0, 'B', 0)], 1: [...]}
 """
 
 from __future__ import annotations
@@ -31,15 +35,18 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from distgraph.errors import PlanError, ShardingError
-from distgraph.mesh import ProcessMesh
+from distgraph.mesh import ProcessMesh, ProcessRanks
 from distgraph.passes.completion.complete import complete
 from distgraph.passes.estimate import estimate, fmt_bytes
 from distgraph.passes.mapping.rank_mapping import map_ranks
 from distgraph.passes.mapping.traffic import process_graph
-from distgraph.passes.partition import LocalProgram, partition, process_ids
+from distgraph.passes.partition import LocalProgram, gather_points, partition, process_ids
 from distgraph.passes.pipeline.accumulate import split_micro_batches
 from distgraph.passes.plan_plot import plot_plan
-from distgraph.passes.pipeline.task_graph import build_task_graph, stage_of_processes
+from distgraph.passes.pipeline.chunks import (chunk_meshes, chunk_of_ops, forward_chunks,
+                                              place_chunks)
+from distgraph.passes.pipeline.schedule import make_schedule, replay
+from distgraph.passes.pipeline.task_graph import build_task_graph
 from distgraph.passes.search.auto import annotate, within_budget
 from distgraph.passes.transforms.recompute import recompute, segments
 from distgraph.passes.transforms.zero import shard_updates
@@ -54,27 +61,32 @@ class Plan:
     """A planned program. ``built`` is a completed copy of the BuiltProgram given to
     :func:`plan` (same feed, output, loss and gradient names); ``distributed`` says
     whether it runs as an SPMD job (it carries annotations) or on one process;
-    ``rank_of`` maps each logical process to the MPI rank that runs it (None: process p
-    runs on rank p); ``stages`` are the meshes of the forward program in data-flow
+    ``ranks`` (a :class:`~distgraph.mesh.ProcessRanks`) says which rank runs each
+    logical process; ``stages`` are the meshes of the forward program in data-flow
     order; ``estimate`` is the cost model's estimate, where one was made; ``search``
     the report of the automatic search (``Strategy(auto_mode="full")``), else None.
 
     With ``Strategy(micro_batches=M)``, M > 1, ``program`` is the *micro-batch* program
     (forward, backward and update on micro-batch shapes) and ``accumulation`` says how
-    the step accumulates over the micro-batches (:mod:`distgraph.passes.pipeline.accumulate`);
-    :meth:`task_graph` gives the tasks each process runs per micro-batch."""
+    the step accumulates over the micro-batches (:mod:`distgraph.passes.pipeline.accumulate`).
+    :meth:`task_graph` gives the tasks each process runs per micro-batch and
+    :meth:`schedule` the order it runs them in (one micro-batch without ``micro_batches``)."""
 
     built: object
     strategy: Strategy
     distributed: bool
     process_ids: tuple
-    rank_of: object
+    ranks: ProcessRanks
     stages: tuple
     cluster: object = None
     estimate: object = None
     accumulation: object = None
     search: object = None
-    _locals: dict = field(default_factory=dict, repr=False)
+    partitions: MappingProxyType = field(default_factory=lambda: MappingProxyType({}),
+                                         repr=False)
+    graph: object = field(default=None, repr=False)
+    order: object = field(default=None, repr=False)
+    _cache: dict = field(default_factory=dict, repr=False)
 
     @property
     def program(self):
@@ -90,36 +102,42 @@ class Plan:
         return 1 if self.accumulation is None else self.accumulation.micro_batches
 
     @property
-    def pipelined(self) -> bool:
-        """Whether the step runs as a task graph of actors (micro-batches, or a timeline
-        asked for) rather than one pass over each local program."""
-        return self.accumulation is not None or self.strategy.profile
+    def rank_of(self):
+        """{process: rank}, or None where process p runs on rank p."""
+        mapping = self.ranks.mapping
+        return None if mapping is None else MappingProxyType(mapping)
+
+    @property
+    def fetch(self) -> tuple:
+        """The values a step brings to every process (the loss when training, the loss
+        and the outputs when evaluating, the outputs when predicting)."""
+        return self.graph.fetch
 
     def task_graph(self):
-        """The per-process tasks and their edges (:mod:`distgraph.passes.pipeline.task_graph`),
-        built on first use and kept."""
-        if "task_graph" not in self._locals:
-            self._locals["task_graph"] = build_task_graph(self)
-        return self._locals["task_graph"]
+        """The per-process tasks and what flows between them
+        (:mod:`distgraph.passes.pipeline.task_graph`)."""
+        return self.graph
 
-    def rank(self, process_id: int) -> int:
-        return process_id if self.rank_of is None else self.rank_of[process_id]
-
-    def process_of(self, rank: int) -> int:
-        """The logical process that ``rank`` runs."""
-        if self.rank_of is None:
-            return rank
-        for pid, r in self.rank_of.items():
-            if r == rank:
-                return pid
-        raise PlanError(f"rank {rank} runs no process of this plan (ranks "
-                        f"{sorted(self.rank_of.values())})")
+    def schedule(self) -> dict:
+        """{process id: [Action, ...]}: each process's compute actions in the order it
+        runs them (``str(action)`` in torch.distributed.pipelining's notation, "0F3");
+        without micro-batches one F and one B per stage. The update is not an action."""
+        return self.order.as_dict()
 
     def local(self, process_id: int) -> LocalProgram:
-        """The local program of ``process_id`` (partitioned on first use, then kept)."""
-        if process_id not in self._locals:
-            self._locals[process_id] = partition(self.program, process_id)
-        return self._locals[process_id]
+        """The local program of ``process_id``."""
+        if process_id not in self.partitions:
+            raise PlanError(f"process {process_id} has no part in this plan (processes "
+                            f"{list(self.process_ids)})")
+        return self.partitions[process_id]
+
+    def gather_points(self, names, process_id: int) -> list:
+        """The reshard points that bring the global values of persistables ``names`` to
+        every process (made once per list of names and process, then kept)."""
+        key = (tuple(names), process_id)
+        if key not in self._cache:
+            self._cache[key] = gather_points(self.program, names, process_id)
+        return self._cache[key]
 
     def reshards(self) -> list:
         """Every reshard point of the plan once (in global order), whoever runs it."""
@@ -132,10 +150,7 @@ class Plan:
     def bytes_sent(self) -> dict:
         """Bytes each process sends per step: {process id: {kind: bytes}} (with
         micro-batches, a micro-batch's reshards once per micro-batch)."""
-        if self.accumulation is not None:
-            graph = self.task_graph()
-            return {pid: graph.step_bytes(self, pid) for pid in self.process_ids}
-        return {pid: self.local(pid).bytes_sent() for pid in self.process_ids}
+        return {pid: self.graph.step_bytes(self, pid) for pid in self.process_ids}
 
     # -- printing ---------------------------------------------------------------------------
     def explain(self) -> str:
@@ -149,9 +164,12 @@ class Plan:
                                                  for p, r in sorted(self.rank_of.items())))
         for s, mesh in enumerate(self.stages):
             lines.append(f"  stage {s}: {mesh}")
+        if len(self.graph.chunks) != len(self.stages):
+            lines.append(f"  {len(self.graph.chunks)} chunks: " + ", ".join(
+                f"{c} on stage {self.stages.index(m)}" for c, m in enumerate(self.graph.chunks)))
         if self.accumulation is not None:
-            lines.append(f"  schedule: {self.strategy.schedule}, "
-                         + self.accumulation.pretty().replace("\n", "\n  "))
+            lines.append("  " + self.accumulation.pretty().replace("\n", "\n  "))
+        lines.append("  " + self.order.pretty().replace("\n", "\n  "))
         lines.append("  parameters (layer: name shape spec):")
         for layer, params in _parameters_by_layer(self.program).items():
             lines.append(f"    {layer or '(model)'}:")
@@ -178,6 +196,8 @@ class Plan:
             "processes": list(self.process_ids),
             "rank_of": None if self.rank_of is None else
             {str(p): r for p, r in sorted(self.rank_of.items())},
+            "schedule": {str(pid): [str(a) for a in acts]
+                         for pid, acts in self.schedule().items()},
             "stages": [_mesh_dict(m) for m in self.stages],
             "strategy": dataclasses.asdict(self.strategy),
             "micro_batches": self.micro_batches,
@@ -240,6 +260,50 @@ def plan(built, strategy: Strategy | None = None, cluster=None, rank_mapping=Non
 
 
 def _plan(built, strategy, cluster, rank_mapping, accumulation, ilp_budget=None) -> Plan:
+    copy, searched = _completed(built, strategy, cluster, accumulation, ilp_budget)
+    rank_mapping = rank_mapping or (searched.rank_mapping if searched is not None else None)
+    program = copy.program
+    stages = _stages(program)
+    meshes, cut = stages, None
+    virtual = 2 if strategy.schedule == "ZBV" else strategy.virtual_stages
+    if virtual > 1:
+        why = ("Strategy(schedule='ZBV')" if strategy.schedule == "ZBV" else
+               f"Strategy(virtual_stages={virtual})")
+        if len(stages) < 2:
+            raise PlanError(f"{why} interleaves chunks of the model over the pipeline's stage "
+                            f"meshes, but this plan has one stage ({stages[0]}); place the "
+                            f"model's parts on several meshes")
+        meshes = chunk_meshes(stages, virtual, strategy.schedule == "ZBV")
+        cut = forward_chunks(program, len(meshes), why)
+        copy, _ = _completed(built, strategy, cluster, accumulation, ilp_budget,
+                             placement=(stages, cut, meshes))
+        program = copy.program
+        if _stages(program) != stages:
+            raise PlanError(f"internal error: placing the chunks changed the stages "
+                            f"({_stages(program)} vs {stages}); please report it")
+    distributed = _is_annotated(program)
+    ids = tuple(process_ids(program))
+    partitions = {pid: partition(program, pid) for pid in ids}
+    rank_of = _rank_of(program, ids, cluster, rank_mapping, partitions) if distributed \
+        else None
+    planned = Plan(copy, strategy, distributed, ids, ProcessRanks(rank_of), stages, cluster,
+                   accumulation=accumulation, partitions=MappingProxyType(partitions))
+    graph = build_task_graph(planned, partitions, chunk_of_ops(program, meshes, cut), meshes)
+    problem = graph.problem()
+    order = make_schedule(problem)
+    replay(order.orders, problem)            # the check: it completes, or a PlanError
+    planned = dataclasses.replace(planned, graph=graph, order=order)
+    if searched is not None:
+        searched.result.check(program)
+        planned = dataclasses.replace(planned, estimate=estimate(planned, cluster),
+                                      search=searched.result.report)
+    return planned
+
+
+def _completed(built, strategy, cluster, accumulation, ilp_budget, placement=None):
+    """A completed copy of ``built`` (recomputation, the search's annotations, ZeRO
+    sharding applied); with ``placement`` (stages, cut, chunk meshes) every chunk's ops
+    are moved to its mesh first. (copy, the search's result or None)."""
     program = built.program.clone()
     copy = dataclasses.replace(built, program=program)
     if strategy.recompute and program.ops_by_role("backward"):
@@ -247,10 +311,10 @@ def _plan(built, strategy, cluster, rank_mapping, accumulation, ilp_budget=None)
     searched = None
     if strategy.auto_mode == "full":
         searched = annotate(copy, strategy, cluster, accumulation, ilp_budget)
-        rank_mapping = rank_mapping or searched.rank_mapping
-    distributed = _is_annotated(program)
+    if placement is not None:
+        place_chunks(program, *placement)
     updates = bool(program.ops_by_role("optimize"))
-    if distributed:
+    if _is_annotated(program):
         complete(program)
         if strategy.sharding and updates:
             _shard_updates(program, strategy.sharding_mesh_dim)
@@ -260,18 +324,7 @@ def _plan(built, strategy, cluster, rank_mapping, accumulation, ilp_budget=None)
                             "parallel mesh dim, but the model carries no annotations: "
                             "annotate its inputs with dg.shard_tensor(x, mesh, ['dp', ...])")
         complete(program, default_mesh=SERIAL_MESH)
-    ids = tuple(process_ids(program))
-    rank_of = _rank_of(program, ids, cluster, rank_mapping) if distributed else None
-    planned = Plan(copy, strategy, distributed, ids,
-                   None if rank_of is None else MappingProxyType(rank_of),
-                   _stages(program), cluster, accumulation=accumulation)
-    if planned.pipelined:
-        stage_of_processes(planned)          # every process in one stage, or a PlanError
-    if searched is not None:
-        searched.result.check(program)
-        planned = dataclasses.replace(planned, estimate=estimate(planned, cluster),
-                                      search=searched.result.report)
-    return planned
+    return copy, searched
 
 
 def _check_supported(strategy: Strategy) -> None:
@@ -303,6 +356,18 @@ def _check_supported(strategy: Strategy) -> None:
         raise PlanError(f"Strategy(schedule={strategy.schedule!r}) orders the tasks of the "
                         "pipeline runtime: use it with micro_batches > 1 (or profile=True, "
                         "which runs one micro-batch on it)")
+    virtual = strategy.virtual_stages
+    if virtual > 1 and strategy.micro_batches == 1:
+        raise PlanError(f"Strategy(virtual_stages={virtual}) interleaves chunks of "
+                        f"micro-batches over the stages: use it with micro_batches > 1")
+    if strategy.schedule == "ZBV" and virtual not in (1, 2):
+        raise PlanError(f"Strategy(schedule='ZBV') places exactly two chunks on each stage "
+                        f"mesh (process p holds chunks p and 2S-1-p): leave virtual_stages at "
+                        f"1 or 2, not {virtual}")
+    if (virtual > 1 or strategy.schedule == "ZBV") and full:
+        raise PlanError("virtual stages (Strategy(virtual_stages=...) or schedule='ZBV') with "
+                        "auto_mode='full' are not supported: the stage search places whole "
+                        "stages; annotate the stages by hand with auto_mode='semi'")
     if full and strategy.sharding:
         raise PlanError("Strategy(sharding=True) with auto_mode='full' is not supported: the "
                         "search lays parameters and updates out itself (a parameter it "
@@ -335,7 +400,7 @@ def _stages(program) -> tuple:
     return tuple(stages)
 
 
-def _rank_of(program, ids, cluster, rank_mapping):
+def _rank_of(program, ids, cluster, rank_mapping, partitions):
     """Logical process -> MPI rank: process p runs on the rank that owns its device, rank
     r owning the cluster's r-th device. Without a cluster or mapping: None (p on rank p)."""
     if cluster is None and rank_mapping is None:
@@ -346,7 +411,7 @@ def _rank_of(program, ids, cluster, rank_mapping):
         raise PlanError(f"this plan has {world_size} processes but the cluster has only "
                         f"{len(cluster.devices)} devices")
     if rank_mapping is None:
-        rank_mapping = map_ranks(process_graph(program), cluster,
+        rank_mapping = map_ranks(process_graph(program, partitions), cluster,
                                  devices=[d.global_id for d in cluster.devices[:world_size]])
     to_device = dict(getattr(rank_mapping, "process_to_device", rank_mapping))
     owner = {d.global_id: r for r, d in enumerate(cluster.devices[:world_size])}

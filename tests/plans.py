@@ -95,11 +95,14 @@ class PlanGPT(dg.nn.GPT):
 
 
 def build_model(kind: str, seed: int = 0, dims=None, dropout: float = 0.0):
-    """A fresh model of ``kind``: ``mlp`` (2 layers), ``mlp4`` (4 layers, for 4 stages) or
-    ``gpt`` (with ``dropout``); ``dims`` overrides MLP_DIMS / GPT_DIMS (benchmarks)."""
+    """A fresh model of ``kind``: ``mlp`` (2 layers), ``mlp4`` / ``mlp8`` (4 / 8 layers,
+    for 4 stages and for virtual stages), ``gpt`` (with ``dropout``) or ``gpt6`` (6 blocks,
+    for virtual stages); ``dims`` overrides MLP_DIMS / GPT_DIMS (benchmarks)."""
     dg.seed(seed)
     if kind.startswith("mlp"):
-        return PlanMLP(dims, 4 if kind == "mlp4" else 2)
+        return PlanMLP(dims, int(kind[3:] or 2))
+    if kind == "gpt6":
+        return PlanGPT({**(dims or GPT_DIMS), "n_layer": 6}, dropout)
     return PlanGPT(dims, dropout)
 
 
@@ -292,6 +295,26 @@ def two_stage_tp_plan(kind, n):
     return annotate
 
 
+def layered_plan(kind, n):
+    """The model's parts in order over ``n`` one-process meshes, as evenly as they go:
+    MLP layer i on mesh i n / layers; GPT's embedding on the first, block i on
+    i n / blocks, the head on the last (for virtual stages, which cut them again)."""
+    meshes = [dg.ProcessMesh([p], ["dp"]) for p in range(n)]
+
+    def annotate(model):
+        if isinstance(model, PlanMLP):
+            for i in range(model.layers):
+                _on_mesh(model, f"stage{i}", meshes[i * n // model.layers])
+        else:
+            blocks = len(model.blocks._items)
+            _on_mesh(model, "embed", meshes[0])
+            for i in range(blocks):
+                _on_mesh(model, f"block{i}", meshes[i * n // blocks])
+            _on_mesh(model, "head", meshes[-1])
+        _set_act(model, "input", meshes[0], _batch_spec(kind))
+    return annotate
+
+
 PLAN_FACTORIES = {
     "dp": (dp_plan, False),
     "tp": (tp_plan, False),
@@ -321,10 +344,13 @@ def _no_annotation(model):
 AUTO_PLANS = {(_kind, "auto", _n): Plan(_kind, "auto", _n, _no_annotation, auto=True)
               for _kind in ("mlp", "gpt") for _n in (2, 4)}
 
-# Plans only the pipeline tests run (more stages, tensor parallel stages).
+# Plans only the pipeline tests run (more stages, tensor parallel stages, virtual stages).
 PIPELINE_PLANS = {(_kind, _name, 4): Plan(_kind, _name, 4, PIPELINE_FACTORIES[_name](_kind, 4))
                   for _kind, _name in (("mlp4", "four_stage"), ("gpt", "four_stage"),
                                        ("mlp", "two_stage_tp"), ("gpt", "two_stage_tp"))}
+PIPELINE_PLANS.update({(_kind, "layered", _n): Plan(_kind, "layered", _n,
+                                                    layered_plan(_kind, _n))
+                       for _kind, _n in (("mlp4", 2), ("gpt", 2), ("mlp8", 4), ("gpt6", 4))})
 
 
 # ---- training ---------------------------------------------------------------------------

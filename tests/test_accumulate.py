@@ -10,7 +10,8 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import distgraph as dg  # noqa: E402
-from distgraph.passes.pipeline.accumulate import micro_batch_context, split_micro_batches  # noqa: E402
+from distgraph.passes.pipeline.accumulate import split_micro_batches  # noqa: E402
+from distgraph.runtime.execution.tasks import micro_batch_context  # noqa: E402
 from distgraph.program_builder import build_program  # noqa: E402
 
 import plans as P  # noqa: E402
@@ -70,14 +71,16 @@ def test_plan_with_micro_batches():
     P.PLANS["mlp", "two_stage", 2].annotate(model)
     p = dg.passes.plan(built_of("mlp", model=model),
                        dg.Strategy(micro_batches=4, schedule="ZB"))
-    assert p.micro_batches == 4 and p.pipelined
+    assert p.micro_batches == 4
     assert p.program.inputs[0].shape[0] == 2
     text = p.explain()
-    assert "schedule: ZB, gradient accumulation: 4 micro-batches of 2 rows" in text
+    assert "gradient accumulation: 4 micro-batches of 2 rows" in text
+    assert "schedule ZB, 4 micro-batch(es):\n    process 0: 0F0 0F1 0I0" in text
     d = p.to_dict()
     assert d["micro_batches"] == 4 and d["accumulation"]["fc1.weight@GRAD"] == "sum"
+    assert d["schedule"]["1"][:3] == ["1F0", "1I0", "1F1"]
     one = dg.passes.plan(built_of("mlp", model=model), dg.Strategy())
-    assert one.micro_batches == 1 and not one.pipelined and one.accumulation is None
+    assert one.micro_batches == 1 and one.accumulation is None
 
 
 def test_micro_batch_context_moves_the_slice():

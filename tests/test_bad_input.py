@@ -125,7 +125,7 @@ def test_the_kernels_check_labels_and_ids_outside_the_engine_too():
 
 
 def test_the_split_forms_check_against_the_whole_vocabulary():
-    from distgraph.runtime.execution.spmd import SpmdRunner
+    from distgraph.runtime.execution.runner import PlanRunner
     from test_vocab_parallel import B, T, V, build
 
     built, init = build(dg.ProcessMesh([0, 1], ["mp"]))
@@ -136,7 +136,7 @@ def test_the_split_forms_check_against_the_whole_vocabulary():
         feed[field][position] = value
 
         def rank(comm, feed=feed):
-            runner = SpmdRunner(plan, comm.rank, comm, fetch=[built.loss_name])
+            runner = PlanRunner(plan, comm)
             runner.run(runner.shard_scope(init), feed, 0)
 
         what = "label (ignore_index=-100)" if field == "labels" else "embedding id"
@@ -171,7 +171,7 @@ def test_ignored_labels_count_for_nothing(ignore_index):
 
 
 def test_ignore_index_trains_the_same_serially_and_vocabulary_parallel():
-    from distgraph.runtime.execution.spmd import SpmdRunner
+    from distgraph.runtime.execution.runner import PlanRunner
     from test_vocab_parallel import batches, build
 
     data = [(x, np.where(np.arange(y.size).reshape(y.shape) % 3 == 0, -100, y))
@@ -185,7 +185,7 @@ def test_ignore_index_trains_the_same_serially_and_vocabulary_parallel():
     names = [v.name for v in plan.program.persistables]
 
     def rank(comm):
-        runner = SpmdRunner(plan, comm.rank, comm, fetch=[built.loss_name])
+        runner = PlanRunner(plan, comm)
         local = runner.shard_scope(init)
         losses = [float(runner.run(local, {"tokens": x, "labels": y}, s)[built.loss_name])
                   for s, (x, y) in enumerate(data)]

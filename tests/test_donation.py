@@ -1,6 +1,6 @@
-"""Buffer donation: the executor lets a reshard point overwrite the array it reads only
-when that value dies there and nothing else can see its memory; reshard steps reduce in
-place only into arrays they own; in-place all-reduce gives the same sums."""
+"""Buffer donation: the runtime lets a reshard point or an op overwrite the array it reads
+only when that value dies there and nothing else can see its memory; reshard steps reduce
+in place only into arrays they own; in-place all-reduce gives the same sums."""
 
 import numpy as np
 import pytest
@@ -10,7 +10,7 @@ from distgraph.mesh import ProcessMesh
 from distgraph.passes.reshard import plan_reshard
 from distgraph.placement import DistAttr, ShardSpec
 from distgraph.runtime.comm.simulated import SimulatedWorld
-from distgraph.runtime.execution.executor import DONATE_MIN_BYTES, ProgramRunner
+from distgraph.runtime.execution.executor import DONATE_MIN_BYTES, ProgramRunner, may_donate
 from distgraph.runtime.execution.reshard import apply_reshard
 
 N = 128   # float64 N x N = 128 KiB, above DONATE_MIN_BYTES
@@ -87,80 +87,62 @@ def test_a_slice_of_an_array_not_donated_is_not_reduced_in_place(donate):
     assert np.array_equal(local, keep)
 
 
-# -- the executor's decision -----------------------------------------------------------------------
-class Point:
-    """A communication point that reads one value, records the donate flag, and (when
-    donated) scribbles over the array, as an in-place collective would."""
-
-    can_donate = True
-    writes = ()
-
-    def __init__(self, name):
-        self.reads = (name,)
-        self.flags = []
-
-    def execute(self, env, donate=False):
-        self.flags.append(donate)
-        if donate:
-            env[self.reads[0]][...] = -1.0
+# -- the runtime's decision -------------------------------------------------------------------------
+def big(value=1.0):
+    return np.full((N, N), value)
 
 
-def run_with_point(fn, at, read_index=0, fetch=(), n=N):
-    prog = dg.trace(fn, dg.InputSpec([n, n], "float64", "x"))
-    name = prog.ops[read_index].outputs[0].name
-    point = Point(name)
-    runner = ProgramRunner(prog, comm_points={at: [point]})
-    x = np.ones((n, n))
-    outs = [v.name for v in prog.outputs] + list(fetch)
-    result = runner.run({}, {"x": x}, fetch=outs)
-    return point.flags, result, prog, x
+def test_a_value_that_dies_here_and_owns_its_memory_may_be_donated():
+    env = {"a": big(), "b": big()}
+    assert may_donate("a", ("a",), env, ())
+    assert not may_donate("a", (), env, ())                   # read again later
+    assert not may_donate("x", ("x",), {"x": big()}, ("x",))  # fed: the caller's array
+    assert not may_donate("a", ("a",), {"a": np.ones((8, 8))}, ())   # too small to matter
 
 
-def test_a_value_that_dies_at_the_point_is_donated():
-    def fn(x):
-        return dg.ops.scale(dg.ops.scale(x, 2.0), 5.0), dg.ops.scale(x, 3.0)
-    # ops: a = 2x, b = 5a, c = 3x; the point reads a after its last op use
-    flags, result, prog, x = run_with_point(fn, at=2)
-    assert flags == [True]
-    assert np.all(result[prog.outputs[0].name] == 10.0)
-    assert np.all(x == 1.0)
+def test_a_value_seen_elsewhere_is_not_donated():
+    a = big()
+    assert not may_donate("a", ("a",), {"a": a, "v": a.reshape(N * N)}, ())   # a live view
+    assert not may_donate("a", ("a",), {"a": a}, (), {"grad": a})   # accumulated or stored
+    assert not may_donate("v", ("v",), {"v": a[1:]}, ())            # a view itself
 
 
-def test_a_fetched_value_is_not_donated():
-    def fn(x):
-        return dg.ops.scale(dg.ops.scale(x, 2.0), 5.0), dg.ops.scale(x, 3.0)
-    prog = dg.trace(fn, dg.InputSpec([N, N], "float64", "x"))
-    flags, result, prog, _ = run_with_point(fn, at=2, fetch=[prog.ops[0].outputs[0].name])
-    assert flags == [False]
-    assert np.all(result[prog.ops[0].outputs[0].name] == 2.0)
+def test_a_dying_gradient_is_all_reduced_in_place(monkeypatch, float64):
+    """Data parallel on two processes: every gradient dies at its all-reduce in the
+    update, so the runtime hands it over (one buffer and pass less per gradient)."""
+    from distgraph.runtime.execution import tasks
 
+    flags = []
+    original = tasks.run_point
 
-def test_a_fed_value_is_not_donated():
-    def fn(x):
-        return dg.ops.scale(x, 3.0)
-    prog = dg.trace(fn, dg.InputSpec([N, N], "float64", "x"))
-    point = Point("x")
-    x = np.ones((N, N))
-    ProgramRunner(prog, comm_points={1: [point]}).run({}, {"x": x})
-    assert point.flags == [False] and np.all(x == 1.0)
+    def recording(point, local, comm, pid, ranks=None, tag=0, donate=False):
+        if any(s.kind == "all_reduce" for s in point.steps) and local is not None \
+                and local.nbytes >= DONATE_MIN_BYTES:
+            flags.append((point.value, donate))
+        return original(point, local, comm, pid, ranks, tag, donate)
 
+    monkeypatch.setattr(tasks, "run_point", recording)
+    mesh = ProcessMesh([0, 1], ["dp"])
 
-def test_a_value_with_a_live_view_is_not_donated():
-    def fn(x):
-        a = dg.ops.scale(x, 2.0)
-        return dg.ops.scale(dg.ops.reshape(a, [N * N]), 5.0)
-    # ops: a = 2x, v = reshape(a) (a numpy view of a), out = 5v; the point reads a
-    # before the last op, while v is alive
-    flags, result, prog, _ = run_with_point(fn, at=2)
-    assert flags == [False]
-    assert np.all(result[prog.outputs[0].name] == 10.0)
+    class Wide(dg.nn.Layer):
+        def __init__(self):
+            super().__init__()
+            self.fc = dg.nn.Linear(N, N)
 
+        def forward(self, x):
+            return self.fc(dg.shard_tensor(x, mesh, ["dp", None]))
 
-def test_a_small_value_is_not_donated():
-    def fn(x):
-        return dg.ops.scale(dg.ops.scale(x, 2.0), 5.0), dg.ops.scale(x, 3.0)
-    flags, _, _, _ = run_with_point(fn, at=2, n=8)
-    assert flags == [False]
+    rng = np.random.default_rng(0)
+    data = [(rng.normal(size=N), rng.normal(size=N)) for _ in range(8)]
+    world = SimulatedWorld(2, timeout=20)
+    engines = []
+    for r in range(2):
+        dg.seed(0)
+        engines.append(dg.Engine(Wide(), dg.nn.MSELoss(), dg.optim.SGD(0.1),
+                                 communicator=world.communicator(r)))
+    world.run(lambda comm: engines[comm.rank].fit(data, batch_size=8, verbose=0))
+    assert flags and all(donate for _, donate in flags), flags
+    assert {name for name, _ in flags} == {"fc.weight@GRAD"}
 
 
 # -- ops registered with donate ---------------------------------------------------------------------

@@ -140,7 +140,7 @@ def test_rank_mapping_is_part_of_the_plan():
     p = dg.passes.plan(built(), cluster=dg.Cluster.local(4),
                        rank_mapping={0: 3, 1: 2, 2: 1, 3: 0})
     assert dict(p.rank_of) == {0: 3, 1: 2, 2: 1, 3: 0}
-    assert [p.process_of(r) for r in range(4)] == [3, 2, 1, 0]
+    assert [p.ranks.process(r) for r in range(4)] == [3, 2, 1, 0]
     with pytest.raises(dg.PlanError, match="exactly one"):
         dg.passes.plan(built(), cluster=dg.Cluster.local(4), rank_mapping={0: 0, 1: 0, 2: 1, 3: 2})
 

@@ -89,7 +89,7 @@ def repeated_reshard_seconds(plan, cluster) -> float:
         users = {k for k, op in enumerate(ops) for v, s in zip(op.inputs,
                                                                 op.dist_attr.input_specs)
                  if v.name == point.value and DistAttr(op.dist_attr.mesh, s) == point.dst}
-        seconds = sum(step_time(s, 0, cluster, lambda p: cluster.devices[plan.rank(p)].global_id)
+        seconds = sum(step_time(s, 0, cluster, lambda p: cluster.devices[plan.ranks(p)].global_id)
                       for s in point.steps)
         charged = sum(runs[ops[k].role] for k in users)
         total += (charged - runs[ops[point.anchor].role]) * seconds

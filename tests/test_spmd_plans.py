@@ -21,7 +21,7 @@ from distgraph.placement import DistAttr  # noqa: E402
 from distgraph.program_builder import build_program  # noqa: E402
 from distgraph.runtime.comm.base import COUNTED_KINDS  # noqa: E402
 from distgraph.runtime.comm.simulated import SimulatedWorld  # noqa: E402
-from distgraph.runtime.execution.spmd import SpmdRunner  # noqa: E402
+from distgraph.runtime.execution.runner import PlanRunner  # noqa: E402
 
 import plans as P  # noqa: E402
 
@@ -230,7 +230,7 @@ def one_step_traffic(plan):
             for k, name in enumerate(built.feed_names)}
 
     def body(comm):
-        runner = SpmdRunner(planned_, comm.rank, comm, fetch=[built.loss_name])
+        runner = PlanRunner(planned_, comm)
         scope = runner.shard_scope(init)
         comm.reset_counters()
         runner.run(scope, feed, step=0)

@@ -55,7 +55,7 @@ def test_equal_layers_on_equal_devices_make_equal_stages():
     plan = dg.passes.plan(program(mlp(4), dims=mlp_dims()), pipeline(), cluster)
     assert stage_layers(plan) == [["fc1"], ["fc2"], ["fc3"], ["fc4"]]
     assert [m.size for m in plan.stages] == [1, 1, 1, 1]
-    assert plan.pipelined and plan.micro_batches == 8
+    assert plan.micro_batches == 8
     assert plan.search.status == "optimal" and len(plan.search.stages) == 4
 
 
@@ -66,7 +66,7 @@ def test_a_mesh_twice_as_fast_takes_twice_the_layers():
     sizes = {}
     for mesh, layers in zip(plan.stages, stage_layers(plan)):
         (pid,) = mesh.process_ids
-        sizes[cluster.devices[plan.rank(pid)].global_id] = len(layers)
+        sizes[cluster.devices[plan.ranks(pid)].global_id] = len(layers)
     assert sizes[fast] == 4 and sum(sizes.values()) == 6
 
 
@@ -142,7 +142,7 @@ def test_searched_pipelines_train_like_serial(case, float64):
     results = SimulatedWorld(n, timeout=120).run(
         lambda comm: train(models[comm.rank], kind, comm, cluster, dims))
     plan = results[0][2]
-    assert len(plan.stages) > 1 and plan.pipelined
+    assert len(plan.stages) > 1 and plan.micro_batches > 1
     for rank, (losses, params, _) in enumerate(results):
         errors = P.compare((losses, params), reference, "float64")
         assert errors["steps"] == len(reference[0])

@@ -10,7 +10,7 @@ from distgraph.passes.partition import gather_points, partition
 from distgraph.program_builder import build_program
 from distgraph.runtime.comm.simulated import SimulatedWorld
 from distgraph.runtime.execution.executor import ProgramRunner
-from distgraph.runtime.execution.spmd import SpmdRunner
+from distgraph.runtime.execution.runner import PlanRunner
 
 V, D, LAYERS, HEADS, T, B = 64, 32, 2, 4, 8, 4
 
@@ -50,7 +50,7 @@ def test_split_vocabulary_trains_like_serial(float64, n):
     names = [v.name for v in plan.program.persistables]
 
     def rank(comm):
-        runner = SpmdRunner(plan, comm.rank, comm, fetch=[built.loss_name])
+        runner = PlanRunner(plan, comm)
         scope = runner.shard_scope(init)
         losses = [float(runner.run(scope, {"tokens": x, "labels": y}, s)[built.loss_name])
                   for s, (x, y) in enumerate(batches())]
@@ -85,7 +85,7 @@ def test_bytes_counted_equal_the_plan_with_collectives_inside_ops(float64):
     (x, y), = batches()[:1]
 
     def rank(comm):
-        runner = SpmdRunner(plan, comm.rank, comm, fetch=[built.loss_name])
+        runner = PlanRunner(plan, comm)
         scope = runner.shard_scope(init)
         comm.reset_counters()
         runner.run(scope, {"tokens": x, "labels": y}, 0)

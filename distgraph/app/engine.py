@@ -28,9 +28,7 @@ from distgraph.nn.layers import Dropout
 from distgraph.passes.planner import plan
 from distgraph.program_builder import build_program
 from distgraph.resources.cluster import Cluster
-from distgraph.runtime.execution.executor import ProgramRunner
-from distgraph.runtime.execution.pipeline import PipelineRunner
-from distgraph.runtime.execution.spmd import SpmdRunner, check_world
+from distgraph.runtime.execution.runner import PlanRunner
 from distgraph.strategy import Strategy
 
 
@@ -46,57 +44,27 @@ class History:
     epochs: list = field(default_factory=list)
 
 
-class _SerialBackend:
-    """One process runs the whole program."""
+class _Runner:
+    """This rank's part of a plan (the whole plan on one process); the other ranks run
+    theirs. Every plan runs on the one runtime (:class:`PlanRunner`)."""
 
-    def __init__(self, plan):
-        self.plan, self.runner = plan, ProgramRunner(plan.program)
-
-    def timeline(self):
-        raise DistGraphError("no timeline was recorded: use Strategy(profile=True)")
-
-    def scope(self, global_values: dict) -> dict:
-        return {v.name: global_values[v.name] for v in self.plan.program.persistables}
-
-    def rows(self):
-        return None
-
-    def step(self, scope, feed, fetch, step):
-        return self.runner.run(scope, feed, fetch, step)
-
-    def gather(self, scope, names):
-        return {n: scope[n] for n in names}
-
-
-class _SpmdBackend:
-    """This rank's part of a distributed plan; the other ranks run theirs. A plan with
-    micro-batches (or a timeline to record) runs as actors over its task graph; a
-    one-process plan of that kind runs here without a communicator."""
-
-    def __init__(self, plan, comm, fetch):
+    def __init__(self, plan, comm):
         self.plan = plan
-        if plan.pipelined:
-            if comm is not None:
-                check_world(plan, comm.size)
-            pid = plan.process_of(comm.rank) if comm is not None else 0
-            self.runner = PipelineRunner(plan, pid, comm, fetch=fetch)
-        else:
-            check_world(plan, comm.size)
-            self.runner = SpmdRunner(plan, plan.process_of(comm.rank), comm, fetch=fetch)
-        self._rows = self.runner.batch_rows()
+        self.runner = PlanRunner(plan, comm)
+        self._rows = self.runner.batch_rows() if plan.distributed else None
+
+    @property
+    def arrays(self):
+        """The array backend the runner computes with (numpy, or CuPy on a GPU)."""
+        return self.runner.backend
 
     def timeline(self):
-        if not self.plan.pipelined:
-            raise DistGraphError("no timeline was recorded: use Strategy(profile=True)")
         return self.runner.timeline()
-
-    def scope(self, global_values: dict) -> dict:
-        return self.runner.shard_scope(global_values)
 
     def rows(self):
         return self._rows
 
-    def step(self, scope, feed, fetch, step):
+    def step(self, scope, feed, step):
         return self.runner.run(scope, feed, step, rows=self._rows)
 
     def gather(self, scope, names):
@@ -147,7 +115,7 @@ class Engine:
         self._scopes: dict = {}
         self._plan_cache: dict = {}        # (mode, program key) -> Plan
         self._feed_checks: dict = {}       # id(BuiltProgram) -> its FeedCheck
-        self._backend_cache: dict = {}     # (id(Plan), fetches outputs) -> backend
+        self._backend_cache: dict = {}     # id(Plan) -> its runner
         self._active: dict = {}            # mode -> key of the plan in _plans[mode]
         self._held = ProcessState(model, optimizer)
         self._step = 0                     # optimizer steps taken (dropout and LR use it)
@@ -191,7 +159,7 @@ class Engine:
         for mode in ("train", "eval", "predict"):
             if mode in self._plans:
                 p = self._plans[mode]
-                return p.process_of(self.rank) if p.distributed else 0
+                return p.ranks.process(self.rank) if p.distributed else 0
         raise DistGraphError("no plan yet: call fit(), evaluate(), predict() or prepare() "
                              "first")
 
@@ -246,36 +214,24 @@ class Engine:
         self._scopes.pop(mode, None)
         self._active[mode] = key
 
-    def _backend(self, mode, outputs=False):
-        """The backend of ``mode``'s plan; with ``outputs`` a distributed one also brings
-        the model's global outputs to every rank (what metrics read)."""
+    def _backend(self, mode):
+        """The runner of ``mode``'s plan (made once per plan)."""
         p = self._plans[mode]
-        # outputs come back through the runner's fetch list only where a runner keeps one
-        fetch_outputs = bool(outputs and (p.distributed or p.pipelined))
-        key = (id(p), fetch_outputs)
-        if key not in self._backend_cache:
-            built = p.built
-            fetch = [built.loss_name] if built.loss_name else built.output_names
-            if fetch_outputs and built.loss_name:
-                fetch = fetch + built.output_names
+        if id(p) not in self._backend_cache:
             if p.distributed:
                 if self._comm is None:
                     self._comm = _world_communicator()
                 if p.search is not None:
                     _check_same_search(p, self._comm)
-                self._backend_cache[key] = _SpmdBackend(p, self._comm, fetch)
-            elif p.pipelined:
-                self._backend_cache[key] = _SpmdBackend(p, None, fetch)
-            else:
-                self._backend_cache[key] = _SerialBackend(p)
-        self._backends[mode] = self._backend_cache[key]
+            self._backend_cache[id(p)] = _Runner(p, self._comm if p.distributed else None)
+        self._backends[mode] = self._backend_cache[id(p)]
         return self._backends[mode]
 
-    def _ensure(self, mode, loader: DataLoader, batch_rows: int | None = None, outputs=False):
+    def _ensure(self, mode, loader: DataLoader, batch_rows: int | None = None):
         """The built program, backend and scope of ``mode`` for a batch of ``batch_rows``
         samples: planned once per batch shape, with the held values laid out for it."""
         ins, labels = loader.specs(self._label_count(mode), batch_rows)
-        return self._bind(mode, ins, labels[:0] if mode == "predict" else labels, outputs)
+        return self._bind(mode, ins, labels[:0] if mode == "predict" else labels)
 
     def _loader(self, data, batch_size, shuffle=False, drop_last=False) -> DataLoader:
         """A DataLoader of ``data``; a plain dataset is split as the last fit's
@@ -294,16 +250,16 @@ class Engine:
                        f"model's dtype; dg.set_default_dtype({have!r}) computes in {have}, "
                        f"or give {fed} samples")
 
-    def _bind(self, mode, ins, labels, outputs=False):
+    def _bind(self, mode, ins, labels):
         key = (mode, self._program_key(mode, ins, labels))
         if key not in self._plan_cache:
             self.prepare(ins, labels, mode)
         self._activate(mode, key)
-        backend = self._backend(mode, outputs)
+        backend = self._backend(mode)
         p = self._plans[mode]
         if not p.distributed and self.world_size > 1:
             self._warn_unsplit(mode)
-        pid = p.process_of(self._comm.rank) if p.distributed else 0
+        pid = backend.runner.pid
         self._scopes = {mode: self._held.bind(p, pid, backend)}
         return p.built, backend, self._scopes[mode]
 
@@ -377,7 +333,7 @@ class Engine:
                 self._held.set_lr(lr)
                 logs = {"epoch": epoch, "batch": b, "lr": lr, "batch_size": len(idx)}
                 cbs.on_step_begin(self._step, logs)
-                out = backend.step(scope, feed, [built.loss_name], self._step)
+                out = backend.step(scope, feed, self._step)
                 loss = float(out[built.loss_name])
                 if self.strategy.check_finite:
                     checks.check_finite(loss, self._step, epoch, b)
@@ -486,7 +442,7 @@ class Engine:
         progress.on_epoch_begin(0, {})
         total, count = 0.0, 0
         for b, idx in enumerate(loader.indices(0)):
-            built, backend, scope = self._ensure("eval", loader, len(idx), outputs=bool(ms))
+            built, backend, scope = self._ensure("eval", loader, len(idx))
             rows = backend.rows()
             if ms:       # metrics see every row of the batch
                 batch = loader.load(idx)
@@ -494,8 +450,7 @@ class Engine:
                                      idx if rows is None else idx[rows], 0, b)
             else:
                 feed = self._feed(built, loader, idx, rows, 0, b)
-            fetch = [built.loss_name] + (built.output_names if ms else [])
-            out = backend.step(scope, feed, fetch, self._step)
+            out = backend.step(scope, feed, self._step)
             loss = float(out[built.loss_name])
             total += loss * len(idx)
             count += len(idx)
@@ -519,7 +474,7 @@ class Engine:
         for b, idx in enumerate(loader.indices(0)):
             built, backend, scope = self._ensure("predict", loader, len(idx))
             out = backend.step(scope, self._feed(built, loader, idx, backend.rows(), 0, b),
-                               built.output_names, self._step)
+                               self._step)
             results.append([np.asarray(out[n]) for n in built.output_names])
         return results
 
@@ -553,7 +508,7 @@ class Engine:
                                                 kind, local=local))
             else:
                 entries.append(checkpoint.Entry(name, layout.shape, layout.dtype, kind,
-                                                layout.attr, layout.plan.rank, local))
+                                                layout.attr, layout.plan.ranks, local))
         if self._comm is None and any(p.distributed for p in self._plans.values()):
             self._comm = _world_communicator()
         checkpoint.save(path, entries, checkpoint_info(self), self._comm)

@@ -73,7 +73,8 @@ class ProcessState:
 
     # -- binding a plan -------------------------------------------------------------------
     def bind(self, plan, pid: int, backend) -> dict:
-        """Lay out every persistable of ``plan`` for process ``pid``; returns the scope.
+        """Lay out every persistable of ``plan`` for process ``pid`` as arrays of the
+        runner ``backend`` (``backend.arrays``: numpy, or CuPy); returns the scope.
         Cheap when ``plan`` is the one bound last and the model was not given new values."""
         self.take_user_changes()
         if self.bound is plan:
@@ -109,7 +110,8 @@ class ProcessState:
                 block = np.asarray(self.states[name])[index]
             else:
                 block = self._fresh(v, index)
-            self.arrays[name] = np.array(block, dtype=v.dtype, order="C")
+            self.arrays[name] = backend.arrays.from_host(np.array(block, dtype=v.dtype,
+                                                                  order="C"))
         self.bound = plan
         return self.arrays
 

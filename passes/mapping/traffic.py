@@ -43,8 +43,10 @@ def _point_traffic(point, traffic: dict, messages: dict) -> None:
                     _add(messages, {pair: 1.0})
 
 
-def process_graph(program: Program, device_type: str | None = None) -> ProcessGraph:
-    """Traffic, memory and compute per process of a completed program."""
+def process_graph(program: Program, partitions=None,
+                  device_type: str | None = None) -> ProcessGraph:
+    """Traffic, memory and compute per process of a completed program (``partitions``:
+    its processes' local programs where they are made already, {pid: LocalProgram})."""
     ids = process_ids(program)
     if ids != list(range(len(ids))):
         raise ValueError(f"process ids must be 0..{len(ids) - 1}, got {ids}")
@@ -53,7 +55,7 @@ def process_graph(program: Program, device_type: str | None = None) -> ProcessGr
     memory, compute = [], []
     seen_points = set()
     for pid in ids:
-        local = partition(program, pid)
+        local = partitions[pid] if partitions else partition(program, pid)
         for point in local.points():
             key = (point.value, point.dst, point.seq)
             if key in seen_points:

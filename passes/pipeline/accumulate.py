@@ -26,7 +26,7 @@ results are summed, and the micro-batches read the whole batch's value, so that 
 contributes its share of the full batch's mean. Any other program that needs samples
 of other micro-batches before the update (an op that mixes rows of the batch, such as a
 batch-wide normalisation) cannot be split: that is a PlanError naming the op. Random ops (dropout) draw for the full batch's tensor and
-take their micro-batch's slice (:func:`micro_batch_context`), so their masks equal the
+take their micro-batch's slice (the runtime's ``micro_batch_context``), so their masks equal the
 full-batch step's.
 
 Example::
@@ -93,22 +93,6 @@ class Accumulation:
         for name in sorted(self.prologue):
             lines.append(f"  whole  {name} (summed over the micro-batches before the step)")
         return "\n".join(lines)
-
-
-def micro_batch_context(ctx: dict, axis: int | None, micro_batches: int, m: int) -> dict:
-    """The kernel context of a random op for micro-batch ``m``: its ``out_global_shape``
-    (a micro-batch's global tensor) grown to the full batch along ``axis`` and its
-    ``out_slices`` moved to micro-batch ``m``'s rows. Unchanged when the op's result does
-    not carry samples (``axis`` None)."""
-    if axis is None or "out_global_shape" not in ctx:
-        return ctx
-    shape = list(ctx["out_global_shape"])
-    rows = shape[axis]
-    shape[axis] = rows * micro_batches
-    slices = list(ctx.get("out_slices") or tuple(slice(0, n) for n in ctx["out_global_shape"]))
-    s = slices[axis]
-    slices[axis] = slice(s.start + m * rows, s.stop + m * rows)
-    return {**ctx, "out_global_shape": tuple(shape), "out_slices": tuple(slices)}
 
 
 def split_micro_batches(built, micro_batches: int):
@@ -285,8 +269,7 @@ def _boundary(analysed, built) -> list:
         for v in op.inputs:
             if made_by.get(v.name, "optimize") != "optimize" and v.name not in names:
                 names.append(v.name)
-    fetched = [built.loss_name] if built.loss_name else list(built.output_names)
-    for name in fetched:
+    for name in built.fetch_names:
         if name not in names:
             names.append(name)
     return names

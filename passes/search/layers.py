@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from distgraph.errors import PlanError
-from distgraph.registry import TensorType, get_op
+from distgraph.registry import op_flops
 
 FORWARD = ("forward", "loss")
 
@@ -65,7 +65,7 @@ def cluster_layers(program, max_layers: int, delta: float = 0.25) -> Layering:
     if not forward:
         raise PlanError("the stage search cuts the forward ops into layers, but the program "
                         "has none")
-    flops = np.array([_flops(program.ops[k]) for k in forward], dtype=float)
+    flops = np.array([op_flops(program.ops[k]) for k in forward], dtype=float)
     received = _received(program, forward)
     cut = None
     for count in range(min(max_layers, len(forward)), 0, -1):
@@ -80,12 +80,6 @@ def cluster_layers(program, max_layers: int, delta: float = 0.25) -> Layering:
     return Layering(len(cut), tuple(layer_of),
                     tuple(float(flops[a:b + 1].sum()) for a, b in cut),
                     tuple(float(received[a, b]) for a, b in cut))
-
-
-def _flops(op) -> float:
-    return float(get_op(op.type).flops([TensorType(v.shape, v.dtype) for v in op.inputs],
-                                       [TensorType(o.shape, o.dtype) for o in op.outputs],
-                                       **op.attrs))
 
 
 def _received(program, forward) -> np.ndarray:

@@ -50,11 +50,12 @@ import numpy as np
 
 from distgraph.errors import RuntimeFault
 from distgraph.passes.cost_model import COLLECTIVES, collective_bytes
+# user tags are [0, MAX_TAG), the task graph's one tag scheme; MPI's upper ones are internal
+from distgraph.passes.pipeline.task_graph import MAX_TAG
 from distgraph.runtime.backend import NUMPY
 from distgraph.runtime.launch.progress import NO_PROGRESS
 
 DEFAULT_TIMEOUT = 60.0
-MAX_TAG = 1 << 14  # user tags are [0, MAX_TAG); MPI's upper tags are kept for internals
 COUNTED_KINDS = COLLECTIVES + ("send_recv",)
 REDUCE_OPS = {"sum": np.add, "max": np.maximum, "min": np.minimum}
 CALL_NAME_BYTES = 64
@@ -242,6 +243,14 @@ class Communicator(ABC):
 
     def wait_sends(self) -> None:
         """Block (up to the timeout) until this rank's pending sends are delivered."""
+
+    def finished_peers(self, peers, seen: set, what: str) -> set:
+        """For a rank that polls its own requests (the carrier) while it waits for
+        ``peers`` (ranks): those that have finished their script. One found finished at
+        this check and at the last (``seen``) will never send: a RuntimeFault saying
+        ``what`` was awaited and where the peers are. Without the launcher's status
+        records nothing is known (an empty set)."""
+        return set()
 
     @abstractmethod
     def barrier(self) -> None: ...

@@ -129,6 +129,11 @@ class MPICommunicator(Communicator):
             raise RuntimeFault(self._gave_up(f"waiting for {what}", peers, collective))
         return now
 
+    def finished_peers(self, peers, seen: set, what: str) -> set:
+        if not self._status:
+            return set()
+        return self._finished_peers(peers, seen, what, (), collective=False)
+
     def _gave_up(self, waited: str, peers, collective: bool) -> str:
         """The message of a wait given up on: what it waited for, who did not come and
         where they are, and the fix."""

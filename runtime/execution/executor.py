@@ -1,8 +1,18 @@
-"""Run a Program's kernels in order, freeing each intermediate after its last use.
+"""Run compiled ops: the instruction every task of the runtime is made of, and a serial
+interpreter of one Program.
 
-Persistable Values (parameters, optimizer states) live in a ``scope`` dict that outlives
-a run; update ops write into them in place and their results are stored back under the
-persistable's name (``Value.alias_of``).
+An :class:`OpInstr` is one op compiled: its kernel and the names it reads and writes.
+:func:`run_op` runs it on an environment of named arrays; persistables (parameters,
+optimizer states) live in a ``scope`` that outlives a run, and update ops store their
+results back under the persistable's name (``Value.alias_of``). Ops registered with
+``donate`` get, as ``ctx.out``, a dying input of their result's shape and dtype whose
+array nothing else holds (:func:`donatable`): a bias add writes into the matmul result
+it consumes instead of a new buffer.
+
+:class:`ProgramRunner` runs a whole Program in order on one process, dropping each
+intermediate after its last use (tests, tools and calibration use it on bare
+programs); plans run on the task runtime (:mod:`distgraph.runtime.execution.runner`),
+whose tasks are lists of these instructions.
 
 Example::
 
@@ -17,7 +27,6 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
-from distgraph.runtime.launch.progress import NO_PROGRESS
 
 from distgraph.errors import RuntimeFault
 from distgraph.ir import Program
@@ -28,8 +37,7 @@ DONATE_MIN_BYTES = 1 << 16   # below this a fresh buffer costs about nothing
 
 @dataclass(frozen=True)
 class OpInstr:
-    """One op, compiled: its kernel and the names it reads and writes. Shared by the
-    executor and the pipeline's tasks (:mod:`distgraph.runtime.execution.tasks`)."""
+    """One op, compiled: its kernel and the names it reads and writes."""
 
     kernel: object
     op_type: str
@@ -39,8 +47,19 @@ class OpInstr:
     attrs: dict
     writeback: tuple      # (output position, persistable name)
     ctx: dict             # KernelContext fields from partition (random ops, groups)
-    donors: tuple = ()    # inputs whose buffer may become the result (see ``donate``)
+    donors: tuple = ()    # inputs whose buffer may become the result (see ``donatable``)
     axis: int | None = None   # the result's sample dim, for random ops' micro-batch slice
+
+    @property
+    def reads(self) -> tuple:
+        return self.ins
+
+    @property
+    def writes(self) -> tuple:
+        return self.outs
+
+    def __str__(self) -> str:
+        return f"op '{self.op_type}'" + (f" in layer '{self.layer}'" if self.layer else "")
 
 
 def op_instr(op, ctx=None, axis=None) -> OpInstr:
@@ -51,126 +70,35 @@ def op_instr(op, ctx=None, axis=None) -> OpInstr:
                    dict(ctx or {}), axis=axis)
 
 
-class ProgramRunner:
-    """Compiled instruction list of one Program (serial, or one process's local part).
+def with_donors(instr: OpInstr, dying, values, feeds=()) -> OpInstr:
+    """``instr`` with the inputs among ``dying`` that may hold its result (its op
+    registered with ``donate``; same shape and dtype as its first output in
+    ``values``, a {name: Value} map; not fed)."""
+    if not get_op(instr.op_type).donate:
+        return instr
+    out = values[instr.outs[0]]
+    donors = tuple(n for n in dict.fromkeys(instr.ins)
+                   if n in dying and n not in feeds
+                   and values[n].shape == out.shape and values[n].dtype == out.dtype)
+    return dataclasses.replace(instr, donors=donors)
 
-    ``op_context`` optionally maps an op index to extra KernelContext fields (the global
-    shape and local slices of a sharded random op). ``comm_points`` maps an op index to
-    communication points run before that op (index ``len(ops)``: after the last op);
-    each has ``reads``, ``writes`` and ``execute(env)``, and counts in the liveness
-    analysis like an op, so a value is kept until the last message that sends it.
 
-    A point with ``can_donate`` is run as ``execute(env, donate=True)`` when the value
-    it reads dies there (not fed, fetched or persistable) and its array, at least
-    ``DONATE_MIN_BYTES``, is no view and has none among the live values: the point may
-    then overwrite it, e.g. all-reduce a gradient in place instead of into a new buffer.
-    Ops registered with ``donate`` get such a dying input of their result's shape and
-    dtype as ``ctx.out`` (a bias add writes into the matmul result it consumes).
-
-    With a communicator whose ``progress`` is watched (under the launcher), the runner
-    marks each instruction it starts, so a rank that stops making progress can be named
-    with the step and the op it is in.
-    """
-
-    def __init__(self, program: Program, xp=np, fetch_always=(), op_context=None,
-                 comm_points=None, comm=None, rank_of=None):
-        self.program = program
-        self.xp = xp
-        self.comm, self.rank_of = comm, rank_of
-        self.feed_names = [v.name for v in program.inputs]
-        keep = {v.name for v in program.values.values() if v.persistable}
-        keep |= set(fetch_always)
-        op_context = op_context or {}
-        comm_points = comm_points or {}
-        items: list = []
-        for i, op in enumerate(program.ops):
-            items.extend(comm_points.get(i, ()))
-            items.append(op_instr(op, op_context.get(i)))
-        items.extend(comm_points.get(len(program.ops), ()))
-        last_use: dict[str, int] = {}
-        for i, item in enumerate(items):
-            for name in reads_of(item) + writes_of(item):
-                last_use[name] = i
-        compiled = []
-        self.donatable: dict[int, tuple] = {}
-        values = program.values
-        for i, item in enumerate(items):
-            free = tuple(sorted({n for n in reads_of(item) + writes_of(item)
-                                 if last_use.get(n) == i and n not in keep}))
-            if isinstance(item, OpInstr) and get_op(item.op_type).donate:
-                out = values[item.outs[0]]
-                donors = tuple(n for n in dict.fromkeys(item.ins)
-                               if n in free and n not in self.feed_names
-                               and values[n].shape == out.shape and values[n].dtype == out.dtype)
-                item = dataclasses.replace(item, donors=donors)
-            compiled.append((item, free))
-            dying = tuple(n for n in reads_of(item) if n in free and n not in self.feed_names)
-            if getattr(item, "can_donate", False) and dying:
-                self.donatable[i] = dying
-        self.items = compiled
-        self.progress = getattr(comm, "progress", NO_PROGRESS)
-        self._table = self.progress.table([_label(item) for item, _ in compiled]) \
-            if self.progress.active else -1
-
-    def run(self, scope: dict, feed: dict | None = None, fetch=(), step: int = 0,
-            timings: list | None = None) -> dict:
-        """Execute once; returns {name: array} for ``fetch``. With ``timings`` (a list),
-        the seconds each op took are appended to it in program order."""
-        env = dict(scope)
-        for name in self.feed_names:
-            if feed is None or name not in feed:
-                raise RuntimeFault(f"input {name!r} was not fed; feed it by name")
-            env[name] = feed[name]
-        fetch = set(fetch)
-        fetched = {}
-        base = KernelContext(self.xp, step, comm=self.comm, rank_of=self.rank_of)
-        progress = self.progress
-        progress.begin_step(step, self._table)
-        for i, (item, free) in enumerate(self.items):
-            progress.at(i)
-            if isinstance(item, OpInstr):
-                if timings is None:
-                    self._run_op(i, item, env, scope, step, base, fetch, fetched)
-                else:
-                    start = time.perf_counter()
-                    self._run_op(i, item, env, scope, step, base, fetch, fetched)
-                    timings.append(time.perf_counter() - start)
-            else:
-                if i in self.donatable and _donatable(self.donatable[i], env, scope, fetch,
-                                                      fetched):
-                    item.execute(env, donate=True)
-                else:
-                    item.execute(env)
-                for name, target in zip(item.writes, getattr(item, "stores", ())):
-                    scope[target] = env[name]
-            for name in fetch.intersection(writes_of(item)):
-                fetched[name] = env[name]
-            for name in free:
-                env.pop(name, None)
-        progress.end_step()
-        for name in fetch - set(fetched):
-            if name not in env:
-                raise RuntimeFault(f"cannot fetch {name!r}: no such value was computed")
-            fetched[name] = env[name]
-        return fetched
-
-    def _run_op(self, i, ins, env, scope, step, base, fetch, fetched):
-        ctx = KernelContext(self.xp, step, comm=self.comm, rank_of=self.rank_of,
-                            **ins.ctx) if ins.ctx else base
-        for name in ins.donors:
-            if _donatable((name,), env, scope, fetch, fetched):
-                ctx = dataclasses.replace(ctx, out=env[name])
-                break
-        try:
-            args = [env[n] for n in ins.ins]
-        except KeyError as e:
-            raise RuntimeFault(f"op '{ins.op_type}' needs {e.args[0]!r}, which is not "
-                               "computed or fed") from None
-        result = call_kernel(ins.kernel, ins.op_type, ins.layer, ctx, args, ins.attrs)
-        for name, arr in zip(ins.outs, result):
-            env[name] = arr
-        for k, target in ins.writeback:
-            scope[target] = result[k]
+def run_op(instr: OpInstr, env: dict, scope: dict, ctx: KernelContext, donate=()) -> None:
+    """Run ``instr`` on ``env`` (names not there are read from ``scope``), store its
+    results in ``env`` and its write-backs in ``scope``. ``donate``: the donors whose
+    buffer the result may take (already checked with :func:`donatable`)."""
+    if donate:
+        ctx = dataclasses.replace(ctx, out=env[donate[0]])
+    try:
+        args = [env[n] if n in env else scope[n] for n in instr.ins]
+    except KeyError as e:
+        raise RuntimeFault(f"op '{instr.op_type}' needs {e.args[0]!r}, which is not "
+                           f"computed, received or fed") from None
+    result = call_kernel(instr.kernel, instr.op_type, instr.layer, ctx, args, instr.attrs)
+    for name, arr in zip(instr.outs, result):
+        env[name] = arr
+    for k, target in instr.writeback:
+        scope[target] = result[k]
 
 
 def call_kernel(kernel, op_type: str, layer: str, ctx, args, attrs) -> tuple:
@@ -185,31 +113,93 @@ def call_kernel(kernel, op_type: str, layer: str, ctx, args, attrs) -> tuple:
     return result if isinstance(result, tuple) else (result,)
 
 
-def _donatable(names, env, scope, fetch, fetched) -> bool:
-    """Whether the arrays of ``names`` are this step's alone: not fetched, large enough
-    for a saved buffer to matter, owning their memory, and neither the same object nor
-    the memory owner of any other live, stored or fetched value."""
+def donatable(names, env, *holders) -> bool:
+    """Whether the arrays of ``names`` in ``env`` are this step's alone: large enough for
+    a saved buffer to matter, owning their memory, and neither the same object nor the
+    memory owner of any other value in ``env`` or in ``holders`` (dicts of arrays: the
+    scope, fetched or accumulated values)."""
     for name in names:
         a = env[name]
-        if name in fetch or getattr(a, "base", 0) is not None or a.nbytes < DONATE_MIN_BYTES:
+        if getattr(a, "base", 0) is not None or a.nbytes < DONATE_MIN_BYTES:
             return False
-        for values in (env, scope, fetched):
+        for values in (env,) + holders:
             for other_name, other in values.items():
-                if other_name != name and (other is a or getattr(other, "base", None) is a):
+                if other is a and (values is not env or other_name != name):
+                    return False
+                if getattr(other, "base", None) is a:
                     return False
     return True
 
 
-def _label(item) -> str:
-    """How progress reports name an instruction: the op and its layer, or the reshard."""
-    if isinstance(item, OpInstr):
-        return f"op '{item.op_type}'" + (f" in layer '{item.layer}'" if item.layer else "")
-    return str(getattr(item, "point", item))
+def may_donate(name, dying, env, feeds, *holders) -> bool:
+    """Whether an instruction that reads ``name`` may take its buffer: the value dies
+    there (in ``dying``), was not fed, and its array is this step's alone
+    (:func:`donatable` against ``env`` and ``holders``)."""
+    return (name is not None and name in dying and name not in feeds and name in env
+            and donatable((name,), env, *holders))
 
 
-def reads_of(item) -> tuple:
-    return item.ins if isinstance(item, OpInstr) else tuple(item.reads)
+def last_uses(instrs, keep) -> list:
+    """For each instruction, the names (not in ``keep``) it uses for the last time."""
+    last: dict = {}
+    for i, instr in enumerate(instrs):
+        for name in instr.reads + instr.writes:
+            last[name] = i
+    frees: list = [[] for _ in instrs]
+    for name, i in last.items():
+        if name not in keep:
+            frees[i].append(name)
+    return [tuple(sorted(f)) for f in frees]
 
 
-def writes_of(item) -> tuple:
-    return item.outs if isinstance(item, OpInstr) else tuple(item.writes)
+class ProgramRunner:
+    """A Program's ops, compiled, run in order on one process (no communication).
+
+    ``op_context`` optionally maps an op index to extra KernelContext fields (the global
+    shape and local slices of a sharded random op). Each intermediate is dropped after
+    its last use; fed, fetched and persistable values are kept.
+    """
+
+    def __init__(self, program: Program, xp=np, fetch_always=(), op_context=None):
+        self.program, self.xp = program, xp
+        self.feed_names = [v.name for v in program.inputs]
+        keep = {v.name for v in program.values.values() if v.persistable}
+        keep |= set(fetch_always) | set(self.feed_names)
+        op_context = op_context or {}
+        instrs = [op_instr(op, op_context.get(i)) for i, op in enumerate(program.ops)]
+        frees = last_uses(instrs, keep)
+        self.items = [(with_donors(instr, free, program.values, self.feed_names), free)
+                      for instr, free in zip(instrs, frees)]
+
+    def run(self, scope: dict, feed: dict | None = None, fetch=(), step: int = 0,
+            timings: list | None = None) -> dict:
+        """Execute once; returns {name: array} for ``fetch``. With ``timings`` (a list),
+        the seconds each op took are appended to it in program order."""
+        env = {}
+        for name in self.feed_names:
+            if feed is None or name not in feed:
+                raise RuntimeFault(f"input {name!r} was not fed; feed it by name")
+            env[name] = feed[name]
+        fetch = set(fetch)
+        fetched = {}
+        ctx = KernelContext(self.xp, step)
+        for instr, free in self.items:
+            octx = KernelContext(self.xp, step, **instr.ctx) if instr.ctx else ctx
+            donate = tuple(n for n in instr.donors
+                           if n not in fetch and donatable((n,), env, scope, fetched))[:1]
+            start = time.perf_counter() if timings is not None else 0.0
+            run_op(instr, env, scope, octx, donate)
+            if timings is not None:
+                timings.append(time.perf_counter() - start)
+            for name in fetch.intersection(instr.outs):
+                fetched[name] = env[name]
+            for name in free:
+                env.pop(name, None)
+        for name in fetch - set(fetched):
+            if name in env:
+                fetched[name] = env[name]
+            elif name in scope:
+                fetched[name] = scope[name]
+            else:
+                raise RuntimeFault(f"cannot fetch {name!r}: no such value was computed")
+        return fetched

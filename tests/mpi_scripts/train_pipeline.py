@@ -4,11 +4,13 @@ Usage (the job size must equal every listed plan's process count)::
 
     distgraph run -n 4 tests/mpi_scripts/train_pipeline.py gpt:four_stage:4:1F1B ...
 
-Each item is ``kind:plan:micro_batches:schedule``. Every rank trains the plan through
-``Engine.fit`` with ``Strategy(micro_batches=M, schedule=S, profile=True)`` on batches of
+Each item is ``kind:plan:micro_batches:schedule[:virtual_stages]``. Every rank trains the
+plan through ``Engine.fit`` with ``Strategy(micro_batches=M, schedule=S, profile=True,
+virtual_stages=v)`` on batches of
 16 and trains the serial oracle (whole batches, one process) itself; rank 0 prints
 ``PIPELINE-RESULT {json}`` with, per item, every rank's losses and largest errors
-against serial, and the merged timeline's tasks per rank in the order they ran.
+against serial, the merged timeline's tasks per rank in the order they ran, and the
+plan's schedule per rank.
 """
 
 from __future__ import annotations
@@ -42,12 +44,13 @@ def main(argv) -> None:
     refs: dict = {}
     report = {"world": comm.size, "runs": {}}
     for item in argv:
-        kind, name, m, schedule = item.split(":")
+        kind, name, m, schedule, *virtual = item.split(":")
         if kind not in refs:
             refs[kind] = train(kind, P.build_model(kind), dg.Strategy())[1]
         model = P.build_model(kind)
         plans[kind, name, comm.size].annotate(model)
-        strategy = dg.Strategy(micro_batches=int(m), schedule=schedule, profile=True)
+        strategy = dg.Strategy(micro_batches=int(m), schedule=schedule, profile=True,
+                               virtual_stages=int(virtual[0]) if virtual else 1)
         engine, result = train(kind, model, strategy, comm)
         timeline = engine.timeline()
         mine = {"losses": result[0], "errors": P.compare(result, refs[kind], "float64")}
@@ -56,8 +59,11 @@ def main(argv) -> None:
             order = {r: [(e.kind, e.micro_batch) for e in timeline.events
                          if e.rank == r and e.step == 0 and e.kind not in ("send", "recv")]
                      for r in timeline.ranks}
+            plan = engine.plan()
+            schedule = {plan.ranks(pid): [[a.task, a.micro_batch] for a in acts]
+                        for pid, acts in plan.schedule().items()}
             report["runs"][item] = {"ranks": everyone, "serial": refs[kind][0],
-                                    "order": order,
+                                    "order": order, "schedule": schedule,
                                     "peak": timeline.peak_activations(step=0)}
     comm.free()
     if comm.rank == 0:

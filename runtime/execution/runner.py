@@ -1,23 +1,27 @@
-"""Run training steps of a micro-batched (or profiled) plan on this process.
+"""Run training steps of any plan on this process: the one runtime.
 
-:class:`PipelineRunner` is the pipeline's counterpart of
-:class:`~distgraph.runtime.execution.spmd.SpmdRunner`, with the same interface: it shards the
-initial state, cuts each batch into the plan's micro-batches and this process's block of
-each, and runs the step with a :class:`~distgraph.runtime.execution.actors.Carrier` (the actors of
-its tasks). The fetched values are global and the same on every process: a loss summed
-over the micro-batches, per-sample outputs concatenated.
+:class:`PlanRunner` binds a :class:`~distgraph.passes.planner.Plan` to a communicator and
+an array backend. It reads the plan and nothing else (its partitions, task graph,
+schedule, tags and rank map are made once by the planner): it lays out the initial
+state, cuts each batch into the plan's micro-batches (one without ``micro_batches``) and
+this process's block of each, and runs the step with a
+:class:`~distgraph.runtime.execution.carrier.Carrier`. The fetched values are global and
+the same on every process: a loss summed over the micro-batches, per-sample outputs
+concatenated. The array backend (numpy, or CuPy on a GPU) and the communicator are the
+two seams a device plugs into.
 
 Example (inside a rank)::
 
     p = dg.passes.plan(built, dg.Strategy(micro_batches=4, schedule="1F1B"))
-    runner = PipelineRunner(p, p.process_of(comm.rank), comm, fetch=["loss"])
+    runner = PlanRunner(p, comm)
     scope = runner.shard_scope(global_arrays)
-    out = runner.run(scope, feed=global_batch, step=0)
+    out = runner.run(scope, feed=global_batch, step=0)      # {"loss": global loss}
 """
 
 from __future__ import annotations
 
 import socket
+import sys
 import time
 import zlib
 
@@ -25,30 +29,46 @@ import numpy as np
 
 from distgraph.errors import DistGraphError, PlanError
 from distgraph.registry import KernelContext, get_op
-from distgraph.runtime.execution.actors import Carrier
 from distgraph.runtime.backend import backend_of
+from distgraph.runtime.execution.carrier import Carrier
 from distgraph.runtime.execution.executor import call_kernel
-from distgraph.runtime.execution.spmd import gather_scope, shard_scope
+from distgraph.runtime.execution.reshard import apply_reshard
 from distgraph.runtime.execution.timeline import Timeline
 
 
-class PipelineRunner:
-    """Process ``process_id``'s actors for ``plan`` (``comm`` None: a one-process plan).
-    ``fetch`` must name values the plan fetches (its loss, or its outputs)."""
+def check_world(plan, world_size: int) -> None:
+    """Fail fast, saying how to launch, when the job has the wrong number of ranks."""
+    ids = list(plan.process_ids)
+    if len(ids) != world_size:
+        # the path as the user gave it, so that the hint runs from where they are
+        script = sys.argv[0] if sys.argv and sys.argv[0].endswith(".py") else "SCRIPT.py"
+        raise PlanError(f"this plan needs {len(ids)} processes (process ids {ids}) but the job "
+                        f"has {world_size}; launch it with `distgraph run -n {len(ids)} "
+                        f"{script}` (or `mpiexec -n {len(ids)} python {script}`)")
+    if plan.rank_of is None and ids != list(range(world_size)):
+        raise PlanError(f"process ids {ids} are not 0..{world_size - 1}; give a rank mapping")
 
-    def __init__(self, plan, process_id: int, comm, fetch=(), backend=None):
-        self.plan, self.pid, self.comm = plan, process_id, comm
+
+class PlanRunner:
+    """This process's part of ``plan`` (``comm`` None: a plan of one process), its arrays
+    made by ``backend`` (the communicator's, numpy by default)."""
+
+    def __init__(self, plan, comm=None, backend=None):
+        if comm is not None:
+            check_world(plan, comm.size)
+            self.pid = plan.ranks.process(comm.rank)
+        elif plan.world_size != 1:
+            check_world(plan, 1)
+        else:
+            self.pid = plan.process_ids[0]
+        self.plan, self.comm = plan, comm
         self.backend = backend or backend_of(comm)
         self.program = plan.program
-        self.local = plan.local(process_id)
-        graph = plan.task_graph()
-        missing = [n for n in fetch if n not in graph.fetch]
-        if missing:
-            raise PlanError(f"a pipelined step fetches {list(graph.fetch)}, not {missing}")
-        self.fetch = list(fetch)
+        self.local = plan.local(self.pid)
+        self.fetch = list(plan.fetch)
         self.profile = plan.strategy.profile
         self._t0 = None
-        self.carrier = Carrier(plan, process_id, comm, self.backend, self.profile,
+        self.carrier = Carrier(plan, self.pid, comm, self.backend, self.profile,
                                clock=self._clock)
         acc = plan.accumulation
         self.micro_batches = plan.micro_batches
@@ -59,6 +79,8 @@ class PipelineRunner:
         made = acc.prologue_values if acc is not None else frozenset()
         self.prologue = [op for op in self.local.program.ops
                          if op.outputs and all(o.name in made for o in op.outputs)]
+        self._blocks = [(v.name, self.program.values[v.name].dist_attr.local_slices(
+            self.program.values[v.name].shape, self.pid)) for v in inputs]
 
     def _clock(self) -> float:
         return time.perf_counter() - (self._t0 or 0.0)
@@ -66,38 +88,45 @@ class PipelineRunner:
     # -- state ------------------------------------------------------------------------------
     def shard_scope(self, global_values: dict) -> dict:
         """Local shards of persistable values from their global arrays."""
-        return shard_scope(self.program, self.local.program, self.pid, global_values,
-                           self.backend)
+        scope = {}
+        for v in self.local.program.persistables:
+            if v.name not in global_values:
+                raise PlanError(f"no initial value for {v.name}")
+            block = local_slice(self.program, self.pid, v.name,
+                                np.asarray(global_values[v.name]))
+            scope[v.name] = self.backend.from_host(block)
+        return scope
 
     def gather(self, scope: dict, names) -> dict:
-        """Global values of persistables ``names`` on every process (a collective)."""
-        return gather_scope(self.program, scope, names, self.comm, self.pid, self.plan.rank_of)
-
-    # -- feeding ---------------------------------------------------------------------------------
-    def _blocks(self) -> list:
-        """(name, index of this process's block of a micro-batch) per local input."""
-        out = []
-        for v in self.local.program.inputs:
-            g = self.program.values[v.name]
-            out.append((v.name, g.dist_attr.local_slices(g.shape, self.pid)))
+        """Global values of persistables ``names`` on every process, as host (numpy)
+        arrays (a collective: every rank passes the same names). Between steps no message
+        is in flight, so the gathers' tags count from 0."""
+        out = {}
+        for i, point in enumerate(self.plan.gather_points(names, self.pid)):
+            local = scope[point.value] if point.reads else None
+            out[point.value] = self.backend.to_host(apply_reshard(
+                point.steps, local, self.comm, self.pid, self.plan.ranks, i))
         return out
 
+    # -- feeding ---------------------------------------------------------------------------------
     def batch_rows(self):
         """The rows of each batch this process reads (an index array over the batch's
         rows, micro-batch after micro-batch), when all its inputs want the same rows of
         their micro-batch; None: it reads whole batches."""
-        blocks = self._blocks()
+        blocks = self._blocks
         if not blocks or any(not idx or idx[0] != blocks[0][1][0] for _, idx in blocks):
             return None
         rows = blocks[0][1][0]
         b = self.rows_per_micro_batch
+        if self.micro_batches == 1:
+            return rows
         return np.concatenate([np.arange(m * b + rows.start, m * b + rows.stop)
                                for m in range(self.micro_batches)])
 
     def _micro_feeds(self, feed: dict, rows) -> list:
         feeds = [dict() for _ in range(self.micro_batches)]
         b = self.rows_per_micro_batch
-        for name, index in self._blocks():
+        for name, index in self._blocks:
             if name not in feed:
                 raise DistGraphError(f"input {name!r} was not fed; feed it by name")
             batch = np.asarray(feed[name])
@@ -120,8 +149,7 @@ class PipelineRunner:
         feeds = self._micro_feeds(feed, rows)
         if self.prologue:
             self._run_prologue(feeds, step)
-        out = self.carrier.run(scope, feeds, step)
-        return {n: out[n] for n in self.fetch}
+        return self.carrier.run(scope, feeds, step)
 
     def _run_prologue(self, feeds: list, step: int) -> None:
         """The accumulation's prologue: its ops on every micro-batch, its sums added up
@@ -158,3 +186,14 @@ class PipelineRunner:
         if not self.profile:
             raise DistGraphError("no timeline was recorded: use Strategy(profile=True)")
         return Timeline.gather(self.carrier.events, self.carrier.memory, self.comm)
+
+
+def local_slice(program, pid: int, name: str, global_array):
+    """Process ``pid``'s block of the global (host) array of Value ``name`` of a completed
+    ``program``, as a C-contiguous host array (None if it holds none)."""
+    attr = program.values[name].dist_attr
+    if pid not in attr.mesh:
+        return None
+    if attr.spec.partial:
+        raise PlanError(f"cannot shard {name}: a stored or fed value cannot be Partial")
+    return np.array(global_array[attr.local_slices(global_array.shape, pid)], order="C")

@@ -1,0 +1,421 @@
+"""The schedule as a value: each process's compute actions, in the order it runs them.
+
+An :class:`Action` is one task instance: a *stage* (a chunk of the forward along the data
+flow, torch.distributed.pipelining's stage index: with ``virtual_stages`` chunk ``c``
+runs on stage mesh ``c mod S``, under ZBV process ``p`` holds chunks ``p`` and
+``2S-1-p``), a kind — ``F`` forward, ``B`` whole backward, ``I`` input gradient, ``W``
+weight gradient — and a micro-batch; ``str`` gives torch's notation (``"0F3"``,
+``"1I0"``, ``"1W0"``).
+
+:func:`make_schedule` is pure and deterministic, so every rank computes the same
+schedule. It runs a few priority and buffer rules on a clock where each action costs its
+share of a chunk's work (F 1, B 2, I 1, W 1), processes that hold the same chunks
+deciding as one (so tensor-parallel peers agree without messages):
+
+- forwards first, while the micro-batches in flight stay within the cap (a chunk's
+  micro-batch is in flight from its F until its last backward): ``S - s`` on stage ``s``
+  under 1F1B (Schedule1F1B's warm-up), ``(v-1)G + 2(S-1-s) + 1`` interleaved over ``v``
+  chunks per process (Megatron's warm-up, ``G`` micro-batches per round); zero bubble
+  caps F..W at ``(v-1)G + S`` and F..I at ``(v-1)G + S - s``; ZBV at ``2S``;
+- then input gradients (B or I) — under FThenB only once every forward is done (GPipe's
+  flush) —, then weight gradients: W fills what is left, unless more than ``S`` wait;
+- among ready forwards the earliest round, then the earliest chunk (depth first within a
+  round of ``G`` micro-batches; V: the later chunk first), backwards the other way round.
+
+The rules reproduce Schedule1F1B and, in the unit-cost model, finish no later than
+torch's Interleaved1F1B, InterleavedZeroBubble and ZBVZeroBubble while holding no more
+micro-batches in flight (``tests/test_schedule.py`` compares them). A plan without
+micro-batches has one F and one B (or I and W) per chunk, ordered by the data flow.
+
+:func:`replay` runs given orders on the same clock (an action starts when its inputs
+are done, every process holding its chunk has reached it and those processes are free):
+it is the check that a schedule completes — a :class:`PlanError` naming the waiting
+actions when it cannot — and gives the finish time and the peak in flight.
+
+Example::
+
+    problem = chain(stages=4, virtual=2, micro_batches=8, schedule="1F1B")
+    sched = make_schedule(problem)
+    print(sched.pretty())          # process 0: 0F0 0F1 0F2 0F3 4F0 ...
+    replay(sched.orders, problem).makespan
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from types import MappingProxyType
+
+from distgraph.errors import PlanError
+
+KINDS = ("F", "B", "I", "W")
+TASK_KIND = {"F": "forward", "B": "backward", "I": "backward_input", "W": "backward_weight"}
+ACTION_KIND = {task: kind for kind, task in TASK_KIND.items()}
+COST = {"F": 1, "B": 2, "I": 1, "W": 1}
+SCHEDULES = ("FThenB", "1F1B", "ZB", "ZBV")
+_ACTION = re.compile(r"^(\d+)([FBIW])(\d+)$")
+
+
+@dataclass(frozen=True, order=True, repr=False)
+class Action:
+    """Stage (chunk) ``stage`` runs its ``kind`` task on micro-batch ``micro_batch``;
+    printed as torch prints its actions (``0F3``)."""
+
+    stage: int
+    kind: str
+    micro_batch: int
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise PlanError(f"an action's kind is one of {KINDS}, not {self.kind!r}")
+
+    def __str__(self) -> str:
+        return f"{self.stage}{self.kind}{self.micro_batch}"
+
+    __repr__ = __str__
+
+    @property
+    def task(self) -> str:
+        """The task kind it runs (``forward``, ``backward``, ...)."""
+        return TASK_KIND[self.kind]
+
+    @classmethod
+    def parse(cls, text: str) -> "Action":
+        """``Action.parse("1W0")`` == ``Action(1, "W", 0)``."""
+        match = _ACTION.match(text.strip())
+        if match is None:
+            raise PlanError(f"{text!r} is not an action: write stage, F/B/I/W, micro-batch "
+                            f"(e.g. '0F3')")
+        return cls(int(match[1]), match[2], int(match[3]))
+
+
+@dataclass(frozen=True)
+class Problem:
+    """What the rules need to know about a plan. ``holders[c]``: the processes that run
+    chunk ``c``; ``kinds[c]``: its action kinds (e.g. ``("F", "B")``); ``deps[(c,
+    kind)]``: the (chunk, kind) pairs whose results it reads, in the same micro-batch;
+    ``schedule`` one of :data:`SCHEDULES`; ``stages`` S stage meshes; ``virtual`` v
+    chunks per stage mesh."""
+
+    micro_batches: int
+    holders: tuple
+    kinds: tuple
+    deps: MappingProxyType
+    schedule: str = "1F1B"
+    stages: int = 1
+    virtual: int = 1
+
+    @property
+    def chunks(self) -> int:
+        return len(self.holders)
+
+    def processes(self) -> list:
+        return sorted({p for hs in self.holders for p in hs})
+
+    def chunks_of(self, pid: int) -> tuple:
+        return tuple(c for c, hs in enumerate(self.holders) if pid in hs)
+
+    def last_kind(self, chunk: int) -> str | None:
+        """The backward that frees chunk's micro-batch (None: it has no backward)."""
+        for kind in ("W", "B", "I"):
+            if kind in self.kinds[chunk]:
+                return kind
+        return None
+
+
+def chain(stages: int, virtual: int, micro_batches: int, schedule: str) -> Problem:
+    """The textbook pipeline: chunk c reads chunk c-1's forward, its backward reads chunk
+    c+1's (and its own forward); chunks placed in a loop (c on process c mod S) or, under
+    ZBV, in a V."""
+    split = schedule in ("ZB", "ZBV")
+    chunks = stages * (2 if schedule == "ZBV" else virtual)
+    back = "I" if split else "B"
+    kinds = ("F", "I", "W") if split else ("F", "B")
+    deps: dict = {}
+    for c in range(chunks):
+        deps[(c, "F")] = frozenset({(c - 1, "F")} if c else ())
+        deps[(c, back)] = frozenset({(c, "F")} | ({(c + 1, back)} if c < chunks - 1 else set()))
+        if split:
+            deps[(c, "W")] = frozenset({(c, "I")})
+    holders = tuple((v_place(c, stages) if schedule == "ZBV" else c % stages,)
+                    for c in range(chunks))
+    return Problem(micro_batches, holders, (kinds,) * chunks, MappingProxyType(deps),
+                   schedule, stages, 2 if schedule == "ZBV" else virtual)
+
+
+def v_place(chunk: int, stages: int) -> int:
+    """The process (stage mesh) of ``chunk`` in the V: p holds chunks p and 2S-1-p."""
+    return chunk if chunk < stages else 2 * stages - 1 - chunk
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """``orders[pid]``: the actions process ``pid`` runs, in order (a tuple)."""
+
+    name: str
+    micro_batches: int
+    orders: MappingProxyType
+
+    def of(self, pid: int) -> tuple:
+        return self.orders.get(pid, ())
+
+    def as_dict(self) -> dict:
+        """{process id: [Action, ...]} (what ``Plan.schedule()`` returns)."""
+        return {pid: list(acts) for pid, acts in sorted(self.orders.items())}
+
+    def pretty(self, limit: int = 48) -> str:
+        """One line per process (processes with the same order share a line); at most
+        ``limit`` actions each, then how many more."""
+        lines: dict = {}
+        for pid, acts in sorted(self.orders.items()):
+            lines.setdefault(acts, []).append(pid)
+        out = [f"schedule {self.name}, {self.micro_batches} micro-batch(es):"]
+        for acts, pids in lines.items():
+            shown = " ".join(map(str, acts[:limit]))
+            more = f" ... (+{len(acts) - limit})" if len(acts) > limit else ""
+            who = "process" if len(pids) == 1 else "processes"
+            out.append(f"  {who} {', '.join(map(str, pids))}: {shown}{more}")
+        return "\n".join(out)
+
+
+# ---- the rules ------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Rules:
+    cap: int            # chunk-micro-batches in flight, F until the last backward
+    input_cap: int      # in flight, F until the input gradient
+    flush: bool         # backwards only once every forward is done (GPipe)
+    lag: int            # weight gradients that may wait before one must run
+    depth_first: bool   # V: later chunks first
+
+
+def _rules(problem: Problem, chunks: tuple) -> _Rules:
+    m, S, v = problem.micro_batches, problem.stages, problem.virtual
+    many = m * len(chunks)
+    s = min(chunks) if chunks else 0
+    name = problem.schedule
+    if m == 1 or S == 1 or name == "FThenB":
+        return _Rules(many, many, name == "FThenB" and m > 1, many, name == "ZBV")
+    g = m // max(1, m // S)
+    if name == "ZBV":
+        cap = min(2 * S, m + 1 + s, 2 * m)
+        return _Rules(cap, cap, False, S, True)
+    if name == "ZB":
+        return _Rules(min((v - 1) * g + S, many), min((v - 1) * g + S - s, many), False, S,
+                      False)
+    cap = S - s if v == 1 else (v - 1) * g + 2 * (S - 1 - s) + 1
+    return _Rules(min(cap, many), many, False, many, False)
+
+
+def _keys(rules: _Rules, problem: Problem):
+    """Sort keys of ready forwards and of ready backwards (an action as (c, kind, m))."""
+    if rules.depth_first:
+        return (lambda a: (-a[0], a[2])), (lambda a: (-a[0], a[2]))
+    m = problem.micro_batches
+    g = max(1, m // max(1, m // max(1, problem.stages)))
+    return (lambda a: (a[2] // g, a[0], a[2])), (lambda a: (a[2] // g, -a[0], a[2]))
+
+
+class _Group:
+    """Processes that hold the same chunks, deciding as one worker of the clock."""
+
+    def __init__(self, chunks, pids, problem: Problem):
+        self.chunks, self.pids = chunks, pids
+        self.rules = _rules(problem, chunks)
+        self.fkey, self.bkey = _keys(self.rules, problem)
+        self.next = {(c, k): 0 for c in chunks for k in problem.kinds[c]}
+        self.last = {c: problem.last_kind(c) for c in chunks}
+        self.forwards = sum(1 for c in chunks if "F" in problem.kinds[c]) * problem.micro_batches
+        self.free = 0.0
+        self.live = self.live_input = self.waiting_w = self.done_f = 0
+        self.order: list = []
+
+    def heads(self, m_total):
+        for (c, k), m in self.next.items():
+            if m < m_total:
+                yield (c, k, m)
+
+    def pick(self, ready: list, force: bool):
+        r = self.rules
+        fs = [a for a in ready if a[1] == "F"]
+        backs = [a for a in ready if a[1] in ("B", "I")]
+        ws = [a for a in ready if a[1] == "W"]
+        if ws and self.waiting_w > r.lag:
+            return min(ws, key=self.bkey)
+        if fs and (force or (self.live < r.cap and self.live_input < r.input_cap)):
+            return min(fs, key=self.fkey)
+        if backs and not (r.flush and self.done_f < self.forwards):
+            return min(backs, key=self.bkey)
+        if ws:
+            return min(ws, key=self.bkey)
+        return None
+
+    def ran(self, a) -> None:
+        c, k, _ = a
+        self.next[(c, k)] += 1
+        self.order.append(a)
+        last = self.last[c]
+        if k == "F":
+            self.done_f += 1
+            if last is not None:
+                self.live += 1
+                self.live_input += 1
+        if k in ("B", "I"):
+            self.live_input -= 1
+        if k == "I" and last == "W":
+            self.waiting_w += 1
+        if k == "W":
+            self.waiting_w -= 1
+        if k == last:
+            self.live -= 1
+
+
+def make_schedule(problem: Problem) -> Schedule:
+    """Each process's actions under ``problem.schedule``'s rules (module docstring)."""
+    m = problem.micro_batches
+    by_chunks: dict = {}
+    for pid in problem.processes():
+        by_chunks.setdefault(problem.chunks_of(pid), []).append(pid)
+    groups = [_Group(cs, pids, problem) for cs, pids in sorted(by_chunks.items())]
+    holders_of = {c: [g for g in groups if c in g.chunks] for c in range(problem.chunks)}
+    total = sum(len(problem.kinds[c]) * m * len(holders_of[c]) for c in range(problem.chunks))
+    finish: dict = {}          # action -> when its last holder group finishes it
+    count: dict = {}           # action -> holder groups that ran it
+    done: dict = {}            # action -> finish time, once every holder group ran it
+    state = {"ran": 0, "t": 0.0}
+
+    def step(force: bool) -> bool:
+        """Let each free group start its next action at time t (with ``force``, the first
+        group that can, past its caps); whether any started."""
+        t, started = state["t"], False
+        for g in groups:
+            if g.free > t:
+                continue
+            ready = [a for a in g.heads(m)
+                     if all(done.get((c, k, a[2]), t + 1) <= t
+                            for c, k in problem.deps.get((a[0], a[1]), ()))]
+            a = g.pick(ready, force)
+            if a is None:
+                continue
+            end = t + COST[a[1]]
+            g.free = end
+            g.ran(a)
+            finish[a] = max(finish.get(a, 0.0), end)
+            count[a] = count.get(a, 0) + 1
+            if count[a] == len(holders_of[a[0]]):
+                done[a] = finish[a]
+            state["ran"] += 1
+            started = True
+            if force:
+                break
+        return started
+
+    while state["ran"] < total:
+        if step(False):
+            continue
+        later = [g.free for g in groups if g.free > state["t"]]
+        if later:
+            state["t"] = min(later)
+            continue
+        # nothing runs and nothing can: let a forward past its cap rather than stop
+        if step(True):
+            continue
+        heads = {g.pids[0]: [Action(c, k, mb) for c, k, mb in g.heads(m)][:3] for g in groups}
+        raise PlanError("the pipeline's tasks depend on each other in a circle, so no "
+                        "schedule can run them; waiting: " + "; ".join(
+                            f"process {p} at {', '.join(map(str, h))}"
+                            for p, h in heads.items() if h))
+    orders = {}
+    for g in groups:
+        acts = tuple(Action(c, k, mb) for c, k, mb in g.order)
+        for pid in g.pids:
+            orders[pid] = acts
+    return Schedule(problem.schedule, m, MappingProxyType(dict(sorted(orders.items()))))
+
+
+# ---- replay: the check, and the unit-cost measure ---------------------------------------------
+
+@dataclass(frozen=True)
+class Timing:
+    """A replayed schedule: ``makespan`` (unit-cost clock), ``finish[action]``, and
+    ``peak[pid]``: the most chunk-micro-batches a process holds in flight."""
+
+    makespan: float
+    finish: MappingProxyType
+    peak: MappingProxyType
+
+
+def replay(orders, problem: Problem) -> Timing:
+    """Run ``orders`` ({pid: [Action]}) on the unit-cost clock. Raises PlanError naming
+    the waiting actions when they cannot all run (an input no earlier action makes, or
+    processes waiting for each other in a circle)."""
+    orders = {pid: list(acts) for pid, acts in orders.items()}
+    expected = {(c, k, mb) for c in range(problem.chunks) for k in problem.kinds[c]
+                for mb in range(problem.micro_batches)}
+    for pid, acts in orders.items():
+        mine = {(a.stage, a.kind, a.micro_batch) for a in acts}
+        want = {x for x in expected if pid in problem.holders[x[0]]}
+        if len(mine) != len(acts) or mine != want:
+            extra = sorted(Action(*x) for x in mine - want)
+            missing = sorted(Action(*x) for x in want - mine)
+            raise PlanError(f"process {pid}'s schedule does not run each of its actions once"
+                            f" (missing {', '.join(map(str, missing[:6])) or 'none'}; "
+                            f"not its own or repeated: "
+                            f"{', '.join(map(str, extra[:6])) or 'none'})")
+    pos = {pid: 0 for pid in orders}
+    free = {pid: 0.0 for pid in orders}
+    finish: dict = {}
+    moved = True
+    while moved:
+        moved = False
+        for pid, acts in orders.items():
+            while pos[pid] < len(acts):
+                a = acts[pos[pid]]
+                holders = problem.holders[a.stage]
+                if any(orders[q][pos[q]] != a if pos[q] < len(orders[q]) else True
+                       for q in holders if q != pid):
+                    break
+                deps = [Action(c, k, a.micro_batch)
+                        for c, k in problem.deps.get((a.stage, a.kind), ())]
+                if not all(d in finish for d in deps):
+                    break
+                start = max([free[q] for q in holders] + [finish[d] for d in deps])
+                finish[a] = start + COST[a.kind]
+                for q in holders:
+                    free[q] = finish[a]
+                    pos[q] += 1
+                moved = True
+    stuck = {pid: acts[pos[pid]] for pid, acts in orders.items() if pos[pid] < len(acts)}
+    if stuck:
+        raise PlanError("the schedule cannot complete: " + "; ".join(
+            _waiting(pid, a, orders, pos, finish, problem) for pid, a in sorted(stuck.items()))
+            + ". This plan's stages exchange data in a circle; place the model's parts so "
+              "that data flows from each stage only to later ones")
+    return Timing(max(finish.values(), default=0.0), MappingProxyType(finish),
+                  MappingProxyType({pid: _peak(acts, problem) for pid, acts in orders.items()}))
+
+
+def _waiting(pid, a, orders, pos, finish, problem) -> str:
+    needs = [str(Action(c, k, a.micro_batch)) for c, k in problem.deps.get((a.stage, a.kind), ())
+             if Action(c, k, a.micro_batch) not in finish]
+    peers = [f"process {q} at {orders[q][pos[q]] if pos[q] < len(orders[q]) else 'its end'}"
+             for q in problem.holders[a.stage]
+             if q != pid and (pos[q] >= len(orders[q]) or orders[q][pos[q]] != a)]
+    why = []
+    if needs:
+        why.append(f"for {', '.join(needs)}")
+    if peers:
+        why.append(f"for {', '.join(peers)}")
+    return f"process {pid} waits at {a} " + " and ".join(why)
+
+
+def _peak(acts, problem: Problem) -> int:
+    live = peak = 0
+    for a in acts:
+        last = problem.last_kind(a.stage)
+        if last is None:
+            continue
+        live += a.kind == "F"
+        peak = max(peak, live)
+        live -= a.kind == last
+    return peak

@@ -1,0 +1,305 @@
+"""The carrier: one process runs its actions in the order the plan's schedule gives.
+
+A :class:`Carrier` holds the compiled tasks of its process and runs one training step:
+for each action of ``plan.schedule()[pid]`` in turn (a task of one stage and one
+micro-batch) it waits until the tiles the task receives have arrived, then runs the
+task's instructions on the micro-batch's environment; after the last action it runs the
+update on the values accumulated over the micro-batches. Sends are posted without
+waiting; receives are posted for the next :data:`RECEIVE_AHEAD` actions that receive,
+so a stage computes while its next inputs travel. There are no decisions at run time:
+the order is the plan's, the same on every process of a stage, so tensor-parallel peers
+meet their collectives alike, and the plan checked that it completes.
+
+Failure contract: an error in a task is a RuntimeFault naming the rank, the task, the
+stage and the micro-batch; a message that does not arrive within the communicator's
+timeout is a RuntimeFault naming what the waiting action needs and from which rank.
+Under the launcher each instruction is marked in the rank's progress record, so a hung
+rank is named with its step and op.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from distgraph.errors import DistGraphError, RuntimeFault
+from distgraph.runtime.execution.executor import OpInstr, donatable, may_donate, run_op
+from distgraph.runtime.execution.tasks import (Accumulator, CompiledTasks, GatherInstr,
+                                               InstrRunner, PointInstr, RecvInstr, SendInstr,
+                                               micro_batch_context)
+from distgraph.runtime.launch.progress import NO_PROGRESS
+
+RECEIVE_AHEAD = 2      # actions that receive whose messages are posted for in advance
+PEER_CHECK_SECONDS = 1.0   # how often a long wait looks whether its peers have finished
+
+
+class Carrier:
+    """The actions of process ``pid`` of ``plan``, bound to ``comm`` (None for a plan of
+    one process) and the array ``backend``. With ``profile``, every task, send and
+    receive is recorded in :attr:`events` and the live activations after each task in
+    :attr:`memory`."""
+
+    def __init__(self, plan, pid: int, comm, backend, profile: bool = False, clock=None):
+        self.graph = graph = plan.task_graph()
+        self.tasks = CompiledTasks(plan, pid)
+        self.pid, self.comm, self.xb = pid, comm, backend
+        self.ranks = plan.ranks
+        self.rank = comm.rank if comm is not None else 0
+        self.runner = InstrRunner(pid, comm, backend, plan.ranks)
+        self.m = graph.micro_batches
+        self.actions = plan.order.of(pid)
+        self.blocks = [self.tasks.blocks[(a.stage, a.task)] for a in self.actions]
+        self.receiving = [i for i, b in enumerate(self.blocks)
+                          if any(isinstance(x, RecvInstr) for x in b.instrs)]
+        self.home = min((t.stage for t in graph.tasks_of(pid).values() if t.stage is not None),
+                        default=0)
+        self.profile = profile
+        self.clock = clock or time.perf_counter
+        self.events: list = []
+        self.memory: list = []
+        self.timeout = comm.timeout if comm is not None else 60.0
+        self.spin = comm.poll_spin_seconds if comm is not None else 0.0
+        self.progress = getattr(comm, "progress", NO_PROGRESS)
+        self._offsets, labels = {}, []
+        for key, block in list(self.tasks.blocks.items()) + [("update", self.tasks.update)]:
+            self._offsets[key] = len(labels)
+            labels.extend(str(x) for x in block.instrs)
+        self._table = self.progress.table(labels) if self.progress.active else -1
+
+    # -- one step ------------------------------------------------------------------------------
+    def run(self, scope: dict, feeds: list, step: int) -> dict:
+        """One training step on ``feeds`` (one dict of local inputs per micro-batch);
+        returns the fetched values (global, on every process)."""
+        self.step, self.scope = step, scope
+        self.env = [dict(f) for f in feeds] + [{} for _ in range(self.m - len(feeds))]
+        self.feed_names = set().union(*(f.keys() for f in feeds)) if feeds else set()
+        self.acc = Accumulator(self.tasks, self.xb)
+        self.done = [set() for _ in range(self.m)]
+        self.left = [sum(1 for a in self.actions if a.micro_batch == m) for m in range(self.m)]
+        self.sends: list = []               # (request, (rank, micro-batch) or None, start)
+        self.pending: dict = {}             # action index -> {recv instr index: [requests]}
+        self.posted = 0                     # receiving actions posted for so far
+        self.fetched: dict = {}
+        self.progress.begin_step(step, self._table)
+        for i, action in enumerate(self.actions):
+            self._post_ahead(i)
+            if i in self.pending:
+                self._wait_receives(i)
+            self._run_action(i, action)
+        self._run_update()
+        self._wait_sends()
+        self.progress.end_step()
+        return self.fetched
+
+    # -- messages ---------------------------------------------------------------------------
+    def _post_ahead(self, i: int) -> None:
+        while self.posted < len(self.receiving) and (
+                self.receiving[self.posted] <= i or
+                len([j for j in self.pending if j >= i]) < RECEIVE_AHEAD):
+            j = self.receiving[self.posted]
+            m = self.actions[j].micro_batch
+            now = self.clock()
+            reqs = {}
+            for k, instr in enumerate(self.blocks[j].instrs):
+                if isinstance(instr, RecvInstr):
+                    tag = self.graph.tag(instr.point.seq, m)
+                    reqs[k] = [self.comm.irecv(shape, instr.point.dtype, self.ranks(src), tag)
+                               for src, shape in instr.incoming]
+            self.pending[j] = (reqs, now)
+            self.posted += 1
+
+    def _arrived(self, i: int) -> bool:
+        reqs, _ = self.pending[i]
+        return all(r.test() for rs in reqs.values() for r in rs)
+
+    def _poll_sends(self) -> bool:
+        if not self.sends:
+            return False
+        still, progressed = [], False
+        for item in self.sends:
+            req, what, start = item
+            if req.test():
+                progressed = True
+                if self.profile and what is not None:
+                    self._event("send", self.home, what[1], start, self.clock(), peer=what[0])
+            else:
+                still.append(item)
+        self.sends = still
+        return progressed
+
+    def _wait(self, ready, what, describe, peers=()) -> None:
+        """Poll until ``ready()``, moving sends along; past the timeout a RuntimeFault
+        that ``describe()`` explains, and sooner one when ``peers`` (ranks) have finished."""
+        if ready():
+            return
+        self.progress.wait_begin(what)
+        last = check = self.clock()
+        idle_since, seen = None, set()
+        while not ready():
+            now = self.clock()
+            if self._poll_sends():
+                last, idle_since = now, None
+                continue
+            if now - last > self.timeout:
+                raise RuntimeFault(describe())
+            if peers and now - check > PEER_CHECK_SECONDS:
+                check = now
+                seen = self.comm.finished_peers(peers, seen, what)
+            idle_since = idle_since or now
+            if now - idle_since < self.spin:
+                os.sched_yield()
+            else:
+                time.sleep(min(1e-3, max(1e-5, (now - idle_since) / 8)))
+        self.progress.wait_end()
+
+    def _wait_receives(self, i: int) -> None:
+        a = self.actions[i]
+        reqs, _ = self.pending[i]
+        instrs = self.blocks[i].instrs
+        peers = sorted({self.ranks(src) for k in reqs for src, _ in instrs[k].incoming})
+        what = (f"messages from rank{'s' if len(peers) > 1 else ''} "
+                f"{', '.join(map(str, peers))} for {a.task} micro-batch {a.micro_batch} "
+                f"(action {a})")
+        self._wait(lambda: self._arrived(i), what, lambda: self._stalled(i), peers)
+        if self.profile:
+            _, start = self.pending[i]
+            self._event("recv", a.stage, a.micro_batch, start, self.clock())
+
+    def _wait_sends(self) -> None:
+        peers = sorted({what[0] for _, what, _ in self.sends if what is not None})
+        self._wait(lambda: not self._poll_sends() and not self.sends,
+                   "other ranks to receive this rank's sends",
+                   lambda: f"rank {self.rank} (process {self.pid}): timed out after "
+                           f"{self.timeout:g} s in step {self.step} waiting for peers to "
+                           f"receive its messages", peers)
+
+    # -- running a task ---------------------------------------------------------------------------
+    def _run_action(self, i: int, action) -> None:
+        start = self.clock()
+        m = action.micro_batch
+        block = self.blocks[i]
+        try:
+            tiles = self.pending.pop(i)[0] if i in self.pending else {}
+            self._run_block(block, m, tiles)
+        except DistGraphError as e:
+            mb = f", micro-batch {m}" if self.m > 1 else ""
+            raise RuntimeFault(f"rank {self.rank} (process {self.pid}): task "
+                               f"{action.task} of stage {action.stage}{mb} in step "
+                               f"{self.step} failed: {e}") from e
+        self.done[m].add(block.task.key)
+        self.left[m] -= 1
+        if not self.left[m]:
+            self.env[m].clear()
+        if self.profile:
+            self._event(action.task, action.stage, m, start, self.clock())
+            self._record_memory()
+
+    def _run_block(self, block, m: int, tiles: dict) -> None:
+        env, scope, runner = self.env[m], self.scope, self.runner
+        accumulates = block.task.accumulates
+        offset = self._offsets[block.task.key]
+        done, progress, step = self.done[m], self.progress, self.step
+        base = runner.context(step, {})
+        for j, instr in enumerate(block.instrs):
+            progress.at(offset + j)
+            dying = [n for n in block.last[j] if all(o in done for o in block.others[n])]
+            if isinstance(instr, OpInstr):
+                ctx = base
+                if instr.ctx:
+                    c = instr.ctx
+                    if instr.axis is not None and "out_global_shape" in c:
+                        c = micro_batch_context(c, instr.axis, self.m, m)
+                    ctx = runner.context(step, c)
+                donate = tuple(n for n in instr.donors if n in dying and
+                               donatable((n,), env, scope, self.acc.values))[:1]
+                run_op(instr, env, scope, ctx, donate)
+            elif isinstance(instr, PointInstr):
+                read = instr.reads[0] if instr.reads else None
+                donate = may_donate(read, dying, env, self.feed_names, scope, self.acc.values)
+                runner.point(instr, env, scope, self.graph.tag(instr.point.seq, m), donate)
+            elif isinstance(instr, SendInstr):
+                tag = self.graph.tag(instr.point.seq, m)
+                for rank, tile in runner.send_tiles(instr, env, scope, tag):
+                    self.sends.append((self.comm.isend(tile, rank, tag), (rank, m), self.clock()))
+            else:
+                runner.receive(instr, env, [r.value for r in tiles[j]],
+                               self.graph.tag(instr.point.seq, m))
+            for name in instr.writes:
+                if name in accumulates:
+                    self.acc.add(name, env[name], owned=name in dying)
+            for name in dying:
+                env.pop(name, None)
+
+    def _run_update(self) -> None:
+        block = self.tasks.update
+        env, scope, runner = self.acc.result(), self.scope, self.runner
+        offset = self._offsets["update"]
+        start = self.clock()
+        try:
+            base = runner.context(self.step, {})
+            for j, instr in enumerate(block.instrs):
+                self.progress.at(offset + j)
+                dying = block.last[j]
+                if isinstance(instr, OpInstr):
+                    ctx = runner.context(self.step, instr.ctx) if instr.ctx else base
+                    donate = tuple(n for n in instr.donors if n in dying and
+                                   donatable((n,), env, scope))[:1]
+                    run_op(instr, env, scope, ctx, donate)
+                elif isinstance(instr, GatherInstr):
+                    self.fetched[instr.point.value] = self._gather(instr, env)
+                else:
+                    read = instr.reads[0] if instr.reads else None
+                    donate = may_donate(read, dying, env, (), scope)
+                    runner.point(instr, env, scope, self.graph.tag(instr.point.seq, 0), donate)
+                for name in dying:
+                    env.pop(name, None)
+        except DistGraphError as e:
+            raise RuntimeFault(f"rank {self.rank} (process {self.pid}): task update in step "
+                               f"{self.step} failed: {e}") from e
+        if self.profile:
+            self._event("update", self.home, None, start, self.clock())
+
+    def _gather(self, instr: GatherInstr, env):
+        """The global value of a fetched name; per-sample outputs (kept per micro-batch)
+        are gathered micro-batch by micro-batch and joined along their sample dim."""
+        tag = self.graph.gather_tag(instr.index)
+        if self.tasks.mode(instr.point.value) != "concat":
+            return self.runner.point(instr, env, self.scope, tag)
+        parts = env.get(instr.reads[0]) if instr.reads else [None] * self.m
+        out = []
+        for part in parts:
+            if instr.reads:
+                env[instr.reads[0]] = part
+            out.append(self.runner.point(instr, env, self.scope, tag))
+        axis = self.tasks.plan.accumulation.split_axis[instr.point.value]
+        return self.xb.concatenate(out, axis=axis)
+
+    # -- records -----------------------------------------------------------------------------------
+    def _event(self, kind, stage, m, start, end, peer=None) -> None:
+        self.events.append((self.rank, stage, kind, m, self.step, start, end, peer))
+
+    def _record_memory(self) -> None:
+        live_bytes, live = 0, 0
+        for env in self.env:
+            held = [a for n, a in env.items() if n not in self.feed_names]
+            if held:
+                live += 1
+                live_bytes += sum(int(getattr(a, "nbytes", 0)) for a in held)
+        self.memory.append((self.rank, self.home, self.step, self.clock(), live_bytes, live))
+
+    # -- diagnostics -------------------------------------------------------------------------------
+    def _stalled(self, i: int) -> str:
+        a = self.actions[i]
+        reqs, _ = self.pending[i]
+        needs = []
+        for k, rs in reqs.items():
+            instr = self.blocks[i].instrs[k]
+            missing = sorted({src for (src, _), r in zip(instr.incoming, rs) if not r.done})
+            if missing:
+                who = ", ".join(str(self.ranks(s)) for s in missing)
+                needs.append(f"{instr.point.value} from rank{'s' if len(missing) > 1 else ''} "
+                             f"{who} (tag {self.graph.tag(instr.point.seq, a.micro_batch)})")
+        return (f"rank {self.rank} (process {self.pid}, stage {a.stage}): timed out after "
+                f"{self.timeout:g} s in step {self.step} with no message arriving; a peer "
+                f"did not send what this rank's tasks wait for:\n  {a.task} micro-batch "
+                f"{a.micro_batch} waits for " + "; ".join(needs) + f" (action {a})")

@@ -12,7 +12,9 @@ process.
 A Plan holds the completed program (``plan.program``; its Values and ops carry their
 ``dist_attr``), the logical processes and the rank each runs on, the stages (the meshes
 of the forward program in data-flow order), and gives each process's local program and
-reshard points on demand (``plan.local(pid)``, partitioned once and kept).
+reshard points on demand (``plan.local(pid)``, partitioned once and kept). Data must only
+move from an earlier stage to a later one in the forward pass: a plan whose stages form a
+cycle is a PlanError naming its ops (:mod:`distgraph.passes.completion.stage_order`).
 
 Example::
 
@@ -33,6 +35,7 @@ from types import MappingProxyType
 from distgraph.errors import PlanError, ShardingError
 from distgraph.mesh import ProcessMesh
 from distgraph.passes.completion.complete import complete
+from distgraph.passes.completion import stage_order
 from distgraph.passes.estimate import estimate, fmt_bytes
 from distgraph.passes.mapping.rank_mapping import map_ranks
 from distgraph.passes.mapping.traffic import process_graph
@@ -256,7 +259,7 @@ def _plan(built, strategy, cluster, rank_mapping, accumulation, ilp_budget=None)
     rank_of = _rank_of(program, ids, cluster, rank_mapping) if distributed else None
     planned = Plan(copy, strategy, distributed, ids,
                    None if rank_of is None else MappingProxyType(rank_of),
-                   _stages(program), cluster, accumulation=accumulation)
+                   stage_order.stages(program), cluster, accumulation=accumulation)
     if planned.pipelined:
         stage_of_processes(planned)          # every process in one stage, or a PlanError
     if searched is not None:
@@ -316,15 +319,6 @@ def _shard_updates(program, mesh_dim: str) -> None:
 def _is_annotated(program) -> bool:
     return (any(v.annotation is not None for v in program.values.values())
             or any(op.annotation is not None for op in program.ops))
-
-
-def _stages(program) -> tuple:
-    """Meshes of the forward ops in order of first use (the data flow's order)."""
-    stages: list = []
-    for op in program.ops:
-        if op.role in ("forward", "loss") and op.dist_attr.mesh not in stages:
-            stages.append(op.dist_attr.mesh)
-    return tuple(stages)
 
 
 def _rank_of(program, ids, cluster, rank_mapping):

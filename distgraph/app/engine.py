@@ -17,7 +17,7 @@ import numpy as np
 from distgraph.app import checkpoint, checks
 from distgraph.app.checkpoint import CheckpointReader
 from distgraph.app.data import DataLoader
-from distgraph.app.plan_report import write_report
+from distgraph.app.plan_report import write_failure, write_report
 from distgraph.app.resume import check_checkpoint, checkpoint_info, restore_info
 from distgraph.app.state import ProcessState
 from distgraph.callbacks import CallbackList, ProgressBar
@@ -184,8 +184,13 @@ class Engine:
         key = (mode, self._program_key(mode, inputs_spec, labels_spec))
         built = build_program(self.model, inputs_spec, labels_spec, self.loss,
                               self.optimizer if mode == "train" else None, mode)
-        self._plan_cache[key] = plan(built, self.strategy, self._planning_cluster(),
-                                     self.rank_mapping)
+        try:
+            self._plan_cache[key] = plan(built, self.strategy, self._planning_cluster(),
+                                         self.rank_mapping)
+        except DistGraphError as e:
+            if os.environ.get("DISTGRAPH_PLAN_OUT"):     # distgraph plan shows why
+                write_failure(e, os.environ["DISTGRAPH_PLAN_OUT"])
+            raise
         self._active.pop(mode, None)
         self._activate(mode, key)
         return self._plans[mode]

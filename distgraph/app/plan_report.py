@@ -1,6 +1,6 @@
 """The report ``distgraph plan`` prints: a Plan as plain data with its estimate and a
 per-layer summary of its layouts, written by the first Engine call of a script run under
-``distgraph plan`` (see :mod:`distgraph.cli.plan`).
+``distgraph plan`` (see :mod:`distgraph.cli.plan`), or why that call could not plan.
 """
 
 from __future__ import annotations
@@ -62,7 +62,16 @@ def write_report(plan, path: str) -> None:
     complete report wins; readers never see a partial file)."""
     cluster_file = os.environ.get("DISTGRAPH_CLUSTER")
     cluster = Cluster.from_file(cluster_file) if cluster_file else None
-    data = report(plan, cluster)
+    _publish(report(plan, cluster), path)
+
+
+def write_failure(error: DistGraphError, path: str) -> None:
+    """Write why planning failed (``{"error": "PlanError: ..."}``) to ``path`` unless a
+    report is there already: ``distgraph plan`` prints it instead of a plan."""
+    _publish({"error": f"{type(error).__name__}: {error}"}, path)
+
+
+def _publish(data: dict, path: str) -> None:
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", suffix=".part")
     with os.fdopen(fd, "w") as f:
         json.dump(data, f)

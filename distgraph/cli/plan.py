@@ -9,7 +9,9 @@ command then stops the script and everything it started, and prints the report: 
 processes and stages, per-op layouts summarised per layer, every reshard with its bytes,
 the search's report under ``Strategy(auto_mode="full")``, and the predicted step time
 (compute / communication / bubble) and peak memory per device. ``--json`` prints the
-same as JSON (``Plan.to_dict()`` with the estimate and the layer summary).
+same as JSON (``Plan.to_dict()`` with the estimate and the layer summary). A script whose
+Engine cannot plan (a ``PlanError`` such as stages that form a cycle) prints that error
+and exits 1.
 
 ``--cluster FILE`` is exported as ``$DISTGRAPH_CLUSTER`` (the cluster the search plans
 for when the Engine has none, and the one the estimate prices); ``-n N`` without a file
@@ -101,6 +103,10 @@ def _plan(args) -> int:
             return 1
         with open(out) as f:
             data = json.load(f)
+    if "error" in data:
+        print(f"distgraph plan: {args.script} cannot be planned: {data['error']}",
+              file=sys.stderr)
+        return 1
     if args.json:
         print(json.dumps({k: v for k, v in data.items() if k != "text"}, indent=2))
     else:

@@ -370,10 +370,9 @@ PIPELINE_PLANS = {(_kind, _name, 4): Plan(_kind, _name, 4, PIPELINE_FACTORIES[_n
 for (_kind, _stages) in PARAM_STAGES:
     for _inner in (None, "dp", "mp"):
         _n = _stages * (1 if _inner is None else 2)
-        if _n <= 4:
-            _name = f"param{_stages}" + ("" if _inner is None else f"_{_inner}")
-            PIPELINE_PLANS[_kind, _name, _n] = Plan(_kind, _name, _n,
-                                                    param_stage_plan(_kind, _stages, _inner))
+        _name = f"param{_stages}" + ("" if _inner is None else f"_{_inner}")
+        PIPELINE_PLANS[_kind, _name, _n] = Plan(_kind, _name, _n,
+                                                param_stage_plan(_kind, _stages, _inner))
 
 
 # ---- training ---------------------------------------------------------------------------

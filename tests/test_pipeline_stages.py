@@ -86,6 +86,12 @@ def test_parameter_annotations_give_contiguous_stages(key):
                                         f"stage {mine}")
     loss = next(op for op in reversed(ops) if op.role == "loss")
     assert stage[loss.dist_attr.mesh] == n_stages - 1
+    if key[1].endswith("_dp"):          # every stage splits the batch, not only the first
+        products = [op for op in ops if op.role == "forward" and op.type == "matmul"
+                    and op.inputs[1].is_parameter]
+        assert {stage[op.dist_attr.mesh] for op in products} >= set(range(1, n_stages))
+        for op in products:
+            assert op.dist_attr.input_specs[0].dims[0] == "dp", (op.layer, op.dist_attr)
     for op in ops:                      # backward ops with their forward op, updates with
         if op.role == "backward" and op.forward_op is not None:      # their parameter
             assert op.dist_attr.mesh == op.forward_op.dist_attr.mesh

@@ -83,7 +83,7 @@ def assign_meshes(program: Program, producer: dict, consumers: dict,
     for k in forward:                      # read by nothing placed: the op before's mesh
         if mesh[k] is None and ops[k].inputs:
             set_op(k, last)
-        last = mesh[k] or last
+        last = mesh[k] if mesh[k] is not None else last
 
     def sources_from_consumers():
         for k, op in enumerate(ops):

@@ -16,6 +16,9 @@ in data-flow order), each process's local program and reshard points
 (``plan.local(pid)``, partitioned once), the task graph (``plan.task_graph()``: tasks per
 stage and kind, message tags, the values fetched) and the schedule (``plan.schedule()``:
 each process's actions in order, checked to complete before any rank starts).
+Data must only move from an earlier stage to a later one in the forward pass: a plan
+whose stages form a cycle is a PlanError naming its ops
+(:mod:`distgraph.passes.completion.stage_order`).
 
 Example::
 
@@ -37,6 +40,7 @@ from types import MappingProxyType
 from distgraph.errors import PlanError, ShardingError
 from distgraph.mesh import ProcessMesh, ProcessRanks
 from distgraph.passes.completion.complete import complete
+from distgraph.passes.completion import stage_order
 from distgraph.passes.estimate import estimate, fmt_bytes
 from distgraph.passes.mapping.rank_mapping import map_ranks
 from distgraph.passes.mapping.traffic import process_graph
@@ -263,7 +267,7 @@ def _plan(built, strategy, cluster, rank_mapping, accumulation, ilp_budget=None)
     copy, searched = _completed(built, strategy, cluster, accumulation, ilp_budget)
     rank_mapping = rank_mapping or (searched.rank_mapping if searched is not None else None)
     program = copy.program
-    stages = _stages(program)
+    stages = stage_order.stages(program)      # data-flow order, or a PlanError on a cycle
     meshes, cut = stages, None
     virtual = 2 if strategy.schedule == "ZBV" else strategy.virtual_stages
     if virtual > 1:
@@ -278,9 +282,10 @@ def _plan(built, strategy, cluster, rank_mapping, accumulation, ilp_budget=None)
         copy, _ = _completed(built, strategy, cluster, accumulation, ilp_budget,
                              placement=(stages, cut, meshes))
         program = copy.program
-        if _stages(program) != stages:
-            raise PlanError(f"internal error: placing the chunks changed the stages "
-                            f"({_stages(program)} vs {stages}); please report it")
+        placed = {op.dist_attr.mesh for op in program.ops if op.role in stage_order.FORWARD}
+        if placed != set(stages):
+            raise PlanError(f"internal error: placing the chunks changed the stage meshes "
+                            f"({sorted(map(str, placed))} vs {stages}); please report it")
     distributed = _is_annotated(program)
     ids = tuple(process_ids(program))
     partitions = {pid: partition(program, pid) for pid in ids}
@@ -389,15 +394,6 @@ def _shard_updates(program, mesh_dim: str) -> None:
 def _is_annotated(program) -> bool:
     return (any(v.annotation is not None for v in program.values.values())
             or any(op.annotation is not None for op in program.ops))
-
-
-def _stages(program) -> tuple:
-    """Meshes of the forward ops in order of first use (the data flow's order)."""
-    stages: list = []
-    for op in program.ops:
-        if op.role in ("forward", "loss") and op.dist_attr.mesh not in stages:
-            stages.append(op.dist_attr.mesh)
-    return tuple(stages)
 
 
 def _rank_of(program, ids, cluster, rank_mapping, partitions):

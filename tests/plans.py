@@ -315,6 +315,46 @@ def layered_plan(kind, n):
     return annotate
 
 
+# Which parameters each stage holds when only parameters are annotated: layer paths.
+PARAM_STAGES = {
+    ("gpt", 2): (("wte", "wpe", "blocks.0"), ("blocks.1", "ln_f", "lm_head")),
+    ("gpt", 4): (("wte", "wpe"), ("blocks.0",), ("blocks.1",), ("ln_f", "lm_head")),
+    ("mlp", 2): (("fc1",), ("fc2",)),
+    ("mlp4", 4): (("fc1",), ("fc2",), ("fc3",), ("fc4",)),
+}
+# Megatron inside a stage: column-split first Linears (weight and bias), row-split seconds.
+_COLUMN = ("attn.qkv", "mlp.fc1", "fc1", "fc3")
+_ROW = ("attn.proj", "mlp.fc2", "fc2", "fc4")
+
+
+def param_stage_plan(kind, stages, inner=None):
+    """The pipeline a newcomer writes: ``shard_tensor`` on every parameter, each stage's on
+    its own mesh (``stages`` of them), nothing else placed; ``inner`` "dp" splits the input
+    batch over each stage's two processes, "mp" splits each stage's Linears Megatron-style
+    over its two processes (None: one process per stage). Ops without parameters (residual
+    adds, activations, the loss) follow the data."""
+    width = 1 if inner is None else 2
+    meshes = [dg.ProcessMesh(list(range(s * width, (s + 1) * width)), [inner or "pp"])
+              for s in range(stages)]
+
+    def spec(name, shape):
+        layer, _, leaf = name.rpartition(".")
+        if inner == "mp" and layer.endswith(_COLUMN):
+            return [None, "mp"] if leaf == "weight" else ["mp"]
+        if inner == "mp" and layer.endswith(_ROW) and leaf == "weight":
+            return ["mp", None]
+        return [None] * len(shape)
+
+    def annotate(model):
+        for name, param in model.named_parameters():
+            s = next(i for i, paths in enumerate(PARAM_STAGES[kind, stages])
+                     if any(name.startswith(p + ".") for p in paths))
+            dg.shard_tensor(param, meshes[s], spec(name, param.shape))
+        if inner == "dp":
+            _set_act(model, "input", meshes[0], _batch_spec(kind))
+    return annotate
+
+
 PLAN_FACTORIES = {
     "dp": (dp_plan, False),
     "tp": (tp_plan, False),
@@ -351,6 +391,14 @@ PIPELINE_PLANS = {(_kind, _name, 4): Plan(_kind, _name, 4, PIPELINE_FACTORIES[_n
 PIPELINE_PLANS.update({(_kind, "layered", _n): Plan(_kind, "layered", _n,
                                                     layered_plan(_kind, _n))
                        for _kind, _n in (("mlp4", 2), ("gpt", 2), ("mlp8", 4), ("gpt6", 4))})
+# Stages from parameter annotations alone: "param{S}" (one process per stage), "param{S}_dp"
+# and "param{S}_mp" (two processes per stage).
+for (_kind, _stages) in PARAM_STAGES:
+    for _inner in (None, "dp", "mp"):
+        _n = _stages * (1 if _inner is None else 2)
+        _name = f"param{_stages}" + ("" if _inner is None else f"_{_inner}")
+        PIPELINE_PLANS[_kind, _name, _n] = Plan(_kind, _name, _n,
+                                                param_stage_plan(_kind, _stages, _inner))
 
 
 # ---- training ---------------------------------------------------------------------------

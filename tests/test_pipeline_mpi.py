@@ -1,8 +1,9 @@
 """Pipelines on real MPI ranks (``python -m distgraph.cli run``, the ``distgraph run`` command):
 a sample of plans and schedules (interleaved and V-shaped ones too) trains like serial
-full-batch training on 2 and 4 ranks,
-every rank runs its tasks in the plan's order, and a failing task or a message that never
-arrives ends the job naming the rank and the task."""
+full-batch training on 2 and 4 ranks (stages placed by shard_op, and by parameter
+annotations alone, fewer micro-batches than stages among them), every rank runs its tasks
+in the plan's order, and a failing task or a message that never arrives ends the job
+naming the rank and the task."""
 
 import json
 import os
@@ -17,10 +18,13 @@ from test_failures import DEADLINE, launch
 SCRIPT = Path(__file__).parent / "mpi_scripts" / "train_pipeline.py"
 TOLERANCE = 1e-10
 TWO = ["mlp:two_stage:8:1F1B", "gpt:two_stage:4:ZB", "gpt:two_stage:2:FThenB",
-       "gpt:layered:4:1F1B:2", "gpt:layered:4:ZBV", "mlp4:layered:8:ZB:2", "mlp4:layered:8:ZBV"]
+       "gpt:layered:4:1F1B:2", "gpt:layered:4:ZBV", "mlp4:layered:8:ZB:2", "mlp4:layered:8:ZBV",
+       # stages from parameter annotations alone (tests/test_pipeline_stages.py)
+       "gpt:param2:4:1F1B", "mlp:param2:8:FThenB"]
 FOUR = ["gpt:four_stage:8:1F1B", "gpt:two_stage_tp:4:ZB", "mlp:two_stage:8:FThenB",
         "mlp4:four_stage:4:ZB", "gpt6:layered:8:1F1B:2", "gpt6:layered:8:ZBV",
-        "mlp8:layered:8:1F1B:2", "mlp8:layered:8:ZBV"]
+        "mlp8:layered:8:1F1B:2", "mlp8:layered:8:ZBV",
+        "gpt:param4:2:ZB", "gpt:param2_dp:8:1F1B", "gpt:param2_mp:4:FThenB"]
 
 
 def run_items(nprocs, items):
@@ -38,7 +42,7 @@ def check(report, nprocs, items):
     for item, run in report["runs"].items():
         kind, name, m, schedule, *virtual = item.split(":")
         m = int(m)
-        stages = 4 if name == "four_stage" else nprocs if name == "layered" else 2
+        stages = 4 if name in ("four_stage", "param4") else nprocs if name == "layered" else 2
         chunks_per_stage = 2 if virtual or schedule == "ZBV" else 1
         for rank, mine in enumerate(run["ranks"]):
             assert mine["losses"] == run["ranks"][0]["losses"], f"{item}: rank {rank} differs"

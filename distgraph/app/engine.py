@@ -191,8 +191,13 @@ class Engine:
         key = (mode, self._program_key(mode, inputs_spec, labels_spec))
         built = build_program(self.model, inputs_spec, labels_spec, self.loss,
                               self.optimizer if mode == "train" else None, mode)
-        self._plan_cache[key] = plan(built, self.strategy, self._planning_cluster(),
-                                     self.rank_mapping)
+        try:
+            self._plan_cache[key] = plan(built, self.strategy, self._planning_cluster(),
+                                         self.rank_mapping)
+        except DistGraphError as e:
+            if self._plan_request is not None:      # distgraph plan shows why
+                plan_report.write_failure(e, self._plan_request)
+            raise
         self._feed_specs[key] = (inputs_spec, labels_spec)
         self._active.pop(mode, None)
         self._activate(mode, key)

@@ -1,6 +1,6 @@
 """The report ``distgraph plan`` prints: a Plan as plain data with its estimate and a
 per-layer summary of its layouts, written by the first Engine call of a script run under
-``distgraph plan`` (see :mod:`distgraph.cli.plan`).
+``distgraph plan`` (see :mod:`distgraph.cli.plan`), or why that call could not plan.
 
 The command asks through the script's environment, as ``distgraph run --cluster`` passes
 the cluster file: ``$DISTGRAPH_PLAN_OUT`` is where the report goes, ``$DISTGRAPH_PLAN_PLOT``
@@ -92,13 +92,22 @@ def write_report(plan, request: PlanRequest, cluster=None) -> None:
     """Write ``report(plan)`` to ``request.out`` (and the plan's picture to
     ``request.plot``) unless another process already did (the first complete report
     wins; readers never see a partial file, and the picture is there before the report)."""
-    path = request.out
     data = report(plan, cluster)
     if request.plot:
         try:
             plan.plot(request.plot)
         except DistGraphError as e:
             data["plot_error"] = str(e)
+    _publish(data, request.out)
+
+
+def write_failure(error: DistGraphError, request: PlanRequest) -> None:
+    """Write why planning failed (``{"error": "PlanError: ..."}``) to ``request.out``
+    unless a report is there already: ``distgraph plan`` prints it instead of a plan."""
+    _publish({"error": f"{type(error).__name__}: {error}"}, request.out)
+
+
+def _publish(data: dict, path: str) -> None:
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", suffix=".part")
     with os.fdopen(fd, "w") as f:
         json.dump(data, f)

@@ -12,7 +12,9 @@ summarised per layer, every reshard with its bytes, the search's report under
 bubble) and peak memory per device. ``--json`` prints the same as JSON
 (``Plan.to_dict()`` with the estimate and the layer summary); ``--plot PNG`` also draws
 the plan (``Plan.plot``). With ``-n N``, a plan of another number of processes is an
-error, and a one-process plan of an unannotated model a warning.
+error, and a one-process plan of an unannotated model a warning. A script whose Engine
+cannot plan (a ``PlanError`` such as stages that form a cycle) prints that error and
+exits 1.
 
 ``--cluster FILE`` is exported as ``$DISTGRAPH_CLUSTER`` (the cluster the search plans
 for when the Engine has none, and the one the estimate prices); ``-n N`` without a file
@@ -135,6 +137,10 @@ def _plan(args) -> int:
             return 1
         with open(out) as f:
             data = json.load(f)
+    if "error" in data:
+        print(f"distgraph plan: {args.script} cannot be planned: {data['error']}",
+              file=sys.stderr)
+        return 1
     mismatch = _process_count(data, args)
     if mismatch and data["distributed"]:
         print(f"distgraph plan: {mismatch}", file=sys.stderr)

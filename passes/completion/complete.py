@@ -3,7 +3,10 @@
 1. ProcessMesh propagation (:mod:`distgraph.passes.completion.mesh_propagation`).
 2. ShardSpec propagation on the semilattice unknown < {None, 'x', ...}: forward sweeps
    (inputs -> outputs) and backward sweeps (outputs and consumers -> inputs) alternate until
-   nothing changes. Each op's rule is its registry entry's (see ``distgraph.spmd``).
+   nothing changes. Each op's rule is its registry entry's (see ``distgraph.spmd``). An
+   op on another mesh of the same shape and dim names (the next pipeline stage) starts
+   from the layout its input is made in, so a batch split over one stage's ``dp`` stays
+   split over the next stage's.
    Annotations are never changed. An annotated Value is consumed as annotated unless the
    consuming op's rule cannot take it so (another annotation wins a conflict, an axis
    that is never split): then the op consumes what its rule decided, its notes say why,
@@ -159,12 +162,12 @@ class _Completion:
         ispec, vspec = self.ispec, self.vspec
         # (the records are unpacked in the loops: a visit is the hot path)
         ins = []
-        for i, name, fixed, same_mesh, _ in meta.ins:
+        for i, name, fixed, _, _, alike in meta.ins:
             if fixed is not None:
                 ins.append(fixed)
             else:
                 s = ispec[(k, i)]
-                ins.append(s.filled_from(_strip(vspec[name])) if same_mesh else s)
+                ins.append(s.filled_from(_strip(vspec[name])) if alike else s)
         outs = []
         for _, name, annotation, consumers in meta.outs:
             if annotation is not None:
@@ -192,7 +195,7 @@ class _Completion:
         self.notes[k] = res.notes
         changed = False
         known = None
-        for i, name, fixed, _, source in meta.ins:
+        for i, name, fixed, _, source, _ in meta.ins:
             key = (k, i)
             if fixed is not None:
                 # consumed as the rule decided (a reshard point where that differs)

@@ -1,12 +1,17 @@
 """ProcessMesh propagation, the first step of completion: which mesh every op and Value
 lives on.
 
-An op takes, in order of preference: its ``shard_op`` mesh; the mesh of an annotated
-operand; the meshes of its inputs' producers (where two meet, the one that contains the
-other); the nearest resolved op before it (after it, for the ops ahead of every
-annotation). Ops without inputs (constants) take their first consumer's mesh, backward
-ops their forward op's, update ops their parameter's; the step counter shared by all
-updates lives on the union of their meshes.
+A forward op is *held* to its ``shard_op`` mesh, else to the mesh of an annotated operand
+(a parameter's ``shard_tensor`` places the ops that read it). The held meshes are the
+pipeline stages, ordered along the data flow (:mod:`.stage_order`). Every other forward op
+follows its inputs so that data only moves from an earlier stage to a later one: it takes
+the mesh of its inputs' producers, and where two meet, the one that contains the other
+(dp x mp meshes and their sub-meshes), else the *latest* stage. A residual add that reads
+stage 0's activation and stage 1's therefore runs on stage 1. Ops without a placed input
+(constants, ops on unannotated parameters or feeds) take the earliest stage of the ops that
+read them, else the mesh of the op before them. Backward ops take their forward op's mesh,
+update ops their parameter's; the step counter shared by all updates lives on the union of
+their meshes.
 
 Example::
 
@@ -18,13 +23,25 @@ from __future__ import annotations
 from distgraph.errors import PlanError
 from distgraph.ir import Program
 from distgraph.mesh import ProcessMesh
+from distgraph.passes.completion.stage_order import FORWARD, ranks
 
 
-def _pick(meshes: list) -> ProcessMesh:
+def _pick(meshes: list, rank: dict, latest: bool) -> ProcessMesh:
+    """The mesh that contains all the others; else the latest (or earliest) stage."""
     for m in meshes:
         if all(m.contains_mesh(o) for o in meshes):
             return m
-    return meshes[0]
+    pos = [rank.get(m, len(rank)) for m in meshes]
+    best = max(pos) if latest else min(pos)
+    return meshes[pos.index(best)]
+
+
+def _annotated(op) -> ProcessMesh | None:
+    """The mesh an op is held to: its shard_op mesh, else an annotated operand's."""
+    if op.annotation is not None:
+        return op.annotation.mesh
+    cands = [v.annotation.mesh for v in op.inputs + op.outputs if v.annotation]
+    return _pick(cands, {}, latest=False) if cands else None
 
 
 def assign_meshes(program: Program, producer: dict, consumers: dict,
@@ -41,29 +58,33 @@ def assign_meshes(program: Program, producer: dict, consumers: dict,
         for o in ops[k].outputs:
             vmesh[o.name] = m
 
-    forward = [k for k, op in enumerate(ops) if op.role in ("forward", "loss")]
-    last = None
-    for k in forward:
+    forward = [k for k, op in enumerate(ops) if op.role in FORWARD]
+    held = {k: m for k in forward if (m := _annotated(ops[k])) is not None}
+    rank = ranks(ops, held)
+    for k in forward:                      # along the data flow: the latest input stage
         op = ops[k]
-        if not op.inputs and op.annotation is None:
-            continue                      # constants: from their consumer, below
-        if op.annotation is not None:
-            m = op.annotation.mesh
+        if k in held:
+            set_op(k, held[k])
         else:
-            cands = [v.annotation.mesh for v in op.inputs + op.outputs if v.annotation]
-            if not cands:
-                cands = [vmesh[v.name] for v in op.inputs if v.name in vmesh]
-            m = _pick(cands) if cands else last
-        if m is not None:
-            set_op(k, m)
-            last = m
-    first = next((mesh[k] for k in forward if mesh[k] is not None), default_mesh)
+            cands = [vmesh[v.name] for v in op.inputs if v.name in vmesh]
+            if cands:
+                set_op(k, _pick(cands, rank, latest=True))
+    for k in reversed(forward):            # the rest: the earliest stage that reads them
+        if mesh[k] is None:
+            cands = [mesh[c] for o in ops[k].outputs for c, _ in consumers.get(o.name, [])
+                     if mesh[c] is not None]
+            if cands:
+                set_op(k, _pick(cands, rank, latest=False))
+    first = min(rank, key=rank.get) if rank else default_mesh
     if first is None:
         raise PlanError("no ProcessMesh found: annotate at least one tensor with "
                         "dg.shard_tensor (or an op with dg.shard_op), or pass default_mesh")
-    for k in forward:
+    last = first
+    for k in forward:                      # read by nothing placed: the op before's mesh
         if mesh[k] is None and ops[k].inputs:
-            set_op(k, first)
+            set_op(k, last)
+        last = mesh[k] if mesh[k] is not None else last
+
     def sources_from_consumers():
         for k, op in enumerate(ops):
             for v in op.inputs:

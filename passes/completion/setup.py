@@ -27,14 +27,17 @@ from distgraph.spmd import DimsSpec, RuleQuery, SpmdRuleError
 class InputMeta(NamedTuple):
     """What a visit needs to know of one input, fixed for the run: its Value, the spec
     fixed for it (shard_op in_spec or annotation on the op's mesh; None if free), whether
-    its Value lives on the op's mesh, and whether the op may fill the Value's spec (an
-    unannotated input or parameter on the op's mesh)."""
+    its Value lives on the op's mesh, whether the op may fill the Value's spec (an
+    unannotated input or parameter on the op's mesh), and whether the op starts from the
+    Value's layout: on its own mesh, or on a mesh of the same shape and dim names (the
+    next pipeline stage: a batch split over one stage's "dp" stays split over the next's)."""
 
     index: int
     name: str
     fixed: DimsSpec | None
     same_mesh: bool
     source: bool
+    alike: bool
 
 
 class OutputMeta(NamedTuple):
@@ -122,9 +125,11 @@ class CompletionSetup:
         op, mesh = self.ops[k], self.mesh[k]
         ins = []
         for i, v in enumerate(op.inputs):
-            same = self.vmesh[v.name] == mesh
+            there = self.vmesh[v.name]
+            same = there == mesh
             source = same and v.name not in self.producer and v.name not in self.vfixed
-            ins.append(InputMeta(i, v.name, self.fixed_spec.get((k, i)), same, source))
+            alike = there.shape == mesh.shape and there.dim_names == mesh.dim_names
+            ins.append(InputMeta(i, v.name, self.fixed_spec.get((k, i)), same, source, alike))
         outs = []
         for j, o in enumerate(op.outputs):
             ann = None

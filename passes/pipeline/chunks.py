@@ -1,7 +1,7 @@
 """Pipeline chunks: the stage (torch's stage index) every op of a planned program runs in.
 
-Without virtual stages a chunk is a stage: a forward op runs in the chunk of its mesh
-(``Plan.stages``, the meshes of the forward in data-flow order). With
+Without virtual stages a chunk is a stage: a forward op runs in the chunk of the stage its
+mesh is in (``Plan.stages``, one mesh per stage in data-flow order). With
 ``Strategy(virtual_stages=v)``, or ``schedule="ZBV"`` (v = 2), the forward is cut along
 the data flow into ``S·v`` chunks of equal work at layer boundaries (a *layer* is a run
 of forward ops under one top-level sublayer of the model, ``blocks.3`` or ``lm_head``;
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from distgraph.annotation import OpAnnotation
 from distgraph.errors import PlanError
+from distgraph.passes.completion.stage_order import stage_of_mesh
 from distgraph.placement import DistAttr
 from distgraph.registry import op_flops
 
@@ -159,7 +160,7 @@ def chunk_of_ops(program, meshes: tuple, cut: dict | None = None) -> tuple:
     chunk: list = [None] * len(ops)
     for k, op in enumerate(ops):
         if op.role in FORWARD:
-            chunk[k] = cut[k] if cut is not None else meshes.index(op.dist_attr.mesh)
+            chunk[k] = cut[k] if cut is not None else stage_of_mesh(meshes, op.dist_attr.mesh)
     index = {id(op): k for k, op in enumerate(ops)}
     producer = {o.name: k for k, op in enumerate(ops) for o in op.outputs}
     on_mesh = {}
@@ -172,6 +173,8 @@ def chunk_of_ops(program, meshes: tuple, cut: dict | None = None) -> tuple:
             chunk[k] = chunk[index[id(op.forward_op)]]
             continue
         mine = on_mesh.get(op.dist_attr.mesh)
+        if not mine and cut is None:          # on a sub-mesh of its stage's mesh
+            mine = [stage_of_mesh(meshes, op.dist_attr.mesh)]
         if not mine:
             raise PlanError(f"backward op {op.type} ({op.layer or 'model'}) runs on "
                             f"{op.dist_attr.mesh}, which no stage of the forward uses")

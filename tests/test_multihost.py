@@ -291,7 +291,10 @@ def test_calibrate_measures_the_links_between_the_hosts(hosts, tmp_path):
     measured = dg.Cluster.from_file(out)
     assert [m.hostname for m in measured.machines] == ["node0", "node1"]
     assert [d.global_id for d in measured.devices] == [0, 1, 2, 3]
-    assert len(measured.links) == 4           # every pair across the hosts
+    assert len(measured.links) == 4           # every pair across the hosts: the network
     for link in measured.links:
         assert abs(link.bandwidth / LINK_GBPS - 1) <= 0.2, (link, proc.stdout)
+    for machine in measured.machines:         # inside a host: shared memory, unshaped
+        assert [ln.type for ln in machine.links] == ["SHM"]
+        assert machine.links[0].bandwidth > 4 * LINK_GBPS, (machine, proc.stdout)
     assert_clean(hosts)

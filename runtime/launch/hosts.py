@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from distgraph.errors import PlanError
 
-_ENTRY = re.compile(r"^(?P<host>[A-Za-z0-9_.\-]+|\[[0-9A-Fa-f:.]+\])(?::(?P<slots>\d+))?$")
+_ENTRY = re.compile(r"^(?P<host>[A-Za-z0-9_.\-]+)(?::(?P<slots>\d+))?$")
 FORMAT = "one 'host' or 'host:slots' per entry (slots a whole number >= 1)"
 
 

@@ -64,10 +64,15 @@ class Job:
         self._open_fifos()
         self._log = os.open(os.path.join(self.log_dir, "mpiexec.log"),
                             os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        # preexec_fn only calls prctl, which is safe in a forked child
-        self._proc = subprocess.Popen(self.command, env=self.env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, start_new_session=True,
-                                      preexec_fn=_die_with_launcher)  # noqa: PLW1509
+        try:
+            # preexec_fn only calls prctl, which is safe in a forked child
+            self._proc = subprocess.Popen(self.command, env=self.env, stdout=subprocess.PIPE,
+                                          stderr=subprocess.PIPE, start_new_session=True,
+                                          preexec_fn=_die_with_launcher)  # noqa: PLW1509
+        except BaseException:
+            os.close(self._log)
+            self._log = -1
+            raise
         for pipe, stream in ((self._proc.stdout, sys.stdout), (self._proc.stderr, sys.stderr)):
             os.set_blocking(pipe.fileno(), False)
             self._mpiexec[pipe.fileno()] = _Demux(stream, self._log)

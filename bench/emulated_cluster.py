@@ -18,6 +18,14 @@ links; whether the predicted and measured orders of the plans agree, for whole s
 for communication; and which dp x mp placement the rank mapper (passes/rank_mapping.py)
 picks against the measured faster one. Timings on a shared 2-core machine are noisy, and
 4 ranks share its 2 cores, which the file's per-device compute rate does not know.
+
+With ``--hostfile`` it compares launch paths instead: the same plans on the same shaped
+machines, once through ``--emulate`` and once through the ordinary multi-host path,
+``distgraph run --hostfile`` against the machines made hosts running sshd
+(:class:`~distgraph.runtime.emulate.ssh_hosts.SshHosts`), in the order emulated,
+hostfile, hostfile, emulated (best of each path kept), and prints per plan the ratio of
+the step times (hostfile / emulated; target 0.9-1.1: the multi-host path adds nothing
+per step).
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -36,7 +45,9 @@ from distgraph.passes.mapping.traffic import process_graph
 from distgraph.passes.mapping.rank_mapping import map_ranks
 from distgraph.runtime.emulate.namespaces import check_prerequisites
 from distgraph.runtime.emulate.launch import launch_emulated
+from distgraph.runtime.emulate.ssh_hosts import SshHosts
 from distgraph.runtime.launch.launcher import launch
+from distgraph.runtime.launch.status import LOG_DIR
 from distgraph.runtime.comm.mpi import MPICommunicator
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -105,7 +116,8 @@ def mapper_choice(program, cluster) -> str:
 
 
 def rank_part(args) -> None:
-    """On each of 4 ranks: time every config; rank 0 writes the rows as JSON."""
+    """On each of 4 ranks: time every config; rank 0 writes the rows as JSON into its
+    log folder (which the launcher brings back from another host)."""
     cluster = dg.Cluster.from_file(os.environ["DISTGRAPH_CLUSTER"])
     comm = MPICommunicator()
     if comm.size != 4:
@@ -133,7 +145,7 @@ def rank_part(args) -> None:
             row["measured"] = min(row["measured"], time_steps(engine, data, comm, args.steps))
     comm.free()
     if comm.rank == 0:
-        with open(args.rank_part, "w") as f:
+        with open(os.path.join(os.environ[LOG_DIR], args.rank_part), "w") as f:
             json.dump(rows, f)
 
 
@@ -144,28 +156,82 @@ def main(argv=None) -> int:
                         help="a resource file with 2 machines of 2 devices")
     parser.add_argument("--steps", type=int, default=4, help="steps per timing")
     parser.add_argument("--repeats", type=int, default=3, help="timings per plan (best kept)")
+    parser.add_argument("--hostfile", action="store_true",
+                        help="compare --emulate with distgraph run --hostfile on hosts with sshd")
     parser.add_argument("--rank-part", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.rank_part:
         rank_part(args)
         return 0
     check_prerequisites()
+    if args.hostfile:
+        return compare_paths(args)
     timings = {}
     with tempfile.TemporaryDirectory(prefix="distgraph-bench-") as tmp:
         for name in ("shared memory", "emulated"):
-            out = os.path.join(tmp, f"{name[0]}.json")
-            argv = [os.path.abspath(__file__), "--rank-part", out, "--steps", str(args.steps),
-                    "--repeats", str(args.repeats)]
+            logs = os.path.join(tmp, name[0])
             if name == "emulated":
-                rc = launch_emulated(args.cluster, 4, argv)
+                rc = launch_emulated(args.cluster, 4, rank_argv(args), log_dir=logs)
             else:
-                rc = launch(4, argv, cluster=args.cluster)
+                rc = launch(4, rank_argv(args), cluster=args.cluster, log_dir=logs)
             if rc != 0:
                 print(f"the {name} run failed (exit code {rc})", file=sys.stderr)
                 return rc
-            with open(out) as f:
-                timings[name] = json.load(f)
+            timings[name] = rows_in(logs)
     report(dg.Cluster.from_file(args.cluster), timings["emulated"], timings["shared memory"])
+    return 0
+
+
+def rank_argv(args) -> list[str]:
+    return [os.path.abspath(__file__), "--rank-part", "rows.json", "--steps", str(args.steps),
+            "--repeats", str(args.repeats)]
+
+
+def rows_in(logs: str) -> list:
+    with open(os.path.join(logs, "rows.json")) as f:
+        return json.load(f)
+
+
+def compare_paths(args) -> int:
+    """The plans through --emulate and through --hostfile on hosts with sshd (see the
+    module docstring)."""
+    cluster = dg.Cluster.from_file(args.cluster)
+    best: dict = {}
+    with tempfile.TemporaryDirectory(prefix="distgraph-bench-") as tmp, \
+            SshHosts(cluster, 4) as hosts:
+        hostfile = hosts.hostfile()
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        for k, path in enumerate(("emulated", "hostfile", "hostfile", "emulated")):
+            logs = os.path.join(tmp, f"{k}-{path}")
+            run = [sys.executable, "-m", "distgraph.cli", "run", "-n", "4", "--log-dir", logs]
+            # (a process of its own: the emulation names its namespaces after its launcher,
+            # and this one holds the hosts')
+            if path == "emulated":
+                rc = subprocess.run([*run, "--emulate", args.cluster, *rank_argv(args)],
+                                    env=env).returncode
+            else:
+                rc = subprocess.run(hosts.login_argv(
+                    [*run, "--hostfile", hostfile, "--cluster", args.cluster,
+                     *rank_argv(args)]), env={**env, **hosts.env()}).returncode
+            if rc != 0:
+                print(f"the {path} run failed (exit code {rc})", file=sys.stderr)
+                return rc
+            for row in rows_in(logs):
+                key = (row["model"], row["plan"], row["placement"], path)
+                best[key] = min(best.get(key, float("inf")), row["measured"])
+    print(f"cluster {cluster.name!r}: step times in ms through --emulate and through "
+          "--hostfile on hosts with sshd (best of two runs each)")
+    print(f"{'model':5}  {'plan':7}  {'placement':18}  {'emulated':>8}  {'hostfile':>8}  ratio")
+    ratios = []
+    for model, plan, where, path in best:
+        if path != "emulated":
+            continue
+        a, b = best[model, plan, where, "emulated"], best[model, plan, where, "hostfile"]
+        ratios.append(b / a)
+        print(f"{model:5}  {plan:7}  {where:18}  {a * 1e3:8.1f}  {b * 1e3:8.1f}  {b / a:5.2f}")
+    inside = sum(0.9 <= r <= 1.1 for r in ratios)
+    print(f"hostfile / emulated: {inside} of {len(ratios)} plans within 0.9-1.1 (geometric "
+          f"mean {np.exp(np.mean(np.log(ratios))):.3f}); target: all")
     return 0
 
 

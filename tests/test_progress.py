@@ -91,3 +91,24 @@ def test_a_collective_call_made_on_one_rank_says_so_at_the_timeout():
     with pytest.raises(RuntimeFault, match=r"Engine.state_dict\(\) is collective: call it on "
                                            r"every rank"):
         SimulatedWorld(2, timeout=0.5).run(rank)
+
+
+def test_behind_names_peers_on_other_hosts_with_their_host(tmp_path):
+    # Over several hosts a rank reads only its own host's records: ranks 2 and 3 run on
+    # node1, and rank 1 (on node0 with rank 0) is computing.
+    folder = str(tmp_path)
+    records = {r: Progress(folder, r) for r in (0, 1)}
+    for r, p in records.items():
+        p.begin_step(3, p.table(["op 'matmul'", "op 'relu'"]))
+        p.at(1)
+    records[0].wait_begin("all_reduce on group (0, 1, 2, 3)")
+    hosts = ("node0", "node0", "node1", "node1")
+    sentence, states = behind(folder, 0, range(4), hosts)
+    assert sentence == ("rank 1 is at step 3, op 'relu', not waiting for any peer; "
+                        "ranks 2, 3 on node1 (where they are cannot be read from node0)")
+    assert states == {"computing", "elsewhere"}
+    records[1].wait_begin("all_reduce on group (0, 1, 2, 3)")
+    sentence, _ = behind(folder, 0, range(4), hosts)
+    assert sentence.startswith("every peer on this host is waiting as well")
+    assert behind(folder, 0, [0, 2], hosts) == (
+        "rank 2 on node1 (where it is cannot be read from node0)", {"elsewhere"})

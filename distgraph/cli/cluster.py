@@ -1,4 +1,5 @@
-"""The ``distgraph cluster`` commands: ``show FILE`` and ``calibrate -n N -o FILE``.
+"""The ``distgraph cluster`` commands: ``show FILE`` and ``calibrate -n N -o FILE`` (on this
+host, on the hosts of ``--hostfile FILE`` / ``--hosts LIST``, or emulated with ``--emulate``).
 
 ``add_cluster_parser(subparsers)`` registers them on an argparse subparsers object; each
 parser sets ``func`` to a handler taking the parsed args and returning an exit code::
@@ -13,11 +14,15 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
+import tempfile
 
 from distgraph.errors import DistGraphError
 from distgraph.resources.cluster import Cluster
+from distgraph.runtime.launch.hosts import choose_placement
 from distgraph.runtime.launch.launcher import TIMED_OUT, launch
+from distgraph.runtime.launch.remote import is_local
 from distgraph.tools.calibrate import SCRIPT as CALIBRATE_SCRIPT
 from distgraph.tools.emulated import calibrate_command_emulated
 
@@ -47,6 +52,10 @@ def add_cluster_parser(subparsers) -> argparse.ArgumentParser:
     cal.add_argument("--emulate", metavar="FILE",
                      help="measure FILE's machines emulated as network namespaces (root only); "
                           "the output keeps FILE's machines and device ids")
+    cal.add_argument("--hostfile", metavar="FILE",
+                     help="measure ranks on the hosts of this MPICH host file (as distgraph run)")
+    cal.add_argument("--hosts", metavar="LIST",
+                     help="measure ranks on these hosts, e.g. node0:2,node1:2")
     cal.set_defaults(func=calibrate_command)
     return parser
 
@@ -70,10 +79,20 @@ def calibrate_command(args) -> int:
               ".yml or .json", file=sys.stderr)
         return 2
     if args.emulate:
+        if args.hostfile or args.hosts:
+            print("distgraph cluster calibrate: --emulate measures this machine's namespaces; "
+                  "give it no --hostfile or --hosts", file=sys.stderr)
+            return 2
         return calibrate_command_emulated(args)
     try:
-        code = launch(args.nprocs, [CALIBRATE_SCRIPT, "-o", output, "--repeats",
-                                    str(args.repeats)], timeout=args.timeout)
+        placement = choose_placement(args.nprocs, args.hostfile, args.hosts, env=os.environ)
+        if placement is not None and all(map(is_local, placement.distinct_hosts)):
+            placement = None
+        if placement is None:
+            code = launch(args.nprocs, [CALIBRATE_SCRIPT, "-o", output, "--repeats",
+                                        str(args.repeats)], timeout=args.timeout)
+        else:
+            code = _calibrate_hosts(args, placement, output)
     except DistGraphError as err:
         print(f"distgraph cluster calibrate: {err}", file=sys.stderr)
         return 2
@@ -93,3 +112,22 @@ def calibrate_command(args) -> int:
     print(f"wrote {args.output}")
     print(cluster.describe())
     return 0
+
+
+def _calibrate_hosts(args, placement, output: str) -> int:
+    """Measure on the placement's hosts: rank 0 (on some host) writes the file into its
+    log folder, which the launcher brings back here; it then goes to ``output``. The
+    logs stay (and the failure report names them) when the ranks fail."""
+    logs = tempfile.mkdtemp(prefix="distgraph-calibrate-")
+    name = os.path.basename(output)
+    code = 2
+    try:
+        code = launch(args.nprocs, [CALIBRATE_SCRIPT, "-o", name, "--in-log-dir", "--repeats",
+                                    str(args.repeats)], timeout=args.timeout, log_dir=logs,
+                      placement=placement)
+        if code == 0:
+            shutil.move(os.path.join(logs, name), output)
+        return code
+    finally:
+        if code == 0 or not os.listdir(logs):
+            shutil.rmtree(logs, ignore_errors=True)

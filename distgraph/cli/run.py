@@ -1,16 +1,21 @@
-"""distgraph run -n N [--cluster FILE] [--log-dir DIR] script.py [args]: start N ranks of a
-script with the mpiexec that pip installs, one BLAS thread per rank (also
+"""distgraph run -n N [--hostfile FILE | --hosts LIST] [--cluster FILE] [--dry-run]
+[--log-dir DIR] script.py [args]: start N ranks of a script with the mpiexec that pip
+installs, one BLAS thread per rank, on this host or on several (also
 ``python -m distgraph.cli run``). Scripts also run under a plain ``mpiexec -n N python script.py``.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from distgraph.errors import DistGraphError
+from distgraph.resources.cluster import Cluster
 from distgraph.runtime.emulate.launch import run_command
-from distgraph.runtime.launch.launcher import launch
+from distgraph.runtime.launch.hosts import choose_placement
+from distgraph.runtime.launch.launcher import check_launch, launch
+from distgraph.runtime.launch.remote import is_local
 
 DESCRIPTION = "Start N ranks of a training script with the mpiexec that pip installs."
 EPILOG = """\
@@ -22,12 +27,22 @@ terminal shows one line per cause; the tracebacks are in the logs.
 With --cluster FILE the file is validated before any rank starts, and an Engine created
 without a cluster uses it (its devices, in order, are ranks 0..N-1).
 
+Several machines: --hostfile FILE (MPICH's host file, one host[:slots] per line) or
+--hosts a:2,b:2 puts the ranks on those hosts, slots filled in order; without either, a
+--cluster FILE whose machines are other hosts puts rank r on the machine of the file's
+r-th device (at its addr, else its hostname), and $HYDRA_HOST_FILE is read last. hydra
+starts the ranks over ssh (HYDRA_LAUNCHER, HYDRA_LAUNCHER_EXEC apply). Before any rank
+starts, every host must answer over ssh in batch mode with the same Python and distgraph
+at the same paths; after the job its logs come back to DIR. --dry-run prints which rank
+goes to which host (and device) and starts nothing.
+
 SIGTERM, SIGHUP or SIGINT (Ctrl-C) stop the whole job, mpiexec and every rank, and exit
 with 128 + the signal number.
 
 Example:
   distgraph run -n 4 tutorials/02_spmd_gpt.py --steps 40
   distgraph run -n 4 --cluster resources/clusters/local4.yaml --log-dir logs train.py
+  distgraph run -n 4 --hosts node0:2,node1:2 train.py
 """
 
 
@@ -50,6 +65,13 @@ def _arguments(p) -> None:
     p.add_argument("-n", "--nprocs", type=int, required=True, help="number of ranks")
     p.add_argument("--cluster", metavar="FILE",
                    help="resource file for the Engine (validated before the ranks start)")
+    p.add_argument("--hostfile", metavar="FILE",
+                   help="run the ranks on the hosts of this MPICH host file (host[:slots] "
+                        "per line)")
+    p.add_argument("--hosts", metavar="LIST",
+                   help="run the ranks on these hosts, e.g. node0:2,node1:2")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print which rank goes to which host (and device); start nothing")
     p.add_argument("--log-dir", metavar="DIR",
                    help="folder for the per-rank logs rank-<r>.log (default: a temporary one)")
     p.add_argument("--emulate", metavar="FILE",
@@ -65,9 +87,26 @@ def _arguments(p) -> None:
 def _run(args) -> int:
     try:
         if args.emulate or args.emulate_fault:
+            if args.hostfile or args.hosts or args.dry_run:
+                print("distgraph run: --emulate runs every rank on this machine's network "
+                      "namespaces; it takes no --hostfile, --hosts or --dry-run",
+                      file=sys.stderr)
+                return 2
             return run_command(args)
-        return launch(args.nprocs, [args.script, *args.args], cluster=args.cluster,
-                      log_dir=args.log_dir)
+        argv = [args.script, *args.args]
+        check_launch(args.nprocs, argv, args.cluster)
+        cluster = Cluster.from_file(args.cluster) if args.cluster else None
+        placement = choose_placement(args.nprocs, args.hostfile, args.hosts, cluster,
+                                     args.cluster, os.environ)
+        if args.dry_run:
+            print(placement.describe() if placement is not None else
+                  f"{args.nprocs} rank{'s' if args.nprocs != 1 else ''} on this host (no "
+                  "--hostfile, --hosts, --cluster or $HYDRA_HOST_FILE)")
+            return 0
+        if placement is not None and all(map(is_local, placement.distinct_hosts)):
+            placement = None                   # hydra starts them all here, as without
+        return launch(args.nprocs, argv, cluster=args.cluster, log_dir=args.log_dir,
+                      placement=placement)
     except DistGraphError as err:
         print(f"distgraph run: {err}", file=sys.stderr)
         return 2

@@ -17,7 +17,9 @@ Run it through the CLI (``distgraph cluster calibrate -n 2 -o mine.yaml``) or by
 
     mpiexec -n 2 python -m distgraph.tools.calibrate -o mine.yaml
 
-Only rank 0 writes the file. The defaults keep a 2-rank run to about a second of
+Only rank 0 writes the file; with ``--in-log-dir`` it writes it under the output's name
+into its log folder (``$DISTGRAPH_LOG_DIR``), which ``distgraph run`` on several hosts
+brings back to the launching host. The defaults keep a 2-rank run to about a second of
 measuring; raise ``--repeats`` for steadier figures.
 """
 
@@ -36,6 +38,7 @@ from distgraph.passes.reshard import plan_reshard
 from distgraph.placement import DistAttr, ShardSpec
 from distgraph.resources.cluster import Cluster, Device, Link, Machine
 from distgraph.runtime.execution.reshard import apply_reshard
+from distgraph.runtime.launch.status import LOG_DIR
 from distgraph.tools.device_probe import memory_bandwidth_gbps, op_costs, op_overhead_us
 
 SCRIPT = os.path.abspath(__file__)   # what `distgraph cluster calibrate` starts on each rank
@@ -257,9 +260,17 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description="measure MPI ranks, write a resource file")
     parser.add_argument("-o", "--output", required=True, help="file to write (.yaml or .json)")
     parser.add_argument("--repeats", type=int, default=3, help="scale the measurement counts")
+    parser.add_argument("--in-log-dir", action="store_true",
+                        help="write the file, under the output's name, into the rank's log "
+                             "folder ($DISTGRAPH_LOG_DIR)")
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error(f"--repeats must be at least 1, got {args.repeats}")
+    output = args.output
+    if args.in_log_dir:
+        if not os.environ.get(LOG_DIR):
+            parser.error(f"--in-log-dir needs ${LOG_DIR} (set by distgraph run)")
+        output = os.path.join(os.environ[LOG_DIR], os.path.basename(output))
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
@@ -290,7 +301,7 @@ def main(argv=None) -> None:
         merged = {k: (round(bw, 4), round(lat, 3)) for part in all_pairs for k, (bw, lat)
                   in part.items()}
         cluster = build_cluster(records, merged, allreduce, f"calibrated{size}", steps)
-        cluster.save(args.output)
+        cluster.save(output)
     idle_barrier(comm)
 
 

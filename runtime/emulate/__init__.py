@@ -1,2 +1,2 @@
 """Emulated clusters: a resource file's machines as network namespaces with shaped
-links, and faults injected into them."""
+links, faults injected into them, and the same machines as hosts running sshd."""

@@ -77,7 +77,7 @@ def check_prerequisites() -> None:
                         "or run without --emulate")
 
 
-def _run(argv: list[str], what: str, check: bool = True) -> subprocess.CompletedProcess:
+def run_tool(argv: list[str], what: str, check: bool = True) -> subprocess.CompletedProcess:
     proc = subprocess.run(argv, capture_output=True, text=True, check=False)
     if check and proc.returncode != 0:
         raise RuntimeFault(f"emulated cluster: could not {what}: `{' '.join(argv)}` said: "
@@ -87,7 +87,7 @@ def _run(argv: list[str], what: str, check: bool = True) -> subprocess.Completed
 
 def our_namespaces() -> list[str]:
     """Names of the network namespaces that distgraph jobs made (any job)."""
-    out = _run(["ip", "netns", "list"], "list network namespaces").stdout
+    out = run_tool(["ip", "netns", "list"], "list network namespaces").stdout
     names = [line.split()[0] for line in out.splitlines() if line.strip()]
     return sorted(n for n in names if parse_namespace(n) is not None)
 
@@ -102,12 +102,12 @@ def remove_job(job: str, log=None) -> list[str]:
     names = [n for n in our_namespaces() if n.startswith(f"{PREFIX}{job}-")]
     pids = set()
     for ns in names:
-        out = _run(["ip", "netns", "pids", ns], f"list the processes in {ns}", check=False)
+        out = run_tool(["ip", "netns", "pids", ns], f"list the processes in {ns}", check=False)
         pids.update(int(p) for p in out.stdout.split() if p.isdigit())
     _kill(pids)
     errors = []
     for ns in names:
-        proc = _run(["ip", "netns", "del", ns], f"delete {ns}", check=False)
+        proc = run_tool(["ip", "netns", "del", ns], f"delete {ns}", check=False)
         if proc.returncode != 0:
             errors.append(f"{ns}: {proc.stderr.strip()}")
     if errors:
@@ -166,12 +166,12 @@ def taken_subnets() -> set[str]:
     and on the namespaces of other distgraph jobs."""
     cidrs = []
     for argv in (["ip", "-4", "-o", "addr", "show"], ["ip", "-4", "route", "show"]):
-        for line in _run(argv, "list addresses").stdout.splitlines():
+        for line in run_tool(argv, "list addresses").stdout.splitlines():
             for word in line.split():
                 if word[:1].isdigit() and word.count(".") == 3:
                     cidrs.append(word if "/" in word else word + "/32")
     for ns in our_namespaces():
-        out = _run(["ip", "-n", ns, "-4", "-o", "addr", "show"], f"list {ns}", check=False)
+        out = run_tool(["ip", "-n", ns, "-4", "-o", "addr", "show"], f"list {ns}", check=False)
         cidrs += [w for w in out.stdout.split() if "/" in w and w[:1].isdigit()]
     return subnets_of(cidrs)
 
@@ -229,21 +229,21 @@ class Emulation:
         L = self.layout
         hub = L.hub_namespace
         for ns in L.namespaces:
-            _run(["ip", "netns", "add", ns], f"create namespace {ns}")
-            _run(["ip", "-n", ns, "link", "set", "lo", "up"], f"bring up lo in {ns}")
-        _run(["ip", "-n", hub, "link", "add", "br0", "type", "bridge"], "create the bridge")
-        _run(["ip", "-n", hub, "addr", "add", f"{L.hub_address}/24", "dev", "br0"],
+            run_tool(["ip", "netns", "add", ns], f"create namespace {ns}")
+            run_tool(["ip", "-n", ns, "link", "set", "lo", "up"], f"bring up lo in {ns}")
+        run_tool(["ip", "-n", hub, "link", "add", "br0", "type", "bridge"], "create the bridge")
+        run_tool(["ip", "-n", hub, "addr", "add", f"{L.hub_address}/24", "dev", "br0"],
              "address the bridge")
-        _run(["ip", "-n", hub, "link", "set", "br0", "up"], "bring up the bridge")
+        run_tool(["ip", "-n", hub, "link", "set", "br0", "up"], "bring up the bridge")
         for m in L.machines:
             port = f"m{m.index}"
-            _run(["ip", "-n", hub, "link", "add", port, "type", "veth", "peer", "name", IFACE,
+            run_tool(["ip", "-n", hub, "link", "add", port, "type", "veth", "peer", "name", IFACE,
                   "netns", m.namespace], f"link {m.hostname} to the bridge")
-            _run(["ip", "-n", hub, "link", "set", port, "master", "br0", "up"],
+            run_tool(["ip", "-n", hub, "link", "set", port, "master", "br0", "up"],
                  f"attach {m.hostname}'s link to the bridge")
-            _run(["ip", "-n", m.namespace, "addr", "add", f"{m.address}/24", "dev", IFACE],
+            run_tool(["ip", "-n", m.namespace, "addr", "add", f"{m.address}/24", "dev", IFACE],
                  f"address {m.hostname}")
-            _run(["ip", "-n", m.namespace, "link", "set", IFACE, "up"], f"bring up {m.hostname}")
+            run_tool(["ip", "-n", m.namespace, "link", "set", IFACE, "up"], f"bring up {m.hostname}")
         self.delay_supported = self._probe_netem()
         if not self.delay_supported and any(s.latency_us > 0 for s in L.shapes):
             worst = max(s.latency_us for s in L.shapes)
@@ -256,14 +256,14 @@ class Emulation:
 
     def _probe_netem(self) -> bool:
         ns = self.layout.hub_namespace
-        proc = _run(["tc", "-n", ns, "qdisc", "add", "dev", "lo", "root", "netem", "delay",
+        proc = run_tool(["tc", "-n", ns, "qdisc", "add", "dev", "lo", "root", "netem", "delay",
                      "1us"], "probe netem", check=False)
         if proc.returncode == 0:
-            _run(["tc", "-n", ns, "qdisc", "del", "dev", "lo", "root"], "remove the netem probe")
+            run_tool(["tc", "-n", ns, "qdisc", "del", "dev", "lo", "root"], "remove the netem probe")
         return proc.returncode == 0
 
     def _tc(self, machine, *args, what="shape a link"):
-        return _run(["tc", "-n", machine.namespace, *args], f"{what} of {machine.hostname}")
+        return run_tool(["tc", "-n", machine.namespace, *args], f"{what} of {machine.hostname}")
 
     def _shape(self, m) -> None:
         self._tc(m, "qdisc", "add", "dev", IFACE, "root", "handle", "1:", "htb")
@@ -327,7 +327,7 @@ class Emulation:
         restored link releases what it held without waiting for TCP's next timer."""
         send = ("import socket; socket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendto("
                 f"b'', ('{self.layout.hub_address}', 9))")
-        _run(["ip", "netns", "exec", m.namespace, sys.executable, "-c", send],
+        run_tool(["ip", "netns", "exec", m.namespace, sys.executable, "-c", send],
              "wake a restored link")
 
 

@@ -4,10 +4,13 @@ mpiexec runs in a session of its own, so a Ctrl-C at the terminal reaches only t
 launcher (which then stops the job) and not every rank (which would each print a
 KeyboardInterrupt traceback), and Linux sends it SIGTERM if the launcher dies, even by
 SIGKILL. Its own messages go to ``mpiexec.log`` in the log folder; the ranks' output
-comes through two FIFOs in the status folder (see :mod:`distgraph.runtime.launch.supervisor`).
+comes through two FIFOs in the status folder, and from ranks on other hosts through
+mpiexec's stdout and stderr, marked (see :mod:`distgraph.runtime.launch.supervisor`).
 
 Stopping sends mpiexec SIGTERM, which it passes to every rank; whatever is still alive
-after ``GRACE`` seconds, mpiexec and every process a supervisor recorded, gets SIGKILL.
+after ``GRACE`` seconds, mpiexec, what it started here (ssh clients, local proxies) and
+every process a supervisor here recorded, gets SIGKILL. (What is left on other hosts is
+the launcher's to clean: :func:`distgraph.runtime.launch.remote.collect`.)
 
 Example::
 
@@ -25,7 +28,9 @@ import subprocess
 import sys
 import time
 
-from distgraph.runtime.launch.status import STATUS_DIR, read_states
+from distgraph.runtime.launch.hostside import job_pids
+from distgraph.runtime.launch.status import STATUS_DIR
+from distgraph.runtime.launch.supervisor import MARK
 
 GRACE = 2.0     # seconds the ranks get to end after SIGTERM before SIGKILL
 POLL = 0.1
@@ -51,19 +56,26 @@ class Job:
         self._stop_requested: int | None = None
         self._proc = None
         self._fifos: dict = {}
+        self._mpiexec: dict = {}
+        self._log = -1
 
     # ---- start ----------------------------------------------------------------------
     def start(self) -> None:
         self._open_fifos()
-        log = os.open(os.path.join(self.log_dir, "mpiexec.log"),
-                      os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self._log = os.open(os.path.join(self.log_dir, "mpiexec.log"),
+                            os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             # preexec_fn only calls prctl, which is safe in a forked child
-            self._proc = subprocess.Popen(self.command, env=self.env, stdout=log,
-                                          stderr=subprocess.STDOUT, start_new_session=True,
+            self._proc = subprocess.Popen(self.command, env=self.env, stdout=subprocess.PIPE,
+                                          stderr=subprocess.PIPE, start_new_session=True,
                                           preexec_fn=_die_with_launcher)  # noqa: PLW1509
-        finally:
-            os.close(log)
+        except BaseException:
+            os.close(self._log)
+            self._log = -1
+            raise
+        for pipe, stream in ((self._proc.stdout, sys.stdout), (self._proc.stderr, sys.stderr)):
+            os.set_blocking(pipe.fileno(), False)
+            self._mpiexec[pipe.fileno()] = _Demux(stream, self._log)
 
     def _open_fifos(self) -> None:
         """out.fifo and err.fifo: the ranks' stdout and stderr on their way here. This
@@ -113,9 +125,10 @@ class Job:
         return self._proc.returncode
 
     def _relay(self, timeout: float) -> None:
-        """Copy what the ranks printed to this process's stdout / stderr."""
-        while self._fifos:
-            ready, _, _ = select.select(list(self._fifos), [], [], timeout)
+        """Copy what the ranks printed to this process's stdout / stderr, and mpiexec's
+        own messages to ``mpiexec.log``."""
+        while self._fifos or self._mpiexec:
+            ready, _, _ = select.select([*self._fifos, *self._mpiexec], [], [], timeout)
             if not ready:
                 return
             for fd in ready:
@@ -123,15 +136,12 @@ class Job:
                     data = os.read(fd, 1 << 16)
                 except BlockingIOError:
                     continue
-                stream = self._fifos[fd][0]
-                buffer = getattr(stream, "buffer", None)
-                if buffer is not None:
-                    stream.flush()
-                    buffer.write(data)
-                    buffer.flush()
-                else:
-                    stream.write(data.decode("utf-8", "replace"))
-                    stream.flush()
+                if fd in self._mpiexec:
+                    self._mpiexec[fd].feed(data)
+                    if not data:          # mpiexec closed it
+                        del self._mpiexec[fd]
+                elif data:
+                    _show(self._fifos[fd][0], data)
             timeout = 0
 
     # ---- stop -----------------------------------------------------------------------
@@ -154,24 +164,19 @@ class Job:
             pass
         self._kill_leftovers()
 
-    def _job_pids(self) -> list[int]:
-        """Live processes that supervisors recorded and that are still this job's (their
-        environment names this status folder: a reused process id is not)."""
-        marker = f"{STATUS_DIR}={self.status_dir}\0".encode()
-        pids = []
-        for state in read_states(self.status_dir, _recorded_ranks(self.status_dir)):
-            for pid in state.pids:
-                try:
-                    with open(f"/proc/{pid}/environ", "rb") as f:
-                        if marker in f.read() + b"\0":
-                            pids.append(pid)
-                except OSError:
-                    pass
-        return pids
+    @property
+    def marker(self) -> str:
+        """``VAR=VALUE`` in the environment of every rank and supervisor of this job."""
+        return f"{STATUS_DIR}={self.status_dir}"
 
     def _kill_leftovers(self) -> None:
-        """SIGKILL every recorded process of the job that outlived mpiexec."""
-        for pid in self._job_pids():
+        """SIGKILL every process of the job here that outlived mpiexec: those it started
+        (its session) and those the supervisors recorded."""
+        try:
+            os.killpg(self._proc.pid, signal.SIGKILL)
+        except OSError:
+            pass
+        for pid in job_pids(self.status_dir, self.marker):
             try:
                 os.kill(pid, signal.SIGKILL)
             except OSError:
@@ -182,6 +187,14 @@ class Job:
             os.close(read_end)
             os.close(keep_open)
         self._fifos = {}
+        for demux in self._mpiexec.values():
+            demux.feed(b"")
+        self._mpiexec = {}
+        for pipe in (self._proc.stdout, self._proc.stderr):
+            pipe.close()
+        if self._log >= 0:
+            os.close(self._log)
+            self._log = -1
 
     def mpiexec_output_tail(self, lines: int = 5) -> str:
         """The last lines mpiexec itself printed, joined with " | "."""
@@ -193,8 +206,58 @@ class Job:
         return " | ".join(tail[-lines:])
 
 
-def _recorded_ranks(status_dir: str) -> int:
-    """One past the highest rank that wrote a ``.pids`` file."""
-    ranks = [int(name.split(".")[0]) for name in os.listdir(status_dir)
-             if name.endswith(".pids") and name.split(".")[0].isdigit()]
-    return max(ranks) + 1 if ranks else 0
+def _show(stream, data: bytes) -> None:
+    buffer = getattr(stream, "buffer", None)
+    if buffer is not None:
+        stream.flush()
+        buffer.write(data)
+        buffer.flush()
+    else:
+        stream.write(data.decode("utf-8", "replace"))
+        stream.flush()
+
+
+class _Demux:
+    """One of mpiexec's output streams: the marked pieces (a rank's output from another
+    host) go to ``stream``, everything else (hydra's own messages) to the ``log`` fd."""
+
+    HEADER = len(MARK) + 4
+
+    def __init__(self, stream, log: int):
+        self.stream, self.log, self.pending = stream, log, b""
+
+    def feed(self, data: bytes) -> None:
+        """Take ``data``; empty ``data`` (the end) writes out whatever is left."""
+        self.pending += data
+        while self.pending:
+            at = self.pending.find(MARK)
+            if at < 0:       # keep what could be the start of a mark cut in two
+                keep = 0 if not data else _mark_prefix(self.pending)
+                self._log(self.pending[:len(self.pending) - keep])
+                self.pending = self.pending[len(self.pending) - keep:]
+                return
+            if at > 0:
+                self._log(self.pending[:at])
+                self.pending = self.pending[at:]
+            if len(self.pending) < self.HEADER:
+                break
+            size = int(self.pending[len(MARK):self.HEADER], 16)
+            if len(self.pending) < self.HEADER + size:
+                break
+            _show(self.stream, self.pending[self.HEADER:self.HEADER + size])
+            self.pending = self.pending[self.HEADER + size:]
+        if not data and self.pending:          # the end, with a piece cut short
+            self._log(self.pending)
+            self.pending = b""
+
+    def _log(self, data: bytes) -> None:
+        if data and self.log >= 0:
+            os.write(self.log, data)
+
+
+def _mark_prefix(data: bytes) -> int:
+    """How many bytes at the end of ``data`` could begin :data:`MARK`."""
+    for k in range(min(len(MARK) - 1, len(data)), 0, -1):
+        if MARK.startswith(data[-k:]):
+            return k
+    return 0

@@ -14,6 +14,13 @@ The pieces, each a function of its own:
 - :func:`stop_on_signals` turns SIGTERM, SIGHUP and SIGINT into stopping the job.
 - :func:`report` reads the status folder and says, one line per cause, why a job failed.
 
+On several hosts (a :class:`~distgraph.runtime.launch.hosts.Placement`), hydra starts the
+ranks over its launcher (ssh by default) at exactly the placement's hosts, after every
+host passed :func:`~distgraph.runtime.launch.remote.preflight`; each host keeps its ranks'
+status files and logs in a folder of its own, which
+:func:`~distgraph.runtime.launch.remote.collect` brings to this host after the job, killing
+what is left there, before the report.
+
 Example::
 
     from distgraph.runtime.launch.launcher import launch
@@ -32,10 +39,14 @@ from contextlib import contextmanager
 
 from distgraph.errors import PlanError
 from distgraph.resources.cluster import Cluster
+from distgraph.runtime.launch import remote
+from distgraph.runtime.launch.hostside import LAUNCHER_FILE
+from distgraph.runtime.launch.hosts import Placement
 from distgraph.runtime.launch.job import Job
 from distgraph.runtime.launch.status import (
     CLUSTER_VAR,
     LOG_DIR,
+    RANK_HOSTS,
     STATUS_DIR,
     failure_lines,
     read_states,
@@ -131,53 +142,79 @@ def stop_on_signals(job: Job):
 def launch(nprocs: int, argv: list[str], cluster: str | None = None,
            env: dict | None = None, timeout: float | None = None,
            log_dir: str | None = None, mpiexec_args=(), prefix=(), extra_env=None,
-           watch=None) -> int:
+           watch=None, placement: Placement | None = None) -> int:
     """Run ``argv`` on ``nprocs`` ranks; returns the exit code (mpiexec's; 128 + the
     signal when stopped by one; 124 after ``timeout`` seconds; 1 when ``watch``, a
     callable polled while the job runs, returns a reason to stop it).
     ``mpiexec_args`` and ``prefix`` go into :func:`launch_command`, ``extra_env`` into
-    the ranks' environment.
+    the ranks' environment; with a ``placement`` the ranks run on its hosts (see the
+    module docstring), else on this one.
 
     Each rank's output is shown and also kept in ``log_dir/rank-<r>.log`` (default: a
     temporary folder, removed when the job succeeds). When the job fails, the terminal
     gets one line per cause (which ranks failed with which error, or died without a
     word) and the log folder; tracebacks stay in the logs."""
     check_launch(nprocs, argv, cluster)
+    launcher = None
+    if placement is not None:
+        if placement.nprocs != nprocs:
+            raise PlanError(f"the placement ({placement.source}) has {placement.nprocs} "
+                            f"ranks, the job {nprocs}")
+        launcher = remote.Launcher.from_env(os.environ if env is None else env)
+        remote.preflight(launcher, placement.distinct_hosts,
+                         [argv[0]] + ([os.path.abspath(cluster)] if cluster else []))
+        mpiexec_args = [*mpiexec_args, "-hosts", placement.hydra_hosts()]
     command = launch_command(nprocs, argv, mpiexec_args, prefix)
     keep_logs = log_dir is not None
     if log_dir is None:
         log_dir = tempfile.mkdtemp(prefix="distgraph-logs-")
     os.makedirs(log_dir, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="distgraph-status-") as status:
-        ranks = rank_env(env, cluster, status, log_dir)
+        # Over several hosts every rank logs into the status folder of its host (the
+        # same path everywhere); the logs come here when the job is over.
+        rank_logs = log_dir if placement is None else os.path.join(status, "logs")
+        ranks = rank_env(env, cluster, status, rank_logs)
         ranks.update(extra_env or {})
+        if placement is not None:
+            ranks[RANK_HOSTS] = ",".join(placement.hosts)
+            open(os.path.join(status, LAUNCHER_FILE), "w").close()
         job = Job(command, ranks, status, log_dir)
         with stop_on_signals(job):
             job.start()
             returncode = job.wait(timeout, watch)
-        lines = report(job, nprocs, returncode, timeout)
+            problems = []
+            if placement is not None:
+                problems = remote.collect(launcher, placement.distinct_hosts, status,
+                                          job.marker)
+                remote.move_logs(status, log_dir)
+        lines = report(job, nprocs, returncode, timeout, placement) + problems
     for line in lines:
         sys.stderr.write(f"distgraph: {line}\n")
     sys.stderr.flush()
-    if returncode == 0 and not keep_logs:
+    if returncode == 0 and not keep_logs and not problems:
         shutil.rmtree(log_dir, ignore_errors=True)
     return returncode
 
 
-def report(job: Job, nprocs: int, returncode: int, timeout: float | None) -> list[str]:
+def report(job: Job, nprocs: int, returncode: int, timeout: float | None,
+           placement: Placement | None = None) -> list[str]:
     """The lines the terminal gets about how the job ended (none when it succeeded)."""
     logs = f"each rank's full output is in {job.log_dir}{os.sep}rank-<r>.log"
+    ranks = f"its {nprocs} ranks"
+    if placement is not None:
+        count = len(placement.distinct_hosts)
+        ranks += f" on {count} host{'s' if count != 1 else ''}"
     if job.stopped_by is not None:
         name = signal.Signals(job.stopped_by).name
-        return [f"received {name}: stopped mpiexec and its {nprocs} ranks ({logs})"]
+        return [f"received {name}: stopped mpiexec and {ranks} ({logs})"]
     if job.timed_out:
-        return [f"the job did not finish within {timeout:g} s: stopped mpiexec and its "
-                + f"{nprocs} ranks ({logs})"]
+        return [f"the job did not finish within {timeout:g} s: stopped mpiexec and "
+                + f"{ranks} ({logs})"]
     if job.stopped_because is not None:
-        return [f"{job.stopped_because}: stopped mpiexec and its {nprocs} ranks ({logs})"]
+        return [f"{job.stopped_because}: stopped mpiexec and {ranks} ({logs})"]
     if returncode == 0:
         return []
-    lines = failure_lines(read_states(job.status_dir, nprocs))
+    lines = failure_lines(read_states(job.status_dir, nprocs), hosts=placement is not None)
     if not lines:
         said = job.mpiexec_output_tail()
         said = f"; mpiexec said: {said}" if said else ""

@@ -9,6 +9,9 @@ and the index.
 
 When a wait times out, :func:`behind` reads the peers' records and names the ranks that
 have not reached the call and where they are, instead of blaming the rank that waited.
+On a job over several hosts the records of ranks on other hosts are not here (each host
+has its own status folder): those ranks are named with their host
+(``$DISTGRAPH_RANK_HOSTS``), and where they are is left open.
 
 Example (inside a rank)::
 
@@ -28,7 +31,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from distgraph.runtime.launch.status import read_status
+from distgraph.runtime.launch.status import RANK_HOSTS, read_status
 
 SIZE = 256
 IDLE, STEP, WAITING = 0, 1, 2
@@ -216,15 +219,41 @@ def read_where(folder: str, rank: int) -> Where:
     return Where(rank, "computing", step if state == STEP else -1, at, phase, 0.0)
 
 
-def behind(folder: str | None, me: int, peers) -> tuple[str, set]:
+def rank_hosts(env=None) -> tuple[str, ...] | None:
+    """Each rank's host in a job over several hosts (from the launcher), else None."""
+    text = (os.environ if env is None else env).get(RANK_HOSTS)
+    return tuple(text.split(",")) if text else None
+
+
+def behind(folder: str | None, me: int, peers, hosts=None) -> tuple[str, set]:
     """(a sentence naming the peers that keep ``me`` waiting and where they are, the
     set of their states). Those that finished, failed or are not waiting come first
     (lowest step first: the furthest behind); if every peer waits too, the sentence says
-    where each waits (the ranks called collectives in different orders). ("", set())
-    without a status folder."""
+    where each waits (the ranks called collectives in different orders). Peers on other
+    hosts (``hosts``: each rank's host, default :func:`rank_hosts`) come last, by host.
+    ("", set()) without a status folder."""
     if not folder:
         return "", set()
-    others = [read_where(folder, r) for r in sorted(set(peers)) if r != me]
+    hosts = rank_hosts() if hosts is None else hosts
+    ranks = [r for r in sorted(set(peers)) if r != me]
+    far = [r for r in ranks if hosts and hosts[r] != hosts[me]]
+    others = [read_where(folder, r) for r in ranks if r not in far]
+    sentence, states = _behind_here(others, "every peer on this host" if far else "every peer")
+    if far:
+        by_host: dict[str, list[int]] = {}
+        for r in far:
+            by_host.setdefault(hosts[r], []).append(r)
+        there = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))} on "
+                          f"{host}" for host, rs in by_host.items())
+        note = f"{there} (where {'they are' if len(far) > 1 else 'it is'} cannot be read " \
+               f"from {hosts[me]})"
+        sentence = f"{sentence}; {note}" if sentence else note
+        states = states | {"elsewhere"}
+    return sentence, states
+
+
+def _behind_here(others: list, everyone: str) -> tuple[str, set]:
+    """:func:`behind` for peers whose records are here (``everyone`` names them all)."""
     if not others:
         return "", set()
     stuck = [w for w in others if w.state not in ("waiting", "failed", "ended")]
@@ -241,5 +270,5 @@ def behind(folder: str | None, me: int, peers) -> tuple[str, set]:
     late = [w for w in others if w.step == lowest]
     if lowest >= 0 and len(late) < len(others):
         return "furthest behind: " + "; ".join(map(str, late)), {"waiting"}
-    return ("every peer is waiting as well, for different calls: "
+    return (f"{everyone} is waiting as well, for different calls: "
             + "; ".join(map(str, others)), {"waiting"})

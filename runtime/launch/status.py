@@ -5,11 +5,16 @@ The launcher makes a private folder per job and names it to every rank in
 each named after the rank (``PMI_RANK``):
 
 - ``<rank>.pids``     the supervisor's and the rank's process ids, written at start;
+- ``<rank>.host``     the name of the host the rank runs on (by its supervisor);
 - ``<rank>.failed``   the one-line error of an uncaught exception (by the rank);
 - ``<rank>.done``     the script returned (by the rank);
 - ``<rank>.exit``     how the rank ended when it neither failed nor finished (by its
   supervisor: killed by a signal, ``os._exit``, a crash);
 - ``<rank>.progress`` where the rank is (see :mod:`distgraph.runtime.launch.progress`).
+
+On a job over several hosts each host keeps its ranks' files in a folder of its own at
+the same path, and the launcher brings them together after the job
+(:mod:`distgraph.runtime.launch.remote`).
 
 Reading them back::
 
@@ -25,6 +30,7 @@ from dataclasses import dataclass
 STATUS_DIR = "DISTGRAPH_STATUS_DIR"
 LOG_DIR = "DISTGRAPH_LOG_DIR"
 CLUSTER_VAR = "DISTGRAPH_CLUSTER"     # the resource file of ``distgraph run --cluster``
+RANK_HOSTS = "DISTGRAPH_RANK_HOSTS"   # over several hosts: each rank's host, comma-separated
 
 
 def env_rank() -> str:
@@ -71,6 +77,7 @@ class RankState:
     done: bool
     exit: str | None
     pids: tuple
+    host: str | None = None
 
 
 def read_states(folder: str, nprocs: int) -> list[RankState]:
@@ -80,27 +87,32 @@ def read_states(folder: str, nprocs: int) -> list[RankState]:
         states.append(RankState(rank, read_status(folder, rank, "failed"),
                                 read_status(folder, rank, "done") is not None,
                                 read_status(folder, rank, "exit"),
-                                tuple(int(p) for p in pids.split() if p.isdigit())))
+                                tuple(int(p) for p in pids.split() if p.isdigit()),
+                                read_status(folder, rank, "host")))
     return states
 
 
-def _ranks(ranks: list[int]) -> str:
-    return f"rank {ranks[0]}" if len(ranks) == 1 else \
-        f"ranks {', '.join(map(str, ranks))}"
+def _ranks(states: list[RankState], hosts: bool) -> str:
+    """``rank 1`` / ``ranks 1, 2``, with ``on HOST`` after each when ``hosts``."""
+    def one(s):
+        return f"{s.rank} on {s.host or 'an unknown host'}" if hosts else str(s.rank)
+    return f"rank {one(states[0])}" if len(states) == 1 else \
+        f"ranks {', '.join(map(one, states))}"
 
 
-def failure_lines(states: list[RankState]) -> list[str]:
+def failure_lines(states: list[RankState], hosts: bool = False) -> list[str]:
     """One line per distinct cause: the ranks that failed with the same error together,
-    then each rank that died without a word."""
-    by_error: dict[str, list[int]] = {}
+    then each rank that died without a word; each rank named with its host when
+    ``hosts`` (a job over several hosts)."""
+    by_error: dict[str, list[RankState]] = {}
     for s in states:
         if s.failed is not None:
-            by_error.setdefault(s.failed, []).append(s.rank)
+            by_error.setdefault(s.failed, []).append(s)
     # an error of several lines keeps them, indented under the first
-    lines = [f"{_ranks(ranks)} failed: " + error.rstrip("\n").replace("\n", "\n  ")
+    lines = [f"{_ranks(ranks, hosts)} failed: " + error.rstrip("\n").replace("\n", "\n  ")
              for error, ranks in by_error.items()]
     for s in states:
         if s.failed is None and s.exit is not None:
-            lines.append(f"rank {s.rank} died without reporting an error ({s.exit}); "
+            lines.append(f"{_ranks([s], hosts)} died without reporting an error ({s.exit}); "
                          "the other ranks were stopped after it")
     return lines

@@ -1,11 +1,18 @@
 """The supervisor of one rank under the launcher: a parent process forked before MPI starts.
 
-It records the rank's process ids, copies everything the rank prints into the rank's log
-file (``<log dir>/rank-<r>.log``) and on to the launcher's terminal (through the FIFOs
-``out.fifo`` / ``err.fifo`` of the status folder, so the terminal is not mixed with
-mpiexec's own messages), forwards termination signals to the rank, and when the rank
-ends without having finished or reported an error (killed, crashed, ``os._exit``) writes
-``<rank>.exit`` saying how. It then ends the way its rank did, which is what mpiexec sees.
+It records the rank's process ids and host, copies everything the rank prints into the
+rank's log file (``<log dir>/rank-<r>.log``, whose first line names the rank's host) and
+on to the launcher's terminal, forwards termination signals to the rank, and when the
+rank ends without having finished or reported an error (killed, crashed, ``os._exit``)
+writes ``<rank>.exit`` saying how. It then ends the way its rank did, which is what
+mpiexec sees.
+
+On the launching host the output reaches the terminal through the FIFOs ``out.fifo`` /
+``err.fifo`` of the status folder, so it is not mixed with mpiexec's own messages. On
+another host (no FIFO there: the status and log folders are made afresh, at the same
+path, and the launcher collects them after the job) it goes through hydra, which
+forwards each rank's stdout and stderr to mpiexec; each piece then carries
+:data:`MARK` and its length, by which the launcher tells it from hydra's own messages.
 
 Called by :mod:`distgraph.runtime.launch.bootstrap` as the first thing a rank does::
 
@@ -17,12 +24,14 @@ from __future__ import annotations
 import os
 import select
 import signal
+import socket
 import sys
 
 from distgraph.runtime.launch.status import env_rank, log_path, status_folder, write_status
 
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 CHUNK = 4096    # at most PIPE_BUF: each chunk reaches the shared FIFO in one piece
+MARK = b"\x1edistgraph\x1f"     # then 4 hex digits of length: a rank's piece via hydra
 
 
 def _die_with_parent() -> None:
@@ -32,14 +41,15 @@ def _die_with_parent() -> None:
     libc.prctl(1, signal.SIGKILL)    # 1 = PR_SET_PDEATHSIG
 
 
-def _terminal(folder: str, name: str, fallback: int) -> int:
-    """The write end of the launcher's FIFO ``name``, or ``fallback`` if none reads it."""
+def _terminal(folder: str, name: str, fallback: int) -> tuple[int, bool]:
+    """(the write end of the launcher's FIFO ``name``, False), or when no launcher reads
+    one here, (``fallback``, True): output then goes through mpiexec, marked."""
     try:
         fd = os.open(os.path.join(folder, name), os.O_WRONLY | os.O_NONBLOCK)
     except OSError:
-        return fallback
+        return fallback, True
     os.set_blocking(fd, True)     # the terminal's pace is the rank's pace, as without us
-    return fd
+    return fd, False
 
 
 def _write_all(fd: int, data: bytes) -> bool:
@@ -57,11 +67,16 @@ def supervise_this_rank() -> None:
     folder = status_folder()
     if not folder or not hasattr(os, "fork"):
         return
+    os.makedirs(folder, 0o700, exist_ok=True)      # on a host other than the launcher's
+    host = socket.gethostname()
     logfile = log_path()
     log = -1
     pipes = []
     if logfile:     # a fresh log, before the rank can write to it
+        os.makedirs(os.path.dirname(logfile), exist_ok=True)
         log = os.open(logfile, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
+        _write_all(log, f"distgraph: rank {env_rank()} on host {host}, pid {os.getpid()}\n"
+                   .encode())
         pipes = [os.pipe(), os.pipe()]
     parent = os.getpid()
     child = os.fork()
@@ -76,6 +91,7 @@ def supervise_this_rank() -> None:
         if log >= 0:
             os.close(log)
         return
+    write_status("host", host)
     write_status("pids", f"{os.getpid()} {child}")
     for sig in FORWARDED:
         signal.signal(sig, lambda signum, frame: os.kill(child, signum))
@@ -102,8 +118,8 @@ def _copy_output(child: int, folder: str, log: int, pipes) -> int | None:
     that the lines of different ranks do not cut into each other."""
     for _, write_end in pipes:
         os.close(write_end)
-    streams = {pipes[0][0]: _Lines(_terminal(folder, "out.fifo", sys.stdout.fileno())),
-               pipes[1][0]: _Lines(_terminal(folder, "err.fifo", sys.stderr.fileno()))}
+    streams = {pipes[0][0]: _Lines(*_terminal(folder, "out.fifo", sys.stdout.fileno())),
+               pipes[1][0]: _Lines(*_terminal(folder, "err.fifo", sys.stderr.fileno()))}
     status = None
     while streams:
         waiting = any(s.pending for s in streams.values())
@@ -128,10 +144,11 @@ def _copy_output(child: int, folder: str, log: int, pipes) -> int | None:
 
 
 class _Lines:
-    """Output on its way to the terminal, sent in whole lines of at most CHUNK bytes."""
+    """Output on its way to the terminal, sent in whole lines of at most CHUNK bytes,
+    each with :data:`MARK` and its length when ``marked``."""
 
-    def __init__(self, fd: int):
-        self.fd, self.pending = fd, b""
+    def __init__(self, fd: int, marked: bool = False):
+        self.fd, self.marked, self.pending = fd, marked, b""
 
     def add(self, data: bytes) -> None:
         """Queue ``data`` and send the complete lines; empty ``data`` (end) sends all."""
@@ -154,5 +171,7 @@ class _Lines:
             self.pending = self.pending[CHUNK:]
 
     def _send(self, data: bytes) -> None:
+        if self.marked:
+            data = MARK + b"%04x" % len(data) + data
         if self.fd >= 0 and not _write_all(self.fd, data):
             self.fd = -1

@@ -18,6 +18,7 @@ from distgraph.ir import Value
 from distgraph.mesh import ProcessMesh
 from distgraph.parameter import Parameter
 from distgraph.placement import DistAttr, Partial, Replicate, Shard, ShardSpec
+from distgraph.registry import takes_attr
 from distgraph.trace import current_builder, flatten_outputs
 
 
@@ -69,12 +70,16 @@ class OpAnnotation:
     in_specs: tuple = ()
 
 
-def shard_op(fn_or_layer, mesh: ProcessMesh, in_shard_specs=None, out_shard_specs=None):
+def shard_op(fn_or_layer, mesh: ProcessMesh, in_shard_specs=None, out_shard_specs=None,
+             meshslice=None):
     """Wrap a callable so the ops it traces run on ``mesh``. ``in_shard_specs`` fix how
     each argument is consumed (None entries leave one free); ``out_shard_specs`` annotate
-    the results as ``shard_tensor`` would."""
+    the results as ``shard_tensor`` would. ``meshslice`` (True, or a number of slices K)
+    lets its matmuls, and their backward GeMMs, run as MeshSlice where their operands
+    are 2-D sharded (as ``Strategy(meshslice=...)`` does for every matmul)."""
     if not isinstance(mesh, ProcessMesh):
         raise ShardingError(f"shard_op: mesh must be a ProcessMesh, got {type(mesh).__name__}")
+    slices = _meshslice_setting(meshslice)
 
     def wrapped(*args):
         builder = current_builder()
@@ -100,9 +105,28 @@ def shard_op(fn_or_layer, mesh: ProcessMesh, in_shard_specs=None, out_shard_spec
                     shard_tensor(v, mesh, spec)
         if len(builder.program.ops) == first:
             raise ShardingError("shard_op: the wrapped callable traced no op")
+        if slices is not None:
+            takers = [op for op in builder.program.ops[first:] if takes_attr(op.type, "meshslice")]
+            if not takers:
+                raise ShardingError(f"shard_op(meshslice={meshslice!r}): the wrapped callable "
+                                    "traced no matmul to run as MeshSlice")
+            for op in takers:
+                op.attrs["meshslice"] = slices
         return out
 
     return wrapped
+
+
+def _meshslice_setting(value):
+    """shard_op's ``meshslice`` as the op attribute: None, "auto" (True) or K."""
+    if value is None or value is False:
+        return None
+    if value is True:
+        return "auto"
+    if isinstance(value, int) and value >= 1:
+        return value
+    raise ShardingError(f"shard_op(meshslice={value!r}): give True (the cost model picks the "
+                        "number of slices K) or a number of slices K >= 1")
 
 
 @dataclass

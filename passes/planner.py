@@ -36,6 +36,7 @@ from distgraph.passes.completion.complete import complete
 from distgraph.passes.estimate import estimate, fmt_bytes
 from distgraph.passes.mapping.rank_mapping import map_ranks
 from distgraph.passes.mapping.traffic import process_graph
+from distgraph.passes.meshslice.slices import assign_slices, check_meshes, enable, uses
 from distgraph.passes.partition import LocalProgram, partition, process_ids
 from distgraph.passes.pipeline.accumulate import split_micro_batches
 from distgraph.passes.pipeline.task_graph import build_task_graph, stage_of_processes
@@ -156,6 +157,11 @@ class Plan:
             lines.append(f"    {layer or '(model)'}:")
             for v in params:
                 lines.append(f"      {v.name} {list(v.shape)} {v.dist_attr.spec}")
+        sliced = uses(self.program) if self.distributed else []
+        if sliced:
+            lines.append(f"  MeshSlice: {len(sliced)} matmul(s) run as 2-D GeMMs with K sliced, "
+                         "overlapped collectives (dataflow over mesh dims (u, v)):")
+            lines.extend(f"    {use}" for use in sliced)
         points = self.reshards() if self.distributed else []
         sent = self.bytes_sent() if self.distributed else {}
         busiest = max((sum(k.values()) for k in sent.values()), default=0.0)
@@ -193,6 +199,11 @@ class Plan:
                     for op in prog.ops],
             "reshards": [],
             "bytes_sent": {},
+            "meshslice": [{"op": use.index, "layer": use.op.layer, "role": use.op.role,
+                           "dataflow": use.local.dataflow, "mesh_dims": [use.local.u,
+                                                                         use.local.v],
+                           "slices": use.local.slices}
+                          for use in (uses(prog) if self.distributed else [])],
         }
         if self.distributed:
             out["reshards"] = [{"value": p.value, "src": str(p.src), "dst": str(p.dst),
@@ -234,6 +245,8 @@ def plan(built, strategy: Strategy | None = None, cluster=None, rank_mapping=Non
 def _plan(built, strategy, cluster, rank_mapping, accumulation, ilp_budget=None) -> Plan:
     program = built.program.clone()
     copy = dataclasses.replace(built, program=program)
+    if strategy.meshslice:
+        enable(program, strategy.meshslice)
     if strategy.recompute and program.ops_by_role("backward"):
         recompute(program, segments(copy, strategy.recompute))
     searched = None
@@ -252,8 +265,13 @@ def _plan(built, strategy, cluster, rank_mapping, accumulation, ilp_budget=None)
                             "parallel mesh dim, but the model carries no annotations: "
                             "annotate its inputs with dg.shard_tensor(x, mesh, ['dp', ...])")
         complete(program, default_mesh=SERIAL_MESH)
+    check_meshes(program, strategy)
     ids = tuple(process_ids(program))
     rank_of = _rank_of(program, ids, cluster, rank_mapping) if distributed else None
+    if distributed:
+        devices = (cluster or Cluster.local(len(ids))).devices
+        assign_slices(program, cluster or Cluster.local(len(ids)),
+                      lambda pid: devices[pid if rank_of is None else rank_of[pid]].global_id)
     planned = Plan(copy, strategy, distributed, ids,
                    None if rank_of is None else MappingProxyType(rank_of),
                    _stages(program), cluster, accumulation=accumulation)

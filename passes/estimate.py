@@ -144,6 +144,12 @@ def op_time(op_type: str, ins, outs, attrs: dict, device) -> float:
     costs = device.op_costs.get(op_type) if device.op_costs else None
     if costs is not None:
         return costs[0] * 1e-6 + costs[1] * 1e-9 * op_work(op_type, ins, outs, attrs)
+    return roofline_time(op_type, ins, outs, attrs, device)
+
+
+def roofline_time(op_type: str, ins, outs, attrs: dict, device) -> float:
+    """Seconds for one op from the device's GFLOP/s, memory bandwidth and launch cost
+    alone (what :func:`op_time` falls back to without a measured cost of the op type)."""
     flops = get_op(op_type).flops(ins, outs, **attrs)
     touched = sum(_nbytes(t) for t in ins) + sum(_nbytes(t) for t in outs)
     dtype = outs[0].dtype if outs else (ins[0].dtype if ins else "float32")
@@ -194,20 +200,40 @@ def op_collective_time(kind: str, n: int, nbytes: float, ring: tuple, device) ->
 
 def dim_ring(cluster, mesh, process: int, mesh_dim: str, device_of) -> tuple:
     """(bandwidth GB/s, latency µs, copied by the processor) of ``process``'s ring along
-    ``mesh_dim``: the last is True for a group of CPUs inside one machine (module
-    docstring: shared-memory transfers are the processes' own copies)."""
+    ``mesh_dim``, while every group of that dim runs the same collective: a hop between
+    two machines shares the machines' link with the hops of the other groups that cross
+    it in the same direction at once (the file lists a link per pair of devices; the
+    machines' network carries them all). The last is True for a group of CPUs inside one
+    machine (module docstring: shared-memory transfers are the processes' own copies)."""
     devices = [device_of(q) for q in mesh.group_of(process, mesh_dim)]
-    bw, lat = ring_links(cluster, devices)
-    machines = {cluster.machine_of(d).id for d in devices}
+    machine = {}
+
+    def machine_of(d):
+        if d not in machine:
+            machine[d] = cluster.machine_of(d).id
+        return machine[d]
+
+    crossing: dict = {}
+    for group in mesh.groups(mesh_dim):
+        ring = [device_of(q) for q in group]
+        for a, b in zip(ring, ring[1:] + ring[:1]):
+            if len(ring) > 1 and machine_of(a) != machine_of(b):
+                key = (machine_of(a), machine_of(b))
+                crossing[key] = crossing.get(key, 0) + 1
+    hops = list(zip(devices, devices[1:] + devices[:1]))
+    bw = min((cluster.bandwidth(a, b) / crossing.get((machine_of(a), machine_of(b)), 1)
+              for a, b in hops if a != b), default=float("inf"))
+    lat = max((cluster.latency(a, b) for a, b in hops if a != b), default=0.0)
     cpu = all(cluster.device(d).type == "CPU" for d in devices)
-    return bw, lat, cpu and len(machines) == 1
+    return bw, lat, cpu and len({machine_of(d) for d in devices}) == 1
 
 
-def overlap_time(ov, device, ring_of) -> tuple[float, float]:
+def overlap_time(ov, device, ring_of, compute_time=None) -> tuple[float, float]:
     """(compute, exposed communication) seconds of an op that runs as ``ov`` (an
     :class:`~distgraph.registry.Overlap`) on ``device``; ``ring_of(mesh dim)`` gives that
-    dim's ring as :func:`dim_ring` does (module docstring)."""
-    compute = op_time(ov.op_type, ov.ins, ov.outs, dict(ov.attrs), device)
+    dim's ring as :func:`dim_ring` does (module docstring); ``compute_time`` prices one
+    slice's compute (default :func:`op_time`)."""
+    compute = (compute_time or op_time)(ov.op_type, ov.ins, ov.outs, dict(ov.attrs), device)
     processor = compute
 
     def wires(collectives) -> float:
@@ -240,11 +266,12 @@ def collectives_time(ov, device, ring_of) -> float:
     return ov.slices * total
 
 
-def best_overlap(overlaps, device, ring_of) -> tuple:
+def best_overlap(overlaps, device, ring_of, compute_time=None) -> tuple:
     """(Overlap, compute, exposed) of the fastest of ``overlaps`` (fewer slices on ties)."""
-    priced = [(sum(overlap_time(ov, device, ring_of)), ov.slices, ov) for ov in overlaps]
+    priced = [(sum(overlap_time(ov, device, ring_of, compute_time)), ov.slices, ov)
+              for ov in overlaps]
     _, _, ov = min(priced, key=lambda t: t[:2])
-    return (ov,) + overlap_time(ov, device, ring_of)
+    return (ov,) + overlap_time(ov, device, ring_of, compute_time)
 
 
 def _message_time(step, process: int, cluster, device_of) -> float:

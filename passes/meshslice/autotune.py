@@ -19,10 +19,13 @@ RS over (u, v)  RS over (v, u)          OS over (u, v)
 tried, the cluster's devices laid out row-major (mesh dim ``x`` over the rows, so on a
 machines x devices cluster ``x`` crosses machines; u = x, v = y), skipping shapes whose
 columns would split an attention head. Each GeMM's time is MeshSlice's pipeline
-(:func:`distgraph.passes.estimate.overlap_time`: compute from the device's calibrated
-matmul cost, collectives from the links and measured software costs of the file), for
-each K its layout allows (among ``slices``); each GeMM takes its fastest K, independently
-of the others. The shapes are ranked by the time of all FC GeMMs of a training step.
+(:func:`distgraph.passes.estimate.overlap_time`), for each K its layout allows (among
+``slices``); each GeMM takes its fastest K, independently of the others. The shapes are
+ranked by the time of all FC GeMMs of a training step. As in the seed, a partial GeMM
+costs its FLOPs over the device's effective GeMM throughput (the file's ``gflops``, which
+``distgraph cluster calibrate`` measures with every rank computing at once) plus one op
+launch; a collective its alpha-beta on the file's links (concurrent groups crossing the
+same machines share their link) plus the measured software cost of its kind.
 
 Example::
 
@@ -42,7 +45,7 @@ from distgraph import dtypes
 from distgraph.errors import PlanError
 from distgraph.mesh import ProcessMesh
 from distgraph.ops.meshslice import local_form, overlap
-from distgraph.passes.estimate import collectives_time, dim_ring, overlap_time
+from distgraph.passes.estimate import collectives_time, dim_ring, overlap_time, roofline_time
 from distgraph.placement import DistAttr, ShardSpec
 from distgraph.registry import TensorType
 from distgraph.resources.cluster import Cluster
@@ -261,7 +264,7 @@ def price_gemm(layer: str, gemm: str, dataflow: str, dims: tuple, shapes: tuple,
     for ov in overlap({**attrs, "meshslice": local}, ins):
         if ov.slices not in slices:
             continue
-        compute, exposed = overlap_time(ov, device, ring_of)
+        compute, exposed = overlap_time(ov, device, ring_of, roofline_time)
         found.append(GemmCost(layer, gemm, dataflow, tuple(mesh.shape), dims, ov.slices,
                               compute, collectives_time(ov, device, ring_of), exposed))
     return found

@@ -75,7 +75,7 @@ class Use:
                 f"(slices {SLICED[lay.dataflow]} of {lay.length}{block})")
 
 
-def _local(op, pid: int):
+def local_op(op, pid: int):
     """(localized attrs, local input TensorTypes) of a completed op on process ``pid``."""
     da = op.dist_attr
     site = LocalSite(pid, tuple(v.shape for v in op.inputs),
@@ -95,7 +95,7 @@ def uses(program) -> list:
     for k, op in enumerate(program.ops):
         if op.attrs.get("meshslice") is None or op.dist_attr is None:
             continue
-        attrs, _ = _local(op, op.dist_attr.mesh.process_ids[0])
+        attrs, _ = local_op(op, op.dist_attr.mesh.process_ids[0])
         if isinstance(attrs.get("meshslice"), LocalMeshSlice):
             found.append(Use(k, op, attrs["meshslice"]))
     return found
@@ -111,7 +111,7 @@ def assign_slices(program, cluster, device_of) -> None:
         if op.attrs["meshslice"] != "auto":
             continue
         pid = op.dist_attr.mesh.process_ids[0]
-        attrs, ins = _local(op, pid)
+        attrs, ins = local_op(op, pid)
         ways = get_op(op.type).overlap(attrs, ins)
         device = cluster.device(device_of(pid))
         mesh = op.dist_attr.mesh

@@ -269,9 +269,9 @@ def _plan(built, strategy, cluster, rank_mapping, accumulation, ilp_budget=None)
     ids = tuple(process_ids(program))
     rank_of = _rank_of(program, ids, cluster, rank_mapping) if distributed else None
     if distributed:
-        devices = (cluster or Cluster.local(len(ids))).devices
-        assign_slices(program, cluster or Cluster.local(len(ids)),
-                      lambda pid: devices[pid if rank_of is None else rank_of[pid]].global_id)
+        priced = cluster or Cluster.local(len(ids))
+        assign_slices(program, priced, lambda pid: priced.devices[
+            pid if rank_of is None else rank_of[pid]].global_id)
     planned = Plan(copy, strategy, distributed, ids,
                    None if rank_of is None else MappingProxyType(rank_of),
                    _stages(program), cluster, accumulation=accumulation)

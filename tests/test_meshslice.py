@@ -144,6 +144,13 @@ def test_the_rule_takes_meshslice_where_the_operands_show_a_2d_layout():
     assert all(e is UNKNOWN for e in res.out_specs[0].dims)
 
 
+def test_a_fixed_k_that_does_not_divide_the_pinned_layout_is_an_error():
+    rule = dg.ops.spmd_rule("matmul")
+    with pytest.raises(dg.DistGraphError, match=r"takes K in \(1, 2, 3, 6\)"):
+        rule.infer_forward([["x", "y"], ["x", "y"]], [(12, 12), (12, 12)], MESH,
+                           fixed=(0, 1), meshslice=4)
+
+
 def test_a_bad_meshslice_setting_is_refused():
     with pytest.raises(dg.DistGraphError, match="meshslice"):
         dg.Strategy(meshslice=0)
@@ -269,6 +276,18 @@ def test_one_slice_hides_nothing_and_k_slices_follow_the_pipeline_formula():
         if k == 1:
             assert exposed == pytest.approx(net + cpu - gemm)
     assert pipeline_time(3, [1.0, 2.0, 0.5]) == 3.5 + 2 * 2.0
+
+
+def test_groups_of_a_mesh_dim_that_cross_the_same_machines_share_their_link():
+    """On 2 machines x 2 devices, the two groups along x (across the machines) cross the
+    machine link at once: each gets half; the one 4-device ring of a 1x4 mesh crosses
+    it once each way: all of it. Inside a machine, CPU ranks copy (processor time)."""
+    cluster = S.grid_cluster(fast=20.0, slow=1.0)
+    device_of = {p: p for p in range(4)}.__getitem__
+    assert dim_ring(cluster, MESH, 0, "x", device_of) == (0.5, 1.0, False)
+    assert dim_ring(cluster, MESH, 0, "y", device_of) == (20.0, 1.0, True)
+    line = dg.ProcessMesh([[0, 1, 2, 3]], ["x", "y"])
+    assert dim_ring(cluster, line, 0, "y", device_of) == (1.0, 1.0, False)
 
 
 def test_the_search_chooses_meshslice_where_slow_links_make_overlap_pay_and_prices_it_as_the_estimate():

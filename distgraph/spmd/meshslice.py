@@ -212,20 +212,42 @@ class MatmulRule(EinsumRule):
         if slices_setting(attrs.get("meshslice")) is None:
             return plan
         found = layouts(in_shapes, attrs, mesh)
-        if not found:
+        every = layouts(in_shapes, {k: v for k, v in attrs.items() if k != "meshslice"}, mesh)
+        if not every:
             return plan
-        return MeshSlicePlan(plan, found, MatmulAxes.of(in_shapes, attrs), in_shapes, mesh)
+        return MeshSlicePlan(plan, found, MatmulAxes.of(in_shapes, attrs), in_shapes, mesh,
+                             [lay for lay in every if lay not in found],
+                             attrs.get("meshslice"))
 
 
 class MeshSlicePlan:
     """A matmul's einsum plan (``base``) with MeshSlice's ``found`` layouts beside it
-    (a :class:`~distgraph.spmd.rule.BoundRule`)."""
+    (a :class:`~distgraph.spmd.rule.BoundRule`); ``excluded``: the layouts the fixed
+    number of slices ``slices`` does not divide."""
 
-    def __init__(self, base, found, axes, in_shapes, mesh):
+    def __init__(self, base, found, axes, in_shapes, mesh, excluded=(), slices=None):
         self.base, self.found, self.axes, self.mesh = base, tuple(found), axes, mesh
         self.in_shapes = [tuple(s) for s in in_shapes]
         self.out_shape = axes.out_shape(self.in_shapes)
         self.specs = [lay.specs(axes, self.in_shapes) for lay in self.found]
+        self.excluded, self.slices = tuple(excluded), slices
+
+    def _check_fixed_k(self, query) -> None:
+        """SpmdRuleError when the fixed inputs are a layout the fixed K does not divide:
+        the op was asked to run as MeshSlice there, and cannot."""
+        if len(query.fixed_in) < 2:
+            return
+        given = tuple(query.spec(s).dims for s in query.sources() if s.side == "input"
+                      and query.is_fixed(s))
+        for lay in self.excluded:
+            x, y, _ = lay.specs(self.axes, self.in_shapes)
+            if sorted(map(str, given)) == sorted(map(str, (x.dims, y.dims))):
+                length, a, b = lay.slicing(self.axes, self.in_shapes,
+                                           dict(zip(self.mesh.dim_names, self.mesh.shape)))
+                raise SpmdRuleError(f"meshslice={self.slices}: the operands are laid out for "
+                                    f"MeshSlice {lay}, whose sliced dim ({length}, split "
+                                    f"{a} and {b} ways) takes K in "
+                                    f"{slice_choices(length, a, b)}; choose one of those")
 
     def strategies(self) -> list:
         """The einsum rule's strategies, then one per MeshSlice layout."""
@@ -241,6 +263,7 @@ class MeshSlicePlan:
         agreeing known entries name both of its mesh dims, and that needs no more
         communication around the op than the einsum answer (:func:`_moves`). Ties go to
         the earlier layout (mesh dims in mesh order, then OS, LS, RS)."""
+        self._check_fixed_k(query)
         base = self.base.solve(query)
         best, best_moves = None, None
         for lay, specs in zip(self.found, self.specs):

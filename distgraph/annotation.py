@@ -22,6 +22,7 @@ from distgraph.ir import Value
 from distgraph.mesh import ProcessMesh
 from distgraph.parameter import Parameter
 from distgraph.placement import DistAttr, Partial, Replicate, Shard, ShardSpec
+from distgraph.registry import takes_attr
 from distgraph.trace import active_builder, current_builder, flatten_outputs
 
 
@@ -96,10 +97,13 @@ class OpAnnotation:
     in_specs: tuple = ()
 
 
-def shard_op(fn_or_layer, mesh: ProcessMesh, in_shard_specs=None, out_shard_specs=None):
+def shard_op(fn_or_layer, mesh: ProcessMesh, in_shard_specs=None, out_shard_specs=None,
+             meshslice=None):
     """Wrap a callable so the ops it traces run on ``mesh``. ``in_shard_specs`` fix how
     each argument is consumed (None entries leave one free); ``out_shard_specs`` annotate
-    the results as ``shard_tensor`` would.
+    the results as ``shard_tensor`` would. ``meshslice`` (True, or a number of slices K)
+    lets its matmuls, and their backward GeMMs, run as MeshSlice where their operands
+    are 2-D sharded (as ``Strategy(meshslice=...)`` does for every matmul).
 
     A Layer gives a Layer: the same layer (the same sub-layers and parameters, under the
     same names) whose forward runs on ``mesh``, so it can be given to the Engine::
@@ -109,15 +113,16 @@ def shard_op(fn_or_layer, mesh: ProcessMesh, in_shard_specs=None, out_shard_spec
     Any other callable gives a function."""
     if not isinstance(mesh, ProcessMesh):
         raise ShardingError(f"shard_op: mesh must be a ProcessMesh, got {type(mesh).__name__}")
+    slices = _meshslice_setting(meshslice)
     if _is_layer(fn_or_layer):
         clone = copy.copy(fn_or_layer)
         # its own registries (adding to one does not add to the other), the same entries
         object.__setattr__(clone, "_parameters", OrderedDict(fn_or_layer._parameters))
         object.__setattr__(clone, "_sublayers", OrderedDict(fn_or_layer._sublayers))
-        object.__setattr__(clone, "forward",
-                           _on_mesh(clone.forward, mesh, in_shard_specs, out_shard_specs))
+        object.__setattr__(clone, "forward", _on_mesh(clone.forward, mesh, in_shard_specs,
+                                                      out_shard_specs, slices))
         return clone
-    return _on_mesh(fn_or_layer, mesh, in_shard_specs, out_shard_specs)
+    return _on_mesh(fn_or_layer, mesh, in_shard_specs, out_shard_specs, slices)
 
 
 def _is_layer(x) -> bool:
@@ -125,7 +130,7 @@ def _is_layer(x) -> bool:
     return hasattr(x, "named_parameters") and hasattr(x, "_sublayers")
 
 
-def _on_mesh(fn, mesh, in_shard_specs, out_shard_specs):
+def _on_mesh(fn, mesh, in_shard_specs, out_shard_specs, slices):
     def wrapped(*args):
         builder = current_builder()
         values = [builder.as_value(a) if isinstance(a, (Value, Parameter)) else a for a in args]
@@ -152,6 +157,13 @@ def _on_mesh(fn, mesh, in_shard_specs, out_shard_specs):
                     shard_tensor(v, mesh, spec)
         if len(builder.program.ops) == first:
             raise ShardingError("shard_op: the wrapped callable traced no op")
+        if slices is not None:
+            takers = [op for op in builder.program.ops[first:] if takes_attr(op.type, "meshslice")]
+            if not takers:
+                raise ShardingError(f"shard_op(meshslice={slices!r}): the wrapped callable "
+                                    "traced no matmul to run as MeshSlice")
+            for op in takers:
+                op.attrs["meshslice"] = slices
         return out
 
     wrapped.__wrapped__ = fn       # inspect.signature reads the callable's arguments
@@ -248,6 +260,18 @@ def _mesh_dim(mesh: ProcessMesh, dim):
         raise ShardingError(f"shard_dataloader: shard_dims {dim!r} is not a dim of {mesh}; "
                             f"its dims are {list(mesh.dim_names)}")
     return dim
+
+
+def _meshslice_setting(value):
+    """shard_op's ``meshslice`` as the op attribute: None, "auto" (True) or K."""
+    if value is None or value is False:
+        return None
+    if value is True:
+        return "auto"
+    if isinstance(value, int) and value >= 1:
+        return value
+    raise ShardingError(f"shard_op(meshslice={value!r}): give True (the cost model picks the "
+                        "number of slices K) or a number of slices K >= 1")
 
 
 @dataclass

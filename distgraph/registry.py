@@ -23,6 +23,11 @@ collectives an op's distributed form runs inside its kernel, so the plan counts 
 ``localize(attrs, site) -> (attrs, ctx)`` (optional) adapts an op to run on local shards:
 shape attributes become local, a vocabulary shard learns its first row, a random op
 learns which slice of the global tensor it draws (``site`` is a :class:`LocalSite`).
+``overlap(attrs, ins) -> (Overlap, ...)`` (optional) says, for a localized op (``attrs``
+as ``localize`` made them, ``ins`` local TensorTypes), that its distributed form
+pipelines its own collectives with its compute in slices (MeshSlice), and how: one
+:class:`Overlap` per number of slices it may run with (empty: it does not overlap), so
+the cost model prices the communication it hides.
 """
 
 from __future__ import annotations
@@ -66,6 +71,7 @@ class OpDef:
     localize: Callable | None = None
     comm: Callable | None = None
     donate: bool = False
+    overlap: Callable | None = None
 
 
 _REGISTRY: dict[str, OpDef] = {}
@@ -94,7 +100,7 @@ def register_op(op_type: str, *, spmd, inplace=(), differentiable=True, donate=F
         rule = OpRule(op_type, spmd, members["infer"], members.get("comm"))
         _REGISTRY[op_type] = OpDef(op_type, members["infer"], members["kernel"], grad, rule,
                                    flops, tuple(inplace), differentiable, members.get("localize"),
-                                   members.get("comm"), donate)
+                                   members.get("comm"), donate, members.get("overlap"))
         return cls
 
     return wrap
@@ -130,6 +136,11 @@ def op_flops(op) -> float:
     return float(get_op(op.type).flops([TensorType(v.shape, v.dtype) for v in op.inputs],
                                        [TensorType(o.shape, o.dtype) for o in op.outputs],
                                        **op.attrs))
+
+
+def takes_attr(op_type: str, name: str) -> bool:
+    """Whether op ``op_type`` has an attribute ``name`` (its ``infer`` signature)."""
+    return name in get_op(op_type).spmd.signature.parameters
 
 
 def registered_ops() -> list[str]:
@@ -177,16 +188,19 @@ class OpRule(Rule):
 
     def strategies(self, in_shapes, out_shapes, mesh, in_dtypes=None, **attrs) -> list:
         found = self.bind(in_shapes, out_shapes, mesh, attrs).strategies()
-        return [self.with_comm(s, in_shapes, out_shapes, mesh, in_dtypes) for s in found]
+        return [self.with_comm(s, in_shapes, out_shapes, mesh, in_dtypes, attrs)
+                for s in found]
 
-    def strategy(self, in_specs, out_specs, in_shapes, out_shapes, mesh, in_dtypes=None):
+    def strategy(self, in_specs, out_specs, in_shapes, out_shapes, mesh, in_dtypes=None,
+                 attrs=None):
         """The strategy record of complete ``in_specs`` / ``out_specs`` (e.g. a rule's
         answer with every entry known), as :meth:`strategies` lists them."""
         s = OpStrategy.build(mesh, [DimsSpec.of(x) for x in in_specs],
                              [DimsSpec.of(x) for x in out_specs], in_shapes, out_shapes)
-        return self.with_comm(s, in_shapes, out_shapes, mesh, in_dtypes)
+        return self.with_comm(s, in_shapes, out_shapes, mesh, in_dtypes, attrs)
 
-    def with_comm(self, s: OpStrategy, in_shapes, out_shapes, mesh, in_dtypes=None):
+    def with_comm(self, s: OpStrategy, in_shapes, out_shapes, mesh, in_dtypes=None,
+                  attrs=None):
         """``s`` with the collectives the op's distributed form runs (its ``comm`` hook)."""
         if self.comm is None:
             return s
@@ -195,9 +209,31 @@ class OpRule(Rule):
         site = LocalSite(pid, tuple(map(tuple, in_shapes)),
                          tuple(DistAttr(mesh, x) for x in s.in_specs),
                          tuple(map(tuple, out_shapes)),
-                         tuple(DistAttr(mesh, x) for x in s.out_specs), dtypes)
+                         tuple(DistAttr(mesh, x) for x in s.out_specs), dtypes,
+                         tuple(sorted((attrs or {}).items())))
         comm = tuple(self.comm(site))
         return replace(s, comm=comm) if comm else s
+
+
+
+@dataclass(frozen=True)
+class Overlap:
+    """How an op's distributed form pipelines its collectives with its compute (an
+    op's ``overlap`` hook): ``slices`` identical slices, each running ``before`` (the
+    collectives whose results its compute needs), the compute ``op_type`` on ``ins`` ->
+    ``outs`` (local TensorTypes, with ``attrs`` as sorted pairs), then ``after`` (the
+    collectives on its result). A collective is ``(kind, mesh dim, group size, buffer
+    bytes)`` as :mod:`distgraph.passes.cost_model` defines the buffer; collectives on
+    different mesh dims run at once, and slice k's compute overlaps slice k+1's
+    ``before`` and slice k-1's ``after``."""
+
+    slices: int
+    op_type: str
+    ins: tuple
+    outs: tuple
+    before: tuple
+    after: tuple
+    attrs: tuple = ()
 
 
 def size(t: TensorType) -> int:
@@ -214,8 +250,9 @@ class KernelContext:
     global shape and the slices this process holds of the op's first output (so random
     ops draw the same global numbers whatever the partition). An op whose distributed
     form communicates inside its kernel gets the communicator, the map from process ids
-    to ranks and its ``group`` of process ids (set by its ``localize``). ``out`` is a
-    buffer a ``donate`` op may write its result into (None: allocate)."""
+    to ranks and its ``group`` of process ids, or several ``groups`` (set by its
+    ``localize``). ``out`` is a buffer a ``donate`` op may write its result into (None:
+    allocate)."""
 
     xp: Any
     step: int = 0
@@ -225,12 +262,15 @@ class KernelContext:
     rank_of: Any = None
     group: tuple | None = None
     out: Any = None
+    groups: tuple | None = None
 
-    def group_ranks(self) -> tuple:
-        if self.comm is None or self.group is None:
+    def group_ranks(self, group: tuple | None = None) -> tuple:
+        """The ranks of ``group`` (process ids; default this op's ``group``)."""
+        group = self.group if group is None else group
+        if self.comm is None or group is None:
             raise RuntimeError("this kernel communicates but was given no communicator/group")
         rank = rank_lookup(self.rank_of)
-        return tuple(rank(p) for p in self.group)
+        return tuple(rank(p) for p in group)
 
 
 def rank_lookup(rank_of):
@@ -244,7 +284,8 @@ def rank_lookup(rank_of):
 @dataclass(frozen=True)
 class LocalSite:
     """Where one op runs in a partitioned program: the process, and the global shape and
-    DistAttr of each operand (as consumed) and result (as produced)."""
+    DistAttr of each operand (as consumed) and result (as produced); ``attrs`` the op's
+    (global) attributes as sorted (name, value) pairs."""
 
     process_id: int
     in_shapes: tuple
@@ -252,6 +293,10 @@ class LocalSite:
     out_shapes: tuple
     out_attrs: tuple
     in_dtypes: tuple = ()
+    attrs: tuple = ()
+
+    def attr(self, name: str, default=None):
+        return dict(self.attrs).get(name, default)
 
     def out_local_shape(self, j: int = 0) -> tuple:
         return self.out_attrs[j].local_shape(self.out_shapes[j])

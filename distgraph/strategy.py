@@ -24,8 +24,12 @@ class Strategy:
     ``sharding`` splits optimizer states and updates over
     ``sharding_mesh_dim`` (ZeRO-style); ``profile`` records a timeline; ``check_finite``
     stops training with a RuntimeFault at a NaN or infinite loss (False: train on);
-    ``seed`` seeds shuffling. The planner (:func:`distgraph.passes.plan`) raises
-    PlanError for an option that is not available yet: none is silently ignored."""
+    ``seed`` seeds shuffling. ``meshslice`` lets every matmul run as MeshSlice where
+    its operands are 2-D sharded (True: the cost model picks each one's number of
+    slices K; a number: that K; :mod:`distgraph.passes.meshslice`); completion and the
+    search (auto_mode="full") may then choose MeshSlice's layouts. The planner
+    (:func:`distgraph.passes.plan`) raises PlanError for an option that is not available
+    yet: none is silently ignored."""
 
     auto_mode: str = "semi"
     pipeline: bool = False
@@ -40,6 +44,7 @@ class Strategy:
     check_finite: bool = True
     seed: int = 0
     virtual_stages: int = 1
+    meshslice: bool | int = False
 
     def __post_init__(self):
         if self.auto_mode not in ("semi", "full"):
@@ -57,6 +62,10 @@ class Strategy:
                 raise DistGraphError(f"Strategy.recompute must be True/False or a list of "
                                      f"layer paths such as ['blocks.0'], got {given!r}")
             object.__setattr__(self, "recompute", paths)
+        if not isinstance(self.meshslice, bool) and not (
+                isinstance(self.meshslice, int) and self.meshslice >= 1):
+            raise DistGraphError(f"Strategy.meshslice must be True/False or a number of "
+                                 f"slices K >= 1, got {self.meshslice!r}")
         if self.schedule not in SCHEDULES:
             raise DistGraphError(f"Strategy.schedule must be one of {SCHEDULES}, got "
                                  f"{self.schedule!r}")

@@ -21,12 +21,21 @@ all_to_all is modelled as n-1 rounds in which each process sends one of its n ch
 "(n-1)/n^2" form is the same thing written with B the sum of all n local buffers.
 Local steps (``slice``, ``make_partial``, ``local_copy``) cost nothing.
 
+An op that pipelines its collectives with its compute in K identical slices (MeshSlice)
+takes :func:`pipeline_time`: each slice passes stages that use different resources (the
+links of one mesh dim, the processor, the links of the other), so slice k's compute
+overlaps slice k+1's incoming collectives and slice k-1's outgoing ones; the first
+slice's collectives (the prologue) and the last one's compute and collectives (the
+epilogue) are not hidden.
+
 Example::
 
     >>> collective_bytes("all_gather", 4, 4096)     # 4 x 1 KiB pieces -> 4 KiB output
     3072.0
     >>> round(collective_time("all_reduce", 2, 1e9, bandwidth_GBps=100, latency_us=5), 6)
     0.01001
+    >>> pipeline_time(4, [2.0, 3.0, 1.0])      # 2 + 3 + 1 + 3 x max
+    15.0
 """
 
 from __future__ import annotations
@@ -85,3 +94,13 @@ def collective_time(kind: str, n: int, nbytes: float, bandwidth_GBps: float,
         return 0.0
     rounds = 2 * (n - 1) if kind == "all_reduce" else n - 1
     return alpha * rounds + beta_bytes
+
+
+def pipeline_time(slices: int, stages) -> float:
+    """Seconds for ``slices`` identical items through a pipeline of ``stages`` (seconds
+    per item in each stage, each stage its own resource): the first item passes every
+    stage, then one item leaves every ``max(stages)`` seconds."""
+    if slices < 1:
+        raise PlanError(f"a pipeline of {slices} slices: it has at least one")
+    stages = [float(t) for t in stages]
+    return sum(stages) + (slices - 1) * max(stages, default=0.0)

@@ -11,6 +11,14 @@ communication and bubble, and peak memory per process.
   software cost of a step of that kind (``reshard_overhead``), on the links between the
   devices of the step's group (the ring's bottleneck bandwidth and largest hop latency);
   a p2p step takes as long as its busiest sender's messages, each ``α + B/β`` of its pair.
+- **Overlapped ops** (an op's ``overlap`` hook: MeshSlice) take
+  :func:`~distgraph.passes.cost_model.pipeline_time` over K slices of three stages: the
+  incoming collectives on the links of their mesh dims (collectives on different mesh
+  dims at once), the processor (the slice's compute and the software cost of each
+  collective), the outgoing collectives. Their compute counts as compute, the rest of
+  their time (what the pipeline does not hide) as communication. On CPUs a collective
+  inside one machine is memory copies the processes make themselves: it takes the
+  processor's stage, not a link's.
 - **Step**: processes meet at every collective, so a stage takes as long as its busiest
   process. Without micro-batches the stages run one after another, ``T = Σ t_s``. With M
   micro-batches (Alpa's formula) ``T = Σ u_s + (M-1) max u_s + max update_s`` where
@@ -40,7 +48,7 @@ from dataclasses import asdict, dataclass
 
 from distgraph import dtypes
 from distgraph.errors import PlanError
-from distgraph.passes.cost_model import COLLECTIVES, collective_time
+from distgraph.passes.cost_model import COLLECTIVES, collective_time, pipeline_time
 from distgraph.passes.partition import gather_points
 from distgraph.registry import TensorType, get_op, op_work
 from distgraph.resources.cluster import Cluster
@@ -136,6 +144,12 @@ def op_time(op_type: str, ins, outs, attrs: dict, device) -> float:
     costs = device.op_costs.get(op_type) if device.op_costs else None
     if costs is not None:
         return costs[0] * 1e-6 + costs[1] * 1e-9 * op_work(op_type, ins, outs, attrs)
+    return roofline_time(op_type, ins, outs, attrs, device)
+
+
+def roofline_time(op_type: str, ins, outs, attrs: dict, device) -> float:
+    """Seconds for one op from the device's GFLOP/s, memory bandwidth and launch cost
+    alone (what :func:`op_time` falls back to without a measured cost of the op type)."""
     flops = get_op(op_type).flops(ins, outs, **attrs)
     touched = sum(_nbytes(t) for t in ins) + sum(_nbytes(t) for t in outs)
     dtype = outs[0].dtype if outs else (ins[0].dtype if ins else "float32")
@@ -182,6 +196,82 @@ def op_collective_time(kind: str, n: int, nbytes: float, ring: tuple, device) ->
     if n == 1:
         return 0.0
     return collective_time(kind, n, nbytes, *ring) + software_time(device, kind)
+
+
+def dim_ring(cluster, mesh, process: int, mesh_dim: str, device_of) -> tuple:
+    """(bandwidth GB/s, latency µs, copied by the processor) of ``process``'s ring along
+    ``mesh_dim``, while every group of that dim runs the same collective: a hop between
+    two machines shares the machines' link with the hops of the other groups that cross
+    it in the same direction at once (the file lists a link per pair of devices; the
+    machines' network carries them all). The last is True for a group of CPUs inside one
+    machine (module docstring: shared-memory transfers are the processes' own copies)."""
+    devices = [device_of(q) for q in mesh.group_of(process, mesh_dim)]
+    machine = {}
+
+    def machine_of(d):
+        if d not in machine:
+            machine[d] = cluster.machine_of(d).id
+        return machine[d]
+
+    crossing: dict = {}
+    for group in mesh.groups(mesh_dim):
+        ring = [device_of(q) for q in group]
+        for a, b in zip(ring, ring[1:] + ring[:1]):
+            if len(ring) > 1 and machine_of(a) != machine_of(b):
+                key = (machine_of(a), machine_of(b))
+                crossing[key] = crossing.get(key, 0) + 1
+    hops = list(zip(devices, devices[1:] + devices[:1]))
+    bw = min((cluster.bandwidth(a, b) / crossing.get((machine_of(a), machine_of(b)), 1)
+              for a, b in hops if a != b), default=float("inf"))
+    lat = max((cluster.latency(a, b) for a, b in hops if a != b), default=0.0)
+    cpu = all(cluster.device(d).type == "CPU" for d in devices)
+    return bw, lat, cpu and len({machine_of(d) for d in devices}) == 1
+
+
+def overlap_time(ov, device, ring_of, compute_time=None) -> tuple[float, float]:
+    """(compute, exposed communication) seconds of an op that runs as ``ov`` (an
+    :class:`~distgraph.registry.Overlap`) on ``device``; ``ring_of(mesh dim)`` gives that
+    dim's ring as :func:`dim_ring` does (module docstring); ``compute_time`` prices one
+    slice's compute (default :func:`op_time`)."""
+    compute = (compute_time or op_time)(ov.op_type, ov.ins, ov.outs, dict(ov.attrs), device)
+    processor = compute
+
+    def wires(collectives) -> float:
+        nonlocal processor
+        per_dim: dict = {}
+        for kind, dim, n, nbytes in collectives:
+            if n == 1:
+                continue
+            bw, lat, copied = ring_of(dim)
+            t = collective_time(kind, n, nbytes, bw, lat)
+            processor += software_time(device, kind) + (t if copied else 0.0)
+            if not copied:
+                per_dim[dim] = per_dim.get(dim, 0.0) + t
+        return max(per_dim.values(), default=0.0)
+
+    stages = [wires(ov.before), 0.0, wires(ov.after)]
+    stages[1] = processor
+    total = pipeline_time(ov.slices, stages)
+    return ov.slices * compute, total - ov.slices * compute
+
+
+def collectives_time(ov, device, ring_of) -> float:
+    """Seconds of all of ``ov``'s collectives run one after another, none hidden (the
+    communication a pipeline has to hide)."""
+    total = 0.0
+    for kind, dim, n, nbytes in ov.before + ov.after:
+        if n > 1:
+            bw, lat, _ = ring_of(dim)
+            total += collective_time(kind, n, nbytes, bw, lat) + software_time(device, kind)
+    return ov.slices * total
+
+
+def best_overlap(overlaps, device, ring_of, compute_time=None) -> tuple:
+    """(Overlap, compute, exposed) of the fastest of ``overlaps`` (fewer slices on ties)."""
+    priced = [(sum(overlap_time(ov, device, ring_of, compute_time)), ov.slices, ov)
+              for ov in overlaps]
+    _, _, ov = min(priced, key=lambda t: t[:2])
+    return (ov,) + overlap_time(ov, device, ring_of, compute_time)
 
 
 def _message_time(step, process: int, cluster, device_of) -> float:
@@ -237,22 +327,36 @@ def _process_times(plan, pid, device, cluster, device_of, fetch):
 
     # each process copies in its part of every feed, once per micro-batch
     compute = m * sum(feed_time(v.nbytes, device) for v in local.program.inputs)
-    updates = 0.0
-    for op in local.program.ops:
-        t = op_time(op.type, [TensorType(v.shape, v.dtype) for v in op.inputs],
-                    [TensorType(v.shape, v.dtype) for v in op.outputs], op.attrs, device)
+    updates = comm = 0.0
+    overlapped = set()
+    for index, op in enumerate(local.program.ops):
+        ins = [TensorType(v.shape, v.dtype) for v in op.inputs]
+        hook = get_op(op.type).overlap
+        ways = hook(op.attrs, ins) if hook is not None else ()
+        if ways:
+            mesh = op.dist_attr.mesh
+            _, work, hidden = best_overlap(ways, device, lambda dim: dim_ring(
+                cluster, mesh, pid, dim, device_of))
+            compute += work * times(op.role)
+            comm += hidden * times(op.role)
+            overlapped.add(index)
+            continue
+        t = op_time(op.type, ins, [TensorType(v.shape, v.dtype) for v in op.outputs],
+                    op.attrs, device)
         compute += t * times(op.role)
         if op.role == "optimize":
             updates += t
     roles = [op.role for op in plan.program.ops]
-    comm = sum(times(roles[p.anchor]) * step_time(s, pid, cluster, device_of)
-               for p in local.points() for s in p.steps)
+    comm += sum(times(roles[p.anchor]) * step_time(s, pid, cluster, device_of)
+                for p in local.points() for s in p.steps)
     if plan.distributed:
         comm += sum(step_time(s, pid, cluster, device_of)
                     for p in gather_points(plan.program, fetch, pid) for s in p.steps)
     if local.op_comm:
         ops = local.program.ops
         for index, collectives in local.op_comm.items():
+            if index in overlapped:
+                continue
             # The op's own collectives run inside its mesh: the worst ring of that mesh.
             ring = ring_links(cluster, [device_of(q)
                                         for q in ops[index].dist_attr.mesh.process_ids])

@@ -212,7 +212,7 @@ class _Partitioner:
                                  tuple(DistAttr(da.mesh, s) for s in da.input_specs),
                                  tuple(o.shape for o in op.outputs),
                                  tuple(DistAttr(da.mesh, s) for s in da.output_specs),
-                                 tuple(v.dtype for v in op.inputs))
+                                 tuple(v.dtype for v in op.inputs), tuple(sorted(attrs.items())))
             if opdef.localize is not None:
                 attrs, ctx = opdef.localize(attrs, site)
                 if ctx:

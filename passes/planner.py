@@ -44,6 +44,7 @@ from distgraph.passes.completion import stage_order
 from distgraph.passes.estimate import estimate, fmt_bytes
 from distgraph.passes.mapping.rank_mapping import map_ranks
 from distgraph.passes.mapping.traffic import process_graph
+from distgraph.passes.meshslice.slices import assign_slices, check_meshes, enable, uses
 from distgraph.passes.partition import LocalProgram, gather_points, partition, process_ids
 from distgraph.passes.pipeline.accumulate import split_micro_batches
 from distgraph.passes.plan_plot import plot_plan
@@ -179,6 +180,11 @@ class Plan:
             lines.append(f"    {layer or '(model)'}:")
             for v in params:
                 lines.append(f"      {v.name} {list(v.shape)} {v.dist_attr.spec}")
+        sliced = uses(self.program) if self.distributed else []
+        if sliced:
+            lines.append(f"  MeshSlice: {len(sliced)} matmul(s) run as 2-D GeMMs with K sliced, "
+                         "overlapped collectives (dataflow over mesh dims (u, v)):")
+            lines.extend(f"    {use}" for use in sliced)
         points = self.reshards() if self.distributed else []
         sent = self.bytes_sent() if self.distributed else {}
         busiest = max((sum(k.values()) for k in sent.values()), default=0.0)
@@ -218,6 +224,11 @@ class Plan:
                     for op in prog.ops],
             "reshards": [],
             "bytes_sent": {},
+            "meshslice": [{"op": use.index, "layer": use.op.layer, "role": use.op.role,
+                           "dataflow": use.local.dataflow, "mesh_dims": [use.local.u,
+                                                                         use.local.v],
+                           "slices": use.local.slices}
+                          for use in (uses(prog) if self.distributed else [])],
         }
         if self.distributed:
             out["reshards"] = [{"value": p.value, "src": str(p.src), "dst": str(p.dst),
@@ -291,6 +302,11 @@ def _plan(built, strategy, cluster, rank_mapping, accumulation, ilp_budget=None)
     partitions = {pid: partition(program, pid) for pid in ids}
     rank_of = _rank_of(program, ids, cluster, rank_mapping, partitions) if distributed \
         else None
+    if distributed:
+        priced = cluster or Cluster.local(len(ids))
+        if assign_slices(program, priced, lambda pid: priced.devices[
+                pid if rank_of is None else rank_of[pid]].global_id):
+            partitions = {pid: partition(program, pid) for pid in ids}   # with their K
     planned = Plan(copy, strategy, distributed, ids, ProcessRanks(rank_of), stages, cluster,
                    accumulation=accumulation, partitions=MappingProxyType(partitions))
     graph = build_task_graph(planned, partitions, chunk_of_ops(program, meshes, cut), meshes)
@@ -311,6 +327,8 @@ def _completed(built, strategy, cluster, accumulation, ilp_budget, placement=Non
     are moved to its mesh first. (copy, the search's result or None)."""
     program = built.program.clone()
     copy = dataclasses.replace(built, program=program)
+    if strategy.meshslice:
+        enable(program, strategy.meshslice)
     if strategy.recompute and program.ops_by_role("backward"):
         recompute(program, segments(copy, strategy.recompute))
     searched = None
@@ -329,6 +347,7 @@ def _completed(built, strategy, cluster, accumulation, ilp_budget, placement=Non
                             "parallel mesh dim, but the model carries no annotations: "
                             "annotate its inputs with dg.shard_tensor(x, mesh, ['dp', ...])")
         complete(program, default_mesh=SERIAL_MESH)
+    check_meshes(program, strategy)
     return copy, searched
 
 

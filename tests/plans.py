@@ -195,6 +195,44 @@ def _tensor_parallel(model, mesh, dim="mp"):
         dg.shard_tensor(block.mlp.fc2.weight, mesh, [dim, None])
 
 
+class SlicedLinear(dg.nn.Layer):
+    """A Linear's parameters (under its name) run under ``shard_op`` on a 2-D ``mesh``:
+    input and output laid out [rows, ..., cols], the matmul as MeshSlice with ``slices``
+    (True: K chosen by the cost model) — per-layer MeshSlice, as a user writes it."""
+
+    def __init__(self, linear, mesh, slices=True):
+        super().__init__()
+        self.weight, self.bias = linear.weight, linear.bias
+        self.mesh, self.slices = mesh, slices
+
+    def forward(self, x):
+        rows, cols = self.mesh.dim_names
+        spec = [rows] + [None] * (len(x.shape) - 2) + [cols]
+        return dg.shard_op(self._linear, self.mesh, [spec], [spec], meshslice=self.slices)(x)
+
+    def _linear(self, x):
+        y = dg.ops.matmul(x, self.weight)
+        return y + self.bias if self.bias is not None else y
+
+
+def meshslice_plan(kind, n, slices=True):
+    """2-D tensor parallelism on a 2 x (n/2) mesh (x, y): every weight of the FC layers
+    split [x, y], the FC layers' activations [x, ..., y], their matmuls (forward and
+    backward) as MeshSlice; the batch split over x."""
+    def annotate(model):
+        mesh = dg.ProcessMesh(np.arange(n).reshape(2, n // 2).tolist(), ["x", "y"])
+        layers = [model] if isinstance(model, PlanMLP) else \
+            [b.attn for b in model.blocks] + [b.mlp for b in model.blocks]
+        for layer in layers:
+            for name in ("fc1", "fc2", "qkv", "proj"):
+                fc = getattr(layer, name, None)
+                if fc is not None:
+                    dg.shard_tensor(fc.weight, mesh, ["x", "y"])
+                    setattr(layer, name, SlicedLinear(fc, mesh, slices))
+        _set_act(model, "input", mesh, _batch_spec(kind, "x"))
+    return annotate
+
+
 def dp_plan(kind, n):
     def annotate(model):
         _set_act(model, "input", dg.ProcessMesh(list(range(n)), ["dp"]), _batch_spec(kind))
@@ -363,8 +401,9 @@ PLAN_FACTORIES = {
     "zero": (dp_plan, True),
     "zero_dp_tp": (dp_tp_plan, True),
     "two_stage": (two_stage_plan, False),
+    "meshslice": (meshslice_plan, False),
 }
-FOUR_ONLY = ("dp_tp", "zero_dp_tp")
+FOUR_ONLY = ("dp_tp", "zero_dp_tp", "meshslice")
 
 PIPELINE_FACTORIES = {"four_stage": four_stage_plan, "two_stage_tp": two_stage_tp_plan}
 

@@ -21,12 +21,14 @@ import distgraph as dg
 from distgraph.runtime.emulate.namespaces import (check_prerequisites, job_alive, our_namespaces,
                                        remove_job)
 from distgraph.runtime.emulate.layout import namespace_name, parse_namespace, this_job
+from test_meshslice_mpi import check_cases
 from test_spmd_mpi import check_report
 
 ROOT = Path(__file__).resolve().parent.parent
 FILE_2X2 = str(ROOT / "resources" / "clusters" / "emulated_2x2.yaml")
 PROBE = str(ROOT / "tests" / "mpi_scripts" / "emulated_probe.py")
 TRAIN = str(ROOT / "tests" / "mpi_scripts" / "train_plans.py")
+MESHSLICE = str(ROOT / "tests" / "mpi_scripts" / "meshslice_cases.py")
 LINK_GBPS = 0.125
 TOLERANCE = 0.2
 
@@ -163,6 +165,15 @@ def test_training_over_emulated_machines_equals_serial(launched):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     line = next(ln for ln in result.stdout.splitlines() if ln.startswith("PLANS-RESULT "))
     check_report(json.loads(line.split(" ", 1)[1]), 4, keys)
+
+
+def test_meshslice_over_the_shaped_link_equals_the_unsliced_matmul(launched):
+    """MeshSlice's nonblocking partial collectives over TCP between the machines (mesh
+    dim x) and shared memory inside them (y)."""
+    result = launched.run("run", "-n", "4", "--emulate", FILE_2X2, MESHSLICE, timeout=240)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    line = next(ln for ln in result.stdout.splitlines() if ln.startswith("MESHSLICE-RESULT "))
+    check_cases(json.loads(line.split(" ", 1)[1]), 4)
 
 
 def test_calibrate_measures_the_files_link_figures(launched, tmp_path):

@@ -143,6 +143,24 @@ def test_calibration_is_relabelled_into_the_files_machines_and_ids():
     assert "4 of 4 pairs measure within 20%" in table
 
 
+def test_relabelling_keeps_each_devices_measured_costs():
+    """An emulated calibration's file keeps what each rank measured besides GFLOP/s: the
+    cost model (and MeshSlice's autotuner) price ops and reshard steps with them."""
+    source = dg.Cluster.from_file(FILE_2X2)
+    ranks = [{"rank": r, "host": f"node{r // 2}", "model": "cpu", "memory": 8.0,
+              "gflops": {"float32": 10.0 + r}, "memory_bandwidth": 5.0 + r,
+              "op_overhead": 30.0 + r, "op_costs": {"matmul": [1.0, 0.1 * (r + 1)]}}
+             for r in range(4)]
+    pairs = {(a, b): (0.1 if a // 2 != b // 2 else 3.0, 40.0) for a in range(4)
+             for b in range(a + 1, 4)}
+    steps = {"slice": 1e-5, "all_gather": 2e-3}
+    out = relabel(build_cluster(ranks, pairs, (0.2, 300.0), "calibrated4", steps), source, 4)
+    for r, d in enumerate(out.devices):
+        assert (d.memory_bandwidth, d.op_overhead) == (5.0 + r, 30.0 + r)
+        assert d.op_costs["matmul"] == pytest.approx((1.0, 0.1 * (r + 1)))
+        assert set(d.reshard_overhead) == {"slice", "all_gather"}
+
+
 def _args(**kw):
     base = dict(nprocs=2, cluster=None, emulate=None, emulate_fault=[], script="x.py", args=[])
     return argparse.Namespace(**{**base, **kw})

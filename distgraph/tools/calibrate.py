@@ -1,7 +1,8 @@
 """Measure this machine's MPI ranks and write a resource file.
 
-Per rank: GEMM GFLOP/s in float32 and float64 (numpy matmul, best of a few runs, all
-ranks at once: what each rank gets while all compute), memory bandwidth and distgraph's
+Per rank: GEMM GFLOP/s in float32 and float64 (numpy matmul of a GEMM large enough to
+keep every core busy, the ranks lined up before each run so that all compute at once:
+the median of what each rank gets while all compute), memory bandwidth and distgraph's
 per-op overhead (:mod:`distgraph.tools.device_probe`). Per pair of ranks, one pair at a
 time: point-to-point latency (half the round trip of an 8-byte ping-pong) and bandwidth
 (a multi-megabyte ping-pong). For the whole group: all-reduce latency (8 bytes) and bus
@@ -42,24 +43,28 @@ from distgraph.runtime.launch.status import LOG_DIR
 from distgraph.tools.device_probe import memory_bandwidth_gbps, op_costs, op_overhead_us
 
 SCRIPT = os.path.abspath(__file__)   # what `distgraph cluster calibrate` starts on each rank
-GEMM_SIZE = 384
+GEMM_SIZE = 1024
 SMALL_BYTES = 8
 LARGE_BYTES = 4 * 2**20
 ALLREDUCE_BYTES = 4 * 2**20
 
 
-def gemm_gflops(dtype, size: int = GEMM_SIZE, repeats: int = 5) -> float:
-    """Best-of-``repeats`` GFLOP/s of a size^3 matmul (2 size^3 flops), after one warm-up."""
+def gemm_gflops(dtype, size: int = GEMM_SIZE, repeats: int = 5, sync=None) -> float:
+    """GFLOP/s of a size^3 matmul (2 size^3 flops), the median of ``repeats`` runs after
+    one warm-up; ``sync`` (a barrier) lines the ranks up before each, so that every rank
+    runs while all do (the best run of an unaligned rank is one that had a core alone)."""
     rng = np.random.default_rng(0)
     a = rng.standard_normal((size, size)).astype(dtype)
     b = rng.standard_normal((size, size)).astype(dtype)
     a @ b
-    best = np.inf
+    runs = []
     for _ in range(repeats):
+        if sync is not None:
+            sync()
         start = time.perf_counter()
         a @ b
-        best = min(best, time.perf_counter() - start)
-    return 2.0 * size**3 / best / 1e9
+        runs.append(time.perf_counter() - start)
+    return 2.0 * size**3 / float(np.median(runs)) / 1e9
 
 
 def idle_barrier(comm, poll: float = 1e-3) -> None:
@@ -278,8 +283,9 @@ def main(argv=None) -> None:
     say(comm, f"{size} ranks: GEMM {GEMM_SIZE}^3 on every rank at once")
     record = {"rank": rank, "host": MPI.Get_processor_name(), "model": cpu_model(),
               "memory": host_memory_gb(),
-              "gflops": {"float32": round(gemm_gflops(np.float32, repeats=args.repeats), 3),
-                         "float64": round(gemm_gflops(np.float64, repeats=args.repeats), 3)},
+              "gflops": {name: round(gemm_gflops(dtype, repeats=args.repeats + 2,
+                                                 sync=lambda: idle_barrier(comm)), 3)
+                         for name, dtype in (("float32", np.float32), ("float64", np.float64))},
               "memory_bandwidth": round(memory_bandwidth_gbps(args.repeats), 3),
               "op_overhead": round(op_overhead_us(args.repeats), 3),
               "op_costs": op_costs(args.repeats, sync=lambda: idle_barrier(comm))}

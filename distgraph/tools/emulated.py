@@ -3,7 +3,8 @@
 Runs the calibration script (``resources/calibrate.py``: GEMM GFLOP/s per rank, a
 ping-pong per pair of ranks, an all-reduce) on N ranks of the emulated FILE and writes
 OUT with FILE's machines (ids, hostnames) and device global ids — rank r measured FILE's
-r-th device — and the measured figures: each device's GFLOP/s, and one link per pair of
+r-th device — and the measured figures: each device's GFLOP/s, memory bandwidth, op
+launch cost, per-op-type costs and reshard software costs, and one link per pair of
 devices with its measured bandwidth and latency (``SHM`` inside a machine, ``NET``
 between machines). Type, model and memory stay FILE's, so OUT has FILE's device meshes
 and plans like FILE. With N below FILE's device count, OUT holds the measured devices only
@@ -33,14 +34,13 @@ def relabel(measured: Cluster, source: Cluster, nprocs: int) -> Cluster:
     """The measured cluster (device r = rank r) in ``source``'s machines and global ids."""
     gid = [d.global_id for d in source.devices[:nprocs]]
     rank_of = {g: r for r, g in enumerate(gid)}
-    gflops = {d.global_id: d.gflops for d in measured.devices}
+    figures = {d.global_id: d for d in measured.devices}
     links = [Link(gid[ln.source], gid[ln.target], ln.bandwidth, ln.latency, ln.type)
              for ln in measured.all_links]
     machine_of = {g: source.machine_of(g).id for g in gid}
     machines = []
     for m in source.machines:
-        devices = tuple(Device(d.global_id, d.local_id, m.id, d.type, d.model,
-                               gflops[rank_of[d.global_id]], d.memory)
+        devices = tuple(_measured(d, m.id, figures[rank_of[d.global_id]])
                         for d in m.devices if d.global_id in rank_of)
         if devices:
             inside = tuple(ln for ln in links if machine_of[ln.source] == m.id ==
@@ -54,6 +54,13 @@ def relabel(measured: Cluster, source: Cluster, nprocs: int) -> Cluster:
                        for mesh in source.device_meshes)
     return Cluster(tuple(machines), tuple(between), device_meshes=meshes,
                    name=f"{source.name}_measured", calibration=measured.calibration)
+
+
+def _measured(d: Device, machine: int, got: Device) -> Device:
+    """``d`` (FILE's device) with the figures measured on its rank: GFLOP/s, memory
+    bandwidth, op launch cost, per-op-type costs and per-step reshard software costs."""
+    return Device(d.global_id, d.local_id, machine, d.type, d.model, got.gflops, d.memory,
+                  got.memory_bandwidth, got.op_overhead, got.op_costs, got.reshard_overhead)
 
 
 def comparison(source: Cluster, out: Cluster) -> tuple[str, list[float]]:

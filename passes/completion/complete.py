@@ -384,7 +384,7 @@ class _Completion:
                     op_comm.append((hook, LocalSite(
                         pid, tuple(v.shape for v in op.inputs), ins,
                         tuple(o.shape for o in op.outputs), outs,
-                        tuple(v.dtype for v in op.inputs))))
+                        tuple(v.dtype for v in op.inputs), tuple(sorted(op.attrs.items())))))
         return planned_traffic(points, op_comm, self.pricer)
 
     def write(self) -> None:

@@ -3,7 +3,10 @@ applied to one strategy, one reshard or one tensor before any plan exists.
 
 - an op's strategy: ``op_time`` on its local shapes (and its local attributes, as the
   partitioned op will have them) on the mesh's device, plus its own collectives on the
-  worst ring of the mesh (as the estimate charges them);
+  worst ring of the mesh (as the estimate charges them); a strategy whose distributed
+  form overlaps its collectives with its compute (MeshSlice) costs its pipeline
+  (``best_overlap``: with the number of slices the cost model prefers, which the
+  planner then gives the op);
 - a reshard between two layouts of a Value: ``plan_reshard``'s steps, each
   ``step_time`` on the links of the devices of its mesh dim's group;
 - memory: a strategy's local result bytes.
@@ -24,8 +27,8 @@ import numpy as np
 
 from distgraph import dtypes
 from distgraph.registry import LocalSite, TensorType, get_op
-from distgraph.passes.estimate import (feed_time, op_collective_time, op_time, ring_links,
-                                       step_time)
+from distgraph.passes.estimate import (best_overlap, dim_ring, feed_time, op_collective_time,
+                                       op_time, ring_links, step_time)
 from distgraph.passes.reshard import plan_reshard
 from distgraph.placement import DistAttr, ShardSpec
 
@@ -49,13 +52,11 @@ class SearchCosts:
                tuple(tuple(o.shape) for o in op.outputs), tuple(v.dtype for v in op.inputs),
                repr(sorted(op.attrs.items())), tuple(s.name for s in strategies))
         if key not in self._ops:
-            compute = np.array([self._compute(op, s) for s in strategies])
-            comm = np.array([sum(op_collective_time(kind, n, b, self.op_ring, self.device)
-                                 for kind, n, b in s.comm) for s in strategies])
-            self._ops[key] = (compute, comm)
+            priced = [self._price(op, s) for s in strategies]
+            self._ops[key] = (np.array([c for c, _ in priced]), np.array([m for _, m in priced]))
         return self._ops[key]
 
-    def _compute(self, op, s) -> float:
+    def _price(self, op, s) -> tuple[float, float]:
         attrs = op.attrs
         opdef = get_op(op.type)
         if opdef.localize is not None:
@@ -63,11 +64,21 @@ class SearchCosts:
                              tuple(DistAttr(self.mesh, x) for x in s.in_specs),
                              tuple(o.shape for o in op.outputs),
                              tuple(DistAttr(self.mesh, x) for x in s.out_specs),
-                             tuple(v.dtype for v in op.inputs))
+                             tuple(v.dtype for v in op.inputs), tuple(sorted(attrs.items())))
             attrs, _ = opdef.localize(dict(attrs), site)
         ins = [TensorType(shape, v.dtype) for shape, v in zip(s.in_local_shapes, op.inputs)]
+        ways = opdef.overlap(attrs, ins) if opdef.overlap is not None else ()
+        if ways:
+            _, compute, hidden = best_overlap(ways, self.device, self.ring_of)
+            return compute, hidden
         outs = [TensorType(shape, o.dtype) for shape, o in zip(s.out_local_shapes, op.outputs)]
-        return op_time(op.type, ins, outs, attrs, self.device)
+        return (op_time(op.type, ins, outs, attrs, self.device),
+                sum(op_collective_time(kind, n, b, self.op_ring, self.device)
+                    for kind, n, b in s.comm))
+
+    def ring_of(self, mesh_dim: str) -> tuple:
+        """The ring of the priced process along ``mesh_dim`` (``dim_ring``)."""
+        return dim_ring(self.cluster, self.mesh, self.pid, mesh_dim, self.device_of.__getitem__)
 
     def feed(self, local_shape, dtype: str) -> float:
         """Seconds for a process to copy in its ``local_shape`` part of a feed."""

@@ -26,6 +26,14 @@ Semantics (identical for every implementation):
   done (a receive's array is then ``request.value``). The caller must not change a sent
   array until its request is done. They never wait, so whoever polls them (the pipeline
   actors) owns the timeout.
+- ``iall_gather(arr, group, axis)`` and ``ireduce_scatter(arr, group, axis)`` start the
+  collective and return a :class:`Request` at once (MPI's ``Iallgather`` /
+  ``Ireduce_scatter``): its ``value`` is what the blocking call returns, once
+  ``test()`` is True. Every member starts the same collectives on a group in the same
+  order; several may be in flight at once, on one group or on several, while the caller
+  computes (calling ``test()`` now and then lets MPI move them). ``wait(requests)``
+  blocks until all are done (under the timeout) and returns their values. They count
+  their bytes when started, as the blocking kinds they are.
 
 Nothing waits forever: a receive or collective that waits longer than ``timeout``
 seconds (default 60, or the env var ``DISTGRAPH_COMM_TIMEOUT``) raises RuntimeFault
@@ -43,6 +51,7 @@ process; :class:`~distgraph.runtime.comm.mpi.MPICommunicator` runs them over mpi
 from __future__ import annotations
 
 import os
+import time
 from abc import ABC, abstractmethod
 from contextlib import contextmanager
 
@@ -235,6 +244,50 @@ class Communicator(ABC):
         self._peer(src, tag, "irecv from")
         return self._irecv(tuple(int(s) for s in shape), np.dtype(dtype), src, tag)
 
+    def iall_gather(self, arr, group, axis: int = 0) -> "Request":
+        """Start an all-gather (the module docstring); ``arr`` may be changed at once."""
+        arr = self._c(arr)
+        group = self._group(group, "iall_gather")
+        axis = axis + arr.ndim if axis < 0 else axis
+        self._count("all_gather", len(group), arr.nbytes * len(group))
+        if len(group) == 1:
+            return Request.completed(arr.copy(), f"all_gather on group {group}")
+        return self._iall_gather(arr, group, axis)
+
+    def ireduce_scatter(self, arr, group, axis: int = 0) -> "Request":
+        """Start a reduce-scatter (sum; the module docstring); ``arr`` may be changed at
+        once."""
+        arr = self._c(arr)
+        group = self._group(group, "ireduce_scatter")
+        axis = self._split_axis(arr, axis, len(group), "ireduce_scatter")
+        self._count("reduce_scatter", len(group), arr.nbytes)
+        if len(group) == 1:
+            return Request.completed(arr.copy(), f"reduce_scatter on group {group}")
+        return self._ireduce_scatter(arr, group, axis)
+
+    def wait(self, requests) -> list:
+        """Block until every request is done; their values, in order. RuntimeFault
+        after the timeout, naming what was not done."""
+        requests = list(requests)
+        start = time.monotonic()
+        delay = 0.0
+        while not all([r.test() for r in requests]):
+            if time.monotonic() - start > self.timeout:
+                late = "; ".join(r.what for r in requests if not r.done)
+                raise RuntimeFault(f"rank {self.rank}: timed out after {self.timeout:g} s "
+                                   f"waiting for {late}; this call is collective: call it "
+                                   "on every rank of the group (check that every rank runs "
+                                   "the same plan)")
+            time.sleep(delay)
+            delay = min(delay * 2 or 1e-5, 1e-3)
+        return [r.value for r in requests]
+
+    def _iall_gather(self, arr, group, axis) -> "Request":
+        raise RuntimeFault(f"{type(self).__name__} has no nonblocking all_gather")
+
+    def _ireduce_scatter(self, arr, group, axis) -> "Request":
+        raise RuntimeFault(f"{type(self).__name__} has no nonblocking reduce_scatter")
+
     def _isend(self, arr, dst, tag) -> "Request":
         raise RuntimeFault(f"{type(self).__name__} has no nonblocking send")
 
@@ -288,6 +341,13 @@ class Request:
         self.what = what
         self.value = None
         self.done = False
+
+    @classmethod
+    def completed(cls, value, what: str = "") -> "Request":
+        """A request that is done from the start, with ``value``."""
+        req = cls(what)
+        req.value, req.done = value, True
+        return req
 
     def test(self) -> bool:
         return self.done

@@ -219,6 +219,30 @@ class MPICommunicator(Communicator):
                    peers=group)
         return xb.concatenate(list(out), axis=concat_axis)
 
+    def _iall_gather(self, arr, group, axis):
+        xb = self.backend
+        out = xb.empty((len(group),) + arr.shape, arr.dtype)
+        request = self._sub(group).Iallgather(arr, out)
+        return _MPICollective(self, request, (arr, out), group, f"all_gather on group {group}",
+                              lambda: xb.concatenate(list(out), axis=axis))
+
+    def _ireduce_scatter(self, arr, group, axis):
+        xb = self.backend
+        send = xb.stack(xb.split(arr, len(group), axis))
+        out = xb.empty(send.shape[1:], arr.dtype)
+        request = self._sub(group).Ireduce_scatter_block(send, out, op=self._MPI.SUM)
+        return _MPICollective(self, request, (send, out), group,
+                              f"reduce_scatter on group {group}", lambda: out)
+
+    def wait(self, requests) -> list:
+        requests = list(requests)
+        pending = [r for r in requests if not r.done]
+        if pending:
+            mpi = [r._request for r in pending if isinstance(r, _MPICollective)]
+            peers = sorted({p for r in pending for p in getattr(r, "group", ())})
+            self._wait(mpi, "; ".join(r.what for r in pending), peers=peers or None)
+        return [r.value if r.test() else None for r in requests]
+
     def barrier(self) -> None:
         self.wait_sends()
         self._wait([self._comm.Ibarrier()], "a barrier of all ranks")
@@ -286,3 +310,26 @@ class _MPIRequest(Request):
         if not self.done and self._receive:
             self._request.Cancel()
             self._request.Wait()
+
+
+class _MPICollective(Request):
+    """A started MPI collective and its buffers (kept alive until it is done);
+    ``finish()`` makes the result from them."""
+
+    def __init__(self, comm, request, buffers, group, what, finish):
+        super().__init__(what)
+        self._comm, self._request, self._buffers = comm, request, buffers
+        self.group, self._finish = group, finish
+
+    def test(self) -> bool:
+        if self.done:
+            return True
+        try:
+            done = self._request.Test()
+        except self._comm._MPI.Exception as exc:
+            raise RuntimeFault(f"rank {self._comm.rank}: MPI error on {self.what}: "
+                               f"{exc}") from None
+        if done:
+            self.value, self.done = self._finish(), True
+            self._buffers = self._finish = None
+        return done

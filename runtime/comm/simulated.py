@@ -93,6 +93,19 @@ class SimulatedCommunicator(Communicator):
 
     def _exchange(self, kind: str, group, arr, meta=()) -> dict:
         """Deposit ``arr`` for the next ``kind`` on ``group``; return every member's."""
+        slot, seq = self._deposit(kind, group, arr, meta)
+        w = self._world
+        with w._cond:
+            w._wait(lambda: len(slot["data"]) == len(group), self.rank, self.timeout,
+                    lambda: self._missing(kind, seq, group, slot),
+                    f"{self.phase} is collective: call it on every rank" if self.phase else
+                    "this call is collective: call it on every rank of the group (check "
+                    "that every rank runs the same plan)")
+            return self._collect(slot, group, seq)
+
+    def _deposit(self, kind: str, group, arr, meta=()) -> tuple:
+        """Put this rank's ``arr`` into the slot of the next ``kind`` on ``group``;
+        (the slot, its number on the group)."""
         seq = self._seq.get(group, 0)
         self._seq[group] = seq + 1
         w = self._world
@@ -106,16 +119,21 @@ class SimulatedCommunicator(Communicator):
                                    f"different plans")
             slot["data"][self.rank] = None if arr is None else arr.copy()
             w._cond.notify_all()
-            w._wait(lambda: len(slot["data"]) == len(group), self.rank, self.timeout,
-                    lambda: f"{kind} #{seq} on group {group} (missing ranks "
-                            f"{sorted(set(group) - set(slot['data']))})",
-                    f"{self.phase} is collective: call it on every rank" if self.phase else
-                    "this call is collective: call it on every rank of the group (check "
-                    "that every rank runs the same plan)")
-            data = dict(slot["data"])
-            slot["left"] -= 1
-            if slot["left"] == 0:
-                del w._slots[(group, seq)]
+        return slot, seq
+
+    @staticmethod
+    def _missing(kind, seq, group, slot) -> str:
+        return (f"{kind} #{seq} on group {group} (missing ranks "
+                f"{sorted(set(group) - set(slot['data']))})")
+
+    def _collect(self, slot, group, seq) -> dict:
+        """Every member's array of a full slot (the world's condition held); the last
+        member to collect frees the slot."""
+        w = self._world
+        data = dict(slot["data"])
+        slot["left"] -= 1
+        if slot["left"] == 0:
+            del w._slots[(group, seq)]
         return data
 
     def _all_gather(self, arr, group, axis):
@@ -129,6 +147,33 @@ class SimulatedCommunicator(Communicator):
         for r in group[1:]:
             reduce(out, data[r], out=out)
         return out
+
+    def _iall_gather(self, arr, group, axis):
+        slot, seq = self._deposit("all_gather", group, arr, (axis,))
+        return _SimulatedCollective(
+            self, slot, group, seq, "all_gather",
+            lambda data: self.backend.concatenate([data[r] for r in group], axis=axis))
+
+    def _ireduce_scatter(self, arr, group, axis):
+        slot, seq = self._deposit("reduce_scatter", group, arr, ("sum", axis))
+
+        def finish(data):
+            total = data[group[0]].copy()
+            for r in group[1:]:
+                total += data[r]
+            return self.backend.chunk(total, len(group), axis, group.index(self.rank)).copy()
+
+        return _SimulatedCollective(self, slot, group, seq, "reduce_scatter", finish)
+
+    def wait(self, requests) -> list:
+        requests = list(requests)
+        w = self._world
+        with w._cond:
+            w._wait(lambda: all(r.ready() for r in requests), self.rank, self.timeout,
+                    lambda: "; ".join(r.what for r in requests if not r.ready()),
+                    "this call is collective: call it on every rank of the group (check "
+                    "that every rank runs the same plan)")
+        return [r.value if r.test() else None for r in requests]
 
     def _all_reduce(self, arr, group, op):
         return self._reduced("all_reduce", arr, group, op)
@@ -202,3 +247,32 @@ class _SimulatedReceive(Request):
         self.value, self.done = arr, True
         return True
 
+
+
+class _SimulatedCollective(Request):
+    """A started collective of the simulated world: done once every member of its group
+    has deposited its array; ``finish(data)`` then makes this rank's result."""
+
+    def __init__(self, comm, slot, group, seq, kind, finish):
+        super().__init__(f"{kind} #{seq} on group {group}")
+        self._comm, self._slot, self._group, self._seq = comm, slot, group, seq
+        self._finish = finish
+
+    def ready(self) -> bool:
+        """Whether every member has deposited (the world's condition held, or not)."""
+        return self.done or len(self._slot["data"]) == len(self._group)
+
+    def test(self) -> bool:
+        if self.done:
+            return True
+        w, rank = self._comm._world, self._comm.rank
+        with w._cond:
+            if w._failed is not None and w._failed[0] != rank:
+                failed, exc = w._failed
+                raise RuntimeFault(f"rank {rank}: stopped waiting for {self.what}: rank "
+                                   f"{failed} failed with {type(exc).__name__}: {exc}")
+            if len(self._slot["data"]) < len(self._group):
+                return False
+            data = self._comm._collect(self._slot, self._group, self._seq)
+        self.value, self.done = self._finish(data), True
+        return True

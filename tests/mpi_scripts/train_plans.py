@@ -6,8 +6,9 @@ Usage (the job size must equal every listed plan's process count)::
 
 Every rank trains each plan through ``Engine.fit`` and trains the serial oracle itself;
 rank 0 prints ``PLANS-RESULT {json}`` with, per plan, every rank's ``History.losses``, its
-largest errors against serial, the serial losses, and the kinds of the reshard steps
-that touch gradients and parameters in rank 0's partitioned program.
+largest errors against serial, the serial losses, the kinds of the reshard steps
+that touch gradients and parameters in rank 0's partitioned program, and the matmuls
+that run as MeshSlice.
 """
 
 from __future__ import annotations
@@ -56,8 +57,10 @@ def main(argv) -> None:
         mine = {"losses": history.losses, "errors": errors}
         everyone = comm._comm.gather(mine, root=0)
         if comm.rank == 0:
-            report["plans"][str(plan)] = {"ranks": everyone, "serial": refs[kind][0],
-                                          "reshards": reshard_kinds(engine, 0)}
+            report["plans"][str(plan)] = {
+                "ranks": everyone, "serial": refs[kind][0],
+                "reshards": reshard_kinds(engine, 0),
+                "meshslice": [str(u) for u in dg.passes.meshslice.uses(engine.plan().program)]}
     comm.free()
     if comm.rank == 0:
         print("PLANS-RESULT " + json.dumps(report), flush=True)

@@ -22,7 +22,10 @@ class Strategy:
     ``sharding`` splits optimizer states and updates over
     ``sharding_mesh_dim`` (ZeRO-style); ``profile`` records a timeline; ``check_finite``
     stops training with a RuntimeFault at a NaN or infinite loss (False: train on);
-    ``seed`` seeds shuffling. The planner (:func:`distgraph.passes.plan`) raises
+    ``seed`` seeds shuffling. ``balance`` splits the batch of a data-parallel plan over
+    its groups in proportion to their speed, within each device's memory (rows, or whole
+    micro-batches; :mod:`distgraph.passes.balance`, ``Plan.batch_split``); with
+    ``auto_mode="full"`` the search prices data-parallel groups balanced. The planner (:func:`distgraph.passes.plan`) raises
     PlanError for an option that is not available yet: none is silently ignored."""
 
     auto_mode: str = "semi"
@@ -37,6 +40,7 @@ class Strategy:
     profile: bool = False
     check_finite: bool = True
     seed: int = 0
+    balance: bool = False
 
     def __post_init__(self):
         if self.auto_mode not in ("semi", "full"):

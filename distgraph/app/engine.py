@@ -21,7 +21,7 @@ from distgraph.app.plan_report import write_report
 from distgraph.app.resume import check_checkpoint, checkpoint_info, restore_info
 from distgraph.app.state import ProcessState
 from distgraph.callbacks import CallbackList, ProgressBar
-from distgraph.errors import DistGraphError
+from distgraph.errors import DistGraphError, PlanError
 from distgraph.metrics import as_metrics
 from distgraph.nn.layers import Dropout
 from distgraph.passes.planner import plan
@@ -213,6 +213,7 @@ class Engine:
         """The backend of ``mode``'s plan; with ``outputs`` a distributed one also brings
         the model's global outputs to every rank (what metrics read)."""
         p = self._plans[mode]
+        _check_runnable_split(p)
         # outputs come back through the runner's fetch list only where a runner keeps one
         fetch_outputs = bool(outputs and (p.distributed or p.pipelined))
         key = (id(p), fetch_outputs)
@@ -506,6 +507,19 @@ class Engine:
         if mode not in self._plans:
             raise DistGraphError(f"no {mode} program yet: call prepare() or fit() first")
         return self._plans[mode]
+
+
+def _check_runnable_split(plan) -> None:
+    """The runtime reads even data-parallel shares only (issue 22, phase 2 runs uneven
+    ones): a balanced plan whose split is uneven can be planned and printed, not run."""
+    split = plan.batch_split
+    if split is not None and not split.is_even:
+        rows = ", ".join(f"processes {list(m)}: {u * split.granule}"
+                         for m, u in zip(split.members, split.units))
+        raise PlanError(f"Strategy(balance=True) split the batch of {split.batch} rows "
+                        f"unevenly ({rows}), and running an uneven split is not implemented "
+                        "yet: plan it (engine.prepare(...), distgraph plan) to see the split "
+                        "and its estimate, or train with balance=False")
 
 
 def _check_same_search(plan, comm) -> None:

@@ -129,7 +129,9 @@ def test_bad_fault_lines_say_what_is_expected(line, message):
 def test_calibration_is_relabelled_into_the_files_machines_and_ids():
     source = dg.Cluster.from_file(FILE_2X2)
     ranks = [{"rank": r, "host": f"node{r // 2}", "model": "cpu", "memory": 8.0,
-              "gflops": {"float32": 10.0 + r}} for r in range(4)]
+              "gflops": {"float32": 10.0 + r}, "memory_bandwidth": 5.0 + r,
+              "op_overhead": 30.0 + r, "op_costs": {"matmul": (2.0 + r, 0.01)}}
+             for r in range(4)]
     pairs = {(a, b): (0.1 if a // 2 != b // 2 else 3.0, 40.0) for a in range(4)
              for b in range(a + 1, 4)}
     measured = build_cluster(ranks, pairs, (0.2, 300.0), "calibrated4")
@@ -137,6 +139,11 @@ def test_calibration_is_relabelled_into_the_files_machines_and_ids():
     assert [(m.id, m.hostname) for m in out.machines] == [(0, "node0"), (1, "node1")]
     assert [d.global_id for d in out.devices] == [0, 1, 2, 3]
     assert [d.gflops["float32"] for d in out.devices] == [10.0, 11.0, 12.0, 13.0]
+    # every measured figure the cost model reads comes along; type, model, memory stay
+    assert [d.memory_bandwidth for d in out.devices] == [5.0, 6.0, 7.0, 8.0]
+    assert [d.op_overhead for d in out.devices] == [30.0, 31.0, 32.0, 33.0]
+    assert out.devices[3].op_costs["matmul"] == (5.0, 0.01)
+    assert [d.memory for d in out.devices] == [d.memory for d in source.devices]
     assert [(m.name, m.shape, list(m.ids)) for m in out.device_meshes] == \
         [(m.name, m.shape, list(m.ids)) for m in source.device_meshes]
     assert out.bandwidth(0, 2) == pytest.approx(0.1)

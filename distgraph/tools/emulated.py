@@ -3,9 +3,10 @@
 Runs the calibration script (:mod:`distgraph.tools.calibrate`: GEMM GFLOP/s per rank, a
 ping-pong per pair of ranks, an all-reduce) on N ranks of the emulated FILE and writes
 OUT with FILE's machines (ids, hostnames) and device global ids — rank r measured FILE's
-r-th device — and the measured figures: each device's GFLOP/s, and one link per pair of
-devices with its measured bandwidth and latency (``SHM`` inside a machine, ``NET``
-between machines). Type, model and memory stay FILE's, so OUT has FILE's device meshes
+r-th device — and the measured figures: each device's GFLOP/s, memory bandwidth, op
+costs and reshard-step costs, and one link per pair of devices with its measured
+bandwidth and latency (``SHM`` inside a machine, ``NET`` between machines). Type, model
+and memory stay FILE's, so OUT has FILE's device meshes
 and plans like FILE. With N below FILE's device count, OUT holds the measured devices only
 (and the machines that hold them).
 
@@ -24,12 +25,13 @@ measured ones::
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import tempfile
 
 from distgraph.errors import DistGraphError
-from distgraph.resources.cluster import Cluster, Device, DeviceMesh, Link, Machine
+from distgraph.resources.cluster import Cluster, DeviceMesh, Link, Machine
 from distgraph.runtime.emulate.launch import launch_emulated
 from distgraph.tools.calibrate import SCRIPT as CALIBRATE_SCRIPT
 
@@ -42,14 +44,16 @@ def relabel(measured: Cluster, source: Cluster, nprocs: int) -> Cluster:
     """The measured cluster (device r = rank r) in ``source``'s machines and global ids."""
     gid = [d.global_id for d in source.devices[:nprocs]]
     rank_of = {g: r for r, g in enumerate(gid)}
-    gflops = {d.global_id: d.gflops for d in measured.devices}
+    by_rank = {d.global_id: d for d in measured.devices}
     links = [Link(gid[ln.source], gid[ln.target], ln.bandwidth, ln.latency, ln.type)
              for ln in measured.all_links]
     machine_of = {g: source.machine_of(g).id for g in gid}
     machines = []
     for m in source.machines:
-        devices = tuple(Device(d.global_id, d.local_id, m.id, d.type, d.model,
-                               gflops[rank_of[d.global_id]], d.memory)
+        devices = tuple(dataclasses.replace(by_rank[rank_of[d.global_id]],
+                                            global_id=d.global_id, local_id=d.local_id,
+                                            machine_id=m.id, type=d.type, model=d.model,
+                                            memory=d.memory)
                         for d in m.devices if d.global_id in rank_of)
         if devices:
             inside = tuple(ln for ln in links if machine_of[ln.source] == m.id ==

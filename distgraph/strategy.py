@@ -27,7 +27,11 @@ class Strategy:
     ``seed`` seeds shuffling. ``meshslice`` lets every matmul run as MeshSlice where
     its operands are 2-D sharded (True: the cost model picks each one's number of
     slices K; a number: that K; :mod:`distgraph.passes.meshslice`); completion and the
-    search (auto_mode="full") may then choose MeshSlice's layouts. The planner
+    search (auto_mode="full") may then choose MeshSlice's layouts. ``balance`` splits the
+    batch of a data-parallel plan over its groups in proportion to their speed, within
+    each device's memory (rows, or whole micro-batches; :mod:`distgraph.passes.balance`,
+    ``Plan.batch_split``); with ``auto_mode="full"`` the search prices data-parallel
+    groups balanced. The planner
     (:func:`distgraph.passes.plan`) raises PlanError for an option that is not available
     yet: none is silently ignored."""
 
@@ -45,6 +49,7 @@ class Strategy:
     seed: int = 0
     virtual_stages: int = 1
     meshslice: bool | int = False
+    balance: bool = False
 
     def __post_init__(self):
         if self.auto_mode not in ("semi", "full"):

@@ -26,6 +26,16 @@ communication and bubble, and peak memory per process.
   plan's local programs are one micro-batch's: their forward and backward ops and
   reshards count M times a step, the update's once). The bottleneck
   process's compute and communication are reported, and ``bubble`` is its idle time.
+- **Uneven splits.** With a balanced batch split (``Plan.batch_split``,
+  ``Strategy(balance=True)``) each process is priced on its share: without micro-batches
+  every dim that carries the samples (:mod:`distgraph.passes.samples`) and is split over
+  the split's mesh dims takes the process's rows instead of the even share (its ops,
+  feeds, activations, and the reshards of such values along other mesh dims scale; a
+  collective along the split dims moves the same total and keeps its price); with
+  micro-batches a process runs its own number of them, ``c_p``, and the step is
+  ``T = Σ u_s + max_s (c_s - 1) u_s + max update_s`` over each stage's busiest process.
+  So a data-parallel group of mixed devices is priced at each device's share, not at the
+  slowest device's even share.
 - **Memory** per process: parameters, optimizer states, and the transient values
   (gradients, activations) live at the peak of the executor's free-after-last-use order;
   under a pipeline schedule a stage holds the activations of the micro-batches in
@@ -171,14 +181,15 @@ def ring_links(cluster, devices) -> tuple[float, float]:
             max(cluster.latency(a, b) for a, b in hops))
 
 
-def step_time(step, process: int, cluster, device_of) -> float:
+def step_time(step, process: int, cluster, device_of, scale: float = 1.0) -> float:
     """Seconds that reshard ``step`` costs ``process`` (0 where it takes no part): the
-    alpha-beta of its messages plus the software cost of a step of its kind on the
-    process's device (``Device.reshard_overhead``, measured by calibrate)."""
+    alpha-beta of its messages (their bytes times ``scale``) plus the software cost of a
+    step of its kind on the process's device (``Device.reshard_overhead``, measured by
+    calibrate)."""
     involved = process in step.mesh or (step.dst_mesh is not None and process in step.dst_mesh)
     if not involved:
         return 0.0
-    return _message_time(step, process, cluster, device_of) + \
+    return _message_time(step, process, cluster, device_of, scale) + \
         software_time(cluster.device(device_of(process)), step.kind)
 
 
@@ -274,63 +285,134 @@ def best_overlap(overlaps, device, ring_of, compute_time=None) -> tuple:
     return (ov,) + overlap_time(ov, device, ring_of, compute_time)
 
 
-def _message_time(step, process: int, cluster, device_of) -> float:
+def _message_time(step, process: int, cluster, device_of, scale: float = 1.0) -> float:
     if step.kind == "send_recv":
         per_sender: dict = {}
         for t in step.transfers:
             if t.src != t.dst:
                 a, b = device_of(t.src), device_of(t.dst)
                 per_sender[t.src] = (per_sender.get(t.src, 0.0) + cluster.latency(a, b) * 1e-6
-                                     + t.nbytes / (cluster.bandwidth(a, b) * 1e9))
+                                     + t.nbytes * scale / (cluster.bandwidth(a, b) * 1e9))
         return max(per_sender.values(), default=0.0)
     if step.kind not in COLLECTIVES or step.group_size == 1:
         return 0.0
     group = [device_of(q) for q in step.mesh.group_of(process, step.mesh_dim)]
     bw, lat = ring_links(cluster, group)
-    return collective_time(step.kind, step.group_size, step.buffer_bytes, bw, lat)
+    return collective_time(step.kind, step.group_size, step.buffer_bytes * scale, bw, lat)
+
+
+@dataclass(frozen=True)
+class Share:
+    """A process's share of an uneven batch split over ``mesh_dims``: ``rows``, its rows
+    over the even split's (without micro-batches), and ``micro_batches``, how many it
+    runs (with them; None: the plan's count). ``Share()`` is the even split."""
+
+    rows: float = 1.0
+    micro_batches: int | None = None
+    mesh_dims: tuple = ()
+
+
+def share_of(plan, pid: int) -> Share:
+    """The Share of ``pid`` under the plan's batch split (even without one)."""
+    split = getattr(plan, "batch_split", None)
+    if split is None:
+        return Share()
+    if split.micro_batched:
+        return Share(micro_batches=split.micro_batches(pid), mesh_dims=split.mesh_dims)
+    even = split.batch / len(split.members)
+    return Share(rows=split.row_count(pid) / even, mesh_dims=split.mesh_dims)
 
 
 def estimate(plan, cluster=None) -> Estimate:
     """The plan's predicted step time and memory on ``cluster`` (default: the plan's own
     cluster, else ``Cluster.local`` of its size). See the module docstring."""
     cluster = cluster or plan.cluster or Cluster.local(plan.world_size)
+    per_process, update_time, counts = [], {}, {}
+    for pid in plan.process_ids:
+        share = share_of(plan, pid)
+        p, update_time[pid] = price_process(plan, pid, cluster, share)
+        per_process.append(p)
+        counts[pid] = share.micro_batches or plan.micro_batches
+    return _combine(plan, per_process, update_time, counts)
+
+
+def price_process(plan, pid: int, cluster, share: Share = Share()) -> tuple:
+    """(ProcessEstimate, seconds of its update ops) of process ``pid`` on ``cluster``
+    with ``share`` of the batch (see the module docstring)."""
     devices = cluster.devices
     if len(devices) < plan.world_size:
         raise PlanError(f"the plan has {plan.world_size} processes but the cluster has "
                         f"{len(devices)} devices")
 
-    def device_of(pid: int) -> int:
-        return devices[plan.ranks(pid)].global_id
+    def device_of(q: int) -> int:
+        return devices[plan.ranks(q)].global_id
 
-    stage_of = {}
-    for s, mesh in enumerate(plan.stages):
-        for pid in mesh.process_ids:
-            stage_of.setdefault(pid, s)
+    stage = next((s for s, mesh in enumerate(plan.stages) if pid in mesh.process_ids), 0)
     fetch = [plan.built.loss_name] if plan.built.loss_name else []
-    per_process, update_time = [], {}
-    for pid in plan.process_ids:
-        device = cluster.device(device_of(pid))
-        compute, comm, updates = _process_times(plan, pid, device, cluster, device_of, fetch)
-        memory = _peak_memory(plan, pid, stage_of.get(pid, 0))
-        per_process.append(ProcessEstimate(pid, device.global_id, stage_of.get(pid, 0),
-                                           compute, comm, *memory))
-        update_time[pid] = updates
-    return _combine(plan, per_process, update_time)
+    device = cluster.device(device_of(pid))
+    scale = _Scale(plan, share)
+    compute, comm, updates = _process_times(plan, pid, device, cluster, device_of, fetch,
+                                            scale)
+    memory = _peak_memory(plan, pid, stage, scale)
+    return ProcessEstimate(pid, device.global_id, stage, compute, comm, *memory), updates
 
 
-def _process_times(plan, pid, device, cluster, device_of, fetch):
+class _Scale:
+    """What a Share changes in one process's local program: the size of Values that
+    carry the samples along the split's mesh dims, and the count of micro-batches."""
+
+    def __init__(self, plan, share: Share):
+        self.plan = plan
+        self.micro_batches = share.micro_batches or plan.micro_batches
+        self.rows = share.rows
+        self.dims = frozenset(share.mesh_dims)
+        self.axes = plan.sample_axes() if self.rows != 1.0 else {}
+
+    def axis(self, name: str) -> int | None:
+        """The dim of local Value ``name`` whose size scales, None if none: one that
+        carries the samples and is split over the split's mesh dims (a resharded copy,
+        ``name@k``, as its Value is made)."""
+        if not self.axes:
+            return None
+        base = name if name in self.axes else name.rsplit("@", 1)[0]
+        axis = self.axes.get(base)
+        if axis is None or base not in self.plan.program.values:
+            return None
+        spec = self.plan.program.values[base].dist_attr.spec
+        return axis if self.dims & set(spec.entry(axis)) else None
+
+    def tensor(self, v) -> TensorType:
+        axis = self.axis(v.name)
+        if axis is None:
+            return TensorType(v.shape, v.dtype)
+        shape = list(v.shape)
+        shape[axis] = int(round(shape[axis] * self.rows))
+        return TensorType(tuple(shape), v.dtype)
+
+    def nbytes(self, v) -> float:
+        return v.nbytes * (self.rows if self.axis(v.name) is not None else 1.0)
+
+    def step(self, point, step) -> float:
+        """How a reshard step of ``point`` scales: with the rows of a sample-carrying
+        Value, except along the split's own mesh dims (it moves the same total there)."""
+        if self.axis(point.value) is None or step.mesh_dim in self.dims:
+            return 1.0
+        return self.rows
+
+
+def _process_times(plan, pid, device, cluster, device_of, fetch, scale: _Scale):
     local = plan.local(pid)
-    m = plan.micro_batches        # > 1: the local program is one micro-batch's
+    m = scale.micro_batches       # plan.micro_batches > 1: the local program is one micro-batch's
 
     def times(role: str) -> int:
         return 1 if role == "optimize" else m
 
     # each process copies in its part of every feed, once per micro-batch
-    compute = m * sum(feed_time(v.nbytes, device) for v in local.program.inputs)
+    compute = m * sum(feed_time(scale.nbytes(v), device) for v in local.program.inputs)
     updates = comm = 0.0
     overlapped = set()
     for index, op in enumerate(local.program.ops):
-        ins = [TensorType(v.shape, v.dtype) for v in op.inputs]
+        ins = [scale.tensor(v) for v in op.inputs]
         hook = get_op(op.type).overlap
         ways = hook(op.attrs, ins) if hook is not None else ()
         if ways:
@@ -341,16 +423,15 @@ def _process_times(plan, pid, device, cluster, device_of, fetch):
             comm += hidden * times(op.role)
             overlapped.add(index)
             continue
-        t = op_time(op.type, ins, [TensorType(v.shape, v.dtype) for v in op.outputs],
-                    op.attrs, device)
+        t = op_time(op.type, ins, [scale.tensor(v) for v in op.outputs], op.attrs, device)
         compute += t * times(op.role)
         if op.role == "optimize":
             updates += t
     roles = [op.role for op in plan.program.ops]
-    comm += sum(times(roles[p.anchor]) * step_time(s, pid, cluster, device_of)
+    comm += sum(times(roles[p.anchor]) * step_time(s, pid, cluster, device_of, scale.step(p, s))
                 for p in local.points() for s in p.steps)
     if plan.distributed:
-        comm += sum(step_time(s, pid, cluster, device_of)
+        comm += sum(step_time(s, pid, cluster, device_of, scale.step(p, s))
                     for p in gather_points(plan.program, fetch, pid) for s in p.steps)
     if local.op_comm:
         ops = local.program.ops
@@ -360,13 +441,15 @@ def _process_times(plan, pid, device, cluster, device_of, fetch):
             # The op's own collectives run inside its mesh: the worst ring of that mesh.
             ring = ring_links(cluster, [device_of(q)
                                         for q in ops[index].dist_attr.mesh.process_ids])
-            comm += times(ops[index].role) * sum(op_collective_time(kind, n, nbytes, ring,
-                                                                    device)
+            rows = scale.rows if any(scale.axis(v.name) is not None
+                                     for v in ops[index].inputs) else 1.0
+            comm += times(ops[index].role) * sum(op_collective_time(kind, n, nbytes * rows,
+                                                                    ring, device)
                                                  for kind, n, nbytes in collectives)
     return compute, comm, updates
 
 
-def _peak_memory(plan, pid, stage) -> tuple[int, int, int, int]:
+def _peak_memory(plan, pid, stage, scale: _Scale) -> tuple[int, int, int, int]:
     """(parameters, states, gradients, activations) bytes at the process's peak."""
     local = plan.local(pid)
     prog = local.program
@@ -384,12 +467,12 @@ def _peak_memory(plan, pid, stage) -> tuple[int, int, int, int]:
         for name in reads + writes:
             last[name] = k
     keep = {v.name for v in prog.persistables}
-    live = {v.name: v.nbytes for v in prog.inputs}
+    live = {v.name: scale.nbytes(v) for v in prog.inputs}
     peak, at_peak = sum(live.values()), dict(live)
     for k, (reads, writes) in enumerate(items):
         for name in writes:
             if name not in keep:
-                live[name] = prog.values[name].nbytes
+                live[name] = scale.nbytes(prog.values[name])
         total = sum(live.values())
         if total > peak:
             peak, at_peak = total, dict(live)
@@ -398,27 +481,27 @@ def _peak_memory(plan, pid, stage) -> tuple[int, int, int, int]:
                 live.pop(name, None)
     grads = sum(b for n, b in at_peak.items() if "@GRAD" in n)
     acts = sum(b for n, b in at_peak.items() if "@GRAD" not in n)
-    m = plan.micro_batches
-    if m > 1:
+    if plan.micro_batches > 1:
         # the local program is one micro-batch's, and a stage holds the activations of
         # the micro-batches in flight
+        m = scale.micro_batches
         in_flight = m if plan.strategy.schedule == "FThenB" else min(m, len(plan.stages) - stage)
         acts = acts * in_flight
-    return params, states, grads, acts
+    return params, states, int(grads), int(acts)
 
 
-def _combine(plan, processes, update_time) -> Estimate:
+def _combine(plan, processes, update_time, counts) -> Estimate:
     by_stage: dict = {}
     for p in processes:
         by_stage.setdefault(p.stage, []).append(p)
     slowest = {s: max(ps, key=lambda p: p.busy) for s, ps in by_stage.items()}
-    m = plan.micro_batches
-    if m == 1:
+    if plan.micro_batches == 1:
         total = sum(p.busy for p in slowest.values())
     else:
         upd = {s: update_time[p.process] for s, p in slowest.items()}
-        per_mb = [(p.busy - upd[s]) / m for s, p in slowest.items()]
-        total = sum(per_mb) + (m - 1) * max(per_mb) + max(upd.values())
+        per_mb = {s: (p.busy - upd[s]) / counts[p.process] for s, p in slowest.items()}
+        total = (sum(per_mb.values()) + max((counts[p.process] - 1) * per_mb[s]
+                                            for s, p in slowest.items()) + max(upd.values()))
     bottleneck = max(processes, key=lambda p: p.busy)
     return Estimate(total, bottleneck.compute, bottleneck.communication,
                     max(total - bottleneck.busy, 0.0), tuple(processes))

@@ -5,6 +5,9 @@ attributes (with ``Strategy(sharding=True)``, shards the updates and completes a
 places the logical processes on the cluster's devices, and returns a :class:`Plan`.
 With ``Strategy(recompute=...)`` the copy is first rewritten so that the chosen layers'
 activations are recomputed in the backward (:mod:`distgraph.passes.transforms.recompute`).
+With ``Strategy(balance=True)`` the plan also carries the balanced split of its batch over
+its data-parallel groups (``plan.batch_split``, :mod:`distgraph.passes.balance`) and the
+estimate that prices it.
 The built program is left as it was, so a search can score many plans of one program,
 and planning needs no running job: a 4-process plan can be made and printed from one
 process.
@@ -39,6 +42,7 @@ from types import MappingProxyType
 
 from distgraph.errors import PlanError, ShardingError
 from distgraph.mesh import ProcessMesh, ProcessRanks
+from distgraph.passes.balance import balance_batch, batch_mesh_dims
 from distgraph.passes.completion.complete import complete
 from distgraph.passes.completion import stage_order
 from distgraph.passes.estimate import estimate, fmt_bytes
@@ -52,6 +56,7 @@ from distgraph.passes.pipeline.chunks import (chunk_meshes, chunk_of_ops, forwar
                                               place_chunks)
 from distgraph.passes.pipeline.schedule import make_schedule, replay
 from distgraph.passes.pipeline.task_graph import build_task_graph
+from distgraph.passes.samples import sample_axes
 from distgraph.passes.search.auto import annotate, within_budget
 from distgraph.passes.transforms.recompute import recompute, segments
 from distgraph.passes.transforms.zero import shard_updates
@@ -69,7 +74,10 @@ class Plan:
     ``ranks`` (a :class:`~distgraph.mesh.ProcessRanks`) says which rank runs each
     logical process; ``stages`` are the meshes of the forward program in data-flow
     order; ``estimate`` is the cost model's estimate, where one was made; ``search``
-    the report of the automatic search (``Strategy(auto_mode="full")``), else None.
+    the report of the automatic search (``Strategy(auto_mode="full")``), else None;
+    ``batch_split`` the rows of a global batch each process reads under
+    ``Strategy(balance=True)`` (:class:`~distgraph.passes.batch_split.BatchSplit`), else
+    None (each data-parallel process reads an even share).
 
     With ``Strategy(micro_batches=M)``, M > 1, ``program`` is the *micro-batch* program
     (forward, backward and update on micro-batch shapes) and ``accumulation`` says how
@@ -87,6 +95,7 @@ class Plan:
     estimate: object = None
     accumulation: object = None
     search: object = None
+    batch_split: object = None
     partitions: MappingProxyType = field(default_factory=lambda: MappingProxyType({}),
                                          repr=False)
     graph: object = field(default=None, repr=False)
@@ -128,6 +137,13 @@ class Plan:
         runs them (``str(action)`` in torch.distributed.pipelining's notation, "0F3");
         without micro-batches one F and one B per stage. The update is not an action."""
         return self.order.as_dict()
+
+    def sample_axes(self) -> dict:
+        """{Value name: the dim that carries the batch's samples} of :attr:`program`
+        (:func:`distgraph.passes.samples.sample_axes`), found on first use and kept."""
+        if "sample_axes" not in self._cache:
+            self._cache["sample_axes"] = sample_axes(self.program, self.built.feed_names)
+        return self._cache["sample_axes"]
 
     def local(self, process_id: int) -> LocalProgram:
         """The local program of ``process_id``."""
@@ -194,6 +210,8 @@ class Plan:
             lines.append(f"    {p} ({fmt_bytes(p.bytes)})")
         if self.search is not None:
             lines.append("  " + str(self.search).replace("\n", "\n  "))
+        if self.batch_split is not None:
+            lines.append("  " + str(self.batch_split).replace("\n", "\n  "))
         if self.estimate is not None:
             lines.append("  estimate: " + str(self.estimate).replace("\n", "\n  "))
         return "\n".join(lines)
@@ -239,6 +257,8 @@ class Plan:
             out["estimate"] = self.estimate.to_dict()
         if self.search is not None:
             out["search"] = self.search.to_dict()
+        if self.batch_split is not None:
+            out["batch_split"] = self.batch_split.to_dict()
         return out
 
     def to_json(self, indent: int | None = 2) -> str:
@@ -316,8 +336,11 @@ def _plan(built, strategy, cluster, rank_mapping, accumulation, ilp_budget=None)
     planned = dataclasses.replace(planned, graph=graph, order=order)
     if searched is not None:
         searched.result.check(program)
-        planned = dataclasses.replace(planned, estimate=estimate(planned, cluster),
-                                      search=searched.result.report)
+        planned = dataclasses.replace(planned, search=searched.result.report)
+    if strategy.balance:
+        planned = _balanced(planned, cluster, searched is not None)
+    if searched is not None or planned.batch_split is not None:
+        planned = dataclasses.replace(planned, estimate=estimate(planned, cluster))
     return planned
 
 
@@ -351,6 +374,20 @@ def _completed(built, strategy, cluster, accumulation, ilp_budget, placement=Non
     return copy, searched
 
 
+def _balanced(planned: Plan, cluster, searched: bool) -> Plan:
+    """``planned`` with the balanced split of its batch. A searched plan that splits no
+    batch has none to balance (the search priced the balanced groups and chose none)."""
+    if searched and not planned.distributed:
+        return planned
+    if searched:
+        try:
+            batch_mesh_dims(planned)
+        except PlanError:
+            return planned
+    split = balance_batch(planned, cluster, planned.strategy.solver_time_limit)
+    return dataclasses.replace(planned, batch_split=split)
+
+
 def _check_supported(strategy: Strategy) -> None:
     """Options that only mean something together are refused apart, never ignored."""
     full = strategy.auto_mode == "full"
@@ -368,9 +405,11 @@ def _check_supported(strategy: Strategy) -> None:
         raise PlanError(f"Strategy(solver_time_limit={strategy.solver_time_limit!r}): give a "
                         "number of seconds > 0")
     defaults = Strategy()
-    if strategy.solver_time_limit != defaults.solver_time_limit and not full:
+    if strategy.solver_time_limit != defaults.solver_time_limit and not (full or
+                                                                         strategy.balance):
         raise PlanError(f"Strategy(solver_time_limit={strategy.solver_time_limit!r}) bounds "
-                        "the automatic search: use it with auto_mode='full'")
+                        "the automatic search and the balanced split: use it with "
+                        "auto_mode='full' or balance=True")
     if strategy.sharding_mesh_dim != defaults.sharding_mesh_dim and not strategy.sharding:
         raise PlanError(f"Strategy(sharding_mesh_dim={strategy.sharding_mesh_dim!r}) names "
                         "the dim ZeRO-style sharding splits updates over: use it with "

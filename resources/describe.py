@@ -64,10 +64,12 @@ def describe(cluster) -> str:
     for mesh in cluster.device_meshes:
         dims = ", ".join(f"{_fmt(b)}/{_fmt(la)}" for b, la in
                          zip(mesh.dim_bandwidths, mesh.dim_latencies))
-        d0 = cluster.device(mesh.ids[0])
+        devs = [cluster.device(i) for i in mesh.ids]
+        d0 = devs[0]
         rows.append([mesh.name, f"{mesh.device_type} {mesh.model}".strip(), str(mesh.shape),
                      _ranges(mesh.ids), dims, f"{d0.memory:g} GB",
-                     " ".join(f"{k}={_fmt(v)}" for k, v in d0.gflops.items())])
+                     " ".join(f"{k}={_span([d.gflops.get(k, 0.0) for d in devs])}"
+                              for k in d0.gflops)])
     lines += _table(["name", "device", "shape", "ids", "dims", "memory", "GFLOP/s"], rows)
     lines.append("Links:")
     lines += _link_rows(cluster)
@@ -102,3 +104,9 @@ def _link_rows(cluster) -> list[str]:
     if not rows:
         return ["  (none)"]
     return _table(["where", "type", "GB/s", "latency us", "count", "pairs"], rows)
+
+
+def _span(values) -> str:
+    """One figure, or ``low..high`` where a mesh's devices differ (same model, other speeds)."""
+    low, high = min(values), max(values)
+    return _fmt(low) if low == high else f"{_fmt(low)}..{_fmt(high)}"

@@ -71,6 +71,18 @@ def two_speed_cluster(ratio: float = 2.0) -> dg.Cluster:
         {"source": 0, "target": 1, "bandwidth": 10.0, "latency": 1.0}]})
 
 
+def mixed_speed_cluster(ratio: float = 2.0, slow_first: bool = False) -> dg.Cluster:
+    """Two machines of one device each, one device model (so one 1-D device mesh), the
+    fast device ``ratio`` times the slow one's GFLOP/s; device 0 is the slow one with
+    ``slow_first``."""
+    fast = dict(FLOPS_ONLY, gflops={"float32": 50 * ratio, "float64": 25 * ratio})
+    kinds = (FLOPS_ONLY, fast) if slow_first else (fast, FLOPS_ONLY)
+    machines = [{"id": m, "hostname": f"node{m}", "devices": [_device(m, 0, kind)]}
+                for m, kind in enumerate(kinds)]
+    return dg.Cluster.from_dict({"name": "mixed_speeds", "machines": machines, "links": [
+        {"source": 0, "target": 1, "bandwidth": 10.0, "latency": 1.0}]})
+
+
 def grid_cluster(fast: float = 100.0, slow: float = 1.0, latency: float = 1.0) -> dg.Cluster:
     """2 machines x 2 devices: a (2, 2) device mesh whose dim 1 (inside a machine) has
     ``fast`` GB/s and dim 0 (across the machines) ``slow``."""

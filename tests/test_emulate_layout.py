@@ -9,7 +9,9 @@ import pytest
 import distgraph as dg
 from distgraph.errors import PlanError
 from distgraph.tools.calibrate import build_cluster
-from distgraph.tools.emulated import comparison, relabel
+from distgraph.tools.emulated import comparison, relabel, speed_comparison
+from distgraph.runtime.emulate.cgroups import (CpuController, find_controller, quota,
+                                               require_controller)
 from distgraph.runtime.emulate.faults import parse_fault
 from distgraph.runtime.emulate.launch import run_command
 from distgraph.runtime.emulate.layout import (choose_subnet, namespace_name, parse_namespace,
@@ -127,7 +129,9 @@ def test_bad_fault_lines_say_what_is_expected(line, message):
 def test_calibration_is_relabelled_into_the_files_machines_and_ids():
     source = dg.Cluster.from_file(FILE_2X2)
     ranks = [{"rank": r, "host": f"node{r // 2}", "model": "cpu", "memory": 8.0,
-              "gflops": {"float32": 10.0 + r}} for r in range(4)]
+              "gflops": {"float32": 10.0 + r}, "memory_bandwidth": 5.0 + r,
+              "op_overhead": 30.0 + r, "op_costs": {"matmul": (2.0 + r, 0.01)}}
+             for r in range(4)]
     pairs = {(a, b): (0.1 if a // 2 != b // 2 else 3.0, 40.0) for a in range(4)
              for b in range(a + 1, 4)}
     measured = build_cluster(ranks, pairs, (0.2, 300.0), "calibrated4")
@@ -135,6 +139,11 @@ def test_calibration_is_relabelled_into_the_files_machines_and_ids():
     assert [(m.id, m.hostname) for m in out.machines] == [(0, "node0"), (1, "node1")]
     assert [d.global_id for d in out.devices] == [0, 1, 2, 3]
     assert [d.gflops["float32"] for d in out.devices] == [10.0, 11.0, 12.0, 13.0]
+    # every measured figure the cost model reads comes along; type, model, memory stay
+    assert [d.memory_bandwidth for d in out.devices] == [5.0, 6.0, 7.0, 8.0]
+    assert [d.op_overhead for d in out.devices] == [30.0, 31.0, 32.0, 33.0]
+    assert out.devices[3].op_costs["matmul"] == (5.0, 0.01)
+    assert [d.memory for d in out.devices] == [d.memory for d in source.devices]
     assert [(m.name, m.shape, list(m.ids)) for m in out.device_meshes] == \
         [(m.name, m.shape, list(m.ids)) for m in source.device_meshes]
     assert out.bandwidth(0, 2) == pytest.approx(0.1)
@@ -171,3 +180,76 @@ def test_run_command_checks_its_options_before_anything_starts(capsys):
     assert "--emulate-fault needs --emulate" in capsys.readouterr().err
     assert run_command(_args(emulate=FILE_2X2, cluster="other.yaml")) == 2
     assert "give only --emulate" in capsys.readouterr().err
+
+
+MIXED_2X1 = os.path.join(CLUSTERS, "emulated_mixed_2x1.yaml")
+MIXED_2X2 = os.path.join(CLUSTERS, "emulated_mixed_2x2.yaml")
+
+
+def test_a_slower_machine_gets_its_share_of_the_fastest_machines_cores():
+    layout = plan_layout(dg.Cluster.from_file(MIXED_2X2), 4, "1.2", "10.1.1")
+    assert layout.throttled and layout.speed_dtype == "float32"
+    assert [(m.speed, m.cpu_cores) for m in layout.machines] == [(1.0, 2.0), (0.5, 1.0)]
+    assert "computes at 0.5 x the fastest (1 cores)" in layout.describe()
+    # fewer ranks: the file's fastest machine still sets the scale
+    one = plan_layout(dg.Cluster.from_file(MIXED_2X1), 2, "1.2", "10.1.1")
+    assert [m.cpu_cores for m in one.machines] == [1.0, 0.5]
+    assert not plan_layout(dg.Cluster.from_file(MIXED_2X2), 2, "1.2", "10.1.1").throttled
+
+
+def test_machines_of_equal_speed_are_not_throttled():
+    layout = plan_layout(two_by_two(), 4, "1.2", "10.1.1")
+    assert not layout.throttled
+    assert [m.speed for m in layout.machines] == [1.0, 1.0]
+
+
+def test_speeds_compare_one_dtype_that_every_device_gives():
+    def machine(mid, gflops):
+        return {"id": mid, "hostname": f"h{mid}", "devices": [
+            {"global_id": mid, "type": "CPU", "memory": 1, "gflops": gflops}]}
+    links = [{"source": 0, "target": 1, "bandwidth": 1, "latency": 5}]
+    apart = dg.Cluster.from_dict({"machines": [machine(0, {"float32": 4}),
+                                               machine(1, {"float64": 2})], "links": links})
+    with pytest.raises(PlanError, match="no dtype appears in every device"):
+        plan_layout(apart, 2, "1.2", "10.1.1")
+    f64 = dg.Cluster.from_dict({"machines": [machine(0, {"float64": 4}),
+                                             machine(1, {"float64": 1})], "links": links})
+    layout = plan_layout(f64, 2, "1.2", "10.1.1")
+    assert layout.speed_dtype == "float64"
+    assert [m.speed for m in layout.machines] == [1.0, 0.25]
+
+
+def test_quota_period_weight_and_the_slowest_machine_it_can_emulate():
+    assert quota(1.0) == (10_000, 10_000, 1024)
+    assert quota(0.5) == (10_000, 5_000, 512)
+    assert quota(2.0) == (10_000, 20_000, 2048)
+    assert quota(0.05) == (100_000, 5_000, 51)      # under 1 ms per 10 ms: longer period
+    with pytest.raises(PlanError, match="at least 1%"):
+        quota(0.005)
+
+
+V1 = ("30 25 0:26 / /sys/fs/cgroup/cpu rw,relatime shared:9 - cgroup cgroup rw,cpu\n"
+      "35 25 0:31 / /sys/fs/cgroup/unified rw,relatime shared:14 - cgroup2 cgroup2 rw\n")
+V2 = "25 1 0:22 / /sys/fs/cgroup rw,nosuid shared:4 - cgroup2 cgroup2 rw,nsdelegate\n"
+
+
+def test_the_cpu_controller_is_found_in_v1_or_v2_and_missing_is_one_line():
+    assert find_controller(V1, lambda path: "") == CpuController(1, "/sys/fs/cgroup/cpu")
+    assert find_controller(V2, lambda path: "cpuset cpu io memory") == \
+        CpuController(2, "/sys/fs/cgroup")
+    assert find_controller(V2, lambda path: "memory pids") is None
+    with pytest.raises(PlanError) as err:
+        require_controller(mountinfo=V2.replace("cgroup2", "tmpfs"))
+    assert "no cgroup cpu controller" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_speed_table_compares_each_machines_share_with_the_files():
+    source = dg.Cluster.from_file(MIXED_2X2)
+    ranks = [{"rank": r, "host": f"node{r // 2}", "model": "cpu", "memory": 8.0,
+              "gflops": {"float32": 40.0 if r < 2 else 24.0, "float64": 1.0}}
+             for r in range(4)]
+    pairs = {(a, b): (0.1, 40.0) for a in range(4) for b in range(a + 1, 4)}
+    out = relabel(build_cluster(ranks, pairs, None, "calibrated4"), source, 4)
+    table, shares = speed_comparison(source, out)
+    assert shares == pytest.approx([1.0, 24.0 / 40.0 / 0.5])
+    assert "1 of 2 machines compute within 15% of the file's speed ratio" in table

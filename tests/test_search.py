@@ -183,3 +183,27 @@ def test_the_search_needs_a_cluster_with_one_device_mesh():
                                                "clusters", "hetero_2gpu_2xpu.yaml"))
     with pytest.raises(dg.PlanError, match="pipeline=True"):
         dg.passes.plan(S.mlp_program(64, 64), dg.Strategy(auto_mode="full"), hetero)
+
+
+def test_balanced_data_parallel_groups_are_chosen_where_they_pay():
+    # one device twice as fast as the other: priced at the slow device's even share,
+    # Megatron wins; with balance=True the search prices data parallelism at its
+    # balanced split, picks it, and the estimate agrees that it is faster
+    cluster = S.mixed_speed_cluster(2.0, slow_first=True)
+    even = auto(S.mlp_program(batch=128, hidden=1024), cluster)
+    balanced = auto(S.mlp_program(batch=128, hidden=1024), cluster, balance=True)
+    assert consumed(S.forward_matmuls(even)[0])[1] == "[None, x]"
+    assert consumed(S.forward_matmuls(balanced)[0]) == ["[x, None]", "[None, None]"]
+    slow, fast = balanced.batch_split.units                # about 1 : 2, in rows
+    assert slow + fast == 128 and 1.9 <= fast / slow <= 2.1
+    assert balanced.estimate.step_time < 0.8 * even.estimate.step_time
+
+
+@pytest.mark.parametrize("slow_first", [False, True])
+def test_the_balanced_search_prices_what_the_estimate_of_its_split_prices(slow_first):
+    cluster = S.mixed_speed_cluster(2.0, slow_first=slow_first)
+    plan = auto(S.mlp_program(batch=1024, hidden=128), cluster, balance=True)
+    fast = 1 if slow_first else 0
+    assert plan.batch_split.row_count(fast) == 683
+    # the search's shares are exact fractions, the split's whole rows
+    assert plan.search.objective == pytest.approx(plan.estimate.step_time, rel=0.01)

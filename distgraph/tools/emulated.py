@@ -1,6 +1,6 @@
 """``distgraph cluster calibrate --emulate FILE -n N -o OUT``: measure an emulated cluster.
 
-Runs the calibration script (``resources/calibrate.py``: GEMM GFLOP/s per rank, a
+Runs the calibration script (:mod:`distgraph.tools.calibrate`: GEMM GFLOP/s per rank, a
 ping-pong per pair of ranks, an all-reduce) on N ranks of the emulated FILE and writes
 OUT with FILE's machines (ids, hostnames) and device global ids — rank r measured FILE's
 r-th device — and the measured figures: each device's GFLOP/s, memory bandwidth, op
@@ -10,24 +10,34 @@ between machines). Type, model and memory stay FILE's, so OUT has FILE's device 
 and plans like FILE. With N below FILE's device count, OUT holds the measured devices only
 (and the machines that hold them).
 
-It then prints, per pair of devices, FILE's figure next to the measured one::
+GEMM rates are measured sustained (over :data:`GEMM_WINDOW` seconds, all ranks at once),
+since a machine slowed by a CPU quota computes at full speed for a moment at a time.
+It then prints each machine's measured GEMM rate next to FILE's (as shares of the
+machine FILE says is fastest), and, per pair of devices, FILE's link figures next to the
+measured ones::
 
+    machine  ranks  file GFLOP/s  file ratio  measured GFLOP/s  measured ratio  ratio/file
+    node0    0      50            1           41.3              1               1.00
+    node1    1      25            0.5         20.9              0.506           1.01
     pair  machines     file GB/s  measured GB/s  ratio  file us  measured us
     0-2   node0-node1  0.125      0.1172         0.94   100      48.3
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import tempfile
 
 from distgraph.errors import DistGraphError
-from distgraph.resources.cluster import Cluster, Device, DeviceMesh, Link, Machine
+from distgraph.resources.cluster import Cluster, DeviceMesh, Link, Machine
 from distgraph.runtime.emulate.launch import launch_emulated
 from distgraph.tools.calibrate import SCRIPT as CALIBRATE_SCRIPT
 
 BANDWIDTH_TOLERANCE = 0.2
+SPEED_TOLERANCE = 0.15
+GEMM_WINDOW = 0.3            # seconds: 30 periods of the emulation's CPU quota
 
 
 def relabel(measured: Cluster, source: Cluster, nprocs: int) -> Cluster:
@@ -56,11 +66,13 @@ def relabel(measured: Cluster, source: Cluster, nprocs: int) -> Cluster:
                    name=f"{source.name}_measured", calibration=measured.calibration)
 
 
-def _measured(d: Device, machine: int, got: Device) -> Device:
-    """``d`` (FILE's device) with the figures measured on its rank: GFLOP/s, memory
-    bandwidth, op launch cost, per-op-type costs and per-step reshard software costs."""
-    return Device(d.global_id, d.local_id, machine, d.type, d.model, got.gflops, d.memory,
-                  got.memory_bandwidth, got.op_overhead, got.op_costs, got.reshard_overhead)
+def _measured(d, machine: int, got):
+    """``d`` (FILE's device) with the figures measured on its rank (``got``): GFLOP/s,
+    memory bandwidth, op launch cost, per-op-type costs and per-step reshard software
+    costs; identity, type, model and memory stay FILE's."""
+    return dataclasses.replace(got, global_id=d.global_id, local_id=d.local_id,
+                               machine_id=machine, type=d.type, model=d.model,
+                               memory=d.memory)
 
 
 def comparison(source: Cluster, out: Cluster) -> tuple[str, list[float]]:
@@ -80,13 +92,54 @@ def comparison(source: Cluster, out: Cluster) -> tuple[str, list[float]]:
         rows.append((f"{a}-{b}", host[ma] if ma == mb else f"{host[ma]}-{host[mb]}",
                      f"{file_bw:g}", f"{ln.bandwidth:.4g}", f"{ratio:.2f}", f"{file_lat:g}",
                      f"{ln.latency:.3g}"))
-    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
-    lines = ["  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip()
-             for r in [header, *rows]]
     within = sum(abs(r - 1) <= BANDWIDTH_TOLERANCE for r in ratios)
-    lines.append(f"between machines, {within} of {len(ratios)} pairs measure within "
-                 f"{BANDWIDTH_TOLERANCE:.0%} of the file's bandwidth")
-    return "\n".join(lines), ratios
+    return (_table(header, rows) + f"\nbetween machines, {within} of {len(ratios)} pairs "
+            f"measure within {BANDWIDTH_TOLERANCE:.0%} of the file's bandwidth"), ratios
+
+
+def speed_comparison(source: Cluster, out: Cluster) -> tuple[str, list[float]]:
+    """The per-machine GEMM table (FILE's rate and share of its fastest machine of the
+    job next to the measured ones), and each machine's measured share over FILE's."""
+    dtype = _common_dtype(out.devices)
+    measured_ids = {d.global_id for d in out.devices}
+    rows = []
+    for m in source.machines:
+        ids = [d.global_id for d in m.devices if d.global_id in measured_ids]
+        if not ids:
+            continue
+        file_rate = _mean(source.device(i).gflops.get(dtype, 0.0) for i in ids)
+        rows.append((m.hostname, ids, file_rate, _mean(out.device(i).gflops[dtype] for i in ids)))
+    ref = max(rows, key=lambda r: r[2])
+    header = ("machine", "ranks", f"file GFLOP/s ({dtype})", "file ratio", "measured GFLOP/s",
+              "measured ratio", "ratio/file")
+    lines, shares = [], []
+    for host, ids, file_rate, measured in rows:
+        file_ratio = file_rate / ref[2] if ref[2] else 1.0
+        measured_ratio = measured / ref[3]
+        shares.append(measured_ratio / file_ratio)
+        lines.append((host, ",".join(map(str, ids)), f"{file_rate:g}", f"{file_ratio:.3g}",
+                      f"{measured:.4g}", f"{measured_ratio:.3g}", f"{shares[-1]:.2f}"))
+    table = _table(header, lines)
+    within = sum(abs(r - 1) <= SPEED_TOLERANCE for r in shares)
+    table += (f"\n{within} of {len(shares)} machines compute within {SPEED_TOLERANCE:.0%} of "
+              "the file's speed ratio")
+    return table, shares
+
+
+def _common_dtype(devices) -> str:
+    common = set.intersection(*(set(d.gflops) for d in devices))
+    return "float32" if "float32" in common else sorted(common)[0]
+
+
+def _mean(values) -> float:
+    values = list(values)
+    return sum(values) / len(values)
+
+
+def _table(header, rows) -> str:
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip()
+                     for r in [header, *rows])
 
 
 def calibrate_command_emulated(args) -> int:
@@ -98,7 +151,8 @@ def calibrate_command_emulated(args) -> int:
         with tempfile.TemporaryDirectory(prefix="distgraph-calibrate-") as tmp:
             raw = os.path.join(tmp, "measured.yaml")
             rc = launch_emulated(args.emulate, args.nprocs,
-                                 [CALIBRATE_SCRIPT, "-o", raw, "--repeats", str(args.repeats)],
+                                 [CALIBRATE_SCRIPT, "-o", raw, "--repeats", str(args.repeats),
+                                  "--gemm-window", str(GEMM_WINDOW)],
                                  timeout=args.timeout)
             if rc != 0:
                 print(f"{prog}: the measuring ranks failed (exit code {rc}); see their output "
@@ -110,7 +164,7 @@ def calibrate_command_emulated(args) -> int:
     except DistGraphError as err:
         print(f"{prog}: {err}", file=sys.stderr)
         return 2
-    table, _ = comparison(source, out)
     print(f"wrote {args.output}: {source.name!r} measured on {args.nprocs} emulated ranks")
-    print(table)
+    print(speed_comparison(source, out)[0])
+    print(comparison(source, out)[0])
     return 0

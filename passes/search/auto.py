@@ -104,7 +104,7 @@ def annotate(copy, strategy, cluster, accumulation, ilp_budget) -> AutoChoice:
     weights = {"forward": micro, "loss": micro, "backward": micro, "optimize": 1}
     result = search(program, mesh, cluster, device_of, weights=weights, loss=copy.loss_name,
                     memory_budget=ilp_budget, time_limit=strategy.solver_time_limit,
-                    blocks=copy.block_paths)
+                    blocks=copy.block_paths, balance=strategy.balance)
     result.annotate(program)
     return AutoChoice(result, device_of)
 

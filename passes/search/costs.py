@@ -15,6 +15,14 @@ A process of the mesh stands for all: every process of one SPMD mesh runs the sa
 local program. Results are cached by signature, so the identical blocks of a
 transformer cost one computation each.
 
+With ``sample_axes`` (``Strategy(balance=True)``: which dim of each Value carries the
+batch's samples, :func:`distgraph.passes.samples.sample_axes`) an op's strategy is priced
+on every device of the mesh at the share of the batch it would get, and the slowest
+counts: where the strategy splits the samples over mesh dims D, the groups along D share
+the rows in proportion to their speed (their slowest device's GFLOP/s), so a mixed
+data-parallel group costs what its balanced split costs; where it does not, every
+device does the same work and the slowest device sets the price.
+
 Example::
 
     costs = SearchCosts(cluster, mesh, {0: 0, 1: 1})
@@ -37,8 +45,9 @@ class SearchCosts:
     """Seconds and bytes of strategies on ``mesh``, whose process p runs on device
     ``device_of[p]`` of ``cluster``."""
 
-    def __init__(self, cluster, mesh, device_of: dict):
+    def __init__(self, cluster, mesh, device_of: dict, sample_axes: dict | None = None):
         self.cluster, self.mesh, self.device_of = cluster, mesh, dict(device_of)
+        self.sample_axes = sample_axes
         self.pid = mesh.process_ids[0]
         self.device = cluster.device(self.device_of[self.pid])
         self.op_ring = ring_links(cluster, [self.device_of[p] for p in mesh.process_ids])
@@ -72,9 +81,55 @@ class SearchCosts:
             _, compute, hidden = best_overlap(ways, self.device, self.ring_of)
             return compute, hidden
         outs = [TensorType(shape, o.dtype) for shape, o in zip(s.out_local_shapes, op.outputs)]
-        return (op_time(op.type, ins, outs, attrs, self.device),
-                sum(op_collective_time(kind, n, b, self.op_ring, self.device)
-                    for kind, n, b in s.comm))
+        comm = sum(op_collective_time(kind, n, b, self.op_ring, self.device)
+                   for kind, n, b in s.comm)
+        if self.sample_axes is None:
+            return op_time(op.type, ins, outs, attrs, self.device), comm
+        split = self._sample_split(op, s)
+        return max(op_time(op.type, self._scaled(ins, op.inputs, s.in_specs, split, rows),
+                           self._scaled(outs, op.outputs, s.out_specs, split, rows), attrs,
+                           self.cluster.device(device))
+                   for device, rows in self._shares(split, outs[0].dtype if outs else "float32")
+                   ), comm
+
+    def _sample_split(self, op, s) -> frozenset:
+        """The mesh dims strategy ``s`` splits the op's samples over."""
+        dims: set = set()
+        for values, specs in ((op.inputs, s.in_specs), (op.outputs, s.out_specs)):
+            for v, spec in zip(values, specs):
+                axis = self.sample_axes.get(v.name)
+                if axis is not None:
+                    dims.update(spec.entry(axis))
+        return frozenset(dims)
+
+    def _shares(self, dims: frozenset, dtype: str) -> set:
+        """{(device, rows over the even share)} of the mesh's processes when the groups
+        along ``dims`` share the batch in proportion to their slowest device's speed."""
+        def speed(pid):
+            device = self.cluster.device(self.device_of[pid])
+            return device.flops(dtype) or device.flops("float32")
+
+        groups: dict = {}
+        for pid in self.mesh.process_ids:
+            coord = self.mesh.coord(pid)
+            key = tuple(coord[self.mesh.dim_index(d)] for d in sorted(dims))
+            groups.setdefault(key, []).append(pid)
+        rate = {key: min(speed(p) for p in pids) for key, pids in groups.items()}
+        total = sum(rate.values())
+        return {(self.device_of[p], len(groups) * rate[key] / total if total else 1.0)
+                for key, pids in groups.items() for p in pids}
+
+    def _scaled(self, types, values, specs, dims: frozenset, rows: float) -> list:
+        out = []
+        for t, v, spec in zip(types, values, specs):
+            axis = self.sample_axes.get(v.name)
+            if axis is None or rows == 1.0 or not dims & set(spec.entry(axis)):
+                out.append(t)
+                continue
+            shape = list(t.shape)
+            shape[axis] = int(round(shape[axis] * rows))
+            out.append(TensorType(tuple(shape), t.dtype))
+        return out
 
     def ring_of(self, mesh_dim: str) -> tuple:
         """The ring of the priced process along ``mesh_dim`` (``dim_ring``)."""

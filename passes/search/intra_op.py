@@ -57,6 +57,7 @@ from distgraph.annotation import OpAnnotation
 from distgraph.errors import PlanError
 from distgraph.mesh import ProcessMesh
 from distgraph.passes.estimate import fmt_bytes
+from distgraph.passes.samples import sample_axes
 from distgraph.passes.search.costs import SearchCosts, local_bytes
 from distgraph.passes.search.ilp import solve
 from distgraph.passes.search.ilp_problem import ShardingProblem
@@ -178,17 +179,20 @@ class SearchResult:
 def search(program, mesh: ProcessMesh, cluster, device_of: dict, *, ops=None,
            weights: dict | None = None, loss: str | None = None, world=None,
            memory_budget: float | None = None, time_limit: float = 60.0,
-           blocks=(), memory: bool = False) -> SearchResult:
+           blocks=(), memory: bool = False, balance: bool = False) -> SearchResult:
     """Choose a strategy for every op (of ``ops``, default all) and source Value of
     ``program`` on ``mesh`` (module docstring). ``device_of``: process -> device global id
     of ``cluster``; ``weights``: op role -> times it runs per step (default 1);
     ``loss``: the fetched Value whose gather onto ``world`` (a ProcessMesh; default the
     mesh's processes) the runtime pays; ``memory_budget``: bytes per process;
     ``blocks``: layer paths of repeated blocks (interior ones share a choice);
-    ``memory``: model the live memory even without a budget (the report's peak)."""
+    ``memory``: model the live memory even without a budget (the report's peak);
+    ``balance``: price data-parallel groups of mixed devices at their balanced split
+    (:class:`~distgraph.passes.search.costs.SearchCosts`)."""
     start = time.perf_counter()
     space = SearchSpace(program, mesh, ops)
-    costs = SearchCosts(cluster, mesh, device_of)
+    axes = sample_axes(program, [v.name for v in program.inputs]) if balance else None
+    costs = SearchCosts(cluster, mesh, device_of, axes)
     world = world or ProcessMesh(sorted(mesh.process_ids), dim_names=["world"])
     share = _shared_blocks(space, blocks)
     problem = _problem(space, costs, weights or {}, loss, world, memory_budget, share,

@@ -178,7 +178,8 @@ class _StageCosts:
             self.results[key] = search(program, mesh, self.cluster, device_of, ops=ops,
                                        weights=weights, loss=loss,
                                        time_limit=self.strategy.solver_time_limit,
-                                       blocks=self.copy.block_paths, memory=True)
+                                       blocks=self.copy.block_paths, memory=True,
+                                       balance=self.strategy.balance)
         return self.results[key]
 
     def _signature(self, ops) -> tuple:

@@ -8,7 +8,9 @@ Hydra's ssh launcher runs ``LAUNCHER [-x] HOST 'command ...'``. This script look
     ip netns exec NAMESPACE unshare --uts python exec.py --hostname HOSTNAME 'command ...'
 
 which sets the hostname in the new UTS namespace and runs the command with ``sh -c``, as
-ssh would. A separate hostname per machine is what makes MPICH treat the machines as
+ssh would. Where the machine computes slower than the fastest, the helper first moves
+itself into the machine's CPU-quota cgroup (``$DISTGRAPH_EMULATE_CGROUPS``: JSON address
+-> the group's ``cgroup.procs``), so the proxy and the ranks it starts run under the quota. A separate hostname per machine is what makes MPICH treat the machines as
 different nodes (shared memory inside one, the network between them).
 
 It runs as a file, not as ``-m distgraph...``: importing the package would cost every
@@ -24,6 +26,7 @@ import socket
 import sys
 
 HOSTS_VAR = "DISTGRAPH_EMULATE_HOSTS"
+GROUPS_VAR = "DISTGRAPH_EMULATE_CGROUPS"
 
 
 def main(argv: list[str]) -> None:
@@ -39,6 +42,10 @@ def main(argv: list[str]) -> None:
         sys.exit(f"distgraph.runtime.emulate.exec: host {argv[0]!r} is not an emulated machine of this job "
                  f"(known: {', '.join(sorted(hosts)) or 'none'})")
     namespace, hostname = hosts[argv[0]]
+    group = json.loads(os.environ.get(GROUPS_VAR, "{}")).get(argv[0])
+    if group is not None:
+        with open(group, "w") as f:       # children inherit the group
+            f.write(f"{os.getpid()}\n")
     os.execvp("ip", ["ip", "netns", "exec", namespace, "unshare", "--uts", sys.executable,
                      os.path.abspath(__file__), "--hostname", hostname, " ".join(argv[1:])])
 

@@ -1,11 +1,13 @@
 """Run a job on an emulated cluster: ``distgraph run -n N --emulate FILE script.py``.
 
 Everything that can be checked is checked before anything is created: the resource
-file, the rank count, the fault lines, root and the ``ip``/``tc``/``unshare`` tools.
+file, the rank count, the fault lines, root, the ``ip``/``tc``/``unshare`` tools, and,
+where the file's machines differ in speed, a cgroup cpu controller.
 Then :class:`~distgraph.runtime.emulate.namespaces.Emulation` builds the namespaces and links, and
 ``mpiexec`` runs in the hub namespace with Hydra's ssh launcher pointed at
 :mod:`distgraph.runtime.emulate.exec`, which starts each machine's proxy in that
-machine's namespace under its hostname. The ranks get the usual launcher environment
+machine's namespace under its hostname (and, where machines differ in speed, in the
+machine's CPU-quota cgroup). The ranks get the usual launcher environment
 (``rank_env``: one BLAS thread, the allocator settings, ``DISTGRAPH_CLUSTER`` = FILE so the
 Engine plans for the cluster it runs on) plus the transport below.
 
@@ -33,10 +35,12 @@ import tempfile
 from distgraph.errors import DistGraphError, PlanError
 from distgraph.resources.cluster import Cluster
 from distgraph.runtime.comm.base import DEFAULT_TIMEOUT
-from distgraph.runtime.emulate.exec import HOSTS_VAR
+from distgraph.runtime.emulate.cgroups import require_controller
+from distgraph.runtime.emulate.exec import GROUPS_VAR, HOSTS_VAR
 from distgraph.runtime.emulate.faults import FaultInjector, parse_fault
 from distgraph.runtime.emulate.layout import choose_subnet, plan_layout, this_job
 from distgraph.runtime.emulate.namespaces import (
+    TERMINATING,
     Emulation,
     Terminated,
     check_prerequisites,
@@ -55,6 +59,8 @@ def prepare(cluster_file: str, nprocs: int, faults=()):
     check_prerequisites()
     job = this_job()
     layout = plan_layout(cluster, nprocs, job, choose_subnet(job, taken_subnets()))
+    if layout.throttled:
+        require_controller()
     hostnames = [m.hostname for m in layout.machines]
     return layout, [parse_fault(f, hostnames) for f in faults]
 
@@ -105,7 +111,8 @@ def launch_emulated(cluster_file: str, nprocs: int, argv: list[str], faults=(),
             rc = launch(nprocs, argv, cluster=cluster_file, env=env, timeout=timeout,
                         log_dir=log_dir, mpiexec_args=hydra_args(layout, _write_wrapper(tmp)),
                         prefix=("ip", "netns", "exec", layout.hub_namespace),
-                        extra_env={**TRANSPORT_ENV, HOSTS_VAR: json.dumps(layout.host_map())},
+                        extra_env={**TRANSPORT_ENV, HOSTS_VAR: json.dumps(layout.host_map()),
+                                   GROUPS_VAR: json.dumps(emulation.procs_files())},
                         watch=watch)
             injector.stop()
             if rc != 0 and injector.report(layout):
@@ -119,7 +126,7 @@ def launch_emulated(cluster_file: str, nprocs: int, argv: list[str], faults=(),
                   "removed\n")
         rc = 128 + signum
     else:
-        if rc > 128:           # launch() stopped the job on a signal; the cluster is gone now
+        if rc - 128 in TERMINATING:   # launch() stopped the job on a signal; the cluster is gone now
             log.write(f"distgraph: stopped by signal {rc - 128}; the emulated cluster was "
                       "removed\n")
     finally:

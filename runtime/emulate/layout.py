@@ -30,6 +30,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import ipaddress
 import os
@@ -53,10 +54,19 @@ class EmulatedMachine:
     address: str
     ranks: tuple[int, ...]
     devices: tuple[int, ...]
+    speed: float = 1.0
+
+    @property
+    def cpu_cores(self) -> float:
+        """The CPU its ranks may use together: a core per rank, times its speed."""
+        return len(self.ranks) * self.speed
 
     def __str__(self):
-        return (f"{self.hostname} ({self.namespace}, {self.address}): ranks "
-                f"{', '.join(map(str, self.ranks))}")
+        ranks = (f"{self.hostname} ({self.namespace}, {self.address}): ranks "
+                 f"{', '.join(map(str, self.ranks))}")
+        if self.speed == 1.0:
+            return ranks
+        return f"{ranks}; computes at {self.speed:.3g} x the fastest ({self.cpu_cores:.3g} cores)"
 
 
 @dataclass(frozen=True)
@@ -85,6 +95,12 @@ class Layout:
     shapes: tuple[PairShape, ...]
     rank_machine: tuple[int, ...]
     notes: tuple[str, ...] = ()
+    speed_dtype: str | None = None
+
+    @property
+    def throttled(self) -> bool:
+        """Whether some machine computes slower than the fastest (its ranks get a quota)."""
+        return any(m.speed < 1.0 for m in self.machines)
 
     @property
     def hub_namespace(self) -> str:
@@ -238,9 +254,36 @@ def plan_layout(cluster, nprocs: int, job: str, subnet: str) -> Layout:
                              f"{sorted(bws)} GB/s and {sorted(lats)} us; one namespace "
                              f"link takes the slowest")
             shapes.append(PairShape(a.index, b.index, min(bws), max(lats)))
+    dtype, speeds, speed_notes = machine_speeds(cluster, machines)
+    machines = tuple(dataclasses.replace(m, speed=s) for m, s in zip(machines, speeds))
     index_of = {m.machine_id: m.index for m in machines}
     return Layout(job, subnet, cluster.name, machines, tuple(shapes),
-                  tuple(index_of[mid] for mid in rank_mid), tuple(notes))
+                  tuple(index_of[mid] for mid in rank_mid), tuple(notes + speed_notes), dtype)
+
+
+def machine_speeds(cluster, machines) -> tuple[str, list[float], list[str]]:
+    """(the dtype compared, each machine's speed as a share of the fastest device, notes).
+
+    A machine's speed is the mean of its ranks' devices' shares of the file's fastest
+    device (its ranks share one quota); the dtype is float32 where every device lists it,
+    else the first dtype they all list (resource files give every compute device's gflops)."""
+    devices = [cluster.device(g) for m in machines for g in m.devices]
+    common = set.intersection(*(set(d.gflops) for d in devices))
+    if not common:
+        raise PlanError(f"cluster {cluster.name!r}: no dtype appears in every device's gflops "
+                        f"({', '.join(sorted({k for d in devices for k in d.gflops}))}); give "
+                        "each device's float32 rate so emulated machines can be compared")
+    dtype = "float32" if "float32" in common else sorted(common)[0]
+    # the file's fastest, not the job's: fewer ranks see the same speeds
+    fastest = max(d.gflops.get(dtype, 0.0) for d in cluster.devices)
+    speeds, notes = [], []
+    for m in machines:
+        shares = [cluster.device(g).gflops[dtype] / fastest for g in m.devices]
+        if len(set(shares)) > 1:
+            notes.append(f"{m.hostname}: its ranks' devices differ in speed ({sorted(shares)} "
+                         "of the fastest); they share one quota at their mean")
+        speeds.append(sum(shares) / len(shares))
+    return dtype, speeds, notes
 
 
 def _count(n: int, noun: str) -> str:

@@ -9,6 +9,8 @@ What one job creates (all named ``distgraph-<pid>.<start>-<role>``, see
   faulted, so a broken machine link still lets the job be stopped;
 - per machine, a namespace whose interface ``dg0`` (one end of a veth; the other is
   on the bridge) holds the machine's address;
+- where the machines differ in speed, a CPU-quota cgroup per machine
+  (:mod:`distgraph.runtime.emulate.cgroups`), which the machine's ranks run in;
 - on each machine's ``dg0``, an HTB root that classifies by destination address (u32)
   into one class per other machine, whose leaf is a token bucket (``tbf``) at the pair's
   bandwidth, with a ``netem`` delay of the pair's latency under it when the kernel has
@@ -20,7 +22,8 @@ What one job creates (all named ``distgraph-<pid>.<start>-<role>``, see
 killed earlier jobs left, see :func:`remove_leftovers`), leaving removes it, also after an
 error, Ctrl-C, SIGTERM or SIGHUP (which it turns into :class:`Terminated`, a
 KeyboardInterrupt, so ``finally`` blocks run). Removal kills every process still inside the
-job's namespaces, then deletes them; a veth or qdisc dies with its namespace.
+job's namespaces, then deletes them (a veth or qdisc dies with its namespace), then
+kills what is left in the job's cgroups and removes them.
 
 Example (as root)::
 
@@ -40,6 +43,7 @@ import threading
 import time
 
 from distgraph.errors import PlanError, RuntimeFault
+from distgraph.runtime.emulate.cgroups import CpuGroups, our_groups, remove_groups
 from distgraph.runtime.emulate.layout import (PREFIX, Layout, parse_namespace, process_start,
                                               subnets_of)
 
@@ -97,8 +101,9 @@ def job_alive(pid: int, start: int) -> bool:
 
 
 def remove_job(job: str, log=None) -> list[str]:
-    """Kill every process inside job ``job``'s namespaces, then delete them; the names
-    removed. Goes on past errors and raises RuntimeFault naming them at the end."""
+    """Kill every process inside job ``job``'s namespaces, then delete them, then its
+    cgroups; the namespace names removed. Goes on past errors and raises RuntimeFault
+    naming them at the end."""
     names = [n for n in our_namespaces() if n.startswith(f"{PREFIX}{job}-")]
     pids = set()
     for ns in names:
@@ -110,9 +115,16 @@ def remove_job(job: str, log=None) -> list[str]:
         proc = run_tool(["ip", "netns", "del", ns], f"delete {ns}", check=False)
         if proc.returncode != 0:
             errors.append(f"{ns}: {proc.stderr.strip()}")
+    problems = []
     if errors:
-        raise RuntimeFault("emulated cluster: could not delete " + "; ".join(errors) +
-                           "; delete them with `ip netns del NAME`")
+        problems.append("emulated cluster: could not delete " + "; ".join(errors) +
+                        "; delete them with `ip netns del NAME`")
+    try:
+        remove_groups(job)
+    except RuntimeFault as err:
+        problems.append(str(err))
+    if problems:
+        raise RuntimeFault("; ".join(problems))
     return names
 
 
@@ -147,7 +159,7 @@ def remove_leftovers(log=None) -> list[str]:
     """Remove the namespaces of distgraph jobs whose launcher is gone (killed with
     SIGKILL, or a crash); the names removed. Jobs still running are left alone."""
     jobs = {}
-    for name in our_namespaces():
+    for name in our_namespaces() + [os.path.basename(p) for p in our_groups()]:
         pid, start, _ = parse_namespace(name)
         jobs[f"{pid}.{start}"] = (pid, start)
     removed = []
@@ -186,6 +198,7 @@ class Emulation:
         self.delay_supported: bool | None = None
         self._handlers: dict = {}
         self._states: dict = {}
+        self.groups = CpuGroups(layout) if layout.throttled else None
 
     # ---- lifecycle -------------------------------------------------------------------
     def __enter__(self) -> "Emulation":
@@ -253,6 +266,12 @@ class Emulation:
                 f"of us) instead of the file's (up to {worst:g} us); bandwidth is shaped\n")
         for m in L.machines:
             self._shape(m)
+        if self.groups is not None:
+            self.groups.create()
+
+    def procs_files(self) -> dict[str, str]:
+        """{machine address: its cgroup's procs file}; empty when no machine is slowed."""
+        return {} if self.groups is None else self.groups.procs_files()
 
     def _probe_netem(self) -> bool:
         ns = self.layout.hub_namespace

@@ -1,0 +1,138 @@
+"""``Strategy(balance=True)``: the balanced split of a plan's batch, from the cost model.
+
+:func:`balance_batch` is pure. It finds the data-parallel groups of a planned program
+(the processes that read the same rows: those at the same coordinates of the mesh dims
+that split dim 0 of the feeds, on every stage), prices each process with the estimate
+(:func:`distgraph.passes.estimate.price_process`) at two shares of the batch to get a
+linear model of its busy time (seconds per row, or per micro-batch, and a fixed part:
+updates, gradient reductions, launch costs), bounds each group's share by its devices'
+memory (``Device.memory``, and ``Strategy.memory_budget_gb`` where given) with the
+estimate's peak-memory model, and solves the split with
+:func:`distgraph.passes.batch_split.solve_split`.
+
+The reference is the plan's even split: the program is planned (completed and
+partitioned) for the even layout, so its batch divides by the number of groups; the
+split then says how many of the batch's rows (or micro-batches) each group reads.
+
+Example::
+
+    p = dg.passes.plan(built, dg.Strategy(balance=True), cluster)
+    print(p.batch_split)          # rows per process, predicted busy time per group
+"""
+
+from __future__ import annotations
+
+import math
+
+from distgraph.errors import PlanError
+from distgraph.passes.batch_split import BatchSplit, Member, SplitProblem, solve_split
+from distgraph.passes.estimate import Share, price_process
+from distgraph.resources.cluster import Cluster
+
+GB = 1e9                       # resource files give memory in GB
+LOW, HIGH = 0.5, 1.5           # the shares (of the even one) the linear model is fitted on
+
+
+def batch_mesh_dims(plan) -> tuple:
+    """The mesh dims that split dim 0 of every feed of ``plan`` (major first); a
+    PlanError where the feeds disagree or none is split."""
+    program = plan.program
+    entries = {name: program.values[name].dist_attr.spec.entry(0)
+               for name in plan.built.feed_names if program.values[name].shape}
+    found = set(entries.values())
+    if len(found) != 1 or not next(iter(found), ()):
+        said = ", ".join(f"{n} {list(program.values[n].shape)} "
+                         f"{program.values[n].dist_attr.spec}" for n in entries)
+        raise PlanError("Strategy(balance=True) balances a data-parallel split of the batch, "
+                        "but this plan does not split dim 0 of every input over the same mesh "
+                        f"dims ({said}); annotate the inputs with dg.shard_tensor(x, mesh, "
+                        "['dp', ...]), or use balance=False")
+    return found.pop()
+
+
+def members_of(plan, dims: tuple) -> list[list[int]]:
+    """The processes of each data-parallel group, in the order of the batch's blocks."""
+    groups: dict = {}
+    for s, mesh in enumerate(plan.stages):
+        missing = [d for d in dims if d not in mesh.dim_names]
+        sizes = [mesh.dim_size(d) for d in dims if d in mesh.dim_names]
+        if missing or (groups and math.prod(sizes) != len(groups)):
+            raise PlanError(f"Strategy(balance=True) gives every stage the same split of the "
+                            f"batch over {', '.join(dims)}, but stage {s} runs on {mesh}; "
+                            "split every stage's batch over mesh dims of the same names and "
+                            "sizes, or use balance=False")
+        for pid in mesh.process_ids:
+            coord = mesh.coord(pid)
+            block = 0
+            for d in dims:
+                i = mesh.dim_index(d)
+                block = block * mesh.shape[i] + coord[i]
+            groups.setdefault(block, [])
+            if pid not in groups[block]:
+                groups[block].append(pid)
+    return [groups[b] for b in sorted(groups)]
+
+
+def balance_batch(plan, cluster=None, time_limit: float = 60.0) -> BatchSplit:
+    """The balanced BatchSplit of ``plan`` on ``cluster`` (see the module docstring)."""
+    cluster = cluster or plan.cluster or Cluster.local(plan.world_size)
+    dims = batch_mesh_dims(plan)
+    groups = members_of(plan, dims)
+    n = len(groups)
+    acc = plan.accumulation
+    if acc is not None:
+        batch, granule = acc.batch, acc.micro_batch_rows // n
+        units, even = n * acc.micro_batches, acc.micro_batches
+    else:
+        batch = plan.program.values[plan.built.feed_names[0]].shape[0]
+        granule, units, even = 1, batch, batch // n
+    budget = plan.strategy.memory_budget_gb
+    members = []
+    for procs in groups:
+        times, caps, devices = [], [], []
+        for pid in procs:
+            fixed, per_unit, cap, device = _model(plan, pid, cluster, dims, even, budget)
+            times.append((fixed, per_unit))
+            caps.append(cap)
+            devices.append(device)
+        known = [c for c in caps if c is not None]
+        members.append(Member(tuple(procs), tuple(devices), tuple(times),
+                              min(known) if known else None))
+    problem = SplitProblem(units, granule, tuple(members))
+    chosen, report = solve_split(problem, time_limit)
+    return BatchSplit(batch, granule, acc is not None, tuple(dims),
+                      tuple(tuple(m) for m in groups), chosen,
+                      tuple(m.busy(u) for m, u in zip(members, chosen)), report)
+
+
+def _model(plan, pid, cluster, dims, even: int, budget_gb) -> tuple:
+    """(fixed seconds, seconds per granule, most granules its memory holds or None,
+    device) of process ``pid``: the estimate at two shares, joined by a line."""
+    if plan.accumulation is not None:
+        low, high = 1, 2
+        shares = [Share(micro_batches=k, mesh_dims=dims) for k in (low, high)]
+    else:
+        low, high = LOW * even, HIGH * even
+        shares = [Share(rows=k / even, mesh_dims=dims) for k in (low, high)]
+    at = [price_process(plan, pid, cluster, share)[0] for share in shares]
+    per_unit = max((at[1].busy - at[0].busy) / (high - low), 0.0)
+    fixed = max(at[0].busy - per_unit * low, 0.0)
+    device = cluster.device(at[0].device)
+    limit = device.memory * GB
+    if budget_gb is not None:
+        limit = min(limit, budget_gb * GB)
+    return fixed, per_unit, _memory_cap(plan, at, low, high, limit), device.global_id
+
+
+def _memory_cap(plan, at, low, high, limit) -> int | None:
+    """The most granules whose estimated peak stays within ``limit`` bytes (None: any)."""
+    per_unit = (at[1].peak_memory - at[0].peak_memory) / (high - low)
+    if per_unit <= 0:
+        return None if at[0].peak_memory <= limit else 0
+    base = at[0].peak_memory - per_unit * low
+    if plan.accumulation is not None and plan.strategy.schedule != "FThenB":
+        # 1F1B keeps at most (stages - stage) micro-batches in flight, however many it runs
+        in_flight = len(plan.stages) - at[0].stage
+        if base + per_unit * in_flight <= limit:
+            return None
+    return max(int(math.floor((limit - base) / per_unit + 1e-9)), 0)

@@ -217,6 +217,7 @@ class Engine:
         fetch_outputs = bool(outputs and (p.distributed or p.pipelined))
         key = (id(p), fetch_outputs)
         if key not in self._backend_cache:
+            checks.check_runnable(p.program)
             built = p.built
             fetch = [built.loss_name] if built.loss_name else built.output_names
             if fetch_outputs and built.loss_name:

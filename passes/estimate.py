@@ -19,9 +19,17 @@ communication and bubble, and peak memory per process.
   reshards count M times a step, the update's once). The bottleneck
   process's compute and communication are reported, and ``bubble`` is its idle time.
 - **Memory** per process: parameters, optimizer states, and the transient values
-  (gradients, activations) live at the peak of the executor's free-after-last-use order;
-  under a pipeline schedule a stage holds the activations of the micro-batches in
-  flight (M for FThenB, S - s for 1F1B on stage s).
+  (gradients, activations) live at the peak of the executor's free-after-last-use order.
+  Under a pipeline schedule a stage holds the micro-batches in flight (M for FThenB,
+  S - s for 1F1B on stage s): one at its peak, each other one with the activations it
+  keeps from its forward to its backward (``saved_activations``: what is live when the
+  first backward op starts); with micro-batches the gradients of the parameters are
+  accumulated in buffers that live through the step.
+- **Alike processes are estimated once.** Processes on the same meshes whose devices
+  are alike and whose groups along every mesh dim (and whole meshes) have the same
+  links run the same local program at the same speed: the first of them is partitioned
+  and estimated, the others take its figures. A 1,024-process plan of 16 stages is
+  estimated from a few processes.
 
 Devices that do not give ``memory_bandwidth`` or ``op_overhead`` in the resource file get
 the defaults of :data:`DEFAULTS` for their type; ``distgraph cluster calibrate`` measures
@@ -36,7 +44,7 @@ Example::
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from distgraph import dtypes
 from distgraph.errors import PlanError
@@ -65,6 +73,7 @@ class ProcessEstimate:
     states: int
     gradients: int
     activations: int
+    saved_activations: int = 0
 
     @property
     def busy(self) -> float:
@@ -217,15 +226,44 @@ def estimate(plan, cluster=None) -> Estimate:
         for pid in mesh.process_ids:
             stage_of.setdefault(pid, s)
     fetch = [plan.built.loss_name] if plan.built.loss_name else []
-    per_process, update_time = [], {}
-    for pid in plan.process_ids:
+    per_process, update_time, done = [], {}, {}
+    for pid, key in _alike(plan, cluster, device_of).items():
         device = cluster.device(device_of(pid))
-        compute, comm, updates = _process_times(plan, pid, device, cluster, device_of, fetch)
-        memory = _peak_memory(plan, pid, stage_of.get(pid, 0))
+        if key not in done:
+            times = _process_times(plan, pid, device, cluster, device_of, fetch)
+            done[key] = (times, _peak_memory(plan, pid, stage_of.get(pid, 0)))
+        (compute, comm, updates), memory = done[key]
         per_process.append(ProcessEstimate(pid, device.global_id, stage_of.get(pid, 0),
                                            compute, comm, *memory))
         update_time[pid] = updates
     return _combine(plan, per_process, update_time)
+
+
+def _alike(plan, cluster, device_of) -> dict:
+    """{process: a key equal for processes that run alike} (module docstring): the
+    meshes they are on, their device's figures, and the links of their group along each
+    mesh dim and of each whole mesh."""
+    meshes = {op.dist_attr.mesh for op in plan.program.ops}
+    meshes |= {v.dist_attr.mesh for v in plan.program.values.values()}
+    meshes = sorted(meshes, key=lambda m: (m.process_ids, m.shape, m.dim_names))
+    rings: dict = {}
+
+    def ring(pids) -> tuple:
+        devices = tuple(device_of(q) for q in pids)
+        if devices not in rings:
+            rings[devices] = ring_links(cluster, list(devices)) if len(devices) > 1 else ()
+        return rings[devices]
+
+    keys = {}
+    for pid in plan.process_ids:
+        device = cluster.device(device_of(pid))
+        key = [replace(device, global_id=0, local_id=0, machine_id=0)]
+        for n, mesh in enumerate(meshes):
+            if pid in mesh:
+                key.append((n, ring(mesh.process_ids),
+                            tuple(ring(mesh.group_of(pid, d)) for d in mesh.dim_names)))
+        keys[pid] = tuple(key)
+    return keys
 
 
 def _process_times(plan, pid, device, cluster, device_of, fetch):
@@ -262,8 +300,9 @@ def _process_times(plan, pid, device, cluster, device_of, fetch):
     return compute, comm, updates
 
 
-def _peak_memory(plan, pid, stage) -> tuple[int, int, int, int]:
-    """(parameters, states, gradients, activations) bytes at the process's peak."""
+def _peak_memory(plan, pid, stage) -> tuple[int, int, int, int, int]:
+    """(parameters, states, gradients, activations, saved activations) bytes at the
+    process's peak (module docstring)."""
     local = plan.local(pid)
     prog = local.program
     params = sum(v.nbytes for v in prog.persistables if v.is_parameter)
@@ -282,7 +321,18 @@ def _peak_memory(plan, pid, stage) -> tuple[int, int, int, int]:
     keep = {v.name for v in prog.persistables}
     live = {v.name: v.nbytes for v in prog.inputs}
     peak, at_peak = sum(live.values()), dict(live)
+    backward = next((i for i, op in enumerate(prog.ops) if op.role == "backward"), None)
+    first_backward = len(items)          # the item of the first backward op
+    count = 0
+    for i, op in enumerate(prog.ops):
+        count += len(local.comm_points.get(i, ()))
+        if i == backward:
+            first_backward = count
+        count += 1
+    saved = 0
     for k, (reads, writes) in enumerate(items):
+        if k == first_backward:
+            saved = sum(b for n, b in live.items() if "@GRAD" not in n)
         for name in writes:
             if name not in keep:
                 live[name] = prog.values[name].nbytes
@@ -296,11 +346,13 @@ def _peak_memory(plan, pid, stage) -> tuple[int, int, int, int]:
     acts = sum(b for n, b in at_peak.items() if "@GRAD" not in n)
     m = plan.micro_batches
     if m > 1:
-        # the local program is one micro-batch's, and a stage holds the activations of
-        # the micro-batches in flight
+        # the local program is one micro-batch's: the others in flight keep what they
+        # saved for their backward, and the parameters' gradients accumulate in buffers
         in_flight = m if plan.strategy.schedule == "FThenB" else min(m, len(plan.stages) - stage)
-        acts = acts * in_flight
-    return params, states, grads, acts
+        acts += (in_flight - 1) * saved
+        grads += sum(prog.values[g].nbytes for g in plan.built.grad_names.values()
+                     if g in prog.values)
+    return params, states, grads, acts, saved
 
 
 def _combine(plan, processes, update_time) -> Estimate:

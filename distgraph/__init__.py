@@ -1,7 +1,7 @@
 """distgraph: a Paddle-style auto-parallel training framework.
 
 Public names (see the README): ``trace``, ``InputSpec``, ``Engine``, ``Strategy``,
-``ops``, ``nn``, ``optim``, ``set_default_dtype``, ``seed``, the error classes, the
+``ops``, ``nn``, ``optim``, ``set_default_dtype``, ``seed``, ``LazyGuard``, the error classes, the
 distributed attributes ``ProcessMesh``, ``ShardSpec``, ``shard_tensor``, ``shard_op``,
 ``shard_dataloader``, and ``__version__``.
 """
@@ -12,7 +12,7 @@ from distgraph.errors import DistGraphError, PlanError, ResourceFileError, Runti
 from distgraph.dtypes import get_default_dtype, seed, set_default_dtype
 from distgraph import ops
 from distgraph.ir import Operation, Program, Value
-from distgraph.parameter import Parameter
+from distgraph.parameter import LazyGuard, Parameter
 from distgraph.registry import DTypeError, ShapeError
 from distgraph.trace import InputSpec, trace
 from distgraph import nn, optim

@@ -2,7 +2,15 @@
 
 ``dg.set_default_dtype("float64")`` switches new parameters and floating inputs to
 float64; it is the one process-wide setting distgraph has, as in PyTorch and Paddle.
-``dg.seed(n)`` re-seeds the generator that initialises parameters.
+``dg.seed(n)`` re-seeds the generator that draws each new parameter's initialiser key
+(:mod:`distgraph.initializer`) and each Dropout layer's seed.
+
+The 16-bit dtypes ``bfloat16`` and ``float16`` are planning dtypes: a lazy model
+(``dg.LazyGuard``) built with ``set_default_dtype("bfloat16")`` is traced, searched and
+estimated in 16 bit (each op priced at the device's GFLOP/s for its dtype, and the
+optimizer keeping float32 master weights and moments, as mixed-precision training
+does). The numpy backend computes in float32 or float64 only: giving a 16-bit
+parameter values, or running a 16-bit program, raises :func:`check_runnable`'s error.
 """
 
 from __future__ import annotations
@@ -11,27 +19,38 @@ import numpy as np
 
 from distgraph.errors import DistGraphError
 
-FLOAT_DTYPES = ("float16", "float32", "float64")
+HALF_DTYPES = ("bfloat16", "float16")
+FLOAT_DTYPES = HALF_DTYPES + ("float32", "float64")
 INT_DTYPES = ("int32", "int64")
 DTYPES = FLOAT_DTYPES + INT_DTYPES + ("bool", "uint8")
 
 _settings = {"dtype": "float32", "rng": np.random.default_rng(0)}
 
 
-# Half-precision names people reach for when they want mixed precision.
-_HALF = ("float16", "half", "fp16", "bfloat16", "bf16")
+# Other names people give the 16-bit dtypes.
+_ALIASES = {"half": "float16", "fp16": "float16", "bf16": "bfloat16"}
+# Bytes per element of the dtypes numpy does not have.
+_ITEMSIZE = {"bfloat16": 2}
 
 
 def set_default_dtype(dtype: str) -> None:
-    """Set the floating dtype of new parameters and of InputSpecs that name none."""
-    if str(dtype).lower() in _HALF:
-        raise DistGraphError(f"set_default_dtype({dtype!r}): mixed / half precision is not "
-                             f"offered: the numpy backend computes in float32 or float64 "
-                             f"only; use 'float32' (or 'float64' for exact comparisons)")
+    """Set the floating dtype of new parameters and of InputSpecs that name none:
+    float32, float64, or for planning lazy models bfloat16 / float16."""
     dtype = canonical(dtype)
-    if dtype not in ("float32", "float64"):
-        raise DistGraphError(f"default dtype must be float32 or float64, got {dtype!r}")
+    if dtype not in FLOAT_DTYPES:
+        raise DistGraphError(f"default dtype must be float32 or float64 (or bfloat16 / "
+                             f"float16 to plan lazy models), got {dtype!r}")
     _settings["dtype"] = dtype
+
+
+def check_runnable(dtype: str, what: str) -> None:
+    """Refuse ``what`` (computing with values) in a 16-bit ``dtype``."""
+    if dtype in HALF_DTYPES:
+        raise DistGraphError(f"{what} in {dtype}: mixed / half precision is not offered for "
+                             f"running: the numpy backend computes in float32 or float64 "
+                             f"only; use 'float32' (or 'float64' for exact comparisons). "
+                             f"16-bit models are for planning: build them under "
+                             f"dg.LazyGuard() and use engine.prepare(...) or distgraph plan")
 
 
 def get_default_dtype() -> str:
@@ -49,10 +68,15 @@ def param_rng() -> np.random.Generator:
 
 def canonical(dtype) -> str:
     """Normalise a dtype given as str, numpy dtype or type to its name, e.g. 'float32'."""
-    if isinstance(dtype, str) and dtype.lower() in ("bfloat16", "bf16"):
-        raise DistGraphError(f"unsupported dtype {dtype!r}: numpy has no bfloat16, and mixed "
-                             f"precision is not offered; use float32 or float64")
-    name = np.dtype(dtype).name if not isinstance(dtype, str) else str(np.dtype(dtype))
+    if isinstance(dtype, str):
+        key = _ALIASES.get(dtype.lower(), dtype.lower())
+        if key in _ITEMSIZE:
+            return key
+    try:
+        name = np.dtype(dtype).name if not isinstance(dtype, str) else str(np.dtype(dtype))
+    except TypeError:
+        raise DistGraphError(f"unsupported dtype {dtype!r}; expected one of "
+                             f"{', '.join(DTYPES)}") from None
     if name not in DTYPES:
         raise DistGraphError(f"unsupported dtype {dtype!r}; expected one of {', '.join(DTYPES)}")
     return name
@@ -67,4 +91,4 @@ def is_integer(dtype: str) -> bool:
 
 
 def itemsize(dtype: str) -> int:
-    return np.dtype(dtype).itemsize
+    return _ITEMSIZE.get(dtype) or np.dtype(dtype).itemsize

@@ -37,9 +37,17 @@ communication and bubble, and peak memory per process.
   So a data-parallel group of mixed devices is priced at each device's share, not at the
   slowest device's even share.
 - **Memory** per process: parameters, optimizer states, and the transient values
-  (gradients, activations) live at the peak of the executor's free-after-last-use order;
-  under a pipeline schedule a stage holds the activations of the micro-batches in
-  flight (M for FThenB, S - s for 1F1B on stage s).
+  (gradients, activations) live at the peak of the executor's free-after-last-use order.
+  Under a pipeline schedule a stage holds the micro-batches in flight (M for FThenB,
+  S - s for 1F1B on stage s): one at its peak, each other one with the activations it
+  keeps from its forward to its backward (``saved_activations``: what is live when the
+  first backward op starts); with micro-batches the gradients of the parameters are
+  accumulated in buffers that live through the step.
+- **Alike processes are estimated once.** Processes on the same meshes whose devices
+  are alike and whose groups along every mesh dim (and whole meshes) have the same
+  links run the same local program at the same speed: the first of them is partitioned
+  and estimated, the others take its figures. A 1,024-process plan of 16 stages is
+  estimated from a few processes.
 
 Devices that do not give ``memory_bandwidth`` or ``op_overhead`` in the resource file get
 the defaults of :data:`DEFAULTS` for their type; ``distgraph cluster calibrate`` measures
@@ -54,7 +62,7 @@ Example::
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from distgraph import dtypes
 from distgraph.errors import PlanError
@@ -83,6 +91,7 @@ class ProcessEstimate:
     states: int
     gradients: int
     activations: int
+    saved_activations: int = 0
 
     @property
     def busy(self) -> float:
@@ -327,22 +336,33 @@ def estimate(plan, cluster=None) -> Estimate:
     """The plan's predicted step time and memory on ``cluster`` (default: the plan's own
     cluster, else ``Cluster.local`` of its size). See the module docstring."""
     cluster = cluster or plan.cluster or Cluster.local(plan.world_size)
-    per_process, update_time, counts = [], {}, {}
+    devices = _devices(plan, cluster)
+    alike = _alike(plan, cluster, lambda q: devices[plan.ranks(q)].global_id)
+    per_process, update_time, counts, done = [], {}, {}, {}
     for pid in plan.process_ids:
         share = share_of(plan, pid)
-        p, update_time[pid] = price_process(plan, pid, cluster, share)
-        per_process.append(p)
+        key = (alike[pid], share)
+        if key not in done:
+            done[key] = price_process(plan, pid, cluster, share)
+        p, update_time[pid] = done[key]
+        per_process.append(replace(p, process=pid,
+                                   device=devices[plan.ranks(pid)].global_id))
         counts[pid] = share.micro_batches or plan.micro_batches
     return _combine(plan, per_process, update_time, counts)
+
+
+def _devices(plan, cluster) -> tuple:
+    """The cluster's devices, rank r's at index r: as many as the plan has processes."""
+    if len(cluster.devices) < plan.world_size:
+        raise PlanError(f"the plan has {plan.world_size} processes but the cluster has "
+                        f"{len(cluster.devices)} devices")
+    return cluster.devices
 
 
 def price_process(plan, pid: int, cluster, share: Share = Share()) -> tuple:
     """(ProcessEstimate, seconds of its update ops) of process ``pid`` on ``cluster``
     with ``share`` of the batch (see the module docstring)."""
-    devices = cluster.devices
-    if len(devices) < plan.world_size:
-        raise PlanError(f"the plan has {plan.world_size} processes but the cluster has "
-                        f"{len(devices)} devices")
+    devices = _devices(plan, cluster)
 
     def device_of(q: int) -> int:
         return devices[plan.ranks(q)].global_id
@@ -355,6 +375,33 @@ def price_process(plan, pid: int, cluster, share: Share = Share()) -> tuple:
                                             scale)
     memory = _peak_memory(plan, pid, stage, scale)
     return ProcessEstimate(pid, device.global_id, stage, compute, comm, *memory), updates
+
+
+def _alike(plan, cluster, device_of) -> dict:
+    """{process: a key equal for processes that run alike} (module docstring): the
+    meshes they are on, their device's figures, and the links of their group along each
+    mesh dim and of each whole mesh."""
+    meshes = {op.dist_attr.mesh for op in plan.program.ops}
+    meshes |= {v.dist_attr.mesh for v in plan.program.values.values()}
+    meshes = sorted(meshes, key=lambda m: (m.process_ids, m.shape, m.dim_names))
+    rings: dict = {}
+
+    def ring(pids) -> tuple:
+        devices = tuple(device_of(q) for q in pids)
+        if devices not in rings:
+            rings[devices] = ring_links(cluster, list(devices)) if len(devices) > 1 else ()
+        return rings[devices]
+
+    keys = {}
+    for pid in plan.process_ids:
+        device = cluster.device(device_of(pid))
+        key = [replace(device, global_id=0, local_id=0, machine_id=0)]
+        for n, mesh in enumerate(meshes):
+            if pid in mesh:
+                key.append((n, ring(mesh.process_ids),
+                            tuple(ring(mesh.group_of(pid, d)) for d in mesh.dim_names)))
+        keys[pid] = tuple(key)
+    return keys
 
 
 class _Scale:
@@ -449,8 +496,9 @@ def _process_times(plan, pid, device, cluster, device_of, fetch, scale: _Scale):
     return compute, comm, updates
 
 
-def _peak_memory(plan, pid, stage, scale: _Scale) -> tuple[int, int, int, int]:
-    """(parameters, states, gradients, activations) bytes at the process's peak."""
+def _peak_memory(plan, pid, stage, scale: _Scale) -> tuple[int, int, int, int, int]:
+    """(parameters, states, gradients, activations, saved activations) bytes at the
+    process's peak (module docstring)."""
     local = plan.local(pid)
     prog = local.program
     params = sum(v.nbytes for v in prog.persistables if v.is_parameter)
@@ -469,7 +517,18 @@ def _peak_memory(plan, pid, stage, scale: _Scale) -> tuple[int, int, int, int]:
     keep = {v.name for v in prog.persistables}
     live = {v.name: scale.nbytes(v) for v in prog.inputs}
     peak, at_peak = sum(live.values()), dict(live)
+    backward = next((i for i, op in enumerate(prog.ops) if op.role == "backward"), None)
+    first_backward = len(items)          # the item of the first backward op
+    count = 0
+    for i, op in enumerate(prog.ops):
+        count += len(local.comm_points.get(i, ()))
+        if i == backward:
+            first_backward = count
+        count += 1
+    saved = 0
     for k, (reads, writes) in enumerate(items):
+        if k == first_backward:
+            saved = sum(b for n, b in live.items() if "@GRAD" not in n)
         for name in writes:
             if name not in keep:
                 live[name] = scale.nbytes(prog.values[name])
@@ -481,13 +540,15 @@ def _peak_memory(plan, pid, stage, scale: _Scale) -> tuple[int, int, int, int]:
                 live.pop(name, None)
     grads = sum(b for n, b in at_peak.items() if "@GRAD" in n)
     acts = sum(b for n, b in at_peak.items() if "@GRAD" not in n)
+    m = scale.micro_batches
     if plan.micro_batches > 1:
-        # the local program is one micro-batch's, and a stage holds the activations of
-        # the micro-batches in flight
-        m = scale.micro_batches
+        # the local program is one micro-batch's: the others in flight keep what they
+        # saved for their backward, and the parameters' gradients accumulate in buffers
         in_flight = m if plan.strategy.schedule == "FThenB" else min(m, len(plan.stages) - stage)
-        acts = acts * in_flight
-    return params, states, int(grads), int(acts)
+        acts += (in_flight - 1) * saved
+        grads += sum(prog.values[g].nbytes for g in plan.built.grad_names.values()
+                     if g in prog.values)
+    return params, states, int(grads), int(acts), int(saved)
 
 
 def _combine(plan, processes, update_time, counts) -> Estimate:

@@ -130,6 +130,7 @@ class _Partitioner:
         self.local = Program()
         self.points: dict[int, list] = {}
         self.cache: dict = {}
+        self.copies: dict = {}
         self.plans: dict = {}
         self.at = -1      # global index of the op being partitioned (see ReshardPoint.anchor)
 
@@ -149,7 +150,9 @@ class _Partitioner:
         if key in self.cache:
             return self.cache[key]
         src = v.dist_attr
-        name = f"{v.name}@{len([k for k in self.cache if k[0] == v.name])}"
+        made = self.copies.get(v.name, 0)        # copies of v resharded so far
+        self.copies[v.name] = made + 1
+        name = f"{v.name}@{made}"
         if self.pid in src.mesh or self.pid in dst.mesh:
             plan_key = (src, dst, v.shape, v.dtype)
             if plan_key not in self.plans:

@@ -36,8 +36,8 @@ from dataclasses import dataclass
 import math
 from math import prod
 
-import numpy as np
 
+from distgraph import dtypes
 from distgraph.errors import PlanError
 from distgraph.mesh import ProcessMesh
 from distgraph.passes.cost_model import collective_bytes, collective_time
@@ -179,7 +179,7 @@ def plan_reshard(src: DistAttr, dst: DistAttr, shape, dtype="float32") -> list[S
     steps then name ``src.mesh`` and its dims. ``dtype`` sets the bytes of every step.
     """
     shape = tuple(int(s) for s in shape)
-    dtype = np.dtype(dtype).name
+    dtype = dtypes.canonical(dtype)
     src.spec.validate(src.mesh, shape, "reshard source")
     dst.spec.validate(dst.mesh, shape, "reshard destination")
     if src.mesh == dst.mesh:
@@ -285,7 +285,7 @@ def _moves(mesh: ProcessMesh, state: _State, goal: _State, shape, itemsize: int,
 
 def _plan_same_mesh(mesh, src_spec, dst_spec, shape, dtype) -> list[Step]:
     start, goal = _state(src_spec), _state(dst_spec)
-    itemsize = np.dtype(dtype).itemsize
+    itemsize = dtypes.itemsize(dtype)
     scale = math.lcm(*mesh.shape)
     best = {start: (0, 0)}
     back: dict = {}
@@ -367,7 +367,7 @@ def _intersect(a, b):
 def _send_recv_step(src: DistAttr, dst: DistAttr, shape, dtype) -> Step:
     """p2p tiles from ``src`` (no Partial) to ``dst``. Where ``dst`` is Partial, only the
     processes at coordinate 0 of those mesh dims receive; the others hold zeros."""
-    itemsize = np.dtype(dtype).itemsize
+    itemsize = dtypes.itemsize(dtype)
     holders: dict = {}
     for p in src.mesh.process_ids:
         holders.setdefault(_region(src, shape, p), []).append(p)

@@ -24,6 +24,9 @@ from distgraph.resources.reader import Reader, join
 from distgraph.resources.schema import cluster_from_dict, cluster_to_dict
 
 YAML_SUFFIXES = (".yaml", ".yml")
+# libyaml's loader where PyYAML was built with it: the same documents and marks, about
+# ten times faster (a 1,024-GPU file has some 5,000 lines).
+_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 JSON_SUFFIXES = (".json",)
 
 
@@ -62,7 +65,7 @@ def _parse(source: str, text: str):
             raise ResourceFileError(f"{source} (line {err.lineno}, column {err.colno}): invalid "
                                     f"JSON: {err.msg}; expected valid JSON syntax") from None
     try:
-        return yaml.safe_load(text)
+        return yaml.load(text, Loader=_LOADER)
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
@@ -77,7 +80,7 @@ def line_map(text: str) -> dict[str, int]:
     Returns {} when the text does not compose as YAML (the error then names no line).
     """
     try:
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
+        root = yaml.compose(text, Loader=_LOADER)
     except yaml.YAMLError:
         return {}
     lines: dict[str, int] = {}

@@ -105,4 +105,6 @@ CASES = [
     OpCase("softmax_cross_entropy_grad", ((4, 6, 12), (4, 6), (4, 6), (4, 6)), {}, (F, INT, F, F)),
     OpCase("sgd_update", ((12, 6), (12, 6), (12, 6), ()), {"momentum": 0.9}),
     OpCase("adam_update", ((12, 6), (12, 6), (12, 6), (12, 6), (), ()), ADAM),
+    OpCase("mixed_adam_update", ((12, 6),) * 5 + ((), ()), ADAM,
+           ("float16", "float16") + ("float32",) * 5),
 ]

@@ -347,13 +347,6 @@ def test_only_rank_zero_shows_progress(float64):
     assert files[1].getvalue() == ""
 
 
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "half"])
-def test_half_precision_is_refused(dtype):
-    with pytest.raises(dg.DistGraphError, match="precision is not offered"):
-        dg.set_default_dtype(dtype)
-    assert dg.get_default_dtype() == "float32"
-
-
 def test_a_new_strategy_plans_again_and_moves_the_states(float64):
     """ZeRO shards the Adam moments over dp: switching it on between fits gathers them
     from the plain layout and lays them out anew (and back), as serial training goes on."""

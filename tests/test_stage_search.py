@@ -124,12 +124,18 @@ def train(model, kind, comm, cluster, dims=None):
     return history.losses, engine.state_dict(), engine.plan()
 
 
-@pytest.mark.parametrize("case", ["mlp4", "gpt"])
+@pytest.mark.parametrize("case", ["mlp4", "gpt", "gpt_blocks"])
 def test_searched_pipelines_train_like_serial(case, float64):
+    """gpt_blocks: four identical blocks, so the stage search costs runs of blocks
+    (passes/search/runs.py) and writes the representative block's layouts onto all."""
     if case == "mlp4":
         kind, n, dims = "mlp", 4, mlp_dims()
         cluster = S.line_cluster(4, bandwidth=0.01, device=S.FLOPS_ONLY)
         build = lambda: mlp(4)                                       # noqa: E731
+    elif case == "gpt_blocks":
+        kind, n, dims = "gpt", 2, dict(P.GPT_DIMS, n_layer=4)
+        cluster = S.line_cluster(2, bandwidth=0.01)
+        build = lambda: P.build_model("gpt", dims=dims, dropout=0.1)  # noqa: E731
     else:
         kind, n, dims = "gpt", 2, None
         cluster = S.line_cluster(2, bandwidth=0.01)
@@ -143,6 +149,7 @@ def test_searched_pipelines_train_like_serial(case, float64):
         lambda comm: train(models[comm.rank], kind, comm, cluster, dims))
     plan = results[0][2]
     assert len(plan.stages) > 1 and plan.micro_batches > 1
+    assert (plan.search.layering.blocks is not None) == (case == "gpt_blocks")
     for rank, (losses, params, _) in enumerate(results):
         errors = P.compare((losses, params), reference, "float64")
         assert errors["steps"] == len(reference[0])

@@ -11,7 +11,9 @@
   naming the step (the loss is global, so every rank stops at the same step);
 - :func:`collective`: Engine methods that are collective check that every rank is in
   the same call (see ``Communicator.collective_call``);
-- :func:`launcher_cluster`: the cluster ``distgraph run --cluster FILE`` gave.
+- :func:`launcher_cluster`: the cluster ``distgraph run --cluster FILE`` gave;
+- :func:`check_runnable`: a 16-bit program is planned, never run (numpy computes in
+  float32 / float64).
 
 Example::
 
@@ -28,10 +30,17 @@ import os
 
 import numpy as np
 
+from distgraph import dtypes
 from distgraph.errors import DistGraphError, RuntimeFault
 from distgraph.ops.nn_ops import IGNORE_INDEX, OutOfRange, check_range
 from distgraph.resources.cluster import Cluster
 from distgraph.runtime.launch.status import CLUSTER_VAR
+
+
+def check_runnable(program) -> None:
+    """Refuse to run ``program`` when a Value of it is 16-bit (planning only)."""
+    for v in program.values.values():
+        dtypes.check_runnable(v.dtype, f"running the program: Value {v.name!r} is")
 
 
 def launcher_cluster():

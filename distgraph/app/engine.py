@@ -224,6 +224,7 @@ class Engine:
         p = self._plans[mode]
         _check_runnable_split(p)
         if id(p) not in self._backend_cache:
+            checks.check_runnable(p.program)
             if p.distributed:
                 if self._comm is None:
                     self._comm = _world_communicator()

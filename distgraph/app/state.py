@@ -53,12 +53,12 @@ class ProcessState:
         """Remember the arrays the model's parameters hold now (set_value replaces them)."""
         params = dict(self.model.named_parameters())
         for name in params if names is None else names:
-            self._seen[name] = params[name]._data
+            self._seen[name] = params[name].source
 
     def user_changes(self) -> list:
         """Parameters given new values on the model (``set_state_dict``, ``set_value``)
         since the Engine last synced them; they replace the Engine's copies."""
-        return [n for n, p in self.model.named_parameters() if p._data is not self._seen.get(n)]
+        return [n for n, p in self.model.named_parameters() if p.source is not self._seen.get(n)]
 
     def take_user_changes(self) -> list:
         changed = self.user_changes()
@@ -100,18 +100,19 @@ class ProcessState:
             if not held:
                 continue
             index = v.dist_attr.local_slices(v.shape, pid)
+            fresh = False         # a new array of this process's own (no copy needed)
             if name in gathered:
                 block = gathered[name][index]
             elif from_checkpoint:
                 block = self.pending.read(name, index)
-            elif name in params:
-                block = params[name]._data[index]
+            elif name in params:         # a lazy parameter makes only this block
+                block, fresh = params[name].block(index), True
             elif name in self.states:
                 block = np.asarray(self.states[name])[index]
             else:
                 block = self._fresh(v, index)
-            self.arrays[name] = backend.arrays.from_host(np.array(block, dtype=v.dtype,
-                                                                  order="C"))
+            self.arrays[name] = backend.arrays.from_host(
+                np.array(block, dtype=v.dtype, order="C", copy=None if fresh else True))
         self.bound = plan
         return self.arrays
 
@@ -158,8 +159,8 @@ class ProcessState:
         for name, p in params.items():
             if name in values:
                 a = values[name]
-                if a.dtype != p._data.dtype or not a.flags.c_contiguous:
-                    a = np.array(a, dtype=p._data.dtype, order="C")
+                if a.dtype != p.dtype or not a.flags.c_contiguous:
+                    a = np.array(a, dtype=p.dtype, order="C")
                 p._data = a
         self.mark_synced()
         states = {**self.states, **{n: a for n, a in values.items() if n not in params}}
@@ -194,10 +195,21 @@ class ProcessState:
             elif name in self.pending_names:
                 out.append((name, None, _Lazy(self.pending, name)))
             elif name in params:
-                out.append((name, None, params[name]._data))
+                out.append((name, None, params[name]._data if not params[name].is_lazy
+                            else _Unmade(params[name])))
             else:
                 out.append((name, None, self.states[name]))
         return out
+
+
+class _Unmade:
+    """A lazy parameter no plan laid out yet, made whole only when written (by rank 0)."""
+
+    def __init__(self, param):
+        self.param, self.shape, self.dtype = param, param.shape, param.dtype
+
+    def __array__(self, dtype=None, copy=None):
+        return self.param.block()
 
 
 class _Lazy:

@@ -4,21 +4,31 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
-
 from distgraph import dtypes, ops
 from distgraph.errors import DistGraphError
 from distgraph.registry import DTypeError
+from distgraph.initializer import Init
 from distgraph.nn.layer import Layer, LayerList
 from distgraph.parameter import Parameter
 
 
+def _param(shape, kind: str, scale: float) -> Parameter:
+    """A parameter made by an initialiser (lazy under ``dg.LazyGuard``): its key is the
+    next draw of ``dg.seed``'s generator, so models built in the same order match."""
+    key = int(dtypes.param_rng().integers(2**63)) if kind != "constant" else 0
+    return Parameter.initialized(shape, Init(kind, float(scale), key))
+
+
 def _uniform(shape, bound):
-    return dtypes.param_rng().uniform(-bound, bound, size=shape)
+    return _param(shape, "uniform", bound)
 
 
 def _normal(shape, std):
-    return dtypes.param_rng().normal(0.0, std, size=shape)
+    return _param(shape, "normal", std)
+
+
+def _constant(shape, value):
+    return _param(shape, "constant", value)
 
 
 class Linear(Layer):
@@ -27,11 +37,12 @@ class Linear(Layer):
     def __init__(self, in_features, out_features, bias=True, init_std=None):
         super().__init__()
         bound = 1.0 / math.sqrt(in_features)
-        init = (lambda s: _normal(s, init_std)) if init_std else (lambda s: _uniform(s, bound))
-        self.weight = Parameter(init((in_features, out_features)))
+        shape = (in_features, out_features)
+        self.weight = _normal(shape, init_std) if init_std else _uniform(shape, bound)
         self.bias = None
         if bias:
-            self.bias = Parameter(np.zeros(out_features) if init_std else _uniform((out_features,), bound))
+            self.bias = _constant((out_features,), 0.0) if init_std else \
+                _uniform((out_features,), bound)
 
     def extra_repr(self) -> str:
         n_in, n_out = self.weight.shape
@@ -45,7 +56,7 @@ class Linear(Layer):
 class Embedding(Layer):
     def __init__(self, num_embeddings, embedding_dim, init_std=1.0):
         super().__init__()
-        self.weight = Parameter(_normal((num_embeddings, embedding_dim), init_std))
+        self.weight = _normal((num_embeddings, embedding_dim), init_std)
 
     def extra_repr(self) -> str:
         return ", ".join(map(str, self.weight.shape))
@@ -54,12 +65,16 @@ class Embedding(Layer):
         return ops.embedding(ids, self.weight)
 
 
+def _shape(n) -> tuple:
+    return (int(n),) if isinstance(n, int) else tuple(int(d) for d in n)
+
+
 class LayerNorm(Layer):
     def __init__(self, normalized_shape, epsilon=1e-5):
         super().__init__()
         self.epsilon = epsilon
-        self.weight = Parameter(np.ones(normalized_shape))
-        self.bias = Parameter(np.zeros(normalized_shape))
+        self.weight = _constant(_shape(normalized_shape), 1.0)
+        self.bias = _constant(_shape(normalized_shape), 0.0)
 
     def extra_repr(self) -> str:
         return ", ".join(map(str, self.weight.shape))

@@ -89,23 +89,51 @@ class AdamUpdate:
         return param, m, v
 
     def kernel(ctx, param, grad, m, v, step, lr, beta1, beta2, epsilon, weight_decay):
-        xp, t = ctx.xp, param.dtype.type
-        n, lr = float(step), float(lr)
-        if weight_decay:
-            param *= t(1.0 - lr * weight_decay)
-        # One scratch buffer holds every intermediate: each fresh parameter-sized
-        # temporary costs a pass of page faults, which is more than its arithmetic.
-        tmp = xp.multiply(grad, t(1.0 - beta1))
-        m *= t(beta1)
-        m += tmp
-        xp.multiply(grad, grad, out=tmp)
-        tmp *= t(1.0 - beta2)
-        v *= t(beta2)
-        v += tmp
-        xp.sqrt(v, out=tmp)
-        tmp *= t(1.0 / math.sqrt(1.0 - beta2 ** n))
-        tmp += t(epsilon)
-        xp.divide(m, tmp, out=tmp)
-        tmp *= t(lr / (1.0 - beta1 ** n))
-        param -= tmp
-        return param, m, v
+        return _adam_step(ctx.xp, param, grad, m, v, float(step), float(lr), beta1, beta2,
+                          epsilon, weight_decay)
+
+
+@register_op("mixed_adam_update", spmd=EinsumRule(_update_notation(5, 4, scalar_in=2)),
+             inplace=((0, 0), (1, 2), (2, 3), (3, 4)), differentiable=False)
+class MixedAdamUpdate:
+    """Adam / AdamW of a 16-bit parameter as mixed-precision training runs it (ZeRO's
+    2 + 2 + 12 bytes per parameter): the step is taken on the float32 ``master`` copy
+    with float32 moments, and the 16-bit parameter is the master rounded."""
+
+    flops = elementwise_flops(13)
+
+    def infer(param, grad, master, m, v, step, lr, beta1, beta2, epsilon, weight_decay):
+        _same_shapes(param, grad, master, m, v)
+        _scalar("adam step counter", step)
+        _scalar("adam learning rate", lr)
+        return param, master, m, v
+
+    def kernel(ctx, param, grad, master, m, v, step, lr, beta1, beta2, epsilon,
+               weight_decay):
+        _adam_step(ctx.xp, master, grad.astype(master.dtype), m, v, float(step), float(lr),
+                   beta1, beta2, epsilon, weight_decay)
+        param[...] = master
+        return param, master, m, v
+
+
+def _adam_step(xp, param, grad, m, v, n, lr, beta1, beta2, epsilon, weight_decay):
+    """One Adam step on ``param`` and its moments, in place (see AdamUpdate)."""
+    t = param.dtype.type
+    if weight_decay:
+        param *= t(1.0 - lr * weight_decay)
+    # One scratch buffer holds every intermediate: each fresh parameter-sized
+    # temporary costs a pass of page faults, which is more than its arithmetic.
+    tmp = xp.multiply(grad, t(1.0 - beta1))
+    m *= t(beta1)
+    m += tmp
+    xp.multiply(grad, grad, out=tmp)
+    tmp *= t(1.0 - beta2)
+    v *= t(beta2)
+    v += tmp
+    xp.sqrt(v, out=tmp)
+    tmp *= t(1.0 / math.sqrt(1.0 - beta2 ** n))
+    tmp += t(epsilon)
+    xp.divide(m, tmp, out=tmp)
+    tmp *= t(lr / (1.0 - beta1 ** n))
+    param -= tmp
+    return param, m, v

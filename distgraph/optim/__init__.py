@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from distgraph import dtypes
 from distgraph.errors import DistGraphError
 from distgraph.ir import Program, Value
 from distgraph.optim import lr
@@ -23,6 +24,7 @@ from distgraph.trace import Builder
 
 STEP = "optimizer@STEP"
 LR = "optimizer@LR"
+MASTER = "MASTER"        # the float32 copy of a 16-bit parameter (mixed precision)
 
 
 class Optimizer:
@@ -31,6 +33,7 @@ class Optimizer:
     ops (changing one makes the Engine plan again)."""
 
     state_suffixes: tuple = ()
+    mixed_precision = False   # whether it can update a 16-bit parameter (see Adam)
 
     def __init__(self, learning_rate):
         self.learning_rate = learning_rate
@@ -73,9 +76,16 @@ class Optimizer:
             rate = self._lr_value(builder)
             for name, grad in grads.items():
                 param = program.values[name]
+                mixed = param.dtype in dtypes.HALF_DTYPES
+                if mixed and not self.mixed_precision:
+                    raise DistGraphError(f"{type(self).__name__} has no mixed-precision "
+                                         f"update for the {param.dtype} parameter {name}; "
+                                         f"plan 16-bit models with Adam or AdamW")
+                # mixed precision keeps a float32 master copy and float32 states
+                suffixes = (MASTER,) + self.state_suffixes if mixed else self.state_suffixes
                 states = [builder.program.add_value(
-                    Value(f"{name}@{suffix}", param.shape, param.dtype, persistable=True,
-                          role="optimize")) for suffix in self.state_suffixes]
+                    Value(f"{name}@{suffix}", param.shape, "float32" if mixed else param.dtype,
+                          persistable=True, role="optimize")) for suffix in suffixes]
                 with builder.scope(layer=name):
                     self._emit_update(builder, param, grad, states, step, rate)
 
@@ -131,7 +141,11 @@ class SGD(Optimizer):
 
 
 class Adam(Optimizer):
+    """Adam; a 16-bit parameter (planning) is updated as mixed-precision training does,
+    on a float32 master copy (``p@MASTER``) with float32 moments."""
+
     state_suffixes = ("MOMENT1", "MOMENT2")
+    mixed_precision = True
     weight_decay = 0.0
     _uses_step = True
 
@@ -153,12 +167,12 @@ class Adam(Optimizer):
         return out
 
     def _emit_update(self, builder, param, grad, states, step, rate):
-        m, v = states
-        outs = builder.emit("adam_update", [param, grad, m, v, step, rate],
-                            {"beta1": self.beta1, "beta2": self.beta2,
-                             "epsilon": self.epsilon, "weight_decay": self.weight_decay},
-                            names=[f"{param.name}@OUT", f"{m.name}@OUT", f"{v.name}@OUT"])
-        _outputs_alias(outs, [param, m, v])
+        attrs = {"beta1": self.beta1, "beta2": self.beta2, "epsilon": self.epsilon,
+                 "weight_decay": self.weight_decay}
+        op = "mixed_adam_update" if len(states) == 3 else "adam_update"
+        outs = builder.emit(op, [param, grad, *states, step, rate], attrs,
+                            names=[f"{param.name}@OUT"] + [f"{s.name}@OUT" for s in states])
+        _outputs_alias(outs, [param, *states])
 
 
 class AdamW(Adam):

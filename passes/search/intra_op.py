@@ -59,8 +59,8 @@ from distgraph.mesh import ProcessMesh
 from distgraph.passes.estimate import fmt_bytes
 from distgraph.passes.samples import sample_axes
 from distgraph.passes.search.costs import SearchCosts, local_bytes
-from distgraph.passes.search.ilp import solve
-from distgraph.passes.search.ilp_problem import ShardingProblem
+from distgraph.passes.search.ilp import Solution, solve
+from distgraph.passes.search.ilp_problem import ShardingProblem, evaluate, peak_memory
 from distgraph.passes.search.space import SearchSpace
 from distgraph.placement import DistAttr
 
@@ -133,53 +133,85 @@ class SearchResult:
     choice: tuple
     report: SearchReport
     problem: ShardingProblem
+    boundary: object = None         # the Boundary it was searched with (None: none)
 
     def strategy(self, node: int):
         return self.space.nodes[node].strategies[self.choice[node]]
 
-    def annotate(self, program, mesh: ProcessMesh | None = None) -> None:
+    def annotate(self, program, mesh: ProcessMesh | None = None, ops: dict | None = None,
+                 values: dict | None = None) -> None:
         """Write the choice onto ``program`` (the program the space was built on, or a
         clone of it) as annotations: every source Value's layout, every op's consumed
         specs (as ``shard_op`` in_specs) and produced specs. ``mesh``: a mesh of the same
-        shape and dim names to place them on instead (a stage's own processes)."""
+        shape and dim names to place them on instead (a stage's own processes);
+        ``ops`` / ``values``: where to write them instead ({op index: op index}, {name:
+        name}: another of identical blocks)."""
         mesh = mesh or self.space.mesh
         if (mesh.shape, mesh.dim_names) != (self.space.mesh.shape, self.space.mesh.dim_names):
             raise PlanError(f"the choice was made on {self.space.mesh}; {mesh} has another "
                             "shape or dim names")
         for node in self.space.nodes:
             s = self.strategy(node.index)
+            if not _mapped(node, ops, values):
+                continue
             if node.is_source:
                 if node.value not in self.space.boundary:
-                    program.values[node.value].annotation = DistAttr(mesh, s.out_specs[0])
+                    name = node.value if values is None else values[node.value]
+                    program.values[name].annotation = DistAttr(mesh, s.out_specs[0])
                 continue
-            op = program.ops[node.op]
+            op = program.ops[node.op if ops is None else ops[node.op]]
             wanted = dict((v.name, spec) for v, spec in zip(op.inputs, s.in_specs))
             op.annotation = OpAnnotation(mesh, tuple(wanted.items()))
             for o, spec in zip(op.outputs, s.out_specs):
                 o.annotation = DistAttr(mesh, spec)
 
-    def check(self, program) -> None:
-        """Raise PlanError unless the completed ``program`` has the chosen layouts."""
+    def check(self, program, ops: dict | None = None, values: dict | None = None) -> None:
+        """Raise PlanError unless the completed ``program`` has the chosen layouts
+        (``ops`` / ``values`` as in :meth:`annotate`)."""
         for node in self.space.nodes:
             s = self.strategy(node.index)
-            if node.value in self.space.boundary:
+            if node.value in self.space.boundary or not _mapped(node, ops, values):
                 continue
             if node.is_source:
-                got = program.values[node.value].dist_attr.spec
+                name = node.value if values is None else values[node.value]
+                got = program.values[name].dist_attr.spec
                 if got != s.out_specs[0]:
-                    raise PlanError(f"completion laid {node.value} out as {got}, the search "
+                    raise PlanError(f"completion laid {name} out as {got}, the search "
                                     f"chose {s.out_specs[0]}")
                 continue
-            da = program.ops[node.op].dist_attr
+            da = program.ops[node.op if ops is None else ops[node.op]].dist_attr
             if tuple(da.input_specs) != s.in_specs or tuple(da.output_specs) != s.out_specs:
                 raise PlanError(f"completion gave op {node.label} {da}, the search chose "
                                 f"{s.name}")
 
 
+@dataclass(frozen=True)
+class Boundary:
+    """How a search of part of a program meets the rest (a stage of repeated blocks).
+    ``received`` (see :class:`~distgraph.passes.search.space.SearchSpace`): the layouts a
+    received Value offers; ``settle`` ({leaving Value: spec}): the layout a Value the
+    part sends out is brought to (its reshard charged), instead of its cheapest
+    settlement; ``periodic`` ((received, leaving), ...): the received Value arrives in
+    the layout the leaving one is brought to, as when the same block runs again (the
+    leaving Value's reshard to it is charged)."""
+
+    received: tuple = ()
+    settle: tuple = ()
+    periodic: tuple = ()
+
+
+def _mapped(node, ops, values) -> bool:
+    """Whether ``node`` has a place in the ops / values maps (no maps: always)."""
+    if node.is_source:
+        return values is None or node.value in values
+    return ops is None or node.op in ops
+
+
 def search(program, mesh: ProcessMesh, cluster, device_of: dict, *, ops=None,
            weights: dict | None = None, loss: str | None = None, world=None,
            memory_budget: float | None = None, time_limit: float = 60.0,
-           blocks=(), memory: bool = False, balance: bool = False) -> SearchResult:
+           blocks=(), memory: bool = False, balance: bool = False,
+           boundary: Boundary | None = None) -> SearchResult:
     """Choose a strategy for every op (of ``ops``, default all) and source Value of
     ``program`` on ``mesh`` (module docstring). ``device_of``: process -> device global id
     of ``cluster``; ``weights``: op role -> times it runs per step (default 1);
@@ -188,28 +220,60 @@ def search(program, mesh: ProcessMesh, cluster, device_of: dict, *, ops=None,
     ``blocks``: layer paths of repeated blocks (interior ones share a choice);
     ``memory``: model the live memory even without a budget (the report's peak);
     ``balance``: price data-parallel groups of mixed devices at their balanced split
-    (:class:`~distgraph.passes.search.costs.SearchCosts`)."""
+    (:class:`~distgraph.passes.search.costs.SearchCosts`); ``boundary``: how a part of the
+    program meets the rest (:class:`Boundary`)."""
     start = time.perf_counter()
-    space = SearchSpace(program, mesh, ops)
+    boundary = boundary or Boundary()
+    space = SearchSpace(program, mesh, ops, received=dict(boundary.received))
     axes = sample_axes(program, [v.name for v in program.inputs]) if balance else None
     costs = SearchCosts(cluster, mesh, device_of, axes)
     world = world or ProcessMesh(sorted(mesh.process_ids), dim_names=["world"])
     share = _shared_blocks(space, blocks)
     problem = _problem(space, costs, weights or {}, loss, world, memory_budget, share,
-                       memory or memory_budget is not None)
+                       memory or memory_budget is not None, boundary)
     build_time = time.perf_counter() - start
     sol = solve(problem, time_limit=max(time_limit - build_time, 0.1 * time_limit))
-    layouts = _layouts(space, sol.choice)
-    report = SearchReport(mesh, sol.status, sol.objective, sol.gap, sol.solve_time, build_time,
-                          len(space.nodes), sum(1 for n in space.nodes if n.leader < 0),
+    return _result(space, sol.choice, problem, sol, build_time, memory_budget, share,
+                   boundary)
+
+
+def price(moved: SearchSpace, cluster, device_of: dict, *, weights=None, loss=None,
+          world=None, boundary: Boundary | None = None, status: str = "optimal"):
+    """The cost, by the same model, of the one strategy each node of ``moved`` offers (a
+    search's choice on another mesh: ``result.space.rebind(mesh, result.choice)``),
+    without solving: a SearchResult with that choice. ``status``: the status of the
+    search that made the choice."""
+    start = time.perf_counter()
+    costs = SearchCosts(cluster, moved.mesh, device_of)
+    world = world or ProcessMesh(sorted(moved.mesh.process_ids), dim_names=["world"])
+    problem = _problem(moved, costs, weights or {}, loss, world, None, (), True,
+                       boundary or Boundary())
+    fixed = tuple(0 for _ in moved.nodes)
+    objective = evaluate(problem, fixed)
+    if math.isinf(objective):
+        raise PlanError(f"the choice is not allowed on {moved.mesh}")
+    sol = Solution(fixed, objective, status, 0.0, 0.0, peak_memory(problem, fixed), 0, 0)
+    return _result(moved, fixed, problem, sol, time.perf_counter() - start, None, (),
+                   boundary)
+
+
+def _result(space, choice, problem, sol, build_time, memory_budget, share,
+            boundary) -> SearchResult:
+    layouts = _layouts(space, choice)
+    report = SearchReport(space.mesh, sol.status, sol.objective, sol.gap, sol.solve_time,
+                          build_time, len(space.nodes),
+                          sum(1 for n in space.nodes if n.leader < 0),
                           len(share[0]) if share else 0, sol.variables, sol.constraints,
                           memory_budget, sol.peak_memory, layouts)
-    return SearchResult(space, sol.choice, report, problem)
+    return SearchResult(space, tuple(choice), report, problem, boundary)
 
 
-def _problem(space, costs, weights, loss, world, budget, share, live) -> ShardingProblem:
+def _problem(space, costs, weights, loss, world, budget, share, live,
+             boundary: Boundary) -> ShardingProblem:
     program, nodes = space.program, space.nodes
     feeds = {v.name for v in program.inputs}
+    targets = dict(boundary.settle)
+    tied = {leaving: received for received, leaving in boundary.periodic}
     compute, comm, memory = [], [], []
     for node in nodes:
         k = len(node.strategies)
@@ -228,7 +292,13 @@ def _problem(space, costs, weights, loss, world, budget, share, live) -> Shardin
         forbid = np.where(np.array(node.allowed), 0.0, math.inf)
         compute.append(c * w + forbid)
         for j, o in enumerate(op.outputs):
-            if o.name in space.leaving:     # a pending sum is settled before it leaves
+            if o.name in targets:           # brought to its neighbour's layout
+                m = m + np.array([costs.reshard(s.out_specs[j], targets[o.name], o.shape,
+                                                o.dtype) for s in node.strategies])
+            elif o.name in tied:            # brought to the layout it is tied to
+                m = m + np.array([costs.reshard(s.out_specs[j], hint[j], o.shape, o.dtype)
+                                  for s, hint in zip(node.strategies, node.hints)])
+            elif o.name in space.leaving:   # a pending sum is settled before it leaves
                 m = m + np.array([costs.settle(s.out_specs[j], o) for s in node.strategies])
         comm.append(m * w)
         kept = [j for j, o in enumerate(op.outputs) if not o.alias_of]
@@ -240,8 +310,14 @@ def _problem(space, costs, weights, loss, world, budget, share, live) -> Shardin
         v = program.values[loss]
         comm[u] = comm[u] + np.array([costs.gather(s.out_specs[j], v, world)
                                       for s in nodes[u].strategies])
-    tied = _tie_classes(nodes, share)
+    classes = _tie_classes(nodes, share)
     edges, aliases = [], []
+    for leaving, received in tied.items():
+        u, j = space.producer[leaving]
+        r = space.source_node[received]
+        layouts = [x.out_specs[0] for x in nodes[r].strategies]
+        forbid = [[hint[j] != lay for lay in layouts] for hint in nodes[u].hints]
+        aliases.append((u, r, np.array(forbid, dtype=float)))
     for node in nodes:
         if node.is_source:
             continue
@@ -255,7 +331,7 @@ def _problem(space, costs, weights, loss, world, budget, share, live) -> Shardin
             u, j = space.producer[v.name]
             made = tuple(s.out_specs[j] for s in nodes[u].strategies)
             wanted = tuple(s.in_specs[i] for s in node.strategies)
-            if tied[u] == tied[node.index]:      # same class: only the diagonal is ever taken
+            if classes[u] == classes[node.index]:   # same class: only the diagonal is taken
                 mat = np.diag([costs.reshard(a, b, v.shape, v.dtype) for a, b in zip(made, wanted)])
             else:
                 mat = costs.matrix(made, wanted, v.shape, v.dtype)

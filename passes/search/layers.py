@@ -41,12 +41,15 @@ FORWARD = ("forward", "loss")
 @dataclass(frozen=True)
 class Layering:
     """``count`` layers; ``layer_of[k]``: the layer of op k (None: of every stage);
-    ``flops[l]``: the forward FLOPs of layer l; ``received[l]``: bytes it receives."""
+    ``flops[l]``: the forward FLOPs of layer l; ``received[l]``: bytes it receives;
+    ``blocks``: the layers that are identical blocks (:func:`block_layers`), else
+    None."""
 
     count: int
     layer_of: tuple
     flops: tuple
     received: tuple
+    blocks: range | None = None
 
     def ops(self, layers: range) -> list:
         """Indices of the ops of ``layers`` (in program order)."""
@@ -55,6 +58,12 @@ class Layering:
 
     def __str__(self) -> str:
         total = sum(self.flops) or 1.0
+        if self.blocks is not None:
+            ends = [f"{self.flops[k] / total:.1%}" for k in range(self.count)
+                    if k not in self.blocks]
+            return (f"{self.count} layers: {len(self.blocks)} identical blocks of "
+                    f"{self.flops[self.blocks.start] / total:.1%} of the FLOPs each"
+                    + (f", and {' and '.join(ends)} before / after them" if ends else ""))
         parts = [f"{f / total:.0%}" for f in self.flops]
         return f"{self.count} layers (FLOP shares {', '.join(parts)})"
 
@@ -80,6 +89,66 @@ def cluster_layers(program, max_layers: int, delta: float = 0.25) -> Layering:
     return Layering(len(cut), tuple(layer_of),
                     tuple(float(flops[a:b + 1].sum()) for a, b in cut),
                     tuple(float(received[a, b]) for a, b in cut))
+
+
+def block_layers(program, paths) -> Layering | None:
+    """The layers of a model of repeated blocks (``paths``: the TransformerBlocks' layer
+    paths): each block one layer, the forward ops before the first block one layer (the
+    embedding) and those after the last one (the head and the loss); every other op
+    with its layer as in :func:`cluster_layers`. None unless there are at least four
+    blocks, each a contiguous run of forward ops, the interior ones identical op by op
+    (types, roles, shapes, attributes) once their backward and update ops are placed."""
+    if len(paths) < 4:
+        return None
+    forward = [k for k, op in enumerate(program.ops) if op.role in FORWARD]
+    block_of = [_block_of(program.ops[k].layer, paths) for k in forward]
+    firsts = [block_of.index(b) if b in block_of else -1 for b in range(len(paths))]
+    lasts = [len(block_of) - 1 - block_of[::-1].index(b) if b in block_of else -1
+             for b in range(len(paths))]
+    if -1 in firsts:
+        return None
+    expected = [b for b in range(len(paths)) for _ in range(lasts[b] - firsts[b] + 1)]
+    if block_of[firsts[0]:lasts[-1] + 1] != expected:
+        return None
+    head, tail = firsts[0] > 0, lasts[-1] < len(forward) - 1
+    count = len(paths) + head + tail
+    layer_of = [None] * len(program.ops)
+    for pos, k in enumerate(forward):
+        b = block_of[pos]
+        layer_of[k] = 0 if pos < firsts[0] else count - 1 if pos > lasts[-1] else b + head
+    _assign_rest(program, layer_of, count)
+    blocks = range(head, head + len(paths))
+    # the interior blocks must be identical; the first and the last may differ in a few
+    # light ops (where the sums of their input's and output's gradients fall)
+    if len({_signature(program, layer_of, layer) for layer in blocks[1:-1]}) != 1:
+        return None
+    flops, received = [0.0] * count, [0.0] * count
+    made_in = {}
+    for k in forward:
+        op, layer = program.ops[k], layer_of[k]
+        flops[layer] += op_flops(op)
+        for v in {v.name: v for v in op.inputs}.values():
+            if made_in.get(v.name, layer) < layer:
+                received[layer] += program.values[v.name].nbytes
+        for o in op.outputs:
+            made_in[o.name] = layer
+    return Layering(count, tuple(layer_of), tuple(flops), tuple(received), blocks)
+
+
+def _block_of(layer: str, paths) -> int | None:
+    for b, path in enumerate(paths):
+        if layer == path or layer.startswith(path + "."):
+            return b
+    return None
+
+
+def _signature(program, layer_of, layer) -> tuple:
+    # A random op's seed changes its numbers, not its shapes, layouts or cost: blocks
+    # that differ only in their dropout seeds are identical here.
+    return tuple((op.type, op.role, tuple(v.shape for v in op.inputs),
+                  tuple(o.shape for o in op.outputs),
+                  repr(sorted((a, x) for a, x in op.attrs.items() if a != "seed")))
+                 for k, op in enumerate(program.ops) if layer_of[k] == layer)
 
 
 def _received(program, forward) -> np.ndarray:

@@ -46,10 +46,11 @@ Example::
 
 from __future__ import annotations
 
+import copy
 import itertools
 from dataclasses import dataclass, field
 
-from distgraph.errors import PlanError
+from distgraph.errors import PlanError, ShardingError
 from distgraph.mesh import ProcessMesh
 from distgraph.registry import spmd_rule
 from distgraph.placement import ShardSpec
@@ -91,7 +92,9 @@ class SearchSpace:
     ``producer[name]`` is (node, output index) of the node that makes a Value;
     ``boundary`` names the Values a stage receives from ops outside it (one source
     node each, replicated: any split of it is a local slice); ``leaving`` those it
-    sends to ops outside it."""
+    sends to ops outside it. ``received`` overrides what a received Value offers:
+    ``{name: spec}`` that one layout (as a neighbour makes it), ``{name: None}`` every
+    layout (a repeated block's input, tied to the output it makes for the next block)."""
 
     program: object
     mesh: ProcessMesh
@@ -102,6 +105,7 @@ class SearchSpace:
     producer: dict = field(default_factory=dict)
     boundary: set = field(default_factory=set)
     leaving: set = field(default_factory=set)
+    received: dict = field(default_factory=dict)
 
     def __post_init__(self):
         whole = self.ops is None
@@ -150,7 +154,10 @@ class SearchSpace:
             # received from another stage: it arrives as the ops here consume it (the
             # p2p transfer is the same whatever they want), so it offers one layout
             # from which every split is a local slice
-            found = found[:1]
+            if v.name not in self.received:
+                found = found[:1]
+            elif self.received[v.name] is not None:
+                found = [x for x in found if x.out_specs[0] == self.received[v.name]]
             self.boundary.add(v.name)
         elif v.annotation is not None:
             found = [s for s in found if s.out_specs[0] == v.annotation.spec]
@@ -213,6 +220,42 @@ class SearchSpace:
                 self.nodes[src] = Node(src, None, old.value, old.label, old.layer, tuple(made),
                                        node.index, (True,) * len(made),
                                        tuple(m.out_specs for m in made))
+
+    def rebind(self, mesh: ProcessMesh, choice) -> "SearchSpace":
+        """These nodes on ``mesh`` (the same dim names, other sizes), each offering only
+        the strategy ``choice`` picks for it here: a choice priced on another mesh. A
+        PlanError names the first layout that does not divide there."""
+        if tuple(mesh.dim_names) != tuple(self.mesh.dim_names):
+            raise PlanError(f"rebind: {mesh} names its dims {list(mesh.dim_names)}, the "
+                            f"search's mesh {list(self.mesh.dim_names)}")
+        nodes = []
+        for node in self.nodes:
+            s, hint = node.strategies[choice[node.index]], node.hints[choice[node.index]]
+            if node.is_source:
+                v = self.program.values[node.value]
+                shapes, specs = [v.shape], list(s.out_specs) + list(hint)
+                moved = OpStrategy(s.name, (), s.out_specs, (),
+                                   (_local_shape(s.out_specs[0], v.shape, mesh),),
+                                   s.flops_fraction)
+            else:
+                op = self.program.ops[node.op]
+                shapes = [v.shape for v in op.inputs] + [o.shape for o in op.outputs] * 2
+                specs = list(s.in_specs) + list(s.out_specs) + list(hint)
+            for spec, shape in zip(specs, shapes):
+                try:
+                    spec.validate(mesh, shape, node.label)
+                except ShardingError as e:
+                    raise PlanError(f"the choice for {node.label} does not divide on "
+                                    f"{mesh}: {e}") from None
+            if not node.is_source:
+                moved = spmd_rule(op.type).strategy(
+                    s.in_specs, s.out_specs, [v.shape for v in op.inputs],
+                    [o.shape for o in op.outputs], mesh, [v.dtype for v in op.inputs])
+            nodes.append(Node(node.index, node.op, node.value, node.label, node.layer,
+                              (moved,), node.leader, (True,), (hint,)))
+        other = copy.copy(self)
+        other.mesh, other.nodes = mesh, nodes
+        return other
 
     # -- strategies ----------------------------------------------------------------------------
     def _signature(self, op) -> tuple:
@@ -311,6 +354,16 @@ def _settlements(s, out_shapes, mesh) -> list:
                     ways.append(ShardSpec(dims))
         options.append(ways)
     return [tuple(c) for c in itertools.product(*options)]
+
+
+def _local_shape(spec: ShardSpec, shape, mesh: ProcessMesh) -> tuple:
+    sizes = dict(zip(mesh.dim_names, mesh.shape))
+    out = []
+    for entry, n in zip(spec.dims, shape):
+        for m in (() if entry is None else (entry,) if isinstance(entry, str) else entry):
+            n //= sizes[m]
+        out.append(n)
+    return tuple(out)
 
 
 def _layer_of_value(name: str) -> str:

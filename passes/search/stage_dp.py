@@ -144,6 +144,10 @@ class _Option:
     memory: np.ndarray
     act: np.ndarray
 
+    def at(self, k: int, i: int) -> tuple:
+        """(time, memory, activation memory) of layers k..i here."""
+        return self.time[k, i], self.memory[k, i], self.act[k, i]
+
 
 def plan_stages(num_layers: int, cluster: Cluster,
                 cost: Callable[[range, Submesh], StageCost | tuple],
@@ -286,7 +290,7 @@ class _Search:
         return stages
 
     def objective(self, stages) -> float:
-        times = [self.options[n].time[k, i] for k, i, n in stages]
+        times = [self.options[n].at(k, i)[0] for k, i, n in stages]
         return float(sum(times) + (self.B - 1) * max(times))
 
     def run(self):
@@ -362,7 +366,7 @@ def _place(stages, meshes, micro_batches, runs) -> StagePlan:
                 fill[r] += m
     out = []
     for j, (k, i, o) in enumerate(stages):
-        t, mem, act = o.time[k, i], o.memory[k, i], o.act[k, i]
+        t, mem, act = o.at(k, i)
         out.append(Stage(range(k, i + 1), o.sub.mesh.name, o.sub.shape, placed[j], float(t),
                          float(mem + (total - 1 - j) * act)))
     times = [s.time for s in out]

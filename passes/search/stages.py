@@ -40,7 +40,9 @@ from distgraph.errors import PlanError
 from distgraph.mesh import ProcessMesh
 from distgraph.passes.search.ilp_problem import peak_memory
 from distgraph.passes.search.intra_op import search
-from distgraph.passes.search.layers import cluster_layers
+from distgraph.passes.search.layers import block_layers, cluster_layers
+from distgraph.passes.search.run_dp import plan_runs
+from distgraph.passes.search.runs import RunCosts
 from distgraph.passes.search.space import GB, MESH_DIMS
 from distgraph.passes.search.stage_dp import StageCost, plan_stages
 from distgraph.resources.cluster import Cluster
@@ -95,7 +97,8 @@ class PipelineReport:
 @dataclass(frozen=True)
 class PipelineChoice:
     """The stage search's outcome for the planner: ``report``, the per-stage search
-    results (checked after completion) and the rank mapping (process p on device p)."""
+    results with where they were written ((result, ops map, values map), checked after
+    completion) and the rank mapping (process p on device p)."""
 
     report: PipelineReport
     results: tuple
@@ -106,8 +109,8 @@ class PipelineChoice:
         return self
 
     def check(self, program) -> None:
-        for r in self.results:
-            r.check(program)
+        for r, ops, values in self.results:
+            r.check(program, ops=ops, values=values)
 
 
 def plan_pipeline(copy, strategy, cluster, accumulation, memory_budget=None) -> PipelineChoice:
@@ -121,9 +124,12 @@ def plan_pipeline(copy, strategy, cluster, accumulation, memory_budget=None) -> 
     program = copy.program
     micro = accumulation.micro_batches if accumulation is not None else 1
     devices = [d.global_id for d in cluster.devices]
+    target = cluster if memory_budget is None else _capped(cluster, memory_budget / GB)
+    layering = block_layers(program, copy.block_paths)
+    if layering is not None:
+        return _plan_runs(copy, strategy, cluster, target, layering, micro, start)
     layering = cluster_layers(program, max_layers=2 * len(devices) + 2)
     stage_cost = _StageCosts(copy, strategy, cluster, layering, micro)
-    target = cluster if memory_budget is None else _capped(cluster, memory_budget / GB)
     stage_plan = plan_stages(layering.count, target, stage_cost, micro_batches=micro)
     results = [stage_cost.result(st.layers, cluster.device_mesh(st.mesh), st.shape)
                for st in stage_plan.stages]          # every search before any annotation
@@ -135,7 +141,29 @@ def plan_pipeline(copy, strategy, cluster, accumulation, memory_budget=None) -> 
     reports = [r.report for r in results]
     report = PipelineReport(layering, stage_plan, tuple(reports), stage_cost.searches,
                             time.perf_counter() - start)
-    return PipelineChoice(report, tuple(results), {p: d for p, d in enumerate(devices)})
+    return PipelineChoice(report, tuple((r, None, None) for r in results),
+                          {p: d for p, d in enumerate(devices)})
+
+
+def _plan_runs(copy, strategy, cluster, target, layering, micro, start) -> PipelineChoice:
+    """The stage search of a model of identical blocks (:mod:`distgraph.passes.search.
+    runs`): options costed once per logical mesh, the DP linear in the blocks."""
+    costs = RunCosts(copy, strategy, cluster, layering, micro)
+    stage_plan, chosen = plan_runs(layering.count, layering.blocks, costs.options(), target,
+                                   micro_batches=micro)
+    index = {d.global_id: p for p, d in enumerate(cluster.devices)}
+    reports, checks = [], []
+    for stage, option in zip(stage_plan.stages, chosen):
+        pids = [index[d] for d in stage.device_ids]
+        mesh = ProcessMesh(np.array(pids).reshape(option.logical).tolist(),
+                           dim_names=list(MESH_DIMS[:2]))
+        report, written = costs.annotate(copy.program, stage.layers, option, mesh)
+        reports.append(report)
+        checks += written
+    report = PipelineReport(layering, stage_plan, tuple(reports), costs.searches,
+                            time.perf_counter() - start)
+    return PipelineChoice(report, tuple(checks),
+                          {p: d.global_id for p, d in enumerate(cluster.devices)})
 
 
 class _StageCosts:

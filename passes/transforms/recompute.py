@@ -55,36 +55,63 @@ def segments(built, option) -> list:
 def recompute(program: Program, paths) -> int:
     """Rewrite ``program`` (forward, backward and update ops, not yet completed) so the
     activations of each layer path are recomputed in the backward; returns how many ops
-    were copied."""
-    copied = 0
-    for path in paths:
-        copied += _recompute_segment(program, path)
-    return copied
-
-
-def _recompute_segment(program: Program, path: str) -> int:
+    were copied. The segments are independent (a copy reads only its own segment's
+    copies and what enters the segment), so every one is planned on the program as
+    given and all are applied in one pass."""
     ops = program.ops
-    seg = [i for i, op in enumerate(ops) if op.role == "forward" and _inside(op.layer, path)]
+    forward_readers: dict = {}
+    backward_readers: dict = {}
+    for i, op in enumerate(ops):
+        readers = backward_readers if op.role == "backward" else \
+            forward_readers if op.role in ("forward", "loss") else None
+        if readers is not None:
+            for v in op.inputs:
+                readers.setdefault(v.name, []).append(i)
+    outputs = {v.name for v in program.outputs}
+    inserts: dict = {}
+    renames: dict = {}
+    for path in paths:
+        seg = [i for i, op in enumerate(ops) if op.role == "forward" and _inside(op.layer, path)]
+        planned = _plan_segment(program, seg, forward_readers, backward_readers, outputs)
+        if planned is None:
+            continue
+        first, clones, needed, copies = planned
+        inserts.setdefault(first, []).extend(clones)
+        for name in needed:
+            for i in backward_readers[name]:
+                if i >= first:
+                    renames.setdefault(i, {})[name] = copies[name]
+    for i, mapping in renames.items():
+        ops[i].inputs = [mapping.get(v.name, v) for v in ops[i].inputs]
+    rewritten = []
+    for i, op in enumerate(ops):
+        rewritten += inserts.get(i, [])
+        rewritten.append(op)
+    program.ops = rewritten
+    return sum(len(c) for c in inserts.values())
+
+
+def _plan_segment(program, seg, forward_readers, backward_readers, outputs):
+    """(index of the first backward op that reads the segment, the copies to put before
+    it, the Values whose readers from there on read copies, {name: copy}), or None."""
     if not seg:
-        return 0
+        return None
+    ops = program.ops
     members = set(seg)
     produced = {o.name for i in seg for o in ops[i].outputs}
     # What leaves the segment in the forward is live anyway: read it, do not recompute it.
-    leaving = {v.name for i, op in enumerate(ops) if op.role in ("forward", "loss")
-               and i not in members for v in op.inputs if v.name in produced}
-    leaving |= {v.name for v in program.outputs if v.name in produced}
-    backward = [i for i, op in enumerate(ops) if op.role == "backward"]
-    needed = {v.name for i in backward for v in ops[i].inputs
-              if v.name in produced and v.name not in leaving}
+    leaving = {n for n in produced if any(i not in members for i in forward_readers.get(n, ()))}
+    leaving |= produced & outputs
+    needed = {n for n in produced if n in backward_readers and n not in leaving}
     if not needed:
-        return 0
+        return None
     # The segment's ops that make the needed values, and the segment values they read.
     wanted, todo = set(), set(needed)
     for i in reversed(seg):
         if any(o.name in todo for o in ops[i].outputs):
             wanted.add(i)
             todo |= {v.name for v in ops[i].inputs if v.name in produced and v.name not in leaving}
-    first = min(i for i in backward if any(v.name in needed for v in ops[i].inputs))
+    first = min(i for n in needed for i in backward_readers[n])
     copies: dict = {}
     clones = []
     for i in sorted(wanted):
@@ -95,11 +122,7 @@ def _recompute_segment(program: Program, path: str) -> int:
                                 dict(op.attrs), "backward", op.layer, op,
                                 _renamed(op.annotation, copies)))
         copies.update({o.name: c for o, c in zip(op.outputs, outs)})
-    for i in backward:
-        if i >= first:
-            ops[i].inputs = [copies[v.name] if v.name in needed else v for v in ops[i].inputs]
-    program.ops = ops[:first] + clones + ops[first:]
-    return len(clones)
+    return first, clones, needed, copies
 
 
 def _renamed(annotation, copies):

@@ -1,0 +1,137 @@
+"""What the real-scale planning benches share: GPT models built lazily in 16 bit, the
+model FLOPs Megatron-LM counts, DGX A100 clusters of any size, Megatron's own (t, p)
+plan, and how a plan reads as tensor / pipeline / data parallel degrees.
+
+A bench script run directly imports this module from its own folder (Python puts the
+script's folder first on ``sys.path``).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import numpy as np
+
+import distgraph as dg
+from distgraph.program_builder import build_program
+from distgraph.trace import InputSpec
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+DGX_FILE = os.path.join(HERE, "..", "resources", "clusters", "dgx_a100_1024.yaml")
+SEQ, VOCAB = 2048, 51200
+
+
+def model_flops(batch: int, layers: int, hidden: int, seq: int = SEQ,
+                vocab: int = VOCAB) -> float:
+    """Narayanan et al.'s FLOPs of one step with full recomputation:
+    F = 96 B s l h^2 (1 + s / (6 h) + V / (16 l h))."""
+    return 96.0 * batch * seq * layers * hidden ** 2 * (
+        1 + seq / (6 * hidden) + vocab / (16 * layers * hidden))
+
+
+class Megatron(dg.nn.GPT):
+    """GPT whose tokens are split over the first stage's ``dp`` dim (``mesh`` None: no
+    annotation, for the search)."""
+
+    def __init__(self, mesh=None, **kwargs):
+        super().__init__(**kwargs)
+        self.mesh = mesh
+
+    def forward(self, idx):
+        if self.mesh is not None:
+            dg.shard_tensor(idx, self.mesh, ["dp", None])
+        return super().forward(idx)
+
+
+def gpt(layers: int, hidden: int, heads: int, mesh=None):
+    """A lazy bfloat16 GPT of Megatron's shape (vocabulary 51,200, sequence 2048,
+    dropout 0.1)."""
+    dg.set_default_dtype("bfloat16")
+    with dg.LazyGuard():
+        return Megatron(mesh, vocab_size=VOCAB, d_model=hidden, n_layer=layers,
+                        n_head=heads, max_seq_len=SEQ, dropout=0.1)
+
+
+def program(model, batch: int):
+    """The training program of ``model`` on ``batch`` sequences (AdamW)."""
+    return build_program(model, [InputSpec([batch, SEQ], "int64", "tokens")],
+                         [InputSpec([batch, SEQ], "int64", "labels")],
+                         dg.nn.CrossEntropyLoss(), dg.optim.AdamW(1e-4))
+
+
+def dgx_cluster(nodes: int) -> dg.Cluster:
+    """``nodes`` DGX A100 nodes as the shipped 1,024-GPU file describes them: its first
+    node copied, each node's HCAs on the eight rail switches, the rails on one spine."""
+    base = dg.Cluster.from_file(DGX_FILE).to_dict()
+    node = base["machines"][0]
+    gpus = len(node["devices"])
+    rails = [s for s in base["switches"] if s["name"].startswith("rail")]
+    spine = [s for s in base["switches"] if s["name"] == "spine"]
+    nic_links = [ln for ln in base["links"] if ln["source"] in
+                 {n["global_id"] for n in node["nics"]}]
+    spine_links = [ln for ln in base["links"] if ln["source"] in
+                   {s["global_id"] for s in rails}]
+    offset_nic = nodes * gpus                       # NIC ids after the GPUs
+    offset_switch = 2 * nodes * gpus                # switches after the NICs
+    switch_id = {s["global_id"]: offset_switch + k for k, s in enumerate(rails + spine)}
+    machines, links = [], []
+    for m in range(nodes):
+        dev_id = {d["global_id"]: m * gpus + i for i, d in enumerate(node["devices"])}
+        nic_id = {n["global_id"]: offset_nic + m * gpus + i
+                  for i, n in enumerate(node["nics"])}
+        ids = {**dev_id, **nic_id}
+        machine = copy.deepcopy(node)
+        machine.update(id=m, hostname=f"dgx{m:04d}")
+        for d in machine["devices"]:
+            d["global_id"] = dev_id[d["global_id"]]
+        for n in machine["nics"]:
+            n["global_id"] = nic_id[n["global_id"]]
+        for ln in machine["links"]:
+            ln["source"], ln["target"] = ids[ln["source"]], ids[ln["target"]]
+        machines.append(machine)
+        for ln in nic_links:
+            links.append(dict(ln, source=nic_id[ln["source"]],
+                              target=switch_id[ln["target"]]))
+    for ln in spine_links:
+        links.append(dict(ln, source=switch_id[ln["source"]], target=switch_id[ln["target"]]))
+    switches = [dict(s, global_id=switch_id[s["global_id"]]) for s in rails + spine]
+    return dg.Cluster.from_dict({"name": f"dgx_a100_{nodes * gpus}", "machines": machines,
+                                 "switches": switches, "links": links})
+
+
+def megatron_plan(layers, hidden, heads, t, p, gpus, batch, micro_batches, cluster):
+    """Megatron's (t, p) as annotations: p stages of layers / p blocks each, the
+    embedding on the first and the head on the last, each stage a (dp, t) mesh of whole
+    machines with the blocks' Linear layers split the Megatron way over ``mp``, the
+    vocabulary of the embedding and the LM head split over ``mp`` too."""
+    dp = gpus // (t * p)
+    ids = np.arange(gpus).reshape(p, dp, t)
+    meshes = [dg.ProcessMesh(ids[j].tolist(), dim_names=["dp", "mp"]) for j in range(p)]
+    model = gpt(layers, hidden, heads, meshes[0])
+    per = layers // p
+    for i, block in enumerate(model.blocks):
+        mesh = meshes[min(i // per, p - 1)]
+        for first, second in ((block.attn.qkv, block.attn.proj),
+                              (block.mlp.fc1, block.mlp.fc2)):
+            dg.shard_tensor(first.weight, mesh, [None, "mp"])
+            dg.shard_tensor(first.bias, mesh, ["mp"])
+            dg.shard_tensor(second.weight, mesh, ["mp", None])
+    dg.shard_tensor(model.wte.weight, meshes[0], ["mp", None])
+    dg.shard_tensor(model.lm_head.weight, meshes[-1], [None, "mp"])
+    built = program(model, batch)
+    strategy = dg.Strategy(micro_batches=micro_batches, recompute=True)
+    return dg.passes.plan(built, strategy, cluster)
+
+
+def degrees(plan) -> dict:
+    """Tensor, pipeline and data parallel degrees of a plan whose stages are 2-d meshes
+    (data x tensor), with each stage's own."""
+    stages = [tuple(m.shape) if len(m.shape) == 2 else (m.shape[0], 1) for m in plan.stages]
+    return {"p": len(stages), "t": sorted({s[1] for s in stages}),
+            "dp": sorted({s[0] for s in stages}), "stages": stages}
+
+
+def throughput(plan, flops: float, gpus: int) -> float:
+    """Predicted model TFLOP/s per GPU: the step's FLOPs over its estimated time."""
+    return flops / plan.estimate.step_time / gpus / 1e12

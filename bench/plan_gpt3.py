@@ -1,0 +1,94 @@
+"""GPT-3 175B planned for 1,024 A100 GPUs by the automatic search, on this machine.
+
+GPT-3 (96 layers, d_model 12288, 96 heads, sequence 2048, vocabulary 51,200, global
+batch 1,536, bfloat16 with AdamW's float32 master weights and moments, dropout 0.1),
+built under ``dg.LazyGuard`` (no parameter memory), planned with
+``Strategy(auto_mode="full", pipeline=True, micro_batches=M, recompute=True)`` on
+``resources/clusters/dgx_a100_1024.yaml`` (128 DGX A100 nodes). The search chooses the
+stages, each stage's submesh and its data x tensor split, and every op's layout.
+
+Prints the seconds each phase took (building the program, planning: search,
+completion and estimate), the chosen plan (tensor, pipeline and data parallel degrees,
+micro-batch size and count, schedule, recomputation), its predicted step time and model
+TFLOP/s per GPU with the paper's count F = 96 B s l h^2 (1 + s/(6h) + V/(16 l h)), and
+the estimated peak memory of every device against its 80 GB. Targets: planning < 5
+minutes end to end on this machine (moonshot: < 60 s), peak <= 80 GB on every device.
+Narayanan et al. (SC'21) report 140 TFLOP/s per GPU for this model and machine.
+
+The micro-batch count is given, as Megatron gives it: ``--micro-batches 192`` is
+Megatron's micro-batch of one sequence per data-parallel replica at dp = 8; with it a
+micro-batch is 8 sequences, split by the search.
+
+Run::
+
+    python bench/plan_gpt3.py [--micro-batches 192] [--layers 96] [--json OUT]
+
+Timings on a shared 2-core machine are noisy: CPU seconds are printed beside wall.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import distgraph as dg
+from gpt_scale import DGX_FILE, degrees, gpt, model_flops, program
+
+BATCH, HIDDEN, HEADS, PUBLISHED = 1536, 12288, 96, 140.0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--micro-batches", type=int, default=192)
+    parser.add_argument("--layers", type=int, default=96)
+    parser.add_argument("--cluster", default=DGX_FILE)
+    parser.add_argument("--time-limit", type=float, default=60.0,
+                        help="seconds per intra-op search")
+    parser.add_argument("--json", help="write the figures to this file")
+    args = parser.parse_args()
+    wall, cpu = time.perf_counter(), time.process_time()
+    cluster = dg.Cluster.from_file(args.cluster)
+    gpus = len(cluster.devices)
+    loaded = time.perf_counter() - wall
+    built = program(gpt(args.layers, HIDDEN, HEADS), BATCH)
+    build_s = time.perf_counter() - wall - loaded
+    strategy = dg.Strategy(auto_mode="full", pipeline=True, micro_batches=args.micro_batches,
+                           recompute=True, solver_time_limit=args.time_limit)
+    start = time.perf_counter()
+    plan = dg.passes.plan(built, strategy, cluster)
+    plan_s = time.perf_counter() - start
+    total_wall, total_cpu = time.perf_counter() - wall, time.process_time() - cpu
+    est, search = plan.estimate, plan.search
+    d = degrees(plan)
+    flops = model_flops(BATCH, args.layers, HIDDEN)
+    tflops = flops / est.step_time / gpus / 1e12
+    peak = max(p.peak_memory for p in est.processes) / 1e9
+    rows = BATCH // args.micro_batches
+    print(f"GPT-3 {args.layers} layers on {gpus} GPUs ({cluster.name}); training program of "
+          f"{len(built.program.ops)} ops")
+    print(f"planned in {total_wall:.1f} s wall, {total_cpu:.1f} s CPU (target < 300 s, "
+          f"moonshot < 60 s): cluster file {loaded:.1f} s, program {build_s:.1f} s, plan "
+          f"{plan_s:.1f} s of which stage search {search.seconds:.1f} s "
+          f"({search.searches} intra-op searches)")
+    print(f"plan: pipeline p = {d['p']} stages, tensor t = {d['t']}, data dp = {d['dp']}; "
+          f"{args.micro_batches} micro-batches of {rows} sequences "
+          f"({rows // max(d['dp'])} per data-parallel replica), schedule "
+          f"{plan.strategy.schedule}, full recomputation of every block")
+    print("  " + str(search.stage_plan).replace("\n", "\n  "))
+    print(f"predicted step {est.step_time:.2f} s (compute {est.compute:.2f} + communication "
+          f"{est.communication:.2f} + bubble {est.bubble:.2f}); {tflops:.1f} model TFLOP/s "
+          f"per GPU (published: {PUBLISHED:.0f}, ratio {tflops / PUBLISHED:.2f})")
+    print(f"peak memory {peak:.1f} GB per device at most (target <= 80 GB): "
+          f"{'met' if peak <= 80 else 'NOT met'}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"wall_s": total_wall, "cpu_s": total_cpu, "plan_s": plan_s,
+                       "degrees": d, "micro_batches": args.micro_batches,
+                       "step_time": est.step_time, "tflops_per_gpu": tflops,
+                       "peak_gb": peak, "search_s": search.seconds,
+                       "searches": search.searches}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,399 @@
+"""Stage costs of a model of identical blocks: a run of k blocks on a submesh costs k
+times one block, searched once per logical mesh shape (Alpa's inter-op search made
+tractable for transformers of a hundred layers on a thousand devices).
+
+The layers (:func:`~distgraph.passes.search.layers.block_layers`) are the part before
+the blocks (``E``: the embedding), the blocks, and the part after them (``H``: the head
+and the loss). A stage is ``[E] + k blocks + [H]`` on a submesh and costs
+
+- **time**: ``t_E + k t_B + t_H`` per micro-batch. ``t_B`` is one block's intra-op search
+  with its input and output tied (:class:`~distgraph.passes.search.intra_op.Boundary`
+  ``periodic``): the block receives its input in the layout it sends its output in, as
+  every block of a run does, so the reshards between two blocks are inside ``t_B`` and
+  k blocks cost k times it. ``E`` and ``H`` are searched with the Values they exchange
+  with the blocks fixed to the blocks' layouts.
+- **memory** (per part, on a device): parameters and states (``persistent``; with
+  micro-batches also the gradients being accumulated), the activations one micro-batch
+  keeps from its forward to its backward (``saved``: what the search's liveness holds
+  at the first backward op) and the working memory beyond both at the part's peak
+  (``transient``). A stage holds the sums of the first two, ``saved`` again for each
+  further micro-batch in flight, and its largest ``transient``.
+
+**Submeshes and logical meshes.** Stages take ``n`` whole machines of a device mesh of
+``rows`` machines for every ``n`` dividing ``rows`` (so that equal stages can tile it),
+or, on a one-machine mesh, Alpa's row pieces. A submesh of ``(n, cols)`` devices runs as
+a logical mesh ``(n cols / t, t)`` for each ``t`` dividing ``cols``: dim ``y`` (size
+``t``, tensor parallel) inside a machine, dim ``x`` across. Per ``t`` the parts are
+searched once, on the largest such mesh whose ``x`` divides the micro-batch's rows;
+every other mesh of that ``t`` prices that choice (:func:`~distgraph.passes.search.
+intra_op.price`) where its layouts divide there, and is searched itself where they do
+not (and then prices the meshes after it).
+
+**Blocks that differ.** The interior blocks are identical op by op; the first and the
+last differ from them in where a few gradient sums fall. They are costed as interior
+blocks and take the interior block's layouts op by op, matched by place (n-th forward
+op, its m-th backward op, the update of a parameter by name); their unmatched ops are
+left to completion.
+
+Example::
+
+    costs = RunCosts(copy, strategy, cluster, layering, micro=8)
+    for option in costs.options():        # one per (device mesh, submesh, logical shape)
+        option.cost(True, 4, False)       # E + 4 blocks: (seconds, GB, GB per micro-batch)
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from distgraph import dtypes
+from distgraph.errors import PlanError
+from distgraph.mesh import ProcessMesh
+from distgraph.passes.search.intra_op import Boundary, price, search
+from distgraph.passes.search.layers import FORWARD
+from distgraph.passes.search.space import GB, MESH_DIMS
+from distgraph.passes.search.stage_dp import Submesh
+
+
+@dataclass(frozen=True)
+class PartCost:
+    """One part of a stage (E, one block, or H) on one logical mesh: seconds per
+    micro-batch, and bytes per device (module docstring)."""
+
+    time: float
+    persistent: float
+    saved: float
+    transient: float
+
+
+@dataclass(frozen=True)
+class RunOption:
+    """A submesh in a logical shape and its parts' costs and searches (``first`` /
+    ``last`` None when the program has no E / H part)."""
+
+    axis: int
+    sub: Submesh
+    logical: tuple
+    parts: dict           # "first" / "block" / "last" -> (PartCost, SearchResult)
+
+    def cost(self, with_first: bool, blocks: int, with_last: bool) -> tuple:
+        """(seconds per micro-batch, GB with one micro-batch in flight, GB per further
+        micro-batch in flight) of ``[E] + blocks + [H]`` here."""
+        used = [(self.parts["first"][0], 1)] if with_first else []
+        used += [(self.parts["block"][0], blocks)] if blocks else []
+        used += [(self.parts["last"][0], 1)] if with_last else []
+        seconds = sum(p.time * n for p, n in used)
+        saved = sum(p.saved * n for p, n in used)
+        fixed = sum(p.persistent * n for p, n in used) + saved
+        transient = max((p.transient for p, _ in used), default=0.0)
+        return seconds, (fixed + transient) / GB, saved / GB
+
+    def __str__(self):
+        return f"{self.sub} as {list(self.logical)}"
+
+
+@dataclass(frozen=True)
+class RunReport:
+    """What one stage of a block layering runs: its logical mesh, its parts and each
+    part's search report (searched on a representative mesh, priced on this one)."""
+
+    option: str
+    parts: tuple          # ((part name, count, SearchReport), ...)
+
+    @property
+    def status(self) -> str:
+        return "optimal" if all(r.status == "optimal" for _, _, r in self.parts) \
+            else "time_limit"
+
+    @property
+    def gap(self) -> float:
+        return max(r.gap for _, _, r in self.parts)
+
+    @property
+    def layouts(self) -> tuple:
+        return tuple(x for _, _, r in self.parts for x in r.layouts)
+
+    def __str__(self) -> str:
+        what = " + ".join(f"{n} {name}" if n > 1 else name for name, n, _ in self.parts)
+        lines = [f"{what} on {self.option}"]
+        for name, _, report in self.parts:
+            lines.append(f"  {name}: " + str(report).replace("\n", "\n  "))
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict:
+        return {"option": self.option, "status": self.status, "gap": self.gap,
+                "parts": [{"part": name, "count": n, **report.to_dict()}
+                          for name, n, report in self.parts]}
+
+
+class RunCosts:
+    """The stage options of a block layering of ``copy`` (a BuiltProgram) on ``cluster``
+    with ``micro`` micro-batches (module docstring)."""
+
+    def __init__(self, copy, strategy, cluster, layering, micro: int):
+        self.copy, self.program, self.strategy = copy, copy.program, strategy
+        self.cluster, self.layering, self.micro = cluster, layering, micro
+        self.blocks = layering.blocks
+        self.has_first = self.blocks.start > 0
+        self.has_last = self.blocks.stop < layering.count
+        self.rep = self.blocks.start + 1                # an interior block
+        paths = copy.block_paths
+        self.keys = {layer: _op_keys(self.program, layering.layer_of, layer,
+                                     paths[layer - self.blocks.start])
+                     for layer in self.blocks}
+        self.weights = {"forward": 1, "loss": 1, "backward": 1, "optimize": 1 / micro}
+        self.searches = 0
+        self.seconds = 0.0
+        self._maps: dict = {}
+        self._found: dict = {}        # t -> [(results per part), ...] searched so far
+
+    # -- the options --------------------------------------------------------------------
+    def options(self) -> list:
+        """Every (device mesh, submesh, logical shape) with its parts costed."""
+        out = []
+        for axis, device_mesh in enumerate(self.cluster.device_meshes):
+            rows, cols = _grid(device_mesh.shape)
+            device = self.cluster.device(device_mesh.ids[0])
+            shapes = [(n, cols) for n in range(1, rows + 1) if rows % n == 0]
+            if rows == 1:
+                shapes = [(1, m) for m in range(1, cols) if cols % m == 0 and
+                          m & (m - 1) == 0] + shapes
+            for shape in shapes:
+                sub = Submesh(device_mesh, shape, device)
+                for t in [t for t in range(1, shape[1] + 1) if shape[1] % t == 0]:
+                    logical = (shape[0] * shape[1] // t, t)
+                    out.append((axis, sub, logical))
+        # search the largest mesh of each t whose x divides the rows first
+        rows_mb = self._batch_rows()
+        order = sorted(out, key=lambda o: (o[2][1], rows_mb % o[2][0] != 0, -o[2][0]))
+        costed = {}
+        for axis, sub, logical in order:
+            costed[(axis, sub.shape, logical)] = RunOption(axis, sub, logical,
+                                                           self._parts(sub, logical))
+        return [costed[(a, s.shape, lg)] for a, s, lg in out]
+
+    def _batch_rows(self) -> int:
+        feeds = self.program.inputs
+        return int(feeds[0].shape[0]) if feeds and feeds[0].shape else 1
+
+    def _parts(self, sub, logical) -> dict:
+        mesh, device_of = logical_mesh(sub.mesh, sub.shape, logical)
+        t = logical[1]
+        for found in self._found.get(t, ())[::-1]:
+            try:
+                return self._price(found, mesh, device_of)
+            except PlanError:
+                continue
+        found = self._search(mesh, device_of)
+        self._found.setdefault(t, []).append(found)
+        return {part: (self._measure(result), result) for part, result in found.items()}
+
+    # -- searches -----------------------------------------------------------------------
+    def _search(self, mesh, device_of) -> dict:
+        start = time.perf_counter()
+        block_ops = self.layering.ops(range(self.rep, self.rep + 1))
+        periodic = self._periodic(block_ops)
+        boundary = Boundary(received=tuple((r, None) for r, _ in periodic), periodic=periodic)
+        found = {"block": self._run_search(block_ops, mesh, device_of, boundary)}
+        block = found["block"]
+        if self.has_first:
+            ops = self.layering.ops(range(0, 1))
+            found["first"] = self._run_search(ops, mesh, device_of,
+                                              self._neighbour(block, ops, self.blocks.start))
+        if self.has_last:
+            ops = self.layering.ops(range(self.layering.count - 1, self.layering.count))
+            found["last"] = self._run_search(ops, mesh, device_of,
+                                             self._neighbour(block, ops, self.blocks.stop - 1))
+        self.seconds += time.perf_counter() - start
+        return found
+
+    def _run_search(self, ops, mesh, device_of, boundary):
+        self.searches += 1
+        return search(self.program, mesh, self.cluster, device_of, ops=ops,
+                      weights=self.weights, loss=self._loss(ops),
+                      time_limit=self.strategy.solver_time_limit, memory=True,
+                      boundary=boundary)
+
+    def _price(self, found, mesh, device_of) -> dict:
+        out = {}
+        for part, result in found.items():
+            moved = result.space.rebind(mesh, result.choice)
+            priced = price(moved, self.cluster, device_of, weights=self.weights,
+                           loss=self._loss(result.space.ops), boundary=result.boundary,
+                           status=result.report.status)
+            out[part] = (self._measure(priced), priced)
+        return out
+
+    def _loss(self, ops):
+        loss = self.copy.loss_name
+        if loss is not None and any(o.name == loss for k in ops
+                                    for o in self.program.ops[k].outputs):
+            return loss
+        return None
+
+    def _periodic(self, block_ops) -> tuple:
+        """(received, leaving) pairs of the representative block: what it receives
+        is, in the next block (forward) or the one before (backward), what it sends."""
+        inside = set(block_ops)
+        made = {o.name for k in block_ops for o in self.program.ops[k].outputs}
+        received = [v.name for k in block_ops for v in self.program.ops[k].inputs
+                    if v.name not in made and self._producer(v.name) is not None
+                    and self._producer(v.name) not in inside]
+        pairs = {}
+        for name in dict.fromkeys(received):
+            for neighbour in (self.rep + 1, self.rep - 1):
+                other = self.value_map(neighbour).get(name)
+                if other in made:
+                    pairs[name] = other
+                    break
+        return tuple(pairs.items())
+
+    def _producer(self, name):
+        if not hasattr(self, "_producers"):
+            self._producers = {o.name: k for k, op in enumerate(self.program.ops)
+                               for o in op.outputs}
+        return self._producers.get(name)
+
+    def _neighbour(self, block, ops, layer) -> Boundary:
+        """What E (H) exchanges with block ``layer``, fixed to the representative block's
+        choice: Values it sends are brought to the layout the block receives them in,
+        Values it receives arrive as the block sends them."""
+        to_rep = {v: k for k, v in self.value_map(layer).items()}
+        space, choice = block.space, block.choice
+        part_made = {o.name for k in ops for o in self.program.ops[k].outputs}
+        part_reads = {v.name for k in ops for v in self.program.ops[k].inputs}
+        settle, received = [], []
+        for name in sorted(part_made | part_reads):
+            rep_name = to_rep.get(name)
+            if rep_name is None:
+                continue
+            if name in part_made and rep_name in space.source_node:
+                node = space.source_node[rep_name]
+                settle.append((name, space.nodes[node].strategies[choice[node]].out_specs[0]))
+            elif name in part_reads and name not in part_made and rep_name in space.leaving:
+                u, j = space.producer[rep_name]
+                received.append((name, space.nodes[u].hints[choice[u]][j]))
+        return Boundary(received=tuple(received), settle=tuple(settle))
+
+    def _measure(self, result) -> PartCost:
+        """Seconds and bytes of a search's choice (module docstring)."""
+        space, problem, choice = result.space, result.problem, result.choice
+        memory = [float(problem.memory[n.index][choice[n.index]]) for n in space.nodes]
+        persistent = sum(memory[n.index] for n in space.nodes if n.is_source and
+                         self.program.values[n.value].persistable)
+        if self.micro > 1:          # gradients accumulate over the micro-batches
+            for n in space.nodes:
+                op = None if n.is_source else self.program.ops[n.op]
+                if op is not None and op.role == "optimize" and len(op.inputs) > 1 and \
+                        op.inputs[0].is_parameter:
+                    shape = n.strategies[choice[n.index]].in_local_shapes[1]
+                    persistent += float(np.prod(shape)) * dtypes.itemsize(op.inputs[1].dtype)
+        backward = next((t for t, k in enumerate(space.ops)
+                         if self.program.ops[k].role == "backward"), None)
+        saved = 0.0
+        if backward is not None and problem.liveness:
+            saved = sum(memory[i] for i in problem.liveness[backward]
+                        if not (space.nodes[i].is_source and
+                                self.program.values[space.nodes[i].value].persistable))
+        peak = result.report.peak_memory
+        return PartCost(result.report.objective, persistent, saved,
+                        max(peak - persistent - saved, 0.0))
+
+    # -- the chosen stages -------------------------------------------------------------
+    def annotate(self, program, layers: range, option: RunOption, mesh) -> tuple:
+        """Write ``option``'s choices for ``layers`` onto ``program`` on ``mesh``; returns
+        the stage's report and its (result, ops map, values map) checks."""
+        parts, checks = [], []
+        blocks = [layer for layer in layers if layer in self.blocks]
+        if self.has_first and 0 in layers:
+            parts.append(("embedding", 1, option.parts["first"][1]))
+            checks.append((option.parts["first"][1], None, None))
+        block = option.parts["block"][1]
+        if blocks:
+            parts.append(("blocks" if len(blocks) > 1 else "block", len(blocks), block))
+        for layer in blocks:
+            ops = None if layer == self.rep else self.op_map(layer, matched_only=True)
+            values = None if layer == self.rep else self.value_map(layer)
+            checks.append((block, ops, values))
+        if self.has_last and self.layering.count - 1 in layers:
+            parts.append(("head", 1, option.parts["last"][1]))
+            checks.append((option.parts["last"][1], None, None))
+        for result, ops, values in checks:
+            result.annotate(program, mesh, ops=ops, values=values)
+        return RunReport(str(option), tuple((n, c, r.report) for n, c, r in parts)), checks
+
+    # -- blocks ------------------------------------------------------------------------
+    def value_map(self, layer) -> dict:
+        """{Value of the representative block: the same Value of block ``layer``}."""
+        if layer not in self._maps:
+            ops = self.op_map(layer)
+            names = {}
+            for k, other in ops.items():
+                a, b = self.program.ops[k], self.program.ops[other]
+                for v, w in zip(a.inputs + a.outputs, b.inputs + b.outputs):
+                    names.setdefault(v.name, w.name)
+            self._maps[layer] = names
+        return self._maps[layer]
+
+    def op_map(self, layer, matched_only: bool = False) -> dict:
+        """{op of the representative block: the op at its place in block ``layer``}
+        (``matched_only``: without the unkeyed ops, unless the blocks are identical)."""
+        mine, theirs = self.keys[self.rep], self.keys[layer]
+        same = [k[0] for k in mine] == [k[0] for k in theirs] and len(mine) == len(theirs)
+        out = {}
+        for key, k in mine.items():
+            if key in theirs and (not matched_only or same or key[0] != "other") and \
+                    _same_op(self.program.ops[k], self.program.ops[theirs[key]]):
+                out[k] = theirs[key]
+        return out
+
+
+def logical_mesh(device_mesh, shape, logical) -> tuple[ProcessMesh, dict]:
+    """A ProcessMesh of ``logical`` shape over the submesh ``shape`` (the first rows and
+    columns of ``device_mesh``), and process -> device global id: process p is the
+    p-th device of the submesh in row-major order, so dim ``y`` runs inside a row."""
+    rows, cols = shape
+    grid = np.array(device_mesh.ids).reshape(_grid(device_mesh.shape))[:rows, :cols]
+    mesh = ProcessMesh(np.arange(rows * cols).reshape(logical).tolist(),
+                       dim_names=list(MESH_DIMS[:2]))
+    return mesh, dict(enumerate(int(d) for d in grid.reshape(-1)))
+
+
+def _grid(shape) -> tuple:
+    return (1, int(shape[0])) if len(shape) == 1 else (int(shape[0]), int(shape[1]))
+
+
+def _op_keys(program, layer_of, layer, path) -> dict:
+    """{key: op index} of layer ``layer``'s ops: ``("forward", n)``, ``("backward",
+    forward key, m)`` (the m-th op made for that forward op: its recomputed copy, its
+    gradients), ``("update", parameter path below the block)``, ``("other", n)``."""
+    keys: dict = {}
+    forward: dict = {}
+    count: dict = {}
+    for k, op in enumerate(program.ops):
+        if layer_of[k] != layer:
+            continue
+        if op.role in FORWARD:
+            key = ("forward", len(forward))
+            forward[id(op)] = key
+        elif op.role == "backward" and op.forward_op is not None \
+                and id(op.forward_op) in forward:
+            f = forward[id(op.forward_op)]
+            count[f] = count.get(f, 0) + 1
+            key = ("backward", f, count[f] - 1)
+        elif op.role == "optimize" and op.inputs and op.inputs[0].is_parameter and \
+                op.inputs[0].name.startswith(path + "."):
+            key = ("update", op.inputs[0].name[len(path) + 1:])
+        else:
+            count["other"] = count.get("other", 0) + 1
+            key = ("other", count["other"] - 1)
+        keys[key] = k
+    return keys
+
+
+def _same_op(a, b) -> bool:
+    return (a.type, a.role, [v.shape for v in a.inputs], [o.shape for o in a.outputs]) == \
+        (b.type, b.role, [v.shape for v in b.inputs], [o.shape for o in b.outputs])

@@ -36,6 +36,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from fractions import Fraction
 
 from distgraph.errors import PlanError
 
@@ -158,6 +159,16 @@ class BatchSplit:
                                     (next_granule + 1) * self.granule))
                     next_granule += 1
         return tuple(out)
+
+    def positions(self, process: int) -> tuple:
+        """Where each micro-batch ``process`` runs sits in the batch, counted in the even
+        split's micro-batches of ``len(members) * granule`` rows: its rows start
+        ``position * micro-batch rows`` after those it holds of the even split's
+        micro-batch 0 (even: 0, 1, 2, ...). Fractions; ``(0,)`` without micro-batches."""
+        if not self.micro_batched:
+            return (Fraction(0),)
+        g, n = self.member_of(process), len(self.members)
+        return tuple(Fraction(start // self.granule - g, n) for start, _ in self.rows(process))
 
     @property
     def is_even(self) -> bool:

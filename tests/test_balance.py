@@ -174,15 +174,6 @@ def test_a_plan_that_splits_no_batch_cannot_be_balanced():
         dg.passes.plan(built, dg.Strategy(balance=True))
 
 
-def test_an_uneven_split_is_planned_but_not_run_yet():
-    engine, bal = planned("mlp", "dp", 2, dg.Cluster.from_file(MIXED_2X1), 32, MLP,
-                          balance=True)
-    assert not bal.batch_split.is_even
-    data = P.Dataset("mlp", n=32, dims=MLP, batch=32)
-    with pytest.raises(PlanError, match="running an uneven split is not implemented yet"):
-        engine.fit(data, batch_size=32)
-
-
 def test_a_balanced_plan_on_equal_devices_trains_as_serial():
     previous = dg.get_default_dtype()
     dg.set_default_dtype("float64")

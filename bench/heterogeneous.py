@@ -22,10 +22,9 @@ that measured file (``--no-calibrate``: the file's own figures). The program pla
 case here first (pure: the splits and the estimate's step times), then measures each
 plan on the emulated cluster (best of ``--repeats`` timings
 of ``--steps`` optimizer steps, the plans taken in turn so that the machine's load hits
-them alike). Until the runtime runs uneven splits (issue 22, phase 2) the Engine refuses
-a balanced plan whose split is uneven: the bench then prints the predictions and the
-even plans' measurements, says which balanced plans could not run, and exits 1. It
-makes up no figure.
+them alike): every process runs its share of the rows, under its machine's CPU quota.
+A plan that cannot run (a PlanError on every rank before any step) is reported, its
+figures left out, and the bench exits 1. It makes up no figure.
 """
 
 from __future__ import annotations
@@ -231,7 +230,7 @@ def report(predicted: list, measured: list) -> int:
         print(f"balanced plans, predicted against measured step: median error "
               f"{statistics.median(errors):.0%} (target <= {MEDIAN_TARGET:.0%})")
     if misses:
-        print("the runtime could not run these balanced plans, so their figures are missing:",
+        print("these balanced plans could not run, so their figures are missing:",
               file=sys.stderr)
         for line in misses:
             print(f"  {line}", file=sys.stderr)

@@ -106,7 +106,7 @@ class BatchSplit:
     even split ``S(0)`` has). With micro-batches (``micro_batched``) the granules are
     micro-batches, dealt in rounds: round r gives the next granule of the batch to each
     member that still has one, in member order; a member's micro-batch r is its granule
-    of round r. An even split is then the layout the runtime reads today (micro-batch m
+    of round r. An even split is then the layout of the even plan (micro-batch m
     is rows [m B/M, (m+1) B/M) of the batch, split over the members).
 
     Example: ``BatchSplit(12, 1, False, ("dp",), ((0,), (1,)), (8, 4)).rows(1)`` is

@@ -3,7 +3,7 @@ data-parallel groups (rows in proportion to speed, whole micro-batches, within m
 ``Plan.batch_split`` and ``Plan.explain()``, and an estimate that prices each process's
 share. Oracles: a share of an even plan costs what the even plan of that many rows
 costs; the planned split is the best of every split under the estimate's linear model;
-an even split reads the rows the runtime reads today; a balanced plan on equal devices
+an even split reads the rows the even plan reads; a balanced plan on equal devices
 trains as serial."""
 
 import dataclasses

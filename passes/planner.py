@@ -128,27 +128,33 @@ class Plan:
             return split.micro_batches(process_id)
         return self.micro_batches
 
-    def batch_rows(self, process_id: int) -> tuple | None:
-        """``(start, stop)`` rows of the batch ``process_id`` reads, one range per
-        micro-batch it runs in the order it runs them; None where its inputs want
-        different rows (it is then fed whole batches) or it has none."""
+    def feed_rows(self, process_id: int) -> dict:
+        """{input name: the ``(start, stop)`` rows of the batch ``process_id`` reads of it,
+        one range per micro-batch it runs in the order it runs them (None: a scalar)}
+        for the inputs its local program has: its block of each micro-batch, or under an
+        uneven split the rows the split gives it."""
         split = self.batch_split
-        if split is not None and any(process_id in m for m in split.members):
-            return split.rows(process_id)
-        program = self.program
-        rows = (self.accumulation.micro_batch_rows if self.accumulation is not None else None)
-        found = set()
+        mine = split is not None and any(process_id in m for m in split.members)
+        out = {}
         for v in self.local(process_id).program.inputs:
-            value = program.values[v.name]
+            value = self.program.values[v.name]
             index = value.dist_attr.local_slices(value.shape, process_id)
             if not index:
-                return None
-            found.add((index[0].start, index[0].stop, value.shape[0]))
-        if len(found) != 1:
-            return None
-        start, stop, size = found.pop()
-        b = rows or size
-        return tuple((m * b + start, m * b + stop) for m in range(self.micro_batches))
+                out[v.name] = None
+            elif mine:
+                out[v.name] = split.rows(process_id)
+            else:
+                b = (self.accumulation.micro_batch_rows if self.accumulation is not None
+                     else value.shape[0])
+                out[v.name] = tuple((m * b + index[0].start, m * b + index[0].stop)
+                                    for m in range(self.micro_batches))
+        return out
+
+    def batch_rows(self, process_id: int) -> tuple | None:
+        """The rows :meth:`feed_rows` gives every input of ``process_id``, where they are
+        the same for all (None: its inputs want different rows, or it has none)."""
+        found = set(self.feed_rows(process_id).values())
+        return found.pop() if len(found) == 1 else None
 
     def micro_batch_positions(self, process_id: int) -> tuple:
         """Where each micro-batch ``process_id`` runs sits in the batch, in micro-batches

@@ -76,20 +76,15 @@ class PlanRunner:
         self.prologue = [op for op in self.local.program.ops
                          if op.outputs and all(o.name in made for o in op.outputs)]
         self._rows = plan.batch_rows(self.pid)
-        self._blocks = [self._block(v.name, acc) for v in self.local.program.inputs]
+        rows = plan.feed_rows(self.pid)
+        self._blocks = [(v.name, rows[v.name], self._rest(v.name))
+                        for v in self.local.program.inputs]
 
-    def _block(self, name: str, acc) -> tuple:
-        """(input name, its (start, stop) rows of the batch per micro-batch or None for
-        a scalar, its slices along its other dims)."""
+    def _rest(self, name: str) -> tuple:
+        """The slices of input ``name`` this process holds along its dims after the
+        first (the first: :meth:`Plan.feed_rows`)."""
         value = self.program.values[name]
-        index = value.dist_attr.local_slices(value.shape, self.pid)
-        if not index:
-            return name, None, ()
-        if self._rows is not None:
-            return name, self._rows, tuple(index[1:])
-        b = acc.micro_batch_rows if acc is not None else value.shape[0]
-        return name, tuple((m * b + index[0].start, m * b + index[0].stop)
-                           for m in range(self.micro_batches)), tuple(index[1:])
+        return tuple(value.dist_attr.local_slices(value.shape, self.pid)[1:])
 
     def _clock(self) -> float:
         return time.perf_counter() - (self._t0 or 0.0)

@@ -451,12 +451,16 @@ class _Scale:
 
 def _rows_held(plan, pid: int) -> float:
     """The rows process ``pid``'s local program holds over the even split's: 1, except
-    for the local programs of an uneven split by rows (:mod:`distgraph.passes.uneven`)."""
-    for v in plan.local(pid).program.inputs:
-        value = plan.program.values[v.name]
-        if v.shape and value.dist_attr is not None:
-            even = value.dist_attr.local_shape(value.shape)[0]
-            return v.shape[0] / even if even else 1.0
+    for the local programs of an uneven split by rows (:mod:`distgraph.passes.uneven`),
+    whose values that carry samples differ from the even blocks along that dim."""
+    for v in plan.local(pid).program.values.values():
+        value = plan.program.values.get(v.name)
+        if value is None or value.dist_attr is None or pid not in value.dist_attr.mesh:
+            continue
+        even = value.dist_attr.local_shape(value.shape)
+        for have, want in zip(v.shape, even):
+            if have != want and want:
+                return have / want
     return 1.0
 
 

@@ -19,7 +19,7 @@ from distgraph.passes.batch_split import BatchSplit  # noqa: E402
 from distgraph.runtime.comm.simulated import SimulatedWorld  # noqa: E402
 
 import plans as P  # noqa: E402
-from test_balance import GPT, MIXED_2X1, MLP, planned  # noqa: E402
+from test_balance import GPT, MIXED_2X1, MIXED_2X2, MLP, planned  # noqa: E402
 
 
 def test_each_group_runs_its_own_rows_and_the_estimate_is_unchanged():
@@ -31,6 +31,7 @@ def test_each_group_runs_its_own_rows_and_the_estimate_is_unchanged():
     for pid in (0, 1):
         (start, stop), = split.rows(pid)
         assert bal.batch_rows(pid) == ((start, stop),)
+        assert bal.feed_rows(pid) == {"input_0": ((start, stop),), "label_0": ((start, stop),)}
         tokens = bal.local(pid).program.inputs[0]
         assert tokens.shape == (stop - start, GPT["max_seq_len"])
         ops = bal.local(pid).program.ops
@@ -45,6 +46,26 @@ def test_each_group_runs_its_own_rows_and_the_estimate_is_unchanged():
     assert again.step_time == pytest.approx(bal.estimate.step_time, rel=1e-12)
     assert [p.peak_memory for p in again.processes] == \
         [p.peak_memory for p in bal.estimate.processes]
+
+
+def test_a_pipelines_stages_run_their_groups_rows():
+    """Two stages, data parallel each; processes 1 and 3 (a group) on the slow machine."""
+    cluster = dg.Cluster.from_file(MIXED_2X2)
+    mapping = {0: 0, 2: 1, 1: 2, 3: 3}
+    _, even = planned("gpt", "two_stage", 4, cluster, 32, GPT, rank_mapping=mapping)
+    _, bal = planned("gpt", "two_stage", 4, cluster, 32, GPT, rank_mapping=mapping,
+                     balance=True)
+    split = bal.batch_split
+    assert split.members == ((0, 2), (1, 3)) and split.units[0] > split.units[1]
+    axes = bal.sample_axes()
+    for pid in range(4):
+        rows = split.row_count(pid)
+        held = [(v.shape[axes[v.name]], bal.program.values[v.name].shape[axes[v.name]])
+                for v in bal.local(pid).program.values.values() if v.name in axes]
+        # every activation holds the group's rows (the samples' share of its sample dim)
+        assert held and all(have * 32 == size * rows for have, size in held)
+    again = dg.passes.estimate(dataclasses.replace(bal, partitions=even.partitions), cluster)
+    assert again.step_time == pytest.approx(bal.estimate.step_time, rel=1e-12)
 
 
 def test_micro_batches_meet_only_in_the_prologue_and_the_update():

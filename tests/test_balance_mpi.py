@@ -38,6 +38,7 @@ def check_equal_to_serial(item, ranks):
         assert mine["losses"] == ranks[0]["losses"], f"{item}: rank {rank} reports other losses"
         errors = mine["errors"]
         assert errors["steps"] == 3, (item, errors)
+        assert errors["accuracy"] == 0.0, (item, rank, errors)     # every row, in order
         for what in ("loss", "param", "eval", "predict"):
             assert errors[what] <= TOLERANCE, (item, rank, what, errors)
 

@@ -8,8 +8,9 @@ Usage (the job size must equal every listed plan's process count)::
 
 Each item is ``kind:plan:micro_batches:on|off[:devices]`` (``devices``: the device of
 each process, comma-separated, for a rank mapping given by hand). Every rank trains the
-plan through ``Engine.fit`` (then evaluates and predicts on other data) in float64 on
-batches of 8 and the serial oracle (whole batches, one process) itself; rank 0 prints
+plan through ``Engine.fit`` (then evaluates, with accuracy, and predicts on other data) in
+float64 on batches of 8 and the serial oracle (whole batches, one process) itself; rank 0
+prints
 ``BALANCE-RESULT {json}`` with, per item, the split (rows or micro-batches per process,
 or None), every rank's largest errors against serial and its losses.
 
@@ -50,8 +51,9 @@ def run(engine, kind):
     history = engine.fit(P.Dataset(kind, batch=BATCH), batch_size=BATCH, verbose=0)
     params = engine.state_dict()
     other = P.Dataset(kind, seed=3, batch=BATCH)
-    return (history.losses, params, engine.evaluate(other, batch_size=BATCH, verbose=0),
-            engine.predict(other, batch_size=BATCH))
+    evaluated = engine.evaluate(other, batch_size=BATCH, verbose=0,
+                                metrics=[dg.metrics.Accuracy()])
+    return history.losses, params, evaluated, engine.predict(other, batch_size=BATCH)
 
 
 def split_of(plan):
@@ -75,6 +77,7 @@ def train_item(item, comm, cluster, refs) -> dict:
     ref_losses, ref_params, ref_eval, ref_pred = refs[kind]
     errors = P.compare((losses, params), (ref_losses, ref_params), "float64")
     errors["eval"] = abs(evaluated["loss"] - ref_eval["loss"])
+    errors["accuracy"] = abs(evaluated["accuracy"] - ref_eval["accuracy"])
     errors["predict"] = max(float(np.max(np.abs(a - b))) for got, want in
                             zip(predicted, ref_pred) for a, b in zip(got, want))
     train, evaluate = engine.plan("train"), engine.plan("eval")

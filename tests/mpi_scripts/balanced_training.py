@@ -10,9 +10,8 @@ Each item is ``kind:plan:micro_batches:on|off[:devices]`` (``devices``: the devi
 each process, comma-separated, for a rank mapping given by hand). Every rank trains the
 plan through ``Engine.fit`` (then evaluates, with accuracy, and predicts on other data) in
 float64 on batches of 8 and the serial oracle (whole batches, one process) itself; rank 0
-prints
-``BALANCE-RESULT {json}`` with, per item, the split (rows or micro-batches per process,
-or None), every rank's largest errors against serial and its losses.
+prints ``BALANCE-RESULT {json}`` with, per item, the split (rows or micro-batches per
+process, or None), every rank's largest errors against serial and its losses.
 
 ``resume:DIR`` trains a GPT with dropout and shuffled data under the balanced
 uneven split of the MLP items' cluster for 2 epochs of 4 steps without stopping, then a

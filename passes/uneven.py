@@ -90,13 +90,14 @@ def _row_partitions(plan, split, axes) -> dict:
     program = plan.program
     check_layouts(program, axes, split.mesh_dims)
     batch, n = split.batch, len(split.members)
-    scaled = {u: member_program(program, axes, batch, n, u) for u in sorted(set(split.units))}
+    scaled = {u: member_program(program, axes, batch, n, u * split.granule)
+              for u in sorted(set(split.units))}
     partitions = {}
     for g, (procs, units) in enumerate(zip(split.members, split.units)):
         start = split.rows(procs[0])[0][0]
         for pid in procs:
             partitions[pid] = member_local(scaled[units], pid, program, axes, batch, start,
-                                           g, units)
+                                           g, units * split.granule)
     return partitions
 
 

@@ -23,7 +23,7 @@ Every op of a member program is checked with its own shape inference.
 
 Example::
 
-    scaled = member_program(plan.program, plan.sample_axes(), batch=32, members=2, units=22)
+    scaled = member_program(plan.program, plan.sample_axes(), batch=32, members=2, rows=22)
     local = member_local(scaled, 0, plan.program, plan.sample_axes(), 32, 0, 0, 22)
 """
 
@@ -90,17 +90,17 @@ def scaled_size(name: str, size: int, batch: int, rows: int) -> int:
     return size * rows // batch
 
 
-def member_program(program, axes: dict, batch: int, members: int, units: int):
-    """A completed copy of ``program`` for a batch of ``members * units`` rows (see the
-    module docstring)."""
-    rows = members * units
+def member_program(program, axes: dict, batch: int, members: int, rows: int):
+    """A completed copy of ``program`` for a batch of ``members * rows`` rows, ``rows``
+    per member (see the module docstring)."""
+    total = members * rows
     copy = completed_copy(program)
     for name, axis in axes.items():
         v = copy.values[name]
         shape = list(v.shape)
-        shape[axis] = scaled_size(name, shape[axis], batch, rows)
+        shape[axis] = scaled_size(name, shape[axis], batch, total)
         v.shape = tuple(shape)
-    what = f"run on an uneven share of the batch ({units} of {batch // members} rows)"
+    what = f"run on an uneven share of the batch ({rows} of {batch // members} rows)"
     for k, (new, op) in enumerate(zip(copy.ops, program.ops)):
         # a result's shape spelled out as an attribute (reshape, broadcast_to, full, ...)
         spelled = {tuple(o.shape): tuple(n.shape) for o, n in zip(op.outputs, new.outputs)
@@ -112,15 +112,15 @@ def member_program(program, axes: dict, batch: int, members: int, units: int):
 
 
 def member_local(scaled, pid: int, program, axes: dict, batch: int, start: int,
-                 member: int, units: int) -> LocalProgram:
+                 member: int, rows: int) -> LocalProgram:
     """Process ``pid``'s local program of ``scaled`` (a :func:`member_program` of
-    ``program``), whose member ``member`` reads the ``units`` rows from ``start`` of the
+    ``program``), whose member ``member`` reads the ``rows`` rows from ``start`` of the
     real batch of ``batch``: its random ops draw the real batch's tensor and take those
     rows."""
     try:
         local = partition(scaled, pid)
     except ShardingError as e:
-        raise PlanError(f"Strategy(balance=True): {units} rows per data-parallel group do "
+        raise PlanError(f"Strategy(balance=True): {rows} rows per data-parallel group do "
                         f"not divide over the plan's layouts: {e}; {FIX}") from None
     contexts = dict(local.op_context)
     for i, ctx in local.op_context.items():
@@ -129,7 +129,7 @@ def member_local(scaled, pid: int, program, axes: dict, batch: int, start: int,
             continue
         axis, real = axes[out], tuple(program.values[out].shape)
         per_row = real[axis] // batch
-        shift = (start - member * units) * per_row
+        shift = (start - member * rows) * per_row
         slices = list(ctx["out_slices"])
         slices[axis] = slice(slices[axis].start + shift, slices[axis].stop + shift)
         contexts[i] = {**ctx, "out_global_shape": real, "out_slices": tuple(slices)}

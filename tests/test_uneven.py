@@ -164,3 +164,33 @@ def test_samples_moving_between_groups_are_refused_at_plan_time():
                                         r"\(all_gather over dp\) in every micro-batch's "
                                         r"forward task"):
         _replicated_hidden(2)
+
+
+def test_a_sample_dim_split_over_dp_then_mp_is_split_in_multiples_of_mp_rows(float64):
+    """The hidden activation's rows are split over dp and, inside each group, over mp:
+    a group's rows must divide by mp, so the granule is two rows."""
+    def annotate(model):
+        mesh = dg.ProcessMesh([[0, 1], [2, 3]], ["dp", "mp"])
+        for where, spec in (("input", ["dp", None, None]), ("hidden", [("dp", "mp"), None, None]),
+                            ("output", ["dp", None, None])):
+            P._set_act(model, where, mesh, spec)
+
+    reference = P.train(P.build_model("mlp"), "mlp")
+    models = [P.build_model("mlp") for _ in range(4)]
+    for m in models:
+        annotate(m)
+
+    def rank(comm):
+        engine = dg.Engine(models[comm.rank], P.loss_fn("mlp"), P.make_optimizer("adamw"),
+                           cluster=dg.Cluster.from_file(MIXED_2X2), communicator=comm,
+                           rank_mapping={p: p for p in range(4)},
+                           strategy=dg.Strategy(balance=True))
+        P.prepare(engine, "mlp")
+        split = engine.plan().batch_split
+        assert split.granule == 2 and not split.is_even
+        history = engine.fit(P.Dataset("mlp"), batch_size=P.BATCH, verbose=0)
+        return history.losses, engine.state_dict()
+
+    for result in SimulatedWorld(4, timeout=60).run(rank):
+        errors = P.compare(result, reference, "float64")
+        assert errors["loss"] <= 1e-10 and errors["param"] <= 1e-10, errors

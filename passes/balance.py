@@ -23,10 +23,12 @@ Example::
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 
 from distgraph.errors import PlanError
 from distgraph.passes.batch_split import BatchSplit, Member, SplitProblem, solve_split
 from distgraph.passes.estimate import Share, price_process
+from distgraph.placement import DistAttr
 from distgraph.resources.cluster import Cluster
 
 GB = 1e9                       # resource files give memory in GB
@@ -85,7 +87,8 @@ def balance_batch(plan, cluster=None, time_limit: float = 60.0) -> BatchSplit:
         units, even = n * acc.micro_batches, acc.micro_batches
     else:
         batch = plan.program.values[plan.built.feed_names[0]].shape[0]
-        granule, units, even = 1, batch, batch // n
+        granule = row_granule(plan, dims, batch)
+        units, even = batch // granule, batch // n // granule
     budget = plan.strategy.memory_budget_gb
     members = []
     for procs in groups:
@@ -103,6 +106,31 @@ def balance_batch(plan, cluster=None, time_limit: float = 60.0) -> BatchSplit:
     return BatchSplit(batch, granule, acc is not None, tuple(dims),
                       tuple(tuple(m) for m in groups), chosen,
                       tuple(m.busy(u) for m, u in zip(members, chosen)), report)
+
+
+def row_granule(plan, dims: tuple, batch: int) -> int:
+    """Rows per granule of a split without micro-batches: the fewest rows whose share of
+    every layout that carries the samples still divides over the mesh dims splitting
+    its sample dim after ``dims`` (a sample dim split over dp, then mp, needs the rows
+    of a dp group in multiples of mp). The even plan's share is a multiple of it."""
+    program = plan.program
+    axes = plan.sample_axes()
+    layouts = [(v.name, v.dist_attr) for v in program.values.values()]
+    layouts += [(v.name, DistAttr(op.dist_attr.mesh, spec)) for op in program.ops
+                for v, spec in zip(op.inputs, op.dist_attr.input_specs)]
+    granule = 1
+    for name, attr in layouts:
+        if name not in axes:
+            continue
+        entry = attr.spec.entry(axes[name])
+        if entry[:len(dims)] != tuple(dims):
+            continue          # cannot be split unevenly at all: the uneven plan says so
+        parts = math.prod(attr.mesh.dim_size(d) for d in entry[len(dims):])
+        # r rows hold r * p / q entries of the sample dim, to be split in ``parts``
+        per_row = Fraction(program.values[name].shape[axes[name]], batch)
+        p, q = per_row.numerator, per_row.denominator
+        granule = math.lcm(granule, parts * q // math.gcd(p, parts * q))
+    return granule
 
 
 def _model(plan, pid, cluster, dims, even: int, budget_gb) -> tuple:

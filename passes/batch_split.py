@@ -36,6 +36,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from fractions import Fraction
 
 from distgraph.errors import PlanError
 
@@ -105,7 +106,7 @@ class BatchSplit:
     even split ``S(0)`` has). With micro-batches (``micro_batched``) the granules are
     micro-batches, dealt in rounds: round r gives the next granule of the batch to each
     member that still has one, in member order; a member's micro-batch r is its granule
-    of round r. An even split is then the layout the runtime reads today (micro-batch m
+    of round r. An even split is then the layout of the even plan (micro-batch m
     is rows [m B/M, (m+1) B/M) of the batch, split over the members).
 
     Example: ``BatchSplit(12, 1, False, ("dp",), ((0,), (1,)), (8, 4)).rows(1)`` is
@@ -158,6 +159,16 @@ class BatchSplit:
                                     (next_granule + 1) * self.granule))
                     next_granule += 1
         return tuple(out)
+
+    def positions(self, process: int) -> tuple:
+        """Where each micro-batch ``process`` runs sits in the batch, counted in the even
+        split's micro-batches of ``len(members) * granule`` rows: its rows start
+        ``position * micro-batch rows`` after those it holds of the even split's
+        micro-batch 0 (even: 0, 1, 2, ...). Fractions; ``(0,)`` without micro-batches."""
+        if not self.micro_batched:
+            return (Fraction(0),)
+        g, n = self.member_of(process), len(self.members)
+        return tuple(Fraction(start // self.granule - g, n) for start, _ in self.rows(process))
 
     @property
     def is_even(self) -> bool:

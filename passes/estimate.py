@@ -370,7 +370,7 @@ def price_process(plan, pid: int, cluster, share: Share = Share()) -> tuple:
     stage = next((s for s, mesh in enumerate(plan.stages) if pid in mesh.process_ids), 0)
     fetch = [plan.built.loss_name] if plan.built.loss_name else []
     device = cluster.device(device_of(pid))
-    scale = _Scale(plan, share)
+    scale = _Scale(plan, share, pid)
     compute, comm, updates = _process_times(plan, pid, device, cluster, device_of, fetch,
                                             scale)
     memory = _peak_memory(plan, pid, stage, scale)
@@ -405,13 +405,15 @@ def _alike(plan, cluster, device_of) -> dict:
 
 
 class _Scale:
-    """What a Share changes in one process's local program: the size of Values that
-    carry the samples along the split's mesh dims, and the count of micro-batches."""
+    """What a Share changes in process ``pid``'s local program: the size of Values that
+    carry the samples along the split's mesh dims (relative to the rows its local program
+    holds: the even share, or its own under an uneven split), and the count of
+    micro-batches."""
 
-    def __init__(self, plan, share: Share):
+    def __init__(self, plan, share: Share, pid: int):
         self.plan = plan
         self.micro_batches = share.micro_batches or plan.micro_batches
-        self.rows = share.rows
+        self.rows = share.rows / _rows_held(plan, pid)
         self.dims = frozenset(share.mesh_dims)
         self.axes = plan.sample_axes() if self.rows != 1.0 else {}
 
@@ -445,6 +447,21 @@ class _Scale:
         if self.axis(point.value) is None or step.mesh_dim in self.dims:
             return 1.0
         return self.rows
+
+
+def _rows_held(plan, pid: int) -> float:
+    """The rows process ``pid``'s local program holds over the even split's: 1, except
+    for the local programs of an uneven split by rows (:mod:`distgraph.passes.uneven`),
+    whose values that carry samples differ from the even blocks along that dim."""
+    for v in plan.local(pid).program.values.values():
+        value = plan.program.values.get(v.name)
+        if value is None or value.dist_attr is None or pid not in value.dist_attr.mesh:
+            continue
+        even = value.dist_attr.local_shape(value.shape)
+        for have, want in zip(v.shape, even):
+            if have != want and want:
+                return have / want
+    return 1.0
 
 
 def _process_times(plan, pid, device, cluster, device_of, fetch, scale: _Scale):

@@ -237,19 +237,22 @@ def partition(program: Program, process_id: int) -> LocalProgram:
     return _Partitioner(program, process_id).run()
 
 
-def gather_points(program: Program, names, process_id: int) -> list[ReshardPoint]:
+def gather_points(program: Program, names, process_id: int,
+                  shapes=None) -> list[ReshardPoint]:
     """Reshard points that bring the global value of each of ``names`` to every process
-    (used to report the loss and to read parameters whatever the plan)."""
+    (used to report the loss and to read parameters whatever the plan); ``shapes``
+    ({name: global shape}) gathers a value as if it had that shape (a padded one)."""
     world = world_mesh(program)
     points = []
     for seq, name in enumerate(names):
         v = program.values[name]
+        shape = tuple((shapes or {}).get(name, v.shape))
         dst = DistAttr(world, ShardSpec.replicated(v.ndim))
         if v.dist_attr == dst:
             steps = ()
         else:
-            steps = tuple(plan_reshard(v.dist_attr, dst, v.shape, v.dtype))
-        points.append(ReshardPoint(name, v.dist_attr, dst, tuple(v.shape), v.dtype, steps,
+            steps = tuple(plan_reshard(v.dist_attr, dst, shape, v.dtype))
+        points.append(ReshardPoint(name, v.dist_attr, dst, shape, v.dtype, steps,
                                    (name,) if process_id in v.dist_attr.mesh else (),
                                    (f"{name}@GLOBAL",), seq))
     return points

@@ -6,8 +6,9 @@ places the logical processes on the cluster's devices, and returns a :class:`Pla
 With ``Strategy(recompute=...)`` the copy is first rewritten so that the chosen layers'
 activations are recomputed in the backward (:mod:`distgraph.passes.transforms.recompute`).
 With ``Strategy(balance=True)`` the plan also carries the balanced split of its batch over
-its data-parallel groups (``plan.batch_split``, :mod:`distgraph.passes.balance`) and the
-estimate that prices it.
+its data-parallel groups (``plan.batch_split``, :mod:`distgraph.passes.balance`), the
+estimate that prices it and, where it is uneven, the local programs that run it
+(:mod:`distgraph.passes.uneven`).
 The built program is left as it was, so a search can score many plans of one program,
 and planning needs no running job: a 4-process plan can be made and printed from one
 process.
@@ -54,12 +55,12 @@ from distgraph.passes.pipeline.accumulate import split_micro_batches
 from distgraph.passes.plan_plot import plot_plan
 from distgraph.passes.pipeline.chunks import (chunk_meshes, chunk_of_ops, forward_chunks,
                                               place_chunks)
-from distgraph.passes.pipeline.schedule import make_schedule, replay
 from distgraph.passes.pipeline.task_graph import build_task_graph
 from distgraph.passes.samples import sample_axes
 from distgraph.passes.search.auto import annotate, within_budget
 from distgraph.passes.transforms.recompute import recompute, segments
 from distgraph.passes.transforms.zero import shard_updates
+from distgraph.passes.uneven import run_split, schedule_of
 from distgraph.resources.cluster import Cluster
 from distgraph.strategy import Strategy
 
@@ -77,7 +78,9 @@ class Plan:
     the report of the automatic search (``Strategy(auto_mode="full")``), else None;
     ``batch_split`` the rows of a global batch each process reads under
     ``Strategy(balance=True)`` (:class:`~distgraph.passes.batch_split.BatchSplit`), else
-    None (each data-parallel process reads an even share).
+    None (each data-parallel process reads an even share); where it is uneven, the local
+    programs are the ones that run it and ``row_gathers`` says how fetched per-sample
+    values come back in the batch's order (:mod:`distgraph.passes.uneven`).
 
     With ``Strategy(micro_batches=M)``, M > 1, ``program`` is the *micro-batch* program
     (forward, backward and update on micro-batch shapes) and ``accumulation`` says how
@@ -96,6 +99,8 @@ class Plan:
     accumulation: object = None
     search: object = None
     batch_split: object = None
+    row_gathers: MappingProxyType = field(default_factory=lambda: MappingProxyType({}),
+                                          repr=False)
     partitions: MappingProxyType = field(default_factory=lambda: MappingProxyType({}),
                                          repr=False)
     graph: object = field(default=None, repr=False)
@@ -114,6 +119,51 @@ class Plan:
     @property
     def micro_batches(self) -> int:
         return 1 if self.accumulation is None else self.accumulation.micro_batches
+
+    def micro_batches_of(self, process_id: int) -> int:
+        """How many micro-batches ``process_id`` runs per step: the plan's count, or
+        under an uneven split by micro-batches its own."""
+        split = self.batch_split
+        if split is not None and split.micro_batched:
+            return split.micro_batches(process_id)
+        return self.micro_batches
+
+    def feed_rows(self, process_id: int) -> dict:
+        """{input name: the ``(start, stop)`` rows of the batch ``process_id`` reads of it,
+        one range per micro-batch it runs in the order it runs them (None: a scalar)}
+        for the inputs its local program has: its block of each micro-batch, or under an
+        uneven split the rows the split gives it."""
+        split = self.batch_split
+        mine = split is not None and any(process_id in m for m in split.members)
+        out = {}
+        for v in self.local(process_id).program.inputs:
+            value = self.program.values[v.name]
+            index = value.dist_attr.local_slices(value.shape, process_id)
+            if not index:
+                out[v.name] = None
+            elif mine:
+                out[v.name] = split.rows(process_id)
+            else:
+                b = (self.accumulation.micro_batch_rows if self.accumulation is not None
+                     else value.shape[0])
+                out[v.name] = tuple((m * b + index[0].start, m * b + index[0].stop)
+                                    for m in range(self.micro_batches))
+        return out
+
+    def batch_rows(self, process_id: int) -> tuple | None:
+        """The rows :meth:`feed_rows` gives every input of ``process_id``, where they are
+        the same for all (None: its inputs want different rows, or it has none)."""
+        found = set(self.feed_rows(process_id).values())
+        return found.pop() if len(found) == 1 else None
+
+    def micro_batch_positions(self, process_id: int) -> tuple:
+        """Where each micro-batch ``process_id`` runs sits in the batch, in micro-batches
+        (0, 1, 2, ... unless an uneven split deals them otherwise: see
+        :meth:`~distgraph.passes.batch_split.BatchSplit.positions`)."""
+        split = self.batch_split
+        if split is not None and split.micro_batched:
+            return split.positions(process_id)
+        return tuple(range(self.micro_batches))
 
     @property
     def rank_of(self):
@@ -329,16 +379,14 @@ def _plan(built, strategy, cluster, rank_mapping, accumulation, ilp_budget=None)
             partitions = {pid: partition(program, pid) for pid in ids}   # with their K
     planned = Plan(copy, strategy, distributed, ids, ProcessRanks(rank_of), stages, cluster,
                    accumulation=accumulation, partitions=MappingProxyType(partitions))
-    graph = build_task_graph(planned, partitions, chunk_of_ops(program, meshes, cut), meshes)
-    problem = graph.problem()
-    order = make_schedule(problem)
-    replay(order.orders, problem)            # the check: it completes, or a PlanError
-    planned = dataclasses.replace(planned, graph=graph, order=order)
     if searched is not None:
         searched.result.check(program)
         planned = dataclasses.replace(planned, search=searched.result.report)
     if strategy.balance:
-        planned = _balanced(planned, cluster, searched is not None)
+        planned = run_split(_balanced(planned, cluster, searched is not None))
+    graph = build_task_graph(planned, planned.partitions,
+                             chunk_of_ops(planned.program, meshes, cut), meshes)
+    planned = dataclasses.replace(planned, graph=graph, order=schedule_of(planned, graph))
     if searched is not None or planned.batch_split is not None:
         planned = dataclasses.replace(planned, estimate=estimate(planned, cluster))
     return planned

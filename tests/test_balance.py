@@ -3,7 +3,7 @@ data-parallel groups (rows in proportion to speed, whole micro-batches, within m
 ``Plan.batch_split`` and ``Plan.explain()``, and an estimate that prices each process's
 share. Oracles: a share of an even plan costs what the even plan of that many rows
 costs; the planned split is the best of every split under the estimate's linear model;
-an even split reads the rows the runtime reads today; a balanced plan on equal devices
+an even split reads the rows the even plan reads; a balanced plan on equal devices
 trains as serial."""
 
 import dataclasses
@@ -172,15 +172,6 @@ def test_a_plan_that_splits_no_batch_cannot_be_balanced():
             P.build_model("mlp"), [dg.InputSpec([8, 4, 8], name="x")],
             [dg.InputSpec([8, 4, 4], name="y")], P.loss_fn("mlp"), P.make_optimizer("sgd"))
         dg.passes.plan(built, dg.Strategy(balance=True))
-
-
-def test_an_uneven_split_is_planned_but_not_run_yet():
-    engine, bal = planned("mlp", "dp", 2, dg.Cluster.from_file(MIXED_2X1), 32, MLP,
-                          balance=True)
-    assert not bal.batch_split.is_even
-    data = P.Dataset("mlp", n=32, dims=MLP, batch=32)
-    with pytest.raises(PlanError, match="running an uneven split is not implemented yet"):
-        engine.fit(data, batch_size=32)
 
 
 def test_a_balanced_plan_on_equal_devices_trains_as_serial():

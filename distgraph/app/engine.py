@@ -22,7 +22,7 @@ from distgraph.app.data import DataLoader
 from distgraph.app.resume import check_checkpoint, checkpoint_info, restore_info
 from distgraph.app.state import ProcessState
 from distgraph.callbacks import CallbackList, ProgressBar
-from distgraph.errors import DistGraphError, PlanError
+from distgraph.errors import DistGraphError
 from distgraph.metrics import as_metrics
 from distgraph.nn.layers import Dropout
 from distgraph.passes.planner import plan
@@ -222,7 +222,6 @@ class Engine:
     def _backend(self, mode):
         """The runner of ``mode``'s plan (made once per plan)."""
         p = self._plans[mode]
-        _check_runnable_split(p)
         if id(p) not in self._backend_cache:
             checks.check_runnable(p.program)
             if p.distributed:
@@ -562,19 +561,6 @@ class Engine:
         if mode not in self._plans:
             raise DistGraphError(f"no {mode} program yet: call prepare() or fit() first")
         return self._plans[mode]
-
-
-def _check_runnable_split(plan) -> None:
-    """The runtime reads even data-parallel shares only (issue 22, phase 2 runs uneven
-    ones): a balanced plan whose split is uneven can be planned and printed, not run."""
-    split = plan.batch_split
-    if split is not None and not split.is_even:
-        rows = ", ".join(f"processes {list(m)}: {u * split.granule}"
-                         for m, u in zip(split.members, split.units))
-        raise PlanError(f"Strategy(balance=True) split the batch of {split.batch} rows "
-                        f"unevenly ({rows}), and running an uneven split is not implemented "
-                        "yet: plan it (engine.prepare(...), distgraph plan) to see the split "
-                        "and its estimate, or train with balance=False")
 
 
 def _check_same_search(plan, comm) -> None:

@@ -81,8 +81,7 @@ class ProcessState:
             return self.arrays
         want = {v.name: v for v in plan.program.persistables}
         relayout = sorted(n for n, v in want.items() if n in self.layouts and
-                          (self.layouts[n].attr != v.dist_attr
-                           or self.layouts[n].shape != tuple(v.shape)))
+                          _moved(self.layouts[n], v, plan))
         gathered = self.gather(relayout)
         params = dict(self.model.named_parameters())
         self._check_pending(want)
@@ -200,6 +199,16 @@ class ProcessState:
             else:
                 out.append((name, None, self.states[name]))
         return out
+
+
+def _moved(old: Layout, v, plan) -> bool:
+    """Whether Value ``v`` of ``plan`` lays its blocks out otherwise than ``old``: another
+    layout or shape, or other ranks running its processes (the rank mapper may place the
+    processes of two plans, say training's and evaluation's, differently)."""
+    if old.attr != v.dist_attr or old.shape != tuple(v.shape):
+        return True
+    ids = v.dist_attr.mesh.process_ids
+    return old.plan.ranks.of(ids) != plan.ranks.of(ids)
 
 
 class _Unmade:

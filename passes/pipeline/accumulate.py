@@ -156,15 +156,16 @@ def _analyse(program, feeds, m):
 # Ops that are linear in their one tensor operand: applied to one micro-batch's share
 # of a sum over the samples they give its share of the result (the mean's scale after
 # the sum of a loss; slice_grad on the gradient of a sliced parameter).
-_LINEAR_UNARY = ("scale", "neg", "reshape", "transpose", "sum", "slice", "slice_grad",
+LINEAR_UNARY = ("scale", "neg", "reshape", "transpose", "sum", "slice", "slice_grad",
                  "broadcast_to")
 
 
-def _linear_in_sums(op, sum_inputs, sample_free) -> bool:
+def linear_in_sums(op, sum_inputs, sample_free) -> bool:
     """Whether ``op`` maps shares of sums to shares of its results: linear in the
-    operands at ``sum_inputs``, its other operands the same for every micro-batch."""
+    operands at ``sum_inputs``, its other operands (``sample_free(name)``) the same for
+    every share."""
     others = [v for i, v in enumerate(op.inputs) if i not in sum_inputs]
-    if op.type in _LINEAR_UNARY:
+    if op.type in LINEAR_UNARY:
         return len(op.inputs) == 1 and not (op.type == "scale" and op.attrs.get("bias", 0.0))
     if op.type in ("add", "subtract"):
         return not others
@@ -192,7 +193,7 @@ def _sums_over_samples(analysed, split_axis, feed_only) -> tuple[set, set]:
         if op.role == "optimize":
             continue
         summed = [i for i, v in enumerate(op.inputs) if v.name in sums]
-        if summed and _linear_in_sums(op, summed, sample_free):
+        if summed and linear_in_sums(op, summed, sample_free):
             sums.update(o.name for o in op.outputs)
             shared.update(op.inputs[i].name for i in summed)
             continue
@@ -286,13 +287,14 @@ def _micro_batch_program(program, analysed):
         v.shape = analysed.values[v.name].dist_attr.local_shape(v.shape)
     for k, (op, lop) in enumerate(zip(out.ops, local.program.ops)):
         op.attrs = dict(lop.attrs)
-        _check_shapes(k, op)
+        check_shapes(k, op, "run on a micro-batch", "use micro_batches=1")
     return out
 
 
-def _check_shapes(k, op) -> None:
-    """The op's own shape inference on micro-batch operands must give the micro-batch
-    shapes of its results (an attribute that hard-codes the batch would not)."""
+def check_shapes(k, op, what: str, fix: str) -> None:
+    """The op's own shape inference on its operands' shapes must give its results'
+    shapes (an attribute that hard-codes the batch would not): else a PlanError saying
+    the op cannot ``what`` and ``fix``."""
     opdef = get_op(op.type)
     ins = [TensorType(tuple(v.shape), v.dtype) for v in op.inputs]
     try:
@@ -303,9 +305,9 @@ def _check_shapes(k, op) -> None:
         got = (got,)
     want = tuple(tuple(o.shape) for o in op.outputs)
     if isinstance(got, Exception) or tuple(tuple(t.shape) for t in got) != want:
-        raise PlanError(f"op #{k} '{op.type}' ({op.layer or 'top level'}) cannot run on a "
-                        f"micro-batch: on operands "
+        raise PlanError(f"op #{k} '{op.type}' ({op.layer or 'top level'}) cannot {what}: "
+                        f"on operands "
                         f"{[list(v.shape) for v in op.inputs]} it gives "
                         f"{got if isinstance(got, Exception) else [list(t.shape) for t in got]}"
                         f", not {[list(s) for s in want]} (an attribute fixes the batch "
-                        f"size); use micro_batches=1")
+                        f"size); {fix}")

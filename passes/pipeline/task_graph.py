@@ -10,7 +10,12 @@ micro-batches is the same graph with M = 1):
   ``backward_weight`` (the ops whose results only feed parameter gradients, W) —, each run
   once per micro-batch;
 - one ``update`` per process, once per step, on the gradients accumulated over the
-  micro-batches, ending with the gathers that bring the fetched values to every process.
+  micro-batches, ending with the gathers that bring the fetched values to every process;
+- under an uneven split by micro-batches (``Strategy(balance=True)``), a ``prologue``
+  task: the reshards of the prologue's whole-batch sums, run once per step after the
+  prologue's ops (every micro-batch reads the same result, and the data-parallel groups,
+  which run different numbers of micro-batches, meet only there and in the update); the
+  graph then counts micro-batches up to the largest group's.
 
 Ops of the accumulation's prologue (whole-batch sums only the feeds make) belong to no
 task: the runner makes their results before the step's first task.
@@ -78,7 +83,7 @@ class Task:
 
     @property
     def per_micro_batch(self) -> bool:
-        return self.kind != UPDATE
+        return self.kind in PER_MICRO_BATCH
 
     def __str__(self) -> str:
         where = "" if self.stage is None else f" of stage {self.stage}"
@@ -146,7 +151,7 @@ class TaskGraph:
         local = plan.local(process)
         sent: dict = {}
         for task in self.tasks_of(process).values():
-            times = self.micro_batches if task.per_micro_batch else 1
+            times = plan.micro_batches_of(process) if task.per_micro_batch else 1
             for it in task.items:
                 if it.kind in ("point", "send", "recv"):    # each half counts its own
                     for step in self.points[it.index].steps:
@@ -237,7 +242,9 @@ def build_task_graph(plan, locals_: dict, chunk_of: tuple, chunk_meshes: tuple) 
     every op's chunk ``chunk_of`` and each chunk's mesh (module docstring)."""
     program = plan.program
     strategy = plan.strategy
-    m = plan.micro_batches
+    split = plan.batch_split
+    uneven = split is not None and split.micro_batched and not split.is_even
+    m = max(split.units) if uneven else plan.micro_batches
     kind_of = op_kinds(program, split=strategy.schedule in ("ZB", "ZBV"))
     acc = plan.accumulation
     if acc is not None and acc.skipped:
@@ -251,14 +258,15 @@ def build_task_graph(plan, locals_: dict, chunk_of: tuple, chunk_meshes: tuple) 
             uses.setdefault(v.name, []).append((k, i))
     producer = {o.name: k for k, op in enumerate(program.ops) for o in op.outputs}
     fetch = tuple(plan.built.fetch_names)
+    padded = {name: rg.shape for name, rg in plan.row_gathers.items()}
     persist = {v.name for v in program.persistables}
     points: dict = {}
     tasks, sends, recvs, makers, readers = [], [], {}, {}, {}
     for pid in plan.process_ids:
         local = locals_[pid]
-        gathers = gather_points(program, fetch, pid)
+        gathers = gather_points(program, fetch, pid, padded)
         builder = _TaskBuilder(plan, pid, local, kind_of, chunk_of, flow_rank, producer,
-                               uses, gathers)
+                               uses, gathers, uneven)
         mine = builder.tasks()
         tasks.extend(mine)
         sends.extend(builder.sends)
@@ -275,7 +283,7 @@ def build_task_graph(plan, locals_: dict, chunk_of: tuple, chunk_meshes: tuple) 
                       strategy.virtual_stages, tuple(plan.stages), tuple(chunk_meshes),
                       tuple(tasks), tuple(flows), MappingProxyType(deps),
                       MappingProxyType(points), MappingProxyType(channels), fetch,
-                      MappingProxyType({pid: tuple(gather_points(program, fetch, pid))
+                      MappingProxyType({pid: tuple(gather_points(program, fetch, pid, padded))
                                         for pid in plan.process_ids}))
     needed = graph.gather_tag(len(fetch))
     if needed > MAX_TAG:
@@ -304,8 +312,9 @@ class _TaskBuilder:
     """The tasks of one process, the transfers its points send, and where it receives."""
 
     def __init__(self, plan, pid, local, kind_of, chunk_of, flow_rank, producer, uses,
-                 gathers):
+                 gathers, prologue_points=False):
         self.plan, self.pid, self.local = plan, pid, local
+        self.prologue_points = prologue_points
         self.kind_of, self.chunk_of, self.rank = kind_of, chunk_of, flow_rank
         self.producer, self.uses, self.gathers = producer, uses, gathers
         self.global_index = [k for k, op in enumerate(plan.program.ops)
@@ -341,6 +350,9 @@ class _TaskBuilder:
                             f"would reshard {p.value} ({p.src} -> {p.dst}); lay the feeds "
                             f"out as the ops that sum them consume them, or use "
                             f"micro_batches=1")
+        if (self.prologue_points and p.value in self.plan.accumulation.prologue
+                and not any(st.kind == "send_recv" for st in p.steps)):
+            return (None, PROLOGUE)      # the whole batch's sum, reduced once per step
         return min(keys, key=self.rank)
 
     def _first_key(self) -> tuple:
@@ -399,6 +411,10 @@ class _TaskBuilder:
             made = self._made_by(items) if key[1] != UPDATE else set()
             acc = tuple(n for n in u_reads if n in made)
             out.append(Task(self.pid, key[0], key[1], tuple(items), acc))
+        points = [it for _, it in sorted(self.items.get((None, PROLOGUE), ()),
+                                         key=lambda x: x[0]) if it.kind == "point"]
+        if points:      # run by the runner after the prologue's ops
+            out.append(Task(self.pid, None, PROLOGUE, tuple(points)))
         return out
 
     def _io(self, it) -> tuple:

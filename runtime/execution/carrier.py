@@ -47,6 +47,9 @@ class Carrier:
         self.rank = comm.rank if comm is not None else 0
         self.runner = InstrRunner(pid, comm, backend, plan.ranks)
         self.m = graph.micro_batches
+        self.batch_micro_batches = plan.micro_batches
+        self.positions = plan.micro_batch_positions(pid)
+        self.row_gathers = plan.row_gathers
         self.actions = plan.order.of(pid)
         self.blocks = [self.tasks.blocks[(a.stage, a.task)] for a in self.actions]
         self.receiving = [i for i, b in enumerate(self.blocks)
@@ -208,7 +211,8 @@ class Carrier:
                 if instr.ctx:
                     c = instr.ctx
                     if instr.axis is not None and "out_global_shape" in c:
-                        c = micro_batch_context(c, instr.axis, self.m, m)
+                        c = micro_batch_context(c, instr.axis, self.batch_micro_batches,
+                                                self.positions[m])
                     ctx = runner.context(step, c)
                 donate = tuple(n for n in instr.donors if n in dying and
                                donatable((n,), env, scope, self.acc.values))[:1]
@@ -263,6 +267,9 @@ class Carrier:
         """The global value of a fetched name; per-sample outputs (kept per micro-batch)
         are gathered micro-batch by micro-batch and joined along their sample dim."""
         tag = self.graph.gather_tag(instr.index)
+        rows = self.row_gathers.get(instr.point.value)
+        if rows is not None:
+            return self._gather_rows(instr, env, rows, tag)
         if self.tasks.mode(instr.point.value) != "concat":
             return self.runner.point(instr, env, self.scope, tag)
         parts = env.get(instr.reads[0]) if instr.reads else [None] * self.m
@@ -273,6 +280,21 @@ class Carrier:
             out.append(self.runner.point(instr, env, self.scope, tag))
         axis = self.tasks.plan.accumulation.split_axis[instr.point.value]
         return self.xb.concatenate(out, axis=axis)
+
+    def _gather_rows(self, instr: GatherInstr, env, rows, tag):
+        """A per-sample value under an uneven split (a ``RowGather``): this process's
+        part (its micro-batches' parts joined) padded to the largest, gathered, and the
+        batch's rows taken in order."""
+        if instr.reads:
+            part = env[instr.reads[0]]
+            if isinstance(part, list):
+                part = self.xb.concatenate(part, axis=rows.axis)
+            short = list(part.shape)
+            short[rows.axis] = rows.pad - part.shape[rows.axis]
+            env[instr.reads[0]] = self.xb.concatenate(
+                [part, self.xb.zeros(tuple(short), part.dtype)], axis=rows.axis)
+        whole = self.runner.point(instr, env, self.scope, tag)
+        return self.xb.xp.take(whole, self.xb.xp.asarray(rows.take), axis=rows.axis)
 
     # -- records -----------------------------------------------------------------------------------
     def _event(self, kind, stage, m, start, end, peer=None) -> None:

@@ -71,16 +71,20 @@ class PlanRunner:
         self.carrier = Carrier(plan, self.pid, comm, self.backend, self.profile,
                                clock=self._clock)
         acc = plan.accumulation
-        self.micro_batches = plan.micro_batches
-        inputs = self.local.program.inputs
-        self.rows_per_micro_batch = (acc.micro_batch_rows if acc is not None else
-                                     (self.program.values[inputs[0].name].shape[0]
-                                      if inputs else 0))
+        self.micro_batches = plan.micro_batches_of(self.pid)
         made = acc.prologue_values if acc is not None else frozenset()
         self.prologue = [op for op in self.local.program.ops
                          if op.outputs and all(o.name in made for o in op.outputs)]
-        self._blocks = [(v.name, self.program.values[v.name].dist_attr.local_slices(
-            self.program.values[v.name].shape, self.pid)) for v in inputs]
+        self._rows = plan.batch_rows(self.pid)
+        rows = plan.feed_rows(self.pid)
+        self._blocks = [(v.name, rows[v.name], self._rest(v.name))
+                        for v in self.local.program.inputs]
+
+    def _rest(self, name: str) -> tuple:
+        """The slices of input ``name`` this process holds along its dims after the
+        first (the first: :meth:`Plan.feed_rows`)."""
+        value = self.program.values[name]
+        return tuple(value.dist_attr.local_slices(value.shape, self.pid)[1:])
 
     def _clock(self) -> float:
         return time.perf_counter() - (self._t0 or 0.0)
@@ -110,34 +114,32 @@ class PlanRunner:
 
     # -- feeding ---------------------------------------------------------------------------------
     def batch_rows(self):
-        """The rows of each batch this process reads (an index array over the batch's
-        rows, micro-batch after micro-batch), when all its inputs want the same rows of
-        their micro-batch; None: it reads whole batches."""
-        blocks = self._blocks
-        if not blocks or any(not idx or idx[0] != blocks[0][1][0] for _, idx in blocks):
+        """The rows of each batch this process reads (``Plan.batch_rows``: a slice, or
+        an index array over the batch's rows, micro-batch after micro-batch), when all
+        its inputs want the same rows; None: it reads whole batches."""
+        if self._rows is None or not self._blocks:
             return None
-        rows = blocks[0][1][0]
-        b = self.rows_per_micro_batch
-        if self.micro_batches == 1:
-            return rows
-        return np.concatenate([np.arange(m * b + rows.start, m * b + rows.stop)
-                               for m in range(self.micro_batches)])
+        if len(self._rows) == 1:
+            return slice(*self._rows[0])
+        return np.concatenate([np.arange(a, b) for a, b in self._rows])
 
     def _micro_feeds(self, feed: dict, rows) -> list:
+        """One feed per micro-batch this process runs: its rows of ``feed`` (global
+        batches, or with ``rows`` only this process's rows, in its order)."""
         feeds = [dict() for _ in range(self.micro_batches)]
-        b = self.rows_per_micro_batch
-        for name, index in self._blocks:
+        for name, ranges, rest in self._blocks:
             if name not in feed:
                 raise DistGraphError(f"input {name!r} was not fed; feed it by name")
             batch = np.asarray(feed[name])
-            if rows is not None:
-                n = index[0].stop - index[0].start
-                cut = lambda m: (slice(m * n, (m + 1) * n),) + tuple(index[1:])  # noqa: E731
-            else:
-                cut = lambda m: (slice(m * b + index[0].start,  # noqa: E731
-                                       m * b + index[0].stop),) + tuple(index[1:])
+            at = 0
             for m in range(self.micro_batches):
-                feeds[m][name] = self.backend.from_host(batch[cut(m)])
+                if ranges is None:
+                    feeds[m][name] = self.backend.from_host(batch)
+                    continue
+                start, stop = ranges[m]
+                cut = slice(at, at + stop - start) if rows is not None else slice(start, stop)
+                at += stop - start
+                feeds[m][name] = self.backend.from_host(batch[(cut,) + rest])
         return feeds
 
     # -- running ----------------------------------------------------------------------------------
@@ -147,13 +149,15 @@ class PlanRunner:
         if self.profile and self._t0 is None:
             self._t0 = self._start_clock()
         feeds = self._micro_feeds(feed, rows)
-        if self.prologue:
+        if self.prologue or self.carrier.tasks.prologue is not None:
             self._run_prologue(feeds, step)
         return self.carrier.run(scope, feeds, step)
 
     def _run_prologue(self, feeds: list, step: int) -> None:
         """The accumulation's prologue: its ops on every micro-batch, its sums added up
-        over the micro-batches and given to every micro-batch as the whole batch's."""
+        over the micro-batches and given to every micro-batch as the whole batch's (under
+        an uneven split, reduced over the data-parallel groups first: the plan's
+        ``prologue`` task)."""
         wanted = self.plan.accumulation.prologue
         ctx = KernelContext(self.backend.xp, step)
         totals: dict = {}
@@ -165,6 +169,9 @@ class PlanRunner:
                 env.update(zip((o.name for o in op.outputs), outs))
             for name in wanted & env.keys():
                 totals[name] = env[name] + totals[name] if name in totals else env[name]
+        block = self.carrier.tasks.prologue
+        for instr in block.instrs if block is not None else ():
+            self.carrier.runner.point(instr, totals, {}, 0)
         for micro in feeds:
             micro.update(totals)
 

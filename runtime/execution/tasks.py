@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from distgraph.errors import RuntimeFault
+from distgraph.passes.pipeline.task_graph import PROLOGUE
 from distgraph.registry import KernelContext
 from distgraph.runtime.execution.executor import OpInstr, last_uses, op_instr, with_donors
 from distgraph.runtime.execution.reshard import (apply_reshard, assemble_tiles, incoming_tiles,
@@ -96,11 +97,12 @@ class Block:
     others: dict
 
 
-def micro_batch_context(ctx: dict, axis: int | None, micro_batches: int, m: int) -> dict:
+def micro_batch_context(ctx: dict, axis: int | None, micro_batches: int, m) -> dict:
     """The kernel context of a random op for micro-batch ``m``: its ``out_global_shape``
-    (a micro-batch's global tensor) grown to the full batch along ``axis`` and its
-    ``out_slices`` moved to micro-batch ``m``'s rows. Unchanged when the op's result does
-    not carry samples (``axis`` None)."""
+    (a micro-batch's global tensor) grown to the full batch of ``micro_batches`` along
+    ``axis`` and its ``out_slices`` moved ``m`` micro-batches on (``m``: the micro-batch's
+    position, ``Plan.micro_batch_positions``, a Fraction under an uneven split). Unchanged
+    when the op's result does not carry samples (``axis`` None)."""
     if axis is None or "out_global_shape" not in ctx:
         return ctx
     shape = list(ctx["out_global_shape"])
@@ -108,7 +110,8 @@ def micro_batch_context(ctx: dict, axis: int | None, micro_batches: int, m: int)
     shape[axis] = rows * micro_batches
     slices = list(ctx.get("out_slices") or tuple(slice(0, n) for n in ctx["out_global_shape"]))
     s = slices[axis]
-    slices[axis] = slice(s.start + m * rows, s.stop + m * rows)
+    shift = int(m * rows)
+    slices[axis] = slice(s.start + shift, s.stop + shift)
     return {**ctx, "out_global_shape": tuple(shape), "out_slices": tuple(slices)}
 
 
@@ -163,6 +166,7 @@ class CompiledTasks:
             compiled[key] = (task, instrs)
         self.blocks = self._blocks(compiled, feeds)
         self.update = self.blocks.pop((None, "update"))
+        self.prologue = self.blocks.pop((None, PROLOGUE), None)
         self.feeds = feeds
 
     def _op(self, i, acc) -> OpInstr:

@@ -1,0 +1,135 @@
+"""What runs a plan whose batch split is uneven (``Strategy(balance=True)``).
+
+Pure. :func:`run_split` takes a plan carrying a :class:`~distgraph.passes.batch_split.
+BatchSplit` and returns it with what its processes run:
+
+- split by rows (no micro-batches): each data-parallel group's local programs on its own
+  rows (:mod:`distgraph.passes.uneven_rows`);
+- split by micro-batches: the program with its sums over the split's mesh dims carried
+  to the update (:mod:`distgraph.passes.uneven_micro`), partitioned again;
+- both: the fetched values that carry samples (a model's outputs when evaluating or
+  predicting) are gathered with each process's part padded to the largest, and put back
+  in the batch's order (:class:`RowGather`).
+
+:func:`schedule_of` then gives the schedule of the plan's task graph (with micro-batches,
+each group runs its own count) and checks that it completes and, for an uneven count of
+micro-batches, that no group waits for another inside a micro-batch. Every refusal is a
+PlanError at plan time, before any rank starts.
+
+Example::
+
+    planned = run_split(dataclasses.replace(plan, batch_split=split))
+    planned.local(1)                 # process 1's program on its rows
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from types import MappingProxyType
+
+from distgraph.errors import PlanError
+from distgraph.passes.partition import partition
+from distgraph.passes.pipeline.schedule import make_schedule, replay
+from distgraph.passes.uneven_micro import check_member_traffic, defer_reductions, member_schedule
+from distgraph.passes.uneven_rows import check_layouts, member_local, member_program
+
+
+@dataclass(frozen=True)
+class RowGather:
+    """How a fetched value that carries samples comes back whole under an uneven split:
+    each process pads its part (its micro-batches' parts joined) with zeros to ``pad``
+    entries along ``axis``, the plan's gather brings the padded value of global shape
+    ``shape`` to every process, and ``take`` lists, in the batch's order, the entries of
+    the padded value along ``axis`` that hold the batch's rows.
+
+    Example: rows 0-2 on one process and 3 on another, padded to 3 each: ``take`` is
+    ``(0, 1, 2, 3)``; the padded value's entries 4 and 5 are padding."""
+
+    value: str
+    axis: int
+    pad: int
+    shape: tuple
+    take: tuple
+
+
+def run_split(plan):
+    """``plan`` with what runs its uneven ``batch_split`` (unchanged when it has none or
+    an even one); see the module docstring."""
+    split = plan.batch_split
+    if split is None or split.is_even:
+        return plan
+    if split.micro_batched:
+        program = defer_reductions(plan.program, plan.accumulation, split.mesh_dims)
+        partitions = {pid: partition(program, pid) for pid in plan.process_ids}
+        axes = dict(plan.accumulation.split_axis)
+        plan = dataclasses.replace(plan, built=dataclasses.replace(plan.built, program=program))
+    else:
+        axes = plan.sample_axes()
+        partitions = _row_partitions(plan, split, axes)
+    gathers = _row_gathers(plan, split, axes)
+    return dataclasses.replace(plan, partitions=MappingProxyType(partitions),
+                               row_gathers=MappingProxyType(gathers))
+
+
+def schedule_of(plan, graph):
+    """The schedule of ``graph`` (``plan``'s task graph), checked to complete; under an
+    uneven split by micro-batches each member runs its own count, and nothing may pass
+    between members inside a micro-batch."""
+    split = plan.batch_split
+    if split is not None and split.micro_batched and not split.is_even:
+        check_member_traffic(plan, graph, split)
+        return member_schedule(graph, split)
+    problem = graph.problem()
+    order = make_schedule(problem)
+    replay(order.orders, problem)            # the check: it completes, or a PlanError
+    return order
+
+
+def _row_partitions(plan, split, axes) -> dict:
+    program = plan.program
+    check_layouts(program, axes, split.mesh_dims)
+    batch, n = split.batch, len(split.members)
+    scaled = {u: member_program(program, axes, batch, n, u * split.granule)
+              for u in sorted(set(split.units))}
+    partitions = {}
+    for g, (procs, units) in enumerate(zip(split.members, split.units)):
+        start = split.rows(procs[0])[0][0]
+        for pid in procs:
+            partitions[pid] = member_local(scaled[units], pid, program, axes, batch, start,
+                                           g, units * split.granule)
+    return partitions
+
+
+def _row_gathers(plan, split, axes) -> dict:
+    """{fetched name: RowGather} for the fetched values that carry samples."""
+    program = plan.program
+    rows = program.values[plan.built.feed_names[0]].shape[0]     # rows the program has
+    n = len(split.members)
+    out = {}
+    for name in plan.built.fetch_names:
+        axis = axes.get(name)
+        if axis is None:
+            continue
+        v = program.values[name]
+        if v.dist_attr.spec.entry(axis) != tuple(split.mesh_dims) or v.dist_attr.spec.partial:
+            raise PlanError(f"Strategy(balance=True) split the batch unevenly over "
+                            f"{', '.join(split.mesh_dims)}, and the fetched {name} "
+                            f"{list(v.shape)} is laid out as {v.dist_attr.spec}: a value "
+                            f"fetched whole under an uneven split must be split over "
+                            f"exactly those mesh dims along its sample dim {axis}; lay it "
+                            f"out so, or use Strategy(balance=False)")
+        per_unit = v.shape[axis] * split.granule // rows     # entries per granule
+        pad = max(split.units) * per_unit
+        shape = list(v.shape)
+        shape[axis] = n * pad
+        take = [0] * (split.batch // split.granule * per_unit)
+        for g, procs in enumerate(split.members):
+            local = 0
+            for start, stop in split.rows(procs[0]):
+                for unit in range(start // split.granule, stop // split.granule):
+                    for t in range(per_unit):
+                        take[unit * per_unit + t] = g * pad + local + t
+                    local += per_unit
+        out[name] = RowGather(name, axis, pad, tuple(shape), tuple(take))
+    return out

@@ -128,10 +128,14 @@ class DeviceCommunicator(Communicator):
 
     @property
     def nccl(self):
-        """This rank's NCCL path, made on first use (it needs CuPy's NCCL and MPI)."""
+        """The NCCL path of the host communicator, made by the first plan that needs it
+        and shared by the next (it needs CuPy's NCCL and MPI)."""
         if self._nccl is None:
-            from distgraph.runtime.comm.nccl import NcclPath   # only GPU jobs load NCCL
-            self._nccl = NcclPath(self.host, self.backend)
+            path = getattr(self.host, "nccl_path", None)
+            if path is None:
+                from distgraph.runtime.comm.nccl import NcclPath   # only GPU jobs load NCCL
+                path = self.host.nccl_path = NcclPath(self.host, self.backend)
+            self._nccl = path
         return self._nccl
 
     def _path(self, ranks):
@@ -161,10 +165,11 @@ class DeviceCommunicator(Communicator):
         self.staged.wait_sends()
 
     def close(self) -> None:
-        """Free this rank's NCCL communicators (after its last call)."""
+        """Free the NCCL communicators of the host communicator (after the job's last
+        call on any plan)."""
         if self._nccl is not None:
             self._nccl.close()
-            self._nccl = None
+            self.host.nccl_path = self._nccl = None
 
     # ---- routed calls ---------------------------------------------------------------------
     def _all_gather(self, arr, group, axis):

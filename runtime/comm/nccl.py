@@ -8,8 +8,11 @@ and to carry the small headers of point-to-point messages.
 
 **Communicators.** One NCCL communicator per group of ranks a plan's collectives use
 (in the group's order: NCCL rank i is the group's i-th rank) and one per ordered pair
-(sender, receiver) of its point-to-point transfers, made by :meth:`open` once per plan,
-in one order on every rank (so no two ranks wait for each other's set-up). The group's
+(sender, receiver) of its point-to-point transfers, made by :meth:`open` when a plan's
+runner is made, in one order on every rank (so no two ranks wait for each other's
+set-up), and kept for the next plans: a rank has one NcclPath per host communicator
+(``host.nccl_path``), whatever the number of plans, so the headers of its messages have
+one reader. The group's
 first rank makes NCCL's unique id and sends it to the others over MPI, under the
 communication timeout. A pair is warmed up with a one-byte message when it is made, so
 that NCCL connects it then, in that same order, and not inside a step.
@@ -31,8 +34,9 @@ ends the job.
 them: it queues each message on its pair's stream as it sends it, and sends the
 receiver a header (tag, dtype, shape) over MPI on one tag, so the headers arrive in the
 same order. The receiver, whenever it polls, takes the headers that arrived, queues a
-receive of each into a new buffer (in header order, hence the sender's) and hands the
-buffer to the receive request with that tag. A sender never waits for its receiver on
+receive of each into a new buffer (in header order, hence the sender's) and gives the
+buffer to the receive request MPI would match it with: the first one posted for that
+source and tag and not matched yet (or the next one posted). A sender never waits for its receiver on
 the host, and the two directions of a pair are separate communicators, so two stages
 sending to each other do not block each other.
 
@@ -81,8 +85,8 @@ class NcclPath:
         self.rank, self.timeout = host.rank, host.timeout
         self.comms: dict = {}             # (kind, ranks) -> _Comm
         self.sends: list = []             # sends started by _send, not known done
-        self._headers: dict = {}          # source rank -> (MPI request, buffer)
-        self._arrived: dict = {}          # (source, tag) -> deque of _Incoming
+        self._arrived: dict = {}          # (source, tag) -> messages no receive took yet
+        self._posted: dict = {}           # (source, tag) -> receives no message matched yet
         self._types = {np.dtype(k): getattr(nccl, v) for k, v in (
             ("float16", "NCCL_FLOAT16"), ("float32", "NCCL_FLOAT32"),
             ("float64", "NCCL_FLOAT64"), ("int8", "NCCL_INT8"), ("uint8", "NCCL_UINT8"),
@@ -325,7 +329,16 @@ class NcclPath:
         self.sends = []
 
     def _irecv(self, shape, dtype, src, tag):
-        return _Incoming(self, src, tag, tuple(shape), np.dtype(dtype))
+        """A receive, matched as MPI matches: to the first message from ``src`` with
+        ``tag`` not taken by a receive posted before it."""
+        req = _Incoming(self, src, tag, tuple(shape), np.dtype(dtype))
+        self._take_from(src)
+        unexpected = self._arrived.get((src, tag))
+        if unexpected:
+            req.match(unexpected.popleft())
+        else:
+            self._posted.setdefault((src, tag), deque()).append(req)
+        return req
 
     def _recv(self, shape, dtype, src, tag):
         req = self._irecv(shape, dtype, src, tag)
@@ -348,26 +361,23 @@ class NcclPath:
                 self._take_from(src)
 
     def _take_from(self, src: int) -> None:
-        """Queue a receive for every header from ``src`` that arrived, in their order."""
+        """Queue a receive for every header from ``src`` that arrived, in their order
+        (probed, not posted for: no receive is left pending when the job ends)."""
         c = self.comms[("p2p", (src, self.rank))]
-        slot = self._headers.get(src)
-        if slot is None:
-            slot = self._post_header(src)
-        while slot[0].Test():
-            tag, code, ndim = (int(v) for v in slot[1][:3])
-            shape = tuple(int(v) for v in slot[1][3:3 + ndim])
-            out = self.xb.empty(shape, DTYPES[code])
+        mpi = self.host._comm
+        while mpi.Iprobe(source=src, tag=_HEADER_TAG):
+            header = np.empty(3 + MAX_NDIM, np.int64)
+            mpi.Recv(header, source=src, tag=_HEADER_TAG)
+            tag, code, ndim = (int(v) for v in header[:3])
+            out = self.xb.empty(tuple(int(v) for v in header[3:3 + ndim]), DTYPES[code])
             t, what = self._type(out), f"a message from rank {src} with tag {tag}"
             done = self._launch(c, what, lambda s, out=out, t=t: c.comm.recv(
                 out.data.ptr, out.size, t, 0, s))
-            self._arrived.setdefault((src, tag), deque()).append((out, done, c))
-            slot = self._post_header(src)
-
-    def _post_header(self, src: int):
-        buf = np.empty(3 + MAX_NDIM, np.int64)
-        slot = (self.host._comm.Irecv(buf, source=src, tag=_HEADER_TAG), buf)
-        self._headers[src] = slot
-        return slot
+            waiting = self._posted.get((src, tag))
+            if waiting:
+                waiting.popleft().match((out, done, c))
+            else:
+                self._arrived.setdefault((src, tag), deque()).append((out, done, c))
 
 
 class _Comm:
@@ -402,13 +412,20 @@ class _Started(Request):
 
 
 class _Incoming(Request):
-    """A receive: matched with the first message from ``src`` with ``tag`` whose header
-    arrived, done once NCCL filled its buffer."""
+    """A receive: given the message (buffer, completion event, communicator) that MPI's
+    rules match it with (:meth:`NcclPath._irecv`), done once NCCL filled the buffer."""
 
     def __init__(self, path, src, tag, shape, dtype):
         super().__init__(f"a message from rank {src} with tag {tag} ({shape} {dtype})")
         self.path, self.src, self.tag, self.shape, self.dtype = path, src, tag, shape, dtype
         self.matched = None
+
+    def match(self, message) -> None:
+        out = message[0]
+        if tuple(out.shape) != self.shape or out.dtype != self.dtype:
+            raise RuntimeFault(f"rank {self.path.rank}: expected {self.what}, rank "
+                               f"{self.src} sent {tuple(out.shape)} {out.dtype} with that tag")
+        self.matched = message
 
     def test(self) -> bool:
         if self.done:
@@ -416,17 +433,16 @@ class _Incoming(Request):
         path = self.path
         if self.matched is None:
             path._take_from(self.src)
-            queue = path._arrived.get((self.src, self.tag))
-            if not queue:
+            if self.matched is None:
                 return False
-            self.matched = queue.popleft()
-            out = self.matched[0]
-            if tuple(out.shape) != self.shape or out.dtype != self.dtype:
-                raise RuntimeFault(f"rank {path.rank}: expected {self.what}, rank {self.src} "
-                                   f"sent {tuple(out.shape)} {out.dtype} with that tag")
         out, event, comm = self.matched
         if not path._fired(comm, event, self.what):
             return False
         path.cupy.cuda.get_current_stream().wait_event(event)
         self.value, self.done = out, True
         return True
+
+    def cancel(self) -> None:
+        waiting = self.path._posted.get((self.src, self.tag))
+        if self.matched is None and waiting and self in waiting:
+            waiting.remove(self)

@@ -134,3 +134,18 @@ def test_plans_over_nccl_equal_serial():
         for rank, mine in enumerate(ranks):
             assert mine["loss"] < TOL and mine["param"] < TOL, (key, rank, mine)
             assert mine["routes"] == [NCCL] and mine["nccl"], (key, rank)
+
+
+@pytest.mark.mpi
+def test_calibrate_measures_the_gpu(tmp_path):
+    from distgraph.cli import main as cli
+
+    out = tmp_path / "gpu.yaml"
+    assert cli(["cluster", "calibrate", "-n", "1", "-o", str(out), "--repeats", "1",
+                "--timeout", "300"]) == 0
+    (device,) = dg.Cluster.from_file(out).devices
+    assert device.type == "GPU" and device.local_id == 0
+    assert device.model == detect_gpus()[0].name
+    assert set(device.gflops) == {"float16", "float32", "float64"}
+    assert device.gflops["float32"] > 1000          # GFLOP/s: a GPU, not a core
+    assert device.memory_bandwidth > 100 and device.op_costs["matmul"][1] > 0

@@ -1,8 +1,8 @@
 """The GPU path on a machine with a GPU (``gpu`` marker; skipped, saying why, elsewhere).
 
-- Serial training on CuPy equals serial training on numpy, fp64, to 1e-10 (GPT-tiny and
-  the MLP, three AdamW steps: losses and parameters); the parameters live on the GPU,
-  state_dict and checkpoints come back to the host.
+- Serial training on CuPy equals serial training on numpy, fp64, to 1e-10 (GPT-tiny, with
+  and without dropout, and the MLP, three AdamW steps: losses and parameters); the
+  parameters live on the GPU, state_dict and checkpoints come back to the host.
 - dp, tp, dp x tp and two stages of 1F1B on 2 and 4 ranks sharing the GPU (MPI with host
   staging) equal serial.
 - NCCL on a one-rank group; with two GPUs or more, NCCL between 2 ranks (every
@@ -44,19 +44,20 @@ NCCL_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mpi_scri
                            "nccl_checks.py")
 
 
-def fit(kind, cluster):
-    model = P.build_model(kind)
+def fit(kind, cluster, dropout=0.0):
+    model = P.build_model(kind, dropout=dropout)
     engine = dg.Engine(model, P.loss_fn(kind), P.make_optimizer("adamw"), cluster=cluster)
     history = engine.fit(P.Dataset(kind), batch_size=P.BATCH, epochs=1, verbose=0)
     return engine, history.losses
 
 
-@pytest.mark.parametrize("kind", ["mlp", "gpt"])
-def test_serial_cupy_equals_serial_numpy(kind, float64, tmp_path):
+@pytest.mark.parametrize("kind, dropout", [("mlp", 0.0), ("gpt", 0.0), ("gpt", 0.1)])
+def test_serial_cupy_equals_serial_numpy(kind, dropout, float64, tmp_path):
+    """With dropout too: the masks come from (seed, step) on the host, equal on both."""
     import cupy
 
-    gpu_engine, gpu_losses = fit(kind, dg.Cluster.local(1, device="GPU"))
-    cpu_engine, cpu_losses = fit(kind, None)
+    gpu_engine, gpu_losses = fit(kind, dg.Cluster.local(1, device="GPU"), dropout)
+    cpu_engine, cpu_losses = fit(kind, None, dropout)
     runner = gpu_engine._backends["train"]
     assert runner.arrays.name == "cupy"
     assert all(isinstance(a, cupy.ndarray) for a in gpu_engine._scopes["train"].values())

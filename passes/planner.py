@@ -47,6 +47,7 @@ from distgraph.passes.balance import balance_batch, batch_mesh_dims
 from distgraph.passes.completion.complete import complete
 from distgraph.passes.completion import stage_order
 from distgraph.passes.estimate import estimate, fmt_bytes
+from distgraph.passes.mapping.devices import explain as explain_devices, placement
 from distgraph.passes.mapping.rank_mapping import map_ranks
 from distgraph.passes.mapping.traffic import process_graph
 from distgraph.passes.meshslice.slices import assign_slices, check_meshes, enable, uses
@@ -80,7 +81,9 @@ class Plan:
     ``Strategy(balance=True)`` (:class:`~distgraph.passes.batch_split.BatchSplit`), else
     None (each data-parallel process reads an even share); where it is uneven, the local
     programs are the ones that run it and ``row_gathers`` says how fetched per-sample
-    values come back in the batch's order (:mod:`distgraph.passes.uneven`).
+    values come back in the batch's order (:mod:`distgraph.passes.uneven`); ``placement``
+    each rank's device, hence the array backend and each group's communicator
+    (:class:`~distgraph.passes.mapping.devices.Placement`).
 
     With ``Strategy(micro_batches=M)``, M > 1, ``program`` is the *micro-batch* program
     (forward, backward and update on micro-batch shapes) and ``accumulation`` says how
@@ -101,6 +104,7 @@ class Plan:
     batch_split: object = None
     row_gathers: MappingProxyType = field(default_factory=lambda: MappingProxyType({}),
                                           repr=False)
+    placement: object = None
     partitions: MappingProxyType = field(default_factory=lambda: MappingProxyType({}),
                                          repr=False)
     graph: object = field(default=None, repr=False)
@@ -233,6 +237,8 @@ class Plan:
         if self.rank_of is not None:
             lines.append("  ranks: " + ", ".join(f"process {p} -> rank {r}"
                                                  for p, r in sorted(self.rank_of.items())))
+        if self.placement is not None:
+            lines.extend("  " + line for line in explain_devices(self, self.placement))
         for s, mesh in enumerate(self.stages):
             lines.append(f"  stage {s}: {mesh}")
         if len(self.graph.chunks) != len(self.stages):
@@ -303,6 +309,8 @@ class Plan:
                                 "steps": [str(s) for s in p.steps], "bytes": p.bytes}
                                for p in self.reshards()]
             out["bytes_sent"] = {str(pid): kinds for pid, kinds in self.bytes_sent().items()}
+        if self.placement is not None:
+            out["placement"] = self.placement.to_dict()
         if self.estimate is not None:
             out["estimate"] = self.estimate.to_dict()
         if self.search is not None:
@@ -378,7 +386,8 @@ def _plan(built, strategy, cluster, rank_mapping, accumulation, ilp_budget=None)
                 pid if rank_of is None else rank_of[pid]].global_id):
             partitions = {pid: partition(program, pid) for pid in ids}   # with their K
     planned = Plan(copy, strategy, distributed, ids, ProcessRanks(rank_of), stages, cluster,
-                   accumulation=accumulation, partitions=MappingProxyType(partitions))
+                   accumulation=accumulation, placement=placement(cluster, len(ids)),
+                   partitions=MappingProxyType(partitions))
     if searched is not None:
         searched.result.check(program)
         planned = dataclasses.replace(planned, search=searched.result.report)

@@ -38,6 +38,7 @@ from distgraph.resources.elements import (COMPUTE_TYPES, DEVICE_TYPES, NETWORK_T
                                           DeviceMesh, FrozenMap, InvalidCluster, Link, Machine,
                                           Switch, _ranges, _set)
 from distgraph.resources import describe as _describe, files as _files, schema as _schema
+from distgraph.resources.gpus import detect_gpus
 from distgraph.resources.paths import best_paths
 
 # The value classes live in elements.py and are re-exported here, so that
@@ -53,6 +54,13 @@ LOCAL_GFLOPS = {"float32": 50.0, "float64": 25.0}
 LOCAL_MEMORY_GB = 4.0
 LOCAL_BANDWIDTH_GBPS = 10.0
 LOCAL_LATENCY_US = 1.0
+# Defaults of Cluster.local(n, device="GPU"): a GPU of the A100/H100 class, PCIe between
+# two GPUs, and host staging (device -> host -> MPI -> host -> device) between ranks on one.
+LOCAL_GPU_GFLOPS = {"float16": 100000.0, "bfloat16": 100000.0, "float32": 20000.0,
+                    "float64": 10000.0}
+LOCAL_PCIE_BANDWIDTH_GBPS = 12.0
+LOCAL_PCIE_LATENCY_US = 10.0
+LOCAL_STAGED_LATENCY_US = 30.0
 
 
 @dataclass(frozen=True)
@@ -364,15 +372,56 @@ class Cluster:
         _files.save_cluster(self, path)
 
     @classmethod
-    def local(cls, nprocs: int) -> "Cluster":
-        """This machine as ``nprocs`` CPU devices on one shared-memory mesh of shape (n,).
+    def local(cls, nprocs: int, device: str = "CPU") -> "Cluster":
+        """This machine as ``nprocs`` devices on one mesh of shape (n,).
 
-        The figures are defaults (see LOCAL_* in this module), not measurements.
+        ``device="CPU"``: ``nprocs`` CPU ranks on shared memory. ``device="GPU"``: this
+        machine's GPUs, detected with CuPy (:mod:`distgraph.resources.gpus`; a
+        :class:`~distgraph.resources.gpus.NoGPU` error when there are none), rank r on
+        GPU ``r mod count`` (its ``local_id``): with more ranks than GPUs, ranks share
+        one (see :func:`local_gpus`). The GFLOP/s and link figures are defaults (see
+        LOCAL_* in this module), not measurements; ``distgraph cluster calibrate``
+        measures them.
         """
         if not isinstance(nprocs, int) or nprocs < 1:
             raise PlanError(f"Cluster.local needs a positive number of processes, got {nprocs!r}")
+        if device == "GPU":
+            return local_gpus(nprocs, detect_gpus(f"Cluster.local({nprocs}, device='GPU')"))
+        if device != "CPU":
+            raise PlanError(f"Cluster.local(device={device!r}): this machine's devices are "
+                            "'CPU' (its cores as ranks) or 'GPU' (its CUDA GPUs)")
         devices = tuple(Device(i, i, 0, "CPU", LOCAL_MODEL, LOCAL_GFLOPS, LOCAL_MEMORY_GB)
                         for i in range(nprocs))
         links = tuple(Link(i, j, LOCAL_BANDWIDTH_GBPS, LOCAL_LATENCY_US, "SHM")
                       for i in range(nprocs) for j in range(i + 1, nprocs))
         return cls(machines=(Machine(0, "localhost", devices, links),), name=f"local{nprocs}")
+
+
+def local_gpus(nprocs: int, gpus) -> Cluster:
+    """One machine running ``nprocs`` ranks on the GPUs ``gpus`` (a list of
+    :class:`~distgraph.resources.gpus.GPUInfo`, as detected): rank r on GPU ``r mod
+    len(gpus)``. Ranks on one GPU are devices with the same ``local_id`` (the GPU shared),
+    each with its share of the GPU's memory; a link between them is host staging through
+    shared memory (``SHM``), one between two GPUs ``PCIe`` (default figures).
+
+    Example::
+
+        >>> from distgraph.resources.gpus import GPUInfo
+        >>> c = local_gpus(4, [GPUInfo(0, "H100", 80.0, (9, 0))])
+        >>> [d.local_id for d in c.devices], c.devices[0].memory
+        ([0, 0, 0, 0], 20.0)
+    """
+    if not gpus:
+        raise PlanError("local_gpus needs at least one GPU")
+    owner = [gpus[r % len(gpus)] for r in range(nprocs)]
+    sharers = {g.local_id: sum(1 for o in owner if o.local_id == g.local_id) for g in gpus}
+    devices = tuple(Device(r, g.local_id, 0, "GPU", g.name, LOCAL_GPU_GFLOPS,
+                           round(g.memory_gb / sharers[g.local_id], 3))
+                    for r, g in enumerate(owner))
+    links = tuple(Link(a.global_id, b.global_id,
+                       *(LOCAL_BANDWIDTH_GBPS, LOCAL_STAGED_LATENCY_US, "SHM")
+                       if a.local_id == b.local_id else
+                       (LOCAL_PCIE_BANDWIDTH_GBPS, LOCAL_PCIE_LATENCY_US, "PCIe"))
+                  for i, a in enumerate(devices) for b in devices[i + 1:])
+    return Cluster(machines=(Machine(0, "localhost", devices, links),),
+                   name=f"local{nprocs}_gpu{len(gpus)}")

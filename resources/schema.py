@@ -106,7 +106,7 @@ def _machine(reader: Reader, raw, key: str, index: int, ids: _Ids):
     addr = reader.string(m, "addr", key, default="")
     port = reader.integer(m, "port", key, default=None)
     devices = []
-    local_seen: dict[tuple[str, int], str] = {}
+    local_seen: dict = {}
     raw_devices = reader.sequence(reader.get(m, "devices", key), join(key, "devices"),
                                   "a list of devices", nonempty=True)
     for j, raw_dev in enumerate(raw_devices):
@@ -116,7 +116,8 @@ def _machine(reader: Reader, raw, key: str, index: int, ids: _Ids):
         dtype = reader.string(d, "type", dkey, choices=COMPUTE_TYPES)
         local = reader.integer(d, "local_id", dkey,
                                default=sum(1 for x in devices if x.type == dtype))
-        _unique_local(reader, local_seen, (dtype, local), join(dkey, "local_id"))
+        model = reader.string(d, "model", dkey, default="")
+        _shared_local(reader, local_seen, (dtype, local), model, join(dkey, "local_id"))
         memory = reader.number(d, "memory", dkey, strict=True, unit="GB")
         gkey = join(dkey, "gflops")
         raw_gflops = reader.mapping(reader.get(d, "gflops", dkey), gkey, DTYPES,
@@ -131,8 +132,8 @@ def _machine(reader: Reader, raw, key: str, index: int, ids: _Ids):
         overhead = reader.number(d, "op_overhead", dkey, default=None, unit="µs")
         costs = _op_costs(reader, d, dkey)
         reshard = _reshard_overhead(reader, d, dkey)
-        devices.append(Device(gid, local, mid, dtype, reader.string(d, "model", dkey, default=""),
-                              gflops, memory, mem_bw, overhead, costs, reshard))
+        devices.append(Device(gid, local, mid, dtype, model, gflops, memory, mem_bw, overhead,
+                              costs, reshard))
     nics = []
     for j, raw_nic in enumerate(reader.sequence(m.get("nics", []), join(key, "nics"))):
         nkey = join(join(key, "nics"), j)
@@ -145,6 +146,16 @@ def _machine(reader: Reader, raw, key: str, index: int, ids: _Ids):
         nics.append(Device(gid, local, mid, "NIC", reader.string(n, "model", nkey, default="")))
     raw_links = reader.sequence(m.get("links", []), join(key, "links"))
     return mid, hostname, addr, port, tuple(devices), tuple(nics), raw_links
+
+
+def _shared_local(reader: Reader, seen: dict, slot: tuple[str, int], model: str, key: str):
+    """Compute devices with the same type and local id are one device that several ranks
+    share (ranks on one GPU): they must be the same model."""
+    first = seen.setdefault(slot, (key, model))
+    if first[1] != model:
+        reader.fail(key, f"local id {slot[1]} of a {slot[0]} is the {first[1]!r} at "
+                    f"{first[0]}, not a {model!r}", "devices that share a local id (ranks on "
+                    "one device) of the same model, or another local id")
 
 
 def _unique_local(reader: Reader, seen: dict, slot: tuple[str, int], key: str):

@@ -5,7 +5,9 @@ the pipeline actors never call numpy directly.
 A backend has ``xp`` (the array namespace kernels use: numpy, or cupy on a GPU) and the
 handful of operations the runtime needs around kernels. :data:`NUMPY` is the CPU backend;
 :func:`get_backend` returns a backend by name (``"numpy"``, or ``"cupy"``, which needs
-CuPy and a CUDA device), so a GPU backend plugs in without touching the scheduler.
+CuPy and a CUDA device), so a GPU backend plugs in without touching the scheduler;
+:func:`backend_for` gives the backend a rank of a plan computes with (CuPy on its GPU when
+the plan's devices are GPUs).
 
 Example::
 
@@ -20,6 +22,7 @@ from __future__ import annotations
 import numpy as np
 
 from distgraph.errors import RuntimeFault
+from distgraph.resources.gpus import NoGPU, gpu_count, import_cupy
 
 
 class ArrayBackend:
@@ -94,22 +97,45 @@ class ArrayBackend:
     def nbytes(self, a) -> int:
         return int(a.nbytes)
 
+    def writeable(self, a) -> bool:
+        """Whether ``a`` may be written (numpy marks read-only views; CuPy has none)."""
+        return bool(a.flags.writeable)
+
+    def synchronize(self) -> None:
+        """Wait until the work queued on this backend's device is done (for timing)."""
+
 
 class CupyBackend(ArrayBackend):
-    """CuPy arrays on the current CUDA device; ``to_host`` copies to numpy."""
+    """CuPy arrays on CUDA device ``device`` (an ordinal among the visible GPUs, a
+    device's ``local_id``), made current for this process; ``to_host`` copies to numpy.
+    ``what`` names who asks, for the one-line error when CuPy or the GPU is missing."""
 
     name = "cupy"
 
-    def __init__(self):
-        try:
-            import cupy
-        except ImportError:
-            raise RuntimeFault("the cupy backend needs CuPy and a CUDA GPU: "
-                               "pip install 'distgraph[gpu]'") from None
+    def __init__(self, device: int = 0, what: str = "the cupy backend"):
+        cupy = import_cupy(what)
+        count = gpu_count(what)
+        if not 0 <= device < count:
+            raise NoGPU(f"{what} needs CUDA device {device}, but this machine has {count} "
+                        f"GPU(s) (devices 0-{count - 1}); give the ranks' devices local ids "
+                        f"below {count} in the cluster file")
         super().__init__(cupy)
+        self.device = cupy.cuda.Device(device)
+        self.device.use()
+
+    def __repr__(self) -> str:
+        return f"<ArrayBackend cupy on GPU {self.device.id}>"
 
     def to_host(self, a) -> np.ndarray:
+        if isinstance(a, np.ndarray):
+            return a
         return self.xp.asnumpy(a)
+
+    def writeable(self, a) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        self.xp.cuda.get_current_stream().synchronize()
 
 
 NUMPY = ArrayBackend(np)
@@ -122,6 +148,17 @@ def get_backend(name: str = "numpy") -> ArrayBackend:
     if name == "cupy":
         return CupyBackend()
     raise RuntimeFault(f"unknown array backend {name!r}; use 'numpy' or 'cupy'")
+
+
+def backend_for(placement, rank: int) -> ArrayBackend:
+    """The backend rank ``rank`` of a plan computes with: numpy, or CuPy on the GPU its
+    device's ``local_id`` names (``placement``: the plan's
+    :class:`~distgraph.passes.mapping.devices.Placement`; None: numpy). Without CuPy or
+    that GPU, one :class:`~distgraph.resources.gpus.NoGPU` line saying which."""
+    if placement is None or placement.backend == "numpy":
+        return NUMPY
+    device = placement.device(rank)
+    return CupyBackend(device.local_id, f"rank {rank} of this plan (on {device})")
 
 
 def backend_of(obj) -> ArrayBackend:

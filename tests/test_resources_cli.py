@@ -67,7 +67,7 @@ def test_calibrate_refuses_an_unknown_suffix(tmp_path, capsys):
 def test_calibrate_two_ranks_writes_a_loadable_file(tmp_path, capsys):
     out = tmp_path / "measured.yaml"
     assert run(["cluster", "calibrate", "-n", "2", "-o", str(out), "--repeats", "1",
-                "--timeout", "120"]) == 0
+                "--timeout", "120", "--device", "CPU"]) == 0
     assert "wrote" in capsys.readouterr().out
     cluster = Cluster.from_file(out)
     assert [d.global_id for d in cluster.devices] == [0, 1]
@@ -79,3 +79,19 @@ def test_calibrate_two_ranks_writes_a_loadable_file(tmp_path, capsys):
     assert cluster.calibration["allreduce_bus_bandwidth"] > 0
     assert cluster.calibration["allreduce_latency"] > 0
     assert cluster.device_meshes[0].size == 2
+
+
+@pytest.mark.mpi
+def test_calibrating_gpus_where_there_are_none_fails_saying_why(tmp_path, capsys):
+    from distgraph.resources.gpus import NoGPU, detect_gpus
+    try:
+        detect_gpus()
+        pytest.skip("this machine has a GPU (tests/test_gpu.py calibrates it)")
+    except NoGPU:
+        pass
+    out = tmp_path / "gpus.yaml"
+    assert run(["cluster", "calibrate", "-n", "1", "-o", str(out), "--device", "GPU",
+                "--timeout", "120"]) != 0
+    err = capsys.readouterr().err
+    assert "NoGPU: distgraph cluster calibrate --device GPU needs " in err
+    assert not out.exists()

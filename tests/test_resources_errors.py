@@ -76,7 +76,9 @@ SCHEMA_CASES = [
      "machines[1].devices[0].global_id", "global_id"),
     ("nic_id_clashes_with_device", lambda d: m(d, 0)["nics"][0].update(global_id=1),
      "machines[0].nics[0].global_id", "global_id"),
-    ("local_id_duplicate", lambda d: [dev(d, 0, j).update(local_id=0) for j in (0, 1)],
+    # one local id is one device, which ranks may share: two models cannot be it
+    ("local_id_of_two_models", lambda d: [dev(d, 0, j).update(local_id=0, model=f"m{j}")
+                                          for j in (0, 1)],
      "machines[0].devices[1].local_id", "local_id"),
     ("machine_id_duplicate", lambda d: [m(d, i).update(id=0) for i in (0, 1)],
      "machines[1].id", "id"),

@@ -28,6 +28,7 @@ from distgraph.nn.layers import Dropout
 from distgraph.passes.planner import plan
 from distgraph.program_builder import build_program
 from distgraph.resources.cluster import Cluster
+from distgraph.runtime.backend import backend_for
 from distgraph.runtime.execution.runner import PlanRunner
 from distgraph.strategy import Strategy
 
@@ -312,6 +313,9 @@ class Engine:
         for rows in sorted({len(idx) for idx in loader.indices(0)[:n_batches]}, reverse=True):
             self._plan_batch("train", loader, rows)      # plan every batch shape up front
         self._only_planning("train")
+        # GPUs asked for where there are none: one line now, not after the progress bar
+        train = self._plans["train"]
+        backend_for(train.placement, self.rank if train.distributed else 0)
         cbs = CallbackList(_progress(verbose, callbacks) + list(callbacks or []), self)
         try:
             return self._train(loader, n_batches, first_epoch, first_batch, epochs, cbs,

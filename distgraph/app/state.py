@@ -181,8 +181,8 @@ class ProcessState:
             self.arrays[LR][...] = value
 
     def entries(self):
-        """What a checkpoint holds: (name, layout or None, local block or global array)
-        for every parameter and optimizer state (not the learning rate)."""
+        """What a checkpoint holds: (name, layout or None, local block or global array,
+        on the host) for every parameter and optimizer state (not the learning rate)."""
         self.take_user_changes()
         params = dict(self.model.named_parameters())
         names = set(params) | set(self.layouts) | set(self.states) | self.pending_names
@@ -190,7 +190,9 @@ class ProcessState:
         out = []
         for name in sorted(names):
             if name in self.layouts:
-                out.append((name, self.layouts[name], self.arrays.get(name)))
+                layout, block = self.layouts[name], self.arrays.get(name)
+                out.append((name, layout, None if block is None else
+                            layout.backend.arrays.to_host(block)))
             elif name in self.pending_names:
                 out.append((name, None, _Lazy(self.pending, name)))
             elif name in params:

@@ -49,6 +49,10 @@ def add_cluster_parser(subparsers) -> argparse.ArgumentParser:
     cal.add_argument("--repeats", type=int, default=3, help="measurement batches (default 3)")
     cal.add_argument("--timeout", type=float, default=300.0,
                      help="seconds before the measurement is abandoned (default 300)")
+    cal.add_argument("--device", choices=("auto", "CPU", "GPU"), default="auto",
+                     help="what each rank measures: its GPU (GEMM rate per dtype, memory "
+                          "bandwidth, op costs on CuPy) or the CPU; auto (default): the GPUs "
+                          "when CuPy finds one")
     cal.add_argument("--emulate", metavar="FILE",
                      help="measure FILE's machines emulated as network namespaces (root only); "
                           "the output keeps FILE's machines and device ids")
@@ -79,6 +83,10 @@ def calibrate_command(args) -> int:
               ".yml or .json", file=sys.stderr)
         return 2
     if args.emulate:
+        if args.device == "GPU":
+            print("distgraph cluster calibrate: --emulate measures CPU ranks in network "
+                  "namespaces; give it no --device GPU", file=sys.stderr)
+            return 2
         if args.hostfile or args.hosts:
             print("distgraph cluster calibrate: --emulate measures this machine's namespaces; "
                   "give it no --hostfile or --hosts", file=sys.stderr)
@@ -90,7 +98,8 @@ def calibrate_command(args) -> int:
             placement = None
         if placement is None:
             code = launch(args.nprocs, [CALIBRATE_SCRIPT, "-o", output, "--repeats",
-                                        str(args.repeats)], timeout=args.timeout)
+                                        str(args.repeats), "--device", args.device],
+                          timeout=args.timeout)
         else:
             code = _calibrate_hosts(args, placement, output)
     except DistGraphError as err:
@@ -123,8 +132,8 @@ def _calibrate_hosts(args, placement, output: str) -> int:
     code = 2
     try:
         code = launch(args.nprocs, [CALIBRATE_SCRIPT, "-o", name, "--in-log-dir", "--repeats",
-                                    str(args.repeats)], timeout=args.timeout, log_dir=logs,
-                      placement=placement)
+                                    str(args.repeats), "--device", args.device],
+                      timeout=args.timeout, log_dir=logs, placement=placement)
         if code == 0:
             shutil.move(os.path.join(logs, name), output)
         return code

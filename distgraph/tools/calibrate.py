@@ -3,7 +3,12 @@
 Per rank: GEMM GFLOP/s in float32 and float64 (numpy matmul of a GEMM large enough to
 keep every core busy, the ranks lined up before each run so that all compute at once:
 the median of what each rank gets while all compute), memory bandwidth and distgraph's
-per-op overhead (:mod:`distgraph.tools.device_probe`). Per pair of ranks, one pair at a
+per-op overhead (:mod:`distgraph.tools.device_probe`). On a machine whose GPUs CuPy finds
+(``--device auto``, the default; ``--device GPU`` insists, ``CPU`` measures the cores),
+each rank measures its GPU instead (the rank's place on its host modulo the GPUs there:
+GEMMs of 4096^3 in float16, float32 and float64, the memory bandwidth and the per-op
+costs on CuPy, each timed to the end of its kernels) and becomes a GPU device of that
+``local_id``; the links between ranks are still MPI's through host memory. Per pair of ranks, one pair at a
 time: point-to-point latency (half the round trip of an 8-byte ping-pong) and bandwidth
 (a multi-megabyte ping-pong). For the whole group: all-reduce latency (8 bytes) and bus
 bandwidth (2(n-1)/n * bytes / time, the figure the ring formula uses). Ranks on the same
@@ -38,29 +43,39 @@ from distgraph.passes.cost_model import collective_time
 from distgraph.passes.reshard import plan_reshard
 from distgraph.placement import DistAttr, ShardSpec
 from distgraph.resources.cluster import Cluster, Device, Link, Machine
+from distgraph.resources.gpus import NoGPU, detect_gpus
+from distgraph.runtime.backend import NUMPY, CupyBackend
 from distgraph.runtime.execution.reshard import apply_reshard
 from distgraph.runtime.launch.status import LOG_DIR
-from distgraph.tools.device_probe import memory_bandwidth_gbps, op_costs, op_overhead_us
+from distgraph.tools.device_probe import (BANDWIDTH_BYTES, memory_bandwidth_gbps, op_costs,
+                                          op_overhead_us)
 
 SCRIPT = os.path.abspath(__file__)   # what `distgraph cluster calibrate` starts on each rank
 GEMM_SIZE = 1024
+GPU_GEMM_SIZE = 4096          # a GPU needs a larger GEMM than a core to reach its rate
+GPU_BANDWIDTH_BYTES = 256 * 2**20
+DTYPES = {"CPU": (("float32", np.float32), ("float64", np.float64)),
+          "GPU": (("float16", np.float16), ("float32", np.float32), ("float64", np.float64))}
 SMALL_BYTES = 8
 LARGE_BYTES = 4 * 2**20
 ALLREDUCE_BYTES = 4 * 2**20
 
 
 def gemm_gflops(dtype, size: int = GEMM_SIZE, repeats: int = 5, sync=None,
-                window: float = 0.0) -> float:
+                window: float = 0.0, xb=NUMPY) -> float:
     """GFLOP/s of size^3 matmuls (2 size^3 flops each), the median of ``repeats`` timings
     after one warm-up. Each timing is one matmul, or with ``window`` > 0 as many as fit in
     ``window`` seconds: the sustained rate, which a CPU quota shows only over several of
     its periods (a single matmul of a throttled rank runs at the core's full speed).
     ``sync`` (a barrier) lines the ranks up before each timing, so that every rank runs
-    while all do (the best run of an unaligned rank is one that had a core alone)."""
+    while all do (the best run of an unaligned rank is one that had a core alone).
+    ``xb``: the array backend (numpy: this CPU; CuPy: the rank's GPU, each matmul timed to
+    its end)."""
     rng = np.random.default_rng(0)
-    a = rng.standard_normal((size, size)).astype(dtype)
-    b = rng.standard_normal((size, size)).astype(dtype)
+    a = xb.from_host(rng.standard_normal((size, size)).astype(dtype))
+    b = xb.from_host(rng.standard_normal((size, size)).astype(dtype))
     a @ b
+    xb.synchronize()
     rates = []
     for _ in range(repeats):
         if sync is not None:
@@ -68,6 +83,7 @@ def gemm_gflops(dtype, size: int = GEMM_SIZE, repeats: int = 5, sync=None,
         count, start = 0, time.perf_counter()
         while True:
             a @ b
+            xb.synchronize()
             count += 1
             elapsed = time.perf_counter() - start
             if elapsed >= window:
@@ -155,6 +171,33 @@ def measure_allreduce(comm, repeats: int) -> tuple[float, float]:
         timings.append(comm.allreduce(best, op=MPI.MAX))
     bus = 2.0 * (n - 1) / n * ALLREDUCE_BYTES / timings[1] / 1e9
     return bus, timings[0] * 1e6
+
+
+def rank_device(comm, device: str) -> tuple:
+    """(this rank's device record, the array backend that measures it). ``device``:
+    ``CPU``, ``GPU`` (NoGPU without one) or ``auto`` (the GPUs when CuPy finds one). A
+    rank's GPU is its place among the ranks of its host, modulo the GPUs there; ranks
+    beyond the GPU count share one (and its memory)."""
+    from mpi4py import MPI
+
+    host = MPI.Get_processor_name()
+    hosts = comm.allgather(host)
+    local = hosts[:comm.Get_rank()].count(host)
+    gpus = []
+    if device != "CPU":
+        try:
+            gpus = detect_gpus("distgraph cluster calibrate --device GPU")
+        except NoGPU:
+            if device == "GPU":
+                raise
+    if not gpus:
+        return {"rank": comm.Get_rank(), "host": host, "type": "CPU", "local_id": local,
+                "model": cpu_model(), "memory": host_memory_gb()}, NUMPY
+    gpu = gpus[local % len(gpus)]
+    sharing = sum(1 for k in range(hosts.count(host)) if k % len(gpus) == gpu.local_id)
+    return ({"rank": comm.Get_rank(), "host": host, "type": "GPU", "local_id": gpu.local_id,
+             "model": gpu.name, "memory": gpu.memory_gb, "sharing": sharing},
+            CupyBackend(gpu.local_id, f"rank {comm.Get_rank()}'s GPU {gpu.local_id}"))
 
 
 def cpu_model() -> str:
@@ -248,9 +291,10 @@ def build_cluster(ranks: list[dict], pairs: dict, allreduce, name: str, steps=No
     machines = []
     for m, host in enumerate(hosts):
         mine = [r for r in ranks if r["host"] == host]
-        devices = [Device(r["rank"], k, m, "CPU", r["model"], r["gflops"],
-                          round(r["memory"] / per_host[host], 3), r.get("memory_bandwidth"),
-                          r.get("op_overhead"), r.get("op_costs")) for k, r in enumerate(mine)]
+        devices = [Device(r["rank"], r.get("local_id", k), m, r.get("type", "CPU"), r["model"],
+                          r["gflops"], round(r["memory"] / r.get("sharing", per_host[host]), 3),
+                          r.get("memory_bandwidth"), r.get("op_overhead"), r.get("op_costs"))
+                   for k, r in enumerate(mine)]
         links = [Link(a, b, bw, lat, "SHM") for (a, b), (bw, lat) in pairs.items()
                  if machine_of[a] == m and machine_of[b] == m]
         machines.append(Machine(m, host, devices, links))
@@ -277,6 +321,9 @@ def main(argv=None) -> None:
     parser.add_argument("--in-log-dir", action="store_true",
                         help="write the file, under the output's name, into the rank's log "
                              "folder ($DISTGRAPH_LOG_DIR)")
+    parser.add_argument("--device", choices=("auto", "CPU", "GPU"), default="auto",
+                        help="measure the CPU, or each rank's GPU (auto: the GPUs when CuPy "
+                             "finds one)")
     parser.add_argument("--gemm-window", type=float, default=0.0, metavar="SECONDS",
                         help="time GEMMs over windows of SECONDS (sustained rate) instead of "
                              "one matmul each")
@@ -294,21 +341,23 @@ def main(argv=None) -> None:
 
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
-    say(comm, f"{size} ranks: GEMM {GEMM_SIZE}^3 on every rank at once"
+    record, xb = rank_device(comm, args.device)
+    gemm = GPU_GEMM_SIZE if record["type"] == "GPU" else GEMM_SIZE
+    say(comm, f"{size} ranks on {record['type']}: GEMM {gemm}^3 on every rank at once"
               + (f", sustained over {args.gemm_window:g} s" if args.gemm_window else ""))
-    record = {"rank": rank, "host": MPI.Get_processor_name(), "model": cpu_model(),
-              "memory": host_memory_gb(),
-              "gflops": {name: round(gemm_gflops(dtype, repeats=args.repeats + 2,
-                                                 sync=lambda: idle_barrier(comm),
-                                                 window=args.gemm_window), 3)
-                         for name, dtype in (("float32", np.float32), ("float64", np.float64))},
-              "memory_bandwidth": round(memory_bandwidth_gbps(args.repeats), 3),
-              "op_overhead": round(op_overhead_us(args.repeats), 3),
-              "op_costs": op_costs(args.repeats, sync=lambda: idle_barrier(comm))}
+    nbytes = GPU_BANDWIDTH_BYTES if record["type"] == "GPU" else BANDWIDTH_BYTES
+    record.update(
+        gflops={name: round(gemm_gflops(dtype, gemm, args.repeats + 2,
+                                        lambda: idle_barrier(comm), args.gemm_window, xb), 3)
+                for name, dtype in DTYPES[record["type"]]},
+        memory_bandwidth=round(memory_bandwidth_gbps(args.repeats, xb, nbytes), 3),
+        op_overhead=round(op_overhead_us(args.repeats, xb=xb), 3),
+        op_costs=op_costs(args.repeats, sync=lambda: idle_barrier(comm), xb=xb))
     records = comm.gather(record, root=0)
     if rank == 0:
-        say(comm, "GEMM GFLOP/s per rank (float32/float64): " + ", ".join(
-            f"{r['gflops']['float32']:.1f}/{r['gflops']['float64']:.1f}" for r in records))
+        names = "/".join(records[0]["gflops"])
+        say(comm, f"GEMM GFLOP/s per rank ({names}): " + ", ".join(
+            "/".join(f"{v:.1f}" for v in r["gflops"].values()) for r in records))
     pairs = measure_pairs(comm, args.repeats)
     allreduce = None
     if size > 1:

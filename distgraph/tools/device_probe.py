@@ -15,6 +15,8 @@
   that move nothing, small matmuls far below the GEMM rate.
 
 ``distgraph cluster calibrate`` writes all three into each device of the resource file.
+Each takes the array backend ``xb`` it measures: numpy (this CPU, the default) or CuPy
+(the rank's GPU; timings then end when the GPU is done).
 
 Example::
 
@@ -34,43 +36,51 @@ from distgraph.nn.layers import GPT, MLP, CrossEntropyLoss, MSELoss
 from distgraph.optim import Adam
 from distgraph.program_builder import build_program
 from distgraph.registry import TensorType, op_work
+from distgraph.runtime.backend import NUMPY
 from distgraph.runtime.execution.executor import ProgramRunner
 from distgraph.trace import InputSpec
 
 BANDWIDTH_BYTES = 32 * 2**20       # per array: well past the caches
 
 
-def memory_bandwidth_gbps(repeats: int = 3) -> float:
-    """Best-of-``repeats`` GB/s of ``c = a + b`` on float64 arrays (3 arrays moved)."""
-    n = BANDWIDTH_BYTES // 8
-    a, b, c = np.ones(n), np.ones(n), np.empty(n)
-    np.add(a, b, out=c)
+def memory_bandwidth_gbps(repeats: int = 3, xb=NUMPY, nbytes: int = BANDWIDTH_BYTES) -> float:
+    """Best-of-``repeats`` GB/s of ``c = a + b`` on float64 arrays of ``nbytes`` each (3
+    arrays moved) on backend ``xb`` (numpy: this CPU; CuPy: its GPU)."""
+    n = nbytes // 8
+    a, b, c = xb.xp.ones(n), xb.xp.ones(n), xb.xp.empty(n)
+    xb.xp.add(a, b, out=c)
+    xb.synchronize()
     best = np.inf
     for _ in range(repeats):
         start = time.perf_counter()
-        np.add(a, b, out=c)
+        xb.xp.add(a, b, out=c)
+        xb.synchronize()
         best = min(best, time.perf_counter() - start)
-    return 3 * BANDWIDTH_BYTES / best / 1e9
+    return 3 * n * 8 / best / 1e9
 
 
-def op_overhead_us(repeats: int = 3, steps: int = 20) -> float:
+def op_overhead_us(repeats: int = 3, steps: int = 20, xb=NUMPY) -> float:
     """Mean µs per op of a tiny one-layer GPT training step run by distgraph's executor
-    (best of ``repeats`` batches of ``steps`` steps)."""
+    on backend ``xb`` (best of ``repeats`` batches of ``steps`` steps)."""
     model = GPT(vocab_size=16, d_model=8, n_layer=1, n_head=2, max_seq_len=4)
     built = build_program(model, [InputSpec([1, 4], "int64", "tokens")],
                           [InputSpec([1, 4], "int64", "labels")], CrossEntropyLoss(), Adam(1e-3))
     program = built.program
     scope = {n: p.numpy() for n, p in model.named_parameters()}
     scope.update(Adam(1e-3).initial_state(program))
-    runner = ProgramRunner(program)
-    feed = {"tokens": np.zeros((1, 4), np.int64), "labels": np.ones((1, 4), np.int64)}
+    scope = {n: xb.from_host(a) for n, a in scope.items()}
+    runner = ProgramRunner(program, xp=xb.xp)
+    feed = {"tokens": xb.from_host(np.zeros((1, 4), np.int64)),
+            "labels": xb.from_host(np.ones((1, 4), np.int64))}
     fetch = [built.loss_name]
     runner.run(scope, feed, fetch, 0)
+    xb.synchronize()
     best = np.inf
     for _ in range(repeats):
         start = time.perf_counter()
         for step in range(steps):
             runner.run(scope, feed, fetch, step)
+        xb.synchronize()
         best = min(best, (time.perf_counter() - start) / steps)
     return best / len(program.ops) * 1e6
 
@@ -83,8 +93,9 @@ GPT_SIZES = ((dict(vocab_size=64, d_model=16, n_layer=1, n_head=2, max_seq_len=8
 MLP_SIZES = (((16, 32, 8), 8), ((256, 1024, 256), 64), ((512, 2048, 512), 64))
 
 
-def op_costs(repeats: int = 3, steps: int = 5, sync=None) -> dict:
-    """{op type: (µs per call, ns per unit of work)} on this process (module docstring).
+def op_costs(repeats: int = 3, steps: int = 5, sync=None, xb=NUMPY) -> dict:
+    """{op type: (µs per call, ns per unit of work)} on this process's backend ``xb``
+    (numpy, or CuPy: the GPU's, each op timed to the end of its kernels; module docstring).
 
     The fit takes each op's median time; the costs are then scaled so that they add up
     to the mean whole step of each program (the executor's own work between ops, and
@@ -96,7 +107,7 @@ def op_costs(repeats: int = 3, steps: int = 5, sync=None) -> dict:
 
     samples: dict = {}
     totals = []
-    for program, run in _probe_programs():
+    for program, run in _probe_programs(xb):
         per_run, whole = [], []
         run([])                                        # warm-up
         for _ in range(repeats * steps):
@@ -135,8 +146,8 @@ def _work(op) -> float:
                    [TensorType(v.shape, v.dtype) for v in op.outputs], op.attrs)
 
 
-def _probe_programs():
-    """(program, run(timings)) of the training steps op_costs times."""
+def _probe_programs(xb=NUMPY):
+    """(program, run(timings)) of the training steps op_costs times, on backend ``xb``."""
 
     rng = np.random.default_rng(0)
     cases = []
@@ -157,10 +168,11 @@ def _probe_programs():
                               [InputSpec(y.shape, str(y.dtype), y_name)], loss, optimizer)
         scope = {n: p.numpy() for n, p in model.named_parameters()}
         scope.update(optimizer.initial_state(built.program))
-        runner = ProgramRunner(built.program)
-        feed = {x_name: x, y_name: y}
+        scope = {n: xb.from_host(a) for n, a in scope.items()}
+        runner = ProgramRunner(built.program, xp=xb.xp)
+        feed = {x_name: xb.from_host(x), y_name: xb.from_host(y)}
 
         def run(timings, runner=runner, scope=scope, feed=feed, fetch=[built.loss_name]):
-            runner.run(scope, feed, fetch, 0, timings=timings)
+            runner.run(scope, feed, fetch, 0, timings=timings, device_sync=xb.synchronize)
 
         yield built.program, run

@@ -192,7 +192,7 @@ class Communicator(ABC):
             raise RuntimeFault(f"rank {self.rank}: all_reduce op {op!r}; use one of "
                                f"{sorted(REDUCE_OPS)}")
         self._count("all_reduce", len(group), arr.nbytes)
-        inplace = inplace and arr.flags.writeable
+        inplace = inplace and self.backend.writeable(arr)
         if len(group) == 1:
             return arr if inplace else arr.copy()
         if inplace:

@@ -62,6 +62,9 @@ class MPICommunicator(Communicator):
         self.progress = Progress.open(self._status, self.rank)
         self._subcomms: dict = {}
         self._pending: list = []
+        # the NCCL communicators of the GPU plans run over this one
+        # (runtime/comm/nccl.py), made by the first that needs them
+        self.nccl_path = None
         self._ops = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
 
     # ---- waiting with a deadline -----------------------------------------------------

@@ -172,9 +172,11 @@ class ProgramRunner:
                       for instr, free in zip(instrs, frees)]
 
     def run(self, scope: dict, feed: dict | None = None, fetch=(), step: int = 0,
-            timings: list | None = None) -> dict:
+            timings: list | None = None, device_sync=None) -> dict:
         """Execute once; returns {name: array} for ``fetch``. With ``timings`` (a list),
-        the seconds each op took are appended to it in program order."""
+        the seconds each op took are appended to it in program order; ``device_sync``
+        (a GPU backend's ``synchronize``) then ends each op's timing, whose kernels the
+        GPU runs after the call returns."""
         env = {}
         for name in self.feed_names:
             if feed is None or name not in feed:
@@ -183,6 +185,8 @@ class ProgramRunner:
         fetch = set(fetch)
         fetched = {}
         ctx = KernelContext(self.xp, step)
+        if timings is not None and device_sync is not None:
+            device_sync()
         for instr, free in self.items:
             octx = KernelContext(self.xp, step, **instr.ctx) if instr.ctx else ctx
             donate = tuple(n for n in instr.donors
@@ -190,6 +194,8 @@ class ProgramRunner:
             start = time.perf_counter() if timings is not None else 0.0
             run_op(instr, env, scope, octx, donate)
             if timings is not None:
+                if device_sync is not None:
+                    device_sync()
                 timings.append(time.perf_counter() - start)
             for name in fetch.intersection(instr.outs):
                 fetched[name] = env[name]

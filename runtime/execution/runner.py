@@ -6,9 +6,10 @@ schedule, tags and rank map are made once by the planner): it lays out the initi
 state, cuts each batch into the plan's micro-batches (one without ``micro_batches``) and
 this process's block of each, and runs the step with a
 :class:`~distgraph.runtime.execution.carrier.Carrier`. The fetched values are global and
-the same on every process: a loss summed over the micro-batches, per-sample outputs
-concatenated. The array backend (numpy, or CuPy on a GPU) and the communicator are the
-two seams a device plugs into.
+the same on every process, as host (numpy) arrays: a loss summed over the micro-batches,
+per-sample outputs concatenated. The array backend (numpy, or CuPy on a GPU) and the
+communicator are the two seams a device plugs into: a plan whose devices are GPUs runs on
+CuPy on the GPU its rank's device names, its groups over NCCL or host-staged MPI.
 
 Example (inside a rank)::
 
@@ -29,7 +30,9 @@ import numpy as np
 
 from distgraph.errors import DistGraphError, PlanError
 from distgraph.registry import KernelContext, get_op
-from distgraph.runtime.backend import backend_of
+from distgraph.passes.mapping.devices import comm_groups
+from distgraph.runtime.backend import backend_for, backend_of
+from distgraph.runtime.comm.device import DeviceCommunicator
 from distgraph.runtime.execution.carrier import Carrier
 from distgraph.runtime.execution.executor import call_kernel
 from distgraph.runtime.execution.reshard import apply_reshard
@@ -51,7 +54,11 @@ def check_world(plan, world_size: int) -> None:
 
 class PlanRunner:
     """This process's part of ``plan`` (``comm`` None: a plan of one process), its arrays
-    made by ``backend`` (the communicator's, numpy by default)."""
+    made by ``backend``: by default the plan's (:func:`backend_for`: CuPy on the rank's GPU
+    when the plan's devices are GPUs, else the communicator's, numpy). On a GPU plan the
+    runner talks through a :class:`DeviceCommunicator` over ``comm`` (NCCL, or MPI with
+    host staging where ranks share a GPU) whose groups it makes here, once; ``host_comm``
+    stays ``comm``, for what is the host's (the clock, the timeline)."""
 
     def __init__(self, plan, comm=None, backend=None):
         if comm is not None:
@@ -61,8 +68,14 @@ class PlanRunner:
             check_world(plan, 1)
         else:
             self.pid = plan.process_ids[0]
+        on_gpu = plan.placement is not None and plan.placement.backend != "numpy"
+        self.backend = backend or (backend_for(plan.placement, comm.rank if comm else 0)
+                                   if on_gpu else backend_of(comm))
+        self.host_comm = comm
+        if comm is not None and on_gpu:
+            comm = DeviceCommunicator(comm, plan.placement, self.backend)
+            comm.prepare(comm_groups(plan, self.pid))
         self.plan, self.comm = plan, comm
-        self.backend = backend or backend_of(comm)
         self.program = plan.program
         self.local = plan.local(self.pid)
         self.fetch = list(plan.fetch)
@@ -151,7 +164,8 @@ class PlanRunner:
         feeds = self._micro_feeds(feed, rows)
         if self.prologue or self.carrier.tasks.prologue is not None:
             self._run_prologue(feeds, step)
-        return self.carrier.run(scope, feeds, step)
+        fetched = self.carrier.run(scope, feeds, step)
+        return {name: self.backend.to_host(value) for name, value in fetched.items()}
 
     def _run_prologue(self, feeds: list, step: int) -> None:
         """The accumulation's prologue: its ops on every micro-batch, its sums added up
@@ -179,12 +193,13 @@ class PlanRunner:
         """The time every rank's records count from: the end of one barrier. Ranks on one
         machine share its monotonic clock, so they take one start (exact alignment);
         another machine's ranks start at their own end of the barrier."""
-        if self.comm is None or self.comm.size == 1:
+        comm = self.host_comm
+        if comm is None or comm.size == 1:
             return time.perf_counter()
         self.comm.barrier()
         host = float(zlib.crc32(socket.gethostname().encode()))
         mine = np.array([[host, time.perf_counter()]])
-        everyone = self.comm.all_gather(mine, tuple(range(self.comm.size)), axis=0)
+        everyone = comm.all_gather(mine, tuple(range(comm.size)), axis=0)
         return float(everyone[everyone[:, 0] == host, 1].min())
 
     def timeline(self) -> Timeline:
@@ -192,7 +207,7 @@ class PlanRunner:
         call it on every rank)."""
         if not self.profile:
             raise DistGraphError("no timeline was recorded: use Strategy(profile=True)")
-        return Timeline.gather(self.carrier.events, self.carrier.memory, self.comm)
+        return Timeline.gather(self.carrier.events, self.carrier.memory, self.host_comm)
 
 
 def local_slice(program, pid: int, name: str, global_array):

@@ -222,7 +222,7 @@ class Accumulator:
             self.parts.setdefault(name, []).append(value)
         elif name not in self.values:
             # take the first micro-batch's array when nothing else can see it
-            fresh = owned and getattr(value, "base", None) is None and value.flags.writeable
+            fresh = owned and getattr(value, "base", None) is None and self.xb.writeable(value)
             self.values[name] = value if fresh else self.xb.copy(value)
         else:
             self.values[name] += value

@@ -414,15 +414,7 @@ def _check_supported(strategy: Strategy) -> None:
         raise PlanError(f"Strategy(sharding_mesh_dim={strategy.sharding_mesh_dim!r}) names "
                         "the dim ZeRO-style sharding splits updates over: use it with "
                         "sharding=True")
-    if strategy.schedule != defaults.schedule and strategy.micro_batches == 1 \
-            and not strategy.pipeline and not strategy.profile:
-        raise PlanError(f"Strategy(schedule={strategy.schedule!r}) orders the tasks of the "
-                        "pipeline runtime: use it with micro_batches > 1 (or profile=True, "
-                        "which runs one micro-batch on it)")
     virtual = strategy.virtual_stages
-    if virtual > 1 and strategy.micro_batches == 1:
-        raise PlanError(f"Strategy(virtual_stages={virtual}) interleaves chunks of "
-                        f"micro-batches over the stages: use it with micro_batches > 1")
     if strategy.schedule == "ZBV" and virtual not in (1, 2):
         raise PlanError(f"Strategy(schedule='ZBV') places exactly two chunks on each stage "
                         f"mesh (process p holds chunks p and 2S-1-p): leave virtual_stages at "

@@ -188,9 +188,9 @@ class Plan:
         if len(self.graph.chunks) != len(self.stages):
             lines.append(f"  {len(self.graph.chunks)} chunks: " + ", ".join(
                 f"{c} on stage {self.stages.index(m)}" for c, m in enumerate(self.graph.chunks)))
+        lines.append("  " + self.order.pretty().replace("\n", "\n  "))
         if self.accumulation is not None:
             lines.append("  " + self.accumulation.pretty().replace("\n", "\n  "))
-        lines.append("  " + self.order.pretty().replace("\n", "\n  "))
         lines.append("  parameters (layer: name shape spec):")
         for layer, params in _parameters_by_layer(self.program).items():
             lines.append(f"    {layer or '(model)'}:")

@@ -361,9 +361,9 @@ def _completed(built, strategy, cluster, accumulation, ilp_budget, placement=Non
         place_chunks(program, *placement)
     updates = bool(program.ops_by_role("optimize"))
     if _is_annotated(program):
-        complete(program)
+        complete(program, cluster=cluster)      # conflicts priced on the cluster's links
         if strategy.sharding and updates:
-            _shard_updates(program, strategy.sharding_mesh_dim)
+            _shard_updates(program, strategy.sharding_mesh_dim, cluster)
     else:
         if strategy.sharding and updates:
             raise PlanError("Strategy(sharding=True) shards optimizer states over a data-"
@@ -430,7 +430,7 @@ def _check_supported(strategy: Strategy) -> None:
                         "or annotate by hand with auto_mode='semi' for ZeRO update sharding")
 
 
-def _shard_updates(program, mesh_dim: str) -> None:
+def _shard_updates(program, mesh_dim: str, cluster) -> None:
     meshes = {op.dist_attr.mesh for op in program.ops if op.role == "optimize"}
     if not any(mesh_dim in m.dim_names for m in meshes):
         raise PlanError(f"Strategy(sharding=True) shards updates over mesh dim {mesh_dim!r}, "
@@ -438,7 +438,7 @@ def _shard_updates(program, mesh_dim: str) -> None:
                         f"{', '.join(sorted(map(str, meshes)))}); set "
                         f"Strategy(sharding_mesh_dim=...) to a data-parallel dim")
     if shard_updates(program, mesh_dim):
-        complete(program)
+        complete(program, cluster=cluster)
 
 
 def _is_annotated(program) -> bool:

@@ -244,9 +244,9 @@ class Plan:
         if len(self.graph.chunks) != len(self.stages):
             lines.append(f"  {len(self.graph.chunks)} chunks: " + ", ".join(
                 f"{c} on stage {self.stages.index(m)}" for c, m in enumerate(self.graph.chunks)))
+        lines.append("  " + self.order.pretty().replace("\n", "\n  "))
         if self.accumulation is not None:
             lines.append("  " + self.accumulation.pretty().replace("\n", "\n  "))
-        lines.append("  " + self.order.pretty().replace("\n", "\n  "))
         lines.append("  parameters (layer: name shape spec):")
         for layer, params in _parameters_by_layer(self.program).items():
             lines.append(f"    {layer or '(model)'}:")
@@ -418,9 +418,9 @@ def _completed(built, strategy, cluster, accumulation, ilp_budget, placement=Non
         place_chunks(program, *placement)
     updates = bool(program.ops_by_role("optimize"))
     if _is_annotated(program):
-        complete(program)
+        complete(program, cluster=cluster)      # conflicts priced on the cluster's links
         if strategy.sharding and updates:
-            _shard_updates(program, strategy.sharding_mesh_dim)
+            _shard_updates(program, strategy.sharding_mesh_dim, cluster)
     else:
         if strategy.sharding and updates:
             raise PlanError("Strategy(sharding=True) shards optimizer states over a data-"
@@ -471,15 +471,7 @@ def _check_supported(strategy: Strategy) -> None:
         raise PlanError(f"Strategy(sharding_mesh_dim={strategy.sharding_mesh_dim!r}) names "
                         "the dim ZeRO-style sharding splits updates over: use it with "
                         "sharding=True")
-    if strategy.schedule != defaults.schedule and strategy.micro_batches == 1 \
-            and not strategy.pipeline and not strategy.profile:
-        raise PlanError(f"Strategy(schedule={strategy.schedule!r}) orders the tasks of the "
-                        "pipeline runtime: use it with micro_batches > 1 (or profile=True, "
-                        "which runs one micro-batch on it)")
     virtual = strategy.virtual_stages
-    if virtual > 1 and strategy.micro_batches == 1:
-        raise PlanError(f"Strategy(virtual_stages={virtual}) interleaves chunks of "
-                        f"micro-batches over the stages: use it with micro_batches > 1")
     if strategy.schedule == "ZBV" and virtual not in (1, 2):
         raise PlanError(f"Strategy(schedule='ZBV') places exactly two chunks on each stage "
                         f"mesh (process p holds chunks p and 2S-1-p): leave virtual_stages at "
@@ -495,7 +487,7 @@ def _check_supported(strategy: Strategy) -> None:
                         "or annotate by hand with auto_mode='semi' for ZeRO update sharding")
 
 
-def _shard_updates(program, mesh_dim: str) -> None:
+def _shard_updates(program, mesh_dim: str, cluster) -> None:
     meshes = {op.dist_attr.mesh for op in program.ops if op.role == "optimize"}
     if not any(mesh_dim in m.dim_names for m in meshes):
         raise PlanError(f"Strategy(sharding=True) shards updates over mesh dim {mesh_dim!r}, "
@@ -503,7 +495,7 @@ def _shard_updates(program, mesh_dim: str) -> None:
                         f"{', '.join(sorted(map(str, meshes)))}); set "
                         f"Strategy(sharding_mesh_dim=...) to a data-parallel dim")
     if shard_updates(program, mesh_dim):
-        complete(program)
+        complete(program, cluster=cluster)
 
 
 def _is_annotated(program) -> bool:

@@ -359,7 +359,13 @@ PARAM_STAGES = {
     ("gpt", 4): (("wte", "wpe"), ("blocks.0",), ("blocks.1",), ("ln_f", "lm_head")),
     ("mlp", 2): (("fc1",), ("fc2",)),
     ("mlp4", 4): (("fc1",), ("fc2",), ("fc3",), ("fc4",)),
+    # enough layers for virtual stages on 4 stages (8 chunks)
+    ("gpt6", 4): (("wte", "wpe", "blocks.0"), ("blocks.1", "blocks.2"), ("blocks.3", "blocks.4"),
+                  ("blocks.5", "ln_f", "lm_head")),
+    ("mlp8", 4): (("fc1", "fc2"), ("fc3", "fc4"), ("fc5", "fc6"), ("fc7", "fc8")),
 }
+# The kinds above that are there for virtual stages: one process per stage only.
+VIRTUAL_KINDS = ("gpt6", "mlp8")
 # Megatron inside a stage: column-split first Linears (weight and bias), row-split seconds.
 _COLUMN = ("attn.qkv", "mlp.fc1", "fc1", "fc3")
 _ROW = ("attn.proj", "mlp.fc2", "fc2", "fc4")
@@ -433,7 +439,7 @@ PIPELINE_PLANS.update({(_kind, "layered", _n): Plan(_kind, "layered", _n,
 # Stages from parameter annotations alone: "param{S}" (one process per stage), "param{S}_dp"
 # and "param{S}_mp" (two processes per stage).
 for (_kind, _stages) in PARAM_STAGES:
-    for _inner in (None, "dp", "mp"):
+    for _inner in (None,) if _kind in VIRTUAL_KINDS else (None, "dp", "mp"):
         _n = _stages * (1 if _inner is None else 2)
         _name = f"param{_stages}" + ("" if _inner is None else f"_{_inner}")
         PIPELINE_PLANS[_kind, _name, _n] = Plan(_kind, _name, _n,

@@ -4,8 +4,9 @@ propagation).
 Oracles: the bytes of each step of a reshard are the cost model's ring formulas (hand
 derived below); completion's own measure of a plan's traffic equals what partition
 places for it; the layouts chosen are the cheaper of the candidates, and with given link
-costs the time over the links decides; annotated results and shard_op in_specs hold;
-explain says what was kept and what the alternative would have moved.
+costs, or on a cluster (the Engine's, priced as the search prices it), the time over the
+links decides; annotated results and shard_op in_specs hold; explain says what was kept
+and what the alternative would have moved.
 """
 
 import conflicts
@@ -14,6 +15,7 @@ import pytest
 from distgraph.passes.completion.complete import CompletionSetup, _Completion
 from distgraph.passes.partition import partition, process_ids
 from distgraph.passes.completion.resolution import ReshardPricer
+from distgraph.passes.search.costs import SearchCosts
 from distgraph.passes.transforms.zero import shard_updates
 
 import distgraph as dg
@@ -93,14 +95,14 @@ def test_shard_op_in_specs_and_annotated_results_hold():
     assert str(prog.values["add_0"].dist_attr.spec) == "[x, None]"
 
 
-def conflict_matmul_2d(link_costs):
+def conflict_matmul_2d(link_costs, cluster=None):
     def f(a, b):
         dg.shard_tensor(a, XY, [None, "x"])
         dg.shard_tensor(b, XY, ["y", None])
         return dg.ops.relu(dg.ops.matmul(a, b))
 
     prog = dg.trace(f, dg.InputSpec([64, 48], name="a"), dg.InputSpec([48, 36], name="b"))
-    return dg.passes.complete(prog, link_costs=link_costs)
+    return dg.passes.complete(prog, link_costs=link_costs, cluster=cluster)
 
 
 def test_link_costs_decide_by_time_over_the_links():
@@ -115,6 +117,63 @@ def test_link_costs_decide_by_time_over_the_links():
     assert note.startswith("kept b [y, None]: resharding a (6 KiB), matmul_0 (12 KiB) instead "
                            "of b (4.5 KiB), matmul_0 (9 KiB)")
     assert " us" in note
+
+
+def two_machines(network_GBps: float) -> dg.Cluster:
+    """XY's processes on two machines of three devices (100 GB/s inside a machine):
+    mesh dim y inside the machines, x across them over ``network_GBps``."""
+    def device(i):
+        return {"global_id": i, "type": "CPU", "memory": 1, "gflops": {"float32": 10.0}}
+    machines = [{"hostname": f"m{m}", "devices": [device(i) for i in range(3 * m, 3 * m + 3)],
+                 "links": [{"group": list(range(3 * m, 3 * m + 3)), "bandwidth": 100.0,
+                            "latency": 1.0}]} for m in range(2)]
+    links = [{"source": i, "target": i + 3, "bandwidth": network_GBps, "latency": 1.0}
+             for i in range(3)]
+    return dg.Cluster.from_dict({"machines": machines, "links": links})
+
+
+class KSplitLinear(dg.nn.Layer):
+    """conflict_matmul_2d from the user's side: the input split over x, the weight over y."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = dg.nn.Linear(48, 36)
+        dg.shard_tensor(self.fc.weight, XY, ["y", None])
+
+    def forward(self, a):
+        return dg.ops.relu(self.fc(dg.shard_tensor(a, XY, [None, "x"])))
+
+
+def test_the_engines_cluster_settles_conflicts():
+    """The planner hands the Engine's cluster to completion: a slow network between the
+    machines keeps the weight's split (inside the machines) where bytes alone keep the
+    input's (across them)."""
+    def matmul_inputs(cluster):
+        dg.seed(0)
+        engine = dg.Engine(KSplitLinear(), dg.nn.MSELoss(), dg.optim.SGD(0.1), cluster=cluster)
+        plan = engine.prepare([dg.InputSpec([64, 48], name="a")],
+                              [dg.InputSpec([64, 36], name="label")])
+        return specs(op_of(plan.program, "matmul"))[0]
+
+    assert matmul_inputs(None) == ["[None, x]", "[x, None]"]
+    assert matmul_inputs(two_machines(100.0)) == ["[None, x]", "[x, None]"]
+    assert matmul_inputs(two_machines(0.1)) == ["[None, y]", "[y, None]"]
+    mm = conflict_matmul_2d(None, two_machines(0.1)).ops[0]       # complete(cluster=) too
+    assert specs(mm)[0] == ["[None, y]", "[y, None]"]
+    with pytest.raises(dg.PlanError, match="not both"):
+        conflict_matmul_2d({"x": (0.1, 0.0)}, two_machines(0.1))
+
+
+def test_on_a_cluster_a_reshard_costs_what_the_search_charges():
+    """One price: completion's edge on a cluster is the search's reshard price, the ring
+    formula over the slowest hop (all-gather over x: one hop across the machines)."""
+    cluster = two_machines(0.5)
+    src, dst = dg.spmd.DimsSpec(("x", None)), dg.spmd.DimsSpec((None, None))
+    edge = ReshardPricer(cluster=cluster).edge("input", "t", XY, src, dst, (8, 16), "float32")
+    search = SearchCosts(cluster, XY, {p: p for p in range(6)})
+    assert edge.time == search.reshard(dg.ShardSpec(["x", None]), dg.ShardSpec([None, None]),
+                                       (8, 16), "float32")
+    assert edge.time == pytest.approx(1e-6 + 1 / 2 * 8 * 16 * 4 / 0.5e9)
 
 
 def test_reshard_prices_are_the_ring_formulas():

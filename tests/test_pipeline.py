@@ -99,7 +99,10 @@ VIRTUAL = [(("gpt", "layered", 2), 4, "1F1B", 2), (("gpt", "layered", 2), 4, "ZB
            (("gpt", "layered", 2), 4, "ZBV", 1), (("mlp4", "layered", 2), 8, "1F1B", 2),
            (("mlp4", "layered", 2), 8, "ZBV", 1), (("mlp8", "layered", 4), 8, "1F1B", 2),
            (("mlp8", "layered", 4), 8, "ZB", 2), (("mlp8", "layered", 4), 8, "ZBV", 1),
-           (("gpt6", "layered", 4), 8, "1F1B", 2), (("gpt6", "layered", 4), 8, "ZBV", 1)]
+           (("gpt6", "layered", 4), 8, "1F1B", 2), (("gpt6", "layered", 4), 8, "ZBV", 1),
+           # stages from parameter annotations alone (tests/test_pipeline_stages.py)
+           (("gpt", "param2", 2), 4, "1F1B", 2), (("gpt", "param2", 2), 4, "ZBV", 1),
+           (("mlp8", "param4", 4), 2, "ZB", 2)]
 
 
 @pytest.mark.slow
@@ -118,6 +121,19 @@ def test_virtual_stages_train_like_serial(float64, key, micro_batches, schedule,
                           {rank, rank + S}), (rank, stages)
 
 
+@pytest.mark.slow
+def test_one_micro_batch_runs_under_every_schedule_and_virtual_stages(float64):
+    """Without micro-batches the schedule still orders the one micro-batch (ZB splits its
+    backward, virtual stages and ZBV place two chunks per stage) and training equals serial."""
+    first_process = {("ZB", 1): "0F0 0I0 0W0", ("1F1B", 2): "0F0 2F0 2B0 0B0",
+                     ("ZBV", 1): "0F0 3F0 3I0 3W0 0I0 0W0"}
+    for (schedule, virtual), order in first_process.items():
+        results = run_pipeline(("gpt", "param2", 2), 1, schedule, profile=False,
+                               virtual=virtual)
+        check_equal(results, serial("gpt"))
+        assert " ".join(map(str, results[0][2].plan().schedule()[0])) == order
+
+
 def test_virtual_stages_that_make_no_sense_are_refused():
     def plan(key, **strategy):
         model = P.build_model(key[0])
@@ -128,8 +144,6 @@ def test_virtual_stages_that_make_no_sense_are_refused():
 
     with pytest.raises(dg.PlanError, match="exactly two chunks on each stage mesh"):
         plan(("gpt", "layered", 2), micro_batches=4, schedule="ZBV", virtual_stages=3)
-    with pytest.raises(dg.PlanError, match="use it with micro_batches > 1"):
-        plan(("gpt", "layered", 2), virtual_stages=2)
     with pytest.raises(dg.PlanError, match="into 8 chunks at layer boundaries, but the model "
                                            "has only 4 layers"):
         plan(("mlp4", "four_stage", 4), micro_batches=4, virtual_stages=2)

@@ -20,11 +20,14 @@ TOLERANCE = 1e-10
 TWO = ["mlp:two_stage:8:1F1B", "gpt:two_stage:4:ZB", "gpt:two_stage:2:FThenB",
        "gpt:layered:4:1F1B:2", "gpt:layered:4:ZBV", "mlp4:layered:8:ZB:2", "mlp4:layered:8:ZBV",
        # stages from parameter annotations alone (tests/test_pipeline_stages.py)
-       "gpt:param2:4:1F1B", "mlp:param2:8:FThenB"]
+       "gpt:param2:4:1F1B", "mlp:param2:8:FThenB", "gpt:param2:4:1F1B:2", "gpt:param2:4:ZBV",
+       "gpt:param2:1:ZB"]
 FOUR = ["gpt:four_stage:8:1F1B", "gpt:two_stage_tp:4:ZB", "mlp:two_stage:8:FThenB",
         "mlp4:four_stage:4:ZB", "gpt6:layered:8:1F1B:2", "gpt6:layered:8:ZBV",
         "mlp8:layered:8:1F1B:2", "mlp8:layered:8:ZBV",
-        "gpt:param4:2:ZB", "gpt:param2_dp:8:1F1B", "gpt:param2_mp:4:FThenB"]
+        "gpt:param4:2:ZB", "gpt:param2_dp:8:1F1B", "gpt:param2_mp:4:FThenB",
+        "gpt6:param4:8:1F1B:2", "mlp8:param4:8:ZBV", "gpt6:param4:2:ZB:2",
+        "gpt:param2_dp:4:ZBV", "gpt:param2_mp:4:1F1B:2"]
 
 
 def run_items(nprocs, items):
@@ -51,10 +54,13 @@ def check(report, nprocs, items):
         for rank_s, order in run["order"].items():
             rank = int(rank_s)
             stage = rank if stages == nprocs else rank * stages // nprocs
-            kinds = [k for k, _ in order]
+            kinds = [k for _, k, _ in order]
             assert kinds[-1] == "update"
             assert order[:-1] == run["schedule"][rank_s], (item, rank)   # the plan's order
-            if chunks_per_stage > 1:
+            if chunks_per_stage > 1:        # each rank runs its two chunks
+                chunks = {c for c, k, _ in order if k == "forward"}
+                assert chunks == ({stage, 2 * stages - 1 - stage} if schedule == "ZBV" else
+                                  {stage, stage + stages}), (item, rank, chunks)
                 continue
             if schedule == "FThenB":
                 assert kinds[:m] == ["forward"] * m, (item, rank, order)

@@ -440,13 +440,14 @@ def _attr(mesh, spec: DimsSpec, v) -> DistAttr:
 
 
 def complete(program: Program, default_mesh: ProcessMesh | None = None,
-             link_costs: dict | None = None) -> Program:
+             link_costs: dict | None = None, cluster=None) -> Program:
     """Complete the distributed attributes of ``program`` in place and return it.
 
-    ``link_costs`` ({mesh dim name: (GB/s, latency us)}) prices the reshards that
-    conflicts between operands cost; by default every mesh dim costs alike, so the
-    fewest bytes win."""
-    static = CompletionSetup(program, default_mesh, ReshardPricer(link_costs))
+    ``cluster`` prices the reshards that conflicts between operands cost as the search
+    does (process p on the cluster's p-th device); ``link_costs`` ({mesh dim name: (GB/s,
+    latency us)}) prices them per mesh dim instead; by default every mesh dim costs
+    alike, so the fewest bytes win (:mod:`~distgraph.passes.completion.resolution`)."""
+    static = CompletionSetup(program, default_mesh, ReshardPricer(link_costs, cluster))
     best = _Completion(static).run()
     if best.conflicts:
         best = _settle(static, best)

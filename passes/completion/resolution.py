@@ -5,9 +5,12 @@ A conflict is a visit of completion whose rule answer reshards an operand. Its
 :class:`Candidate` s are the rule's answer and the answers with each other operand in
 the lead (``RuleQuery.lead``); a candidate's :class:`Edge` s are the reshards it needs on
 the op's edges (inputs from their Values' layouts, outputs to what each consumer takes),
-priced by the alpha-beta time of their :func:`plan_reshard` steps over the links of the
-mesh dims they run on. Without given links every mesh dim costs 1 GB/s and no latency:
-the time is then the bytes moved.
+priced by the alpha-beta time of their :func:`plan_reshard` steps. On a cluster (the
+Engine's, through the planner) a step costs what the search and the estimate charge for
+it (:func:`distgraph.passes.estimate.step_time` on the links between the devices of the
+processes taking part, process p on the cluster's p-th device as before rank mapping;
+its slowest group or sender counts); else over given links per mesh dim; without either,
+every mesh dim costs 1 GB/s and no latency: the time is then the bytes moved.
 
 A local price does not see what a choice does downstream (keeping a split activation can
 cost more gathers later than it saves), so completion keeps a locally cheaper answer
@@ -18,6 +21,7 @@ gets a note saying what was kept and what the alternative would move.
 Example::
 
     pricer = ReshardPricer({"dp": (12.5, 5.0), "mp": (300.0, 2.0)})   # GB/s, us
+    pricer = ReshardPricer(cluster=dg.Cluster.from_file("my4.yaml"))    # as the search
     edge = pricer.edge("input", "labels", mesh, DimsSpec(("x", None)), DimsSpec((None, None)),
                        (8, 16), "int64")
 """
@@ -27,7 +31,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from distgraph.passes.cost_model import comm_bytes
+from distgraph.errors import PlanError
+from distgraph.passes.cost_model import COLLECTIVES, comm_bytes
+from distgraph.passes.estimate import step_time
 from distgraph.passes.partition import _local_view_only
 from distgraph.passes.reshard import plan_bytes, plan_reshard
 
@@ -101,12 +107,37 @@ class Traffic(NamedTuple):
 
 
 class ReshardPricer:
-    """Prices reshards; ``links`` maps a mesh dim name to (GB/s, latency us)."""
+    """Prices reshards on ``cluster`` (as the search does), or over ``links`` ({mesh dim
+    name: (GB/s, latency us)}), or by their bytes (neither given)."""
 
-    def __init__(self, links: dict | None = None):
+    def __init__(self, links: dict | None = None, cluster=None):
+        if links and cluster is not None:
+            raise PlanError("complete(link_costs=..., cluster=...): give the links per mesh "
+                            "dim or the cluster whose links price the reshards, not both")
         self.links = dict(links or {})
-        self.timed = bool(self.links)
+        self.cluster = cluster
+        self.timed = bool(self.links) or cluster is not None
         self.cache: dict = {}
+
+    def _device(self, process: int) -> int:
+        devices = self.cluster.devices
+        if process >= len(devices):
+            raise PlanError(f"this plan has a process {process} but the cluster has only "
+                            f"{len(devices)} devices")
+        return devices[process].global_id
+
+    def step_time(self, step) -> float:
+        """Seconds of one reshard step (module docstring)."""
+        if self.cluster is None:
+            return step.time(*self.links.get(step.mesh_dim, UNIT_LINK))
+        if step.kind in COLLECTIVES and step.group_size > 1:
+            who = [group[0] for group in step.mesh.groups(step.mesh_dim)]
+        elif step.kind == "send_recv":
+            who = sorted({t.src for t in step.transfers if t.src != t.dst}) or \
+                step.mesh.process_ids[:1]
+        else:
+            who = step.mesh.process_ids[:1]
+        return max(step_time(step, p, self.cluster, self._device) for p in who)
 
     def steps_cost(self, src: DistAttr, dst: DistAttr, shape, dtype) -> Traffic:
         """(alpha-beta seconds of the steps, bytes sent over all processes)."""
@@ -116,7 +147,7 @@ class ReshardPricer:
                 self.cache[key] = Traffic(0.0, 0.0, self.timed)
             else:
                 steps = plan_reshard(src, dst, shape, dtype)
-                time = sum(s.time(*self.links.get(s.mesh_dim, UNIT_LINK)) for s in steps)
+                time = sum(self.step_time(s) for s in steps)
                 procs = set(src.mesh.process_ids) | set(dst.mesh.process_ids)
                 total = sum(s.bytes_sent_by(p) for s in steps for p in procs)
                 self.cache[key] = Traffic(time, float(total), self.timed)
@@ -132,7 +163,7 @@ class ReshardPricer:
         key = ("edge", mesh, s, d, tuple(shape), dtype)
         if key not in self.cache:
             steps = plan_reshard(DistAttr(mesh, s), DistAttr(mesh, d), shape, dtype)
-            time = sum(st.time(*self.links.get(st.mesh_dim, UNIT_LINK)) for st in steps)
+            time = sum(self.step_time(st) for st in steps)
             self.cache[key] = (time, plan_bytes(steps))
         time, nbytes = self.cache[key]
         return Edge(side, name, s, d, time, nbytes) if nbytes or time else None

@@ -9,8 +9,8 @@ plan through ``Engine.fit`` with ``Strategy(micro_batches=M, schedule=S, profile
 virtual_stages=v)`` on batches of
 16 and trains the serial oracle (whole batches, one process) itself; rank 0 prints
 ``PIPELINE-RESULT {json}`` with, per item, every rank's losses and largest errors
-against serial, the merged timeline's tasks per rank in the order they ran, and the
-plan's schedule per rank.
+against serial, the merged timeline's tasks per rank in the order they ran (stage, kind,
+micro-batch), and the plan's schedule per rank.
 """
 
 from __future__ import annotations
@@ -56,11 +56,11 @@ def main(argv) -> None:
         mine = {"losses": result[0], "errors": P.compare(result, refs[kind], "float64")}
         everyone = comm._comm.gather(mine, root=0)
         if comm.rank == 0:
-            order = {r: [(e.kind, e.micro_batch) for e in timeline.events
+            order = {r: [(e.stage, e.kind, e.micro_batch) for e in timeline.events
                          if e.rank == r and e.step == 0 and e.kind not in ("send", "recv")]
                      for r in timeline.ranks}
             plan = engine.plan()
-            schedule = {plan.ranks(pid): [[a.task, a.micro_batch] for a in acts]
+            schedule = {plan.ranks(pid): [[a.stage, a.task, a.micro_batch] for a in acts]
                         for pid, acts in plan.schedule().items()}
             report["runs"][item] = {"ranks": everyone, "serial": refs[kind][0],
                                     "order": order, "schedule": schedule,

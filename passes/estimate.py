@@ -67,7 +67,6 @@ from dataclasses import asdict, dataclass, replace
 from distgraph import dtypes
 from distgraph.errors import PlanError
 from distgraph.passes.cost_model import COLLECTIVES, collective_time, pipeline_time
-from distgraph.passes.partition import gather_points
 from distgraph.registry import TensorType, get_op, op_work
 from distgraph.resources.cluster import Cluster
 
@@ -479,7 +478,7 @@ def _process_times(plan, pid, device, cluster, device_of, fetch, scale: _Scale):
                 for p in local.points() for s in p.steps)
     if plan.distributed:
         comm += sum(step_time(s, pid, cluster, device_of, scale.step(p, s))
-                    for p in gather_points(plan.program, fetch, pid) for s in p.steps)
+                    for p in plan.gather_points(fetch, pid) for s in p.steps)
     if local.op_comm:
         ops = local.program.ops
         for index, collectives in local.op_comm.items():

@@ -42,7 +42,8 @@ communication and bubble, and peak memory per process.
   S - s for 1F1B on stage s): one at its peak, each other one with the activations it
   keeps from its forward to its backward (``saved_activations``: what is live when the
   first backward op starts); with micro-batches the gradients of the parameters are
-  accumulated in buffers that live through the step.
+  accumulated in buffers that live through the step (a micro-batch's gradient is added
+  to its buffer as it is made, as the runtime does, and not held to the update).
 - **Alike processes are estimated once.** Processes on the same meshes whose devices
   are alike and whose groups along every mesh dim (and whole meshes) have the same
   links run the same local program at the same speed: the first of them is partitioned
@@ -67,7 +68,6 @@ from dataclasses import asdict, dataclass, replace
 from distgraph import dtypes
 from distgraph.errors import PlanError
 from distgraph.passes.cost_model import COLLECTIVES, collective_time, pipeline_time
-from distgraph.passes.partition import gather_points
 from distgraph.registry import TensorType, get_op, op_work
 from distgraph.resources.cluster import Cluster
 
@@ -496,7 +496,7 @@ def _process_times(plan, pid, device, cluster, device_of, fetch, scale: _Scale):
                 for p in local.points() for s in p.steps)
     if plan.distributed:
         comm += sum(step_time(s, pid, cluster, device_of, scale.step(p, s))
-                    for p in gather_points(plan.program, fetch, pid) for s in p.steps)
+                    for p in plan.gather_points(fetch, pid) for s in p.steps)
     if local.op_comm:
         ops = local.program.ops
         for index, collectives in local.op_comm.items():
@@ -520,17 +520,28 @@ def _peak_memory(plan, pid, stage, scale: _Scale) -> tuple[int, int, int, int, i
     prog = local.program
     params = sum(v.nbytes for v in prog.persistables if v.is_parameter)
     states = sum(v.nbytes for v in prog.persistables if not v.is_parameter)
-    items = []
+    roles = [op.role for op in plan.program.ops]
+    items, updating = [], []
     for i, op in enumerate(prog.ops + [None]):
         for point in local.comm_points.get(i, ()):
             items.append((point.reads, point.writes))
+            updating.append(point.anchor >= 0 and roles[point.anchor] == "optimize")
         if op is not None:
             items.append((tuple(v.name for v in op.inputs),
                           tuple(o.name for o in op.outputs if not o.alias_of)))
+            updating.append(op.role == "optimize")
+    # With micro-batches the runtime adds what a micro-batch makes for the update (its
+    # gradients) to the step's buffers as it is made: the update reads the buffers
+    # (counted below), so the micro-batch's own copy lives only to its last other use.
+    accumulated = plan.micro_batches > 1
+    made_before: set = set()
     last = {}
     for k, (reads, writes) in enumerate(items):
         for name in reads + writes:
-            last[name] = k
+            if not (accumulated and updating[k] and name in made_before):
+                last[name] = k
+        if not updating[k]:
+            made_before.update(writes)
     keep = {v.name for v in prog.persistables}
     live = {v.name: scale.nbytes(v) for v in prog.inputs}
     peak, at_peak = sum(live.values()), dict(live)

@@ -9,14 +9,22 @@ process of the source and destination meshes, at the same place of the global op
 so all processes meet their collectives and messages in one order. A value resharded
 once to a given layout is reused by every later consumer that wants that layout.
 
+:class:`Partitions` holds the local programs of every process of one plan: each made on
+first use, every reshard planned once for all of them, and the processes grouped by the
+meshes they are on (processes of one group run local programs alike up to their
+coordinates, so what every process does in kind is read from one of each group).
+
 Example::
 
     local = partition(completed_program, process_id=1)
     print(local.pretty())
+    parts = Partitions(completed_program)
+    parts[3] is parts[3]              # process 3, partitioned once
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from distgraph.errors import PlanError
@@ -122,16 +130,22 @@ def _local_view_only(src: DistAttr, dst: DistAttr) -> bool:
             and set(dst.mesh.process_ids) <= set(src.mesh.process_ids))
 
 
+def _check_completed(program: Program) -> None:
+    if any(op.dist_attr is None for op in program.ops):
+        raise PlanError("partition needs a completed program: call dg.passes.complete first")
+
+
 class _Partitioner:
-    def __init__(self, program: Program, pid: int):
-        if any(op.dist_attr is None for op in program.ops):
-            raise PlanError("partition needs a completed program: call dg.passes.complete first")
+    """``plans``: {(src, dst, shape, dtype): steps}, shared by the partitions of one
+    program so that each reshard is planned once."""
+
+    def __init__(self, program: Program, pid: int, plans: dict):
         self.g, self.pid = program, pid
         self.local = Program()
         self.points: dict[int, list] = {}
         self.cache: dict = {}
         self.copies: dict = {}
-        self.plans: dict = {}
+        self.plans = plans
         self.at = -1      # global index of the op being partitioned (see ReshardPoint.anchor)
 
     def held(self, v: Value) -> bool:
@@ -154,11 +168,7 @@ class _Partitioner:
         self.copies[v.name] = made + 1
         name = f"{v.name}@{made}"
         if self.pid in src.mesh or self.pid in dst.mesh:
-            plan_key = (src, dst, v.shape, v.dtype)
-            if plan_key not in self.plans:
-                self.plans[plan_key] = (() if _local_view_only(src, dst)
-                                        else tuple(plan_reshard(src, dst, v.shape, v.dtype)))
-            steps = self.plans[plan_key]
+            steps = _steps(self.plans, src, dst, v.shape, v.dtype)
             reads = (v.name,) if self.held(v) else ()
             writes = (name,) if self.pid in dst.mesh else ()
             if writes:
@@ -229,12 +239,23 @@ class _Partitioner:
         return LocalProgram(self.pid, self.local, self.points, context, op_comm)
 
 
+def _steps(plans: dict, src: DistAttr, dst: DistAttr, shape, dtype) -> tuple:
+    """The steps from ``src`` to ``dst`` (none where a replicated value is read on its
+    own processes), planned once per ``plans``."""
+    key = (src, dst, tuple(shape), dtype)
+    if key not in plans:
+        plans[key] = (() if _local_view_only(src, dst)
+                      else tuple(plan_reshard(src, dst, shape, dtype)))
+    return plans[key]
+
+
 def partition(program: Program, process_id: int) -> LocalProgram:
     """The local program of ``process_id`` (see the module docstring)."""
     if process_id not in process_ids(program):
         raise PlanError(f"process {process_id} has no part in this program "
                         f"(processes {process_ids(program)})")
-    return _Partitioner(program, process_id).run()
+    _check_completed(program)
+    return _Partitioner(program, process_id, {}).run()
 
 
 def gather_points(program: Program, names, process_id: int,
@@ -242,17 +263,99 @@ def gather_points(program: Program, names, process_id: int,
     """Reshard points that bring the global value of each of ``names`` to every process
     (used to report the loss and to read parameters whatever the plan); ``shapes``
     ({name: global shape}) gathers a value as if it had that shape (a padded one)."""
-    world = world_mesh(program)
+    return _gather_points(program, world_mesh(program), names, process_id, {}, shapes)
+
+
+def _gather_points(program, world, names, process_id, plans,
+                   shapes=None) -> list[ReshardPoint]:
     points = []
     for seq, name in enumerate(names):
         v = program.values[name]
         shape = tuple((shapes or {}).get(name, v.shape))
         dst = DistAttr(world, ShardSpec.replicated(v.ndim))
-        if v.dist_attr == dst:
-            steps = ()
-        else:
-            steps = tuple(plan_reshard(v.dist_attr, dst, shape, v.dtype))
+        steps = () if v.dist_attr == dst else _steps(plans, v.dist_attr, dst, shape, v.dtype)
         points.append(ReshardPoint(name, v.dist_attr, dst, shape, v.dtype, steps,
                                    (name,) if process_id in v.dist_attr.mesh else (),
                                    (f"{name}@GLOBAL",), seq))
     return points
+
+
+class Partitions(Mapping):
+    """{process id: LocalProgram} of a completed ``program`` (module docstring): a
+    process is partitioned when first asked for and kept; the reshards are planned once
+    for all processes. :meth:`groups` gives the processes by the meshes they are on: the
+    processes of one group have the same local ops, values, local shapes and reshard
+    points (what differs is what depends on a process's coordinates: an op's shard
+    offsets, a dropout's slice, its process groups, a p2p step's own tiles).
+
+    Example::
+
+        parts = Partitions(program)
+        first = [parts[g[0]] for g in parts.groups()]     # one local program per group
+    """
+
+    def __init__(self, program: Program, ids=None):
+        _check_completed(program)
+        self.program = program
+        self.ids = tuple(process_ids(program) if ids is None else ids)
+        self._index = set(self.ids)
+        self._made: dict = {}
+        self._plans: dict = {}
+        self._groups: tuple | None = None
+        self._group_of: dict | None = None
+        self._world: ProcessMesh | None = None
+
+    @classmethod
+    def given(cls, program: Program, locals_: dict) -> "Partitions":
+        """The local programs ``locals_`` ({pid: LocalProgram}) made elsewhere (the member
+        programs of an uneven batch split): each process is a group of its own, as the
+        programs of two processes may differ in their rows."""
+        parts = cls(program, sorted(locals_))
+        parts._made = dict(locals_)
+        parts._groups = tuple((pid,) for pid in parts.ids)
+        return parts
+
+    def __getitem__(self, pid: int) -> LocalProgram:
+        if pid not in self._made:
+            if pid not in self._index:
+                raise KeyError(pid)
+            self._made[pid] = _Partitioner(self.program, pid, self._plans).run()
+        return self._made[pid]
+
+    def __contains__(self, pid) -> bool:
+        return pid in self._index
+
+    def __iter__(self):
+        return iter(self.ids)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def groups(self) -> tuple:
+        """Tuples of processes on the same meshes, each ascending, ordered by their first
+        process: ``groups()[k][0]`` stands for the whole group."""
+        if self._groups is None:
+            meshes = {op.dist_attr.mesh for op in self.program.ops}
+            meshes |= {v.dist_attr.mesh for v in self.program.values.values()}
+            on: dict = {pid: [] for pid in self.ids}
+            for n, pids in enumerate(sorted({tuple(m.process_ids) for m in meshes})):
+                for q in pids:
+                    on[q].append(n)
+            by_meshes: dict = {}
+            for pid in self.ids:
+                by_meshes.setdefault(tuple(on[pid]), []).append(pid)
+            self._groups = tuple(sorted(tuple(g) for g in by_meshes.values()))
+        return self._groups
+
+    def group_of(self, pid: int) -> tuple:
+        """The group (see :meth:`groups`) of process ``pid``."""
+        if self._group_of is None:
+            self._group_of = {q: g for g in self.groups() for q in g}
+        return self._group_of[pid]
+
+    def gather_points(self, names, process_id: int, shapes=None) -> list[ReshardPoint]:
+        """:func:`gather_points` with the reshards planned once for all processes."""
+        if self._world is None:
+            self._world = ProcessMesh(list(self.ids), dim_names=["world"])
+        return _gather_points(self.program, self._world, names, process_id, self._plans,
+                              shapes)

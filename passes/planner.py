@@ -51,7 +51,7 @@ from distgraph.passes.mapping.devices import explain as explain_devices, placeme
 from distgraph.passes.mapping.rank_mapping import map_ranks
 from distgraph.passes.mapping.traffic import process_graph
 from distgraph.passes.meshslice.slices import assign_slices, check_meshes, enable, uses
-from distgraph.passes.partition import LocalProgram, gather_points, partition, process_ids
+from distgraph.passes.partition import LocalProgram, Partitions, process_ids
 from distgraph.passes.pipeline.accumulate import split_micro_batches
 from distgraph.passes.plan_plot import plot_plan
 from distgraph.passes.pipeline.chunks import (chunk_meshes, chunk_of_ops, forward_chunks,
@@ -105,8 +105,7 @@ class Plan:
     row_gathers: MappingProxyType = field(default_factory=lambda: MappingProxyType({}),
                                           repr=False)
     placement: object = None
-    partitions: MappingProxyType = field(default_factory=lambda: MappingProxyType({}),
-                                         repr=False)
+    partitions: Partitions = field(default=None, repr=False)
     graph: object = field(default=None, repr=False)
     order: object = field(default=None, repr=False)
     _cache: dict = field(default_factory=dict, repr=False)
@@ -211,14 +210,15 @@ class Plan:
         every process (made once per list of names and process, then kept)."""
         key = (tuple(names), process_id)
         if key not in self._cache:
-            self._cache[key] = gather_points(self.program, names, process_id)
+            self._cache[key] = self.partitions.gather_points(names, process_id)
         return self._cache[key]
 
     def reshards(self) -> list:
-        """Every reshard point of the plan once (in global order), whoever runs it."""
+        """Every reshard point of the plan once (in global order), whoever runs it (as
+        the first process that runs it holds it)."""
         points: dict = {}
-        for pid in self.process_ids:
-            for point in self.local(pid).points():
+        for group in self.partitions.groups():      # processes of a group hold alike points
+            for point in self.local(group[0]).points():
                 points.setdefault(point.seq, point)
         return [points[s] for s in sorted(points)]
 
@@ -377,17 +377,17 @@ def _plan(built, strategy, cluster, rank_mapping, accumulation, ilp_budget=None)
                             f"({sorted(map(str, placed))} vs {stages}); please report it")
     distributed = _is_annotated(program)
     ids = tuple(process_ids(program))
-    partitions = {pid: partition(program, pid) for pid in ids}
+    partitions = Partitions(program, ids)
     rank_of = _rank_of(program, ids, cluster, rank_mapping, partitions) if distributed \
         else None
     if distributed:
         priced = cluster or Cluster.local(len(ids))
         if assign_slices(program, priced, lambda pid: priced.devices[
                 pid if rank_of is None else rank_of[pid]].global_id):
-            partitions = {pid: partition(program, pid) for pid in ids}   # with their K
+            partitions = Partitions(program, ids)   # with their K
     planned = Plan(copy, strategy, distributed, ids, ProcessRanks(rank_of), stages, cluster,
                    accumulation=accumulation, placement=placement(cluster, len(ids)),
-                   partitions=MappingProxyType(partitions))
+                   partitions=partitions)
     if searched is not None:
         searched.result.check(program)
         planned = dataclasses.replace(planned, search=searched.result.report)

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 from distgraph.errors import PlanError
-from distgraph.passes.partition import partition
+from distgraph.passes.partition import Partitions
 from distgraph.passes.pipeline.schedule import make_schedule, replay
 from distgraph.passes.uneven_micro import check_member_traffic, defer_reductions, member_schedule
 from distgraph.passes.uneven_rows import check_layouts, member_local, member_program
@@ -61,14 +61,14 @@ def run_split(plan):
         return plan
     if split.micro_batched:
         program = defer_reductions(plan.program, plan.accumulation, split.mesh_dims)
-        partitions = {pid: partition(program, pid) for pid in plan.process_ids}
+        partitions = Partitions(program, plan.process_ids)
         axes = dict(plan.accumulation.split_axis)
         plan = dataclasses.replace(plan, built=dataclasses.replace(plan.built, program=program))
     else:
         axes = plan.sample_axes()
-        partitions = _row_partitions(plan, split, axes)
+        partitions = Partitions.given(plan.program, _row_partitions(plan, split, axes))
     gathers = _row_gathers(plan, split, axes)
-    return dataclasses.replace(plan, partitions=MappingProxyType(partitions),
+    return dataclasses.replace(plan, partitions=partitions,
                                row_gathers=MappingProxyType(gathers))
 
 

@@ -96,6 +96,18 @@ def test_activation_peak_is_the_executors_live_set(float64):
     assert proc.gradients == 0 and proc.states == 0
 
 
+def test_micro_batch_gradients_are_held_once_in_their_buffers(float64):
+    """With micro-batches the runtime adds each gradient to the step's buffer as it is
+    made: the estimate holds the buffers, and beside them at most the largest gradient
+    being made (here the [8, 16] activation gradient of ``fc1``'s output or ``fc1``'s weight
+    gradient), never every micro-batch gradient until the update as well."""
+    p = train_plan(MLP(), strategy=dg.Strategy(micro_batches=2))
+    (proc,) = dg.passes.estimate(p, cluster(1)).processes
+    sizes = [(8 * 16), 16, 16 * 4, 4]
+    buffers = sum(sizes) * 8
+    assert buffers <= proc.gradients <= buffers + max(sizes) * 8
+
+
 def test_stages_run_one_after_another():
     first, second = dg.ProcessMesh([0], ["s"]), dg.ProcessMesh([1], ["s"])
 

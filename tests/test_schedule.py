@@ -165,3 +165,21 @@ def test_the_reference_orders_are_torchs():
                 same(S.ScheduleInterleavedZeroBubble, size, v, M,
                      lambda: T.interleaved(size, v, M, zero_bubble=True))
             same(S.ScheduleZBVZeroBubble, size, 2, M, lambda: T.zbv(size, M))
+
+
+@pytest.mark.parametrize("name", ["1F1B", "ZB", "FThenB"])
+def test_peers_with_one_order_replay_as_one_process(name):
+    """Replay moves processes that hold the same chunks and run the same order as one:
+    a stage of four tensor-parallel peers replays like a stage of one."""
+    alone = chain(3, 1, 6, name)
+    peers = {0: (0, 1, 2, 3), 1: (4, 5, 6, 7), 2: (8, 9, 10, 11)}
+    wide = Problem(6, tuple(peers[c] for c in range(3)), alone.kinds, alone.deps, name, 3)
+    orders = make_schedule(wide).orders
+    one = replay({c: orders[peers[c][0]] for c in range(3)}, alone)
+    many = replay(orders, wide)
+    assert many.makespan == one.makespan and dict(many.finish) == dict(one.finish)
+    assert dict(many.peak) == {q: one.peak[c] for c, qs in peers.items() for q in qs}
+    late = dict(orders)
+    late[5] = list(orders[5][1:]) + [orders[5][0]]      # one peer out of step: refused
+    with pytest.raises(dg.PlanError, match="cannot complete"):
+        replay(late, wide)

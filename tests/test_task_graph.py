@@ -10,6 +10,9 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import distgraph as dg  # noqa: E402
+from distgraph.passes.partition import Partitions, partition  # noqa: E402
+from distgraph.passes.pipeline.chunks import chunk_of_ops  # noqa: E402
+from distgraph.passes.pipeline.task_graph import build_task_graph  # noqa: E402
 from distgraph.program_builder import build_program  # noqa: E402
 from distgraph.runtime.comm.simulated import SimulatedWorld  # noqa: E402
 
@@ -144,3 +147,40 @@ def test_a_process_in_two_stages_runs_both_in_data_flow_order(float64, micro_bat
     for result in SimulatedWorld(3, timeout=60).run(rank):
         errors = P.compare(result, reference, "float64")
         assert errors["loss"] <= 1e-10 and errors["param"] <= 1e-10, errors
+
+
+class _EachAlone(Partitions):
+    """Partitions whose every process is a group of its own: the task graph cut process
+    by process, the oracle for the one cut per group."""
+
+    def groups(self):
+        return tuple((pid,) for pid in self.ids)
+
+
+@pytest.mark.parametrize("key,strategy", [
+    (("gpt", "two_stage_tp", 4), dict(micro_batches=4)),
+    (("gpt", "dp_tp", 4), dict(micro_batches=2, schedule="ZB")),
+    (("mlp", "param2_dp", 4), dict(micro_batches=4)),
+    (("gpt", "param2_mp", 4), dict(micro_batches=4, schedule="ZB")),
+])
+def test_processes_on_the_same_meshes_are_cut_once_and_alike(key, strategy):
+    p = plan_of(key, **strategy)
+    groups = p.partitions.groups()
+    assert sorted(q for g in groups for q in g) == list(p.process_ids)
+    assert any(len(g) > 1 for g in groups)
+    for group in groups:
+        first = partition(p.program, group[0])
+        for pid in group:
+            local = partition(p.program, pid)
+            assert p.local(pid).pretty() == local.pretty()
+            assert [(o.type, [v.shape for v in o.inputs]) for o in local.program.ops] == \
+                [(o.type, [v.shape for v in o.inputs]) for o in first.program.ops]
+            assert [(q.seq, q.reads, q.writes) for q in local.points()] == \
+                [(q.seq, q.reads, q.writes) for q in first.points()]
+    g = p.task_graph()
+    alone = build_task_graph(p, _EachAlone(p.program, p.process_ids),
+                             chunk_of_ops(p.program, g.chunks, None), g.chunks)
+    assert alone.tasks == g.tasks and alone.flows == g.flows
+    assert dict(alone.deps) == dict(g.deps) and dict(alone.channels) == dict(g.channels)
+    assert dict(alone.points) == dict(g.points) and dict(alone.gathers) == dict(g.gathers)
+    assert {pid: alone.step_bytes(p, pid) for pid in p.process_ids} == p.bytes_sent()

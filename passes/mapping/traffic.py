@@ -16,7 +16,7 @@ from __future__ import annotations
 from distgraph.ir import Program
 from distgraph.passes.cost_model import COLLECTIVES
 from distgraph.registry import TensorType, get_op
-from distgraph.passes.partition import partition, process_ids
+from distgraph.passes.partition import Partitions
 from distgraph.passes.mapping.process_graph import (ProcessGraph, collective_messages,
                                             collective_traffic)
 
@@ -43,30 +43,33 @@ def _point_traffic(point, traffic: dict, messages: dict) -> None:
                     _add(messages, {pair: 1.0})
 
 
-def process_graph(program: Program, partitions=None,
+def process_graph(program: Program, partitions: Partitions | None = None,
                   device_type: str | None = None) -> ProcessGraph:
     """Traffic, memory and compute per process of a completed program (``partitions``:
-    its processes' local programs where they are made already, {pid: LocalProgram})."""
-    ids = process_ids(program)
+    its processes' local programs where they are made already). Processes on the same
+    meshes hold and compute alike (:meth:`Partitions.groups`): one of each group is read."""
+    parts = partitions if partitions is not None else Partitions(program)
+    ids = list(parts.ids)
     if ids != list(range(len(ids))):
         raise ValueError(f"process ids must be 0..{len(ids) - 1}, got {ids}")
     traffic: dict = {}
     messages: dict = {}
-    memory, compute = [], []
+    memory, compute = [0.0] * len(ids), [0.0] * len(ids)
     seen_points = set()
-    for pid in ids:
-        local = partitions[pid] if partitions else partition(program, pid)
+    for group in parts.groups():
+        local = parts[group[0]]
         for point in local.points():
             key = (point.value, point.dst, point.seq)
             if key in seen_points:
                 continue
             seen_points.add(key)
             _point_traffic(point, traffic, messages)
-        memory.append(sum(v.nbytes for v in local.program.persistables) / 1e9)
         flops = 0
         for op in local.program.ops:
             ins = [TensorType(v.shape, v.dtype) for v in op.inputs]
             outs = [TensorType(v.shape, v.dtype) for v in op.outputs]
             flops += get_op(op.type).flops(ins, outs, **op.attrs)
-        compute.append(flops / 1e9)
+        held = sum(v.nbytes for v in local.program.persistables) / 1e9
+        for pid in group:
+            memory[pid], compute[pid] = held, flops / 1e9
     return ProcessGraph(len(ids), traffic, device_type, compute, memory, messages)

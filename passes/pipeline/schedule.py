@@ -42,6 +42,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -348,13 +349,21 @@ class Timing:
 def replay(orders, problem: Problem) -> Timing:
     """Run ``orders`` ({pid: [Action]}) on the unit-cost clock. Raises PlanError naming
     the waiting actions when they cannot all run (an input no earlier action makes, or
-    processes waiting for each other in a circle)."""
-    orders = {pid: list(acts) for pid, acts in orders.items()}
+    processes waiting for each other in a circle). Processes that hold the same chunks
+    and run the same order move in step, so one of each such group is replayed."""
+    chunks: dict = {pid: [] for pid in orders}
+    for c, holders in enumerate(problem.holders):
+        for q in holders:
+            chunks.setdefault(q, []).append(c)
+    orders = {pid: orders.get(pid, ()) for pid in chunks}     # a holder without an order
+    alike: dict = {}
+    for pid, acts in sorted(orders.items()):
+        alike.setdefault((tuple(chunks[pid]), tuple(acts)), []).append(pid)
     expected = {(c, k, mb) for c in range(problem.chunks) for k in problem.kinds[c]
                 for mb in range(problem.micro_batches)}
-    for pid, acts in orders.items():
+    for (held, acts), (pid, *_) in alike.items():
         mine = {(a.stage, a.kind, a.micro_batch) for a in acts}
-        want = {x for x in expected if pid in problem.holders[x[0]]}
+        want = {x for x in expected if x[0] in held}
         if len(mine) != len(acts) or mine != want:
             extra = sorted(Action(*x) for x in mine - want)
             missing = sorted(Action(*x) for x in want - mine)
@@ -362,6 +371,10 @@ def replay(orders, problem: Problem) -> Timing:
                             f" (missing {', '.join(map(str, missing[:6])) or 'none'}; "
                             f"not its own or repeated: "
                             f"{', '.join(map(str, extra[:6])) or 'none'})")
+    firsts = {pids[0] for pids in alike.values()}
+    orders = {pid: list(acts) for (_, acts), (pid, *_) in alike.items()}
+    problem = dataclasses.replace(problem, holders=tuple(
+        tuple(q for q in hs if q in firsts) for hs in problem.holders))
     pos = {pid: 0 for pid in orders}
     free = {pid: 0.0 for pid in orders}
     finish: dict = {}
@@ -391,8 +404,12 @@ def replay(orders, problem: Problem) -> Timing:
             _waiting(pid, a, orders, pos, finish, problem) for pid, a in sorted(stuck.items()))
             + ". This plan's stages exchange data in a circle; place the model's parts so "
               "that data flows from each stage only to later ones")
+    peak = {}
+    for (_, acts), pids in alike.items():
+        most = _peak(acts, problem)
+        peak.update((pid, most) for pid in pids)
     return Timing(max(finish.values(), default=0.0), MappingProxyType(finish),
-                  MappingProxyType({pid: _peak(acts, problem) for pid, acts in orders.items()}))
+                  MappingProxyType(dict(sorted(peak.items()))))
 
 
 def _waiting(pid, a, orders, pos, finish, problem) -> str:

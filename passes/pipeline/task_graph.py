@@ -39,12 +39,12 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from types import MappingProxyType
 
 from distgraph.errors import PlanError
 from distgraph.passes.cost_model import collective_bytes
-from distgraph.passes.partition import gather_points
 from distgraph.passes.pipeline.schedule import ACTION_KIND, Problem
 
 PER_MICRO_BATCH = ("forward", "backward", "backward_input", "backward_weight")
@@ -148,7 +148,7 @@ class TaskGraph:
         """Bytes ``process`` sends in one step, by kind: each reshard point and each op's
         own collectives once per micro-batch in a per-micro-batch task, once in the
         update (the fetched values' gathers left out, as in ``LocalProgram.bytes_sent``)."""
-        local = plan.local(process)
+        local = plan.local(plan.partitions.group_of(process)[0])   # op_comm alike in a group
         sent: dict = {}
         for task in self.tasks_of(process).values():
             times = plan.micro_batches_of(process) if task.per_micro_batch else 1
@@ -237,9 +237,11 @@ def op_kinds(program, split: bool) -> list:
     return kinds
 
 
-def build_task_graph(plan, locals_: dict, chunk_of: tuple, chunk_meshes: tuple) -> TaskGraph:
-    """The task graph of ``plan`` from its partitions ``locals_`` ({pid: LocalProgram}),
-    every op's chunk ``chunk_of`` and each chunk's mesh (module docstring)."""
+def build_task_graph(plan, parts, chunk_of: tuple, chunk_meshes: tuple) -> TaskGraph:
+    """The task graph of ``plan`` from its partitions ``parts`` (a
+    :class:`~distgraph.passes.partition.Partitions`), every op's chunk ``chunk_of`` and
+    each chunk's mesh (module docstring). The processes of one partition group run the
+    same tasks (only whom their transfers go to differs): one of each group is cut."""
     program = plan.program
     strategy = plan.strategy
     split = plan.batch_split
@@ -261,21 +263,27 @@ def build_task_graph(plan, locals_: dict, chunk_of: tuple, chunk_meshes: tuple) 
     padded = {name: rg.shape for name, rg in plan.row_gathers.items()}
     persist = {v.name for v in program.persistables}
     points: dict = {}
-    tasks, sends, recvs, makers, readers = [], [], {}, {}, {}
-    for pid in plan.process_ids:
-        local = locals_[pid]
-        gathers = gather_points(program, fetch, pid, padded)
-        builder = _TaskBuilder(plan, pid, local, kind_of, chunk_of, flow_rank, producer,
-                               uses, gathers, uneven)
+    by_process, sends, recvs, makers, readers = {}, [], {}, {}, {}
+    receivers = _Receivers()
+    for group in parts.groups():
+        first = group[0]
+        local = parts[first]
+        builder = _TaskBuilder(plan, first, local, kind_of, chunk_of, flow_rank, producer,
+                               uses, parts.gather_points(fetch, first, padded), uneven)
         mine = builder.tasks()
-        tasks.extend(mine)
-        sends.extend(builder.sends)
-        for seq, key in builder.recvs.items():
-            recvs[(pid, seq)] = key
-        made, read = builder.names(mine, persist | set(builder.feeds))
-        makers[pid], readers[pid] = made, read
         for p in local.points():
             points.setdefault(p.seq, p)
+        made, read = builder.names(mine, persist | set(builder.feeds))
+        makers[first], readers[first] = made, read     # alike for the whole group
+        for pid in group:
+            by_process[pid] = mine if pid == first else [
+                dataclasses.replace(t, process=pid) for t in mine]
+            for seq, key in builder.recvs.items():
+                recvs[(pid, seq)] = key
+            for key, seq in builder.sending:
+                sends.extend((pid, key, dst, seq)
+                             for dst in receivers.of(points[seq], pid) if dst != pid)
+    tasks = [t for pid in sorted(by_process) for t in by_process[pid]]
     flows, deps = _flows_and_deps(tasks, sends, recvs, makers, readers, points)
     p2p = sorted(seq for seq, p in points.items() if any(st.kind == "send_recv" for st in p.steps))
     channels = {seq: c for c, seq in enumerate(p2p)}
@@ -283,7 +291,7 @@ def build_task_graph(plan, locals_: dict, chunk_of: tuple, chunk_meshes: tuple) 
                       strategy.virtual_stages, tuple(plan.stages), tuple(chunk_meshes),
                       tuple(tasks), tuple(flows), MappingProxyType(deps),
                       MappingProxyType(points), MappingProxyType(channels), fetch,
-                      MappingProxyType({pid: tuple(gather_points(program, fetch, pid, padded))
+                      MappingProxyType({pid: tuple(parts.gather_points(fetch, pid, padded))
                                         for pid in plan.process_ids}))
     needed = graph.gather_tag(len(fetch))
     if needed > MAX_TAG:
@@ -291,6 +299,22 @@ def build_task_graph(plan, locals_: dict, chunk_of: tuple, chunk_meshes: tuple) 
                         f"point-to-point reshards x {m} micro-batches), more than the "
                         f"{MAX_TAG} available; use fewer micro-batches")
     return graph
+
+
+class _Receivers:
+    """Whom each process sends its tiles of a point's p2p step to, found once per point."""
+
+    def __init__(self):
+        self._by_point: dict = {}
+
+    def of(self, point, pid: int) -> list:
+        if point.seq not in self._by_point:
+            step = next(st for st in point.steps if st.kind == "send_recv")
+            to: dict = {}
+            for t in step.transfers:
+                to.setdefault(t.src, set()).add(t.dst)
+            self._by_point[point.seq] = {src: sorted(d) for src, d in to.items()}
+        return self._by_point[point.seq].get(pid, [])
 
 
 def _flow_rank(n_chunks: int):
@@ -325,7 +349,7 @@ class _TaskBuilder:
         self.local_of = {k: i for i, k in enumerate(self.global_index)}
         self.feeds = [v.name for v in local.program.inputs]
         self.items: dict = {}
-        self.sends: list = []        # (this process, its task key, receiving process, seq)
+        self.sending: list = []      # (its task key, seq) of the points it sends
         self.recvs: dict = {}        # seq -> task key of its recv half here
         self._place()
 
@@ -391,10 +415,7 @@ class _TaskBuilder:
             else:
                 key, at = source, (self.local_of[made], 2, p.seq)
             self._add(key, at, Item("send", p.seq))
-            step = next(st for st in p.steps if st.kind == "send_recv")
-            for dst in sorted({t.dst for t in step.transfers if t.src == self.pid}):
-                if dst != self.pid:
-                    self.sends.append((self.pid, key, dst, p.seq))
+            self.sending.append((key, p.seq))
         if self.pid in p.dst.mesh:
             self._add(consumer, (index, 0, p.seq), Item("recv", p.seq))
             self.recvs[p.seq] = consumer

@@ -285,6 +285,7 @@ class NcclPath:
 
     def _iall_gather(self, arr, group, axis):
         c = self.open("collective", tuple(group))
+        arr = self.xb.copy(arr)     # the caller may change its array at once (the contract)
         out = self.xb.empty((len(group),) + arr.shape, arr.dtype)
         t, what = self._type(arr), f"all_gather on ranks {tuple(group)}"
         done = self._launch(c, what, lambda s: c.comm.allGather(arr.data.ptr, out.data.ptr,

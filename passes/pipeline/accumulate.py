@@ -156,7 +156,7 @@ def _analyse(program, feeds, m):
 # Ops that are linear in their one tensor operand: applied to one micro-batch's share
 # of a sum over the samples they give its share of the result (the mean's scale after
 # the sum of a loss; slice_grad on the gradient of a sliced parameter).
-_LINEAR_UNARY = ("scale", "neg", "reshape", "transpose", "sum", "slice", "slice_grad",
+LINEAR_UNARY = ("scale", "neg", "reshape", "transpose", "sum", "slice", "slice_grad",
                  "broadcast_to")
 
 
@@ -164,7 +164,7 @@ def _linear_in_sums(op, sum_inputs, sample_free) -> bool:
     """Whether ``op`` maps shares of sums to shares of its results: linear in the
     operands at ``sum_inputs``, its other operands the same for every micro-batch."""
     others = [v for i, v in enumerate(op.inputs) if i not in sum_inputs]
-    if op.type in _LINEAR_UNARY:
+    if op.type in LINEAR_UNARY:
         return len(op.inputs) == 1 and not (op.type == "scale" and op.attrs.get("bias", 0.0))
     if op.type in ("add", "subtract"):
         return not others

@@ -39,7 +39,7 @@ from types import MappingProxyType
 
 from distgraph.errors import PlanError
 from distgraph.passes.cost_model import collective_bytes
-from distgraph.passes.partition import gather_points
+from distgraph.passes.partition import gather_points, world_mesh
 from distgraph.passes.pipeline.schedule import ACTION_KIND, Problem
 
 PER_MICRO_BATCH = ("forward", "backward", "backward_input", "backward_weight")
@@ -254,11 +254,13 @@ def build_task_graph(plan, locals_: dict, chunk_of: tuple, chunk_meshes: tuple) 
     persist = {v.name for v in program.persistables}
     points: dict = {}
     tasks, sends, recvs, makers, readers = [], [], {}, {}, {}
+    world = world_mesh(program, plan.process_ids)
+    gathers_of = {pid: tuple(gather_points(program, fetch, pid, world))
+                  for pid in plan.process_ids}
     for pid in plan.process_ids:
         local = locals_[pid]
-        gathers = gather_points(program, fetch, pid)
         builder = _TaskBuilder(plan, pid, local, kind_of, chunk_of, flow_rank, producer,
-                               uses, gathers)
+                               uses, gathers_of[pid])
         mine = builder.tasks()
         tasks.extend(mine)
         sends.extend(builder.sends)
@@ -275,8 +277,7 @@ def build_task_graph(plan, locals_: dict, chunk_of: tuple, chunk_meshes: tuple) 
                       strategy.virtual_stages, tuple(plan.stages), tuple(chunk_meshes),
                       tuple(tasks), tuple(flows), MappingProxyType(deps),
                       MappingProxyType(points), MappingProxyType(channels), fetch,
-                      MappingProxyType({pid: tuple(gather_points(program, fetch, pid))
-                                        for pid in plan.process_ids}))
+                      MappingProxyType(gathers_of))
     needed = graph.gather_tag(len(fetch))
     if needed > MAX_TAG:
         raise PlanError(f"the task graph needs {needed} message tags ({len(channels)} "

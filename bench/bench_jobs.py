@@ -62,3 +62,51 @@ def write_rows(path: str, rows: list) -> None:
     if rows:
         with open(path, "w") as f:
             json.dump(rows, f)
+
+
+def steady_cores(rank: int, ranks: int, cores: float | None = None) -> str:
+    """Where the job has more ranks than this machine has cores, run this rank under a CPU
+    quota of ``cores`` (default: the machine's cores shared evenly) in a cgroup of its own,
+    so that every rank computes at one steady speed, as on a machine of ``ranks`` slower
+    cores (time-sharing would speed a rank up while others wait, which bends a pipeline's
+    bubble). Needs root and a cgroup cpu controller; the group goes when the rank ends.
+    Returns a line that says what was done."""
+    import atexit
+    import glob
+
+    from distgraph.runtime.emulate.cgroups import cpu_controller, quota
+
+    machine = os.cpu_count() or 1
+    if cores is None and ranks <= machine:
+        return f"{ranks} ranks on {machine} cores: no quota"
+    cores = cores or machine / ranks
+    controller = cpu_controller()
+    if controller is None or os.geteuid() != 0:
+        return (f"{ranks} ranks time-share {machine} cores (no quota of {cores:.2f} cores "
+                f"per rank: that needs root and a cgroup cpu controller)")
+    for stale in glob.glob(controller.group("distgraph-bench-*")):
+        try:
+            os.rmdir(stale)                 # left by a killed run; fails while in use
+        except OSError:
+            pass
+    group = controller.group(f"distgraph-bench-{os.getpid()}-r{rank}")
+    period, limit, _ = quota(cores)
+    settings = ({"cpu.cfs_period_us": period, "cpu.cfs_quota_us": limit}
+                if controller.version == 1 else {"cpu.max": f"{limit} {period}"})
+    try:
+        os.mkdir(group)
+        for name, value in {**settings, "cgroup.procs": os.getpid()}.items():
+            with open(os.path.join(group, name), "w") as f:
+                f.write(f"{value}\n")
+    except OSError as err:
+        if os.path.isdir(group):
+            os.rmdir(group)
+        return f"{ranks} ranks time-share {machine} cores (no quota: {err})"
+
+    def leave():
+        with open(os.path.join(controller.root, "cgroup.procs"), "w") as f:
+            f.write(f"{os.getpid()}\n")
+        os.rmdir(group)
+
+    atexit.register(leave)
+    return f"each of the {ranks} ranks computes on {cores:.2f} of the {machine} cores (cgroup quota)"

@@ -119,8 +119,9 @@ def process_ids(program: Program) -> list[int]:
     return sorted(ids)
 
 
-def world_mesh(program: Program) -> ProcessMesh:
-    return ProcessMesh(process_ids(program), dim_names=["world"])
+def world_mesh(program: Program, ids=None) -> ProcessMesh:
+    """Every process of ``program`` (its ``ids`` where known) on one dim, ``world``."""
+    return ProcessMesh(list(process_ids(program) if ids is None else ids), dim_names=["world"])
 
 
 def _local_view_only(src: DistAttr, dst: DistAttr) -> bool:
@@ -197,12 +198,11 @@ class _Partitioner:
             da = op.dist_attr
             ins = []
             for i, v in enumerate(op.inputs):
-                dst = DistAttr(da.mesh, da.input_specs[i])
-                if dst == v.dist_attr:
-                    if self.pid in da.mesh:
+                if v.dist_attr.mesh == da.mesh and v.dist_attr.spec == da.input_specs[i]:
+                    if self.pid in da.mesh:      # (compared without making a DistAttr: hot)
                         ins.append(self.local_value(v))
                 else:
-                    name = self.reshard(v, dst)
+                    name = self.reshard(v, DistAttr(da.mesh, da.input_specs[i]))
                     if self.pid in da.mesh:
                         ins.append(self.local.values[name])
             # Every process notes the write-backs, so all number reshard points alike.
@@ -211,10 +211,10 @@ class _Partitioner:
             if self.pid not in da.mesh:
                 continue
             for j, o in enumerate(op.outputs):
-                out_attr = DistAttr(da.mesh, da.output_specs[j])
-                if out_attr != o.dist_attr:
+                if o.dist_attr.mesh != da.mesh or o.dist_attr.spec != da.output_specs[j]:
                     raise PlanError(f"op {op.type} ({op.layer}) produces {o.name} as "
-                                    f"{out_attr}, but the value says {o.dist_attr}")
+                                    f"{DistAttr(da.mesh, da.output_specs[j])}, but the value "
+                                    f"says {o.dist_attr}")
             outs = [self.local_value(o) for o in op.outputs]
             for o, _ in writebacks:
                 self.local.values[o.name].alias_of = None
@@ -251,7 +251,8 @@ def _steps(plans: dict, src: DistAttr, dst: DistAttr, shape, dtype) -> tuple:
 
 def partition(program: Program, process_id: int) -> LocalProgram:
     """The local program of ``process_id`` (see the module docstring)."""
-    if process_id not in process_ids(program):
+    if not any(process_id in op.dist_attr.mesh for op in program.ops) and \
+            process_id not in process_ids(program):
         raise PlanError(f"process {process_id} has no part in this program "
                         f"(processes {process_ids(program)})")
     _check_completed(program)

@@ -4,7 +4,10 @@ A :class:`Carrier` holds the compiled tasks of its process and runs one training
 for each action of ``plan.schedule()[pid]`` in turn (a task of one stage and one
 micro-batch) it waits until the tiles the task receives have arrived, then runs the
 task's instructions on the micro-batch's environment; after the last action it runs the
-update on the values accumulated over the micro-batches. Sends are posted without
+update on the values accumulated over the micro-batches. Consecutive weight-gradient
+actions of one stage (zero bubble leaves them to the end) run as one task on their
+micro-batches' rows joined (:mod:`.batched`): one GEMM instead of several, recorded
+as the actions in order, each with an equal share of the time. Sends are posted without
 waiting; receives are posted for the next :data:`RECEIVE_AHEAD` actions that receive,
 so a stage computes while its next inputs travel. There are no decisions at run time:
 the order is the plan's, the same on every process of a stage, so tensor-parallel peers
@@ -23,6 +26,7 @@ import os
 import time
 
 from distgraph.errors import DistGraphError, RuntimeFault
+from distgraph.runtime.execution.batched import batched_block
 from distgraph.runtime.execution.executor import OpInstr, donatable, may_donate, run_op
 from distgraph.runtime.execution.tasks import (Accumulator, CompiledTasks, GatherInstr,
                                                InstrRunner, PointInstr, RecvInstr, SendInstr,
@@ -54,6 +58,7 @@ class Carrier:
         self.blocks = [self.tasks.blocks[(a.stage, a.task)] for a in self.actions]
         self.receiving = [i for i, b in enumerate(self.blocks)
                           if any(isinstance(x, RecvInstr) for x in b.instrs)]
+        self.groups = self._groups()
         self.home = min((t.stage for t in graph.tasks_of(pid).values() if t.stage is not None),
                         default=0)
         self.profile = profile
@@ -84,15 +89,40 @@ class Carrier:
         self.posted = 0                     # receiving actions posted for so far
         self.fetched: dict = {}
         self.progress.begin_step(step, self._table)
-        for i, action in enumerate(self.actions):
+        i = 0
+        while i < len(self.actions):
+            group = self.groups.get(i)
+            if group is not None:
+                self._post_ahead(group[-1])
+                self._run_group(group)
+                i = group[-1] + 1
+                continue
             self._post_ahead(i)
             if i in self.pending:
                 self._wait_receives(i)
-            self._run_action(i, action)
+            self._run_action(i, self.actions[i])
+            i += 1
         self._run_update()
         self._wait_sends()
         self.progress.end_step()
         return self.fetched
+
+    def _groups(self) -> dict:
+        """{first action index: [indices]}: runs of two or more consecutive actions of one
+        batchable weight-gradient task (:mod:`.batched`)."""
+        batched = {key: batched_block(block, self.tasks)
+                   for key, block in self.tasks.blocks.items() if key[1] == "backward_weight"}
+        self.batched = {key: b for key, b in batched.items() if b is not None}
+        groups, run = {}, []
+        for i, block in enumerate(self.blocks + [None]):
+            key = block.task.key if block is not None else None
+            if run and key == self.blocks[run[0]].task.key:
+                run.append(i)
+                continue
+            if len(run) > 1:
+                groups[run[0]] = run
+            run = [i] if key in self.batched else []
+        return groups
 
     # -- messages ---------------------------------------------------------------------------
     def _post_ahead(self, i: int) -> None:
@@ -196,6 +226,42 @@ class Carrier:
         if self.profile:
             self._event(action.task, action.stage, m, start, self.clock())
             self._record_memory()
+
+    def _run_group(self, indices: list) -> None:
+        """Run the weight-gradient actions at ``indices`` as one task (:mod:`.batched`)."""
+        actions = [self.actions[i] for i in indices]
+        ms = [a.micro_batch for a in actions]
+        block = self.blocks[indices[0]]
+        start = self.clock()
+        self.progress.at(self._offsets[block.task.key])
+        try:
+            tag = self.graph.tag
+            sums = self.batched[block.task.key].run(
+                self.env, ms, self.scope, self.runner.context(self.step, {}), self.xb,
+                lambda instr, env: self.runner.point(instr, env, self.scope,
+                                                     tag(instr.point.seq, ms[0])))
+        except DistGraphError as e:
+            raise RuntimeFault(f"rank {self.rank} (process {self.pid}): task "
+                               f"{actions[0].task} of stage {actions[0].stage}, micro-batches "
+                               f"{', '.join(map(str, ms))} (run as one) in step {self.step} "
+                               f"failed: {e}") from e
+        for name, value in sums.items():
+            self.acc.add(name, value, owned=True)
+        end = self.clock()
+        share = (end - start) / len(actions)
+        for k, (action, m) in enumerate(zip(actions, ms)):
+            for names in block.last:
+                for n in names:
+                    if all(o in self.done[m] for o in block.others[n]):
+                        self.env[m].pop(n, None)
+            self.done[m].add(block.task.key)
+            self.left[m] -= 1
+            if not self.left[m]:
+                self.env[m].clear()
+            if self.profile:
+                self._event(action.task, action.stage, m, start + k * share,
+                            start + (k + 1) * share)
+                self._record_memory()
 
     def _run_block(self, block, m: int, tiles: dict) -> None:
         env, scope, runner = self.env[m], self.scope, self.runner

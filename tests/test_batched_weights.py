@@ -1,0 +1,104 @@
+"""Weight-gradient actions of several micro-batches run as one task (runtime/execution/
+batched.py): consecutive W actions of one stage in a zero-bubble schedule are grouped, a
+group's result is the sum of its micro-batches' results (oracle: the task run micro-batch
+by micro-batch), and training with groups (a data-parallel stage's all-reduce inside one
+among them) equals serial training."""
+
+import os
+import sys
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import distgraph as dg  # noqa: E402
+from distgraph.program_builder import build_program  # noqa: E402
+from distgraph.registry import KernelContext  # noqa: E402
+from distgraph.runtime.backend import backend_of  # noqa: E402
+from distgraph.runtime.execution.carrier import Carrier  # noqa: E402
+from distgraph.runtime.execution.executor import run_op  # noqa: E402
+
+import plans as P  # noqa: E402
+from test_pipeline import check_equal, run_pipeline, serial  # noqa: E402
+
+BATCH = 16
+
+
+def planned(key, micro_batches=8, schedule="ZB", virtual=1):
+    kind = key[0]
+    model = P.build_model(kind)
+    P.PIPELINE_PLANS[key].annotate(model)
+    ins, labels = dg.app.data.DataLoader(P.Dataset(kind, batch=BATCH), BATCH).specs(1)
+    built = build_program(model, ins, labels, P.loss_fn(kind), P.make_optimizer("sgd"))
+    return dg.passes.plan(built, dg.Strategy(micro_batches=micro_batches, schedule=schedule,
+                                             virtual_stages=virtual))
+
+
+def groups(plan, pid):
+    carrier = Carrier(plan, pid, None, backend_of(None))
+    return carrier, [" ".join(str(carrier.actions[i]) for i in g)
+                     for g in carrier.groups.values()]
+
+
+def test_the_weight_gradients_zero_bubble_leaves_to_the_end_are_grouped():
+    plan = planned(("gpt6", "param4", 4), virtual=2)
+    orders = {pid: " ".join(map(str, acts)) for pid, acts in plan.schedule().items()}
+    assert "3W4 3W5 3W6 3W7" in orders[3], orders[3]
+    carrier, found = groups(plan, 3)
+    assert "3W4 3W5 3W6 3W7" in found
+    assert set(carrier.batched) == {(3, "backward_weight"), (7, "backward_weight")}
+    for names in found:                 # each group: consecutive W of one stage in the order
+        assert names in orders[3] and len({a[0] for a in names.split()}) == 1
+    _, first = groups(plan, 0)
+    assert first == ["0W6 0W7"]
+    _, one_f1b = groups(planned(("gpt6", "param4", 4), schedule="1F1B", virtual=2), 3)
+    assert one_f1b == []                # whole backwards: nothing to group
+
+
+@pytest.mark.parametrize("key,pid", [(("gpt", "param2", 2), 0), (("gpt", "param2", 2), 1),
+                                     (("mlp8", "param4", 4), 2)], ids=str)
+def test_a_group_gives_the_sum_of_its_micro_batches(float64, key, pid):
+    """The group's joined run against the W task run micro-batch by micro-batch on the
+    same random operands (embeddings' scatter-add, a sliced parameter's gradient, the
+    Linear layers' reshape + matmul + bias sum)."""
+    plan = planned(key)
+    carrier = Carrier(plan, pid, None, backend_of(None))
+    key_w = next(k for k in carrier.batched)
+    block = carrier.tasks.blocks[key_w]
+    values = plan.local(pid).program.values
+    made = {n for instr in block.instrs for n in instr.writes}
+    reads = [n for instr in block.instrs for n in instr.reads if n not in made]
+    rng = np.random.default_rng(0)
+    micro_batches = [2, 3, 5]
+    envs = {m: {} for m in micro_batches}
+    for m in micro_batches:
+        for name in dict.fromkeys(reads):
+            v = values[name]
+            envs[m][name] = (rng.integers(0, P.GPT_DIMS["vocab_size"], v.shape)
+                             if v.dtype == "int64" else rng.standard_normal(v.shape))
+    ctx = KernelContext(np, 0)
+    expected: dict = {}
+    for m in micro_batches:
+        env = dict(envs[m])
+        for instr in block.instrs:
+            run_op(instr, env, {}, ctx)
+        for name in block.task.accumulates:
+            expected[name] = expected.get(name, 0) + env[name]
+    got = carrier.batched[key_w].run(envs, micro_batches, {}, ctx, carrier.xb, None)
+    assert sorted(got) == sorted(expected) and got
+    for name in got:
+        np.testing.assert_allclose(got[name], expected[name], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.slow
+def test_training_with_grouped_weight_gradients_equals_serial(float64):
+    """GPT on two data-parallel stages, interleaved zero bubble: stage 0's group holds the
+    all-reduce of the position embedding's gradient, run once for the group."""
+    key = ("gpt", "param2_dp", 4)
+    assert groups(planned(key, virtual=2), 0)[1] == ["0W6 0W7"]
+    results = run_pipeline(key, 8, "ZB", profile=True, virtual=2)
+    check_equal(results, serial("gpt"))
+    events = [e for e in results[0][3].events if e.rank == 0 and e.step == 0
+              and e.kind == "backward_weight"]
+    assert [(e.stage, e.micro_batch) for e in events][-2:] == [(0, 6), (0, 7)]

@@ -9,11 +9,13 @@ script's folder first on ``sys.path``).
 from __future__ import annotations
 
 import copy
+import math
 import os
 
 import numpy as np
 
 import distgraph as dg
+from distgraph import ops
 from distgraph.program_builder import build_program
 from distgraph.trace import InputSpec
 
@@ -30,13 +32,34 @@ def model_flops(batch: int, layers: int, hidden: int, seq: int = SEQ,
         1 + seq / (6 * hidden) + vocab / (16 * layers * hidden))
 
 
+class MegatronAttention(dg.nn.MultiHeadAttention):
+    """Causal self-attention with Megatron-LM's fused qkv layout: the projection's 3d
+    columns hold each head's q, k and v side by side (``[b, s, h, 3 hd]``, as
+    ParallelAttention splits them), so columns split over t give every process whole
+    heads. The same function as ``dg.nn``'s q | k | v layout up to a permutation of
+    qkv's columns."""
+
+    def forward(self, x):
+        b, t, d = x.shape
+        h, hd = self.n_head, d // self.n_head
+        qkv = ops.reshape(self.qkv(x), [b, t, h, 3 * hd])
+        q, k, v = (ops.transpose(z, [0, 2, 1, 3]) for z in ops.split(qkv, 3, axis=-1))
+        att = ops.scale(ops.matmul(q, k, transpose_y=True), 1.0 / math.sqrt(hd))
+        att = ops.where(ops.causal_mask(t), att, float("-inf"))
+        att = self.attn_drop(ops.softmax(att, axis=-1))
+        y = ops.reshape(ops.transpose(ops.matmul(att, v), [0, 2, 1, 3]), [b, t, d])
+        return self.resid_drop(self.proj(y))
+
+
 class Megatron(dg.nn.GPT):
-    """GPT whose tokens are split over the first stage's ``dp`` dim (``mesh`` None: no
-    annotation, for the search)."""
+    """GPT-3 as Megatron-LM builds it (:class:`MegatronAttention`), whose tokens are split
+    over the first stage's ``dp`` dim (``mesh`` None: no annotation, for the search)."""
 
     def __init__(self, mesh=None, **kwargs):
         super().__init__(**kwargs)
         self.mesh = mesh
+        for block in self.blocks:
+            block.attn.__class__ = MegatronAttention     # same parameters, Megatron's layout
 
     def forward(self, idx):
         if self.mesh is not None:
@@ -101,10 +124,11 @@ def dgx_cluster(nodes: int) -> dg.Cluster:
 
 
 def megatron_plan(layers, hidden, heads, t, p, gpus, batch, micro_batches, cluster):
-    """Megatron's (t, p) as annotations: p stages of layers / p blocks each, the
-    embedding on the first and the head on the last, each stage a (dp, t) mesh of whole
-    machines with the blocks' Linear layers split the Megatron way over ``mp``, the
-    vocabulary of the embedding and the LM head split over ``mp`` too."""
+    """Megatron's (t, p) as annotations: p stages of layers / p blocks each (every
+    parameter of a block on its stage), the embeddings on the first and the final norm
+    and head on the last, each stage a (dp, t) mesh of whole machines with the blocks'
+    Linear layers split the Megatron way over ``mp``, the vocabulary of the embedding and
+    the LM head split over ``mp`` too."""
     dp = gpus // (t * p)
     ids = np.arange(gpus).reshape(p, dp, t)
     meshes = [dg.ProcessMesh(ids[j].tolist(), dim_names=["dp", "mp"]) for j in range(p)]
@@ -117,7 +141,15 @@ def megatron_plan(layers, hidden, heads, t, p, gpus, batch, micro_batches, clust
             dg.shard_tensor(first.weight, mesh, [None, "mp"])
             dg.shard_tensor(first.bias, mesh, ["mp"])
             dg.shard_tensor(second.weight, mesh, ["mp", None])
+        for ln in (block.ln1, block.ln2):        # with its block, as Megatron places it
+            dg.shard_tensor(ln.weight, mesh, [None])
+            dg.shard_tensor(ln.bias, mesh, [None])
+        dg.shard_tensor(block.attn.proj.bias, mesh, [None])
+        dg.shard_tensor(block.mlp.fc2.bias, mesh, [None])
     dg.shard_tensor(model.wte.weight, meshes[0], ["mp", None])
+    dg.shard_tensor(model.wpe.weight, meshes[0], [None, None])
+    dg.shard_tensor(model.ln_f.weight, meshes[-1], [None])
+    dg.shard_tensor(model.ln_f.bias, meshes[-1], [None])
     dg.shard_tensor(model.lm_head.weight, meshes[-1], [None, "mp"])
     built = program(model, batch)
     strategy = dg.Strategy(micro_batches=micro_batches, recompute=True)

@@ -378,8 +378,8 @@ def _plan(built, strategy, cluster, rank_mapping, accumulation, ilp_budget=None)
     distributed = _is_annotated(program)
     ids = tuple(process_ids(program))
     partitions = Partitions(program, ids)
-    rank_of = _rank_of(program, ids, cluster, rank_mapping, partitions) if distributed \
-        else None
+    rank_of = _rank_of(program, ids, cluster, rank_mapping, partitions,
+                       strategy.micro_batches) if distributed else None
     if distributed:
         priced = cluster or Cluster.local(len(ids))
         if assign_slices(program, priced, lambda pid: priced.devices[
@@ -503,7 +503,7 @@ def _is_annotated(program) -> bool:
             or any(op.annotation is not None for op in program.ops))
 
 
-def _rank_of(program, ids, cluster, rank_mapping, partitions):
+def _rank_of(program, ids, cluster, rank_mapping, partitions, micro_batches):
     """Logical process -> MPI rank: process p runs on the rank that owns its device, rank
     r owning the cluster's r-th device. Without a cluster or mapping: None (p on rank p)."""
     if cluster is None and rank_mapping is None:
@@ -514,7 +514,8 @@ def _rank_of(program, ids, cluster, rank_mapping, partitions):
         raise PlanError(f"this plan has {world_size} processes but the cluster has only "
                         f"{len(cluster.devices)} devices")
     if rank_mapping is None:
-        rank_mapping = map_ranks(process_graph(program, partitions), cluster,
+        rank_mapping = map_ranks(process_graph(program, partitions,
+                                               micro_batches=micro_batches), cluster,
                                  devices=[d.global_id for d in cluster.devices[:world_size]])
     to_device = dict(getattr(rank_mapping, "process_to_device", rank_mapping))
     owner = {d.global_id: r for r, d in enumerate(cluster.devices[:world_size])}

@@ -46,3 +46,29 @@ def test_tp_groups_of_a_real_plan_stay_inside_a_machine():
         assert len({machine[mapping.process_to_device[p]] for p in group}) == 1
     assert mapping.cost <= bfs_first_free_mapping(graph, cluster).cost * (1 + 1e-12)
     assert mapping.cost <= best_random_mapping(graph, cluster, tries=100).cost * (1 + 1e-12)
+
+
+def test_a_micro_batched_plan_maps_its_traffic_per_step():
+    """With micro-batches the program is one micro-batch's: its activations' all-reduces
+    run M times a step, the gradients' once. Counted once each, the gradients would
+    outweigh the activations and the mapper would split the TP groups over machines."""
+    built = build_program(MLP(), [dg.InputSpec([512, 64], name="x")],
+                          [dg.InputSpec([512, 64], name="y")], dg.nn.MSELoss(),
+                          dg.optim.Adam(1e-3))
+    cluster = Cluster.from_file(CLUSTER)
+    plan = dg.passes.plan(built, dg.Strategy(micro_batches=16), cluster)
+
+    def tp_and_dp(graph):
+        tp = sum(graph.traffic.get(tuple(sorted(p)), 0.0)
+                 for g in MESH.groups("tp") for p in itertools.combinations(g, 2))
+        return tp, sum(graph.traffic.get(tuple(sorted(g)), 0.0) for g in MESH.groups("dp"))
+
+    once = process_graph(plan.program, plan.partitions, "GPU")
+    step = process_graph(plan.program, plan.partitions, "GPU", micro_batches=16)
+    (tp1, dp1), (tp16, dp16) = tp_and_dp(once), tp_and_dp(step)
+    assert tp1 < dp1 and tp16 == 16 * tp1 and dp16 < dp1 + tp1
+    machine = {d.global_id: d.machine_id for d in cluster.devices}
+    for group in MESH.groups("tp"):
+        assert len({machine[cluster.devices[plan.ranks(p)].global_id] for p in group}) == 1
+    split = map_ranks(once, cluster).process_to_device
+    assert any(len({machine[split[p]] for p in g}) > 1 for g in MESH.groups("tp"))

@@ -2,6 +2,7 @@
 zero-bubble schedules, sends and receives where values cross stages, the dependencies the
 schedule is made from, and plans whose processes belong to several stages."""
 
+import itertools
 import os
 import sys
 
@@ -12,7 +13,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import distgraph as dg  # noqa: E402
 from distgraph.passes.partition import Partitions, partition  # noqa: E402
 from distgraph.passes.pipeline.chunks import chunk_of_ops  # noqa: E402
-from distgraph.passes.pipeline.task_graph import build_task_graph  # noqa: E402
+from distgraph.passes.pipeline.task_graph import MAX_TAG, build_task_graph  # noqa: E402
 from distgraph.program_builder import build_program  # noqa: E402
 from distgraph.runtime.comm.simulated import SimulatedWorld  # noqa: E402
 
@@ -184,3 +185,16 @@ def test_processes_on_the_same_meshes_are_cut_once_and_alike(key, strategy):
     assert dict(alone.deps) == dict(g.deps) and dict(alone.channels) == dict(g.channels)
     assert dict(alone.points) == dict(g.points) and dict(alone.gathers) == dict(g.gathers)
     assert {pid: alone.step_bytes(p, pid) for pid in p.process_ids} == p.bytes_sent()
+
+
+def test_points_share_a_tag_channel_only_where_no_sender_receiver_pair_meets():
+    p = plan_of(("mlp8", "layered", 4), micro_batches=4)
+    g = p.task_graph()
+    pairs = {seq: {(t.src, t.dst) for st in g.points[seq].steps if st.kind == "send_recv"
+                   for t in st.transfers if t.src != t.dst} for seq in g.channels}
+    for a, b in itertools.combinations(sorted(g.channels), 2):
+        if pairs[a] & pairs[b]:
+            assert g.channels[a] != g.channels[b]
+    assert g.channel_count < len(g.channels)          # stage boundaries share channels
+    tags = {g.tag(seq, m) for seq in g.channels for m in range(4)}
+    assert max(tags) < g.gather_tag(0) and g.gather_tag(len(g.fetch)) <= MAX_TAG

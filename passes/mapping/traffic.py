@@ -27,26 +27,30 @@ def _add(into: dict, pairs: dict) -> None:
         into[pair] = into.get(pair, 0.0) + amount
 
 
-def _point_traffic(point, traffic: dict, messages: dict) -> None:
+def _point_traffic(point, traffic: dict, messages: dict, times: int = 1) -> None:
     """Add the bytes and messages per unordered pair of one reshard point (its steps, all
-    processes) to ``traffic`` and ``messages``."""
+    processes), run ``times`` a step, to ``traffic`` and ``messages``."""
     for step in point.steps:
         if step.kind in COLLECTIVES:
             groups = step.mesh.groups(step.mesh_dim)
-            _add(traffic, collective_traffic(groups, step.buffer_bytes, step.kind))
-            _add(messages, collective_messages(groups, step.kind))
+            _add(traffic, {pair: times * b for pair, b in
+                           collective_traffic(groups, step.buffer_bytes, step.kind).items()})
+            _add(messages, {pair: times * n for pair, n in
+                            collective_messages(groups, step.kind).items()})
         elif step.kind == "send_recv":
             for t in step.transfers:
                 if t.src != t.dst:
                     pair = (min(t.src, t.dst), max(t.src, t.dst))
-                    _add(traffic, {pair: float(t.nbytes)})
-                    _add(messages, {pair: 1.0})
+                    _add(traffic, {pair: float(times * t.nbytes)})
+                    _add(messages, {pair: float(times)})
 
 
 def process_graph(program: Program, partitions: Partitions | None = None,
-                  device_type: str | None = None) -> ProcessGraph:
+                  device_type: str | None = None, micro_batches: int = 1) -> ProcessGraph:
     """Traffic, memory and compute per process of a completed program (``partitions``:
-    its processes' local programs where they are made already). Processes on the same
+    its processes' local programs where they are made already) in one step: with
+    ``micro_batches`` M the program is one micro-batch's, and what its forward and
+    backward move and compute counts M times (the update's once). Processes on the same
     meshes hold and compute alike (:meth:`Partitions.groups`): one of each group is read."""
     parts = partitions if partitions is not None else Partitions(program)
     ids = list(parts.ids)
@@ -56,6 +60,7 @@ def process_graph(program: Program, partitions: Partitions | None = None,
     messages: dict = {}
     memory, compute = [0.0] * len(ids), [0.0] * len(ids)
     seen_points = set()
+    roles = [op.role for op in program.ops]
     for group in parts.groups():
         local = parts[group[0]]
         for point in local.points():
@@ -63,12 +68,14 @@ def process_graph(program: Program, partitions: Partitions | None = None,
             if key in seen_points:
                 continue
             seen_points.add(key)
-            _point_traffic(point, traffic, messages)
+            once = point.anchor >= 0 and roles[point.anchor] == "optimize"
+            _point_traffic(point, traffic, messages, 1 if once else micro_batches)
         flops = 0
         for op in local.program.ops:
             ins = [TensorType(v.shape, v.dtype) for v in op.inputs]
             outs = [TensorType(v.shape, v.dtype) for v in op.outputs]
-            flops += get_op(op.type).flops(ins, outs, **op.attrs)
+            flops += get_op(op.type).flops(ins, outs, **op.attrs) * (
+                1 if op.role == "optimize" else micro_batches)
         held = sum(v.nbytes for v in local.program.persistables) / 1e9
         for pid in group:
             memory[pid], compute[pid] = held, flops / 1e9

@@ -25,7 +25,8 @@ its value also consumes it, when it has no point-to-point transfer or when it fe
 update; otherwise (an activation or gradient crossing chunks) a ``send`` half in the
 task that makes the value, right after it is made, and a ``recv`` half in the consumer's
 task. Every message carries a tag from one scheme: point ``seq`` of micro-batch ``m``
-has ``tag(seq, m)``, fetched value ``i`` ``gather_tag(i)``, all below :data:`MAX_TAG`.
+has ``tag(seq, m)``, fetched value ``i`` ``gather_tag(i)``, all below :data:`MAX_TAG`
+(points that no sender-receiver pair shares may share a channel).
 
 ``deps`` says which (chunk, action kind) each reads in the same micro-batch (a value it
 receives, or one made by another task of its process): the schedule
@@ -171,8 +172,13 @@ class TaskGraph:
         channel = self.channels.get(seq)
         return 0 if channel is None else channel * self.micro_batches + micro_batch
 
+    @property
+    def channel_count(self) -> int:
+        """How many channels the points use (tags below ``channel_count * M`` are theirs)."""
+        return max(self.channels.values(), default=-1) + 1
+
     def gather_tag(self, index: int) -> int:
-        return len(self.channels) * self.micro_batches + index
+        return self.channel_count * self.micro_batches + index
 
     # -- printing -----------------------------------------------------------------------
     def pretty(self) -> str:
@@ -285,8 +291,7 @@ def build_task_graph(plan, parts, chunk_of: tuple, chunk_meshes: tuple) -> TaskG
                              for dst in receivers.of(points[seq], pid) if dst != pid)
     tasks = [t for pid in sorted(by_process) for t in by_process[pid]]
     flows, deps = _flows_and_deps(tasks, sends, recvs, makers, readers, points)
-    p2p = sorted(seq for seq, p in points.items() if any(st.kind == "send_recv" for st in p.steps))
-    channels = {seq: c for c, seq in enumerate(p2p)}
+    channels = _channels(points)
     graph = TaskGraph(strategy.schedule, m, 2 if strategy.schedule == "ZBV" else
                       strategy.virtual_stages, tuple(plan.stages), tuple(chunk_meshes),
                       tuple(tasks), tuple(flows), MappingProxyType(deps),
@@ -295,10 +300,30 @@ def build_task_graph(plan, parts, chunk_of: tuple, chunk_meshes: tuple) -> TaskG
                                         for pid in plan.process_ids}))
     needed = graph.gather_tag(len(fetch))
     if needed > MAX_TAG:
-        raise PlanError(f"the task graph needs {needed} message tags ({len(channels)} "
-                        f"point-to-point reshards x {m} micro-batches), more than the "
-                        f"{MAX_TAG} available; use fewer micro-batches")
+        raise PlanError(f"the task graph needs {needed} message tags ({graph.channel_count} "
+                        f"point-to-point reshards between one pair of processes x {m} "
+                        f"micro-batches), more than the {MAX_TAG} available; use fewer "
+                        f"micro-batches")
     return graph
+
+
+def _channels(points) -> dict:
+    """{seq: channel} of the points with point-to-point transfers: the lowest channel no
+    earlier point uses between the same sender and receiver. A tag only has to tell apart
+    messages that one sender sends one receiver, so the tags grow with the points a pair
+    of processes exchanges (a pipeline's boundary: two or three), not with all of them."""
+    used: dict = {}
+    channels = {}
+    for seq in sorted(points):
+        p2p = [st for st in points[seq].steps if st.kind == "send_recv"]
+        if not p2p:
+            continue
+        pairs = {(t.src, t.dst) for st in p2p for t in st.transfers if t.src != t.dst}
+        taken = set().union(*(used.get(pair, ()) for pair in pairs))
+        channels[seq] = next(c for c in range(len(taken) + 1) if c not in taken)
+        for pair in pairs:
+            used.setdefault(pair, set()).add(channels[seq])
+    return channels
 
 
 class _Receivers:

@@ -237,14 +237,14 @@ class Plan:
         if self.rank_of is not None:
             lines.append("  ranks: " + ", ".join(f"process {p} -> rank {r}"
                                                  for p, r in sorted(self.rank_of.items())))
-        if self.placement is not None:
-            lines.extend("  " + line for line in explain_devices(self, self.placement))
         for s, mesh in enumerate(self.stages):
             lines.append(f"  stage {s}: {mesh}")
         if len(self.graph.chunks) != len(self.stages):
             lines.append(f"  {len(self.graph.chunks)} chunks: " + ", ".join(
                 f"{c} on stage {self.stages.index(m)}" for c, m in enumerate(self.graph.chunks)))
         lines.append("  " + self.order.pretty().replace("\n", "\n  "))
+        if self.placement is not None:
+            lines.extend("  " + line for line in explain_devices(self, self.placement))
         if self.accumulation is not None:
             lines.append("  " + self.accumulation.pretty().replace("\n", "\n  "))
         lines.append("  parameters (layer: name shape spec):")

@@ -74,7 +74,7 @@ def steady_cores(rank: int, ranks: int, cores: float | None = None) -> str:
     import atexit
     import glob
 
-    from distgraph.runtime.emulate.cgroups import cpu_controller, quota
+    from distgraph.runtime.emulate.cgroups import MIN_QUOTA_US, cpu_controller
 
     machine = os.cpu_count() or 1
     if cores is None and ranks <= machine:
@@ -90,7 +90,10 @@ def steady_cores(rank: int, ranks: int, cores: float | None = None) -> str:
         except OSError:
             pass
     group = controller.group(f"distgraph-bench-{os.getpid()}-r{rank}")
-    period, limit, _ = quota(cores)
+    # a short period (the kernel's smallest quota is 1 ms): a task of a few ms then runs
+    # at the quota's pace instead of at full speed and then not at all
+    period = max(MIN_QUOTA_US, round(MIN_QUOTA_US / cores))
+    limit = round(cores * period)
     settings = ({"cpu.cfs_period_us": period, "cpu.cfs_quota_us": limit}
                 if controller.version == 1 else {"cpu.max": f"{limit} {period}"})
     try:

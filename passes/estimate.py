@@ -41,7 +41,7 @@ communication and bubble, and peak memory per process.
   Under a pipeline schedule a stage holds the micro-batches in flight (M for FThenB,
   S - s for 1F1B on stage s): one at its peak, each other one with the activations it
   keeps from its forward to its backward (``saved_activations``: what is live when the
-  first backward op starts); with micro-batches the gradients of the parameters are
+  backward starts, before the gradient from the next stage arrives); with micro-batches the gradients of the parameters are
   accumulated in buffers that live through the step (a micro-batch's gradient is added
   to its buffer as it is made, as the runtime does, and not held to the update).
 - **Alike processes are estimated once.** Processes on the same meshes whose devices
@@ -521,15 +521,16 @@ def _peak_memory(plan, pid, stage, scale: _Scale) -> tuple[int, int, int, int, i
     params = sum(v.nbytes for v in prog.persistables if v.is_parameter)
     states = sum(v.nbytes for v in prog.persistables if not v.is_parameter)
     roles = [op.role for op in plan.program.ops]
-    items, updating = [], []
+    items, item_roles = [], []        # a reshard point's role is the role of its consumer
     for i, op in enumerate(prog.ops + [None]):
         for point in local.comm_points.get(i, ()):
             items.append((point.reads, point.writes))
-            updating.append(point.anchor >= 0 and roles[point.anchor] == "optimize")
+            item_roles.append(roles[point.anchor] if point.anchor >= 0 else None)
         if op is not None:
             items.append((tuple(v.name for v in op.inputs),
                           tuple(o.name for o in op.outputs if not o.alias_of)))
-            updating.append(op.role == "optimize")
+            item_roles.append(op.role)
+    updating = [role == "optimize" for role in item_roles]
     # With micro-batches the runtime adds what a micro-batch makes for the update (its
     # gradients) to the step's buffers as it is made: the update reads the buffers
     # (counted below), so the micro-batch's own copy lives only to its last other use.
@@ -545,14 +546,10 @@ def _peak_memory(plan, pid, stage, scale: _Scale) -> tuple[int, int, int, int, i
     keep = {v.name for v in prog.persistables}
     live = {v.name: scale.nbytes(v) for v in prog.inputs}
     peak, at_peak = sum(live.values()), dict(live)
-    backward = next((i for i, op in enumerate(prog.ops) if op.role == "backward"), None)
-    first_backward = len(items)          # the item of the first backward op
-    count = 0
-    for i, op in enumerate(prog.ops):
-        count += len(local.comm_points.get(i, ()))
-        if i == backward:
-            first_backward = count
-        count += 1
+    # the backward's first item: a stage's output is sent before it, the gradient from the
+    # next stage received in it (neither is kept from the forward for the backward)
+    first_backward = next((k for k, role in enumerate(item_roles) if role == "backward"),
+                          len(items))
     saved = 0
     for k, (reads, writes) in enumerate(items):
         if k == first_backward:

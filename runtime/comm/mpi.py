@@ -288,6 +288,14 @@ class MPICommunicator(Communicator):
         self._subcomms = {}
 
 
+def _mpi_test(comm, request, what) -> bool:
+    """``request.Test()``, an MPI error raised as this rank's RuntimeFault naming ``what``."""
+    try:
+        return request.Test()
+    except comm._MPI.Exception as exc:
+        raise RuntimeFault(f"rank {comm.rank}: MPI error on {what}: {exc}") from None
+
+
 class _MPIRequest(Request):
     """An MPI request and the buffer it reads or fills (kept alive until it is done)."""
 
@@ -298,11 +306,7 @@ class _MPIRequest(Request):
     def test(self) -> bool:
         if self.done:
             return True
-        try:
-            done = self._request.Test()
-        except self._comm._MPI.Exception as exc:
-            raise RuntimeFault(f"rank {self._comm.rank}: MPI error on {self.what}: "
-                               f"{exc}") from None
+        done = _mpi_test(self._comm, self._request, self.what)
         if done:
             self.done = True
             self.value = self._buffer if self._receive else None
@@ -327,11 +331,7 @@ class _MPICollective(Request):
     def test(self) -> bool:
         if self.done:
             return True
-        try:
-            done = self._request.Test()
-        except self._comm._MPI.Exception as exc:
-            raise RuntimeFault(f"rank {self._comm.rank}: MPI error on {self.what}: "
-                               f"{exc}") from None
+        done = _mpi_test(self._comm, self._request, self.what)
         if done:
             self.value, self.done = self._finish(), True
             self._buffers = self._finish = None

@@ -64,15 +64,19 @@ class SimulatedWorld:
             raise self._failed[1]
         return results
 
+    def raise_if_peer_failed(self, rank: int, what: str) -> None:
+        """Another rank's failure ends this rank's wait for ``what`` (condition held)."""
+        if self._failed is not None and self._failed[0] != rank:
+            failed, exc = self._failed
+            raise RuntimeFault(f"rank {rank}: stopped waiting for {what}: rank {failed} "
+                               f"failed with {type(exc).__name__}: {exc}")
+
     def _wait(self, ready, rank: int, timeout: float, what, fix: str = "") -> None:
         """Wait on the world condition (held by the caller) until ``ready()``; ``fix``
         ends the timeout message (default: the p2p advice)."""
         deadline = time.monotonic() + timeout
         while not ready():
-            if self._failed is not None and self._failed[0] != rank:
-                failed, exc = self._failed
-                raise RuntimeFault(f"rank {rank}: stopped waiting for {what()}: rank {failed} "
-                                   f"failed with {type(exc).__name__}: {exc}")
+            self.raise_if_peer_failed(rank, what())
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise RuntimeFault(f"rank {rank}: timed out after {timeout:g} s waiting for "
@@ -233,10 +237,7 @@ class _SimulatedReceive(Request):
             return True
         w, rank = self._comm._world, self._comm.rank
         with w._cond:
-            if w._failed is not None and w._failed[0] != rank:
-                failed, exc = w._failed
-                raise RuntimeFault(f"rank {rank}: stopped waiting for {self.what}: rank "
-                                   f"{failed} failed with {type(exc).__name__}: {exc}")
+            w.raise_if_peer_failed(rank, self.what)
             if not w._mail[self._box]:
                 return False
             arr = w._mail[self._box].popleft()
@@ -267,10 +268,7 @@ class _SimulatedCollective(Request):
             return True
         w, rank = self._comm._world, self._comm.rank
         with w._cond:
-            if w._failed is not None and w._failed[0] != rank:
-                failed, exc = w._failed
-                raise RuntimeFault(f"rank {rank}: stopped waiting for {self.what}: rank "
-                                   f"{failed} failed with {type(exc).__name__}: {exc}")
+            w.raise_if_peer_failed(rank, self.what)
             if len(self._slot["data"]) < len(self._group):
                 return False
             data = self._comm._collect(self._slot, self._group, self._seq)

@@ -13,3 +13,14 @@ def float64():
         yield
     finally:
         dg.set_default_dtype("float32")
+
+
+@pytest.fixture(autouse=True)
+def _default_dtype_restored():
+    """Each test starts from the default dtype the one before it found (a bench helper
+    that plans in bfloat16 sets it for its caller and leaves it set)."""
+    before = dg.get_default_dtype()
+    try:
+        yield
+    finally:
+        dg.set_default_dtype(before)

@@ -10,7 +10,8 @@ machines; and ``sshd -D`` on port 22. The launching host ("login") is the emulat
 hub namespace, under a hostname of its own with the same ``/etc/hosts``: commands run
 there through :meth:`SshHosts.login_argv`. Everything else shares this box's files
 (the Python, distgraph, the scripts: the same paths on every host, as with a shared
-file system).
+file system); where the job's own folders lie in ``/tmp`` (a checkout or a venv there),
+each host's ``/tmp`` shows them at the same paths.
 
 Keys, host keys, ``known_hosts`` and the client's ``ssh_config`` are generated per run in
 a temporary folder; :attr:`SshHosts.launcher_exec` is a wrapper around ``ssh -F config``
@@ -35,6 +36,7 @@ import sys
 import tempfile
 import time
 
+import distgraph
 from distgraph.errors import PlanError, RuntimeFault
 from distgraph.runtime.emulate.launch import TRANSPORT_ENV
 from distgraph.runtime.emulate.layout import choose_subnet, plan_layout, this_job
@@ -50,10 +52,11 @@ TOOLS = {"ssh": "openssh-client", "ssh-keygen": "openssh-client"}
 LOGIN = "login"                 # the launching host's name
 READY_SECONDS = 30
 # Run inside a host's fresh UTS and mount namespaces: its name, its /etc/hosts, the
-# extra mounts ("$4"... as source/target pairs), its own /tmp last (it hides this box's).
+# mounts ("$4"... as source/target pairs; a target of /tmp already inside the host's own
+# /tmp folder), then that folder as /tmp with those mounts (it hides this box's).
 HOST_SETUP = ('hostname "$1" && mount --bind "$2" /etc/hosts && tmp="$3" && shift 3 && '
               'while [ $# -gt 0 ]; do mount --bind "$1" "$2" && shift 2 || exit 1; done && '
-              f'mount --bind "$tmp" /tmp && exec {SSHD} -D -e -f /tmp/.sshd/sshd_config')
+              f'mount --rbind "$tmp" /tmp && exec {SSHD} -D -e -f /tmp/.sshd/sshd_config')
 LOGIN_SETUP = 'hostname "$1" && mount --bind "$2" /etc/hosts && shift 2 && exec "$@"'
 SSHD_CONFIG = """\
 ListenAddress {address}
@@ -224,12 +227,20 @@ class SshHosts:
 
     def _start_server(self, m) -> None:
         os.makedirs("/run/sshd", mode=0o755, exist_ok=True)   # sshd's privilege separation
-        mounts = [p for pair in self.mounts.get(m.hostname, ()) for p in pair]
+        tmp = self.tmp_of(m.hostname)
+        pairs = []
+        for top in _job_folders_in_tmp():
+            os.makedirs(os.path.join(tmp, top), exist_ok=True)
+            pairs.append((os.path.join("/tmp", top), os.path.join(tmp, top)))
+        for source, target in self.mounts.get(m.hostname, ()):
+            inside = _below_tmp(target)
+            pairs.append((source, target if inside is None else os.path.join(tmp, inside)))
+        mounts = [p for pair in pairs for p in pair]
         with open(self._path("hosts", m.hostname, "sshd.log"), "w") as log:
             self._servers[m.hostname] = subprocess.Popen(
                 ["ip", "netns", "exec", m.namespace, "unshare", "--uts", "--mount", "sh", "-c",
-                 HOST_SETUP, "host-setup", m.hostname, self._path("etc_hosts"),
-                 self.tmp_of(m.hostname), *mounts],
+                 HOST_SETUP, "host-setup", m.hostname, self._path("etc_hosts"), tmp,
+                 *mounts],
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
 
     def _wait_ready(self) -> None:
@@ -254,6 +265,22 @@ class SshHosts:
     def _said(self, host: str) -> str:
         with open(self._path("hosts", host, "sshd.log"), errors="replace") as f:
             return f.read().strip()[-500:]
+
+
+def _below_tmp(path: str) -> str | None:
+    """``path`` relative to ``/tmp`` where it lies below it, else None."""
+    rel = os.path.relpath(os.path.realpath(path), "/tmp")
+    return None if rel == "." or rel.startswith("..") else rel
+
+
+def _job_folders_in_tmp() -> list[str]:
+    """The folders right below ``/tmp`` that hold this Python, distgraph or the working
+    directory (a job started here needs them at the same paths on every host)."""
+    places = (sys.prefix, sys.base_prefix, os.path.dirname(os.path.realpath(sys.executable)),
+              os.path.dirname(os.path.dirname(os.path.abspath(distgraph.__file__))),
+              os.getcwd())
+    tops = {rel.split(os.sep)[0] for rel in map(_below_tmp, places) if rel is not None}
+    return sorted(tops)
 
 
 def _write(path: str, text: str, mode: int = 0o644) -> None:

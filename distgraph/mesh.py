@@ -226,10 +226,12 @@ class ProcessMesh:
 
     # ---- value semantics --------------------------------------------------------
     def __eq__(self, other) -> bool:
+        if self is other:
+            return True
         if not isinstance(other, ProcessMesh):
             return NotImplemented
-        return (self._ids == other._ids and self._shape == other._shape
-                and self._dim_names == other._dim_names)
+        return (self._hash == other._hash and self._ids == other._ids
+                and self._shape == other._shape and self._dim_names == other._dim_names)
 
     def __hash__(self) -> int:
         return self._hash

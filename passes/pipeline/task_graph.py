@@ -260,10 +260,12 @@ def build_task_graph(plan, parts, chunk_of: tuple, chunk_meshes: tuple) -> TaskG
                    else kind for op, kind in zip(program.ops, kind_of)]
     n_chunks = len(chunk_meshes)
     flow_rank = _flow_rank(n_chunks)
-    uses: dict = {}
+    uses: dict = {}         # value -> (mesh, spec) it is read in -> the reading ops
     for k, op in enumerate(program.ops):
+        da = op.dist_attr
         for i, v in enumerate(op.inputs):
-            uses.setdefault(v.name, []).append((k, i))
+            layouts = uses.setdefault(v.name, {})
+            layouts.setdefault((da.mesh, da.input_specs[i]), []).append(k)
     producer = {o.name: k for k, op in enumerate(program.ops) for o in op.outputs}
     fetch = tuple(plan.built.fetch_names)
     padded = {name: rg.shape for name, rg in plan.row_gathers.items()}
@@ -388,12 +390,9 @@ class _TaskBuilder:
         """The task a point's result is made in: the first, in a micro-batch's data flow,
         whose ops read it in the point's layout (a resharded value is made once and
         reused by later consumers, say an I and a W op)."""
-        ops = self.plan.program.ops
         keys = {self._key(p.anchor)}
-        for k, i in self.uses.get(p.value, ()):
-            da = ops[k].dist_attr
-            if da.mesh == p.dst.mesh and da.input_specs[i] == p.dst.spec:
-                keys.add(self._key(k))
+        for k in self.uses.get(p.value, {}).get((p.dst.mesh, p.dst.spec), ()):
+            keys.add(self._key(k))
         if any(kind == PROLOGUE for _, kind in keys):
             raise PlanError(f"the micro-batches' prologue (whole-batch sums of the feeds) "
                             f"would reshard {p.value} ({p.src} -> {p.dst}); lay the feeds "

@@ -315,7 +315,11 @@ class Cluster:
     @property
     def devices(self) -> list[Device]:
         """Compute devices (no NICs), by global id."""
-        return sorted(self._device_index.values(), key=lambda d: d.global_id)
+        return list(self._devices_by_id)
+
+    @cached_property
+    def _devices_by_id(self) -> tuple[Device, ...]:
+        return tuple(sorted(self._device_index.values(), key=lambda d: d.global_id))
 
     @property
     def nics(self) -> list[Device]:

@@ -121,6 +121,25 @@ def test_random_problems_match_brute_force(seed):
     check_against_oracle(random_problem(seed))
 
 
+@pytest.mark.parametrize("seed", range(40))
+def test_costs_in_nanoseconds_are_solved_as_exactly_as_in_units(seed):
+    """Costs in seconds can be 1e-9 .. 1e-2; SCIP's tolerances are absolute, so unscaled
+    such costs let it call a worse choice optimal. The same problems in units of 1e-9
+    reach the brute-force optimum in those units."""
+    p = random_problem(seed)
+    best, best_in_budget, _ = oracle(p)
+    if math.isinf(best_in_budget):
+        return
+    tiny = 1e-9
+    q = ShardingProblem(p.strategy_counts, [np.asarray(c) * tiny for c in p.compute],
+                        [np.asarray(c) * tiny for c in p.comm], p.memory,
+                        edges=[(u, v, np.asarray(R) * tiny) for u, v, R in p.edges],
+                        aliases=p.aliases, follow=p.follow, liveness=p.liveness,
+                        memory_budget=p.memory_budget, share=p.share)
+    sol = solve(q, time_limit=30)
+    assert sol.objective == pytest.approx(best_in_budget * tiny, rel=1e-9, abs=1e-18)
+
+
 def test_random_problems_cover_every_outcome():
     outcomes = {check_against_oracle(random_problem(seed, "tight")) for seed in range(40)}
     assert outcomes == {"conflict", "over budget", "solved"}

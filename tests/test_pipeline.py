@@ -480,6 +480,8 @@ def test_a_parameter_shared_by_two_stages(float64):
     def fit(model, comm=None, strategy=None):
         engine = dg.Engine(model, dg.nn.MSELoss(), dg.optim.AdamW(0.01), strategy=strategy,
                            communicator=comm)
+        with P.BUILD_LOCK:          # tracing is one thread's at a time
+            engine.prepare(*dg.app.data.DataLoader(Pairs(), 16).specs(1))
         return engine.fit(Pairs(), batch_size=16).losses, engine.state_dict()
 
     dg.seed(0)

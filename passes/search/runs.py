@@ -29,6 +29,16 @@ every other mesh of that ``t`` prices that choice (:func:`~distgraph.passes.sear
 intra_op.price`) where its layouts divide there, and is searched itself where they do
 not (and then prices the meshes after it).
 
+**Memory variants.** A block's search minimises its time alone, so it may keep weights
+and their optimizer states whole where splitting them costs about as much time: cheap
+for one block, too much for the many blocks a stage of few devices must hold. Each mesh
+also offers the fastest block whose peak memory is within half the fastest one's, then
+within half of that, and so on (up to :data:`VARIANTS` in all, while the search finds a
+smaller one), as options of their own: the DP takes the fastest that lets its stages
+fit (on GPT-3 310B, Megatron's split of every weight over t instead of whole attention
+weights: six blocks a stage instead of one). E and H are searched again only where the
+block meets them in other layouts.
+
 **Blocks that differ.** The interior blocks are identical op by op; the first and the
 last differ from them in where a few gradient sums fall. They are costed as interior
 blocks and take the interior block's layouts op by op, matched by place (n-th forward
@@ -56,6 +66,8 @@ from distgraph.passes.search.intra_op import Boundary, price, search
 from distgraph.passes.search.layers import FORWARD
 from distgraph.passes.search.space import GB, MESH_DIMS
 from distgraph.passes.search.stage_dp import Submesh
+
+VARIANTS = 4        # the fastest block and up to three of smaller peaks (module docstring)
 
 
 @dataclass(frozen=True)
@@ -171,49 +183,75 @@ class RunCosts:
         order = sorted(out, key=lambda o: (o[2][1], rows_mb % o[2][0] != 0, -o[2][0]))
         costed = {}
         for axis, sub, logical in order:
-            costed[(axis, sub.shape, logical)] = RunOption(axis, sub, logical,
-                                                           self._parts(sub, logical))
-        return [costed[(a, s.shape, lg)] for a, s, lg in out]
+            costed[(axis, sub.shape, logical)] = _undominated(
+                [RunOption(axis, sub, logical, parts) for parts in self._parts(sub, logical)])
+        return [option for a, s, lg in out for option in costed[(a, s.shape, lg)]]
 
     def _batch_rows(self) -> int:
         feeds = self.program.inputs
         return int(feeds[0].shape[0]) if feeds and feeds[0].shape else 1
 
-    def _parts(self, sub, logical) -> dict:
+    def _parts(self, sub, logical) -> list:
+        """The parts of every variant (module docstring) on this logical mesh."""
         mesh, device_of = logical_mesh(sub.mesh, sub.shape, logical)
         t = logical[1]
-        for found in self._found.get(t, ())[::-1]:
+        for variants in self._found.get(t, ())[::-1]:
             try:
-                return self._price(found, mesh, device_of)
+                return [self._price(found, mesh, device_of) for found in variants]
             except PlanError:
                 continue
-        found = self._search(mesh, device_of)
-        self._found.setdefault(t, []).append(found)
-        return {part: (self._measure(result), result) for part, result in found.items()}
+        variants = self._variants(mesh, device_of)
+        self._found.setdefault(t, []).append(variants)
+        return [{part: (self._measure(result), result) for part, result in found.items()}
+                for found in variants]
 
     # -- searches -----------------------------------------------------------------------
-    def _search(self, mesh, device_of) -> dict:
+    def _variants(self, mesh, device_of) -> list:
+        """The fastest parts, then the fastest whose block peaks within half, a quarter,
+        an eighth ... of the fastest block's peak, while a smaller one exists."""
+        found = self._search(mesh, device_of)
+        variants = [found]
+        peak = found["block"].report.peak_memory
+        for _ in range(VARIANTS - 1):
+            try:
+                smaller = self._search(mesh, device_of, peak / 2, variants[0])
+            except PlanError:               # no layout of the block peaks that low
+                break
+            if not smaller["block"].report.peak_memory < peak:
+                break
+            variants.append(smaller)
+            peak = smaller["block"].report.peak_memory
+        return variants
+
+    def _search(self, mesh, device_of, budget=None, fastest=None) -> dict:
+        """The parts on ``mesh``, the block within ``budget`` bytes per device (E and H
+        taken from ``fastest`` where they meet the block alike)."""
         start = time.perf_counter()
         block_ops = self.layering.ops(range(self.rep, self.rep + 1))
         periodic = self._periodic(block_ops)
         boundary = Boundary(received=tuple((r, None) for r, _ in periodic), periodic=periodic)
-        found = {"block": self._run_search(block_ops, mesh, device_of, boundary)}
+        found = {"block": self._run_search(block_ops, mesh, device_of, boundary, budget)}
         block = found["block"]
+        ends = []
         if self.has_first:
-            ops = self.layering.ops(range(0, 1))
-            found["first"] = self._run_search(ops, mesh, device_of,
-                                              self._neighbour(block, ops, self.blocks.start))
+            ends.append(("first", range(0, 1), self.blocks.start))
         if self.has_last:
-            ops = self.layering.ops(range(self.layering.count - 1, self.layering.count))
-            found["last"] = self._run_search(ops, mesh, device_of,
-                                             self._neighbour(block, ops, self.blocks.stop - 1))
+            ends.append(("last", range(self.layering.count - 1, self.layering.count),
+                         self.blocks.stop - 1))
+        for part, layers, layer in ends:
+            ops = self.layering.ops(layers)
+            meets = self._neighbour(block, ops, layer)
+            if fastest is not None and fastest[part].boundary == meets:
+                found[part] = fastest[part]
+            else:
+                found[part] = self._run_search(ops, mesh, device_of, meets)
         self.seconds += time.perf_counter() - start
         return found
 
-    def _run_search(self, ops, mesh, device_of, boundary):
+    def _run_search(self, ops, mesh, device_of, boundary, budget=None):
         self.searches += 1
         return search(self.program, mesh, self.cluster, device_of, ops=ops,
-                      weights=self.weights, loss=self._loss(ops),
+                      weights=self.weights, loss=self._loss(ops), memory_budget=budget,
                       time_limit=self.strategy.solver_time_limit, memory=True,
                       boundary=boundary)
 
@@ -349,6 +387,29 @@ class RunCosts:
                     _same_op(self.program.ops[k], self.program.ops[theirs[key]]):
                 out[k] = theirs[key]
         return out
+
+
+def _undominated(options: list) -> list:
+    """``options`` without those another one matches or beats in every part's time and
+    memory (the DP would never prefer them): variants searched on one mesh and priced on
+    another may coincide there (on one device, every variant is the whole block)."""
+    def figures(option) -> list:
+        out = []
+        for part in sorted(option.parts):
+            cost = option.parts[part][0]
+            out += [cost.time, cost.persistent, cost.saved, cost.transient]
+        return out
+
+    def covers(a, b) -> bool:
+        return all(x <= y for x, y in zip(a, b))
+
+    kept = []
+    for option in options:
+        mine = figures(option)
+        if not any(covers(figures(other), mine) for other in kept):
+            kept = [o for o in kept if not covers(mine, figures(o))]
+            kept.append(option)
+    return kept
 
 
 def logical_mesh(device_mesh, shape, logical) -> tuple[ProcessMesh, dict]:

@@ -33,15 +33,6 @@ from megatron_table1 import TABLE1  # noqa: E402
 ROWS = [pytest.param(row, id=row.name) for row in TABLE1]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def default_dtype():
-    """gpt_scale builds its models in bfloat16 by setting the default dtype; the tests
-    after these ones build float32 models that run."""
-    previous = dg.get_default_dtype()
-    yield
-    dg.set_default_dtype(previous)
-
-
 @pytest.fixture(scope="module")
 def cluster():
     """DGX A100 nodes enough for the largest row's pipeline (t p = 512 GPUs)."""

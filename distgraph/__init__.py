@@ -9,7 +9,8 @@ Each name is imported the first time it is used (PEP 562), so that what imports 
 part of distgraph pays only for that part: ``distgraph run`` and every rank's bootstrap
 import the launcher, not the planner with numpy, scipy and networkx (a second or more of
 every rank's start). ``import distgraph as dg; dg.Engine`` and ``from distgraph import
-Engine`` work as before; so does ``dg.<submodule>`` (``dg.spmd``, ``dg.resources``).
+Engine`` work as before; so do paths into submodules (``dg.spmd.UNKNOWN``,
+``dg.app.data.DataLoader``), which import everything public first, as before.
 
 Example::
 
@@ -54,8 +55,16 @@ __all__ = ["DistGraphError", "PlanError", "ResourceFileError", "RuntimeFault", "
 def __getattr__(name: str):
     if name in _PUBLIC:
         value = getattr(importlib.import_module(_PUBLIC[name]), name)
+    elif name in _SUBPACKAGES:
+        value = importlib.import_module(f"{__name__}.{name}")
+    elif name.startswith("__"):      # what tools probe for (__wrapped__, __test__)
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     else:
-        try:        # dg.spmd, dg.resources, ...: any submodule, as an eager import bound them
+        # dg.app.data, dg.resources.cluster, ...: a path into the internals finds what
+        # it found when this module imported every public name, so import them all first
+        for public in __all__:
+            getattr(sys.modules[__name__], public)
+        try:
             value = importlib.import_module(f"{__name__}.{name}")
         except ModuleNotFoundError as err:
             if err.name != f"{__name__}.{name}":

@@ -51,6 +51,13 @@ def test_submodules_are_attributes_as_before():
         dg.no_such_name
 
 
+def test_paths_into_submodules_find_what_they_found_before():
+    """In a fresh interpreter: ``dg.app`` has its modules as when everything was imported."""
+    fresh_modules("import distgraph as dg\n"
+                  "assert dg.app.data.DataLoader and dg.resources.cluster.Cluster\n"
+                  "assert dg.passes.meshslice.autotune and dg.optim.lr.CosineDecay")
+
+
 def test_trace_stays_the_function_once_its_module_is_imported():
     import distgraph.trace as bound   # binds the submodule on the package; reads it back
 

@@ -47,6 +47,8 @@ _PUBLIC = {
 }
 # sub-packages that are public names themselves
 _SUBPACKAGES = ("ops", "nn", "optim", "passes", "callbacks", "metrics")
+# sub-packages of the internals, whose modules the public names' imports bind on them
+_INTERNAL_PACKAGES = ("app", "cli", "resources", "runtime", "spmd", "tools")
 
 __all__ = ["DistGraphError", "PlanError", "ResourceFileError", "RuntimeFault", "ShardingError",
            *_PUBLIC, *_SUBPACKAGES]
@@ -60,10 +62,13 @@ def __getattr__(name: str):
     elif name.startswith("__"):      # what tools probe for (__wrapped__, __test__)
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     else:
-        # dg.app.data, dg.resources.cluster, ...: a path into the internals finds what
-        # it found when this module imported every public name, so import them all first
-        for public in __all__:
-            getattr(sys.modules[__name__], public)
+        if name in _INTERNAL_PACKAGES:
+            # dg.app.data, dg.resources.cluster, ...: a path into the internals finds
+            # what it found when this module imported every public name, so import them
+            # all first (not for a module such as ``from distgraph import dtypes``, which
+            # distgraph's own modules do while they are being imported)
+            for public in __all__:
+                getattr(sys.modules[__name__], public)
         try:
             value = importlib.import_module(f"{__name__}.{name}")
         except ModuleNotFoundError as err:

@@ -85,3 +85,13 @@ def test_starting_a_job_imports_no_numerical_library(code):
     loaded = fresh_modules(code)
     assert not [m for m in HEAVY if m in loaded], sorted(m for m in HEAVY if m in loaded)
     assert "distgraph.app.engine" not in loaded and "distgraph.passes" not in loaded
+
+
+def test_resource_files_know_every_op_when_nothing_else_was_imported():
+    """A file's ``op_costs`` keys are checked against the registered ops: reading one in a
+    fresh interpreter (``distgraph cluster calibrate`` does) registers them all first."""
+    out = subprocess.run([sys.executable, "-c", "import distgraph.resources.cluster\n"
+                          "from distgraph.registry import registered_ops\n"
+                          "print(sorted(registered_ops()))"],
+                         capture_output=True, text=True, check=True).stdout
+    assert out.strip() == str(sorted(dg.ops.registered_ops()))

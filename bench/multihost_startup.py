@@ -144,6 +144,10 @@ def main(argv=None) -> int:
           f"(here {statistics.median(times['first step']) / base:.2f} x); its parts:")
     for name, values in parts.items():
         print(f"  {name:20}  {statistics.median(values):6.2f}")
+    if os.environ.get("PYTHONDONTWRITEBYTECODE"):
+        print("note: PYTHONDONTWRITEBYTECODE is set, so every process compiled the modules it "
+              "imports from source (an installed package has them compiled); run with it unset "
+              "to measure that")
     return 0
 
 

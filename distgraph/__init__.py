@@ -4,25 +4,94 @@ Public names (see the README): ``trace``, ``InputSpec``, ``Engine``, ``Strategy`
 ``ops``, ``nn``, ``optim``, ``set_default_dtype``, ``seed``, ``LazyGuard``, the error classes, the
 distributed attributes ``ProcessMesh``, ``ShardSpec``, ``shard_tensor``, ``shard_op``,
 ``shard_dataloader``, and ``__version__``.
+
+Each name is imported the first time it is used (PEP 562), so that what imports only a
+part of distgraph pays only for that part: ``distgraph run`` and every rank's bootstrap
+import the launcher, not the planner with numpy, scipy and networkx (a second or more of
+every rank's start). ``import distgraph as dg; dg.Engine`` and ``from distgraph import
+Engine`` work as before; so do paths into submodules (``dg.spmd.UNKNOWN``,
+``dg.app.data.DataLoader``), which import everything public first, as before.
+
+Example::
+
+    import distgraph as dg
+    mesh = dg.ProcessMesh([0, 1], ["dp"])      # imports distgraph.mesh here
 """
 
-from distgraph.version import __version__
+import importlib
+import sys
+import types
 
 from distgraph.errors import DistGraphError, PlanError, ResourceFileError, RuntimeFault, ShardingError
-from distgraph.dtypes import get_default_dtype, seed, set_default_dtype
-from distgraph import ops
-from distgraph.ir import Operation, Program, Value
-from distgraph.parameter import LazyGuard, Parameter
-from distgraph.registry import DTypeError, ShapeError
-from distgraph.trace import InputSpec, trace
-from distgraph import nn, optim
-from distgraph.autodiff import append_backward
-from distgraph.strategy import Strategy
-from distgraph.app.engine import Engine, History
-from distgraph.mesh import ProcessMesh
-from distgraph.placement import DistAttr, Partial, Replicate, Shard, ShardSpec
-from distgraph.annotation import shard_dataloader, shard_op, shard_tensor
-from distgraph import passes
-from distgraph.resources.cluster import Cluster
-from distgraph import callbacks, metrics
-from distgraph.app.checkpoint import CheckpointError
+
+# public name -> the module that defines it
+_PUBLIC = {
+    "__version__": "distgraph.version",
+    "get_default_dtype": "distgraph.dtypes", "seed": "distgraph.dtypes",
+    "set_default_dtype": "distgraph.dtypes",
+    "Operation": "distgraph.ir", "Program": "distgraph.ir", "Value": "distgraph.ir",
+    "LazyGuard": "distgraph.parameter", "Parameter": "distgraph.parameter",
+    "DTypeError": "distgraph.registry", "ShapeError": "distgraph.registry",
+    "InputSpec": "distgraph.trace", "trace": "distgraph.trace",
+    "append_backward": "distgraph.autodiff",
+    "Strategy": "distgraph.strategy",
+    "Engine": "distgraph.app.engine", "History": "distgraph.app.engine",
+    "ProcessMesh": "distgraph.mesh",
+    "DistAttr": "distgraph.placement", "Partial": "distgraph.placement",
+    "Replicate": "distgraph.placement", "Shard": "distgraph.placement",
+    "ShardSpec": "distgraph.placement",
+    "shard_dataloader": "distgraph.annotation", "shard_op": "distgraph.annotation",
+    "shard_tensor": "distgraph.annotation",
+    "Cluster": "distgraph.resources.cluster",
+    "CheckpointError": "distgraph.app.checkpoint",
+}
+# sub-packages that are public names themselves
+_SUBPACKAGES = ("ops", "nn", "optim", "passes", "callbacks", "metrics")
+# sub-packages of the internals, whose modules the public names' imports bind on them
+_INTERNAL_PACKAGES = ("app", "cli", "resources", "runtime", "spmd", "tools")
+
+__all__ = ["DistGraphError", "PlanError", "ResourceFileError", "RuntimeFault", "ShardingError",
+           *_PUBLIC, *_SUBPACKAGES]
+
+
+def __getattr__(name: str):
+    if name in _PUBLIC:
+        value = getattr(importlib.import_module(_PUBLIC[name]), name)
+    elif name in _SUBPACKAGES:
+        value = importlib.import_module(f"{__name__}.{name}")
+    elif name.startswith("__"):      # what tools probe for (__wrapped__, __test__)
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    else:
+        if name in _INTERNAL_PACKAGES:
+            # dg.app.data, dg.resources.cluster, ...: a path into the internals finds
+            # what it found when this module imported every public name, so import them
+            # all first (not for a module such as ``from distgraph import dtypes``, which
+            # distgraph's own modules do while they are being imported)
+            for public in __all__:
+                getattr(sys.modules[__name__], public)
+        try:
+            value = importlib.import_module(f"{__name__}.{name}")
+        except ModuleNotFoundError as err:
+            if err.name != f"{__name__}.{name}":
+                raise
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+    setattr(sys.modules[__name__], name, value)
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))
+
+
+class _Facade(types.ModuleType):
+    """The package module. Importing a submodule binds it on its package, and one
+    submodule shares its name with a public function: ``distgraph.trace`` defines
+    ``trace``. The name stays the function, as it was when everything was imported here."""
+
+    def __setattr__(self, name, value):
+        if name == "trace" and isinstance(value, types.ModuleType):
+            value = value.trace
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Facade

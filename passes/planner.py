@@ -58,7 +58,6 @@ from distgraph.passes.pipeline.chunks import (chunk_meshes, chunk_of_ops, forwar
                                               place_chunks)
 from distgraph.passes.pipeline.task_graph import build_task_graph
 from distgraph.passes.samples import sample_axes
-from distgraph.passes.search.auto import annotate, within_budget
 from distgraph.passes.transforms.recompute import recompute, segments
 from distgraph.passes.transforms.zero import shard_updates
 from distgraph.passes.uneven import run_split, schedule_of
@@ -341,6 +340,9 @@ def plan(built, strategy: Strategy | None = None, cluster=None, rank_mapping=Non
         built, accumulation = split_micro_batches(built, strategy.micro_batches)
     try:
         if strategy.auto_mode == "full":
+            # the search (SCIP, the stage DP) is imported by the plans that use it only
+            from distgraph.passes.search.auto import within_budget
+
             return within_budget(strategy, lambda ilp_budget: _plan(
                 built, strategy, cluster, rank_mapping, accumulation, ilp_budget))
         return _plan(built, strategy, cluster, rank_mapping, accumulation)
@@ -413,6 +415,8 @@ def _completed(built, strategy, cluster, accumulation, ilp_budget, placement=Non
         recompute(program, segments(copy, strategy.recompute))
     searched = None
     if strategy.auto_mode == "full":
+        from distgraph.passes.search.auto import annotate
+
         searched = annotate(copy, strategy, cluster, accumulation, ilp_budget)
     if placement is not None:
         place_chunks(program, *placement)

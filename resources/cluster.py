@@ -28,18 +28,20 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Mapping
+from typing import TYPE_CHECKING, Mapping
 
-import networkx as nx
 import numpy as np
 
 from distgraph.errors import PlanError
 from distgraph.resources.elements import (COMPUTE_TYPES, DEVICE_TYPES, NETWORK_TYPES, Device,
                                           DeviceMesh, FrozenMap, InvalidCluster, Link, Machine,
                                           Switch, _ranges, _set)
-from distgraph.resources import describe as _describe, files as _files, schema as _schema
+from distgraph.resources import describe as _describe, schema as _schema
 from distgraph.resources.gpus import detect_gpus
 from distgraph.resources.paths import best_paths
+
+if TYPE_CHECKING:
+    import networkx
 
 # The value classes live in elements.py and are re-exported here, so that
 # `from distgraph.resources.cluster import Cluster, Device, Link` is the one import needed.
@@ -152,9 +154,8 @@ class Cluster:
                     raise InvalidCluster(key, f"link {ln.source}-{ln.target} is given twice",
                                          "each pair of endpoints linked once")
                 pairs.add(ln.endpoints)
-        graph = self.graph
         compute = [d.global_id for d in self.devices]
-        reach = nx.node_connected_component(graph, compute[0])
+        reach = _reachable(compute[0], self.all_links)
         lost = [g for g in compute if g not in reach]
         if lost:
             raise InvalidCluster("links", f"devices {_ranges(lost)} cannot reach device "
@@ -263,9 +264,11 @@ class Cluster:
         return [ln for m in self.machines for ln in m.links] + list(self.links)
 
     @cached_property
-    def graph(self) -> nx.Graph:
+    def graph(self) -> networkx.Graph:
         """Undirected graph: nodes are global ids (attr ``node``), edges carry the Link."""
-        g = nx.Graph()
+        import networkx   # a fifth of a second to import: only for those who ask for it
+
+        g = networkx.Graph()
         for nid, node in self._node_index.items():
             g.add_node(nid, node=node)
         for ln in self.all_links:
@@ -360,12 +363,16 @@ class Cluster:
     @classmethod
     def from_file(cls, path) -> "Cluster":
         """Load a YAML or JSON resource file (distgraph schema or Paddle's cluster JSON)."""
-        return _files.load_cluster(path, cls)
+        from distgraph.resources import files    # PyYAML: only for files
+
+        return files.load_cluster(path, cls)
 
     @classmethod
     def from_dict(cls, data, source: str = "<dict>") -> "Cluster":
         """Build from already-parsed file content; errors name ``source``."""
-        return _files.cluster_from_data(data, cls, source)
+        from distgraph.resources import files
+
+        return files.cluster_from_data(data, cls, source)
 
     def to_dict(self) -> dict:
         """Plain data in the distgraph schema (what ``save`` writes)."""
@@ -373,7 +380,9 @@ class Cluster:
 
     def save(self, path) -> None:
         """Write the cluster as YAML (.yaml/.yml) or JSON (.json)."""
-        _files.save_cluster(self, path)
+        from distgraph.resources import files
+
+        files.save_cluster(self, path)
 
     @classmethod
     def local(cls, nprocs: int, device: str = "CPU") -> "Cluster":
@@ -399,6 +408,21 @@ class Cluster:
         links = tuple(Link(i, j, LOCAL_BANDWIDTH_GBPS, LOCAL_LATENCY_US, "SHM")
                       for i in range(nprocs) for j in range(i + 1, nprocs))
         return cls(machines=(Machine(0, "localhost", devices, links),), name=f"local{nprocs}")
+
+
+def _reachable(start: int, links) -> set[int]:
+    """The nodes joined to ``start`` by ``links`` (a breadth-first walk)."""
+    near: dict[int, list[int]] = {}
+    for ln in links:
+        near.setdefault(ln.source, []).append(ln.target)
+        near.setdefault(ln.target, []).append(ln.source)
+    seen, todo = {start}, [start]
+    while todo:
+        for other in near.get(todo.pop(), ()):
+            if other not in seen:
+                seen.add(other)
+                todo.append(other)
+    return seen
 
 
 def local_gpus(nprocs: int, gpus) -> Cluster:

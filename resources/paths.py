@@ -9,7 +9,10 @@ The lexicographic order (bandwidth, then latency) is not isotone, so a single Di
 with pair labels would be wrong. Instead, for each distinct bandwidth level b, from the
 highest down, the subgraph of edges with bandwidth >= b is formed: pairs that first become
 connected at level b have bottleneck b, and their latency is the shortest-latency path
-inside that subgraph (scipy's Dijkstra, run only from sources that still have such pairs).
+inside that subgraph. Up to :data:`DENSE_NODES` nodes (every machine of a few nodes, the
+clusters a job starts with) that is Floyd-Warshall on a dense matrix in numpy; above, scipy's
+Dijkstra, run only from sources that still have such pairs. Both give the same matrices;
+the small case does not pay scipy's import, a fifth of a second of every rank's start.
 
 Example::
 
@@ -21,18 +24,21 @@ Example::
 from __future__ import annotations
 
 import numpy as np
-from scipy.sparse import csr_matrix
-from scipy.sparse.csgraph import connected_components, shortest_path
+
+DENSE_NODES = 128     # n^3 / 128^3 = 2 M steps per level at most: milliseconds in numpy
 
 
-def best_paths(num_nodes: int, sources, targets, bandwidths, latencies):
+def best_paths(num_nodes: int, sources, targets, bandwidths, latencies, dense=None):
     """Return (bandwidth, latency) matrices, shape (n, n), for undirected edges.
 
     Diagonal: bandwidth inf, latency 0. Unreachable pairs: bandwidth 0, latency inf.
     Parallel edges between the same pair keep the best (higher bandwidth, then lower
-    latency) for the path they are on, as any path choice would.
+    latency) for the path they are on, as any path choice would. ``dense`` chooses the
+    method (default: dense up to :data:`DENSE_NODES` nodes; see the module docstring).
     """
     n = num_nodes
+    if dense is None:
+        dense = n <= DENSE_NODES
     a = np.asarray(sources, dtype=np.intp)
     b = np.asarray(targets, dtype=np.intp)
     src, dst = np.minimum(a, b), np.maximum(a, b)
@@ -45,20 +51,50 @@ def best_paths(num_nodes: int, sources, targets, bandwidths, latencies):
     done = np.eye(n, dtype=bool)
     for level in np.unique(ebw)[::-1]:
         keep = np.flatnonzero(ebw >= level)
-        # csr_matrix sums duplicate coordinates: keep only the fastest parallel edge.
-        order = keep[np.lexsort((elat[keep], src[keep] * n + dst[keep]))]
-        _, first = np.unique(src[order] * n + dst[order], return_index=True)
-        keep = order[first]
-        # Explicit zero latencies stay edges in a csr matrix built from coordinates.
-        sub = csr_matrix((elat[keep], (src[keep], dst[keep])), shape=(n, n))
-        _, labels = connected_components(sub, directed=False)
-        fresh = (labels[:, None] == labels[None, :]) & ~done
-        rows = np.flatnonzero(fresh.any(axis=1))
-        if rows.size == 0:
-            continue
-        dist = shortest_path(sub, method="D", directed=False, indices=rows)
+        if dense:
+            dist = _shortest_dense(n, src[keep], dst[keep], elat[keep])
+            fresh = np.isfinite(dist) & ~done
+            rows = np.flatnonzero(fresh.any(axis=1))
+            if rows.size == 0:
+                continue
+            dist = dist[rows]
+        else:
+            fresh, rows, dist = _shortest_sparse(n, src, dst, elat, keep, done)
+            if rows.size == 0:
+                continue
         mask = fresh[rows]
         bw[rows] = np.where(mask, level, bw[rows])
         lat[rows] = np.where(mask, dist, lat[rows])
         done[rows] |= mask
     return bw, lat
+
+
+def _shortest_dense(n: int, src, dst, elat) -> np.ndarray:
+    """All-pairs shortest latencies (inf: not connected) by Floyd-Warshall; parallel
+    edges keep the quickest."""
+    dist = np.full((n, n), np.inf)
+    np.minimum.at(dist, (src, dst), elat)
+    np.minimum.at(dist, (dst, src), elat)
+    np.fill_diagonal(dist, 0.0)
+    for k in range(n):      # row and column k do not change in step k (dist[k, k] = 0)
+        np.minimum(dist, dist[:, k, None] + dist[None, k, :], out=dist)
+    return dist
+
+
+def _shortest_sparse(n: int, src, dst, elat, keep, done):
+    """(pairs first connected, their source rows, latencies from those rows) with scipy."""
+    from scipy.sparse import csr_matrix
+    from scipy.sparse.csgraph import connected_components, shortest_path
+
+    # csr_matrix sums duplicate coordinates: keep only the fastest parallel edge.
+    order = keep[np.lexsort((elat[keep], src[keep] * n + dst[keep]))]
+    _, first = np.unique(src[order] * n + dst[order], return_index=True)
+    keep = order[first]
+    # Explicit zero latencies stay edges in a csr matrix built from coordinates.
+    sub = csr_matrix((elat[keep], (src[keep], dst[keep])), shape=(n, n))
+    _, labels = connected_components(sub, directed=False)
+    fresh = (labels[:, None] == labels[None, :]) & ~done
+    rows = np.flatnonzero(fresh.any(axis=1))
+    if rows.size == 0:
+        return fresh, rows, None
+    return fresh, rows, shortest_path(sub, method="D", directed=False, indices=rows)

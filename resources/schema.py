@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from itertools import combinations
 
-from distgraph.registry import registered_ops
+from distgraph.ops import registered_ops     # the package: every op registered
 from distgraph.resources.elements import (COMPUTE_TYPES, RESHARD_STEP_KINDS, Device, DeviceMesh,
                                           InvalidCluster, Link, Machine, Switch)
 from distgraph.resources.reader import Reader, join

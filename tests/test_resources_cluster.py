@@ -172,6 +172,7 @@ def brute_force(graph: nx.Graph, a, b):
                        st.sampled_from([1.0, 2.0, 5.0, 10.0]),
                        st.sampled_from([0.0, 0.5, 1.0, 3.0])), max_size=12))))
 def test_best_paths_equal_brute_force(case):
+    """Both methods (numpy's dense Floyd-Warshall, scipy's Dijkstra) against every path."""
     n, raw = case
     graph = nx.Graph()
     graph.add_nodes_from(range(n))
@@ -179,11 +180,27 @@ def test_best_paths_equal_brute_force(case):
         if u != v and not graph.has_edge(u, v):
             graph.add_edge(u, v, bw=bw, lat=lat)
     edges = list(graph.edges(data=True))
-    bw, lat = best_paths(n, [u for u, _, _ in edges], [v for _, v, _ in edges],
-                         [e["bw"] for *_, e in edges], [e["lat"] for *_, e in edges])
-    for a, b in itertools.permutations(range(n), 2):
-        expect = brute_force(graph, a, b)
-        assert (bw[a, b], lat[a, b]) == pytest.approx(expect)
+    for dense in (True, False):
+        bw, lat = best_paths(n, [u for u, _, _ in edges], [v for _, v, _ in edges],
+                             [e["bw"] for *_, e in edges], [e["lat"] for *_, e in edges],
+                             dense=dense)
+        for a, b in itertools.permutations(range(n), 2):
+            expect = brute_force(graph, a, b)
+            assert (bw[a, b], lat[a, b]) == pytest.approx(expect), dense
+
+
+@pytest.mark.parametrize("name", ["hetero_2gpu_2xpu.yaml", "gpu_2x8.yaml", "emulated_2x2.yaml"])
+def test_dense_and_sparse_best_paths_agree_on_shipped_clusters(name):
+    """With parallel links and switches too: the matrices of both methods are equal."""
+    c = shipped(name)
+    ids = sorted(c._node_index)
+    index = {nid: k for k, nid in enumerate(ids)}
+    links = c.all_links + [c.all_links[0]]            # a parallel link, kept once
+    args = (len(ids), [index[ln.source] for ln in links], [index[ln.target] for ln in links],
+            [ln.bandwidth for ln in links], [ln.latency for ln in links])
+    dense, sparse = best_paths(*args, dense=True), best_paths(*args, dense=False)
+    np.testing.assert_allclose(dense[0], sparse[0], rtol=1e-12)
+    np.testing.assert_allclose(dense[1], sparse[1], rtol=1e-12)
 
 
 def test_cluster_is_a_hashable_picklable_value():

@@ -48,7 +48,6 @@ from typing import Callable
 import numpy as np
 
 from distgraph.errors import DistGraphError
-from distgraph.version import __version__
 
 FORMAT = "distgraph-checkpoint"
 GLOBAL_STATE = "optimizer@"      # optimizer states of no one parameter (optimizer@STEP)
@@ -78,6 +77,7 @@ class Entry:
 
 
 def distgraph_version() -> str:
+    from distgraph.version import __version__     # importlib.metadata: only when saving
     return __version__
 
 

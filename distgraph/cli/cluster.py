@@ -19,12 +19,9 @@ import sys
 import tempfile
 
 from distgraph.errors import DistGraphError
-from distgraph.resources.cluster import Cluster
-from distgraph.runtime.launch.hosts import choose_placement
-from distgraph.runtime.launch.launcher import TIMED_OUT, launch
-from distgraph.runtime.launch.remote import is_local
-from distgraph.tools.calibrate import SCRIPT as CALIBRATE_SCRIPT
-from distgraph.tools.emulated import calibrate_command_emulated
+
+# The handlers import what they run: the ``distgraph`` command builds every subcommand's
+# parser, and ``distgraph run`` should not pay for resource files and calibration.
 
 
 def add_cluster_parser(subparsers) -> argparse.ArgumentParser:
@@ -65,6 +62,7 @@ def add_cluster_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def show_command(args) -> int:
+    from distgraph.resources.cluster import Cluster
 
     try:
         cluster = Cluster.from_file(args.file)
@@ -76,6 +74,12 @@ def show_command(args) -> int:
 
 
 def calibrate_command(args) -> int:
+    from distgraph.resources.cluster import Cluster
+    from distgraph.runtime.launch.hosts import choose_placement
+    from distgraph.runtime.launch.launcher import TIMED_OUT, launch
+    from distgraph.runtime.launch.remote import is_local
+    from distgraph.tools.calibrate import SCRIPT as CALIBRATE_SCRIPT
+    from distgraph.tools.emulated import calibrate_command_emulated
 
     output = os.path.abspath(args.output)
     if not output.lower().endswith((".yaml", ".yml", ".json")):
@@ -127,6 +131,9 @@ def _calibrate_hosts(args, placement, output: str) -> int:
     """Measure on the placement's hosts: rank 0 (on some host) writes the file into its
     log folder, which the launcher brings back here; it then goes to ``output``. The
     logs stay (and the failure report names them) when the ranks fail."""
+    from distgraph.runtime.launch.launcher import launch
+    from distgraph.tools.calibrate import SCRIPT as CALIBRATE_SCRIPT
+
     logs = tempfile.mkdtemp(prefix="distgraph-calibrate-")
     name = os.path.basename(output)
     code = 2

@@ -39,9 +39,7 @@ import sys
 import tempfile
 import time
 
-from distgraph.app.plan_report import PLAN_OUT, PLAN_PLOT
 from distgraph.errors import DistGraphError
-from distgraph.resources.cluster import Cluster
 
 GRACE = 10.0           # seconds a stopped script gets to clean up (emulated clusters do)
 DESCRIPTION = """\
@@ -97,6 +95,10 @@ def _split(args):
 
 
 def _plan(args) -> int:
+    # here, not above: ``distgraph run`` builds this parser too and needs neither
+    from distgraph.app.plan_report import PLAN_OUT, PLAN_PLOT
+    from distgraph.resources.cluster import Cluster
+
     args = _split(args)
     try:
         if args.cluster:

@@ -11,8 +11,6 @@ import os
 import sys
 
 from distgraph.errors import DistGraphError
-from distgraph.resources.cluster import Cluster
-from distgraph.runtime.emulate.launch import run_command
 from distgraph.runtime.launch.hosts import choose_placement
 from distgraph.runtime.launch.launcher import check_launch, launch
 from distgraph.runtime.launch.remote import is_local
@@ -92,10 +90,16 @@ def _run(args) -> int:
                       "namespaces; it takes no --hostfile, --hosts or --dry-run",
                       file=sys.stderr)
                 return 2
+            from distgraph.runtime.emulate.launch import run_command
+
             return run_command(args)
         argv = [args.script, *args.args]
         check_launch(args.nprocs, argv, args.cluster)
-        cluster = Cluster.from_file(args.cluster) if args.cluster else None
+        cluster = None
+        if args.cluster:     # resource files need numpy, networkx and scipy: only then
+            from distgraph.resources.cluster import Cluster
+
+            cluster = Cluster.from_file(args.cluster)
         placement = choose_placement(args.nprocs, args.hostfile, args.hosts, cluster,
                                      args.cluster, os.environ)
         if args.dry_run:

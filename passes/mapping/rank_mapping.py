@@ -46,7 +46,6 @@ from dataclasses import dataclass, field
 from typing import Mapping
 
 import numpy as np
-from scipy.sparse import csr_matrix
 
 from distgraph.errors import PlanError
 from distgraph.passes.mapping.process_graph import ProcessGraph
@@ -83,6 +82,28 @@ class RankMapping:
                 break
             lines.append(f"  machine {machine}: " + " ".join(items))
         return "\n".join(lines)
+
+
+class _Rows:
+    """A P x P matrix by compressed rows, as scipy's CSR holds it (``indptr``,
+    ``indices`` sorted within a row, ``data``; duplicate entries summed, zeros kept), with
+    what the mappers need of it. Not scipy's: importing scipy.sparse is a fifth of a second
+    of every rank's start, for matrices of a few entries per process."""
+
+    def __init__(self, rows, cols, values, size: int):
+        keys, where = np.unique(np.asarray(rows) * size + np.asarray(cols), return_inverse=True)
+        self.size = size
+        self.row_of, self.indices = np.divmod(keys, size)
+        self.data = np.bincount(where, weights=values, minlength=keys.size).astype(float)
+        self.indptr = np.searchsorted(self.row_of, np.arange(size + 1))
+
+    def row_sums(self) -> np.ndarray:
+        return np.bincount(self.row_of, weights=self.data, minlength=self.size)
+
+    def __matmul__(self, dense: np.ndarray) -> np.ndarray:
+        out = np.zeros((self.size, dense.shape[1]))
+        np.add.at(out, self.row_of, self.data[:, None] * dense[self.indices])
+        return out
 
 
 class _Problem:
@@ -122,10 +143,10 @@ class _Problem:
         cols = np.concatenate([pairs[:, 1], pairs[:, 0]])
         # Every cost below is linear in (amount on a pair) x (cost per unit between two
         # devices); the bytes and the messages are two such terms, kept side by side.
-        self.terms = [(csr_matrix((np.concatenate([w, w]), (rows, cols)), shape=(P, P)), c, w)
+        self.terms = [(_Rows(rows, cols, np.concatenate([w, w]), P), c, w)
                       for w, c in ((nbytes, per_byte), (msgs, per_message))]
         self.T = self.terms[0][0]            # bytes: what the heuristics weigh processes by
-        self.total = np.asarray(self.T.sum(axis=1)).ravel()
+        self.total = self.T.row_sums()
         self._check(types, memory)
 
     def _check(self, types, memory):
@@ -274,7 +295,7 @@ def _improve(prob: _Problem, dev_of: np.ndarray, max_rounds: int) -> int:
     compat = prob.compat
     slot = np.full(D, -1)
     slot[dev_of] = np.arange(P)
-    M = sum(np.asarray(T @ C[dev_of, :]) for T, C, _ in prob.terms)  # M[p, d]: p on d
+    M = sum(T @ C[dev_of, :] for T, C, _ in prob.terms)  # M[p, d]: p on d
     own = M[np.arange(P), dev_of]
     tol = 1e-12 * max(prob.cost_of(dev_of), 1e-300)
     order = np.argsort(-prob.total, kind="stable")

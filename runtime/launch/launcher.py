@@ -38,7 +38,6 @@ import threading
 from contextlib import contextmanager
 
 from distgraph.errors import PlanError
-from distgraph.resources.cluster import Cluster
 from distgraph.runtime.launch import remote
 from distgraph.runtime.launch.hostside import LAUNCHER_FILE
 from distgraph.runtime.launch.hosts import Placement
@@ -115,6 +114,10 @@ def check_launch(nprocs: int, argv: list[str], cluster: str | None = None) -> No
     if not os.path.isfile(argv[0]):
         raise PlanError(f"{argv[0]}: no such script; give the path of a Python file")
     if cluster is not None:
+        # here, not above: reading a resource file needs numpy, networkx and scipy, a
+        # second of the start of a job that has none
+        from distgraph.resources.cluster import Cluster
+
         devices = len(Cluster.from_file(cluster).devices)
         if devices < nprocs:
             raise PlanError(f"{cluster}: the cluster has {devices} devices but -n {nprocs} "

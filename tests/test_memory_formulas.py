@@ -33,14 +33,6 @@ from megatron_table1 import TABLE1  # noqa: E402
 ROWS = [pytest.param(row, id=row.name) for row in TABLE1]
 
 
-@pytest.fixture(autouse=True)
-def default_dtype_restored():
-    """gpt_scale's models set the default dtype to bfloat16; later tests build float ones."""
-    before = dg.get_default_dtype()
-    yield
-    dg.set_default_dtype(before)
-
-
 @pytest.fixture(scope="module")
 def cluster():
     """DGX A100 nodes enough for the largest row's pipeline (t p = 512 GPUs)."""

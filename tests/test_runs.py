@@ -1,7 +1,8 @@
 """Stage options of a model of identical blocks (passes/search/runs.py): each logical
 mesh offers the fastest block and blocks of smaller peak memory ("memory variants"),
 each the fastest within half the previous one's peak, and no option the stage DP would
-never prefer."""
+never prefer; the variants are searched only when the fastest options do not reach
+the latency they would with unlimited memory, and the plan equals the eager one."""
 
 import os
 import sys
@@ -12,7 +13,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import distgraph as dg  # noqa: E402
 from distgraph.passes.search.layers import block_layers  # noqa: E402
-from distgraph.passes.search.runs import VARIANTS, RunCosts  # noqa: E402
+from distgraph.errors import PlanError  # noqa: E402
+from distgraph.passes.search.run_dp import plan_runs  # noqa: E402
+from distgraph.passes.search.runs import VARIANTS, RunCosts, plan_blocks  # noqa: E402
 from distgraph.program_builder import build_program  # noqa: E402
 
 import plans as P  # noqa: E402
@@ -21,18 +24,27 @@ import search_cases as S  # noqa: E402
 BATCH = 16
 
 
-@pytest.fixture(scope="module")
-def costs():
+MICRO = 4
+# slow links: the fastest block computes everything everywhere, so it peaks high
+CLUSTER = S.line_cluster(4, bandwidth=0.01)
+# 1.2 MB devices: the whole blocks fit in no split, blocks split two ways do
+TIGHT = S.line_cluster(4, bandwidth=0.01, device=dict(S.DEVICE, memory=0.0012))
+
+
+def run_costs() -> RunCosts:
     dims = dict(P.GPT_DIMS, n_layer=4)
     data = P.Dataset("gpt", dims=dims, batch=BATCH)
     ins, labels = dg.app.data.DataLoader(data, BATCH).specs(1)
     copy = build_program(P.build_model("gpt", dims=dims), ins, labels, P.loss_fn("gpt"),
                          dg.optim.AdamW(0.01))
-    # slow links: the fastest block computes everything everywhere, so it peaks high
-    cluster = S.line_cluster(4, bandwidth=0.01)
     layering = block_layers(copy.program, copy.block_paths)
-    costs = RunCosts(copy, dg.Strategy(auto_mode="full", pipeline=True), cluster,
-                     layering, micro=4)
+    return RunCosts(copy, dg.Strategy(auto_mode="full", pipeline=True), CLUSTER,
+                    layering, micro=MICRO)
+
+
+@pytest.fixture(scope="module")
+def costs():
+    costs = run_costs()
     return costs, costs.options()
 
 
@@ -43,7 +55,7 @@ def figures(option) -> list:
 
 def test_variants_halve_the_peak_at_the_least_time(costs):
     runs, _ = costs
-    searched = [variants for found in runs._found.values() for variants in found]
+    searched = [[s.fastest] + s.smaller for found in runs._found.values() for s in found]
     assert any(len(variants) > 1 for variants in searched)
     for variants in searched:
         assert 1 <= len(variants) <= VARIANTS
@@ -67,3 +79,38 @@ def test_no_option_is_matched_or_beaten_by_another_on_its_mesh(costs):
             for b in group:
                 if a is not b:
                     assert not all(x <= y for x, y in zip(figures(a), figures(b))), (a, b)
+
+
+def eager_plan(costs, cluster) -> tuple:
+    runs, options = costs
+    return plan_runs(runs.layering.count, runs.blocks, options, cluster, MICRO)
+
+
+def same_plan(a, b) -> bool:
+    (plan_a, chosen_a), (plan_b, chosen_b) = a, b
+    return plan_a.stages == plan_b.stages and plan_a.objective == plan_b.objective and \
+        [(str(o), figures(o)) for o in chosen_a] == [(str(o), figures(o)) for o in chosen_b]
+
+
+def test_variants_are_not_searched_where_the_fastest_options_lose_nothing_to_memory(costs):
+    lazy = run_costs()
+    fastest = lazy.options(variants=False)
+    searched = lazy.searches
+    plan = plan_blocks(lazy, CLUSTER, MICRO)
+    assert lazy.searches == searched < costs[0].searches
+    free, _ = plan_runs(lazy.layering.count, lazy.blocks, fastest, CLUSTER, MICRO,
+                        fit_memory=False)
+    assert plan[0].objective == free.objective
+    assert same_plan(plan, eager_plan(costs, CLUSTER))
+
+
+def test_variants_are_searched_where_the_fastest_options_do_not_fit(costs):
+    lazy = run_costs()
+    fastest = lazy.options(variants=False)
+    searched = lazy.searches
+    with pytest.raises(PlanError):      # the premise: only the variants fit TIGHT
+        plan_runs(lazy.layering.count, lazy.blocks, fastest, TIGHT, MICRO)
+    plan = plan_blocks(lazy, TIGHT, MICRO)
+    assert searched < lazy.searches == costs[0].searches
+    assert same_plan(plan, eager_plan(costs, TIGHT))
+    assert all(figures(o) not in [figures(f) for f in fastest] for o in plan[1])

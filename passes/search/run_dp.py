@@ -177,11 +177,12 @@ def _window_min(A: np.ndarray, w: int) -> np.ndarray:
 
 
 def plan_runs(count: int, blocks: range, options: list, cluster,
-              micro_batches: int = 1) -> tuple:
+              micro_batches: int = 1, fit_memory: bool = True) -> tuple:
     """(StagePlan, the option of each stage): stages of ``count`` layers whose
     ``blocks`` are identical, on ``options`` (:class:`~distgraph.passes.search.runs.
     RunOption`, each with ``cost(first, blocks, last)``) of ``cluster``'s device meshes;
-    see the module docstring."""
+    see the module docstring. Without ``fit_memory`` the devices' memory is not a
+    limit (a lower bound on the latency of options that only save memory)."""
     meshes = list(cluster.device_meshes)
     units, capacities, limits = [], [], []
     for axis, mesh in enumerate(meshes):
@@ -189,7 +190,8 @@ def plan_runs(count: int, blocks: range, options: list, cluster,
         unit = math.gcd(*sizes, mesh.size) if sizes else mesh.size
         units.append(unit)
         capacities.append(mesh.size // unit)
-        limits.append(min(cluster.device(i).memory for i in mesh.ids))
+        limits.append(min(cluster.device(i).memory for i in mesh.ids) if fit_memory
+                      else math.inf)
     runs = [_Run(o, count, blocks, limits[o.axis], units[o.axis]) for o in options]
     search = _RunSearch(count, blocks, runs, capacities, micro_batches)
     best = search.run()

@@ -37,7 +37,16 @@ within half of that, and so on (up to :data:`VARIANTS` in all, while the search 
 smaller one), as options of their own: the DP takes the fastest that lets its stages
 fit (on GPT-3 310B, Megatron's split of every weight over t instead of whole attention
 weights: six blocks a stage instead of one). E and H are searched again only where the
-block meets them in other layouts.
+block meets them in other layouts. A mesh whose fastest parts are priced from another's
+search prices that search's variants too, or searches its own where they do not divide.
+
+The variants are searched only when they can matter (:func:`plan_blocks`). A variant's
+block is the fastest within a memory budget, so no faster than the fastest block: the
+variants can only help the stages fit. If the DP on the fastest options reaches the
+latency it reaches with the devices' memory unlimited, memory costs nothing there and
+the plan stands (the eager search would find the same latency; it could differ only where
+a variant's re-searched E or H, or its layouts priced on another mesh, came out faster
+than the fastest parts'); otherwise, or when nothing fits, the DP runs again with them.
 
 **Blocks that differ.** The interior blocks are identical op by op; the first and the
 last differ from them in where a few gradient sums fall. They are costed as interior
@@ -48,8 +57,9 @@ left to completion.
 Example::
 
     costs = RunCosts(copy, strategy, cluster, layering, micro=8)
-    for option in costs.options():        # one per (device mesh, submesh, logical shape)
+    for option in costs.options():        # per (device mesh, submesh, logical shape)
         option.cost(True, 4, False)       # E + 4 blocks: (seconds, GB, GB per micro-batch)
+    plan, chosen = plan_blocks(costs, cluster, micro_batches=8)   # variants if needed
 """
 
 from __future__ import annotations
@@ -64,6 +74,7 @@ from distgraph.errors import PlanError
 from distgraph.mesh import ProcessMesh
 from distgraph.passes.search.intra_op import Boundary, price, search
 from distgraph.passes.search.layers import FORWARD
+from distgraph.passes.search.run_dp import plan_runs
 from distgraph.passes.search.space import GB, MESH_DIMS
 from distgraph.passes.search.stage_dp import Submesh
 
@@ -141,6 +152,19 @@ class RunReport:
                           for name, n, report in self.parts]}
 
 
+@dataclass
+class _Searched:
+    """A mesh searched for its fastest parts (``key``: (axis, submesh shape, logical
+    shape)), and for its memory variants once they are asked for (``smaller``); parts
+    as dicts part -> SearchResult."""
+
+    key: tuple
+    mesh: ProcessMesh
+    device_of: dict
+    fastest: dict
+    smaller: list | None = None
+
+
 class RunCosts:
     """The stage options of a block layering of ``copy`` (a BuiltProgram) on ``cluster``
     with ``micro`` micro-batches (module docstring)."""
@@ -160,11 +184,14 @@ class RunCosts:
         self.searches = 0
         self.seconds = 0.0
         self._maps: dict = {}
-        self._found: dict = {}        # t -> [(results per part), ...] searched so far
+        self._found: dict = {}        # t -> [_Searched, ...] in the order searched
+        self._fastest: dict = {}      # (axis, shape, logical) -> (_Searched, parts)
+        self._smaller: dict = {}      # (axis, shape, logical) -> [parts of each variant]
 
     # -- the options --------------------------------------------------------------------
-    def options(self) -> list:
-        """Every (device mesh, submesh, logical shape) with its parts costed."""
+    def options(self, variants: bool = True) -> list:
+        """Every (device mesh, submesh, logical shape) with its parts costed: the fastest
+        parts, and with ``variants`` the memory variants too (module docstring)."""
         out = []
         for axis, device_mesh in enumerate(self.cluster.device_meshes):
             rows, cols = _grid(device_mesh.shape)
@@ -181,40 +208,62 @@ class RunCosts:
         # search the largest mesh of each t whose x divides the rows first
         rows_mb = self._batch_rows()
         order = sorted(out, key=lambda o: (o[2][1], rows_mb % o[2][0] != 0, -o[2][0]))
-        costed = {}
         for axis, sub, logical in order:
-            costed[(axis, sub.shape, logical)] = _undominated(
-                [RunOption(axis, sub, logical, parts) for parts in self._parts(sub, logical)])
-        return [option for a, s, lg in out for option in costed[(a, s.shape, lg)]]
+            key = (axis, sub.shape, logical)
+            if key not in self._fastest:
+                self._fastest[key] = self._fastest_parts(key, sub, logical)
+            if variants and key not in self._smaller:
+                self._smaller[key] = self._smaller_parts(key, sub, logical)
+        options = []
+        for axis, sub, logical in out:
+            key = (axis, sub.shape, logical)
+            parts = [self._fastest[key][1]] + (self._smaller[key] if variants else [])
+            options += _undominated([RunOption(axis, sub, logical, p) for p in parts])
+        return options
 
     def _batch_rows(self) -> int:
         feeds = self.program.inputs
         return int(feeds[0].shape[0]) if feeds and feeds[0].shape else 1
 
-    def _parts(self, sub, logical) -> list:
-        """The parts of every variant (module docstring) on this logical mesh."""
+    def _fastest_parts(self, key, sub, logical) -> tuple:
+        """(the search whose fastest parts this mesh takes, the parts): priced from the
+        latest search of its ``t`` whose fastest choice divides here, else searched."""
         mesh, device_of = logical_mesh(sub.mesh, sub.shape, logical)
         t = logical[1]
-        for variants in self._found.get(t, ())[::-1]:
+        for searched in self._found.get(t, ())[::-1]:
             try:
-                return [self._price(found, mesh, device_of) for found in variants]
+                return searched, self._price(searched.fastest, mesh, device_of)
             except PlanError:
                 continue
-        variants = self._variants(mesh, device_of)
-        self._found.setdefault(t, []).append(variants)
-        return [{part: (self._measure(result), result) for part, result in found.items()}
-                for found in variants]
+        searched = _Searched(key, mesh, device_of, self._search(mesh, device_of))
+        self._found.setdefault(t, []).append(searched)
+        return searched, self._costed(searched.fastest)
+
+    def _smaller_parts(self, key, sub, logical) -> list:
+        """The parts of the memory variants after the fastest on this mesh: those of the
+        search its fastest parts came from, priced here if all divide, else searched."""
+        searched, fastest = self._fastest[key]
+        if searched.smaller is None:
+            searched.smaller = self._variants(searched.mesh, searched.device_of,
+                                              searched.fastest)
+        if searched.key == key:
+            return [self._costed(found) for found in searched.smaller]
+        mesh, device_of = logical_mesh(sub.mesh, sub.shape, logical)
+        try:
+            return [self._price(found, mesh, device_of) for found in searched.smaller]
+        except PlanError:
+            here = {part: result for part, (_, result) in fastest.items()}
+            return [self._costed(found) for found in self._variants(mesh, device_of, here)]
 
     # -- searches -----------------------------------------------------------------------
-    def _variants(self, mesh, device_of) -> list:
-        """The fastest parts, then the fastest whose block peaks within half, a quarter,
-        an eighth ... of the fastest block's peak, while a smaller one exists."""
-        found = self._search(mesh, device_of)
-        variants = [found]
-        peak = found["block"].report.peak_memory
+    def _variants(self, mesh, device_of, fastest) -> list:
+        """The fastest parts whose block peaks within half, a quarter, an eighth ... of
+        ``fastest``'s block peak, while a smaller one exists (``VARIANTS - 1`` at most)."""
+        variants = []
+        peak = fastest["block"].report.peak_memory
         for _ in range(VARIANTS - 1):
             try:
-                smaller = self._search(mesh, device_of, peak / 2, variants[0])
+                smaller = self._search(mesh, device_of, peak / 2, fastest)
             except PlanError:               # no layout of the block peaks that low
                 break
             if not smaller["block"].report.peak_memory < peak:
@@ -316,6 +365,9 @@ class RunCosts:
                 received.append((name, space.nodes[u].hints[choice[u]][j]))
         return Boundary(received=tuple(received), settle=tuple(settle))
 
+    def _costed(self, found: dict) -> dict:
+        return {part: (self._measure(result), result) for part, result in found.items()}
+
     def _measure(self, result) -> PartCost:
         """Seconds and bytes of a search's choice (module docstring)."""
         space, problem, choice = result.space, result.problem, result.choice
@@ -387,6 +439,24 @@ class RunCosts:
                     _same_op(self.program.ops[k], self.program.ops[theirs[key]]):
                 out[k] = theirs[key]
         return out
+
+
+def plan_blocks(costs: RunCosts, cluster, micro_batches: int = 1) -> tuple:
+    """(StagePlan, the option of each stage) of ``costs``' layers on ``cluster``: the
+    stage DP on the fastest options, then on all the variants only if the devices'
+    memory made it slower than without limits, or nothing fit (module docstring)."""
+    count, blocks = costs.layering.count, costs.blocks
+    fastest = costs.options(variants=False)
+    try:
+        plan = plan_runs(count, blocks, fastest, cluster, micro_batches)
+    except PlanError:               # nothing fits: the variants may
+        plan = None
+    if plan is not None:
+        free, _ = plan_runs(count, blocks, fastest, cluster, micro_batches,
+                            fit_memory=False)
+        if not free.objective < plan[0].objective:
+            return plan
+    return plan_runs(count, blocks, costs.options(variants=True), cluster, micro_batches)
 
 
 def _undominated(options: list) -> list:

@@ -41,8 +41,7 @@ from distgraph.mesh import ProcessMesh
 from distgraph.passes.search.ilp_problem import peak_memory
 from distgraph.passes.search.intra_op import search
 from distgraph.passes.search.layers import block_layers, cluster_layers
-from distgraph.passes.search.run_dp import plan_runs
-from distgraph.passes.search.runs import RunCosts
+from distgraph.passes.search.runs import RunCosts, plan_blocks
 from distgraph.passes.search.space import GB, MESH_DIMS
 from distgraph.passes.search.stage_dp import StageCost, plan_stages
 from distgraph.resources.cluster import Cluster
@@ -149,8 +148,7 @@ def _plan_runs(copy, strategy, cluster, target, layering, micro, start) -> Pipel
     """The stage search of a model of identical blocks (:mod:`distgraph.passes.search.
     runs`): options costed once per logical mesh, the DP linear in the blocks."""
     costs = RunCosts(copy, strategy, cluster, layering, micro)
-    stage_plan, chosen = plan_runs(layering.count, layering.blocks, costs.options(), target,
-                                   micro_batches=micro)
+    stage_plan, chosen = plan_blocks(costs, target, micro_batches=micro)
     index = {d.global_id: p for p, d in enumerate(cluster.devices)}
     reports, checks = [], []
     for stage, option in zip(stage_plan.stages, chosen):

@@ -36,7 +36,7 @@ import sys
 import tempfile
 import time
 
-import distgraph
+import distgraph.errors
 from distgraph.errors import PlanError, RuntimeFault
 from distgraph.runtime.emulate.launch import TRANSPORT_ENV
 from distgraph.runtime.emulate.layout import choose_subnet, plan_layout, this_job
@@ -277,7 +277,7 @@ def _job_folders_in_tmp() -> list[str]:
     """The folders right below ``/tmp`` that hold this Python, distgraph or the working
     directory (a job started here needs them at the same paths on every host)."""
     places = (sys.prefix, sys.base_prefix, os.path.dirname(os.path.realpath(sys.executable)),
-              os.path.dirname(os.path.dirname(os.path.abspath(distgraph.__file__))),
+              os.path.dirname(os.path.dirname(os.path.abspath(distgraph.errors.__file__))),
               os.getcwd())
     tops = {rel.split(os.sep)[0] for rel in map(_below_tmp, places) if rel is not None}
     return sorted(tops)

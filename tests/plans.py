@@ -151,6 +151,18 @@ class Tokens:
         return self.t[i, :-1].astype(np.int64), self.t[i, 1:].astype(np.int64)
 
 
+class StopAndSave(dg.callbacks.Callback):
+    """Saves a checkpoint to ``path`` after step ``stop_after`` and stops training there."""
+
+    def __init__(self, path, stop_after: int):
+        self.path, self.stop_after = path, stop_after
+
+    def on_step_end(self, step, logs=None):
+        if step + 1 == self.stop_after:
+            self.engine.save(self.path)
+            self.engine.stop_training = True
+
+
 # ---- plans ----------------------------------------------------------------------------
 
 @dataclass(frozen=True)

@@ -85,16 +85,6 @@ def train_item(item, comm, cluster, refs) -> dict:
             "micro_batches": [train.micro_batches_of(p) for p in train.process_ids]}
 
 
-class StopAndSave(dg.callbacks.Callback):
-    def __init__(self, path):
-        self.path = path
-
-    def on_step_end(self, step, logs=None):
-        if step + 1 == STOP_AFTER:
-            self.engine.save(self.path)
-            self.engine.stop_training = True
-
-
 def resume_item(directory, comm, cluster) -> dict:
     fit = dict(batch_size=BATCH, epochs=2, shuffle=True, verbose=0)
     data = P.Dataset("gpt", batch=BATCH, n=4 * BATCH)
@@ -110,8 +100,8 @@ def resume_item(directory, comm, cluster) -> dict:
     full = engine(0)
     full_losses = full.fit(data, **fit).losses
     first = engine(0)
-    first_losses = first.fit(data, callbacks=[StopAndSave(os.path.join(directory, "ckpt"))],
-                             **fit).losses
+    stop = P.StopAndSave(os.path.join(directory, "ckpt"), STOP_AFTER)
+    first_losses = first.fit(data, callbacks=[stop], **fit).losses
     resumed = engine(1)
     resumed.load(os.path.join(directory, "ckpt"))
     history = resumed.fit(data, **fit)

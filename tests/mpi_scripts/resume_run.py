@@ -24,7 +24,7 @@ import numpy as np
 import distgraph as dg
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from plans import Tokens  # noqa: E402
+from plans import StopAndSave, Tokens  # noqa: E402
 
 STOP_AFTER = 9
 FIT = dict(batch_size=4, epochs=3, shuffle=True, verbose=0)
@@ -58,16 +58,6 @@ def engine(plan, seed, comm):
                      communicator=comm)
 
 
-class StopAndSave(dg.callbacks.Callback):
-    def __init__(self, path):
-        self.path = path
-
-    def on_step_end(self, step, logs=None):
-        if step + 1 == STOP_AFTER:
-            self.engine.save(self.path)
-            self.engine.stop_training = True
-
-
 def state(e) -> dict:
     return {**e.state_dict(), **e.optimizer_state_dict()}
 
@@ -88,7 +78,8 @@ def main(plan, phase, directory) -> None:
         if rank == 0:
             np.savez(os.path.join(directory, "full.npz"), **values)
         first = engine(plan, 0, comm)
-        result["first"] = first.fit(Tokens(24), callbacks=[StopAndSave(ckpt)], **FIT).losses
+        stop = StopAndSave(ckpt, STOP_AFTER)
+        result["first"] = first.fit(Tokens(24), callbacks=[stop], **FIT).losses
     else:
         resumed = engine(plan, 1, comm)
         resumed.load(ckpt)

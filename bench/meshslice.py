@@ -12,8 +12,11 @@ mesh dim x (the rows) crosses the machines. Each environment is first calibrated
 ``--local-calibration`` reuse a file) and everything the autotuner predicts comes from
 that file. Then, on 4 ranks in each environment:
 
-1. **The GeMM**: fc1 of a transformer layer with hidden 1024 and 1024 tokens (batch 8 x
-   sequence 128), fp32: x [1024, 1024] @ W [1024, 4096]. Every GeMM the autotuner ranks
+1. **The GeMM**: fc1 of a transformer layer with hidden 1024 and 2048 tokens (batch 16 x
+   sequence 128), fp32: x [2048, 1024] @ W [1024, 4096], sized so that on the emulated
+   link the 2x2 mesh's compute and its K = 1 communication are alike (about 90 and 75
+   ms here; with half the tokens the communication was 1.6 x the compute, so that no
+   pipeline could hide half of it). Every GeMM the autotuner ranks
    for it — forward, backward-data and backward-weight, each in the dataflows of the three
    forward choices, on the meshes 1x4, 2x2 and 4x1, with K in {1, 2, 4, 8} where K divides
    the shard — runs through MeshSlice's kernel (``distgraph.ops.meshslice.run``, the op's
@@ -60,7 +63,7 @@ from distgraph.runtime.emulate.namespaces import check_prerequisites  # noqa: E4
 from distgraph.runtime.launch.launcher import launch  # noqa: E402
 from distgraph.spmd.meshslice import Layout, MatmulAxes  # noqa: E402
 
-MODEL = dict(layers=1, hidden=1024, heads=8, seq=128, batch=8)
+MODEL = dict(layers=1, hidden=1024, heads=8, seq=128, batch=16)
 LAYER = "fc1"
 SLICES = (1, 2, 4, 8)
 GPT = dict(vocab_size=512, d_model=512, n_layer=2, n_head=8, max_seq_len=64)

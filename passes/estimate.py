@@ -209,6 +209,17 @@ def software_time(device, kind: str) -> float:
     return software.get(kind, 0.0) * 1e-6 if software else 0.0
 
 
+def sliced_software_time(device, kind: str) -> float:
+    """Seconds of software one collective of ``kind`` costs inside a sliced pipeline
+    (:class:`~distgraph.registry.Overlap`): the device's measured ``sliced`` figure (each
+    more slice of MeshSlice's kernel, ``distgraph cluster calibrate``) where it has one,
+    else what a reshard step of that kind costs."""
+    software = device.reshard_overhead
+    if software and "sliced" in software:
+        return software["sliced"] * 1e-6
+    return software_time(device, kind)
+
+
 def op_collective_time(kind: str, n: int, nbytes: float, ring: tuple, device) -> float:
     """Seconds of a collective an op runs itself over ``n`` processes on ``ring``
     (bandwidth GB/s, latency µs): its alpha-beta plus the software cost a reshard step
@@ -264,7 +275,7 @@ def overlap_time(ov, device, ring_of, compute_time=None) -> tuple[float, float]:
                 continue
             bw, lat, copied = ring_of(dim)
             t = collective_time(kind, n, nbytes, bw, lat)
-            processor += software_time(device, kind) + (t if copied else 0.0)
+            processor += sliced_software_time(device, kind) + (t if copied else 0.0)
             if not copied:
                 per_dim[dim] = per_dim.get(dim, 0.0) + t
         return max(per_dim.values(), default=0.0)
@@ -282,7 +293,8 @@ def collectives_time(ov, device, ring_of) -> float:
     for kind, dim, n, nbytes in ov.before + ov.after:
         if n > 1:
             bw, lat, _ = ring_of(dim)
-            total += collective_time(kind, n, nbytes, bw, lat) + software_time(device, kind)
+            total += collective_time(kind, n, nbytes, bw, lat) + sliced_software_time(device,
+                                                                                    kind)
     return ov.slices * total
 
 

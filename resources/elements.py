@@ -66,7 +66,8 @@ class Device:
     (work: FLOPs of a matmul, else elements read and written; see
     :func:`distgraph.registry.op_work`), which the cost model prefers;
     ``reshard_overhead`` maps a reshard step kind (``all_reduce``, ``slice``, ...) to the
-    µs of software one such step costs beyond its messages' alpha-beta.
+    µs of software one such step costs beyond its messages' alpha-beta (``sliced``: one
+    collective of MeshSlice's sliced pipeline).
 
     Example: ``Device(0, 0, 0, "GPU", "A100-SXM4-40GB", {"float32": 19500}, 40)``.
     """
@@ -221,6 +222,8 @@ class DeviceMesh:
 # device's measured software cost per step (``reshard_overhead``) is given per kind.
 COLLECTIVE_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
 RESHARD_STEP_KINDS = COLLECTIVE_KINDS + ("slice", "make_partial", "send_recv")
+# ... and ``sliced``: one collective inside a sliced pipeline (MeshSlice's kernel).
+SOFTWARE_KINDS = RESHARD_STEP_KINDS + ("sliced",)
 
 def _ranges(ids) -> str:
     """Compact id list: [0, 1, 2, 5] -> '0-2, 5'."""

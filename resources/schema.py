@@ -20,7 +20,7 @@ from __future__ import annotations
 from itertools import combinations
 
 from distgraph.ops import registered_ops     # the package: every op registered
-from distgraph.resources.elements import (COMPUTE_TYPES, RESHARD_STEP_KINDS, Device, DeviceMesh,
+from distgraph.resources.elements import (COMPUTE_TYPES, SOFTWARE_KINDS, Device, DeviceMesh,
                                           InvalidCluster, Link, Machine, Switch)
 from distgraph.resources.reader import Reader, join
 
@@ -280,7 +280,7 @@ def _reshard_overhead(reader: Reader, d: dict, dkey: str):
     if raw is None:
         return None
     key = join(dkey, "reshard_overhead")
-    raw = reader.mapping(raw, key, RESHARD_STEP_KINDS, "a mapping of reshard step kind to µs")
+    raw = reader.mapping(raw, key, SOFTWARE_KINDS, "a mapping of reshard step kind to µs")
     return {kind: reader.number(raw, kind, key, unit="µs") for kind in raw}
 
 

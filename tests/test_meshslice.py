@@ -278,6 +278,39 @@ def test_one_slice_hides_nothing_and_k_slices_follow_the_pipeline_formula():
     assert pipeline_time(3, [1.0, 2.0, 0.5]) == 3.5 + 2 * 2.0
 
 
+def test_the_calibrated_sliced_cost_makes_the_model_reproduce_each_more_slice():
+    """``sliced`` (what one collective of a sliced pipeline costs beyond the model's
+    charge) is derived from the measured tiny GeMM at K = 1 and K = 8: priced with it,
+    the model's difference between the two equals the measured one; without it a
+    collective inside the pipeline costs what a reshard step of its kind costs."""
+    from distgraph.ops.meshslice import overlap
+    from distgraph.passes.estimate import sliced_software_time
+    from distgraph.tools.calibrate import SLICED_SLICES, build_cluster, sliced_problem
+
+    ranks = [{"rank": r, "host": f"node{r // 2}", "model": "cpu", "memory": 8.0,
+              "gflops": {"float32": 10.0}, "memory_bandwidth": 5.0, "op_overhead": 30.0}
+             for r in range(4)]
+    pairs = {(a, b): (0.1 if a // 2 != b // 2 else 3.0, 40.0) for a in range(4)
+             for b in range(a + 1, 4)}
+    steps = {"all_gather": 2e-4}
+    measured = {1: 6e-4, SLICED_SLICES: 4.1e-3}
+    cluster = build_cluster(ranks, pairs, None, "calibrated4", steps, measured)
+    device = cluster.device(0)
+    assert sliced_software_time(device, "all_gather") == device.reshard_overhead["sliced"] * 1e-6
+    assert device.reshard_overhead["sliced"] > 0
+
+    def priced(k):
+        local, ins, mesh = sliced_problem(4, k)
+        ov = overlap({"meshslice": local}, [TensorType(s, "float32") for s in ins])[0]
+        return sum(overlap_time(ov, device, lambda d: dim_ring(cluster, mesh, 0, d,
+                                                               lambda p: p)))
+
+    assert priced(SLICED_SLICES) - priced(1) == pytest.approx(
+        measured[SLICED_SLICES] - measured[1], rel=1e-4)
+    plain = build_cluster(ranks, pairs, None, "calibrated4", steps).device(0)
+    assert sliced_software_time(plain, "all_gather") == software_time(plain, "all_gather")
+
+
 def test_groups_of_a_mesh_dim_that_cross_the_same_machines_share_their_link():
     """On 2 machines x 2 devices, the two groups along x (across the machines) cross the
     machine link at once: each gets half; the one 4-device ring of a 1x4 mesh crosses

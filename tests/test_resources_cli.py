@@ -74,6 +74,7 @@ def test_calibrate_two_ranks_writes_a_loadable_file(tmp_path, capsys):
     for d in cluster.devices:
         assert d.type == "CPU" and d.memory > 0
         assert d.gflops["float32"] > 0 and d.gflops["float64"] > 0
+        assert {"all_gather", "reduce_scatter", "sliced"} <= set(d.reshard_overhead)
     assert cluster.bandwidth(0, 1) > 0 and cluster.latency(0, 1) > 0
     assert cluster.calibration["ranks"] == 2
     assert cluster.calibration["allreduce_bus_bandwidth"] > 0

@@ -257,14 +257,65 @@ def measure_reshard_steps(comm, repeats: int) -> dict:
     return out
 
 
+SLICED_SLICES = 8        # the sliced GeMM of measure_sliced_gemm runs at K = 1 and K = 8
+
+
+def sliced_problem(n: int, slices: int) -> tuple:
+    """(LocalMeshSlice, [local x shape, local y shape], mesh) of the tiny GeMM
+    :func:`measure_sliced_gemm` times: output stationary on a 1 x ``n`` mesh, x gathered
+    over all ``n`` ranks."""
+    from distgraph.mesh import ProcessMesh
+    from distgraph.ops.meshslice import local_form
+    from distgraph.spmd.meshslice import Layout, MatmulAxes
+
+    shapes = [(8 * n, 8 * SLICED_SLICES * n), (8 * SLICED_SLICES * n, 8 * n)]
+    lay, axes = Layout("OS", "x", "y"), MatmulAxes.of(shapes, {})
+    local = local_form(lay, axes, shapes, {"x": 1, "y": n}, slices)
+    mesh = ProcessMesh([list(range(n))], ["x", "y"])
+    return local, [DistAttr(mesh, ShardSpec(spec.dims)).local_shape(shape)
+                   for spec, shape in zip(lay.specs(axes, shapes)[:2], shapes)], mesh
+
+
+def measure_sliced_gemm(comm, repeats: int) -> dict:
+    """{K: seconds} of MeshSlice's kernel (:func:`distgraph.ops.meshslice.run`) on the
+    tiny GeMM of :func:`sliced_problem` at K = 1 and ``SLICED_SLICES`` (the slowest
+    rank's view): what each more slice costs the sliced pipeline, whose collectives start
+    and finish between partial GeMMs rather than in lockstep (an oversubscribed host pays
+    for peers that are not running there)."""
+    from distgraph.ops.meshslice import run
+    from distgraph.registry import KernelContext
+    from distgraph.runtime.comm.mpi import MPICommunicator
+
+    n = comm.Get_size()
+    runtime = MPICommunicator(comm)
+    ctx = KernelContext(np, comm=runtime, groups=((runtime.rank,), tuple(range(n))))
+    out = {}
+    for slices in (1, SLICED_SLICES):
+        local, (xs, ys), _ = sliced_problem(n, slices)
+        x, y = np.ones(xs, dtype=np.float32), np.ones(ys, dtype=np.float32)
+        best = np.inf
+        for batch in range(repeats + 1):       # batch 0 warms up
+            runtime.barrier()
+            start = time.perf_counter()
+            for _ in range(20):
+                run(ctx, x, y, False, False, local)
+            if batch:
+                best = min(best, (time.perf_counter() - start) / 20)
+        out[slices] = comm.allreduce(best, op=_mpi_max())
+    return out
+
+
 def _mpi_max():
     from mpi4py import MPI
     return MPI.MAX
 
 
-def reshard_overheads(cluster, steps: dict) -> dict:
+def reshard_overheads(cluster, steps: dict, sliced: dict | None = None) -> dict:
     """{step kind: µs} a step costs beyond the alpha-beta of the links its messages take
-    (what :func:`measure_reshard_steps` measured, less the cost model's charge)."""
+    (what :func:`measure_reshard_steps` measured, less the cost model's charge); with
+    ``sliced`` (:func:`measure_sliced_gemm`'s times), also ``sliced``: what one
+    collective of a sliced pipeline costs beyond the model's charge for it and its slice
+    (:func:`sliced_overhead`)."""
 
     ids = [d.global_id for d in cluster.devices]
     n = len(ids)
@@ -278,10 +329,46 @@ def reshard_overheads(cluster, steps: dict) -> dict:
     for kind, seconds in steps.items():
         charged = collective_time(kind, n, buffer[kind], bw, lat) if kind in buffer else 0.0
         out[kind] = round(max(seconds - charged, 0.0) * 1e6, 3)
+    if sliced:
+        out["sliced"] = round(sliced_overhead(cluster, sliced) * 1e6, 3)
     return out
 
 
-def build_cluster(ranks: list[dict], pairs: dict, allreduce, name: str, steps=None):
+def sliced_overhead(cluster, sliced: dict) -> float:
+    """Seconds per collective of a sliced pipeline beyond the model's charge: the value
+    with which :func:`~distgraph.passes.estimate.overlap_time` prices the tiny GeMM's
+    each more slice (K = 1 against ``SLICED_SLICES``) as measured (0 where the model's
+    charge alone reaches it), found by bisection (the price grows with it)."""
+    from distgraph.ops.meshslice import overlap
+    from distgraph.passes.estimate import dim_ring, overlap_time
+    from distgraph.registry import TensorType
+
+    ids = [d.global_id for d in cluster.devices]
+    device = cluster.device(ids[0])
+    priced = []
+    for slices in (1, SLICED_SLICES):
+        local, ins, mesh = sliced_problem(len(ids), slices)
+        ov = overlap({"meshslice": local}, [TensorType(s, "float32") for s in ins])[0]
+        priced.append((ov, lambda dim, mesh=mesh: dim_ring(cluster, mesh, 0, dim,
+                                                           lambda p: ids[p])))
+
+    def gap(seconds):
+        dev = dataclasses.replace(device, reshard_overhead={"sliced": seconds * 1e6})
+        (one, ring1), (many, ring) = priced
+        return (sum(overlap_time(many, dev, ring)) - sum(overlap_time(one, dev, ring1))
+                - (sliced[SLICED_SLICES] - sliced[1]))
+
+    low, high = 0.0, max(sliced[SLICED_SLICES] - sliced[1], 0.0)
+    if gap(low) >= 0:
+        return 0.0
+    for _ in range(60):
+        mid = (low + high) / 2
+        low, high = (mid, high) if gap(mid) < 0 else (low, mid)
+    return (low + high) / 2
+
+
+def build_cluster(ranks: list[dict], pairs: dict, allreduce, name: str, steps=None,
+                  sliced=None):
     """The Cluster for gathered per-rank records and pair measurements (and the measured
     reshard steps, whose software cost every device then carries)."""
 
@@ -303,7 +390,7 @@ def build_cluster(ranks: list[dict], pairs: dict, allreduce, name: str, steps=No
     calibration = {"ranks": len(ranks), "gemm_size": GEMM_SIZE, "p2p_bytes": LARGE_BYTES}
     if steps:
         measured = Cluster(machines, inter, name=name)
-        overheads = reshard_overheads(measured, steps)
+        overheads = reshard_overheads(measured, steps, sliced)
         machines = [dataclasses.replace(m, devices=tuple(
             dataclasses.replace(d, reshard_overhead=overheads) for d in m.devices))
             for m in machines]
@@ -367,11 +454,16 @@ def main(argv=None) -> None:
     steps = measure_reshard_steps(comm, args.repeats)
     say(comm, "reshard steps through distgraph: " + ", ".join(
         f"{k} {v * 1e6:.1f} us" for k, v in steps.items()))
+    sliced = measure_sliced_gemm(comm, args.repeats) if size > 1 else None
+    if sliced:
+        say(comm, "MeshSlice's tiny GeMM: " + ", ".join(
+            f"K={k} {v * 1e6:.1f} us" for k, v in sliced.items()))
     all_pairs = comm.gather(pairs, root=0)
     if rank == 0:
         merged = {k: (round(bw, 4), round(lat, 3)) for part in all_pairs for k, (bw, lat)
                   in part.items()}
-        cluster = build_cluster(records, merged, allreduce, f"calibrated{size}", steps)
+        cluster = build_cluster(records, merged, allreduce, f"calibrated{size}", steps,
+                                sliced)
         cluster.save(output)
     idle_barrier(comm)
 

@@ -11,7 +11,10 @@ costs on CuPy, each timed to the end of its kernels) and becomes a GPU device of
 ``local_id``; the links between ranks are still MPI's through host memory. Per pair of ranks, one pair at a
 time: point-to-point latency (half the round trip of an 8-byte ping-pong) and bandwidth
 (a multi-megabyte ping-pong). For the whole group: all-reduce latency (8 bytes) and bus
-bandwidth (2(n-1)/n * bytes / time, the figure the ring formula uses). Ranks on the same
+bandwidth (2(n-1)/n * bytes / time, the figure the ring formula uses), each reshard step
+kind's software cost on a tiny tensor (``reshard_overhead``), and what one collective of
+MeshSlice's sliced pipeline costs (its kernel on a tiny GeMM at K = 1 and 8: the
+``sliced`` entry). Ranks on the same
 host form one machine; pairs on one host get ``SHM`` links, pairs across hosts ``NET``
 links between machines. Rank r becomes device r. Rank 0 prints each result as it comes.
 

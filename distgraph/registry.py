@@ -225,7 +225,8 @@ class Overlap:
     collectives on its result). A collective is ``(kind, mesh dim, group size, buffer
     bytes)`` as :mod:`distgraph.passes.cost_model` defines the buffer; collectives on
     different mesh dims run at once, and slice k's compute overlaps slice k+1's
-    ``before`` and slice k-1's ``after``."""
+    ``before`` and slice k-1's ``after``. With ``accumulate``, every slice after the
+    first adds its product into the result (an element-wise add of ``outs``)."""
 
     slices: int
     op_type: str
@@ -234,6 +235,7 @@ class Overlap:
     before: tuple
     after: tuple
     attrs: tuple = ()
+    accumulate: bool = False
 
 
 def size(t: TensorType) -> int:

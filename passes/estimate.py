@@ -264,7 +264,10 @@ def overlap_time(ov, device, ring_of, compute_time=None) -> tuple[float, float]:
     :class:`~distgraph.registry.Overlap`) on ``device``; ``ring_of(mesh dim)`` gives that
     dim's ring as :func:`dim_ring` does (module docstring); ``compute_time`` prices one
     slice's compute (default :func:`op_time`)."""
-    compute = (compute_time or op_time)(ov.op_type, ov.ins, ov.outs, dict(ov.attrs), device)
+    price = compute_time or op_time
+    compute = price(ov.op_type, ov.ins, ov.outs, dict(ov.attrs), device)
+    if ov.accumulate:         # slices 2..K add their product into the result
+        compute += price("add", ov.outs * 2, ov.outs, {}, device) * (ov.slices - 1) / ov.slices
     processor = compute
 
     def wires(collectives) -> float:

@@ -276,6 +276,11 @@ def test_one_slice_hides_nothing_and_k_slices_follow_the_pipeline_formula():
         if k == 1:
             assert exposed == pytest.approx(net + cpu - gemm)
     assert pipeline_time(3, [1.0, 2.0, 0.5]) == 3.5 + 2 * 2.0
+    # output stationary: slices 2..K add their product into the result
+    add = op_time("add", outs * 2, outs, {}, device)
+    ov = Overlap(4, "matmul", ins, outs, before, (), accumulate=True)
+    assert overlap_time(ov, device, rings.get)[0] == pytest.approx(
+        4 * op_time("matmul", ins, outs, {}, device) + 3 * add)
 
 
 def test_the_calibrated_sliced_cost_makes_the_model_reproduce_each_more_slice():

@@ -174,7 +174,8 @@ def overlap(attrs: dict, ins) -> tuple:
             gb, gc = b, ga[:-1] + (b[1],)
         before, after = collectives(local, x, y, out, dtypes.itemsize(dtype), k)
         found.append(Overlap(k, "matmul", (TensorType(ga, dtype), TensorType(gb, dtype)),
-                             (TensorType(gc, dtype),), before, after))
+                             (TensorType(gc, dtype),), before, after,
+                             accumulate=local.dataflow == "OS"))
     return tuple(found)
 
 
@@ -208,14 +209,14 @@ def run(ctx, x, y, transpose_x: bool, transpose_y: bool, local: LocalMeshSlice):
     a = xp.swapaxes(x, -1, -2) if transpose_x else x
     b = xp.swapaxes(y, -1, -2) if transpose_y else y
     if local.dataflow == "OS":
-        out = xp.zeros(a.shape[:-1] + (b.shape[1],), dtype=_result_dtype(a, b))
+        out = xp.empty(a.shape[:-1] + (b.shape[1],), dtype=_result_dtype(a, b))
 
         def start(k):
             return [comm.iall_gather(take_slice(xp, a, -1, slices, k, block), ranks_v, -1),
                     comm.iall_gather(take_slice(xp, b, 0, slices, k, block), ranks_u, 0)]
 
         _pipeline(comm, slices, start, lambda k, got, poll: _gemm(
-            xp, got[0], got[1], out, poll))
+            xp, got[0], got[1], out, poll, accumulate=k > 0))
         return out
     if local.dataflow == "LS":
         axis, ranks_in, ranks_out = a.ndim - 1, ranks_u, ranks_v
@@ -266,11 +267,11 @@ def _result_dtype(a, b):
     return a.dtype if a.dtype == b.dtype else (a.dtype.type(0) * b.dtype.type(0)).dtype
 
 
-def _gemm(xp, a, b, out, poll):
-    """``a @ b`` over a's leading dims (into ``out`` with ``out +=`` when given), in
-    blocks with ``poll()`` between them, so that requests in flight move on: blocks of
-    rows of ``a``, or of columns of ``b`` when ``a`` is the smaller operand (each block
-    re-reads the other one)."""
+def _gemm(xp, a, b, out, poll, accumulate: bool = False):
+    """``a @ b`` over a's leading dims (into ``out`` when given, added to it with
+    ``accumulate``), in blocks with ``poll()`` between them, so that requests in flight
+    move on: blocks of rows of ``a``, or of columns of ``b`` when ``a`` is the smaller
+    operand (each block re-reads the other one)."""
     rows, inner, cols = _size(a.shape[:-1]), a.shape[-1], b.shape[1]
     a2 = a.reshape(rows, inner)
     target = out.reshape(rows, cols) if out is not None else \
@@ -285,7 +286,7 @@ def _gemm(xp, a, b, out, poll):
             part, into = a2[lo:hi] @ b, target[lo:hi]
         else:
             part, into = a2 @ b[:, lo:hi], target[:, lo:hi]
-        if out is not None:
+        if accumulate:
             into += part
         else:
             into[...] = part

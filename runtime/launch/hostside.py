@@ -4,11 +4,13 @@ Run as a file with the job's Python (``python .../hostside.py COMMAND``), over t
 ssh (or rsh, srun) that hydra uses, so it imports nothing but the standard library:
 importing distgraph would cost every host a second or more.
 
-- ``check CWD FILE...``: prints one JSON line describing this host: its name, the Python
-  (path, version), the distgraph package (version, where it is imported from), whether
-  the working directory exists here and which FILEs (relative to it: the script, the
-  cluster file) do not. The launcher compares every host's line with its own before any
-  rank starts.
+- ``check [--hold] CWD FILE...``: prints one JSON line describing this host: its name,
+  the Python (path, version), the distgraph package (version, where it is imported from),
+  whether the working directory exists here and which FILEs (relative to it: the script,
+  the cluster file) do not. The launcher compares every host's line with its own before
+  any rank starts. With ``--hold`` it then waits for the end of its input: the launcher
+  keeps the ssh connection that ran it open for the rest of the job that way
+  (:mod:`distgraph.runtime.launch.connections`).
 - ``collect FOLDER VAR=VALUE``: after a job, on a host whose ranks kept their status
   files and logs in FOLDER (the job's status folder, the same path on every host): kills
   the job's processes still alive here (recorded in ``<rank>.pids`` and carrying
@@ -129,14 +131,29 @@ def collect(folder: str, marker: str, out) -> None:
         shutil.rmtree(folder, ignore_errors=True)
 
 
+def hold() -> None:
+    """Wait until standard input ends (the launcher closed it, or is gone)."""
+    try:
+        while os.read(0, 1 << 16):
+            pass
+    except OSError:
+        pass
+
+
 def main(argv: list[str]) -> int:
+    holding = argv[1:2] == ["--hold"]
+    if holding:
+        argv = argv[:1] + argv[2:]
     if argv[:1] == ["check"] and len(argv) >= 2:
-        print(json.dumps(describe(argv[1], argv[2:])))
+        sys.stdout.write(json.dumps(describe(argv[1], argv[2:])) + "\n")
+        sys.stdout.flush()
+        if holding:
+            hold()
         return 0
     if argv[:1] == ["collect"] and len(argv) == 3:
         collect(argv[1], argv[2], sys.stdout.buffer)
         return 0
-    sys.stderr.write("usage: hostside.py check CWD FILE... | collect FOLDER VAR=VALUE\n")
+    sys.stderr.write("usage: hostside.py check [--hold] CWD FILE... | collect FOLDER VAR=VALUE\n")
     return 2
 
 

@@ -222,6 +222,27 @@ def test_a_master_is_kept_after_its_check_and_ends_at_close(tmp_path):
     assert not os.path.exists(folder) and not any(map(_alive, held))
 
 
+def test_the_clean_up_is_a_request_to_the_held_check(tmp_path):
+    launcher = _here(tmp_path)
+    folder = tmp_path / "distgraph-status-y"
+    (folder / "logs").mkdir(parents=True)
+    (folder / "logs" / "rank-1.log").write_text("distgraph: rank 1 on host h\n")
+    marker = f"DISTGRAPH_STATUS_DIR={folder}"
+    with Masters.for_launcher(launcher) as masters:
+        shared = launcher.sharing(masters.folder)
+        check = [sys.executable, hostside.__file__, "check", "--hold", str(ROOT)]
+        assert masters.start("n1", shared.argv("n1", check, master=True),
+                             time.monotonic() + 60)[0] == 0
+        names = []
+        for _ in range(2):            # answers stay in step, request after request
+            tar = masters.ask("n1", ["collect", str(folder), marker], time.monotonic() + 60)
+            with tarfile.open(fileobj=io.BytesIO(tar)) as read:
+                names.append(sorted(read.getnames()))
+            assert not folder.exists()
+        assert names == [["logs", "logs/rank-1.log"], []]   # the second found it gone
+        assert masters.ask("n2", ["collect", str(folder), marker], time.monotonic()) is None
+
+
 def test_a_master_that_fails_or_says_nothing_in_time_is_not_kept(tmp_path):
     launcher = _here(tmp_path)
     with Masters.for_launcher(launcher) as masters:

@@ -285,7 +285,8 @@ def test_the_check_hydra_and_the_clean_up_share_one_ssh_connection_per_host(host
     wrapper = tmp_path / "ssh-logged"
     wrapper.write_text(f'#!/bin/sh\nprintf "%s\\n" "$*" >> {log}\nexec {hosts.launcher_exec} "$@"\n')
     wrapper.chmod(0o755)
-    proc = start(hosts, "run", "-n", 4, "--hosts", "node0:2,node1:2",
+    logs = tmp_path / "logs"
+    proc = start(hosts, "run", "-n", 4, "--hosts", "node0:2,node1:2", "--log-dir", logs,
                  SCRIPTS / "fault_jobs.py", "long", env={"HYDRA_LAUNCHER_EXEC": str(wrapper)})
     started = set()
     deadline = time.monotonic() + 120
@@ -309,7 +310,10 @@ def test_the_check_hydra_and_the_clean_up_share_one_ssh_connection_per_host(host
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 143, err[-2000:]
-    assert [c for c in log.read_text().splitlines()[len(calls):] if "collect" in c], calls
+    # the clean-up went through the checks' sessions: no other ssh, and the logs are back
+    assert log.read_text().splitlines() == calls
+    assert [ln.split(",")[0] for ln in first_lines(logs, 4)][2:] == [
+        "distgraph: rank 2 on host node1", "distgraph: rank 3 on host node1"]
     assert not os.path.exists(os.path.dirname(path.split("=", 1)[1]))    # its sockets' folder
     assert_clean(hosts, seconds=0)
 

@@ -12,9 +12,12 @@ across a network, on the way to the first step twice. Shared, only the check pay
   ``hostside.py check --hold``, which prints its line and then waits for its input to
   end: that keeps the connection open. The master is a child of the launcher, in a
   session of its own (a Ctrl-C at the terminal reaches the launcher only).
-- Every later ssh to the host, hydra's (``HYDRA_LAUNCHER_EXTRA_ARGS``) and the
-  clean-up's, adds ``-o ControlPath=DIR/%C -o ControlMaster=no``: a session over the
-  master, or an ordinary connection where there is none.
+- Hydra's ssh to the host (``HYDRA_LAUNCHER_EXTRA_ARGS``) adds ``-o ControlPath=DIR/%C
+  -o ControlMaster=no``: a session over the master, or an ordinary connection where
+  there is none. The clean-up after the job is a request to the check itself
+  (:meth:`Masters.ask`), answered over the master's own session: no new session, whose
+  start runs the user's shell start-up files again (0.16 s of pyenv's in root's
+  ``.bashrc`` on the test box); where that fails, it runs over ssh as well.
 - :meth:`Masters.close` ends the masters' input; each then ends once its sessions have,
   and is waited for (killed after ``CLOSE_TIMEOUT`` seconds). When the launcher dies, even
   by SIGKILL, its end of their input closes with it: no master outlives the job.
@@ -33,6 +36,7 @@ Example::
 
 from __future__ import annotations
 
+import json
 import os
 import select
 import shutil
@@ -67,6 +71,7 @@ class Masters:
     def __init__(self, folder: str | None):
         self.folder = folder
         self._procs: dict[str, subprocess.Popen] = {}
+        self._read: dict[str, bytes] = {}      # what a master printed past its answers
 
     @classmethod
     def for_launcher(cls, launcher) -> "Masters":
@@ -92,8 +97,8 @@ class Masters:
         except OSError as err:
             said.close()
             return 127, b"", f"cannot run {argv[0]}: {err.strerror}"
-        line, ended = _first_line(proc.stdout.fileno(), deadline)
-        if not line.endswith(b"\n"):
+        line, rest, ended = _read_line(proc.stdout.fileno(), b"", deadline)
+        if line is None:
             if not ended:
                 proc.kill()
             try:
@@ -106,10 +111,37 @@ class Masters:
             said.seek(0)
             text = said.read().decode(errors="replace")
             said.close()
-            return (code if ended else None), line, text
+            return (code if ended else None), rest, text
         said.close()      # the master's later messages go to the unlinked file, unread
         self._procs[host] = proc
+        self._read[host] = rest
         return 0, line, ""
+
+    def ask(self, host: str, request: list, deadline: float) -> bytes | None:
+        """Send ``request`` to the check holding ``host``'s master (see
+        :mod:`~distgraph.runtime.launch.hostside`) and return its answer, or None when
+        there is no master, it is gone, or gave no whole answer by ``deadline``."""
+        proc = self._procs.get(host)
+        read = self._read.pop(host, None)      # None: an earlier answer went wrong
+        if proc is None or proc.poll() is not None or read is None:
+            return None
+        try:
+            proc.stdin.write(json.dumps(request).encode() + b"\n")
+            proc.stdin.flush()
+        except OSError:
+            return None
+        fd = proc.stdout.fileno()
+        header, rest, _ = _read_line(fd, read, deadline)
+        if header is None or not header.strip().isdigit():
+            return None
+        size = int(header)
+        while len(rest) < size:
+            chunk = _read_some(fd, deadline)
+            if not chunk:
+                return None
+            rest += chunk
+        self._read[host] = rest[size:]
+        return rest[:size]
 
     def close(self) -> None:
         """End every master (see the module docstring) and remove the folder."""
@@ -126,27 +158,31 @@ class Masters:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
             _close_pipes(proc)
-        self._procs = {}
+        self._procs, self._read = {}, {}
         if self.folder is not None:
             shutil.rmtree(self.folder, ignore_errors=True)
             self.folder = None
 
 
-def _first_line(fd: int, deadline: float) -> tuple[bytes, bool]:
-    """What ``fd`` gives up to its first newline, and whether it ended before one (False:
-    ``deadline`` came first)."""
-    data = b""
+def _read_line(fd: int, data: bytes, deadline: float):
+    """``(line, rest, ended)``: the first line of ``data`` and what ``fd`` gives next, and
+    what follows it; line None when there is no whole line by ``deadline`` (rest: what
+    came) or before ``fd`` ended (ended True)."""
     while b"\n" not in data:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            return data, False
-        ready, _, _ = select.select([fd], [], [], left)
-        if ready:
-            chunk = os.read(fd, 1 << 16)
-            if not chunk:
-                return data, True
-            data += chunk
-    return data[:data.index(b"\n") + 1], False
+        chunk = _read_some(fd, deadline)
+        if not chunk:
+            return None, data, chunk == b""
+        data += chunk
+    cut = data.index(b"\n") + 1
+    return data[:cut], data[cut:], False
+
+
+def _read_some(fd: int, deadline: float) -> bytes | None:
+    """What ``fd`` gives next: b"" at its end, None when nothing came by ``deadline``."""
+    left = deadline - time.monotonic()
+    if left <= 0 or not select.select([fd], [], [], left)[0]:
+        return None
+    return os.read(fd, 1 << 16)
 
 
 def _close_pipes(proc: subprocess.Popen) -> None:

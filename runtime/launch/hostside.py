@@ -8,9 +8,11 @@ importing distgraph would cost every host a second or more.
   the Python (path, version), the distgraph package (version, where it is imported from),
   whether the working directory exists here and which FILEs (relative to it: the script,
   the cluster file) do not. The launcher compares every host's line with its own before
-  any rank starts. With ``--hold`` it then waits for the end of its input: the launcher
-  keeps the ssh connection that ran it open for the rest of the job that way
-  (:mod:`distgraph.runtime.launch.connections`).
+  any rank starts. With ``--hold`` it then answers requests on its input until that
+  ends, which keeps the ssh connection that ran it open for the rest of the job
+  (:mod:`distgraph.runtime.launch.connections`): one JSON list per line,
+  ``["collect", FOLDER, "VAR=VALUE"]`` as ``collect`` below, answered with the tar's
+  length in bytes on a line of its own, then the tar.
 - ``collect FOLDER VAR=VALUE``: after a job, on a host whose ranks kept their status
   files and logs in FOLDER (the job's status folder, the same path on every host): kills
   the job's processes still alive here (recorded in ``<rank>.pids`` and carrying
@@ -131,13 +133,19 @@ def collect(folder: str, marker: str, out) -> None:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def hold() -> None:
-    """Wait until standard input ends (the launcher closed it, or is gone)."""
-    try:
-        while os.read(0, 1 << 16):
-            pass
-    except OSError:
-        pass
+def hold(requests, out) -> None:
+    """Answer ``requests`` (lines, see the module docstring) on ``out`` until they end
+    (the launcher closed them, or is gone)."""
+    import io
+
+    for line in requests:
+        request = json.loads(line)
+        if request[:1] != ["collect"] or len(request) != 3:
+            raise SystemExit(f"hostside.py: unknown request {line!r}")
+        tar = io.BytesIO()
+        collect(request[1], request[2], tar)
+        out.write(b"%d\n" % len(tar.getvalue()) + tar.getvalue())
+        out.flush()
 
 
 def main(argv: list[str]) -> int:
@@ -148,7 +156,7 @@ def main(argv: list[str]) -> int:
         sys.stdout.write(json.dumps(describe(argv[1], argv[2:])) + "\n")
         sys.stdout.flush()
         if holding:
-            hold()
+            hold(sys.stdin.buffer, sys.stdout.buffer)
         return 0
     if argv[:1] == ["collect"] and len(argv) == 3:
         collect(argv[1], argv[2], sys.stdout.buffer)

@@ -198,7 +198,7 @@ def launch(nprocs: int, argv: list[str], cluster: str | None = None,
                 problems = []
                 if placement is not None:
                     problems = remote.collect(launcher, placement.distinct_hosts, status,
-                                              job.marker)
+                                              job.marker, masters)
                     remote.move_logs(status, log_dir)
             lines = report(job, nprocs, returncode, timeout, placement) + problems
     for line in lines:

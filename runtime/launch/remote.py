@@ -241,13 +241,24 @@ def _difference(here: dict, answer: Answer, launcher: Launcher, cwd: str) -> str
     return None
 
 
-def collect(launcher: Launcher, hosts, status_dir: str, marker: str) -> list[str]:
+def collect(launcher: Launcher, hosts, status_dir: str, marker: str,
+            masters: Masters | None = None) -> list[str]:
     """After a job: on every other host, kill what is left of it, bring its status files
     into ``status_dir`` (logs into ``status_dir/logs``) and remove its folder there.
-    Returns one line per host that could not be cleaned or read."""
+    Returns one line per host that could not be cleaned or read. A host with a master
+    in ``masters`` is asked through it (:meth:`Masters.ask`), over ssh where that fails."""
     command = [sys.executable, HOSTSIDE, "collect", status_dir, marker]
     remote = [h for h in dict.fromkeys(hosts) if not is_local(h)]
-    answers = run_everywhere(launcher, {h: command for h in remote}, COLLECT_TIMEOUT)
+    answers = {}
+    if masters is not None:
+        deadline = time.monotonic() + COLLECT_TIMEOUT
+        with ThreadPoolExecutor(max_workers=min(32, len(remote) or 1)) as pool:
+            tars = pool.map(lambda h: masters.ask(h, ["collect", status_dir, marker],
+                                                  deadline), remote)
+            answers = {h: Answer(h, 0, tar, "") for h, tar in zip(remote, tars)
+                       if tar is not None}
+    rest = {h: command for h in remote if h not in answers}
+    answers.update(run_everywhere(launcher, rest, COLLECT_TIMEOUT) if rest else {})
     problems = []
     for host, answer in answers.items():
         if answer.returncode != 0:

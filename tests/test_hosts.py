@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import tarfile
+import tempfile
 import time
 from pathlib import Path
 
@@ -188,6 +189,15 @@ def test_over_ssh_the_check_hydra_and_the_clean_up_share_one_connection():
     assert wrapped.hydra_env({}) == {} and wrapped.argv("n1", ["ls"])[-2:] == ["n1", "ls"]
     rsh = Launcher.from_env({"HYDRA_LAUNCHER": "rsh"})
     assert rsh.sharing("/tmp/dg-x") == rsh and Masters.for_launcher(rsh).folder is None
+
+
+def test_no_sharing_where_the_sockets_paths_would_not_fit(tmp_path, monkeypatch):
+    deep = tmp_path / ("d" * 80)
+    deep.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(deep))
+    masters = Masters.for_launcher(Launcher("ssh", "ssh"))
+    assert masters.folder is None and os.listdir(deep) == []
+    masters.close()
 
 
 def _here(tmp_path) -> Launcher:

@@ -9,9 +9,9 @@ across a network, on the way to the first step twice. Shared, only the check pay
 - The check of a host runs as the *master* of its connection: the site's launcher
   program with its options (``HYDRA_LAUNCHER_EXEC``, ``~/.ssh/config``) as ever, plus
   ``-o ControlMaster=yes -o ControlPath=DIR/%C -o ControlPersist=no``, running
-  ``hostside.py check --hold``, which prints its line and then waits for its input to
-  end: that keeps the connection open. The master is a child of the launcher, in a
-  session of its own (a Ctrl-C at the terminal reaches the launcher only).
+  ``hostside.py check --hold``, which prints its line and then answers requests on its
+  input until that ends: this keeps the connection open. The master is a child of the
+  launcher, in a session of its own (a Ctrl-C at the terminal reaches the launcher only).
 - Hydra's ssh to the host (``HYDRA_LAUNCHER_EXTRA_ARGS``) adds ``-o ControlPath=DIR/%C
   -o ControlMaster=no``: a session over the master, or an ordinary connection where
   there is none. The clean-up after the job is a request to the check itself

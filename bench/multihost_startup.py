@@ -41,12 +41,15 @@ HELLO = ("from mpi4py import MPI; c = MPI.COMM_WORLD; c.Barrier(); "
 
 
 def process_start(pid: int) -> float:
-    """When process ``pid`` started (seconds since the epoch)."""
-    with open("/proc/stat") as f:
-        boot = next(float(ln.split()[1]) for ln in f if ln.startswith("btime "))
+    """When process ``pid`` started (seconds since the epoch, to a clock tick).
+
+    Its start is counted in clock ticks since boot; it goes back from now on the clock
+    that counts since boot, not from /proc/stat's ``btime``, which is whole seconds and
+    drifts from the wall clock (by a third of a second here)."""
     with open(f"/proc/{pid}/stat") as f:
         ticks = int(f.read().rsplit(")", 1)[1].split()[19])
-    return boot + ticks / os.sysconf("SC_CLK_TCK")
+    since_boot = time.clock_gettime(time.CLOCK_BOOTTIME)
+    return time.time() - (since_boot - ticks / os.sysconf("SC_CLK_TCK"))
 
 
 def rank_part(mode: str, started: float) -> None:

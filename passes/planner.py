@@ -43,7 +43,6 @@ from types import MappingProxyType
 
 from distgraph.errors import PlanError, ShardingError
 from distgraph.mesh import ProcessMesh, ProcessRanks
-from distgraph.passes.balance import balance_batch, batch_mesh_dims
 from distgraph.passes.completion.complete import complete
 from distgraph.passes.completion import stage_order
 from distgraph.passes.estimate import estimate, fmt_bytes
@@ -53,7 +52,6 @@ from distgraph.passes.mapping.traffic import process_graph
 from distgraph.passes.meshslice.slices import assign_slices, check_meshes, enable, uses
 from distgraph.passes.partition import LocalProgram, Partitions, process_ids
 from distgraph.passes.pipeline.accumulate import split_micro_batches
-from distgraph.passes.plan_plot import plot_plan
 from distgraph.passes.pipeline.chunks import (chunk_meshes, chunk_of_ops, forward_chunks,
                                               place_chunks)
 from distgraph.passes.pipeline.task_graph import build_task_graph
@@ -326,6 +324,8 @@ class Plan:
         stage with its mesh, the layers on it, how each weight is split per mesh dim, the
         reshards in each layer and between stages with their bytes. Needs matplotlib
         (``pip install 'distgraph[plot]'``); see :mod:`distgraph.passes.plan_plot`."""
+        from distgraph.passes.plan_plot import plot_plan    # here: a plan rarely draws
+
         plot_plan(self, path)
 
 
@@ -438,6 +438,9 @@ def _completed(built, strategy, cluster, accumulation, ilp_budget, placement=Non
 def _balanced(planned: Plan, cluster, searched: bool) -> Plan:
     """``planned`` with the balanced split of its batch. A searched plan that splits no
     batch has none to balance (the search priced the balanced groups and chose none)."""
+    # here, not above: the split's solver and its records are for Strategy(balance=True)
+    from distgraph.passes.balance import balance_batch, batch_mesh_dims
+
     if searched and not planned.distributed:
         return planned
     if searched:

@@ -1,7 +1,9 @@
 """Placing ranks on hosts without starting them: host files and ``--hosts`` lists, a
 resource file's machines, ``--dry-run``, hydra's launcher as the environment chooses it,
-the per-host clean-up (:mod:`distgraph.runtime.launch.hostside`) on this machine, and how
-the launcher tells ranks' output from hydra's own messages. The jobs themselves, over
+the per-host clean-up (:mod:`distgraph.runtime.launch.hostside`) on this machine, the
+shared connections' masters (:mod:`distgraph.runtime.launch.connections`) with a stand-in
+for ssh that runs the command here, and how the launcher tells ranks' output from hydra's
+own messages. The jobs themselves, over
 real ssh, are in tests/test_multihost.py."""
 
 import io
@@ -11,12 +13,15 @@ import socket
 import subprocess
 import sys
 import tarfile
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
 
 import distgraph as dg
 from distgraph.runtime.launch import hostside
+from distgraph.runtime.launch.connections import Masters
 from distgraph.runtime.launch.hosts import (
     HostSlots,
     choose_placement,
@@ -165,6 +170,102 @@ def test_the_launcher_is_chosen_as_hydra_chooses_it():
     assert Launcher.from_env({**slurm, "HYDRA_LAUNCHER": "ssh"}).kind == "ssh"
     with pytest.raises(dg.PlanError, match="HYDRA_LAUNCHER=lsf"):
         Launcher.from_env({"HYDRA_LAUNCHER": "lsf"})
+
+
+def test_over_ssh_the_check_hydra_and_the_clean_up_share_one_connection():
+    wrapped = Launcher.from_env({"HYDRA_LAUNCHER_EXEC": "/site/ssh-wrap",
+                                 "HYDRA_LAUNCHER_EXTRA_ARGS": "-p 2222"})
+    shared = wrapped.sharing("/tmp/dg-x")
+    common = ["/site/ssh-wrap", "-x", "-o", "BatchMode=yes", "-o", "ConnectTimeout=10"]
+    assert shared.argv("n1", ["ls"], master=True) == [
+        *common, "-o", "ControlMaster=yes", "-o", "ControlPath=/tmp/dg-x/%C",
+        "-o", "ControlPersist=no", "-p", "2222", "n1", "ls"]
+    assert shared.argv("n1", ["ls"]) == [
+        *common, "-o", "ControlPath=/tmp/dg-x/%C", "-o", "ControlMaster=no", "-p", "2222",
+        "n1", "ls"]
+    # hydra's ssh: the site's own extra arguments first
+    assert shared.hydra_env({"HYDRA_LAUNCHER_EXTRA_ARGS": "-p 2222"}) == {
+        "HYDRA_LAUNCHER_EXTRA_ARGS": "-p 2222 -o ControlPath=/tmp/dg-x/%C -o ControlMaster=no"}
+    assert wrapped.hydra_env({}) == {} and wrapped.argv("n1", ["ls"])[-2:] == ["n1", "ls"]
+    rsh = Launcher.from_env({"HYDRA_LAUNCHER": "rsh"})
+    assert rsh.sharing("/tmp/dg-x") == rsh and Masters.for_launcher(rsh).folder is None
+
+
+def test_no_sharing_where_the_sockets_paths_would_not_fit(tmp_path, monkeypatch):
+    deep = tmp_path / ("d" * 80)
+    deep.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(deep))
+    masters = Masters.for_launcher(Launcher("ssh", "ssh"))
+    assert masters.folder is None and os.listdir(deep) == []
+    masters.close()
+
+
+def _here(tmp_path) -> Launcher:
+    """A launcher whose "ssh" runs the command (its last argument) on this machine."""
+    program = tmp_path / "ssh-here"
+    program.write_text('#!/bin/sh\nfor last; do :; done\nexec sh -c "$last"\n')
+    program.chmod(0o755)
+    return Launcher("ssh", str(program))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_a_master_is_kept_after_its_check_and_ends_at_close(tmp_path):
+    launcher = _here(tmp_path)
+    with Masters.for_launcher(launcher) as masters:
+        folder = masters.folder
+        assert folder is not None and os.stat(folder).st_mode & 0o777 == 0o700
+        shared = launcher.sharing(folder)
+        check = [sys.executable, hostside.__file__, "check", "--hold", str(ROOT), "README.md"]
+        code, line, said = masters.start("n1", shared.argv("n1", check, master=True),
+                                         time.monotonic() + 60)
+        assert (code, said) == (0, "") and json.loads(line)["missing"] == []
+        held = [int(p) for p in subprocess.run(["pgrep", "-f", f"check --hold {ROOT}"],
+                                               capture_output=True, text=True).stdout.split()]
+        assert held and all(map(_alive, held))        # still waiting for its input to end
+    assert not os.path.exists(folder) and not any(map(_alive, held))
+
+
+def test_the_clean_up_is_a_request_to_the_held_check(tmp_path):
+    launcher = _here(tmp_path)
+    folder = tmp_path / "distgraph-status-y"
+    (folder / "logs").mkdir(parents=True)
+    (folder / "logs" / "rank-1.log").write_text("distgraph: rank 1 on host h\n")
+    marker = f"DISTGRAPH_STATUS_DIR={folder}"
+    with Masters.for_launcher(launcher) as masters:
+        shared = launcher.sharing(masters.folder)
+        check = [sys.executable, hostside.__file__, "check", "--hold", str(ROOT)]
+        assert masters.start("n1", shared.argv("n1", check, master=True),
+                             time.monotonic() + 60)[0] == 0
+        names = []
+        for _ in range(2):            # answers stay in step, request after request
+            tar = masters.ask("n1", ["collect", str(folder), marker], time.monotonic() + 60)
+            with tarfile.open(fileobj=io.BytesIO(tar)) as read:
+                names.append(sorted(read.getnames()))
+            assert not folder.exists()
+        assert names == [["logs", "logs/rank-1.log"], []]   # the second found it gone
+        assert masters.ask("n2", ["collect", str(folder), marker], time.monotonic()) is None
+
+
+def test_a_master_that_fails_or_says_nothing_in_time_is_not_kept(tmp_path):
+    launcher = _here(tmp_path)
+    with Masters.for_launcher(launcher) as masters:
+        shared = launcher.sharing(masters.folder)
+        code, line, said = masters.start(
+            "n1", shared.argv("n1", ["sh", "-c", "echo refused >&2; exit 255"], master=True),
+            time.monotonic() + 60)
+        assert (code, line, said.strip()) == (255, b"", "refused")
+        start = time.monotonic()
+        code, _, _ = masters.start("n2", shared.argv("n2", ["sleep", "30"], master=True),
+                                   time.monotonic() + 0.5)
+        assert code is None and time.monotonic() - start < 10
+        assert masters._procs == {}
 
 
 def test_this_machine_is_local_other_addresses_are_not():

@@ -7,8 +7,9 @@ The launcher runs on a "login" host of the same network; it reaches the hosts th
 and MPI goes over TCP between hosts (``FI_PROVIDER=tcp``), as a site would set them: the
 code under test is the ordinary multi-host path. Training equals serial on 2 hosts x 2
 ranks; ``--cluster`` places ranks where the rank mapping says; a host that does not
-answer or runs another distgraph version stops the job before any rank starts; a failing
-rank and SIGTERM leave nothing behind on any host, and the logs come back. Debian's
+answer or runs another distgraph version stops the job before any rank starts; the check,
+hydra and the clean-up share one ssh connection per host; a failing rank and SIGTERM
+leave nothing behind on any host, and the logs come back. Debian's
 openssh-server is installed when missing; skipped with the reason where this process
 cannot create network namespaces or install it.
 """
@@ -122,7 +123,7 @@ def run(hosts, *args, timeout=300, env=None) -> subprocess.CompletedProcess:
 
 
 def start(hosts, *args, env=None) -> subprocess.Popen:
-    env = dict(os.environ, OMP_NUM_THREADS="1", **hosts.env(), **(env or {}))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **hosts.env(), **(env or {})}
     return subprocess.Popen(hosts.login_argv([sys.executable, "-m", "distgraph.cli",
                                               *map(str, args)]),
                             env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -276,6 +277,44 @@ def test_sigterm_to_the_launcher_leaves_nothing_on_either_host(hosts):
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 143, err[-2000:]
     assert "received SIGTERM: stopped mpiexec and its 4 ranks on 2 hosts" in err
+    assert_clean(hosts, seconds=0)
+
+
+def test_the_check_hydra_and_the_clean_up_share_one_ssh_connection_per_host(hosts, tmp_path):
+    log = tmp_path / "ssh.log"
+    wrapper = tmp_path / "ssh-logged"
+    wrapper.write_text(f'#!/bin/sh\nprintf "%s\\n" "$*" >> {log}\nexec {hosts.launcher_exec} "$@"\n')
+    wrapper.chmod(0o755)
+    logs = tmp_path / "logs"
+    proc = start(hosts, "run", "-n", 4, "--hosts", "node0:2,node1:2", "--log-dir", logs,
+                 SCRIPTS / "fault_jobs.py", "long", env={"HYDRA_LAUNCHER_EXEC": str(wrapper)})
+    started = set()
+    deadline = time.monotonic() + 120
+    while len(started) < 4:
+        line = proc.stdout.readline()
+        assert line and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+        if line.startswith("STARTED "):
+            started.add(line.split()[1])
+    calls = log.read_text().splitlines()
+    for host in ("node0", "node1"):
+        mine = [c.split() for c in calls if f" {host} " in c]
+        master, hydra = mine[0], mine[1]        # the check, then hydra's start of the ranks
+        assert "ControlMaster=yes" in master and "ControlPersist=no" in master, mine
+        path = next(o for o in master if o.startswith("ControlPath="))
+        assert path in hydra and "ControlMaster=no" in hydra, mine
+        assert "hydra_pmi_proxy" in " ".join(hydra[hydra.index(host) + 1:]), mine
+        # the master is up, and hydra's session is one of its own
+        check = subprocess.run(hosts.login_argv([hosts.launcher_exec, "-o", path, "-O", "check",
+                                                 host]), capture_output=True, text=True)
+        assert check.returncode == 0 and "Master running" in check.stderr, check.stderr
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143, err[-2000:]
+    # the clean-up went through the checks' sessions: no other ssh, and the logs are back
+    assert log.read_text().splitlines() == calls
+    assert [ln.split(",")[0] for ln in first_lines(logs, 4)][2:] == [
+        "distgraph: rank 2 on host node1", "distgraph: rank 3 on host node1"]
+    assert not os.path.exists(os.path.dirname(path.split("=", 1)[1]))    # its sockets' folder
     assert_clean(hosts, seconds=0)
 
 

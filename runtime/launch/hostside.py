@@ -4,11 +4,15 @@ Run as a file with the job's Python (``python .../hostside.py COMMAND``), over t
 ssh (or rsh, srun) that hydra uses, so it imports nothing but the standard library:
 importing distgraph would cost every host a second or more.
 
-- ``check CWD FILE...``: prints one JSON line describing this host: its name, the Python
-  (path, version), the distgraph package (version, where it is imported from), whether
-  the working directory exists here and which FILEs (relative to it: the script, the
-  cluster file) do not. The launcher compares every host's line with its own before any
-  rank starts.
+- ``check [--hold] CWD FILE...``: prints one JSON line describing this host: its name,
+  the Python (path, version), the distgraph package (version, where it is imported from),
+  whether the working directory exists here and which FILEs (relative to it: the script,
+  the cluster file) do not. The launcher compares every host's line with its own before
+  any rank starts. With ``--hold`` it then answers requests on its input until that
+  ends, which keeps the ssh connection that ran it open for the rest of the job
+  (:mod:`distgraph.runtime.launch.connections`): one JSON list per line,
+  ``["collect", FOLDER, "VAR=VALUE"]`` as ``collect`` below, answered with the tar's
+  length in bytes on a line of its own, then the tar.
 - ``collect FOLDER VAR=VALUE``: after a job, on a host whose ranks kept their status
   files and logs in FOLDER (the job's status folder, the same path on every host): kills
   the job's processes still alive here (recorded in ``<rank>.pids`` and carrying
@@ -129,14 +133,35 @@ def collect(folder: str, marker: str, out) -> None:
         shutil.rmtree(folder, ignore_errors=True)
 
 
+def hold(requests, out) -> None:
+    """Answer ``requests`` (lines, see the module docstring) on ``out`` until they end
+    (the launcher closed them, or is gone)."""
+    import io
+
+    for line in requests:
+        request = json.loads(line)
+        if request[:1] != ["collect"] or len(request) != 3:
+            raise SystemExit(f"hostside.py: unknown request {line!r}")
+        tar = io.BytesIO()
+        collect(request[1], request[2], tar)
+        out.write(b"%d\n" % len(tar.getvalue()) + tar.getvalue())
+        out.flush()
+
+
 def main(argv: list[str]) -> int:
+    holding = argv[1:2] == ["--hold"]
+    if holding:
+        argv = argv[:1] + argv[2:]
     if argv[:1] == ["check"] and len(argv) >= 2:
-        print(json.dumps(describe(argv[1], argv[2:])))
+        sys.stdout.write(json.dumps(describe(argv[1], argv[2:])) + "\n")
+        sys.stdout.flush()
+        if holding:
+            hold(sys.stdin.buffer, sys.stdout.buffer)
         return 0
     if argv[:1] == ["collect"] and len(argv) == 3:
         collect(argv[1], argv[2], sys.stdout.buffer)
         return 0
-    sys.stderr.write("usage: hostside.py check CWD FILE... | collect FOLDER VAR=VALUE\n")
+    sys.stderr.write("usage: hostside.py check [--hold] CWD FILE... | collect FOLDER VAR=VALUE\n")
     return 2
 
 

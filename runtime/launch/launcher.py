@@ -19,7 +19,8 @@ ranks over its launcher (ssh by default) at exactly the placement's hosts, after
 host passed :func:`~distgraph.runtime.launch.remote.preflight`; each host keeps its ranks'
 status files and logs in a folder of its own, which
 :func:`~distgraph.runtime.launch.remote.collect` brings to this host after the job, killing
-what is left there, before the report.
+what is left there, before the report. Over ssh these and hydra share one connection per
+host (:mod:`~distgraph.runtime.launch.connections`), closed when the job is over.
 
 Example::
 
@@ -35,10 +36,11 @@ import signal
 import sys
 import tempfile
 import threading
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 
 from distgraph.errors import PlanError
 from distgraph.runtime.launch import remote
+from distgraph.runtime.launch.connections import Masters
 from distgraph.runtime.launch.hostside import LAUNCHER_FILE
 from distgraph.runtime.launch.hosts import Placement
 from distgraph.runtime.launch.job import Job
@@ -158,39 +160,47 @@ def launch(nprocs: int, argv: list[str], cluster: str | None = None,
     gets one line per cause (which ranks failed with which error, or died without a
     word) and the log folder; tracebacks stay in the logs."""
     check_launch(nprocs, argv, cluster)
-    launcher = None
-    if placement is not None:
-        if placement.nprocs != nprocs:
-            raise PlanError(f"the placement ({placement.source}) has {placement.nprocs} "
-                            f"ranks, the job {nprocs}")
-        launcher = remote.Launcher.from_env(os.environ if env is None else env)
-        remote.preflight(launcher, placement.distinct_hosts,
-                         [argv[0]] + ([os.path.abspath(cluster)] if cluster else []))
-        mpiexec_args = [*mpiexec_args, "-hosts", placement.hydra_hosts()]
-    command = launch_command(nprocs, argv, mpiexec_args, prefix)
-    keep_logs = log_dir is not None
-    if log_dir is None:
-        log_dir = tempfile.mkdtemp(prefix="distgraph-logs-")
-    os.makedirs(log_dir, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="distgraph-status-") as status:
-        # Over several hosts every rank logs into the status folder of its host (the
-        # same path everywhere); the logs come here when the job is over.
-        rank_logs = log_dir if placement is None else os.path.join(status, "logs")
-        ranks = rank_env(env, cluster, status, rank_logs)
-        ranks.update(extra_env or {})
+    with ExitStack() as shared:
+        launcher = None
         if placement is not None:
-            ranks[RANK_HOSTS] = ",".join(placement.hosts)
-            open(os.path.join(status, LAUNCHER_FILE), "w").close()
-        job = Job(command, ranks, status, log_dir)
-        with stop_on_signals(job):
-            job.start()
-            returncode = job.wait(timeout, watch)
-            problems = []
+            if placement.nprocs != nprocs:
+                raise PlanError(f"the placement ({placement.source}) has {placement.nprocs} "
+                                f"ranks, the job {nprocs}")
+            launcher = remote.Launcher.from_env(os.environ if env is None else env)
+            # one ssh connection per host for the check, hydra and the clean-up, closed
+            # when this block ends (connections.Masters)
+            masters = shared.enter_context(Masters.for_launcher(launcher))
+            if masters.folder is not None:
+                launcher = launcher.sharing(masters.folder)
+            remote.preflight(launcher, placement.distinct_hosts,
+                             [argv[0]] + ([os.path.abspath(cluster)] if cluster else []),
+                             masters=masters)
+            mpiexec_args = [*mpiexec_args, "-hosts", placement.hydra_hosts()]
+        command = launch_command(nprocs, argv, mpiexec_args, prefix)
+        keep_logs = log_dir is not None
+        if log_dir is None:
+            log_dir = tempfile.mkdtemp(prefix="distgraph-logs-")
+        os.makedirs(log_dir, exist_ok=True)
+        with tempfile.TemporaryDirectory(prefix="distgraph-status-") as status:
+            # Over several hosts every rank logs into the status folder of its host (the
+            # same path everywhere); the logs come here when the job is over.
+            rank_logs = log_dir if placement is None else os.path.join(status, "logs")
+            ranks = rank_env(env, cluster, status, rank_logs)
+            ranks.update(extra_env or {})
             if placement is not None:
-                problems = remote.collect(launcher, placement.distinct_hosts, status,
-                                          job.marker)
-                remote.move_logs(status, log_dir)
-        lines = report(job, nprocs, returncode, timeout, placement) + problems
+                ranks[RANK_HOSTS] = ",".join(placement.hosts)
+                ranks.update(launcher.hydra_env(ranks))
+                open(os.path.join(status, LAUNCHER_FILE), "w").close()
+            job = Job(command, ranks, status, log_dir)
+            with stop_on_signals(job):
+                job.start()
+                returncode = job.wait(timeout, watch)
+                problems = []
+                if placement is not None:
+                    problems = remote.collect(launcher, placement.distinct_hosts, status,
+                                              job.marker, masters)
+                    remote.move_logs(status, log_dir)
+            lines = report(job, nprocs, returncode, timeout, placement) + problems
     for line in lines:
         sys.stderr.write(f"distgraph: {line}\n")
     sys.stderr.flush()

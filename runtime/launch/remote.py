@@ -11,11 +11,16 @@ wrapper around ``ssh -F config`` in ``HYDRA_LAUNCHER_EXEC``, an ``~/.ssh/config`
 to both. ssh runs in batch mode: a host that asks for a password or an unknown host key
 is an error, not a prompt. A host that hydra starts without a launcher (it is this
 machine: ``localhost``, this host's name, or one of its addresses) is read here directly.
+Over ssh the check, hydra and the clean-up share one connection per host
+(:mod:`distgraph.runtime.launch.connections`).
 
 Example::
 
     launcher = Launcher.from_env(os.environ)
-    preflight(launcher, ["node0", "node1"], ["train.py"])     # PlanError naming each host
+    with Masters.for_launcher(launcher) as masters:
+        shared = launcher.sharing(masters.folder) if masters.folder else launcher
+        preflight(shared, ["node0", "node1"], ["train.py"], masters=masters)  # PlanError
+        ...                                     # hydra, with shared.hydra_env(env)
 """
 
 from __future__ import annotations
@@ -31,10 +36,11 @@ import sys
 import tarfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from distgraph.errors import PlanError
 from distgraph.runtime.launch import hostside
+from distgraph.runtime.launch.connections import Masters
 
 HOSTSIDE = os.path.abspath(hostside.__file__)
 CONNECT_TIMEOUT = 10        # seconds ssh waits for a host's answer
@@ -48,11 +54,13 @@ SUPPORTED = ("ssh", "rsh", "slurm")
 @dataclass(frozen=True)
 class Launcher:
     """How hydra reaches other hosts: ``kind`` (ssh, rsh, slurm), ``program`` and the
-    ``extra`` arguments after it."""
+    ``extra`` arguments after it; over ssh, ``control`` is the ControlPath of the job's
+    shared connections (:mod:`distgraph.runtime.launch.connections`), if any."""
 
     kind: str
     program: str
     extra: tuple[str, ...] = ()
+    control: str | None = None
 
     @classmethod
     def from_env(cls, env) -> "Launcher":
@@ -70,14 +78,38 @@ class Launcher:
                    or {"ssh": "ssh", "rsh": "rsh", "slurm": "srun"}[kind])
         return cls(kind, program, tuple(env.get("HYDRA_LAUNCHER_EXTRA_ARGS", "").split()))
 
-    def argv(self, host: str, command: list[str]) -> list[str]:
-        """The command line that runs ``command`` on ``host``."""
+    def argv(self, host: str, command: list[str], master: bool = False) -> list[str]:
+        """The command line that runs ``command`` on ``host`` (as the master of its
+        shared connection with ``master``)."""
         if self.kind == "slurm":
             return [self.program, "--nodes=1", "--ntasks=1", f"--nodelist={host}", "--quiet",
                     *command]
         options = ["-x", "-o", "BatchMode=yes", "-o", f"ConnectTimeout={CONNECT_TIMEOUT}"] \
             if self.kind == "ssh" else []
+        if master:
+            options += ["-o", "ControlMaster=yes", "-o", f"ControlPath={self.control}",
+                        "-o", "ControlPersist=no"]
+        else:
+            options += self._shared()
         return [self.program, *options, *self.extra, host, shlex.join(command)]
+
+    def _shared(self) -> list[str]:
+        """The options of a session over the shared connection."""
+        if self.control is None:
+            return []
+        return ["-o", f"ControlPath={self.control}", "-o", "ControlMaster=no"]
+
+    def sharing(self, folder: str) -> "Launcher":
+        """This launcher with the shared connections whose sockets are in ``folder``."""
+        return replace(self, control=os.path.join(folder, "%C")) if self.kind == "ssh" else self
+
+    def hydra_env(self, env) -> dict:
+        """What hydra's environment needs for its ssh to share the connections too:
+        ``HYDRA_LAUNCHER_EXTRA_ARGS`` (``env``'s own kept first)."""
+        if self.control is None:
+            return {}
+        own = env.get("HYDRA_LAUNCHER_EXTRA_ARGS", "").strip()
+        return {"HYDRA_LAUNCHER_EXTRA_ARGS": " ".join([own, *self._shared()]).strip()}
 
     def __str__(self):
         return self.program if self.kind != "slurm" else f"{self.program} (Slurm)"
@@ -116,13 +148,19 @@ class Answer:
         return text[-300:] or f"exit code {self.returncode}"
 
 
-def run_everywhere(launcher: Launcher, commands: dict, timeout: float) -> dict:
+def run_everywhere(launcher: Launcher, commands: dict, timeout: float,
+                   masters: Masters | None = None) -> dict:
     """Run ``commands`` (host -> argv; host None: here, without a launcher) at once;
-    host -> :class:`Answer`."""
+    host -> :class:`Answer`. With ``masters`` (and a launcher that shares connections),
+    each command on another host runs as its connection's master and counts as done
+    with its first line of output (see :meth:`Masters.start`)."""
     deadline = time.monotonic() + timeout
 
     def one(item):
         host, command = item
+        if host is not None and masters is not None and launcher.control is not None:
+            argv = launcher.argv(host, command, master=True)
+            return host, Answer(host, *masters.start(host, argv, deadline))
         argv = command if host is None else launcher.argv(host, command)
         try:
             proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
@@ -141,16 +179,20 @@ def run_everywhere(launcher: Launcher, commands: dict, timeout: float) -> dict:
         return dict(pool.map(one, commands.items()))
 
 
-def preflight(launcher: Launcher, hosts, files, cwd: str | None = None) -> None:
+def preflight(launcher: Launcher, hosts, files, cwd: str | None = None,
+              masters: Masters | None = None) -> None:
     """Before any rank starts: reach every host and compare it with this one (the same
     Python and distgraph at the same paths, the working directory, ``files``: the
     script, the cluster file). Raises PlanError with one line per host that does not
-    answer or differs."""
+    answer or differs. With ``masters``, each check opens its host's shared connection
+    and keeps it (:mod:`distgraph.runtime.launch.connections`)."""
     cwd = cwd or os.getcwd()
     check = [sys.executable, HOSTSIDE, "check", cwd, *files]
+    held = check if masters is None or launcher.control is None else \
+        [sys.executable, HOSTSIDE, "check", "--hold", cwd, *files]
     commands = {None: check}
-    commands.update({h: check for h in dict.fromkeys(hosts) if not is_local(h)})
-    answers = run_everywhere(launcher, commands, CHECK_TIMEOUT)
+    commands.update({h: held for h in dict.fromkeys(hosts) if not is_local(h)})
+    answers = run_everywhere(launcher, commands, CHECK_TIMEOUT, masters)
     here = _description(answers.pop(None))
     if here is None:
         raise PlanError(f"cannot describe this host for the comparison: "
@@ -199,13 +241,24 @@ def _difference(here: dict, answer: Answer, launcher: Launcher, cwd: str) -> str
     return None
 
 
-def collect(launcher: Launcher, hosts, status_dir: str, marker: str) -> list[str]:
+def collect(launcher: Launcher, hosts, status_dir: str, marker: str,
+            masters: Masters | None = None) -> list[str]:
     """After a job: on every other host, kill what is left of it, bring its status files
     into ``status_dir`` (logs into ``status_dir/logs``) and remove its folder there.
-    Returns one line per host that could not be cleaned or read."""
+    Returns one line per host that could not be cleaned or read. A host with a master
+    in ``masters`` is asked through it (:meth:`Masters.ask`), over ssh where that fails."""
     command = [sys.executable, HOSTSIDE, "collect", status_dir, marker]
     remote = [h for h in dict.fromkeys(hosts) if not is_local(h)]
-    answers = run_everywhere(launcher, {h: command for h in remote}, COLLECT_TIMEOUT)
+    answers = {}
+    if masters is not None:
+        deadline = time.monotonic() + COLLECT_TIMEOUT
+        with ThreadPoolExecutor(max_workers=min(32, len(remote) or 1)) as pool:
+            tars = pool.map(lambda h: masters.ask(h, ["collect", status_dir, marker],
+                                                  deadline), remote)
+            answers = {h: Answer(h, 0, tar, "") for h, tar in zip(remote, tars)
+                       if tar is not None}
+    rest = {h: command for h in remote if h not in answers}
+    answers.update(run_everywhere(launcher, rest, COLLECT_TIMEOUT) if rest else {})
     problems = []
     for host, answer in answers.items():
         if answer.returncode != 0:

@@ -13,7 +13,10 @@ time: point-to-point latency (half the round trip of an 8-byte ping-pong) and ba
 (a multi-megabyte ping-pong). For the whole group: all-reduce latency (8 bytes) and bus
 bandwidth (2(n-1)/n * bytes / time, the figure the ring formula uses). Ranks on the same
 host form one machine; pairs on one host get ``SHM`` links, pairs across hosts ``NET``
-links between machines. Rank r becomes device r. Rank 0 prints each result as it comes.
+links between machines. Then one reshard step of each kind through distgraph's runtime,
+between ops as in training, on three tensor sizes: what a step costs beyond its
+messages' alpha-beta, per step and per byte of its buffer (``reshard_overhead``). Rank r
+becomes device r. Rank 0 prints each result as it comes.
 
 While a pair measures, the other ranks wait in a barrier that sleeps between polls
 (:func:`idle_barrier`), not in MPI's own, which spins: with more ranks than cores a
@@ -39,6 +42,7 @@ import time
 
 import numpy as np
 
+from distgraph.passes.cost_model import COLLECTIVES as COLLECTIVE_KINDS
 from distgraph.passes.cost_model import collective_time
 from distgraph.passes.reshard import plan_reshard
 from distgraph.placement import DistAttr, ShardSpec
@@ -219,12 +223,31 @@ def host_memory_gb() -> float:
 
 
 RESHARD_KINDS = ("slice", "all_gather", "all_reduce", "reduce_scatter", "all_to_all")
+# global bytes of the tensors each reshard step kind is timed on: the per-step cost shows
+# on the smallest, the per-byte cost (the runtime's copies) on the others
+RESHARD_BYTES = (4 * 2**10, 64 * 2**10, 1 * 2**20)
+RESHARD_ITERS = 20
+BETWEEN_BYTES = 2**18      # per array of the work run between two timed steps
+
+
+def between_steps(arrays) -> None:
+    """What a rank does between two communication steps of a training step, the same on
+    every rank: an op or two, here an elementwise add over ``BETWEEN_BYTES`` arrays and a
+    small GEMM. They take the caches from the runtime's code and data, and the ranks
+    reach the next step as each finishes, not in lockstep."""
+    a, b, c, m = arrays
+    np.add(a, b, out=c)
+    m @ m
 
 
 def measure_reshard_steps(comm, repeats: int) -> dict:
-    """{step kind: seconds} of one reshard step of each kind through distgraph's runtime
-    on a tiny tensor over all ranks (the slowest rank's view): the software cost a step
-    adds to what its messages cost on the links."""
+    """{step kind: ((buffer bytes, seconds), ...)}: one reshard step of each kind through
+    distgraph's runtime over all ranks, on tensors of :data:`RESHARD_BYTES`, the mean
+    over :data:`RESHARD_ITERS` steps each run after the work of :func:`between_steps` (a
+    step in a tight loop finds its code and data cached and its peers waiting: in
+    training neither holds), the median of ``repeats`` batches, the slowest rank's view.
+    What a step costs beyond the alpha-beta of its messages is
+    :func:`reshard_overheads`'s fit."""
     import distgraph as dg
 
     # the runtime is what the figure describes; imported at measurement time only
@@ -233,27 +256,37 @@ def measure_reshard_steps(comm, repeats: int) -> dict:
     n = comm.Get_size()
     runtime = MPICommunicator(comm)
     mesh = dg.ProcessMesh(list(range(n)), ["x"])
-    shape = (8 * n, 8 * n)
     layouts = {"slice": ([None, None], (), ["x", None]),
                "all_gather": (["x", None], (), [None, None]),
                "all_reduce": ([None, None], ("x",), [None, None]),
                "reduce_scatter": ([None, None], ("x",), ["x", None]),
                "all_to_all": (["x", None], (), [None, "x"])}
+    work = (np.ones(BETWEEN_BYTES // 8), np.ones(BETWEEN_BYTES // 8),
+            np.empty(BETWEEN_BYTES // 8), np.ones((64, 64), np.float32))
     out = {}
     for kind in RESHARD_KINDS if n > 1 else ("slice",):
         before, partial, after = layouts[kind]
-        src = DistAttr(mesh, ShardSpec(before, partial=partial))
-        steps = plan_reshard(src, DistAttr(mesh, ShardSpec(after)), shape, "float32")
-        local = np.ones(src.local_shape(shape), dtype=np.float32)
-        best = np.inf
-        for batch in range(repeats + 1):       # batch 0 warms up
-            runtime.barrier()
-            start = time.perf_counter()
-            for _ in range(50):
-                apply_reshard(steps, local, runtime, runtime.rank)
-            if batch:
-                best = min(best, (time.perf_counter() - start) / 50)
-        out[kind] = comm.allreduce(best, op=_mpi_max())
+        out[kind] = []
+        for nbytes in RESHARD_BYTES:
+            cols = 8 * n
+            rows = n * max(8, -(-nbytes // (4 * cols * n)))
+            shape = (rows, cols)
+            src = DistAttr(mesh, ShardSpec(before, partial=partial))
+            steps = plan_reshard(src, DistAttr(mesh, ShardSpec(after)), shape, "float32")
+            local = np.ones(src.local_shape(shape), dtype=np.float32)
+            batches = []
+            for batch in range(repeats + 1):       # batch 0 warms up
+                runtime.barrier()
+                spent = 0.0
+                for _ in range(RESHARD_ITERS):
+                    between_steps(work)
+                    start = time.perf_counter()
+                    apply_reshard(steps, local, runtime, runtime.rank)
+                    spent += time.perf_counter() - start
+                if batch:
+                    batches.append(spent / RESHARD_ITERS)
+            seconds = comm.allreduce(float(np.median(batches)), op=_mpi_max())
+            out[kind].append((steps[0].buffer_bytes, seconds))
     return out
 
 
@@ -263,21 +296,30 @@ def _mpi_max():
 
 
 def reshard_overheads(cluster, steps: dict) -> dict:
-    """{step kind: µs} a step costs beyond the alpha-beta of the links its messages take
-    (what :func:`measure_reshard_steps` measured, less the cost model's charge)."""
+    """{step kind: (µs per step, ns per byte of its buffer)}: what a step costs beyond
+    the alpha-beta of the links its messages take (what :func:`measure_reshard_steps`
+    measured, less the cost model's charge), fitted by least squares (both >= 0) over
+    the buffer sizes measured; one size alone gives the µs per step."""
+    from scipy.optimize import nnls
 
     ids = [d.global_id for d in cluster.devices]
     n = len(ids)
     hops = list(zip(ids, ids[1:] + ids[:1]))
     bw = min((cluster.bandwidth(a, b) for a, b in hops if a != b), default=1.0)
     lat = max((cluster.latency(a, b) for a, b in hops if a != b), default=0.0)
-    shape_bytes = (8 * n) * (8 * n) * 4
-    buffer = {"all_gather": shape_bytes, "all_reduce": shape_bytes,
-              "reduce_scatter": shape_bytes, "all_to_all": shape_bytes // n}
     out = {}
-    for kind, seconds in steps.items():
-        charged = collective_time(kind, n, buffer[kind], bw, lat) if kind in buffer else 0.0
-        out[kind] = round(max(seconds - charged, 0.0) * 1e6, 3)
+    for kind, measured in steps.items():
+        sizes = np.array([float(b) for b, _ in measured])
+        beyond = np.array([max(t - (collective_time(kind, n, b, bw, lat)
+                                    if kind in COLLECTIVE_KINDS else 0.0), 0.0)
+                           for b, t in measured])
+        if sizes.max() == sizes.min():
+            per_step, per_byte = float(np.median(beyond)), 0.0
+        else:
+            mib = sizes / 2**20            # columns of like scale for the solver
+            (per_step, per_mib), _ = nnls(np.stack([np.ones_like(mib), mib], axis=1), beyond)
+            per_byte = per_mib / 2**20
+        out[kind] = (round(float(per_step) * 1e6, 3), round(float(per_byte) * 1e9, 6))
     return out
 
 
@@ -365,8 +407,9 @@ def main(argv=None) -> None:
         say(comm, f"all-reduce of {size} ranks: bus {allreduce[0]:.2f} GB/s, latency "
                   f"{allreduce[1]:.1f} us")
     steps = measure_reshard_steps(comm, args.repeats)
-    say(comm, "reshard steps through distgraph: " + ", ".join(
-        f"{k} {v * 1e6:.1f} us" for k, v in steps.items()))
+    say(comm, "reshard steps through distgraph, between ops: " + ", ".join(
+        f"{k} " + "/".join(f"{t * 1e6:.0f}" for _, t in v) + " us" for k, v in steps.items())
+        + f" (global {'/'.join(f'{b // 1024} KiB' for b in RESHARD_BYTES)})")
     all_pairs = comm.gather(pairs, root=0)
     if rank == 0:
         merged = {k: (round(bw, 4), round(lat, 3)) for part in all_pairs for k, (bw, lat)

@@ -8,7 +8,8 @@ communication and bubble, and peak memory per process.
   in its part of the feeds (bytes / memory bandwidth).
 - **Communication**: every reshard step and every collective inside an op, with the
   alpha-beta formulas of :mod:`distgraph.passes.cost_model` plus the device's measured
-  software cost of a step of that kind (``reshard_overhead``), on the links between the
+  software cost of a step of that kind, per step and per byte of its buffer
+  (``reshard_overhead``: the runtime's calls, copies and meeting), on the links between the
   devices of the step's group (the ring's bottleneck bandwidth and largest hop latency);
   a p2p step takes as long as its busiest sender's messages, each ``α + B/β`` of its pair.
 - **Overlapped ops** (an op's ``overlap`` hook: MeshSlice) take
@@ -193,40 +194,57 @@ def ring_links(cluster, devices) -> tuple[float, float]:
 def step_time(step, process: int, cluster, device_of, scale: float = 1.0) -> float:
     """Seconds that reshard ``step`` costs ``process`` (0 where it takes no part): the
     alpha-beta of its messages (their bytes times ``scale``) plus the software cost of a
-    step of its kind on the process's device (``Device.reshard_overhead``, measured by
-    calibrate)."""
+    step of its kind and buffer on the process's device (:func:`software_time`; a
+    collective over one process costs what a local step does)."""
     involved = process in step.mesh or (step.dst_mesh is not None and process in step.dst_mesh)
     if not involved:
         return 0.0
+    # over one process a collective meets no one: the runtime runs it as a local step
+    kind = "slice" if step.kind in COLLECTIVES and step.group_size == 1 else step.kind
     return _message_time(step, process, cluster, device_of, scale) + \
-        software_time(cluster.device(device_of(process)), step.kind)
+        software_time(cluster.device(device_of(process)), kind, step.buffer_bytes * scale)
 
 
-def software_time(device, kind: str) -> float:
-    """Seconds of software a communication step of ``kind`` costs on ``device`` beyond
-    its messages (``Device.reshard_overhead``; 0 where not measured)."""
+def software_time(device, kind: str, nbytes: float = 0.0) -> float:
+    """Seconds of software a communication step of ``kind`` on a buffer of ``nbytes``
+    (the cost formula's B) costs on ``device`` beyond its messages: ``µs per step + ns
+    per byte x nbytes`` of ``Device.reshard_overhead`` (0 where not measured), what
+    ``distgraph cluster calibrate`` measured through the runtime between ops: its calls,
+    its copies (a gather's concatenation, a reduce-scatter's packing) and the wait for
+    the group to meet.
+
+    >>> from distgraph.resources.elements import Device
+    >>> d = Device(0, 0, 0, "CPU", reshard_overhead={"all_gather": (30.0, 0.5)})
+    >>> round(software_time(d, "all_gather", 1e6) * 1e6, 3)     # 30 µs + 0.5 ns x 1e6 B
+    530.0
+    """
     software = device.reshard_overhead
-    return software.get(kind, 0.0) * 1e-6 if software else 0.0
+    if not software or kind not in software:
+        return 0.0
+    per_step, per_byte = software[kind]
+    return per_step * 1e-6 + per_byte * 1e-9 * nbytes
 
 
-def sliced_software_time(device, kind: str) -> float:
-    """Seconds of software one collective of ``kind`` costs inside a sliced pipeline
-    (:class:`~distgraph.registry.Overlap`): the device's measured ``sliced`` figure (each
-    more slice of MeshSlice's kernel, ``distgraph cluster calibrate``) where it has one,
-    else what a reshard step of that kind costs."""
+def sliced_software_time(device, kind: str, nbytes: float = 0.0) -> float:
+    """Seconds of software one collective of ``kind`` on ``nbytes`` costs inside a sliced
+    pipeline (:class:`~distgraph.registry.Overlap`): per step, the device's measured
+    ``sliced`` figure (each more slice of MeshSlice's kernel, ``distgraph cluster
+    calibrate``) where it has one, and per byte what a reshard step of that kind costs
+    (:func:`software_time`)."""
     software = device.reshard_overhead
-    if software and "sliced" in software:
-        return software["sliced"] * 1e-6
-    return software_time(device, kind)
+    if not software or "sliced" not in software:
+        return software_time(device, kind, nbytes)
+    per_byte = software[kind][1] if kind in software else 0.0
+    return software["sliced"][0] * 1e-6 + per_byte * 1e-9 * nbytes
 
 
 def op_collective_time(kind: str, n: int, nbytes: float, ring: tuple, device) -> float:
     """Seconds of a collective an op runs itself over ``n`` processes on ``ring``
     (bandwidth GB/s, latency µs): its alpha-beta plus the software cost a reshard step
-    of that kind pays on ``device``."""
+    of that kind and buffer pays on ``device``."""
     if n == 1:
         return 0.0
-    return collective_time(kind, n, nbytes, *ring) + software_time(device, kind)
+    return collective_time(kind, n, nbytes, *ring) + software_time(device, kind, nbytes)
 
 
 def dim_ring(cluster, mesh, process: int, mesh_dim: str, device_of) -> tuple:
@@ -278,7 +296,7 @@ def overlap_time(ov, device, ring_of, compute_time=None) -> tuple[float, float]:
                 continue
             bw, lat, copied = ring_of(dim)
             t = collective_time(kind, n, nbytes, bw, lat)
-            processor += sliced_software_time(device, kind) + (t if copied else 0.0)
+            processor += sliced_software_time(device, kind, nbytes) + (t if copied else 0.0)
             if not copied:
                 per_dim[dim] = per_dim.get(dim, 0.0) + t
         return max(per_dim.values(), default=0.0)
@@ -296,8 +314,8 @@ def collectives_time(ov, device, ring_of) -> float:
     for kind, dim, n, nbytes in ov.before + ov.after:
         if n > 1:
             bw, lat, _ = ring_of(dim)
-            total += collective_time(kind, n, nbytes, bw, lat) + sliced_software_time(device,
-                                                                                    kind)
+            total += (collective_time(kind, n, nbytes, bw, lat)
+                      + sliced_software_time(device, kind, nbytes))
     return ov.slices * total
 
 

@@ -57,6 +57,15 @@ def _set(obj, name, value):
     object.__setattr__(obj, name, value)
 
 
+def _per_step_and_byte(cost) -> tuple:
+    """A reshard step kind's software cost as ``(µs per step, ns per byte)``; a number is
+    the µs per step alone."""
+    if isinstance(cost, (int, float)):
+        return (float(cost), 0.0)
+    a, b = cost
+    return (float(a), float(b))
+
+
 @dataclass(frozen=True)
 class Device:
     """One device. ``gflops`` maps a dtype name to GFLOP/s; ``memory`` is in GB;
@@ -66,8 +75,9 @@ class Device:
     (work: FLOPs of a matmul, else elements read and written; see
     :func:`distgraph.registry.op_work`), which the cost model prefers;
     ``reshard_overhead`` maps a reshard step kind (``all_reduce``, ``slice``, ...) to the
-    µs of software one such step costs beyond its messages' alpha-beta (``sliced``: one
-    collective of MeshSlice's sliced pipeline).
+    ``(µs per step, ns per byte of its buffer)`` of software one such step costs beyond
+    its messages' alpha-beta (the runtime's own copies; a file may give the µs alone);
+    ``sliced``: one collective inside MeshSlice's sliced pipeline.
 
     Example: ``Device(0, 0, 0, "GPU", "A100-SXM4-40GB", {"float32": 19500}, 40)``.
     """
@@ -82,7 +92,7 @@ class Device:
     memory_bandwidth: float | None = None
     op_overhead: float | None = None
     op_costs: Mapping[str, tuple] | None = None
-    reshard_overhead: Mapping[str, float] | None = None
+    reshard_overhead: Mapping[str, tuple] | None = None
 
     def __post_init__(self):
         if self.type not in DEVICE_TYPES:
@@ -92,7 +102,7 @@ class Device:
         _set(self, "gflops", FrozenMap({str(k): float(v) for k, v in self.gflops.items()}))
         _set(self, "memory", float(self.memory))
         if self.reshard_overhead is not None:
-            _set(self, "reshard_overhead", FrozenMap({str(k): float(v) for k, v
+            _set(self, "reshard_overhead", FrozenMap({str(k): _per_step_and_byte(v) for k, v
                                                       in self.reshard_overhead.items()}))
         if self.op_costs is not None:
             _set(self, "op_costs", FrozenMap({str(k): (float(a), float(b))

@@ -275,13 +275,24 @@ def _op_costs(reader: Reader, d: dict, dkey: str):
 
 
 def _reshard_overhead(reader: Reader, d: dict, dkey: str):
-    """A device's ``reshard_overhead``: {reshard step kind: µs}, or None."""
+    """A device's ``reshard_overhead``: {reshard step kind: µs per step, or [µs per step,
+    ns per byte]}, or None."""
     raw = reader.get(d, "reshard_overhead", dkey, default=None)
     if raw is None:
         return None
     key = join(dkey, "reshard_overhead")
-    raw = reader.mapping(raw, key, SOFTWARE_KINDS, "a mapping of reshard step kind to µs")
-    return {kind: reader.number(raw, kind, key, unit="µs") for kind in raw}
+    raw = reader.mapping(raw, key, SOFTWARE_KINDS, "a mapping of reshard step kind to "
+                         "µs per step or [µs per step, ns per byte]")
+    out = {}
+    for kind, cost in raw.items():
+        if not isinstance(cost, (list, tuple)):
+            out[kind] = reader.number(raw, kind, key, unit="µs")
+            continue
+        pkey = join(key, kind)
+        if len(cost) != 2:
+            reader.fail(pkey, f"got {len(cost)} numbers", "two: [µs per step, ns per byte]")
+        out[kind] = tuple(reader.number({str(i): v}, str(i), pkey) for i, v in enumerate(cost))
+    return out
 
 
 def _device_dict(d) -> dict:
@@ -293,7 +304,8 @@ def _device_dict(d) -> dict:
     if d.op_costs:
         out["op_costs"] = {k: [_num(a), _num(b)] for k, (a, b) in sorted(d.op_costs.items())}
     if d.reshard_overhead:
-        out["reshard_overhead"] = {k: _num(v) for k, v in sorted(d.reshard_overhead.items())}
+        out["reshard_overhead"] = {k: [_num(a), _num(b)] if b else _num(a)
+                                   for k, (a, b) in sorted(d.reshard_overhead.items())}
     return out
 
 

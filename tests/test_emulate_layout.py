@@ -162,7 +162,7 @@ def test_relabelling_keeps_each_devices_measured_costs():
              for r in range(4)]
     pairs = {(a, b): (0.1 if a // 2 != b // 2 else 3.0, 40.0) for a in range(4)
              for b in range(a + 1, 4)}
-    steps = {"slice": 1e-5, "all_gather": 2e-3}
+    steps = {"slice": [(4096, 1e-5)], "all_gather": [(4096, 2e-3), (65536, 3e-3)]}
     out = relabel(build_cluster(ranks, pairs, (0.2, 300.0), "calibrated4", steps), source, 4)
     for r, d in enumerate(out.devices):
         assert (d.memory_bandwidth, d.op_overhead) == (5.0 + r, 30.0 + r)

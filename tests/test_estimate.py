@@ -208,7 +208,9 @@ def test_measured_op_costs_and_reshard_overheads_replace_the_roofline(float64, t
     c.save(tmp_path / "c.yaml")
     assert dg.Cluster.from_file(tmp_path / "c.yaml").devices == c.devices
     dev = c.devices[0]
-    assert dev.op_costs["matmul"] == (3.0, 0.5) and dev.reshard_overhead["all_reduce"] == 11.0
+    # a number alone is the µs per step, with nothing per byte
+    assert dev.op_costs["matmul"] == (3.0, 0.5) and dev.reshard_overhead["all_reduce"] == (11.0,
+                                                                                          0.0)
 
     class Proj(dg.nn.Layer):
         def __init__(self):
@@ -243,3 +245,39 @@ def test_measured_op_costs_and_reshard_overheads_replace_the_roofline(float64, t
     bad = {**data["machines"][0]["devices"][0], "op_costs": {"add": [1]}}
     with pytest.raises(dg.ResourceFileError, match="two"):
         dg.Cluster.from_dict({"machines": [{"hostname": "a", "devices": [bad]}]})
+
+
+def test_software_cost_of_a_step_grows_with_its_buffer(float64):
+    """A device's reshard software cost ``[µs per step, ns per byte]`` is charged per
+    step as ``µs + ns x B`` (B: the step's buffer of the cost formula) on top of the
+    links' alpha-beta; a collective over one process costs what a local step does."""
+    per_step, per_byte, local = 11.0, 0.5, 3.0
+
+    def with_software(overhead):
+        c = cluster(2)
+        return dg.Cluster.from_dict({"machines": [{"hostname": "a", "devices": [
+            {"global_id": d.global_id, "type": "CPU", "memory": 1,
+             "gflops": {"float64": GFLOPS}, "memory_bandwidth": MEM_BW,
+             "op_overhead": OVERHEAD, "reshard_overhead": overhead} for d in c.devices],
+            "links": [{"group": [0, 1], "bandwidth": BW, "latency": LAT}]}]})
+
+    p = train_plan(MLP(dg.ProcessMesh([0, 1], ["dp"]), ["dp", None]))
+    plain = dg.passes.estimate(p, cluster(2))
+    charged = dg.passes.estimate(p, with_software({"all_reduce": [per_step, per_byte]}))
+    steps = [s for point in p.local(0).points() + gather_points(p.program, [p.built.loss_name],
+                                                                 0) for s in point.steps]
+    assert {s.kind for s in steps} == {"all_reduce"}
+    expected = sum(per_step * 1e-6 + per_byte * 1e-9 * s.buffer_bytes for s in steps)
+    assert charged.processes[0].communication == pytest.approx(
+        plain.processes[0].communication + expected, rel=1e-9)
+
+    # the same model on a mesh of one process per stage: its all-reduces meet no one
+    one = dg.ProcessMesh([0], ["dp"])
+    q = train_plan(MLP(one, ["dp", None]))
+    groups = [s for point in q.local(0).points() for s in point.steps]
+    assert groups and all(s.group_size == 1 for s in groups)
+    alone = dg.passes.estimate(q, with_software({"all_reduce": [per_step, per_byte],
+                                                 "slice": local}))
+    base = dg.passes.estimate(q, cluster(2))
+    assert alone.processes[0].communication == pytest.approx(
+        base.processes[0].communication + len(groups) * local * 1e-6, rel=1e-9)

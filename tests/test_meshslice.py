@@ -297,12 +297,15 @@ def test_the_calibrated_sliced_cost_makes_the_model_reproduce_each_more_slice():
              for r in range(4)]
     pairs = {(a, b): (0.1 if a // 2 != b // 2 else 3.0, 40.0) for a in range(4)
              for b in range(a + 1, 4)}
-    steps = {"all_gather": 2e-4}
+    steps = {"all_gather": [(2**12, 2e-4), (2**16, 1e-3), (2**20, 2e-2)]}
     measured = {1: 6e-4, SLICED_SLICES: 4.1e-3}
     cluster = build_cluster(ranks, pairs, None, "calibrated4", steps, measured)
     device = cluster.device(0)
-    assert sliced_software_time(device, "all_gather") == device.reshard_overhead["sliced"] * 1e-6
-    assert device.reshard_overhead["sliced"] > 0
+    per_step, _ = device.reshard_overhead["sliced"]
+    _, per_byte = device.reshard_overhead["all_gather"]
+    assert per_step > 0 and per_byte > 0
+    assert sliced_software_time(device, "all_gather", 1e6) == pytest.approx(
+        per_step * 1e-6 + per_byte * 1e-9 * 1e6)
 
     def priced(k):
         local, ins, mesh = sliced_problem(4, k)
@@ -313,7 +316,8 @@ def test_the_calibrated_sliced_cost_makes_the_model_reproduce_each_more_slice():
     assert priced(SLICED_SLICES) - priced(1) == pytest.approx(
         measured[SLICED_SLICES] - measured[1], rel=1e-4)
     plain = build_cluster(ranks, pairs, None, "calibrated4", steps).device(0)
-    assert sliced_software_time(plain, "all_gather") == software_time(plain, "all_gather")
+    assert sliced_software_time(plain, "all_gather", 1e6) == \
+        software_time(plain, "all_gather", 1e6)
 
 
 def test_groups_of_a_mesh_dim_that_cross_the_same_machines_share_their_link():

@@ -450,6 +450,9 @@ def _np_softmax(x, axis):
 
 FLOAT32_CASES = {
     "matmul": (lambda v: ops.matmul(v["a"], v["b"], transpose_y=True), lambda v: v["a"] @ v["b"].T),
+    # a Linear layer over stacked rows: the kernel runs it as one GEMM
+    "matmul-rows-2d-weight": (lambda v: ops.matmul(v["r"], v["b"], transpose_y=True),
+                              lambda v: np.einsum("bmk,nk->bmn", v["r"], v["b"])),
     "add-broadcast": (lambda v: ops.add(v["x"], v["bias"]), lambda v: v["x"] + v["bias"]),
     "softmax": (lambda v: ops.softmax(v["x"], axis=0), lambda v: _np_softmax(v["x"], 0)),
     "log_softmax": (lambda v: ops.log_softmax(v["x"]),
@@ -469,7 +472,7 @@ def test_float32_forward_equals_numpy(name):
     rng = np.random.default_rng(0)
     f32 = lambda s: rng.standard_normal(s).astype(np.float32)  # noqa: E731
     values = {"a": f32((5, 8)), "b": f32((6, 8)), "x": f32((5, 6)), "bias": f32((6,)),
-              "w": f32((6,))}
+              "w": f32((6,)), "r": f32((3, 5, 8))}
     fn, ref = FLOAT32_CASES[name]
     got = run_forward(fn, values)
     want = ref(values)

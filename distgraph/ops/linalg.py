@@ -69,10 +69,16 @@ class Matmul:
         if isinstance(meshslice, ms.LocalMeshSlice):
             return ms.run(ctx, x, y, transpose_x, transpose_y, meshslice)
         xp = ctx.xp
-        if transpose_x:
-            x = xp.swapaxes(x, -1, -2)
         if transpose_y:
             y = xp.swapaxes(y, -1, -2)
+        if x.ndim > 2 and y.ndim == 2 and not transpose_x:
+            # A Linear layer: one GEMM over all rows. The array libraries run a stacked
+            # matmul as one GEMM per batch entry, each packing the whole weight again: with
+            # few rows per entry (a sequence split) that is several times slower.
+            rows = x.reshape(-1, x.shape[-1])
+            return xp.matmul(rows, y).reshape(x.shape[:-1] + (y.shape[-1],))
+        if transpose_x:
+            x = xp.swapaxes(x, -1, -2)
         return xp.matmul(x, y)
 
     def flops(ins, outs, transpose_x=False, transpose_y=False, meshslice=None):

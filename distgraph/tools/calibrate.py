@@ -11,12 +11,14 @@ costs on CuPy, each timed to the end of its kernels) and becomes a GPU device of
 ``local_id``; the links between ranks are still MPI's through host memory. Per pair of ranks, one pair at a
 time: point-to-point latency (half the round trip of an 8-byte ping-pong) and bandwidth
 (a multi-megabyte ping-pong). For the whole group: all-reduce latency (8 bytes) and bus
-bandwidth (2(n-1)/n * bytes / time, the figure the ring formula uses), each reshard step
-kind's software cost on a tiny tensor (``reshard_overhead``), and what one collective of
-MeshSlice's sliced pipeline costs (its kernel on a tiny GeMM at K = 1 and 8: the
-``sliced`` entry). Ranks on the same
+bandwidth (2(n-1)/n * bytes / time, the figure the ring formula uses). Ranks on the same
 host form one machine; pairs on one host get ``SHM`` links, pairs across hosts ``NET``
-links between machines. Rank r becomes device r. Rank 0 prints each result as it comes.
+links between machines. Then one reshard step of each kind through distgraph's runtime,
+between ops as in training, on three tensor sizes: what a step costs beyond its
+messages' alpha-beta, per step and per byte of its buffer (``reshard_overhead``); and
+what one collective of MeshSlice's sliced pipeline costs per step (its kernel on a tiny
+GeMM at K = 1 and 8: the ``sliced`` entry). Rank r becomes device r. Rank 0 prints each
+result as it comes.
 
 While a pair measures, the other ranks wait in a barrier that sleeps between polls
 (:func:`idle_barrier`), not in MPI's own, which spins: with more ranks than cores a
@@ -42,6 +44,7 @@ import time
 
 import numpy as np
 
+from distgraph.passes.cost_model import COLLECTIVES as COLLECTIVE_KINDS
 from distgraph.passes.cost_model import collective_time
 from distgraph.passes.reshard import plan_reshard
 from distgraph.placement import DistAttr, ShardSpec
@@ -222,12 +225,31 @@ def host_memory_gb() -> float:
 
 
 RESHARD_KINDS = ("slice", "all_gather", "all_reduce", "reduce_scatter", "all_to_all")
+# global bytes of the tensors each reshard step kind is timed on: the per-step cost shows
+# on the smallest, the per-byte cost (the runtime's copies) on the others
+RESHARD_BYTES = (4 * 2**10, 64 * 2**10, 1 * 2**20)
+RESHARD_ITERS = 20
+BETWEEN_BYTES = 2**18      # per array of the work run between two timed steps
+
+
+def between_steps(arrays) -> None:
+    """What a rank does between two communication steps of a training step, the same on
+    every rank: an op or two, here an elementwise add over ``BETWEEN_BYTES`` arrays and a
+    small GEMM. They take the caches from the runtime's code and data, and the ranks
+    reach the next step as each finishes, not in lockstep."""
+    a, b, c, m = arrays
+    np.add(a, b, out=c)
+    m @ m
 
 
 def measure_reshard_steps(comm, repeats: int) -> dict:
-    """{step kind: seconds} of one reshard step of each kind through distgraph's runtime
-    on a tiny tensor over all ranks (the slowest rank's view): the software cost a step
-    adds to what its messages cost on the links."""
+    """{step kind: ((buffer bytes, seconds), ...)}: one reshard step of each kind through
+    distgraph's runtime over all ranks, on tensors of :data:`RESHARD_BYTES`, the mean
+    over :data:`RESHARD_ITERS` steps each run after the work of :func:`between_steps` (a
+    step in a tight loop finds its code and data cached and its peers waiting: in
+    training neither holds), the median of ``repeats`` batches, the slowest rank's view.
+    What a step costs beyond the alpha-beta of its messages is
+    :func:`reshard_overheads`'s fit."""
     import distgraph as dg
 
     # the runtime is what the figure describes; imported at measurement time only
@@ -236,27 +258,37 @@ def measure_reshard_steps(comm, repeats: int) -> dict:
     n = comm.Get_size()
     runtime = MPICommunicator(comm)
     mesh = dg.ProcessMesh(list(range(n)), ["x"])
-    shape = (8 * n, 8 * n)
     layouts = {"slice": ([None, None], (), ["x", None]),
                "all_gather": (["x", None], (), [None, None]),
                "all_reduce": ([None, None], ("x",), [None, None]),
                "reduce_scatter": ([None, None], ("x",), ["x", None]),
                "all_to_all": (["x", None], (), [None, "x"])}
+    work = (np.ones(BETWEEN_BYTES // 8), np.ones(BETWEEN_BYTES // 8),
+            np.empty(BETWEEN_BYTES // 8), np.ones((64, 64), np.float32))
     out = {}
     for kind in RESHARD_KINDS if n > 1 else ("slice",):
         before, partial, after = layouts[kind]
-        src = DistAttr(mesh, ShardSpec(before, partial=partial))
-        steps = plan_reshard(src, DistAttr(mesh, ShardSpec(after)), shape, "float32")
-        local = np.ones(src.local_shape(shape), dtype=np.float32)
-        best = np.inf
-        for batch in range(repeats + 1):       # batch 0 warms up
-            runtime.barrier()
-            start = time.perf_counter()
-            for _ in range(50):
-                apply_reshard(steps, local, runtime, runtime.rank)
-            if batch:
-                best = min(best, (time.perf_counter() - start) / 50)
-        out[kind] = comm.allreduce(best, op=_mpi_max())
+        out[kind] = []
+        for nbytes in RESHARD_BYTES:
+            cols = 8 * n
+            rows = n * max(8, -(-nbytes // (4 * cols * n)))
+            shape = (rows, cols)
+            src = DistAttr(mesh, ShardSpec(before, partial=partial))
+            steps = plan_reshard(src, DistAttr(mesh, ShardSpec(after)), shape, "float32")
+            local = np.ones(src.local_shape(shape), dtype=np.float32)
+            batches = []
+            for batch in range(repeats + 1):       # batch 0 warms up
+                runtime.barrier()
+                spent = 0.0
+                for _ in range(RESHARD_ITERS):
+                    between_steps(work)
+                    start = time.perf_counter()
+                    apply_reshard(steps, local, runtime, runtime.rank)
+                    spent += time.perf_counter() - start
+                if batch:
+                    batches.append(spent / RESHARD_ITERS)
+            seconds = comm.allreduce(float(np.median(batches)), op=_mpi_max())
+            out[kind].append((steps[0].buffer_bytes, seconds))
     return out
 
 
@@ -314,34 +346,43 @@ def _mpi_max():
 
 
 def reshard_overheads(cluster, steps: dict, sliced: dict | None = None) -> dict:
-    """{step kind: µs} a step costs beyond the alpha-beta of the links its messages take
-    (what :func:`measure_reshard_steps` measured, less the cost model's charge); with
-    ``sliced`` (:func:`measure_sliced_gemm`'s times), also ``sliced``: what one
-    collective of a sliced pipeline costs beyond the model's charge for it and its slice
-    (:func:`sliced_overhead`)."""
+    """{step kind: (µs per step, ns per byte of its buffer)}: what a step costs beyond
+    the alpha-beta of the links its messages take (what :func:`measure_reshard_steps`
+    measured, less the cost model's charge), fitted by least squares (both >= 0) over
+    the buffer sizes measured; one size alone gives the µs per step. With ``sliced``
+    (:func:`measure_sliced_gemm`'s times), also ``sliced``: what one collective of a
+    sliced pipeline costs per step beyond the model's charge (:func:`sliced_overhead`)."""
+    from scipy.optimize import nnls
 
     ids = [d.global_id for d in cluster.devices]
     n = len(ids)
     hops = list(zip(ids, ids[1:] + ids[:1]))
     bw = min((cluster.bandwidth(a, b) for a, b in hops if a != b), default=1.0)
     lat = max((cluster.latency(a, b) for a, b in hops if a != b), default=0.0)
-    shape_bytes = (8 * n) * (8 * n) * 4
-    buffer = {"all_gather": shape_bytes, "all_reduce": shape_bytes,
-              "reduce_scatter": shape_bytes, "all_to_all": shape_bytes // n}
     out = {}
-    for kind, seconds in steps.items():
-        charged = collective_time(kind, n, buffer[kind], bw, lat) if kind in buffer else 0.0
-        out[kind] = round(max(seconds - charged, 0.0) * 1e6, 3)
+    for kind, measured in steps.items():
+        sizes = np.array([float(b) for b, _ in measured])
+        beyond = np.array([max(t - (collective_time(kind, n, b, bw, lat)
+                                    if kind in COLLECTIVE_KINDS else 0.0), 0.0)
+                           for b, t in measured])
+        if sizes.max() == sizes.min():
+            per_step, per_byte = float(np.median(beyond)), 0.0
+        else:
+            mib = sizes / 2**20            # columns of like scale for the solver
+            (per_step, per_mib), _ = nnls(np.stack([np.ones_like(mib), mib], axis=1), beyond)
+            per_byte = per_mib / 2**20
+        out[kind] = (round(float(per_step) * 1e6, 3), round(float(per_byte) * 1e9, 6))
     if sliced:
-        out["sliced"] = round(sliced_overhead(cluster, sliced) * 1e6, 3)
+        out["sliced"] = (round(sliced_overhead(cluster, sliced, out) * 1e6, 3), 0.0)
     return out
 
 
-def sliced_overhead(cluster, sliced: dict) -> float:
+def sliced_overhead(cluster, sliced: dict, software: dict) -> float:
     """Seconds per collective of a sliced pipeline beyond the model's charge: the value
-    with which :func:`~distgraph.passes.estimate.overlap_time` prices the tiny GeMM's
-    each more slice (K = 1 against ``SLICED_SLICES``) as measured (0 where the model's
-    charge alone reaches it), found by bisection (the price grows with it)."""
+    with which :func:`~distgraph.passes.estimate.overlap_time` (with the steps' fitted
+    ``software`` costs) prices the tiny GeMM's each more slice (K = 1 against
+    ``SLICED_SLICES``) as measured (0 where the model's charge alone reaches it), found
+    by bisection (the price grows with it)."""
     from distgraph.ops.meshslice import overlap
     from distgraph.passes.estimate import dim_ring, overlap_time
     from distgraph.registry import TensorType
@@ -356,7 +397,8 @@ def sliced_overhead(cluster, sliced: dict) -> float:
                                                            lambda p: ids[p])))
 
     def gap(seconds):
-        dev = dataclasses.replace(device, reshard_overhead={"sliced": seconds * 1e6})
+        dev = dataclasses.replace(device, reshard_overhead={**software,
+                                                            "sliced": (seconds * 1e6, 0.0)})
         (one, ring1), (many, ring) = priced
         return (sum(overlap_time(many, dev, ring)) - sum(overlap_time(one, dev, ring1))
                 - (sliced[SLICED_SLICES] - sliced[1]))
@@ -455,8 +497,9 @@ def main(argv=None) -> None:
         say(comm, f"all-reduce of {size} ranks: bus {allreduce[0]:.2f} GB/s, latency "
                   f"{allreduce[1]:.1f} us")
     steps = measure_reshard_steps(comm, args.repeats)
-    say(comm, "reshard steps through distgraph: " + ", ".join(
-        f"{k} {v * 1e6:.1f} us" for k, v in steps.items()))
+    say(comm, "reshard steps through distgraph, between ops: " + ", ".join(
+        f"{k} " + "/".join(f"{t * 1e6:.0f}" for _, t in v) + " us" for k, v in steps.items())
+        + f" (global {'/'.join(f'{b // 1024} KiB' for b in RESHARD_BYTES)})")
     sliced = measure_sliced_gemm(comm, args.repeats) if size > 1 else None
     if sliced:
         say(comm, "MeshSlice's tiny GeMM: " + ", ".join(

@@ -87,10 +87,13 @@ def op_overhead_us(repeats: int = 3, steps: int = 20, xb=NUMPY) -> float:
 
 # (GPT dims, batch) and (MLP dims, batch) of the programs op_costs times: small enough to
 # run in seconds, far enough apart to separate the per-call cost from the per-unit one.
+# Past the smallest, a Linear layer's GEMMs have a few hundred rows, as in training (the
+# GPTs' batch x sequence): a batch of 64 rows left the MLPs' weight-gradient GEMMs a
+# contracted dim of 64, at two thirds of the GEMM rate of larger ones.
 GPT_SIZES = ((dict(vocab_size=64, d_model=16, n_layer=1, n_head=2, max_seq_len=8), 2),
              (dict(vocab_size=128, d_model=64, n_layer=1, n_head=4, max_seq_len=32), 8),
              (dict(vocab_size=256, d_model=128, n_layer=1, n_head=4, max_seq_len=64), 8))
-MLP_SIZES = (((16, 32, 8), 8), ((256, 1024, 256), 64), ((512, 2048, 512), 64))
+MLP_SIZES = (((16, 32, 8), 8), ((256, 1024, 256), 256), ((512, 2048, 512), 256))
 
 
 def op_costs(repeats: int = 3, steps: int = 5, sync=None, xb=NUMPY) -> dict:

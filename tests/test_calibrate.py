@@ -1,0 +1,53 @@
+"""Calibration's fits against closed forms: what a reshard step costs beyond its
+messages' alpha-beta, per step and per byte, from timings at several buffer sizes."""
+
+import pytest
+
+import distgraph as dg
+from distgraph.passes.cost_model import collective_time
+from distgraph.tools.calibrate import build_cluster, reshard_overheads
+
+BW, LAT = 2.0, 5.0
+
+
+def two_cpus():
+    return dg.Cluster.from_dict({"machines": [{"hostname": "a", "devices": [
+        {"global_id": i, "type": "CPU", "memory": 1, "gflops": {"float32": 10}}
+        for i in range(2)], "links": [{"group": [0, 1], "bandwidth": BW, "latency": LAT}]}]})
+
+
+def test_reshard_overheads_recover_the_per_step_and_per_byte_cost():
+    """Timings that are the links' alpha-beta plus ``a + b x B`` give back (a µs, b ns
+    per byte); a local step (no messages) is its timing; one size gives the µs alone."""
+    a, b = 40e-6, 0.3e-9
+    sizes = (4096, 65536, 1 << 20)
+    steps = {"all_gather": [(B, collective_time("all_gather", 2, B, BW, LAT) + a + b * B)
+                            for B in sizes],
+             "slice": [(B, 25e-6) for B in sizes],
+             "all_reduce": [(4096, collective_time("all_reduce", 2, 4096, BW, LAT) + 7e-6)]}
+    out = reshard_overheads(two_cpus(), steps)
+    assert out["all_gather"] == pytest.approx((40.0, 0.3), rel=1e-6)
+    assert out["slice"] == pytest.approx((25.0, 0.0), abs=1e-6)
+    assert out["all_reduce"] == pytest.approx((7.0, 0.0), rel=1e-6)
+
+
+def test_a_step_faster_than_its_links_costs_nothing_more():
+    """Measured below the alpha-beta charge (a fast shared-memory copy): no negative cost."""
+    steps = {"all_reduce": [(B, 0.5 * collective_time("all_reduce", 2, B, BW, LAT))
+                            for B in (4096, 1 << 20)]}
+    assert reshard_overheads(two_cpus(), steps)["all_reduce"] == (0.0, 0.0)
+
+
+def test_the_calibrated_file_carries_the_fit_and_the_estimate_charges_it(tmp_path):
+    ranks = [{"rank": r, "host": "h", "model": "cpu", "memory": 8.0,
+              "gflops": {"float32": 10.0}} for r in range(2)]
+    pairs = {(0, 1): (BW, LAT)}
+    B = 1 << 20
+    steps = {"all_gather": [(n, collective_time("all_gather", 2, n, BW, LAT) + 1e-5 + 1e-9 * n)
+                            for n in (4096, B)]}
+    cluster = build_cluster(ranks, pairs, None, "calibrated2", steps)
+    cluster.save(tmp_path / "c.yaml")
+    device = dg.Cluster.from_file(tmp_path / "c.yaml").devices[0]
+    assert device.reshard_overhead["all_gather"] == pytest.approx((10.0, 1.0), rel=1e-6)
+    from distgraph.passes.estimate import software_time
+    assert software_time(device, "all_gather", B) == pytest.approx(1e-5 + 1e-9 * B, rel=1e-6)

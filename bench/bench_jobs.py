@@ -36,13 +36,14 @@ def timed(fns, steps, warmup, comm):
     return times
 
 
-def calibrated(n: int, given: str | None, folder: str) -> str:
-    """``given``, or a resource file of this machine calibrated for ``n`` ranks, written
-    into ``folder``."""
+def calibrated(n: int, given: str | None, folder: str, repeats: int = 3) -> str:
+    """``given``, or a resource file of this machine calibrated for ``n`` ranks
+    (``distgraph cluster calibrate --repeats``), written into ``folder``."""
     if given is not None:
         return given
     path = os.path.join(folder, f"calibrated{n}.yaml")
-    subprocess.run(["distgraph", "cluster", "calibrate", "-n", str(n), "-o", path],
+    subprocess.run(["distgraph", "cluster", "calibrate", "-n", str(n), "-o", path,
+                    "--repeats", str(repeats)],
                    check=True, env=JOB_ENV, stdout=subprocess.DEVNULL)
     return path
 

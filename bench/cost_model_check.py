@@ -116,13 +116,15 @@ def main() -> None:
     parser.add_argument("--cluster", help="calibrated 2-rank resource file (default: "
                                           "calibrate now)")
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--calibrate-repeats", type=int, default=3,
+                        help="distgraph cluster calibrate --repeats (steadier figures)")
     parser.add_argument("--rank-output", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rank_output:                       # inside the 2-rank job
         write_rows(args.rank_output, measure_rank(args.cluster, args.steps))
         return
     with tempfile.TemporaryDirectory() as tmp:
-        cluster = calibrated(2, args.cluster, tmp)
+        cluster = calibrated(2, args.cluster, tmp, args.calibrate_repeats)
         report(rows_from_ranks(2, __file__, ["--cluster", os.path.abspath(cluster),
                                              "--steps", str(args.steps)], tmp))
 

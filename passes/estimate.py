@@ -15,8 +15,10 @@ communication and bubble, and peak memory per process.
 - **Overlapped ops** (an op's ``overlap`` hook: MeshSlice) take
   :func:`~distgraph.passes.cost_model.pipeline_time` over K slices of three stages: the
   incoming collectives on the links of their mesh dims (collectives on different mesh
-  dims at once), the processor (the slice's compute and the software cost of each
-  collective), the outgoing collectives. Their compute counts as compute, the rest of
+  dims at once), the processor (the slice's compute, with an element-wise add where the
+  slices accumulate into one result, and each collective's software cost: the device's
+  measured ``sliced`` figure per step where it has one), the outgoing collectives. Their
+  compute counts as compute, the rest of
   their time (what the pipeline does not hide) as communication. On CPUs a collective
   inside one machine is memory copies the processes make themselves: it takes the
   processor's stage, not a link's.

@@ -84,6 +84,24 @@ class ArrayBackend:
     def stack(self, arrays):
         return self.xp.stack(list(arrays))
 
+    def chunks(self, a, n: int, axis: int):
+        """``a``'s ``n`` equal chunks along ``axis``, stacked on a new leading axis (the
+        send buffer of a reduce-scatter): a view of C-contiguous ``a`` when no axis before
+        ``axis`` is longer than 1, else a copy."""
+        if a.flags.c_contiguous and all(d == 1 for d in a.shape[:axis]):
+            shape = a.shape[:axis] + (a.shape[axis] // n,) + a.shape[axis + 1:]
+            return a.reshape((n,) + shape)
+        return self.stack(self.split(a, n, axis))
+
+    def joined(self, stacked, axis: int):
+        """The arrays stacked on ``stacked``'s leading axis concatenated along ``axis``
+        (of each): a view when no axis before ``axis`` is longer than 1, else a copy."""
+        parts = stacked.shape[1:]
+        if stacked.flags.c_contiguous and all(d == 1 for d in parts[:axis]):
+            return stacked.reshape(parts[:axis] + (stacked.shape[0] * parts[axis],)
+                                   + parts[axis + 1:])
+        return self.concatenate(list(stacked), axis=axis)
+
     def dtype(self, d):
         return np.dtype(d)
 

@@ -16,6 +16,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import distgraph as dg  # noqa: E402
+from distgraph.ops import meshslice as meshslice_op  # noqa: E402
 from distgraph.ops.meshslice import LocalMeshSlice, put_slice, take_slice  # noqa: E402
 from distgraph.passes.cost_model import collective_time, pipeline_time  # noqa: E402
 from distgraph.passes.estimate import (best_overlap, dim_ring, op_time,  # noqa: E402
@@ -72,6 +73,27 @@ def test_put_slice_writes_back_what_take_slice_takes():
     for k in range(4):
         put_slice(np, out, 1, 4, k, 2, take_slice(np, a, 1, 4, k, 2))
     assert np.array_equal(out, a)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("order_a,order_b", [("C", "C"), ("F", "C"), ("C", "F"), ("F", "F")])
+def test_a_partial_gemm_adds_into_the_result_in_place_for_either_operand_layout(
+        order_a, order_b, dtype):
+    rng = np.random.default_rng(1)
+    a = np.asarray(rng.normal(size=(40, 16)), dtype=dtype, order=order_a)
+    b = np.asarray(rng.normal(size=(16, 24)), dtype=dtype, order=order_b)
+    out = rng.normal(size=(40, 24)).astype(dtype)
+    expected = out + a.astype(np.float64) @ b.astype(np.float64)
+    assert meshslice_op._fortran_operands(np, a, b, out) is not None   # the BLAS path
+    polls = []
+    meshslice_op.BLOCK_FLOPS, saved = 1.0, meshslice_op.BLOCK_FLOPS  # many blocks
+    try:
+        got = meshslice_op._gemm(np, a, b, out, lambda: polls.append(1), accumulate=True)
+    finally:
+        meshslice_op.BLOCK_FLOPS = saved
+    assert got is out and len(polls) == meshslice_op.MAX_TESTS - 1
+    tol = 1e-5 if dtype == np.float32 else 1e-12
+    np.testing.assert_allclose(out, expected, rtol=tol, atol=tol)
 
 
 # ---- layouts and the rule -------------------------------------------------------------------

@@ -208,38 +208,47 @@ def run(ctx, x, y, transpose_x: bool, transpose_y: bool, local: LocalMeshSlice):
     ranks_u, ranks_v = (ctx.group_ranks(g) for g in ctx.groups)
     a = xp.swapaxes(x, -1, -2) if transpose_x else x
     b = xp.swapaxes(y, -1, -2) if transpose_y else y
+
+    def gather(arr, transposed, axis, k, ranks):
+        """Start gathering sub-shard k of a logical operand (``arr``, or ``arr`` with its
+        last two axes swapped) along its logical ``axis``: cut and sent as ``arr`` is
+        stored, so that no transposed copy is made; :func:`logical` swaps it back."""
+        axis = _stored_axis(axis % arr.ndim, arr.ndim, transposed)
+        return comm.iall_gather(take_slice(xp, arr, axis, slices, k, block), ranks, axis)
+
+    def logical(values, flags):
+        return [xp.swapaxes(v, -1, -2) if t else v for v, t in zip(values, flags)]
+
     if local.dataflow == "OS":
         out = xp.empty(a.shape[:-1] + (b.shape[1],), dtype=_result_dtype(a, b))
 
         def start(k):
-            return [comm.iall_gather(take_slice(xp, a, -1, slices, k, block), ranks_v, -1),
-                    comm.iall_gather(take_slice(xp, b, 0, slices, k, block), ranks_u, 0)]
+            return [gather(x, transpose_x, -1, k, ranks_v), gather(y, transpose_y, 0, k, ranks_u)]
 
         _pipeline(comm, slices, start, lambda k, got, poll: _gemm(
-            xp, got[0], got[1], out, poll, accumulate=k > 0))
+            xp, *logical(got, (transpose_x, transpose_y)), out, poll, accumulate=k > 0))
         return out
     if local.dataflow == "LS":
-        axis, ranks_in, ranks_out = a.ndim - 1, ranks_u, ranks_v
+        axis, ranks_out = a.ndim - 1, ranks_v
         out = xp.empty(a.shape[:-1] + (b.shape[1] * local.u_size // local.v_size,),
                        dtype=_result_dtype(a, b))
 
         def start(k):
-            return [comm.iall_gather(take_slice(xp, b, 1, slices, k, block), ranks_in, 1)]
+            return [gather(y, transpose_y, 1, k, ranks_u)]
 
         def multiply(k, got, poll):
-            return _gemm(xp, a, got[0], None, poll)
+            return _gemm(xp, a, logical(got, (transpose_y,))[0], None, poll)
     else:
-        axis, ranks_in, ranks_out = local.m_pos, ranks_v, ranks_u
+        axis, ranks_out = local.m_pos, ranks_u
         shape = list(a.shape[:-1]) + [b.shape[1]]
         shape[axis] = shape[axis] * local.v_size // local.u_size
         out = xp.empty(tuple(shape), dtype=_result_dtype(a, b))
 
         def start(k):
-            return [comm.iall_gather(take_slice(xp, a, axis, slices, k, block), ranks_in,
-                                     axis)]
+            return [gather(x, transpose_x, axis, k, ranks_v)]
 
         def multiply(k, got, poll):
-            return _gemm(xp, got[0], b, None, poll)
+            return _gemm(xp, logical(got, (transpose_x,))[0], b, None, poll)
 
     scatters = []
 
@@ -251,6 +260,14 @@ def run(ctx, x, y, transpose_x: bool, transpose_y: bool, local: LocalMeshSlice):
     for k, part in enumerate(comm.wait(scatters)):
         put_slice(xp, out, axis, slices, k, block, part)
     return out
+
+
+def _stored_axis(axis: int, ndim: int, transposed: bool) -> int:
+    """Where a logical operand's ``axis`` (non-negative) lies in its stored array, whose
+    last two axes are swapped when ``transposed``."""
+    if transposed and axis >= ndim - 2:
+        return 2 * ndim - 3 - axis
+    return axis
 
 
 def _pipeline(comm, slices: int, start, step) -> None:
@@ -271,7 +288,8 @@ def _gemm(xp, a, b, out, poll, accumulate: bool = False):
     """``a @ b`` over a's leading dims (into ``out`` when given, added to it with
     ``accumulate``), in blocks with ``poll()`` between them, so that requests in flight
     move on: blocks of rows of ``a``, or of columns of ``b`` when ``a`` is the smaller
-    operand (each block re-reads the other one)."""
+    operand (each block re-reads the other one). Each block is written where it belongs
+    (no temporary), and on CPUs added by the GeMM itself (BLAS's ``C = A B + C``)."""
     rows, inner, cols = _size(a.shape[:-1]), a.shape[-1], b.shape[1]
     a2 = a.reshape(rows, inner)
     target = out.reshape(rows, cols) if out is not None else \
@@ -283,16 +301,53 @@ def _gemm(xp, a, b, out, poll, accumulate: bool = False):
     bounds = [n * i // tests for i in range(tests + 1)]
     for lo, hi in zip(bounds, bounds[1:]):
         if by_rows:
-            part, into = a2[lo:hi] @ b, target[lo:hi]
+            _multiply(xp, a2[lo:hi], b, target[lo:hi], accumulate)
         else:
-            part, into = a2 @ b[:, lo:hi], target[:, lo:hi]
-        if accumulate:
-            into += part
-        else:
-            into[...] = part
+            _multiply(xp, a2, b[:, lo:hi], target[:, lo:hi], accumulate)
         if hi < n:
             poll()
     return out if out is not None else target.reshape(a.shape[:-1] + (cols,))
+
+
+def _multiply(xp, a, b, into, accumulate: bool) -> None:
+    """``into = a @ b``, or ``into += a @ b`` with ``accumulate``: on numpy arrays of one
+    BLAS type with ``into`` contiguous, as one GeMM with beta = 1 on the transposes
+    (``into^T += b^T a^T`` on Fortran-ordered views, so nothing is copied)."""
+    if not accumulate:
+        xp.matmul(a, b, out=into)
+        return
+    fortran = _fortran_operands(xp, a, b, into)
+    if fortran is None:
+        into += a @ b
+        return
+    (m1, t1), (m2, t2) = fortran
+    gemm = _blas().sgemm if a.dtype.char == "f" else _blas().dgemm
+    done = gemm(1.0, m1, m2, beta=1.0, c=into.T, trans_a=t1, trans_b=t2, overwrite_c=True)
+    if not xp.shares_memory(done, into):
+        raise RuntimeError("BLAS gemm did not accumulate in place")
+
+
+def _fortran_operands(xp, a, b, into):
+    """BLAS's operands (matrix, transposed) of ``into^T += b^T a^T``, each a Fortran-ordered
+    view of ``b`` or ``a``; None where BLAS would need a copy (another array library,
+    mixed or non-float types, strided blocks)."""
+    if xp.__name__ != "numpy" or not into.flags.c_contiguous or \
+            not a.dtype == b.dtype == into.dtype or a.dtype.char not in "fd":
+        return None
+    found = []
+    for m in (b, a):          # wanted: m^T; m.T is Fortran-ordered when m is C-ordered
+        if m.flags.c_contiguous:
+            found.append((m.T, 0))
+        elif m.flags.f_contiguous:
+            found.append((m, 1))
+        else:
+            return None
+    return found
+
+
+def _blas():
+    from scipy.linalg import blas
+    return blas
 
 
 def take_slice(xp, arr, axis: int, slices: int, k: int, block: int):
@@ -302,7 +357,7 @@ def take_slice(xp, arr, axis: int, slices: int, k: int, block: int):
     n = arr.shape[axis]
     grouped = arr.reshape(arr.shape[:axis] + (n // (block * slices), slices, block)
                           + arr.shape[axis + 1:])
-    part = xp.take(grouped, k, axis=axis + 1)
+    part = grouped[(slice(None),) * (axis + 1) + (k,)]
     return xp.ascontiguousarray(part.reshape(arr.shape[:axis] + (n // slices,)
                                              + arr.shape[axis + 1:]))
 

@@ -29,7 +29,8 @@ Semantics (identical for every implementation):
 - ``iall_gather(arr, group, axis)`` and ``ireduce_scatter(arr, group, axis)`` start the
   collective and return a :class:`Request` at once (MPI's ``Iallgather`` /
   ``Ireduce_scatter``): its ``value`` is what the blocking call returns, once
-  ``test()`` is True. Every member starts the same collectives on a group in the same
+  ``test()`` is True. As with ``isend``, the caller must not change ``arr`` until the
+  request is done (the collective may read it in place). Every member starts the same collectives on a group in the same
   order; several may be in flight at once, on one group or on several, while the caller
   computes (calling ``test()`` now and then lets MPI move them). ``wait(requests)``
   blocks until all are done (under the timeout) and returns their values. They count
@@ -245,7 +246,8 @@ class Communicator(ABC):
         return self._irecv(tuple(int(s) for s in shape), np.dtype(dtype), src, tag)
 
     def iall_gather(self, arr, group, axis: int = 0) -> "Request":
-        """Start an all-gather (the module docstring); ``arr`` may be changed at once."""
+        """Start an all-gather (the module docstring); ``arr`` must stay unchanged until
+        the request is done."""
         arr = self._c(arr)
         group = self._group(group, "iall_gather")
         axis = axis + arr.ndim if axis < 0 else axis
@@ -255,8 +257,8 @@ class Communicator(ABC):
         return self._iall_gather(arr, group, axis)
 
     def ireduce_scatter(self, arr, group, axis: int = 0) -> "Request":
-        """Start a reduce-scatter (sum; the module docstring); ``arr`` may be changed at
-        once."""
+        """Start a reduce-scatter (sum; the module docstring); ``arr`` must stay unchanged
+        until the request is done."""
         arr = self._c(arr)
         group = self._group(group, "ireduce_scatter")
         axis = self._split_axis(arr, axis, len(group), "ireduce_scatter")

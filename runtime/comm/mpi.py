@@ -193,7 +193,7 @@ class MPICommunicator(Communicator):
         out = xb.empty((len(group),) + arr.shape, arr.dtype)
         self._wait([self._sub(group).Iallgather(arr, out)], f"all_gather on group {group}",
                    peers=group)
-        return xb.concatenate(list(out), axis=axis)
+        return xb.joined(out, axis)
 
     def _all_reduce(self, arr, group, op):
         out = self.backend.empty(arr.shape, arr.dtype)
@@ -208,7 +208,7 @@ class MPICommunicator(Communicator):
 
     def _reduce_scatter(self, arr, group, axis):
         xb = self.backend
-        send = xb.stack(xb.split(arr, len(group), axis))
+        send = xb.chunks(arr, len(group), axis)
         out = xb.empty(send.shape[1:], arr.dtype)
         self._wait([self._sub(group).Ireduce_scatter_block(send, out, op=self._MPI.SUM)],
                    f"reduce_scatter on group {group}", peers=group)
@@ -227,11 +227,11 @@ class MPICommunicator(Communicator):
         out = xb.empty((len(group),) + arr.shape, arr.dtype)
         request = self._sub(group).Iallgather(arr, out)
         return _MPICollective(self, request, (arr, out), group, f"all_gather on group {group}",
-                              lambda: xb.concatenate(list(out), axis=axis))
+                              lambda: xb.joined(out, axis))
 
     def _ireduce_scatter(self, arr, group, axis):
         xb = self.backend
-        send = xb.stack(xb.split(arr, len(group), axis))
+        send = xb.chunks(arr, len(group), axis)
         out = xb.empty(send.shape[1:], arr.dtype)
         request = self._sub(group).Ireduce_scatter_block(send, out, op=self._MPI.SUM)
         return _MPICollective(self, request, (send, out), group,

@@ -237,7 +237,7 @@ class NcclPath:
         t = self._type(arr)
         self._collective(group, "all_gather", lambda c: lambda s: c.comm.allGather(
             arr.data.ptr, out.data.ptr, arr.size, t, s))
-        return self.xb.concatenate(list(out), axis=axis)
+        return self.xb.joined(out, axis)
 
     def _all_reduce(self, arr, group, op):
         out = self.xb.empty(arr.shape, arr.dtype)
@@ -253,7 +253,7 @@ class NcclPath:
         return out
 
     def _reduce_scatter(self, arr, group, axis):
-        send = self.xb.stack(self.xb.split(arr, len(group), axis))
+        send = self.xb.chunks(arr, len(group), axis)
         out = self.xb.empty(send.shape[1:], arr.dtype)
         t = self._type(arr)
         self._collective(group, "reduce_scatter", lambda c: lambda s: c.comm.reduceScatter(
@@ -285,17 +285,16 @@ class NcclPath:
 
     def _iall_gather(self, arr, group, axis):
         c = self.open("collective", tuple(group))
-        arr = self.xb.copy(arr)     # the caller may change its array at once (the contract)
         out = self.xb.empty((len(group),) + arr.shape, arr.dtype)
         t, what = self._type(arr), f"all_gather on ranks {tuple(group)}"
         done = self._launch(c, what, lambda s: c.comm.allGather(arr.data.ptr, out.data.ptr,
                                                                  arr.size, t, s))
-        return _Started(self, c, done, what, lambda: self.xb.concatenate(list(out), axis=axis),
+        return _Started(self, c, done, what, lambda: self.xb.joined(out, axis),
                         (arr, out))
 
     def _ireduce_scatter(self, arr, group, axis):
         c = self.open("collective", tuple(group))
-        send = self.xb.stack(self.xb.split(arr, len(group), axis))
+        send = self.xb.chunks(arr, len(group), axis)
         out = self.xb.empty(send.shape[1:], arr.dtype)
         t, what = self._type(arr), f"reduce_scatter on ranks {tuple(group)}"
         done = self._launch(c, what, lambda s: c.comm.reduceScatter(

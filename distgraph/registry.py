@@ -225,8 +225,10 @@ class Overlap:
     collectives on its result). A collective is ``(kind, mesh dim, group size, buffer
     bytes)`` as :mod:`distgraph.passes.cost_model` defines the buffer; collectives on
     different mesh dims run at once, and slice k's compute overlaps slice k+1's
-    ``before`` and slice k-1's ``after``. With ``accumulate``, every slice after the
-    first adds its product into the result (an element-wise add of ``outs``)."""
+    ``before`` and slice k-1's ``after``. ``reread``: the bytes each slice moves through
+    memory beyond its share of the unsliced op's (an operand that every slice reads
+    whole, a result that the slices after the first read and write again to accumulate
+    into), averaged over the slices."""
 
     slices: int
     op_type: str
@@ -235,7 +237,7 @@ class Overlap:
     before: tuple
     after: tuple
     attrs: tuple = ()
-    accumulate: bool = False
+    reread: float = 0.0
 
 
 def size(t: TensorType) -> int:

@@ -15,9 +15,10 @@ communication and bubble, and peak memory per process.
 - **Overlapped ops** (an op's ``overlap`` hook: MeshSlice) take
   :func:`~distgraph.passes.cost_model.pipeline_time` over K slices of three stages: the
   incoming collectives on the links of their mesh dims (collectives on different mesh
-  dims at once), the processor (the slice's compute, with an element-wise add where the
-  slices accumulate into one result, and each collective's software cost: the device's
-  measured ``sliced`` figure per step where it has one), the outgoing collectives. Their
+  dims at once), the processor (the slice's compute, with the memory traffic of what
+  every slice reads again: the operand it does not cut, or the result it accumulates
+  into; and each collective's software cost: the device's measured ``sliced`` figures
+  per step and per byte where it has them), the outgoing collectives. Their
   compute counts as compute, the rest of
   their time (what the pipeline does not hide) as communication. On CPUs a collective
   inside one machine is memory copies the processes make themselves: it takes the
@@ -240,6 +241,17 @@ def sliced_software_time(device, kind: str, nbytes: float = 0.0) -> float:
     return software["sliced"][0] * 1e-6 + per_byte * 1e-9 * nbytes
 
 
+def reread_time(device, nbytes: float) -> float:
+    """Seconds a slice of a sliced op takes to move ``nbytes`` through memory beyond its
+    share (:class:`~distgraph.registry.Overlap`'s ``reread``): the device's measured
+    ``sliced`` figure per byte (``distgraph cluster calibrate``: partial GeMMs against the
+    whole one, every process at once) where it has one, else its memory bandwidth."""
+    software = device.reshard_overhead
+    if software and "sliced" in software and software["sliced"][1] > 0:
+        return software["sliced"][1] * 1e-9 * nbytes
+    return nbytes / device_rates(device)[0]
+
+
 def op_collective_time(kind: str, n: int, nbytes: float, ring: tuple, device) -> float:
     """Seconds of a collective an op runs itself over ``n`` processes on ``ring``
     (bandwidth GB/s, latency µs): its alpha-beta plus the software cost a reshard step
@@ -285,9 +297,8 @@ def overlap_time(ov, device, ring_of, compute_time=None) -> tuple[float, float]:
     dim's ring as :func:`dim_ring` does (module docstring); ``compute_time`` prices one
     slice's compute (default :func:`op_time`)."""
     price = compute_time or op_time
-    compute = price(ov.op_type, ov.ins, ov.outs, dict(ov.attrs), device)
-    if ov.accumulate:         # slices 2..K add their product into the result
-        compute += price("add", ov.outs * 2, ov.outs, {}, device) * (ov.slices - 1) / ov.slices
+    compute = price(ov.op_type, ov.ins, ov.outs, dict(ov.attrs), device) + \
+        reread_time(device, ov.reread)
     processor = compute
 
     def wires(collectives) -> float:

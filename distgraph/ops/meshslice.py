@@ -172,10 +172,14 @@ def overlap(attrs: dict, ins) -> tuple:
             m = local.m_pos
             ga = a[:m] + (a[m] * sv // k,) + a[m + 1:]
             gb, gc = b, ga[:-1] + (b[1],)
-        before, after = collectives(local, x, y, out, dtypes.itemsize(dtype), k)
+        itemsize = dtypes.itemsize(dtype)
+        before, after = collectives(local, x, y, out, itemsize, k)
+        # every slice reads the operand it does not cut whole (LS: A, RS: B); OS's slices
+        # after the first read and write the result again
+        again = {"OS": 2 * _size(gc), "LS": _size(ga), "RS": _size(gb)}[local.dataflow]
         found.append(Overlap(k, "matmul", (TensorType(ga, dtype), TensorType(gb, dtype)),
                              (TensorType(gc, dtype),), before, after,
-                             accumulate=local.dataflow == "OS"))
+                             reread=again * itemsize * (k - 1) / k))
     return tuple(found)
 
 
@@ -225,8 +229,9 @@ def run(ctx, x, y, transpose_x: bool, transpose_y: bool, local: LocalMeshSlice):
         def start(k):
             return [gather(x, transpose_x, -1, k, ranks_v), gather(y, transpose_y, 0, k, ranks_u)]
 
-        _pipeline(comm, slices, start, lambda k, got, poll: _gemm(
-            xp, *logical(got, (transpose_x, transpose_y)), out, poll, accumulate=k > 0))
+        _pipeline(comm, slices, start, lambda k, got, pending: partial_gemm(
+            xp, *logical(got, (transpose_x, transpose_y)), out, _poller(pending),
+            accumulate=k > 0))
         return out
     if local.dataflow == "LS":
         axis, ranks_out = a.ndim - 1, ranks_v
@@ -237,7 +242,7 @@ def run(ctx, x, y, transpose_x: bool, transpose_y: bool, local: LocalMeshSlice):
             return [gather(y, transpose_y, 1, k, ranks_u)]
 
         def multiply(k, got, poll):
-            return _gemm(xp, a, logical(got, (transpose_y,))[0], None, poll)
+            return partial_gemm(xp, a, logical(got, (transpose_y,))[0], None, poll)
     else:
         axis, ranks_out = local.m_pos, ranks_u
         shape = list(a.shape[:-1]) + [b.shape[1]]
@@ -248,12 +253,12 @@ def run(ctx, x, y, transpose_x: bool, transpose_y: bool, local: LocalMeshSlice):
             return [gather(x, transpose_x, axis, k, ranks_v)]
 
         def multiply(k, got, poll):
-            return _gemm(xp, logical(got, (transpose_x,))[0], b, None, poll)
+            return partial_gemm(xp, logical(got, (transpose_x,))[0], b, None, poll)
 
     scatters = []
 
-    def step(k, got, poll):
-        part = multiply(k, got, lambda: (poll(), [r.test() for r in scatters]))
+    def step(k, got, pending):
+        part = multiply(k, got, _poller(pending + scatters))
         scatters.append(comm.ireduce_scatter(part, ranks_out, axis))
 
     _pipeline(comm, slices, start, step)
@@ -272,29 +277,37 @@ def _stored_axis(axis: int, ndim: int, transposed: bool) -> int:
 
 def _pipeline(comm, slices: int, start, step) -> None:
     """Slice k+1's collectives are started once slice k's are done, then slice k is
-    computed (``step(k, results, poll)``), testing slice k+1's requests on the way."""
+    computed (``step(k, results, slice k+1's requests)``), testing them on the way."""
     pending = start(0)
     for k in range(slices):
         got = comm.wait(pending)
         pending = start(k + 1) if k + 1 < slices else []
-        step(k, got, lambda p=pending: [r.test() for r in p])
+        step(k, got, pending)
+
+
+def _poller(requests):
+    """What a partial GeMM calls between its blocks to move ``requests`` on; None when
+    nothing is in flight, so that the GeMM runs in one piece."""
+    return (lambda: [r.test() for r in requests]) if requests else None
 
 
 def _result_dtype(a, b):
     return a.dtype if a.dtype == b.dtype else (a.dtype.type(0) * b.dtype.type(0)).dtype
 
 
-def _gemm(xp, a, b, out, poll, accumulate: bool = False):
+def partial_gemm(xp, a, b, out, poll, accumulate: bool = False):
     """``a @ b`` over a's leading dims (into ``out`` when given, added to it with
     ``accumulate``), in blocks with ``poll()`` between them, so that requests in flight
     move on: blocks of rows of ``a``, or of columns of ``b`` when ``a`` is the smaller
-    operand (each block re-reads the other one). Each block is written where it belongs
-    (no temporary), and on CPUs added by the GeMM itself (BLAS's ``C = A B + C``)."""
+    operand (each block re-reads the other one); in one block when ``poll`` is None. Each
+    block is written where it belongs (no temporary), and on CPUs added by the GeMM
+    itself (BLAS's ``C = A B + C``)."""
     rows, inner, cols = _size(a.shape[:-1]), a.shape[-1], b.shape[1]
     a2 = a.reshape(rows, inner)
     target = out.reshape(rows, cols) if out is not None else \
         xp.empty((rows, cols), dtype=_result_dtype(a, b))
-    tests = int(max(1, min(MAX_TESTS, 2 * rows * inner * cols // BLOCK_FLOPS)))
+    tests = 1 if poll is None else \
+        int(max(1, min(MAX_TESTS, 2 * rows * inner * cols // BLOCK_FLOPS)))
     by_rows = rows * inner >= inner * cols
     n = rows if by_rows else cols
     tests = min(tests, n)

@@ -340,18 +340,77 @@ def measure_sliced_gemm(comm, repeats: int) -> dict:
     return out
 
 
+PARTIAL_SIZE = 1024       # measure_partial_gemms cuts 1024^3 GeMMs into SLICED_SLICES
+
+
+def partial_pieces(slices: int, cut: str, rng) -> tuple:
+    """(pieces of A, pieces of B, result, bytes moved again) of the GeMM
+    :func:`measure_partial_gemms` times, cut in ``slices`` as MeshSlice's kernel receives
+    them (contiguous): ``rows``: A's rows, B read whole by every slice (RS; LS is its
+    transpose); ``inner``: A's columns with B's rows, accumulated into the result (OS)."""
+    n = PARTIAL_SIZE
+    a, b = (rng.standard_normal((n, n)).astype(np.float32) for _ in range(2))
+    step = n // slices
+    if cut == "rows":
+        return ([a[k * step:(k + 1) * step].copy() for k in range(slices)], [b] * slices,
+                np.empty((n, n), np.float32), (slices - 1) * b.nbytes)
+    return ([a[:, k * step:(k + 1) * step].copy() for k in range(slices)],
+            [b[k * step:(k + 1) * step].copy() for k in range(slices)],
+            np.empty((n, n), np.float32), 2 * (slices - 1) * n * n * 4)
+
+
+def measure_partial_gemms(comm, repeats: int) -> list:
+    """[(bytes moved again, seconds)] per cut of :func:`partial_pieces`: what running a
+    GeMM as ``SLICED_SLICES`` partial GeMMs (:func:`distgraph.ops.meshslice.
+    partial_gemm`, each but the last in blocks as when requests are in flight) costs
+    beyond running it whole, every rank at once (the slowest rank's view): the memory
+    traffic of what each slice reads again."""
+    from distgraph.ops.meshslice import partial_gemm
+
+    rng = np.random.default_rng(comm.Get_rank())
+    out = []
+    for cut in ("rows", "inner"):
+        times = {}
+        for slices in (1, SLICED_SLICES):
+            a, b, c, again = partial_pieces(slices, cut, rng)
+            rows = PARTIAL_SIZE // slices
+
+            def run():
+                for k in range(slices):
+                    poll = (lambda: None) if k + 1 < slices else None
+                    if cut == "rows":
+                        partial_gemm(np, a[k], b[k], c[k * rows:(k + 1) * rows], poll)
+                    else:
+                        partial_gemm(np, a[k], b[k], c, poll, accumulate=k > 0)
+
+            best = np.inf
+            for batch in range(repeats + 1):       # batch 0 warms up
+                idle_barrier(comm)
+                start = time.perf_counter()
+                run()
+                if batch:
+                    best = min(best, time.perf_counter() - start)
+            times[slices] = comm.allreduce(best, op=_mpi_max())
+        out.append((again, times[SLICED_SLICES] - times[1]))
+    return out
+
+
 def _mpi_max():
     from mpi4py import MPI
     return MPI.MAX
 
 
-def reshard_overheads(cluster, steps: dict, sliced: dict | None = None) -> dict:
+def reshard_overheads(cluster, steps: dict, sliced: dict | None = None,
+                      partial: list | None = None) -> dict:
     """{step kind: (µs per step, ns per byte of its buffer)}: what a step costs beyond
     the alpha-beta of the links its messages take (what :func:`measure_reshard_steps`
     measured, less the cost model's charge), fitted by least squares (both >= 0) over
     the buffer sizes measured; one size alone gives the µs per step. With ``sliced``
     (:func:`measure_sliced_gemm`'s times), also ``sliced``: what one collective of a
-    sliced pipeline costs per step beyond the model's charge (:func:`sliced_overhead`)."""
+    sliced pipeline costs per step beyond the model's charge (:func:`sliced_overhead`),
+    and with ``partial`` (:func:`measure_partial_gemms`) what a byte a partial GeMM reads
+    again costs: the least-squares slope of the seconds over the bytes (0 where not
+    positive: the model then prices such bytes at the memory bandwidth)."""
     from scipy.optimize import nnls
 
     ids = [d.global_id for d in cluster.devices]
@@ -373,14 +432,21 @@ def reshard_overheads(cluster, steps: dict, sliced: dict | None = None) -> dict:
             per_byte = per_mib / 2**20
         out[kind] = (round(float(per_step) * 1e6, 3), round(float(per_byte) * 1e9, 6))
     if sliced:
-        out["sliced"] = (round(sliced_overhead(cluster, sliced, out) * 1e6, 3), 0.0)
+        per_byte = 0.0
+        if partial:
+            again, seconds = np.array(partial, dtype=float).T
+            per_byte = max(float(again @ seconds / (again @ again)), 0.0)
+        per_byte = round(per_byte * 1e9, 6)
+        out["sliced"] = (round(sliced_overhead(cluster, sliced, out, per_byte) * 1e6, 3),
+                         per_byte)
     return out
 
 
-def sliced_overhead(cluster, sliced: dict, software: dict) -> float:
+def sliced_overhead(cluster, sliced: dict, software: dict, per_byte: float = 0.0) -> float:
     """Seconds per collective of a sliced pipeline beyond the model's charge: the value
     with which :func:`~distgraph.passes.estimate.overlap_time` (with the steps' fitted
-    ``software`` costs) prices the tiny GeMM's each more slice (K = 1 against
+    ``software`` costs and ``per_byte`` ns a byte read again) prices the tiny GeMM's each
+    more slice (K = 1 against
     ``SLICED_SLICES``) as measured (0 where the model's charge alone reaches it), found
     by bisection (the price grows with it)."""
     from distgraph.ops.meshslice import overlap
@@ -397,8 +463,8 @@ def sliced_overhead(cluster, sliced: dict, software: dict) -> float:
                                                            lambda p: ids[p])))
 
     def gap(seconds):
-        dev = dataclasses.replace(device, reshard_overhead={**software,
-                                                            "sliced": (seconds * 1e6, 0.0)})
+        dev = dataclasses.replace(device, reshard_overhead={
+            **software, "sliced": (seconds * 1e6, per_byte)})
         (one, ring1), (many, ring) = priced
         return (sum(overlap_time(many, dev, ring)) - sum(overlap_time(one, dev, ring1))
                 - (sliced[SLICED_SLICES] - sliced[1]))
@@ -413,7 +479,7 @@ def sliced_overhead(cluster, sliced: dict, software: dict) -> float:
 
 
 def build_cluster(ranks: list[dict], pairs: dict, allreduce, name: str, steps=None,
-                  sliced=None):
+                  sliced=None, partial=None):
     """The Cluster for gathered per-rank records and pair measurements (and the measured
     reshard steps, whose software cost every device then carries)."""
 
@@ -435,7 +501,7 @@ def build_cluster(ranks: list[dict], pairs: dict, allreduce, name: str, steps=No
     calibration = {"ranks": len(ranks), "gemm_size": GEMM_SIZE, "p2p_bytes": LARGE_BYTES}
     if steps:
         measured = Cluster(machines, inter, name=name)
-        overheads = reshard_overheads(measured, steps, sliced)
+        overheads = reshard_overheads(measured, steps, sliced, partial)
         machines = [dataclasses.replace(m, devices=tuple(
             dataclasses.replace(d, reshard_overhead=overheads) for d in m.devices))
             for m in machines]
@@ -501,15 +567,19 @@ def main(argv=None) -> None:
         f"{k} " + "/".join(f"{t * 1e6:.0f}" for _, t in v) + " us" for k, v in steps.items())
         + f" (global {'/'.join(f'{b // 1024} KiB' for b in RESHARD_BYTES)})")
     sliced = measure_sliced_gemm(comm, args.repeats) if size > 1 else None
+    partial = measure_partial_gemms(comm, args.repeats) if size > 1 else None
     if sliced:
         say(comm, "MeshSlice's tiny GeMM: " + ", ".join(
-            f"K={k} {v * 1e6:.1f} us" for k, v in sliced.items()))
+            f"K={k} {v * 1e6:.1f} us" for k, v in sliced.items())
+            + f"; {SLICED_SLICES} partial GeMMs of {PARTIAL_SIZE}^3 against one: "
+            + ", ".join(f"+{t * 1e3:.1f} ms for {b / 2**20:.0f} MiB read again"
+                        for b, t in partial))
     all_pairs = comm.gather(pairs, root=0)
     if rank == 0:
         merged = {k: (round(bw, 4), round(lat, 3)) for part in all_pairs for k, (bw, lat)
                   in part.items()}
         cluster = build_cluster(records, merged, allreduce, f"calibrated{size}", steps,
-                                sliced)
+                                sliced, partial)
         cluster.save(output)
     idle_barrier(comm)
 

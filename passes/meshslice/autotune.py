@@ -2,10 +2,10 @@
 cluster, the dataflow of each layer, then the mesh shape and each GeMM's number of slices
 K, from the cost model of the cluster's resource file.
 
-**Stage 1, dataflow.** Each FC layer ``y = x @ W`` (x: tokens x in, W: in x out) keeps its
-largest matrix stationary: y (output stationary, OS), x (LS) or W (RS); ties go to y, then
-x. Its two backward GeMMs follow from the forward's layouts (the paper's Table 1), so the
-stationary matrix and its gradient stay in place and no operand is transposed:
+**Stage 1, dataflow.** Each FC layer ``y = x @ W`` (x: tokens x in, W: in x out) keeps
+one matrix stationary: y (output stationary, OS), x (LS) or W (RS). Its two backward
+GeMMs follow from the forward's layouts (the paper's Table 1), so the stationary matrix
+and its gradient stay in place and no operand is transposed:
 
 =============== ======================= =========================
 forward         dx = dy W^T             dW = x^T dy
@@ -14,6 +14,13 @@ OS over (u, v)  LS over (u, v)          RS over (u, v)
 LS over (u, v)  OS over (u, v)          LS over (v, u)
 RS over (u, v)  RS over (v, u)          OS over (u, v)
 =============== ======================= =========================
+
+The seed keeps the largest matrix stationary. Here, on each mesh shape, the layer takes
+the forward dataflow whose three GeMMs (each at its fastest K) the cost model prices
+least, the seed's rule only breaking ties (:func:`stationary_dataflow`): the three are
+priced for the ranking anyway, and the rule does not know the machines (in one run of
+``bench/meshslice.py`` on the emulated 2 x 2, fc1's rule-chosen OS measured 1.14 x the
+RS layers that the model priced lower).
 
 **Stage 2, mesh shape and K.** Every factorisation rows x cols of the device count is
 tried, the cluster's devices laid out row-major (mesh dim ``x`` over the rows, so on a
@@ -24,7 +31,8 @@ columns would split an attention head. Each GeMM's time is MeshSlice's pipeline
 ranked by the time of all FC GeMMs of a training step. As in the seed, a partial GeMM
 costs its FLOPs over the device's effective GeMM throughput (the file's ``gflops``, which
 ``distgraph cluster calibrate`` measures with every rank computing at once) plus one op
-launch; a collective its alpha-beta on the file's links (concurrent groups crossing the
+launch, and what it reads again (the operand it does not cut, or the result it
+accumulates into) at the file's measured ``sliced`` rate per byte; a collective its alpha-beta on the file's links (concurrent groups crossing the
 same machines share their link) plus the measured software cost of its kind.
 
 Example::
@@ -211,10 +219,15 @@ def autotune(layers: int, hidden: int, heads: int, seq: int, batch: int, cluster
 
 
 def stationary_dataflow(tokens: int, n_in: int, n_out: int) -> str:
-    """Stage 1: the forward dataflow that keeps the largest of x (tokens x in), W and y
-    (tokens x out) in place; ties go to y, then x."""
+    """The seed's stage 1 (here the tie-breaker of the priced choice): the forward
+    dataflow that keeps the largest of x (tokens x in), W and y (tokens x out) in place;
+    ties go to y, then x."""
+    return _by_size(tokens, n_in, n_out)[0]
+
+
+def _by_size(tokens: int, n_in: int, n_out: int) -> list:
     sizes = {"OS": tokens * n_out, "LS": tokens * n_in, "RS": n_in * n_out}
-    return max(("OS", "LS", "RS"), key=lambda d: sizes[d])
+    return sorted(("OS", "LS", "RS"), key=lambda d: -sizes[d])
 
 
 def _unfit(shape, heads, tokens, fcs) -> str:
@@ -274,20 +287,23 @@ def _price_mesh(shape, fcs, tokens, cluster, dtype, slices) -> dict:
     mesh = ProcessMesh(np.arange(shape[0] * shape[1]).reshape(shape).tolist(), [ROWS, COLS])
     every, per_layer = [], []
     for name, n_in, n_out in fcs:
-        chosen = stationary_dataflow(tokens, n_in, n_out)
-        best_of = {}
-        for forward in ("OS", "LS", "RS"):
+        families = []
+        for rank, forward in enumerate(_by_size(tokens, n_in, n_out)):
+            best_of = []
             for gemm, (dataflow, orient) in zip(GEMMS, BACKWARD[forward]):
                 dims = (ROWS, COLS) if orient == "uv" else (COLS, ROWS)
                 x, y, attrs = gemm_shapes(gemm, tokens, n_in, n_out)
                 priced = price_gemm(name, gemm, dataflow, dims, (x, y), attrs, mesh, cluster,
                                     dtype, slices)
                 every.extend(priced)
-                if forward == chosen and priced:
-                    best_of[gemm] = min(priced, key=lambda g: (g.total, g.slices))
-        if len(best_of) < len(GEMMS):
+                if priced:
+                    best_of.append(min(priced, key=lambda g: (g.total, g.slices)))
+            if len(best_of) == len(GEMMS):
+                families.append((sum(g.total for g in best_of), rank, forward, best_of))
+        if not families:
             return {"all": every, "layers": []}
-        per_layer.append((name, chosen, tuple(best_of[g] for g in GEMMS)))
+        _, _, chosen, best_of = min(families, key=lambda f: f[:2])
+        per_layer.append((name, chosen, tuple(best_of)))
     return {"all": every, "layers": per_layer}
 
 

@@ -15,12 +15,12 @@ communication and bubble, and peak memory per process.
 - **Overlapped ops** (an op's ``overlap`` hook: MeshSlice) take
   :func:`~distgraph.passes.cost_model.pipeline_time` over K slices of three stages: the
   incoming collectives on the links of their mesh dims (collectives on different mesh
-  dims at once), the processor (the slice's compute, with the memory traffic of what
-  every slice reads again: the operand it does not cut, or the result it accumulates
-  into; and each collective's software cost: the device's measured ``sliced`` figures
-  per step and per byte where it has them), the outgoing collectives. Their
-  compute counts as compute, the rest of
-  their time (what the pipeline does not hide) as communication. On CPUs a collective
+  dims at once), the processor (the slice's compute, with what every slice reads again
+  — the operand it does not cut, or the result it accumulates into — at the device's
+  measured ``sliced`` rate per byte, else its memory bandwidth; and each collective's
+  software cost: the measured ``sliced`` figure per step where there is one), the
+  outgoing collectives. Their compute counts as compute, the rest of their time (what
+  the pipeline does not hide) as communication. On CPUs a collective
   inside one machine is memory copies the processes make themselves: it takes the
   processor's stage, not a link's.
 - **Step**: processes meet at every collective, so a stage takes as long as its busiest

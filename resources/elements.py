@@ -77,7 +77,8 @@ class Device:
     ``reshard_overhead`` maps a reshard step kind (``all_reduce``, ``slice``, ...) to the
     ``(µs per step, ns per byte of its buffer)`` of software one such step costs beyond
     its messages' alpha-beta (the runtime's own copies; a file may give the µs alone);
-    ``sliced``: one collective inside MeshSlice's sliced pipeline.
+    ``sliced``: one collective inside MeshSlice's sliced pipeline (µs per step), and the
+    ns per byte a partial GeMM reads again.
 
     Example: ``Device(0, 0, 0, "GPU", "A100-SXM4-40GB", {"float32": 19500}, 40)``.
     """

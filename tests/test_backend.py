@@ -33,6 +33,21 @@ def test_numpy_backend_keeps_zero_d_and_avoids_copies():
     assert isinstance(xb.to_host(a), np.ndarray)
 
 
+def test_collective_buffers_are_views_when_the_split_axis_leads():
+    """A reduce-scatter's send buffer (chunks stacked on a new axis) and an all-gather's
+    result (the stacked chunks joined) need no copy when no axis before the split one is
+    longer than 1; otherwise they are copies with the same values."""
+    for shape, axis, view in (((8, 6), 0, True), ((1, 8, 6), 1, True),
+                              ((8, 6), 1, False), ((2, 8, 6), 1, False)):
+        x = np.arange(float(np.prod(shape))).reshape(shape)
+        stacked = NUMPY.chunks(x, 2, axis)
+        assert np.array_equal(stacked, np.stack(np.split(x, 2, axis)))
+        assert np.shares_memory(stacked, x) == view
+        joined = NUMPY.joined(stacked, axis)
+        assert np.array_equal(joined, x)
+        assert np.shares_memory(joined, stacked) == view
+
+
 def test_unknown_backends_and_reductions_are_errors():
     with pytest.raises(RuntimeFault, match="unknown array backend 'tpu'"):
         get_backend("tpu")

@@ -17,7 +17,8 @@ links between machines. Then one reshard step of each kind through distgraph's r
 between ops as in training, on three tensor sizes: what a step costs beyond its
 messages' alpha-beta, per step and per byte of its buffer (``reshard_overhead``); and
 what one collective of MeshSlice's sliced pipeline costs per step (its kernel on a tiny
-GeMM at K = 1 and 8: the ``sliced`` entry). Rank r becomes device r. Rank 0 prints each
+GeMM at K = 1 and 8) and what a byte a partial GeMM reads again costs (8 partial GeMMs of
+1024^3 against one): the ``sliced`` entry. Rank r becomes device r. Rank 0 prints each
 result as it comes.
 
 While a pair measures, the other ranks wait in a barrier that sleeps between polls
@@ -446,9 +447,8 @@ def sliced_overhead(cluster, sliced: dict, software: dict, per_byte: float = 0.0
     """Seconds per collective of a sliced pipeline beyond the model's charge: the value
     with which :func:`~distgraph.passes.estimate.overlap_time` (with the steps' fitted
     ``software`` costs and ``per_byte`` ns a byte read again) prices the tiny GeMM's each
-    more slice (K = 1 against
-    ``SLICED_SLICES``) as measured (0 where the model's charge alone reaches it), found
-    by bisection (the price grows with it)."""
+    more slice (K = 1 against ``SLICED_SLICES``) as measured (0 where the model's charge
+    alone reaches it), found by bisection (the price grows with it)."""
     from distgraph.ops.meshslice import overlap
     from distgraph.passes.estimate import dim_ring, overlap_time
     from distgraph.registry import TensorType

@@ -32,8 +32,9 @@ ranked by the time of all FC GeMMs of a training step. As in the seed, a partial
 costs its FLOPs over the device's effective GeMM throughput (the file's ``gflops``, which
 ``distgraph cluster calibrate`` measures with every rank computing at once) plus one op
 launch, and what it reads again (the operand it does not cut, or the result it
-accumulates into) at the file's measured ``sliced`` rate per byte; a collective its alpha-beta on the file's links (concurrent groups crossing the
-same machines share their link) plus the measured software cost of its kind.
+accumulates into) at the file's measured ``sliced`` rate per byte; a collective its
+alpha-beta on the file's links (concurrent groups crossing the same machines share their
+link) plus the measured software cost of its kind.
 
 Example::
 

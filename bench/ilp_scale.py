@@ -8,7 +8,7 @@ e head dim, f FFN, v vocab); its strategies assign each mesh dim to one splittab
 of the op (b, d, h, f, v) or to none, as Alpa enumerates them. Costs come from the same
 formulas the planner uses: compute = FLOPs / (split factor x device FLOP/s); comm = the
 all-reduce of the output over mesh dims that split a contracted letter
-(``passes/cost_model.collective_time`` with the mesh dim's bandwidth and latency); edge
+(``passes/cost/formulas.collective_time`` with the mesh dim's bandwidth and latency); edge
 R[i][j] = resharding the producer's layout i into the layout consumer strategy j needs
 (all-gather, all-to-all or a free slice per mesh dim); memory = local output bytes, and
 parameter + gradient + two Adam moments for parameters. Light ops (layer norms, GELU,
@@ -40,7 +40,7 @@ from functools import cache
 import numpy as np
 
 from distgraph.errors import PlanError
-from distgraph.passes.cost_model import collective_time
+from distgraph.passes.cost.formulas import collective_time
 from distgraph.passes.search.ilp import ShardingProblem, solve
 from distgraph.resources.cluster import Cluster
 

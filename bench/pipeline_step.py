@@ -284,9 +284,9 @@ def four_stage_bubbles(args, comm, world, x, y):
                                                 **options), x, y)
         idle[name], tl = median_idle(args, comm, run)
         if name == "ZB":
-            carrier = run.runner.carrier
-            mine = [[(carrier.actions[i].stage, carrier.actions[i].micro_batch) for i in g]
-                    for g in carrier.groups.values()]
+            program = run.runner.program
+            mine = [[(program.actions[i].chunk, program.actions[i].micro_batch) for i in g]
+                    for g in program.batched]
             groups = world.allgather(mine)
             grouped = {(r, st, m) for r, gs in enumerate(groups) for g in gs for st, m in g}
             times: dict = {True: [], False: []}

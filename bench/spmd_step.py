@@ -27,7 +27,7 @@ barrier, and a step's time is the slowest rank's. Rank 0 prints the medians, the
 distgraph/reference against the target (<= 1.10), and the bytes each side sends per
 step per rank: distgraph's from its communicator's counters, the reference's from the
 buffers it all-reduced, by the same ring formula
-(:func:`distgraph.passes.cost_model.collective_bytes`).
+(:func:`distgraph.passes.cost.formulas.collective_bytes`).
 
 The launcher gives every rank one BLAS thread and glibc settings that keep freed memory
 for reuse (see runtime/launcher.py); both sides run in the same ranks, so both get them.
@@ -42,7 +42,7 @@ import sys
 import numpy as np
 
 import distgraph as dg
-from distgraph.passes.cost_model import collective_bytes
+from distgraph.passes.cost.formulas import collective_bytes
 from distgraph.program_builder import build_program
 from distgraph.runtime.comm.mpi import MPICommunicator
 from distgraph.runtime.execution.runner import PlanRunner

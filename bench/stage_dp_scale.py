@@ -31,7 +31,7 @@ import argparse
 import math
 import time
 
-from distgraph.passes.cost_model import collective_time
+from distgraph.passes.cost.formulas import collective_time
 from distgraph.passes.search.stage_dp import StageCost, plan_stages
 from distgraph.resources.cluster import Cluster, Device, Link, Machine, Switch
 

@@ -13,12 +13,38 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 from distgraph import dtypes
 from distgraph.errors import DistGraphError
 
-ROLES = ("forward", "loss", "backward", "optimize")
+
+class Kind(str, Enum):
+    """A string enum that equals, hashes and formats as its value (``Role.LOSS ==
+    "loss"``), so programs print and serialise as plain strings while code compares
+    members. The plan contract's kinds (:mod:`distgraph.plan.kinds`) are written in it."""
+
+    __hash__ = str.__hash__
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+class Role(Kind):
+    """What an op or Value belongs to: the forward pass, the loss, the backward pass
+    (gradients) or the update (optimizer)."""
+
+    FORWARD = "forward"
+    LOSS = "loss"
+    BACKWARD = "backward"
+    OPTIMIZE = "optimize"
+
+
+ROLES = tuple(Role)
 
 
 @dataclass(eq=False)
@@ -33,10 +59,13 @@ class Value:
     dtype: str
     is_parameter: bool = False
     persistable: bool = False
-    role: str = "forward"
+    role: Role = Role.FORWARD
     alias_of: str | None = None
     annotation: Any = None
     dist_attr: Any = None
+
+    def __post_init__(self):
+        self.role = Role(self.role)
 
     @property
     def ndim(self) -> int:
@@ -68,11 +97,14 @@ class Operation:
     inputs: list
     outputs: list
     attrs: dict = field(default_factory=dict)
-    role: str = "forward"
+    role: Role = Role.FORWARD
     layer: str = ""
     forward_op: "Operation | None" = None
     annotation: Any = None
     dist_attr: Any = None
+
+    def __post_init__(self):
+        self.role = Role(self.role)
 
     def __repr__(self) -> str:
         ins = ", ".join(v.name for v in self.inputs)

@@ -224,6 +224,11 @@ class ProcessMesh:
         """True if every process of ``other`` is in this mesh."""
         return set(other._ids) <= set(self._ids)
 
+    def to_dict(self) -> dict:
+        """Plain data: ``{"process_ids": [...], "shape": [...], "dim_names": [...]}``."""
+        return {"process_ids": list(self._ids), "shape": list(self._shape),
+                "dim_names": list(self._dim_names)}
+
     # ---- value semantics --------------------------------------------------------
     def __eq__(self, other) -> bool:
         if self is other:

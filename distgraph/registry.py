@@ -223,7 +223,7 @@ class Overlap:
     collectives whose results its compute needs), the compute ``op_type`` on ``ins`` ->
     ``outs`` (local TensorTypes, with ``attrs`` as sorted pairs), then ``after`` (the
     collectives on its result). A collective is ``(kind, mesh dim, group size, buffer
-    bytes)`` as :mod:`distgraph.passes.cost_model` defines the buffer; collectives on
+    bytes)`` as :func:`distgraph.plan.kinds.collective_bytes` defines the buffer; collectives on
     different mesh dims run at once, and slice k's compute overlaps slice k+1's
     ``before`` and slice k-1's ``after``. ``reread``: the bytes each slice moves through
     memory beyond its share of the unsliced op's (an operand that every slice reads

@@ -3,6 +3,7 @@ mapping, and MeshSlice's autotuner (``dg.passes.meshslice.autotune``)."""
 
 from distgraph.passes import meshslice
 from distgraph.passes.completion.complete import complete, explain
-from distgraph.passes.estimate import Estimate, estimate
-from distgraph.passes.planner import Plan, plan
+from distgraph.passes.cost.estimate import Estimate, estimate
+from distgraph.passes.planner import plan
+from distgraph.plan.plan import Plan
 from distgraph.passes.reshard import plan_reshard

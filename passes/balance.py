@@ -3,7 +3,7 @@
 :func:`balance_batch` is pure. It finds the data-parallel groups of a planned program
 (the processes that read the same rows: those at the same coordinates of the mesh dims
 that split dim 0 of the feeds, on every stage), prices each process with the estimate
-(:func:`distgraph.passes.estimate.price_process`) at two shares of the batch to get a
+(:func:`distgraph.passes.cost.estimate.price_process`) at two shares of the batch to get a
 linear model of its busy time (seconds per row, or per micro-batch, and a fixed part:
 updates, gradient reductions, launch costs), bounds each group's share by its devices'
 memory (``Device.memory``, and ``Strategy.memory_budget_gb`` where given) with the
@@ -27,7 +27,8 @@ from fractions import Fraction
 
 from distgraph.errors import PlanError
 from distgraph.passes.batch_split import BatchSplit, Member, SplitProblem, solve_split
-from distgraph.passes.estimate import Share, price_process
+from distgraph.passes.cost.estimate import Share, price_process
+from distgraph.passes.samples import axes_of
 from distgraph.placement import DistAttr
 from distgraph.resources.cluster import Cluster
 
@@ -114,7 +115,7 @@ def row_granule(plan, dims: tuple, batch: int) -> int:
     its sample dim after ``dims`` (a sample dim split over dp, then mp, needs the rows
     of a dp group in multiples of mp). The even plan's share is a multiple of it."""
     program = plan.program
-    axes = plan.sample_axes()
+    axes = axes_of(plan)
     layouts = [(v.name, v.dist_attr) for v in program.values.values()]
     layouts += [(v.name, DistAttr(op.dist_attr.mesh, spec)) for op in program.ops
                 for v, spec in zip(op.inputs, op.dist_attr.input_specs)]

@@ -3,7 +3,8 @@
 For process ``p`` the local program holds the ops whose mesh contains ``p``, on local
 shapes (an op whose sharded form differs adapts through its registry ``localize``).
 Wherever a consumer wants an operand laid out differently from how its producer made it
-(``op.dist_attr.input_specs[i]`` vs ``value.dist_attr``), a :class:`ReshardPoint` with the
+(``op.dist_attr.input_specs[i]`` vs ``value.dist_attr``), a
+:class:`~distgraph.plan.reshard.ReshardPoint` with the
 steps of :func:`plan_reshard` is placed before the consumer — in the programs of every
 process of the source and destination meshes, at the same place of the global op order,
 so all processes meet their collectives and messages in one order. A value resharded
@@ -25,88 +26,15 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 
 from distgraph.errors import PlanError
 from distgraph.ir import Operation, Program, Value
 from distgraph.mesh import ProcessMesh
-from distgraph.registry import LocalSite, get_op
-from distgraph.passes.cost_model import collective_bytes
-from distgraph.passes.reshard import plan_bytes, plan_reshard
+from distgraph.passes.reshard import plan_reshard
 from distgraph.placement import DistAttr, ShardSpec
-
-
-@dataclass(frozen=True)
-class ReshardPoint:
-    """Reshard ``value`` from ``src`` to ``dst``. ``reads`` is the local name of the
-    source held by this process (empty if it holds none); ``writes`` the local name of
-    the result (empty if it is not in the destination). ``seq`` numbers the points in
-    the global program order, the same on every process (it tags their messages).
-    ``stores`` names the persistable the result replaces (an update written back in the
-    layout its parameter is stored in). ``anchor`` is the index, in the global program,
-    of the op the point belongs to: the consumer it is placed before, or for a write-back
-    the update op that made the value."""
-
-    value: str
-    src: DistAttr
-    dst: DistAttr
-    shape: tuple
-    dtype: str
-    steps: tuple
-    reads: tuple
-    writes: tuple
-    seq: int = 0
-    stores: tuple = ()
-    anchor: int = -1
-
-    @property
-    def bytes(self) -> float:
-        return plan_bytes(self.steps)
-
-    def __str__(self) -> str:
-        steps = "; ".join(map(str, self.steps)) or "local"
-        return f"reshard {self.value}: {self.src.spec} -> {self.dst.spec} [{steps}]"
-
-
-@dataclass
-class LocalProgram:
-    """What one process runs: ``program`` on local shapes, ``comm_points[i]`` before its
-    op i (``len(ops)``: after the last), ``op_context`` for kernels that need it."""
-
-    process_id: int
-    program: Program
-    comm_points: dict = field(default_factory=dict)
-    op_context: dict = field(default_factory=dict)
-    op_comm: dict = field(default_factory=dict)
-
-    def points(self) -> list:
-        return [p for i in sorted(self.comm_points) for p in self.comm_points[i]]
-
-    def bytes_sent(self) -> dict:
-        """Bytes this process sends per step by kind: the reshard steps, and the
-        collectives inside ops' distributed forms (``op_comm``: op index -> (kind, n, B))."""
-        sent: dict = {}
-        for point in self.points():
-            for step in point.steps:
-                b = step.bytes_sent_by(self.process_id)
-                if b:
-                    sent[step.kind] = sent.get(step.kind, 0.0) + b
-        for collectives in self.op_comm.values():
-            for kind, n, nbytes in collectives:
-                sent[kind] = sent.get(kind, 0.0) + float(collective_bytes(kind, n, nbytes))
-        return sent
-
-    def pretty(self) -> str:
-        lines = [f"process {self.process_id}: {len(self.program.ops)} ops, "
-                 f"{len(self.points())} reshard points"]
-        for i, op in enumerate(self.program.ops + [None]):
-            for p in self.comm_points.get(i, ()):
-                lines.append(f"  {p}")
-            if op is not None:
-                ins = ", ".join(v.type_str() for v in op.inputs)
-                outs = ", ".join(v.type_str() for v in op.outputs)
-                lines.append(f"  {op.type}({ins}) -> {outs}")
-        return "\n".join(lines)
+from distgraph.plan.local import LocalProgram
+from distgraph.plan.reshard import ReshardPoint
+from distgraph.registry import LocalSite, get_op
 
 
 def process_ids(program: Program) -> list[int]:
@@ -124,7 +52,7 @@ def world_mesh(program: Program, ids=None) -> ProcessMesh:
     return ProcessMesh(list(process_ids(program) if ids is None else ids), dim_names=["world"])
 
 
-def _local_view_only(src: DistAttr, dst: DistAttr) -> bool:
+def local_view_only(src: DistAttr, dst: DistAttr) -> bool:
     """A replicated value read on a sub-mesh of its own processes needs no message."""
     replicated = all(e is None for e in src.spec.dims) and not src.spec.partial
     return (replicated and all(e is None for e in dst.spec.dims) and not dst.spec.partial
@@ -244,7 +172,7 @@ def _steps(plans: dict, src: DistAttr, dst: DistAttr, shape, dtype) -> tuple:
     own processes), planned once per ``plans``."""
     key = (src, dst, tuple(shape), dtype)
     if key not in plans:
-        plans[key] = (() if _local_view_only(src, dst)
+        plans[key] = (() if local_view_only(src, dst)
                       else tuple(plan_reshard(src, dst, shape, dtype)))
     return plans[key]
 

@@ -1,9 +1,10 @@
 """Reshard planner: the communication steps that turn one DistAttr into another.
 
-:func:`plan_reshard` is pure: it returns a list of frozen :class:`Step` values and never
-touches data; :mod:`distgraph.runtime.execution.reshard` executes them. Every step's ``bytes``
-is the per-process formula of :mod:`distgraph.passes.cost_model` applied to the step's
-local buffer, so ``plan_bytes(steps)`` is what the communicators count.
+:func:`plan_reshard` is pure: it returns a list of frozen
+:class:`~distgraph.plan.reshard.ReshardStep` values and never touches data;
+:mod:`distgraph.runtime.execution.reshard` executes them. Every step's ``bytes`` is the
+per-process formula of :func:`~distgraph.plan.kinds.collective_bytes` applied to the
+step's local buffer, so ``steps_bytes(steps)`` is what the communicators count.
 
 Same mesh: a shortest-path search over layouts, each edge one step of the transition
 table below (cost = bytes per process, ties broken by fewer steps). It finds the direct
@@ -25,153 +26,30 @@ Example::
     >>> steps = plan_reshard(DistAttr(mesh, ShardSpec(["x", None])),
     ...                      DistAttr(mesh, ShardSpec([None, "x"])), (4, 4))
     >>> [str(s) for s in steps]
-    ['all_to_all(x) dim0->dim1 n=2 16B']
+    ['all_to_all(x) dim0->dim1 n=2 16 B']
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
-from dataclasses import dataclass
 import math
+from dataclasses import dataclass
 from math import prod
-
 
 from distgraph import dtypes
 from distgraph.errors import PlanError
 from distgraph.mesh import ProcessMesh
-from distgraph.passes.cost_model import collective_bytes, collective_time
 from distgraph.placement import DistAttr, ShardSpec
-from distgraph.resources.elements import RESHARD_STEP_KINDS
+from distgraph.plan.kinds import StepKind, collective_bytes
+from distgraph.plan.reshard import ReshardStep, Transfer, steps_bytes
 
-STEP_KINDS = RESHARD_STEP_KINDS
-
-
-def _fmt_bytes(b: float) -> str:
-    return f"{int(b)}B" if float(b).is_integer() else f"{b:.1f}B"
-
-
-@dataclass(frozen=True)
-class Transfer:
-    """One p2p tile: ``src`` sends the global box ``region`` ([start, stop) per tensor
-    dim) to ``dst``. ``src == dst`` is a local copy and costs nothing."""
-
-    src: int
-    dst: int
-    region: tuple[tuple[int, int], ...]
-    nbytes: int
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return tuple(b - a for a, b in self.region)
-
-    def slices(self, origin=None) -> tuple[slice, ...]:
-        """Slices of the global tensor, or of a local block starting at ``origin``."""
-        origin = origin or (0,) * len(self.region)
-        return tuple(slice(a - o, b - o) for (a, b), o in zip(self.region, origin))
-
-    def __str__(self) -> str:
-        box = ",".join(f"{a}:{b}" for a, b in self.region)
-        return f"{self.src}->{self.dst} [{box}] {self.nbytes}B"
+ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE, ALL_TO_ALL = (
+    StepKind.ALL_GATHER, StepKind.REDUCE_SCATTER, StepKind.ALL_REDUCE, StepKind.ALL_TO_ALL)
+SLICE, MAKE_PARTIAL = StepKind.SLICE, StepKind.MAKE_PARTIAL
 
 
-@dataclass(frozen=True)
-class Step:
-    """One reshard step. Fields by kind:
-
-    - every step: ``mesh`` (where it runs; the source mesh for send_recv), ``before`` /
-      ``after`` (the spec before and after it), ``shape`` (global), ``dtype``, ``bytes``
-      (bytes sent per participating process; for send_recv the busiest sender's sum of
-      tile bytes), ``buffer_bytes`` (the local buffer B of the cost formula).
-    - collectives, slice, make_partial: ``mesh_dim`` and ``group_size`` (its size).
-    - all_gather / slice / reduce_scatter: ``tensor_dim`` gathered / sliced / scattered.
-    - all_to_all: ``tensor_dim`` (was split, gets gathered = concat axis) and
-      ``to_tensor_dim`` (gets split = split axis).
-    - send_recv: ``dst_mesh`` and ``transfers``. Every destination process starts from
-      zeros and fills the tiles addressed to it; a ``Partial`` mesh dim in ``after``
-      means only its coordinate-0 processes receive (the value stays a valid sum).
-    """
-
-    kind: str
-    mesh: ProcessMesh
-    before: ShardSpec
-    after: ShardSpec
-    shape: tuple[int, ...]
-    dtype: str
-    bytes: float
-    buffer_bytes: int = 0
-    mesh_dim: str | None = None
-    group_size: int = 1
-    tensor_dim: int | None = None
-    to_tensor_dim: int | None = None
-    dst_mesh: ProcessMesh | None = None
-    transfers: tuple[Transfer, ...] = ()
-
-    def __post_init__(self):
-        if self.kind not in STEP_KINDS:
-            raise PlanError(f"unknown reshard step kind {self.kind!r}; known: {STEP_KINDS}")
-        if (self.kind == "send_recv") != (self.dst_mesh is not None):
-            raise PlanError(f"{self.kind} step: dst_mesh is given exactly for send_recv")
-        if self.kind != "send_recv" and self.mesh_dim not in self.mesh.dim_names:
-            raise PlanError(f"{self.kind} step: mesh dim {self.mesh_dim!r} is not in "
-                            f"{self.mesh}")
-
-    @property
-    def src_attr(self) -> DistAttr:
-        return DistAttr(self.mesh, self.before)
-
-    @property
-    def dst_attr(self) -> DistAttr:
-        return DistAttr(self.dst_mesh or self.mesh, self.after)
-
-    def bytes_sent_by(self, process_id: int) -> float:
-        """Bytes ``process_id`` sends in this step (0 if it does not take part)."""
-        if self.kind == "send_recv":
-            return float(sum(t.nbytes for t in self.transfers
-                             if t.src == process_id and t.dst != process_id))
-        return self.bytes if process_id in self.mesh else 0.0
-
-    def time(self, bandwidth_GBps: float, latency_us: float) -> float:
-        """Alpha-beta seconds; for send_recv, the busiest sender's messages in sequence."""
-        if self.kind != "send_recv":
-            return collective_time(self.kind, self.group_size, self.buffer_bytes,
-                                   bandwidth_GBps, latency_us)
-        remote = [t for t in self.transfers if t.src != t.dst]
-        msgs = max((sum(1 for t in remote if t.src == p) for p in {t.src for t in remote}),
-                   default=0)
-        return msgs * latency_us * 1e-6 + self.bytes / (bandwidth_GBps * 1e9)
-
-    def __str__(self) -> str:
-        b = _fmt_bytes(self.bytes)
-        if self.kind == "send_recv":
-            remote = sum(1 for t in self.transfers if t.src != t.dst)
-            local = len(self.transfers) - remote
-            extra = f" +{local} local" if local else ""
-            return f"send_recv {remote} tiles{extra} max {b}"
-        head = f"{self.kind}({self.mesh_dim})"
-        if self.kind == "all_to_all":
-            head += f" dim{self.tensor_dim}->dim{self.to_tensor_dim}"
-        elif self.tensor_dim is not None:
-            head += f" dim{self.tensor_dim}"
-        return f"{head} n={self.group_size} {b}"
-
-
-def plan_bytes(steps) -> float:
-    """Sum of the steps' per-process bytes."""
-    return float(sum(s.bytes for s in steps))
-
-
-def plan_time(steps, bandwidth_GBps: float, latency_us: float) -> float:
-    """Sum of the steps' alpha-beta times on one uniform link class."""
-    return sum(s.time(bandwidth_GBps, latency_us) for s in steps)
-
-
-def format_plan(steps) -> str:
-    """One line per step: ``kind ... | before -> after``."""
-    return "\n".join(f"{s} | {s.before} -> {s.after}" for s in steps) or "(no steps)"
-
-
-def plan_reshard(src: DistAttr, dst: DistAttr, shape, dtype="float32") -> list[Step]:
+def plan_reshard(src: DistAttr, dst: DistAttr, shape, dtype="float32") -> list[ReshardStep]:
     """Steps that turn a tensor of global ``shape`` laid out as ``src`` into ``dst``.
 
     Both attrs are validated first (ShardingError naming the side, shape, spec, mesh).
@@ -221,7 +99,7 @@ _State = tuple  # (dims: tuple[tuple[str, ...], ...], partial: frozenset[str])
 
 @dataclass(frozen=True)
 class _Move:
-    kind: str
+    kind: StepKind
     mesh_dim: str
     after: _State
     buffer_bytes: int
@@ -257,33 +135,33 @@ def _moves(mesh: ProcessMesh, state: _State, goal: _State, shape, itemsize: int,
 
     def move(kind, m, after, buf, **dims_kw):
         n = mesh.dim_size(m)
-        factor = {"all_reduce": 2, "slice": 0, "make_partial": 0}.get(kind, 1)
+        factor = {ALL_REDUCE: 2, SLICE: 0, MAKE_PARTIAL: 0}.get(kind, 1)
         return _Move(kind, m, after, buf, factor * (n - 1) * buf * (scale // n), **dims_kw)
 
     for m in mesh.dim_names:
         d = next((i for i, e in enumerate(dims) if m in e), None)
         if m in partial:
-            yield move("all_reduce", m, (dims, partial - {m}), local_bytes)
+            yield move(ALL_REDUCE, m, (dims, partial - {m}), local_bytes)
             for e in targets(dims, m):
-                yield move("reduce_scatter", m, (append(dims, e, m), partial - {m}),
+                yield move(REDUCE_SCATTER, m, (append(dims, e, m), partial - {m}),
                            local_bytes, tensor_dim=e)
         elif d is None:
             for e in targets(dims, m):
-                yield move("slice", m, (append(dims, e, m), partial), local_bytes,
+                yield move(SLICE, m, (append(dims, e, m), partial), local_bytes,
                            tensor_dim=e)
             if m in goal_partial:
-                yield move("make_partial", m, (dims, partial | {m}), local_bytes)
+                yield move(MAKE_PARTIAL, m, (dims, partial | {m}), local_bytes)
         elif dims[d][-1] == m:
             n = mesh.dim_size(m)
             gathered = tuple(entry[:-1] if i == d else entry for i, entry in enumerate(dims))
-            yield move("all_gather", m, (gathered, partial), local_bytes * n, tensor_dim=d)
+            yield move(ALL_GATHER, m, (gathered, partial), local_bytes * n, tensor_dim=d)
             for e in targets(gathered, m):
                 if e != d:
-                    yield move("all_to_all", m, (append(gathered, e, m), partial),
+                    yield move(ALL_TO_ALL, m, (append(gathered, e, m), partial),
                                local_bytes, tensor_dim=d, to_tensor_dim=e)
 
 
-def _plan_same_mesh(mesh, src_spec, dst_spec, shape, dtype) -> list[Step]:
+def _plan_same_mesh(mesh, src_spec, dst_spec, shape, dtype) -> list[ReshardStep]:
     start, goal = _state(src_spec), _state(dst_spec)
     itemsize = dtypes.itemsize(dtype)
     scale = math.lcm(*mesh.shape)
@@ -312,7 +190,7 @@ def _plan_same_mesh(mesh, src_spec, dst_spec, shape, dtype) -> list[Step]:
     while state != start:
         prev, mv = back[state]
         n = mesh.dim_size(mv.mesh_dim)
-        path.append(Step(mv.kind, mesh, _spec(prev), _spec(state), shape, dtype,
+        path.append(ReshardStep(mv.kind, mesh, _spec(prev), _spec(state), shape, dtype,
                          collective_bytes(mv.kind, n, mv.buffer_bytes), mv.buffer_bytes,
                          mv.mesh_dim, n, mv.tensor_dim, mv.to_tensor_dim))
         state = prev
@@ -364,7 +242,7 @@ def _intersect(a, b):
     return box if all(lo < hi for lo, hi in box) else None
 
 
-def _send_recv_step(src: DistAttr, dst: DistAttr, shape, dtype) -> Step:
+def _send_recv_step(src: DistAttr, dst: DistAttr, shape, dtype) -> ReshardStep:
     """p2p tiles from ``src`` (no Partial) to ``dst``. Where ``dst`` is Partial, only the
     processes at coordinate 0 of those mesh dims receive; the others hold zeros."""
     itemsize = dtypes.itemsize(dtype)
@@ -394,12 +272,12 @@ def _send_recv_step(src: DistAttr, dst: DistAttr, shape, dtype) -> Step:
                 load[sender] += nbytes
             transfers.append(Transfer(sender, q, tile, nbytes))
     busiest = max(load.values(), default=0)
-    return Step("send_recv", src.mesh, src.spec, dst.spec, shape, dtype,
-                collective_bytes("send_recv", 2, busiest), busiest,
+    return ReshardStep(StepKind.SEND_RECV, src.mesh, src.spec, dst.spec, shape, dtype,
+                collective_bytes(StepKind.SEND_RECV, 2, busiest), busiest,
                 dst_mesh=dst.mesh, transfers=tuple(transfers))
 
 
-def _plan_cross_mesh(src: DistAttr, dst: DistAttr, shape, dtype) -> list[Step]:
+def _plan_cross_mesh(src: DistAttr, dst: DistAttr, shape, dtype) -> list[ReshardStep]:
     reduced = _reduced_spec(src.mesh, src.spec, shape)
     head = _plan_same_mesh(src.mesh, src.spec, reduced, shape, dtype)
     # Which replicated destination mesh dims receive slices and all-gather them (Alpa's
@@ -417,7 +295,7 @@ def _plan_cross_mesh(src: DistAttr, dst: DistAttr, shape, dtype) -> list[Step]:
                               shape, dtype)
         tail = _plan_same_mesh(dst.mesh, receive, dst.spec, shape, dtype)
         remote = sum(t.nbytes for t in p2p.transfers if t.src != t.dst)
-        key = (p2p.bytes, remote, plan_bytes(tail), len(tail))
+        key = (p2p.bytes, remote, steps_bytes(tail), len(tail))
         if best is None or key < best[0]:
             best = (key, [p2p] + tail)
     return head + best[1]

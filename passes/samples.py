@@ -47,3 +47,11 @@ def sample_axes(program, feed_names) -> dict:
             if SAMPLES_DIM in spec.entry(i):
                 axes[v.name] = i
     return axes
+
+
+def axes_of(plan) -> dict:
+    """The sample dims of ``plan``'s program: the plan's own (``Plan.sample_axes``, found
+    once where its batch split needed them), else found now."""
+    if plan.sample_axes is not None:
+        return plan.sample_axes
+    return sample_axes(plan.program, plan.built.feed_names)

@@ -9,7 +9,7 @@ BatchSplit` and returns it with what its processes run:
   to the update (:mod:`distgraph.passes.uneven_micro`), partitioned again;
 - both: the fetched values that carry samples (a model's outputs when evaluating or
   predicting) are gathered with each process's part padded to the largest, and put back
-  in the batch's order (:class:`RowGather`).
+  in the batch's order (:class:`~distgraph.plan.program.RowGather`).
 
 :func:`schedule_of` then gives the schedule of the plan's task graph (with micro-batches,
 each group runs its own count) and checks that it completes and, for an uneven count of
@@ -25,32 +25,15 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 from types import MappingProxyType
 
 from distgraph.errors import PlanError
 from distgraph.passes.partition import Partitions
-from distgraph.passes.pipeline.schedule import make_schedule, replay
+from distgraph.passes.pipeline.schedule import make_schedule, problem_of, replay
+from distgraph.passes.samples import axes_of
+from distgraph.plan.program import RowGather
 from distgraph.passes.uneven_micro import check_member_traffic, defer_reductions, member_schedule
 from distgraph.passes.uneven_rows import check_layouts, member_local, member_program
-
-
-@dataclass(frozen=True)
-class RowGather:
-    """How a fetched value that carries samples comes back whole under an uneven split:
-    each process pads its part (its micro-batches' parts joined) with zeros to ``pad``
-    entries along ``axis``, the plan's gather brings the padded value of global shape
-    ``shape`` to every process, and ``take`` lists, in the batch's order, the entries of
-    the padded value along ``axis`` that hold the batch's rows.
-
-    Example: rows 0-2 on one process and 3 on another, padded to 3 each: ``take`` is
-    ``(0, 1, 2, 3)``; the padded value's entries 4 and 5 are padding."""
-
-    value: str
-    axis: int
-    pad: int
-    shape: tuple
-    take: tuple
 
 
 def run_split(plan):
@@ -65,10 +48,10 @@ def run_split(plan):
         axes = dict(plan.accumulation.split_axis)
         plan = dataclasses.replace(plan, built=dataclasses.replace(plan.built, program=program))
     else:
-        axes = plan.sample_axes()
+        axes = axes_of(plan)
         partitions = Partitions.given(plan.program, _row_partitions(plan, split, axes))
     gathers = _row_gathers(plan, split, axes)
-    return dataclasses.replace(plan, partitions=partitions,
+    return dataclasses.replace(plan, locals=partitions, groups=partitions.groups(),
                                row_gathers=MappingProxyType(gathers))
 
 
@@ -80,7 +63,7 @@ def schedule_of(plan, graph):
     if split is not None and split.micro_batched and not split.is_even:
         check_member_traffic(plan, graph, split)
         return member_schedule(graph, split)
-    problem = graph.problem()
+    problem = problem_of(graph)
     order = make_schedule(problem)
     replay(order.orders, problem)            # the check: it completes, or a PlanError
     return order

@@ -33,12 +33,13 @@ from types import MappingProxyType
 
 from distgraph.errors import PlanError, ShardingError
 from distgraph.passes.pipeline.accumulate import linear_in_sums
-from distgraph.passes.pipeline.schedule import Problem, Schedule, make_schedule, replay
-from distgraph.passes.pipeline.task_graph import PER_MICRO_BATCH
+from distgraph.passes.pipeline.schedule import Problem, make_schedule, problem_of, replay
+from distgraph.plan.schedule import Schedule
+from distgraph.plan.kinds import PER_MICRO_BATCH, ItemKind, StepKind
+from distgraph.plan.tasks import COMMUNICATING
 from distgraph.passes.uneven_rows import completed_copy
 from distgraph.placement import DistAttr, ShardSpec
 
-COLLECTIVES = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all")
 FIX = "use micro_batches=1 (a balanced split of rows) or Strategy(balance=False)"
 
 
@@ -93,7 +94,7 @@ def member_schedule(graph, split) -> Schedule:
     """The schedule of ``graph`` with member g of ``split`` running its
     ``split.units[g]`` micro-batches (each member's processes by the plan's rules, as
     if they were the whole plan), checked to complete."""
-    problem = graph.problem()
+    problem = problem_of(graph)
     orders: dict = {}
     for procs, count in zip(split.members, split.units):
         holders = tuple(tuple(p for p in held if p in procs) for held in problem.holders)
@@ -119,7 +120,7 @@ def check_member_traffic(plan, graph, split) -> None:
         raise PlanError(f"Strategy(balance=True) gives the data-parallel groups different "
                         f"numbers of micro-batches ({counts}), so nothing may pass between "
                         f"groups inside a micro-batch, but {what} in every micro-batch's "
-                        f"{task.kind} task of stage {task.stage}; {FIX}")
+                        f"{task.kind} task of stage {task.chunk}; {FIX}")
 
     for pid in graph.processes():
         local = plan.local(pid)
@@ -127,7 +128,7 @@ def check_member_traffic(plan, graph, split) -> None:
             if task.kind not in PER_MICRO_BATCH:
                 continue
             for it in task.items:
-                if it.kind == "op":
+                if it.kind is ItemKind.OP:
                     op = local.program.ops[it.index]
                     ctx = local.op_context.get(it.index, {})
                     groups = ctx.get("groups") or ((ctx["group"],) if ctx.get("group") else ())
@@ -136,13 +137,13 @@ def check_member_traffic(plan, graph, split) -> None:
                         fail(f"op '{op.type}' ({op.layer or 'top level'}) communicates "
                              f"across them", task)
                     continue
-                if it.kind not in ("point", "send", "recv"):
+                if it.kind not in COMMUNICATING:
                     continue
                 point = graph.points[it.index]
                 for step in point.steps:
                     crosses = (any(member[t.src] != member[t.dst] for t in step.transfers)
-                               if step.kind == "send_recv" else
-                               step.kind in COLLECTIVES and step.mesh_dim in dims
+                               if step.kind is StepKind.SEND_RECV else
+                               step.kind.is_collective and step.mesh_dim in dims
                                and step.group_size > 1)
                     if crosses:
                         fail(f"{point.value} is resharded {point.src.spec} -> "

@@ -23,8 +23,8 @@ Every op of a member program is checked with its own shape inference.
 
 Example::
 
-    scaled = member_program(plan.program, plan.sample_axes(), batch=32, members=2, rows=22)
-    local = member_local(scaled, 0, plan.program, plan.sample_axes(), 32, 0, 0, 22)
+    scaled = member_program(plan.program, axes_of(plan), batch=32, members=2, rows=22)
+    local = member_local(scaled, 0, plan.program, axes_of(plan), 32, 0, 0, 22)
 """
 
 from __future__ import annotations

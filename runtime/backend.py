@@ -168,14 +168,14 @@ def get_backend(name: str = "numpy") -> ArrayBackend:
     raise RuntimeFault(f"unknown array backend {name!r}; use 'numpy' or 'cupy'")
 
 
-def backend_for(placement, rank: int) -> ArrayBackend:
+def backend_for(devices, rank: int) -> ArrayBackend:
     """The backend rank ``rank`` of a plan computes with: numpy, or CuPy on the GPU its
-    device's ``local_id`` names (``placement``: the plan's
-    :class:`~distgraph.passes.mapping.devices.Placement`; None: numpy). Without CuPy or
+    device's ``local_id`` names (``devices``: the plan's
+    :class:`~distgraph.plan.devices.DeviceAssignment`; None: numpy). Without CuPy or
     that GPU, one :class:`~distgraph.resources.gpus.NoGPU` line saying which."""
-    if placement is None or placement.backend == "numpy":
+    if devices is None or devices.backend == "numpy":
         return NUMPY
-    device = placement.device(rank)
+    device = devices.device(rank)
     return CupyBackend(device.local_id, f"rank {rank} of this plan (on {device})")
 
 

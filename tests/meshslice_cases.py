@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 import distgraph as dg
-from distgraph.passes.cost_model import collective_bytes
+from distgraph.passes.cost.formulas import collective_bytes
 from distgraph.placement import DistAttr, ShardSpec
 from distgraph.registry import KernelContext, LocalSite, get_op
 from distgraph.spmd.meshslice import MatmulAxes, layouts

@@ -9,6 +9,7 @@ trains as serial."""
 import dataclasses
 import os
 import sys
+from types import MappingProxyType
 
 import pytest
 
@@ -16,7 +17,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import distgraph as dg  # noqa: E402
 from distgraph.errors import PlanError  # noqa: E402
-from distgraph.passes.estimate import Share, price_process  # noqa: E402
+from distgraph.passes.cost.estimate import Share, price_process  # noqa: E402
+from distgraph.passes.samples import sample_axes  # noqa: E402
+from distgraph.program_builder import build_program  # noqa: E402
 from distgraph.runtime.comm.simulated import SimulatedWorld  # noqa: E402
 
 import plans as P  # noqa: E402
@@ -30,13 +33,18 @@ GPT = dict(vocab_size=256, d_model=128, n_layer=2, n_head=4, max_seq_len=16)
 
 
 def planned(kind, plan_name, nprocs, cluster, batch=16, dims=None, rank_mapping=None,
-            **strategy):
+            whole=False, **strategy):
+    """(engine, its plan); ``whole``: (None, the planner's plan with every process's
+    program compiled, where an Engine compiles its own rank's)."""
     model = P.build_model(kind, dims=dims)
     factory = (P.PLANS.get((kind, plan_name, nprocs)) or
                P.PIPELINE_PLANS[kind, plan_name, nprocs])
     factory.annotate(model)
     data = P.Dataset(kind, n=batch, dims=dims, batch=batch)
     ins, labels = dg.app.data.DataLoader(data, batch).specs(1)
+    if whole:
+        built = build_program(model, ins, labels, P.loss_fn(kind), P.make_optimizer("adamw"))
+        return None, dg.passes.plan(built, dg.Strategy(**strategy), cluster, rank_mapping)
     engine = dg.Engine(model, P.loss_fn(kind), P.make_optimizer("adamw"), cluster=cluster,
                        strategy=dg.Strategy(**strategy), rank_mapping=rank_mapping)
     return engine, engine.prepare(ins, labels)
@@ -90,6 +98,8 @@ def test_a_share_costs_what_an_even_plan_of_that_many_rows_costs():
     cluster = dg.Cluster.from_file(MIXED_2X1)
     for kind, dims in (("mlp", MLP), ("gpt", GPT)):
         _, p32 = planned(kind, "dp", 2, cluster, 32, dims)
+        axes = sample_axes(p32.program, p32.built.feed_names)
+        p32 = dataclasses.replace(p32, sample_axes=MappingProxyType(axes))
         _, p48 = planned(kind, "dp", 2, cluster, 48, dims)
         share = price_process(p32, 0, cluster, Share(rows=24 / 16, mesh_dims=("dp",)))[0]
         whole = price_process(p48, 0, cluster)[0]

@@ -1,5 +1,6 @@
-"""Weight-gradient actions of several micro-batches run as one task (runtime/execution/
-batched.py): consecutive W actions of one stage in a zero-bubble schedule are grouped, a
+"""Weight-gradient actions of several micro-batches run as one task (planned in
+passes/pipeline/batched.py, run by runtime/execution/batched.py): consecutive W actions of
+one stage in a zero-bubble schedule are grouped, a
 group's result is the sum of its micro-batches' results (oracle: the task run micro-batch
 by micro-batch), and training with groups (a data-parallel stage's all-reduce inside one
 among them) equals serial training."""
@@ -16,7 +17,7 @@ import distgraph as dg  # noqa: E402
 from distgraph.program_builder import build_program  # noqa: E402
 from distgraph.registry import KernelContext  # noqa: E402
 from distgraph.runtime.backend import backend_of  # noqa: E402
-from distgraph.runtime.execution.carrier import Carrier  # noqa: E402
+from distgraph.runtime.execution.batched import run_batched  # noqa: E402
 from distgraph.runtime.execution.executor import run_op  # noqa: E402
 
 import plans as P  # noqa: E402
@@ -36,18 +37,17 @@ def planned(key, micro_batches=8, schedule="ZB", virtual=1):
 
 
 def groups(plan, pid):
-    carrier = Carrier(plan, pid, None, backend_of(None))
-    return carrier, [" ".join(str(carrier.actions[i]) for i in g)
-                     for g in carrier.groups.values()]
+    program = plan.program_of(pid)
+    return program, [" ".join(str(program.actions[i]) for i in g) for g in program.batched]
 
 
 def test_the_weight_gradients_zero_bubble_leaves_to_the_end_are_grouped():
     plan = planned(("gpt6", "param4", 4), virtual=2)
     orders = {pid: " ".join(map(str, acts)) for pid, acts in plan.schedule().items()}
     assert "3W4 3W5 3W6 3W7" in orders[3], orders[3]
-    carrier, found = groups(plan, 3)
+    program, found = groups(plan, 3)
     assert "3W4 3W5 3W6 3W7" in found
-    assert set(carrier.batched) == {(3, "backward_weight"), (7, "backward_weight")}
+    assert set(program.batched_tasks) == {(3, "backward_weight"), (7, "backward_weight")}
     for names in found:                 # each group: consecutive W of one stage in the order
         assert names in orders[3] and len({a[0] for a in names.split()}) == 1
     _, first = groups(plan, 0)
@@ -63,9 +63,9 @@ def test_a_group_gives_the_sum_of_its_micro_batches(float64, key, pid):
     same random operands (embeddings' scatter-add, a sliced parameter's gradient, the
     Linear layers' reshape + matmul + bias sum)."""
     plan = planned(key)
-    carrier = Carrier(plan, pid, None, backend_of(None))
-    key_w = next(k for k in carrier.batched)
-    block = carrier.tasks.blocks[key_w]
+    program = plan.program_of(pid)
+    key_w = next(k for k in program.batched_tasks)
+    block = program.blocks[key_w]
     values = plan.local(pid).program.values
     made = {n for instr in block.instrs for n in instr.writes}
     reads = [n for instr in block.instrs for n in instr.reads if n not in made]
@@ -85,7 +85,8 @@ def test_a_group_gives_the_sum_of_its_micro_batches(float64, key, pid):
             run_op(instr, env, {}, ctx)
         for name in block.task.accumulates:
             expected[name] = expected.get(name, 0) + env[name]
-    got = carrier.batched[key_w].run(envs, micro_batches, {}, ctx, carrier.xb, None)
+    got = run_batched(program.batched_tasks[key_w], envs, micro_batches, {}, ctx,
+                      backend_of(None), None)
     assert sorted(got) == sorted(expected) and got
     for name in got:
         np.testing.assert_allclose(got[name], expected[name], rtol=1e-12, atol=1e-12)

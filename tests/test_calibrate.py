@@ -4,7 +4,7 @@ messages' alpha-beta, per step and per byte, from timings at several buffer size
 import pytest
 
 import distgraph as dg
-from distgraph.passes.cost_model import collective_time
+from distgraph.passes.cost.formulas import collective_time
 from distgraph.tools.calibrate import build_cluster, reshard_overheads
 
 BW, LAT = 2.0, 5.0
@@ -49,5 +49,5 @@ def test_the_calibrated_file_carries_the_fit_and_the_estimate_charges_it(tmp_pat
     cluster.save(tmp_path / "c.yaml")
     device = dg.Cluster.from_file(tmp_path / "c.yaml").devices[0]
     assert device.reshard_overhead["all_gather"] == pytest.approx((10.0, 1.0), rel=1e-6)
-    from distgraph.passes.estimate import software_time
+    from distgraph.passes.cost.prices import software_time
     assert software_time(device, "all_gather", B) == pytest.approx(1e-5 + 1e-9 * B, rel=1e-6)

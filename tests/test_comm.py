@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from distgraph.errors import RuntimeFault
-from distgraph.passes.cost_model import collective_bytes, collective_time
+from distgraph.passes.cost.formulas import collective_bytes, collective_time
 from distgraph.runtime.comm.base import default_timeout
 from distgraph.runtime.comm.simulated import SimulatedWorld
 from distgraph.runtime.launch.launcher import launch_command, rank_env

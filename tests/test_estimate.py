@@ -174,7 +174,7 @@ def test_a_micro_batched_plan_counts_forward_and_backward_once_per_micro_batch(f
     """A micro-batched plan's local programs are one micro-batch's: its forward and
     backward ops count M times a step, its updates once, and two stages overlap."""
     from distgraph.registry import TensorType
-    from distgraph.passes.estimate import feed_time, op_time
+    from distgraph.passes.cost.prices import feed_time, op_time
 
     def plan(m):
         built = build_program(TwoStageMLP(256), [dg.InputSpec([64, 256], name="x")],

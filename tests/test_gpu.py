@@ -23,7 +23,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import distgraph as dg  # noqa: E402
-from distgraph.passes.mapping.devices import NCCL, STAGED  # noqa: E402
+from distgraph.plan.devices import NCCL, STAGED  # noqa: E402
 from distgraph.resources.gpus import NoGPU, detect_gpus  # noqa: E402
 
 import plans as P  # noqa: E402

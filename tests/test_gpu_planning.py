@@ -19,8 +19,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import distgraph as dg  # noqa: E402
 from distgraph.errors import DistGraphError, PlanError  # noqa: E402
-from distgraph.passes.mapping.devices import (CUPY, MPI, NCCL, NUMPY, STAGED,  # noqa: E402
-                                              comm_groups, placement)
+from distgraph.passes.mapping.devices import assign_devices  # noqa: E402
+from distgraph.plan.devices import CUPY, MPI, NCCL, NUMPY, STAGED  # noqa: E402
 from distgraph.resources.cluster import Cluster  # noqa: E402
 from distgraph.resources.gpus import NoGPU, detect_gpus  # noqa: E402
 from distgraph.runtime.backend import NUMPY as NUMPY_BACKEND  # noqa: E402
@@ -75,12 +75,12 @@ def test_ranks_on_one_gpu_share_its_local_id_and_memory(tmp_path):
 
 # ---- planning the backend and the communicators ------------------------------------------
 def test_backend_follows_the_devices():
-    assert placement(None, 2).backend == NUMPY
-    assert placement(dg.Cluster.local(2), 2).backend == NUMPY
-    assert placement(D.gpu_cluster(2, 2), 2).backend == CUPY
+    assert assign_devices(None, 2).backend == NUMPY
+    assert assign_devices(dg.Cluster.local(2), 2).backend == NUMPY
+    assert assign_devices(D.gpu_cluster(2, 2), 2).backend == CUPY
     hetero = Cluster.from_file(os.path.join(CLUSTERS, "hetero_2gpu_2xpu.yaml"))
     types = [d.type for d in hetero.devices]
-    mixed = placement(hetero, len(types))
+    mixed = assign_devices(hetero, len(types))
     assert set(types) == {"GPU", "XPU"}
     with pytest.raises(PlanError, match="GPU and XPU devices at once"):
         mixed.backend
@@ -95,14 +95,14 @@ def test_backend_follows_the_devices():
             (0, 1, 2, 3): STAGED}),
 ])
 def test_groups_of_ranks_sharing_a_gpu_go_through_mpi_with_host_staging(ranks, gpus, routes):
-    where = placement(D.gpu_cluster(ranks, gpus), ranks)
+    where = assign_devices(D.gpu_cluster(ranks, gpus), ranks)
     assert {g: where.route(g) for g in routes} == routes
-    assert placement(dg.Cluster.local(ranks), ranks).route((0, 1)) == MPI
+    assert assign_devices(dg.Cluster.local(ranks), ranks).route((0, 1)) == MPI
 
 
 def test_a_gpu_file_of_two_machines_routes_within_and_between_them():
     cluster = Cluster.from_file(os.path.join(CLUSTERS, "gpu_2x8.yaml"))
-    where = placement(cluster, 16)
+    where = assign_devices(cluster, 16)
     assert where.backend == CUPY and where.route((0, 8)) == NCCL      # across machines
     assert {where.device(r).local_id for r in range(8)} == set(range(8))
 
@@ -131,7 +131,7 @@ def test_explain_names_the_backend_and_each_mesh_dims_communicator():
 
 
 def _all_groups(plan):
-    return {pid: comm_groups(plan, pid) for pid in plan.process_ids}
+    return {pid: plan.program_of(pid).comm_groups for pid in plan.process_ids}
 
 
 @pytest.mark.parametrize("key", [("gpt", "dp_tp", 4), ("mlp", "two_stage", 4),

@@ -60,7 +60,7 @@ def test_parameters_gradients_and_states_are_16_psi_over_t_p(row, cluster):
             for proc in est.processes}
     assert sum(held.values()) / len(held) == pytest.approx(16 * psi / (row.t * row.p),
                                                             rel=0.10)
-    for group in plan.partitions.groups():       # processes on the same meshes hold alike
+    for group in plan.groups:       # processes on the same meshes hold alike
         own = sum(int(np.prod(v.shape)) for v in plan.local(group[0]).program.parameters)
         for pid in group:
             assert held[pid] == pytest.approx(16 * own, rel=0.10), pid

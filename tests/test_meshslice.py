@@ -19,9 +19,9 @@ import distgraph as dg  # noqa: E402
 from distgraph.ops import meshslice as meshslice_op  # noqa: E402
 from distgraph.ops.meshslice import (LocalMeshSlice, overlap, put_slice,  # noqa: E402
                                      take_slice)
-from distgraph.passes.cost_model import collective_time, pipeline_time  # noqa: E402
-from distgraph.passes.estimate import (best_overlap, device_rates, dim_ring,  # noqa: E402
-                                       op_time, overlap_time, software_time)
+from distgraph.passes.cost.formulas import collective_time, pipeline_time  # noqa: E402
+from distgraph.passes.cost.prices import (best_overlap, device_rates, dim_ring,  # noqa: E402
+                                          op_time, overlap_time, software_time)
 from distgraph.passes.meshslice.slices import local_op  # noqa: E402
 from distgraph.passes.meshslice.autotune import (BACKWARD, GEMMS, gemm_shapes,  # noqa: E402
                                                  stationary_dataflow)
@@ -328,7 +328,7 @@ def test_the_calibrated_sliced_cost_makes_the_model_reproduce_each_more_slice():
     the model's difference between the two equals the measured one; without it a
     collective inside the pipeline costs what a reshard step of its kind costs."""
     from distgraph.ops.meshslice import overlap
-    from distgraph.passes.estimate import sliced_software_time
+    from distgraph.passes.cost.prices import sliced_software_time
     from distgraph.tools.calibrate import SLICED_SLICES, build_cluster, sliced_problem
 
     ranks = [{"rank": r, "host": f"node{r // 2}", "model": "cpu", "memory": 8.0,

@@ -6,6 +6,7 @@ import pathlib
 
 import distgraph as dg
 from distgraph.passes.mapping.traffic import process_graph
+from distgraph.passes.partition import Partitions
 from distgraph.passes.mapping.rank_mapping import best_random_mapping, bfs_first_free_mapping, map_ranks
 from distgraph.program_builder import build_program
 from distgraph.resources.cluster import Cluster
@@ -63,8 +64,9 @@ def test_a_micro_batched_plan_maps_its_traffic_per_step():
                  for g in MESH.groups("tp") for p in itertools.combinations(g, 2))
         return tp, sum(graph.traffic.get(tuple(sorted(g)), 0.0) for g in MESH.groups("dp"))
 
-    once = process_graph(plan.program, plan.partitions, "GPU")
-    step = process_graph(plan.program, plan.partitions, "GPU", micro_batches=16)
+    parts = Partitions(plan.program, plan.process_ids)
+    once = process_graph(plan.program, parts, "GPU")
+    step = process_graph(plan.program, parts, "GPU", micro_batches=16)
     (tp1, dp1), (tp16, dp16) = tp_and_dp(once), tp_and_dp(step)
     assert tp1 < dp1 and tp16 == 16 * tp1 and dp16 < dp1 + tp1
     machine = {d.global_id: d.machine_id for d in cluster.devices}

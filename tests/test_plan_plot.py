@@ -10,7 +10,7 @@ import pytest
 
 import distgraph as dg
 from distgraph.app.data import DataLoader
-from distgraph.passes.plan_plot import layer_of, picture
+from distgraph.plan.plot import layer_of, picture
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tutorials"))

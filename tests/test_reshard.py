@@ -10,8 +10,9 @@ from hypothesis import strategies as st
 
 from distgraph.errors import ShardingError
 from distgraph.mesh import ProcessMesh
-from distgraph.passes.cost_model import collective_bytes
-from distgraph.passes.reshard import format_plan, plan_bytes, plan_reshard
+from distgraph.passes.cost.formulas import collective_bytes
+from distgraph.passes.reshard import plan_reshard
+from distgraph.plan.reshard import format_steps, steps_bytes
 from distgraph.placement import DistAttr, ShardSpec
 from distgraph.runtime.comm.simulated import SimulatedWorld
 from distgraph.runtime.launch.launcher import launch_command, rank_env
@@ -54,7 +55,7 @@ class HypothesisDraw:
 def test_single_step_per_table_row(src, dst, kind, nbytes):
     steps = plan(src, dst, (8, 8), src_mesh=M4)
     assert [s.kind for s in steps] == [kind]
-    assert steps[0].bytes == nbytes and plan_bytes(steps) == nbytes
+    assert steps[0].bytes == nbytes and steps_bytes(steps) == nbytes
     assert steps[0].mesh_dim == "x" and steps[0].group_size == 4
 
 
@@ -64,13 +65,13 @@ def test_identical_attrs_need_no_steps():
 
 def test_step_str_and_fields():
     (step,) = plan(ShardSpec(["x", None]), ShardSpec([None, None]), (16, 16))
-    assert str(step) == "all_gather(x) dim0 n=2 512B"
+    assert str(step) == "all_gather(x) dim0 n=2 512 B"
     assert (step.tensor_dim, step.buffer_bytes, step.before, step.after) == \
         (0, 1024, ShardSpec(["x", None]), ShardSpec([None, None]))
     (a2a,) = plan(ShardSpec(["x", None]), ShardSpec([None, "x"]), (4, 4))
-    assert str(a2a) == "all_to_all(x) dim0->dim1 n=2 16B"
+    assert str(a2a) == "all_to_all(x) dim0->dim1 n=2 16 B"
     assert (a2a.tensor_dim, a2a.to_tensor_dim) == (0, 1)
-    assert "all_gather(x)" in format_plan([step]) and format_plan([]) == "(no steps)"
+    assert "all_gather(x)" in format_steps([step]) and format_steps([]) == "(no steps)"
 
 
 def test_tuple_entry_order_is_respected():
@@ -136,7 +137,7 @@ def test_cross_mesh_local_all_gather_and_balanced_senders():
     assert all(t.nbytes == 2 * 8 * 8 for t in p2p.transfers)
     # the two replicas of each source block share the sending
     assert sorted(t.src for t in p2p.transfers) == [0, 1, 2, 3]
-    assert p2p.bytes == 128 and str(p2p) == "send_recv 4 tiles max 128B"
+    assert p2p.bytes == 128 and str(p2p) == "send_recv 4 tiles max 128 B"
 
 
 def test_cross_mesh_reduces_partial_inside_the_source_first():

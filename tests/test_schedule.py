@@ -12,8 +12,8 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import distgraph as dg  # noqa: E402
-from distgraph.passes.pipeline.schedule import (Action, Problem, chain, make_schedule,  # noqa: E402
-                                                replay)
+from distgraph.passes.pipeline.schedule import Problem, chain, make_schedule, replay  # noqa: E402
+from distgraph.plan.schedule import Action  # noqa: E402
 
 import torch_schedules as T  # noqa: E402
 

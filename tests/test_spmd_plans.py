@@ -15,7 +15,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import distgraph as dg  # noqa: E402
-from distgraph.passes.cost_model import collective_bytes  # noqa: E402
+from distgraph.passes.cost.formulas import collective_bytes  # noqa: E402
 from distgraph.passes.partition import gather_points, partition  # noqa: E402
 from distgraph.placement import DistAttr  # noqa: E402
 from distgraph.program_builder import build_program  # noqa: E402

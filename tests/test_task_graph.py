@@ -13,7 +13,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import distgraph as dg  # noqa: E402
 from distgraph.passes.partition import Partitions, partition  # noqa: E402
 from distgraph.passes.pipeline.chunks import chunk_of_ops  # noqa: E402
-from distgraph.passes.pipeline.task_graph import MAX_TAG, build_task_graph  # noqa: E402
+from distgraph.passes.pipeline.task_graph import build_task_graph  # noqa: E402
+from distgraph.plan.tags import MAX_TAG  # noqa: E402
 from distgraph.program_builder import build_program  # noqa: E402
 from distgraph.runtime.comm.simulated import SimulatedWorld  # noqa: E402
 
@@ -131,7 +132,7 @@ def test_a_process_in_two_stages_runs_both_in_data_flow_order(float64, micro_bat
     order = [str(a) for a in p.schedule()[1]]
     if micro_batches == 1:
         assert order == ["0F0", "1F0", "1B0", "0B0"]
-    assert [str(a) for a in p.schedule()[0] if a.stage == 0] == \
+    assert [str(a) for a in p.schedule()[0] if a.chunk == 0] == \
         [a for a in order if a.startswith("0")]
     models = overlapping(3)
     strategy = dg.Strategy(micro_batches=micro_batches)
@@ -166,7 +167,7 @@ class _EachAlone(Partitions):
 ])
 def test_processes_on_the_same_meshes_are_cut_once_and_alike(key, strategy):
     p = plan_of(key, **strategy)
-    groups = p.partitions.groups()
+    groups = p.groups
     assert sorted(q for g in groups for q in g) == list(p.process_ids)
     assert any(len(g) > 1 for g in groups)
     for group in groups:
@@ -182,19 +183,21 @@ def test_processes_on_the_same_meshes_are_cut_once_and_alike(key, strategy):
     alone = build_task_graph(p, _EachAlone(p.program, p.process_ids),
                              chunk_of_ops(p.program, g.chunks, None), g.chunks)
     assert alone.tasks == g.tasks and alone.flows == g.flows
-    assert dict(alone.deps) == dict(g.deps) and dict(alone.channels) == dict(g.channels)
+    assert dict(alone.deps) == dict(g.deps) and alone.tags == g.tags
     assert dict(alone.points) == dict(g.points) and dict(alone.gathers) == dict(g.gathers)
-    assert {pid: alone.step_bytes(p, pid) for pid in p.process_ids} == p.bytes_sent()
+    assert {pid: alone.step_bytes(p.local(pid), pid, p.micro_batches)
+            for pid in p.process_ids} == p.bytes_sent()
 
 
 def test_points_share_a_tag_channel_only_where_no_sender_receiver_pair_meets():
     p = plan_of(("mlp8", "layered", 4), micro_batches=4)
     g = p.task_graph()
+    tags_ = g.tags
     pairs = {seq: {(t.src, t.dst) for st in g.points[seq].steps if st.kind == "send_recv"
-                   for t in st.transfers if t.src != t.dst} for seq in g.channels}
-    for a, b in itertools.combinations(sorted(g.channels), 2):
+                   for t in st.transfers if t.src != t.dst} for seq in tags_.channels}
+    for a, b in itertools.combinations(sorted(tags_.channels), 2):
         if pairs[a] & pairs[b]:
-            assert g.channels[a] != g.channels[b]
-    assert g.channel_count < len(g.channels)          # stage boundaries share channels
-    tags = {g.tag(seq, m) for seq in g.channels for m in range(4)}
-    assert max(tags) < g.gather_tag(0) and g.gather_tag(len(g.fetch)) <= MAX_TAG
+            assert tags_.channels[a] != tags_.channels[b]
+    assert tags_.channel_count < len(tags_.channels)     # stage boundaries share channels
+    tags = {tags_.tag(seq, m) for seq in tags_.channels for m in range(4)}
+    assert max(tags) < tags_.gather_tag(0) and tags_.gather_tag(len(g.fetch)) <= MAX_TAG

@@ -24,14 +24,16 @@ from test_balance import GPT, MIXED_2X1, MIXED_2X2, MLP, planned  # noqa: E402
 
 def test_each_group_runs_its_own_rows_and_the_estimate_is_unchanged():
     cluster = dg.Cluster.from_file(MIXED_2X1)
-    _, even = planned("gpt", "dp", 2, cluster, 32, GPT)
-    _, bal = planned("gpt", "dp", 2, cluster, 32, GPT, balance=True)
+    _, even = planned("gpt", "dp", 2, cluster, 32, GPT, whole=True)
+    _, bal = planned("gpt", "dp", 2, cluster, 32, GPT, balance=True, whole=True)
     split = bal.batch_split
     assert not split.is_even
     for pid in (0, 1):
         (start, stop), = split.rows(pid)
-        assert bal.batch_rows(pid) == ((start, stop),)
-        assert bal.feed_rows(pid) == {"input_0": ((start, stop),), "label_0": ((start, stop),)}
+        program = bal.program_of(pid)
+        assert program.batch_rows == ((start, stop),)
+        assert {f.name: f.rows for f in program.feeds} == \
+            {"input_0": ((start, stop),), "label_0": ((start, stop),)}
         tokens = bal.local(pid).program.inputs[0]
         assert tokens.shape == (stop - start, GPT["max_seq_len"])
         ops = bal.local(pid).program.ops
@@ -42,7 +44,8 @@ def test_each_group_runs_its_own_rows_and_the_estimate_is_unchanged():
     # the gradients' all-reduce moves what it moved before
     assert bal.bytes_sent() == even.bytes_sent()
     # priced on its own rows, the plan costs what its shares of the even partitions cost
-    again = dg.passes.estimate(dataclasses.replace(bal, partitions=even.partitions), cluster)
+    again = dg.passes.estimate(
+        dataclasses.replace(bal, locals=even.locals, groups=even.groups), cluster)
     assert again.step_time == pytest.approx(bal.estimate.step_time, rel=1e-12)
     assert [p.peak_memory for p in again.processes] == \
         [p.peak_memory for p in bal.estimate.processes]
@@ -57,20 +60,21 @@ def test_a_pipelines_stages_run_their_groups_rows():
                      balance=True)
     split = bal.batch_split
     assert split.members == ((0, 2), (1, 3)) and split.units[0] > split.units[1]
-    axes = bal.sample_axes()
+    axes = dict(bal.sample_axes)
     for pid in range(4):
         rows = split.row_count(pid)
         held = [(v.shape[axes[v.name]], bal.program.values[v.name].shape[axes[v.name]])
                 for v in bal.local(pid).program.values.values() if v.name in axes]
         # every activation holds the group's rows (the samples' share of its sample dim)
         assert held and all(have * 32 == size * rows for have, size in held)
-    again = dg.passes.estimate(dataclasses.replace(bal, partitions=even.partitions), cluster)
+    again = dg.passes.estimate(
+        dataclasses.replace(bal, locals=even.locals, groups=even.groups), cluster)
     assert again.step_time == pytest.approx(bal.estimate.step_time, rel=1e-12)
 
 
 def test_micro_batches_meet_only_in_the_prologue_and_the_update():
     cluster = dg.Cluster.from_file(MIXED_2X1)
-    _, bal = planned("gpt", "dp", 2, cluster, 32, GPT, balance=True, micro_batches=4)
+    _, bal = planned("gpt", "dp", 2, cluster, 32, GPT, balance=True, micro_batches=4, whole=True)
     split = bal.batch_split
     counts = [split.micro_batches(p) for p in (0, 1)]
     assert counts[0] > counts[1] and [bal.micro_batches_of(p) for p in (0, 1)] == counts
@@ -92,7 +96,7 @@ def test_micro_batches_meet_only_in_the_prologue_and_the_update():
     assert bal.program.values["divide_0"].dist_attr.spec.partial == {"dp"}   # the loss
     # each micro-batch draws the batch's rows: granule j of the batch at position (j-g)/n
     for pid in (0, 1):
-        positions = bal.micro_batch_positions(pid)
+        positions = bal.program_of(pid).positions
         rows = split.rows(pid)
         assert [p * 2 * split.granule + pid * split.granule for p in positions] == \
             [start for start, _ in rows]

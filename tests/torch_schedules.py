@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from distgraph.passes.pipeline.schedule import Action
+from distgraph.plan.schedule import Action
 
 
 def one_f_one_b(S: int, M: int) -> dict:

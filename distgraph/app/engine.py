@@ -193,8 +193,9 @@ class Engine:
         built = build_program(self.model, inputs_spec, labels_spec, self.loss,
                               self.optimizer if mode == "train" else None, mode)
         try:
+            # every rank plans alike and compiles its own process's program
             self._plan_cache[key] = plan(built, self.strategy, self._planning_cluster(),
-                                         self.rank_mapping)
+                                         self.rank_mapping, ranks=(self.rank,))
         except DistGraphError as e:
             if self._plan_request is not None:      # distgraph plan shows why
                 plan_report.write_failure(e, self._plan_request)
@@ -315,7 +316,7 @@ class Engine:
         self._only_planning("train")
         # GPUs asked for where there are none: one line now, not after the progress bar
         train = self._plans["train"]
-        backend_for(train.placement, self.rank if train.distributed else 0)
+        backend_for(train.devices, self.rank if train.distributed else 0)
         cbs = CallbackList(_progress(verbose, callbacks) + list(callbacks or []), self)
         try:
             return self._train(loader, n_batches, first_epoch, first_batch, epochs, cbs,

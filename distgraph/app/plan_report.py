@@ -16,7 +16,7 @@ import tempfile
 from dataclasses import dataclass
 
 from distgraph.errors import DistGraphError
-from distgraph.passes.estimate import estimate
+from distgraph.passes.cost.estimate import estimate
 
 
 PLAN_OUT = "DISTGRAPH_PLAN_OUT"

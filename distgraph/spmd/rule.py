@@ -107,7 +107,7 @@ class OpStrategy:
     (1 / the product of the mesh dims that split its letters); ``comm`` the collectives
     the op's distributed form runs inside it, ``((kind, group size, buffer bytes), ...)``
     as the registry's ``comm`` hook declares them (what one process sends for them is
-    ``distgraph.passes.cost_model.comm_bytes(strategy.comm)``). Resharding between ops is
+    ``distgraph.passes.cost.formulas.comm_bytes(strategy.comm)``). Resharding between ops is
     not part of a strategy: it is the cost of an edge.
     """
 

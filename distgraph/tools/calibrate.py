@@ -45,8 +45,8 @@ import time
 
 import numpy as np
 
-from distgraph.passes.cost_model import COLLECTIVES as COLLECTIVE_KINDS
-from distgraph.passes.cost_model import collective_time
+from distgraph.passes.cost.formulas import collective_time
+from distgraph.plan.kinds import COLLECTIVES as COLLECTIVE_KINDS
 from distgraph.passes.reshard import plan_reshard
 from distgraph.placement import DistAttr, ShardSpec
 from distgraph.resources.cluster import Cluster, Device, Link, Machine
@@ -445,12 +445,12 @@ def reshard_overheads(cluster, steps: dict, sliced: dict | None = None,
 
 def sliced_overhead(cluster, sliced: dict, software: dict, per_byte: float = 0.0) -> float:
     """Seconds per collective of a sliced pipeline beyond the model's charge: the value
-    with which :func:`~distgraph.passes.estimate.overlap_time` (with the steps' fitted
+    with which :func:`~distgraph.passes.cost.prices.overlap_time` (with the steps' fitted
     ``software`` costs and ``per_byte`` ns a byte read again) prices the tiny GeMM's each
     more slice (K = 1 against ``SLICED_SLICES``) as measured (0 where the model's charge
     alone reaches it), found by bisection (the price grows with it)."""
     from distgraph.ops.meshslice import overlap
-    from distgraph.passes.estimate import dim_ring, overlap_time
+    from distgraph.passes.cost.prices import dim_ring, overlap_time
     from distgraph.registry import TensorType
 
     ids = [d.global_id for d in cluster.devices]

@@ -7,7 +7,7 @@ the lead (``RuleQuery.lead``); a candidate's :class:`Edge` s are the reshards it
 the op's edges (inputs from their Values' layouts, outputs to what each consumer takes),
 priced by the alpha-beta time of their :func:`plan_reshard` steps. On a cluster (the
 Engine's, through the planner) a step costs what the search and the estimate charge for
-it (:func:`distgraph.passes.estimate.step_time` on the links between the devices of the
+it (:func:`distgraph.passes.cost.prices.reshard_step_time` on the links between the devices of the
 processes taking part, process p on the cluster's p-th device as before rank mapping;
 its slowest group or sender counts); else over given links per mesh dim; without either,
 every mesh dim costs 1 GB/s and no latency: the time is then the bytes moved.
@@ -32,13 +32,15 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from distgraph.errors import PlanError
-from distgraph.passes.cost_model import COLLECTIVES, comm_bytes
-from distgraph.passes.estimate import step_time
-from distgraph.passes.partition import _local_view_only
-from distgraph.passes.reshard import plan_bytes, plan_reshard
-
+from distgraph.passes.cost.formulas import comm_bytes, links_time
+from distgraph.passes.cost.prices import reshard_step_time
+from distgraph.passes.partition import local_view_only
+from distgraph.passes.reshard import plan_reshard
 from distgraph.placement import DistAttr, ShardSpec
+from distgraph.plan.kinds import StepKind
+from distgraph.plan.reshard import steps_bytes
 from distgraph.spmd import DimsSpec
+from distgraph.units import fmt_bytes
 
 UNIT_LINK = (1.0, 0.0)           # GB/s, us: time = bytes / 1e9
 
@@ -129,21 +131,21 @@ class ReshardPricer:
     def step_time(self, step) -> float:
         """Seconds of one reshard step (module docstring)."""
         if self.cluster is None:
-            return step.time(*self.links.get(step.mesh_dim, UNIT_LINK))
-        if step.kind in COLLECTIVES and step.group_size > 1:
+            return links_time(step, *self.links.get(step.mesh_dim, UNIT_LINK))
+        if step.kind.is_collective and step.group_size > 1:
             who = [group[0] for group in step.mesh.groups(step.mesh_dim)]
-        elif step.kind == "send_recv":
+        elif step.kind is StepKind.SEND_RECV:
             who = sorted({t.src for t in step.transfers if t.src != t.dst}) or \
                 step.mesh.process_ids[:1]
         else:
             who = step.mesh.process_ids[:1]
-        return max(step_time(step, p, self.cluster, self._device) for p in who)
+        return max(reshard_step_time(step, p, self.cluster, self._device) for p in who)
 
     def steps_cost(self, src: DistAttr, dst: DistAttr, shape, dtype) -> Traffic:
         """(alpha-beta seconds of the steps, bytes sent over all processes)."""
         key = (src, dst, tuple(shape), dtype)
         if key not in self.cache:
-            if src == dst or _local_view_only(src, dst):
+            if src == dst or local_view_only(src, dst):
                 self.cache[key] = Traffic(0.0, 0.0, self.timed)
             else:
                 steps = plan_reshard(src, dst, shape, dtype)
@@ -164,7 +166,7 @@ class ReshardPricer:
         if key not in self.cache:
             steps = plan_reshard(DistAttr(mesh, s), DistAttr(mesh, d), shape, dtype)
             time = sum(self.step_time(st) for st in steps)
-            self.cache[key] = (time, plan_bytes(steps))
+            self.cache[key] = (time, steps_bytes(steps))
         time, nbytes = self.cache[key]
         return Edge(side, name, s, d, time, nbytes) if nbytes or time else None
 
@@ -186,15 +188,6 @@ def planned_traffic(points, op_comm, pricer: ReshardPricer) -> Traffic:
     for hook, site in op_comm:
         total += comm_bytes(hook(site))
     return Traffic(time, total, pricer.timed)
-
-
-def fmt_bytes(n: float) -> str:
-    """``96 B``, ``4.69 KiB``, ``1003 KiB``, ``1.5 MiB``."""
-    for unit, size in (("MiB", 2 ** 20), ("KiB", 2 ** 10)):
-        if n >= size:
-            v = n / size
-            return f"{v:.3g} {unit}" if v < 100 else f"{v:.0f} {unit}"
-    return f"{n:.0f} B"
 
 
 class Outcome(NamedTuple):

@@ -38,7 +38,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from distgraph.errors import PlanError
-from distgraph.passes.cost_model import COLLECTIVES
+from distgraph.plan.kinds import COLLECTIVES
 from distgraph.resources.cluster import COMPUTE_TYPES, FrozenMap
 
 COLLECTIVE_KINDS = COLLECTIVES + ("p2p",)     # p2p: a chain of pipeline stages

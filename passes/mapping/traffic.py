@@ -14,7 +14,7 @@ Example::
 from __future__ import annotations
 
 from distgraph.ir import Program
-from distgraph.passes.cost_model import COLLECTIVES
+from distgraph.plan.kinds import COLLECTIVES
 from distgraph.registry import TensorType, get_op
 from distgraph.passes.partition import Partitions
 from distgraph.passes.mapping.process_graph import (ProcessGraph, collective_messages,

@@ -26,7 +26,7 @@ RS layers that the model priced lower).
 tried, the cluster's devices laid out row-major (mesh dim ``x`` over the rows, so on a
 machines x devices cluster ``x`` crosses machines; u = x, v = y), skipping shapes whose
 columns would split an attention head. Each GeMM's time is MeshSlice's pipeline
-(:func:`distgraph.passes.estimate.overlap_time`), for each K its layout allows (among
+(:func:`distgraph.passes.cost.prices.overlap_time`), for each K its layout allows (among
 ``slices``); each GeMM takes its fastest K, independently of the others. The shapes are
 ranked by the time of all FC GeMMs of a training step. As in the seed, a partial GeMM
 costs its FLOPs over the device's effective GeMM throughput (the file's ``gflops``, which
@@ -54,7 +54,7 @@ from distgraph import dtypes
 from distgraph.errors import PlanError
 from distgraph.mesh import ProcessMesh
 from distgraph.ops.meshslice import local_form, overlap
-from distgraph.passes.estimate import collectives_time, dim_ring, overlap_time, roofline_time
+from distgraph.passes.cost.prices import collectives_time, dim_ring, overlap_time, roofline_time
 from distgraph.placement import DistAttr, ShardSpec
 from distgraph.registry import TensorType
 from distgraph.resources.cluster import Cluster

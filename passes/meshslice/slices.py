@@ -7,7 +7,7 @@ and saying which matmuls run it.
   MeshSlice's layouts for it (:mod:`distgraph.spmd.meshslice`).
 - :func:`assign_slices` runs on the completed program, once processes have devices: a
   matmul that runs as MeshSlice with ``"auto"`` gets the K that the cost model
-  (:func:`distgraph.passes.estimate.best_overlap`, on its mesh's first process) finds
+  (:func:`distgraph.passes.cost.prices.best_overlap`, on its mesh's first process) finds
   fastest among those its layout allows; the search priced its strategy with the same K.
 - :func:`uses` lists the matmuls that run it (``Plan.explain()`` prints them).
 
@@ -22,14 +22,13 @@ Example::
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 from distgraph.errors import PlanError
 from distgraph.ops.meshslice import LocalMeshSlice
 from distgraph.placement import DistAttr
 from distgraph.registry import LocalSite, TensorType, get_op, takes_attr
-from distgraph.passes.estimate import best_overlap, dim_ring
-from distgraph.spmd.meshslice import SLICED, STATIONARY
+from distgraph.passes.cost.prices import best_overlap, dim_ring
+from distgraph.plan.plan import SlicedMatmul
 
 
 def enable(program, setting) -> None:
@@ -56,25 +55,6 @@ def check_meshes(program, strategy) -> None:
                         "meshslice off")
 
 
-@dataclass(frozen=True)
-class Use:
-    """One matmul that runs as MeshSlice: its index in the program, op, local form (on
-    its mesh's first process) and number of slices."""
-
-    index: int
-    op: object
-    local: LocalMeshSlice
-
-    def __str__(self) -> str:
-        op, lay = self.op, self.local
-        k = lay.slices
-        block = f", blocks of {lay.block(k)}" if k else ""
-        return (f"#{self.index} {op.type} {op.layer or '(top level)'} ({op.role}): "
-                f"{lay.dataflow} over ({lay.u}, {lay.v}) keeps "
-                f"{STATIONARY[lay.dataflow]} in place, K={k if k else 'not chosen'} "
-                f"(slices {SLICED[lay.dataflow]} of {lay.length}{block})")
-
-
 def local_op(op, pid: int):
     """(localized attrs, local input TensorTypes) of a completed op on process ``pid``."""
     da = op.dist_attr
@@ -97,7 +77,7 @@ def uses(program) -> list:
             continue
         attrs, _ = local_op(op, op.dist_attr.mesh.process_ids[0])
         if isinstance(attrs.get("meshslice"), LocalMeshSlice):
-            found.append(Use(k, op, attrs["meshslice"]))
+            found.append(SlicedMatmul(k, op, attrs["meshslice"]))
     return found
 
 

@@ -38,7 +38,6 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 from types import MappingProxyType
 
 from distgraph.errors import PlanError, ShardingError
@@ -47,52 +46,9 @@ from distgraph.registry import TensorType, get_op
 from distgraph.passes.completion.complete import complete
 from distgraph.passes.partition import partition
 from distgraph.placement import DistAttr, ShardSpec
+from distgraph.plan.accumulation import Accumulation
 
 MB_DIM = "mb"
-
-
-@dataclass(frozen=True)
-class Accumulation:
-    """How one step splits into ``micro_batches`` micro-batches of ``batch // micro_batches``
-    rows. ``split_axis[name]`` is the dim of Value ``name`` that carries the samples
-    (absent: it carries none); ``partial`` names the Values that sum over the samples
-    (gradients, losses). ``boundary`` lists the Values the update ops read from forward
-    and backward, each accumulated by :meth:`mode`. ``prologue`` names the whole-batch
-    sums the prologue makes, ``prologue_values`` every Value its ops make, and
-    ``skipped`` the Values whose ops the micro-batches do not run again (the prologue's
-    sums and what only they read)."""
-
-    micro_batches: int
-    batch: int
-    split_axis: MappingProxyType
-    partial: frozenset
-    boundary: tuple
-    prologue: frozenset = frozenset()
-    prologue_values: frozenset = frozenset()
-    skipped: frozenset = frozenset()
-
-    @property
-    def micro_batch_rows(self) -> int:
-        return self.batch // self.micro_batches
-
-    def mode(self, name: str) -> str:
-        """How Value ``name`` combines over micro-batches: ``"sum"`` (Partial over the
-        samples), ``"concat"`` (split along :attr:`split_axis`), ``"keep"`` (the same in
-        every micro-batch)."""
-        if name in self.partial:
-            return "sum"
-        if name in self.split_axis:
-            return "concat"
-        return "keep"
-
-    def pretty(self) -> str:
-        lines = [f"gradient accumulation: {self.micro_batches} micro-batches of "
-                 f"{self.micro_batch_rows} rows (batch {self.batch})"]
-        for name in self.boundary:
-            lines.append(f"  {self.mode(name):<6} {name}")
-        for name in sorted(self.prologue):
-            lines.append(f"  whole  {name} (summed over the micro-batches before the step)")
-        return "\n".join(lines)
 
 
 def split_micro_batches(built, micro_batches: int):

@@ -1,11 +1,9 @@
-"""The schedule as a value: each process's compute actions, in the order it runs them.
+"""Making the schedule: each process's compute actions, in the order it runs them.
 
-An :class:`Action` is one task instance: a *stage* (a chunk of the forward along the data
-flow, torch.distributed.pipelining's stage index: with ``virtual_stages`` chunk ``c``
-runs on stage mesh ``c mod S``, under ZBV process ``p`` holds chunks ``p`` and
-``2S-1-p``), a kind — ``F`` forward, ``B`` whole backward, ``I`` input gradient, ``W``
-weight gradient — and a micro-batch; ``str`` gives torch's notation (``"0F3"``,
-``"1I0"``, ``"1W0"``).
+The schedule is a value of the plan contract (:mod:`distgraph.plan.schedule`): per
+process, :class:`~distgraph.plan.schedule.Action` s — a chunk, a kind (``F`` forward,
+``B`` whole backward, ``I`` input gradient, ``W`` weight gradient) and a micro-batch,
+printed in torch's notation (``"0F3"``).
 
 :func:`make_schedule` is pure and deterministic, so every rank computes the same
 schedule. It runs a few priority and buffer rules on a clock where each action costs its
@@ -43,51 +41,14 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-import re
 from dataclasses import dataclass
 from types import MappingProxyType
 
 from distgraph.errors import PlanError
+from distgraph.plan.schedule import Action, Schedule
 
-KINDS = ("F", "B", "I", "W")
-TASK_KIND = {"F": "forward", "B": "backward", "I": "backward_input", "W": "backward_weight"}
-ACTION_KIND = {task: kind for kind, task in TASK_KIND.items()}
 COST = {"F": 1, "B": 2, "I": 1, "W": 1}
 SCHEDULES = ("FThenB", "1F1B", "ZB", "ZBV")
-_ACTION = re.compile(r"^(\d+)([FBIW])(\d+)$")
-
-
-@dataclass(frozen=True, order=True, repr=False)
-class Action:
-    """Stage (chunk) ``stage`` runs its ``kind`` task on micro-batch ``micro_batch``;
-    printed as torch prints its actions (``0F3``)."""
-
-    stage: int
-    kind: str
-    micro_batch: int
-
-    def __post_init__(self):
-        if self.kind not in KINDS:
-            raise PlanError(f"an action's kind is one of {KINDS}, not {self.kind!r}")
-
-    def __str__(self) -> str:
-        return f"{self.stage}{self.kind}{self.micro_batch}"
-
-    __repr__ = __str__
-
-    @property
-    def task(self) -> str:
-        """The task kind it runs (``forward``, ``backward``, ...)."""
-        return TASK_KIND[self.kind]
-
-    @classmethod
-    def parse(cls, text: str) -> "Action":
-        """``Action.parse("1W0")`` == ``Action(1, "W", 0)``."""
-        match = _ACTION.match(text.strip())
-        if match is None:
-            raise PlanError(f"{text!r} is not an action: write stage, F/B/I/W, micro-batch "
-                            f"(e.g. '0F3')")
-        return cls(int(match[1]), match[2], int(match[3]))
 
 
 @dataclass(frozen=True)
@@ -124,6 +85,20 @@ class Problem:
         return None
 
 
+def problem_of(graph) -> Problem:
+    """What the rules need to know about a task graph
+    (:class:`~distgraph.plan.tasks.TaskGraph`)."""
+    holders, kinds = [], []
+    for c in range(len(graph.chunks)):
+        mine = [t for t in graph.tasks if t.chunk == c]
+        holders.append(tuple(sorted({t.process for t in mine})))
+        kinds.append(tuple(k for k in "FBIW"
+                           if any(t.kind.per_micro_batch and t.kind.action == k
+                                  for t in mine)))
+    return Problem(graph.micro_batches, tuple(holders), tuple(kinds), graph.deps,
+                   graph.schedule, len(graph.stages), graph.virtual)
+
+
 def chain(stages: int, virtual: int, micro_batches: int, schedule: str) -> Problem:
     """The textbook pipeline: chunk c reads chunk c-1's forward, its backward reads chunk
     c+1's (and its own forward); chunks placed in a loop (c on process c mod S) or, under
@@ -147,36 +122,6 @@ def chain(stages: int, virtual: int, micro_batches: int, schedule: str) -> Probl
 def v_place(chunk: int, stages: int) -> int:
     """The process (stage mesh) of ``chunk`` in the V: p holds chunks p and 2S-1-p."""
     return chunk if chunk < stages else 2 * stages - 1 - chunk
-
-
-@dataclass(frozen=True)
-class Schedule:
-    """``orders[pid]``: the actions process ``pid`` runs, in order (a tuple)."""
-
-    name: str
-    micro_batches: int
-    orders: MappingProxyType
-
-    def of(self, pid: int) -> tuple:
-        return self.orders.get(pid, ())
-
-    def as_dict(self) -> dict:
-        """{process id: [Action, ...]} (what ``Plan.schedule()`` returns)."""
-        return {pid: list(acts) for pid, acts in sorted(self.orders.items())}
-
-    def pretty(self, limit: int = 48) -> str:
-        """One line per process (processes with the same order share a line); at most
-        ``limit`` actions each, then how many more."""
-        lines: dict = {}
-        for pid, acts in sorted(self.orders.items()):
-            lines.setdefault(acts, []).append(pid)
-        out = [f"schedule {self.name}, {self.micro_batches} micro-batch(es):"]
-        for acts, pids in lines.items():
-            shown = " ".join(map(str, acts[:limit]))
-            more = f" ... (+{len(acts) - limit})" if len(acts) > limit else ""
-            who = "process" if len(pids) == 1 else "processes"
-            out.append(f"  {who} {', '.join(map(str, pids))}: {shown}{more}")
-        return "\n".join(out)
 
 
 # ---- the rules ------------------------------------------------------------------------------
@@ -362,7 +307,7 @@ def replay(orders, problem: Problem) -> Timing:
     expected = {(c, k, mb) for c in range(problem.chunks) for k in problem.kinds[c]
                 for mb in range(problem.micro_batches)}
     for (held, acts), (pid, *_) in alike.items():
-        mine = {(a.stage, a.kind, a.micro_batch) for a in acts}
+        mine = {(a.chunk, a.kind, a.micro_batch) for a in acts}
         want = {x for x in expected if x[0] in held}
         if len(mine) != len(acts) or mine != want:
             extra = sorted(Action(*x) for x in mine - want)
@@ -384,12 +329,12 @@ def replay(orders, problem: Problem) -> Timing:
         for pid, acts in orders.items():
             while pos[pid] < len(acts):
                 a = acts[pos[pid]]
-                holders = problem.holders[a.stage]
+                holders = problem.holders[a.chunk]
                 if any(orders[q][pos[q]] != a if pos[q] < len(orders[q]) else True
                        for q in holders if q != pid):
                     break
                 deps = [Action(c, k, a.micro_batch)
-                        for c, k in problem.deps.get((a.stage, a.kind), ())]
+                        for c, k in problem.deps.get((a.chunk, a.kind), ())]
                 if not all(d in finish for d in deps):
                     break
                 start = max([free[q] for q in holders] + [finish[d] for d in deps])
@@ -413,10 +358,10 @@ def replay(orders, problem: Problem) -> Timing:
 
 
 def _waiting(pid, a, orders, pos, finish, problem) -> str:
-    needs = [str(Action(c, k, a.micro_batch)) for c, k in problem.deps.get((a.stage, a.kind), ())
+    needs = [str(Action(c, k, a.micro_batch)) for c, k in problem.deps.get((a.chunk, a.kind), ())
              if Action(c, k, a.micro_batch) not in finish]
     peers = [f"process {q} at {orders[q][pos[q]] if pos[q] < len(orders[q]) else 'its end'}"
-             for q in problem.holders[a.stage]
+             for q in problem.holders[a.chunk]
              if q != pid and (pos[q] >= len(orders[q]) or orders[q][pos[q]] != a)]
     why = []
     if needs:
@@ -429,7 +374,7 @@ def _waiting(pid, a, orders, pos, finish, problem) -> str:
 def _peak(acts, problem: Problem) -> int:
     live = peak = 0
     for a in acts:
-        last = problem.last_kind(a.stage)
+        last = problem.last_kind(a.chunk)
         if last is None:
             continue
         live += a.kind == "F"

@@ -25,7 +25,7 @@ its value also consumes it, when it has no point-to-point transfer or when it fe
 update; otherwise (an activation or gradient crossing chunks) a ``send`` half in the
 task that makes the value, right after it is made, and a ``recv`` half in the consumer's
 task. Every message carries a tag from one scheme: point ``seq`` of micro-batch ``m``
-has ``tag(seq, m)``, fetched value ``i`` ``gather_tag(i)``, all below :data:`MAX_TAG`
+has ``tag(seq, m)``, fetched value ``i`` ``gather_tag(i)``, all below ``MAX_TAG``
 (points that no sender-receiver pair shares may share a channel).
 
 ``deps`` says which (chunk, action kind) each reads in the same micro-batch (a value it
@@ -41,171 +41,17 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 from types import MappingProxyType
 
 from distgraph.errors import PlanError
-from distgraph.passes.cost_model import collective_bytes
-from distgraph.passes.pipeline.schedule import ACTION_KIND, Problem
+from distgraph.ir import Role
+from distgraph.plan.kinds import PER_MICRO_BATCH, ItemKind, StepKind, TaskKind
+from distgraph.plan.tags import TagScheme
+from distgraph.plan.tasks import Flow, Item, Task, TaskGraph
 
-PER_MICRO_BATCH = ("forward", "backward", "backward_input", "backward_weight")
-UPDATE = "update"
-PROLOGUE = "prologue"      # ops the runner runs before the step's tasks (no task)
-MAX_TAG = 1 << 14          # message tags are [0, MAX_TAG): the communicators' contract
-
-
-@dataclass(frozen=True)
-class Item:
-    """One step of a task: ``op`` (local op ``index``), ``point`` (reshard point ``index``
-    = its seq, run in place), ``send`` / ``recv`` (the two halves of a point crossing
-    chunks) or ``gather`` (fetched value number ``index``, in the update)."""
-
-    kind: str
-    index: int
-
-    def __str__(self) -> str:
-        return f"{self.kind}#{self.index}"
-
-
-@dataclass(frozen=True)
-class Task:
-    """Process ``process``'s ``kind`` task of chunk ``stage`` (None: the update).
-    ``accumulates``: names it makes that the update reads (summed over micro-batches)."""
-
-    process: int
-    stage: int | None
-    kind: str
-    items: tuple
-    accumulates: tuple = ()
-
-    @property
-    def key(self) -> tuple:
-        return (self.stage, self.kind)
-
-    @property
-    def per_micro_batch(self) -> bool:
-        return self.kind in PER_MICRO_BATCH
-
-    def __str__(self) -> str:
-        where = "" if self.stage is None else f" of stage {self.stage}"
-        return f"{self.kind}{where} (process {self.process})"
-
-
-@dataclass(frozen=True)
-class Flow:
-    """Tiles of reshard points ``points`` go from task ``src`` to task ``dst`` (each a
-    (process, stage, kind) triple) in every micro-batch."""
-
-    src: tuple
-    dst: tuple
-    points: tuple
-
-    def __str__(self) -> str:
-        return (f"{self.src[0]}:{self.src[2]}@{self.src[1]} -> "
-                f"{self.dst[0]}:{self.dst[2]}@{self.dst[1]} points {list(self.points)}")
-
-
-@dataclass(frozen=True)
-class TaskGraph:
-    """Tasks of every process and what flows between them. ``stages``: the stage meshes;
-    ``chunks[c]``: the mesh chunk ``c`` runs on; ``deps[(c, kind)]``: the (chunk, action
-    kind) pairs it reads; ``channels[seq]``: the tag block of a point with transfers;
-    ``fetch``: the values every process receives after a step, ``gathers[pid]`` the
-    reshard points that bring them."""
-
-    schedule: str
-    micro_batches: int
-    virtual: int
-    stages: tuple
-    chunks: tuple
-    tasks: tuple
-    flows: tuple
-    deps: MappingProxyType
-    points: MappingProxyType
-    channels: MappingProxyType
-    fetch: tuple
-    gathers: MappingProxyType
-
-    # -- queries ------------------------------------------------------------------------
-    def tasks_of(self, process: int) -> dict:
-        """{(stage, kind): Task} of ``process``; the update under (None, "update")."""
-        return {t.key: t for t in self.tasks if t.process == process}
-
-    def processes(self) -> list:
-        return sorted({t.process for t in self.tasks})
-
-    def problem(self) -> Problem:
-        """What the schedule's rules need (:class:`~.schedule.Problem`)."""
-        holders, kinds = [], []
-        for c in range(len(self.chunks)):
-            mine = [t for t in self.tasks if t.stage == c]
-            holders.append(tuple(sorted({t.process for t in mine})))
-            kinds.append(tuple(k for k in "FBIW"
-                               if any(ACTION_KIND[t.kind] == k for t in mine)))
-        return Problem(self.micro_batches, tuple(holders), tuple(kinds), self.deps,
-                       self.schedule, len(self.stages), self.virtual)
-
-    def step_bytes(self, plan, process: int) -> dict:
-        """Bytes ``process`` sends in one step, by kind: each reshard point and each op's
-        own collectives once per micro-batch in a per-micro-batch task, once in the
-        update (the fetched values' gathers left out, as in ``LocalProgram.bytes_sent``)."""
-        local = plan.local(plan.partitions.group_of(process)[0])   # op_comm alike in a group
-        sent: dict = {}
-        for task in self.tasks_of(process).values():
-            times = plan.micro_batches_of(process) if task.per_micro_batch else 1
-            for it in task.items:
-                if it.kind in ("point", "send", "recv"):    # each half counts its own
-                    for step in self.points[it.index].steps:
-                        b = step.bytes_sent_by(process)
-                        if b:
-                            sent[step.kind] = sent.get(step.kind, 0.0) + times * b
-                elif it.kind == "op":
-                    for kind, n, nbytes in local.op_comm.get(it.index, ()):
-                        sent[kind] = sent.get(kind, 0.0) + times * float(
-                            collective_bytes(kind, n, nbytes))
-        return sent
-
-    # -- tags ---------------------------------------------------------------------------
-    def tag(self, seq: int, micro_batch: int) -> int:
-        """Tag of the messages of point ``seq`` for ``micro_batch`` (0: a point without
-        transfers)."""
-        channel = self.channels.get(seq)
-        return 0 if channel is None else channel * self.micro_batches + micro_batch
-
-    @property
-    def channel_count(self) -> int:
-        """How many channels the points use (tags below ``channel_count * M`` are theirs)."""
-        return max(self.channels.values(), default=-1) + 1
-
-    def gather_tag(self, index: int) -> int:
-        return self.channel_count * self.micro_batches + index
-
-    # -- printing -----------------------------------------------------------------------
-    def pretty(self) -> str:
-        lines = [f"TaskGraph: schedule {self.schedule}, {self.micro_batches} micro-batch(es), "
-                 f"{len(self.stages)} stage mesh(es), {len(self.chunks)} stage(s)"]
-        for c, mesh in enumerate(self.chunks):
-            lines.append(f"  stage {c} on {list(mesh.process_ids)}")
-        for pid in self.processes():
-            lines.append(f"  process {pid}:")
-            for task in self.tasks_of(pid).values():
-                counts: dict = {}
-                for it in task.items:
-                    counts[it.kind] = counts.get(it.kind, 0) + 1
-                what = ", ".join(f"{n} {k}" for k, n in counts.items()) or "nothing"
-                per = "per micro-batch" if task.per_micro_batch else "once"
-                where = "" if task.stage is None else f" {task.stage}"
-                lines.append(f"    {task.kind + where:<18} {per:<15} {what}")
-                for it in task.items:
-                    if it.kind in ("send", "recv"):
-                        p = self.points[it.index]
-                        lines.append(f"      {it.kind} {p.value} {p.src.spec} -> {p.dst.spec}"
-                                     f" (point {it.index})")
-                if task.accumulates:
-                    lines.append(f"      accumulates {', '.join(task.accumulates)}")
-        lines.append("  flows:")
-        lines.extend(f"    {f}" for f in self.flows)
-        return "\n".join(lines)
+FORWARD, BACKWARD, UPDATE, PROLOGUE = (TaskKind.FORWARD, TaskKind.BACKWARD, TaskKind.UPDATE,
+                                       TaskKind.PROLOGUE)
+INPUT_GRAD, WEIGHT_GRAD = TaskKind.BACKWARD_INPUT, TaskKind.BACKWARD_WEIGHT
 
 
 # ---- building ----------------------------------------------------------------------------
@@ -218,12 +64,12 @@ def op_kinds(program, split: bool) -> list:
     gradients from what I made, so it can wait)."""
     kinds = []
     for op in program.ops:
-        if op.role in ("forward", "loss"):
-            kinds.append("forward")
-        elif op.role == "optimize":
+        if op.role in (Role.FORWARD, Role.LOSS):
+            kinds.append(FORWARD)
+        elif op.role is Role.OPTIMIZE:
             kinds.append(UPDATE)
         else:
-            kinds.append("backward")
+            kinds.append(BACKWARD)
     if not split:
         return kinds
     values = program.values
@@ -231,15 +77,15 @@ def op_kinds(program, split: bool) -> list:
                       and not values[n[:-5]].is_parameter}
     consumers = program.consumers()
     for k in reversed(range(len(program.ops))):
-        if kinds[k] != "backward":
+        if kinds[k] is not BACKWARD:
             continue
         outs = [o.name for o in program.ops[k].outputs]
         carries = any(n in towards_inputs for n in outs) or any(
-            c.role == "backward" and any(o.name in towards_inputs for o in c.outputs)
+            c.role is Role.BACKWARD and any(o.name in towards_inputs for o in c.outputs)
             for n in outs for c in consumers.get(n, ()))
         if carries:
             towards_inputs.update(outs)
-        kinds[k] = "backward_input" if carries else "backward_weight"
+        kinds[k] = INPUT_GRAD if carries else WEIGHT_GRAD
     return kinds
 
 
@@ -293,19 +139,14 @@ def build_task_graph(plan, parts, chunk_of: tuple, chunk_meshes: tuple) -> TaskG
                              for dst in receivers.of(points[seq], pid) if dst != pid)
     tasks = [t for pid in sorted(by_process) for t in by_process[pid]]
     flows, deps = _flows_and_deps(tasks, sends, recvs, makers, readers, points)
-    channels = _channels(points)
+    tags = TagScheme(m, MappingProxyType(_channels(points)))
+    tags.check(len(fetch))
     graph = TaskGraph(strategy.schedule, m, 2 if strategy.schedule == "ZBV" else
                       strategy.virtual_stages, tuple(plan.stages), tuple(chunk_meshes),
                       tuple(tasks), tuple(flows), MappingProxyType(deps),
-                      MappingProxyType(points), MappingProxyType(channels), fetch,
+                      MappingProxyType(points), tags, fetch,
                       MappingProxyType({pid: tuple(parts.gather_points(fetch, pid, padded))
                                         for pid in plan.process_ids}))
-    needed = graph.gather_tag(len(fetch))
-    if needed > MAX_TAG:
-        raise PlanError(f"the task graph needs {needed} message tags ({graph.channel_count} "
-                        f"point-to-point reshards between one pair of processes x {m} "
-                        f"micro-batches), more than the {MAX_TAG} available; use fewer "
-                        f"micro-batches")
     return graph
 
 
@@ -317,7 +158,7 @@ def _channels(points) -> dict:
     used: dict = {}
     channels = {}
     for seq in sorted(points):
-        p2p = [st for st in points[seq].steps if st.kind == "send_recv"]
+        p2p = [st for st in points[seq].steps if st.kind is StepKind.SEND_RECV]
         if not p2p:
             continue
         pairs = {(t.src, t.dst) for st in p2p for t in st.transfers if t.src != t.dst}
@@ -336,7 +177,7 @@ class _Receivers:
 
     def of(self, point, pid: int) -> list:
         if point.seq not in self._by_point:
-            step = next(st for st in point.steps if st.kind == "send_recv")
+            step = next(st for st in point.steps if st.kind is StepKind.SEND_RECV)
             to: dict = {}
             for t in step.transfers:
                 to.setdefault(t.src, set()).add(t.dst)
@@ -349,11 +190,11 @@ def _flow_rank(n_chunks: int):
     gradients back down the chunks, then weight gradients, then the update."""
     def rank(key):
         chunk, kind = key
-        if kind == "forward":
+        if kind is FORWARD:
             return chunk
-        if kind in ("backward", "backward_input"):
+        if kind in (BACKWARD, INPUT_GRAD):
             return 2 * n_chunks - 1 - chunk
-        if kind == "backward_weight":
+        if kind is WEIGHT_GRAD:
             return 3 * n_chunks - 1 - chunk
         return 3 * n_chunks
     return rank
@@ -399,7 +240,7 @@ class _TaskBuilder:
                             f"out as the ops that sum them consume them, or use "
                             f"micro_batches=1")
         if (self.prologue_points and p.value in self.plan.accumulation.prologue
-                and not any(st.kind == "send_recv" for st in p.steps)):
+                and not any(st.kind is StepKind.SEND_RECV for st in p.steps)):
             return (None, PROLOGUE)      # the whole batch's sum, reduced once per step
         return min(keys, key=self.rank)
 
@@ -416,32 +257,32 @@ class _TaskBuilder:
 
     def _place(self) -> None:
         for i, k in enumerate(self.global_index):
-            self._add(self._key(k), (i, 1, 0), Item("op", i))
+            self._add(self._key(k), (i, 1, 0), Item(ItemKind.OP, i))
         for index, plist in self.local.comm_points.items():
             for p in plist:
                 self._place_point(index, p)
         end = len(self.local.program.ops)
         for g in range(len(self.gathers)):
-            self._add((None, UPDATE), (end, 3, g), Item("gather", g))
+            self._add((None, UPDATE), (end, 3, g), Item(ItemKind.GATHER, g))
 
     def _place_point(self, index, p) -> None:
         consumer = self._point_key(p)
         made = self.producer.get(p.value)
         source = self._key(made) if made is not None else None
-        transfers = any(st.kind == "send_recv" for st in p.steps)
+        transfers = any(st.kind is StepKind.SEND_RECV for st in p.steps)
         if consumer[1] == UPDATE or not transfers or source == consumer:
             if self.pid in p.dst.mesh or self.pid in p.src.mesh and p.steps:
-                self._add(consumer, (index, 0, p.seq), Item("point", p.seq))
+                self._add(consumer, (index, 0, p.seq), Item(ItemKind.POINT, p.seq))
             return
         if self.pid in p.src.mesh:
             if made is None or made not in self.local_of:
                 key, at = self._first_key(), (-1, 2, p.seq)
             else:
                 key, at = source, (self.local_of[made], 2, p.seq)
-            self._add(key, at, Item("send", p.seq))
+            self._add(key, at, Item(ItemKind.SEND, p.seq))
             self.sending.append((key, p.seq))
         if self.pid in p.dst.mesh:
-            self._add(consumer, (index, 0, p.seq), Item("recv", p.seq))
+            self._add(consumer, (index, 0, p.seq), Item(ItemKind.RECV, p.seq))
             self.recvs[p.seq] = consumer
 
     def tasks(self) -> list:
@@ -457,7 +298,7 @@ class _TaskBuilder:
             acc = tuple(n for n in u_reads if n in made)
             out.append(Task(self.pid, key[0], key[1], tuple(items), acc))
         points = [it for _, it in sorted(self.items.get((None, PROLOGUE), ()),
-                                         key=lambda x: x[0]) if it.kind == "point"]
+                                         key=lambda x: x[0]) if it.kind is ItemKind.POINT]
         if points:      # run by the runner after the prologue's ops
             out.append(Task(self.pid, None, PROLOGUE, tuple(points)))
         return out
@@ -465,16 +306,16 @@ class _TaskBuilder:
     def _io(self, it) -> tuple:
         """(names read, names made) by one item."""
         ops = self.local.program.ops
-        if it.kind == "op":
+        if it.kind is ItemKind.OP:
             op = ops[it.index]
             return [v.name for v in op.inputs], [o.name for o in op.outputs]
-        if it.kind == "gather":
+        if it.kind is ItemKind.GATHER:
             return list(self.gathers[it.index].reads), []
         p = self.plan_point(it.index)
         keep = f"{p.value}@SRC{p.seq}"
-        if it.kind == "send":
+        if it.kind is ItemKind.SEND:
             return list(p.reads), [keep] if self.pid in p.dst.mesh else []
-        if it.kind == "recv":
+        if it.kind is ItemKind.RECV:
             return [keep] if self.pid in p.src.mesh else [], list(p.writes)
         return list(p.reads), list(p.writes)
 
@@ -522,14 +363,14 @@ def _flows_and_deps(tasks, sends, recvs, makers, readers, points) -> tuple:
     def need(dst_key, src_key):
         if dst_key[1] not in PER_MICRO_BATCH or src_key[1] not in PER_MICRO_BATCH:
             return
-        a = (dst_key[0], ACTION_KIND[dst_key[1]])
-        b = (src_key[0], ACTION_KIND[src_key[1]])
+        a = (dst_key[0], dst_key[1].action)
+        b = (src_key[0], src_key[1].action)
         if a != b:
             deps.setdefault(a, set()).add(b)
 
     for t in tasks:
         if t.per_micro_batch:
-            deps.setdefault((t.stage, ACTION_KIND[t.kind]), set())
+            deps.setdefault((t.chunk, t.kind.action), set())
     for pid, read in readers.items():
         for key, names in read.items():
             for n in names:

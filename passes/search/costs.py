@@ -1,4 +1,4 @@
-"""What the intra-op search charges: the cost model of :mod:`distgraph.passes.estimate`,
+"""What the intra-op search charges: the cost model of :mod:`distgraph.passes.cost`,
 applied to one strategy, one reshard or one tensor before any plan exists.
 
 - an op's strategy: ``op_time`` on its local shapes (and its local attributes, as the
@@ -35,8 +35,8 @@ import numpy as np
 
 from distgraph import dtypes
 from distgraph.registry import LocalSite, TensorType, get_op
-from distgraph.passes.estimate import (best_overlap, dim_ring, feed_time, op_collective_time,
-                                       op_time, ring_links, step_time)
+from distgraph.passes.cost.prices import (best_overlap, dim_ring, feed_time, op_collective_time,
+                                          op_time, reshard_step_time, ring_links)
 from distgraph.passes.reshard import plan_reshard
 from distgraph.placement import DistAttr, ShardSpec
 
@@ -147,7 +147,8 @@ class SearchCosts:
         if key not in self._reshards:
             steps = plan_reshard(DistAttr(self.mesh, src), DistAttr(self.mesh, dst),
                                  tuple(shape), dtype)
-            self._reshards[key] = sum(step_time(s, self.pid, self.cluster, self.device_of.get)
+            self._reshards[key] = sum(reshard_step_time(s, self.pid, self.cluster,
+                                                        self.device_of.get)
                                       for s in steps)
         return self._reshards[key]
 
@@ -183,7 +184,7 @@ class SearchCosts:
         if src == dst:
             return 0.0
         steps = plan_reshard(src, dst, tuple(value.shape), value.dtype)
-        return sum(step_time(s, self.pid, self.cluster, self.device_of.get) for s in steps)
+        return sum(reshard_step_time(s, self.pid, self.cluster, self.device_of.get) for s in steps)
 
 
 def local_bytes(shapes, dtype_names) -> int:

@@ -56,8 +56,8 @@ import numpy as np
 from distgraph.annotation import OpAnnotation
 from distgraph.errors import PlanError
 from distgraph.mesh import ProcessMesh
-from distgraph.passes.estimate import fmt_bytes
 from distgraph.passes.samples import sample_axes
+from distgraph.units import fmt_bytes
 from distgraph.passes.search.costs import SearchCosts, local_bytes
 from distgraph.passes.search.ilp import Solution, solve
 from distgraph.passes.search.ilp_problem import ShardingProblem, evaluate, peak_memory

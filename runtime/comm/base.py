@@ -3,8 +3,8 @@
 A :class:`Communicator` offers the collectives reshard and training need on *groups*
 (tuples of ranks; a rank's position in the tuple is its coordinate), plus p2p
 send/recv. Every call adds to ``bytes_sent[kind]`` the bytes this rank sends under the
-ring model of :mod:`distgraph.passes.cost_model`, computed from the buffers actually
-passed, so tests can compare a plan's bytes with what ran.
+ring model of the plan contract (:func:`distgraph.plan.kinds.collective_bytes`), computed
+from the buffers actually passed, so tests can compare a plan's bytes with what ran.
 
 Semantics (identical for every implementation):
 
@@ -59,14 +59,14 @@ from contextlib import contextmanager
 import numpy as np
 
 from distgraph.errors import RuntimeFault
-from distgraph.passes.cost_model import COLLECTIVES, collective_bytes
-# user tags are [0, MAX_TAG), the task graph's one tag scheme; MPI's upper ones are internal
-from distgraph.passes.pipeline.task_graph import MAX_TAG
+from distgraph.plan.kinds import COLLECTIVES, StepKind, collective_bytes
+# user tags are [0, MAX_TAG), the plan's one tag scheme; MPI's upper ones are internal
+from distgraph.plan.tags import MAX_TAG
 from distgraph.runtime.backend import NUMPY
 from distgraph.runtime.launch.progress import NO_PROGRESS
 
 DEFAULT_TIMEOUT = 60.0
-COUNTED_KINDS = COLLECTIVES + ("send_recv",)
+COUNTED_KINDS = COLLECTIVES + (StepKind.SEND_RECV,)
 REDUCE_OPS = {"sum": np.add, "max": np.maximum, "min": np.minimum}
 CALL_NAME_BYTES = 64
 
@@ -223,7 +223,7 @@ class Communicator(ABC):
         """Send a copy of ``arr`` to rank ``dst`` without blocking."""
         self._peer(dst, tag, "send to")
         arr = self.backend.copy(arr)
-        self._count("send_recv", 2, arr.nbytes)
+        self._count(StepKind.SEND_RECV, 2, arr.nbytes)
         self._send(arr, dst, tag)
 
     def recv(self, shape, dtype, src: int, tag: int = 0):
@@ -237,7 +237,7 @@ class Communicator(ABC):
         self._peer(dst, tag, "isend to")
         arr = self._c(arr)
         if count:
-            self._count("send_recv", 2, arr.nbytes)
+            self._count(StepKind.SEND_RECV, 2, arr.nbytes)
         return self._isend(arr, dst, tag)
 
     def irecv(self, shape, dtype, src: int, tag: int = 0) -> "Request":

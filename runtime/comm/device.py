@@ -1,8 +1,8 @@
 """The communicator of a rank whose arrays live on a GPU: each group goes its own way.
 
 A :class:`DeviceCommunicator` takes device arrays (its ``backend``'s, CuPy) and sends each
-call the way the plan's :class:`~distgraph.passes.mapping.devices.Placement` routes the
-group (:meth:`Placement.route`):
+call the way the plan's :class:`~distgraph.plan.devices.DeviceAssignment` routes the
+group (:meth:`~distgraph.plan.devices.DeviceAssignment.route`):
 
 - ``NCCL`` between distinct GPUs: :class:`~distgraph.runtime.comm.nccl.NcclPath`, one
   NCCL communicator per group, made when the runner :meth:`prepare` s the plan's groups;
@@ -10,9 +10,9 @@ group (:meth:`Placement.route`):
   on one device): :class:`HostStaging` copies the array to the host, runs the call on the
   host communicator (MPI) and copies the result back to the device.
 
-A point-to-point pair NCCL would carry but that the plan did not prepare (none does
-in a plan's steps and gathers; see :func:`~distgraph.passes.mapping.devices.comm_groups`)
-goes through host staging too: NCCL pairs are made up front, in one order on every rank,
+A point-to-point pair NCCL would carry but that the plan did not prepare (the plan lists
+every group of its steps and gathers: ``ProcessProgram.comm_groups``) goes through host
+staging too: NCCL pairs are made up front, in one order on every rank,
 so that no two ranks wait for each other's set-up.
 
 Calls that are host matters (``collective_call``, ``barrier``, the launcher's progress
@@ -22,14 +22,14 @@ every communicator counts them (the host's own counters are not touched).
 Example (inside a rank of a GPU plan; :class:`~distgraph.runtime.execution.runner.PlanRunner`
 makes it)::
 
-    comm = DeviceCommunicator(MPICommunicator(), plan.placement, backend)
-    comm.prepare(comm_groups(plan, pid))
+    comm = DeviceCommunicator(MPICommunicator(), plan.devices, backend)
+    comm.prepare(plan.program_of(pid).comm_groups)
 """
 
 from __future__ import annotations
 
 from distgraph.errors import RuntimeFault
-from distgraph.passes.mapping.devices import NCCL
+from distgraph.plan.devices import NCCL
 from distgraph.runtime.comm.base import Communicator, Request
 
 
@@ -107,12 +107,12 @@ class _Staged(Request):
 class DeviceCommunicator(Communicator):
     """Device arrays over NCCL or host-staged MPI, group by group (module docstring).
     ``host``: the rank's host communicator (an MPICommunicator for NCCL; any
-    Communicator for host staging alone); ``placement``: the plan's Placement;
+    Communicator for host staging alone); ``devices``: the plan's DeviceAssignment;
     ``backend``: the array backend the rank computes with."""
 
-    def __init__(self, host: Communicator, placement, backend):
+    def __init__(self, host: Communicator, devices, backend):
         super().__init__(host.rank, host.size, host.timeout, backend)
-        self.host, self.placement = host, placement
+        self.host, self.devices = host, devices
         self.progress = host.progress
         self.poll_spin_seconds = host.poll_spin_seconds
         self.staged = HostStaging(host, backend)
@@ -123,7 +123,7 @@ class DeviceCommunicator(Communicator):
         """Make the NCCL communicator of every group (CommGroups, in their key order)
         that NCCL carries; every rank of a group calls it with the group in one order."""
         for g in groups:
-            if self.placement.route(g.ranks) == NCCL:
+            if self.devices.route(g.ranks) == NCCL:
                 self.nccl.open(g.kind, g.ranks)
 
     @property
@@ -139,12 +139,12 @@ class DeviceCommunicator(Communicator):
         return self._nccl
 
     def _path(self, ranks):
-        if self.placement.route(ranks) != NCCL:
+        if self.devices.route(ranks) != NCCL:
             return self.staged
         return self.nccl
 
     def _p2p(self, src: int, dst: int):
-        if self.placement.route((src, dst)) != NCCL or not self.nccl.has_pair(src, dst):
+        if self.devices.route((src, dst)) != NCCL or not self.nccl.has_pair(src, dst):
             return self.staged
         return self.nccl
 

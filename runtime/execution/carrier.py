@@ -1,13 +1,14 @@
 """The carrier: one process runs its actions in the order the plan's schedule gives.
 
-A :class:`Carrier` holds the compiled tasks of its process and runs one training step:
-for each action of ``plan.schedule()[pid]`` in turn (a task of one stage and one
-micro-batch) it waits until the tiles the task receives have arrived, then runs the
-task's instructions on the micro-batch's environment; after the last action it runs the
-update on the values accumulated over the micro-batches. Consecutive weight-gradient
-actions of one stage (zero bubble leaves them to the end) run as one task on their
-micro-batches' rows joined (:mod:`.batched`): one GEMM instead of several, recorded
-as the actions in order, each with an equal share of the time. Sends are posted without
+A :class:`Carrier` holds its process's compiled program
+(:class:`~distgraph.plan.program.ProcessProgram`) and runs one training step: for each
+action of the program in turn (a task of one chunk and one micro-batch) it waits until
+the tiles the task receives have arrived, then runs the task's instructions on the
+micro-batch's environment; after the last action it runs the update on the values
+accumulated over the micro-batches. The runs of consecutive weight-gradient actions the
+planner batched run as one task on their micro-batches' rows joined (:mod:`.batched`):
+one GEMM instead of several, recorded as the actions in order, each with an equal share
+of the time. Sends are posted without
 waiting; receives are posted for the next :data:`RECEIVE_AHEAD` actions that receive,
 so a stage computes while its next inputs travel. There are no decisions at run time:
 the order is the plan's, the same on every process of a stage, so tensor-parallel peers
@@ -26,11 +27,11 @@ import os
 import time
 
 from distgraph.errors import DistGraphError, RuntimeFault
-from distgraph.runtime.execution.batched import batched_block
-from distgraph.runtime.execution.executor import OpInstr, donatable, may_donate, run_op
-from distgraph.runtime.execution.tasks import (Accumulator, CompiledTasks, GatherInstr,
-                                               InstrRunner, PointInstr, RecvInstr, SendInstr,
-                                               micro_batch_context)
+from distgraph.plan.instructions import GatherInstr, OpInstr, PointInstr, RecvInstr, SendInstr
+from distgraph.plan.kinds import AccumulationMode
+from distgraph.runtime.execution.batched import run_batched
+from distgraph.runtime.execution.executor import donatable, may_donate, run_op
+from distgraph.runtime.execution.tasks import Accumulator, InstrRunner, micro_batch_context
 from distgraph.runtime.launch.progress import NO_PROGRESS
 
 RECEIVE_AHEAD = 2      # actions that receive whose messages are posted for in advance
@@ -38,29 +39,26 @@ PEER_CHECK_SECONDS = 1.0   # how often a long wait looks whether its peers have 
 
 
 class Carrier:
-    """The actions of process ``pid`` of ``plan``, bound to ``comm`` (None for a plan of
-    one process) and the array ``backend``. With ``profile``, every task, send and
-    receive is recorded in :attr:`events` and the live activations after each task in
+    """The actions of ``program`` (a :class:`~distgraph.plan.program.ProcessProgram`) of
+    a plan whose processes run on ``ranks``, bound to ``comm`` (None for a plan of one
+    process) and the array ``backend``. With ``profile``, every task, send and receive
+    is recorded in :attr:`events` and the live activations after each task in
     :attr:`memory`."""
 
-    def __init__(self, plan, pid: int, comm, backend, profile: bool = False, clock=None):
-        self.graph = graph = plan.task_graph()
-        self.tasks = CompiledTasks(plan, pid)
-        self.pid, self.comm, self.xb = pid, comm, backend
-        self.ranks = plan.ranks
+    def __init__(self, program, ranks, comm, backend, profile: bool = False, clock=None):
+        self.program = program
+        self.pid, self.comm, self.xb = program.process, comm, backend
+        self.ranks = ranks
         self.rank = comm.rank if comm is not None else 0
-        self.runner = InstrRunner(pid, comm, backend, plan.ranks)
-        self.m = graph.micro_batches
-        self.batch_micro_batches = plan.micro_batches
-        self.positions = plan.micro_batch_positions(pid)
-        self.row_gathers = plan.row_gathers
-        self.actions = plan.order.of(pid)
-        self.blocks = [self.tasks.blocks[(a.stage, a.task)] for a in self.actions]
+        self.runner = InstrRunner(self.pid, comm, backend, ranks)
+        self.tags = program.tags
+        self.m = program.env_slots
+        self.actions = program.actions
+        self.blocks = [program.blocks[(a.chunk, a.task)] for a in self.actions]
         self.receiving = [i for i, b in enumerate(self.blocks)
                           if any(isinstance(x, RecvInstr) for x in b.instrs)]
-        self.groups = self._groups()
-        self.home = min((t.stage for t in graph.tasks_of(pid).values() if t.stage is not None),
-                        default=0)
+        self.groups = {run[0]: run for run in program.batched}
+        self.home = program.home
         self.profile = profile
         self.clock = clock or time.perf_counter
         self.events: list = []
@@ -69,7 +67,7 @@ class Carrier:
         self.spin = comm.poll_spin_seconds if comm is not None else 0.0
         self.progress = getattr(comm, "progress", NO_PROGRESS)
         self._offsets, labels = {}, []
-        for key, block in list(self.tasks.blocks.items()) + [("update", self.tasks.update)]:
+        for key, block in program.all_blocks():
             self._offsets[key] = len(labels)
             labels.extend(str(x) for x in block.instrs)
         self._table = self.progress.table(labels) if self.progress.active else -1
@@ -81,7 +79,7 @@ class Carrier:
         self.step, self.scope = step, scope
         self.env = [dict(f) for f in feeds] + [{} for _ in range(self.m - len(feeds))]
         self.feed_names = set().union(*(f.keys() for f in feeds)) if feeds else set()
-        self.acc = Accumulator(self.tasks, self.xb)
+        self.acc = Accumulator(self.program, self.xb)
         self.done = [set() for _ in range(self.m)]
         self.left = [sum(1 for a in self.actions if a.micro_batch == m) for m in range(self.m)]
         self.sends: list = []               # (request, (rank, micro-batch) or None, start)
@@ -107,23 +105,6 @@ class Carrier:
         self.progress.end_step()
         return self.fetched
 
-    def _groups(self) -> dict:
-        """{first action index: [indices]}: runs of two or more consecutive actions of one
-        batchable weight-gradient task (:mod:`.batched`)."""
-        batched = {key: batched_block(block, self.tasks)
-                   for key, block in self.tasks.blocks.items() if key[1] == "backward_weight"}
-        self.batched = {key: b for key, b in batched.items() if b is not None}
-        groups, run = {}, []
-        for i, block in enumerate(self.blocks + [None]):
-            key = block.task.key if block is not None else None
-            if run and key == self.blocks[run[0]].task.key:
-                run.append(i)
-                continue
-            if len(run) > 1:
-                groups[run[0]] = run
-            run = [i] if key in self.batched else []
-        return groups
-
     # -- messages ---------------------------------------------------------------------------
     def _post_ahead(self, i: int) -> None:
         while self.posted < len(self.receiving) and (
@@ -135,7 +116,7 @@ class Carrier:
             reqs = {}
             for k, instr in enumerate(self.blocks[j].instrs):
                 if isinstance(instr, RecvInstr):
-                    tag = self.graph.tag(instr.point.seq, m)
+                    tag = self.tags.tag(instr.point.seq, m)
                     reqs[k] = [self.comm.irecv(shape, instr.point.dtype, self.ranks(src), tag)
                                for src, shape in instr.incoming]
             self.pending[j] = (reqs, now)
@@ -196,7 +177,7 @@ class Carrier:
         self._wait(lambda: self._arrived(i), what, lambda: self._stalled(i), peers)
         if self.profile:
             _, start = self.pending[i]
-            self._event("recv", a.stage, a.micro_batch, start, self.clock())
+            self._event("recv", a.chunk, a.micro_batch, start, self.clock())
 
     def _wait_sends(self) -> None:
         peers = sorted({what[0] for _, what, _ in self.sends if what is not None})
@@ -217,14 +198,14 @@ class Carrier:
         except DistGraphError as e:
             mb = f", micro-batch {m}" if self.m > 1 else ""
             raise RuntimeFault(f"rank {self.rank} (process {self.pid}): task "
-                               f"{action.task} of stage {action.stage}{mb} in step "
+                               f"{action.task} of stage {action.chunk}{mb} in step "
                                f"{self.step} failed: {e}") from e
         self.done[m].add(block.task.key)
         self.left[m] -= 1
         if not self.left[m]:
             self.env[m].clear()
         if self.profile:
-            self._event(action.task, action.stage, m, start, self.clock())
+            self._event(action.task, action.chunk, m, start, self.clock())
             self._record_memory()
 
     def _run_group(self, indices: list) -> None:
@@ -235,14 +216,15 @@ class Carrier:
         start = self.clock()
         self.progress.at(self._offsets[block.task.key])
         try:
-            tag = self.graph.tag
-            sums = self.batched[block.task.key].run(
-                self.env, ms, self.scope, self.runner.context(self.step, {}), self.xb,
+            tag = self.tags.tag
+            sums = run_batched(
+                self.program.batched_tasks[block.task.key], self.env, ms, self.scope,
+                self.runner.context(self.step, {}), self.xb,
                 lambda instr, env: self.runner.point(instr, env, self.scope,
                                                      tag(instr.point.seq, ms[0])))
         except DistGraphError as e:
             raise RuntimeFault(f"rank {self.rank} (process {self.pid}): task "
-                               f"{actions[0].task} of stage {actions[0].stage}, micro-batches "
+                               f"{actions[0].task} of stage {actions[0].chunk}, micro-batches "
                                f"{', '.join(map(str, ms))} (run as one) in step {self.step} "
                                f"failed: {e}") from e
         for name, value in sums.items():
@@ -259,7 +241,7 @@ class Carrier:
             if not self.left[m]:
                 self.env[m].clear()
             if self.profile:
-                self._event(action.task, action.stage, m, start + k * share,
+                self._event(action.task, action.chunk, m, start + k * share,
                             start + (k + 1) * share)
                 self._record_memory()
 
@@ -277,8 +259,9 @@ class Carrier:
                 if instr.ctx:
                     c = instr.ctx
                     if instr.axis is not None and "out_global_shape" in c:
-                        c = micro_batch_context(c, instr.axis, self.batch_micro_batches,
-                                                self.positions[m])
+                        c = micro_batch_context(c, instr.axis,
+                                                self.program.batch_micro_batches,
+                                                self.program.positions[m])
                     ctx = runner.context(step, c)
                 donate = tuple(n for n in instr.donors if n in dying and
                                donatable((n,), env, scope, self.acc.values))[:1]
@@ -286,14 +269,14 @@ class Carrier:
             elif isinstance(instr, PointInstr):
                 read = instr.reads[0] if instr.reads else None
                 donate = may_donate(read, dying, env, self.feed_names, scope, self.acc.values)
-                runner.point(instr, env, scope, self.graph.tag(instr.point.seq, m), donate)
+                runner.point(instr, env, scope, self.tags.tag(instr.point.seq, m), donate)
             elif isinstance(instr, SendInstr):
-                tag = self.graph.tag(instr.point.seq, m)
+                tag = self.tags.tag(instr.point.seq, m)
                 for rank, tile in runner.send_tiles(instr, env, scope, tag):
                     self.sends.append((self.comm.isend(tile, rank, tag), (rank, m), self.clock()))
             else:
                 runner.receive(instr, env, [r.value for r in tiles[j]],
-                               self.graph.tag(instr.point.seq, m))
+                               self.tags.tag(instr.point.seq, m))
             for name in instr.writes:
                 if name in accumulates:
                     self.acc.add(name, env[name], owned=name in dying)
@@ -301,7 +284,7 @@ class Carrier:
                 env.pop(name, None)
 
     def _run_update(self) -> None:
-        block = self.tasks.update
+        block = self.program.update
         env, scope, runner = self.acc.result(), self.scope, self.runner
         offset = self._offsets["update"]
         start = self.clock()
@@ -320,7 +303,7 @@ class Carrier:
                 else:
                     read = instr.reads[0] if instr.reads else None
                     donate = may_donate(read, dying, env, (), scope)
-                    runner.point(instr, env, scope, self.graph.tag(instr.point.seq, 0), donate)
+                    runner.point(instr, env, scope, self.tags.tag(instr.point.seq, 0), donate)
                 for name in dying:
                     env.pop(name, None)
         except DistGraphError as e:
@@ -332,11 +315,11 @@ class Carrier:
     def _gather(self, instr: GatherInstr, env):
         """The global value of a fetched name; per-sample outputs (kept per micro-batch)
         are gathered micro-batch by micro-batch and joined along their sample dim."""
-        tag = self.graph.gather_tag(instr.index)
-        rows = self.row_gathers.get(instr.point.value)
+        tag = self.tags.gather_tag(instr.index)
+        rows = self.program.row_gathers.get(instr.point.value)
         if rows is not None:
             return self._gather_rows(instr, env, rows, tag)
-        if self.tasks.mode(instr.point.value) != "concat":
+        if self.program.mode(instr.point.value) is not AccumulationMode.CONCAT:
             return self.runner.point(instr, env, self.scope, tag)
         parts = env.get(instr.reads[0]) if instr.reads else [None] * self.m
         out = []
@@ -344,7 +327,7 @@ class Carrier:
             if instr.reads:
                 env[instr.reads[0]] = part
             out.append(self.runner.point(instr, env, self.scope, tag))
-        axis = self.tasks.plan.accumulation.split_axis[instr.point.value]
+        axis = self.program.split_axis(instr.point.value)
         return self.xb.concatenate(out, axis=axis)
 
     def _gather_rows(self, instr: GatherInstr, env, rows, tag):
@@ -386,8 +369,8 @@ class Carrier:
             if missing:
                 who = ", ".join(str(self.ranks(s)) for s in missing)
                 needs.append(f"{instr.point.value} from rank{'s' if len(missing) > 1 else ''} "
-                             f"{who} (tag {self.graph.tag(instr.point.seq, a.micro_batch)})")
-        return (f"rank {self.rank} (process {self.pid}, stage {a.stage}): timed out after "
+                             f"{who} (tag {self.tags.tag(instr.point.seq, a.micro_batch)})")
+        return (f"rank {self.rank} (process {self.pid}, stage {a.chunk}): timed out after "
                 f"{self.timeout:g} s in step {self.step} with no message arriving; a peer "
                 f"did not send what this rank's tasks wait for:\n  {a.task} micro-batch "
                 f"{a.micro_batch} waits for " + "; ".join(needs) + f" (action {a})")

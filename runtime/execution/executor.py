@@ -1,12 +1,12 @@
 """Run compiled ops: the instruction every task of the runtime is made of, and a serial
 interpreter of one Program.
 
-An :class:`OpInstr` is one op compiled: its kernel and the names it reads and writes.
-:func:`run_op` runs it on an environment of named arrays; persistables (parameters,
-optimizer states) live in a ``scope`` that outlives a run, and update ops store their
-results back under the persistable's name (``Value.alias_of``). Ops registered with
-``donate`` get, as ``ctx.out``, a dying input of their result's shape and dtype whose
-array nothing else holds (:func:`donatable`): a bias add writes into the matmul result
+An :class:`~distgraph.plan.instructions.OpInstr` is one op compiled: its kernel and the
+names it reads and writes. :func:`run_op` runs it on an environment of named arrays;
+persistables (parameters, optimizer states) live in a ``scope`` that outlives a run, and
+update ops store their results back under the persistable's name (``Value.alias_of``). Ops
+registered with ``donate`` get, as ``ctx.out``, a dying input of their result's shape and
+dtype whose array nothing else holds (:func:`donatable`): a bias add writes into the matmul result
 it consumes instead of a new buffer.
 
 :class:`ProgramRunner` runs a whole Program in order on one process, dropping each
@@ -24,63 +24,15 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from dataclasses import dataclass
 
 import numpy as np
 
 from distgraph.errors import RuntimeFault
 from distgraph.ir import Program
-from distgraph.registry import KernelContext, get_op
+from distgraph.plan.instructions import OpInstr, last_uses, op_instr, with_donors
+from distgraph.registry import KernelContext
 
 DONATE_MIN_BYTES = 1 << 16   # below this a fresh buffer costs about nothing
-
-
-@dataclass(frozen=True)
-class OpInstr:
-    """One op, compiled: its kernel and the names it reads and writes."""
-
-    kernel: object
-    op_type: str
-    layer: str
-    ins: tuple
-    outs: tuple
-    attrs: dict
-    writeback: tuple      # (output position, persistable name)
-    ctx: dict             # KernelContext fields from partition (random ops, groups)
-    donors: tuple = ()    # inputs whose buffer may become the result (see ``donatable``)
-    axis: int | None = None   # the result's sample dim, for random ops' micro-batch slice
-
-    @property
-    def reads(self) -> tuple:
-        return self.ins
-
-    @property
-    def writes(self) -> tuple:
-        return self.outs
-
-    def __str__(self) -> str:
-        return f"op '{self.op_type}'" + (f" in layer '{self.layer}'" if self.layer else "")
-
-
-def op_instr(op, ctx=None, axis=None) -> OpInstr:
-    """The instruction of Operation ``op`` (``ctx``: its extra KernelContext fields)."""
-    writeback = tuple((k, o.alias_of) for k, o in enumerate(op.outputs) if o.alias_of)
-    return OpInstr(get_op(op.type).kernel, op.type, op.layer, tuple(v.name for v in op.inputs),
-                   tuple(o.name for o in op.outputs), dict(op.attrs), writeback,
-                   dict(ctx or {}), axis=axis)
-
-
-def with_donors(instr: OpInstr, dying, values, feeds=()) -> OpInstr:
-    """``instr`` with the inputs among ``dying`` that may hold its result (its op
-    registered with ``donate``; same shape and dtype as its first output in
-    ``values``, a {name: Value} map; not fed)."""
-    if not get_op(instr.op_type).donate:
-        return instr
-    out = values[instr.outs[0]]
-    donors = tuple(n for n in dict.fromkeys(instr.ins)
-                   if n in dying and n not in feeds
-                   and values[n].shape == out.shape and values[n].dtype == out.dtype)
-    return dataclasses.replace(instr, donors=donors)
 
 
 def run_op(instr: OpInstr, env: dict, scope: dict, ctx: KernelContext, donate=()) -> None:
@@ -137,19 +89,6 @@ def may_donate(name, dying, env, feeds, *holders) -> bool:
     (:func:`donatable` against ``env`` and ``holders``)."""
     return (name is not None and name in dying and name not in feeds and name in env
             and donatable((name,), env, *holders))
-
-
-def last_uses(instrs, keep) -> list:
-    """For each instruction, the names (not in ``keep``) it uses for the last time."""
-    last: dict = {}
-    for i, instr in enumerate(instrs):
-        for name in instr.reads + instr.writes:
-            last[name] = i
-    frees: list = [[] for _ in instrs]
-    for name, i in last.items():
-        if name not in keep:
-            frees[i].append(name)
-    return [tuple(sorted(f)) for f in frees]
 
 
 class ProgramRunner:

@@ -1,4 +1,5 @@
-"""Execute reshard steps planned by :func:`distgraph.passes.reshard.plan_reshard`.
+"""Execute reshard steps (:class:`~distgraph.plan.reshard.ReshardStep`, as the planner's
+:func:`distgraph.passes.reshard.plan_reshard` makes them).
 
 Every process runs the same list of steps on its own local array; each step touches only
 the processes of its mesh (or, for send_recv, the senders and receivers of its tiles).
@@ -14,8 +15,9 @@ from __future__ import annotations
 import numpy as np
 
 from distgraph.errors import RuntimeFault
+from distgraph.plan.kinds import StepKind
+from distgraph.plan.reshard import ReshardStep
 from distgraph.registry import rank_lookup
-from distgraph.passes.reshard import Step
 from distgraph.runtime.backend import backend_of
 
 
@@ -34,7 +36,7 @@ def apply_reshard(steps, local, comm, process_id: int, rank_of=None, tag: int = 
         out = apply_step(step, local, comm, process_id, rank_of, tag, owned)
         # Collectives and make_partial return fresh arrays; a local slice is a view of
         # its input, owned exactly when the input was.
-        owned = owned if step.kind == "slice" or out is local else True
+        owned = owned if step.kind is StepKind.SLICE or out is local else True
         local = out
     return local
 
@@ -54,11 +56,11 @@ def run_point(point, local, comm, process_id: int, rank_of=None, tag: int = 0,
     return out
 
 
-def apply_step(step: Step, local, comm, process_id: int, rank_of=None, tag: int = 0,
+def apply_step(step: ReshardStep, local, comm, process_id: int, rank_of=None, tag: int = 0,
                donate: bool = False):
     """Run one step; see :func:`apply_reshard` (``donate``: ``local`` may be reused)."""
     rank = rank_lookup(rank_of)
-    if step.kind == "send_recv":
+    if step.kind is StepKind.SEND_RECV:
         return _send_recv(step, local, comm, process_id, rank, tag)
     if process_id not in step.mesh:
         return local
@@ -66,25 +68,25 @@ def apply_step(step: Step, local, comm, process_id: int, rank_of=None, tag: int 
     members = step.mesh.group_of(process_id, step.mesh_dim)
     group = tuple(rank(p) for p in members)
     me = members.index(process_id)
-    if step.kind == "all_gather":
+    if step.kind is StepKind.ALL_GATHER:
         return comm.all_gather(local, group, axis=step.tensor_dim)
-    if step.kind == "all_reduce":
+    if step.kind is StepKind.ALL_REDUCE:
         return comm.all_reduce(local, group, inplace=donate)
-    if step.kind == "reduce_scatter":
+    if step.kind is StepKind.REDUCE_SCATTER:
         return comm.reduce_scatter(local, group, axis=step.tensor_dim)
-    if step.kind == "all_to_all":
+    if step.kind is StepKind.ALL_TO_ALL:
         return comm.all_to_all(local, group, split_axis=step.to_tensor_dim,
                                concat_axis=step.tensor_dim)
     xb = backend_of(comm)
-    if step.kind == "slice":
+    if step.kind is StepKind.SLICE:
         return xb.chunk(local, len(members), step.tensor_dim, me)
-    if step.kind == "make_partial":
+    if step.kind is StepKind.MAKE_PARTIAL:
         # the value stays on coordinate 0 of the mesh dim; the others hold zeros
         return xb.copy(local) if me == 0 else xb.zeros_like(local)
     raise RuntimeFault(f"process {process_id}: no executor for reshard step {step}")
 
 
-def _check_local(step: Step, local, process_id: int) -> None:
+def _check_local(step: ReshardStep, local, process_id: int) -> None:
     expected = step.src_attr.local_shape(step.shape)
     if local is None or tuple(local.shape) != expected or local.dtype != np.dtype(step.dtype):
         got = "None" if local is None else f"{tuple(local.shape)} {local.dtype}"
@@ -98,7 +100,7 @@ def _origin(attr, shape, process_id) -> tuple:
     return tuple(s.start for s in attr.local_slices(shape, process_id))
 
 
-def outgoing_tiles(step: Step, local, process_id: int) -> list:
+def outgoing_tiles(step: ReshardStep, local, process_id: int) -> list:
     """The tiles ``process_id`` sends to other processes in a send_recv ``step``, as
     ``[(destination process, array)]`` in transfer order (the order a receiver expects
     them in): the send half of the step, which an actor posts without waiting."""
@@ -110,16 +112,9 @@ def outgoing_tiles(step: Step, local, process_id: int) -> list:
             if t.src == process_id and t.dst != process_id]
 
 
-def incoming_tiles(step: Step, process_id: int) -> list:
-    """``[(source process, tile shape)]`` that ``process_id`` receives from others in a
-    send_recv ``step``, in transfer order (per source, the order they are sent in)."""
-    return [(t.src, t.shape) for t in step.transfers
-            if t.dst == process_id and t.src != process_id]
-
-
-def assemble_tiles(step: Step, process_id: int, received: list, local, xb):
+def assemble_tiles(step: ReshardStep, process_id: int, received: list, local, xb):
     """The receive half: ``process_id``'s new local array from the ``received`` tiles
-    (in :func:`incoming_tiles` order) and, where it also holds the source, ``local``.
+    (in ``step.incoming`` order) and, where it also holds the source, ``local``.
     A single tile that is the whole local block is used as it is, without a copy."""
     dst = step.dst_attr
     shape = dst.local_shape(step.shape)
@@ -138,13 +133,13 @@ def assemble_tiles(step: Step, process_id: int, received: list, local, xb):
     return out
 
 
-def _send_recv(step: Step, local, comm, process_id: int, rank, tag: int):
+def _send_recv(step: ReshardStep, local, comm, process_id: int, rank, tag: int):
     for dst, tile in outgoing_tiles(step, local, process_id):
         comm.send(tile, rank(dst), tag)
     out = None
     if process_id in step.dst_mesh:
         received = [comm.recv(shape, step.dtype, rank(src), tag)
-                    for src, shape in incoming_tiles(step, process_id)]
+                    for src, shape in step.incoming(process_id)]
         out = assemble_tiles(step, process_id, received,
                              local if process_id in step.mesh else None, backend_of(comm))
     comm.wait_sends()

@@ -1,8 +1,9 @@
 """Run training steps of any plan on this process: the one runtime.
 
-:class:`PlanRunner` binds a :class:`~distgraph.passes.planner.Plan` to a communicator and
-an array backend. It reads the plan and nothing else (its partitions, task graph,
-schedule, tags and rank map are made once by the planner): it lays out the initial
+:class:`PlanRunner` binds a :class:`~distgraph.plan.plan.Plan` to a communicator and an
+array backend. It reads the plan contract and nothing else: its process's compiled
+program (:class:`~distgraph.plan.program.ProcessProgram`: tasks, schedule, tags, feed
+rows, communicator groups, gathers), made whole by the planner. It lays out the initial
 state, cuts each batch into the plan's micro-batches (one without ``micro_batches``) and
 this process's block of each, and runs the step with a
 :class:`~distgraph.runtime.execution.carrier.Carrier`. The fetched values are global and
@@ -29,8 +30,8 @@ import zlib
 import numpy as np
 
 from distgraph.errors import DistGraphError, PlanError
-from distgraph.registry import KernelContext, get_op
-from distgraph.passes.mapping.devices import comm_groups
+from distgraph.plan.devices import NUMPY
+from distgraph.registry import KernelContext
 from distgraph.runtime.backend import backend_for, backend_of
 from distgraph.runtime.comm.device import DeviceCommunicator
 from distgraph.runtime.execution.carrier import Carrier
@@ -68,36 +69,22 @@ class PlanRunner:
             check_world(plan, 1)
         else:
             self.pid = plan.process_ids[0]
-        on_gpu = plan.placement is not None and plan.placement.backend != "numpy"
-        self.backend = backend or (backend_for(plan.placement, comm.rank if comm else 0)
+        self.plan, self.program = plan, plan.program_of(self.pid)
+        self.local = self.program.local
+        devices = plan.devices
+        on_gpu = devices is not None and devices.backend != NUMPY
+        self.backend = backend or (backend_for(devices, comm.rank if comm else 0)
                                    if on_gpu else backend_of(comm))
         self.host_comm = comm
         if comm is not None and on_gpu:
-            comm = DeviceCommunicator(comm, plan.placement, self.backend)
-            comm.prepare(comm_groups(plan, self.pid))
-        self.plan, self.comm = plan, comm
-        self.program = plan.program
-        self.local = plan.local(self.pid)
-        self.fetch = list(plan.fetch)
+            comm = DeviceCommunicator(comm, devices, self.backend)
+            comm.prepare(self.program.comm_groups)
+        self.comm = comm
+        self.fetch = list(self.program.fetch)
         self.profile = plan.strategy.profile
         self._t0 = None
-        self.carrier = Carrier(plan, self.pid, comm, self.backend, self.profile,
+        self.carrier = Carrier(self.program, plan.ranks, comm, self.backend, self.profile,
                                clock=self._clock)
-        acc = plan.accumulation
-        self.micro_batches = plan.micro_batches_of(self.pid)
-        made = acc.prologue_values if acc is not None else frozenset()
-        self.prologue = [op for op in self.local.program.ops
-                         if op.outputs and all(o.name in made for o in op.outputs)]
-        self._rows = plan.batch_rows(self.pid)
-        rows = plan.feed_rows(self.pid)
-        self._blocks = [(v.name, rows[v.name], self._rest(v.name))
-                        for v in self.local.program.inputs]
-
-    def _rest(self, name: str) -> tuple:
-        """The slices of input ``name`` this process holds along its dims after the
-        first (the first: :meth:`Plan.feed_rows`)."""
-        value = self.program.values[name]
-        return tuple(value.dist_attr.local_slices(value.shape, self.pid)[1:])
 
     def _clock(self) -> float:
         return time.perf_counter() - (self._t0 or 0.0)
@@ -106,11 +93,11 @@ class PlanRunner:
     def shard_scope(self, global_values: dict) -> dict:
         """Local shards of persistable values from their global arrays."""
         scope = {}
-        for v in self.local.program.persistables:
+        local = self.program.local
+        for v in local.program.persistables:
             if v.name not in global_values:
                 raise PlanError(f"no initial value for {v.name}")
-            block = local_slice(self.program, self.pid, v.name,
-                                np.asarray(global_values[v.name]))
+            block = local_slice(v.dist_attr, self.pid, v.name, np.asarray(global_values[v.name]))
             scope[v.name] = self.backend.from_host(block)
         return scope
 
@@ -119,7 +106,9 @@ class PlanRunner:
         arrays (a collective: every rank passes the same names). Between steps no message
         is in flight, so the gathers' tags count from 0."""
         out = {}
-        for i, point in enumerate(self.plan.gather_points(names, self.pid)):
+        points = self.program.state_gathers
+        for i, name in enumerate(names):
+            point = points[name]
             local = scope[point.value] if point.reads else None
             out[point.value] = self.backend.to_host(apply_reshard(
                 point.steps, local, self.comm, self.pid, self.plan.ranks, i))
@@ -130,22 +119,25 @@ class PlanRunner:
         """The rows of each batch this process reads (``Plan.batch_rows``: a slice, or
         an index array over the batch's rows, micro-batch after micro-batch), when all
         its inputs want the same rows; None: it reads whole batches."""
-        if self._rows is None or not self._blocks:
+        rows = self.program.batch_rows
+        if rows is None or not self.program.feeds:
             return None
-        if len(self._rows) == 1:
-            return slice(*self._rows[0])
-        return np.concatenate([np.arange(a, b) for a, b in self._rows])
+        if len(rows) == 1:
+            return slice(*rows[0])
+        return np.concatenate([np.arange(a, b) for a, b in rows])
 
     def _micro_feeds(self, feed: dict, rows) -> list:
         """One feed per micro-batch this process runs: its rows of ``feed`` (global
         batches, or with ``rows`` only this process's rows, in its order)."""
-        feeds = [dict() for _ in range(self.micro_batches)]
-        for name, ranges, rest in self._blocks:
+        runs = self.program.runs
+        feeds = [dict() for _ in range(runs)]
+        for f in self.program.feeds:
+            name, ranges, rest = f.name, f.rows, f.rest
             if name not in feed:
                 raise DistGraphError(f"input {name!r} was not fed; feed it by name")
             batch = np.asarray(feed[name])
             at = 0
-            for m in range(self.micro_batches):
+            for m in range(runs):
                 if ranges is None:
                     feeds[m][name] = self.backend.from_host(batch)
                     continue
@@ -162,7 +154,7 @@ class PlanRunner:
         if self.profile and self._t0 is None:
             self._t0 = self._start_clock()
         feeds = self._micro_feeds(feed, rows)
-        if self.prologue or self.carrier.tasks.prologue is not None:
+        if self.program.prologue_ops or self.program.prologue is not None:
             self._run_prologue(feeds, step)
         fetched = self.carrier.run(scope, feeds, step)
         return {name: self.backend.to_host(value) for name, value in fetched.items()}
@@ -172,18 +164,18 @@ class PlanRunner:
         over the micro-batches and given to every micro-batch as the whole batch's (under
         an uneven split, reduced over the data-parallel groups first: the plan's
         ``prologue`` task)."""
-        wanted = self.plan.accumulation.prologue
+        wanted = self.program.prologue_sums
         ctx = KernelContext(self.backend.xp, step)
         totals: dict = {}
         for micro in feeds:
             env = dict(micro)
-            for op in self.prologue:
-                outs = call_kernel(get_op(op.type).kernel, op.type, op.layer, ctx,
-                                   [env[v.name] for v in op.inputs], op.attrs)
-                env.update(zip((o.name for o in op.outputs), outs))
+            for op in self.program.prologue_ops:
+                outs = call_kernel(op.kernel, op.op_type, op.layer, ctx,
+                                   [env[n] for n in op.ins], op.attrs)
+                env.update(zip(op.outs, outs))
             for name in wanted & env.keys():
                 totals[name] = env[name] + totals[name] if name in totals else env[name]
-        block = self.carrier.tasks.prologue
+        block = self.program.prologue
         for instr in block.instrs if block is not None else ():
             self.carrier.runner.point(instr, totals, {}, 0)
         for micro in feeds:
@@ -210,10 +202,9 @@ class PlanRunner:
         return Timeline.gather(self.carrier.events, self.carrier.memory, self.host_comm)
 
 
-def local_slice(program, pid: int, name: str, global_array):
-    """Process ``pid``'s block of the global (host) array of Value ``name`` of a completed
-    ``program``, as a C-contiguous host array (None if it holds none)."""
-    attr = program.values[name].dist_attr
+def local_slice(attr, pid: int, name: str, global_array):
+    """Process ``pid``'s block of the global (host) array of Value ``name`` laid out as
+    ``attr``, as a C-contiguous host array (None if it holds none)."""
     if pid not in attr.mesh:
         return None
     if attr.spec.partial:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from distgraph.errors import RuntimeFault
-from distgraph.passes.cost_model import collective_bytes
+from distgraph.passes.cost.formulas import collective_bytes
 from distgraph.runtime.comm.mpi import _HANDSHAKE_TAG, MPICommunicator
 
 

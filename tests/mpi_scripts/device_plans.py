@@ -22,7 +22,6 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import distgraph as dg  # noqa: E402
-from distgraph.passes.mapping.devices import comm_groups  # noqa: E402
 from distgraph.runtime.backend import NUMPY  # noqa: E402
 from distgraph.runtime.comm.mpi import MPICommunicator  # noqa: E402
 
@@ -50,8 +49,8 @@ def main(argv) -> None:
         device = runner.comm
         mine = {"loss": loss, "param": param, "losses": losses,
                 "backend": runner.backend.name,
-                "routes": sorted({plan.placement.route(g.ranks)
-                                  for g in comm_groups(plan, runner.pid)}),
+                "routes": sorted({plan.devices.route(g.ranks)
+                                  for g in plan.program_of(runner.pid).comm_groups}),
                 "nccl": sorted(f"{k[0]}:{list(k[1])}" for k in
                                (device._nccl.comms if getattr(device, "_nccl", None) else ()))}
         everyone = comm._comm.gather(mine, root=0)

@@ -19,7 +19,8 @@ import numpy as np
 
 import distgraph as dg
 from distgraph.errors import RuntimeFault
-from distgraph.passes.mapping.devices import CommGroup, placement
+from distgraph.passes.mapping.devices import assign_devices
+from distgraph.plan.devices import CommGroup
 from distgraph.runtime.backend import CupyBackend
 from distgraph.runtime.comm.device import DeviceCommunicator
 from distgraph.runtime.comm.mpi import MPICommunicator
@@ -28,7 +29,7 @@ from distgraph.runtime.comm.mpi import MPICommunicator
 def main(argv) -> None:
     host = MPICommunicator()
     n, rank = host.size, host.rank
-    where = placement(dg.Cluster.local(n, device="GPU"), n)
+    where = assign_devices(dg.Cluster.local(n, device="GPU"), n)
     xb = CupyBackend(where.device(rank).local_id)
     comm = DeviceCommunicator(host, where, xb)
     world = tuple(range(n))

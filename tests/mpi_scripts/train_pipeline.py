@@ -60,7 +60,7 @@ def main(argv) -> None:
                          if e.rank == r and e.step == 0 and e.kind not in ("send", "recv")]
                      for r in timeline.ranks}
             plan = engine.plan()
-            schedule = {plan.ranks(pid): [[a.stage, a.task, a.micro_batch] for a in acts]
+            schedule = {plan.ranks(pid): [[a.chunk, a.task, a.micro_batch] for a in acts]
                         for pid, acts in plan.schedule().items()}
             report["runs"][item] = {"ranks": everyone, "serial": refs[kind][0],
                                     "order": order, "schedule": schedule,

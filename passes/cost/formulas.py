@@ -2,8 +2,8 @@
 
 All formulas are *per process* on a group of ``n`` processes connected as a ring, with
 ``B`` (``nbytes``) the size of one process's local buffer defined per kind as below.
-The reshard planner (:mod:`distgraph.passes.reshard`) and the communicators' byte
-counters (:mod:`distgraph.runtime.comm.base`) both use :func:`collective_bytes`, so a plan's
+The bytes are the plan contract's formula (:func:`distgraph.plan.kinds.collective_bytes`),
+which the reshard planner and the communicators' byte counters both use, so a plan's
 bytes equal what the runtime counts.
 
 =============== ====================================== =============================== ============================
@@ -19,7 +19,8 @@ send_recv (p2p) the message                            B                        
 all_to_all is modelled as n-1 rounds in which each process sends one of its n chunks
 (B/n bytes) to a different peer: (n-1)/n * B bytes and n-1 latencies. The DESIGN's
 "(n-1)/n^2" form is the same thing written with B the sum of all n local buffers.
-Local steps (``slice``, ``make_partial``, ``local_copy``) cost nothing.
+Local steps (``slice``, ``make_partial``) cost nothing. ``p2p`` (a pipeline stage's
+chain, in the rank mapper's traffic) is priced as ``send_recv``.
 
 An op that pipelines its collectives with its compute in K identical slices (MeshSlice)
 takes :func:`pipeline_time`: each slice passes stages that use different resources (the
@@ -41,31 +42,20 @@ Example::
 from __future__ import annotations
 
 from distgraph.errors import PlanError
-from distgraph.resources.elements import COLLECTIVE_KINDS as COLLECTIVES
-P2P = ("send_recv", "p2p")
-LOCAL = ("slice", "make_partial", "local_copy")
-KINDS = COLLECTIVES + P2P + LOCAL
+from distgraph.plan.kinds import COLLECTIVES, StepKind  # noqa: F401  (the one list)
+from distgraph.plan.kinds import collective_bytes as _bytes
+
+P2P = "p2p"
 
 
-def _check(kind: str, n: int, nbytes: float) -> None:
-    if kind not in KINDS:
-        raise PlanError(f"unknown communication kind {kind!r}; known kinds are {list(KINDS)}")
-    if n < 1:
-        raise PlanError(f"{kind} over {n} processes: a group has at least one process")
-    if nbytes < 0:
-        raise PlanError(f"{kind} of {nbytes} bytes: the size cannot be negative")
+def _kind(kind) -> StepKind:
+    return StepKind.SEND_RECV if kind == P2P else StepKind.parse(kind)
 
 
-def collective_bytes(kind: str, n: int, nbytes: float) -> float:
+def collective_bytes(kind, n: int, nbytes: float) -> float:
     """Bytes one process sends for ``kind`` over ``n`` processes with buffer ``nbytes``
-    (see the module table for which buffer ``nbytes`` is)."""
-    _check(kind, n, nbytes)
-    if kind in LOCAL:
-        return 0.0
-    if kind in P2P:
-        return float(nbytes)
-    factor = 2 if kind == "all_reduce" else 1
-    return factor * (n - 1) * nbytes / n
+    (the contract's formula; ``p2p`` counts as ``send_recv``)."""
+    return _bytes(_kind(kind), n, nbytes)
 
 
 def comm_bytes(collectives) -> float:
@@ -74,26 +64,37 @@ def comm_bytes(collectives) -> float:
     return float(sum(collective_bytes(kind, n, nbytes) for kind, n, nbytes in collectives))
 
 
-def collective_time(kind: str, n: int, nbytes: float, bandwidth_GBps: float,
+def collective_time(kind, n: int, nbytes: float, bandwidth_GBps: float,
                     latency_us: float) -> float:
     """Seconds for ``kind`` over ``n`` processes: alpha-beta on a ring (module table).
 
     ``bandwidth_GBps`` is the per-link bandwidth in GB/s (1e9 bytes/s) and
     ``latency_us`` the per-message latency in microseconds.
     """
-    _check(kind, n, nbytes)
+    kind = _kind(kind)
+    beta_bytes = collective_bytes(kind, n, nbytes)
     if bandwidth_GBps <= 0:
         raise PlanError(f"{kind}: bandwidth must be positive, got {bandwidth_GBps} GB/s")
-    if kind in LOCAL:
+    if kind.is_local:
         return 0.0
     alpha = latency_us * 1e-6
-    beta_bytes = collective_bytes(kind, n, nbytes) / (bandwidth_GBps * 1e9)
-    if kind in P2P:
+    beta_bytes /= bandwidth_GBps * 1e9
+    if kind is StepKind.SEND_RECV:
         return alpha + beta_bytes
     if n == 1:
         return 0.0
-    rounds = 2 * (n - 1) if kind == "all_reduce" else n - 1
+    rounds = 2 * (n - 1) if kind is StepKind.ALL_REDUCE else n - 1
     return alpha * rounds + beta_bytes
+
+
+def links_time(step, bandwidth_GBps: float, latency_us: float) -> float:
+    """Alpha-beta seconds of a reshard step on one uniform link class; for send_recv,
+    the busiest sender's messages in sequence."""
+    if step.kind is not StepKind.SEND_RECV:
+        return collective_time(step.kind, step.group_size, step.buffer_bytes,
+                               bandwidth_GBps, latency_us)
+    return (step.messages_of_busiest() * latency_us * 1e-6
+            + step.bytes / (bandwidth_GBps * 1e9))
 
 
 def pipeline_time(slices: int, stages) -> float:

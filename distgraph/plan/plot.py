@@ -23,7 +23,8 @@ from collections import Counter
 from dataclasses import dataclass
 
 from distgraph.errors import DistGraphError
-from distgraph.passes.estimate import fmt_bytes
+from distgraph.plan.kinds import StepKind
+from distgraph.units import fmt_bytes
 
 ROLES = {"forward": "fwd", "loss": "fwd", "backward": "bwd", "optimize": "update"}
 PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#17becf")
@@ -134,7 +135,7 @@ def picture(plan) -> Picture:
     for point in (plan.reshards() if plan.distributed else []):
         op = program.ops[point.anchor] if 0 <= point.anchor < len(program.ops) else None
         role = ROLES.get(op.role, op.role) if op is not None else "update"
-        send = next((s for s in point.steps if s.kind == "send_recv"), None)
+        send = next((s for s in point.steps if s.kind is StepKind.SEND_RECV), None)
         if send is not None:
             key = (_stage_index(stages, send.mesh), _stage_index(stages, send.dst_mesh), role)
             crossings[key] += 1

@@ -1,0 +1,327 @@
+"""The Plan: everything decided about one built program, as a value the runtime reads.
+
+The planner (:func:`distgraph.passes.plan`) makes it whole: the completed program
+(``plan.program``; its Values and ops carry their ``dist_attr``), the logical processes
+and the rank each runs on (``plan.ranks``), the stage meshes in data-flow order, each
+process's local program (``plan.local(pid)``) and compiled program
+(``plan.program_of(pid)``, :class:`~distgraph.plan.program.ProcessProgram`), the task
+graph, the schedule (checked to complete before any rank starts), the devices, and the
+estimate where one was made. Nothing in it is computed later: it holds no caches.
+
+Example::
+
+    p = dg.passes.plan(built, dg.Strategy(), cluster=None)
+    print(p.explain())            # processes, stages, layouts, reshards with bytes
+    p.local(1).pretty()           # what process 1 runs
+    p.schedule()                  # {0: [0F0, 0B0], 1: [...]}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+from distgraph.errors import PlanError
+from distgraph.mesh import ProcessRanks
+from distgraph.spmd.meshslice import SLICED, STATIONARY
+from distgraph.strategy import Strategy
+from distgraph.units import fmt_bytes
+
+_EMPTY = MappingProxyType({})
+
+
+@dataclass(frozen=True)
+class SlicedMatmul:
+    """One matmul that runs as MeshSlice: its index in the program, op, local form (on
+    its mesh's first process, a :class:`~distgraph.ops.meshslice.LocalMeshSlice`)."""
+
+    index: int
+    op: object
+    local: object
+
+    def __str__(self) -> str:
+        op, lay = self.op, self.local
+        k = lay.slices
+        block = f", blocks of {lay.block(k)}" if k else ""
+        return (f"#{self.index} {op.type} {op.layer or '(top level)'} ({op.role}): "
+                f"{lay.dataflow} over ({lay.u}, {lay.v}) keeps "
+                f"{STATIONARY[lay.dataflow]} in place, K={k if k else 'not chosen'} "
+                f"(slices {SLICED[lay.dataflow]} of {lay.length}{block})")
+
+    def to_dict(self) -> dict:
+        return {"op": self.index, "layer": self.op.layer, "role": self.op.role,
+                "dataflow": self.local.dataflow, "mesh_dims": [self.local.u, self.local.v],
+                "slices": self.local.slices}
+
+
+@dataclass(frozen=True, eq=False)
+class Plan:
+    """A planned program. ``built`` is a completed copy of the BuiltProgram given to the
+    planner (same feed, output, loss and gradient names); ``distributed`` says whether it
+    runs as an SPMD job (it carries annotations) or on one process; ``ranks`` (a
+    :class:`~distgraph.mesh.ProcessRanks`) says which rank runs each logical process;
+    ``stages`` are the meshes of the forward program in data-flow order; ``estimate`` is
+    the cost model's estimate, where one was made; ``search`` the report of the automatic
+    search, else None; ``batch_split`` the rows of a global batch each process reads
+    under ``Strategy(balance=True)``, else None; ``devices`` each rank's device, hence
+    the array backend and each group's communicator
+    (:class:`~distgraph.plan.devices.DeviceAssignment`).
+
+    ``groups`` are the processes alike up to their coordinates (on the same meshes);
+    ``locals`` holds the local program of one process of each group and of every
+    process compiled, ``programs`` the compiled program of every process the planner
+    was asked for (all, unless it was given ``ranks``). ``micro_batch_counts`` the
+    micro-batches each process runs where an uneven split gives them their own;
+    ``row_gathers`` how fetched per-sample values come back in the batch's order under
+    an uneven split (:class:`~distgraph.plan.program.RowGather`); ``sample_axes`` the
+    dim that carries the samples of each Value, where the batch split needed them;
+    ``sliced`` the matmuls that run as MeshSlice.
+
+    With ``Strategy(micro_batches=M)``, M > 1, ``program`` is the *micro-batch* program
+    and ``accumulation`` says how the step accumulates over the micro-batches
+    (:class:`~distgraph.plan.accumulation.Accumulation`)."""
+
+    built: object
+    strategy: Strategy
+    distributed: bool
+    process_ids: tuple
+    ranks: ProcessRanks
+    stages: tuple
+    cluster: object = None
+    estimate: object = None
+    accumulation: object = None
+    search: object = None
+    batch_split: object = None
+    devices: object = None
+    groups: tuple = ()
+    locals: MappingProxyType = field(default_factory=lambda: _EMPTY, repr=False)
+    graph: object = field(default=None, repr=False)
+    order: object = field(default=None, repr=False)
+    programs: MappingProxyType = field(default_factory=lambda: _EMPTY, repr=False)
+    micro_batch_counts: MappingProxyType = field(default_factory=lambda: _EMPTY, repr=False)
+    row_gathers: MappingProxyType = field(default_factory=lambda: _EMPTY, repr=False)
+    sample_axes: MappingProxyType | None = field(default=None, repr=False)
+    sliced: tuple = ()
+
+    @property
+    def program(self):
+        """The completed serial program (forward, backward, update, with dist attrs)."""
+        return self.built.program
+
+    @property
+    def world_size(self) -> int:
+        return len(self.process_ids)
+
+    @property
+    def micro_batches(self) -> int:
+        return 1 if self.accumulation is None else self.accumulation.micro_batches
+
+    def micro_batches_of(self, process_id: int) -> int:
+        """How many micro-batches ``process_id`` runs per step: the plan's count, or
+        under an uneven split by micro-batches its own."""
+        return self.micro_batch_counts.get(process_id, self.micro_batches)
+
+    @property
+    def rank_of(self):
+        """{process: rank}, or None where process p runs on rank p."""
+        mapping = self.ranks.mapping
+        return None if mapping is None else MappingProxyType(mapping)
+
+    @property
+    def fetch(self) -> tuple:
+        """The values a step brings to every process (the loss when training, the loss
+        and the outputs when evaluating, the outputs when predicting)."""
+        return self.graph.fetch
+
+    def task_graph(self):
+        """The per-process tasks and what flows between them
+        (:class:`~distgraph.plan.tasks.TaskGraph`)."""
+        return self.graph
+
+    def schedule(self) -> dict:
+        """{process id: [Action, ...]}: each process's compute actions in the order it
+        runs them (``str(action)`` in torch.distributed.pipelining's notation, "0F3");
+        without micro-batches one F and one B per stage. The update is not an action."""
+        return self.order.as_dict()
+
+    def group_of(self, process_id: int) -> tuple:
+        """The group of ``process_id`` (see ``groups``)."""
+        for group in self.groups:
+            if process_id in group:
+                return group
+        raise PlanError(f"process {process_id} has no part in this plan (processes "
+                        f"{list(self.process_ids)})")
+
+    def local(self, process_id: int):
+        """The local program of ``process_id``
+        (:class:`~distgraph.plan.local.LocalProgram`)."""
+        if process_id not in self.locals:
+            self.group_of(process_id)
+            raise PlanError(f"process {process_id}'s program was not compiled: this plan "
+                            f"was made for processes {sorted(self.programs)}; plan again "
+                            f"without ranks= to have every process's")
+        return self.locals[process_id]
+
+    def local_alike(self, process_id: int):
+        """The local program of ``process_id`` where it was compiled, else of the first
+        process of its group: alike in ops, shapes and reshard points (what depends on
+        the coordinates, such as an op's shard offsets, may differ)."""
+        if process_id in self.locals:
+            return self.locals[process_id]
+        return self.locals[self.group_of(process_id)[0]]
+
+    def program_of(self, process_id: int):
+        """The compiled program of ``process_id``
+        (:class:`~distgraph.plan.program.ProcessProgram`)."""
+        if process_id not in self.programs:
+            self.local(process_id)
+            raise PlanError(f"process {process_id}'s program was not compiled")
+        return self.programs[process_id]
+
+    def representatives(self) -> list:
+        """One local program per group: what every process of it does in kind."""
+        return [self.locals[g[0]] for g in self.groups]
+
+    def reshards(self) -> list:
+        """Every reshard point of the plan once (in global order), whoever runs it (as
+        the first process that runs it holds it)."""
+        points: dict = {}
+        for local in self.representatives():
+            for point in local.points():
+                points.setdefault(point.seq, point)
+        return [points[s] for s in sorted(points)]
+
+    def bytes_sent(self) -> dict:
+        """Bytes each process sends per step: {process id: {kind: bytes}} (with
+        micro-batches, a micro-batch's reshards once per micro-batch)."""
+        rep = {q: g[0] for g in self.groups for q in g}
+        return {pid: self.graph.step_bytes(self.locals[rep[pid]], pid,
+                                           self.micro_batches_of(pid))
+                for pid in self.process_ids}
+
+    # -- printing ---------------------------------------------------------------------------
+    def explain(self) -> str:
+        """Readable summary: processes and ranks, stages, parameter layouts per layer,
+        reshards with their bytes, and the estimate when there is one."""
+        lines = [f"Plan: {self.world_size} process(es), "
+                 f"{'distributed' if self.distributed else 'serial'}, "
+                 f"{len(self.program.ops)} ops"]
+        if self.rank_of is not None:
+            lines.append("  ranks: " + ", ".join(f"process {p} -> rank {r}"
+                                                 for p, r in sorted(self.rank_of.items())))
+        for s, mesh in enumerate(self.stages):
+            lines.append(f"  stage {s}: {mesh}")
+        if len(self.graph.chunks) != len(self.stages):
+            lines.append(f"  {len(self.graph.chunks)} chunks: " + ", ".join(
+                f"{c} on stage {self.stages.index(m)}" for c, m in enumerate(self.graph.chunks)))
+        lines.append("  " + self.order.pretty().replace("\n", "\n  "))
+        if self.devices is not None:
+            op_groups = [(local.program.ops[i].type, group)
+                         for local in self.representatives()
+                         for i, members in local.op_groups()
+                         for group in _translates(local.program.ops[i].dist_attr.mesh,
+                                                  members)]
+            lines.extend("  " + line for line in
+                         self.devices.explain(self.reshards(), op_groups, self.ranks))
+        if self.accumulation is not None:
+            lines.append("  " + self.accumulation.pretty().replace("\n", "\n  "))
+        lines.append("  parameters (layer: name shape spec):")
+        for layer, params in _parameters_by_layer(self.program).items():
+            lines.append(f"    {layer or '(model)'}:")
+            for v in params:
+                lines.append(f"      {v.name} {list(v.shape)} {v.dist_attr.spec}")
+        if self.sliced:
+            lines.append(f"  MeshSlice: {len(self.sliced)} matmul(s) run as 2-D GeMMs with K "
+                         "sliced, overlapped collectives (dataflow over mesh dims (u, v)):")
+            lines.extend(f"    {use}" for use in self.sliced)
+        points = self.reshards() if self.distributed else []
+        sent = self.bytes_sent() if self.distributed else {}
+        busiest = max((sum(k.values()) for k in sent.values()), default=0.0)
+        lines.append(f"  reshards: {len(points)} per step; busiest process sends "
+                     f"{fmt_bytes(busiest)} per step")
+        for p in points:
+            lines.append(f"    {p} ({fmt_bytes(p.bytes)})")
+        for extra in (self.search, self.batch_split):
+            if extra is not None:
+                lines.append("  " + str(extra).replace("\n", "\n  "))
+        if self.estimate is not None:
+            lines.append("  estimate: " + str(self.estimate).replace("\n", "\n  "))
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict:
+        """The plan as plain data (what :meth:`to_json` writes)."""
+        prog = self.program
+        out = {
+            "distributed": self.distributed,
+            "processes": list(self.process_ids),
+            "rank_of": None if self.rank_of is None else
+            {str(p): r for p, r in sorted(self.rank_of.items())},
+            "schedule": {str(pid): [str(a) for a in acts]
+                         for pid, acts in self.schedule().items()},
+            "stages": [m.to_dict() for m in self.stages],
+            "strategy": dataclasses.asdict(self.strategy),
+            "micro_batches": self.micro_batches,
+            "accumulation": None if self.accumulation is None else
+            {name: self.accumulation.mode(name) for name in self.accumulation.boundary},
+            "parameters": {v.name: {"shape": list(v.shape), "dtype": v.dtype,
+                                    "mesh": v.dist_attr.mesh.to_dict(),
+                                    "spec": str(v.dist_attr.spec)}
+                           for v in prog.parameters},
+            "ops": [{"type": op.type, "layer": op.layer, "role": op.role,
+                     "mesh": list(op.dist_attr.mesh.process_ids),
+                     "inputs": [str(s) for s in op.dist_attr.input_specs],
+                     "outputs": [str(s) for s in op.dist_attr.output_specs]}
+                    for op in prog.ops],
+            "reshards": [],
+            "bytes_sent": {},
+            "meshslice": [use.to_dict() for use in self.sliced],
+        }
+        if self.distributed:
+            out["reshards"] = [{"value": p.value, "src": str(p.src), "dst": str(p.dst),
+                                "steps": [str(s) for s in p.steps], "bytes": p.bytes}
+                               for p in self.reshards()]
+            out["bytes_sent"] = {str(pid): kinds for pid, kinds in self.bytes_sent().items()}
+        for name in ("devices", "estimate", "search", "batch_split"):
+            value = getattr(self, name)
+            if value is not None:
+                out["placement" if name == "devices" else name] = value.to_dict()
+        return out
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    def plot(self, path) -> None:
+        """Draw the plan into ``path`` (PNG, SVG or PDF by its suffix): a column per
+        stage with its mesh, the layers on it, how each weight is split per mesh dim, the
+        reshards in each layer and between stages with their bytes. Needs matplotlib
+        (``pip install 'distgraph[plot]'``); see :mod:`distgraph.plan.plot`."""
+        from distgraph.plan.plot import plot_plan    # here: a plan rarely draws
+
+        plot_plan(self, path)
+
+
+def _parameters_by_layer(program) -> dict:
+    layers: dict = {}
+    for v in program.parameters:
+        layer, _, _ = v.name.rpartition(".")
+        layers.setdefault(layer, []).append(v)
+    return layers
+
+
+def _translates(mesh, members) -> list:
+    """Every group of ``mesh`` laid out as ``members`` (a group one process of its group
+    of processes communicates in, :meth:`Plan.groups`): the same coordinates along the
+    mesh dims it spans, at every coordinate of the others, in the same order."""
+    coords = [mesh.coord(q) for q in members]
+    varying = [a for a in range(mesh.ndim) if len({c[a] for c in coords}) > 1]
+    groups = []
+    for q in mesh.process_ids:
+        at = mesh.coord(q)
+        if any(at[a] != coords[0][a] for a in varying):
+            continue
+        groups.append(tuple(int(mesh.mesh[tuple(c[a] if a in varying else at[a]
+                                                for a in range(mesh.ndim))])
+                            for c in coords))
+    return groups

@@ -82,10 +82,7 @@ def register_op(op_type: str, *, spmd, inplace=(), differentiable=True, donate=F
 
     def wrap(cls):
         members = vars(cls)
-        for needed in ("infer", "kernel"):
-            if needed not in members:
-                raise DistGraphError(f"op {op_type!r} defines no {needed}()")
-        register(op_type, spmd=spmd, infer=members["infer"], kernel=members["kernel"],
+        register(op_type, spmd=spmd, infer=members.get("infer"), kernel=members.get("kernel"),
                  grad=members.get("grad"), flops=members.get("flops"), inplace=inplace,
                  differentiable=differentiable, localize=members.get("localize"),
                  comm=members.get("comm"), donate=donate, overlap=members.get("overlap"))
@@ -103,6 +100,9 @@ def register(op_type: str, *, spmd, infer, kernel, grad=None, flops=None, inplac
         raise DistGraphError(f"op {op_type!r} is registered twice")
     if spmd is None:
         raise DistGraphError(f"op {op_type!r} has no sharding (spmd) rule; every op needs one")
+    for needed, fn in (("infer", infer), ("kernel", kernel)):
+        if fn is None:
+            raise DistGraphError(f"op {op_type!r} defines no {needed}()")
     if differentiable and grad is None:
         raise DistGraphError(f"op {op_type!r} defines no grad(); pass differentiable=False "
                              "if it has no gradient")

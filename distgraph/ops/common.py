@@ -33,12 +33,13 @@ class Row:
 
 def register_rows(rows, *, infer=None, spmd=None, flops=1, differentiable=True) -> None:
     """Register one registry entry per row of a table; the keywords are the family's:
-    its ``infer``, its sharding rule (``spmd()`` makes one per op), its ``flops``, and
-    ``differentiable=False`` for a table of gradient ops (their rows have no ``grad``)."""
+    its ``infer``, its sharding rule ``spmd`` (rules hold no state: the rows share it), its
+    ``flops``, and ``differentiable=False`` for a table of gradient ops (rows without
+    ``grad``)."""
     for row in rows:
         count = flops if row.flops is None else row.flops
-        register(row.name, spmd=row.spmd if row.spmd is not None else spmd(),
-                 infer=row.infer or infer, kernel=row.kernel, grad=row.grad,
+        register(row.name, spmd=spmd if row.spmd is None else row.spmd,
+                 infer=infer if row.infer is None else row.infer, kernel=row.kernel, grad=row.grad,
                  flops=elementwise_flops(count) if isinstance(count, int) else count,
                  differentiable=differentiable, donate=row.donate)
 

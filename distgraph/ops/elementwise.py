@@ -61,7 +61,7 @@ ARITHMETIC = (
     Row("divide", lambda ctx, x, y: ctx.xp.divide(x, y, out=ctx.out), _divide_grad,
         donate=True),
 )
-register_rows(ARITHMETIC, infer=broadcast_infer, spmd=elementwise_rule)
+register_rows(ARITHMETIC, infer=broadcast_infer, spmd=elementwise_rule())
 
 
 @register_op("scale", spmd=elementwise_rule(), donate=True)
@@ -123,7 +123,7 @@ UNARY = (
         lambda op, dz: [emit1("relu_grad", [op.outputs[0], dz])], donate=True),
     Row("gelu", _gelu, lambda op, dz: [emit1("gelu_grad", [op.inputs[0], dz])], flops=8),
 )
-register_rows(UNARY, infer=same, spmd=elementwise_rule)
+register_rows(UNARY, infer=same, spmd=elementwise_rule())
 
 # Row(name, kernel(ctx, y or x, dy) -> dx, flops per element); rule S(i) x S(i) -> S(i).
 GRADS = (
@@ -133,7 +133,7 @@ GRADS = (
     Row("gelu_grad", _gelu_grad, flops=14,
         infer=lambda x, dy: broadcast_infer(x, dy)),                     # reads x, not y
 )
-register_rows(GRADS, infer=grad_infer, spmd=elementwise_rule, differentiable=False)
+register_rows(GRADS, infer=grad_infer, spmd=elementwise_rule(), differentiable=False)
 
 
 @register_op("cast", spmd=elementwise_rule())

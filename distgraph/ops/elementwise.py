@@ -3,8 +3,8 @@
 The ops alike are rows of three tables, each a family with one ``infer``, sharding rule
 and FLOP count: ``ARITHMETIC`` (binary, broadcasting), ``UNARY`` (math and activations)
 and ``GRADS`` (the gradient ops of ``UNARY``). A new unary op is one row of ``UNARY``
-(and its gradient op, if it has one, a row of ``GRADS``), plus its functional form
-below. The ops that differ (attributes, several outputs, randomness) are classes.
+(and its gradient op, if it has one, a row of ``GRADS``); ``unary_function`` makes its
+functional form. The ops that differ (attributes, several outputs, randomness) are classes.
 
 Sharding: every entry here uses the broadcasting einsum family (``elementwise_rule``):
 S(i) x S(i) -> S(i) per letter, a stretched size-1 dim is never split.
@@ -109,8 +109,8 @@ def _gelu_grad(ctx, x, dy):
 
 
 # Row(name, kernel, grad, flops per element=1, donate=False); rule S(i) -> S(i).
-# A new unary op (silu, rsqrt, ...) is a row here; a gradient that needs its own kernel
-# is a row of GRADS, emitted by this row's grad.
+# A new unary op (silu, rsqrt, ...) is a row here and a name for unary_function below; a
+# gradient that needs its own kernel is a row of GRADS, emitted by this row's grad.
 UNARY = (
     Row("neg", lambda ctx, x: -x, lambda op, dz: [neg(dz)]),
     Row("exp", lambda ctx, x: ctx.xp.exp(x), lambda op, dz: [multiply(dz, op.outputs[0])]),
@@ -254,28 +254,19 @@ def scale_(x, scale=1.0, bias=0.0):
     return emit1("scale", [x], {"scale": float(scale), "bias": float(bias)})
 
 
-def neg(x):
-    return emit1("neg", [x])
+def unary_function(op_type: str):
+    """The functional form of a UNARY row that takes no options: ``f(x)`` traces one
+    ``op_type`` op on ``x``."""
+
+    def function(x):
+        return emit1(op_type, [x])
+
+    function.__name__ = function.__qualname__ = op_type
+    function.__doc__ = f"Elementwise ``{op_type}`` of ``x`` (one ``{op_type}`` op)."
+    return function
 
 
-def exp(x):
-    return emit1("exp", [x])
-
-
-def log(x):
-    return emit1("log", [x])
-
-
-def sqrt(x):
-    return emit1("sqrt", [x])
-
-
-def tanh(x):
-    return emit1("tanh", [x])
-
-
-def relu(x):
-    return emit1("relu", [x])
+neg, exp, log, sqrt, tanh, relu = map(unary_function, ("neg", "exp", "log", "sqrt", "tanh", "relu"))
 
 
 def gelu(x, approximate=True):

@@ -13,6 +13,12 @@ An entry is written as a class and registered by a one-line decorator::
         def flops(ins, outs, **attrs):
             return size(outs[0])
 
+Ops alike (elementwise, reductions, softmax) are written instead as one row each of a
+table, ``Row(name, kernel, grad, flops, donate)``, which
+:func:`distgraph.ops.common.register_rows` registers with the family's ``infer``, rule and
+FLOPs (relu is such a row, in :mod:`distgraph.ops.elementwise`). Both forms end in
+:func:`register`, which takes an entry's parts.
+
 ``spmd`` (the sharding rule) is required: an op without one cannot be registered.
 ``grad`` may be omitted only with ``differentiable=False``.
 ``inplace`` lists (output index, input index) pairs whose kernel writes into the input.

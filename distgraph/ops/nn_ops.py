@@ -97,7 +97,7 @@ def _grad_by(grad_type):
     return grad
 
 
-# Row(name, kernel, grad, flops per element, infer); "abC->abC" over the last axis:
+# Row(name, kernel, grad, flops per element, infer); "abC->abC" for axis=-1:
 # S(0) -> S(0), the softmax axis is never split.
 SOFTMAX = (
     Row("softmax", _softmax, _grad_by("softmax_grad"), flops=5, infer=_float_only("softmax")),
@@ -106,7 +106,7 @@ SOFTMAX = (
 )
 register_rows(SOFTMAX, spmd=axis_rule())
 
-# Row(name, kernel(ctx, y, dy, axis) -> dx, flops per element); "abC,abC->abC":
+# Row(name, kernel(ctx, y, dy, axis) -> dx, flops per element); "abC,abC->abC" for axis=-1:
 # S(0) x S(0) -> S(0).
 SOFTMAX_GRADS = (
     Row("softmax_grad",          # dx = y * (dy - sum(dy * y, axis))

@@ -13,6 +13,12 @@ An entry is written as a class and registered by a one-line decorator::
         def flops(ins, outs, **attrs):
             return size(outs[0])
 
+Ops alike (elementwise, reductions, softmax) are written instead as one row each of a
+table, ``Row(name, kernel, grad, flops, donate)``, which
+:func:`distgraph.ops.common.register_rows` registers with the family's ``infer``, rule and
+FLOPs (relu is such a row, in :mod:`distgraph.ops.elementwise`). Both forms end in
+:func:`register`, which takes an entry's parts.
+
 ``spmd`` (the sharding rule) is required: an op without one cannot be registered.
 ``grad`` may be omitted only with ``differentiable=False``.
 ``inplace`` lists (output index, input index) pairs whose kernel writes into the input.
@@ -81,29 +87,39 @@ def register_op(op_type: str, *, spmd, inplace=(), differentiable=True, donate=F
     """Class decorator that validates and registers one op entry."""
 
     def wrap(cls):
-        if op_type in _REGISTRY:
-            raise DistGraphError(f"op {op_type!r} is registered twice")
-        if spmd is None:
-            raise DistGraphError(f"op {op_type!r} has no sharding (spmd) rule; every op needs one")
         members = vars(cls)
-        for needed in ("infer", "kernel"):
-            if needed not in members:
-                raise DistGraphError(f"op {op_type!r} defines no {needed}()")
-        grad = members.get("grad")
-        if differentiable and grad is None:
-            raise DistGraphError(f"op {op_type!r} defines no grad(); pass differentiable=False "
-                                 "if it has no gradient")
-        if not isinstance(spmd, Rule):
-            raise DistGraphError(f"op {op_type!r}: its spmd rule {spmd!r} is not a "
-                                 f"distgraph.spmd.Rule")
-        flops = members.get("flops", _zero_flops)
-        rule = OpRule(op_type, spmd, members["infer"], members.get("comm"))
-        _REGISTRY[op_type] = OpDef(op_type, members["infer"], members["kernel"], grad, rule,
-                                   flops, tuple(inplace), differentiable, members.get("localize"),
-                                   members.get("comm"), donate, members.get("overlap"))
+        register(op_type, spmd=spmd, infer=members.get("infer"), kernel=members.get("kernel"),
+                 grad=members.get("grad"), flops=members.get("flops"), inplace=inplace,
+                 differentiable=differentiable, localize=members.get("localize"),
+                 comm=members.get("comm"), donate=donate, overlap=members.get("overlap"))
         return cls
 
     return wrap
+
+
+def register(op_type: str, *, spmd, infer, kernel, grad=None, flops=None, inplace=(),
+             differentiable=True, localize=None, comm=None, donate=False,
+             overlap=None) -> OpDef:
+    """Validate and register one op entry from its parts (``register_op`` is the class
+    form; :func:`distgraph.ops.common.register_rows` registers a table of them)."""
+    if op_type in _REGISTRY:
+        raise DistGraphError(f"op {op_type!r} is registered twice")
+    if spmd is None:
+        raise DistGraphError(f"op {op_type!r} has no sharding (spmd) rule; every op needs one")
+    for needed, fn in (("infer", infer), ("kernel", kernel)):
+        if fn is None:
+            raise DistGraphError(f"op {op_type!r} defines no {needed}()")
+    if differentiable and grad is None:
+        raise DistGraphError(f"op {op_type!r} defines no grad(); pass differentiable=False "
+                             "if it has no gradient")
+    if not isinstance(spmd, Rule):
+        raise DistGraphError(f"op {op_type!r}: its spmd rule {spmd!r} is not a "
+                             f"distgraph.spmd.Rule")
+    rule = OpRule(op_type, spmd, infer, comm)
+    entry = OpDef(op_type, infer, kernel, grad, rule, flops or _zero_flops, tuple(inplace),
+                  differentiable, localize, comm, donate, overlap)
+    _REGISTRY[op_type] = entry
+    return entry
 
 
 def _zero_flops(ins, outs, **attrs) -> int:

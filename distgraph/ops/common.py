@@ -1,10 +1,47 @@
-"""Helpers shared by op entries: type inference, FLOP counts, gradient plumbing."""
+"""Helpers shared by op entries: op tables, type inference, FLOP counts, gradient plumbing."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable
+
 from distgraph.errors import DistGraphError
-from distgraph.registry import DTypeError, ShapeError, TensorType, size
+from distgraph.registry import DTypeError, ShapeError, TensorType, register, size
+from distgraph.spmd import Rule
 from distgraph.trace import current_builder, emit1
+
+
+@dataclass(frozen=True)
+class Row:
+    """One op of a table of alike ops (elementwise, reductions, softmax): what sets it
+    apart from its family. ``kernel(ctx, *arrays, **attrs)`` and ``grad(op, dz)`` as in
+    :mod:`distgraph.registry`; ``flops``: FLOPs per element of the result, or the
+    registry's ``flops(ins, outs, **attrs)``. ``infer`` and ``spmd`` override the
+    family's (``None``: the family's).
+
+    Example: ``Row("exp", lambda ctx, x: ctx.xp.exp(x), lambda op, dz: [...])``.
+    """
+
+    name: str
+    kernel: Callable
+    grad: Callable | None = None
+    flops: int | Callable | None = None
+    donate: bool = False
+    infer: Callable | None = None
+    spmd: Rule | None = None
+
+
+def register_rows(rows, *, infer=None, spmd=None, flops=1, differentiable=True) -> None:
+    """Register one registry entry per row of a table; the keywords are the family's:
+    its ``infer``, its sharding rule ``spmd`` (rules hold no state: the rows share it), its
+    ``flops``, and ``differentiable=False`` for a table of gradient ops (rows without
+    ``grad``)."""
+    for row in rows:
+        count = flops if row.flops is None else row.flops
+        register(row.name, spmd=spmd if row.spmd is None else row.spmd,
+                 infer=infer if row.infer is None else row.infer, kernel=row.kernel, grad=row.grad,
+                 flops=elementwise_flops(count) if isinstance(count, int) else count,
+                 differentiable=differentiable, donate=row.donate)
 
 
 def broadcast_shapes(*shapes) -> tuple:

@@ -1,5 +1,11 @@
 """Elementwise ops with numpy broadcasting, constants, activations, where/mask, dropout.
 
+The ops alike are rows of three tables, each a family with one ``infer``, sharding rule
+and FLOP count: ``ARITHMETIC`` (binary, broadcasting), ``UNARY`` (math and activations)
+and ``GRADS`` (the gradient ops of ``UNARY``). A new unary op is one row of ``UNARY``
+(and its gradient op, if it has one, a row of ``GRADS``); ``unary_function`` makes its
+functional form. The ops that differ (attributes, several outputs, randomness) are classes.
+
 Sharding: every entry here uses the broadcasting einsum family (``elementwise_rule``):
 S(i) x S(i) -> S(i) per letter, a stretched size-1 dim is never split.
 """
@@ -11,7 +17,8 @@ import math
 import numpy as np
 
 from distgraph import dtypes
-from distgraph.ops.common import as_tensor_pair, broadcast_infer, elementwise_flops, reduce_to_shape
+from distgraph.ops.common import (Row, as_tensor_pair, broadcast_infer, elementwise_flops,
+                                  reduce_to_shape, register_rows)
 from distgraph.registry import ShapeError, TensorType, register_op
 from distgraph.spmd import EinsumRule, elementwise_rule
 from distgraph.trace import emit, emit1
@@ -20,58 +27,41 @@ GELU_C = math.sqrt(2.0 / math.pi)
 
 
 # -- arithmetic --------------------------------------------------------------------------------
-@register_op("add", spmd=elementwise_rule(), donate=True)
-class Add:
-    infer = broadcast_infer
-    flops = elementwise_flops(1)
-
-    def kernel(ctx, x, y):
-        return ctx.xp.add(x, y, out=ctx.out)
-
-    def grad(op, dz):
-        x, y = op.inputs
-        return [reduce_to_shape(dz, x.shape), reduce_to_shape(dz, y.shape)]
+# Gradients sum each operand's back over the dims it was broadcast along.
+def _add_grad(op, dz):
+    x, y = op.inputs
+    return [reduce_to_shape(dz, x.shape), reduce_to_shape(dz, y.shape)]
 
 
-@register_op("subtract", spmd=elementwise_rule(), donate=True)
-class Subtract:
-    infer = broadcast_infer
-    flops = elementwise_flops(1)
-
-    def kernel(ctx, x, y):
-        return ctx.xp.subtract(x, y, out=ctx.out)
-
-    def grad(op, dz):
-        x, y = op.inputs
-        return [reduce_to_shape(dz, x.shape), reduce_to_shape(neg(dz), y.shape)]
+def _subtract_grad(op, dz):
+    x, y = op.inputs
+    return [reduce_to_shape(dz, x.shape), reduce_to_shape(neg(dz), y.shape)]
 
 
-@register_op("multiply", spmd=elementwise_rule(), donate=True)
-class Multiply:
-    infer = broadcast_infer
-    flops = elementwise_flops(1)
-
-    def kernel(ctx, x, y):
-        return ctx.xp.multiply(x, y, out=ctx.out)
-
-    def grad(op, dz):
-        x, y = op.inputs
-        return [reduce_to_shape(multiply(dz, y), x.shape), reduce_to_shape(multiply(dz, x), y.shape)]
+def _multiply_grad(op, dz):
+    x, y = op.inputs
+    return [reduce_to_shape(multiply(dz, y), x.shape), reduce_to_shape(multiply(dz, x), y.shape)]
 
 
-@register_op("divide", spmd=elementwise_rule(), donate=True)
-class Divide:
-    infer = broadcast_infer
-    flops = elementwise_flops(1)
+def _divide_grad(op, dz):
+    x, y = op.inputs
+    z = op.outputs[0]
+    dx = divide(dz, y)
+    return [reduce_to_shape(dx, x.shape), reduce_to_shape(neg(multiply(dx, z)), y.shape)]
 
-    def kernel(ctx, x, y):
-        return ctx.xp.divide(x, y, out=ctx.out)
 
-    def grad(op, dz):
-        x, y = op.inputs
-        z = op.outputs[0]
-        dx = divide(dz, y)
-        return [reduce_to_shape(dx, x.shape), reduce_to_shape(neg(multiply(dx, z)), y.shape)]
+# Row(name, kernel, grad): each writes into a dying operand's buffer (donate), 1 FLOP per
+# element. S(i) x S(i) -> S(i); S(i) x R -> S(i) where the other operand's dim i is 1.
+ARITHMETIC = (
+    Row("add", lambda ctx, x, y: ctx.xp.add(x, y, out=ctx.out), _add_grad, donate=True),
+    Row("subtract", lambda ctx, x, y: ctx.xp.subtract(x, y, out=ctx.out), _subtract_grad,
+        donate=True),
+    Row("multiply", lambda ctx, x, y: ctx.xp.multiply(x, y, out=ctx.out), _multiply_grad,
+        donate=True),
+    Row("divide", lambda ctx, x, y: ctx.xp.divide(x, y, out=ctx.out), _divide_grad,
+        donate=True),
+)
+register_rows(ARITHMETIC, infer=broadcast_infer, spmd=elementwise_rule())
 
 
 @register_op("scale", spmd=elementwise_rule(), donate=True)
@@ -93,147 +83,57 @@ class Scale:
         return [scale_(dz, op.attrs["scale"])]
 
 
-@register_op("neg", spmd=elementwise_rule())
-class Neg:
-    flops = elementwise_flops(1)
-
-    def infer(x):
-        return x
-
-    def kernel(ctx, x):
-        return -x
-
-    def grad(op, dz):
-        return [neg(dz)]
+# -- unary math and activations ----------------------------------------------------------------
+def same(x):
+    """A unary op's result: its operand's shape and dtype."""
+    return x
 
 
-# -- unary math ---------------------------------------------------------------------------------
-@register_op("exp", spmd=elementwise_rule())
-class Exp:
-    flops = elementwise_flops(1)
-
-    def infer(x):
-        return x
-
-    def kernel(ctx, x):
-        return ctx.xp.exp(x)
-
-    def grad(op, dz):
-        return [multiply(dz, op.outputs[0])]
+def grad_infer(y, dy):
+    """A gradient op's result: its operands' (broadcast) shape and common dtype."""
+    return broadcast_infer(y, dy)
 
 
-@register_op("log", spmd=elementwise_rule())
-class Log:
-    flops = elementwise_flops(1)
-
-    def infer(x):
-        return x
-
-    def kernel(ctx, x):
-        return ctx.xp.log(x)
-
-    def grad(op, dz):
-        return [divide(dz, op.inputs[0])]
-
-
-@register_op("sqrt", spmd=elementwise_rule())
-class Sqrt:
-    flops = elementwise_flops(1)
-
-    def infer(x):
-        return x
-
-    def kernel(ctx, x):
-        return ctx.xp.sqrt(x)
-
-    def grad(op, dz):
-        return [scale_(divide(dz, op.outputs[0]), 0.5)]
-
-
-@register_op("tanh", spmd=elementwise_rule())
-class Tanh:
-    flops = elementwise_flops(1)
-
-    def infer(x):
-        return x
-
-    def kernel(ctx, x):
-        return ctx.xp.tanh(x)
-
-    def grad(op, dz):
-        return [emit1("tanh_grad", [op.outputs[0], dz])]
-
-
-@register_op("tanh_grad", spmd=elementwise_rule(), differentiable=False)
-class TanhGrad:
-    """dx = dy * (1 - y^2)."""
-
-    flops = elementwise_flops(3)
-
-    def infer(y, dy):
-        return broadcast_infer(y, dy)
-
-    def kernel(ctx, y, dy):
-        return dy * (1 - y * y)
-
-
-@register_op("relu", spmd=elementwise_rule(), donate=True)
-class Relu:
-    flops = elementwise_flops(1)
-
-    def infer(x):
-        return x
-
-    def kernel(ctx, x):
-        return ctx.xp.maximum(x, x.dtype.type(0), out=ctx.out)
-
-    def grad(op, dz):
-        return [emit1("relu_grad", [op.outputs[0], dz])]
-
-
-@register_op("relu_grad", spmd=elementwise_rule(), differentiable=False, donate=True)
-class ReluGrad:
-    """dx = dy where y > 0 else 0."""
-
-    flops = elementwise_flops(1)
-
-    def infer(y, dy):
-        return broadcast_infer(y, dy)
-
-    def kernel(ctx, y, dy):
-        return ctx.xp.multiply(dy, y > 0, out=ctx.out)
-
-
-@register_op("gelu", spmd=elementwise_rule())
-class Gelu:
+def _gelu(ctx, x):
     """GELU, tanh approximation: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))."""
-
-    flops = elementwise_flops(8)
-
-    def infer(x):
-        return x
-
-    def kernel(ctx, x):
-        xp = ctx.xp
-        inner = x.dtype.type(GELU_C) * (x + x.dtype.type(0.044715) * x * x * x)
-        return x.dtype.type(0.5) * x * (1 + xp.tanh(inner))
-
-    def grad(op, dz):
-        return [emit1("gelu_grad", [op.inputs[0], dz])]
+    xp = ctx.xp
+    inner = x.dtype.type(GELU_C) * (x + x.dtype.type(0.044715) * x * x * x)
+    return x.dtype.type(0.5) * x * (1 + xp.tanh(inner))
 
 
-@register_op("gelu_grad", spmd=elementwise_rule(), differentiable=False)
-class GeluGrad:
-    flops = elementwise_flops(14)
+def _gelu_grad(ctx, x, dy):
+    t = x.dtype.type
+    th = ctx.xp.tanh(t(GELU_C) * (x + t(0.044715) * x * x * x))
+    d_inner = t(GELU_C) * (1 + t(3 * 0.044715) * x * x)
+    return dy * (t(0.5) * (1 + th) + t(0.5) * x * (1 - th * th) * d_inner)
 
-    def infer(x, dy):
-        return broadcast_infer(x, dy)
 
-    def kernel(ctx, x, dy):
-        t = x.dtype.type
-        th = ctx.xp.tanh(t(GELU_C) * (x + t(0.044715) * x * x * x))
-        d_inner = t(GELU_C) * (1 + t(3 * 0.044715) * x * x)
-        return dy * (t(0.5) * (1 + th) + t(0.5) * x * (1 - th * th) * d_inner)
+# Row(name, kernel, grad, flops per element=1, donate=False); rule S(i) -> S(i).
+# A new unary op (silu, rsqrt, ...) is a row here and a name for unary_function below; a
+# gradient that needs its own kernel is a row of GRADS, emitted by this row's grad.
+UNARY = (
+    Row("neg", lambda ctx, x: -x, lambda op, dz: [neg(dz)]),
+    Row("exp", lambda ctx, x: ctx.xp.exp(x), lambda op, dz: [multiply(dz, op.outputs[0])]),
+    Row("log", lambda ctx, x: ctx.xp.log(x), lambda op, dz: [divide(dz, op.inputs[0])]),
+    Row("sqrt", lambda ctx, x: ctx.xp.sqrt(x),
+        lambda op, dz: [scale_(divide(dz, op.outputs[0]), 0.5)]),
+    Row("tanh", lambda ctx, x: ctx.xp.tanh(x),
+        lambda op, dz: [emit1("tanh_grad", [op.outputs[0], dz])]),
+    Row("relu", lambda ctx, x: ctx.xp.maximum(x, x.dtype.type(0), out=ctx.out),
+        lambda op, dz: [emit1("relu_grad", [op.outputs[0], dz])], donate=True),
+    Row("gelu", _gelu, lambda op, dz: [emit1("gelu_grad", [op.inputs[0], dz])], flops=8),
+)
+register_rows(UNARY, infer=same, spmd=elementwise_rule())
+
+# Row(name, kernel(ctx, y or x, dy) -> dx, flops per element); rule S(i) x S(i) -> S(i).
+GRADS = (
+    Row("tanh_grad", lambda ctx, y, dy: dy * (1 - y * y), flops=3),      # dy (1 - y^2)
+    Row("relu_grad", lambda ctx, y, dy: ctx.xp.multiply(dy, y > 0, out=ctx.out),
+        donate=True),                                                    # dy where y > 0
+    Row("gelu_grad", _gelu_grad, flops=14,
+        infer=lambda x, dy: broadcast_infer(x, dy)),                     # reads x, not y
+)
+register_rows(GRADS, infer=grad_infer, spmd=elementwise_rule(), differentiable=False)
 
 
 @register_op("cast", spmd=elementwise_rule())
@@ -354,28 +254,19 @@ def scale_(x, scale=1.0, bias=0.0):
     return emit1("scale", [x], {"scale": float(scale), "bias": float(bias)})
 
 
-def neg(x):
-    return emit1("neg", [x])
+def unary_function(op_type: str):
+    """The functional form of a UNARY row that takes no options: ``f(x)`` traces one
+    ``op_type`` op on ``x``."""
+
+    def function(x):
+        return emit1(op_type, [x])
+
+    function.__name__ = function.__qualname__ = op_type
+    function.__doc__ = f"Elementwise ``{op_type}`` of ``x`` (one ``{op_type}`` op)."
+    return function
 
 
-def exp(x):
-    return emit1("exp", [x])
-
-
-def log(x):
-    return emit1("log", [x])
-
-
-def sqrt(x):
-    return emit1("sqrt", [x])
-
-
-def tanh(x):
-    return emit1("tanh", [x])
-
-
-def relu(x):
-    return emit1("relu", [x])
+neg, exp, log, sqrt, tanh, relu = map(unary_function, ("neg", "exp", "log", "sqrt", "tanh", "relu"))
 
 
 def gelu(x, approximate=True):

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from distgraph import dtypes
 from distgraph.errors import DistGraphError
-from distgraph.ops.common import elementwise_flops, normalize_axes
+from distgraph.ops.common import Row, elementwise_flops, normalize_axes, register_rows
 from distgraph.ops.elementwise import divide, multiply, subtract
 from distgraph.ops.reduce import mean as reduce_mean
 from distgraph.ops.reduce import sum as reduce_sum
@@ -65,66 +65,59 @@ def _check_float(x, op):
         raise DTypeError(f"{op} needs a floating tensor, got {x.dtype}")
 
 
-@register_op("softmax", spmd=axis_rule())
-class Softmax:
-    flops = elementwise_flops(5)
-
+def _float_only(op_type):
+    """The ``infer`` of a softmax-family op: a floating operand, the same result."""
     def infer(x, axis=-1):
-        _check_float(x, "softmax")
+        _check_float(x, op_type)
         return x
+    return infer
 
-    def kernel(ctx, x, axis=-1):
-        xp = ctx.xp
-        e = xp.exp(x - xp.max(x, axis=axis, keepdims=True))
-        e /= xp.sum(e, axis=axis, keepdims=True)
-        return e
 
+def _softmax_grad_infer(y, dy, axis=-1):
+    return y
+
+
+def _softmax(ctx, x, axis=-1):
+    xp = ctx.xp
+    e = xp.exp(x - xp.max(x, axis=axis, keepdims=True))
+    e /= xp.sum(e, axis=axis, keepdims=True)
+    return e
+
+
+def _log_softmax(ctx, x, axis=-1):
+    xp = ctx.xp
+    shifted = x - xp.max(x, axis=axis, keepdims=True)
+    return shifted - xp.log(xp.sum(xp.exp(shifted), axis=axis, keepdims=True))
+
+
+def _grad_by(grad_type):
+    """The grad of a softmax-family op: one ``grad_type`` op on its result and ``dz``."""
     def grad(op, dz):
-        return [emit1("softmax_grad", [op.outputs[0], dz], {"axis": op.attrs["axis"]})]
+        return [emit1(grad_type, [op.outputs[0], dz], {"axis": op.attrs["axis"]})]
+    return grad
 
 
-@register_op("softmax_grad", spmd=axis_rule(n_in=2), differentiable=False)
-class SoftmaxGrad:
-    """dx = y * (dy - sum(dy * y, axis))."""
+# Row(name, kernel, grad, flops per element, infer); "abC->abC" for axis=-1:
+# S(0) -> S(0), the softmax axis is never split.
+SOFTMAX = (
+    Row("softmax", _softmax, _grad_by("softmax_grad"), flops=5, infer=_float_only("softmax")),
+    Row("log_softmax", _log_softmax, _grad_by("log_softmax_grad"), flops=5,
+        infer=_float_only("log_softmax")),
+)
+register_rows(SOFTMAX, spmd=axis_rule())
 
-    flops = elementwise_flops(4)
-
-    def infer(y, dy, axis=-1):
-        return y
-
-    def kernel(ctx, y, dy, axis=-1):
-        return y * (dy - ctx.xp.sum(dy * y, axis=axis, keepdims=True))
-
-
-@register_op("log_softmax", spmd=axis_rule())
-class LogSoftmax:
-    flops = elementwise_flops(5)
-
-    def infer(x, axis=-1):
-        _check_float(x, "log_softmax")
-        return x
-
-    def kernel(ctx, x, axis=-1):
-        xp = ctx.xp
-        shifted = x - xp.max(x, axis=axis, keepdims=True)
-        return shifted - xp.log(xp.sum(xp.exp(shifted), axis=axis, keepdims=True))
-
-    def grad(op, dz):
-        return [emit1("log_softmax_grad", [op.outputs[0], dz], {"axis": op.attrs["axis"]})]
-
-
-@register_op("log_softmax_grad", spmd=axis_rule(n_in=2), differentiable=False)
-class LogSoftmaxGrad:
-    """dx = dy - exp(y) * sum(dy, axis)."""
-
-    flops = elementwise_flops(4)
-
-    def infer(y, dy, axis=-1):
-        return y
-
-    def kernel(ctx, y, dy, axis=-1):
-        xp = ctx.xp
-        return dy - xp.exp(y) * xp.sum(dy, axis=axis, keepdims=True)
+# Row(name, kernel(ctx, y, dy, axis) -> dx, flops per element); "abC,abC->abC" for axis=-1:
+# S(0) x S(0) -> S(0).
+SOFTMAX_GRADS = (
+    Row("softmax_grad",          # dx = y * (dy - sum(dy * y, axis))
+        lambda ctx, y, dy, axis=-1: y * (dy - ctx.xp.sum(dy * y, axis=axis, keepdims=True)),
+        flops=4),
+    Row("log_softmax_grad",      # dx = dy - exp(y) * sum(dy, axis)
+        lambda ctx, y, dy, axis=-1: dy - ctx.xp.exp(y) * ctx.xp.sum(dy, axis=axis, keepdims=True),
+        flops=4),
+)
+register_rows(SOFTMAX_GRADS, infer=_softmax_grad_infer, spmd=axis_rule(n_in=2),
+              differentiable=False)
 
 
 # -- layer norm ---------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ Sharding: ``"abc->ac"`` for sum over axis 1: S(b) -> P; ``"aBc->ac"`` for max.
 
 from __future__ import annotations
 
-from distgraph.ops.common import elementwise_flops, normalize_axes
+from distgraph.ops.common import Row, elementwise_flops, normalize_axes, register_rows
 from distgraph.ops.elementwise import scale_
 from distgraph.ops.shape import broadcast_to, reshape
 from distgraph.registry import TensorType, register_op, size
@@ -35,45 +35,41 @@ def reduce_notation(upper: bool):
     return notation
 
 
-def _sum_flops(ins, outs, **attrs):
+def _reduce_flops(ins, outs, **attrs):
     return size(ins[0])
 
 
-@register_op("sum", spmd=EinsumRule(reduce_notation(upper=False)))
-class Sum:
-    flops = _sum_flops
-
-    def infer(x, axis, keepdim=False):
-        return TensorType(_reduced_shape(x.shape, axis, keepdim), x.dtype)
-
-    def kernel(ctx, x, axis, keepdim=False):
-        return ctx.xp.sum(x, axis=axis, keepdims=keepdim)
-
-    def grad(op, dz):
-        x = op.inputs[0]
-        axes = op.attrs["axis"]
-        if not op.attrs.get("keepdim"):
-            dz = reshape(dz, [1 if i in axes else n for i, n in enumerate(x.shape)])
-        return [broadcast_to(dz, x.shape)]
+def _reduce_infer(x, axis, keepdim=False):
+    return TensorType(_reduced_shape(x.shape, axis, keepdim), x.dtype)
 
 
-@register_op("max", spmd=EinsumRule(reduce_notation(upper=True)))
-class Max:
-    flops = _sum_flops
+def _sum_grad(op, dz):
+    x = op.inputs[0]
+    axes = op.attrs["axis"]
+    if not op.attrs.get("keepdim"):
+        dz = reshape(dz, [1 if i in axes else n for i, n in enumerate(x.shape)])
+    return [broadcast_to(dz, x.shape)]
 
-    def infer(x, axis, keepdim=False):
-        return TensorType(_reduced_shape(x.shape, axis, keepdim), x.dtype)
 
-    def kernel(ctx, x, axis, keepdim=False):
-        return ctx.xp.max(x, axis=axis, keepdims=keepdim)
+def _max_grad(op, dz):
+    x, y = op.inputs[0], op.outputs[0]
+    axes = op.attrs["axis"]
+    if not op.attrs.get("keepdim"):
+        keep = [1 if i in axes else n for i, n in enumerate(x.shape)]
+        dz, y = reshape(dz, keep), reshape(y, keep)
+    return [emit1("max_grad", [x, y, dz])]
 
-    def grad(op, dz):
-        x, y = op.inputs[0], op.outputs[0]
-        axes = op.attrs["axis"]
-        if not op.attrs.get("keepdim"):
-            keep = [1 if i in axes else n for i, n in enumerate(x.shape)]
-            dz, y = reshape(dz, keep), reshape(y, keep)
-        return [emit1("max_grad", [x, y, dz])]
+
+# Row(name, kernel, grad, spmd); one FLOP per element read.
+REDUCE = (
+    # "abc->ac" over axis 1: S(1) -> P (a split reduced dim leaves partial sums)
+    Row("sum", lambda ctx, x, axis, keepdim=False: ctx.xp.sum(x, axis=axis, keepdims=keepdim),
+        _sum_grad, spmd=EinsumRule(reduce_notation(upper=False))),
+    # "aBc->ac" over axis 1: S(0) -> S(0); the reduced dim is never split
+    Row("max", lambda ctx, x, axis, keepdim=False: ctx.xp.max(x, axis=axis, keepdims=keepdim),
+        _max_grad, spmd=EinsumRule(reduce_notation(upper=True))),
+)
+register_rows(REDUCE, infer=_reduce_infer, flops=_reduce_flops)
 
 
 @register_op("max_grad", spmd=EinsumRule(lambda s, a: _max_grad_notation(s)), differentiable=False)

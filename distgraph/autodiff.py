@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from distgraph import dtypes
 from distgraph.errors import DistGraphError
-from distgraph.ir import Program, Value
+from distgraph.ir import Program, Role, Value
 from distgraph.registry import get_op
 from distgraph.trace import Builder
 
@@ -52,7 +52,7 @@ def append_backward(program: Program, loss: Value, parameters=None) -> dict[str,
         if not parts:
             return None
         total = parts[0]
-        with builder.scope(role="backward", forward_op=producers.get(v.name)):
+        with builder.scope(role=Role.BACKWARD, forward_op=producers.get(v.name)):
             for extra in parts[1:]:
                 total = builder.emit("add", [total, extra])[0]
             if id(total) in named and v.is_parameter:
@@ -62,7 +62,7 @@ def append_backward(program: Program, loss: Value, parameters=None) -> dict[str,
             named.add(id(total))
         return total
 
-    with builder.active(), builder.scope(role="backward"):
+    with builder.active(), builder.scope(role=Role.BACKWARD):
         seed = builder.emit("full", [], {"shape": (), "value": 1.0, "dtype": loss.dtype})[0]
         contributions[loss.name] = [seed]
         for op in reversed(forward_ops):
@@ -75,7 +75,7 @@ def append_backward(program: Program, loss: Value, parameters=None) -> dict[str,
             if not opdef.differentiable:
                 raise DistGraphError(f"op '{op.type}' ({op.layer or 'top level'}) is on the path "
                                      "from a parameter to the loss but has no gradient")
-            with builder.scope(role="backward", layer=op.layer, forward_op=op):
+            with builder.scope(role=Role.BACKWARD, layer=op.layer, forward_op=op):
                 in_grads = opdef.grad(op, *out_grads)
             for v, g in zip(op.inputs, in_grads):
                 if g is None or v.name not in needs:
@@ -97,7 +97,7 @@ def _remove_dead_backward(program: Program, keep: set[str]) -> None:
     live = set(keep)
     kept = []
     for op in reversed(program.ops):
-        if op.role != "backward" or any(o.name in live for o in op.outputs):
+        if op.role is not Role.BACKWARD or any(o.name in live for o in op.outputs):
             kept.append(op)
             live.update(v.name for v in op.inputs)
         else:

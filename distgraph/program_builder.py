@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from distgraph.autodiff import append_backward
 from distgraph.errors import DistGraphError
-from distgraph.ir import Program
+from distgraph.ir import Program, Role
 from distgraph.nn.layers import TransformerBlock
 from distgraph.trace import Builder, flatten_outputs, make_inputs
 
@@ -58,7 +58,7 @@ def build_program(model, input_specs, label_specs=(), loss=None, optimizer=None,
     with builder.active():
         outputs = [builder.as_value(o) for o in flatten_outputs(model(*inputs))]
         if loss is not None and mode != "predict":
-            with builder.scope(role="loss"):
+            with builder.scope(role=Role.LOSS):
                 loss_value = builder.as_value(loss(*outputs, *labels))
     program = builder.program
     if mode == "predict":

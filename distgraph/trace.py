@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from distgraph import dtypes
 from distgraph.errors import DistGraphError
-from distgraph.ir import Operation, Program, Value
+from distgraph.ir import Operation, Program, Role, Value
 from distgraph.registry import ShapeError, TensorType, get_op
 from distgraph.parameter import Parameter
 
@@ -48,7 +48,7 @@ class Builder:
         self.program = program
         self.param_names = dict(param_names or {})
         self.param_values: dict[int, Value] = {}
-        self.role = "forward"
+        self.role = Role.FORWARD
         self.layer_path: list[str] = []
         self.forward_op: Operation | None = None
         self.op_annotation = None
@@ -157,7 +157,7 @@ def make_inputs(builder: Builder, specs) -> list[Value]:
     values = []
     for i, spec in enumerate(specs):
         name = spec.name or f"input_{i}"
-        v = builder.program.add_value(Value(name, spec.shape, spec.dtype, role="forward"))
+        v = builder.program.add_value(Value(name, spec.shape, spec.dtype, role=Role.FORWARD))
         if spec.dist_attr is not None:
             spec.dist_attr.spec.validate(spec.dist_attr.mesh, spec.shape, name)
             v.annotation = spec.dist_attr

@@ -38,6 +38,7 @@ import dataclasses
 from types import MappingProxyType
 
 from distgraph.errors import PlanError, ShardingError
+from distgraph.ir import Role
 from distgraph.mesh import ProcessMesh, ProcessRanks
 from distgraph.passes.completion.complete import complete
 from distgraph.passes.completion import stage_order
@@ -256,7 +257,7 @@ def _compiled(planned: Plan, ranks) -> Plan:
 
 
 def _shard_updates(program, mesh_dim: str, cluster) -> None:
-    meshes = {op.dist_attr.mesh for op in program.ops if op.role == "optimize"}
+    meshes = {op.dist_attr.mesh for op in program.ops if op.role is Role.OPTIMIZE}
     if not any(mesh_dim in m.dim_names for m in meshes):
         raise PlanError(f"Strategy(sharding=True) shards updates over mesh dim {mesh_dim!r}, "
                         f"but no update runs on a mesh with that dim (meshes: "

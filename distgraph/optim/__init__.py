@@ -18,7 +18,7 @@ import numpy as np
 
 from distgraph import dtypes
 from distgraph.errors import DistGraphError
-from distgraph.ir import Program, Value
+from distgraph.ir import Program, Role, Value
 from distgraph.optim import lr
 from distgraph.trace import Builder
 
@@ -71,7 +71,7 @@ class Optimizer:
         if not grads:
             raise DistGraphError("no parameter gradients to update")
         builder = Builder(program)
-        with builder.active(), builder.scope(role="optimize"):
+        with builder.active(), builder.scope(role=Role.OPTIMIZE):
             step = self._step_value(builder)
             rate = self._lr_value(builder)
             for name, grad in grads.items():
@@ -85,13 +85,13 @@ class Optimizer:
                 suffixes = (MASTER,) + self.state_suffixes if mixed else self.state_suffixes
                 states = [builder.program.add_value(
                     Value(f"{name}@{suffix}", param.shape, "float32" if mixed else param.dtype,
-                          persistable=True, role="optimize")) for suffix in suffixes]
+                          persistable=True, role=Role.OPTIMIZE)) for suffix in suffixes]
                 with builder.scope(layer=name):
                     self._emit_update(builder, param, grad, states, step, rate)
 
     def _lr_value(self, builder):
         value = builder.program.add_value(Value(LR, (), "float64", persistable=True,
-                                                role="optimize"))
+                                                role=Role.OPTIMIZE))
         # Read once through an op of its own: like the step counter, it then lives on
         # the union of the update meshes, and every update reads it without a message.
         (read,) = builder.emit("scale", [value], {"scale": 1.0, "bias": 0.0},
@@ -161,7 +161,7 @@ class Adam(Optimizer):
         step = builder.program.values.get(STEP)
         if step is None:
             step = builder.program.add_value(Value(STEP, (), "int64", persistable=True,
-                                                   role="optimize"))
+                                                   role=Role.OPTIMIZE))
         (out,) = builder.emit("increment", [step], names=[f"{STEP}@OUT"])
         out.alias_of = STEP
         return out

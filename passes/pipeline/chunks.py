@@ -27,11 +27,12 @@ from __future__ import annotations
 
 from distgraph.annotation import OpAnnotation
 from distgraph.errors import PlanError
+from distgraph.ir import Role
 from distgraph.passes.completion.stage_order import stage_of_mesh
 from distgraph.placement import DistAttr
 from distgraph.registry import op_flops
 
-FORWARD = ("forward", "loss")
+FORWARD = (Role.FORWARD, Role.LOSS)
 
 
 def chunk_meshes(stages: tuple, virtual: int, v_shape: bool) -> tuple:
@@ -167,7 +168,7 @@ def chunk_of_ops(program, meshes: tuple, cut: dict | None = None) -> tuple:
     for c, mesh in enumerate(meshes):
         on_mesh.setdefault(mesh, []).append(c)
     for k, op in enumerate(ops):
-        if op.role != "backward":
+        if op.role is not Role.BACKWARD:
             continue
         if op.forward_op is not None and chunk[index[id(op.forward_op)]] is not None:
             chunk[k] = chunk[index[id(op.forward_op)]]

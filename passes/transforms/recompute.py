@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 
 from distgraph.errors import PlanError
-from distgraph.ir import Operation, Program, Value
+from distgraph.ir import Operation, Program, Role, Value
 
 SUFFIX = "@RECOMPUTE"
 
@@ -42,7 +42,7 @@ def segments(built, option) -> list:
                             "the model has none; give the layer paths to recompute, e.g. "
                             "Strategy(recompute=['encoder.0', 'encoder.1'])")
         return list(built.block_paths)
-    layers = {op.layer for op in built.program.ops if op.role == "forward"}
+    layers = {op.layer for op in built.program.ops if op.role is Role.FORWARD}
     for path in option:
         if not any(_inside(layer, path) for layer in layers):
             known = sorted({layer.rsplit(".", 1)[0] for layer in layers if layer})[:12]
@@ -62,8 +62,8 @@ def recompute(program: Program, paths) -> int:
     forward_readers: dict = {}
     backward_readers: dict = {}
     for i, op in enumerate(ops):
-        readers = backward_readers if op.role == "backward" else \
-            forward_readers if op.role in ("forward", "loss") else None
+        readers = backward_readers if op.role is Role.BACKWARD else \
+            forward_readers if op.role in (Role.FORWARD, Role.LOSS) else None
         if readers is not None:
             for v in op.inputs:
                 readers.setdefault(v.name, []).append(i)
@@ -71,7 +71,7 @@ def recompute(program: Program, paths) -> int:
     inserts: dict = {}
     renames: dict = {}
     for path in paths:
-        seg = [i for i, op in enumerate(ops) if op.role == "forward" and _inside(op.layer, path)]
+        seg = [i for i, op in enumerate(ops) if op.role is Role.FORWARD and _inside(op.layer, path)]
         planned = _plan_segment(program, seg, forward_readers, backward_readers, outputs)
         if planned is None:
             continue
@@ -116,7 +116,7 @@ def _plan_segment(program, seg, forward_readers, backward_readers, outputs):
     clones = []
     for i in sorted(wanted):
         op = ops[i]
-        outs = [program.add_value(Value(o.name + SUFFIX, o.shape, o.dtype, role="backward",
+        outs = [program.add_value(Value(o.name + SUFFIX, o.shape, o.dtype, role=Role.BACKWARD,
                                         annotation=o.annotation)) for o in op.outputs]
         clones.append(Operation(op.type, [copies.get(v.name, v) for v in op.inputs], outs,
                                 dict(op.attrs), "backward", op.layer, op,

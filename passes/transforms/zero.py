@@ -16,7 +16,7 @@ Example::
 from __future__ import annotations
 
 from distgraph.annotation import OpAnnotation
-from distgraph.ir import Program
+from distgraph.ir import Program, Role
 from distgraph.registry import get_op
 from distgraph.placement import DistAttr, ShardSpec
 
@@ -38,7 +38,7 @@ def shard_updates(program: Program, mesh_dim: str = "dp") -> int:
     how many parameters' updates were sharded. Complete the program again afterwards."""
     count = 0
     for op in program.ops:
-        if op.role != "optimize" or not get_op(op.type).inplace or not op.inputs[0].is_parameter:
+        if op.role is not Role.OPTIMIZE or not get_op(op.type).inplace or not op.inputs[0].is_parameter:
             continue
         param = op.inputs[0]
         mesh = op.dist_attr.mesh

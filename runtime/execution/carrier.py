@@ -28,7 +28,7 @@ import time
 
 from distgraph.errors import DistGraphError, RuntimeFault
 from distgraph.plan.instructions import GatherInstr, OpInstr, PointInstr, RecvInstr, SendInstr
-from distgraph.plan.kinds import AccumulationMode
+from distgraph.plan.kinds import AccumulationMode, ItemKind, TaskKind
 from distgraph.runtime.execution.batched import run_batched
 from distgraph.runtime.execution.executor import donatable, may_donate, run_op
 from distgraph.runtime.execution.tasks import Accumulator, InstrRunner, micro_batch_context
@@ -135,7 +135,7 @@ class Carrier:
             if req.test():
                 progressed = True
                 if self.profile and what is not None:
-                    self._event("send", self.home, what[1], start, self.clock(), peer=what[0])
+                    self._event(ItemKind.SEND, self.home, what[1], start, self.clock(), peer=what[0])
             else:
                 still.append(item)
         self.sends = still
@@ -177,7 +177,7 @@ class Carrier:
         self._wait(lambda: self._arrived(i), what, lambda: self._stalled(i), peers)
         if self.profile:
             _, start = self.pending[i]
-            self._event("recv", a.chunk, a.micro_batch, start, self.clock())
+            self._event(ItemKind.RECV, a.chunk, a.micro_batch, start, self.clock())
 
     def _wait_sends(self) -> None:
         peers = sorted({what[0] for _, what, _ in self.sends if what is not None})
@@ -310,7 +310,7 @@ class Carrier:
             raise RuntimeFault(f"rank {self.rank} (process {self.pid}): task update in step "
                                f"{self.step} failed: {e}") from e
         if self.profile:
-            self._event("update", self.home, None, start, self.clock())
+            self._event(TaskKind.UPDATE, self.home, None, start, self.clock())
 
     def _gather(self, instr: GatherInstr, env):
         """The global value of a fetched name; per-sample outputs (kept per micro-batch)

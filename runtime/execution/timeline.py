@@ -27,10 +27,11 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from distgraph.errors import DistGraphError
+from distgraph.plan.kinds import PER_MICRO_BATCH, ItemKind, TaskKind
 
-EVENT_KINDS = ("forward", "backward", "backward_input", "backward_weight", "update", "send",
-               "recv")
-COMPUTE_KINDS = ("forward", "backward", "backward_input", "backward_weight")
+EVENT_KINDS = (*PER_MICRO_BATCH, TaskKind.UPDATE, ItemKind.SEND, ItemKind.RECV)
+COMPUTE_KINDS = PER_MICRO_BATCH
+COMM_KINDS = (ItemKind.SEND, ItemKind.RECV)
 _COLORS = {"forward": "#4c9be8", "backward": "#e8874c", "backward_input": "#e8874c",
            "backward_weight": "#b05cc6", "update": "#59a14f", "send": "#9c9c9c",
            "recv": "#c9c9c9"}
@@ -153,7 +154,7 @@ class Timeline:
         for e in self.events:
             name = e.kind if e.micro_batch is None else f"{e.kind} {e.micro_batch}"
             trace.append({"name": name, "cat": e.kind, "ph": "X", "pid": e.rank,
-                          "tid": 1 if e.kind in ("send", "recv") else 0,
+                          "tid": 1 if e.kind in COMM_KINDS else 0,
                           "ts": e.start * 1e6, "dur": max(e.duration, 0.0) * 1e6,
                           "args": asdict(e)})
         for s in self.memory:
@@ -188,7 +189,7 @@ class Timeline:
             for e in events:
                 if e.rank != rank:
                     continue
-                comm = e.kind in ("send", "recv")
+                comm = e.kind in COMM_KINDS
                 lo, height = (y - 0.42, 0.18) if comm else (y - 0.2, 0.55)
                 ax.broken_barh([((e.start - t0) * 1e3, max(e.duration, 0) * 1e3)],
                                (lo, height), facecolors=_COLORS[e.kind], edgecolor="black",

@@ -44,6 +44,7 @@ _PUBLIC = {
     "shard_tensor": "distgraph.annotation",
     "Cluster": "distgraph.resources.cluster",
     "CheckpointError": "distgraph.app.checkpoint",
+    "from_pretrained": "distgraph.app.pretrained", "save_pretrained": "distgraph.app.pretrained",
 }
 # sub-packages that are public names themselves
 _SUBPACKAGES = ("ops", "nn", "optim", "passes", "callbacks", "metrics")

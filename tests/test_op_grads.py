@@ -127,6 +127,7 @@ UNARY = {
     "tanh": (ops.tanh, normal),
     "relu": (ops.relu, away_from_zero),
     "gelu": (ops.gelu, lambda rng, s: 2.0 * normal(rng, s)),
+    "silu": (ops.silu, lambda rng, s: 3.0 * normal(rng, s)),
     "cast": (lambda x: ops.cast(x, "float64"), normal),
 }
 for _op, (_fn, _gen) in UNARY.items():
@@ -314,6 +315,24 @@ for _shape in ((3, 5), (2, 3, 6)):
               "b": 0.3 * normal(rng, (h,))}
         return (lambda p, f: ops.layer_norm(p["x"], h, p["w"], p["b"], 1e-5)), ps, {}
     CASES.append(Case("layer_norm", "x".join(map(str, _shape)), _make_ln))
+
+
+for _shape in ((3, 5), (2, 3, 6)):
+    def _make_rms(rng, shape=_shape):
+        ps = {"x": normal(rng, shape) * 2 + 0.5, "w": 1 + 0.3 * normal(rng, (shape[-1],))}
+        return (lambda p, f: ops.rms_norm(p["x"], p["w"], 1e-5)), ps, {}
+    CASES.append(Case("rms_norm", "x".join(map(str, _shape)), _make_rms))
+
+
+for _label, _shape, _axis, _scaling in (
+        ("bshd", (2, 5, 3, 4), 1, None), ("bhsd", (2, 3, 6, 8), 2, None),
+        ("llama3", (1, 7, 2, 8), 1, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                     "high_freq_factor": 4.0,
+                                     "original_max_position_embeddings": 4})):
+    def _make_rotary(rng, shape=_shape, axis=_axis, scaling=_scaling):
+        return (lambda p, f: ops.rotary(p["x"], axis, 10.0, scaling)), \
+            {"x": normal(rng, shape)}, {}
+    CASES.append(Case("rotary", _label, _make_rotary))
 
 
 for _label, _ids_shape in (("ids2x5", (2, 5)), ("ids8", (8,))):

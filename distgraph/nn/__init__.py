@@ -1,5 +1,7 @@
 """Layers, models and losses."""
 
 from distgraph.nn.layer import Layer, LayerList
+from distgraph.nn.llama import (Llama, LlamaAttention, LlamaConfig, LlamaDecoderLayer, LlamaMLP,
+                                RMSNorm)
 from distgraph.nn.layers import (GPT, MLP, CrossEntropyLoss, Dropout, Embedding, LayerNorm, Linear,
                                  MSELoss, MultiHeadAttention, TransformerBlock)

@@ -6,12 +6,14 @@ one registry entry; ``spmd_rule(op_type)`` returns the sharding rule.
 
 from distgraph.registry import KernelContext, OpDef, TensorType, get_op, registered_ops, spmd_rule
 from distgraph.ops.elementwise import (add, cast, causal_mask, divide, dropout, exp, full, gelu, log,
-                                       multiply, neg, relu, scale_ as scale, sqrt, subtract, tanh, where)
+                                       multiply, neg, relu, scale_ as scale, silu, sqrt, subtract,
+                                       tanh, where)
 from distgraph.ops.shape import broadcast_to, concat, reshape, slice_ as slice, split, transpose
 from distgraph.ops.reduce import max, mean, sum
 from distgraph.ops.linalg import matmul
 from distgraph.ops.nn_ops import (cross_entropy, embedding, layer_norm, log_softmax, mse_loss,
                                   softmax, softmax_cross_entropy)
+from distgraph.ops.transformer import rms_norm, rotary
 from distgraph.ops import optim_ops  # noqa: F401  (registers the update ops)
 from distgraph.ops import operators as _operators
 from distgraph.ir import Value as _Value

@@ -101,6 +101,18 @@ def _gelu(ctx, x):
     return x.dtype.type(0.5) * x * (1 + xp.tanh(inner))
 
 
+def _silu(ctx, x):
+    """SiLU (swish): x sigmoid(x), with sigmoid(x) = (1 + tanh(x / 2)) / 2 (no overflow)."""
+    half = x.dtype.type(0.5)
+    return x * (half + half * ctx.xp.tanh(half * x))
+
+
+def _silu_grad(ctx, x, dy):
+    half = x.dtype.type(0.5)
+    s = half + half * ctx.xp.tanh(half * x)           # sigmoid(x)
+    return dy * s * (1 + x * (1 - s))
+
+
 def _gelu_grad(ctx, x, dy):
     t = x.dtype.type
     th = ctx.xp.tanh(t(GELU_C) * (x + t(0.044715) * x * x * x))
@@ -122,6 +134,7 @@ UNARY = (
     Row("relu", lambda ctx, x: ctx.xp.maximum(x, x.dtype.type(0), out=ctx.out),
         lambda op, dz: [emit1("relu_grad", [op.outputs[0], dz])], donate=True),
     Row("gelu", _gelu, lambda op, dz: [emit1("gelu_grad", [op.inputs[0], dz])], flops=8),
+    Row("silu", _silu, lambda op, dz: [emit1("silu_grad", [op.inputs[0], dz])], flops=5),
 )
 register_rows(UNARY, infer=same, spmd=elementwise_rule())
 
@@ -131,6 +144,8 @@ GRADS = (
     Row("relu_grad", lambda ctx, y, dy: ctx.xp.multiply(dy, y > 0, out=ctx.out),
         donate=True),                                                    # dy where y > 0
     Row("gelu_grad", _gelu_grad, flops=14,
+        infer=lambda x, dy: broadcast_infer(x, dy)),                     # reads x, not y
+    Row("silu_grad", _silu_grad, flops=8,
         infer=lambda x, dy: broadcast_infer(x, dy)),                     # reads x, not y
 )
 register_rows(GRADS, infer=grad_infer, spmd=elementwise_rule(), differentiable=False)
@@ -186,13 +201,19 @@ class Where:
 
 @register_op("causal_mask", spmd=EinsumRule("->AB"), differentiable=False)
 class CausalMask:
-    """Bool [size, size], True where query i may attend to key j (j <= i)."""
+    """Bool [size, size], True where query i may attend to key j: j <= i, and with a
+    sliding ``window`` (Mistral's) also i - j < window."""
 
-    def infer(size):
+    def infer(size, window=None):
+        if window is not None and window < 1:
+            raise ShapeError(f"causal_mask: window {window} must be at least 1")
         return TensorType((size, size), "bool")
 
-    def kernel(ctx, size):
-        return ctx.xp.tril(ctx.xp.ones((size, size), dtype=bool))
+    def kernel(ctx, size, window=None):
+        mask = ctx.xp.tril(ctx.xp.ones((size, size), dtype=bool))
+        if window is not None and window < size:
+            mask &= ~ctx.xp.tril(ctx.xp.ones((size, size), dtype=bool), -window)
+        return mask
 
 
 @register_op("dropout", spmd=elementwise_rule(n_out=2))
@@ -266,7 +287,8 @@ def unary_function(op_type: str):
     return function
 
 
-neg, exp, log, sqrt, tanh, relu = map(unary_function, ("neg", "exp", "log", "sqrt", "tanh", "relu"))
+neg, exp, log, sqrt, tanh, relu, silu = map(unary_function, ("neg", "exp", "log", "sqrt", "tanh",
+                                                            "relu", "silu"))
 
 
 def gelu(x, approximate=True):
@@ -293,8 +315,11 @@ def where(cond, x, y):
     return emit1("where", [cond, x, y])
 
 
-def causal_mask(size):
-    return emit1("causal_mask", [], {"size": int(size)})
+def causal_mask(size, window=None):
+    attrs = {"size": int(size)}
+    if window is not None:
+        attrs["window"] = int(window)
+    return emit1("causal_mask", [], attrs)
 
 
 def dropout(x, p=0.5, training=True, seed=0):

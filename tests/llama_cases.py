@@ -141,3 +141,52 @@ def logits_and_grads(model, ids: np.ndarray) -> tuple:
     grads = {n: p.grad.detach().numpy().copy() for n, p in model.named_parameters()
              if p.grad is not None}
     return logits.detach().numpy(), float(loss.detach()), grads
+
+
+# -- distgraph plans and data for the Llama training tests ---------------------------------------
+class NextTokens:
+    """``n`` random token sequences of ``seq + 1`` tokens: sample i is (tokens, the next
+    tokens)."""
+
+    def __init__(self, n: int, seq: int, seed: int = 0):
+        self.ids = np.random.default_rng(seed).integers(0, TINY["vocab_size"], (n, seq + 1))
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return self.ids[i, :-1], self.ids[i, 1:]
+
+
+def megatron(model, mesh, dim: str = "mp") -> None:
+    """Megatron's tensor parallelism of every decoder layer over ``dim``: q, k, v, gate and
+    up column-split, o and down row-split; k and v whole (copied) where the key/value
+    heads do not divide over ``dim``."""
+    import distgraph as dg
+
+    kv_split = model.config.num_key_value_heads % mesh.dim_size(dim) == 0
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        cols = [attn.q_proj, mlp.gate_proj, mlp.up_proj] + \
+            ([attn.k_proj, attn.v_proj] if kv_split else [])
+        for linear in cols:
+            dg.shard_tensor(linear.weight, mesh, [None, dim])
+            if linear.bias is not None:
+                dg.shard_tensor(linear.bias, mesh, [dim])
+        for linear in (attn.o_proj, mlp.down_proj):
+            dg.shard_tensor(linear.weight, mesh, [dim, None])
+
+
+def two_stages(model, first, second) -> None:
+    """The embedding and the first half of the layers on mesh ``first``, the rest, the
+    final norm and the head on ``second`` (parameters replicated on their stage)."""
+    import distgraph as dg
+
+    half = len(model.layers._items) // 2
+    parts = [(model.embed_tokens, first), (model.norm, second)]
+    parts += [(layer, first if i < half else second) for i, layer in enumerate(model.layers)]
+    if model.lm_head is not None:
+        parts.append((model.lm_head, second))
+    for layer, mesh in parts:
+        for _, p in layer.named_parameters():
+            dg.shard_tensor(p, mesh, [None] * len(p.shape))

@@ -1,0 +1,86 @@
+"""A LLaMA checkpoint made by transformers, loaded lazily and fine-tuned on several ranks,
+trains as it does on one process (float64, 1e-10): 4 ranks data x tensor parallel
+(Megatron's split of grouped-query attention, key/value heads split and copied), and 2
+pipeline stages with micro-batches. Ranks are SimulatedWorld threads; every rank reads
+only its blocks of the checkpoint."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import distgraph as dg  # noqa: E402
+from distgraph.runtime.comm.simulated import SimulatedWorld  # noqa: E402
+
+import llama_cases as L  # noqa: E402
+import plans as P  # noqa: E402
+
+BATCH, SEQ, STEPS = 8, 8, 3
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    L.load_libraries()
+    out = {}
+    for name, kv in (("kv2", 2), ("kv1", 1)):
+        model = L.hf_model("llama")
+        if kv == 1:            # one key/value head: it does not divide over mp = 2
+            config = model.config
+            config.num_key_value_heads = 1
+            model = L.transformers.LlamaForCausalLM(config).to(L.torch.float64)
+        folder = tmp_path_factory.mktemp(name)
+        model.save_pretrained(folder)
+        out[name] = folder
+    return out
+
+
+def _train(comm, folder, annotate, strategy):
+    with P.BUILD_LOCK:
+        model = dg.from_pretrained(folder, lazy=True)
+        mesh = annotate(model)
+    engine = dg.Engine(model, loss=dg.nn.CrossEntropyLoss(), optimizer=dg.optim.AdamW(1e-2),
+                       strategy=strategy, communicator=comm)
+    data = L.NextTokens(BATCH * STEPS, SEQ)
+    if mesh is not None:
+        data = dg.shard_dataloader(data, mesh, shard_dims="dp")
+    with P.BUILD_LOCK:
+        ins, labels = dg.app.data.DataLoader(data, BATCH).specs(1)
+        engine.prepare(ins, labels)
+    history = engine.fit(data, batch_size=BATCH, epochs=1, verbose=0)
+    return history.losses, engine.state_dict()
+
+
+def _dp_mp(model):
+    mesh = dg.ProcessMesh([[0, 1], [2, 3]], dim_names=["dp", "mp"])
+    L.megatron(model, mesh)
+    return mesh
+
+
+def _pipeline(model):
+    first, second = dg.ProcessMesh([0], ["dp"]), dg.ProcessMesh([1], ["dp"])
+    L.two_stages(model, first, second)
+    return [first, second]          # the tokens on the first stage, the labels on the last
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kv", ["kv2", "kv1"])
+@pytest.mark.parametrize("layout", ["dp_mp", "pipeline"])
+def test_finetuning_on_several_ranks_equals_serial(float64, checkpoints, kv, layout):
+    folder = checkpoints[kv]
+    serial = _train(None, folder, lambda m: None, dg.Strategy())
+    annotate, ranks, strategy = {
+        "dp_mp": (_dp_mp, 4, dg.Strategy()),
+        "pipeline": (_pipeline, 2, dg.Strategy(micro_batches=2, schedule="1F1B")),
+    }[layout]
+    results = SimulatedWorld(ranks, timeout=120).run(_train, folder, annotate, strategy)
+    for losses, params in results:
+        np.testing.assert_allclose(losses, serial[0], rtol=0, atol=1e-10)
+        for name, value in serial[1].items():
+            np.testing.assert_allclose(params[name], value, rtol=0, atol=1e-10, err_msg=name)

@@ -5,16 +5,17 @@ float64; it is the one process-wide setting distgraph has, as in PyTorch and Pad
 ``dg.seed(n)`` re-seeds the generator that draws each new parameter's initialiser key
 (:mod:`distgraph.initializer`) and each Dropout layer's seed.
 
-The 16-bit dtypes ``bfloat16`` and ``float16`` are planning dtypes: a lazy model
-(``dg.LazyGuard``) built with ``set_default_dtype("bfloat16")`` is traced, searched and
-estimated in 16 bit (each op priced at the device's GFLOP/s for its dtype, and the
-optimizer keeping float32 master weights and moments, as mixed-precision training
-does). The numpy backend computes in float32 or float64 only: giving a 16-bit
-parameter values, or running a 16-bit program, raises :func:`check_runnable`'s error.
+The 16-bit dtypes ``bfloat16`` (numpy's through ``ml_dtypes``) and ``float16`` hold
+values as any other; the runtime computes a kernel whose operands are 16-bit in float32
+and rounds its results back (numpy has no 16-bit BLAS). Mixed-precision training is
+``Strategy(amp=...)`` (float32 master weights, :mod:`distgraph.optim.amp`); a lazy model
+built with ``set_default_dtype("bfloat16")`` plans 16-bit parameters with float32 master
+copies in the optimizer, as large-scale training stores them.
 """
 
 from __future__ import annotations
 
+import ml_dtypes  # noqa: F401  (registers numpy's "bfloat16")
 import numpy as np
 
 from distgraph.errors import DistGraphError
@@ -41,16 +42,6 @@ def set_default_dtype(dtype: str) -> None:
         raise DistGraphError(f"default dtype must be float32 or float64 (or bfloat16 / "
                              f"float16 to plan lazy models), got {dtype!r}")
     _settings["dtype"] = dtype
-
-
-def check_runnable(dtype: str, what: str) -> None:
-    """Refuse ``what`` (computing with values) in a 16-bit ``dtype``."""
-    if dtype in HALF_DTYPES:
-        raise DistGraphError(f"{what} in {dtype}: mixed / half precision is not offered for "
-                             f"running: the numpy backend computes in float32 or float64 "
-                             f"only; use 'float32' (or 'float64' for exact comparisons). "
-                             f"16-bit models are for planning: build them under "
-                             f"dg.LazyGuard() and use engine.prepare(...) or distgraph plan")
 
 
 def get_default_dtype() -> str:
@@ -92,3 +83,8 @@ def is_integer(dtype: str) -> bool:
 
 def itemsize(dtype: str) -> int:
     return _ITEMSIZE.get(dtype) or np.dtype(dtype).itemsize
+
+
+def numpy_dtype(dtype: str) -> np.dtype:
+    """numpy's dtype of a dtype name (``bfloat16`` too)."""
+    return np.dtype(dtype)

@@ -64,7 +64,6 @@ class Parameter:
 
     def __init__(self, data, dtype: str | None = None, trainable: bool = True):
         dtype = dtypes.canonical(dtype or dtypes.get_default_dtype())
-        dtypes.check_runnable(dtype, "a parameter with values")
         # np.array, not ascontiguousarray: the latter turns a 0-d array into shape (1,).
         self._value = np.array(data, dtype=dtype, order="C")
         self._shape, self._dtype = tuple(self._value.shape), dtype
@@ -82,7 +81,6 @@ class Parameter:
         dtype = dtypes.canonical(dtype or dtypes.get_default_dtype())
         shape = tuple(int(s) for s in shape)
         if not lazy_mode():
-            dtypes.check_runnable(dtype, "a parameter with values")
             return cls(init.block(shape, None, dtype), dtype, trainable)
         p = cls.__new__(cls)
         p._value, p._shape, p._dtype, p.init = None, shape, dtype, init
@@ -135,7 +133,6 @@ class Parameter:
         """The block ``index`` (a tuple of slices; None: everything) as a new array; a
         lazy parameter makes only that block, with eager initialisation's numbers."""
         if self._value is None:
-            dtypes.check_runnable(self._dtype, "materialising a lazy parameter")
             return self.init.block(self._shape, index, self._dtype)
         return np.array(self._value if index is None else self._value[index], order="C")
 
@@ -148,7 +145,6 @@ class Parameter:
         if tuple(value.shape) != self.shape:
             raise DistGraphError(f"set_value: shape {list(value.shape)} does not match the "
                                  f"parameter's shape {list(self.shape)}")
-        dtypes.check_runnable(self._dtype, "a parameter with values")
         self._value = np.array(value, dtype=self.dtype, order="C")
 
     def __repr__(self) -> str:

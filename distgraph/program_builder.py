@@ -1,5 +1,6 @@
 """Build whole programs from a model: forward (+ loss) for evaluation and prediction,
-forward + loss + backward + update for training.
+forward + loss + backward + update for training; with ``amp`` in mixed precision
+(:mod:`distgraph.optim.amp`).
 
 Example::
 
@@ -15,7 +16,7 @@ from dataclasses import dataclass, field
 from distgraph.autodiff import append_backward
 from distgraph.errors import DistGraphError
 from distgraph.ir import Program, Role
-from distgraph.nn.layers import TransformerBlock
+from distgraph.optim.amp import LossScaling, low_precision
 from distgraph.trace import Builder, flatten_outputs, make_inputs
 
 MODES = ("train", "eval", "predict")
@@ -30,7 +31,8 @@ class BuiltProgram:
     loss_name: str | None = None
     grad_names: dict = field(default_factory=dict)
     label_names: list = field(default_factory=list)
-    block_paths: tuple = ()       # paths of the model's TransformerBlocks (recompute units)
+    block_paths: tuple = ()       # paths of the model's blocks (recompute units)
+    amp: str | None = None        # the mixed-precision dtype it computes in
 
     @property
     def fetch_names(self) -> list:
@@ -44,22 +46,32 @@ class BuiltProgram:
 
 
 def build_program(model, input_specs, label_specs=(), loss=None, optimizer=None,
-                  mode="train") -> BuiltProgram:
+                  mode="train", amp=None, loss_scale=2.0 ** 16,
+                  loss_scale_window=2000) -> BuiltProgram:
+    """The program of ``model`` for ``mode``; ``amp`` ("bfloat16", "float16"): mixed
+    precision, float16 with a dynamic loss scale from ``loss_scale`` (doubled after
+    ``loss_scale_window`` good steps)."""
     if mode not in MODES:
         raise DistGraphError(f"mode must be one of {MODES}, got {mode!r}")
     if mode == "train" and (loss is None or optimizer is None):
         raise DistGraphError("training needs both a loss and an optimizer")
     model.assign_paths()
     (model.train if mode == "train" else model.eval)()
-    builder = Builder(Program(), {id(p): n for n, p in model.named_parameters()})
+    builder = Builder(Program(), {id(p): n for n, p in model.named_parameters()}, amp)
     inputs = make_inputs(builder, input_specs)
     labels = make_inputs(builder, label_specs) if mode != "predict" else []
-    loss_value = None
+    loss_value = scaling = None
     with builder.active():
-        outputs = [builder.as_value(o) for o in flatten_outputs(model(*inputs))]
+        fed = [_cast(builder, v, amp) if low_precision(amp, v.dtype) else v for v in inputs]
+        outputs = [builder.as_value(o) for o in flatten_outputs(model(*fed))]
+        if amp is not None:       # the loss and what is fetched in float32
+            outputs = [_cast(builder, o, "float32") if o.dtype == amp else o for o in outputs]
         if loss is not None and mode != "predict":
             with builder.scope(role=Role.LOSS):
                 loss_value = builder.as_value(loss(*outputs, *labels))
+                if amp == "float16" and mode == "train":
+                    scaling = LossScaling(loss_scale, loss_scale_window)
+                    scaled = scaling.scale_loss(builder, loss_value)
     program = builder.program
     if mode == "predict":
         program.inputs = inputs
@@ -68,11 +80,16 @@ def build_program(model, input_specs, label_specs=(), loss=None, optimizer=None,
     if mode == "train":
         trainable = {n for n, p in model.named_parameters() if p.trainable}
         params = [v for v in program.parameters if v.name in trainable]
-        grads = append_backward(program, loss_value, params)
-        optimizer.append_update(program, grads)
-    blocks = tuple(p for p, layer in model.named_sublayers() if isinstance(layer, TransformerBlock))
+        grads = append_backward(program, scaled if scaling else loss_value, params)
+        optimizer.append_update(program, grads, scaling)
+    blocks = tuple(p for p, layer in model.named_sublayers()
+                   if getattr(layer, "recompute_unit", False))
     return BuiltProgram(program, mode, [v.name for v in program.inputs],
                         [v.name for v in outputs],
                         loss_value.name if loss_value is not None else None,
                         {n: g.name for n, g in grads.items()}, [v.name for v in labels],
-                        blocks)
+                        blocks, amp)
+
+
+def _cast(builder, v, dtype):
+    return builder.emit("cast", [v], {"dtype": dtype})[0]

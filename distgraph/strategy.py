@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from distgraph.errors import DistGraphError
 
 SCHEDULES = ("1F1B", "FThenB", "ZB", "ZBV")
+AMP_DTYPES = ("bfloat16", "float16")
 
 
 @dataclass(frozen=True)
@@ -31,7 +32,11 @@ class Strategy:
     batch of a data-parallel plan over its groups in proportion to their speed, within
     each device's memory (rows, or whole micro-batches; :mod:`distgraph.passes.balance`,
     ``Plan.batch_split``); with ``auto_mode="full"`` the search prices data-parallel
-    groups balanced. The planner
+    groups balanced. ``amp`` ("bfloat16" or "float16") computes the forward and backward
+    in that precision with float32 master weights, gradients and optimizer states
+    (:mod:`distgraph.optim.amp`); under "float16" the loss is scaled, from ``loss_scale``,
+    halved after a step whose gradients overflow (that step is skipped) and doubled after
+    ``loss_scale_window`` good steps in a row. The planner
     (:func:`distgraph.passes.plan`) raises PlanError for an option that is not available
     yet: none is silently ignored."""
 
@@ -50,6 +55,9 @@ class Strategy:
     virtual_stages: int = 1
     meshslice: bool | int = False
     balance: bool = False
+    amp: str | None = None
+    loss_scale: float = 2.0 ** 16
+    loss_scale_window: int = 2000
 
     def __post_init__(self):
         if self.auto_mode not in ("semi", "full"):
@@ -71,6 +79,19 @@ class Strategy:
                 isinstance(self.meshslice, int) and self.meshslice >= 1):
             raise DistGraphError(f"Strategy.meshslice must be True/False or a number of "
                                  f"slices K >= 1, got {self.meshslice!r}")
+        if self.amp is not None and self.amp not in AMP_DTYPES:
+            raise DistGraphError(f"Strategy.amp must be None, 'bfloat16' or 'float16', got "
+                                 f"{self.amp!r}")
+        if not self.loss_scale > 0 or not (isinstance(self.loss_scale_window, int)
+                                           and self.loss_scale_window >= 1):
+            raise DistGraphError(f"Strategy.loss_scale must be > 0 and loss_scale_window an "
+                                 f"integer >= 1, got {self.loss_scale!r} and "
+                                 f"{self.loss_scale_window!r}")
+        if self.amp != "float16" and (self.loss_scale != 2.0 ** 16
+                                      or self.loss_scale_window != 2000):
+            raise DistGraphError("Strategy.loss_scale and loss_scale_window scale the loss of "
+                                 "float16 training: use them with amp='float16' (bfloat16 "
+                                 "keeps float32's range and needs no scaling)")
         if self.schedule not in SCHEDULES:
             raise DistGraphError(f"Strategy.schedule must be one of {SCHEDULES}, got "
                                  f"{self.schedule!r}")

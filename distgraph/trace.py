@@ -44,10 +44,13 @@ class InputSpec:
 class Builder:
     """Appends ops to a Program; knows the current role, layer path and forward op."""
 
-    def __init__(self, program: Program, param_names: dict[int, str] | None = None):
+    def __init__(self, program: Program, param_names: dict[int, str] | None = None,
+                 amp: str | None = None):
         self.program = program
         self.param_names = dict(param_names or {})
         self.param_values: dict[int, Value] = {}
+        self.amp = amp                  # mixed precision: parameters read in this dtype
+        self.amp_values: dict[str, Value] = {}
         self.role = Role.FORWARD
         self.layer_path: list[str] = []
         self.forward_op: Operation | None = None
@@ -86,7 +89,9 @@ class Builder:
         if isinstance(x, Value):
             return x
         if isinstance(x, Parameter):
-            return self.parameter_value(x)
+            v = self.parameter_value(x)
+            return self.amp_value(v) if self.amp and dtypes.is_float(v.dtype) \
+                and dtypes.itemsize(v.dtype) > 2 else v
         raise DistGraphError(f"expected a traced tensor or a Parameter, got {type(x).__name__} "
                              f"in layer '{self.layer}'")
 
@@ -99,6 +104,15 @@ class Builder:
             self.program.add_value(v)
             self.param_values[id(p)] = v
         return v
+
+    def amp_value(self, v: Value) -> Value:
+        """Parameter ``v`` cast to the mixed-precision dtype, once per trace: where the
+        forward first reads it (its gradient is cast back to ``v``'s dtype)."""
+        cast = self.amp_values.get(v.name)
+        if cast is None:
+            (cast,) = self.emit("cast", [v], {"dtype": self.amp}, names=[f"{v.name}@{self.amp}"])
+            self.amp_values[v.name] = cast
+        return cast
 
     def new_value(self, hint: str, t: TensorType, name: str | None = None) -> Value:
         return self.program.add_value(Value(name or self.program.unique_name(hint), tuple(t.shape),

@@ -72,6 +72,10 @@ def plan(built, strategy: Strategy | None = None, cluster=None, rank_mapping=Non
     process's; a rank of a job compiles its own). Pure: ``built`` is not modified."""
     strategy = strategy or Strategy()
     _check_supported(strategy)
+    if strategy.amp != built.amp:
+        raise PlanError(f"Strategy(amp={strategy.amp!r}) plans a program built in "
+                        f"{built.amp or 'full precision'}: build it with "
+                        f"build_program(..., amp={strategy.amp!r}) (the Engine does)")
     accumulation = None
     if strategy.micro_batches > 1:
         built, accumulation = split_micro_batches(built, strategy.micro_batches)

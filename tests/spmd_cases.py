@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import distgraph as dg
+import distgraph.ops  # noqa: F401  (registers every op: the cases are checked against them)
 from distgraph.registry import TensorType, get_op
 
 MESHES = {"4": dg.ProcessMesh([0, 1, 2, 3], ["x"]),
@@ -80,6 +81,10 @@ CASES = [
     OpCase("causal_mask", (), {"size": 6}),
     OpCase("causal_mask", (), {"size": 6, "window": 2}),
     OpCase("increment", ((),)),
+    OpCase("increment", ((), ()), dtypes=("int64", "bool")),
+    OpCase("loss_scale_of", ((),), {"initial": 65536.0}),
+    OpCase("nonfinite_count", ((12, 6),)),
+    OpCase("loss_scale_update", ((), (), ()), {"window": 2000}),
     OpCase("broadcast_to", ((6, 1),), {"shape": (4, 6, 12)}),
     OpCase("reshape", ((4, 6, 12),), {"shape": (24, 12)}),
     OpCase("reshape", ((24, 12),), {"shape": (4, 6, 12)}),
@@ -112,6 +117,8 @@ CASES = [
     OpCase("softmax_cross_entropy_grad", ((4, 6, 12), (4, 6), (4, 6), (4, 6)), {}, (F, INT, F, F)),
     OpCase("sgd_update", ((12, 6), (12, 6), (12, 6), ()), {"momentum": 0.9}),
     OpCase("adam_update", ((12, 6), (12, 6), (12, 6), (12, 6), (), ()), ADAM),
+    OpCase("adam_update", ((12, 6),) * 4 + ((), (), ()), ADAM,
+           dtypes=("float32",) * 4 + ("int64", "float64", "bool")),
     OpCase("mixed_adam_update", ((12, 6),) * 5 + ((), ()), ADAM,
            ("float16", "float16") + ("float32",) * 5),
 ]

@@ -157,13 +157,11 @@ def half(request):
 
 
 def test_sixteen_bit_models_are_planned_not_run(half):
-    with pytest.raises(dg.DistGraphError, match="precision is not offered for running"):
-        dg.nn.Linear(4, 4)                      # eager values in 16 bit
+    assert dg.nn.Linear(4, 4).weight.numpy().dtype == half      # values may be 16-bit
     engine = dg.Engine(gpt(True), dg.nn.CrossEntropyLoss(), dg.optim.AdamW(1e-3))
     plan = engine.prepare(*dg.app.data.DataLoader(Tokens(), 4).specs(1))
     assert plan.program.values["lm_head.weight"].dtype == half
-    with pytest.raises(dg.DistGraphError, match="numpy backend computes in float32 or "
-                                                "float64 only"):
+    with pytest.raises(dg.DistGraphError, match="16-bit parameters are for planning.*amp="):
         engine.fit(Tokens(), batch_size=4, verbose=0)
     with pytest.raises(dg.DistGraphError, match="no mixed-precision update"):
         build_program(gpt(True), [InputSpec([4, 16], "int64", "tokens")],

@@ -38,9 +38,15 @@ from distgraph.runtime.launch.status import CLUSTER_VAR
 
 
 def check_runnable(program) -> None:
-    """Refuse to run ``program`` when a Value of it is 16-bit (planning only)."""
-    for v in program.values.values():
-        dtypes.check_runnable(v.dtype, f"running the program: Value {v.name!r} is")
+    """Refuse to run ``program`` when a parameter of it is 16-bit: such models (a 16-bit
+    default dtype) are planned with master copies the optimizer does not initialise;
+    mixed-precision training is a float32 model with ``Strategy(amp=...)``."""
+    for v in program.parameters:
+        if v.dtype in dtypes.HALF_DTYPES:
+            raise DistGraphError(f"running the program: parameter {v.name!r} is {v.dtype}; "
+                                 f"16-bit parameters are for planning. Train in mixed "
+                                 f"precision with a float32 model and "
+                                 f"dg.Strategy(amp={v.dtype!r}) (float32 master weights)")
 
 
 def launcher_cluster():

@@ -147,6 +147,8 @@ class MultiHeadAttention(Layer):
 class TransformerBlock(Layer):
     """Pre-norm block: x + attn(ln1(x)), then x + mlp(ln2(x))."""
 
+    recompute_unit = True        # Strategy(recompute=True) recomputes inside each one
+
     def __init__(self, d_model, n_head, dropout=0.0, init_std=None):
         super().__init__()
         self.ln1 = LayerNorm(d_model)

@@ -158,6 +158,8 @@ class LlamaMLP(Layer):
 class LlamaDecoderLayer(Layer):
     """Pre-norm block: ``h = x + attn(norm(x))``, then ``h + mlp(norm(h))``."""
 
+    recompute_unit = True        # Strategy(recompute=True) recomputes inside each one
+
     def __init__(self, config: LlamaConfig):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)

@@ -66,13 +66,20 @@ class Optimizer:
 
     _uses_step = False
 
-    def append_update(self, program: Program, grads: dict[str, Value]) -> None:
-        """Append one update op per parameter that has a gradient."""
+    def append_update(self, program: Program, grads: dict[str, Value], scaling=None) -> None:
+        """Append one update op per parameter that has a gradient. ``scaling`` (float16
+        training's :class:`~distgraph.optim.amp.LossScaling`): the gradients are of the
+        scaled loss; they are unscaled first, and a step whose gradients overflowed is not
+        applied."""
         if not grads:
             raise DistGraphError("no parameter gradients to update")
         builder = Builder(program)
         with builder.active(), builder.scope(role=Role.OPTIMIZE):
-            step = self._step_value(builder)
+            apply = None
+            if scaling is not None:
+                grads, apply = scaling.unscale(builder, grads)
+            flag = () if apply is None else (apply,)
+            step = self._step_value(builder, flag)
             rate = self._lr_value(builder)
             for name, grad in grads.items():
                 param = program.values[name]
@@ -87,7 +94,7 @@ class Optimizer:
                     Value(f"{name}@{suffix}", param.shape, "float32" if mixed else param.dtype,
                           persistable=True, role=Role.OPTIMIZE)) for suffix in suffixes]
                 with builder.scope(layer=name):
-                    self._emit_update(builder, param, grad, states, step, rate)
+                    self._emit_update(builder, param, grad, states, step, rate, flag)
 
     def _lr_value(self, builder):
         value = builder.program.add_value(Value(LR, (), "float64", persistable=True,
@@ -98,10 +105,11 @@ class Optimizer:
                                names=[f"{LR}@READ"])
         return read
 
-    def _step_value(self, builder):
+    def _step_value(self, builder, flag):
         return None
 
-    def _emit_update(self, builder, param, grad, states, step, rate):
+    def _emit_update(self, builder, param, grad, states, step, rate, flag):
+        """Append the update of ``param``; ``flag``: () or (the 0-d bool apply,)."""
         raise NotImplementedError
 
     def initial_state(self, program: Program) -> dict:
@@ -133,9 +141,10 @@ class SGD(Optimizer):
     def hyperparameters(self):
         return {"type": type(self).__name__, "momentum": self.momentum}
 
-    def _emit_update(self, builder, param, grad, states, step, rate):
+    def _emit_update(self, builder, param, grad, states, step, rate, flag):
         (vel,) = states
-        outs = builder.emit("sgd_update", [param, grad, vel, rate], {"momentum": self.momentum},
+        outs = builder.emit("sgd_update", [param, grad, vel, rate, *flag],
+                            {"momentum": self.momentum},
                             names=[f"{param.name}@OUT", f"{vel.name}@OUT"])
         _outputs_alias(outs, [param, vel])
 
@@ -157,20 +166,20 @@ class Adam(Optimizer):
         return {"type": type(self).__name__, "beta1": self.beta1, "beta2": self.beta2,
                 "epsilon": self.epsilon, "weight_decay": self.weight_decay}
 
-    def _step_value(self, builder):
+    def _step_value(self, builder, flag):
         step = builder.program.values.get(STEP)
         if step is None:
             step = builder.program.add_value(Value(STEP, (), "int64", persistable=True,
                                                    role=Role.OPTIMIZE))
-        (out,) = builder.emit("increment", [step], names=[f"{STEP}@OUT"])
+        (out,) = builder.emit("increment", [step, *flag], names=[f"{STEP}@OUT"])
         out.alias_of = STEP
         return out
 
-    def _emit_update(self, builder, param, grad, states, step, rate):
+    def _emit_update(self, builder, param, grad, states, step, rate, flag):
         attrs = {"beta1": self.beta1, "beta2": self.beta2, "epsilon": self.epsilon,
                  "weight_decay": self.weight_decay}
         op = "mixed_adam_update" if len(states) == 3 else "adam_update"
-        outs = builder.emit(op, [param, grad, *states, step, rate], attrs,
+        outs = builder.emit(op, [param, grad, *states, step, rate, *flag], attrs,
                             names=[f"{param.name}@OUT"] + [f"{s.name}@OUT" for s in states])
         _outputs_alias(outs, [param, *states])
 

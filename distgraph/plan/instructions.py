@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from distgraph import dtypes
 from distgraph.registry import get_op
 
 
@@ -38,6 +39,7 @@ class OpInstr:
     ctx: dict             # KernelContext fields from partition (random ops, groups)
     donors: tuple = ()    # inputs whose buffer may become the result
     axis: int | None = None   # the result's sample dim, for random ops' micro-batch slice
+    out_dtypes: tuple = ()    # numpy dtypes of the results (16-bit ones are rounded to)
 
     @property
     def reads(self) -> tuple:
@@ -144,7 +146,8 @@ def op_instr(op, ctx=None, axis=None) -> OpInstr:
     writeback = tuple((k, o.alias_of) for k, o in enumerate(op.outputs) if o.alias_of)
     return OpInstr(get_op(op.type).kernel, op.type, op.layer, tuple(v.name for v in op.inputs),
                    tuple(o.name for o in op.outputs), dict(op.attrs), writeback,
-                   dict(ctx or {}), axis=axis)
+                   dict(ctx or {}), axis=axis,
+                   out_dtypes=tuple(dtypes.numpy_dtype(o.dtype) for o in op.outputs))
 
 
 def with_donors(instr: OpInstr, dying, values, feeds=()) -> OpInstr:

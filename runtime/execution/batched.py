@@ -48,7 +48,6 @@ def run_batched(task, envs, micro_batches, scope, ctx, backend, point) -> dict:
             shape = list(attrs["shape"])
             shape[op.grow] *= len(micro_batches)
             attrs = {**attrs, "shape": tuple(shape)}
-        result = call_kernel(op.instr.kernel, op.instr.op_type, op.instr.layer, ctx, args,
-                             attrs)
+        result = call_kernel(op.instr, ctx, args, attrs)
         joined.update(zip(op.instr.outs, result))
     return {name: joined[name] for name in task.sums}

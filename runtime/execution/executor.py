@@ -27,12 +27,15 @@ import time
 
 import numpy as np
 
+from distgraph import dtypes
 from distgraph.errors import RuntimeFault
 from distgraph.ir import Program
 from distgraph.plan.instructions import OpInstr, last_uses, op_instr, with_donors
 from distgraph.registry import KernelContext
 
 DONATE_MIN_BYTES = 1 << 16   # below this a fresh buffer costs about nothing
+HALF = (np.dtype("float16"), dtypes.numpy_dtype("bfloat16"))
+FLOAT32 = np.dtype("float32")
 
 
 def run_op(instr: OpInstr, env: dict, scope: dict, ctx: KernelContext, donate=()) -> None:
@@ -46,21 +49,38 @@ def run_op(instr: OpInstr, env: dict, scope: dict, ctx: KernelContext, donate=()
     except KeyError as e:
         raise RuntimeFault(f"op '{instr.op_type}' needs {e.args[0]!r}, which is not "
                            f"computed, received or fed") from None
-    result = call_kernel(instr.kernel, instr.op_type, instr.layer, ctx, args, instr.attrs)
+    result = call_kernel(instr, ctx, args)
     for name, arr in zip(instr.outs, result):
         env[name] = arr
     for k, target in instr.writeback:
         scope[target] = result[k]
 
 
-def call_kernel(kernel, op_type: str, layer: str, ctx, args, attrs) -> tuple:
-    """``kernel(ctx, *args, **attrs)`` as a tuple of results; a failure becomes a
-    RuntimeFault naming the op and its layer."""
+def call_kernel(instr: OpInstr, ctx, args, attrs=None) -> tuple:
+    """``instr``'s kernel on ``args`` (``attrs``: its attributes, default the
+    instruction's) as a tuple of results; a failure becomes a RuntimeFault naming the op
+    and its layer. Operands in a 16-bit float dtype are computed in float32 (numpy has no
+    16-bit kernels) and results are rounded to their declared dtypes; a 16-bit overflow
+    is no warning (float16 training's loss scaling expects and handles them)."""
+    attrs = instr.attrs if attrs is None else attrs
+    if not any(getattr(a, "dtype", None) in HALF for a in args) and \
+            not any(d in HALF for d in instr.out_dtypes):
+        return _call(instr, ctx, args, attrs)
+    args = [a.astype(FLOAT32) if getattr(a, "dtype", None) in HALF else a for a in args]
+    if ctx.out is not None:
+        ctx = dataclasses.replace(ctx, out=None)
+    with np.errstate(over="ignore", invalid="ignore"):
+        result = _call(instr, ctx, args, attrs)
+        return tuple(r.astype(d) if getattr(r, "dtype", d) != d else r
+                     for r, d in zip(result, instr.out_dtypes))
+
+
+def _call(instr, ctx, args, attrs) -> tuple:
     try:
-        result = kernel(ctx, *args, **attrs)
+        result = instr.kernel(ctx, *args, **attrs)
     except Exception as e:
-        where = f" in layer '{layer}'" if layer else ""
-        raise RuntimeFault(f"op '{op_type}'{where} failed in step {ctx.step}: "
+        where = f" in layer '{instr.layer}'" if instr.layer else ""
+        raise RuntimeFault(f"op '{instr.op_type}'{where} failed in step {ctx.step}: "
                            f"{type(e).__name__}: {e}") from e
     return result if isinstance(result, tuple) else (result,)
 

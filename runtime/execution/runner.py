@@ -170,8 +170,7 @@ class PlanRunner:
         for micro in feeds:
             env = dict(micro)
             for op in self.program.prologue_ops:
-                outs = call_kernel(op.kernel, op.op_type, op.layer, ctx,
-                                   [env[n] for n in op.ins], op.attrs)
+                outs = call_kernel(op, ctx, [env[n] for n in op.ins])
                 env.update(zip(op.outs, outs))
             for name in wanted & env.keys():
                 totals[name] = env[name] + totals[name] if name in totals else env[name]

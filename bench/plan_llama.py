@@ -62,14 +62,7 @@ def megatron_llama(c: dg.nn.LlamaConfig, t: int, p: int, gpus: int):
         model = dg.nn.Llama(c)
     per = -(-c.num_hidden_layers // p)
     for i, layer in enumerate(model.layers):
-        mesh = meshes[i // per]
-        attn, mlp = layer.self_attn, layer.mlp
-        for linear in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj):
-            dg.shard_tensor(linear.weight, mesh, [None, "mp"])
-        for linear in (attn.o_proj, mlp.down_proj):
-            dg.shard_tensor(linear.weight, mesh, ["mp", None])
-        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
-            dg.shard_tensor(norm.weight, mesh, [None])
+        dg.nn.llama.megatron_layer(layer, meshes[i // per])
     dg.shard_tensor(model.embed_tokens.weight, meshes[0], ["mp", None])
     dg.shard_tensor(model.norm.weight, meshes[-1], [None])
     dg.shard_tensor(model.lm_head.weight, meshes[-1], [None, "mp"])

@@ -158,25 +158,6 @@ class NextTokens:
         return self.ids[i, :-1], self.ids[i, 1:]
 
 
-def megatron(model, mesh, dim: str = "mp") -> None:
-    """Megatron's tensor parallelism of every decoder layer over ``dim``: q, k, v, gate and
-    up column-split, o and down row-split; k and v whole (copied) where the key/value
-    heads do not divide over ``dim``."""
-    import distgraph as dg
-
-    kv_split = model.config.num_key_value_heads % mesh.dim_size(dim) == 0
-    for layer in model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        cols = [attn.q_proj, mlp.gate_proj, mlp.up_proj] + \
-            ([attn.k_proj, attn.v_proj] if kv_split else [])
-        for linear in cols:
-            dg.shard_tensor(linear.weight, mesh, [None, dim])
-            if linear.bias is not None:
-                dg.shard_tensor(linear.bias, mesh, [dim])
-        for linear in (attn.o_proj, mlp.down_proj):
-            dg.shard_tensor(linear.weight, mesh, [dim, None])
-
-
 def two_stages(model, first, second) -> None:
     """The embedding and the first half of the layers on mesh ``first``, the rest, the
     final norm and the head on ``second`` (parameters replicated on their stage)."""

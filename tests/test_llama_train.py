@@ -59,7 +59,7 @@ def _train(comm, folder, annotate, strategy):
 
 def _dp_mp(model):
     mesh = dg.ProcessMesh([[0, 1], [2, 3]], dim_names=["dp", "mp"])
-    L.megatron(model, mesh)
+    dg.nn.llama.megatron(model, mesh)
     return mesh
 
 

@@ -9,11 +9,11 @@ Parameter names follow transformers' without the ``model.`` prefix
 (:mod:`distgraph.app.pretrained` maps them to a checkpoint's names and layout both ways).
 
 Tensor parallelism of grouped-query attention is ``shard_tensor`` on the weights, as
-Megatron splits them: ``q_proj``, ``k_proj``, ``v_proj``, ``gate_proj`` and ``up_proj``
-column-split (``[None, "mp"]``), ``o_proj`` and ``down_proj`` row-split
-(``["mp", None]``). Key/value heads split over ``mp`` when their count divides it; when it
-does not, leave ``k_proj``/``v_proj`` whole and they are copied to every rank (each takes
-the heads its query heads read).
+Megatron splits them (:func:`megatron` does it): ``q_proj``, ``k_proj``, ``v_proj``,
+``gate_proj`` and ``up_proj`` column-split (``[None, "mp"]``), ``o_proj`` and
+``down_proj`` row-split (``["mp", None]``). Key/value heads split over ``mp`` when their
+count divides it; when it does not, ``k_proj``/``v_proj`` stay whole and are copied to
+every rank (each takes the heads its query heads read).
 
 Example::
 
@@ -30,6 +30,7 @@ import math
 from dataclasses import dataclass
 
 from distgraph import ops
+from distgraph.annotation import shard_tensor
 from distgraph.errors import DistGraphError
 from distgraph.nn.layer import Layer, LayerList
 from distgraph.nn.layers import Embedding, Linear, _constant
@@ -209,3 +210,27 @@ class Llama(Layer):
         for layer in self.layers:
             x = layer(x)
         return self.head(x)
+
+
+def megatron(model: Llama, mesh, dim: str = "mp") -> None:
+    """Megatron's tensor parallelism of every decoder layer of ``model`` over mesh dim
+    ``dim`` (:func:`megatron_layer`)."""
+    for layer in model.layers:
+        megatron_layer(layer, mesh, dim)
+
+
+def megatron_layer(layer: LlamaDecoderLayer, mesh, dim: str = "mp") -> None:
+    """q, k, v, gate and up column-split over ``dim`` (their biases too), o and down
+    row-split; k and v whole (copied) where the key/value heads do not divide over
+    ``dim``; the norms on ``mesh``, whole."""
+    attn, mlp = layer.self_attn, layer.mlp
+    kv_split = attn.config.num_key_value_heads % mesh.dim_size(dim) == 0
+    for linear in [attn.q_proj, mlp.gate_proj, mlp.up_proj] + \
+            ([attn.k_proj, attn.v_proj] if kv_split else []):
+        shard_tensor(linear.weight, mesh, [None, dim])
+        if linear.bias is not None:
+            shard_tensor(linear.bias, mesh, [dim])
+    for linear in (attn.o_proj, mlp.down_proj):
+        shard_tensor(linear.weight, mesh, [dim, None])
+    for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+        shard_tensor(norm.weight, mesh, [None])

@@ -1,12 +1,11 @@
 """Running a batch split unevenly by micro-batches (``Strategy(balance=True)`` with
 ``micro_batches``).
 
-Pure. Each data-parallel group (*member* of the
-:class:`~distgraph.passes.batch_split.BatchSplit`) runs its own number of the plan's
-micro-batches, on the micro-batch program the even plan runs: local shapes do not
-change. What must change is everything that makes the members meet *inside* a
-micro-batch: with unequal counts there is no partner micro-batch to meet, and a
-member that waited for one would set the others' pace again. So:
+Pure. Each data-parallel group (*member* of the :class:`~.batch_split.BatchSplit`) runs its
+own number of the plan's micro-batches, on the micro-batch program the even plan runs:
+local shapes do not change. What must change is everything that makes the members meet
+*inside* a micro-batch: with unequal counts there is no partner micro-batch to meet, and
+a member that waited for one would set the others' pace again. So:
 
 - :func:`defer_reductions` keeps sums over the split's mesh dims (a loss summed over the
   samples, the gradient of a sliced parameter) local through the ops that are linear in
@@ -33,11 +32,11 @@ from types import MappingProxyType
 
 from distgraph.errors import PlanError, ShardingError
 from distgraph.passes.pipeline.accumulate import linear_in_sums
-from distgraph.passes.pipeline.schedule import Problem, make_schedule, problem_of, replay
+from distgraph.passes.pipeline.schedule import Problem, checked_schedule, problem_of
 from distgraph.plan.schedule import Schedule
 from distgraph.plan.kinds import PER_MICRO_BATCH, ItemKind, StepKind
 from distgraph.plan.tasks import COMMUNICATING
-from distgraph.passes.uneven_rows import completed_copy
+from distgraph.passes.balance.uneven_rows import completed_copy
 from distgraph.placement import DistAttr, ShardSpec
 
 FIX = "use micro_batches=1 (a balanced split of rows) or Strategy(balance=False)"
@@ -100,9 +99,7 @@ def member_schedule(graph, split) -> Schedule:
         holders = tuple(tuple(p for p in held if p in procs) for held in problem.holders)
         own = Problem(count, holders, problem.kinds, problem.deps, problem.schedule,
                       problem.stages, problem.virtual)
-        order = make_schedule(own)
-        replay(order.orders, own)
-        orders.update(order.orders)
+        orders.update(checked_schedule(own).orders)
     return Schedule(problem.schedule, max(split.units),
                     MappingProxyType(dict(sorted(orders.items()))))
 

@@ -44,13 +44,12 @@ def run_split(plan):
     split = plan.batch_split
     if split is None or split.is_even:
         return plan
+    axes = axes_of(plan)
     if split.micro_batched:
         program = defer_reductions(plan.program, plan.accumulation, split.mesh_dims)
         partitions = Partitions(program, plan.process_ids)
-        axes = dict(plan.accumulation.split_axis)
         plan = dataclasses.replace(plan, built=dataclasses.replace(plan.built, program=program))
     else:
-        axes = axes_of(plan)
         partitions = Partitions.given(plan.program, _row_partitions(plan, split, axes))
     gathers = _row_gathers(plan, split, axes)
     return dataclasses.replace(plan, locals=partitions, groups=partitions.groups(),

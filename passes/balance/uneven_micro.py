@@ -31,6 +31,7 @@ from __future__ import annotations
 from types import MappingProxyType
 
 from distgraph.errors import PlanError, ShardingError
+from distgraph.ir import Role
 from distgraph.passes.pipeline.accumulate import linear_in_sums
 from distgraph.passes.pipeline.schedule import Problem, checked_schedule, problem_of
 from distgraph.plan.schedule import Schedule
@@ -56,7 +57,7 @@ def defer_reductions(program, accumulation, dims: tuple):
         return name not in accumulation.split_axis and not partial(name)
 
     for k, op in enumerate(copy.ops):
-        if op.role == "optimize" or (op.outputs and all(o.name in skipped for o in op.outputs)):
+        if op.role is Role.OPTIMIZE or (op.outputs and all(o.name in skipped for o in op.outputs)):
             continue
         da = op.dist_attr
         waiting = {}

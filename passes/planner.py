@@ -39,6 +39,7 @@ from types import MappingProxyType
 
 from distgraph.errors import PlanError, ShardingError
 from distgraph.mesh import ProcessMesh, ProcessRanks
+from distgraph.passes.balance import balance_batch, batch_mesh_dims
 from distgraph.passes.balance.uneven import member_schedule_of, run_split, runs_own_counts
 from distgraph.passes.completion.complete import complete
 from distgraph.passes.completion import stage_order
@@ -180,9 +181,6 @@ def _completed(built, strategy, cluster, accumulation, ilp_budget, chunks=None):
 def _balanced(planned: Plan, cluster, searched: bool) -> Plan:
     """``planned`` with the balanced split of its batch. A searched plan that splits no
     batch has none to balance (the search priced the balanced groups and chose none)."""
-    # here, not above: the split's solver and its records are for Strategy(balance=True)
-    from distgraph.passes.balance import balance_batch, batch_mesh_dims
-
     if searched and not planned.distributed:
         return planned
     if searched:

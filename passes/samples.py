@@ -8,9 +8,10 @@ reshape), Partial over it where it sums over the samples (gradients, a loss aver
 the batch), replicated where it does not depend on them (parameters). :func:`axes_over`
 reads the sample dims off that copy.
 
-Two passes ask: :func:`sample_axes` on a one-process mesh (every batch divides) for an
-uneven data-parallel split (:mod:`distgraph.passes.balance`) and its prices, and
-gradient accumulation on a mesh of M micro-batches, whose copy it also partitions
+It is asked twice: :func:`sample_axes`, on a one-process mesh (every batch divides),
+by the balanced split (:mod:`distgraph.passes.balance`) and by what prices it (the
+estimate, the search); and gradient accumulation, on a mesh of M micro-batches whose
+copy it then partitions
 (:func:`distgraph.passes.pipeline.accumulate.split_micro_batches`, which derives
 ``Accumulation.split_axis`` from it).
 

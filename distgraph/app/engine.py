@@ -26,7 +26,7 @@ import numpy as np
 from distgraph.app import checkpoint, checks, plan_report
 from distgraph.app.checkpoint import CheckpointReader
 from distgraph.app.loops import History, Loops
-from distgraph.app.plans import MODES, Mode, PlanCache, program_key
+from distgraph.app.plans import MODES, Mode, PlanCache, as_mode, program_key
 from distgraph.app.resume import check_checkpoint, checkpoint_info, restore_info
 from distgraph.app.state import HeldState
 from distgraph.errors import DistGraphError
@@ -126,7 +126,7 @@ class Engine:
     def prepare(self, inputs_spec, labels_spec=(), mode="train"):
         """Build and plan the program for ``mode``; returns the Plan. Needs no running job:
         only running needs as many ranks as the plan has processes."""
-        mode = Mode.parse(mode)
+        mode = as_mode(mode)
         inputs_spec, labels_spec = list(inputs_spec), list(labels_spec)
         built = build_program(self.model, inputs_spec, labels_spec, self.loss,
                               self.optimizer if mode is Mode.TRAIN else None, mode.value)
@@ -274,7 +274,8 @@ class Engine:
     def timeline(self, mode="train"):
         """The timeline of the steps run so far in ``mode``, merged over every rank (a
         collective: call it on all ranks). Needs ``Strategy(profile=True)``; see
-        :class:`distgraph.runtime.execution.timeline.Timeline` (``.events``, ``.save``, ``.plot``)."""
+        :class:`distgraph.runtime.execution.timeline.Timeline` (``.events``, ``.save``,
+        ``.plot``)."""
         if not self.strategy.profile:
             raise DistGraphError("no timeline was recorded: create the Engine with "
                                  "Strategy(profile=True)")

@@ -3,12 +3,12 @@
 :class:`Loops` runs the batches of a call. For each batch it asks the Engine for the
 plan of the batch's shape with the held values laid out for it (``Engine._ensure``: the
 plan cache, then the held state), reads this process's part of the batch (only the
-fields its program reads and only its rows of each: :func:`~distgraph.app.data.reads_of`
-of the program's feeds), runs the step on the plan's runner, and tells the callbacks. It
-keeps the training position: the optimizer steps taken (dropout masks and the
-learning-rate schedule follow them), the (epoch, batch) the last fit reached, where a
-loaded checkpoint resumes, and how the last fit read its data (:mod:`distgraph.app.resume`
-saves and restores them).
+fields its program reads and only its rows of each:
+:func:`~distgraph.app.data.reads_of` of the program's feeds), runs the step on the
+plan's runner, and tells the callbacks. It keeps the training position: the optimizer
+steps taken (dropout masks and the learning-rate schedule follow them), the (epoch,
+batch) the last fit reached, where a loaded checkpoint resumes, and how the last fit
+read its data (:mod:`distgraph.app.resume` saves and restores them).
 
 Under ``distgraph plan`` the first call plans its first batch, writes the report and
 stops the script (:class:`~distgraph.runtime.launch.context.PlanReported`).
@@ -27,7 +27,7 @@ import numpy as np
 
 from distgraph.annotation import ShardDataloader
 from distgraph.app import checks, plan_report
-from distgraph.app.data import DataLoader, FieldRead, reads_of
+from distgraph.app.data import DataLoader, FieldRead
 from distgraph.app.plans import Mode
 from distgraph.callbacks import CallbackList, ProgressBar
 from distgraph.errors import DistGraphError
@@ -104,7 +104,7 @@ class Loops:
             losses, lr = [], None
             for b, idx in enumerate(loader.indices(epoch)[start:n_batches], start=start):
                 planned, runner, scope = self.ensure(Mode.TRAIN, loader, len(idx))
-                feed, _ = self.feed(planned, runner, loader, idx, epoch, b)
+                feed, _ = self.feed(planned, loader, idx, epoch, b)
                 lr = engine.optimizer.lr_at(self.step)
                 engine._held.set_lr(lr)
                 logs = {"epoch": epoch, "batch": b, "lr": lr, "batch_size": len(idx)}
@@ -179,7 +179,7 @@ class Loops:
             n_in = len(built.feed_names) - len(built.label_names)
             # metrics see the global labels of every batch, read with this process's feed
             labels = range(n_in, len(built.feed_names)) if ms else ()
-            feed, whole = self.feed(planned, runner, loader, idx, 0, b, labels)
+            feed, whole = self.feed(planned, loader, idx, 0, b, labels)
             out = runner.run(scope, feed, self.step, local=True)
             loss = float(out[built.loss_name])
             total += loss * len(idx)
@@ -201,7 +201,7 @@ class Loops:
         results = []
         for b, idx in enumerate(loader.indices(0)):
             planned, runner, scope = self.ensure(Mode.PREDICT, loader, len(idx))
-            feed, _ = self.feed(planned, runner, loader, idx, 0, b)
+            feed, _ = self.feed(planned, loader, idx, 0, b)
             out = runner.run(scope, feed, self.step, local=True)
             results.append([np.asarray(out[n]) for n in planned.plan.built.output_names])
         return results
@@ -243,12 +243,11 @@ class Loops:
         """(Planned, runner, scope) of ``mode`` for a batch of ``rows`` samples."""
         return self.engine._ensure(mode, *self.specs(mode, loader, rows))
 
-    def feed(self, planned, runner, loader, idx, epoch: int, batch: int, whole=()) -> tuple:
+    def feed(self, planned, loader, idx, epoch: int, batch: int, whole=()) -> tuple:
         """(this process's feed of the batch of samples ``idx``: only the inputs its
         program reads, only its rows of each, checked; the fields ``whole`` (indices) of
         every row, read with it)."""
-        built = planned.plan.built
-        reads = reads_of(runner.program.feeds, built.feed_names)
+        reads = planned.reads()
         arrays = loader.read(idx, list(reads.values()) + [FieldRead(k) for k in whole])
         feed = dict(zip(reads, arrays))
         samples = {name: (idx if r.rows is None else idx[r.rows], r.cut)

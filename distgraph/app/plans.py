@@ -23,6 +23,7 @@ import numpy as np
 
 from distgraph import dtypes
 from distgraph.app.checks import FeedCheck
+from distgraph.app.data import reads_of
 from distgraph.errors import DistGraphError
 from distgraph.ir import Kind
 from distgraph.nn.layers import Dropout
@@ -36,16 +37,16 @@ class Mode(Kind):
     EVAL = "eval"
     PREDICT = "predict"
 
-    @classmethod
-    def parse(cls, mode) -> "Mode":
-        try:
-            return cls(mode)
-        except ValueError:
-            raise DistGraphError(f"mode must be one of {tuple(m.value for m in cls)}, got "
-                                 f"{mode!r}") from None
-
 
 MODES = (Mode.TRAIN, Mode.EVAL, Mode.PREDICT)
+
+
+def as_mode(mode) -> Mode:
+    """``mode`` ("train", "eval" or "predict") as a Mode; anything else is an error."""
+    if mode not in MODES:
+        raise DistGraphError(f"mode must be one of {tuple(m.value for m in MODES)}, got "
+                             f"{mode!r}")
+    return Mode(mode)
 
 
 def program_key(mode: Mode, inputs_spec, labels_spec, model, optimizer, strategy) -> tuple:
@@ -64,17 +65,25 @@ def program_key(mode: Mode, inputs_spec, labels_spec, model, optimizer, strategy
 @dataclass
 class Planned:
     """One planned program: its ``plan``, the (inputs, labels) InputSpecs it was planned
-    for, its ``runner`` once it ran, and the range check of its feeds."""
+    for, its ``runner`` once it ran, the range check of its feeds and what this rank
+    reads of a batch (its program's feeds: :func:`~distgraph.app.data.reads_of`)."""
 
     plan: object
     specs: tuple
     runner: PlanRunner | None = None
     feed_check: FeedCheck | None = None
+    feed_reads: dict | None = None
 
     def check(self) -> FeedCheck:
         if self.feed_check is None:
             self.feed_check = FeedCheck(self.plan.built.program)
         return self.feed_check
+
+    def reads(self) -> dict:
+        """{input name: FieldRead} of what the runner's process reads of a batch."""
+        if self.feed_reads is None:
+            self.feed_reads = reads_of(self.runner.program.feeds, self.plan.built.feed_names)
+        return self.feed_reads
 
 
 class PlanCache:

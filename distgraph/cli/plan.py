@@ -7,10 +7,10 @@ rank bootstrap with the request as its arguments (``--plan-out PATH``, ``--plan-
 ``evaluate`` / ``predict`` of any process of the script (a script that launches its ranks
 or its runs as child processes included) plans its first batch, writes the report there
 (:mod:`distgraph.app.plan_report`) and ends that process (``PlanReported``); the command
-then stops the script and everything it started, and prints the report: the processes and stages, per-op layouts
-summarised per layer, every reshard with its bytes, the search's report under
-``Strategy(auto_mode="full")``, and the predicted step time (compute / communication /
-bubble) and peak memory per device. ``--json`` prints the same as JSON
+then stops the script and everything it started, and prints the report: the processes
+and stages, per-op layouts summarised per layer, every reshard with its bytes, the
+search's report under ``Strategy(auto_mode="full")``, and the predicted step time
+(compute / communication / bubble) and peak memory per device. ``--json`` prints the same as JSON
 (``Plan.to_dict()`` with the estimate and the layer summary); ``--plot PNG`` also draws
 the plan (``Plan.plot``). With ``-n N``, a plan of another number of processes is an
 error, and a one-process plan of an unannotated model a warning. A script whose Engine

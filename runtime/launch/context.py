@@ -6,8 +6,9 @@ plans a batch to write the plan's report (and picture) and to end the script the
 request travels as **arguments**: the command gives it to the per-rank bootstrap
 (``python -m distgraph.runtime.launch.bootstrap --cluster FILE --plan-out PATH ...
 script.py``, :meth:`LaunchContext.argv`), the bootstrap opens the context around the
-script's run (:func:`opened`, a :mod:`contextvars` value), and an Engine reads it through
-this one function, :func:`current`, once, when it is made. The plan-only stop is
+script's run (:func:`opened`, a :mod:`contextvars` value; what its options leave out is
+what the process inherited), and an Engine reads it through this one function,
+:func:`current`, once, when it is made. The plan-only stop is
 :class:`PlanReported`, which the bootstrap catches.
 
 Why this shape:

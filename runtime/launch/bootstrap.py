@@ -6,10 +6,9 @@ It runs the script as ``__main__`` under the launch context its options give
 (:mod:`distgraph.runtime.launch.context`: the cluster of ``distgraph run --cluster``, the
 request of ``distgraph plan``, which runs its script through here too; what they leave out
 is what this process inherited), exported to the script's environment for the processes
-it starts; a :class:`PlanReported` stop ends the
-script with exit code 0. It turns an uncaught exception into ``MPI_Abort`` so
-that one failing rank ends the whole job with a non-zero exit code instead of leaving the
-other ranks blocked in a collective. Under the launcher (a status folder in
+it starts; a :class:`PlanReported` stop ends the script with exit code 0. It turns an
+uncaught exception into ``MPI_Abort`` so that one failing rank ends the whole job with a
+non-zero exit code instead of leaving the other ranks blocked in a collective. Under the launcher (a status folder in
 ``DISTGRAPH_STATUS_DIR``, see :mod:`distgraph.runtime.launch.status`) a supervisor forked
 before MPI starts watches the rank (:mod:`distgraph.runtime.launch.supervisor`); the rank writes
 ``<rank>.failed`` with its error or ``<rank>.done`` when the script returns, and its

@@ -204,7 +204,7 @@ class Distgraph:
         self.t = 0
 
     def step(self) -> float:
-        out = self.runner.run(self.scope, self.feed, self.t, rows=self.rows)
+        out = self.runner.run(self.scope, self.feed, self.t, local=self.rows is not None)
         self.t += 1
         return float(out[self.built.loss_name])
 

@@ -10,7 +10,7 @@ activations are recomputed in the backward (:mod:`distgraph.passes.transforms.re
 With ``Strategy(balance=True)`` the plan also carries the balanced split of its batch over
 its data-parallel groups (``plan.batch_split``, :mod:`distgraph.passes.balance`), the
 estimate that prices it and, where it is uneven, the local programs that run it
-(:mod:`distgraph.passes.uneven`).
+(:mod:`distgraph.passes.balance.uneven`).
 The built program is left as it was, so a search can score many plans of one program,
 and planning needs no running job: a 4-process plan can be made and printed from one
 process.
@@ -40,6 +40,8 @@ from types import MappingProxyType
 from distgraph.errors import PlanError, ShardingError
 from distgraph.ir import Role
 from distgraph.mesh import ProcessMesh, ProcessRanks
+from distgraph.passes.balance import balance_batch, batch_mesh_dims
+from distgraph.passes.balance.uneven import member_schedule_of, run_split, runs_own_counts
 from distgraph.passes.completion.complete import complete
 from distgraph.passes.completion import stage_order
 from distgraph.passes.cost.estimate import estimate
@@ -52,11 +54,11 @@ from distgraph.passes.pipeline.accumulate import split_micro_batches
 from distgraph.passes.pipeline.chunks import (chunk_meshes, chunk_of_ops, forward_chunks,
                                               place_chunks)
 from distgraph.passes.pipeline.compile import compile_process
+from distgraph.passes.pipeline.schedule import schedule_of
 from distgraph.passes.pipeline.task_graph import build_task_graph
 from distgraph.passes.samples import sample_axes
 from distgraph.passes.transforms.recompute import recompute, segments
 from distgraph.passes.transforms.zero import shard_updates
-from distgraph.passes.uneven import run_split, schedule_of
 from distgraph.plan.plan import Plan
 from distgraph.resources.cluster import Cluster
 from distgraph.strategy import Strategy
@@ -141,7 +143,9 @@ def _plan(built, strategy, cluster, rank_mapping, accumulation, ilp_budget=None)
         planned = run_split(_balanced(planned, cluster, searched is not None))
     graph = build_task_graph(planned, planned.locals,
                              chunk_of_ops(planned.program, meshes, cut), meshes)
-    planned = dataclasses.replace(planned, graph=graph, order=schedule_of(planned, graph))
+    order = (member_schedule_of(planned, graph) if runs_own_counts(planned)
+             else schedule_of(graph))
+    planned = dataclasses.replace(planned, graph=graph, order=order)
     if searched is not None or planned.batch_split is not None:
         planned = dataclasses.replace(planned, estimate=estimate(planned, cluster))
     return planned
@@ -182,9 +186,6 @@ def _completed(built, strategy, cluster, accumulation, ilp_budget, chunks=None):
 def _balanced(planned: Plan, cluster, searched: bool) -> Plan:
     """``planned`` with the balanced split of its batch. A searched plan that splits no
     batch has none to balance (the search priced the balanced groups and chose none)."""
-    # here, not above: the split's solver and its records are for Strategy(balance=True)
-    from distgraph.passes.balance import balance_batch, batch_mesh_dims
-
     if searched and not planned.distributed:
         return planned
     if searched:

@@ -1,11 +1,19 @@
-"""Which dim of each Value carries the batch's samples.
+"""Which dim of each Value carries the batch's samples: the one analysis.
 
-Pure. :func:`sample_axes` completes a copy of a program, without its annotations, on a
-one-process mesh whose dim ``samples`` splits dim 0 of every feed: the sharding rules
-that plan data parallelism then say, for every Value, which dim holds one entry per
-sample (or per sample and position, after a reshape) -- the dims whose local size an
-uneven data-parallel split changes. A Value absent from the result does not carry the
-samples (parameters, their gradients, a mean loss).
+Pure. :func:`complete_on_samples` completes a copy of a program, without its
+annotations, on a mesh whose one dim splits dim 0 of every feed: the sharding rules that
+plan data parallelism then lay out every Value by how it depends on the samples -- its
+sample dim split over that dim (one entry per sample, or per sample and position after a
+reshape), Partial over it where it sums over the samples (gradients, a loss averaged over
+the batch), replicated where it does not depend on them (parameters). :func:`axes_over`
+reads the sample dims off that copy.
+
+It is asked twice: :func:`sample_axes`, on a one-process mesh (every batch divides),
+by the balanced split (:mod:`distgraph.passes.balance`) and by what prices it (the
+estimate, the search); and gradient accumulation, on a mesh of M micro-batches whose
+copy it then partitions
+(:func:`distgraph.passes.pipeline.accumulate.split_micro_batches`, which derives
+``Accumulation.split_axis`` from it).
 
 Example::
 
@@ -23,10 +31,13 @@ from distgraph.placement import DistAttr, ShardSpec
 SAMPLES_DIM = "samples"
 
 
-def sample_axes(program, feed_names) -> dict:
-    """{Value name: the dim that carries the samples} for ``program`` whose feeds
-    ``feed_names`` hold the samples along dim 0."""
-    mesh = ProcessMesh([0], dim_names=[SAMPLES_DIM])   # one process: every batch divides
+def complete_on_samples(program, feed_names, processes: int = 1, dim: str = SAMPLES_DIM,
+                        refusal: str = "cannot tell which dims carry the batch's samples"):
+    """A copy of ``program``, without annotations, completed on a mesh of ``processes``
+    processes along ``dim`` with dim 0 of every feed of ``feed_names`` (that has one)
+    split over it (see the module docstring). Where completion refuses, a PlanError
+    ``"{refusal}: {why}"``."""
+    mesh = ProcessMesh(list(range(processes)), dim_names=[dim])
     copy = program.clone()
     for v in copy.values.values():
         v.annotation = None
@@ -35,23 +46,39 @@ def sample_axes(program, feed_names) -> dict:
     for name in feed_names:
         v = copy.values[name]
         if v.shape:
-            v.annotation = DistAttr(mesh, ShardSpec([SAMPLES_DIM] + [None] * (len(v.shape) - 1)))
+            v.annotation = DistAttr(mesh, ShardSpec([dim] + [None] * (len(v.shape) - 1)))
     try:
         complete(copy, default_mesh=mesh)
     except ShardingError as e:
-        raise PlanError(f"cannot tell which dims carry the batch's samples: {e}") from None
+        raise PlanError(f"{refusal}: {e}") from None
+    return copy
+
+
+def axes_over(completed, dim: str = SAMPLES_DIM) -> dict:
+    """{Value name: the dim split over ``dim``} of a :func:`complete_on_samples` copy: the
+    dims that carry the samples. A Value absent from it carries none."""
     axes = {}
-    for v in copy.values.values():
+    for v in completed.values.values():
         spec = v.dist_attr.spec
         for i in range(spec.ndim):
-            if SAMPLES_DIM in spec.entry(i):
+            if dim in spec.entry(i):
                 axes[v.name] = i
     return axes
 
 
+def sample_axes(program, feed_names) -> dict:
+    """{Value name: the dim that carries the samples} for ``program`` whose feeds
+    ``feed_names`` hold the samples along dim 0."""
+    return axes_over(complete_on_samples(program, feed_names))
+
+
 def axes_of(plan) -> dict:
-    """The sample dims of ``plan``'s program: the plan's own (``Plan.sample_axes``, found
-    once where its batch split needed them), else found now."""
+    """The sample dims of ``plan``'s program: its accumulation's (``split_axis``, found
+    when the batch was split into micro-batches), else the plan's own
+    (``Plan.sample_axes``, found once where its batch split needed them), else found
+    now."""
+    if plan.accumulation is not None:
+        return plan.accumulation.split_axis
     if plan.sample_axes is not None:
         return plan.sample_axes
     return sample_axes(plan.program, plan.built.feed_names)

@@ -10,8 +10,11 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import distgraph as dg  # noqa: E402
+from distgraph.ir import Role  # noqa: E402
 from distgraph.passes.pipeline.accumulate import split_micro_batches  # noqa: E402
+from distgraph.passes.samples import sample_axes  # noqa: E402
 from distgraph.runtime.execution.tasks import micro_batch_context  # noqa: E402
+from distgraph.plan.kinds import AccumulationMode  # noqa: E402
 from distgraph.program_builder import build_program  # noqa: E402
 
 import plans as P  # noqa: E402
@@ -35,12 +38,24 @@ def test_micro_batch_program_and_what_it_accumulates(kind):
     params = {v.name for v in built.program.parameters}
     grads = [n for n in acc.boundary if n != built.loss_name]
     assert sorted(grads) == sorted(f"{p}@GRAD" for p in params)
-    assert all(acc.mode(n) == "sum" for n in acc.boundary)       # gradients and the loss
+    # gradients and the loss
+    assert all(acc.mode(n) is AccumulationMode.SUM for n in acc.boundary)
     assert acc.boundary[-1] == built.loss_name
     for p in params:                                             # parameters keep their shape
         assert mb.program.values[p].shape == built.program.values[p].shape
-        assert acc.mode(p) == "keep"
+        assert acc.mode(p) is AccumulationMode.KEEP
     assert "sum" in acc.pretty() and "4 micro-batches of 2 rows" in acc.pretty()
+
+
+@pytest.mark.parametrize("kind", ["mlp", "gpt"])
+def test_the_split_axes_are_the_sample_axes(kind):
+    """One analysis: the dims the micro-batches split are the dims that carry the
+    samples, as the balanced split finds them, on the built and the micro-batch program."""
+    built = built_of(kind)
+    mb, acc = split_micro_batches(built, 4)
+    axes = sample_axes(built.program, built.feed_names)
+    assert dict(acc.split_axis) == axes == sample_axes(mb.program, mb.feed_names)
+    assert axes and all(axes[name] == 0 for name in built.feed_names)
 
 
 def test_a_mean_loss_keeps_the_full_batch_scale():
@@ -49,9 +64,9 @@ def test_a_mean_loss_keeps_the_full_batch_scale():
     built = built_of("mlp")
     mb, _ = split_micro_batches(built, 4)
     full = [op.attrs["scale"] for op in built.program.ops if op.type == "scale"
-            and op.role == "loss"]
+            and op.role is Role.LOSS]
     micro = [op.attrs["scale"] for op in mb.program.ops if op.type == "scale"
-             and op.role == "loss"]
+             and op.role is Role.LOSS]
     assert full == micro and full[0] == pytest.approx(1 / (8 * 4 * 4))
 
 

@@ -1,7 +1,7 @@
-"""The balanced batch split (distgraph.passes.batch_split): the cvxpy/SCIP program's
-optimum equals a brute force over every split on small cases, memory limits hold, a
-batch the devices cannot hold is a PlanError naming them, and the rows each process
-reads tile the batch (an even split reads as the runtime does today)."""
+"""The balanced batch split (distgraph.passes.balance.batch_split): the cvxpy/SCIP
+program's optimum equals a brute force over every split on small cases, memory limits
+hold, a batch the devices cannot hold is a PlanError naming them, and the rows each
+process reads tile the batch (an even split reads as the runtime does today)."""
 
 import itertools
 import random
@@ -9,8 +9,8 @@ import random
 import pytest
 
 from distgraph.errors import PlanError
-from distgraph.passes.batch_split import (BatchSplit, Member, SplitProblem, check_memory,
-                                          solve_split)
+from distgraph.passes.balance.batch_split import (BatchSplit, Member, SplitProblem,
+                                                  check_memory, solve_split)
 
 
 def brute_force(problem):

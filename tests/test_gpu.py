@@ -58,9 +58,9 @@ def test_serial_cupy_equals_serial_numpy(kind, dropout, float64, tmp_path):
 
     gpu_engine, gpu_losses = fit(kind, dg.Cluster.local(1, device="GPU"), dropout)
     cpu_engine, cpu_losses = fit(kind, None, dropout)
-    runner = gpu_engine._backends["train"]
-    assert runner.arrays.name == "cupy"
-    assert all(isinstance(a, cupy.ndarray) for a in gpu_engine._scopes["train"].values())
+    runner = gpu_engine._plans.ran("train")
+    assert runner.backend.name == "cupy"
+    assert all(isinstance(a, cupy.ndarray) for a in gpu_engine._held.arrays.values())
     assert len(gpu_losses) == P.STEPS
     assert max(abs(a - b) for a, b in zip(gpu_losses, cpu_losses)) < TOL
     gpu_params, cpu_params = gpu_engine.state_dict(), cpu_engine.state_dict()

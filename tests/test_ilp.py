@@ -116,6 +116,13 @@ def check_against_oracle(p):
     return "solved"
 
 
+def test_the_public_contract_path_is_the_solver():
+    """DESIGN.md's public contract names ``from distgraph.passes.ilp import
+    ShardingProblem, solve``: that path stays, and is the solver tested here."""
+    from distgraph.passes import ilp
+    assert ilp.ShardingProblem is ShardingProblem and ilp.solve is solve
+
+
 @pytest.mark.parametrize("seed", range(120))
 def test_random_problems_match_brute_force(seed):
     check_against_oracle(random_problem(seed))

@@ -13,6 +13,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import distgraph as dg  # noqa: E402
 from distgraph.passes.pipeline.schedule import Problem, chain, make_schedule, replay  # noqa: E402
+from distgraph.plan.kinds import TaskKind  # noqa: E402
 from distgraph.plan.schedule import Action  # noqa: E402
 
 import torch_schedules as T  # noqa: E402
@@ -21,7 +22,7 @@ import torch_schedules as T  # noqa: E402
 def test_actions_print_in_torchs_notation():
     assert str(Action(0, "F", 3)) == "0F3" and str(Action(1, "I", 0)) == "1I0"
     assert Action.parse("12W7") == Action(12, "W", 7)
-    assert Action(1, "W", 0).task == "backward_weight"
+    assert Action(1, "W", 0).task is TaskKind.BACKWARD_WEIGHT
     with pytest.raises(dg.PlanError, match="not an action"):
         Action.parse("0X1")
 

@@ -1,4 +1,4 @@
-"""Alpa's stage DP (passes/stage_dp.py) against brute force and closed forms.
+"""Alpa's stage DP (passes/search/stage_dp.py) against brute force and closed forms.
 
 Oracle: every split of the layers into consecutive stages and every assignment of Alpa
 submesh shapes to them, kept when the shapes' sizes fill every device mesh exactly and

@@ -1,6 +1,6 @@
-"""What runs an uneven balanced split (:mod:`distgraph.passes.uneven`): each group's local
-program holds its own rows; the estimate prices them as it priced the even partitions'
-shares; with micro-batches the sums over the data-parallel dim wait for the update and
+"""What runs an uneven balanced split (:mod:`distgraph.passes.balance.uneven`): each
+group's local program holds its own rows; the estimate prices them as it priced the even
+partitions' shares; with micro-batches the sums over the data-parallel dim wait for the update and
 the groups meet nowhere else; per-sample fetches come back in the batch's order; random
 ops draw the batch's rows (dropout trains as serial); and a layout that moves samples
 between groups is a PlanError at plan time. The MPI runs are tests/test_balance_mpi.py."""
@@ -15,7 +15,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import distgraph as dg  # noqa: E402
 from distgraph.errors import PlanError  # noqa: E402
-from distgraph.passes.batch_split import BatchSplit  # noqa: E402
+from distgraph.passes.balance.batch_split import BatchSplit  # noqa: E402
+from distgraph.plan.kinds import ItemKind, TaskKind  # noqa: E402
 from distgraph.runtime.comm.simulated import SimulatedWorld  # noqa: E402
 
 import plans as P  # noqa: E402
@@ -85,12 +86,12 @@ def test_micro_batches_meet_only_in_the_prologue_and_the_update():
         assert sorted({a.micro_batch for a in acts}) == list(range(counts[pid]))
         tasks = graph.tasks_of(pid)
         per_mb = [graph.points[it.index] for t in tasks.values() if t.per_micro_batch
-                  for it in t.items if it.kind == "point"]
+                  for it in t.items if it.kind is ItemKind.POINT]
         assert not [s for p in per_mb for s in p.steps if s.mesh_dim == "dp"]
-        prologue = tasks[(None, "prologue")]       # the label count, reduced once
+        prologue = tasks[(None, TaskKind.PROLOGUE)]       # the label count, reduced once
         assert [graph.points[it.index].value for it in prologue.items] == ["sum_0"]
-        update = [graph.points[it.index].value for it in tasks[(None, "update")].items
-                  if it.kind == "point"]
+        update = [graph.points[it.index].value for it in tasks[(None, TaskKind.UPDATE)].items
+                  if it.kind is ItemKind.POINT]
         # the positional embedding's gradient was summed per micro-batch before: now once
         assert "wpe.weight@GRAD" in update
     assert bal.program.values["divide_0"].dist_attr.spec.partial == {"dp"}   # the loss
@@ -103,7 +104,7 @@ def test_micro_batches_meet_only_in_the_prologue_and_the_update():
 
 
 def test_per_sample_fetches_come_back_in_the_batchs_order():
-    from distgraph.passes.uneven import _row_gathers
+    from distgraph.passes.balance.uneven import _row_gathers
     split = BatchSplit(4, 1, True, ("dp",), ((0,), (1,)), (3, 1))
     assert split.rows(0) == ((0, 1), (2, 3), (3, 4)) and split.rows(1) == ((1, 2),)
 

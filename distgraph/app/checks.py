@@ -2,23 +2,21 @@
 
 - :func:`check_fields`: a sample's fields (inputs, then labels) must match the
   arguments of the model's forward;
-- :func:`stack_batch`: samples of a batch must have equal shapes (the error names the
-  sample indices and shapes, not numpy's bare message);
+- :func:`stack_batch` / :func:`stack_field`: samples of a batch must have the same
+  fields of equal shapes (the error names the sample indices and shapes, not numpy's
+  bare message);
 - :class:`FeedCheck`: labels and embedding ids fed straight to the loss / an embedding
   must be in range (the error names the dataset sample, the position, the value and the
   range), the same on every rank as in a serial run;
 - :func:`check_finite`: a NaN or infinite loss stops training with a RuntimeFault
   naming the step (the loss is global, so every rank stops at the same step);
 - :func:`collective`: Engine methods that are collective check that every rank is in
-  the same call (see ``Communicator.collective_call``);
-- :func:`launcher_cluster`: the cluster ``distgraph run --cluster FILE`` gave;
-- :func:`check_runnable`: a 16-bit program is planned, never run (numpy computes in
-  float32 / float64).
+  the same call (see ``Communicator.collective_call``).
 
 Example::
 
     check = FeedCheck(built.program)
-    check({"label_0": labels}, sample_indices=[8, 9, 10, 11], epoch=0, batch=1)
+    check({"label_0": labels}, {"label_0": ([8, 9, 10, 11], ())}, epoch=0, batch=1)
 """
 
 from __future__ import annotations
@@ -26,36 +24,11 @@ from __future__ import annotations
 import functools
 import inspect
 import math
-import os
 
 import numpy as np
 
-from distgraph import dtypes
 from distgraph.errors import DistGraphError, RuntimeFault
 from distgraph.ops.nn_ops import IGNORE_INDEX, OutOfRange, check_range
-from distgraph.resources.cluster import Cluster
-from distgraph.runtime.launch.status import CLUSTER_VAR
-
-
-def check_runnable(program) -> None:
-    """Refuse to run ``program`` when a parameter of it is 16-bit: such models (a 16-bit
-    default dtype) are planned with master copies the optimizer does not initialise;
-    mixed-precision training is a float32 model with ``Strategy(amp=...)``."""
-    for v in program.parameters:
-        if v.dtype in dtypes.HALF_DTYPES:
-            raise DistGraphError(f"running the program: parameter {v.name!r} is {v.dtype}; "
-                                 f"16-bit parameters are for planning. Train in mixed "
-                                 f"precision with a float32 model and "
-                                 f"dg.Strategy(amp={v.dtype!r}) (float32 master weights)")
-
-
-def launcher_cluster():
-    """The Cluster of ``$DISTGRAPH_CLUSTER`` (set by ``distgraph run --cluster FILE``),
-    or None when it is not set."""
-    path = os.environ.get(CLUSTER_VAR)
-    if not path:
-        return None
-    return Cluster.from_file(path)
 
 
 def check_fields(model, n_fields: int, n_labels: int) -> None:
@@ -88,19 +61,31 @@ def check_fields(model, n_fields: int, n_labels: int) -> None:
 def stack_batch(samples: list, indices) -> list:
     """Stack the fields of ``samples`` (dataset items ``indices``) into batch arrays."""
     fields = [[np.asarray(f) for f in s] for s in samples]
-    first = fields[0]
-    for i, s in zip(indices, fields):
+    check_field_counts(fields, indices)
+    return [stack_field([s[k] for s in fields], indices, k) for k in range(len(fields[0]))]
+
+
+def check_field_counts(samples: list, indices) -> None:
+    """Every sample (its fields, dataset item ``indices[i]``) has the first one's fields."""
+    first = samples[0]
+    for i, s in zip(indices, samples):
         if len(s) != len(first):
             raise DistGraphError(f"dataset sample {int(i)} has {len(s)} fields but sample "
                                  f"{int(indices[0])} has {len(first)}; every sample needs the "
                                  "same fields (inputs, then labels)")
-        for k, (a, b) in enumerate(zip(s, first)):
-            if a.shape != b.shape:
-                raise DistGraphError(f"dataset sample {int(i)} field {k} has shape "
-                                     f"{list(a.shape)} but sample {int(indices[0])} has "
-                                     f"{list(b.shape)}; samples of a batch must have equal "
-                                     "shapes (pad or crop them)")
-    return [np.stack([s[k] for s in fields]) for k in range(len(first))]
+
+
+def stack_field(arrays: list, indices, k: int):
+    """Field ``k`` of the samples ``indices`` (``arrays``, one per sample) as one batch
+    array; they must have equal shapes."""
+    first = arrays[0]
+    for i, a in zip(indices, arrays):
+        if a.shape != first.shape:
+            raise DistGraphError(f"dataset sample {int(i)} field {k} has shape "
+                                 f"{list(a.shape)} but sample {int(indices[0])} has "
+                                 f"{list(first.shape)}; samples of a batch must have equal "
+                                 "shapes (pad or crop them)")
+    return np.stack(arrays)
 
 
 class FeedCheck:
@@ -123,15 +108,22 @@ class FeedCheck:
     def _add(self, feed, what, high, allowed, where):
         self.ranges.setdefault(feed, []).append((what, high, allowed, where))
 
-    def __call__(self, feed: dict, sample_indices, epoch: int, batch: int) -> None:
+    def __call__(self, feed: dict, samples: dict, epoch: int, batch: int) -> None:
+        """Check the inputs of ``feed`` this process reads. ``samples[name]`` says what
+        ``feed[name]`` holds: (the dataset items of its rows, in order; its slices of
+        each sample's dims, whose starts place a position in the sample)."""
         for name, checks in self.ranges.items():
-            values = np.asarray(feed[name])
+            if name not in feed:
+                continue
+            values, (sample_indices, cut) = np.asarray(feed[name]), samples[name]
             for what, high, allowed, where in checks:
                 try:
                     check_range(np, values, 0, high, what, allowed)
                 except OutOfRange as e:
-                    row, rest = e.position[0], e.position[1:]
-                    at = f" at position {list(rest)}" if rest else ""
+                    row, rest = e.position[0], list(e.position[1:])
+                    for d, part in enumerate(cut[:len(rest)]):
+                        rest[d] += part.start or 0
+                    at = f" at position {rest}" if rest else ""
                     raise RuntimeFault(
                         f"epoch {epoch}, batch {batch}: dataset sample "
                         f"{int(sample_indices[row])}: {name}{at} is {e.value}, outside "

@@ -2,7 +2,9 @@
 
 A dataset is any object with ``__len__`` and ``__getitem__`` returning a tuple of numpy
 arrays (the inputs followed by the labels). :class:`DataLoader` stacks samples into
-batches, shuffles with (seed, epoch), and gives a data-parallel rank only its rows. Fields
+batches and shuffles with (seed, epoch); :meth:`DataLoader.read` gives a process only the
+fields its program reads and only its rows of each (:func:`reads_of`: the
+``ProcessProgram.feeds`` of its plan), reading only the samples those rows hold. Fields
 are fed in the model's dtypes: integers as int64, floating point in the default dtype
 (``dg.get_default_dtype()``); :meth:`DataLoader.casts` says which fields that casts
 from a wider float (the Engine warns once). A dataset from ``dg.shard_dataloader`` (or
@@ -13,10 +15,13 @@ Example::
     loader = DataLoader(dataset, batch_size=8, shuffle=True, seed=0)
     ins, labels = loader.specs(n_labels=1)        # InputSpecs of one batch
     for idx in loader.indices(epoch=0):
-        batch = loader.load(idx)
+        batch = loader.load(idx)                              # every field, every row
+        mine = loader.read(idx, list(reads_of(program.feeds, built.feed_names).values()))
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -42,6 +47,29 @@ def _field_dtype(arr: np.ndarray) -> str:
     if np.issubdtype(arr.dtype, np.bool_):
         return "bool"
     return dtypes.get_default_dtype()
+
+
+@dataclass(frozen=True)
+class FieldRead:
+    """What a process reads of field ``field`` of a batch: ``rows``, the batch rows in the
+    order it reads them (an index array; None: every row), and ``cut``, its slices of the
+    dims after the first."""
+
+    field: int
+    rows: object = None
+    cut: tuple = ()
+
+
+def reads_of(feeds, feed_names) -> dict:
+    """{input name: FieldRead} of the inputs a process reads: ``feeds`` are its
+    ``ProcessProgram.feeds`` (each input's rows per micro-batch, in the order it runs
+    them), ``feed_names`` the built program's inputs in the order of a sample's fields."""
+    out = {}
+    for f in feeds:
+        rows = None if f.rows is None else \
+            np.concatenate([np.arange(a, b) for a, b in f.rows] or [np.arange(0)])
+        out[f.name] = FieldRead(list(feed_names).index(f.name), rows, tuple(f.rest))
+    return out
 
 
 class DataLoader:
@@ -81,6 +109,27 @@ class DataLoader:
             idx = idx[rows]
         batch = checks.stack_batch([_as_fields(self.dataset[int(i)], int(i)) for i in idx], idx)
         return [np.asarray(a, dtype=_field_dtype(a)) for a in batch]
+
+    def read(self, idx, reads) -> list:
+        """The arrays ``reads`` (FieldReads) ask for of the batch of samples ``idx``, one
+        per read: only the samples some read needs are read, and only the fields asked
+        for are made arrays and stacked, each of its rows only, then cut."""
+        every = np.arange(len(idx))
+        wanted = sorted({int(p) for r in reads for p in (every if r.rows is None else r.rows)})
+        if not wanted:             # a process that reads no input (a middle stage)
+            return []
+        samples = {p: _as_fields(self.dataset[int(idx[p])], int(idx[p])) for p in wanted}
+        checks.check_field_counts([samples[p] for p in wanted], idx[wanted])
+        out = []
+        for r in reads:
+            rows = every if r.rows is None else r.rows
+            if not len(rows):      # a process that runs no micro-batch of this batch
+                out.append(np.empty((0,)))
+                continue
+            batch = checks.stack_field([np.asarray(samples[int(p)][r.field]) for p in rows],
+                                       idx[rows], r.field)
+            out.append(np.asarray(batch[(slice(None),) + r.cut], dtype=_field_dtype(batch)))
+        return out
 
     def epoch(self, epoch: int, rows: slice | None = None):
         """Batches of one epoch (see :meth:`load`)."""

@@ -2,10 +2,11 @@
 per-layer summary of its layouts, written by the first Engine call of a script run under
 ``distgraph plan`` (see :mod:`distgraph.cli.plan`), or why that call could not plan.
 
-The command asks through the script's environment, as ``distgraph run --cluster`` passes
-the cluster file: ``$DISTGRAPH_PLAN_OUT`` is where the report goes, ``$DISTGRAPH_PLAN_PLOT``
-where the plan's picture goes when ``--plot`` asked for one. An Engine reads the request
-once, when it is created (:func:`requested`), and holds it.
+The command's request (where the report goes, where the plan's picture goes when
+``--plot`` asked for one) reaches an Engine through the launch context
+(:func:`distgraph.runtime.launch.context.current`: a :class:`PlanRequest`), which the
+Engine reads once, when it is created; once the report is written the Engine raises
+:class:`PlanReported` and the bootstrap that runs the script ends it there.
 """
 
 from __future__ import annotations
@@ -13,36 +14,13 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from dataclasses import dataclass
 
 from distgraph.errors import DistGraphError
 from distgraph.passes.cost.estimate import estimate
+from distgraph.runtime.launch.context import PlanReported, PlanRequest
 
-
-PLAN_OUT = "DISTGRAPH_PLAN_OUT"
-PLAN_PLOT = "DISTGRAPH_PLAN_PLOT"
-
-
-@dataclass(frozen=True)
-class PlanRequest:
-    """What ``distgraph plan`` asked of a script: the report's path, the picture's."""
-
-    out: str
-    plot: str | None = None
-
-
-def requested() -> PlanRequest | None:
-    """The request of ``distgraph plan`` this process runs under, or None."""
-    out = os.environ.get(PLAN_OUT)
-    return PlanRequest(out, os.environ.get(PLAN_PLOT) or None) if out else None
-
-
-class PlanReported(SystemExit):
-    """Ends a script run under ``distgraph plan`` once its report is written (exit code
-    0, like the end of the script)."""
-
-    def __init__(self):
-        super().__init__(0)
+__all__ = ["PlanReported", "PlanRequest", "layer_summary", "report", "write_failure",
+           "write_report"]
 
 
 def report(plan, cluster=None) -> dict:

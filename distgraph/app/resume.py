@@ -37,12 +37,13 @@ def checkpoint_info(engine) -> dict:
         optimizer = {**opt.hyperparameters(),
                      "learning_rate": rate.to_dict() if isinstance(rate, LRSchedule) else rate,
                      "lr": opt.lr_at(engine.global_step)}
-    epoch, batch = engine._position
+    loops = engine._loops
+    epoch, batch = loops.position
     return {
         "training": {"step": engine.global_step, "epoch": epoch, "batch": batch,
-                     **(engine._fit_config or {})},
+                     **(loops.fit_config or {})},
         "optimizer": optimizer,
-        "rng": {"data_seed": engine._data_seed,
+        "rng": {"data_seed": loops.data_seed,
                 "dropout_seeds": {p: layer.seed for p, layer in _dropouts(engine.model).items()},
                 "param_generator": dtypes.param_rng().bit_generator.state},
     }
@@ -70,19 +71,20 @@ def check_checkpoint(engine, reader) -> None:
         hint = (f"The checkpoint was saved with the {saved} optimizer, this Engine has "
                 f"{type(opt).__name__}: give the Engine the checkpoint's optimizer")
     # Which states a training program keeps depends on which parameters get gradients;
-    # a missing one is named when the training program is bound (ProcessState.bind).
+    # a missing one is named when the training program is bound (HeldState.bind).
     check_tensors(reader, {**expected, **states}, allowed_missing=states, hint=hint)
 
 
 def restore_info(engine, info: dict) -> None:
+    loops = engine._loops
     training = info.get("training", {})
-    engine._step = int(training.get("step", 0))
-    engine._position = (int(training.get("epoch", 0)), int(training.get("batch", 0)))
-    engine._resume = dict(training, epoch=engine._position[0], batch=engine._position[1])
-    engine._fit_config = {k: v for k, v in training.items()
-                          if k not in ("step", "epoch", "batch")}
+    loops.step = int(training.get("step", 0))
+    loops.position = (int(training.get("epoch", 0)), int(training.get("batch", 0)))
+    loops.resume = dict(training, epoch=loops.position[0], batch=loops.position[1])
+    loops.fit_config = {k: v for k, v in training.items()
+                        if k not in ("step", "epoch", "batch")}
     rng = info.get("rng", {})
-    engine._data_seed = rng.get("data_seed", engine._data_seed)
+    loops.data_seed = rng.get("data_seed", loops.data_seed)
     layers = _dropouts(engine.model)
     for path, seed in rng.get("dropout_seeds", {}).items():
         if path in layers:

@@ -1,21 +1,24 @@
-"""The persistable values of an Engine on this process, across plans.
+"""The persistable values of an Engine on this rank, across plans: the held state.
 
-Parameters and optimizer states live as this process's local blocks (``arrays``, the
-scope every plan's backend runs on), each with the layout it was laid out in
-(``layouts``: DistAttr, global shape, dtype, and the plan and backend that can gather
-it; the same keys and layouts on every rank). Binding another plan (evaluation, a short
-last batch, a new batch size) keeps every value whose layout is unchanged as it is and
-re-lays only the others, gathering them from their old layout (a collective, entered
-alike by every rank because layouts are global facts); values the process never held
-come from, in order: the model's parameters when the user set them since they were last
-synced, a loaded checkpoint (reading only this process's block), the model's
-parameters and published optimizer states, and fresh optimizer states.
+Parameters and optimizer states live as this rank's local blocks (``arrays``, the scope
+every plan's runner runs on), each with the layout it was laid out in (``layouts``: a
+:class:`HeldLayout`, with the plan and runner that laid it out; the same keys and
+layouts on every rank). Binding another plan (evaluation, a short last batch, a new
+strategy or batch size) keeps every value whose layout over ranks is unchanged as it is
+and moves the others by reshard points planned like any other
+(:func:`distgraph.passes.relayout.plan_relayout`) and run by the runtime
+(:func:`distgraph.runtime.execution.runner.relayout`): a collective, entered alike by
+every rank because layouts are global facts, in which each rank sends and receives only
+blocks. Values the rank never held come from, in order: the model's parameters when the
+user set them since they were last synced, a loaded checkpoint (reading only this
+process's block), the model's parameters and published optimizer states, and fresh
+optimizer states.
 
 Example::
 
-    state = ProcessState(model, optimizer)
-    scope = state.bind(plan, pid=0, backend=backend)      # local arrays of the plan
-    params, states = state.publish()                       # global arrays (collective)
+    state = HeldState(model, optimizer)
+    scope = state.bind(plan, runner, comm)          # local arrays of the plan
+    params, states = state.publish()                 # global arrays (collective)
 """
 
 from __future__ import annotations
@@ -26,17 +29,24 @@ import numpy as np
 
 from distgraph.app.checkpoint import CheckpointError
 from distgraph.optim import LR
+from distgraph.passes.relayout import plan_relayout
+from distgraph.runtime.execution.runner import relayout
 
 
-class Layout(NamedTuple):
-    attr: object          # DistAttr of the value in ``plan``
+class HeldLayout(NamedTuple):
+    """How a held value is laid out: its DistAttr in ``plan``, global shape and dtype, and
+    the runner of ``plan`` (which gathers it, and whose array backend holds its block)."""
+
+    attr: object
     shape: tuple
     dtype: str
     plan: object
-    backend: object
+    runner: object
 
 
-class ProcessState:
+class HeldState:
+    """This rank's parameters and optimizer states (module docstring)."""
+
     def __init__(self, model, optimizer):
         self.model, self.optimizer = model, optimizer
         self.arrays: dict = {}
@@ -72,36 +82,35 @@ class ProcessState:
         return changed
 
     # -- binding a plan -------------------------------------------------------------------
-    def bind(self, plan, pid: int, backend) -> dict:
-        """Lay out every persistable of ``plan`` for process ``pid`` as arrays of the
-        runner ``backend`` (``backend.arrays``: numpy, or CuPy); returns the scope.
-        Cheap when ``plan`` is the one bound last and the model was not given new values."""
+    def bind(self, plan, runner, comm=None) -> dict:
+        """Lay out every persistable of ``plan`` for ``runner`` (its process, its array
+        backend: numpy, or CuPy) and return the scope; ``comm`` is the job's world
+        communicator (None while no plan of the job is distributed). Cheap when ``plan``
+        is the one bound last and the model was not given new values."""
         self.take_user_changes()
         if self.bound is plan:
             return self.arrays
         want = {v.name: v for v in plan.program.persistables}
-        relayout = sorted(n for n, v in want.items() if n in self.layouts and
-                          _moved(self.layouts[n], v, plan))
-        gathered = self.gather(relayout)
+        moved = self._move(sorted(n for n in want if n in self.layouts), plan, comm)
         params = dict(self.model.named_parameters())
         self._check_pending(want)
+        pid = runner.pid
         for name in sorted(want):
             v = want[name]
-            layout = Layout(v.dist_attr, tuple(v.shape), v.dtype, plan, backend)
-            held = pid in v.dist_attr.mesh
-            if name in self.layouts and name not in gathered:
+            layout = HeldLayout(v.dist_attr, tuple(v.shape), v.dtype, plan, runner)
+            if name in self.layouts and name not in moved:
                 self.layouts[name] = layout
                 continue
             self.layouts[name] = layout
             self.arrays.pop(name, None)
             from_checkpoint = name in self.pending_names
             self.pending_names.discard(name)
-            if not held:
+            if pid not in v.dist_attr.mesh:
                 continue
             index = v.dist_attr.local_slices(v.shape, pid)
             fresh = False         # a new array of this process's own (no copy needed)
-            if name in gathered:
-                block = gathered[name][index]
+            if name in moved:
+                block = moved[name]
             elif from_checkpoint:
                 block = self.pending.read(name, index)
             elif name in params:         # a lazy parameter makes only this block
@@ -110,10 +119,28 @@ class ProcessState:
                 block = np.asarray(self.states[name])[index]
             else:
                 block = self._fresh(v, index)
-            self.arrays[name] = backend.arrays.from_host(
+            self.arrays[name] = runner.backend.from_host(
                 np.array(block, dtype=v.dtype, order="C", copy=None if fresh else True))
         self.bound = plan
         return self.arrays
+
+    def _move(self, names, plan, comm) -> dict:
+        """Move the held values ``names`` whose layout over ranks ``plan`` changes:
+        {name: this rank's new host block, or None where it holds none}. Grouped by the
+        plan that laid them out, in the order of the names (the same on every rank)."""
+        groups: dict = {}          # plans (hashed by identity) keep their first-seen order
+        for name in names:
+            old = self.layouts[name].plan
+            if old is not plan:
+                groups.setdefault(old, []).append(name)
+        rank = comm.rank if comm is not None else 0
+        points = [point for old, group in groups.items()
+                  for point in plan_relayout(old, plan, group, rank)]
+        blocks = {p.value: self._host_block(p.value) for p in points if p.reads}
+        return relayout(points, blocks, comm, rank)
+
+    def _host_block(self, name):
+        return self.layouts[name].runner.backend.to_host(self.arrays[name])
 
     def _fresh(self, v, index):
         if v.name == LR:
@@ -134,15 +161,14 @@ class ProcessState:
 
     # -- global values --------------------------------------------------------------------
     def gather(self, names) -> dict:
-        """Global arrays of laid-out values ``names`` on every process (collective: every
-        rank passes the same names). Grouped by the backend that laid them out."""
+        """Global arrays of laid-out values ``names`` on every rank (collective: every
+        rank passes the same names). Grouped by the runner that laid them out."""
         groups: dict = {}
         for name in sorted(names):
-            groups.setdefault(id(self.layouts[name].backend), []).append(name)
+            groups.setdefault(self.layouts[name].runner, []).append(name)
         out = {}
-        for group in groups.values():
-            backend = self.layouts[group[0]].backend
-            out.update(backend.gather(self.arrays, group))
+        for runner, group in groups.items():
+            out.update(runner.gather(self.arrays, group))
         return out
 
     def publish(self) -> tuple[dict, dict]:
@@ -192,7 +218,7 @@ class ProcessState:
             if name in self.layouts:
                 layout, block = self.layouts[name], self.arrays.get(name)
                 out.append((name, layout, None if block is None else
-                            layout.backend.arrays.to_host(block)))
+                            layout.runner.backend.to_host(block)))
             elif name in self.pending_names:
                 out.append((name, None, _Lazy(self.pending, name)))
             elif name in params:
@@ -201,16 +227,6 @@ class ProcessState:
             else:
                 out.append((name, None, self.states[name]))
         return out
-
-
-def _moved(old: Layout, v, plan) -> bool:
-    """Whether Value ``v`` of ``plan`` lays its blocks out otherwise than ``old``: another
-    layout or shape, or other ranks running its processes (the rank mapper may place the
-    processes of two plans, say training's and evaluation's, differently)."""
-    if old.attr != v.dist_attr or old.shape != tuple(v.shape):
-        return True
-    ids = v.dist_attr.mesh.process_ids
-    return old.plan.ranks.of(ids) != plan.ranks.of(ids)
 
 
 class _Unmade:

@@ -1,24 +1,25 @@
 """``distgraph plan SCRIPT.py [--cluster FILE] [-n N] [--json] [--plot PNG] [-- ARGS]``:
 print the plan a training script's Engine would use, without training.
 
-How: the script runs as it would (``python SCRIPT.py ARGS``, one process) with
-``$DISTGRAPH_PLAN_OUT`` set (see :mod:`distgraph.app.plan_report`). The first
-``Engine.fit`` / ``evaluate`` / ``predict`` of any process of the script (a script that
-launches its ranks or its runs as child processes included) plans its first batch,
-writes the report there and ends that process; the command then stops the script and
-everything it started, and prints the report: the processes and stages, per-op layouts
-summarised per layer, every reshard with its bytes, the search's report under
-``Strategy(auto_mode="full")``, and the predicted step time (compute / communication /
-bubble) and peak memory per device. ``--json`` prints the same as JSON
+How: the script runs as it would (``python SCRIPT.py ARGS``, one process), through the
+rank bootstrap with the request as its arguments (``--plan-out PATH``, ``--plan-plot``,
+``--cluster``: :mod:`distgraph.runtime.launch.context`). The first ``Engine.fit`` /
+``evaluate`` / ``predict`` of any process of the script (a script that launches its ranks
+or its runs as child processes included) plans its first batch, writes the report there
+(:mod:`distgraph.app.plan_report`) and ends that process (``PlanReported``); the command
+then stops the script and everything it started, and prints the report: the processes
+and stages, per-op layouts summarised per layer, every reshard with its bytes, the
+search's report under ``Strategy(auto_mode="full")``, and the predicted step time
+(compute / communication / bubble) and peak memory per device. ``--json`` prints the same as JSON
 (``Plan.to_dict()`` with the estimate and the layer summary); ``--plot PNG`` also draws
 the plan (``Plan.plot``). With ``-n N``, a plan of another number of processes is an
 error, and a one-process plan of an unannotated model a warning. A script whose Engine
 cannot plan (a ``PlanError`` such as stages that form a cycle) prints that error and
 exits 1.
 
-``--cluster FILE`` is exported as ``$DISTGRAPH_CLUSTER`` (the cluster the search plans
-for when the Engine has none, and the one the estimate prices); ``-n N`` without a file
-stands for ``Cluster.local(N)``. A plan whose processes the cluster cannot hold is
+``--cluster FILE`` is the launch context's cluster (the one the search plans for when
+the Engine has none, and the one the estimate prices); ``-n N`` without a file stands
+for ``Cluster.local(N)``. A plan whose processes the cluster cannot hold is
 printed without an estimate.
 
 Example::
@@ -96,8 +97,8 @@ def _split(args):
 
 def _plan(args) -> int:
     # here, not above: ``distgraph run`` builds this parser too and needs neither
-    from distgraph.app.plan_report import PLAN_OUT, PLAN_PLOT
     from distgraph.resources.cluster import Cluster
+    from distgraph.runtime.launch.context import LaunchContext, PlanRequest
 
     args = _split(args)
     try:
@@ -113,18 +114,15 @@ def _plan(args) -> int:
     with tempfile.TemporaryDirectory(prefix="distgraph-plan-") as tmp:
         env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
         out = os.path.join(tmp, "plan.json")
-        env[PLAN_OUT] = out
-        if args.plot:
-            env[PLAN_PLOT] = os.path.abspath(args.plot)
-        if args.cluster:
-            env["DISTGRAPH_CLUSTER"] = os.path.abspath(args.cluster)
-        elif args.nprocs:
-            path = os.path.join(tmp, f"local{args.nprocs}.yaml")
-            Cluster.local(args.nprocs).save(path)
-            env["DISTGRAPH_CLUSTER"] = path
+        cluster = args.cluster
+        if not cluster and args.nprocs:
+            cluster = os.path.join(tmp, f"local{args.nprocs}.yaml")
+            Cluster.local(args.nprocs).save(cluster)
+        context = LaunchContext(cluster, PlanRequest(out, args.plot))
         log = os.path.join(tmp, "script.log")
         with open(log, "w") as sink:
-            proc = subprocess.Popen([sys.executable, args.script, *args.args], env=env,
+            proc = subprocess.Popen([sys.executable, "-m", "distgraph.runtime.launch.bootstrap",
+                                     *context.argv(), "--", args.script, *args.args], env=env,
                                     stdout=sink, stderr=subprocess.STDOUT,
                                     start_new_session=True)
             while not os.path.exists(out) and proc.poll() is None:

@@ -286,7 +286,7 @@ class _Scale:
 
 def _rows_held(plan, pid: int) -> float:
     """The rows process ``pid``'s local program holds over the even split's: 1, except
-    for the local programs of an uneven split by rows (:mod:`distgraph.passes.uneven`),
+    for the local programs of an uneven split by rows (:mod:`distgraph.passes.balance.uneven`),
     whose values that carry samples differ from the even blocks along that dim."""
     for v in plan.local_alike(pid).program.values.values():
         value = plan.program.values.get(v.name)

@@ -1,13 +1,14 @@
 """Gradient accumulation as program structure: one step's batch in M micro-batches.
 
-:func:`split_micro_batches` is pure. It finds how every Value depends on the batch by
-completing a copy of the program on a virtual mesh of M "processes" along a dim ``mb``
-with every feed split along its dim 0 (micro-batch m is rows [m B/M, (m+1) B/M) of
-the batch): the same sharding rules that plan data parallelism say which dim of each
-Value carries the samples (split over ``mb``), which Values sum over them (Partial over
-``mb``: gradients, and a loss that averages over the batch, whose ``1/B`` scale is the
-full batch's, so that each micro-batch contributes its share), and which do not depend
-on them (replicated). Partitioning that copy for micro-batch 0 gives the *micro-batch
+:func:`split_micro_batches` is pure. It finds how every Value depends on the batch with
+the sample-axis analysis (:func:`distgraph.passes.samples.complete_on_samples`) on a
+virtual mesh of M "processes" along a dim ``mb``, every feed split along its dim 0
+(micro-batch m is rows [m B/M, (m+1) B/M) of the batch): the same sharding rules that
+plan data parallelism say which dim of each Value carries the samples (split over
+``mb``: ``Accumulation.split_axis``), which Values sum over them (Partial over ``mb``:
+gradients, and a loss that averages over the batch, whose ``1/B`` scale is the full
+batch's, so that each micro-batch contributes its share), and which do not depend on
+them (replicated). Partitioning that copy for micro-batch 0 gives the *micro-batch
 program*: the same ops and names on micro-batch shapes, shape attributes made local.
 
 The step then runs as Alpa's compute-grad / accumulate-grad / apply-grad split:
@@ -25,9 +26,9 @@ of labels that are not ``ignore_index``, which a mean cross-entropy divides by) 
 results are summed, and the micro-batches read the whole batch's value, so that each
 contributes its share of the full batch's mean. Any other program that needs samples
 of other micro-batches before the update (an op that mixes rows of the batch, such as a
-batch-wide normalisation) cannot be split: that is a PlanError naming the op. Random ops (dropout) draw for the full batch's tensor and
-take their micro-batch's slice (the runtime's ``micro_batch_context``), so their masks equal the
-full-batch step's.
+batch-wide normalisation) cannot be split: that is a PlanError naming the op. Random
+ops (dropout) draw for the full batch's tensor and take their micro-batch's slice (the
+runtime's ``micro_batch_context``), so their masks equal the full-batch step's.
 
 Example::
 
@@ -40,12 +41,11 @@ from __future__ import annotations
 import dataclasses
 from types import MappingProxyType
 
-from distgraph.errors import PlanError, ShardingError
-from distgraph.mesh import ProcessMesh
+from distgraph.errors import PlanError
+from distgraph.ir import Role
 from distgraph.registry import TensorType, get_op
-from distgraph.passes.completion.complete import complete
 from distgraph.passes.partition import partition
-from distgraph.placement import DistAttr, ShardSpec
+from distgraph.passes.samples import axes_over, complete_on_samples
 from distgraph.plan.accumulation import Accumulation
 
 MB_DIM = "mb"
@@ -68,13 +68,9 @@ def split_micro_batches(built, micro_batches: int):
                             f"{list(v.shape)} (inputs: "
                             f"{', '.join(f'{f.name}{list(f.shape)}' for f in feeds)}); use a "
                             f"batch size divisible by {m}")
-    analysed = _analyse(program, feeds, m)
-    split_axis = {}
-    for v in analysed.values.values():
-        spec = v.dist_attr.spec
-        for i in range(spec.ndim):
-            if MB_DIM in spec.entry(i):
-                split_axis[v.name] = i
+    analysed = complete_on_samples(program, built.feed_names, m, MB_DIM,
+                                   f"cannot split the batch into {m} micro-batches")
+    split_axis = axes_over(analysed, MB_DIM)
     partial, prologue = _sums_over_samples(analysed, split_axis, _feed_only(analysed))
     boundary = _boundary(analysed, built)
     for name in boundary:
@@ -88,25 +84,6 @@ def split_micro_batches(built, micro_batches: int):
     accumulation = Accumulation(m, batch, MappingProxyType(split_axis), frozenset(partial),
                                 tuple(boundary), frozenset(prologue), made, skipped)
     return dataclasses.replace(built, program=mb_program), accumulation
-
-
-def _analyse(program, feeds, m):
-    """A copy of ``program``, without annotations, completed on the virtual mesh of
-    ``m`` micro-batches with every feed split along dim 0."""
-    mesh = ProcessMesh(list(range(m)), dim_names=[MB_DIM])
-    copy = program.clone()
-    for v in copy.values.values():
-        v.annotation = None
-    for op in copy.ops:
-        op.annotation = None
-    for v in feeds:
-        copy.values[v.name].annotation = DistAttr(
-            mesh, ShardSpec([MB_DIM] + [None] * (len(v.shape) - 1)))
-    try:
-        complete(copy, default_mesh=mesh)
-    except ShardingError as e:
-        raise PlanError(f"cannot split the batch into {m} micro-batches: {e}") from None
-    return copy
 
 
 # Ops that are linear in their one tensor operand: applied to one micro-batch's share
@@ -146,7 +123,7 @@ def _sums_over_samples(analysed, split_axis, feed_only) -> tuple[set, set]:
         return name not in sums and name not in split_axis
 
     for k, op in enumerate(analysed.ops):
-        if op.role == "optimize":
+        if op.role is Role.OPTIMIZE:
             continue
         summed = [i for i, v in enumerate(op.inputs) if v.name in sums]
         if summed and linear_in_sums(op, summed, sample_free):
@@ -183,7 +160,7 @@ def _feed_only(analysed) -> set:
     made = {v.name for v in analysed.inputs}
     for op in analysed.ops:
         opdef = get_op(op.type)
-        if (op.role in ("forward", "loss") and op.type != "dropout" and opdef.comm is None
+        if (op.role in (Role.FORWARD, Role.LOSS) and op.type != "dropout" and opdef.comm is None
                 and all(v.name in made for v in op.inputs)):
             made.update(o.name for o in op.outputs)
     return made
@@ -221,10 +198,10 @@ def _boundary(analysed, built) -> list:
     made_by = {o.name: op.role for op in analysed.ops for o in op.outputs}
     names: list = []
     for op in analysed.ops:
-        if op.role != "optimize":
+        if op.role is not Role.OPTIMIZE:
             continue
         for v in op.inputs:
-            if made_by.get(v.name, "optimize") != "optimize" and v.name not in names:
+            if made_by.get(v.name, Role.OPTIMIZE) is not Role.OPTIMIZE and v.name not in names:
                 names.append(v.name)
     for name in built.fetch_names:
         if name not in names:

@@ -29,6 +29,7 @@ micro-batches has one F and one B (or I and W) per chunk, ordered by the data fl
 are done, every process holding its chunk has reached it and those processes are free):
 it is the check that a schedule completes — a :class:`PlanError` naming the waiting
 actions when it cannot — and gives the finish time and the peak in flight.
+:func:`schedule_of` is what the planner calls: a task graph's schedule, made and checked.
 
 Example::
 
@@ -122,6 +123,19 @@ def chain(stages: int, virtual: int, micro_batches: int, schedule: str) -> Probl
 def v_place(chunk: int, stages: int) -> int:
     """The process (stage mesh) of ``chunk`` in the V: p holds chunks p and 2S-1-p."""
     return chunk if chunk < stages else 2 * stages - 1 - chunk
+
+
+def schedule_of(graph) -> Schedule:
+    """The schedule of task graph ``graph`` (a plan's), checked to complete."""
+    return checked_schedule(problem_of(graph))
+
+
+def checked_schedule(problem: Problem) -> Schedule:
+    """:func:`make_schedule` of ``problem``, replayed: a PlanError naming the waiting
+    actions where it cannot complete."""
+    order = make_schedule(problem)
+    replay(order.orders, problem)
+    return order
 
 
 # ---- the rules ------------------------------------------------------------------------------

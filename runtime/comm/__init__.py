@@ -1,6 +1,4 @@
 """Communicators: the interface (:mod:`.base`), a simulated world of threads
-(:mod:`.simulated`) and MPI (:mod:`.mpi`, imported only when used: importing it starts
-MPI)."""
-
-from distgraph.runtime.comm.base import MAX_TAG, Communicator, Request, default_timeout
-from distgraph.runtime.comm.simulated import SimulatedWorld
+(:mod:`.simulated`), MPI (:mod:`.mpi`: importing it starts MPI) and devices
+(:mod:`.device`, :mod:`.nccl`). Import each from its module: this package imports none,
+so that a rank's MPI communicator loads only what it uses."""

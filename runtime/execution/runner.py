@@ -5,12 +5,15 @@ array backend. It reads the plan contract and nothing else: its process's compil
 program (:class:`~distgraph.plan.program.ProcessProgram`: tasks, schedule, tags, feed
 rows, communicator groups, gathers), made whole by the planner. It lays out the initial
 state, cuts each batch into the plan's micro-batches (one without ``micro_batches``) and
-this process's block of each, and runs the step with a
+this process's block of each (or takes a feed that holds only that block, read so by the
+Engine's data loader), and runs the step with a
 :class:`~distgraph.runtime.execution.carrier.Carrier`. The fetched values are global and
 the same on every process, as host (numpy) arrays: a loss summed over the micro-batches,
 per-sample outputs concatenated. The array backend (numpy, or CuPy on a GPU) and the
 communicator are the two seams a device plugs into: a plan whose devices are GPUs runs on
 CuPy on the GPU its rank's device names, its groups over NCCL or host-staged MPI.
+:func:`relayout` moves held values from one plan's layout to another's by the reshard
+points the planner made for the move.
 
 Example (inside a rank)::
 
@@ -36,7 +39,7 @@ from distgraph.runtime.backend import backend_for, backend_of
 from distgraph.runtime.comm.device import DeviceCommunicator
 from distgraph.runtime.execution.carrier import Carrier
 from distgraph.runtime.execution.executor import call_kernel
-from distgraph.runtime.execution.reshard import apply_reshard
+from distgraph.runtime.execution.reshard import apply_reshard, run_point
 from distgraph.runtime.execution.timeline import Timeline
 
 
@@ -115,20 +118,12 @@ class PlanRunner:
         return out
 
     # -- feeding ---------------------------------------------------------------------------------
-    def batch_rows(self):
-        """The rows of each batch this process reads (``Plan.batch_rows``: a slice, or
-        an index array over the batch's rows, micro-batch after micro-batch), when all
-        its inputs want the same rows; None: it reads whole batches."""
-        rows = self.program.batch_rows
-        if rows is None or not self.program.feeds:
-            return None
-        if len(rows) == 1:
-            return slice(*rows[0])
-        return np.concatenate([np.arange(a, b) for a, b in rows])
-
-    def _micro_feeds(self, feed: dict, rows) -> list:
-        """One feed per micro-batch this process runs: its rows of ``feed`` (global
-        batches, or with ``rows`` only this process's rows, in its order)."""
+    def _micro_feeds(self, feed: dict, local: bool) -> list:
+        """One feed per micro-batch this process runs: its rows of each input it reads
+        (:attr:`ProcessProgram.feeds <distgraph.plan.program.ProcessProgram.feeds>`). From
+        global batches they are cut here; a ``local`` feed holds them already (the rows
+        of every micro-batch one after the other, and only this process's slices of the
+        other dims), so each micro-batch is the next run of rows, a view."""
         runs = self.program.runs
         feeds = [dict() for _ in range(runs)]
         for f in self.program.feeds:
@@ -142,18 +137,18 @@ class PlanRunner:
                     feeds[m][name] = self.backend.from_host(batch)
                     continue
                 start, stop = ranges[m]
-                cut = slice(at, at + stop - start) if rows is not None else slice(start, stop)
+                cut = (slice(at, at + stop - start),) if local else (slice(start, stop),) + rest
                 at += stop - start
-                feeds[m][name] = self.backend.from_host(batch[(cut,) + rest])
+                feeds[m][name] = self.backend.from_host(batch[cut])
         return feeds
 
     # -- running ----------------------------------------------------------------------------------
-    def run(self, scope: dict, feed: dict, step: int = 0, rows=None) -> dict:
-        """One step; returns the global fetched values. ``feed`` holds global batches, or,
-        with ``rows`` (from :meth:`batch_rows`), only those rows."""
+    def run(self, scope: dict, feed: dict, step: int = 0, local: bool = False) -> dict:
+        """One step; returns the global fetched values. ``feed`` holds global batches, or
+        with ``local`` only what this process reads of each (see :meth:`_micro_feeds`)."""
         if self.profile and self._t0 is None:
             self._t0 = self._start_clock()
-        feeds = self._micro_feeds(feed, rows)
+        feeds = self._micro_feeds(feed, local)
         if self.program.prologue_ops or self.program.prologue is not None:
             self._run_prologue(feeds, step)
         fetched = self.carrier.run(scope, feeds, step)
@@ -199,6 +194,20 @@ class PlanRunner:
         if not self.profile:
             raise DistGraphError("no timeline was recorded: use Strategy(profile=True)")
         return Timeline.gather(self.carrier.events, self.carrier.memory, self.host_comm)
+
+
+def relayout(points, blocks: dict, comm, rank: int) -> dict:
+    """Move values between the layouts of two plans: run the reshard points ``points``
+    (over ranks: :func:`distgraph.passes.relayout.plan_relayout` makes them) on this rank's
+    host blocks ``blocks`` ({value: block}, read where a point ``reads`` one) with the host
+    communicator ``comm`` (None: a job of one rank). Returns {value: its new host block,
+    or None where this rank holds none}. Collective: every rank runs the same points.
+    Between steps no message is in flight, so the points' tags count from 0."""
+    out = {}
+    for tag, point in enumerate(points):
+        local = blocks[point.value] if point.reads else None
+        out[point.value] = run_point(point, local, comm, rank, None, tag)
+    return out
 
 
 def local_slice(attr, pid: int, name: str, global_array):

@@ -1,8 +1,14 @@
-"""Per-rank entry point used by the launcher: ``python -m distgraph.runtime.launch.bootstrap script.py args``.
+"""Per-rank entry point used by the launcher:
+``python -m distgraph.runtime.launch.bootstrap [--cluster FILE] [--plan-out PATH]
+[--plan-plot PATH] [--] script.py args``.
 
-It runs the script as ``__main__`` and turns an uncaught exception into ``MPI_Abort`` so
-that one failing rank ends the whole job with a non-zero exit code instead of leaving the
-other ranks blocked in a collective. Under the launcher (a status folder in
+It runs the script as ``__main__`` under the launch context its options give
+(:mod:`distgraph.runtime.launch.context`: the cluster of ``distgraph run --cluster``, the
+request of ``distgraph plan``, which runs its script through here too; what they leave out
+is what this process inherited), exported to the script's environment for the processes
+it starts; a :class:`PlanReported` stop ends the script with exit code 0. It turns an
+uncaught exception into ``MPI_Abort`` so that one failing rank ends the whole job with a
+non-zero exit code instead of leaving the other ranks blocked in a collective. Under the launcher (a status folder in
 ``DISTGRAPH_STATUS_DIR``, see :mod:`distgraph.runtime.launch.status`) a supervisor forked
 before MPI starts watches the rank (:mod:`distgraph.runtime.launch.supervisor`); the rank writes
 ``<rank>.failed`` with its error or ``<rank>.done`` when the script returns, and its
@@ -17,6 +23,7 @@ import sys
 import time
 
 from distgraph.errors import DistGraphError
+from distgraph.runtime.launch.context import LaunchContext, PlanReported, opened
 from distgraph.runtime.launch.status import log_path, write_status
 from distgraph.runtime.launch.supervisor import supervise_this_rank
 
@@ -78,15 +85,22 @@ def install_abort_hook() -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = list(sys.argv[1:] if argv is None else argv)
+    context, args = LaunchContext.parse(sys.argv[1:] if argv is None else argv,
+                                        LaunchContext.inherited())
     if not args:
-        sys.exit("usage: python -m distgraph.runtime.launch.bootstrap script.py [args...]")
+        sys.exit("usage: python -m distgraph.runtime.launch.bootstrap [--cluster FILE] "
+                 "[--plan-out PATH] [--plan-plot PATH] [--] script.py [args...]")
     supervise_this_rank()
     install_abort_hook()
     sys.argv = args
     # as `python script.py` does: the script's folder comes first on the import path
     sys.path.insert(0, os.path.dirname(os.path.abspath(args[0])))
-    runpy.run_path(args[0], run_name="__main__")
+    os.environ.update(context.environ())       # for the processes the script starts
+    with opened(context):
+        try:
+            runpy.run_path(args[0], run_name="__main__")
+        except PlanReported:       # distgraph plan has its report: the script ends here
+            pass
     write_status("done")
 
 

@@ -4,10 +4,11 @@ The pieces, each a function of its own:
 
 - :func:`launch_command` builds the mpiexec command line; every rank runs through
   :mod:`distgraph.runtime.launch.bootstrap`, which makes an uncaught exception on any rank abort
-  the whole job (MPICH otherwise waits forever for the dead rank).
+  the whole job (MPICH otherwise waits forever for the dead rank), and which gets the
+  launch context (the cluster file, a ``distgraph plan`` request:
+  :mod:`distgraph.runtime.launch.context`) as its arguments.
 - :func:`rank_env` builds the ranks' environment: one BLAS thread per rank and memory
-  kept for reuse unless the caller chose otherwise, the cluster file, the job's status
-  and log folders.
+  kept for reuse unless the caller chose otherwise, the job's status and log folders.
 - :func:`check_launch` validates everything the user gave before anything starts.
 - :class:`~distgraph.runtime.launch.job.Job` runs mpiexec, shows the ranks' output, and stops
   the job and every rank (:mod:`distgraph.runtime.launch.job`).
@@ -41,11 +42,11 @@ from contextlib import ExitStack, contextmanager
 from distgraph.errors import PlanError
 from distgraph.runtime.launch import remote
 from distgraph.runtime.launch.connections import Masters
+from distgraph.runtime.launch.context import LaunchContext, current
 from distgraph.runtime.launch.hostside import LAUNCHER_FILE
 from distgraph.runtime.launch.hosts import Placement
 from distgraph.runtime.launch.job import Job
 from distgraph.runtime.launch.status import (
-    CLUSTER_VAR,
     LOG_DIR,
     RANK_HOSTS,
     STATUS_DIR,
@@ -78,17 +79,15 @@ def mpiexec_path() -> str:
     return found
 
 
-def rank_env(base: dict | None = None, cluster: str | None = None,
-             status_dir: str | None = None, log_dir: str | None = None) -> dict:
+def rank_env(base: dict | None = None, status_dir: str | None = None,
+             log_dir: str | None = None) -> dict:
     """Environment for ranks: one BLAS thread each and the allocator settings unless
-    already set, the cluster file, and the job's status and log folders."""
+    already set, and the job's status and log folders."""
     env = dict(os.environ if base is None else base)
     for var in BLAS_THREAD_VARS:
         env.setdefault(var, "1")
     for var, value in ALLOCATOR_VARS.items():
         env.setdefault(var, value)
-    if cluster is not None:
-        env[CLUSTER_VAR] = os.path.abspath(cluster)
     if status_dir is not None:
         env[STATUS_DIR] = status_dir
     if log_dir is not None:
@@ -96,14 +95,17 @@ def rank_env(base: dict | None = None, cluster: str | None = None,
     return env
 
 
-def launch_command(nprocs: int, argv: list[str], mpiexec_args=(), prefix=()) -> list[str]:
-    """The mpiexec command line that runs ``argv`` (a script and its args) on N ranks;
-    ``mpiexec_args`` go before the program (hosts, launcher options), ``prefix`` before
-    mpiexec (e.g. ``ip netns exec NS`` to start it in a network namespace)."""
+def launch_command(nprocs: int, argv: list[str], mpiexec_args=(), prefix=(),
+                   context: LaunchContext | None = None) -> list[str]:
+    """The mpiexec command line that runs ``argv`` (a script and its args) on N ranks
+    under ``context`` (the bootstrap's options; None: none); ``mpiexec_args`` go before
+    the program (hosts, launcher options), ``prefix`` before mpiexec (e.g.
+    ``ip netns exec NS`` to start it in a network namespace)."""
     if nprocs < 1:
         raise PlanError(f"cannot launch {nprocs} processes: -n must be at least 1")
+    options = context.argv() if context is not None else []
     return [*prefix, mpiexec_path(), *mpiexec_args, "-n", str(nprocs), sys.executable, "-m",
-            "distgraph.runtime.launch.bootstrap", *argv]
+            "distgraph.runtime.launch.bootstrap", *options, "--", *argv]
 
 
 def check_launch(nprocs: int, argv: list[str], cluster: str | None = None) -> None:
@@ -153,7 +155,9 @@ def launch(nprocs: int, argv: list[str], cluster: str | None = None,
     callable polled while the job runs, returns a reason to stop it).
     ``mpiexec_args`` and ``prefix`` go into :func:`launch_command`, ``extra_env`` into
     the ranks' environment; with a ``placement`` the ranks run on its hosts (see the
-    module docstring), else on this one.
+    module docstring), else on this one. The ranks run under the launch context this
+    process runs under (:func:`~distgraph.runtime.launch.context.current`), with
+    ``cluster`` as its cluster file when one is given.
 
     Each rank's output is shown and also kept in ``log_dir/rank-<r>.log`` (default: a
     temporary folder, removed when the job succeeds). When the job fails, the terminal
@@ -176,7 +180,10 @@ def launch(nprocs: int, argv: list[str], cluster: str | None = None,
                              [argv[0]] + ([os.path.abspath(cluster)] if cluster else []),
                              masters=masters)
             mpiexec_args = [*mpiexec_args, "-hosts", placement.hydra_hosts()]
-        command = launch_command(nprocs, argv, mpiexec_args, prefix)
+        here = current()
+        context = LaunchContext(os.path.abspath(cluster) if cluster else here.cluster,
+                                here.plan)
+        command = launch_command(nprocs, argv, mpiexec_args, prefix, context)
         keep_logs = log_dir is not None
         if log_dir is None:
             log_dir = tempfile.mkdtemp(prefix="distgraph-logs-")
@@ -185,7 +192,7 @@ def launch(nprocs: int, argv: list[str], cluster: str | None = None,
             # Over several hosts every rank logs into the status folder of its host (the
             # same path everywhere); the logs come here when the job is over.
             rank_logs = log_dir if placement is None else os.path.join(status, "logs")
-            ranks = rank_env(env, cluster, status, rank_logs)
+            ranks = rank_env(env, status, rank_logs)
             ranks.update(extra_env or {})
             if placement is not None:
                 ranks[RANK_HOSTS] = ",".join(placement.hosts)

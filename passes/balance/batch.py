@@ -8,7 +8,7 @@ linear model of its busy time (seconds per row, or per micro-batch, and a fixed 
 updates, gradient reductions, launch costs), bounds each group's share by its devices'
 memory (``Device.memory``, and ``Strategy.memory_budget_gb`` where given) with the
 estimate's peak-memory model, and solves the split with
-:func:`distgraph.passes.batch_split.solve_split`.
+:func:`distgraph.passes.balance.batch_split.solve_split`.
 
 The reference is the plan's even split: the program is planned (completed and
 partitioned) for the even layout, so its batch divides by the number of groups; the
@@ -26,7 +26,7 @@ import math
 from fractions import Fraction
 
 from distgraph.errors import PlanError
-from distgraph.passes.batch_split import BatchSplit, Member, SplitProblem, solve_split
+from distgraph.passes.balance.batch_split import BatchSplit, Member, SplitProblem, solve_split
 from distgraph.passes.cost.estimate import Share, price_process
 from distgraph.passes.samples import axes_of
 from distgraph.placement import DistAttr

@@ -2,8 +2,8 @@
 without micro-batches).
 
 Pure. A plan is completed and partitioned for the even split: each of the ``n``
-data-parallel groups (*members* of the :class:`~distgraph.passes.batch_split.BatchSplit`)
-reads ``B / n`` of the batch's ``B`` rows. Member ``g`` of an uneven split reads ``u_g``
+data-parallel groups (*members* of the :class:`~.batch_split.BatchSplit`) reads ``B / n``
+of the batch's ``B`` rows. Member ``g`` of an uneven split reads ``u_g``
 rows instead, and its processes run the plan's program *as if the batch had* ``n u_g``
 *rows*: :func:`member_program` grows or shrinks every dim that carries the samples
 (:func:`distgraph.passes.samples.sample_axes`) by ``n u_g / B`` and the ``shape`` attributes

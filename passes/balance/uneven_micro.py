@@ -1,12 +1,11 @@
 """Running a batch split unevenly by micro-batches (``Strategy(balance=True)`` with
 ``micro_batches``).
 
-Pure. Each data-parallel group (*member* of the
-:class:`~distgraph.passes.batch_split.BatchSplit`) runs its own number of the plan's
-micro-batches, on the micro-batch program the even plan runs: local shapes do not
-change. What must change is everything that makes the members meet *inside* a
-micro-batch: with unequal counts there is no partner micro-batch to meet, and a
-member that waited for one would set the others' pace again. So:
+Pure. Each data-parallel group (*member* of the :class:`~.batch_split.BatchSplit`) runs its
+own number of the plan's micro-batches, on the micro-batch program the even plan runs:
+local shapes do not change. What must change is everything that makes the members meet
+*inside* a micro-batch: with unequal counts there is no partner micro-batch to meet, and
+a member that waited for one would set the others' pace again. So:
 
 - :func:`defer_reductions` keeps sums over the split's mesh dims (a loss summed over the
   samples, the gradient of a sliced parameter) local through the ops that are linear in
@@ -32,12 +31,13 @@ from __future__ import annotations
 from types import MappingProxyType
 
 from distgraph.errors import PlanError, ShardingError
+from distgraph.ir import Role
 from distgraph.passes.pipeline.accumulate import linear_in_sums
-from distgraph.passes.pipeline.schedule import Problem, make_schedule, problem_of, replay
+from distgraph.passes.pipeline.schedule import Problem, checked_schedule, problem_of
 from distgraph.plan.schedule import Schedule
 from distgraph.plan.kinds import PER_MICRO_BATCH, ItemKind, StepKind
 from distgraph.plan.tasks import COMMUNICATING
-from distgraph.passes.uneven_rows import completed_copy
+from distgraph.passes.balance.uneven_rows import completed_copy
 from distgraph.placement import DistAttr, ShardSpec
 
 FIX = "use micro_batches=1 (a balanced split of rows) or Strategy(balance=False)"
@@ -57,7 +57,7 @@ def defer_reductions(program, accumulation, dims: tuple):
         return name not in accumulation.split_axis and not partial(name)
 
     for k, op in enumerate(copy.ops):
-        if op.role == "optimize" or (op.outputs and all(o.name in skipped for o in op.outputs)):
+        if op.role is Role.OPTIMIZE or (op.outputs and all(o.name in skipped for o in op.outputs)):
             continue
         da = op.dist_attr
         waiting = {}
@@ -100,9 +100,7 @@ def member_schedule(graph, split) -> Schedule:
         holders = tuple(tuple(p for p in held if p in procs) for held in problem.holders)
         own = Problem(count, holders, problem.kinds, problem.deps, problem.schedule,
                       problem.stages, problem.virtual)
-        order = make_schedule(own)
-        replay(order.orders, own)
-        orders.update(order.orders)
+        orders.update(checked_schedule(own).orders)
     return Schedule(problem.schedule, max(split.units),
                     MappingProxyType(dict(sorted(orders.items()))))
 

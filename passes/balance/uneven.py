@@ -1,20 +1,21 @@
 """What runs a plan whose batch split is uneven (``Strategy(balance=True)``).
 
-Pure. :func:`run_split` takes a plan carrying a :class:`~distgraph.passes.batch_split.
-BatchSplit` and returns it with what its processes run:
+Pure. :func:`run_split` takes a plan carrying a :class:`~.batch_split.BatchSplit` and
+returns it with what its processes run:
 
 - split by rows (no micro-batches): each data-parallel group's local programs on its own
-  rows (:mod:`distgraph.passes.uneven_rows`);
+  rows (:mod:`.uneven_rows`);
 - split by micro-batches: the program with its sums over the split's mesh dims carried
-  to the update (:mod:`distgraph.passes.uneven_micro`), partitioned again;
+  to the update (:mod:`.uneven_micro`), partitioned again;
 - both: the fetched values that carry samples (a model's outputs when evaluating or
   predicting) are gathered with each process's part padded to the largest, and put back
   in the batch's order (:class:`~distgraph.plan.program.RowGather`).
 
-:func:`schedule_of` then gives the schedule of the plan's task graph (with micro-batches,
-each group runs its own count) and checks that it completes and, for an uneven count of
-micro-batches, that no group waits for another inside a micro-batch. Every refusal is a
-PlanError at plan time, before any rank starts.
+When the groups run different numbers of micro-batches (:func:`runs_own_counts`),
+:func:`member_schedule_of` gives the schedule of the plan's task graph instead of
+:func:`~distgraph.passes.pipeline.schedule.schedule_of`: each group its own count, checked
+to complete and that no group waits for another inside a micro-batch. Every refusal is
+a PlanError at plan time, before any rank starts.
 
 Example::
 
@@ -29,11 +30,12 @@ from types import MappingProxyType
 
 from distgraph.errors import PlanError
 from distgraph.passes.partition import Partitions
-from distgraph.passes.pipeline.schedule import make_schedule, problem_of, replay
+from distgraph.passes.balance.uneven_micro import (check_member_traffic, defer_reductions,
+                                                  member_schedule)
+from distgraph.passes.balance.uneven_rows import check_layouts, member_local, member_program
 from distgraph.passes.samples import axes_of
 from distgraph.plan.program import RowGather
-from distgraph.passes.uneven_micro import check_member_traffic, defer_reductions, member_schedule
-from distgraph.passes.uneven_rows import check_layouts, member_local, member_program
+from distgraph.plan.schedule import Schedule
 
 
 def run_split(plan):
@@ -42,31 +44,31 @@ def run_split(plan):
     split = plan.batch_split
     if split is None or split.is_even:
         return plan
+    axes = axes_of(plan)
     if split.micro_batched:
         program = defer_reductions(plan.program, plan.accumulation, split.mesh_dims)
         partitions = Partitions(program, plan.process_ids)
-        axes = dict(plan.accumulation.split_axis)
         plan = dataclasses.replace(plan, built=dataclasses.replace(plan.built, program=program))
     else:
-        axes = axes_of(plan)
         partitions = Partitions.given(plan.program, _row_partitions(plan, split, axes))
     gathers = _row_gathers(plan, split, axes)
     return dataclasses.replace(plan, locals=partitions, groups=partitions.groups(),
                                row_gathers=MappingProxyType(gathers))
 
 
-def schedule_of(plan, graph):
-    """The schedule of ``graph`` (``plan``'s task graph), checked to complete; under an
-    uneven split by micro-batches each member runs its own count, and nothing may pass
-    between members inside a micro-batch."""
+def runs_own_counts(plan) -> bool:
+    """Whether ``plan``'s data-parallel groups run different numbers of micro-batches
+    (an uneven split by micro-batches): its schedule is then :func:`member_schedule_of`."""
     split = plan.batch_split
-    if split is not None and split.micro_batched and not split.is_even:
-        check_member_traffic(plan, graph, split)
-        return member_schedule(graph, split)
-    problem = problem_of(graph)
-    order = make_schedule(problem)
-    replay(order.orders, problem)            # the check: it completes, or a PlanError
-    return order
+    return split is not None and split.micro_batched and not split.is_even
+
+
+def member_schedule_of(plan, graph) -> Schedule:
+    """The schedule of ``graph`` (``plan``'s task graph) under an uneven split by
+    micro-batches: each member runs its own count, checked to complete, and nothing may
+    pass between members inside a micro-batch (a PlanError naming what does)."""
+    check_member_traffic(plan, graph, plan.batch_split)
+    return member_schedule(graph, plan.batch_split)
 
 
 def _row_partitions(plan, split, axes) -> dict:

@@ -1,0 +1,293 @@
+"""The loops of an Engine: ``fit``, ``evaluate`` and ``predict``, batch by batch.
+
+:class:`Loops` runs the batches of a call. For each batch it asks the Engine for the
+plan of the batch's shape with the held values laid out for it (``Engine._ensure``: the
+plan cache, then the held state), reads this process's part of the batch (only the
+fields its program reads and only its rows of each:
+:func:`~distgraph.app.data.reads_of` of the program's feeds), runs the step on the
+plan's runner, and tells the callbacks. It keeps the training position: the optimizer
+steps taken (dropout masks and the learning-rate schedule follow them), the (epoch,
+batch) the last fit reached, where a loaded checkpoint resumes, and how the last fit
+read its data (:mod:`distgraph.app.resume` saves and restores them).
+
+Under ``distgraph plan`` the first call plans its first batch, writes the report and
+stops the script (:class:`~distgraph.runtime.launch.context.PlanReported`).
+
+Example::
+
+    loops = Loops(engine)
+    history = loops.fit(data, batch_size=8, epochs=2)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from distgraph.annotation import ShardDataloader
+from distgraph.app import checks, plan_report
+from distgraph.app.data import DataLoader, FieldRead
+from distgraph.app.plans import Mode
+from distgraph.callbacks import CallbackList, ProgressBar
+from distgraph.errors import DistGraphError
+from distgraph.metrics import as_metrics
+from distgraph.runtime.backend import backend_for
+
+
+@dataclass
+class History:
+    """``losses``: the global loss of every optimizer step this fit ran; ``steps``: their
+    global step numbers (a fit resumed from a checkpoint starts past 0); ``epochs``: one
+    record per epoch (``epoch``, mean ``loss``, ``lr``, and ``val_loss`` /
+    ``val_<metric>`` when validation data was given)."""
+
+    losses: list = field(default_factory=list)
+    steps: list = field(default_factory=list)
+    epochs: list = field(default_factory=list)
+
+
+class Loops:
+    """The fit / evaluate / predict loops of ``engine`` and its training position
+    (module docstring)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.step = 0                  # optimizer steps taken (dropout and LR use it)
+        self.position = (0, 0)         # (epoch, batch) the last fit reached
+        self.resume = None             # training position a loaded checkpoint gives
+        self.fit_config = None         # how the last fit read its data
+        self.data_seed = engine.strategy.seed
+        self.sharding = None           # the last fit's shard_dataloader, for plain datasets
+
+    # -- fit ----------------------------------------------------------------------------------
+    def fit(self, train_data, batch_size, epochs, steps_per_epoch, valid_data, shuffle,
+            verbose, callbacks, drop_last) -> History:
+        """``Engine.fit`` (see there)."""
+        engine = self.engine
+        if engine.optimizer is None or engine.loss is None:
+            raise DistGraphError("fit needs an Engine with a loss and an optimizer")
+        self.sharding = train_data if isinstance(train_data, ShardDataloader) else None
+        loader = self.loader(train_data, batch_size, shuffle, drop_last)
+        self.check_data(Mode.TRAIN, loader)
+        n_batches = len(loader) if steps_per_epoch is None else min(steps_per_epoch, len(loader))
+        first_epoch, first_batch = self._start(loader, n_batches, steps_per_epoch)
+        self.fit_config = {"batch_size": batch_size, "shuffle": bool(shuffle),
+                           "drop_last": bool(drop_last), "steps_per_epoch": steps_per_epoch,
+                           "dataset_size": len(train_data)}
+        for rows in sorted({len(idx) for idx in loader.indices(0)[:n_batches]}, reverse=True):
+            self.plan_batch(Mode.TRAIN, loader, rows)      # plan every batch shape up front
+        self.only_planning(Mode.TRAIN)
+        # GPUs asked for where there are none: one line now, not after the progress bar
+        train = engine._plans.plan(Mode.TRAIN)
+        backend_for(train.devices, engine.rank if train.distributed else 0)
+        cbs = CallbackList(progress(verbose, callbacks) + list(callbacks or []), engine)
+        try:
+            return self._train(loader, n_batches, first_epoch, first_batch, epochs, cbs,
+                               valid_data, drop_last)
+        except BaseException:
+            cbs.close()          # a progress bar left open prints again at interpreter exit
+            raise
+
+    def _train(self, loader, n_batches, first_epoch, first_batch, epochs, cbs, valid_data,
+               drop_last) -> History:
+        """The epochs of ``fit`` from (first_epoch, first_batch)."""
+        engine = self.engine
+        history = History()
+        engine.stop_training = False
+        cbs.on_train_begin({"epochs": epochs, "steps_per_epoch": n_batches,
+                            "batch_size": loader.batch_size, "step": self.step})
+        for epoch in range(first_epoch, epochs):
+            start = first_batch if epoch == first_epoch else 0
+            self.position = (epoch, start)
+            cbs.on_epoch_begin(epoch, {"batch": start})
+            losses, lr = [], None
+            for b, idx in enumerate(loader.indices(epoch)[start:n_batches], start=start):
+                planned, runner, scope = self.ensure(Mode.TRAIN, loader, len(idx))
+                feed, _ = self.feed(planned, loader, idx, epoch, b)
+                lr = engine.optimizer.lr_at(self.step)
+                engine._held.set_lr(lr)
+                logs = {"epoch": epoch, "batch": b, "lr": lr, "batch_size": len(idx)}
+                cbs.on_step_begin(self.step, logs)
+                out = runner.run(scope, feed, self.step, local=True)
+                loss = float(out[planned.plan.built.loss_name])
+                if engine.strategy.check_finite:
+                    checks.check_finite(loss, self.step, epoch, b)
+                self.step += 1
+                self.position = (epoch, b + 1) if b + 1 < n_batches else (epoch + 1, 0)
+                losses.append(loss)
+                history.losses.append(loss)
+                history.steps.append(self.step - 1)
+                cbs.on_step_end(self.step - 1, {**logs, "loss": loss})
+                if engine.stop_training:
+                    break
+            record = {"epoch": epoch, "loss": float(np.mean(losses)) if losses else float("nan"),
+                      "lr": lr}
+            if valid_data is not None and self.position[1] == 0:
+                record.update({f"val_{k}": v for k, v in
+                               engine.evaluate(valid_data, loader.batch_size,
+                                               drop_last=drop_last, verbose=0).items()})
+            history.epochs.append(record)
+            cbs.on_epoch_end(epoch, record)
+            if engine.stop_training:
+                break
+        cbs.on_train_end({"steps": len(history.losses), "step": self.step})
+        return history
+
+    def _start(self, loader, n_batches, steps_per_epoch) -> tuple:
+        """(epoch, batch) to start at: (0, 0), or where a loaded checkpoint stopped."""
+        resume, self.resume = self.resume, None
+        if resume is None:
+            return 0, 0
+        epoch, batch = resume["epoch"], resume["batch"]
+        if batch:     # inside an epoch: only the same batches continue it
+            now = {"batch_size": loader.batch_size, "shuffle": loader.shuffle,
+                   "dataset_size": len(loader.dataset), "drop_last": loader.drop_last,
+                   "steps_per_epoch": steps_per_epoch}
+            diff = [f"{k}={now[k]!r} (checkpoint: {resume.get(k)!r})" for k in now
+                    if resume.get(k) != now[k]]
+            if diff:
+                raise DistGraphError(f"the checkpoint stopped inside epoch {epoch} after "
+                                     f"batch {batch}; continuing it needs the same batches, "
+                                     f"but this fit has " + ", ".join(diff))
+            if batch >= n_batches:
+                return epoch + 1, 0
+        return epoch, batch
+
+    # -- evaluate and predict ------------------------------------------------------------------
+    def evaluate(self, valid_data, batch_size, metrics, drop_last, verbose) -> dict:
+        """``Engine.evaluate`` (see there)."""
+        ms = self.engine.metrics if metrics is None else as_metrics(metrics)
+        loader = self.loader(valid_data, batch_size, drop_last=drop_last)
+        self.check_data(Mode.EVAL, loader)
+        self.only_planning(Mode.EVAL, loader)
+        bar = CallbackList(progress(verbose, None, label="evaluate"), self.engine)
+        try:
+            return self._evaluate(loader, ms, bar)
+        finally:
+            bar.close()
+
+    def _evaluate(self, loader, ms, bar) -> dict:
+        for m in ms:
+            m.reset()
+        bar.on_train_begin({"epochs": 1, "steps_per_epoch": len(loader)})
+        bar.on_epoch_begin(0, {})
+        total, count = 0.0, 0
+        for b, idx in enumerate(loader.indices(0)):
+            planned, runner, scope = self.ensure(Mode.EVAL, loader, len(idx))
+            built = planned.plan.built
+            n_in = len(built.feed_names) - len(built.label_names)
+            # metrics see the global labels of every batch, read with this process's feed
+            labels = range(n_in, len(built.feed_names)) if ms else ()
+            feed, whole = self.feed(planned, loader, idx, 0, b, labels)
+            out = runner.run(scope, feed, self.step, local=True)
+            loss = float(out[built.loss_name])
+            total += loss * len(idx)
+            count += len(idx)
+            if ms:
+                outputs = [np.asarray(out[n]) for n in built.output_names]
+                for m in ms:
+                    m.update(outputs, whole)
+            bar.on_step_end(b, {"loss": loss, "batch_size": len(idx)})
+        result = {"loss": total / count, **{m.name: float(m.result()) for m in ms}}
+        bar.on_epoch_end(0, result)
+        return result
+
+    def predict(self, test_data, batch_size, drop_last) -> list:
+        """``Engine.predict`` (see there)."""
+        loader = self.loader(test_data, batch_size, drop_last=drop_last)
+        self.check_data(Mode.PREDICT, loader)
+        self.only_planning(Mode.PREDICT, loader)
+        results = []
+        for b, idx in enumerate(loader.indices(0)):
+            planned, runner, scope = self.ensure(Mode.PREDICT, loader, len(idx))
+            feed, _ = self.feed(planned, loader, idx, 0, b)
+            out = runner.run(scope, feed, self.step, local=True)
+            results.append([np.asarray(out[n]) for n in planned.plan.built.output_names])
+        return results
+
+    # -- batches --------------------------------------------------------------------------------
+    def loader(self, data, batch_size, shuffle=False, drop_last=False) -> DataLoader:
+        """A DataLoader of ``data``; a plain dataset is split as the last fit's
+        ``shard_dataloader`` split its data."""
+        return DataLoader(data, batch_size, shuffle, self.data_seed, drop_last,
+                          sharding=self.sharding)
+
+    def check_data(self, mode, loader: DataLoader) -> None:
+        """The samples' fields against the model's forward; a warning for fields fed in a
+        narrower dtype than the dataset's."""
+        n_fields, n_labels = len(loader.fields()), self.label_count(mode)
+        checks.check_fields(self.engine.model, n_fields, n_labels)
+        for k, have, fed in loader.casts():
+            what = "the label" if k >= n_fields - n_labels else "an input"
+            self.engine._warn(f"dataset field {k} ({what}) is {have} and is cast to {fed}, "
+                              f"the model's dtype; dg.set_default_dtype({have!r}) computes "
+                              f"in {have}, or give {fed} samples")
+
+    def label_count(self, mode) -> int:
+        """Trailing label fields of a sample: one when training or evaluating; when
+        predicting, as many as the train or eval program has (so a dataset with labels
+        works), else none."""
+        if mode is not Mode.PREDICT:
+            return 1
+        plans = self.engine._plans
+        known = plans.plan(Mode.TRAIN) or plans.plan(Mode.EVAL)
+        return len(known.built.label_names) if known is not None else 0
+
+    def specs(self, mode, loader, rows: int) -> tuple:
+        """The (inputs, labels) InputSpecs of ``mode``'s program for a batch of ``rows``."""
+        ins, labels = loader.specs(self.label_count(mode), rows)
+        return ins, labels[:0] if mode is Mode.PREDICT else labels
+
+    def ensure(self, mode, loader, rows: int) -> tuple:
+        """(Planned, runner, scope) of ``mode`` for a batch of ``rows`` samples."""
+        return self.engine._ensure(mode, *self.specs(mode, loader, rows))
+
+    def feed(self, planned, loader, idx, epoch: int, batch: int, whole=()) -> tuple:
+        """(this process's feed of the batch of samples ``idx``: only the inputs its
+        program reads, only its rows of each, checked; the fields ``whole`` (indices) of
+        every row, read with it)."""
+        reads = planned.reads()
+        arrays = loader.read(idx, list(reads.values()) + [FieldRead(k) for k in whole])
+        feed = dict(zip(reads, arrays))
+        samples = {name: (idx if r.rows is None else idx[r.rows], r.cut)
+                   for name, r in reads.items()}
+        planned.check()(feed, samples, epoch, batch)
+        return feed, arrays[len(reads):]
+
+    # -- planning only ----------------------------------------------------------------------------
+    def plan_batch(self, mode, loader, rows: int) -> None:
+        """Plan (without running) ``mode``'s program for a batch of ``rows`` samples."""
+        try:
+            self.engine._planned(mode, *self.specs(mode, loader, rows))
+        except DistGraphError as e:
+            if rows == loader.batch_size:
+                raise
+            raise type(e)(f"the last batch has {rows} samples (dataset of "
+                          f"{len(loader.dataset)}, batch_size {loader.batch_size}) and "
+                          f"cannot be planned: {e}. Pass drop_last=True, or a batch size "
+                          f"that divides the dataset") from None
+
+    def only_planning(self, mode, loader=None) -> None:
+        """Under ``distgraph plan`` (the request the Engine was made under): plan
+        ``mode``'s first batch (with ``loader``; ``fit`` has planned already), write the
+        report and stop the script (:class:`PlanReported`)."""
+        engine = self.engine
+        request = engine._launch.plan
+        if request is None:
+            return
+        if loader is not None:
+            self.plan_batch(mode, loader, len(loader.indices(0)[0]))
+        # priced on the command's --cluster / -n when it gave one (else the plan's own)
+        plan_report.write_report(engine._plans.plan(mode), request, engine._launch_cluster())
+        raise plan_report.PlanReported()
+
+
+def progress(verbose, callbacks, label=None) -> list:
+    """The progress callback ``verbose`` asks for, unless the user gave one."""
+    if verbose not in (0, 1, 2, False, True):
+        raise DistGraphError(f"verbose={verbose!r}: give 0 (nothing), 1 (a progress bar) or "
+                             "2 (one line per epoch)")
+    if not verbose or any(isinstance(cb, ProgressBar) for cb in callbacks or ()):
+        return []
+    return [ProgressBar(bar=verbose == 1, label=label)]

@@ -84,3 +84,24 @@ def test_finetuning_on_several_ranks_equals_serial(float64, checkpoints, kv, lay
         np.testing.assert_allclose(losses, serial[0], rtol=0, atol=1e-10)
         for name, value in serial[1].items():
             np.testing.assert_allclose(params[name], value, rtol=0, atol=1e-10, err_msg=name)
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_tutorial_08_finetunes_in_bfloat16_on_four_mpi_ranks_and_saves_back(tmp_path):
+    """The tutorial on real ranks: a transformers checkpoint loaded lazily, dp x mp in
+    bfloat16, saved back and read by transformers."""
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "distgraph.cli", "run", "-n", "4",
+                           os.path.join(root, "tutorials", "08_llama_finetune.py"),
+                           "--steps", "40", "--out", str(tmp_path)],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "made a tiny Llama checkpoint with transformers" in proc.stdout
+    assert "fine-tuned in bfloat16 on 4 ranks" in proc.stdout
+    assert "transformers loads it" in proc.stdout
+    config = (tmp_path / "finetuned" / "config.json").read_text()
+    assert '"model_type": "llama"' in config

@@ -29,12 +29,14 @@ import zlib
 
 import numpy as np
 
+from distgraph.dtypes import numpy_dtype
 from distgraph.errors import RuntimeFault
 from distgraph.runtime.comm.base import MAX_TAG, Communicator, Request
 from distgraph.runtime.launch.bootstrap import install_abort_hook
 from distgraph.runtime.launch.progress import Progress, behind, read_where
 from distgraph.runtime.launch.status import status_folder
 
+BF16 = numpy_dtype("bfloat16")
 _HANDSHAKE_TAG = MAX_TAG + 1
 _CREATE_TAG = MAX_TAG + 2
 SPIN_SECONDS = 0.1   # how long a wait polls without sleeping (see MPICommunicator._wait)
@@ -191,22 +193,29 @@ class MPICommunicator(Communicator):
     def _all_gather(self, arr, group, axis):
         xb = self.backend
         out = xb.empty((len(group),) + arr.shape, arr.dtype)
-        self._wait([self._sub(group).Iallgather(arr, out)], f"all_gather on group {group}",
-                   peers=group)
+        self._wait([self._sub(group).Iallgather(_wire(arr), _wire(out))],
+                   f"all_gather on group {group}", peers=group)
         return xb.joined(out, axis)
 
     def _all_reduce(self, arr, group, op):
+        if arr.dtype == BF16:
+            return self._all_reduce(arr.astype(np.float32), group, op).astype(BF16)
         out = self.backend.empty(arr.shape, arr.dtype)
         self._wait([self._sub(group).Iallreduce(arr, out, op=self._ops[op])],
                    f"all_reduce on group {group}", peers=group)
         return out
 
     def _all_reduce_inplace(self, arr, group, op):
+        if arr.dtype == BF16:
+            arr[...] = self._all_reduce(arr, group, op)
+            return arr
         self._wait([self._sub(group).Iallreduce(self._MPI.IN_PLACE, arr, op=self._ops[op])],
                    f"all_reduce on group {group}", peers=group)
         return arr
 
     def _reduce_scatter(self, arr, group, axis):
+        if arr.dtype == BF16:
+            return self._reduce_scatter(arr.astype(np.float32), group, axis).astype(BF16)
         xb = self.backend
         send = xb.chunks(arr, len(group), axis)
         out = xb.empty(send.shape[1:], arr.dtype)
@@ -218,18 +227,23 @@ class MPICommunicator(Communicator):
         xb = self.backend
         send = xb.stack(xb.split(arr, len(group), split_axis))
         out = xb.empty(send.shape, send.dtype)
-        self._wait([self._sub(group).Ialltoall(send, out)], f"all_to_all on group {group}",
-                   peers=group)
+        self._wait([self._sub(group).Ialltoall(_wire(send), _wire(out))],
+                   f"all_to_all on group {group}", peers=group)
         return xb.concatenate(list(out), axis=concat_axis)
 
     def _iall_gather(self, arr, group, axis):
         xb = self.backend
         out = xb.empty((len(group),) + arr.shape, arr.dtype)
-        request = self._sub(group).Iallgather(arr, out)
+        request = self._sub(group).Iallgather(_wire(arr), _wire(out))
         return _MPICollective(self, request, (arr, out), group, f"all_gather on group {group}",
                               lambda: xb.joined(out, axis))
 
     def _ireduce_scatter(self, arr, group, axis):
+        if arr.dtype == BF16:
+            request = self._ireduce_scatter(arr.astype(np.float32), group, axis)
+            finish = request._finish
+            request._finish = lambda: finish().astype(BF16)
+            return request
         xb = self.backend
         send = xb.chunks(arr, len(group), axis)
         out = xb.empty(send.shape[1:], arr.dtype)
@@ -253,7 +267,7 @@ class MPICommunicator(Communicator):
     # ---- point to point -----------------------------------------------------------------
     def _send(self, arr, dst, tag):
         self._pending = [p for p in self._pending if not p[0].Test()]
-        self._pending.append((self._comm.Isend(arr, dest=dst, tag=tag), arr, dst, tag))
+        self._pending.append((self._comm.Isend(_wire(arr), dest=dst, tag=tag), arr, dst, tag))
 
     def wait_sends(self) -> None:
         if self._pending:
@@ -265,18 +279,18 @@ class MPICommunicator(Communicator):
 
     def _recv(self, shape, dtype, src, tag):
         out = self.backend.empty(shape, dtype)
-        req = self._comm.Irecv(out, source=src, tag=tag)
+        req = self._comm.Irecv(_wire(out), source=src, tag=tag)
         self._wait([req], f"a message from rank {src} with tag {tag} ({shape} {dtype})",
                    receives=[req], peers=(src,), collective=False)
         return out
 
     def _isend(self, arr, dst, tag):
-        return _MPIRequest(self, self._comm.Isend(arr, dest=dst, tag=tag), arr,
+        return _MPIRequest(self, self._comm.Isend(_wire(arr), dest=dst, tag=tag), arr,
                            f"a message to rank {dst} with tag {tag}")
 
     def _irecv(self, shape, dtype, src, tag):
         out = self.backend.empty(shape, dtype)
-        return _MPIRequest(self, self._comm.Irecv(out, source=src, tag=tag), out,
+        return _MPIRequest(self, self._comm.Irecv(_wire(out), source=src, tag=tag), out,
                            f"a message from rank {src} with tag {tag} ({shape} {dtype})",
                            receive=True)
 
@@ -286,6 +300,12 @@ class MPICommunicator(Communicator):
         for sub in self._subcomms.values():
             sub.Free()
         self._subcomms = {}
+
+
+def _wire(arr):
+    """What MPI sends of ``arr``: bfloat16, which MPI does not know, as its 16-bit words
+    (a view). Reductions of bfloat16 are summed in float32 instead (above)."""
+    return arr.view(np.uint16) if arr.dtype == BF16 else arr
 
 
 def _mpi_test(comm, request, what) -> bool:

@@ -41,7 +41,7 @@ import time
 import numpy as np
 
 import distgraph as dg
-from distgraph.passes.mapping.traffic import process_graph
+from distgraph.passes.mapping.traffic import traffic_graph
 from distgraph.passes.mapping.rank_mapping import map_ranks
 from distgraph.runtime.emulate.namespaces import check_prerequisites
 from distgraph.runtime.emulate.launch import launch_emulated
@@ -108,7 +108,7 @@ def time_steps(engine, data, comm, steps: int) -> float:
 def mapper_choice(program, cluster) -> str:
     """The placement the rank mapper picks for a dp x mp program, by where it puts the
     mp group of processes 0 and 1."""
-    mapping = map_ranks(process_graph(program), cluster,
+    mapping = map_ranks(traffic_graph(program), cluster,
                         devices=[d.global_id for d in cluster.devices[:4]])
     to_device = mapping.process_to_device
     same = cluster.machine_of(to_device[0]).id == cluster.machine_of(to_device[1]).id

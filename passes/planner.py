@@ -47,7 +47,7 @@ from distgraph.passes.completion import stage_order
 from distgraph.passes.cost.estimate import estimate
 from distgraph.passes.mapping.devices import assign_devices
 from distgraph.passes.mapping.rank_mapping import map_ranks
-from distgraph.passes.mapping.traffic import process_graph
+from distgraph.passes.mapping.traffic import traffic_graph as process_graph
 from distgraph.passes.meshslice.slices import assign_slices, check_meshes, enable, uses
 from distgraph.passes.partition import Partitions, process_ids
 from distgraph.passes.pipeline.accumulate import split_micro_batches

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Mapping
 
 from distgraph.errors import ResourceFileError
+from distgraph.plan.kinds import StepKind
 
 COMPUTE_TYPES = ("CPU", "GPU", "XPU", "NPU", "DCU", "MLU", "IPU", "TPU")
 NETWORK_TYPES = ("NIC",)
@@ -229,12 +230,10 @@ class DeviceMesh:
                 f"{self.shape} [{dims}]")
 
 
-# The communication kinds of a reshard: collectives, local steps, point-to-point. A
-# device's measured software cost per step (``reshard_overhead``) is given per kind.
-COLLECTIVE_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
-RESHARD_STEP_KINDS = COLLECTIVE_KINDS + ("slice", "make_partial", "send_recv")
-# ... and ``sliced``: one collective inside a sliced pipeline (MeshSlice's kernel).
-SOFTWARE_KINDS = RESHARD_STEP_KINDS + ("sliced",)
+# A device's measured software cost per step (``reshard_overhead``) is given per reshard
+# step kind (the plan contract's: collectives, local steps, point-to-point) and for
+# ``sliced``: one collective inside a sliced pipeline (MeshSlice's kernel).
+SOFTWARE_KINDS = tuple(kind.value for kind in StepKind) + ("sliced",)
 
 def _ranges(ids) -> str:
     """Compact id list: [0, 1, 2, 5] -> '0-2, 5'."""

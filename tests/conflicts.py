@@ -52,8 +52,8 @@ X4 = dg.ProcessMesh([0, 1, 2, 3], ["x"])
 XY = dg.ProcessMesh([[0, 1, 2], [3, 4, 5]], ["x", "y"])
 
 
-def _traced(fn, *specs):
-    return complete(dg.trace(fn, *specs))
+def _traced(fn, *specs, cluster=None):
+    return complete(dg.trace(fn, *specs), cluster=cluster)
 
 
 def conflict_add():
@@ -64,15 +64,16 @@ def conflict_add():
     return _traced(f, dg.InputSpec([8, 8, 8], name="a"), dg.InputSpec([8, 8, 8], name="b"))
 
 
-def conflict_cross_entropy():
+def conflict_cross_entropy(cluster=None):
     """softmax cross-entropy: logits from a vocabulary-parallel head (class dim split
-    over x, batch dims not yet known), labels split on the batch over x."""
+    over x, batch dims not yet known), labels split on the batch over x; completed on
+    ``cluster`` (default: this machine's, ``Cluster.local(4)``)."""
     def f(h, w, labels):
         dg.shard_tensor(w, X4, [None, "x"])
         dg.shard_tensor(labels, X4, ["x", None])
         return dg.ops.cross_entropy(dg.ops.matmul(h, w), labels)
     return _traced(f, dg.InputSpec([8, 16, 32], name="h"), dg.InputSpec([32, 256], name="w"),
-                   dg.InputSpec([8, 16], "int64", name="labels"))
+                   dg.InputSpec([8, 16], "int64", name="labels"), cluster=cluster)
 
 
 def conflict_bias():

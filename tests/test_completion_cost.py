@@ -1,17 +1,18 @@
 """Completion settles conflicts by redistribution cost (issue #8, MindSpore's sharding
 propagation).
 
-Oracles: the bytes of each step of a reshard are the cost model's ring formulas (hand
-derived below); completion's own measure of a plan's traffic equals what partition
-places for it; the layouts chosen are the cheaper of the candidates, and with given link
-costs, or on a cluster (the Engine's, priced as the search prices it), the time over the
-links decides; annotated results and shard_op in_specs hold; explain says what was kept
-and what the alternative would have moved.
+Oracles: the bytes and the time of each step of a reshard are the cost model's ring
+formulas (hand derived below); completion's own measure of a plan's traffic equals what
+partition places for it; the layouts chosen are the cheaper of the candidates, the time
+over the links of a cluster deciding (the Engine's, priced as the search prices it; else
+Cluster.local's, as the estimate prices it); annotated results and shard_op in_specs
+hold; explain says what was kept and what the alternative would have moved.
 """
 
 import conflicts
 import plans as P
 import pytest
+import search_cases as S
 from distgraph.passes.completion.complete import CompletionSetup, _Completion
 from distgraph.passes.partition import partition, process_ids
 from distgraph.passes.completion.resolution import ReshardPricer
@@ -40,7 +41,9 @@ def op_of(program, op_type):
 
 
 def test_cross_entropy_keeps_the_logits_and_gathers_the_labels():
-    prog = conflicts.conflict_cross_entropy()
+    # On 1 GB/s links the bytes decide: gathering the labels and the op's own small
+    # collectives (vocab-parallel) against an all-to-all of the logits.
+    prog = conflicts.conflict_cross_entropy(S.line_cluster(4, bandwidth=1.0))
     sce = op_of(prog, "softmax_cross_entropy")
     assert specs(sce)[0] == ["[None, None, x]", "[None, None]"]
     # labels [8, 16] int64 gathered over 4: (n-1)/n of the 1 KiB gathered buffer per
@@ -54,9 +57,24 @@ def test_cross_entropy_keeps_the_logits_and_gathers_the_labels():
     note = next(n for n in sce.dist_attr.notes if n.startswith("kept"))
     assert note.startswith("kept matmul_0 [None, None, x]: resharding labels (768 B) instead "
                            "of matmul_0 (24 KiB)")
-    assert "planned 12 KiB per step against 96 KiB" in note
+    # the time decides: per step, the labels' all_gather and the op's own all_gather and
+    # all_reduce over its class-split group, against the logits' all-to-all
+    assert "planned 12 KiB taking 21.1 us per step against 96 KiB taking 39.6 us" in note
     text = dg.passes.explain(prog, "labels")
     assert "because on softmax_cross_entropy: kept matmul_0 [None, None, x]" in text
+
+
+def test_where_latency_decides_the_cross_entropy_reshards_the_logits():
+    """On this machine's links (Cluster.local: 10 GB/s, 1 us), what completion prices
+    without a cluster as the estimate does, the logits' all-to-all (24 KiB per process,
+    3 rounds) takes less than the vocab-parallel form's own all_gather and all_reduce
+    over the class-split group (9 rounds) with the labels' all_gather: the rule's order,
+    logits split on the batch, stands."""
+    prog = conflicts.conflict_cross_entropy()
+    assert specs(op_of(prog, "softmax_cross_entropy"))[0] == ["[x, None, None]", "[x, None]"]
+    alike = conflicts.conflict_cross_entropy(dg.Cluster.local(4))
+    assert specs(op_of(alike, "softmax_cross_entropy")) == \
+        specs(op_of(prog, "softmax_cross_entropy"))
 
 
 def test_combined_split_kept_where_cheaper_than_the_rule_order():
@@ -95,28 +113,37 @@ def test_shard_op_in_specs_and_annotated_results_hold():
     assert str(prog.values["add_0"].dist_attr.spec) == "[x, None]"
 
 
-def conflict_matmul_2d(link_costs, cluster=None):
+def conflict_matmul_2d(cluster=None):
     def f(a, b):
         dg.shard_tensor(a, XY, [None, "x"])
         dg.shard_tensor(b, XY, ["y", None])
         return dg.ops.relu(dg.ops.matmul(a, b))
 
     prog = dg.trace(f, dg.InputSpec([64, 48], name="a"), dg.InputSpec([48, 36], name="b"))
-    return dg.passes.complete(prog, link_costs=link_costs, cluster=cluster)
+    return dg.passes.complete(prog, cluster=cluster)
 
 
-def test_link_costs_decide_by_time_over_the_links():
+def test_the_links_decide_by_time():
     # k split over x (a) or y (b). Keeping a: b is gathered over y (4.5 KiB per process)
     # and the output all-reduced over x (9 KiB); keeping b: a gathered over x (6 KiB),
-    # the output all-reduced over y (12 KiB). Bytes keep a; a slow x link keeps b.
-    mm = conflict_matmul_2d(None).ops[0]
+    # the output all-reduced over y (12 KiB). On like links (Cluster.local, the default)
+    # fewer bytes and messages keep a; a slow network under x keeps b.
+    mm = conflict_matmul_2d().ops[0]
     assert specs(mm) == (["[None, x]", "[x, None]"], ["[None, None] P(x)"])
-    mm = conflict_matmul_2d({"x": (0.1, 0.0), "y": (100.0, 0.0)}).ops[0]
+    mm = conflict_matmul_2d(two_machines(0.1)).ops[0]
     assert specs(mm) == (["[None, y]", "[y, None]"], ["[None, None] P(y)"])
     note = next(n for n in mm.dist_attr.notes if n.startswith("kept"))
     assert note.startswith("kept b [y, None]: resharding a (6 KiB), matmul_0 (12 KiB) instead "
                            "of b (4.5 KiB), matmul_0 (9 KiB)")
     assert " us" in note
+
+
+def test_without_a_cluster_completion_prices_on_the_local_one():
+    """No cluster: the reshards are priced on Cluster.local of the program's processes,
+    as the estimate prices a plan without one: the same choices and notes."""
+    alone = conflict_matmul_2d().ops[0]
+    local = conflict_matmul_2d(dg.Cluster.local(6)).ops[0]
+    assert specs(alone) == specs(local) and alone.dist_attr.notes == local.dist_attr.notes
 
 
 def two_machines(network_GBps: float) -> dg.Cluster:
@@ -158,26 +185,25 @@ def test_the_engines_cluster_settles_conflicts():
     assert matmul_inputs(None) == ["[None, x]", "[x, None]"]
     assert matmul_inputs(two_machines(100.0)) == ["[None, x]", "[x, None]"]
     assert matmul_inputs(two_machines(0.1)) == ["[None, y]", "[y, None]"]
-    mm = conflict_matmul_2d(None, two_machines(0.1)).ops[0]       # complete(cluster=) too
+    mm = conflict_matmul_2d(two_machines(0.1)).ops[0]       # complete(cluster=) too
     assert specs(mm)[0] == ["[None, y]", "[y, None]"]
-    with pytest.raises(dg.PlanError, match="not both"):
-        conflict_matmul_2d({"x": (0.1, 0.0)}, two_machines(0.1))
 
 
 def test_on_a_cluster_a_reshard_costs_what_the_search_charges():
     """One price: completion's edge on a cluster is the search's reshard price, the ring
-    formula over the slowest hop (all-gather over x: one hop across the machines)."""
+    formula over the slowest hop (all-gather over x: one hop across the machines, whose
+    network the three groups along x cross at once: a third of it each)."""
     cluster = two_machines(0.5)
     src, dst = dg.spmd.DimsSpec(("x", None)), dg.spmd.DimsSpec((None, None))
-    edge = ReshardPricer(cluster=cluster).edge("input", "t", XY, src, dst, (8, 16), "float32")
+    edge = ReshardPricer(cluster).edge("input", "t", XY, src, dst, (8, 16), "float32")
     search = SearchCosts(cluster, XY, {p: p for p in range(6)})
     assert edge.time == search.reshard(dg.ShardSpec(["x", None]), dg.ShardSpec([None, None]),
                                        (8, 16), "float32")
-    assert edge.time == pytest.approx(1e-6 + 1 / 2 * 8 * 16 * 4 / 0.5e9)
+    assert edge.time == pytest.approx(1e-6 + 1 / 2 * 8 * 16 * 4 / (0.5e9 / 3))
 
 
 def test_reshard_prices_are_the_ring_formulas():
-    pricer = ReshardPricer({"x": (2.0, 5.0)})
+    pricer = ReshardPricer(S.line_cluster(4, bandwidth=2.0, latency=5.0))
     edge = pricer.edge("input", "t", X4, dg.spmd.DimsSpec(("x", None)),
                        dg.spmd.DimsSpec((None, None)), (8, 16), "float32")
     gathered = 8 * 16 * 4
@@ -204,7 +230,7 @@ def test_completion_measures_traffic_as_partition_places_it(plan):
     if plan.sharding:
         dg.passes.complete(program)
         shard_updates(program, "dp")
-    run = _Completion(CompletionSetup(program, None, ReshardPricer())).run()
+    run = _Completion(CompletionSetup(program, None)).run()
     traffic = run.traffic()
     run.write()
     assert traffic.bytes == pytest.approx(step_bytes(program), rel=1e-12)

@@ -1,6 +1,7 @@
 """The cost model's estimate of a plan against closed forms: compute as the roofline plus
-launch cost, communication as the alpha-beta of the links the groups use, stages in
-sequence, memory as the executor's live set at its peak."""
+launch cost, communication as the alpha-beta of the rings the groups use (groups that
+cross between machines at once sharing the network), stages in sequence, memory as the
+executor's live set at its peak."""
 
 import pytest
 
@@ -146,6 +147,53 @@ def test_placement_that_keeps_tensor_parallel_groups_together_is_cheaper():
     t_inside = dg.passes.estimate(inside).step_time
     t_across = dg.passes.estimate(across).step_time
     assert t_inside < t_across
+
+
+def test_groups_that_cross_the_machines_at_once_share_the_network(float64):
+    """One ring model: a reshard step's group is priced on the ring MeshSlice's
+    collectives use. The two dp groups of a 2x2 mesh on two machines cross between them
+    at once: each all-reduce gets half of the link."""
+    mesh = dg.ProcessMesh([[0, 1], [2, 3]], ["dp", "mp"])
+    p = train_plan(MLP(mesh, ["dp", None]), cluster=cluster(4, inter_bw=1.0),
+                   rank_mapping={0: 0, 1: 1, 2: 2, 3: 3})
+    assert {(s.kind, s.mesh_dim) for pt in p.reshards() for s in pt.steps} == \
+        {("all_reduce", "dp")}
+    grad_bytes = sum(v.nbytes for v in p.program.parameters)
+    messages = len(p.program.parameters) + 1          # and the loss's 8 bytes
+    expected = messages * 2 * LAT * 1e-6 + (grad_bytes + 8) / (1.0 / 2 * 1e9)
+    for proc in dg.passes.estimate(p).processes:
+        assert proc.communication == pytest.approx(expected, rel=1e-12)
+
+
+def test_an_ops_own_collectives_run_on_the_group_its_kernel_names(float64):
+    """The vocab-parallel cross-entropy all-gathers and all-reduces over its class-split
+    group (mp, inside a machine), not over the worst ring of its whole mesh (dp crosses
+    a slow network)."""
+    mesh = dg.ProcessMesh([[0, 1], [2, 3]], ["dp", "mp"])
+
+    class Head(dg.nn.Layer):
+        def __init__(self):
+            super().__init__()
+            self.fc = dg.nn.Linear(32, 256, bias=False)
+            dg.shard_tensor(self.fc.weight, mesh, [None, "mp"])
+
+        def forward(self, x):
+            return self.fc(dg.shard_tensor(x, mesh, ["dp", None]))
+
+    built = build_program(Head(), [dg.InputSpec([8, 32], name="x")],
+                          [dg.InputSpec([8], "int64", name="y")], dg.nn.CrossEntropyLoss(),
+                          dg.optim.SGD(0.1))
+    inter = 0.01
+    p = dg.passes.plan(built, cluster=cluster(4, inter_bw=inter),
+                       rank_mapping={0: 0, 1: 1, 2: 2, 3: 3})
+    (collectives,) = p.local(0).op_comm.values()
+    assert collectives == (("all_gather", 2, 4 * 2 * 8), ("all_reduce", 2, 4 * 8))
+    # across: the loss's sum, the count's sum and the weight gradient, all-reduced over
+    # dp (two groups at once on the slow link); inside: the op's own, over mp
+    across = sum(2 * LAT * 1e-6 + b / (inter / 2 * 1e9) for b in (8, 8, 32 * 128 * 8))
+    inside = (LAT * 1e-6 + 32 / (BW * 1e9)) + (2 * LAT * 1e-6 + 32 / (BW * 1e9))
+    for proc in dg.passes.estimate(p).processes:
+        assert proc.communication == pytest.approx(across + inside, rel=1e-12)
 
 
 def test_estimate_prints_and_exports(float64):

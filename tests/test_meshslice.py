@@ -20,7 +20,7 @@ from distgraph.ops import meshslice as meshslice_op  # noqa: E402
 from distgraph.ops.meshslice import (LocalMeshSlice, overlap, put_slice,  # noqa: E402
                                      take_slice)
 from distgraph.passes.cost.formulas import collective_time, pipeline_time  # noqa: E402
-from distgraph.passes.cost.prices import (best_overlap, device_rates, dim_ring,  # noqa: E402
+from distgraph.passes.cost.prices import (Rings, best_overlap, device_rates,  # noqa: E402
                                           op_time, overlap_time, software_time)
 from distgraph.passes.meshslice.slices import local_op  # noqa: E402
 from distgraph.passes.meshslice.autotune import (BACKWARD, GEMMS, gemm_shapes,  # noqa: E402
@@ -234,8 +234,9 @@ def test_the_planner_gives_each_meshslice_matmul_the_k_the_cost_model_prefers():
         every_k = {**attrs, "meshslice": dataclasses.replace(attrs["meshslice"], slices=None)}
         ways = dg.ops.meshslice.overlap(every_k, ins)
         assert len(ways) > 1
-        best = best_overlap(ways, cluster.device(0), lambda d: dim_ring(
-            cluster, use.op.dist_attr.mesh, 0, d, lambda p: p))[0]
+        rings = Rings(cluster, lambda p: p)
+        best = best_overlap(ways, cluster.device(0),
+                            lambda d: rings.along(use.op.dist_attr.mesh, 0, d))[0]
         assert use.local.slices == best.slices
 
 
@@ -353,8 +354,8 @@ def test_the_calibrated_sliced_cost_makes_the_model_reproduce_each_more_slice():
     def priced(k):
         local, ins, mesh = sliced_problem(4, k)
         ov = overlap({"meshslice": local}, [TensorType(s, "float32") for s in ins])[0]
-        return sum(overlap_time(ov, device, lambda d: dim_ring(cluster, mesh, 0, d,
-                                                               lambda p: p)))
+        rings = Rings(cluster, lambda p: p)
+        return sum(overlap_time(ov, device, lambda d: rings.along(mesh, 0, d)))
 
     assert priced(SLICED_SLICES) - priced(1) == pytest.approx(
         measured[SLICED_SLICES] - measured[1], rel=1e-4)
@@ -368,11 +369,11 @@ def test_groups_of_a_mesh_dim_that_cross_the_same_machines_share_their_link():
     machine link at once: each gets half; the one 4-device ring of a 1x4 mesh crosses
     it once each way: all of it. Inside a machine, CPU ranks copy (processor time)."""
     cluster = S.grid_cluster(fast=20.0, slow=1.0)
-    device_of = {p: p for p in range(4)}.__getitem__
-    assert dim_ring(cluster, MESH, 0, "x", device_of) == (0.5, 1.0, False)
-    assert dim_ring(cluster, MESH, 0, "y", device_of) == (20.0, 1.0, True)
+    rings = Rings(cluster, {p: p for p in range(4)}.__getitem__)
+    assert rings.along(MESH, 0, "x") == (0.5, 1.0, False)
+    assert rings.along(MESH, 0, "y") == (20.0, 1.0, True)
     line = dg.ProcessMesh([[0, 1, 2, 3]], ["x", "y"])
-    assert dim_ring(cluster, line, 0, "y", device_of) == (1.0, 1.0, False)
+    assert rings.along(line, 0, "y") == (1.0, 1.0, False)
 
 
 def test_the_search_chooses_meshslice_where_slow_links_make_overlap_pay_and_prices_it_as_the_estimate():

@@ -1,11 +1,13 @@
-"""Rank mapping of a real partitioned plan: the process graph comes from the reshard
-points of a completed DP x TP program (TP degree 8 on the 2 x 8 GPU cluster)."""
+"""Rank mapping of a real partitioned plan: the traffic graph comes from the reshard
+points of a completed DP x TP program (TP degree 8 on the 2 x 8 GPU cluster) and from the
+collectives ops run themselves (the vocab-parallel cross-entropy's)."""
 
 import itertools
 import pathlib
 
 import distgraph as dg
-from distgraph.passes.mapping.traffic import process_graph
+from distgraph.passes.mapping.traffic import traffic_graph
+from distgraph.plan.kinds import collective_bytes
 from distgraph.passes.partition import Partitions
 from distgraph.passes.mapping.rank_mapping import best_random_mapping, bfs_first_free_mapping, map_ranks
 from distgraph.program_builder import build_program
@@ -35,7 +37,7 @@ def test_tp_groups_of_a_real_plan_stay_inside_a_machine():
     built = build_program(MLP(), [dg.InputSpec([65536, 64], name="x")],
                           [dg.InputSpec([65536, 64], name="y")], dg.nn.MSELoss(),
                           dg.optim.Adam(1e-3))
-    graph = process_graph(dg.passes.complete(built.program), device_type="GPU")
+    graph = traffic_graph(dg.passes.complete(built.program), device_type="GPU")
     tp = sum(graph.traffic.get(tuple(sorted(p)), 0.0)
              for g in MESH.groups("tp") for p in itertools.combinations(g, 2))
     dp = sum(graph.traffic.get(tuple(sorted(g)), 0.0) for g in MESH.groups("dp"))
@@ -65,8 +67,8 @@ def test_a_micro_batched_plan_maps_its_traffic_per_step():
         return tp, sum(graph.traffic.get(tuple(sorted(g)), 0.0) for g in MESH.groups("dp"))
 
     parts = Partitions(plan.program, plan.process_ids)
-    once = process_graph(plan.program, parts, "GPU")
-    step = process_graph(plan.program, parts, "GPU", micro_batches=16)
+    once = traffic_graph(plan.program, parts, "GPU")
+    step = traffic_graph(plan.program, parts, "GPU", micro_batches=16)
     (tp1, dp1), (tp16, dp16) = tp_and_dp(once), tp_and_dp(step)
     assert tp1 < dp1 and tp16 == 16 * tp1 and dp16 < dp1 + tp1
     machine = {d.global_id: d.machine_id for d in cluster.devices}
@@ -74,3 +76,30 @@ def test_a_micro_batched_plan_maps_its_traffic_per_step():
         assert len({machine[cluster.devices[plan.ranks(p)].global_id] for p in group}) == 1
     split = map_ranks(once, cluster).process_to_device
     assert any(len({machine[split[p]] for p in g}) > 1 for g in MESH.groups("tp"))
+
+
+def test_the_collectives_an_op_runs_itself_are_traffic_of_the_group_its_kernel_names():
+    """The vocab-parallel cross-entropy all-gathers and all-reduces over its class-split
+    group (mp): those pairs carry its bytes, as the cost model's load of the two steps."""
+    mesh = dg.ProcessMesh([[0, 1], [2, 3]], ["dp", "mp"])
+
+    class Head(dg.nn.Layer):
+        def __init__(self):
+            super().__init__()
+            self.fc = dg.nn.Linear(32, 256, bias=False)
+            dg.shard_tensor(self.fc.weight, mesh, [None, "mp"])
+
+        def forward(self, x):
+            return self.fc(dg.shard_tensor(x, mesh, ["dp", None]))
+
+    built = build_program(Head(), [dg.InputSpec([8, 32], name="x")],
+                          [dg.InputSpec([8], "int64", name="y")], dg.nn.CrossEntropyLoss(),
+                          dg.optim.SGD(0.1))
+    plan = dg.passes.plan(built)
+    (collectives,) = plan.local(0).op_comm.values()
+    graph = traffic_graph(plan.program, Partitions(plan.program, plan.process_ids))
+    # a ring of two: each process sends its part to the other
+    own = 2 * sum(collective_bytes(kind, n, nbytes) for kind, n, nbytes in collectives)
+    assert own > 0
+    assert graph.traffic[(0, 1)] == graph.traffic[(2, 3)] == own
+    assert graph.messages[(0, 1)] == 2 * (1 + 2)          # all_gather 1, all_reduce 2 rounds

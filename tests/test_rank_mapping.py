@@ -1,8 +1,9 @@
 """Rank mapping: traffic formulas, constraints, and cost against oracles.
 
 Oracles: exhaustive search on tiny cases, brute-force 2-opt local optimality after the
-swap phase, the cost formula recomputed from cluster.bandwidth/latency, BFS first-free
-and the best of 100 random placements on DPxTP, PPxTP and a two-mesh heterogeneous plan.
+swap phase, the cost formula recomputed from cluster.bandwidth/latency and from the cost
+model's collective_time, BFS first-free and the best of 100 random placements on DPxTP,
+PPxTP and a two-mesh heterogeneous plan.
 """
 
 import itertools
@@ -14,11 +15,13 @@ from hypothesis import given, settings, strategies as st
 
 import distgraph.resources
 from distgraph.errors import PlanError
+from distgraph.passes.cost.formulas import collective_time
 from distgraph.passes.mapping.process_graph import (ProcessGraph, collective_messages,
                                             collective_traffic, grid_groups)
 from distgraph.passes.mapping.rank_mapping import (best_random_mapping, bfs_first_free_mapping,
                                            improve_mapping, map_ranks, mapping_cost,
                                            random_mapping)
+from distgraph.plan.kinds import COLLECTIVES
 from distgraph.resources.cluster import Cluster, Device, Link, Machine
 
 CLUSTERS = os.path.join(os.path.dirname(distgraph.resources.__file__), "clusters")
@@ -197,6 +200,20 @@ def test_cost_formula_by_hand():
     assert mapping_cost(g, c, placement) == pytest.approx(by_hand)
     with pytest.raises(PlanError, match="share a device"):
         mapping_cost(g, c, {0: 0, 1: 0, 2: 1})
+
+
+def test_a_step_costs_each_process_its_price_on_its_own_hop():
+    """The mapper's pairs carry the cost model's load of a step (ring_load): on like
+    links a collective costs its processes' collective_time each, a pipeline chain one
+    send_recv per stage boundary."""
+    c = tiny_cluster()                        # machine 0: 3 devices, 10 GB/s, 1 us
+    on = {0: 0, 1: 1, 2: 2}
+    for kind in COLLECTIVES:
+        g = ProcessGraph(3).with_group_traffic([[0, 1, 2]], 1e6, kind)
+        assert mapping_cost(g, c, on) == pytest.approx(3 * collective_time(kind, 3, 1e6, 10, 1))
+    chain = ProcessGraph(3).with_group_traffic([[0, 1, 2]], 1e6, "p2p")
+    assert mapping_cost(chain, c, on) == pytest.approx(
+        2 * collective_time("send_recv", 2, 1e6, 10, 1))
 
 
 def test_structured_tiny_cases_reach_the_optimum():

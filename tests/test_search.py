@@ -12,7 +12,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import distgraph as dg  # noqa: E402
-from distgraph.passes.cost.prices import reshard_step_time  # noqa: E402
+from distgraph.passes.cost.prices import Rings, reshard_step_time  # noqa: E402
 from distgraph.passes.search.intra_op import search  # noqa: E402
 from distgraph.placement import DistAttr  # noqa: E402
 from distgraph.program_builder import build_program  # noqa: E402
@@ -92,13 +92,12 @@ def repeated_reshard_seconds(plan, cluster) -> float:
     runs = {role: 1 if role == "optimize" else plan.micro_batches
             for role in ("forward", "loss", "backward", "optimize")}
     total = 0.0
+    rings = Rings(cluster, lambda p: cluster.devices[plan.ranks(p)].global_id)
     for point in plan.reshards():
         users = {k for k, op in enumerate(ops) for v, s in zip(op.inputs,
                                                                 op.dist_attr.input_specs)
                  if v.name == point.value and DistAttr(op.dist_attr.mesh, s) == point.dst}
-        seconds = sum(reshard_step_time(s, 0, cluster,
-                                        lambda p: cluster.devices[plan.ranks(p)].global_id)
-                      for s in point.steps)
+        seconds = sum(reshard_step_time(s, 0, rings) for s in point.steps)
         charged = sum(runs[ops[k].role] for k in users)
         total += (charged - runs[ops[point.anchor].role]) * seconds
     return total

@@ -46,7 +46,8 @@ import time
 import numpy as np
 
 from distgraph.passes.cost.formulas import collective_time
-from distgraph.plan.kinds import COLLECTIVES as COLLECTIVE_KINDS
+from distgraph.plan.kinds import COLLECTIVES, StepKind
+from distgraph.mesh import ProcessMesh
 from distgraph.passes.reshard import plan_reshard
 from distgraph.placement import DistAttr, ShardSpec
 from distgraph.resources.cluster import Cluster, Device, Link, Machine
@@ -225,7 +226,7 @@ def host_memory_gb() -> float:
         return 4.0
 
 
-RESHARD_KINDS = ("slice", "all_gather", "all_reduce", "reduce_scatter", "all_to_all")
+RESHARD_KINDS = (StepKind.SLICE,) + COLLECTIVES     # the kinds one group's step is timed in
 # global bytes of the tensors each reshard step kind is timed on: the per-step cost shows
 # on the smallest, the per-byte cost (the runtime's copies) on the others
 RESHARD_BYTES = (4 * 2**10, 64 * 2**10, 1 * 2**20)
@@ -259,15 +260,15 @@ def measure_reshard_steps(comm, repeats: int) -> dict:
     n = comm.Get_size()
     runtime = MPICommunicator(comm)
     mesh = dg.ProcessMesh(list(range(n)), ["x"])
-    layouts = {"slice": ([None, None], (), ["x", None]),
-               "all_gather": (["x", None], (), [None, None]),
-               "all_reduce": ([None, None], ("x",), [None, None]),
-               "reduce_scatter": ([None, None], ("x",), ["x", None]),
-               "all_to_all": (["x", None], (), [None, "x"])}
+    layouts = {StepKind.SLICE: ([None, None], (), ["x", None]),
+               StepKind.ALL_GATHER: (["x", None], (), [None, None]),
+               StepKind.ALL_REDUCE: ([None, None], ("x",), [None, None]),
+               StepKind.REDUCE_SCATTER: ([None, None], ("x",), ["x", None]),
+               StepKind.ALL_TO_ALL: (["x", None], (), [None, "x"])}
     work = (np.ones(BETWEEN_BYTES // 8), np.ones(BETWEEN_BYTES // 8),
             np.empty(BETWEEN_BYTES // 8), np.ones((64, 64), np.float32))
     out = {}
-    for kind in RESHARD_KINDS if n > 1 else ("slice",):
+    for kind in RESHARD_KINDS if n > 1 else (StepKind.SLICE,):
         before, partial, after = layouts[kind]
         out[kind] = []
         for nbytes in RESHARD_BYTES:
@@ -300,7 +301,6 @@ def sliced_problem(n: int, slices: int) -> tuple:
     """(LocalMeshSlice, [local x shape, local y shape], mesh) of the tiny GeMM
     :func:`measure_sliced_gemm` times: output stationary on a 1 x ``n`` mesh, x gathered
     over all ``n`` ranks."""
-    from distgraph.mesh import ProcessMesh
     from distgraph.ops.meshslice import local_form
     from distgraph.spmd.meshslice import Layout, MatmulAxes
 
@@ -414,16 +414,18 @@ def reshard_overheads(cluster, steps: dict, sliced: dict | None = None,
     positive: the model then prices such bytes at the memory bandwidth)."""
     from scipy.optimize import nnls
 
+    from distgraph.passes.cost.prices import Rings
+
     ids = [d.global_id for d in cluster.devices]
     n = len(ids)
-    hops = list(zip(ids, ids[1:] + ids[:1]))
-    bw = min((cluster.bandwidth(a, b) for a, b in hops if a != b), default=1.0)
-    lat = max((cluster.latency(a, b) for a, b in hops if a != b), default=0.0)
+    ring = Rings(cluster, ids.__getitem__).along(ProcessMesh(list(range(n)), ["x"]), 0, "x")
     out = {}
     for kind, measured in steps.items():
+        kind = StepKind.parse(kind)
         sizes = np.array([float(b) for b, _ in measured])
-        beyond = np.array([max(t - (collective_time(kind, n, b, bw, lat)
-                                    if kind in COLLECTIVE_KINDS else 0.0), 0.0)
+        beyond = np.array([max(t - (collective_time(kind, n, b, ring.bandwidth,
+                                                    ring.latency)
+                                    if kind.is_collective else 0.0), 0.0)
                            for b, t in measured])
         if sizes.max() == sizes.min():
             per_step, per_byte = float(np.median(beyond)), 0.0
@@ -431,7 +433,7 @@ def reshard_overheads(cluster, steps: dict, sliced: dict | None = None,
             mib = sizes / 2**20            # columns of like scale for the solver
             (per_step, per_mib), _ = nnls(np.stack([np.ones_like(mib), mib], axis=1), beyond)
             per_byte = per_mib / 2**20
-        out[kind] = (round(float(per_step) * 1e6, 3), round(float(per_byte) * 1e9, 6))
+        out[kind.value] = (round(float(per_step) * 1e6, 3), round(float(per_byte) * 1e9, 6))
     if sliced:
         per_byte = 0.0
         if partial:
@@ -450,17 +452,17 @@ def sliced_overhead(cluster, sliced: dict, software: dict, per_byte: float = 0.0
     more slice (K = 1 against ``SLICED_SLICES``) as measured (0 where the model's charge
     alone reaches it), found by bisection (the price grows with it)."""
     from distgraph.ops.meshslice import overlap
-    from distgraph.passes.cost.prices import dim_ring, overlap_time
+    from distgraph.passes.cost.prices import Rings, overlap_time
     from distgraph.registry import TensorType
 
     ids = [d.global_id for d in cluster.devices]
     device = cluster.device(ids[0])
+    rings = Rings(cluster, ids.__getitem__)
     priced = []
     for slices in (1, SLICED_SLICES):
         local, ins, mesh = sliced_problem(len(ids), slices)
         ov = overlap({"meshslice": local}, [TensorType(s, "float32") for s in ins])[0]
-        priced.append((ov, lambda dim, mesh=mesh: dim_ring(cluster, mesh, 0, dim,
-                                                           lambda p: ids[p])))
+        priced.append((ov, lambda dim, mesh=mesh: rings.along(mesh, 0, dim)))
 
     def gap(seconds):
         dev = dataclasses.replace(device, reshard_overhead={

@@ -41,7 +41,6 @@ from distgraph.passes.completion.resolution import (
     Candidate,
     Conflict,
     Outcome,
-    ReshardPricer,
     conflict_note,
     planned_traffic,
 )
@@ -375,16 +374,16 @@ class _Completion:
                     points.append((o.name, attr(mesh, final[o.name]),
                                    attr(self.vmesh[o.alias_of], final[o.alias_of]),
                                    o.shape, o.dtype))
-            hook = get_op(op.type).comm
-            if hook is not None:
+            opdef = get_op(op.type)
+            if opdef.comm is not None:
                 ins = tuple(attr(mesh, self.ispec[(k, i)].known()) for i in range(len(op.inputs)))
                 outs = tuple(attr(mesh, self.ospec[(k, j)].known())
                              for j in range(len(op.outputs)))
-                for pid in mesh.process_ids:
-                    op_comm.append((hook, LocalSite(
-                        pid, tuple(v.shape for v in op.inputs), ins,
-                        tuple(o.shape for o in op.outputs), outs,
-                        tuple(v.dtype for v in op.inputs), tuple(sorted(op.attrs.items())))))
+                op_comm.append((opdef, [LocalSite(
+                    pid, tuple(v.shape for v in op.inputs), ins,
+                    tuple(o.shape for o in op.outputs), outs,
+                    tuple(v.dtype for v in op.inputs), tuple(sorted(op.attrs.items())))
+                    for pid in mesh.process_ids]))
         return planned_traffic(points, op_comm, self.pricer)
 
     def write(self) -> None:
@@ -440,14 +439,14 @@ def _attr(mesh, spec: DimsSpec, v) -> DistAttr:
 
 
 def complete(program: Program, default_mesh: ProcessMesh | None = None,
-             link_costs: dict | None = None, cluster=None) -> Program:
+             cluster=None) -> Program:
     """Complete the distributed attributes of ``program`` in place and return it.
 
     ``cluster`` prices the reshards that conflicts between operands cost as the search
-    does (process p on the cluster's p-th device); ``link_costs`` ({mesh dim name: (GB/s,
-    latency us)}) prices them per mesh dim instead; by default every mesh dim costs
-    alike, so the fewest bytes win (:mod:`~distgraph.passes.completion.resolution`)."""
-    static = CompletionSetup(program, default_mesh, ReshardPricer(link_costs, cluster))
+    does (process p on the cluster's p-th device); without one, ``Cluster.local`` of the
+    program's processes does, as the estimate prices a plan without one
+    (:mod:`~distgraph.passes.completion.resolution`)."""
+    static = CompletionSetup(program, default_mesh, cluster)
     best = _Completion(static).run()
     if best.conflicts:
         best = _settle(static, best)

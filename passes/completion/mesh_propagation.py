@@ -21,7 +21,7 @@ Example::
 from __future__ import annotations
 
 from distgraph.errors import PlanError
-from distgraph.ir import Program
+from distgraph.ir import Program, Role
 from distgraph.mesh import ProcessMesh
 from distgraph.passes.completion.stage_order import FORWARD, ranks
 
@@ -94,15 +94,15 @@ def assign_meshes(program: Program, producer: dict, consumers: dict,
     sources_from_consumers()                      # parameters and inputs
     index = {id(op): k for k, op in enumerate(ops)}
     for k, op in enumerate(ops):
-        if op.role == "backward" and op.forward_op is not None:
+        if op.role == Role.BACKWARD and op.forward_op is not None:
             set_op(k, mesh[index[id(op.forward_op)]] or first)
     for k, op in enumerate(ops):
-        if op.role == "optimize" and op.inputs and op.inputs[0].is_parameter:
+        if op.role == Role.OPTIMIZE and op.inputs and op.inputs[0].is_parameter:
             set_op(k, vmesh.get(op.inputs[0].name, first))
     update_meshes = [mesh[k] for k, op in enumerate(ops)
-                     if op.role == "optimize" and mesh[k] is not None]
+                     if op.role == Role.OPTIMIZE and mesh[k] is not None]
     for k, op in enumerate(ops):
-        if op.role == "optimize" and mesh[k] is None:
+        if op.role == Role.OPTIMIZE and mesh[k] is None:
             set_op(k, _union(update_meshes) if update_meshes else first)
     for k in reversed(range(n)):                # constants and the rest: first consumer
         if mesh[k] is None:

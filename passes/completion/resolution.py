@@ -5,12 +5,13 @@ A conflict is a visit of completion whose rule answer reshards an operand. Its
 :class:`Candidate` s are the rule's answer and the answers with each other operand in
 the lead (``RuleQuery.lead``); a candidate's :class:`Edge` s are the reshards it needs on
 the op's edges (inputs from their Values' layouts, outputs to what each consumer takes),
-priced by the alpha-beta time of their :func:`plan_reshard` steps. On a cluster (the
-Engine's, through the planner) a step costs what the search and the estimate charge for
-it (:func:`distgraph.passes.cost.prices.reshard_step_time` on the links between the devices of the
-processes taking part, process p on the cluster's p-th device as before rank mapping;
-its slowest group or sender counts); else over given links per mesh dim; without either,
-every mesh dim costs 1 GB/s and no latency: the time is then the bytes moved.
+priced by the time of their :func:`plan_reshard` steps on a cluster (the Engine's,
+through the planner; without one, ``Cluster.local`` of the program's processes, as the
+estimate prices the plan): what the search and the estimate charge for them
+(:func:`distgraph.passes.cost.prices.slowest_reshard_step_time`: each on the ring of its
+group, process p on the cluster's p-th device as before rank mapping; its slowest group
+or sender counts). An op's own collectives (the vocab-parallel cross-entropy's) are
+priced on the ring of the group its kernel names.
 
 A local price does not see what a choice does downstream (keeping a split activation can
 cost more gathers later than it saves), so completion keeps a locally cheaper answer
@@ -20,8 +21,7 @@ gets a note saying what was kept and what the alternative would move.
 
 Example::
 
-    pricer = ReshardPricer({"dp": (12.5, 5.0), "mp": (300.0, 2.0)})   # GB/s, us
-    pricer = ReshardPricer(cluster=dg.Cluster.from_file("my4.yaml"))    # as the search
+    pricer = ReshardPricer(dg.Cluster.from_file("my4.yaml"))    # as the search prices
     edge = pricer.edge("input", "labels", mesh, DimsSpec(("x", None)), DimsSpec((None, None)),
                        (8, 16), "int64")
 """
@@ -32,18 +32,14 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from distgraph.errors import PlanError
-from distgraph.passes.cost.formulas import comm_bytes, links_time
-from distgraph.passes.cost.prices import reshard_step_time
+from distgraph.passes.cost.formulas import comm_bytes
+from distgraph.passes.cost.prices import Rings, op_comm_time, slowest_reshard_step_time
 from distgraph.passes.partition import local_view_only
 from distgraph.passes.reshard import plan_reshard
 from distgraph.placement import DistAttr, ShardSpec
-from distgraph.plan.kinds import StepKind
 from distgraph.plan.reshard import steps_bytes
 from distgraph.spmd import DimsSpec
 from distgraph.units import fmt_bytes
-
-UNIT_LINK = (1.0, 0.0)           # GB/s, us: time = bytes / 1e9
-
 
 @dataclass(frozen=True)
 class Edge:
@@ -91,34 +87,27 @@ class Conflict(NamedTuple):
 
 
 class Traffic(NamedTuple):
-    """A program's planned communication per step: alpha-beta seconds of its reshard
-    steps in sequence, and bytes sent summed over all processes. ``timed``: priced over
-    given links, so the time decides (else the bytes)."""
+    """A program's planned communication per step: seconds of its reshard steps and of
+    its ops' own collectives in sequence (the time decides, then the bytes), and bytes
+    sent summed over all processes."""
 
     time: float
     bytes: float
-    timed: bool = False
 
     def key(self) -> tuple:
-        return (self.time, self.bytes) if self.timed else (self.bytes,)
+        return (self.time, self.bytes)
 
     def __str__(self) -> str:
-        if self.timed:
-            return f"{fmt_bytes(self.bytes)} taking {self.time * 1e6:.3g} us"
-        return fmt_bytes(self.bytes)
+        return f"{fmt_bytes(self.bytes)} taking {self.time * 1e6:.3g} us"
 
 
 class ReshardPricer:
-    """Prices reshards on ``cluster`` (as the search does), or over ``links`` ({mesh dim
-    name: (GB/s, latency us)}), or by their bytes (neither given)."""
+    """Prices reshards and ops' own collectives on ``cluster`` as the search does,
+    process p on its p-th device (module docstring)."""
 
-    def __init__(self, links: dict | None = None, cluster=None):
-        if links and cluster is not None:
-            raise PlanError("complete(link_costs=..., cluster=...): give the links per mesh "
-                            "dim or the cluster whose links price the reshards, not both")
-        self.links = dict(links or {})
+    def __init__(self, cluster):
         self.cluster = cluster
-        self.timed = bool(self.links) or cluster is not None
+        self.rings = Rings(cluster, self._device)
         self.cache: dict = {}
 
     def _device(self, process: int) -> int:
@@ -129,30 +118,42 @@ class ReshardPricer:
         return devices[process].global_id
 
     def step_time(self, step) -> float:
-        """Seconds of one reshard step (module docstring)."""
-        if self.cluster is None:
-            return links_time(step, *self.links.get(step.mesh_dim, UNIT_LINK))
-        if step.kind.is_collective and step.group_size > 1:
-            who = [group[0] for group in step.mesh.groups(step.mesh_dim)]
-        elif step.kind is StepKind.SEND_RECV:
-            who = sorted({t.src for t in step.transfers if t.src != t.dst}) or \
-                step.mesh.process_ids[:1]
-        else:
-            who = step.mesh.process_ids[:1]
-        return max(reshard_step_time(step, p, self.cluster, self._device) for p in who)
+        """Seconds of one reshard step: its slowest group's or sender's."""
+        return slowest_reshard_step_time(step, self.rings)
+
+    def op_time(self, opdef, site) -> tuple[float, float]:
+        """(seconds, bytes sent) of the collectives op ``opdef`` runs itself at ``site``
+        (a LocalSite), on the ring of the group its kernel names there."""
+        try:
+            key = ("op", opdef.type, site)
+            return self.cache[key]
+        except TypeError:               # an unhashable attribute: priced every time
+            key = None
+        except KeyError:
+            pass
+        collectives = tuple(opdef.comm(site))
+        time = 0.0
+        if collectives:
+            context = opdef.localize(dict(site.attrs), site)[1] \
+                if opdef.localize is not None else None
+            ring = self.rings.of_op(site.in_attrs[0].mesh, site.process_id, context)
+            time = op_comm_time(collectives, ring, self.rings.device(site.process_id))
+        if key is not None:
+            self.cache[key] = (time, comm_bytes(collectives))
+        return time, comm_bytes(collectives)
 
     def steps_cost(self, src: DistAttr, dst: DistAttr, shape, dtype) -> Traffic:
-        """(alpha-beta seconds of the steps, bytes sent over all processes)."""
+        """(seconds of the steps, bytes sent over all processes)."""
         key = (src, dst, tuple(shape), dtype)
         if key not in self.cache:
             if src == dst or local_view_only(src, dst):
-                self.cache[key] = Traffic(0.0, 0.0, self.timed)
+                self.cache[key] = Traffic(0.0, 0.0)
             else:
                 steps = plan_reshard(src, dst, shape, dtype)
                 time = sum(self.step_time(s) for s in steps)
                 procs = set(src.mesh.process_ids) | set(dst.mesh.process_ids)
                 total = sum(s.bytes_sent_by(p) for s in steps for p in procs)
-                self.cache[key] = Traffic(time, float(total), self.timed)
+                self.cache[key] = Traffic(time, float(total))
         return self.cache[key]
 
     def edge(self, side, name, mesh, src: DimsSpec, dst: DimsSpec, shape, dtype) -> Edge | None:
@@ -175,8 +176,9 @@ def planned_traffic(points, op_comm, pricer: ReshardPricer) -> Traffic:
     """What partition will place for a completed layout, summed over all processes:
     ``points`` are the reshards ``(value name, src DistAttr, dst DistAttr, shape, dtype)``
     (one per value and destination layout, as partition places them, write-backs of
-    updates included); ``op_comm`` the ``(comm hook, LocalSite)`` of every process of
-    every op that communicates inside its distributed form."""
+    updates included); ``op_comm`` the ``(op definition, LocalSites)`` of every op that
+    communicates inside its distributed form, a site per process (its slowest process's
+    collectives count in the time, every process's in the bytes)."""
     seen: set = set()
     time = total = 0.0
     for name, src, dst, shape, dtype in points:
@@ -185,9 +187,11 @@ def planned_traffic(points, op_comm, pricer: ReshardPricer) -> Traffic:
         seen.add((name, dst))
         t = pricer.steps_cost(src, dst, shape, dtype)
         time, total = time + t.time, total + t.bytes
-    for hook, site in op_comm:
-        total += comm_bytes(hook(site))
-    return Traffic(time, total, pricer.timed)
+    for opdef, sites in op_comm:
+        priced = [pricer.op_time(opdef, site) for site in sites]
+        time += max((t for t, _ in priced), default=0.0)
+        total += sum(b for _, b in priced)
+    return Traffic(time, total)
 
 
 class Outcome(NamedTuple):

@@ -1,12 +1,12 @@
 """What every completion run of a program shares (:mod:`distgraph.passes.completion.complete`
 tries several runs when it settles conflicts by cost): each op's and Value's mesh, the
 specs fixed by annotations, per-op metadata and signatures, each signature's bound rule
-and the memo of its answers (rules are pure), the reshard prices, and the specs a run
-starts from.
+and the memo of its answers (rules are pure), the reshard prices (on the cluster given,
+else ``Cluster.local`` of the program's processes), and the specs a run starts from.
 
 Example::
 
-    setup = CompletionSetup(program, default_mesh=None, pricer=ReshardPricer())
+    setup = CompletionSetup(program, default_mesh=None, cluster=None)
     setup.rule(k, RuleQuery.make(in_specs))       # op k's rule, memoised
 """
 
@@ -21,6 +21,7 @@ from distgraph.errors import PlanError
 from distgraph.ir import Program
 from distgraph.mesh import ProcessMesh
 from distgraph.registry import spmd_rule
+from distgraph.resources.cluster import Cluster
 from distgraph.spmd import DimsSpec, RuleQuery, SpmdRuleError
 
 
@@ -65,11 +66,11 @@ class OpMeta(NamedTuple):
 class CompletionSetup:
     """What every completion run of a program shares: meshes, the fixed specs, per-op
     metadata and signatures, the bound rules and the memo of their answers (rules are
-    pure), the reshard prices, and the specs a run starts from."""
+    pure), the reshard prices on ``cluster`` (None: ``Cluster.local`` of the program's
+    processes), and the specs a run starts from."""
 
-    def __init__(self, program: Program, default_mesh: ProcessMesh | None,
-                 pricer: ReshardPricer):
-        self.program, self.ops, self.pricer = program, program.ops, pricer
+    def __init__(self, program: Program, default_mesh: ProcessMesh | None, cluster=None):
+        self.program, self.ops = program, program.ops
         self.producer = {o.name: (k, j) for k, op in enumerate(self.ops)
                          for j, o in enumerate(op.outputs)}
         self.consumers: dict[str, list] = {}
@@ -78,6 +79,11 @@ class CompletionSetup:
                 self.consumers.setdefault(v.name, []).append((k, i))
         self.mesh, self.vmesh = assign_meshes(program, self.producer, self.consumers,
                                               default_mesh)
+        if cluster is None:
+            meshes = set(self.mesh) | set(self.vmesh.values())
+            cluster = Cluster.local(1 + max((p for m in meshes if m is not None
+                                             for p in m.process_ids), default=0))
+        self.pricer = ReshardPricer(cluster)
         unknown: dict = {}                  # one all-unknown spec per rank, shared
 
         def unknown_spec(ndim):

@@ -25,9 +25,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from distgraph.errors import PlanError
-from distgraph.ir import Program
+from distgraph.ir import Program, Role
 
-FORWARD = ("forward", "loss")
+FORWARD = (Role.FORWARD, Role.LOSS)
 
 
 @dataclass(frozen=True)

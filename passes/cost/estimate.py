@@ -9,9 +9,12 @@ communication and bubble, and peak memory per process.
 - **Communication**: every reshard step and every collective inside an op, with the
   alpha-beta formulas of :mod:`distgraph.passes.cost.formulas` plus the device's measured
   software cost of a step of that kind, per step and per byte of its buffer
-  (``reshard_overhead``: the runtime's calls, copies and meeting), on the links between the
-  devices of the step's group (the ring's bottleneck bandwidth and largest hop latency);
-  a p2p step takes as long as its busiest sender's messages, each ``α + B/β`` of its pair.
+  (``reshard_overhead``: the runtime's calls, copies and meeting), on the ring of the
+  group it runs in (:class:`~distgraph.passes.cost.prices.Rings`: the ring's bottleneck
+  bandwidth, shared between machines with the other groups of its mesh dims, and its
+  largest hop latency; an op's own collectives on the group its kernel names, e.g. the
+  class-split group of the vocab-parallel cross-entropy); a p2p step takes as long as its
+  busiest sender's messages, each ``α + B/β`` of its pair.
 - **Overlapped ops** (an op's ``overlap`` hook: MeshSlice) take
   :func:`~distgraph.passes.cost.formulas.pipeline_time` over K slices of three stages: the
   incoming collectives on the links of their mesh dims (collectives on different mesh
@@ -49,8 +52,8 @@ communication and bubble, and peak memory per process.
   accumulated in buffers that live through the step (a micro-batch's gradient is added
   to its buffer as it is made, as the runtime does, and not held to the update).
 - **Alike processes are estimated once.** Processes on the same meshes whose devices
-  are alike and whose groups along every mesh dim (and whole meshes) have the same
-  links run the same local program at the same speed: the first of them is partitioned
+  are alike and whose groups along every set of mesh dims have the same rings run the
+  same local program at the same speed: the first of them is partitioned
   and estimated, the others take its figures. A 1,024-process plan of 16 stages is
   estimated from a few processes.
 
@@ -68,10 +71,12 @@ Example::
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
+from itertools import combinations
 
 from distgraph.errors import PlanError
-from distgraph.passes.cost.prices import (best_overlap, dim_ring, feed_time, op_collective_time,
-                                         op_time, reshard_step_time, ring_links)
+from distgraph.ir import Role
+from distgraph.passes.cost.prices import (Rings, best_overlap, feed_time, op_comm_time, op_time,
+                                          reshard_step_time)
 from distgraph.registry import TensorType, get_op
 from distgraph.resources.cluster import Cluster
 from distgraph.units import fmt_bytes
@@ -166,13 +171,14 @@ def estimate(plan, cluster=None) -> Estimate:
     cluster, else ``Cluster.local`` of its size). See the module docstring."""
     cluster = cluster or plan.cluster or Cluster.local(plan.world_size)
     devices = _devices(plan, cluster)
-    alike = _alike(plan, cluster, lambda q: devices[plan.ranks(q)].global_id)
+    rings = Rings(cluster, lambda q: devices[plan.ranks(q)].global_id)
+    alike = _alike(plan, rings)
     per_process, update_time, counts, done = [], {}, {}, {}
     for pid in plan.process_ids:
         share = share_of(plan, pid)
         key = (alike[pid], share)
         if key not in done:
-            done[key] = price_process(plan, pid, cluster, share)
+            done[key] = price_process(plan, pid, cluster, share, rings)
         p, update_time[pid] = done[key]
         per_process.append(replace(p, process=pid,
                                    device=devices[plan.ranks(pid)].global_id))
@@ -188,47 +194,38 @@ def _devices(plan, cluster) -> tuple:
     return cluster.devices
 
 
-def price_process(plan, pid: int, cluster, share: Share = Share()) -> tuple:
+def price_process(plan, pid: int, cluster, share: Share = Share(), rings=None) -> tuple:
     """(ProcessEstimate, seconds of its update ops) of process ``pid`` on ``cluster``
-    with ``share`` of the batch (see the module docstring)."""
-    devices = _devices(plan, cluster)
-
-    def device_of(q: int) -> int:
-        return devices[plan.ranks(q)].global_id
-
+    with ``share`` of the batch (see the module docstring); ``rings``: the
+    :class:`~distgraph.passes.cost.prices.Rings` of the plan's processes on ``cluster``
+    (made here when not given)."""
+    if rings is None:
+        devices = _devices(plan, cluster)
+        rings = Rings(cluster, lambda q: devices[plan.ranks(q)].global_id)
     stage = next((s for s, mesh in enumerate(plan.stages) if pid in mesh.process_ids), 0)
     fetch = [plan.built.loss_name] if plan.built.loss_name else []
-    device = cluster.device(device_of(pid))
+    device = rings.device(pid)
     scale = _Scale(plan, share, pid)
-    compute, comm, updates = _process_times(plan, pid, device, cluster, device_of, fetch,
-                                            scale)
+    compute, comm, updates = _process_times(plan, pid, device, rings, fetch, scale)
     memory = _peak_memory(plan, pid, stage, scale)
     return ProcessEstimate(pid, device.global_id, stage, compute, comm, *memory), updates
 
 
-def _alike(plan, cluster, device_of) -> dict:
+def _alike(plan, rings: Rings) -> dict:
     """{process: a key equal for processes that run alike} (module docstring): the
-    meshes they are on, their device's figures, and the links of their group along each
-    mesh dim and of each whole mesh."""
+    meshes they are on, their device's figures, and the rings of their group along every
+    set of mesh dims (each dim, each pair, ..., the whole mesh)."""
     meshes = {op.dist_attr.mesh for op in plan.program.ops}
     meshes |= {v.dist_attr.mesh for v in plan.program.values.values()}
     meshes = sorted(meshes, key=lambda m: (m.process_ids, m.shape, m.dim_names))
-    rings: dict = {}
-
-    def ring(pids) -> tuple:
-        devices = tuple(device_of(q) for q in pids)
-        if devices not in rings:
-            rings[devices] = ring_links(cluster, list(devices)) if len(devices) > 1 else ()
-        return rings[devices]
-
+    dim_sets = {mesh: [dims for k in range(1, mesh.ndim + 1)
+                       for dims in combinations(mesh.dim_names, k)] for mesh in meshes}
     keys = {}
     for pid in plan.process_ids:
-        device = cluster.device(device_of(pid))
-        key = [replace(device, global_id=0, local_id=0, machine_id=0)]
+        key = [replace(rings.device(pid), global_id=0, local_id=0, machine_id=0)]
         for n, mesh in enumerate(meshes):
             if pid in mesh:
-                key.append((n, ring(mesh.process_ids),
-                            tuple(ring(mesh.group_of(pid, d)) for d in mesh.dim_names)))
+                key.append((n, tuple(rings.along(mesh, pid, dims) for dims in dim_sets[mesh])))
         keys[pid] = tuple(key)
     return keys
 
@@ -299,12 +296,12 @@ def _rows_held(plan, pid: int) -> float:
     return 1.0
 
 
-def _process_times(plan, pid, device, cluster, device_of, fetch, scale: _Scale):
+def _process_times(plan, pid, device, rings: Rings, fetch, scale: _Scale):
     local = plan.local_alike(pid)
     m = scale.micro_batches       # plan.micro_batches > 1: the local program is one micro-batch's
 
     def times(role: str) -> int:
-        return 1 if role == "optimize" else m
+        return 1 if role == Role.OPTIMIZE else m
 
     # each process copies in its part of every feed, once per micro-batch
     compute = m * sum(feed_time(scale.nbytes(v), device) for v in local.program.inputs)
@@ -316,36 +313,31 @@ def _process_times(plan, pid, device, cluster, device_of, fetch, scale: _Scale):
         ways = hook(op.attrs, ins) if hook is not None else ()
         if ways:
             mesh = op.dist_attr.mesh
-            _, work, hidden = best_overlap(ways, device, lambda dim: dim_ring(
-                cluster, mesh, pid, dim, device_of))
+            _, work, hidden = best_overlap(ways, device,
+                                           lambda dim: rings.along(mesh, pid, dim))
             compute += work * times(op.role)
             comm += hidden * times(op.role)
             overlapped.add(index)
             continue
         t = op_time(op.type, ins, [scale.tensor(v) for v in op.outputs], op.attrs, device)
         compute += t * times(op.role)
-        if op.role == "optimize":
+        if op.role == Role.OPTIMIZE:
             updates += t
     roles = [op.role for op in plan.program.ops]
     comm += sum(times(roles[p.anchor])
-                * reshard_step_time(s, pid, cluster, device_of, scale.step(p, s))
+                * reshard_step_time(s, pid, rings, scale.step(p, s))
                 for p in local.points() for s in p.steps)
     if plan.distributed:
-        comm += sum(reshard_step_time(s, pid, cluster, device_of, scale.step(p, s))
+        comm += sum(reshard_step_time(s, pid, rings, scale.step(p, s))
                     for p in _fetch_points(plan, fetch, pid) for s in p.steps)
-    if local.op_comm:
-        ops = local.program.ops
-        for index, collectives in local.op_comm.items():
-            if index in overlapped:
-                continue
-            # The op's own collectives run inside its mesh: the worst ring of that mesh.
-            ring = ring_links(cluster, [device_of(q)
-                                        for q in ops[index].dist_attr.mesh.process_ids])
-            rows = scale.rows if any(scale.axis(v.name) is not None
-                                     for v in ops[index].inputs) else 1.0
-            comm += times(ops[index].role) * sum(op_collective_time(kind, n, nbytes * rows,
-                                                                    ring, device)
-                                                 for kind, n, nbytes in collectives)
+    ops = local.program.ops
+    for index, collectives in local.op_comm.items():
+        if index in overlapped:
+            continue
+        op = ops[index]
+        ring = rings.of_op(op.dist_attr.mesh, pid, local.op_context.get(index))
+        rows = scale.rows if any(scale.axis(v.name) is not None for v in op.inputs) else 1.0
+        comm += times(op.role) * op_comm_time(collectives, ring, device, rows)
     return compute, comm, updates
 
 
@@ -374,7 +366,7 @@ def _peak_memory(plan, pid, stage, scale: _Scale) -> tuple[int, int, int, int, i
             items.append((tuple(v.name for v in op.inputs),
                           tuple(o.name for o in op.outputs if not o.alias_of)))
             item_roles.append(op.role)
-    updating = [role == "optimize" for role in item_roles]
+    updating = [role == Role.OPTIMIZE for role in item_roles]
     # With micro-batches the runtime adds what a micro-batch makes for the update (its
     # gradients) to the step's buffers as it is made: the update reads the buffers
     # (counted below), so the micro-batch's own copy lives only to its last other use.
@@ -392,7 +384,7 @@ def _peak_memory(plan, pid, stage, scale: _Scale) -> tuple[int, int, int, int, i
     peak, at_peak = sum(live.values()), dict(live)
     # the backward's first item: a stage's output is sent before it, the gradient from the
     # next stage received in it (neither is kept from the forward for the backward)
-    first_backward = next((k for k, role in enumerate(item_roles) if role == "backward"),
+    first_backward = next((k for k, role in enumerate(item_roles) if role == Role.BACKWARD),
                           len(items))
     saved = 0
     for k, (reads, writes) in enumerate(items):

@@ -19,8 +19,15 @@ send_recv (p2p) the message                            B                        
 all_to_all is modelled as n-1 rounds in which each process sends one of its n chunks
 (B/n bytes) to a different peer: (n-1)/n * B bytes and n-1 latencies. The DESIGN's
 "(n-1)/n^2" form is the same thing written with B the sum of all n local buffers.
-Local steps (``slice``, ``make_partial``) cost nothing. ``p2p`` (a pipeline stage's
-chain, in the rank mapper's traffic) is priced as ``send_recv``.
+Local steps (``slice``, ``make_partial``) cost nothing.
+
+Every time above is ``alpha x messages + bytes / bw``: :func:`ring_load` gives the
+messages and bytes one process sends in a step of a kind (the latency count and the
+bytes column), :func:`link_rates` the seconds per message and per byte of a link. The
+cost model prices a step with both on its group's ring
+(:class:`~distgraph.passes.cost.prices.Rings`); the rank mapper spreads each process's
+load over the peers it sends to and prices every pair on its own link with the same two
+functions (:mod:`distgraph.passes.mapping.process_graph`).
 
 An op that pipelines its collectives with its compute in K identical slices (MeshSlice)
 takes :func:`pipeline_time`: each slice passes stages that use different resources (the
@@ -33,6 +40,8 @@ Example::
 
     >>> collective_bytes("all_gather", 4, 4096)     # 4 x 1 KiB pieces -> 4 KiB output
     3072.0
+    >>> ring_load("all_reduce", 4, 4096)             # 2(n-1) messages, 2 (n-1)/n * B bytes
+    (6, 6144.0)
     >>> round(collective_time("all_reduce", 2, 1e9, bandwidth_GBps=100, latency_us=5), 6)
     0.01001
     >>> pipeline_time(4, [2.0, 3.0, 1.0])      # 2 + 3 + 1 + 3 x max
@@ -42,20 +51,7 @@ Example::
 from __future__ import annotations
 
 from distgraph.errors import PlanError
-from distgraph.plan.kinds import COLLECTIVES, StepKind  # noqa: F401  (the one list)
-from distgraph.plan.kinds import collective_bytes as _bytes
-
-P2P = "p2p"
-
-
-def _kind(kind) -> StepKind:
-    return StepKind.SEND_RECV if kind == P2P else StepKind.parse(kind)
-
-
-def collective_bytes(kind, n: int, nbytes: float) -> float:
-    """Bytes one process sends for ``kind`` over ``n`` processes with buffer ``nbytes``
-    (the contract's formula; ``p2p`` counts as ``send_recv``)."""
-    return _bytes(_kind(kind), n, nbytes)
+from distgraph.plan.kinds import COLLECTIVES, StepKind, collective_bytes  # noqa: F401
 
 
 def comm_bytes(collectives) -> float:
@@ -64,37 +60,41 @@ def comm_bytes(collectives) -> float:
     return float(sum(collective_bytes(kind, n, nbytes) for kind, n, nbytes in collectives))
 
 
+def ring_load(kind, n: int, nbytes: float) -> tuple[int, float]:
+    """(messages, bytes) one process sends in a step of ``kind`` over ``n`` processes
+    with buffer ``nbytes`` (module table): the ring's rounds, 2(n-1) for all_reduce and
+    n-1 for the other collectives (all_to_all: one message to each peer), one message for
+    send_recv, none for a local step or a group of one."""
+    kind = StepKind.parse(kind)
+    sent = collective_bytes(kind, n, nbytes)
+    if kind is StepKind.SEND_RECV:
+        return 1, sent
+    if kind.is_local or n == 1:
+        return 0, 0.0
+    return (2 * (n - 1) if kind is StepKind.ALL_REDUCE else n - 1), sent
+
+
+def link_rates(bandwidth_GBps, latency_us):
+    """(seconds per message, seconds per byte) of a link of ``bandwidth_GBps`` GB/s
+    (1e9 bytes/s) and ``latency_us`` µs: alpha and beta. Elementwise on numpy arrays
+    (the rank mapper's device-pair matrices)."""
+    return latency_us * 1e-6, 1.0 / (bandwidth_GBps * 1e9)
+
+
 def collective_time(kind, n: int, nbytes: float, bandwidth_GBps: float,
                     latency_us: float) -> float:
-    """Seconds for ``kind`` over ``n`` processes: alpha-beta on a ring (module table).
+    """Seconds for ``kind`` over ``n`` processes: alpha-beta on a ring (module table),
+    ``alpha x messages + beta x bytes`` of :func:`ring_load` and :func:`link_rates`.
 
     ``bandwidth_GBps`` is the per-link bandwidth in GB/s (1e9 bytes/s) and
     ``latency_us`` the per-message latency in microseconds.
     """
-    kind = _kind(kind)
-    beta_bytes = collective_bytes(kind, n, nbytes)
+    kind = StepKind.parse(kind)
     if bandwidth_GBps <= 0:
         raise PlanError(f"{kind}: bandwidth must be positive, got {bandwidth_GBps} GB/s")
-    if kind.is_local:
-        return 0.0
-    alpha = latency_us * 1e-6
-    beta_bytes /= bandwidth_GBps * 1e9
-    if kind is StepKind.SEND_RECV:
-        return alpha + beta_bytes
-    if n == 1:
-        return 0.0
-    rounds = 2 * (n - 1) if kind is StepKind.ALL_REDUCE else n - 1
-    return alpha * rounds + beta_bytes
-
-
-def links_time(step, bandwidth_GBps: float, latency_us: float) -> float:
-    """Alpha-beta seconds of a reshard step on one uniform link class; for send_recv,
-    the busiest sender's messages in sequence."""
-    if step.kind is not StepKind.SEND_RECV:
-        return collective_time(step.kind, step.group_size, step.buffer_bytes,
-                               bandwidth_GBps, latency_us)
-    return (step.messages_of_busiest() * latency_us * 1e-6
-            + step.bytes / (bandwidth_GBps * 1e9))
+    messages, sent = ring_load(kind, n, nbytes)
+    alpha, beta = link_rates(bandwidth_GBps, latency_us)
+    return alpha * messages + beta * sent
 
 
 def pipeline_time(slices: int, stages) -> float:

@@ -7,15 +7,36 @@ measured software costs of ``distgraph cluster calibrate``). The search, complet
 conflict resolution, MeshSlice's autotuner, the balanced split and the plan estimate
 (:mod:`.estimate`) all price with these functions, so they agree.
 
+**One ring model.** Every collective, whether a reshard step's, an op's own (the
+vocab-parallel cross-entropy's over its class-split group) or a sliced pipeline's
+(MeshSlice), is priced on the ring of the group it actually runs in, as :class:`Rings`
+gives it: the ring's slowest hop sets the bandwidth and the latency, and a hop between
+two machines shares the machines' network with the hops of the other groups of the same
+mesh dims that cross between the same machines in the same direction at once (every
+group of a mesh dim runs the step together), spread over the machines' network
+interfaces: k hops over m NICs take k/m of a hop's bandwidth each when k > m (a DGX's
+eight HCAs, one per GPU, carry eight groups' hops at full speed; one NIC carries them
+in turn). A machine without NICs, whose devices the file links across machines
+directly, has one network: its links stand for the one machine link they share (the
+emulated clusters). Groups of CPUs inside one machine are marked ``copied``:
+shared-memory transfers are the processes' own copies (a sliced pipeline counts them as
+processor time).
+
 Example::
 
-    t = reshard_step_time(step, process=0, cluster=cluster, device_of=lambda p: p)
+    rings = Rings(cluster, device_of=lambda p: p)
+    t = reshard_step_time(step, process=0, rings=rings)
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
+import numpy as np
+
 from distgraph import dtypes
-from distgraph.passes.cost.formulas import COLLECTIVES, collective_time, pipeline_time
+from distgraph.passes.cost.formulas import collective_time, link_rates, pipeline_time
+from distgraph.plan.kinds import StepKind
 from distgraph.registry import get_op, op_work
 
 # (memory bandwidth GB/s, op overhead µs) by device type when the file gives none.
@@ -59,26 +80,160 @@ def feed_time(nbytes: int, device) -> float:
     return nbytes / device_rates(device)[0]
 
 
-def ring_links(cluster, devices) -> tuple[float, float]:
-    """(bandwidth GB/s, latency µs) of a ring over ``devices``: its bottleneck hop and
-    its slowest hop's latency."""
-    hops = list(zip(devices, devices[1:] + devices[:1]))
-    return (min(cluster.bandwidth(a, b) for a, b in hops),
-            max(cluster.latency(a, b) for a, b in hops))
+class Ring(NamedTuple):
+    """A group's ring as its collectives see it (module docstring): ``bandwidth`` GB/s
+    and ``latency`` µs of its slowest hop (inf and 0 for a group on one device), and
+    ``copied``: CPUs inside one machine, whose transfers the processes copy themselves."""
+
+    bandwidth: float
+    latency: float
+    copied: bool
 
 
-def reshard_step_time(step, process: int, cluster, device_of, scale: float = 1.0) -> float:
+def groups_along(mesh, dims) -> list:
+    """The process groups of ``mesh`` along mesh dims ``dims`` (a name or a tuple of
+    names), each ordered row-major over ``dims`` as given: ``mesh.groups(dim)`` for one
+    dim, the blocks of a tensor dim split over several."""
+    dims = (dims,) if isinstance(dims, str) else tuple(dims)
+    axes = [mesh.dim_index(d) for d in dims]
+    others = [k for k in range(mesh.ndim) if k not in axes]
+    size = 1
+    for k in axes:
+        size *= mesh.shape[k]
+    grid = np.transpose(np.asarray(mesh.mesh), others + axes).reshape(-1, size)
+    return [tuple(int(p) for p in row) for row in grid]
+
+
+def dims_of_group(mesh, group) -> tuple:
+    """The mesh dims along which the processes of ``group`` differ, in mesh order."""
+    coords = [mesh.coord(q) for q in group]
+    return tuple(d for k, d in enumerate(mesh.dim_names)
+                 if len({c[k] for c in coords}) > 1)
+
+
+class Rings:
+    """The rings of process groups on ``cluster`` with process p on device
+    ``device_of(p)``: the one ring model of the cost model (module docstring), memoised
+    for one pricing (an estimate, a search, a completion), never shared between them.
+
+    Example::
+
+        rings = Rings(cluster, lambda p: p)
+        rings.along(mesh, 0, "x")          # process 0's ring along mesh dim x
+        rings.of_group(mesh, (0, 2))       # a group an op's kernel names
+    """
+
+    def __init__(self, cluster, device_of):
+        self.cluster = cluster
+        self.device_of = device_of
+        self._nics = {m.id: max(1, len(m.nics)) for m in cluster.machines}
+        self._machines: dict = {}
+        self._groups: dict = {}
+        self._sharings: dict = {}
+        self._rings: dict = {}
+
+    def device(self, process: int):
+        """The Device process ``process`` runs on."""
+        return self.cluster.device(self.device_of(process))
+
+    def along(self, mesh, process: int, dims) -> Ring:
+        """The ring of ``process``'s group along ``dims`` (a mesh dim or a tuple of
+        them) while every group along them runs the same collective."""
+        dims = (dims,) if isinstance(dims, str) else tuple(dims)
+        return self._ring(mesh, dims, self._group_of(mesh, dims)[process])
+
+    def of_group(self, mesh, group) -> Ring:
+        """The ring of ``group`` (processes of ``mesh``, in ring order): a group along
+        the mesh dims its processes span, all of which run at once; any other set of
+        processes runs alone."""
+        group = tuple(group)
+        dims = dims_of_group(mesh, group)
+        if set(self._group_of(mesh, dims)[group[0]]) != set(group):
+            return self._ring(mesh, None, group)
+        return self._ring(mesh, dims, group)
+
+    def of_op(self, mesh, process: int, context) -> Ring:
+        """The ring an op's own collectives run on at ``process``: the group its kernel
+        context names (``group``: e.g. the class-split group of the vocab-parallel
+        cross-entropy), else the op's whole mesh."""
+        group = (context or {}).get("group")
+        return self.of_group(mesh, tuple(group) if group else tuple(mesh.process_ids))
+
+    def _group_of(self, mesh, dims: tuple) -> dict:
+        """{process: its group along ``dims``} (:func:`groups_along`)."""
+        key = (mesh, dims)
+        if key not in self._groups:
+            self._groups[key] = {q: g for g in groups_along(mesh, dims) for q in g}
+        return self._groups[key]
+
+    def _machine(self, device: int) -> int:
+        if device not in self._machines:
+            self._machines[device] = self.cluster.device(device).machine_id
+        return self._machines[device]
+
+    def _sharing(self, mesh, dims) -> dict:
+        """{(machine, machine): how many hops share one of the network interfaces
+        between them}: the hops of the groups along ``dims`` that cross from the first
+        to the second at once, over the interfaces of the machine with fewer (at least
+        1; none for a group that runs alone)."""
+        if dims is None:
+            return {}
+        key = (mesh, dims)
+        if key not in self._sharings:
+            crossing: dict = {}
+            for group in set(self._group_of(mesh, dims).values()):
+                ring = [self._machine(self.device_of(q)) for q in group]
+                for a, b in zip(ring, ring[1:] + ring[:1]):
+                    if a != b:
+                        crossing[a, b] = crossing.get((a, b), 0) + 1
+            self._sharings[key] = {
+                (a, b): max(1.0, k / min(self._nics[a], self._nics[b]))
+                for (a, b), k in crossing.items()}
+        return self._sharings[key]
+
+    def _ring(self, mesh, dims, group: tuple) -> Ring:
+        key = (mesh, dims, group)
+        if key not in self._rings:
+            sharing = self._sharing(mesh, dims)
+            devices = [self.device_of(q) for q in group]
+            hops = [(a, b) for a, b in zip(devices, devices[1:] + devices[:1]) if a != b]
+            cluster = self.cluster
+            bw = min((cluster.bandwidth(a, b)
+                      / sharing.get((self._machine(a), self._machine(b)), 1.0)
+                      for a, b in hops), default=float("inf"))
+            lat = max((cluster.latency(a, b) for a, b in hops), default=0.0)
+            cpu = all(cluster.device(d).type == "CPU" for d in devices)
+            one = len({self._machine(d) for d in devices}) == 1
+            self._rings[key] = Ring(bw, lat, cpu and one)
+        return self._rings[key]
+
+
+def reshard_step_time(step, process: int, rings: Rings, scale: float = 1.0) -> float:
     """Seconds that reshard ``step`` costs ``process`` (0 where it takes no part): the
-    alpha-beta of its messages (their bytes times ``scale``) plus the software cost of a
-    step of its kind and buffer on the process's device (:func:`software_time`; a
-    collective over one process costs what a local step does)."""
+    alpha-beta of its messages (their bytes times ``scale``; a collective on the ring of
+    the process's group, :class:`Rings`) plus the software cost of a step of its kind
+    and buffer on the process's device (:func:`software_time`; a collective over one
+    process costs what a local step does)."""
     involved = process in step.mesh or (step.dst_mesh is not None and process in step.dst_mesh)
     if not involved:
         return 0.0
     # over one process a collective meets no one: the runtime runs it as a local step
-    kind = "slice" if step.kind in COLLECTIVES and step.group_size == 1 else step.kind
-    return _message_time(step, process, cluster, device_of, scale) + \
-        software_time(cluster.device(device_of(process)), kind, step.buffer_bytes * scale)
+    kind = StepKind.SLICE if step.kind.is_collective and step.group_size == 1 else step.kind
+    return _message_time(step, process, rings, scale) + \
+        software_time(rings.device(process), kind, step.buffer_bytes * scale)
+
+
+def slowest_reshard_step_time(step, rings: Rings) -> float:
+    """Seconds reshard ``step`` takes as a whole: its slowest group's (a collective:
+    the first process of each group) or its slowest sender's (send_recv)."""
+    if step.kind.is_collective and step.group_size > 1:
+        who = [group[0] for group in step.mesh.groups(step.mesh_dim)]
+    elif step.kind is StepKind.SEND_RECV:
+        who = sorted({t.src for t in step.transfers if t.src != t.dst}) or \
+            step.mesh.process_ids[:1]
+    else:
+        who = step.mesh.process_ids[:1]
+    return max(reshard_step_time(step, p, rings) for p in who)
 
 
 def software_time(device, kind: str, nbytes: float = 0.0) -> float:
@@ -125,50 +280,28 @@ def reread_time(device, nbytes: float) -> float:
     return nbytes / device_rates(device)[0]
 
 
-def op_collective_time(kind: str, n: int, nbytes: float, ring: tuple, device) -> float:
+def op_collective_time(kind: str, n: int, nbytes: float, ring: Ring, device) -> float:
     """Seconds of a collective an op runs itself over ``n`` processes on ``ring``
-    (bandwidth GB/s, latency µs): its alpha-beta plus the software cost a reshard step
-    of that kind and buffer pays on ``device``."""
+    (:meth:`Rings.of_op`): its alpha-beta plus the software cost a reshard step of that
+    kind and buffer pays on ``device``."""
     if n == 1:
         return 0.0
-    return collective_time(kind, n, nbytes, *ring) + software_time(device, kind, nbytes)
+    return (collective_time(kind, n, nbytes, ring.bandwidth, ring.latency)
+            + software_time(device, kind, nbytes))
 
 
-def dim_ring(cluster, mesh, process: int, mesh_dim: str, device_of) -> tuple:
-    """(bandwidth GB/s, latency µs, copied by the processor) of ``process``'s ring along
-    ``mesh_dim``, while every group of that dim runs the same collective: a hop between
-    two machines shares the machines' link with the hops of the other groups that cross
-    it in the same direction at once (the file lists a link per pair of devices; the
-    machines' network carries them all). The last is True for a group of CPUs inside one
-    machine (module docstring: shared-memory transfers are the processes' own copies)."""
-    devices = [device_of(q) for q in mesh.group_of(process, mesh_dim)]
-    machine = {}
-
-    def machine_of(d):
-        if d not in machine:
-            machine[d] = cluster.machine_of(d).id
-        return machine[d]
-
-    crossing: dict = {}
-    for group in mesh.groups(mesh_dim):
-        ring = [device_of(q) for q in group]
-        for a, b in zip(ring, ring[1:] + ring[:1]):
-            if len(ring) > 1 and machine_of(a) != machine_of(b):
-                key = (machine_of(a), machine_of(b))
-                crossing[key] = crossing.get(key, 0) + 1
-    hops = list(zip(devices, devices[1:] + devices[:1]))
-    bw = min((cluster.bandwidth(a, b) / crossing.get((machine_of(a), machine_of(b)), 1)
-              for a, b in hops if a != b), default=float("inf"))
-    lat = max((cluster.latency(a, b) for a, b in hops if a != b), default=0.0)
-    cpu = all(cluster.device(d).type == "CPU" for d in devices)
-    return bw, lat, cpu and len({machine_of(d) for d in devices}) == 1
+def op_comm_time(collectives, ring: Ring, device, scale: float = 1.0) -> float:
+    """Seconds of an op's own ``((kind, n, nbytes), ...)`` (their bytes times
+    ``scale``) run one after another on ``ring`` (:meth:`Rings.of_op`)."""
+    return sum(op_collective_time(kind, n, nbytes * scale, ring, device)
+               for kind, n, nbytes in collectives)
 
 
 def overlap_time(ov, device, ring_of, compute_time=None) -> tuple[float, float]:
     """(compute, exposed communication) seconds of an op that runs as ``ov`` (an
     :class:`~distgraph.registry.Overlap`) on ``device``; ``ring_of(mesh dim)`` gives that
-    dim's ring as :func:`dim_ring` does (module docstring); ``compute_time`` prices one
-    slice's compute (default :func:`op_time`)."""
+    dim's :class:`Ring` (:meth:`Rings.along`); ``compute_time`` prices one slice's
+    compute (default :func:`op_time`)."""
     price = compute_time or op_time
     compute = price(ov.op_type, ov.ins, ov.outs, dict(ov.attrs), device) + \
         reread_time(device, ov.reread)
@@ -213,20 +346,24 @@ def best_overlap(overlaps, device, ring_of, compute_time=None) -> tuple:
     return (ov,) + overlap_time(ov, device, ring_of, compute_time)
 
 
-def _message_time(step, process: int, cluster, device_of, scale: float = 1.0) -> float:
-    if step.kind == "send_recv":
+def _message_time(step, process: int, rings: Rings, scale: float = 1.0) -> float:
+    cluster, device_of = rings.cluster, rings.device_of
+    if step.kind is StepKind.SEND_RECV:
         per_sender: dict = {}
         for t in step.transfers:
             if t.src != t.dst:
-                a, b = device_of(t.src), device_of(t.dst)
-                per_sender[t.src] = (per_sender.get(t.src, 0.0) + cluster.latency(a, b) * 1e-6
-                                     + t.nbytes * scale / (cluster.bandwidth(a, b) * 1e9))
+                alpha, beta = link_rates(*_link(cluster, device_of(t.src), device_of(t.dst)))
+                per_sender[t.src] = per_sender.get(t.src, 0.0) + alpha + beta * t.nbytes * scale
         return max(per_sender.values(), default=0.0)
-    if step.kind not in COLLECTIVES or step.group_size == 1:
+    if not step.kind.is_collective or step.group_size == 1:
         return 0.0
-    group = [device_of(q) for q in step.mesh.group_of(process, step.mesh_dim)]
-    bw, lat = ring_links(cluster, group)
-    return collective_time(step.kind, step.group_size, step.buffer_bytes * scale, bw, lat)
+    ring = rings.along(step.mesh, process, step.mesh_dim)
+    return collective_time(step.kind, step.group_size, step.buffer_bytes * scale,
+                           ring.bandwidth, ring.latency)
+
+
+def _link(cluster, a: int, b: int) -> tuple:
+    return cluster.bandwidth(a, b), cluster.latency(a, b)
 
 
 def _nbytes(t) -> int:

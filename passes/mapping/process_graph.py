@@ -2,23 +2,28 @@
 
 Processes are ``0..P-1``. Each has an optional required device type (``"GPU"``, ...),
 a compute need (GFLOP per step) and a memory need (GB). Each unordered pair carries the
-bytes the two exchange per step (both directions together).
+bytes the two exchange per step (both directions together) and the messages.
 
-Each pair also carries the messages the two exchange per step, so that a mapping costs
-``α`` per message plus ``B/β`` per byte, as the cost model charges a collective.
-Collective traffic is turned into pairs by the ring algorithms the cost model uses, with
-``B`` = bytes per process of the full buffer and ``n`` = group size; each process sends
-to its successor in the group's listed order (messages: a ring step is one message from
-each process to its successor, 2(n-1) steps for all_reduce, n-1 for all_gather and
-reduce_scatter; all_to_all sends one message each way per pair; p2p one):
+A collective becomes pairs by the cost model's own load of a step
+(:func:`distgraph.passes.cost.formulas.ring_load`: the messages and bytes each process
+sends, what :func:`~distgraph.passes.cost.formulas.collective_time` charges it) spread
+over the peers each process sends to in the algorithm the model prices: on a ring
+(``n`` = group size, ``B`` = the formula's buffer), the successor in the group's listed
+order; in an all_to_all, every other process alike; in a pipeline chain (``p2p``), the
+next stage, one send_recv message:
 
-================  ====================================================================
-``all_reduce``    ring: each process sends 2(n-1)/n * B to its successor
-``all_gather``    ring: (n-1)/n * B to the successor (B = gathered size)
-``reduce_scatter`` ring: (n-1)/n * B to the successor (B = input size)
-``all_to_all``    every ordered pair: B/n, so 2B/n per unordered pair
-``p2p``           chain, not ring: g[i] sends B to g[i+1] (pipeline stages)
-================  ====================================================================
+================  ========================================================================
+``all_reduce``    ring: each process sends 2(n-1)/n * B to its successor, in 2(n-1) messages
+``all_gather``    ring: (n-1)/n * B (B = gathered size), in n-1 messages
+``reduce_scatter`` ring: (n-1)/n * B (B = input size), in n-1 messages
+``all_to_all``    every ordered pair: B/n in one message, so 2B/n per unordered pair
+``p2p``           chain, not ring: g[i] sends B to g[i+1] in one message (pipeline stages)
+================  ========================================================================
+
+A mapping then costs, per pair, ``messages x alpha + bytes x beta`` of the link between
+its devices (:func:`~distgraph.passes.cost.formulas.link_rates`): the sum over every
+process of the price of its part of each step on its own links
+(:mod:`distgraph.passes.mapping.rank_mapping`).
 
 Example::
 
@@ -38,27 +43,28 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from distgraph.errors import PlanError
-from distgraph.plan.kinds import COLLECTIVES
+from distgraph.passes.cost.formulas import ring_load
+from distgraph.plan.kinds import COLLECTIVES, StepKind
 from distgraph.resources.cluster import COMPUTE_TYPES, FrozenMap
 
-COLLECTIVE_KINDS = COLLECTIVES + ("p2p",)     # p2p: a chain of pipeline stages
+CHAIN = "p2p"            # a chain of pipeline stages: each sends B to the next
+KINDS = COLLECTIVES + (CHAIN,)
 
 
-def collective_traffic(groups: Sequence[Sequence[int]], bytes_per_process: float,
-                       kind: str = "all_reduce") -> dict[tuple[int, int], float]:
-    """Bytes per unordered pair for one collective run by every group (see module table)."""
-    if kind not in COLLECTIVE_KINDS:
+def group_sends(groups: Sequence[Sequence[int]], bytes_per_process: float,
+                kind=StepKind.ALL_REDUCE) -> list[tuple[int, int, float, float]]:
+    """``(sender, receiver, messages, bytes)`` of one collective run by every group of
+    ``groups``: each process's :func:`~distgraph.passes.cost.formulas.ring_load` spread
+    over its peers (module table)."""
+    if kind not in KINDS:
         raise PlanError(f"unknown collective kind {kind!r}; expected one of "
-                        f"{', '.join(COLLECTIVE_KINDS)}")
+                        f"{', '.join(map(str, KINDS))}")
+    if kind != CHAIN:
+        kind = StepKind(kind)
     if not (bytes_per_process >= 0 and math.isfinite(bytes_per_process)):
         raise PlanError(f"{kind}: bytes_per_process must be a finite number >= 0, "
                         f"got {bytes_per_process}")
-    out: dict[tuple[int, int], float] = {}
-
-    def add(a: int, b: int, nbytes: float):
-        pair = (min(a, b), max(a, b))
-        out[pair] = out.get(pair, 0.0) + nbytes
-
+    sends = []
     for group in groups:
         g = [int(p) for p in group]
         n = len(g)
@@ -66,43 +72,38 @@ def collective_traffic(groups: Sequence[Sequence[int]], bytes_per_process: float
             raise PlanError(f"{kind} group {g} lists a process twice")
         if n < 2:
             continue
-        B = float(bytes_per_process)
-        if kind == "p2p":
-            for a, b in zip(g, g[1:]):
-                add(a, b, B)
-        elif kind == "all_to_all":
-            for i in range(n):
-                for j in range(i + 1, n):
-                    add(g[i], g[j], 2 * B / n)
+        if kind == CHAIN:
+            messages, nbytes = ring_load(StepKind.SEND_RECV, 2, bytes_per_process)
+            sends += [(a, b, messages, nbytes) for a, b in zip(g, g[1:])]
+            continue
+        messages, nbytes = ring_load(kind, n, bytes_per_process)
+        if kind is StepKind.ALL_TO_ALL:
+            sends += [(a, b, messages / (n - 1), nbytes / (n - 1)) for a in g for b in g
+                      if a != b]
         else:
-            per_step = (2 if kind == "all_reduce" else 1) * (n - 1) / n * B
-            for i in range(n):
-                add(g[i], g[(i + 1) % n], per_step)
-    return out
+            sends += [(g[i], g[(i + 1) % n], messages, nbytes) for i in range(n)]
+    return sends
+
+
+def collective_traffic(groups: Sequence[Sequence[int]], bytes_per_process: float,
+                       kind=StepKind.ALL_REDUCE) -> dict[tuple[int, int], float]:
+    """Bytes per unordered pair for one collective run by every group (module table)."""
+    return _per_pair((a, b, nbytes) for a, b, _, nbytes in
+                     group_sends(groups, bytes_per_process, kind))
 
 
 def collective_messages(groups: Sequence[Sequence[int]],
-                        kind: str = "all_reduce") -> dict[tuple[int, int], float]:
+                        kind=StepKind.ALL_REDUCE) -> dict[tuple[int, int], float]:
     """Messages per unordered pair for one collective run by every group (module text)."""
-    if kind not in COLLECTIVE_KINDS:
-        raise PlanError(f"unknown collective kind {kind!r}; expected one of "
-                        f"{', '.join(COLLECTIVE_KINDS)}")
+    return _per_pair((a, b, float(messages)) for a, b, messages, _ in
+                     group_sends(groups, 0.0, kind))
+
+
+def _per_pair(sends) -> dict[tuple[int, int], float]:
     out: dict[tuple[int, int], float] = {}
-    for group in groups:
-        g = [int(p) for p in group]
-        n = len(g)
-        if n < 2:
-            continue
-        if kind == "p2p":
-            pairs = [(a, b, 1.0) for a, b in zip(g, g[1:])]
-        elif kind == "all_to_all":
-            pairs = [(g[i], g[j], 2.0) for i in range(n) for j in range(i + 1, n)]
-        else:
-            steps = 2 * (n - 1) if kind == "all_reduce" else n - 1
-            pairs = [(g[i], g[(i + 1) % n], float(steps)) for i in range(n)]
-        for a, b, count in pairs:
-            pair = (min(a, b), max(a, b))
-            out[pair] = out.get(pair, 0.0) + count
+    for a, b, amount in sends:
+        pair = (min(a, b), max(a, b))
+        out[pair] = out.get(pair, 0.0) + amount
     return out
 
 
@@ -169,10 +170,12 @@ class ProcessGraph:
                             self.compute, self.memory, _merged(self.messages, messages or {}))
 
     def with_group_traffic(self, groups: Sequence[Sequence[int]], bytes_per_process: float,
-                           kind: str = "all_reduce") -> "ProcessGraph":
-        """A new graph with the traffic of ``kind`` run in every group added."""
-        return self.with_traffic(collective_traffic(groups, bytes_per_process, kind),
-                                 collective_messages(groups, kind))
+                           kind=StepKind.ALL_REDUCE) -> "ProcessGraph":
+        """A new graph with the traffic of ``kind`` (a collective, or ``"p2p"``: a chain
+        of pipeline stages) run in every group added (module table)."""
+        sends = group_sends(groups, bytes_per_process, kind)
+        return self.with_traffic(_per_pair((a, b, nbytes) for a, b, _, nbytes in sends),
+                                 _per_pair((a, b, messages) for a, b, messages, _ in sends))
 
     def traffic_matrix(self) -> np.ndarray:
         """Dense symmetric (P, P) matrix of bytes per step; zero diagonal."""

@@ -2,12 +2,19 @@
 
 Cost of a mapping, in seconds per step, as the cost model charges communication::
 
-    cost = sum over pairs {i, j}: messages_ij * latency_s(d_i, d_j) + bytes_ij / bandwidth_Bps(d_i, d_j)
+    cost = sum over pairs {i, j}: messages_ij * alpha(d_i, d_j) + bytes_ij * beta(d_i, d_j)
 
-with latency in seconds and bandwidth in bytes/s of the best path between the two
-devices (``Cluster.latency`` µs * 1e-6, ``Cluster.bandwidth`` GB/s * 1e9): alpha per
-message plus beta per byte (messages and bytes from the process graph). It ranks
-placements; the traffic of collectives that overlap is summed, not raced.
+with alpha and beta the seconds per message and per byte of the best path between the
+two devices (:func:`distgraph.passes.cost.formulas.link_rates` of ``Cluster.latency`` µs
+and ``Cluster.bandwidth`` GB/s), and the messages and bytes from the process graph: the
+cost model's load of each step (:func:`~distgraph.passes.cost.formulas.ring_load`) spread
+over the pairs it is sent on. So a collective costs the sum, over its processes, of
+:func:`~distgraph.passes.cost.formulas.collective_time` on each one's own hop, where the
+estimate charges the group once at its ring's slowest hop, shared with the other groups
+that cross between the same machines (:class:`~distgraph.passes.cost.prices.Rings`). The
+sum is what the swaps below can update one pair at a time (the ring's slowest hop and
+the sharing of a link depend on where every other process is); it ranks placements, and
+the traffic of collectives that overlap is summed, not raced.
 
 :func:`map_ranks` works in two phases:
 
@@ -48,6 +55,7 @@ from typing import Mapping
 import numpy as np
 
 from distgraph.errors import PlanError
+from distgraph.passes.cost.formulas import link_rates
 from distgraph.passes.mapping.process_graph import ProcessGraph
 from distgraph.resources.cluster import Cluster, FrozenMap, _ranges
 
@@ -121,9 +129,7 @@ class _Problem:
         machine_ids = sorted({d.machine_id for d in devs})
         self.machine = np.array([machine_ids.index(d.machine_id) for d in devs])
         self.num_machines = len(machine_ids)
-        bw, lat = cluster.path_matrices(self.ids.tolist())
-        per_byte = 1.0 / (bw * 1e9)
-        per_message = lat * 1e-6
+        per_message, per_byte = link_rates(*cluster.path_matrices(self.ids.tolist()))
         np.fill_diagonal(per_byte, 0.0)
         np.fill_diagonal(per_message, 0.0)
         P = graph.num_processes
@@ -421,13 +427,11 @@ def mapping_cost(process_graph: ProcessGraph, cluster: Cluster,
     if len(set(devs)) != P:
         raise PlanError("mapping_cost: two processes share a device")
     ids = sorted(set(devs))
-    bw, lat = cluster.path_matrices(ids)
+    per_message, per_byte = link_rates(*cluster.path_matrices(ids))
     pos = {g: k for k, g in enumerate(ids)}
     total = 0.0
     for (i, j), nbytes in process_graph.traffic.items():
-        a, b = pos[devs[i]], pos[devs[j]]
-        total += nbytes / (bw[a, b] * 1e9)
+        total += nbytes * per_byte[pos[devs[i]], pos[devs[j]]]
     for (i, j), count in process_graph.messages.items():
-        a, b = pos[devs[i]], pos[devs[j]]
-        total += count * lat[a, b] * 1e-6
-    return total
+        total += count * per_message[pos[devs[i]], pos[devs[j]]]
+    return float(total)

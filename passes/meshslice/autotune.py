@@ -54,7 +54,7 @@ from distgraph import dtypes
 from distgraph.errors import PlanError
 from distgraph.mesh import ProcessMesh
 from distgraph.ops.meshslice import local_form, overlap
-from distgraph.passes.cost.prices import collectives_time, dim_ring, overlap_time, roofline_time
+from distgraph.passes.cost.prices import Rings, collectives_time, overlap_time, roofline_time
 from distgraph.placement import DistAttr, ShardSpec
 from distgraph.registry import TensorType
 from distgraph.resources.cluster import Cluster
@@ -270,9 +270,10 @@ def price_gemm(layer: str, gemm: str, dataflow: str, dims: tuple, shapes: tuple,
         return devices[pid].global_id
 
     device = cluster.device(device_of(0))
+    rings = Rings(cluster, device_of)
 
     def ring_of(dim):
-        return dim_ring(cluster, mesh, 0, dim, device_of)
+        return rings.along(mesh, 0, dim)
 
     found = []
     for ov in overlap({**attrs, "meshslice": local}, ins):

@@ -27,7 +27,7 @@ from distgraph.errors import PlanError
 from distgraph.ops.meshslice import LocalMeshSlice
 from distgraph.placement import DistAttr
 from distgraph.registry import LocalSite, TensorType, get_op, takes_attr
-from distgraph.passes.cost.prices import best_overlap, dim_ring
+from distgraph.passes.cost.prices import Rings, best_overlap
 from distgraph.plan.plan import SlicedMatmul
 
 
@@ -87,6 +87,7 @@ def assign_slices(program, cluster, device_of) -> int:
     id``); a K fixed by the strategy stays (its layouts were chosen among those it
     divides). Returns how many it gave."""
     given = 0
+    rings = Rings(cluster, device_of)
     for use in uses(program):
         op = use.op
         if op.attrs["meshslice"] != "auto":
@@ -96,8 +97,7 @@ def assign_slices(program, cluster, device_of) -> int:
         ways = get_op(op.type).overlap(attrs, ins)
         device = cluster.device(device_of(pid))
         mesh = op.dist_attr.mesh
-        best, _, _ = best_overlap(ways, device,
-                                  lambda dim: dim_ring(cluster, mesh, pid, dim, device_of))
+        best, _, _ = best_overlap(ways, device, lambda dim: rings.along(mesh, pid, dim))
         op.attrs["meshslice"] = best.slices
         given += 1
     return given

@@ -30,6 +30,7 @@ import math
 from dataclasses import dataclass
 
 from distgraph.errors import PlanError
+from distgraph.ir import Role
 from distgraph.mesh import ProcessMesh
 from distgraph.passes.search.intra_op import search
 from distgraph.passes.search.space import GB, MESH_DIMS
@@ -101,7 +102,7 @@ def annotate(copy, strategy, cluster, accumulation, ilp_budget) -> AutoChoice:
     program = copy.program
     mesh, device_of = search_mesh(program, cluster)
     micro = accumulation.micro_batches if accumulation is not None else 1
-    weights = {"forward": micro, "loss": micro, "backward": micro, "optimize": 1}
+    weights = {Role.FORWARD: micro, Role.LOSS: micro, Role.BACKWARD: micro, Role.OPTIMIZE: 1}
     result = search(program, mesh, cluster, device_of, weights=weights, loss=copy.loss_name,
                     memory_budget=ilp_budget, time_limit=strategy.solver_time_limit,
                     blocks=copy.block_paths, balance=strategy.balance)

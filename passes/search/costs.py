@@ -3,12 +3,13 @@ applied to one strategy, one reshard or one tensor before any plan exists.
 
 - an op's strategy: ``op_time`` on its local shapes (and its local attributes, as the
   partitioned op will have them) on the mesh's device, plus its own collectives on the
-  worst ring of the mesh (as the estimate charges them); a strategy whose distributed
+  ring of the group its kernel names (as the estimate charges them); a strategy whose distributed
   form overlaps its collectives with its compute (MeshSlice) costs its pipeline
   (``best_overlap``: with the number of slices the cost model prefers, which the
   planner then gives the op);
 - a reshard between two layouts of a Value: ``plan_reshard``'s steps, each
-  ``step_time`` on the links of the devices of its mesh dim's group;
+  ``reshard_step_time`` on the ring of its mesh dim's group (:class:`~distgraph.passes.
+  cost.prices.Rings`, the one ring model);
 - memory: a strategy's local result bytes.
 
 A process of the mesh stands for all: every process of one SPMD mesh runs the same
@@ -35,8 +36,8 @@ import numpy as np
 
 from distgraph import dtypes
 from distgraph.registry import LocalSite, TensorType, get_op
-from distgraph.passes.cost.prices import (best_overlap, dim_ring, feed_time, op_collective_time,
-                                          op_time, reshard_step_time, ring_links)
+from distgraph.passes.cost.prices import (Rings, best_overlap, feed_time, op_comm_time, op_time,
+                                          reshard_step_time)
 from distgraph.passes.reshard import plan_reshard
 from distgraph.placement import DistAttr, ShardSpec
 
@@ -50,7 +51,7 @@ class SearchCosts:
         self.sample_axes = sample_axes
         self.pid = mesh.process_ids[0]
         self.device = cluster.device(self.device_of[self.pid])
-        self.op_ring = ring_links(cluster, [self.device_of[p] for p in mesh.process_ids])
+        self.rings = Rings(cluster, self.device_of.__getitem__)
         self._ops: dict = {}
         self._reshards: dict = {}
         self._matrices: dict = {}
@@ -66,7 +67,7 @@ class SearchCosts:
         return self._ops[key]
 
     def _price(self, op, s) -> tuple[float, float]:
-        attrs = op.attrs
+        attrs, context = op.attrs, None
         opdef = get_op(op.type)
         if opdef.localize is not None:
             site = LocalSite(self.pid, tuple(v.shape for v in op.inputs),
@@ -74,15 +75,15 @@ class SearchCosts:
                              tuple(o.shape for o in op.outputs),
                              tuple(DistAttr(self.mesh, x) for x in s.out_specs),
                              tuple(v.dtype for v in op.inputs), tuple(sorted(attrs.items())))
-            attrs, _ = opdef.localize(dict(attrs), site)
+            attrs, context = opdef.localize(dict(attrs), site)
         ins = [TensorType(shape, v.dtype) for shape, v in zip(s.in_local_shapes, op.inputs)]
         ways = opdef.overlap(attrs, ins) if opdef.overlap is not None else ()
         if ways:
             _, compute, hidden = best_overlap(ways, self.device, self.ring_of)
             return compute, hidden
         outs = [TensorType(shape, o.dtype) for shape, o in zip(s.out_local_shapes, op.outputs)]
-        comm = sum(op_collective_time(kind, n, b, self.op_ring, self.device)
-                   for kind, n, b in s.comm)
+        comm = op_comm_time(s.comm, self.rings.of_op(self.mesh, self.pid, context),
+                            self.device) if s.comm else 0.0
         if self.sample_axes is None:
             return op_time(op.type, ins, outs, attrs, self.device), comm
         split = self._sample_split(op, s)
@@ -131,9 +132,9 @@ class SearchCosts:
             out.append(TensorType(tuple(shape), t.dtype))
         return out
 
-    def ring_of(self, mesh_dim: str) -> tuple:
-        """The ring of the priced process along ``mesh_dim`` (``dim_ring``)."""
-        return dim_ring(self.cluster, self.mesh, self.pid, mesh_dim, self.device_of.__getitem__)
+    def ring_of(self, mesh_dim: str):
+        """The Ring of the priced process along ``mesh_dim``."""
+        return self.rings.along(self.mesh, self.pid, mesh_dim)
 
     def feed(self, local_shape, dtype: str) -> float:
         """Seconds for a process to copy in its ``local_shape`` part of a feed."""
@@ -147,8 +148,7 @@ class SearchCosts:
         if key not in self._reshards:
             steps = plan_reshard(DistAttr(self.mesh, src), DistAttr(self.mesh, dst),
                                  tuple(shape), dtype)
-            self._reshards[key] = sum(reshard_step_time(s, self.pid, self.cluster,
-                                                        self.device_of.get)
+            self._reshards[key] = sum(reshard_step_time(s, self.pid, self.rings)
                                       for s in steps)
         return self._reshards[key]
 
@@ -184,7 +184,7 @@ class SearchCosts:
         if src == dst:
             return 0.0
         steps = plan_reshard(src, dst, tuple(value.shape), value.dtype)
-        return sum(reshard_step_time(s, self.pid, self.cluster, self.device_of.get) for s in steps)
+        return sum(reshard_step_time(s, self.pid, self.rings) for s in steps)
 
 
 def local_bytes(shapes, dtype_names) -> int:

@@ -55,6 +55,7 @@ import numpy as np
 
 from distgraph.annotation import OpAnnotation
 from distgraph.errors import PlanError
+from distgraph.ir import Role
 from distgraph.mesh import ProcessMesh
 from distgraph.passes.samples import sample_axes
 from distgraph.units import fmt_bytes
@@ -100,7 +101,7 @@ class SearchReport:
                  f"budget {budget}"]
         current, hidden = None, 0
         for layer, what, name, role in self.layouts:
-            if role not in ("parameter", "forward", "loss"):
+            if role not in ("parameter", Role.FORWARD, Role.LOSS):
                 hidden += 1
                 continue
             if layer != current:
@@ -281,7 +282,7 @@ def _problem(space, costs, weights, loss, world, budget, share, live,
             v = program.values[node.value]
             feed = v.name in feeds
             compute.append(np.array([costs.feed(s.out_local_shapes[0], v.dtype) if feed else 0.0
-                                     for s in node.strategies]) * weights.get("forward", 1))
+                                     for s in node.strategies]) * weights.get(Role.FORWARD, 1))
             comm.append(np.zeros(k))
             memory.append(np.array([local_bytes(s.out_local_shapes, [v.dtype])
                                     for s in node.strategies], float))

@@ -33,9 +33,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from distgraph.errors import PlanError
+from distgraph.ir import Role
 from distgraph.registry import op_flops
 
-FORWARD = ("forward", "loss")
+FORWARD = (Role.FORWARD, Role.LOSS)
 
 
 @dataclass(frozen=True)
@@ -225,7 +226,7 @@ def _assign_rest(program, layer_of, count) -> None:
         for v in op.inputs:
             first_use.setdefault(v.name, k)
     for k, op in enumerate(ops):
-        if op.role == "backward":
+        if op.role == Role.BACKWARD:
             if op.forward_op is not None and layer_of[index[id(op.forward_op)]] is not None:
                 layer_of[k] = layer_of[index[id(op.forward_op)]]
             else:
@@ -233,6 +234,6 @@ def _assign_rest(program, layer_of, count) -> None:
                          and layer_of[producer[v.name]] is not None]
                 layer_of[k] = min(known) if known else count - 1
     for k, op in enumerate(ops):
-        if op.role == "optimize" and op.inputs and op.inputs[0].is_parameter:
+        if op.role == Role.OPTIMIZE and op.inputs and op.inputs[0].is_parameter:
             first = first_use.get(op.inputs[0].name)
             layer_of[k] = layer_of[first] if first is not None else None

@@ -71,6 +71,7 @@ import numpy as np
 
 from distgraph import dtypes
 from distgraph.errors import PlanError
+from distgraph.ir import Role
 from distgraph.mesh import ProcessMesh
 from distgraph.passes.search.intra_op import Boundary, price, search
 from distgraph.passes.search.layers import FORWARD
@@ -180,7 +181,7 @@ class RunCosts:
         self.keys = {layer: _op_keys(self.program, layering.layer_of, layer,
                                      paths[layer - self.blocks.start])
                      for layer in self.blocks}
-        self.weights = {"forward": 1, "loss": 1, "backward": 1, "optimize": 1 / micro}
+        self.weights = {Role.FORWARD: 1, Role.LOSS: 1, Role.BACKWARD: 1, Role.OPTIMIZE: 1 / micro}
         self.searches = 0
         self.seconds = 0.0
         self._maps: dict = {}
@@ -377,12 +378,12 @@ class RunCosts:
         if self.micro > 1:          # gradients accumulate over the micro-batches
             for n in space.nodes:
                 op = None if n.is_source else self.program.ops[n.op]
-                if op is not None and op.role == "optimize" and len(op.inputs) > 1 and \
+                if op is not None and op.role == Role.OPTIMIZE and len(op.inputs) > 1 and \
                         op.inputs[0].is_parameter:
                     shape = n.strategies[choice[n.index]].in_local_shapes[1]
                     persistent += float(np.prod(shape)) * dtypes.itemsize(op.inputs[1].dtype)
         backward = next((t for t, k in enumerate(space.ops)
-                         if self.program.ops[k].role == "backward"), None)
+                         if self.program.ops[k].role == Role.BACKWARD), None)
         saved = 0.0
         if backward is not None and problem.liveness:
             saved = sum(memory[i] for i in problem.liveness[backward]
@@ -510,12 +511,12 @@ def _op_keys(program, layer_of, layer, path) -> dict:
         if op.role in FORWARD:
             key = ("forward", len(forward))
             forward[id(op)] = key
-        elif op.role == "backward" and op.forward_op is not None \
+        elif op.role == Role.BACKWARD and op.forward_op is not None \
                 and id(op.forward_op) in forward:
             f = forward[id(op.forward_op)]
             count[f] = count.get(f, 0) + 1
             key = ("backward", f, count[f] - 1)
-        elif op.role == "optimize" and op.inputs and op.inputs[0].is_parameter and \
+        elif op.role == Role.OPTIMIZE and op.inputs and op.inputs[0].is_parameter and \
                 op.inputs[0].name.startswith(path + "."):
             key = ("update", op.inputs[0].name[len(path) + 1:])
         else:

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from distgraph.errors import PlanError
+from distgraph.ir import Role
 from distgraph.mesh import ProcessMesh
 from distgraph.passes.search.ilp_problem import peak_memory
 from distgraph.passes.search.intra_op import search
@@ -199,7 +200,7 @@ class _StageCosts:
             if loss is not None and not any(o.name == loss for k in ops
                                              for o in program.ops[k].outputs):
                 loss = None
-            weights = {"forward": 1, "loss": 1, "backward": 1, "optimize": 1 / self.micro}
+            weights = {Role.FORWARD: 1, Role.LOSS: 1, Role.BACKWARD: 1, Role.OPTIMIZE: 1 / self.micro}
             self.searches += 1
             self.results[key] = search(program, mesh, self.cluster, device_of, ops=ops,
                                        weights=weights, loss=loss,

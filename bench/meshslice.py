@@ -61,7 +61,7 @@ from distgraph.registry import KernelContext, TensorType  # noqa: E402
 from distgraph.runtime.emulate.launch import launch_emulated  # noqa: E402
 from distgraph.runtime.emulate.namespaces import check_prerequisites  # noqa: E402
 from distgraph.runtime.launch.launcher import launch  # noqa: E402
-from distgraph.spmd.meshslice import Layout, MatmulAxes  # noqa: E402
+from distgraph.spmd.meshslice import SliceLayout, MatmulAxes  # noqa: E402
 
 MODEL = dict(layers=1, hidden=1024, heads=8, seq=128, batch=16)
 LAYER = "fc1"
@@ -83,7 +83,7 @@ def gemm_job(cand, comm, rng):
     n_in, n_out = MODEL["hidden"], 4 * MODEL["hidden"]
     xs, ys, attrs = gemm_shapes(cand.gemm, tokens, n_in, n_out)
     mesh = mesh_of(cand.mesh)
-    lay = Layout(cand.dataflow, *cand.dims)
+    lay = SliceLayout(cand.dataflow, *cand.dims)
     axes = MatmulAxes.of([xs, ys], attrs)
     local = local_form(lay, axes, [xs, ys], dict(zip(mesh.dim_names, mesh.shape)), cand.slices)
     sx, sy, _ = lay.specs(axes, [xs, ys])

@@ -124,7 +124,7 @@ class Program:
         self.outputs: list[Value] = []
         self._counters: dict[str, int] = {}
         # completion records, per Value name, the op that set its spec and the operands
-        # it came from (read by passes.explain)
+        # it came from (read by passes.why)
         self.completion_origin: dict = {}
 
     # -- building -----------------------------------------------------------------------

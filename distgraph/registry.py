@@ -43,6 +43,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable, NamedTuple
 
 from distgraph.errors import DistGraphError
+from distgraph.mesh import ProcessRanks
 from distgraph.placement import DistAttr
 from distgraph.spmd import DimsSpec, OpStrategy, Rule, SpmdRuleError
 
@@ -279,7 +280,7 @@ class KernelContext:
     out_global_shape: tuple | None = None
     out_slices: tuple | None = None
     comm: Any = None
-    rank_of: Any = None
+    ranks: ProcessRanks | None = None     # None: process p on rank p
     group: tuple | None = None
     out: Any = None
     groups: tuple | None = None
@@ -289,16 +290,7 @@ class KernelContext:
         group = self.group if group is None else group
         if self.comm is None or group is None:
             raise RuntimeError("this kernel communicates but was given no communicator/group")
-        rank = rank_lookup(self.rank_of)
-        return tuple(rank(p) for p in group)
-
-
-def rank_lookup(rank_of):
-    """``rank(process)`` for a process-to-rank map: None (process p on rank p), a mapping
-    or a callable (a :class:`~distgraph.mesh.ProcessRanks` is one)."""
-    if rank_of is None:
-        return int
-    return rank_of if callable(rank_of) else rank_of.__getitem__
+        return (ProcessRanks() if self.ranks is None else self.ranks).of(group)
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 mapping, and MeshSlice's autotuner (``dg.passes.meshslice.autotune``)."""
 
 from distgraph.passes import meshslice
-from distgraph.passes.completion.complete import complete, explain
+from distgraph.passes.completion.complete import complete, why
 from distgraph.passes.cost.estimate import Estimate, estimate
 from distgraph.passes.planner import plan
 from distgraph.plan.plan import Plan

@@ -137,7 +137,7 @@ def test_seed_cross_mesh_reshard_point_and_partial_output():
                and op.type == "matmul")
     out = mm2.outputs[0].dist_attr
     assert out.mesh == m2 and out.spec.dims == (None, None) and out.spec.partial == {"x"}
-    text = dg.passes.explain(prog, "relu_0")
+    text = dg.passes.why(prog, "relu_0")
     assert "reshard: op #3 matmul in fc2 consumes relu_0" in text
     assert str(m2) in text and "fc1.weight [None, x]: annotated by the user" in text
 
@@ -260,11 +260,11 @@ def test_gpt_completion_is_deterministic_and_idempotent():
     assert prog.pretty() == a
     before = {n: v.dist_attr for n, v in prog.values.items()}
     ops_before = [str(op.dist_attr) for op in prog.ops]
-    explained = dg.passes.explain(prog, "inner.blocks.0.mlp.fc1.bias")
+    explained = dg.passes.why(prog, "inner.blocks.0.mlp.fc1.bias")
     dg.passes.complete(prog)
     assert {n: v.dist_attr for n, v in prog.values.items()} == before
     assert [str(op.dist_attr) for op in prog.ops] == ops_before
-    assert dg.passes.explain(prog, "inner.blocks.0.mlp.fc1.bias") == explained
+    assert dg.passes.why(prog, "inner.blocks.0.mlp.fc1.bias") == explained
     assert prog.pretty() == a
 
 
@@ -334,11 +334,11 @@ def test_contracted_axis_split_over_two_mesh_dims_reshards_one_operand():
     assert str(mm.dist_attr.output_specs[0]) == "[None, None] P(x)"
     assert (0, "b") in reshard_points(prog) and (0, "a") not in reshard_points(prog)
     assert any("input 1" in n and "resharded" in n for n in mm.dist_attr.notes)
-    text = dg.passes.explain(prog, "b")
+    text = dg.passes.why(prog, "b")
     assert "b [y, None]: annotated by the user as [y, None]" in text
     assert "reshard: op #0 matmul consumes b as [x, None]" in text
     assert "input 1 dim 'k' wants y, kept x; input 1 is resharded" in text
-    assert "wants y, kept x" in dg.passes.explain(prog, "matmul_0")
+    assert "wants y, kept x" in dg.passes.why(prog, "matmul_0")
 
 
 def test_annotated_result_is_produced_as_annotated():
@@ -354,7 +354,7 @@ def test_annotated_result_is_produced_as_annotated():
     check_complete(prog)
     assert spec(prog, "relu_0") == "[None, x]" and spec(prog, "reshape_0") == "[None]"
     assert [k for k, _ in reshard_points(prog)] == [0, 1]         # a, into relu and reshape
-    assert "reshard: op #0 relu consumes a as [None, x]" in dg.passes.explain(prog, "a")
+    assert "reshard: op #0 relu consumes a as [None, x]" in dg.passes.why(prog, "a")
 
 
 def test_split_on_a_never_split_axis_is_resharded_not_ignored():
@@ -371,7 +371,7 @@ def test_split_on_a_never_split_axis_is_resharded_not_ignored():
     assert any("never split" in n for n in prog.ops[0].dist_attr.notes)
     # the second softmax cannot produce a split of its axis: it is resharded after it
     assert spec(prog, "softmax_1") == "[None, None]"
-    assert "cannot make that layout" in dg.passes.explain(prog, "softmax_1")
+    assert "cannot make that layout" in dg.passes.why(prog, "softmax_1")
 
 
 def test_shard_op_fixes_the_mesh_and_consumer_specs():

@@ -6,7 +6,7 @@ formulas (hand derived below); completion's own measure of a plan's traffic equa
 partition places for it; the layouts chosen are the cheaper of the candidates, the time
 over the links of a cluster deciding (the Engine's, priced as the search prices it; else
 Cluster.local's, as the estimate prices it); annotated results and shard_op in_specs
-hold; explain says what was kept and what the alternative would have moved.
+hold; why() says what was kept and what the alternative would have moved.
 """
 
 import conflicts
@@ -60,7 +60,7 @@ def test_cross_entropy_keeps_the_logits_and_gathers_the_labels():
     # the time decides: per step, the labels' all_gather and the op's own all_gather and
     # all_reduce over its class-split group, against the logits' all-to-all
     assert "planned 12 KiB taking 21.1 us per step against 96 KiB taking 39.6 us" in note
-    text = dg.passes.explain(prog, "labels")
+    text = dg.passes.why(prog, "labels")
     assert "because on softmax_cross_entropy: kept matmul_0 [None, None, x]" in text
 
 

@@ -15,7 +15,7 @@ from distgraph.runtime.emulate.cgroups import (CpuController, find_controller, q
 from distgraph.runtime.emulate.faults import parse_fault
 from distgraph.runtime.emulate.launch import run_command
 from distgraph.runtime.emulate.layout import (choose_subnet, namespace_name, parse_namespace,
-                                              plan_layout, process_start, subnets_of, this_job)
+                                              emulated_job, process_start, subnets_of, this_job)
 
 CLUSTERS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                         "resources", "clusters")
@@ -28,7 +28,7 @@ def two_by_two():
 
 def test_layout_places_rank_r_on_device_r_and_shapes_every_pair_to_the_file():
     cluster = two_by_two()
-    layout = plan_layout(cluster, 4, job="77.5", subnet="10.9.8")
+    layout = emulated_job(cluster, 4, job="77.5", subnet="10.9.8")
     assert [m.hostname for m in layout.machines] == ["node0", "node1"]
     assert [m.ranks for m in layout.machines] == [(0, 1), (2, 3)]
     assert [m.address for m in layout.machines] == ["10.9.8.2", "10.9.8.3"]
@@ -46,16 +46,16 @@ def test_layout_places_rank_r_on_device_r_and_shapes_every_pair_to_the_file():
 
 
 def test_layout_of_fewer_ranks_holds_only_their_machines():
-    layout = plan_layout(two_by_two(), 2, job="1.2", subnet="10.1.1")
+    layout = emulated_job(two_by_two(), 2, job="1.2", subnet="10.1.1")
     assert [m.hostname for m in layout.machines] == ["node0"]
     assert layout.shapes == ()
-    assert plan_layout(two_by_two(), 3, "1.2", "10.1.1").rank_machine == (0, 0, 1)
+    assert emulated_job(two_by_two(), 3, "1.2", "10.1.1").rank_machine == (0, 0, 1)
 
 
 @pytest.mark.parametrize("nprocs, message", [(5, "at most 4 ranks"), (0, "at least 1")])
 def test_layout_refuses_a_rank_count_the_file_cannot_hold(nprocs, message):
     with pytest.raises(PlanError, match=message):
-        plan_layout(two_by_two(), nprocs, "1.2", "10.1.1")
+        emulated_job(two_by_two(), nprocs, "1.2", "10.1.1")
 
 
 def test_interleaved_devices_give_one_hydra_host_entry_per_run_of_ranks():
@@ -66,7 +66,7 @@ def test_interleaved_devices_give_one_hydra_host_entry_per_run_of_ranks():
         "machines": [machine(0, [0, 2]), machine(1, [1, 3])],
         "links": [{"source": a, "target": b, "bandwidth": 1, "latency": 5}
                   for a, b in ((0, 1), (0, 3), (2, 1), (2, 3))]})
-    layout = plan_layout(cluster, 4, "1.2", "10.1.1")
+    layout = emulated_job(cluster, 4, "1.2", "10.1.1")
     assert layout.rank_machine == (0, 1, 0, 1)
     assert layout.hosts_argument() == "10.1.1.2:1,10.1.1.3:1,10.1.1.2:1,10.1.1.3:1"
 
@@ -74,7 +74,7 @@ def test_interleaved_devices_give_one_hydra_host_entry_per_run_of_ranks():
 def test_pairs_of_a_heterogeneous_file_take_their_own_figures():
     cluster = dg.Cluster.from_file(os.path.join(CLUSTERS, "hetero_2gpu_2xpu.yaml"))
     n = len(cluster.devices)
-    layout = plan_layout(cluster, n, "1.2", "10.1.1")
+    layout = emulated_job(cluster, n, "1.2", "10.1.1")
     assert len(layout.machines) == len(cluster.machines)
     for s in layout.shapes:
         a, b = layout.machines[s.src], layout.machines[s.dst]
@@ -187,18 +187,18 @@ MIXED_2X2 = os.path.join(CLUSTERS, "emulated_mixed_2x2.yaml")
 
 
 def test_a_slower_machine_gets_its_share_of_the_fastest_machines_cores():
-    layout = plan_layout(dg.Cluster.from_file(MIXED_2X2), 4, "1.2", "10.1.1")
+    layout = emulated_job(dg.Cluster.from_file(MIXED_2X2), 4, "1.2", "10.1.1")
     assert layout.throttled and layout.speed_dtype == "float32"
     assert [(m.speed, m.cpu_cores) for m in layout.machines] == [(1.0, 2.0), (0.5, 1.0)]
     assert "computes at 0.5 x the fastest (1 cores)" in layout.describe()
     # fewer ranks: the file's fastest machine still sets the scale
-    one = plan_layout(dg.Cluster.from_file(MIXED_2X1), 2, "1.2", "10.1.1")
+    one = emulated_job(dg.Cluster.from_file(MIXED_2X1), 2, "1.2", "10.1.1")
     assert [m.cpu_cores for m in one.machines] == [1.0, 0.5]
-    assert not plan_layout(dg.Cluster.from_file(MIXED_2X2), 2, "1.2", "10.1.1").throttled
+    assert not emulated_job(dg.Cluster.from_file(MIXED_2X2), 2, "1.2", "10.1.1").throttled
 
 
 def test_machines_of_equal_speed_are_not_throttled():
-    layout = plan_layout(two_by_two(), 4, "1.2", "10.1.1")
+    layout = emulated_job(two_by_two(), 4, "1.2", "10.1.1")
     assert not layout.throttled
     assert [m.speed for m in layout.machines] == [1.0, 1.0]
 
@@ -211,10 +211,10 @@ def test_speeds_compare_one_dtype_that_every_device_gives():
     apart = dg.Cluster.from_dict({"machines": [machine(0, {"float32": 4}),
                                                machine(1, {"float64": 2})], "links": links})
     with pytest.raises(PlanError, match="no dtype appears in every device"):
-        plan_layout(apart, 2, "1.2", "10.1.1")
+        emulated_job(apart, 2, "1.2", "10.1.1")
     f64 = dg.Cluster.from_dict({"machines": [machine(0, {"float64": 4}),
                                              machine(1, {"float64": 1})], "links": links})
-    layout = plan_layout(f64, 2, "1.2", "10.1.1")
+    layout = emulated_job(f64, 2, "1.2", "10.1.1")
     assert layout.speed_dtype == "float64"
     assert [m.speed for m in layout.machines] == [1.0, 0.25]
 

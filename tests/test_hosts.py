@@ -24,7 +24,7 @@ from distgraph.runtime.launch import hostside
 from distgraph.runtime.launch.connections import Masters
 from distgraph.runtime.launch.hosts import (
     HostSlots,
-    choose_placement,
+    assign_hosts,
     parse_hostfile,
     parse_hosts,
     place_on_cluster,
@@ -76,7 +76,7 @@ def test_ranks_fill_the_slots_in_order_and_start_again_past_the_last():
     assert place_on_slots(entries, 3, "s").hosts == ("a", "a", "b")
     p = place_on_slots(entries, 5, "s")
     assert p.hosts == ("a", "a", "b", "a", "a")
-    assert p.hydra_hosts() == "a:2,b:1,a:2"             # exactly this placement
+    assert p.hydra_hosts() == "a:2,b:1,a:2"             # exactly this assignment
     assert p.distinct_hosts == ("a", "b") and p.ranks_on("a") == (0, 1, 3, 4)
     with pytest.raises(dg.PlanError, match="-n must be at least 1"):
         place_on_slots(entries, 0, "s")
@@ -100,14 +100,14 @@ def test_the_placement_comes_from_hostfile_hosts_cluster_then_hydra_host_file(tm
     hostfile.write_text("h0:1\nh1:1\n")
     cluster = dg.Cluster.from_file(INTERLEAVED)
     env = {"HYDRA_HOST_FILE": str(hostfile)}
-    assert choose_placement(2, str(hostfile), None, cluster, "c", env).hosts == ("h0", "h1")
-    assert choose_placement(2, None, "x:2", cluster, "c", env).hosts == ("x", "x")
-    assert choose_placement(2, None, None, cluster, "c", env).hosts == ("node0", "node1")
-    placed = choose_placement(2, None, None, None, None, env)
+    assert assign_hosts(2, str(hostfile), None, cluster, "c", env).hosts == ("h0", "h1")
+    assert assign_hosts(2, None, "x:2", cluster, "c", env).hosts == ("x", "x")
+    assert assign_hosts(2, None, None, cluster, "c", env).hosts == ("node0", "node1")
+    placed = assign_hosts(2, None, None, None, None, env)
     assert placed.hosts == ("h0", "h1") and placed.source == f"HYDRA_HOST_FILE={hostfile}"
-    assert choose_placement(2, None, None, None, None, {}) is None
+    assert assign_hosts(2, None, None, None, None, {}) is None
     with pytest.raises(dg.PlanError, match="either --hostfile FILE or --hosts LIST"):
-        choose_placement(2, str(hostfile), "x:2")
+        assign_hosts(2, str(hostfile), "x:2")
 
 
 # ---- the command --------------------------------------------------------------------------

@@ -28,7 +28,7 @@ from distgraph.passes.meshslice.autotune import (BACKWARD, GEMMS, gemm_shapes,  
 from distgraph.registry import Overlap, TensorType  # noqa: E402
 from distgraph.runtime.comm.simulated import SimulatedWorld  # noqa: E402
 from distgraph.spmd import UNKNOWN, DimsSpec  # noqa: E402
-from distgraph.spmd.meshslice import (Layout, MatmulAxes, block_size, layout_of,  # noqa: E402
+from distgraph.spmd.meshslice import (SliceLayout, MatmulAxes, block_size, layout_of,  # noqa: E402
                                       layouts, slice_choices)
 
 import meshslice_cases as C  # noqa: E402
@@ -396,7 +396,7 @@ def test_the_backward_dataflows_are_the_layouts_of_the_forwards_specs():
     for forward in ("OS", "LS", "RS"):
         x, w, _ = gemm_shapes("forward", tokens, n_in, n_out)
         axes = MatmulAxes.of([x, w], {})
-        sx, sw, sy = Layout(forward, "x", "y").specs(axes, [x, w])
+        sx, sw, sy = SliceLayout(forward, "x", "y").specs(axes, [x, w])
         operands = {"forward": (sx, sw, sy), "backward_data": (sy, sw, sx),
                     "backward_weight": (sx, sy, sw)}
         for gemm, (dataflow, orient) in zip(GEMMS, BACKWARD[forward]):

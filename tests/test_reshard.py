@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from distgraph.errors import ShardingError
-from distgraph.mesh import ProcessMesh
+from distgraph.mesh import ProcessMesh, ProcessRanks
 from distgraph.passes.cost.formulas import collective_bytes
 from distgraph.passes.reshard import plan_reshard
 from distgraph.plan.reshard import format_steps, steps_bytes
@@ -199,7 +199,7 @@ def test_random_reshards_are_exact_and_count_the_planned_bytes(data):
     cases.check_case(src, dst, shape, dict(enumerate(results)), steps)
 
 
-def test_rank_of_maps_process_ids_to_ranks():
+def test_process_ranks_map_process_ids_to_ranks():
     mesh = ProcessMesh([[10, 11], [12, 13]], ["x", "y"])
     other = ProcessMesh([20, 21], ["z"])
     src, dst = DistAttr(mesh, ShardSpec(["x", "y"], ())), DistAttr(other, ShardSpec([None, "z"]))
@@ -207,10 +207,10 @@ def test_rank_of_maps_process_ids_to_ranks():
     full = cases.global_tensor((4, 4))
     locals_ = cases.make_locals(src, full)
     pids = [10, 11, 12, 13, 20, 21]
-    rank_of = {p: r for r, p in enumerate(pids)}
+    ranks = ProcessRanks({p: r for r, p in enumerate(pids)})
     results = SimulatedWorld(6, timeout=30).run(
         lambda comm: cases.run_steps(steps, locals_.get(pids[comm.rank]), comm,
-                                     pids[comm.rank], rank_of))
+                                     pids[comm.rank], ranks))
     cases.check_case(src, dst, (4, 4), dict(zip(pids, results)), steps)
 
 

@@ -75,7 +75,7 @@ def show_command(args) -> int:
 
 def calibrate_command(args) -> int:
     from distgraph.resources.cluster import Cluster
-    from distgraph.runtime.launch.hosts import choose_placement
+    from distgraph.runtime.launch.hosts import assign_hosts
     from distgraph.runtime.launch.launcher import TIMED_OUT, launch
     from distgraph.runtime.launch.remote import is_local
     from distgraph.tools.calibrate import SCRIPT as CALIBRATE_SCRIPT
@@ -97,15 +97,15 @@ def calibrate_command(args) -> int:
             return 2
         return calibrate_command_emulated(args)
     try:
-        placement = choose_placement(args.nprocs, args.hostfile, args.hosts, env=os.environ)
-        if placement is not None and all(map(is_local, placement.distinct_hosts)):
-            placement = None
-        if placement is None:
+        assignment = assign_hosts(args.nprocs, args.hostfile, args.hosts, env=os.environ)
+        if assignment is not None and all(map(is_local, assignment.distinct_hosts)):
+            assignment = None
+        if assignment is None:
             code = launch(args.nprocs, [CALIBRATE_SCRIPT, "-o", output, "--repeats",
                                         str(args.repeats), "--device", args.device],
                           timeout=args.timeout)
         else:
-            code = _calibrate_hosts(args, placement, output)
+            code = _calibrate_hosts(args, assignment, output)
     except DistGraphError as err:
         print(f"distgraph cluster calibrate: {err}", file=sys.stderr)
         return 2
@@ -127,8 +127,8 @@ def calibrate_command(args) -> int:
     return 0
 
 
-def _calibrate_hosts(args, placement, output: str) -> int:
-    """Measure on the placement's hosts: rank 0 (on some host) writes the file into its
+def _calibrate_hosts(args, assignment, output: str) -> int:
+    """Measure on the assignment's hosts: rank 0 (on some host) writes the file into its
     log folder, which the launcher brings back here; it then goes to ``output``. The
     logs stay (and the failure report names them) when the ranks fail."""
     from distgraph.runtime.launch.launcher import launch
@@ -140,7 +140,7 @@ def _calibrate_hosts(args, placement, output: str) -> int:
     try:
         code = launch(args.nprocs, [CALIBRATE_SCRIPT, "-o", name, "--in-log-dir", "--repeats",
                                     str(args.repeats), "--device", args.device],
-                      timeout=args.timeout, log_dir=logs, placement=placement)
+                      timeout=args.timeout, log_dir=logs, assignment=assignment)
         if code == 0:
             shutil.move(os.path.join(logs, name), output)
         return code

@@ -11,7 +11,7 @@ import os
 import sys
 
 from distgraph.errors import DistGraphError
-from distgraph.runtime.launch.hosts import choose_placement
+from distgraph.runtime.launch.hosts import assign_hosts
 from distgraph.runtime.launch.launcher import check_launch, launch
 from distgraph.runtime.launch.remote import is_local
 
@@ -100,17 +100,17 @@ def _run(args) -> int:
             from distgraph.resources.cluster import Cluster
 
             cluster = Cluster.from_file(args.cluster)
-        placement = choose_placement(args.nprocs, args.hostfile, args.hosts, cluster,
+        assignment = assign_hosts(args.nprocs, args.hostfile, args.hosts, cluster,
                                      args.cluster, os.environ)
         if args.dry_run:
-            print(placement.describe() if placement is not None else
+            print(assignment.describe() if assignment is not None else
                   f"{args.nprocs} rank{'s' if args.nprocs != 1 else ''} on this host (no "
                   "--hostfile, --hosts, --cluster or $HYDRA_HOST_FILE)")
             return 0
-        if placement is not None and all(map(is_local, placement.distinct_hosts)):
-            placement = None                   # hydra starts them all here, as without
+        if assignment is not None and all(map(is_local, assignment.distinct_hosts)):
+            assignment = None                   # hydra starts them all here, as without
         return launch(args.nprocs, argv, cluster=args.cluster, log_dir=args.log_dir,
-                      placement=placement)
+                      assignment=assignment)
     except DistGraphError as err:
         print(f"distgraph run: {err}", file=sys.stderr)
         return 2

@@ -96,7 +96,7 @@ def localize(attrs: dict, site) -> tuple[dict, dict]:
 
 def local_form(layout, axes, in_shapes, sizes: dict, slices=None) -> LocalMeshSlice:
     """The :class:`LocalMeshSlice` of ``layout`` (a :class:`~distgraph.spmd.meshslice.
-    Layout`) for a matmul of ``in_shapes`` on mesh dims of ``sizes`` ({name: size}; a
+    SliceLayout`) for a matmul of ``in_shapes`` on mesh dims of ``sizes`` ({name: size}; a
     dim of size 1 is allowed here: one direction then does not communicate)."""
     length, first, second = layout.slicing(axes, in_shapes, sizes)
     return LocalMeshSlice(layout.dataflow, layout.u, layout.v, sizes[layout.u],
@@ -257,11 +257,11 @@ def run(ctx, x, y, transpose_x: bool, transpose_y: bool, local: LocalMeshSlice):
 
     scatters = []
 
-    def step(k, got, pending):
+    def advance(k, got, pending):
         part = multiply(k, got, _poller(pending + scatters))
         scatters.append(comm.ireduce_scatter(part, ranks_out, axis))
 
-    _pipeline(comm, slices, start, step)
+    _pipeline(comm, slices, start, advance)
     for k, part in enumerate(comm.wait(scatters)):
         put_slice(xp, out, axis, slices, k, block, part)
     return out
@@ -275,14 +275,14 @@ def _stored_axis(axis: int, ndim: int, transposed: bool) -> int:
     return axis
 
 
-def _pipeline(comm, slices: int, start, step) -> None:
+def _pipeline(comm, slices: int, start, advance) -> None:
     """Slice k+1's collectives are started once slice k's are done, then slice k is
-    computed (``step(k, results, slice k+1's requests)``), testing them on the way."""
+    computed (``advance(k, results, slice k+1's requests)``), testing them on the way."""
     pending = start(0)
     for k in range(slices):
         got = comm.wait(pending)
         pending = start(k + 1) if k + 1 < slices else []
-        step(k, got, pending)
+        advance(k, got, pending)
 
 
 def _poller(requests):

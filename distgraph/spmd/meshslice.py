@@ -37,7 +37,7 @@ these layouts among its strategies and in its answers (see :meth:`MeshSlicePlan.
 Example::
 
     mesh = dg.ProcessMesh([[0, 1], [2, 3]], dim_names=["x", "y"])
-    layouts([(8, 6), (6, 4)], {}, mesh)[0]          # Layout(OS over (x, y))
+    layouts([(8, 6), (6, 4)], {}, mesh)[0]          # SliceLayout(OS over (x, y))
     layout_of(["x", "y"], ["x", "y"], ["x", "y"], [(8, 6), (6, 4)], {}, mesh).dataflow  # 'OS'
 """
 
@@ -101,7 +101,7 @@ class MatmulAxes:
 
 
 @dataclass(frozen=True)
-class Layout:
+class SliceLayout:
     """One MeshSlice layout of a matmul: ``dataflow`` ("OS", "LS" or "RS") on mesh dims
     ``(u, v)``, with m's split on dim ``m_pos`` of the m-group (module table)."""
 
@@ -176,7 +176,7 @@ def layouts(in_shapes, attrs, mesh) -> list:
                 continue
             for dataflow in DATAFLOWS:
                 for m_pos in range(len(axes.x_m)):
-                    lay = Layout(dataflow, u, v, m_pos)
+                    lay = SliceLayout(dataflow, u, v, m_pos)
                     specs = lay.specs(axes, in_shapes)
                     if any(n % sizes[e] for spec, shape in zip(specs, shapes)
                            for e, n in zip(spec.dims, shape) if e is not None):
@@ -188,7 +188,7 @@ def layouts(in_shapes, attrs, mesh) -> list:
     return found
 
 
-def layout_of(x_spec, y_spec, out_spec, in_shapes, attrs, mesh) -> Layout | None:
+def layout_of(x_spec, y_spec, out_spec, in_shapes, attrs, mesh) -> SliceLayout | None:
     """The MeshSlice layout these (complete) specs are, or None."""
     axes = MatmulAxes.of(in_shapes, attrs)
     if axes is None:

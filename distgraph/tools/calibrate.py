@@ -302,10 +302,10 @@ def sliced_problem(n: int, slices: int) -> tuple:
     :func:`measure_sliced_gemm` times: output stationary on a 1 x ``n`` mesh, x gathered
     over all ``n`` ranks."""
     from distgraph.ops.meshslice import local_form
-    from distgraph.spmd.meshslice import Layout, MatmulAxes
+    from distgraph.spmd.meshslice import SliceLayout, MatmulAxes
 
     shapes = [(8 * n, 8 * SLICED_SLICES * n), (8 * SLICED_SLICES * n, 8 * n)]
-    lay, axes = Layout("OS", "x", "y"), MatmulAxes.of(shapes, {})
+    lay, axes = SliceLayout("OS", "x", "y"), MatmulAxes.of(shapes, {})
     local = local_form(lay, axes, shapes, {"x": 1, "y": n}, slices)
     mesh = ProcessMesh([list(range(n))], ["x", "y"])
     return local, [DistAttr(mesh, ShardSpec(spec.dims)).local_shape(shape)

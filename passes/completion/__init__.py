@@ -2,4 +2,4 @@
 cost-aware resolution of conflicts (see :mod:`distgraph.passes.completion.complete`)."""
 
 from distgraph.passes.completion.complete import complete
-from distgraph.passes.completion.explain import explain
+from distgraph.passes.completion.why import why

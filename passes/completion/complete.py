@@ -30,13 +30,13 @@ Example::
 
     dg.passes.complete(prog)
     print(prog.pretty())
-    print(dg.passes.explain(prog, "fc1.bias"))
+    print(dg.passes.why(prog, "fc1.bias"))
 """
 
 from __future__ import annotations
 
 from distgraph.passes.completion.setup import CompletionSetup
-from distgraph.passes.completion.explain import explain
+from distgraph.passes.completion.why import why
 from distgraph.passes.completion.resolution import (
     Candidate,
     Conflict,
@@ -53,7 +53,7 @@ from distgraph.registry import LocalSite, get_op
 from distgraph.placement import DistAttr, ShardSpec
 from distgraph.spmd import UNKNOWN, DimsSpec, RuleQuery
 
-__all__ = ["complete", "explain"]
+__all__ = ["complete", "why"]
 
 MAX_SWEEPS = 100
 # Settling conflicts tries whole completions: at most TRIAL_OPS / (ops in the program)

@@ -117,7 +117,7 @@ class ReshardPricer:
                             f"{len(devices)} devices")
         return devices[process].global_id
 
-    def step_time(self, step) -> float:
+    def reshard_time(self, step) -> float:
         """Seconds of one reshard step: its slowest group's or sender's."""
         return slowest_reshard_step_time(step, self.rings)
 
@@ -150,7 +150,7 @@ class ReshardPricer:
                 self.cache[key] = Traffic(0.0, 0.0)
             else:
                 steps = plan_reshard(src, dst, shape, dtype)
-                time = sum(self.step_time(s) for s in steps)
+                time = sum(self.reshard_time(s) for s in steps)
                 procs = set(src.mesh.process_ids) | set(dst.mesh.process_ids)
                 total = sum(s.bytes_sent_by(p) for s in steps for p in procs)
                 self.cache[key] = Traffic(time, float(total))
@@ -166,7 +166,7 @@ class ReshardPricer:
         key = ("edge", mesh, s, d, tuple(shape), dtype)
         if key not in self.cache:
             steps = plan_reshard(DistAttr(mesh, s), DistAttr(mesh, d), shape, dtype)
-            time = sum(self.step_time(st) for st in steps)
+            time = sum(self.reshard_time(st) for st in steps)
             self.cache[key] = (time, steps_bytes(steps))
         time, nbytes = self.cache[key]
         return Edge(side, name, s, d, time, nbytes) if nbytes or time else None
@@ -206,7 +206,7 @@ class Outcome(NamedTuple):
 
 
 def conflict_note(conflict: Conflict, lead, outcome: Outcome | None) -> str | None:
-    """What explain() says about a settled conflict (None if nothing else was possible):
+    """What why() says about a settled conflict (None if nothing else was possible):
     what was kept, what the alternative would reshard, and the program-level check."""
     default, others = conflict.candidates[0], conflict.candidates[1:]
     if not others:

@@ -273,7 +273,7 @@ class _Scale:
     def nbytes(self, v) -> float:
         return v.nbytes * (self.rows if self.axis(v.name) is not None else 1.0)
 
-    def step(self, point, step) -> float:
+    def of_step(self, point, step) -> float:
         """How a reshard step of ``point`` scales: with the rows of a sample-carrying
         Value, except along the split's own mesh dims (it moves the same total there)."""
         if self.axis(point.value) is None or step.mesh_dim in self.dims:
@@ -325,10 +325,10 @@ def _process_times(plan, pid, device, rings: Rings, fetch, scale: _Scale):
             updates += t
     roles = [op.role for op in plan.program.ops]
     comm += sum(times(roles[p.anchor])
-                * reshard_step_time(s, pid, rings, scale.step(p, s))
+                * reshard_step_time(s, pid, rings, scale.of_step(p, s))
                 for p in local.points() for s in p.steps)
     if plan.distributed:
-        comm += sum(reshard_step_time(s, pid, rings, scale.step(p, s))
+        comm += sum(reshard_step_time(s, pid, rings, scale.of_step(p, s))
                     for p in _fetch_points(plan, fetch, pid) for s in p.steps)
     ops = local.program.ops
     for index, collectives in local.op_comm.items():

@@ -58,7 +58,7 @@ from distgraph.passes.cost.prices import Rings, collectives_time, overlap_time, 
 from distgraph.placement import DistAttr, ShardSpec
 from distgraph.registry import TensorType
 from distgraph.resources.cluster import Cluster
-from distgraph.spmd.meshslice import Layout, MatmulAxes
+from distgraph.spmd.meshslice import SliceLayout, MatmulAxes
 
 ROWS, COLS = "x", "y"
 GEMMS = ("forward", "backward_data", "backward_weight")
@@ -258,7 +258,7 @@ def price_gemm(layer: str, gemm: str, dataflow: str, dims: tuple, shapes: tuple,
     priced on process 0)."""
     in_shapes = [tuple(s) for s in shapes]
     axes = MatmulAxes.of(in_shapes, attrs)
-    lay = Layout(dataflow, *dims)
+    lay = SliceLayout(dataflow, *dims)
     sizes = dict(zip(mesh.dim_names, mesh.shape))
     local = local_form(lay, axes, in_shapes, sizes)
     x_spec, y_spec, _ = lay.specs(axes, in_shapes)

@@ -244,7 +244,7 @@ def make_schedule(problem: Problem) -> Schedule:
     done: dict = {}            # action -> finish time, once every holder group ran it
     state = {"ran": 0, "t": 0.0}
 
-    def step(force: bool) -> bool:
+    def tick(force: bool) -> bool:
         """Let each free group start its next action at time t (with ``force``, the first
         group that can, past its caps); whether any started."""
         t, started = state["t"], False
@@ -271,14 +271,14 @@ def make_schedule(problem: Problem) -> Schedule:
         return started
 
     while state["ran"] < total:
-        if step(False):
+        if tick(False):
             continue
         later = [g.free for g in groups if g.free > state["t"]]
         if later:
             state["t"] = min(later)
             continue
         # nothing runs and nothing can: let a forward past its cap rather than stop
-        if step(True):
+        if tick(True):
             continue
         heads = {g.pids[0]: [Action(c, k, mb) for c, k, mb in g.heads(m)][:3] for g in groups}
         raise PlanError("the pipeline's tasks depend on each other in a circle, so no "

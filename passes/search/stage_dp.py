@@ -81,7 +81,7 @@ class StageCost:
 
 
 @dataclass(frozen=True)
-class Stage:
+class StageChoice:
     """One pipeline stage: its layers, submesh, devices, time and peak memory per device."""
 
     layers: range
@@ -102,7 +102,7 @@ class StagePlan:
     """Stages in pipeline order; ``objective`` = sum t + (micro_batches - 1) * max t;
     ``dp_runs``: how many time caps the search solved."""
 
-    stages: tuple[Stage, ...]
+    stages: tuple[StageChoice, ...]
     objective: float
     micro_batches: int
     dp_runs: int
@@ -367,7 +367,7 @@ def _place(stages, meshes, micro_batches, runs) -> StagePlan:
     out = []
     for j, (k, i, o) in enumerate(stages):
         t, mem, act = o.at(k, i)
-        out.append(Stage(range(k, i + 1), o.sub.mesh.name, o.sub.shape, placed[j], float(t),
+        out.append(StageChoice(range(k, i + 1), o.sub.mesh.name, o.sub.shape, placed[j], float(t),
                          float(mem + (total - 1 - j) * act)))
     times = [s.time for s in out]
     return StagePlan(tuple(out), sum(times) + (micro_batches - 1) * max(times),

@@ -1,7 +1,7 @@
 """CPU quotas for emulated machines: each slower machine's ranks in a cgroup.
 
-Where the file's machines differ in speed (:attr:`Layout.throttled
-<distgraph.runtime.emulate.layout.Layout.throttled>`), every machine of the job gets a
+Where the file's machines differ in speed (:attr:`EmulatedJob.throttled
+<distgraph.runtime.emulate.layout.EmulatedJob.throttled>`), every machine of the job gets a
 control group ``distgraph-<pid>.<start>-m<i>`` (named like the job's namespaces, so a
 later run can tell whether its job is alive) at the root of the cpu controller's
 hierarchy, holding:
@@ -35,7 +35,7 @@ import time
 from dataclasses import dataclass
 
 from distgraph.errors import PlanError, RuntimeFault
-from distgraph.runtime.emulate.layout import PREFIX, Layout, parse_namespace
+from distgraph.runtime.emulate.layout import PREFIX, EmulatedJob, parse_namespace
 
 MOUNTINFO = "/proc/self/mountinfo"
 PERIOD_US = 10_000           # 10 ms: fine enough for steps of milliseconds
@@ -108,7 +108,7 @@ def quota(cores: float) -> tuple[int, int, int]:
 class CpuGroups:
     """The cgroups of ``layout``'s machines (see the module docstring)."""
 
-    def __init__(self, layout: Layout, controller: CpuController | None = None):
+    def __init__(self, layout: EmulatedJob, controller: CpuController | None = None):
         self.layout = layout
         self.controller = controller or require_controller()
         self.paths = {m.index: self.controller.group(f"{PREFIX}{layout.job}-m{m.index}")

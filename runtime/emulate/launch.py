@@ -38,7 +38,7 @@ from distgraph.runtime.comm.base import DEFAULT_TIMEOUT
 from distgraph.runtime.emulate.cgroups import require_controller
 from distgraph.runtime.emulate.exec import GROUPS_VAR, HOSTS_VAR
 from distgraph.runtime.emulate.faults import FaultInjector, parse_fault
-from distgraph.runtime.emulate.layout import choose_subnet, plan_layout, this_job
+from distgraph.runtime.emulate.layout import choose_subnet, emulated_job, this_job
 from distgraph.runtime.emulate.namespaces import (
     TERMINATING,
     Emulation,
@@ -58,7 +58,7 @@ def prepare(cluster_file: str, nprocs: int, faults=()):
     cluster = Cluster.from_file(cluster_file)
     check_prerequisites()
     job = this_job()
-    layout = plan_layout(cluster, nprocs, job, choose_subnet(job, taken_subnets()))
+    layout = emulated_job(cluster, nprocs, job, choose_subnet(job, taken_subnets()))
     if layout.throttled:
         require_controller()
     hostnames = [m.hostname for m in layout.machines]

@@ -1,6 +1,6 @@
 """The plan of an emulated cluster: which namespaces, addresses and link shapes a job gets.
 
-Pure: :func:`plan_layout` turns a Cluster and a rank count into a :class:`Layout`;
+Pure: :func:`emulated_job` turns a Cluster and a rank count into a :class:`EmulatedJob`;
 :mod:`distgraph.runtime.emulate.namespaces` carries it out with ``ip`` and ``tc``.
 
 - Rank r runs on the cluster's r-th device (``cluster.devices[r]``, by global id): the
@@ -22,7 +22,7 @@ Pure: :func:`plan_layout` turns a Cluster and a rank count into a :class:`Layout
 Example::
 
     >>> from distgraph.resources.cluster import Cluster
-    >>> layout = plan_layout(Cluster.from_file("resources/clusters/emulated_2x2.yaml"), 4,
+    >>> layout = emulated_job(Cluster.from_file("resources/clusters/emulated_2x2.yaml"), 4,
     ...                      job="100.7", subnet="10.1.2")           # doctest: +SKIP
     >>> layout.hosts_argument()                                       # doctest: +SKIP
     '10.1.2.2:2,10.1.2.3:2'
@@ -85,7 +85,7 @@ class PairShape:
 
 
 @dataclass(frozen=True)
-class Layout:
+class EmulatedJob:
     """Namespaces, addresses, rank placement and link shapes of one emulated job."""
 
     job: str
@@ -211,7 +211,7 @@ def subnets_of(cidrs) -> set[str]:
     return out
 
 
-def plan_layout(cluster, nprocs: int, job: str, subnet: str) -> Layout:
+def emulated_job(cluster, nprocs: int, job: str, subnet: str) -> EmulatedJob:
     """The layout of ``nprocs`` ranks on ``cluster`` (see the module docstring)."""
     devices = cluster.devices
     if not isinstance(nprocs, int) or nprocs < 1:
@@ -257,7 +257,7 @@ def plan_layout(cluster, nprocs: int, job: str, subnet: str) -> Layout:
     dtype, speeds, speed_notes = machine_speeds(cluster, machines)
     machines = tuple(dataclasses.replace(m, speed=s) for m, s in zip(machines, speeds))
     index_of = {m.machine_id: m.index for m in machines}
-    return Layout(job, subnet, cluster.name, machines, tuple(shapes),
+    return EmulatedJob(job, subnet, cluster.name, machines, tuple(shapes),
                   tuple(index_of[mid] for mid in rank_mid), tuple(notes + speed_notes), dtype)
 
 

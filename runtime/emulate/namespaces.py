@@ -27,7 +27,7 @@ kills what is left in the job's cgroups and removes them.
 
 Example (as root)::
 
-    layout = plan_layout(cluster, 4, this_job(), choose_subnet(this_job(), taken_subnets()))
+    layout = emulated_job(cluster, 4, this_job(), choose_subnet(this_job(), taken_subnets()))
     with Emulation(layout) as emu:
         subprocess.run(["ip", "netns", "exec", layout.hub_namespace, ...])
 """
@@ -44,7 +44,7 @@ import time
 
 from distgraph.errors import PlanError, RuntimeFault
 from distgraph.runtime.emulate.cgroups import CpuGroups, our_groups, remove_groups
-from distgraph.runtime.emulate.layout import (PREFIX, Layout, parse_namespace, process_start,
+from distgraph.runtime.emulate.layout import (PREFIX, EmulatedJob, parse_namespace, process_start,
                                               subnets_of)
 
 IFACE = "dg0"                  # every machine's interface, inside its namespace
@@ -189,10 +189,10 @@ def taken_subnets() -> set[str]:
 
 
 class Emulation:
-    """Creates a :class:`Layout`'s namespaces, links and shaping on enter; removes them
+    """Creates a :class:`EmulatedJob`'s namespaces, links and shaping on enter; removes them
     on exit (see the module docstring)."""
 
-    def __init__(self, layout: Layout, log=None):
+    def __init__(self, layout: EmulatedJob, log=None):
         self.layout = layout
         self.log = sys.stderr if log is None else log
         self.delay_supported: bool | None = None

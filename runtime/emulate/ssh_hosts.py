@@ -39,7 +39,7 @@ import time
 import distgraph.errors
 from distgraph.errors import PlanError, RuntimeFault
 from distgraph.runtime.emulate.launch import TRANSPORT_ENV
-from distgraph.runtime.emulate.layout import choose_subnet, plan_layout, this_job
+from distgraph.runtime.emulate.layout import choose_subnet, emulated_job, this_job
 from distgraph.runtime.emulate.namespaces import (
     Emulation,
     run_tool,
@@ -117,7 +117,7 @@ class SshHosts:
         check_prerequisites()
         check_openssh()
         job = this_job()
-        self.layout = plan_layout(self.cluster, self.nprocs, job,
+        self.layout = emulated_job(self.cluster, self.nprocs, job,
                                   choose_subnet(job, taken_subnets()))
         self._emulation = Emulation(self.layout, self.log)
         self._emulation.__enter__()

@@ -17,23 +17,23 @@ import numpy as np
 from distgraph.errors import RuntimeFault
 from distgraph.plan.kinds import StepKind
 from distgraph.plan.reshard import ReshardStep
-from distgraph.registry import rank_lookup
+from distgraph.mesh import ProcessRanks
 from distgraph.runtime.backend import backend_of
 
 
-def apply_reshard(steps, local, comm, process_id: int, rank_of=None, tag: int = 0,
+def apply_reshard(steps, local, comm, process_id: int, ranks: ProcessRanks | None = None, tag: int = 0,
                   donate: bool = False):
     """Run ``steps`` on this process's ``local`` array (None if it is not in the source
     mesh) and return its new local array, or None if it is not in the destination mesh.
 
-    ``rank_of`` maps a logical process id to a communicator rank: a mapping, a callable
-    or None (identity). ``tag`` is the p2p tag used by send_recv steps. With ``donate``
+    ``ranks`` maps a logical process id to a communicator rank (None: process p on rank
+    p). ``tag`` is the p2p tag used by send_recv steps. With ``donate``
     the caller gives ``local`` up, and an all-reduce may reduce into it in place (the
     arrays that earlier steps made are reused so in any case).
     """
     owned = donate
     for step in steps:
-        out = apply_step(step, local, comm, process_id, rank_of, tag, owned)
+        out = apply_step(step, local, comm, process_id, ranks, tag, owned)
         # Collectives and make_partial return fresh arrays; a local slice is a view of
         # its input, owned exactly when the input was.
         owned = owned if step.kind is StepKind.SLICE or out is local else True
@@ -41,13 +41,13 @@ def apply_reshard(steps, local, comm, process_id: int, rank_of=None, tag: int = 
     return local
 
 
-def run_point(point, local, comm, process_id: int, rank_of=None, tag: int = 0,
+def run_point(point, local, comm, process_id: int, ranks: ProcessRanks | None = None, tag: int = 0,
               donate: bool = False):
     """Reshard ``point`` (a ReshardPoint) from this process's block ``local`` (None when
     it holds none): its result, None where the process receives nothing. Errors name the
     value and its two layouts."""
     try:
-        out = apply_reshard(point.steps, local, comm, process_id, rank_of, tag, donate)
+        out = apply_reshard(point.steps, local, comm, process_id, ranks, tag, donate)
     except RuntimeFault as e:
         raise RuntimeFault(f"process {process_id}, reshard of {point.value} "
                            f"({point.src.spec} -> {point.dst.spec}): {e}") from None
@@ -56,10 +56,10 @@ def run_point(point, local, comm, process_id: int, rank_of=None, tag: int = 0,
     return out
 
 
-def apply_step(step: ReshardStep, local, comm, process_id: int, rank_of=None, tag: int = 0,
+def apply_step(step: ReshardStep, local, comm, process_id: int, ranks: ProcessRanks | None = None, tag: int = 0,
                donate: bool = False):
     """Run one step; see :func:`apply_reshard` (``donate``: ``local`` may be reused)."""
-    rank = rank_lookup(rank_of)
+    rank = ProcessRanks() if ranks is None else ranks
     if step.kind is StepKind.SEND_RECV:
         return _send_recv(step, local, comm, process_id, rank, tag)
     if process_id not in step.mesh:

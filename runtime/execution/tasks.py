@@ -76,7 +76,7 @@ class InstrRunner:
         self.pid, self.comm, self.xb, self.ranks = pid, comm, backend, ranks
 
     def context(self, step: int, ctx: dict) -> KernelContext:
-        return KernelContext(self.xb.xp, step, comm=self.comm, rank_of=self.ranks, **ctx)
+        return KernelContext(self.xb.xp, step, comm=self.comm, ranks=self.ranks, **ctx)
 
     def point(self, instr, env, scope, tag, donate=False):
         local = _get(env, scope, instr.reads[0]) if instr.reads else None

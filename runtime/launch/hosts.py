@@ -1,7 +1,7 @@
 """Which host each rank of a job runs on: MPICH host files, ``--hosts`` lists and a
-resource file's machines, turned into one :class:`Placement` (rank r -> host).
+resource file's machines, turned into one :class:`HostAssignment` (rank r -> host).
 
-Pure: parsing and values; :mod:`distgraph.runtime.launch.launcher` hands the placement
+Pure: parsing and values; :mod:`distgraph.runtime.launch.launcher` hands the assignment
 to hydra as ``-hosts`` and :mod:`distgraph.runtime.launch.remote` reaches the hosts.
 
 - A host file (MPICH's format, also what ``$HYDRA_HOST_FILE`` names): one ``host[:slots]``
@@ -44,10 +44,10 @@ class HostSlots:
 
 
 @dataclass(frozen=True)
-class Placement:
+class HostAssignment:
     """Rank r runs on ``hosts[r]``. From a resource file, ``devices[r]`` is the global id
     of rank r's device and ``machines[r]`` its machine's hostname; ``source`` says where
-    the placement came from (``--hostfile FILE``, ``--hosts LIST``, ``--cluster FILE``)."""
+    the assignment came from (``--hostfile FILE``, ``--hosts LIST``, ``--cluster FILE``)."""
 
     hosts: tuple[str, ...]
     source: str
@@ -67,7 +67,7 @@ class Placement:
         return tuple(r for r, h in enumerate(self.hosts) if h == host)
 
     def hydra_hosts(self) -> str:
-        """hydra's ``-hosts`` list for exactly this placement: runs of consecutive ranks
+        """hydra's ``-hosts`` list for exactly this assignment: runs of consecutive ranks
         on one host, in rank order (a host whose ranks are not consecutive appears once
         per run)."""
         runs: list[list] = []
@@ -131,15 +131,15 @@ def parse_hostfile(path: str) -> tuple[HostSlots, ...]:
     return tuple(entries)
 
 
-def place_on_slots(entries, nprocs: int, source: str) -> Placement:
+def place_on_slots(entries, nprocs: int, source: str) -> HostAssignment:
     """Ranks 0..nprocs-1 on ``entries`` (see the module docstring)."""
     if nprocs < 1:
         raise PlanError(f"cannot launch {nprocs} processes: -n must be at least 1")
     slots = [e.host for e in entries for _ in range(e.slots)]
-    return Placement(tuple(slots[r % len(slots)] for r in range(nprocs)), source)
+    return HostAssignment(tuple(slots[r % len(slots)] for r in range(nprocs)), source)
 
 
-def place_on_cluster(cluster, nprocs: int, source: str) -> Placement:
+def place_on_cluster(cluster, nprocs: int, source: str) -> HostAssignment:
     """Rank r on the machine of ``cluster.devices[r]`` (see the module docstring)."""
     devices = cluster.devices
     if nprocs > len(devices):
@@ -147,14 +147,14 @@ def place_on_cluster(cluster, nprocs: int, source: str) -> Placement:
                         f"starts {nprocs} ranks (one per device); use -n {len(devices)} or a "
                         "larger cluster")
     machines = [cluster.machine_of(d.global_id) for d in devices[:nprocs]]
-    return Placement(tuple(m.addr or m.hostname for m in machines), source,
+    return HostAssignment(tuple(m.addr or m.hostname for m in machines), source,
                      tuple(d.global_id for d in devices[:nprocs]),
                      tuple(m.hostname for m in machines))
 
 
-def choose_placement(nprocs: int, hostfile: str | None = None, hosts: str | None = None,
+def assign_hosts(nprocs: int, hostfile: str | None = None, hosts: str | None = None,
                      cluster=None, cluster_file: str | None = None,
-                     env=None) -> Placement | None:
+                     env=None) -> HostAssignment | None:
     """Where the ranks of ``distgraph run`` go: ``--hostfile``, else ``--hosts``, else the
     machines of the ``--cluster`` file (``cluster``, loaded from ``cluster_file``), else
     ``$HYDRA_HOST_FILE`` of ``env``; None when none is given (every rank on this host)."""

@@ -15,8 +15,8 @@ The pieces, each a function of its own:
 - :func:`stop_on_signals` turns SIGTERM, SIGHUP and SIGINT into stopping the job.
 - :func:`report` reads the status folder and says, one line per cause, why a job failed.
 
-On several hosts (a :class:`~distgraph.runtime.launch.hosts.Placement`), hydra starts the
-ranks over its launcher (ssh by default) at exactly the placement's hosts, after every
+On several hosts (a :class:`~distgraph.runtime.launch.hosts.HostAssignment`), hydra starts the
+ranks over its launcher (ssh by default) at exactly the assignment's hosts, after every
 host passed :func:`~distgraph.runtime.launch.remote.preflight`; each host keeps its ranks'
 status files and logs in a folder of its own, which
 :func:`~distgraph.runtime.launch.remote.collect` brings to this host after the job, killing
@@ -44,7 +44,7 @@ from distgraph.runtime.launch import remote
 from distgraph.runtime.launch.connections import Masters
 from distgraph.runtime.launch.context import LaunchContext, current
 from distgraph.runtime.launch.hostside import LAUNCHER_FILE
-from distgraph.runtime.launch.hosts import Placement
+from distgraph.runtime.launch.hosts import HostAssignment
 from distgraph.runtime.launch.job import Job
 from distgraph.runtime.launch.status import (
     LOG_DIR,
@@ -149,12 +149,12 @@ def stop_on_signals(job: Job):
 def launch(nprocs: int, argv: list[str], cluster: str | None = None,
            env: dict | None = None, timeout: float | None = None,
            log_dir: str | None = None, mpiexec_args=(), prefix=(), extra_env=None,
-           watch=None, placement: Placement | None = None) -> int:
+           watch=None, assignment: HostAssignment | None = None) -> int:
     """Run ``argv`` on ``nprocs`` ranks; returns the exit code (mpiexec's; 128 + the
     signal when stopped by one; 124 after ``timeout`` seconds; 1 when ``watch``, a
     callable polled while the job runs, returns a reason to stop it).
     ``mpiexec_args`` and ``prefix`` go into :func:`launch_command`, ``extra_env`` into
-    the ranks' environment; with a ``placement`` the ranks run on its hosts (see the
+    the ranks' environment; with a ``assignment`` the ranks run on its hosts (see the
     module docstring), else on this one. The ranks run under the launch context this
     process runs under (:func:`~distgraph.runtime.launch.context.current`), with
     ``cluster`` as its cluster file when one is given.
@@ -166,9 +166,9 @@ def launch(nprocs: int, argv: list[str], cluster: str | None = None,
     check_launch(nprocs, argv, cluster)
     with ExitStack() as shared:
         launcher = None
-        if placement is not None:
-            if placement.nprocs != nprocs:
-                raise PlanError(f"the placement ({placement.source}) has {placement.nprocs} "
+        if assignment is not None:
+            if assignment.nprocs != nprocs:
+                raise PlanError(f"the assignment ({assignment.source}) has {assignment.nprocs} "
                                 f"ranks, the job {nprocs}")
             launcher = remote.Launcher.from_env(os.environ if env is None else env)
             # one ssh connection per host for the check, hydra and the clean-up, closed
@@ -176,10 +176,10 @@ def launch(nprocs: int, argv: list[str], cluster: str | None = None,
             masters = shared.enter_context(Masters.for_launcher(launcher))
             if masters.folder is not None:
                 launcher = launcher.sharing(masters.folder)
-            remote.preflight(launcher, placement.distinct_hosts,
+            remote.preflight(launcher, assignment.distinct_hosts,
                              [argv[0]] + ([os.path.abspath(cluster)] if cluster else []),
                              masters=masters)
-            mpiexec_args = [*mpiexec_args, "-hosts", placement.hydra_hosts()]
+            mpiexec_args = [*mpiexec_args, "-hosts", assignment.hydra_hosts()]
         here = current()
         context = LaunchContext(os.path.abspath(cluster) if cluster else here.cluster,
                                 here.plan)
@@ -191,11 +191,11 @@ def launch(nprocs: int, argv: list[str], cluster: str | None = None,
         with tempfile.TemporaryDirectory(prefix="distgraph-status-") as status:
             # Over several hosts every rank logs into the status folder of its host (the
             # same path everywhere); the logs come here when the job is over.
-            rank_logs = log_dir if placement is None else os.path.join(status, "logs")
+            rank_logs = log_dir if assignment is None else os.path.join(status, "logs")
             ranks = rank_env(env, status, rank_logs)
             ranks.update(extra_env or {})
-            if placement is not None:
-                ranks[RANK_HOSTS] = ",".join(placement.hosts)
+            if assignment is not None:
+                ranks[RANK_HOSTS] = ",".join(assignment.hosts)
                 ranks.update(launcher.hydra_env(ranks))
                 open(os.path.join(status, LAUNCHER_FILE), "w").close()
             job = Job(command, ranks, status, log_dir)
@@ -203,11 +203,11 @@ def launch(nprocs: int, argv: list[str], cluster: str | None = None,
                 job.start()
                 returncode = job.wait(timeout, watch)
                 problems = []
-                if placement is not None:
-                    problems = remote.collect(launcher, placement.distinct_hosts, status,
+                if assignment is not None:
+                    problems = remote.collect(launcher, assignment.distinct_hosts, status,
                                               job.marker, masters)
                     remote.move_logs(status, log_dir)
-            lines = report(job, nprocs, returncode, timeout, placement) + problems
+            lines = report(job, nprocs, returncode, timeout, assignment) + problems
     for line in lines:
         sys.stderr.write(f"distgraph: {line}\n")
     sys.stderr.flush()
@@ -217,12 +217,12 @@ def launch(nprocs: int, argv: list[str], cluster: str | None = None,
 
 
 def report(job: Job, nprocs: int, returncode: int, timeout: float | None,
-           placement: Placement | None = None) -> list[str]:
+           assignment: HostAssignment | None = None) -> list[str]:
     """The lines the terminal gets about how the job ended (none when it succeeded)."""
     logs = f"each rank's full output is in {job.log_dir}{os.sep}rank-<r>.log"
     ranks = f"its {nprocs} ranks"
-    if placement is not None:
-        count = len(placement.distinct_hosts)
+    if assignment is not None:
+        count = len(assignment.distinct_hosts)
         ranks += f" on {count} host{'s' if count != 1 else ''}"
     if job.stopped_by is not None:
         name = signal.Signals(job.stopped_by).name
@@ -234,7 +234,7 @@ def report(job: Job, nprocs: int, returncode: int, timeout: float | None,
         return [f"{job.stopped_because}: stopped mpiexec and {ranks} ({logs})"]
     if returncode == 0:
         return []
-    lines = failure_lines(read_states(job.status_dir, nprocs), hosts=placement is not None)
+    lines = failure_lines(read_states(job.status_dir, nprocs), hosts=assignment is not None)
     if not lines:
         said = job.mpiexec_output_tail()
         said = f"; mpiexec said: {said}" if said else ""

@@ -126,12 +126,12 @@ def reconstruct(attr: DistAttr, shape, locals_: dict) -> np.ndarray:
     return out
 
 
-def run_steps(steps, local, comm, pid, rank_of=None):
+def run_steps(steps, local, comm, pid, ranks=None):
     """Apply ``steps`` one by one; returns (final local, per-step counter deltas)."""
     deltas = []
     for step in steps:
         before = dict(comm.bytes_sent)
-        local = apply_step(step, local, comm, pid, rank_of)
+        local = apply_step(step, local, comm, pid, ranks)
         deltas.append({k: comm.bytes_sent[k] - before[k] for k in COUNTED_KINDS})
     return local, deltas
 

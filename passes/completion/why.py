@@ -5,7 +5,7 @@ consumers reshard it.
 Example::
 
     dg.passes.complete(prog)
-    print(dg.passes.explain(prog, "fc1.bias"))
+    print(dg.passes.why(prog, "fc1.bias"))
 """
 
 from __future__ import annotations
@@ -19,14 +19,14 @@ def _producer_of(program: Program, name: str):
     return next((op for op in program.ops if any(o.name == name for o in op.outputs)), None)
 
 
-def explain(program: Program, name: str) -> str:
+def why(program: Program, name: str) -> str:
     """Why ``name`` has its spec: the chain of ops back to the annotation it came from,
     conflicts the rules resolved on the way, and where consumers reshard it."""
     if name not in program.values:
-        raise PlanError(f"explain: no value named {name!r}")
+        raise PlanError(f"why: no value named {name!r}")
     v = program.values[name]
     if v.dist_attr is None:
-        raise PlanError("explain: the program is not completed; call dg.passes.complete first")
+        raise PlanError("why: the program is not completed; call dg.passes.complete first")
     origin = program.completion_origin
     lines, seen, todo = [], set(), [name]
     while todo:

@@ -9,7 +9,8 @@ Both runs load it the same way, ``dg.from_pretrained(path, lazy=True)`` and an E
 lays the parameters out for a one-token prediction (float32 parameters, no optimizer
 state, a batch of one sequence of 8 tokens):
 
-- **whole**: one process, no annotation: it reads every tensor whole;
+- **whole**: one process (``distgraph run -n 1``), no annotation: it reads every tensor
+  whole;
 - **sharded**: ``distgraph run -n 4``, every weight split 4 ways over mesh dim ``mp``
   (``dg.nn.llama.megatron`` for the decoder layers, the embedding and the head split over
   hidden and vocabulary): each rank reads only its blocks (safetensors' ``get_slice``).
@@ -98,9 +99,9 @@ def main(argv=None) -> None:
         return
     path = make_checkpoint(args.cache)
     me = os.path.abspath(__file__)
-    whole = peaks([sys.executable, me, "--load", "whole", path])[0]
-    sharded = peaks([sys.executable, "-m", "distgraph.cli", "run", "-n", str(WAYS), me,
-                     "--load", "sharded", path])
+    run = [sys.executable, "-m", "distgraph.cli", "run", "-n"]
+    whole = peaks([*run, "1", me, "--load", "whole", path])[0]
+    sharded = peaks([*run, str(WAYS), me, "--load", "sharded", path])
     if len(sharded) != WAYS:
         raise SystemExit(f"expected {WAYS} ranks to report, got {sorted(sharded)}")
     worst = max(sharded.values())

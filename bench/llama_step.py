@@ -13,7 +13,7 @@ same loss.
 
 Prints the median time per step of each and the ratio against the target (distgraph
 <= 1.10 x torch). ``--amp`` also times distgraph's bfloat16 step (``Strategy(amp=
-"bfloat16")``) against its float32 step, when the Strategy offers it.
+"bfloat16")``) against its float32 step.
 
 Run: ``python bench/llama_step.py [--steps N] [--layers L] [--threads T] [--amp]``.
 """
@@ -82,7 +82,7 @@ def main(argv=None) -> None:
         adamw = dg.optim.AdamW(LR, weight_decay=0.01)
         built = build_program(model, [dg.InputSpec(x.shape, "int64", "tokens")],
                               [dg.InputSpec(y.shape, "int64", "labels")],
-                              dg.nn.CrossEntropyLoss(), adamw)
+                              dg.nn.CrossEntropyLoss(), adamw, amp=strategy.amp)
         runner = PlanRunner(dg.passes.plan(built, strategy))
         values = {n: p.numpy() for n, p in model.named_parameters()}
         state = runner.shard_scope({**values, **adamw.initial_state(built.program)})

@@ -514,3 +514,25 @@ def compare(result, reference, dtype) -> dict:
 
 
 TOLERANCE = {"float64": 1e-10, "float32": 1e-5}
+
+
+def vocab_parallel_head():
+    """A Linear head of 256 classes column-split over mp of a 2 x 2 (dp, mp) mesh, the
+    batch over dp, trained on cross-entropy with SGD: the built program of the
+    vocab-parallel cross-entropy, whose kernel runs its own collectives over mp."""
+    from distgraph.program_builder import build_program
+
+    mesh = dg.ProcessMesh([[0, 1], [2, 3]], ["dp", "mp"])
+
+    class Head(dg.nn.Layer):
+        def __init__(self):
+            super().__init__()
+            self.fc = dg.nn.Linear(32, 256, bias=False)
+            dg.shard_tensor(self.fc.weight, mesh, [None, "mp"])
+
+        def forward(self, x):
+            return self.fc(dg.shard_tensor(x, mesh, ["dp", None]))
+
+    return build_program(Head(), [dg.InputSpec([8, 32], name="x")],
+                         [dg.InputSpec([8], "int64", name="y")], dg.nn.CrossEntropyLoss(),
+                         dg.optim.SGD(0.1))

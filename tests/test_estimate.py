@@ -9,6 +9,8 @@ import distgraph as dg
 from distgraph.passes.partition import gather_points
 from distgraph.program_builder import build_program
 
+import plans  # tests/ is on the path
+
 BW, LAT = 2.0, 5.0                       # GB/s, µs between any two devices
 GFLOPS, MEM_BW, OVERHEAD = 10.0, 4.0, 7.0
 
@@ -169,20 +171,7 @@ def test_an_ops_own_collectives_run_on_the_group_its_kernel_names(float64):
     """The vocab-parallel cross-entropy all-gathers and all-reduces over its class-split
     group (mp, inside a machine), not over the worst ring of its whole mesh (dp crosses
     a slow network)."""
-    mesh = dg.ProcessMesh([[0, 1], [2, 3]], ["dp", "mp"])
-
-    class Head(dg.nn.Layer):
-        def __init__(self):
-            super().__init__()
-            self.fc = dg.nn.Linear(32, 256, bias=False)
-            dg.shard_tensor(self.fc.weight, mesh, [None, "mp"])
-
-        def forward(self, x):
-            return self.fc(dg.shard_tensor(x, mesh, ["dp", None]))
-
-    built = build_program(Head(), [dg.InputSpec([8, 32], name="x")],
-                          [dg.InputSpec([8], "int64", name="y")], dg.nn.CrossEntropyLoss(),
-                          dg.optim.SGD(0.1))
+    built = plans.vocab_parallel_head()
     inter = 0.01
     p = dg.passes.plan(built, cluster=cluster(4, inter_bw=inter),
                        rank_mapping={0: 0, 1: 1, 2: 2, 3: 3})

@@ -13,6 +13,8 @@ from distgraph.passes.mapping.rank_mapping import best_random_mapping, bfs_first
 from distgraph.program_builder import build_program
 from distgraph.resources.cluster import Cluster
 
+import plans  # tests/ is on the path
+
 CLUSTER = pathlib.Path(dg.__file__).parent.parent / "resources" / "clusters" / "gpu_2x8.yaml"
 MESH = dg.ProcessMesh([list(range(8)), list(range(8, 16))], ["dp", "tp"])
 
@@ -81,20 +83,7 @@ def test_a_micro_batched_plan_maps_its_traffic_per_step():
 def test_the_collectives_an_op_runs_itself_are_traffic_of_the_group_its_kernel_names():
     """The vocab-parallel cross-entropy all-gathers and all-reduces over its class-split
     group (mp): those pairs carry its bytes, as the cost model's load of the two steps."""
-    mesh = dg.ProcessMesh([[0, 1], [2, 3]], ["dp", "mp"])
-
-    class Head(dg.nn.Layer):
-        def __init__(self):
-            super().__init__()
-            self.fc = dg.nn.Linear(32, 256, bias=False)
-            dg.shard_tensor(self.fc.weight, mesh, [None, "mp"])
-
-        def forward(self, x):
-            return self.fc(dg.shard_tensor(x, mesh, ["dp", None]))
-
-    built = build_program(Head(), [dg.InputSpec([8, 32], name="x")],
-                          [dg.InputSpec([8], "int64", name="y")], dg.nn.CrossEntropyLoss(),
-                          dg.optim.SGD(0.1))
+    built = plans.vocab_parallel_head()
     plan = dg.passes.plan(built)
     (collectives,) = plan.local(0).op_comm.values()
     graph = traffic_graph(plan.program, Partitions(plan.program, plan.process_ids))

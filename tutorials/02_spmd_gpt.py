@@ -7,19 +7,25 @@ of every other tensor, and partition places the communication:
 - the input batch is split over ``dp`` by ``dg.shard_dataloader(data, mesh,
   shard_dims="dp")``: each dp row of the mesh reads half of each batch (its labels too);
   the model stays the plain ``dg.nn.GPT``;
-- each block's weights are split the Megatron way over ``mp``: the first Linear of the
-  attention (``qkv``) and of the MLP (``fc1``) by columns (weight and bias), the second
-  (``proj``, ``fc2``) by rows. Each block then all-reduces over ``mp`` the partial
-  outputs of ``proj`` and ``fc2`` in the forward, and the gradients of its two
-  LayerNorm outputs in the backward.
+- each block's weights are split over ``mp``: the first Linear of the attention
+  (``qkv``) and of the MLP (``fc1``) by columns (weight and bias), the second (``proj``,
+  ``fc2``) by rows.
+
+The MLP then runs the Megatron way: each rank computes half of ``fc1``'s columns and the
+matching rows of ``fc2``, and the partial outputs of ``fc2`` are all-reduced over ``mp``
+(in the backward, the gradient of the LayerNorm output before ``fc1``). The attention
+does not: ``qkv`` packs q | k | v (heads contiguous within each), so a column split gives
+rank 0 q and half of k, not whole heads. Completion keeps every result correct by
+all-gathering the ``qkv`` output and ``proj``'s weight before use, so each mp rank runs
+the whole attention of its dp rows; its weights are only stored split (and their
+gradients reduced to the split). The plan shows it: per block, all-gathers of the ``qkv``
+output and of ``proj.weight`` in the forward and of ``qkv.weight`` and an attention
+gradient in the backward. For attention split by heads, with q, k and v projections of
+their own, see ``dg.nn.Llama`` and ``dg.nn.llama.megatron`` (tutorial 08).
 
 Parameters the annotations leave whole (embeddings, LayerNorms, second biases,
 ``lm_head``) are replicated, and their gradients are all-reduced over ``dp``; the split
-ones are all-reduced over ``dp`` too, each shard among the ranks holding it. One
-difference from Megatron shows in the plan: ``qkv`` packs q | k | v (heads contiguous
-within each), so a column split gives rank 0 q and half of k, not whole heads;
-completion keeps every result correct by all-gathering the qkv output before the split
-(and a few attention gradients in the backward). That is the plan's ``all_gather`` count.
+ones are all-reduced over ``dp`` too, each shard among the ranks holding it.
 
 Run it with the launcher (4 MPI ranks, one BLAS thread each)::
 

@@ -1,7 +1,8 @@
 """The hand-written tensor-parallel plan the tutorials train GPT with (tutorial 02
-explains it): each block's Linear layers split the Megatron way over the mesh's ``mp``
-dim (first Linear of the attention and of the MLP by columns, weight and bias; second by
-rows). The batch is split over ``dp`` by ``dg.shard_dataloader``, not by the model.
+explains it): each block's Linear layers split over the mesh's ``mp`` dim (first Linear
+of the attention and of the MLP by columns, weight and bias; second by rows). The MLP
+then runs the Megatron way; the attention, whose ``qkv`` packs q | k | v, runs whole on
+each mp rank from gathered weights. The batch is split over ``dp`` by ``dg.shard_dataloader``, not by the model.
 Shared by tutorials 02, 05, 06 and 07.
 
 Example::

@@ -1,0 +1,48 @@
+"""What the tutorials' docstrings say about their plans, checked against the plans
+``distgraph plan`` prints for them (a newcomer compares the two)."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+N_LAYER = 2                      # tutorial 02's GPT
+
+
+def plan_json(script: str, n: int) -> dict:
+    proc = subprocess.run([sys.executable, "-m", "distgraph.cli", "plan", "-n", str(n), "--json",
+                           str(ROOT / "tutorials" / script)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout)
+
+
+@pytest.mark.slow
+def test_tutorial_02_runs_the_mlp_megatron_style_and_the_attention_whole():
+    """The docstring: fc2's partial outputs are all-reduced over mp in the forward (one
+    per block, none for proj); the qkv output and proj.weight are all-gathered before
+    use, qkv.weight in the backward; the LayerNorm output before fc1 has its gradient
+    all-reduced over mp."""
+    reshards = plan_json("02_spmd_gpt.py", 4)["reshards"]
+
+    def kinds(r):
+        return [s.split()[0] for s in r["steps"]]
+
+    forward_partials = [r for r in reshards if " P(mp) " in r["src"]
+                        and not r["value"].endswith("@GRAD")]
+    assert [kinds(r) for r in forward_partials] == [["all_reduce(mp)"]] * N_LAYER
+    backward_partials = [r for r in reshards if " P(mp) " in r["src"]
+                         and r["value"].endswith("@GRAD")]
+    assert len(backward_partials) == N_LAYER
+    assert all(r["value"].startswith("layer_norm_") for r in backward_partials)
+    for i in range(N_LAYER):
+        for name in (f"blocks.{i}.attn.proj.weight", f"blocks.{i}.attn.qkv.weight"):
+            (gathered,) = [r for r in reshards if r["value"] == name]
+            assert kinds(gathered) == ["all_gather(mp)"], gathered
+        assert not any(r["value"] == f"blocks.{i}.mlp.fc1.weight" for r in reshards)
+        assert not any(r["value"] == f"blocks.{i}.mlp.fc2.weight" for r in reshards)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -46,3 +47,21 @@ def test_tutorial_02_runs_the_mlp_megatron_style_and_the_attention_whole():
             assert kinds(gathered) == ["all_gather(mp)"], gathered
         assert not any(r["value"] == f"blocks.{i}.mlp.fc1.weight" for r in reshards)
         assert not any(r["value"] == f"blocks.{i}.mlp.fc2.weight" for r in reshards)
+
+
+@pytest.mark.mpi
+def test_the_readmes_first_script_runs_as_is_and_says_what_the_readme_says(tmp_path):
+    """The README's first script, copied as it stands, trains on 4 ranks and prints the
+    loss the README quotes."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## A first script"):]
+    script = section[section.index("```python\n") + 10:section.index("```\n", 10)]
+    assert len(script.splitlines()) <= 30
+    (tmp_path / "first.py").write_text(script)
+    proc = subprocess.run([sys.executable, "-m", "distgraph.cli", "run", "-n", "4", "first.py"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    (line,) = [s for s in proc.stdout.splitlines() if s.startswith("loss ")]
+    quoted = re.search(r"`(loss [0-9.]+ -> [0-9.]+)`", section).group(1)
+    got, said = ([float(x) for x in s.split()[1::2]] for s in (line, quoted))
+    assert got == pytest.approx(said, abs=0.01), (line, quoted)   # BLAS may round apart

@@ -1,8 +1,8 @@
 """Tutorial 05: a training run is killed, resumes from its last checkpoint, and ends
 exactly where an uninterrupted run ends.
 
-    python tutorials/05_checkpoint_resume.py               # one process, about 15 s
-    python tutorials/05_checkpoint_resume.py --nprocs 4    # 4 MPI ranks, dp x mp (40 s)
+    python tutorials/05_checkpoint_resume.py               # one process, about 3 s
+    python tutorials/05_checkpoint_resume.py --nprocs 4    # 4 MPI ranks, dp x mp (7 s)
     python tutorials/05_checkpoint_resume.py --nprocs 4 --resume-nprocs 1
 
 This script is the conductor; it starts the training runs as child processes:

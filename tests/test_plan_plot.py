@@ -52,7 +52,14 @@ def test_the_picture_shows_every_weight_split_and_every_reshard_once():
     qkv = next(w for w in pic.stages[1].layers[0].weights if w.name == "attn.qkv.weight")
     assert qkv.splits() == [("dp", "copies"), ("mp", "columns")]
     proj = next(w for w in pic.stages[0].layers[2].weights if w.name == "attn.proj.weight")
-    assert proj.splits() == [("dp", "copies"), ("mp", "rows")]
+    # tutorial 02's attention: proj's weight is gathered before the forward uses it
+    assert proj.splits() == [("dp", "copies"), ("mp", "rows stored, gathered to use")]
+    fc1 = next(w for w in pic.stages[0].layers[2].weights if w.name == "mlp.fc1.weight")
+    assert fc1.splits() == [("dp", "copies"), ("mp", "columns")]
+    # every stage computes on the batch split over dp, and so does every block's matmul
+    assert [s.batch for s in pic.stages] == [("dp",), ("dp",)]
+    assert {w.batch for s in pic.stages for x in s.layers if x.name.startswith("blocks")
+            for w in x.weights} == {("dp",)}
     assert pic.stages[0].layers[2].vectors == (8, 2)          # qkv.bias and fc1.bias split
     # the bytes drawn are the plan's, each reshard once
     drawn = sum(size for s in pic.stages for x in s.layers for _, _, size, _ in x.reshards)
@@ -60,6 +67,28 @@ def test_the_picture_shows_every_weight_split_and_every_reshard_once():
     assert drawn == pytest.approx(sum(p.bytes for p in plan.reshards()))
     assert {(c.src, c.dst, c.role) for c in pic.crossings} == {(0, 1, "fwd"), (1, 0, "bwd")}
     assert "2 micro-batches" in pic.title
+
+
+def test_an_automatic_plan_that_splits_the_batch_shows_it():
+    """Issue 38: an auto plan on 4 processes that splits the batch and gathers weights
+    is drawn with the batch split and with the weights it only stores split."""
+    dg.seed(0)
+    model = dg.nn.GPT(vocab_size=32, d_model=32, n_layer=2, n_head=2, max_seq_len=8)
+    engine = dg.Engine(model, dg.nn.CrossEntropyLoss(), dg.optim.AdamW(1e-3),
+                       strategy=dg.Strategy(auto_mode="full"), cluster=dg.Cluster.local(4))
+    plan = engine.prepare(*DataLoader(CountingSequences(64, 8, 32), 16).specs(1))
+    (tokens, *_) = plan.program.inputs
+    split = tuple(tokens.dist_attr.spec.entry(0))
+    assert split, "the search no longer splits the batch: pick another case"
+    pic = picture(plan)
+    assert pic.stages[0].batch == split
+    weights = {f"{x.name}.{w.name}": w for x in pic.stages[0].layers for w in x.weights}
+    gathered = {p.value for p in plan.reshards()
+                if any(s.kind == "all_gather" for s in p.steps) and
+                plan.program.ops[p.anchor].role == "forward"}
+    assert any(name in gathered for name in weights)       # the case the issue names
+    for name, w in weights.items():
+        assert any("gathered to use" in what for _, what in w.splits()) == (name in gathered)
 
 
 def test_plot_writes_a_picture(tmp_path):

@@ -3,8 +3,11 @@
 One column per stage (its mesh drawn as a grid of process ids), the model's layers in it
 in program order, each weight matrix drawn as a box cut by the mesh dims that split it
 (the rows or the columns, a colour per mesh dim) with its name, shape and what each mesh
-dim does to it, and under each layer the reshards the plan inserts there (forward,
-backward, update) with the bytes a process sends. Arrows between columns carry the
+dim does to it (a split the forward all-gathers first is "stored, gathered to use": the
+processes compute on the whole weight), whether its op computes on the batch split over
+mesh dims or on the whole batch (the stage's header says how the batch is split), and
+under each layer the reshards the plan inserts there (forward, backward, update) with the
+bytes a process sends. Arrows between columns carry the
 activations and gradients that cross stages, with their bytes.
 
 :func:`picture` is the pure part (the plan summarised as values); :func:`plot_plan`
@@ -38,10 +41,14 @@ class WeightView:
     shape: tuple
     mesh: object
     spec: object
+    gathered: tuple = ()    # mesh dims whose split is all-gathered before the forward
+    batch: tuple = ()       # mesh dims that split the samples its forward op computes on
 
     def splits(self) -> list:
         """(mesh dim, what it does) per mesh dim of size > 1: ``columns``, ``rows``,
-        ``dim k``, ``copies`` (replicated over it) or ``partial``."""
+        ``dim k``, ``copies`` (replicated over it) or ``partial``; a split all-gathered
+        before use (ZeRO-3 style) says so: the processes compute on the whole weight and
+        only store it split."""
         out = []
         for dim in self.mesh.dim_names:
             if self.mesh.dim_size(dim) == 1:
@@ -52,6 +59,8 @@ class WeightView:
                     what = _axis_name(k, len(self.shape))
             if dim in self.spec.partial:
                 what = "partial"
+            elif what != "copies" and dim in self.gathered:
+                what = f"{what} stored, gathered to use"
             out.append((dim, what))
         return out
 
@@ -70,9 +79,13 @@ class LayerView:
 
 @dataclass(frozen=True)
 class StageView:
+    """A stage: its mesh, its layers, and ``batch``: the mesh dims its processes split
+    the batch over (each computes on its share of the samples; empty: whole)."""
+
     index: int
     mesh: object
     layers: tuple
+    batch: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -119,20 +132,31 @@ def picture(plan) -> Picture:
     and what crosses between stages."""
     program = plan.program
     stages = list(plan.stages)
+    points = plan.reshards() if plan.distributed else []
+    gathered: dict = {}          # parameter -> mesh dims gathered before the forward uses it
+    for point in points:
+        op = program.ops[point.anchor] if 0 <= point.anchor < len(program.ops) else None
+        if op is None or ROLES.get(op.role) != "fwd":
+            continue
+        for s in point.steps:
+            if s.kind is StepKind.ALL_GATHER:
+                gathered.setdefault(point.value, set()).add(s.mesh_dim)
+    stage_batch, param_batch = _batch_dims(program, stages)
     layers: dict = {}                        # layer -> [weights], in parameter order
     stage_of: dict = {}
     for v in program.parameters:
         name = layer_of(v.name)
         layers.setdefault(name, []).append(
             WeightView(v.name[len(name) + 1:], tuple(v.shape), v.dist_attr.mesh,
-                       v.dist_attr.spec))
+                       v.dist_attr.spec, tuple(sorted(gathered.get(v.name, ()))),
+                       tuple(param_batch.get(v.name, ()))))
         stage_of.setdefault(name, _stage_index(stages, v.dist_attr.mesh))
     reshards: dict = {name: Counter() for name in layers}
     sizes: dict = {}
     crossings: Counter = Counter()
     cross_bytes: Counter = Counter()
     order = list(layers)
-    for point in (plan.reshards() if plan.distributed else []):
+    for point in points:
         op = program.ops[point.anchor] if 0 <= point.anchor < len(program.ops) else None
         role = ROLES.get(op.role, op.role) if op is not None else "update"
         send = next((s for s in point.steps if s.kind is StepKind.SEND_RECV), None)
@@ -157,7 +181,7 @@ def picture(plan) -> Picture:
     for s, mesh in enumerate(stages):
         mine = [_layer_view(name, layers[name], reshards[name], sizes)
                 for name in order if stage_of[name] == s]
-        views.append(StageView(s, mesh, tuple(mine)))
+        views.append(StageView(s, mesh, tuple(mine), tuple(stage_batch.get(s, ()))))
     dims = []
     for mesh in stages:
         dims += [d for d in mesh.dim_names if d not in dims]
@@ -169,6 +193,52 @@ def picture(plan) -> Picture:
                    tuple(Crossing(a, b, role, n, cross_bytes[a, b, role])
                          for (a, b, role), n in sorted(crossings.items())),
                    tuple(dims))
+
+
+def _batch_dims(program, stages) -> tuple:
+    """({stage index: mesh dims}, {parameter: mesh dims}) that split the batch: the mesh
+    dims of the leading (sample) dim of the forward values that carry samples (the
+    feeds, and what forward ops make from them with the batch's leading size), by the
+    stage whose mesh holds them; for a parameter, those of the result of the first
+    forward op that computes with it (through casts), where that result carries samples."""
+    feeds = [v for v in program.inputs if v.shape]
+    by_stage: dict = {}
+    by_param: dict = {}
+    if not feeds:
+        return by_stage, by_param
+    rows = feeds[0].shape[0]
+    carrying = {v.name for v in feeds}
+    via: dict = {}                    # a parameter's cast -> the parameter
+
+    def dims(v) -> list:
+        attr = v.dist_attr
+        return [] if attr is None else \
+            [d for d in attr.spec.entry(0) if attr.mesh.dim_size(d) > 1]
+
+    def note(v):
+        if v.dist_attr is not None:
+            mine = by_stage.setdefault(_stage_index(stages, v.dist_attr.mesh), [])
+            mine += [d for d in dims(v) if d not in mine]
+
+    for v in feeds:
+        note(v)
+    for op in program.ops:
+        if op.role not in ("forward", "loss"):
+            continue
+        params = [via.get(v.name, v.name) for v in op.inputs
+                  if v.is_parameter or v.name in via]
+        if op.type == "cast" and params:
+            via[op.outputs[0].name] = params[0]
+            continue
+        if any(v.name in carrying for v in op.inputs):
+            for v in op.outputs:
+                if v.shape and v.shape[0] == rows:
+                    carrying.add(v.name)
+                    note(v)
+            for name in params:
+                by_param.setdefault(name, dims(op.outputs[0])
+                                    if op.outputs[0].name in carrying else [])
+    return by_stage, by_param
 
 
 def _layer_view(name, weights, reshards: Counter, sizes) -> LayerView:
@@ -274,6 +344,9 @@ def _mesh(ax, stage, x, y, colors, Rectangle) -> None:
     ax.text(x, y + 0.05, f"stage {stage.index}", fontsize=11, weight="bold", va="center")
     ax.text(x, y + 0.32, "mesh " + " x ".join(f"{d}={mesh.dim_size(d)}" for d in names),
             fontsize=8, va="center", color="#333333")
+    ax.text(x, y + 0.56, ("batch split over " + " x ".join(stage.batch)) if stage.batch
+            else "batch whole on each process", fontsize=8, va="center", weight="bold",
+            color=colors.get(stage.batch[0], "black") if stage.batch else "#333333")
     cell, gx, gy = 0.3, x + 2.2, y + 0.3
     rows, cols = shape
     for r in range(rows):
@@ -302,6 +375,7 @@ def _layer(ax, layer, x, y, colors, Rectangle, FancyBboxPatch) -> float:
                                 facecolor="white", edgecolor="#888888"))
     ax.text(x + 0.1, y + 0.17, layer.name or "(model)", fontsize=9, weight="bold",
             va="center")
+
     row = y + TITLE
     for w in layer.weights:
         _weight(ax, w, x + 0.15, row, colors, Rectangle)
@@ -347,6 +421,10 @@ def _weight(ax, w: WeightView, x, y, colors, Rectangle) -> None:
                 ys = top + bh * i / parts
                 ax.plot([x, x + bw], [ys, ys], color=color, lw=1.6)
     ax.text(x + bw + 0.2, y + 0.14, f"{w.name} {list(w.shape)}", fontsize=8, va="center")
+    ax.text(x + bw + 0.35 + 0.075 * len(f"{w.name} {list(w.shape)}"), y + 0.14,
+            ("on the batch split over " + " x ".join(w.batch)) if w.batch
+            else "on the whole batch", fontsize=7, va="center",
+            color=colors.get(w.batch[0], "black") if w.batch else "#555555")
     tx = x + bw + 0.2
     for dim, what in w.splits():
         label = f"{dim}: {what}"

@@ -96,9 +96,8 @@ class SearchReport:
                  f"{self.objective * 1e3:.4f} ms, gap {self.gap:.3g}, solved in "
                  f"{self.solve_time:.2f} s (problem built in {self.build_time:.2f} s)",
                  f"  {self.nodes} nodes ({self.free_nodes} choosing freely, the rest following "
-                 f"an operand), {self.shared_blocks} blocks sharing one choice, "
-                 f"{self.variables} variables, {self.constraints} constraints; memory "
-                 f"budget {budget}"]
+                 f"an operand), {_tied(self.shared_blocks)}, {self.variables} variables, "
+                 f"{self.constraints} constraints; memory budget {budget}"]
         current, hidden = None, 0
         for layer, what, name, role in self.layouts:
             if role not in ("parameter", Role.FORWARD, Role.LOSS):
@@ -368,6 +367,14 @@ def _tie_classes(nodes, share) -> list:
         if ra != rb:
             parent[max(ra, rb)] = min(ra, rb)
     return [root(v) for v in range(len(nodes))]
+
+
+def _tied(blocks: int) -> str:
+    """The report's words for ``blocks`` tied blocks (:func:`_shared_blocks`)."""
+    if not blocks:
+        return ("no blocks tied (identical blocks between the first and the last share "
+                "one choice; there are fewer than 2 such)")
+    return f"{blocks} interior blocks sharing one choice (the first and last choose their own)"
 
 
 def _shared_blocks(space, blocks) -> list:

@@ -7,8 +7,8 @@ dim does to it (a split the forward all-gathers first is "stored, gathered to us
 processes compute on the whole weight), whether its op computes on the batch split over
 mesh dims or on the whole batch (the stage's header says how the batch is split), and
 under each layer the reshards the plan inserts there (forward, backward, update) with the
-bytes a process sends. Arrows between columns carry the
-activations and gradients that cross stages, with their bytes.
+bytes a process sends. Arrows between columns carry the activations and gradients that
+cross stages, with their bytes.
 
 :func:`picture` is the pure part (the plan summarised as values); :func:`plot_plan`
 draws it with matplotlib (``pip install 'distgraph[plot]'``).

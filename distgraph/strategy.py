@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from distgraph.errors import DistGraphError
 
 SCHEDULES = ("1F1B", "FThenB", "ZB", "ZBV")
+SEARCHES = ("ilp", "recursive", "auto")
 AMP_DTYPES = ("bfloat16", "float16")
 
 
@@ -15,7 +16,10 @@ class Strategy:
     """``auto_mode``: "semi" completes from annotations; "full" searches the layouts
     (Alpa's intra-op ILP, within ``solver_time_limit`` seconds per search and
     ``memory_budget_gb`` per device; :mod:`distgraph.passes.search.intra_op`), and with
-    ``pipeline=True`` the stages too (:mod:`distgraph.passes.search.stages`).
+    ``pipeline=True`` the stages too (:mod:`distgraph.passes.search.stages`). ``search``
+    picks who chooses the layouts there: "ilp" (SCIP), "recursive" (the double-recursive
+    search, linear in the graph: :mod:`distgraph.passes.search.recursive`) or "auto" (the
+    recursive search prices what the stage DP compares, SCIP refines the chosen stages).
     ``micro_batches`` > 1 enables gradient accumulation / pipelining with ``schedule``
     ("1F1B", "FThenB", "ZB" or "ZBV"); ``virtual_stages`` v > 1 cuts the forward into
     ``v`` chunks per stage mesh, chunk c on stage c mod S (interleaved 1F1B or zero
@@ -58,10 +62,15 @@ class Strategy:
     amp: str | None = None
     loss_scale: float = 2.0 ** 16
     loss_scale_window: int = 2000
+    search: str = "ilp"
 
     def __post_init__(self):
         if self.auto_mode not in ("semi", "full"):
             raise DistGraphError(f"Strategy.auto_mode must be 'semi' or 'full', got {self.auto_mode!r}")
+        if self.search not in SEARCHES:
+            raise DistGraphError(f"Strategy.search must be one of {', '.join(map(repr, SEARCHES))} "
+                                 f"(who chooses the layouts with auto_mode='full'), got "
+                                 f"{self.search!r}")
         if self.micro_batches < 1:
             raise DistGraphError(f"Strategy.micro_batches must be >= 1, got {self.micro_batches}")
         if not isinstance(self.virtual_stages, int) or self.virtual_stages < 1:

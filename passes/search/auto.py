@@ -105,7 +105,8 @@ def annotate(copy, strategy, cluster, accumulation, ilp_budget) -> AutoChoice:
     weights = {Role.FORWARD: micro, Role.LOSS: micro, Role.BACKWARD: micro, Role.OPTIMIZE: 1}
     result = search(program, mesh, cluster, device_of, weights=weights, loss=copy.loss_name,
                     memory_budget=ilp_budget, time_limit=strategy.solver_time_limit,
-                    blocks=copy.block_paths, balance=strategy.balance)
+                    blocks=copy.block_paths, balance=strategy.balance,
+                    method=strategy.search)
     result.annotate(program)
     return AutoChoice(result, device_of)
 

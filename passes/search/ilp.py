@@ -61,7 +61,8 @@ from pyscipopt import Model, quicksum
 from distgraph.errors import PlanError
 from distgraph.passes.search.ilp_problem import ShardingProblem, evaluate, peak_memory
 
-__all__ = ["ShardingProblem", "Solution", "evaluate", "peak_memory", "solve"]
+__all__ = ["ShardingProblem", "Solution", "evaluate", "peak_memory", "solve", "reduce_problem",
+           "check_forbidden"]
 
 CONFLICT = ("the sharding problem has no allowed choice, whatever the memory: its aliases "
             "and forbidden (inf) strategies and pairs contradict each other along a chain of "
@@ -96,7 +97,7 @@ class Solution:
 
 
 @dataclass
-class _Pair:
+class Pair:
     """An interaction between two classes after reduction: compressed matrix and groups."""
 
     u: int
@@ -107,10 +108,10 @@ class _Pair:
 
 
 @dataclass
-class _Reduced:
+class Reduced:
     cls: np.ndarray                      # class of each node
     cost: list[np.ndarray]               # per class, per strategy; inf = forbidden
-    pairs: list[_Pair]
+    pairs: list[Pair]
     steps: list[dict[int, np.ndarray]]   # liveness: per changing step, class -> delta
     memory: list[np.ndarray]             # per class, per strategy: members' memory summed
 
@@ -135,7 +136,7 @@ def _classes(p: ShardingProblem) -> np.ndarray:
     return np.array([index[r] for r in roots], dtype=np.intp)
 
 
-def _reduce(p: ShardingProblem) -> _Reduced:
+def reduce_problem(p: ShardingProblem) -> Reduced:
     cls = _classes(p)
     ncls = int(cls.max()) + 1 if p.n else 0
     cost = [None] * ncls
@@ -176,11 +177,11 @@ def _reduce(p: ShardingProblem) -> _Reduced:
                 continue
         uniq, rows = np.unique(mat, axis=0, return_inverse=True)
         uniq, cols = np.unique(uniq, axis=1, return_inverse=True)
-        pairs.append(_Pair(cu, cv, uniq, rows.reshape(-1), cols.reshape(-1)))
+        pairs.append(Pair(cu, cv, uniq, rows.reshape(-1), cols.reshape(-1)))
     memory = [np.zeros(len(c)) for c in cost]
     for v in range(p.n):
         memory[cls[v]] = memory[cls[v]] + p.memory[v]
-    return _Reduced(cls, cost, pairs, _memory_steps(p, cls), memory)
+    return Reduced(cls, cost, pairs, _memory_steps(p, cls), memory)
 
 
 def _memory_steps(p: ShardingProblem, cls: np.ndarray) -> list[dict[int, np.ndarray]]:
@@ -202,7 +203,7 @@ def _memory_steps(p: ShardingProblem, cls: np.ndarray) -> list[dict[int, np.ndar
 class _Model:
     """The SCIP model of a reduced problem, either minimising cost or the peak memory."""
 
-    def __init__(self, red: _Reduced, budget: float | None, minimise_peak: bool):
+    def __init__(self, red: Reduced, budget: float | None, minimise_peak: bool):
         self.red = red
         self.scip = scip = Model()
         scip.hideOutput()
@@ -229,7 +230,7 @@ class _Model:
                 scip.addCons(z - m >= 0)
             m_prev = m
 
-    def _pair(self, pair: _Pair, weight: float) -> dict:
+    def _pair(self, pair: Pair, weight: float) -> dict:
         scip, su, sv = self.scip, self.s[pair.u], self.s[pair.v]
         nrow, ncol = pair.cost.shape
         # Each marginal row: sum of its e minus the s of its strategy group == 0.
@@ -285,7 +286,7 @@ class _Model:
         return self.scip.getNVars(transformed=False), self.scip.getNConss(transformed=False)
 
 
-def _unit(red: _Reduced) -> float:
+def _unit(red: Reduced) -> float:
     """The median magnitude of the model's nonzero finite costs: they are divided by it.
     SCIP's tolerances are absolute (reduced costs within 1e-7 count as zero), so costs
     in seconds of 1e-6 .. 1e-2 would let it call a choice optimal that is not (a GPT
@@ -296,19 +297,19 @@ def _unit(red: _Reduced) -> float:
     return float(np.median(costs)) if costs.size else 1.0
 
 
-def _starts(red: _Reduced) -> list[list[int]]:
+def _starts(red: Reduced) -> list[list[int]]:
     """Two starting choices for SCIP: the cheapest, and the one with the least memory."""
     lean = [np.where(np.isinf(c), np.inf, m) for c, m in zip(red.cost, red.memory)]
     return [_greedy(red, red.cost, edge_costs=True), _greedy(red, lean, edge_costs=False)]
 
 
-def _greedy(red: _Reduced, node_cost: list[np.ndarray], edge_costs: bool,
+def _greedy(red: Reduced, node_cost: list[np.ndarray], edge_costs: bool,
             sweeps: int = 5) -> list[int]:
     """Each class's best strategy by ``node_cost``, then a few sweeps that re-pick it given
     its neighbours' choices (iterated conditional modes); forbidden pairs always count,
     edge costs only with ``edge_costs``."""
     choice = [int(np.argmin(costs)) for costs in node_cost]
-    around: list[list[_Pair]] = [[] for _ in red.cost]
+    around: list[list[Pair]] = [[] for _ in red.cost]
     for pair in red.pairs:
         around[pair.u].append(pair)
         around[pair.v].append(pair)
@@ -330,7 +331,7 @@ def _greedy(red: _Reduced, node_cost: list[np.ndarray], edge_costs: bool,
     return choice
 
 
-def solve(problem: ShardingProblem, time_limit: float = 60.0) -> Solution:
+def solve(problem: ShardingProblem, time_limit: float = 60.0, starts=()) -> Solution:
     """Solve ``problem`` with SCIP within ``time_limit`` seconds (model building included).
 
     Returns the optimal choice (``status == "optimal"``) or the best one found when time
@@ -347,10 +348,11 @@ def solve(problem: ShardingProblem, time_limit: float = 60.0) -> Solution:
         raise PlanError(f"solve: time_limit = {time_limit!r}; give a finite number of seconds > 0")
     start = time.perf_counter()
     deadline = start + time_limit
-    red = _reduce(problem)
-    _check_forbidden(problem, red)
+    red = reduce_problem(problem)
+    check_forbidden(problem, red)
     model = _Model(red, problem.memory_budget, minimise_peak=False)
-    for choice in _starts(red):
+    given = [[int(c[v]) for v in np.unique(red.cls, return_index=True)[1]] for c in starts]
+    for choice in _starts(red) + given:
         model.warm_start(choice)
     status = model.run(deadline)
     choice = model.choice()
@@ -374,7 +376,7 @@ def solve(problem: ShardingProblem, time_limit: float = 60.0) -> Solution:
                     constraints)
 
 
-def _check_forbidden(p: ShardingProblem, red: _Reduced) -> None:
+def check_forbidden(p: ShardingProblem, red: Reduced) -> None:
     """Name a node with no allowed strategy, or a pair that allows no combination."""
     first = {int(c): v for v, c in reversed(list(enumerate(red.cls)))}
     for c, costs in enumerate(red.cost):
@@ -391,7 +393,7 @@ def _check_forbidden(p: ShardingProblem, red: _Reduced) -> None:
                             "pair of their allowed strategies; allow at least one pair")
 
 
-def _raise_budget(p: ShardingProblem, red: _Reduced, start: float, time_limit: float):
+def _raise_budget(p: ShardingProblem, red: Reduced, start: float, time_limit: float):
     # Minimise the peak in the time left (at least a tenth of the limit), so the message
     # can say what budget would work.
     deadline = max(start + time_limit, time.perf_counter() + 0.1 * time_limit)

@@ -62,6 +62,7 @@ from distgraph.units import fmt_bytes
 from distgraph.passes.search.costs import SearchCosts, local_bytes
 from distgraph.passes.search.ilp import Solution, solve
 from distgraph.passes.search.ilp_problem import ShardingProblem, evaluate, peak_memory
+from distgraph.passes.search.recursive import METHODS, bisection_levels, solve_recursive
 from distgraph.passes.search.space import SearchSpace
 from distgraph.placement import DistAttr
 
@@ -89,15 +90,33 @@ class SearchReport:
     memory_budget: float | None
     peak_memory: float
     layouts: tuple
+    method: str = "ilp"
+    recursive_objective: float | None = None
+    note: str = ""
+
+    @property
+    def chosen_by(self) -> str:
+        """Which search chose the layouts, in words (``Strategy.search``)."""
+        if self.method == "recursive":
+            return "recursive bisection" + (f" ({self.note})" if self.note else "")
+        if self.method == "auto" and self.recursive_objective is not None:
+            gain = 1 - self.objective / self.recursive_objective \
+                if self.recursive_objective > 0 else 0.0
+            return (f"recursive bisection ({self.recursive_objective * 1e3:.4f} ms), refined "
+                    f"by the SCIP ILP: {gain:.2%} faster")
+        return "SCIP ILP" + (f" ({self.note})" if self.note else "")
 
     def __str__(self) -> str:
         budget = "none" if self.memory_budget is None else fmt_bytes(self.memory_budget)
+        size = f"{self.variables} variables, {self.constraints} constraints" \
+            if self.variables else "no ILP"
         lines = [f"search on {self.mesh}: {self.status}, objective "
                  f"{self.objective * 1e3:.4f} ms, gap {self.gap:.3g}, solved in "
                  f"{self.solve_time:.2f} s (problem built in {self.build_time:.2f} s)",
+                 f"  chosen by {self.chosen_by}",
                  f"  {self.nodes} nodes ({self.free_nodes} choosing freely, the rest following "
-                 f"an operand), {_tied(self.shared_blocks)}, {self.variables} variables, "
-                 f"{self.constraints} constraints; memory budget {budget}"]
+                 f"an operand), {_tied(self.shared_blocks)}, {size}; memory budget "
+                 f"{budget}"]
         current, hidden = None, 0
         for layer, what, name, role in self.layouts:
             if role not in ("parameter", Role.FORWARD, Role.LOSS):
@@ -121,7 +140,8 @@ class SearchReport:
                 "nodes": self.nodes, "free_nodes": self.free_nodes,
                 "shared_blocks": self.shared_blocks, "variables": self.variables,
                 "constraints": self.constraints, "memory_budget": self.memory_budget,
-                "peak_memory": self.peak_memory,
+                "peak_memory": self.peak_memory, "method": self.method,
+                "recursive_objective": self.recursive_objective, "note": self.note,
                 "layouts": [list(x) for x in self.layouts]}
 
 
@@ -211,7 +231,7 @@ def search(program, mesh: ProcessMesh, cluster, device_of: dict, *, ops=None,
            weights: dict | None = None, loss: str | None = None, world=None,
            memory_budget: float | None = None, time_limit: float = 60.0,
            blocks=(), memory: bool = False, balance: bool = False,
-           boundary: Boundary | None = None) -> SearchResult:
+           boundary: Boundary | None = None, method: str = "ilp") -> SearchResult:
     """Choose a strategy for every op (of ``ops``, default all) and source Value of
     ``program`` on ``mesh`` (module docstring). ``device_of``: process -> device global id
     of ``cluster``; ``weights``: op role -> times it runs per step (default 1);
@@ -221,7 +241,9 @@ def search(program, mesh: ProcessMesh, cluster, device_of: dict, *, ops=None,
     ``memory``: model the live memory even without a budget (the report's peak);
     ``balance``: price data-parallel groups of mixed devices at their balanced split
     (:class:`~distgraph.passes.search.costs.SearchCosts`); ``boundary``: how a part of the
-    program meets the rest (:class:`Boundary`)."""
+    program meets the rest (:class:`Boundary`); ``method``: who chooses (``Strategy.search``:
+    "ilp" SCIP, "recursive" the double-recursive search of :mod:`distgraph.passes.search.
+    recursive`, "auto" the recursive choice refined by SCIP, warm-started from it)."""
     start = time.perf_counter()
     boundary = boundary or Boundary()
     space = SearchSpace(program, mesh, ops, received=dict(boundary.received))
@@ -232,9 +254,20 @@ def search(program, mesh: ProcessMesh, cluster, device_of: dict, *, ops=None,
     problem = _problem(space, costs, weights or {}, loss, world, memory_budget, share,
                        memory or memory_budget is not None, boundary)
     build_time = time.perf_counter() - start
-    sol = solve(problem, time_limit=max(time_limit - build_time, 0.1 * time_limit))
+    limit = max(time_limit - build_time, 0.1 * time_limit)
+    if method not in METHODS:
+        raise PlanError(f"search method {method!r}; use one of {', '.join(METHODS)}")
+    note, first = "", None
+    if method == "ilp":
+        sol = solve(problem, time_limit=limit)
+    else:
+        sol, note = solve_recursive(problem, space, bisection_levels(mesh, costs.ring_of),
+                                    time_limit=limit)
+        if method == "auto" and sol.status == "recursive":
+            first = sol.objective
+            sol = solve(problem, time_limit=limit, starts=[sol.choice])
     return _result(space, sol.choice, problem, sol, build_time, memory_budget, share,
-                   boundary)
+                   boundary, method, first, note)
 
 
 def price(moved: SearchSpace, cluster, device_of: dict, *, weights=None, loss=None,
@@ -258,13 +291,13 @@ def price(moved: SearchSpace, cluster, device_of: dict, *, weights=None, loss=No
 
 
 def _result(space, choice, problem, sol, build_time, memory_budget, share,
-            boundary) -> SearchResult:
+            boundary, method="ilp", first=None, note="") -> SearchResult:
     layouts = _layouts(space, choice)
     report = SearchReport(space.mesh, sol.status, sol.objective, sol.gap, sol.solve_time,
                           build_time, len(space.nodes),
                           sum(1 for n in space.nodes if n.leader < 0),
                           len(share[0]) if share else 0, sol.variables, sol.constraints,
-                          memory_budget, sol.peak_memory, layouts)
+                          memory_budget, sol.peak_memory, layouts, method, first, note)
     return SearchResult(space, tuple(choice), report, problem, boundary)
 
 

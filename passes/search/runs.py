@@ -273,14 +273,26 @@ class RunCosts:
             peak = smaller["block"].report.peak_memory
         return variants
 
-    def _search(self, mesh, device_of, budget=None, fastest=None) -> dict:
+    def refine(self, option: RunOption) -> RunOption:
+        """``option`` searched again on its logical mesh by ``Strategy(search="auto")``:
+        the recursive choice refined by the ILP, the block within the peak it had (so
+        the stages still fit), E and H meeting the refined block."""
+        mesh, device_of = logical_mesh(option.sub.mesh, option.sub.shape, option.logical)
+        peak = option.parts["block"][1].report.peak_memory
+        found = self._search(mesh, device_of, peak * (1 + 1e-9), method="auto")
+        return RunOption(option.axis, option.sub, option.logical, self._costed(found))
+
+    def _search(self, mesh, device_of, budget=None, fastest=None, method=None) -> dict:
         """The parts on ``mesh``, the block within ``budget`` bytes per device (E and H
-        taken from ``fastest`` where they meet the block alike)."""
+        taken from ``fastest`` where they meet the block alike); ``method``: the
+        search's (default: the one that prices options, :func:`pricing_method`)."""
+        method = method or pricing_method(self.strategy)
         start = time.perf_counter()
         block_ops = self.layering.ops(range(self.rep, self.rep + 1))
         periodic = self._periodic(block_ops)
         boundary = Boundary(received=tuple((r, None) for r, _ in periodic), periodic=periodic)
-        found = {"block": self._run_search(block_ops, mesh, device_of, boundary, budget)}
+        found = {"block": self._run_search(block_ops, mesh, device_of, boundary, budget,
+                                           method)}
         block = found["block"]
         ends = []
         if self.has_first:
@@ -294,16 +306,16 @@ class RunCosts:
             if fastest is not None and fastest[part].boundary == meets:
                 found[part] = fastest[part]
             else:
-                found[part] = self._run_search(ops, mesh, device_of, meets)
+                found[part] = self._run_search(ops, mesh, device_of, meets, None, method)
         self.seconds += time.perf_counter() - start
         return found
 
-    def _run_search(self, ops, mesh, device_of, boundary, budget=None):
+    def _run_search(self, ops, mesh, device_of, boundary, budget, method):
         self.searches += 1
         return search(self.program, mesh, self.cluster, device_of, ops=ops,
                       weights=self.weights, loss=self._loss(ops), memory_budget=budget,
                       time_limit=self.strategy.solver_time_limit, memory=True,
-                      boundary=boundary)
+                      boundary=boundary, method=method)
 
     def _price(self, found, mesh, device_of) -> dict:
         out = {}
@@ -440,6 +452,12 @@ class RunCosts:
                     _same_op(self.program.ops[k], self.program.ops[theirs[key]]):
                 out[k] = theirs[key]
         return out
+
+
+def pricing_method(strategy) -> str:
+    """The search method that prices the options the stage DP compares: the recursive
+    one under ``Strategy(search="auto")`` (the ILP refines the chosen stages only)."""
+    return "recursive" if strategy.search == "auto" else strategy.search
 
 
 def plan_blocks(costs: RunCosts, cluster, micro_batches: int = 1) -> tuple:

@@ -19,6 +19,11 @@
    places the learning-rate read and step counter on the union of the stages, and the
    micro-batched runtime runs the stages (``Strategy.micro_batches``, ``schedule``).
 
+``Strategy(search=...)`` picks who searches: "ilp" SCIP everywhere, "recursive" the
+double-recursive search everywhere (:mod:`distgraph.passes.search.recursive`), "auto" the
+recursive search for every candidate the DP compares and SCIP, warm-started from the
+recursive choice, for the chosen stages only (their reports say what it gained).
+
 Cross-stage transfers are not priced in the DP (Alpa neither: they are small by
 design); the plan's estimate counts them.
 
@@ -42,7 +47,7 @@ from distgraph.mesh import ProcessMesh
 from distgraph.passes.search.ilp_problem import peak_memory
 from distgraph.passes.search.intra_op import search
 from distgraph.passes.search.layers import block_layers, cluster_layers
-from distgraph.passes.search.runs import RunCosts, plan_blocks
+from distgraph.passes.search.runs import RunCosts, plan_blocks, pricing_method
 from distgraph.passes.search.space import GB, MESH_DIMS
 from distgraph.passes.search.stage_dp import StageCost, plan_stages
 from distgraph.resources.cluster import Cluster
@@ -131,8 +136,9 @@ def plan_pipeline(copy, strategy, cluster, accumulation, memory_budget=None) -> 
     layering = cluster_layers(program, max_layers=2 * len(devices) + 2)
     stage_cost = _StageCosts(copy, strategy, cluster, layering, micro)
     stage_plan = plan_stages(layering.count, target, stage_cost, micro_batches=micro)
-    results = [stage_cost.result(st.layers, cluster.device_mesh(st.mesh), st.shape)
-               for st in stage_plan.stages]          # every search before any annotation
+    # every search before any annotation; under search="auto" the ILP refines these only
+    results = [stage_cost.result(st.layers, cluster.device_mesh(st.mesh), st.shape,
+                                 method=strategy.search) for st in stage_plan.stages]
     for stage, result in zip(stage_plan.stages, results):
         pids = [devices.index(d) for d in stage.device_ids]
         mesh = result.space.mesh
@@ -150,6 +156,9 @@ def _plan_runs(copy, strategy, cluster, target, layering, micro, start) -> Pipel
     runs`): options costed once per logical mesh, the DP linear in the blocks."""
     costs = RunCosts(copy, strategy, cluster, layering, micro)
     stage_plan, chosen = plan_blocks(costs, target, micro_batches=micro)
+    if strategy.search == "auto":       # the ILP refines the chosen stages only
+        refined: dict = {}
+        chosen = [refined.setdefault(id(o), costs.refine(o)) for o in chosen]
     index = {d.global_id: p for p, d in enumerate(cluster.devices)}
     reports, checks = [], []
     for stage, option in zip(stage_plan.stages, chosen):
@@ -189,9 +198,11 @@ class _StageCosts:
                                         max(peak - persistent, 0.0) / GB)
         return self.costs[key]
 
-    def result(self, layers: range, device_mesh, shape, ops=None):
-        """The search of exactly ``layers`` on a ``shape`` submesh of ``device_mesh``."""
-        key = (layers.start, layers.stop, device_mesh.name, tuple(shape))
+    def result(self, layers: range, device_mesh, shape, ops=None, method=None):
+        """The search of exactly ``layers`` on a ``shape`` submesh of ``device_mesh`` by
+        ``method`` (default: the one that prices the DP's candidates)."""
+        method = method or pricing_method(self.strategy)
+        key = (layers.start, layers.stop, device_mesh.name, tuple(shape), method)
         if key not in self.results:
             ops = self.layering.ops(layers) if ops is None else ops
             mesh, device_of = _submesh(device_mesh, shape)
@@ -206,7 +217,7 @@ class _StageCosts:
                                        weights=weights, loss=loss,
                                        time_limit=self.strategy.solver_time_limit,
                                        blocks=self.copy.block_paths, memory=True,
-                                       balance=self.strategy.balance)
+                                       balance=self.strategy.balance, method=method)
         return self.results[key]
 
     def _signature(self, ops) -> tuple:

@@ -1,0 +1,270 @@
+"""The double-recursive strategy search (MindSpore's SAPP, seed 003): every op's layout
+on a mesh chosen level by level, without an ILP, on the problem the ILP would solve.
+
+**Levels: the device set bisected.** SAPP sees a cluster as a symmetric multi-level
+machine and bisects its devices recursively: each level decides, for every op, which
+tensor dim the next cut of the devices splits. Here a level is a mesh dim, the slowest
+(the top of the machine: across machines) first. A mesh dim of 2^k devices is k
+bisections that our layouts (one tensor dim per mesh dim) make cut the same tensor dim,
+so they are decided together. A level's candidates for an op are its strategies grouped
+by what that mesh dim does in them (which dim of each operand and result it splits, or
+a pending sum over it), among those that agree with the levels above; after the last
+mesh dim a final level picks one strategy of the chosen group (two may differ only in
+how a pending sum is settled). For the mesh ``[x=2, y=4]`` a matmul first chooses what
+the slow ``x`` cuts (batch: data parallel across machines), then what ``y`` cuts.
+
+**Op-weight order: a level is linear in the graph.** SAPP visits heavy ops first (its
+operator weights) and lets light ones follow what is around them. Here an op (a tie
+class of the problem: a light op with the operand it follows, the same op in every
+shared block, a parameter with its update) weighs its dearest allowed strategy's cost,
+and the classes are visited heaviest first. Each picks its group once, given its
+neighbours' current candidates; then a few sweeps in the same order let each re-pick
+given all of them (iterated conditional modes), stopping when none changes. Each visit
+looks at the class's edges once, so a level costs O(edges x strategies). A greedy
+descent depends on its order, so the whole descent also runs in program order and in
+its reverse, and the cheapest of the three choices is kept (on random problems of up to
+six nodes, tests/test_recursive_search.py, this takes the share within 10% of the
+optimum from 88% to 98%).
+
+**Relative costs.** A candidate is priced against the others of the same op only: its
+own compute and collectives plus, per edge, the cheapest reshard to a layout the
+neighbour may still take (a neighbour not yet decided at this level may take any of its
+candidates; one decided takes its group's). The candidate with the least such price
+wins; the lower levels' choices it leaves open are priced at their best.
+
+**What the ILP respects, this respects.** It solves the same :class:`~distgraph.passes.
+search.ilp_problem.ShardingProblem` (the same candidate enumeration and prices,
+:mod:`distgraph.passes.search.intra_op`): follow and share ties are its classes,
+forbidden strategies are never candidates, aliases (an update writes a parameter or
+ZeRO-split state back in the layout it is stored in) forbid pairs. With a memory budget
+the choice's peak over the liveness sets is checked; over it, the search runs again
+with each byte a class holds priced at ``lam`` seconds (a Lagrange multiplier), ``lam``
+raised until the peak fits, then lowered by bisection to the cheapest choice that fits.
+Where no ``lam`` fits, or the choice breaks an alias, the SCIP ILP decides
+(:func:`~distgraph.passes.search.ilp.solve`, which finds a plan or names the smallest
+peak) and the report says so.
+
+Example::
+
+    sol, note = solve_recursive(problem, space, ["x", "y"])
+    sol.objective, sol.status          # the same objective the ILP's evaluate() gives
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+from scipy import sparse
+
+from distgraph.passes.search.ilp import (Solution, check_forbidden, evaluate, peak_memory,
+                                         reduce_problem, solve)
+
+METHODS = ("ilp", "recursive", "auto")
+SWEEPS = 4               # re-picks per level after the first pass (it stops when none changes)
+GROW, LAM_STEPS, BISECTIONS = 8.0, 16, 6
+TIE = 1e-9               # relative price difference below which candidates tie
+BIG = 1e30               # a forbidden pair, counted so that the fewest are chosen
+
+
+def bisection_levels(mesh, ring_of) -> list:
+    """The mesh dims of more than one process, slowest ring first (``ring_of(dim)``:
+    its Ring); ties keep the mesh's order."""
+    dims = [d for d, n in zip(mesh.dim_names, mesh.shape) if n > 1]
+    return sorted(dims, key=lambda d: (ring_of(d).bandwidth, dims.index(d)))
+
+
+def solve_recursive(problem, space, dims, time_limit: float = 60.0):
+    """(Solution, note) of ``problem`` (built on ``space``) by recursive bisection over
+    the mesh dims ``dims`` in that order (module docstring). ``note`` is "" or says why
+    the ILP decided (``time_limit`` bounds it then). The Solution's status is
+    "recursive" and its gap inf (no bound is known), unless the ILP decided."""
+    start = time.perf_counter()
+    red = reduce_problem(problem)
+    check_forbidden(problem, red)
+    members = [[] for _ in red.cost]
+    for v, c in enumerate(red.cls):
+        members[c].append(v)
+    levels = [_groups(space, members, m) for m in dims]
+    levels.append([np.arange(len(costs)) for costs in red.cost])
+    walk = _Descent(red, levels)
+    choice = min(walk.run(0.0), key=lambda c: evaluate(problem, c))
+    budget = problem.memory_budget
+    note = ""
+    if math.isinf(evaluate(problem, choice)):
+        note = "the recursive choice broke an alias"
+    elif budget is not None and peak_memory(problem, choice) > budget:
+        choice = _fit(problem, walk, choice, budget)
+        if choice is None:
+            note = "no recursive choice fit the memory budget"
+    if note:
+        sol = solve(problem, time_limit=max(time_limit - (time.perf_counter() - start), 0.1))
+        return sol, note + "; the ILP decided"
+    return Solution(tuple(choice), evaluate(problem, choice), "recursive", math.inf,
+                    time.perf_counter() - start, peak_memory(problem, choice), 0, 0), ""
+
+
+def _fit(problem, walk, choice, budget):
+    """The cheapest choice found whose peak fits ``budget``, raising the price of memory
+    (module docstring); None if none fits."""
+    objective, peak = evaluate(problem, choice), peak_memory(problem, choice)
+    lam = 1e-3 * objective / max(peak, 1.0)
+
+    def fitting(lam):
+        found = [c for c in walk.run(lam) if peak_memory(problem, c) <= budget]
+        return min(found, key=lambda c: evaluate(problem, c), default=None)
+
+    low, high, best = 0.0, None, None
+    for _ in range(LAM_STEPS):
+        best = fitting(lam)
+        if best is not None and math.isfinite(evaluate(problem, best)):
+            high = lam
+            break
+        low, lam, best = lam, lam * GROW, None
+    if best is None:
+        return None
+    for _ in range(BISECTIONS):
+        mid = 0.5 * (low + high)
+        c = fitting(mid)
+        if c is not None and math.isfinite(evaluate(problem, c)):
+            high = mid
+            best = min(best, c, key=lambda x: evaluate(problem, x))
+        else:
+            low = mid
+    return _tighten(problem, walk, best, budget)
+
+
+def _tighten(problem, walk, choice, budget) -> list:
+    """``choice`` improved by re-picks at the price of time alone that keep the peak
+    within ``budget`` (memory priced by ``lam`` is only a proxy for the peak): each class,
+    in op-weight order, takes the cheapest strategy given its neighbours that fits."""
+    red = walk.red
+    rows = [(t, v) for t, live in enumerate(problem.liveness) for v in live]
+    live = sparse.csr_matrix((np.ones(len(rows)), ([t for t, _ in rows], [v for _, v in rows])),
+                             shape=(len(problem.liveness), problem.n))
+    members = [np.flatnonzero(red.cls == c) for c in range(len(red.cost))]
+    choice = list(choice)
+    per_class = [choice[m[0]] for m in members]
+    memory = np.array([problem.memory[v][choice[v]] for v in range(problem.n)])
+    mask = [np.arange(len(k)) == i for k, i in zip(red.cost, per_class)]
+    for c in walk.orders[0]:
+        price = walk.prices(c, red.cost, mask)
+        for i in np.argsort(price, kind="stable"):
+            if not price[i] < price[per_class[c]] - TIE * abs(price[per_class[c]]):
+                break
+            trial = memory.copy()
+            trial[members[c]] = [problem.memory[v][i] for v in members[c]]
+            if (live @ trial).max() <= budget:
+                per_class[c], memory = int(i), trial
+                mask[c] = np.arange(len(price)) == i
+                break
+    return [per_class[c] for c in red.cls]
+
+
+def _groups(space, members, mesh_dim) -> list:
+    """Per class, the group of each strategy at the level of ``mesh_dim``: strategies
+    in which that mesh dim does the same to every operand and result of every member."""
+    out = []
+    for nodes in members:
+        k = len(space.nodes[nodes[0]].strategies)
+        index: dict = {}
+        ids = np.empty(k, dtype=np.intp)
+        for i in range(k):
+            key = tuple(dict.fromkeys(_key(space.nodes[v], i, mesh_dim) for v in nodes))
+            ids[i] = index.setdefault(key, len(index))
+        out.append(ids)
+    return out
+
+
+def _key(node, i: int, mesh_dim: str) -> tuple:
+    s = node.strategies[i]
+    return tuple(_placement(spec, mesh_dim)
+                 for spec in s.in_specs + s.out_specs + tuple(node.hints[i]))
+
+
+def _placement(spec, mesh_dim: str) -> tuple:
+    """What ``mesh_dim`` does to a tensor laid out ``spec``: the dims it splits (with its
+    place among the mesh dims splitting each) and "P" for a pending sum over it."""
+    cut = tuple((d, spec.entry(d).index(mesh_dim)) for d in range(len(spec.dims))
+                if mesh_dim in spec.entry(d))
+    return cut + (("P",) if mesh_dim in spec.partial else ())
+
+
+class _Descent:
+    """The levels of one reduced problem, walked top-down with memory priced ``lam``."""
+
+    def __init__(self, red, levels):
+        self.red, self.levels = red, levels
+        self.around = [[] for _ in red.cost]
+        for pair in red.pairs:
+            safe = np.where(np.isinf(pair.cost), BIG, pair.cost)
+            self.around[pair.u].append((pair, safe, True))
+            self.around[pair.v].append((pair, safe, False))
+        weight = [float(np.max(c[np.isfinite(c)], initial=0.0)) for c in red.cost]
+        heaviest = sorted(range(len(red.cost)), key=lambda c: (-weight[c], c))
+        self.orders = (heaviest, list(range(len(red.cost))), list(range(len(red.cost)))[::-1])
+
+    def run(self, lam: float) -> list:
+        """Choices (one strategy index per node of the problem), one per visiting order:
+        the op-weight order, then program order and its reverse (greedy descents are
+        order-sensitive; the caller keeps the best, at three times a linear cost)."""
+        return [self._walk(lam, order) for order in self.orders]
+
+    def _walk(self, lam: float, order) -> list:
+        red = self.red
+        cost = [c + lam * m for c, m in zip(red.cost, red.memory)]
+        mask = [np.isfinite(c) for c in cost]
+        for groups in self.levels:
+            before = [m.copy() for m in mask]
+            for c in order:                         # first pass: heaviest first
+                mask[c] = before[c] & (groups[c] == self._best(c, cost, mask, before, groups))
+            for _ in range(SWEEPS):                 # re-pick given every neighbour
+                changed = False
+                for c in order:
+                    current = groups[c][np.flatnonzero(mask[c])[0]]
+                    g = self._best(c, cost, mask, before, groups, current)
+                    if g != current:
+                        mask[c] = before[c] & (groups[c] == g)
+                        changed = True
+                if not changed:
+                    break
+        per_class = [int(np.flatnonzero(m)[0]) for m in mask]
+        return [per_class[c] for c in red.cls]
+
+    def _best(self, c, cost, mask, before, groups, current=None) -> int:
+        """The group of class ``c`` (among those open to it: ``before``) of least price
+        given its neighbours' candidates (``mask``); ``current`` wins ties."""
+        price, mean = self.prices(c, cost, mask, with_mean=True)
+        open_ = np.flatnonzero(before[c])
+        per_group = np.full(int(groups[c].max()) + 1, np.inf)
+        np.minimum.at(per_group, groups[c][open_], price[open_])
+        least = per_group.min()
+        bar = least + TIE * abs(least)      # (reduced costs may be negative)
+        if current is not None and per_group[current] <= bar:
+            return int(current)
+        # ties (a candidate's best completions cost alike) go to the candidate whose
+        # neighbours' open layouts cost least on average: the safer bet
+        tied = np.flatnonzero(per_group <= bar)
+        if len(tied) == 1:
+            return int(tied[0])
+        second = np.full(len(per_group), np.inf)
+        np.minimum.at(second, groups[c][open_], mean[open_])
+        return int(tied[np.argmin(second[tied])])
+
+    def prices(self, c, cost, mask, with_mean=False):
+        """Per strategy of class ``c``: its cost plus, per edge, the cheapest reshard to
+        a layout the neighbour may take (``mask``); with ``with_mean`` also the mean."""
+        price, mean = cost[c].copy(), cost[c].copy()
+        for pair, safe, is_u in self.around[c]:
+            if is_u:
+                other = np.zeros(safe.shape[1], bool)
+                other[pair.cols[mask[pair.v]]] = True
+                price += np.where(other[None, :], safe, np.inf).min(axis=1)[pair.rows]
+                mean += safe[:, other].mean(axis=1)[pair.rows]
+            else:
+                other = np.zeros(safe.shape[0], bool)
+                other[pair.rows[mask[pair.u]]] = True
+                price += np.where(other[:, None], safe, np.inf).min(axis=0)[pair.cols]
+                mean += safe[other, :].mean(axis=0)[pair.cols]
+        return (price, mean) if with_mean else price

@@ -1,0 +1,198 @@
+"""The double-recursive search (passes/search/recursive.py, Strategy(search="recursive")):
+on the instances the ILP is tested on (the issue's MLP cases, GPT, a memory budget,
+brute force on random problems) its plan is within 10% of the ILP's optimum, equal on
+symmetric ones (a chain of identical matmuls on a 2^k mesh); its plans train as serial
+training does; search="auto" reports what the ILP refinement gained; unknown or
+misplaced search values are refused."""
+
+import math
+import os
+import sys
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import distgraph as dg  # noqa: E402
+from distgraph.passes.search.ilp import evaluate, peak_memory  # noqa: E402
+from distgraph.passes.search.recursive import solve_recursive  # noqa: E402
+from distgraph.program_builder import build_program  # noqa: E402
+from distgraph.runtime.comm.simulated import SimulatedWorld  # noqa: E402
+from distgraph.trace import InputSpec  # noqa: E402
+
+import plans as P  # noqa: E402
+import search_cases as S  # noqa: E402
+from test_ilp import oracle, random_problem  # noqa: E402
+from test_search import gpt_program  # noqa: E402
+
+TOLERANCE = 1.10
+
+
+def auto(built, cluster, search, **options):
+    return dg.passes.plan(built, dg.Strategy(auto_mode="full", search=search, **options),
+                          cluster)
+
+
+CASES = {
+    "dp": lambda: (lambda: S.mlp_program(1024, 128), S.line_cluster(4), {}),
+    "megatron": lambda: (lambda: S.mlp_program(128, 1024), S.line_cluster(4), {}),
+    "grid": lambda: (lambda: S.mlp_program(1024, 256), S.grid_cluster(), {}),
+    "gpt": lambda: (gpt_program, S.line_cluster(4), {}),
+    "micro-batched": lambda: (lambda: S.mlp_program(128, 1024), S.line_cluster(4),
+                              {"micro_batches": 4}),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_recursive_plan_is_within_ten_percent_of_the_ilp_optimum(case):
+    build, cluster, options = CASES[case]()
+    ilp = auto(build(), cluster, "ilp", **options)
+    rec = auto(build(), cluster, "recursive", **options)
+    assert ilp.search.status == "optimal" and rec.search.status == "recursive"
+    assert rec.search.method == "recursive" and not rec.search.note
+    assert rec.search.objective >= ilp.search.objective * (1 - 1e-9)   # the ILP is optimal
+    assert rec.search.objective <= TOLERANCE * ilp.search.objective
+    assert rec.estimate.step_time <= TOLERANCE * ilp.estimate.step_time
+
+
+class Chain(dg.nn.Layer):
+    """``depth`` identical square matmuls (no biases) with a relu between them."""
+
+    def __init__(self, hidden: int, depth: int):
+        super().__init__()
+        self.layers = dg.nn.LayerList([dg.nn.Linear(hidden, hidden, bias=False)
+                                       for _ in range(depth)])
+
+    def forward(self, x):
+        for k, layer in enumerate(self.layers):
+            x = layer(x if k == 0 else dg.ops.relu(x))
+        return x
+
+
+def chain_program(batch, hidden, depth=4):
+    dg.seed(0)
+    return build_program(Chain(hidden, depth), [InputSpec([batch, hidden], name="x")],
+                         [InputSpec([batch, hidden], name="y")], dg.nn.MSELoss(),
+                         dg.optim.SGD(0.1))
+
+
+@pytest.mark.parametrize("cluster", ["line2", "line4", "line8", "grid2x2"])
+@pytest.mark.parametrize("shape", [(1024, 128), (64, 1024)], ids=["tall", "wide"])
+def test_a_chain_of_identical_matmuls_on_a_power_of_two_mesh_is_solved_exactly(cluster,
+                                                                               shape):
+    """Exact on every 1-D mesh of 2^k devices and on the 2 x 2 grid (slow x, fast y)
+    for a tall batch; the wide chain on the grid is the exception: the ILP's optimum
+    alternates, layer by layer, which mesh dim splits the contracted dim (2-D weights
+    [y, x], [x, y], ...), a pattern a level-by-level greedy descent does not reach."""
+    target = S.grid_cluster() if cluster == "grid2x2" else S.line_cluster(int(cluster[4:]))
+    ilp = auto(chain_program(*shape), target, "ilp")
+    rec = auto(chain_program(*shape), target, "recursive")
+    if cluster == "grid2x2" and shape[0] < shape[1]:
+        assert rec.search.objective <= TOLERANCE * ilp.search.objective
+        return
+    assert rec.search.objective == pytest.approx(ilp.search.objective, rel=1e-9)
+
+
+def test_a_memory_budget_is_met_or_refused():
+    cluster = S.line_cluster(4, bandwidth=0.1)
+    free = auto(S.mlp_program(256, 512), cluster, "recursive")
+    budget = 0.8 * free.estimate.peak_memory
+    tight = auto(S.mlp_program(256, 512), cluster, "recursive", memory_budget_gb=budget / 1e9)
+    assert tight.estimate.peak_memory <= budget
+    assert tight.search.objective >= free.search.objective * (1 - 1e-9)
+    # not asked: within 10% of the ILP here. On these slow links (0.1 GB/s) the descent
+    # stays at full replication (16.15 ms) where the ILP finds Megatron (12.97 ms): every
+    # single op that leaves replication alone pays reshards its neighbours would save
+    with pytest.raises(dg.PlanError, match=r"no plan (found that )?fits .* GB per device"):
+        auto(S.mlp_program(256, 512), cluster, "recursive",
+             memory_budget_gb=0.3 * free.estimate.peak_memory / 1e9)
+
+
+def test_random_problems_against_brute_force():
+    """Without a mesh the search has one level (every strategy its own group): a greedy
+    descent in three orders with re-picks. Random costs are its hardest case."""
+    ratios = []
+    for seed in range(120):
+        p = random_problem(seed)
+        best, best_in_budget, _ = oracle(p)
+        if math.isinf(best_in_budget):
+            continue
+        sol, _ = solve_recursive(p, None, [])
+        assert evaluate(p, sol.choice) == pytest.approx(sol.objective)
+        if p.memory_budget is not None:
+            assert peak_memory(p, sol.choice) <= p.memory_budget + 1e-9
+        assert sol.objective >= best_in_budget - 1e-9
+        ratios.append(1.0 if best_in_budget == 0 == sol.objective else
+                      sol.objective / max(best_in_budget, 1e-12))
+    ratios = np.array(ratios)
+    assert len(ratios) > 60 and np.median(ratios) == 1.0
+    assert (ratios <= TOLERANCE).mean() >= 0.95
+
+
+@pytest.fixture
+def float64():
+    previous = dg.get_default_dtype()
+    dg.set_default_dtype("float64")
+    yield
+    dg.set_default_dtype(previous)
+
+
+def train(model, kind, comm):
+    engine = dg.Engine(model, P.loss_fn(kind), P.make_optimizer("adamw"), communicator=comm,
+                       strategy=dg.Strategy(auto_mode="full", search="recursive"))
+    engine = P.prepare(engine, kind)
+    history = engine.fit(P.Dataset(kind), batch_size=P.BATCH, epochs=1)
+    return history.losses, engine.state_dict(), engine.plan().search.method
+
+
+@pytest.mark.parametrize("kind", ["mlp", "gpt"])
+def test_a_recursive_plan_trains_like_serial(kind, float64):
+    reference = P.serial_reference(kind)
+    models = [P.build_model(kind) for _ in range(4)]
+    results = SimulatedWorld(4, timeout=60).run(lambda comm: train(models[comm.rank], kind,
+                                                                   comm))
+    for rank, (losses, params, method) in enumerate(results):
+        assert method == "recursive"
+        errors = P.compare((losses, params), reference, "float64")
+        assert errors["steps"] == P.STEPS
+        assert errors["loss"] <= P.TOLERANCE["float64"], (rank, errors)
+        assert errors["param"] <= P.TOLERANCE["float64"], (rank, errors)
+
+
+def test_explain_says_which_search_chose_and_what_the_ilp_gained():
+    rec = auto(S.mlp_program(128, 1024), S.line_cluster(4), "recursive")
+    assert "chosen by recursive bisection" in rec.explain()
+    assert rec.to_dict()["search"]["method"] == "recursive"
+    both = auto(S.mlp_program(128, 1024), S.line_cluster(4), "auto")
+    assert both.search.status == "optimal"
+    gain = 1 - both.search.objective / both.search.recursive_objective
+    assert both.search.recursive_objective == pytest.approx(rec.search.objective)
+    assert f"refined by the SCIP ILP: {gain:.2%} faster" in both.explain()
+    ilp = auto(S.mlp_program(128, 1024), S.line_cluster(4), "ilp")
+    assert both.search.objective == pytest.approx(ilp.search.objective, rel=1e-9)
+    assert "chosen by SCIP ILP" in ilp.explain()
+
+
+def test_auto_prices_the_stage_dp_recursively_and_refines_the_chosen_stages():
+    dims = dict(seq=4, d_in=64, hidden=64, d_out=64)
+    dg.seed(0)
+    model = P.PlanMLP(dims, 4)
+    data = P.Dataset("mlp", dims=dims, batch=16)
+    ins, labels = dg.app.data.DataLoader(data, 16).specs(1)
+    built = build_program(model, ins, labels, P.loss_fn("mlp"), dg.optim.AdamW(0.01))
+    cluster = S.line_cluster(4, bandwidth=0.01, device=S.FLOPS_ONLY)
+    plan = auto(built, cluster, "auto", pipeline=True, micro_batches=8)
+    assert len(plan.search.stages) > 1
+    for report in plan.search.stages:
+        assert report.method == "auto" and report.status == "optimal"
+        assert report.recursive_objective >= report.objective * (1 - 1e-9)
+    assert "refined by the SCIP ILP" in plan.explain()
+
+
+def test_unknown_or_misplaced_search_values_are_refused():
+    with pytest.raises(dg.DistGraphError, match="Strategy.search must be one of"):
+        dg.Strategy(auto_mode="full", search="greedy")
+    with pytest.raises(dg.PlanError, match="auto_mode='full'"):
+        dg.passes.plan(S.mlp_program(64, 64), dg.Strategy(search="recursive"),
+                       S.line_cluster(4))

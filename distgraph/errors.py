@@ -17,5 +17,16 @@ class PlanError(DistGraphError):
     """A program that cannot be planned, partitioned or launched as asked."""
 
 
+class BatchSplitError(ShardingError, PlanError):
+    """A batch of ``rows`` samples that its split does not divide: ``parts`` parts, made
+    as ``split`` says (data-parallel mesh dims, or micro-batches). Both a ShardingError and
+    a PlanError, as each of the checks that raise it raised before; the Engine reads
+    ``rows`` and ``parts`` to say which dataset lengths a short last batch needs."""
+
+    def __init__(self, message: str, rows: int, parts: int, split: str):
+        super().__init__(message)
+        self.rows, self.parts, self.split = rows, parts, split
+
+
 class RuntimeFault(DistGraphError):
     """A failure while running: a rank raised, died, or a message never arrived."""

@@ -4,12 +4,17 @@ new model values taking effect, a new batch size planning again, and the short l
 batch (drop_last). Oracles: hand-written SGD on a linear model, numpy on predictions."""
 
 import io
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 import distgraph as dg
 from distgraph.runtime.comm.simulated import SimulatedWorld
+
+sys.path.insert(0, str(Path(__file__).parent))
+from user_scripts import run_user, with_prelude  # noqa: E402
 
 MESH = dg.ProcessMesh([[0, 1], [2, 3]], ["dp", "mp"])
 
@@ -224,8 +229,61 @@ def test_a_short_batch_that_cannot_be_split_says_drop_last():
             return self.fc(dg.shard_tensor(x, MESH, ["dp", None]))
 
     engine = dg.Engine(DataParallel(), dg.nn.MSELoss(), dg.optim.SGD(0.05))
-    with pytest.raises(dg.DistGraphError, match="last batch has 3 samples.*drop_last=True"):
+    with pytest.raises(dg.DistGraphError, match="last batch of each epoch has 3 samples.*"
+                       r"drop_last=True.* a dataset of 10 or 12 samples"):
         engine.fit(Rows(11), batch_size=4, verbose=0)
+
+
+SHORT_LAST_BATCH = with_prelude("""
+    call = sys.argv[1]
+    mesh = dg.ProcessMesh([0, 1, 2, 3], dim_names=["dp"])
+    engine = mlp_engine()
+
+    class Steps(dg.callbacks.Callback):
+        def on_step_end(self, step, logs):
+            print("ran step", step, flush=True)
+
+    whole = dg.shard_dataloader(Rows(64), mesh, shard_dims="dp")
+    if call == "fit":
+        engine.fit(dg.shard_dataloader(Rows(66), mesh, shard_dims="dp"), batch_size=8,
+                   verbose=0, callbacks=[Steps()])
+    elif call == "validate":            # a plain dataset is split as fit's data is
+        engine.fit(whole, batch_size=8, verbose=0, valid_data=Rows(66), callbacks=[Steps()])
+    elif call == "evaluate":
+        engine.fit(whole, batch_size=8, verbose=0)
+        print("evaluated", engine.evaluate(Rows(66), batch_size=8, verbose=0))
+    elif call == "drop_last":
+        engine.fit(dg.shard_dataloader(Rows(66), mesh, shard_dims="dp"), batch_size=8,
+                   verbose=0, drop_last=True, callbacks=[Steps()])
+        print("evaluated", engine.evaluate(Rows(66), batch_size=8, verbose=0,
+                                           drop_last=True))
+""")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("call", ["fit", "validate", "evaluate"])
+def test_a_short_last_batch_four_ranks_cannot_split_fails_before_the_first_step(tmp_path,
+                                                                             call):
+    """66 samples, batch_size 8, dp=4: the last batch of 2 cannot be split over 4
+    processes. The run stops before any step (not after an epoch's work), and the error
+    names the real ways out: drop_last=True, or a dataset length whose last batch 4
+    divides (batch_size 8 already divides by 4)."""
+    rc, out = run_user(tmp_path, SHORT_LAST_BATCH, 4, call)
+    assert rc != 0, out
+    assert "ran step" not in out and "evaluated" not in out, out
+    epoch = " of each epoch" if call == "fit" else ""
+    assert (f"the last batch{epoch} has 2 samples (dataset of 66, batch_size 8), which its "
+            "split over mesh dims ['dp'] into 4 parts does not divide: pass drop_last=True "
+            "to skip those 2 samples, or use a dataset of 64 or 68 samples") in out, out
+    assert "use a batch size divisible by 4" not in out, out
+
+
+@pytest.mark.mpi
+def test_with_drop_last_the_short_batch_is_skipped_on_four_ranks(tmp_path):
+    rc, out = run_user(tmp_path, SHORT_LAST_BATCH, 4, "drop_last")
+    assert rc == 0, out
+    assert out.count("ran step 7") == 4 and "ran step 8" not in out, out
+    assert out.count("evaluated {'loss'") == 4, out
 
 
 class Classifier(dg.nn.Layer):

@@ -28,5 +28,15 @@ class BatchSplitError(ShardingError, PlanError):
         self.rows, self.parts, self.split = rows, parts, split
 
 
+class TooFewDevicesError(PlanError):
+    """A plan whose processes (``process_ids``) a cluster of ``devices`` devices cannot
+    hold; ``distgraph plan -n N`` reads the ids to say which ``-n`` the plan needs."""
+
+    def __init__(self, process_ids, devices: int):
+        self.process_ids, self.devices = list(process_ids), devices
+        super().__init__(f"this plan has {len(self.process_ids)} processes but the cluster "
+                         f"has only {devices} devices")
+
+
 class RuntimeFault(DistGraphError):
     """A failure while running: a rank raised, died, or a message never arrived."""

@@ -112,7 +112,29 @@ def test_stop_training_inside_an_epoch_and_early_stopping(float64):
         engine.fit(Rows(6), batch_size=2, callbacks=[dg.callbacks.EarlyStopping()], verbose=0)
 
 
-def test_progress_bar_shows_loss_and_rates(float64, capsys):
+def test_off_a_terminal_the_bar_is_plain_lines(float64, capsys, monkeypatch):
+    monkeypatch.delenv(dg.callbacks.TERMINAL_VAR, raising=False)     # capsys: no tty
+    model, _, _ = linear()
+    engine = dg.Engine(model, dg.nn.MSELoss(), dg.optim.SGD(0.05))
+    engine.fit(Rows(6), batch_size=2, epochs=2)
+    err = capsys.readouterr().err
+    assert "\r" not in err
+    lines = err.splitlines()
+    assert [ln.split(" loss=")[0] for ln in lines if " step " in ln] == \
+        ["epoch 1/2 step 1/3", "epoch 1/2 step 2/3", "epoch 2/2 step 1/3", "epoch 2/2 step 2/3"]
+    assert [ln.split(" mean_loss=")[0] for ln in lines if "mean_loss=" in ln] == \
+        ["epoch 1/2", "epoch 2/2"]
+    assert len(lines) == 6
+
+
+@pytest.fixture
+def terminal(monkeypatch):
+    """Output counts as reaching a terminal (as distgraph run says for its ranks), so
+    that the bar is drawn into capsys and StringIO streams."""
+    monkeypatch.setenv(dg.callbacks.TERMINAL_VAR, "1")
+
+
+def test_progress_bar_shows_loss_and_rates(float64, capsys, terminal):
     model, _, _ = linear()
     engine = dg.Engine(model, dg.nn.MSELoss(), dg.optim.SGD(0.05))
     engine.fit(Rows(6), batch_size=2, epochs=2)                 # verbose=1: the bar
@@ -126,7 +148,8 @@ def test_progress_bar_shows_loss_and_rates(float64, capsys):
     assert capsys.readouterr() == ("", "")
 
 
-def test_a_fit_that_raises_closes_its_bar_and_evaluate_takes_verbose(float64, capsys):
+def test_a_fit_that_raises_closes_its_bar_and_evaluate_takes_verbose(float64, capsys,
+                                                                    terminal):
     model, _, _ = linear()
     engine = dg.Engine(model, dg.nn.MSELoss(), dg.optim.SGD(0.05))
 
@@ -286,6 +309,57 @@ def test_with_drop_last_the_short_batch_is_skipped_on_four_ranks(tmp_path):
     assert out.count("evaluated {'loss'") == 4, out
 
 
+PROGRESS = with_prelude("""
+    n = int(sys.argv[1])            # processes of the plan: 2 runs, 4 is the wrong -n
+    mesh = dg.ProcessMesh(list(range(n)), dim_names=["dp"])
+    mlp_engine().fit(dg.shard_dataloader(Rows(64), mesh, shard_dims="dp"), batch_size=8,
+                     epochs=2)
+""")
+
+
+@pytest.mark.mpi
+def test_a_logged_run_gets_plain_lines_and_a_wrong_n_no_bar(tmp_path):
+    """distgraph run into a pipe (a log, tee): plain progress lines, no carriage returns;
+    a plan of 4 processes on 2 ranks says so before any progress is drawn."""
+    rc, out = run_user(tmp_path, PROGRESS, 2, 2)
+    assert rc == 0, out
+    assert "\r" not in out and out.count("mean_loss=") == 2, out
+    assert "epoch 1/2 step 7/8 loss=" in out and "epoch 2/2 mean_loss=" in out, out
+    rc, out = run_user(tmp_path, PROGRESS, 2, 4)
+    assert rc != 0
+    assert out.splitlines()[0].startswith(
+        "distgraph: ranks 0, 1 failed: PlanError: this plan needs 4 processes"), out
+    assert "epoch" not in out, out
+
+
+@pytest.mark.mpi
+def test_on_a_terminal_distgraph_run_draws_the_bar(tmp_path):
+    """The launcher's terminal decides, though its ranks write into pipes."""
+    import os
+    import pty
+    import subprocess
+    script = tmp_path / "progress.py"
+    script.write_text(PROGRESS)
+    main, side = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "distgraph.cli", "run", "-n", "2",
+                             str(script), "2"], stdout=subprocess.DEVNULL, stderr=side,
+                            env=dict({k: v for k, v in os.environ.items()
+                                      if k != dg.callbacks.TERMINAL_VAR}, OMP_NUM_THREADS="1"))
+    os.close(side)
+    seen = b""
+    while True:
+        try:
+            chunk = os.read(main, 1 << 16)
+        except OSError:          # the terminal closed: the job is over
+            break
+        if not chunk:
+            break
+        seen += chunk
+    os.close(main)
+    assert proc.wait(timeout=120) == 0, seen
+    assert b"\r" in seen and b"epoch 2/2: 100%" in seen, seen
+
+
 class Classifier(dg.nn.Layer):
     def __init__(self, annotate):
         super().__init__()
@@ -381,7 +455,7 @@ def test_distributed_engines_take_new_model_values_too(float64):
         assert all(np.max(np.abs(got[k] - params[k])) < 1e-12 for k in params)
 
 
-def test_only_rank_zero_shows_progress(float64):
+def test_only_rank_zero_shows_progress(float64, terminal):
     class DataParallel(dg.nn.Layer):
         def __init__(self):
             super().__init__()

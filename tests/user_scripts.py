@@ -53,8 +53,9 @@ def write_script(folder, text: str, name: str = "user_script.py"):
 
 def run_command(argv, timeout=120, **env) -> tuple:
     """(exit code, stdout + stderr) of ``argv`` with one BLAS thread per process."""
+    base = {k: v for k, v in os.environ.items() if k != "DISTGRAPH_TERMINAL"}  # a pipe
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout,
-                          env=dict(os.environ, OMP_NUM_THREADS="1", **env))
+                          env=dict(base, OMP_NUM_THREADS="1", **env))
     return proc.returncode, proc.stdout + proc.stderr
 
 

@@ -33,6 +33,7 @@ from distgraph.callbacks import CallbackList, ProgressBar
 from distgraph.errors import BatchSplitError, DistGraphError
 from distgraph.metrics import as_metrics
 from distgraph.runtime.backend import backend_for
+from distgraph.runtime.execution.runner import check_world
 
 
 @dataclass
@@ -81,9 +82,11 @@ class Loops:
             valid = self.loader(valid_data, batch_size, drop_last=drop_last)
             self.check_data(Mode.EVAL, valid)
             self.plan_shapes(Mode.EVAL, valid, valid.indices(0))
-        # GPUs asked for where there are none: one line now, not after the progress bar
+        # GPUs asked for where there are none, or a job of the wrong size: one line now,
+        # not after the progress bar
         train = engine._plans.plan(Mode.TRAIN)
         backend_for(train.devices, engine.rank if train.distributed else 0)
+        self.check_world(train)
         cbs = CallbackList(progress(verbose, callbacks) + list(callbacks or []), engine)
         try:
             return self._train(loader, n_batches, first_epoch, first_batch, epochs, cbs,
@@ -165,6 +168,7 @@ class Loops:
         self.check_data(Mode.EVAL, loader)
         self.only_planning(Mode.EVAL, loader)
         self.plan_shapes(Mode.EVAL, loader, loader.indices(0))
+        self.check_world(self.engine._plans.plan(Mode.EVAL))
         bar = CallbackList(progress(verbose, None, label="evaluate"), self.engine)
         try:
             return self._evaluate(loader, ms, bar)
@@ -259,6 +263,12 @@ class Loops:
                    for name, r in reads.items()}
         planned.check()(feed, samples, epoch, batch)
         return feed, arrays[len(reads):]
+
+    def check_world(self, plan) -> None:
+        """A plan of another number of processes than the job's ranks stops now, saying
+        how to launch it (before a progress bar is drawn)."""
+        if plan.distributed:
+            check_world(plan, self.engine.world_size)
 
     # -- planning only ----------------------------------------------------------------------------
     def plan_shapes(self, mode, loader, batches) -> None:

@@ -39,6 +39,7 @@ import tempfile
 import threading
 from contextlib import ExitStack, contextmanager
 
+from distgraph.callbacks import TERMINAL_VAR, is_terminal
 from distgraph.errors import PlanError
 from distgraph.runtime.launch import remote
 from distgraph.runtime.launch.connections import Masters
@@ -82,10 +83,14 @@ def mpiexec_path() -> str:
 def rank_env(base: dict | None = None, status_dir: str | None = None,
              log_dir: str | None = None) -> dict:
     """Environment for ranks: one BLAS thread each and the allocator settings unless
-    already set, and the job's status and log folders."""
+    already set, whether the job's output reaches a terminal (progress bars or plain
+    lines, :func:`distgraph.callbacks.is_terminal`), and the job's status and log
+    folders."""
     env = dict(os.environ if base is None else base)
     for var in BLAS_THREAD_VARS:
         env.setdefault(var, "1")
+    # the ranks write into pipes: whether their progress bars reach a terminal is ours
+    env.setdefault(TERMINAL_VAR, "1" if is_terminal(sys.stderr) else "0")
     for var, value in ALLOCATOR_VARS.items():
         env.setdefault(var, value)
     if status_dir is not None:

@@ -12,6 +12,10 @@ every rank's start). ``import distgraph as dg; dg.Engine`` and ``from distgraph 
 Engine`` work as before; so do paths into submodules (``dg.spmd.UNKNOWN``,
 ``dg.app.data.DataLoader``), which import everything public first, as before.
 
+Importing distgraph gives this process one BLAS thread, as ``distgraph run`` gives each
+rank, unless ``OMP_NUM_THREADS`` (or ``OPENBLAS_``/``MKL_NUM_THREADS``) is set
+(:mod:`distgraph.threads`).
+
 Example::
 
     import distgraph as dg
@@ -23,6 +27,9 @@ import sys
 import types
 
 from distgraph.errors import DistGraphError, PlanError, ResourceFileError, RuntimeFault, ShardingError
+from distgraph.threads import limit_blas_threads
+
+limit_blas_threads()     # one BLAS thread per process unless the user set one (threads.py)
 
 # public name -> the module that defines it
 _PUBLIC = {

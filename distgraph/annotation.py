@@ -17,7 +17,7 @@ import copy
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from distgraph.errors import ShardingError
+from distgraph.errors import BatchSplitError, ShardingError
 from distgraph.ir import Value
 from distgraph.mesh import ProcessMesh
 from distgraph.parameter import Parameter
@@ -83,9 +83,11 @@ def check_batch_split(spec: ShardSpec, mesh: ProcessMesh, shape, what: str) -> N
             parts *= mesh.dim_size(name)
     if shape[0] % parts:
         where = f"{what} of shape {list(shape)} with spec {spec} on {mesh}"
-        raise ShardingError(f"{where}: the batch dim 0 of size {shape[0]} is not divisible "
-                            f"by {parts} (the size of mesh dims {list(spec.entry(0))}); use "
-                            f"a batch size divisible by {parts}")
+        dims = list(spec.entry(0))
+        raise BatchSplitError(f"{where}: the batch dim 0 of size {shape[0]} is not divisible "
+                              f"by {parts} (the size of mesh dims {dims}); use a batch size "
+                              f"divisible by {parts}", shape[0], parts,
+                              f"its split over mesh dims {dims} into {parts} parts")
 
 
 @dataclass(frozen=True)

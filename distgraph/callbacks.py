@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import csv
 import math
+import os
 import sys
 import time
 
@@ -112,10 +113,30 @@ def _fmt(value) -> str:
     return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
+TERMINAL_VAR = "DISTGRAPH_TERMINAL"   # "1" / "0": whether the job's output reaches a terminal
+
+
+def is_terminal(stream) -> bool:
+    """Whether output to ``stream`` reaches a terminal: as ``distgraph run`` says
+    (``$DISTGRAPH_TERMINAL``; its ranks write into pipes, read by the launcher), else
+    the stream's own ``isatty()``."""
+    said = os.environ.get(TERMINAL_VAR)
+    if said in ("0", "1"):
+        return said == "1"
+    isatty = getattr(stream, "isatty", None)
+    try:
+        return bool(isatty and isatty())
+    except ValueError:          # a closed stream
+        return False
+
+
 class ProgressBar(Callback):
     """A tqdm bar per epoch on rank 0: the step's loss, steps/s and samples/s (global
-    samples). With ``bar=False``, one line per epoch instead (``fit(verbose=2)``).
-    ``label`` names the bar instead of ``epoch i/n`` (``evaluate`` shows "evaluate").
+    samples). Where the output does not reach a terminal (a file, a pipe into ``tee``:
+    :func:`is_terminal`), plain lines instead of the bar's ``\r`` updates: one about
+    every tenth of the epoch and one at its end. With ``bar=False``, only the line at
+    each epoch's end, on stdout (``fit(verbose=2)``). ``label`` names the bar instead of
+    ``epoch i/n`` (``evaluate`` shows "evaluate").
 
     Example::
 
@@ -125,6 +146,7 @@ class ProgressBar(Callback):
     def __init__(self, bar: bool = True, file=None, label: str | None = None):
         self.bar, self.file, self.label = bar, file, label
         self._tqdm = None
+        self._lines = False          # plain lines on the bar's stream, for logs
 
     def _name(self, epoch) -> str:
         return self.label or f"epoch {epoch + 1}/{self.epochs}"
@@ -138,7 +160,10 @@ class ProgressBar(Callback):
 
     def on_epoch_begin(self, epoch, logs=None):
         self._start, self._samples, self._count = time.perf_counter(), 0, 0
-        if self.bar and self._active():
+        self._epoch, self._done = epoch, logs.get("batch", 0) if logs else 0
+        self._lines = self.bar and self._active() and \
+            not is_terminal(self.file or sys.stderr)
+        if self.bar and self._active() and not self._lines:
             from tqdm import tqdm
             self._tqdm = tqdm(total=self.steps, desc=self._name(epoch),
                               unit="step", file=self.file or sys.stderr, dynamic_ncols=True,
@@ -152,7 +177,15 @@ class ProgressBar(Callback):
 
     def on_step_end(self, step, logs=None):
         self._count += 1
+        self._done += 1
         self._samples += logs.get("batch_size", 0)
+        every = max(1, (self.steps or 0) // 10)
+        if self._lines and self._done % every == 0 and self._done != self.steps:
+            text = " ".join(f"{k}={v}" for k, v in
+                            {"loss": f"{logs['loss']:.4g}", **self._rates()}.items())
+            total = f"/{self.steps}" if self.steps else ""
+            print(f"{self._name(self._epoch)} step {self._done}{total} {text}",
+                  file=self.file or sys.stderr, flush=True)
         if self._tqdm is not None:
             self._tqdm.set_postfix({"loss": f"{logs['loss']:.4g}", **self._rates()},
                                    refresh=False)
@@ -169,7 +202,8 @@ class ProgressBar(Callback):
             self._tqdm = None
         elif self._active():
             text = " ".join(f"{k}={_fmt(v)}" for k, v in {**shown, **self._rates()}.items())
-            print(f"{self._name(epoch)} {text}", file=self.file or sys.stdout, flush=True)
+            stream = (self.file or sys.stderr) if self._lines else (self.file or sys.stdout)
+            print(f"{self._name(epoch)} {text}", file=stream, flush=True)
 
     def on_train_end(self, logs=None):
         self.close()                         # stopped inside an epoch

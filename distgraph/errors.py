@@ -17,5 +17,26 @@ class PlanError(DistGraphError):
     """A program that cannot be planned, partitioned or launched as asked."""
 
 
+class BatchSplitError(ShardingError, PlanError):
+    """A batch of ``rows`` samples that its split does not divide: ``parts`` parts, made
+    as ``split`` says (data-parallel mesh dims, or micro-batches). Both a ShardingError and
+    a PlanError, as each of the checks that raise it raised before; the Engine reads
+    ``rows`` and ``parts`` to say which dataset lengths a short last batch needs."""
+
+    def __init__(self, message: str, rows: int, parts: int, split: str):
+        super().__init__(message)
+        self.rows, self.parts, self.split = rows, parts, split
+
+
+class TooFewDevicesError(PlanError):
+    """A plan whose processes (``process_ids``) a cluster of ``devices`` devices cannot
+    hold; ``distgraph plan -n N`` reads the ids to say which ``-n`` the plan needs."""
+
+    def __init__(self, process_ids, devices: int):
+        self.process_ids, self.devices = list(process_ids), devices
+        super().__init__(f"this plan has {len(self.process_ids)} processes but the cluster "
+                         f"has only {devices} devices")
+
+
 class RuntimeFault(DistGraphError):
     """A failure while running: a rank raised, died, or a message never arrived."""

@@ -37,7 +37,7 @@ from __future__ import annotations
 import dataclasses
 from types import MappingProxyType
 
-from distgraph.errors import PlanError, ShardingError
+from distgraph.errors import PlanError, ShardingError, TooFewDevicesError
 from distgraph.ir import Role
 from distgraph.mesh import ProcessMesh, ProcessRanks
 from distgraph.passes.balance import balance_batch, batch_mesh_dims
@@ -288,8 +288,7 @@ def _rank_of(program, ids, cluster, rank_mapping, partitions, micro_batches):
     world_size = len(ids)
     cluster = cluster or Cluster.local(world_size)
     if len(cluster.devices) < world_size:
-        raise PlanError(f"this plan has {world_size} processes but the cluster has only "
-                        f"{len(cluster.devices)} devices")
+        raise TooFewDevicesError(sorted(ids), len(cluster.devices))
     if rank_mapping is None:
         rank_mapping = map_ranks(process_graph(program, partitions,
                                                micro_batches=micro_batches), cluster,

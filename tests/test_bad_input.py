@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).parent / "mpi_scripts"))
 sys.path.insert(0, str(Path(__file__).parent))
 import fault_jobs as J  # noqa: E402
 from plans import BUILD_LOCK  # noqa: E402
+from user_scripts import run_user  # noqa: E402
 
 CLUSTERS = Path(__file__).parent.parent / "resources" / "clusters"
 
@@ -292,11 +293,58 @@ def mlp_fit(data, loss=None):
     (Fields(), dg.nn.CrossEntropyLoss(), dg.DTypeError,
      "CrossEntropyLoss: the label 'label_0' is float64, but cross-entropy takes integer "
      "class ids"),
+    (Fields(label="int64"), dg.nn.CrossEntropyLoss(), dg.ShapeError,
+     "CrossEntropyLoss: each sample's label 'label_0' has shape [4], but its logits have "
+     "shape [4] (4 classes), so the label needs shape [], one class id per sample: give "
+     "class ids, not one-hot rows or scores (y.argmax(-1))"),
 ])
 def test_samples_that_do_not_fit_the_model_or_the_loss_say_how(data, loss, error, words):
     with pytest.raises(error) as info:
         mlp_fit(data, loss)
     assert words in str(info.value)
+
+
+LABEL_SHAPE = """
+    import sys
+    import numpy as np
+    import distgraph as dg
+
+    class Tokens:
+        def __init__(self, label_shape, n=32):
+            rng = np.random.default_rng(0)
+            self.x = rng.integers(0, 32, size=(n, 16))
+            self.y = rng.integers(0, 32, size=(n, *label_shape))
+        def __len__(self):
+            return len(self.x)
+        def __getitem__(self, i):
+            return self.x[i], self.y[i]
+
+    label_shape = [int(d) for d in sys.argv[1].split(",")]
+    mesh = dg.ProcessMesh([0, 1], dim_names=["dp"])
+    model = dg.nn.GPT(vocab_size=32, d_model=16, n_layer=1, n_head=2, max_seq_len=16)
+    engine = dg.Engine(model, loss=dg.nn.CrossEntropyLoss(), optimizer=dg.optim.SGD(0.1))
+    engine.fit(dg.shard_dataloader(Tokens(label_shape), mesh, shard_dims="dp"), batch_size=8)
+"""
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("label_shape, fix", [
+    ("16,1", "drop the last dim (y[..., 0] or y.reshape(16))"),
+    ("16,32", "give class ids, not one-hot rows or scores (y.argmax(-1))"),
+    ("15", "give each sample a label of shape [16]"),
+])
+def test_a_label_of_the_wrong_shape_is_one_line_with_the_fix(tmp_path, label_shape, fix):
+    """Logits [16, 32] per sample: a label of shape [16, 1] (or one-hot, or of another
+    length) is one line in the user's terms, not the op's internal names."""
+    rc, out = run_user(tmp_path, LABEL_SHAPE, 2, label_shape)
+    assert rc != 0
+    failed = [ln for ln in out.splitlines() if " failed: " in ln]
+    shape = "[" + label_shape.replace(",", ", ") + "]"
+    assert failed == [
+        f"distgraph: ranks 0, 1 failed: ShapeError: CrossEntropyLoss: each sample's label "
+        f"'label_0' has shape {shape}, but its logits have shape [16, 32] (32 classes), so "
+        f"the label needs shape [16], one class id per position: {fix}"], out
+    assert "softmax_cross_entropy" not in out and "matmul" not in out, out
 
 
 def test_float64_samples_for_a_float32_model_are_cast_and_said_once(capsys):

@@ -4,12 +4,17 @@ new model values taking effect, a new batch size planning again, and the short l
 batch (drop_last). Oracles: hand-written SGD on a linear model, numpy on predictions."""
 
 import io
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 import distgraph as dg
 from distgraph.runtime.comm.simulated import SimulatedWorld
+
+sys.path.insert(0, str(Path(__file__).parent))
+from user_scripts import run_user, with_prelude  # noqa: E402
 
 MESH = dg.ProcessMesh([[0, 1], [2, 3]], ["dp", "mp"])
 
@@ -107,7 +112,29 @@ def test_stop_training_inside_an_epoch_and_early_stopping(float64):
         engine.fit(Rows(6), batch_size=2, callbacks=[dg.callbacks.EarlyStopping()], verbose=0)
 
 
-def test_progress_bar_shows_loss_and_rates(float64, capsys):
+def test_off_a_terminal_the_bar_is_plain_lines(float64, capsys, monkeypatch):
+    monkeypatch.delenv(dg.callbacks.TERMINAL_VAR, raising=False)     # capsys: no tty
+    model, _, _ = linear()
+    engine = dg.Engine(model, dg.nn.MSELoss(), dg.optim.SGD(0.05))
+    engine.fit(Rows(6), batch_size=2, epochs=2)
+    err = capsys.readouterr().err
+    assert "\r" not in err
+    lines = err.splitlines()
+    assert [ln.split(" loss=")[0] for ln in lines if " step " in ln] == \
+        ["epoch 1/2 step 1/3", "epoch 1/2 step 2/3", "epoch 2/2 step 1/3", "epoch 2/2 step 2/3"]
+    assert [ln.split(" mean_loss=")[0] for ln in lines if "mean_loss=" in ln] == \
+        ["epoch 1/2", "epoch 2/2"]
+    assert len(lines) == 6
+
+
+@pytest.fixture
+def terminal(monkeypatch):
+    """Output counts as reaching a terminal (as distgraph run says for its ranks), so
+    that the bar is drawn into capsys and StringIO streams."""
+    monkeypatch.setenv(dg.callbacks.TERMINAL_VAR, "1")
+
+
+def test_progress_bar_shows_loss_and_rates(float64, capsys, terminal):
     model, _, _ = linear()
     engine = dg.Engine(model, dg.nn.MSELoss(), dg.optim.SGD(0.05))
     engine.fit(Rows(6), batch_size=2, epochs=2)                 # verbose=1: the bar
@@ -121,7 +148,8 @@ def test_progress_bar_shows_loss_and_rates(float64, capsys):
     assert capsys.readouterr() == ("", "")
 
 
-def test_a_fit_that_raises_closes_its_bar_and_evaluate_takes_verbose(float64, capsys):
+def test_a_fit_that_raises_closes_its_bar_and_evaluate_takes_verbose(float64, capsys,
+                                                                    terminal):
     model, _, _ = linear()
     engine = dg.Engine(model, dg.nn.MSELoss(), dg.optim.SGD(0.05))
 
@@ -224,8 +252,112 @@ def test_a_short_batch_that_cannot_be_split_says_drop_last():
             return self.fc(dg.shard_tensor(x, MESH, ["dp", None]))
 
     engine = dg.Engine(DataParallel(), dg.nn.MSELoss(), dg.optim.SGD(0.05))
-    with pytest.raises(dg.DistGraphError, match="last batch has 3 samples.*drop_last=True"):
+    with pytest.raises(dg.DistGraphError, match="last batch of each epoch has 3 samples.*"
+                       r"drop_last=True.* a dataset of 10 or 12 samples"):
         engine.fit(Rows(11), batch_size=4, verbose=0)
+
+
+SHORT_LAST_BATCH = with_prelude("""
+    call = sys.argv[1]
+    mesh = dg.ProcessMesh([0, 1, 2, 3], dim_names=["dp"])
+    engine = mlp_engine()
+
+    class Steps(dg.callbacks.Callback):
+        def on_step_end(self, step, logs):
+            print("ran step", step, flush=True)
+
+    whole = dg.shard_dataloader(Rows(64), mesh, shard_dims="dp")
+    if call == "fit":
+        engine.fit(dg.shard_dataloader(Rows(66), mesh, shard_dims="dp"), batch_size=8,
+                   verbose=0, callbacks=[Steps()])
+    elif call == "validate":            # a plain dataset is split as fit's data is
+        engine.fit(whole, batch_size=8, verbose=0, valid_data=Rows(66), callbacks=[Steps()])
+    elif call == "evaluate":
+        engine.fit(whole, batch_size=8, verbose=0)
+        print("evaluated", engine.evaluate(Rows(66), batch_size=8, verbose=0))
+    elif call == "drop_last":
+        engine.fit(dg.shard_dataloader(Rows(66), mesh, shard_dims="dp"), batch_size=8,
+                   verbose=0, drop_last=True, callbacks=[Steps()])
+        print("evaluated", engine.evaluate(Rows(66), batch_size=8, verbose=0,
+                                           drop_last=True))
+""")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("call", ["fit", "validate", "evaluate"])
+def test_a_short_last_batch_four_ranks_cannot_split_fails_before_the_first_step(tmp_path,
+                                                                             call):
+    """66 samples, batch_size 8, dp=4: the last batch of 2 cannot be split over 4
+    processes. The run stops before any step (not after an epoch's work), and the error
+    names the real ways out: drop_last=True, or a dataset length whose last batch 4
+    divides (batch_size 8 already divides by 4)."""
+    rc, out = run_user(tmp_path, SHORT_LAST_BATCH, 4, call)
+    assert rc != 0, out
+    assert "ran step" not in out and "evaluated" not in out, out
+    epoch = " of each epoch" if call == "fit" else ""
+    assert (f"the last batch{epoch} has 2 samples (dataset of 66, batch_size 8), which its "
+            "split over mesh dims ['dp'] into 4 parts does not divide: pass drop_last=True "
+            "to skip those 2 samples, or use a dataset of 64 or 68 samples") in out, out
+    assert "use a batch size divisible by 4" not in out, out
+
+
+@pytest.mark.mpi
+def test_with_drop_last_the_short_batch_is_skipped_on_four_ranks(tmp_path):
+    rc, out = run_user(tmp_path, SHORT_LAST_BATCH, 4, "drop_last")
+    assert rc == 0, out
+    assert out.count("ran step 7") == 4 and "ran step 8" not in out, out
+    assert out.count("evaluated {'loss'") == 4, out
+
+
+PROGRESS = with_prelude("""
+    n = int(sys.argv[1])            # processes of the plan: 2 runs, 4 is the wrong -n
+    mesh = dg.ProcessMesh(list(range(n)), dim_names=["dp"])
+    mlp_engine().fit(dg.shard_dataloader(Rows(64), mesh, shard_dims="dp"), batch_size=8,
+                     epochs=2)
+""")
+
+
+@pytest.mark.mpi
+def test_a_logged_run_gets_plain_lines_and_a_wrong_n_no_bar(tmp_path):
+    """distgraph run into a pipe (a log, tee): plain progress lines, no carriage returns;
+    a plan of 4 processes on 2 ranks says so before any progress is drawn."""
+    rc, out = run_user(tmp_path, PROGRESS, 2, 2)
+    assert rc == 0, out
+    assert "\r" not in out and out.count("mean_loss=") == 2, out
+    assert "epoch 1/2 step 7/8 loss=" in out and "epoch 2/2 mean_loss=" in out, out
+    rc, out = run_user(tmp_path, PROGRESS, 2, 4)
+    assert rc != 0
+    assert out.splitlines()[0].startswith(
+        "distgraph: ranks 0, 1 failed: PlanError: this plan needs 4 processes"), out
+    assert "epoch" not in out, out
+
+
+@pytest.mark.mpi
+def test_on_a_terminal_distgraph_run_draws_the_bar(tmp_path):
+    """The launcher's terminal decides, though its ranks write into pipes."""
+    import os
+    import pty
+    import subprocess
+    script = tmp_path / "progress.py"
+    script.write_text(PROGRESS)
+    main, side = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "distgraph.cli", "run", "-n", "2",
+                             str(script), "2"], stdout=subprocess.DEVNULL, stderr=side,
+                            env=dict({k: v for k, v in os.environ.items()
+                                      if k != dg.callbacks.TERMINAL_VAR}, OMP_NUM_THREADS="1"))
+    os.close(side)
+    seen = b""
+    while True:
+        try:
+            chunk = os.read(main, 1 << 16)
+        except OSError:          # the terminal closed: the job is over
+            break
+        if not chunk:
+            break
+        seen += chunk
+    os.close(main)
+    assert proc.wait(timeout=120) == 0, seen
+    assert b"\r" in seen and b"epoch 2/2: 100%" in seen, seen
 
 
 class Classifier(dg.nn.Layer):
@@ -323,7 +455,7 @@ def test_distributed_engines_take_new_model_values_too(float64):
         assert all(np.max(np.abs(got[k] - params[k])) < 1e-12 for k in params)
 
 
-def test_only_rank_zero_shows_progress(float64):
+def test_only_rank_zero_shows_progress(float64, terminal):
     class DataParallel(dg.nn.Layer):
         def __init__(self):
             super().__init__()

@@ -10,6 +10,9 @@ from pathlib import Path
 
 import pytest
 
+sys.path.insert(0, str(Path(__file__).parent))
+from user_scripts import run_user, with_prelude  # noqa: E402
+
 SCRIPT = Path(__file__).parent / "mpi_scripts" / "fail_rank.py"
 DEADLINE = 30.0   # the job must be over by then
 TIMEOUT = 60      # subprocess guard, well past the deadline
@@ -103,3 +106,28 @@ def test_a_four_process_plan_under_the_wrong_n_stops_every_rank():
     check_launch_error(out)
     assert "job has 2" in out
     assert "FAIL-RANK OK" not in out
+
+
+LATE_RANK_0 = with_prelude("""
+    import time
+    mesh = dg.ProcessMesh([0, 1, 2, 3], dim_names=["dp"])
+    engine = mlp_engine()
+    engine.fit(dg.shard_dataloader(Rows(64), mesh, shard_dims="dp"), batch_size=8, verbose=0)
+    if engine.rank == 0:
+        time.sleep(1.5)     # rank 0 does something first (saves, plots), and fails later
+    valid = dg.shard_dataloader(Rows(16), mesh, shard_dims="data")   # no such mesh dim
+""")
+
+
+@pytest.mark.mpi
+def test_every_rank_that_failed_is_listed_even_one_that_failed_a_moment_later(tmp_path):
+    """After a fit, every rank raises the same error, rank 0 1.5 s after the others: it
+    is listed with them (before, the first abort killed it before it said so: 'ranks 1,
+    2, 3'), and so is each of the others (before, one killed while it wrote its
+    traceback was left out)."""
+    rc, out = run_user(tmp_path, LATE_RANK_0, 4)
+    assert rc != 0, out
+    failed = [ln for ln in out.splitlines() if " failed: " in ln]
+    assert len(failed) == 1 and failed[0].startswith(
+        "distgraph: ranks 0, 1, 2, 3 failed: ShardingError: shard_dataloader: shard_dims "
+        "'data' is not a dim of"), out

@@ -10,6 +10,9 @@ from pathlib import Path
 
 import distgraph as dg
 
+sys.path.insert(0, str(Path(__file__).parent))
+from user_scripts import run_command, with_prelude, write_script  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 
 SCRIPT = textwrap.dedent("""
@@ -125,6 +128,38 @@ def test_the_process_count_asked_for_is_checked_against_the_plan(tmp_path):
                            "batch (the same work 2 times); split the batch with "
                            "dg.shard_dataloader(dataset, mesh, shard_dims=\"dp\") or annotate "
                            "the model with dg.shard_tensor\n")
+
+
+OWN_NPROCS = with_prelude("""
+    import argparse
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--nprocs", type=int, default=2)     # the script's own option
+    n = parser.parse_args().nprocs
+    mesh = dg.ProcessMesh(list(range(n)), dim_names=["dp"])
+    mlp_engine().fit(dg.shard_dataloader(Rows(64), mesh, shard_dims="dp"), batch_size=8)
+""")
+
+
+def test_the_scripts_own_options_after_two_dashes_are_the_scripts(tmp_path):
+    """``distgraph plan SCRIPT -- --nprocs 4``: --nprocs 4 goes to the script (a 4-process
+    plan), not to the command; the command's -n may come before or after the script, and
+    a wrong one says which -n to plan with and how to launch, with the script's options."""
+    script = write_script(tmp_path, OWN_NPROCS)
+    plan = [sys.executable, "-m", "distgraph.cli", "plan"]
+    rc, out = run_command([*plan, script, "--", "--nprocs", "4"])
+    assert rc == 0 and out.startswith("Plan: 4 process(es), distributed"), out
+    rc, out = run_command([*plan, "-n", "4", script, "--", "--nprocs", "4"])
+    assert rc == 0 and out.startswith("Plan: 4 process(es), distributed"), out
+    rc, out = run_command([*plan, script, "-n", "2", "--", "--nprocs", "4"])
+    assert rc == 1 and out == (
+        "distgraph plan: this plan needs 4 processes (process ids [0, 1, 2, 3]) but -n 2 was "
+        "given; plan it with -n 4 and launch it with "
+        f"`distgraph run -n 4 {script} --nprocs 4`\n"), out
+    rc, out = run_command([*plan, script, "--nproc", "4"])    # no abbreviation of -n's
+    assert rc == 0 and out.startswith("Plan: 4 process(es), distributed"), out
+    rc, out = run_command([*plan, "--"])
+    assert rc == 2 and out == ("distgraph plan: give the training script: distgraph plan "
+                               "SCRIPT.py [-n N] [-- ARGS]\n"), out
 
 
 def test_a_bad_cluster_file_or_script_is_one_line(tmp_path):

@@ -7,6 +7,7 @@ import pytest
 from distgraph.errors import RuntimeFault
 from distgraph.runtime.comm.simulated import SimulatedWorld
 from distgraph.runtime.launch.progress import NO_PROGRESS, Progress, behind, read_where
+from distgraph.runtime.launch.status import RankState, failure_lines
 
 
 def test_a_record_reads_back_as_step_instruction_and_wait(tmp_path):
@@ -112,3 +113,21 @@ def test_behind_names_peers_on_other_hosts_with_their_host(tmp_path):
     assert sentence.startswith("every peer on this host is waiting as well")
     assert behind(folder, 0, [0, 2], hosts) == (
         "rank 2 on node1 (where it is cannot be read from node0)", {"elsewhere"})
+
+
+def test_failure_lines_group_ranks_whose_errors_differ_only_by_their_own_name():
+    def failed(rank, text):
+        return RankState(rank, text, False, None, ())
+
+    states = [failed(0, "RuntimeFault: rank 0 (process 2): timed out waiting for rank 3"),
+              failed(1, "RuntimeFault: rank 1 (process 0): timed out waiting for rank 3"),
+              failed(2, "RuntimeFault: rank 2: timed out waiting for rank 3"),
+              failed(3, "RuntimeFault: rank 0: timed out waiting for rank 3"),
+              failed(4, "PlanError: rank 4: no plan"),
+              RankState(5, None, False, "killed by signal 9", ())]
+    assert failure_lines(states) == [
+        "ranks 0, 1, 2 failed: RuntimeFault: timed out waiting for rank 3",
+        "rank 3 failed: RuntimeFault: rank 0: timed out waiting for rank 3",
+        "rank 4 failed: PlanError: rank 4: no plan",
+        "rank 5 died without reporting an error (killed by signal 9); the other ranks "
+        "were stopped after it"]

@@ -202,7 +202,9 @@ class Engine:
         returns the same History of global losses. After ``load``, runs only the epochs
         and steps the checkpoint had not done. ``callbacks``: ``dg.callbacks`` objects;
         ``verbose`` 1 shows a progress bar (rank 0), 2 a line per epoch, 0 nothing. A
-        short last batch trains on a plan of its own unless ``drop_last``."""
+        short last batch trains on a plan of its own unless ``drop_last``; every batch
+        shape (``valid_data``'s too) is planned before the first step, so one that the
+        data-parallel split cannot divide stops the call then, saying how to fix it."""
         return self._loops.fit(train_data, batch_size, epochs, steps_per_epoch, valid_data,
                                shuffle, verbose, callbacks, drop_last)
 

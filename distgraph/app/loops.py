@@ -30,9 +30,10 @@ from distgraph.app import checks, plan_report
 from distgraph.app.data import DataLoader, FieldRead
 from distgraph.app.plans import Mode
 from distgraph.callbacks import CallbackList, ProgressBar
-from distgraph.errors import DistGraphError
+from distgraph.errors import BatchSplitError, DistGraphError
 from distgraph.metrics import as_metrics
 from distgraph.runtime.backend import backend_for
+from distgraph.runtime.execution.runner import check_world
 
 
 @dataclass
@@ -75,12 +76,17 @@ class Loops:
         self.fit_config = {"batch_size": batch_size, "shuffle": bool(shuffle),
                            "drop_last": bool(drop_last), "steps_per_epoch": steps_per_epoch,
                            "dataset_size": len(train_data)}
-        for rows in sorted({len(idx) for idx in loader.indices(0)[:n_batches]}, reverse=True):
-            self.plan_batch(Mode.TRAIN, loader, rows)      # plan every batch shape up front
+        self.plan_shapes(Mode.TRAIN, loader, loader.indices(0)[:n_batches])
         self.only_planning(Mode.TRAIN)
-        # GPUs asked for where there are none: one line now, not after the progress bar
+        if valid_data is not None:       # validated at each epoch's end: planned now
+            valid = self.loader(valid_data, batch_size, drop_last=drop_last)
+            self.check_data(Mode.EVAL, valid)
+            self.plan_shapes(Mode.EVAL, valid, valid.indices(0))
+        # GPUs asked for where there are none, or a job of the wrong size: one line now,
+        # not after the progress bar
         train = engine._plans.plan(Mode.TRAIN)
         backend_for(train.devices, engine.rank if train.distributed else 0)
+        self.check_world(train)
         cbs = CallbackList(progress(verbose, callbacks) + list(callbacks or []), engine)
         try:
             return self._train(loader, n_batches, first_epoch, first_batch, epochs, cbs,
@@ -161,6 +167,8 @@ class Loops:
         loader = self.loader(valid_data, batch_size, drop_last=drop_last)
         self.check_data(Mode.EVAL, loader)
         self.only_planning(Mode.EVAL, loader)
+        self.plan_shapes(Mode.EVAL, loader, loader.indices(0))
+        self.check_world(self.engine._plans.plan(Mode.EVAL))
         bar = CallbackList(progress(verbose, None, label="evaluate"), self.engine)
         try:
             return self._evaluate(loader, ms, bar)
@@ -198,6 +206,7 @@ class Loops:
         loader = self.loader(test_data, batch_size, drop_last=drop_last)
         self.check_data(Mode.PREDICT, loader)
         self.only_planning(Mode.PREDICT, loader)
+        self.plan_shapes(Mode.PREDICT, loader, loader.indices(0))
         results = []
         for b, idx in enumerate(loader.indices(0)):
             planned, runner, scope = self.ensure(Mode.PREDICT, loader, len(idx))
@@ -255,18 +264,44 @@ class Loops:
         planned.check()(feed, samples, epoch, batch)
         return feed, arrays[len(reads):]
 
+    def check_world(self, plan) -> None:
+        """A plan of another number of processes than the job's ranks stops now, saying
+        how to launch it (before a progress bar is drawn)."""
+        if plan.distributed:
+            check_world(plan, self.engine.world_size)
+
     # -- planning only ----------------------------------------------------------------------------
+    def plan_shapes(self, mode, loader, batches) -> None:
+        """Plan ``mode``'s program for every batch shape of ``batches`` (index arrays),
+        the full batch first, before the first step: a batch that cannot be planned
+        stops the call now, never at the end of an epoch."""
+        for rows in sorted({len(idx) for idx in batches}, reverse=True):
+            self.plan_batch(mode, loader, rows)
+
     def plan_batch(self, mode, loader, rows: int) -> None:
-        """Plan (without running) ``mode``'s program for a batch of ``rows`` samples."""
+        """Plan (without running) ``mode``'s program for a batch of ``rows`` samples.
+
+        A short last batch runs on a plan of its own, as serial training would run it;
+        where the data-parallel split (or the micro-batches) cannot divide it, the error
+        names the two ways out: ``drop_last=True``, or the dataset lengths nearest to
+        this one whose last batch divides."""
         try:
             self.engine._planned(mode, *self.specs(mode, loader, rows))
         except DistGraphError as e:
             if rows == loader.batch_size:
                 raise
-            raise type(e)(f"the last batch has {rows} samples (dataset of "
-                          f"{len(loader.dataset)}, batch_size {loader.batch_size}) and "
-                          f"cannot be planned: {e}. Pass drop_last=True, or a batch size "
-                          f"that divides the dataset") from None
+            n, b = len(loader.dataset), loader.batch_size
+            last = (f"the last batch{' of each epoch' if mode is Mode.TRAIN else ''} has "
+                    f"{rows} samples (dataset of {n}, batch_size {b})")
+            if not isinstance(e, BatchSplitError):
+                raise type(e)(f"{last} and cannot be planned: {e}. Pass drop_last=True, or "
+                              f"use a dataset length that {b} divides") from None
+            cut = rows % e.parts
+            raise BatchSplitError(f"{last}, which {e.split} does not divide: pass "
+                                  f"drop_last=True to skip those {rows} samples, or use a "
+                                  f"dataset of {n - cut} or {n - cut + e.parts} samples "
+                                  f"(then the last batch divides by {e.parts})",
+                                  rows, e.parts, e.split) from None
 
     def only_planning(self, mode, loader=None) -> None:
         """Under ``distgraph plan`` (the request the Engine was made under): plan

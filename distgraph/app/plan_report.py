@@ -15,7 +15,7 @@ import json
 import os
 import tempfile
 
-from distgraph.errors import DistGraphError
+from distgraph.errors import DistGraphError, TooFewDevicesError
 from distgraph.passes.cost.estimate import estimate
 from distgraph.runtime.launch.context import PlanReported, PlanRequest
 
@@ -81,8 +81,12 @@ def write_report(plan, request: PlanRequest, cluster=None) -> None:
 
 def write_failure(error: DistGraphError, request: PlanRequest) -> None:
     """Write why planning failed (``{"error": "PlanError: ..."}``) to ``request.out``
-    unless a report is there already: ``distgraph plan`` prints it instead of a plan."""
-    _publish({"error": f"{type(error).__name__}: {error}"}, request.out)
+    unless a report is there already: ``distgraph plan`` prints it instead of a plan. A
+    plan too big for the cluster also gives its ``processes``, as a report does."""
+    data = {"error": f"{type(error).__name__}: {error}"}
+    if isinstance(error, TooFewDevicesError):
+        data["processes"] = error.process_ids
+    _publish(data, request.out)
 
 
 def _publish(data: dict, path: str) -> None:

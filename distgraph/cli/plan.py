@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -43,6 +44,8 @@ import time
 from distgraph.errors import DistGraphError
 
 GRACE = 10.0           # seconds a stopped script gets to clean up (emulated clusters do)
+USAGE = ("distgraph plan [-h] [--cluster FILE] [-n N] [--json] [--plot PNG] SCRIPT "
+         "[options above] [ARGS] [-- ARGS]")
 DESCRIPTION = """\
 Print the plan a training script's Engine would use, without training: its processes and
 stages, the layouts per layer, every reshard with its bytes, the search's report, and the
@@ -71,21 +74,32 @@ def _options(p) -> None:
 
 def add_plan_parser(commands) -> None:
     p = commands.add_parser("plan", help="print the plan a training script would use",
-                            description=DESCRIPTION, epilog=EPILOG,
+                            description=DESCRIPTION, epilog=EPILOG, usage=USAGE,
                             formatter_class=argparse.RawDescriptionHelpFormatter)
     _options(p)
-    p.add_argument("script", help="the training script")
-    p.add_argument("args", nargs=argparse.REMAINDER,
-                   help="options above, then -- and the script's arguments")
+    # one positional that keeps every word, "--" included: a plain "script" positional
+    # would swallow a "--" right after the script, and the script's own options after it
+    # (``SCRIPT -- --nprocs 4``) would be read as the command's
+    p.add_argument("script", nargs=argparse.REMAINDER, metavar="SCRIPT [ARGS]",
+                   help="the training script, then options above, then -- and the "
+                        "script's arguments")
     p.set_defaults(func=_plan)
 
 
 def _split(args):
-    """The command's options may also follow the script; the script's own are the rest
-    (after ``--`` when they share a name with the command's)."""
-    rest = list(args.args)
+    """``args.script`` (every word from the script on) as the script, the command's
+    options that follow it, and the script's own arguments: the rest, and all after
+    ``--`` (there when they share a name with the command's)."""
+    words = list(args.script)
+    if words[:1] == ["--"]:
+        words = words[1:]
+    if not words:
+        raise DistGraphError("give the training script: distgraph plan SCRIPT.py [-n N] "
+                             "[-- ARGS]")
+    args.script, rest = words[0], words[1:]
     cut = rest.index("--") if "--" in rest else len(rest)
-    after = argparse.ArgumentParser(prog="distgraph plan SCRIPT")
+    # no abbreviations: a script's --nproc or --js is the script's, not -n or --json
+    after = argparse.ArgumentParser(prog="distgraph plan SCRIPT", allow_abbrev=False)
     _options(after)
     mine, theirs = after.parse_known_args(rest[:cut])
     for name in ("cluster", "nprocs", "json", "plot"):
@@ -100,8 +114,8 @@ def _plan(args) -> int:
     from distgraph.resources.cluster import Cluster
     from distgraph.runtime.launch.context import LaunchContext, PlanRequest
 
-    args = _split(args)
     try:
+        args = _split(args)
         if args.cluster:
             Cluster.from_file(args.cluster)            # a bad file fails here, named
         if args.nprocs is not None and args.nprocs < 1:
@@ -137,12 +151,14 @@ def _plan(args) -> int:
             return 1
         with open(out) as f:
             data = json.load(f)
-    if "error" in data:
+    # -n N alone stands for N devices: a plan of more processes than that says which -n
+    mismatch = _process_count(data, args) if "processes" in data and not (
+        "error" in data and args.cluster) else ""
+    if "error" in data and not mismatch:
         print(f"distgraph plan: {args.script} cannot be planned: {data['error']}",
               file=sys.stderr)
         return 1
-    mismatch = _process_count(data, args)
-    if mismatch and data["distributed"]:
+    if mismatch and data.get("distributed", True):
         print(f"distgraph plan: {mismatch}", file=sys.stderr)
         return 1
     if args.json:
@@ -167,14 +183,15 @@ def _process_count(data: dict, args) -> str:
     n, have = args.nprocs, len(data["processes"])
     if not n or n == have:
         return ""
-    if not data["distributed"]:
+    if not data.get("distributed", True):
         return (f"the model has no annotation, so under `distgraph run -n {n}` each of the "
                 f"{n} ranks would train on the whole batch (the same work {n} times); split "
                 "the batch with dg.shard_dataloader(dataset, mesh, shard_dims=\"dp\") or "
                 "annotate the model with dg.shard_tensor")
+    command = shlex.join([args.script, *args.args])
     return (f"this plan needs {have} processes (process ids {data['processes']}) but -n {n} "
             f"was given; plan it with -n {have} and launch it with `distgraph run -n {have} "
-            f"{args.script}`")
+            f"{command}`")
 
 
 def _stop(proc) -> None:

@@ -6,7 +6,7 @@ import math
 
 from distgraph import dtypes, ops
 from distgraph.errors import DistGraphError
-from distgraph.registry import DTypeError
+from distgraph.registry import DTypeError, ShapeError
 from distgraph.initializer import Init
 from distgraph.nn.layer import Layer, LayerList
 from distgraph.parameter import Parameter
@@ -215,7 +215,26 @@ class CrossEntropyLoss(Layer):
                              f"{labels.dtype}, but cross-entropy takes integer class ids: "
                              "give the dataset int64 labels (e.g. y.astype(np.int64)); for "
                              "float targets use MSELoss")
+        if tuple(labels.shape) != tuple(logits.shape[:-1]):
+            raise ShapeError(_label_shape_error(labels, logits))
         return ops.cross_entropy(logits, labels, ignore_index=self.ignore_index)
+
+
+def _label_shape_error(labels, logits) -> str:
+    """What to say when a batch's labels are not the logits' shape without the class dim,
+    in terms of one sample (dim 0 is the batch), with the likely fix."""
+    have, want = list(labels.shape[1:]), list(logits.shape[1:-1])
+    if have == want + [1]:
+        fix = ("drop the last dim (y[..., 0] or y.reshape(" + ", ".join(map(str, want)) + "))"
+               if want else "drop the last dim (y[0])")
+    elif have == want + [logits.shape[-1]]:
+        fix = "give class ids, not one-hot rows or scores (y.argmax(-1))"
+    else:
+        fix = f"give each sample a label of shape {want}"
+    per = "per position" if want else "per sample"
+    return (f"CrossEntropyLoss: each sample's label {labels.name!r} has shape {have}, but "
+            f"its logits have shape {list(logits.shape[1:])} ({logits.shape[-1]} classes), "
+            f"so the label needs shape {want}, one class id {per}: {fix}")
 
 
 class MSELoss(Layer):

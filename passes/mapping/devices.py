@@ -15,7 +15,7 @@ Example::
 
 from __future__ import annotations
 
-from distgraph.errors import PlanError
+from distgraph.errors import TooFewDevicesError
 from distgraph.plan.devices import DeviceAssignment, RankDevice
 
 
@@ -27,8 +27,7 @@ def assign_devices(cluster, world_size: int) -> DeviceAssignment:
                                       for r in range(world_size)))
     devices = cluster.devices
     if len(devices) < world_size:
-        raise PlanError(f"this plan has {world_size} processes but the cluster has only "
-                        f"{len(devices)} devices")
+        raise TooFewDevicesError(range(world_size), len(devices))
     hosts = {m.id: m.hostname for m in cluster.machines}
     return DeviceAssignment(tuple(
         RankDevice(r, d.type, d.local_id, d.machine_id, hosts[d.machine_id], d.global_id)

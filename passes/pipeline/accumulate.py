@@ -41,7 +41,7 @@ from __future__ import annotations
 import dataclasses
 from types import MappingProxyType
 
-from distgraph.errors import PlanError
+from distgraph.errors import BatchSplitError, PlanError
 from distgraph.ir import Role
 from distgraph.registry import TensorType, get_op
 from distgraph.passes.partition import partition
@@ -63,11 +63,13 @@ def split_micro_batches(built, micro_batches: int):
     batch = feeds[0].shape[0] if feeds[0].shape else None
     for v in feeds:
         if not v.shape or v.shape[0] != batch or batch % m:
-            raise PlanError(f"Strategy(micro_batches={m}) splits dim 0 of every input into "
-                            f"{m} micro-batches, but input {v.name} has shape "
-                            f"{list(v.shape)} (inputs: "
-                            f"{', '.join(f'{f.name}{list(f.shape)}' for f in feeds)}); use a "
-                            f"batch size divisible by {m}")
+            raise BatchSplitError(f"Strategy(micro_batches={m}) splits dim 0 of every input "
+                                  f"into {m} micro-batches, but input {v.name} has shape "
+                                  f"{list(v.shape)} (inputs: "
+                                  f"{', '.join(f'{f.name}{list(f.shape)}' for f in feeds)}); "
+                                  f"use a batch size divisible by {m}",
+                                  v.shape[0] if v.shape else 0, m,
+                                  f"Strategy(micro_batches={m})")
     analysed = complete_on_samples(program, built.feed_names, m, MB_DIM,
                                    f"cannot split the batch into {m} micro-batches")
     split_axis = axes_over(analysed, MB_DIM)

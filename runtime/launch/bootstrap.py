@@ -12,7 +12,10 @@ non-zero exit code instead of leaving the other ranks blocked in a collective. U
 ``DISTGRAPH_STATUS_DIR``, see :mod:`distgraph.runtime.launch.status`) a supervisor forked
 before MPI starts watches the rank (:mod:`distgraph.runtime.launch.supervisor`); the rank writes
 ``<rank>.failed`` with its error or ``<rank>.done`` when the script returns, and its
-traceback goes to its log file only: the launcher prints the one-line causes.
+traceback goes to its log file only: the launcher prints the one-line causes. A failing
+rank writes its line before anything else and, before it aborts, gives the peers that
+are not waiting on it a moment to write theirs (:func:`let_peers_report`), so that every
+rank that failed is listed.
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ import time
 
 from distgraph.errors import DistGraphError
 from distgraph.runtime.launch.context import LaunchContext, PlanReported, opened
-from distgraph.runtime.launch.status import log_path, write_status
+from distgraph.runtime.launch.progress import read_where
+from distgraph.runtime.launch.status import log_path, status_folder, write_status
 from distgraph.runtime.launch.supervisor import supervise_this_rank
 
 
@@ -40,6 +44,33 @@ def _report(exc_type, exc, tb, previous) -> None:
 
 
 ABORT_GRACE = 0.2    # seconds between the failure line and MPI_Abort under a plain mpiexec
+PEER_GRACE = 3.0     # seconds a failing rank waits for peers failing too to say so (ranks
+                     # start seconds apart on a busy machine; blocked peers are not waited for)
+STUCK = 0.5          # seconds of waiting on a peer after which a peer counts as blocked
+
+
+def let_peers_report(rank: int, size: int) -> None:
+    """Under the launcher, before this rank's MPI_Abort ends the job: wait (at most
+    PEER_GRACE) until each peer has reported how it ended or has waited on a peer for
+    STUCK seconds. Ranks that reach the same error a little later (an error every rank
+    raises) are then listed with it, not killed before they say so; a peer blocked in a
+    collective is not waited for long."""
+    folder = status_folder()
+    if not folder:
+        return
+    deadline = time.monotonic() + PEER_GRACE
+    peers = [r for r in range(size) if r != rank]
+    while peers and time.monotonic() < deadline:
+        peers = [r for r in peers if _may_report(read_where(folder, r))]
+        if peers:
+            time.sleep(0.01)
+
+
+def _may_report(where) -> bool:
+    """Whether a peer may still report: it runs, or its wait is a short one (ranks pass
+    through waits all the time; one that waits for the failed rank waits on)."""
+    return where.state in ("computing", "not started") or \
+        (where.state == "waiting" and where.seconds < STUCK)
 
 
 def install_abort_hook() -> None:
@@ -63,10 +94,13 @@ def install_abort_hook() -> None:
             else:
                 previous(exc_type, exc, tb)
             return
-        _report(exc_type, exc, tb, previous)
+        # the one line first: the launcher's summary reads it, and MPI_Abort from a peer
+        # that failed too may end this process at any moment after
         write_status("failed", message)
+        _report(exc_type, exc, tb, previous)
         if running:
             world = MPI.COMM_WORLD
+            let_peers_report(world.Get_rank(), world.Get_size())
             logfile = log_path()
             if logfile is None:
                 sys.stderr.write(f"distgraph: rank {world.Get_rank()} failed: {message}; "

@@ -39,7 +39,9 @@ import tempfile
 import threading
 from contextlib import ExitStack, contextmanager
 
+from distgraph.callbacks import TERMINAL_VAR, is_terminal
 from distgraph.errors import PlanError
+from distgraph.threads import limit_blas_threads
 from distgraph.runtime.launch import remote
 from distgraph.runtime.launch.connections import Masters
 from distgraph.runtime.launch.context import LaunchContext, current
@@ -54,7 +56,6 @@ from distgraph.runtime.launch.status import (
     read_states,
 )
 
-BLAS_THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 # glibc hands a freed block of 128 KiB or more back to the OS, and a training step that
 # frees each gradient after its update then page-faults the same megabytes back in on
 # the next step (about 0.12 ms per MiB on a 2-core VM: 2 ms per 16 MiB gradient).
@@ -82,10 +83,13 @@ def mpiexec_path() -> str:
 def rank_env(base: dict | None = None, status_dir: str | None = None,
              log_dir: str | None = None) -> dict:
     """Environment for ranks: one BLAS thread each and the allocator settings unless
-    already set, and the job's status and log folders."""
+    already set, whether the job's output reaches a terminal (progress bars or plain
+    lines, :func:`distgraph.callbacks.is_terminal`), and the job's status and log
+    folders."""
     env = dict(os.environ if base is None else base)
-    for var in BLAS_THREAD_VARS:
-        env.setdefault(var, "1")
+    limit_blas_threads(env)       # unless the user chose (any of the variables set)
+    # the ranks write into pipes: whether their progress bars reach a terminal is ours
+    env.setdefault(TERMINAL_VAR, "1" if is_terminal(sys.stderr) else "0")
     for var, value in ALLOCATOR_VARS.items():
         env.setdefault(var, value)
     if status_dir is not None:

@@ -25,6 +25,7 @@ Reading them back::
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 
 STATUS_DIR = "DISTGRAPH_STATUS_DIR"
@@ -100,16 +101,27 @@ def _ranks(states: list[RankState], hosts: bool) -> str:
         f"ranks {', '.join(map(one, states))}"
 
 
+def _cause(state: RankState) -> str:
+    """The error of a failed rank without the rank's own name in front (``RuntimeFault:
+    rank 2 (process 1): ...`` -> ``RuntimeFault: ...``): ranks that failed alike then
+    group under one line, which names them anyway."""
+    kind, sep, text = state.failed.partition(": ")
+    own = re.match(rf"rank {state.rank}(?: \(process \d+\))?: ", text)
+    return f"{kind}{sep}{text[own.end():]}" if sep and own else state.failed
+
+
 def failure_lines(states: list[RankState], hosts: bool = False) -> list[str]:
-    """One line per distinct cause: the ranks that failed with the same error together,
-    then each rank that died without a word; each rank named with its host when
-    ``hosts`` (a job over several hosts)."""
+    """One line per distinct cause: the ranks that failed with the same error together
+    (an error that names the rank raising it counts as the same for every rank; a lone
+    rank's keeps its words), then each rank that died without a word; each rank named
+    with its host when ``hosts`` (a job over several hosts)."""
     by_error: dict[str, list[RankState]] = {}
     for s in states:
         if s.failed is not None:
-            by_error.setdefault(s.failed, []).append(s)
+            by_error.setdefault(_cause(s), []).append(s)
     # an error of several lines keeps them, indented under the first
-    lines = [f"{_ranks(ranks, hosts)} failed: " + error.rstrip("\n").replace("\n", "\n  ")
+    lines = [f"{_ranks(ranks, hosts)} failed: "
+             + (error if len(ranks) > 1 else ranks[0].failed).rstrip("\n").replace("\n", "\n  ")
              for error, ranks in by_error.items()]
     for s in states:
         if s.failed is None and s.exit is not None:

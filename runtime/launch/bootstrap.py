@@ -29,7 +29,6 @@ from distgraph.errors import DistGraphError
 from distgraph.runtime.launch.context import LaunchContext, PlanReported, opened
 from distgraph.runtime.launch.progress import read_where
 from distgraph.runtime.launch.status import log_path, status_folder, write_status
-from distgraph.runtime.launch.supervisor import supervise_this_rank
 
 
 def _report(exc_type, exc, tb, previous) -> None:
@@ -124,6 +123,8 @@ def main(argv: list[str] | None = None) -> None:
     if not args:
         sys.exit("usage: python -m distgraph.runtime.launch.bootstrap [--cluster FILE] "
                  "[--plan-out PATH] [--plan-plot PATH] [--] script.py [args...]")
+    # here, not above: the communicator imports this module's abort hook, not the watcher
+    from distgraph.runtime.launch.supervisor import supervise_this_rank
     supervise_this_rank()
     install_abort_hook()
     sys.argv = args

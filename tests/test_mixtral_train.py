@@ -4,7 +4,11 @@ outputs summed over the expert ranks), experts split over the data-parallel dim,
 x Megatron's tensor parallelism inside each expert, with the load-balancing loss and with
 a GShard capacity (against a serial run with the same capacity); and routings where one
 rank's experts get no token and all tokens go to one rank. Ranks are SimulatedWorld
-threads."""
+threads.
+
+With the experts split over the dp dim the rule of ``moe_ffn`` cannot split both the
+tokens and the experts over one mesh dim: the plan all-gathers the tokens and
+all-reduces the experts' Partial outputs (correct, not yet the all-to-all dispatch)."""
 
 from __future__ import annotations
 

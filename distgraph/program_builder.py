@@ -69,6 +69,9 @@ def build_program(model, input_specs, label_specs=(), loss=None, optimizer=None,
         if loss is not None and mode != "predict":
             with builder.scope(role=Role.LOSS):
                 loss_value = builder.as_value(loss(*outputs, *labels))
+                extra = _auxiliary_loss(model)
+                if extra is not None:
+                    loss_value = builder.emit("add", [loss_value, extra])[0]
                 if amp == "float16" and mode == "train":
                     scaling = LossScaling(loss_scale, loss_scale_window)
                     scaled = scaling.scale_loss(builder, loss_value)
@@ -89,6 +92,13 @@ def build_program(model, input_specs, label_specs=(), loss=None, optimizer=None,
                         loss_value.name if loss_value is not None else None,
                         {n: g.name for n, g in grads.items()}, [v.name for v in labels],
                         blocks, amp)
+
+
+def _auxiliary_loss(model):
+    """The term a model adds to its training loss (Mixtral's router load-balancing
+    loss): ``model.auxiliary_loss()`` after its forward, None if it has none."""
+    aux = getattr(model, "auxiliary_loss", None)
+    return aux() if callable(aux) else None
 
 
 def _cast(builder, v, dtype):

@@ -134,9 +134,9 @@ def get_op(op_type: str) -> OpDef:
         raise DistGraphError(f"unknown op type {op_type!r}") from None
 
 
-# Ops whose time follows their FLOPs (dense contractions); every other op's follows the
-# elements it reads and writes.
-FLOP_BOUND = ("matmul",)
+# Ops whose time follows their FLOPs (dense contractions, the experts' grouped ones);
+# every other op's follows the elements it reads and writes.
+FLOP_BOUND = ("matmul", "moe_ffn", "moe_ffn_grad")
 
 
 def op_work(op_type: str, ins, outs, attrs) -> float:

@@ -335,6 +335,32 @@ for _label, _shape, _axis, _scaling in (
     CASES.append(Case("rotary", _label, _make_rotary))
 
 
+@case("top_k", "renormalised")
+def _top_k(rng):
+    # Mixtral's router: softmax, the top 2 of 5, renormalised (distinct values: no ties)
+    def fn(p, f):
+        top, _ = ops.top_k(ops.softmax(p["logits"]), 2)
+        return ops.divide(top, ops.sum(top, axis=-1, keepdim=True))
+    return fn, {"logits": normal(rng, (2, 3, 5))}, {}
+
+
+for _label, _capacity, _start in (("dropless", None, None), ("capacity2", 2, None),
+                                  ("expert-shard", None, 2)):
+    def _make_moe(rng, capacity=_capacity, start=_start):
+        # 4 experts (2 held from expert 2 on, for the shard), hidden 5, inner 3, top 2
+        ids = np.stack([rng.permutation(4)[:2] for _ in range(8)]).reshape(2, 4, 2)
+        held = 4 if start is None else 2
+        ps = {"x": normal(rng, (2, 4, 5)), "w": rng.uniform(0.2, 1.0, (2, 4, 2)),
+              "gate": normal(rng, (held, 5, 3)), "up": normal(rng, (held, 5, 3)),
+              "down": normal(rng, (held, 3, 5))}
+        attrs = {"capacity": capacity}
+        if start is not None:
+            attrs.update(expert_start=start, num_experts=4)
+        return (lambda p, f: emit1("moe_ffn", [p["x"], f["ids"], p["w"], p["gate"], p["up"],
+                                               p["down"]], attrs)), ps, {"ids": ids}
+    CASES.append(Case("moe_ffn", _label, _make_moe))
+
+
 for _label, _ids_shape in (("ids2x5", (2, 5)), ("ids8", (8,))):
     def _make_emb(rng, ids_shape=_ids_shape):
         ids = rng.integers(0, 5, ids_shape).astype(np.int64)   # repeats: gradient rows add up

@@ -3,7 +3,8 @@ writes it (``config.json`` and ``model.safetensors``, or shards with
 ``model.safetensors.index.json``), read and written with safetensors' own library.
 
 - :func:`from_pretrained` builds a :class:`~distgraph.nn.llama.Llama` from the config
-  (``model_type`` llama, mistral, qwen2) and gives it the checkpoint's weights, cast to
+  (``model_type`` llama, mistral, qwen2), or a :class:`~distgraph.nn.mixtral.Mixtral`
+  (``mixtral``), and gives it the checkpoint's weights, cast to
   the default dtype (float32 master weights of a bfloat16 checkpoint). With
   ``lazy=True`` it is built under ``dg.LazyGuard``: each parameter reads only the block a
   process asks for, through safetensors' ``get_slice``, so a rank of an Engine never
@@ -17,6 +18,13 @@ A config field distgraph cannot honour is one error naming the field: an unknown
 ``model_type``, a ``hidden_act`` other than silu, a ``rope_type`` not implemented,
 sliding windows on some layers only. Names map both ways: distgraph's are transformers'
 without ``model.``; Linear weights are ``[in, out]`` here and ``[out, in]`` there.
+Mixtral's experts are read from either layout transformers has written: the current
+stacked one (``mlp.experts.gate_up_proj`` [E, 2I, hidden], ``mlp.experts.down_proj``
+[E, hidden, I]) or the earlier one with a tensor per expert
+(``block_sparse_moe.experts.{e}.w1/w3/w2.weight`` and ``block_sparse_moe.gate.weight``);
+they are written in the stacked one. distgraph keeps gate and up apart
+(``mlp.experts.gate_proj``, ``up_proj`` [E, hidden, I]; ``down_proj`` [E, I, hidden]) so
+that tensor parallelism can split each expert's I.
 
 Example::
 
@@ -39,11 +47,14 @@ from distgraph import dtypes
 from distgraph.errors import DistGraphError
 from distgraph.nn.layers import Linear
 from distgraph.nn.llama import Llama, LlamaConfig
+from distgraph.nn.mixtral import Mixtral, MixtralConfig
 from distgraph.parameter import LazyGuard
 
-MODEL_TYPES = ("llama", "mistral", "qwen2")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "mixtral")
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                 "qwen2": "Qwen2ForCausalLM"}
+                 "qwen2": "Qwen2ForCausalLM", "mixtral": "MixtralForCausalLM"}
+MOE_FIELDS = ("num_local_experts", "num_experts_per_tok", "router_aux_loss_coef",
+              "output_router_logits")
 CONFIG, WEIGHTS, INDEX = "config.json", "model.safetensors", "model.safetensors.index.json"
 IGNORED = re.compile(r".*\.rotary_emb\.inv_freq$")     # a buffer older checkpoints saved
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B)\s*$", re.I)
@@ -69,7 +80,7 @@ def config_from_hf(raw: dict, where="config.json") -> LlamaConfig:
         raise _fail(where, f"hidden_act {act!r}: the LLaMA MLP distgraph builds uses silu")
     theta, scaling = _rope(raw, where)
     window = None
-    if model_type == "mistral":
+    if model_type in ("mistral", "mixtral"):
         window = raw.get("sliding_window")
     elif model_type == "qwen2":
         layers = set(raw.get("layer_types") or ())
@@ -82,6 +93,13 @@ def config_from_hf(raw: dict, where="config.json") -> LlamaConfig:
                                   "num_key_value_heads", "head_dim", "max_position_embeddings",
                                   "rms_norm_eps", "tie_word_embeddings", "initializer_range")
               if raw.get(f) is not None}
+    if model_type == "mixtral":
+        if raw.get("router_jitter_noise"):
+            raise _fail(where, f"router_jitter_noise {raw['router_jitter_noise']}: the "
+                               f"router's multiplicative jitter is not implemented (set 0)")
+        fields.update({f: raw[f] for f in MOE_FIELDS if raw.get(f) is not None})
+        return MixtralConfig(**fields, rope_theta=theta, rope_scaling=scaling,
+                             sliding_window=window)
     return LlamaConfig(**fields, rope_theta=theta, rope_scaling=scaling, attention_bias=bias,
                        o_proj_bias=bias and model_type == "llama",
                        mlp_bias=bool(raw.get("mlp_bias", False)), sliding_window=window)
@@ -124,15 +142,53 @@ def config_to_hf(config: LlamaConfig, model_type: str, dtype: str, base: dict | 
     raw.pop("rope_theta", None)
     if model_type == "llama":
         raw["attention_bias"], raw["mlp_bias"] = config.attention_bias, config.mlp_bias
-    if model_type == "mistral":
+    if model_type in ("mistral", "mixtral"):
         raw["sliding_window"] = config.sliding_window
+    if model_type == "mixtral":
+        raw.update({f: getattr(config, f) for f in MOE_FIELDS}, router_jitter_noise=0.0)
     return raw
 
 
 # -- names ---------------------------------------------------------------------------------------
 def hf_name(name: str) -> str:
-    """The checkpoint's name of distgraph parameter ``name``."""
+    """The checkpoint's name of distgraph parameter ``name`` (of a stacked expert
+    weight: the stacked tensor it is read from, ``gate_up_proj`` for gate and up)."""
+    name = _EXPERT.sub(lambda m: m[1] + ("gate_up_proj" if m[2] != "down" else "down_proj"),
+                       name)
     return name if name.startswith("lm_head.") else "model." + name
+
+
+_EXPERT = re.compile(r"^(layers\.\d+\.mlp\.experts\.)(gate|up|down)_proj$")
+_LEGACY = {"gate": "w1", "up": "w3", "down": "w2"}
+
+
+def _expert_sources(name: str, shape: tuple, file_of: dict):
+    """(an ExpertTensor, the checkpoint keys it reads, their shape as the config makes
+    them) of distgraph's stacked expert weight ``name`` [E, in, out], or None if it is
+    not one: the stacked layout if the checkpoint has it, else one tensor per expert."""
+    m = _EXPERT.match(name)
+    if m is None:
+        return None
+    experts, n_in, n_out = shape
+    key = hf_name(name)
+    if key in file_of:
+        rows = n_out if m[2] == "down" else 2 * n_out
+        offset = n_out if m[2] == "up" else 0
+        return ExpertTensor(((file_of[key], key),), offset), (key,), (experts, rows, n_in)
+    old = "model." + m[1].replace(".mlp.", ".block_sparse_moe.")
+    keys = tuple(f"{old}{e}.{_LEGACY[m[2]]}.weight" for e in range(experts))
+    if all(k in file_of for k in keys):
+        return ExpertTensor(tuple((file_of[k], k) for k in keys)), keys, (n_out, n_in)
+    return ExpertTensor(()), (key,), None           # missing: the caller says so
+
+
+def _legacy_router(name: str, file_of: dict) -> str:
+    """The checkpoint key of a Mixtral router weight ``name`` in either layout."""
+    key = hf_name(name)
+    if key in file_of or not name.endswith(".mlp.gate.weight"):
+        return key
+    old = key.replace(".mlp.gate.", ".block_sparse_moe.gate.")
+    return old if old in file_of else key
 
 
 def _transposed(model) -> set:
@@ -187,6 +243,34 @@ class CheckpointTensor:
         return np.array(part, dtype=dtype, order="C")
 
 
+class ExpertTensor:
+    """A stacked expert weight [E, in, out] in a checkpoint: ``parts`` is one (file, key)
+    of a stacked tensor [E, out', in] (read from row ``offset`` of its dim 1), or one
+    (file, key) per expert of an [out, in] tensor (the earlier layout); ``block`` reads
+    only the block asked for, as :class:`CheckpointTensor` does."""
+
+    def __init__(self, parts: tuple, offset: int = 0):
+        self.parts, self.offset = parts, offset
+
+    def block(self, shape, index, dtype: str) -> np.ndarray:
+        from safetensors import safe_open
+
+        index = tuple(slice(0, n) for n in shape) if index is None else tuple(index)
+        (e0, e1, _), (a0, a1, _), (b0, b1, _) = (s.indices(n) for s, n in zip(index, shape))
+        rows, cols = slice(self.offset + b0, self.offset + b1), slice(a0, a1)
+        if len(self.parts) == 1:
+            file, key = self.parts[0]
+            with safe_open(file, framework="numpy") as f:
+                part = f.get_slice(key)[e0:e1, rows, cols].transpose(0, 2, 1)
+        else:
+            blocks = []
+            for file, key in self.parts[e0:e1]:
+                with safe_open(file, framework="numpy") as f:
+                    blocks.append(f.get_slice(key)[rows, cols].T)
+            part = np.stack(blocks) if blocks else np.zeros((0, a1 - a0, b1 - b0))
+        return np.array(part, dtype=dtype, order="C")
+
+
 def from_pretrained(path, lazy: bool = False) -> Llama:
     """The model of a transformers checkpoint folder ``path`` (module docstring)."""
     path = os.fspath(path)
@@ -199,10 +283,13 @@ def from_pretrained(path, lazy: bool = False) -> Llama:
     config = config_from_hf(raw, config_path)
     tensors = _Tensors(path)
     with LazyGuard():                # shapes only: the checkpoint gives the values
-        model = Llama(config)
+        model = (Mixtral if isinstance(config, MixtralConfig) else Llama)(config)
     transposed = _transposed(model)
     params = dict(model.named_parameters())
-    expected = {hf_name(n) for n in params}
+    experts = {n: _expert_sources(n, tuple(p.shape), tensors.file_of) for n, p in params.items()}
+    keys = {n: experts[n][1] if experts[n] else (_legacy_router(n, tensors.file_of),)
+            for n in params}
+    expected = {k for ks in keys.values() for k in ks}
     extra = sorted(k for k in tensors.file_of if k not in expected and not IGNORED.match(k))
     missing = sorted(k for k in expected if k not in tensors.file_of)
     if extra or missing:
@@ -211,7 +298,19 @@ def from_pretrained(path, lazy: bool = False) -> Llama:
                           + ("; " if extra and missing else "")
                           + (f"unexpected {extra[:5]}" if extra else ""))
     for name, p in params.items():
-        key = hf_name(name)
+        if experts[name]:
+            reader, used, want = experts[name]
+            for key in used:
+                stored = tensors.shape(key)
+                if stored != want:
+                    raise _fail(path, f"tensor {key} has shape {list(stored)}, but the "
+                                      f"config makes it {list(want)} (for {name} "
+                                      f"{list(p.shape)})")
+            p.init = reader
+            if not lazy:
+                p.set_value(p.block())
+            continue
+        key = keys[name][0]
         flip = name in transposed
         stored = tensors.shape(key)
         if (stored[::-1] if flip else stored) != tuple(p.shape):
@@ -243,11 +342,13 @@ def save_pretrained(model, path, state: dict | None = None, dtype: str | None = 
     """Write ``model``'s weights (or ``state``, {name: global array}, e.g. an Engine's
     gathered ones) as a transformers checkpoint folder ``path`` (module docstring).
     ``dtype``: the checkpoint's (default: the one it was loaded from, else float32);
-    ``model_type``: llama, mistral or qwen2 (default: the loaded one, else llama)."""
+    ``model_type``: llama, mistral, qwen2 or mixtral (default: the loaded one, else
+    mixtral for a Mixtral, llama for others)."""
     from safetensors.numpy import save_file
 
     info = getattr(model, "pretrained", None) or {}
-    model_type = model_type or info.get("model_type", "llama")
+    model_type = model_type or info.get("model_type") or (
+        "mixtral" if isinstance(model.config, MixtralConfig) else "llama")
     if model_type not in MODEL_TYPES:
         raise DistGraphError(f"save_pretrained: model_type {model_type!r}; one of "
                              f"{', '.join(MODEL_TYPES)}")
@@ -259,8 +360,13 @@ def save_pretrained(model, path, state: dict | None = None, dtype: str | None = 
     for name in names:
         value = state[name] if state is not None else params[name].block()
         value = np.asarray(value)
-        tensors[hf_name(name)] = np.ascontiguousarray(
-            (value.T if name in transposed else value).astype(_numpy_dtype(dtype)))
+        if _EXPERT.match(name):            # [E, in, out] -> stacked [E, out, in]
+            value, key = value.transpose(0, 2, 1), hf_name(name)
+            if key in tensors:             # gate's rows first, then up's
+                value = np.concatenate([tensors[key], value.astype(tensors[key].dtype)], 1)
+        elif name in transposed:
+            value = value.T
+        tensors[hf_name(name)] = np.ascontiguousarray(value.astype(_numpy_dtype(dtype)))
     shards = _shards(tensors, parse_size(max_shard_size))
     raw = config_to_hf(model.config, model_type, dtype, info.get("config"))
     os.makedirs(path, exist_ok=True)

@@ -175,18 +175,24 @@ class LlamaDecoderLayer(Layer):
 
 class Llama(Layer):
     """A LLaMA-family causal language model: token ids [batch, seq] -> logits
-    [batch, seq, vocab]. Give a :class:`LlamaConfig` or its fields."""
+    [batch, seq, vocab]. Give a :class:`LlamaConfig` or its fields. A subclass (Mixtral)
+    names its own ``config_class`` and ``decoder_layer``."""
+
+    config_class = LlamaConfig
+    decoder_layer = LlamaDecoderLayer
 
     def __init__(self, config: LlamaConfig | None = None, **fields):
         super().__init__()
+        name = type(self).__name__
         if config is not None and fields:
-            raise DistGraphError("Llama(config, **fields): give a LlamaConfig or its fields, "
-                                 "not both (config.replace(...) changes a field)")
-        config = config or LlamaConfig(**fields)
+            raise DistGraphError(f"{name}(config, **fields): give a {self.config_class.__name__}"
+                                 f" or its fields, not both (config.replace(...) changes a "
+                                 f"field)")
+        config = config or self.config_class(**fields)
         self.config = config
         std = config.initializer_range
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, init_std=std)
-        self.layers = LayerList(LlamaDecoderLayer(config)
+        self.layers = LayerList(self.decoder_layer(config)
                                 for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = None if config.tie_word_embeddings else \
@@ -223,14 +229,24 @@ def megatron_layer(layer: LlamaDecoderLayer, mesh, dim: str = "mp") -> None:
     """q, k, v, gate and up column-split over ``dim`` (their biases too), o and down
     row-split; k and v whole (copied) where the key/value heads do not divide over
     ``dim``; the norms on ``mesh``, whole."""
-    attn, mlp = layer.self_attn, layer.mlp
-    kv_split = attn.config.num_key_value_heads % mesh.dim_size(dim) == 0
-    for linear in [attn.q_proj, mlp.gate_proj, mlp.up_proj] + \
-            ([attn.k_proj, attn.v_proj] if kv_split else []):
+    megatron_attention(layer, mesh, dim)
+    mlp = layer.mlp
+    for linear in (mlp.gate_proj, mlp.up_proj):
         shard_tensor(linear.weight, mesh, [None, dim])
         if linear.bias is not None:
             shard_tensor(linear.bias, mesh, [dim])
-    for linear in (attn.o_proj, mlp.down_proj):
-        shard_tensor(linear.weight, mesh, [dim, None])
+    shard_tensor(mlp.down_proj.weight, mesh, [dim, None])
+
+
+def megatron_attention(layer: LlamaDecoderLayer, mesh, dim: str = "mp") -> None:
+    """The attention part of :func:`megatron_layer` (the norms too): what a layer with
+    another MLP (Mixtral's experts) shares with Llama's."""
+    attn = layer.self_attn
+    kv_split = attn.config.num_key_value_heads % mesh.dim_size(dim) == 0
+    for linear in [attn.q_proj] + ([attn.k_proj, attn.v_proj] if kv_split else []):
+        shard_tensor(linear.weight, mesh, [None, dim])
+        if linear.bias is not None:
+            shard_tensor(linear.bias, mesh, [dim])
+    shard_tensor(attn.o_proj.weight, mesh, [dim, None])
     for norm in (layer.input_layernorm, layer.post_attention_layernorm):
         shard_tensor(norm.weight, mesh, [None])

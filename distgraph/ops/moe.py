@@ -1,0 +1,297 @@
+"""The ops of a sparse mixture-of-experts block (Mixtral's): top-k routing, one-hot
+counts, and the experts' SwiGLU on the tokens routed to them.
+
+- ``top_k(x, k)``: the ``k`` largest entries of the last dim, largest first, and their
+  indices (int64). ``...Z -> ...K, ...K``: the last dim is never split. Its gradient
+  ``top_k_grad`` puts each value's gradient back at its index (zeros elsewhere).
+- ``one_hot(ids, n, dtype)``: ``[..., n]``, 1 at each id; no gradient (the router's
+  load-balancing loss counts the tokens each expert gets with it).
+- ``moe_ffn(x, ids, weights, gate, up, down, capacity)``: ``x`` [b, s, d] tokens,
+  ``ids``/``weights`` [b, s, k] the experts each token goes to and the weights of their
+  outputs, ``gate``/``up`` [E, d, I] and ``down`` [E, I, d] the experts' SwiGLU
+  weights stacked with the expert as dim 0: ``y[t] = sum_j weights[t, j] *
+  swiglu_{ids[t, j]}(x[t])``. The kernel gathers each expert's tokens and runs the
+  expert on those only (its work follows the tokens each expert gets); shapes stay
+  static, as the graph needs, because the gather happens inside the op.
+
+Routing is dropless when ``capacity`` is None: every token reaches its k experts, as
+Mixtral computes. ``capacity=C`` is GShard's fixed-capacity dispatch: each sequence
+(one row ``b``, a GShard group) gives each expert at most ``C`` tokens, taken in
+GShard's priority order — every token's first choice, in sequence order, before any
+second choice — and an assignment past the capacity is dropped: it adds nothing to the
+token's output (the residual connection carries the token on) and its weight is not
+given to the other experts. ``capacity_of(seq, k, experts, factor)`` is GShard's
+``ceil(factor * seq * k / experts)``.
+
+Sharding of moe_ffn, ``bsD,bsK,bsK,eDi,eDi,eiD -> bsD``: tokens split over b and s
+(S(b) x ... -> S(b)); the experts split over e (expert parallelism: each process runs
+its own experts on the tokens routed to them, the output is Partial, summed over the
+expert groups), the intermediate dim i split (tensor parallelism inside each expert,
+Partial as a row-split matmul is). With a capacity the sequence dim is never split
+(``bSD,...``): a group's priority order needs all its tokens. ``localize`` tells a
+process's kernel which experts it holds (``expert_start``).
+
+FLOPs are those of the tokens the experts get, priced at the expected load: k
+assignments per token (at most ``E * C`` per sequence with a capacity), each ``6 d I``
+for the three products, ``5 I`` for SiLU and the gating product, ``2 d`` for the weighted
+combine; a process holding a share of the experts is priced at its share (a balanced
+routing). The gradient recomputes the forward of its experts (the gathered activations
+are not kept between the ops), so it is priced at three forwards.
+
+Example::
+
+    probs = softmax(x @ router, -1)                 # [b, s, E]
+    top, ids = top_k(probs, 2)
+    y = moe_ffn(x, ids, top / sum(top, -1, keepdim=True), gate, up, down)
+"""
+
+from __future__ import annotations
+
+import math
+
+from distgraph import dtypes
+from distgraph.ops.common import elementwise_flops
+from distgraph.registry import DTypeError, ShapeError, TensorType, register_op
+from distgraph.spmd import LETTERS, EinsumRule
+from distgraph.trace import emit, emit1
+
+
+def capacity_of(seq: int, k: int, experts: int, factor: float) -> int:
+    """GShard's expert capacity of a sequence of ``seq`` tokens: ``ceil(factor * seq * k
+    / experts)``."""
+    return max(1, math.ceil(float(factor) * seq * k / experts))
+
+
+# -- top_k --------------------------------------------------------------------------------------
+def _lead(rank: int) -> str:
+    return LETTERS[:rank - 1]
+
+
+@register_op("top_k", spmd=EinsumRule(
+    lambda s, a: f"{_lead(len(s[0]))}Z->{_lead(len(s[0]))}K,{_lead(len(s[0]))}K",
+    out_shapes=lambda s, a: [tuple(s[0][:-1]) + (a["k"],)] * 2))
+class TopK:
+    """S(b) -> S(b), S(b): the dim it selects from is never split."""
+
+    flops = elementwise_flops(1)
+
+    def infer(x, k):
+        if not 1 <= k <= x.shape[-1]:
+            raise ShapeError(f"top_k: k={k} must be in [1, {x.shape[-1]}] (the last dim)")
+        shape = tuple(x.shape[:-1]) + (int(k),)
+        return TensorType(shape, x.dtype), TensorType(shape, "int64")
+
+    def kernel(ctx, x, k):
+        xp = ctx.xp
+        ids = xp.argsort(-x, axis=-1, kind="stable")[..., :k]
+        return xp.take_along_axis(x, ids, axis=-1), ids.astype("int64")
+
+    def grad(op, dvalues, dids=None):
+        return [emit1("top_k_grad", [dvalues, op.outputs[1]], {"n": op.inputs[0].shape[-1]})]
+
+
+@register_op("top_k_grad", differentiable=False, spmd=EinsumRule(
+    lambda s, a: f"{_lead(len(s[0]))}K,{_lead(len(s[0]))}K->{_lead(len(s[0]))}N",
+    out_shapes=lambda s, a: [tuple(s[0][:-1]) + (a["n"],)]))
+class TopKGrad:
+    """dx = the values' gradient at their indices, 0 elsewhere. S(b) x S(b) -> S(b)."""
+
+    flops = elementwise_flops(1)
+
+    def infer(dvalues, ids, n):
+        return TensorType(tuple(dvalues.shape[:-1]) + (int(n),), dvalues.dtype)
+
+    def kernel(ctx, dvalues, ids, n):
+        out = ctx.xp.zeros(dvalues.shape[:-1] + (n,), dtype=dvalues.dtype)
+        ctx.xp.put_along_axis(out, ids, dvalues, axis=-1)
+        return out
+
+
+@register_op("one_hot", differentiable=False, spmd=EinsumRule(
+    lambda s, a: f"{LETTERS[:len(s[0])]}->{LETTERS[:len(s[0])]}N",
+    out_shapes=lambda s, a: [tuple(s[0]) + (a["n"],)]))
+class OneHot:
+    """S(b) -> S(b): the new last dim is never split."""
+
+    flops = elementwise_flops(1)
+
+    def infer(ids, n, dtype="float32"):
+        if ids.dtype not in dtypes.INT_DTYPES:
+            raise DTypeError(f"one_hot ids must be integers, got {ids.dtype}")
+        return TensorType(tuple(ids.shape) + (int(n),), dtypes.canonical(dtype))
+
+    def kernel(ctx, ids, n, dtype="float32"):
+        return (ids[..., None] == ctx.xp.arange(n)).astype(dtype)
+
+
+# -- moe_ffn ------------------------------------------------------------------------------------
+def _ffn_words(capacity) -> tuple:
+    tokens = "bs" if capacity is None else "bS"
+    return (f"{tokens}D,{tokens}K,{tokens}K,eDi,eDi,eiD", f"{tokens}D")
+
+
+def _ffn_notation(in_shapes, attrs):
+    ins, out = _ffn_words(attrs.get("capacity"))
+    return f"{ins}->{out}"
+
+
+def _ffn_grad_notation(in_shapes, attrs):
+    ins, out = _ffn_words(attrs.get("capacity"))
+    tokens = out[:2]
+    return f"{ins},{out}->{out},{tokens}K,eDi,eDi,eiD"
+
+
+def _pairs(ins, capacity) -> int:
+    """The (token, expert) assignments the experts compute: the expected load."""
+    b, s, k = ins[1].shape
+    experts = ins[3].shape[0]
+    per_seq = s * k if capacity is None else min(s * k, experts * capacity)
+    return b * per_seq
+
+
+def _ffn_flops(ins, outs, capacity=None, expert_start=None, num_experts=None):
+    d, inner = ins[3].shape[1], ins[3].shape[2]
+    return _pairs(ins, capacity) * (6 * d * inner + 5 * inner + 2 * d)
+
+
+def _silu_parts(xp, g):
+    half = g.dtype.type(0.5)
+    s = half + half * xp.tanh(half * g)             # sigmoid, as ops.silu computes it
+    return g * s, s
+
+
+def _routes(xp, ids, capacity, start, count):
+    """[(local expert, token rows, top-k slots)]: the assignments of ``ids`` [b, s, k] to
+    experts ``start .. start + count - 1`` that run (all of them without a capacity;
+    within each sequence's capacity in GShard's order, choice-major, with one)."""
+    b, s, k = ids.shape
+    experts = xp.arange(start, start + count)
+    if capacity is None:
+        hot = ids.reshape(b * s, k)[..., None] == experts                  # [t, k, e]
+    else:
+        order = ids.transpose(0, 2, 1).reshape(b, k * s)[..., None] == experts
+        kept = order & (xp.cumsum(order, axis=1) <= capacity)
+        hot = kept.reshape(b, k, s, count).transpose(0, 2, 1, 3).reshape(b * s, k, count)
+    out = []
+    for e in range(count):
+        rows, slots = xp.nonzero(hot[..., e])
+        if rows.size:
+            out.append((e, rows, slots))
+    return out
+
+
+def _check(xp, ids, experts):
+    if ids.size and (ids.min() < 0 or ids.max() >= experts):
+        bad = int(ids.min() if ids.min() < 0 else ids.max())
+        raise ShapeError(f"moe_ffn: expert id {bad} is outside [0, {experts})")
+
+
+def _localize(attrs, site):
+    experts = site.in_slices(3)[0]
+    if experts.stop - experts.start == site.in_shapes[3][0]:
+        return attrs, {}
+    return {**attrs, "expert_start": experts.start,
+            "num_experts": site.in_shapes[3][0]}, {}
+
+
+@register_op("moe_ffn", spmd=EinsumRule(_ffn_notation))
+class MoeFFN:
+    """Tokens split: S(b) x S(b) x S(b) x R x R x R -> S(b); experts split (expert
+    parallel): R x R x R x S(0) x S(0) x S(0) -> P; SwiGLU's inner dim split (tensor
+    parallel): R x R x R x S(2) x S(2) x S(1) -> P."""
+
+    flops = _ffn_flops
+
+    def infer(x, ids, weights, gate, up, down, capacity=None, expert_start=None,
+              num_experts=None):
+        if len(x.shape) != 3 or tuple(ids.shape[:2]) != tuple(x.shape[:2]) or \
+                tuple(weights.shape) != tuple(ids.shape):
+            raise ShapeError(f"moe_ffn: x [b, s, d] and ids, weights [b, s, k] expected, got "
+                             f"{list(x.shape)}, {list(ids.shape)}, {list(weights.shape)}")
+        if ids.dtype not in dtypes.INT_DTYPES:
+            raise DTypeError(f"moe_ffn: expert ids must be integers, got {ids.dtype}")
+        e, d, inner = gate.shape
+        if tuple(gate.shape) != (e, x.shape[2], inner) or tuple(up.shape) != tuple(gate.shape) \
+                or tuple(down.shape) != (e, inner, d):
+            raise ShapeError(f"moe_ffn: gate, up [E, {x.shape[2]}, I] and down [E, I, "
+                             f"{x.shape[2]}] expected, got {list(gate.shape)}, "
+                             f"{list(up.shape)}, {list(down.shape)}")
+        if capacity is not None and capacity < 1:
+            raise ShapeError(f"moe_ffn: capacity {capacity} must be >= 1 (or None: dropless)")
+        return x
+
+    def kernel(ctx, x, ids, weights, gate, up, down, capacity=None, expert_start=None,
+               num_experts=None):
+        xp = ctx.xp
+        _check(xp, ids, gate.shape[0] if num_experts is None else num_experts)
+        b, s, d = x.shape
+        xf, wf = x.reshape(b * s, d), weights.reshape(b * s, -1)
+        y = xp.zeros_like(xf)
+        for e, rows, slots in _routes(xp, ids, capacity, expert_start or 0, gate.shape[0]):
+            xs = xf[rows]
+            act, _ = _silu_parts(xp, xs @ gate[e])
+            y[rows] += ((act * (xs @ up[e])) @ down[e]) * wf[rows, slots][:, None]
+        return y.reshape(x.shape)
+
+    localize = _localize
+
+    def grad(op, dy):
+        dx, dweights, dgate, dup, ddown = emit("moe_ffn_grad", [*op.inputs, dy],
+                                              dict(op.attrs))
+        return [dx, None, dweights, dgate, dup, ddown]
+
+
+@register_op("moe_ffn_grad", spmd=EinsumRule(_ffn_grad_notation), differentiable=False)
+class MoeFFNGrad:
+    """Each expert's forward recomputed on its tokens, then the SwiGLU chain backwards:
+    dx (Partial where experts or the inner dim are split), dweights (the expert's output
+    dotted with dy), and the stacked weights' gradients (Partial where tokens are split)."""
+
+    def flops(ins, outs, capacity=None, expert_start=None, num_experts=None):
+        return 3 * _ffn_flops(ins, outs, capacity)
+
+    def infer(x, ids, weights, gate, up, down, dy, capacity=None, expert_start=None,
+              num_experts=None):
+        return x, weights, gate, up, down
+
+    def kernel(ctx, x, ids, weights, gate, up, down, dy, capacity=None, expert_start=None,
+               num_experts=None):
+        xp = ctx.xp
+        b, s, d = x.shape
+        xf, wf, dyf = x.reshape(b * s, d), weights.reshape(b * s, -1), dy.reshape(b * s, d)
+        dx, dw = xp.zeros_like(xf), xp.zeros_like(wf)
+        grads = [xp.zeros_like(w) for w in (gate, up, down)]
+        for e, rows, slots in _routes(xp, ids, capacity, expert_start or 0, gate.shape[0]):
+            xs, dys = xf[rows], dyf[rows]
+            g, u = xs @ gate[e], xs @ up[e]
+            act, sig = _silu_parts(xp, g)
+            h = act * u
+            dw[rows, slots] = xp.sum((h @ down[e]) * dys, axis=-1)
+            do = dys * wf[rows, slots][:, None]
+            grads[2][e] = h.T @ do
+            dh = do @ down[e].T
+            du = dh * act
+            dg = dh * u * sig * (1 + g * (1 - sig))
+            grads[0][e], grads[1][e] = xs.T @ dg, xs.T @ du
+            dx[rows] += dg @ gate[e].T + du @ up[e].T
+        return (dx.reshape(x.shape), dw.reshape(weights.shape), *grads)
+
+    localize = _localize
+
+
+# -- functional API -----------------------------------------------------------------------------
+def top_k(x, k: int):
+    """(values, indices) of the ``k`` largest entries of the last dim, largest first."""
+    return tuple(emit("top_k", [x], {"k": int(k)}))
+
+
+def one_hot(ids, n: int, dtype: str = "float32"):
+    return emit1("one_hot", [ids], {"n": int(n), "dtype": dtypes.canonical(dtype)})
+
+
+def moe_ffn(x, ids, weights, gate, up, down, capacity: int | None = None):
+    """The experts' SwiGLU on the tokens routed to them, weighted and summed per token
+    (module docstring); ``capacity``: GShard's per-sequence expert capacity, None:
+    dropless."""
+    return emit1("moe_ffn", [x, ids, weights, gate, up, down],
+                 {"capacity": None if capacity is None else int(capacity)})

@@ -1,0 +1,104 @@
+"""The mixture-of-experts ops against plain numpy: ``moe_ffn`` dropless equals every
+token's k experts summed by weight; with a capacity it keeps GShard's order (every
+first choice of a sequence before any second choice) and drops the rest; the experts
+split in shards (``expert_start``) sum to the whole; its FLOPs are the expected load's;
+``top_k`` and ``one_hot`` are numpy's. (Gradients: tests/test_op_grads.py; sharding
+rules: tests/test_spmd_generated.py.)"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import distgraph as dg
+from distgraph.ops.moe import capacity_of
+from distgraph.registry import KernelContext, TensorType, get_op
+
+CTX = KernelContext(np)
+
+
+def _swiglu(x, g, u, d):
+    a = x @ g
+    return (a / (1 + np.exp(-a)) * (x @ u)) @ d
+
+
+def _case(rng, b=2, s=5, d=4, inner=3, experts=4, k=2):
+    ids = np.stack([rng.permutation(experts)[:k] for _ in range(b * s)]).reshape(b, s, k)
+    return (rng.standard_normal((b, s, d)), ids, rng.uniform(0.1, 1, (b, s, k)),
+            rng.standard_normal((experts, d, inner)), rng.standard_normal((experts, d, inner)),
+            rng.standard_normal((experts, inner, d)))
+
+
+def _reference(x, ids, w, g, u, dn, kept=None):
+    y = np.zeros_like(x)
+    for b, s, j in np.ndindex(ids.shape):
+        if kept is None or kept[b, s, j]:
+            e = ids[b, s, j]
+            y[b, s] += w[b, s, j] * _swiglu(x[b, s], g[e], u[e], dn[e])
+    return y
+
+
+def test_dropless_is_every_tokens_k_experts():
+    x, ids, w, g, u, dn = _case(np.random.default_rng(0))
+    y = get_op("moe_ffn").kernel(CTX, x, ids, w, g, u, dn)
+    np.testing.assert_allclose(y, _reference(x, ids, w, g, u, dn), rtol=1e-12, atol=1e-12)
+
+
+def test_a_capacity_keeps_first_choices_before_second_ones():
+    x, ids, w, g, u, dn = _case(np.random.default_rng(1), s=6)
+    ids[0] = [[0, 1], [2, 0], [0, 3], [1, 0], [0, 2], [3, 1]]   # expert 0 asked 5 times
+    capacity = 2
+    kept = np.ones(ids.shape, bool)
+    for b in range(ids.shape[0]):
+        seen = {}
+        for j in range(ids.shape[2]):              # GShard: choice-major, then sequence
+            for s in range(ids.shape[1]):
+                e = ids[b, s, j]
+                seen[e] = seen.get(e, 0) + 1
+                kept[b, s, j] = seen[e] <= capacity
+    # expert 0 keeps the first choices of tokens 0 and 2; token 4's first choice and the
+    # second choices of tokens 1 and 3 are dropped
+    assert kept[0, :, 0].tolist() == [True, True, True, True, False, True]
+    assert not kept[0, 1, 1] and not kept[0, 3, 1]
+    y = get_op("moe_ffn").kernel(CTX, x, ids, w, g, u, dn, capacity=capacity)
+    np.testing.assert_allclose(y, _reference(x, ids, w, g, u, dn, kept), rtol=1e-12,
+                               atol=1e-12)
+
+
+@pytest.mark.parametrize("capacity", [None, 2])
+def test_expert_shards_sum_to_the_whole(capacity):
+    x, ids, w, g, u, dn = _case(np.random.default_rng(2))
+    kernel = get_op("moe_ffn").kernel
+    whole = kernel(CTX, x, ids, w, g, u, dn, capacity=capacity)
+    parts = [kernel(CTX, x, ids, w, g[lo:lo + 2], u[lo:lo + 2], dn[lo:lo + 2],
+                    capacity=capacity, expert_start=lo, num_experts=4) for lo in (0, 2)]
+    np.testing.assert_allclose(parts[0] + parts[1], whole, rtol=1e-12, atol=1e-12)
+
+
+def test_an_expert_id_out_of_range_is_an_error():
+    x, ids, w, g, u, dn = _case(np.random.default_rng(3))
+    ids[0, 0, 0] = 4
+    with pytest.raises(dg.DistGraphError, match="expert id 4"):
+        get_op("moe_ffn").kernel(CTX, x, ids, w, g, u, dn)
+
+
+def test_flops_are_the_expected_loads():
+    b, s, d, inner, experts, k = 2, 8, 16, 12, 4, 2
+    ins = [TensorType((b, s, d), "float32"), TensorType((b, s, k), "int64"),
+           TensorType((b, s, k), "float32"), TensorType((experts, d, inner), "float32"),
+           TensorType((experts, d, inner), "float32"), TensorType((experts, inner, d), "float32")]
+    per_pair = 6 * d * inner + 5 * inner + 2 * d
+    flops = get_op("moe_ffn").flops
+    assert flops(ins, [ins[0]]) == b * s * k * per_pair
+    c = capacity_of(s, k, experts, 0.5)                      # ceil(0.5 * 8 * 2 / 4) = 2
+    assert c == 2 and flops(ins, [ins[0]], capacity=c) == b * experts * c * per_pair
+    assert get_op("moe_ffn_grad").flops(ins, [], capacity=c) == 3 * b * experts * c * per_pair
+
+
+def test_top_k_and_one_hot_are_numpys():
+    x = np.random.default_rng(4).standard_normal((3, 5, 7))
+    values, ids = get_op("top_k").kernel(CTX, x, 3)
+    np.testing.assert_array_equal(ids, np.argsort(-x, axis=-1)[..., :3])
+    np.testing.assert_array_equal(values, -np.sort(-x, axis=-1)[..., :3])
+    hot = get_op("one_hot").kernel(CTX, ids, 7, "float64")
+    np.testing.assert_array_equal(hot.sum(axis=(0, 1, 2)), np.bincount(ids.ravel(), minlength=7))

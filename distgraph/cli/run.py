@@ -78,12 +78,23 @@ def _arguments(p) -> None:
                         "'Emulated clusters' says more)")
     p.add_argument("--emulate-fault", action="append", default=[], metavar="SPEC",
                    help="with --emulate: a fault to inject, e.g. 'link node0-node1 down at 5s'")
+    p.add_argument("--elastic", action="store_true",
+                   help="with --emulate, --hostfile or --hosts: when a rank dies or a machine "
+                        "stops answering, end the job's ranks, drop the machines that do not "
+                        "answer and start the script again on the ranks left (the README's "
+                        "'Elastic training')")
+    p.add_argument("--max-restarts", type=int, default=3, metavar="N",
+                   help="with --elastic: restarts at most (default 3)")
+    p.add_argument("--min-ranks", type=int, default=1, metavar="K",
+                   help="with --elastic: stop when fewer ranks are left (default 1)")
     p.add_argument("script", help="the Python script to run on every rank")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
 
 
 def _run(args) -> int:
     try:
+        if args.elastic:
+            return _run_elastic(args)
         if args.emulate or args.emulate_fault:
             if args.hostfile or args.hosts or args.dry_run:
                 print("distgraph run: --emulate runs every rank on this machine's network "
@@ -115,3 +126,32 @@ def _run(args) -> int:
         print(f"distgraph run: {err}", file=sys.stderr)
         return 2
 
+
+
+def _run_elastic(args) -> int:
+    """``distgraph run --elastic``: on an emulated cluster, or on hosts over ssh."""
+    from distgraph.runtime.launch.elastic import ElasticPolicy
+
+    policy = ElasticPolicy(args.max_restarts, args.min_ranks)
+    check_launch(args.nprocs, [args.script, *args.args], args.cluster)
+    if args.emulate:
+        if args.hostfile or args.hosts or args.dry_run:
+            print("distgraph run: --emulate runs every rank on this machine's network "
+                  "namespaces; it takes no --hostfile, --hosts or --dry-run", file=sys.stderr)
+            return 2
+        from distgraph.runtime.emulate.elastic import launch_elastic
+
+        return launch_elastic(args.emulate, args.nprocs, [args.script, *args.args], policy,
+                              faults=args.emulate_fault, log_dir=args.log_dir)
+    if args.emulate_fault:
+        print("distgraph run: --emulate-fault needs --emulate FILE", file=sys.stderr)
+        return 2
+    if not (args.hostfile or args.hosts):
+        print("distgraph run: --elastic needs machines to lose and take back: give "
+              "--hostfile FILE, --hosts LIST or --emulate FILE", file=sys.stderr)
+        return 2
+    from distgraph.runtime.launch.elastic_hosts import launch_elastic_hosts
+
+    assignment = assign_hosts(args.nprocs, args.hostfile, args.hosts, None, None, os.environ)
+    return launch_elastic_hosts(assignment, [args.script, *args.args], policy,
+                                cluster=args.cluster, log_dir=args.log_dir)

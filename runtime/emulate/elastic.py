@@ -172,9 +172,12 @@ def launch_elastic(cluster_file: str, nprocs: int, argv: list[str], policy: Elas
             attempts = EmulatedAttempts(cluster_file, layout, emulation, injector, argv, tmp,
                                         log, env, log_dir, timeout)
             records = os.path.join(log_dir, "elastic.jsonl") if log_dir else None
-            rc = ElasticRun(attempts.machines(), nprocs, attempts, attempts.answering, policy,
-                            log, records).run()
+            run = ElasticRun(attempts.machines(), nprocs, attempts, attempts.answering, policy,
+                             log, records)
+            rc = run.run()
             injector.stop()
+            for wall, fault, state in injector.applied_wall():
+                run.record(event="fault", time=wall, fault=str(fault), state=state)
             if injector.error is not None:
                 log.write(f"distgraph: could not inject a fault: {injector.error}\n")
                 rc = rc or 1

@@ -203,12 +203,10 @@ class FaultInjector:
         self.log.flush()
         return True
 
-    def last_lost(self) -> tuple[float, str] | None:
-        """(wall-clock time, hostname) of the last machine fault applied, None if none."""
-        for elapsed, fault, state in reversed(self.applied):
-            if fault.machine and state == "down":
-                return time.time() - (time.monotonic() - self._t0 - elapsed), fault.a
-        return None
+    def applied_wall(self) -> list[tuple[float, Fault, str]]:
+        """``applied`` with wall-clock times (``time.time()``) instead of seconds."""
+        shift = time.time() - (time.monotonic() - self._t0)
+        return [(shift + elapsed, fault, state) for elapsed, fault, state in self.applied]
 
     def cut_since(self) -> float | None:
         """Seconds since a link went down or stalled for good (no ``for D``): the

@@ -125,7 +125,8 @@ class ElasticRun:
         self.log.write(f"distgraph: elastic: {line}\n")
         self.log.flush()
 
-    def _record(self, **fields) -> None:
+    def record(self, **fields) -> None:
+        """Keep one record (``event`` and its fields) in ``history`` and the records file."""
         self.history.append(fields)
         if self.records is not None:
             os.makedirs(os.path.dirname(os.path.abspath(self.records)), exist_ok=True)
@@ -139,7 +140,7 @@ class ElasticRun:
                            self.nprocs)
         restart = 0
         while True:
-            self._record(event="start", restart=restart, time=time.time(),
+            self.record(event="start", restart=restart, time=time.time(),
                          world=_ranks(world), machines=[m.name for m in world])
             outcome = self.attempt(world, restart)
             if outcome.rc == 0:
@@ -155,14 +156,14 @@ class ElasticRun:
             if restart >= self.policy.max_restarts:
                 self._say(f"{cause}; no restart left (--max-restarts "
                           f"{self.policy.max_restarts}): the job ends")
-                self._record(event="end", restart=restart, cause=cause, time=time.time())
+                self.record(event="end", restart=restart, cause=cause, time=time.time())
                 return outcome.rc or 1
             checked = time.time()
             alive = self.answering([m.name for m in self.machines])
             probed = time.time()
             lost = [m.name for m in self.machines if m.name not in alive]
             new = next_world(self.machines, alive, self.policy, self.nprocs)
-            self._record(event="failure", restart=restart, cause=cause,
+            self.record(event="failure", restart=restart, cause=cause,
                          detected=outcome.detected, ended=outcome.ended, checked=checked,
                          probed=probed, lost=lost)
             if _ranks(new) < self.policy.min_ranks:

@@ -272,3 +272,36 @@ def test_below_min_ranks_the_job_stops_with_one_line(launched, tmp_path):
     assert "2 ranks left on the machines that answer (node0:2), below --min-ranks 3" \
         in lines[0]
     assert processes_mentioning(str(tmp_path)) == []
+
+
+# ---- the checkpoint interval (Young/Daly) -------------------------------------------------
+
+def test_young_daly_minimises_the_time_lost():
+    from distgraph.passes import young_daly
+    c = young_daly(step_s=0.5, save_s=2.0, mtbf_s=24 * 3600)
+    assert c.seconds == pytest.approx((2 * 2.0 * 24 * 3600) ** 0.5)
+    assert c.steps == round(c.seconds / 0.5)
+    # the overhead at the optimum is below its value at half and at twice the interval
+    for steps in (c.steps // 2, c.steps * 2):
+        other = type(c)(steps, steps * 0.5, 0.5, 2.0, 24 * 3600)
+        assert c.overhead < other.overhead
+    with pytest.raises(PlanError, match="positive save time"):
+        young_daly(0.5, 0.0, 3600)
+
+
+def test_the_plan_proposes_a_checkpoint_interval_from_its_estimate():
+    import distgraph as dg
+    dg.seed(0)
+    model = dg.nn.GPT(vocab_size=32, d_model=16, n_layer=2, n_head=2, max_seq_len=8)
+    strategy = dg.Strategy(mtbf_hours=10.0, checkpoint_write_gbps=0.5)
+    engine = dg.Engine(model, loss=dg.nn.CrossEntropyLoss(), optimizer=dg.optim.AdamW(1e-3),
+                       strategy=strategy, cluster=Cluster.from_file(FILE_2X2))
+    plan = engine.prepare([dg.InputSpec([8, 8], "int64", "tokens")],
+                          [dg.InputSpec([8, 8], "int64", "labels")])
+    c = plan.checkpoint
+    busiest = max(p.parameters + p.states for p in plan.estimate.processes)
+    assert c.save_s == pytest.approx(busiest / 0.5e9)
+    assert c.step_s == plan.estimate.step_time and c.mtbf_s == 36000.0
+    assert c.seconds == pytest.approx((2 * c.save_s * 36000.0) ** 0.5)
+    assert f"checkpoint every {c.steps} steps" in plan.explain()
+    assert plan.to_dict()["checkpoint"]["steps"] == c.steps

@@ -305,3 +305,14 @@ def test_the_plan_proposes_a_checkpoint_interval_from_its_estimate():
     assert c.seconds == pytest.approx((2 * c.save_s * 36000.0) ** 0.5)
     assert f"checkpoint every {c.steps} steps" in plan.explain()
     assert plan.to_dict()["checkpoint"]["steps"] == c.steps
+
+
+def test_elastic_without_machines_to_lose_is_one_line(tmp_path):
+    script = tmp_path / "x.py"
+    script.write_text("print('hi')\n")
+    result = subprocess.run([sys.executable, "-m", "distgraph.cli", "run", "-n", "2",
+                             "--elastic", str(script)], capture_output=True, text=True)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "distgraph run: --elastic needs machines to lose and take back: give --hostfile "
+        "FILE, --hosts LIST or --emulate FILE"]

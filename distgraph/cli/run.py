@@ -1,5 +1,5 @@
 """distgraph run -n N [--hostfile FILE | --hosts LIST] [--cluster FILE] [--dry-run]
-[--log-dir DIR] script.py [args]: start N ranks of a script with the mpiexec that pip
+[--log-dir DIR] [--elastic [--max-restarts N] [--min-ranks K]] script.py [args]: start N ranks of a script with the mpiexec that pip
 installs, one BLAS thread per rank, on this host or on several (also
 ``python -m distgraph.cli run``). Scripts also run under a plain ``mpiexec -n N python script.py``.
 """
@@ -33,6 +33,12 @@ starts the ranks over ssh (HYDRA_LAUNCHER, HYDRA_LAUNCHER_EXEC apply). Before an
 starts, every host must answer over ssh in batch mode with the same Python and distgraph
 at the same paths; after the job its logs come back to DIR. --dry-run prints which rank
 goes to which host (and device) and starts nothing.
+
+Elastic (--elastic, with --emulate, --hostfile or --hosts): when a rank dies or a machine
+stops answering, the job's ranks are ended, the machines that do not answer dropped and
+the script started again on the ranks left (--max-restarts N, --min-ranks K); the script
+sees its new world in engine.world_size, and ModelCheckpoint resumes from its newest
+complete checkpoint (the README's "Elastic training").
 
 SIGTERM, SIGHUP or SIGINT (Ctrl-C) stop the whole job, mpiexec and every rank, and exit
 with 128 + the signal number.

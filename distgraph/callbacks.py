@@ -2,6 +2,8 @@
 
 The protocol (override what you need; every method gets a ``logs`` dict)::
 
+    on_fit_start(logs)            before fit decides where it starts (a checkpoint loaded
+                                  here is resumed); logs: {"epochs", "batch_size"}
     on_train_begin(logs)          logs: {"epochs", "steps_per_epoch", "batch_size", "step"}
     on_epoch_begin(epoch, logs)
     on_step_begin(step, logs)     step: the global optimizer step about to run (0-based);
@@ -46,6 +48,9 @@ class Callback:
     def set_engine(self, engine) -> None:
         self.engine = engine
 
+    def on_fit_start(self, logs=None):
+        pass
+
     def on_train_begin(self, logs=None):
         pass
 
@@ -79,6 +84,10 @@ class CallbackList(Callback):
                 raise DistGraphError(f"callbacks must be dg.callbacks.Callback objects, got "
                                      f"{cb!r}")
             cb.set_engine(engine)
+
+    def on_fit_start(self, logs=None):
+        for cb in self.callbacks:
+            cb.on_fit_start(logs)
 
     def on_train_begin(self, logs=None):
         for cb in self.callbacks:
@@ -218,7 +227,11 @@ class ModelCheckpoint(Callback):
     """``engine.save(path)`` every ``every_n_steps`` optimizer steps, or at the end of
     every epoch when ``every_n_steps`` is None. ``path`` may hold ``{step}`` and
     ``{epoch}`` to keep several checkpoints; otherwise each save replaces the last one
-    atomically. Runs on every rank (saving is collective)."""
+    atomically. Runs on every rank (saving is collective).
+
+    In an elastic job restarted after a failure (``engine.elastic_restart`` > 0), the
+    fit first loads the newest complete checkpoint at ``path`` (``engine.resume``),
+    resharded into the new plan, and goes on from its step; the script is unchanged."""
 
     def __init__(self, path, every_n_steps: int | None = None):
         if every_n_steps is not None and int(every_n_steps) < 1:
@@ -226,6 +239,17 @@ class ModelCheckpoint(Callback):
                                  f"{every_n_steps}")
         self.path, self.every_n_steps = str(path), every_n_steps
         self.saved: list = []
+
+    def on_fit_start(self, logs=None):
+        engine = self.engine
+        if not engine.elastic_restart:
+            return
+        found = engine.resume(self.path)
+        if engine.rank == 0:
+            said = (f"resumed from {found} at step {engine.global_step}" if found else
+                    f"no complete checkpoint at {self.path}: starting from step 0")
+            print(f"distgraph: elastic restart {engine.elastic_restart} on "
+                  f"{engine.world_size} ranks: {said}", file=sys.stderr, flush=True)
 
     def _save(self, epoch):
         path = self.path.format(step=self.engine.global_step, epoch=epoch)

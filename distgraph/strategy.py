@@ -63,6 +63,8 @@ class Strategy:
     loss_scale: float = 2.0 ** 16
     loss_scale_window: int = 2000
     search: str = "ilp"
+    mtbf_hours: float | None = None
+    checkpoint_write_gbps: float = 1.0
 
     def __post_init__(self):
         if self.auto_mode not in ("semi", "full"):
@@ -101,6 +103,11 @@ class Strategy:
             raise DistGraphError("Strategy.loss_scale and loss_scale_window scale the loss of "
                                  "float16 training: use them with amp='float16' (bfloat16 "
                                  "keeps float32's range and needs no scaling)")
+        if (self.mtbf_hours is not None and not self.mtbf_hours > 0) or \
+                not self.checkpoint_write_gbps > 0:
+            raise DistGraphError(f"Strategy.mtbf_hours (the job's mean time between "
+                                 f"failures) and checkpoint_write_gbps must be positive, got "
+                                 f"{self.mtbf_hours!r} and {self.checkpoint_write_gbps!r}")
         if self.schedule not in SCHEDULES:
             raise DistGraphError(f"Strategy.schedule must be one of {SCHEDULES}, got "
                                  f"{self.schedule!r}")

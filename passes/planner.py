@@ -44,6 +44,7 @@ from distgraph.passes.balance import balance_batch, batch_mesh_dims
 from distgraph.passes.balance.uneven import member_schedule_of, run_split, runs_own_counts
 from distgraph.passes.completion.complete import complete
 from distgraph.passes.completion import stage_order
+from distgraph.passes.cost.checkpoint import propose as propose_checkpoint
 from distgraph.passes.cost.estimate import estimate
 from distgraph.passes.mapping.devices import assign_devices
 from distgraph.passes.mapping.rank_mapping import map_ranks
@@ -146,8 +147,11 @@ def _plan(built, strategy, cluster, rank_mapping, accumulation, ilp_budget=None)
     order = (member_schedule_of(planned, graph) if runs_own_counts(planned)
              else schedule_of(graph))
     planned = dataclasses.replace(planned, graph=graph, order=order)
-    if searched is not None or planned.batch_split is not None:
+    if searched is not None or planned.batch_split is not None or strategy.mtbf_hours:
         planned = dataclasses.replace(planned, estimate=estimate(planned, cluster))
+    if strategy.mtbf_hours is not None:
+        planned = dataclasses.replace(planned, checkpoint=propose_checkpoint(
+            planned.estimate, strategy.mtbf_hours, strategy.checkpoint_write_gbps))
     return planned
 
 

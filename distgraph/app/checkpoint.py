@@ -268,6 +268,42 @@ def save(path, entries, info: dict, comm=None) -> str:
 
 
 # -- loading -------------------------------------------------------------------------------
+def complete(path) -> dict | None:
+    """The metadata of the checkpoint at ``path`` when it is complete (its
+    ``metadata.json`` reads and every file it names exists), else None. A save killed
+    midway leaves the previous metadata, which names the previous files: still complete."""
+    try:
+        with open(os.path.join(path, METADATA)) as f:
+            meta = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if meta.get("format") != FORMAT:
+        return None
+    data = os.path.join(path, meta.get("data", ""))
+    files = {s["file"] for t in meta.get("tensors", {}).values() for s in t.get("shards", [])}
+    if not all(os.path.isfile(os.path.join(data, name)) for name in files):
+        return None
+    return meta
+
+
+def newest(pattern) -> str | None:
+    """The newest complete checkpoint at ``pattern``: a folder, or a path holding
+    ``{step}`` / ``{epoch}`` (``ModelCheckpoint``'s), of which the complete one with the
+    highest step wins; None when there is none."""
+    import glob
+    import re
+
+    pattern = str(pattern)
+    if "{" not in pattern:
+        return pattern if complete(pattern) is not None else None
+    found = []
+    for path in glob.glob(re.sub(r"\{[^}]*\}", "*", pattern)):
+        meta = complete(path)
+        if meta is not None:
+            found.append((int(meta.get("training", {}).get("step", 0)), path))
+    return max(found)[1] if found else None
+
+
 class CheckpointReader:
     """A committed checkpoint: its metadata, and blocks of its tensors read on demand.
 

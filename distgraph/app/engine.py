@@ -25,6 +25,7 @@ import numpy as np
 
 from distgraph.app import checkpoint, checks, plan_report, pretrained
 from distgraph.app.checkpoint import CheckpointReader
+from distgraph.app.checkpoint import newest as newest_checkpoint
 from distgraph.app.loops import History, Loops
 from distgraph.app.plans import MODES, Mode, PlanCache, as_mode, program_key
 from distgraph.app.resume import check_checkpoint, checkpoint_info, restore_info
@@ -281,6 +282,21 @@ class Engine:
                                      f"checkpoint {path}; its log says why")
         if failure is not None:
             raise failure
+
+    @property
+    def elastic_restart(self) -> int | None:
+        """In an elastic job (``distgraph run --elastic``): which start of the script this
+        is, 0 the first, k after the k-th failure; None outside one."""
+        return self._launch.restart
+
+    def resume(self, path) -> str | None:
+        """Load the newest complete checkpoint at ``path`` (a folder, or a path with
+        ``{step}`` / ``{epoch}``) when there is one; the path loaded, or None. A
+        checkpoint whose save was cut short is never chosen. Collective like ``load``."""
+        found = newest_checkpoint(path)
+        if found is not None:
+            self.load(found)
+        return found
 
     @checks.collective("Engine.load()")
     def load(self, path, strip_prefix: str = "", prefix: str = "") -> None:

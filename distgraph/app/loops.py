@@ -72,6 +72,8 @@ class Loops:
         loader = self.loader(train_data, batch_size, shuffle, drop_last)
         self.check_data(Mode.TRAIN, loader)
         n_batches = len(loader) if steps_per_epoch is None else min(steps_per_epoch, len(loader))
+        cbs = CallbackList(progress(verbose, callbacks) + list(callbacks or []), engine)
+        cbs.on_fit_start({"epochs": epochs, "batch_size": batch_size})
         first_epoch, first_batch = self._start(loader, n_batches, steps_per_epoch)
         self.fit_config = {"batch_size": batch_size, "shuffle": bool(shuffle),
                            "drop_last": bool(drop_last), "steps_per_epoch": steps_per_epoch,
@@ -87,7 +89,6 @@ class Loops:
         train = engine._plans.plan(Mode.TRAIN)
         backend_for(train.devices, engine.rank if train.distributed else 0)
         self.check_world(train)
-        cbs = CallbackList(progress(verbose, callbacks) + list(callbacks or []), engine)
         try:
             return self._train(loader, n_batches, first_epoch, first_batch, epochs, cbs,
                                valid_data, drop_last)

@@ -1,5 +1,5 @@
 """distgraph run -n N [--hostfile FILE | --hosts LIST] [--cluster FILE] [--dry-run]
-[--log-dir DIR] script.py [args]: start N ranks of a script with the mpiexec that pip
+[--log-dir DIR] [--elastic [--max-restarts N] [--min-ranks K]] script.py [args]: start N ranks of a script with the mpiexec that pip
 installs, one BLAS thread per rank, on this host or on several (also
 ``python -m distgraph.cli run``). Scripts also run under a plain ``mpiexec -n N python script.py``.
 """
@@ -33,6 +33,12 @@ starts the ranks over ssh (HYDRA_LAUNCHER, HYDRA_LAUNCHER_EXEC apply). Before an
 starts, every host must answer over ssh in batch mode with the same Python and distgraph
 at the same paths; after the job its logs come back to DIR. --dry-run prints which rank
 goes to which host (and device) and starts nothing.
+
+Elastic (--elastic, with --emulate, --hostfile or --hosts): when a rank dies or a machine
+stops answering, the job's ranks are ended, the machines that do not answer dropped and
+the script started again on the ranks left (--max-restarts N, --min-ranks K); the script
+sees its new world in engine.world_size, and ModelCheckpoint resumes from its newest
+complete checkpoint (the README's "Elastic training").
 
 SIGTERM, SIGHUP or SIGINT (Ctrl-C) stop the whole job, mpiexec and every rank, and exit
 with 128 + the signal number.
@@ -78,12 +84,23 @@ def _arguments(p) -> None:
                         "'Emulated clusters' says more)")
     p.add_argument("--emulate-fault", action="append", default=[], metavar="SPEC",
                    help="with --emulate: a fault to inject, e.g. 'link node0-node1 down at 5s'")
+    p.add_argument("--elastic", action="store_true",
+                   help="with --emulate, --hostfile or --hosts: when a rank dies or a machine "
+                        "stops answering, end the job's ranks, drop the machines that do not "
+                        "answer and start the script again on the ranks left (the README's "
+                        "'Elastic training')")
+    p.add_argument("--max-restarts", type=int, default=3, metavar="N",
+                   help="with --elastic: restarts at most (default 3)")
+    p.add_argument("--min-ranks", type=int, default=1, metavar="K",
+                   help="with --elastic: stop when fewer ranks are left (default 1)")
     p.add_argument("script", help="the Python script to run on every rank")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
 
 
 def _run(args) -> int:
     try:
+        if args.elastic:
+            return _run_elastic(args)
         if args.emulate or args.emulate_fault:
             if args.hostfile or args.hosts or args.dry_run:
                 print("distgraph run: --emulate runs every rank on this machine's network "
@@ -115,3 +132,32 @@ def _run(args) -> int:
         print(f"distgraph run: {err}", file=sys.stderr)
         return 2
 
+
+
+def _run_elastic(args) -> int:
+    """``distgraph run --elastic``: on an emulated cluster, or on hosts over ssh."""
+    from distgraph.runtime.launch.elastic import ElasticPolicy
+
+    policy = ElasticPolicy(args.max_restarts, args.min_ranks)
+    check_launch(args.nprocs, [args.script, *args.args], args.cluster)
+    if args.emulate:
+        if args.hostfile or args.hosts or args.dry_run:
+            print("distgraph run: --emulate runs every rank on this machine's network "
+                  "namespaces; it takes no --hostfile, --hosts or --dry-run", file=sys.stderr)
+            return 2
+        from distgraph.runtime.emulate.elastic import launch_elastic
+
+        return launch_elastic(args.emulate, args.nprocs, [args.script, *args.args], policy,
+                              faults=args.emulate_fault, log_dir=args.log_dir)
+    if args.emulate_fault:
+        print("distgraph run: --emulate-fault needs --emulate FILE", file=sys.stderr)
+        return 2
+    if not (args.hostfile or args.hosts):
+        print("distgraph run: --elastic needs machines to lose and take back: give "
+              "--hostfile FILE, --hosts LIST or --emulate FILE", file=sys.stderr)
+        return 2
+    from distgraph.runtime.launch.elastic_hosts import launch_elastic_hosts
+
+    assignment = assign_hosts(args.nprocs, args.hostfile, args.hosts, None, None, os.environ)
+    return launch_elastic_hosts(assignment, [args.script, *args.args], policy,
+                                cluster=args.cluster, log_dir=args.log_dir)

@@ -91,6 +91,7 @@ class Plan:
     stages: tuple
     cluster: object = None
     estimate: object = None
+    checkpoint: object = None
     accumulation: object = None
     search: object = None
     batch_split: object = None
@@ -248,6 +249,8 @@ class Plan:
                 lines.append("  " + str(extra).replace("\n", "\n  "))
         if self.estimate is not None:
             lines.append("  estimate: " + str(self.estimate).replace("\n", "\n  "))
+        if self.checkpoint is not None:
+            lines.append(f"  {self.checkpoint}")
         return "\n".join(lines)
 
     def to_dict(self) -> dict:
@@ -283,7 +286,7 @@ class Plan:
                                 "steps": [str(s) for s in p.steps], "bytes": p.bytes}
                                for p in self.reshards()]
             out["bytes_sent"] = {str(pid): kinds for pid, kinds in self.bytes_sent().items()}
-        for name in ("devices", "estimate", "search", "batch_split"):
+        for name in ("devices", "estimate", "checkpoint", "search", "batch_split"):
             value = getattr(self, name)
             if value is not None:
                 out["placement" if name == "devices" else name] = value.to_dict()

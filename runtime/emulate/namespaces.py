@@ -107,8 +107,7 @@ def remove_job(job: str, log=None) -> list[str]:
     names = [n for n in our_namespaces() if n.startswith(f"{PREFIX}{job}-")]
     pids = set()
     for ns in names:
-        out = run_tool(["ip", "netns", "pids", ns], f"list the processes in {ns}", check=False)
-        pids.update(int(p) for p in out.stdout.split() if p.isdigit())
+        pids |= namespace_pids(ns)
     _kill(pids)
     errors = []
     for ns in names:
@@ -348,6 +347,43 @@ class Emulation:
                 f"b'', ('{self.layout.hub_address}', 9))")
         run_tool(["ip", "netns", "exec", m.namespace, sys.executable, "-c", send],
              "wake a restored link")
+
+
+    def set_machine(self, hostname: str, state: str) -> None:
+        """"down": machine ``hostname`` is lost: every process inside it is killed with
+        SIGKILL, then its interface goes down, so nothing reaches it (nor the launcher);
+        "up": its interface comes back, with nothing running on it."""
+        if state not in ("down", "up"):
+            raise PlanError(f"machine state {state!r}; use 'down' or 'up'")
+        m = self.layout.machine(hostname)
+        if state == "down":
+            _signal_all(namespace_pids(m.namespace), signal.SIGKILL)
+        run_tool(["ip", "-n", m.namespace, "link", "set", IFACE, state],
+                 f"set {hostname}'s network {state}")
+
+    def clear(self) -> list[int]:
+        """Kill every process in the machines' namespaces (a job's leftovers: ranks,
+        proxies); the namespaces stay. The pids that were found."""
+        pids = set()
+        for m in self.layout.machines:
+            pids |= namespace_pids(m.namespace)
+        _kill(pids)
+        return sorted(pids)
+
+
+def namespace_pids(namespace: str) -> set[int]:
+    """The processes inside network namespace ``namespace``."""
+    out = run_tool(["ip", "netns", "pids", namespace], f"list the processes in {namespace}",
+                   check=False)
+    return {int(p) for p in out.stdout.split() if p.isdigit()}
+
+
+def _signal_all(pids, sig) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
 
 
 def _minor(machine_index: int) -> int:

@@ -47,7 +47,9 @@ from distgraph.runtime.launch.status import CLUSTER_VAR
 
 PLAN_OUT = "DISTGRAPH_PLAN_OUT"         # distgraph plan: where the report goes
 PLAN_PLOT = "DISTGRAPH_PLAN_PLOT"       # distgraph plan --plot: where the picture goes
-OPTIONS = {"--cluster": "cluster", "--plan-out": "plan_out", "--plan-plot": "plan_plot"}
+RESTART = "DISTGRAPH_ELASTIC_RESTART"   # distgraph run --elastic: which start this is
+OPTIONS = {"--cluster": "cluster", "--plan-out": "plan_out", "--plan-plot": "plan_plot",
+           "--elastic-restart": "restart"}
 
 
 @dataclass(frozen=True)
@@ -61,10 +63,13 @@ class PlanRequest:
 @dataclass(frozen=True)
 class LaunchContext:
     """The request a script runs under: ``cluster``, the path of the resource file an
-    Engine without a cluster uses; ``plan``, what ``distgraph plan`` asks (None: run)."""
+    Engine without a cluster uses; ``plan``, what ``distgraph plan`` asks (None: run);
+    ``restart``, in an elastic job (``distgraph run --elastic``), which start of the
+    script this is (0: the first; k: after the k-th failure), None outside one."""
 
     cluster: str | None = None
     plan: PlanRequest | None = None
+    restart: int | None = None
 
     def argv(self) -> list:
         """The bootstrap's options that carry this context (before the script)."""
@@ -74,6 +79,8 @@ class LaunchContext:
                               ("--plan-plot", self.plan and self.plan.plot)):
             if value:
                 out += [option, os.path.abspath(value)]
+        if self.restart is not None:
+            out += ["--elastic-restart", str(self.restart)]
         return out
 
     @classmethod
@@ -82,7 +89,7 @@ class LaunchContext:
         what the options leave out is ``inherited``'s."""
         base = inherited or cls()
         found: dict = {"cluster": base.cluster, "plan_out": base.plan and base.plan.out,
-                       "plan_plot": base.plan and base.plan.plot}
+                       "plan_plot": base.plan and base.plan.plot, "restart": base.restart}
         args = list(args)
         while args and args[0] in OPTIONS:
             if len(args) < 2:
@@ -93,12 +100,14 @@ class LaunchContext:
             args = args[2:]
         if args and args[0] == "--":
             args = args[1:]
-        return cls._of(found["cluster"], found["plan_out"], found["plan_plot"]), args
+        return cls._of(found["cluster"], found["plan_out"], found["plan_plot"],
+                       found["restart"]), args
 
     def environ(self) -> dict:
         """The variables that carry this context to processes the script starts."""
         values = {CLUSTER_VAR: self.cluster, PLAN_OUT: self.plan and self.plan.out,
-                  PLAN_PLOT: self.plan and self.plan.plot}
+                  PLAN_PLOT: self.plan and self.plan.plot,
+                  RESTART: None if self.restart is None else str(self.restart)}
         return {k: v for k, v in values.items() if v}
 
     @classmethod
@@ -106,12 +115,14 @@ class LaunchContext:
         """The context a process started by a launched script inherits (see the module
         docstring): read from ``environ`` (default: this process's environment)."""
         env = os.environ if environ is None else environ
-        return cls._of(env.get(CLUSTER_VAR), env.get(PLAN_OUT), env.get(PLAN_PLOT))
+        return cls._of(env.get(CLUSTER_VAR), env.get(PLAN_OUT), env.get(PLAN_PLOT),
+                       env.get(RESTART))
 
     @classmethod
-    def _of(cls, cluster, plan_out, plan_plot) -> "LaunchContext":
+    def _of(cls, cluster, plan_out, plan_plot, restart=None) -> "LaunchContext":
         plan = PlanRequest(plan_out, plan_plot or None) if plan_out else None
-        return cls(cluster or None, plan)
+        restart = int(restart) if restart not in (None, "") else None
+        return cls(cluster or None, plan, restart)
 
 
 class PlanReported(BaseException):

@@ -153,7 +153,8 @@ def stop_on_signals(job: Job):
 def launch(nprocs: int, argv: list[str], cluster: str | None = None,
            env: dict | None = None, timeout: float | None = None,
            log_dir: str | None = None, mpiexec_args=(), prefix=(), extra_env=None,
-           watch=None, assignment: HostAssignment | None = None) -> int:
+           watch=None, assignment: HostAssignment | None = None, restart: int | None = None,
+           on_start=None) -> int:
     """Run ``argv`` on ``nprocs`` ranks; returns the exit code (mpiexec's; 128 + the
     signal when stopped by one; 124 after ``timeout`` seconds; 1 when ``watch``, a
     callable polled while the job runs, returns a reason to stop it).
@@ -161,7 +162,9 @@ def launch(nprocs: int, argv: list[str], cluster: str | None = None,
     the ranks' environment; with a ``assignment`` the ranks run on its hosts (see the
     module docstring), else on this one. The ranks run under the launch context this
     process runs under (:func:`~distgraph.runtime.launch.context.current`), with
-    ``cluster`` as its cluster file when one is given.
+    ``cluster`` as its cluster file when one is given and ``restart`` as the start of an
+    elastic job (:mod:`distgraph.runtime.launch.elastic`); ``on_start(job)`` is called
+    once the job runs (its status folder is ``job.status_dir``).
 
     Each rank's output is shown and also kept in ``log_dir/rank-<r>.log`` (default: a
     temporary folder, removed when the job succeeds). When the job fails, the terminal
@@ -186,7 +189,7 @@ def launch(nprocs: int, argv: list[str], cluster: str | None = None,
             mpiexec_args = [*mpiexec_args, "-hosts", assignment.hydra_hosts()]
         here = current()
         context = LaunchContext(os.path.abspath(cluster) if cluster else here.cluster,
-                                here.plan)
+                                here.plan, here.restart if restart is None else restart)
         command = launch_command(nprocs, argv, mpiexec_args, prefix, context)
         keep_logs = log_dir is not None
         if log_dir is None:
@@ -205,6 +208,8 @@ def launch(nprocs: int, argv: list[str], cluster: str | None = None,
             job = Job(command, ranks, status, log_dir)
             with stop_on_signals(job):
                 job.start()
+                if on_start is not None:
+                    on_start(job)
                 returncode = job.wait(timeout, watch)
                 problems = []
                 if assignment is not None:

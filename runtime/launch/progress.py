@@ -219,6 +219,19 @@ def read_where(folder: str, rank: int) -> Where:
     return Where(rank, "computing", step if state == STEP else -1, at, phase, 0.0)
 
 
+def last_step(folder: str, rank: int) -> int:
+    """The last training step ``rank`` began (its record keeps it between steps); -1
+    before its first step or without a record."""
+    try:
+        with open(os.path.join(folder, f"{rank}.progress"), "rb") as f:
+            raw = f.read(SIZE)
+    except OSError:
+        return -1
+    if len(raw) < SIZE:
+        return -1
+    return struct.unpack_from("<2q", raw)[1]       # -1 until the first step begins
+
+
 def rank_hosts(env=None) -> tuple[str, ...] | None:
     """Each rank's host in a job over several hosts (from the launcher), else None."""
     text = (os.environ if env is None else env).get(RANK_HOSTS)

@@ -1,0 +1,121 @@
+"""Elastic jobs on hosts over ssh: ``distgraph run --elastic --hostfile FILE`` (or ``--hosts``).
+
+Each attempt (:mod:`distgraph.runtime.launch.elastic`) is an ordinary multi-host job
+(:func:`~distgraph.runtime.launch.launcher.launch`: the check of every host before it
+starts, the clean-up of every host after it) on the hosts that answer, as many ranks on
+each as the first assignment gave it. A host answers when ``true`` runs there over the
+job's launcher (ssh in batch mode) within :data:`ANSWER_TIMEOUT` seconds; while an
+attempt runs, a thread asks every :data:`PROBE_EVERY` seconds, and the ranks' status
+files on this host are read: a host that stops answering, or a rank here that died or
+failed, stops the attempt at once. A rank that dies on another host ends the job through
+hydra, as without ``--elastic``.
+
+Example::
+
+    rc = launch_elastic_hosts(assign_hosts(4, hosts="node0:2,node1:2"), ["train.py"],
+                              ElasticPolicy(min_ranks=2))
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+
+from distgraph.errors import PlanError
+from distgraph.runtime.launch import remote
+from distgraph.runtime.launch.elastic import ElasticPolicy, ElasticRun, Machine, Outcome
+from distgraph.runtime.launch.hosts import HostAssignment
+from distgraph.runtime.launch.launcher import launch
+from distgraph.runtime.launch.status import failure_lines, read_states
+
+ANSWER_TIMEOUT = 5.0    # seconds a host has to run `true` over ssh
+PROBE_EVERY = 2.0       # seconds between two probes of a running attempt's hosts
+STATES_EVERY = 0.3
+
+
+class HostAttempts:
+    """Runs the attempts of an elastic job on ``assignment``'s hosts."""
+
+    def __init__(self, assignment: HostAssignment, argv, log, env=None, log_dir=None,
+                 timeout=None):
+        self.assignment, self.argv, self.log = assignment, argv, log
+        self.env = dict(os.environ if env is None else env)
+        self.log_dir, self.timeout = log_dir, timeout
+        self.launcher = remote.Launcher.from_env(self.env)
+
+    def machines(self) -> list[Machine]:
+        return [Machine(h, len(self.assignment.ranks_on(h)))
+                for h in self.assignment.distinct_hosts]
+
+    def answering(self, names) -> set[str]:
+        far = [h for h in names if not remote.is_local(h)]
+        answers = remote.run_everywhere(self.launcher, {h: ["true"] for h in far},
+                                        ANSWER_TIMEOUT) if far else {}
+        return {h for h in names if h not in answers or answers[h].returncode == 0}
+
+    def __call__(self, world, restart: int) -> Outcome:
+        hosts = tuple(m.name for m in world for _ in range(m.slots))
+        assignment = HostAssignment(hosts, self.assignment.source)
+        seen: dict = {}
+        stop = threading.Event()
+        prober = threading.Thread(target=self._probe, args=([m.name for m in world], seen,
+                                                            stop), daemon=True)
+        prober.start()
+        log_dir = self.log_dir
+        if log_dir is not None and restart:
+            log_dir = os.path.join(log_dir, f"restart-{restart}")
+        try:
+            rc = launch(len(hosts), self.argv, env=self.env, timeout=self.timeout,
+                        log_dir=log_dir, assignment=assignment, restart=restart,
+                        watch=self._watch(len(hosts), seen),
+                        on_start=lambda job: seen.setdefault("status", job.status_dir))
+        finally:
+            stop.set()
+            prober.join()
+        cause = seen.get("cause")
+        return Outcome(rc, cause if rc != 0 else None, seen.get("detected") or time.time())
+
+    def _probe(self, names, seen: dict, stop: threading.Event) -> None:
+        while not stop.wait(PROBE_EVERY):
+            lost = [h for h in names if h not in self.answering(names)]
+            if lost:
+                seen["lost"] = f"host {', '.join(lost)} stopped answering"
+                return
+
+    def _watch(self, nprocs: int, seen: dict):
+        clock = {"states": time.monotonic()}
+
+        def watch():
+            cause = seen.get("lost")
+            status, now = seen.get("status"), time.monotonic()
+            if cause is None and status is not None and now - clock["states"] >= STATES_EVERY:
+                clock["states"] = now
+                lines = failure_lines(read_states(status, nprocs), hosts=True)
+                cause = lines[0].split("\n")[0] if lines else None
+            if cause is not None:
+                seen.setdefault("detected", time.time())
+                seen.setdefault("cause", cause)
+                return seen["cause"]
+            return None
+
+        return watch
+
+
+def launch_elastic_hosts(assignment: HostAssignment | None, argv: list[str],
+                         policy: ElasticPolicy, cluster: str | None = None,
+                         log_dir: str | None = None, env: dict | None = None,
+                         timeout: float | None = None, log=None) -> int:
+    """Run ``argv`` as an elastic job on ``assignment``'s hosts (module docstring)."""
+    log = sys.stderr if log is None else log
+    if assignment is None:
+        raise PlanError("--elastic needs hosts: give --hostfile FILE or --hosts LIST")
+    if cluster is not None:
+        raise PlanError("--elastic with --hostfile/--hosts takes no --cluster yet (the "
+                        "file would describe machines that may be lost); give --emulate "
+                        "FILE, or leave --cluster out")
+    attempts = HostAttempts(assignment, argv, log, env, log_dir, timeout)
+    records = os.path.join(log_dir, "elastic.jsonl") if log_dir else None
+    return ElasticRun(attempts.machines(), assignment.nprocs, attempts, attempts.answering,
+                      policy, log, records).run()

@@ -1,0 +1,318 @@
+"""Elastic training (``distgraph run --elastic``): the loop's policy against fakes, then, on
+an emulated 2 x 2 cluster (root), a machine lost mid-epoch and the job finishing on the 2
+ranks left with the serial run's weights; a machine lost while a checkpoint is written;
+too few ranks left. The emulated tests skip where namespaces cannot be made."""
+
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from distgraph.app.checkpoint import newest
+from distgraph.errors import PlanError
+from distgraph.resources.cluster import Cluster
+from distgraph.runtime.emulate.elastic import subcluster
+from distgraph.runtime.emulate.faults import parse_fault
+from distgraph.runtime.launch.context import LaunchContext
+from distgraph.runtime.launch.elastic import (ElasticPolicy, ElasticRun, Machine, Outcome,
+                                              next_world)
+
+ROOT = Path(__file__).resolve().parent.parent
+FILE_2X2 = str(ROOT / "resources" / "clusters" / "emulated_2x2.yaml")
+SCRIPT = str(ROOT / "tests" / "mpi_scripts" / "elastic_gpt.py")
+MACHINES = (Machine("node0", 2), Machine("node1", 2))
+
+
+# ---- the policy, against fakes -----------------------------------------------------------
+
+def test_next_world_keeps_the_machines_that_answer_in_order_up_to_the_cap():
+    policy = ElasticPolicy()
+    assert next_world(MACHINES, {"node1"}, policy, 4) == (Machine("node1", 2),)
+    assert next_world(MACHINES, {"node0", "node1"}, policy, 3) == \
+        (Machine("node0", 2), Machine("node1", 1))
+    assert next_world(MACHINES, {"node0", "node1"}, ElasticPolicy(max_ranks=2), 4) == \
+        (Machine("node0", 2),)
+    assert next_world(MACHINES, set(), policy, 4) == ()
+
+
+@pytest.mark.parametrize("kwargs", [{"max_restarts": -1}, {"min_ranks": 0},
+                                    {"min_ranks": 3, "max_ranks": 2}])
+def test_a_policy_that_cannot_hold_is_refused(kwargs):
+    with pytest.raises(PlanError):
+        ElasticPolicy(**kwargs)
+
+
+class Fake:
+    """Attempts that fail while ``failures`` lasts; machines answer as ``alive`` says."""
+
+    def __init__(self, failures, alive):
+        self.failures, self.alive, self.worlds = list(failures), list(alive), []
+
+    def attempt(self, world, restart):
+        self.worlds.append((restart, world))
+        if self.failures:
+            return Outcome(1, self.failures.pop(0), time.time())
+        return Outcome(0)
+
+    def answering(self, names):
+        return self.alive.pop(0) if self.alive else set(names)
+
+
+def test_a_lost_machine_is_dropped_and_taken_back_when_it_answers_again(tmp_path):
+    fake = Fake(["machine node1 stopped answering", "rank 0 failed: boom"],
+                [{"node0"}, {"node0", "node1"}])
+    log = io.StringIO()
+    records = tmp_path / "elastic.jsonl"
+    rc = ElasticRun(MACHINES, 4, fake.attempt, fake.answering, ElasticPolicy(min_ranks=2),
+                    log, str(records)).run()
+    assert rc == 0
+    assert [sum(m.slots for m in w) for _, w in fake.worlds] == [4, 2, 4]
+    text = log.getvalue()
+    assert "restart 1 of 3 on 2 ranks (node0:2), was 4; dropped node1" in text
+    assert "restart 2 of 3 on 4 ranks (node0:2, node1:2), was 2" in text
+    assert "finished after 2 restarts (world sizes 4 -> 2 -> 4)" in text
+    events = [json.loads(line)["event"] for line in records.read_text().splitlines()]
+    assert events == ["start", "failure", "start", "failure", "start"]
+
+
+def test_below_min_ranks_the_job_ends_with_one_line():
+    fake = Fake(["machine node1 stopped answering"], [{"node0"}])
+    log = io.StringIO()
+    rc = ElasticRun(MACHINES, 4, fake.attempt, fake.answering, ElasticPolicy(min_ranks=3),
+                    log).run()
+    assert rc == 1 and len(fake.worlds) == 1
+    lines = log.getvalue().splitlines()
+    assert len(lines) == 1 and "below --min-ranks 3: the job ends" in lines[0]
+
+
+def test_restarts_run_out():
+    fake = Fake(["a", "b", "c"], [])
+    log = io.StringIO()
+    rc = ElasticRun(MACHINES, 4, fake.attempt, fake.answering,
+                    ElasticPolicy(max_restarts=1), log).run()
+    assert rc == 1 and len(fake.worlds) == 2
+    assert "no restart left (--max-restarts 1)" in log.getvalue()
+
+
+def test_a_signal_ends_the_job_without_a_restart():
+    fake = Fake([], [])
+    fake.attempt = lambda world, restart: Outcome(128 + signal.SIGTERM)
+    assert ElasticRun(MACHINES, 4, fake.attempt, fake.answering, ElasticPolicy(),
+                      io.StringIO()).run() == 128 + signal.SIGTERM
+
+
+def test_machine_faults_parse_with_a_time_or_a_step():
+    f = parse_fault("machine node1 down at step 6 for 3s", ["node0", "node1"])
+    assert (f.a, f.b, f.machine, f.step, f.duration) == ("node1", None, True, 6, 3.0)
+    f = parse_fault("machine node0 down at 2s", ["node0", "node1"])
+    assert (f.at, f.step) == (2.0, None)
+    assert parse_fault("link node0-node1 down at step 3", ["node0", "node1"]).step == 3
+    with pytest.raises(PlanError, match="not a machine of this job"):
+        parse_fault("machine node7 down at 1s", ["node0", "node1"])
+
+
+def test_the_reduced_cluster_holds_the_machines_left():
+    reduced = subcluster(Cluster.from_file(FILE_2X2), [Machine("node1", 2)])
+    assert [d.global_id for d in reduced.devices] == [2, 3]
+    assert [m.hostname for m in reduced.machines] == ["node1"]
+
+
+def test_the_restart_travels_in_the_launch_context():
+    ctx = LaunchContext(restart=2)
+    parsed, rest = LaunchContext.parse([*ctx.argv(), "--", "x.py"])
+    assert parsed.restart == 2 and rest == ["x.py"]
+    assert LaunchContext.inherited(ctx.environ()).restart == 2
+    assert LaunchContext().restart is None
+
+
+def test_newest_chooses_the_complete_checkpoint_with_the_highest_step(tmp_path):
+    def fake(name, step, complete=True):
+        folder = tmp_path / name
+        (folder / "data-1").mkdir(parents=True)
+        if complete:
+            (folder / "data-1" / "rank-00000.bin").write_bytes(b"x")
+        meta = {"format": "distgraph-checkpoint", "data": "data-1",
+                "training": {"step": step},
+                "tensors": {"w": {"shards": [{"file": "rank-00000.bin"}]}}}
+        (folder / "metadata.json").write_text(json.dumps(meta))
+
+    fake("ckpt-4", 4)
+    fake("ckpt-8", 8)
+    fake("ckpt-12", 12, complete=False)            # its files are not all there
+    (tmp_path / "ckpt-16").mkdir()                 # a save killed before its metadata
+    assert newest(str(tmp_path / "ckpt-{step}")) == str(tmp_path / "ckpt-8")
+    assert newest(str(tmp_path / "ckpt-4")) == str(tmp_path / "ckpt-4")
+    assert newest(str(tmp_path / "ckpt-16")) is None
+
+
+# ---- on an emulated cluster (root) --------------------------------------------------------
+
+from test_emulate import REASON  # noqa: E402  (skips where namespaces cannot be made)
+
+EMULATED = pytest.mark.skipif(REASON is not None, reason=f"emulated clusters: {REASON}")
+
+
+@pytest.fixture
+def launched():
+    from test_emulate import Launcher
+    launcher = Launcher()
+    try:
+        yield launcher
+    finally:
+        left = launcher.cleanup()
+    assert left == [], f"the job left namespaces behind: {left}"
+
+
+@pytest.fixture(scope="module")
+def serial(tmp_path_factory):
+    out = tmp_path_factory.mktemp("serial") / "w.npz"
+    subprocess.run([sys.executable, SCRIPT, "--out", str(out)], check=True,
+                   env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True)
+    return dict(np.load(out))
+
+
+def processes_mentioning(text: str) -> list[int]:
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if text.encode() in f.read():
+                    found.append(int(pid))
+        except OSError:
+            pass
+    return found
+
+
+def assert_equal_weights(path, serial):
+    got = dict(np.load(path))
+    assert sorted(got) == sorted(serial)
+    worst = max(float(np.max(np.abs(got[k] - serial[k]))) for k in serial)
+    assert worst < 1e-10, worst
+
+
+def elastic(tmp_path, *extra, faults=("machine node1 down at step 6",), script=()):
+    args = ["run", "-n", "4", "--emulate", FILE_2X2, "--elastic", "--min-ranks", "2",
+            "--log-dir", str(tmp_path / "logs")]
+    for fault in faults:
+        args += ["--emulate-fault", fault]
+    return [*args, *extra, SCRIPT, "--ckpt", str(tmp_path / "ckpt"), "--out",
+            str(tmp_path / "w.npz"), *script]
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+@EMULATED
+@pytest.mark.parametrize("auto", [False, True], ids=["dp-x-mp", "auto-full"])
+def test_a_machine_lost_mid_epoch_the_job_finishes_on_the_ranks_left(launched, tmp_path,
+                                                                      serial, auto):
+    script = ["--step-time", "0.2"] + (["--auto"] if auto else [])
+    result = launched.run(*elastic(tmp_path, script=script), timeout=300)
+    out, err = result.stdout, result.stderr
+    assert result.returncode == 0, out[-3000:] + err[-3000:]
+    assert "machine node1 down" in err
+    assert "restart 1 of 3 on 2 ranks (node0:2), was 4; dropped node1" in err
+    assert "resumed from" in err and "finished after 1 restart (world sizes 4 -> 2)" in err
+    steps = [ln.split() for ln in out.splitlines() if ln.startswith("STEP ")]
+    worlds = {int(s[2]): s[3] for s in steps}              # the last world of each step
+    assert sorted(worlds) == list(range(24)) and worlds[23] == "world=2"
+    assert "DONE world=2 step=24" in out
+    assert_equal_weights(tmp_path / "w.npz", serial)
+    assert processes_mentioning(str(tmp_path)) == []
+    records = [json.loads(ln) for ln in (tmp_path / "logs" / "elastic.jsonl").open()]
+    assert [r["world"] for r in records if r["event"] == "start"] == [4, 2]
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+@EMULATED
+def test_a_machine_lost_while_a_checkpoint_is_written_resumes_from_the_previous_one(
+        launched, tmp_path, serial):
+    proc = launched.start(*elastic(tmp_path, faults=(), script=["--hold-save-at", "8"]))
+    for line in proc.stdout:               # node1's ranks hold before the save at step 8
+        if line.startswith("HOLD"):
+            break
+    ckpt = tmp_path / "ckpt"
+    deadline = time.monotonic() + 30       # node0's ranks write their shards and wait
+    while not list(ckpt.glob(".tmp-*/rank-*.bin")) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert list(ckpt.glob(".tmp-*/rank-*.bin")), sorted(os.listdir(ckpt))
+    saved = json.loads((ckpt / "metadata.json").read_text())
+    assert saved["training"]["step"] == 4
+    machine = [n for n in launched.namespaces_of(proc) if n.endswith("-m1")][0]
+    pids = subprocess.run(["ip", "netns", "pids", machine], capture_output=True,
+                          text=True).stdout.split()
+    for pid in pids:
+        os.kill(int(pid), signal.SIGKILL)
+    subprocess.run(["ip", "-n", machine, "link", "set", "dg0", "down"], check=True)
+    out, err = proc.communicate(timeout=240)
+    assert proc.returncode == 0, out[-3000:] + err[-3000:]
+    assert f"resumed from {tmp_path / 'ckpt'} at step 4" in err
+    assert "dropped node1" in err
+    assert_equal_weights(tmp_path / "w.npz", serial)
+    assert processes_mentioning(str(tmp_path)) == []
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+@EMULATED
+def test_below_min_ranks_the_job_stops_with_one_line(launched, tmp_path):
+    args = elastic(tmp_path, script=["--step-time", "0.2"])
+    args[args.index("--min-ranks") + 1] = "3"
+    result = launched.run(*args, timeout=240)
+    assert result.returncode != 0
+    lines = [ln for ln in result.stderr.splitlines() if "elastic:" in ln]
+    assert len(lines) == 1, result.stderr[-3000:]
+    assert "2 ranks left on the machines that answer (node0:2), below --min-ranks 3" \
+        in lines[0]
+    assert processes_mentioning(str(tmp_path)) == []
+
+
+# ---- the checkpoint interval (Young/Daly) -------------------------------------------------
+
+def test_young_daly_minimises_the_time_lost():
+    from distgraph.passes import young_daly
+    c = young_daly(step_s=0.5, save_s=2.0, mtbf_s=24 * 3600)
+    assert c.seconds == pytest.approx((2 * 2.0 * 24 * 3600) ** 0.5)
+    assert c.steps == round(c.seconds / 0.5)
+    # the overhead at the optimum is below its value at half and at twice the interval
+    for steps in (c.steps // 2, c.steps * 2):
+        other = type(c)(steps, steps * 0.5, 0.5, 2.0, 24 * 3600)
+        assert c.overhead < other.overhead
+    with pytest.raises(PlanError, match="positive save time"):
+        young_daly(0.5, 0.0, 3600)
+
+
+def test_the_plan_proposes_a_checkpoint_interval_from_its_estimate():
+    import distgraph as dg
+    dg.seed(0)
+    model = dg.nn.GPT(vocab_size=32, d_model=16, n_layer=2, n_head=2, max_seq_len=8)
+    strategy = dg.Strategy(mtbf_hours=10.0, checkpoint_write_gbps=0.5)
+    engine = dg.Engine(model, loss=dg.nn.CrossEntropyLoss(), optimizer=dg.optim.AdamW(1e-3),
+                       strategy=strategy, cluster=Cluster.from_file(FILE_2X2))
+    plan = engine.prepare([dg.InputSpec([8, 8], "int64", "tokens")],
+                          [dg.InputSpec([8, 8], "int64", "labels")])
+    c = plan.checkpoint
+    busiest = max(p.parameters + p.states for p in plan.estimate.processes)
+    assert c.save_s == pytest.approx(busiest / 0.5e9)
+    assert c.step_s == plan.estimate.step_time and c.mtbf_s == 36000.0
+    assert c.seconds == pytest.approx((2 * c.save_s * 36000.0) ** 0.5)
+    assert f"checkpoint every {c.steps} steps" in plan.explain()
+    assert plan.to_dict()["checkpoint"]["steps"] == c.steps
+
+
+def test_elastic_without_machines_to_lose_is_one_line(tmp_path):
+    script = tmp_path / "x.py"
+    script.write_text("print('hi')\n")
+    result = subprocess.run([sys.executable, "-m", "distgraph.cli", "run", "-n", "2",
+                             "--elastic", str(script)], capture_output=True, text=True)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "distgraph run: --elastic needs machines to lose and take back: give --hostfile "
+        "FILE, --hosts LIST or --emulate FILE"]

@@ -100,7 +100,9 @@ def predict(engine, cluster) -> dict:
 def time_steps(engine, data, comm, steps: int) -> float:
     comm.barrier()
     start = time.perf_counter()
-    engine.fit(data, batch_size=BATCH, epochs=1, steps_per_epoch=steps, verbose=0)
+    # epochs is the Engine's total: one more epoch of ``steps`` batches
+    engine.fit(data, batch_size=BATCH, epochs=engine.epoch + 1, steps_per_epoch=steps,
+               verbose=0)
     comm.barrier()
     return (time.perf_counter() - start) / steps
 

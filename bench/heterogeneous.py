@@ -148,7 +148,9 @@ def rank_part(args) -> None:
 def time_steps(engine, samples, comm, steps: int, batch: int) -> float:
     comm.barrier()
     start = time.perf_counter()
-    engine.fit(samples, batch_size=batch, epochs=1, steps_per_epoch=steps, verbose=0)
+    # epochs is the Engine's total: one more epoch of ``steps`` batches
+    engine.fit(samples, batch_size=batch, epochs=engine.epoch + 1, steps_per_epoch=steps,
+               verbose=0)
     comm.barrier()
     return (time.perf_counter() - start) / steps
 

@@ -173,7 +173,8 @@ def gpt_part(comm, cluster, repeats: int, steps: int) -> dict:
         for name, (engine, data) in engines.items():
             comm.barrier()
             start = time.perf_counter()
-            engine.fit(data, batch_size=GPT_BATCH, epochs=1, steps_per_epoch=steps, verbose=0)
+            engine.fit(data, batch_size=GPT_BATCH, epochs=engine.epoch + 1,   # one more
+                       steps_per_epoch=steps, verbose=0)
             comm.barrier()
             out[name]["measured"] = min(out[name]["measured"],
                                         (time.perf_counter() - start) / steps)

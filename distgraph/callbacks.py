@@ -4,7 +4,8 @@ The protocol (override what you need; every method gets a ``logs`` dict)::
 
     on_fit_start(logs)            before fit decides where it starts (a checkpoint loaded
                                   here is resumed); logs: {"epochs", "batch_size"}
-    on_train_begin(logs)          logs: {"epochs", "steps_per_epoch", "batch_size", "step"}
+    on_train_begin(logs)          logs: {"epochs" (the total fit trains to), "steps_per_epoch",
+                                  "batch_size", "step"}
     on_epoch_begin(epoch, logs)
     on_step_begin(step, logs)     step: the global optimizer step about to run (0-based);
                                   logs: {"epoch", "batch", "lr", "batch_size"}

@@ -149,7 +149,7 @@ def test_a_wrapped_models_checkpoint_loads_into_the_bare_model_and_back(float64,
                for k, v in wrapped.state_dict().items())
     # the loaded one trains on as the wrapped one does (the same batches; no shuffle)
     assert again.fit(P.Tokens(), batch_size=4, epochs=2, verbose=0).losses == \
-        wrapped.fit(P.Tokens(), batch_size=4, epochs=1, verbose=0).losses
+        wrapped.fit(P.Tokens(), batch_size=4, epochs=2, verbose=0).losses
 
 
 def test_weights_only_checkpoint_starts_fresh_optimizer_states(float64, tmp_path):
@@ -177,7 +177,10 @@ def test_model_checkpoint_and_fit_after_load_runs_only_what_is_left(float64, tmp
     history = resumed.fit(P.Tokens(), batch_size=4, epochs=3, verbose=0)
     assert history.steps == list(range(4, 12)) and [e["epoch"] for e in history.epochs] == [1, 2]
     assert history.losses == full.losses[4:]
-    assert resumed.fit(P.Tokens(), batch_size=4, epochs=3, verbose=0).losses != []  # a new run
+    # epochs is the total, from the checkpoint's position as from a fit's
+    assert resumed.fit(P.Tokens(), batch_size=4, epochs=3, verbose=0).losses == []
+    assert resumed.fit(P.Tokens(), batch_size=4, epochs=4, verbose=0).steps == \
+        list(range(12, 16))
 
     inside = gpt_engine(seed=1)
     inside.load(tmp_path / "every2-6")              # inside epoch 1
@@ -239,7 +242,9 @@ def test_a_save_killed_midway_leaves_a_loadable_checkpoint(float64, tmp_path, po
     want = dict(np.load(tmp_path / f"step{step}.npz"))
     got = {**engine.state_dict(), **engine.optimizer_state_dict()}
     assert sorted(got) == sorted(want) and all(np.array_equal(got[k], want[k]) for k in want)
-    engine.fit(P.Tokens(), batch_size=4, verbose=0)        # and the next save cleans up
+    # one more epoch (epochs is the total), and the next save cleans up
+    engine.fit(P.Tokens(), batch_size=4, epochs=engine.epoch + 1, verbose=0)
+    assert engine.global_step == step + 4
     engine.save(tmp_path / "ckpt")
     assert sorted(n[:5] for n in os.listdir(tmp_path / "ckpt")) == ["data-", "metad"]
 

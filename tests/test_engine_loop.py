@@ -99,6 +99,10 @@ def test_stop_training_inside_an_epoch_and_early_stopping(float64):
     engine = dg.Engine(model, dg.nn.MSELoss(), dg.optim.SGD(0.05))
     history = engine.fit(Rows(6), batch_size=2, epochs=3, callbacks=[StopAt()], verbose=0)
     assert len(history.losses) == 2 and len(history.epochs) == 1
+    # the next fit finishes the epoch stopped inside first, as a loaded checkpoint does
+    history = engine.fit(Rows(6), batch_size=2, epochs=1, verbose=0)
+    assert history.steps == [2] and [e["epoch"] for e in history.epochs] == [0]
+    assert engine.epoch == 1
 
     # SGD with a rate far too large diverges: the loss rises every epoch from the first.
     model, _, _ = linear()
@@ -107,9 +111,13 @@ def test_stop_training_inside_an_epoch_and_early_stopping(float64):
     history = engine.fit(Rows(6), batch_size=2, epochs=10, callbacks=[stop], verbose=0)
     losses = [e["loss"] for e in history.epochs]
     assert losses == sorted(losses) and len(losses) == 3 and stop.stopped_epoch == 2
+    assert engine.epoch == 3           # stopped after 3 of 10: fit(epochs=10) goes on
+    history = engine.fit(Rows(6), batch_size=2, epochs=10, verbose=0)
+    assert [e["epoch"] for e in history.epochs] == list(range(3, 10))
 
     with pytest.raises(dg.DistGraphError, match="val_loss.*valid_data"):
-        engine.fit(Rows(6), batch_size=2, callbacks=[dg.callbacks.EarlyStopping()], verbose=0)
+        engine.fit(Rows(6), batch_size=2, epochs=11, callbacks=[dg.callbacks.EarlyStopping()],
+                   verbose=0)
 
 
 def test_off_a_terminal_the_bar_is_plain_lines(float64, capsys, monkeypatch):
@@ -141,10 +149,10 @@ def test_progress_bar_shows_loss_and_rates(float64, capsys, terminal):
     err = capsys.readouterr().err
     assert "epoch 2/2" in err and "loss=" in err and "mean_loss=" in err
     assert "steps/s" in err and "samples/s" in err
-    engine.fit(Rows(6), batch_size=2, epochs=1, verbose=2)      # a line per epoch
+    engine.fit(Rows(6), batch_size=2, epochs=3, verbose=2)      # a line per epoch
     out, err = capsys.readouterr()
-    assert out.startswith("epoch 1/1 mean_loss=") and "samples/s=" in out and err == ""
-    engine.fit(Rows(6), batch_size=2, epochs=1, verbose=0)
+    assert out.startswith("epoch 3/3 mean_loss=") and "samples/s=" in out and err == ""
+    engine.fit(Rows(6), batch_size=2, epochs=4, verbose=0)
     assert capsys.readouterr() == ("", "")
 
 
@@ -192,7 +200,7 @@ def test_new_model_values_take_effect_at_the_next_step(float64):
     _, w, b = linear(seed=7)
     model.set_state_dict({"weight": w, "bias": b})
     assert np.array_equal(engine.state_dict()["weight"], w)
-    losses = engine.fit(Rows(4, seed=3), batch_size=2, verbose=0).losses
+    losses = engine.fit(Rows(4, seed=3), batch_size=2, epochs=2, verbose=0).losses
     data = Rows(4, seed=3)
     want, w2, _ = sgd_by_hand(w, b, [(data.x[:2], data.y[:2]), (data.x[2:], data.y[2:])], 0.05)
     np.testing.assert_allclose(losses, want, rtol=1e-13)
@@ -203,7 +211,8 @@ def test_new_model_values_take_effect_at_the_next_step(float64):
             model.weight.set_value(np.zeros((3, 2)))
 
     before = engine.state_dict()
-    after = engine.fit(Rows(4), batch_size=2, callbacks=[SetMidway()], verbose=0).losses
+    after = engine.fit(Rows(4), batch_size=2, epochs=3, callbacks=[SetMidway()],
+                       verbose=0).losses
     data = Rows(4)
     first, _, b1 = sgd_by_hand(before["weight"], before["bias"], [(data.x[:2], data.y[:2])],
                                0.05)
@@ -217,7 +226,7 @@ def test_a_new_batch_size_plans_again(float64):
     engine = dg.Engine(model, dg.nn.MSELoss(), dg.optim.SGD(0.05))
     data = Rows(8)
     first = engine.fit(data, batch_size=4, verbose=0).losses
-    second = engine.fit(data, batch_size=2, verbose=0).losses
+    second = engine.fit(data, batch_size=2, epochs=2, verbose=0).losses
     batches = [(data.x[i:i + 4], data.y[i:i + 4]) for i in (0, 4)] + \
               [(data.x[i:i + 2], data.y[i:i + 2]) for i in range(0, 8, 2)]
     want, w, b = sgd_by_hand(w, b, batches, 0.05)
@@ -233,7 +242,8 @@ def test_short_last_batch_trains_on_its_own_plan_unless_dropped(float64):
     batches = [(data.x[i:i + 4], data.y[i:i + 4]) for i in (0, 4, 8)] * 2
     want, w, b = sgd_by_hand(w, b, batches, 0.05)
     np.testing.assert_allclose(losses, want, rtol=1e-13)
-    assert len(engine.fit(data, batch_size=4, drop_last=True, verbose=0).losses) == 2
+    dropped = engine.fit(data, batch_size=4, epochs=3, drop_last=True, verbose=0).losses
+    assert len(dropped) == 2
 
     preds = engine.predict(data, batch_size=4)
     assert [p[0].shape for p in preds] == [(4, 2), (4, 2), (2, 2)]
@@ -442,7 +452,7 @@ def test_distributed_engines_take_new_model_values_too(float64):
     def session(engine):
         first = engine.fit(Labelled(), batch_size=8, verbose=0).losses
         engine.model.set_state_dict(other)
-        return first + engine.fit(Labelled(), batch_size=8, verbose=0).losses, \
+        return first + engine.fit(Labelled(), batch_size=8, epochs=2, verbose=0).losses, \
             engine.state_dict()
 
     want, params = session(classify(init=init))
@@ -487,10 +497,10 @@ def test_a_new_strategy_plans_again_and_moves_the_states(float64):
 
     def session(engine, switch):
         losses = engine.fit(Labelled(), batch_size=8, verbose=0).losses
-        for sharding in (True, False):
+        for total, sharding in ((2, True), (3, False)):
             if switch:
                 engine.strategy = dg.Strategy(sharding=sharding)
-            losses += engine.fit(Labelled(), batch_size=8, verbose=0).losses
+            losses += engine.fit(Labelled(), batch_size=8, epochs=total, verbose=0).losses
         return losses, engine.state_dict(), engine.optimizer_state_dict()
 
     want, params, states = session(classify(init=init), switch=False)

@@ -106,7 +106,7 @@ def test_a_new_learning_rate_between_fits_takes_effect(float64):
     engine = dg.Engine(model, dg.nn.MSELoss(), opt)
     first = engine.fit(Rows(4), batch_size=2, verbose=0).losses
     opt.learning_rate = 0.05
-    second = engine.fit(Rows(4), batch_size=2, verbose=0).losses
+    second = engine.fit(Rows(4), batch_size=2, epochs=2, verbose=0).losses
     data = Rows(4)
     both = type("Twice", (), {"x": np.concatenate([data.x, data.x]),
                               "y": np.concatenate([data.y, data.y])})
@@ -122,6 +122,6 @@ def test_new_optimizer_settings_plan_the_program_again(float64):
     engine.fit(Rows(4), batch_size=2, verbose=0)
     first = engine.plan()
     opt.momentum = 0.9
-    engine.fit(Rows(4), batch_size=2, verbose=0)
+    engine.fit(Rows(4), batch_size=2, epochs=2, verbose=0)
     updates = [op for op in engine.plan().program.ops if op.type == "sgd_update"]
     assert engine.plan() is not first and all(op.attrs["momentum"] == 0.9 for op in updates)

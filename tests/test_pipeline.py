@@ -431,7 +431,7 @@ def test_counted_bytes_equal_the_plans_step_bytes(float64, key, micro_batches):
             engine.prepare(*dg.app.data.DataLoader(data, BATCH).specs(1))
         engine.fit(data, batch_size=BATCH, epochs=1, steps_per_epoch=1)   # set-up, warm
         comm.reset_counters()
-        engine.fit(data, batch_size=BATCH, epochs=1, steps_per_epoch=1)
+        engine.fit(data, batch_size=BATCH, epochs=2, steps_per_epoch=1)
         p = engine.plan()
         planned = dict(p.bytes_sent()[comm.rank])
         for point in gather_points(p.program, [p.built.loss_name], comm.rank):

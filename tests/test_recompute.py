@@ -32,12 +32,12 @@ def gpt_run(recompute, epochs=2):
 def step_peak(engine, data) -> int:
     """Bytes newly allocated at the peak of one more training step (tracemalloc), after
     a first step on ``data`` planned its batch shape."""
-    engine.fit(data, batch_size=len(data), verbose=0)
+    engine.fit(data, batch_size=len(data), epochs=engine.epoch + 1, verbose=0)
     tracemalloc.start()
     try:
         tracemalloc.reset_peak()
         base, _ = tracemalloc.get_traced_memory()
-        engine.fit(data, batch_size=len(data), verbose=0)
+        engine.fit(data, batch_size=len(data), epochs=engine.epoch + 1, verbose=0)
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()

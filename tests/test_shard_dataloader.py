@@ -196,7 +196,7 @@ def test_an_unannotated_model_on_two_ranks_says_so_once_on_rank_0(capsys):
     def rank(comm):
         engine = engine_of(mlp(), comm)
         fit(engine, data)
-        engine.fit(data, batch_size=8, verbose=0)
+        engine.fit(data, batch_size=8, epochs=2, verbose=0)
         engine.evaluate(data, batch_size=8, verbose=0)
 
     SimulatedWorld(2).run(rank)

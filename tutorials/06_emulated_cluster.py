@@ -100,7 +100,7 @@ def rank_part(args):
                            optimizer=dg.optim.AdamW(3e-3), cluster=cluster, strategy=strategy)
         engine.fit(data, batch_size=BATCH, epochs=1, steps_per_epoch=2, verbose=0)  # warm up
         start = time.perf_counter()
-        engine.fit(data, batch_size=BATCH, epochs=1, steps_per_epoch=args.steps, verbose=0)
+        engine.fit(data, batch_size=BATCH, epochs=2, steps_per_epoch=args.steps, verbose=0)
         timings[name] = (time.perf_counter() - start) / args.steps
         rank = engine.rank
     if rank == 0:

@@ -87,6 +87,13 @@ class Engine:
         return self._loops.step
 
     @property
+    def epoch(self) -> int:
+        """Epochs this Engine's training has finished (restored by ``load``): ``fit``'s
+        ``epochs`` is the total to reach, so ``fit(epochs=engine.epoch + 1)`` trains one
+        more."""
+        return self._loops.position[0]
+
+    @property
     def rank(self) -> int:
         """This script's rank in the job: 0 to ``world_size - 1`` (0 when it runs alone).
         A rank is a running process of the job; which part of the plan it runs is
@@ -199,10 +206,20 @@ class Engine:
     @checks.collective("Engine.fit()")
     def fit(self, train_data, batch_size=1, epochs=1, steps_per_epoch=None, valid_data=None,
             shuffle=False, verbose=1, callbacks=None, drop_last=False) -> History:
-        """Train for ``epochs`` epochs (of at most ``steps_per_epoch`` batches); every rank
-        returns the same History of global losses. After ``load``, runs only the epochs
-        and steps the checkpoint had not done. ``callbacks``: ``dg.callbacks`` objects;
-        ``verbose`` 1 shows a progress bar (rank 0), 2 a line per epoch, 0 nothing. A
+        """Train until the Engine has trained ``epochs`` epochs in all (of at most
+        ``steps_per_epoch`` batches each); every rank returns the same History of global
+        losses.
+
+        ``epochs`` is a total over the Engine's life, as after ``load``: a fit starts
+        where training stopped (the last fit's position, or the checkpoint's; an epoch
+        stopped inside is finished first), so a fresh Engine's ``fit(epochs=3)`` trains
+        epochs 0, 1, 2, a later ``fit(epochs=5)`` epochs 3 and 4 (with their own shuffle
+        orders, the learning-rate schedule going on), and a later ``fit(epochs=3)``
+        trains nothing: it says so in one line (rank 0) and returns an empty History.
+        ``fit(epochs=engine.epoch + 1)`` trains one more.
+
+        ``callbacks``: ``dg.callbacks`` objects; ``verbose`` 1 shows a progress bar
+        (rank 0), 2 a line per epoch, 0 nothing. A
         short last batch trains on a plan of its own unless ``drop_last``; every batch
         shape (``valid_data``'s too) is planned before the first step, so one that the
         data-parallel split cannot divide stops the call then, saying how to fix it."""
@@ -302,8 +319,8 @@ class Engine:
     def load(self, path, strip_prefix: str = "", prefix: str = "") -> None:
         """Restore a checkpoint written by ``save`` under any plan: each process reads
         only its blocks when it next runs. Restores the step, the training position (the
-        next ``fit`` runs only the epochs and batches not done yet), the data order and
-        the dropout seeds. The optimizer's settings stay the ones given to this Engine.
+        next ``fit(epochs=N)`` trains on from there until N epochs are done in all), the
+        data order and the dropout seeds. The optimizer's settings stay the ones given to this Engine.
         Collective like ``save``: call it on every rank.
 
         A checkpoint of the same model nested otherwise loads with its names renamed:

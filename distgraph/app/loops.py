@@ -7,8 +7,13 @@ fields its program reads and only its rows of each:
 :func:`~distgraph.app.data.reads_of` of the program's feeds), runs the step on the
 plan's runner, and tells the callbacks. It keeps the training position: the optimizer
 steps taken (dropout masks and the learning-rate schedule follow them), the (epoch,
-batch) the last fit reached, where a loaded checkpoint resumes, and how the last fit
+batch) training reached (by the last fit, or in a loaded checkpoint) and how that fit
 read its data (:mod:`distgraph.app.resume` saves and restores them).
+
+``fit(epochs=N)`` trains until the Engine has trained N epochs over its whole life: a
+fit starts where training stopped (finishing an epoch stopped inside first), so epoch
+e reads the same batches, in the same shuffled order, whether one fit reached it or
+several, and a fit whose total is reached already trains nothing and says so.
 
 Under ``distgraph plan`` the first call plans its first batch, writes the report and
 stops the script (:class:`~distgraph.runtime.launch.context.PlanReported`).
@@ -21,6 +26,7 @@ Example::
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -39,9 +45,11 @@ from distgraph.runtime.execution.runner import check_world
 @dataclass
 class History:
     """``losses``: the global loss of every optimizer step this fit ran; ``steps``: their
-    global step numbers (a fit resumed from a checkpoint starts past 0); ``epochs``: one
-    record per epoch (``epoch``, mean ``loss``, ``lr``, and ``val_loss`` /
-    ``val_<metric>`` when validation data was given)."""
+    global step numbers (a fit after an earlier fit or a ``load`` starts past 0);
+    ``epochs``: one record per epoch this fit ran, numbered over the Engine's life
+    (``epoch``, mean ``loss``, ``lr``, and ``val_loss`` / ``val_<metric>`` when
+    validation data was given). Empty when the fit's total of epochs was reached
+    already."""
 
     losses: list = field(default_factory=list)
     steps: list = field(default_factory=list)
@@ -55,9 +63,9 @@ class Loops:
     def __init__(self, engine):
         self.engine = engine
         self.step = 0                  # optimizer steps taken (dropout and LR use it)
-        self.position = (0, 0)         # (epoch, batch) the last fit reached
-        self.resume = None             # training position a loaded checkpoint gives
-        self.fit_config = None         # how the last fit read its data
+        self.position = (0, 0)         # (epoch, batch) training reached: the next fit's start
+        self.loaded = False            # position and fit_config came from a checkpoint
+        self.fit_config = None         # how the fit that reached position read its data
         self.data_seed = engine.strategy.seed
         self.sharding = None           # the last fit's shard_dataloader, for plain datasets
 
@@ -73,13 +81,19 @@ class Loops:
         self.check_data(Mode.TRAIN, loader)
         n_batches = len(loader) if steps_per_epoch is None else min(steps_per_epoch, len(loader))
         cbs = CallbackList(progress(verbose, callbacks) + list(callbacks or []), engine)
-        cbs.on_fit_start({"epochs": epochs, "batch_size": batch_size})
-        first_epoch, first_batch = self._start(loader, n_batches, steps_per_epoch)
-        self.fit_config = {"batch_size": batch_size, "shuffle": bool(shuffle),
-                           "drop_last": bool(drop_last), "steps_per_epoch": steps_per_epoch,
-                           "dataset_size": len(train_data)}
+        cbs.on_fit_start({"epochs": epochs, "batch_size": batch_size})   # may load a checkpoint
+        reached = self.position[0] >= epochs     # epochs is a total: nothing left to train
+        if not reached:
+            first_epoch, first_batch = self._start(loader, n_batches, steps_per_epoch)
+            self.fit_config = {"batch_size": batch_size, "shuffle": bool(shuffle),
+                               "drop_last": bool(drop_last), "steps_per_epoch": steps_per_epoch,
+                               "dataset_size": len(train_data)}
+            self.loaded = False
         self.plan_shapes(Mode.TRAIN, loader, loader.indices(0)[:n_batches])
         self.only_planning(Mode.TRAIN)
+        if reached:
+            self.say_reached(epochs)
+            return History()
         if valid_data is not None:       # validated at each epoch's end: planned now
             valid = self.loader(valid_data, batch_size, drop_last=drop_last)
             self.check_data(Mode.EVAL, valid)
@@ -142,24 +156,38 @@ class Loops:
         return history
 
     def _start(self, loader, n_batches, steps_per_epoch) -> tuple:
-        """(epoch, batch) to start at: (0, 0), or where a loaded checkpoint stopped."""
-        resume, self.resume = self.resume, None
-        if resume is None:
-            return 0, 0
-        epoch, batch = resume["epoch"], resume["batch"]
-        if batch:     # inside an epoch: only the same batches continue it
+        """(epoch, batch) to start at: where training stopped (``position``: the last
+        fit's, or a loaded checkpoint's). Inside an epoch, only the batches that epoch
+        began with continue it."""
+        epoch, batch = self.position
+        if batch:
             now = {"batch_size": loader.batch_size, "shuffle": loader.shuffle,
                    "dataset_size": len(loader.dataset), "drop_last": loader.drop_last,
                    "steps_per_epoch": steps_per_epoch}
-            diff = [f"{k}={now[k]!r} (checkpoint: {resume.get(k)!r})" for k in now
-                    if resume.get(k) != now[k]]
+            before = self.fit_config or {}
+            source = "the checkpoint" if self.loaded else "the last fit"
+            diff = [f"{k}={now[k]!r} ({source}: {before.get(k)!r})" for k in now
+                    if before.get(k) != now[k]]
             if diff:
-                raise DistGraphError(f"the checkpoint stopped inside epoch {epoch} after "
-                                     f"batch {batch}; continuing it needs the same batches, "
-                                     f"but this fit has " + ", ".join(diff))
+                raise DistGraphError(f"{source} stopped inside epoch {epoch} after batch "
+                                     f"{batch}; continuing it needs the same batches, but "
+                                     f"this fit has " + ", ".join(diff) + f": give fit "
+                                     f"{source}'s settings to finish epoch {epoch}")
             if batch >= n_batches:
                 return epoch + 1, 0
         return epoch, batch
+
+    def say_reached(self, epochs) -> None:
+        """One line on rank 0: a fit whose total of ``epochs`` is reached trains nothing."""
+        epoch, batch = self.position
+        if self.engine.rank != 0:
+            return
+        done = f"{epoch} epoch{'s' if epoch != 1 else ''}"
+        if batch:
+            done += f" (and {batch} batch{'es' if batch != 1 else ''} of the next)"
+        print(f"distgraph: fit: the Engine has trained {done} already; epochs={epochs} is "
+              f"the total to reach: pass epochs={epoch + 1} or more to train more",
+              file=sys.stderr, flush=True)
 
     # -- evaluate and predict ------------------------------------------------------------------
     def evaluate(self, valid_data, batch_size, metrics, drop_last, verbose) -> dict:

@@ -80,7 +80,7 @@ def restore_info(engine, info: dict) -> None:
     training = info.get("training", {})
     loops.step = int(training.get("step", 0))
     loops.position = (int(training.get("epoch", 0)), int(training.get("batch", 0)))
-    loops.resume = dict(training, epoch=loops.position[0], batch=loops.position[1])
+    loops.loaded = True
     loops.fit_config = {k: v for k, v in training.items()
                         if k not in ("step", "epoch", "batch")}
     rng = info.get("rng", {})

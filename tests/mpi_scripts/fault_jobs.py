@@ -131,8 +131,8 @@ def main(mode: str, arg: str | None) -> None:
         engine = mlp_engine(n)
         engine.fit(Regression(), batch_size=8, verbose=0)
         print(f"STARTED {rank}", flush=True)
-        while True:
-            engine.fit(Regression(), batch_size=8, verbose=0)
+        while True:          # epochs is a total: one more each time
+            engine.fit(Regression(), batch_size=8, epochs=engine.epoch + 1, verbose=0)
     elif mode == "hang":
         on_rank_in_step("relu", 2, 1, lambda: time.sleep(3600))
         mlp_engine(n).fit(Regression(), batch_size=8, verbose=0)

@@ -56,7 +56,7 @@ def main(point, directory) -> None:
     engine = dg.Engine(model, dg.nn.CrossEntropyLoss(), dg.optim.AdamW(1e-2))
     ckpt = os.path.join(directory, "ckpt")
     for round_ in range(2):
-        engine.fit(Tokens(), batch_size=4, verbose=0)
+        engine.fit(Tokens(), batch_size=4, epochs=round_ + 1, verbose=0)
         np.savez(os.path.join(directory, f"step{engine.global_step}.npz"),
                  **engine.state_dict(), **engine.optimizer_state_dict())
         if round_ == 1:

@@ -297,6 +297,7 @@ class Loops:
         """A plan of another number of processes than the job's ranks stops now, saying
         how to launch it (before a progress bar is drawn)."""
         if plan.distributed:
+            self.engine._world()   # the job's communicator first: its hook makes errors one line
             check_world(plan, self.engine.world_size)
 
     # -- planning only ----------------------------------------------------------------------------

@@ -52,7 +52,8 @@ def improve(red, cost, per_class, seed: int = 0) -> list:
     for _ in range(ROUNDS):
         gained = False
         for k in range(TREES):
-            weight = spread if k == 0 else spread * rng.uniform(0.0, 1.0, len(spread))
+            weight = spread if k == 0 else np.where(
+                np.isinf(spread), np.inf, spread * rng.uniform(0.0, 1.0, len(spread)))
             trial = _tree_move(red, cost, per_class, _forest(len(cost), red.pairs, weight))
             value = objective(red, cost, trial)
             if value < best - TIE * abs(best):
@@ -63,9 +64,13 @@ def improve(red, cost, per_class, seed: int = 0) -> list:
 
 
 def _spread(mat) -> float:
+    """How much a pair's price can change: the spread of its reshard prices; infinite
+    where it forbids some pairs (an alias: its two ends can only move together, so
+    every forest keeps it)."""
     finite = mat[np.isfinite(mat)]
-    span = float(finite.max() - finite.min()) if finite.size else 0.0
-    return span * 10.0 if finite.size < mat.size else span     # a forbidden pair matters
+    if finite.size < mat.size:
+        return np.inf
+    return float(finite.max() - finite.min()) if finite.size else 0.0
 
 
 def _forest(n, pairs, weight) -> list:

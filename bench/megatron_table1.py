@@ -10,8 +10,11 @@ copied to the row's GPU count):
   p stages of l/p blocks on whole nodes, each a (dp, t) mesh with the Linear layers split
   the Megatron way over t), micro-batches of one sequence per data-parallel replica
   (M = batch / dp), 1F1B;
-- **searched**: ``Strategy(auto_mode="full", pipeline=True)`` with the same micro-batch
-  count and recomputation: the search chooses the stages, their submeshes and layouts.
+- **searched**: ``Strategy(auto_mode="full", pipeline=True, search=...)`` with the same
+  micro-batch count and recomputation: the search chooses the stages, their submeshes
+  and layouts. ``--search auto,ilp`` plans it with each search in turn (default "auto"
+  alone); the first is judged against the targets, and its predicted TFLOP/s and
+  planning time are printed as ratios to the others'.
 
 For each row it prints both plans' predicted model TFLOP/s per GPU (the paper's F = 96 B s
 l h^2 (1 + s/(6h) + V/(16 l h)) over the estimated step time), the searched plan's
@@ -22,7 +25,8 @@ every row. Exit status 1 when a target is missed.
 
 Run::
 
-    python bench/megatron_table1.py [--rows 1.7B,39.1B] [--no-search] [--json OUT]
+    python bench/megatron_table1.py [--rows 1.7B,39.1B] [--no-search] [--search auto,ilp]
+                                    [--json OUT]
 
 Timings on a shared 2-core machine are noisy: CPU seconds are printed beside wall.
 """
@@ -93,7 +97,7 @@ def figures(plan, row: Row, wall: float, cpu: float) -> dict:
             "degrees": degrees(plan), "wall_s": wall, "cpu_s": cpu}
 
 
-def run_row(row: Row, search: bool, time_limit: float) -> dict:
+def run_row(row: Row, search: bool, time_limit: float, methods=("auto",)) -> dict:
     cluster = dgx_cluster(row.gpus // 8)
     out = {"row": row.name, "published": row.published, "t": row.t, "p": row.p,
            "gpus": row.gpus, "batch": row.batch, "micro_batches": row.micro_batches}
@@ -102,12 +106,14 @@ def run_row(row: Row, search: bool, time_limit: float) -> dict:
                                                   row.micro_batches, cluster))
     out["megatron"] = figures(plan, row, wall, cpu)
     del plan
-    if search:
+    for k, method in enumerate(methods if search else ()):
         strategy = dg.Strategy(auto_mode="full", pipeline=True, micro_batches=row.micro_batches,
-                               recompute=True, solver_time_limit=time_limit)
+                               recompute=True, solver_time_limit=time_limit, search=method)
         built = program(gpt(row.layers, row.hidden, row.heads), row.batch)
         plan, wall, cpu = timed(lambda: dg.passes.plan(built, strategy, cluster, ranks=()))
-        out["searched"] = figures(plan, row, wall, cpu)
+        out["searched" if k == 0 else f"searched_{method}"] = dict(
+            figures(plan, row, wall, cpu), search=method)
+        del plan
     return out
 
 
@@ -120,13 +126,20 @@ def report(r: dict) -> str:
              f"compute {meg['compute_s']:.2f} + comm {meg['communication_s']:.2f} + bubble "
              f"{meg['bubble_s']:.2f}; peak {meg['peak_gb']:.1f} GB; planned in "
              f"{meg['wall_s']:.1f} s wall, {meg['cpu_s']:.1f} s CPU)"]
-    if "searched" in r:
-        s = r["searched"]
+    for key in [k for k in r if k.startswith("searched")]:
+        s = r[key]
         d = s["degrees"]
-        lines.append(f"{'':>8} searched p={d['p']} t={d['t']} dp={d['dp']}: "
+        lines.append(f"{'':>8} searched ({s['search']}) p={d['p']} t={d['t']} dp={d['dp']}: "
                      f"{s['tflops']:.1f} TFLOP/s ({s['tflops'] / meg['tflops']:.2f} x "
                      f"Megatron's; step {s['step_s']:.2f} s; peak {s['peak_gb']:.1f} GB; "
                      f"planned in {s['wall_s']:.1f} s wall, {s['cpu_s']:.1f} s CPU)")
+    if "searched" in r and len([k for k in r if k.startswith("searched")]) > 1:
+        first = r["searched"]
+        for key in [k for k in r if k.startswith("searched_")]:
+            other = r[key]
+            lines.append(f"{'':>8} {first['search']} / {other['search']}: predicted "
+                         f"{first['tflops'] / other['tflops']:.3f} x the TFLOP/s, planned "
+                         f"{other['wall_s'] / max(first['wall_s'], 1e-9):.1f} x faster")
     return "\n".join(lines)
 
 
@@ -137,8 +150,16 @@ def main() -> int:
                         help="plan only Megatron's configurations")
     parser.add_argument("--time-limit", type=float, default=60.0,
                         help="seconds per intra-op search")
+    parser.add_argument("--search", default="auto",
+                        help="comma-separated Strategy.search values, the first judged "
+                             "against the targets, the others compared with it (e.g. "
+                             "auto,ilp)")
     parser.add_argument("--json", help="write the figures to this file")
     args = parser.parse_args()
+    methods = tuple(args.search.split(","))
+    bad = sorted(set(methods) - set(dg.strategy.SEARCHES))
+    if bad:
+        parser.error(f"no search {bad}; searches: {', '.join(dg.strategy.SEARCHES)}")
     rows = TABLE1
     if args.rows:
         wanted = args.rows.split(",")
@@ -148,7 +169,7 @@ def main() -> int:
         rows = [r for r in TABLE1 if r.name in wanted]
     results, missed = [], []
     for row in rows:
-        r = run_row(row, not args.no_search, args.time_limit)
+        r = run_row(row, not args.no_search, args.time_limit, methods)
         results.append(r)
         print(report(r), flush=True)
         ratio = r["megatron"]["tflops"] / row.published

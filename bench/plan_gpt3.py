@@ -21,7 +21,8 @@ micro-batch is 8 sequences, split by the search.
 
 Run::
 
-    python bench/plan_gpt3.py [--micro-batches 192] [--layers 96] [--json OUT]
+    python bench/plan_gpt3.py [--micro-batches 192] [--layers 96] [--search auto|ilp|recursive]
+                              [--json OUT]
 
 Timings on a shared 2-core machine are noisy: CPU seconds are printed beside wall.
 """
@@ -45,6 +46,8 @@ def main() -> None:
     parser.add_argument("--cluster", default=DGX_FILE)
     parser.add_argument("--time-limit", type=float, default=60.0,
                         help="seconds per intra-op search")
+    parser.add_argument("--search", choices=dg.strategy.SEARCHES, default="auto",
+                        help="who chooses the layouts (Strategy.search)")
     parser.add_argument("--json", help="write the figures to this file")
     args = parser.parse_args()
     wall, cpu = time.perf_counter(), time.process_time()
@@ -54,7 +57,8 @@ def main() -> None:
     built = program(gpt(args.layers, HIDDEN, HEADS), BATCH)
     build_s = time.perf_counter() - wall - loaded
     strategy = dg.Strategy(auto_mode="full", pipeline=True, micro_batches=args.micro_batches,
-                           recompute=True, solver_time_limit=args.time_limit)
+                           recompute=True, solver_time_limit=args.time_limit,
+                           search=args.search)
     start = time.perf_counter()
     plan = dg.passes.plan(built, strategy, cluster, ranks=())   # planned, not run
     plan_s = time.perf_counter() - start
@@ -66,7 +70,7 @@ def main() -> None:
     peak = max(p.peak_memory for p in est.processes) / 1e9
     rows = BATCH // args.micro_batches
     print(f"GPT-3 {args.layers} layers on {gpus} GPUs ({cluster.name}); training program of "
-          f"{len(built.program.ops)} ops")
+          f"{len(built.program.ops)} ops; search={args.search!r}")
     print(f"planned in {total_wall:.1f} s wall, {total_cpu:.1f} s CPU (target < 300 s, "
           f"moonshot < 60 s): cluster file {loaded:.1f} s, program {build_s:.1f} s, plan "
           f"{plan_s:.1f} s of which stage search {search.seconds:.1f} s "
@@ -86,7 +90,7 @@ def main() -> None:
             json.dump({"wall_s": total_wall, "cpu_s": total_cpu, "plan_s": plan_s,
                        "degrees": d, "micro_batches": args.micro_batches,
                        "step_time": est.step_time, "tflops_per_gpu": tflops,
-                       "peak_gb": peak, "search_s": search.seconds,
+                       "peak_gb": peak, "search_s": search.seconds, "search": args.search,
                        "searches": search.searches}, f, indent=2)
 
 

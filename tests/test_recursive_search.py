@@ -101,9 +101,11 @@ def test_a_memory_budget_is_met_or_refused():
     tight = auto(S.mlp_program(256, 512), cluster, "recursive", memory_budget_gb=budget / 1e9)
     assert tight.estimate.peak_memory <= budget
     assert tight.search.objective >= free.search.objective * (1 - 1e-9)
-    # not asked: within 10% of the ILP here. On these slow links (0.1 GB/s) the descent
-    # stays at full replication (16.15 ms) where the ILP finds Megatron (12.97 ms): every
-    # single op that leaves replication alone pays reshards its neighbours would save
+    # on these slow links (0.1 GB/s) a descent of single-op moves stays at full
+    # replication (16.15 ms; every op leaving it alone pays reshards its neighbours would
+    # save); the tree moves take the chain to Megatron together, the ILP's 12.97 ms
+    ilp = auto(S.mlp_program(256, 512), cluster, "ilp")
+    assert free.search.objective <= TOLERANCE * ilp.search.objective
     with pytest.raises(dg.PlanError, match=r"no plan (found that )?fits .* GB per device"):
         auto(S.mlp_program(256, 512), cluster, "recursive",
              memory_budget_gb=0.3 * free.estimate.peak_memory / 1e9)
@@ -111,7 +113,8 @@ def test_a_memory_budget_is_met_or_refused():
 
 def test_random_problems_against_brute_force():
     """Without a mesh the search has one level (every strategy its own group): a greedy
-    descent in three orders with re-picks. Random costs are its hardest case."""
+    descent in three orders with re-picks, then tree moves. Random costs are its hardest
+    case."""
     ratios = []
     for seed in range(120):
         p = random_problem(seed)
@@ -128,6 +131,7 @@ def test_random_problems_against_brute_force():
     ratios = np.array(ratios)
     assert len(ratios) > 60 and np.median(ratios) == 1.0
     assert (ratios <= TOLERANCE).mean() >= 0.95
+    assert (ratios <= 1 + 1e-9).mean() >= 0.95        # the tree moves reach the optimum
 
 
 @pytest.fixture

@@ -24,7 +24,18 @@ looks at the class's edges once, so a level costs O(edges x strategies). A greed
 descent depends on its order, so the whole descent also runs in program order and in
 its reverse, and the cheapest of the three choices is kept (on random problems of up to
 six nodes, tests/test_recursive_search.py, this takes the share within 10% of the
-optimum from 88% to 98%).
+optimum from 88% to 98%; the tree moves below make 99% of them optimal). On a mesh of
+several dims the descents also run with the levels fastest first: a level-by-level
+greedy descent that cuts the slow dim first can miss plans whose fast dim decides the
+layouts (Megatron within a machine): on 8 x 8 and 4 x 8 A100 meshes
+(bench/search_quality.py) this took three GPT/Llama graphs from 3-6% to within 0.3%.
+
+**Group moves.** A descent of single-op moves stops where every op leaving its layout
+alone pays reshards that its neighbours moving with it would save (on slow links an MLP
+stays replicated rather than take Megatron's column-then-row pair). After the last level
+each descent is improved by tree moves (:mod:`distgraph.passes.search.tree_moves`):
+every class re-chosen at once, exactly on a spanning forest of the interactions (chains
+of layers move together), kept only where the objective falls.
 
 **Relative costs.** A candidate is priced against the others of the same op only: its
 own compute and collectives plus, per edge, the cheapest reshard to a layout the
@@ -60,6 +71,7 @@ from scipy import sparse
 
 from distgraph.passes.search.ilp import (Solution, check_forbidden, evaluate, peak_memory,
                                          reduce_problem, solve)
+from distgraph.passes.search.tree_moves import improve
 
 METHODS = ("ilp", "recursive", "auto")
 SWEEPS = 4               # re-picks per level after the first pass (it stops when none changes)
@@ -87,8 +99,10 @@ def solve_recursive(problem, space, dims, time_limit: float = 60.0):
     for v, c in enumerate(red.cls):
         members[c].append(v)
     levels = [_groups(space, members, m) for m in dims]
-    levels.append([np.arange(len(costs)) for costs in red.cost])
-    walk = _Descent(red, levels)
+    last = [np.arange(len(costs)) for costs in red.cost]
+    # slowest level first (SAPP's order), and on 2-D meshes fastest first as well
+    orders = [levels + [last]] + ([levels[::-1] + [last]] if len(levels) > 1 else [])
+    walk = _Descent(red, orders)
     choice = min(walk.run(0.0), key=lambda c: evaluate(problem, c))
     budget = problem.memory_budget
     note = ""
@@ -192,10 +206,11 @@ def _placement(spec, mesh_dim: str) -> tuple:
 
 
 class _Descent:
-    """The levels of one reduced problem, walked top-down with memory priced ``lam``."""
+    """The levels of one reduced problem (one list per level order), walked top-down
+    with memory priced ``lam``."""
 
-    def __init__(self, red, levels):
-        self.red, self.levels = red, levels
+    def __init__(self, red, level_orders):
+        self.red, self.level_orders = red, level_orders
         self.around = [[] for _ in red.cost]
         for pair in red.pairs:
             safe = np.where(np.isinf(pair.cost), BIG, pair.cost)
@@ -206,16 +221,18 @@ class _Descent:
         self.orders = (heaviest, list(range(len(red.cost))), list(range(len(red.cost)))[::-1])
 
     def run(self, lam: float) -> list:
-        """Choices (one strategy index per node of the problem), one per visiting order:
-        the op-weight order, then program order and its reverse (greedy descents are
-        order-sensitive; the caller keeps the best, at three times a linear cost)."""
-        return [self._walk(lam, order) for order in self.orders]
+        """Choices (one strategy index per node of the problem), one per level order and
+        visiting order: the op-weight order, then program order and its reverse (greedy
+        descents are order-sensitive; the caller keeps the best, at a few times a linear
+        cost)."""
+        return [self._walk(lam, order, levels) for levels in self.level_orders
+                for order in self.orders]
 
-    def _walk(self, lam: float, order) -> list:
+    def _walk(self, lam: float, order, levels) -> list:
         red = self.red
         cost = [c + lam * m for c, m in zip(red.cost, red.memory)]
         mask = [np.isfinite(c) for c in cost]
-        for groups in self.levels:
+        for groups in levels:
             before = [m.copy() for m in mask]
             for c in order:                         # first pass: heaviest first
                 mask[c] = before[c] & (groups[c] == self._best(c, cost, mask, before, groups))
@@ -229,7 +246,7 @@ class _Descent:
                         changed = True
                 if not changed:
                     break
-        per_class = [int(np.flatnonzero(m)[0]) for m in mask]
+        per_class = improve(red, cost, [int(np.flatnonzero(m)[0]) for m in mask])
         return [per_class[c] for c in red.cls]
 
     def _best(self, c, cost, mask, before, groups, current=None) -> int:

@@ -1,0 +1,153 @@
+"""Group moves for the double-recursive search: many ops leave their layouts together.
+
+A descent that moves one op at a time (:mod:`distgraph.passes.search.recursive`) stops
+where every single move costs more than it saves, even when a whole chain moving at once
+would save: on slow links an MLP stays replicated, because the first matmul that splits
+its weight pays a reshard that only the next matmul's split would remove (Megatron's
+column-then-row pair moves as one). SAPP keeps such chains together by letting light
+ops follow heavy ones; here the chains are found in the problem itself.
+
+**A move is an exact solve on a spanning tree.** Given the current choice ``a``, pick a
+spanning forest of the classes' interaction graph and solve, exactly and by dynamic
+programming (leaves up, then root down), the problem of choosing every class at once
+where the forest's edges are priced exactly and every other edge ``(u, v)`` is priced as
+if the other end kept its current choice (``R[x_u][a_v] + R[a_u][x_v]``). Every
+single-class move and every move of a path or subtree of the forest (a chain of layers,
+a matmul with its weight, gradient and update) is in this neighbourhood. The candidate
+is kept only if its true objective is lower, so a move never makes the choice worse.
+The first forest keeps the heaviest interactions (the pairs whose reshard prices spread
+most); later ones are drawn with seeded random weights, so different edges are exact.
+A move costs O(edges x strategies), like one level of the descent.
+
+Example::
+
+    per_class = improve(red, cost, per_class)      # red: ilp.reduce_problem(problem)
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+TREES = 6                # forests per round: the heaviest first, then random ones
+ROUNDS = 8               # rounds of moves (it stops at a round that finds no gain)
+TIE = 1e-9               # relative gain below which a move is not taken
+
+
+def objective(red, cost, per_class) -> float:
+    """The reduced problem's objective of ``per_class`` with node costs ``cost``."""
+    total = sum(float(c[i]) for c, i in zip(cost, per_class))
+    return total + sum(float(p.cost[p.rows[per_class[p.u]], p.cols[per_class[p.v]]])
+                       for p in red.pairs)
+
+
+def improve(red, cost, per_class, seed: int = 0) -> list:
+    """``per_class`` (a strategy per class of ``red``) improved by tree moves (module
+    docstring), priced with node costs ``cost``; never worse than the input."""
+    per_class = [int(i) for i in per_class]
+    if not red.pairs:
+        return per_class
+    rng = np.random.default_rng(seed)
+    spread = np.array([_spread(p.cost) for p in red.pairs])
+    best = objective(red, cost, per_class)
+    for _ in range(ROUNDS):
+        gained = False
+        for k in range(TREES):
+            weight = spread if k == 0 else np.where(
+                np.isinf(spread), np.inf, spread * rng.uniform(0.0, 1.0, len(spread)))
+            trial = _tree_move(red, cost, per_class, _forest(len(cost), red.pairs, weight))
+            value = objective(red, cost, trial)
+            if value < best - TIE * abs(best):
+                per_class, best, gained = trial, value, True
+        if not gained:
+            break
+    return per_class
+
+
+def _spread(mat) -> float:
+    """How much a pair's price can change: the spread of its reshard prices; infinite
+    where it forbids some pairs (an alias: its two ends can only move together, so
+    every forest keeps it)."""
+    finite = mat[np.isfinite(mat)]
+    if finite.size < mat.size:
+        return np.inf
+    return float(finite.max() - finite.min()) if finite.size else 0.0
+
+
+def _forest(n, pairs, weight) -> list:
+    """Indices of ``pairs`` forming a maximum-``weight`` spanning forest (Kruskal)."""
+    parent = list(range(n))
+
+    def root(v):
+        while parent[v] != v:
+            parent[v] = parent[parent[v]]
+            v = parent[v]
+        return v
+
+    chosen = []
+    for e in np.argsort(-weight, kind="stable"):
+        a, b = root(pairs[e].u), root(pairs[e].v)
+        if a != b:
+            parent[a] = b
+            chosen.append(int(e))
+    return chosen
+
+
+def _tree_move(red, cost, current, tree) -> list:
+    """The exact optimum over the forest ``tree`` (pair indices), off-forest pairs priced
+    against ``current`` at their other end."""
+    n = len(cost)
+    local = [c.astype(float).copy() for c in cost]
+    in_tree = np.zeros(len(red.pairs), bool)
+    in_tree[tree] = True
+    for p, kept in zip(red.pairs, in_tree):
+        if not kept:
+            local[p.u] += p.cost[:, p.cols[current[p.v]]][p.rows]
+            local[p.v] += p.cost[p.rows[current[p.u]], :][p.cols]
+    around = [[] for _ in range(n)]
+    for e in tree:
+        around[red.pairs[e].u].append(e)
+        around[red.pairs[e].v].append(e)
+    seen, order, parent_edge = np.zeros(n, bool), [], [-1] * n
+    for start in range(n):
+        if seen[start]:
+            continue
+        seen[start] = True
+        queue = [start]
+        while queue:
+            c = queue.pop()
+            order.append(c)
+            for e in around[c]:
+                p = red.pairs[e]
+                other = p.v if p.u == c else p.u
+                if not seen[other]:
+                    seen[other], parent_edge[other] = True, e
+                    queue.append(other)
+    back = {}                           # child -> its best strategy per parent strategy
+    for c in reversed(order):
+        e = parent_edge[c]
+        if e < 0:
+            continue
+        p = red.pairs[e]
+        child_is_v = p.v == c
+        mat = p.cost if child_is_v else p.cost.T
+        groups = p.cols if child_is_v else p.rows          # the child's groups in mat
+        upper = p.rows if child_is_v else p.cols           # the parent's
+        best_in = np.full(mat.shape[1], np.inf)
+        np.minimum.at(best_in, groups, local[c])
+        arg_in = np.zeros(mat.shape[1], np.intp)
+        for g in range(mat.shape[1]):
+            members = np.flatnonzero(groups == g)
+            arg_in[g] = members[np.argmin(local[c][members])]
+        total = mat + best_in[None, :]
+        pick = np.argmin(total, axis=1)
+        local[p.u if child_is_v else p.v] += total[np.arange(len(pick)), pick][upper]
+        back[c] = arg_in[pick][upper]
+    choice = list(current)
+    for c in order:
+        e = parent_edge[c]
+        if e < 0:
+            choice[c] = int(np.argmin(local[c]))
+        else:
+            p = red.pairs[e]
+            choice[c] = int(back[c][choice[p.u if p.v == c else p.v]])
+    return choice

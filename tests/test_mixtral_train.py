@@ -174,3 +174,21 @@ def test_all_tokens_on_one_ranks_experts_runs(float64, layout):
     serial = _train(None, CONFIG, _serial, True)
     _equal(SimulatedWorld(ranks, timeout=120).run(_train, CONFIG, annotate, True, strategy),
            serial)
+
+
+@pytest.mark.mpi
+def test_expert_parallel_on_four_mpi_ranks_equals_serial(float64, tmp_path):
+    """ep4 with the batch over ep on real ranks: the counts, then the rows with
+    MPI's Alltoallv."""
+    import subprocess
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    out = tmp_path / "ep4.npz"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "distgraph.cli", "run", "-n", "4",
+                           os.path.join(here, "mpi_scripts", "moe_ep.py"), str(out)],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    got = np.load(out)
+    serial = _train(None, CONFIG, _serial)
+    _equal([(got["losses"], {name: got[name] for name in serial[1]})], serial)

@@ -29,7 +29,10 @@ its own experts on the tokens routed to them, the output is Partial, summed over
 expert groups), the intermediate dim i split (tensor parallelism inside each expert,
 Partial as a row-split matmul is). With a capacity the sequence dim is never split
 (``bSD,...``): a group's priority order needs all its tokens. ``localize`` tells a
-process's kernel which experts it holds (``expert_start``).
+process's kernel which experts it holds (``expert_start``). Tokens and experts split
+over one mesh dim (expert parallelism proper, :class:`~distgraph.spmd.experts.ExpertRule`)
+run as all-to-alls that dispatch the tokens to their experts' processes and combine the
+results (:mod:`distgraph.ops.moe_dispatch`): S(b) x ... x S(e) x S(e) x S(e) -> S(b).
 
 FLOPs are those of the tokens the experts get, priced at the expected load: k
 assignments per token (at most ``E * C`` per sequence with a capacity), each ``6 d I``

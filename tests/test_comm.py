@@ -51,6 +51,39 @@ def test_simulated_collectives_match_numpy(group):
         assert results[rank] == expected
 
 
+def _rows(src, dst, n):
+    """The rows rank ``src`` sends rank ``dst`` in the all_to_allv checks: (src + dst) % 3
+    of them (none for some pairs), each naming its sender, receiver and place."""
+    k = (src + dst) % 3
+    return np.array([[src, dst, i] for i in range(k)], dtype=np.float64).reshape(k, 3)
+
+
+@pytest.mark.parametrize("group", [(0, 1, 2, 3), (3, 1), (2,)])
+def test_simulated_all_to_allv_sends_variable_counts(group):
+    def body(comm):
+        if comm.rank not in group:
+            return None
+        send = [len(_rows(comm.rank, g, 0)) for g in group]
+        recv = [len(_rows(g, comm.rank, 0)) for g in group]
+        arr = np.concatenate([_rows(comm.rank, g, 0) for g in group])
+        out = comm.all_to_allv(arr, send, recv, group)
+        assert np.array_equal(out, np.concatenate([_rows(g, comm.rank, 0) for g in group]))
+        me = group.index(comm.rank)
+        return comm.bytes_sent["all_to_all"], (sum(send) - send[me]) * 3 * 8
+
+    for r in SimulatedWorld(4, timeout=20).run(body):
+        if r is not None:
+            assert r[0] == r[1]
+
+
+def test_simulated_all_to_allv_refuses_wrong_counts():
+    def body(comm):
+        with pytest.raises(RuntimeFault, match="all_to_allv"):
+            comm.all_to_allv(np.zeros((3, 2)), [1, 1], [1, 1], (0, 1))
+
+    SimulatedWorld(2, timeout=20).run(body)
+
+
 def test_simulated_p2p_counts_and_orders_messages():
     def body(comm):
         right, left = (comm.rank + 1) % 3, (comm.rank - 1) % 3

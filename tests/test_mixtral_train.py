@@ -1,14 +1,13 @@
-"""A tiny Mixtral trains on several ranks as on one process (float64, 1e-10): experts
-split over 2 and 4 ranks (each rank runs its experts on the tokens routed to them, the
-outputs summed over the expert ranks), experts split over the data-parallel dim, experts
-x Megatron's tensor parallelism inside each expert, with the load-balancing loss and with
-a GShard capacity (against a serial run with the same capacity); and routings where one
-rank's experts get no token and all tokens go to one rank. Ranks are SimulatedWorld
-threads.
+"""A tiny Mixtral trains on several ranks as on one process (float64, 1e-10).
 
-With the experts split over the dp dim the rule of ``moe_ffn`` cannot split both the
-tokens and the experts over one mesh dim: the plan all-gathers the tokens and
-all-reduces the experts' Partial outputs (correct, not yet the all-to-all dispatch)."""
+Expert parallelism proper: the tokens and the experts split over one mesh dim (2 and 4
+ranks; the dp dim; ep x Megatron's tensor parallelism inside each expert; inside each of
+2 pipeline stages), so ``moe_ffn`` and its gradient send every token to its expert's
+rank and the results back (all-to-alls; fixed-size buffers with a GShard capacity). The
+experts split while the tokens are whole runs each rank's experts on every token and
+sums the Partial outputs. Routings where one rank's experts get no token and where all
+tokens go to one rank run too. Ranks are SimulatedWorld threads; one test runs real MPI
+ranks (``distgraph run -n 4``)."""
 
 from __future__ import annotations
 
@@ -24,6 +23,7 @@ import distgraph as dg  # noqa: E402
 from distgraph.nn.mixtral import Mixtral, MixtralConfig, expert_parallel, megatron  # noqa: E402
 from distgraph.runtime.comm.simulated import SimulatedWorld  # noqa: E402
 
+import llama_cases as L  # noqa: E402
 import plans as P  # noqa: E402
 
 BATCH, SEQ, STEPS, VOCAB = 4, 6, 2, 32
@@ -53,44 +53,70 @@ def _model(config, skew):
     return model
 
 
-def _train(comm, config, annotate, skew=False):
+def _train(comm, config, annotate, skew=False, strategy=None, plans=None):
+    """(losses, state) of training on ``comm`` (None: serial); ``annotate(model)``
+    gives the meshes and the dim the batch is split over; ``plans`` (a list) gets this
+    rank's plan."""
     with P.BUILD_LOCK:
         model = _model(config, skew)
-        mesh = annotate(model)
+        meshes, dim = annotate(model)
     engine = dg.Engine(model, loss=dg.nn.CrossEntropyLoss(), optimizer=dg.optim.AdamW(1e-2),
-                       communicator=comm)
+                       strategy=strategy or dg.Strategy(), communicator=comm)
     data = NextTokens(BATCH * STEPS, SEQ)
-    if mesh is not None and "dp" in mesh.dim_names:
-        data = dg.shard_dataloader(data, mesh, shard_dims="dp")
+    if meshes is not None:
+        data = dg.shard_dataloader(data, meshes, shard_dims=dim)
     with P.BUILD_LOCK:
         ins, labels = dg.app.data.DataLoader(data, BATCH).specs(1)
         engine.prepare(ins, labels)
     history = engine.fit(data, batch_size=BATCH, epochs=1, verbose=0)
+    if plans is not None:
+        plans.append(engine.plan())
     return history.losses, engine.state_dict()
 
 
-def _ep(n):
+def _serial(model):
+    return None, None
+
+
+def _ep(n, tokens="ep"):
+    """Experts split over ``ep`` of n ranks, the batch over ``tokens`` (None: whole)."""
     def annotate(model):
         mesh = dg.ProcessMesh(list(range(n)), ["ep"])
         expert_parallel(model, mesh)
-        return mesh
+        return mesh, tokens
     return annotate
 
 
 def _ep_dp(model):
     mesh = dg.ProcessMesh([0, 1], ["dp"])
     expert_parallel(model, mesh, "dp")
-    return mesh
+    return mesh, "dp"
 
 
 def _ep_mp(model):
     mesh = dg.ProcessMesh([[0, 1], [2, 3]], ["ep", "mp"])
-    expert_parallel(model, mesh)
     megatron(model, mesh)
-    return mesh
+    expert_parallel(model, mesh, "ep", inner="mp")
+    return mesh, "ep"
 
 
-LAYOUTS = {"ep2": (_ep(2), 2), "ep4": (_ep(4), 4), "ep_dp": (_ep_dp, 2), "ep_mp": (_ep_mp, 4)}
+def _ep_pipeline(model):
+    """Two stages of two ranks, each with its layer's experts split over its ranks."""
+    first, second = dg.ProcessMesh([0, 1], ["ep"]), dg.ProcessMesh([2, 3], ["ep"])
+    L.two_stages(model, first, second)
+    for layer, mesh in zip(model.layers, (first, second)):
+        e = layer.mlp.experts
+        for w in (e.gate_proj, e.up_proj, e.down_proj):
+            dg.shard_tensor(w, mesh, ["ep", None, None])
+    return [first, second], "ep"
+
+
+PIPELINE = dg.Strategy(micro_batches=2, schedule="1F1B")
+# name: (annotate, ranks, strategy, whether moe_ffn dispatches with all-to-alls)
+LAYOUTS = {"ep2": (_ep(2), 2, None, True), "ep4": (_ep(4), 4, None, True),
+           "ep2_tokens_whole": (_ep(2, None), 2, None, False),
+           "ep_dp": (_ep_dp, 2, None, True), "ep_mp": (_ep_mp, 4, None, True),
+           "ep_pipeline": (_ep_pipeline, 4, PIPELINE, True)}
 
 
 def _equal(results, serial):
@@ -100,25 +126,69 @@ def _equal(results, serial):
             np.testing.assert_allclose(params[name], value, rtol=0, atol=1e-10, err_msg=name)
 
 
+def _dispatches(plan) -> bool:
+    """Whether every moe_ffn of ``plan`` runs as all-to-alls: its tokens split over
+    the experts' mesh dim, its output not Partial over it, and all-to-alls among the
+    collectives inside ops."""
+    for op in plan.program.ops:
+        if op.type == "moe_ffn":
+            x, gate = op.dist_attr.input_specs[0], op.dist_attr.input_specs[3]
+            dim = gate.dims[0]
+            if dim is None or dim not in x.dims[:2] or \
+                    dim in op.dist_attr.output_specs[0].partial:
+                return False
+    return any("all_to_all" in line for line in plan.op_collectives())
+
+
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_expert_parallel_training_equals_serial(float64, layout):
-    annotate, ranks = LAYOUTS[layout]
-    serial = _train(None, CONFIG, lambda m: None)
-    _equal(SimulatedWorld(ranks, timeout=120).run(_train, CONFIG, annotate), serial)
+    annotate, ranks, strategy, dispatches = LAYOUTS[layout]
+    # the load-balancing loss sums over the whole batch: no micro-batches with it
+    config = CONFIG if strategy is None else CONFIG.replace(output_router_logits=False)
+    serial = _train(None, config, _serial)
+    plans = []
+    _equal(SimulatedWorld(ranks, timeout=120).run(_train, config, annotate, False, strategy,
+                                                  plans), serial)
+    assert all(_dispatches(p) == dispatches for p in plans)
 
 
-def test_a_capacity_drops_the_same_tokens_as_serial(float64):
+@pytest.mark.parametrize("layout", ["ep_dp", "ep4"])
+def test_a_capacity_drops_the_same_tokens_as_serial(float64, layout):
+    """With a capacity the all-to-alls carry fixed-size buffers (no counts exchanged)."""
+    annotate, ranks, strategy, _ = LAYOUTS[layout]
     config = CONFIG.replace(capacity_factor=0.5)
-    serial = _train(None, config, lambda m: None)
-    dropless = _train(None, CONFIG, lambda m: None)
+    serial = _train(None, config, _serial)
+    dropless = _train(None, CONFIG, _serial)
     assert not np.allclose(serial[0], dropless[0])            # some assignments dropped
-    _equal(SimulatedWorld(2, timeout=120).run(_train, config, _ep_dp), serial)
+    plans = []
+    _equal(SimulatedWorld(ranks, timeout=120).run(_train, config, annotate, False, strategy,
+                                                  plans), serial)
+    assert all(_dispatches(p) for p in plans)
 
 
-@pytest.mark.parametrize("layout", ["ep2", "ep_dp"])
+@pytest.mark.parametrize("layout", ["ep2", "ep4", "ep_dp", "ep2_tokens_whole"])
 def test_all_tokens_on_one_ranks_experts_runs(float64, layout):
-    """A zero router sends every token to experts 0 and 1: rank 0 holds them, rank 1's
-    experts get no token."""
-    annotate, ranks = LAYOUTS[layout]
-    serial = _train(None, CONFIG, lambda m: None, True)
-    _equal(SimulatedWorld(ranks, timeout=120).run(_train, CONFIG, annotate, True), serial)
+    """A zero router sends every token to experts 0 and 1: one rank holds them (all the
+    tokens go there), the other ranks' experts get no token."""
+    annotate, ranks, strategy, _ = LAYOUTS[layout]
+    serial = _train(None, CONFIG, _serial, True)
+    _equal(SimulatedWorld(ranks, timeout=120).run(_train, CONFIG, annotate, True, strategy),
+           serial)
+
+
+@pytest.mark.mpi
+def test_expert_parallel_on_four_mpi_ranks_equals_serial(float64, tmp_path):
+    """ep4 with the batch over ep on real ranks: the counts, then the rows with
+    MPI's Alltoallv."""
+    import subprocess
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    out = tmp_path / "ep4.npz"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "distgraph.cli", "run", "-n", "4",
+                           os.path.join(here, "mpi_scripts", "moe_ep.py"), str(out)],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    got = np.load(out)
+    serial = _train(None, CONFIG, _serial)
+    _equal([(got["losses"], {name: got[name] for name in serial[1]})], serial)

@@ -12,6 +12,7 @@ import pytest
 
 import distgraph as dg
 from distgraph.ops.moe import capacity_of
+from distgraph.plan.kinds import collective_bytes
 from distgraph.registry import KernelContext, TensorType, get_op
 
 CTX = KernelContext(np)
@@ -102,3 +103,40 @@ def test_top_k_and_one_hot_are_numpys():
     np.testing.assert_array_equal(values, -np.sort(-x, axis=-1)[..., :3])
     hot = get_op("one_hot").kernel(CTX, ids, 7, "float64")
     np.testing.assert_array_equal(hot.sum(axis=(0, 1, 2)), np.bincount(ids.ravel(), minlength=7))
+
+
+SHAPES = ((4, 6, 12), (4, 6, 2), (4, 6, 2), (4, 12, 6), (4, 12, 6), (4, 6, 12))
+
+
+@pytest.mark.parametrize("op", ["moe_ffn", "moe_ffn_grad"])
+def test_tokens_and_experts_over_one_mesh_dim_dispatch_as_a_fixpoint(op):
+    """Tokens and experts split over dp: the all-to-all layout, no output Partial over
+    dp (the experts' weight gradients whole along dp too), fed back unchanged."""
+    mesh = dg.ProcessMesh([0, 1], ["dp"])
+    shapes = SHAPES + ((SHAPES[0],) if op == "moe_ffn_grad" else ())
+    split = ["dp", None, None]
+    specs = [split, split, split, split, None, None] + ([None] if op == "moe_ffn_grad" else [])
+    specs = [s or [None] * 3 for s in specs]
+    rule = dg.ops.spmd_rule(op)
+    res = rule.infer_forward(specs, shapes, mesh)
+    assert all(s.dims[0] == "dp" for s in res.in_specs)
+    assert all(not s.partial for s in res.out_specs)
+    assert "all-to-all over dp" in res.notes[0]
+    again = rule.infer_forward(res.in_specs, shapes, mesh)
+    assert again.in_specs == res.in_specs and again.out_specs == res.out_specs
+
+
+def test_the_dispatch_declares_its_all_to_alls_at_the_expected_load():
+    """Each process sends (n - 1) / n of its k assignments' rows there and back, and the
+    counts (dropless); with a capacity, its fixed buffers."""
+    mesh = dg.ProcessMesh([0, 1], ["dp"])
+    rule = dg.ops.spmd_rule("moe_ffn")
+    for capacity, want in ((None, [4 * 8 / 2, 2 * 6 * 2 * 12 * 8 / 2, 2 * 6 * 2 * 12 * 8 / 2]),
+                           (3, [4 * 2 * 3 * 12 * 8 / 2] * 2)):
+        found = [s for s in rule.strategies(SHAPES, [SHAPES[0]], mesh,
+                                            in_dtypes=["float64", "int64", "float64"] +
+                                            ["float64"] * 3, capacity=capacity)
+                 if s.name.endswith("(all-to-all over dp)")]
+        assert found
+        sent = [collective_bytes(k, n, b) for k, n, b in found[0].comm]
+        assert sent == want

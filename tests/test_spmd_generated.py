@@ -30,6 +30,7 @@ from distgraph.registry import get_op, registered_ops
 from distgraph.placement import DistAttr, ShardSpec
 from distgraph.spmd import UNKNOWN as U
 from distgraph.spmd import DimsSpec, EinsumPlan, RuleQuery, SpmdRuleError, entry_dims
+from distgraph.spmd.experts import ExpertPlan
 
 PLACEMENTS = 120
 
@@ -128,6 +129,13 @@ def check_not_beaten(bound, given, res):
                                  f"{sorted(moved)}) and is more sharded than ours {ours}")
 
 
+def _einsum(bound):
+    """The einsum plan of a bound rule: an MoE op's rule adds expert parallelism's
+    layouts beside it (checked in tests/test_moe_ops.py), these tests check its einsum
+    part."""
+    return bound.base if isinstance(bound, ExpertPlan) else bound
+
+
 def test_every_registered_op_has_a_case():
     assert {c.op for c in CASES} == set(registered_ops())
 
@@ -136,7 +144,8 @@ def test_every_registered_op_has_a_case():
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_forward_answers_are_valid_consistent_and_not_beaten(case, mesh):
     mesh = MESHES[mesh]
-    bound = dg.ops.spmd_rule(case.op).bind(case.in_shapes, case.out_shapes, mesh, case.attrs)
+    bound = _einsum(dg.ops.spmd_rule(case.op).bind(case.in_shapes, case.out_shapes, mesh,
+                                                   case.attrs))
     assert isinstance(bound, EinsumPlan)
     for specs in sample(case.in_shapes, mesh, str(case)):
         res = bound.solve(RuleQuery.make(specs))
@@ -154,7 +163,8 @@ def with_unknowns(specs, rng) -> tuple:
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_partly_known_inputs_give_valid_consistent_answers_not_beaten(case, mesh):
     mesh = MESHES[mesh]
-    bound = dg.ops.spmd_rule(case.op).bind(case.in_shapes, case.out_shapes, mesh, case.attrs)
+    bound = _einsum(dg.ops.spmd_rule(case.op).bind(case.in_shapes, case.out_shapes, mesh,
+                                                   case.attrs))
     rng = random.Random(str(case) + "unknowns")
     for specs in sample(case.in_shapes, mesh, str(case)):
         specs = with_unknowns(specs, rng)
@@ -168,7 +178,8 @@ def test_partly_known_inputs_give_valid_consistent_answers_not_beaten(case, mesh
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_backward_answers_are_valid_consistent_and_not_beaten(case, mesh):
     mesh = MESHES[mesh]
-    bound = dg.ops.spmd_rule(case.op).bind(case.in_shapes, case.out_shapes, mesh, case.attrs)
+    bound = _einsum(dg.ops.spmd_rule(case.op).bind(case.in_shapes, case.out_shapes, mesh,
+                                                   case.attrs))
     unknown = [DimsSpec.unknown(len(s)) for s in case.in_shapes]
     for specs in sample(case.out_shapes, mesh, str(case) + "backward"):
         res = bound.solve(RuleQuery.make(unknown, specs, outputs_first=True))
@@ -204,9 +215,13 @@ def test_strategies_are_valid_fixpoints_of_the_rule(case, mesh):
         assert [(x.dims, x.partial) for x in res.out_specs] == \
             [(x.dims, x.partial) for x in s.out_specs], s.name
         assert res.resharded == ()
-        # the op's own communication is declared only where its class dim is split
+        # the op's own communication is declared only where its class dim is split, or
+        # where an MoE op dispatches its tokens to their experts (all-to-alls)
         split_class = case.op == "softmax_cross_entropy" and s.in_specs[0].dims[-1] is not None
-        assert bool(s.comm) == split_class, s.name
+        dispatch = "(all-to-all over" in s.name
+        assert bool(s.comm) == (split_class or dispatch), s.name
+        if dispatch:
+            assert {k for k, _, _ in s.comm} == {"all_to_all"}
         if split_class:
             assert [k for k, _, _ in s.comm] == ["all_gather", "all_reduce"]
 

@@ -167,13 +167,18 @@ class Mixtral(Llama):
         return ops.scale(loss, self.config.router_aux_loss_coef * n / rows / rows)
 
 
-def expert_parallel(model: Mixtral, mesh, dim: str = "ep") -> None:
+def expert_parallel(model: Mixtral, mesh, dim: str = "ep", inner: str | None = None) -> None:
     """Every layer's experts split over mesh dim ``dim`` on their expert dim (each
-    process holds ``E / size`` whole experts)."""
+    process holds ``E / size`` experts); ``inner``: each expert's intermediate dim split
+    over that mesh dim too (tensor parallelism inside each expert, as :func:`megatron`
+    splits it; call this after :func:`megatron`, whose annotation of the experts it
+    replaces). With the batch split over ``dim`` as well, ``moe_ffn`` dispatches the
+    tokens to their experts' processes with all-to-alls over ``dim``."""
     for layer in model.layers:
         e = layer.mlp.experts
-        for w in (e.gate_proj, e.up_proj, e.down_proj):
-            shard_tensor(w, mesh, [dim, None, None])
+        shard_tensor(e.gate_proj, mesh, [dim, None, inner])
+        shard_tensor(e.up_proj, mesh, [dim, None, inner])
+        shard_tensor(e.down_proj, mesh, [dim, inner, None])
 
 
 def megatron(model: Mixtral, mesh, dim: str = "mp") -> None:

@@ -29,7 +29,10 @@ its own experts on the tokens routed to them, the output is Partial, summed over
 expert groups), the intermediate dim i split (tensor parallelism inside each expert,
 Partial as a row-split matmul is). With a capacity the sequence dim is never split
 (``bSD,...``): a group's priority order needs all its tokens. ``localize`` tells a
-process's kernel which experts it holds (``expert_start``).
+process's kernel which experts it holds (``expert_start``). Tokens and experts split
+over one mesh dim (expert parallelism proper, :class:`~distgraph.spmd.experts.ExpertRule`)
+run as all-to-alls that dispatch the tokens to their experts' processes and combine the
+results (:mod:`distgraph.ops.moe_dispatch`): S(b) x ... x S(e) x S(e) x S(e) -> S(b).
 
 FLOPs are those of the tokens the experts get, priced at the expected load: k
 assignments per token (at most ``E * C`` per sequence with a capacity), each ``6 d I``
@@ -50,9 +53,11 @@ from __future__ import annotations
 import math
 
 from distgraph import dtypes
+from distgraph.ops import moe_dispatch
 from distgraph.ops.common import elementwise_flops
 from distgraph.registry import DTypeError, ShapeError, TensorType, register_op
 from distgraph.spmd import LETTERS, EinsumRule
+from distgraph.spmd.experts import ExpertRule
 from distgraph.trace import emit, emit1
 
 
@@ -186,15 +191,7 @@ def _check(xp, ids, experts):
         raise ShapeError(f"moe_ffn: expert id {bad} is outside [0, {experts})")
 
 
-def _localize(attrs, site):
-    experts = site.in_slices(3)[0]
-    if experts.stop - experts.start == site.in_shapes[3][0]:
-        return attrs, {}
-    return {**attrs, "expert_start": experts.start,
-            "num_experts": site.in_shapes[3][0]}, {}
-
-
-@register_op("moe_ffn", spmd=EinsumRule(_ffn_notation))
+@register_op("moe_ffn", spmd=ExpertRule(_ffn_notation))
 class MoeFFN:
     """Tokens split: S(b) x S(b) x S(b) x R x R x R -> S(b); experts split (expert
     parallel): R x R x R x S(0) x S(0) x S(0) -> P; SwiGLU's inner dim split (tensor
@@ -224,6 +221,9 @@ class MoeFFN:
                num_experts=None):
         xp = ctx.xp
         _check(xp, ids, gate.shape[0] if num_experts is None else num_experts)
+        if ctx.group is not None:
+            return moe_dispatch.forward(ctx, x, ids, weights, gate, up, down, capacity,
+                                        expert_start, num_experts, _routes)
         b, s, d = x.shape
         xf, wf = x.reshape(b * s, d), weights.reshape(b * s, -1)
         y = xp.zeros_like(xf)
@@ -233,7 +233,8 @@ class MoeFFN:
             y[rows] += ((act * (xs @ up[e])) @ down[e]) * wf[rows, slots][:, None]
         return y.reshape(x.shape)
 
-    localize = _localize
+    localize = moe_dispatch.localize
+    comm = moe_dispatch.comm
 
     def grad(op, dy):
         dx, dweights, dgate, dup, ddown = emit("moe_ffn_grad", [*op.inputs, dy],
@@ -241,7 +242,7 @@ class MoeFFN:
         return [dx, None, dweights, dgate, dup, ddown]
 
 
-@register_op("moe_ffn_grad", spmd=EinsumRule(_ffn_grad_notation), differentiable=False)
+@register_op("moe_ffn_grad", spmd=ExpertRule(_ffn_grad_notation), differentiable=False)
 class MoeFFNGrad:
     """Each expert's forward recomputed on its tokens, then the SwiGLU chain backwards:
     dx (Partial where experts or the inner dim are split), dweights (the expert's output
@@ -257,6 +258,9 @@ class MoeFFNGrad:
     def kernel(ctx, x, ids, weights, gate, up, down, dy, capacity=None, expert_start=None,
                num_experts=None):
         xp = ctx.xp
+        if ctx.group is not None:
+            return moe_dispatch.backward(ctx, x, ids, weights, gate, up, down, dy, capacity,
+                                         expert_start, num_experts, _routes)
         b, s, d = x.shape
         xf, wf, dyf = x.reshape(b * s, d), weights.reshape(b * s, -1), dy.reshape(b * s, d)
         dx, dw = xp.zeros_like(xf), xp.zeros_like(wf)
@@ -276,7 +280,10 @@ class MoeFFNGrad:
             dx[rows] += dg @ gate[e].T + du @ up[e].T
         return (dx.reshape(x.shape), dw.reshape(weights.shape), *grads)
 
-    localize = _localize
+    localize = moe_dispatch.localize
+
+    def comm(site):
+        return moe_dispatch.comm(site, grad=True)
 
 
 # -- functional API -----------------------------------------------------------------------------

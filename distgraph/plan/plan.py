@@ -25,6 +25,7 @@ from types import MappingProxyType
 
 from distgraph.errors import PlanError
 from distgraph.mesh import ProcessRanks
+from distgraph.plan.kinds import collective_bytes
 from distgraph.spmd.meshslice import SLICED, STATIONARY
 from distgraph.strategy import Strategy
 from distgraph.units import fmt_bytes
@@ -185,6 +186,22 @@ class Plan:
         """One local program per group: what every process of it does in kind."""
         return [self.locals[g[0]] for g in self.groups]
 
+    def op_collectives(self) -> list:
+        """The collectives ops run inside their kernels (``comm`` hooks: MoE's
+        all-to-alls, a vocabulary-parallel loss's), once per group of processes alike:
+        ``"moe_ffn (layers.0.mlp) over (0, 1): all_to_all n=2 sends 1 KiB"``."""
+        out = []
+        for local in self.representatives():
+            ops = local.program.ops
+            for index in sorted(local.op_comm):
+                op, ctx = ops[index], local.op_context.get(index, {})
+                where = f" over {tuple(ctx['group'])}" if ctx.get("group") else ""
+                for kind, n, nbytes in local.op_comm[index]:
+                    sent = collective_bytes(kind, n, nbytes)
+                    out.append(f"{op.type} ({op.layer}){where}: {kind} n={n} sends "
+                               f"{fmt_bytes(sent)}")
+        return out
+
     def reshards(self) -> list:
         """Every reshard point of the plan once (in global order), whoever runs it (as
         the first process that runs it holds it)."""
@@ -244,6 +261,11 @@ class Plan:
                      f"{fmt_bytes(busiest)} per step")
         for p in points:
             lines.append(f"    {p} ({fmt_bytes(p.bytes)})")
+        inside = self.op_collectives() if self.distributed else []
+        if inside:
+            lines.append(f"  collectives inside ops: {len(inside)} per step (bytes a process "
+                         f"sends, at the expected load)")
+            lines.extend(f"    {line}" for line in inside)
         for extra in (self.search, self.batch_split):
             if extra is not None:
                 lines.append("  " + str(extra).replace("\n", "\n  "))

@@ -18,6 +18,11 @@ Semantics (identical for every implementation):
 - ``all_to_all(arr, group, split_axis, concat_axis)``: member i splits its array along
   ``split_axis`` into n chunks and sends chunk j to member j; each member concatenates
   what it receives along ``concat_axis`` in group order.
+- ``all_to_allv(arr, send_counts, recv_counts, group)``: all_to_all with variable counts
+  (MPI's ``Alltoallv``) along axis 0: member i sends rows ``send_counts[:j].sum() ..``
+  (``send_counts[j]`` of them) to member j; each member concatenates what it receives in
+  group order, ``recv_counts[j]`` rows from member j (the counts are exchanged first,
+  e.g. by an ``all_to_all`` of them). Rows are the array's trailing shape.
 - ``send(arr, dst, tag)`` never blocks (the array is copied); ``wait_sends()`` waits
   until this rank's sends are delivered. ``recv(shape, dtype, src, tag)`` returns the
   next message from ``src`` with that tag.
@@ -219,6 +224,25 @@ class Communicator(ABC):
             return arr.copy()
         return self._all_to_all(arr, group, split_axis, concat_axis)
 
+    def all_to_allv(self, arr, send_counts, recv_counts, group):
+        arr = self._c(arr)
+        group = self._group(group, "all_to_allv")
+        send = [int(c) for c in send_counts]
+        recv = [int(c) for c in recv_counts]
+        if len(send) != len(group) or len(recv) != len(group) or sum(send) != len(arr) \
+                or min(send + recv, default=0) < 0:
+            raise RuntimeFault(f"rank {self.rank}: all_to_allv on group {group}: {len(arr)} "
+                               f"rows sent as counts {send}, received as {recv}; give one "
+                               f"non-negative count per member, the sent ones summing to "
+                               f"the rows")
+        me = group.index(self.rank)
+        row = arr.nbytes // max(len(arr), 1)
+        self.calls["all_to_all"] += 1       # the bytes this rank sends to the others
+        self.bytes_sent["all_to_all"] += float((sum(send) - send[me]) * row)
+        if len(group) == 1:
+            return arr.copy()
+        return self._all_to_allv(arr, tuple(send), tuple(recv), group)
+
     def send(self, arr, dst: int, tag: int = 0) -> None:
         """Send a copy of ``arr`` to rank ``dst`` without blocking."""
         self._peer(dst, tag, "send to")
@@ -326,6 +350,10 @@ class Communicator(ABC):
 
     @abstractmethod
     def _all_to_all(self, arr, group, split_axis, concat_axis): ...
+
+    def _all_to_allv(self, arr, send_counts, recv_counts, group):
+        raise RuntimeFault(f"rank {self.rank}: {type(self).__name__} has no all_to_allv "
+                           f"(variable counts); run on MPI or the simulated world")
 
     @abstractmethod
     def _send(self, arr, dst, tag): ...

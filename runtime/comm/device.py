@@ -63,6 +63,9 @@ class HostStaging:
     def _all_to_all(self, arr, group, split_axis, concat_axis):
         return self._d(self.host._all_to_all(self._h(arr), group, split_axis, concat_axis))
 
+    def _all_to_allv(self, arr, send_counts, recv_counts, group):
+        return self._d(self.host._all_to_allv(self._h(arr), send_counts, recv_counts, group))
+
     def _iall_gather(self, arr, group, axis):
         return _Staged(self.host._iall_gather(self._h(arr), group, axis), self.xb)
 
@@ -186,6 +189,9 @@ class DeviceCommunicator(Communicator):
 
     def _all_to_all(self, arr, group, split_axis, concat_axis):
         return self._path(group)._all_to_all(arr, group, split_axis, concat_axis)
+
+    def _all_to_allv(self, arr, send_counts, recv_counts, group):
+        return self._path(group)._all_to_allv(arr, send_counts, recv_counts, group)
 
     def _iall_gather(self, arr, group, axis):
         return self._path(group)._iall_gather(arr, group, axis)

@@ -231,6 +231,23 @@ class MPICommunicator(Communicator):
                    f"all_to_all on group {group}", peers=group)
         return xb.concatenate(list(out), axis=concat_axis)
 
+    def _all_to_allv(self, arr, send_counts, recv_counts, group):
+        xb = self.backend
+        row = 1
+        for n in arr.shape[1:]:
+            row *= n
+        out = xb.empty((sum(recv_counts),) + arr.shape[1:], arr.dtype)
+
+        def layout(counts):
+            sizes = [c * row for c in counts]
+            return sizes, [sum(sizes[:j]) for j in range(len(sizes))]
+
+        send, recv = _wire(arr), _wire(out)
+        self._wait([self._sub(group).Ialltoallv((send, layout(send_counts)),
+                                                (recv, layout(recv_counts)))],
+                   f"all_to_allv on group {group}", peers=group)
+        return out
+
     def _iall_gather(self, arr, group, axis):
         xb = self.backend
         out = xb.empty((len(group),) + arr.shape, arr.dtype)

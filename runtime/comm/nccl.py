@@ -283,6 +283,11 @@ class NcclPath:
         self._collective(group, "all_to_all", exchange)
         return xb.concatenate(list(out), axis=concat_axis)
 
+    def _all_to_allv(self, arr, send_counts, recv_counts, group):
+        raise NotImplementedError(
+            f"rank {self.rank}: NCCL's all_to_allv (variable counts) is not implemented; "
+            f"give moe_ffn a capacity (fixed-size buffers, an all_to_all) or run on MPI")
+
     def _iall_gather(self, arr, group, axis):
         c = self.open("collective", tuple(group))
         out = self.xb.empty((len(group),) + arr.shape, arr.dtype)

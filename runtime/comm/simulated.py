@@ -13,6 +13,8 @@ import threading
 import time
 from collections import defaultdict, deque
 
+import numpy as np
+
 
 from distgraph.errors import RuntimeFault
 from distgraph.runtime.comm.base import Communicator, Request
@@ -191,6 +193,20 @@ class SimulatedCommunicator(Communicator):
         me = group.index(self.rank)
         chunks = [self.backend.split(data[r], len(group), split_axis)[me] for r in group]
         return self.backend.concatenate(chunks, axis=concat_axis)
+
+    def _all_to_allv(self, arr, send_counts, recv_counts, group):
+        data = self._exchange("all_to_allv", group, arr)
+        counts = self._exchange("all_to_allv counts", group, np.asarray(send_counts))
+        me = group.index(self.rank)
+        chunks = []
+        for r, want in zip(group, recv_counts):
+            start = int(counts[r][:me].sum())
+            got = int(counts[r][me])
+            if got != want:
+                raise RuntimeFault(f"rank {self.rank}: all_to_allv on group {group}: rank "
+                                   f"{r} sends {got} rows here, this rank expects {want}")
+            chunks.append(data[r][start:start + got])
+        return self.backend.concatenate(chunks, axis=0)
 
     def _send(self, arr, dst, tag):
         w = self._world

@@ -53,6 +53,12 @@ def main() -> None:
                     "all_to_all": collective_bytes("all_to_all", n, y.nbytes),
                     "send_recv": 0.0}
         check(comm.bytes_sent == expected, f"counters {comm.bytes_sent} != {expected}")
+        # variable counts: (src + dst) % 3 rows from src to dst, some pairs none
+        rows = [np.full(((r + g) % 3, 2), 10.0 * r + g) for g in group]
+        out = comm.all_to_allv(np.concatenate(rows), [len(x) for x in rows],
+                               [(g + r) % 3 for g in group], group)
+        want = np.concatenate([np.full(((g + r) % 3, 2), 10.0 * g + r) for g in group])
+        check(np.array_equal(out, want), f"all_to_allv {group}")
     # p2p around a ring, two tags, sends before receives (nonblocking sends)
     comm.reset_counters()
     big = np.full((256, 256), float(r))

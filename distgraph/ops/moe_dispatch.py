@@ -1,0 +1,205 @@
+"""Expert parallelism's distributed form of ``moe_ffn`` and ``moe_ffn_grad``: the tokens
+and the experts split over one mesh dim ``m`` (:mod:`distgraph.spmd.experts`), every
+token is sent to the process holding its expert and the result sent back, two
+all-to-alls over ``m`` (dispatch and combine).
+
+Dropless (no capacity) the loads are uneven, so a process first tells each member of
+its group how many rows it sends to each of that member's experts (an all-to-all of the
+counts, ``[members, local experts]`` int64), then sends the rows (``all_to_allv``:
+variable counts per pair), runs its experts on the rows it received and sends the
+results back with the counts reversed. With GShard's capacity ``C`` the buffers are of
+fixed size, ``[members, local experts, local sequences, C]`` rows, zero where a
+sequence gives an expert fewer than ``C`` tokens: the counts need no exchange and the
+all-to-alls have equal chunks (the experts run on the zero rows too, as GShard does,
+which adds nothing to any result or gradient).
+
+The sender keeps what it needs to combine: the assignments it sent, in global expert
+order, and it adds each token's expert outputs in that order, as the serial kernel
+does. The gradient sends ``[x | dy | weight]`` rows and receives ``[dx | dweight]``
+rows; each process's experts' weight gradients are then whole along ``m`` (no Partial).
+
+``comm(site)`` declares the all-to-alls at the expected load (a balanced routing: a
+process's ``tokens * k`` assignments, or its fixed buffers), as
+:func:`distgraph.plan.kinds.collective_bytes` counts an all-to-all's buffer.
+
+Example (what a plan's process runs; ``ctx`` carries the communicator and group)::
+
+    y = forward(ctx, x, ids, weights, gate, up, down, None, expert_start=2, experts=4)
+"""
+
+from __future__ import annotations
+
+from distgraph import dtypes
+from distgraph.spmd.specs import entry_dims
+
+
+def shared_dim(site) -> str | None:
+    """The mesh dim that splits both the experts (gate's dim 0) and the tokens (x's dim
+    0 or 1) at ``site``, or None: expert parallelism with an all-to-all."""
+    experts = entry_dims(site.in_attrs[3].spec.entry(0))
+    if len(experts) != 1:
+        return None
+    tokens = entry_dims(site.in_attrs[0].spec.entry(0)) + \
+        entry_dims(site.in_attrs[0].spec.entry(1))
+    return experts[0] if experts[0] in tokens else None
+
+
+def localize(attrs, site):
+    """The local attributes (first local expert, all experts) and, for the all-to-all
+    form, the kernel's ``group``: the processes holding the other expert blocks."""
+    experts = site.in_slices(3)[0]
+    if experts.stop - experts.start == site.in_shapes[3][0]:
+        return attrs, {}
+    local = {**attrs, "expert_start": experts.start, "num_experts": site.in_shapes[3][0]}
+    if shared_dim(site) is None:
+        return local, {}
+    return local, {"group": site.split_group(3, 0)}
+
+
+def comm(site, grad: bool = False) -> tuple:
+    """The all-to-alls of the distributed form at ``site`` at the expected (balanced)
+    load: ``((kind, members, buffer bytes), ...)``; empty when it does not dispatch."""
+    if shared_dim(site) is None:
+        return ()
+    n = len(site.split_group(3, 0))
+    b, s, d = site.in_attrs[0].local_shape(site.in_shapes[0])
+    k = site.in_shapes[1][2]
+    experts = site.in_shapes[3][0]
+    item = dtypes.itemsize(site.in_dtypes[0])
+    capacity = site.attr("capacity")
+    there, back = (2 * d + 1, d + 1) if grad else (d, d)
+    if capacity is None:
+        rows = b * s * k
+        counts = (("all_to_all", n, experts * 8),)
+    else:
+        rows, counts = experts * b * capacity, ()
+    return counts + (("all_to_all", n, rows * there * item),
+                     ("all_to_all", n, rows * back * item))
+
+
+def _expert(xp, xs, gate, up, down):
+    half = xs.dtype.type(0.5)
+    g = xs @ gate
+    act = g * (half + half * xp.tanh(half * g))
+    return (act * (xs @ up)) @ down
+
+
+class _Exchange:
+    """One process's dispatch: the assignments it sends (global expert order), the rows
+    of each, and the all-to-alls that carry rows there and back."""
+
+    def __init__(self, ctx, ids, capacity, experts, local, routes):
+        self.ctx, self.xp = ctx, ctx.xp
+        self.ranks = ctx.group_ranks()
+        self.n, self.local, self.capacity = len(self.ranks), local, capacity
+        self.batch, self.seq = ids.shape[:2]
+        self.routes = routes(self.xp, ids, capacity, 0, experts)
+        counts = self.xp.zeros((self.n, local), dtype="int64")
+        for e, rows, _ in self.routes:
+            counts[e // local, e % local] = rows.size
+        self.counts = counts
+        if capacity is None:
+            self.received = ctx.comm.all_to_all(counts, self.ranks, 0, 0)
+            self.sends = counts.sum(axis=1)
+            self.recvs = self.received.sum(axis=1)
+
+    def _place(self, rows):
+        """Positions of ``rows`` (one expert's) in its fixed buffer: sequence, then the
+        assignment's place among that sequence's."""
+        xp = self.xp
+        seq = rows // self.seq
+        place = xp.arange(rows.size) - xp.searchsorted(seq, seq, side="left")
+        return seq * self.capacity + place
+
+    def there(self, data, width: int, dtype):
+        """Send each assignment's row of ``data(rows, slots)`` ([assignments, width]) to
+        its expert's process; the rows received (an array) and, per local expert, the
+        indices of its rows in it: [(local expert, indices)]."""
+        xp, comm, n, local = self.xp, self.ctx.comm, self.n, self.local
+        parts = [data(rows, slots) for _, rows, slots in self.routes]
+        if self.capacity is None:
+            buf = xp.concatenate(parts) if parts else xp.zeros((0, width), dtype=dtype)
+            got = comm.all_to_allv(buf, self.sends, self.recvs, self.ranks)
+            starts = xp.concatenate([xp.zeros(1, "int64"),
+                                     xp.cumsum(self.received.reshape(-1))])
+            groups = [(e, xp.concatenate([xp.arange(starts[q * local + e],
+                                                    starts[q * local + e + 1])
+                                          for q in range(n)])) for e in range(local)]
+            return groups, got
+        slab = self.batch * self.capacity
+        buf = xp.zeros((n * local * slab, width), dtype=dtype)
+        for (e, rows, _), part in zip(self.routes, parts):
+            buf[e * slab + self._place(rows)] = part
+        got = comm.all_to_all(buf, self.ranks, 0, 0)
+        groups = [(e, xp.concatenate([xp.arange((q * local + e) * slab,
+                                                (q * local + e + 1) * slab)
+                                      for q in range(n)])) for e in range(local)]
+        return groups, got
+
+    def back(self, results):
+        """Send the results (rows as received) back; [(expert, rows, slots, result
+        rows)] in global expert order."""
+        comm = self.ctx.comm
+        if self.capacity is None:
+            got = comm.all_to_allv(results, self.recvs, self.sends, self.ranks)
+            out, at = [], 0
+            for e, rows, slots in self.routes:
+                out.append((e, rows, slots, got[at:at + rows.size]))
+                at += rows.size
+            return out
+        got = comm.all_to_all(results, self.ranks, 0, 0)
+        slab = self.batch * self.capacity
+        return [(e, rows, slots, got[e * slab + self._place(rows)])
+                for e, rows, slots in self.routes]
+
+
+def forward(ctx, x, ids, weights, gate, up, down, capacity, expert_start, experts, routes):
+    """moe_ffn's all-to-all form on this process's tokens and experts."""
+    xp = ctx.xp
+    b, s, d = x.shape
+    xf, wf = x.reshape(b * s, d), weights.reshape(b * s, -1)
+    ex = _Exchange(ctx, ids, capacity, experts, gate.shape[0], routes)
+    groups, got = ex.there(lambda rows, slots: xf[rows], d, x.dtype)
+    results = xp.zeros_like(got)
+    for e, index in groups:
+        if index.size:
+            results[index] = _expert(xp, got[index], gate[e], up[e], down[e])
+    y = xp.zeros_like(xf)
+    for _, rows, slots, out in ex.back(results):
+        y[rows] += out * wf[rows, slots][:, None]
+    return y.reshape(x.shape)
+
+
+def backward(ctx, x, ids, weights, gate, up, down, dy, capacity, expert_start, experts,
+             routes):
+    """moe_ffn_grad's all-to-all form: (dx, dweights, dgate, dup, ddown)."""
+    xp = ctx.xp
+    b, s, d = x.shape
+    xf, wf, dyf = x.reshape(b * s, d), weights.reshape(b * s, -1), dy.reshape(b * s, d)
+    ex = _Exchange(ctx, ids, capacity, experts, gate.shape[0], routes)
+    groups, got = ex.there(lambda rows, slots: xp.concatenate(
+        [xf[rows], dyf[rows], wf[rows, slots][:, None]], axis=1), 2 * d + 1, x.dtype)
+    grads = [xp.zeros_like(w) for w in (gate, up, down)]
+    results = xp.zeros((got.shape[0], d + 1), dtype=x.dtype)
+    half = x.dtype.type(0.5)
+    for e, index in groups:
+        if not index.size:
+            continue
+        xs, dys, ws = got[index, :d], got[index, d:2 * d], got[index, 2 * d]
+        g, u = xs @ gate[e], xs @ up[e]
+        sig = half + half * xp.tanh(half * g)
+        act = g * sig
+        h = act * u
+        results[index, d] = xp.sum((h @ down[e]) * dys, axis=-1)
+        do = dys * ws[:, None]
+        grads[2][e] = h.T @ do
+        dh = do @ down[e].T
+        du = dh * act
+        dg = dh * u * sig * (1 + g * (1 - sig))
+        grads[0][e], grads[1][e] = xs.T @ dg, xs.T @ du
+        results[index, :d] = dg @ gate[e].T + du @ up[e].T
+    dx, dw = xp.zeros_like(xf), xp.zeros_like(wf)
+    for _, rows, slots, out in ex.back(results):
+        dx[rows] += out[:, :d]
+        dw[rows, slots] = out[:, d]
+    return (dx.reshape(x.shape), dw.reshape(weights.shape), *grads)

@@ -1,6 +1,7 @@
 """Elastic training (``distgraph run --elastic``): the loop's policy against fakes, then, on
 an emulated 2 x 2 cluster (root), a machine lost mid-epoch and the job finishing on the 2
-ranks left with the serial run's weights; a machine lost while a checkpoint is written;
+ranks left with the serial run's weights (dp x mp, auto_mode="full", a 2-stage pipeline
+that becomes 1 stage); a machine lost while a checkpoint is written;
 too few ranks left. The emulated tests skip where namespaces cannot be made."""
 
 import io
@@ -209,10 +210,13 @@ def elastic(tmp_path, *extra, faults=("machine node1 down at step 6",), script=(
 @pytest.mark.mpi
 @pytest.mark.slow
 @EMULATED
-@pytest.mark.parametrize("auto", [False, True], ids=["dp-x-mp", "auto-full"])
+@pytest.mark.parametrize("mode", [[], ["--auto"], ["--pipeline"]],
+                         ids=["dp-x-mp", "auto-full", "pipeline-2-stages-to-1"])
 def test_a_machine_lost_mid_epoch_the_job_finishes_on_the_ranks_left(launched, tmp_path,
-                                                                      serial, auto):
-    script = ["--step-time", "0.2"] + (["--auto"] if auto else [])
+                                                                      serial, mode):
+    # --pipeline: 2 stages of a 2-process "mp" mesh each, 2 micro-batches; on the 2 ranks
+    # left the script's rule (world // 2 stages) makes it 1 stage (elastic_gpt.py)
+    script = ["--step-time", "0.2", *mode]
     result = launched.run(*elastic(tmp_path, script=script), timeout=300)
     out, err = result.stdout, result.stderr
     assert result.returncode == 0, out[-3000:] + err[-3000:]
@@ -223,6 +227,10 @@ def test_a_machine_lost_mid_epoch_the_job_finishes_on_the_ranks_left(launched, t
     worlds = {int(s[2]): s[3] for s in steps}              # the last world of each step
     assert sorted(worlds) == list(range(24)) and worlds[23] == "world=2"
     assert "DONE world=2 step=24" in out
+    plans = [ln.split() for ln in out.splitlines() if ln.startswith("PLAN ")]
+    assert [p[1] for p in plans] == ["world=4", "world=2"]
+    if "--pipeline" in mode:
+        assert [p[2] for p in plans] == ["stages=2", "stages=1"]
     assert_equal_weights(tmp_path / "w.npz", serial)
     assert processes_mentioning(str(tmp_path)) == []
     records = [json.loads(ln) for ln in (tmp_path / "logs" / "elastic.jsonl").open()]

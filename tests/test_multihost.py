@@ -22,10 +22,12 @@ import signal
 import subprocess
 import sys
 import sysconfig
+import tempfile
 import time
 from importlib.metadata import version
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 
@@ -337,3 +339,44 @@ def test_calibrate_measures_the_links_between_the_hosts(hosts, tmp_path):
         assert [ln.type for ln in machine.links] == ["SHM"]
         assert machine.links[0].bandwidth > 4 * LINK_GBPS, (machine, proc.stdout)
     assert_clean(hosts)
+
+
+# ---- elastic: a host lost mid-run --------------------------------------------------------
+
+@pytest.mark.slow
+def test_elastic_a_host_lost_mid_run_is_dropped_and_the_job_finishes_on_the_other(
+        hosts, tmp_path):
+    from test_elastic import SCRIPT, assert_equal_weights
+    serial = tmp_path / "serial.npz"
+    subprocess.run([sys.executable, SCRIPT, "--out", str(serial)], check=True,
+                   env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True)
+    # the checkpoint and the weights on storage both hosts share (each host's /tmp is its own)
+    shared = Path(tempfile.mkdtemp(prefix="distgraph-elastic-", dir="/var/tmp"))
+    logs = tmp_path / "logs"
+    proc = start(hosts, "run", "-n", 4, "--hostfile", hosts.hostfile(hosts=["node0:2",
+                 "node1:2"]), "--elastic", "--min-ranks", 2, "--log-dir", logs, SCRIPT,
+                 "--ckpt", shared / "ckpt", "--out", shared / "w.npz", "--step-time", 0.2)
+    try:
+        deadline = time.monotonic() + 120
+        while True:               # past the checkpoint of step 4, mid-epoch
+            line = proc.stdout.readline()
+            assert line and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+            if line.startswith("STEP ") and int(line.split()[2]) >= 6:
+                break
+        hosts.stop("node1")
+        out, err = proc.communicate(timeout=240)
+        assert proc.returncode == 0, out[-3000:] + err[-3000:]
+        assert "host node1 stopped answering; restart 1 of 3 on 2 ranks (node0:2), was 4; " \
+            "dropped node1" in err, err
+        assert "finished after 1 restart (world sizes 4 -> 2)" in err, err
+        assert "resumed from" in err and "DONE world=2 step=24" in out, err
+        assert_equal_weights(shared / "w.npz", dict(np.load(serial)))
+        assert_clean(hosts, ("node0",))
+        records = [json.loads(ln) for ln in (logs / "elastic.jsonl").open()]
+        assert [r["world"] for r in records if r["event"] == "start"] == [4, 2]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        shutil.rmtree(shared, ignore_errors=True)
+        hosts.start("node1")          # for the tests after this one

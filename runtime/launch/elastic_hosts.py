@@ -75,11 +75,19 @@ class HostAttempts:
             stop.set()
             prober.join()
         cause = seen.get("cause")
+        if rc != 0 and cause is None:
+            # hydra may see a host's proxy go before the prober sees the host: ask now
+            names = [m.name for m in world]
+            alive = self.answering(names)
+            lost = [h for h in names if h not in alive]
+            if lost:
+                cause = f"host {', '.join(lost)} stopped answering"
         return Outcome(rc, cause if rc != 0 else None, seen.get("detected") or time.time())
 
     def _probe(self, names, seen: dict, stop: threading.Event) -> None:
         while not stop.wait(PROBE_EVERY):
-            lost = [h for h in names if h not in self.answering(names)]
+            alive = self.answering(names)
+            lost = [h for h in names if h not in alive]
             if lost:
                 seen["lost"] = f"host {', '.join(lost)} stopped answering"
                 return

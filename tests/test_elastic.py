@@ -1,8 +1,8 @@
 """Elastic training (``distgraph run --elastic``): the loop's policy against fakes, then, on
 an emulated 2 x 2 cluster (root), a machine lost mid-epoch and the job finishing on the 2
 ranks left with the serial run's weights (dp x mp, auto_mode="full", a 2-stage pipeline
-that becomes 1 stage); a machine lost while a checkpoint is written;
-too few ranks left. The emulated tests skip where namespaces cannot be made."""
+that becomes 1 stage); a machine lost while a checkpoint is written; a machine taken back
+from the next checkpoint once it answers again (--max-ranks); too few ranks left. The emulated tests skip where namespaces cannot be made."""
 
 import io
 import json
@@ -107,6 +107,17 @@ def test_a_signal_ends_the_job_without_a_restart():
     fake.attempt = lambda world, restart: Outcome(128 + signal.SIGTERM)
     assert ElasticRun(MACHINES, 4, fake.attempt, fake.answering, ElasticPolicy(),
                       io.StringIO()).run() == 128 + signal.SIGTERM
+
+
+def test_only_a_users_signal_ends_the_job_other_high_exit_codes_restart():
+    # mpiexec exits 255 when a host's proxy is gone: a failure, not the user's Ctrl-C
+    fake = Fake([], [{"node0"}])
+    outcomes = [Outcome(255), Outcome(0)]
+    fake.attempt = lambda world, restart: outcomes.pop(0)
+    log = io.StringIO()
+    assert ElasticRun(MACHINES, 4, fake.attempt, fake.answering, ElasticPolicy(),
+                      log).run() == 0
+    assert "the job failed (exit code 255); restart 1 of 3 on 2 ranks" in log.getvalue()
 
 
 def test_machine_faults_parse_with_a_time_or_a_step():
@@ -263,6 +274,29 @@ def test_a_machine_lost_while_a_checkpoint_is_written_resumes_from_the_previous_
     assert proc.returncode == 0, out[-3000:] + err[-3000:]
     assert f"resumed from {tmp_path / 'ckpt'} at step 4" in err
     assert "dropped node1" in err
+    assert_equal_weights(tmp_path / "w.npz", serial)
+    assert processes_mentioning(str(tmp_path)) == []
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+@EMULATED
+def test_a_machine_that_answers_again_is_taken_back_from_the_next_checkpoint(
+        launched, tmp_path, serial):
+    args = elastic(tmp_path, "--max-ranks", "4", faults=("machine node1 down at step 6 for 5s",),
+                   script=["--step-time", "0.2"])
+    result = launched.run(*args, timeout=300)
+    out, err = result.stdout, result.stderr
+    assert result.returncode == 0, out[-3000:] + err[-3000:]
+    assert "restart 1 of 3 on 2 ranks (node0:2), was 4; dropped node1" in err
+    grown = [ln for ln in err.splitlines() if "elastic: machine node1 answers again" in ln]
+    assert len(grown) == 1 and "machine node1 answers again; growing from the checkpoint " \
+        "of step" in grown[0] and "restart 2 of 3 on 4 ranks (node0:2, node1:2), was 2" \
+        in grown[0], err[-3000:]
+    step = int(grown[0].split("checkpoint of step ")[1].split(";")[0])
+    assert f"resumed from {tmp_path / 'ckpt'} at step {step}" in err
+    assert "finished after 2 restarts (world sizes 4 -> 2 -> 4)" in err
+    assert "DONE world=4 step=24" in out
     assert_equal_weights(tmp_path / "w.npz", serial)
     assert processes_mentioning(str(tmp_path)) == []
 

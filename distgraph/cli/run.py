@@ -94,7 +94,7 @@ def _arguments(p) -> None:
     p.add_argument("--min-ranks", type=int, default=1, metavar="K",
                    help="with --elastic: stop when fewer ranks are left (default 1)")
     p.add_argument("--max-ranks", type=int, default=None, metavar="M",
-                   help="with --elastic --emulate: grow back to at most M ranks (and -n) "
+                   help="with --elastic: grow back to at most M ranks (and -n) "
                         "when a lost machine answers again, from the next checkpoint on "
                         "(default: never grow)")
     p.add_argument("script", help="the Python script to run on every rank")

@@ -120,6 +120,15 @@ def test_only_a_users_signal_ends_the_job_other_high_exit_codes_restart():
     assert "the job failed (exit code 255); restart 1 of 3 on 2 ranks" in log.getvalue()
 
 
+def test_a_job_grows_back_only_with_max_ranks_below_it_and_with_a_restart_left():
+    assert not ElasticPolicy().may_grow(4, 2, 1)                      # no --max-ranks
+    assert ElasticPolicy(max_ranks=4).may_grow(4, 2, 1)
+    assert not ElasticPolicy(max_ranks=4).may_grow(4, 4, 1)            # already there
+    assert not ElasticPolicy(max_ranks=2).may_grow(4, 2, 1)            # at --max-ranks
+    assert not ElasticPolicy(max_ranks=8).may_grow(2, 2, 1)            # never above -n
+    assert not ElasticPolicy(max_restarts=1, max_ranks=4).may_grow(4, 2, 1)   # none left
+
+
 def test_machine_faults_parse_with_a_time_or_a_step():
     f = parse_fault("machine node1 down at step 6 for 3s", ["node0", "node1"])
     assert (f.a, f.b, f.machine, f.step, f.duration) == ("node1", None, True, 6, 3.0)

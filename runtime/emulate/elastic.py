@@ -7,8 +7,8 @@ logs), so the Engine plans for what is left. While an attempt runs, the launcher
 its machines' networks every :data:`PROBE_EVERY` seconds (:mod:`.probe`) and reads the
 ranks' status files: a machine that stops answering, or a rank that died or failed,
 stops the attempt at once (without waiting for a communication timeout); whatever is
-left in the machines' namespaces is then killed. With ``grow_to`` (``--max-ranks``), an
-attempt on fewer ranks also probes the machines it left out: once one answers again, the
+left in the machines' namespaces is then killed. With ``--max-ranks``
+(:meth:`ElasticPolicy.may_grow`), an attempt on fewer ranks also probes the machines it left out: once one answers again, the
 attempt is stopped at the next checkpoint its rank 0 reports complete
 (``<status>/0.checkpoint``), and the next attempt, on the machines that answer, resumes
 from it.
@@ -69,9 +69,9 @@ class EmulatedAttempts:
     """Runs the attempts of an elastic job on one :class:`Emulation` (module docstring)."""
 
     def __init__(self, cluster_file, layout, emulation, injector, argv, folder, log,
-                 env=None, log_dir=None, timeout=None, grow_to=None):
+                 env=None, log_dir=None, timeout=None, policy=None):
         self.cluster = Cluster.from_file(cluster_file)
-        self.grow_to = grow_to                   # ranks to grow back to (None: never)
+        self.policy = policy or ElasticPolicy()  # when to grow back
         self.layout, self.emulation, self.injector = layout, emulation, injector
         self.argv, self.folder, self.log = argv, folder, log
         self.env, self.log_dir, self.timeout = env, log_dir, timeout
@@ -149,7 +149,8 @@ class EmulatedAttempts:
                 lost = self._lost(world)
                 if lost:
                     return self._stop(seen, f"machine {', '.join(lost)} stopped answering")
-                if self.grow_to is not None and nprocs < self.grow_to and "back" not in seen:
+                if "back" not in seen and self.policy.may_grow(
+                        sum(m.slots for m in self.machines()), nprocs, restart):
                     self._rejoined(world, status, seen)
             if "back" in seen:
                 saved = read_status(status, 0, "checkpoint")
@@ -193,9 +194,8 @@ def launch_elastic(cluster_file: str, nprocs: int, argv: list[str], policy: Elas
             log.write(layout.describe() + "\n")
             log.flush()
             injector = FaultInjector(emulation, parsed, log).start()
-            grow_to = None if policy.max_ranks is None else min(nprocs, policy.max_ranks)
             attempts = EmulatedAttempts(cluster_file, layout, emulation, injector, argv, tmp,
-                                        log, env, log_dir, timeout, grow_to)
+                                        log, env, log_dir, timeout, policy)
             records = os.path.join(log_dir, "elastic.jsonl") if log_dir else None
             run = ElasticRun(attempts.machines(), nprocs, attempts, attempts.answering, policy,
                              log, records)

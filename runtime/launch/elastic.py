@@ -55,6 +55,14 @@ class ElasticPolicy:
     min_ranks: int = 1
     max_ranks: int | None = None
 
+    def may_grow(self, first: int, ranks: int, restart: int) -> bool:
+        """Whether an attempt on ``ranks`` ranks (after ``restart`` restarts) of a job that
+        began on ``first`` grows back when a machine answers again: only with
+        ``max_ranks``, below it and ``first``, and with a restart left to grow with (a
+        growth is a restart; without one left it would end a healthy job)."""
+        return (self.max_ranks is not None and ranks < min(first, self.max_ranks)
+                and restart < self.max_restarts)
+
     def __post_init__(self):
         if self.max_restarts < 0:
             raise PlanError(f"--max-restarts {self.max_restarts}: give 0 or more")

@@ -9,8 +9,8 @@ attempt runs, a thread asks every :data:`PROBE_EVERY` seconds, and the ranks' st
 files on this host are read: a host that stops answering, or a rank here that died or
 failed, stops the attempt at once. A rank that dies on another host ends the job through
 hydra, as without ``--elastic``; so does a host whose sshd is gone (mpiexec exits 255), and
-the hosts are then asked once for the cause. With ``grow_to`` (``--max-ranks``), an
-attempt on fewer ranks also asks the hosts it left out; once one answers, the attempt
+the hosts are then asked once for the cause. With ``--max-ranks``
+(:meth:`ElasticPolicy.may_grow`), an attempt on fewer ranks also asks the hosts it left out; once one answers, the attempt
 stops after the next checkpoint that rank 0 reports complete (``<status>/0.checkpoint``
 on rank 0's host, read over ssh) and the next one, on the hosts that answer, resumes
 from it.
@@ -44,9 +44,9 @@ class HostAttempts:
     """Runs the attempts of an elastic job on ``assignment``'s hosts."""
 
     def __init__(self, assignment: HostAssignment, argv, log, env=None, log_dir=None,
-                 timeout=None, grow_to=None):
+                 timeout=None, policy=None):
         self.assignment, self.argv, self.log = assignment, argv, log
-        self.grow_to = grow_to                   # ranks to grow back to (None: never)
+        self.policy = policy or ElasticPolicy()  # when to grow back
         self.env = dict(os.environ if env is None else env)
         self.log_dir, self.timeout = log_dir, timeout
         self.launcher = remote.Launcher.from_env(self.env)
@@ -66,7 +66,8 @@ class HostAttempts:
         assignment = HostAssignment(hosts, self.assignment.source)
         seen: dict = {}
         stop = threading.Event()
-        prober = threading.Thread(target=self._probe, args=(world, seen, stop), daemon=True)
+        prober = threading.Thread(target=self._probe, args=(world, restart, seen, stop),
+                                  daemon=True)
         prober.start()
         log_dir = self.log_dir
         if log_dir is not None and restart:
@@ -89,10 +90,11 @@ class HostAttempts:
                 cause = f"host {', '.join(lost)} stopped answering"
         return Outcome(rc, cause if rc != 0 else None, seen.get("detected") or time.time())
 
-    def _probe(self, world, seen: dict, stop: threading.Event) -> None:
+    def _probe(self, world, restart: int, seen: dict, stop: threading.Event) -> None:
         names = [m.name for m in world]
         out = [m.name for m in self.machines() if m.name not in names]
-        grow = self.grow_to is not None and sum(m.slots for m in world) < self.grow_to
+        grow = self.policy.may_grow(self.assignment.nprocs, sum(m.slots for m in world),
+                                    restart)
         while not stop.wait(PROBE_EVERY):
             alive = self.answering(names)
             lost = [h for h in names if h not in alive]
@@ -154,8 +156,7 @@ def launch_elastic_hosts(assignment: HostAssignment | None, argv: list[str],
         raise PlanError("--elastic with --hostfile/--hosts takes no --cluster yet (the "
                         "file would describe machines that may be lost); give --emulate "
                         "FILE, or leave --cluster out")
-    grow_to = None if policy.max_ranks is None else min(assignment.nprocs, policy.max_ranks)
-    attempts = HostAttempts(assignment, argv, log, env, log_dir, timeout, grow_to)
+    attempts = HostAttempts(assignment, argv, log, env, log_dir, timeout, policy)
     records = os.path.join(log_dir, "elastic.jsonl") if log_dir else None
     return ElasticRun(attempts.machines(), assignment.nprocs, attempts, attempts.answering,
                       policy, log, records).run()

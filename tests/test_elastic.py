@@ -1,7 +1,8 @@
 """Elastic training (``distgraph run --elastic``): the loop's policy against fakes, then, on
 an emulated 2 x 2 cluster (root), a machine lost mid-epoch and the job finishing on the 2
-ranks left with the serial run's weights; a machine lost while a checkpoint is written;
-too few ranks left. The emulated tests skip where namespaces cannot be made."""
+ranks left with the serial run's weights (dp x mp, auto_mode="full", a 2-stage pipeline
+that becomes 1 stage); a machine lost while a checkpoint is written; a machine taken back
+from the next checkpoint once it answers again (--max-ranks); too few ranks left. The emulated tests skip where namespaces cannot be made."""
 
 import io
 import json
@@ -108,6 +109,26 @@ def test_a_signal_ends_the_job_without_a_restart():
                       io.StringIO()).run() == 128 + signal.SIGTERM
 
 
+def test_only_a_users_signal_ends_the_job_other_high_exit_codes_restart():
+    # mpiexec exits 255 when a host's proxy is gone: a failure, not the user's Ctrl-C
+    fake = Fake([], [{"node0"}])
+    outcomes = [Outcome(255), Outcome(0)]
+    fake.attempt = lambda world, restart: outcomes.pop(0)
+    log = io.StringIO()
+    assert ElasticRun(MACHINES, 4, fake.attempt, fake.answering, ElasticPolicy(),
+                      log).run() == 0
+    assert "the job failed (exit code 255); restart 1 of 3 on 2 ranks" in log.getvalue()
+
+
+def test_a_job_grows_back_only_with_max_ranks_below_it_and_with_a_restart_left():
+    assert not ElasticPolicy().may_grow(4, 2, 1)                      # no --max-ranks
+    assert ElasticPolicy(max_ranks=4).may_grow(4, 2, 1)
+    assert not ElasticPolicy(max_ranks=4).may_grow(4, 4, 1)            # already there
+    assert not ElasticPolicy(max_ranks=2).may_grow(4, 2, 1)            # at --max-ranks
+    assert not ElasticPolicy(max_ranks=8).may_grow(2, 2, 1)            # never above -n
+    assert not ElasticPolicy(max_restarts=1, max_ranks=4).may_grow(4, 2, 1)   # none left
+
+
 def test_machine_faults_parse_with_a_time_or_a_step():
     f = parse_fault("machine node1 down at step 6 for 3s", ["node0", "node1"])
     assert (f.a, f.b, f.machine, f.step, f.duration) == ("node1", None, True, 6, 3.0)
@@ -209,10 +230,13 @@ def elastic(tmp_path, *extra, faults=("machine node1 down at step 6",), script=(
 @pytest.mark.mpi
 @pytest.mark.slow
 @EMULATED
-@pytest.mark.parametrize("auto", [False, True], ids=["dp-x-mp", "auto-full"])
+@pytest.mark.parametrize("mode", [[], ["--auto"], ["--pipeline"]],
+                         ids=["dp-x-mp", "auto-full", "pipeline-2-stages-to-1"])
 def test_a_machine_lost_mid_epoch_the_job_finishes_on_the_ranks_left(launched, tmp_path,
-                                                                      serial, auto):
-    script = ["--step-time", "0.2"] + (["--auto"] if auto else [])
+                                                                      serial, mode):
+    # --pipeline: 2 stages of a 2-process "mp" mesh each, 2 micro-batches; on the 2 ranks
+    # left the script's rule (world // 2 stages) makes it 1 stage (elastic_gpt.py)
+    script = ["--step-time", "0.2", *mode]
     result = launched.run(*elastic(tmp_path, script=script), timeout=300)
     out, err = result.stdout, result.stderr
     assert result.returncode == 0, out[-3000:] + err[-3000:]
@@ -223,6 +247,10 @@ def test_a_machine_lost_mid_epoch_the_job_finishes_on_the_ranks_left(launched, t
     worlds = {int(s[2]): s[3] for s in steps}              # the last world of each step
     assert sorted(worlds) == list(range(24)) and worlds[23] == "world=2"
     assert "DONE world=2 step=24" in out
+    plans = [ln.split() for ln in out.splitlines() if ln.startswith("PLAN ")]
+    assert [p[1] for p in plans] == ["world=4", "world=2"]
+    if "--pipeline" in mode:
+        assert [p[2] for p in plans] == ["stages=2", "stages=1"]
     assert_equal_weights(tmp_path / "w.npz", serial)
     assert processes_mentioning(str(tmp_path)) == []
     records = [json.loads(ln) for ln in (tmp_path / "logs" / "elastic.jsonl").open()]
@@ -255,6 +283,29 @@ def test_a_machine_lost_while_a_checkpoint_is_written_resumes_from_the_previous_
     assert proc.returncode == 0, out[-3000:] + err[-3000:]
     assert f"resumed from {tmp_path / 'ckpt'} at step 4" in err
     assert "dropped node1" in err
+    assert_equal_weights(tmp_path / "w.npz", serial)
+    assert processes_mentioning(str(tmp_path)) == []
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+@EMULATED
+def test_a_machine_that_answers_again_is_taken_back_from_the_next_checkpoint(
+        launched, tmp_path, serial):
+    args = elastic(tmp_path, "--max-ranks", "4", faults=("machine node1 down at step 6 for 5s",),
+                   script=["--step-time", "0.2"])
+    result = launched.run(*args, timeout=300)
+    out, err = result.stdout, result.stderr
+    assert result.returncode == 0, out[-3000:] + err[-3000:]
+    assert "restart 1 of 3 on 2 ranks (node0:2), was 4; dropped node1" in err
+    grown = [ln for ln in err.splitlines() if "elastic: machine node1 answers again" in ln]
+    assert len(grown) == 1 and "machine node1 answers again; growing from the checkpoint " \
+        "of step" in grown[0] and "restart 2 of 3 on 4 ranks (node0:2, node1:2), was 2" \
+        in grown[0], err[-3000:]
+    step = int(grown[0].split("checkpoint of step ")[1].split(";")[0])
+    assert f"resumed from {tmp_path / 'ckpt'} at step {step}" in err
+    assert "finished after 2 restarts (world sizes 4 -> 2 -> 4)" in err
+    assert "DONE world=4 step=24" in out
     assert_equal_weights(tmp_path / "w.npz", serial)
     assert processes_mentioning(str(tmp_path)) == []
 

@@ -9,8 +9,9 @@ code under test is the ordinary multi-host path. Training equals serial on 2 hos
 ranks; ``--cluster`` places ranks where the rank mapping says; a host that does not
 answer or runs another distgraph version stops the job before any rank starts; the check,
 hydra and the clean-up share one ssh connection per host; a failing rank and SIGTERM
-leave nothing behind on any host, and the logs come back. Debian's
-openssh-server is installed when missing; skipped with the reason where this process
+leave nothing behind on any host, and the logs come back; ``--elastic`` drops a host
+whose sshd is gone and takes it back from the next checkpoint once it answers
+(``--max-ranks``). Debian's openssh-server is installed when missing; skipped with the reason where this process
 cannot create network namespaces or install it.
 """
 
@@ -22,10 +23,12 @@ import signal
 import subprocess
 import sys
 import sysconfig
+import tempfile
 import time
 from importlib.metadata import version
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 
@@ -337,3 +340,91 @@ def test_calibrate_measures_the_links_between_the_hosts(hosts, tmp_path):
         assert [ln.type for ln in machine.links] == ["SHM"]
         assert machine.links[0].bandwidth > 4 * LINK_GBPS, (machine, proc.stdout)
     assert_clean(hosts)
+
+
+# ---- elastic: a host lost mid-run --------------------------------------------------------
+
+@pytest.mark.slow
+def test_elastic_a_host_lost_mid_run_is_dropped_and_the_job_finishes_on_the_other(
+        hosts, tmp_path):
+    from test_elastic import SCRIPT, assert_equal_weights
+    serial = tmp_path / "serial.npz"
+    subprocess.run([sys.executable, SCRIPT, "--out", str(serial)], check=True,
+                   env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True)
+    # the checkpoint and the weights on storage both hosts share (each host's /tmp is its own)
+    shared = Path(tempfile.mkdtemp(prefix="distgraph-elastic-", dir="/var/tmp"))
+    logs = tmp_path / "logs"
+    proc = start(hosts, "run", "-n", 4, "--hostfile", hosts.hostfile(hosts=["node0:2",
+                 "node1:2"]), "--elastic", "--min-ranks", 2, "--log-dir", logs, SCRIPT,
+                 "--ckpt", shared / "ckpt", "--out", shared / "w.npz", "--step-time", 0.2)
+    try:
+        deadline = time.monotonic() + 120
+        while True:               # past the checkpoint of step 4, mid-epoch
+            line = proc.stdout.readline()
+            assert line and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+            if line.startswith("STEP ") and int(line.split()[2]) >= 6:
+                break
+        hosts.stop("node1")
+        out, err = proc.communicate(timeout=240)
+        assert proc.returncode == 0, out[-3000:] + err[-3000:]
+        assert "host node1 stopped answering; restart 1 of 3 on 2 ranks (node0:2), was 4; " \
+            "dropped node1" in err, err
+        assert "finished after 1 restart (world sizes 4 -> 2)" in err, err
+        assert "resumed from" in err and "DONE world=2 step=24" in out, err
+        assert_equal_weights(shared / "w.npz", dict(np.load(serial)))
+        assert_clean(hosts, ("node0",))
+        records = [json.loads(ln) for ln in (logs / "elastic.jsonl").open()]
+        assert [r["world"] for r in records if r["event"] == "start"] == [4, 2]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        shutil.rmtree(shared, ignore_errors=True)
+        hosts.start("node1")          # for the tests after this one
+
+
+@pytest.mark.slow
+def test_elastic_a_host_that_answers_again_is_taken_back_from_the_next_checkpoint(
+        hosts, tmp_path):
+    from test_elastic import SCRIPT, assert_equal_weights
+    serial = tmp_path / "serial.npz"
+    script = ["--epochs", "3", "--step-time", 0.2]       # 36 steps: room to grow back
+    subprocess.run([sys.executable, SCRIPT, "--out", str(serial), *map(str, script)],
+                   check=True, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True)
+    shared = Path(tempfile.mkdtemp(prefix="distgraph-elastic-", dir="/var/tmp"))
+    logs = tmp_path / "logs"
+    proc = start(hosts, "run", "-n", 4, "--hosts", "node0:2,node1:2", "--elastic",
+                 "--min-ranks", 2, "--max-ranks", 4, "--log-dir", logs, SCRIPT,
+                 "--ckpt", shared / "ckpt", "--out", shared / "w.npz", *script)
+    stopped = back = False
+    try:
+        deadline = time.monotonic() + 180
+        for line in proc.stdout:  # node1 goes at step 6; comes back once node0 runs alone
+            assert time.monotonic() < deadline, "no step on the smaller world in time"
+            words = line.split()
+            if not stopped and line.startswith("STEP ") and int(words[2]) >= 6:
+                hosts.stop("node1")
+                stopped = True
+            elif stopped and line.startswith("STEP ") and words[3] == "world=2":
+                hosts.start("node1")
+                back = True
+                break
+        out, err = proc.communicate(timeout=240)
+        assert proc.returncode == 0, out[-3000:] + err[-3000:]
+        assert "host node1 stopped answering; restart 1 of 3 on 2 ranks (node0:2), was 4" \
+            in err, err
+        grown = [ln for ln in err.splitlines() if "elastic: host node1 answers again" in ln]
+        assert len(grown) == 1 and "restart 2 of 3 on 4 ranks (node0:2, node1:2), was 2" \
+            in grown[0], err
+        assert "finished after 2 restarts (world sizes 4 -> 2 -> 4)" in err, err
+        assert "DONE world=4 step=36" in out, out[-2000:]
+        assert_equal_weights(shared / "w.npz", dict(np.load(serial)))
+        assert_clean(hosts, ("node0",))
+        assert hosts.processes("node1") == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        shutil.rmtree(shared, ignore_errors=True)
+        if stopped and not back:
+            hosts.start("node1")      # for the tests after this one

@@ -36,6 +36,7 @@ from distgraph.passes.planner import plan
 from distgraph.program_builder import build_program
 from distgraph.resources.cluster import Cluster
 from distgraph.runtime.launch.context import current as launch_context
+from distgraph.runtime.launch.status import write_status
 from distgraph.strategy import Strategy
 
 __all__ = ["Engine", "History"]
@@ -273,6 +274,10 @@ class Engine:
         if any(p.distributed for p in self._plans.plans().values()):
             self._world()
         checkpoint.save(path, entries, checkpoint_info(self), self._comm)
+        if self._launch.restart is not None and self.rank == 0:
+            # an elastic launcher grows the job from a complete checkpoint (the README's
+            # "Elastic training"): tell it which step this one holds
+            write_status("checkpoint", str(self.global_step))
 
     @checks.collective("Engine.save_pretrained()")
     def save_pretrained(self, path, dtype: str | None = None, max_shard_size="5GB") -> None:

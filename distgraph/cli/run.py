@@ -93,6 +93,10 @@ def _arguments(p) -> None:
                    help="with --elastic: restarts at most (default 3)")
     p.add_argument("--min-ranks", type=int, default=1, metavar="K",
                    help="with --elastic: stop when fewer ranks are left (default 1)")
+    p.add_argument("--max-ranks", type=int, default=None, metavar="M",
+                   help="with --elastic: grow back to at most M ranks (and -n) "
+                        "when a lost machine answers again, from the next checkpoint on "
+                        "(default: never grow)")
     p.add_argument("script", help="the Python script to run on every rank")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
 
@@ -138,7 +142,7 @@ def _run_elastic(args) -> int:
     """``distgraph run --elastic``: on an emulated cluster, or on hosts over ssh."""
     from distgraph.runtime.launch.elastic import ElasticPolicy
 
-    policy = ElasticPolicy(args.max_restarts, args.min_ranks)
+    policy = ElasticPolicy(args.max_restarts, args.min_ranks, args.max_ranks)
     check_launch(args.nprocs, [args.script, *args.args], args.cluster)
     if args.emulate:
         if args.hostfile or args.hosts or args.dry_run:

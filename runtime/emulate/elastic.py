@@ -7,7 +7,11 @@ logs), so the Engine plans for what is left. While an attempt runs, the launcher
 its machines' networks every :data:`PROBE_EVERY` seconds (:mod:`.probe`) and reads the
 ranks' status files: a machine that stops answering, or a rank that died or failed,
 stops the attempt at once (without waiting for a communication timeout); whatever is
-left in the machines' namespaces is then killed.
+left in the machines' namespaces is then killed. With ``--max-ranks``
+(:meth:`ElasticPolicy.may_grow`), an attempt on fewer ranks also probes the machines it left out: once one answers again, the
+attempt is stopped at the next checkpoint its rank 0 reports complete
+(``<status>/0.checkpoint``), and the next attempt, on the machines that answer, resumes
+from it.
 
 Example::
 
@@ -32,7 +36,7 @@ from distgraph.runtime.emulate.probe import answering
 from distgraph.runtime.launch.elastic import ElasticPolicy, ElasticRun, Machine, Outcome
 from distgraph.runtime.launch.launcher import launch
 from distgraph.runtime.launch.progress import last_step
-from distgraph.runtime.launch.status import failure_lines, read_states
+from distgraph.runtime.launch.status import failure_lines, read_states, read_status
 
 PROBE_EVERY = 1.0       # seconds between two probes of a running attempt's machines
 STATES_EVERY = 0.3      # seconds between two reads of its ranks' status files
@@ -65,8 +69,9 @@ class EmulatedAttempts:
     """Runs the attempts of an elastic job on one :class:`Emulation` (module docstring)."""
 
     def __init__(self, cluster_file, layout, emulation, injector, argv, folder, log,
-                 env=None, log_dir=None, timeout=None):
+                 env=None, log_dir=None, timeout=None, policy=None):
         self.cluster = Cluster.from_file(cluster_file)
+        self.policy = policy or ElasticPolicy()  # when to grow back
         self.layout, self.emulation, self.injector = layout, emulation, injector
         self.argv, self.folder, self.log = argv, folder, log
         self.env, self.log_dir, self.timeout = env, log_dir, timeout
@@ -144,9 +149,29 @@ class EmulatedAttempts:
                 lost = self._lost(world)
                 if lost:
                     return self._stop(seen, f"machine {', '.join(lost)} stopped answering")
+                if "back" not in seen and self.policy.may_grow(
+                        sum(m.slots for m in self.machines()), nprocs, restart):
+                    self._rejoined(world, status, seen)
+            if "back" in seen:
+                saved = read_status(status, 0, "checkpoint")
+                if saved is not None and int(saved) > seen["saved"]:
+                    return self._stop(seen, f"machine {', '.join(seen['back'])} answers "
+                                            f"again; growing from the checkpoint of step "
+                                            f"{int(saved)}")
             return None
 
         return watch
+
+    def _rejoined(self, world, status: str, seen: dict) -> None:
+        """Note the machines left out of ``world`` that answer again, and the step of the
+        last checkpoint reported so far: the attempt stops after the next one."""
+        inside = {m.name for m in world}
+        out = [m.hostname for m in self.layout.machines if m.hostname not in inside]
+        back = sorted(self.answering(out)) if out else []
+        if back:
+            seen["back"] = back
+            saved = read_status(status, 0, "checkpoint")
+            seen["saved"] = -1 if saved is None else int(saved)
 
     @staticmethod
     def _stop(seen: dict, cause: str) -> str:
@@ -170,7 +195,7 @@ def launch_elastic(cluster_file: str, nprocs: int, argv: list[str], policy: Elas
             log.flush()
             injector = FaultInjector(emulation, parsed, log).start()
             attempts = EmulatedAttempts(cluster_file, layout, emulation, injector, argv, tmp,
-                                        log, env, log_dir, timeout)
+                                        log, env, log_dir, timeout, policy)
             records = os.path.join(log_dir, "elastic.jsonl") if log_dir else None
             run = ElasticRun(attempts.machines(), nprocs, attempts, attempts.answering, policy,
                              log, records)

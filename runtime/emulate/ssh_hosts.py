@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -191,6 +192,29 @@ class SshHosts:
         return sorted(int(p) for p in out.stdout.split()
                       if p.isdigit() and int(p) != self._servers[hostname].pid)
 
+    def stop(self, hostname: str) -> None:
+        """Host ``hostname`` goes away: every process on it (its sshd, a job's ranks and
+        hydra's proxy) is killed, so that it neither answers over ssh nor runs anything."""
+        namespace = self.layout.machine(hostname).namespace
+        for _ in range(20):         # a process forked while the first were killed
+            out = run_tool(["ip", "netns", "pids", namespace], f"list the processes of "
+                           f"{hostname}")
+            pids = [int(p) for p in out.stdout.split() if p.isdigit()]
+            if not pids:
+                break
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            time.sleep(0.05)
+        self._servers[hostname].wait(timeout=10)
+
+    def start(self, hostname: str) -> None:
+        """Host ``hostname`` (stopped) comes back: its sshd again, answering."""
+        self._start_server(self.layout.machine(hostname))
+        self._wait_ready([hostname])
+
     # ---- making them -----------------------------------------------------------------
     def _path(self, *parts) -> str:
         return os.path.join(self.folder, *parts)
@@ -243,10 +267,11 @@ class SshHosts:
                  *mounts],
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
 
-    def _wait_ready(self) -> None:
-        """Until every host answers ``ssh HOST true`` from the launching host."""
+    def _wait_ready(self, hosts=None) -> None:
+        """Until every host (of ``hosts``) answers ``ssh HOST true`` from the launching
+        host."""
         deadline = time.monotonic() + READY_SECONDS
-        waiting = list(self.hostnames)
+        waiting = list(self.hostnames if hosts is None else hosts)
         while waiting:
             host = waiting[0]
             if self._servers[host].poll() is not None:

@@ -34,12 +34,16 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import time
 from dataclasses import dataclass, field
 
 from distgraph.errors import PlanError
 
-STOPPED_BY_SIGNAL = 128     # an attempt stopped by SIGINT/SIGTERM/SIGHUP ends the job
+# The exit codes of an attempt stopped by SIGINT/SIGTERM/SIGHUP (the user's): they end the
+# job. Other codes above 128 are failures: mpiexec exits with 255 when a host's proxy is gone.
+STOPPED_BY_SIGNAL = frozenset(128 + s for s in (signal.SIGINT, signal.SIGTERM,
+                                                signal.SIGHUP))
 
 
 @dataclass(frozen=True)
@@ -50,6 +54,14 @@ class ElasticPolicy:
     max_restarts: int = 3
     min_ranks: int = 1
     max_ranks: int | None = None
+
+    def may_grow(self, first: int, ranks: int, restart: int) -> bool:
+        """Whether an attempt on ``ranks`` ranks (after ``restart`` restarts) of a job that
+        began on ``first`` grows back when a machine answers again: only with
+        ``max_ranks``, below it and ``first``, and with a restart left to grow with (a
+        growth is a restart; without one left it would end a healthy job)."""
+        return (self.max_ranks is not None and ranks < min(first, self.max_ranks)
+                and restart < self.max_restarts)
 
     def __post_init__(self):
         if self.max_restarts < 0:
@@ -150,7 +162,7 @@ class ElasticRun:
                     self._say(f"finished after {restart} restart{'s' * (restart != 1)} "
                               f"(world sizes {sizes})")
                 return 0
-            if outcome.rc > STOPPED_BY_SIGNAL and outcome.cause is None:
+            if outcome.rc in STOPPED_BY_SIGNAL and outcome.cause is None:
                 return outcome.rc
             cause = outcome.cause or f"the job failed (exit code {outcome.rc})"
             if restart >= self.policy.max_restarts:

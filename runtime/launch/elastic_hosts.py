@@ -8,7 +8,12 @@ job's launcher (ssh in batch mode) within :data:`ANSWER_TIMEOUT` seconds; while 
 attempt runs, a thread asks every :data:`PROBE_EVERY` seconds, and the ranks' status
 files on this host are read: a host that stops answering, or a rank here that died or
 failed, stops the attempt at once. A rank that dies on another host ends the job through
-hydra, as without ``--elastic``.
+hydra, as without ``--elastic``; so does a host whose sshd is gone (mpiexec exits 255), and
+the hosts are then asked once for the cause. With ``--max-ranks``
+(:meth:`ElasticPolicy.may_grow`), an attempt on fewer ranks also asks the hosts it left out; once one answers, the attempt
+stops after the next checkpoint that rank 0 reports complete (``<status>/0.checkpoint``
+on rank 0's host, read over ssh) and the next one, on the hosts that answer, resumes
+from it.
 
 Example::
 
@@ -28,7 +33,7 @@ from distgraph.runtime.launch import remote
 from distgraph.runtime.launch.elastic import ElasticPolicy, ElasticRun, Machine, Outcome
 from distgraph.runtime.launch.hosts import HostAssignment
 from distgraph.runtime.launch.launcher import launch
-from distgraph.runtime.launch.status import failure_lines, read_states
+from distgraph.runtime.launch.status import failure_lines, read_states, read_status
 
 ANSWER_TIMEOUT = 5.0    # seconds a host has to run `true` over ssh
 PROBE_EVERY = 2.0       # seconds between two probes of a running attempt's hosts
@@ -39,8 +44,9 @@ class HostAttempts:
     """Runs the attempts of an elastic job on ``assignment``'s hosts."""
 
     def __init__(self, assignment: HostAssignment, argv, log, env=None, log_dir=None,
-                 timeout=None):
+                 timeout=None, policy=None):
         self.assignment, self.argv, self.log = assignment, argv, log
+        self.policy = policy or ElasticPolicy()  # when to grow back
         self.env = dict(os.environ if env is None else env)
         self.log_dir, self.timeout = log_dir, timeout
         self.launcher = remote.Launcher.from_env(self.env)
@@ -60,8 +66,8 @@ class HostAttempts:
         assignment = HostAssignment(hosts, self.assignment.source)
         seen: dict = {}
         stop = threading.Event()
-        prober = threading.Thread(target=self._probe, args=([m.name for m in world], seen,
-                                                            stop), daemon=True)
+        prober = threading.Thread(target=self._probe, args=(world, restart, seen, stop),
+                                  daemon=True)
         prober.start()
         log_dir = self.log_dir
         if log_dir is not None and restart:
@@ -75,20 +81,55 @@ class HostAttempts:
             stop.set()
             prober.join()
         cause = seen.get("cause")
+        if rc != 0 and cause is None:
+            # hydra may see a host's proxy go before the prober sees the host: ask now
+            names = [m.name for m in world]
+            alive = self.answering(names)
+            lost = [h for h in names if h not in alive]
+            if lost:
+                cause = f"host {', '.join(lost)} stopped answering"
         return Outcome(rc, cause if rc != 0 else None, seen.get("detected") or time.time())
 
-    def _probe(self, names, seen: dict, stop: threading.Event) -> None:
+    def _probe(self, world, restart: int, seen: dict, stop: threading.Event) -> None:
+        names = [m.name for m in world]
+        out = [m.name for m in self.machines() if m.name not in names]
+        grow = self.policy.may_grow(self.assignment.nprocs, sum(m.slots for m in world),
+                                    restart)
         while not stop.wait(PROBE_EVERY):
-            lost = [h for h in names if h not in self.answering(names)]
+            alive = self.answering(names)
+            lost = [h for h in names if h not in alive]
             if lost:
-                seen["lost"] = f"host {', '.join(lost)} stopped answering"
+                seen["stop"] = f"host {', '.join(lost)} stopped answering"
                 return
+            if not grow or "status" not in seen:
+                continue
+            if "back" not in seen:
+                back = sorted(self.answering(out)) if out else []
+                if back:
+                    seen["back"], seen["saved"] = back, self._saved(names[0], seen["status"])
+                continue
+            saved = self._saved(names[0], seen["status"])
+            if saved > seen["saved"]:
+                seen["stop"] = (f"host {', '.join(seen['back'])} answers again; growing from "
+                                f"the checkpoint of step {saved}")
+                return
+
+    def _saved(self, host: str, status: str) -> int:
+        """The step of the last checkpoint rank 0 (on ``host``) reported complete; -1."""
+        path = os.path.join(status, "0.checkpoint")
+        if remote.is_local(host):
+            text = read_status(status, 0, "checkpoint")
+        else:
+            answer = remote.run_everywhere(self.launcher, {host: ["cat", path]},
+                                           ANSWER_TIMEOUT)[host]
+            text = answer.stdout.decode(errors="replace") if answer.returncode == 0 else None
+        return int(text) if text and text.strip().isdigit() else -1
 
     def _watch(self, nprocs: int, seen: dict):
         clock = {"states": time.monotonic()}
 
         def watch():
-            cause = seen.get("lost")
+            cause = seen.get("stop")
             status, now = seen.get("status"), time.monotonic()
             if cause is None and status is not None and now - clock["states"] >= STATES_EVERY:
                 clock["states"] = now
@@ -115,7 +156,7 @@ def launch_elastic_hosts(assignment: HostAssignment | None, argv: list[str],
         raise PlanError("--elastic with --hostfile/--hosts takes no --cluster yet (the "
                         "file would describe machines that may be lost); give --emulate "
                         "FILE, or leave --cluster out")
-    attempts = HostAttempts(assignment, argv, log, env, log_dir, timeout)
+    attempts = HostAttempts(assignment, argv, log, env, log_dir, timeout, policy)
     records = os.path.join(log_dir, "elastic.jsonl") if log_dir else None
     return ElasticRun(attempts.machines(), assignment.nprocs, attempts, attempts.answering,
                       policy, log, records).run()

@@ -19,10 +19,16 @@ The micro-batch count is given, as Megatron gives it: ``--micro-batches 192`` is
 Megatron's micro-batch of one sequence per data-parallel replica at dp = 8; with it a
 micro-batch is 8 sequences, split by the search.
 
+With ``--engine`` the model goes through ``Engine.prepare`` as a user's script gives it
+(``dg.Engine(model, CrossEntropyLoss(), AdamW, cluster=..., strategy=Strategy(
+auto_mode="full", pipeline=True, micro_batches=M, recompute=True, search=...))``): the
+same program and plan, and rank 0's process program compiled too. Strategy has no
+field that lets the search choose the micro-batch count: M is given here as well.
+
 Run::
 
     python bench/plan_gpt3.py [--micro-batches 192] [--layers 96] [--search auto|ilp|recursive]
-                              [--json OUT]
+                              [--engine] [--json OUT]
 
 Timings on a shared 2-core machine are noisy: CPU seconds are printed beside wall.
 """
@@ -34,7 +40,7 @@ import json
 import time
 
 import distgraph as dg
-from gpt_scale import DGX_FILE, degrees, gpt, model_flops, program
+from gpt_scale import DGX_FILE, SEQ, degrees, gpt, model_flops, program
 
 BATCH, HIDDEN, HEADS, PUBLISHED = 1536, 12288, 96, 140.0
 
@@ -48,20 +54,32 @@ def main() -> None:
                         help="seconds per intra-op search")
     parser.add_argument("--search", choices=dg.strategy.SEARCHES, default="auto",
                         help="who chooses the layouts (Strategy.search)")
+    parser.add_argument("--engine", action="store_true",
+                        help="plan through Engine.prepare, as a user's script does")
     parser.add_argument("--json", help="write the figures to this file")
     args = parser.parse_args()
     wall, cpu = time.perf_counter(), time.process_time()
     cluster = dg.Cluster.from_file(args.cluster)
     gpus = len(cluster.devices)
     loaded = time.perf_counter() - wall
-    built = program(gpt(args.layers, HIDDEN, HEADS), BATCH)
-    build_s = time.perf_counter() - wall - loaded
     strategy = dg.Strategy(auto_mode="full", pipeline=True, micro_batches=args.micro_batches,
                            recompute=True, solver_time_limit=args.time_limit,
                            search=args.search)
-    start = time.perf_counter()
-    plan = dg.passes.plan(built, strategy, cluster, ranks=())   # planned, not run
-    plan_s = time.perf_counter() - start
+    if args.engine:
+        engine = dg.Engine(gpt(args.layers, HIDDEN, HEADS), dg.nn.CrossEntropyLoss(),
+                           dg.optim.AdamW(1e-4), cluster=cluster, strategy=strategy)
+        start = time.perf_counter()
+        plan = engine.prepare([dg.InputSpec([BATCH, SEQ], "int64", "tokens")],
+                              [dg.InputSpec([BATCH, SEQ], "int64", "labels")])
+        build_s, plan_s = 0.0, time.perf_counter() - start     # building is in prepare
+        ops = len(plan.built.program.ops)
+    else:
+        built = program(gpt(args.layers, HIDDEN, HEADS), BATCH)
+        build_s = time.perf_counter() - wall - loaded
+        ops = len(built.program.ops)
+        start = time.perf_counter()
+        plan = dg.passes.plan(built, strategy, cluster, ranks=())   # planned, not run
+        plan_s = time.perf_counter() - start
     total_wall, total_cpu = time.perf_counter() - wall, time.process_time() - cpu
     est, search = plan.estimate, plan.search
     d = degrees(plan)
@@ -70,7 +88,8 @@ def main() -> None:
     peak = max(p.peak_memory for p in est.processes) / 1e9
     rows = BATCH // args.micro_batches
     print(f"GPT-3 {args.layers} layers on {gpus} GPUs ({cluster.name}); training program of "
-          f"{len(built.program.ops)} ops; search={args.search!r}")
+          f"{ops} ops; search={args.search!r}"
+          + ("; through Engine.prepare (ops counted after planning)" if args.engine else ""))
     print(f"planned in {total_wall:.1f} s wall, {total_cpu:.1f} s CPU (target < 300 s, "
           f"moonshot < 60 s): cluster file {loaded:.1f} s, program {build_s:.1f} s, plan "
           f"{plan_s:.1f} s of which stage search {search.seconds:.1f} s "
@@ -91,6 +110,7 @@ def main() -> None:
                        "degrees": d, "micro_batches": args.micro_batches,
                        "step_time": est.step_time, "tflops_per_gpu": tflops,
                        "peak_gb": peak, "search_s": search.seconds, "search": args.search,
+                       "engine": args.engine,
                        "searches": search.searches}, f, indent=2)
 
 

@@ -3,16 +3,22 @@ general stage DP (passes/search/stage_dp.py, itself checked against brute force)
 same costs: the same optimum, whatever the parts' times and memories."""
 
 import itertools
+import math
+import os
+import sys
 
 import numpy as np
 import pytest
 
 from distgraph.errors import PlanError
-from distgraph.passes.search.run_dp import plan_runs
+from distgraph.passes.search.run_dp import beats, plan_runs
 from distgraph.passes.search.runs import PartCost, RunOption
 from distgraph.passes.search.space import GB
 from distgraph.passes.search.stage_dp import StageCost, Submesh, plan_stages
 from distgraph.resources.cluster import Cluster, Device, Link, Machine
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import run_dp_reference as reference  # noqa: E402
 
 
 def cluster_of(rows, cols, memory):
@@ -86,3 +92,81 @@ def test_run_dp_equals_the_general_dp(seed, ends):
     for stage, option in zip(plan.stages, chosen):
         assert stage.shape == option.sub.shape
         assert stage.memory <= cluster.devices[0].memory + 1e-9
+
+
+def two_kind_cluster(rng, shape_a, shape_b):
+    """Machines of two GPU models, so two device meshes (one per model)."""
+    machines, firsts = [], []
+    for m, (model, cols, memory) in enumerate(
+            [("a", shape_a[1], 2.0)] * shape_a[0] + [("b", shape_b[1], 1.5)] * shape_b[0]):
+        base = sum(len(x.devices) for x in machines)
+        devs = tuple(Device(base + j, j, m, "GPU", model, {"float32": 100.0},
+                            memory * float(rng.uniform(0.8, 1.2)) if j == 0 else memory)
+                     for j in range(cols))
+        links = tuple(Link(a.global_id, b.global_id, 100, 1)
+                      for a, b in itertools.combinations(devs, 2))
+        machines.append(Machine(m, f"h{m}", devs, links))
+        firsts.append(base)
+    return Cluster(tuple(machines), tuple(Link(a, b, 10, 5) for a, b in
+                                          itertools.pairwise(firsts)))
+
+
+def variant_options(rng, cluster, parts):
+    """Per device mesh and submesh, two or three logical shapes / memory variants:
+    options that trade time for memory, as RunCosts offers them."""
+    options = []
+    for axis, mesh in enumerate(cluster.device_meshes):
+        rows, cols = (1, mesh.shape[0]) if len(mesh.shape) == 1 else mesh.shape
+        shapes = [(n, cols) for n in range(1, rows + 1) if rows % n == 0]
+        if rows == 1:
+            shapes = [(1, m) for m in (1, 2, 4) if m < cols and cols % m == 0] + shapes
+        for shape in shapes:
+            size = shape[0] * shape[1]
+            for variant in range(int(rng.integers(2, 4))):
+                speed = size ** rng.uniform(0.5, 1.0) / (1 + 0.3 * variant)
+                split = size * 2 ** variant
+
+                def part(scale):
+                    return (PartCost(scale * rng.uniform(0.5, 1.5) / speed,
+                                     GB * scale * rng.uniform(0, 1.0) * 2 / split,
+                                     GB * scale * rng.uniform(0, 0.5) / size,
+                                     GB * scale * rng.uniform(0, 0.3)), None)
+                found = {name: part(scale) for name, scale in parts.items()}
+                options.append(RunOption(axis, Submesh(mesh, shape,
+                                                       cluster.device(mesh.ids[0])),
+                                         (size, variant + 1), found))
+    return options
+
+
+@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("fit_memory", [True, False])
+def test_run_dp_equals_its_previous_implementation(seed, fit_memory):
+    """The vectorised DP returns the plan the previous one returned (run_dp_reference):
+    the same stages, objective, caps solved and options, on one and two device meshes;
+    and ``beats`` answers whether that objective lies below a latency."""
+    rng = np.random.default_rng(100 + seed)
+    if seed % 2:
+        cluster = two_kind_cluster(rng, *[((2, 4), (1, 4)), ((1, 4), (2, 2)),
+                                          ((4, 2), (1, 2))][seed % 3])
+    else:
+        cluster = cluster_of(*[(1, 8), (4, 4), (8, 2)][seed % 3],
+                             memory=float(rng.uniform(1.0, 3.0)))
+    n = int(rng.integers(5, 13))
+    first, last = seed % 4 != 3, seed % 3 != 2
+    parts = {"block": 1.0, **({"first": 0.4} if first else {}), **({"last": 0.7} if last else {})}
+    options = variant_options(rng, cluster, parts)
+    count, blocks = n + first + last, range(int(first), int(first) + n)
+    B = int(rng.integers(1, 17))
+    args = (count, blocks, options, cluster, B, fit_memory)
+    try:
+        old, old_chosen = reference.plan_runs(*args)
+    except PlanError:
+        with pytest.raises(PlanError):
+            plan_runs(*args)
+        assert not beats(math.inf, *args)
+        return
+    plan, chosen = plan_runs(*args)
+    assert plan == old                      # stages, objective and dp_runs, exactly
+    assert [options.index(o) for o in chosen] == [options.index(o) for o in old_chosen]
+    assert beats(old.objective * (1 + 1e-9), *args)
+    assert not beats(old.objective, *args)

@@ -10,12 +10,15 @@ with ``s`` micro-batches in flight, within the device's), so
     F(s, k, d) = min over options o of  min_{k < j <= k + w} ( j t_o + F(s-1, j, d - size_o) ) - k t_o
 
 for a stage of blocks only: a sliding-window minimum over the stage's end ``j``, taken
-for every device count ``d`` at once (van Herk / Gil-Werman: two passes of running
-minima per window length). Stages with E or H are single terms. Device counts are kept
+for every device count ``d`` at once (by doubling: about log2 w elementwise minima of
+whole tables). Stages with E or H are single terms. The tables keep one axis per device
+mesh, so taking an option's devices is a view, not a copy; how many blocks an option
+may hold is computed per cap for every stage count at once. Device counts are kept
 in units of the greatest common divisor of the option sizes on each device mesh. The
 caps are bisected as in :class:`~distgraph.passes.search.stage_dp._Search`, and the
 objective ``sum t + (B - 1) max t`` is the same; :func:`plan_runs` equals
-:func:`~distgraph.passes.search.stage_dp.plan_stages` given the same costs (a test).
+:func:`~distgraph.passes.search.stage_dp.plan_stages` given the same costs (a test),
+and returns the plan its previous, unvectorised form returned (tests/run_dp_reference.py).
 
 Example::
 
@@ -29,7 +32,7 @@ import math
 import numpy as np
 
 from distgraph.errors import PlanError
-from distgraph.passes.search.stage_dp import _place, _Search, _shift
+from distgraph.passes.search.stage_dp import _place, _Search
 
 
 class _Run:
@@ -51,29 +54,43 @@ class _Run:
         m = len(range(max(k, self.blocks.start), min(i + 1, self.blocks.stop)))
         return tuple(float(x) for x in self.table[first, last][m])
 
-    def fits(self, k: int, i: int, s: int, cap: float) -> bool:
-        """Whether layers k..i fit here within ``cap`` with ``s`` micro-batches in flight."""
-        first, last = k < self.blocks.start, i >= self.blocks.stop
-        m = len(range(max(k, self.blocks.start), min(i + 1, self.blocks.stop)))
-        return (m >= 1 or first or last) and m <= self.most(first, last, s, cap)
+    def reach(self, stages: int, cap: float) -> dict:
+        """{(E?, H?): the most blocks such a stage may hold within ``cap`` with ``s``
+        micro-batches in flight, at index ``s`` for s = 0 .. ``stages``} (-1: none)."""
+        out = {}
+        s = np.arange(0, stages + 1)[:, None]
+        for (first, last), t in self.table.items():
+            ok = (t[:, 0] <= cap) & (t[:, 1] + (s - 1) * t[:, 2] <= self.limit)
+            # costs grow with the blocks: the feasible counts are a prefix (from 0 or 1)
+            start = 0 if (first or last) else 1
+            bad = ~ok[:, start:]
+            top = np.where(bad.any(axis=1), bad.argmax(axis=1), len(t) - start) + start - 1
+            out[first, last] = np.where(top >= start, top, -1)
+        return out
 
-    def most(self, first: bool, last: bool, s: int, cap: float) -> int:
-        """The most blocks a stage with (E?, H?) may hold here within ``cap`` and the
-        memory of ``s`` micro-batches in flight; -1 when none (not even 0) fits."""
-        t = self.table[first, last]
-        ok = (t[:, 0] <= cap) & (t[:, 1] + (s - 1) * t[:, 2] <= self.limit)
-        if not (first or last):
-            ok[0] = False                # a stage holds at least one layer
-        bad = np.flatnonzero(~ok)
-        # costs grow with the blocks: the feasible counts are a prefix (from 0 or 1)
-        start = 0 if (first or last) else 1
-        after = bad[bad >= start]
-        top = (after[0] if after.size else len(t)) - 1
-        return top if top >= start else -1
+    def times(self, k: int, s: int, reach: dict) -> np.ndarray:
+        """Seconds of layers k..i here for i = k .. count-1, inf where they do not fit
+        with ``s`` micro-batches in flight (``reach``: :meth:`reach` at the cap)."""
+        b0, b1 = self.blocks.start, self.blocks.stop
+        i = np.arange(k, self.count)
+        first = k < b0
+        m = np.maximum(np.minimum(i + 1, b1) - max(k, b0), 0)
+        out = np.full(i.shape, np.inf)
+        for last in (False, True):
+            here = (i >= b1) == last
+            if not here.any():
+                continue
+            most = reach[first, last][s]
+            ok = here & (m <= most) & ((m >= 1) | first | last)
+            out[ok] = self.table[first, last][m[ok], 0]
+        return out
 
 
 class _RunSearch(_Search):
-    """The DP of the module docstring (same bisection over caps as the generic one)."""
+    """The DP of the module docstring (same bisection over caps as the generic one).
+    The tables keep the device counts as axes (``(L + 1,) + dims``): a stage of ``size``
+    units on mesh ``a`` reads the previous table shifted by ``size`` along axis ``1 + a``,
+    a view, and the stages' windows are running minima by doubling."""
 
     def __init__(self, count, blocks, runs, capacities, B):
         self.L, self.blocks, self.options, self.B = count, blocks, runs, B
@@ -86,70 +103,76 @@ class _RunSearch(_Search):
 
     def solve_cap(self, cap: float):
         self.runs += 1
-        L, R = self.L, math.prod(self.dims)
-        F = np.full((L + 1, R), np.inf)
-        F[L, 0] = 0.0
-        full = np.ravel_multi_index(tuple(self.caps), self.dims)
+        F = np.full((self.L + 1,) + self.dims, np.inf)
+        F[(self.L,) + (0,) * len(self.dims)] = 0.0
+        full = (0,) + tuple(self.caps)
+        reach = [r.reach(self.max_stages, cap) for r in self.options]
         tables, best, best_s = [F], math.inf, None
         for s in range(1, self.max_stages + 1):
-            G = np.full((L + 1, R), np.inf)
-            prev = F.reshape((L + 1,) + self.dims)
-            for r in self.options:
-                H = _shift(prev, 1 + r.axis, r.size).reshape(L + 1, R)
-                self._relax(G, H, r, s, cap)
+            G = np.full_like(F, np.inf)
+            for r, most in zip(self.options, reach):
+                self._relax(G, F, r, {key: int(v[s]) for key, v in most.items()})
             tables.append(G)
             F = G
-            if G[0, full] < best:
-                best, best_s = float(G[0, full]), s
+            if G[full] < best:
+                best, best_s = float(G[full]), s
             if not np.isfinite(G).any():
                 break
         if best_s is None:
             return math.inf, None
-        return best, self._walk(tables, best_s, cap)
+        return best, self._walk(tables, best_s, reach)
 
-    def _relax(self, G, H, r, s, cap) -> None:
-        """G[k] = min(G[k], the best stage of option r starting at k, then H)."""
+    def _relax(self, G, F, r, most) -> None:
+        """G[k] = min(G[k], the best stage of option r starting at k, then F): ``H`` is
+        F with r's units taken (a view), ``Gv`` the part of G with room for them."""
         b0, b1, L = self.blocks.start, self.blocks.stop, self.L
-        first, last = b0 > 0, b1 < L
-        tb = r.table[False, False][1, 0] if b1 > b0 else 0.0
-        w = r.most(False, False, s, cap)
-        if w >= 1:                                  # blocks only: k..j-1 in [b0, b1)
-            A = np.full((L + 1, H.shape[1]), np.inf)
+        axis, n = 1 + r.axis, self.dims[r.axis]
+        if r.size >= n:
+            return
+        src, dst = [slice(None)] * F.ndim, [slice(None)] * F.ndim
+        src[axis], dst[axis] = slice(0, n - r.size), slice(r.size, None)
+        H, Gv = F[tuple(src)], G[tuple(dst)]
+        col = (-1,) + (1,) * (F.ndim - 1)            # a vector along the layers
+        w = most[False, False]
+        if w >= 1 and b1 > b0:                      # blocks only: k..j-1 in [b0, b1)
+            tb = r.table[False, False][1, 0]
             j = np.arange(b0 + 1, b1 + 1)
-            A[j] = j[:, None] * tb + H[j]
-            window = _window_min(A, w)              # window[lo] = min A[lo .. lo+w-1]
+            window = _window_min(j.reshape(col) * tb + H[b0 + 1:b1 + 1], w)
             k = np.arange(b0, b1)
-            G[k] = np.minimum(G[k], window[k + 1] - k[:, None] * tb)
-        if last:                                    # blocks k..b1-1, then H
-            w = r.most(False, True, s, cap)
-            for k in range(max(b0, b1 - w), b1 + 1) if w >= 0 else ():
-                G[k] = np.minimum(G[k], r.table[False, True][b1 - k, 0] + H[L])
-        if first:                                   # E, blocks b0..i
-            w = r.most(True, False, s, cap)
-            for m in range(0, min(w, b1 - b0) + 1) if w >= 0 else ():
-                G[0] = np.minimum(G[0], r.table[True, False][m, 0] + H[b0 + m])
-            if last and r.most(True, True, s, cap) >= b1 - b0:
-                G[0] = np.minimum(G[0], r.table[True, True][b1 - b0, 0] + H[L])
+            np.minimum(Gv[b0:b1], window - k.reshape(col) * tb, out=Gv[b0:b1])
+        if b1 < L:                                  # blocks k..b1-1, then H
+            w = most[False, True]
+            if w >= 0:
+                lo = max(b0, b1 - w)
+                t = r.table[False, True][b1 - np.arange(lo, b1 + 1), 0]
+                np.minimum(Gv[lo:b1 + 1], t.reshape(col) + H[L], out=Gv[lo:b1 + 1])
+        if b0 > 0:                                  # E, blocks b0..i
+            w = most[True, False]
+            if w >= 0:
+                m = min(w, b1 - b0)
+                t = r.table[True, False][:m + 1, 0]
+                np.minimum(Gv[0], (t.reshape(col) + H[b0:b0 + m + 1]).min(axis=0),
+                           out=Gv[0])
+            if b1 < L and most[True, True] >= b1 - b0:
+                np.minimum(Gv[0], r.table[True, True][b1 - b0, 0] + H[L], out=Gv[0])
 
-    def _walk(self, tables, s, cap):
-        """The stages of the best plan in ``s`` stages, recomputed from the tables."""
+    def _walk(self, tables, s, reach):
+        """The stages of the best plan in ``s`` stages, recomputed from the tables: at
+        each start the first (option, end) in order that reaches the least total."""
         stages, k, state = [], 0, list(self.caps)
-        L = self.L
         while s:
-            prev = tables[s - 1].reshape((L + 1,) + self.dims)
+            prev = tables[s - 1]
             found = None
             for n, r in enumerate(self.options):
                 if state[r.axis] < r.size:
                     continue
                 after = list(state)
                 after[r.axis] -= r.size
-                rest = prev[(slice(None),) + tuple(after)]
-                for i in range(k, L):
-                    if not r.fits(k, i, s, cap):
-                        continue
-                    value = r.at(k, i)[0] + rest[i + 1]
-                    if math.isfinite(value) and (found is None or value < found[0]):
-                        found = (value, i, n)
+                rest = prev[(slice(k + 1, None),) + tuple(after)]
+                value = r.times(k, s, reach[n]) + rest
+                i = int(np.argmin(value))
+                if math.isfinite(value[i]) and (found is None or value[i] < found[0]):
+                    found = (float(value[i]), k + i, n)
             if found is None:
                 raise PlanError("the stage DP found a plan but could not retrace it")
             _, i, n = found
@@ -164,16 +187,17 @@ class _RunSearch(_Search):
 
 
 def _window_min(A: np.ndarray, w: int) -> np.ndarray:
-    """out[lo] = min(A[lo : lo + w]) along axis 0 (rows past the end count as inf)."""
+    """out[q] = min(A[q : q + w]) along axis 0 (the window cut at the end), by doubling:
+    minima over 1, 2, 4 .. p <= w rows, then two overlapping windows of p rows."""
     n = A.shape[0]
-    blocks = -(-(n + w) // w)
-    pad = np.full((blocks * w,) + A.shape[1:], np.inf)
-    pad[:n] = A
-    shaped = pad.reshape((blocks, w) + A.shape[1:])
-    prefix = np.minimum.accumulate(shaped, axis=1).reshape(pad.shape)
-    suffix = np.minimum.accumulate(shaped[:, ::-1], axis=1)[:, ::-1].reshape(pad.shape)
-    lo = np.arange(n)
-    return np.minimum(suffix[lo], prefix[lo + w - 1])
+    w = min(w, n)
+    out, p = A, 1
+    while p < w:
+        step = min(p, w - p)        # p, 2p, 4p .. then the last, overlapping step
+        nxt = out.copy()
+        np.minimum(out[:n - step], out[step:], out=nxt[:n - step])
+        out, p = nxt, p + step
+    return out
 
 
 def plan_runs(count: int, blocks: range, options: list, cluster,
@@ -183,17 +207,7 @@ def plan_runs(count: int, blocks: range, options: list, cluster,
     RunOption`, each with ``cost(first, blocks, last)``) of ``cluster``'s device meshes;
     see the module docstring. Without ``fit_memory`` the devices' memory is not a
     limit (a lower bound on the latency of options that only save memory)."""
-    meshes = list(cluster.device_meshes)
-    units, capacities, limits = [], [], []
-    for axis, mesh in enumerate(meshes):
-        sizes = [o.sub.size for o in options if o.axis == axis]
-        unit = math.gcd(*sizes, mesh.size) if sizes else mesh.size
-        units.append(unit)
-        capacities.append(mesh.size // unit)
-        limits.append(min(cluster.device(i).memory for i in mesh.ids) if fit_memory
-                      else math.inf)
-    runs = [_Run(o, count, blocks, limits[o.axis], units[o.axis]) for o in options]
-    search = _RunSearch(count, blocks, runs, capacities, micro_batches)
+    runs, search = _setup(count, blocks, options, cluster, micro_batches, fit_memory)
     best = search.run()
     if best is None:
         raise PlanError(f"no split of {count} layers ({len(blocks)} identical blocks) into "
@@ -201,5 +215,36 @@ def plan_runs(count: int, blocks: range, options: list, cluster,
                         f"in flight) while covering every device; use devices with more "
                         f"memory, recomputation (Strategy(recompute=True)), or fewer "
                         f"micro-batches in flight")
-    plan = _place([(k, i, runs[n]) for k, i, n in best], meshes, micro_batches, search.runs)
+    plan = _place([(k, i, runs[n]) for k, i, n in best], list(cluster.device_meshes),
+                  micro_batches, search.runs)
     return plan, tuple(runs[n].option for _, _, n in best)
+
+
+def beats(latency: float, count: int, blocks: range, options: list, cluster,
+          micro_batches: int = 1, fit_memory: bool = True) -> bool:
+    """Whether :func:`plan_runs` with these arguments would find a plan of objective
+    below ``latency`` (False where it finds none): the same search, its caps pruned by
+    ``latency`` from the start, so it solves fewer of them.
+
+    Example::
+
+        plan, _ = plan_runs(count, blocks, options, cluster, 8)
+        beats(plan.objective, count, blocks, options, cluster, 8, fit_memory=False)
+    """
+    _, search = _setup(count, blocks, options, cluster, micro_batches, fit_memory)
+    return search.run(below=latency) is not None
+
+
+def _setup(count, blocks, options, cluster, micro_batches, fit_memory) -> tuple:
+    """(the options as the DP sees them, the search): device counts in units of the
+    greatest common divisor of the option sizes on each mesh."""
+    units, capacities, limits = [], [], []
+    for axis, mesh in enumerate(cluster.device_meshes):
+        sizes = [o.sub.size for o in options if o.axis == axis]
+        unit = math.gcd(*sizes, mesh.size) if sizes else mesh.size
+        units.append(unit)
+        capacities.append(mesh.size // unit)
+        limits.append(min(cluster.device(i).memory for i in mesh.ids) if fit_memory
+                      else math.inf)
+    runs = [_Run(o, count, blocks, limits[o.axis], units[o.axis]) for o in options]
+    return runs, _RunSearch(count, blocks, runs, capacities, micro_batches)

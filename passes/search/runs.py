@@ -75,7 +75,7 @@ from distgraph.ir import Role
 from distgraph.mesh import ProcessMesh
 from distgraph.passes.search.intra_op import Boundary, price, search
 from distgraph.passes.search.layers import FORWARD
-from distgraph.passes.search.run_dp import plan_runs
+from distgraph.passes.search.run_dp import beats, plan_runs
 from distgraph.passes.search.space import GB, MESH_DIMS
 from distgraph.passes.search.stage_dp import Submesh
 
@@ -470,11 +470,9 @@ def plan_blocks(costs: RunCosts, cluster, micro_batches: int = 1) -> tuple:
         plan = plan_runs(count, blocks, fastest, cluster, micro_batches)
     except PlanError:               # nothing fits: the variants may
         plan = None
-    if plan is not None:
-        free, _ = plan_runs(count, blocks, fastest, cluster, micro_batches,
-                            fit_memory=False)
-        if not free.objective < plan[0].objective:
-            return plan
+    if plan is not None and not beats(plan[0].objective, count, blocks, fastest, cluster,
+                                      micro_batches, fit_memory=False):
+        return plan
     return plan_runs(count, blocks, costs.options(variants=True), cluster, micro_batches)
 
 

@@ -293,12 +293,15 @@ class _Search:
         times = [self.options[n].at(k, i)[0] for k, i, n in stages]
         return float(sum(times) + (self.B - 1) * max(times))
 
-    def run(self):
+    def run(self, below: float = math.inf):
+        """The stages of the least objective, or None when none fits; with ``below``,
+        only a plan whose objective is below it (None when there is none), which
+        prunes the caps from the start."""
         caps = self.caps_sorted
         if caps.size == 0:
             return None
         found: dict[int, float] = {}
-        best = [math.inf, None]
+        best = [below, None]
 
         def at(j):
             if j not in found:
@@ -312,6 +315,8 @@ class _Search:
         if math.isinf(at(hi)):
             return None
         lo_bad, lo = -1, hi                  # feasibility only grows with the cap
+        if math.isfinite(below):            # the bound prunes infeasible caps too
+            lo = lo_bad
         while lo - lo_bad > 1:
             mid = (lo_bad + lo) // 2
             if math.isinf(at(mid)):

@@ -157,8 +157,11 @@ def _plan_runs(copy, strategy, cluster, target, layering, micro, start) -> Pipel
     costs = RunCosts(copy, strategy, cluster, layering, micro)
     stage_plan, chosen = plan_blocks(costs, target, micro_batches=micro)
     if strategy.search == "auto":       # the ILP refines the chosen stages only
-        refined: dict = {}
-        chosen = [refined.setdefault(id(o), costs.refine(o)) for o in chosen]
+        refined: dict = {}      # an option chosen for several stages is refined once
+        for o in chosen:
+            if id(o) not in refined:
+                refined[id(o)] = costs.refine(o)
+        chosen = [refined[id(o)] for o in chosen]
     index = {d.global_id: p for p, d in enumerate(cluster.devices)}
     reports, checks = [], []
     for stage, option in zip(stage_plan.stages, chosen):

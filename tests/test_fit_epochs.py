@@ -13,19 +13,10 @@ import pytest
 import distgraph as dg
 
 sys.path.insert(0, str(Path(__file__).parent))
+from test_lr import Rows  # noqa: E402
 from user_scripts import run_user, with_prelude  # noqa: E402
 
 
-class Rows:
-    def __init__(self, n=12, seed=0):
-        rng = np.random.default_rng(seed)
-        self.x, self.y = rng.normal(size=(n, 3)), rng.normal(size=(n, 2))
-
-    def __len__(self):
-        return len(self.x)
-
-    def __getitem__(self, i):
-        return self.x[i], self.y[i]
 
 
 def engine():

@@ -37,7 +37,8 @@ torch = L.torch
 
 
 class _WithLoss(dg.nn.Layer):
-    """The model and the mean cross-entropy of its logits against ``labels``."""
+    """The model and its training loss: the mean cross-entropy of its logits against
+    ``labels``, plus its auxiliary loss when it has one (as build_program adds it)."""
 
     def __init__(self, model):
         super().__init__()
@@ -45,12 +46,14 @@ class _WithLoss(dg.nn.Layer):
         self.loss = dg.nn.CrossEntropyLoss()
 
     def forward(self, tokens, labels):
-        return self.loss(self.model(tokens), labels)
+        loss = self.loss(self.model(tokens), labels)
+        aux = getattr(self.model, "auxiliary_loss", lambda: None)()
+        return loss if aux is None else dg.ops.add(loss, aux)
 
 
-def dg_logits_and_grads(model, ids: np.ndarray) -> tuple:
-    """(logits, loss, {transformers name: gradient in transformers' layout}) of a
-    distgraph model on ``ids``, the loss over next tokens (the last position ignored)."""
+def run_with_grads(model, ids: np.ndarray) -> tuple:
+    """(logits, loss, {distgraph parameter name: gradient}) of ``model`` on ``ids``, the
+    loss over next tokens (the last position ignored), run serially."""
     labels = np.concatenate([ids[:, 1:], np.full((ids.shape[0], 1), -100)], axis=1)
     wrapped = _WithLoss(model)
     prog = dg.trace(wrapped, dg.InputSpec(ids.shape, "int64", "tokens"),
@@ -62,13 +65,17 @@ def dg_logits_and_grads(model, ids: np.ndarray) -> tuple:
     scope = {n: p.numpy() for n, p in wrapped.named_parameters()}
     out = ProgramRunner(prog).run(scope, {"tokens": ids, "labels": labels},
                                   [logits_name, loss.name] + [g.name for g in grads.values()])
+    return (out[logits_name], float(out[loss.name]),
+            {name.removeprefix("model."): out[g.name] for name, g in grads.items()})
+
+
+def dg_logits_and_grads(model, ids: np.ndarray) -> tuple:
+    """(logits, loss, {transformers name: gradient in transformers' layout}) of a
+    distgraph model on ``ids`` (:func:`run_with_grads`)."""
+    logits, loss, grads = run_with_grads(model, ids)
     linear = _linear_weights(model)
-    mine = {}
-    for name, g in grads.items():
-        own = name.removeprefix("model.")
-        value = out[g.name]
-        mine[hf_name(own)] = value.T if own in linear else value
-    return out[logits_name], float(out[loss.name]), mine
+    return logits, loss, {hf_name(name): g.T if name in linear else g
+                          for name, g in grads.items()}
 
 
 def _linear_weights(model) -> set:

@@ -27,11 +27,10 @@ import distgraph as dg  # noqa: E402
 from distgraph.app.pretrained import (ExpertTensor, PretrainedError, hf_name,  # noqa: E402
                                       save_pretrained)
 from distgraph.nn.mixtral import Mixtral  # noqa: E402
-from distgraph.runtime.execution.executor import ProgramRunner  # noqa: E402
 
 import llama_cases as L  # noqa: E402
 import mixtral_cases as M  # noqa: E402
-from test_llama import dg_logits_and_grads  # noqa: E402
+from test_llama import dg_logits_and_grads, run_with_grads  # noqa: E402
 
 L.load_libraries()
 torch = L.torch
@@ -68,36 +67,10 @@ def test_logits_and_gradients_equal_transformers(float64, saved, layout, aux):
         assert np.max(np.abs(grads[key] - ref)) / scale < 1e-9, key
 
 
-class _WithLoss(dg.nn.Layer):
-    """The model and its training loss: the mean cross-entropy of its logits against
-    ``labels``, plus its auxiliary loss when it has one (as build_program adds it)."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-        self.loss = dg.nn.CrossEntropyLoss()
-
-    def forward(self, tokens, labels):
-        loss = self.loss(self.model(tokens), labels)
-        aux = self.model.auxiliary_loss()
-        return loss if aux is None else dg.ops.add(loss, aux)
-
-
 def _logits_and_grads(model, ids):
     """(logits, loss, {transformers name: gradient in transformers' layout}); the
     experts' gate and up gradients joined in one gate_up_proj."""
-    labels = np.concatenate([ids[:, 1:], np.full((ids.shape[0], 1), -100)], axis=1)
-    wrapped = _WithLoss(model)
-    prog = dg.trace(wrapped, dg.InputSpec(ids.shape, "int64", "tokens"),
-                    dg.InputSpec(ids.shape, "int64", "labels"))
-    logits_name = next(op.inputs[0].name for op in prog.ops
-                       if op.type == "softmax_cross_entropy")
-    loss = prog.outputs[0]
-    grads = dg.append_backward(prog, loss)
-    scope = {n: p.numpy() for n, p in wrapped.named_parameters()}
-    out = ProgramRunner(prog).run(scope, {"tokens": ids, "labels": labels},
-                                  [logits_name, loss.name] + [g.name for g in grads.values()])
-    mine = {name.removeprefix("model."): out[g.name] for name, g in grads.items()}
+    logits, loss, mine = run_with_grads(model, ids)
     linear = {f"{path}.weight" for path, layer in model.named_sublayers()
               if isinstance(layer, dg.nn.Linear)}
     theirs = {}
@@ -112,7 +85,7 @@ def _logits_and_grads(model, ids):
         elif name in linear:
             g = g.T
         theirs[hf_name(name)] = g
-    return out[logits_name], float(out[loss.name]), theirs
+    return logits, loss, theirs
 
 
 def test_the_config_reads_as_mixtral(saved):

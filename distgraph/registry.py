@@ -183,6 +183,12 @@ class OpRule(Rule):
     def __repr__(self) -> str:
         return f"spmd_rule({self.op_type!r}) = {self.rule!r}"
 
+    @property
+    def linear(self) -> bool:
+        """Whether the op is a sum of its operands: it keeps their common pending sum
+        (``P x P -> P``; :class:`~distgraph.spmd.EinsumRule`)."""
+        return getattr(self.rule, "linear", False)
+
     def check_attrs(self, n_inputs: int, attrs: dict) -> None:
         unknown = sorted(set(attrs) - set(self.signature.parameters))
         problem = f"unknown attribute(s) {unknown}" if unknown else None

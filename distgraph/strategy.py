@@ -40,7 +40,11 @@ class Strategy:
     in that precision with float32 master weights, gradients and optimizer states
     (:mod:`distgraph.optim.amp`); under "float16" the loss is scaled, from ``loss_scale``,
     halved after a step whose gradients overflow (that step is skipped) and doubled after
-    ``loss_scale_window`` good steps in a row. The planner
+    ``loss_scale_window`` good steps in a row. ``sequence_parallel`` (Megatron-SP): with
+    tensor parallelism, the norms, residual adds and dropout between the tensor-parallel
+    regions run split over the sequence on the tensor-parallel mesh dim, their all-reduces
+    becoming all-gathers and reduce-scatters
+    (:mod:`distgraph.passes.transforms.sequence_parallel`). The planner
     (:func:`distgraph.passes.plan`) raises PlanError for an option that is not available
     yet: none is silently ignored."""
 
@@ -65,6 +69,7 @@ class Strategy:
     search: str = "ilp"
     mtbf_hours: float | None = None
     checkpoint_write_gbps: float = 1.0
+    sequence_parallel: bool = False
 
     def __post_init__(self):
         if self.auto_mode not in ("semi", "full"):
@@ -108,6 +113,9 @@ class Strategy:
             raise DistGraphError(f"Strategy.mtbf_hours (the job's mean time between "
                                  f"failures) and checkpoint_write_gbps must be positive, got "
                                  f"{self.mtbf_hours!r} and {self.checkpoint_write_gbps!r}")
+        if not isinstance(self.sequence_parallel, bool):
+            raise DistGraphError(f"Strategy.sequence_parallel must be True or False, got "
+                                 f"{self.sequence_parallel!r}")
         if self.schedule not in SCHEDULES:
             raise DistGraphError(f"Strategy.schedule must be one of {SCHEDULES}, got "
                                  f"{self.schedule!r}")

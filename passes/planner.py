@@ -59,6 +59,7 @@ from distgraph.passes.pipeline.schedule import schedule_of
 from distgraph.passes.pipeline.task_graph import build_task_graph
 from distgraph.passes.samples import sample_axes
 from distgraph.passes.transforms.recompute import recompute, segments
+from distgraph.passes.transforms.sequence_parallel import sequence_parallel
 from distgraph.passes.transforms.zero import shard_updates
 from distgraph.plan.plan import Plan
 from distgraph.resources.cluster import Cluster
@@ -175,6 +176,8 @@ def _completed(built, strategy, cluster, accumulation, ilp_budget, chunks=None):
     updates = bool(program.ops_by_role("optimize"))
     if _is_annotated(program):
         complete(program, cluster=cluster)      # conflicts priced on the cluster's links
+        if strategy.sequence_parallel and sequence_parallel(program):
+            complete(program, cluster=cluster)
         if strategy.sharding and updates:
             _shard_updates(program, strategy.sharding_mesh_dim, cluster)
     else:
@@ -244,6 +247,12 @@ def _check_supported(strategy: Strategy) -> None:
         raise PlanError("virtual stages (Strategy(virtual_stages=...) or schedule='ZBV') with "
                         "auto_mode='full' are not supported: the stage search places whole "
                         "stages; annotate the stages by hand with auto_mode='semi'")
+    if full and strategy.sequence_parallel:
+        raise PlanError("Strategy(sequence_parallel=True) with auto_mode='full': the search "
+                        "already weighs sequence-parallel layouts (a row-split matmul's "
+                        "pending sum reduce-scattered onto the sequence dim) against the "
+                        "others; leave sequence_parallel=False, or annotate the tensor "
+                        "parallelism and use auto_mode='semi'")
     if full and strategy.sharding:
         raise PlanError("Strategy(sharding=True) with auto_mode='full' is not supported: the "
                         "search lays parameters and updates out itself (a parameter it "

@@ -52,10 +52,13 @@ def _divide_grad(op, dz):
 
 # Row(name, kernel, grad): each writes into a dying operand's buffer (donate), 1 FLOP per
 # element. S(i) x S(i) -> S(i); S(i) x R -> S(i) where the other operand's dim i is 1.
+# add and subtract are linear: P x P -> P (the sum of pending sums is one pending sum).
+LINEAR = elementwise_rule(linear=True)
 ARITHMETIC = (
-    Row("add", lambda ctx, x, y: ctx.xp.add(x, y, out=ctx.out), _add_grad, donate=True),
+    Row("add", lambda ctx, x, y: ctx.xp.add(x, y, out=ctx.out), _add_grad, donate=True,
+        spmd=LINEAR),
     Row("subtract", lambda ctx, x, y: ctx.xp.subtract(x, y, out=ctx.out), _subtract_grad,
-        donate=True),
+        donate=True, spmd=LINEAR),
     Row("multiply", lambda ctx, x, y: ctx.xp.multiply(x, y, out=ctx.out), _multiply_grad,
         donate=True),
     Row("divide", lambda ctx, x, y: ctx.xp.divide(x, y, out=ctx.out), _divide_grad,

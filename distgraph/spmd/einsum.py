@@ -17,6 +17,7 @@ from distgraph.spmd.rule import OpStrategy, Rule, RuleQuery, SpmdResult
 from distgraph.spmd.specs import UNKNOWN, DimsSpec, SpmdRuleError, entry_dims, entry_of, entry_str
 
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
+PENDING = "P"     # owner of a mesh dim a linear op's operands are pending sums over
 
 
 class EinsumRule(Rule):
@@ -27,14 +28,19 @@ class EinsumRule(Rule):
     reads). ``internal`` names letters the op reduces with its own communication when
     they are split (its distributed form): they may be split and make no output Partial.
     ``out_shapes(in_shapes, attrs)`` gives the output shapes when a call does not (an
-    output whose sizes its inputs do not show, as reshape's).
+    output whose sizes its inputs do not show, as reshape's). ``linear``: the op is a sum
+    of its operands (add, subtract), so operands that are all pending sums over the same
+    mesh dims are consumed as they are and the result is that pending sum
+    (``P x P -> P``: the sum of pending sums is one pending sum; gradient accumulation
+    then reduces once, as Megatron does, not once per contribution).
     """
 
     def __init__(self, notation: str | Callable, internal: str = "",
-                 out_shapes: Callable | None = None):
+                 out_shapes: Callable | None = None, linear: bool = False):
         self._notation = notation
         self.internal = internal
         self._out_shapes = out_shapes
+        self.linear = linear
 
     def notation(self, in_shapes: Sequence[tuple], attrs: dict) -> str:
         if callable(self._notation):
@@ -51,15 +57,17 @@ class EinsumRule(Rule):
         notation = self.notation(in_shapes, attrs)
         if out_shapes is None and self._out_shapes is not None:
             out_shapes = self._out_shapes(in_shapes, attrs)
-        return EinsumPlan(notation, in_shapes, out_shapes, mesh, self.internal)
+        return EinsumPlan(notation, in_shapes, out_shapes, mesh, self.internal, self.linear)
 
 
 class EinsumPlan:
     """An EinsumRule bound to shapes and a mesh (a :class:`~distgraph.spmd.rule.BoundRule`)."""
 
-    def __init__(self, notation: str, in_shapes, out_shapes, mesh, internal: str = ""):
+    def __init__(self, notation: str, in_shapes, out_shapes, mesh, internal: str = "",
+                 linear: bool = False):
         self.notation = notation
         self.internal = set(internal)
+        self.linear = linear
         lhs, rhs = notation.split("->")
         # "" is either no operand or one 0-d operand; the operand count decides
         self.in_letters = lhs.split(",") if (lhs or len(in_shapes) == 1) else []
@@ -126,15 +134,24 @@ class EinsumPlan:
                 raise SpmdRuleError(f"rule {self.notation!r}: {source} spec {spec} has "
                                     f"{len(spec.dims)} dims, the notation gives it {len(word)}")
             words[source] = word
-        decided, seen, notes, resharded = self._merge(query, words, query.sources())
-        res = self._result(decided, seen, notes, resharded)
+        pending = self.pending(ins)
+        decided, seen, notes, resharded = self._merge(query, words, query.sources(), pending)
+        res = self._result(decided, seen, notes, resharded, pending)
         if resharded:      # a second opinion: split more at no more resharding
-            better = split_most(self, query, words, decided, set(resharded))
+            better = split_most(self, query, words, decided, set(resharded), pending)
             if better is not None:
-                return self._result(*better)
+                return self._result(*better, pending)
         return res
 
-    def _merge(self, query, words, order) -> tuple:
+    def pending(self, in_specs) -> frozenset:
+        """The mesh dims over which a linear op's operands are all pending sums (kept
+        pending through the op); empty for other ops. A mesh dim of size 1 is no sum."""
+        if not self.linear or not in_specs:
+            return frozenset()
+        common = frozenset.intersection(*(frozenset(s.partial) for s in in_specs))
+        return frozenset(m for m in common if self.sizes.get(m, 1) > 1)
+
+    def _merge(self, query, words, order, pending=frozenset()) -> tuple:
         """The tie-break of :mod:`distgraph.spmd` over ``order``: (decided, seen, notes,
         resharded); ``decided[letter]`` the mesh dims splitting it, ``seen`` the letters
         some operand has a known entry for."""
@@ -142,7 +159,8 @@ class EinsumPlan:
         resharded: list = []
         # decided[letter]: the mesh dims splitting it; a letter not in it is still open
         decided: dict[str, tuple] = {c: () for c in self.order if c.isupper()}
-        owner: dict[str, str] = {}            # mesh dim -> the letter it splits
+        # mesh dim -> the letter it splits (a pending sum's mesh dims split none)
+        owner: dict[str, str] = {m: PENDING for m in pending}
         seen: set = set()                     # letters some operand has a known entry for
         for source in order:
             for letter, entry in zip(words[source], query.spec(source).dims):
@@ -171,7 +189,7 @@ class EinsumPlan:
                     resharded.append(source)
         return decided, seen, notes, resharded
 
-    def _result(self, decided, seen, notes, resharded) -> SpmdResult:
+    def _result(self, decided, seen, notes, resharded, pending=frozenset()) -> SpmdResult:
         def final(letter):
             if letter in decided:
                 return entry_of(decided[letter])
@@ -182,10 +200,10 @@ class EinsumPlan:
         def spec_of(word, partial=frozenset()):
             return DimsSpec(tuple(None if c == "1" else merged[c] for c in word), partial)
 
-        new_ins = tuple(spec_of(w) for w in self.in_letters)
+        new_ins = tuple(spec_of(w, pending) for w in self.in_letters)
         new_outs = []
         for word, reduced in zip(self.out_letters, self.reduced):
-            partial = set()
+            partial = set(pending)
             for letter in reduced:
                 partial.update(entry_dims(merged.get(letter)))
             new_outs.append(spec_of(word, frozenset(partial)))
@@ -199,7 +217,8 @@ class EinsumPlan:
     def _drop_note(self, source, letter, entry, keep, owner) -> str:
         dims = entry_dims(entry)
         taken = [d for d in dims if d in owner and owner[d] != letter]
-        reasons = [f"mesh dim {d} already splits dim '{owner[d]}'" for d in taken]
+        reasons = [f"the operands are pending sums over mesh dim {d}" if owner[d] == PENDING
+                   else f"mesh dim {d} already splits dim '{owner[d]}'" for d in taken]
         free = [d for d in dims if d not in taken]
         if free and free != list(keep):
             sizes = sorted(self.dim_sizes.get(letter, ()))
@@ -236,6 +255,16 @@ class EinsumPlan:
                     outs.append(DimsSpec(tuple(merged.get(c) for c in word), partial))
                 found.append(OpStrategy.build(self.mesh, ins, outs, self.in_shapes,
                                               self.out_shapes))
+                if self.linear:        # P x P -> P over the mesh dims left unsplit
+                    free = [m for m in mesh_dims if m not in
+                            {d for dims in orders for d in dims}]
+                    for r in range(1, len(free) + 1):
+                        for sums in itertools.combinations(free, r):
+                            p = frozenset(sums)
+                            found.append(OpStrategy.build(
+                                self.mesh, [DimsSpec(s.dims, p) for s in ins],
+                                [DimsSpec(s.dims, s.partial | p) for s in outs],
+                                self.in_shapes, self.out_shapes))
         return found
 
 
@@ -280,16 +309,17 @@ def broadcast_notation(in_shapes, attrs=None, upper_axes=()) -> str:
     return ",".join(words) + "->" + out
 
 
-def elementwise_rule(n_out: int = 1) -> EinsumRule:
-    """Broadcasting elementwise op with ``n_out`` outputs of the broadcast shape."""
+def elementwise_rule(n_out: int = 1, linear: bool = False) -> EinsumRule:
+    """Broadcasting elementwise op with ``n_out`` outputs of the broadcast shape;
+    ``linear``: a sum of its operands (``P x P -> P``, see :class:`EinsumRule`)."""
 
     def notation(in_shapes, attrs):
         base = broadcast_notation(in_shapes)
         lhs, out = base.split("->")
         return lhs + "->" + ",".join([out] * n_out)
 
-    notation.__name__ = f"elementwise{n_out}"
-    return EinsumRule(notation)
+    notation.__name__ = f"elementwise{n_out}" + ("_linear" if linear else "")
+    return EinsumRule(notation, linear=linear)
 
 
 def axis_rule(n_in: int = 1, n_out: int = 1) -> EinsumRule:

@@ -27,10 +27,11 @@ from distgraph.spmd.specs import UNKNOWN, entry_dims, entry_of, entry_str
 MAX_ANSWERS = 4096      # answers tried for the letters the kept operands leave open
 
 
-def split_most(plan, query, words, greedy: dict, moved: set):
+def split_most(plan, query, words, greedy: dict, moved: set, pending=frozenset()):
     """(decided, seen, notes, resharded) of an answer that keeps the operands the
     tie-break keeps and splits the op more ways than ``greedy`` (the tie-break's decided
-    letters; ``moved`` the operands it reshards), or None."""
+    letters; ``moved`` the operands it reshards; ``pending`` the mesh dims a linear op
+    keeps its operands' pending sums over, which split no letter), or None."""
     order = query.sources()
     kept = [s for s in order if s not in moved]
     decided: dict = {c: () for c in plan.order if c.isupper()}
@@ -41,6 +42,7 @@ def split_most(plan, query, words, greedy: dict, moved: set):
             if source in kept:
                 decided[letter] = entry_dims(entry)
     owner = {d: c for c, dims in decided.items() for d in dims}
+    owner.update((m, "") for m in pending)
     others = [s for s in order if s in moved]
     best = _fill(plan, query, words, others, decided, owner)
     if best is None or _ways(plan, best) <= _ways(plan, greedy):

@@ -136,14 +136,18 @@ class OpStrategy:
             return tuple(out)
 
         split = set()
+        # a pending sum the op only passes on (a linear op's P x P -> P) splits no work
+        kept = frozenset.intersection(*(frozenset(s.partial) for s in in_specs)) \
+            if in_specs else frozenset()
         for spec in list(in_specs) + list(out_specs):
             for entry in spec.dims:
                 split.update(entry_dims(entry))
-            split.update(spec.partial)
+        for spec in out_specs:
+            split.update(spec.partial - kept)
         ways = 1
         for m in split:
             ways *= sizes[m]
-        ins = tuple(ShardSpec(s.dims) for s in in_specs)
+        ins = tuple(ShardSpec(s.dims, s.partial) for s in in_specs)
         outs = tuple(ShardSpec(s.dims, s.partial) for s in out_specs)
         name = " x ".join(map(str, ins)) + " -> " + ", ".join(map(str, outs))
         return cls(name, ins, outs, tuple(local(s, n) for s, n in zip(in_specs, in_shapes)),

@@ -161,11 +161,13 @@ class _Completion:
         ispec, vspec = self.ispec, self.vspec
         # (the records are unpacked in the loops: a visit is the hot path)
         ins = []
-        for i, name, fixed, _, _, alike in meta.ins:
+        for i, name, fixed, same, _, alike in meta.ins:
             if fixed is not None:
                 ins.append(fixed)
             else:
                 s = ispec[(k, i)]
+                if meta.linear and same:        # told the pending sums it may keep
+                    s = DimsSpec(s.filled_from(_strip(vspec[name])).dims, vspec[name].partial)
                 ins.append(s.filled_from(_strip(vspec[name])) if alike else s)
         outs = []
         for _, name, annotation, consumers in meta.outs:
@@ -203,6 +205,8 @@ class _Completion:
             else:
                 old = ispec[key]
                 consumed = old.filled_from(res.in_specs[i])
+                if meta.linear and consumed.partial != res.in_specs[i].partial:
+                    consumed = DimsSpec(consumed.dims, res.in_specs[i].partial)
                 if consumed != old:
                     changed = True
                     ispec[key] = consumed

@@ -52,15 +52,17 @@ class OutputMeta(NamedTuple):
 
 
 class OpMeta(NamedTuple):
-    """Per op: its inputs and outputs, the indices of the fixed ones, and ``hard``: the
+    """Per op: its inputs and outputs, the indices of the fixed ones, ``hard``: the
     inputs whose consumer spec the user gave with shard_op (no cost choice changes
-    those)."""
+    those), and ``linear``: the op is a sum of its operands, so its rule is told their
+    pending sums (it keeps a common one: ``P x P -> P``)."""
 
     ins: tuple
     outs: tuple
     fixed_in: frozenset
     fixed_out: frozenset
     hard: tuple
+    linear: bool = False
 
 
 class CompletionSetup:
@@ -147,7 +149,8 @@ class CompletionSetup:
         return OpMeta(tuple(ins), tuple(outs),
                       frozenset(m.index for m in ins if m.fixed is not None),
                       frozenset(m.index for m in outs if m.annotation is not None),
-                      tuple(i for i in range(len(op.inputs)) if (k, i) in self.hard))
+                      tuple(i for i in range(len(op.inputs)) if (k, i) in self.hard),
+                      spmd_rule(op.type).linear)
 
     def _signature(self, k: int, shared: dict):
         """What, besides the specs, a rule call of op k depends on: op type, shapes,

@@ -54,7 +54,8 @@ from distgraph.errors import PlanError, ShardingError
 from distgraph.mesh import ProcessMesh
 from distgraph.registry import spmd_rule
 from distgraph.placement import ShardSpec
-from distgraph.spmd import LETTERS, DimsSpec, EinsumPlan, OpStrategy, RuleQuery, SpmdRuleError
+from distgraph.spmd import (LETTERS, UNKNOWN, DimsSpec, EinsumPlan, OpStrategy, RuleQuery,
+                            SpmdRuleError)
 
 GB = 1e9                     # resource files give memory in GB
 MESH_DIMS = "xyzw"           # names of the dims of a mesh the search makes
@@ -121,6 +122,9 @@ class SearchSpace:
                             for v in op.inputs if v.name in made_here}
         self._rules: dict = {}
         self._followed: dict = {}
+        # Values a linear op (add, subtract) reads: a pending sum may reach it unsettled
+        self._summed = {v.name for k in self.ops for v in self.program.ops[k].inputs
+                        if spmd_rule(self.program.ops[k].type).linear}
         depth: dict = {}
         for k in self.ops:
             op = self.program.ops[k]
@@ -191,8 +195,9 @@ class SearchSpace:
             raise PlanError(f"op {label} has no strategy on {self.mesh} that agrees with its "
                             "annotations; change the annotations")
         strategies, hints = [], []
+        summed = [o.name in self._summed for o in op.outputs]
         for s in found:
-            for hint in _settlements(s, [o.shape for o in op.outputs], self.mesh):
+            for hint in _settlements(s, [o.shape for o in op.outputs], self.mesh, summed):
                 strategies.append(s)
                 hints.append(hint)
         self.nodes.append(Node(index, k, None, label, op.layer, tuple(strategies), -1,
@@ -309,10 +314,14 @@ class SearchSpace:
             out_shapes = [o.shape for o in op.outputs]
             answers = {}
             out = []
+            # a linear op given a pending sum keeps it: its other operands come as
+            # pending sums too (a replicated one becomes one for free)
+            pending = rule.linear
             for spec in made:
                 if spec not in answers:
-                    given = DimsSpec(spec.dims)
-                    ins = [given if i in same else DimsSpec.unknown(len(v.shape))
+                    kept = spec.partial if pending else frozenset()
+                    given = DimsSpec(spec.dims, kept)
+                    ins = [given if i in same else DimsSpec((UNKNOWN,) * len(v.shape), kept)
                            for i, v in enumerate(op.inputs)]
                     res = bound.solve(RuleQuery.make(
                         ins, [DimsSpec.unknown(len(o.shape)) for o in op.outputs],
@@ -335,16 +344,17 @@ def layouts(shape, mesh: ProcessMesh) -> list:
                        s.flops_fraction) for s in plan.strategies()]
 
 
-def _settlements(s, out_shapes, mesh) -> list:
+def _settlements(s, out_shapes, mesh, summed=None) -> list:
     """The hints a strategy offers its followers, one tuple of output layouts each: the
     outputs as made, except that a Partial output may be settled by an all-reduce (the
-    partial mesh dims left unsplit) or a reduce-scatter onto one of its unsplit dims."""
+    partial mesh dims left unsplit) or a reduce-scatter onto one of its unsplit dims, or,
+    where a linear op reads it (``summed[j]``), be left pending for that op to add."""
     options = []
-    for spec, shape in zip(s.out_specs, out_shapes):
+    for j, (spec, shape) in enumerate(zip(s.out_specs, out_shapes)):
         if not spec.partial:
             options.append([spec])
             continue
-        ways = [ShardSpec(spec.dims)]
+        ways = [ShardSpec(spec.dims)] + ([spec] if summed and summed[j] else [])
         for m in sorted(spec.partial):
             size = mesh.dim_size(m)
             for d, (entry, n) in enumerate(zip(spec.dims, shape)):

@@ -1,0 +1,147 @@
+"""Sequence parallelism (Megatron-SP, Korthikanti et al. 2022), expressed only as
+annotations on a completed program.
+
+With tensor parallelism over a mesh dim ``t`` (the dims that split parameters), the
+light ops between the tensor-parallel regions (norms, residual adds, dropout) run whole
+on every process of ``t``. Here the activations of those regions are annotated split over
+``t`` along their sequence dim (dim 1 of a ``[batch, seq, hidden]`` activation), keeping
+their other entries. Completing again then yields, with no special code path: an
+all-gather where a region enters a column-split matmul, a reduce-scatter (P -> S) where a
+row-split matmul's pending sum leaves it, and the light ops and their saved activations
+split t ways; the backward mirrors it (gradients reduce-scattered, activations gathered
+again where a weight gradient reads them).
+
+The regions are found from the completed layout, for any model:
+
+- a *seed* is a forward activation whole over ``t`` that an op reading a parameter split
+  over ``t`` consumes (a tensor-parallel region's input), or that an op reading a pending
+  sum over ``t`` makes (a region's output after its reduction);
+- a region grows from its seeds through *light* ops (no letter contracted between two
+  operands: elementwise ops, norms, dropout) over activations of the same
+  ``[batch, seq]`` whose sequence dim is whole and divides over ``t``;
+- an activation of a region that an op outside tensor parallelism makes or reads (the
+  embedding, an LM head whose weight is whole) is *fenced*: annotated with its layout as
+  it is, so the sequence split stops there (an all-gather or a local slice at the edge).
+
+Example::
+
+    complete(prog); sequence_parallel(prog); complete(prog)
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from distgraph import dtypes
+from distgraph.ir import Program, Role
+from distgraph.placement import DistAttr, ShardSpec
+from distgraph.registry import spmd_rule
+from distgraph.spmd import EinsumPlan
+
+SEQ = 1          # the sequence dim of a [batch, seq, hidden] activation
+
+
+def tensor_parallel_dims(program: Program) -> dict:
+    """{mesh: mesh dims of size > 1 that split a parameter a forward op reads}."""
+    found: dict = {}
+    for op in program.ops:
+        if op.role is not Role.FORWARD:
+            continue
+        mesh = op.dist_attr.mesh
+        for v in op.inputs:
+            if v.is_parameter and v.dist_attr.mesh == mesh:
+                for m in v.dist_attr.spec.mesh_dims():
+                    if mesh.dim_size(m) > 1:
+                        found.setdefault(mesh, set()).add(m)
+    return found
+
+
+def sequence_parallel(program: Program) -> int:
+    """Annotate the sequence-parallel regions of a completed program (module docstring);
+    returns how many activations were split. Complete the program again afterwards."""
+    producer = {o.name: op for op in program.ops for o in op.outputs}
+    consumers: dict = {}
+    for op in program.ops:
+        for v in op.inputs:
+            consumers.setdefault(v.name, []).append(op)
+    split = 0
+    for mesh, dims in sorted(tensor_parallel_dims(program).items(), key=lambda kv: str(kv[0])):
+        for m in sorted(dims):
+            region, fenced = _region(program, mesh, m, producer, consumers)
+            for v in region - fenced:
+                dims_ = list(v.dist_attr.spec.dims)
+                dims_[SEQ] = m
+                v.annotation = DistAttr(mesh, ShardSpec(dims_))
+                split += 1
+            for v in fenced:
+                v.annotation = v.annotation or v.dist_attr
+    return split
+
+
+def _region(program, mesh, m, producer, consumers) -> tuple:
+    """(activations to split over m, those of them fenced) on ``mesh``."""
+    size = mesh.dim_size(m)
+
+    def forward(op):
+        return op is not None and op.role is Role.FORWARD and op.dist_attr.mesh == mesh
+
+    def tensor_parallel(op):         # reads a parameter split over m, or a pending sum
+        return any(m in v.dist_attr.spec.mesh_dims() for v in op.inputs
+                   if v.is_parameter or m in v.dist_attr.spec.partial)
+
+    def eligible(v, rows):
+        spec = v.dist_attr.spec
+        return (forward(producer.get(v.name)) and v.annotation is None and len(v.shape) == 3
+                and dtypes.is_float(v.dtype) and tuple(v.shape[:2]) == rows
+                and m not in spec.mesh_dims() and spec.dims[SEQ] is None
+                and v.shape[SEQ] % size == 0)
+
+    seeds = []
+    for op in program.ops:
+        if not forward(op) or not tensor_parallel(op):
+            continue
+        reads_sum = any(m in v.dist_attr.spec.partial for v in op.inputs)
+        seeds += [v for v in op.inputs if not v.is_parameter and len(v.shape) == 3]
+        if reads_sum:
+            seeds += list(op.outputs)
+    region, fenced = set(), set()
+    if not seeds:
+        return region, fenced
+    rows = tuple(seeds[0].shape[:2])
+    todo = deque(v for v in seeds if eligible(v, rows))
+    while todo:
+        v = todo.popleft()
+        if v in region:
+            continue
+        region.add(v)
+        near = []
+        p = producer[v.name]
+        if _light(p):
+            near += p.inputs
+        elif not tensor_parallel(p):
+            fenced.add(v)
+        for c in consumers.get(v.name, ()):
+            if not forward(c):
+                continue
+            if _light(c):
+                near += c.outputs + c.inputs
+            elif not tensor_parallel(c):
+                fenced.add(v)
+        todo.extend(u for u in near if u not in region and eligible(u, rows))
+    return region, fenced
+
+
+def _light(op) -> bool:
+    """No letter contracted between two operands (as the search's light ops)."""
+    rule = spmd_rule(op.type)
+    bound = rule.bind([v.shape for v in op.inputs], [o.shape for o in op.outputs],
+                      op.dist_attr.mesh, op.attrs)
+    if not isinstance(bound, EinsumPlan):
+        return False
+    outs = set("".join(bound.out_letters))
+    seen: dict = {}
+    for word in bound.in_letters:
+        for letter in set(word):
+            seen[letter] = seen.get(letter, 0) + 1
+    return not any(n > 1 and c not in outs and c not in bound.internal and c != "1"
+                   for c, n in seen.items())

@@ -124,13 +124,13 @@ def dgx_cluster(nodes: int) -> dg.Cluster:
 
 
 def megatron_plan(layers, hidden, heads, t, p, gpus, batch, micro_batches, cluster,
-                  recompute=True):
+                  recompute=True, sequence_parallel=False):
     """Megatron's (t, p) as annotations: p stages of layers / p blocks each (every
     parameter of a block on its stage), the embeddings on the first and the final norm
     and head on the last, each stage a (dp, t) mesh of whole machines with the blocks'
     Linear layers split the Megatron way over ``mp``, the vocabulary of the embedding and
     the LM head split over ``mp`` too; every block recomputed unless ``recompute`` is
-    False."""
+    False; ``sequence_parallel``: Megatron-SP between the tensor-parallel regions."""
     dp = gpus // (t * p)
     ids = np.arange(gpus).reshape(p, dp, t)
     meshes = [dg.ProcessMesh(ids[j].tolist(), dim_names=["dp", "mp"]) for j in range(p)]
@@ -154,7 +154,8 @@ def megatron_plan(layers, hidden, heads, t, p, gpus, batch, micro_batches, clust
     dg.shard_tensor(model.ln_f.bias, meshes[-1], [None])
     dg.shard_tensor(model.lm_head.weight, meshes[-1], [None, "mp"])
     built = program(model, batch)
-    strategy = dg.Strategy(micro_batches=micro_batches, recompute=recompute)
+    strategy = dg.Strategy(micro_batches=micro_batches, recompute=recompute,
+                           sequence_parallel=sequence_parallel)
     return dg.passes.plan(built, strategy, cluster, ranks=())   # planned, not run
 
 

@@ -169,7 +169,8 @@ class StopAndSave(dg.callbacks.Callback):
 class Plan:
     """``annotate(model)`` marks a fresh model; ``sharding`` turns on ZeRO-style update
     sharding over ``dp`` (Strategy(sharding=True)); ``auto`` lets the search plan the
-    unannotated model (Strategy(auto_mode="full") on ``Cluster.local(nprocs)``)."""
+    unannotated model (Strategy(auto_mode="full") on ``Cluster.local(nprocs)``);
+    ``sequence_parallel``: Strategy(sequence_parallel=True) (Megatron-SP)."""
 
     kind: str
     name: str
@@ -177,6 +178,7 @@ class Plan:
     annotate: Callable
     sharding: bool = False
     auto: bool = False
+    sequence_parallel: bool = False
 
     def __str__(self) -> str:
         return f"{self.kind}-{self.name}-n{self.nprocs}"
@@ -437,6 +439,14 @@ def _no_annotation(model):
     return None
 
 
+# Megatron's tensor parallelism with Strategy(sequence_parallel=True)
+# (tests/test_sequence_parallel.py): "tp_sp" on n ranks, "dp_tp_sp" on a 2 x 2 mesh.
+SP_PLANS = {(_kind, "tp_sp", _n): Plan(_kind, "tp_sp", _n, tp_plan(_kind, _n),
+                                       sequence_parallel=True)
+            for _kind in ("gpt",) for _n in (2, 4)}
+SP_PLANS["gpt", "dp_tp_sp", 4] = Plan("gpt", "dp_tp_sp", 4, dp_tp_plan("gpt", 4),
+                                      sequence_parallel=True)
+
 # The automatic search's plan of each model (tests/test_search_training.py).
 AUTO_PLANS = {(_kind, "auto", _n): Plan(_kind, "auto", _n, _no_annotation, auto=True)
               for _kind in ("mlp", "gpt") for _n in (2, 4)}
@@ -468,8 +478,10 @@ def make_optimizer(name: str):
     raise ValueError(f"unknown optimizer {name!r}")
 
 
-def make_engine(model, kind, comm=None, sharding=False, optimizer="adamw", auto=False):
-    strategy = dg.Strategy(sharding=sharding, auto_mode="full" if auto else "semi")
+def make_engine(model, kind, comm=None, sharding=False, optimizer="adamw", auto=False,
+                sequence_parallel=False):
+    strategy = dg.Strategy(sharding=sharding, auto_mode="full" if auto else "semi",
+                           sequence_parallel=sequence_parallel)
     return dg.Engine(model, loss_fn(kind), make_optimizer(optimizer), strategy=strategy,
                      communicator=comm)
 

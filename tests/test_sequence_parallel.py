@@ -1,0 +1,153 @@
+"""Megatron's tensor parallelism of Llama-tiny, with and without sequence parallelism
+(Strategy(sequence_parallel=True)): the plan's collectives per decoder layer are
+Megatron's (Korthikanti et al. 2022, Fig. 5 and 6) with the bytes of the cost formula,
+the gradient of an activation read by several column-split matmuls is reduced once (a
+sum of pending sums stays pending: add's rule is P x P -> P), and training on real MPI
+ranks equals serial training (float64, 1e-10): Llama tp 2 + SP, dp 2 x tp 2 + SP, and
+GPT's tp + SP plans of tests/plans.py."""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import distgraph as dg  # noqa: E402
+from distgraph import dtypes  # noqa: E402
+from distgraph.errors import DistGraphError, PlanError  # noqa: E402
+from distgraph.plan.kinds import collective_bytes  # noqa: E402
+from distgraph.program_builder import build_program  # noqa: E402
+
+import llama_cases as L  # noqa: E402
+from test_spmd_mpi import check_report, run_plans  # noqa: E402
+
+B, S = 4, 8
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _plan(sequence_parallel: bool, dp: int = 1):
+    model = dg.nn.Llama(dg.nn.llama.LlamaConfig(**L.TINY))
+    mesh = dg.ProcessMesh(np.arange(2 * dp).reshape(dp, 2).tolist(), dim_names=["dp", "mp"])
+    dg.nn.llama.megatron(model, mesh)
+    built = build_program(model, [dg.InputSpec([B, S], "int64", "tokens")],
+                          [dg.InputSpec([B, S], "int64", "labels")],
+                          dg.nn.CrossEntropyLoss(), dg.optim.SGD(0.1))
+    return dg.passes.plan(built, dg.Strategy(sequence_parallel=sequence_parallel))
+
+
+def _collectives(plan) -> dict:
+    """{("forward" | "backward", kind): [(bytes sent, full tensor bytes), ...]}: the
+    collectives over mp of the [batch, seq, hidden] activations and their gradients (not
+    the norm weights' gradients: Megatron-SP all-reduces those too)."""
+    found = collections.defaultdict(list)
+    ops = plan.program.ops
+    for point in plan.reshards():
+        op = ops[point.anchor]
+        if len(point.shape) != 3:
+            continue
+        role = "forward" if str(op.role) == "forward" else "backward"
+        full = int(np.prod(point.shape)) * dtypes.itemsize(point.dtype)
+        for step in point.steps:
+            if step.mesh_dim == "mp" and str(step.kind) != "slice":
+                found[role, str(step.kind)].append((step.bytes, full))
+    return found
+
+
+def _check_bytes(found) -> None:
+    for (_, kind), steps in found.items():
+        for sent, full in steps:
+            assert sent == collective_bytes(kind, 2, full), kind
+
+
+def test_add_of_pending_sums_stays_pending():
+    mesh = dg.ProcessMesh([[0, 1], [2, 3]], dim_names=["x", "y"])
+    rule = dg.ops.spmd_rule("add")
+    p = dg.placement.ShardSpec([None, None], partial=["y"])
+    res = rule.infer_forward([p, p], [(4, 6), (4, 6)], mesh)
+    assert [str(s) for s in res.in_specs] == ["[None, None] P(y)"] * 2
+    assert str(res.out_specs[0]) == "[None, None] P(y)"
+    # one pending, one whole: the sum is settled first (as before)
+    res = rule.infer_forward([p, [None, None]], [(4, 6), (4, 6)], mesh)
+    assert not res.out_specs[0].partial and not res.in_specs[0].partial
+    # a linear op lists P x P -> P among its strategies; a product does not
+    names = [s.name for s in rule.strategies([(4, 6), (4, 6)], [(4, 6)], mesh)]
+    assert "[None, None] P(y) x [None, None] P(y) -> [None, None] P(y)" in names
+    assert not any("P(" in s.name.split(" -> ")[0] for s in
+                   dg.ops.spmd_rule("multiply").strategies([(4, 6), (4, 6)], [(4, 6)], mesh))
+
+
+def test_megatron_backward_reduces_each_input_gradient_once():
+    found = _collectives(_plan(False))
+    layers = L.TINY["num_hidden_layers"]
+    # per layer, Megatron's 2 all-reduces forward (after o and down) and 2 backward (the
+    # input gradients of q|k|v and of gate|up, each summed before it is reduced: 5 before)
+    assert {key: len(steps) for key, steps in found.items()} == {
+        ("forward", "all_reduce"): 2 * layers, ("backward", "all_reduce"): 2 * layers}
+    _check_bytes(found)
+
+
+def test_sequence_parallel_gathers_and_reduce_scatters():
+    found = _collectives(_plan(True))
+    layers = L.TINY["num_hidden_layers"]
+    # per layer: forward, an all-gather before q|k|v and gate|up and a reduce-scatter after
+    # o and down; backward, their transposes (the gradients reaching o and down gathered,
+    # the input gradients of q|k|v and gate|up reduce-scattered); no all-reduce of an
+    # activation is left. Beyond the layers: the final norm's output gathered for the LM
+    # head (its weight is whole), as Megatron gathers before its output layer.
+    assert {key: len(steps) for key, steps in found.items()} == {
+        ("forward", "all_gather"): 2 * layers + 1, ("forward", "reduce_scatter"): 2 * layers,
+        ("backward", "all_gather"): 2 * layers, ("backward", "reduce_scatter"): 2 * layers}
+    _check_bytes(found)
+    # the decoder layers' norms and residual adds run split over the sequence
+    plan = _plan(True, dp=2)
+    light = [op for op in plan.program.ops if op.type in ("rms_norm", "add")
+             and op.layer.startswith("layers.") and str(op.role) == "forward"]
+    assert len(light) == 4 * layers
+    assert all(op.dist_attr.output_specs[0].dims[1] == "mp" for op in light)
+
+
+def test_sequence_parallel_strategy_is_checked():
+    with pytest.raises(DistGraphError, match="sequence_parallel"):
+        dg.Strategy(sequence_parallel="yes")
+    with pytest.raises(PlanError, match="sequence_parallel"):
+        dg.passes.plan(None, dg.Strategy(sequence_parallel=True, auto_mode="full"))
+
+
+def _llama_on_mpi(n: int) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "distgraph.cli", "run", "-n", str(n),
+                           os.path.join(HERE, "mpi_scripts", "llama_sp.py")],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("LLAMA-SP ")]
+    assert len(lines) == 1, proc.stdout[-3000:]
+    return json.loads(lines[0].split(" ", 1)[1])
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("n", [2, 4], ids=["tp2_sp", "dp2_tp2_sp"])
+def test_llama_sequence_parallel_trains_as_serial_on_mpi_ranks(n):
+    report = _llama_on_mpi(n)
+    assert report["world"] == n
+    for mine in report["ranks"]:
+        assert mine["losses"] == report["ranks"][0]["losses"]
+        assert len(mine["losses"]) == 3
+        assert mine["errors"]["same_names"]
+        assert mine["errors"]["loss"] <= 1e-10 and mine["errors"]["param"] <= 1e-10
+        assert {"all_gather", "reduce_scatter"} <= set(mine["kinds"])
+
+
+@pytest.mark.mpi
+def test_gpt_sequence_parallel_trains_as_serial_on_mpi_ranks():
+    keys = ["gpt:tp_sp", "gpt:dp_tp_sp"]
+    report = run_plans(4, keys)
+    check_report(report, 4, keys)
+    for result in report["plans"].values():
+        assert "reduce_scatter" in result["reshards"]["grad"]

@@ -4,7 +4,9 @@ Megatron's (Korthikanti et al. 2022, Fig. 5 and 6) with the bytes of the cost fo
 the gradient of an activation read by several column-split matmuls is reduced once (a
 sum of pending sums stays pending: add's rule is P x P -> P), and training on real MPI
 ranks equals serial training (float64, 1e-10): Llama tp 2 + SP, dp 2 x tp 2 + SP, and
-GPT's tp + SP plans of tests/plans.py."""
+GPT's tp + SP plans of tests/plans.py (GPT with dropout too, on SimulatedWorld threads).
+With the weights annotated and auto_mode="full", the search splits the light ops over
+the tensor-parallel dim itself."""
 
 from __future__ import annotations
 
@@ -26,6 +28,8 @@ from distgraph.plan.kinds import collective_bytes  # noqa: E402
 from distgraph.program_builder import build_program  # noqa: E402
 
 import llama_cases as L  # noqa: E402
+import plans as P  # noqa: E402
+from distgraph.runtime.comm.simulated import SimulatedWorld  # noqa: E402
 from test_spmd_mpi import check_report, run_plans  # noqa: E402
 
 B, S = 4, 8
@@ -151,3 +155,48 @@ def test_gpt_sequence_parallel_trains_as_serial_on_mpi_ranks():
     check_report(report, 4, keys)
     for result in report["plans"].values():
         assert "reduce_scatter" in result["reshards"]["grad"]
+
+
+def _gpt_tp(dropout=0.0):
+    with P.BUILD_LOCK:
+        model = P.build_model("gpt", dropout=dropout)
+        P._tensor_parallel(model, dg.ProcessMesh([0, 1], ["mp"]))
+        ins, labels = dg.app.data.DataLoader(P.Dataset("gpt"), P.BATCH).specs(1)
+        return build_program(model, ins, labels, P.loss_fn("gpt"), dg.optim.SGD(0.1))
+
+
+def _train_gpt(comm, sequence_parallel):
+    with P.BUILD_LOCK:
+        model = P.build_model("gpt", dropout=0.1)
+        if comm is not None:
+            P._tensor_parallel(model, dg.ProcessMesh([0, 1], ["mp"]))
+    engine = P.prepare(P.make_engine(model, "gpt", comm, sequence_parallel=sequence_parallel),
+                       "gpt")
+    history = engine.fit(P.Dataset("gpt"), batch_size=P.BATCH, epochs=1, verbose=0)
+    return history.losses, engine.state_dict()
+
+
+def test_gpt_with_dropout_runs_its_dropout_split_and_trains_as_serial(float64):
+    plan = dg.passes.plan(_gpt_tp(dropout=0.1), dg.Strategy(sequence_parallel=True))
+    residual = [op for op in plan.program.ops if op.type == "dropout"
+                and op.layer.endswith(("resid_drop", "mlp.drop"))]
+    assert len(residual) == 2 * P.GPT_DIMS["n_layer"]
+    assert all(str(op.dist_attr.output_specs[0]) == "[None, mp, None]" for op in residual)
+    serial = _train_gpt(None, False)
+    for result in SimulatedWorld(2, timeout=120).run(_train_gpt, True):
+        errors = P.compare(result, serial, "float64")
+        assert errors["loss"] <= 1e-10 and errors["param"] <= 1e-10, errors
+
+
+def test_search_splits_the_light_ops_over_the_tensor_parallel_dim():
+    """With Megatron's weights annotated, the search (auto_mode="full") lays the norms
+    and residual adds out split over mp, as sequence parallelism does (here over the
+    batch, the other token dim; it is as cheap): a row-split matmul's pending sum is
+    reduce-scattered, and no activation is all-reduced."""
+    plan = dg.passes.plan(_gpt_tp(), dg.Strategy(auto_mode="full"), dg.Cluster.local(2))
+    norms = [op for op in plan.program.ops if op.type == "layer_norm"
+             and str(op.role) == "forward"]
+    assert norms and all("mp" in op.dist_attr.output_specs[0].dims[:2] for op in norms)
+    found = _collectives(plan)
+    assert ("forward", "reduce_scatter") in found
+    assert not any(kind == "all_reduce" for _, kind in found)

@@ -209,6 +209,17 @@ class EinsumPlan:
             new_outs.append(spec_of(word, frozenset(partial)))
         return SpmdResult(new_ins, tuple(new_outs), tuple(notes), tuple(dict.fromkeys(resharded)))
 
+    def light(self) -> bool:
+        """No letter is contracted between two operands (Alpa's "light" ops:
+        elementwise, norms, reshapes, reductions of one operand)."""
+        outs = set("".join(self.out_letters))
+        seen: dict = {}
+        for word in self.in_letters:
+            for letter in set(word):
+                seen[letter] = seen.get(letter, 0) + 1
+        return not any(n > 1 and c not in outs and c not in self.internal and c != "1"
+                       for c, n in seen.items())
+
     def divides(self, letter, dims) -> bool:
         """Whether ``dims`` together divide every dim of ``letter``."""
         ways = self._ways(dims)

@@ -290,15 +290,7 @@ class SearchSpace:
     def _light(self, op) -> bool:
         """No letter is contracted between two operands (Alpa's "light" ops)."""
         bound = self._bound(op)[1]
-        if not isinstance(bound, EinsumPlan):
-            return False
-        outs = set("".join(bound.out_letters))
-        seen: dict = {}
-        for word in bound.in_letters:
-            for letter in set(word):
-                seen[letter] = seen.get(letter, 0) + 1
-        return not any(n > 1 and c not in outs and c not in bound.internal and c != "1"
-                       for c, n in seen.items())
+        return isinstance(bound, EinsumPlan) and bound.light()
 
     def _follow(self, op, pick: int, leader: int) -> list:
         """One strategy per strategy of the leader: the rule's answer when the operand

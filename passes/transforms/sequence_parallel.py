@@ -132,16 +132,7 @@ def _region(program, mesh, m, producer, consumers) -> tuple:
 
 
 def _light(op) -> bool:
-    """No letter contracted between two operands (as the search's light ops)."""
-    rule = spmd_rule(op.type)
-    bound = rule.bind([v.shape for v in op.inputs], [o.shape for o in op.outputs],
-                      op.dist_attr.mesh, op.attrs)
-    if not isinstance(bound, EinsumPlan):
-        return False
-    outs = set("".join(bound.out_letters))
-    seen: dict = {}
-    for word in bound.in_letters:
-        for letter in set(word):
-            seen[letter] = seen.get(letter, 0) + 1
-    return not any(n > 1 and c not in outs and c not in bound.internal and c != "1"
-                   for c, n in seen.items())
+    """No letter contracted between two operands (the search's light ops)."""
+    bound = spmd_rule(op.type).bind([v.shape for v in op.inputs],
+                                    [o.shape for o in op.outputs], op.dist_attr.mesh, op.attrs)
+    return isinstance(bound, EinsumPlan) and bound.light()

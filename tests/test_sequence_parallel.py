@@ -200,3 +200,25 @@ def test_search_splits_the_light_ops_over_the_tensor_parallel_dim():
     found = _collectives(plan)
     assert ("forward", "reduce_scatter") in found
     assert not any(kind == "all_reduce" for _, kind in found)
+
+
+def _train_stages(comm, strategy):
+    with P.BUILD_LOCK:
+        model = P.build_model("gpt")
+        if comm is not None:
+            P.PIPELINE_PLANS["gpt", "two_stage_tp", 4].annotate(model)
+    engine = dg.Engine(model, P.loss_fn("gpt"), P.make_optimizer("adamw"), strategy=strategy,
+                       communicator=comm)
+    P.prepare(engine, "gpt")
+    history = engine.fit(P.Dataset("gpt"), batch_size=P.BATCH, epochs=1, verbose=0)
+    kinds = {str(s.kind) for p in engine.plan().reshards() for s in p.steps}
+    return (history.losses, engine.state_dict()), kinds
+
+
+def test_sequence_parallel_inside_two_tensor_parallel_pipeline_stages(float64):
+    serial, _ = _train_stages(None, dg.Strategy())
+    strategy = dg.Strategy(sequence_parallel=True, micro_batches=2)
+    for result, kinds in SimulatedWorld(4, timeout=120).run(_train_stages, strategy):
+        assert {"reduce_scatter", "send_recv"} <= kinds
+        errors = P.compare(result, serial, "float64")
+        assert errors["loss"] <= 1e-10 and errors["param"] <= 1e-10, errors

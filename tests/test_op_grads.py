@@ -335,6 +335,16 @@ for _label, _shape, _axis, _scaling in (
     CASES.append(Case("rotary", _label, _make_rotary))
 
 
+for _label, _attrs in (("causal", {}), ("window3", {"sliding_window": 3}),
+                       ("chunks4", {"chunks": 4}), ("full", {"causal": False})):
+    def _make_attention(rng, attrs=_attrs):
+        # [b, h, s, d] = [2, 3, 8, 4]; "chunks4": the sequence stored in the balanced order
+        ps = {n: normal(rng, (2, 3, 8, 4)) for n in ("q", "k", "v")}
+        return (lambda p, f: emit1("attention", [p["q"], p["k"], p["v"]],
+                                   {"scale": 0.7, **attrs})), ps, {}
+    CASES.append(Case("attention", _label, _make_attention))
+
+
 @case("top_k", "renormalised")
 def _top_k(rng):
     # Mixtral's router: softmax, the top 2 of 5, renormalised (distinct values: no ties)

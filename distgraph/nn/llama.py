@@ -93,7 +93,8 @@ class RMSNorm(Layer):
 
 
 class LlamaAttention(Layer):
-    """Causal grouped-query self-attention with rotary positions on q and k."""
+    """Causal grouped-query self-attention with rotary positions on q and k: the fused
+    ``attention`` op (a sequence split over a mesh dim runs it context parallel)."""
 
     def __init__(self, config: LlamaConfig):
         super().__init__()
@@ -123,9 +124,7 @@ class LlamaAttention(Layer):
         q = heads(self.q_proj(x), nh, True)
         k = _repeat_kv(heads(self.k_proj(x), nkv, True), nh // nkv)
         v = _repeat_kv(heads(self.v_proj(x), nkv, False), nh // nkv)
-        att = ops.scale(ops.matmul(q, k, transpose_y=True), 1.0 / math.sqrt(hd))
-        att = ops.where(ops.causal_mask(s, c.sliding_window), att, float("-inf"))
-        y = ops.matmul(ops.softmax(att, axis=-1), v)
+        y = ops.attention(q, k, v, 1.0 / math.sqrt(hd), True, c.sliding_window)
         y = ops.reshape(ops.transpose(y, [0, 2, 1, 3]), [b, s, nh * hd])
         return self.o_proj(y)
 

@@ -1,0 +1,154 @@
+"""Fused causal attention: ``attention(q, k, v, scale, causal, sliding_window)`` on
+``[batch, heads, seq, head_dim]``, with its exact gradient, its FLOPs and its
+distributed forms over a split sequence (context parallelism).
+
+- ``attention`` returns ``(y, lse)``: ``y = softmax(scale q k^T + mask) v`` and the
+  log-sum-exp of each query's scores (float, ``[b, h, s]``). The probabilities
+  ``[b, h, s, s]`` are not kept: ``attention_grad`` recomputes them from ``lse``
+  (flash attention's backward), so the op's saved activations grow with the sequence,
+  not its square. ``lse`` has no gradient (nothing but the backward reads it).
+- The mask: key j is seen by query i where ``pos(j) <= pos(i)`` (``causal``) and
+  ``pos(i) - pos(j) < sliding_window`` (Mistral's, with ``causal``). ``pos`` is the
+  token's place in the sequence: the storage index, or, with ``chunks`` = c > 1, the
+  place of storage index j when the sequence is stored in the load-balanced order of c
+  chunks (:func:`positions`): the data loader stores it so for context parallelism,
+  chunk r then chunk c-1-r for r = 0 .. c/2-1, and a loss over tokens does not care.
+- Grouped-query attention: k, v carry the query heads (the model repeats its key/value
+  heads before the op, ``_repeat_kv``), so one letter splits them all alike.
+
+Sharding, ``bhsD,bhsD,bhsD -> bhsD,bhs``: batch and heads split as any einsum letter
+(tensor parallelism over heads); the head dim never. A split ``s`` splits q, k and v
+alike over mesh dim(s) ``m``: context parallelism, whose collectives run inside the op
+(:mod:`distgraph.ops.context_parallel`): Ulysses (all-to-all from sequence-split to
+head-split and back) or ring attention (k, v blocks passed around the ring), chosen by
+the ``context_parallel`` attribute (``Strategy(context_parallel=...)``) or, unset, by
+their cost at each op. ``comm(site)`` declares those collectives to the plan.
+
+FLOPs count the (query, key) pairs the mask lets through, as a flash kernel skips the
+masked blocks: ``4 d`` per pair (two products) and 5 for the softmax; the gradient
+``10 d`` per pair (recomputed scores and four products) and 8.
+
+Example::
+
+    y, lse = attention(q, k, v, scale=1 / math.sqrt(hd), causal=True)
+"""
+
+from __future__ import annotations
+
+from distgraph import dtypes
+from distgraph.ops import context_parallel as cp
+from distgraph.ops.attention_blocks import block_backward, block_forward, positions, visible
+from distgraph.registry import ShapeError, TensorType, register_op
+from distgraph.spmd import EinsumRule
+from distgraph.ops.transformer import sequence_chunks
+from distgraph.trace import active_builder, emit
+
+IMPLEMENTATIONS = cp.IMPLEMENTATIONS
+
+
+def _pairs(s: int, causal: bool, window) -> int:
+    """The (query, key) pairs of a sequence of ``s`` the mask lets through."""
+    if not causal:
+        return s * s
+    if window is None or window >= s:
+        return s * (s + 1) // 2
+    return window * (window + 1) // 2 + (s - window) * window
+
+
+def _flops(per_pair_d: int, per_pair: int):
+    def flops(ins, outs, scale=1.0, causal=True, sliding_window=None, chunks=1,
+              context_parallel=None):
+        b, h, s, d = ins[0].shape
+        return b * h * _pairs(s, causal, sliding_window) * (per_pair_d * d + per_pair)
+    return flops
+
+
+def _check(q, k, v, causal, sliding_window, chunks):
+    if len(q.shape) != 4 or tuple(k.shape) != tuple(q.shape) or tuple(v.shape) != tuple(q.shape):
+        raise ShapeError(f"attention: q, k, v [batch, heads, seq, head_dim] of one shape "
+                         f"expected, got {list(q.shape)}, {list(k.shape)}, {list(v.shape)} "
+                         f"(repeat the key/value heads of grouped-query attention first)")
+    if not dtypes.is_float(q.dtype) or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ShapeError(f"attention: q, k, v of one float dtype, got {q.dtype}, {k.dtype}, "
+                         f"{v.dtype}")
+    if sliding_window is not None and (not causal or sliding_window < 1):
+        raise ShapeError(f"attention: sliding_window {sliding_window} needs causal=True and "
+                         f"must be at least 1")
+    if chunks < 1 or (chunks > 1 and (chunks % 2 or q.shape[2] % chunks)):
+        raise ShapeError(f"attention: chunks {chunks} must be 1 or an even divisor of the "
+                         f"sequence {q.shape[2]}")
+
+
+@register_op("attention", spmd=EinsumRule("bhsD,bhsD,bhsD->bhsD,bhs"))
+class Attention:
+    """S(b|h|s) x S(b|h|s) x S(b|h|s) -> S(b|h|s), S(b|h|s); a split s runs context
+    parallel (collectives inside the op)."""
+
+    flops = _flops(4, 5)
+
+    def infer(q, k, v, scale=1.0, causal=True, sliding_window=None, chunks=1,
+              context_parallel=None):
+        _check(q, k, v, causal, sliding_window, chunks)
+        if context_parallel not in (None,) + IMPLEMENTATIONS:
+            raise ShapeError(f"attention: context_parallel {context_parallel!r} is not one of "
+                             f"{IMPLEMENTATIONS} (or None: the cost model chooses)")
+        return q, TensorType(tuple(q.shape[:3]), q.dtype)
+
+    def kernel(ctx, q, k, v, scale=1.0, causal=True, sliding_window=None, chunks=1,
+               context_parallel=None):
+        if ctx.group is not None:
+            return cp.forward(ctx, q, k, v, scale, causal, sliding_window, chunks,
+                              context_parallel)
+        xp = ctx.xp
+        pos = positions(xp, 0, q.shape[2], q.shape[2], chunks)
+        return block_forward(xp, q, k, v, scale, visible(xp, pos, pos, causal, sliding_window))
+
+    localize = cp.localize
+    comm = cp.comm
+
+    def grad(op, dy, dlse=None):
+        return emit("attention_grad", [*op.inputs, *op.outputs, dy], dict(op.attrs))
+
+
+@register_op("attention_grad", spmd=EinsumRule("bhsD,bhsD,bhsD,bhsD,bhs,bhsD->bhsD,bhsD,bhsD"),
+             differentiable=False)
+class AttentionGrad:
+    """(dq, dk, dv) from the recomputed probabilities. S(b|h|s) x ... -> S(b|h|s) x 3."""
+
+    flops = _flops(10, 8)
+
+    def infer(q, k, v, y, lse, dy, scale=1.0, causal=True, sliding_window=None, chunks=1,
+              context_parallel=None):
+        return q, k, v
+
+    def kernel(ctx, q, k, v, y, lse, dy, scale=1.0, causal=True, sliding_window=None,
+               chunks=1, context_parallel=None):
+        if ctx.group is not None:
+            return cp.backward(ctx, q, k, v, y, lse, dy, scale, causal, sliding_window,
+                               chunks, context_parallel)
+        xp = ctx.xp
+        pos = positions(xp, 0, q.shape[2], q.shape[2], chunks)
+        return block_backward(xp, q, k, v, y, lse, dy, scale,
+                              visible(xp, pos, pos, causal, sliding_window))
+
+    localize = cp.localize
+
+    def comm(site):
+        return cp.comm(site, grad=True)
+
+
+def attention(q, k, v, scale: float, causal: bool = True, sliding_window=None,
+              context_parallel=None):
+    """Fused attention of q, k, v [b, heads, seq, head_dim] (module docstring): y.
+    ``context_parallel`` ("ring", "ulysses", None: the trace's strategy, else the cost
+    model) is how a sequence split over a mesh dim runs."""
+    builder = active_builder()
+    impl = context_parallel or getattr(builder, "context_parallel", None)
+    attrs = {"scale": float(scale), "causal": bool(causal)}
+    if sequence_chunks() > 1:
+        attrs["chunks"] = sequence_chunks()
+    if sliding_window is not None:
+        attrs["sliding_window"] = int(sliding_window)
+    if impl is not None:
+        attrs["context_parallel"] = impl
+    return emit("attention", [q, k, v], attrs)[0]

@@ -1,0 +1,65 @@
+"""The arithmetic of attention on blocks, shared by the serial kernel and the
+distributed forms (Ulysses, ring): each token's place in a stored sequence, the mask,
+and one query block against one key block, forward (with its log-sum-exp) and backward
+(probabilities recomputed from the final log-sum-exp, as flash attention does).
+
+Example::
+
+    pos = positions(np, 0, 8, 8, chunks=4)        # [0, 1, 6, 7, 2, 3, 4, 5]
+    y, lse = block_forward(np, q, k, v, 0.5, visible(np, pos, pos, True, None))
+"""
+
+from __future__ import annotations
+
+
+def positions(xp, start: int, count: int, total: int, chunks: int = 1):
+    """The sequence positions (int64) of storage indices ``start .. start+count-1`` of a
+    sequence of ``total`` tokens stored in the balanced order of ``chunks`` chunks
+    (1: natural order). Storage chunk m holds chunk m/2 for even m, chunks-1-(m-1)/2 for
+    odd m: rank r of chunks/2 holds chunks r and chunks-1-r."""
+    j = xp.arange(start, start + count, dtype="int64")
+    if chunks <= 1:
+        return j
+    size = total // chunks
+    m, r = j // size, j % size
+    return xp.where(m % 2 == 0, m // 2, chunks - 1 - m // 2) * size + r
+
+
+def visible(xp, pq, pk, causal: bool, window):
+    """Bool [len(pq), len(pk)]: which keys each query sees (module docstring)."""
+    if not causal:
+        return xp.ones((pq.size, pk.size), dtype=bool)
+    gap = pq[:, None] - pk[None, :]
+    ok = gap >= 0
+    if window is not None:
+        ok &= gap < window
+    return ok
+
+
+def block_forward(xp, q, k, v, scale, mask):
+    """(y, lse) of one query block against one key block under ``mask``; rows that see
+    no key get y = 0 and lse = -inf (a ring step's block may hide every key)."""
+    s = (q @ k.swapaxes(-1, -2)) * q.dtype.type(scale)
+    s = xp.where(mask, s, -xp.inf)
+    top = xp.max(s, axis=-1, keepdims=True)
+    safe = xp.where(xp.isfinite(top), top, 0)
+    p = xp.exp(s - safe)
+    total = xp.sum(p, axis=-1, keepdims=True)
+    y = (p @ v) / xp.where(total > 0, total, 1)
+    with_keys = total[..., 0] > 0
+    lse = xp.where(with_keys, safe[..., 0] + xp.log(xp.where(with_keys, total[..., 0], 1)),
+                   -xp.inf)
+    return y, lse
+
+
+def block_backward(xp, q, k, v, y, lse, dy, scale, mask):
+    """(dq, dk, dv) of one query block against one key block, the probabilities
+    recomputed from the rows' final ``lse`` (flash attention's backward)."""
+    sc = q.dtype.type(scale)
+    s = (q @ k.swapaxes(-1, -2)) * sc
+    p = xp.where(mask, xp.exp(s - xp.where(xp.isfinite(lse), lse, 0)[..., None]), 0)
+    dv = p.swapaxes(-1, -2) @ dy
+    dp = dy @ v.swapaxes(-1, -2)
+    delta = xp.sum(dy * y, axis=-1, keepdims=True)
+    ds = p * (dp - delta) * sc
+    return ds @ k, ds.swapaxes(-1, -2) @ q, dv

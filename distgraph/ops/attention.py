@@ -39,7 +39,6 @@ from distgraph import dtypes
 from distgraph.ops import context_parallel as cp
 from distgraph.ops.attention_blocks import block_backward, block_forward, positions, visible
 from distgraph.registry import ShapeError, TensorType, register_op
-from distgraph.spmd import EinsumRule
 from distgraph.ops.transformer import sequence_chunks
 from distgraph.trace import active_builder, emit
 
@@ -79,7 +78,7 @@ def _check(q, k, v, causal, sliding_window, chunks):
                          f"sequence {q.shape[2]}")
 
 
-@register_op("attention", spmd=EinsumRule("bhsD,bhsD,bhsD->bhsD,bhs"))
+@register_op("attention", spmd=cp.ContextRule("bhsD,bhsD,bhsD->bhsD,bhs"))
 class Attention:
     """S(b|h|s) x S(b|h|s) x S(b|h|s) -> S(b|h|s), S(b|h|s); a split s runs context
     parallel (collectives inside the op)."""
@@ -110,7 +109,7 @@ class Attention:
         return emit("attention_grad", [*op.inputs, *op.outputs, dy], dict(op.attrs))
 
 
-@register_op("attention_grad", spmd=EinsumRule("bhsD,bhsD,bhsD,bhsD,bhs,bhsD->bhsD,bhsD,bhsD"),
+@register_op("attention_grad", spmd=cp.ContextRule("bhsD,bhsD,bhsD,bhsD,bhs,bhsD->bhsD,bhsD,bhsD"),
              differentiable=False)
 class AttentionGrad:
     """(dq, dk, dv) from the recomputed probabilities. S(b|h|s) x ... -> S(b|h|s) x 3."""

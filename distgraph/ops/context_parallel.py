@@ -39,6 +39,7 @@ from __future__ import annotations
 from distgraph import dtypes
 from distgraph.errors import PlanError
 from distgraph.ops.attention_blocks import block_backward, block_forward, positions, visible
+from distgraph.spmd import DimsSpec, EinsumPlan, EinsumRule, entry_dims
 
 # The ring kernels land from their own branch (RING_MODULE); until they are merged
 # and imported here, only Ulysses runs and asking for "ring" is a PlanError.
@@ -113,6 +114,39 @@ def choose(attrs: dict, site) -> str:
                         f"{n} ways but no context-parallel form can run: {why['ulysses']}, "
                         f"and {why['ring']}")
     return min(options, key=lambda i: _sent(_comm_of(i, n, nbytes, d, False)))
+
+
+class ContextRule(EinsumRule):
+    """attention's einsum rule whose strategies leave out the sequence splits no
+    context-parallel form can run (Ulysses' heads do not divide, the ring is not asked
+    for or not there): the search never picks a layout the op cannot run."""
+
+    def bind(self, in_shapes, out_shapes, mesh, attrs: dict):
+        base = super().bind(in_shapes, out_shapes, mesh, attrs)
+        return ContextPlan(base.notation, base.in_shapes, base.out_shapes, mesh,
+                           "".join(sorted(base.internal)), attrs.get("context_parallel"))
+
+
+class ContextPlan(EinsumPlan):
+    def __init__(self, notation, in_shapes, out_shapes, mesh, internal, asked):
+        super().__init__(notation, in_shapes, out_shapes, mesh, internal)
+        self.asked = asked
+
+    def _runs(self, q: DimsSpec) -> bool:
+        seq = entry_dims(q.dims[2])
+        n = 1
+        for m in seq:
+            n *= self.sizes[m]
+        if n == 1:
+            return True
+        heads = self.in_shapes[0][1]
+        for m in entry_dims(q.dims[1]):
+            heads //= self.sizes[m]
+        can = {"ulysses": heads % n == 0, "ring": ring_available()}
+        return can[self.asked] if self.asked else any(can.values())
+
+    def strategies(self) -> list:
+        return [s for s in super().strategies() if self._runs(DimsSpec.of(s.in_specs[0]))]
 
 
 def localize(attrs, site):

@@ -1,0 +1,265 @@
+"""Context parallelism: Llama-tiny with its sequence split over a ``cp`` mesh dim trains
+as it does on one process (float64, 1e-10), attention running Ulysses (all-to-alls
+inside the op) — cp 2 and cp 4, cp x dp, cp x mp (Megatron's heads), cp inside each of
+2 pipeline stages — on real MPI ranks (``distgraph run``) and on SimulatedWorld threads.
+The data come in the load-balanced order of 2·cp chunks; the causal mask is right at
+every chunk boundary (a query never sees a later chunk), and the serial op in that
+order equals the op in natural order."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import distgraph as dg  # noqa: E402
+from distgraph.nn.llama import Llama, LlamaConfig, megatron  # noqa: E402
+from distgraph.ops.attention_blocks import (block_backward, block_forward,  # noqa: E402
+                                            positions, visible)
+from distgraph.runtime.comm.simulated import SimulatedWorld  # noqa: E402
+
+import llama_cases as L  # noqa: E402
+import plans as P  # noqa: E402
+
+BATCH, SEQ, STEPS = 4, 16, 2
+CONFIG = LlamaConfig(**L.TINY, rope_theta=500000.0, initializer_range=0.2)
+
+
+def _model():
+    dg.seed(3)
+    return Llama(CONFIG)
+
+
+def _cp(n):
+    def annotate(model):
+        mesh = dg.ProcessMesh(list(range(n)), dim_names=["cp"])
+        return mesh, None, "cp"
+    return annotate
+
+
+def _cp_dp(model):
+    mesh = dg.ProcessMesh([[0, 1], [2, 3]], dim_names=["dp", "cp"])
+    return mesh, "dp", "cp"
+
+
+def _cp_mp(model):
+    mesh = dg.ProcessMesh([[0, 1], [2, 3]], dim_names=["cp", "mp"])
+    megatron(model, mesh)
+    return mesh, None, "cp"
+
+
+def _pipeline(model):
+    first, second = (dg.ProcessMesh(ids, dim_names=["cp"]) for ids in ([0, 1], [2, 3]))
+    L.two_stages(model, first, second)
+    return [first, second], None, "cp"
+
+
+LAYOUTS = {          # name: (annotate, ranks, strategy)
+    "cp2": (_cp(2), 2, dg.Strategy(context_parallel="ulysses")),
+    "cp4": (_cp(4), 4, dg.Strategy()),
+    "cp2_dp2": (_cp_dp, 4, dg.Strategy(context_parallel="ulysses")),
+    "cp2_mp2": (_cp_mp, 4, dg.Strategy(context_parallel="ulysses")),
+    "cp2_2stages": (_pipeline, 4, dg.Strategy(micro_batches=2, context_parallel="ulysses")),
+}
+
+
+def train(comm, layout, plans=None):
+    """(losses, state) of Llama-tiny trained on ``comm`` (None: serial, natural order)."""
+    with P.BUILD_LOCK:
+        model = _model()
+        meshes, dim, seq = LAYOUTS[layout][0](model) if layout else (None, None, None)
+    strategy = LAYOUTS[layout][2] if layout else dg.Strategy()
+    engine = dg.Engine(model, loss=dg.nn.CrossEntropyLoss(), optimizer=dg.optim.AdamW(1e-2),
+                       strategy=strategy, communicator=comm)
+    data = L.NextTokens(BATCH * STEPS, SEQ)
+    if meshes is not None:
+        data = dg.shard_dataloader(data, meshes, shard_dims=dim, sequence_dim=seq)
+    with P.BUILD_LOCK:
+        ins, labels = dg.app.data.DataLoader(data, BATCH).specs(1)
+        engine.prepare(ins, labels)
+    history = engine.fit(data, batch_size=BATCH, epochs=1, verbose=0)
+    if plans is not None:
+        plans.append(engine.plan())
+    return history.losses, engine.state_dict()
+
+
+def _equal(results, serial):
+    for losses, params in results:
+        np.testing.assert_allclose(losses, serial[0], rtol=0, atol=1e-10)
+        for name, value in serial[1].items():
+            np.testing.assert_allclose(params[name], value, rtol=0, atol=1e-10, err_msg=name)
+
+
+@pytest.fixture(scope="module")
+def serial():
+    """Llama-tiny trained on one process, natural order, float64."""
+    before = dg.get_default_dtype()
+    dg.set_default_dtype("float64")
+    try:
+        return train(None, None)
+    finally:
+        dg.set_default_dtype(before)
+
+
+# -- the op in the balanced order ------------------------------------------------------------------
+@pytest.mark.parametrize("chunks", [4, 8, 16])
+@pytest.mark.parametrize("window", [None, 3])
+def test_stored_order_equals_natural_order(chunks, window):
+    """The serial kernels on a sequence stored in the balanced order (positions from
+    ``chunks``) give the natural-order results, stored in that order."""
+    rng = np.random.default_rng(chunks)
+    q, k, v, dy = (rng.standard_normal((2, 3, 16, 4)) for _ in range(4))
+    pos = np.arange(16)
+    y, lse = block_forward(np, q, k, v, 0.5, visible(np, pos, pos, True, window))
+    grads = block_backward(np, q, k, v, y, lse, dy, 0.5, visible(np, pos, pos, True, window))
+    perm = positions(np, 0, 16, 16, chunks)
+    assert sorted(perm) == list(range(16)) and list(perm) != list(range(16))
+    ys, lses = block_forward(np, q[:, :, perm], k[:, :, perm], v[:, :, perm], 0.5,
+                             visible(np, perm, perm, True, window))
+    np.testing.assert_allclose(ys, y[:, :, perm], rtol=0, atol=1e-12)
+    np.testing.assert_allclose(lses, lse[:, :, perm], rtol=0, atol=1e-12)
+    got = block_backward(np, *(a[:, :, perm] for a in (q, k, v)), ys, lses, dy[:, :, perm],
+                         0.5, visible(np, perm, perm, True, window))
+    for g, want in zip(got, grads):
+        np.testing.assert_allclose(g, want[:, :, perm], rtol=0, atol=1e-12)
+
+
+def test_balanced_order_gives_rank_i_chunks_i_and_mirror():
+    """cp 4: 8 chunks of 2; rank i's block of the stored order is chunks i and 7 - i."""
+    perm = positions(np, 0, 16, 16, 8).reshape(4, 4)
+    for i in range(4):
+        assert list(perm[i] // 2) == [i, i, 7 - i, 7 - i]
+
+
+# -- training ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("layout", ["cp2", "cp4", "cp2_dp2", "cp2_mp2", "cp2_2stages"])
+def test_context_parallel_training_equals_serial(float64, serial, layout):
+    """Simulated ranks; every attention op of the plan runs context parallel (its q
+    split along the sequence over cp, all-to-alls among the collectives inside it)."""
+    _, ranks, _ = LAYOUTS[layout]
+    plans = []
+    results = SimulatedWorld(ranks, timeout=120).run(train, layout, plans)
+    _equal(results, serial)
+    ops = [op for op in plans[0].program.ops if op.type in ("attention", "attention_grad")]
+    assert ops and all("cp" in op.dist_attr.input_specs[0].entry(2) for op in ops)
+    cp = 4 if layout == "cp4" else 2
+    assert all(op.attrs["chunks"] == 2 * cp for op in ops)
+
+
+@pytest.mark.mpi
+def test_context_parallel_on_mpi_ranks_equals_serial(float64, serial, tmp_path):
+    """Real ranks (``distgraph run -n 4``): cp 4, cp x dp, cp x mp, cp in 2 stages."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    out = tmp_path / "cp"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    layouts = ["cp4", "cp2_dp2", "cp2_mp2", "cp2_2stages"]
+    proc = subprocess.run([sys.executable, "-m", "distgraph.cli", "run", "-n", "4",
+                           os.path.join(here, "mpi_scripts", "context_parallel.py"), str(out),
+                           *layouts], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for layout in layouts:
+        got = np.load(f"{out}_{layout}.npz")
+        _equal([(got["losses"], {name: got[name] for name in serial[1]})], serial)
+
+
+# -- causal masking at the chunk boundaries --------------------------------------------------------
+def _predict(comm, tokens):
+    with P.BUILD_LOCK:
+        model = _model()
+        mesh = dg.ProcessMesh([0, 1], dim_names=["cp"])
+    engine = dg.Engine(model, strategy=dg.Strategy(context_parallel="ulysses"),
+                       communicator=comm)
+    data = dg.shard_dataloader(_Tokens(tokens), mesh, sequence_dim="cp")
+    return engine.predict(data, batch_size=len(tokens))[0][0]
+
+
+class _Tokens:
+    def __init__(self, ids):
+        self.ids = ids
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return (self.ids[i],)
+
+
+def test_no_query_sees_a_later_chunk(float64):
+    """cp 2 stores 4 chunks of 4 as [0, 3 | 1, 2]: for every chunk boundary p, changing
+    the tokens from p on leaves every logit before p as it was and changes those after,
+    on the ranks (the logits come back in sequence order)."""
+    ids = np.random.default_rng(0).integers(0, CONFIG.vocab_size, (2, SEQ))
+    base = SimulatedWorld(2, timeout=120).run(_predict, ids)[0]
+    for p in (4, 8, 12):
+        changed = ids.copy()
+        changed[:, p:] = (changed[:, p:] + 1) % CONFIG.vocab_size
+        got = SimulatedWorld(2, timeout=120).run(_predict, changed)[0]
+        np.testing.assert_allclose(got[:, :p], base[:, :p], rtol=0, atol=1e-12)
+        assert np.abs(got[:, p:] - base[:, p:]).min(axis=-1).max() > 0
+
+
+# -- what the plan counts ---------------------------------------------------------------------------
+def _built(n: int, impl):
+    from distgraph.placement import DistAttr, ShardSpec
+    from distgraph.program_builder import build_program
+
+    mesh = dg.ProcessMesh(list(range(n)), dim_names=["cp"])
+    attr = DistAttr(mesh, ShardSpec([None, "cp"]))
+    specs = [dg.InputSpec([BATCH, SEQ], "int64", name, attr, 2 * n)
+             for name in ("tokens", "labels")]
+    model = _model()
+    built = build_program(model, specs[:1], specs[1:], dg.nn.CrossEntropyLoss(),
+                          dg.optim.AdamW(1e-2), context_parallel=impl)
+    init = {name: p.numpy() for name, p in model.named_parameters()}
+    init.update(dg.optim.AdamW(1e-2).initial_state(built.program))
+    return built, init
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_bytes_counted_equal_the_plan_with_attention_inside(float64, n):
+    """One training step on n ranks: the bytes each rank sends, by kind, equal the plan's
+    (reshard steps and the attention ops' own all-to-alls, ``comm(site)``), and the
+    all-to-alls are the ops' (Ulysses: 2 per attention, 2 per gradient)."""
+    from distgraph.passes.partition import gather_points
+    from distgraph.runtime.execution.runner import PlanRunner
+
+    built, init = _built(n, "ulysses")
+    plan = dg.passes.plan(built)
+    ids = np.random.default_rng(0).integers(0, CONFIG.vocab_size, (BATCH, SEQ))
+
+    def rank(comm):
+        runner = PlanRunner(plan, comm)
+        scope = runner.shard_scope(init)
+        comm.reset_counters()
+        runner.run(scope, {"tokens": ids, "labels": ids}, 0)
+        planned = runner.local.bytes_sent()
+        for point in gather_points(plan.program, [built.loss_name], comm.rank):
+            for step in point.steps:
+                planned[step.kind] = planned.get(step.kind, 0.0) + step.bytes_sent_by(comm.rank)
+        return planned, dict(comm.bytes_sent), runner.local.op_comm
+
+    for planned, counted, op_comm in SimulatedWorld(n).run(rank):
+        kinds = set(planned) | {k for k, b in counted.items() if b}
+        assert {k: planned.get(k, 0.0) for k in kinds} == \
+            pytest.approx({k: counted.get(k, 0.0) for k in kinds}, rel=1e-12)
+        inside = [kind for c in op_comm.values() for kind, _, _ in c]
+        assert inside.count("all_to_all") == 4 * CONFIG.num_hidden_layers
+
+
+def test_plan_explains_attention_collectives(float64):
+    """Plan.explain() lists the attention ops' all-to-alls among the collectives inside
+    ops; asking for the ring before its kernels are in the build is a PlanError that
+    says so."""
+    built, _ = _built(2, "ulysses")
+    text = dg.passes.plan(built).explain()
+    inside = text[text.index("collectives inside ops"):]
+    assert "attention (layers.0.self_attn) over (0, 1): all_to_all n=2" in inside
+    assert "attention_grad (layers.1.self_attn) over (0, 1): all_to_all n=2" in inside
+    ring, _ = _built(2, "ring")
+    with pytest.raises(dg.PlanError, match="ring kernels"):
+        dg.passes.plan(ring)

@@ -192,9 +192,12 @@ class _Tokens:
 def test_no_query_sees_a_later_chunk(float64):
     """cp 2 stores 4 chunks of 4 as [0, 3 | 1, 2]: for every chunk boundary p, changing
     the tokens from p on leaves every logit before p as it was and changes those after,
-    on the ranks (the logits come back in sequence order)."""
+    on the ranks; the logits come back in sequence order, equal to one process's."""
     ids = np.random.default_rng(0).integers(0, CONFIG.vocab_size, (2, SEQ))
     base = SimulatedWorld(2, timeout=120).run(_predict, ids)[0]
+    with P.BUILD_LOCK:
+        serial = dg.Engine(_model()).predict(_Tokens(ids), batch_size=len(ids))[0][0]
+    np.testing.assert_allclose(base, serial, rtol=0, atol=1e-10)
     for p in (4, 8, 12):
         changed = ids.copy()
         changed[:, p:] = (changed[:, p:] + 1) % CONFIG.vocab_size
@@ -258,8 +261,33 @@ def test_plan_explains_attention_collectives(float64):
     built, _ = _built(2, "ulysses")
     text = dg.passes.plan(built).explain()
     inside = text[text.index("collectives inside ops"):]
-    assert "attention (layers.0.self_attn) over (0, 1): all_to_all n=2" in inside
-    assert "attention_grad (layers.1.self_attn) over (0, 1): all_to_all n=2" in inside
+    assert "attention [ulysses] (layers.0.self_attn) over (0, 1): all_to_all n=2" in inside
+    assert "attention_grad [ulysses] (layers.1.self_attn) over (0, 1): all_to_all n=2" \
+        in inside
     ring, _ = _built(2, "ring")
     with pytest.raises(dg.PlanError, match="ring kernels"):
         dg.passes.plan(ring)
+
+
+def test_bad_context_parallel_settings_are_errors():
+    with pytest.raises(dg.DistGraphError, match="context_parallel must be"):
+        dg.Strategy(context_parallel="rings")
+    mesh = dg.ProcessMesh([[0, 1], [2, 3]], dim_names=["dp", "cp"])
+    data = L.NextTokens(4, SEQ)
+    with pytest.raises(dg.ShardingError, match="also the batch's shard_dims"):
+        dg.shard_dataloader(data, mesh, shard_dims="cp", sequence_dim="cp")
+    with pytest.raises(dg.ShardingError, match="no dim 1"):
+        dg.shard_dataloader(_Scalars(), mesh, "dp", "cp").feed_attrs([(4,)], 0)
+    natural = dg.shard_dataloader(data, mesh, "dp", "cp", balance=False)
+    assert natural.sequence_chunks == 1 and (natural[0][0] == data[0][0]).all()
+    balanced = dg.shard_dataloader(data, mesh, "dp", "cp")
+    assert balanced.sequence_chunks == 4
+    assert (balanced[0][1] == data[0][1][positions(np, 0, SEQ, SEQ, 4)]).all()
+
+
+class _Scalars:
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        return (np.float64(i),)

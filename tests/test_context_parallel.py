@@ -148,7 +148,7 @@ def test_context_parallel_training_equals_serial(float64, serial, layout):
     ops = [op for op in plans[0].program.ops if op.type in ("attention", "attention_grad")]
     assert ops and all("cp" in op.dist_attr.input_specs[0].entry(2) for op in ops)
     cp = 4 if layout == "cp4" else 2
-    assert all(op.attrs["chunks"] == 2 * cp for op in ops)
+    assert all(op.attrs["sequence_chunks"] == 2 * cp for op in ops)
 
 
 @pytest.mark.mpi

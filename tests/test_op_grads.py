@@ -336,7 +336,7 @@ for _label, _shape, _axis, _scaling in (
 
 
 for _label, _attrs in (("causal", {}), ("window3", {"sliding_window": 3}),
-                       ("chunks4", {"chunks": 4}), ("full", {"causal": False})):
+                       ("chunks4", {"sequence_chunks": 4}), ("full", {"causal": False})):
     def _make_attention(rng, attrs=_attrs):
         # [b, h, s, d] = [2, 3, 8, 4]; "chunks4": the sequence stored in the balanced order
         ps = {n: normal(rng, (2, 3, 8, 4)) for n in ("q", "k", "v")}

@@ -9,7 +9,7 @@ distributed forms over a split sequence (context parallelism).
   not its square. ``lse`` has no gradient (nothing but the backward reads it).
 - The mask: key j is seen by query i where ``pos(j) <= pos(i)`` (``causal``) and
   ``pos(i) - pos(j) < sliding_window`` (Mistral's, with ``causal``). ``pos`` is the
-  token's place in the sequence: the storage index, or, with ``chunks`` = c > 1, the
+  token's place in the sequence: the storage index, or, with ``sequence_chunks`` = c > 1, the
   place of storage index j when the sequence is stored in the load-balanced order of c
   chunks (:func:`positions`): the data loader stores it so for context parallelism,
   chunk r then chunk c-1-r for r = 0 .. c/2-1, and a loss over tokens does not care.
@@ -55,14 +55,14 @@ def _pairs(s: int, causal: bool, window) -> int:
 
 
 def _flops(per_pair_d: int, per_pair: int):
-    def flops(ins, outs, scale=1.0, causal=True, sliding_window=None, chunks=1,
+    def flops(ins, outs, scale=1.0, causal=True, sliding_window=None, sequence_chunks=1,
               context_parallel=None):
         b, h, s, d = ins[0].shape
         return b * h * _pairs(s, causal, sliding_window) * (per_pair_d * d + per_pair)
     return flops
 
 
-def _check(q, k, v, causal, sliding_window, chunks):
+def _check(q, k, v, causal, sliding_window, sequence_chunks):
     if len(q.shape) != 4 or tuple(k.shape) != tuple(q.shape) or tuple(v.shape) != tuple(q.shape):
         raise ShapeError(f"attention: q, k, v [batch, heads, seq, head_dim] of one shape "
                          f"expected, got {list(q.shape)}, {list(k.shape)}, {list(v.shape)} "
@@ -73,9 +73,10 @@ def _check(q, k, v, causal, sliding_window, chunks):
     if sliding_window is not None and (not causal or sliding_window < 1):
         raise ShapeError(f"attention: sliding_window {sliding_window} needs causal=True and "
                          f"must be at least 1")
-    if chunks < 1 or (chunks > 1 and (chunks % 2 or q.shape[2] % chunks)):
-        raise ShapeError(f"attention: chunks {chunks} must be 1 or an even divisor of the "
-                         f"sequence {q.shape[2]}")
+    c = sequence_chunks
+    if c < 1 or (c > 1 and (c % 2 or q.shape[2] % c)):
+        raise ShapeError(f"attention: sequence_chunks {c} must be 1 or an even divisor of "
+                         f"the sequence {q.shape[2]}")
 
 
 @register_op("attention", spmd=cp.ContextRule("bhsD,bhsD,bhsD->bhsD,bhs"))
@@ -85,21 +86,21 @@ class Attention:
 
     flops = _flops(4, 5)
 
-    def infer(q, k, v, scale=1.0, causal=True, sliding_window=None, chunks=1,
+    def infer(q, k, v, scale=1.0, causal=True, sliding_window=None, sequence_chunks=1,
               context_parallel=None):
-        _check(q, k, v, causal, sliding_window, chunks)
+        _check(q, k, v, causal, sliding_window, sequence_chunks)
         if context_parallel not in (None,) + IMPLEMENTATIONS:
             raise ShapeError(f"attention: context_parallel {context_parallel!r} is not one of "
                              f"{IMPLEMENTATIONS} (or None: the cost model chooses)")
         return q, TensorType(tuple(q.shape[:3]), q.dtype)
 
-    def kernel(ctx, q, k, v, scale=1.0, causal=True, sliding_window=None, chunks=1,
+    def kernel(ctx, q, k, v, scale=1.0, causal=True, sliding_window=None, sequence_chunks=1,
                context_parallel=None):
         if ctx.group is not None:
-            return cp.forward(ctx, q, k, v, scale, causal, sliding_window, chunks,
+            return cp.forward(ctx, q, k, v, scale, causal, sliding_window, sequence_chunks,
                               context_parallel)
         xp = ctx.xp
-        pos = positions(xp, 0, q.shape[2], q.shape[2], chunks)
+        pos = positions(xp, 0, q.shape[2], q.shape[2], sequence_chunks)
         return block_forward(xp, q, k, v, scale, visible(xp, pos, pos, causal, sliding_window))
 
     localize = cp.localize
@@ -116,17 +117,17 @@ class AttentionGrad:
 
     flops = _flops(10, 8)
 
-    def infer(q, k, v, y, lse, dy, scale=1.0, causal=True, sliding_window=None, chunks=1,
+    def infer(q, k, v, y, lse, dy, scale=1.0, causal=True, sliding_window=None, sequence_chunks=1,
               context_parallel=None):
         return q, k, v
 
     def kernel(ctx, q, k, v, y, lse, dy, scale=1.0, causal=True, sliding_window=None,
-               chunks=1, context_parallel=None):
+               sequence_chunks=1, context_parallel=None):
         if ctx.group is not None:
             return cp.backward(ctx, q, k, v, y, lse, dy, scale, causal, sliding_window,
-                               chunks, context_parallel)
+                               sequence_chunks, context_parallel)
         xp = ctx.xp
-        pos = positions(xp, 0, q.shape[2], q.shape[2], chunks)
+        pos = positions(xp, 0, q.shape[2], q.shape[2], sequence_chunks)
         return block_backward(xp, q, k, v, y, lse, dy, scale,
                               visible(xp, pos, pos, causal, sliding_window))
 
@@ -145,7 +146,7 @@ def attention(q, k, v, scale: float, causal: bool = True, sliding_window=None,
     impl = context_parallel or getattr(builder, "context_parallel", None)
     attrs = {"scale": float(scale), "causal": bool(causal)}
     if sequence_chunks() > 1:
-        attrs["chunks"] = sequence_chunks()
+        attrs["sequence_chunks"] = sequence_chunks()
     if sliding_window is not None:
         attrs["sliding_window"] = int(sliding_window)
     if impl is not None:

@@ -12,7 +12,7 @@ of the stored sequence (block order = storage order).
   query heads, so they are copied whatever their count).
 - **Ring** attention: k, v blocks passed around the ring with non-blocking sends, the
   kernels of :mod:`distgraph.ops.ring_attention` (online softmax; the load-balanced
-  order of 2n chunks is the data's, ``chunks``).
+  order of 2n chunks is the data's, ``sequence_chunks``).
 
 Both take each token's place from :func:`~distgraph.ops.attention.positions`, so the
 causal mask is right in any stored order. The kernel interface of the ring module::
@@ -31,7 +31,7 @@ a tie, among those that can run here.
 
 Example (what a plan's process runs; ``ctx`` carries the communicator and group)::
 
-    y, lse = forward(ctx, q, k, v, 0.125, True, None, chunks=4, impl="ulysses")
+    y, lse = forward(ctx, q, k, v, 0.125, True, None, 4, "ulysses")
 """
 
 from __future__ import annotations

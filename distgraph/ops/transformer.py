@@ -8,7 +8,7 @@
   last dim of ``x`` by ``position * inv_freq[i]`` (transformers' ``rotate_half`` form),
   where position is the element's global index along ``seq_axis``: a process holding a
   slice of the sequence rotates by its own positions (``localize`` gives the kernel the
-  slice; ``chunks`` > 1: the sequence is stored in the load-balanced order of that many
+  slice; ``sequence_chunks`` > 1: the sequence is stored in the load-balanced order of that many
   chunks, :func:`~distgraph.ops.attention_blocks.positions`). ``inverse`` rotates the
   other way: the gradient. Angles and their cos/sin are
   computed in float64 and cast to ``x``'s dtype. ``...D -> ...D``: the rotated dim is
@@ -140,7 +140,7 @@ def _rotary_notation(in_shapes, attrs):
 class Rotary:
     flops = elementwise_flops(3)
 
-    def infer(x, seq_axis, theta, scaling=(), inverse=False, chunks=1):
+    def infer(x, seq_axis, theta, scaling=(), inverse=False, sequence_chunks=1):
         if not dtypes.is_float(x.dtype):
             raise ShapeError(f"rotary takes a float tensor, got {x.dtype}")
         if x.shape[-1] % 2:
@@ -150,14 +150,14 @@ class Rotary:
                              f"of {list(x.shape)}")
         return x
 
-    def kernel(ctx, x, seq_axis, theta, scaling=(), inverse=False, chunks=1):
+    def kernel(ctx, x, seq_axis, theta, scaling=(), inverse=False, sequence_chunks=1):
         xp = ctx.xp
         axis = seq_axis % x.ndim
         start = ctx.out_slices[axis].start if ctx.out_slices is not None else 0
         total = ctx.out_global_shape[axis] if ctx.out_global_shape is not None else \
             x.shape[axis]
         inv = xp.asarray(rope_frequencies(x.shape[-1], theta, scaling))
-        place = positions(xp, start, x.shape[axis], total, chunks)
+        place = positions(xp, start, x.shape[axis], total, sequence_chunks)
         angle = place.astype(inv.dtype)[:, None] * inv
         shape = [1] * x.ndim
         shape[axis], shape[-1] = x.shape[axis], inv.size
@@ -173,7 +173,7 @@ class Rotary:
         slices = site.out_slices(0)
         axis = attrs["seq_axis"] % len(slices)
         whole = slices[axis].stop - slices[axis].start == site.out_shapes[0][axis]
-        if slices[axis].start == 0 and (whole or attrs.get("chunks", 1) == 1):
+        if slices[axis].start == 0 and (whole or attrs.get("sequence_chunks", 1) == 1):
             return attrs, {}
         return attrs, {"out_global_shape": tuple(site.out_shapes[0]), "out_slices": slices}
 
@@ -196,5 +196,5 @@ def rotary(x, seq_axis, theta=10000.0, scaling=None):
     items = tuple(sorted((scaling or {}).items()))
     attrs = {"seq_axis": int(seq_axis), "theta": float(theta), "scaling": items}
     if sequence_chunks() > 1:
-        attrs["chunks"] = sequence_chunks()
+        attrs["sequence_chunks"] = sequence_chunks()
     return emit1("rotary", [x], attrs)

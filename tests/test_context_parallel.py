@@ -291,3 +291,24 @@ class _Scalars:
 
     def __getitem__(self, i):
         return (np.float64(i),)
+
+
+@pytest.mark.parametrize("chunks", [1, 4])
+@pytest.mark.parametrize("window", [None, 5])
+def test_row_blocks_over_visible_keys_equal_one_block(chunks, window):
+    """attend/attend_grad, 3 queries at a time over only the keys those can see, equal
+    one block over every key under the full mask."""
+    from distgraph.ops.attention_blocks import attend, attend_grad
+
+    rng = np.random.default_rng(5)
+    q, k, v, dy = (rng.standard_normal((2, 3, 16, 4)) for _ in range(4))
+    pos = positions(np, 0, 16, 16, chunks)
+    mask = visible(np, pos, pos, True, window)
+    y, lse = block_forward(np, q, k, v, 0.5, mask)
+    got_y, got_lse = attend(np, q, k, v, 0.5, pos, pos, True, window, rows=3)
+    np.testing.assert_allclose(got_y, y, rtol=0, atol=1e-12)
+    np.testing.assert_allclose(got_lse, lse, rtol=0, atol=1e-12)
+    want = block_backward(np, q, k, v, y, lse, dy, 0.5, mask)
+    for g, w in zip(attend_grad(np, q, k, v, y, lse, dy, 0.5, pos, pos, True, window, rows=3),
+                    want):
+        np.testing.assert_allclose(g, w, rtol=0, atol=1e-12)

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 from distgraph import dtypes
 from distgraph.ops import context_parallel as cp
-from distgraph.ops.attention_blocks import block_backward, block_forward, positions, visible
+from distgraph.ops.attention_blocks import attend, attend_grad, positions
 from distgraph.registry import ShapeError, TensorType, register_op
 from distgraph.ops.transformer import sequence_chunks
 from distgraph.trace import active_builder, emit
@@ -101,7 +101,7 @@ class Attention:
                               context_parallel)
         xp = ctx.xp
         pos = positions(xp, 0, q.shape[2], q.shape[2], sequence_chunks)
-        return block_forward(xp, q, k, v, scale, visible(xp, pos, pos, causal, sliding_window))
+        return attend(xp, q, k, v, scale, pos, pos, causal, sliding_window)
 
     localize = cp.localize
     comm = cp.comm
@@ -128,8 +128,7 @@ class AttentionGrad:
                                sequence_chunks, context_parallel)
         xp = ctx.xp
         pos = positions(xp, 0, q.shape[2], q.shape[2], sequence_chunks)
-        return block_backward(xp, q, k, v, y, lse, dy, scale,
-                              visible(xp, pos, pos, causal, sliding_window))
+        return attend_grad(xp, q, k, v, y, lse, dy, scale, pos, pos, causal, sliding_window)
 
     localize = cp.localize
 

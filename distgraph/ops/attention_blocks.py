@@ -57,9 +57,61 @@ def block_backward(xp, q, k, v, y, lse, dy, scale, mask):
     recomputed from the rows' final ``lse`` (flash attention's backward)."""
     sc = q.dtype.type(scale)
     s = (q @ k.swapaxes(-1, -2)) * sc
-    p = xp.where(mask, xp.exp(s - xp.where(xp.isfinite(lse), lse, 0)[..., None]), 0)
+    s = xp.where(mask, s, -xp.inf)
+    p = xp.exp(s - xp.where(xp.isfinite(lse), lse, 0)[..., None])
     dv = p.swapaxes(-1, -2) @ dy
     dp = dy @ v.swapaxes(-1, -2)
     delta = xp.sum(dy * y, axis=-1, keepdims=True)
     ds = p * (dp - delta) * sc
     return ds @ k, ds.swapaxes(-1, -2) @ q, dv
+
+
+ROWS = 512      # queries per block of attend/attend_grad: [b, h, ROWS, keys] scores at once
+
+
+def _keys(xp, pq, pk, causal: bool, window):
+    """The key indices a block of queries at positions ``pq`` can see (all of them, a
+    contiguous slice, or an index array), so masked keys are not computed."""
+    if not causal:
+        return slice(None)
+    need = pk <= pq.max()
+    if window is not None:
+        need &= pk > pq.min() - window
+    idx = xp.nonzero(need)[0]
+    if idx.size == pk.size:
+        return slice(None)
+    if idx.size and int(idx[-1]) - int(idx[0]) + 1 == idx.size:
+        return slice(int(idx[0]), int(idx[-1]) + 1)
+    return idx
+
+
+def attend(xp, q, k, v, scale, pq, pk, causal: bool, window, rows: int = ROWS):
+    """(y, lse) of queries ``q`` at positions ``pq`` against keys at ``pk``, ``rows``
+    queries at a time over only the keys they can see (the scores never exceed
+    [b, h, rows, keys])."""
+    y = xp.empty_like(q)
+    lse = xp.empty(q.shape[:-1], dtype=q.dtype)
+    for r in range(0, q.shape[-2], rows):
+        part = slice(r, r + rows)
+        keys = _keys(xp, pq[part], pk, causal, window)
+        y[..., part, :], lse[..., part] = block_forward(
+            xp, q[..., part, :], k[..., keys, :], v[..., keys, :], scale,
+            visible(xp, pq[part], pk[keys], causal, window))
+    return y, lse
+
+
+def attend_grad(xp, q, k, v, y, lse, dy, scale, pq, pk, causal: bool, window,
+                rows: int = ROWS):
+    """(dq, dk, dv) of :func:`attend`, ``rows`` queries at a time."""
+    dq = xp.empty_like(q)
+    dk, dv = xp.zeros_like(k), xp.zeros_like(v)
+    for r in range(0, q.shape[-2], rows):
+        part = slice(r, r + rows)
+        keys = _keys(xp, pq[part], pk, causal, window)
+        dq[..., part, :], dkb, dvb = block_backward(
+            xp, q[..., part, :], k[..., keys, :], v[..., keys, :], y[..., part, :],
+            lse[..., part], dy[..., part, :], scale,
+            visible(xp, pq[part], pk[keys], causal, window))
+        dk[..., keys, :] += dkb
+        dv[..., keys, :] += dvb
+    return dq, dk, dv

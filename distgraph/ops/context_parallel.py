@@ -38,7 +38,7 @@ from __future__ import annotations
 
 from distgraph import dtypes
 from distgraph.errors import PlanError
-from distgraph.ops.attention_blocks import block_backward, block_forward, positions, visible
+from distgraph.ops.attention_blocks import attend, attend_grad, positions
 from distgraph.spmd import DimsSpec, EinsumPlan, EinsumRule, entry_dims
 
 # The ring kernels land from their own branch (RING_MODULE); until they are merged
@@ -182,8 +182,7 @@ def forward(ctx, q, k, v, scale, causal, window, chunks, impl):
     heads = ctx.comm.all_to_all(xp.stack([q, k, v]), ranks, 2, 3)   # [3, b, h/n, s, d]
     s = heads.shape[3]
     pos = positions(xp, 0, s, s, chunks)
-    y, lse = block_forward(xp, heads[0], heads[1], heads[2], scale,
-                           visible(xp, pos, pos, causal, window))
+    y, lse = attend(xp, heads[0], heads[1], heads[2], scale, pos, pos, causal, window)
     back = ctx.comm.all_to_all(xp.concatenate([y, lse[..., None]], axis=-1), ranks, 2, 1)
     return back[..., :d], back[..., d]
 
@@ -201,7 +200,7 @@ def backward(ctx, q, k, v, y, lse, dy, scale, causal, window, chunks, impl):
     s = got.shape[2]
     pos = positions(xp, 0, s, s, chunks)
     parts = [got[..., i * d:(i + 1) * d] for i in range(5)]
-    grads = block_backward(xp, *parts[:4], got[..., 5 * d], parts[4], scale,
-                           visible(xp, pos, pos, causal, window))
+    grads = attend_grad(xp, *parts[:4], got[..., 5 * d], parts[4], scale, pos, pos, causal,
+                        window)
     back = ctx.comm.all_to_all(xp.concatenate(grads, axis=-1), ranks, 2, 1)
     return back[..., :d], back[..., d:2 * d], back[..., 2 * d:]

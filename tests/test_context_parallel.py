@@ -312,3 +312,28 @@ def test_row_blocks_over_visible_keys_equal_one_block(chunks, window):
     for g, w in zip(attend_grad(np, q, k, v, y, lse, dy, 0.5, pos, pos, True, window, rows=3),
                     want):
         np.testing.assert_allclose(g, w, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_local_attention_flops_add_up_to_the_serial_op(float64, n):
+    """Each process's attention and gradient, priced on its local shapes and localized
+    attributes (what the estimate and the search do), is 1/n of the serial op's FLOPs
+    (causal: the pairs the mask lets through, (s + 1) s / 2 per head)."""
+    from distgraph.registry import TensorType, get_op, op_flops
+
+    built, _ = _built(n, "ulysses")
+    plan = dg.passes.plan(built)
+    serial = {op.layer + op.type: op_flops(op) for op in built.program.ops
+              if op.type.startswith("attention")}
+    h, hd = CONFIG.num_attention_heads, CONFIG.hidden_size // CONFIG.num_attention_heads
+    pairs = SEQ * (SEQ + 1) // 2
+    assert serial["layers.0.self_attnattention"] == BATCH * h * pairs * (4 * hd + 5)
+    for pid in plan.process_ids:
+        local = [op for op in plan.local(pid).program.ops if op.type.startswith("attention")]
+        assert len(local) == len(serial)
+        for op in local:
+            got = get_op(op.type).flops([TensorType(v.shape, v.dtype) for v in op.inputs],
+                                        [TensorType(o.shape, o.dtype) for o in op.outputs],
+                                        **op.attrs)
+            assert op.attrs["sequence_parts"] == n
+            assert got * n == pytest.approx(serial[op.layer + op.type], rel=1e-12)

@@ -56,9 +56,13 @@ def _pairs(s: int, causal: bool, window) -> int:
 
 def _flops(per_pair_d: int, per_pair: int):
     def flops(ins, outs, scale=1.0, causal=True, sliding_window=None, sequence_chunks=1,
-              context_parallel=None):
+              context_parallel=None, sequence_parts=1):
+        # a process of a sequence split n ways (sequence_parts, set by localize) computes
+        # its queries against every key: 1/n of the whole sequence's pairs (the balanced
+        # order makes that exact for causal masks; natural order, on average)
         b, h, s, d = ins[0].shape
-        return b * h * _pairs(s, causal, sliding_window) * (per_pair_d * d + per_pair)
+        pairs = _pairs(s * sequence_parts, causal, sliding_window) / sequence_parts
+        return b * h * pairs * (per_pair_d * d + per_pair)
     return flops
 
 
@@ -87,7 +91,7 @@ class Attention:
     flops = _flops(4, 5)
 
     def infer(q, k, v, scale=1.0, causal=True, sliding_window=None, sequence_chunks=1,
-              context_parallel=None):
+              context_parallel=None, sequence_parts=1):
         _check(q, k, v, causal, sliding_window, sequence_chunks)
         if context_parallel not in (None,) + IMPLEMENTATIONS:
             raise ShapeError(f"attention: context_parallel {context_parallel!r} is not one of "
@@ -95,7 +99,7 @@ class Attention:
         return q, TensorType(tuple(q.shape[:3]), q.dtype)
 
     def kernel(ctx, q, k, v, scale=1.0, causal=True, sliding_window=None, sequence_chunks=1,
-               context_parallel=None):
+               context_parallel=None, sequence_parts=1):
         if ctx.group is not None:
             return cp.forward(ctx, q, k, v, scale, causal, sliding_window, sequence_chunks,
                               context_parallel)
@@ -110,19 +114,19 @@ class Attention:
         return emit("attention_grad", [*op.inputs, *op.outputs, dy], dict(op.attrs))
 
 
-@register_op("attention_grad", spmd=cp.ContextRule("bhsD,bhsD,bhsD,bhsD,bhs,bhsD->bhsD,bhsD,bhsD"),
-             differentiable=False)
+@register_op("attention_grad", differentiable=False,
+             spmd=cp.ContextRule("bhsD,bhsD,bhsD,bhsD,bhs,bhsD->bhsD,bhsD,bhsD"))
 class AttentionGrad:
     """(dq, dk, dv) from the recomputed probabilities. S(b|h|s) x ... -> S(b|h|s) x 3."""
 
     flops = _flops(10, 8)
 
-    def infer(q, k, v, y, lse, dy, scale=1.0, causal=True, sliding_window=None, sequence_chunks=1,
-              context_parallel=None):
+    def infer(q, k, v, y, lse, dy, scale=1.0, causal=True, sliding_window=None,
+              sequence_chunks=1, context_parallel=None, sequence_parts=1):
         return q, k, v
 
     def kernel(ctx, q, k, v, y, lse, dy, scale=1.0, causal=True, sliding_window=None,
-               sequence_chunks=1, context_parallel=None):
+               sequence_chunks=1, context_parallel=None, sequence_parts=1):
         if ctx.group is not None:
             return cp.backward(ctx, q, k, v, y, lse, dy, scale, causal, sliding_window,
                                sequence_chunks, context_parallel)

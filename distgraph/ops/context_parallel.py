@@ -150,11 +150,13 @@ class ContextPlan(EinsumPlan):
 
 
 def localize(attrs, site):
-    """The implementation (``context_parallel``) and the group of a split sequence."""
+    """The implementation (``context_parallel``), the number of sequence blocks
+    (``sequence_parts``, for the FLOPs) and the group of a split sequence."""
     if not split(site):
         return attrs, {}
-    return {**attrs, "context_parallel": choose(attrs, site)}, \
-        {"group": site.split_group(0, 2)}
+    group = site.split_group(0, 2)
+    return {**attrs, "context_parallel": choose(attrs, site), "sequence_parts": len(group)}, \
+        {"group": group}
 
 
 def comm(site, grad: bool = False) -> tuple:

@@ -337,3 +337,31 @@ def test_local_attention_flops_add_up_to_the_serial_op(float64, n):
                                         **op.attrs)
             assert op.attrs["sequence_parts"] == n
             assert got * n == pytest.approx(serial[op.layer + op.type], rel=1e-12)
+
+
+def _cluster(gflops, bandwidth):
+    return dg.Cluster.from_dict({"machines": [{"hostname": "a", "devices": [
+        {"global_id": i, "type": "CPU", "memory": 1, "gflops": {"float64": gflops}}
+        for i in range(4)], "links": [{"group": [0, 1, 2, 3], "bandwidth": bandwidth,
+                                       "latency": 1}]}]})
+
+
+def test_cost_model_prices_ring_overlap_against_ulysses(float64):
+    """The per-op choice's prices: Ulysses pays its all-to-alls after its compute; the
+    ring hides its hops behind its blocks' compute, so it wins where compute dominates
+    (a slow device, a fast link) and loses where the link dominates (cp 4: the ring
+    sends 3 hops of k and v, Ulysses 3/4 of q, k, v and y). While only Ulysses can run,
+    nothing is chosen."""
+    from distgraph.passes.context import assign_forms, form_times
+    from distgraph.passes.cost.prices import Rings
+
+    built, _ = _built(4, None)
+    plan = dg.passes.plan(built)
+    ops = [op for op in plan.program.ops if op.type in ("attention", "attention_grad")]
+    assert ops
+    for gflops, bandwidth, faster in ((1e-3, 1e3, "ring"), (1e3, 1e-3, "ulysses")):
+        rings = Rings(_cluster(gflops, bandwidth), lambda p: p)
+        for op in ops:
+            times = form_times(op, rings)
+            assert min(times, key=times.get) == faster, (op.type, times)
+    assert assign_forms(plan.program, _cluster(1e-3, 1e3), lambda p: p) == 0

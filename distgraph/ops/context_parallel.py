@@ -159,13 +159,27 @@ def localize(attrs, site):
         {"group": group}
 
 
+def collectives(impl: str, site, grad: bool = False) -> tuple:
+    """The collectives form ``impl`` runs at ``site`` (whether it can run or not):
+    ``((kind, members, buffer bytes), ...)``."""
+    n, nbytes, _, d = _sizes(site)
+    return _comm_of(impl, n, nbytes, d, grad)
+
+
+def runnable(site) -> tuple:
+    """The forms that can run at ``site`` (a split sequence), in order of preference on
+    a tie: Ulysses (its heads divide), ring (its kernels are in the build)."""
+    n, _, heads, _ = _sizes(site)
+    return tuple(f for f, ok in (("ulysses", heads % n == 0), ("ring", ring_available()))
+                 if ok)
+
+
 def comm(site, grad: bool = False) -> tuple:
     """The collectives of the distributed form at ``site``: ``((kind, members, buffer
     bytes), ...)``; empty when the sequence is whole."""
     if not split(site):
         return ()
-    n, nbytes, _, d = _sizes(site)
-    return _comm_of(choose(dict(site.attrs), site), n, nbytes, d, grad)
+    return collectives(choose(dict(site.attrs), site), site, grad)
 
 
 def _positions_of(ctx, s_local: int, chunks: int):

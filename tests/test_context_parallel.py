@@ -30,9 +30,9 @@ BATCH, SEQ, STEPS = 4, 16, 2
 CONFIG = LlamaConfig(**L.TINY, rope_theta=500000.0, initializer_range=0.2)
 
 
-def _model():
+def _model(config=CONFIG):
     dg.seed(3)
-    return Llama(CONFIG)
+    return Llama(config)
 
 
 def _cp(n):
@@ -207,7 +207,7 @@ def test_no_query_sees_a_later_chunk(float64):
 
 
 # -- what the plan counts ---------------------------------------------------------------------------
-def _built(n: int, impl):
+def _built(n: int, impl, config=CONFIG):
     from distgraph.placement import DistAttr, ShardSpec
     from distgraph.program_builder import build_program
 
@@ -215,7 +215,7 @@ def _built(n: int, impl):
     attr = DistAttr(mesh, ShardSpec([None, "cp"]))
     specs = [dg.InputSpec([BATCH, SEQ], "int64", name, attr, 2 * n)
              for name in ("tokens", "labels")]
-    model = _model()
+    model = _model(config)
     built = build_program(model, specs[:1], specs[1:], dg.nn.CrossEntropyLoss(),
                           dg.optim.AdamW(1e-2), context_parallel=impl)
     init = {name: p.numpy() for name, p in model.named_parameters()}
@@ -227,7 +227,9 @@ def _built(n: int, impl):
 def test_bytes_counted_equal_the_plan_with_attention_inside(float64, n):
     """One training step on n ranks: the bytes each rank sends, by kind, equal the plan's
     (reshard steps and the attention ops' own all-to-alls, ``comm(site)``), and the
-    all-to-alls are the ops' (Ulysses: 2 per attention, 2 per gradient)."""
+    all-to-alls are the ops' (Ulysses: q, then k and v, there and y back per attention;
+    two there and two back per gradient). With n = 4 the 2 key/value heads are copied
+    twice each so that they divide over the group: the bytes count the copies."""
     from distgraph.passes.partition import gather_points
     from distgraph.runtime.execution.runner import PlanRunner
 
@@ -251,7 +253,7 @@ def test_bytes_counted_equal_the_plan_with_attention_inside(float64, n):
         assert {k: planned.get(k, 0.0) for k in kinds} == \
             pytest.approx({k: counted.get(k, 0.0) for k in kinds}, rel=1e-12)
         inside = [kind for c in op_comm.values() for kind, _, _ in c]
-        assert inside.count("all_to_all") == 4 * CONFIG.num_hidden_layers
+        assert inside.count("all_to_all") == 7 * CONFIG.num_hidden_layers
 
 
 def test_plan_explains_attention_collectives(float64):
@@ -349,13 +351,13 @@ def _cluster(gflops, bandwidth):
 def test_cost_model_prices_ring_overlap_against_ulysses(float64):
     """The per-op choice's prices: Ulysses pays its all-to-alls after its compute; the
     ring hides its hops behind its blocks' compute, so it wins where compute dominates
-    (a slow device, a fast link) and loses where the link dominates (cp 4: the ring
-    sends 3 hops of k and v, Ulysses 3/4 of q, k, v and y). While only Ulysses can run,
-    nothing is chosen."""
+    (a slow device, a fast link) and loses where the link dominates (cp 4, as many
+    key/value heads as query heads: the ring sends 3 hops of k and v, Ulysses 3/4 of q,
+    k, v and y, half as much). While only Ulysses can run, nothing is chosen."""
     from distgraph.passes.context import assign_forms, form_times
     from distgraph.passes.cost.prices import Rings
 
-    built, _ = _built(4, None)
+    built, _ = _built(4, None, CONFIG.replace(num_key_value_heads=4))
     plan = dg.passes.plan(built)
     ops = [op for op in plan.program.ops if op.type in ("attention", "attention_grad")]
     assert ops

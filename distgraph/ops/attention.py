@@ -13,8 +13,10 @@ distributed forms over a split sequence (context parallelism).
   place of storage index j when the sequence is stored in the load-balanced order of c
   chunks (:func:`positions`): the data loader stores it so for context parallelism,
   chunk r then chunk c-1-r for r = 0 .. c/2-1, and a loss over tokens does not care.
-- Grouped-query attention: k, v carry the query heads (the model repeats its key/value
-  heads before the op, ``_repeat_kv``), so one letter splits them all alike.
+- Grouped-query attention: k, v may carry fewer heads than q (query head j reads
+  key/value head j / (heads / kv_heads)); one letter ``h`` names both head dims, so a
+  split of the heads divides both alike (a model whose key/value heads do not divide a
+  split repeats them first, as Llama's does under such a tensor parallelism).
 
 Sharding, ``bhsD,bhsD,bhsD -> bhsD,bhs``: batch and heads split as any einsum letter
 (tensor parallelism over heads); the head dim never. A split ``s`` splits q, k and v
@@ -30,7 +32,7 @@ masked blocks: ``4 d`` per pair (two products) and 5 for the softmax; the gradie
 
 Example::
 
-    y, lse = attention(q, k, v, scale=1 / math.sqrt(hd), causal=True)
+    y = attention(q, k, v, scale=1 / math.sqrt(hd), causal=True)   # k, v: kv heads
 """
 
 from __future__ import annotations
@@ -67,10 +69,12 @@ def _flops(per_pair_d: int, per_pair: int):
 
 
 def _check(q, k, v, causal, sliding_window, sequence_chunks):
-    if len(q.shape) != 4 or tuple(k.shape) != tuple(q.shape) or tuple(v.shape) != tuple(q.shape):
-        raise ShapeError(f"attention: q, k, v [batch, heads, seq, head_dim] of one shape "
-                         f"expected, got {list(q.shape)}, {list(k.shape)}, {list(v.shape)} "
-                         f"(repeat the key/value heads of grouped-query attention first)")
+    if len(q.shape) != 4 or len(k.shape) != 4 or tuple(v.shape) != tuple(k.shape) or \
+            tuple(k.shape[::2]) != tuple(q.shape[::2]) or k.shape[1] > q.shape[1] or \
+            q.shape[1] % k.shape[1]:
+        raise ShapeError(f"attention: q [batch, heads, seq, head_dim] and k, v [batch, "
+                         f"kv_heads, seq, head_dim] with kv_heads dividing heads expected, "
+                         f"got {list(q.shape)}, {list(k.shape)}, {list(v.shape)}")
     if not dtypes.is_float(q.dtype) or k.dtype != q.dtype or v.dtype != q.dtype:
         raise ShapeError(f"attention: q, k, v of one float dtype, got {q.dtype}, {k.dtype}, "
                          f"{v.dtype}")

@@ -36,9 +36,30 @@ def visible(xp, pq, pk, causal: bool, window):
     return ok
 
 
+def _groups(q, k) -> int:
+    """Query heads per key/value head (grouped-query attention: k, v carry fewer heads;
+    query head j reads key/value head j // groups)."""
+    return q.shape[-3] // k.shape[-3]
+
+
+def _by_group(a, groups: int):
+    """[..., h, s, d] as [..., h / groups, groups, s, d] (query-side operands)."""
+    return a.reshape(a.shape[:-3] + (a.shape[-3] // groups, groups) + a.shape[-2:])
+
+
 def block_forward(xp, q, k, v, scale, mask):
     """(y, lse) of one query block against one key block under ``mask``; rows that see
-    no key get y = 0 and lse = -inf (a ring step's block may hide every key)."""
+    no key get y = 0 and lse = -inf (a ring step's block may hide every key). k and v
+    may carry fewer heads than q (grouped-query attention)."""
+    groups = _groups(q, k)
+    if groups > 1:
+        y, lse = _forward(xp, _by_group(q, groups), k[..., None, :, :], v[..., None, :, :],
+                          scale, mask)
+        return y.reshape(q.shape), lse.reshape(q.shape[:-1])
+    return _forward(xp, q, k, v, scale, mask)
+
+
+def _forward(xp, q, k, v, scale, mask):
     s = (q @ k.swapaxes(-1, -2)) * q.dtype.type(scale)
     s = xp.where(mask, s, -xp.inf)
     top = xp.max(s, axis=-1, keepdims=True)
@@ -54,7 +75,20 @@ def block_forward(xp, q, k, v, scale, mask):
 
 def block_backward(xp, q, k, v, y, lse, dy, scale, mask):
     """(dq, dk, dv) of one query block against one key block, the probabilities
-    recomputed from the rows' final ``lse`` (flash attention's backward)."""
+    recomputed from the rows' final ``lse`` (flash attention's backward); a key/value
+    head's gradients sum over the query heads that read it."""
+    groups = _groups(q, k)
+    if groups > 1:
+        dq, dk, dv = _backward(
+            xp, _by_group(q, groups), k[..., None, :, :], v[..., None, :, :],
+            _by_group(y, groups), lse.reshape(lse.shape[:-2] + (k.shape[-3], groups,
+                                                                lse.shape[-1])),
+            _by_group(dy, groups), scale, mask)
+        return dq.reshape(q.shape), dk.sum(axis=-3), dv.sum(axis=-3)
+    return _backward(xp, q, k, v, y, lse, dy, scale, mask)
+
+
+def _backward(xp, q, k, v, y, lse, dy, scale, mask):
     sc = q.dtype.type(scale)
     s = (q @ k.swapaxes(-1, -2)) * sc
     s = xp.where(mask, s, -xp.inf)
@@ -64,6 +98,14 @@ def block_backward(xp, q, k, v, y, lse, dy, scale, mask):
     delta = xp.sum(dy * y, axis=-1, keepdims=True)
     ds = p * (dp - delta) * sc
     return ds @ k, ds.swapaxes(-1, -2) @ q, dv
+
+
+def repeat_heads(xp, a, times: int):
+    """Each head of ``a`` [..., heads, s, d] ``times`` times in a row (key/value heads
+    copied: query head j of the result's groups still reads head j // groups)."""
+    if times == 1:
+        return a
+    return xp.repeat(a, times, axis=-3)
 
 
 ROWS = 512      # queries per block of attend/attend_grad: [b, h, ROWS, keys] scores at once

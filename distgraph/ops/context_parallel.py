@@ -3,13 +3,15 @@ when q, k and v are split along the sequence over mesh dim(s) ``m``
 (:mod:`distgraph.ops.attention`); each process of the group holds one contiguous block
 of the stored sequence (block order = storage order).
 
-- **Ulysses** (DeepSpeed): one all-to-all turns the sequence-split q, k, v
-  ``[b, h, s/n, d]`` into head-split ``[b, h/n, s, d]``; each process runs the serial
-  kernel on its heads over the whole sequence, and one all-to-all brings ``y`` (with
-  ``lse`` as one more column) back to the sequence split. The gradient sends
-  ``[q | k | v | y | dy | lse]`` there and ``[dq | dk | dv]`` back. Needs the local
-  heads to divide by n (grouped-query key/value heads are already repeated to the
-  query heads, so they are copied whatever their count).
+- **Ulysses** (DeepSpeed): all-to-alls turn the sequence-split q ``[b, h, s/n, d]``
+  and k, v ``[b, g, s/n, d]`` into head-split ``[b, h/n, s, d]`` and
+  ``[b, g·c/n, s, d]``; each process runs the serial kernel on its heads over the whole
+  sequence, and one all-to-all brings ``y`` (with ``lse`` as one more column) back to
+  the sequence split. Grouped-query key/value heads fewer than n (or not dividing it)
+  are copied c = n / gcd(g, n) times first (:func:`copies`), so each process gets the
+  heads its query heads read. The gradient sends ``[q | y | dy | lse]`` and ``[k | v]``
+  there and ``dq`` and ``[dk | dv]`` back (a copied head's gradient: the sum of its
+  copies'). Needs the local query heads to divide by n.
 - **Ring** attention: k, v blocks passed around the ring with non-blocking sends, the
   kernels of :mod:`distgraph.ops.ring_attention` (online softmax; the load-balanced
   order of 2n chunks is the data's, ``sequence_chunks``).
@@ -22,12 +24,15 @@ causal mask is right in any stored order. The kernel interface of the ring modul
         -> (dq, dk, dv)
 
 ``ctx.group`` the ring (process ids in block order; ``ctx.group_ranks()`` their ranks),
-``positions(i)`` the global positions (int64) of member i's block.
+``positions(i)`` the global positions (int64) of member i's block; k, v may carry
+fewer heads than q (grouped-query attention: :func:`~distgraph.ops.attention_blocks.
+block_forward` and ``block_backward`` take them so).
 
 The choice (``context_parallel`` attribute, else :func:`choose`): what the op asks for;
 unset, the one sending fewer bytes per process at this op (the cost model's all-to-all
-and point-to-point formulas, as :func:`distgraph.plan.kinds.collective_bytes` has them), Ulysses on
-a tie, among those that can run here.
+and point-to-point formulas, as :func:`distgraph.plan.kinds.collective_bytes` has
+them), Ulysses on a tie, among those that can run here; once processes have devices the
+planner prices both on them and may choose again (:mod:`distgraph.passes.context`).
 
 Example (what a plan's process runs; ``ctx`` carries the communicator and group)::
 
@@ -36,9 +41,11 @@ Example (what a plan's process runs; ``ctx`` carries the communicator and group)
 
 from __future__ import annotations
 
+import math
+
 from distgraph import dtypes
 from distgraph.errors import PlanError
-from distgraph.ops.attention_blocks import attend, attend_grad, positions
+from distgraph.ops.attention_blocks import attend, attend_grad, positions, repeat_heads
 from distgraph.spmd import DimsSpec, EinsumPlan, EinsumRule, entry_dims
 
 # The ring kernels land from their own branch (RING_MODULE); until they are merged
@@ -64,27 +71,39 @@ def split(site) -> bool:
     return bool(attr.spec.entry(2)) and len(site.split_group(0, 2)) > 1
 
 
+def copies(kv_heads: int, n: int) -> int:
+    """How many times Ulysses copies each key/value head so that the copies divide over
+    the n processes (1 when the kv heads do): n / gcd(kv heads, n)."""
+    return n // math.gcd(kv_heads, n)
+
+
 def _sizes(site) -> tuple:
-    """(group size n, local q bytes B, local heads, head dim)."""
+    """(group size n, local q bytes, local k bytes, local q heads, local kv heads, head
+    dim)."""
     n = len(site.split_group(0, 2))
     b, h, s, d = site.in_attrs[0].local_shape(site.in_shapes[0])
+    g = site.in_attrs[1].local_shape(site.in_shapes[1])[1]
     item = dtypes.itemsize(site.in_dtypes[0]) if site.in_dtypes else 4
-    return n, b * h * s * d * item, h, d
+    return n, b * h * s * d * item, b * g * s * d * item, h, g, d
 
 
-def _comm_of(impl: str, n: int, nbytes: int, d: int, grad: bool) -> tuple:
+def _comm_of(impl: str, site, grad: bool) -> tuple:
+    n, qbytes, kbytes, _, g, d = _sizes(site)
     if impl == "ulysses":
-        col = nbytes // d
+        col = qbytes // d                            # lse: one column beside y
+        kv = 2 * kbytes * copies(g, n)               # k and v, heads copied to divide
         if grad:
-            return (("all_to_all", n, 5 * nbytes + col), ("all_to_all", n, 3 * nbytes))
-        return (("all_to_all", n, 3 * nbytes), ("all_to_all", n, nbytes + col))
+            return (("all_to_all", n, 3 * qbytes + col), ("all_to_all", n, kv),
+                    ("all_to_all", n, qbytes), ("all_to_all", n, kv))
+        return (("all_to_all", n, qbytes), ("all_to_all", n, kv),
+                ("all_to_all", n, qbytes + col))
     ring = _ring() if ring_available() else None
     if ring is not None and hasattr(ring, "comm"):
-        return tuple(ring.comm(n, nbytes, grad))
+        return tuple(ring.comm(n, qbytes, kbytes, grad))
     # k and v blocks travel n - 1 hops; in the gradient dk and dv travel with them and
     # come home (one hop more)
-    hops = (("send_recv", 2, 2 * nbytes),) * (n - 1)
-    return hops + ((("send_recv", 2, 2 * nbytes),) * n if grad else ())
+    hops = (("send_recv", 2, 2 * kbytes),) * (n - 1)
+    return hops + ((("send_recv", 2, 2 * kbytes),) * n if grad else ())
 
 
 def _sent(comm: tuple) -> float:
@@ -96,7 +115,7 @@ def _sent(comm: tuple) -> float:
 def choose(attrs: dict, site) -> str:
     """The implementation the op at ``site`` runs (module docstring); a PlanError when the
     one asked for cannot run here."""
-    n, nbytes, heads, d = _sizes(site)
+    n, _, _, heads, _, _ = _sizes(site)
     can = {"ulysses": heads % n == 0, "ring": ring_available()}
     asked = attrs.get("context_parallel")
     why = {"ulysses": f"Ulysses needs the {heads} local heads to divide over the {n} "
@@ -113,7 +132,7 @@ def choose(attrs: dict, site) -> str:
         raise PlanError(f"attention at process {site.process_id}: the sequence is split "
                         f"{n} ways but no context-parallel form can run: {why['ulysses']}, "
                         f"and {why['ring']}")
-    return min(options, key=lambda i: _sent(_comm_of(i, n, nbytes, d, False)))
+    return min(options, key=lambda i: _sent(_comm_of(i, site, False)))
 
 
 class ContextRule(EinsumRule):
@@ -162,14 +181,13 @@ def localize(attrs, site):
 def collectives(impl: str, site, grad: bool = False) -> tuple:
     """The collectives form ``impl`` runs at ``site`` (whether it can run or not):
     ``((kind, members, buffer bytes), ...)``."""
-    n, nbytes, _, d = _sizes(site)
-    return _comm_of(impl, n, nbytes, d, grad)
+    return _comm_of(impl, site, grad)
 
 
 def runnable(site) -> tuple:
     """The forms that can run at ``site`` (a split sequence), in order of preference on
     a tie: Ulysses (its heads divide), ring (its kernels are in the build)."""
-    n, _, heads, _ = _sizes(site)
+    n, _, _, heads, _, _ = _sizes(site)
     return tuple(f for f, ok in (("ulysses", heads % n == 0), ("ring", ring_available()))
                  if ok)
 
@@ -187,36 +205,53 @@ def _positions_of(ctx, s_local: int, chunks: int):
     return lambda i: positions(ctx.xp, i * s_local, s_local, n * s_local, chunks)
 
 
+def _heads(ctx, q, k, v):
+    """Ulysses' first all-to-alls: q [b, h/n, s, d] and k, v [2, b, g·c/n, s, d] (the
+    key/value heads copied c times where they do not divide over the group)."""
+    xp, ranks = ctx.xp, ctx.group_ranks()
+    c = copies(k.shape[1], len(ranks))
+    kv = xp.stack([repeat_heads(xp, k, c), repeat_heads(xp, v, c)])
+    return ctx.comm.all_to_all(q, ranks, 1, 2), ctx.comm.all_to_all(kv, ranks, 2, 3), c
+
+
 def forward(ctx, q, k, v, scale, causal, window, chunks, impl):
     """attention's context-parallel form on this process's sequence block: (y, lse)."""
     xp = ctx.xp
     if impl == "ring":
         return _ring().forward(ctx, q, k, v, scale, causal, window,
                                _positions_of(ctx, q.shape[2], chunks))
-    ranks = ctx.group_ranks()
     d = q.shape[3]
-    heads = ctx.comm.all_to_all(xp.stack([q, k, v]), ranks, 2, 3)   # [3, b, h/n, s, d]
-    s = heads.shape[3]
+    qh, kv, _ = _heads(ctx, q, k, v)
+    s = qh.shape[2]
     pos = positions(xp, 0, s, s, chunks)
-    y, lse = attend(xp, heads[0], heads[1], heads[2], scale, pos, pos, causal, window)
-    back = ctx.comm.all_to_all(xp.concatenate([y, lse[..., None]], axis=-1), ranks, 2, 1)
+    y, lse = attend(xp, qh, kv[0], kv[1], scale, pos, pos, causal, window)
+    back = ctx.comm.all_to_all(xp.concatenate([y, lse[..., None]], axis=-1),
+                               ctx.group_ranks(), 2, 1)
     return back[..., :d], back[..., d]
 
 
 def backward(ctx, q, k, v, y, lse, dy, scale, causal, window, chunks, impl):
-    """attention_grad's context-parallel form: (dq, dk, dv) of this process's block."""
+    """attention_grad's context-parallel form: (dq, dk, dv) of this process's block; a
+    copied key/value head's gradient is the sum of its copies'."""
     xp = ctx.xp
     if impl == "ring":
         return _ring().backward(ctx, q, k, v, y, lse, dy, scale, causal, window,
                                 _positions_of(ctx, q.shape[2], chunks))
     ranks = ctx.group_ranks()
     d = q.shape[3]
-    there = xp.concatenate([q, k, v, y, dy, lse[..., None]], axis=-1)
-    got = ctx.comm.all_to_all(there, ranks, 1, 2)                  # [b, h/n, s, 5d + 1]
+    there = xp.concatenate([q, y, dy, lse[..., None]], axis=-1)
+    got = ctx.comm.all_to_all(there, ranks, 1, 2)                  # [b, h/n, s, 3d + 1]
+    c = copies(k.shape[1], len(ranks))
+    kv = xp.concatenate([repeat_heads(xp, k, c), repeat_heads(xp, v, c)], axis=-1)
+    kv = ctx.comm.all_to_all(kv, ranks, 1, 2)                      # [b, g·c/n, s, 2d]
     s = got.shape[2]
     pos = positions(xp, 0, s, s, chunks)
-    parts = [got[..., i * d:(i + 1) * d] for i in range(5)]
-    grads = attend_grad(xp, *parts[:4], got[..., 5 * d], parts[4], scale, pos, pos, causal,
-                        window)
-    back = ctx.comm.all_to_all(xp.concatenate(grads, axis=-1), ranks, 2, 1)
-    return back[..., :d], back[..., d:2 * d], back[..., 2 * d:]
+    dq, dk, dv = attend_grad(xp, got[..., :d], kv[..., :d], kv[..., d:], got[..., d:2 * d],
+                             got[..., 3 * d], got[..., 2 * d:3 * d], scale, pos, pos,
+                             causal, window)
+    dq = ctx.comm.all_to_all(dq, ranks, 2, 1)
+    dkv = ctx.comm.all_to_all(xp.concatenate([dk, dv], axis=-1), ranks, 2, 1)
+    if c > 1:
+        b, gc, sl, _ = dkv.shape
+        dkv = dkv.reshape(b, gc // c, c, sl, 2 * d).sum(axis=2)
+    return dq, dkv[..., :d], dkv[..., d:]

@@ -68,10 +68,10 @@ LAYOUTS = {          # name: (annotate, ranks, strategy)
 }
 
 
-def train(comm, layout, plans=None):
+def train(comm, layout, plans=None, config=CONFIG):
     """(losses, state) of Llama-tiny trained on ``comm`` (None: serial, natural order)."""
     with P.BUILD_LOCK:
-        model = _model()
+        model = _model(config)
         meshes, dim, seq = LAYOUTS[layout][0](model) if layout else (None, None, None)
     strategy = LAYOUTS[layout][2] if layout else dg.Strategy()
     engine = dg.Engine(model, loss=dg.nn.CrossEntropyLoss(), optimizer=dg.optim.AdamW(1e-2),
@@ -149,6 +149,14 @@ def test_context_parallel_training_equals_serial(float64, serial, layout):
     assert ops and all("cp" in op.dist_attr.input_specs[0].entry(2) for op in ops)
     cp = 4 if layout == "cp4" else 2
     assert all(op.attrs["sequence_chunks"] == 2 * cp for op in ops)
+
+
+def test_sliding_window_and_one_kv_head_under_cp4_equal_serial(float64):
+    """Mistral's sliding window (5, over chunks of 2) and one key/value head (copied 4
+    times for Ulysses) with the sequence split 4 ways."""
+    config = CONFIG.replace(sliding_window=5, num_key_value_heads=1)
+    serial = train(None, None, config=config)
+    _equal(SimulatedWorld(4, timeout=120).run(train, "cp4", None, config), serial)
 
 
 @pytest.mark.mpi

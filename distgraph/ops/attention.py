@@ -2,17 +2,18 @@
 ``[batch, heads, seq, head_dim]``, with its exact gradient, its FLOPs and its
 distributed forms over a split sequence (context parallelism).
 
-- ``attention`` returns ``(y, lse)``: ``y = softmax(scale q k^T + mask) v`` and the
-  log-sum-exp of each query's scores (float, ``[b, h, s]``). The probabilities
+- The op has two results, ``y = softmax(scale q k^T + mask) v`` and the log-sum-exp
+  of each query's scores (``lse``, ``[b, h, s]``); :func:`attention` returns ``y``. The probabilities
   ``[b, h, s, s]`` are not kept: ``attention_grad`` recomputes them from ``lse``
   (flash attention's backward), so the op's saved activations grow with the sequence,
   not its square. ``lse`` has no gradient (nothing but the backward reads it).
 - The mask: key j is seen by query i where ``pos(j) <= pos(i)`` (``causal``) and
   ``pos(i) - pos(j) < sliding_window`` (Mistral's, with ``causal``). ``pos`` is the
-  token's place in the sequence: the storage index, or, with ``sequence_chunks`` = c > 1, the
-  place of storage index j when the sequence is stored in the load-balanced order of c
-  chunks (:func:`positions`): the data loader stores it so for context parallelism,
-  chunk r then chunk c-1-r for r = 0 .. c/2-1, and a loss over tokens does not care.
+  token's place in the sequence: its storage index, or, with ``sequence_chunks`` c > 1,
+  its place when the sequence is stored in the load-balanced order of c chunks
+  (:func:`~distgraph.ops.attention_blocks.positions`: chunk r then chunk c-1-r for
+  r < c/2), as ``shard_dataloader(..., sequence_dim=...)`` stores it for context
+  parallelism (a loss over tokens does not see the order).
 - Grouped-query attention: k, v may carry fewer heads than q (query head j reads
   key/value head j / (heads / kv_heads)); one letter ``h`` names both head dims, so a
   split of the heads divides both alike (a model whose key/value heads do not divide a

@@ -19,6 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import distgraph as dg  # noqa: E402
 from distgraph.nn.llama import Llama, LlamaConfig, megatron  # noqa: E402
+from distgraph.ops.context_parallel import ring_available  # noqa: E402
 from distgraph.ops.attention_blocks import (block_backward, block_forward,  # noqa: E402
                                             positions, visible)
 from distgraph.runtime.comm.simulated import SimulatedWorld  # noqa: E402
@@ -59,21 +60,38 @@ def _pipeline(model):
     return [first, second], None, "cp"
 
 
-LAYOUTS = {          # name: (annotate, ranks, strategy)
-    "cp2": (_cp(2), 2, dg.Strategy(context_parallel="ulysses")),
-    "cp4": (_cp(4), 4, dg.Strategy()),
-    "cp2_dp2": (_cp_dp, 4, dg.Strategy(context_parallel="ulysses")),
-    "cp2_mp2": (_cp_mp, 4, dg.Strategy(context_parallel="ulysses")),
-    "cp2_2stages": (_pipeline, 4, dg.Strategy(micro_batches=2, context_parallel="ulysses")),
+BASES = {            # name: (annotate, ranks, Strategy fields)
+    "cp2": (_cp(2), 2, {}),
+    "cp4": (_cp(4), 4, {}),
+    "cp2_dp2": (_cp_dp, 4, {}),
+    "cp2_mp2": (_cp_mp, 4, {}),
+    "cp2_2stages": (_pipeline, 4, {"micro_batches": 2}),
 }
+RING = pytest.mark.skipif(not ring_available(), reason="the ring kernels (branch ring) are "
+                          "not merged yet")
+
+
+def layout_of(name: str) -> tuple:
+    """(annotate, ranks, Strategy) of ``"base/form"`` (form: ulysses, ring, or auto:
+    the cost model's)."""
+    base, form = name.split("/")
+    annotate, ranks, fields = BASES[base]
+    return annotate, ranks, dg.Strategy(context_parallel=None if form == "auto" else form,
+                                        **fields)
+
+
+def layouts(forms=("ulysses", "ring")) -> list:
+    """Every base layout in each form, ring ones skipped while ring cannot run."""
+    return [pytest.param(f"{b}/{f}", marks=RING if f == "ring" else ())
+            for f in forms for b in BASES]
 
 
 def train(comm, layout, plans=None, config=CONFIG):
     """(losses, state) of Llama-tiny trained on ``comm`` (None: serial, natural order)."""
     with P.BUILD_LOCK:
         model = _model(config)
-        meshes, dim, seq = LAYOUTS[layout][0](model) if layout else (None, None, None)
-    strategy = LAYOUTS[layout][2] if layout else dg.Strategy()
+        meshes, dim, seq = layout_of(layout)[0](model) if layout else (None, None, None)
+    strategy = layout_of(layout)[2] if layout else dg.Strategy()
     engine = dg.Engine(model, loss=dg.nn.CrossEntropyLoss(), optimizer=dg.optim.AdamW(1e-2),
                        strategy=strategy, communicator=comm)
     data = L.NextTokens(BATCH * STEPS, SEQ)
@@ -137,18 +155,24 @@ def test_balanced_order_gives_rank_i_chunks_i_and_mirror():
 
 
 # -- training ---------------------------------------------------------------------------------------
-@pytest.mark.parametrize("layout", ["cp2", "cp4", "cp2_dp2", "cp2_mp2", "cp2_2stages"])
+@pytest.mark.parametrize("layout", layouts() + ["cp4/auto"])
 def test_context_parallel_training_equals_serial(float64, serial, layout):
     """Simulated ranks; every attention op of the plan runs context parallel (its q
-    split along the sequence over cp, all-to-alls among the collectives inside it)."""
-    _, ranks, _ = LAYOUTS[layout]
+    split along the sequence over cp, its form's collectives inside it), the data in
+    the balanced order of 2·cp chunks."""
+    _, ranks, strategy = layout_of(layout)
     plans = []
     results = SimulatedWorld(ranks, timeout=120).run(train, layout, plans)
     _equal(results, serial)
-    ops = [op for op in plans[0].program.ops if op.type in ("attention", "attention_grad")]
-    assert ops and all("cp" in op.dist_attr.input_specs[0].entry(2) for op in ops)
-    cp = 4 if layout == "cp4" else 2
-    assert all(op.attrs["sequence_chunks"] == 2 * cp for op in ops)
+    cp = 4 if layout.startswith("cp4") else 2
+    for op in plans[0].program.ops:
+        if op.type in ("attention", "attention_grad"):
+            assert "cp" in op.dist_attr.input_specs[0].entry(2)
+            assert op.attrs["sequence_chunks"] == 2 * cp
+            local = [o for o in plans[0].local(0).program.ops if o.type == op.type][0]
+            forms = (strategy.context_parallel,) if strategy.context_parallel else \
+                ("ulysses", "ring")
+            assert local.attrs["context_parallel"] in forms
 
 
 def test_sliding_window_and_one_kv_head_under_cp4_equal_serial(float64):
@@ -156,22 +180,24 @@ def test_sliding_window_and_one_kv_head_under_cp4_equal_serial(float64):
     times for Ulysses) with the sequence split 4 ways."""
     config = CONFIG.replace(sliding_window=5, num_key_value_heads=1)
     serial = train(None, None, config=config)
-    _equal(SimulatedWorld(4, timeout=120).run(train, "cp4", None, config), serial)
+    _equal(SimulatedWorld(4, timeout=120).run(train, "cp4/ulysses", None, config), serial)
 
 
 @pytest.mark.mpi
 def test_context_parallel_on_mpi_ranks_equals_serial(float64, serial, tmp_path):
-    """Real ranks (``distgraph run -n 4``): cp 4, cp x dp, cp x mp, cp in 2 stages."""
+    """Real ranks (``distgraph run -n 4``): cp 4, cp x dp, cp x mp, cp in 2 stages;
+    Ulysses, and the ring where it can run."""
     here = os.path.dirname(os.path.abspath(__file__))
     out = tmp_path / "cp"
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    layouts = ["cp4", "cp2_dp2", "cp2_mp2", "cp2_2stages"]
+    names = [f"{b}/{f}" for f in ("ulysses",) + (("ring",) if ring_available() else ())
+             for b in BASES if BASES[b][1] == 4]
     proc = subprocess.run([sys.executable, "-m", "distgraph.cli", "run", "-n", "4",
                            os.path.join(here, "mpi_scripts", "context_parallel.py"), str(out),
-                           *layouts], env=env, capture_output=True, text=True, timeout=600)
+                           *names], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    for layout in layouts:
-        got = np.load(f"{out}_{layout}.npz")
+    for name in names:
+        got = np.load(f"{out}_{name.replace('/', '_')}.npz")
         _equal([(got["losses"], {name: got[name] for name in serial[1]})], serial)
 
 

@@ -1,7 +1,8 @@
 """Run by tests/test_context_parallel.py under ``distgraph run -n 4``: Llama-tiny trains
-with its sequence split over ``cp`` in each layout named in ``argv[2:]`` (real ranks,
-attention's all-to-alls inside the op); rank 0 writes each layout's losses and
-parameters to ``{argv[1]}_{layout}.npz`` for the test to compare with its serial run."""
+with its sequence split over ``cp`` in each layout named in ``argv[2:]`` ("base/form",
+:func:`test_context_parallel.layout_of`; real ranks, attention's collectives inside the
+op); rank 0 writes each layout's losses and parameters to ``{argv[1]}_{base}_{form}.npz``
+for the test to compare with its serial run."""
 
 import os
 import sys
@@ -19,5 +20,6 @@ dg.set_default_dtype("float64")
 for layout in sys.argv[2:]:
     losses, state = T.train(None, layout)
     if MPI.COMM_WORLD.Get_rank() == 0:
-        np.savez(f"{sys.argv[1]}_{layout}.npz", losses=np.asarray(losses), **state)
+        np.savez(f"{sys.argv[1]}_{layout.replace('/', '_')}.npz", losses=np.asarray(losses),
+                 **state)
         print(f"{layout} trained on {MPI.COMM_WORLD.Get_size()} MPI ranks")

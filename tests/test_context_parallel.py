@@ -1,7 +1,8 @@
 """Context parallelism: Llama-tiny with its sequence split over a ``cp`` mesh dim trains
 as it does on one process (float64, 1e-10), attention running Ulysses (all-to-alls
-inside the op) — cp 2 and cp 4, cp x dp, cp x mp (Megatron's heads), cp inside each of
-2 pipeline stages — on real MPI ranks (``distgraph run``) and on SimulatedWorld threads.
+inside the op) or the ring — cp 2 and cp 4, cp x dp, cp x mp (Megatron's heads), cp
+inside each of 2 pipeline stages, cp x dp recomputed — on real MPI ranks (``distgraph
+run``) and on SimulatedWorld threads.
 The data come in the load-balanced order of 2·cp chunks; the causal mask is right at
 every chunk boundary (a query never sees a later chunk), and the serial op in that
 order equals the op in natural order."""
@@ -66,6 +67,7 @@ BASES = {            # name: (annotate, ranks, Strategy fields)
     "cp2_dp2": (_cp_dp, 4, {}),
     "cp2_mp2": (_cp_mp, 4, {}),
     "cp2_2stages": (_pipeline, 4, {"micro_batches": 2}),
+    "cp2_dp2_recompute": (_cp_dp, 4, {"recompute": True}),   # attention run twice
 }
 RING = pytest.mark.skipif(not ring_available(), reason="the ring kernels (branch ring) are "
                           "not merged yet")

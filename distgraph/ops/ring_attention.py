@@ -64,9 +64,12 @@ MAX_RUNS = 8        # more runs of consecutive positions in a block: one run of 
 def comm(n: int, qbytes: int, kbytes: int, grad: bool = False) -> tuple:
     """The messages one member sends, ``((kind, members, bytes), ...)`` as
     :func:`distgraph.plan.kinds.collective_bytes` counts them: n - 1 hops of its k, v
-    block (``kbytes`` each) forward; in the gradient n - 1 hops of k, v and n of dk, dv."""
+    block (``kbytes`` each) forward; in the gradient n - 1 hops of k, v and n of dk, dv
+    (none for a ring of one)."""
     hop = ("send_recv", 2, 2 * kbytes)
-    return (hop,) * (n - 1) + ((hop,) * (2 * n - 1) if grad else ())
+    if n == 1:
+        return ()
+    return (hop,) * (2 * n - 1 if grad else n - 1)
 
 
 def ring_pairs(ranks) -> tuple:

@@ -42,7 +42,7 @@ q, y, dy ``[b, h, s, d]``, k, v ``[b, g, s, d]``, lse ``[b, h, s]`` (float, -inf
 query that sees no key); ``ctx`` a :class:`~distgraph.registry.KernelContext` whose
 ``group_ranks()`` is the ring in block order; ``positions(i)`` int64 ``[s]`` (None: the
 natural order, member i holding positions i·s .. i·s + s - 1). The messages use the
-reserved tags :data:`~distgraph.plan.tags.RING_KV_TAG` and ``RING_DKV_TAG``; a GPU
+reserved tags :data:`RING_KV_TAG` and ``RING_DKV_TAG`` (``registry.KERNEL_TAGS``); a GPU
 plan's NCCL pairs for them are :func:`ring_pairs`.
 
 Example (on each rank of a 4-rank job)::
@@ -55,7 +55,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from distgraph.plan.tags import RING_DKV_TAG, RING_KV_TAG
+from distgraph.registry import MAX_TAG
+
+# the ring's messages use two of the top tags the plan leaves to kernels (KERNEL_TAGS)
+RING_KV_TAG = MAX_TAG - 1
+RING_DKV_TAG = MAX_TAG - 2
 
 ROWS = 256          # queries per piece of computation (requests are polled between)
 MAX_RUNS = 8        # more runs of consecutive positions in a block: one run of the whole

@@ -19,13 +19,8 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 from distgraph.errors import PlanError
-
-MAX_TAG = 1 << 14
-# The top tags belong to kernels that message inside one op (ring attention's k, v
-# blocks and their gradients); the plan's points never use them.
-KERNEL_TAGS = 8
-RING_KV_TAG = MAX_TAG - 1
-RING_DKV_TAG = MAX_TAG - 2
+# the tag range and the kernels' top tags are the core's (ops message with them)
+from distgraph.registry import KERNEL_TAGS, MAX_TAG
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import distgraph as dg  # noqa: E402
 from distgraph.nn.llama import Llama, LlamaConfig, megatron  # noqa: E402
-from distgraph.ops.context_parallel import ring_available  # noqa: E402
 from distgraph.ops.attention_blocks import (block_backward, block_forward,  # noqa: E402
                                             positions, visible)
 from distgraph.runtime.comm.simulated import SimulatedWorld  # noqa: E402
@@ -69,8 +68,6 @@ BASES = {            # name: (annotate, ranks, Strategy fields)
     "cp2_2stages": (_pipeline, 4, {"micro_batches": 2}),
     "cp2_dp2_recompute": (_cp_dp, 4, {"recompute": True}),   # attention run twice
 }
-RING = pytest.mark.skipif(not ring_available(), reason="the ring kernels (branch ring) are "
-                          "not merged yet")
 
 
 def layout_of(name: str) -> tuple:
@@ -83,9 +80,8 @@ def layout_of(name: str) -> tuple:
 
 
 def layouts(forms=("ulysses", "ring")) -> list:
-    """Every base layout in each form, ring ones skipped while ring cannot run."""
-    return [pytest.param(f"{b}/{f}", marks=RING if f == "ring" else ())
-            for f in forms for b in BASES]
+    """Every base layout in each form."""
+    return [f"{b}/{f}" for f in forms for b in BASES]
 
 
 def train(comm, layout, plans=None, config=CONFIG):
@@ -188,12 +184,11 @@ def test_sliding_window_and_one_kv_head_under_cp4_equal_serial(float64):
 @pytest.mark.mpi
 def test_context_parallel_on_mpi_ranks_equals_serial(float64, serial, tmp_path):
     """Real ranks (``distgraph run -n 4``): cp 4, cp x dp, cp x mp, cp in 2 stages;
-    Ulysses, and the ring where it can run."""
+    Ulysses and ring."""
     here = os.path.dirname(os.path.abspath(__file__))
     out = tmp_path / "cp"
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    names = [f"{b}/{f}" for f in ("ulysses",) + (("ring",) if ring_available() else ())
-             for b in BASES if BASES[b][1] == 4]
+    names = [f"{b}/{f}" for f in ("ulysses", "ring") for b in BASES if BASES[b][1] == 4]
     proc = subprocess.run([sys.executable, "-m", "distgraph.cli", "run", "-n", "4",
                            os.path.join(here, "mpi_scripts", "context_parallel.py"), str(out),
                            *names], env=env, capture_output=True, text=True, timeout=600)
@@ -293,18 +288,24 @@ def test_bytes_counted_equal_the_plan_with_attention_inside(float64, n):
 
 
 def test_plan_explains_attention_collectives(float64):
-    """Plan.explain() lists the attention ops' all-to-alls among the collectives inside
-    ops; asking for the ring before its kernels are in the build is a PlanError that
-    says so."""
+    """Plan.explain() lists the attention ops' collectives among those inside ops, with
+    their form: Ulysses' all-to-alls, the ring's hops (n - 1 of k, v forward; and n of
+    dk, dv in the gradient). Ulysses where the heads do not divide (4 heads, cp 8) is a
+    PlanError that says how to fix it."""
     built, _ = _built(2, "ulysses")
     text = dg.passes.plan(built).explain()
     inside = text[text.index("collectives inside ops"):]
     assert "attention [ulysses] (layers.0.self_attn) over (0, 1): all_to_all n=2" in inside
     assert "attention_grad [ulysses] (layers.1.self_attn) over (0, 1): all_to_all n=2" \
         in inside
-    ring, _ = _built(2, "ring")
-    with pytest.raises(dg.PlanError, match="ring kernels"):
-        dg.passes.plan(ring)
+    ring, _ = _built(4, "ring")
+    lines = dg.passes.plan(ring).explain().splitlines()
+    forward = [x for x in lines if "attention [ring] (layers.0.self_attn)" in x]
+    backward = [x for x in lines if "attention_grad [ring] (layers.0.self_attn)" in x]
+    assert len(forward) == 3 and all("send_recv n=2" in x for x in forward)
+    assert len(backward) == 7 and all("send_recv n=2" in x for x in backward)
+    with pytest.raises(dg.PlanError, match="use context_parallel='ring'"):
+        dg.passes.plan(_built(8, "ulysses")[0])
 
 
 def test_bad_context_parallel_settings_are_errors():

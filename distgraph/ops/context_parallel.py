@@ -12,12 +12,13 @@ of the stored sequence (block order = storage order).
   heads its query heads read. The gradient sends ``[q | y | dy | lse]`` and ``[k | v]``
   there and ``dq`` and ``[dk | dv]`` back (a copied head's gradient: the sum of its
   copies'). Needs the local query heads to divide by n.
-- **Ring** attention: k, v blocks passed around the ring with non-blocking sends, the
-  kernels of :mod:`distgraph.ops.ring_attention` (online softmax; the load-balanced
-  order of 2n chunks is the data's, ``sequence_chunks``).
+- **Ring** attention: k, v blocks (only the g key/value heads) passed around the ring
+  with non-blocking sends, the kernels of :mod:`distgraph.ops.ring_attention` (online
+  softmax; the load-balanced order of 2n chunks is the data's, ``sequence_chunks``).
+  Runs whatever the heads.
 
-Both take each token's place from :func:`~distgraph.ops.attention.positions`, so the
-causal mask is right in any stored order. The kernel interface of the ring module::
+Both take each token's place from :func:`~distgraph.ops.attention_blocks.positions`, so
+the causal mask is right in any stored order. The kernel interface of the ring module::
 
     ring_attention.forward(ctx, q, k, v, scale, causal, window, positions) -> (y, lse)
     ring_attention.backward(ctx, q, k, v, y, lse, dy, scale, causal, window, positions)
@@ -25,8 +26,7 @@ causal mask is right in any stored order. The kernel interface of the ring modul
 
 ``ctx.group`` the ring (process ids in block order; ``ctx.group_ranks()`` their ranks),
 ``positions(i)`` the global positions (int64) of member i's block; k, v may carry
-fewer heads than q (grouped-query attention: :func:`~distgraph.ops.attention_blocks.
-block_forward` and ``block_backward`` take them so).
+fewer heads than q (grouped-query attention).
 
 The choice (``context_parallel`` attribute, else :func:`choose`): what the op asks for;
 unset, the one sending fewer bytes per process at this op (the cost model's all-to-all
@@ -45,24 +45,12 @@ import math
 
 from distgraph import dtypes
 from distgraph.errors import PlanError
+from distgraph.ops import ring_attention
 from distgraph.ops.attention_blocks import attend, attend_grad, positions, repeat_heads
 from distgraph.spmd import DimsSpec, EinsumPlan, EinsumRule, entry_dims
 
-# The ring kernels land from their own branch (RING_MODULE); until they are merged
-# and imported here, only Ulysses runs and asking for "ring" is a PlanError.
-ring_attention = None
 
 IMPLEMENTATIONS = ("ring", "ulysses")
-RING_MODULE = "distgraph.ops.ring_attention"
-
-
-def _ring():
-    return ring_attention
-
-
-def ring_available() -> bool:
-    """Whether the ring kernels are there (:data:`RING_MODULE`)."""
-    return ring_attention is not None
 
 
 def split(site) -> bool:
@@ -97,13 +85,7 @@ def _comm_of(impl: str, site, grad: bool) -> tuple:
                     ("all_to_all", n, qbytes), ("all_to_all", n, kv))
         return (("all_to_all", n, qbytes), ("all_to_all", n, kv),
                 ("all_to_all", n, qbytes + col))
-    ring = _ring() if ring_available() else None
-    if ring is not None and hasattr(ring, "comm"):
-        return tuple(ring.comm(n, qbytes, kbytes, grad))
-    # k and v blocks travel n - 1 hops; in the gradient dk and dv travel with them and
-    # come home (one hop more)
-    hops = (("send_recv", 2, 2 * kbytes),) * (n - 1)
-    return hops + ((("send_recv", 2, 2 * kbytes),) * n if grad else ())
+    return tuple(ring_attention.comm(n, qbytes, kbytes, grad))
 
 
 def _sent(comm: tuple) -> float:
@@ -113,32 +95,26 @@ def _sent(comm: tuple) -> float:
 
 
 def choose(attrs: dict, site) -> str:
-    """The implementation the op at ``site`` runs (module docstring); a PlanError when the
-    one asked for cannot run here."""
-    n, _, _, heads, _, _ = _sizes(site)
-    can = {"ulysses": heads % n == 0, "ring": ring_available()}
+    """The form the op at ``site`` runs (module docstring); a PlanError when Ulysses is
+    asked for and cannot run here."""
     asked = attrs.get("context_parallel")
-    why = {"ulysses": f"Ulysses needs the {heads} local heads to divide over the {n} "
-                      f"processes that split the sequence",
-           "ring": f"the ring kernels ({RING_MODULE}) are not in this build"}
+    can = runnable(site)
     if asked is not None:
-        if not can[asked]:
+        if asked not in can:
+            n, _, _, heads, _, _ = _sizes(site)
             raise PlanError(f"attention at process {site.process_id}: context_parallel="
-                            f"{asked!r} cannot run: {why[asked]}; choose the other or "
-                            f"change the sequence split")
+                            f"{asked!r} cannot run: Ulysses needs the {heads} local query "
+                            f"heads to divide over the {n} processes that split the "
+                            f"sequence; use context_parallel='ring' (or None), or split "
+                            f"the heads fewer ways")
         return asked
-    options = [i for i in ("ulysses", "ring") if can[i]]
-    if not options:
-        raise PlanError(f"attention at process {site.process_id}: the sequence is split "
-                        f"{n} ways but no context-parallel form can run: {why['ulysses']}, "
-                        f"and {why['ring']}")
-    return min(options, key=lambda i: _sent(_comm_of(i, site, False)))
+    return min(can, key=lambda f: _sent(_comm_of(f, site, False)))
 
 
 class ContextRule(EinsumRule):
-    """attention's einsum rule whose strategies leave out the sequence splits no
-    context-parallel form can run (Ulysses' heads do not divide, the ring is not asked
-    for or not there): the search never picks a layout the op cannot run."""
+    """attention's einsum rule whose strategies leave out the sequence splits the form
+    asked for cannot run (Ulysses where its heads do not divide): the search never
+    picks a layout the op cannot run."""
 
     def bind(self, in_shapes, out_shapes, mesh, attrs: dict):
         base = super().bind(in_shapes, out_shapes, mesh, attrs)
@@ -152,17 +128,17 @@ class ContextPlan(EinsumPlan):
         self.asked = asked
 
     def _runs(self, q: DimsSpec) -> bool:
-        seq = entry_dims(q.dims[2])
-        n = 1
-        for m in seq:
-            n *= self.sizes[m]
-        if n == 1:
+        """Whether the form asked for can run where q is laid out as ``q`` (the ring
+        always can; Ulysses where the local heads divide over the sequence's split)."""
+        if self.asked != "ulysses":
             return True
+        n = 1
+        for m in entry_dims(q.dims[2]):
+            n *= self.sizes[m]
         heads = self.in_shapes[0][1]
         for m in entry_dims(q.dims[1]):
             heads //= self.sizes[m]
-        can = {"ulysses": heads % n == 0, "ring": ring_available()}
-        return can[self.asked] if self.asked else any(can.values())
+        return heads % n == 0
 
     def strategies(self) -> list:
         return [s for s in super().strategies() if self._runs(DimsSpec.of(s.in_specs[0]))]
@@ -186,10 +162,9 @@ def collectives(impl: str, site, grad: bool = False) -> tuple:
 
 def runnable(site) -> tuple:
     """The forms that can run at ``site`` (a split sequence), in order of preference on
-    a tie: Ulysses (its heads divide), ring (its kernels are in the build)."""
+    a tie: Ulysses (where its local query heads divide over the group), ring."""
     n, _, _, heads, _, _ = _sizes(site)
-    return tuple(f for f, ok in (("ulysses", heads % n == 0), ("ring", ring_available()))
-                 if ok)
+    return ("ulysses", "ring") if heads % n == 0 else ("ring",)
 
 
 def comm(site, grad: bool = False) -> tuple:
@@ -218,8 +193,8 @@ def forward(ctx, q, k, v, scale, causal, window, chunks, impl):
     """attention's context-parallel form on this process's sequence block: (y, lse)."""
     xp = ctx.xp
     if impl == "ring":
-        return _ring().forward(ctx, q, k, v, scale, causal, window,
-                               _positions_of(ctx, q.shape[2], chunks))
+        return ring_attention.forward(ctx, q, k, v, scale, causal, window,
+                                      _positions_of(ctx, q.shape[2], chunks))
     d = q.shape[3]
     qh, kv, _ = _heads(ctx, q, k, v)
     s = qh.shape[2]
@@ -235,8 +210,8 @@ def backward(ctx, q, k, v, y, lse, dy, scale, causal, window, chunks, impl):
     copied key/value head's gradient is the sum of its copies'."""
     xp = ctx.xp
     if impl == "ring":
-        return _ring().backward(ctx, q, k, v, y, lse, dy, scale, causal, window,
-                                _positions_of(ctx, q.shape[2], chunks))
+        return ring_attention.backward(ctx, q, k, v, y, lse, dy, scale, causal, window,
+                                       _positions_of(ctx, q.shape[2], chunks))
     ranks = ctx.group_ranks()
     d = q.shape[3]
     there = xp.concatenate([q, y, dy, lse[..., None]], axis=-1)

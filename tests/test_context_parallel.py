@@ -254,17 +254,19 @@ def _built(n: int, impl, config=CONFIG):
     return built, init
 
 
+@pytest.mark.parametrize("form", ["ulysses", "ring"])
 @pytest.mark.parametrize("n", [2, 4])
-def test_bytes_counted_equal_the_plan_with_attention_inside(float64, n):
+def test_bytes_counted_equal_the_plan_with_attention_inside(float64, n, form):
     """One training step on n ranks: the bytes each rank sends, by kind, equal the plan's
     (reshard steps and the attention ops' own all-to-alls, ``comm(site)``), and the
     all-to-alls are the ops' (Ulysses: q, then k and v, there and y back per attention;
-    two there and two back per gradient). With n = 4 the 2 key/value heads are copied
-    twice each so that they divide over the group: the bytes count the copies."""
+    two there and two back per gradient; with n = 4 the 2 key/value heads are copied
+    twice each so that they divide over the group: the bytes count the copies), or the
+    ring's hops (only the 2 key/value heads travel)."""
     from distgraph.passes.partition import gather_points
     from distgraph.runtime.execution.runner import PlanRunner
 
-    built, init = _built(n, "ulysses")
+    built, init = _built(n, form)
     plan = dg.passes.plan(built)
     ids = np.random.default_rng(0).integers(0, CONFIG.vocab_size, (BATCH, SEQ))
 
@@ -284,7 +286,10 @@ def test_bytes_counted_equal_the_plan_with_attention_inside(float64, n):
         assert {k: planned.get(k, 0.0) for k in kinds} == \
             pytest.approx({k: counted.get(k, 0.0) for k in kinds}, rel=1e-12)
         inside = [kind for c in op_comm.values() for kind, _, _ in c]
-        assert inside.count("all_to_all") == 7 * CONFIG.num_hidden_layers
+        if form == "ulysses":
+            assert inside.count("all_to_all") == 7 * CONFIG.num_hidden_layers
+        else:           # hops: n - 1 forward, 2n - 1 in the gradient
+            assert inside.count("send_recv") == (3 * n - 2) * CONFIG.num_hidden_layers
 
 
 def test_plan_explains_attention_collectives(float64):
@@ -385,22 +390,28 @@ def _cluster(gflops, bandwidth):
                                        "latency": 1}]}]})
 
 
-def test_cost_model_prices_ring_overlap_against_ulysses(float64):
-    """The per-op choice's prices: Ulysses pays its all-to-alls after its compute; the
-    ring hides its hops behind its blocks' compute, so it wins where compute dominates
-    (a slow device, a fast link) and loses where the link dominates (cp 4, as many
-    key/value heads as query heads: the ring sends 3 hops of k and v, Ulysses 3/4 of q,
-    k, v and y, half as much). While only Ulysses can run, nothing is chosen."""
-    from distgraph.passes.context import assign_forms, form_times
+def test_cost_model_chooses_ring_or_ulysses_per_op(float64):
+    """The per-op choice: Ulysses pays its all-to-alls after its compute; the ring hides
+    its hops behind its blocks' compute, so it wins where compute dominates (a slow
+    device, a fast link) and loses where the link dominates (cp 4, as many key/value
+    heads as query heads: the ring sends 3 hops of k and v, Ulysses 3/4 of q, k, v and
+    y, half as much). The plan on each cluster runs each op in its faster form; a form
+    the strategy fixes stays."""
+    from distgraph.passes.context import form_times
     from distgraph.passes.cost.prices import Rings
 
-    built, _ = _built(4, None, CONFIG.replace(num_key_value_heads=4))
-    plan = dg.passes.plan(built)
-    ops = [op for op in plan.program.ops if op.type in ("attention", "attention_grad")]
-    assert ops
+    config = CONFIG.replace(num_key_value_heads=4)
     for gflops, bandwidth, faster in ((1e-3, 1e3, "ring"), (1e3, 1e-3, "ulysses")):
-        rings = Rings(_cluster(gflops, bandwidth), lambda p: p)
+        cluster = _cluster(gflops, bandwidth)
+        plan = dg.passes.plan(_built(4, None, config)[0], cluster=cluster)
+        ops = [op for op in plan.program.ops if op.type in ("attention", "attention_grad")]
+        assert len(ops) == 2 * CONFIG.num_hidden_layers
         for op in ops:
-            times = form_times(op, rings)
+            times = form_times(op, Rings(cluster, lambda p: p))
             assert min(times, key=times.get) == faster, (op.type, times)
-    assert assign_forms(plan.program, _cluster(1e-3, 1e3), lambda p: p) == 0
+            assert op.attrs["context_parallel"] == faster
+        local = [op for op in plan.local(0).program.ops if op.type == "attention"]
+        assert all(op.attrs["context_parallel"] == faster for op in local)
+    fixed = dg.passes.plan(_built(4, "ulysses", config)[0], cluster=_cluster(1e-3, 1e3))
+    assert all(op.attrs["context_parallel"] == "ulysses" for op in fixed.program.ops
+               if op.type.startswith("attention"))

@@ -9,8 +9,10 @@ the ring of its sequence group.
 
 - **Ulysses** runs its all-to-alls, then the compute: ``compute + all-to-alls``.
 - **Ring** computes block by block while the next k, v block travels (non-blocking
-  sends): ``compute/n + (n-1) * max(compute/n, one hop)`` (the gradient's last hop,
-  bringing dk, dv home, is not hidden).
+  sends): the pipeline of the op's ``overlap`` hook (n slices, a hop before each, and a
+  dk, dv hop after each in the gradient), priced as MeshSlice's is
+  (:func:`~distgraph.passes.cost.prices.overlap_time`): the search and the estimate
+  price the ring the same way.
 
 :func:`assign_forms` gives each such op the fastest form that can run there, once the
 processes have devices (as MeshSlice's K is given). A form the strategy fixed stays.
@@ -24,7 +26,7 @@ Example::
 from __future__ import annotations
 
 from distgraph.ops import context_parallel as cp
-from distgraph.passes.cost.prices import Rings, op_comm_time, op_time
+from distgraph.passes.cost.prices import Rings, op_comm_time, op_time, overlap_time
 from distgraph.placement import DistAttr
 from distgraph.registry import LocalSite, TensorType
 
@@ -49,20 +51,24 @@ def form_times(op, rings: Rings, pid: int | None = None) -> dict:
     if not cp.split(site):
         return {}
     group = site.split_group(0, 2)
-    n = len(group)
-    attrs = {**op.attrs, "sequence_parts": n}
+    mesh = op.dist_attr.mesh
     ins = [TensorType(a.local_shape(v.shape), v.dtype) for a, v in zip(site.in_attrs, op.inputs)]
     outs = [TensorType(a.local_shape(o.shape), o.dtype)
             for a, o in zip(site.out_attrs, op.outputs)]
     device = rings.device(pid)
-    compute = op_time(op.type, ins, outs, attrs, device)
-    ring = rings.of_op(op.dist_attr.mesh, pid, {"group": group})
     grad = op.type == "attention_grad"
-    times = {"ulysses": compute + op_comm_time(cp.collectives("ulysses", site, grad), ring,
-                                               device)}
-    steps = n if grad else n - 1          # the gradient's dk, dv come home: one hop more
-    hop = op_comm_time(cp.collectives("ring", site, grad), ring, device) / steps
-    times["ring"] = compute / n + (n - 1) * max(compute / n, hop) + (hop if grad else 0.0)
+    times = {}
+    for form in cp.IMPLEMENTATIONS:
+        attrs = {**op.attrs, "context_parallel": form, "sequence_parts": len(group),
+                 "sequence_dims": tuple(site.in_attrs[0].spec.entry(2))}
+        ways = cp.overlap(attrs, ins)
+        if ways:
+            times[form] = sum(overlap_time(ways[0], device,
+                                           lambda dim: rings.along(mesh, pid, dim)))
+        else:
+            ring = rings.of_op(mesh, pid, {"group": group})
+            times[form] = op_time(op.type, ins, outs, attrs, device) + \
+                op_comm_time(cp.collectives(form, site, grad), ring, device)
     return times
 
 

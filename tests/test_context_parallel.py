@@ -384,24 +384,26 @@ def test_local_attention_flops_add_up_to_the_serial_op(float64, n):
 
 
 def _cluster(gflops, bandwidth):
+    """4 GPUs (a CPU group's transfers are its processes' own copies, hidden by
+    nothing) of ``gflops`` on links of ``bandwidth`` GB/s."""
     return dg.Cluster.from_dict({"machines": [{"hostname": "a", "devices": [
-        {"global_id": i, "type": "CPU", "memory": 1, "gflops": {"float64": gflops}}
+        {"global_id": i, "type": "GPU", "memory": 1, "gflops": {"float64": gflops}}
         for i in range(4)], "links": [{"group": [0, 1, 2, 3], "bandwidth": bandwidth,
                                        "latency": 1}]}]})
 
 
 def test_cost_model_chooses_ring_or_ulysses_per_op(float64):
     """The per-op choice: Ulysses pays its all-to-alls after its compute; the ring hides
-    its hops behind its blocks' compute, so it wins where compute dominates (a slow
-    device, a fast link) and loses where the link dominates (cp 4, as many key/value
-    heads as query heads: the ring sends 3 hops of k and v, Ulysses 3/4 of q, k, v and
-    y, half as much). The plan on each cluster runs each op in its faster form; a form
-    the strategy fixes stays."""
+    its hops behind its blocks' compute (the op's overlap pipeline), so it wins where
+    compute dominates (a slow device) and loses where the link does (a fast device; cp
+    4, as many key/value heads as query heads: the ring sends 3 hops of k and v, Ulysses
+    3/4 of q, k, v and y, half as much). The plan on each cluster runs each op in its
+    faster form; a form the strategy fixes stays."""
     from distgraph.passes.context import form_times
     from distgraph.passes.cost.prices import Rings
 
     config = CONFIG.replace(num_key_value_heads=4)
-    for gflops, bandwidth, faster in ((1e-3, 1e3, "ring"), (1e3, 1e-3, "ulysses")):
+    for gflops, bandwidth, faster in ((1e-3, 1e-2, "ring"), (1.0, 1e-2, "ulysses")):
         cluster = _cluster(gflops, bandwidth)
         plan = dg.passes.plan(_built(4, None, config)[0], cluster=cluster)
         ops = [op for op in plan.program.ops if op.type in ("attention", "attention_grad")]
@@ -412,6 +414,39 @@ def test_cost_model_chooses_ring_or_ulysses_per_op(float64):
             assert op.attrs["context_parallel"] == faster
         local = [op for op in plan.local(0).program.ops if op.type == "attention"]
         assert all(op.attrs["context_parallel"] == faster for op in local)
-    fixed = dg.passes.plan(_built(4, "ulysses", config)[0], cluster=_cluster(1e-3, 1e3))
+    fixed = dg.passes.plan(_built(4, "ulysses", config)[0], cluster=_cluster(1e-3, 1e-2))
     assert all(op.attrs["context_parallel"] == "ulysses" for op in fixed.program.ops
                if op.type.startswith("attention"))
+
+
+def test_ring_pipeline_slices_add_up_to_the_op_and_hide_its_hops(float64):
+    """The ring's overlap hook: n slices whose FLOPs add up to the local op's, a k, v hop
+    before each (and a dk, dv hop after each in the gradient). The estimate prices the
+    ring's hops hidden behind its compute: on a compute-bound cluster the ring plan's
+    communication is below the Ulysses plan's, on a link-bound one above (as
+    many key/value heads as query heads: the ring sends twice Ulysses' bytes)."""
+    from distgraph.registry import TensorType, get_op
+
+    built, _ = _built(4, "ring")
+    cluster = _cluster(1e-3, 1e-2)
+    plan = dg.passes.plan(built, cluster=cluster)
+    local = plan.local(0).program.ops
+    for op in (o for o in local if o.type.startswith("attention")):
+        opdef = get_op(op.type)
+        ins = [TensorType(v.shape, v.dtype) for v in op.inputs]
+        outs = [TensorType(o.shape, o.dtype) for o in op.outputs]
+        (ov,) = opdef.overlap(op.attrs, ins)
+        assert ov.slices == 4 and ov.op_type == op.type
+        whole = opdef.flops(ins, outs, **op.attrs)
+        assert ov.slices * get_op(ov.op_type).flops(ov.ins, ov.outs, **dict(ov.attrs)) == \
+            pytest.approx(whole, rel=1e-12)
+        assert [k for k, *_ in ov.before] == ["send_recv"]
+        assert len(ov.after) == (1 if op.type == "attention_grad" else 0)
+    config = CONFIG.replace(num_key_value_heads=4)
+    for gflops, ring_wins in ((1e-3, True), (1.0, False)):
+        cluster = _cluster(gflops, 1e-2)
+        comm = {form: dg.passes.estimate(dg.passes.plan(_built(4, form, config)[0],
+                                                        cluster=cluster),
+                                         cluster).processes[0].communication
+                for form in ("ring", "ulysses")}
+        assert (comm["ring"] < comm["ulysses"]) == ring_wins, comm

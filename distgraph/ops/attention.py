@@ -59,13 +59,14 @@ def _pairs(s: int, causal: bool, window) -> int:
 
 def _flops(per_pair_d: int, per_pair: int):
     def flops(ins, outs, scale=1.0, causal=True, sliding_window=None, sequence_chunks=1,
-              context_parallel=None, sequence_parts=1):
+              context_parallel=None, sequence_parts=1, sequence_dims=(), key_blocks=1):
         # a process of a sequence split n ways (sequence_parts, set by localize) computes
         # its queries against every key: 1/n of the whole sequence's pairs (the balanced
-        # order makes that exact for causal masks; natural order, on average)
+        # order makes that exact for causal masks; natural order, on average); one of
+        # the ring's steps against one of its key_blocks blocks, that over key_blocks
         b, h, s, d = ins[0].shape
         pairs = _pairs(s * sequence_parts, causal, sliding_window) / sequence_parts
-        return b * h * pairs * (per_pair_d * d + per_pair)
+        return b * h * pairs * (per_pair_d * d + per_pair) / key_blocks
     return flops
 
 
@@ -96,7 +97,8 @@ class Attention:
     flops = _flops(4, 5)
 
     def infer(q, k, v, scale=1.0, causal=True, sliding_window=None, sequence_chunks=1,
-              context_parallel=None, sequence_parts=1):
+              context_parallel=None, sequence_parts=1,
+              sequence_dims=(), key_blocks=1):
         _check(q, k, v, causal, sliding_window, sequence_chunks)
         if context_parallel not in (None,) + IMPLEMENTATIONS:
             raise ShapeError(f"attention: context_parallel {context_parallel!r} is not one of "
@@ -104,7 +106,8 @@ class Attention:
         return q, TensorType(tuple(q.shape[:3]), q.dtype)
 
     def kernel(ctx, q, k, v, scale=1.0, causal=True, sliding_window=None, sequence_chunks=1,
-               context_parallel=None, sequence_parts=1):
+               context_parallel=None, sequence_parts=1, sequence_dims=(),
+               key_blocks=1):
         if ctx.group is not None:
             return cp.forward(ctx, q, k, v, scale, causal, sliding_window, sequence_chunks,
                               context_parallel)
@@ -114,6 +117,7 @@ class Attention:
 
     localize = cp.localize
     comm = cp.comm
+    overlap = cp.overlap
 
     def grad(op, dy, dlse=None):
         return emit("attention_grad", [*op.inputs, *op.outputs, dy], dict(op.attrs))
@@ -127,11 +131,13 @@ class AttentionGrad:
     flops = _flops(10, 8)
 
     def infer(q, k, v, y, lse, dy, scale=1.0, causal=True, sliding_window=None,
-              sequence_chunks=1, context_parallel=None, sequence_parts=1):
+              sequence_chunks=1, context_parallel=None, sequence_parts=1,
+              sequence_dims=(), key_blocks=1):
         return q, k, v
 
     def kernel(ctx, q, k, v, y, lse, dy, scale=1.0, causal=True, sliding_window=None,
-               sequence_chunks=1, context_parallel=None, sequence_parts=1):
+               sequence_chunks=1, context_parallel=None, sequence_parts=1,
+               sequence_dims=(), key_blocks=1):
         if ctx.group is not None:
             return cp.backward(ctx, q, k, v, y, lse, dy, scale, causal, sliding_window,
                                sequence_chunks, context_parallel)
@@ -140,6 +146,7 @@ class AttentionGrad:
         return attend_grad(xp, q, k, v, y, lse, dy, scale, pos, pos, causal, sliding_window)
 
     localize = cp.localize
+    overlap = cp.overlap
 
     def comm(site):
         return cp.comm(site, grad=True)

@@ -47,6 +47,7 @@ from distgraph import dtypes
 from distgraph.errors import PlanError
 from distgraph.ops import ring_attention
 from distgraph.ops.attention_blocks import attend, attend_grad, positions, repeat_heads
+from distgraph.registry import Overlap
 from distgraph.spmd import DimsSpec, EinsumPlan, EinsumRule, entry_dims
 
 
@@ -145,13 +146,42 @@ class ContextPlan(EinsumPlan):
 
 
 def localize(attrs, site):
-    """The implementation (``context_parallel``), the number of sequence blocks
-    (``sequence_parts``, for the FLOPs) and the group of a split sequence."""
+    """The form (``context_parallel``), the number of sequence blocks and the mesh dims
+    splitting them (``sequence_parts``, ``sequence_dims``: for the FLOPs and the ring's
+    pipeline) and the group of a split sequence."""
     if not split(site):
         return attrs, {}
     group = site.split_group(0, 2)
-    return {**attrs, "context_parallel": choose(attrs, site), "sequence_parts": len(group)}, \
-        {"group": group}
+    local = {**attrs, "context_parallel": choose(attrs, site), "sequence_parts": len(group),
+             "sequence_dims": tuple(site.in_attrs[0].spec.entry(2))}
+    return local, {"group": group}
+
+
+def overlap(attrs: dict, ins) -> tuple:
+    """The ring's pipeline for the cost model (the op's ``overlap`` hook): n slices, one
+    per k, v block, each the attention of the local queries against one block (1/n of
+    the op's pairs, as the balanced order makes them), with the block's hop before it
+    and, in the gradient, its dk, dv hop after it; the hops run while the slices
+    compute. Empty for Ulysses (its all-to-alls come before and after the compute:
+    ``comm``), for a whole sequence, and for one split over several mesh dims (its hops
+    priced unhidden). ``ins``: the local TensorTypes."""
+    n = attrs.get("sequence_parts", 1)
+    dims = tuple(attrs.get("sequence_dims", ()))
+    if attrs.get("context_parallel") != "ring" or n == 1 or len(dims) != 1:
+        return ()           # a split over several mesh dims is priced unhidden (comm)
+    grad = len(ins) > 3
+    q, k = ins[0], ins[1]
+    kbytes = dtypes.itemsize(k.dtype) * math.prod(k.shape)
+    hop = (("send_recv", dims[0], 2, 2 * kbytes),)
+    block = tuple(sorted({**{a: v for a, v in attrs.items()
+                             if a in ("scale", "causal", "sliding_window")},
+                          "sequence_parts": n, "key_blocks": n}.items()))
+    if grad:
+        outs = tuple(ins[:3])
+    else:
+        outs = (q, type(q)(tuple(q.shape[:3]), q.dtype))
+    return (Overlap(n, "attention_grad" if grad else "attention", tuple(ins), outs, hop,
+                    hop if grad else (), block),)
 
 
 def collectives(impl: str, site, grad: bool = False) -> tuple:

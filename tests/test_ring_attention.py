@@ -62,6 +62,12 @@ def test_comm_counts_hops_of_the_kv_block():
     assert ra.ring_pairs((5, 2, 7)) == ((5, 2), (2, 7), (7, 5))
 
 
+def test_its_tags_are_the_ones_the_plans_tag_scheme_leaves_to_kernels():
+    from distgraph.plan.tags import KERNEL_TAGS, MAX_TAG
+    assert all(MAX_TAG - KERNEL_TAGS <= t < MAX_TAG for t in ra.TAGS)
+    assert len(set(ra.TAGS)) == len(ra.TAGS)
+
+
 def test_balanced_order_gives_member_i_chunks_i_and_2n_minus_1_minus_i():
     pos = ra.balanced_positions(4, 4)
     assert pos(0).tolist() == [0, 1, 14, 15]

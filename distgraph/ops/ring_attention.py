@@ -42,7 +42,7 @@ q, y, dy ``[b, h, s, d]``, k, v ``[b, g, s, d]``, lse ``[b, h, s]`` (float, -inf
 query that sees no key); ``ctx`` a :class:`~distgraph.registry.KernelContext` whose
 ``group_ranks()`` is the ring in block order; ``positions(i)`` int64 ``[s]`` (None: the
 natural order, member i holding positions i·s .. i·s + s - 1). The messages use the
-reserved tags :data:`~distgraph.plan.tags.RING_KV_TAG` and ``RING_DKV_TAG``; a GPU
+tags :data:`TAGS`, which the plan's tag scheme leaves to kernels; a GPU
 plan's NCCL pairs for them are :func:`ring_pairs`.
 
 Example (on each rank of a 4-rank job)::
@@ -55,10 +55,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from distgraph.plan.tags import RING_DKV_TAG, RING_KV_TAG
-
 ROWS = 256          # queries per piece of computation (requests are polled between)
 MAX_RUNS = 8        # more runs of consecutive positions in a block: one run of the whole
+# The messages' tags: the top of the communicators' [0, 2**14), which the plan's tag
+# scheme leaves to kernels (distgraph.plan.tags.KERNEL_TAGS; the core cannot import it)
+RING_KV_TAG, RING_DKV_TAG = (1 << 14) - 1, (1 << 14) - 2
+TAGS = (RING_KV_TAG, RING_DKV_TAG)
 
 
 def comm(n: int, qbytes: int, kbytes: int, grad: bool = False) -> tuple:

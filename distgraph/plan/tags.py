@@ -22,10 +22,9 @@ from distgraph.errors import PlanError
 
 MAX_TAG = 1 << 14
 # The top tags belong to kernels that message inside one op (ring attention's k, v
-# blocks and their gradients); the plan's points never use them.
+# blocks and their gradients: distgraph.ops.ring_attention.TAGS); the plan's points
+# never use them.
 KERNEL_TAGS = 8
-RING_KV_TAG = MAX_TAG - 1
-RING_DKV_TAG = MAX_TAG - 2
 
 
 @dataclass(frozen=True)

@@ -134,12 +134,6 @@ def get_op(op_type: str) -> OpDef:
         raise DistGraphError(f"unknown op type {op_type!r}") from None
 
 
-# Message tags are [0, MAX_TAG) (the communicators' contract; the plan's tag scheme,
-# distgraph.plan.tags, gives them out). The top KERNEL_TAGS belong to kernels that message
-# inside one op (ring attention's k, v blocks); the plan's points never use them.
-MAX_TAG = 1 << 14
-KERNEL_TAGS = 8
-
 # Ops whose time follows their FLOPs (dense contractions, the experts' grouped ones);
 # every other op's follows the elements it reads and writes.
 FLOP_BOUND = ("matmul", "moe_ffn", "moe_ffn_grad", "attention", "attention_grad")

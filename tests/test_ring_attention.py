@@ -62,6 +62,12 @@ def test_comm_counts_hops_of_the_kv_block():
     assert ra.ring_pairs((5, 2, 7)) == ((5, 2), (2, 7), (7, 5))
 
 
+def test_its_tags_are_the_ones_the_plans_tag_scheme_leaves_to_kernels():
+    from distgraph.plan.tags import KERNEL_TAGS, MAX_TAG
+    assert all(MAX_TAG - KERNEL_TAGS <= t < MAX_TAG for t in ra.TAGS)
+    assert len(set(ra.TAGS)) == len(ra.TAGS)
+
+
 def test_balanced_order_gives_member_i_chunks_i_and_2n_minus_1_minus_i():
     pos = ra.balanced_positions(4, 4)
     assert pos(0).tolist() == [0, 1, 14, 15]
@@ -81,3 +87,38 @@ def test_pairs_of_runs_skip_the_future_and_mask_only_the_diagonal():
     # a sliding window of 3: chunk 3 (positions 6, 7) sees keys 4, 5 only partly
     assert [(qs, ks, m.tolist()) for qs, ks, m in ra._meetings(np, pos(0), pos(1), True, 3)] \
         == [(slice(2, 4), slice(0, 4), [[False, False, True, True], [False, False, False, True]])]
+
+
+class _Counting:
+    """A communicator that counts the messages started through it."""
+
+    def __init__(self, inner):
+        self.inner, self.started = inner, 0
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def isend(self, *args, **kwargs):
+        self.started += 1
+        return self.inner.isend(*args, **kwargs)
+
+    def irecv(self, *args, **kwargs):
+        self.started += 1
+        return self.inner.irecv(*args, **kwargs)
+
+
+@pytest.mark.parametrize("blocking", [False, True])
+def test_a_ring_of_one_is_the_serial_kernel_and_sends_nothing(blocking):
+    q, k, v, dy = _script().inputs(1, 1, 4, 2, 16, 4)
+    want = _script().serial(q, k, v, dy, 0.5)
+    comm = _Counting(SimulatedWorld(1).communicator(0))
+    ctx = KernelContext(np, comm=comm, group=(0,))
+    positions = ra.balanced_positions(4, 4)          # any order of the whole sequence
+    order = np.concatenate([positions(i) for i in range(4)])
+    y, lse = ra.forward(ctx, q[:, :, order], k[:, :, order], v[:, :, order], 0.5,
+                        positions=lambda i: order, blocking=blocking)
+    got = ra.backward(ctx, q[:, :, order], k[:, :, order], v[:, :, order], y, lse,
+                      dy[:, :, order], 0.5, positions=lambda i: order, blocking=blocking)
+    for a, w in zip((y, lse, *got), want):
+        assert np.abs(a - w[:, :, order]).max() < 1e-10
+    assert comm.started == 0

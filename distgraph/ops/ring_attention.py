@@ -42,7 +42,7 @@ q, y, dy ``[b, h, s, d]``, k, v ``[b, g, s, d]``, lse ``[b, h, s]`` (float, -inf
 query that sees no key); ``ctx`` a :class:`~distgraph.registry.KernelContext` whose
 ``group_ranks()`` is the ring in block order; ``positions(i)`` int64 ``[s]`` (None: the
 natural order, member i holding positions i·s .. i·s + s - 1). The messages use the
-reserved tags :data:`RING_KV_TAG` and ``RING_DKV_TAG`` (``registry.KERNEL_TAGS``); a GPU
+tags :data:`TAGS`, which the plan's tag scheme leaves to kernels; a GPU
 plan's NCCL pairs for them are :func:`ring_pairs`.
 
 Example (on each rank of a 4-rank job)::
@@ -53,16 +53,16 @@ Example (on each rank of a 4-rank job)::
 
 from __future__ import annotations
 
+from collections import deque
+
 import numpy as np
-
-from distgraph.registry import MAX_TAG
-
-# the ring's messages use two of the top tags the plan leaves to kernels (KERNEL_TAGS)
-RING_KV_TAG = MAX_TAG - 1
-RING_DKV_TAG = MAX_TAG - 2
 
 ROWS = 256          # queries per piece of computation (requests are polled between)
 MAX_RUNS = 8        # more runs of consecutive positions in a block: one run of the whole
+# The messages' tags: the top of the communicators' [0, 2**14), which the plan's tag
+# scheme leaves to kernels (distgraph.plan.tags.KERNEL_TAGS; the core cannot import it)
+RING_KV_TAG, RING_DKV_TAG = (1 << 14) - 1, (1 << 14) - 2
+TAGS = (RING_KV_TAG, RING_DKV_TAG)
 
 
 def comm(n: int, qbytes: int, kbytes: int, grad: bool = False) -> tuple:
@@ -100,53 +100,134 @@ def balanced_positions(n: int, s: int):
 # ---- the ring's messages -----------------------------------------------------------------
 
 class _Ring:
-    """This process's place in the ring and its requests in flight."""
+    """This process's place in the ring and its messages: the k, v blocks (block t is
+    the one computed on at step t, member ``me - t``'s) and, in the backward, the blocks'
+    dk, dv partial sums.
 
-    def __init__(self, ctx, blocking: bool):
+    Overlapped, receives are posted ``depth`` blocks ahead and a block is sent on as soon
+    as it has arrived (found by :meth:`poll`, between pieces of computation), so the
+    blocks travel the ring at the links' pace, whatever a member's compute; a block's
+    dk, dv go on once this member's share is added and the earlier holders' sum has
+    arrived. ``blocking``: each exchange starts when the block is needed and is waited
+    for at once (sends and receives together, so that the ring cannot deadlock)."""
+
+    def __init__(self, ctx, blocking: bool, depth: int = 2):
         self.comm = ctx.comm
         self.ranks = tuple(ctx.group_ranks())
         self.n = len(self.ranks)
         self.me = self.ranks.index(self.comm.rank)
         self.next = self.ranks[(self.me + 1) % self.n]
         self.prev = self.ranks[(self.me - 1) % self.n]
-        self.blocking = blocking
+        self.blocking, self.depth = blocking, max(1, depth)
         self.sends: list = []
-        self.receives: list = []
+        self.blocks: dict = {}          # step -> k, v block (arrived, or this member's)
+        self.coming: dict = {}          # step -> receive of its block
+        self.forwarded = 0              # blocks 0 .. forwarded - 1 have been sent on
+        self.partials: dict = {}        # step -> receive of its block's dk, dv so far
+        self.queue: deque = deque()     # (step, this member's share) waiting to go on
 
     def member(self, t: int) -> int:
-        """The member whose k, v block this process holds at step t."""
+        """The member whose k, v block this process computes on at step t."""
         return (self.me - t) % self.n
 
-    def send(self, arr, tag: int) -> None:
-        """Start sending ``arr`` (left unchanged until :meth:`done`) to the next member."""
+    def _send(self, arr, tag: int) -> None:
         self.sends.append(self.comm.isend(arr, self.next, tag))
 
-    def receive(self, like, tag: int):
-        """Start receiving an array shaped as ``like`` from the previous member."""
-        req = self.comm.irecv(like.shape, like.dtype, self.prev, tag)
-        self.receives.append(req)
-        return req
+    def _receive(self, like, tag: int):
+        return self.comm.irecv(like.shape, like.dtype, self.prev, tag)
 
-    def exchange(self, arr, tag: int):
-        """Send ``arr`` on and receive the previous member's array in its place."""
-        self.send(arr, tag)
-        return self.receive(arr, tag)
+    def _sendrecv(self, arr, tag: int):
+        """Blocking exchange: ``arr`` to the next member, the previous one's back."""
+        self._send(arr, tag)
+        got = self.comm.wait([self._receive(arr, tag)] + self.sends)[0]
+        self.sends = []
+        return got
+
+    # ---- k, v blocks ----
+    def start(self, kv) -> None:
+        """Step 0: this member's block, sent on at once (overlapped)."""
+        self.blocks[0], self.like = kv, kv
+        if not self.blocking:
+            self._ahead(0)
+            self._forward()
+
+    def _ahead(self, t: int) -> None:
+        for j in range(t + 1, min(t + self.depth, self.n - 1) + 1):
+            if j not in self.blocks and j not in self.coming:
+                self.coming[j] = self._receive(self.like, RING_KV_TAG)
+
+    def _forward(self) -> None:
+        """Send on, in order, every block that has arrived (all but the last step's)."""
+        while self.forwarded < self.n - 1:
+            f = self.forwarded
+            req = self.coming.get(f)
+            if req is not None and req.test():
+                self.blocks[f] = self.coming.pop(f).value
+            if f not in self.blocks:
+                return
+            self._send(self.blocks[f], RING_KV_TAG)
+            self.forwarded += 1
+
+    def block(self, t: int):
+        """The k, v block of step t, waiting for it if it has not arrived."""
+        if t not in self.blocks:
+            if self.blocking:
+                self.blocks[t] = self._sendrecv(self.blocks[t - 1], RING_KV_TAG)
+            else:
+                self.blocks[t] = self.comm.wait([self.coming.pop(t)])[0]
+        done = t if self.blocking else min(t, self.forwarded)
+        for j in [j for j in self.blocks if j < done]:
+            del self.blocks[j]                 # computed on and sent on
+        if not self.blocking:
+            self._ahead(t)
+            self._forward()
+        return self.blocks[t]
+
+    # ---- dk, dv of the blocks (backward) ----
+    def expect(self, t: int, like) -> None:
+        """Start receiving block t's dk, dv summed by its earlier holders (t = n: this
+        member's own, complete)."""
+        if not self.blocking and 0 < t and self.n > 1:
+            self.partials[t] = self._receive(like, RING_DKV_TAG)
+
+    def pass_on(self, t: int, share):
+        """Add this member's ``share`` of block t's dk, dv to its earlier holders' and
+        send it on. Blocking: at once (receiving the next block's sum, returned);
+        overlapped: queued until the sum has arrived (:meth:`poll` sends it)."""
+        if self.blocking:
+            if t > 0:
+                share += self.carried
+            self.carried = self._sendrecv(share, RING_DKV_TAG)
+            return
+        self.queue.append((t, share))
+        self._flush(wait=False)
+
+    def _flush(self, wait: bool) -> None:
+        while self.queue:
+            t, share = self.queue[0]
+            if t > 0:
+                req = self.partials[t]
+                if not (self.comm.wait([req]) if wait else req.test()):
+                    return
+                share += self.partials.pop(t).value
+            self._send(share, RING_DKV_TAG)
+            self.queue.popleft()
+
+    def own(self):
+        """This member's block's complete dk, dv (after every step's :meth:`pass_on`)."""
+        if self.blocking:
+            return self.carried
+        self._flush(wait=True)
+        return self.comm.wait([self.partials.pop(self.n)])[0]
 
     def poll(self) -> None:
-        """Let the transfers in flight move (MPI progresses while its ranks call it)."""
-        for req in self.sends + self.receives:
+        """Let the transfers in flight move (MPI progresses while its ranks call it) and
+        send on what has arrived."""
+        for req in self.sends + list(self.coming.values()) + list(self.partials.values()):
             req.test()
-
-    def take(self, req):
-        """The array of a started receive, waiting for it. ``blocking``: and for the
-        sends started so far (the reference ring waits for each exchange). Otherwise
-        sends are waited for at :meth:`done`: a member waiting for its own send to be
-        received would wait for its neighbour, which waits for its own, round the ring."""
-        value = self.comm.wait([req] + (self.sends if self.blocking else []))[0]
-        self.receives.remove(req)
-        if self.blocking:
-            self.sends = []
-        return value
+        if not self.blocking:
+            self._forward()
+            self._flush(wait=False)
 
     def done(self) -> None:
         self.comm.wait(self.sends)
@@ -231,28 +312,25 @@ class _Layout:
 # ---- the kernels ---------------------------------------------------------------------------
 
 def forward(ctx, q, k, v, scale, causal: bool = True, window=None, positions=None,
-            blocking: bool = False, rows: int = ROWS):
+            blocking: bool = False, rows: int = ROWS, depth: int = 2):
     """(y [b, h, s, d], lse [b, h, s]) of this member's queries against the whole
     sequence's keys (module docstring)."""
     xp = ctx.xp
-    ring = _Ring(ctx, blocking)
+    ring = _Ring(ctx, blocking, depth)
     lay = _Layout(xp, q, k, positions, ring.n, ring.me)
     qg = lay.group(q * q.dtype.type(scale))
     m = xp.full(lay.grouped[:4] + (1,), -xp.inf, dtype=q.dtype)
     l_ = xp.zeros_like(m)
     o = xp.zeros(lay.grouped, dtype=q.dtype)
     pq = lay.pos(ring.me)
-    kv = xp.stack([k, v])[:, :, :, None]                  # [2, b, g, 1, s, d]
+    ring.start(xp.stack([k, v])[:, :, :, None])          # [2, b, g, 1, s, d]
     for t in range(ring.n):
-        last = t == ring.n - 1
-        coming = ring.exchange(kv, RING_KV_TAG) if not (last or blocking) else None
+        kv = ring.block(t)
         for qs, ks, mask in _pieces(_meetings(xp, pq, lay.pos(ring.member(t)), causal,
                                               window), rows):
             _forward_piece(xp, qg[..., qs, :], kv[0][..., ks, :], kv[1][..., ks, :], mask,
                            m[..., qs, :], l_[..., qs, :], o[..., qs, :])
             ring.poll()
-        if not last:
-            kv = ring.take(coming if coming is not None else ring.exchange(kv, RING_KV_TAG))
     ring.done()
     seen = l_ > 0
     y = o / xp.where(seen, l_, 1)
@@ -279,11 +357,11 @@ def _forward_piece(xp, q, k, v, mask, m, l_, o):
 
 
 def backward(ctx, q, k, v, y, lse, dy, scale, causal: bool = True, window=None,
-             positions=None, blocking: bool = False, rows: int = ROWS):
+             positions=None, blocking: bool = False, rows: int = ROWS, depth: int = 2):
     """(dq, dk, dv) of :func:`forward` for the upstream gradient ``dy``, from its saved
     ``y`` and ``lse`` (module docstring)."""
     xp = ctx.xp
-    ring = _Ring(ctx, blocking)
+    ring = _Ring(ctx, blocking, depth)
     lay = _Layout(xp, q, k, positions, ring.n, ring.me)
     sc = q.dtype.type(scale)
     qg, dyg = lay.group(q * sc), lay.group(dy)
@@ -292,13 +370,12 @@ def backward(ctx, q, k, v, y, lse, dy, scale, causal: bool = True, window=None,
     lse_g = lay.rows(xp.where(xp.isfinite(lse), lse, 0))
     dq = xp.zeros(lay.grouped, dtype=q.dtype)
     pq = lay.pos(ring.me)
-    kv = xp.stack([k, v])[:, :, :, None]                  # [2, b, g, 1, s, d]
-    partial = carried = None          # the block's dk, dv from its earlier holders
+    ring.start(xp.stack([k, v])[:, :, :, None])          # [2, b, g, 1, s, d]
     for t in range(ring.n):
-        last = t == ring.n - 1
-        if not blocking:
-            coming = ring.exchange(kv, RING_KV_TAG) if not last else None
-            partial = ring.receive(kv, RING_DKV_TAG) if t > 0 else None
+        kv = ring.block(t)
+        ring.expect(t, kv)
+        if t == ring.n - 1:
+            ring.expect(ring.n, kv)
         dkv = xp.zeros_like(kv)
         for qs, ks, mask in _pieces(_meetings(xp, pq, lay.pos(ring.member(t)), causal,
                                               window), rows):
@@ -306,24 +383,10 @@ def backward(ctx, q, k, v, y, lse, dy, scale, causal: bool = True, window=None,
                             dyg[..., qs, :], lse_g[..., qs, :], delta[..., qs, :], mask,
                             dq[..., qs, :], dkv[0][..., ks, :], dkv[1][..., ks, :])
             ring.poll()
-        if ring.n == 1:
-            break
-        if partial is not None:
-            dkv += ring.take(partial)
-        if carried is not None:
-            dkv += carried
-        ring.send(dkv, RING_DKV_TAG)
-        if blocking:
-            # sent and received together (so the ring cannot deadlock): this block's
-            # dk, dv on, the next block's partial sums (after the last step, this
-            # member's own) and the next k, v in
-            partial_in = ring.receive(kv, RING_DKV_TAG)
-            coming = ring.exchange(kv, RING_KV_TAG) if not last else None
-            carried = ring.take(partial_in)
-        if not last:
-            kv = ring.take(coming)
+        if ring.n > 1:
+            ring.pass_on(t, dkv)
     if ring.n > 1:
-        dkv = carried if blocking else ring.take(ring.receive(kv, RING_DKV_TAG))
+        dkv = ring.own()
         ring.done()
     dq *= sc
     return dq.reshape(lay.shape), dkv[0, :, :, 0], dkv[1, :, :, 0]

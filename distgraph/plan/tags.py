@@ -19,8 +19,12 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 from distgraph.errors import PlanError
-# the tag range and the kernels' top tags are the core's (ops message with them)
-from distgraph.registry import KERNEL_TAGS, MAX_TAG
+
+MAX_TAG = 1 << 14
+# The top tags belong to kernels that message inside one op (ring attention's k, v
+# blocks and their gradients: distgraph.ops.ring_attention.TAGS); the plan's points
+# never use them.
+KERNEL_TAGS = 8
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
 """Ring attention on real MPI ranks, run by tests/test_ring_attention.py (cp = the job's
 size): forward and gradients equal a serial causal attention of the whole sequence
 (numpy, fp64, 1e-10) in the balanced and the natural order, with chunks of 1-3 tokens,
-grouped-query heads, a sliding window and the blocking reference; the bytes sent equal
+grouped-query heads, a sliding window, 1 to 4 blocks received ahead and the blocking
+reference; the bytes sent equal
 :func:`ring_attention.comm`; and no chunk attends to a later one (changing a later
 chunk's keys and values leaves every earlier query's output bit for bit). Prints
 ``ring OK`` on rank 0.
@@ -67,7 +68,8 @@ def equal_serial(ctx, case):
     want = serial(q, k, v, dy, SCALE, window=case.get("window"))
     p = mine(positions, ctx, s)
     local = [a[:, :, p] for a in (q, k, v, dy)]
-    opts = dict(blocking=case.get("blocking", False), rows=case.get("rows", ra.ROWS))
+    opts = dict(blocking=case.get("blocking", False), rows=case.get("rows", ra.ROWS),
+                depth=case.get("depth", 2))
     ctx.comm.reset_counters()
     y, lse = ra.forward(ctx, *local[:3], SCALE, True, case.get("window"), positions, **opts)
     grads = ra.backward(ctx, *local[:3], y, lse, local[3], SCALE, True, case.get("window"),
@@ -124,6 +126,8 @@ def main():
         cases.append(dict(order=order, shape=(1, 2, 2, 6, 4), blocking=True))
     cases += [dict(order="balanced", shape=(1, 4, 1, 10, 4), window=5),
               dict(order="balanced", shape=(1, 3, 3, 16, 4), rows=3),
+              dict(order="balanced", shape=(1, 2, 2, 4, 4), depth=1),
+              dict(order="natural", shape=(1, 2, 2, 4, 4), depth=4, rows=1),
               dict(order="natural", shape=(1, 2, 1, 8, 4), window=3, blocking=True)]
     for case in cases:
         equal_serial(ctx, case)

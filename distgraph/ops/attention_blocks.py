@@ -59,9 +59,21 @@ def block_forward(xp, q, k, v, scale, mask):
     return _forward(xp, q, k, v, scale, mask)
 
 
+def _masked(xp, s, mask):
+    """Scores ``s`` with the hidden keys at -inf. ``mask``: bool [queries, keys]; or
+    (start, bool [queries, keys - start]) when every query sees the keys before
+    ``start`` (only the diagonal part is masked); None: every key seen."""
+    if mask is None:
+        return s
+    if isinstance(mask, tuple):
+        start, sub = mask
+        s[..., start:] = xp.where(sub, s[..., start:], -xp.inf)
+        return s
+    return xp.where(mask, s, -xp.inf)
+
+
 def _forward(xp, q, k, v, scale, mask):
-    s = (q @ k.swapaxes(-1, -2)) * q.dtype.type(scale)
-    s = xp.where(mask, s, -xp.inf)
+    s = _masked(xp, (q @ k.swapaxes(-1, -2)) * q.dtype.type(scale), mask)
     top = xp.max(s, axis=-1, keepdims=True)
     safe = xp.where(xp.isfinite(top), top, 0)
     p = xp.exp(s - safe)
@@ -90,8 +102,7 @@ def block_backward(xp, q, k, v, y, lse, dy, scale, mask):
 
 def _backward(xp, q, k, v, y, lse, dy, scale, mask):
     sc = q.dtype.type(scale)
-    s = (q @ k.swapaxes(-1, -2)) * sc
-    s = xp.where(mask, s, -xp.inf)
+    s = _masked(xp, (q @ k.swapaxes(-1, -2)) * sc, mask)
     p = xp.exp(s - xp.where(xp.isfinite(lse), lse, 0)[..., None])
     dv = p.swapaxes(-1, -2) @ dy
     dp = dy @ v.swapaxes(-1, -2)
@@ -127,10 +138,42 @@ def _keys(xp, pq, pk, causal: bool, window):
     return idx
 
 
+def _mask(xp, pq, pk, causal: bool, window):
+    """The mask of a query block at ``pq`` against keys at ``pk`` for block_forward:
+    without a window and with increasing key positions, only the keys past the block's
+    first query are masked (the (start, part) form); else the whole mask."""
+    if not causal:
+        return None
+    if window is None and pk.size > 1 and bool(xp.all(pk[1:] > pk[:-1])):
+        start = int(xp.searchsorted(pk, pq.min(), side="right"))
+        if start == pk.size:
+            return None
+        return start, visible(xp, pq, pk[start:], causal, window)
+    return visible(xp, pq, pk, causal, window)
+
+
+def _sorting(xp, pq, pk):
+    """The permutation into sequence order of a self-attention's queries and keys stored
+    out of order (the balanced order of context parallelism); None when they are in
+    order or are not the same positions."""
+    if pq.shape != pk.shape or not bool(xp.all(pq == pk)) or \
+            bool(xp.all(pq[1:] > pq[:-1])):
+        return None
+    return xp.argsort(pq)
+
+
 def attend(xp, q, k, v, scale, pq, pk, causal: bool, window, rows: int = ROWS):
     """(y, lse) of queries ``q`` at positions ``pq`` against keys at ``pk``, ``rows``
     queries at a time over only the keys they can see (the scores never exceed
-    [b, h, rows, keys])."""
+    [b, h, rows, keys]); a self-attention stored out of order runs in sequence order
+    (gathered there and back), so each block's keys are one slice, masked only past its
+    first query."""
+    order = _sorting(xp, pq, pk)
+    if order is not None:
+        back = xp.argsort(order)
+        y, lse = attend(xp, q[..., order, :], k[..., order, :], v[..., order, :], scale,
+                        pq[order], pk[order], causal, window, rows)
+        return y[..., back, :], lse[..., back]
     y = xp.empty_like(q)
     lse = xp.empty(q.shape[:-1], dtype=q.dtype)
     for r in range(0, q.shape[-2], rows):
@@ -138,13 +181,20 @@ def attend(xp, q, k, v, scale, pq, pk, causal: bool, window, rows: int = ROWS):
         keys = _keys(xp, pq[part], pk, causal, window)
         y[..., part, :], lse[..., part] = block_forward(
             xp, q[..., part, :], k[..., keys, :], v[..., keys, :], scale,
-            visible(xp, pq[part], pk[keys], causal, window))
+            _mask(xp, pq[part], pk[keys], causal, window))
     return y, lse
 
 
 def attend_grad(xp, q, k, v, y, lse, dy, scale, pq, pk, causal: bool, window,
                 rows: int = ROWS):
     """(dq, dk, dv) of :func:`attend`, ``rows`` queries at a time."""
+    order = _sorting(xp, pq, pk)
+    if order is not None:
+        back = xp.argsort(order)
+        grads = attend_grad(xp, q[..., order, :], k[..., order, :], v[..., order, :],
+                            y[..., order, :], lse[..., order], dy[..., order, :], scale,
+                            pq[order], pk[order], causal, window, rows)
+        return tuple(g[..., back, :] for g in grads)
     dq = xp.empty_like(q)
     dk, dv = xp.zeros_like(k), xp.zeros_like(v)
     for r in range(0, q.shape[-2], rows):
@@ -153,7 +203,7 @@ def attend_grad(xp, q, k, v, y, lse, dy, scale, pq, pk, causal: bool, window,
         dq[..., part, :], dkb, dvb = block_backward(
             xp, q[..., part, :], k[..., keys, :], v[..., keys, :], y[..., part, :],
             lse[..., part], dy[..., part, :], scale,
-            visible(xp, pq[part], pk[keys], causal, window))
+            _mask(xp, pq[part], pk[keys], causal, window))
         dk[..., keys, :] += dkb
         dv[..., keys, :] += dvb
     return dq, dk, dv

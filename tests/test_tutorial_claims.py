@@ -65,3 +65,63 @@ def test_the_readmes_first_script_runs_as_is_and_says_what_the_readme_says(tmp_p
     quoted = re.search(r"`(loss [0-9.]+ -> [0-9.]+)`", section).group(1)
     got, said = ([float(x) for x in s.split()[1::2]] for s in (line, quoted))
     assert got == pytest.approx(said, abs=0.01), (line, quoted)   # BLAS may round apart
+
+
+def _tutorial_06():
+    import importlib.util
+
+    sys.path.insert(0, str(ROOT / "tutorials"))
+    spec = importlib.util.spec_from_file_location("tutorial_06",
+                                                  ROOT / "tutorials" / "06_emulated_cluster.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _plan_of(t06, name, cluster):
+    import distgraph as dg
+    from distgraph.app.data import DataLoader
+    from counting_data import CountingSequences
+
+    dg.seed(0)
+    model, mesh = t06.hand_plans()[name]()
+    samples = CountingSequences(t06.BATCH, t06.GPT["max_seq_len"], t06.GPT["vocab_size"])
+    data = samples if mesh is None else dg.shard_dataloader(samples, mesh, "dp")
+    strategy = dg.Strategy(auto_mode="full" if name == "searched" else "semi")
+    engine = dg.Engine(model, loss=dg.nn.CrossEntropyLoss(), optimizer=dg.optim.AdamW(3e-3),
+                       cluster=cluster, strategy=strategy)
+    return engine.prepare(*DataLoader(data, t06.BATCH).specs(1))
+
+
+def _collectives(plan) -> int:
+    return sum(1 for p in plan.local_alike(0).points() for s in p.steps
+               if s.kind.is_collective and s.group_size > 1)
+
+
+@pytest.mark.slow
+def test_tutorial_06_a_step_that_costs_makes_the_search_take_fewer_steps():
+    """Tutorial 06's account: on the file as written (10 Gbit/s) a step costs its bytes
+    only, and the search picks a plan of more collectives than dp x mp; where each step
+    of two processes costs 1 ms of software (what these time-shared ranks measure, the
+    per-round cost of a collective over more), it picks one of no more collectives than
+    dp x mp, and its predicted step is no slower than dp x mp's on the same file."""
+    import distgraph as dg
+
+    t06 = _tutorial_06()
+    written = dg.Cluster.from_file(t06.CLUSTER).to_dict()
+    for link in written["links"]:
+        link["bandwidth"] *= 10
+    costly = json.loads(json.dumps(written))
+    for machine in costly["machines"]:
+        for device in machine["devices"]:
+            device["reshard_overhead"] = {k: 1000.0 for k in
+                                          ("all_gather", "all_reduce", "reduce_scatter",
+                                           "all_to_all")}
+    written, costly = dg.Cluster.from_dict(written), dg.Cluster.from_dict(costly)
+    hand = _plan_of(t06, "dp x mp", written)
+    assert _collectives(_plan_of(t06, "searched", written)) > _collectives(hand)
+    searched = _plan_of(t06, "searched", costly)
+    hand = _plan_of(t06, "dp x mp", costly)
+    assert _collectives(searched) <= _collectives(hand)
+    assert (dg.passes.estimate(searched, costly).step_time
+            <= dg.passes.estimate(hand, costly).step_time * (1 + 1e-9))

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import re
 import subprocess
@@ -125,3 +126,36 @@ def test_tutorial_06_a_step_that_costs_makes_the_search_take_fewer_steps():
     assert _collectives(searched) <= _collectives(hand)
     assert (dg.passes.estimate(searched, costly).step_time
             <= dg.passes.estimate(hand, costly).step_time * (1 + 1e-9))
+
+
+def docstring_commands():
+    """Every command tutorials 01-05 tell a user to run (the indented ``python
+    tutorials/...`` and ``distgraph run ... tutorials/...`` lines of their docstrings)
+    that needs no file of the user's own."""
+    commands = []
+    for path in sorted((ROOT / "tutorials").glob("0[1-5]_*.py")):
+        doc = path.read_text().split('"""')[1]
+        for line in doc.splitlines():
+            words = line.split("#")[0].split()
+            if words[:1] in (["python"], ["distgraph"]) and any(
+                    w.startswith("tutorials/") for w in words):
+                if all(not w.endswith(".yaml") or (ROOT / w).exists() for w in words):
+                    commands.append(" ".join(words))
+    return commands
+
+
+@pytest.mark.slow
+@pytest.mark.mpi
+@pytest.mark.parametrize("command", docstring_commands())
+def test_each_command_a_tutorial_gives_runs(command, tmp_path):
+    """What a newcomer does first: copy a command from a tutorial's docstring and run it
+    from the repository's root. Each one ends well (``--steps 20`` of tutorial 04 once
+    failed its own loss check)."""
+    words = command.split()
+    if "--out" in words:                     # written under the test's folder, not the repo
+        words[words.index("--out") + 1] = str(tmp_path / words[words.index("--out") + 1])
+    argv = ([sys.executable] + words[1:] if words[0] == "python"
+            else [sys.executable, "-m", "distgraph.cli"] + words[1:])
+    proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]

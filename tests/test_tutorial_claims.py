@@ -68,6 +68,30 @@ def test_the_readmes_first_script_runs_as_is_and_says_what_the_readme_says(tmp_p
     assert got == pytest.approx(said, abs=0.01), (line, quoted)   # BLAS may round apart
 
 
+def readme_block(heading: str) -> str:
+    """The first python block of the README's section ``heading``."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index(heading):]
+    return section[section.index("```python\n") + 10:section.index("```\n", 10)]
+
+
+@pytest.mark.slow
+@pytest.mark.mpi
+def test_the_readmes_automatic_plan_snippet_runs_after_the_first_scripts_dataset(tmp_path):
+    """The "Automatic plans" snippet, after the first script's dataset (as its comment
+    says), runs from the repository's root on 4 ranks: every name it uses is defined
+    (it used an undefined ``loss``, ``optimizer``, ``built`` and ``my4.yaml``) and it
+    prints the search's report."""
+    first = readme_block("## A first script")
+    script = first[:first.index("dg.seed(0)")] + readme_block("## Automatic plans")
+    (tmp_path / "auto.py").write_text(script)
+    proc = subprocess.run([sys.executable, "-m", "distgraph.cli", "run", "-n", "4",
+                           str(tmp_path / "auto.py")], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "chosen by SCIP ILP" in proc.stdout, proc.stdout[-2000:]
+
+
 def _tutorial_06():
     import importlib.util
 

@@ -77,7 +77,8 @@ class Device:
     :func:`distgraph.registry.op_work`), which the cost model prefers;
     ``reshard_overhead`` maps a reshard step kind (``all_reduce``, ``slice``, ...) to the
     ``(µs per step, ns per byte of its buffer)`` of software one such step costs beyond
-    its messages' alpha-beta (the runtime's own copies; a file may give the µs alone);
+    its messages' alpha-beta (the runtime's own copies; a file may give the µs alone;
+    the µs are a 2-process step's, paid once per ring round by a collective over more);
     ``sliced``: one collective inside MeshSlice's sliced pipeline (µs per step), and the
     ns per byte a partial GeMM reads again.
 

@@ -259,12 +259,13 @@ def test_the_engine_takes_the_cluster_of_distgraph_run(monkeypatch):
 # ---- samples that do not fit the model or the loss ----------------------------------------
 
 class Fields:
-    """Samples of ``n_x`` inputs x [8] and a label y [4] of ``label`` dtype (or dicts)."""
+    """Samples of ``n_x`` inputs x [8] and a label y (default [4]) of ``label`` dtype (or
+    dicts)."""
 
-    def __init__(self, n_x=1, label="float64", as_dict=False, n=16):
+    def __init__(self, n_x=1, label="float64", as_dict=False, n=16, label_shape=(4,)):
         rng = np.random.default_rng(0)
         self.x = rng.normal(size=(n, 8))
-        self.y = rng.normal(size=(n, 4)).astype(label)
+        self.y = rng.normal(size=(n, *label_shape)).astype(label)
         self.n_x, self.as_dict = n_x, as_dict
 
     def __len__(self):
@@ -297,6 +298,17 @@ def mlp_fit(data, loss=None):
      "CrossEntropyLoss: each sample's label 'label_0' has shape [4], but its logits have "
      "shape [4] (4 classes), so the label needs shape [], one class id per sample: give "
      "class ids, not one-hot rows or scores (y.argmax(-1))"),
+    (Fields(label_shape=(1,)), None, dg.ShapeError,
+     "MSELoss: each sample's label 'label_0' has shape [1], but the model's output has "
+     "shape [4]; the label needs the output's shape (it is not broadcast): give one target "
+     "per output (y of shape [4]), or make the model's last layer output 1 feature"),
+    (Fields(label_shape=(4, 1)), None, dg.ShapeError,
+     "MSELoss: each sample's label 'label_0' has shape [4, 1], but the model's output has "
+     "shape [4]; the label needs the output's shape (it is not broadcast): drop the last "
+     "dim (y[..., 0])"),
+    (Fields(label_shape=()), None, dg.ShapeError,
+     "label 'label_0' has shape [], but the model's output has shape [4]; the label needs "
+     "the output's shape (it is not broadcast): give each sample a target of shape [4]"),
 ])
 def test_samples_that_do_not_fit_the_model_or_the_loss_say_how(data, loss, error, words):
     with pytest.raises(error) as info:

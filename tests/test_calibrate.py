@@ -1,6 +1,8 @@
 """Calibration's fits against closed forms: what a reshard step costs beyond its
 messages' alpha-beta, per step and per byte, from timings at several buffer sizes."""
 
+import dataclasses
+
 import pytest
 
 import distgraph as dg
@@ -29,6 +31,28 @@ def test_reshard_overheads_recover_the_per_step_and_per_byte_cost():
     assert out["all_gather"] == pytest.approx((40.0, 0.3), rel=1e-6)
     assert out["slice"] == pytest.approx((25.0, 0.0), abs=1e-6)
     assert out["all_reduce"] == pytest.approx((7.0, 0.0), rel=1e-6)
+
+
+def test_a_step_over_four_ranks_is_fitted_per_ring_round():
+    """Timings of steps over 4 ranks that are the links' alpha-beta plus ``3 a + b x B``
+    (a 2-rank step's ``a`` at each of the ring's 3 rounds) give back (a, b), and the
+    model charges the 4-rank step what was measured and a 2-rank step a."""
+    a, b = 40e-6, 0.3e-9
+    cluster = dg.Cluster.from_dict({"machines": [{"hostname": "h", "devices": [
+        {"global_id": i, "type": "CPU", "memory": 1, "gflops": {"float32": 10}}
+        for i in range(4)], "links": [{"group": [0, 1, 2, 3], "bandwidth": BW,
+                                       "latency": LAT}]}]})
+    sizes = (4096, 65536, 1 << 20)
+    steps = {"all_gather": [(B, collective_time("all_gather", 4, B, BW, LAT) + 3 * a + b * B)
+                            for B in sizes]}
+    out = reshard_overheads(cluster, steps)
+    assert out["all_gather"] == pytest.approx((40.0, 0.3), rel=1e-6)
+    from distgraph.passes.cost.prices import software_time
+    device = dataclasses.replace(cluster.devices[0], reshard_overhead=out)
+    assert software_time(device, "all_gather", 4096, n=4) == pytest.approx(
+        3 * a + b * 4096, rel=1e-6)
+    assert software_time(device, "all_gather", 4096, n=2) == pytest.approx(
+        a + b * 4096, rel=1e-6)
 
 
 def test_a_step_faster_than_its_links_costs_nothing_more():

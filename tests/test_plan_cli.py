@@ -162,6 +162,35 @@ def test_the_scripts_own_options_after_two_dashes_are_the_scripts(tmp_path):
                                "SCRIPT.py [-n N] [-- ARGS]\n"), out
 
 
+ECHO_ARGV = """
+    import json, sys
+    import distgraph as dg
+    if dg.Engine(dg.nn.MLP(2, 2, 2)).rank == 0:
+        print("argv:", json.dumps(sys.argv[1:]))
+"""
+
+
+def test_distgraph_run_gives_the_script_its_words_as_python_does(tmp_path):
+    """``distgraph run -n N SCRIPT ARGS``: the script gets ARGS exactly as after ``python
+    SCRIPT ARGS``, a ``--`` among them included (it was swallowed); a ``--`` before the
+    script ends distgraph's options and is distgraph's."""
+    script = str(write_script(tmp_path, ECHO_ARGV))
+    run = [sys.executable, "-m", "distgraph.cli", "run", "-n", "2"]
+    for words in (["--", "--steps", "3"], ["--steps", "3", "--", "x"], ["-n", "4"], ["--"],
+                  []):
+        rc, plain = run_command([sys.executable, script, *words])
+        assert rc == 0, plain
+        rc, out = run_command([*run, script, *words])
+        assert rc == 0, out
+        assert [ln for ln in out.splitlines() if ln.startswith("argv:")] == \
+            [plain.strip()] == [f"argv: {json.dumps(words)}"], (words, out)
+    rc, out = run_command([*run, "--", script, "--steps", "3"])
+    assert rc == 0 and 'argv: ["--steps", "3"]' in out, out
+    rc, out = run_command([*run])
+    assert rc == 2 and out == ("distgraph run: give the script to run: distgraph run -n N "
+                               "SCRIPT.py [ARGS]\n"), out
+
+
 def test_a_bad_cluster_file_or_script_is_one_line(tmp_path):
     bad = write(tmp_path, "bad.yaml", "machines: [\n")
     proc = plan_cli("--cluster", bad, ROOT / "tutorials" / "01_serial_gpt.py")

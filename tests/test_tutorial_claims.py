@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import re
 import subprocess
@@ -65,3 +66,120 @@ def test_the_readmes_first_script_runs_as_is_and_says_what_the_readme_says(tmp_p
     quoted = re.search(r"`(loss [0-9.]+ -> [0-9.]+)`", section).group(1)
     got, said = ([float(x) for x in s.split()[1::2]] for s in (line, quoted))
     assert got == pytest.approx(said, abs=0.01), (line, quoted)   # BLAS may round apart
+
+
+def readme_block(heading: str) -> str:
+    """The first python block of the README's section ``heading``."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index(heading):]
+    return section[section.index("```python\n") + 10:section.index("```\n", 10)]
+
+
+@pytest.mark.slow
+@pytest.mark.mpi
+def test_the_readmes_automatic_plan_snippet_runs_after_the_first_scripts_dataset(tmp_path):
+    """The "Automatic plans" snippet, after the first script's dataset (as its comment
+    says), runs from the repository's root on 4 ranks: every name it uses is defined
+    (it used an undefined ``loss``, ``optimizer``, ``built`` and ``my4.yaml``) and it
+    prints the search's report."""
+    first = readme_block("## A first script")
+    script = first[:first.index("dg.seed(0)")] + readme_block("## Automatic plans")
+    (tmp_path / "auto.py").write_text(script)
+    proc = subprocess.run([sys.executable, "-m", "distgraph.cli", "run", "-n", "4",
+                           str(tmp_path / "auto.py")], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "chosen by SCIP ILP" in proc.stdout, proc.stdout[-2000:]
+
+
+def _tutorial_06():
+    import importlib.util
+
+    sys.path.insert(0, str(ROOT / "tutorials"))
+    spec = importlib.util.spec_from_file_location("tutorial_06",
+                                                  ROOT / "tutorials" / "06_emulated_cluster.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _plan_of(t06, name, cluster):
+    import distgraph as dg
+    from distgraph.app.data import DataLoader
+    from counting_data import CountingSequences
+
+    dg.seed(0)
+    model, mesh = t06.hand_plans()[name]()
+    samples = CountingSequences(t06.BATCH, t06.GPT["max_seq_len"], t06.GPT["vocab_size"])
+    data = samples if mesh is None else dg.shard_dataloader(samples, mesh, "dp")
+    strategy = dg.Strategy(auto_mode="full" if name == "searched" else "semi")
+    engine = dg.Engine(model, loss=dg.nn.CrossEntropyLoss(), optimizer=dg.optim.AdamW(3e-3),
+                       cluster=cluster, strategy=strategy)
+    return engine.prepare(*DataLoader(data, t06.BATCH).specs(1))
+
+
+def _collectives(plan) -> int:
+    return sum(1 for p in plan.local_alike(0).points() for s in p.steps
+               if s.kind.is_collective and s.group_size > 1)
+
+
+@pytest.mark.slow
+def test_tutorial_06_a_step_that_costs_makes_the_search_take_fewer_steps():
+    """Tutorial 06's account: on the file as written (10 Gbit/s) a step costs its bytes
+    only, and the search picks a plan of more collectives than dp x mp; where each step
+    of two processes costs 1 ms of software (what these time-shared ranks measure, the
+    per-round cost of a collective over more), it picks one of no more collectives than
+    dp x mp, and its predicted step is no slower than dp x mp's on the same file."""
+    import distgraph as dg
+
+    t06 = _tutorial_06()
+    written = dg.Cluster.from_file(t06.CLUSTER).to_dict()
+    for link in written["links"]:
+        link["bandwidth"] *= 10
+    costly = json.loads(json.dumps(written))
+    for machine in costly["machines"]:
+        for device in machine["devices"]:
+            device["reshard_overhead"] = {k: 1000.0 for k in
+                                          ("all_gather", "all_reduce", "reduce_scatter",
+                                           "all_to_all")}
+    written, costly = dg.Cluster.from_dict(written), dg.Cluster.from_dict(costly)
+    hand = _plan_of(t06, "dp x mp", written)
+    assert _collectives(_plan_of(t06, "searched", written)) > _collectives(hand)
+    searched = _plan_of(t06, "searched", costly)
+    hand = _plan_of(t06, "dp x mp", costly)
+    assert _collectives(searched) <= _collectives(hand)
+    assert (dg.passes.estimate(searched, costly).step_time
+            <= dg.passes.estimate(hand, costly).step_time * (1 + 1e-9))
+
+
+def docstring_commands():
+    """Every command tutorials 01-05 tell a user to run (the indented ``python
+    tutorials/...`` and ``distgraph run ... tutorials/...`` lines of their docstrings)
+    that needs no file of the user's own."""
+    commands = []
+    for path in sorted((ROOT / "tutorials").glob("0[1-5]_*.py")):
+        doc = path.read_text().split('"""')[1]
+        for line in doc.splitlines():
+            words = line.split("#")[0].split()
+            if words[:1] in (["python"], ["distgraph"]) and any(
+                    w.startswith("tutorials/") for w in words):
+                if all(not w.endswith(".yaml") or (ROOT / w).exists() for w in words):
+                    commands.append(" ".join(words))
+    return commands
+
+
+@pytest.mark.slow
+@pytest.mark.mpi
+@pytest.mark.parametrize("command", docstring_commands())
+def test_each_command_a_tutorial_gives_runs(command, tmp_path):
+    """What a newcomer does first: copy a command from a tutorial's docstring and run it
+    from the repository's root. Each one ends well (``--steps 20`` of tutorial 04 once
+    failed its own loss check)."""
+    words = command.split()
+    if "--out" in words:                     # written under the test's folder, not the repo
+        words[words.index("--out") + 1] = str(tmp_path / words[words.index("--out") + 1])
+    argv = ([sys.executable] + words[1:] if words[0] == "python"
+            else [sys.executable, "-m", "distgraph.cli"] + words[1:])
+    proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]

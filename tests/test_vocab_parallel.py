@@ -105,7 +105,7 @@ def test_estimate_charges_a_collective_inside_an_op_the_software_cost_of_its_kin
     """A device's measured software cost per communication step (``reshard_overhead``)
     is paid by the collectives an op runs itself (the split cross-entropy's) as by
     reshard steps: the estimate's communication grows by one overhead per step and per
-    op collective of each kind."""
+    op collective of each kind, per ring round (n - 1 over n processes)."""
     built, _ = build(dg.ProcessMesh([0, 1, 2, 3], ["mp"]))
     plan = dg.passes.plan(built)
     overhead = {"all_reduce": 11.0, "all_gather": 13.0, "reduce_scatter": 17.0,
@@ -121,10 +121,12 @@ def test_estimate_charges_a_collective_inside_an_op_the_software_cost_of_its_kin
                                                                                   cluster(True))
     for pid, a, b in zip(plan.process_ids, plain.processes, charged.processes):
         local = plan.local(pid)
-        steps = [s.kind for p in local.points() + gather_points(plan.program,
-                                                                [built.loss_name], pid)
-                 for s in p.steps]
-        inside = [kind for collectives in local.op_comm.values() for kind, _, _ in collectives]
+        steps = [(s.kind, s.group_size) for p in local.points()
+                 + gather_points(plan.program, [built.loss_name], pid) for s in p.steps]
+        inside = [(kind, n) for collectives in local.op_comm.values()
+                  for kind, n, _ in collectives]
         assert inside                                    # the op's own collectives
-        expected = sum(overhead[k] for k in steps + inside) * 1e-6
+        # a collective over n processes pays the 2-process figure at each of n - 1 rounds
+        expected = sum(overhead[str(k)] * (max(n - 1, 1) if k != "slice" else 1)
+                       for k, n in steps + inside) * 1e-6
         assert b.communication - a.communication == pytest.approx(expected, rel=1e-9)

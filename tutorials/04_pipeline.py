@@ -24,7 +24,7 @@ into ``--out`` (a new temporary folder unless given).
 Run it with the launcher (4 MPI ranks)::
 
     distgraph run -n 4 tutorials/04_pipeline.py
-    distgraph run -n 4 tutorials/04_pipeline.py --steps 20 --out pipeline-out
+    distgraph run -n 4 tutorials/04_pipeline.py --steps 30 --out pipeline-out
 
 The job fails unless the loss fell by at least half. The charts need matplotlib
 (``pip install 'distgraph[plot]'``); without them only the trace is written.

@@ -40,6 +40,10 @@ the script started again on the ranks left (--max-restarts N, --min-ranks K); th
 sees its new world in engine.world_size, and ModelCheckpoint resumes from its newest
 complete checkpoint (the README's "Elastic training").
 
+Everything after the script is the script's, exactly as after `python script.py`: a --
+there reaches the script too (distgraph's own options go before the script; a -- before
+the script ends them).
+
 SIGTERM, SIGHUP or SIGINT (Ctrl-C) stop the whole job, mpiexec and every rank, and exit
 with 128 + the signal number.
 
@@ -97,12 +101,31 @@ def _arguments(p) -> None:
                    help="with --elastic: grow back to at most M ranks (and -n) "
                         "when a lost machine answers again, from the next checkpoint on "
                         "(default: never grow)")
-    p.add_argument("script", help="the Python script to run on every rank")
-    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
+    # one positional that keeps every word, "--" included (a plain "script" positional
+    # would swallow a "--" right after it): the script's words reach it verbatim
+    p.add_argument("script", nargs=argparse.REMAINDER, metavar="SCRIPT [ARGS]",
+                   help="the Python script to run on every rank, then its arguments, "
+                        "exactly as after `python SCRIPT` (a -- among them included)")
+
+
+def script_words(args):
+    """``args.script`` (every word from the script on) split into the script and its
+    arguments. A ``--`` before the script ends distgraph's options and is distgraph's;
+    every word after the script is the script's, ``--`` included, as ``python SCRIPT
+    ARGS`` gives them (``distgraph plan`` reads its own options after the script up to a
+    ``--``, since it takes options there; ``run`` takes none there)."""
+    words = list(args.script)
+    if words[:1] == ["--"]:
+        words = words[1:]
+    if not words:
+        raise DistGraphError("give the script to run: distgraph run -n N SCRIPT.py [ARGS]")
+    args.script, args.args = words[0], words[1:]
+    return args
 
 
 def _run(args) -> int:
     try:
+        args = script_words(args)
         if args.elastic:
             return _run_elastic(args)
         if args.emulate or args.emulate_fault:

@@ -238,7 +238,8 @@ def _label_shape_error(labels, logits) -> str:
 
 
 class MSELoss(Layer):
-    """Mean squared error between the model's output and a label of its dtype."""
+    """Mean squared error between the model's output and a label of its dtype and
+    shape (a label of another shape is refused, not broadcast)."""
 
     def forward(self, pred, target):
         if target.dtype != pred.dtype:
@@ -247,4 +248,24 @@ class MSELoss(Layer):
                              f"but the model's output is {pred.dtype}: give the dataset "
                              f"float labels (fed as {pred.dtype}); for class ids use "
                              "CrossEntropyLoss")
+        if tuple(target.shape) != tuple(pred.shape):
+            raise ShapeError(_target_shape_error(target, pred))
         return ops.mse_loss(pred, target)
+
+
+def _target_shape_error(target, pred) -> str:
+    """What to say when a batch's regression targets are not the output's shape (they
+    would broadcast against it, a silently wrong loss), per sample, with the likely fix."""
+    have, want = list(target.shape[1:]), list(pred.shape[1:])
+    if have == want + [1]:
+        fix = "drop the last dim (y[..., 0])"
+    elif have[-1:] == [1] and have[:-1] == want[:-1]:
+        fix = (f"give one target per output (y of shape {want}), or make the model's last "
+               "layer output 1 feature")
+    elif have == want[:-1] and want[-1:] == [1]:
+        fix = "add a last dim of 1 (y[..., None])"
+    else:
+        fix = f"give each sample a target of shape {want}"
+    return (f"MSELoss: each sample's label {target.name!r} has shape {have}, but the model's "
+            f"output has shape {want}; the label needs the output's shape (it is not "
+            f"broadcast): {fix}")

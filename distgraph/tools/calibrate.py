@@ -406,7 +406,9 @@ def reshard_overheads(cluster, steps: dict, sliced: dict | None = None,
     """{step kind: (µs per step, ns per byte of its buffer)}: what a step costs beyond
     the alpha-beta of the links its messages take (what :func:`measure_reshard_steps`
     measured, less the cost model's charge), fitted by least squares (both >= 0) over
-    the buffer sizes measured; one size alone gives the µs per step. With ``sliced``
+    the buffer sizes measured; one size alone gives the µs per step. The µs are a
+    2-process step's: a collective over all n ranks, as measured, paid them at each of
+    its ring's n - 1 rounds (:func:`~distgraph.passes.cost.prices.software_time`). With ``sliced``
     (:func:`measure_sliced_gemm`'s times), also ``sliced``: what one collective of a
     sliced pipeline costs per step beyond the model's charge (:func:`sliced_overhead`),
     and with ``partial`` (:func:`measure_partial_gemms`) what a byte a partial GeMM reads
@@ -414,7 +416,7 @@ def reshard_overheads(cluster, steps: dict, sliced: dict | None = None,
     positive: the model then prices such bytes at the memory bandwidth)."""
     from scipy.optimize import nnls
 
-    from distgraph.passes.cost.prices import Rings
+    from distgraph.passes.cost.prices import Rings, software_rounds
 
     ids = [d.global_id for d in cluster.devices]
     n = len(ids)
@@ -433,6 +435,8 @@ def reshard_overheads(cluster, steps: dict, sliced: dict | None = None,
             mib = sizes / 2**20            # columns of like scale for the solver
             (per_step, per_mib), _ = nnls(np.stack([np.ones_like(mib), mib], axis=1), beyond)
             per_byte = per_mib / 2**20
+        # the figure is a 2-process step's: a step over n paid it at each ring round
+        per_step /= software_rounds(kind, n)
         out[kind.value] = (round(float(per_step) * 1e6, 3), round(float(per_byte) * 1e9, 6))
     if sliced:
         per_byte = 0.0

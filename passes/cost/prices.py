@@ -220,7 +220,7 @@ def reshard_step_time(step, process: int, rings: Rings, scale: float = 1.0) -> f
     # over one process a collective meets no one: the runtime runs it as a local step
     kind = StepKind.SLICE if step.kind.is_collective and step.group_size == 1 else step.kind
     return _message_time(step, process, rings, scale) + \
-        software_time(rings.device(process), kind, step.buffer_bytes * scale)
+        software_time(rings.device(process), kind, step.buffer_bytes * scale, step.group_size)
 
 
 def slowest_reshard_step_time(step, rings: Rings) -> float:
@@ -236,35 +236,48 @@ def slowest_reshard_step_time(step, rings: Rings) -> float:
     return max(reshard_step_time(step, p, rings) for p in who)
 
 
-def software_time(device, kind: str, nbytes: float = 0.0) -> float:
-    """Seconds of software a communication step of ``kind`` on a buffer of ``nbytes``
-    (the cost formula's B) costs on ``device`` beyond its messages: ``µs per step + ns
-    per byte x nbytes`` of ``Device.reshard_overhead`` (0 where not measured), what
-    ``distgraph cluster calibrate`` measured through the runtime between ops: its calls,
-    its copies (a gather's concatenation, a reduce-scatter's packing) and the wait for
-    the group to meet.
+def software_time(device, kind: str, nbytes: float = 0.0, n: int = 2) -> float:
+    """Seconds of software a communication step of ``kind`` over ``n`` processes on a
+    buffer of ``nbytes`` (the cost formula's B) costs on ``device`` beyond its messages:
+    ``µs per step x rounds + ns per byte x nbytes`` of ``Device.reshard_overhead`` (0
+    where not measured), what ``distgraph cluster calibrate`` measured through the
+    runtime between ops: its calls, its copies (a gather's concatenation, a
+    reduce-scatter's packing) and the wait for the group to meet. The µs are a step's
+    over two processes; a collective over ``n`` pays them at each of the ring's n - 1
+    rounds (``rounds``), since each round waits for a neighbour to reach it: with more
+    ranks than cores that wait, a descheduled neighbour's, is most of the cost (4 ranks
+    on 2 cores: a 4-rank step measured 2.4-4.8 x a 2-rank one). Local steps pay them once.
 
     >>> from distgraph.resources.elements import Device
     >>> d = Device(0, 0, 0, "CPU", reshard_overhead={"all_gather": (30.0, 0.5)})
     >>> round(software_time(d, "all_gather", 1e6) * 1e6, 3)     # 30 µs + 0.5 ns x 1e6 B
     530.0
+    >>> round(software_time(d, "all_gather", 1e6, n=4) * 1e6, 3)   # 3 rounds of 30 µs
+    590.0
     """
     software = device.reshard_overhead
     if not software or kind not in software:
         return 0.0
     per_step, per_byte = software[kind]
-    return per_step * 1e-6 + per_byte * 1e-9 * nbytes
+    return per_step * 1e-6 * software_rounds(kind, n) + per_byte * 1e-9 * nbytes
 
 
-def sliced_software_time(device, kind: str, nbytes: float = 0.0) -> float:
+def software_rounds(kind: str, n: int) -> int:
+    """How many times a step of ``kind`` over ``n`` processes pays the per-step software
+    cost of ``Device.reshard_overhead`` (:func:`software_time`): a collective once per
+    round of its ring, n - 1 (at least 1); any other step once."""
+    return max(n - 1, 1) if StepKind.parse(kind).is_collective else 1
+
+
+def sliced_software_time(device, kind: str, nbytes: float = 0.0, n: int = 2) -> float:
     """Seconds of software one collective of ``kind`` on ``nbytes`` costs inside a sliced
     pipeline (:class:`~distgraph.registry.Overlap`): per step, the device's measured
     ``sliced`` figure (each more slice of MeshSlice's kernel, ``distgraph cluster
     calibrate``) where it has one, and per byte what a reshard step of that kind costs
-    (:func:`software_time`)."""
+    (:func:`software_time`; over ``n`` processes, without a ``sliced`` figure)."""
     software = device.reshard_overhead
     if not software or "sliced" not in software:
-        return software_time(device, kind, nbytes)
+        return software_time(device, kind, nbytes, n)
     per_byte = software[kind][1] if kind in software else 0.0
     return software["sliced"][0] * 1e-6 + per_byte * 1e-9 * nbytes
 
@@ -287,7 +300,7 @@ def op_collective_time(kind: str, n: int, nbytes: float, ring: Ring, device) -> 
     if n == 1:
         return 0.0
     return (collective_time(kind, n, nbytes, ring.bandwidth, ring.latency)
-            + software_time(device, kind, nbytes))
+            + software_time(device, kind, nbytes, n))
 
 
 def op_comm_time(collectives, ring: Ring, device, scale: float = 1.0) -> float:
@@ -315,7 +328,7 @@ def overlap_time(ov, device, ring_of, compute_time=None) -> tuple[float, float]:
                 continue
             bw, lat, copied = ring_of(dim)
             t = collective_time(kind, n, nbytes, bw, lat)
-            processor += sliced_software_time(device, kind, nbytes) + (t if copied else 0.0)
+            processor += sliced_software_time(device, kind, nbytes, n) + (t if copied else 0.0)
             if not copied:
                 per_dim[dim] = per_dim.get(dim, 0.0) + t
         return max(per_dim.values(), default=0.0)
@@ -334,7 +347,7 @@ def collectives_time(ov, device, ring_of) -> float:
         if n > 1:
             bw, lat, _ = ring_of(dim)
             total += (collective_time(kind, n, nbytes, bw, lat)
-                      + sliced_software_time(device, kind, nbytes))
+                      + sliced_software_time(device, kind, nbytes, n))
     return ov.slices * total
 
 

@@ -1,6 +1,7 @@
 """Context parallelism: Llama-tiny with its sequence split over a ``cp`` mesh dim trains
 as it does on one process (float64, 1e-10), attention running Ulysses (all-to-alls
-inside the op) or the ring — cp 2 and cp 4, cp x dp, cp x mp (Megatron's heads), cp
+inside the op) or the ring — cp 2 and cp 4, cp x dp, cp x mp (Megatron's heads), cp x
+mp + Megatron-SP (the norms' sequence split over cp and mp), cp
 inside each of 2 pipeline stages, cp x dp recomputed — on real MPI ranks (``distgraph
 run``) and on SimulatedWorld threads.
 The data come in the load-balanced order of 2·cp chunks; the causal mask is right at
@@ -54,6 +55,12 @@ def _cp_mp(model):
     return mesh, None, "cp"
 
 
+def _mp_cp(model):        # mp the major mesh dim: the norms' entry (cp, mp) is not in mesh order
+    mesh = dg.ProcessMesh([[0, 1], [2, 3]], dim_names=["mp", "cp"])
+    megatron(model, mesh)
+    return mesh, None, "cp"
+
+
 def _pipeline(model):
     first, second = (dg.ProcessMesh(ids, dim_names=["cp"]) for ids in ([0, 1], [2, 3]))
     L.two_stages(model, first, second)
@@ -65,6 +72,8 @@ BASES = {            # name: (annotate, ranks, Strategy fields)
     "cp4": (_cp(4), 4, {}),
     "cp2_dp2": (_cp_dp, 4, {}),
     "cp2_mp2": (_cp_mp, 4, {}),
+    "cp2_mp2_sp": (_cp_mp, 4, {"sequence_parallel": True}),   # sequence split (cp, mp)
+    "mp2_cp2_sp": (_mp_cp, 4, {"sequence_parallel": True}),
     "cp2_2stages": (_pipeline, 4, {"micro_batches": 2}),
     "cp2_dp2_recompute": (_cp_dp, 4, {"recompute": True}),   # attention run twice
 }
@@ -171,6 +180,11 @@ def test_context_parallel_training_equals_serial(float64, serial, layout):
             forms = (strategy.context_parallel,) if strategy.context_parallel else \
                 ("ulysses", "ring")
             assert local.attrs["context_parallel"] in forms
+    if strategy.sequence_parallel:      # the norms' sequence: cp's block cut over mp
+        norms = [op for op in plans[0].program.ops if op.type == "rms_norm"
+                 and op.layer.startswith("layers.") and str(op.role) == "forward"]
+        assert norms and all(op.dist_attr.output_specs[0].entry(1) == ("cp", "mp")
+                             for op in norms)
 
 
 def test_sliding_window_and_one_kv_head_under_cp4_equal_serial(float64):
@@ -183,8 +197,8 @@ def test_sliding_window_and_one_kv_head_under_cp4_equal_serial(float64):
 
 @pytest.mark.mpi
 def test_context_parallel_on_mpi_ranks_equals_serial(float64, serial, tmp_path):
-    """Real ranks (``distgraph run -n 4``): cp 4, cp x dp, cp x mp, cp in 2 stages;
-    Ulysses and ring."""
+    """Real ranks (``distgraph run -n 4``): cp 4, cp x dp, cp x mp, cp x mp + SP, cp in
+    2 stages; Ulysses and ring."""
     here = os.path.dirname(os.path.abspath(__file__))
     out = tmp_path / "cp"
     env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -238,15 +252,20 @@ def test_no_query_sees_a_later_chunk(float64):
 
 
 # -- what the plan counts ---------------------------------------------------------------------------
-def _built(n: int, impl, config=CONFIG):
+def _built(n: int, impl, config=CONFIG, mp: int = 1):
+    """Llama-tiny built with its sequence split over ``cp`` (n); with ``mp`` > 1 on a
+    [cp, mp] mesh with Megatron's heads over mp."""
     from distgraph.placement import DistAttr, ShardSpec
     from distgraph.program_builder import build_program
 
-    mesh = dg.ProcessMesh(list(range(n)), dim_names=["cp"])
+    ids = np.arange(n * mp).reshape(n, mp).tolist() if mp > 1 else list(range(n))
+    mesh = dg.ProcessMesh(ids, dim_names=["cp", "mp"] if mp > 1 else ["cp"])
     attr = DistAttr(mesh, ShardSpec([None, "cp"]))
     specs = [dg.InputSpec([BATCH, SEQ], "int64", name, attr, 2 * n)
              for name in ("tokens", "labels")]
     model = _model(config)
+    if mp > 1:
+        megatron(model, mesh)
     built = build_program(model, specs[:1], specs[1:], dg.nn.CrossEntropyLoss(),
                           dg.optim.AdamW(1e-2), context_parallel=impl)
     init = {name: p.numpy() for name, p in model.named_parameters()}
@@ -290,6 +309,75 @@ def test_bytes_counted_equal_the_plan_with_attention_inside(float64, n, form):
             assert inside.count("all_to_all") == 7 * CONFIG.num_hidden_layers
         else:           # hops: n - 1 forward, 2n - 1 in the gradient
             assert inside.count("send_recv") == (3 * n - 2) * CONFIG.num_hidden_layers
+
+
+def _mp_collectives(plan) -> dict:
+    """{(role, kind): [(bytes sent, bytes of the tensor in the group), ...]} of the reshard
+    steps over mp of [batch, seq, hidden] activations and their gradients."""
+    from distgraph import dtypes
+
+    found = {}
+    for point in plan.reshards():
+        if len(point.shape) != 3:
+            continue
+        role = str(plan.program.ops[point.anchor].role)
+        # the tensor an mp group holds: the source's block over the other mesh dims (cp)
+        others = [m for d in range(3) for m in point.src.spec.entry(d) if m != "mp"]
+        held = int(np.prod(point.shape)) * dtypes.itemsize(point.dtype) // int(np.prod(
+            [point.src.mesh.dim_size(m) for m in others]))
+        for step in point.steps:
+            if step.mesh_dim == "mp" and str(step.kind) != "slice":
+                found.setdefault((role, str(step.kind)), []).append((step.bytes, held))
+    return found
+
+
+@pytest.mark.parametrize("form", ["ulysses", "ring"])
+def test_sequence_parallel_cuts_the_context_parallel_block_over_mp(float64, form):
+    """cp 2 x mp 2 + Strategy(sequence_parallel=True): the decoder layers' norms and
+    residual adds run with the sequence split over (cp, mp) -- cp's block of the
+    sequence, cut again over mp -- so SP neither gives up where cp splits the sequence
+    nor moves it off cp; around each tensor-parallel region the activations are
+    all-gathered over mp before q|k|v and gate|up and reduce-scattered after o and down,
+    Megatron's collectives (bytes of the formula on the group's cp block; the final
+    norm's input gathered: the LM head's weight is whole), with no all-reduce of an activation over
+    mp left either way; attention keeps its sequence over cp and its heads over mp, its
+    cp collectives inside the op, and nothing in the forward reshards over cp."""
+    from distgraph.plan.kinds import collective_bytes
+
+    layers = CONFIG.num_hidden_layers
+    plan = dg.passes.plan(_built(2, form, mp=2)[0], dg.Strategy(sequence_parallel=True,
+                                                                  context_parallel=form))
+    forward = [op for op in plan.program.ops if str(op.role) == "forward"]
+    light = [op for op in forward if op.type in ("rms_norm", "add")
+             and op.layer.startswith("layers.")]
+    assert len(light) == 4 * layers
+    assert all(op.dist_attr.output_specs[0].entry(1) == ("cp", "mp") for op in light)
+    local = [op for op in plan.local(0).program.ops if op.type == "rms_norm"
+             and op.layer.startswith("layers.")]
+    assert len(local) == 2 * layers
+    assert all(op.outputs[0].shape == (BATCH, SEQ // 4, CONFIG.hidden_size) for op in local)
+    found = _mp_collectives(plan)
+    counts = {key: len(steps) for key, steps in found.items()}
+    assert {k: n for k, n in counts.items() if k[0] == "forward"} == {
+        ("forward", "all_gather"): 2 * layers + 1, ("forward", "reduce_scatter"): 2 * layers}
+    assert counts[("backward", "reduce_scatter")] == 2 * layers
+    assert ("backward", "all_reduce") not in counts
+    for (_, kind), steps in found.items():
+        for sent, held in steps:
+            assert sent == collective_bytes(kind, 2, held), kind
+    assert not any(s.mesh_dim == "cp" for p in plan.reshards() for s in p.steps
+                   if plan.program.ops[p.anchor] in forward and len(p.shape) > 2)
+    for op in plan.program.ops:
+        if op.type in ("attention", "attention_grad"):
+            assert op.dist_attr.input_specs[0].entry(1) == ("mp",)
+            assert op.dist_attr.input_specs[0].entry(2) == ("cp",)
+    assert all(op.attrs["context_parallel"] == form for op in plan.local(0).program.ops
+               if op.type.startswith("attention"))
+    inside = plan.explain()
+    inside = inside[inside.index("collectives inside ops"):]
+    kind = "all_to_all" if form == "ulysses" else "send_recv"
+    assert f"attention [{form}] (layers.0.self_attn) over (0, 2): {kind} n=2" in inside
+    assert f"attention_grad [{form}] (layers.1.self_attn) over (0, 2): {kind} n=2" in inside
 
 
 def test_plan_explains_attention_collectives(float64):

@@ -18,10 +18,16 @@ The regions are found from the completed layout, for any model:
   sum over ``t`` makes (a region's output after its reduction);
 - a region grows from its seeds through *light* ops (no letter contracted between two
   operands: elementwise ops, norms, dropout) over activations of the same
-  ``[batch, seq]`` whose sequence dim is whole and divides over ``t``;
+  ``[batch, seq]`` whose sequence dim is not split over ``t`` and whose blocks divide
+  over ``t``;
 - an activation of a region that an op outside tensor parallelism makes or reads (the
   embedding, an LM head whose weight is whole) is *fenced*: annotated with its layout as
   it is, so the sequence split stops there (an all-gather or a local slice at the edge).
+
+With context parallelism the sequence is already split over another mesh dim (``cp``);
+the region's activations are then split over ``(cp, t)``, cp major: each cp block of
+the sequence (the load-balanced chunks attention expects) cut again ``t`` ways, so the
+collectives at the regions' edges run over ``t`` only and attention's stay inside it.
 
 Example::
 
@@ -31,6 +37,8 @@ Example::
 from __future__ import annotations
 
 from collections import deque
+
+import numpy as np
 
 from distgraph import dtypes
 from distgraph.ir import Program, Role
@@ -70,7 +78,7 @@ def sequence_parallel(program: Program) -> int:
             region, fenced = _region(program, mesh, m, producer, consumers)
             for v in region - fenced:
                 dims_ = list(v.dist_attr.spec.dims)
-                dims_[SEQ] = m
+                dims_[SEQ] = v.dist_attr.spec.entry(SEQ) + (m,)
                 v.annotation = DistAttr(mesh, ShardSpec(dims_))
                 split += 1
             for v in fenced:
@@ -93,8 +101,10 @@ def _region(program, mesh, m, producer, consumers) -> tuple:
         spec = v.dist_attr.spec
         return (forward(producer.get(v.name)) and v.annotation is None and len(v.shape) == 3
                 and dtypes.is_float(v.dtype) and tuple(v.shape[:2]) == rows
-                and m not in spec.mesh_dims() and spec.dims[SEQ] is None
-                and v.shape[SEQ] % size == 0)
+                and m not in spec.mesh_dims() and v.shape[SEQ] % (parts(spec) * size) == 0)
+
+    def parts(spec):                 # the sequence's split so far (context parallelism)
+        return int(np.prod([mesh.dim_size(d) for d in spec.entry(SEQ)], dtype=np.int64))
 
     seeds = []
     for op in program.ops:

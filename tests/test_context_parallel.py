@@ -538,3 +538,52 @@ def test_ring_pipeline_slices_add_up_to_the_op_and_hide_its_hops(float64):
                                          cluster).processes[0].communication
                 for form in ("ring", "ulysses")}
         assert (comm["ring"] < comm["ulysses"]) == ring_wins, comm
+
+
+@pytest.mark.parametrize("mp", [1, 2])
+@pytest.mark.parametrize("form", ["ulysses", "ring"])
+def test_backward_keeps_the_sequence_split(float64, form, mp):
+    """cp 2 (and cp 2 x mp 2 + SP): the weight gradients contract batch and sequence
+    where they lie (``bsh,bso->ho``), so the backward gathers no activation or activation
+    gradient over cp; cp's only collectives in the backward and update are the pending
+    sums of the weight gradients (and the loss), all-reduced with the formula's bytes."""
+    from distgraph import dtypes
+    from distgraph.plan.kinds import collective_bytes
+
+    plan = dg.passes.plan(_built(2, form, mp=mp)[0], dg.Strategy(
+        sequence_parallel=mp > 1, context_parallel=form))
+    weights = {v.name for v in plan.program.values.values() if v.is_parameter}
+    reduced = set()
+    for point in plan.reshards():
+        role = str(plan.program.ops[point.anchor].role)
+        for step in point.steps:
+            if step.mesh_dim != "cp" or str(step.kind) == "slice":
+                continue
+            assert role != "forward" and len(point.shape) <= 2, (role, point.reads, step)
+            assert str(step.kind) == "all_reduce", (point.reads, step)
+            others = [m for d in range(len(point.shape)) for m in point.src.spec.entry(d)]
+            held = int(np.prod(point.shape, dtype=np.int64)) * dtypes.itemsize(point.dtype) \
+                // int(np.prod([point.src.mesh.dim_size(m) for m in others]))
+            assert step.bytes == collective_bytes("all_reduce", 2, held)
+            reduced.update(point.reads)
+    # every matrix's gradient is reduced over cp once (the embedding's, the 7 Linear
+    # layers' of each decoder layer, the LM head's)
+    matrices = [w for w in weights if len(plan.program.values[w].shape) == 2]
+    assert len([n for n in reduced if "@GRAD" in n and len(plan.program.values[n].shape) == 2]) \
+        == len(matrices) == 7 * CONFIG.num_hidden_layers + 2
+
+
+def test_memory_estimate_credits_context_parallel_activations(float64):
+    """The estimate's activations per rank: saved for the backward ÷ cp, and the peak's
+    ÷ cp too (the backward gathers none over cp)."""
+    from distgraph.program_builder import build_program
+
+    cluster = _cluster(1.0, 1.0)
+    specs = [dg.InputSpec([BATCH, SEQ], "int64", name) for name in ("tokens", "labels")]
+    serial = dg.passes.estimate(dg.passes.plan(build_program(
+        _model(), specs[:1], specs[1:], dg.nn.CrossEntropyLoss(), dg.optim.AdamW(1e-2))),
+        cluster).processes[0]
+    for n in (2, 4):
+        proc = dg.passes.estimate(dg.passes.plan(_built(n, "ring")[0]), cluster).processes[0]
+        assert proc.saved_activations == pytest.approx(serial.saved_activations / n, rel=0.01)
+        assert proc.activations <= serial.activations / n * 1.01

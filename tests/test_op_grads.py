@@ -207,6 +207,13 @@ for _label, (_sx, _sy, _tx, _ty) in MATMUL.items():
     CASES.append(Case("matmul", _label, _make_matmul))
 
 
+@case("matmul", "rows-contracted")
+def _matmul_rows(rng):       # a weight gradient's form: bsh,bso->ho (its own gradient too)
+    from distgraph.ops.linalg import matmul_rows
+    return (lambda p, f: matmul_rows(p["x"], p["y"])), \
+        {"x": normal(rng, (2, 5, 3)), "y": normal(rng, (2, 5, 4))}, {}
+
+
 @case("matmul", "operator-and-T")
 def _matmul_operator(rng):
     return (lambda p, f: [p["x"] @ p["y"], p["y"].T @ p["x"].T]), \

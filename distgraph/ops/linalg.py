@@ -2,6 +2,11 @@
 
 Sharding: einsum notation built from ranks and flags, e.g. ``"bmk,kn->bmn"``:
 S(m) x R -> S(m); R x S(n) -> S(n); S(k) x S(k) -> P; a broadcast batch dim is never split.
+``rows=True`` contracts every leading dim, ``x^T y`` over the rows of ``x [..., m]`` and
+``y [..., n]`` (a Linear layer's weight gradient), ``"abm,abn->mn"``: the rows keep any
+split (batch over dp, sequence over cp), S(a) x S(a) -> P, the pending sum that the
+gradient reduction settles, where folding them to ``[rows, m]`` first would gather a split
+that the fold cannot keep (the sequence's inside the batch).
 With the ``meshslice`` attribute set (``Strategy(meshslice=...)`` or ``shard_op(...,
 meshslice=...)`` set it), also MeshSlice's 2-D layouts, e.g. OS on mesh dims (x, y):
 [x, y] x [x, y] -> [x, y], run by :mod:`distgraph.ops.meshslice` with K sliced,
@@ -28,6 +33,9 @@ def _mk(shape, trans):
 
 def matmul_notation(in_shapes, attrs) -> str:
     x, y = in_shapes
+    if attrs.get("rows"):
+        lead = BATCH[:len(x) - 1]
+        return f"{lead}m,{lead}n->mn"
     bx, by = x[:-2], y[:-2]
     rank = max(len(bx), len(by))
     out_b = broadcast_shapes(bx, by) if rank else ()
@@ -48,15 +56,22 @@ class Matmul:
     """``x @ y`` (``transpose_x`` / ``transpose_y`` swap the last two dims first).
     ``meshslice`` (None: off; ``"auto"`` or K) lets the op run as MeshSlice where its
     operands come in one of MeshSlice's layouts; the planner turns ``"auto"`` into the K
-    the cost model picks."""
+    the cost model picks. ``rows``: ``x [..., m]``, ``y [..., n]`` with the same leading
+    dims give ``[m, n]``, the sum over every row of ``x_row^T y_row``."""
 
-    def infer(x, y, transpose_x=False, transpose_y=False, meshslice=None):
+    def infer(x, y, transpose_x=False, transpose_y=False, meshslice=None, rows=False):
         try:
             slices_setting(meshslice)
         except SpmdRuleError as e:
             raise ShapeError(str(e)) from None
         if len(x.shape) < 2 or len(y.shape) < 2:
             raise ShapeError("matmul needs operands of rank >= 2")
+        if rows:
+            if x.shape[:-1] != y.shape[:-1] or transpose_x or transpose_y or meshslice:
+                raise ShapeError(f"matmul(rows=True) contracts the leading dims of x "
+                                 f"{tuple(x.shape)} and y {tuple(y.shape)}: they must be the "
+                                 "same, without transposes or meshslice")
+            return TensorType((x.shape[-1], y.shape[-1]), same_dtype(x, y))
         m, k = _mk(x.shape, transpose_x)
         k2, n = _mk(y.shape, not transpose_y)[::-1]
         if k != k2:
@@ -65,7 +80,9 @@ class Matmul:
         batch = broadcast_shapes(x.shape[:-2], y.shape[:-2])
         return TensorType(batch + (m, n), same_dtype(x, y))
 
-    def kernel(ctx, x, y, transpose_x=False, transpose_y=False, meshslice=None):
+    def kernel(ctx, x, y, transpose_x=False, transpose_y=False, meshslice=None, rows=False):
+        if rows:        # one GEMM over every row, as a Linear layer's forward
+            return ctx.xp.matmul(x.reshape(-1, x.shape[-1]).T, y.reshape(-1, y.shape[-1]))
         if isinstance(meshslice, ms.LocalMeshSlice):
             return ms.run(ctx, x, y, transpose_x, transpose_y, meshslice)
         xp = ctx.xp
@@ -81,7 +98,9 @@ class Matmul:
             x = xp.swapaxes(x, -1, -2)
         return xp.matmul(x, y)
 
-    def flops(ins, outs, transpose_x=False, transpose_y=False, meshslice=None):
+    def flops(ins, outs, transpose_x=False, transpose_y=False, meshslice=None, rows=False):
+        if rows:
+            return 2 * size(outs[0]) * (size(ins[0]) // ins[0].shape[-1])
         k = ins[0].shape[-2] if transpose_x else ins[0].shape[-1]
         return 2 * size(outs[0]) * k
 
@@ -94,9 +113,14 @@ class Matmul:
         tx, ty = op.attrs.get("transpose_x", False), op.attrs.get("transpose_y", False)
         # the backward GeMMs run as MeshSlice too (other dataflows on the same layouts)
         slices = op.attrs.get("meshslice")
-        if len(y.shape) == 2 and len(x.shape) > 2 and not tx:
-            # Linear layers: fold the batch dims so dW is one 2-D matmul, not a batched one
-            # followed by a sum.
+        if op.attrs.get("rows"):        # z = x^T y over the rows
+            return [_matmul(y, dz, False, True), _matmul(x, dz, False, False)]
+        if len(y.shape) == 2 and len(x.shape) > 2 and not tx and slices is None:
+            # Linear layers: dW contracts the rows (batch and sequence) in one GEMM, their
+            # splits left pending sums (the module docstring)
+            dy = matmul_rows(dz, x) if ty else matmul_rows(x, dz)
+        elif len(y.shape) == 2 and len(x.shape) > 2 and not tx:
+            # MeshSlice's layouts are 2-D: fold the batch dims first
             x2 = reshape(x, [-1, x.shape[-1]])
             dz2 = reshape(dz, [-1, dz.shape[-1]])
             dy = _matmul(dz2, x2, True, False, slices) if ty else _matmul(x2, dz2, True, False,
@@ -114,6 +138,12 @@ class Matmul:
 
 def matmul(x, y, transpose_x=False, transpose_y=False):
     return _matmul(x, y, transpose_x, transpose_y)
+
+
+def matmul_rows(x, y):
+    """``[m, n]``: x_row^T y_row summed over every row of ``x [..., m]``, ``y [..., n]``
+    (the same leading dims), e.g. a Linear layer's weight gradient ``bsh,bso->ho``."""
+    return emit1("matmul", [x, y], {"transpose_x": False, "transpose_y": False, "rows": True})
 
 
 def _matmul(x, y, transpose_x, transpose_y, meshslice=None):

@@ -101,6 +101,33 @@ def test_simulated_p2p_counts_and_orders_messages():
     assert out[0] == (20.0, 40.0, 2, 32 + 24 + 24, 3)
 
 
+def test_simulated_receives_match_in_posting_order():
+    """MPI's rule (and NCCL's here): the receives posted on one (source, tag) take its
+    messages in the order they were posted, whichever is tested first; a blocking receive
+    and a cancelled one keep their places. Ring attention polls its two receives ahead
+    (k, v blocks; dk, dv sums) newest last: when a message arrived between the two
+    tests, the newer receive took the older block (issue 34's flaky ring layouts)."""
+    def body(comm):
+        if comm.rank == 1:
+            comm.barrier()
+            for i in range(5):
+                comm.isend(np.full(2, float(i)), 0, tag=7)
+            comm.barrier()
+            return None
+        first, second = (comm.irecv((2,), np.float64, 1, tag=7) for _ in range(2))
+        gone = comm.irecv((2,), np.float64, 1, tag=7)
+        third = comm.irecv((2,), np.float64, 1, tag=7)
+        gone.cancel()
+        comm.barrier()
+        comm.barrier()                          # every message has arrived
+        assert second.test() and first.test() and third.test()
+        fourth = comm.recv((2,), np.float64, 1, tag=7)
+        fifth = comm.wait([comm.irecv((2,), np.float64, 1, tag=7)])[0]
+        return [r.value[0] for r in (first, second, third)] + [fourth[0], fifth[0]]
+
+    assert SimulatedWorld(2, timeout=20).run(body)[0] == [0.0, 1.0, 2.0, 3.0, 4.0]
+
+
 def test_simulated_recv_timeout_names_rank_and_message():
     world = SimulatedWorld(2, timeout=0.3)
     with pytest.raises(RuntimeFault, match=r"rank 1: timed out after 0.3 s waiting for a "

@@ -34,6 +34,7 @@ class SimulatedWorld:
 
     def _reset(self) -> None:
         self._mail: dict = defaultdict(deque)
+        self._posted: dict = defaultdict(deque)     # box -> receives waiting, in posting order
         self._slots: dict = {}
         self._failed: tuple | None = None
         for comm in self._comms:
@@ -72,6 +73,13 @@ class SimulatedWorld:
             failed, exc = self._failed
             raise RuntimeFault(f"rank {rank}: stopped waiting for {what}: rank {failed} "
                                f"failed with {type(exc).__name__}: {exc}")
+
+    def _match(self, box) -> None:
+        """Hand the messages in ``box`` to its posted receives, the first posted taking the
+        first sent (MPI's order, whichever receive is tested first; condition held)."""
+        mail, posted = self._mail[box], self._posted[box]
+        while mail and posted:
+            posted.popleft().arrived = mail.popleft()
 
     def _wait(self, ready, rank: int, timeout: float, what, fix: str = "") -> None:
         """Wait on the world condition (held by the caller) until ``ready()``; ``fix``
@@ -215,16 +223,11 @@ class SimulatedCommunicator(Communicator):
             w._cond.notify_all()
 
     def _recv(self, shape, dtype, src, tag):
+        req = self._irecv(shape, dtype, src, tag)      # after the receives posted before it
         w = self._world
-        box = (src, self.rank, tag)
         with w._cond:
-            w._wait(lambda: bool(w._mail[box]), self.rank, self.timeout,
-                    lambda: f"a message from rank {src} with tag {tag} ({shape} {dtype})")
-            arr = w._mail[box].popleft()
-        if arr.shape != shape or arr.dtype != dtype:
-            raise RuntimeFault(f"rank {self.rank}: expected {shape} {dtype} from rank {src} "
-                               f"(tag {tag}) but received {arr.shape} {arr.dtype}")
-        return arr
+            w._wait(req.test, self.rank, self.timeout, lambda: req.what)
+        return req.value
 
     def barrier(self) -> None:
         self._exchange("barrier", tuple(range(self.size)), None)
@@ -240,13 +243,20 @@ class SimulatedCommunicator(Communicator):
 
 
 class _SimulatedReceive(Request):
-    """A receive from the world's mailbox; ``test`` raises RuntimeFault once another
-    rank of the world has failed (as a real job would be ended)."""
+    """A receive from the world's mailbox, matched as MPI matches: to the first message
+    from ``src`` with ``tag`` that no receive posted before it takes (whichever of them is
+    tested first). ``test`` raises RuntimeFault once another rank of the world has
+    failed (as a real job would be ended)."""
 
     def __init__(self, comm, shape, dtype, src, tag):
         super().__init__(f"a message from rank {src} with tag {tag} ({shape} {dtype})")
         self._comm, self._shape, self._dtype = comm, shape, dtype
         self._box = (src, comm.rank, tag)
+        self.arrived = None             # the message matched to it (by the world)
+        w = comm._world
+        with w._cond:
+            w._posted[self._box].append(self)
+            w._match(self._box)
 
     def test(self) -> bool:
         if self.done:
@@ -254,9 +264,10 @@ class _SimulatedReceive(Request):
         w, rank = self._comm._world, self._comm.rank
         with w._cond:
             w.raise_if_peer_failed(rank, self.what)
-            if not w._mail[self._box]:
+            w._match(self._box)
+            if self.arrived is None:
                 return False
-            arr = w._mail[self._box].popleft()
+            arr, self.arrived = self.arrived, None
         if arr.shape != self._shape or arr.dtype != self._dtype:
             raise RuntimeFault(f"rank {rank}: expected {self._shape} {self._dtype} from rank "
                                f"{self._box[0]} (tag {self._box[2]}) but received "
@@ -264,6 +275,12 @@ class _SimulatedReceive(Request):
         self.value, self.done = arr, True
         return True
 
+    def cancel(self) -> None:
+        """Stop waiting: a receive not yet matched leaves the queue (no message is lost)."""
+        w = self._comm._world
+        with w._cond:
+            if self.arrived is None and self in w._posted[self._box]:
+                w._posted[self._box].remove(self)
 
 
 class _SimulatedCollective(Request):

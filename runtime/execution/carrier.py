@@ -78,6 +78,8 @@ class Carrier:
         returns the fetched values (global, on every process)."""
         self.step, self.scope = step, scope
         self.env = [dict(f) for f in feeds] + [{} for _ in range(self.m - len(feeds))]
+        # what a kernel keeps for a later kernel of its micro-batch (KernelContext.saved)
+        self.saved = [{} for _ in range(self.m)]
         self.feed_names = set().union(*(f.keys() for f in feeds)) if feeds else set()
         self.acc = Accumulator(self.program, self.xb)
         self.done = [set() for _ in range(self.m)]
@@ -204,6 +206,7 @@ class Carrier:
         self.left[m] -= 1
         if not self.left[m]:
             self.env[m].clear()
+            self.saved[m].clear()
         if self.profile:
             self._event(action.task, action.chunk, m, start, self.clock())
             self._record_memory()
@@ -240,6 +243,7 @@ class Carrier:
             self.left[m] -= 1
             if not self.left[m]:
                 self.env[m].clear()
+                self.saved[m].clear()
             if self.profile:
                 self._event(action.task, action.chunk, m, start + k * share,
                             start + (k + 1) * share)
@@ -250,7 +254,7 @@ class Carrier:
         accumulates = block.task.accumulates
         offset = self._offsets[block.task.key]
         done, progress, step = self.done[m], self.progress, self.step
-        base = runner.context(step, {})
+        base = runner.context(step, {}, self.saved[m])
         for j, instr in enumerate(block.instrs):
             progress.at(offset + j)
             dying = [n for n in block.last[j] if all(o in done for o in block.others[n])]
@@ -262,7 +266,7 @@ class Carrier:
                         c = micro_batch_context(c, instr.axis,
                                                 self.program.batch_micro_batches,
                                                 self.program.positions[m])
-                    ctx = runner.context(step, c)
+                    ctx = runner.context(step, c, self.saved[m])
                 donate = tuple(n for n in instr.donors if n in dying and
                                donatable((n,), env, scope, self.acc.values))[:1]
                 run_op(instr, env, scope, ctx, donate)

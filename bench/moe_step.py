@@ -19,7 +19,8 @@ completion's. The reference, per rank, on the same data: its 2 sequences and its
 experts; router, top-2, ``Alltoall`` of the counts, ``Alltoallv`` of the tokens, the
 experts' SwiGLU, ``Alltoallv`` back, the weighted combine; the backward sends each
 assignment's output gradient to its expert (``Alltoallv``), runs the SwiGLU backward on
-the activations its forward kept, and sends the input gradients back (``Alltoallv``);
+the activations its forward kept (as distgraph's kernels keep theirs,
+``KernelContext.saved``), and sends the input gradients back (``Alltoallv``);
 each assignment's weight gradient is its expert output (kept from the forward) dotted with
 the output gradient; the router's and the norm's weight gradients are all-reduced.
 
@@ -30,8 +31,10 @@ slowest rank's; rank 0 prints the medians and the ratio (target <= 1.15).
 The all-to-alls: distgraph's step runs again on a communicator that times each of its
 all-to-alls (the collective only: the group first meets at a barrier, not timed), the
 slowest rank's sum per step, against the plan's price for the same collectives (the
-``moe_ffn`` and ``moe_ffn_grad`` ops' ``comm`` at the balanced load, priced by
-``distgraph.passes.cost.prices.op_comm_time`` on the calibrated file): within 25%.
+``moe_ffn`` and ``moe_ffn_grad`` ops' ``comm`` at the balanced load: the counts'
+all_to_all, and the rows' ``all_to_allv`` there and back in the forward and in the
+gradient, priced by ``distgraph.passes.cost.prices.op_comm_time`` on the calibrated file,
+whose ``all_to_allv`` software cost the calibration measured): within 25%.
 
 Timings on a shared 2-core machine are noisy (4 ranks share 2 cores): compare the numbers
 of one run.

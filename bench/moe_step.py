@@ -92,7 +92,7 @@ class Timed:
     timed), then is timed; ``spent`` sums the seconds."""
 
     def __init__(self, comm):
-        self.inner, self.spent = comm, 0.0
+        self.inner, self.spent, self.calls = comm, 0.0, []
         for name in ("_all_to_all", "_all_to_allv"):
             setattr(comm, name, self._wrap(getattr(comm, name)))
 
@@ -102,7 +102,8 @@ class Timed:
             self.inner._sub(group).Barrier()
             start = time.perf_counter()
             out = fn(arr, *args)
-            self.spent += time.perf_counter() - start
+            self.calls.append(time.perf_counter() - start)
+            self.spent += self.calls[-1]
             return out
         call.__name__ = fn.__name__
         return call
@@ -139,8 +140,8 @@ class Distgraph:
         return self.runner.gather(self.scope, list(self.params))
 
     def priced_all_to_alls(self, cluster) -> tuple[float, list]:
-        """(seconds, [(op, kind, n, buffer bytes)]): the plan's price of the all-to-alls
-        its MoE ops run on process 0, on ``cluster``."""
+        """(seconds, [(op, kind, n, buffer bytes, seconds)]): the plan's price of the
+        all-to-alls its MoE ops run on process 0, on ``cluster``."""
         from distgraph.passes.cost.prices import Rings, op_comm_time
 
         plan, pid = self.plan, 0
@@ -153,7 +154,8 @@ class Distgraph:
             op = local.program.ops[index]
             ring = rings.of_op(op.dist_attr.mesh, pid, local.op_context.get(index))
             seconds += op_comm_time(collectives, ring, device)
-            listed += [(op.type, kind, n, nbytes) for kind, n, nbytes in collectives]
+            listed += [(op.type, kind, n, nbytes, op_comm_time([(kind, n, nbytes)], ring, device))
+                       for kind, n, nbytes in collectives]
         return seconds, listed
 
 
@@ -295,16 +297,18 @@ def measure_rank(cluster_file: str, inner: int, steps: int, warmup: int) -> list
                                        err_msg=f"{k} after one step")
     times = timed([dgs.step, ref.step], steps, warmup, world)
     probe = Timed(comm)
-    spent = []
+    spent, calls = [], []
     for _ in range(steps):
-        probe.spent = 0.0
+        probe.spent, probe.calls = 0.0, []
         dgs.step()
         spent.append(world.allreduce(probe.spent, op=MPI.MAX))
+        calls.append(np.max(world.allgather(probe.calls), axis=0).tolist())
     priced, listed = dgs.priced_all_to_alls(cluster)
     if world.Get_rank() != 0:
         return []
     return [{"distgraph": times[0].tolist(), "reference": times[1].tolist(),
              "all_to_all_measured": spent, "all_to_all_priced": priced,
+             "each_measured": np.median(calls, axis=0).tolist(),
              "collectives": listed, "inner": inner,
              "summary": dgs.runner.local.pretty().splitlines()[0]}]
 
@@ -323,9 +327,10 @@ def report(row: dict) -> None:
           f"{'OK' if ratio <= TIME_TARGET else 'MISSED'}")
     measured, priced = np.median(row["all_to_all_measured"]), row["all_to_all_priced"]
     err = abs(priced - measured) / measured
-    print("  all-to-alls per step (process 0's plan: "
-          + ", ".join(f"{op} {kind} n={n} {nbytes / 2**10:.0f} KiB"
-                      for op, kind, n, nbytes in row["collectives"]) + ")")
+    print("  all-to-alls per step, process 0's (kind, buffer: priced / measured ms):")
+    for (op, kind, n, nbytes, price), got in zip(row["collectives"], row["each_measured"]):
+        print(f"    {op:<13} {kind:<12} n={n} {nbytes / 2**10:6.0f} KiB: {price * 1e3:7.2f} / "
+              f"{got * 1e3:7.2f}")
     print(f"  measured (median, slowest rank) {measured * 1e3:.2f} ms, priced {priced * 1e3:.2f}"
           f" ms: |priced - measured| / measured = {err:.3f}, target <= {PRICE_TARGET:.2f} "
           f"{'OK' if err <= PRICE_TARGET else 'MISSED'}")

@@ -113,6 +113,14 @@ def test_the_gradient_runs_on_what_the_forward_kept(capacity):
     for a, b in zip(grad(ctx, x, ids, w, g, u, dn, dy, capacity), want):
         np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12)
     assert not saved
+    # a recomputed copy of the forward (new arrays) replaces what the original kept
+    fwd(ctx, x, ids, w, g, u, dn, capacity)
+    again = x.copy()
+    fwd(ctx, again, ids, w, g, u, dn, capacity)
+    assert len(saved) == 1
+    for a, b in zip(grad(ctx, again, ids, w, g, u, dn, dy, capacity), want):
+        np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12)
+    assert not saved
     fwd(ctx, x, ids, w, g, u, dn, capacity)
     other = g.copy()
     other[0] += 1.0

@@ -176,7 +176,7 @@ def forward(ctx, x, ids, weights, gate, up, down, capacity, expert_start, expert
     for _, rows, slots, out in outs:
         y[rows] += out * wf[rows, slots][:, None]
     if ctx.saved is not None:
-        ctx.saved["moe_dispatch", id(x)] = _Kept(x, ids, weights, gate, up, down, ex, kept, outs)
+        ctx.saved["moe_dispatch"] = _Kept(x, ids, weights, gate, up, down, ex, kept, outs)
     return y.reshape(x.shape)
 
 
@@ -203,7 +203,7 @@ def backward(ctx, x, ids, weights, gate, up, down, dy, capacity, expert_start, e
     the experts, which run the SwiGLU backward on their kept activations, and the input
     gradients come back (``d`` columns each way). Without: ``[x | dy | weight]`` rows go,
     the experts recompute their forward, and ``[dx | dweight]`` rows come back."""
-    kept = ctx.saved.pop(("moe_dispatch", id(x)), None) if ctx.saved is not None else None
+    kept = ctx.saved.pop("moe_dispatch", None) if ctx.saved is not None else None
     if kept is not None and kept.serves(x, ids, weights, gate, up, down):
         return _backward_kept(ctx, kept, dy)
     xp = ctx.xp

@@ -91,6 +91,17 @@ ALL_TO_ALLV_BYTES = (256 * 2**10, 1 * 2**20, 4 * 2**20)
 ALL_TO_ALLV_ROW = 2048             # bytes per row: a hidden size of 512 in float32
 
 
+EXPERT_ROWS, EXPERT_INNER = 512, 1024     # the work between two dispatches: an expert's GEMM
+
+
+def between_experts(arrays) -> None:
+    """What a rank does between two all-to-alls of MoE's dispatch: an expert's GEMM on
+    its rows (megabytes of operands and result, which take the caches, as the experts'
+    work between the dispatch and the combine does)."""
+    rows, weight = arrays
+    rows @ weight
+
+
 def uneven_counts(n: int, rows: int) -> np.ndarray:
     """[sender, receiver] rows of an uneven routing in which each sender sends ``rows``
     in all: receiver q of sender r gets a share growing with ``(r + q) % n``."""
@@ -103,31 +114,39 @@ def uneven_counts(n: int, rows: int) -> np.ndarray:
 def measure_all_to_allv(comm, repeats: int) -> list:
     """[(buffer bytes, seconds)]: the runtime's ``all_to_allv`` over all ranks, as MoE's
     dispatch runs it (:func:`uneven_counts` rows of :data:`ALL_TO_ALLV_ROW` bytes, a
-    local buffer of each of :data:`ALL_TO_ALLV_BYTES`), the mean over
-    :data:`RESHARD_ITERS` calls each after the work of :func:`between_steps`, the median
-    of ``repeats`` batches, the slowest rank's view."""
+    local buffer of each of :data:`ALL_TO_ALLV_BYTES` gathered afresh from its rows
+    before each call, after an expert's GEMM (:func:`between_experts`) and a barrier,
+    not timed: the collective's own time, with the caches as the experts leave them,
+    not the skew of the ranks' compute, which the expected load cannot price), the mean
+    over :data:`RESHARD_ITERS` calls, the median of ``repeats`` batches, the slowest
+    rank's view."""
     from distgraph.runtime.comm.mpi import MPICommunicator
 
     n, rank = comm.Get_size(), comm.Get_rank()
     runtime = MPICommunicator(comm)
     group = tuple(range(n))
-    work = (np.ones(BETWEEN_BYTES // 8), np.ones(BETWEEN_BYTES // 8),
-            np.empty(BETWEEN_BYTES // 8), np.ones((64, 64), np.float32))
+    experts = (np.ones((EXPERT_ROWS, ALL_TO_ALLV_ROW // 4), np.float32),
+               np.ones((ALL_TO_ALLV_ROW // 4, EXPERT_INNER), np.float32))
     out = []
     width = ALL_TO_ALLV_ROW // 4
+    rng = np.random.default_rng(rank)
     for nbytes in ALL_TO_ALLV_BYTES:
         counts = uneven_counts(n, nbytes // ALL_TO_ALLV_ROW)
         send, recv = counts[rank], counts[:, rank]
-        buf = np.ones((int(send.sum()), width), np.float32)
+        source = np.ones((int(send.sum()), width), np.float32)
+        order = rng.permutation(len(source))
         batches = []
         for batch in range(repeats + 1):       # batch 0 warms up
             runtime.barrier()
             spent = 0.0
             for _ in range(RESHARD_ITERS):
-                between_steps(work)
+                between_experts(experts)
+                buf = source[order]           # gathered afresh, as the dispatch sends
+                runtime.barrier()             # the collective's time, not the GEMMs' skew
                 start = time.perf_counter()
                 runtime.all_to_allv(buf, send, recv, group)
                 spent += time.perf_counter() - start
+                del buf
             if batch:
                 batches.append(spent / RESHARD_ITERS)
         out.append((nbytes, comm.allreduce(float(np.median(batches)), op=_mpi_max())))

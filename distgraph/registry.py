@@ -279,7 +279,12 @@ class KernelContext:
     form communicates inside its kernel gets the communicator, the map from process ids
     to ranks and its ``group`` of process ids, or several ``groups`` (set by its
     ``localize``). ``out`` is a buffer a ``donate`` op may write its result into (None:
-    allocate)."""
+    allocate). ``saved`` is a dict in which a kernel may keep arrays for a later kernel
+    of the same micro-batch and layer on this process (a forward's dispatched rows and
+    activations for its gradient, as ``moe_ffn`` keeps them, under a fixed key, so that
+    a recomputed copy of the op replaces what the original kept), which the runtime
+    clears when the micro-batch's work is done; None where the runtime keeps none (the
+    kernel then recomputes)."""
 
     xp: Any
     step: int = 0
@@ -290,6 +295,7 @@ class KernelContext:
     group: tuple | None = None
     out: Any = None
     groups: tuple | None = None
+    saved: dict | None = None
 
     def group_ranks(self, group: tuple | None = None) -> tuple:
         """The ranks of ``group`` (process ids; default this op's ``group``)."""

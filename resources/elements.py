@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Mapping
 
 from distgraph.errors import ResourceFileError
-from distgraph.plan.kinds import StepKind
+from distgraph.plan.kinds import ALL_TO_ALLV, StepKind
 
 COMPUTE_TYPES = ("CPU", "GPU", "XPU", "NPU", "DCU", "MLU", "IPU", "TPU")
 NETWORK_TYPES = ("NIC",)
@@ -232,9 +232,10 @@ class DeviceMesh:
 
 
 # A device's measured software cost per step (``reshard_overhead``) is given per reshard
-# step kind (the plan contract's: collectives, local steps, point-to-point) and for
+# step kind (the plan contract's: collectives, local steps, point-to-point), for
+# ``all_to_allv``: an op's all-to-all with variable counts (MoE's dispatch), and for
 # ``sliced``: one collective inside a sliced pipeline (MeshSlice's kernel).
-SOFTWARE_KINDS = tuple(kind.value for kind in StepKind) + ("sliced",)
+SOFTWARE_KINDS = tuple(kind.value for kind in StepKind) + (ALL_TO_ALLV, "sliced")
 
 def _ranges(ids) -> str:
     """Compact id list: [0, 1, 2, 5] -> '0-2, 5'."""

@@ -75,3 +75,39 @@ def test_the_calibrated_file_carries_the_fit_and_the_estimate_charges_it(tmp_pat
     assert device.reshard_overhead["all_gather"] == pytest.approx((10.0, 1.0), rel=1e-6)
     from distgraph.passes.cost.prices import software_time
     assert software_time(device, "all_gather", B) == pytest.approx(1e-5 + 1e-9 * B, rel=1e-6)
+
+
+def test_the_variable_all_to_all_is_fitted_apart_and_priced_by_moes_dispatch(tmp_path):
+    """``all_to_allv`` timings (MoE's dropless dispatch) fit their own entry on
+    all_to_all's formula; an op's ``all_to_allv`` is charged it, and a file without it
+    charges the all_to_all's."""
+    from distgraph.passes.cost.prices import op_collective_time, software_time
+    from distgraph.passes.cost.prices import Ring
+    from distgraph.resources.elements import Device
+
+    sizes = (1 << 18, 1 << 20, 1 << 22)
+    steps = {"all_to_all": [(B, collective_time("all_to_all", 2, B, BW, LAT) + 9e-5)
+                            for B in sizes],
+             "all_to_allv": [(B, collective_time("all_to_all", 2, B, BW, LAT) + 2e-5 + 2e-9 * B)
+                             for B in sizes]}
+    out = reshard_overheads(two_cpus(), steps)
+    assert out["all_to_allv"] == pytest.approx((20.0, 2.0), rel=1e-6)
+    assert out["all_to_all"] == pytest.approx((90.0, 0.0), abs=1e-6)
+    ranks = [{"rank": r, "host": "h", "model": "cpu", "memory": 8.0,
+              "gflops": {"float32": 10.0}} for r in range(2)]
+    cluster = build_cluster(ranks, {(0, 1): (BW, LAT)}, None, "calibrated2", steps)
+    cluster.save(tmp_path / "c.yaml")
+    device = dg.Cluster.from_file(tmp_path / "c.yaml").devices[0]
+    B = 1 << 21
+    ring = Ring(BW, LAT, True)
+    assert op_collective_time("all_to_allv", 2, B, ring, device) == pytest.approx(
+        collective_time("all_to_all", 2, B, BW, LAT) + 2e-5 + 2e-9 * B, rel=1e-6)
+    older = Device(0, 0, 0, "CPU", reshard_overhead={"all_to_all": (90.0, 0.0)})
+    assert software_time(older, "all_to_allv", B) == pytest.approx(9e-5, rel=1e-6)
+
+
+def test_the_uneven_routing_sends_each_rank_its_buffer():
+    from distgraph.tools.step_probe import uneven_counts
+
+    counts = uneven_counts(4, 1000)
+    assert (counts.sum(axis=1) == 1000).all() and len(set(counts[0].tolist())) > 1

@@ -116,7 +116,9 @@ PIPELINE = dg.Strategy(micro_batches=2, schedule="1F1B")
 LAYOUTS = {"ep2": (_ep(2), 2, None, True), "ep4": (_ep(4), 4, None, True),
            "ep2_tokens_whole": (_ep(2, None), 2, None, False),
            "ep_dp": (_ep_dp, 2, None, True), "ep_mp": (_ep_mp, 4, None, True),
-           "ep_pipeline": (_ep_pipeline, 4, PIPELINE, True)}
+           "ep_pipeline": (_ep_pipeline, 4, PIPELINE, True),
+           # the layers recomputed: the copies' kept activations replace the originals'
+           "ep4_recompute": (_ep(4), 4, dg.Strategy(recompute=True), True)}
 
 
 def _equal(results, serial):

@@ -93,7 +93,40 @@ def test_flops_are_the_expected_loads():
     assert flops(ins, [ins[0]]) == b * s * k * per_pair
     c = capacity_of(s, k, experts, 0.5)                      # ceil(0.5 * 8 * 2 / 4) = 2
     assert c == 2 and flops(ins, [ins[0]], capacity=c) == b * experts * c * per_pair
-    assert get_op("moe_ffn_grad").flops(ins, [], capacity=c) == 3 * b * experts * c * per_pair
+    assert get_op("moe_ffn_grad").flops(ins, [], capacity=c) == 2 * b * experts * c * per_pair
+
+
+@pytest.mark.parametrize("capacity", [None, 2])
+def test_the_gradient_runs_on_what_the_forward_kept(capacity):
+    """With a ``saved`` dict (the runtime's, per micro-batch) the forward keeps its
+    experts' rows, pre-activations and outputs and the gradient takes them (the dict is
+    empty after): the same gradients as recomputing them; a gradient of other operands
+    (a changed weight) recomputes."""
+    x, ids, w, g, u, dn = _case(np.random.default_rng(5))
+    dy = np.random.default_rng(6).standard_normal(x.shape)
+    fwd, grad = get_op("moe_ffn").kernel, get_op("moe_ffn_grad").kernel
+    want = grad(CTX, x, ids, w, g, u, dn, dy, capacity)
+    saved = {}
+    ctx = KernelContext(np, saved=saved)
+    fwd(ctx, x, ids, w, g, u, dn, capacity)
+    assert len(saved) == 1
+    for a, b in zip(grad(ctx, x, ids, w, g, u, dn, dy, capacity), want):
+        np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12)
+    assert not saved
+    # a recomputed copy of the forward (new arrays) replaces what the original kept
+    fwd(ctx, x, ids, w, g, u, dn, capacity)
+    again = x.copy()
+    fwd(ctx, again, ids, w, g, u, dn, capacity)
+    assert len(saved) == 1
+    for a, b in zip(grad(ctx, again, ids, w, g, u, dn, dy, capacity), want):
+        np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12)
+    assert not saved
+    fwd(ctx, x, ids, w, g, u, dn, capacity)
+    other = g.copy()
+    other[0] += 1.0
+    for a, b in zip(grad(ctx, x, ids, w, other, u, dn, dy, capacity),
+                    grad(CTX, x, ids, w, other, u, dn, dy, capacity)):
+        np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12)
 
 
 def test_top_k_and_one_hot_are_numpys():
@@ -140,3 +173,45 @@ def test_the_dispatch_declares_its_all_to_alls_at_the_expected_load():
         assert found
         sent = [collective_bytes(k, n, b) for k, n, b in found[0].comm]
         assert sent == want
+    # the gradient runs on what its forward kept: the counts are known, d columns each way
+    grad = dg.ops.spmd_rule("moe_ffn_grad")
+    found = [s for s in grad.strategies(SHAPES + (SHAPES[0],), [SHAPES[0]] + list(SHAPES[1:]),
+                                        mesh, in_dtypes=["float64", "int64"] + ["float64"] * 5)
+             if s.name.endswith("(all-to-all over dp)")]
+    assert [collective_bytes(k, n, b) for k, n, b in found[0].comm] == \
+        [2 * 6 * 2 * 12 * 8 / 2] * 2
+
+
+@pytest.mark.parametrize("capacity", [None, 2])
+def test_the_dispatch_gradient_on_kept_activations_equals_recomputing_them(capacity):
+    """Tokens and experts over 2 ranks (SimulatedWorld): the all-to-all gradient on what
+    its forward kept in ``saved`` (``d`` columns each way) equals the one that sends
+    ``[x | dy | weight]`` and recomputes, and both equal the serial kernel's."""
+    from distgraph.runtime.comm.simulated import SimulatedWorld
+
+    x, ids, w, g, u, dn = _case(np.random.default_rng(7), b=4, s=5, d=4, inner=3, experts=4)
+    dy = np.random.default_rng(8).standard_normal(x.shape)
+    fwd, grad = get_op("moe_ffn").kernel, get_op("moe_ffn_grad").kernel
+    serial = grad(CTX, x, ids, w, g, u, dn, dy, capacity)
+
+    def rank(comm, keep):
+        r = comm.rank
+        rows, ex = slice(2 * r, 2 * r + 2), slice(2 * r, 2 * r + 2)
+        saved = {} if keep else None
+        ctx = KernelContext(np, comm=comm, group=(0, 1), saved=saved)
+        args = (x[rows], ids[rows], w[rows], g[ex], u[ex], dn[ex])
+        attrs = dict(capacity=capacity, expert_start=2 * r, num_experts=4)
+        fwd(ctx, *args, **attrs)
+        out = grad(ctx, *args, dy[rows], **attrs)
+        assert not saved
+        return out
+
+    for keep in (True, False):
+        parts = SimulatedWorld(2, timeout=20).run(rank, keep)
+        dx = np.concatenate([p[0] for p in parts])
+        dwt = np.concatenate([p[1] for p in parts])
+        np.testing.assert_allclose(dx, serial[0], rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(dwt, serial[1], rtol=1e-12, atol=1e-12)
+        for k in range(3):
+            np.testing.assert_allclose(np.concatenate([p[2 + k] for p in parts]),
+                                       serial[2 + k], rtol=1e-12, atol=1e-12)

@@ -38,8 +38,10 @@ FLOPs are those of the tokens the experts get, priced at the expected load: k
 assignments per token (at most ``E * C`` per sequence with a capacity), each ``6 d I``
 for the three products, ``5 I`` for SiLU and the gating product, ``2 d`` for the weighted
 combine; a process holding a share of the experts is priced at its share (a balanced
-routing). The gradient recomputes the forward of its experts (the gathered activations
-are not kept between the ops), so it is priced at three forwards.
+routing). The gradient is priced at two forwards: it runs on what its forward kept in
+the runtime's per-micro-batch ``ctx.saved`` (each expert's rows, pre-activations and
+outputs; the all-to-all form's in :mod:`distgraph.ops.moe_dispatch`), and recomputes
+them only where the runtime keeps nothing.
 
 Example::
 
@@ -227,10 +229,16 @@ class MoeFFN:
         b, s, d = x.shape
         xf, wf = x.reshape(b * s, d), weights.reshape(b * s, -1)
         y = xp.zeros_like(xf)
+        kept = []
         for e, rows, slots in _routes(xp, ids, capacity, expert_start or 0, gate.shape[0]):
             xs = xf[rows]
-            act, _ = _silu_parts(xp, xs @ gate[e])
-            y[rows] += ((act * (xs @ up[e])) @ down[e]) * wf[rows, slots][:, None]
+            g, u = xs @ gate[e], xs @ up[e]
+            act, _ = _silu_parts(xp, g)
+            out = (act * u) @ down[e]
+            y[rows] += out * wf[rows, slots][:, None]
+            kept.append((e, rows, slots, xs, g, u, out))
+        if ctx.saved is not None:
+            ctx.saved["moe_ffn"] = ((x, ids, weights, gate, up, down), kept)
         return y.reshape(x.shape)
 
     localize = moe_dispatch.localize
@@ -244,12 +252,13 @@ class MoeFFN:
 
 @register_op("moe_ffn_grad", spmd=ExpertRule(_ffn_grad_notation), differentiable=False)
 class MoeFFNGrad:
-    """Each expert's forward recomputed on its tokens, then the SwiGLU chain backwards:
+    """Each expert's forward as moe_ffn kept it (recomputed where the runtime keeps
+    nothing), then the SwiGLU chain backwards:
     dx (Partial where experts or the inner dim are split), dweights (the expert's output
     dotted with dy), and the stacked weights' gradients (Partial where tokens are split)."""
 
     def flops(ins, outs, capacity=None, expert_start=None, num_experts=None):
-        return 3 * _ffn_flops(ins, outs, capacity)
+        return 2 * _ffn_flops(ins, outs, capacity)
 
     def infer(x, ids, weights, gate, up, down, dy, capacity=None, expert_start=None,
               num_experts=None):
@@ -265,12 +274,12 @@ class MoeFFNGrad:
         xf, wf, dyf = x.reshape(b * s, d), weights.reshape(b * s, -1), dy.reshape(b * s, d)
         dx, dw = xp.zeros_like(xf), xp.zeros_like(wf)
         grads = [xp.zeros_like(w) for w in (gate, up, down)]
-        for e, rows, slots in _routes(xp, ids, capacity, expert_start or 0, gate.shape[0]):
-            xs, dys = xf[rows], dyf[rows]
-            g, u = xs @ gate[e], xs @ up[e]
+        for e, rows, slots, xs, g, u, out in _kept_or_recomputed(
+                ctx, (x, ids, weights, gate, up, down), capacity, expert_start):
+            dys = dyf[rows]
             act, sig = _silu_parts(xp, g)
             h = act * u
-            dw[rows, slots] = xp.sum((h @ down[e]) * dys, axis=-1)
+            dw[rows, slots] = xp.sum(out * dys, axis=-1)
             do = dys * wf[rows, slots][:, None]
             grads[2][e] = h.T @ do
             dh = do @ down[e].T
@@ -284,6 +293,24 @@ class MoeFFNGrad:
 
     def comm(site):
         return moe_dispatch.comm(site, grad=True)
+
+
+def _kept_or_recomputed(ctx, operands, capacity, expert_start):
+    """moe_ffn's forward per expert, ``(e, rows, slots, xs, g, u, out)``: as its kernel
+    kept it in ``ctx.saved`` for these very operands, else recomputed."""
+    xp = ctx.xp
+    x, ids, _, gate, up, down = operands
+    kept = ctx.saved.pop("moe_ffn", None) if ctx.saved is not None else None
+    if kept is not None and all(a is b for a, b in zip(kept[0], operands)):
+        return kept[1]
+    xf = x.reshape(-1, x.shape[-1])
+    out = []
+    for e, rows, slots in _routes(xp, ids, capacity, expert_start or 0, gate.shape[0]):
+        xs = xf[rows]
+        g, u = xs @ gate[e], xs @ up[e]
+        act, _ = _silu_parts(xp, g)
+        out.append((e, rows, slots, xs, g, u, (act * u) @ down[e]))
+    return out
 
 
 # -- functional API -----------------------------------------------------------------------------

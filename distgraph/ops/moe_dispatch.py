@@ -15,12 +15,21 @@ which adds nothing to any result or gradient).
 
 The sender keeps what it needs to combine: the assignments it sent, in global expert
 order, and it adds each token's expert outputs in that order, as the serial kernel
-does. The gradient sends ``[x | dy | weight]`` rows and receives ``[dx | dweight]``
-rows; each process's experts' weight gradients are then whole along ``m`` (no Partial).
+does. The forward keeps, in the runtime's per-micro-batch ``ctx.saved``, its exchange
+(routes and counts), its experts' received rows and pre-activations and the expert
+outputs it got back; the gradient then computes each assignment's weight gradient where
+the token is (the kept output dotted with dy), sends ``dy * weight`` rows to the experts
+(the counts are known), which run the SwiGLU backward on their kept activations, and
+receives the input gradients (``d`` columns each way, no recomputation, as a
+hand-written expert-parallel step does). Without ``ctx.saved`` it sends ``[x | dy |
+weight]`` rows, the experts recompute their forward, and ``[dx | dweight]`` rows come
+back. Each process's experts' weight gradients are whole along ``m`` (no Partial).
 
 ``comm(site)`` declares the all-to-alls at the expected load (a balanced routing: a
 process's ``tokens * k`` assignments, or its fixed buffers), as
-:func:`distgraph.plan.kinds.collective_bytes` counts an all-to-all's buffer.
+:func:`distgraph.plan.kinds.collective_bytes` counts an all-to-all's buffer; the dropless
+rows as ``all_to_allv`` (:data:`~distgraph.plan.kinds.ALL_TO_ALLV`), whose software cost
+``distgraph cluster calibrate`` measures apart.
 
 Example (what a plan's process runs; ``ctx`` carries the communicator and group)::
 
@@ -67,21 +76,13 @@ def comm(site, grad: bool = False) -> tuple:
     experts = site.in_shapes[3][0]
     item = dtypes.itemsize(site.in_dtypes[0])
     capacity = site.attr("capacity")
-    there, back = (2 * d + 1, d + 1) if grad else (d, d)
+    # the gradient runs on what its forward kept: the counts are known, d columns each way
     if capacity is None:
-        rows = b * s * k
-        counts = (("all_to_all", n, experts * 8),)
+        rows, kind = b * s * k, "all_to_allv"
+        counts = () if grad else (("all_to_all", n, experts * 8),)
     else:
-        rows, counts = experts * b * capacity, ()
-    return counts + (("all_to_all", n, rows * there * item),
-                     ("all_to_all", n, rows * back * item))
-
-
-def _expert(xp, xs, gate, up, down):
-    half = xs.dtype.type(0.5)
-    g = xs @ gate
-    act = g * (half + half * xp.tanh(half * g))
-    return (act * (xs @ up)) @ down
+        rows, kind, counts = experts * b * capacity, "all_to_all", ()
+    return counts + ((kind, n, rows * d * item),) * 2
 
 
 class _Exchange:
@@ -154,25 +155,57 @@ class _Exchange:
 
 
 def forward(ctx, x, ids, weights, gate, up, down, capacity, expert_start, experts, routes):
-    """moe_ffn's all-to-all form on this process's tokens and experts."""
+    """moe_ffn's all-to-all form on this process's tokens and experts. Where the runtime
+    gives ``ctx.saved``, what the gradient needs is kept there (:func:`backward`)."""
     xp = ctx.xp
     b, s, d = x.shape
     xf, wf = x.reshape(b * s, d), weights.reshape(b * s, -1)
     ex = _Exchange(ctx, ids, capacity, experts, gate.shape[0], routes)
     groups, got = ex.there(lambda rows, slots: xf[rows], d, x.dtype)
     results = xp.zeros_like(got)
+    kept = []
     for e, index in groups:
         if index.size:
-            results[index] = _expert(xp, got[index], gate[e], up[e], down[e])
+            xs = got[index]
+            g, u = xs @ gate[e], xs @ up[e]
+            half = g.dtype.type(0.5)
+            results[index] = ((g * (half + half * xp.tanh(half * g))) * u) @ down[e]
+            kept.append((e, index, xs, g, u))
     y = xp.zeros_like(xf)
-    for _, rows, slots, out in ex.back(results):
+    outs = ex.back(results)
+    for _, rows, slots, out in outs:
         y[rows] += out * wf[rows, slots][:, None]
+    if ctx.saved is not None:
+        ctx.saved["moe_dispatch"] = _Kept(x, ids, weights, gate, up, down, ex, kept, outs)
     return y.reshape(x.shape)
+
+
+class _Kept:
+    """What moe_ffn's forward keeps for its gradient on this process: its operands (the
+    gradient uses the kept rest only for these very arrays), the exchange (routes and
+    counts), its experts' received rows and pre-activations, and the expert outputs it
+    got back per assignment."""
+
+    def __init__(self, *args):
+        (self.x, self.ids, self.weights, self.gate, self.up, self.down, self.ex, self.kept,
+         self.outs) = args
+
+    def serves(self, *operands) -> bool:
+        return all(a is b for a, b in zip(operands, (self.x, self.ids, self.weights,
+                                                     self.gate, self.up, self.down)))
 
 
 def backward(ctx, x, ids, weights, gate, up, down, dy, capacity, expert_start, experts,
              routes):
-    """moe_ffn_grad's all-to-all form: (dx, dweights, dgate, dup, ddown)."""
+    """moe_ffn_grad's all-to-all form: (dx, dweights, dgate, dup, ddown). With what its
+    forward kept (``ctx.saved``): each assignment's weight gradient is the expert output
+    it got back dotted with dy, computed where the token is; ``dy * weight`` rows go to
+    the experts, which run the SwiGLU backward on their kept activations, and the input
+    gradients come back (``d`` columns each way). Without: ``[x | dy | weight]`` rows go,
+    the experts recompute their forward, and ``[dx | dweight]`` rows come back."""
+    kept = ctx.saved.pop("moe_dispatch", None) if ctx.saved is not None else None
+    if kept is not None and kept.serves(x, ids, weights, gate, up, down):
+        return _backward_kept(ctx, kept, dy)
     xp = ctx.xp
     b, s, d = x.shape
     xf, wf, dyf = x.reshape(b * s, d), weights.reshape(b * s, -1), dy.reshape(b * s, d)
@@ -181,25 +214,52 @@ def backward(ctx, x, ids, weights, gate, up, down, dy, capacity, expert_start, e
         [xf[rows], dyf[rows], wf[rows, slots][:, None]], axis=1), 2 * d + 1, x.dtype)
     grads = [xp.zeros_like(w) for w in (gate, up, down)]
     results = xp.zeros((got.shape[0], d + 1), dtype=x.dtype)
-    half = x.dtype.type(0.5)
     for e, index in groups:
         if not index.size:
             continue
         xs, dys, ws = got[index, :d], got[index, d:2 * d], got[index, 2 * d]
         g, u = xs @ gate[e], xs @ up[e]
-        sig = half + half * xp.tanh(half * g)
-        act = g * sig
-        h = act * u
+        h, dxs = _swiglu_backward(xp, xs, g, u, dys * ws[:, None], gate[e], up[e], down[e],
+                                  grads, e)
         results[index, d] = xp.sum((h @ down[e]) * dys, axis=-1)
-        do = dys * ws[:, None]
-        grads[2][e] = h.T @ do
-        dh = do @ down[e].T
-        du = dh * act
-        dg = dh * u * sig * (1 + g * (1 - sig))
-        grads[0][e], grads[1][e] = xs.T @ dg, xs.T @ du
-        results[index, :d] = dg @ gate[e].T + du @ up[e].T
+        results[index, :d] = dxs
     dx, dw = xp.zeros_like(xf), xp.zeros_like(wf)
     for _, rows, slots, out in ex.back(results):
         dx[rows] += out[:, :d]
         dw[rows, slots] = out[:, d]
     return (dx.reshape(x.shape), dw.reshape(weights.shape), *grads)
+
+
+def _backward_kept(ctx, kept, dy):
+    xp, x, weights = ctx.xp, kept.x, kept.weights
+    b, s, d = x.shape
+    wf, dyf = weights.reshape(b * s, -1), dy.reshape(b * s, d)
+    dw = xp.zeros_like(wf)
+    for _, rows, slots, out in kept.outs:
+        dw[rows, slots] = xp.sum(out * dyf[rows], axis=-1)
+    _, got = kept.ex.there(lambda rows, slots: dyf[rows] * wf[rows, slots][:, None], d,
+                           x.dtype)
+    grads = [xp.zeros_like(w) for w in (kept.gate, kept.up, kept.down)]
+    results = xp.zeros_like(got)
+    for e, index, xs, g, u in kept.kept:
+        _, results[index] = _swiglu_backward(xp, xs, g, u, got[index], kept.gate[e],
+                                             kept.up[e], kept.down[e], grads, e)
+    dx = xp.zeros((b * s, d), dtype=x.dtype)
+    for _, rows, slots, out in kept.ex.back(results):
+        dx[rows] += out
+    return (dx.reshape(x.shape), dw.reshape(weights.shape), *grads)
+
+
+def _swiglu_backward(xp, xs, g, u, do, gate, up, down, grads, e):
+    """One expert's SwiGLU backward from its pre-activations ``g``, ``u`` and the
+    gradient ``do`` of its weighted output: fills ``grads[.][e]``; (h, dxs)."""
+    half = g.dtype.type(0.5)
+    sig = half + half * xp.tanh(half * g)
+    act = g * sig
+    h = act * u
+    grads[2][e] = h.T @ do
+    dh = do @ down.T
+    du = dh * act
+    dg = dh * u * sig * (1 + g * (1 - sig))
+    grads[0][e], grads[1][e] = xs.T @ dg, xs.T @ du
+    return h, dg @ gate.T + du @ up.T

@@ -17,7 +17,9 @@ make_partial    (local)                                0
 =============== ====================================== ===============================
 
 all_to_all is n-1 rounds in which each process sends one of its n chunks (B/n bytes) to
-a different peer. The reshard planner's step bytes and the communicators' byte counters
+a different peer. An op may run it with variable counts per pair (:data:`ALL_TO_ALLV`,
+MoE's dropless dispatch): it declares its buffer at the expected load and takes
+all_to_all's formula; only its software cost is calibrated apart. The reshard planner's step bytes and the communicators' byte counters
 both use :func:`collective_bytes`, so a plan's bytes are what the runtime counts.
 
 Example::
@@ -46,7 +48,10 @@ class StepKind(Kind):
 
     @classmethod
     def parse(cls, kind) -> "StepKind":
-        """``kind`` as a StepKind; a PlanError naming the known kinds for anything else."""
+        """``kind`` as a StepKind (:data:`ALL_TO_ALLV` is an all_to_all); a PlanError
+        naming the known kinds for anything else."""
+        if kind == ALL_TO_ALLV:
+            return cls.ALL_TO_ALL
         try:
             return cls(kind)
         except ValueError:
@@ -61,6 +66,11 @@ class StepKind(Kind):
     def is_local(self) -> bool:
         return self in (StepKind.SLICE, StepKind.MAKE_PARTIAL)
 
+
+ALL_TO_ALLV = "all_to_allv"
+"""An op's all-to-all with variable counts per pair (``Communicator.all_to_allv``): priced
+by all_to_all's formula at the declared (expected) buffer, and by its own measured
+software cost (``distgraph cluster calibrate``)."""
 
 COLLECTIVES = (StepKind.ALL_GATHER, StepKind.REDUCE_SCATTER, StepKind.ALL_REDUCE,
                StepKind.ALL_TO_ALL)

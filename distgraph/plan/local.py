@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from distgraph.ir import Program
-from distgraph.plan.kinds import collective_bytes
+from distgraph.plan.kinds import StepKind, collective_bytes
 
 
 @dataclass
@@ -41,6 +41,7 @@ class LocalProgram:
                     sent[step.kind] = sent.get(step.kind, 0.0) + b
         for collectives in self.op_comm.values():
             for kind, n, nbytes in collectives:
+                kind = StepKind.parse(kind)       # all_to_allv counts as all_to_all
                 sent[kind] = sent.get(kind, 0.0) + float(collective_bytes(kind, n, nbytes))
         return sent
 

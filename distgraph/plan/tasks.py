@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from distgraph.plan.kinds import ItemKind, TaskKind, collective_bytes
+from distgraph.plan.kinds import ItemKind, StepKind, TaskKind, collective_bytes
 from distgraph.plan.tags import TagScheme
 
 COMMUNICATING = (ItemKind.POINT, ItemKind.SEND, ItemKind.RECV)
@@ -124,6 +124,7 @@ class TaskGraph:
                             sent[step.kind] = sent.get(step.kind, 0.0) + times * b
                 elif it.kind is ItemKind.OP:
                     for kind, n, nbytes in local.op_comm.get(it.index, ()):
+                        kind = StepKind.parse(kind)
                         sent[kind] = sent.get(kind, 0.0) + times * float(
                             collective_bytes(kind, n, nbytes))
         return sent

@@ -15,7 +15,9 @@ bandwidth (2(n-1)/n * bytes / time, the figure the ring formula uses). Ranks on 
 host form one machine; pairs on one host get ``SHM`` links, pairs across hosts ``NET``
 links between machines. Then one reshard step of each kind through distgraph's runtime,
 between ops as in training, on three tensor sizes: what a step costs beyond its
-messages' alpha-beta, per step and per byte of its buffer (``reshard_overhead``); and
+messages' alpha-beta, per step and per byte of its buffer (``reshard_overhead``; with it
+``all_to_allv``, the all-to-all with uneven counts per pair that MoE's dispatch runs, on
+megabyte buffers: :mod:`distgraph.tools.step_probe`); and
 what one collective of MeshSlice's sliced pipeline costs per step (its kernel on a tiny
 GeMM at K = 1 and 8) and what a byte a partial GeMM reads again costs (8 partial GeMMs of
 1024^3 against one): the ``sliced`` entry. Rank r becomes device r. Rank 0 prints each
@@ -46,17 +48,16 @@ import time
 import numpy as np
 
 from distgraph.passes.cost.formulas import collective_time
-from distgraph.plan.kinds import COLLECTIVES, StepKind
+from distgraph.plan.kinds import ALL_TO_ALLV, StepKind
 from distgraph.mesh import ProcessMesh
-from distgraph.passes.reshard import plan_reshard
 from distgraph.placement import DistAttr, ShardSpec
 from distgraph.resources.cluster import Cluster, Device, Link, Machine
 from distgraph.resources.gpus import NoGPU, detect_gpus
 from distgraph.runtime.backend import NUMPY, CupyBackend
-from distgraph.runtime.execution.reshard import apply_reshard
 from distgraph.runtime.launch.status import LOG_DIR
 from distgraph.tools.device_probe import (BANDWIDTH_BYTES, memory_bandwidth_gbps, op_costs,
                                           op_overhead_us)
+from distgraph.tools.step_probe import RESHARD_BYTES, measure_all_to_allv, measure_reshard_steps
 
 SCRIPT = os.path.abspath(__file__)   # what `distgraph cluster calibrate` starts on each rank
 GEMM_SIZE = 1024
@@ -226,74 +227,6 @@ def host_memory_gb() -> float:
         return 4.0
 
 
-RESHARD_KINDS = (StepKind.SLICE,) + COLLECTIVES     # the kinds one group's step is timed in
-# global bytes of the tensors each reshard step kind is timed on: the per-step cost shows
-# on the smallest, the per-byte cost (the runtime's copies) on the others
-RESHARD_BYTES = (4 * 2**10, 64 * 2**10, 1 * 2**20)
-RESHARD_ITERS = 20
-BETWEEN_BYTES = 2**18      # per array of the work run between two timed steps
-
-
-def between_steps(arrays) -> None:
-    """What a rank does between two communication steps of a training step, the same on
-    every rank: an op or two, here an elementwise add over ``BETWEEN_BYTES`` arrays and a
-    small GEMM. They take the caches from the runtime's code and data, and the ranks
-    reach the next step as each finishes, not in lockstep."""
-    a, b, c, m = arrays
-    np.add(a, b, out=c)
-    m @ m
-
-
-def measure_reshard_steps(comm, repeats: int) -> dict:
-    """{step kind: ((buffer bytes, seconds), ...)}: one reshard step of each kind through
-    distgraph's runtime over all ranks, on tensors of :data:`RESHARD_BYTES`, the mean
-    over :data:`RESHARD_ITERS` steps each run after the work of :func:`between_steps` (a
-    step in a tight loop finds its code and data cached and its peers waiting: in
-    training neither holds), the median of ``repeats`` batches, the slowest rank's view.
-    What a step costs beyond the alpha-beta of its messages is
-    :func:`reshard_overheads`'s fit."""
-    import distgraph as dg
-
-    # the runtime is what the figure describes; imported at measurement time only
-    from distgraph.runtime.comm.mpi import MPICommunicator
-
-    n = comm.Get_size()
-    runtime = MPICommunicator(comm)
-    mesh = dg.ProcessMesh(list(range(n)), ["x"])
-    layouts = {StepKind.SLICE: ([None, None], (), ["x", None]),
-               StepKind.ALL_GATHER: (["x", None], (), [None, None]),
-               StepKind.ALL_REDUCE: ([None, None], ("x",), [None, None]),
-               StepKind.REDUCE_SCATTER: ([None, None], ("x",), ["x", None]),
-               StepKind.ALL_TO_ALL: (["x", None], (), [None, "x"])}
-    work = (np.ones(BETWEEN_BYTES // 8), np.ones(BETWEEN_BYTES // 8),
-            np.empty(BETWEEN_BYTES // 8), np.ones((64, 64), np.float32))
-    out = {}
-    for kind in RESHARD_KINDS if n > 1 else (StepKind.SLICE,):
-        before, partial, after = layouts[kind]
-        out[kind] = []
-        for nbytes in RESHARD_BYTES:
-            cols = 8 * n
-            rows = n * max(8, -(-nbytes // (4 * cols * n)))
-            shape = (rows, cols)
-            src = DistAttr(mesh, ShardSpec(before, partial=partial))
-            steps = plan_reshard(src, DistAttr(mesh, ShardSpec(after)), shape, "float32")
-            local = np.ones(src.local_shape(shape), dtype=np.float32)
-            batches = []
-            for batch in range(repeats + 1):       # batch 0 warms up
-                runtime.barrier()
-                spent = 0.0
-                for _ in range(RESHARD_ITERS):
-                    between_steps(work)
-                    start = time.perf_counter()
-                    apply_reshard(steps, local, runtime, runtime.rank)
-                    spent += time.perf_counter() - start
-                if batch:
-                    batches.append(spent / RESHARD_ITERS)
-            seconds = comm.allreduce(float(np.median(batches)), op=_mpi_max())
-            out[kind].append((steps[0].buffer_bytes, seconds))
-    return out
-
-
 SLICED_SLICES = 8        # the sliced GeMM of measure_sliced_gemm runs at K = 1 and K = 8
 
 
@@ -422,8 +355,8 @@ def reshard_overheads(cluster, steps: dict, sliced: dict | None = None,
     n = len(ids)
     ring = Rings(cluster, ids.__getitem__).along(ProcessMesh(list(range(n)), ["x"]), 0, "x")
     out = {}
-    for kind, measured in steps.items():
-        kind = StepKind.parse(kind)
+    for name, measured in steps.items():
+        kind = StepKind.parse(name)            # all_to_allv: all_to_all's formula
         sizes = np.array([float(b) for b, _ in measured])
         beyond = np.array([max(t - (collective_time(kind, n, b, ring.bandwidth,
                                                     ring.latency)
@@ -437,7 +370,8 @@ def reshard_overheads(cluster, steps: dict, sliced: dict | None = None,
             per_byte = per_mib / 2**20
         # the figure is a 2-process step's: a step over n paid it at each ring round
         per_step /= software_rounds(kind, n)
-        out[kind.value] = (round(float(per_step) * 1e6, 3), round(float(per_byte) * 1e9, 6))
+        key = ALL_TO_ALLV if name == ALL_TO_ALLV else kind.value
+        out[key] = (round(float(per_step) * 1e6, 3), round(float(per_byte) * 1e9, 6))
     if sliced:
         per_byte = 0.0
         if partial:
@@ -572,6 +506,11 @@ def main(argv=None) -> None:
     say(comm, "reshard steps through distgraph, between ops: " + ", ".join(
         f"{k} " + "/".join(f"{t * 1e6:.0f}" for _, t in v) + " us" for k, v in steps.items())
         + f" (global {'/'.join(f'{b // 1024} KiB' for b in RESHARD_BYTES)})")
+    if size > 1:
+        steps[ALL_TO_ALLV] = measure_all_to_allv(comm, args.repeats)
+        say(comm, "all_to_allv (uneven counts, as MoE dispatches) between ops: " + "/".join(
+            f"{t * 1e6:.0f}" for _, t in steps[ALL_TO_ALLV]) + " us (local "
+            + "/".join(f"{b // 1024} KiB" for b, _ in steps[ALL_TO_ALLV]) + ")")
     sliced = measure_sliced_gemm(comm, args.repeats) if size > 1 else None
     partial = measure_partial_gemms(comm, args.repeats) if size > 1 else None
     if sliced:

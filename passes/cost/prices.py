@@ -36,7 +36,7 @@ import numpy as np
 
 from distgraph import dtypes
 from distgraph.passes.cost.formulas import collective_time, link_rates, pipeline_time
-from distgraph.plan.kinds import StepKind
+from distgraph.plan.kinds import ALL_TO_ALLV, StepKind
 from distgraph.registry import get_op, op_work
 
 # (memory bandwidth GB/s, op overhead µs) by device type when the file gives none.
@@ -256,6 +256,8 @@ def software_time(device, kind: str, nbytes: float = 0.0, n: int = 2) -> float:
     590.0
     """
     software = device.reshard_overhead
+    if kind == ALL_TO_ALLV and software and kind not in software:
+        kind = StepKind.ALL_TO_ALL         # a file calibrated before the variable one was
     if not software or kind not in software:
         return 0.0
     per_step, per_byte = software[kind]

@@ -44,7 +44,7 @@ import numpy as np
 
 from distgraph.errors import PlanError
 from distgraph.passes.cost.formulas import ring_load
-from distgraph.plan.kinds import COLLECTIVES, StepKind
+from distgraph.plan.kinds import ALL_TO_ALLV, COLLECTIVES, StepKind
 from distgraph.resources.cluster import COMPUTE_TYPES, FrozenMap
 
 CHAIN = "p2p"            # a chain of pipeline stages: each sends B to the next
@@ -56,11 +56,13 @@ def group_sends(groups: Sequence[Sequence[int]], bytes_per_process: float,
     """``(sender, receiver, messages, bytes)`` of one collective run by every group of
     ``groups``: each process's :func:`~distgraph.passes.cost.formulas.ring_load` spread
     over its peers (module table)."""
+    if kind == ALL_TO_ALLV:
+        kind = StepKind.ALL_TO_ALL
     if kind not in KINDS:
         raise PlanError(f"unknown collective kind {kind!r}; expected one of "
                         f"{', '.join(map(str, KINDS))}")
     if kind != CHAIN:
-        kind = StepKind(kind)
+        kind = StepKind.parse(kind)
     if not (bytes_per_process >= 0 and math.isfinite(bytes_per_process)):
         raise PlanError(f"{kind}: bytes_per_process must be a finite number >= 0, "
                         f"got {bytes_per_process}")

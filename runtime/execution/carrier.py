@@ -78,6 +78,9 @@ class Carrier:
         returns the fetched values (global, on every process)."""
         self.step, self.scope = step, scope
         self.env = [dict(f) for f in feeds] + [{} for _ in range(self.m - len(feeds))]
+        # what a kernel keeps for a later kernel of its micro-batch and layer
+        # (KernelContext.saved), per micro-batch: {layer: {key: kept}}
+        self.saved = [{} for _ in range(self.m)]
         self.feed_names = set().union(*(f.keys() for f in feeds)) if feeds else set()
         self.acc = Accumulator(self.program, self.xb)
         self.done = [set() for _ in range(self.m)]
@@ -204,6 +207,7 @@ class Carrier:
         self.left[m] -= 1
         if not self.left[m]:
             self.env[m].clear()
+            self.saved[m].clear()
         if self.profile:
             self._event(action.task, action.chunk, m, start, self.clock())
             self._record_memory()
@@ -240,6 +244,7 @@ class Carrier:
             self.left[m] -= 1
             if not self.left[m]:
                 self.env[m].clear()
+                self.saved[m].clear()
             if self.profile:
                 self._event(action.task, action.chunk, m, start + k * share,
                             start + (k + 1) * share)
@@ -250,19 +255,25 @@ class Carrier:
         accumulates = block.task.accumulates
         offset = self._offsets[block.task.key]
         done, progress, step = self.done[m], self.progress, self.step
-        base = runner.context(step, {})
+        saved, bases = self.saved[m], {}
         for j, instr in enumerate(block.instrs):
             progress.at(offset + j)
             dying = [n for n in block.last[j] if all(o in done for o in block.others[n])]
             if isinstance(instr, OpInstr):
-                ctx = base
+                # one kept-values dict per layer: a recomputed op's copy replaces what
+                # the original kept (KernelContext.saved)
+                kept = saved.setdefault(instr.layer, {})
                 if instr.ctx:
                     c = instr.ctx
                     if instr.axis is not None and "out_global_shape" in c:
                         c = micro_batch_context(c, instr.axis,
                                                 self.program.batch_micro_batches,
                                                 self.program.positions[m])
-                    ctx = runner.context(step, c)
+                    ctx = runner.context(step, c, kept)
+                else:
+                    ctx = bases.get(instr.layer)
+                    if ctx is None:
+                        ctx = bases[instr.layer] = runner.context(step, {}, kept)
                 donate = tuple(n for n in instr.donors if n in dying and
                                donatable((n,), env, scope, self.acc.values))[:1]
                 run_op(instr, env, scope, ctx, donate)

@@ -75,8 +75,9 @@ class InstrRunner:
     def __init__(self, pid: int, comm, backend, ranks):
         self.pid, self.comm, self.xb, self.ranks = pid, comm, backend, ranks
 
-    def context(self, step: int, ctx: dict) -> KernelContext:
-        return KernelContext(self.xb.xp, step, comm=self.comm, ranks=self.ranks, **ctx)
+    def context(self, step: int, ctx: dict, saved: dict | None = None) -> KernelContext:
+        return KernelContext(self.xb.xp, step, comm=self.comm, ranks=self.ranks, saved=saved,
+                             **ctx)
 
     def point(self, instr, env, scope, tag, donate=False):
         local = _get(env, scope, instr.reads[0]) if instr.reads else None

@@ -1,0 +1,158 @@
+"""What ``distgraph cluster calibrate`` measures of communication steps through distgraph's
+runtime: one reshard step of each kind (:func:`measure_reshard_steps`) and an op's
+all-to-all with variable counts per pair, MoE's dropless dispatch
+(:func:`measure_all_to_allv`), each run between ops as in training. The calibration fits
+what they cost beyond their messages' alpha-beta (:func:`distgraph.tools.calibrate.
+reshard_overheads`)."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from distgraph.mesh import ProcessMesh
+from distgraph.passes.reshard import plan_reshard
+from distgraph.placement import DistAttr, ShardSpec
+from distgraph.plan.kinds import COLLECTIVES, StepKind
+from distgraph.runtime.execution.reshard import apply_reshard
+
+RESHARD_KINDS = (StepKind.SLICE,) + COLLECTIVES     # the kinds one group's step is timed in
+# global bytes of the tensors each reshard step kind is timed on: the per-step cost shows
+# on the smallest, the per-byte cost (the runtime's copies) on the others
+RESHARD_BYTES = (4 * 2**10, 64 * 2**10, 1 * 2**20)
+RESHARD_ITERS = 20
+BETWEEN_BYTES = 2**18      # per array of the work run between two timed steps
+
+
+def between_steps(arrays) -> None:
+    """What a rank does between two communication steps of a training step, the same on
+    every rank: an op or two, here an elementwise add over ``BETWEEN_BYTES`` arrays and a
+    small GEMM. They take the caches from the runtime's code and data, and the ranks
+    reach the next step as each finishes, not in lockstep."""
+    a, b, c, m = arrays
+    np.add(a, b, out=c)
+    m @ m
+
+
+def measure_reshard_steps(comm, repeats: int) -> dict:
+    """{step kind: ((buffer bytes, seconds), ...)}: one reshard step of each kind through
+    distgraph's runtime over all ranks, on tensors of :data:`RESHARD_BYTES`, the mean
+    over :data:`RESHARD_ITERS` steps each run after the work of :func:`between_steps` (a
+    step in a tight loop finds its code and data cached and its peers waiting: in
+    training neither holds), the median of ``repeats`` batches, the slowest rank's view.
+    What a step costs beyond the alpha-beta of its messages is
+    :func:`reshard_overheads`'s fit."""
+
+    # the runtime is what the figure describes; imported at measurement time only
+    from distgraph.runtime.comm.mpi import MPICommunicator
+
+    n = comm.Get_size()
+    runtime = MPICommunicator(comm)
+    mesh = ProcessMesh(list(range(n)), ["x"])
+    layouts = {StepKind.SLICE: ([None, None], (), ["x", None]),
+               StepKind.ALL_GATHER: (["x", None], (), [None, None]),
+               StepKind.ALL_REDUCE: ([None, None], ("x",), [None, None]),
+               StepKind.REDUCE_SCATTER: ([None, None], ("x",), ["x", None]),
+               StepKind.ALL_TO_ALL: (["x", None], (), [None, "x"])}
+    work = (np.ones(BETWEEN_BYTES // 8), np.ones(BETWEEN_BYTES // 8),
+            np.empty(BETWEEN_BYTES // 8), np.ones((64, 64), np.float32))
+    out = {}
+    for kind in RESHARD_KINDS if n > 1 else (StepKind.SLICE,):
+        before, partial, after = layouts[kind]
+        out[kind] = []
+        for nbytes in RESHARD_BYTES:
+            cols = 8 * n
+            rows = n * max(8, -(-nbytes // (4 * cols * n)))
+            shape = (rows, cols)
+            src = DistAttr(mesh, ShardSpec(before, partial=partial))
+            steps = plan_reshard(src, DistAttr(mesh, ShardSpec(after)), shape, "float32")
+            local = np.ones(src.local_shape(shape), dtype=np.float32)
+            batches = []
+            for batch in range(repeats + 1):       # batch 0 warms up
+                runtime.barrier()
+                spent = 0.0
+                for _ in range(RESHARD_ITERS):
+                    between_steps(work)
+                    start = time.perf_counter()
+                    apply_reshard(steps, local, runtime, runtime.rank)
+                    spent += time.perf_counter() - start
+                if batch:
+                    batches.append(spent / RESHARD_ITERS)
+            seconds = comm.allreduce(float(np.median(batches)), op=_mpi_max())
+            out[kind].append((steps[0].buffer_bytes, seconds))
+    return out
+
+
+# the local buffers (the declared expected load) of the variable all-to-all: MoE's
+# dispatch sends megabytes (tokens x k rows of the hidden size), where the per-byte cost
+# shows
+ALL_TO_ALLV_BYTES = (256 * 2**10, 1 * 2**20, 4 * 2**20)
+ALL_TO_ALLV_ROW = 2048             # bytes per row: a hidden size of 512 in float32
+
+
+EXPERT_ROWS, EXPERT_INNER = 512, 1024     # the work between two dispatches: an expert's GEMM
+
+
+def between_experts(arrays) -> None:
+    """What a rank does between two all-to-alls of MoE's dispatch: an expert's GEMM on
+    its rows (megabytes of operands and result, which take the caches, as the experts'
+    work between the dispatch and the combine does)."""
+    rows, weight = arrays
+    rows @ weight
+
+
+def uneven_counts(n: int, rows: int) -> np.ndarray:
+    """[sender, receiver] rows of an uneven routing in which each sender sends ``rows``
+    in all: receiver q of sender r gets a share growing with ``(r + q) % n``."""
+    share = 1 + (np.arange(n)[:, None] + np.arange(n)[None, :]) % n
+    counts = rows * share // share.sum(axis=1, keepdims=True)
+    counts[:, 0] += rows - counts.sum(axis=1)
+    return counts.astype(np.int64)
+
+
+def measure_all_to_allv(comm, repeats: int) -> list:
+    """[(buffer bytes, seconds)]: the runtime's ``all_to_allv`` over all ranks, as MoE's
+    dispatch runs it (:func:`uneven_counts` rows of :data:`ALL_TO_ALLV_ROW` bytes, a
+    local buffer of each of :data:`ALL_TO_ALLV_BYTES` gathered afresh from its rows
+    before each call, after an expert's GEMM (:func:`between_experts`) and a barrier,
+    not timed: the collective's own time, with the caches as the experts leave them,
+    not the skew of the ranks' compute, which the expected load cannot price), the mean
+    over :data:`RESHARD_ITERS` calls, the median of ``repeats`` batches, the slowest
+    rank's view."""
+    from distgraph.runtime.comm.mpi import MPICommunicator
+
+    n, rank = comm.Get_size(), comm.Get_rank()
+    runtime = MPICommunicator(comm)
+    group = tuple(range(n))
+    experts = (np.ones((EXPERT_ROWS, ALL_TO_ALLV_ROW // 4), np.float32),
+               np.ones((ALL_TO_ALLV_ROW // 4, EXPERT_INNER), np.float32))
+    out = []
+    width = ALL_TO_ALLV_ROW // 4
+    rng = np.random.default_rng(rank)
+    for nbytes in ALL_TO_ALLV_BYTES:
+        counts = uneven_counts(n, nbytes // ALL_TO_ALLV_ROW)
+        send, recv = counts[rank], counts[:, rank]
+        source = np.ones((int(send.sum()), width), np.float32)
+        order = rng.permutation(len(source))
+        batches = []
+        for batch in range(repeats + 1):       # batch 0 warms up
+            runtime.barrier()
+            spent = 0.0
+            for _ in range(RESHARD_ITERS):
+                between_experts(experts)
+                buf = source[order]           # gathered afresh, as the dispatch sends
+                runtime.barrier()             # the collective's time, not the GEMMs' skew
+                start = time.perf_counter()
+                runtime.all_to_allv(buf, send, recv, group)
+                spent += time.perf_counter() - start
+                del buf
+            if batch:
+                batches.append(spent / RESHARD_ITERS)
+        out.append((nbytes, comm.allreduce(float(np.median(batches)), op=_mpi_max())))
+    return out
+
+
+def _mpi_max():
+    from mpi4py import MPI
+    return MPI.MAX

@@ -19,7 +19,8 @@ class Strategy:
     ``pipeline=True`` the stages too (:mod:`distgraph.passes.search.stages`). ``search``
     picks who chooses the layouts there: "ilp" (SCIP), "recursive" (the double-recursive
     search, linear in the graph: :mod:`distgraph.passes.search.recursive`) or "auto" (the
-    recursive search prices what the stage DP compares, SCIP refines the chosen stages).
+    recursive search prices what the stage DP compares, SCIP refines the chosen stages;
+    the default, None, means "auto": ``search_method`` is the one in effect).
     ``micro_batches`` > 1 enables gradient accumulation / pipelining with ``schedule``
     ("1F1B", "FThenB", "ZB" or "ZBV"); ``virtual_stages`` v > 1 cuts the forward into
     ``v`` chunks per stage mesh, chunk c on stage c mod S (interleaved 1F1B or zero
@@ -62,14 +63,19 @@ class Strategy:
     amp: str | None = None
     loss_scale: float = 2.0 ** 16
     loss_scale_window: int = 2000
-    search: str = "ilp"
+    search: str | None = None
     mtbf_hours: float | None = None
     checkpoint_write_gbps: float = 1.0
+
+    @property
+    def search_method(self) -> str:
+        """The search in effect with auto_mode="full": ``search``, "auto" if left None."""
+        return "auto" if self.search is None else self.search
 
     def __post_init__(self):
         if self.auto_mode not in ("semi", "full"):
             raise DistGraphError(f"Strategy.auto_mode must be 'semi' or 'full', got {self.auto_mode!r}")
-        if self.search not in SEARCHES:
+        if self.search is not None and self.search not in SEARCHES:
             raise DistGraphError(f"Strategy.search must be one of {', '.join(map(repr, SEARCHES))} "
                                  f"(who chooses the layouts with auto_mode='full'), got "
                                  f"{self.search!r}")

@@ -213,9 +213,9 @@ def _check_supported(strategy: Strategy) -> None:
         raise PlanError("Strategy(pipeline=True) asks the search to choose the stages: use it "
                         "with auto_mode='full'; with auto_mode='semi' the stages are the "
                         "meshes you place the model on, pipelined by Strategy(micro_batches=M)")
-    if strategy.search != "ilp" and not full:
+    if strategy.search is not None and not full:
         raise PlanError(f"Strategy(search={strategy.search!r}) picks the automatic search: "
-                        "use it with auto_mode='full' (or leave it 'ilp')")
+                        "use it with auto_mode='full' (or leave it None)")
     if strategy.memory_budget_gb is not None and not full:
         raise PlanError("Strategy(memory_budget_gb=...) constrains the automatic search: use "
                         "it with auto_mode='full' (or leave it None)")

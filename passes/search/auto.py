@@ -106,7 +106,7 @@ def annotate(copy, strategy, cluster, accumulation, ilp_budget) -> AutoChoice:
     result = search(program, mesh, cluster, device_of, weights=weights, loss=copy.loss_name,
                     memory_budget=ilp_budget, time_limit=strategy.solver_time_limit,
                     blocks=copy.block_paths, balance=strategy.balance,
-                    method=strategy.search)
+                    method=strategy.search_method)
     result.annotate(program)
     return AutoChoice(result, device_of)
 

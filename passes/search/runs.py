@@ -457,7 +457,7 @@ class RunCosts:
 def pricing_method(strategy) -> str:
     """The search method that prices the options the stage DP compares: the recursive
     one under ``Strategy(search="auto")`` (the ILP refines the chosen stages only)."""
-    return "recursive" if strategy.search == "auto" else strategy.search
+    return "recursive" if strategy.search_method == "auto" else strategy.search_method
 
 
 def plan_blocks(costs: RunCosts, cluster, micro_batches: int = 1) -> tuple:

@@ -138,7 +138,7 @@ def plan_pipeline(copy, strategy, cluster, accumulation, memory_budget=None) -> 
     stage_plan = plan_stages(layering.count, target, stage_cost, micro_batches=micro)
     # every search before any annotation; under search="auto" the ILP refines these only
     results = [stage_cost.result(st.layers, cluster.device_mesh(st.mesh), st.shape,
-                                 method=strategy.search) for st in stage_plan.stages]
+                                 method=strategy.search_method) for st in stage_plan.stages]
     for stage, result in zip(stage_plan.stages, results):
         pids = [devices.index(d) for d in stage.device_ids]
         mesh = result.space.mesh
@@ -156,7 +156,7 @@ def _plan_runs(copy, strategy, cluster, target, layering, micro, start) -> Pipel
     runs`): options costed once per logical mesh, the DP linear in the blocks."""
     costs = RunCosts(copy, strategy, cluster, layering, micro)
     stage_plan, chosen = plan_blocks(costs, target, micro_batches=micro)
-    if strategy.search == "auto":       # the ILP refines the chosen stages only
+    if strategy.search_method == "auto":       # the ILP refines the chosen stages only
         refined: dict = {}      # an option chosen for several stages is refined once
         for o in chosen:
             if id(o) not in refined:

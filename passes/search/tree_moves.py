@@ -81,11 +81,12 @@ def improve(red, cost, per_class, seed: int = 0) -> list:
 def _moves(red, cost, current, tree, cheapest):
     """The trials of one forest: priced against ``current``, then the optimistic one and
     its re-pricings against itself (module docstring)."""
-    yield _tree_move(red, cost, current, tree, _against(red, tree, current, 1.0))
-    trial = _tree_move(red, cost, current, tree, _optimistic(red, tree, cheapest))
+    walk = _walk(len(cost), red.pairs, tree)
+    yield _tree_move(red, cost, current, walk, _against(red, tree, current, 1.0))
+    trial = _tree_move(red, cost, current, walk, _optimistic(red, tree, cheapest))
     yield trial
     for _ in range(SETTLE):
-        settled = _tree_move(red, cost, current, tree, _against(red, tree, trial, 0.5))
+        settled = _tree_move(red, cost, current, walk, _against(red, tree, trial, 0.5))
         if settled == trial:
             break
         trial = settled
@@ -141,18 +142,13 @@ def _forest(n, pairs, weight) -> list:
     return chosen
 
 
-def _tree_move(red, cost, current, tree, off) -> list:
-    """The exact optimum over the forest ``tree`` (pair indices), the off-forest pairs
-    priced by ``off`` (per pair: u, its price per strategy of u, v, the same for v)."""
-    n = len(cost)
-    local = [c.astype(float).copy() for c in cost]
-    for u, at_u, v, at_v in off:
-        local[u] += at_u
-        local[v] += at_v
+def _walk(n, pairs, tree) -> tuple:
+    """(classes in an order where each comes after its parent in ``tree``, the edge to
+    each class's parent or -1 at a root)."""
     around = [[] for _ in range(n)]
     for e in tree:
-        around[red.pairs[e].u].append(e)
-        around[red.pairs[e].v].append(e)
+        around[pairs[e].u].append(e)
+        around[pairs[e].v].append(e)
     seen, order, parent_edge = np.zeros(n, bool), [], [-1] * n
     for start in range(n):
         if seen[start]:
@@ -163,11 +159,23 @@ def _tree_move(red, cost, current, tree, off) -> list:
             c = queue.pop()
             order.append(c)
             for e in around[c]:
-                p = red.pairs[e]
+                p = pairs[e]
                 other = p.v if p.u == c else p.u
                 if not seen[other]:
                     seen[other], parent_edge[other] = True, e
                     queue.append(other)
+    return order, parent_edge
+
+
+def _tree_move(red, cost, current, walk, off) -> list:
+    """The exact optimum over the forest walked by ``walk`` (:func:`_walk`), the
+    off-forest pairs priced by ``off`` (per pair: u, its price per strategy of u, v, the
+    same for v)."""
+    order, parent_edge = walk
+    local = [c.astype(float).copy() for c in cost]
+    for u, at_u, v, at_v in off:
+        local[u] += at_u
+        local[v] += at_v
     back = {}                           # child -> its best strategy per parent strategy
     for c in reversed(order):
         e = parent_edge[c]
@@ -178,13 +186,12 @@ def _tree_move(red, cost, current, tree, off) -> list:
         mat = p.cost if child_is_v else p.cost.T
         groups = p.cols if child_is_v else p.rows          # the child's groups in mat
         upper = p.rows if child_is_v else p.cols           # the parent's
-        best_in = np.full(mat.shape[1], np.inf)
-        np.minimum.at(best_in, groups, local[c])
-        arg_in = np.zeros(mat.shape[1], np.intp)
-        for g in range(mat.shape[1]):
-            members = np.flatnonzero(groups == g)
-            arg_in[g] = members[np.argmin(local[c][members])]
-        total = mat + best_in[None, :]
+        # the child's cheapest strategy in each group (the first of equal ones)
+        by = np.lexsort((local[c], groups))
+        first = np.ones(len(by), bool)
+        first[1:] = groups[by[1:]] != groups[by[:-1]]
+        arg_in = by[first]
+        total = mat + local[c][arg_in][None, :]
         pick = np.argmin(total, axis=1)
         local[p.u if child_is_v else p.v] += total[np.arange(len(pick)), pick][upper]
         back[c] = arg_in[pick][upper]

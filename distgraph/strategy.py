@@ -22,6 +22,8 @@ class Strategy:
     recursive search prices what the stage DP compares, SCIP refines the chosen stages;
     the default, None, means "auto": ``search_method`` is the one in effect).
     ``micro_batches`` > 1 enables gradient accumulation / pipelining with ``schedule``
+    (None, with ``auto_mode="full"`` and ``pipeline=True``: the stage search chooses it,
+    :mod:`distgraph.passes.search.micro`)
     ("1F1B", "FThenB", "ZB" or "ZBV"); ``virtual_stages`` v > 1 cuts the forward into
     ``v`` chunks per stage mesh, chunk c on stage c mod S (interleaved 1F1B or zero
     bubble; "ZBV" places two chunks per stage in a V); ``recompute`` frees the forward activations inside every
@@ -48,7 +50,7 @@ class Strategy:
     auto_mode: str = "semi"
     pipeline: bool = False
     schedule: str = "1F1B"
-    micro_batches: int = 1
+    micro_batches: int | None = 1
     recompute: bool | tuple = False
     sharding: bool = False
     sharding_mesh_dim: str = "dp"
@@ -79,8 +81,10 @@ class Strategy:
             raise DistGraphError(f"Strategy.search must be one of {', '.join(map(repr, SEARCHES))} "
                                  f"(who chooses the layouts with auto_mode='full'), got "
                                  f"{self.search!r}")
-        if self.micro_batches < 1:
-            raise DistGraphError(f"Strategy.micro_batches must be >= 1, got {self.micro_batches}")
+        if self.micro_batches is not None and not (isinstance(self.micro_batches, int)
+                                                   and self.micro_batches >= 1):
+            raise DistGraphError(f"Strategy.micro_batches must be an integer >= 1, or None (the "
+                                 f"stage search chooses it), got {self.micro_batches!r}")
         if not isinstance(self.virtual_stages, int) or self.virtual_stages < 1:
             raise DistGraphError(f"Strategy.virtual_stages must be an integer >= 1, got "
                                  f"{self.virtual_stages!r}")

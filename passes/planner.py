@@ -79,6 +79,12 @@ def plan(built, strategy: Strategy | None = None, cluster=None, rank_mapping=Non
         raise PlanError(f"Strategy(amp={strategy.amp!r}) plans a program built in "
                         f"{built.amp or 'full precision'}: build it with "
                         f"build_program(..., amp={strategy.amp!r}) (the Engine does)")
+    if strategy.micro_batches is None:
+        # the search chooses M (passes/search/micro.py); the plan's strategy names it
+        from distgraph.passes.search.micro import choose_micro_batches
+
+        strategy = dataclasses.replace(strategy, micro_batches=choose_micro_batches(
+            built, strategy, cluster, lambda b, s, m: _latency(b, s, cluster, m)))
     accumulation = None
     if strategy.micro_batches > 1:
         built, accumulation = split_micro_batches(built, strategy.micro_batches)
@@ -159,12 +165,8 @@ def _completed(built, strategy, cluster, accumulation, ilp_budget, chunks=None):
     """A completed copy of ``built`` (recomputation, the search's annotations, ZeRO
     sharding applied); with ``chunks`` (stages, cut, chunk meshes) every chunk's ops
     are moved to its mesh first. (copy, the search's result or None)."""
-    program = built.program.clone()
-    copy = dataclasses.replace(built, program=program)
-    if strategy.meshslice:
-        enable(program, strategy.meshslice)
-    if strategy.recompute and program.ops_by_role("backward"):
-        recompute(program, segments(copy, strategy.recompute))
+    copy = _transformed(built, strategy)
+    program = copy.program
     searched = None
     if strategy.auto_mode == "full":
         from distgraph.passes.search.auto import annotate
@@ -185,6 +187,29 @@ def _completed(built, strategy, cluster, accumulation, ilp_budget, chunks=None):
         complete(program, default_mesh=SERIAL_MESH)
     check_meshes(program, strategy)
     return copy, searched
+
+
+def _transformed(built, strategy):
+    """A copy of ``built`` with MeshSlice enabled and recomputation applied as asked."""
+    program = built.program.clone()
+    copy = dataclasses.replace(built, program=program)
+    if strategy.meshslice:
+        enable(program, strategy.meshslice)
+    if strategy.recompute and program.ops_by_role("backward"):
+        recompute(program, segments(copy, strategy.recompute))
+    return copy
+
+
+def _latency(built, strategy, cluster, micro: int) -> float:
+    """The stage search's latency for ``built`` split into ``micro`` micro-batches."""
+    from distgraph.passes.search.stages import pipeline_latency
+
+    accumulation = None
+    if micro > 1:
+        built, accumulation = split_micro_batches(built, micro)
+    budget = None if strategy.memory_budget_gb is None else strategy.memory_budget_gb * 1e9
+    return pipeline_latency(_transformed(built, strategy), strategy, cluster, accumulation,
+                            budget)
 
 
 def _balanced(planned: Plan, cluster, searched: bool) -> Plan:
@@ -213,6 +238,10 @@ def _check_supported(strategy: Strategy) -> None:
         raise PlanError("Strategy(pipeline=True) asks the search to choose the stages: use it "
                         "with auto_mode='full'; with auto_mode='semi' the stages are the "
                         "meshes you place the model on, pipelined by Strategy(micro_batches=M)")
+    if strategy.micro_batches is None and not (full and strategy.pipeline):
+        raise PlanError("Strategy(micro_batches=None) lets the stage search choose the number "
+                        "of micro-batches: use it with auto_mode='full' and pipeline=True, or "
+                        "give micro_batches=M")
     if strategy.search is not None and not full:
         raise PlanError(f"Strategy(search={strategy.search!r}) picks the automatic search: "
                         "use it with auto_mode='full' (or leave it None)")

@@ -151,6 +151,22 @@ def plan_pipeline(copy, strategy, cluster, accumulation, memory_budget=None) -> 
                           {p: d for p, d in enumerate(devices)})
 
 
+def pipeline_latency(copy, strategy, cluster, accumulation, memory_budget=None) -> float:
+    """Seconds per step of the stage plan :func:`plan_pipeline` would choose for
+    ``copy``, priced by the method that prices the DP's candidates, before any
+    refinement and without annotating; PlanError where nothing fits (what
+    :mod:`distgraph.passes.search.micro` compares)."""
+    micro = accumulation.micro_batches if accumulation is not None else 1
+    target = cluster if memory_budget is None else _capped(cluster, memory_budget / GB)
+    layering = block_layers(copy.program, copy.block_paths)
+    if layering is not None:
+        costs = RunCosts(copy, strategy, cluster, layering, micro)
+        return plan_blocks(costs, target, micro_batches=micro)[0].objective
+    layering = cluster_layers(copy.program, max_layers=2 * len(cluster.devices) + 2)
+    stage_cost = _StageCosts(copy, strategy, cluster, layering, micro)
+    return plan_stages(layering.count, target, stage_cost, micro_batches=micro).objective
+
+
 def _plan_runs(copy, strategy, cluster, target, layering, micro, start) -> PipelineChoice:
     """The stage search of a model of identical blocks (:mod:`distgraph.passes.search.
     runs`): options costed once per logical mesh, the DP linear in the blocks."""

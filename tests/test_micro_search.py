@@ -70,7 +70,7 @@ def test_the_plan_runs_the_count_whose_stage_search_is_fastest_around_it():
     plan = dg.passes.plan(built, strategy, cluster, ranks=())
     m = plan.strategy.micro_batches
     assert m in [BATCH // r for r in ladder(BATCH)] and plan.micro_batches == m
-    latency = {k: planner._latency(built, plan.strategy, cluster, k)
+    latency = {k: planner._latency(built, plan.strategy, cluster, k, {})
                for k in (m // 2, m, 2 * m) if k >= 1 and BATCH % k == 0}
     assert latency[m] <= min(latency.values())
 

@@ -79,16 +79,17 @@ def plan(built, strategy: Strategy | None = None, cluster=None, rank_mapping=Non
         raise PlanError(f"Strategy(amp={strategy.amp!r}) plans a program built in "
                         f"{built.amp or 'full precision'}: build it with "
                         f"build_program(..., amp={strategy.amp!r}) (the Engine does)")
-    runs: dict = {}             # micro-batch count -> the stage options that priced it
+    runs: dict = {}     # micro-batch count -> (split program, its accumulation, options)
     if strategy.micro_batches is None:
         # the search chooses M (passes/search/micro.py); the plan's strategy names it
         from distgraph.passes.search.micro import choose_micro_batches
 
         strategy = dataclasses.replace(strategy, micro_batches=choose_micro_batches(
             built, strategy, cluster, lambda b, s, m: _latency(b, s, cluster, m, runs)))
-    reuse = runs.get(strategy.micro_batches)
-    accumulation = None
-    if strategy.micro_batches > 1:
+    accumulation = reuse = None
+    if strategy.micro_batches in runs:
+        built, accumulation, reuse = runs[strategy.micro_batches]
+    elif strategy.micro_batches > 1:
         built, accumulation = split_micro_batches(built, strategy.micro_batches)
     try:
         if strategy.auto_mode == "full":
@@ -206,15 +207,17 @@ def _transformed(built, strategy):
 
 def _latency(built, strategy, cluster, micro: int, runs: dict) -> float:
     """The stage search's latency for ``built`` split into ``micro`` micro-batches; the
-    stage options that priced it go into ``runs`` under ``micro``."""
+    split program, its accumulation and the stage options that priced it go into
+    ``runs`` under ``micro``."""
     from distgraph.passes.search.stages import pipeline_latency
 
     accumulation = None
     if micro > 1:
         built, accumulation = split_micro_batches(built, micro)
     budget = None if strategy.memory_budget_gb is None else strategy.memory_budget_gb * 1e9
-    latency, runs[micro] = pipeline_latency(_transformed(built, strategy), strategy, cluster,
-                                            accumulation, budget)
+    latency, costs = pipeline_latency(_transformed(built, strategy), strategy, cluster,
+                                      accumulation, budget)
+    runs[micro] = (built, accumulation, costs)
     return latency
 
 

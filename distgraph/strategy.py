@@ -19,8 +19,11 @@ class Strategy:
     ``pipeline=True`` the stages too (:mod:`distgraph.passes.search.stages`). ``search``
     picks who chooses the layouts there: "ilp" (SCIP), "recursive" (the double-recursive
     search, linear in the graph: :mod:`distgraph.passes.search.recursive`) or "auto" (the
-    recursive search prices what the stage DP compares, SCIP refines the chosen stages).
+    recursive search prices what the stage DP compares, SCIP refines the chosen stages;
+    the default, None, means "auto": ``search_method`` is the one in effect).
     ``micro_batches`` > 1 enables gradient accumulation / pipelining with ``schedule``
+    (None, with ``auto_mode="full"`` and ``pipeline=True``: the stage search chooses it,
+    :mod:`distgraph.passes.search.micro`)
     ("1F1B", "FThenB", "ZB" or "ZBV"); ``virtual_stages`` v > 1 cuts the forward into
     ``v`` chunks per stage mesh, chunk c on stage c mod S (interleaved 1F1B or zero
     bubble; "ZBV" places two chunks per stage in a V); ``recompute`` frees the forward activations inside every
@@ -54,7 +57,7 @@ class Strategy:
     auto_mode: str = "semi"
     pipeline: bool = False
     schedule: str = "1F1B"
-    micro_batches: int = 1
+    micro_batches: int | None = 1
     recompute: bool | tuple = False
     sharding: bool = False
     sharding_mesh_dim: str = "dp"
@@ -69,11 +72,16 @@ class Strategy:
     amp: str | None = None
     loss_scale: float = 2.0 ** 16
     loss_scale_window: int = 2000
-    search: str = "ilp"
+    search: str | None = None
     mtbf_hours: float | None = None
     checkpoint_write_gbps: float = 1.0
     sequence_parallel: bool = False
     context_parallel: str | None = None
+
+    @property
+    def search_method(self) -> str:
+        """The search in effect with auto_mode="full": ``search``, "auto" if left None."""
+        return "auto" if self.search is None else self.search
 
     def __post_init__(self):
         if self.context_parallel not in (None, "ring", "ulysses"):
@@ -82,12 +90,14 @@ class Strategy:
                                  f"{self.context_parallel!r}")
         if self.auto_mode not in ("semi", "full"):
             raise DistGraphError(f"Strategy.auto_mode must be 'semi' or 'full', got {self.auto_mode!r}")
-        if self.search not in SEARCHES:
+        if self.search is not None and self.search not in SEARCHES:
             raise DistGraphError(f"Strategy.search must be one of {', '.join(map(repr, SEARCHES))} "
                                  f"(who chooses the layouts with auto_mode='full'), got "
                                  f"{self.search!r}")
-        if self.micro_batches < 1:
-            raise DistGraphError(f"Strategy.micro_batches must be >= 1, got {self.micro_batches}")
+        if self.micro_batches is not None and not (isinstance(self.micro_batches, int)
+                                                   and self.micro_batches >= 1):
+            raise DistGraphError(f"Strategy.micro_batches must be an integer >= 1, or None (the "
+                                 f"stage search chooses it), got {self.micro_batches!r}")
         if not isinstance(self.virtual_stages, int) or self.virtual_stages < 1:
             raise DistGraphError(f"Strategy.virtual_stages must be an integer >= 1, got "
                                  f"{self.virtual_stages!r}")

@@ -81,8 +81,17 @@ def plan(built, strategy: Strategy | None = None, cluster=None, rank_mapping=Non
         raise PlanError(f"Strategy(amp={strategy.amp!r}) plans a program built in "
                         f"{built.amp or 'full precision'}: build it with "
                         f"build_program(..., amp={strategy.amp!r}) (the Engine does)")
-    accumulation = None
-    if strategy.micro_batches > 1:
+    runs: dict = {}     # micro-batch count -> (split program, its accumulation, options)
+    if strategy.micro_batches is None:
+        # the search chooses M (passes/search/micro.py); the plan's strategy names it
+        from distgraph.passes.search.micro import choose_micro_batches
+
+        strategy = dataclasses.replace(strategy, micro_batches=choose_micro_batches(
+            built, strategy, cluster, lambda b, s, m: _latency(b, s, cluster, m, runs)))
+    accumulation = reuse = None
+    if strategy.micro_batches in runs:
+        built, accumulation, reuse = runs[strategy.micro_batches]
+    elif strategy.micro_batches > 1:
         built, accumulation = split_micro_batches(built, strategy.micro_batches)
     try:
         if strategy.auto_mode == "full":
@@ -90,7 +99,7 @@ def plan(built, strategy: Strategy | None = None, cluster=None, rank_mapping=Non
             from distgraph.passes.search.auto import within_budget
 
             planned = within_budget(strategy, lambda ilp_budget: _plan(
-                built, strategy, cluster, rank_mapping, accumulation, ilp_budget))
+                built, strategy, cluster, rank_mapping, accumulation, ilp_budget, reuse))
         else:
             planned = _plan(built, strategy, cluster, rank_mapping, accumulation)
     except ShardingError as e:
@@ -102,8 +111,9 @@ def plan(built, strategy: Strategy | None = None, cluster=None, rank_mapping=Non
     return _compiled(planned, ranks)
 
 
-def _plan(built, strategy, cluster, rank_mapping, accumulation, ilp_budget=None) -> Plan:
-    copy, searched = _completed(built, strategy, cluster, accumulation, ilp_budget)
+def _plan(built, strategy, cluster, rank_mapping, accumulation, ilp_budget=None,
+          runs=None) -> Plan:
+    copy, searched = _completed(built, strategy, cluster, accumulation, ilp_budget, runs=runs)
     rank_mapping = rank_mapping or (searched.rank_mapping if searched is not None else None)
     program = copy.program
     stages = stage_order.stages(program)      # data-flow order, or a PlanError on a cycle
@@ -119,7 +129,7 @@ def _plan(built, strategy, cluster, rank_mapping, accumulation, ilp_budget=None)
         meshes = chunk_meshes(stages, virtual, strategy.schedule == "ZBV")
         cut = forward_chunks(program, len(meshes), why)
         copy, _ = _completed(built, strategy, cluster, accumulation, ilp_budget,
-                             chunks=(stages, cut, meshes))
+                             chunks=(stages, cut, meshes), runs=runs)
         program = copy.program
         placed = {op.dist_attr.mesh for op in program.ops if op.role in stage_order.FORWARD}
         if placed != set(stages):
@@ -161,21 +171,18 @@ def _plan(built, strategy, cluster, rank_mapping, accumulation, ilp_budget=None)
     return planned
 
 
-def _completed(built, strategy, cluster, accumulation, ilp_budget, chunks=None):
+def _completed(built, strategy, cluster, accumulation, ilp_budget, chunks=None, runs=None):
     """A completed copy of ``built`` (recomputation, the search's annotations, ZeRO
     sharding applied); with ``chunks`` (stages, cut, chunk meshes) every chunk's ops
-    are moved to its mesh first. (copy, the search's result or None)."""
-    program = built.program.clone()
-    copy = dataclasses.replace(built, program=program)
-    if strategy.meshslice:
-        enable(program, strategy.meshslice)
-    if strategy.recompute and program.ops_by_role("backward"):
-        recompute(program, segments(copy, strategy.recompute))
+    are moved to its mesh first; ``runs``: the stage options the micro-batch search
+    built for this program. (copy, the search's result or None)."""
+    copy = _transformed(built, strategy)
+    program = copy.program
     searched = None
     if strategy.auto_mode == "full":
         from distgraph.passes.search.auto import annotate
 
-        searched = annotate(copy, strategy, cluster, accumulation, ilp_budget)
+        searched = annotate(copy, strategy, cluster, accumulation, ilp_budget, runs)
     if chunks is not None:
         place_chunks(program, *chunks)
     updates = bool(program.ops_by_role("optimize"))
@@ -193,6 +200,33 @@ def _completed(built, strategy, cluster, accumulation, ilp_budget, chunks=None):
         complete(program, default_mesh=SERIAL_MESH)
     check_meshes(program, strategy)
     return copy, searched
+
+
+def _transformed(built, strategy):
+    """A copy of ``built`` with MeshSlice enabled and recomputation applied as asked."""
+    program = built.program.clone()
+    copy = dataclasses.replace(built, program=program)
+    if strategy.meshslice:
+        enable(program, strategy.meshslice)
+    if strategy.recompute and program.ops_by_role("backward"):
+        recompute(program, segments(copy, strategy.recompute))
+    return copy
+
+
+def _latency(built, strategy, cluster, micro: int, runs: dict) -> float:
+    """The stage search's latency for ``built`` split into ``micro`` micro-batches; the
+    split program, its accumulation and the stage options that priced it go into
+    ``runs`` under ``micro``."""
+    from distgraph.passes.search.stages import pipeline_latency
+
+    accumulation = None
+    if micro > 1:
+        built, accumulation = split_micro_batches(built, micro)
+    budget = None if strategy.memory_budget_gb is None else strategy.memory_budget_gb * 1e9
+    latency, costs = pipeline_latency(_transformed(built, strategy), strategy, cluster,
+                                      accumulation, budget)
+    runs[micro] = (built, accumulation, costs)
+    return latency
 
 
 def _balanced(planned: Plan, cluster, searched: bool) -> Plan:
@@ -221,9 +255,13 @@ def _check_supported(strategy: Strategy) -> None:
         raise PlanError("Strategy(pipeline=True) asks the search to choose the stages: use it "
                         "with auto_mode='full'; with auto_mode='semi' the stages are the "
                         "meshes you place the model on, pipelined by Strategy(micro_batches=M)")
-    if strategy.search != "ilp" and not full:
+    if strategy.micro_batches is None and not (full and strategy.pipeline):
+        raise PlanError("Strategy(micro_batches=None) lets the stage search choose the number "
+                        "of micro-batches: use it with auto_mode='full' and pipeline=True, or "
+                        "give micro_batches=M")
+    if strategy.search is not None and not full:
         raise PlanError(f"Strategy(search={strategy.search!r}) picks the automatic search: "
-                        "use it with auto_mode='full' (or leave it 'ilp')")
+                        "use it with auto_mode='full' (or leave it None)")
     if strategy.memory_budget_gb is not None and not full:
         raise PlanError("Strategy(memory_budget_gb=...) constrains the automatic search: use "
                         "it with auto_mode='full' (or leave it None)")

@@ -37,6 +37,8 @@ import math
 from dataclasses import dataclass
 from math import prod
 
+import numpy as np
+
 from distgraph import dtypes
 from distgraph.errors import PlanError
 from distgraph.mesh import ProcessMesh
@@ -233,48 +235,77 @@ def _receive_spec(mesh, spec: ShardSpec, shape, split) -> ShardSpec | None:
     return ShardSpec([tuple(e) for e in dims], spec.partial)
 
 
-def _region(attr: DistAttr, shape, pid) -> tuple[tuple[int, int], ...]:
-    return tuple((s.start, s.stop) for s in attr.local_slices(shape, pid))
-
-
-def _intersect(a, b):
-    box = tuple((max(a0, b0), min(a1, b1)) for (a0, a1), (b0, b1) in zip(a, b))
-    return box if all(lo < hi for lo, hi in box) else None
+def _boxes(attr: DistAttr, shape, pids) -> np.ndarray:
+    """[start, stop) of each tensor dim of the block each of ``pids`` holds: an array
+    (len(pids), ndim, 2) (``DistAttr.local_slices`` for many processes at once)."""
+    local = attr.local_shape(shape)
+    mesh = attr.mesh
+    coords = np.array([mesh.coord(p) for p in pids], dtype=np.int64).reshape(len(pids), -1)
+    out = np.empty((len(pids), len(local), 2), dtype=np.int64)
+    for i, n in enumerate(local):
+        block = np.zeros(len(pids), dtype=np.int64)
+        for name in attr.spec.entry(i):
+            axis = mesh.dim_index(name)
+            block = block * mesh.shape[axis] + coords[:, axis]
+        out[:, i, 0], out[:, i, 1] = block * n, (block + 1) * n
+    return out
 
 
 def _send_recv_step(src: DistAttr, dst: DistAttr, shape, dtype) -> ReshardStep:
     """p2p tiles from ``src`` (no Partial) to ``dst``. Where ``dst`` is Partial, only the
     processes at coordinate 0 of those mesh dims receive; the others hold zeros."""
     itemsize = dtypes.itemsize(dtype)
-    holders: dict = {}
-    for p in src.mesh.process_ids:
-        holders.setdefault(_region(src, shape, p), []).append(p)
-    load = {p: 0 for p in src.mesh.process_ids}
-    picks = {r: 0 for r in holders}
+    holders: dict = {}          # region -> its processes, regions in first-held order
+    senders = list(src.mesh.process_ids)
+    for p, box in zip(senders, _boxes(src, shape, senders).tolist()):
+        holders.setdefault(tuple(map(tuple, box)), []).append(p)
+    regions = list(holders)
+    load = {p: 0 for p in senders}
     partial_axes = [dst.mesh.dim_index(m) for m in dst.spec.partial]
-    transfers = []
-    for q in dst.mesh.process_ids:
-        if any(dst.mesh.coord(q)[a] for a in partial_axes):
-            continue
-        want = _region(dst, shape, q)
-        for region, pids in holders.items():
-            tile = _intersect(region, want)
-            if tile is None:
-                continue
-            nbytes = prod(hi - lo for lo, hi in tile) * itemsize
+    receivers = [q for q in dst.mesh.process_ids
+                 if not any(dst.mesh.coord(q)[a] for a in partial_axes)]
+    # every (receiver, region) tile at once; the loop below visits only those that meet
+    held = np.array(regions, dtype=np.int64).reshape(len(regions), len(shape), 2)
+    wanted = _boxes(dst, shape, receivers)
+    lo = np.maximum(wanted[:, None, :, 0], held[None, :, :, 0])
+    hi = np.minimum(wanted[:, None, :, 1], held[None, :, :, 1])
+    meets = (lo < hi).all(axis=2)
+    ks, rs = np.nonzero(meets)                   # receiver-major, as the transfers go
+    sizes = ((hi - lo).prod(axis=2)[ks, rs] * itemsize).tolist()
+    lows, highs = lo[ks, rs].tolist(), hi[ks, rs].tolist()
+    sender = [0] * len(ks)
+    for r, pids in enumerate(holders.values()):
+        remote = []
+        for i in np.flatnonzero(rs == r).tolist():
+            q = receivers[ks[i]]
             if q in pids:
-                sender = q
+                sender[i] = q
             else:
-                # least-loaded replica; among equals, round-robin from this region's turn
-                k = picks[region]
-                picks[region] += 1
-                sender = min(pids, key=lambda p: (load[p], (pids.index(p) - k) % len(pids)))
-                load[sender] += nbytes
-            transfers.append(Transfer(sender, q, tile, nbytes))
+                remote.append(i)
+        _pick_senders(pids, remote, sizes, sender, load)
+    transfers = [Transfer(sender[i], receivers[k], tuple(zip(lows[i], highs[i])), sizes[i])
+                 for i, k in enumerate(ks.tolist())]
     busiest = max(load.values(), default=0)
     return ReshardStep(StepKind.SEND_RECV, src.mesh, src.spec, dst.spec, shape, dtype,
                 collective_bytes(StepKind.SEND_RECV, 2, busiest), busiest,
                 dst_mesh=dst.mesh, transfers=tuple(transfers))
+
+
+def _pick_senders(pids, tiles, sizes, sender, load) -> None:
+    """Senders of ``tiles`` (indices into ``sizes`` and ``sender``, in order), all held
+    by the replicas ``pids``: each the least-loaded replica, among equals the first from
+    the tile's turn round the replicas. Tiles of one size take the replicas in turn."""
+    n = len(pids)
+    if tiles and all(sizes[i] == sizes[tiles[0]] for i in tiles):
+        for turn, i in enumerate(tiles):
+            sender[i] = pids[turn % n]
+        for j, p in enumerate(pids):
+            load[p] += sizes[tiles[0]] * (len(tiles) // n + (j < len(tiles) % n))
+        return
+    for turn, i in enumerate(tiles):
+        best = min(range(n), key=lambda j: (load[pids[j]], (j - turn) % n))
+        sender[i] = pids[best]
+        load[pids[best]] += sizes[i]
 
 
 def _plan_cross_mesh(src: DistAttr, dst: DistAttr, shape, dtype) -> list[ReshardStep]:

@@ -92,12 +92,13 @@ def _device_mesh(cluster):
     return meshes[0]
 
 
-def annotate(copy, strategy, cluster, accumulation, ilp_budget) -> AutoChoice:
+def annotate(copy, strategy, cluster, accumulation, ilp_budget, runs=None) -> AutoChoice:
     """Search the plan of ``copy`` (a BuiltProgram the planner completes next) under
     ``ilp_budget`` bytes per process (None: no limit) and write the choice onto its
-    program as annotations."""
+    program as annotations (``runs``: see :func:`~distgraph.passes.search.stages.
+    plan_pipeline`)."""
     if strategy.pipeline:
-        choice = plan_pipeline(copy, strategy, cluster, accumulation, ilp_budget)
+        choice = plan_pipeline(copy, strategy, cluster, accumulation, ilp_budget, runs)
         return AutoChoice(choice, choice.rank_mapping)
     program = copy.program
     mesh, device_of = search_mesh(program, cluster)
@@ -106,7 +107,7 @@ def annotate(copy, strategy, cluster, accumulation, ilp_budget) -> AutoChoice:
     result = search(program, mesh, cluster, device_of, weights=weights, loss=copy.loss_name,
                     memory_budget=ilp_budget, time_limit=strategy.solver_time_limit,
                     blocks=copy.block_paths, balance=strategy.balance,
-                    method=strategy.search)
+                    method=strategy.search_method)
     result.annotate(program)
     return AutoChoice(result, device_of)
 

@@ -231,7 +231,8 @@ def search(program, mesh: ProcessMesh, cluster, device_of: dict, *, ops=None,
            weights: dict | None = None, loss: str | None = None, world=None,
            memory_budget: float | None = None, time_limit: float = 60.0,
            blocks=(), memory: bool = False, balance: bool = False,
-           boundary: Boundary | None = None, method: str = "ilp") -> SearchResult:
+           boundary: Boundary | None = None, method: str = "ilp",
+           costs: SearchCosts | None = None) -> SearchResult:
     """Choose a strategy for every op (of ``ops``, default all) and source Value of
     ``program`` on ``mesh`` (module docstring). ``device_of``: process -> device global id
     of ``cluster``; ``weights``: op role -> times it runs per step (default 1);
@@ -243,12 +244,14 @@ def search(program, mesh: ProcessMesh, cluster, device_of: dict, *, ops=None,
     (:class:`~distgraph.passes.search.costs.SearchCosts`); ``boundary``: how a part of the
     program meets the rest (:class:`Boundary`); ``method``: who chooses (``Strategy.search``:
     "ilp" SCIP, "recursive" the double-recursive search of :mod:`distgraph.passes.search.
-    recursive`, "auto" the recursive choice refined by SCIP, warm-started from it)."""
+    recursive`, "auto" the recursive choice refined by SCIP, warm-started from it);
+    ``costs``: a SearchCosts of the same cluster, mesh and device_of whose cached prices
+    are reused (a new one by default)."""
     start = time.perf_counter()
     boundary = boundary or Boundary()
     space = SearchSpace(program, mesh, ops, received=dict(boundary.received))
     axes = sample_axes(program, [v.name for v in program.inputs]) if balance else None
-    costs = SearchCosts(cluster, mesh, device_of, axes)
+    costs = costs or SearchCosts(cluster, mesh, device_of, axes)
     world = world or ProcessMesh(sorted(mesh.process_ids), dim_names=["world"])
     share = _shared_blocks(space, blocks)
     problem = _problem(space, costs, weights or {}, loss, world, memory_budget, share,
@@ -271,13 +274,14 @@ def search(program, mesh: ProcessMesh, cluster, device_of: dict, *, ops=None,
 
 
 def price(moved: SearchSpace, cluster, device_of: dict, *, weights=None, loss=None,
-          world=None, boundary: Boundary | None = None, status: str = "optimal"):
+          world=None, boundary: Boundary | None = None, status: str = "optimal",
+          costs: SearchCosts | None = None):
     """The cost, by the same model, of the one strategy each node of ``moved`` offers (a
     search's choice on another mesh: ``result.space.rebind(mesh, result.choice)``),
     without solving: a SearchResult with that choice. ``status``: the status of the
     search that made the choice."""
     start = time.perf_counter()
-    costs = SearchCosts(cluster, moved.mesh, device_of)
+    costs = costs or SearchCosts(cluster, moved.mesh, device_of)
     world = world or ProcessMesh(sorted(moved.mesh.process_ids), dim_names=["world"])
     problem = _problem(moved, costs, weights or {}, loss, world, None, (), True,
                        boundary or Boundary())

@@ -73,6 +73,7 @@ from distgraph import dtypes
 from distgraph.errors import PlanError
 from distgraph.ir import Role
 from distgraph.mesh import ProcessMesh
+from distgraph.passes.search.costs import SearchCosts
 from distgraph.passes.search.intra_op import Boundary, price, search
 from distgraph.passes.search.layers import FORWARD
 from distgraph.passes.search.run_dp import beats, plan_runs
@@ -188,6 +189,7 @@ class RunCosts:
         self._found: dict = {}        # t -> [_Searched, ...] in the order searched
         self._fastest: dict = {}      # (axis, shape, logical) -> (_Searched, parts)
         self._smaller: dict = {}      # (axis, shape, logical) -> [parts of each variant]
+        self._prices: dict = {}       # (mesh, devices) -> SearchCosts: one per mesh, shared
 
     # -- the options --------------------------------------------------------------------
     def options(self, variants: bool = True) -> list:
@@ -315,7 +317,16 @@ class RunCosts:
         return search(self.program, mesh, self.cluster, device_of, ops=ops,
                       weights=self.weights, loss=self._loss(ops), memory_budget=budget,
                       time_limit=self.strategy.solver_time_limit, memory=True,
-                      boundary=boundary, method=method)
+                      boundary=boundary, method=method, costs=self._costs(mesh, device_of))
+
+    def _costs(self, mesh, device_of) -> SearchCosts:
+        """The SearchCosts of ``mesh`` on those devices, shared by every search and
+        pricing there (the parts, the memory variants, the refinement): its reshard
+        prices are planned once."""
+        key = (mesh, tuple(sorted(device_of.items())))
+        if key not in self._prices:
+            self._prices[key] = SearchCosts(self.cluster, mesh, device_of)
+        return self._prices[key]
 
     def _price(self, found, mesh, device_of) -> dict:
         out = {}
@@ -323,7 +334,7 @@ class RunCosts:
             moved = result.space.rebind(mesh, result.choice)
             priced = price(moved, self.cluster, device_of, weights=self.weights,
                            loss=self._loss(result.space.ops), boundary=result.boundary,
-                           status=result.report.status)
+                           status=result.report.status, costs=self._costs(mesh, device_of))
             out[part] = (self._measure(priced), priced)
         return out
 
@@ -457,7 +468,7 @@ class RunCosts:
 def pricing_method(strategy) -> str:
     """The search method that prices the options the stage DP compares: the recursive
     one under ``Strategy(search="auto")`` (the ILP refines the chosen stages only)."""
-    return "recursive" if strategy.search == "auto" else strategy.search
+    return "recursive" if strategy.search_method == "auto" else strategy.search_method
 
 
 def plan_blocks(costs: RunCosts, cluster, micro_batches: int = 1) -> tuple:

@@ -118,10 +118,13 @@ class PipelineChoice:
             r.check(program, ops=ops, values=values)
 
 
-def plan_pipeline(copy, strategy, cluster, accumulation, memory_budget=None) -> PipelineChoice:
+def plan_pipeline(copy, strategy, cluster, accumulation, memory_budget=None,
+                  runs=None) -> PipelineChoice:
     """Choose layers, stages and each stage's layouts for ``copy`` (a BuiltProgram the
     planner completes next) and annotate its program (module docstring).
-    ``memory_budget``: bytes per device (None: the devices' memory)."""
+    ``memory_budget``: bytes per device (None: the devices' memory); ``runs``: the
+    RunCosts :func:`pipeline_latency` made for a copy built the same way (its searches
+    are reused)."""
     start = time.perf_counter()
     if cluster is None:
         raise PlanError("Strategy(pipeline=True) searches stages on a cluster: pass cluster="
@@ -132,13 +135,14 @@ def plan_pipeline(copy, strategy, cluster, accumulation, memory_budget=None) -> 
     target = cluster if memory_budget is None else _capped(cluster, memory_budget / GB)
     layering = block_layers(program, copy.block_paths)
     if layering is not None:
-        return _plan_runs(copy, strategy, cluster, target, layering, micro, start)
+        costs = runs or RunCosts(copy, strategy, cluster, layering, micro)
+        return _plan_runs(copy, strategy, cluster, target, costs, start)
     layering = cluster_layers(program, max_layers=2 * len(devices) + 2)
     stage_cost = _StageCosts(copy, strategy, cluster, layering, micro)
     stage_plan = plan_stages(layering.count, target, stage_cost, micro_batches=micro)
     # every search before any annotation; under search="auto" the ILP refines these only
     results = [stage_cost.result(st.layers, cluster.device_mesh(st.mesh), st.shape,
-                                 method=strategy.search) for st in stage_plan.stages]
+                                 method=strategy.search_method) for st in stage_plan.stages]
     for stage, result in zip(stage_plan.stages, results):
         pids = [devices.index(d) for d in stage.device_ids]
         mesh = result.space.mesh
@@ -151,12 +155,29 @@ def plan_pipeline(copy, strategy, cluster, accumulation, memory_budget=None) -> 
                           {p: d for p, d in enumerate(devices)})
 
 
-def _plan_runs(copy, strategy, cluster, target, layering, micro, start) -> PipelineChoice:
+def pipeline_latency(copy, strategy, cluster, accumulation, memory_budget=None) -> tuple:
+    """(seconds per step of the stage plan :func:`plan_pipeline` would choose for
+    ``copy``, priced by the method that prices the DP's candidates, before any
+    refinement and without annotating; the RunCosts that priced it, or None): what
+    :mod:`distgraph.passes.search.micro` compares. PlanError where nothing fits. The
+    RunCosts may be handed to :func:`plan_pipeline` for a program built the same way."""
+    micro = accumulation.micro_batches if accumulation is not None else 1
+    target = cluster if memory_budget is None else _capped(cluster, memory_budget / GB)
+    layering = block_layers(copy.program, copy.block_paths)
+    if layering is not None:
+        costs = RunCosts(copy, strategy, cluster, layering, micro)
+        return plan_blocks(costs, target, micro_batches=micro)[0].objective, costs
+    layering = cluster_layers(copy.program, max_layers=2 * len(cluster.devices) + 2)
+    stage_cost = _StageCosts(copy, strategy, cluster, layering, micro)
+    return plan_stages(layering.count, target, stage_cost, micro_batches=micro).objective, None
+
+
+def _plan_runs(copy, strategy, cluster, target, costs, start) -> PipelineChoice:
     """The stage search of a model of identical blocks (:mod:`distgraph.passes.search.
     runs`): options costed once per logical mesh, the DP linear in the blocks."""
-    costs = RunCosts(copy, strategy, cluster, layering, micro)
+    layering, micro = costs.layering, costs.micro
     stage_plan, chosen = plan_blocks(costs, target, micro_batches=micro)
-    if strategy.search == "auto":       # the ILP refines the chosen stages only
+    if strategy.search_method == "auto":       # the ILP refines the chosen stages only
         refined: dict = {}      # an option chosen for several stages is refined once
         for o in chosen:
             if id(o) not in refined:

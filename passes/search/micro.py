@@ -1,0 +1,84 @@
+"""``Strategy(auto_mode="full", pipeline=True, micro_batches=None)``: the search chooses
+the number of micro-batches M too.
+
+M trades the pipeline's bubble against the work of one micro-batch: the stage DP's
+latency ``sum t + (M - 1) max t`` falls as more, smaller micro-batches fill the
+pipeline, until a micro-batch is too small to split over the data-parallel replicas
+(or a device's fixed costs per micro-batch dominate), and more micro-batches in flight
+need less activation memory each. Each candidate M is priced by the stage search
+itself (:func:`distgraph.passes.search.stages.pipeline_latency`: stages, submeshes and
+layouts chosen for the micro-batch program of M, by the method that prices the DP's
+candidates, ``"recursive"`` under ``search="auto"``), and the least latency wins.
+
+**Candidates.** The batch of B rows split into micro-batches of r rows, r a power of
+two dividing B. The walk starts at the r closest below B / (machines of the cluster):
+a micro-batch that every machine could hold a share of, as Megatron's micro-batch of
+one sequence per data-parallel replica is. It then moves to the neighbouring r (twice
+or half as many rows) while the latency falls; so it prices three candidates where the
+start is best. A candidate no plan fits (memory) costs infinity.
+
+Example::
+
+    m = choose_micro_batches(built, strategy, cluster, latency)   # Strategy(micro_batches=m)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from distgraph.errors import PlanError
+
+
+def batch_rows(built) -> int:
+    """The rows of the batch the program's inputs carry (dim 0 of each; they agree)."""
+    rows = {int(built.program.values[name].shape[0]) for name in built.feed_names
+            if built.program.values[name].shape}
+    if len(rows) != 1:
+        raise PlanError(f"Strategy(micro_batches=None) lets the search split the batch, but "
+                        f"the program's inputs do not share one batch size (dim 0: "
+                        f"{sorted(rows) or 'none'}); give Strategy(micro_batches=M)")
+    return rows.pop()
+
+
+def ladder(rows: int) -> list:
+    """Micro-batch sizes r (rows): the powers of two dividing ``rows``, ascending."""
+    out, r = [], 1
+    while rows % r == 0 and r <= rows:
+        out.append(r)
+        r *= 2
+    return out
+
+
+def choose_micro_batches(built, strategy, cluster, latency) -> int:
+    """The number of micro-batches M of least pipeline latency (module docstring).
+    ``latency(built, strategy, M)``: seconds per step of the stage search's plan with M
+    micro-batches, PlanError where none fits (the planner's, through
+    :func:`~distgraph.passes.search.stages.pipeline_latency`)."""
+    rows = batch_rows(built)
+    sizes = ladder(rows)
+    machines = max(len(cluster.machines), 1) if cluster is not None else 1
+    start = max(i for i, r in enumerate(sizes) if r <= max(rows // machines, 1))
+    priced: dict = {}
+
+    def cost(i):
+        if i not in priced:
+            m = rows // sizes[i]
+            try:
+                priced[i] = latency(built, dataclasses.replace(strategy, micro_batches=m), m)
+            except PlanError:
+                priced[i] = math.inf
+        return priced[i]
+
+    best = start
+    for step in (-1, 1):                # towards smaller micro-batches, then larger
+        i = best + step
+        while 0 <= i < len(sizes) and cost(i) < cost(best):
+            best, i = i, i + step
+        if best != start:
+            break
+    if math.isinf(cost(best)):
+        raise PlanError(f"Strategy(micro_batches=None): no plan fits the devices' memory with "
+                        f"any of the micro-batch counts tried "
+                        f"({', '.join(str(rows // sizes[i]) for i in sorted(priced))})")
+    return rows // sizes[best]

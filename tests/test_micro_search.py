@@ -1,0 +1,85 @@
+"""The number of micro-batches chosen by the search (passes/search/micro.py,
+``Strategy(micro_batches=None)``): the walk over micro-batch sizes ends where neither
+neighbour is faster (a closed-form latency and the stage search's own), the plan runs
+with the M chosen, and the option is refused where no stage search runs."""
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import distgraph as dg  # noqa: E402
+from distgraph.errors import PlanError  # noqa: E402
+from distgraph.passes import planner  # noqa: E402
+from distgraph.passes.search.micro import batch_rows, choose_micro_batches, ladder  # noqa: E402
+from distgraph.program_builder import build_program  # noqa: E402
+
+import plans as P  # noqa: E402
+import search_cases as S  # noqa: E402
+
+BATCH = 16
+
+
+def built_gpt(batch=BATCH):
+    dims = dict(P.GPT_DIMS, n_layer=2)
+    data = P.Dataset("gpt", dims=dims, batch=batch)
+    ins, labels = dg.app.data.DataLoader(data, batch).specs(1)
+    return build_program(P.build_model("gpt", dims=dims), ins, labels, P.loss_fn("gpt"),
+                         dg.optim.AdamW(0.01))
+
+
+def test_the_ladder_is_the_powers_of_two_that_divide_the_batch():
+    assert ladder(16) == [1, 2, 4, 8, 16]
+    assert ladder(1536) == [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
+    assert ladder(6) == [1, 2]
+
+
+@pytest.mark.parametrize("stages, fixed", [(4, 0.0), (4, 3.0), (1, 1.0), (8, 0.5)])
+def test_the_walk_finds_the_least_of_a_unimodal_latency(stages, fixed):
+    # a pipeline of S equal stages, each micro-batch costing its rows plus a fixed part:
+    # (S + M - 1) (B / M + fixed), unimodal in M; the brute-force least is the oracle
+    def closed_form(m):
+        return (stages + m - 1) * (BATCH / m + fixed)
+
+    def latency(_built, strategy, m):
+        assert strategy.micro_batches == m
+        return closed_form(m)
+
+    strategy = dg.Strategy(auto_mode="full", pipeline=True, micro_batches=None)
+    chosen = choose_micro_batches(built_gpt(), strategy, S.line_cluster(4), latency)
+    assert chosen == min((BATCH // r for r in ladder(BATCH)), key=closed_form)
+
+
+def test_nothing_fits_names_the_counts_tried():
+    strategy = dg.Strategy(auto_mode="full", pipeline=True, micro_batches=None)
+
+    def latency(*_):
+        raise PlanError("too big")
+
+    with pytest.raises(PlanError, match="no plan fits the devices' memory with any of the "
+                                        "micro-batch counts tried"):
+        choose_micro_batches(built_gpt(), strategy, S.line_cluster(4), latency)
+
+
+def test_the_plan_runs_the_count_whose_stage_search_is_fastest_around_it():
+    built, cluster = built_gpt(), S.line_cluster(4, bandwidth=1.0)
+    strategy = dg.Strategy(auto_mode="full", pipeline=True, micro_batches=None,
+                           search="recursive")
+    plan = dg.passes.plan(built, strategy, cluster, ranks=())
+    m = plan.strategy.micro_batches
+    assert m in [BATCH // r for r in ladder(BATCH)] and plan.micro_batches == m
+    latency = {k: planner._latency(built, plan.strategy, cluster, k, {})
+               for k in (m // 2, m, 2 * m) if k >= 1 and BATCH % k == 0}
+    assert latency[m] <= min(latency.values())
+
+
+def test_left_to_the_search_only_where_a_stage_search_runs():
+    assert batch_rows(built_gpt()) == BATCH
+    with pytest.raises(dg.DistGraphError, match="integer >= 1, or None"):
+        dg.Strategy(micro_batches=0)
+    for strategy in (dg.Strategy(micro_batches=None),
+                     dg.Strategy(auto_mode="full", micro_batches=None)):
+        with pytest.raises(PlanError, match="pipeline=True"):
+            dg.passes.plan(built_gpt(), strategy, S.line_cluster(4))

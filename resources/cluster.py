@@ -38,7 +38,7 @@ from distgraph.resources.elements import (COMPUTE_TYPES, DEVICE_TYPES, NETWORK_T
                                           Switch, _ranges, _set)
 from distgraph.resources import describe as _describe, schema as _schema
 from distgraph.resources.gpus import detect_gpus
-from distgraph.resources.paths import best_paths
+from distgraph.resources.symmetry import ReducedPaths
 
 if TYPE_CHECKING:
     import networkx
@@ -227,8 +227,7 @@ class Cluster:
     def _mesh_dims(self, mesh: DeviceMesh) -> tuple[tuple[float, ...], tuple[float, ...]]:
         # Worst pair along each dim: min bandwidth / max latency over device pairs that
         # differ only in that coordinate.
-        index, bw, lat = self._paths
-        grid = np.array([index[i] for i in mesh.ids]).reshape(mesh.shape)
+        grid = np.array(mesh.ids, dtype=np.intp).reshape(mesh.shape)
         bws, lats = [], []
         for dim, n in enumerate(mesh.shape):
             if n == 1:
@@ -236,11 +235,9 @@ class Cluster:
                 lats.append(0.0)
                 continue
             rows = np.moveaxis(grid, dim, -1).reshape(-1, n)
-            sub_bw = bw[rows[:, :, None], rows[:, None, :]]
-            sub_lat = lat[rows[:, :, None], rows[:, None, :]]
-            off = ~np.eye(n, dtype=bool)
-            bws.append(float(sub_bw[:, off].min()))
-            lats.append(float(sub_lat[:, off].max()))
+            bw, lat = self._paths.worst(rows)
+            bws.append(bw)
+            lats.append(lat)
         return tuple(bws), tuple(lats)
 
     # ---- graph and paths -------------------------------------------------------------
@@ -277,42 +274,35 @@ class Cluster:
         return g
 
     @cached_property
-    def _paths(self) -> tuple[dict[int, int], np.ndarray, np.ndarray]:
-        ids = sorted(self._node_index)
-        index = {nid: k for k, nid in enumerate(ids)}
-        links = self.all_links
-        bw, lat = best_paths(len(ids), [index[ln.source] for ln in links],
-                             [index[ln.target] for ln in links],
-                             [ln.bandwidth for ln in links], [ln.latency for ln in links])
-        return index, bw, lat
+    def _paths(self) -> ReducedPaths:
+        # Interchangeable machines are computed once (see symmetry.py): a 16,384-GPU
+        # cluster's paths come from some 300 nodes instead of 32,800.
+        return ReducedPaths(self.machines, self.switches, self.all_links)
 
-    def _pair(self, a: int, b: int) -> tuple[int, int]:
-        index = self._paths[0]
-        for x in (a, b):
-            if x not in index:
-                raise PlanError(f"{x!r} is not a device of cluster {self.name or '(unnamed)'}; "
-                                f"device ids are {_ranges(sorted(self._device_index))}")
-        return index[a], index[b]
+    def _check_ids(self, ids) -> np.ndarray:
+        try:
+            ids = np.asarray(ids, dtype=np.intp)
+        except (TypeError, ValueError):
+            raise PlanError(f"{ids!r} are not device global ids of cluster "
+                            f"{self.name or '(unnamed)'}") from None
+        bad = ~self._paths.known(ids)
+        if bad.any():
+            raise PlanError(f"{int(ids[bad][0])!r} is not a device of cluster "
+                            f"{self.name or '(unnamed)'}; device ids are "
+                            f"{_ranges(sorted(self._device_index))}")
+        return ids
 
     def bandwidth(self, a: int, b: int) -> float:
         """Bottleneck bandwidth (GB/s) of the best path between global ids; inf when a == b."""
-        i, j = self._pair(a, b)
-        return float(self._paths[1][i, j])
+        return float(self._paths.lookup(self._check_ids([a]), self._check_ids([b]))[0][0])
 
     def latency(self, a: int, b: int) -> float:
         """Summed latency (µs) along the best path between global ids; 0 when a == b."""
-        i, j = self._pair(a, b)
-        return float(self._paths[2][i, j])
+        return float(self._paths.lookup(self._check_ids([a]), self._check_ids([b]))[1][0])
 
     def path_matrices(self, ids) -> tuple[np.ndarray, np.ndarray]:
         """(bandwidth GB/s, latency µs) matrices between the given global ids, in that order."""
-        index, bw, lat = self._paths
-        try:
-            rows = np.array([index[i] for i in ids], dtype=np.intp)
-        except KeyError as err:
-            raise PlanError(f"{err.args[0]!r} is not a device of cluster "
-                            f"{self.name or '(unnamed)'}") from None
-        return bw[np.ix_(rows, rows)], lat[np.ix_(rows, rows)]
+        return self._paths.matrices(self._check_ids(list(ids)))
 
     # ---- views -----------------------------------------------------------------------
     @property

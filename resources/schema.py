@@ -22,9 +22,11 @@ from itertools import combinations
 from distgraph.ops import registered_ops     # the package: every op registered
 from distgraph.resources.elements import (COMPUTE_TYPES, SOFTWARE_KINDS, Device, DeviceMesh,
                                           InvalidCluster, Link, Machine, Switch)
+from distgraph.resources.groups import expand as _expand_group
 from distgraph.resources.reader import Reader, join
 
-TOP_KEYS = ("name", "machines", "links", "switches", "device_meshes", "calibration")
+TOP_KEYS = ("name", "machines", "node_groups", "links", "switches", "device_meshes",
+            "calibration")
 MACHINE_KEYS = ("id", "hostname", "addr", "port", "devices", "nics", "links")
 DEVICE_KEYS = ("global_id", "local_id", "type", "model", "gflops", "memory",
                "memory_bandwidth", "op_overhead", "op_costs", "reshard_overhead")
@@ -43,11 +45,13 @@ class _Ids:
         self.where: dict[int, str] = {}
         self.machine: dict[int, int | None] = {}
 
-    def define(self, gid: int, key: str, machine: int | None):
+    def define(self, gid: int, key: str, machine: int | None, node: str = ""):
         if gid in self.where:
-            self.reader.fail(join(key, "global_id"), f"global id {gid} is already used at "
-                             f"{self.where[gid]}", "ids unique across devices, NICs and switches")
-        self.where[gid] = key
+            self.reader.fail(join(key, "global_id"), f"global id {gid}{node} is already used "
+                             f"at {self.where[gid]}", "ids unique across devices, NICs and "
+                             "switches (in a node group: an id_step larger than node 0's "
+                             "ids span)")
+        self.where[gid] = key + node
         self.machine[gid] = machine
 
 
@@ -58,16 +62,28 @@ def cluster_from_dict(data, reader: Reader, make):
         reader.fail("", "the file is empty", "a mapping with a 'machines' list")
     top = reader.mapping(data, "", TOP_KEYS, "a mapping with a 'machines' list")
     ids = _Ids(reader)
-    raw_machines = reader.sequence(reader.get(top, "machines", ""), "machines",
-                                   "a list of machines", nonempty=True)
-    parsed = [_machine(reader, raw, join("machines", i), i, ids)
-              for i, raw in enumerate(raw_machines)]
+    # (machine dict, its key, a note naming the node of a group) in file order: the
+    # machines written out, then each node group expanded (see groups.py)
+    entries = []
+    if "machines" in top or "node_groups" not in top:
+        raw_machines = reader.sequence(reader.get(top, "machines", ""), "machines",
+                                       "a list of machines", nonempty=True)
+        entries = [(raw, join("machines", i), "", i) for i, raw in enumerate(raw_machines)]
+    uplinks = []
+    for g, raw in enumerate(reader.sequence(top.get("node_groups", []), "node_groups",
+                                            "a list of node groups")):
+        gkey = join("node_groups", g)
+        nodes, links = _expand_group(reader, raw, gkey, len(entries))
+        entries += [(m, gkey, f" (node {k})", len(entries) + k) for m, k in nodes]
+        uplinks += [(ln, lkey, f" (node {k})") for ln, lkey, k in links]
+    parsed = [(_machine(reader, raw, key, index, ids, node), key, node)
+              for raw, key, node, index in entries]
     machine_ids: dict[int, str] = {}
-    for i, (mid, *_rest) in enumerate(parsed):
+    for (mid, *_rest), key, node in parsed:
         if mid in machine_ids:
-            reader.fail(f"machines[{i}].id", f"machine id {mid} is already used by "
+            reader.fail(join(key, "id"), f"machine id {mid}{node} is already used by "
                         f"{machine_ids[mid]}", "unique machine ids")
-        machine_ids[mid] = f"machines[{i}]"
+        machine_ids[mid] = key + node
     switches = []
     for k, raw in enumerate(reader.sequence(top.get("switches", []), "switches")):
         key = join("switches", k)
@@ -77,11 +93,13 @@ def cluster_from_dict(data, reader: Reader, make):
         switches.append(Switch(gid, reader.string(s, "name", key, default="")))
     pairs: dict[tuple[int, int], str] = {}
     machines = []
-    for i, (mid, hostname, addr, port, devices, nics, raw_links) in enumerate(parsed):
-        links = _links(reader, raw_links, f"machines[{i}].links", mid, ids, pairs)
+    for (mid, hostname, addr, port, devices, nics, raw_links), key, node in parsed:
+        links = _links(reader, raw_links, join(key, "links"), mid, ids, pairs, node)
         machines.append(Machine(mid, hostname, devices, links, nics, addr, port))
     inter = _links(reader, reader.sequence(top.get("links", []), "links"), "links", None,
                    ids, pairs)
+    inter += tuple(ln for raw, lkey, node in uplinks
+                   for ln in _link(reader, raw, lkey, None, ids, pairs, node))
     meshes = None
     if "device_meshes" in top:
         meshes = [_mesh(reader, raw, join("device_meshes", k)) for k, raw in
@@ -99,7 +117,7 @@ def cluster_from_dict(data, reader: Reader, make):
         reader.fail(err.key, err.problem, err.expected)
 
 
-def _machine(reader: Reader, raw, key: str, index: int, ids: _Ids):
+def _machine(reader: Reader, raw, key: str, index: int, ids: _Ids, node: str = ""):
     m = reader.mapping(raw, key, MACHINE_KEYS)
     mid = reader.integer(m, "id", key, default=index)
     hostname = reader.string(m, "hostname", key, nonempty=True)
@@ -126,7 +144,7 @@ def _machine(reader: Reader, raw, key: str, index: int, ids: _Ids):
             reader.fail(gkey, "got an empty mapping", "at least one dtype, e.g. {float32: 19500}")
         gflops = {k: reader.number(raw_gflops, k, gkey, strict=True, unit="GFLOP/s")
                   for k in raw_gflops}
-        ids.define(gid, dkey, mid)
+        ids.define(gid, dkey, mid, node)
         mem_bw = reader.number(d, "memory_bandwidth", dkey, default=None, strict=True,
                                unit="GB/s")
         overhead = reader.number(d, "op_overhead", dkey, default=None, unit="µs")
@@ -142,7 +160,7 @@ def _machine(reader: Reader, raw, key: str, index: int, ids: _Ids):
         reader.string(n, "type", nkey, default="NIC", choices=("NIC",))
         local = reader.integer(n, "local_id", nkey, default=len(nics))
         _unique_local(reader, local_seen, ("NIC", local), join(nkey, "local_id"))
-        ids.define(gid, nkey, mid)
+        ids.define(gid, nkey, mid, node)
         nics.append(Device(gid, local, mid, "NIC", reader.string(n, "model", nkey, default="")))
     raw_links = reader.sequence(m.get("links", []), join(key, "links"))
     return mid, hostname, addr, port, tuple(devices), tuple(nics), raw_links
@@ -166,43 +184,49 @@ def _unique_local(reader: Reader, seen: dict, slot: tuple[str, int], key: str):
 
 
 def _links(reader: Reader, raw_links: list, key: str, machine: int | None, ids: _Ids,
-           pairs: dict) -> tuple[Link, ...]:
+           pairs: dict, node: str = "") -> tuple[Link, ...]:
     """Links of one machine (``machine`` = its id) or between machines (None)."""
+    return tuple(ln for j, raw in enumerate(raw_links)
+                 for ln in _link(reader, raw, join(key, j), machine, ids, pairs, node))
+
+
+def _link(reader: Reader, raw, lkey: str, machine: int | None, ids: _Ids, pairs: dict,
+          node: str = "") -> list[Link]:
+    """The links one entry at ``lkey`` gives: one pair, or all pairs of a group."""
+    ln = reader.mapping(raw, lkey, LINK_KEYS)
+    bandwidth = reader.number(ln, "bandwidth", lkey, strict=True, unit="GB/s")
+    latency = reader.number(ln, "latency", lkey, unit="µs")
+    ltype = reader.string(ln, "type", lkey, default="")
+    if "group" in ln:
+        if "source" in ln or "target" in ln:
+            reader.fail(lkey, "has both 'group' and 'source'/'target'",
+                        "either a source/target pair or a group (all pairs)")
+        gkey = join(lkey, "group")
+        members = reader.sequence(ln["group"], gkey, "a list of at least two global ids")
+        ends = [(_endpoint(reader, {i: g}, i, gkey, machine, ids), join(gkey, i))
+                for i, g in enumerate(members)]
+        if len({e for e, _ in ends}) != len(ends) or len(ends) < 2:
+            reader.fail(gkey, f"got {members}", "at least two different global ids")
+        endpoint_pairs = [(a, b) for a, b in combinations(ends, 2)]
+    else:
+        a = (_endpoint(reader, ln, "source", lkey, machine, ids), join(lkey, "source"))
+        b = (_endpoint(reader, ln, "target", lkey, machine, ids), join(lkey, "target"))
+        if a[0] == b[0]:
+            reader.fail(b[1], f"source and target are both {a[0]}", "two different ids")
+        endpoint_pairs = [(a, b)]
     out = []
-    for j, raw in enumerate(raw_links):
-        lkey = join(key, j)
-        ln = reader.mapping(raw, lkey, LINK_KEYS)
-        bandwidth = reader.number(ln, "bandwidth", lkey, strict=True, unit="GB/s")
-        latency = reader.number(ln, "latency", lkey, unit="µs")
-        ltype = reader.string(ln, "type", lkey, default="")
-        if "group" in ln:
-            if "source" in ln or "target" in ln:
-                reader.fail(lkey, "has both 'group' and 'source'/'target'",
-                            "either a source/target pair or a group (all pairs)")
-            gkey = join(lkey, "group")
-            members = reader.sequence(ln["group"], gkey, "a list of at least two global ids")
-            ends = [(_endpoint(reader, {i: g}, i, gkey, machine, ids), join(gkey, i))
-                    for i, g in enumerate(members)]
-            if len({e for e, _ in ends}) != len(ends) or len(ends) < 2:
-                reader.fail(gkey, f"got {members}", "at least two different global ids")
-            endpoint_pairs = [(a, b) for a, b in combinations(ends, 2)]
-        else:
-            a = (_endpoint(reader, ln, "source", lkey, machine, ids), join(lkey, "source"))
-            b = (_endpoint(reader, ln, "target", lkey, machine, ids), join(lkey, "target"))
-            if a[0] == b[0]:
-                reader.fail(b[1], f"source and target are both {a[0]}", "two different ids")
-            endpoint_pairs = [(a, b)]
-        for (s, skey), (t, _tkey) in endpoint_pairs:
-            if machine is None and ids.machine[s] is not None and ids.machine[s] == ids.machine[t]:
-                reader.fail(skey, f"both ends of link {s}-{t} are in machine {ids.machine[s]}",
-                            "links inside a machine under that machine's 'links'")
-            pair = (min(s, t), max(s, t))
-            if pair in pairs:
-                reader.fail(lkey, f"link {pair[0]}-{pair[1]} is also given at {pairs[pair]}",
-                            "each pair of endpoints linked once")
-            pairs[pair] = lkey
-            out.append(Link(s, t, bandwidth, latency, ltype))
-    return tuple(out)
+    for (s, skey), (t, _tkey) in endpoint_pairs:
+        if machine is None and ids.machine[s] is not None and ids.machine[s] == ids.machine[t]:
+            reader.fail(skey, f"both ends of link {s}-{t}{node} are in machine "
+                        f"{ids.machine[s]}", "links inside a machine under that machine's "
+                        "'links'")
+        pair = (min(s, t), max(s, t))
+        if pair in pairs:
+            reader.fail(lkey, f"link {pair[0]}-{pair[1]}{node} is also given at "
+                        f"{pairs[pair]}", "each pair of endpoints linked once")
+        pairs[pair] = lkey + node
+        out.append(Link(s, t, bandwidth, latency, ltype))
+    return out
 
 
 def _endpoint(reader: Reader, data: dict, name, key: str, machine: int | None, ids: _Ids) -> int:

@@ -364,15 +364,17 @@ class Cluster:
 
         return files.cluster_from_data(data, cls, source)
 
-    def to_dict(self) -> dict:
-        """Plain data in the distgraph schema (what ``save`` writes)."""
-        return _schema.cluster_to_dict(self)
+    def to_dict(self, compact: bool = False) -> dict:
+        """Plain data in the distgraph schema; ``compact``: runs of machines alike as
+        node groups (resources/README.md)."""
+        return _schema.cluster_to_dict(self, compact)
 
-    def save(self, path) -> None:
-        """Write the cluster as YAML (.yaml/.yml) or JSON (.json)."""
+    def save(self, path, compact: bool | None = None) -> None:
+        """Write the cluster as YAML (.yaml/.yml) or JSON (.json); ``compact`` as in
+        ``to_dict`` (default: for clusters of 256 machines or more)."""
         from distgraph.resources import files
 
-        files.save_cluster(self, path)
+        files.save_cluster(self, path, compact)
 
     @classmethod
     def local(cls, nprocs: int, device: str = "CPU") -> "Cluster":

@@ -77,9 +77,9 @@ def expand(reader: Reader, raw, key: str, first_machine_id: int):
                 machine[name] = g[name]
         machines.append((machine, k))
     out_links = []
-    for j, (ln, every, target_step) in enumerate(uplinks):
-        ukey = join(join(key, "uplinks"), j)
-        for k in range(count):
+    for k in range(count):          # node by node, as a file written out lists them
+        for j, (ln, every, target_step) in enumerate(uplinks):
+            ukey = join(join(key, "uplinks"), j)
             out_links.append((dict(ln, source=_plus(ln.get("source"), k * step),
                                    target=_plus(ln.get("target"), (k // every) * target_step)),
                               ukey, k))
@@ -121,3 +121,113 @@ def _shifted(link, shift: int):
     if isinstance(out.get("group"), list):
         out["group"] = [_plus(g, shift) for g in out["group"]]
     return out
+
+
+def compact(machines: list[dict], links: list[dict], switch_ids: set[int]):
+    """The inverse of :func:`expand` on canonical dicts: ``(machines, node_groups, links)``
+    with each run of machines that are shifted copies of its first (ids advancing by one
+    step, machine ids by one, hostnames ``prefix{index:0Nd}suffix``, each node's links to
+    switches advancing alike) written as one group. Written-out machines load before
+    the groups, so a machine that fits no group after a group keeps everything written
+    out."""
+    by_source: dict[int, list[tuple[int, dict]]] = {}
+    for j, ln in enumerate(links):
+        for end, other in (("source", "target"), ("target", "source")):
+            if ln[other] in switch_ids and ln[end] not in switch_ids:
+                by_source.setdefault(ln[end], []).append((j, ln))
+    kept, groups, used = [], [], set()
+    i = 0
+    while i < len(machines):
+        run = _run(machines, i, by_source)
+        if run is None:
+            if groups:      # loading puts written-out machines first: keep the order
+                return machines, [], links
+            kept.append(machines[i])
+            i += 1
+            continue
+        group, count, taken = run
+        groups.append(group)
+        used |= taken
+        i += count
+    return kept, groups, [ln for j, ln in enumerate(links) if j not in used]
+
+
+def _node_ids(m: dict) -> list[int]:
+    return [d["global_id"] for d in m["devices"]] + [n["global_id"] for n in m.get("nics", [])]
+
+
+def _shift_machine(m: dict, shift: int) -> dict:
+    out = {**m, "devices": [dict(d, global_id=d["global_id"] + shift) for d in m["devices"]]}
+    if "nics" in m:
+        out["nics"] = [dict(n, global_id=n["global_id"] + shift) for n in m["nics"]]
+    if "links" in m:
+        out["links"] = [_shifted(ln, shift) for ln in m["links"]]
+    return out
+
+
+def _pattern(hostname: str):
+    """``(prefix, width, suffix)`` of a hostname whose last run of digits is 0."""
+    end = len(hostname)
+    while end and not hostname[end - 1].isdigit():
+        end -= 1
+    start = end
+    while start and hostname[start - 1].isdigit():
+        start -= 1
+    if start == end or int(hostname[start:end]) != 0:
+        return None
+    return hostname[:start], end - start, hostname[end:]
+
+
+def _run(machines: list[dict], i: int, by_source: dict):
+    """The longest group starting at machine ``i``, or None when it is too short."""
+    first = machines[i]
+    pattern = _pattern(first["hostname"])
+    if pattern is None or i + 1 >= len(machines):
+        return None
+    prefix, width, suffix = pattern
+    step = machines[i + 1]["devices"][0]["global_id"] - first["devices"][0]["global_id"]
+    ids = _node_ids(first)
+    if step <= 0 or step < max(ids) - min(ids) + 1:
+        return None
+    base = {k: v for k, v in first.items() if k not in ("id", "hostname")}
+    # node 0's links to switches, by the node's own end
+    ups = [(end, j, ln) for end in ids for j, ln in by_source.get(end, [])]
+    count = 1
+    while i + count < len(machines):
+        m = machines[i + count]
+        shifted = _shift_machine(base, count * step)
+        if (m["id"] != first["id"] + count
+                or m["hostname"] != f"{prefix}{count:0{width}d}{suffix}"
+                or {k: v for k, v in m.items() if k not in ("id", "hostname")} != shifted):
+            break
+        count += 1
+    if count < 2:
+        return None
+    uplinks, taken = [], set()
+    for end, j, ln in ups:
+        side = "source" if ln["source"] == end else "target"
+        other = "target" if side == "source" else "source"
+        found = []
+        for k in range(count):
+            mine = [(jj, x) for jj, x in by_source.get(end + k * step, [])
+                    if {a: b for a, b in x.items() if a not in ("source", "target")} ==
+                    {a: b for a, b in ln.items() if a not in ("source", "target")}]
+            if len(mine) != 1:
+                return None
+            found.append(mine[0])
+        targets = [x[other] for _, x in found]
+        every = next((k for k in range(count) if targets[k] != targets[0]), count)
+        target_step = targets[every] - targets[0] if every < count else 0
+        if any(t != targets[0] + (k // every) * target_step for k, t in enumerate(targets)):
+            return None
+        entry = {"source": end, "target": ln[other],
+                 **{a: b for a, b in ln.items() if a not in ("source", "target")}}
+        if every < count:
+            entry.update(every=every, target_step=target_step)
+        uplinks.append(entry)
+        taken |= {jj for jj, _ in found}
+    group = {"count": count, "id": first["id"], "hostname": f"{prefix}{{index:0{width}d}}"
+             f"{suffix}", "id_step": step, **base}
+    if uplinks:
+        group["uplinks"] = uplinks
+    return group, count, taken

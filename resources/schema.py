@@ -17,12 +17,13 @@ Example::
 
 from __future__ import annotations
 
+from dataclasses import replace
 from itertools import combinations
 
 from distgraph.ops import registered_ops     # the package: every op registered
 from distgraph.resources.elements import (COMPUTE_TYPES, SOFTWARE_KINDS, Device, DeviceMesh,
                                           InvalidCluster, Link, Machine, Switch)
-from distgraph.resources.groups import expand as _expand_group
+from distgraph.resources.groups import compact as _compact, expand as _expand_group
 from distgraph.resources.reader import Reader, join
 
 TOP_KEYS = ("name", "machines", "node_groups", "links", "switches", "device_meshes",
@@ -74,10 +75,17 @@ def cluster_from_dict(data, reader: Reader, make):
                                             "a list of node groups")):
         gkey = join("node_groups", g)
         nodes, links = _expand_group(reader, raw, gkey, len(entries))
-        entries += [(m, gkey, f" (node {k})", len(entries) + k) for m, k in nodes]
+        entries += [(m, gkey, f" (node {k})" if k else "", len(entries) + k)
+                    for m, k in nodes]
         uplinks += [(ln, lkey, f" (node {k})") for ln, lkey, k in links]
-    parsed = [(_machine(reader, raw, key, index, ids, node), key, node)
-              for raw, key, node, index in entries]
+    # A group's node k > 0 is its node 0 moved by k id steps: node 0 is validated in full,
+    # the others only for what moving can break (unique ids), which keeps 16,384 GPUs fast.
+    parsed = []
+    for raw, key, node, index in entries:
+        if node and key.startswith("node_groups"):
+            parsed.append((_moved(parsed[-1][0], raw, ids, key, node), key, node))
+        else:
+            parsed.append((_machine(reader, raw, key, index, ids, node), key, node))
     machine_ids: dict[int, str] = {}
     for (mid, *_rest), key, node in parsed:
         if mid in machine_ids:
@@ -94,12 +102,18 @@ def cluster_from_dict(data, reader: Reader, make):
     pairs: dict[tuple[int, int], str] = {}
     machines = []
     for (mid, hostname, addr, port, devices, nics, raw_links), key, node in parsed:
-        links = _links(reader, raw_links, join(key, "links"), mid, ids, pairs, node)
+        if isinstance(raw_links, tuple):          # a moved node: node 0's links moved
+            shift = raw_links[0]
+            links = tuple(Link(ln.source + shift, ln.target + shift, ln.bandwidth,
+                               ln.latency, ln.type) for ln in machines[-1].links)
+        else:
+            links = _links(reader, raw_links, join(key, "links"), mid, ids, pairs, node)
         machines.append(Machine(mid, hostname, devices, links, nics, addr, port))
-    inter = _links(reader, reader.sequence(top.get("links", []), "links"), "links", None,
-                   ids, pairs)
-    inter += tuple(ln for raw, lkey, node in uplinks
-                   for ln in _link(reader, raw, lkey, None, ids, pairs, node))
+    # the groups' uplinks first, node by node, then the links written out
+    inter = tuple(ln for raw, lkey, node in uplinks
+                  for ln in _link(reader, raw, lkey, None, ids, pairs, node))
+    inter += _links(reader, reader.sequence(top.get("links", []), "links"), "links", None,
+                    ids, pairs)
     meshes = None
     if "device_meshes" in top:
         meshes = [_mesh(reader, raw, join("device_meshes", k)) for k, raw in
@@ -164,6 +178,23 @@ def _machine(reader: Reader, raw, key: str, index: int, ids: _Ids, node: str = "
         nics.append(Device(gid, local, mid, "NIC", reader.string(n, "model", nkey, default="")))
     raw_links = reader.sequence(m.get("links", []), join(key, "links"))
     return mid, hostname, addr, port, tuple(devices), tuple(nics), raw_links
+
+
+def _moved(previous, raw: dict, ids: _Ids, key: str, node: str):
+    """The parsed machine of a group's next node: ``previous`` (the node before) with its
+    ids moved by one id step (``raw`` is the expanded dict of the node)."""
+    _mid, _host, _addr, _port, devices, nics, _links_ = previous
+    shift = raw["devices"][0]["global_id"] - devices[0].global_id
+    moved = []
+    for kind, group in (("devices", devices), ("nics", nics)):
+        out = []
+        for j, d in enumerate(group):
+            gid = d.global_id + shift
+            ids.define(gid, join(join(key, kind), j), raw["id"], node)
+            out.append(replace(d, global_id=gid, machine_id=raw["id"]))
+        moved.append(tuple(out))
+    return (raw["id"], raw["hostname"], raw.get("addr", ""), raw.get("port"), moved[0],
+            moved[1], (shift,))
 
 
 def _shared_local(reader: Reader, seen: dict, slot: tuple[str, int], model: str, key: str):
@@ -261,19 +292,31 @@ def _num(x: float):
     return int(x) if float(x).is_integer() else float(x)
 
 
-def cluster_to_dict(cluster) -> dict:
-    """The canonical plain-data form of ``cluster`` (what ``Cluster.save`` writes)."""
+def cluster_to_dict(cluster, compact: bool = False) -> dict:
+    """The canonical plain-data form of ``cluster`` (what ``Cluster.save`` writes);
+    ``compact`` writes each run of machines alike as a node group (groups.py)."""
     out: dict = {}
     if cluster.name:
         out["name"] = cluster.name
-    out["machines"] = [_machine_dict(m) for m in cluster.machines]
+    machines = [_machine_dict(m) for m in cluster.machines]
+    links = [_link_dict(ln) for ln in cluster.links]
+    groups = []
+    if compact:
+        machines, groups, links = _compact(machines, links,
+                                           {s.global_id for s in cluster.switches})
+    if machines:
+        out["machines"] = machines
+    if groups:
+        out["node_groups"] = groups
     if cluster.switches:
         out["switches"] = [{"global_id": s.global_id, **({"name": s.name} if s.name else {})}
                            for s in cluster.switches]
-    if cluster.links:
-        out["links"] = [_link_dict(ln) for ln in cluster.links]
-    out["device_meshes"] = [{"name": m.name, "shape": list(m.shape), "device_ids": list(m.ids)}
-                            for m in cluster.device_meshes]
+    if links:
+        out["links"] = links
+    # A compact file leaves out meshes that loading infers alike (16,384 ids otherwise).
+    if not (compact and groups and cluster._infer_meshes() == cluster.device_meshes):
+        out["device_meshes"] = [{"name": m.name, "shape": list(m.shape),
+                                 "device_ids": list(m.ids)} for m in cluster.device_meshes]
     if cluster.calibration:
         out["calibration"] = {k: _num(v) for k, v in cluster.calibration.items()}
     return out

@@ -4,6 +4,7 @@ Oracles: hand-computed paths on a small cluster, brute force over all simple pat
 random graphs, Cluster.local(4) against the shipped local4.yaml, the README's example.
 """
 
+import functools
 import itertools
 import math
 import os
@@ -25,7 +26,10 @@ CLUSTERS = os.path.join(RESOURCES, "clusters")
 SHIPPED = sorted(f for f in os.listdir(CLUSTERS) if f.endswith((".yaml", ".json")))
 
 
+@functools.lru_cache(maxsize=None)
 def shipped(name):
+    # a Cluster is an immutable value: each shipped file is read once per session (the
+    # 16,384-GPU one takes seconds)
     return Cluster.from_file(os.path.join(CLUSTERS, name))
 
 
@@ -206,7 +210,7 @@ def test_dense_and_sparse_best_paths_agree_on_shipped_clusters(name):
 def test_cluster_is_a_hashable_picklable_value():
     c = shipped("hetero_2gpu_2xpu.yaml")
     assert pickle.loads(pickle.dumps(c)) == c
-    assert hash(c) == hash(shipped("hetero_2gpu_2xpu.yaml"))
+    assert hash(c) == hash(Cluster.from_file(os.path.join(CLUSTERS, "hetero_2gpu_2xpu.yaml")))
     with pytest.raises(TypeError):
         c.devices[0].gflops["float32"] = 1.0
     with pytest.raises(Exception):

@@ -292,13 +292,24 @@ class Cluster:
                             f"{_ranges(sorted(self._device_index))}")
         return ids
 
+    def _pair(self, a: int, b: int) -> tuple[float, float]:
+        found = None
+        if isinstance(a, (int, np.integer)) and isinstance(b, (int, np.integer)):
+            found = self._paths.pair(int(a), int(b))
+        if found is None:
+            bad_a = not isinstance(a, (int, np.integer)) or self._paths.pair(int(a), int(a)) is None
+            x = a if bad_a else b
+            raise PlanError(f"{x!r} is not a device of cluster {self.name or '(unnamed)'}; "
+                            f"device ids are {_ranges(sorted(self._device_index))}")
+        return found
+
     def bandwidth(self, a: int, b: int) -> float:
         """Bottleneck bandwidth (GB/s) of the best path between global ids; inf when a == b."""
-        return float(self._paths.lookup(self._check_ids([a]), self._check_ids([b]))[0][0])
+        return self._pair(a, b)[0]
 
     def latency(self, a: int, b: int) -> float:
         """Summed latency (µs) along the best path between global ids; 0 when a == b."""
-        return float(self._paths.lookup(self._check_ids([a]), self._check_ids([b]))[1][0])
+        return self._pair(a, b)[1]
 
     def path_matrices(self, ids) -> tuple[np.ndarray, np.ndarray]:
         """(bandwidth GB/s, latency µs) matrices between the given global ids, in that order."""

@@ -88,6 +88,26 @@ class ReducedPaths:
         self._reduced, self._rep = reduced, rep
         self.size = size
         self.reduced_nodes = len(kept_nodes)
+        self._lists = None        # the arrays as Python lists, made on the first pair()
+
+    def pair(self, a: int, b: int) -> tuple[float, float] | None:
+        """(bandwidth, latency) between two global ids (None: one is not a node), in
+        plain Python: the cost model asks for single pairs hundreds of thousands of times
+        while planning."""
+        if self._lists is None:
+            self._lists = (self._kind.tolist(), self._slot.tolist(), self._machine.tolist(),
+                           self._reduced.tolist(), self._rep.tolist(), self._bw.tolist(),
+                           self._lat.tolist(), self._known.tolist())
+        kind, slot, machine, reduced, rep, bw, lat, known = self._lists
+        if not (0 <= a < self.size and 0 <= b < self.size and known[a] and known[b]):
+            return None
+        ka, kb = kind[a], kind[b]
+        ra = rep[ka][0][slot[a]] if ka >= 0 else reduced[a]
+        if kb < 0:
+            rb = reduced[b]
+        else:
+            rb = rep[kb][1 if ka == kb and machine[a] != machine[b] else 0][slot[b]]
+        return bw[ra][rb], lat[ra][rb]
 
     def known(self, ids) -> np.ndarray:
         ids = np.asarray(ids, dtype=np.intp)

@@ -17,9 +17,12 @@ import copy
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from distgraph.errors import BatchSplitError, ShardingError
 from distgraph.ir import Value
 from distgraph.mesh import ProcessMesh
+from distgraph.ops.attention_blocks import positions
 from distgraph.parameter import Parameter
 from distgraph.placement import DistAttr, Partial, Replicate, Shard, ShardSpec
 from distgraph.registry import takes_attr
@@ -174,25 +177,64 @@ def _on_mesh(fn, mesh, in_shard_specs, out_shard_specs, slices):
 
 class ShardDataloader:
     """A dataset whose batches come in split over a mesh dim: what
-    :func:`shard_dataloader` returns. Indexing and ``len`` are the dataset's; the Engine
-    reads :meth:`feed_attrs` to annotate the feeds of each batch."""
+    :func:`shard_dataloader` returns. Indexing and ``len`` are the dataset's (with a
+    sequence split in the balanced order, each sample's dim 0 stored in that order:
+    :meth:`ordered`); the Engine reads :meth:`feed_attrs` to annotate the feeds of
+    each batch and :attr:`sequence_chunks` for their order."""
 
-    def __init__(self, dataset, meshes: tuple, shard_dims: tuple):
+    def __init__(self, dataset, meshes: tuple, shard_dims: tuple, sequence_dims: tuple = (),
+                 balance: bool = True):
         self.dataset, self.meshes, self.shard_dims = dataset, meshes, shard_dims
+        self.sequence_dims = sequence_dims or (None,) * len(meshes)
+        sizes = {m.dim_size(d) for m, d in zip(meshes, self.sequence_dims) if d is not None}
+        if len(sizes) > 1:
+            raise ShardingError(f"shard_dataloader: the sequence dims {list(self.sequence_dims)}"
+                                f" of {list(map(str, meshes))} split it {sorted(sizes)} ways; "
+                                "every mesh must split the sequence alike")
+        ways = sizes.pop() if sizes else 1
+        # the load-balanced order of 2 * cp chunks (rank i holds chunks i and 2cp-1-i):
+        # ring attention's causal triangle is then even over the ranks
+        self.sequence_chunks = 2 * ways if balance and ways > 1 else 1
 
     def __len__(self):
         return len(self.dataset)
 
     def __getitem__(self, i):
-        return self.dataset[i]
+        return self.ordered(self.dataset[i])
+
+    def ordered(self, sample):
+        """``sample``'s fields with dim 0 (a batch's dim 1) in the stored sequence order."""
+        if self.sequence_chunks == 1:
+            return sample
+        fields = list(sample) if isinstance(sample, (tuple, list)) else [sample]
+        out = []
+        for k, f in enumerate(fields):
+            f = np.asarray(f)
+            if f.ndim < 1 or f.shape[0] % self.sequence_chunks:
+                raise ShardingError(f"shard_dataloader: field {k} of shape {list(f.shape)} "
+                                    f"has no sequence dim (a batch's dim 1) that "
+                                    f"{self.sequence_chunks} chunks divide")
+            out.append(f[positions(np, 0, f.shape[0], f.shape[0], self.sequence_chunks)])
+        return tuple(out)
+
+    def restored(self, array, axis: int = 1):
+        """``array`` (a batch's output) with dim ``axis`` back in sequence order."""
+        if self.sequence_chunks == 1:
+            return array
+        n = array.shape[axis]
+        back = np.argsort(positions(np, 0, n, n, self.sequence_chunks))
+        return np.take(array, back, axis=axis)
 
     def __repr__(self) -> str:
         where = ", ".join(f"{m} by {d!r}" for m, d in zip(self.meshes, self.shard_dims))
-        return f"shard_dataloader({type(self.dataset).__name__}, {where})"
+        seq = "" if not any(self.sequence_dims) else \
+            f", sequence by {list(self.sequence_dims)} in {self.sequence_chunks} chunks"
+        return f"shard_dataloader({type(self.dataset).__name__}, {where}{seq})"
 
     def feed_attrs(self, shapes: list, n_labels: int) -> list:
         """One DistAttr per field of a batch (fields of ``shapes``, the last ``n_labels``
-        of them labels): dim 0 split over the shard dim of the field's mesh.
+        of them labels): dim 0 split over the shard dim of the field's mesh, dim 1 over
+        its sequence dim.
 
         One mesh holds every field; one per field each its own; two for more fields: the
         inputs on the first, the labels on the second (Paddle's [inputs, label])."""
@@ -210,15 +252,22 @@ class ShardDataloader:
         attrs = []
         for k, shape in enumerate(shapes):
             mesh, dim = self.meshes[which[k]], self.shard_dims[which[k]]
-            spec = ShardSpec([dim] + [None] * (len(shape) - 1)) if shape else ShardSpec([])
+            seq = self.sequence_dims[which[k]]
             what = (f"dataset field {k} ({'label' if k >= n - n_labels else 'input'}, split "
                     f"by shard_dataloader)")
+            if seq is not None and len(shape) < 2:
+                raise ShardingError(f"shard_dataloader: {what} of shape {list(shape)} has no "
+                                    f"dim 1 to split over sequence_dim {seq!r}")
+            head = [dim] + ([seq] if seq is not None else [])
+            spec = ShardSpec(head + [None] * (len(shape) - len(head))) if shape else \
+                ShardSpec([])
             check_batch_split(spec, mesh, shape, what)
             attrs.append(DistAttr(mesh, spec))
         return attrs
 
 
-def shard_dataloader(dataset, meshes, shard_dims=None) -> ShardDataloader:
+def shard_dataloader(dataset, meshes, shard_dims=None, sequence_dim=None,
+                     balance: bool = True) -> ShardDataloader:
     """Paddle's ``shard_dataloader``: the Engine feeds each batch of ``dataset`` split
     over mesh dim ``shard_dims`` (a dim name or index; None: not split, whole on the
     mesh), the labels too, so any model trains data parallel without annotating its
@@ -226,12 +275,21 @@ def shard_dataloader(dataset, meshes, shard_dims=None) -> ShardDataloader:
     two, the inputs' and the labels' (a pipeline's first and last stage).
     ``shard_dims`` may be a list, one per mesh.
 
+    ``sequence_dim`` (a dim name or index, or a list, one per mesh) splits dim 1 of every
+    field (tokens and labels: the sequence) over that mesh dim: context parallelism.
+    With ``balance`` (the default) the sequence is stored in the load-balanced order of
+    2·cp chunks, rank i holding chunks i and 2·cp−1−i, so ring attention's causal work
+    is even over the ranks; rotary positions and the causal mask follow the chunks
+    (``InputSpec.sequence_chunks``), a loss over tokens does not see the order, and
+    ``Engine.predict`` puts its outputs back in sequence order.
+
     Example::
 
         mesh = dg.ProcessMesh([0, 1, 2, 3], dim_names=["dp"])
         engine = dg.Engine(dg.nn.MLP(16, 64, 4), loss=dg.nn.MSELoss(),
                            optimizer=dg.optim.SGD(0.1))
         engine.fit(dg.shard_dataloader(dataset, mesh, shard_dims="dp"), batch_size=16)
+        # context parallel: dg.shard_dataloader(tokens, mesh, "dp", sequence_dim="cp")
     """
     if isinstance(dataset, ShardDataloader):
         dataset = dataset.dataset
@@ -243,10 +301,19 @@ def shard_dataloader(dataset, meshes, shard_dims=None) -> ShardDataloader:
         raise ShardingError(f"shard_dataloader: meshes must be a ProcessMesh or a list of "
                             f"them, got {meshes!r}")
     dims = shard_dims if isinstance(shard_dims, (list, tuple)) else [shard_dims] * len(meshes)
-    if len(dims) != len(meshes):
-        raise ShardingError(f"shard_dataloader: {len(dims)} shard_dims for {len(meshes)} "
-                            "meshes; give one, or one per mesh")
-    return ShardDataloader(dataset, meshes, tuple(_mesh_dim(m, d) for m, d in zip(meshes, dims)))
+    seqs = sequence_dim if isinstance(sequence_dim, (list, tuple)) else \
+        [sequence_dim] * len(meshes)
+    for given, what in ((dims, "shard_dims"), (seqs, "sequence_dim")):
+        if len(given) != len(meshes):
+            raise ShardingError(f"shard_dataloader: {len(given)} {what} for {len(meshes)} "
+                                "meshes; give one, or one per mesh")
+    dims = tuple(_mesh_dim(m, d) for m, d in zip(meshes, dims))
+    seqs = tuple(_mesh_dim(m, d) for m, d in zip(meshes, seqs))
+    for d, q in zip(dims, seqs):
+        if q is not None and q == d:
+            raise ShardingError(f"shard_dataloader: sequence_dim {q!r} is also the batch's "
+                                "shard_dims; split the sequence over another mesh dim")
+    return ShardDataloader(dataset, meshes, dims, seqs, balance)
 
 
 def _mesh_dim(mesh: ProcessMesh, dim):

@@ -47,10 +47,12 @@ class BuiltProgram:
 
 def build_program(model, input_specs, label_specs=(), loss=None, optimizer=None,
                   mode="train", amp=None, loss_scale=2.0 ** 16,
-                  loss_scale_window=2000) -> BuiltProgram:
+                  loss_scale_window=2000, context_parallel=None) -> BuiltProgram:
     """The program of ``model`` for ``mode``; ``amp`` ("bfloat16", "float16"): mixed
     precision, float16 with a dynamic loss scale from ``loss_scale`` (doubled after
-    ``loss_scale_window`` good steps)."""
+    ``loss_scale_window`` good steps); ``context_parallel`` ("ring", "ulysses"): the
+    form its attention ops run in where their sequence is split (None: each op's
+    cheaper)."""
     if mode not in MODES:
         raise DistGraphError(f"mode must be one of {MODES}, got {mode!r}")
     if mode == "train" and (loss is None or optimizer is None):
@@ -58,6 +60,7 @@ def build_program(model, input_specs, label_specs=(), loss=None, optimizer=None,
     model.assign_paths()
     (model.train if mode == "train" else model.eval)()
     builder = Builder(Program(), {id(p): n for n, p in model.named_parameters()}, amp)
+    builder.context_parallel = context_parallel
     inputs = make_inputs(builder, input_specs)
     labels = make_inputs(builder, label_specs) if mode != "predict" else []
     loss_value = scaling = None

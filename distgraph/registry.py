@@ -136,7 +136,7 @@ def get_op(op_type: str) -> OpDef:
 
 # Ops whose time follows their FLOPs (dense contractions, the experts' grouped ones);
 # every other op's follows the elements it reads and writes.
-FLOP_BOUND = ("matmul", "moe_ffn", "moe_ffn_grad")
+FLOP_BOUND = ("matmul", "moe_ffn", "moe_ffn_grad", "attention", "attention_grad")
 
 
 def op_work(op_type: str, ins, outs, attrs) -> float:

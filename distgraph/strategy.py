@@ -42,7 +42,10 @@ class Strategy:
     halved after a step whose gradients overflow (that step is skipped) and doubled after
     ``loss_scale_window`` good steps in a row. The planner
     (:func:`distgraph.passes.plan`) raises PlanError for an option that is not available
-    yet: none is silently ignored."""
+    yet: none is silently ignored. ``context_parallel`` ("ring" or "ulysses") is how
+    attention runs where the sequence is split over a mesh dim (``shard_dataloader(...,
+    sequence_dim=...)``); None: per attention op, the form that moves fewer bytes
+    (:mod:`distgraph.ops.context_parallel`)."""
 
     auto_mode: str = "semi"
     pipeline: bool = False
@@ -65,8 +68,13 @@ class Strategy:
     search: str = "ilp"
     mtbf_hours: float | None = None
     checkpoint_write_gbps: float = 1.0
+    context_parallel: str | None = None
 
     def __post_init__(self):
+        if self.context_parallel not in (None, "ring", "ulysses"):
+            raise DistGraphError(f"Strategy.context_parallel must be 'ring', 'ulysses' or None "
+                                 f"(the cost model chooses per attention op), got "
+                                 f"{self.context_parallel!r}")
         if self.auto_mode not in ("semi", "full"):
             raise DistGraphError(f"Strategy.auto_mode must be 'semi' or 'full', got {self.auto_mode!r}")
         if self.search not in SEARCHES:

@@ -25,15 +25,24 @@ _ACTIVE: list["Builder"] = []
 class InputSpec:
     """Shape, dtype and name of one model input: ``InputSpec([32, 64], "int64", "tokens")``.
     ``dist_attr`` (a DistAttr, optional) annotates the input as ``shard_tensor`` would
-    (``dg.shard_dataloader`` sets it for the feeds it splits)."""
+    (``dg.shard_dataloader`` sets it for the feeds it splits). ``sequence_chunks`` c > 1:
+    dim 1 (the sequence) is stored in the load-balanced order of c chunks (chunk r, then
+    chunk c-1-r, for r < c/2: context parallelism's); the ops that read positions
+    (rotary, attention) take it from the trace."""
 
     shape: tuple
     dtype: str | None = None
     name: str | None = None
     dist_attr: object = None
+    sequence_chunks: int = 1
 
     def __post_init__(self):
         shape = tuple(int(d) for d in self.shape)
+        if self.sequence_chunks != 1 and (len(shape) < 2 or self.sequence_chunks % 2 or
+                                          shape[1] % self.sequence_chunks):
+            raise DistGraphError(f"InputSpec {self.name or ''}: sequence_chunks "
+                                 f"{self.sequence_chunks} must be 1 or an even divisor of "
+                                 f"dim 1 of {list(shape)}")
         if any(d <= 0 for d in shape):
             raise DistGraphError(f"InputSpec {self.name or ''}: every dim must be positive, "
                                  f"got {list(shape)}")
@@ -55,6 +64,8 @@ class Builder:
         self.layer_path: list[str] = []
         self.forward_op: Operation | None = None
         self.op_annotation = None
+        self.sequence_chunks = 1        # the inputs' sequence order (InputSpec)
+        self.context_parallel = None    # Strategy(context_parallel=...): attention's form
 
     @contextmanager
     def active(self):
@@ -177,6 +188,13 @@ def make_inputs(builder: Builder, specs) -> list[Value]:
             v.annotation = spec.dist_attr
         builder.program.inputs.append(v)
         values.append(v)
+        if spec.sequence_chunks != 1:
+            if builder.sequence_chunks not in (1, spec.sequence_chunks):
+                raise DistGraphError(f"input {name}: sequence_chunks {spec.sequence_chunks}"
+                                     f" differs from another input's "
+                                     f"{builder.sequence_chunks}; store every sequence in "
+                                     f"one order")
+            builder.sequence_chunks = spec.sequence_chunks
     return values
 
 

@@ -44,6 +44,7 @@ from distgraph.passes.balance import balance_batch, batch_mesh_dims
 from distgraph.passes.balance.uneven import member_schedule_of, run_split, runs_own_counts
 from distgraph.passes.completion.complete import complete
 from distgraph.passes.completion import stage_order
+from distgraph.passes.context import assign_forms
 from distgraph.passes.cost.checkpoint import propose as propose_checkpoint
 from distgraph.passes.cost.estimate import estimate
 from distgraph.passes.mapping.devices import assign_devices
@@ -130,9 +131,13 @@ def _plan(built, strategy, cluster, rank_mapping, accumulation, ilp_budget=None)
                        strategy.micro_batches) if distributed else None
     if distributed:
         priced = cluster or Cluster.local(len(ids))
-        if assign_slices(program, priced, lambda pid: priced.devices[
-                pid if rank_of is None else rank_of[pid]].global_id):
-            partitions = Partitions(program, ids)   # with their K
+
+        def device_of(pid):
+            return priced.devices[pid if rank_of is None else rank_of[pid]].global_id
+
+        if assign_slices(program, priced, device_of) + assign_forms(program, priced,
+                                                                    device_of):
+            partitions = Partitions(program, ids)   # with their K, attention's forms
     planned = Plan(copy, strategy, distributed, ids, ProcessRanks(rank_of), stages, cluster,
                    accumulation=accumulation, devices=assign_devices(cluster, len(ids)),
                    groups=partitions.groups(), locals=partitions,

@@ -335,6 +335,21 @@ for _label, _shape, _axis, _scaling in (
     CASES.append(Case("rotary", _label, _make_rotary))
 
 
+for _label, _attrs, _kv in (("causal", {}, 4), ("window3", {"sliding_window": 3}, 4),
+                            ("chunks4", {"sequence_chunks": 4}, 4),
+                            ("full", {"causal": False}, 4), ("gqa2", {}, 2),
+                            ("mqa-window3-chunks4", {"sliding_window": 3,
+                                                     "sequence_chunks": 4}, 1)):
+    def _make_attention(rng, attrs=_attrs, kv=_kv):
+        # q [b, h, s, d] = [2, 4, 8, 3], k and v with kv heads (grouped-query: 2, 1);
+        # "chunks4": the sequence stored in the balanced order of 4 chunks
+        ps = {"q": normal(rng, (2, 4, 8, 3)), "k": normal(rng, (2, kv, 8, 3)),
+              "v": normal(rng, (2, kv, 8, 3))}
+        return (lambda p, f: emit1("attention", [p["q"], p["k"], p["v"]],
+                                   {"scale": 0.7, **attrs})), ps, {}
+    CASES.append(Case("attention", _label, _make_attention))
+
+
 @case("top_k", "renormalised")
 def _top_k(rng):
     # Mixtral's router: softmax, the top 2 of 5, renormalised (distinct values: no ties)

@@ -215,11 +215,13 @@ def test_strategies_are_valid_fixpoints_of_the_rule(case, mesh):
         assert [(x.dims, x.partial) for x in res.out_specs] == \
             [(x.dims, x.partial) for x in s.out_specs], s.name
         assert res.resharded == ()
-        # the op's own communication is declared only where its class dim is split, or
-        # where an MoE op dispatches its tokens to their experts (all-to-alls)
+        # the op's own communication is declared only where its class dim is split, where
+        # an MoE op dispatches its tokens to their experts (all-to-alls), or where
+        # attention's sequence is split (context parallelism)
         split_class = case.op == "softmax_cross_entropy" and s.in_specs[0].dims[-1] is not None
         dispatch = "(all-to-all over" in s.name
-        assert bool(s.comm) == (split_class or dispatch), s.name
+        context = case.op.startswith("attention") and s.in_specs[0].dims[2] is not None
+        assert bool(s.comm) == (split_class or dispatch or context), s.name
         if dispatch:
             assert {k for k, _, _ in s.comm} == {"all_to_all"}
         if split_class:

@@ -72,6 +72,20 @@ def reads_of(feeds, feed_names) -> dict:
     return out
 
 
+class _Ordered:
+    """A dataset's samples with the sequence (dim 0 of each field) in the stored order
+    of a context-parallel ``shard_dataloader`` (:meth:`ShardDataloader.ordered`)."""
+
+    def __init__(self, dataset, sharding: ShardDataloader):
+        self.dataset, self.sharding = dataset, sharding
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, i):
+        return self.sharding.ordered(self.dataset[i])
+
+
 class DataLoader:
     """Stacks dataset samples into batches. ``shuffle`` permutes with (seed, epoch).
     Programs have static shapes, so a short last batch runs on a plan of its own; with
@@ -86,6 +100,8 @@ class DataLoader:
                                  f"size {len(dataset)}")
         if isinstance(dataset, ShardDataloader):
             dataset, sharding = dataset.dataset, dataset
+        if sharding is not None and sharding.sequence_chunks > 1:
+            dataset = _Ordered(dataset, sharding)
         self.dataset, self.batch_size, self.shuffle, self.seed = dataset, batch_size, shuffle, seed
         self.drop_last = drop_last
         self.sharding = sharding
@@ -154,11 +170,23 @@ class DataLoader:
             attrs = (self.sharding.feed_attrs(shapes, n_labels) if self.sharding is not None
                      else [None] * len(first))
             cut = len(first) - n_labels
+            chunks = self.sharding.sequence_chunks if self.sharding is not None else 1
             specs = [InputSpec(shape, _field_dtype(a),
-                               f"input_{i}" if i < cut else f"label_{i - cut}", attr)
+                               f"input_{i}" if i < cut else f"label_{i - cut}", attr, chunks)
                      for i, (a, shape, attr) in enumerate(zip(first, shapes, attrs))]
             self._specs[n_labels, rows] = (specs[:cut], specs[cut:])
         return self._specs[n_labels, rows]
+
+    def restored(self, array: np.ndarray) -> np.ndarray:
+        """An output of a batch with its dim 1 back in sequence order where the data
+        stores sequences in the balanced order of context parallelism (an output whose
+        dim 1 is not the sequence is given back as it is)."""
+        if self.sharding is None or self.sharding.sequence_chunks == 1:
+            return array
+        seq = len(self.fields()[0])
+        if array.ndim < 2 or array.shape[1] != seq:
+            return array
+        return self.sharding.restored(array, 1)
 
     def casts(self) -> list:
         """(field index, dataset dtype, fed dtype) of each floating field fed in a

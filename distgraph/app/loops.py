@@ -241,7 +241,8 @@ class Loops:
             planned, runner, scope = self.ensure(Mode.PREDICT, loader, len(idx))
             feed, _ = self.feed(planned, loader, idx, 0, b)
             out = runner.run(scope, feed, self.step, local=True)
-            results.append([np.asarray(out[n]) for n in planned.plan.built.output_names])
+            results.append([loader.restored(np.asarray(out[n]))
+                            for n in planned.plan.built.output_names])
         return results
 
     # -- batches --------------------------------------------------------------------------------

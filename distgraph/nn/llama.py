@@ -13,7 +13,8 @@ Megatron splits them (:func:`megatron` does it): ``q_proj``, ``k_proj``, ``v_pro
 ``gate_proj`` and ``up_proj`` column-split (``[None, "mp"]``), ``o_proj`` and
 ``down_proj`` row-split (``["mp", None]``). Key/value heads split over ``mp`` when their
 count divides it; when it does not, ``k_proj``/``v_proj`` stay whole and are copied to
-every rank (each takes the heads its query heads read).
+every rank, and the layer repeats its key/value heads to the query heads before the
+attention op (each rank takes the heads its query heads read).
 
 Example::
 
@@ -93,7 +94,8 @@ class RMSNorm(Layer):
 
 
 class LlamaAttention(Layer):
-    """Causal grouped-query self-attention with rotary positions on q and k."""
+    """Causal grouped-query self-attention with rotary positions on q and k: the fused
+    ``attention`` op (a sequence split over a mesh dim runs it context parallel)."""
 
     def __init__(self, config: LlamaConfig):
         super().__init__()
@@ -108,6 +110,10 @@ class LlamaAttention(Layer):
                              bias=c.attention_bias, init_std=std)
         self.o_proj = Linear(c.num_attention_heads * c.head_dim, c.hidden_size,
                              bias=c.o_proj_bias, init_std=std)
+        # the op takes fewer key/value heads (grouped-query attention); a tensor
+        # parallelism their count does not divide repeats them to the query heads first
+        # (megatron_attention sets it), so the query heads' split carries them
+        self.repeat_kv = False
 
     def forward(self, x):
         c = self.config
@@ -121,11 +127,10 @@ class LlamaAttention(Layer):
             return ops.transpose(z, [0, 2, 1, 3])            # [b, n, s, hd]
 
         q = heads(self.q_proj(x), nh, True)
-        k = _repeat_kv(heads(self.k_proj(x), nkv, True), nh // nkv)
-        v = _repeat_kv(heads(self.v_proj(x), nkv, False), nh // nkv)
-        att = ops.scale(ops.matmul(q, k, transpose_y=True), 1.0 / math.sqrt(hd))
-        att = ops.where(ops.causal_mask(s, c.sliding_window), att, float("-inf"))
-        y = ops.matmul(ops.softmax(att, axis=-1), v)
+        k, v = heads(self.k_proj(x), nkv, True), heads(self.v_proj(x), nkv, False)
+        if self.repeat_kv:
+            k, v = _repeat_kv(k, nh // nkv), _repeat_kv(v, nh // nkv)
+        y = ops.attention(q, k, v, 1.0 / math.sqrt(hd), True, c.sliding_window)
         y = ops.reshape(ops.transpose(y, [0, 2, 1, 3]), [b, s, nh * hd])
         return self.o_proj(y)
 
@@ -243,6 +248,7 @@ def megatron_attention(layer: LlamaDecoderLayer, mesh, dim: str = "mp") -> None:
     another MLP (Mixtral's experts) shares with Llama's."""
     attn = layer.self_attn
     kv_split = attn.config.num_key_value_heads % mesh.dim_size(dim) == 0
+    attn.repeat_kv = not kv_split
     for linear in [attn.q_proj] + ([attn.k_proj, attn.v_proj] if kv_split else []):
         shard_tensor(linear.weight, mesh, [None, dim])
         if linear.bias is not None:

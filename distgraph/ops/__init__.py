@@ -15,6 +15,7 @@ from distgraph.ops.nn_ops import (cross_entropy, embedding, layer_norm, log_soft
                                   softmax, softmax_cross_entropy)
 from distgraph.ops.transformer import rms_norm, rotary
 from distgraph.ops.moe import moe_ffn, one_hot, top_k
+from distgraph.ops.attention import attention
 from distgraph.ops import optim_ops  # noqa: F401  (registers the update ops)
 from distgraph.ops import operators as _operators
 from distgraph.ir import Value as _Value

@@ -8,7 +8,9 @@
   last dim of ``x`` by ``position * inv_freq[i]`` (transformers' ``rotate_half`` form),
   where position is the element's global index along ``seq_axis``: a process holding a
   slice of the sequence rotates by its own positions (``localize`` gives the kernel the
-  slice). ``inverse`` rotates the other way: the gradient. Angles and their cos/sin are
+  slice; ``sequence_chunks`` > 1: the sequence is stored in the load-balanced order of that many
+  chunks, :func:`~distgraph.ops.attention_blocks.positions`). ``inverse`` rotates the
+  other way: the gradient. Angles and their cos/sin are
   computed in float64 and cast to ``x``'s dtype. ``...D -> ...D``: the rotated dim is
   never split, every other dim may be.
 
@@ -28,10 +30,11 @@ import math
 import numpy as np
 
 from distgraph import dtypes
+from distgraph.ops.attention_blocks import positions
 from distgraph.ops.common import elementwise_flops
 from distgraph.registry import ShapeError, TensorType, register_op
 from distgraph.spmd import LETTERS, EinsumRule
-from distgraph.trace import emit, emit1
+from distgraph.trace import active_builder, emit, emit1
 
 SCALINGS = ("linear", "llama3")
 
@@ -137,7 +140,7 @@ def _rotary_notation(in_shapes, attrs):
 class Rotary:
     flops = elementwise_flops(3)
 
-    def infer(x, seq_axis, theta, scaling=(), inverse=False):
+    def infer(x, seq_axis, theta, scaling=(), inverse=False, sequence_chunks=1):
         if not dtypes.is_float(x.dtype):
             raise ShapeError(f"rotary takes a float tensor, got {x.dtype}")
         if x.shape[-1] % 2:
@@ -147,12 +150,15 @@ class Rotary:
                              f"of {list(x.shape)}")
         return x
 
-    def kernel(ctx, x, seq_axis, theta, scaling=(), inverse=False):
+    def kernel(ctx, x, seq_axis, theta, scaling=(), inverse=False, sequence_chunks=1):
         xp = ctx.xp
         axis = seq_axis % x.ndim
         start = ctx.out_slices[axis].start if ctx.out_slices is not None else 0
+        total = ctx.out_global_shape[axis] if ctx.out_global_shape is not None else \
+            x.shape[axis]
         inv = xp.asarray(rope_frequencies(x.shape[-1], theta, scaling))
-        angle = xp.arange(start, start + x.shape[axis], dtype=inv.dtype)[:, None] * inv
+        place = positions(xp, start, x.shape[axis], total, sequence_chunks)
+        angle = place.astype(inv.dtype)[:, None] * inv
         shape = [1] * x.ndim
         shape[axis], shape[-1] = x.shape[axis], inv.size
         cos = xp.cos(angle).reshape(shape).astype(x.dtype)
@@ -166,7 +172,8 @@ class Rotary:
     def localize(attrs, site):
         slices = site.out_slices(0)
         axis = attrs["seq_axis"] % len(slices)
-        if slices[axis].start == 0:
+        whole = slices[axis].stop - slices[axis].start == site.out_shapes[0][axis]
+        if slices[axis].start == 0 and (whole or attrs.get("sequence_chunks", 1) == 1):
             return attrs, {}
         return attrs, {"out_global_shape": tuple(site.out_shapes[0]), "out_slices": slices}
 
@@ -176,9 +183,18 @@ class Rotary:
         return [emit1("rotary", [dz], attrs)]
 
 
+def sequence_chunks() -> int:
+    """The order the trace in progress stores its sequences in (``InputSpec``'s
+    ``sequence_chunks``: 1 natural, c the balanced order of c chunks, whose positions
+    :func:`~distgraph.ops.attention_blocks.positions` gives)."""
+    return getattr(active_builder(), "sequence_chunks", 1)
+
+
 def rotary(x, seq_axis, theta=10000.0, scaling=None):
     """RoPE on the last dim of ``x`` by the positions along ``seq_axis`` (module
     docstring); ``scaling`` is a ``rope_scaling`` dict or None."""
     items = tuple(sorted((scaling or {}).items()))
-    return emit1("rotary", [x], {"seq_axis": int(seq_axis), "theta": float(theta),
-                                 "scaling": items})
+    attrs = {"seq_axis": int(seq_axis), "theta": float(theta), "scaling": items}
+    if sequence_chunks() > 1:
+        attrs["sequence_chunks"] = sequence_chunks()
+    return emit1("rotary", [x], attrs)

@@ -188,7 +188,8 @@ class Plan:
 
     def op_collectives(self) -> list:
         """The collectives ops run inside their kernels (``comm`` hooks: MoE's
-        all-to-alls, a vocabulary-parallel loss's), once per group of processes alike:
+        all-to-alls, a vocabulary-parallel loss's, context-parallel attention's, named
+        with its form), once per group of processes alike:
         ``"moe_ffn (layers.0.mlp) over (0, 1): all_to_all n=2 sends 1 KiB"``."""
         out = []
         for local in self.representatives():
@@ -196,9 +197,11 @@ class Plan:
             for index in sorted(local.op_comm):
                 op, ctx = ops[index], local.op_context.get(index, {})
                 where = f" over {tuple(ctx['group'])}" if ctx.get("group") else ""
+                form = op.attrs.get("context_parallel")       # attention's: ring/ulysses
+                name = f"{op.type} [{form}]" if form else op.type
                 for kind, n, nbytes in local.op_comm[index]:
                     sent = collective_bytes(kind, n, nbytes)
-                    out.append(f"{op.type} ({op.layer}){where}: {kind} n={n} sends "
+                    out.append(f"{name} ({op.layer}){where}: {kind} n={n} sends "
                                f"{fmt_bytes(sent)}")
         return out
 

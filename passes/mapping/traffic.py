@@ -62,12 +62,22 @@ class _Pairs:
         if ways:
             way = min(ways, key=lambda w: w.slices)
             for kind, dim, _, nbytes in way.before + way.after:
-                self.add(group_sends(mesh.groups(dim), nbytes, kind), times * way.slices)
+                self.add(_sends(mesh.groups(dim), nbytes, kind), times * way.slices)
             return
         group = (local.op_context.get(index) or {}).get("group") or mesh.process_ids
         groups = groups_along(mesh, dims_of_group(mesh, group))
         for kind, _, nbytes in local.op_comm.get(index, ()):
-            self.add(group_sends(groups, nbytes, kind), times)
+            self.add(_sends(groups, nbytes, kind), times)
+
+
+def _sends(groups, nbytes: float, kind) -> list:
+    """The sends of one collective an op runs itself over every group of ``groups``: a
+    point-to-point step inside an op is a hop round its group's ring (ring attention's
+    k, v blocks: each member sends to the next, the last to the first)."""
+    if StepKind.parse(kind) is not StepKind.SEND_RECV:
+        return group_sends(groups, nbytes, kind)
+    return [(g[i], g[(i + 1) % len(g)], 1, nbytes) for g in groups if len(g) > 1
+            for i in range(len(g))]
 
 
 def traffic_graph(program: Program, partitions: Partitions | None = None,

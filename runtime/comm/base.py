@@ -382,5 +382,9 @@ class Request:
     def test(self) -> bool:
         return self.done
 
+    def ready(self) -> bool:
+        """Whether it is done, for a communicator's ``wait`` (by default ``test()``)."""
+        return self.test()
+
     def cancel(self) -> None:
         """Give up the request if it is not done."""

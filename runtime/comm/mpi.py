@@ -272,9 +272,13 @@ class MPICommunicator(Communicator):
         requests = list(requests)
         pending = [r for r in requests if not r.done]
         if pending:
-            mpi = [r._request for r in pending if isinstance(r, _MPICollective)]
+            mpi = [r._request for r in pending if isinstance(r, (_MPICollective, _MPIRequest))]
+            receives = [r._request for r in pending
+                        if isinstance(r, _MPIRequest) and r._receive]
             peers = sorted({p for r in pending for p in getattr(r, "group", ())})
-            self._wait(mpi, "; ".join(r.what for r in pending), peers=peers or None)
+            self._wait(mpi, "; ".join(r.what for r in pending), receives=receives,
+                       peers=peers or None,
+                       collective=any(isinstance(r, _MPICollective) for r in pending))
         return [r.value if r.test() else None for r in requests]
 
     def barrier(self) -> None:
@@ -303,13 +307,13 @@ class MPICommunicator(Communicator):
 
     def _isend(self, arr, dst, tag):
         return _MPIRequest(self, self._comm.Isend(_wire(arr), dest=dst, tag=tag), arr,
-                           f"a message to rank {dst} with tag {tag}")
+                           f"a message to rank {dst} with tag {tag}", peer=dst)
 
     def _irecv(self, shape, dtype, src, tag):
         out = self.backend.empty(shape, dtype)
         return _MPIRequest(self, self._comm.Irecv(_wire(out), source=src, tag=tag), out,
                            f"a message from rank {src} with tag {tag} ({shape} {dtype})",
-                           receive=True)
+                           receive=True, peer=src)
 
     def free(self) -> None:
         """Wait for pending sends and free the cached sub-communicators."""
@@ -334,11 +338,13 @@ def _mpi_test(comm, request, what) -> bool:
 
 
 class _MPIRequest(Request):
-    """An MPI request and the buffer it reads or fills (kept alive until it is done)."""
+    """An MPI request and the buffer it reads or fills (kept alive until it is done);
+    ``group``: the peer, for :meth:`MPICommunicator.wait`'s messages."""
 
-    def __init__(self, comm, request, buffer, what, receive=False):
+    def __init__(self, comm, request, buffer, what, receive=False, peer=None):
         super().__init__(what)
         self._comm, self._request, self._buffer, self._receive = comm, request, buffer, receive
+        self.group = () if peer is None else (peer,)
 
     def test(self) -> bool:
         if self.done:

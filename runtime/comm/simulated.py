@@ -175,7 +175,7 @@ class SimulatedCommunicator(Communicator):
         requests = list(requests)
         w = self._world
         with w._cond:
-            w._wait(lambda: all(r.ready() for r in requests), self.rank, self.timeout,
+            w._wait(lambda: all([r.ready() for r in requests]), self.rank, self.timeout,
                     lambda: "; ".join(r.what for r in requests if not r.ready()),
                     "this call is collective: call it on every rank of the group (check "
                     "that every rank runs the same plan)")

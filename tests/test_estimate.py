@@ -318,3 +318,21 @@ def test_software_cost_of_a_step_grows_with_its_buffer(float64):
     base = dg.passes.estimate(q, cluster(2))
     assert alone.processes[0].communication == pytest.approx(
         base.processes[0].communication + len(groups) * local * 1e-6, rel=1e-9)
+
+
+def test_interleaved_chunks_fill_the_pipeline_one_chunk_at_a_time(float64):
+    """With v chunks per stage the fill Σ u_s of Alpa's formula is Σ u_s / v (Megatron's
+    interleaved bubble): the same plan priced as v = 1, 2 and 4 loses Σ u_s (1 - 1/v)."""
+    from dataclasses import replace
+
+    built = build_program(TwoStageMLP(256), [dg.InputSpec([64, 256], name="x")],
+                          [dg.InputSpec([64, 256], name="y")], dg.nn.MSELoss(),
+                          dg.optim.SGD(0.1))
+    plan = dg.passes.plan(built, dg.Strategy(micro_batches=4))
+    c = cluster(2)
+    step = {v: dg.passes.estimate(replace(plan, strategy=replace(plan.strategy,
+                                                                 virtual_stages=v)), c)
+            .step_time for v in (1, 2, 4)}
+    fill = 2 * (step[1] - step[2])                      # Σ u_s
+    assert fill > 0
+    assert step[1] - step[4] == pytest.approx(0.75 * fill, rel=1e-9)

@@ -31,7 +31,8 @@ communication and bubble, and peak memory per process.
   micro-batches (Alpa's formula) ``T = Σ u_s + (M-1) max u_s + max update_s`` where
   ``u_s`` is stage s's forward + backward time for one micro-batch (a micro-batched
   plan's local programs are one micro-batch's: their forward and backward ops and
-  reshards count M times a step, the update's once). The bottleneck
+  reshards count M times a step, the update's once); with v chunks per stage
+  (``virtual_stages``, ZBV's 2) the fill ``Σ u_s`` is ``Σ u_s / v``. The bottleneck
   process's compute and communication are reported, and ``bubble`` is its idle time.
 - **Uneven splits.** With a balanced batch split (``Plan.batch_split``,
   ``Strategy(balance=True)``) each process is priced on its share: without micro-batches
@@ -422,8 +423,13 @@ def _combine(plan, processes, update_time, counts) -> Estimate:
     else:
         upd = {s: update_time[p.process] for s, p in slowest.items()}
         per_mb = {s: (p.busy - upd[s]) / counts[p.process] for s, p in slowest.items()}
-        total = (sum(per_mb.values()) + max((counts[p.process] - 1) * per_mb[s]
-                                            for s, p in slowest.items()) + max(upd.values()))
+        # with v chunks per stage (interleaved 1F1B, ZBV's two) the pipeline fills and
+        # drains one chunk at a time: the fill is 1/v of the stages' sum (Narayanan et
+        # al., SC'21: bubble (S - 1) / (v M) of the ideal time)
+        virtual = 2 if plan.strategy.schedule == "ZBV" else plan.strategy.virtual_stages
+        total = (sum(per_mb.values()) / virtual + max((counts[p.process] - 1) * per_mb[s]
+                                                      for s, p in slowest.items())
+                 + max(upd.values()))
     bottleneck = max(processes, key=lambda p: p.busy)
     return Estimate(total, bottleneck.compute, bottleneck.communication,
                     max(total - bottleneck.busy, 0.0), tuple(processes))

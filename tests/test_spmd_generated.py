@@ -227,7 +227,7 @@ def test_strategies_are_valid_fixpoints_of_the_rule(case, mesh):
         context = case.op.startswith("attention") and s.in_specs[0].dims[2] is not None
         assert bool(s.comm) == (split_class or dispatch or context), s.name
         if dispatch:
-            assert {k for k, _, _ in s.comm} == {"all_to_all"}
+            assert {k for k, _, _ in s.comm} <= {"all_to_all", "all_to_allv"}
         if split_class:
             assert [k for k, _, _ in s.comm] == ["all_gather", "all_reduce"]
 

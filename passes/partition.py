@@ -8,7 +8,11 @@ Wherever a consumer wants an operand laid out differently from how its producer 
 steps of :func:`plan_reshard` is placed before the consumer — in the programs of every
 process of the source and destination meshes, at the same place of the global op order,
 so all processes meet their collectives and messages in one order. A value resharded
-once to a given layout is reused by every later consumer that wants that layout.
+once to a given layout is reused by every later consumer that wants that layout, except
+that the backward does not reuse a forward copy larger than the value it gathers (on the
+value's own mesh): it gathers again, so the forward keeps only its shard for the backward
+(Megatron-SP's activations, gathered over ``t`` for a column-split matmul, are saved
+split and gathered again for the weight gradient, as Korthikanti et al. count them).
 
 :class:`Partitions` holds the local programs of every process of one plan: each made on
 first use, every reshard planned once for all of them, and the processes grouped by the
@@ -27,8 +31,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+import numpy as np
+
 from distgraph.errors import PlanError
-from distgraph.ir import Operation, Program, Value
+from distgraph.ir import Operation, Program, Role, Value
 from distgraph.mesh import ProcessMesh
 from distgraph.passes.reshard import plan_reshard
 from distgraph.placement import DistAttr, ShardSpec
@@ -73,7 +79,9 @@ class _Partitioner:
         self.local = Program()
         self.points: dict[int, list] = {}
         self.cache: dict = {}
+        self.made_in: dict = {}   # cache key -> role of the op the copy was made for
         self.copies: dict = {}
+        self.points_made = 0
         self.plans = plans
         self.at = -1      # global index of the op being partitioned (see ReshardPoint.anchor)
 
@@ -87,12 +95,17 @@ class _Partitioner:
                                        v.annotation, v.dist_attr))
         return self.local.values[v.name]
 
-    def reshard(self, v: Value, dst: DistAttr, stores: str | None = None) -> str | None:
-        """Place a reshard point (once per value and layout); the local name of the result."""
+    def reshard(self, v: Value, dst: DistAttr, stores: str | None = None,
+                role: Role | None = None) -> str | None:
+        """Place a reshard point (once per value and layout, see the module docstring);
+        the local name of the result. ``role``: the consuming op's."""
         key = (v.name, dst)
-        if key in self.cache:
-            return self.cache[key]
         src = v.dist_attr
+        if key in self.cache:
+            if not (role is Role.BACKWARD and self.made_in.get(key) is Role.FORWARD
+                    and _gathers(src, dst, v.shape)):
+                return self.cache[key]
+            del self.cache[key]       # gathered again for the backward (and kept for it)
         made = self.copies.get(v.name, 0)        # copies of v resharded so far
         self.copies[v.name] = made + 1
         name = f"{v.name}@{made}"
@@ -105,8 +118,11 @@ class _Partitioner:
                                            role=v.role, dist_attr=dst))
             self.points.setdefault(len(self.local.ops), []).append(
                 ReshardPoint(v.name, src, dst, tuple(v.shape), v.dtype, steps, reads, writes,
-                             len(self.cache), (stores,) if stores and writes else (), self.at))
+                             self.points_made, (stores,) if stores and writes else (),
+                             self.at))
+        self.points_made += 1
         self.cache[key] = name
+        self.made_in[key] = role
         return name
 
     def run(self) -> LocalProgram:
@@ -130,7 +146,7 @@ class _Partitioner:
                     if self.pid in da.mesh:      # (compared without making a DistAttr: hot)
                         ins.append(self.local_value(v))
                 else:
-                    name = self.reshard(v, DistAttr(da.mesh, da.input_specs[i]))
+                    name = self.reshard(v, DistAttr(da.mesh, da.input_specs[i]), role=op.role)
                     if self.pid in da.mesh:
                         ins.append(self.local.values[name])
             # Every process notes the write-backs, so all number reshard points alike.
@@ -165,6 +181,14 @@ class _Partitioner:
         for v, target in writebacks:
             self.reshard(v, target.dist_attr, target.name)
         return LocalProgram(self.pid, self.local, self.points, context, op_comm)
+
+
+def _gathers(src: DistAttr, dst: DistAttr, shape) -> bool:
+    """Whether a reshard on one mesh leaves each process more of the value than it had."""
+    if src.mesh != dst.mesh:
+        return False
+    return (int(np.prod(dst.local_shape(shape), dtype=np.int64))
+            > int(np.prod(src.local_shape(shape), dtype=np.int64)))
 
 
 def _steps(plans: dict, src: DistAttr, dst: DistAttr, shape, dtype) -> tuple:

@@ -102,12 +102,15 @@ def test_sequence_parallel_gathers_and_reduce_scatters():
     layers = L.TINY["num_hidden_layers"]
     # per layer: forward, an all-gather before q|k|v and gate|up and a reduce-scatter after
     # o and down; backward, their transposes (the gradients reaching o and down gathered,
-    # the input gradients of q|k|v and gate|up reduce-scattered); no all-reduce of an
-    # activation is left. Beyond the layers: the final norm's output gathered for the LM
-    # head (its weight is whole), as Megatron gathers before its output layer.
+    # the input gradients of q|k|v and gate|up reduce-scattered) and the norms' outputs
+    # gathered again for the weight gradients of q|k|v and gate|up (Korthikanti et al.
+    # 4.2.2: the forward keeps them split, not its gathered copy); no all-reduce of an
+    # activation is left. Beyond the layers: the final norm's input gathered for the LM
+    # head (its weight is whole), as Megatron gathers before its output layer, and again
+    # for the norm's gradient.
     assert {key: len(steps) for key, steps in found.items()} == {
         ("forward", "all_gather"): 2 * layers + 1, ("forward", "reduce_scatter"): 2 * layers,
-        ("backward", "all_gather"): 2 * layers, ("backward", "reduce_scatter"): 2 * layers}
+        ("backward", "all_gather"): 4 * layers + 1, ("backward", "reduce_scatter"): 2 * layers}
     _check_bytes(found)
     # the decoder layers' norms and residual adds run split over the sequence
     plan = _plan(True, dp=2)

@@ -44,6 +44,19 @@ MODELS = {
 }
 
 
+def lm_program(model, batch: int, seq: int, meshes=None, spec=("dp", None)):
+    """The training program of a language model on [batch, seq] tokens (cross-entropy,
+    AdamW); with ``meshes``, the tokens annotated ``spec`` on the first mesh and the labels
+    on the last."""
+    tokens = dg.InputSpec([batch, seq], "int64", "tokens")
+    labels = dg.InputSpec([batch, seq], "int64", "labels")
+    built = build_program(model, [tokens], [labels], dg.nn.CrossEntropyLoss(),
+                          dg.optim.AdamW(1e-4))
+    for name, mesh in (("tokens", meshes[0]), ("labels", meshes[-1])) if meshes else ():
+        built.program.values[name].annotation = dg.DistAttr(mesh, dg.ShardSpec(list(spec)))
+    return built
+
+
 def config(name: str) -> dg.nn.LlamaConfig:
     fields = {k: v for k, v in MODELS[name].items() if k != "p"}
     return dg.nn.LlamaConfig(vocab_size=VOCAB, max_position_embeddings=SEQ,
@@ -78,12 +91,7 @@ def plan_one(name: str, cluster, t: int, p: int, zero: bool = True) -> dict:
     gpus = len(cluster.devices)
     start = time.perf_counter()
     model, meshes, dp = megatron_llama(c, t, p, gpus)
-    tokens = dg.InputSpec([BATCH, SEQ], "int64", "tokens")
-    labels = dg.InputSpec([BATCH, SEQ], "int64", "labels")
-    built = build_program(model, [tokens], [labels], dg.nn.CrossEntropyLoss(),
-                          dg.optim.AdamW(1e-4))
-    for name_, mesh in (("tokens", meshes[0]), ("labels", meshes[-1])):
-        built.program.values[name_].annotation = dg.DistAttr(mesh, dg.ShardSpec(["dp", None]))
+    built = lm_program(model, BATCH, SEQ, meshes)
     built_s = time.perf_counter() - start
     strategy = dg.Strategy(micro_batches=BATCH // dp, recompute=True, sharding=zero)
     start = time.perf_counter()

@@ -48,7 +48,8 @@ import time
 import numpy as np
 
 import distgraph as dg
-from distgraph.program_builder import build_program
+
+from plan_llama import lm_program          # bench/ is on the path
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 H100_FILE = os.path.join(HERE, "..", "resources", "clusters", "h100_16384.yaml")
@@ -119,15 +120,8 @@ def build(case: dict, annotate: bool):
     meshes = dims = None
     if annotate:
         meshes, dims = meta_layout(model, case)
-    tokens = dg.InputSpec([sequences, case["seq"]], "int64", "tokens")
-    labels = dg.InputSpec([sequences, case["seq"]], "int64", "labels")
-    built = build_program(model, [tokens], [labels], dg.nn.CrossEntropyLoss(),
-                          dg.optim.AdamW(1e-4))
-    if annotate:
-        spec = ["dp", "cp"] if "cp" in dims else ["dp", None]
-        for name, mesh in (("tokens", meshes[0]), ("labels", meshes[-1])):
-            built.program.values[name].annotation = dg.DistAttr(mesh, dg.ShardSpec(spec))
-    return c, built
+    spec = ("dp", "cp") if annotate and "cp" in dims else ("dp", None)
+    return c, lm_program(model, sequences, case["seq"], meshes, spec)
 
 
 def summarise(name, c, case, plan, cluster, build_s, plan_s, plan_cpu, how) -> dict:

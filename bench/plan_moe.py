@@ -40,9 +40,9 @@ import distgraph as dg
 from distgraph.annotation import shard_tensor
 from distgraph.nn.llama import LlamaDecoderLayer, LlamaMLP, megatron_attention, megatron_layer
 from distgraph.nn.mixtral import Mixtral, MixtralConfig, MixtralSparseMoeBlock
-from distgraph.program_builder import build_program
 
 from gpt_scale import dgx_cluster          # bench/ is on the path
+from plan_llama import lm_program
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 H100_FILE = os.path.join(HERE, "..", "resources", "clusters", "h100_16384.yaml")
@@ -192,12 +192,7 @@ def plan_one(name: str, cluster, ep: int, p: int, dp: int, t: int) -> dict:
     seq, batch = spec["seq"], spec["batch"]
     start = time.perf_counter()
     c, model, meshes = build_model(spec, gpus, t, p)
-    tokens = dg.InputSpec([batch, seq], "int64", "tokens")
-    labels = dg.InputSpec([batch, seq], "int64", "labels")
-    built = build_program(model, [tokens], [labels], dg.nn.CrossEntropyLoss(),
-                          dg.optim.AdamW(1e-4))
-    for value, mesh in (("tokens", meshes[0]), ("labels", meshes[-1])):
-        built.program.values[value].annotation = dg.DistAttr(mesh, dg.ShardSpec(["dp", None]))
+    built = lm_program(model, batch, seq, meshes)
     built_s = time.perf_counter() - start
     strategy = dg.Strategy(micro_batches=batch // dp, recompute=True, sharding=True)
     start = time.perf_counter()

@@ -7,12 +7,13 @@ import distgraph as dg
 
 @pytest.fixture
 def float64():
-    """Run a test with float64 as the default dtype, restoring float32 afterwards."""
+    """Run a test with float64 as the default dtype, restoring the one before afterwards."""
+    before = dg.get_default_dtype()
     dg.set_default_dtype("float64")
     try:
         yield
     finally:
-        dg.set_default_dtype("float32")
+        dg.set_default_dtype(before)
 
 
 @pytest.fixture(autouse=True)

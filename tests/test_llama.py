@@ -83,13 +83,6 @@ def _linear_weights(model) -> set:
             if isinstance(layer, dg.nn.Linear)}
 
 
-@pytest.fixture
-def float64():
-    before = dg.get_default_dtype()
-    dg.set_default_dtype("float64")
-    yield
-    dg.set_default_dtype(before)
-
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):

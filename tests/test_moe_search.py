@@ -15,7 +15,6 @@ import os
 import sys
 
 import numpy as np
-import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -34,13 +33,6 @@ CONFIG = MixtralConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=64,
 EXPERTS = ("gate_proj", "up_proj", "down_proj")
 BUDGET = 0.4e-3         # GB: the unconstrained (replicated) plan's peak is 0.92 MB
 
-
-@pytest.fixture
-def float64():
-    previous = dg.get_default_dtype()
-    dg.set_default_dtype("float64")
-    yield
-    dg.set_default_dtype(previous)
 
 
 def _built():

@@ -134,13 +134,6 @@ def test_random_problems_against_brute_force():
     assert (ratios <= 1 + 1e-9).mean() >= 0.95        # the tree moves reach the optimum
 
 
-@pytest.fixture
-def float64():
-    previous = dg.get_default_dtype()
-    dg.set_default_dtype("float64")
-    yield
-    dg.set_default_dtype(previous)
-
 
 def train(model, kind, comm):
     engine = dg.Engine(model, P.loss_fn(kind), P.make_optimizer("adamw"), communicator=comm,

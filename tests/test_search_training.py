@@ -15,13 +15,6 @@ from distgraph.runtime.comm.simulated import SimulatedWorld  # noqa: E402
 import plans as P  # noqa: E402
 
 
-@pytest.fixture
-def float64():
-    previous = dg.get_default_dtype()
-    dg.set_default_dtype("float64")
-    yield
-    dg.set_default_dtype(previous)
-
 
 @pytest.mark.parametrize("plan", list(P.AUTO_PLANS.values()), ids=str)
 def test_auto_plan_trains_like_serial(plan, float64):

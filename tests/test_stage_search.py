@@ -106,13 +106,6 @@ def test_layer_cut_is_alpas_dp(seed):
         assert got == pytest.approx(expected)
 
 
-@pytest.fixture
-def float64():
-    previous = dg.get_default_dtype()
-    dg.set_default_dtype("float64")
-    yield
-    dg.set_default_dtype(previous)
-
 
 def train(model, kind, comm, cluster, dims=None):
     engine = dg.Engine(model, P.loss_fn(kind), P.make_optimizer("adamw"), cluster=cluster,

@@ -102,8 +102,7 @@ class _Partitioner:
         key = (v.name, dst)
         src = v.dist_attr
         if key in self.cache:
-            if not (role is Role.BACKWARD and self.made_in.get(key) is Role.FORWARD
-                    and _gathers(src, dst, v.shape)):
+            if reuses(self.made_in.get(key), role, src, dst, v.shape):
                 return self.cache[key]
             del self.cache[key]       # gathered again for the backward (and kept for it)
         made = self.copies.get(v.name, 0)        # copies of v resharded so far
@@ -183,12 +182,15 @@ class _Partitioner:
         return LocalProgram(self.pid, self.local, self.points, context, op_comm)
 
 
-def _gathers(src: DistAttr, dst: DistAttr, shape) -> bool:
-    """Whether a reshard on one mesh leaves each process more of the value than it had."""
-    if src.mesh != dst.mesh:
-        return False
+def reuses(made_for: Role | None, role: Role | None, src: DistAttr, dst: DistAttr,
+           shape) -> bool:
+    """Whether an op of ``role`` reads the copy of a value already resharded from ``src``
+    to ``dst`` for an op of ``made_for`` (see the module docstring): always, except that
+    the backward gathers again what the forward gathered on the value's own mesh."""
+    if not (role is Role.BACKWARD and made_for is Role.FORWARD and src.mesh == dst.mesh):
+        return True
     return (int(np.prod(dst.local_shape(shape), dtype=np.int64))
-            > int(np.prod(src.local_shape(shape), dtype=np.int64)))
+            <= int(np.prod(src.local_shape(shape), dtype=np.int64)))
 
 
 def _steps(plans: dict, src: DistAttr, dst: DistAttr, shape, dtype) -> tuple:

@@ -371,13 +371,13 @@ class _Completion:
                 dst = self.ispec[(k, i)].known()
                 if self.vmesh[v.name] != mesh or final[v.name] != dst:
                     points.append((v.name, attr(self.vmesh[v.name], final[v.name]),
-                                   attr(mesh, dst), v.shape, v.dtype))
+                                   attr(mesh, dst), v.shape, v.dtype, op.role))
             for o in op.outputs:
                 if o.alias_of and (self.vmesh[o.alias_of] != mesh
                                    or final[o.alias_of] != final[o.name]):
                     points.append((o.name, attr(mesh, final[o.name]),
                                    attr(self.vmesh[o.alias_of], final[o.alias_of]),
-                                   o.shape, o.dtype))
+                                   o.shape, o.dtype, op.role))
             opdef = get_op(op.type)
             if opdef.comm is not None:
                 ins = tuple(attr(mesh, self.ispec[(k, i)].known()) for i in range(len(op.inputs)))

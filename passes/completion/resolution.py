@@ -34,7 +34,7 @@ from typing import NamedTuple
 from distgraph.errors import PlanError
 from distgraph.passes.cost.formulas import comm_bytes
 from distgraph.passes.cost.prices import Rings, op_comm_time, slowest_reshard_step_time
-from distgraph.passes.partition import local_view_only
+from distgraph.passes.partition import local_view_only, reuses
 from distgraph.passes.reshard import plan_reshard
 from distgraph.placement import DistAttr, ShardSpec
 from distgraph.plan.reshard import steps_bytes
@@ -174,17 +174,20 @@ class ReshardPricer:
 
 def planned_traffic(points, op_comm, pricer: ReshardPricer) -> Traffic:
     """What partition will place for a completed layout, summed over all processes:
-    ``points`` are the reshards ``(value name, src DistAttr, dst DistAttr, shape, dtype)``
-    (one per value and destination layout, as partition places them, write-backs of
-    updates included); ``op_comm`` the ``(op definition, LocalSites)`` of every op that
-    communicates inside its distributed form, a site per process (its slowest process's
-    collectives count in the time, every process's in the bytes)."""
-    seen: set = set()
+    ``points`` are the reshards ``(value name, src DistAttr, dst DistAttr, shape, dtype,
+    role of the consuming op)`` (write-backs of updates included), counted as partition
+    places them: once per value and destination layout, a forward gather again for the
+    backward (:func:`~distgraph.passes.partition.reuses`); ``op_comm`` the ``(op
+    definition, LocalSites)`` of every op that communicates inside its distributed form,
+    a site per process (its slowest process's collectives count in the time, every
+    process's in the bytes)."""
+    made: dict = {}
     time = total = 0.0
-    for name, src, dst, shape, dtype in points:
-        if (name, dst) in seen:
+    for name, src, dst, shape, dtype, role in points:
+        key = (name, dst)
+        if key in made and reuses(made[key], role, src, dst, shape):
             continue
-        seen.add((name, dst))
+        made[key] = role
         t = pricer.steps_cost(src, dst, shape, dtype)
         time, total = time + t.time, total + t.bytes
     for opdef, sites in op_comm:

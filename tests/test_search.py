@@ -93,9 +93,14 @@ def repeated_reshard_seconds(plan, cluster) -> float:
             for role in ("forward", "loss", "backward", "optimize")}
     total = 0.0
     rings = Rings(cluster, lambda p: cluster.devices[plan.ranks(p)].global_id)
-    for point in plan.reshards():
-        users = {k for k, op in enumerate(ops) for v, s in zip(op.inputs,
-                                                                op.dist_attr.input_specs)
+    points = plan.reshards()
+    for point in points:
+        # a copy serves its consumers until the same value is resharded to the same
+        # layout again (the backward gathers again what the forward gathered)
+        until = min((q.anchor for q in points if (q.value, q.dst) == (point.value, point.dst)
+                     and q.anchor > point.anchor), default=len(ops))
+        users = {k for k, op in enumerate(ops) if point.anchor <= k < until
+                 for v, s in zip(op.inputs, op.dist_attr.input_specs)
                  if v.name == point.value and DistAttr(op.dist_attr.mesh, s) == point.dst}
         seconds = sum(reshard_step_time(s, 0, rings) for s in point.steps)
         charged = sum(runs[ops[k].role] for k in users)

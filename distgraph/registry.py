@@ -34,6 +34,11 @@ as ``localize`` made them, ``ins`` local TensorTypes), that its distributed form
 pipelines its own collectives with its compute in slices (MeshSlice), and how: one
 :class:`Overlap` per number of slices it may run with (empty: it does not overlap), so
 the cost model prices the communication it hides.
+``saved(attrs, ctx, ins) -> bytes`` (optional) says how many bytes its kernel keeps in
+``KernelContext.saved`` from the forward to its gradient (the op ``<type>_grad`` of the
+same layer, which takes them) at the expected load, for a localized op (``attrs`` and
+``ctx`` as ``localize`` made them, ``ins`` local TensorTypes), so the memory model counts
+what no Value holds (``moe_ffn``'s routes, rows and expert activations).
 """
 
 from __future__ import annotations
@@ -79,6 +84,7 @@ class OpDef:
     comm: Callable | None = None
     donate: bool = False
     overlap: Callable | None = None
+    saved: Callable | None = None
 
 
 _REGISTRY: dict[str, OpDef] = {}
@@ -92,7 +98,8 @@ def register_op(op_type: str, *, spmd, inplace=(), differentiable=True, donate=F
         register(op_type, spmd=spmd, infer=members.get("infer"), kernel=members.get("kernel"),
                  grad=members.get("grad"), flops=members.get("flops"), inplace=inplace,
                  differentiable=differentiable, localize=members.get("localize"),
-                 comm=members.get("comm"), donate=donate, overlap=members.get("overlap"))
+                 comm=members.get("comm"), donate=donate, overlap=members.get("overlap"),
+                 saved=members.get("saved"))
         return cls
 
     return wrap
@@ -100,7 +107,7 @@ def register_op(op_type: str, *, spmd, inplace=(), differentiable=True, donate=F
 
 def register(op_type: str, *, spmd, infer, kernel, grad=None, flops=None, inplace=(),
              differentiable=True, localize=None, comm=None, donate=False,
-             overlap=None) -> OpDef:
+             overlap=None, saved=None) -> OpDef:
     """Validate and register one op entry from its parts (``register_op`` is the class
     form; :func:`distgraph.ops.common.register_rows` registers a table of them)."""
     if op_type in _REGISTRY:
@@ -118,7 +125,7 @@ def register(op_type: str, *, spmd, infer, kernel, grad=None, flops=None, inplac
                              f"distgraph.spmd.Rule")
     rule = OpRule(op_type, spmd, infer, comm)
     entry = OpDef(op_type, infer, kernel, grad, rule, flops or _zero_flops, tuple(inplace),
-                  differentiable, localize, comm, donate, overlap)
+                  differentiable, localize, comm, donate, overlap, saved)
     _REGISTRY[op_type] = entry
     return entry
 

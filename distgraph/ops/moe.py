@@ -41,7 +41,10 @@ combine; a process holding a share of the experts is priced at its share (a bala
 routing). The gradient is priced at two forwards: it runs on what its forward kept in
 the runtime's per-micro-batch ``ctx.saved`` (each expert's rows, pre-activations and
 outputs; the all-to-all form's in :mod:`distgraph.ops.moe_dispatch`), and recomputes
-them only where the runtime keeps nothing.
+them only where the runtime keeps nothing. What it keeps is priced for the memory model
+at the expected load too (``saved``, :func:`kept_bytes`): per assignment a process's
+experts run, the row and the two pre-activations (and, in the all-to-all form, the
+output it got back; the rest of the exchange, :func:`distgraph.ops.moe_dispatch.kept_bytes`).
 
 Example::
 
@@ -161,6 +164,28 @@ def _ffn_flops(ins, outs, capacity=None, expert_start=None, num_experts=None):
     return _pairs(ins, capacity) * (6 * d * inner + 5 * inner + 2 * d)
 
 
+INDEX = 8          # bytes of the int64 indices the kernels make (numpy's and cupy's intp)
+
+
+def kept_bytes(attrs, ctx, ins) -> float:
+    """Bytes moe_ffn's kernel keeps in ``ctx.saved`` for its gradient at the expected
+    load, beyond its operands (Values the gradient reads anyway), on a process with local
+    TensorTypes ``ins``: per assignment its experts run, the token's row and the two
+    pre-activations ``g``, ``u`` and the expert's output (``2 d + 2 I`` items) and its
+    row and top-k slot (two int64); the all-to-all form's in
+    :func:`distgraph.ops.moe_dispatch.kept_bytes`."""
+    if ctx.get("group") is not None:
+        return moe_dispatch.kept_bytes(attrs, len(ctx["group"]), ins)
+    b, s, d = ins[0].shape
+    k = ins[1].shape[2]
+    local, _, inner = ins[3].shape
+    experts = attrs.get("num_experts") or local
+    capacity = attrs.get("capacity")
+    per_seq = s * k if capacity is None else min(s * k, experts * capacity)
+    pairs = b * per_seq * local / experts            # a balanced routing's share
+    return pairs * ((2 * d + 2 * inner) * dtypes.itemsize(ins[0].dtype) + 2 * INDEX)
+
+
 def _silu_parts(xp, g):
     half = g.dtype.type(0.5)
     s = half + half * xp.tanh(half * g)             # sigmoid, as ops.silu computes it
@@ -243,6 +268,9 @@ class MoeFFN:
 
     localize = moe_dispatch.localize
     comm = moe_dispatch.comm
+
+    def saved(attrs, ctx, ins):
+        return kept_bytes(attrs, ctx, ins)
 
     def grad(op, dy):
         dx, dweights, dgate, dup, ddown = emit("moe_ffn_grad", [*op.inputs, dy],

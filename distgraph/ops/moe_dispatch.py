@@ -25,6 +25,14 @@ hand-written expert-parallel step does). Without ``ctx.saved`` it sends ``[x | d
 weight]`` rows, the experts recompute their forward, and ``[dx | dweight]`` rows come
 back. Each process's experts' weight gradients are whole along ``m`` (no Partial).
 
+``kept_bytes`` prices what the forward keeps at the expected load (the memory model's
+``saved`` of the op): per assignment the process sends, its route (row and slot, two
+int64) and the output it gets back (``d`` items, views of one buffer); per row it
+receives, the row, its two pre-activations (``d + 2 I`` items) and its place (int64);
+dropless also the counts (``[members, local experts]`` sent and received, and their sums
+per member). A balanced routing receives as many rows as it sends; with a capacity the
+fixed buffers, ``E * b * C`` rows, and the assignments within the capacity.
+
 ``comm(site)`` declares the all-to-alls at the expected load (a balanced routing: a
 process's ``tokens * k`` assignments, or its fixed buffers), as
 :func:`distgraph.plan.kinds.collective_bytes` counts an all-to-all's buffer; the dropless
@@ -83,6 +91,28 @@ def comm(site, grad: bool = False) -> tuple:
     else:
         rows, kind, counts = experts * b * capacity, "all_to_all", ()
     return counts + ((kind, n, rows * d * item),) * 2
+
+
+def kept_bytes(attrs, members: int, ins) -> float:
+    """Bytes the all-to-all form's forward keeps in ``ctx.saved`` beyond its operands at
+    the expected load, on a process of a group of ``members`` with local TensorTypes
+    ``ins`` (module docstring)."""
+    index = 8                         # int64 routes, places and counts
+    b, s, d = ins[0].shape
+    k = ins[1].shape[2]
+    local, _, inner = ins[3].shape
+    experts = attrs.get("num_experts") or local * members
+    item = dtypes.itemsize(ins[0].dtype)
+    capacity = attrs.get("capacity")
+    if capacity is None:
+        sent = received = b * s * k
+        counts = 2 * members * local * index + 2 * members * index
+    else:
+        sent = b * min(s * k, experts * capacity)
+        received = experts * b * capacity
+        counts = members * local * index
+    return (sent * (2 * index + d * item) + received * ((d + 2 * inner) * item + index)
+            + counts)
 
 
 class _Exchange:

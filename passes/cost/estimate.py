@@ -45,7 +45,10 @@ communication and bubble, and peak memory per process.
   So a data-parallel group of mixed devices is priced at each device's share, not at the
   slowest device's even share.
 - **Memory** per process: parameters, optimizer states, and the transient values
-  (gradients, activations) live at the peak of the executor's free-after-last-use order.
+  (gradients, activations) live at the peak of the executor's free-after-last-use order,
+  with what a kernel keeps for its gradient beyond any Value (an op's ``saved`` hook:
+  ``moe_ffn``'s routes, rows and expert activations at the expected load) live from the
+  op to its gradient.
   Under a pipeline schedule a stage holds the micro-batches in flight (M for FThenB,
   S - s for 1F1B on stage s): one at its peak, each other one with the activations it
   keeps from its forward to its backward (``saved_activations``: what is live when the
@@ -359,13 +362,15 @@ def _peak_memory(plan, pid, stage, scale: _Scale) -> tuple[int, int, int, int, i
     states = sum(v.nbytes for v in prog.persistables if not v.is_parameter)
     roles = [op.role for op in plan.program.ops]
     items, item_roles = [], []        # a reshard point's role is the role of its consumer
+    kept, sizes = _kept(local, scale)
     for i, op in enumerate(prog.ops + [None]):
         for point in local.comm_points.get(i, ()):
             items.append((point.reads, point.writes))
             item_roles.append(roles[point.anchor] if point.anchor >= 0 else None)
         if op is not None:
-            items.append((tuple(v.name for v in op.inputs),
-                          tuple(o.name for o in op.outputs if not o.alias_of)))
+            reads, writes = kept.get(i, ((), ()))
+            items.append((tuple(v.name for v in op.inputs) + reads,
+                          tuple(o.name for o in op.outputs if not o.alias_of) + writes))
             item_roles.append(op.role)
     updating = [role == Role.OPTIMIZE for role in item_roles]
     # With micro-batches the runtime adds what a micro-batch makes for the update (its
@@ -392,7 +397,9 @@ def _peak_memory(plan, pid, stage, scale: _Scale) -> tuple[int, int, int, int, i
         if k == first_backward:
             saved = sum(b for n, b in live.items() if "@GRAD" not in n)
         for name in writes:
-            if name not in keep:
+            if name in sizes:
+                live[name] = sizes[name]
+            elif name not in keep:
                 live[name] = scale.nbytes(prog.values[name])
         total = sum(live.values())
         if total > peak:
@@ -411,6 +418,29 @@ def _peak_memory(plan, pid, stage, scale: _Scale) -> tuple[int, int, int, int, i
         grads += sum(prog.values[g].nbytes for g in plan.built.grad_names.values()
                      if g in prog.values)
     return params, states, int(grads), int(acts), int(saved)
+
+
+def _kept(local, scale: _Scale) -> tuple[dict, dict]:
+    """What kernels keep for their gradients beyond any Value (an op's ``saved`` hook:
+    ``moe_ffn``'s routes, rows and activations), as a name live from the op to its
+    gradient: ({op index: (names read, names written)}, {name: bytes}). The runtime keeps them per layer and op (``KernelContext.saved``): the
+    forward writes them, a recomputed copy replaces them, ``<type>_grad`` of the same
+    layer takes them."""
+    out: dict = {}
+    sizes: dict = {}
+    for i, op in enumerate(local.program.ops):
+        hook = get_op(op.type).saved
+        if hook is not None:
+            name = f"{op.layer}@KEPT@{op.type}"
+            ins = [TensorType(v.shape, v.dtype) for v in op.inputs]
+            rows = scale.rows if scale.axis(op.inputs[0].name) is not None else 1.0
+            sizes[name] = hook(op.attrs, local.op_context.get(i, {}), ins) * rows
+            out[i] = ((), (name,))
+        elif op.type.endswith("_grad"):
+            name = f"{op.layer}@KEPT@{op.type[:-len('_grad')]}"
+            if name in sizes:
+                out[i] = ((name,), ())
+    return out, sizes
 
 
 def _combine(plan, processes, update_time, counts) -> Estimate:

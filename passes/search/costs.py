@@ -10,7 +10,8 @@ applied to one strategy, one reshard or one tensor before any plan exists.
 - a reshard between two layouts of a Value: ``plan_reshard``'s steps, each
   ``reshard_step_time`` on the ring of its mesh dim's group (:class:`~distgraph.passes.
   cost.prices.Rings`, the one ring model);
-- memory: a strategy's local result bytes.
+- memory: a strategy's local result bytes, and what its kernel keeps for the gradient
+  beyond them (the op's ``saved`` hook, at the expected load).
 
 A process of the mesh stands for all: every process of one SPMD mesh runs the same
 local program. Results are cached by signature, so the identical blocks of a
@@ -58,24 +59,45 @@ class SearchCosts:
 
     def op(self, op, strategies) -> tuple[np.ndarray, np.ndarray]:
         """(compute seconds, own-collective seconds) of each strategy of ``op``."""
-        key = (op.type, tuple(tuple(v.shape) for v in op.inputs),
-               tuple(tuple(o.shape) for o in op.outputs), tuple(v.dtype for v in op.inputs),
-               repr(sorted(op.attrs.items())), tuple(s.name for s in strategies))
+        key = _signature(op, strategies)
         if key not in self._ops:
             priced = [self._price(op, s) for s in strategies]
             self._ops[key] = (np.array([c for c, _ in priced]), np.array([m for _, m in priced]))
         return self._ops[key]
 
-    def _price(self, op, s) -> tuple[float, float]:
-        attrs, context = op.attrs, None
+    def kept(self, op, strategies) -> np.ndarray:
+        """Bytes each strategy's kernel keeps for the gradient beyond its results (the
+        op's ``saved`` hook; zeros without one)."""
+        hook = get_op(op.type).saved
+        if hook is None:
+            return np.zeros(len(strategies))
+        key = ("kept",) + _signature(op, strategies)
+        if key not in self._ops:
+            out = []
+            for s in strategies:
+                attrs, context = self._localized(op, s)
+                ins = [TensorType(shape, v.dtype)
+                       for shape, v in zip(s.in_local_shapes, op.inputs)]
+                out.append(hook(attrs, context or {}, ins))
+            self._ops[key] = np.array(out, float)
+        return self._ops[key]
+
+    def _localized(self, op, s) -> tuple:
+        """(attributes, kernel context) of ``op`` under strategy ``s``, as partition
+        localizes it on the priced process."""
         opdef = get_op(op.type)
-        if opdef.localize is not None:
-            site = LocalSite(self.pid, tuple(v.shape for v in op.inputs),
-                             tuple(DistAttr(self.mesh, x) for x in s.in_specs),
-                             tuple(o.shape for o in op.outputs),
-                             tuple(DistAttr(self.mesh, x) for x in s.out_specs),
-                             tuple(v.dtype for v in op.inputs), tuple(sorted(attrs.items())))
-            attrs, context = opdef.localize(dict(attrs), site)
+        if opdef.localize is None:
+            return op.attrs, None
+        site = LocalSite(self.pid, tuple(v.shape for v in op.inputs),
+                         tuple(DistAttr(self.mesh, x) for x in s.in_specs),
+                         tuple(o.shape for o in op.outputs),
+                         tuple(DistAttr(self.mesh, x) for x in s.out_specs),
+                         tuple(v.dtype for v in op.inputs), tuple(sorted(op.attrs.items())))
+        return opdef.localize(dict(op.attrs), site)
+
+    def _price(self, op, s) -> tuple[float, float]:
+        opdef = get_op(op.type)
+        attrs, context = self._localized(op, s)
         ins = [TensorType(shape, v.dtype) for shape, v in zip(s.in_local_shapes, op.inputs)]
         ways = opdef.overlap(attrs, ins) if opdef.overlap is not None else ()
         if ways:
@@ -185,6 +207,14 @@ class SearchCosts:
             return 0.0
         steps = plan_reshard(src, dst, tuple(value.shape), value.dtype)
         return sum(reshard_step_time(s, self.pid, self.rings) for s in steps)
+
+
+def _signature(op, strategies) -> tuple:
+    """What an op's prices depend on: its type, shapes, dtypes, attributes and the
+    strategies offered (identical blocks' ops share it)."""
+    return (op.type, tuple(tuple(v.shape) for v in op.inputs),
+            tuple(tuple(o.shape) for o in op.outputs), tuple(v.dtype for v in op.inputs),
+            repr(sorted(op.attrs.items())), tuple(s.name for s in strategies))
 
 
 def local_bytes(shapes, dtype_names) -> int:

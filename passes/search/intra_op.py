@@ -27,7 +27,9 @@ The problem (:class:`~distgraph.passes.search.ilp_problem.ShardingProblem`):
   TransformerBlocks, checked identical op by op) take one strategy per position, with
   their boundary edges in the problem; the first and last block stay free;
 - **memory** (with ``memory_budget`` bytes): every live result at each op of the
-  program order (parameters and states always) within the budget. Reshard buffers are
+  program order (parameters and states always) within the budget; an op that keeps
+  more for its gradient than its results (``saved``: moe_ffn's routes and expert
+  activations) holds that too, from the op to its gradient. Reshard buffers are
   not counted (they depend on two choices): the planner checks the budget against the
   estimate and searches again with less (:mod:`distgraph.passes.search.auto`).
 
@@ -65,6 +67,7 @@ from distgraph.passes.search.ilp_problem import ShardingProblem, evaluate, peak_
 from distgraph.passes.search.recursive import METHODS, bisection_levels, solve_recursive
 from distgraph.passes.search.space import SearchSpace
 from distgraph.placement import DistAttr
+from distgraph.registry import get_op
 
 
 @dataclass(frozen=True)
@@ -341,7 +344,7 @@ def _problem(space, costs, weights, loss, world, budget, share, live,
         kept = [j for j, o in enumerate(op.outputs) if not o.alias_of]
         memory.append(np.array([local_bytes([s.out_local_shapes[j] for j in kept],
                                             [op.outputs[j].dtype for j in kept])
-                                for s in node.strategies], float))
+                                for s in node.strategies], float) + costs.kept(op, node.strategies))
     if loss is not None and loss in space.producer:
         u, j = space.producer[loss]
         v = program.values[loss]
@@ -444,13 +447,21 @@ def _shared_blocks(space, blocks) -> list:
 
 def _liveness(space) -> list:
     """The nodes whose results are live at each op (program order): persistable sources
-    always, feeds until their last use, op results from their op to their last use."""
+    always, feeds until their last use, op results from their op to their last use, and
+    an op that keeps what its gradient needs beyond its results (``saved``: moe_ffn)
+    until that gradient (``<type>_grad``)."""
     program, nodes = space.program, space.nodes
     position = {k: t for t, k in enumerate(space.ops)}
+    node_of = {id(program.ops[n.op]): n.index for n in nodes if not n.is_source}
     last: dict = {}
     for k in space.ops:
-        for v in program.ops[k].inputs:
+        op = program.ops[k]
+        for v in op.inputs:
             last[space.producer[v.name][0]] = position[k]
+        f = op.forward_op
+        if f is not None and op.type == f.type + "_grad" and get_op(f.type).saved is not None \
+                and id(f) in node_of:
+            last[node_of[id(f)]] = max(last.get(node_of[id(f)], 0), position[k])
     always, starts = [], {}
     for n in nodes:
         if n.is_source:

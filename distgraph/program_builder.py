@@ -11,6 +11,7 @@ Example::
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 
 from distgraph.autodiff import append_backward
@@ -47,12 +48,14 @@ class BuiltProgram:
 
 def build_program(model, input_specs, label_specs=(), loss=None, optimizer=None,
                   mode="train", amp=None, loss_scale=2.0 ** 16,
-                  loss_scale_window=2000, context_parallel=None) -> BuiltProgram:
+                  loss_scale_window=2000, context_parallel=None,
+                  micro_batches: int | None = 1) -> BuiltProgram:
     """The program of ``model`` for ``mode``; ``amp`` ("bfloat16", "float16"): mixed
     precision, float16 with a dynamic loss scale from ``loss_scale`` (doubled after
     ``loss_scale_window`` good steps); ``context_parallel`` ("ring", "ulysses"): the
     form its attention ops run in where their sequence is split (None: each op's
-    cheaper)."""
+    cheaper); ``micro_batches``: the count the step will run (the Strategy's), for a
+    model whose auxiliary loss is computed per micro-batch (Mixtral's load balancing)."""
     if mode not in MODES:
         raise DistGraphError(f"mode must be one of {MODES}, got {mode!r}")
     if mode == "train" and (loss is None or optimizer is None):
@@ -72,7 +75,7 @@ def build_program(model, input_specs, label_specs=(), loss=None, optimizer=None,
         if loss is not None and mode != "predict":
             with builder.scope(role=Role.LOSS):
                 loss_value = builder.as_value(loss(*outputs, *labels))
-                extra = _auxiliary_loss(model)
+                extra = _auxiliary_loss(model, micro_batches)
                 if extra is not None:
                     loss_value = builder.emit("add", [loss_value, extra])[0]
                 if amp == "float16" and mode == "train":
@@ -97,11 +100,22 @@ def build_program(model, input_specs, label_specs=(), loss=None, optimizer=None,
                         blocks, amp)
 
 
-def _auxiliary_loss(model):
+def _auxiliary_loss(model, micro_batches):
     """The term a model adds to its training loss (Mixtral's router load-balancing
-    loss): ``model.auxiliary_loss()`` after its forward, None if it has none."""
+    loss): ``model.auxiliary_loss(micro_batches)`` after its forward (one that takes no
+    argument: ``auxiliary_loss()``, a loss of the whole batch, with one micro-batch
+    only), None if it has none."""
     aux = getattr(model, "auxiliary_loss", None)
-    return aux() if callable(aux) else None
+    if not callable(aux):
+        return None
+    if "micro_batches" in inspect.signature(aux).parameters:
+        return aux(micro_batches=micro_batches)
+    if micro_batches != 1:
+        raise DistGraphError(f"{type(model).__name__}.auxiliary_loss() takes no micro_batches: "
+                             f"it is a loss of the whole batch, which micro-batches cannot "
+                             f"compute; accept micro_batches (a loss per micro-batch) or use "
+                             f"Strategy(micro_batches=1)")
+    return aux()
 
 
 def _cast(builder, v, dtype):

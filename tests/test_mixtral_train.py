@@ -44,21 +44,35 @@ class NextTokens:
         return self.ids[i, :-1], self.ids[i, 1:]
 
 
-def _model(config, skew):
+class _PerMicroBatch(Mixtral):
+    """The serial oracle of a micro-batched run: the load-balancing loss of each of
+    ``groups`` consecutive parts of the batch, averaged, in a program of one
+    micro-batch."""
+
+    groups = 1
+
+    def auxiliary_loss(self, micro_batches=1):
+        return super().auxiliary_loss(self.groups)
+
+
+def _model(config, skew, groups=None):
     dg.seed(7)
-    model = Mixtral(config)
+    model = Mixtral(config) if groups is None else _PerMicroBatch(config)
+    if groups is not None:
+        model.groups = groups
     if skew:        # a zero router: equal probabilities, every token picks experts 0 and 1
         for layer in model.layers:
             layer.mlp.gate.weight.set_value(np.zeros(layer.mlp.gate.weight.shape))
     return model
 
 
-def _train(comm, config, annotate, skew=False, strategy=None, plans=None):
+def _train(comm, config, annotate, skew=False, strategy=None, plans=None, groups=None):
     """(losses, state) of training on ``comm`` (None: serial); ``annotate(model)``
     gives the meshes and the dim the batch is split over; ``plans`` (a list) gets this
-    rank's plan."""
+    rank's plan; ``groups``: the load-balancing loss per that many parts of the batch
+    (:class:`_PerMicroBatch`)."""
     with P.BUILD_LOCK:
-        model = _model(config, skew)
+        model = _model(config, skew, groups)
         meshes, dim = annotate(model)
     engine = dg.Engine(model, loss=dg.nn.CrossEntropyLoss(), optimizer=dg.optim.AdamW(1e-2),
                        strategy=strategy or dg.Strategy(), communicator=comm)
@@ -145,11 +159,11 @@ def _dispatches(plan) -> bool:
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_expert_parallel_training_equals_serial(float64, layout):
     annotate, ranks, strategy, dispatches = LAYOUTS[layout]
-    # the load-balancing loss sums over the whole batch: no micro-batches with it
-    config = CONFIG if strategy is None else CONFIG.replace(output_router_logits=False)
-    serial = _train(None, config, _serial)
+    # with micro-batches the load-balancing loss is each micro-batch's, averaged
+    m = strategy.micro_batches if strategy is not None else 1
+    serial = _train(None, CONFIG, _serial, groups=m)
     plans = []
-    _equal(SimulatedWorld(ranks, timeout=120).run(_train, config, annotate, False, strategy,
+    _equal(SimulatedWorld(ranks, timeout=120).run(_train, CONFIG, annotate, False, strategy,
                                                   plans), serial)
     assert all(_dispatches(p) == dispatches for p in plans)
 
@@ -179,18 +193,34 @@ def test_all_tokens_on_one_ranks_experts_runs(float64, layout):
 
 
 @pytest.mark.mpi
-def test_expert_parallel_on_four_mpi_ranks_equals_serial(float64, tmp_path):
+@pytest.mark.parametrize("layout", ["ep4", "ep_pipeline"])
+def test_expert_parallel_on_four_mpi_ranks_equals_serial(float64, tmp_path, layout):
     """ep4 with the batch over ep on real ranks: the counts, then the rows with
-    MPI's Alltoallv."""
+    MPI's Alltoallv; and ep inside 2 pipeline stages with 2 micro-batches and the
+    load-balancing loss, which equals the serial run of the same per-micro-batch loss."""
     import subprocess
 
     here = os.path.dirname(os.path.abspath(__file__))
-    out = tmp_path / "ep4.npz"
+    out = tmp_path / f"{layout}.npz"
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, "-m", "distgraph.cli", "run", "-n", "4",
-                           os.path.join(here, "mpi_scripts", "moe_ep.py"), str(out)],
+                           os.path.join(here, "mpi_scripts", "moe_ep.py"), str(out), layout],
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     got = np.load(out)
-    serial = _train(None, CONFIG, _serial)
+    strategy = LAYOUTS[layout][2]
+    serial = _train(None, CONFIG, _serial, groups=strategy.micro_batches if strategy else 1)
     _equal([(got["losses"], {name: got[name] for name in serial[1]})], serial)
+
+
+def test_the_load_balancing_loss_needs_a_count_of_micro_batches():
+    """Per micro-batch, the loss needs M: the search choosing it (None) is refused with
+    what to do, and a batch that M does not divide too."""
+    for m, words in ((None, "give Strategy"), (3, "does not split into 3")):
+        engine = dg.Engine(_model(CONFIG, False), loss=dg.nn.CrossEntropyLoss(),
+                           optimizer=dg.optim.AdamW(1e-2),
+                           strategy=dg.Strategy(micro_batches=m, auto_mode="full",
+                                                pipeline=m is None))
+        ins, labels = dg.app.data.DataLoader(NextTokens(BATCH, SEQ), BATCH).specs(1)
+        with pytest.raises(dg.DistGraphError, match=words):
+            engine.prepare(ins, labels)

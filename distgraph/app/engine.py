@@ -142,7 +142,8 @@ class Engine:
                               self.optimizer if mode is Mode.TRAIN else None, mode.value,
                               amp=s.amp, loss_scale=s.loss_scale,
                               loss_scale_window=s.loss_scale_window,
-                              context_parallel=s.context_parallel)
+                              context_parallel=s.context_parallel,
+                              micro_batches=s.micro_batches)
         try:
             # every rank plans alike and compiles its own process's program
             planned = plan(built, self.strategy, self._planning_cluster(), self.rank_mapping,

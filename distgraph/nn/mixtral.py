@@ -20,6 +20,19 @@ which are dropped and what a dropped one gives).
 tokens, ``E * sum_e f_e P_e`` with ``f_e`` the share of top-k assignments expert e gets
 and ``P_e`` its mean router probability.
 
+**With micro-batches** (``Strategy(micro_batches=M)``: a pipeline or gradient
+accumulation) the loss is computed per micro-batch, over that micro-batch's tokens, and
+averaged over the M micro-batches, as Megatron-LM and DeepSpeed-MoE compute it (their
+router runs on one micro-batch at a time and adds its loss to that micro-batch's). It is
+not the whole batch's loss: ``f_e P_e`` is a product of two sums over the tokens, so the
+whole batch's value would need every micro-batch's statistics before any backward could
+start, which is the very thing a pipeline avoids; and it is the loss the frameworks
+people port their Mixtral training from optimise. The micro-batches are the batch's
+consecutive rows, as the accumulation splits it (micro-batch m: rows [m B/M, (m+1) B/M)),
+so a serial run with ``auxiliary_loss(micro_batches=M)`` computes the same loss, and M =
+1 is transformers' loss. The layers' statistics are kept per row ([batch, E]) until the
+loss groups them.
+
 Expert parallelism is ``shard_tensor`` of the stacked weights on their expert dim
 (:func:`expert_parallel`); tensor parallelism splits each expert's intermediate dim and
 the attention as Megatron does (:func:`megatron`).
@@ -86,8 +99,9 @@ class MixtralExperts(Layer):
 
 class MixtralSparseMoeBlock(Layer):
     """Router and experts: x [b, s, hidden] -> (y, router statistics or None). The
-    statistics (when the config asks for the load-balancing loss) are each expert's
-    top-k assignments and the sum of its router probabilities over the tokens."""
+    statistics (when the config asks for the load-balancing loss) are, per row of the
+    batch ([b, E]), each expert's top-k assignments and the sum of its router
+    probabilities over the row's tokens."""
 
     def __init__(self, config: MixtralConfig):
         super().__init__()
@@ -108,8 +122,8 @@ class MixtralSparseMoeBlock(Layer):
         y = ops.moe_ffn(x, ids, weights, e.gate_proj, e.up_proj, e.down_proj, capacity)
         if not c.output_router_logits:
             return y, None
-        counts = ops.sum(ops.one_hot(ids, n, x.dtype), axis=(0, 1, 2))
-        return y, (counts, ops.sum(probs, axis=(0, 1)))
+        counts = ops.sum(ops.one_hot(ids, n, x.dtype), axis=(1, 2))
+        return y, (counts, ops.sum(probs, axis=1))
 
 
 class MixtralDecoderLayer(LlamaDecoderLayer):
@@ -131,8 +145,8 @@ class MixtralDecoderLayer(LlamaDecoderLayer):
 
 class Mixtral(Llama):
     """A Mixtral causal language model: token ids [batch, seq] -> logits [batch, seq,
-    vocab]; ``auxiliary_loss()`` is the router's weighted load-balancing loss of the
-    last traced forward (None unless ``output_router_logits``)."""
+    vocab]; ``auxiliary_loss(micro_batches)`` is the router's weighted load-balancing
+    loss of the last traced forward (None unless ``output_router_logits``)."""
 
     config_class = MixtralConfig
     decoder_layer = MixtralDecoderLayer
@@ -149,22 +163,33 @@ class Mixtral(Llama):
         for layer in self.layers:
             x, s = layer(x)
             stats.append(s)
-        object.__setattr__(self, "_aux", self._balance_loss(stats, ids.shape))
+        object.__setattr__(self, "_stats", (stats, tuple(ids.shape)))
         return self.head(x)
 
-    def auxiliary_loss(self):
-        return getattr(self, "_aux", None)
-
-    def _balance_loss(self, stats, shape):
-        if not self.config.output_router_logits:
+    def auxiliary_loss(self, micro_batches: int | None = 1):
+        """The load-balancing loss times ``router_aux_loss_coef`` of the last traced
+        forward, each of ``micro_batches`` consecutive parts of the batch its own and
+        their mean (module docstring); None unless ``output_router_logits``."""
+        stats, shape = getattr(self, "_stats", ((), None))
+        if not self.config.output_router_logits or not stats:
             return None
+        batch, seq = shape[:2]
+        m = micro_batches
+        if m is None:
+            raise DistGraphError("Mixtral's load-balancing loss is computed per micro-batch: "
+                                 "give Strategy(micro_batches=M) (the search cannot choose "
+                                 "M for it), or output_router_logits=False")
+        if m < 1 or batch % m:
+            raise DistGraphError(f"Mixtral's load-balancing loss per micro-batch: the batch "
+                                 f"of {batch} rows does not split into {m} micro-batches")
         counts, probs = stats[0]
         for c, p in stats[1:]:
             counts, probs = ops.add(counts, c), ops.add(probs, p)
-        rows = len(stats) * shape[0] * shape[1]
         n = self.config.num_local_experts
-        loss = ops.sum(ops.multiply(counts, probs))
-        return ops.scale(loss, self.config.router_aux_loss_coef * n / rows / rows)
+        grouped = [ops.sum(ops.reshape(v, [m, batch // m, n]), axis=1) for v in (counts, probs)]
+        rows = len(stats) * batch // m * seq          # a micro-batch's tokens, all layers
+        loss = ops.sum(ops.multiply(*grouped))
+        return ops.scale(loss, self.config.router_aux_loss_coef * n / rows / rows / m)
 
 
 def expert_parallel(model: Mixtral, mesh, dim: str = "ep", inner: str | None = None) -> None:

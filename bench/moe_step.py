@@ -32,9 +32,11 @@ The all-to-alls: distgraph's step runs again on a communicator that times each o
 all-to-alls (the collective only: the group first meets at a barrier, not timed), the
 slowest rank's sum per step, against the plan's price for the same collectives (the
 ``moe_ffn`` and ``moe_ffn_grad`` ops' ``comm`` at the balanced load: the counts'
-all_to_all, and the rows' ``all_to_allv`` there and back in the forward and in the
+exchange, and the rows' ``all_to_allv`` there and back in the forward and in the
 gradient, priced by ``distgraph.passes.cost.prices.op_comm_time`` on the calibrated file,
-whose ``all_to_allv`` software cost the calibration measured): within 25%.
+whose ``all_to_allv`` software cost the calibration measured as the dispatch meets it:
+the counts' exchange among its sizes, each batch of calls at its slowest rank): within
+25%.
 
 Timings on a shared 2-core machine are noisy (4 ranks share 2 cores): compare the numbers
 of one run.

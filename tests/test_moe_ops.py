@@ -161,7 +161,8 @@ def test_tokens_and_experts_over_one_mesh_dim_dispatch_as_a_fixpoint(op):
 
 def test_the_dispatch_declares_its_all_to_alls_at_the_expected_load():
     """Each process sends (n - 1) / n of its k assignments' rows there and back, and the
-    counts (dropless); with a capacity, its fixed buffers."""
+    counts (dropless: both priced as MoE's variable exchange, which calibrate measures
+    with the counts' size among its own); with a capacity, its fixed buffers."""
     mesh = dg.ProcessMesh([0, 1], ["dp"])
     rule = dg.ops.spmd_rule("moe_ffn")
     for capacity, want in ((None, [4 * 8 / 2, 2 * 6 * 2 * 12 * 8 / 2, 2 * 6 * 2 * 12 * 8 / 2]),
@@ -173,6 +174,9 @@ def test_the_dispatch_declares_its_all_to_alls_at_the_expected_load():
         assert found
         sent = [collective_bytes(k, n, b) for k, n, b in found[0].comm]
         assert sent == want
+        # dropless, the counts' exchange is priced as the variable exchange it opens
+        kinds = [k for k, _, _ in found[0].comm]
+        assert kinds == (["all_to_allv"] * 3 if capacity is None else ["all_to_all"] * 2)
     # the gradient runs on what its forward kept: the counts are known, d columns each way
     grad = dg.ops.spmd_rule("moe_ffn_grad")
     found = [s for s in grad.strategies(SHAPES + (SHAPES[0],), [SHAPES[0]] + list(SHAPES[1:]),

@@ -36,8 +36,9 @@ fixed buffers, ``E * b * C`` rows, and the assignments within the capacity.
 ``comm(site)`` declares the all-to-alls at the expected load (a balanced routing: a
 process's ``tokens * k`` assignments, or its fixed buffers), as
 :func:`distgraph.plan.kinds.collective_bytes` counts an all-to-all's buffer; the dropless
-rows as ``all_to_allv`` (:data:`~distgraph.plan.kinds.ALL_TO_ALLV`), whose software cost
-``distgraph cluster calibrate`` measures apart.
+counts and rows as ``all_to_allv`` (:data:`~distgraph.plan.kinds.ALL_TO_ALLV`), whose
+software cost ``distgraph cluster calibrate`` measures apart, as the dispatch runs them
+(the counts' exchange among its sizes).
 
 Example (what a plan's process runs; ``ctx`` carries the communicator and group)::
 
@@ -84,10 +85,13 @@ def comm(site, grad: bool = False) -> tuple:
     experts = site.in_shapes[3][0]
     item = dtypes.itemsize(site.in_dtypes[0])
     capacity = site.attr("capacity")
-    # the gradient runs on what its forward kept: the counts are known, d columns each way
+    # the gradient runs on what its forward kept: the counts are known, d columns each way.
+    # The counts' exchange is the variable exchange's first half: priced as it (the
+    # software cost calibrate measures where the dispatch runs, its smallest size the
+    # counts'), not as a dense reshard's all_to_all run back to back
     if capacity is None:
         rows, kind = b * s * k, "all_to_allv"
-        counts = () if grad else (("all_to_all", n, experts * 8),)
+        counts = () if grad else (("all_to_allv", n, experts * 8),)
     else:
         rows, kind, counts = experts * b * capacity, "all_to_all", ()
     return counts + ((kind, n, rows * d * item),) * 2

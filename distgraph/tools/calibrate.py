@@ -17,7 +17,7 @@ links between machines. Then one reshard step of each kind through distgraph's r
 between ops as in training, on three tensor sizes: what a step costs beyond its
 messages' alpha-beta, per step and per byte of its buffer (``reshard_overhead``; with it
 ``all_to_allv``, the all-to-all with uneven counts per pair that MoE's dispatch runs, on
-megabyte buffers: :mod:`distgraph.tools.step_probe`); and
+megabyte buffers, and the exchange of its counts: :mod:`distgraph.tools.step_probe`); and
 what one collective of MeshSlice's sliced pipeline costs per step (its kernel on a tiny
 GeMM at K = 1 and 8) and what a byte a partial GeMM reads again costs (8 partial GeMMs of
 1024^3 against one): the ``sliced`` entry. Rank r becomes device r. Rank 0 prints each
@@ -57,6 +57,7 @@ from distgraph.runtime.backend import NUMPY, CupyBackend
 from distgraph.runtime.launch.status import LOG_DIR
 from distgraph.tools.device_probe import (BANDWIDTH_BYTES, memory_bandwidth_gbps, op_costs,
                                           op_overhead_us)
+from distgraph.units import fmt_bytes
 from distgraph.tools.step_probe import RESHARD_BYTES, measure_all_to_allv, measure_reshard_steps
 
 SCRIPT = os.path.abspath(__file__)   # what `distgraph cluster calibrate` starts on each rank
@@ -508,9 +509,9 @@ def main(argv=None) -> None:
         + f" (global {'/'.join(f'{b // 1024} KiB' for b in RESHARD_BYTES)})")
     if size > 1:
         steps[ALL_TO_ALLV] = measure_all_to_allv(comm, args.repeats)
-        say(comm, "all_to_allv (uneven counts, as MoE dispatches) between ops: " + "/".join(
-            f"{t * 1e6:.0f}" for _, t in steps[ALL_TO_ALLV]) + " us (local "
-            + "/".join(f"{b // 1024} KiB" for b, _ in steps[ALL_TO_ALLV]) + ")")
+        say(comm, "MoE's dispatch exchanges (the counts, then all_to_allv of uneven counts) "
+                  "between ops: " + "/".join(f"{t * 1e6:.0f}" for _, t in steps[ALL_TO_ALLV])
+            + " us (local " + "/".join(fmt_bytes(b) for b, _ in steps[ALL_TO_ALLV]) + ")")
     sliced = measure_sliced_gemm(comm, args.repeats) if size > 1 else None
     partial = measure_partial_gemms(comm, args.repeats) if size > 1 else None
     if sliced:

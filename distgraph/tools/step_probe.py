@@ -111,15 +111,22 @@ def uneven_counts(n: int, rows: int) -> np.ndarray:
     return counts.astype(np.int64)
 
 
+COUNTS_LOCAL_EXPERTS = 2    # the counts exchange's [members, local experts] int64 buffer
+
+
 def measure_all_to_allv(comm, repeats: int) -> list:
-    """[(buffer bytes, seconds)]: the runtime's ``all_to_allv`` over all ranks, as MoE's
-    dispatch runs it (:func:`uneven_counts` rows of :data:`ALL_TO_ALLV_ROW` bytes, a
-    local buffer of each of :data:`ALL_TO_ALLV_BYTES` gathered afresh from its rows
-    before each call, after an expert's GEMM (:func:`between_experts`) and a barrier,
-    not timed: the collective's own time, with the caches as the experts leave them,
-    not the skew of the ranks' compute, which the expected load cannot price), the mean
-    over :data:`RESHARD_ITERS` calls, the median of ``repeats`` batches, the slowest
-    rank's view."""
+    """[(buffer bytes, seconds)]: the exchanges of MoE's dropless dispatch through the
+    runtime over all ranks, as the dispatch runs them: first its counts (a fixed
+    all_to_all of a ``[members, COUNTS_LOCAL_EXPERTS]`` int64 buffer, the smallest
+    size: the per-step cost of an exchange there, which the dispatch pays once more per
+    forward), then ``all_to_allv`` of :func:`uneven_counts` rows of
+    :data:`ALL_TO_ALLV_ROW` bytes, a local buffer of each of :data:`ALL_TO_ALLV_BYTES`
+    gathered afresh from its rows before each call. Each call comes after an expert's
+    GEMM (:func:`between_experts`) and a barrier, not timed: the collective's own time,
+    with the caches as the experts leave them, not the skew of the ranks' compute, which
+    the expected load cannot price. A batch is :data:`RESHARD_ITERS` calls, taken at its
+    slowest rank's mean (the group waits for it at every exchange, as the step does);
+    the figure is the median of ``repeats`` batches."""
     from distgraph.runtime.comm.mpi import MPICommunicator
 
     n, rank = comm.Get_size(), comm.Get_rank()
@@ -127,29 +134,36 @@ def measure_all_to_allv(comm, repeats: int) -> list:
     group = tuple(range(n))
     experts = (np.ones((EXPERT_ROWS, ALL_TO_ALLV_ROW // 4), np.float32),
                np.ones((ALL_TO_ALLV_ROW // 4, EXPERT_INNER), np.float32))
-    out = []
     width = ALL_TO_ALLV_ROW // 4
     rng = np.random.default_rng(rank)
+    counts = np.ones((n, COUNTS_LOCAL_EXPERTS), np.int64)
+    cases = [(counts.nbytes, lambda: counts.copy(),
+              lambda buf: runtime.all_to_all(buf, group, 0, 0))]
     for nbytes in ALL_TO_ALLV_BYTES:
-        counts = uneven_counts(n, nbytes // ALL_TO_ALLV_ROW)
-        send, recv = counts[rank], counts[:, rank]
+        rows = uneven_counts(n, nbytes // ALL_TO_ALLV_ROW)
+        send, recv = rows[rank], rows[:, rank]
         source = np.ones((int(send.sum()), width), np.float32)
         order = rng.permutation(len(source))
+        cases.append((nbytes, lambda source=source, order=order: source[order],
+                      lambda buf, send=send, recv=recv: runtime.all_to_allv(buf, send, recv,
+                                                                            group)))
+    out = []
+    for nbytes, make, exchange in cases:
         batches = []
         for batch in range(repeats + 1):       # batch 0 warms up
             runtime.barrier()
             spent = 0.0
             for _ in range(RESHARD_ITERS):
                 between_experts(experts)
-                buf = source[order]           # gathered afresh, as the dispatch sends
+                buf = make()                  # made afresh, as the dispatch sends
                 runtime.barrier()             # the collective's time, not the GEMMs' skew
                 start = time.perf_counter()
-                runtime.all_to_allv(buf, send, recv, group)
+                exchange(buf)
                 spent += time.perf_counter() - start
                 del buf
             if batch:
-                batches.append(spent / RESHARD_ITERS)
-        out.append((nbytes, comm.allreduce(float(np.median(batches)), op=_mpi_max())))
+                batches.append(comm.allreduce(spent / RESHARD_ITERS, op=_mpi_max()))
+        out.append((nbytes, float(np.median(batches))))
     return out
 
 

@@ -213,3 +213,34 @@ def test_the_search_holds_the_kept_bytes_from_the_op_to_its_gradient():
     grad = next(t for t, k in enumerate(space.ops) if program.ops[k].type == "moe_ffn_grad")
     assert node.index in problem.liveness[grad]
     assert node.index not in problem.liveness[grad + 1]
+
+
+def test_under_recompute_moe_ffn_keeps_nothing(monkeypatch):
+    """Every layer recomputed: the gradient reads the recomputed copies of moe_ffn's
+    operands, so what the forward kept could never serve it; the forward's instruction
+    keeps nothing (the gradient recomputes, tests/test_mixtral_train.py's ep4_recompute
+    trains as serial) and the estimate counts nothing for it."""
+    from distgraph.nn.mixtral import Mixtral, MixtralConfig, expert_parallel
+    from distgraph.plan.instructions import OpInstr
+    from distgraph.program_builder import build_program
+
+    dg.seed(0)
+    model = Mixtral(MixtralConfig(num_hidden_layers=2, **CONFIG))
+    mesh = dg.ProcessMesh([0, 1], ["ep"])
+    expert_parallel(model, mesh)
+    built = build_program(model, [dg.InputSpec([BATCH, SEQ], "int64", "tokens")],
+                          [dg.InputSpec([BATCH, SEQ], "int64", "labels")],
+                          dg.nn.CrossEntropyLoss(), dg.optim.AdamW(1e-3))
+    for name in ("tokens", "labels"):
+        built.program.values[name].annotation = dg.DistAttr(mesh, dg.ShardSpec(["ep", None]))
+    plan = dg.passes.plan(built, dg.Strategy(recompute=True), dg.Cluster.local(2))
+    program = plan.program_of(0)
+    keeps = [(i.op_type, i.keeps) for block in program.blocks.values() for i in block.instrs
+             if isinstance(i, OpInstr) and i.op_type == "moe_ffn"]
+    assert keeps == [("moe_ffn", False)] * 2
+    with_hook = dg.passes.estimate(plan).processes[0]
+    monkeypatch.setitem(registry._REGISTRY, "moe_ffn",
+                        dataclasses.replace(get_op("moe_ffn"), saved=None))
+    without = dg.passes.estimate(plan).processes[0]
+    assert with_hook.saved_activations == without.saved_activations
+    assert with_hook.peak_memory == without.peak_memory

@@ -40,6 +40,7 @@ class OpInstr:
     donors: tuple = ()    # inputs whose buffer may become the result
     axis: int | None = None   # the result's sample dim, for random ops' micro-batch slice
     out_dtypes: tuple = ()    # numpy dtypes of the results (16-bit ones are rounded to)
+    keeps: bool = True        # its kernel may keep for its gradient (KernelContext.saved)
 
     @property
     def reads(self) -> tuple:
@@ -141,13 +142,37 @@ class BatchedTask:
     sums: tuple
 
 
-def op_instr(op, ctx=None, axis=None) -> OpInstr:
-    """The instruction of Operation ``op`` (``ctx``: its extra KernelContext fields)."""
+def op_instr(op, ctx=None, axis=None, keeps: bool = True) -> OpInstr:
+    """The instruction of Operation ``op`` (``ctx``: its extra KernelContext fields;
+    ``keeps``: whether its kernel may keep for its gradient, :func:`keeps_nothing`)."""
     writeback = tuple((k, o.alias_of) for k, o in enumerate(op.outputs) if o.alias_of)
     return OpInstr(get_op(op.type).kernel, op.type, op.layer, tuple(v.name for v in op.inputs),
                    tuple(o.name for o in op.outputs), dict(op.attrs), writeback,
                    dict(ctx or {}), axis=axis,
-                   out_dtypes=tuple(dtypes.numpy_dtype(o.dtype) for o in op.outputs))
+                   out_dtypes=tuple(dtypes.numpy_dtype(o.dtype) for o in op.outputs),
+                   keeps=keeps)
+
+
+def keeps_nothing(ops) -> frozenset:
+    """Indices of the ops among ``ops`` (a local program's, in order) whose kernel may
+    keep for its gradient (an op's ``saved`` hook) but whose gradient (``<type>_grad`` of
+    the same layer, the first after it) does not read the very operands it ran on, or
+    does not run: in a recomputed segment the gradient reads the copies of its operands
+    (or a recomputed copy of the op runs and keeps instead), and in evaluation no
+    gradient runs. What such an op kept could never serve (the kernels check that the
+    operands are the same arrays), so its instruction keeps nothing (``OpInstr.keeps``)
+    and the gradient recomputes: recomputation frees MoE's activations too. The memory
+    model follows the same rule."""
+    out = []
+    for i, op in enumerate(ops):
+        if get_op(op.type).saved is None:
+            continue
+        grad = next((g for g in ops[i + 1:] if g.type == op.type + "_grad"
+                     and g.layer == op.layer), None)
+        if grad is None or [v.name for v in grad.inputs[:len(op.inputs)]] != \
+                [v.name for v in op.inputs]:
+            out.append(i)
+    return frozenset(out)
 
 
 def with_donors(instr: OpInstr, dying, values, feeds=()) -> OpInstr:

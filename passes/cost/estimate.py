@@ -79,6 +79,7 @@ from itertools import combinations
 
 from distgraph.errors import PlanError
 from distgraph.ir import Role
+from distgraph.plan.instructions import keeps_nothing
 from distgraph.passes.cost.prices import (Rings, best_overlap, feed_time, op_comm_time, op_time,
                                           reshard_step_time)
 from distgraph.registry import TensorType, get_op
@@ -423,14 +424,17 @@ def _peak_memory(plan, pid, stage, scale: _Scale) -> tuple[int, int, int, int, i
 def _kept(local, scale: _Scale) -> tuple[dict, dict]:
     """What kernels keep for their gradients beyond any Value (an op's ``saved`` hook:
     ``moe_ffn``'s routes, rows and activations), as a name live from the op to its
-    gradient: ({op index: (names read, names written)}, {name: bytes}). The runtime keeps them per layer and op (``KernelContext.saved``): the
-    forward writes them, a recomputed copy replaces them, ``<type>_grad`` of the same
-    layer takes them."""
+    gradient: ({op index: (names read, names written)}, {name: bytes}). The runtime
+    keeps them per layer and op (``KernelContext.saved``): the forward writes them and
+    ``<type>_grad`` of the same layer takes them, except where they could never serve
+    that gradient (a recomputed segment's: :func:`~distgraph.plan.instructions.
+    keeps_nothing`, the gradient then recomputes them)."""
     out: dict = {}
     sizes: dict = {}
+    vain = keeps_nothing(local.program.ops)
     for i, op in enumerate(local.program.ops):
         hook = get_op(op.type).saved
-        if hook is not None:
+        if hook is not None and i not in vain:
             name = f"{op.layer}@KEPT@{op.type}"
             ins = [TensorType(v.shape, v.dtype) for v in op.inputs]
             rows = scale.rows if scale.axis(op.inputs[0].name) is not None else 1.0

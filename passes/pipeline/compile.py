@@ -22,7 +22,8 @@ from types import MappingProxyType
 
 from distgraph.plan.devices import COLLECTIVE, CommGroup, step_groups
 from distgraph.plan.instructions import (Block, GatherInstr, OpInstr, PointInstr, RecvInstr,
-                                         SendInstr, last_uses, op_instr, with_donors)
+                                         SendInstr, last_uses, op_instr, keeps_nothing,
+                                         with_donors)
 from distgraph.plan.kinds import ItemKind, TaskKind
 from distgraph.plan.program import Feed, ProcessProgram
 from distgraph.passes.pipeline.batched import batched_task
@@ -38,10 +39,11 @@ def compile_process(plan, pid: int, state_points) -> ProcessProgram:
     gathers = graph.gathers[pid]
     source_of: dict = {}        # local name -> the global Value it holds
     compiled: dict = {}
+    vain = keeps_nothing(local.program.ops)     # what they would keep could never serve
     for key, task in graph.tasks_of(pid).items():
         instrs = []
         for it in task.items:
-            instr = _instr(it, points, gathers, local, plan.accumulation, pid)
+            instr = _instr(it, points, gathers, local, plan.accumulation, pid, vain)
             instrs.append(instr)
             for name in instr.writes:          # a point's result holds its point's Value
                 source_of.setdefault(name, name if isinstance(instr, OpInstr)
@@ -82,11 +84,11 @@ def compile_process(plan, pid: int, state_points) -> ProcessProgram:
         home=home, persistables=persistable)
 
 
-def _instr(it, points, gathers, local, acc, pid):
+def _instr(it, points, gathers, local, acc, pid, vain=frozenset()):
     if it.kind is ItemKind.OP:
         op = local.program.ops[it.index]
         axis = acc.split_axis.get(op.outputs[0].name) if acc is not None and op.outputs else None
-        return op_instr(op, local.op_context.get(it.index), axis)
+        return op_instr(op, local.op_context.get(it.index), axis, it.index not in vain)
     if it.kind is ItemKind.GATHER:
         g = gathers[it.index]
         return GatherInstr(g, it.index, g.reads)

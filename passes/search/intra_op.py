@@ -67,6 +67,7 @@ from distgraph.passes.search.ilp_problem import ShardingProblem, evaluate, peak_
 from distgraph.passes.search.recursive import METHODS, bisection_levels, solve_recursive
 from distgraph.passes.search.space import SearchSpace
 from distgraph.placement import DistAttr
+from distgraph.plan.instructions import keeps_nothing
 from distgraph.registry import get_op
 
 
@@ -315,6 +316,7 @@ def _problem(space, costs, weights, loss, world, budget, share, live,
     targets = dict(boundary.settle)
     tied = {leaving: received for received, leaving in boundary.periodic}
     compute, comm, memory = [], [], []
+    vain = keeps_nothing(program.ops)
     for node in nodes:
         k = len(node.strategies)
         if node.is_source:
@@ -344,7 +346,8 @@ def _problem(space, costs, weights, loss, world, budget, share, live,
         kept = [j for j, o in enumerate(op.outputs) if not o.alias_of]
         memory.append(np.array([local_bytes([s.out_local_shapes[j] for j in kept],
                                             [op.outputs[j].dtype for j in kept])
-                                for s in node.strategies], float) + costs.kept(op, node.strategies))
+                                for s in node.strategies], float)
+                      + (0.0 if node.op in vain else costs.kept(op, node.strategies)))
     if loss is not None and loss in space.producer:
         u, j = space.producer[loss]
         v = program.values[loss]
@@ -449,18 +452,20 @@ def _liveness(space) -> list:
     """The nodes whose results are live at each op (program order): persistable sources
     always, feeds until their last use, op results from their op to their last use, and
     an op that keeps what its gradient needs beyond its results (``saved``: moe_ffn)
-    until that gradient (``<type>_grad``)."""
+    until that gradient (``<type>_grad``), unless it could never serve it
+    (:func:`~distgraph.plan.instructions.keeps_nothing`)."""
     program, nodes = space.program, space.nodes
     position = {k: t for t, k in enumerate(space.ops)}
-    node_of = {id(program.ops[n.op]): n.index for n in nodes if not n.is_source}
+    vain = keeps_nothing(program.ops)
+    node_of = {id(program.ops[n.op]): n.index for n in nodes if not n.is_source
+               and get_op(program.ops[n.op].type).saved is not None and n.op not in vain}
     last: dict = {}
     for k in space.ops:
         op = program.ops[k]
         for v in op.inputs:
             last[space.producer[v.name][0]] = position[k]
         f = op.forward_op
-        if f is not None and op.type == f.type + "_grad" and get_op(f.type).saved is not None \
-                and id(f) in node_of:
+        if f is not None and op.type == f.type + "_grad" and id(f) in node_of:
             last[node_of[id(f)]] = max(last.get(node_of[id(f)], 0), position[k])
     always, starts = [], {}
     for n in nodes:

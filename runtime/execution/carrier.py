@@ -55,9 +55,6 @@ class Carrier:
         self.m = program.env_slots
         self.actions = program.actions
         self.blocks = [program.blocks[(a.chunk, a.task)] for a in self.actions]
-        # kernels keep for a gradient only where one runs (not in evaluation or prediction)
-        self.keeps = any(b.task.kind in (TaskKind.BACKWARD, TaskKind.BACKWARD_INPUT,
-                                         TaskKind.BACKWARD_WEIGHT) for b in self.blocks)
         self.receiving = [i for i, b in enumerate(self.blocks)
                           if any(isinstance(x, RecvInstr) for x in b.instrs)]
         self.groups = {run[0]: run for run in program.batched}
@@ -265,7 +262,8 @@ class Carrier:
             if isinstance(instr, OpInstr):
                 # one kept-values dict per layer: a recomputed op's copy replaces what
                 # the original kept (KernelContext.saved)
-                kept = saved.setdefault(instr.layer, {}) if self.keeps else None
+                # (none where it could never serve a gradient: OpInstr.keeps)
+                kept = saved.setdefault(instr.layer, {}) if instr.keeps else None
                 if instr.ctx:
                     c = instr.ctx
                     if instr.axis is not None and "out_global_shape" in c:
@@ -273,6 +271,8 @@ class Carrier:
                                                 self.program.batch_micro_batches,
                                                 self.program.positions[m])
                     ctx = runner.context(step, c, kept)
+                elif kept is None:
+                    ctx = runner.context(step, {}, None)
                 else:
                     ctx = bases.get(instr.layer)
                     if ctx is None:

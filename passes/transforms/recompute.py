@@ -6,7 +6,10 @@ ops that make them are copied, in order, just before the first backward op that 
 one, and every backward op reads the copies instead. The originals then die at their
 last forward use (the executor frees each value after its last reader), so between the
 forward and the backward a segment keeps only what leaves it (its outputs, read by the
-next layer) and what enters it (its inputs, read again by the copies).
+next layer) and what enters it (its inputs, read again by the copies). An op that keeps
+state for its gradient beyond its results (an op's ``saved`` hook: moe_ffn's routes and
+expert activations) is copied as well, though no backward op reads its results: its
+copy runs on the operands its gradient reads and keeps for it, as without recomputation.
 
 The copies are ordinary ops with role ``backward`` and ``forward_op`` set to the op they
 copy, so completion gives them the same mesh and layouts, partition the same local
@@ -25,6 +28,7 @@ import dataclasses
 
 from distgraph.errors import PlanError
 from distgraph.ir import Operation, Program, Role, Value
+from distgraph.registry import get_op
 
 SUFFIX = "@RECOMPUTE"
 
@@ -105,10 +109,14 @@ def _plan_segment(program, seg, forward_readers, backward_readers, outputs):
     needed = {n for n in produced if n in backward_readers and n not in leaving}
     if not needed:
         return None
-    # The segment's ops that make the needed values, and the segment values they read.
+    # The segment's ops that make the needed values, and the segment values they read;
+    # and an op that keeps state for its gradient beyond its results (moe_ffn): copied
+    # too, so that its copy runs on the operands the gradient reads and keeps for it
+    # (the original keeps nothing: its state could not serve the gradient).
     wanted, todo = set(), set(needed)
+    keeping = {i for i in seg if get_op(ops[i].type).saved is not None}
     for i in reversed(seg):
-        if any(o.name in todo for o in ops[i].outputs):
+        if i in keeping or any(o.name in todo for o in ops[i].outputs):
             wanted.add(i)
             todo |= {v.name for v in ops[i].inputs if v.name in produced and v.name not in leaving}
     first = min(i for n in needed for i in backward_readers[n])

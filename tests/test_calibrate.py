@@ -106,6 +106,25 @@ def test_the_variable_all_to_all_is_fitted_apart_and_priced_by_moes_dispatch(tmp
     assert software_time(older, "all_to_allv", B) == pytest.approx(9e-5, rel=1e-6)
 
 
+def test_the_counts_exchange_fixes_the_per_step_cost_of_the_variable_all_to_all():
+    """With the dispatch's counts (64 bytes) among the sizes, their time beyond the
+    alpha-beta is the per-step cost, and the larger sizes give the per-byte cost beyond
+    it, though a line through all four would lift the intercept (the software's cost
+    per byte is not linear: 30 µs for the counts, a step to 50 µs at 256 KiB, then
+    2 ns per byte more)."""
+    counts = 64
+    sizes = (1 << 18, 1 << 20, 1 << 22)
+    model = [collective_time("all_to_all", 2, B, BW, LAT) for B in (counts,) + sizes]
+    steps = {"all_to_allv": [(counts, model[0] + 3e-5)] +
+             [(B, t + 5e-5 + 2e-9 * (B - sizes[0])) for B, t in zip(sizes, model[1:])]}
+    per_step, per_byte = reshard_overheads(two_cpus(), steps)["all_to_allv"]
+    assert per_step == pytest.approx(30.0, rel=1e-6)
+    slope = [B - counts for B in sizes]
+    beyond = [5e-5 + 2e-9 * (B - sizes[0]) - 3e-5 for B in sizes]
+    fitted = sum(a * b for a, b in zip(slope, beyond)) / sum(a * a for a in slope) * 1e9
+    assert per_byte == pytest.approx(round(fitted, 6), rel=1e-6) and per_byte > 0
+
+
 def test_the_uneven_routing_sends_each_rank_its_buffer():
     from distgraph.tools.step_probe import uneven_counts
 

@@ -69,6 +69,7 @@ DTYPES = {"CPU": (("float32", np.float32), ("float64", np.float64)),
 SMALL_BYTES = 8
 LARGE_BYTES = 4 * 2**20
 ALLREDUCE_BYTES = 4 * 2**20
+TINY_BYTES = 1024      # a step on fewer bytes measures its per-step cost alone
 
 
 def gemm_gflops(dtype, size: int = GEMM_SIZE, repeats: int = 5, sync=None,
@@ -340,7 +341,9 @@ def reshard_overheads(cluster, steps: dict, sliced: dict | None = None,
     """{step kind: (µs per step, ns per byte of its buffer)}: what a step costs beyond
     the alpha-beta of the links its messages take (what :func:`measure_reshard_steps`
     measured, less the cost model's charge), fitted by least squares (both >= 0) over
-    the buffer sizes measured; one size alone gives the µs per step. The µs are a
+    the buffer sizes measured; one size alone gives the µs per step, and a size under
+    :data:`TINY_BYTES` (the counts' exchange of MoE's dispatch, measured with the
+    ``all_to_allv`` sizes) gives it beside larger ones, which then give the ns per byte. The µs are a
     2-process step's: a collective over all n ranks, as measured, paid them at each of
     its ring's n - 1 rounds (:func:`~distgraph.passes.cost.prices.software_time`). With ``sliced``
     (:func:`measure_sliced_gemm`'s times), also ``sliced``: what one collective of a
@@ -365,6 +368,15 @@ def reshard_overheads(cluster, steps: dict, sliced: dict | None = None,
                            for b, t in measured])
         if sizes.max() == sizes.min():
             per_step, per_byte = float(np.median(beyond)), 0.0
+        elif sizes.min() < TINY_BYTES and (sizes >= TINY_BYTES).any():
+            # an exchange of (almost) no bytes measures the per-step cost itself (MoE's
+            # counts): it fixes the intercept, and the larger ones give the per-byte slope
+            # (a line through all of them would lift the intercept where the software's
+            # cost per byte is not linear)
+            tiny = sizes < TINY_BYTES
+            per_step = float(np.median(beyond[tiny]))
+            extra = sizes[~tiny] - sizes[tiny].mean()
+            per_byte = max(float(extra @ (beyond[~tiny] - per_step) / (extra @ extra)), 0.0)
         else:
             mib = sizes / 2**20            # columns of like scale for the solver
             (per_step, per_mib), _ = nnls(np.stack([np.ones_like(mib), mib], axis=1), beyond)

@@ -260,9 +260,9 @@ class Carrier:
             progress.at(offset + j)
             dying = [n for n in block.last[j] if all(o in done for o in block.others[n])]
             if isinstance(instr, OpInstr):
-                # one kept-values dict per layer: a recomputed op's copy replaces what
-                # the original kept (KernelContext.saved)
-                # (none where it could never serve a gradient: OpInstr.keeps)
+                # one kept-values dict per layer (KernelContext.saved), none where what
+                # the kernel keeps could never serve its gradient (OpInstr.keeps: the
+                # original of a recomputed op, evaluation)
                 kept = saved.setdefault(instr.layer, {}) if instr.keeps else None
                 if instr.ctx:
                     c = instr.ctx

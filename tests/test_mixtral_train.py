@@ -131,6 +131,8 @@ LAYOUTS = {"ep2": (_ep(2), 2, None, True), "ep4": (_ep(4), 4, None, True),
            "ep2_tokens_whole": (_ep(2, None), 2, None, False),
            "ep_dp": (_ep_dp, 2, None, True), "ep_mp": (_ep_mp, 4, None, True),
            "ep_pipeline": (_ep_pipeline, 4, PIPELINE, True),
+           # gradient accumulation: the load-balancing loss per micro-batch too
+           "ep2_accumulate": (_ep(2), 2, dg.Strategy(micro_batches=2), True),
            # the layers recomputed: the copies' kept activations replace the originals'
            "ep4_recompute": (_ep(4), 4, dg.Strategy(recompute=True), True)}
 

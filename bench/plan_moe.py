@@ -18,7 +18,8 @@ the weights that are whole over ``dp`` sharded over it (ZeRO-1; the experts are 
 over it already). Every layout given is planned; the best predicted is reported.
 
 Prints per model and layout: the seconds to build and to plan, (ep, pp, dp, tp), the
-predicted step time and model TFLOP/s per GPU (6 N_active T + 12 l d s T: N_active the
+predicted step time (the bottleneck process's compute, communication and bubble) and
+model TFLOP/s per GPU (6 N_active T + 12 l d s T: N_active the
 parameters a token goes through, the router's k of E experts; T tokens), the estimated
 peak memory per GPU against its 80 GB, and the planned all-to-alls of one MoE layer.
 
@@ -210,6 +211,8 @@ def plan_one(name: str, cluster, ep: int, p: int, dp: int, t: int) -> dict:
     return {"model": name, "gpus": gpus, "ep": ep, "pp": p, "dp": dp, "tp": t,
             "micro_batches": strategy.micro_batches, "parameters": total, "active": active,
             "build_s": built_s, "plan_s": plan_s, "step_s": est.step_time,
+            "compute_s": est.compute, "communication_s": est.communication,
+            "bubble_s": est.bubble,
             "tokens_per_s": batch * seq / est.step_time,
             "tflops_per_gpu": flops / est.step_time / gpus / 1e12, "peak_gb": peak,
             "device_gb": min(d.memory for d in cluster.devices), "all_to_alls": first,
@@ -219,7 +222,9 @@ def plan_one(name: str, cluster, ep: int, p: int, dp: int, t: int) -> dict:
 def report(row: dict) -> None:
     print(f"  ep {row['ep']}, pp {row['pp']}, dp {row['dp']}, tp {row['tp']}: "
           f"{row['micro_batches']} micro-batches; built in {row['build_s']:.1f} s, planned in "
-          f"{row['plan_s']:.1f} s; step {row['step_s']:.2f} s, "
+          f"{row['plan_s']:.1f} s; step {row['step_s']:.2f} s (compute "
+          f"{row['compute_s']:.2f} + communication {row['communication_s']:.2f} + bubble "
+          f"{row['bubble_s']:.2f}), "
           f"{row['tokens_per_s'] / 1e3:.0f}k tokens/s, {row['tflops_per_gpu']:.0f} model "
           f"TFLOP/s per GPU; peak {row['peak_gb']:.1f} GB of {row['device_gb']:.0f} "
           f"({'fits' if row['peak_gb'] <= row['device_gb'] else 'DOES NOT FIT'})")

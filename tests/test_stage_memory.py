@@ -84,3 +84,39 @@ def test_stage_memory_of_the_search_equals_the_estimate(case):
         assert stages.virtual == plan.strategy.virtual_stages == 2
     for searched, estimated in stage_memories(plan):
         assert searched == pytest.approx(estimated, rel=TOLERANCE)
+
+
+def test_an_interleaved_searched_plan_trains_like_serial(float64):
+    """The search's interleaved plan (chunks annotated where the planner moves them, the
+    interleaved 1F1B schedule) runs on 4 ranks equal to serial training."""
+    from distgraph.runtime.comm.simulated import SimulatedWorld
+
+    dims = dict(P.GPT_DIMS, n_layer=8)
+    cluster = S.line_cluster(4)
+
+    def build():
+        return P.build_model("gpt", dims=dims)
+
+    serial = dg.Engine(build(), P.loss_fn("gpt"), P.make_optimizer("adamw"))
+    data = P.Dataset("gpt", dims=dims, batch=BATCH)
+    reference = (serial.fit(data, batch_size=BATCH, epochs=1, verbose=0).losses,
+                 serial.state_dict())
+    models = [build() for _ in range(4)]
+    strategy = dg.Strategy(auto_mode="full", pipeline=True, micro_batches=4,
+                           recompute=True, virtual_stages=2)
+
+    def train(comm):
+        engine = dg.Engine(models[comm.rank], P.loss_fn("gpt"), P.make_optimizer("adamw"),
+                           cluster=cluster, strategy=strategy, communicator=comm)
+        with P.BUILD_LOCK:
+            engine.prepare(*dg.app.data.DataLoader(data, BATCH).specs(1))
+        history = engine.fit(data, batch_size=BATCH, epochs=1, verbose=0)
+        return history.losses, engine.state_dict(), engine.plan()
+
+    results = SimulatedWorld(4, timeout=300).run(train)
+    plan = results[0][2]
+    assert plan.strategy.virtual_stages == 2 and len(plan.stages) == 4
+    for rank, (losses, params, _) in enumerate(results):
+        errors = P.compare((losses, params), reference, "float64")
+        assert errors["steps"] == len(reference[0])
+        assert errors["loss"] <= 1e-10 and errors["param"] <= 1e-10, (rank, errors)

@@ -20,8 +20,9 @@ The planner gets the identity rank mapping (process p on the p-th GPU: tp inside
 then cp, dp and pp outward, as Meta orders them); the rank mapper's dense device x device
 matrices do not scale to 16,384 GPUs (2 GB each).
 
-The searched plan: ``Strategy(auto_mode="full", pipeline=True, search=...)`` on the same
-program unannotated, with the micro-batch count given (``--search auto|recursive``); the
+The searched plan: ``Strategy(auto_mode="full", pipeline=True, search=...,
+virtual_stages=V)`` on the same program unannotated, with the micro-batch count given
+(``--search auto|recursive``; the stage search may interleave up to V chunks per stage); the
 search lays parameters and optimizer states out itself (one split over a data-parallel
 dim is ZeRO-3-like), so ``sharding`` is left off there.
 
@@ -159,26 +160,28 @@ def plan_meta(name: str, cluster, virtual: int) -> dict:
     return row
 
 
-def plan_searched(name: str, cluster, search: str, micro_batches: int) -> dict:
+def plan_searched(name: str, cluster, search: str, micro_batches: int, virtual: int) -> dict:
     case = CASES[name]
     start = time.perf_counter()
     c, built = build(case, annotate=False)
     build_s = time.perf_counter() - start
     strategy = dg.Strategy(auto_mode="full", pipeline=True, micro_batches=micro_batches,
-                           recompute=True, search=search)
+                           recompute=True, search=search, virtual_stages=virtual)
     start, cpu = time.perf_counter(), time.process_time()
     plan = dg.passes.plan(built, strategy, cluster, ranks=())
     plan_s, plan_cpu = time.perf_counter() - start, time.process_time() - cpu
     row = summarise(name, c, case, plan, cluster, build_s, plan_s, plan_cpu,
                     f"search={search!r}")
     row["micro_batches"] = micro_batches
+    row["virtual_stages"] = plan.strategy.virtual_stages
     return row
 
 
 def show(row: dict) -> None:
     target = abs(row["ratio"] - 1) <= 0.25
     print(f"  {row['how']}: {row['stages']} stages of {row['stage_shapes']}, "
-          f"{row['micro_batches']} micro-batches; built {row['build_s']:.1f} s, planned and "
+          f"{row['micro_batches']} micro-batches, {row['virtual_stages']} chunks per "
+          f"stage; built {row['build_s']:.1f} s, planned and "
           f"estimated {row['plan_s']:.1f} s wall, {row['plan_cpu_s']:.1f} s CPU (target "
           f"< 300 s)")
     print(f"    predicted step {row['step_s']:.2f} s (compute {row['compute_s']:.2f} + "
@@ -211,7 +214,8 @@ def main(argv=None) -> None:
         show(meta)
         rows.append(meta)
         if args.search != "none":
-            found = plan_searched(name, machine, args.search, meta["micro_batches"])
+            found = plan_searched(name, machine, args.search, meta["micro_batches"],
+                                  args.virtual_stages)
             show(found)
             print(f"    searched / Meta's predicted TFLOP/s: "
                   f"{found['tflops_per_gpu'] / meta['tflops_per_gpu']:.2f} "

@@ -26,7 +26,9 @@ class Strategy:
     :mod:`distgraph.passes.search.micro`)
     ("1F1B", "FThenB", "ZB" or "ZBV"); ``virtual_stages`` v > 1 cuts the forward into
     ``v`` chunks per stage mesh, chunk c on stage c mod S (interleaved 1F1B or zero
-    bubble; "ZBV" places two chunks per stage in a V); ``recompute`` frees the forward activations inside every
+    bubble; "ZBV" places two chunks per stage in a V; with ``auto_mode="full"`` and
+    ``pipeline=True`` it is the most the stage search may use: it chooses 1, 2, 4 ..
+    up to v, and the plan's strategy names its choice); ``recompute`` frees the forward activations inside every
     ``TransformerBlock`` (True) or inside the given layer paths (e.g.
     ``["blocks.0", "blocks.1.mlp"]``) and recomputes them in the backward pass;
     ``sharding`` splits optimizer states and updates over

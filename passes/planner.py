@@ -115,11 +115,22 @@ def _plan(built, strategy, cluster, rank_mapping, accumulation, ilp_budget=None,
           runs=None) -> Plan:
     copy, searched = _completed(built, strategy, cluster, accumulation, ilp_budget, runs=runs)
     rank_mapping = rank_mapping or (searched.rank_mapping if searched is not None else None)
+    interleaved = getattr(searched.result, "chunks", None) if searched is not None else None
+    if strategy.auto_mode == "full" and strategy.virtual_stages > 1:
+        # the stage search chose how many chunks per stage (up to the strategy's)
+        strategy = dataclasses.replace(strategy, virtual_stages=interleaved[1]
+                                       if interleaved is not None else 1)
     program = copy.program
-    stages = stage_order.stages(program)      # data-flow order, or a PlanError on a cycle
+    if interleaved is not None:             # the search placed the chunks (_completed)
+        stages = tuple(interleaved[0])
+    else:
+        stages = stage_order.stages(program)  # data-flow order, or a PlanError on a cycle
     meshes, cut = stages, None
     virtual = 2 if strategy.schedule == "ZBV" else strategy.virtual_stages
-    if virtual > 1:
+    if interleaved is not None:
+        meshes = chunk_meshes(stages, virtual, False)
+        cut = forward_chunks(program, len(meshes), f"Strategy(virtual_stages={virtual})")
+    elif virtual > 1:
         why = ("Strategy(schedule='ZBV')" if strategy.schedule == "ZBV" else
                f"Strategy(virtual_stages={virtual})")
         if len(stages) < 2:
@@ -183,6 +194,13 @@ def _completed(built, strategy, cluster, accumulation, ilp_budget, chunks=None, 
         from distgraph.passes.search.auto import annotate
 
         searched = annotate(copy, strategy, cluster, accumulation, ilp_budget, runs)
+        interleaved = getattr(searched.result, "chunks", None)
+        if chunks is None and interleaved is not None:
+            # the stage search interleaved its alike stages: chunk c on stage c mod S
+            stages, virtual = interleaved
+            meshes = chunk_meshes(stages, virtual, False)
+            chunks = (stages, forward_chunks(program, len(meshes),
+                                             f"Strategy(virtual_stages={virtual})"), meshes)
     if chunks is not None:
         place_chunks(program, *chunks)
     updates = bool(program.ops_by_role("optimize"))
@@ -286,10 +304,12 @@ def _check_supported(strategy: Strategy) -> None:
         raise PlanError(f"Strategy(schedule='ZBV') places exactly two chunks on each stage "
                         f"mesh (process p holds chunks p and 2S-1-p): leave virtual_stages at "
                         f"1 or 2, not {virtual}")
-    if (virtual > 1 or strategy.schedule == "ZBV") and full:
+    if ((virtual > 1 and not strategy.pipeline) or strategy.schedule == "ZBV") and full:
         raise PlanError("virtual stages (Strategy(virtual_stages=...) or schedule='ZBV') with "
-                        "auto_mode='full' are not supported: the stage search places whole "
-                        "stages; annotate the stages by hand with auto_mode='semi'")
+                        "auto_mode='full' are supported with the stage search only "
+                        "(pipeline=True, schedule='1F1B': it interleaves up to "
+                        "virtual_stages chunks per stage); or annotate the stages by hand "
+                        "with auto_mode='semi'")
     if full and strategy.sequence_parallel:
         raise PlanError("Strategy(sequence_parallel=True) with auto_mode='full': the search "
                         "already weighs sequence-parallel layouts (a row-split matmul's "

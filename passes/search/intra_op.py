@@ -313,6 +313,7 @@ def _problem(space, costs, weights, loss, world, budget, share, live,
              boundary: Boundary) -> ShardingProblem:
     program, nodes = space.program, space.nodes
     feeds = {v.name for v in program.inputs}
+    buffers = set(accumulating_updates(space, weights))
     targets = dict(boundary.settle)
     tied = {leaving: received for received, leaving in boundary.periodic}
     compute, comm, memory = [], [], []
@@ -344,10 +345,13 @@ def _problem(space, costs, weights, loss, world, budget, share, live,
                 m = m + np.array([costs.settle(s.out_specs[j], o) for s in node.strategies])
         comm.append(m * w)
         kept = [j for j, o in enumerate(op.outputs) if not o.alias_of]
-        memory.append(np.array([local_bytes([s.out_local_shapes[j] for j in kept],
-                                            [op.outputs[j].dtype for j in kept])
-                                for s in node.strategies], float)
-                      + (0.0 if node.op in vain else costs.kept(op, node.strategies)))
+        own = np.array([local_bytes([s.out_local_shapes[j] for j in kept],
+                                    [op.outputs[j].dtype for j in kept])
+                        for s in node.strategies], float)
+        if node.index in buffers:           # the gradient's buffer, in the update's layout
+            own = own + np.array([local_bytes([s.in_local_shapes[1]], [op.inputs[1].dtype])
+                                  for s in node.strategies], float)
+        memory.append(own + (0.0 if node.op in vain else costs.kept(op, node.strategies)))
     if loss is not None and loss in space.producer:
         u, j = space.producer[loss]
         v = program.values[loss]
@@ -388,7 +392,7 @@ def _problem(space, costs, weights, loss, world, budget, share, live,
                 layouts = [s.out_specs[0] for s in nodes[s_node].strategies]
                 forbid = [[s.out_specs[j] != lay for lay in layouts] for s in node.strategies]
                 aliases.append((node.index, s_node, np.array(forbid, dtype=float)))
-    liveness = _liveness(space) if live else ()
+    liveness = _liveness(space, buffers) if live else ()
     return ShardingProblem([len(n.strategies) for n in nodes], compute, comm, memory, edges,
                            aliases, [n.leader for n in nodes], liveness, budget, share,
                            [n.label for n in nodes])
@@ -448,32 +452,62 @@ def _shared_blocks(space, blocks) -> list:
     return [tuple(n.index for n in group) for group in zip(*members)]
 
 
-def _liveness(space) -> list:
+def accumulating_updates(space, weights: dict) -> list:
+    """The update ops (nodes) that read a gradient accumulated in a buffer: every update
+    of a parameter from a gradient when the updates run fewer times a step than the
+    backward (``weights``: micro-batches), else none."""
+    if not weights.get(Role.OPTIMIZE, 1) < weights.get(Role.BACKWARD, 1):
+        return []
+    program = space.program
+    return [n.index for n in space.nodes if not n.is_source and
+            program.ops[n.op].role == Role.OPTIMIZE and len(program.ops[n.op].inputs) > 1
+            and program.ops[n.op].inputs[0].is_parameter]
+
+
+def _liveness(space, buffers=()) -> list:
     """The nodes whose results are live at each op (program order): persistable sources
-    always, feeds until their last use, op results from their op to their last use, and
-    an op that keeps what its gradient needs beyond its results (``saved``: moe_ffn)
-    until that gradient (``<type>_grad``), unless it could never serve it
-    (:func:`~distgraph.plan.instructions.keeps_nothing`)."""
+    always, the program's feeds from the start to their last use, Values received from
+    ops outside ``space.ops`` (another part's, a gradient from the next block) from
+    their first use to their last (as the estimate's executor receives them: at their
+    consumer), op results from their op to their last use, and an op that keeps what
+    its gradient needs beyond its results (``saved``: moe_ffn) until that gradient
+    (``<type>_grad``), unless it could never serve it
+    (:func:`~distgraph.plan.instructions.keeps_nothing`). With ``buffers`` (update
+    nodes whose memory holds their gradient's buffer, :func:`accumulating_updates`)
+    those nodes are live always and, as the runtime adds each micro-batch's gradient
+    to its buffer as it is made, an update's read ends no earlier op's result's life."""
     program, nodes = space.program, space.nodes
     position = {k: t for t, k in enumerate(space.ops)}
     vain = keeps_nothing(program.ops)
     node_of = {id(program.ops[n.op]): n.index for n in nodes if not n.is_source
                and get_op(program.ops[n.op].type).saved is not None and n.op not in vain}
+    first: dict = {}
     last: dict = {}
+    accumulated = bool(buffers)
     for k in space.ops:
         op = program.ops[k]
+        updating = accumulated and op.role == Role.OPTIMIZE
         for v in op.inputs:
-            last[space.producer[v.name][0]] = position[k]
+            u = space.producer[v.name][0]
+            if updating and not nodes[u].is_source and \
+                    program.ops[nodes[u].op].role != Role.OPTIMIZE:
+                continue
+            first.setdefault(u, position[k])
+            last[u] = position[k]
         f = op.forward_op
         if f is not None and op.type == f.type + "_grad" and id(f) in node_of:
             last[node_of[id(f)]] = max(last.get(node_of[id(f)], 0), position[k])
-    always, starts = [], {}
+    feeds = {v.name for v in program.inputs}
+    always, starts = list(buffers), {}
     for n in nodes:
+        if n.index in buffers:
+            continue
         if n.is_source:
             if program.values[n.value].persistable:
                 always.append(n.index)
                 continue
-            span = (0, last.get(n.index, 0))
+            begin = 0 if n.value in feeds else first.get(n.index, 0)
+            span = (begin, last.get(n.index, begin))
         else:
             t = position[n.op]
             span = (t, max(t, last.get(n.index, t)))

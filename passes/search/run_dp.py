@@ -248,3 +248,88 @@ def _setup(count, blocks, options, cluster, micro_batches, fit_memory) -> tuple:
                       else math.inf)
     runs = [_Run(o, count, blocks, limits[o.axis], units[o.axis]) for o in options]
     return runs, _RunSearch(count, blocks, runs, capacities, micro_batches)
+
+
+def plan_interleaved(count: int, blocks: range, options: list, cluster, micro_batches: int,
+                     virtual: int, chunk_layers, p2p=None) -> tuple | None:
+    """(StagePlan, the option of each stage) of the best interleaved pipeline (Megatron's
+    interleaved 1F1B: ``virtual`` chunks per stage, chunk c on stage c mod S), or None
+    where none fits. Chunks move layers between the stages, so the stages are alike: S
+    stages of one option covering a device mesh (``cluster`` has one). The planner cuts
+    the forward into S v chunks of equal work (:func:`~distgraph.passes.pipeline.chunks.
+    forward_chunks`); ``chunk_layers(n)`` returns the layers each of those ``n`` chunks
+    holds. A stage's time is its chunks' parts' (``option.cost``) plus ``v`` times
+    ``p2p(option, cluster)`` (seconds a chunk spends sending on and back per
+    micro-batch; None: not priced), its memory that with ``min(M, S - s)``
+    micro-batches in flight (as the estimate counts them), and the objective the
+    estimate's: ``sum t / v + (M - 1) max t``.
+
+    Example::
+
+        plan_interleaved(count, blocks, options, cluster, 32, 8, chunk_layers)
+    """
+    meshes = list(cluster.device_meshes)
+    if len(meshes) != 1 or virtual < 2:
+        return None
+    mesh = meshes[0]
+    limit = min(cluster.device(i).memory for i in mesh.ids)
+    best, layouts = None, {}
+    for option in options:
+        if mesh.size % option.sub.size:
+            continue
+        S = mesh.size // option.sub.size
+        if S < 2 or S * virtual > count:
+            continue
+        if S not in layouts:
+            layouts[S] = _stage_parts(chunk_layers(S * virtual), S, blocks, count)
+        times, memories = [], []
+        sends = virtual * p2p(option, cluster) if p2p is not None else 0.0
+        for s, (first, n, last) in enumerate(layouts[S]):
+            seconds, one, further = option.cost(first, n, last)
+            times.append(seconds + sends)
+            memories.append(one + (min(micro_batches, S - s) - 1) * further)
+        if max(memories) > limit:
+            continue
+        objective = sum(times) / virtual + (micro_batches - 1) * max(times)
+        if best is None or objective < best[0]:
+            best = (objective, option, S, times, memories)
+    if best is None:
+        return None
+    objective, option, S, times, memories = best
+    return _alike_plan(option, S, count, times, memories, objective, micro_batches,
+                       virtual), (option,) * S
+
+
+def _stage_parts(chunks: list, S: int, blocks: range, count: int) -> list:
+    """[(share of E, blocks, share of H)] of each of ``S`` stages holding chunks s,
+    s + S, ... (``chunks``: {layer: share of its forward FLOPs} of each chunk; a layer
+    cut between two chunks counts in each by its share there). ``count`` layers: E
+    (the layers before ``blocks``), the blocks, H (those after)."""
+    out = []
+    for s in range(S):
+        share = [0.0] * count
+        for chunk in chunks[s::S]:
+            for k, f in chunk.items():
+                share[k] += f
+        out.append((sum(share[:blocks.start]) / max(blocks.start, 1),
+                    sum(share[blocks.start:blocks.stop]),
+                    sum(share[blocks.stop:]) / max(count - blocks.stop, 1)))
+    return out
+
+
+def _alike_plan(option, S, count, times, memories, objective, micro_batches, virtual):
+    """The StagePlan of ``S`` alike stages of ``option``: stage s on the s-th submesh of
+    the device mesh in row-major order, its layers (as annotated before the chunks move
+    them: E on the first stage, H on the last) an even split of the ``count``."""
+    from distgraph.passes.search.stage_dp import StageChoice, StagePlan, _grid
+
+    rows, cols = _grid(option.sub.mesh.shape)
+    n, m = option.sub.shape
+    grid = np.array(option.sub.mesh.ids).reshape(rows, cols)
+    pieces = [grid[r:r + n, c:c + m].reshape(-1) for r in range(0, rows, n)
+              for c in range(0, cols, m)]
+    bounds = [round(count * s / S) for s in range(S + 1)]
+    stages = tuple(StageChoice(range(bounds[s], bounds[s + 1]), option.sub.mesh.name,
+                               option.sub.shape, tuple(int(d) for d in pieces[s]),
+                               float(times[s]), float(memories[s])) for s in range(S))
+    return StagePlan(stages, float(objective), micro_batches, 1, virtual)

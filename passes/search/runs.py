@@ -74,10 +74,13 @@ from distgraph.errors import PlanError
 from distgraph.ir import Role
 from distgraph.mesh import ProcessMesh
 from distgraph.passes.search.costs import SearchCosts
-from distgraph.passes.search.intra_op import Boundary, price, search
+from distgraph.passes.search.intra_op import (Boundary, accumulating_updates, price,
+                                                 search)
 from distgraph.passes.search.layers import FORWARD
-from distgraph.passes.search.run_dp import beats, plan_runs
+from distgraph.passes.pipeline.chunks import forward_chunks
+from distgraph.passes.search.run_dp import beats, plan_interleaved, plan_runs
 from distgraph.passes.search.space import GB, MESH_DIMS
+from distgraph.registry import op_flops
 from distgraph.passes.search.stage_dp import Submesh
 
 VARIANTS = 4        # the fastest block and up to three of smaller peaks (module docstring)
@@ -106,15 +109,34 @@ class RunOption:
 
     def cost(self, with_first: bool, blocks: int, with_last: bool) -> tuple:
         """(seconds per micro-batch, GB with one micro-batch in flight, GB per further
-        micro-batch in flight) of ``[E] + blocks + [H]`` here."""
-        used = [(self.parts["first"][0], 1)] if with_first else []
+        micro-batch in flight) of ``[E] + blocks + [H]`` here. Under virtual stages a
+        chunk may hold part of E or H: ``with_first`` / ``with_last`` may then be the
+        share (of its forward FLOPs) a stage holds, by which its time and memory are
+        taken (its working memory whole)."""
+        used = [(self.parts["first"][0], float(with_first))] if with_first else []
         used += [(self.parts["block"][0], blocks)] if blocks else []
-        used += [(self.parts["last"][0], 1)] if with_last else []
+        used += [(self.parts["last"][0], float(with_last))] if with_last else []
         seconds = sum(p.time * n for p, n in used)
-        saved = sum(p.saved * n for p, n in used)
-        fixed = sum(p.persistent * n for p, n in used) + saved
-        transient = max((p.transient for p, _ in used), default=0.0)
-        return seconds, (fixed + transient) / GB, saved / GB
+        # the peak of one micro-batch: at some part, the activations the parts before it
+        # saved and its own working memory (its saved included), as the estimate walks it
+        saved = peak = 0.0
+        for p, n in used:
+            saved += p.saved * n
+            peak = max(peak, saved + p.transient)
+        fixed = sum(p.persistent * n for p, n in used)
+        return seconds, (fixed + peak) / GB, saved / GB
+
+    def p2p_bytes(self) -> float:
+        """Bytes per device a block sends the next one per micro-batch (its output, in
+        the layout the next block receives it; the gradient coming back is as large)."""
+        result = self.parts["block"][1]
+        space, choice = result.space, result.choice
+        total = 0.0
+        for received, _ in result.boundary.periodic:
+            node = space.source_node[received]
+            shape = space.nodes[node].strategies[choice[node]].out_local_shapes[0]
+            total += float(np.prod(shape)) * dtypes.itemsize(space.program.values[received].dtype)
+        return total
 
     def __str__(self):
         return f"{self.sub} as {list(self.logical)}"
@@ -190,6 +212,7 @@ class RunCosts:
         self._fastest: dict = {}      # (axis, shape, logical) -> (_Searched, parts)
         self._smaller: dict = {}      # (axis, shape, logical) -> [parts of each variant]
         self._prices: dict = {}       # (mesh, devices) -> SearchCosts: one per mesh, shared
+        self._chunks: dict = {}       # chunk count -> the layers of each chunk
 
     # -- the options --------------------------------------------------------------------
     def options(self, variants: bool = True) -> list:
@@ -396,25 +419,44 @@ class RunCosts:
         """Seconds and bytes of a search's choice (module docstring)."""
         space, problem, choice = result.space, result.problem, result.choice
         memory = [float(problem.memory[n.index][choice[n.index]]) for n in space.nodes]
-        persistent = sum(memory[n.index] for n in space.nodes if n.is_source and
-                         self.program.values[n.value].persistable)
-        if self.micro > 1:          # gradients accumulate over the micro-batches
-            for n in space.nodes:
-                op = None if n.is_source else self.program.ops[n.op]
-                if op is not None and op.role == Role.OPTIMIZE and len(op.inputs) > 1 and \
-                        op.inputs[0].is_parameter:
-                    shape = n.strategies[choice[n.index]].in_local_shapes[1]
-                    persistent += float(np.prod(shape)) * dtypes.itemsize(op.inputs[1].dtype)
+        # parameters, states and (with micro-batches) the gradients' buffers, which the
+        # update nodes' memory holds (intra_op.accumulating_updates)
+        always = {n.index for n in space.nodes if n.is_source and
+                  self.program.values[n.value].persistable}
+        always.update(accumulating_updates(space, self.weights))
+        persistent = sum(memory[i] for i in always)
         backward = next((t for t, k in enumerate(space.ops)
                          if self.program.ops[k].role == Role.BACKWARD), None)
         saved = 0.0
-        if backward is not None and problem.liveness:
+        if backward and problem.liveness:
+            # live when the backward starts and made before it (as the estimate counts:
+            # not the first backward op's result, nor a gradient received for it)
+            before = set(problem.liveness[backward - 1])
             saved = sum(memory[i] for i in problem.liveness[backward]
-                        if not (space.nodes[i].is_source and
-                                self.program.values[space.nodes[i].value].persistable))
+                        if i in before and i not in always)
         peak = result.report.peak_memory
         return PartCost(result.report.objective, persistent, saved,
                         max(peak - persistent - saved, 0.0))
+
+    def chunk_layers(self, n: int) -> list:
+        """{layer: the share of its forward FLOPs} of each of the ``n`` chunks the planner
+        cuts the forward into under virtual stages (:func:`~distgraph.passes.pipeline.
+        chunks.forward_chunks`)."""
+        if n not in self._chunks:
+            cut = forward_chunks(self.program, n, f"{n} chunks")
+            layer_of = self.layering.layer_of
+            flops = {k: op_flops(self.program.ops[k]) or 0.0 for k in cut}
+            total: dict = {}
+            for k in cut:
+                total[layer_of[k]] = total.get(layer_of[k], 0.0) + flops[k]
+            out: list = [{} for _ in range(n)]
+            for k, c in cut.items():
+                layer = layer_of[k]
+                if layer is not None:
+                    share = flops[k] / total[layer] if total[layer] else 1.0
+                    out[c][layer] = out[c].get(layer, 0.0) + share
+            self._chunks[n] = out
+        return self._chunks[n]
 
     # -- the chosen stages -------------------------------------------------------------
     def annotate(self, program, layers: range, option: RunOption, mesh) -> tuple:
@@ -471,20 +513,64 @@ def pricing_method(strategy) -> str:
     return "recursive" if strategy.search_method == "auto" else strategy.search_method
 
 
-def plan_blocks(costs: RunCosts, cluster, micro_batches: int = 1) -> tuple:
+def plan_blocks(costs: RunCosts, cluster, micro_batches: int = 1, virtual: int = 1) -> tuple:
     """(StagePlan, the option of each stage) of ``costs``' layers on ``cluster``: the
     stage DP on the fastest options, then on all the variants only if the devices'
-    memory made it slower than without limits, or nothing fit (module docstring)."""
+    memory made it slower than without limits, or nothing fit (module docstring).
+    With ``virtual`` > 1 the interleaved pipelines of 2, 4 .. ``virtual`` chunks per
+    stage (:func:`~distgraph.passes.search.run_dp.plan_interleaved`, on every option
+    and variant) compete with it; the least objective wins."""
     count, blocks = costs.layering.count, costs.blocks
     fastest = costs.options(variants=False)
     try:
         plan = plan_runs(count, blocks, fastest, cluster, micro_batches)
     except PlanError:               # nothing fits: the variants may
         plan = None
-    if plan is not None and not beats(plan[0].objective, count, blocks, fastest, cluster,
-                                      micro_batches, fit_memory=False):
+    if plan is None or beats(plan[0].objective, count, blocks, fastest, cluster,
+                             micro_batches, fit_memory=False):
+        try:
+            plan = plan_runs(count, blocks, costs.options(variants=True), cluster,
+                             micro_batches)
+        except PlanError:
+            if virtual < 2:
+                raise
+    if virtual < 2:
         return plan
-    return plan_runs(count, blocks, costs.options(variants=True), cluster, micro_batches)
+    # compared with the p2p transfers priced in, which interleaving multiplies by v
+    best = None if plan is None else \
+        plan[0].objective + (len(plan[0].stages) + micro_batches - 1) * \
+        max(p2p_seconds(o, cluster) for o in plan[1])
+    for variants in (False, True):
+        fits = False
+        v = 2
+        while v <= virtual:
+            found = plan_interleaved(count, blocks, costs.options(variants=variants),
+                                     cluster, micro_batches, v, costs.chunk_layers,
+                                     p2p_seconds)
+            fits = fits or found is not None
+            if found is not None and (best is None or found[0].objective < best):
+                plan, best = found, found[0].objective
+            v *= 2
+        if fits:
+            break       # the memory variants are searched only where no alike stages fit
+    if plan is None:
+        raise PlanError(f"no split of {count} layers into stages, interleaved ({virtual} "
+                        f"chunks per stage at most) or not, fits the devices' memory; use "
+                        f"devices with more memory, recomputation or fewer micro-batches")
+    return plan
+
+
+def p2p_seconds(option: RunOption, cluster) -> float:
+    """Seconds a stage of ``option`` spends per micro-batch and chunk sending a block's
+    output on and its gradient back (alpha-beta on the link from its first device to
+    the device one submesh on)."""
+    ids = option.sub.mesh.ids
+    a = ids[0]
+    b = ids[option.sub.size % len(ids)]
+    if a == b:
+        return 0.0
+    per = cluster.latency(a, b) * 1e-6 + option.p2p_bytes() / (cluster.bandwidth(a, b) * 1e9)
+    return 2 * per
 
 
 def _undominated(options: list) -> list:

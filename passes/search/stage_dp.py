@@ -99,16 +99,20 @@ class StageChoice:
 
 @dataclass(frozen=True)
 class StagePlan:
-    """Stages in pipeline order; ``objective`` = sum t + (micro_batches - 1) * max t;
-    ``dp_runs``: how many time caps the search solved."""
+    """Stages in pipeline order; ``objective`` = sum t / virtual + (micro_batches - 1)
+    * max t; ``dp_runs``: how many time caps the search solved; ``virtual``: chunks per
+    stage (interleaved 1F1B; the stages' layers are then those annotated before the
+    planner moves chunk c to stage c mod S)."""
 
     stages: tuple[StageChoice, ...]
     objective: float
     micro_batches: int
     dp_runs: int
+    virtual: int = 1
 
     def __str__(self):
-        head = (f"{len(self.stages)} stages, {self.micro_batches} micro-batches: "
+        chunks = f", {self.virtual} chunks per stage" if self.virtual > 1 else ""
+        head = (f"{len(self.stages)} stages{chunks}, {self.micro_batches} micro-batches: "
                 f"latency {self.objective:.6g} s")
         return "\n".join([head] + [f"  {i}: {s}" for i, s in enumerate(self.stages)])
 

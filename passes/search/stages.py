@@ -47,7 +47,7 @@ from distgraph.mesh import ProcessMesh
 from distgraph.passes.search.ilp_problem import peak_memory
 from distgraph.passes.search.intra_op import search
 from distgraph.passes.search.layers import block_layers, cluster_layers
-from distgraph.passes.search.runs import RunCosts, plan_blocks, pricing_method
+from distgraph.passes.search.runs import RunCosts, RunReport, plan_blocks, pricing_method
 from distgraph.passes.search.space import GB, MESH_DIMS
 from distgraph.passes.search.stage_dp import StageCost, plan_stages
 from distgraph.resources.cluster import Cluster
@@ -108,6 +108,13 @@ class PipelineChoice:
     report: PipelineReport
     results: tuple
     rank_mapping: dict
+    virtual: int = 1
+    stage_meshes: tuple = ()
+
+    @property
+    def chunks(self):
+        """(stage meshes, chunks per stage) where the stages are interleaved, else None."""
+        return (self.stage_meshes, self.virtual) if self.virtual > 1 else None
 
     @property
     def result(self):
@@ -166,7 +173,8 @@ def pipeline_latency(copy, strategy, cluster, accumulation, memory_budget=None) 
     layering = block_layers(copy.program, copy.block_paths)
     if layering is not None:
         costs = RunCosts(copy, strategy, cluster, layering, micro)
-        return plan_blocks(costs, target, micro_batches=micro)[0].objective, costs
+        return plan_blocks(costs, target, micro_batches=micro,
+                           virtual=_virtual(strategy))[0].objective, costs
     layering = cluster_layers(copy.program, max_layers=2 * len(cluster.devices) + 2)
     stage_cost = _StageCosts(copy, strategy, cluster, layering, micro)
     return plan_stages(layering.count, target, stage_cost, micro_batches=micro).objective, None
@@ -176,7 +184,8 @@ def _plan_runs(copy, strategy, cluster, target, costs, start) -> PipelineChoice:
     """The stage search of a model of identical blocks (:mod:`distgraph.passes.search.
     runs`): options costed once per logical mesh, the DP linear in the blocks."""
     layering, micro = costs.layering, costs.micro
-    stage_plan, chosen = plan_blocks(costs, target, micro_batches=micro)
+    stage_plan, chosen = plan_blocks(costs, target, micro_batches=micro,
+                                     virtual=_virtual(strategy))
     if strategy.search_method == "auto":       # the ILP refines the chosen stages only
         refined: dict = {}      # an option chosen for several stages is refined once
         for o in chosen:
@@ -184,18 +193,50 @@ def _plan_runs(copy, strategy, cluster, target, costs, start) -> PipelineChoice:
                 refined[id(o)] = costs.refine(o)
         chosen = [refined[id(o)] for o in chosen]
     index = {d.global_id: p for p, d in enumerate(cluster.devices)}
-    reports, checks = [], []
-    for stage, option in zip(stage_plan.stages, chosen):
+    reports, checks, meshes = [], [], []
+    held = _chunk_ranges(costs, len(stage_plan.stages), stage_plan.virtual)
+    for s, (stage, option) in enumerate(zip(stage_plan.stages, chosen)):
         pids = [index[d] for d in stage.device_ids]
         mesh = ProcessMesh(np.array(pids).reshape(option.logical).tolist(),
                            dim_names=list(MESH_DIMS[:2]))
-        report, written = costs.annotate(copy.program, stage.layers, option, mesh)
-        reports.append(report)
-        checks += written
+        parts = []
+        for layers in held[s] if held is not None else [stage.layers]:
+            report, written = costs.annotate(copy.program, layers, option, mesh)
+            parts += report.parts
+            checks += written
+        reports.append(RunReport(report.option, tuple(parts)))
+        meshes.append(mesh)
     report = PipelineReport(layering, stage_plan, tuple(reports), costs.searches,
                             time.perf_counter() - start)
     return PipelineChoice(report, tuple(checks),
-                          {p: d.global_id for p, d in enumerate(cluster.devices)})
+                          {p: d.global_id for p, d in enumerate(cluster.devices)},
+                          stage_plan.virtual, tuple(meshes))
+
+
+def _chunk_ranges(costs, S: int, virtual: int):
+    """Under virtual stages (``virtual`` > 1), the layer ranges of each of ``S`` stages:
+    chunk c's layers (a layer cut between chunks goes with the one holding most of its
+    FLOPs) on stage c mod S, as the planner will move them; else None."""
+    if virtual < 2:
+        return None
+    chunks = costs.chunk_layers(S * virtual)
+    home = {}
+    for c, chunk in enumerate(chunks):
+        for layer, share in chunk.items():
+            if share > home.get(layer, (-1.0, 0))[0]:
+                home[layer] = (share, c)
+    out: list = [[] for _ in range(S)]
+    for c in range(len(chunks)):
+        mine = sorted(layer for layer, (_, at) in home.items() if at == c)
+        if mine:
+            out[c % S].append(range(mine[0], mine[-1] + 1))
+    return out
+
+
+def _virtual(strategy) -> int:
+    """The most chunks per stage the search may interleave: ``Strategy.virtual_stages``
+    under the 1F1B schedule (the search chooses 1, 2, 4 .. up to it), else 1."""
+    return strategy.virtual_stages if strategy.schedule == "1F1B" else 1
 
 
 class _StageCosts:

@@ -137,7 +137,7 @@ def plan_pipeline(copy, strategy, cluster, accumulation, memory_budget=None,
     layering = block_layers(program, copy.block_paths)
     if layering is not None:
         costs = runs or RunCosts(copy, strategy, cluster, layering, micro)
-        return _plan_runs(copy, strategy, cluster, target, costs, start)
+        return _plan_runs(copy, strategy, cluster, target, costs, start, memory_budget)
     layering = cluster_layers(program, max_layers=2 * len(devices) + 2)
     stage_cost = _StageCosts(copy, strategy, cluster, layering, micro)
     stage_plan = plan_stages(layering.count, target, stage_cost, micro_batches=micro)
@@ -169,7 +169,7 @@ def pipeline_latency(copy, strategy, cluster, accumulation, memory_budget=None,
     layering = block_layers(copy.program, copy.block_paths)
     if layering is not None:
         costs = costs or RunCosts(copy, strategy, cluster, layering, micro)
-        return plan_blocks(costs, target, micro_batches=micro)[0].objective, costs
+        return _blocks_plan(costs, target, memory_budget)[0].objective, costs
     layering = cluster_layers(copy.program, max_layers=2 * len(cluster.devices) + 2)
     stage_cost = _StageCosts(copy, strategy, cluster, layering, micro)
     return plan_stages(layering.count, target, stage_cost, micro_batches=micro).objective, None
@@ -191,11 +191,20 @@ def pipeline_beaten(copy, strategy, cluster, accumulation, latency: float) -> tu
                      fit_memory=False), costs
 
 
-def _plan_runs(copy, strategy, cluster, target, costs, start) -> PipelineChoice:
+def _blocks_plan(costs, target, memory_budget) -> tuple:
+    """:func:`~distgraph.passes.search.runs.plan_blocks` of ``costs`` on ``target`` (the
+    cluster within ``memory_budget``), solved once per budget: the micro-batch search's
+    DP for the count it chose is the plan's."""
+    if memory_budget not in costs.planned:
+        costs.planned[memory_budget] = plan_blocks(costs, target, micro_batches=costs.micro)
+    return costs.planned[memory_budget]
+
+
+def _plan_runs(copy, strategy, cluster, target, costs, start, memory_budget) -> PipelineChoice:
     """The stage search of a model of identical blocks (:mod:`distgraph.passes.search.
     runs`): options costed once per logical mesh, the DP linear in the blocks."""
-    layering, micro = costs.layering, costs.micro
-    stage_plan, chosen = plan_blocks(costs, target, micro_batches=micro)
+    layering = costs.layering
+    stage_plan, chosen = _blocks_plan(costs, target, memory_budget)
     if strategy.search_method == "auto":       # the ILP refines the chosen stages only
         refined: dict = {}      # an option chosen for several stages is refined once
         for o in chosen:

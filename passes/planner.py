@@ -87,7 +87,8 @@ def plan(built, strategy: Strategy | None = None, cluster=None, rank_mapping=Non
         from distgraph.passes.search.micro import choose_micro_batches
 
         strategy = dataclasses.replace(strategy, micro_batches=choose_micro_batches(
-            built, strategy, cluster, lambda b, s, m: _latency(b, s, cluster, m, runs)))
+            built, strategy, cluster, lambda b, s, m: _latency(b, s, cluster, m, runs),
+            lambda b, s, m, seconds: _beaten(b, s, cluster, m, seconds, runs)))
     accumulation = reuse = None
     if strategy.micro_batches in runs:
         built, accumulation, reuse = runs[strategy.micro_batches]
@@ -234,17 +235,39 @@ def _transformed(built, strategy):
 def _latency(built, strategy, cluster, micro: int, runs: dict) -> float:
     """The stage search's latency for ``built`` split into ``micro`` micro-batches; the
     split program, its accumulation and the stage options that priced it go into
-    ``runs`` under ``micro``."""
+    ``runs`` under ``micro`` (those :func:`_beaten` began are reused)."""
     from distgraph.passes.search.stages import pipeline_latency
 
-    accumulation = None
-    if micro > 1:
-        built, accumulation = split_micro_batches(built, micro)
+    costs = None
+    if micro in runs and runs[micro][2] is not None:
+        built, accumulation, costs = runs[micro]
+        copy = costs.copy
+    else:
+        built, accumulation = _split(built, micro)
+        copy = _transformed(built, strategy)
     budget = None if strategy.memory_budget_gb is None else strategy.memory_budget_gb * 1e9
-    latency, costs = pipeline_latency(_transformed(built, strategy), strategy, cluster,
-                                      accumulation, budget)
+    latency, costs = pipeline_latency(copy, strategy, cluster, accumulation, budget, costs)
     runs[micro] = (built, accumulation, costs)
     return latency
+
+
+def _beaten(built, strategy, cluster, micro: int, seconds: float, runs: dict) -> bool:
+    """Whether the stage search's bound shows ``micro`` micro-batches take no less than
+    ``seconds`` per step; the stage options it searched go into ``runs`` (see
+    :func:`_latency`)."""
+    from distgraph.passes.search.stages import pipeline_beaten
+
+    built, accumulation = _split(built, micro)
+    beaten, costs = pipeline_beaten(_transformed(built, strategy), strategy, cluster,
+                                    accumulation, seconds)
+    if costs is not None:
+        runs[micro] = (built, accumulation, costs)
+    return beaten
+
+
+def _split(built, micro: int) -> tuple:
+    """(``built`` split into ``micro`` micro-batches, its accumulation or None)."""
+    return split_micro_batches(built, micro) if micro > 1 else (built, None)
 
 
 def _balanced(planned: Plan, cluster, searched: bool) -> Plan:

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from distgraph.errors import PlanError
-from distgraph.passes.search.ilp import ShardingProblem, evaluate, peak_memory, solve
+from distgraph.passes.search.ilp import (ShardingProblem, evaluate, peak_bound, peak_memory,
+                                         reduce_problem, solve)
 
 
 def random_problem(seed, budget_kind="random"):
@@ -126,6 +127,22 @@ def test_the_public_contract_path_is_the_solver():
 @pytest.mark.parametrize("seed", range(120))
 def test_random_problems_match_brute_force(seed):
     check_against_oracle(random_problem(seed))
+
+
+@pytest.mark.parametrize("seed", range(120))
+def test_the_peak_bound_is_below_every_allowed_choice(seed):
+    """peak_bound lets the solvers refuse a budget without a model: it must never exceed
+    the smallest peak brute force finds (and equals it where every node's least memory
+    can be chosen together)."""
+    p = random_problem(seed)
+    best, _, smallest_peak = oracle(p)
+    if math.isinf(best):
+        return
+    bound = peak_bound(reduce_problem(p))
+    assert bound <= smallest_peak + 1e-9
+    if not p.follow.count(-1) < p.n and not p.share and not p.aliases and not p.edges and \
+            all(np.isfinite(c).all() for c in p.compute):
+        assert bound == pytest.approx(smallest_peak)
 
 
 @pytest.mark.parametrize("seed", range(40))

@@ -3,6 +3,7 @@
 neighbour is faster (a closed-form latency and the stage search's own), the plan runs
 with the M chosen, and the option is refused where no stage search runs."""
 
+import dataclasses
 import os
 import sys
 
@@ -13,6 +14,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import distgraph as dg  # noqa: E402
 from distgraph.errors import PlanError  # noqa: E402
 from distgraph.passes import planner  # noqa: E402
+from distgraph.passes.search.layers import block_layers  # noqa: E402
 from distgraph.passes.search.micro import batch_rows, choose_micro_batches, ladder  # noqa: E402
 from distgraph.program_builder import build_program  # noqa: E402
 
@@ -22,8 +24,8 @@ import search_cases as S  # noqa: E402
 BATCH = 16
 
 
-def built_gpt(batch=BATCH):
-    dims = dict(P.GPT_DIMS, n_layer=2)
+def built_gpt(batch=BATCH, layers=2):
+    dims = dict(P.GPT_DIMS, n_layer=layers)
     data = P.Dataset("gpt", dims=dims, batch=batch)
     ins, labels = dg.app.data.DataLoader(data, batch).specs(1)
     return build_program(P.build_model("gpt", dims=dims), ins, labels, P.loss_fn("gpt"),
@@ -83,3 +85,24 @@ def test_left_to_the_search_only_where_a_stage_search_runs():
                      dg.Strategy(auto_mode="full", micro_batches=None)):
         with pytest.raises(PlanError, match="pipeline=True"):
             dg.passes.plan(built_gpt(), strategy, S.line_cluster(4))
+
+
+def test_a_count_is_pruned_only_where_its_bound_reaches_the_best_latency():
+    # the bound (fastest parts, memory unlimited) never exceeds the count's own latency,
+    # so pruning with it keeps the walk's choice: the same M with and without it
+    built, cluster = built_gpt(layers=4), S.line_cluster(4, bandwidth=1.0)
+    assert block_layers(built.program, built.block_paths) is not None     # bounded
+    strategy = dg.Strategy(auto_mode="full", pipeline=True, micro_batches=None,
+                           search="recursive")
+    for m in (2, 4, 8):
+        asked = dataclasses.replace(strategy, micro_batches=m)
+        latency = planner._latency(built, asked, cluster, m, {})
+        assert not planner._beaten(built, asked, cluster, m, latency * (1 + 1e-9), {})
+        assert planner._beaten(built, asked, cluster, m, latency * 1e-6, {})
+    runs: dict = {}
+    pruned = choose_micro_batches(built, strategy, cluster,
+                                  lambda b, s, m: planner._latency(b, s, cluster, m, runs),
+                                  lambda b, s, m, t: planner._beaten(b, s, cluster, m, t, runs))
+    full = choose_micro_batches(built, strategy, cluster,
+                                lambda b, s, m: planner._latency(b, s, cluster, m, {}))
+    assert pruned == full

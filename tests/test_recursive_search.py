@@ -193,3 +193,29 @@ def test_unknown_or_misplaced_search_values_are_refused():
     with pytest.raises(dg.PlanError, match="auto_mode='full'"):
         dg.passes.plan(S.mlp_program(64, 64), dg.Strategy(search="recursive"),
                        S.line_cluster(4))
+
+
+def test_auto_refines_a_given_choice_without_searching_again():
+    # the stage refinement hands "auto" the choice the stage DP priced: SCIP starts from
+    # it (its objective is the recursive one reported) and reaches the ILP's optimum
+    from distgraph.passes.search.intra_op import search
+
+    built, cluster = S.mlp_program(128, 1024), S.line_cluster(4)
+    mesh = dg.ProcessMesh([0, 1, 2, 3], dim_names=["x"])
+    devices = {p: p for p in range(4)}
+    rec = search(built.program, mesh, cluster, devices, method="recursive", memory=True)
+    ilp = search(built.program, mesh, cluster, devices, method="ilp", memory=True)
+    both = search(built.program, mesh, cluster, devices, method="auto", memory=True,
+                  refined=rec)
+    assert both.report.recursive_objective == pytest.approx(rec.report.objective, rel=1e-12)
+    assert both.report.objective == pytest.approx(ilp.report.objective, rel=1e-9)
+    assert both.report.objective <= rec.report.objective * (1 + 1e-12)
+    with pytest.raises(dg.PlanError) as least:
+        search(built.program, mesh, cluster, devices, method="ilp", memory_budget=1.0)
+    smallest, peak = least.value.smallest_peak, peak_memory(rec.problem, rec.choice)
+    assert smallest < peak
+    budget = (smallest + peak) / 2           # the given choice is over it: not refined
+    lean = search(built.program, mesh, cluster, devices, method="auto", memory=True,
+                  memory_budget=budget, refined=rec)
+    assert lean.report.peak_memory <= budget and lean.report.recursive_objective != \
+        pytest.approx(rec.report.objective, rel=1e-12)

@@ -62,8 +62,9 @@ from distgraph.errors import PlanError
 from distgraph.passes.search.ilp_problem import ShardingProblem, evaluate, peak_memory
 
 __all__ = ["ShardingProblem", "Solution", "evaluate", "peak_memory", "solve", "reduce_problem",
-           "check_forbidden"]
+           "check_forbidden", "peak_bound"]
 
+BUDGET_RTOL = 1e-9      # a peak this far over the budget (relatively) is rounding, not over
 CONFLICT = ("the sharding problem has no allowed choice, whatever the memory: its aliases "
             "and forbidden (inf) strategies and pairs contradict each other along a chain of "
             "nodes; check the aliases of tied (follow/share) nodes")
@@ -350,6 +351,9 @@ def solve(problem: ShardingProblem, time_limit: float = 60.0, starts=()) -> Solu
     deadline = start + time_limit
     red = reduce_problem(problem)
     check_forbidden(problem, red)
+    if problem.memory_budget is not None and \
+            peak_bound(red) > problem.memory_budget * (1 + BUDGET_RTOL):
+        _raise_budget(problem, red, start, time_limit)     # no model needed to know
     model = _Model(red, problem.memory_budget, minimise_peak=False)
     given = [[int(c[v]) for v in np.unique(red.cls, return_index=True)[1]] for c in starts]
     for choice in _starts(red) + given:
@@ -393,22 +397,48 @@ def check_forbidden(p: ShardingProblem, red: Reduced) -> None:
                             "pair of their allowed strategies; allow at least one pair")
 
 
+def peak_bound(red: Reduced) -> float:
+    """A lower bound on the peak memory of every choice: at each liveness step, each
+    class's least live memory over its allowed strategies, summed (exact when the
+    choice of least memory everywhere is allowed, as full sharding usually is)."""
+    allowed = [np.isfinite(c) for c in red.cost]
+    live: dict = {}
+    level = bound = 0.0
+    for delta in red.steps:
+        for c, d in delta.items():
+            old = live.get(c)
+            new = d if old is None else old + d
+            level += float(new[allowed[c]].min()) - \
+                (0.0 if old is None else float(old[allowed[c]].min()))
+            live[c] = new
+        bound = max(bound, level)
+    return bound
+
+
 def _raise_budget(p: ShardingProblem, red: Reduced, start: float, time_limit: float):
-    # Minimise the peak in the time left (at least a tenth of the limit), so the message
-    # can say what budget would work.
-    deadline = max(start + time_limit, time.perf_counter() + 0.1 * time_limit)
-    model = _Model(red, None, minimise_peak=True)
-    for choice in _starts(red):
-        model.warm_start(choice)
-    status = model.run(deadline)
-    choice = model.choice()
+    # Name the smallest peak, so the message can say what budget would work: the least-
+    # memory start when it reaches peak_bound (then no choice peaks lower), else the
+    # peak minimised by SCIP in the time left (at least a tenth of the limit).
     budget = f"memory_budget = {p.memory_budget:g}"
-    if status == "infeasible":
-        raise PlanError(CONFLICT)
-    if choice is None:
-        raise PlanError(f"no sharding choice fits {budget}, and none was found in the time "
-                        "limit to name the smallest peak; raise the budget or the time limit")
+    lean = _starts(red)[1]
+    choice = tuple(lean[c] for c in red.cls)
     peak = peak_memory(p, choice)
+    if math.isfinite(evaluate(p, choice)) and peak <= peak_bound(red) * (1 + BUDGET_RTOL):
+        status = "optimal"
+    else:
+        deadline = max(start + time_limit, time.perf_counter() + 0.1 * time_limit)
+        model = _Model(red, None, minimise_peak=True)
+        for choice in _starts(red):
+            model.warm_start(choice)
+        status = model.run(deadline)
+        choice = model.choice()
+        if status == "infeasible":
+            raise PlanError(CONFLICT)
+        if choice is None:
+            raise PlanError(f"no sharding choice fits {budget}, and none was found in the "
+                            "time limit to name the smallest peak; raise the budget or the "
+                            "time limit")
+        peak = peak_memory(p, choice)
     if status == "optimal":
         err = PlanError(f"no sharding choice fits {budget}: the smallest peak memory any "
                         f"choice reaches is {peak:g}; raise the budget to at least that, or "

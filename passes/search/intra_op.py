@@ -236,7 +236,7 @@ def search(program, mesh: ProcessMesh, cluster, device_of: dict, *, ops=None,
            memory_budget: float | None = None, time_limit: float = 60.0,
            blocks=(), memory: bool = False, balance: bool = False,
            boundary: Boundary | None = None, method: str = "ilp",
-           costs: SearchCosts | None = None) -> SearchResult:
+           costs: SearchCosts | None = None, refined=None) -> SearchResult:
     """Choose a strategy for every op (of ``ops``, default all) and source Value of
     ``program`` on ``mesh`` (module docstring). ``device_of``: process -> device global id
     of ``cluster``; ``weights``: op role -> times it runs per step (default 1);
@@ -250,7 +250,9 @@ def search(program, mesh: ProcessMesh, cluster, device_of: dict, *, ops=None,
     "ilp" SCIP, "recursive" the double-recursive search of :mod:`distgraph.passes.search.
     recursive`, "auto" the recursive choice refined by SCIP, warm-started from it);
     ``costs``: a SearchCosts of the same cluster, mesh and device_of whose cached prices
-    are reused (a new one by default)."""
+    are reused (a new one by default); ``refined``: under "auto", a SearchResult of the
+    same ops on a mesh of the same dim names whose choice, where every node can take it
+    here within the budget, SCIP refines instead of a new recursive search's."""
     start = time.perf_counter()
     boundary = boundary or Boundary()
     space = SearchSpace(program, mesh, ops, received=dict(boundary.received))
@@ -265,8 +267,12 @@ def search(program, mesh: ProcessMesh, cluster, device_of: dict, *, ops=None,
     if method not in METHODS:
         raise PlanError(f"search method {method!r}; use one of {', '.join(METHODS)}")
     note, first = "", None
+    carried = _carried(refined, space, problem) if method == "auto" else None
     if method == "ilp":
         sol = solve(problem, time_limit=limit)
+    elif carried is not None:
+        first = evaluate(problem, carried)
+        sol = solve(problem, time_limit=limit, starts=[carried])
     else:
         sol, note = solve_recursive(problem, space, bisection_levels(mesh, costs.ring_of),
                                     time_limit=limit)
@@ -275,6 +281,27 @@ def search(program, mesh: ProcessMesh, cluster, device_of: dict, *, ops=None,
             sol = solve(problem, time_limit=limit, starts=[sol.choice])
     return _result(space, sol.choice, problem, sol, build_time, memory_budget, share,
                    boundary, method, first, note)
+
+
+def _carried(start, space, problem):
+    """``start``'s choice as strategy indices of ``space`` (matched per node by layouts),
+    or None where a node cannot take it, it is forbidden or over the budget."""
+    if start is None or len(start.space.nodes) != len(space.nodes):
+        return None
+    choice = []
+    for node, old in zip(space.nodes, start.space.nodes):
+        s, hint = old.strategies[start.choice[old.index]], old.hints[start.choice[old.index]]
+        want = (s.in_specs, s.out_specs, hint)
+        index = next((i for i, (t, h) in enumerate(zip(node.strategies, node.hints))
+                      if (t.in_specs, t.out_specs, h) == want), None)
+        if node.label != old.label or index is None:
+            return None
+        choice.append(index)
+    if not math.isfinite(evaluate(problem, choice)) or (
+            problem.memory_budget is not None and
+            peak_memory(problem, choice) > problem.memory_budget):
+        return None
+    return tuple(choice)
 
 
 def price(moved: SearchSpace, cluster, device_of: dict, *, weights=None, loss=None,

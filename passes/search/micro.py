@@ -17,6 +17,13 @@ one sequence per data-parallel replica is. It then moves to the neighbouring r (
 or half as many rows) while the latency falls; so it prices three candidates where the
 start is best. A candidate no plan fits (memory) costs infinity.
 
+**Bounds before prices.** A neighbour is first bounded: its stage DP on the fastest
+options with the devices' memory unlimited (the memory variants can only make the
+stages fit, not faster: :func:`~distgraph.passes.search.runs.plan_blocks`) needs each
+logical mesh's fastest parts only; where that bound does not beat the best latency so
+far, the neighbour cannot win and its memory variants, the bulk of a price, are never
+searched.
+
 Example::
 
     m = choose_micro_batches(built, strategy, cluster, latency)   # Strategy(micro_batches=m)
@@ -50,22 +57,29 @@ def ladder(rows: int) -> list:
     return out
 
 
-def choose_micro_batches(built, strategy, cluster, latency) -> int:
+def choose_micro_batches(built, strategy, cluster, latency, beaten=None) -> int:
     """The number of micro-batches M of least pipeline latency (module docstring).
     ``latency(built, strategy, M)``: seconds per step of the stage search's plan with M
     micro-batches, PlanError where none fits (the planner's, through
-    :func:`~distgraph.passes.search.stages.pipeline_latency`)."""
+    :func:`~distgraph.passes.search.stages.pipeline_latency`); ``beaten(built, strategy,
+    M, seconds)`` (optional): True where a bound shows M's latency is no less than
+    ``seconds`` (then M is not priced: :func:`~distgraph.passes.search.stages.
+    pipeline_beaten`)."""
     rows = batch_rows(built)
     sizes = ladder(rows)
     machines = max(len(cluster.machines), 1) if cluster is not None else 1
     start = max(i for i, r in enumerate(sizes) if r <= max(rows // machines, 1))
     priced: dict = {}
 
-    def cost(i):
+    def cost(i, below=math.inf):
+        """M's latency, or ``below`` where the bound shows it is no less."""
         if i not in priced:
             m = rows // sizes[i]
+            asked = dataclasses.replace(strategy, micro_batches=m)
+            if math.isfinite(below) and beaten is not None and beaten(built, asked, m, below):
+                return below
             try:
-                priced[i] = latency(built, dataclasses.replace(strategy, micro_batches=m), m)
+                priced[i] = latency(built, asked, m)
             except PlanError:
                 priced[i] = math.inf
         return priced[i]
@@ -73,7 +87,7 @@ def choose_micro_batches(built, strategy, cluster, latency) -> int:
     best = start
     for step in (-1, 1):                # towards smaller micro-batches, then larger
         i = best + step
-        while 0 <= i < len(sizes) and cost(i) < cost(best):
+        while 0 <= i < len(sizes) and cost(i, cost(best)) < cost(best):
             best, i = i, i + step
         if best != start:
             break

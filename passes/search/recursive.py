@@ -69,8 +69,8 @@ import time
 import numpy as np
 from scipy import sparse
 
-from distgraph.passes.search.ilp import (Solution, check_forbidden, evaluate, peak_memory,
-                                         reduce_problem, solve)
+from distgraph.passes.search.ilp import (BUDGET_RTOL, Solution, check_forbidden, evaluate,
+                                         peak_bound, peak_memory, reduce_problem, solve)
 from distgraph.passes.search.tree_moves import improve
 
 METHODS = ("ilp", "recursive", "auto")
@@ -109,7 +109,9 @@ def solve_recursive(problem, space, dims, time_limit: float = 60.0):
     if math.isinf(evaluate(problem, choice)):
         note = "the recursive choice broke an alias"
     elif budget is not None and peak_memory(problem, choice) > budget:
-        choice = _fit(problem, walk, choice, budget)
+        # below the bound no lam can fit: the ILP names the smallest peak at once
+        fits = peak_bound(red) <= budget * (1 + BUDGET_RTOL)
+        choice = _fit(problem, walk, choice, budget) if fits else None
         if choice is None:
             note = "no recursive choice fit the memory budget"
     if note:

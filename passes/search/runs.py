@@ -213,6 +213,7 @@ class RunCosts:
         self._smaller: dict = {}      # (axis, shape, logical) -> [parts of each variant]
         self._prices: dict = {}       # (mesh, devices) -> SearchCosts: one per mesh, shared
         self._chunks: dict = {}       # chunk count -> the layers of each chunk
+        self.planned: dict = {}       # memory budget -> plan_blocks' answer (stages.py)
 
     # -- the options --------------------------------------------------------------------
     def options(self, variants: bool = True) -> list:
@@ -304,20 +305,24 @@ class RunCosts:
         the stages still fit), E and H meeting the refined block."""
         mesh, device_of = logical_mesh(option.sub.mesh, option.sub.shape, option.logical)
         peak = option.parts["block"][1].report.peak_memory
-        found = self._search(mesh, device_of, peak * (1 + 1e-9), method="auto")
+        found = self._search(mesh, device_of, peak * (1 + 1e-9), method="auto",
+                             starts={part: result for part, (_, result) in option.parts.items()})
         return RunOption(option.axis, option.sub, option.logical, self._costed(found))
 
-    def _search(self, mesh, device_of, budget=None, fastest=None, method=None) -> dict:
+    def _search(self, mesh, device_of, budget=None, fastest=None, method=None,
+                starts=None) -> dict:
         """The parts on ``mesh``, the block within ``budget`` bytes per device (E and H
         taken from ``fastest`` where they meet the block alike); ``method``: the
-        search's (default: the one that prices options, :func:`pricing_method`)."""
+        search's (default: the one that prices options, :func:`pricing_method`);
+        ``starts``: part -> the SearchResult "auto" refines (``search``'s ``refined``)."""
+        starts = starts or {}
         method = method or pricing_method(self.strategy)
         start = time.perf_counter()
         block_ops = self.layering.ops(range(self.rep, self.rep + 1))
         periodic = self._periodic(block_ops)
         boundary = Boundary(received=tuple((r, None) for r, _ in periodic), periodic=periodic)
         found = {"block": self._run_search(block_ops, mesh, device_of, boundary, budget,
-                                           method)}
+                                           method, starts.get("block"))}
         block = found["block"]
         ends = []
         if self.has_first:
@@ -331,16 +336,18 @@ class RunCosts:
             if fastest is not None and fastest[part].boundary == meets:
                 found[part] = fastest[part]
             else:
-                found[part] = self._run_search(ops, mesh, device_of, meets, None, method)
+                found[part] = self._run_search(ops, mesh, device_of, meets, None, method,
+                                               starts.get(part))
         self.seconds += time.perf_counter() - start
         return found
 
-    def _run_search(self, ops, mesh, device_of, boundary, budget, method):
+    def _run_search(self, ops, mesh, device_of, boundary, budget, method, start=None):
         self.searches += 1
         return search(self.program, mesh, self.cluster, device_of, ops=ops,
                       weights=self.weights, loss=self._loss(ops), memory_budget=budget,
                       time_limit=self.strategy.solver_time_limit, memory=True,
-                      boundary=boundary, method=method, costs=self._costs(mesh, device_of))
+                      boundary=boundary, method=method, costs=self._costs(mesh, device_of),
+                      refined=start)
 
     def _costs(self, mesh, device_of) -> SearchCosts:
         """The SearchCosts of ``mesh`` on those devices, shared by every search and

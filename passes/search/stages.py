@@ -47,6 +47,7 @@ from distgraph.mesh import ProcessMesh
 from distgraph.passes.search.ilp_problem import peak_memory
 from distgraph.passes.search.intra_op import search
 from distgraph.passes.search.layers import block_layers, cluster_layers
+from distgraph.passes.search.run_dp import beats
 from distgraph.passes.search.runs import RunCosts, RunReport, plan_blocks, pricing_method
 from distgraph.passes.search.space import GB, MESH_DIMS
 from distgraph.passes.search.stage_dp import StageCost, plan_stages
@@ -143,7 +144,7 @@ def plan_pipeline(copy, strategy, cluster, accumulation, memory_budget=None,
     layering = block_layers(program, copy.block_paths)
     if layering is not None:
         costs = runs or RunCosts(copy, strategy, cluster, layering, micro)
-        return _plan_runs(copy, strategy, cluster, target, costs, start)
+        return _plan_runs(copy, strategy, cluster, target, costs, start, memory_budget)
     layering = cluster_layers(program, max_layers=2 * len(devices) + 2)
     stage_cost = _StageCosts(copy, strategy, cluster, layering, micro)
     stage_plan = plan_stages(layering.count, target, stage_cost, micro_batches=micro)
@@ -162,30 +163,56 @@ def plan_pipeline(copy, strategy, cluster, accumulation, memory_budget=None,
                           {p: d for p, d in enumerate(devices)})
 
 
-def pipeline_latency(copy, strategy, cluster, accumulation, memory_budget=None) -> tuple:
+def pipeline_latency(copy, strategy, cluster, accumulation, memory_budget=None,
+                     costs=None) -> tuple:
     """(seconds per step of the stage plan :func:`plan_pipeline` would choose for
     ``copy``, priced by the method that prices the DP's candidates, before any
     refinement and without annotating; the RunCosts that priced it, or None): what
     :mod:`distgraph.passes.search.micro` compares. PlanError where nothing fits. The
-    RunCosts may be handed to :func:`plan_pipeline` for a program built the same way."""
+    RunCosts may be handed to :func:`plan_pipeline` for a program built the same way;
+    ``costs``: one :func:`pipeline_beaten` made for ``copy`` (its searches are reused)."""
     micro = accumulation.micro_batches if accumulation is not None else 1
     target = cluster if memory_budget is None else _capped(cluster, memory_budget / GB)
     layering = block_layers(copy.program, copy.block_paths)
     if layering is not None:
-        costs = RunCosts(copy, strategy, cluster, layering, micro)
-        return plan_blocks(costs, target, micro_batches=micro,
-                           virtual=_virtual(strategy))[0].objective, costs
+        costs = costs or RunCosts(copy, strategy, cluster, layering, micro)
+        return _blocks_plan(costs, target, memory_budget, strategy)[0].objective, costs
     layering = cluster_layers(copy.program, max_layers=2 * len(cluster.devices) + 2)
     stage_cost = _StageCosts(copy, strategy, cluster, layering, micro)
     return plan_stages(layering.count, target, stage_cost, micro_batches=micro).objective, None
 
 
-def _plan_runs(copy, strategy, cluster, target, costs, start) -> PipelineChoice:
+def pipeline_beaten(copy, strategy, cluster, accumulation, latency: float) -> tuple:
+    """(True where no stage plan of ``copy`` can take less than ``latency`` seconds per
+    step, by the bound :mod:`distgraph.passes.search.micro` prunes with: the stage DP on
+    each logical mesh's fastest parts, the devices' memory unlimited; the RunCosts that
+    bounded it, for :func:`pipeline_latency`, or None). Programs not of identical blocks
+    have no such bound: False."""
+    layering = block_layers(copy.program, copy.block_paths)
+    if layering is None:
+        return False, None
+    micro = accumulation.micro_batches if accumulation is not None else 1
+    costs = RunCosts(copy, strategy, cluster, layering, micro)
+    fastest = costs.options(variants=False)
+    return not beats(latency, layering.count, layering.blocks, fastest, cluster, micro,
+                     fit_memory=False), costs
+
+
+def _blocks_plan(costs, target, memory_budget, strategy) -> tuple:
+    """:func:`~distgraph.passes.search.runs.plan_blocks` of ``costs`` on ``target`` (the
+    cluster within ``memory_budget``), solved once per budget: the micro-batch search's
+    DP for the count it chose is the plan's."""
+    if memory_budget not in costs.planned:
+        costs.planned[memory_budget] = plan_blocks(costs, target, micro_batches=costs.micro,
+                                                   virtual=_virtual(strategy))
+    return costs.planned[memory_budget]
+
+
+def _plan_runs(copy, strategy, cluster, target, costs, start, memory_budget) -> PipelineChoice:
     """The stage search of a model of identical blocks (:mod:`distgraph.passes.search.
     runs`): options costed once per logical mesh, the DP linear in the blocks."""
-    layering, micro = costs.layering, costs.micro
-    stage_plan, chosen = plan_blocks(costs, target, micro_batches=micro,
-                                     virtual=_virtual(strategy))
+    layering = costs.layering
+    stage_plan, chosen = _blocks_plan(costs, target, memory_budget, strategy)
     if strategy.search_method == "auto":       # the ILP refines the chosen stages only
         refined: dict = {}      # an option chosen for several stages is refined once
         for o in chosen:

@@ -64,6 +64,7 @@ Example::
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -77,7 +78,7 @@ from distgraph.passes.search.costs import SearchCosts
 from distgraph.passes.search.intra_op import Boundary, price, search
 from distgraph.passes.search.layers import FORWARD
 from distgraph.passes.search.run_dp import beats, plan_runs
-from distgraph.passes.search.space import GB, MESH_DIMS
+from distgraph.passes.search.space import GB, MESH_DIMS, SEQUENCE_DIM
 from distgraph.passes.search.stage_dp import Submesh
 
 VARIANTS = 4        # the fastest block and up to three of smaller peaks (module docstring)
@@ -208,9 +209,13 @@ class RunCosts:
                 for t in [t for t in range(1, shape[1] + 1) if shape[1] % t == 0]:
                     logical = (shape[0] * shape[1] // t, t)
                     out.append((axis, sub, logical))
-        # search the largest mesh of each t whose x divides the rows first
+                    cp = self._sequence_split(logical[0])
+                    if cp > 1:
+                        out.append((axis, sub, (logical[0] // cp, cp, t)))
+        # search the largest mesh of each kind and t whose x divides the rows first
         rows_mb = self._batch_rows()
-        order = sorted(out, key=lambda o: (o[2][1], rows_mb % o[2][0] != 0, -o[2][0]))
+        order = sorted(out, key=lambda o: (_kind(o[2]), rows_mb % o[2][0] != 0,
+                                           -int(np.prod(o[2]))))
         for axis, sub, logical in order:
             key = (axis, sub.shape, logical)
             if key not in self._fastest:
@@ -228,18 +233,31 @@ class RunCosts:
         feeds = self.program.inputs
         return int(feeds[0].shape[0]) if feeds and feeds[0].shape else 1
 
+    def _sequence_split(self, x: int) -> int:
+        """The cp of the (dp, cp, tp) shape offered beside ``(x, t)``: x over the largest
+        dp the micro-batch's rows allow, ``gcd(x, rows)``, the rest of x splitting the
+        sequence (module docstring); 1 where dp takes all of x, where that dp is 1 (the
+        (x, t) mesh's own search may split the sequence over x), or where the feeds
+        have no sequence the cp divides."""
+        feeds = self.program.inputs
+        if not feeds or len(feeds[0].shape) < 2:
+            return 1
+        dp = math.gcd(x, self._batch_rows())
+        cp = x // dp
+        return cp if dp > 1 and cp > 1 and int(feeds[0].shape[1]) % cp == 0 else 1
+
     def _fastest_parts(self, key, sub, logical) -> tuple:
         """(the search whose fastest parts this mesh takes, the parts): priced from the
         latest search of its ``t`` whose fastest choice divides here, else searched."""
         mesh, device_of = logical_mesh(sub.mesh, sub.shape, logical)
-        t = logical[1]
-        for searched in self._found.get(t, ())[::-1]:
+        kind = _kind(logical)
+        for searched in self._found.get(kind, ())[::-1]:
             try:
                 return searched, self._price(searched.fastest, mesh, device_of)
             except PlanError:
                 continue
         searched = _Searched(key, mesh, device_of, self._search(mesh, device_of))
-        self._found.setdefault(t, []).append(searched)
+        self._found.setdefault(kind, []).append(searched)
         return searched, self._costed(searched.fastest)
 
     def _smaller_parts(self, key, sub, logical) -> list:
@@ -517,8 +535,21 @@ def logical_mesh(device_mesh, shape, logical) -> tuple[ProcessMesh, dict]:
     rows, cols = shape
     grid = np.array(device_mesh.ids).reshape(_grid(device_mesh.shape))[:rows, :cols]
     mesh = ProcessMesh(np.arange(rows * cols).reshape(logical).tolist(),
-                       dim_names=list(MESH_DIMS[:2]))
+                       dim_names=logical_dims(logical))
     return mesh, dict(enumerate(int(d) for d in grid.reshape(-1)))
+
+
+def logical_dims(logical) -> list:
+    """The dim names of a logical mesh: ``x``, ``y`` of a (dp, tp) shape; ``x``,
+    ``cp``, ``y`` of a (dp, cp, tp) one (``y`` inside a machine, ``cp`` next, as Meta
+    orders tp, cp and dp)."""
+    return [MESH_DIMS[0], SEQUENCE_DIM, MESH_DIMS[1]] if len(logical) == 3 else \
+        list(MESH_DIMS[:len(logical)])
+
+
+def _kind(logical) -> tuple:
+    """Logical meshes whose searches price each other: the same dims and the same t."""
+    return (len(logical), logical[-1])
 
 
 def _grid(shape) -> tuple:

@@ -47,7 +47,7 @@ from distgraph.mesh import ProcessMesh
 from distgraph.passes.search.ilp_problem import peak_memory
 from distgraph.passes.search.intra_op import search
 from distgraph.passes.search.layers import block_layers, cluster_layers
-from distgraph.passes.search.runs import RunCosts, plan_blocks, pricing_method
+from distgraph.passes.search.runs import RunCosts, logical_dims, plan_blocks, pricing_method
 from distgraph.passes.search.space import GB, MESH_DIMS
 from distgraph.passes.search.stage_dp import StageCost, plan_stages
 from distgraph.resources.cluster import Cluster
@@ -188,7 +188,7 @@ def _plan_runs(copy, strategy, cluster, target, costs, start) -> PipelineChoice:
     for stage, option in zip(stage_plan.stages, chosen):
         pids = [index[d] for d in stage.device_ids]
         mesh = ProcessMesh(np.array(pids).reshape(option.logical).tolist(),
-                           dim_names=list(MESH_DIMS[:2]))
+                           dim_names=logical_dims(option.logical))
         report, written = costs.annotate(copy.program, stage.layers, option, mesh)
         reports.append(report)
         checks += written

@@ -29,6 +29,19 @@ every other mesh of that ``t`` prices that choice (:func:`~distgraph.passes.sear
 intra_op.price`) where its layouts divide there, and is searched itself where they do
 not (and then prices the meshes after it).
 
+**Context parallelism: (dp, cp, tp) meshes.** Where the micro-batch's rows cannot fill
+``x`` (Llama 3 405B at 131,072 tokens: 8 sequences a micro-batch, x = 128 on a stage of
+1,024 GPUs at t = 8), the submesh is also offered as ``(dp, cp, t)`` with dp = gcd(x,
+rows) and cp = x / dp (dims ``x``, ``cp``, ``y``: cp between the machines' tp and dp, as
+Meta orders them), if cp divides the sequence. Its ``cp`` dim splits only the sequence
+(:data:`~distgraph.passes.search.space.SEQUENCE_DIM`): every activation of the blocks
+and attention itself (ring or Ulysses, by :mod:`distgraph.passes.context`'s prices), the
+weights' gradients summed over it. No other cp is offered: at equal devices, splitting
+rows instead of the sequence divides the activations alike and adds no attention
+collectives, so a cp whose dp could be larger never costs less; and where dp would be 1
+the (x, t) mesh's own search may split the sequence over x. Such meshes are searched
+per ``t`` apart from the (x, t) ones (other dim names).
+
 **Memory variants.** A block's search minimises its time alone, so it may keep weights
 and their optimizer states whole where splitting them costs about as much time: cheap
 for one block, too much for the many blocks a stage of few devices must hold. Each mesh

@@ -140,7 +140,18 @@ def summarise(name, c, case, plan, cluster, build_s, plan_s, plan_cpu, how) -> d
             "communication_s": est.communication, "bubble_s": est.bubble,
             "tflops_per_gpu": tflops, "published": case["published"],
             "ratio": tflops / case["published"], "peak_gb": peak,
-            "stages": len(plan.stages), "stage_shapes": sorted({m.shape for m in plan.stages})}
+            "stages": len(plan.stages), "stage_shapes": sorted({m.shape for m in plan.stages}),
+            "cp": sequence_split(plan)}
+
+
+def sequence_split(plan) -> int:
+    """How many ways the plan splits the sequence of attention (q's dim 2): its cp."""
+    ways = 1
+    for op in plan.program.ops:
+        if op.type == "attention":
+            mesh, entry = op.dist_attr.mesh, op.dist_attr.input_specs[0].entry(2)
+            ways = max(ways, int(np.prod([mesh.dim_size(m) for m in entry])))
+    return ways
 
 
 def plan_meta(name: str, cluster, virtual: int) -> dict:
@@ -179,9 +190,9 @@ def plan_searched(name: str, cluster, search: str, micro_batches: int, virtual: 
 
 def show(row: dict) -> None:
     target = abs(row["ratio"] - 1) <= 0.25
-    print(f"  {row['how']}: {row['stages']} stages of {row['stage_shapes']}, "
-          f"{row['micro_batches']} micro-batches, {row['virtual_stages']} chunks per "
-          f"stage; built {row['build_s']:.1f} s, planned and "
+    print(f"  {row['how']}: {row['stages']} stages of {row['stage_shapes']}, cp "
+          f"{row['cp']}, {row['micro_batches']} micro-batches, {row['virtual_stages']} "
+          f"chunks per stage; built {row['build_s']:.1f} s, planned and "
           f"estimated {row['plan_s']:.1f} s wall, {row['plan_cpu_s']:.1f} s CPU (target "
           f"< 300 s)")
     print(f"    predicted step {row['step_s']:.2f} s (compute {row['compute_s']:.2f} + "
@@ -219,7 +230,8 @@ def main(argv=None) -> None:
             show(found)
             print(f"    searched / Meta's predicted TFLOP/s: "
                   f"{found['tflops_per_gpu'] / meta['tflops_per_gpu']:.2f} "
-                  f"(target >= 1.00)")
+                  f"(target >= 1.00)" + (f"; searched cp {found['cp']} (target > 1)"
+                                         if case["cp"] > 1 else ""))
             rows.append(found)
     if args.json:
         with open(args.json, "w") as f:

@@ -47,6 +47,8 @@ import inspect
 from dataclasses import dataclass, replace
 from typing import Any, Callable, NamedTuple
 
+import numpy as np
+
 from distgraph.errors import DistGraphError
 from distgraph.mesh import ProcessRanks
 from distgraph.placement import DistAttr
@@ -342,8 +344,13 @@ class LocalSite:
         """The processes holding the other blocks of operand i's ``dim`` (this process
         included), in block order: the group an op's own collective over that dim uses."""
         attr = self.in_attrs[i]
-        along = set(attr.spec.entry(dim % len(self.in_shapes[i])))
+        entry = attr.spec.entry(dim % len(self.in_shapes[i]))
         mesh, me = attr.mesh, attr.mesh.coord(self.process_id)
-        fixed = [k for k, name in enumerate(mesh.dim_names) if name not in along]
-        group = [q for q in mesh.process_ids if all(mesh.coord(q)[k] == me[k] for k in fixed)]
-        return tuple(sorted(group, key=lambda q: attr.block_index(dim % len(self.in_shapes[i]), q)))
+        # this process's coordinates on the other mesh dims, the entry's dims in entry
+        # order (major first, as block_index counts): the ids in block order, without
+        # a scan of every process of the mesh
+        axes = [mesh.dim_index(name) for name in entry]
+        ids = mesh.mesh[tuple(slice(None) if k in axes else c for k, c in enumerate(me))]
+        order = sorted(range(len(axes)), key=lambda j: axes[j])    # ids' axes: mesh order
+        ids = ids.transpose([order.index(j) for j in range(len(axes))]) if axes else ids
+        return tuple(int(q) for q in np.asarray(ids).reshape(-1))

@@ -275,10 +275,10 @@ def _send_recv_step(src: DistAttr, dst: DistAttr, shape, dtype) -> ReshardStep:
     lows, highs = lo[ks, rs].tolist(), hi[ks, rs].tolist()
     sender = [0] * len(ks)
     for r, pids in enumerate(holders.values()):
-        remote = []
+        remote, holding = [], set(pids)      # a set: a list is quadratic in the ranks
         for i in np.flatnonzero(rs == r).tolist():
             q = receivers[ks[i]]
-            if q in pids:
+            if q in holding:
                 sender[i] = q
             else:
                 remote.append(i)

@@ -56,6 +56,7 @@ class SearchCosts:
         self._ops: dict = {}
         self._reshards: dict = {}
         self._matrices: dict = {}
+        self._gathers: dict = {}
 
     def op(self, op, strategies) -> tuple[np.ndarray, np.ndarray]:
         """(compute seconds, own-collective seconds) of each strategy of ``op``."""
@@ -201,12 +202,15 @@ class SearchCosts:
     def gather(self, spec: ShardSpec, value, world) -> float:
         """Seconds to bring ``value`` (laid out ``spec`` on the mesh) whole to every
         process of ``world`` (``partition.world_mesh``: how the runtime fetches the loss)."""
-        src = DistAttr(self.mesh, spec)
-        dst = DistAttr(world, ShardSpec.replicated(len(value.shape)))
-        if src == dst:
-            return 0.0
-        steps = plan_reshard(src, dst, tuple(value.shape), value.dtype)
-        return sum(reshard_step_time(s, self.pid, self.rings) for s in steps)
+        key = (spec, tuple(value.shape), value.dtype, world)
+        if key not in self._gathers:        # planned once: p2p tiles to every process
+            src = DistAttr(self.mesh, spec)
+            dst = DistAttr(world, ShardSpec.replicated(len(value.shape)))
+            steps = [] if src == dst else plan_reshard(src, dst, tuple(value.shape),
+                                                       value.dtype)
+            self._gathers[key] = sum(reshard_step_time(s, self.pid, self.rings)
+                                     for s in steps)
+        return self._gathers[key]
 
 
 def _signature(op, strategies) -> tuple:

@@ -29,6 +29,19 @@ every other mesh of that ``t`` prices that choice (:func:`~distgraph.passes.sear
 intra_op.price`) where its layouts divide there, and is searched itself where they do
 not (and then prices the meshes after it).
 
+**Context parallelism: (dp, cp, tp) meshes.** Where the micro-batch's rows cannot fill
+``x`` (Llama 3 405B at 131,072 tokens: 8 sequences a micro-batch, x = 128 on a stage of
+1,024 GPUs at t = 8), the submesh is also offered as ``(dp, cp, t)`` with dp = gcd(x,
+rows) and cp = x / dp (dims ``x``, ``cp``, ``y``: cp between the machines' tp and dp, as
+Meta orders them), if cp divides the sequence. Its ``cp`` dim splits only the sequence
+(:data:`~distgraph.passes.search.space.SEQUENCE_DIM`): every activation of the blocks
+and attention itself (ring or Ulysses, by :mod:`distgraph.passes.context`'s prices), the
+weights' gradients summed over it. No other cp is offered: at equal devices, splitting
+rows instead of the sequence divides the activations alike and adds no attention
+collectives, so a cp whose dp could be larger never costs less; and where dp would be 1
+the (x, t) mesh's own search may split the sequence over x. Such meshes are searched
+per ``t`` apart from the (x, t) ones (other dim names).
+
 **Memory variants.** A block's search minimises its time alone, so it may keep weights
 and their optimizer states whole where splitting them costs about as much time: cheap
 for one block, too much for the many blocks a stage of few devices must hold. Each mesh
@@ -64,6 +77,7 @@ Example::
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -79,7 +93,7 @@ from distgraph.passes.search.intra_op import (Boundary, accumulating_updates, pr
 from distgraph.passes.search.layers import FORWARD
 from distgraph.passes.pipeline.chunks import forward_chunks
 from distgraph.passes.search.run_dp import beats, plan_interleaved, plan_runs
-from distgraph.passes.search.space import GB, MESH_DIMS
+from distgraph.passes.search.space import GB, MESH_DIMS, SEQUENCE_DIM
 from distgraph.registry import op_flops
 from distgraph.passes.search.stage_dp import Submesh
 
@@ -232,9 +246,13 @@ class RunCosts:
                 for t in [t for t in range(1, shape[1] + 1) if shape[1] % t == 0]:
                     logical = (shape[0] * shape[1] // t, t)
                     out.append((axis, sub, logical))
-        # search the largest mesh of each t whose x divides the rows first
+                    cp = self._sequence_split(logical[0])
+                    if cp > 1:
+                        out.append((axis, sub, (logical[0] // cp, cp, t)))
+        # search the largest mesh of each kind and t whose x divides the rows first
         rows_mb = self._batch_rows()
-        order = sorted(out, key=lambda o: (o[2][1], rows_mb % o[2][0] != 0, -o[2][0]))
+        order = sorted(out, key=lambda o: (_kind(o[2]), rows_mb % o[2][0] != 0,
+                                           -int(np.prod(o[2]))))
         for axis, sub, logical in order:
             key = (axis, sub.shape, logical)
             if key not in self._fastest:
@@ -252,18 +270,31 @@ class RunCosts:
         feeds = self.program.inputs
         return int(feeds[0].shape[0]) if feeds and feeds[0].shape else 1
 
+    def _sequence_split(self, x: int) -> int:
+        """The cp of the (dp, cp, tp) shape offered beside ``(x, t)``: x over the largest
+        dp the micro-batch's rows allow, ``gcd(x, rows)``, the rest of x splitting the
+        sequence (module docstring); 1 where dp takes all of x, where that dp is 1 (the
+        (x, t) mesh's own search may split the sequence over x), or where the feeds
+        have no sequence the cp divides."""
+        feeds = self.program.inputs
+        if not feeds or len(feeds[0].shape) < 2:
+            return 1
+        dp = math.gcd(x, self._batch_rows())
+        cp = x // dp
+        return cp if dp > 1 and cp > 1 and int(feeds[0].shape[1]) % cp == 0 else 1
+
     def _fastest_parts(self, key, sub, logical) -> tuple:
         """(the search whose fastest parts this mesh takes, the parts): priced from the
         latest search of its ``t`` whose fastest choice divides here, else searched."""
         mesh, device_of = logical_mesh(sub.mesh, sub.shape, logical)
-        t = logical[1]
-        for searched in self._found.get(t, ())[::-1]:
+        kind = _kind(logical)
+        for searched in self._found.get(kind, ())[::-1]:
             try:
                 return searched, self._price(searched.fastest, mesh, device_of)
             except PlanError:
                 continue
         searched = _Searched(key, mesh, device_of, self._search(mesh, device_of))
-        self._found.setdefault(t, []).append(searched)
+        self._found.setdefault(kind, []).append(searched)
         return searched, self._costed(searched.fastest)
 
     def _smaller_parts(self, key, sub, logical) -> list:
@@ -610,8 +641,21 @@ def logical_mesh(device_mesh, shape, logical) -> tuple[ProcessMesh, dict]:
     rows, cols = shape
     grid = np.array(device_mesh.ids).reshape(_grid(device_mesh.shape))[:rows, :cols]
     mesh = ProcessMesh(np.arange(rows * cols).reshape(logical).tolist(),
-                       dim_names=list(MESH_DIMS[:2]))
+                       dim_names=logical_dims(logical))
     return mesh, dict(enumerate(int(d) for d in grid.reshape(-1)))
+
+
+def logical_dims(logical) -> list:
+    """The dim names of a logical mesh: ``x``, ``y`` of a (dp, tp) shape; ``x``,
+    ``cp``, ``y`` of a (dp, cp, tp) one (``y`` inside a machine, ``cp`` next, as Meta
+    orders tp, cp and dp)."""
+    return [MESH_DIMS[0], SEQUENCE_DIM, MESH_DIMS[1]] if len(logical) == 3 else \
+        list(MESH_DIMS[:len(logical)])
+
+
+def _kind(logical) -> tuple:
+    """Logical meshes whose searches price each other: the same dims and the same t."""
+    return (len(logical), logical[-1])
 
 
 def _grid(shape) -> tuple:

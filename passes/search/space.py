@@ -31,6 +31,13 @@ the reshard from the true Partial layout is priced on the edge to each consumer.
 in the update's layout (``alias_of``), so their sources take the update's strategy
 index: the same choices as an alias constraint, in fewer variables.
 
+**A ``cp`` mesh dim splits the sequence** (:data:`SEQUENCE_DIM`; the stage search's
+(dp, cp, tp) meshes, :mod:`distgraph.passes.search.runs`): its layouts split only
+tensor dims as long as the feeds' dim 1 (the sequence; another dim of that length
+may be split too, which costs nothing in correctness) or sum over it (the weight
+gradients), so that it is context parallelism and not a third tp or dp, and a 3-D
+mesh offers about as many strategies per op as a 2-D one.
+
 **Annotations are hard constraints**: an annotated source keeps its layout, an annotated
 result is produced as annotated, a ``shard_op`` in_spec is consumed as given; an op that
 carries one chooses freely among the strategies that agree. A strategy that consumes
@@ -59,6 +66,9 @@ from distgraph.spmd import (LETTERS, UNKNOWN, DimsSpec, EinsumPlan, OpStrategy, 
 
 GB = 1e9                     # resource files give memory in GB
 MESH_DIMS = "xyzw"           # names of the dims of a mesh the search makes
+# a search mesh dim of this name splits the sequence only (context parallelism): the
+# dims as long as the feeds' dim 1, or a pending sum over it (module docstring)
+SEQUENCE_DIM = "cp"
 
 
 @dataclass(frozen=True)
@@ -122,6 +132,9 @@ class SearchSpace:
                             for v in op.inputs if v.name in made_here}
         self._rules: dict = {}
         self._followed: dict = {}
+        feeds = self.program.inputs
+        self._sequence = (int(feeds[0].shape[1]) if feeds and len(feeds[0].shape) > 1
+                          else -1) if SEQUENCE_DIM in self.mesh.dim_names else None
         # Values a linear op (add, subtract) reads: a pending sum may reach it unsettled
         self._summed = {v.name for k in self.ops for v in self.program.ops[k].inputs
                         if spmd_rule(self.program.ops[k].type).linear}
@@ -152,8 +165,24 @@ class SearchSpace:
                                 "Strategy(auto_mode='full') annotate on that mesh (or on "
                                 "none), or use auto_mode='semi'")
 
+    def _sequence_only(self, specs, shapes) -> bool:
+        """Whether ``specs`` (of tensors of ``shapes``) split the ``cp`` mesh dim only
+        along the sequence (always true on a mesh without one)."""
+        if self._sequence is None:
+            return True
+        for spec, shape in zip(specs, shapes):
+            for d, n in enumerate(shape):
+                if n != self._sequence and SEQUENCE_DIM in spec.entry(d):
+                    return False
+        return True
+
+    def _op_keeps(self, op, s) -> bool:
+        return self._sequence_only(tuple(s.in_specs) + tuple(s.out_specs),
+                                   [v.shape for v in op.inputs] + [o.shape for o in op.outputs])
+
     def _add_source(self, v) -> None:
-        found = layouts(v.shape, self.mesh)
+        found = [s for s in layouts(v.shape, self.mesh)
+                 if self._sequence_only(s.out_specs, [v.shape])]
         if v.name in self._outside:
             # received from another stage: it arrives as the ops here consume it (the
             # p2p transfer is the same whatever they want), so it offers one layout
@@ -186,18 +215,22 @@ class SearchSpace:
                 if len({s.name for s in induced}) >= min(2, len(self._strategies(op))):
                     self.nodes.append(Node(
                         index, k, None, label, op.layer, tuple(induced), operands[pick],
-                        tuple(_consistent(op, s) for s in induced),
+                        tuple(_consistent(op, s) and self._op_keeps(op, s) for s in induced),
                         tuple(s.out_specs for s in induced)))
                     self.op_node[k] = index
                     return
-        found = [s for s in self._strategies(op) if _consistent(op, s) and _agrees(op, s)]
+        found = [s for s in self._strategies(op) if _consistent(op, s) and _agrees(op, s)
+                 and self._op_keeps(op, s)]
         if not found:
             raise PlanError(f"op {label} has no strategy on {self.mesh} that agrees with its "
                             "annotations; change the annotations")
         strategies, hints = [], []
         summed = [o.name in self._summed for o in op.outputs]
         for s in found:
-            for hint in _settlements(s, [o.shape for o in op.outputs], self.mesh, summed):
+            shapes = [o.shape for o in op.outputs]
+            for hint in _settlements(s, shapes, self.mesh, summed):
+                if not self._sequence_only(hint, shapes):
+                    continue
                 strategies.append(s)
                 hints.append(hint)
         self.nodes.append(Node(index, k, None, label, op.layer, tuple(strategies), -1,

@@ -48,7 +48,8 @@ from distgraph.passes.search.ilp_problem import peak_memory
 from distgraph.passes.search.intra_op import search
 from distgraph.passes.search.layers import block_layers, cluster_layers
 from distgraph.passes.search.run_dp import beats
-from distgraph.passes.search.runs import RunCosts, RunReport, plan_blocks, pricing_method
+from distgraph.passes.search.runs import (RunCosts, RunReport, logical_dims, plan_blocks,
+                                          pricing_method)
 from distgraph.passes.search.space import GB, MESH_DIMS
 from distgraph.passes.search.stage_dp import StageCost, plan_stages
 from distgraph.resources.cluster import Cluster
@@ -225,7 +226,7 @@ def _plan_runs(copy, strategy, cluster, target, costs, start, memory_budget) -> 
     for s, (stage, option) in enumerate(zip(stage_plan.stages, chosen)):
         pids = [index[d] for d in stage.device_ids]
         mesh = ProcessMesh(np.array(pids).reshape(option.logical).tolist(),
-                           dim_names=list(MESH_DIMS[:2]))
+                           dim_names=logical_dims(option.logical))
         parts = []
         for layers in held[s] if held is not None else [stage.layers]:
             report, written = costs.annotate(copy.program, layers, option, mesh)

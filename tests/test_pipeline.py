@@ -149,7 +149,7 @@ def test_virtual_stages_that_make_no_sense_are_refused():
         plan(("mlp4", "four_stage", 4), micro_batches=4, virtual_stages=2)
     with pytest.raises(dg.PlanError, match="this plan has one stage"):
         plan(("gpt", "dp", 2), micro_batches=4, virtual_stages=2)
-    with pytest.raises(dg.PlanError, match="auto_mode='full' are not supported"):
+    with pytest.raises(dg.PlanError, match="auto_mode='full' are supported with the stage search only"):
         plan(("gpt", "dp", 2), micro_batches=4, schedule="ZBV", auto_mode="full")
     with pytest.raises(dg.DistGraphError, match="virtual_stages must be an integer >= 1"):
         dg.Strategy(virtual_stages=0)

@@ -5,6 +5,7 @@ symmetric ones (a chain of identical matmuls on a 2^k mesh); its plans train as 
 training does; search="auto" reports what the ILP refinement gained; unknown or
 misplaced search values are refused."""
 
+import dataclasses
 import math
 import os
 import sys
@@ -16,7 +17,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import distgraph as dg  # noqa: E402
 from distgraph.passes.search.ilp import evaluate, peak_memory  # noqa: E402
-from distgraph.passes.search.recursive import solve_recursive  # noqa: E402
+from distgraph.passes.search.ilp import peak_bound, reduce_problem  # noqa: E402
+from distgraph.passes.search.recursive import Walks, solve_recursive  # noqa: E402
 from distgraph.program_builder import build_program  # noqa: E402
 from distgraph.runtime.comm.simulated import SimulatedWorld  # noqa: E402
 from distgraph.trace import InputSpec  # noqa: E402
@@ -109,6 +111,47 @@ def test_a_memory_budget_is_met_or_refused():
     with pytest.raises(dg.PlanError, match=r"no plan (found that )?fits .* GB per device"):
         auto(S.mlp_program(256, 512), cluster, "recursive",
              memory_budget_gb=0.3 * free.estimate.peak_memory / 1e9)
+
+
+def test_searches_under_several_budgets_sharing_their_walks_equal_fresh_ones():
+    """The memory variants' searches (one problem, the budget halved each time) share a
+    Walks: each answer equals a fresh search's; without a proof, a budget below the
+    peak bound is refused at once, as the ILP refuses it."""
+    compared = refused = 0
+    for seed in range(60):
+        base = random_problem(seed, budget_kind=None)
+        if not base.liveness:
+            continue
+        walks = Walks()
+        peak = None
+        for _ in range(4):
+            budget = None if peak is None else peak / 2
+            p = dataclasses.replace(base, memory_budget=budget)
+            try:
+                fresh, fresh_note = solve_recursive(p, None, [])
+            except dg.PlanError:
+                fresh = None
+            if fresh is not None and fresh_note:
+                shared, note = solve_recursive(p, None, [], walks=walks)
+                assert (shared.choice, note) == (fresh.choice, fresh_note)
+                break
+            if budget is not None and peak_bound(reduce_problem(p)) > budget * (1 + 1e-9):
+                assert fresh is None                # the ILP refuses it too
+                with pytest.raises(dg.PlanError, match="peaks within memory_budget"):
+                    solve_recursive(p, None, [], walks=walks, prove=False)
+                refused += 1
+                break
+            if fresh is None:
+                with pytest.raises(dg.PlanError):
+                    solve_recursive(p, None, [], walks=walks, prove=False)
+                break
+            shared, note = solve_recursive(p, None, [], walks=walks, prove=False)
+            assert shared.choice == fresh.choice and note == ""
+            compared += 1
+            peak = peak_memory(p, shared.choice)
+            if peak == 0:
+                break
+    assert compared > 60 and refused > 5
 
 
 def test_random_problems_against_brute_force():

@@ -236,7 +236,8 @@ def search(program, mesh: ProcessMesh, cluster, device_of: dict, *, ops=None,
            memory_budget: float | None = None, time_limit: float = 60.0,
            blocks=(), memory: bool = False, balance: bool = False,
            boundary: Boundary | None = None, method: str = "ilp",
-           costs: SearchCosts | None = None, refined=None) -> SearchResult:
+           costs: SearchCosts | None = None, refined=None, walks=None,
+           prove: bool = True) -> SearchResult:
     """Choose a strategy for every op (of ``ops``, default all) and source Value of
     ``program`` on ``mesh`` (module docstring). ``device_of``: process -> device global id
     of ``cluster``; ``weights``: op role -> times it runs per step (default 1);
@@ -252,7 +253,10 @@ def search(program, mesh: ProcessMesh, cluster, device_of: dict, *, ops=None,
     ``costs``: a SearchCosts of the same cluster, mesh and device_of whose cached prices
     are reused (a new one by default); ``refined``: under "auto", a SearchResult of the
     same ops on a mesh of the same dim names whose choice, where every node can take it
-    here within the budget, SCIP refines instead of a new recursive search's."""
+    here within the budget, SCIP refines instead of a new recursive search's; ``walks``
+    / ``prove``: the recursive search's (:func:`~distgraph.passes.search.recursive.
+    solve_recursive`: descents shared by searches of these ops under other budgets; no
+    SCIP proof that a budget below the peak bound fits nothing)."""
     start = time.perf_counter()
     boundary = boundary or Boundary()
     space = SearchSpace(program, mesh, ops, received=dict(boundary.received))
@@ -275,7 +279,7 @@ def search(program, mesh: ProcessMesh, cluster, device_of: dict, *, ops=None,
         sol = solve(problem, time_limit=limit, starts=[carried])
     else:
         sol, note = solve_recursive(problem, space, bisection_levels(mesh, costs.ring_of),
-                                    time_limit=limit)
+                                    time_limit=limit, walks=walks, prove=prove)
         if method == "auto" and sol.status == "recursive":
             first = sol.objective
             sol = solve(problem, time_limit=limit, starts=[sol.choice])

@@ -55,6 +55,14 @@ Where no ``lam`` fits, or the choice breaks an alias, the SCIP ILP decides
 (:func:`~distgraph.passes.search.ilp.solve`, which finds a plan or names the smallest
 peak) and the report says so.
 
+**Searches of one problem under several budgets** (the memory variants of :mod:`~distgraph.
+passes.search.runs`: the same block, its budget halved each time) share a :class:`Walks`:
+a descent depends on the problem and ``lam``, not on the budget, so each ``lam``'s
+descents are walked once for all of them, and the walk up ``lam``'s ladder, the same
+ladder every time, repeats no descent. Such a caller may also ask for no proof
+(``prove=False``): a budget below :func:`~distgraph.passes.search.ilp.peak_bound` then
+raises PlanError at once, without SCIP naming the smallest peak.
+
 Example::
 
     sol, note = solve_recursive(problem, space, ["x", "y"])
@@ -69,6 +77,7 @@ import time
 import numpy as np
 from scipy import sparse
 
+from distgraph.errors import PlanError
 from distgraph.passes.search.ilp import (BUDGET_RTOL, Solution, check_forbidden, evaluate,
                                          peak_bound, peak_memory, reduce_problem, solve)
 from distgraph.passes.search.tree_moves import improve
@@ -87,31 +96,72 @@ def bisection_levels(mesh, ring_of) -> list:
     return sorted(dims, key=lambda d: (ring_of(d).bandwidth, dims.index(d)))
 
 
-def solve_recursive(problem, space, dims, time_limit: float = 60.0):
+class Walks:
+    """The descents of one problem at each memory price ``lam``, kept for the searches
+    of that problem under other budgets (module docstring): each ``lam``'s choices with
+    their objectives and peaks. A Walks serves one problem (the same space, costs and
+    liveness), whatever its ``memory_budget``.
+
+    Example::
+
+        walks = Walks()
+        for budget in (8e9, 4e9, 2e9):
+            solve_recursive(replace(problem, memory_budget=budget), space, dims, walks=walks)
+    """
+
+    def __init__(self):
+        self.walk = None           # the _Descent, made by the first search
+        self.bound = None          # peak_bound of the reduced problem
+        self.found: dict = {}      # lam -> [(choice, objective, peak), ...]
+
+    def setup(self, problem, space, dims):
+        if self.walk is None:
+            red = reduce_problem(problem)
+            check_forbidden(problem, red)
+            members = [[] for _ in red.cost]
+            for v, c in enumerate(red.cls):
+                members[c].append(v)
+            levels = [_groups(space, members, m) for m in dims]
+            last = [np.arange(len(costs)) for costs in red.cost]
+            # slowest level first (SAPP's order), and on 2-D meshes fastest first as well
+            orders = [levels + [last]] + ([levels[::-1] + [last]] if len(levels) > 1 else [])
+            self.walk = _Descent(red, orders)
+            self.bound = peak_bound(red)
+        elif len(self.walk.red.cls) != problem.n:
+            raise PlanError("a Walks serves one problem; this one has another node count")
+        return self.walk
+
+    def run(self, problem, lam: float) -> list:
+        """[(choice, objective, peak)] of the descents at ``lam``."""
+        if lam not in self.found:
+            self.found[lam] = [(c, evaluate(problem, c), peak_memory(problem, c))
+                               for c in self.walk.run(lam)]
+        return self.found[lam]
+
+
+def solve_recursive(problem, space, dims, time_limit: float = 60.0, walks=None,
+                    prove: bool = True):
     """(Solution, note) of ``problem`` (built on ``space``) by recursive bisection over
     the mesh dims ``dims`` in that order (module docstring). ``note`` is "" or says why
     the ILP decided (``time_limit`` bounds it then). The Solution's status is
-    "recursive" and its gap inf (no bound is known), unless the ILP decided."""
+    "recursive" and its gap inf (no bound is known), unless the ILP decided. ``walks``:
+    a :class:`Walks` of this problem under other budgets, whose descents are reused;
+    ``prove=False``: a budget below the peak bound raises PlanError without SCIP."""
     start = time.perf_counter()
-    red = reduce_problem(problem)
-    check_forbidden(problem, red)
-    members = [[] for _ in red.cost]
-    for v, c in enumerate(red.cls):
-        members[c].append(v)
-    levels = [_groups(space, members, m) for m in dims]
-    last = [np.arange(len(costs)) for costs in red.cost]
-    # slowest level first (SAPP's order), and on 2-D meshes fastest first as well
-    orders = [levels + [last]] + ([levels[::-1] + [last]] if len(levels) > 1 else [])
-    walk = _Descent(red, orders)
-    choice = min(walk.run(0.0), key=lambda c: evaluate(problem, c))
+    walks = walks or Walks()
+    walks.setup(problem, space, dims)
+    choice, objective, peak = min(walks.run(problem, 0.0), key=lambda f: f[1])
     budget = problem.memory_budget
     note = ""
-    if math.isinf(evaluate(problem, choice)):
+    if math.isinf(objective):
         note = "the recursive choice broke an alias"
-    elif budget is not None and peak_memory(problem, choice) > budget:
+    elif budget is not None and peak > budget:
         # below the bound no lam can fit: the ILP names the smallest peak at once
-        fits = peak_bound(red) <= budget * (1 + BUDGET_RTOL)
-        choice = _fit(problem, walk, choice, budget) if fits else None
+        fits = walks.bound <= budget * (1 + BUDGET_RTOL)
+        if not fits and not prove:
+            raise PlanError(f"no choice peaks within memory_budget = {budget:g} bytes: "
+                            f"every one peaks at {walks.bound:g} or more")
+        choice = _fit(problem, walks, objective, peak, budget) if fits else None
         if choice is None:
             note = "no recursive choice fit the memory budget"
     if note:
@@ -121,15 +171,16 @@ def solve_recursive(problem, space, dims, time_limit: float = 60.0):
                     time.perf_counter() - start, peak_memory(problem, choice), 0, 0), ""
 
 
-def _fit(problem, walk, choice, budget):
+def _fit(problem, walks, objective, peak, budget):
     """The cheapest choice found whose peak fits ``budget``, raising the price of memory
-    (module docstring); None if none fits."""
-    objective, peak = evaluate(problem, choice), peak_memory(problem, choice)
+    from the unpriced choice's ``objective`` / ``peak`` (module docstring); None if none
+    fits."""
     lam = 1e-3 * objective / max(peak, 1.0)
+    walk = walks.walk
 
     def fitting(lam):
-        found = [c for c in walk.run(lam) if peak_memory(problem, c) <= budget]
-        return min(found, key=lambda c: evaluate(problem, c), default=None)
+        found = [(o, c) for c, o, p in walks.run(problem, lam) if p <= budget]
+        return min(found, key=lambda f: f[0], default=(None, None))[1]
 
     low, high, best = 0.0, None, None
     for _ in range(LAM_STEPS):

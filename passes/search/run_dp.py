@@ -93,11 +93,14 @@ class _RunSearch(_Search):
     a view, and the stages' windows are running minima by doubling."""
 
     def __init__(self, count, blocks, runs, capacities, B):
-        self.L, self.blocks, self.options, self.B = count, blocks, runs, B
+        self.L, self.blocks, self.B = count, blocks, B
+        self.options = _undominated(runs)
         self.caps = capacities
         self.dims = tuple(c + 1 for c in capacities)
         self.max_stages = min(count, sum(capacities))
         self.runs = 0
+        # the caps of every option, dominated ones included: the bisection visits the
+        # caps it visited before they were pruned, so it returns the same plan
         times = np.concatenate([r.table[key][:, 0] for r in runs for key in r.table])
         self.caps_sorted = np.unique(times[np.isfinite(times)])
 
@@ -111,7 +114,11 @@ class _RunSearch(_Search):
         for s in range(1, self.max_stages + 1):
             G = np.full_like(F, np.inf)
             for r, most in zip(self.options, reach):
-                self._relax(G, F, r, {key: int(v[s]) for key, v in most.items()})
+                w = {key: int(v[s]) for key, v in most.items()}
+                if max((v for key, v in w.items() if key != (False, False)), default=-1) < 0 \
+                        and w[False, False] < 1:
+                    continue        # no stage of r fits the cap with s micro-batches in flight
+                self._relax(G, F, r, w)
             tables.append(G)
             F = G
             if G[full] < best:
@@ -186,6 +193,19 @@ class _RunSearch(_Search):
         return float(sum(times) + (self.B - 1) * max(times))
 
 
+def _undominated(runs: list) -> list:
+    """``runs`` without those an earlier one of the same device mesh and size matches or
+    beats in every time and memory figure: the DP's tables are the same without them,
+    and its retrace, which keeps the first option of the least total, never took them."""
+    kept = []
+    for r in runs:
+        if not any(o.axis == r.axis and o.size == r.size and
+                   all((o.table[key] <= r.table[key]).all() for key in r.table)
+                   for o in kept):
+            kept.append(r)
+    return kept
+
+
 def _window_min(A: np.ndarray, w: int) -> np.ndarray:
     """out[q] = min(A[q : q + w]) along axis 0 (the window cut at the end), by doubling:
     minima over 1, 2, 4 .. p <= w rows, then two overlapping windows of p rows."""
@@ -215,6 +235,7 @@ def plan_runs(count: int, blocks: range, options: list, cluster,
                         f"in flight) while covering every device; use devices with more "
                         f"memory, recomputation (Strategy(recompute=True)), or fewer "
                         f"micro-batches in flight")
+    runs = search.options
     plan = _place([(k, i, runs[n]) for k, i, n in best], list(cluster.device_meshes),
                   micro_batches, search.runs)
     return plan, tuple(runs[n].option for _, _, n in best)

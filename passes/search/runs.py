@@ -91,6 +91,7 @@ from distgraph.passes.search.costs import SearchCosts
 from distgraph.passes.search.intra_op import (Boundary, accumulating_updates, price,
                                                  search)
 from distgraph.passes.search.layers import FORWARD
+from distgraph.passes.search.recursive import Walks
 from distgraph.passes.pipeline.chunks import forward_chunks
 from distgraph.passes.search.run_dp import beats, plan_interleaved, plan_runs
 from distgraph.passes.search.space import GB, MESH_DIMS, SEQUENCE_DIM
@@ -226,6 +227,7 @@ class RunCosts:
         self._fastest: dict = {}      # (axis, shape, logical) -> (_Searched, parts)
         self._smaller: dict = {}      # (axis, shape, logical) -> [parts of each variant]
         self._prices: dict = {}       # (mesh, devices) -> SearchCosts: one per mesh, shared
+        self._walks: dict = {}        # (mesh, devices) -> Walks of the block's searches
         self._chunks: dict = {}       # chunk count -> the layers of each chunk
         self.planned: dict = {}       # memory budget -> plan_blocks' answer (stages.py)
 
@@ -321,7 +323,7 @@ class RunCosts:
         peak = fastest["block"].report.peak_memory
         for _ in range(VARIANTS - 1):
             try:
-                smaller = self._search(mesh, device_of, peak / 2, fastest)
+                smaller = self._search(mesh, device_of, peak / 2, fastest, prove=False)
             except PlanError:               # no layout of the block peaks that low
                 break
             if not smaller["block"].report.peak_memory < peak:
@@ -341,19 +343,24 @@ class RunCosts:
         return RunOption(option.axis, option.sub, option.logical, self._costed(found))
 
     def _search(self, mesh, device_of, budget=None, fastest=None, method=None,
-                starts=None) -> dict:
+                starts=None, prove=True) -> dict:
         """The parts on ``mesh``, the block within ``budget`` bytes per device (E and H
         taken from ``fastest`` where they meet the block alike); ``method``: the
         search's (default: the one that prices options, :func:`pricing_method`);
-        ``starts``: part -> the SearchResult "auto" refines (``search``'s ``refined``)."""
+        ``starts``: part -> the SearchResult "auto" refines (``search``'s ``refined``).
+        The block's searches on one mesh share their recursive descents (one
+        :class:`~distgraph.passes.search.recursive.Walks` per mesh: only the budget
+        differs); ``prove=False`` (the memory variants): a budget below the block's peak
+        bound raises PlanError without SCIP naming the smallest peak."""
         starts = starts or {}
         method = method or pricing_method(self.strategy)
         start = time.perf_counter()
         block_ops = self.layering.ops(range(self.rep, self.rep + 1))
         periodic = self._periodic(block_ops)
         boundary = Boundary(received=tuple((r, None) for r, _ in periodic), periodic=periodic)
+        walks = self._walks.setdefault(self._mesh_key(mesh, device_of), Walks())
         found = {"block": self._run_search(block_ops, mesh, device_of, boundary, budget,
-                                           method, starts.get("block"))}
+                                           method, starts.get("block"), walks, prove)}
         block = found["block"]
         ends = []
         if self.has_first:
@@ -372,19 +379,24 @@ class RunCosts:
         self.seconds += time.perf_counter() - start
         return found
 
-    def _run_search(self, ops, mesh, device_of, boundary, budget, method, start=None):
+    def _run_search(self, ops, mesh, device_of, boundary, budget, method, start=None,
+                    walks=None, prove=True):
         self.searches += 1
         return search(self.program, mesh, self.cluster, device_of, ops=ops,
                       weights=self.weights, loss=self._loss(ops), memory_budget=budget,
                       time_limit=self.strategy.solver_time_limit, memory=True,
                       boundary=boundary, method=method, costs=self._costs(mesh, device_of),
-                      refined=start)
+                      refined=start, walks=walks, prove=prove)
+
+    @staticmethod
+    def _mesh_key(mesh, device_of) -> tuple:
+        return (mesh, tuple(sorted(device_of.items())))
 
     def _costs(self, mesh, device_of) -> SearchCosts:
         """The SearchCosts of ``mesh`` on those devices, shared by every search and
         pricing there (the parts, the memory variants, the refinement): its reshard
         prices are planned once."""
-        key = (mesh, tuple(sorted(device_of.items())))
+        key = self._mesh_key(mesh, device_of)
         if key not in self._prices:
             self._prices[key] = SearchCosts(self.cluster, mesh, device_of)
         return self._prices[key]

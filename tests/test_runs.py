@@ -15,7 +15,8 @@ import distgraph as dg  # noqa: E402
 from distgraph.passes.search.layers import block_layers  # noqa: E402
 from distgraph.errors import PlanError  # noqa: E402
 from distgraph.passes.search.run_dp import plan_runs  # noqa: E402
-from distgraph.passes.search.runs import VARIANTS, RunCosts, plan_blocks  # noqa: E402
+from distgraph.passes.search.block_plans import plan_blocks  # noqa: E402
+from distgraph.passes.search.runs import VARIANTS, RunCosts  # noqa: E402
 from distgraph.program_builder import build_program  # noqa: E402
 
 import plans as P  # noqa: E402

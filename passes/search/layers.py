@@ -237,3 +237,37 @@ def _assign_rest(program, layer_of, count) -> None:
         if op.role == Role.OPTIMIZE and op.inputs and op.inputs[0].is_parameter:
             first = first_use.get(op.inputs[0].name)
             layer_of[k] = layer_of[first] if first is not None else None
+
+
+def op_keys(program, layer_of, layer, path) -> dict:
+    """{key: op index} of layer ``layer``'s ops: ``("forward", n)``, ``("backward",
+    forward key, m)`` (the m-th op made for that forward op: its recomputed copy, its
+    gradients), ``("update", parameter path below the block)``, ``("other", n)``."""
+    keys: dict = {}
+    forward: dict = {}
+    count: dict = {}
+    for k, op in enumerate(program.ops):
+        if layer_of[k] != layer:
+            continue
+        if op.role in FORWARD:
+            key = ("forward", len(forward))
+            forward[id(op)] = key
+        elif op.role == Role.BACKWARD and op.forward_op is not None \
+                and id(op.forward_op) in forward:
+            f = forward[id(op.forward_op)]
+            count[f] = count.get(f, 0) + 1
+            key = ("backward", f, count[f] - 1)
+        elif op.role == Role.OPTIMIZE and op.inputs and op.inputs[0].is_parameter and \
+                op.inputs[0].name.startswith(path + "."):
+            key = ("update", op.inputs[0].name[len(path) + 1:])
+        else:
+            count["other"] = count.get("other", 0) + 1
+            key = ("other", count["other"] - 1)
+        keys[key] = k
+    return keys
+
+
+def same_op(a, b) -> bool:
+    """Whether ops ``a`` and ``b`` do the same thing on the same shapes."""
+    return (a.type, a.role, [v.shape for v in a.inputs], [o.shape for o in a.outputs]) == \
+        (b.type, b.role, [v.shape for v in b.inputs], [o.shape for o in b.outputs])

@@ -19,7 +19,7 @@ start is best. A candidate no plan fits (memory) costs infinity.
 
 **Bounds before prices.** A neighbour is first bounded: its stage DP on the fastest
 options with the devices' memory unlimited (the memory variants can only make the
-stages fit, not faster: :func:`~distgraph.passes.search.runs.plan_blocks`) needs each
+stages fit, not faster: :func:`~distgraph.passes.search.block_plans.plan_blocks`) needs each
 logical mesh's fastest parts only; where that bound does not beat the best latency so
 far, the neighbour cannot win and its memory variants, the bulk of a price, are never
 searched.

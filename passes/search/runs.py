@@ -53,13 +53,8 @@ weights: six blocks a stage instead of one). E and H are searched again only whe
 block meets them in other layouts. A mesh whose fastest parts are priced from another's
 search prices that search's variants too, or searches its own where they do not divide.
 
-The variants are searched only when they can matter (:func:`plan_blocks`). A variant's
-block is the fastest within a memory budget, so no faster than the fastest block: the
-variants can only help the stages fit. If the DP on the fastest options reaches the
-latency it reaches with the devices' memory unlimited, memory costs nothing there and
-the plan stands (the eager search would find the same latency; it could differ only where
-a variant's re-searched E or H, or its layouts priced on another mesh, came out faster
-than the fastest parts'); otherwise, or when nothing fits, the DP runs again with them.
+The stage DP on these options, variants only when they can matter, is
+:func:`~distgraph.passes.search.block_plans.plan_blocks`.
 
 **Blocks that differ.** The interior blocks are identical op by op; the first and the
 last differ from them in where a few gradient sums fall. They are costed as interior
@@ -72,7 +67,6 @@ Example::
     costs = RunCosts(copy, strategy, cluster, layering, micro=8)
     for option in costs.options():        # per (device mesh, submesh, logical shape)
         option.cost(True, 4, False)       # E + 4 blocks: (seconds, GB, GB per micro-batch)
-    plan, chosen = plan_blocks(costs, cluster, micro_batches=8)   # variants if needed
 """
 
 from __future__ import annotations
@@ -90,13 +84,13 @@ from distgraph.mesh import ProcessMesh
 from distgraph.passes.search.costs import SearchCosts
 from distgraph.passes.search.intra_op import (Boundary, accumulating_updates, price,
                                                  search)
-from distgraph.passes.search.layers import FORWARD
+from distgraph.passes.search.block_plans import undominated
+from distgraph.passes.search.layers import op_keys, same_op
 from distgraph.passes.search.recursive import Walks
 from distgraph.passes.pipeline.chunks import forward_chunks
-from distgraph.passes.search.run_dp import beats, plan_interleaved, plan_runs
-from distgraph.passes.search.space import GB, MESH_DIMS, SEQUENCE_DIM
+from distgraph.passes.search.space import GB, logical_dims
 from distgraph.registry import op_flops
-from distgraph.passes.search.stage_dp import Submesh
+from distgraph.passes.search.stage_dp import Submesh, _grid
 
 VARIANTS = 4        # the fastest block and up to three of smaller peaks (module docstring)
 
@@ -216,7 +210,7 @@ class RunCosts:
         self.has_last = self.blocks.stop < layering.count
         self.rep = self.blocks.start + 1                # an interior block
         paths = copy.block_paths
-        self.keys = {layer: _op_keys(self.program, layering.layer_of, layer,
+        self.keys = {layer: op_keys(self.program, layering.layer_of, layer,
                                      paths[layer - self.blocks.start])
                      for layer in self.blocks}
         self.weights = {Role.FORWARD: 1, Role.LOSS: 1, Role.BACKWARD: 1, Role.OPTIMIZE: 1 / micro}
@@ -265,7 +259,7 @@ class RunCosts:
         for axis, sub, logical in out:
             key = (axis, sub.shape, logical)
             parts = [self._fastest[key][1]] + (self._smaller[key] if variants else [])
-            options += _undominated([RunOption(axis, sub, logical, p) for p in parts])
+            options += undominated([RunOption(axis, sub, logical, p) for p in parts])
         return options
 
     def _batch_rows(self) -> int:
@@ -552,7 +546,7 @@ class RunCosts:
         out = {}
         for key, k in mine.items():
             if key in theirs and (not matched_only or same or key[0] != "other") and \
-                    _same_op(self.program.ops[k], self.program.ops[theirs[key]]):
+                    same_op(self.program.ops[k], self.program.ops[theirs[key]]):
                 out[k] = theirs[key]
         return out
 
@@ -561,89 +555,6 @@ def pricing_method(strategy) -> str:
     """The search method that prices the options the stage DP compares: the recursive
     one under ``Strategy(search="auto")`` (the ILP refines the chosen stages only)."""
     return "recursive" if strategy.search_method == "auto" else strategy.search_method
-
-
-def plan_blocks(costs: RunCosts, cluster, micro_batches: int = 1, virtual: int = 1) -> tuple:
-    """(StagePlan, the option of each stage) of ``costs``' layers on ``cluster``: the
-    stage DP on the fastest options, then on all the variants only if the devices'
-    memory made it slower than without limits, or nothing fit (module docstring).
-    With ``virtual`` > 1 the interleaved pipelines of 2, 4 .. ``virtual`` chunks per
-    stage (:func:`~distgraph.passes.search.run_dp.plan_interleaved`, on every option
-    and variant) compete with it; the least objective wins."""
-    count, blocks = costs.layering.count, costs.blocks
-    fastest = costs.options(variants=False)
-    try:
-        plan = plan_runs(count, blocks, fastest, cluster, micro_batches)
-    except PlanError:               # nothing fits: the variants may
-        plan = None
-    if plan is None or beats(plan[0].objective, count, blocks, fastest, cluster,
-                             micro_batches, fit_memory=False):
-        try:
-            plan = plan_runs(count, blocks, costs.options(variants=True), cluster,
-                             micro_batches)
-        except PlanError:
-            if virtual < 2:
-                raise
-    if virtual < 2:
-        return plan
-    # compared with the p2p transfers priced in, which interleaving multiplies by v
-    best = None if plan is None else \
-        plan[0].objective + (len(plan[0].stages) + micro_batches - 1) * \
-        max(p2p_seconds(o, cluster) for o in plan[1])
-    for variants in (False, True):
-        fits = False
-        v = 2
-        while v <= virtual:
-            found = plan_interleaved(count, blocks, costs.options(variants=variants),
-                                     cluster, micro_batches, v, costs.chunk_layers,
-                                     p2p_seconds)
-            fits = fits or found is not None
-            if found is not None and (best is None or found[0].objective < best):
-                plan, best = found, found[0].objective
-            v *= 2
-        if fits:
-            break       # the memory variants are searched only where no alike stages fit
-    if plan is None:
-        raise PlanError(f"no split of {count} layers into stages, interleaved ({virtual} "
-                        f"chunks per stage at most) or not, fits the devices' memory; use "
-                        f"devices with more memory, recomputation or fewer micro-batches")
-    return plan
-
-
-def p2p_seconds(option: RunOption, cluster) -> float:
-    """Seconds a stage of ``option`` spends per micro-batch and chunk sending a block's
-    output on and its gradient back (alpha-beta on the link from its first device to
-    the device one submesh on)."""
-    ids = option.sub.mesh.ids
-    a = ids[0]
-    b = ids[option.sub.size % len(ids)]
-    if a == b:
-        return 0.0
-    per = cluster.latency(a, b) * 1e-6 + option.p2p_bytes() / (cluster.bandwidth(a, b) * 1e9)
-    return 2 * per
-
-
-def _undominated(options: list) -> list:
-    """``options`` without those another one matches or beats in every part's time and
-    memory (the DP would never prefer them): variants searched on one mesh and priced on
-    another may coincide there (on one device, every variant is the whole block)."""
-    def figures(option) -> list:
-        out = []
-        for part in sorted(option.parts):
-            cost = option.parts[part][0]
-            out += [cost.time, cost.persistent, cost.saved, cost.transient]
-        return out
-
-    def covers(a, b) -> bool:
-        return all(x <= y for x, y in zip(a, b))
-
-    kept = []
-    for option in options:
-        mine = figures(option)
-        if not any(covers(figures(other), mine) for other in kept):
-            kept = [o for o in kept if not covers(mine, figures(o))]
-            kept.append(option)
-    return kept
 
 
 def logical_mesh(device_mesh, shape, logical) -> tuple[ProcessMesh, dict]:
@@ -657,51 +568,6 @@ def logical_mesh(device_mesh, shape, logical) -> tuple[ProcessMesh, dict]:
     return mesh, dict(enumerate(int(d) for d in grid.reshape(-1)))
 
 
-def logical_dims(logical) -> list:
-    """The dim names of a logical mesh: ``x``, ``y`` of a (dp, tp) shape; ``x``,
-    ``cp``, ``y`` of a (dp, cp, tp) one (``y`` inside a machine, ``cp`` next, as Meta
-    orders tp, cp and dp)."""
-    return [MESH_DIMS[0], SEQUENCE_DIM, MESH_DIMS[1]] if len(logical) == 3 else \
-        list(MESH_DIMS[:len(logical)])
-
-
 def _kind(logical) -> tuple:
     """Logical meshes whose searches price each other: the same dims and the same t."""
     return (len(logical), logical[-1])
-
-
-def _grid(shape) -> tuple:
-    return (1, int(shape[0])) if len(shape) == 1 else (int(shape[0]), int(shape[1]))
-
-
-def _op_keys(program, layer_of, layer, path) -> dict:
-    """{key: op index} of layer ``layer``'s ops: ``("forward", n)``, ``("backward",
-    forward key, m)`` (the m-th op made for that forward op: its recomputed copy, its
-    gradients), ``("update", parameter path below the block)``, ``("other", n)``."""
-    keys: dict = {}
-    forward: dict = {}
-    count: dict = {}
-    for k, op in enumerate(program.ops):
-        if layer_of[k] != layer:
-            continue
-        if op.role in FORWARD:
-            key = ("forward", len(forward))
-            forward[id(op)] = key
-        elif op.role == Role.BACKWARD and op.forward_op is not None \
-                and id(op.forward_op) in forward:
-            f = forward[id(op.forward_op)]
-            count[f] = count.get(f, 0) + 1
-            key = ("backward", f, count[f] - 1)
-        elif op.role == Role.OPTIMIZE and op.inputs and op.inputs[0].is_parameter and \
-                op.inputs[0].name.startswith(path + "."):
-            key = ("update", op.inputs[0].name[len(path) + 1:])
-        else:
-            count["other"] = count.get("other", 0) + 1
-            key = ("other", count["other"] - 1)
-        keys[key] = k
-    return keys
-
-
-def _same_op(a, b) -> bool:
-    return (a.type, a.role, [v.shape for v in a.inputs], [o.shape for o in a.outputs]) == \
-        (b.type, b.role, [v.shape for v in b.inputs], [o.shape for o in b.outputs])

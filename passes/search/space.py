@@ -71,6 +71,14 @@ MESH_DIMS = "xyzw"           # names of the dims of a mesh the search makes
 SEQUENCE_DIM = "cp"
 
 
+def logical_dims(logical) -> list:
+    """The dim names of a logical mesh: ``x``, ``y`` of a (dp, tp) shape; ``x``,
+    ``cp``, ``y`` of a (dp, cp, tp) one (``y`` inside a machine, ``cp`` next, as Meta
+    orders tp, cp and dp)."""
+    return [MESH_DIMS[0], SEQUENCE_DIM, MESH_DIMS[1]] if len(logical) == 3 else \
+        list(MESH_DIMS[:len(logical)])
+
+
 @dataclass(frozen=True)
 class Node:
     """One choice of the search. ``op`` is the op's index in the program (None for a

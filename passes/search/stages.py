@@ -48,7 +48,8 @@ from distgraph.passes.search.ilp_problem import peak_memory
 from distgraph.passes.search.intra_op import search
 from distgraph.passes.search.layers import block_layers, cluster_layers
 from distgraph.passes.search.run_dp import beats
-from distgraph.passes.search.runs import (RunCosts, RunReport, logical_dims, plan_blocks,
+from distgraph.passes.search.block_plans import plan_blocks
+from distgraph.passes.search.runs import (RunCosts, RunReport, logical_dims,
                                           pricing_method)
 from distgraph.passes.search.space import GB, MESH_DIMS
 from distgraph.passes.search.stage_dp import StageCost, plan_stages
@@ -200,7 +201,7 @@ def pipeline_beaten(copy, strategy, cluster, accumulation, latency: float) -> tu
 
 
 def _blocks_plan(costs, target, memory_budget, strategy) -> tuple:
-    """:func:`~distgraph.passes.search.runs.plan_blocks` of ``costs`` on ``target`` (the
+    """:func:`~distgraph.passes.search.block_plans.plan_blocks` of ``costs`` on ``target`` (the
     cluster within ``memory_budget``), solved once per budget: the micro-batch search's
     DP for the count it chose is the plan's."""
     if memory_budget not in costs.planned:

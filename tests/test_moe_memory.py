@@ -143,8 +143,9 @@ CONFIG = dict(vocab_size=32, hidden_size=16, intermediate_size=24, num_attention
 BATCH, SEQ = 4, 8
 
 
-def _plan(layers: int, capacity_factor=None):
-    """A Mixtral of ``layers`` layers, tokens and experts over ep 2 (all-to-all)."""
+def _plan(layers: int, capacity_factor=None, strategy=None):
+    """A Mixtral of ``layers`` layers, tokens and experts over ep 2 (all-to-all),
+    planned with ``strategy`` (default: ``Strategy()``)."""
     from distgraph.nn.mixtral import Mixtral, MixtralConfig, expert_parallel
     from distgraph.program_builder import build_program
 
@@ -158,7 +159,7 @@ def _plan(layers: int, capacity_factor=None):
                           dg.nn.CrossEntropyLoss(), dg.optim.AdamW(1e-3))
     for name in ("tokens", "labels"):
         built.program.values[name].annotation = dg.DistAttr(mesh, dg.ShardSpec(["ep", None]))
-    return dg.passes.plan(built, dg.Strategy(), dg.Cluster.local(2))
+    return dg.passes.plan(built, strategy or dg.Strategy(), dg.Cluster.local(2))
 
 
 @pytest.mark.parametrize("capacity_factor", [None, 1.0])
@@ -222,20 +223,9 @@ def test_under_recompute_only_the_copy_keeps(monkeypatch):
     gradient), the copy's keeps. So the activations a micro-batch keeps for its backward
     do not grow by the hook's bytes, while the peak (the copy's, up to its gradient)
     does."""
-    from distgraph.nn.mixtral import Mixtral, MixtralConfig, expert_parallel
     from distgraph.plan.instructions import OpInstr
-    from distgraph.program_builder import build_program
 
-    dg.seed(0)
-    model = Mixtral(MixtralConfig(num_hidden_layers=2, **CONFIG))
-    mesh = dg.ProcessMesh([0, 1], ["ep"])
-    expert_parallel(model, mesh)
-    built = build_program(model, [dg.InputSpec([BATCH, SEQ], "int64", "tokens")],
-                          [dg.InputSpec([BATCH, SEQ], "int64", "labels")],
-                          dg.nn.CrossEntropyLoss(), dg.optim.AdamW(1e-3))
-    for name in ("tokens", "labels"):
-        built.program.values[name].annotation = dg.DistAttr(mesh, dg.ShardSpec(["ep", None]))
-    plan = dg.passes.plan(built, dg.Strategy(recompute=True), dg.Cluster.local(2))
+    plan = _plan(2, strategy=dg.Strategy(recompute=True))
     program = plan.program_of(0)
     keeps = [(i.op_type, i.keeps) for block in program.blocks.values() for i in block.instrs
              if isinstance(i, OpInstr) and i.op_type == "moe_ffn"]

@@ -171,3 +171,11 @@ def two_stages(model, first, second) -> None:
     for layer, mesh in parts:
         for _, p in layer.named_parameters():
             dg.shard_tensor(p, mesh, [None] * len(p.shape))
+
+
+def trains_equal(results, serial) -> None:
+    """Each ``(losses, {parameter: value})`` of ``results`` equals ``serial``'s (1e-10)."""
+    for losses, params in results:
+        np.testing.assert_allclose(losses, serial[0], rtol=0, atol=1e-10)
+        for name, value in serial[1].items():
+            np.testing.assert_allclose(params[name], value, rtol=0, atol=1e-10, err_msg=name)

@@ -113,13 +113,6 @@ def train(comm, layout, plans=None, config=CONFIG):
     return history.losses, engine.state_dict()
 
 
-def _equal(results, serial):
-    for losses, params in results:
-        np.testing.assert_allclose(losses, serial[0], rtol=0, atol=1e-10)
-        for name, value in serial[1].items():
-            np.testing.assert_allclose(params[name], value, rtol=0, atol=1e-10, err_msg=name)
-
-
 @pytest.fixture(scope="module")
 def serial():
     """Llama-tiny trained on one process, natural order, float64."""
@@ -170,7 +163,7 @@ def test_context_parallel_training_equals_serial(float64, serial, layout):
     _, ranks, strategy = layout_of(layout)
     plans = []
     results = SimulatedWorld(ranks, timeout=120).run(train, layout, plans)
-    _equal(results, serial)
+    L.trains_equal(results, serial)
     cp = 4 if layout.startswith("cp4") else 2
     for op in plans[0].program.ops:
         if op.type in ("attention", "attention_grad"):
@@ -192,7 +185,7 @@ def test_sliding_window_and_one_kv_head_under_cp4_equal_serial(float64):
     times for Ulysses) with the sequence split 4 ways."""
     config = CONFIG.replace(sliding_window=5, num_key_value_heads=1)
     serial = train(None, None, config=config)
-    _equal(SimulatedWorld(4, timeout=120).run(train, "cp4/ulysses", None, config), serial)
+    L.trains_equal(SimulatedWorld(4, timeout=120).run(train, "cp4/ulysses", None, config), serial)
 
 
 @pytest.mark.mpi
@@ -209,7 +202,7 @@ def test_context_parallel_on_mpi_ranks_equals_serial(float64, serial, tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for name in names:
         got = np.load(f"{out}_{name.replace('/', '_')}.npz")
-        _equal([(got["losses"], {name: got[name] for name in serial[1]})], serial)
+        L.trains_equal([(got["losses"], {name: got[name] for name in serial[1]})], serial)
 
 
 # -- causal masking at the chunk boundaries --------------------------------------------------------

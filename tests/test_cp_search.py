@@ -51,13 +51,6 @@ def _serial(built, values):
     return SimulatedWorld(1).run(lambda comm: C.train(plan, built, values, comm))[0]
 
 
-def _equal(results, serial):
-    for losses, params in results:
-        np.testing.assert_allclose(losses, serial[0], rtol=0, atol=1e-10)
-        for name, value in serial[1].items():
-            np.testing.assert_allclose(params[name], value, rtol=0, atol=1e-10, err_msg=name)
-
-
 @pytest.fixture(scope="module")
 def long_plan():
     before = dg.get_default_dtype()
@@ -98,7 +91,7 @@ def test_long_sequence_under_the_budget_splits_the_sequence(float64, long_plan):
 def test_long_sequence_plan_trains_as_serial(float64, long_plan):
     plan, built, values = long_plan
     serial = _serial(built, values)
-    _equal(SimulatedWorld(4, timeout=300).run(lambda comm: C.train(plan, built, values, comm)),
+    C.L.trains_equal(SimulatedWorld(4, timeout=300).run(lambda comm: C.train(plan, built, values, comm)),
            serial)
 
 
@@ -142,4 +135,4 @@ def test_long_sequence_plan_trains_as_serial_on_mpi_ranks(float64, long_plan, tm
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     got = np.load(out)
-    _equal([(got["losses"], {name: got[name] for name in serial[1]})], serial)
+    C.L.trains_equal([(got["losses"], {name: got[name] for name in serial[1]})], serial)

@@ -67,7 +67,6 @@ from distgraph.passes.search.ilp_problem import ShardingProblem, evaluate, peak_
 from distgraph.passes.search.recursive import METHODS, bisection_levels, solve_recursive
 from distgraph.passes.search.space import SearchSpace
 from distgraph.placement import DistAttr
-from distgraph.plan.instructions import keeps_nothing
 from distgraph.registry import get_op
 
 
@@ -348,7 +347,7 @@ def _problem(space, costs, weights, loss, world, budget, share, live,
     targets = dict(boundary.settle)
     tied = {leaving: received for received, leaving in boundary.periodic}
     compute, comm, memory = [], [], []
-    vain = keeps_nothing(program.ops)
+    vain = space.vain
     for node in nodes:
         k = len(node.strategies)
         if node.is_source:
@@ -509,7 +508,7 @@ def _liveness(space, buffers=()) -> list:
     to its buffer as it is made, an update's read ends no earlier op's result's life."""
     program, nodes = space.program, space.nodes
     position = {k: t for t, k in enumerate(space.ops)}
-    vain = keeps_nothing(program.ops)
+    vain = space.vain
     node_of = {id(program.ops[n.op]): n.index for n in nodes if not n.is_source
                and get_op(program.ops[n.op].type).saved is not None and n.op not in vain}
     first: dict = {}

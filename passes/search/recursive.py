@@ -80,7 +80,7 @@ from scipy import sparse
 from distgraph.errors import PlanError
 from distgraph.passes.search.ilp import (BUDGET_RTOL, Solution, check_forbidden, evaluate,
                                          peak_bound, peak_memory, reduce_problem, solve)
-from distgraph.passes.search.tree_moves import improve
+from distgraph.passes.search.tree_moves import Flat, improve
 
 METHODS = ("ilp", "recursive", "auto")
 SWEEPS = 4               # re-picks per level after the first pass (it stops when none changes)
@@ -233,21 +233,25 @@ def _groups(space, members, mesh_dim) -> list:
     """Per class, the group of each strategy at the level of ``mesh_dim``: strategies
     in which that mesh dim does the same to every operand and result of every member."""
     out = []
+    known: dict = {}        # (strategy, hints) -> key: the same records recur (blocks)
     for nodes in members:
         k = len(space.nodes[nodes[0]].strategies)
         index: dict = {}
         ids = np.empty(k, dtype=np.intp)
         for i in range(k):
-            key = tuple(dict.fromkeys(_key(space.nodes[v], i, mesh_dim) for v in nodes))
+            key = tuple(dict.fromkeys(_key(space.nodes[v], i, mesh_dim, known) for v in nodes))
             ids[i] = index.setdefault(key, len(index))
         out.append(ids)
     return out
 
 
-def _key(node, i: int, mesh_dim: str) -> tuple:
-    s = node.strategies[i]
-    return tuple(_placement(spec, mesh_dim)
-                 for spec in s.in_specs + s.out_specs + tuple(node.hints[i]))
+def _key(node, i: int, mesh_dim: str, known: dict) -> tuple:
+    s, hints = node.strategies[i], node.hints[i]
+    at = (id(s), id(hints))
+    if at not in known:
+        known[at] = (tuple(_placement(spec, mesh_dim)
+                           for spec in s.in_specs + s.out_specs + tuple(hints)), s, hints)
+    return known[at][0]
 
 
 def _placement(spec, mesh_dim: str) -> tuple:
@@ -264,6 +268,7 @@ class _Descent:
 
     def __init__(self, red, level_orders):
         self.red, self.level_orders = red, level_orders
+        self.flat = Flat(red)
         self.around = [[] for _ in red.cost]
         for pair in red.pairs:
             safe = np.where(np.isinf(pair.cost), BIG, pair.cost)
@@ -299,14 +304,18 @@ class _Descent:
                         changed = True
                 if not changed:
                     break
-        per_class = improve(red, cost, [int(np.flatnonzero(m)[0]) for m in mask])
+        per_class = improve(red, cost, [int(np.flatnonzero(m)[0]) for m in mask],
+                            flat=self.flat)
         return [per_class[c] for c in red.cls]
 
     def _best(self, c, cost, mask, before, groups, current=None) -> int:
         """The group of class ``c`` (among those open to it: ``before``) of least price
         given its neighbours' candidates (``mask``); ``current`` wins ties."""
-        price, mean = self.prices(c, cost, mask, with_mean=True)
         open_ = np.flatnonzero(before[c])
+        mine = groups[c][open_]
+        if len(mine) and (mine == mine[0]).all():     # one group open: nothing to price
+            return int(mine[0])
+        price = self.prices(c, cost, mask)
         per_group = np.full(int(groups[c].max()) + 1, np.inf)
         np.minimum.at(per_group, groups[c][open_], price[open_])
         least = per_group.min()
@@ -318,6 +327,7 @@ class _Descent:
         tied = np.flatnonzero(per_group <= bar)
         if len(tied) == 1:
             return int(tied[0])
+        mean = self.prices(c, cost, mask, with_mean=True)[1]
         second = np.full(len(per_group), np.inf)
         np.minimum.at(second, groups[c][open_], mean[open_])
         return int(tied[np.argmin(second[tied])])
@@ -325,16 +335,21 @@ class _Descent:
     def prices(self, c, cost, mask, with_mean=False):
         """Per strategy of class ``c``: its cost plus, per edge, the cheapest reshard to
         a layout the neighbour may take (``mask``); with ``with_mean`` also the mean."""
-        price, mean = cost[c].copy(), cost[c].copy()
+        price = cost[c].copy()
+        mean = cost[c].copy() if with_mean else None
         for pair, safe, is_u in self.around[c]:
             if is_u:
                 other = np.zeros(safe.shape[1], bool)
                 other[pair.cols[mask[pair.v]]] = True
-                price += np.where(other[None, :], safe, np.inf).min(axis=1)[pair.rows]
-                mean += safe[:, other].mean(axis=1)[pair.rows]
+                sub = safe[:, other] if other.any() else np.full((safe.shape[0], 1), np.inf)
+                price += sub.min(axis=1)[pair.rows]
+                if with_mean:
+                    mean += sub.mean(axis=1)[pair.rows]
             else:
                 other = np.zeros(safe.shape[0], bool)
                 other[pair.rows[mask[pair.u]]] = True
-                price += np.where(other[:, None], safe, np.inf).min(axis=0)[pair.cols]
-                mean += safe[other, :].mean(axis=0)[pair.cols]
+                sub = safe[other, :] if other.any() else np.full((1, safe.shape[1]), np.inf)
+                price += sub.min(axis=0)[pair.cols]
+                if with_mean:
+                    mean += sub.mean(axis=0)[pair.cols]
         return (price, mean) if with_mean else price

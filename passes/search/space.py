@@ -54,6 +54,7 @@ Example::
 from __future__ import annotations
 
 import copy
+import functools
 import itertools
 from dataclasses import dataclass, field
 
@@ -61,6 +62,7 @@ from distgraph.errors import PlanError, ShardingError
 from distgraph.mesh import ProcessMesh
 from distgraph.registry import spmd_rule
 from distgraph.placement import ShardSpec
+from distgraph.plan.instructions import keeps_nothing
 from distgraph.spmd import (LETTERS, UNKNOWN, DimsSpec, EinsumPlan, OpStrategy, RuleQuery,
                             SpmdRuleError)
 
@@ -160,6 +162,13 @@ class SearchSpace:
             for j, o in enumerate(op.outputs):
                 self.producer[o.name] = (len(self.nodes) - 1, j)
         self._tie_sources_to_updates()
+
+    @functools.cached_property
+    def vain(self) -> frozenset:
+        """The program's ops whose kept memory could never serve their gradient
+        (:func:`~distgraph.plan.instructions.keeps_nothing`), found once per space (its
+        rebinds to other meshes share it)."""
+        return keeps_nothing(self.program.ops)
 
     # -- nodes ------------------------------------------------------------------------------
     def _check_mesh(self, op) -> None:

@@ -53,24 +53,80 @@ def objective(red, cost, per_class) -> float:
                        for p in red.pairs)
 
 
-def improve(red, cost, per_class, seed: int = 0) -> list:
+class Flat:
+    """A reduced problem's pairs as flat arrays, built once per problem, so that a
+    choice's objective and a move's off-forest prices are gathered in one step each
+    (the same sums, in the same order, as :func:`objective` and the per-pair loops).
+
+    Example::
+
+        flat = Flat(red)
+        flat.objective(flat.costs(cost), per_class)      # == objective(red, cost, per_class)
+    """
+
+    def __init__(self, red):
+        pairs = red.pairs
+        self.n = len(red.cost)
+        sizes = np.array([len(c) for c in red.cost], dtype=np.intp)
+        self.offs = np.concatenate(([0], np.cumsum(sizes)))
+        self.u = np.array([p.u for p in pairs], dtype=np.intp)
+        self.v = np.array([p.v for p in pairs], dtype=np.intp)
+        self.ncols = np.array([p.cost.shape[1] for p in pairs], dtype=np.intp)
+        self.mat = np.concatenate([p.cost.ravel() for p in pairs]) if pairs else np.zeros(0)
+        self.mat_off = np.concatenate(([0], np.cumsum([p.cost.size for p in pairs])))[:-1]
+        self.rows = np.concatenate([p.rows for p in pairs]) if pairs else np.zeros(0, np.intp)
+        self.cols = np.concatenate([p.cols for p in pairs]) if pairs else np.zeros(0, np.intp)
+        self.rows_off = np.concatenate(([0], np.cumsum([len(p.rows) for p in pairs])))[:-1]
+        self.cols_off = np.concatenate(([0], np.cumsum([len(p.cols) for p in pairs])))[:-1]
+        # per pair: the first of the child's cheapest strategies in each of its groups is
+        # a fixed permutation where every group holds one strategy (_tree_move)
+        self.single = [(_single(p.cols), _single(p.rows)) for p in pairs]
+
+    def costs(self, cost) -> np.ndarray:
+        """``cost`` (a list of per-class arrays) as one flat float array."""
+        return np.concatenate([np.asarray(c, float) for c in cost]) if len(cost) else \
+            np.zeros(0)
+
+    def objective(self, flat_cost, per_class) -> float:
+        """:func:`objective` of ``per_class``, node costs ``flat_cost`` (:meth:`costs`)."""
+        choice = np.asarray(per_class, dtype=np.intp)
+        nodes = flat_cost[self.offs[:-1] + choice]
+        total = float(np.cumsum(nodes)[-1]) if len(nodes) else 0.0
+        if not len(self.u):
+            return total
+        at = self.mat_off + self.rows[self.rows_off + choice[self.u]] * self.ncols + \
+            self.cols[self.cols_off + choice[self.v]]
+        return total + float(np.cumsum(self.mat[at])[-1])
+
+
+def _single(groups) -> np.ndarray | None:
+    """The strategy of each group where every group holds one, else None."""
+    if len(np.unique(groups)) != len(groups):
+        return None
+    return np.argsort(groups, kind="stable")
+
+
+def improve(red, cost, per_class, seed: int = 0, flat: Flat | None = None) -> list:
     """``per_class`` (a strategy per class of ``red``) improved by tree moves (module
-    docstring), priced with node costs ``cost``; never worse than the input."""
+    docstring), priced with node costs ``cost``; never worse than the input. ``flat``:
+    ``red``'s :class:`Flat` where the caller keeps one."""
     per_class = [int(i) for i in per_class]
     if not red.pairs:
         return per_class
+    flat = flat or Flat(red)
+    flat_cost = flat.costs(cost)
     rng = np.random.default_rng(seed)
     spread = np.array([_spread(p.cost) for p in red.pairs])
     cheapest = [(p.cost.min(axis=1)[p.rows], p.cost.min(axis=0)[p.cols]) for p in red.pairs]
-    best = objective(red, cost, per_class)
+    best = flat.objective(flat_cost, per_class)
     for _ in range(ROUNDS):
         gained = False
         for k in range(TREES):
             weight = spread if k == 0 else np.where(
                 np.isinf(spread), np.inf, spread * rng.uniform(0.0, 1.0, len(spread)))
             tree = _forest(len(cost), red.pairs, weight)
-            for trial in _moves(red, cost, per_class, tree, cheapest):
-                value = objective(red, cost, trial)
+            for trial in _moves(red, flat, flat_cost, per_class, tree, cheapest):
+                value = flat.objective(flat_cost, trial)
                 if value < best - TIE * abs(best):
                     per_class, best, gained = trial, value, True
         if not gained:
@@ -78,39 +134,72 @@ def improve(red, cost, per_class, seed: int = 0) -> list:
     return per_class
 
 
-def _moves(red, cost, current, tree, cheapest):
+def _moves(red, flat, flat_cost, current, tree, cheapest):
     """The trials of one forest: priced against ``current``, then the optimistic one and
     its re-pricings against itself (module docstring)."""
-    walk = _walk(len(cost), red.pairs, tree)
-    yield _tree_move(red, cost, current, walk, _against(red, tree, current, 1.0))
-    trial = _tree_move(red, cost, current, walk, _optimistic(red, tree, cheapest))
+    walk = _plan(red, flat, _walk(len(red.cost), red.pairs, tree))
+    off = _OffForest(flat, tree)
+    yield _tree_move(red, flat, flat_cost, current, walk, off.against(current, 1.0))
+    trial = _tree_move(red, flat, flat_cost, current, walk, off.optimistic(cheapest))
     yield trial
     for _ in range(SETTLE):
-        settled = _tree_move(red, cost, current, walk, _against(red, tree, trial, 0.5))
+        settled = _tree_move(red, flat, flat_cost, current, walk, off.against(trial, 0.5))
         if settled == trial:
             break
         trial = settled
         yield trial
 
 
-def _off_tree(red, tree) -> list:
-    in_tree = np.zeros(len(red.pairs), bool)
-    in_tree[tree] = True
-    return [e for e, kept in enumerate(in_tree) if not kept]
+class _OffForest:
+    """The off-forest pairs of one forest, as flat gathers: per pair in order, its u end's
+    strategies then its v end's (the order in which the per-pair loop added them)."""
+
+    def __init__(self, flat, tree):
+        in_tree = np.zeros(len(flat.u), bool)
+        in_tree[tree] = True
+        self.flat = flat
+        self.off = off = np.flatnonzero(~in_tree)
+        u, v = flat.u[off], flat.v[off]
+        ku, kv = flat.offs[u + 1] - flat.offs[u], flat.offs[v + 1] - flat.offs[v]
+        self.lengths = np.stack([ku, kv], axis=1).ravel()          # u0, v0, u1, v1, ...
+        starts = np.stack([flat.offs[u], flat.offs[v]], axis=1).ravel()
+        self.target = _ranges(starts, self.lengths)              # where each price adds
+        # the fixed part of each price's place in flat.mat: the u end's row (its column
+        # comes from the other end's choice), the v end's column (likewise its row)
+        fixed = []
+        for k, e in enumerate(off):
+            rows = flat.rows[flat.rows_off[e]:flat.rows_off[e] + ku[k]]
+            cols = flat.cols[flat.cols_off[e]:flat.cols_off[e] + kv[k]]
+            fixed += [flat.mat_off[e] + rows * flat.ncols[e], flat.mat_off[e] + cols]
+        self.fixed = np.concatenate(fixed) if fixed else np.zeros(0, np.intp)
+        self._optimistic = None
+
+    def against(self, ref, share: float) -> tuple:
+        """(places, prices): ``share`` of the reshard to (from) ``ref``'s choice at the
+        other end."""
+        flat, off = self.flat, self.off
+        ref = np.asarray(ref, dtype=np.intp)
+        col = flat.cols[flat.cols_off[off] + ref[flat.v[off]]]
+        row = flat.rows[flat.rows_off[off] + ref[flat.u[off]]] * flat.ncols[off]
+        step = np.stack([col, row], axis=1).ravel()
+        return self.target, share * flat.mat[self.fixed + np.repeat(step, self.lengths)]
+
+    def optimistic(self, cheapest) -> tuple:
+        """(places, prices): half the cheapest reshard its strategy can meet."""
+        if self._optimistic is None:
+            parts = [x for e in self.off for x in cheapest[e]]
+            self._optimistic = 0.5 * np.concatenate(parts) if parts else np.zeros(0)
+        return self.target, self._optimistic
 
 
-def _against(red, tree, ref, share: float) -> list:
-    """Off-forest prices per end: ``share`` of the reshard to (from) ``ref``'s choice at
-    the other end."""
-    return [(p.u, share * p.cost[:, p.cols[ref[p.v]]][p.rows],
-             p.v, share * p.cost[p.rows[ref[p.u]], :][p.cols])
-            for p in (red.pairs[e] for e in _off_tree(red, tree))]
-
-
-def _optimistic(red, tree, cheapest) -> list:
-    """Off-forest prices per end: half the cheapest reshard its strategy can meet."""
-    return [(red.pairs[e].u, 0.5 * cheapest[e][0], red.pairs[e].v, 0.5 * cheapest[e][1])
-            for e in _off_tree(red, tree)]
+def _ranges(starts, lengths) -> np.ndarray:
+    """The concatenation of ``arange(s, s + n)`` over ``starts`` and ``lengths``."""
+    if not len(lengths):
+        return np.zeros(0, np.intp)
+    total = int(lengths.sum())
+    ends = np.cumsum(lengths)
+    out = np.arange(total, dtype=np.intp) - np.repeat(ends - lengths, lengths)
+    return out + np.repeat(starts, lengths)
 
 
 def _spread(mat) -> float:
@@ -167,40 +256,54 @@ def _walk(n, pairs, tree) -> tuple:
     return order, parent_edge
 
 
-def _tree_move(red, cost, current, walk, off) -> list:
-    """The exact optimum over the forest walked by ``walk`` (:func:`_walk`), the
-    off-forest pairs priced by ``off`` (per pair: u, its price per strategy of u, v, the
-    same for v)."""
+def _plan(red, flat, walk) -> tuple:
+    """(the forest's roots, its edges leaves first: (child, parent, the matrix oriented
+    parent x child group, the parent's group of each of its strategies, the child's
+    groups, the child's strategy per group where each group holds one, else None, the
+    parent's group indices))."""
     order, parent_edge = walk
-    local = [c.astype(float).copy() for c in cost]
-    for u, at_u, v, at_v in off:
-        local[u] += at_u
-        local[v] += at_v
-    back = {}                           # child -> its best strategy per parent strategy
+    roots, edges = [], []
     for c in reversed(order):
         e = parent_edge[c]
         if e < 0:
+            roots.append(c)
             continue
         p = red.pairs[e]
-        child_is_v = p.v == c
-        mat = p.cost if child_is_v else p.cost.T
-        groups = p.cols if child_is_v else p.rows          # the child's groups in mat
-        upper = p.rows if child_is_v else p.cols           # the parent's
+        if p.v == c:
+            edges.append((c, p.u, p.cost, p.rows, p.cols, flat.single[e][0],
+                          np.arange(p.cost.shape[0])))
+        else:
+            edges.append((c, p.v, p.cost.T, p.cols, p.rows, flat.single[e][1],
+                          np.arange(p.cost.shape[1])))
+    return roots, edges
+
+
+def _tree_move(red, flat, flat_cost, current, plan, off) -> list:
+    """The exact optimum over the forest of ``plan`` (:func:`_plan`), the off-forest
+    pairs priced by ``off`` ((places in ``flat_cost``, prices): each pair's price per
+    strategy of its u end, then of its v end)."""
+    roots, edges = plan
+    places, prices = off
+    buffer = flat_cost.copy()
+    np.add.at(buffer, places, prices)       # in order: as adding pair by pair
+    offs = flat.offs
+    local = [buffer[offs[c]:offs[c + 1]] for c in range(flat.n)]
+    back = []                           # per edge: the child's best per parent strategy
+    for c, parent, mat, upper, groups, arg_in, rows in edges:
         # the child's cheapest strategy in each group (the first of equal ones)
-        by = np.lexsort((local[c], groups))
-        first = np.ones(len(by), bool)
-        first[1:] = groups[by[1:]] != groups[by[:-1]]
-        arg_in = by[first]
+        if arg_in is None:
+            by = np.lexsort((local[c], groups))
+            first = np.empty(len(by), bool)
+            first[0] = True
+            first[1:] = groups[by[1:]] != groups[by[:-1]]
+            arg_in = by[first]
         total = mat + local[c][arg_in][None, :]
         pick = np.argmin(total, axis=1)
-        local[p.u if child_is_v else p.v] += total[np.arange(len(pick)), pick][upper]
-        back[c] = arg_in[pick][upper]
+        local[parent] += total[rows, pick][upper]
+        back.append(arg_in[pick][upper])
     choice = list(current)
-    for c in order:
-        e = parent_edge[c]
-        if e < 0:
-            choice[c] = int(np.argmin(local[c]))
-        else:
-            p = red.pairs[e]
-            choice[c] = int(back[c][choice[p.u if p.v == c else p.v]])
+    for c in roots:
+        choice[c] = int(np.argmin(local[c]))
+    for (c, parent, *_), best in zip(reversed(edges), reversed(back)):
+        choice[c] = int(best[choice[parent]])
     return choice

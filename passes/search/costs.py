@@ -57,6 +57,8 @@ class SearchCosts:
         self._reshards: dict = {}
         self._matrices: dict = {}
         self._gathers: dict = {}
+        self.rules: dict = {}       # the op strategies of the spaces searched with these
+                                    # costs (SearchSpace.rules): enumerated once per mesh
 
     def op(self, op, strategies) -> tuple[np.ndarray, np.ndarray]:
         """(compute seconds, own-collective seconds) of each strategy of ``op``."""

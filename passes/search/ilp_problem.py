@@ -31,6 +31,7 @@ Example::
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -81,7 +82,16 @@ class ShardingProblem:
         _set(self, "follow", self._follow())
         _set(self, "share", self._share())
         _set(self, "liveness", self._liveness())
-        budget = self.memory_budget
+        _set(self, "memory_budget", self._budget(self.memory_budget))
+
+    def with_budget(self, budget: float | None) -> "ShardingProblem":
+        """This problem with ``memory_budget`` = ``budget``, its other fields shared (a
+        search of the same problem under another budget)."""
+        other = copy.copy(self)
+        _set(other, "memory_budget", self._budget(budget))
+        return other
+
+    def _budget(self, budget) -> float | None:
         if budget is not None:
             if isinstance(budget, bool) or not isinstance(budget, (int, float, np.number)) \
                     or not (budget >= 0 and math.isfinite(budget)):
@@ -91,7 +101,8 @@ class ShardingProblem:
                 raise PlanError("ShardingProblem: memory_budget is set but liveness is empty, "
                                 "so the budget would bound nothing; pass liveness (e.g. "
                                 "[list(range(n))] to bound the total) or memory_budget=None")
-            _set(self, "memory_budget", float(budget))
+            return float(budget)
+        return None
 
     # ---- views -------------------------------------------------------------------------
     @property

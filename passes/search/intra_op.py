@@ -258,13 +258,22 @@ def search(program, mesh: ProcessMesh, cluster, device_of: dict, *, ops=None,
     SCIP proof that a budget below the peak bound fits nothing)."""
     start = time.perf_counter()
     boundary = boundary or Boundary()
-    space = SearchSpace(program, mesh, ops, received=dict(boundary.received))
-    axes = sample_axes(program, [v.name for v in program.inputs]) if balance else None
-    costs = costs or SearchCosts(cluster, mesh, device_of, axes)
-    world = world or ProcessMesh(sorted(mesh.process_ids), dim_names=["world"])
-    share = _shared_blocks(space, blocks)
-    problem = _problem(space, costs, weights or {}, loss, world, memory_budget, share,
-                       memory or memory_budget is not None, boundary)
+    live = memory or memory_budget is not None
+    inputs = (program, costs, _marks(program, ops), ops, mesh, boundary, weights, loss, world,
+              tuple(blocks), live)
+    built = walks.built if walks is not None and costs is not None else None
+    if built is not None and _same(built[0], inputs):
+        space, share, problem = built[1], built[2], built[3].with_budget(memory_budget)
+    else:
+        axes = sample_axes(program, [v.name for v in program.inputs]) if balance else None
+        costs = costs or SearchCosts(cluster, mesh, device_of, axes)
+        space = SearchSpace(program, mesh, ops, received=dict(boundary.received),
+                            rules=costs.rules)
+        share = _shared_blocks(space, blocks)
+        problem = _problem(space, costs, weights or {}, loss, world, memory_budget, share,
+                           live, boundary)
+        if walks is not None:
+            walks.built = (inputs, space, share, problem)
     build_time = time.perf_counter() - start
     limit = max(time_limit - build_time, 0.1 * time_limit)
     if method not in METHODS:
@@ -284,6 +293,21 @@ def search(program, mesh: ProcessMesh, cluster, device_of: dict, *, ops=None,
             sol = solve(problem, time_limit=limit, starts=[sol.choice])
     return _result(space, sol.choice, problem, sol, build_time, memory_budget, share,
                    boundary, method, first, note)
+
+
+def _marks(program, ops) -> tuple:
+    """The annotations a search of ``ops`` of ``program`` reads (a space built before
+    one of them changed is not reused)."""
+    ops = range(len(program.ops)) if ops is None else ops
+    return tuple(x.annotation for k in ops for x in
+                 (program.ops[k], *program.ops[k].inputs, *program.ops[k].outputs))
+
+
+def _same(a: tuple, b: tuple) -> bool:
+    """Whether two searches' inputs (``search``) are the same: the program, the costs and
+    the annotations the same objects, the rest equal."""
+    return all(x is y for x, y in zip(a[:2], b[:2])) and len(a[2]) == len(b[2]) and \
+        all(x is y for x, y in zip(a[2], b[2])) and a[3:] == b[3:]
 
 
 def _carried(start, space, problem):
@@ -316,7 +340,6 @@ def price(moved: SearchSpace, cluster, device_of: dict, *, weights=None, loss=No
     search that made the choice."""
     start = time.perf_counter()
     costs = costs or SearchCosts(cluster, moved.mesh, device_of)
-    world = world or ProcessMesh(sorted(moved.mesh.process_ids), dim_names=["world"])
     problem = _problem(moved, costs, weights or {}, loss, world, None, (), True,
                        boundary or Boundary())
     fixed = tuple(0 for _ in moved.nodes)
@@ -385,6 +408,7 @@ def _problem(space, costs, weights, loss, world, budget, share, live,
     if loss is not None and loss in space.producer:
         u, j = space.producer[loss]
         v = program.values[loss]
+        world = world or ProcessMesh(sorted(space.mesh.process_ids), dim_names=["world"])
         comm[u] = comm[u] + np.array([costs.gather(s.out_specs[j], v, world)
                                       for s in nodes[u].strategies])
     classes = _tie_classes(nodes, share)
@@ -422,7 +446,8 @@ def _problem(space, costs, weights, loss, world, budget, share, live,
                 layouts = [s.out_specs[0] for s in nodes[s_node].strategies]
                 forbid = [[s.out_specs[j] != lay for lay in layouts] for s in node.strategies]
                 aliases.append((node.index, s_node, np.array(forbid, dtype=float)))
-    liveness = _liveness(space, buffers) if live else ()
+    liveness = space.memo(("liveness", tuple(buffers)), lambda: _liveness(space, buffers)) \
+        if live else ()
     return ShardingProblem([len(n.strategies) for n in nodes], compute, comm, memory, edges,
                            aliases, [n.leader for n in nodes], liveness, budget, share,
                            [n.label for n in nodes])

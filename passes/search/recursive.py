@@ -113,6 +113,7 @@ class Walks:
         self.walk = None           # the _Descent, made by the first search
         self.bound = None          # peak_bound of the reduced problem
         self.found: dict = {}      # lam -> [(choice, objective, peak), ...]
+        self.built = None          # (inputs, space, share, problem): intra_op.search's
 
     def setup(self, problem, space, dims):
         if self.walk is None:
@@ -134,8 +135,11 @@ class Walks:
     def run(self, problem, lam: float) -> list:
         """[(choice, objective, peak)] of the descents at ``lam``."""
         if lam not in self.found:
-            self.found[lam] = [(c, evaluate(problem, c), peak_memory(problem, c))
-                               for c in self.walk.run(lam)]
+            priced: dict = {}       # descents that end alike are priced once
+            for c in self.walk.run(lam):
+                if tuple(c) not in priced:
+                    priced[tuple(c)] = (c, evaluate(problem, c), peak_memory(problem, c))
+            self.found[lam] = list(priced.values())
         return self.found[lam]
 
 
@@ -283,12 +287,20 @@ class _Descent:
         visiting order: the op-weight order, then program order and its reverse (greedy
         descents are order-sensitive; the caller keeps the best, at a few times a linear
         cost)."""
-        return [self._walk(lam, order, levels) for levels in self.level_orders
-                for order in self.orders]
-
-    def _walk(self, lam: float, order, levels) -> list:
         red = self.red
         cost = [c + lam * m for c, m in zip(red.cost, red.memory)]
+        improved: dict = {}     # descents that end alike are improved once (it is exact)
+        out = []
+        for levels in self.level_orders:
+            for order in self.orders:
+                start = tuple(self._walk(cost, order, levels))
+                if start not in improved:
+                    improved[start] = improve(red, cost, list(start), flat=self.flat)
+                out.append([improved[start][c] for c in red.cls])
+        return out
+
+    def _walk(self, cost, order, levels) -> list:
+        """The descent's choice per class before the tree moves."""
         mask = [np.isfinite(c) for c in cost]
         for groups in levels:
             before = [m.copy() for m in mask]
@@ -304,9 +316,7 @@ class _Descent:
                         changed = True
                 if not changed:
                     break
-        per_class = improve(red, cost, [int(np.flatnonzero(m)[0]) for m in mask],
-                            flat=self.flat)
-        return [per_class[c] for c in red.cls]
+        return [int(np.flatnonzero(m)[0]) for m in mask]
 
     def _best(self, c, cost, mask, before, groups, current=None) -> int:
         """The group of class ``c`` (among those open to it: ``before``) of least price

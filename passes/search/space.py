@@ -127,6 +127,7 @@ class SearchSpace:
     boundary: set = field(default_factory=set)
     leaving: set = field(default_factory=set)
     received: dict = field(default_factory=dict)
+    rules: dict | None = None
 
     def __post_init__(self):
         whole = self.ops is None
@@ -140,8 +141,12 @@ class SearchSpace:
             made_here = {o.name for k in self.ops for o in self.program.ops[k].outputs}
             self.leaving = {v.name for k, op in enumerate(self.program.ops) if k not in inside
                             for v in op.inputs if v.name in made_here}
-        self._rules: dict = {}
-        self._followed: dict = {}
+        # rules bound and strategies enumerated per op signature; ``rules`` (a dict kept
+        # by the caller: SearchCosts.rules) shares them with other spaces on this mesh
+        shared = {} if self.rules is None else self.rules
+        self._rules, self._followed = shared.setdefault(
+            (self.mesh.shape, tuple(self.mesh.dim_names)), ({}, {}))
+        self._memo: dict = {}
         feeds = self.program.inputs
         self._sequence = (int(feeds[0].shape[1]) if feeds and len(feeds[0].shape) > 1
                           else -1) if SEQUENCE_DIM in self.mesh.dim_names else None
@@ -162,6 +167,13 @@ class SearchSpace:
             for j, o in enumerate(op.outputs):
                 self.producer[o.name] = (len(self.nodes) - 1, j)
         self._tie_sources_to_updates()
+
+    def memo(self, key, make):
+        """``make()``, made once per ``key`` for this space and its rebinds to other
+        meshes (what depends on the program's structure alone: the liveness sets)."""
+        if key not in self._memo:
+            self._memo[key] = make()
+        return self._memo[key]
 
     @functools.cached_property
     def vain(self) -> frozenset:
@@ -229,7 +241,8 @@ class SearchSpace:
         if op.inputs and not constrained and self._light(op):
             for pick in sorted(range(len(op.inputs)), key=lambda i: (-depth_of[i], i)):
                 induced = self._follow(op, pick, operands[pick])
-                if len({s.name for s in induced}) >= min(2, len(self._strategies(op))):
+                names = len({s.name for s in induced})
+                if names >= 2 or names >= min(2, len(self._strategies(op))):
                     self.nodes.append(Node(
                         index, k, None, label, op.layer, tuple(induced), operands[pick],
                         tuple(_consistent(op, s) and self._op_keeps(op, s) for s in induced),
@@ -283,34 +296,51 @@ class SearchSpace:
         if tuple(mesh.dim_names) != tuple(self.mesh.dim_names):
             raise PlanError(f"rebind: {mesh} names its dims {list(mesh.dim_names)}, the "
                             f"search's mesh {list(self.mesh.dim_names)}")
+        # the records moved here, shared by the rebinds to meshes of this shape
+        moved_to = ({} if self.rules is None else
+                    self.rules.setdefault(("rebind", mesh.shape, tuple(mesh.dim_names)), {}))
         nodes = []
         for node in self.nodes:
             s, hint = node.strategies[choice[node.index]], node.hints[choice[node.index]]
             if node.is_source:
                 v = self.program.values[node.value]
-                shapes, specs = [v.shape], list(s.out_specs) + list(hint)
-                moved = OpStrategy(s.name, (), s.out_specs, (),
-                                   (_local_shape(s.out_specs[0], v.shape, mesh),),
-                                   s.flops_fraction)
+                key = (s, hint, tuple(v.shape))
             else:
                 op = self.program.ops[node.op]
-                shapes = [v.shape for v in op.inputs] + [o.shape for o in op.outputs] * 2
-                specs = list(s.in_specs) + list(s.out_specs) + list(hint)
-            for spec, shape in zip(specs, shapes):
-                try:
-                    spec.validate(mesh, shape, node.label)
-                except ShardingError as e:
-                    raise PlanError(f"the choice for {node.label} does not divide on "
-                                    f"{mesh}: {e}") from None
-            if not node.is_source:
-                moved = spmd_rule(op.type).strategy(
-                    s.in_specs, s.out_specs, [v.shape for v in op.inputs],
-                    [o.shape for o in op.outputs], mesh, [v.dtype for v in op.inputs])
+                key = (op.type, s.in_specs, s.out_specs, hint, tuple(v.dtype for v in op.inputs),
+                       tuple(tuple(v.shape) for v in op.inputs),
+                       tuple(tuple(o.shape) for o in op.outputs))
+            moved = moved_to.get(key)
+            if moved is None:
+                moved = moved_to[key] = self._moved(node, s, hint, mesh)
             nodes.append(Node(node.index, node.op, node.value, node.label, node.layer,
                               (moved,), node.leader, (True,), (hint,)))
         other = copy.copy(self)
         other.mesh, other.nodes = mesh, nodes
         return other
+
+    def _moved(self, node, s, hint, mesh):
+        """Strategy ``s`` (with ``hint``) of ``node`` as a record on ``mesh`` (PlanError
+        where a layout does not divide there)."""
+        if node.is_source:
+            v = self.program.values[node.value]
+            shapes, specs = [v.shape], list(s.out_specs) + list(hint)
+        else:
+            op = self.program.ops[node.op]
+            shapes = [v.shape for v in op.inputs] + [o.shape for o in op.outputs] * 2
+            specs = list(s.in_specs) + list(s.out_specs) + list(hint)
+        for spec, shape in zip(specs, shapes):
+            try:
+                spec.validate(mesh, shape, node.label)
+            except ShardingError as e:
+                raise PlanError(f"the choice for {node.label} does not divide on "
+                                f"{mesh}: {e}") from None
+        if node.is_source:
+            return OpStrategy(s.name, (), s.out_specs, (),
+                              (_local_shape(s.out_specs[0], v.shape, mesh),), s.flops_fraction)
+        return spmd_rule(op.type).strategy(
+            s.in_specs, s.out_specs, [v.shape for v in op.inputs],
+            [o.shape for o in op.outputs], mesh, [v.dtype for v in op.inputs])
 
     # -- strategies ----------------------------------------------------------------------------
     def _signature(self, op) -> tuple:
@@ -319,23 +349,33 @@ class SearchSpace:
                 tuple(v.dtype for v in op.inputs), repr(sorted(op.attrs.items())))
 
     def _bound(self, op):
+        """(rule, bound rule) of ``op`` on the mesh (its strategies: :meth:`_strategies`,
+        enumerated only where asked: a light op that follows needs none)."""
         key = self._signature(op)
         if key not in self._rules:
             rule = spmd_rule(op.type)
             try:
                 bound = rule.bind([v.shape for v in op.inputs], [o.shape for o in op.outputs],
                                   self.mesh, op.attrs)
+            except SpmdRuleError as e:
+                raise PlanError(f"sharding rule of {op.type} ({op.layer or 'top level'}) on "
+                                f"{self.mesh}: {e}") from None
+            self._rules[key] = (rule, bound)
+        return self._rules[key]
+
+    def _strategies(self, op) -> tuple:
+        key = ("strategies",) + self._signature(op)
+        if key not in self._rules:
+            rule = self._bound(op)[0]
+            try:
                 found = rule.strategies([v.shape for v in op.inputs],
                                         [o.shape for o in op.outputs], self.mesh,
                                         [v.dtype for v in op.inputs], **op.attrs)
             except SpmdRuleError as e:
                 raise PlanError(f"sharding rule of {op.type} ({op.layer or 'top level'}) on "
                                 f"{self.mesh}: {e}") from None
-            self._rules[key] = (rule, bound, tuple(found))
+            self._rules[key] = tuple(found)
         return self._rules[key]
-
-    def _strategies(self, op) -> tuple:
-        return self._bound(op)[2]
 
     def _light(self, op) -> bool:
         """No letter is contracted between two operands (Alpa's "light" ops)."""
@@ -351,7 +391,7 @@ class SearchSpace:
         same = tuple(i for i, v in enumerate(op.inputs) if v.name == op.inputs[pick].name)
         key = (self._signature(op), same, made)
         if key not in self._followed:
-            rule, bound, _ = self._bound(op)
+            rule, bound = self._bound(op)
             in_shapes = [v.shape for v in op.inputs]
             out_shapes = [o.shape for o in op.outputs]
             answers = {}

@@ -33,6 +33,10 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
+import math
+
 import numpy as np
 
 from distgraph import dtypes
@@ -41,6 +45,7 @@ from distgraph.passes.cost.prices import (Rings, best_overlap, feed_time, op_com
                                           reshard_step_time)
 from distgraph.passes.reshard import plan_reshard
 from distgraph.placement import DistAttr, ShardSpec
+from distgraph.plan.kinds import collective_bytes
 
 
 class SearchCosts:
@@ -57,6 +62,10 @@ class SearchCosts:
         self._reshards: dict = {}
         self._matrices: dict = {}
         self._gathers: dict = {}
+        self._paths: dict = {}
+        sizes = [n for n in mesh.shape if n > 1]
+        self._divisors = sorted({math.prod(c) for k in range(1, len(sizes) + 1)
+                                 for c in itertools.combinations(sizes, k)})
         self.rules: dict = {}       # the op strategies of the spaces searched with these
                                     # costs (SearchSpace.rules): enumerated once per mesh
 
@@ -171,11 +180,34 @@ class SearchCosts:
             return 0.0
         key = (src, dst, tuple(shape), dtype)
         if key not in self._reshards:
-            steps = plan_reshard(DistAttr(self.mesh, src), DistAttr(self.mesh, dst),
-                                 tuple(shape), dtype)
             self._reshards[key] = sum(reshard_step_time(s, self.pid, self.rings)
-                                      for s in steps)
+                                      for s in self._steps(src, dst, tuple(shape), dtype))
         return self._reshards[key]
+
+    def _steps(self, src: ShardSpec, dst: ShardSpec, shape: tuple, dtype: str) -> list:
+        """``plan_reshard``'s steps, planned once per (layouts, dtype, which products of
+        mesh dim sizes divide each tensor dim): on one mesh every move of its search
+        costs a fixed multiple of the tensor's size, and which moves it may make
+        depends only on those divisions, so tensors that divide alike take the same
+        path, each step's buffer scaled by their sizes (exactly: every state on a path
+        divides the tensor evenly)."""
+        size = math.prod(shape)
+        form = (src, dst, dtype, tuple(tuple(n % d == 0 for d in self._divisors)
+                                       for n in shape))
+        known = self._paths.get(form)
+        if known is None or size == 0 or known[1] == 0:
+            steps = plan_reshard(DistAttr(self.mesh, src), DistAttr(self.mesh, dst),
+                                 shape, dtype)
+            self._paths.setdefault(form, (steps, size))
+            return steps
+        steps, planned = known
+        out = []
+        for step in steps:
+            buffer = step.buffer_bytes * size // planned
+            out.append(dataclasses.replace(
+                step, shape=shape, buffer_bytes=buffer,
+                bytes=collective_bytes(step.kind, step.group_size, buffer)))
+        return out
 
     def matrix(self, made: tuple, wanted: tuple, shape, dtype: str) -> np.ndarray:
         """R[i][j]: seconds from layout ``made[i]`` to ``wanted[j]``."""

@@ -1,0 +1,64 @@
+"""SearchCosts' reshard prices: planned once per path, the same seconds as planning each.
+
+The search prices a reshard from the steps ``plan_reshard`` plans; tensors that divide
+alike on a mesh take the same path, so SearchCosts plans it once and scales each step's
+buffer. Oracle: a fresh SearchCosts per tensor (nothing shared) and the steps planned
+directly, priced by ``reshard_step_time``: equal to the last bit.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import search_cases as S
+from distgraph.passes.cost.prices import reshard_step_time
+from distgraph.passes.reshard import plan_reshard
+from distgraph.passes.search.costs import SearchCosts
+from distgraph.passes.search.space import layouts
+
+import distgraph as dg
+
+MESHES = {
+    "2x4": dg.ProcessMesh([[0, 1, 2, 3], [4, 5, 6, 7]], ["x", "y"]),
+    "2x2x2": dg.ProcessMesh([[[0, 1], [2, 3]], [[4, 5], [6, 7]]], ["x", "cp", "y"]),
+}
+# shapes of one rank that divide alike or not (8 | 24 | 40, 6 and 12 not by 8 or 4)
+SHAPES = [(8, 24), (16, 40), (24, 8), (6, 8), (12, 16)]
+
+
+def direct(cluster, mesh, src, dst, shape, dtype) -> float:
+    costs = SearchCosts(cluster, mesh, {p: p for p in mesh.process_ids})
+    steps = plan_reshard(dg.DistAttr(mesh, src), dg.DistAttr(mesh, dst), shape, dtype)
+    return sum(reshard_step_time(s, costs.pid, costs.rings) for s in steps)
+
+
+@pytest.mark.parametrize("name", sorted(MESHES))
+def test_shared_paths_price_as_planning_each(name):
+    mesh = MESHES[name]
+    cluster = S.line_cluster(8, bandwidth=3.0, latency=2.0)
+    shared = SearchCosts(cluster, mesh, {p: p for p in mesh.process_ids})
+    checked = 0
+    for shape in SHAPES:
+        specs = [s.out_specs[0] for s in layouts(shape, mesh)]
+        for src, dst in itertools.product(specs, specs):
+            for dtype in ("float32", "bfloat16")[:1 if name == "2x2x2" else 2]:
+                got = shared.reshard(src, dst, shape, dtype)
+                assert got == direct(cluster, mesh, src, dst, shape, dtype), \
+                    (name, str(src), str(dst), shape, dtype)
+                checked += 1
+    assert checked > 500
+    assert len(shared._paths) < 0.7 * checked   # paths were shared, not planned each time
+
+
+def test_partial_sources_share_paths_too():
+    """A pending sum settled onto tensors of two sizes that divide alike: one path."""
+    mesh = MESHES["2x4"]
+    cluster = S.line_cluster(8)
+    shared = SearchCosts(cluster, mesh, {p: p for p in mesh.process_ids})
+    src = dg.ShardSpec([None, "y"], {"x"})
+    for dst in (dg.ShardSpec(["x", "y"]), dg.ShardSpec([None, None]), dg.ShardSpec(["y", None])):
+        for shape in ((8, 16), (32, 64)):
+            assert shared.reshard(src, dst, shape, "float32") == \
+                direct(cluster, mesh, src, dst, shape, "float32")
+    assert len(shared._paths) == 3

@@ -81,6 +81,17 @@ class Flat:
         # per pair: the first of the child's cheapest strategies in each of its groups is
         # a fixed permutation where every group holds one strategy (_tree_move)
         self.single = [(_single(p.cols), _single(p.rows)) for p in pairs]
+        self.cheapest = [(p.cost.min(axis=1)[p.rows], p.cost.min(axis=0)[p.cols])
+                         for p in pairs]
+        self._red = red
+        self._forests: dict = {}        # seed -> (the draw, the forests drawn so far)
+
+    def forest(self, seed: int, i: int) -> tuple:
+        """The ``i``-th forest of :func:`improve`'s moves with ``seed``, drawn once."""
+        draw, drawn = self._forests.setdefault(seed, (_forests(self._red, self, seed), []))
+        while len(drawn) <= i:
+            drawn.append(next(draw))
+        return drawn[i]
 
     def costs(self, cost) -> np.ndarray:
         """``cost`` (a list of per-class arrays) as one flat float array."""
@@ -109,23 +120,18 @@ def _single(groups) -> np.ndarray | None:
 def improve(red, cost, per_class, seed: int = 0, flat: Flat | None = None) -> list:
     """``per_class`` (a strategy per class of ``red``) improved by tree moves (module
     docstring), priced with node costs ``cost``; never worse than the input. ``flat``:
-    ``red``'s :class:`Flat` where the caller keeps one."""
+    ``red``'s :class:`Flat` where the caller keeps one (its forests are then drawn once
+    for all the calls: they depend on the problem and ``seed`` alone)."""
     per_class = [int(i) for i in per_class]
     if not red.pairs:
         return per_class
     flat = flat or Flat(red)
     flat_cost = flat.costs(cost)
-    rng = np.random.default_rng(seed)
-    spread = np.array([_spread(p.cost) for p in red.pairs])
-    cheapest = [(p.cost.min(axis=1)[p.rows], p.cost.min(axis=0)[p.cols]) for p in red.pairs]
     best = flat.objective(flat_cost, per_class)
-    for _ in range(ROUNDS):
+    for r in range(ROUNDS):
         gained = False
         for k in range(TREES):
-            weight = spread if k == 0 else np.where(
-                np.isinf(spread), np.inf, spread * rng.uniform(0.0, 1.0, len(spread)))
-            tree = _forest(len(cost), red.pairs, weight)
-            for trial in _moves(red, flat, flat_cost, per_class, tree, cheapest):
+            for trial in _moves(flat, flat_cost, per_class, flat.forest(seed, r * TREES + k)):
                 value = flat.objective(flat_cost, trial)
                 if value < best - TIE * abs(best):
                     per_class, best, gained = trial, value, True
@@ -134,16 +140,29 @@ def improve(red, cost, per_class, seed: int = 0, flat: Flat | None = None) -> li
     return per_class
 
 
-def _moves(red, flat, flat_cost, current, tree, cheapest):
+def _forests(red, flat, seed: int):
+    """The forests of the moves in turn, each as (its plan, its off-forest pairs): per
+    round the heaviest, then ones of seeded random weights (module docstring)."""
+    rng = np.random.default_rng(seed)
+    spread = np.array([_spread(p.cost) for p in red.pairs])
+    while True:
+        for k in range(TREES):
+            weight = spread if k == 0 else np.where(
+                np.isinf(spread), np.inf, spread * rng.uniform(0.0, 1.0, len(spread)))
+            tree = _forest(len(red.cost), red.pairs, weight)
+            yield _plan(red, flat, _walk(len(red.cost), red.pairs, tree)), \
+                _OffForest(flat, tree)
+
+
+def _moves(flat, flat_cost, current, forest):
     """The trials of one forest: priced against ``current``, then the optimistic one and
     its re-pricings against itself (module docstring)."""
-    walk = _plan(red, flat, _walk(len(red.cost), red.pairs, tree))
-    off = _OffForest(flat, tree)
-    yield _tree_move(red, flat, flat_cost, current, walk, off.against(current, 1.0))
-    trial = _tree_move(red, flat, flat_cost, current, walk, off.optimistic(cheapest))
+    plan, off = forest
+    yield _tree_move(flat, flat_cost, current, plan, off.against(current, 1.0))
+    trial = _tree_move(flat, flat_cost, current, plan, off.optimistic(flat.cheapest))
     yield trial
     for _ in range(SETTLE):
-        settled = _tree_move(red, flat, flat_cost, current, walk, off.against(trial, 0.5))
+        settled = _tree_move(flat, flat_cost, current, plan, off.against(trial, 0.5))
         if settled == trial:
             break
         trial = settled
@@ -278,7 +297,7 @@ def _plan(red, flat, walk) -> tuple:
     return roots, edges
 
 
-def _tree_move(red, flat, flat_cost, current, plan, off) -> list:
+def _tree_move(flat, flat_cost, current, plan, off) -> list:
     """The exact optimum over the forest of ``plan`` (:func:`_plan`), the off-forest
     pairs priced by ``off`` ((places in ``flat_cost``, prices): each pair's price per
     strategy of its u end, then of its v end)."""
@@ -298,12 +317,12 @@ def _tree_move(red, flat, flat_cost, current, plan, off) -> list:
             first[1:] = groups[by[1:]] != groups[by[:-1]]
             arg_in = by[first]
         total = mat + local[c][arg_in][None, :]
-        pick = np.argmin(total, axis=1)
+        pick = total.argmin(axis=1)
         local[parent] += total[rows, pick][upper]
         back.append(arg_in[pick][upper])
     choice = list(current)
     for c in roots:
-        choice[c] = int(np.argmin(local[c]))
+        choice[c] = int(local[c].argmin())
     for (c, parent, *_), best in zip(reversed(edges), reversed(back)):
         choice[c] = int(best[choice[parent]])
     return choice

@@ -44,6 +44,7 @@ from distgraph.registry import LocalSite, TensorType, get_op
 from distgraph.passes.cost.prices import (Rings, best_overlap, feed_time, op_comm_time, op_time,
                                           reshard_step_time)
 from distgraph.passes.reshard import plan_reshard
+from distgraph.mesh import ProcessMesh
 from distgraph.placement import DistAttr, ShardSpec
 from distgraph.plan.kinds import collective_bytes
 
@@ -63,6 +64,7 @@ class SearchCosts:
         self._matrices: dict = {}
         self._gathers: dict = {}
         self._paths: dict = {}
+        self._world = None
         sizes = [n for n in mesh.shape if n > 1]
         self._divisors = sorted({math.prod(c) for k in range(1, len(sizes) + 1)
                                  for c in itertools.combinations(sizes, k)})
@@ -211,6 +213,8 @@ class SearchCosts:
 
     def matrix(self, made: tuple, wanted: tuple, shape, dtype: str) -> np.ndarray:
         """R[i][j]: seconds from layout ``made[i]`` to ``wanted[j]``."""
+        if len(made) == 1 and len(wanted) == 1:      # a choice priced (intra_op.price)
+            return np.array([[self.reshard(made[0], wanted[0], shape, dtype)]])
         key = (made, wanted, tuple(shape), dtype)
         if key not in self._matrices:
             rows, row_of = _unique(made)
@@ -232,6 +236,13 @@ class SearchCosts:
                 if entry is None and n % size == 0:
                     ways.append(ShardSpec(spec.dims[:d] + (m,) + spec.dims[d + 1:]))
         return min(self.reshard(spec, w, value.shape, value.dtype) for w in ways)
+
+    def world(self):
+        """The mesh's processes as one 1-D mesh ``world`` (where the runtime gathers the
+        fetched loss, as ``intra_op.search`` prices it by default), made once."""
+        if self._world is None:
+            self._world = ProcessMesh(sorted(self.mesh.process_ids), dim_names=["world"])
+        return self._world
 
     def gather(self, spec: ShardSpec, value, world) -> float:
         """Seconds to bring ``value`` (laid out ``spec`` on the mesh) whole to every

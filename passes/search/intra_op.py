@@ -408,7 +408,7 @@ def _problem(space, costs, weights, loss, world, budget, share, live,
     if loss is not None and loss in space.producer:
         u, j = space.producer[loss]
         v = program.values[loss]
-        world = world or ProcessMesh(sorted(space.mesh.process_ids), dim_names=["world"])
+        world = world or costs.world()
         comm[u] = comm[u] + np.array([costs.gather(s.out_specs[j], v, world)
                                       for s in nodes[u].strategies])
     classes = _tie_classes(nodes, share)

@@ -254,8 +254,10 @@ def search(program, mesh: ProcessMesh, cluster, device_of: dict, *, ops=None,
     same ops on a mesh of the same dim names whose choice, where every node can take it
     here within the budget, SCIP refines instead of a new recursive search's; ``walks``
     / ``prove``: the recursive search's (:func:`~distgraph.passes.search.recursive.
-    solve_recursive`: descents shared by searches of these ops under other budgets; no
-    SCIP proof that a budget below the peak bound fits nothing)."""
+    solve_recursive`: descents shared by searches of these ops under other budgets, and
+    with ``costs`` given the space and problem too, built once while the inputs and the
+    annotations they read stay the same; no SCIP proof that a budget below the peak
+    bound fits nothing)."""
     start = time.perf_counter()
     boundary = boundary or Boundary()
     live = memory or memory_budget is not None

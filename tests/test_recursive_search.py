@@ -262,3 +262,28 @@ def test_auto_refines_a_given_choice_without_searching_again():
                   memory_budget=budget, refined=rec)
     assert lean.report.peak_memory <= budget and lean.report.recursive_objective != \
         pytest.approx(rec.report.objective, rel=1e-12)
+
+
+def test_flat_objectives_equal_the_per_pair_sums_and_tree_moves_never_worsen():
+    """The tree moves price choices on flat arrays (tree_moves.Flat): the same sums, in
+    the same order, as the per-pair objective, to the last bit; improve() gives the same
+    answer with a kept Flat (its forests drawn once) as with a new one, and never a
+    dearer choice."""
+    from distgraph.passes.search.tree_moves import Flat, improve, objective
+    checked = 0
+    for seed in range(60):
+        red = reduce_problem(random_problem(seed))
+        if not red.pairs:
+            continue
+        rng = np.random.default_rng(seed)
+        cost = [c + rng.uniform(0.0, 1.0, len(c)) for c in red.cost]
+        flat = Flat(red)
+        flat_cost = flat.costs(cost)
+        for _ in range(5):
+            choice = [int(rng.integers(len(c))) for c in cost]
+            assert flat.objective(flat_cost, choice) == objective(red, cost, choice)
+            better = improve(red, cost, choice, flat=flat)
+            assert better == improve(red, cost, choice)       # a kept Flat changes nothing
+            assert objective(red, cost, better) <= objective(red, cost, choice)
+            checked += 1
+    assert checked > 50

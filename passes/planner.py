@@ -270,7 +270,7 @@ def _beaten(built, strategy, cluster, micro: int, seconds: float, runs: dict) ->
 
 def _seed(runs: dict):
     """The stage options of the first micro-batch count priced in full (searched, not
-    seeded): the later counts price their memory variants from its layouts (:mod:`distgraph.
+    seeded): the later counts price its layouts on their programs (:mod:`distgraph.
     passes.search.runs`); None before it."""
     return next((costs for _, _, costs in runs.values() if costs is not None and
                  costs.planned and costs.seed is None), None)

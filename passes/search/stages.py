@@ -173,8 +173,8 @@ def pipeline_latency(copy, strategy, cluster, accumulation, memory_budget=None,
     :mod:`distgraph.passes.search.micro` compares. PlanError where nothing fits. The
     RunCosts may be handed to :func:`plan_pipeline` for a program built the same way;
     ``costs``: one :func:`pipeline_beaten` made for ``copy`` (its searches are reused);
-    ``seed``: the RunCosts of the same model at another micro-batch count, whose memory
-    variants price this one's (:mod:`distgraph.passes.search.runs`)."""
+    ``seed``: the RunCosts of the same model at another micro-batch count, whose
+    searches price this one's options (:mod:`distgraph.passes.search.runs`)."""
     micro = accumulation.micro_batches if accumulation is not None else 1
     target = cluster if memory_budget is None else _capped(cluster, memory_budget / GB)
     layering = block_layers(copy.program, copy.block_paths)
@@ -192,8 +192,7 @@ def pipeline_beaten(copy, strategy, cluster, accumulation, latency: float,
     step, by the bound :mod:`distgraph.passes.search.micro` prunes with: the stage DP on
     each logical mesh's fastest parts, the devices' memory unlimited; the RunCosts that
     bounded it, for :func:`pipeline_latency`, or None). Programs not of identical blocks
-    have no such bound: False. ``seed``: as :func:`pipeline_latency`'s, for the
-    RunCosts it returns (the bound prices no variant)."""
+    have no such bound: False. ``seed``: as :func:`pipeline_latency`'s."""
     layering = block_layers(copy.program, copy.block_paths)
     if layering is None:
         return False, None

@@ -92,6 +92,8 @@ def plan(built, strategy: Strategy | None = None, cluster=None, rank_mapping=Non
     accumulation = reuse = None
     if strategy.micro_batches in runs:
         built, accumulation, reuse = runs[strategy.micro_batches]
+        if reuse is not None and reuse.seed is not None:
+            reuse = None        # priced with another count's variants: searched afresh
     elif strategy.micro_batches > 1:
         built, accumulation = split_micro_batches(built, strategy.micro_batches)
     try:
@@ -246,7 +248,8 @@ def _latency(built, strategy, cluster, micro: int, runs: dict) -> float:
         built, accumulation = _split(built, micro)
         copy = _transformed(built, strategy)
     budget = None if strategy.memory_budget_gb is None else strategy.memory_budget_gb * 1e9
-    latency, costs = pipeline_latency(copy, strategy, cluster, accumulation, budget, costs)
+    latency, costs = pipeline_latency(copy, strategy, cluster, accumulation, budget, costs,
+                                      _seed(runs))
     runs[micro] = (built, accumulation, costs)
     return latency
 
@@ -259,10 +262,18 @@ def _beaten(built, strategy, cluster, micro: int, seconds: float, runs: dict) ->
 
     built, accumulation = _split(built, micro)
     beaten, costs = pipeline_beaten(_transformed(built, strategy), strategy, cluster,
-                                    accumulation, seconds)
+                                    accumulation, seconds, _seed(runs))
     if costs is not None:
         runs[micro] = (built, accumulation, costs)
     return beaten
+
+
+def _seed(runs: dict):
+    """The stage options of the first micro-batch count priced in full (searched, not
+    seeded): the later counts price its layouts on their programs (:mod:`distgraph.
+    passes.search.runs`); None before it."""
+    return next((costs for _, _, costs in runs.values() if costs is not None and
+                 costs.planned and costs.seed is None), None)
 
 
 def _split(built, micro: int) -> tuple:

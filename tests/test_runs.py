@@ -16,7 +16,10 @@ from distgraph.passes.search.layers import block_layers  # noqa: E402
 from distgraph.errors import PlanError  # noqa: E402
 from distgraph.passes.search.run_dp import plan_runs  # noqa: E402
 from distgraph.passes.search.block_plans import plan_blocks  # noqa: E402
-from distgraph.passes.search.runs import VARIANTS, RunCosts  # noqa: E402
+from distgraph.passes.pipeline.accumulate import split_micro_batches  # noqa: E402
+from distgraph.passes.search.ilp import evaluate  # noqa: E402
+from distgraph.passes.search.intra_op import _carried  # noqa: E402
+from distgraph.passes.search.runs import VARIANTS, RunCosts, logical_mesh  # noqa: E402
 from distgraph.program_builder import build_program  # noqa: E402
 
 import plans as P  # noqa: E402
@@ -150,3 +153,42 @@ def test_variants_are_searched_where_the_fastest_options_do_not_fit(costs):
     assert searched < lazy.searches == costs[0].searches
     assert same_plan(plan, eager_plan(costs, tight))
     assert all(figures(o) not in [figures(f) for f in fastest] for o in plan[1])
+
+
+def split_costs(micro: int, seed=None) -> RunCosts:
+    """RunCosts of the test's GPT split into ``micro`` micro-batches, as the micro-batch
+    search prices it (``seed``: the RunCosts of another count)."""
+    whole = run_costs().copy
+    split, _ = split_micro_batches(whole, micro)
+    return RunCosts(split, dg.Strategy(auto_mode="full", pipeline=True), CLUSTER,
+                    block_layers(split.program, split.block_paths), micro, seed)
+
+
+def test_a_seed_prices_its_layouts_on_another_micro_batch_count_by_the_same_model():
+    # another count's searches priced here cost what this program's own search space
+    # says those layouts cost: the transplant changes the shapes, not the model
+    seed = split_costs(2)
+    seed.options()
+    other = split_costs(4, seed)
+    options = other.options()
+    assert other.searches < seed.searches        # most layouts came from the seed
+    seeded = {id(r.space) for s in [x for f in seed._found.values() for x in f]
+              for parts in [s.fastest] + (s.smaller or []) for r in parts.values()}
+    checked, moved = 0, 0
+    for option in options:
+        cost, result = option.parts["block"]
+        assert result.space.program is other.program
+        mesh, device_of = logical_mesh(option.sub.mesh, option.sub.shape, option.logical)
+        own = other._search(mesh, device_of)["block"]     # this program's whole space
+        choice = _carried(result, own.space, own.problem)
+        if choice is None:      # a split over a dim of size 1, which the space lists not
+            assert 1 in option.logical
+            continue
+        assert evaluate(own.problem, choice) == pytest.approx(cost.time, rel=1e-12)
+        checked += 1
+        mine = seed.options()
+        twin = [o for o in mine if (o.axis, o.sub.shape, o.logical) ==
+                (option.axis, option.sub.shape, option.logical) and
+                o.parts["block"][1].report.layouts == result.report.layouts]
+        moved += bool(twin) and twin[0].parts["block"][0].time != cost.time
+    assert checked >= 6 and moved >= 1 and seeded

@@ -313,19 +313,35 @@ def _same(a: tuple, b: tuple) -> bool:
 
 
 def _carried(start, space, problem):
-    """``start``'s choice as strategy indices of ``space`` (matched per node by layouts),
-    or None where a node cannot take it, it is forbidden or over the budget."""
+    """``start``'s choice as strategy indices of ``space`` (matched per node by layouts;
+    a node tied to another's index, by follow or share, takes that index where its
+    layouts there are the ones wanted), or None where a node cannot take it, it is
+    forbidden or over the budget."""
     if start is None or len(start.space.nodes) != len(space.nodes):
         return None
-    choice = []
-    for node, old in zip(space.nodes, start.space.nodes):
+    leader = {i: j for i, j in enumerate(problem.follow) if j != -1}
+    leader.update((v, group[0]) for group in problem.share for v in group[1:])
+    choice = [None] * len(space.nodes)
+
+    def carried(node, old):
         s, hint = old.strategies[start.choice[old.index]], old.hints[start.choice[old.index]]
         want = (s.in_specs, s.out_specs, hint)
-        index = next((i for i, (t, h) in enumerate(zip(node.strategies, node.hints))
-                      if (t.in_specs, t.out_specs, h) == want), None)
-        if node.label != old.label or index is None:
+        offered = [(t.in_specs, t.out_specs, h) for t, h in zip(node.strategies, node.hints)]
+        tied = leader.get(node.index)
+        if tied is not None:
+            if choice[tied] is None:
+                choice[tied] = carried(space.nodes[tied], start.space.nodes[tied])
+            if choice[tied] is not None and choice[tied] < len(offered) and \
+                    offered[choice[tied]] == want:
+                return choice[tied]
+        return next((i for i, x in enumerate(offered) if x == want), None) \
+            if node.label == old.label else None
+
+    for node, old in zip(space.nodes, start.space.nodes):
+        if choice[node.index] is None:
+            choice[node.index] = carried(node, old)
+        if choice[node.index] is None:
             return None
-        choice.append(index)
     if not math.isfinite(evaluate(problem, choice)) or (
             problem.memory_budget is not None and
             peak_memory(problem, choice) > problem.memory_budget):

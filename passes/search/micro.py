@@ -22,7 +22,13 @@ options with the devices' memory unlimited (the memory variants can only make th
 stages fit, not faster: :func:`~distgraph.passes.search.block_plans.plan_blocks`) needs each
 logical mesh's fastest parts only; where that bound does not beat the best latency so
 far, the neighbour cannot win and its memory variants, the bulk of a price, are never
-searched.
+priced.
+
+**Searched once.** The first count priced is searched in full; the others price its
+layouts on their own programs (the same ops, other batch shapes) and search only where
+those do not divide their micro-batch (:mod:`distgraph.passes.search.runs`, seeds): a
+count is compared by those prices and its bound, and the count chosen, if not the
+first, is searched afresh for the plan.
 
 Example::
 

@@ -55,6 +55,14 @@ weights: six blocks a stage instead of one). E and H are searched again only whe
 block meets them in other layouts. A mesh whose fastest parts are priced from another's
 search prices that search's variants too, or searches its own where they do not divide.
 
+**Seeds: other micro-batch counts.** When the search chooses the micro-batch count
+(:mod:`distgraph.passes.search.micro`), the programs it prices have the same ops and
+Value names; only the batch dim differs. The first count priced is searched as above;
+each later one (``seed=`` that first RunCosts) prices the seed's searches, fastest parts
+and variants, on its own program as it prices its own on other meshes, and searches
+only where none divides (a micro-batch of fewer rows than a layout splits): the
+searches are done once. A count priced so is searched afresh once it is chosen.
+
 The stage DP on these options, variants only when they can matter, is
 :func:`~distgraph.passes.search.block_plans.plan_blocks`.
 
@@ -204,8 +212,9 @@ class RunCosts:
     """The stage options of a block layering of ``copy`` (a BuiltProgram) on ``cluster``
     with ``micro`` micro-batches (module docstring)."""
 
-    def __init__(self, copy, strategy, cluster, layering, micro: int):
+    def __init__(self, copy, strategy, cluster, layering, micro: int, seed=None):
         self.copy, self.program, self.strategy = copy, copy.program, strategy
+        self.seed = seed              # RunCosts at another micro-batch count (docstring)
         self.cluster, self.layering, self.micro = cluster, layering, micro
         self.blocks = layering.blocks
         self.has_first = self.blocks.start > 0
@@ -220,6 +229,7 @@ class RunCosts:
         self.seconds = 0.0
         self._maps: dict = {}
         self._found: dict = {}        # t -> [_Searched, ...] in the order searched
+        self._spare: dict = {}        # t -> [_Searched, ...] searched for variants only
         self._fastest: dict = {}      # (axis, shape, logical) -> (_Searched, parts)
         self._smaller: dict = {}      # (axis, shape, logical) -> [parts of each variant]
         self._prices: dict = {}       # (mesh, devices) -> SearchCosts: one per mesh, shared
@@ -287,7 +297,8 @@ class RunCosts:
         latest search of its ``t`` whose fastest choice divides here, else searched."""
         mesh, device_of = logical_mesh(sub.mesh, sub.shape, logical)
         kind = _kind(logical)
-        for searched in self._found.get(kind, ())[::-1]:
+        seeds = self.seed._found.get(kind, ()) if self.seed is not None else ()
+        for searched in [*self._found.get(kind, ())[::-1], *seeds[::-1]]:
             try:
                 return searched, self._price(searched.fastest, mesh, device_of)
             except PlanError:
@@ -298,19 +309,29 @@ class RunCosts:
 
     def _smaller_parts(self, key, sub, logical) -> list:
         """The parts of the memory variants after the fastest on this mesh: those of the
-        search its fastest parts came from, priced here if all divide, else searched."""
+        search its fastest parts came from, priced here if all divide, else those of
+        the variants searched since for a mesh of its kind (here or in the seed), else
+        searched here (and offered to the meshes after it)."""
         searched, fastest = self._fastest[key]
-        if searched.smaller is None:
+        kind = _kind(logical)
+        mine = any(searched is s for s in self._found.get(kind, ()))
+        if searched.smaller is None and mine:
             searched.smaller = self._variants(searched.mesh, searched.device_of,
                                               searched.fastest)
-        if searched.key == key:
+        if searched.key == key and mine:
             return [self._costed(found) for found in searched.smaller]
         mesh, device_of = logical_mesh(sub.mesh, sub.shape, logical)
-        try:
-            return [self._price(found, mesh, device_of) for found in searched.smaller]
-        except PlanError:
-            here = {part: result for part, (_, result) in fastest.items()}
-            return [self._costed(found) for found in self._variants(mesh, device_of, here)]
+        seeds = self.seed._spare.get(kind, []) if self.seed is not None else []
+        for source in [searched, *self._spare.get(kind, [])[::-1], *seeds[::-1]]:
+            try:
+                if source.smaller is not None:      # a seed's search may have none
+                    return [self._price(found, mesh, device_of) for found in source.smaller]
+            except PlanError:
+                continue
+        here = {part: result for part, (_, result) in fastest.items()}
+        spare = _Searched(key, mesh, device_of, here, self._variants(mesh, device_of, here))
+        self._spare.setdefault(kind, []).append(spare)
+        return [self._costed(found) for found in spare.smaller]
 
     # -- searches -----------------------------------------------------------------------
     def _variants(self, mesh, device_of, fastest) -> list:
@@ -401,7 +422,7 @@ class RunCosts:
     def _price(self, found, mesh, device_of) -> dict:
         out = {}
         for part, result in found.items():
-            moved = result.space.rebind(mesh, result.choice)
+            moved = result.space.rebind(mesh, result.choice, self.program)
             priced = price(moved, self.cluster, device_of, weights=self.weights,
                            loss=self._loss(result.space.ops), boundary=result.boundary,
                            status=result.report.status, costs=self._costs(mesh, device_of))

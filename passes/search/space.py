@@ -289,10 +289,13 @@ class SearchSpace:
                                        node.index, (True,) * len(made),
                                        tuple(m.out_specs for m in made))
 
-    def rebind(self, mesh: ProcessMesh, choice) -> "SearchSpace":
+    def rebind(self, mesh: ProcessMesh, choice, program=None) -> "SearchSpace":
         """These nodes on ``mesh`` (the same dim names, other sizes), each offering only
         the strategy ``choice`` picks for it here: a choice priced on another mesh. A
-        PlanError names the first layout that does not divide there."""
+        PlanError names the first layout that does not divide there. ``program``: read
+        the ops and Values from this one instead, a program of the same ops and Value
+        names whose shapes may differ (the model split into other micro-batches)."""
+        program = program or self.program
         if tuple(mesh.dim_names) != tuple(self.mesh.dim_names):
             raise PlanError(f"rebind: {mesh} names its dims {list(mesh.dim_names)}, the "
                             f"search's mesh {list(self.mesh.dim_names)}")
@@ -303,30 +306,34 @@ class SearchSpace:
         for node in self.nodes:
             s, hint = node.strategies[choice[node.index]], node.hints[choice[node.index]]
             if node.is_source:
-                v = self.program.values[node.value]
+                v = program.values[node.value]
                 key = (s, hint, tuple(v.shape))
             else:
-                op = self.program.ops[node.op]
+                op = program.ops[node.op]
+                if op.type != self.program.ops[node.op].type:
+                    raise PlanError(f"rebind: op {node.op} is {op.type} in the program given, "
+                                    f"{self.program.ops[node.op].type} in the search's")
                 key = (op.type, s.in_specs, s.out_specs, hint, tuple(v.dtype for v in op.inputs),
                        tuple(tuple(v.shape) for v in op.inputs),
                        tuple(tuple(o.shape) for o in op.outputs))
             moved = moved_to.get(key)
             if moved is None:
-                moved = moved_to[key] = self._moved(node, s, hint, mesh)
+                moved = moved_to[key] = self._moved(program, node, s, hint, mesh)
             nodes.append(Node(node.index, node.op, node.value, node.label, node.layer,
                               (moved,), node.leader, (True,), (hint,)))
         other = copy.copy(self)
-        other.mesh, other.nodes = mesh, nodes
+        other.program, other.mesh, other.nodes = program, mesh, nodes
         return other
 
-    def _moved(self, node, s, hint, mesh):
-        """Strategy ``s`` (with ``hint``) of ``node`` as a record on ``mesh`` (PlanError
-        where a layout does not divide there)."""
+    @staticmethod
+    def _moved(program, node, s, hint, mesh):
+        """Strategy ``s`` (with ``hint``) of ``node`` of ``program`` as a record on
+        ``mesh`` (PlanError where a layout does not divide there)."""
         if node.is_source:
-            v = self.program.values[node.value]
+            v = program.values[node.value]
             shapes, specs = [v.shape], list(s.out_specs) + list(hint)
         else:
-            op = self.program.ops[node.op]
+            op = program.ops[node.op]
             shapes = [v.shape for v in op.inputs] + [o.shape for o in op.outputs] * 2
             specs = list(s.in_specs) + list(s.out_specs) + list(hint)
         for spec, shape in zip(specs, shapes):

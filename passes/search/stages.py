@@ -166,35 +166,38 @@ def plan_pipeline(copy, strategy, cluster, accumulation, memory_budget=None,
 
 
 def pipeline_latency(copy, strategy, cluster, accumulation, memory_budget=None,
-                     costs=None) -> tuple:
+                     costs=None, seed=None) -> tuple:
     """(seconds per step of the stage plan :func:`plan_pipeline` would choose for
     ``copy``, priced by the method that prices the DP's candidates, before any
     refinement and without annotating; the RunCosts that priced it, or None): what
     :mod:`distgraph.passes.search.micro` compares. PlanError where nothing fits. The
     RunCosts may be handed to :func:`plan_pipeline` for a program built the same way;
-    ``costs``: one :func:`pipeline_beaten` made for ``copy`` (its searches are reused)."""
+    ``costs``: one :func:`pipeline_beaten` made for ``copy`` (its searches are reused);
+    ``seed``: the RunCosts of the same model at another micro-batch count, whose
+    searches price this one's options (:mod:`distgraph.passes.search.runs`)."""
     micro = accumulation.micro_batches if accumulation is not None else 1
     target = cluster if memory_budget is None else _capped(cluster, memory_budget / GB)
     layering = block_layers(copy.program, copy.block_paths)
     if layering is not None:
-        costs = costs or RunCosts(copy, strategy, cluster, layering, micro)
+        costs = costs or RunCosts(copy, strategy, cluster, layering, micro, seed)
         return _blocks_plan(costs, target, memory_budget, strategy)[0].objective, costs
     layering = cluster_layers(copy.program, max_layers=2 * len(cluster.devices) + 2)
     stage_cost = _StageCosts(copy, strategy, cluster, layering, micro)
     return plan_stages(layering.count, target, stage_cost, micro_batches=micro).objective, None
 
 
-def pipeline_beaten(copy, strategy, cluster, accumulation, latency: float) -> tuple:
+def pipeline_beaten(copy, strategy, cluster, accumulation, latency: float,
+                    seed=None) -> tuple:
     """(True where no stage plan of ``copy`` can take less than ``latency`` seconds per
     step, by the bound :mod:`distgraph.passes.search.micro` prunes with: the stage DP on
     each logical mesh's fastest parts, the devices' memory unlimited; the RunCosts that
     bounded it, for :func:`pipeline_latency`, or None). Programs not of identical blocks
-    have no such bound: False."""
+    have no such bound: False. ``seed``: as :func:`pipeline_latency`'s."""
     layering = block_layers(copy.program, copy.block_paths)
     if layering is None:
         return False, None
     micro = accumulation.micro_batches if accumulation is not None else 1
-    costs = RunCosts(copy, strategy, cluster, layering, micro)
+    costs = RunCosts(copy, strategy, cluster, layering, micro, seed)
     fastest = costs.options(variants=False)
     return not beats(latency, layering.count, layering.blocks, fastest, cluster, micro,
                      fit_memory=False), costs

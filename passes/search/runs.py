@@ -79,10 +79,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from distgraph import dtypes
 from distgraph.errors import PlanError
 from distgraph.ir import Role
 from distgraph.mesh import ProcessMesh
+from distgraph.passes.search.boundary import boundary_seconds
 from distgraph.passes.search.costs import SearchCosts
 from distgraph.passes.search.intra_op import (Boundary, accumulating_updates, price,
                                                  search)
@@ -136,18 +136,6 @@ class RunOption:
             peak = max(peak, saved + p.transient)
         fixed = sum(p.persistent * n for p, n in used)
         return seconds, (fixed + peak) / GB, saved / GB
-
-    def p2p_bytes(self) -> float:
-        """Bytes per device a block sends the next one per micro-batch (its output, in
-        the layout the next block receives it; the gradient coming back is as large)."""
-        result = self.parts["block"][1]
-        space, choice = result.space, result.choice
-        total = 0.0
-        for received, _ in result.boundary.periodic:
-            node = space.source_node[received]
-            shape = space.nodes[node].strategies[choice[node]].out_local_shapes[0]
-            total += float(np.prod(shape)) * dtypes.itemsize(space.program.values[received].dtype)
-        return total
 
     def __str__(self):
         return f"{self.sub} as {list(self.logical)}"
@@ -226,12 +214,14 @@ class RunCosts:
         self._walks: dict = {}        # (mesh, devices) -> Walks of the block's searches
         self._chunks: dict = {}       # chunk count -> the layers of each chunk
         self.planned: dict = {}       # memory budget -> plan_blocks' answer (stages.py)
+        self._p2p: dict = {}          # (option's mesh, its block search) -> boundary seconds
 
     # -- the options --------------------------------------------------------------------
-    def options(self, variants: bool = True) -> list:
+    def options(self, variants: bool = True, wanted=None) -> list:
         """Every (device mesh, submesh, logical shape) with its parts costed: the fastest
         parts, and with ``variants`` the memory variants and the (dp, cp, tp) meshes too
-        (module docstring)."""
+        (module docstring); ``wanted(option)`` (optional, on a mesh's fastest option):
+        whether to search that mesh's variants (those searched before are kept)."""
         out = []
         for axis, device_mesh in enumerate(self.cluster.device_meshes):
             rows, cols = _grid(device_mesh.shape)
@@ -256,12 +246,13 @@ class RunCosts:
             key = (axis, sub.shape, logical)
             if key not in self._fastest:
                 self._fastest[key] = self._fastest_parts(key, sub, logical)
-            if variants and key not in self._smaller:
+            if variants and key not in self._smaller and (wanted is None or wanted(
+                    RunOption(axis, sub, logical, self._fastest[key][1]))):
                 self._smaller[key] = self._smaller_parts(key, sub, logical)
         options = []
         for axis, sub, logical in out:
             key = (axis, sub.shape, logical)
-            parts = [self._fastest[key][1]] + (self._smaller[key] if variants else [])
+            parts = [self._fastest[key][1]] + (self._smaller.get(key, []) if variants else [])
             options += undominated([RunOption(axis, sub, logical, p) for p in parts])
         return options
 
@@ -484,6 +475,16 @@ class RunCosts:
         peak = result.report.peak_memory
         return PartCost(result.report.objective, persistent, saved,
                         max(peak - persistent - saved, 0.0))
+
+    def p2p_seconds(self, option) -> float:
+        """Seconds per micro-batch a stage of ``option`` between two others spends passing
+        its blocks' Values on and back (:func:`~distgraph.passes.search.boundary.
+        boundary_seconds`), once per mesh and block search."""
+        key = (option.axis, option.sub.shape, option.logical, id(option.parts["block"][1]))
+        if key not in self._p2p:
+            self._p2p[key] = (boundary_seconds(option, self.cluster),
+                              option.parts["block"][1])      # kept: its id stays its own
+        return self._p2p[key][0]
 
     def chunk_layers(self, n: int) -> list:
         """{layer: the share of its forward FLOPs} of each of the ``n`` chunks the planner

@@ -90,6 +90,7 @@ from distgraph.passes.search.block_plans import undominated
 from distgraph.passes.search.layers import op_keys, same_op
 from distgraph.passes.search.recursive import Walks
 from distgraph.passes.pipeline.chunks import forward_chunks
+from distgraph.passes.search.sharded_states import zero_effect
 from distgraph.passes.search.space import GB, logical_dims
 from distgraph.registry import op_flops
 from distgraph.passes.search.stage_dp import Submesh, _grid
@@ -285,7 +286,7 @@ class RunCosts:
                 continue
         searched = _Searched(key, mesh, device_of, self._search(mesh, device_of))
         self._found.setdefault(kind, []).append(searched)
-        return searched, self._costed(searched.fastest)
+        return searched, self._costed(searched.fastest, mesh, device_of)
 
     def _smaller_parts(self, key, sub, logical) -> list:
         """The parts of the memory variants after the fastest on this mesh: those of the
@@ -295,13 +296,15 @@ class RunCosts:
             searched.smaller = self._variants(searched.mesh, searched.device_of,
                                               searched.fastest)
         if searched.key == key:
-            return [self._costed(found) for found in searched.smaller]
+            return [self._costed(found, searched.mesh, searched.device_of)
+                    for found in searched.smaller]
         mesh, device_of = logical_mesh(sub.mesh, sub.shape, logical)
         try:
             return [self._price(found, mesh, device_of) for found in searched.smaller]
         except PlanError:
             here = {part: result for part, (_, result) in fastest.items()}
-            return [self._costed(found) for found in self._variants(mesh, device_of, here)]
+            return [self._costed(found, mesh, device_of)
+                    for found in self._variants(mesh, device_of, here)]
 
     # -- searches -----------------------------------------------------------------------
     def _variants(self, mesh, device_of, fastest) -> list:
@@ -328,7 +331,8 @@ class RunCosts:
         peak = option.parts["block"][1].report.peak_memory
         found = self._search(mesh, device_of, peak * (1 + 1e-9), method="auto",
                              starts={part: result for part, (_, result) in option.parts.items()})
-        return RunOption(option.axis, option.sub, option.logical, self._costed(found))
+        return RunOption(option.axis, option.sub, option.logical,
+                         self._costed(found, mesh, device_of))
 
     def _search(self, mesh, device_of, budget=None, fastest=None, method=None,
                 starts=None, prove=True) -> dict:
@@ -396,7 +400,7 @@ class RunCosts:
             priced = price(moved, self.cluster, device_of, weights=self.weights,
                            loss=self._loss(result.space.ops), boundary=result.boundary,
                            status=result.report.status, costs=self._costs(mesh, device_of))
-            out[part] = (self._measure(priced), priced)
+            out[part] = (self._measure(priced, self._costs(mesh, device_of)), priced)
         return out
 
     def _loss(self, ops):
@@ -450,11 +454,13 @@ class RunCosts:
                 received.append((name, space.nodes[u].hints[choice[u]][j]))
         return Boundary(received=tuple(received), settle=tuple(settle))
 
-    def _costed(self, found: dict) -> dict:
-        return {part: (self._measure(result), result) for part, result in found.items()}
+    def _costed(self, found: dict, mesh, device_of) -> dict:
+        costs = self._costs(mesh, device_of)
+        return {part: (self._measure(result, costs), result) for part, result in found.items()}
 
-    def _measure(self, result) -> PartCost:
-        """Seconds and bytes of a search's choice (module docstring)."""
+    def _measure(self, result, costs) -> PartCost:
+        """Seconds and bytes of a search's choice (module docstring); ``costs``: the
+        SearchCosts of its mesh and devices."""
         space, problem, choice = result.space, result.problem, result.choice
         memory = [float(problem.memory[n.index][choice[n.index]]) for n in space.nodes]
         # parameters, states and (with micro-batches) the gradients' buffers, which the
@@ -473,8 +479,12 @@ class RunCosts:
             saved = sum(memory[i] for i in problem.liveness[backward]
                         if i in before and i not in always)
         peak = result.report.peak_memory
-        return PartCost(result.report.objective, persistent, saved,
-                        max(peak - persistent - saved, 0.0))
+        transient = max(peak - persistent - saved, 0.0)
+        # Strategy(sharding=True): the states the planner shards after the search
+        seconds, sharded = zero_effect(result, self.program, self.strategy, self.weights,
+                                       costs)
+        return PartCost(result.report.objective + seconds, persistent - sharded, saved,
+                        transient)
 
     def p2p_seconds(self, option) -> float:
         """Seconds per micro-batch a stage of ``option`` between two others spends passing

@@ -236,7 +236,8 @@ def plan_runs(count: int, blocks: range, options: list, cluster,
     spends on the transfers to and from them (None: not priced); ``below``: only a plan
     of objective below it, None where there is none (its caps pruned from the start)."""
     runs, search = _setup(count, blocks, options, cluster, micro_batches, fit_memory, p2p)
-    best = search.run(below=below)
+    devices = sum(m.size for m in cluster.device_meshes)
+    best = None if _bound(runs, search, devices) >= below else search.run(below=below)
     if best is None and math.isfinite(below):
         return None
     if best is None:
@@ -262,8 +263,32 @@ def beats(latency: float, count: int, blocks: range, options: list, cluster,
         plan, _ = plan_runs(count, blocks, options, cluster, 8)
         beats(plan.objective, count, blocks, options, cluster, 8, fit_memory=False)
     """
-    _, search = _setup(count, blocks, options, cluster, micro_batches, fit_memory, p2p)
-    return search.run(below=latency) is not None
+    runs, search = _setup(count, blocks, options, cluster, micro_batches, fit_memory, p2p)
+    devices = sum(m.size for m in cluster.device_meshes)
+    return _bound(runs, search, devices) < latency and \
+        search.run(below=latency) is not None
+
+
+def _bound(runs: list, search, devices: int) -> float:
+    """A lower bound on the objective of any plan of ``runs`` on ``devices`` devices,
+    without the DP: the stages cover every device, so the slowest takes at least the
+    least device-seconds the layers need spread over all of them, ``W / N``; their
+    times sum to at least each layer's least time; the objective is then at least
+    ``max(sum, W / N) + (B - 1) W / N``. Only options where a stage of the layer fits the
+    memory with one micro-batch in flight count (inf where a layer fits nowhere)."""
+    b0, b1, L = search.blocks.start, search.blocks.stop, search.L
+    parts = [((False, 1, False), b1 - b0)] + ([((True, 0, False), 1)] if b0 else []) + \
+        ([((False, 0, True), 1)] if b1 < L else [])
+    least_time = least_work = 0.0
+    for where, n in parts:
+        fits = [(seconds, seconds * r.option.sub.size) for r in runs
+                for seconds, memory, _ in [r.option.cost(*where)] if memory <= r.limit]
+        if not fits:
+            return math.inf
+        least_time += n * min(f[0] for f in fits)
+        least_work += n * min(f[1] for f in fits)
+    slowest = least_work / devices
+    return max(least_time, slowest) + (search.B - 1) * slowest
 
 
 def _setup(count, blocks, options, cluster, micro_batches, fit_memory, p2p=None) -> tuple:

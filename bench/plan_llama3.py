@@ -22,9 +22,12 @@ matrices do not scale to 16,384 GPUs (2 GB each).
 
 The searched plan: ``Strategy(auto_mode="full", pipeline=True, search=...,
 virtual_stages=V)`` on the same program unannotated, with the micro-batch count given
-(``--search auto|recursive``; the stage search may interleave up to V chunks per stage); the
-search lays parameters and optimizer states out itself (one split over a data-parallel
-dim is ZeRO-3-like), so ``sharding`` is left off there.
+(``--search auto|recursive``; the stage search may interleave up to V chunks per stage),
+and the same ``recompute`` and ``sharding`` as Meta's layout: the search lays parameters
+and optimizer states out itself (a split of a weight over a data-parallel dim is
+ZeRO-3-like), and the states of a weight it leaves whole over its data-parallel dim
+(``x``, as the search names it) are sharded over that dim after it (ZeRO-1, as Meta's
+FSDP shards them), which the stage search prices.
 
 Prints per case: seconds to build and to plan, the plan, its predicted step and model
 TFLOP/s per GPU against the published figure (target: Meta's layout within +-25%; the
@@ -57,6 +60,7 @@ H100_FILE = os.path.join(HERE, "..", "resources", "clusters", "h100_16384.yaml")
 TOKENS, VOCAB = 16 * 1024 * 1024, 128256
 LLAMA_405B = dict(num_hidden_layers=126, hidden_size=16384, intermediate_size=53248,
                   num_attention_heads=128, num_key_value_heads=8)
+SEARCHED_DP = "x"     # the stage search's data-parallel dim (its logical meshes' first)
 CASES = {      # name: GPUs, sequence, Meta's (tp, cp, pp, dp), published TFLOP/s per GPU
     "a": dict(gpus=8192, seq=8192, tp=8, cp=1, pp=16, dp=64, published=430.0),
     "b": dict(gpus=16384, seq=8192, tp=8, cp=1, pp=16, dp=128, published=400.0),
@@ -177,7 +181,8 @@ def plan_searched(name: str, cluster, search: str, micro_batches: int, virtual: 
     c, built = build(case, annotate=False)
     build_s = time.perf_counter() - start
     strategy = dg.Strategy(auto_mode="full", pipeline=True, micro_batches=micro_batches,
-                           recompute=True, search=search, virtual_stages=virtual)
+                           recompute=True, sharding=True, sharding_mesh_dim=SEARCHED_DP,
+                           search=search, virtual_stages=virtual)
     start, cpu = time.perf_counter(), time.process_time()
     plan = dg.passes.plan(built, strategy, cluster, ranks=())
     plan_s, plan_cpu = time.perf_counter() - start, time.process_time() - cpu

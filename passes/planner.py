@@ -168,7 +168,6 @@ def _plan(built, strategy, cluster, rank_mapping, accumulation, ilp_budget=None,
                    groups=partitions.groups(), locals=partitions,
                    sliced=tuple(uses(program)) if distributed else ())
     if searched is not None:
-        searched.result.check(program)
         planned = dataclasses.replace(planned, search=searched.result.report)
     if strategy.balance:
         planned = run_split(_balanced(planned, cluster, searched is not None))
@@ -209,6 +208,8 @@ def _completed(built, strategy, cluster, accumulation, ilp_budget, chunks=None, 
     updates = bool(program.ops_by_role("optimize"))
     if _is_annotated(program):
         complete(program, cluster=cluster)      # conflicts priced on the cluster's links
+        if searched is not None:                # as chosen, before ZeRO shards the states
+            searched.result.check(program)
         if strategy.sequence_parallel and sequence_parallel(program):
             complete(program, cluster=cluster)
         if strategy.sharding and updates:
@@ -350,11 +351,14 @@ def _check_supported(strategy: Strategy) -> None:
                         "pending sum reduce-scattered onto the sequence dim) against the "
                         "others; leave sequence_parallel=False, or annotate the tensor "
                         "parallelism and use auto_mode='semi'")
-    if full and strategy.sharding:
-        raise PlanError("Strategy(sharding=True) with auto_mode='full' is not supported: the "
-                        "search lays parameters and updates out itself (a parameter it "
-                        "shards over a data-parallel dim is ZeRO-3-like); leave sharding=False, "
-                        "or annotate by hand with auto_mode='semi' for ZeRO update sharding")
+    if full and strategy.sharding and not strategy.pipeline:
+        # the stage search (pipeline=True) prices the states the planner shards after it
+        raise PlanError("Strategy(sharding=True) with auto_mode='full' is supported with "
+                        "pipeline=True only (the stage search prices the sharded states): "
+                        "the intra-op search lays parameters and updates out itself (a "
+                        "parameter it shards over a data-parallel dim is ZeRO-3-like); leave "
+                        "sharding=False, or annotate by hand with auto_mode='semi' for ZeRO "
+                        "update sharding")
 
 
 def _compiled(planned: Plan, ranks) -> Plan:

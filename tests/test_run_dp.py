@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from distgraph.errors import PlanError
-from distgraph.passes.search.run_dp import beats, plan_runs
+from distgraph.passes.search.run_dp import _bound, _setup, beats, plan_runs
 from distgraph.passes.search.runs import PartCost, RunOption
 from distgraph.passes.search.space import GB
 from distgraph.passes.search.stage_dp import StageCost, Submesh, plan_stages
@@ -85,6 +85,9 @@ def test_run_dp_equals_the_general_dp(seed, ends):
         return
     plan, chosen = plan_runs(count, blocks, options, cluster, micro_batches=B)
     assert plan.objective == pytest.approx(general.objective, rel=1e-9)
+    # the bound that skips the DP where it cannot go below a latency is a lower bound
+    runs, search = _setup(count, blocks, options, cluster, B, True)
+    assert _bound(runs, search, cluster.device_meshes[0].size) <= plan.objective * (1 + 1e-12)
     assert sorted(d for s in plan.stages for d in s.device_ids) == \
         [d.global_id for d in cluster.devices]
     assert [s.layers for s in plan.stages][0].start == 0

@@ -1,8 +1,9 @@
 """Stage options of a model of identical blocks (passes/search/runs.py): each logical
 mesh offers the fastest block and blocks of smaller peak memory ("memory variants"),
 each the fastest within half the previous one's peak, and no option the stage DP would
-never prefer; the variants are searched only when the fastest options do not reach
-the latency they would with unlimited memory, and the plan equals the eager one."""
+never prefer; the variants are searched only when nothing fits or a mesh's alike stages
+would beat the best plan with unlimited memory, and the plan equals the eager one (the
+stage DP on every option, the stages' transfers priced alike)."""
 
 import os
 import sys
@@ -90,7 +91,8 @@ def test_no_option_is_matched_or_beaten_by_another_on_its_mesh(costs):
 
 def eager_plan(costs, cluster) -> tuple:
     runs, options = costs
-    return plan_runs(runs.layering.count, runs.blocks, options, cluster, MICRO)
+    return plan_runs(runs.layering.count, runs.blocks, options, cluster, MICRO,
+                     p2p=runs.p2p_seconds)
 
 
 def same_plan(a, b) -> bool:
@@ -106,7 +108,7 @@ def test_variants_are_not_searched_where_the_fastest_options_lose_nothing_to_mem
     plan = plan_blocks(lazy, CLUSTER, MICRO)
     assert lazy.searches == searched < costs[0].searches
     free, _ = plan_runs(lazy.layering.count, lazy.blocks, fastest, CLUSTER, MICRO,
-                        fit_memory=False)
+                        fit_memory=False, p2p=lazy.p2p_seconds)
     assert plan[0].objective == free.objective
     assert same_plan(plan, eager_plan(costs, CLUSTER))
 

@@ -109,13 +109,13 @@ class ReshardPricer:
         self.cluster = cluster
         self.rings = Rings(cluster, self._device)
         self.cache: dict = {}
+        self._ids = [d.global_id for d in cluster.devices]    # a list copied per call
 
     def _device(self, process: int) -> int:
-        devices = self.cluster.devices
-        if process >= len(devices):
+        if process >= len(self._ids):
             raise PlanError(f"this plan has a process {process} but the cluster has only "
-                            f"{len(devices)} devices")
-        return devices[process].global_id
+                            f"{len(self._ids)} devices")
+        return self._ids[process]
 
     def reshard_time(self, step) -> float:
         """Seconds of one reshard step: its slowest group's or sender's."""

@@ -231,6 +231,10 @@ def slowest_reshard_step_time(step, rings: Rings) -> float:
     elif step.kind is StepKind.SEND_RECV:
         who = sorted({t.src for t in step.transfers if t.src != t.dst}) or \
             step.mesh.process_ids[:1]
+        # its messages take the busiest sender's time whoever asks: priced once
+        message = _message_time(step, who[0], rings)
+        return max(message + software_time(rings.device(p), step.kind, step.buffer_bytes,
+                                           step.group_size) for p in who)
     else:
         who = step.mesh.process_ids[:1]
     return max(reshard_step_time(step, p, rings) for p in who)

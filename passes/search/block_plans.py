@@ -1,14 +1,20 @@
 """The stage plan of a model of identical blocks: Alpa's stage DP
 (:mod:`distgraph.passes.search.run_dp`) on the options of
-:class:`~distgraph.passes.search.runs.RunCosts`, plain or interleaved.
+:class:`~distgraph.passes.search.runs.RunCosts`, plain or interleaved, every stage's
+transfers to its neighbours priced (:meth:`~distgraph.passes.search.runs.RunCosts.
+p2p_seconds`) as the plan's estimate counts them.
 
 The variants are searched only when they can matter (:func:`plan_blocks`). A variant's
 block is the fastest within a memory budget, so no faster than the fastest block: the
-variants can only help the stages fit. If the DP on the fastest options reaches the
-latency it reaches with the devices' memory unlimited, memory costs nothing there and
-the plan stands (the eager search would find the same latency; it could differ only where
-a variant's re-searched E or H, or its layouts priced on another mesh, came out faster
-than the fastest parts'); otherwise, or when nothing fits, the DP runs again with them.
+variants can only help the stages fit. The plans on the fastest options come first (the
+interleaved ones, cheap, then the plain DP below their latency). A mesh's variants are
+then searched only where nothing fits, or where its fastest option's stages tiling the
+device mesh alike (plain or interleaved), the devices' memory aside, beat the best plan
+found: memory held it back there. Elsewhere the variants could only fit a plan that is
+slower anyway. (A plan of unlike stages that needs the variants of a mesh whose alike
+stages do not beat the best is not looked for: on models of identical blocks the best
+plans tile the devices alike.) The DPs then run again on the fastest options and the
+variants searched, below the best latency so far.
 
 Example::
 
@@ -18,68 +24,60 @@ Example::
 
 from __future__ import annotations
 
+import math
+
 from distgraph.errors import PlanError
-from distgraph.passes.search.run_dp import beats, plan_interleaved, plan_runs
+from distgraph.passes.search.run_dp import alike_stages, plan_interleaved, plan_runs
 
 
 def plan_blocks(costs, cluster, micro_batches: int = 1, virtual: int = 1) -> tuple:
     """(StagePlan, the option of each stage) of ``costs``' layers on ``cluster``: the
-    stage DP on the fastest options, then on all the variants only if the devices'
-    memory made it slower than without limits, or nothing fit (module docstring).
-    With ``virtual`` > 1 the interleaved pipelines of 2, 4 .. ``virtual`` chunks per
-    stage (:func:`~distgraph.passes.search.run_dp.plan_interleaved`, on every option
-    and variant) compete with it; the least objective wins."""
+    stage DP and, with ``virtual`` > 1, the interleaved pipelines of 2, 4 .. ``virtual``
+    chunks per stage (:func:`~distgraph.passes.search.run_dp.plan_interleaved`) on the
+    fastest options, then on the memory variants of the meshes where memory held them
+    back (module docstring); the least objective wins."""
     count, blocks = costs.layering.count, costs.blocks
-    fastest = costs.options(variants=False)
-    try:
-        plan = plan_runs(count, blocks, fastest, cluster, micro_batches)
-    except PlanError:               # nothing fits: the variants may
-        plan = None
-    if plan is None or beats(plan[0].objective, count, blocks, fastest, cluster,
-                             micro_batches, fit_memory=False):
+    p2p = costs.p2p_seconds
+    chunks = [2 ** k for k in range(1, int(math.log2(max(virtual, 1))) + 1)]
+
+    def best_of(options, plan):
+        latency = plan[0].objective if plan is not None else math.inf
+        for v in chunks:
+            found = plan_interleaved(count, blocks, options, cluster, micro_batches, v,
+                                     costs.chunk_layers, p2p)
+            if found is not None and found[0].objective < latency:
+                plan, latency = found, found[0].objective
         try:
-            plan = plan_runs(count, blocks, costs.options(variants=True), cluster,
-                             micro_batches)
-        except PlanError:
-            if virtual < 2:
-                raise
-    if virtual < 2:
-        return plan
-    # compared with the p2p transfers priced in, which interleaving multiplies by v
-    best = None if plan is None else \
-        plan[0].objective + (len(plan[0].stages) + micro_batches - 1) * \
-        max(p2p_seconds(o, cluster) for o in plan[1])
-    for variants in (False, True):
-        fits = False
-        v = 2
-        while v <= virtual:
-            found = plan_interleaved(count, blocks, costs.options(variants=variants),
-                                     cluster, micro_batches, v, costs.chunk_layers,
-                                     p2p_seconds)
-            fits = fits or found is not None
-            if found is not None and (best is None or found[0].objective < best):
-                plan, best = found, found[0].objective
-            v *= 2
-        if fits:
-            break       # the memory variants are searched only where no alike stages fit
+            plain = plan_runs(count, blocks, options, cluster, micro_batches, p2p=p2p,
+                              below=latency)
+        except PlanError:           # nothing fits
+            plain = None
+        return plain or plan
+
+    plan = best_of(costs.options(variants=False), None)
+    latency = plan[0].objective if plan is not None else math.inf
+    layouts: dict = {}
+
+    def held_back(option) -> bool:
+        """Whether ``option``'s alike stages beat the best plan, memory aside."""
+        for v in [1] + chunks:
+            found = alike_stages(option, count, blocks, cluster, micro_batches, v,
+                                 costs.chunk_layers, p2p, layouts)
+            if found is not None and found[0] < latency:
+                return True
+        return False
+
+    wanted = None if plan is None else held_back
+    if plan is None or any(held_back(o) for o in costs.options(variants=False)):
+        plan = best_of(costs.options(variants=True, wanted=wanted), plan)
     if plan is None:
-        raise PlanError(f"no split of {count} layers into stages, interleaved ({virtual} "
-                        f"chunks per stage at most) or not, fits the devices' memory; use "
-                        f"devices with more memory, recomputation or fewer micro-batches")
+        how = f", interleaved ({virtual} chunks per stage at most) or not," if virtual > 1 else ""
+        raise PlanError(f"no split of {count} layers ({len(blocks)} identical blocks) into "
+                        f"stages{how} fits the devices' memory (with the activations 1F1B "
+                        f"keeps in flight) while covering every device; use devices with "
+                        f"more memory, recomputation (Strategy(recompute=True)), or fewer "
+                        f"micro-batches in flight")
     return plan
-
-
-def p2p_seconds(option, cluster) -> float:
-    """Seconds a stage of ``option`` spends per micro-batch and chunk sending a block's
-    output on and its gradient back (alpha-beta on the link from its first device to
-    the device one submesh on)."""
-    ids = option.sub.mesh.ids
-    a = ids[0]
-    b = ids[option.sub.size % len(ids)]
-    if a == b:
-        return 0.0
-    per = cluster.latency(a, b) * 1e-6 + option.p2p_bytes() / (cluster.bandwidth(a, b) * 1e9)
-    return 2 * per
 
 
 def undominated(options: list) -> list:

@@ -38,7 +38,7 @@ from distgraph.passes.search.stage_dp import _place, _Search
 class _Run:
     """An option as the DP sees it: its costs per (E?, blocks, H?) and its range costs."""
 
-    def __init__(self, option, count, blocks, limit, unit):
+    def __init__(self, option, count, blocks, limit, unit, p2p=0.0):
         self.option, self.axis, self.sub = option, option.axis, option.sub
         self.size = option.sub.size // unit
         self.count, self.blocks, self.limit = count, blocks, limit
@@ -47,7 +47,11 @@ class _Run:
         for first in ((False, True) if blocks.start else (False,)):
             for last in ((False, True) if blocks.stop < count else (False,)):
                 rows = [option.cost(first, m, last) for m in range(n + 1)]
-                self.table[first, last] = np.array(rows, dtype=float)    # (n+1, 3)
+                table = np.array(rows, dtype=float)    # (n+1, 3)
+                # the boundaries' transfers: a stage holding E (H) has no stage before
+                # (after) it and pays half of a middle stage's (module docstring)
+                table[:, 0] += p2p * (2 - first - last) / 2
+                self.table[first, last] = table
 
     def at(self, k: int, i: int) -> tuple:
         first, last = k < self.blocks.start, i >= self.blocks.stop
@@ -221,14 +225,21 @@ def _window_min(A: np.ndarray, w: int) -> np.ndarray:
 
 
 def plan_runs(count: int, blocks: range, options: list, cluster,
-              micro_batches: int = 1, fit_memory: bool = True) -> tuple:
+              micro_batches: int = 1, fit_memory: bool = True, p2p=None,
+              below: float = math.inf) -> tuple | None:
     """(StagePlan, the option of each stage): stages of ``count`` layers whose
     ``blocks`` are identical, on ``options`` (:class:`~distgraph.passes.search.runs.
     RunOption`, each with ``cost(first, blocks, last)``) of ``cluster``'s device meshes;
     see the module docstring. Without ``fit_memory`` the devices' memory is not a
-    limit (a lower bound on the latency of options that only save memory)."""
-    runs, search = _setup(count, blocks, options, cluster, micro_batches, fit_memory)
-    best = search.run()
+    limit (a lower bound on the latency of options that only save memory).
+    ``p2p(option)``: seconds per micro-batch a stage of the option between two others
+    spends on the transfers to and from them (None: not priced); ``below``: only a plan
+    of objective below it, None where there is none (its caps pruned from the start)."""
+    runs, search = _setup(count, blocks, options, cluster, micro_batches, fit_memory, p2p)
+    devices = sum(m.size for m in cluster.device_meshes)
+    best = None if _bound(runs, search, devices) >= below else search.run(below=below)
+    if best is None and math.isfinite(below):
+        return None
     if best is None:
         raise PlanError(f"no split of {count} layers ({len(blocks)} identical blocks) into "
                         f"stages fits the devices' memory (with the activations 1F1B keeps "
@@ -242,7 +253,7 @@ def plan_runs(count: int, blocks: range, options: list, cluster,
 
 
 def beats(latency: float, count: int, blocks: range, options: list, cluster,
-          micro_batches: int = 1, fit_memory: bool = True) -> bool:
+          micro_batches: int = 1, fit_memory: bool = True, p2p=None) -> bool:
     """Whether :func:`plan_runs` with these arguments would find a plan of objective
     below ``latency`` (False where it finds none): the same search, its caps pruned by
     ``latency`` from the start, so it solves fewer of them.
@@ -252,11 +263,35 @@ def beats(latency: float, count: int, blocks: range, options: list, cluster,
         plan, _ = plan_runs(count, blocks, options, cluster, 8)
         beats(plan.objective, count, blocks, options, cluster, 8, fit_memory=False)
     """
-    _, search = _setup(count, blocks, options, cluster, micro_batches, fit_memory)
-    return search.run(below=latency) is not None
+    runs, search = _setup(count, blocks, options, cluster, micro_batches, fit_memory, p2p)
+    devices = sum(m.size for m in cluster.device_meshes)
+    return _bound(runs, search, devices) < latency and \
+        search.run(below=latency) is not None
 
 
-def _setup(count, blocks, options, cluster, micro_batches, fit_memory) -> tuple:
+def _bound(runs: list, search, devices: int) -> float:
+    """A lower bound on the objective of any plan of ``runs`` on ``devices`` devices,
+    without the DP: the stages cover every device, so the slowest takes at least the
+    least device-seconds the layers need spread over all of them, ``W / N``; their
+    times sum to at least each layer's least time; the objective is then at least
+    ``max(sum, W / N) + (B - 1) W / N``. Only options where a stage of the layer fits the
+    memory with one micro-batch in flight count (inf where a layer fits nowhere)."""
+    b0, b1, L = search.blocks.start, search.blocks.stop, search.L
+    parts = [((False, 1, False), b1 - b0)] + ([((True, 0, False), 1)] if b0 else []) + \
+        ([((False, 0, True), 1)] if b1 < L else [])
+    least_time = least_work = 0.0
+    for where, n in parts:
+        fits = [(seconds, seconds * r.option.sub.size) for r in runs
+                for seconds, memory, _ in [r.option.cost(*where)] if memory <= r.limit]
+        if not fits:
+            return math.inf
+        least_time += n * min(f[0] for f in fits)
+        least_work += n * min(f[1] for f in fits)
+    slowest = least_work / devices
+    return max(least_time, slowest) + (search.B - 1) * slowest
+
+
+def _setup(count, blocks, options, cluster, micro_batches, fit_memory, p2p=None) -> tuple:
     """(the options as the DP sees them, the search): device counts in units of the
     greatest common divisor of the option sizes on each mesh."""
     units, capacities, limits = [], [], []
@@ -267,7 +302,8 @@ def _setup(count, blocks, options, cluster, micro_batches, fit_memory) -> tuple:
         capacities.append(mesh.size // unit)
         limits.append(min(cluster.device(i).memory for i in mesh.ids) if fit_memory
                       else math.inf)
-    runs = [_Run(o, count, blocks, limits[o.axis], units[o.axis]) for o in options]
+    runs = [_Run(o, count, blocks, limits[o.axis], units[o.axis],
+                 p2p(o) if p2p is not None else 0.0) for o in options]
     return runs, _RunSearch(count, blocks, runs, capacities, micro_batches)
 
 
@@ -279,11 +315,12 @@ def plan_interleaved(count: int, blocks: range, options: list, cluster, micro_ba
     stages of one option covering a device mesh (``cluster`` has one). The planner cuts
     the forward into S v chunks of equal work (:func:`~distgraph.passes.pipeline.chunks.
     forward_chunks`); ``chunk_layers(n)`` returns the layers each of those ``n`` chunks
-    holds. A stage's time is its chunks' parts' (``option.cost``) plus ``v`` times
-    ``p2p(option, cluster)`` (seconds a chunk spends sending on and back per
-    micro-batch; None: not priced), its memory that with ``min(M, S - s)``
-    micro-batches in flight (as the estimate counts them), and the objective the
-    estimate's: ``sum t / v + (M - 1) max t``.
+    holds. A stage's time is its chunks' parts' (``option.cost``) plus, per chunk, the
+    transfers to and from its neighbours (``p2p(option)``: seconds per micro-batch of a
+    chunk between two others; the first and the last chunk have one neighbour; None:
+    not priced), its memory that with ``min(M, S - s)`` micro-batches in flight (as
+    the estimate counts them), and the objective the estimate's:
+    ``sum t / v + (M - 1) max t``.
 
     Example::
 
@@ -292,33 +329,57 @@ def plan_interleaved(count: int, blocks: range, options: list, cluster, micro_ba
     meshes = list(cluster.device_meshes)
     if len(meshes) != 1 or virtual < 2:
         return None
-    mesh = meshes[0]
-    limit = min(cluster.device(i).memory for i in mesh.ids)
+    limit = min(cluster.device(i).memory for i in meshes[0].ids)
     best, layouts = None, {}
     for option in options:
-        if mesh.size % option.sub.size:
+        found = alike_stages(option, count, blocks, cluster, micro_batches, virtual,
+                             chunk_layers, p2p, layouts)
+        if found is None or max(found[2]) > limit:
             continue
-        S = mesh.size // option.sub.size
-        if S < 2 or S * virtual > count:
-            continue
-        if S not in layouts:
-            layouts[S] = _stage_parts(chunk_layers(S * virtual), S, blocks, count)
-        times, memories = [], []
-        sends = virtual * p2p(option, cluster) if p2p is not None else 0.0
-        for s, (first, n, last) in enumerate(layouts[S]):
-            seconds, one, further = option.cost(first, n, last)
-            times.append(seconds + sends)
-            memories.append(one + (min(micro_batches, S - s) - 1) * further)
-        if max(memories) > limit:
-            continue
-        objective = sum(times) / virtual + (micro_batches - 1) * max(times)
-        if best is None or objective < best[0]:
-            best = (objective, option, S, times, memories)
+        if best is None or found[0] < best[0]:
+            best = found + (option,)
     if best is None:
         return None
-    objective, option, S, times, memories = best
+    objective, times, memories, option = best
+    S = len(times)
     return _alike_plan(option, S, count, times, memories, objective, micro_batches,
                        virtual), (option,) * S
+
+
+def alike_stages(option, count: int, blocks: range, cluster, micro_batches: int,
+                 virtual: int, chunk_layers, p2p=None, layouts=None) -> tuple | None:
+    """(objective, times, memories) of ``option``'s stages tiling its device mesh alike,
+    ``virtual`` chunks each (:func:`plan_interleaved`; with ``virtual`` 1: the layers
+    split evenly, E on the first stage and H on the last), the devices' memory aside;
+    None where the option cannot tile its mesh in two or more such stages.
+    ``layouts``: a dict the calls of one search share (stage parts per stage count)."""
+    mesh = option.sub.mesh
+    if mesh.size % option.sub.size:
+        return None
+    S = mesh.size // option.sub.size
+    if S < 2 or S * virtual > count:
+        return None
+    layouts = {} if layouts is None else layouts
+    if (S, virtual) not in layouts:
+        layouts[S, virtual] = _stage_parts(chunk_layers(S * virtual), S, blocks, count) \
+            if virtual > 1 else _even_parts(S, blocks, count)
+    sends = p2p(option) if p2p is not None else 0.0
+    times, memories = [], []
+    for s, (first, n, last) in enumerate(layouts[S, virtual]):
+        seconds, one, further = option.cost(first, n, last)
+        # every chunk a middle one but the first chunk (stage 0) and the last (S - 1)
+        times.append(seconds + sends * (virtual - (s == 0) / 2 - (s == S - 1) / 2))
+        memories.append(one + (min(micro_batches, S - s) - 1) * further)
+    return sum(times) / virtual + (micro_batches - 1) * max(times), times, memories
+
+
+def _even_parts(S: int, blocks: range, count: int) -> list:
+    """[(E?, blocks, H?)] of ``S`` stages of whole layers split as :func:`_alike_plan`
+    places them: stage s holds layers round(count s / S) .. round(count (s+1) / S)."""
+    bounds = [round(count * s / S) for s in range(S + 1)]
+    return [(bounds[s] < blocks.start, len(range(max(bounds[s], blocks.start),
+                                                 min(bounds[s + 1], blocks.stop))),
+             bounds[s + 1] > blocks.stop) for s in range(S)]
 
 
 def _stage_parts(chunks: list, S: int, blocks: range, count: int) -> list:

@@ -87,10 +87,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from distgraph import dtypes
 from distgraph.errors import PlanError
 from distgraph.ir import Role
 from distgraph.mesh import ProcessMesh
+from distgraph.passes.search.boundary import boundary_seconds
 from distgraph.passes.search.costs import SearchCosts
 from distgraph.passes.search.intra_op import (Boundary, accumulating_updates, price,
                                                  search)
@@ -98,6 +98,7 @@ from distgraph.passes.search.block_plans import undominated
 from distgraph.passes.search.layers import op_keys, same_op
 from distgraph.passes.search.recursive import Walks
 from distgraph.passes.pipeline.chunks import forward_chunks
+from distgraph.passes.search.sharded_states import zero_effect
 from distgraph.passes.search.space import GB, logical_dims
 from distgraph.registry import op_flops
 from distgraph.passes.search.stage_dp import Submesh, _grid
@@ -144,18 +145,6 @@ class RunOption:
             peak = max(peak, saved + p.transient)
         fixed = sum(p.persistent * n for p, n in used)
         return seconds, (fixed + peak) / GB, saved / GB
-
-    def p2p_bytes(self) -> float:
-        """Bytes per device a block sends the next one per micro-batch (its output, in
-        the layout the next block receives it; the gradient coming back is as large)."""
-        result = self.parts["block"][1]
-        space, choice = result.space, result.choice
-        total = 0.0
-        for received, _ in result.boundary.periodic:
-            node = space.source_node[received]
-            shape = space.nodes[node].strategies[choice[node]].out_local_shapes[0]
-            total += float(np.prod(shape)) * dtypes.itemsize(space.program.values[received].dtype)
-        return total
 
     def __str__(self):
         return f"{self.sub} as {list(self.logical)}"
@@ -236,12 +225,14 @@ class RunCosts:
         self._walks: dict = {}        # (mesh, devices) -> Walks of the block's searches
         self._chunks: dict = {}       # chunk count -> the layers of each chunk
         self.planned: dict = {}       # memory budget -> plan_blocks' answer (stages.py)
+        self._p2p: dict = {}          # (option's mesh, its block search) -> boundary seconds
 
     # -- the options --------------------------------------------------------------------
-    def options(self, variants: bool = True) -> list:
+    def options(self, variants: bool = True, wanted=None) -> list:
         """Every (device mesh, submesh, logical shape) with its parts costed: the fastest
         parts, and with ``variants`` the memory variants and the (dp, cp, tp) meshes too
-        (module docstring)."""
+        (module docstring); ``wanted(option)`` (optional, on a mesh's fastest option):
+        whether to search that mesh's variants (those searched before are kept)."""
         out = []
         for axis, device_mesh in enumerate(self.cluster.device_meshes):
             rows, cols = _grid(device_mesh.shape)
@@ -266,12 +257,13 @@ class RunCosts:
             key = (axis, sub.shape, logical)
             if key not in self._fastest:
                 self._fastest[key] = self._fastest_parts(key, sub, logical)
-            if variants and key not in self._smaller:
+            if variants and key not in self._smaller and (wanted is None or wanted(
+                    RunOption(axis, sub, logical, self._fastest[key][1]))):
                 self._smaller[key] = self._smaller_parts(key, sub, logical)
         options = []
         for axis, sub, logical in out:
             key = (axis, sub.shape, logical)
-            parts = [self._fastest[key][1]] + (self._smaller[key] if variants else [])
+            parts = [self._fastest[key][1]] + (self._smaller.get(key, []) if variants else [])
             options += undominated([RunOption(axis, sub, logical, p) for p in parts])
         return options
 
@@ -305,7 +297,7 @@ class RunCosts:
                 continue
         searched = _Searched(key, mesh, device_of, self._search(mesh, device_of))
         self._found.setdefault(kind, []).append(searched)
-        return searched, self._costed(searched.fastest)
+        return searched, self._costed(searched.fastest, mesh, device_of)
 
     def _smaller_parts(self, key, sub, logical) -> list:
         """The parts of the memory variants after the fastest on this mesh: those of the
@@ -319,7 +311,8 @@ class RunCosts:
             searched.smaller = self._variants(searched.mesh, searched.device_of,
                                               searched.fastest)
         if searched.key == key and mine:
-            return [self._costed(found) for found in searched.smaller]
+            return [self._costed(found, searched.mesh, searched.device_of)
+                    for found in searched.smaller]
         mesh, device_of = logical_mesh(sub.mesh, sub.shape, logical)
         seeds = self.seed._spare.get(kind, []) if self.seed is not None else []
         for source in [searched, *self._spare.get(kind, [])[::-1], *seeds[::-1]]:
@@ -331,7 +324,7 @@ class RunCosts:
         here = {part: result for part, (_, result) in fastest.items()}
         spare = _Searched(key, mesh, device_of, here, self._variants(mesh, device_of, here))
         self._spare.setdefault(kind, []).append(spare)
-        return [self._costed(found) for found in spare.smaller]
+        return [self._costed(found, mesh, device_of) for found in spare.smaller]
 
     # -- searches -----------------------------------------------------------------------
     def _variants(self, mesh, device_of, fastest) -> list:
@@ -358,7 +351,8 @@ class RunCosts:
         peak = option.parts["block"][1].report.peak_memory
         found = self._search(mesh, device_of, peak * (1 + 1e-9), method="auto",
                              starts={part: result for part, (_, result) in option.parts.items()})
-        return RunOption(option.axis, option.sub, option.logical, self._costed(found))
+        return RunOption(option.axis, option.sub, option.logical,
+                         self._costed(found, mesh, device_of))
 
     def _search(self, mesh, device_of, budget=None, fastest=None, method=None,
                 starts=None, prove=True) -> dict:
@@ -426,7 +420,7 @@ class RunCosts:
             priced = price(moved, self.cluster, device_of, weights=self.weights,
                            loss=self._loss(result.space.ops), boundary=result.boundary,
                            status=result.report.status, costs=self._costs(mesh, device_of))
-            out[part] = (self._measure(priced), priced)
+            out[part] = (self._measure(priced, self._costs(mesh, device_of)), priced)
         return out
 
     def _loss(self, ops):
@@ -480,11 +474,13 @@ class RunCosts:
                 received.append((name, space.nodes[u].hints[choice[u]][j]))
         return Boundary(received=tuple(received), settle=tuple(settle))
 
-    def _costed(self, found: dict) -> dict:
-        return {part: (self._measure(result), result) for part, result in found.items()}
+    def _costed(self, found: dict, mesh, device_of) -> dict:
+        costs = self._costs(mesh, device_of)
+        return {part: (self._measure(result, costs), result) for part, result in found.items()}
 
-    def _measure(self, result) -> PartCost:
-        """Seconds and bytes of a search's choice (module docstring)."""
+    def _measure(self, result, costs) -> PartCost:
+        """Seconds and bytes of a search's choice (module docstring); ``costs``: the
+        SearchCosts of its mesh and devices."""
         space, problem, choice = result.space, result.problem, result.choice
         memory = [float(problem.memory[n.index][choice[n.index]]) for n in space.nodes]
         # parameters, states and (with micro-batches) the gradients' buffers, which the
@@ -503,8 +499,22 @@ class RunCosts:
             saved = sum(memory[i] for i in problem.liveness[backward]
                         if i in before and i not in always)
         peak = result.report.peak_memory
-        return PartCost(result.report.objective, persistent, saved,
-                        max(peak - persistent - saved, 0.0))
+        transient = max(peak - persistent - saved, 0.0)
+        # Strategy(sharding=True): the states the planner shards after the search
+        seconds, sharded = zero_effect(result, self.program, self.strategy, self.weights,
+                                       costs)
+        return PartCost(result.report.objective + seconds, persistent - sharded, saved,
+                        transient)
+
+    def p2p_seconds(self, option) -> float:
+        """Seconds per micro-batch a stage of ``option`` between two others spends passing
+        its blocks' Values on and back (:func:`~distgraph.passes.search.boundary.
+        boundary_seconds`), once per mesh and block search."""
+        key = (option.axis, option.sub.shape, option.logical, id(option.parts["block"][1]))
+        if key not in self._p2p:
+            self._p2p[key] = (boundary_seconds(option, self.cluster),
+                              option.parts["block"][1])      # kept: its id stays its own
+        return self._p2p[key][0]
 
     def chunk_layers(self, n: int) -> list:
         """{layer: the share of its forward FLOPs} of each of the ``n`` chunks the planner

@@ -21,7 +21,9 @@ from distgraph.registry import get_op
 from distgraph.placement import DistAttr, ShardSpec
 
 
-def _sharded_spec(spec: ShardSpec, shape, mesh, mesh_dim) -> ShardSpec | None:
+def sharded_spec(spec: ShardSpec, shape, mesh, mesh_dim) -> ShardSpec | None:
+    """``spec`` with its first free dim of ``shape`` that ``mesh_dim`` divides split over
+    it; None where ``spec`` already uses ``mesh_dim``, the mesh lacks it or no dim fits."""
     if mesh_dim not in mesh.dim_names or mesh_dim in spec.mesh_dims():
         return None
     n = mesh.dim_size(mesh_dim)
@@ -42,7 +44,7 @@ def shard_updates(program: Program, mesh_dim: str = "dp") -> int:
             continue
         param = op.inputs[0]
         mesh = op.dist_attr.mesh
-        spec = _sharded_spec(param.dist_attr.spec, param.shape, mesh, mesh_dim)
+        spec = sharded_spec(param.dist_attr.spec, param.shape, mesh, mesh_dim)
         if spec is None:
             continue
         # Pin where the parameter is stored, so the next completion keeps it there

@@ -1,0 +1,87 @@
+"""What a pipeline stage pays to pass blocks' Values to its neighbours, priced as the
+plan's estimate (:mod:`distgraph.passes.cost.estimate`) prices it.
+
+A block of a run (:mod:`distgraph.passes.search.runs`) sends the next block its output
+and, in the backward, the block before it its input's gradient: the representative
+block's ``periodic`` pairs (received, leaving). Between two stages these become
+cross-mesh reshards (:func:`~distgraph.passes.reshard.plan_reshard`: a pending sum
+reduced, point-to-point tiles, a local all-gather where the receiver is replicated),
+anchored at the receiving op, so they run once per micro-batch; the estimate charges a
+reshard step to every process it involves: the sender and the receiver both wait for it.
+
+:func:`boundary_seconds` prices one such boundary for an option: each periodic Value
+resharded from the option's logical mesh on its submesh to the same logical mesh on the
+next submesh of the device mesh (the stages the DP places are alike there, or close), in
+the layout the block receives it in, each step priced by
+:func:`~distgraph.passes.cost.prices.reshard_step_time` for the busiest of the first
+tensor-parallel group of either side. Where a Value is split over the data-parallel
+dim (the logical mesh's first), the replicas move alike, each its own rows to its
+counterpart: the reshard is planned for the first replica's share alone, which prices a
+stage of 4,096 devices in milliseconds. A stage between two others sends each Value once
+and receives each once: it pays the sender's and the receiver's share, the whole figure;
+a stage with one neighbour (the first or the last) pays half of it.
+
+Example::
+
+    seconds = boundary_seconds(option, cluster)    # per micro-batch, a middle stage
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from distgraph.mesh import ProcessMesh
+from distgraph.passes.cost.prices import Rings, reshard_step_time
+from distgraph.passes.reshard import plan_reshard
+from distgraph.passes.search.stage_dp import _grid
+from distgraph.placement import DistAttr
+
+
+def boundary_seconds(option, cluster) -> float:
+    """Seconds per micro-batch a stage of ``option`` (a RunOption) between two stages
+    alike spends on the reshards of its blocks' periodic Values (module docstring); 0
+    where its submesh is the whole device mesh (no next stage there)."""
+    pieces = _pieces(option)
+    if len(pieces) < 2:
+        return 0.0
+    result = option.parts["block"][1]
+    space, choice = result.space, result.choice
+    names = list(result.space.mesh.dim_names)
+    total = 0.0
+    for received, _ in result.boundary.periodic:
+        node = space.source_node[received]
+        spec = space.nodes[node].strategies[choice[node]].out_specs[0]
+        value = space.program.values[received]
+        # where the Value is split over the data-parallel dim (0), its replicas move
+        # alike: plan the first one's share (a mesh of one replica, the rows it holds);
+        # a Value replicated there may be sent in slices the receivers all-gather
+        outer = names[0]
+        n = option.logical[0] if outer in spec.mesh_dims() and outer not in spec.partial \
+            else 1
+        logical = (option.logical[0] // n,) + tuple(option.logical[1:])
+        shape = tuple(d // n if outer in spec.entry(i) else d
+                      for i, d in enumerate(value.shape))
+        size = int(np.prod(logical))
+        ids = np.arange(2 * size)
+        here = ProcessMesh(ids[:size].reshape(logical).tolist(), dim_names=names)
+        there = ProcessMesh(ids[size:].reshape(logical).tolist(), dim_names=names)
+        devices = dict(enumerate(int(d) for d in np.concatenate([pieces[0][:size],
+                                                                 pieces[1][:size]])))
+        rings = Rings(cluster, devices.__getitem__)
+        t = logical[-1]
+        senders, receivers = range(t), range(size, size + t)
+        steps = plan_reshard(DistAttr(here, spec), DistAttr(there, spec), shape,
+                             value.dtype)
+        for side in (senders, receivers):
+            total += max(sum(reshard_step_time(s, p, rings) for s in steps) for p in side)
+    return total
+
+
+def _pieces(option) -> list:
+    """The device ids of each submesh of ``option``'s shape on its device mesh, in the
+    order the stages take them (row-major: whole rows, or row pieces in a row)."""
+    rows, cols = _grid(option.sub.mesh.shape)
+    n, m = option.sub.shape
+    grid = np.array(option.sub.mesh.ids).reshape(rows, cols)
+    return [grid[r:r + n, c:c + m].reshape(-1) for r in range(0, rows - n + 1, n)
+            for c in range(0, cols - m + 1, m)]

@@ -321,27 +321,17 @@ def _carried(start, space, problem):
         return None
     leader = {i: j for i, j in enumerate(problem.follow) if j != -1}
     leader.update((v, group[0]) for group in problem.share for v in group[1:])
-    choice = [None] * len(space.nodes)
-
-    def carried(node, old):
-        s, hint = old.strategies[start.choice[old.index]], old.hints[start.choice[old.index]]
-        want = (s.in_specs, s.out_specs, hint)
-        offered = [(t.in_specs, t.out_specs, h) for t, h in zip(node.strategies, node.hints)]
-        tied = leader.get(node.index)
-        if tied is not None:
-            if choice[tied] is None:
-                choice[tied] = carried(space.nodes[tied], start.space.nodes[tied])
-            if choice[tied] is not None and choice[tied] < len(offered) and \
-                    offered[choice[tied]] == want:
-                return choice[tied]
-        return next((i for i, x in enumerate(offered) if x == want), None) \
-            if node.label == old.label else None
-
+    offered, choice = [], []
     for node, old in zip(space.nodes, start.space.nodes):
-        if choice[node.index] is None:
-            choice[node.index] = carried(node, old)
-        if choice[node.index] is None:
+        s, hint = old.strategies[start.choice[old.index]], old.hints[start.choice[old.index]]
+        offered.append([(t.in_specs, t.out_specs, h) == (s.in_specs, s.out_specs, hint)
+                        for t, h in zip(node.strategies, node.hints)])
+        if node.label != old.label or not any(offered[-1]):
             return None
+        choice.append(offered[-1].index(True))
+    while any(choice[i] != choice[j] and offered[i][choice[j]] for i, j in leader.items()):
+        for i, j in leader.items():                 # until the ties settle (chains)
+            choice[i] = choice[j] if offered[i][choice[j]] else choice[i]
     if not math.isfinite(evaluate(problem, choice)) or (
             problem.memory_budget is not None and
             peak_memory(problem, choice) > problem.memory_budget):

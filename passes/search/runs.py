@@ -41,8 +41,7 @@ rows instead of the sequence divides the activations alike and adds no attention
 collectives, so a cp whose dp could be larger never costs less; and where dp would be 1
 the (x, t) mesh's own search may split the sequence over x. Such meshes are searched
 per ``t`` apart from the (x, t) ones (other dim names), and, like the memory variants,
-only where the fastest options' stages are held back by memory (Megatron's 1T row:
-planned in 36 s CPU without them, 121 s with them beside the fastest, 68 s so).
+only where the fastest options' stages are held back by memory.
 
 **Memory variants.** A block's search minimises its time alone, so it may keep weights
 and their optimizer states whole where splitting them costs about as much time: cheap
@@ -53,15 +52,12 @@ smaller one), as options of their own: the DP takes the fastest that lets its st
 fit (on GPT-3 310B, Megatron's split of every weight over t instead of whole attention
 weights: six blocks a stage instead of one). E and H are searched again only where the
 block meets them in other layouts. A mesh whose fastest parts are priced from another's
-search prices that search's variants too, or searches its own where they do not divide.
+search prices that search's variants too (:meth:`RunCosts._smaller_parts`).
 
-**Seeds: other micro-batch counts.** When the search chooses the micro-batch count
-(:mod:`distgraph.passes.search.micro`), the programs it prices have the same ops and
-Value names; only the batch dim differs. The first count priced is searched as above;
-each later one (``seed=`` that first RunCosts) prices the seed's searches, fastest parts
-and variants, on its own program as it prices its own on other meshes, and searches
-only where none divides (a micro-batch of fewer rows than a layout splits): the
-searches are done once. A count priced so is searched afresh once it is chosen.
+**Seeds.** The micro-batch counts :mod:`distgraph.passes.search.micro` compares have the
+same ops and Value names. The first is searched; the later ones (``seed=`` its RunCosts)
+price its searches on their own programs, searching only where a layout does not divide
+their micro-batch. A count priced so is searched afresh once it is chosen.
 
 The stage DP on these options, variants only when they can matter, is
 :func:`~distgraph.passes.search.block_plans.plan_blocks`.
@@ -301,9 +297,8 @@ class RunCosts:
 
     def _smaller_parts(self, key, sub, logical) -> list:
         """The parts of the memory variants after the fastest on this mesh: those of the
-        search its fastest parts came from, priced here if all divide, else those of
-        the variants searched since for a mesh of its kind (here or in the seed), else
-        searched here (and offered to the meshes after it)."""
+        search its fastest parts came from, else of those searched since for its kind
+        (here or in the seed), priced here where all divide; else searched here."""
         searched, fastest = self._fastest[key]
         kind = _kind(logical)
         mine = any(searched is s for s in self._found.get(kind, ()))
@@ -424,11 +419,8 @@ class RunCosts:
         return out
 
     def _loss(self, ops):
-        loss = self.copy.loss_name
-        if loss is not None and any(o.name == loss for k in ops
-                                    for o in self.program.ops[k].outputs):
-            return loss
-        return None
+        made = {o.name for k in ops for o in self.program.ops[k].outputs}
+        return self.copy.loss_name if self.copy.loss_name in made else None
 
     def _periodic(self, block_ops) -> tuple:
         """(received, leaving) pairs of the representative block: what it receives

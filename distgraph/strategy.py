@@ -32,7 +32,8 @@ class Strategy:
     ``TransformerBlock`` (True) or inside the given layer paths (e.g.
     ``["blocks.0", "blocks.1.mlp"]``) and recomputes them in the backward pass;
     ``sharding`` splits optimizer states and updates over
-    ``sharding_mesh_dim`` (ZeRO-style); ``profile`` records a timeline; ``check_finite``
+    ``sharding_mesh_dim`` (ZeRO-style; under ``auto_mode="full"`` the default means the
+    search's data-parallel dim); ``profile`` records a timeline; ``check_finite``
     stops training with a RuntimeFault at a NaN or infinite loss (False: train on);
     ``seed`` seeds shuffling. ``meshslice`` lets every matmul run as MeshSlice where
     its operands are 2-D sharded (True: the cost model picks each one's number of

@@ -213,7 +213,11 @@ def _completed(built, strategy, cluster, accumulation, ilp_budget, chunks=None, 
         if strategy.sequence_parallel and sequence_parallel(program):
             complete(program, cluster=cluster)
         if strategy.sharding and updates:
-            _shard_updates(program, strategy.sharding_mesh_dim, cluster)
+            dim = strategy.sharding_mesh_dim
+            if searched is not None:            # the search named the mesh dims
+                from distgraph.passes.search.sharded_states import sharding_dim
+                dim = sharding_dim(strategy)
+            _shard_updates(program, dim, cluster)
     else:
         if strategy.sharding and updates:
             raise PlanError("Strategy(sharding=True) shards optimizer states over a data-"

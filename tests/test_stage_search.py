@@ -107,9 +107,9 @@ def test_layer_cut_is_alpas_dp(seed):
 
 
 
-def train(model, kind, comm, cluster, dims=None):
+def train(model, kind, comm, cluster, dims=None, strategy=None):
     engine = dg.Engine(model, P.loss_fn(kind), P.make_optimizer("adamw"), cluster=cluster,
-                       strategy=pipeline(4), communicator=comm)
+                       strategy=strategy or pipeline(4), communicator=comm)
     data = P.Dataset(kind, dims=dims, batch=BATCH)
     with P.BUILD_LOCK:
         engine.prepare(*dg.app.data.DataLoader(data, BATCH).specs(1))
@@ -145,6 +145,31 @@ def test_searched_pipelines_train_like_serial(case, float64):
     plan = results[0][2]
     assert len(plan.stages) > 1 and plan.micro_batches > 1
     assert (plan.search.layering.blocks is not None) == (case == "gpt_blocks")
+    for rank, (losses, params, _) in enumerate(results):
+        errors = P.compare((losses, params), reference, "float64")
+        assert errors["steps"] == len(reference[0])
+        assert errors["loss"] <= 1e-10 and errors["param"] <= 1e-10, (rank, errors)
+
+
+def test_a_searched_pipeline_with_zero_shards_the_states_and_trains_like_serial(float64):
+    # Strategy(sharding=True) as a user writes it (no sharding_mesh_dim: the search names
+    # the dims): the states of the updates are split over each stage's data-parallel dim
+    dims = dict(P.GPT_DIMS, n_layer=4)
+    build = lambda: P.build_model("gpt", dims=dims)                  # noqa: E731
+    serial = dg.Engine(build(), P.loss_fn("gpt"), P.make_optimizer("adamw"))
+    data = P.Dataset("gpt", dims=dims, batch=BATCH)
+    reference = (serial.fit(data, batch_size=BATCH, epochs=1, verbose=0).losses,
+                 serial.state_dict())
+    strategy = dg.Strategy(auto_mode="full", pipeline=True, micro_batches=2, sharding=True)
+    models = [build() for _ in range(4)]
+    results = SimulatedWorld(4, timeout=120).run(
+        lambda comm: train(models[comm.rank], "gpt", comm, S.grid_cluster(), dims, strategy))
+    plan = results[0][2]
+    assert len(plan.stages) > 1
+    split = [op for op in plan.program.ops if op.role == "optimize" and len(op.inputs) > 2
+             and op.inputs[2].dist_attr.mesh.dim_size("x") > 1
+             and "x" in str(op.inputs[2].dist_attr.spec)]
+    assert split                        # ZeRO over the search's data-parallel dim
     for rank, (losses, params, _) in enumerate(results):
         errors = P.compare((losses, params), reference, "float64")
         assert errors["steps"] == len(reference[0])

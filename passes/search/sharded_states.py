@@ -13,18 +13,32 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
+
 from distgraph.ir import Role
+from distgraph.passes.search.space import MESH_DIMS
 from distgraph.passes.transforms.zero import sharded_spec
 from distgraph.registry import get_op
+
+
+def sharding_dim(strategy) -> str:
+    """The mesh dim ZeRO shards over: ``strategy.sharding_mesh_dim``, except that its
+    default ("dp", a name the search's meshes never use) means the search's
+    data-parallel dim (its meshes' first, ``x``) under ``auto_mode="full"``."""
+    default = next(f.default for f in dataclasses.fields(strategy)
+                   if f.name == "sharding_mesh_dim")
+    if strategy.auto_mode == "full" and strategy.sharding_mesh_dim == default:
+        return MESH_DIMS[0]
+    return strategy.sharding_mesh_dim
 
 
 def zero_effect(result, program, strategy, weights: dict, costs) -> tuple[float, float]:
     """(seconds added per micro-batch, bytes per device saved) by ZeRO's sharding of the
     states on ``result``'s choice (a SearchResult; ``costs``: the SearchCosts of its mesh
     and devices; ``weights``: op role -> runs per micro-batch); (0, 0) without
-    ``strategy.sharding`` or where the mesh lacks ``strategy.sharding_mesh_dim``."""
+    ``strategy.sharding`` or where the mesh lacks its :func:`sharding_dim`."""
     space, problem, choice = result.space, result.problem, result.choice
-    mesh, dim = space.mesh, strategy.sharding_mesh_dim
+    mesh, dim = space.mesh, sharding_dim(strategy)
     if not strategy.sharding or dim not in mesh.dim_names:
         return 0.0, 0.0
     n = mesh.dim_size(dim)

@@ -287,3 +287,35 @@ def test_flat_objectives_equal_the_per_pair_sums_and_tree_moves_never_worsen():
             assert objective(red, cost, better) <= objective(red, cost, choice)
             checked += 1
     assert checked > 50
+
+
+def test_guided_descents_reach_the_split_unpriced_descents_miss():
+    """GPT 529.6B's block (Megatron Table 1: h 20480, 9 sequences a micro-batch, 280
+    micro-batches, recomputation) on a [9, 2, 4] (dp, cp, tp) mesh of 9 DGX A100s: the
+    unpriced descents settle on the sequence split over cp and y with every weight whole;
+    the guided ones (memory priced, then tree moves at time alone) reach the ILP's
+    optimum, Megatron's split over y, at a quarter of the peak."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
+    from gpt_scale import dgx_cluster, gpt, program
+    from distgraph.passes.search.layers import block_layers
+    from distgraph.passes.search.runs import RunCosts, logical_mesh
+    from distgraph.passes.transforms.recompute import recompute, segments
+    cluster = dgx_cluster(9)
+    built = program(gpt(4, 20480, 128), 9)
+    recompute(built.program, segments(built, True))
+    layering = block_layers(built.program, built.block_paths)
+    found = {}
+    for method in ("ilp", "recursive"):
+        costs = RunCosts(built, dg.Strategy(auto_mode="full", pipeline=True, search=method),
+                         cluster, layering, micro=280)
+        mesh, device_of = logical_mesh(cluster.device_meshes[0], (9, 8), (9, 2, 4))
+        found[method] = costs._search(mesh, device_of)["block"]
+    rec, ilp = found["recursive"], found["ilp"]
+    walks = Walks()
+    walks.setup(rec.problem, rec.space, ["x", "cp", "y"])
+    unpriced = min(evaluate(rec.problem, c) for c in walks.walk.run(0.0))
+    assert rec.report.status == "recursive" and ilp.report.status == "optimal"
+    assert rec.report.objective == pytest.approx(ilp.report.objective, rel=1e-9)
+    assert unpriced > 1.005 * rec.report.objective
+    assert rec.report.peak_memory < 0.3 * peak_memory(rec.problem, min(
+        walks.walk.run(0.0), key=lambda c: evaluate(rec.problem, c)))

@@ -19,8 +19,8 @@ copied to the row's GPU count):
 For each row it prints both plans' predicted model TFLOP/s per GPU (the paper's F = 96 B s
 l h^2 (1 + s/(6h) + V/(16 l h)) over the estimated step time), the searched plan's
 degrees, each plan's estimated peak memory and planning seconds (for a searched plan
-also the stage search's share: the rest, completion, rank mapping and compilation, is
-the same work whichever search chose), and Megatron's
+also the stage search's wall seconds: the rest, completion, rank mapping and
+compilation, is work outside the searches), and Megatron's
 prediction against the published figure. Targets: the searched plan is never predicted
 slower than Megatron's; Megatron's prediction within +-25% of the published TFLOP/s on
 every row; with ``--search auto,ilp``, auto's plan predicted no slower than the ILP-only

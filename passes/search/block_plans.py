@@ -30,18 +30,22 @@ from distgraph.errors import PlanError
 from distgraph.passes.search.run_dp import alike_stages, plan_interleaved, plan_runs
 
 
-def plan_blocks(costs, cluster, micro_batches: int = 1, virtual: int = 1) -> tuple:
+def plan_blocks(costs, cluster, micro_batches: int = 1, virtual: int = 1,
+                below: float = math.inf) -> tuple | None:
     """(StagePlan, the option of each stage) of ``costs``' layers on ``cluster``: the
     stage DP and, with ``virtual`` > 1, the interleaved pipelines of 2, 4 .. ``virtual``
     chunks per stage (:func:`~distgraph.passes.search.run_dp.plan_interleaved`) on the
     fastest options, then on the memory variants of the meshes where memory held them
-    back (module docstring); the least objective wins."""
+    back (module docstring); the least objective wins. ``below``: a latency another
+    plan has (another micro-batch count's): only plans below it are looked for, and
+    memory holds a mesh back only where its alike stages beat it; None where none is
+    found."""
     count, blocks = costs.layering.count, costs.blocks
     p2p = costs.p2p_seconds
     chunks = [2 ** k for k in range(1, int(math.log2(max(virtual, 1))) + 1)]
 
     def best_of(options, plan):
-        latency = plan[0].objective if plan is not None else math.inf
+        latency = plan[0].objective if plan is not None else below
         for v in chunks:
             found = plan_interleaved(count, blocks, options, cluster, micro_batches, v,
                                      costs.chunk_layers, p2p)
@@ -55,7 +59,7 @@ def plan_blocks(costs, cluster, micro_batches: int = 1, virtual: int = 1) -> tup
         return plain or plan
 
     plan = best_of(costs.options(variants=False), None)
-    latency = plan[0].objective if plan is not None else math.inf
+    latency = plan[0].objective if plan is not None else below
     layouts: dict = {}
 
     def held_back(option) -> bool:
@@ -67,9 +71,11 @@ def plan_blocks(costs, cluster, micro_batches: int = 1, virtual: int = 1) -> tup
                 return True
         return False
 
-    wanted = None if plan is None else held_back
-    if plan is None or any(held_back(o) for o in costs.options(variants=False)):
+    wanted = None if plan is None and math.isinf(below) else held_back
+    if wanted is None or any(held_back(o) for o in costs.options(variants=False)):
         plan = best_of(costs.options(variants=True, wanted=wanted), plan)
+    if plan is None and math.isfinite(below):
+        return None
     if plan is None:
         how = f", interleaved ({virtual} chunks per stage at most) or not," if virtual > 1 else ""
         raise PlanError(f"no split of {count} layers ({len(blocks)} identical blocks) into "

@@ -14,7 +14,9 @@ found: memory held it back there. Elsewhere the variants could only fit a plan t
 slower anyway. (A plan of unlike stages that needs the variants of a mesh whose alike
 stages do not beat the best is not looked for: on models of identical blocks the best
 plans tile the devices alike.) The DPs then run again on the fastest options and the
-variants searched, below the best latency so far.
+variants searched, below the best latency so far: first with the variants of the (x, t)
+meshes, then with the (dp, cp, tp) meshes too, whose variants are searched where their
+alike stages beat the plan the first found.
 
 Example::
 
@@ -73,6 +75,10 @@ def plan_blocks(costs, cluster, micro_batches: int = 1, virtual: int = 1,
 
     wanted = None if plan is None and math.isinf(below) else held_back
     if wanted is None or any(held_back(o) for o in costs.options(variants=False)):
+        # the variants of the (x, t) meshes first: the plan they give holds the (dp, cp,
+        # tp) meshes' variants back where those meshes' alike stages do not beat it
+        plan = best_of(costs.options(variants=True, wanted=wanted, sequence=False), plan)
+        latency = plan[0].objective if plan is not None else below
         plan = best_of(costs.options(variants=True, wanted=wanted), plan)
     if plan is None and math.isfinite(below):
         return None

@@ -108,6 +108,7 @@ class _RunSearch(_Search):
         times = np.concatenate([r.table[key][:, 0] for r in runs for key in r.table])
         self.caps_sorted = np.unique(times[np.isfinite(times)])
         self._below = _faster_pairs(self.options)
+        self._prepared: dict = {}       # id(option) -> what _relax reads of it (_fixed)
 
     def solve_cap(self, cap: float):
         self.runs += 1
@@ -158,38 +159,53 @@ class _RunSearch(_Search):
         """G[k] = min(G[k], the best stage of option r starting at k, then F): ``H`` is
         F with r's units taken (a view), ``Gv`` the part of G with room for them."""
         b0, b1, L = self.blocks.start, self.blocks.stop, self.L
-        axis, n = 1 + r.axis, self.dims[r.axis]
-        if r.size >= n:
+        if r.size >= self.dims[r.axis]:
             return
-        src, dst = [slice(None)] * F.ndim, [slice(None)] * F.ndim
-        src[axis], dst[axis] = slice(0, n - r.size), slice(r.size, None)
-        H, Gv = F[tuple(src)], G[tuple(dst)]
-        col = (-1,) + (1,) * (F.ndim - 1)            # a vector along the layers
+        src, dst, ramp, start, last, first = self._fixed(r, F.ndim)
+        H, Gv = F[src], G[dst]
         w = most[False, False]
         if w >= 1 and b1 > b0:                      # blocks only: k..j-1 in [b0, b1)
-            # a stage of m blocks costs m tb + its transfers' share (row 0 of the table)
-            table = r.table[False, False]
-            fixed, tb = table[0, 0], table[1, 0] - table[0, 0]
-            j = np.arange(b0 + 1, b1 + 1)
-            window = _window_min(j.reshape(col) * tb + H[b0 + 1:b1 + 1], w)
-            k = np.arange(b0, b1)
-            window -= k.reshape(col) * tb - fixed
+            window = _window_min(ramp + H[b0 + 1:b1 + 1], w)
+            window -= start
             np.minimum(Gv[b0:b1], window, out=Gv[b0:b1])
         if b1 < L:                                  # blocks k..b1-1, then H
             w = most[False, True]
             if w >= 0:
                 lo = max(b0, b1 - w)
-                t = r.table[False, True][b1 - np.arange(lo, b1 + 1), 0]
-                np.minimum(Gv[lo:b1 + 1], t.reshape(col) + H[L], out=Gv[lo:b1 + 1])
+                np.minimum(Gv[lo:b1 + 1], last[lo - b0:] + H[L], out=Gv[lo:b1 + 1])
         if b0 > 0:                                  # E, blocks b0..i
             w = most[True, False]
             if w >= 0:
                 m = min(w, b1 - b0)
-                t = r.table[True, False][:m + 1, 0]
-                np.minimum(Gv[0], (t.reshape(col) + H[b0:b0 + m + 1]).min(axis=0),
+                np.minimum(Gv[0], (first[:m + 1] + H[b0:b0 + m + 1]).min(axis=0),
                            out=Gv[0])
             if b1 < L and most[True, True] >= b1 - b0:
                 np.minimum(Gv[0], r.table[True, True][b1 - b0, 0] + H[L], out=Gv[0])
+
+    def _fixed(self, r, ndim: int) -> tuple:
+        """What :meth:`_relax` reads of option ``r`` whatever the cap and stage count:
+        the table views' slices, and as vectors along the layers, a blocks-only stage's
+        ``j tb`` at its end j and ``k tb - fixed`` at its start k (m blocks cost m tb plus
+        the transfers' share, the table's row 0), the times of blocks k..b1-1 with H
+        for k = b0 .. b1, those of E with 0, 1 .. blocks."""
+        if id(r) not in self._prepared:
+            b0, b1 = self.blocks.start, self.blocks.stop
+            axis, n = 1 + r.axis, self.dims[r.axis]
+            src, dst = [slice(None)] * ndim, [slice(None)] * ndim
+            src[axis], dst[axis] = slice(0, n - r.size), slice(r.size, None)
+            col = (-1,) + (1,) * (ndim - 1)
+            ramp = start = last = first = None
+            if (False, False) in r.table and b1 > b0:
+                table = r.table[False, False]
+                fixed, tb = table[0, 0], table[1, 0] - table[0, 0]
+                ramp = np.arange(b0 + 1, b1 + 1).reshape(col) * tb
+                start = np.arange(b0, b1).reshape(col) * tb - fixed
+            if (False, True) in r.table:
+                last = r.table[False, True][b1 - np.arange(b0, b1 + 1), 0].reshape(col)
+            if (True, False) in r.table:
+                first = r.table[True, False][:, 0].reshape(col)
+            self._prepared[id(r)] = (tuple(src), tuple(dst), ramp, start, last, first)
+        return self._prepared[id(r)]
 
     def _walk(self, tables, s, reach):
         """The stages of the best plan in ``s`` stages, recomputed from the tables: at

@@ -123,7 +123,7 @@ class _RunSearch(_Search):
         for s in range(1, self.max_stages + 1):
             G = np.full_like(F, np.inf)
             for n in self._live(most, keys, s):
-                self._relax(G, F, self.options[n], dict(zip(keys, most[n][s].tolist())))
+                self._relax(G, F, self.options[n], dict(zip(keys, most[n][s].tolist())), s)
             tables.append(G)
             F = G
             if G[full] < best:
@@ -155,20 +155,24 @@ class _RunSearch(_Search):
             out.append(n)
         return out
 
-    def _relax(self, G, F, r, most) -> None:
-        """G[k] = min(G[k], the best stage of option r starting at k, then F): ``H`` is
-        F with r's units taken (a view), ``Gv`` the part of G with room for them."""
+    def _relax(self, G, F, r, most, s: int) -> None:
+        """G[k] = min(G[k], the best stage of option r starting at k, then F), ``s``
+        stages from k on: ``H`` is F with r's units taken (a view), ``Gv`` the part of G
+        with room for them. Only starts k <= L - s can begin s stages (one layer or more
+        each), and only F's rows up to L - s + 1 are finite; a stage holding H is the
+        last (s = 1)."""
         b0, b1, L = self.blocks.start, self.blocks.stop, self.L
         if r.size >= self.dims[r.axis]:
             return
         src, dst, ramp, start, last, first = self._fixed(r, F.ndim)
         H, Gv = F[src], G[dst]
         w = most[False, False]
-        if w >= 1 and b1 > b0:                      # blocks only: k..j-1 in [b0, b1)
-            window = _window_min(ramp + H[b0 + 1:b1 + 1], w)
-            window -= start
-            np.minimum(Gv[b0:b1], window, out=Gv[b0:b1])
-        if b1 < L:                                  # blocks k..b1-1, then H
+        top = min(b1, L - s + 1)                    # the last end j of a finite F row
+        if w >= 1 and top > b0:                     # blocks only: k..j-1 in [b0, b1)
+            window = _window_min(ramp[:top - b0] + H[b0 + 1:top + 1], w)
+            window -= start[:top - b0]
+            np.minimum(Gv[b0:top], window, out=Gv[b0:top])
+        if b1 < L and s == 1:                       # blocks k..b1-1, then H
             w = most[False, True]
             if w >= 0:
                 lo = max(b0, b1 - w)
@@ -179,7 +183,7 @@ class _RunSearch(_Search):
                 m = min(w, b1 - b0)
                 np.minimum(Gv[0], (first[:m + 1] + H[b0:b0 + m + 1]).min(axis=0),
                            out=Gv[0])
-            if b1 < L and most[True, True] >= b1 - b0:
+            if b1 < L and s == 1 and most[True, True] >= b1 - b0:
                 np.minimum(Gv[0], r.table[True, True][b1 - b0, 0] + H[L], out=Gv[0])
 
     def _fixed(self, r, ndim: int) -> tuple:

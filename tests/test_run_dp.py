@@ -258,3 +258,37 @@ def test_run_dp_skipping_slower_options_keeps_the_plan(seed, fit_memory, monkeyp
     monkeypatch.setattr(run_dp._RunSearch, "_live", unpruned)
     assert answer() == pruned
     monkeypatch.setattr(run_dp._RunSearch, "_live", everything)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_alike_stages_that_fit_bound_the_dp_from_above(seed):
+    """The first DP of plan_blocks is pruned from the start by the best plan of alike
+    stages that fits as the DP counts memory (block_plans._fitting_alike): a plan the DP
+    can make, so its objective is no less than the DP's optimum, and the DP below it
+    finds that optimum."""
+    from distgraph.passes.search.block_plans import _fitting_alike
+
+    rng = np.random.default_rng(700 + seed)
+    cluster = cluster_of(*[(1, 8), (4, 4), (8, 2)][seed % 3],
+                         memory=float(rng.uniform(1.0, 3.0)))
+    n = int(rng.integers(5, 13))
+    first, last = seed % 4 != 3, seed % 3 != 2
+    parts = {"block": 1.0, **({"first": 0.4} if first else {}), **({"last": 0.7} if last else {})}
+    options = variant_options(rng, cluster, parts)
+    count, blocks = n + first + last, range(int(first), int(first) + n)
+    B = int(rng.integers(1, 17))
+
+    def p2p(option):
+        return 0.2 * option.parts["block"][0].time
+
+    fits = _fitting_alike(options, count, blocks, cluster, B, p2p)
+    try:
+        plan, _ = plan_runs(count, blocks, options, cluster, B, p2p=p2p)
+    except PlanError:
+        assert math.isinf(fits)
+        return
+    assert plan.objective <= fits * (1 + 1e-12)
+    if math.isfinite(fits):
+        bounded, _ = plan_runs(count, blocks, options, cluster, B, p2p=p2p,
+                               below=fits * (1 + 1e-9))
+        assert bounded.objective == pytest.approx(plan.objective, rel=1e-12)

@@ -260,14 +260,15 @@ def _latency(built, strategy, cluster, micro: int, runs: dict) -> float:
 
 
 def _beaten(built, strategy, cluster, micro: int, seconds: float, runs: dict) -> bool:
-    """Whether the stage search's bound shows ``micro`` micro-batches take no less than
-    ``seconds`` per step; the stage options it searched go into ``runs`` (see
-    :func:`_latency`)."""
+    """Whether the stage search finds no plan of ``micro`` micro-batches below
+    ``seconds`` per step (its bound, then its search below ``seconds``); the stage
+    options it searched go into ``runs`` (see :func:`_latency`)."""
     from distgraph.passes.search.stages import pipeline_beaten
 
     built, accumulation = _split(built, micro)
+    budget = None if strategy.memory_budget_gb is None else strategy.memory_budget_gb * 1e9
     beaten, costs = pipeline_beaten(_transformed(built, strategy), strategy, cluster,
-                                    accumulation, seconds, _seed(runs))
+                                    accumulation, seconds, _seed(runs), budget)
     if costs is not None:
         runs[micro] = (built, accumulation, costs)
     return beaten

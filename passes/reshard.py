@@ -254,41 +254,63 @@ def _boxes(attr: DistAttr, shape, pids) -> np.ndarray:
 def _send_recv_step(src: DistAttr, dst: DistAttr, shape, dtype) -> ReshardStep:
     """p2p tiles from ``src`` (no Partial) to ``dst``. Where ``dst`` is Partial, only the
     processes at coordinate 0 of those mesh dims receive; the others hold zeros."""
-    itemsize = dtypes.itemsize(dtype)
-    holders: dict = {}          # region -> its processes, regions in first-held order
-    senders = list(src.mesh.process_ids)
-    for p, box in zip(senders, _boxes(src, shape, senders).tolist()):
-        holders.setdefault(tuple(map(tuple, box)), []).append(p)
-    regions = list(holders)
-    load = {p: 0 for p in senders}
-    partial_axes = [dst.mesh.dim_index(m) for m in dst.spec.partial]
-    receivers = [q for q in dst.mesh.process_ids
-                 if not any(dst.mesh.coord(q)[a] for a in partial_axes)]
-    # every (receiver, region) tile at once; the loop below visits only those that meet
-    held = np.array(regions, dtype=np.int64).reshape(len(regions), len(shape), 2)
-    wanted = _boxes(dst, shape, receivers)
-    lo = np.maximum(wanted[:, None, :, 0], held[None, :, :, 0])
-    hi = np.minimum(wanted[:, None, :, 1], held[None, :, :, 1])
-    meets = (lo < hi).all(axis=2)
-    ks, rs = np.nonzero(meets)                   # receiver-major, as the transfers go
-    sizes = ((hi - lo).prod(axis=2)[ks, rs] * itemsize).tolist()
-    lows, highs = lo[ks, rs].tolist(), hi[ks, rs].tolist()
-    sender = [0] * len(ks)
-    for r, pids in enumerate(holders.values()):
-        remote, holding = [], set(pids)      # a set: a list is quadratic in the ranks
-        for i in np.flatnonzero(rs == r).tolist():
-            q = receivers[ks[i]]
-            if q in holding:
-                sender[i] = q
-            else:
-                remote.append(i)
-        _pick_senders(pids, remote, sizes, sender, load)
-    transfers = [Transfer(sender[i], receivers[k], tuple(zip(lows[i], highs[i])), sizes[i])
-                 for i, k in enumerate(ks.tolist())]
-    busiest = max(load.values(), default=0)
-    return ReshardStep(StepKind.SEND_RECV, src.mesh, src.spec, dst.spec, shape, dtype,
-                collective_bytes(StepKind.SEND_RECV, 2, busiest), busiest,
-                dst_mesh=dst.mesh, transfers=tuple(transfers))
+    return _Tiles(src, dst, shape, dtype).step()
+
+
+class _Tiles:
+    """The p2p tiles of :func:`_send_recv_step` as arrays, with their senders chosen and
+    each sender's load: what :func:`_plan_cross_mesh` compares its candidates by, before
+    the one it keeps is made a ReshardStep of Transfer values."""
+
+    def __init__(self, src: DistAttr, dst: DistAttr, shape, dtype):
+        self.src, self.dst, self.shape, self.dtype = src, dst, shape, dtype
+        itemsize = dtypes.itemsize(dtype)
+        holders: dict = {}      # region -> its processes, regions in first-held order
+        senders = list(src.mesh.process_ids)
+        for p, box in zip(senders, _boxes(src, shape, senders).tolist()):
+            holders.setdefault(tuple(map(tuple, box)), []).append(p)
+        regions = list(holders)
+        self.load = load = {p: 0 for p in senders}
+        partial_axes = [dst.mesh.dim_index(m) for m in dst.spec.partial]
+        self.receivers = receivers = [q for q in dst.mesh.process_ids
+                                      if not any(dst.mesh.coord(q)[a] for a in partial_axes)]
+        # every (receiver, region) tile at once; the loop below visits only those that meet
+        held = np.array(regions, dtype=np.int64).reshape(len(regions), len(shape), 2)
+        wanted = _boxes(dst, shape, receivers)
+        lo = np.maximum(wanted[:, None, :, 0], held[None, :, :, 0])
+        hi = np.minimum(wanted[:, None, :, 1], held[None, :, :, 1])
+        meets = (lo < hi).all(axis=2)
+        ks, rs = np.nonzero(meets)               # receiver-major, as the transfers go
+        self.ks, self.lo, self.hi = ks, lo[ks, rs], hi[ks, rs]
+        self.sizes = sizes = ((hi - lo).prod(axis=2)[ks, rs] * itemsize).tolist()
+        self.sender = sender = [0] * len(ks)
+        for r, pids in enumerate(holders.values()):
+            remote, holding = [], set(pids)  # a set: a list is quadratic in the ranks
+            for i in np.flatnonzero(rs == r).tolist():
+                q = receivers[ks[i]]
+                if q in holding:
+                    sender[i] = q
+                else:
+                    remote.append(i)
+            _pick_senders(pids, remote, sizes, sender, load)
+        self.busiest = max(load.values(), default=0)
+        self.bytes = collective_bytes(StepKind.SEND_RECV, 2, self.busiest)
+
+    def remote_bytes(self) -> int:
+        """Bytes of the tiles a process sends to another."""
+        to = np.asarray(self.receivers, dtype=np.int64)[self.ks]
+        return int(np.asarray(self.sizes, dtype=np.int64)[
+            np.asarray(self.sender, dtype=np.int64) != to].sum()) if len(self.ks) else 0
+
+    def step(self) -> ReshardStep:
+        lows, highs, sizes, sender = self.lo.tolist(), self.hi.tolist(), self.sizes, self.sender
+        receivers = self.receivers
+        transfers = [Transfer(sender[i], receivers[k], tuple(zip(lows[i], highs[i])), sizes[i])
+                     for i, k in enumerate(self.ks.tolist())]
+        src, dst = self.src, self.dst
+        return ReshardStep(StepKind.SEND_RECV, src.mesh, src.spec, dst.spec, self.shape,
+                           self.dtype, self.bytes, self.busiest, dst_mesh=dst.mesh,
+                           transfers=tuple(transfers))
 
 
 def _pick_senders(pids, tiles, sizes, sender, load) -> None:
@@ -322,11 +344,9 @@ def _plan_cross_mesh(src: DistAttr, dst: DistAttr, shape, dtype) -> list[Reshard
         receive = _receive_spec(dst.mesh, dst.spec, shape, split)
         if receive is None:
             continue
-        p2p = _send_recv_step(DistAttr(src.mesh, reduced), DistAttr(dst.mesh, receive),
-                              shape, dtype)
+        p2p = _Tiles(DistAttr(src.mesh, reduced), DistAttr(dst.mesh, receive), shape, dtype)
         tail = _plan_same_mesh(dst.mesh, receive, dst.spec, shape, dtype)
-        remote = sum(t.nbytes for t in p2p.transfers if t.src != t.dst)
-        key = (p2p.bytes, remote, steps_bytes(tail), len(tail))
+        key = (p2p.bytes, p2p.remote_bytes(), steps_bytes(tail), len(tail))
         if best is None or key < best[0]:
-            best = (key, [p2p] + tail)
-    return head + best[1]
+            best = (key, p2p, tail)
+    return head + [best[1].step()] + best[2]

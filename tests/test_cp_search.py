@@ -136,3 +136,38 @@ def test_long_sequence_plan_trains_as_serial_on_mpi_ranks(float64, long_plan, tm
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     got = np.load(out)
     C.L.trains_equal([(got["losses"], {name: got[name] for name in serial[1]})], serial)
+
+
+@pytest.mark.parametrize("case, budget_gb", [(C.LONG, C.BUDGET_GB), (C.LONG, 2 * C.BUDGET_GB),
+                                             (C.SHORT, None)])
+def test_variants_searched_in_stages_keep_the_plan_of_every_variant(float64, case, budget_gb):
+    """plan_blocks searches the (x, t) meshes' variants, then the (dp, cp, tp) meshes and
+    their variants only where their alike stages beat the plan found: its objective is
+    the stage DP's on every option with every variant searched."""
+    import dataclasses
+
+    from distgraph.passes.pipeline.accumulate import split_micro_batches
+    from distgraph.passes.search.block_plans import plan_blocks
+    from distgraph.passes.search.layers import block_layers
+    from distgraph.passes.search.run_dp import plan_runs
+    from distgraph.passes.search.runs import RunCosts
+    from distgraph.passes.search.stages import _capped
+
+    built, _ = C.built_program(*case)
+    built, _ = split_micro_batches(built, C.MICRO)
+    machine = C.cluster()
+    target = machine if budget_gb is None else _capped(machine, budget_gb)
+
+    def costs():
+        copy = dataclasses.replace(built, program=built.program.clone())
+        return RunCosts(copy, C.strategy(), machine,
+                        block_layers(copy.program, copy.block_paths), C.MICRO)
+
+    staged = costs()
+    plan, _ = plan_blocks(staged, target, micro_batches=C.MICRO)
+    every = costs()
+    oracle, _ = plan_runs(every.layering.count, every.layering.blocks,
+                          every.options(variants=True), target, C.MICRO,
+                          p2p=every.p2p_seconds)
+    assert plan.objective == pytest.approx(oracle.objective, rel=1e-9)
+    assert every.searches >= staged.searches

@@ -89,7 +89,8 @@ def test_left_to_the_search_only_where_a_stage_search_runs():
 
 def test_a_count_is_pruned_only_where_its_bound_reaches_the_best_latency():
     # the bound (fastest parts, memory unlimited) never exceeds the count's own latency,
-    # so pruning with it keeps the walk's choice: the same M with and without it
+    # and the search below a latency finds a plan exactly where the count's own is
+    # below it, so pruning with them keeps the walk's choice: the same M with and without
     built, cluster = built_gpt(layers=4), S.line_cluster(4, bandwidth=1.0)
     assert block_layers(built.program, built.block_paths) is not None     # bounded
     strategy = dg.Strategy(auto_mode="full", pipeline=True, micro_batches=None,
@@ -98,6 +99,7 @@ def test_a_count_is_pruned_only_where_its_bound_reaches_the_best_latency():
         asked = dataclasses.replace(strategy, micro_batches=m)
         latency = planner._latency(built, asked, cluster, m, {})
         assert not planner._beaten(built, asked, cluster, m, latency * (1 + 1e-9), {})
+        assert planner._beaten(built, asked, cluster, m, latency, {})
         assert planner._beaten(built, asked, cluster, m, latency * 1e-6, {})
     runs: dict = {}
     pruned = choose_micro_batches(built, strategy, cluster,
@@ -106,3 +108,20 @@ def test_a_count_is_pruned_only_where_its_bound_reaches_the_best_latency():
     full = choose_micro_batches(built, strategy, cluster,
                                 lambda b, s, m: planner._latency(b, s, cluster, m, {}))
     assert pruned == full
+
+
+def test_a_count_held_back_by_memory_is_beaten_exactly_where_its_latency_is_not_below():
+    # under a memory budget the count's plan needs the memory variants (slower than its
+    # fastest parts' bound); the search below a latency still answers exactly: beaten
+    # at its own latency, not just above it
+    built, cluster = built_gpt(layers=4), S.line_cluster(4, bandwidth=1.0)
+    strategy = dg.Strategy(auto_mode="full", pipeline=True, micro_batches=4,
+                           search="recursive")
+    runs: dict = {}
+    free = planner._latency(built, strategy, cluster, 4, runs)
+    peak = max(s.memory for s in runs[4][2].planned[None][0].stages)
+    tight = dataclasses.replace(strategy, memory_budget_gb=0.9 * peak)
+    latency = planner._latency(built, tight, cluster, 4, {})
+    assert latency > free * 1.05                # memory holds the fastest parts back
+    assert planner._beaten(built, tight, cluster, 4, latency, {})
+    assert not planner._beaten(built, tight, cluster, 4, latency * (1 + 1e-9), {})

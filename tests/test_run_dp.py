@@ -173,3 +173,122 @@ def test_run_dp_equals_its_previous_implementation(seed, fit_memory):
     assert [options.index(o) for o in chosen] == [options.index(o) for o in old_chosen]
     assert beats(old.objective * (1 + 1e-9), *args)
     assert not beats(old.objective, *args)
+
+
+@pytest.mark.parametrize("seed", range(28, 48))     # 32 and 44 failed before the fix
+def test_run_dp_prices_the_stage_transfers_once_per_stage(seed):
+    """With the stages' transfers priced (``p2p``: seconds per micro-batch of a middle
+    stage, half that for the first and the last), the run DP equals the general DP
+    given each stage's time plus its share: a stage of m blocks pays them once, not m
+    times."""
+    rng = np.random.default_rng(300 + seed)
+    rows, cols = [(1, 4), (2, 4), (4, 2)][seed % 3]
+    cluster = cluster_of(rows, cols, memory=float(rng.uniform(2.0, 4.0)))
+    n = int(rng.integers(8, 13))
+    first, last = seed % 4 != 3, seed % 3 != 2
+    parts = {"block": 1.0, **({"first": 0.4} if first else {}), **({"last": 0.7} if last else {})}
+    options, shapes = random_options(rng, cluster, parts)
+    sends = {o.sub.shape: float(rng.uniform(0.2, 2.0)) * o.parts["block"][0].time
+             for o in options}
+    count, blocks = n + first + last, range(int(first), int(first) + n)
+    B = int(rng.integers(1, 9))
+    by_shape = {o.sub.shape: o for o in options}
+
+    def cost(layers, sub):
+        k, i = layers.start, layers.stop - 1
+        m = len(range(max(k, blocks.start), min(i + 1, blocks.stop)))
+        head, tail = k < blocks.start, i >= blocks.stop
+        seconds, memory, further = by_shape[sub.shape].cost(head, m, tail)
+        return StageCost(seconds + sends[sub.shape] * (2 - head - tail) / 2, memory, further)
+
+    def p2p(option):
+        return sends[option.sub.shape]
+
+    try:
+        general = plan_stages(count, cluster, cost, micro_batches=B,
+                              shapes={cluster.device_meshes[0].name: shapes})
+    except PlanError:
+        with pytest.raises(PlanError):
+            plan_runs(count, blocks, options, cluster, micro_batches=B, p2p=p2p)
+        return
+    plan, _ = plan_runs(count, blocks, options, cluster, micro_batches=B, p2p=p2p)
+    assert plan.objective == pytest.approx(general.objective, rel=1e-9)
+
+
+@pytest.mark.parametrize("seed", range(10))
+@pytest.mark.parametrize("fit_memory", [True, False])
+def test_run_dp_skipping_slower_options_keeps_the_plan(seed, fit_memory, monkeypatch):
+    """The DP skips, per stage count, an option that another of the same mesh and size
+    matches in every time and reach (``_RunSearch._live``); with every option that fits
+    relaxed instead, it returns the same plan, stage for stage."""
+    from distgraph.passes.search import run_dp
+
+    rng = np.random.default_rng(500 + seed)
+    cluster = cluster_of(*[(1, 8), (4, 4), (8, 2)][seed % 3],
+                         memory=float(rng.uniform(1.0, 3.0)))
+    n = int(rng.integers(5, 13))
+    first, last = seed % 4 != 3, seed % 3 != 2
+    parts = {"block": 1.0, **({"first": 0.4} if first else {}), **({"last": 0.7} if last else {})}
+    options = variant_options(rng, cluster, parts)
+    # some options as fast as another of their submesh, to be skipped where they reach less
+    options += [RunOption(o.axis, o.sub, o.logical + (2,),
+                          {k: (PartCost(c.time, c.persistent * 2, c.saved, c.transient), r)
+                           for k, (c, r) in o.parts.items()}) for o in options[::2]]
+    count, blocks = n + first + last, range(int(first), int(first) + n)
+    B = int(rng.integers(1, 17))
+
+    def p2p(option):
+        return 0.1 * option.parts["block"][0].time
+
+    def answer():
+        try:
+            plan, chosen = plan_runs(count, blocks, options, cluster, B, fit_memory, p2p=p2p)
+        except PlanError:
+            return None
+        return plan, [options.index(o) for o in chosen]
+
+    pruned = answer()
+    everything = run_dp._RunSearch._live
+
+    def unpruned(self, most, keys, s):
+        blocks_at = keys.index((False, False))
+        return [n for n, m in enumerate(most) if int(m[s][blocks_at]) >= 1 or
+                any(int(x) >= 0 for j, x in enumerate(m[s]) if j != blocks_at)]
+
+    monkeypatch.setattr(run_dp._RunSearch, "_live", unpruned)
+    assert answer() == pruned
+    monkeypatch.setattr(run_dp._RunSearch, "_live", everything)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_alike_stages_that_fit_bound_the_dp_from_above(seed):
+    """The first DP of plan_blocks is pruned from the start by the best plan of alike
+    stages that fits as the DP counts memory (block_plans._fitting_alike): a plan the DP
+    can make, so its objective is no less than the DP's optimum, and the DP below it
+    finds that optimum."""
+    from distgraph.passes.search.block_plans import _fitting_alike
+
+    rng = np.random.default_rng(700 + seed)
+    cluster = cluster_of(*[(1, 8), (4, 4), (8, 2)][seed % 3],
+                         memory=float(rng.uniform(1.0, 3.0)))
+    n = int(rng.integers(5, 13))
+    first, last = seed % 4 != 3, seed % 3 != 2
+    parts = {"block": 1.0, **({"first": 0.4} if first else {}), **({"last": 0.7} if last else {})}
+    options = variant_options(rng, cluster, parts)
+    count, blocks = n + first + last, range(int(first), int(first) + n)
+    B = int(rng.integers(1, 17))
+
+    def p2p(option):
+        return 0.2 * option.parts["block"][0].time
+
+    fits = _fitting_alike(options, count, blocks, cluster, B, p2p)
+    try:
+        plan, _ = plan_runs(count, blocks, options, cluster, B, p2p=p2p)
+    except PlanError:
+        assert math.isinf(fits)
+        return
+    assert plan.objective <= fits * (1 + 1e-12)
+    if math.isfinite(fits):
+        bounded, _ = plan_runs(count, blocks, options, cluster, B, p2p=p2p,
+                               below=fits * (1 + 1e-9))
+        assert bounded.objective == pytest.approx(plan.objective, rel=1e-12)

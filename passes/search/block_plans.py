@@ -14,7 +14,9 @@ found: memory held it back there. Elsewhere the variants could only fit a plan t
 slower anyway. (A plan of unlike stages that needs the variants of a mesh whose alike
 stages do not beat the best is not looked for: on models of identical blocks the best
 plans tile the devices alike.) The DPs then run again on the fastest options and the
-variants searched, below the best latency so far.
+variants searched, below the best latency so far: first with the variants of the (x, t)
+meshes, then with the (dp, cp, tp) meshes too, whose variants are searched where their
+alike stages beat the plan the first found.
 
 Example::
 
@@ -27,35 +29,45 @@ from __future__ import annotations
 import math
 
 from distgraph.errors import PlanError
-from distgraph.passes.search.run_dp import alike_stages, plan_interleaved, plan_runs
+from distgraph.passes.search.run_dp import (_even_parts, alike_stages, plan_interleaved,
+                                             plan_runs)
 
 
-def plan_blocks(costs, cluster, micro_batches: int = 1, virtual: int = 1) -> tuple:
+def plan_blocks(costs, cluster, micro_batches: int = 1, virtual: int = 1,
+                below: float = math.inf) -> tuple | None:
     """(StagePlan, the option of each stage) of ``costs``' layers on ``cluster``: the
     stage DP and, with ``virtual`` > 1, the interleaved pipelines of 2, 4 .. ``virtual``
     chunks per stage (:func:`~distgraph.passes.search.run_dp.plan_interleaved`) on the
     fastest options, then on the memory variants of the meshes where memory held them
-    back (module docstring); the least objective wins."""
+    back (module docstring); the least objective wins. ``below``: a latency another
+    plan has (another micro-batch count's): only plans below it are looked for, and
+    memory holds a mesh back only where its alike stages beat it; None where none is
+    found."""
     count, blocks = costs.layering.count, costs.blocks
     p2p = costs.p2p_seconds
     chunks = [2 ** k for k in range(1, int(math.log2(max(virtual, 1))) + 1)]
 
     def best_of(options, plan):
-        latency = plan[0].objective if plan is not None else math.inf
+        latency = plan[0].objective if plan is not None else below
         for v in chunks:
             found = plan_interleaved(count, blocks, options, cluster, micro_batches, v,
                                      costs.chunk_layers, p2p)
             if found is not None and found[0].objective < latency:
                 plan, latency = found, found[0].objective
         try:
-            plain = plan_runs(count, blocks, options, cluster, micro_batches, p2p=p2p,
-                              below=latency)
+            plain = None
+            fits = _fitting_alike(options, count, blocks, cluster, micro_batches, p2p)
+            if fits < latency:      # a plan the DP can make: its caps pruned from the start
+                plain = plan_runs(count, blocks, options, cluster, micro_batches, p2p=p2p,
+                                  below=fits * (1 + 1e-9))
+            plain = plain or plan_runs(count, blocks, options, cluster, micro_batches,
+                                       p2p=p2p, below=latency)
         except PlanError:           # nothing fits
             plain = None
         return plain or plan
 
     plan = best_of(costs.options(variants=False), None)
-    latency = plan[0].objective if plan is not None else math.inf
+    latency = plan[0].objective if plan is not None else below
     layouts: dict = {}
 
     def held_back(option) -> bool:
@@ -67,9 +79,15 @@ def plan_blocks(costs, cluster, micro_batches: int = 1, virtual: int = 1) -> tup
                 return True
         return False
 
-    wanted = None if plan is None else held_back
-    if plan is None or any(held_back(o) for o in costs.options(variants=False)):
+    wanted = None if plan is None and math.isinf(below) else held_back
+    if wanted is None or any(held_back(o) for o in costs.options(variants=False)):
+        # the variants of the (x, t) meshes first: the plan they give holds the (dp, cp,
+        # tp) meshes' variants back where those meshes' alike stages do not beat it
+        plan = best_of(costs.options(variants=True, wanted=wanted, sequence=False), plan)
+        latency = plan[0].objective if plan is not None else below
         plan = best_of(costs.options(variants=True, wanted=wanted), plan)
+    if plan is None and math.isfinite(below):
+        return None
     if plan is None:
         how = f", interleaved ({virtual} chunks per stage at most) or not," if virtual > 1 else ""
         raise PlanError(f"no split of {count} layers ({len(blocks)} identical blocks) into "
@@ -78,6 +96,36 @@ def plan_blocks(costs, cluster, micro_batches: int = 1, virtual: int = 1) -> tup
                         f"more memory, recomputation (Strategy(recompute=True)), or fewer "
                         f"micro-batches in flight")
     return plan
+
+
+def _fitting_alike(options, count: int, blocks: range, cluster, micro_batches: int,
+                   p2p) -> float:
+    """The least objective of a plan of alike stages tiling a device mesh (one option,
+    the layers split evenly: :func:`~distgraph.passes.search.run_dp.alike_stages`) whose
+    every stage fits the memory as the stage DP counts it (``s`` micro-batches in
+    flight at the s-th stage from the end), each stage paying its transfers' share as
+    the DP's tables do: a plan the DP can make, so its optimum is no greater (inf where
+    there is none)."""
+    best = math.inf
+    meshes = cluster.device_meshes
+    for option in options:
+        mesh = option.sub.mesh
+        if len(meshes) != 1 or mesh.size % option.sub.size:
+            continue
+        S = mesh.size // option.sub.size
+        if S > count:
+            continue
+        limit = min(cluster.device(i).memory for i in mesh.ids)
+        sends = p2p(option) if p2p is not None else 0.0
+        times = []
+        for s, (first, n, last) in enumerate(_even_parts(S, blocks, count)):
+            seconds, one, further = option.cost(first, n, last)
+            if one + (S - s - 1) * further > limit:
+                break
+            times.append(seconds + sends * (2 - first - last) / 2)
+        else:
+            best = min(best, sum(times) + (micro_batches - 1) * max(times))
+    return best
 
 
 def undominated(options: list) -> list:

@@ -22,7 +22,9 @@ options with the devices' memory unlimited (the memory variants can only make th
 stages fit, not faster: :func:`~distgraph.passes.search.block_plans.plan_blocks`) needs each
 logical mesh's fastest parts only; where that bound does not beat the best latency so
 far, the neighbour cannot win and its memory variants, the bulk of a price, are never
-priced.
+priced. Where it does, the stage search looks for plans below the best latency only
+(its caps pruned by it, variants searched only for meshes whose alike stages beat it);
+a neighbour is priced in full only where it has one.
 
 **Searched once.** The first count priced is searched in full; the others price its
 layouts on their own programs (the same ops, other batch shapes) and search only where

@@ -94,7 +94,7 @@ class _RunSearch(_Search):
     """The DP of the module docstring (same bisection over caps as the generic one).
     The tables keep the device counts as axes (``(L + 1,) + dims``): a stage of ``size``
     units on mesh ``a`` reads the previous table shifted by ``size`` along axis ``1 + a``,
-    a view, and the stages' windows are running minima by doubling."""
+    a view, and the stages' windows are running minima (van Herk / Gil-Werman)."""
 
     def __init__(self, count, blocks, runs, capacities, B):
         self.L, self.blocks, self.B = count, blocks, B
@@ -107,6 +107,8 @@ class _RunSearch(_Search):
         # caps it visited before they were pruned, so it returns the same plan
         times = np.concatenate([r.table[key][:, 0] for r in runs for key in r.table])
         self.caps_sorted = np.unique(times[np.isfinite(times)])
+        self._below = _faster_pairs(self.options)
+        self._prepared: dict = {}       # id(option) -> what _relax reads of it (_fixed)
 
     def solve_cap(self, cap: float):
         self.runs += 1
@@ -114,15 +116,14 @@ class _RunSearch(_Search):
         F[(self.L,) + (0,) * len(self.dims)] = 0.0
         full = (0,) + tuple(self.caps)
         reach = [r.reach(self.max_stages, cap) for r in self.options]
+        keys = list(self.options[0].table) if self.options else []
+        # reach as one array per option: (stages + 1, keys), (False, False) first
+        most = [np.stack([v[key] for key in keys], axis=1) for v in reach]
         tables, best, best_s = [F], math.inf, None
         for s in range(1, self.max_stages + 1):
             G = np.full_like(F, np.inf)
-            for r, most in zip(self.options, reach):
-                w = {key: int(v[s]) for key, v in most.items()}
-                if max((v for key, v in w.items() if key != (False, False)), default=-1) < 0 \
-                        and w[False, False] < 1:
-                    continue        # no stage of r fits the cap with s micro-batches in flight
-                self._relax(G, F, r, w)
+            for n in self._live(most, keys, s):
+                self._relax(G, F, self.options[n], dict(zip(keys, most[n][s].tolist())), s)
             tables.append(G)
             F = G
             if G[full] < best:
@@ -133,39 +134,82 @@ class _RunSearch(_Search):
             return math.inf, None
         return best, self._walk(tables, best_s, reach)
 
-    def _relax(self, G, F, r, most) -> None:
-        """G[k] = min(G[k], the best stage of option r starting at k, then F): ``H`` is
-        F with r's units taken (a view), ``Gv`` the part of G with room for them."""
+    def _live(self, most, keys, s) -> list:
+        """The options that may lower a table entry with ``s`` micro-batches in flight:
+        some stage of theirs fits, and no option of the same mesh and size that is as
+        fast at every length reaches as far in every kind of stage (its stages, then,
+        cost no more from every start: dropping the slower one leaves the table as it
+        is). Of two alike options the first is kept."""
+        blocks = keys.index((False, False))
+        w = [m[s] for m in most]
+        fits = [int(x[blocks]) >= 1 or any(int(x[j]) >= 0 for j in range(len(keys))
+                                            if j != blocks) for x in w]
+        out = []
+        for n, ok in enumerate(fits):
+            if not ok:
+                continue
+            if any(fits[o] and (w[o] >= w[n]).all() and
+                   (o < n or not (n in self._below[o] and (w[n] >= w[o]).all()))
+                   for o in self._below[n]):
+                continue
+            out.append(n)
+        return out
+
+    def _relax(self, G, F, r, most, s: int) -> None:
+        """G[k] = min(G[k], the best stage of option r starting at k, then F), ``s``
+        stages from k on: ``H`` is F with r's units taken (a view), ``Gv`` the part of G
+        with room for them. Only starts k <= L - s can begin s stages (one layer or more
+        each), and only F's rows up to L - s + 1 are finite; a stage holding H is the
+        last (s = 1)."""
         b0, b1, L = self.blocks.start, self.blocks.stop, self.L
-        axis, n = 1 + r.axis, self.dims[r.axis]
-        if r.size >= n:
+        if r.size >= self.dims[r.axis]:
             return
-        src, dst = [slice(None)] * F.ndim, [slice(None)] * F.ndim
-        src[axis], dst[axis] = slice(0, n - r.size), slice(r.size, None)
-        H, Gv = F[tuple(src)], G[tuple(dst)]
-        col = (-1,) + (1,) * (F.ndim - 1)            # a vector along the layers
+        src, dst, ramp, start, last, first = self._fixed(r, F.ndim)
+        H, Gv = F[src], G[dst]
         w = most[False, False]
-        if w >= 1 and b1 > b0:                      # blocks only: k..j-1 in [b0, b1)
-            tb = r.table[False, False][1, 0]
-            j = np.arange(b0 + 1, b1 + 1)
-            window = _window_min(j.reshape(col) * tb + H[b0 + 1:b1 + 1], w)
-            k = np.arange(b0, b1)
-            np.minimum(Gv[b0:b1], window - k.reshape(col) * tb, out=Gv[b0:b1])
-        if b1 < L:                                  # blocks k..b1-1, then H
+        top = min(b1, L - s + 1)                    # the last end j of a finite F row
+        if w >= 1 and top > b0:                     # blocks only: k..j-1 in [b0, b1)
+            window = _window_min(ramp[:top - b0] + H[b0 + 1:top + 1], w)
+            window -= start[:top - b0]
+            np.minimum(Gv[b0:top], window, out=Gv[b0:top])
+        if b1 < L and s == 1:                       # blocks k..b1-1, then H
             w = most[False, True]
             if w >= 0:
                 lo = max(b0, b1 - w)
-                t = r.table[False, True][b1 - np.arange(lo, b1 + 1), 0]
-                np.minimum(Gv[lo:b1 + 1], t.reshape(col) + H[L], out=Gv[lo:b1 + 1])
+                np.minimum(Gv[lo:b1 + 1], last[lo - b0:] + H[L], out=Gv[lo:b1 + 1])
         if b0 > 0:                                  # E, blocks b0..i
             w = most[True, False]
             if w >= 0:
                 m = min(w, b1 - b0)
-                t = r.table[True, False][:m + 1, 0]
-                np.minimum(Gv[0], (t.reshape(col) + H[b0:b0 + m + 1]).min(axis=0),
+                np.minimum(Gv[0], (first[:m + 1] + H[b0:b0 + m + 1]).min(axis=0),
                            out=Gv[0])
-            if b1 < L and most[True, True] >= b1 - b0:
+            if b1 < L and s == 1 and most[True, True] >= b1 - b0:
                 np.minimum(Gv[0], r.table[True, True][b1 - b0, 0] + H[L], out=Gv[0])
+
+    def _fixed(self, r, ndim: int) -> tuple:
+        """What :meth:`_relax` reads of option ``r`` whatever the cap and stage count:
+        the table views' slices, and as vectors along the layers, a blocks-only stage's
+        ``j tb`` at its end j and ``k tb - fixed`` at its start k (m blocks cost m tb plus
+        the transfers' share, the table's row 0), the times of blocks k..b1-1 with H
+        for k = b0 .. b1, those of E with 0, 1 .. blocks."""
+        if id(r) not in self._prepared:
+            b0, b1 = self.blocks.start, self.blocks.stop
+            axis, n = 1 + r.axis, self.dims[r.axis]
+            src, dst = [slice(None)] * ndim, [slice(None)] * ndim
+            src[axis], dst[axis] = slice(0, n - r.size), slice(r.size, None)
+            col = (-1,) + (1,) * (ndim - 1)
+            ramp = start = last = first = None
+            if (False, False) in r.table and b1 > b0:
+                table = r.table[False, False]
+                fixed, tb = table[0, 0], table[1, 0] - table[0, 0]
+                ramp = np.arange(b0 + 1, b1 + 1).reshape(col) * tb
+                start = np.arange(b0, b1).reshape(col) * tb - fixed
+            if (False, True) in r.table:
+                last = r.table[False, True][b1 - np.arange(b0, b1 + 1), 0].reshape(col)
+            if (True, False) in r.table:
+                first = r.table[True, False][:, 0].reshape(col)
+            self._prepared[id(r)] = (tuple(src), tuple(dst), ramp, start, last, first)
+        return self._prepared[id(r)]
 
     def _walk(self, tables, s, reach):
         """The stages of the best plan in ``s`` stages, recomputed from the tables: at
@@ -210,18 +254,30 @@ def _undominated(runs: list) -> list:
     return kept
 
 
+def _faster_pairs(runs: list) -> list:
+    """For each of ``runs``, the indices of the others of the same device mesh and size
+    whose every stage is as fast (every time of their tables no greater)."""
+    out = []
+    for n, r in enumerate(runs):
+        out.append({o for o, q in enumerate(runs) if o != n and q.axis == r.axis and
+                    q.size == r.size and all((q.table[key][:, 0] <= r.table[key][:, 0]).all()
+                                             for key in r.table)})
+    return out
+
+
 def _window_min(A: np.ndarray, w: int) -> np.ndarray:
     """out[q] = min(A[q : q + w]) along axis 0 (the window cut at the end), by doubling:
-    minima over 1, 2, 4 .. p <= w rows, then two overlapping windows of p rows."""
+    minima over 1, 2, 4 .. p <= w rows, then two overlapping windows of p rows. ``A``
+    is overwritten and returned."""
     n = A.shape[0]
     w = min(w, n)
-    out, p = A, 1
+    p = 1
     while p < w:
         step = min(p, w - p)        # p, 2p, 4p .. then the last, overlapping step
-        nxt = out.copy()
-        np.minimum(out[:n - step], out[step:], out=nxt[:n - step])
-        out, p = nxt, p + step
-    return out
+        # in place: numpy reads the overlapping rows as they were before the call
+        np.minimum(A[:n - step], A[step:], out=A[:n - step])
+        p += step
+    return A
 
 
 def plan_runs(count: int, blocks: range, options: list, cluster,

@@ -224,11 +224,12 @@ class RunCosts:
         self._p2p: dict = {}          # (option's mesh, its block search) -> boundary seconds
 
     # -- the options --------------------------------------------------------------------
-    def options(self, variants: bool = True, wanted=None) -> list:
+    def options(self, variants: bool = True, wanted=None, sequence: bool = True) -> list:
         """Every (device mesh, submesh, logical shape) with its parts costed: the fastest
-        parts, and with ``variants`` the memory variants and the (dp, cp, tp) meshes too
-        (module docstring); ``wanted(option)`` (optional, on a mesh's fastest option):
-        whether to search that mesh's variants (those searched before are kept)."""
+        parts, and with ``variants`` the memory variants and, with ``sequence`` too, the
+        (dp, cp, tp) meshes (module docstring); ``wanted(option)`` (optional, on a mesh's
+        fastest option): whether to search that mesh's variants (those searched before
+        are kept)."""
         out = []
         for axis, device_mesh in enumerate(self.cluster.device_meshes):
             rows, cols = _grid(device_mesh.shape)
@@ -242,7 +243,7 @@ class RunCosts:
                 for t in [t for t in range(1, shape[1] + 1) if shape[1] % t == 0]:
                     logical = (shape[0] * shape[1] // t, t)
                     out.append((axis, sub, logical))
-                    cp = self._sequence_split(logical[0]) if variants else 1
+                    cp = self._sequence_split(logical[0]) if variants and sequence else 1
                     if cp > 1:
                         out.append((axis, sub, (logical[0] // cp, cp, t)))
         # search the largest mesh of each kind and t whose x divides the rows first

@@ -187,20 +187,29 @@ def pipeline_latency(copy, strategy, cluster, accumulation, memory_budget=None,
 
 
 def pipeline_beaten(copy, strategy, cluster, accumulation, latency: float,
-                    seed=None) -> tuple:
-    """(True where no stage plan of ``copy`` can take less than ``latency`` seconds per
-    step, by the bound :mod:`distgraph.passes.search.micro` prunes with: the stage DP on
-    each logical mesh's fastest parts, the devices' memory unlimited; the RunCosts that
-    bounded it, for :func:`pipeline_latency`, or None). Programs not of identical blocks
-    have no such bound: False. ``seed``: as :func:`pipeline_latency`'s."""
+                    seed=None, memory_budget=None) -> tuple:
+    """(True where the stage search finds no plan of ``copy`` below ``latency`` seconds
+    per step; the RunCosts it priced, for :func:`pipeline_latency`, or None). First the
+    bound :mod:`distgraph.passes.search.micro` prunes with: the stage DP on each logical
+    mesh's fastest parts, the devices' memory unlimited; where that does not rule it
+    out, the stage search itself looking below ``latency`` only (its caps pruned by it,
+    memory variants searched only for meshes whose alike stages beat it:
+    :func:`~distgraph.passes.search.block_plans.plan_blocks`). Programs not of identical
+    blocks are not bounded: False. ``seed``: as :func:`pipeline_latency`'s;
+    ``memory_budget``: bytes per device (None: the devices' memory)."""
     layering = block_layers(copy.program, copy.block_paths)
     if layering is None:
         return False, None
     micro = accumulation.micro_batches if accumulation is not None else 1
     costs = RunCosts(copy, strategy, cluster, layering, micro, seed)
     fastest = costs.options(variants=False)
-    return not beats(latency, layering.count, layering.blocks, fastest, cluster, micro,
-                     fit_memory=False), costs
+    if not beats(latency, layering.count, layering.blocks, fastest, cluster, micro,
+                 fit_memory=False):
+        return True, costs
+    target = cluster if memory_budget is None else _capped(cluster, memory_budget / GB)
+    found = plan_blocks(costs, target, micro_batches=micro, virtual=_virtual(strategy),
+                        below=latency)
+    return found is None, costs
 
 
 def _blocks_plan(costs, target, memory_budget, strategy) -> tuple:

@@ -120,3 +120,27 @@ def test_an_interleaved_searched_plan_trains_like_serial(float64):
         errors = P.compare((losses, params), reference, "float64")
         assert errors["steps"] == len(reference[0])
         assert errors["loss"] <= 1e-10 and errors["param"] <= 1e-10, (rank, errors)
+
+
+def test_zero_on_a_searched_plan_updates_the_slices_where_the_states_are_held():
+    """Strategy(sharding=True) after the stage search: an update whose states are held
+    split over the data-parallel dim runs on that split (each process its slice of the
+    parameter and the states), not on the layout the search gave the update, which
+    would gather every state whole for the update and slice it back after it."""
+    plan = dg.passes.plan(gpt_program(4), dg.Strategy(
+        auto_mode="full", pipeline=True, micro_batches=4, recompute=False, sharding=True,
+        sharding_mesh_dim="x"), S.line_cluster(8), ranks=())
+    sharded = 0
+    for op in plan.program.ops:
+        if op.role != "optimize" or len(op.inputs) < 4 or not op.inputs[0].is_parameter:
+            continue
+        state = op.inputs[2]
+        if "x" in state.dist_attr.spec.mesh_dims():
+            sharded += 1
+            specs = op.dist_attr.input_specs
+            assert specs[0] == specs[1] == specs[2] == state.dist_attr.spec, op
+            assert [o.dist_attr.spec for o in op.outputs] == [specs[0]] * 3, op
+        else:       # a mesh whose x is 1: nothing to shard there
+            assert op.dist_attr.mesh.dim_size("x") == 1 or "x" in \
+                op.inputs[0].dist_attr.spec.mesh_dims(), op
+    assert sharded

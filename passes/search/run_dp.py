@@ -58,11 +58,12 @@ class _Run:
         m = len(range(max(k, self.blocks.start), min(i + 1, self.blocks.stop)))
         return tuple(float(x) for x in self.table[first, last][m])
 
-    def reach(self, stages: int, cap: float) -> dict:
+    def reach(self, stages: int, cap: float, micro_batches: int | None = None) -> dict:
         """{(E?, H?): the most blocks such a stage may hold within ``cap`` with ``s``
-        micro-batches in flight, at index ``s`` for s = 0 .. ``stages``} (-1: none)."""
+        stages from it to the last, at index ``s`` for s = 0 .. ``stages``} (-1: none):
+        1F1B keeps ``min(s, micro_batches)`` micro-batches in flight there."""
         out = {}
-        s = np.arange(0, stages + 1)[:, None]
+        s = np.minimum(np.arange(0, stages + 1), micro_batches or stages)[:, None]
         for (first, last), t in self.table.items():
             ok = (t[:, 0] <= cap) & (t[:, 1] + (s - 1) * t[:, 2] <= self.limit)
             # costs grow with the blocks: the feasible counts are a prefix (from 0 or 1)
@@ -113,7 +114,7 @@ class _RunSearch(_Search):
         F = np.full((self.L + 1,) + self.dims, np.inf)
         F[(self.L,) + (0,) * len(self.dims)] = 0.0
         full = (0,) + tuple(self.caps)
-        reach = [r.reach(self.max_stages, cap) for r in self.options]
+        reach = [r.reach(self.max_stages, cap, self.B) for r in self.options]
         tables, best, best_s = [F], math.inf, None
         for s in range(1, self.max_stages + 1):
             G = np.full_like(F, np.inf)

@@ -94,7 +94,7 @@ from distgraph.passes.search.block_plans import undominated
 from distgraph.passes.search.layers import op_keys, same_op
 from distgraph.passes.search.recursive import Walks
 from distgraph.passes.pipeline.chunks import forward_chunks
-from distgraph.passes.search.sharded_states import zero_effect
+from distgraph.passes.search.sharded_states import sharding_dim, writeback_bytes
 from distgraph.passes.search.space import GB, logical_dims
 from distgraph.registry import op_flops
 from distgraph.passes.search.stage_dp import Submesh, _grid
@@ -393,7 +393,8 @@ class RunCosts:
                       weights=self.weights, loss=self._loss(ops), memory_budget=budget,
                       time_limit=self.strategy.solver_time_limit, memory=True,
                       boundary=boundary, method=method, costs=self._costs(mesh, device_of),
-                      refined=start, walks=walks, prove=prove)
+                      refined=start, walks=walks, prove=prove,
+                      zero=sharding_dim(self.strategy))
 
     @staticmethod
     def _mesh_key(mesh, device_of) -> tuple:
@@ -414,7 +415,8 @@ class RunCosts:
             moved = result.space.rebind(mesh, result.choice, self.program)
             priced = price(moved, self.cluster, device_of, weights=self.weights,
                            loss=self._loss(result.space.ops), boundary=result.boundary,
-                           status=result.report.status, costs=self._costs(mesh, device_of))
+                           status=result.report.status, costs=self._costs(mesh, device_of),
+                           zero=sharding_dim(self.strategy))
             out[part] = (self._measure(priced, self._costs(mesh, device_of)), priced)
         return out
 
@@ -491,12 +493,11 @@ class RunCosts:
             saved = sum(memory[i] for i in problem.liveness[backward]
                         if i in before and i not in always)
         peak = result.report.peak_memory
-        transient = max(peak - persistent - saved, 0.0)
-        # Strategy(sharding=True): the states the planner shards after the search
-        seconds, sharded = zero_effect(result, self.program, self.strategy, self.weights,
-                                       costs)
-        return PartCost(result.report.objective + seconds, persistent - sharded, saved,
-                        transient)
+        # Strategy(sharding=True), priced in the search (sharded_states): at an update,
+        # beside what persists, the buffer its ZeRO write-back gathers into
+        transient = max(peak - persistent - saved,
+                        writeback_bytes(result, sharding_dim(self.strategy)), 0.0)
+        return PartCost(result.report.objective, persistent, saved, transient)
 
     def p2p_seconds(self, option) -> float:
         """Seconds per micro-batch a stage of ``option`` between two others spends passing

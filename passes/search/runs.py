@@ -86,7 +86,7 @@ import numpy as np
 from distgraph.errors import PlanError
 from distgraph.ir import Role
 from distgraph.mesh import ProcessMesh
-from distgraph.passes.search.boundary import boundary_seconds
+from distgraph.passes.search.boundary import boundary_seconds, resent_bytes
 from distgraph.passes.search.costs import SearchCosts
 from distgraph.passes.search.intra_op import (Boundary, accumulating_updates, price,
                                                  search)
@@ -111,6 +111,7 @@ class PartCost:
     persistent: float
     saved: float
     transient: float
+    resent: float = 0.0     # kept per micro-batch for a second send (boundary.resent_bytes)
 
 
 @dataclass(frozen=True)
@@ -497,7 +498,8 @@ class RunCosts:
         # beside what persists, the buffer its ZeRO write-back gathers into
         transient = max(peak - persistent - saved,
                         writeback_bytes(result, sharding_dim(self.strategy)), 0.0)
-        return PartCost(result.report.objective, persistent, saved, transient)
+        return PartCost(result.report.objective, persistent, saved, transient,
+                        resent_bytes(result) if result.boundary.periodic else 0.0)
 
     def p2p_seconds(self, option) -> float:
         """Seconds per micro-batch a stage of ``option`` between two others spends passing

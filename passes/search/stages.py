@@ -225,8 +225,13 @@ def _plan_runs(copy, strategy, cluster, target, costs, start, memory_budget) -> 
         for o in chosen:
             if id(o) not in refined:
                 refined[id(o)] = costs.refine(o)
-        chosen = [refined[id(o)] for o in chosen]
-        stage_plan = _memory_restated(stage_plan, chosen, costs)
+        tried = [refined[id(o)] for o in chosen]
+        restated = _memory_restated(stage_plan, tried, costs)
+        # the refinement keeps the block's peak, not what micro-batches in flight keep:
+        # taken where its stages still fit the devices
+        if all(st.memory <= min(target.device(d).memory for d in st.device_ids)
+               for st in restated.stages):
+            chosen, stage_plan = tried, restated
     index = {d.global_id: p for p, d in enumerate(cluster.devices)}
     reports, checks, meshes = [], [], []
     held = _chunk_ranges(costs, len(stage_plan.stages), stage_plan.virtual)

@@ -356,14 +356,6 @@ def _check_supported(strategy: Strategy) -> None:
                         "pending sum reduce-scattered onto the sequence dim) against the "
                         "others; leave sequence_parallel=False, or annotate the tensor "
                         "parallelism and use auto_mode='semi'")
-    if full and strategy.sharding and not strategy.pipeline:
-        # the stage search (pipeline=True) prices the states the planner shards after it
-        raise PlanError("Strategy(sharding=True) with auto_mode='full' is supported with "
-                        "pipeline=True only (the stage search prices the sharded states): "
-                        "the intra-op search lays parameters and updates out itself (a "
-                        "parameter it shards over a data-parallel dim is ZeRO-3-like); leave "
-                        "sharding=False, or annotate by hand with auto_mode='semi' for ZeRO "
-                        "update sharding")
 
 
 def _compiled(planned: Plan, ranks) -> Plan:

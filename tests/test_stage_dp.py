@@ -74,7 +74,7 @@ def brute_force(L, cluster, cost, B):
                 for j, (r, (m, s)) in enumerate(zip(ranges, pick)):
                     t, mem, act = _triple(cost(r, _Sub(m, s)))
                     limit = min(cluster.device(i).memory for i in m.ids)
-                    if mem + (S - 1 - j) * act > limit:
+                    if mem + (min(S - j, B) - 1) * act > limit:  # 1F1B: min(B, S - j) in flight
                         break
                     times.append(t)
                 else:
@@ -111,7 +111,7 @@ def check_plan(plan, L, cluster, cost, B):
                 if tuple(grid[r:r + n, c:c + m].reshape(-1)) == st.device_ids]
         assert hits, f"stage {j} devices {st.device_ids} are not a {st.shape} block of {grid}"
         t, mem, act = _triple(cost(st.layers, _Sub(mesh, st.shape)))
-        assert st.time == t and st.memory == pytest.approx(mem + (S - 1 - j) * act)
+        assert st.time == t and st.memory == pytest.approx(mem + (min(S - j, B) - 1) * act)
         assert st.memory <= min(cluster.device(i).memory for i in st.device_ids) + 1e-12
     times = [s.time for s in plan.stages]
     assert plan.objective == pytest.approx(sum(times) + (B - 1) * max(times))

@@ -33,6 +33,7 @@ from distgraph.errors import PlanError
 from distgraph.ir import Role
 from distgraph.mesh import ProcessMesh
 from distgraph.passes.search.intra_op import search
+from distgraph.passes.search.sharded_states import sharding_dim
 from distgraph.passes.search.space import GB, MESH_DIMS
 from distgraph.passes.search.stages import plan_pipeline
 
@@ -107,7 +108,7 @@ def annotate(copy, strategy, cluster, accumulation, ilp_budget, runs=None) -> Au
     result = search(program, mesh, cluster, device_of, weights=weights, loss=copy.loss_name,
                     memory_budget=ilp_budget, time_limit=strategy.solver_time_limit,
                     blocks=copy.block_paths, balance=strategy.balance,
-                    method=strategy.search_method)
+                    method=strategy.search_method, zero=sharding_dim(strategy))
     result.annotate(program)
     return AutoChoice(result, device_of)
 

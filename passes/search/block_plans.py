@@ -29,8 +29,7 @@ from __future__ import annotations
 import math
 
 from distgraph.errors import PlanError
-from distgraph.passes.search.run_dp import (_even_parts, alike_stages, plan_interleaved,
-                                             plan_runs)
+from distgraph.passes.search.run_dp import alike_stages, plan_interleaved, plan_runs
 
 
 def plan_blocks(costs, cluster, micro_batches: int = 1, virtual: int = 1,
@@ -102,29 +101,18 @@ def _fitting_alike(options, count: int, blocks: range, cluster, micro_batches: i
                    p2p) -> float:
     """The least objective of a plan of alike stages tiling a device mesh (one option,
     the layers split evenly: :func:`~distgraph.passes.search.run_dp.alike_stages`) whose
-    every stage fits the memory as the stage DP counts it (``s`` micro-batches in
-    flight at the s-th stage from the end), each stage paying its transfers' share as
-    the DP's tables do: a plan the DP can make, so its optimum is no greater (inf where
-    there is none)."""
-    best = math.inf
+    every stage fits the memory as the stage DP counts it: a plan the DP can make, so
+    its optimum is no greater (inf where there is none)."""
     meshes = cluster.device_meshes
+    if len(meshes) != 1:
+        return math.inf
+    limit = min(cluster.device(i).memory for i in meshes[0].ids)
+    best, layouts = math.inf, {}
     for option in options:
-        mesh = option.sub.mesh
-        if len(meshes) != 1 or mesh.size % option.sub.size:
-            continue
-        S = mesh.size // option.sub.size
-        if S > count:
-            continue
-        limit = min(cluster.device(i).memory for i in mesh.ids)
-        sends = p2p(option) if p2p is not None else 0.0
-        times = []
-        for s, (first, n, last) in enumerate(_even_parts(S, blocks, count)):
-            seconds, one, further = option.cost(first, n, last)
-            if one + (S - s - 1) * further > limit:
-                break
-            times.append(seconds + sends * (2 - first - last) / 2)
-        else:
-            best = min(best, sum(times) + (micro_batches - 1) * max(times))
+        found = alike_stages(option, count, blocks, cluster, micro_batches, 1, None, p2p,
+                             layouts)
+        if found is not None and max(found[2]) <= limit:
+            best = min(best, found[0])
     return best
 
 

@@ -64,6 +64,7 @@ from distgraph.units import fmt_bytes
 from distgraph.passes.search.costs import SearchCosts, local_bytes
 from distgraph.passes.search.ilp import Solution, solve
 from distgraph.passes.search.ilp_problem import ShardingProblem, evaluate, peak_memory
+from distgraph.passes.search.sharded_states import apply_zero, zero_terms
 from distgraph.passes.search.recursive import METHODS, bisection_levels, solve_recursive
 from distgraph.passes.search.space import SearchSpace
 from distgraph.placement import DistAttr
@@ -236,7 +237,7 @@ def search(program, mesh: ProcessMesh, cluster, device_of: dict, *, ops=None,
            blocks=(), memory: bool = False, balance: bool = False,
            boundary: Boundary | None = None, method: str = "ilp",
            costs: SearchCosts | None = None, refined=None, walks=None,
-           prove: bool = True) -> SearchResult:
+           prove: bool = True, zero: str | None = None) -> SearchResult:
     """Choose a strategy for every op (of ``ops``, default all) and source Value of
     ``program`` on ``mesh`` (module docstring). ``device_of``: process -> device global id
     of ``cluster``; ``weights``: op role -> times it runs per step (default 1);
@@ -257,12 +258,13 @@ def search(program, mesh: ProcessMesh, cluster, device_of: dict, *, ops=None,
     solve_recursive`: descents shared by searches of these ops under other budgets, and
     with ``costs`` given the space and problem too, built once while the inputs and the
     annotations they read stay the same; no SCIP proof that a budget below the peak
-    bound fits nothing)."""
+    bound fits nothing); ``zero``: the mesh dim ZeRO shards the states over after the
+    search, priced here (:mod:`~distgraph.passes.search.sharded_states`)."""
     start = time.perf_counter()
     boundary = boundary or Boundary()
     live = memory or memory_budget is not None
     inputs = (program, costs, _marks(program, ops), ops, mesh, boundary, weights, loss, world,
-              tuple(blocks), live)
+              tuple(blocks), live, zero)
     built = walks.built if walks is not None and costs is not None else None
     if built is not None and _same(built[0], inputs):
         space, share, problem = built[1], built[2], built[3].with_budget(memory_budget)
@@ -273,7 +275,7 @@ def search(program, mesh: ProcessMesh, cluster, device_of: dict, *, ops=None,
                             rules=costs.rules)
         share = _shared_blocks(space, blocks)
         problem = _problem(space, costs, weights or {}, loss, world, memory_budget, share,
-                           live, boundary)
+                           live, boundary, zero)
         if walks is not None:
             walks.built = (inputs, space, share, problem)
     build_time = time.perf_counter() - start
@@ -341,7 +343,7 @@ def _carried(start, space, problem):
 
 def price(moved: SearchSpace, cluster, device_of: dict, *, weights=None, loss=None,
           world=None, boundary: Boundary | None = None, status: str = "optimal",
-          costs: SearchCosts | None = None):
+          costs: SearchCosts | None = None, zero: str | None = None):
     """The cost, by the same model, of the one strategy each node of ``moved`` offers (a
     search's choice on another mesh: ``result.space.rebind(mesh, result.choice)``),
     without solving: a SearchResult with that choice. ``status``: the status of the
@@ -349,7 +351,7 @@ def price(moved: SearchSpace, cluster, device_of: dict, *, weights=None, loss=No
     start = time.perf_counter()
     costs = costs or SearchCosts(cluster, moved.mesh, device_of)
     problem = _problem(moved, costs, weights or {}, loss, world, None, (), True,
-                       boundary or Boundary())
+                       boundary or Boundary(), zero)
     fixed = tuple(0 for _ in moved.nodes)
     objective = evaluate(problem, fixed)
     if math.isinf(objective):
@@ -371,7 +373,7 @@ def _result(space, choice, problem, sol, build_time, memory_budget, share,
 
 
 def _problem(space, costs, weights, loss, world, budget, share, live,
-             boundary: Boundary) -> ShardingProblem:
+             boundary: Boundary, zero=None) -> ShardingProblem:
     program, nodes = space.program, space.nodes
     feeds = {v.name for v in program.inputs}
     buffers = set(accumulating_updates(space, weights))
@@ -454,6 +456,8 @@ def _problem(space, costs, weights, loss, world, budget, share, live,
                 layouts = [s.out_specs[0] for s in nodes[s_node].strategies]
                 forbid = [[s.out_specs[j] != lay for lay in layouts] for s in node.strategies]
                 aliases.append((node.index, s_node, np.array(forbid, dtype=float)))
+    apply_zero(zero_terms(space, costs, zero), space, costs, weights, compute, comm, memory,
+               edges)
     liveness = space.memo(("liveness", tuple(buffers)), lambda: _liveness(space, buffers)) \
         if live else ()
     return ShardingProblem([len(n.strategies) for n in nodes], compute, comm, memory, edges,

@@ -32,6 +32,7 @@ import math
 import numpy as np
 
 from distgraph.errors import PlanError
+from distgraph.passes.search.space import GB
 from distgraph.passes.search.stage_dp import _place, _Search
 
 
@@ -58,11 +59,12 @@ class _Run:
         m = len(range(max(k, self.blocks.start), min(i + 1, self.blocks.stop)))
         return tuple(float(x) for x in self.table[first, last][m])
 
-    def reach(self, stages: int, cap: float) -> dict:
+    def reach(self, stages: int, cap: float, micro_batches: int | None = None) -> dict:
         """{(E?, H?): the most blocks such a stage may hold within ``cap`` with ``s``
-        micro-batches in flight, at index ``s`` for s = 0 .. ``stages``} (-1: none)."""
+        stages from it to the last, at index ``s`` for s = 0 .. ``stages``} (-1: none):
+        1F1B keeps ``min(s, micro_batches)`` micro-batches in flight there."""
         out = {}
-        s = np.arange(0, stages + 1)[:, None]
+        s = np.minimum(np.arange(0, stages + 1), micro_batches or stages)[:, None]
         for (first, last), t in self.table.items():
             ok = (t[:, 0] <= cap) & (t[:, 1] + (s - 1) * t[:, 2] <= self.limit)
             # costs grow with the blocks: the feasible counts are a prefix (from 0 or 1)
@@ -115,7 +117,7 @@ class _RunSearch(_Search):
         F = np.full((self.L + 1,) + self.dims, np.inf)
         F[(self.L,) + (0,) * len(self.dims)] = 0.0
         full = (0,) + tuple(self.caps)
-        reach = [r.reach(self.max_stages, cap) for r in self.options]
+        reach = [r.reach(self.max_stages, cap, self.B) for r in self.options]
         keys = list(self.options[0].table) if self.options else []
         # reach as one array per option: (stages + 1, keys), (False, False) first
         most = [np.stack([v[key] for key in keys], axis=1) for v in reach]
@@ -421,8 +423,12 @@ def alike_stages(option, count: int, blocks: range, cluster, micro_batches: int,
             if virtual > 1 else _even_parts(S, blocks, count)
     sends = p2p(option) if p2p is not None else 0.0
     times, memories = [], []
+    # interleaved, every chunk's output is sent to another stage: kept for a second send
+    # where the next chunk's recomputation reads it in another layout (runs.PartCost)
+    resent = virtual * option.parts["block"][0].resent / GB if virtual > 1 else 0.0
     for s, (first, n, last) in enumerate(layouts[S, virtual]):
         seconds, one, further = option.cost(first, n, last)
+        one, further = one + resent, further + resent
         # every chunk a middle one but the first chunk (stage 0) and the last (S - 1)
         times.append(seconds + sends * (virtual - (s == 0) / 2 - (s == S - 1) / 2))
         memories.append(one + (min(micro_batches, S - s) - 1) * further)

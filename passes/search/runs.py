@@ -86,7 +86,7 @@ import numpy as np
 from distgraph.errors import PlanError
 from distgraph.ir import Role
 from distgraph.mesh import ProcessMesh
-from distgraph.passes.search.boundary import boundary_seconds
+from distgraph.passes.search.boundary import boundary_seconds, resent_bytes
 from distgraph.passes.search.costs import SearchCosts
 from distgraph.passes.search.intra_op import (Boundary, accumulating_updates, price,
                                                  search)
@@ -94,7 +94,7 @@ from distgraph.passes.search.block_plans import undominated
 from distgraph.passes.search.layers import op_keys, same_op
 from distgraph.passes.search.recursive import Walks
 from distgraph.passes.pipeline.chunks import forward_chunks
-from distgraph.passes.search.sharded_states import zero_effect
+from distgraph.passes.search.sharded_states import sharding_dim, writeback_bytes
 from distgraph.passes.search.space import GB, logical_dims
 from distgraph.registry import op_flops
 from distgraph.passes.search.stage_dp import Submesh, _grid
@@ -111,6 +111,7 @@ class PartCost:
     persistent: float
     saved: float
     transient: float
+    resent: float = 0.0     # kept per micro-batch for a second send (boundary.resent_bytes)
 
 
 @dataclass(frozen=True)
@@ -394,7 +395,8 @@ class RunCosts:
                       weights=self.weights, loss=self._loss(ops), memory_budget=budget,
                       time_limit=self.strategy.solver_time_limit, memory=True,
                       boundary=boundary, method=method, costs=self._costs(mesh, device_of),
-                      refined=start, walks=walks, prove=prove)
+                      refined=start, walks=walks, prove=prove,
+                      zero=sharding_dim(self.strategy))
 
     @staticmethod
     def _mesh_key(mesh, device_of) -> tuple:
@@ -415,7 +417,8 @@ class RunCosts:
             moved = result.space.rebind(mesh, result.choice, self.program)
             priced = price(moved, self.cluster, device_of, weights=self.weights,
                            loss=self._loss(result.space.ops), boundary=result.boundary,
-                           status=result.report.status, costs=self._costs(mesh, device_of))
+                           status=result.report.status, costs=self._costs(mesh, device_of),
+                           zero=sharding_dim(self.strategy))
             out[part] = (self._measure(priced, self._costs(mesh, device_of)), priced)
         return out
 
@@ -492,12 +495,12 @@ class RunCosts:
             saved = sum(memory[i] for i in problem.liveness[backward]
                         if i in before and i not in always)
         peak = result.report.peak_memory
-        transient = max(peak - persistent - saved, 0.0)
-        # Strategy(sharding=True): the states the planner shards after the search
-        seconds, sharded = zero_effect(result, self.program, self.strategy, self.weights,
-                                       costs)
-        return PartCost(result.report.objective + seconds, persistent - sharded, saved,
-                        transient)
+        # Strategy(sharding=True), priced in the search (sharded_states): at an update,
+        # beside what persists, the buffer its ZeRO write-back gathers into
+        transient = max(peak - persistent - saved,
+                        writeback_bytes(result, sharding_dim(self.strategy)), 0.0)
+        return PartCost(result.report.objective, persistent, saved, transient,
+                        resent_bytes(result) if result.boundary.periodic else 0.0)
 
     def p2p_seconds(self, option) -> float:
         """Seconds per micro-batch a stage of ``option`` between two others spends passing

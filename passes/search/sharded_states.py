@@ -1,30 +1,49 @@
-"""What ``Strategy(sharding=True)`` changes in a stage search's choice, priced as the plan
-will run it: after the search, the planner shards the optimizer states of every update
-whose parameter leaves the sharding mesh dim unused over that dim
-(:func:`~distgraph.passes.transforms.zero.shard_updates`, ZeRO-1): the gradient is
-resharded to the update's slice (a reduce-scatter where it was all-reduced), each
-process updates its slice, and the updated slice is all-gathered back into the stored
-parameter, once a step; the states take ``1 / n`` of their bytes.
+"""What ``Strategy(sharding=True)`` changes in a search's choice, priced inside the
+search's problem as the plan will run it: after the search, the planner shards the
+optimizer states of every update whose parameter leaves the sharding mesh dim unused
+over that dim (:func:`~distgraph.passes.transforms.zero.shard_updates`, ZeRO-1): the
+gradient is resharded to the update's slice (a reduce-scatter where it was
+all-reduced), each process updates its slice, and the updated slice is all-gathered
+back into the stored parameter, once a step; the states take ``1 / n`` of their bytes.
+
+So a parameter kept whole over the data-parallel dim with its states split there
+(Meta's FSDP layout, Megatron's distributed optimizer) is a layout the search sees at
+its true price: :func:`zero_terms` gives, per strategy of each update and of each
+state, what ZeRO changes (the update's compute, its write-back gather, the layout its
+gradient is consumed in, the states' bytes), which
+:func:`~distgraph.passes.search.intra_op.search` adds to its node costs and edges
+(``zero=``), so a memory budget can be met by splitting the states rather than the
+weights. :func:`writeback_bytes` is the buffer the gather writes into, live at the
+update beside the parameters, states and gradients' buffers (as the estimate counts it).
 
 Example::
 
-    seconds, saved = zero_effect(result, program, strategy, weights, costs)
+    terms = zero_terms(space, costs, sharding_dim(strategy))
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 from distgraph.ir import Role
+from distgraph.passes.cost.prices import op_time
+from distgraph.passes.search.costs import local_bytes
+from distgraph.placement import DistAttr
+from distgraph.registry import TensorType
 from distgraph.passes.search.space import MESH_DIMS
 from distgraph.passes.transforms.zero import sharded_spec
 from distgraph.registry import get_op
 
 
-def sharding_dim(strategy) -> str:
-    """The mesh dim ZeRO shards over: ``strategy.sharding_mesh_dim``, except that its
-    default ("dp", a name the search's meshes never use) means the search's
-    data-parallel dim (its meshes' first, ``x``) under ``auto_mode="full"``."""
+def sharding_dim(strategy) -> str | None:
+    """The mesh dim ZeRO shards over, None without ``strategy.sharding``:
+    ``strategy.sharding_mesh_dim``, except that its default ("dp", a name the search's
+    meshes never use) means the search's data-parallel dim (its meshes' first, ``x``)
+    under ``auto_mode="full"``."""
+    if not strategy.sharding:
+        return None
     default = next(f.default for f in dataclasses.fields(strategy)
                    if f.name == "sharding_mesh_dim")
     if strategy.auto_mode == "full" and strategy.sharding_mesh_dim == default:
@@ -32,40 +51,116 @@ def sharding_dim(strategy) -> str:
     return strategy.sharding_mesh_dim
 
 
-def zero_effect(result, program, strategy, weights: dict, costs) -> tuple[float, float]:
-    """(seconds added per micro-batch, bytes per device saved) by ZeRO's sharding of the
-    states on ``result``'s choice (a SearchResult; ``costs``: the SearchCosts of its mesh
-    and devices; ``weights``: op role -> runs per micro-batch); (0, 0) without
-    ``strategy.sharding`` or where the mesh lacks its :func:`sharding_dim`."""
-    space, problem, choice = result.space, result.problem, result.choice
-    mesh, dim = space.mesh, sharding_dim(strategy)
-    if not strategy.sharding or dim not in mesh.dim_names:
-        return 0.0, 0.0
-    n = mesh.dim_size(dim)
-    w = weights.get(Role.OPTIMIZE, 1)
-    seconds = saved = 0.0
+@dataclasses.dataclass(frozen=True)
+class ZeroTerms:
+    """What ZeRO changes in a search's problem, per strategy index: ``compute`` seconds
+    of each update node on its slice (nan where it does not shard), the write-back gather's
+    seconds per step (``gather``), the layout each update consumes its gradient in
+    (``grad``), and the bytes factor of each state's source node (``states``)."""
+
+    compute: dict       # update node -> np.ndarray of seconds (nan: unchanged)
+    gather: dict        # update node -> np.ndarray of seconds per run of the update
+    grad: dict          # update node -> tuple of ShardSpec
+    states: dict        # state source node -> np.ndarray of factors
+
+
+def updates(space):
+    """(node, op) of every update of a parameter by an in-place op among ``space``'s."""
     for node in space.nodes:
         if node.is_source:
             continue
-        op = program.ops[node.op]
-        inplace = get_op(op.type).inplace
-        if op.role is not Role.OPTIMIZE or not inplace or not op.inputs[0].is_parameter:
+        op = space.program.ops[node.op]
+        if op.role is Role.OPTIMIZE and get_op(op.type).inplace and len(op.inputs) > 1 \
+                and op.inputs[0].is_parameter:
+            yield node, op
+
+
+def zero_terms(space, costs, dim: str | None) -> ZeroTerms | None:
+    """The terms of ZeRO over ``dim`` on ``space``'s mesh (module docstring); None where
+    ``dim`` is None or the mesh lacks it or has it of size 1. ``costs``: the
+    SearchCosts of the mesh (the gathers' prices)."""
+    mesh = space.mesh
+    if dim is None or dim not in mesh.dim_names or mesh.dim_size(dim) == 1:
+        return None
+    n = mesh.dim_size(dim)
+    compute, gather, grad, states = {}, {}, {}, {}
+    for node, op in updates(space):
+        param = op.inputs[0]
+        specs = [sharded_spec(s.in_specs[0], param.shape, mesh, dim) for s in node.strategies]
+        if not any(specs):
             continue
-        param, grad = op.inputs[0], op.inputs[1]
+        compute[node.index] = np.array([np.nan if z is None else _sliced_time(op, s, z, mesh, costs)
+                                        for z, s in zip(specs, node.strategies)])
+        gather[node.index] = np.array([
+            0.0 if z is None else costs.reshard(z, s.in_specs[0], param.shape, param.dtype)
+            for z, s in zip(specs, node.strategies)])
+        grad[node.index] = tuple(s.in_specs[1] if z is None else z
+                                 for z, s in zip(specs, node.strategies))
+        for _, i in get_op(op.type).inplace:
+            state = op.inputs[i]
+            if i > 0 and state.name in space.source_node:
+                k = space.source_node[state.name]
+                states[k] = np.array([
+                    1.0 if sharded_spec(t.out_specs[0], state.shape, mesh, dim) is None
+                    else 1.0 / n for t in space.nodes[k].strategies])
+    return ZeroTerms(compute, gather, grad, states)
+
+
+def _sliced_time(op, s, z, mesh, costs) -> float:
+    """Seconds of update ``op`` under strategy ``s`` run on the slice ``z`` of its
+    parameter (its operands and results laid out as the parameter, sliced alike)."""
+    param = op.inputs[0]
+
+    def local(values, specs, shapes):
+        return [TensorType(DistAttr(mesh, z).local_shape(v.shape)
+                           if spec == s.in_specs[0] and v.shape == param.shape else shape,
+                           v.dtype) for v, spec, shape in zip(values, specs, shapes)]
+
+    return op_time(op.type, local(op.inputs, s.in_specs, s.in_local_shapes),
+                   local(op.outputs, s.out_specs, s.out_local_shapes), op.attrs, costs.device)
+
+
+def writeback_bytes(result, dim: str | None) -> float:
+    """The largest buffer ZeRO's write-back holds at an update of ``result``'s choice (a
+    SearchResult): the updated slice and the parameter it is gathered into (bytes per
+    device; 0 where nothing is sharded)."""
+    mesh, choice = result.space.mesh, result.choice
+    if dim is None or dim not in mesh.dim_names or mesh.dim_size(dim) == 1:
+        return 0.0
+    most = 0.0
+    for node, op in updates(result.space):
+        param = op.inputs[0]
         s = node.strategies[choice[node.index]]
-        spec = sharded_spec(s.in_specs[0], param.shape, mesh, dim)
-        if spec is None:
-            continue
-        seconds += float(problem.compute[node.index][choice[node.index]]) * (1 / n - 1)
-        if grad.name in space.producer:
-            u, j = space.producer[grad.name]
-            made = space.nodes[u].strategies[choice[u]].out_specs[j]
-            seconds += w * (costs.reshard(made, spec, grad.shape, grad.dtype)
-                            - costs.reshard(made, s.in_specs[1], grad.shape, grad.dtype))
-        seconds += w * costs.reshard(spec, s.in_specs[0], param.shape, param.dtype)
-        for _, i in inplace:
-            state = op.inputs[i].name
-            if i > 0 and state in space.source_node:
-                k = space.source_node[state]
-                saved += float(problem.memory[k][choice[k]]) * (1 - 1 / n)
-    return seconds, saved
+        z = sharded_spec(s.in_specs[0], param.shape, mesh, dim)
+        if z is not None:
+            whole = local_bytes([s.in_local_shapes[0]], [param.dtype])
+            most = max(most, whole * (1 + 1 / mesh.dim_size(dim)))
+    return most
+
+
+def apply_zero(terms: ZeroTerms | None, space, costs, weights: dict, compute: list,
+               comm: list, memory: list, edges: list) -> None:
+    """Add ``terms`` to a problem's node costs and edges as :func:`~distgraph.passes.
+    search.intra_op._problem` built them (lists by node index; ``edges``: (producer,
+    consumer, seconds matrix)): the update's compute scaled, its write-back gather
+    added, its gradient's edge priced into the layout ZeRO consumes it in, the states'
+    bytes scaled. Nothing where ``terms`` is None."""
+    if terms is None:
+        return
+    w = weights.get(Role.OPTIMIZE, 1)
+    at = {(u, v): e for e, (u, v, _) in enumerate(edges)}
+    for v, factor in terms.compute.items():
+        node = space.nodes[v]
+        sliced = np.isfinite(compute[v]) & ~np.isnan(factor)
+        compute[v] = np.where(sliced, np.nan_to_num(factor) * w, compute[v])
+        comm[v] = comm[v] + terms.gather[v] * w
+        grad = space.program.ops[node.op].inputs[1]
+        u, j = space.producer[grad.name]
+        made = tuple(s.out_specs[j] for s in space.nodes[u].strategies)
+        mat = costs.matrix(made, terms.grad[v], grad.shape, grad.dtype) * w
+        if (u, v) in at:
+            edges[at[(u, v)]] = (u, v, mat)
+        elif mat.any():
+            edges.append((u, v, mat))
+    for k, factor in terms.states.items():
+        memory[k] = memory[k] * factor

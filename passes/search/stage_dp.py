@@ -265,7 +265,8 @@ class _Search:
             pick_o = np.full((L, R), -1)
             pick_i = np.zeros((L, R), dtype=np.intp)
             for n, o in enumerate(self.options):
-                ok = (o.time <= cap) & (o.memory + (s - 1) * o.act <= self.limits[o.axis])
+                ok = (o.time <= cap) & (o.memory + (min(s, self.B) - 1) * o.act
+                                        <= self.limits[o.axis])
                 T = np.where(ok, o.time, np.inf)
                 shifted = _shift(H, 1 + o.axis, o.sub.size).reshape(L, R)
                 cand = T[:, :, None] + shifted[None, :, :]          # (k, i, state)
@@ -377,7 +378,7 @@ def _place(stages, meshes, micro_batches, runs) -> StagePlan:
     for j, (k, i, o) in enumerate(stages):
         t, mem, act = o.at(k, i)
         out.append(StageChoice(range(k, i + 1), o.sub.mesh.name, o.sub.shape, placed[j], float(t),
-                         float(mem + (total - 1 - j) * act)))
+                         float(mem + (min(total - j, micro_batches) - 1) * act)))
     times = [s.time for s in out]
     return StagePlan(tuple(out), sum(times) + (micro_batches - 1) * max(times),
                      micro_batches, runs)

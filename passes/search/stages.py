@@ -37,6 +37,7 @@ Example::
 from __future__ import annotations
 
 import time
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -47,11 +48,12 @@ from distgraph.mesh import ProcessMesh
 from distgraph.passes.search.ilp_problem import peak_memory
 from distgraph.passes.search.intra_op import search
 from distgraph.passes.search.layers import block_layers, cluster_layers
-from distgraph.passes.search.run_dp import beats
+from distgraph.passes.search.run_dp import alike_stages, beats
 from distgraph.passes.search.block_plans import plan_blocks
 from distgraph.passes.search.runs import (RunCosts, RunReport, logical_dims,
                                           pricing_method)
 from distgraph.passes.search.space import GB, MESH_DIMS
+from distgraph.passes.search.sharded_states import sharding_dim
 from distgraph.passes.search.stage_dp import StageCost, plan_stages
 from distgraph.resources.cluster import Cluster
 
@@ -232,7 +234,13 @@ def _plan_runs(copy, strategy, cluster, target, costs, start, memory_budget) -> 
         for o in chosen:
             if id(o) not in refined:
                 refined[id(o)] = costs.refine(o)
-        chosen = [refined[id(o)] for o in chosen]
+        tried = [refined[id(o)] for o in chosen]
+        restated = _memory_restated(stage_plan, tried, costs)
+        # the refinement keeps the block's peak, not what micro-batches in flight keep:
+        # taken where its stages still fit the devices
+        if all(st.memory <= min(target.device(d).memory for d in st.device_ids)
+               for st in restated.stages):
+            chosen, stage_plan = tried, restated
     index = {d.global_id: p for p, d in enumerate(cluster.devices)}
     reports, checks, meshes = [], [], []
     held = _chunk_ranges(costs, len(stage_plan.stages), stage_plan.virtual)
@@ -252,6 +260,29 @@ def _plan_runs(copy, strategy, cluster, target, costs, start, memory_budget) -> 
     return PipelineChoice(report, tuple(checks),
                           {p: d.global_id for p, d in enumerate(cluster.devices)},
                           stage_plan.virtual, tuple(meshes))
+
+
+def _memory_restated(stage_plan, chosen, costs):
+    """``stage_plan`` with each stage's memory that of its option in ``chosen`` (the ILP's
+    refinement of the option the DP chose lays the blocks out anew, within the peak the
+    DP's had: the plan's memory is the refined one's), as the DP counts it: 1F1B keeps
+    ``min(M, S - s)`` micro-batches in flight on stage s."""
+    S, M, layering = len(stage_plan.stages), stage_plan.micro_batches, costs.layering
+    if stage_plan.virtual > 1:
+        memories = alike_stages(chosen[0], layering.count, costs.blocks, None, M,
+                                stage_plan.virtual, costs.chunk_layers)[2]
+    else:
+        memories = []
+        for s, (stage, option) in enumerate(zip(stage_plan.stages, chosen)):
+            parts = (costs.has_first and 0 in stage.layers,
+                     len(range(max(stage.layers.start, costs.blocks.start),
+                               min(stage.layers.stop, costs.blocks.stop))),
+                     costs.has_last and layering.count - 1 in stage.layers)
+            _, one, further = option.cost(*parts)
+            memories.append(one + (min(M, S - s) - 1) * further)
+    return dataclasses.replace(stage_plan, stages=tuple(
+        dataclasses.replace(stage, memory=float(m))
+        for stage, m in zip(stage_plan.stages, memories)))
 
 
 def _chunk_ranges(costs, S: int, virtual: int):
@@ -323,7 +354,8 @@ class _StageCosts:
                                        weights=weights, loss=loss,
                                        time_limit=self.strategy.solver_time_limit,
                                        blocks=self.copy.block_paths, memory=True,
-                                       balance=self.strategy.balance, method=method)
+                                       balance=self.strategy.balance, method=method,
+                                       zero=sharding_dim(self.strategy))
         return self.results[key]
 
     def _signature(self, ops) -> tuple:

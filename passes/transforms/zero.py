@@ -23,10 +23,13 @@ from distgraph.placement import DistAttr, ShardSpec
 
 def sharded_spec(spec: ShardSpec, shape, mesh, mesh_dim) -> ShardSpec | None:
     """``spec`` with its first free dim of ``shape`` that ``mesh_dim`` divides split over
-    it; None where ``spec`` already uses ``mesh_dim``, the mesh lacks it or no dim fits."""
+    it; None where ``spec`` already uses ``mesh_dim``, the mesh lacks it (or has it of size
+    1: nothing to shard) or no dim fits."""
     if mesh_dim not in mesh.dim_names or mesh_dim in spec.mesh_dims():
         return None
     n = mesh.dim_size(mesh_dim)
+    if n == 1:
+        return None
     for d, size in enumerate(shape):
         if spec.dims[d] is None and size % n == 0:
             dims = list(spec.dims)
@@ -55,5 +58,11 @@ def shard_updates(program: Program, mesh_dim: str = "dp") -> int:
             state.annotation = DistAttr(mesh, spec)
         grad = op.inputs[1]
         op.annotation = OpAnnotation(mesh, ((param.name, spec), (grad.name, spec)))
+        # The write-backs are made in the update's layout: a search annotates them as it
+        # laid the update out (the parameter's), which would win over the op's annotation
+        # and leave the update whole, gathering the states to it and slicing them back.
+        for out in op.outputs:
+            if out.alias_of is not None:
+                out.annotation = DistAttr(mesh, spec)
         count += 1
     return count

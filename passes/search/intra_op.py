@@ -4,9 +4,8 @@ training program on one ProcessMesh, chosen by the ILP of :mod:`distgraph.passes
 
 **The whole training graph is searched** — forward, loss, backward and update ops — as
 Alpa does: the backward holds two thirds of the FLOPs and all of the gradient traffic
-(data parallelism costs exactly the reshard from a Partial gradient to the layout its
-update wants), which a forward-only search could only guess. Backward ops are free to
-differ from their forward op; the resharding edges price what that costs.
+(data parallelism costs exactly the reshard from a Partial gradient to its update's
+layout). Backward ops may differ from their forward op; the edges price that.
 
 The problem (:class:`~distgraph.passes.search.ilp_problem.ShardingProblem`):
 
@@ -16,29 +15,27 @@ The problem (:class:`~distgraph.passes.search.ilp_problem.ShardingProblem`):
   ``weights`` (a micro-batched program's forward and backward run once per micro-batch);
   a feed's layout costs the copy of its local part; the fetched loss pays its gather,
   as the runtime does;
-- **stage outputs** (a search of part of the program): a Partial result that ops
-  outside read is settled first, at the cost of its cheapest settlement;
+- **stage outputs** (a search of part of the program): a Partial result read outside
+  is settled first, at its cheapest settlement's cost;
 - **edges**: per operand of an op, the reshard seconds from each layout its producer may
   make to each layout the op may consume (an op reading one Value twice pays once);
-- **aliases**: an update's write-back (``alias_of``) must be laid out as the parameter
-  or state it replaces, so no write-back reshard is ever planned (tied by index where
-  the source follows its update, an alias constraint where it is annotated);
+- **aliases**: an update's write-back (``alias_of``) is laid out as what it replaces, no
+  write-back reshard planned (tied by index where the source follows its update, else
+  an alias constraint);
 - **sharing**: the interior blocks of ``blocks`` (repeated layers such as the
   TransformerBlocks, checked identical op by op) take one strategy per position, with
   their boundary edges in the problem; the first and last block stay free;
 - **memory** (with ``memory_budget`` bytes): every live result at each op of the
-  program order (parameters and states always) within the budget; an op that keeps
-  more for its gradient than its results (``saved``: moe_ffn's routes and expert
-  activations) holds that too, from the op to its gradient. Reshard buffers are
-  not counted (they depend on two choices): the planner checks the budget against the
-  estimate and searches again with less (:mod:`distgraph.passes.search.auto`).
+  program order (parameters and states always, split as ZeRO over ``zero`` will) within
+  the budget, and what an op keeps for its gradient beyond its results (``saved``:
+  moe_ffn's routes). Reshard buffers are not counted (they depend on two choices):
+  :mod:`~distgraph.passes.search.auto` checks the estimate, searching again with less.
 
-The objective is then the estimate (:func:`distgraph.passes.estimate`) of the plan the
-choice makes, except that a Value resharded to one layout for several consumers is
-resharded once by the partitioner but charged per consumer here: objective = estimated
-step time + the seconds of those repeated reshards (tests check this relation). The
-estimate takes the busiest process; the search prices one process of the mesh for all,
-so the two agree where the mesh's links are uniform per dim.
+The objective is the estimate (:func:`distgraph.passes.estimate`) of the plan the
+choice makes plus, for a Value resharded to one layout for several consumers (once by
+the partitioner, per consumer here), those repeated reshards (tests check this). The
+estimate takes the busiest process, the search one process for all: they agree where
+the mesh's links are uniform per dim.
 
 Example::
 

@@ -36,12 +36,10 @@ rows) and cp = x / dp (dims ``x``, ``cp``, ``y``: cp between the machines' tp an
 Meta orders them), if cp divides the sequence. Its ``cp`` dim splits only the sequence
 (:data:`~distgraph.passes.search.space.SEQUENCE_DIM`): every activation of the blocks
 and attention itself (ring or Ulysses, by :mod:`distgraph.passes.context`'s prices), the
-weights' gradients summed over it. No other cp is offered: at equal devices, splitting
-rows instead of the sequence divides the activations alike and adds no attention
-collectives, so a cp whose dp could be larger never costs less; and where dp would be 1
-the (x, t) mesh's own search may split the sequence over x. Such meshes are searched
-per ``t`` apart from the (x, t) ones (other dim names), and, like the memory variants,
-only where the fastest options' stages are held back by memory.
+weights' gradients summed over it. No other cp is offered: rows split instead divide
+the activations alike without attention's collectives (and at dp 1 the (x, t) search
+may split the sequence over x). They are searched per ``t`` apart from the (x, t) ones,
+like the memory variants only where memory holds the fastest options' stages back.
 
 **Memory variants.** A block's search minimises its time alone, so it may keep weights
 and their optimizer states whole where splitting them costs about as much time: cheap
@@ -59,8 +57,7 @@ same ops and Value names. The first is searched; the later ones (``seed=`` its R
 price its searches on their own programs, searching only where a layout does not divide
 their micro-batch. A count priced so is searched afresh once it is chosen.
 
-The stage DP on these options, variants only when they can matter, is
-:func:`~distgraph.passes.search.block_plans.plan_blocks`.
+The stage DP on them: :func:`~distgraph.passes.search.block_plans.plan_blocks`.
 
 **Blocks that differ.** The interior blocks are identical op by op; the first and the
 last differ from them in where a few gradient sums fall. They are costed as interior

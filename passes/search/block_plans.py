@@ -29,7 +29,8 @@ from __future__ import annotations
 import math
 
 from distgraph.errors import PlanError
-from distgraph.passes.search.run_dp import alike_stages, plan_interleaved, plan_runs
+from distgraph.passes.search.run_dp import (alike_stages, even_parts, plan_interleaved,
+                                             plan_runs)
 
 
 def plan_blocks(costs, cluster, micro_batches: int = 1, virtual: int = 1,
@@ -100,19 +101,30 @@ def plan_blocks(costs, cluster, micro_batches: int = 1, virtual: int = 1,
 def _fitting_alike(options, count: int, blocks: range, cluster, micro_batches: int,
                    p2p) -> float:
     """The least objective of a plan of alike stages tiling a device mesh (one option,
-    the layers split evenly: :func:`~distgraph.passes.search.run_dp.alike_stages`) whose
-    every stage fits the memory as the stage DP counts it: a plan the DP can make, so
-    its optimum is no greater (inf where there is none)."""
+    the layers split evenly as :func:`~distgraph.passes.search.run_dp.alike_stages`
+    splits them) whose every stage fits the memory as the stage DP counts it (``min(M,
+    S - s)`` micro-batches in flight at the s-th stage), each stage paying its
+    transfers' share as the DP's tables do (by the parts it holds, E and H having one
+    neighbour): a plan the DP can make, so its optimum is no greater (inf where none)."""
+    best = math.inf
     meshes = cluster.device_meshes
-    if len(meshes) != 1:
-        return math.inf
-    limit = min(cluster.device(i).memory for i in meshes[0].ids)
-    best, layouts = math.inf, {}
     for option in options:
-        found = alike_stages(option, count, blocks, cluster, micro_batches, 1, None, p2p,
-                             layouts)
-        if found is not None and max(found[2]) <= limit:
-            best = min(best, found[0])
+        mesh = option.sub.mesh
+        if len(meshes) != 1 or mesh.size % option.sub.size:
+            continue
+        S = mesh.size // option.sub.size
+        if S > count:
+            continue
+        limit = min(cluster.device(i).memory for i in mesh.ids)
+        sends = p2p(option) if p2p is not None else 0.0
+        times = []
+        for s, (first, n, last) in enumerate(even_parts(S, blocks, count)):
+            seconds, one, further = option.cost(first, n, last)
+            if one + (min(micro_batches, S - s) - 1) * further > limit:
+                break
+            times.append(seconds + sends * (2 - first - last) / 2)
+        else:
+            best = min(best, sum(times) + (micro_batches - 1) * max(times))
     return best
 
 

@@ -420,7 +420,7 @@ def alike_stages(option, count: int, blocks: range, cluster, micro_batches: int,
     layouts = {} if layouts is None else layouts
     if (S, virtual) not in layouts:
         layouts[S, virtual] = _stage_parts(chunk_layers(S * virtual), S, blocks, count) \
-            if virtual > 1 else _even_parts(S, blocks, count)
+            if virtual > 1 else even_parts(S, blocks, count)
     sends = p2p(option) if p2p is not None else 0.0
     times, memories = [], []
     # interleaved, every chunk's output is sent to another stage: kept for a second send
@@ -435,7 +435,7 @@ def alike_stages(option, count: int, blocks: range, cluster, micro_batches: int,
     return sum(times) / virtual + (micro_batches - 1) * max(times), times, memories
 
 
-def _even_parts(S: int, blocks: range, count: int) -> list:
+def even_parts(S: int, blocks: range, count: int) -> list:
     """[(E?, blocks, H?)] of ``S`` stages of whole layers split as :func:`_alike_plan`
     places them: stage s holds layers round(count s / S) .. round(count (s+1) / S)."""
     bounds = [round(count * s / S) for s in range(S + 1)]

@@ -139,7 +139,7 @@ def test_long_sequence_plan_trains_as_serial_on_mpi_ranks(float64, long_plan, tm
 
 
 @pytest.mark.parametrize("case, budget_gb", [(C.LONG, C.BUDGET_GB), (C.LONG, 2 * C.BUDGET_GB),
-                                             (C.SHORT, None)])
+                                             (C.LONG, None), (C.SHORT, None)])
 def test_variants_searched_in_stages_keep_the_plan_of_every_variant(float64, case, budget_gb):
     """plan_blocks searches the (x, t) meshes' variants, then the (dp, cp, tp) meshes and
     their variants only where their alike stages beat the plan found: its objective is

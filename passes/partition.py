@@ -13,6 +13,9 @@ that the backward does not reuse a forward copy larger than the value it gathers
 value's own mesh): it gathers again, so the forward keeps only its shard for the backward
 (Megatron-SP's activations, gathered over ``t`` for a column-split matmul, are saved
 split and gathered again for the weight gradient, as Korthikanti et al. count them).
+A value sent to another mesh is sent once: a later consumer there that wants another
+layout reshards the copy that arrived (a pipeline stage's input read again by its
+recomputation or its weight gradients is not sent twice, nor kept by its sender).
 
 :class:`Partitions` holds the local programs of every process of one plan: each made on
 first use, every reshard planned once for all of them, and the processes grouped by the
@@ -80,6 +83,7 @@ class _Partitioner:
         self.points: dict[int, list] = {}
         self.cache: dict = {}
         self.made_in: dict = {}   # cache key -> role of the op the copy was made for
+        self.arrived: dict = {}   # (value name, mesh) -> cache key of a copy sent there
         self.copies: dict = {}
         self.points_made = 0
         self.plans = plans
@@ -108,9 +112,16 @@ class _Partitioner:
         made = self.copies.get(v.name, 0)        # copies of v resharded so far
         self.copies[v.name] = made + 1
         name = f"{v.name}@{made}"
+        near = self.arrived.get((v.name, dst.mesh)) if src.mesh != dst.mesh else None
+        if near in self.cache and stores is None:   # sent there before: resharded there
+            src, held = near[1], self.cache[near]
+        else:
+            held = v.name if self.held(v) else None
+            if src.mesh != dst.mesh and stores is None:
+                self.arrived[v.name, dst.mesh] = key
         if self.pid in src.mesh or self.pid in dst.mesh:
             steps = _steps(self.plans, src, dst, v.shape, v.dtype)
-            reads = (v.name,) if self.held(v) else ()
+            reads = (held,) if held is not None and self.pid in src.mesh else ()
             writes = (name,) if self.pid in dst.mesh else ()
             if writes:
                 self.local.add_value(Value(name, dst.local_shape(v.shape), v.dtype,

@@ -2,6 +2,7 @@
 zero-bubble schedules, sends and receives where values cross stages, the dependencies the
 schedule is made from, and plans whose processes belong to several stages."""
 
+import collections
 import itertools
 import os
 import sys
@@ -201,3 +202,56 @@ def test_points_share_a_tag_channel_only_where_no_sender_receiver_pair_meets():
     assert tags_.channel_count < len(tags_.channels)     # stage boundaries share channels
     tags = {tags_.tag(seq, m) for seq in tags_.channels for m in range(4)}
     assert max(tags) < tags_.gather_tag(0) and tags_.gather_tag(len(g.fetch)) <= MAX_TAG
+
+
+class _ReadTwice(dg.nn.Layer):
+    """fc0 on mesh ``a``; its output read on mesh ``b`` twice, split by rows (fc1) and
+    whole (fc2): two layouts of one received value (serial without meshes)."""
+
+    def __init__(self, meshes=None):
+        super().__init__()
+        self.fc0, self.fc1, self.fc2 = (dg.nn.Linear(8, 16), dg.nn.Linear(16, 4),
+                                        dg.nn.Linear(16, 4))
+        self.meshes = meshes
+
+    def forward(self, x):
+        if self.meshes is None:
+            h = dg.ops.relu(self.fc0(x))
+            return self.fc1(h) + self.fc2(h)
+        a, b = self.meshes
+        h = dg.shard_op(lambda v: dg.ops.relu(self.fc0(v)), a)(x)
+        y1 = dg.shard_op(self.fc1, b, in_shard_specs=[["mp", None, None]])(h)
+        y2 = dg.shard_op(self.fc2, b, in_shard_specs=[[None, None, None]])(h)
+        return dg.shard_op(lambda u, w: u + w, b)(y1, y2)
+
+
+def _train_read_twice(meshes, comm=None, micro_batches=1):
+    dg.seed(0)
+    engine = dg.Engine(_ReadTwice(meshes), P.loss_fn("mlp"), P.make_optimizer("adamw"),
+                       strategy=dg.Strategy(micro_batches=micro_batches), communicator=comm)
+    with P.BUILD_LOCK:
+        engine.prepare(*dg.app.data.DataLoader(P.Dataset("mlp"), P.BATCH).specs(1))
+    losses = engine.fit(P.Dataset("mlp"), batch_size=P.BATCH, verbose=0).losses
+    return engine, (losses, engine.state_dict())
+
+
+@pytest.mark.parametrize("micro_batches", [1, 2])
+def test_a_value_sent_to_a_stage_is_sent_once_and_resharded_there(float64, micro_batches):
+    """A stage reading a received value in two layouts gets it once and reshards its copy
+    (a second send would keep the value on its sender until then); it trains as serial."""
+    meshes = (dg.ProcessMesh([0, 1], ["mp"]), dg.ProcessMesh([2, 3], ["mp"]))
+    _, reference = _train_read_twice(None)
+
+    def rank(comm):
+        engine, result = _train_read_twice(meshes, comm, micro_batches)
+        points = [p for p in engine.plan().local(comm.rank).points() if p.value != "x"]
+        return result, [(p.value, p.transfers, str(p.src.mesh)) for p in points]
+
+    for pid, (result, points) in enumerate(SimulatedWorld(4, timeout=60).run(rank)):
+        errors = P.compare(result, reference, "float64")
+        assert errors["loss"] <= 1e-10 and errors["param"] <= 1e-10, errors
+        sent = collections.Counter(value for value, transfers, _ in points if transfers)
+        assert sent and max(sent.values()) == 1, points
+        if pid >= 2:      # the second layout made from the copy on mesh b
+            assert any(not transfers and src == str(meshes[1]) for _, transfers, src in points
+                       if _ in sent), points

@@ -16,7 +16,10 @@ stages do not beat the best is not looked for: on models of identical blocks the
 plans tile the devices alike.) The DPs then run again on the fastest options and the
 variants searched, below the best latency so far: first with the variants of the (x, t)
 meshes, then with the (dp, cp, tp) meshes too, whose variants are searched where their
-alike stages beat the plan the first found.
+alike stages beat the plan the first found. Last, a chosen stage's (x, t) mesh whose x
+the micro-batch's rows cannot fill (its search split the sequence over x) has its (dp,
+cp, tp) mesh searched, held back or not (Llama 3 405B at 131,072 tokens: Meta's
+(8, 16, 8) beside (128, 8)), and the DPs run again with it.
 
 Example::
 
@@ -86,6 +89,14 @@ def plan_blocks(costs, cluster, micro_batches: int = 1, virtual: int = 1,
         plan = best_of(costs.options(variants=True, wanted=wanted, sequence=False), plan)
         latency = plan[0].objective if plan is not None else below
         plan = best_of(costs.options(variants=True, wanted=wanted), plan)
+    if plan is not None:
+        # a chosen (x, t) stage whose x the rows cannot fill had its search split the
+        # sequence over x: its (dp, cp, tp) mesh is searched too, held back or not
+        split = {(o.axis, o.sub.shape, o.logical) for o in plan[1]
+                 if len(o.logical) == 2 and costs.sequence_split(o.logical[0]) > 1}
+        if split:
+            plan = best_of(costs.options(variants=True, wanted=lambda o: False,
+                                         sequence=split.__contains__), plan)
     if plan is None and math.isfinite(below):
         return None
     if plan is None:

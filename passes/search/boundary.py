@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from distgraph.ir import Role
 from distgraph.mesh import ProcessMesh
 from distgraph.passes.cost.prices import Rings, reshard_step_time
 from distgraph.passes.reshard import plan_reshard
@@ -86,28 +85,3 @@ def _pieces(option) -> list:
     grid = np.array(option.sub.mesh.ids).reshape(rows, cols)
     return [grid[r:r + n, c:c + m].reshape(-1) for r in range(0, rows - n + 1, n)
             for c in range(0, cols - m + 1, m)]
-
-
-def resent_bytes(result) -> float:
-    """Bytes per device a block of ``result`` (a SearchResult of the representative block)
-    keeps from its forward to its backward for the block after it on another stage
-    (interleaved chunks of a block each): where the block reads the Value it receives
-    again in the backward in another layout (a recomputed op's), the partitioner sends
-    it again then from the stage that made it (:mod:`distgraph.passes.reshard` plans a
-    cross-mesh reshard per layout consumed), which keeps it until that second send, as
-    the estimate counts it."""
-    space, choice, problem = result.space, result.choice, result.problem
-    program = space.program
-    total = 0.0
-    for received, _ in result.boundary.periodic:
-        node = space.source_node.get(received)
-        if node is None:
-            continue
-        spec = space.nodes[node].strategies[choice[node]].out_specs[0]
-        again = any(program.ops[n.op].role == Role.BACKWARD and
-                    n.strategies[choice[n.index]].in_specs[i] != spec
-                    for n in space.nodes if not n.is_source
-                    for i, v in enumerate(program.ops[n.op].inputs) if v.name == received)
-        if again:
-            total += float(problem.memory[node][choice[node]])
-    return total

@@ -32,7 +32,6 @@ import math
 import numpy as np
 
 from distgraph.errors import PlanError
-from distgraph.passes.search.space import GB
 from distgraph.passes.search.stage_dp import _place, _Search
 
 
@@ -423,12 +422,8 @@ def alike_stages(option, count: int, blocks: range, cluster, micro_batches: int,
             if virtual > 1 else even_parts(S, blocks, count)
     sends = p2p(option) if p2p is not None else 0.0
     times, memories = [], []
-    # interleaved, every chunk's output is sent to another stage: kept for a second send
-    # where the next chunk's recomputation reads it in another layout (runs.PartCost)
-    resent = virtual * option.parts["block"][0].resent / GB if virtual > 1 else 0.0
     for s, (first, n, last) in enumerate(layouts[S, virtual]):
         seconds, one, further = option.cost(first, n, last)
-        one, further = one + resent, further + resent
         # every chunk a middle one but the first chunk (stage 0) and the last (S - 1)
         times.append(seconds + sends * (virtual - (s == 0) / 2 - (s == S - 1) / 2))
         memories.append(one + (min(micro_batches, S - s) - 1) * further)

@@ -39,7 +39,8 @@ and attention itself (ring or Ulysses, by :mod:`distgraph.passes.context`'s pric
 weights' gradients summed over it. No other cp is offered: rows split instead divide
 the activations alike without attention's collectives (and at dp 1 the (x, t) search
 may split the sequence over x). They are searched per ``t`` apart from the (x, t) ones,
-like the memory variants only where memory holds the fastest options' stages back.
+where memory holds the fastest options back or for a chosen stage (:mod:`~distgraph.
+passes.search.block_plans`).
 
 **Memory variants.** A block's search minimises its time alone, so it may keep weights
 and their optimizer states whole where splitting them costs about as much time: cheap
@@ -83,7 +84,7 @@ import numpy as np
 from distgraph.errors import PlanError
 from distgraph.ir import Role
 from distgraph.mesh import ProcessMesh
-from distgraph.passes.search.boundary import boundary_seconds, resent_bytes
+from distgraph.passes.search.boundary import boundary_seconds
 from distgraph.passes.search.costs import SearchCosts
 from distgraph.passes.search.intra_op import (Boundary, accumulating_updates, price,
                                                  search)
@@ -108,7 +109,6 @@ class PartCost:
     persistent: float
     saved: float
     transient: float
-    resent: float = 0.0     # kept per micro-batch for a second send (boundary.resent_bytes)
 
 
 @dataclass(frozen=True)
@@ -222,12 +222,11 @@ class RunCosts:
         self._p2p: dict = {}          # (option's mesh, its block search) -> boundary seconds
 
     # -- the options --------------------------------------------------------------------
-    def options(self, variants: bool = True, wanted=None, sequence: bool = True) -> list:
+    def options(self, variants: bool = True, wanted=None, sequence=True) -> list:
         """Every (device mesh, submesh, logical shape) with its parts costed: the fastest
-        parts, and with ``variants`` the memory variants and, with ``sequence`` too, the
-        (dp, cp, tp) meshes (module docstring); ``wanted(option)`` (optional, on a mesh's
-        fastest option): whether to search that mesh's variants (those searched before
-        are kept)."""
+        parts; with ``variants`` the memory variants (``wanted(option)``, on a mesh's
+        fastest: whether to search its variants; those searched before are kept) and the
+        (dp, cp, tp) meshes with ``sequence`` (or ``sequence((axis, shape, (x, t)))``)."""
         out = []
         for axis, device_mesh in enumerate(self.cluster.device_meshes):
             rows, cols = _grid(device_mesh.shape)
@@ -241,7 +240,8 @@ class RunCosts:
                 for t in [t for t in range(1, shape[1] + 1) if shape[1] % t == 0]:
                     logical = (shape[0] * shape[1] // t, t)
                     out.append((axis, sub, logical))
-                    cp = self._sequence_split(logical[0]) if variants and sequence else 1
+                    cp = self.sequence_split(logical[0]) if variants and (sequence is True or (
+                        sequence and sequence((axis, sub.shape, logical)))) else 1
                     if cp > 1:
                         out.append((axis, sub, (logical[0] // cp, cp, t)))
         # search the largest mesh of each kind and t whose x divides the rows first
@@ -266,11 +266,10 @@ class RunCosts:
         feeds = self.program.inputs
         return int(feeds[0].shape[0]) if feeds and feeds[0].shape else 1
 
-    def _sequence_split(self, x: int) -> int:
-        """The cp of the (dp, cp, tp) shape offered beside ``(x, t)``: x over the largest
-        dp the micro-batch's rows allow, ``gcd(x, rows)``, the rest of x splitting the
-        sequence (module docstring); 1 where dp takes all of x, where that dp is 1 (the
-        (x, t) mesh's own search may split the sequence over x), or where the feeds
+    def sequence_split(self, x: int) -> int:
+        """The cp of the (dp, cp, tp) shape offered beside ``(x, t)``: x over dp =
+        ``gcd(x, rows)`` (the micro-batch's), the rest splitting the sequence (module
+        docstring); 1 where dp takes all of x, where that dp is 1, or where the feeds
         have no sequence the cp divides."""
         feeds = self.program.inputs
         if not feeds or len(feeds[0].shape) < 2:
@@ -496,8 +495,7 @@ class RunCosts:
         # beside what persists, the buffer its ZeRO write-back gathers into
         transient = max(peak - persistent - saved,
                         writeback_bytes(result, sharding_dim(self.strategy)), 0.0)
-        return PartCost(result.report.objective, persistent, saved, transient,
-                        resent_bytes(result) if result.boundary.periodic else 0.0)
+        return PartCost(result.report.objective, persistent, saved, transient)
 
     def p2p_seconds(self, option) -> float:
         """Seconds per micro-batch a stage of ``option`` between two others spends passing

@@ -88,9 +88,11 @@ from scipy import sparse
 from distgraph.errors import PlanError
 from distgraph.passes.search.ilp import (BUDGET_RTOL, Solution, check_forbidden, evaluate,
                                          peak_bound, peak_memory, reduce_problem, solve)
-from distgraph.passes.search.tree_moves import Flat, improve
+from distgraph.passes.search.tree_moves import ROUNDS, TREES, Flat, improve_rounds
 
 METHODS = ("ilp", "recursive", "auto")
+KEEP = 2                 # descents per run whose tree moves go on after the first forests
+FIRST = 1                # forests of tree moves every descent gets
 SWEEPS = 4               # re-picks per level after the first pass (it stops when none changes)
 GROW, LAM_STEPS, BISECTIONS = 8.0, 16, 6
 TIE = 1e-9               # relative price difference below which candidates tie
@@ -130,7 +132,7 @@ class Walks:
             members = [[] for _ in red.cost]
             for v, c in enumerate(red.cls):
                 members[c].append(v)
-            levels = [_groups(space, members, m) for m in dims]
+            levels = _groups(space, members, dims)
             last = [np.arange(len(costs)) for costs in red.cost]
             # slowest level first (SAPP's order), and on 2-D meshes fastest first as well
             orders = [levels + [last]] + ([levels[::-1] + [last]] if len(levels) > 1 else [])
@@ -143,7 +145,8 @@ class Walks:
     def run(self, problem, lam: float) -> list:
         """[(choice, objective, peak)] of the descents at ``lam``; at ``lam`` = 0 also
         the guided ones (module docstring: memory priced at the unpriced choice's
-        seconds per byte for the descent, then tree moves at the price of time alone)."""
+        seconds per byte for the descent, then tree moves at the price of time alone).
+        At ``lam`` > 0 (the memory ladder) only the op-weight order descends."""
         if lam not in self.found:
             priced: dict = {}       # descents that end alike are priced once
 
@@ -151,11 +154,11 @@ class Walks:
                 for c in choices:
                     if tuple(c) not in priced:
                         priced[tuple(c)] = (c, evaluate(problem, c), peak_memory(problem, c))
-            add(self.walk.run(lam))
+            add(self.walk.run(lam, heaviest_only=lam > 0))
             if lam == 0.0:
                 _, objective, peak = min(priced.values(), key=lambda f: f[1])
                 if math.isfinite(objective) and objective > 0 and peak > 0:
-                    add(self.walk.run(objective / peak, improve_at=0.0))
+                    add(self.walk.run(objective / peak, improve_at=0.0, heaviest_only=True))
             self.found[lam] = list(priced.values())
         return self.found[lam]
 
@@ -250,29 +253,56 @@ def _tighten(problem, walk, choice, budget) -> list:
     return [per_class[c] for c in red.cls]
 
 
-def _groups(space, members, mesh_dim) -> list:
-    """Per class, the group of each strategy at the level of ``mesh_dim``: strategies
-    in which that mesh dim does the same to every operand and result of every member."""
-    out = []
-    known: dict = {}        # (strategy, hints) -> key: the same records recur (blocks)
+def _groups(space, members, dims) -> list:
+    """Per mesh dim of ``dims``, per class, the group of each strategy at that level:
+    strategies in which that mesh dim does the same to every operand and result of every
+    member. Groups are numbered in the order their first strategy comes."""
+    if not dims:
+        return []
+    keys: dict = {}         # a placement tuple -> its number
+    specs: dict = {}        # id(spec) -> (spec, its placement number per mesh dim)
+    by_value: dict = {}     # spec -> its placement number per mesh dim
+    strategies: dict = {}   # (id(strategy), id(hints)) -> its numbers per mesh dim
+    per_node: dict = {}     # node -> (strategies x dims) numbers
+
+    def placed(spec):
+        if id(spec) not in specs:
+            if spec not in by_value:
+                by_value[spec] = [keys.setdefault(_placement(spec, m), len(keys)) for m in dims]
+            specs[id(spec)] = (spec, by_value[spec])
+        return specs[id(spec)][1]
+
+    def node_keys(v):
+        if v not in per_node:
+            node, rows = space.nodes[v], []
+            for s, hints in zip(node.strategies, node.hints):
+                at = (id(s), id(hints))
+                if at not in strategies:
+                    cols = [placed(spec) for spec in s.in_specs + s.out_specs + tuple(hints)]
+                    strategies[at] = (s, hints, [keys.setdefault(k, len(keys)) for k in
+                                                 zip(*cols)] if cols else [0] * len(dims))
+                rows.append(strategies[at][2])
+            per_node[v] = np.array(rows, dtype=np.intp).reshape(len(rows), len(dims))
+        return per_node[v]
+
+    out = [[] for _ in dims]
     for nodes in members:
-        k = len(space.nodes[nodes[0]].strategies)
-        index: dict = {}
-        ids = np.empty(k, dtype=np.intp)
-        for i in range(k):
-            key = tuple(dict.fromkeys(_key(space.nodes[v], i, mesh_dim, known) for v in nodes))
-            ids[i] = index.setdefault(key, len(index))
-        out.append(ids)
+        table = np.stack([node_keys(v) for v in nodes])        # members x strategies x dims
+        for d in range(len(dims)):
+            column = table[:, :, d]
+            if (column == column[0]).all():
+                key = column[0]
+            else:
+                # the distinct members' placements in order, as one number per strategy
+                unique, back = np.unique(column, axis=1, return_inverse=True)
+                per = [keys.setdefault(tuple(dict.fromkeys(u.tolist())), len(keys))
+                       for u in unique.T]
+                key = np.array(per, dtype=np.intp)[back.ravel()]
+            _, first, back = np.unique(key, return_index=True, return_inverse=True)
+            rank = np.empty(len(first), dtype=np.intp)
+            rank[np.argsort(first, kind="stable")] = np.arange(len(first))
+            out[d].append(rank[back.ravel()])
     return out
-
-
-def _key(node, i: int, mesh_dim: str, known: dict) -> tuple:
-    s, hints = node.strategies[i], node.hints[i]
-    at = (id(s), id(hints))
-    if at not in known:
-        known[at] = (tuple(_placement(spec, mesh_dim)
-                           for spec in s.in_specs + s.out_specs + tuple(hints)), s, hints)
-    return known[at][0]
 
 
 def _placement(spec, mesh_dim: str) -> tuple:
@@ -299,26 +329,56 @@ class _Descent:
         heaviest = sorted(range(len(red.cost)), key=lambda c: (-weight[c], c))
         self.orders = (heaviest, list(range(len(red.cost))), list(range(len(red.cost)))[::-1])
 
-    def run(self, lam: float, improve_at: float | None = None) -> list:
+    def run(self, lam: float, improve_at: float | None = None,
+            heaviest_only: bool = False) -> list:
         """Choices (one strategy index per node of the problem), one per level order and
         visiting order: the op-weight order, then program order and its reverse (greedy
         descents are order-sensitive; the caller keeps the best, at a few times a linear
         cost). Memory is priced ``lam`` in the descents and their tree moves; with
-        ``improve_at``, tree moves at that price follow."""
+        ``improve_at``, tree moves at that price follow. Every descent gets a first round
+        of tree moves; only the ``KEEP`` best after it get the rest (module docstring).
+        ``heaviest_only``: the op-weight order alone."""
         red = self.red
         cost = [c + lam * m for c, m in zip(red.cost, red.memory)]
         moves = cost if improve_at is None else \
             [c + improve_at * m for c, m in zip(red.cost, red.memory)]
-        improved: dict = {}     # descents that end alike are improved once (it is exact)
+        starts = [tuple(self._walk(cost, order, levels))
+                  for levels in self.level_orders
+                  for order in self.orders[:1 if heaviest_only else None]]
+        first: dict = {}        # descents that end alike are improved once (it is exact)
+        for start in starts:
+            if start not in first:
+                first[start] = self._improve(cost, moves, start, range(FIRST))
+        flat_moves = self.flat.costs(moves)
+        ends = {tuple(f[-1][0]): start for start, f in first.items()}   # alike ends once
+        ranked = sorted(ends, key=lambda e: self.flat.objective(flat_moves, e))
+        for end in ranked[:KEEP]:
+            start = ends[end]
+            done = self._improve(cost, moves, start, range(FIRST, ROUNDS * TREES),
+                                 first[start])
+            for s, f in first.items():
+                if tuple(f[-1][0]) == end:
+                    first[s] = done
+        return [[first[s][-1][0][c] for c in red.cls] for s in starts]
+
+    def _improve(self, cost, moves, start, forests, before=None) -> list:
+        """[(choice, settled, gained)] after the tree moves of ``forests`` at ``cost``
+        (then at ``moves`` where it is another price), continuing ``before`` (an earlier
+        call's answer, whose forests came just before)."""
+        red, flat = self.red, self.flat
         out = []
-        for levels in self.level_orders:
-            for order in self.orders:
-                start = tuple(self._walk(cost, order, levels))
-                if start not in improved:
-                    improved[start] = improve(red, cost, list(start), flat=self.flat)
-                    if moves is not cost:
-                        improved[start] = improve(red, moves, improved[start], flat=self.flat)
-                out.append([improved[start][c] for c in red.cls])
+        for k, price in enumerate([cost] if moves is cost else [cost, moves]):
+            if before is None:
+                out.append(improve_rounds(red, price, out[-1][0] if out else start,
+                                          flat=flat, forests=forests))
+            elif k and not before[k - 1][1]:
+                # the first price moved on: the second starts again from its answer
+                out.append(improve_rounds(red, price, out[-1][0], flat=flat))
+            elif not before[k][1]:
+                out.append(improve_rounds(red, price, before[k][0], flat=flat,
+                                          forests=forests, gained=before[k][2]))
+            else:
+                out.append(before[k])
         return out
 
     def _walk(self, cost, order, levels) -> list:

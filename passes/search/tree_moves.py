@@ -122,22 +122,42 @@ def improve(red, cost, per_class, seed: int = 0, flat: Flat | None = None) -> li
     docstring), priced with node costs ``cost``; never worse than the input. ``flat``:
     ``red``'s :class:`Flat` where the caller keeps one (its forests are then drawn once
     for all the calls: they depend on the problem and ``seed`` alone)."""
+    return improve_rounds(red, cost, per_class, seed, flat)[0]
+
+
+def improve_rounds(red, cost, per_class, seed: int = 0, flat: Flat | None = None,
+                   forests: range = range(ROUNDS * TREES), gained: bool = False) -> tuple:
+    """(the choice, whether it settled: a round found no gain, whether the round under
+    way has gained) of :func:`improve` run over the moves of ``forests`` only (forest
+    ``r * TREES + k``: round ``r``'s ``k``-th); ``gained``: whether the round under way
+    had gained before them. Forest ``f`` is the same whoever draws it, so a run over
+    ``range(0, f)`` then, where not settled, over ``range(f, ROUNDS * TREES)`` from its
+    answer makes exactly :func:`improve`: a caller may try the first moves on many
+    choices and finish only the promising ones.
+
+    Example::
+
+        first, settled, gained = improve_rounds(red, cost, start, forests=range(1))
+        if not settled:
+            first = improve_rounds(red, cost, first, forests=range(1, ROUNDS * TREES),
+                                   gained=gained)[0]
+    """
     per_class = [int(i) for i in per_class]
     if not red.pairs:
-        return per_class
+        return per_class, True, False
     flat = flat or Flat(red)
     flat_cost = flat.costs(cost)
     best = flat.objective(flat_cost, per_class)
-    for r in range(ROUNDS):
-        gained = False
-        for k in range(TREES):
-            for trial in _moves(flat, flat_cost, per_class, flat.forest(seed, r * TREES + k)):
-                value = flat.objective(flat_cost, trial)
-                if value < best - TIE * abs(best):
-                    per_class, best, gained = trial, value, True
-        if not gained:
-            break
-    return per_class
+    for f in forests:
+        for trial in _moves(flat, flat_cost, per_class, flat.forest(seed, f)):
+            value = flat.objective(flat_cost, trial)
+            if value < best - TIE * abs(best):
+                per_class, best, gained = trial, value, True
+        if f % TREES == TREES - 1:          # a round ends
+            if not gained:
+                return per_class, True, False
+            gained = False
+    return per_class, forests.stop >= ROUNDS * TREES, gained
 
 
 def _forests(red, flat, seed: int):

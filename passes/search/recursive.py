@@ -298,10 +298,9 @@ def _groups(space, members, dims) -> list:
                 per = [keys.setdefault(tuple(dict.fromkeys(u.tolist())), len(keys))
                        for u in unique.T]
                 key = np.array(per, dtype=np.intp)[back.ravel()]
-            _, first, back = np.unique(key, return_index=True, return_inverse=True)
-            rank = np.empty(len(first), dtype=np.intp)
-            rank[np.argsort(first, kind="stable")] = np.arange(len(first))
-            out[d].append(rank[back.ravel()])
+            index: dict = {}
+            out[d].append(np.array([index.setdefault(k, len(index)) for k in key.tolist()],
+                                   dtype=np.intp))
     return out
 
 
@@ -384,30 +383,38 @@ class _Descent:
     def _walk(self, cost, order, levels) -> list:
         """The descent's choice per class before the tree moves."""
         mask = [np.isfinite(c) for c in cost]
+        seen = _Seen(len(mask))
         for groups in levels:
             before = [m.copy() for m in mask]
+            # a class with one group open keeps its candidates: nothing to price
+            one = [_one_group(groups[c][before[c]]) for c in range(len(mask))]
+            chosen = list(one)
             for c in order:                         # first pass: heaviest first
-                mask[c] = before[c] & (groups[c] == self._best(c, cost, mask, before, groups))
+                if one[c] is None:
+                    chosen[c] = self._best(c, cost, mask, before, groups, seen=seen)
+                    mask[c] = before[c] & (groups[c] == chosen[c])
+                    seen.moved(c)
             for _ in range(SWEEPS):                 # re-pick given every neighbour
                 changed = False
                 for c in order:
-                    current = groups[c][np.flatnonzero(mask[c])[0]]
-                    g = self._best(c, cost, mask, before, groups, current)
-                    if g != current:
+                    if one[c] is not None:
+                        continue
+                    g = self._best(c, cost, mask, before, groups, chosen[c], seen)
+                    if g != chosen[c]:
+                        chosen[c] = g
                         mask[c] = before[c] & (groups[c] == g)
+                        seen.moved(c)
                         changed = True
                 if not changed:
                     break
         return [int(np.flatnonzero(m)[0]) for m in mask]
 
-    def _best(self, c, cost, mask, before, groups, current=None) -> int:
+    def _best(self, c, cost, mask, before, groups, current=None, seen=None) -> int:
         """The group of class ``c`` (among those open to it: ``before``) of least price
-        given its neighbours' candidates (``mask``); ``current`` wins ties."""
+        given its neighbours' candidates (``mask``); ``current`` wins ties. ``seen``:
+        the walk's :class:`_Seen`, whose edge prices are reused."""
         open_ = np.flatnonzero(before[c])
-        mine = groups[c][open_]
-        if len(mine) and (mine == mine[0]).all():     # one group open: nothing to price
-            return int(mine[0])
-        price = self.prices(c, cost, mask)
+        price = self.prices(c, cost, mask, seen=seen)
         per_group = np.full(int(groups[c].max()) + 1, np.inf)
         np.minimum.at(per_group, groups[c][open_], price[open_])
         least = per_group.min()
@@ -419,29 +426,61 @@ class _Descent:
         tied = np.flatnonzero(per_group <= bar)
         if len(tied) == 1:
             return int(tied[0])
-        mean = self.prices(c, cost, mask, with_mean=True)[1]
+        mean = self.prices(c, cost, mask, with_mean=True, seen=seen)[1]
         second = np.full(len(per_group), np.inf)
         np.minimum.at(second, groups[c][open_], mean[open_])
         return int(tied[np.argmin(second[tied])])
 
-    def prices(self, c, cost, mask, with_mean=False):
+    def prices(self, c, cost, mask, with_mean=False, seen=None):
         """Per strategy of class ``c``: its cost plus, per edge, the cheapest reshard to
-        a layout the neighbour may take (``mask``); with ``with_mean`` also the mean."""
+        a layout the neighbour may take (``mask``); with ``with_mean`` also the mean.
+        ``seen``: a :class:`_Seen` of ``mask``'s changes, whose per-edge prices are
+        reused while the neighbour's candidates stay."""
         price = cost[c].copy()
         mean = cost[c].copy() if with_mean else None
-        for pair, safe, is_u in self.around[c]:
-            if is_u:
-                other = np.zeros(safe.shape[1], bool)
-                other[pair.cols[mask[pair.v]]] = True
-                sub = safe[:, other] if other.any() else np.full((safe.shape[0], 1), np.inf)
-                price += sub.min(axis=1)[pair.rows]
-                if with_mean:
-                    mean += sub.mean(axis=1)[pair.rows]
-            else:
-                other = np.zeros(safe.shape[0], bool)
-                other[pair.rows[mask[pair.u]]] = True
-                sub = safe[other, :] if other.any() else np.full((1, safe.shape[1]), np.inf)
-                price += sub.min(axis=0)[pair.cols]
-                if with_mean:
-                    mean += sub.mean(axis=0)[pair.cols]
+        for k, (pair, safe, is_u) in enumerate(self.around[c]):
+            other = pair.v if is_u else pair.u
+            key = (c, k, seen.version[other]) if seen is not None else None
+            got = seen.edge.get(key) if key is not None else None
+            if got is None or (with_mean and got[1] is None):
+                got = _edge_prices(pair, safe, is_u, mask[other], with_mean)
+                if key is not None:
+                    seen.edge[key] = got
+            price += got[0]
+            if with_mean:
+                mean += got[1]
         return (price, mean) if with_mean else price
+
+
+def _one_group(open_groups) -> int | None:
+    """The group of ``open_groups`` (the groups of a class's open strategies) where they
+    are all one, else None."""
+    if len(open_groups) and (open_groups == open_groups[0]).all():
+        return int(open_groups[0])
+    return None
+
+
+class _Seen:
+    """A walk's memo of edge prices: per class a version, raised when its candidates
+    change, and the prices of an edge per version of its far end."""
+
+    def __init__(self, n: int):
+        self.version = [0] * n
+        self.edge: dict = {}
+
+    def moved(self, c: int):
+        self.version[c] += 1
+
+
+def _edge_prices(pair, safe, is_u, open_, with_mean) -> tuple:
+    """(per strategy of the near end: the cheapest reshard to a layout ``open_`` leaves
+    the far end, the mean of those or None)."""
+    if is_u:
+        other = np.zeros(safe.shape[1], bool)
+        other[pair.cols[open_]] = True
+        sub = safe[:, other] if other.any() else np.full((safe.shape[0], 1), np.inf)
+        return sub.min(axis=1)[pair.rows], sub.mean(axis=1)[pair.rows] if with_mean else None
+    other = np.zeros(safe.shape[0], bool)
+    other[pair.rows[open_]] = True
+    sub = safe[other, :] if other.any() else np.full((1, safe.shape[1]), np.inf)
+    return sub.min(axis=0)[pair.cols], sub.mean(axis=0)[pair.cols] if with_mean else None

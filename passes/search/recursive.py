@@ -94,7 +94,7 @@ METHODS = ("ilp", "recursive", "auto")
 KEEP = 2                 # descents per run whose tree moves go on after the first forests
 FIRST = 1                # forests of tree moves every descent gets
 SWEEPS = 4               # re-picks per level after the first pass (it stops when none changes)
-GROW, LAM_STEPS, BISECTIONS = 8.0, 16, 6
+GROW, LAM_STEPS, BISECTIONS = 8.0, 16, 3
 TIE = 1e-9               # relative price difference below which candidates tie
 BIG = 1e30               # a forbidden pair, counted so that the fewest are chosen
 
@@ -216,7 +216,7 @@ def _fit(problem, walks, objective, peak, budget):
     if best is None:
         return None
     for _ in range(BISECTIONS):
-        mid = 0.5 * (low + high)
+        mid = math.sqrt(low * high) if low > 0 else 0.5 * high
         c = fitting(mid)
         if c is not None and math.isfinite(evaluate(problem, c)):
             high = mid

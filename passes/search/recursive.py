@@ -37,6 +37,16 @@ each descent is improved by tree moves (:mod:`distgraph.passes.search.tree_moves
 every class re-chosen at once, exactly on a spanning forest of the interactions (chains
 of layers move together), kept only where the objective falls.
 
+**What a search costs.** Every descent gets one forest of tree moves; only the ``KEEP``
+(2) best after it, alike ends once, get the rest, which then follow exactly the
+trajectory a full :func:`~distgraph.passes.search.tree_moves.improve` would (ends that
+lose after one forest rarely win after all of them: on the Table 1 1T row's and GPT-3
+``--engine``'s searches, the 20 of bench/search_quality.py and 229 brute-forced random
+problems, the same choices as improving every descent fully, at 3 x less time). A walk
+prices an edge once per set of candidates its far end has (a memo per walk, raised when
+that end re-picks), and a class with one group open at a level is not priced. The
+guided descents and the memory ladder below descend in op-weight order only.
+
 **Guided descents.** Unpriced, a descent may settle where the fast dim splits what
 the slow one does (the sequence over cp and y, every weight whole) although Megatron's
 split over y is faster: no single op or tree of ops gains by leaving. Memory, priced at
@@ -58,7 +68,8 @@ forbidden strategies are never candidates, aliases (an update writes a parameter
 ZeRO-split state back in the layout it is stored in) forbid pairs. With a memory budget
 the choice's peak over the liveness sets is checked; over it, the search runs again
 with each byte a class holds priced at ``lam`` seconds (a Lagrange multiplier), ``lam``
-raised until the peak fits, then lowered by bisection to the cheapest choice that fits.
+raised 8 x at a time until the peak fits, then lowered by bisection (of ``log lam``,
+three steps) to the cheapest choice that fits.
 Where no ``lam`` fits, or the choice breaks an alias, the SCIP ILP decides
 (:func:`~distgraph.passes.search.ilp.solve`, which finds a plan or names the smallest
 peak) and the report says so.
@@ -294,10 +305,10 @@ def _groups(space, members, dims) -> list:
                 key = column[0]
             else:
                 # the distinct members' placements in order, as one number per strategy
-                unique, back = np.unique(column, axis=1, return_inverse=True)
-                per = [keys.setdefault(tuple(dict.fromkeys(u.tolist())), len(keys))
-                       for u in unique.T]
-                key = np.array(per, dtype=np.intp)[back.ravel()]
+                distinct: dict = {}
+                key = np.array([distinct.setdefault(k, keys.setdefault(
+                    tuple(dict.fromkeys(k)), len(keys))) for k in zip(*column.tolist())],
+                    dtype=np.intp)
             index: dict = {}
             out[d].append(np.array([index.setdefault(k, len(index)) for k in key.tolist()],
                                    dtype=np.intp))

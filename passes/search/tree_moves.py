@@ -339,10 +339,10 @@ def _tree_move(flat, flat_cost, current, plan, off) -> list:
         total = mat + local[c][arg_in][None, :]
         pick = total.argmin(axis=1)
         local[parent] += total[rows, pick][upper]
-        back.append(arg_in[pick][upper])
+        back.append((arg_in, pick))
     choice = list(current)
     for c in roots:
         choice[c] = int(local[c].argmin())
-    for (c, parent, *_), best in zip(reversed(edges), reversed(back)):
-        choice[c] = int(best[choice[parent]])
+    for (c, parent, _, upper, *_), (arg_in, pick) in zip(reversed(edges), reversed(back)):
+        choice[c] = int(arg_in[pick[upper[choice[parent]]]])
     return choice

@@ -81,6 +81,10 @@ class Flat:
         # per pair: the first of the child's cheapest strategies in each of its groups is
         # a fixed permutation where every group holds one strategy (_tree_move)
         self.single = [(_single(p.cols), _single(p.rows)) for p in pairs]
+        # elsewhere, each group's strategies in a padded row (_tree_move's per-group argmin)
+        self.padded = [tuple(None if one is not None else _padded(g)
+                             for one, g in zip(single, (p.cols, p.rows)))
+                       for single, p in zip(self.single, pairs)]
         self.cheapest = [(p.cost.min(axis=1)[p.rows], p.cost.min(axis=0)[p.cols])
                          for p in pairs]
         self._red = red
@@ -108,6 +112,21 @@ class Flat:
         at = self.mat_off + self.rows[self.rows_off + choice[self.u]] * self.ncols + \
             self.cols[self.cols_off + choice[self.v]]
         return total + float(np.cumsum(self.mat[at])[-1])
+
+
+def _padded(groups) -> tuple:
+    """(per group, its strategies in increasing order padded with 0 to one length, where
+    the padding is, the groups' indices), so that a row's argmin with the padding priced
+    inf is the group's first cheapest strategy."""
+    order = np.argsort(groups, kind="stable")
+    counts = np.bincount(groups)
+    width = int(counts.max())
+    slot = np.arange(len(order)) - np.repeat(np.cumsum(counts) - counts, counts)
+    padded = np.zeros((len(counts), width), dtype=np.intp)
+    padded[groups[order], slot] = order
+    pad = np.ones((len(counts), width), dtype=bool)
+    pad[groups[order], slot] = False
+    return padded, pad, np.arange(len(counts))
 
 
 def _single(groups) -> np.ndarray | None:
@@ -298,7 +317,8 @@ def _walk(n, pairs, tree) -> tuple:
 def _plan(red, flat, walk) -> tuple:
     """(the forest's roots, its edges leaves first: (child, parent, the matrix oriented
     parent x child group, the parent's group of each of its strategies, the child's
-    groups, the child's strategy per group where each group holds one, else None, the
+    groups as :func:`_padded` gives them where a group holds several strategies, the
+    child's strategy per group where each group holds one, else None, the
     parent's group indices))."""
     order, parent_edge = walk
     roots, edges = [], []
@@ -309,10 +329,10 @@ def _plan(red, flat, walk) -> tuple:
             continue
         p = red.pairs[e]
         if p.v == c:
-            edges.append((c, p.u, p.cost, p.rows, p.cols, flat.single[e][0],
+            edges.append((c, p.u, p.cost, p.rows, flat.padded[e][0], flat.single[e][0],
                           np.arange(p.cost.shape[0])))
         else:
-            edges.append((c, p.v, p.cost.T, p.cols, p.rows, flat.single[e][1],
+            edges.append((c, p.v, p.cost.T, p.cols, flat.padded[e][1], flat.single[e][1],
                           np.arange(p.cost.shape[1])))
     return roots, edges
 
@@ -328,14 +348,13 @@ def _tree_move(flat, flat_cost, current, plan, off) -> list:
     offs = flat.offs
     local = [buffer[offs[c]:offs[c + 1]] for c in range(flat.n)]
     back = []                           # per edge: the child's best per parent strategy
-    for c, parent, mat, upper, groups, arg_in, rows in edges:
+    for c, parent, mat, upper, padded, arg_in, rows in edges:
         # the child's cheapest strategy in each group (the first of equal ones)
         if arg_in is None:
-            by = np.lexsort((local[c], groups))
-            first = np.empty(len(by), bool)
-            first[0] = True
-            first[1:] = groups[by[1:]] != groups[by[:-1]]
-            arg_in = by[first]
+            members, pad, index = padded
+            values = local[c][members]
+            values[pad] = np.inf
+            arg_in = members[index, values.argmin(axis=1)]
         total = mat + local[c][arg_in][None, :]
         pick = total.argmin(axis=1)
         local[parent] += total[rows, pick][upper]

@@ -81,6 +81,10 @@ class Flat:
         # per pair: the first of the child's cheapest strategies in each of its groups is
         # a fixed permutation where every group holds one strategy (_tree_move)
         self.single = [(_single(p.cols), _single(p.rows)) for p in pairs]
+        # elsewhere, each group's strategies in a padded row (_tree_move's per-group argmin)
+        self.padded = [tuple(None if one is not None else _padded(g)
+                             for one, g in zip(single, (p.cols, p.rows)))
+                       for single, p in zip(self.single, pairs)]
         self.cheapest = [(p.cost.min(axis=1)[p.rows], p.cost.min(axis=0)[p.cols])
                          for p in pairs]
         self._red = red
@@ -110,6 +114,21 @@ class Flat:
         return total + float(np.cumsum(self.mat[at])[-1])
 
 
+def _padded(groups) -> tuple:
+    """(per group, its strategies in increasing order padded with 0 to one length, where
+    the padding is, the groups' indices), so that a row's argmin with the padding priced
+    inf is the group's first cheapest strategy."""
+    order = np.argsort(groups, kind="stable")
+    counts = np.bincount(groups)
+    width = int(counts.max())
+    slot = np.arange(len(order)) - np.repeat(np.cumsum(counts) - counts, counts)
+    padded = np.zeros((len(counts), width), dtype=np.intp)
+    padded[groups[order], slot] = order
+    pad = np.ones((len(counts), width), dtype=bool)
+    pad[groups[order], slot] = False
+    return padded, pad, np.arange(len(counts))
+
+
 def _single(groups) -> np.ndarray | None:
     """The strategy of each group where every group holds one, else None."""
     if len(np.unique(groups)) != len(groups):
@@ -122,22 +141,42 @@ def improve(red, cost, per_class, seed: int = 0, flat: Flat | None = None) -> li
     docstring), priced with node costs ``cost``; never worse than the input. ``flat``:
     ``red``'s :class:`Flat` where the caller keeps one (its forests are then drawn once
     for all the calls: they depend on the problem and ``seed`` alone)."""
+    return improve_rounds(red, cost, per_class, seed, flat)[0]
+
+
+def improve_rounds(red, cost, per_class, seed: int = 0, flat: Flat | None = None,
+                   forests: range = range(ROUNDS * TREES), gained: bool = False) -> tuple:
+    """(the choice, whether it settled: a round found no gain, whether the round under
+    way has gained) of :func:`improve` run over the moves of ``forests`` only (forest
+    ``r * TREES + k``: round ``r``'s ``k``-th); ``gained``: whether the round under way
+    had gained before them. Forest ``f`` is the same whoever draws it, so a run over
+    ``range(0, f)`` then, where not settled, over ``range(f, ROUNDS * TREES)`` from its
+    answer makes exactly :func:`improve`: a caller may try the first moves on many
+    choices and finish only the promising ones.
+
+    Example::
+
+        first, settled, gained = improve_rounds(red, cost, start, forests=range(1))
+        if not settled:
+            first = improve_rounds(red, cost, first, forests=range(1, ROUNDS * TREES),
+                                   gained=gained)[0]
+    """
     per_class = [int(i) for i in per_class]
     if not red.pairs:
-        return per_class
+        return per_class, True, False
     flat = flat or Flat(red)
     flat_cost = flat.costs(cost)
     best = flat.objective(flat_cost, per_class)
-    for r in range(ROUNDS):
-        gained = False
-        for k in range(TREES):
-            for trial in _moves(flat, flat_cost, per_class, flat.forest(seed, r * TREES + k)):
-                value = flat.objective(flat_cost, trial)
-                if value < best - TIE * abs(best):
-                    per_class, best, gained = trial, value, True
-        if not gained:
-            break
-    return per_class
+    for f in forests:
+        for trial in _moves(flat, flat_cost, per_class, flat.forest(seed, f)):
+            value = flat.objective(flat_cost, trial)
+            if value < best - TIE * abs(best):
+                per_class, best, gained = trial, value, True
+        if f % TREES == TREES - 1:          # a round ends
+            if not gained:
+                return per_class, True, False
+            gained = False
+    return per_class, forests.stop >= ROUNDS * TREES, gained
 
 
 def _forests(red, flat, seed: int):
@@ -278,7 +317,8 @@ def _walk(n, pairs, tree) -> tuple:
 def _plan(red, flat, walk) -> tuple:
     """(the forest's roots, its edges leaves first: (child, parent, the matrix oriented
     parent x child group, the parent's group of each of its strategies, the child's
-    groups, the child's strategy per group where each group holds one, else None, the
+    groups as :func:`_padded` gives them where a group holds several strategies, the
+    child's strategy per group where each group holds one, else None, the
     parent's group indices))."""
     order, parent_edge = walk
     roots, edges = [], []
@@ -289,10 +329,10 @@ def _plan(red, flat, walk) -> tuple:
             continue
         p = red.pairs[e]
         if p.v == c:
-            edges.append((c, p.u, p.cost, p.rows, p.cols, flat.single[e][0],
+            edges.append((c, p.u, p.cost, p.rows, flat.padded[e][0], flat.single[e][0],
                           np.arange(p.cost.shape[0])))
         else:
-            edges.append((c, p.v, p.cost.T, p.cols, p.rows, flat.single[e][1],
+            edges.append((c, p.v, p.cost.T, p.cols, flat.padded[e][1], flat.single[e][1],
                           np.arange(p.cost.shape[1])))
     return roots, edges
 
@@ -308,21 +348,20 @@ def _tree_move(flat, flat_cost, current, plan, off) -> list:
     offs = flat.offs
     local = [buffer[offs[c]:offs[c + 1]] for c in range(flat.n)]
     back = []                           # per edge: the child's best per parent strategy
-    for c, parent, mat, upper, groups, arg_in, rows in edges:
+    for c, parent, mat, upper, padded, arg_in, rows in edges:
         # the child's cheapest strategy in each group (the first of equal ones)
         if arg_in is None:
-            by = np.lexsort((local[c], groups))
-            first = np.empty(len(by), bool)
-            first[0] = True
-            first[1:] = groups[by[1:]] != groups[by[:-1]]
-            arg_in = by[first]
+            members, pad, index = padded
+            values = local[c][members]
+            values[pad] = np.inf
+            arg_in = members[index, values.argmin(axis=1)]
         total = mat + local[c][arg_in][None, :]
         pick = total.argmin(axis=1)
         local[parent] += total[rows, pick][upper]
-        back.append(arg_in[pick][upper])
+        back.append((arg_in, pick))
     choice = list(current)
     for c in roots:
         choice[c] = int(local[c].argmin())
-    for (c, parent, *_), best in zip(reversed(edges), reversed(back)):
-        choice[c] = int(best[choice[parent]])
+    for (c, parent, _, upper, *_), (arg_in, pick) in zip(reversed(edges), reversed(back)):
+        choice[c] = int(arg_in[pick[upper[choice[parent]]]])
     return choice

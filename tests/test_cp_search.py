@@ -118,7 +118,7 @@ def test_options_offer_dp_cp_tp_where_the_rows_cannot_fill_x(float64):
     copy = dataclasses.replace(built, program=built.program.clone())
     costs = RunCosts(copy, C.strategy(), C.cluster(), block_layers(copy.program,
                                                                     copy.block_paths), C.MICRO)
-    assert [costs.sequence_split(x) for x in (16, 8, 24, 4)] == [2, 1, 1, 1]
+    assert [costs._sequence_split(x) for x in (16, 8, 24, 4)] == [2, 1, 1, 1]
     assert logical_dims((8, 2, 4)) == ["x", "cp", "y"]
 
 

@@ -39,7 +39,7 @@ and attention itself (ring or Ulysses, by :mod:`distgraph.passes.context`'s pric
 weights' gradients summed over it. No other cp is offered: rows split instead divide
 the activations alike without attention's collectives (and at dp 1 the (x, t) search
 may split the sequence over x). They are searched per ``t`` apart from the (x, t) ones,
-where memory holds the fastest options back or for a chosen stage (:mod:`~distgraph.
+their variants only where memory holds the fastest options back (:mod:`~distgraph.
 passes.search.block_plans`).
 
 **Memory variants.** A block's search minimises its time alone, so it may keep weights
@@ -222,11 +222,11 @@ class RunCosts:
         self._p2p: dict = {}          # (option's mesh, its block search) -> boundary seconds
 
     # -- the options --------------------------------------------------------------------
-    def options(self, variants: bool = True, wanted=None, sequence=True) -> list:
+    def options(self, variants: bool = True, wanted=None, sequence: bool = True) -> list:
         """Every (device mesh, submesh, logical shape) with its parts costed: the fastest
         parts; with ``variants`` the memory variants (``wanted(option)``, on a mesh's
-        fastest: whether to search its variants; those searched before are kept) and the
-        (dp, cp, tp) meshes with ``sequence`` (or ``sequence((axis, shape, (x, t)))``)."""
+        fastest: whether to search its variants; those searched before are kept) and, with
+        ``sequence`` too, the (dp, cp, tp) meshes (module docstring)."""
         out = []
         for axis, device_mesh in enumerate(self.cluster.device_meshes):
             rows, cols = _grid(device_mesh.shape)
@@ -240,8 +240,7 @@ class RunCosts:
                 for t in [t for t in range(1, shape[1] + 1) if shape[1] % t == 0]:
                     logical = (shape[0] * shape[1] // t, t)
                     out.append((axis, sub, logical))
-                    cp = self.sequence_split(logical[0]) if variants and (sequence is True or (
-                        sequence and sequence((axis, sub.shape, logical)))) else 1
+                    cp = self._sequence_split(logical[0]) if variants and sequence else 1
                     if cp > 1:
                         out.append((axis, sub, (logical[0] // cp, cp, t)))
         # search the largest mesh of each kind and t whose x divides the rows first
@@ -266,7 +265,7 @@ class RunCosts:
         feeds = self.program.inputs
         return int(feeds[0].shape[0]) if feeds and feeds[0].shape else 1
 
-    def sequence_split(self, x: int) -> int:
+    def _sequence_split(self, x: int) -> int:
         """The cp of the (dp, cp, tp) shape offered beside ``(x, t)``: x over dp =
         ``gcd(x, rows)`` (the micro-batch's), the rest splitting the sequence (module
         docstring); 1 where dp takes all of x, where that dp is 1, or where the feeds

@@ -292,3 +292,29 @@ def test_alike_stages_that_fit_bound_the_dp_from_above(seed):
         bounded, _ = plan_runs(count, blocks, options, cluster, B, p2p=p2p,
                                below=fits * (1 + 1e-9))
         assert bounded.objective == pytest.approx(plan.objective, rel=1e-12)
+
+
+@pytest.mark.parametrize("S, v, M", [(4, 2, 8), (8, 8, 32), (16, 8, 16), (8, 4, 8)])
+def test_interleaved_objective_is_the_replayed_schedules_makespan(S, v, M):
+    """S alike stages of v one-block chunks, a block's F + B taking the unit-cost clock's
+    3, no transfers: alike_stages' objective is the makespan schedule.replay finds for
+    interleaved 1F1B (M u + (S - 1) u / v; it was M u + (S - v) u / v, no bubble at
+    S = v)."""
+    from distgraph.passes.pipeline.schedule import COST, chain, make_schedule, replay
+    from distgraph.passes.search.run_dp import alike_stages
+
+    problem = chain(S, v, M, "1F1B")
+    makespan = replay(make_schedule(problem).orders, problem).makespan
+    cluster = cluster_of(1, S, memory=1e3)
+    block = (PartCost(COST["F"] + COST["B"], 0.0, 0.0, 0.0), None)
+    option = RunOption(0, Submesh(cluster.device_meshes[0], (1, 1), cluster.device(0)),
+                       (1, 1), {"block": block})
+    count = S * v
+
+    def chunk_layers(n):
+        return [{k: 1.0} for k in range(n)]
+
+    objective, times, _ = alike_stages(option, count, range(count), cluster, M, v,
+                                       chunk_layers)
+    assert times == [v * 3.0] * S
+    assert objective == pytest.approx(makespan, rel=1e-12)

@@ -32,7 +32,8 @@ communication and bubble, and peak memory per process.
   ``u_s`` is stage s's forward + backward time for one micro-batch (a micro-batched
   plan's local programs are one micro-batch's: their forward and backward ops and
   reshards count M times a step, the update's once); with v chunks per stage
-  (``virtual_stages``, ZBV's 2) the fill ``Σ u_s`` is ``Σ u_s / v``. The bottleneck
+  (``virtual_stages``, ZBV's 2) the fill ``Σ u_s`` is ``Σ u_s / v`` (and interleaved
+  1F1B's ``M - 1`` is ``M - 1/v``: bubble ``(S - 1)/v`` of ``u``). The bottleneck
   process's compute and communication are reported, and ``bubble`` is its idle time.
 - **Uneven splits.** With a balanced batch split (``Plan.batch_split``,
   ``Strategy(balance=True)``) each process is priced on its share: without micro-batches
@@ -458,10 +459,13 @@ def _combine(plan, processes, update_time, counts) -> Estimate:
         upd = {s: update_time[p.process] for s, p in slowest.items()}
         per_mb = {s: (p.busy - upd[s]) / counts[p.process] for s, p in slowest.items()}
         # with v chunks per stage (interleaved 1F1B, ZBV's two) the pipeline fills and
-        # drains one chunk at a time: the fill is 1/v of the stages' sum (Narayanan et
-        # al., SC'21: bubble (S - 1) / (v M) of the ideal time)
+        # drains one chunk at a time: the fill is 1/v of the stages' sum; interleaved
+        # 1F1B's last micro-batch ends a chunk after the one before it (Narayanan et
+        # al., SC'21: bubble (S - 1) / (v M) of the ideal time, as schedule.replay
+        # finds it); ZBV's zero-bubble W fills that
         virtual = 2 if plan.strategy.schedule == "ZBV" else plan.strategy.virtual_stages
-        total = (sum(per_mb.values()) / virtual + max((counts[p.process] - 1) * per_mb[s]
+        last = 1 / virtual if plan.strategy.schedule == "1F1B" else 1
+        total = (sum(per_mb.values()) / virtual + max((counts[p.process] - last) * per_mb[s]
                                                       for s, p in slowest.items())
                  + max(upd.values()))
     bottleneck = max(processes, key=lambda p: p.busy)

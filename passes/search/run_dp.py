@@ -377,7 +377,8 @@ def plan_interleaved(count: int, blocks: range, options: list, cluster, micro_ba
     chunk between two others; the first and the last chunk have one neighbour; None:
     not priced), its memory that with ``min(M, S - s)`` micro-batches in flight (as
     the estimate counts them), and the objective the estimate's:
-    ``sum t / v + (M - 1) max t``.
+    ``sum t / v + (M - 1 / v) max t`` (the last micro-batch drains a chunk, not a
+    stage, after the one before it: bubble (S - 1) / v of a stage's time).
 
     Example::
 
@@ -427,7 +428,8 @@ def alike_stages(option, count: int, blocks: range, cluster, micro_batches: int,
         # every chunk a middle one but the first chunk (stage 0) and the last (S - 1)
         times.append(seconds + sends * (virtual - (s == 0) / 2 - (s == S - 1) / 2))
         memories.append(one + (min(micro_batches, S - s) - 1) * further)
-    return sum(times) / virtual + (micro_batches - 1) * max(times), times, memories
+    return (sum(times) / virtual + (micro_batches - 1 / virtual) * max(times), times,
+            memories)
 
 
 def even_parts(S: int, blocks: range, count: int) -> list:

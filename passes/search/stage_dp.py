@@ -99,8 +99,8 @@ class StageChoice:
 
 @dataclass(frozen=True)
 class StagePlan:
-    """Stages in pipeline order; ``objective`` = sum t / virtual + (micro_batches - 1)
-    * max t; ``dp_runs``: how many time caps the search solved; ``virtual``: chunks per
+    """Stages in pipeline order; ``objective`` = sum t / virtual + (micro_batches -
+    1 / virtual) * max t; ``dp_runs``: how many time caps the search solved; ``virtual``: chunks per
     stage (interleaved 1F1B; the stages' layers are then those annotated before the
     planner moves chunk c to stage c mod S)."""
 

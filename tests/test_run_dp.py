@@ -141,6 +141,17 @@ def variant_options(rng, cluster, parts):
     return options
 
 
+def random_layers(rng, cluster, seed):
+    """(options, count, blocks, micro-batches) of a random model of 5-12 blocks, E and H
+    present or not by ``seed``."""
+    n = int(rng.integers(5, 13))
+    first, last = seed % 4 != 3, seed % 3 != 2
+    parts = {"block": 1.0, **({"first": 0.4} if first else {}), **({"last": 0.7} if last else {})}
+    options = variant_options(rng, cluster, parts)
+    count, blocks = n + first + last, range(int(first), int(first) + n)
+    return options, count, blocks, int(rng.integers(1, 17))
+
+
 @pytest.mark.parametrize("seed", range(12))
 @pytest.mark.parametrize("fit_memory", [True, False])
 def test_run_dp_equals_its_previous_implementation(seed, fit_memory):
@@ -154,12 +165,7 @@ def test_run_dp_equals_its_previous_implementation(seed, fit_memory):
     else:
         cluster = cluster_of(*[(1, 8), (4, 4), (8, 2)][seed % 3],
                              memory=float(rng.uniform(1.0, 3.0)))
-    n = int(rng.integers(5, 13))
-    first, last = seed % 4 != 3, seed % 3 != 2
-    parts = {"block": 1.0, **({"first": 0.4} if first else {}), **({"last": 0.7} if last else {})}
-    options = variant_options(rng, cluster, parts)
-    count, blocks = n + first + last, range(int(first), int(first) + n)
-    B = int(rng.integers(1, 17))
+    options, count, blocks, B = random_layers(rng, cluster, seed)
     args = (count, blocks, options, cluster, B, fit_memory)
     try:
         old, old_chosen = reference.plan_runs(*args)
@@ -226,16 +232,11 @@ def test_run_dp_skipping_slower_options_keeps_the_plan(seed, fit_memory, monkeyp
     rng = np.random.default_rng(500 + seed)
     cluster = cluster_of(*[(1, 8), (4, 4), (8, 2)][seed % 3],
                          memory=float(rng.uniform(1.0, 3.0)))
-    n = int(rng.integers(5, 13))
-    first, last = seed % 4 != 3, seed % 3 != 2
-    parts = {"block": 1.0, **({"first": 0.4} if first else {}), **({"last": 0.7} if last else {})}
-    options = variant_options(rng, cluster, parts)
+    options, count, blocks, B = random_layers(rng, cluster, seed)
     # some options as fast as another of their submesh, to be skipped where they reach less
     options += [RunOption(o.axis, o.sub, o.logical + (2,),
                           {k: (PartCost(c.time, c.persistent * 2, c.saved, c.transient), r)
                            for k, (c, r) in o.parts.items()}) for o in options[::2]]
-    count, blocks = n + first + last, range(int(first), int(first) + n)
-    B = int(rng.integers(1, 17))
 
     def p2p(option):
         return 0.1 * option.parts["block"][0].time
@@ -271,12 +272,7 @@ def test_alike_stages_that_fit_bound_the_dp_from_above(seed):
     rng = np.random.default_rng(700 + seed)
     cluster = cluster_of(*[(1, 8), (4, 4), (8, 2)][seed % 3],
                          memory=float(rng.uniform(1.0, 3.0)))
-    n = int(rng.integers(5, 13))
-    first, last = seed % 4 != 3, seed % 3 != 2
-    parts = {"block": 1.0, **({"first": 0.4} if first else {}), **({"last": 0.7} if last else {})}
-    options = variant_options(rng, cluster, parts)
-    count, blocks = n + first + last, range(int(first), int(first) + n)
-    B = int(rng.integers(1, 17))
+    options, count, blocks, B = random_layers(rng, cluster, seed)
 
     def p2p(option):
         return 0.2 * option.parts["block"][0].time

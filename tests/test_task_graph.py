@@ -226,8 +226,10 @@ class _ReadTwice(dg.nn.Layer):
 
 
 def _train_read_twice(meshes, comm=None, micro_batches=1):
-    dg.seed(0)
-    engine = dg.Engine(_ReadTwice(meshes), P.loss_fn("mlp"), P.make_optimizer("adamw"),
+    with P.BUILD_LOCK:        # the seed and the parameters' draws are shared by the threads
+        dg.seed(0)
+        model = _ReadTwice(meshes)
+    engine = dg.Engine(model, P.loss_fn("mlp"), P.make_optimizer("adamw"),
                        strategy=dg.Strategy(micro_batches=micro_batches), communicator=comm)
     with P.BUILD_LOCK:
         engine.prepare(*dg.app.data.DataLoader(P.Dataset("mlp"), P.BATCH).specs(1))

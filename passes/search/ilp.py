@@ -217,7 +217,8 @@ class _Model:
             self.s.append(row)
         self.e = [self._pair(pair, weight) for pair in red.pairs]
         m_prev = None
-        ub = budget if budget is not None and not minimise_peak else None
+        self.unit = unit = _memory_unit(red)
+        ub = budget / unit if budget is not None and not minimise_peak else None
         self.z = z = scip.addVar(lb=0.0, obj=1.0) if minimise_peak else None
         self.m = []
         for delta in red.steps:
@@ -225,7 +226,8 @@ class _Model:
             self.m.append(m)
             terms = [(-1.0, m)] if m_prev is None else [(-1.0, m), (1.0, m_prev)]
             for c, coefs in delta.items():
-                terms += [(float(coef), self.s[c][i]) for i, coef in enumerate(coefs) if coef]
+                terms += [(float(coef) / unit, self.s[c][i]) for i, coef in enumerate(coefs)
+                          if coef]
             scip.addCons(quicksum(coef * x for coef, x in terms) == 0)
             if z is not None:
                 scip.addCons(z - m >= 0)
@@ -265,9 +267,9 @@ class _Model:
         for delta, m in zip(red.steps, self.m):
             level += sum(float(d[per_class[c]]) for c, d in delta.items())
             peak = max(peak, level)
-            scip.setSolVal(sol, m, max(level, 0.0))
+            scip.setSolVal(sol, m, max(level, 0.0) / self.unit)
         if self.z is not None:
-            scip.setSolVal(sol, self.z, peak)
+            scip.setSolVal(sol, self.z, peak / self.unit)
         scip.addSol(sol, free=True)
 
     def run(self, deadline: float) -> str:
@@ -401,6 +403,16 @@ def check_forbidden(p: ShardingProblem, red: Reduced) -> None:
                             "pair of their allowed strategies; allow at least one pair")
 
 
+def _memory_unit(red: Reduced) -> float:
+    """The power of 2 nearest below the largest memory in the model's rows: the rows and
+    the budget are divided by it (exactly). In bytes (1e9 .. 1e10 against 0/1 variables)
+    SCIP's presolve cut off choices that fit: on a GPT-3 block it called 0.387 s optimal
+    under a 12.1 GB budget while a choice of 0.0211 s peaking at 6.3 GB fit it."""
+    largest = max((float(np.abs(d).max()) for delta in red.steps for d in delta.values()),
+                  default=0.0)
+    return 2.0 ** math.floor(math.log2(largest)) if largest > 0 else 1.0
+
+
 def peak_bound(red: Reduced) -> float:
     """A lower bound on the peak memory of every choice: at each liveness step, each
     class's least live memory over its allowed strategies, summed (exact when the
@@ -448,7 +460,7 @@ def _raise_budget(p: ShardingProblem, red: Reduced, start: float, time_limit: fl
                         f"choice reaches is {peak:g}; raise the budget to at least that, or "
                         "add cheaper-memory strategies (e.g. more sharding)")
     else:
-        bound = model.scip.getDualbound()
+        bound = model.scip.getDualbound() * model.unit
         err = PlanError(f"no sharding choice fits {budget}: the smallest peak memory found "
                         f"within the time limit is {peak:g} (none is below {bound:g}); raise "
                         "the budget")

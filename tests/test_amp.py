@@ -121,3 +121,22 @@ def test_the_estimate_sees_half_size_activations_and_float32_masters():
     (f,), (a,) = (dg.passes.estimate(r.plan).processes for r in (full, amp))
     assert a.parameters == f.parameters and a.states == f.states     # float32 masters
     assert a.activations < 0.75 * f.activations
+
+
+@pytest.mark.parametrize("amp", ["bfloat16", "float16"])
+def test_micro_batches_accumulate_the_float32_gradients(amp):
+    """Under amp each parameter's 16-bit gradient is cast to float32: a widening cast,
+    linear in the micro-batches' shares, so gradient accumulation (and so every pipeline)
+    sums the float32 gradients; the losses follow the whole-batch run's to 16-bit
+    rounding (it was a PlanError: 'cast mixes samples across the batch')."""
+    whole = Run(dg.Strategy(amp=amp)).train(10)
+    split = Run(dg.Strategy(amp=amp, micro_batches=2))
+    acc = split.plan.accumulation
+    masters = {v.name for v in split.built.program.parameters}
+    grads = [n for n in acc.boundary if n.endswith("@GRAD")]
+    assert sorted(grads) == sorted(f"{p}@GRAD" for p in masters)
+    assert all(split.built.program.values[n].dtype == "float32" for n in grads)
+    losses = split.train(10)
+    assert losses[0] == pytest.approx(whole[0], rel=1e-6)
+    np.testing.assert_allclose(losses, whole, rtol=2e-3)
+    assert losses[-1] < losses[0] - 0.1

@@ -41,6 +41,7 @@ from __future__ import annotations
 import dataclasses
 from types import MappingProxyType
 
+from distgraph import dtypes
 from distgraph.errors import BatchSplitError, PlanError
 from distgraph.ir import Role
 from distgraph.registry import TensorType, get_op
@@ -90,7 +91,9 @@ def split_micro_batches(built, micro_batches: int):
 
 # Ops that are linear in their one tensor operand: applied to one micro-batch's share
 # of a sum over the samples they give its share of the result (the mean's scale after
-# the sum of a loss; slice_grad on the gradient of a sliced parameter).
+# the sum of a loss; slice_grad on the gradient of a sliced parameter). A widening cast
+# is one too: under amp each micro-batch's 16-bit gradient is cast to float32 and the
+# shares are summed in float32, as Megatron accumulates its main gradients.
 LINEAR_UNARY = ("scale", "neg", "reshape", "transpose", "sum", "slice", "slice_grad",
                  "broadcast_to")
 
@@ -102,6 +105,9 @@ def linear_in_sums(op, sum_inputs, sample_free) -> bool:
     others = [v for i, v in enumerate(op.inputs) if i not in sum_inputs]
     if op.type in LINEAR_UNARY:
         return len(op.inputs) == 1 and not (op.type == "scale" and op.attrs.get("bias", 0.0))
+    if op.type == "cast":     # a widening cast (a 16-bit gradient to its float32 master's)
+        return dtypes.is_float(op.inputs[0].dtype) and dtypes.is_float(op.outputs[0].dtype) \
+            and dtypes.itemsize(op.outputs[0].dtype) >= dtypes.itemsize(op.inputs[0].dtype)
     if op.type in ("add", "subtract"):
         return not others
     if op.type in ("multiply", "matmul") or (op.type == "divide" and sum_inputs == [0]):

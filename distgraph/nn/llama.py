@@ -177,6 +177,11 @@ class LlamaDecoderLayer(Layer):
         h = x + self.self_attn(self.input_layernorm(x))
         return h + self.mlp(self.post_attention_layernorm(h))
 
+    def megatron(self, mesh, dim: str = "mp") -> None:
+        """This layer's Megatron split over ``dim`` (:func:`megatron_layer`); a layer
+        with another MLP (Mixtral's experts) splits its own."""
+        megatron_layer(self, mesh, dim)
+
 
 class Llama(Layer):
     """A LLaMA-family causal language model: token ids [batch, seq] -> logits
@@ -225,9 +230,10 @@ class Llama(Layer):
 
 def megatron(model: Llama, mesh, dim: str = "mp") -> None:
     """Megatron's tensor parallelism of every decoder layer of ``model`` over mesh dim
-    ``dim`` (:func:`megatron_layer`)."""
+    ``dim`` (:func:`megatron_layer`; for a Mixtral, each expert's intermediate dim:
+    :func:`distgraph.nn.mixtral.megatron`)."""
     for layer in model.layers:
-        megatron_layer(layer, mesh, dim)
+        layer.megatron(mesh, dim)
 
 
 def megatron_layer(layer: LlamaDecoderLayer, mesh, dim: str = "mp") -> None:

@@ -142,6 +142,16 @@ class MixtralDecoderLayer(LlamaDecoderLayer):
         y, stats = self.mlp(self.post_attention_layernorm(h))
         return h + y, stats
 
+    def megatron(self, mesh, dim: str = "mp") -> None:
+        """Megatron's attention split over ``dim`` and each expert's intermediate dim
+        split over it (gate and up column-split, down row-split); the router whole."""
+        megatron_attention(self, mesh, dim)
+        e = self.mlp.experts
+        shard_tensor(e.gate_proj, mesh, [None, None, dim])
+        shard_tensor(e.up_proj, mesh, [None, None, dim])
+        shard_tensor(e.down_proj, mesh, [None, dim, None])
+        shard_tensor(self.mlp.gate.weight, mesh, [None, None])
+
 
 class Mixtral(Llama):
     """A Mixtral causal language model: token ids [batch, seq] -> logits [batch, seq,
@@ -209,11 +219,7 @@ def expert_parallel(model: Mixtral, mesh, dim: str = "ep", inner: str | None = N
 def megatron(model: Mixtral, mesh, dim: str = "mp") -> None:
     """Megatron's attention split over ``dim`` (:func:`distgraph.nn.llama.megatron_layer`)
     and each expert's intermediate dim split over it (gate and up column-split, down
-    row-split); the router whole."""
+    row-split); the router whole (:meth:`MixtralDecoderLayer.megatron`;
+    ``dg.nn.llama.megatron`` of a Mixtral is the same)."""
     for layer in model.layers:
-        megatron_attention(layer, mesh, dim)
-        e = layer.mlp.experts
-        shard_tensor(e.gate_proj, mesh, [None, None, dim])
-        shard_tensor(e.up_proj, mesh, [None, None, dim])
-        shard_tensor(e.down_proj, mesh, [None, dim, None])
-        shard_tensor(layer.mlp.gate.weight, mesh, [None, None])
+        layer.megatron(mesh, dim)

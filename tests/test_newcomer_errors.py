@@ -1,0 +1,91 @@
+"""What a newcomer gets wrong, from the README: each mistake is one error, the same on
+every rank, that says what to change (numbers of processes, sequence lengths)."""
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import distgraph as dg
+from distgraph.errors import DistGraphError
+from distgraph.runtime.comm.simulated import SimulatedWorld
+
+sys.path.insert(0, str(Path(__file__).parent))
+from plans import BUILD_LOCK  # noqa: E402
+
+
+class Counting:
+    """The README's dataset: tokens counting up from a start; predict the next one."""
+
+    def __init__(self, n, seq=16, vocab=32):
+        self.starts, self.seq, self.vocab = np.arange(n) % vocab, seq, vocab
+
+    def __len__(self):
+        return len(self.starts)
+
+    def __getitem__(self, i):
+        tokens = (self.starts[i] + np.arange(self.seq + 1)) % self.vocab
+        return tokens[:-1], tokens[1:]
+
+
+def tiny_llama():
+    dg.seed(0)
+    return dg.nn.Llama(vocab_size=32, hidden_size=16, intermediate_size=32,
+                       num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2)
+
+
+def errors_on_ranks(n, fn) -> list:
+    """Each simulated rank's DistGraphError message (None where it raised none)."""
+    def rank(comm):
+        try:
+            fn(comm)
+        except DistGraphError as e:
+            return f"{type(e).__name__}: {e}"
+        return None
+    return SimulatedWorld(n, timeout=60).run(rank)
+
+
+def test_meshes_numbered_past_the_ranks_fail_alike_on_every_rank_naming_the_fix():
+    """ProcessMesh([[0, 1], [2, 4]]) on 4 ranks: rank 3 runs no process of the plan. It
+    failed alone with 'process 3 has no part in this plan' while the others said 'give
+    a rank mapping'; now every rank says both ways out, and the rank mapping it names
+    runs."""
+    def train(comm, rank_mapping=None):
+        with BUILD_LOCK:          # simulated ranks share the parameter generator
+            model = tiny_llama()
+        mesh = dg.ProcessMesh([[0, 1], [2, 4]], dim_names=["dp", "mp"])
+        dg.nn.llama.megatron(model, mesh)
+        engine = dg.Engine(model, loss=dg.nn.CrossEntropyLoss(), optimizer=dg.optim.SGD(0.1),
+                           communicator=comm, rank_mapping=rank_mapping)
+        data = dg.shard_dataloader(Counting(8), mesh, shard_dims="dp")
+        with BUILD_LOCK:
+            engine.prepare(*dg.app.data.DataLoader(data, 8).specs(1))
+        return engine.fit(data, batch_size=8, verbose=0).losses
+
+    errors = errors_on_ranks(4, train)
+    assert len(set(errors)) == 1, errors
+    assert errors[0].startswith("PlanError: the plan's meshes number their processes "
+                                "[0, 1, 2, 4]"), errors[0]
+    assert "number the ProcessMesh processes 0..3" in errors[0]
+    assert "rank_mapping={process: device id}" in errors[0]
+    losses = SimulatedWorld(4, timeout=60).run(train, {0: 0, 1: 1, 2: 2, 4: 3})
+    serial = dg.Engine(tiny_llama(), loss=dg.nn.CrossEntropyLoss(), optimizer=dg.optim.SGD(0.1))
+    expected = serial.fit(Counting(8), batch_size=8, verbose=0).losses
+    for x in losses:
+        np.testing.assert_allclose(x, expected, rtol=1e-5)
+
+
+@pytest.mark.parametrize("seq,more", [(14, ", or balance=False"), (15, "")])
+def test_a_sequence_the_context_parallel_chunks_do_not_divide_says_which_length(seq, more):
+    """cp = 2 stores the sequence in 4 balanced chunks: 14 and 15 tokens do not divide.
+    It said 'field 0 of shape [14] has no sequence dim that 4 chunks divide'."""
+    mesh = dg.ProcessMesh([[0, 1], [2, 3]], dim_names=["dp", "cp"])
+    data = dg.shard_dataloader(Counting(8, seq=seq), mesh, shard_dims="dp", sequence_dim="cp")
+    with pytest.raises(dg.ShardingError) as info:
+        data[3]
+    message = str(info.value)
+    assert message.startswith(f"shard_dataloader(sequence_dim='cp'): dataset sample 3, "
+                              f"field 0 has a sequence of {seq}"), message
+    assert "use a sequence length divisible by 4" in message
+    assert (more in message) if more else ("balance=False" not in message)

@@ -89,3 +89,43 @@ def test_a_sequence_the_context_parallel_chunks_do_not_divide_says_which_length(
                               f"field 0 has a sequence of {seq}"), message
     assert "use a sequence length divisible by 4" in message
     assert (more in message) if more else ("balance=False" not in message)
+
+
+def _train_llama(comm, layout, strategy):
+    with BUILD_LOCK:
+        model = tiny_llama()
+    mesh = dg.ProcessMesh([0, 1], dim_names=["dp"])
+    data = Counting(8)
+    if layout == "dp":
+        data = dg.shard_dataloader(data, mesh, shard_dims="dp")
+    elif layout == "mp":
+        mesh = dg.ProcessMesh([0, 1], dim_names=["mp"])
+        dg.nn.llama.megatron(model, mesh)
+    elif layout == "cp":
+        mesh = dg.ProcessMesh([0, 1], dim_names=["cp"])
+        data = dg.shard_dataloader(data, mesh, sequence_dim="cp")
+    engine = dg.Engine(model, loss=dg.nn.CrossEntropyLoss(), optimizer=dg.optim.SGD(0.1),
+                       communicator=comm, strategy=strategy)
+    with BUILD_LOCK:
+        engine.prepare(*dg.app.data.DataLoader(data, 8).specs(1))
+    return engine.fit(data, batch_size=8, verbose=0).losses
+
+
+@pytest.mark.parametrize("layout,strategy,said", [
+    ("dp", dg.Strategy(sequence_parallel=True), "Strategy(sequence_parallel=True) does nothing"),
+    ("mp", dg.Strategy(sequence_parallel=True), None),
+    ("dp", dg.Strategy(context_parallel="ring"), "Strategy(context_parallel='ring') does nothing"),
+    ("cp", dg.Strategy(context_parallel="ring"), None),
+])
+def test_an_option_that_splits_nothing_says_so_once(capsys, layout, strategy, said):
+    """sequence_parallel without tensor parallelism, context_parallel without a split
+    sequence: the Strategy's docstring promises no option is silently ignored; they
+    trained as if not given, without a word. Rank 0 says it once; the losses are the
+    plan's all the same."""
+    losses = SimulatedWorld(2, timeout=60).run(_train_llama, layout, strategy)
+    assert losses[0] == losses[1]
+    err = capsys.readouterr().err
+    if said is None:
+        assert "does nothing" not in err, err
+    else:
+        assert err.count(said) == 1, err

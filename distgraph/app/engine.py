@@ -27,7 +27,7 @@ from distgraph.app import checkpoint, checks, plan_report, pretrained
 from distgraph.app.checkpoint import CheckpointReader
 from distgraph.app.checkpoint import newest as newest_checkpoint
 from distgraph.app.loops import History, Loops
-from distgraph.app.plans import MODES, Mode, PlanCache, as_mode, program_key
+from distgraph.app.plans import MODES, Mode, PlanCache, as_mode, idle_options, program_key
 from distgraph.app.resume import check_checkpoint, checkpoint_info, restore_info
 from distgraph.app.state import HeldState
 from distgraph.errors import DistGraphError
@@ -196,6 +196,9 @@ class Engine:
         runner = self._plans.runner(mode, self._world)
         if not planned.plan.distributed and self.world_size > 1:
             self._warn_unsplit(mode)
+        if self.world_size > 1:
+            for text in idle_options(planned.plan):
+                self._warn(text)
         return planned, runner, self._held.bind(planned.plan, runner, self._comm)
 
     def _warn_unsplit(self, mode) -> None:

@@ -325,7 +325,7 @@ def shard_dataloader(dataset, meshes, shard_dims=None, sequence_dim=None,
             raise ShardingError(f"shard_dataloader: {len(given)} {what} for {len(meshes)} "
                                 "meshes; give one, or one per mesh")
     dims = tuple(_mesh_dim(m, d) for m, d in zip(meshes, dims))
-    seqs = tuple(_mesh_dim(m, d) for m, d in zip(meshes, seqs))
+    seqs = tuple(_mesh_dim(m, d, "sequence_dim") for m, d in zip(meshes, seqs))
     for d, q in zip(dims, seqs):
         if q is not None and q == d:
             raise ShardingError(f"shard_dataloader: sequence_dim {q!r} is also the batch's "
@@ -333,17 +333,18 @@ def shard_dataloader(dataset, meshes, shard_dims=None, sequence_dim=None,
     return ShardDataloader(dataset, meshes, dims, seqs, balance)
 
 
-def _mesh_dim(mesh: ProcessMesh, dim):
-    """A mesh dim given by name or index, as its name (None stays None)."""
+def _mesh_dim(mesh: ProcessMesh, dim, what: str = "shard_dims"):
+    """A mesh dim given by name or index (as argument ``what``), as its name (None stays
+    None)."""
     if dim is None:
         return None
     if isinstance(dim, int) and not isinstance(dim, bool):
         if not -mesh.ndim <= dim < mesh.ndim:
-            raise ShardingError(f"shard_dataloader: shard_dims {dim} is out of range for "
+            raise ShardingError(f"shard_dataloader: {what} {dim} is out of range for "
                                 f"{mesh} ({mesh.ndim} dims)")
         return mesh.dim_names[dim]
     if dim not in mesh.dim_names:
-        raise ShardingError(f"shard_dataloader: shard_dims {dim!r} is not a dim of {mesh}; "
+        raise ShardingError(f"shard_dataloader: {what} {dim!r} is not a dim of {mesh}; "
                             f"its dims are {list(mesh.dim_names)}")
     return dim
 

@@ -134,6 +134,14 @@ class Strategy:
             raise DistGraphError(f"Strategy.mtbf_hours (the job's mean time between "
                                  f"failures) and checkpoint_write_gbps must be positive, got "
                                  f"{self.mtbf_hours!r} and {self.checkpoint_write_gbps!r}")
+        for flag in ("sharding", "pipeline", "balance", "profile", "check_finite"):
+            if not isinstance(getattr(self, flag), bool):
+                raise DistGraphError(f"Strategy.{flag} must be True or False, got "
+                                     f"{getattr(self, flag)!r}" + (
+                                         " (ZeRO's stages: True shards the optimizer states "
+                                         "and updates over sharding_mesh_dim; auto_mode="
+                                         "'full' also weighs splitting the parameters)"
+                                         if flag == "sharding" else ""))
         if not isinstance(self.sequence_parallel, bool):
             raise DistGraphError(f"Strategy.sequence_parallel must be True or False, got "
                                  f"{self.sequence_parallel!r}")

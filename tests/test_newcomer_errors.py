@@ -129,3 +129,29 @@ def test_an_option_that_splits_nothing_says_so_once(capsys, layout, strategy, sa
         assert "does nothing" not in err, err
     else:
         assert err.count(said) == 1, err
+
+
+def test_readme_mistakes_in_options_and_models_say_what_to_give():
+    """Paddle's ZeRO stage as ``sharding``, a hidden size the heads do not divide,
+    expert parallelism of a dense model, a typo in ``sequence_dim``: each was silently
+    taken (``sharding="zero3"``), said the wrong thing (head_dim, ``shard_dims``) or an
+    AttributeError."""
+    with pytest.raises(DistGraphError, match=r"Strategy.sharding must be True or False, got "
+                                             r"'zero3' \(ZeRO's stages"):
+        dg.Strategy(sharding="zero3")
+    with pytest.raises(DistGraphError, match="Strategy.pipeline must be True or False"):
+        dg.Strategy(pipeline=1)
+    with pytest.raises(DistGraphError, match=r"hidden_size 30 // num_attention_heads 4, which "
+                                             r"do not divide"):
+        dg.nn.LlamaConfig(hidden_size=30, num_attention_heads=4)
+    with pytest.raises(DistGraphError, match=r"head_dim 7 must be even \(rotary embedding "
+                                             r"rotates pairs of dims\)$"):
+        dg.nn.LlamaConfig(hidden_size=28, num_attention_heads=4)
+    mesh = dg.ProcessMesh([[0, 1], [2, 3]], dim_names=["dp", "mp"])
+    with dg.LazyGuard():
+        model = tiny_llama()
+    with pytest.raises(dg.ShardingError, match="expert_parallel splits a Mixtral's experts, "
+                                               "but Llama has none"):
+        dg.nn.mixtral.expert_parallel(model, mesh, "mp")
+    with pytest.raises(dg.ShardingError, match="sequence_dim 'mpp' is not a dim of"):
+        dg.shard_dataloader(Counting(8), mesh, shard_dims="dp", sequence_dim="mpp")

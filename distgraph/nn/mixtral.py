@@ -52,7 +52,7 @@ from dataclasses import dataclass
 
 from distgraph import ops
 from distgraph.annotation import shard_tensor
-from distgraph.errors import DistGraphError
+from distgraph.errors import DistGraphError, ShardingError
 from distgraph.nn.layer import Layer
 from distgraph.nn.layers import Linear, _normal
 from distgraph.nn.llama import (Llama, LlamaAttention, LlamaConfig, LlamaDecoderLayer, RMSNorm,
@@ -209,6 +209,10 @@ def expert_parallel(model: Mixtral, mesh, dim: str = "ep", inner: str | None = N
     splits it; call this after :func:`megatron`, whose annotation of the experts it
     replaces). With the batch split over ``dim`` as well, ``moe_ffn`` dispatches the
     tokens to their experts' processes with all-to-alls over ``dim``."""
+    if not isinstance(model, Mixtral):
+        raise ShardingError(f"expert_parallel splits a Mixtral's experts, but "
+                            f"{type(model).__name__} has none; for a dense model use "
+                            f"dg.nn.llama.megatron(model, mesh, dim) or a data-parallel split")
     for layer in model.layers:
         e = layer.mlp.experts
         shard_tensor(e.gate_proj, mesh, [dim, None, inner])

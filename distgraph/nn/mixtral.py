@@ -50,7 +50,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from distgraph import ops
+from distgraph import dtypes, ops
 from distgraph.annotation import shard_tensor
 from distgraph.errors import DistGraphError, ShardingError
 from distgraph.nn.layer import Layer
@@ -122,7 +122,10 @@ class MixtralSparseMoeBlock(Layer):
         y = ops.moe_ffn(x, ids, weights, e.gate_proj, e.up_proj, e.down_proj, capacity)
         if not c.output_router_logits:
             return y, None
-        counts = ops.sum(ops.one_hot(ids, n, x.dtype), axis=(1, 2))
+        # the statistics in float32 at least (under amp: bfloat16 counts stop at 256)
+        wide = "float32" if dtypes.itemsize(x.dtype) < 4 else x.dtype
+        counts = ops.sum(ops.one_hot(ids, n, wide), axis=(1, 2))
+        probs = probs if probs.dtype == wide else ops.cast(probs, wide)
         return y, (counts, ops.sum(probs, axis=1))
 
 

@@ -155,3 +155,23 @@ def test_readme_mistakes_in_options_and_models_say_what_to_give():
         dg.nn.mixtral.expert_parallel(model, mesh, "mp")
     with pytest.raises(dg.ShardingError, match="sequence_dim 'mpp' is not a dim of"):
         dg.shard_dataloader(Counting(8), mesh, shard_dims="dp", sequence_dim="mpp")
+
+
+@pytest.mark.parametrize("lazy", [False, True])
+def test_a_checkpoint_whose_config_does_not_fit_its_weights_says_which_fields(tmp_path, lazy):
+    """config.json says intermediate_size 48 for weights of 32: the shape is given in
+    the checkpoint's own [out, in] layout beside the stored one, and the config fields
+    to check are named (it compared [64, 32] with distgraph's [32, 48])."""
+    import json
+
+    from distgraph.app.pretrained import PretrainedError
+
+    dg.save_pretrained(tiny_llama(), tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["intermediate_size"] = 48
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(PretrainedError) as info:
+        dg.from_pretrained(tmp_path, lazy=lazy)
+    message = str(info.value)
+    assert "gate_proj.weight has shape [32, 16], but config.json makes it [48, 16]" in message
+    assert "check its vocab_size, hidden_size, intermediate_size" in message, message

@@ -57,6 +57,9 @@ MOE_FIELDS = ("num_local_experts", "num_experts_per_tok", "router_aux_loss_coef"
               "output_router_logits")
 CONFIG, WEIGHTS, INDEX = "config.json", "model.safetensors", "model.safetensors.index.json"
 IGNORED = re.compile(r".*\.rotary_emb\.inv_freq$")     # a buffer older checkpoints saved
+CHECK_CONFIG = ("config.json does not describe these weights; check its vocab_size, "
+                "hidden_size, intermediate_size, num_attention_heads, num_key_value_heads, "
+                "head_dim")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B)\s*$", re.I)
 
 
@@ -303,9 +306,10 @@ def from_pretrained(path, lazy: bool = False) -> Llama:
             for key in used:
                 stored = tensors.shape(key)
                 if stored != want:
-                    raise _fail(path, f"tensor {key} has shape {list(stored)}, but the "
-                                      f"config makes it {list(want)} (for {name} "
-                                      f"{list(p.shape)})")
+                    raise _fail(path, f"tensor {key} has shape {list(stored)}, but "
+                                      f"config.json makes it {list(want)} (for {name} "
+                                      f"{list(p.shape)}): {CHECK_CONFIG}, "
+                                      f"num_local_experts")
             p.init = reader
             if not lazy:
                 p.set_value(p.block())
@@ -314,8 +318,11 @@ def from_pretrained(path, lazy: bool = False) -> Llama:
         flip = name in transposed
         stored = tensors.shape(key)
         if (stored[::-1] if flip else stored) != tuple(p.shape):
-            raise _fail(path, f"tensor {key} has shape {list(stored)}, but the config makes "
-                              f"{name} {list(p.shape)}" + (" (stored [out, in])" if flip else ""))
+            want = list(p.shape)[::-1] if flip else list(p.shape)
+            raise _fail(path, f"tensor {key} has shape {list(stored)}, but config.json makes it "
+                              f"{want}" + (f" ([out, in] of distgraph's {name} "
+                                           f"{list(p.shape)})" if flip else "")
+                        + f": {CHECK_CONFIG}")
         p.init = CheckpointTensor(tensors.file_of[key], key, flip)
         if not lazy:
             p.set_value(p.block())

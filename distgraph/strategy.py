@@ -29,7 +29,7 @@ class Strategy:
     bubble; "ZBV" places two chunks per stage in a V; with ``auto_mode="full"`` and
     ``pipeline=True`` it is the most the stage search may use: it chooses 1, 2, 4 ..
     up to v, and the plan's strategy names its choice); ``recompute`` frees the forward activations inside every
-    ``TransformerBlock`` (True) or inside the given layer paths (e.g.
+    ``TransformerBlock`` or Llama decoder layer (True) or inside the given layer paths (e.g.
     ``["blocks.0", "blocks.1.mlp"]``) and recomputes them in the backward pass;
     ``sharding`` splits optimizer states and updates over
     ``sharding_mesh_dim`` (ZeRO-style; under ``auto_mode="full"`` the default means the

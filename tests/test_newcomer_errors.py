@@ -175,3 +175,33 @@ def test_a_checkpoint_whose_config_does_not_fit_its_weights_says_which_fields(tm
     message = str(info.value)
     assert "gate_proj.weight has shape [32, 16], but config.json makes it [48, 16]" in message
     assert "check its vocab_size, hidden_size, intermediate_size" in message, message
+
+
+@pytest.mark.parametrize("change,said", [
+    (dict(batch_size=4), "rank 0 batch_size=8, rank 1 batch_size=4"),
+    (dict(samples=12), "rank 0 train_data=8 samples, rank 1 train_data=12 samples"),
+    (dict(epochs=2), "rank 0 epochs=1, rank 1 epochs=2"),
+])
+def test_ranks_that_call_fit_differently_fail_at_once_naming_the_argument(change, said):
+    """A batch size, dataset or epoch count that depends on the rank: the ranks trained
+    together on mismatched steps until one finished (then 'waiting for all_reduce')."""
+    def train(comm):
+        with BUILD_LOCK:
+            model = tiny_llama()
+        mesh = dg.ProcessMesh([0, 1], dim_names=["dp"])
+        mine = change if comm.rank == 1 else {}
+        data = dg.shard_dataloader(Counting(mine.get("samples", 8)), mesh, shard_dims="dp")
+        engine = dg.Engine(model, loss=dg.nn.CrossEntropyLoss(), optimizer=dg.optim.SGD(0.1),
+                           communicator=comm)
+        engine.fit(data, batch_size=mine.get("batch_size", 8), epochs=mine.get("epochs", 1),
+                   verbose=0)
+
+    def rank(comm):
+        try:
+            train(comm)
+        except dg.RuntimeFault as e:
+            return str(e)
+    errors = SimulatedWorld(2, timeout=30).run(rank)
+    for r, error in enumerate(errors):
+        assert error == (f"rank {r}: every rank must call Engine.fit() with the same "
+                         f"arguments (each runs its share of the same steps); here {said}")

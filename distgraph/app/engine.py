@@ -209,7 +209,9 @@ class Engine:
                    f"shard_dims=\"dp\") or annotate the model with dg.shard_tensor")
 
     # -- running ------------------------------------------------------------------------------
-    @checks.collective("Engine.fit()")
+    @checks.collective("Engine.fit()", alike=("train_data", "batch_size", "epochs",
+                                              "steps_per_epoch", "valid_data", "shuffle",
+                                              "drop_last"))
     def fit(self, train_data, batch_size=1, epochs=1, steps_per_epoch=None, valid_data=None,
             shuffle=False, verbose=1, callbacks=None, drop_last=False) -> History:
         """Train until the Engine has trained ``epochs`` epochs in all (of at most
@@ -232,7 +234,7 @@ class Engine:
         return self._loops.fit(train_data, batch_size, epochs, steps_per_epoch, valid_data,
                                shuffle, verbose, callbacks, drop_last)
 
-    @checks.collective("Engine.evaluate()")
+    @checks.collective("Engine.evaluate()", alike=("valid_data", "batch_size", "drop_last"))
     def evaluate(self, valid_data, batch_size=1, metrics=None, drop_last=False,
                  verbose=1) -> dict:
         """{"loss": mean loss over the samples, <metric name>: value, ...}; ``metrics``
@@ -240,7 +242,7 @@ class Engine:
         ``verbose`` as in ``fit``: 1 a progress bar (rank 0), 2 one line, 0 nothing."""
         return self._loops.evaluate(valid_data, batch_size, metrics, drop_last, verbose)
 
-    @checks.collective("Engine.predict()")
+    @checks.collective("Engine.predict()", alike=("test_data", "batch_size", "drop_last"))
     def predict(self, test_data, batch_size=1, drop_last=False) -> list:
         """Per batch, the list of the model's outputs (global arrays)."""
         return self._loops.predict(test_data, batch_size, drop_last)

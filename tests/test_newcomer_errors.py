@@ -205,3 +205,13 @@ def test_ranks_that_call_fit_differently_fail_at_once_naming_the_argument(change
     for r, error in enumerate(errors):
         assert error == (f"rank {r}: every rank must call Engine.fit() with the same "
                          f"arguments (each runs its share of the same steps); here {said}")
+
+
+def test_a_megatron_split_the_mesh_does_not_divide_names_the_parameter_by_its_path():
+    """3 processes for 2 heads: the error named "parameter 'weight' of Linear(16, 16)",
+    one of eight such Linears; now its path in the model."""
+    with dg.LazyGuard():
+        model = tiny_llama()
+    with pytest.raises(dg.ShardingError, match=r"parameter 'layers\.0\.self_attn\.q_proj\."
+                                               r"weight' of Linear\(16, 16"):
+        dg.nn.llama.megatron(model, dg.ProcessMesh([0, 1, 2], dim_names=["mp"]))

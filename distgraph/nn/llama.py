@@ -237,6 +237,7 @@ def megatron(model: Llama, mesh, dim: str = "mp") -> None:
     """Megatron's tensor parallelism of every decoder layer of ``model`` over mesh dim
     ``dim`` (:func:`megatron_layer`; for a Mixtral, each expert's intermediate dim:
     :func:`distgraph.nn.mixtral.megatron`)."""
+    model.assign_paths()          # errors name a parameter by its path in the model
     for layer in model.layers:
         layer.megatron(mesh, dim)
 

@@ -216,6 +216,7 @@ def expert_parallel(model: Mixtral, mesh, dim: str = "ep", inner: str | None = N
         raise ShardingError(f"expert_parallel splits a Mixtral's experts, but "
                             f"{type(model).__name__} has none; for a dense model use "
                             f"dg.nn.llama.megatron(model, mesh, dim) or a data-parallel split")
+    model.assign_paths()          # errors name a parameter by its path in the model
     for layer in model.layers:
         e = layer.mlp.experts
         shard_tensor(e.gate_proj, mesh, [dim, None, inner])
@@ -228,5 +229,6 @@ def megatron(model: Mixtral, mesh, dim: str = "mp") -> None:
     and each expert's intermediate dim split over it (gate and up column-split, down
     row-split); the router whole (:meth:`MixtralDecoderLayer.megatron`;
     ``dg.nn.llama.megatron`` of a Mixtral is the same)."""
+    model.assign_paths()          # errors name a parameter by its path in the model
     for layer in model.layers:
         layer.megatron(mesh, dim)

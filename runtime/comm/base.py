@@ -133,8 +133,8 @@ class Communicator(ABC):
     def collective_call(self, name: str, detail: str = ""):
         """Run the block as the collective call ``name`` of every rank: the ranks first
         check that all of them are in the same call, with the same ``detail`` (the
-        arguments that must agree; uncounted: it is no step traffic); nested calls are
-        checked once."""
+        arguments that must agree; "" agrees with any; uncounted: it is no step traffic);
+        nested calls are checked once."""
         if self.phase or self.size == 1:
             yield
             return
@@ -153,15 +153,17 @@ class Communicator(ABC):
                                        f"every rank; here "
                                        + ", ".join(f"rank {r} called {n}"
                                                    for r, n in sorted(others.items())))
-                details = [_text(row[CALL_NAME_BYTES:]).split(DETAIL_SEP) for row in rows]
-                differ = [i for i in range(max(map(len, details)))
-                          if len({_item(d, i) for d in details}) > 1]
+                # ranks that give no detail (a bare collective_call) are not compared
+                details = {r: _text(row[CALL_NAME_BYTES:]).split(DETAIL_SEP)
+                           for r, row in enumerate(rows) if row[CALL_NAME_BYTES:].any()}
+                differ = [i for i in range(max(map(len, details.values()), default=0))
+                          if len({_item(d, i) for d in details.values()}) > 1]
                 if differ:
                     raise RuntimeFault(f"rank {self.rank}: every rank must call {name} with "
                                        f"the same arguments (each runs its share of the "
                                        f"same steps); here "
                                        + "; ".join(", ".join(f"rank {r} {_item(d, i)}"
-                                                             for r, d in enumerate(details))
+                                                             for r, d in details.items())
                                                    for i in differ))
                 yield
         finally:

@@ -215,3 +215,32 @@ def test_a_megatron_split_the_mesh_does_not_divide_names_the_parameter_by_its_pa
     with pytest.raises(dg.ShardingError, match=r"parameter 'layers\.0\.self_attn\.q_proj\."
                                                r"weight' of Linear\(16, 16"):
         dg.nn.llama.megatron(model, dg.ProcessMesh([0, 1, 2], dim_names=["mp"]))
+
+
+def test_predict_takes_samples_of_inputs_only_after_fit(float64):
+    """After fit, predict of samples without labels said "samples have 1 field(s) (the
+    last is the label), so the model gets 0 input(s)"; now they are the inputs, and
+    samples with labels predict the same, serially and on 2 data-parallel ranks."""
+    def run(comm=None):
+        with BUILD_LOCK:
+            model = tiny_llama()
+        data = Counting(8)
+        if comm is not None:
+            data = dg.shard_dataloader(data, dg.ProcessMesh([0, 1], dim_names=["dp"]), "dp")
+        engine = dg.Engine(model, loss=dg.nn.CrossEntropyLoss(), optimizer=dg.optim.SGD(0.1),
+                           communicator=comm)
+        with BUILD_LOCK:
+            engine.prepare(*dg.app.data.DataLoader(data, 4).specs(1))
+        engine.fit(data, batch_size=4, verbose=0)
+        samples = [Counting(8)[i] for i in range(4)]
+        (with_labels,) = engine.predict(samples, batch_size=4)[0]
+        (bare,) = engine.predict([s[0] for s in samples], batch_size=4)[0]
+        (one_field,) = engine.predict([(s[0],) for s in samples], batch_size=4)[0]
+        assert with_labels.shape == (4, 16, 32)
+        np.testing.assert_array_equal(bare, with_labels)
+        np.testing.assert_array_equal(one_field, with_labels)
+        return with_labels
+
+    serial = run()
+    for out in SimulatedWorld(2, timeout=60).run(run):
+        np.testing.assert_allclose(out, serial, rtol=0, atol=1e-10)

@@ -262,8 +262,8 @@ def test_a_first_fit_with_a_batch_size_per_rank_fails_at_once_naming_it():
     made for it), arguments included: the ranks trained mismatched steps before."""
     rc, out, seconds = run(command("run", "-n", 2, JOBS, "alike"), DISTGRAPH_COMM_TIMEOUT="60")
     assert rc != 0 and seconds < DEADLINE, out
-    assert ("every rank must call Engine.fit() with the same arguments (each runs its share "
-            "of the same steps); here rank 0 batch_size=8, rank 1 batch_size=4") in out, out
+    assert ("every rank must call Engine.fit() with the same arguments (each does its share "
+            "of the same work); here rank 0 batch_size=8, rank 1 batch_size=4") in out, out
 
 
 @pytest.mark.mpi

@@ -204,7 +204,7 @@ def test_ranks_that_call_fit_differently_fail_at_once_naming_the_argument(change
     errors = SimulatedWorld(2, timeout=30).run(rank)
     for r, error in enumerate(errors):
         assert error == (f"rank {r}: every rank must call Engine.fit() with the same "
-                         f"arguments (each runs its share of the same steps); here {said}")
+                         f"arguments (each does its share of the same work); here {said}")
 
 
 def test_a_megatron_split_the_mesh_does_not_divide_names_the_parameter_by_its_path():
@@ -244,3 +244,31 @@ def test_predict_takes_samples_of_inputs_only_after_fit(float64):
     serial = run()
     for out in SimulatedWorld(2, timeout=60).run(run):
         np.testing.assert_allclose(out, serial, rtol=0, atol=1e-10)
+
+
+def test_a_checkpoint_path_per_rank_and_save_pretrained_of_a_gpt_say_what_to_do(tmp_path):
+    """tempfile.mkdtemp() on each rank gives each its own folder: saving failed with a
+    FileNotFoundError on one rank. save_pretrained of a GPT was an AttributeError
+    ('config') on rank 0 and "rank 0 could not write" on the others."""
+    def save(comm, how):
+        with BUILD_LOCK:
+            dg.seed(0)
+            model = dg.nn.GPT(vocab_size=32, d_model=16, n_layer=1, n_head=2, max_seq_len=16)
+        engine = dg.Engine(model, loss=dg.nn.CrossEntropyLoss(), optimizer=dg.optim.SGD(0.1),
+                           communicator=comm)
+        data = dg.shard_dataloader(Counting(8), dg.ProcessMesh([0, 1], dim_names=["dp"]), "dp")
+        with BUILD_LOCK:
+            engine.prepare(*dg.app.data.DataLoader(data, 4).specs(1))
+        engine.fit(data, batch_size=4, verbose=0)
+        getattr(engine, how)(tmp_path / (f"rank{comm.rank}" if how == "save" else "hf"))
+
+    errors = errors_on_ranks(2, lambda comm: save(comm, "save"))
+    for r, error in enumerate(errors):
+        assert error == (f"RuntimeFault: rank {r}: every rank must call Engine.save() with the "
+                         f"same arguments (each does its share of the same work); here "
+                         f"rank 0 path='{tmp_path}/rank0', rank 1 path='{tmp_path}/rank1'")
+    errors = errors_on_ranks(2, lambda comm: save(comm, "save_pretrained"))
+    assert len(set(errors)) == 1 and errors[0].startswith(
+        "DistGraphError: save_pretrained writes a transformers checkpoint of a Llama-family "
+        "model"), errors
+    assert "a GPT is not one: use engine.save(path)" in errors[0]

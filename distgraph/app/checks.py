@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import inspect
 import math
+import os
 
 import numpy as np
 
@@ -172,6 +173,8 @@ def collective(name: str, alike: tuple = ()):
 
 def _alike(value) -> str:
     """How the collective check shows an argument: a dataset by its length."""
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
     if value is None or isinstance(value, (bool, int, float, str)):
         return repr(value)
     try:

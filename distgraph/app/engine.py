@@ -262,7 +262,7 @@ class Engine:
         _, states = self._held.publish()
         return {n: np.array(a) for n, a in states.items()}
 
-    @checks.collective("Engine.save()")
+    @checks.collective("Engine.save()", alike=("path",))
     def save(self, path) -> None:
         """Write a checkpoint directory: every parameter and optimizer state (each rank
         writes its own shards), the training position, the optimizer's settings and
@@ -286,7 +286,7 @@ class Engine:
             # "Elastic training"): tell it which step this one holds
             write_status("checkpoint", str(self.global_step))
 
-    @checks.collective("Engine.save_pretrained()")
+    @checks.collective("Engine.save_pretrained()", alike=("path",))
     def save_pretrained(self, path, dtype: str | None = None, max_shard_size="5GB") -> None:
         """Write the trained weights as a Hugging Face checkpoint folder (``config.json``
         and safetensors, sharded above ``max_shard_size``) that transformers'
@@ -294,6 +294,7 @@ class Engine:
         the checkpoint's the model came from; :mod:`distgraph.app.pretrained`). Collective:
         every rank gathers, rank 0 writes, and every rank returns once it wrote (or
         raises what went wrong)."""
+        pretrained.check_savable(self.model)          # on every rank, before gathering
         state = self.state_dict()
         failure = None
         if self.rank == 0:
@@ -327,7 +328,7 @@ class Engine:
             self.load(found)
         return found
 
-    @checks.collective("Engine.load()")
+    @checks.collective("Engine.load()", alike=("path",))
     def load(self, path, strip_prefix: str = "", prefix: str = "") -> None:
         """Restore a checkpoint written by ``save`` under any plan: each process reads
         only its blocks when it next runs. Restores the step, the training position (the

@@ -344,6 +344,15 @@ def parse_size(size) -> int:
     return int(value * base ** "BKMGT".index(unit[0]))
 
 
+def check_savable(model) -> None:
+    """Raise unless ``model`` is one :func:`save_pretrained` can write (the Llama family)."""
+    if not isinstance(model, Llama):
+        raise DistGraphError(f"save_pretrained writes a transformers checkpoint of a Llama-"
+                             f"family model (dg.nn.Llama, dg.nn.Mixtral, dg.from_pretrained's); "
+                             f"a {type(model).__name__} is not one: use engine.save(path), "
+                             f"distgraph's checkpoint of any model")
+
+
 def save_pretrained(model, path, state: dict | None = None, dtype: str | None = None,
                     model_type: str | None = None, max_shard_size="5GB") -> None:
     """Write ``model``'s weights (or ``state``, {name: global array}, e.g. an Engine's
@@ -353,6 +362,7 @@ def save_pretrained(model, path, state: dict | None = None, dtype: str | None = 
     mixtral for a Mixtral, llama for others)."""
     from safetensors.numpy import save_file
 
+    check_savable(model)
     info = getattr(model, "pretrained", None) or {}
     model_type = model_type or info.get("model_type") or (
         "mixtral" if isinstance(model.config, MixtralConfig) else "llama")

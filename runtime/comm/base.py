@@ -160,8 +160,8 @@ class Communicator(ABC):
                           if len({_item(d, i) for d in details.values()}) > 1]
                 if differ:
                     raise RuntimeFault(f"rank {self.rank}: every rank must call {name} with "
-                                       f"the same arguments (each runs its share of the "
-                                       f"same steps); here "
+                                       f"the same arguments (each does its share of the "
+                                       f"same work); here "
                                        + "; ".join(", ".join(f"rank {r} {_item(d, i)}"
                                                              for r, d in details.items())
                                                    for i in differ))

@@ -272,3 +272,22 @@ def test_a_checkpoint_path_per_rank_and_save_pretrained_of_a_gpt_say_what_to_do(
         "DistGraphError: save_pretrained writes a transformers checkpoint of a Llama-family "
         "model"), errors
     assert "a GPT is not one: use engine.save(path)" in errors[0]
+
+
+def test_micro_batches_the_data_parallel_split_does_not_divide_name_the_batch_size():
+    """Batch 6, 2 micro-batches of 3 rows, split over dp = 2: it failed planning a
+    reshard ("tensor 'reshard source' of shape [3, 16] ... pad the tensor"); now it asks
+    for a batch size that both divide."""
+    with dg.LazyGuard():
+        model = tiny_llama()
+    mesh = dg.ProcessMesh([0, 1], dim_names=["dp"])
+    engine = dg.Engine(model, loss=dg.nn.CrossEntropyLoss(), optimizer=dg.optim.SGD(0.1),
+                       strategy=dg.Strategy(micro_batches=2))
+    data = dg.shard_dataloader(Counting(12), mesh, shard_dims="dp")
+    with pytest.raises(dg.errors.BatchSplitError) as info:
+        engine.prepare(*dg.app.data.DataLoader(data, 6).specs(1))
+    assert str(info.value) == ("Strategy(micro_batches=2) splits the batch of 6 into "
+                               "micro-batches of 3 rows, and input input_0 is split over mesh "
+                               "dims ['dp'] into 2 parts, which 3 rows do not divide; use a "
+                               "batch size divisible by 4")
+    assert engine.prepare(*dg.app.data.DataLoader(data, 4).specs(1)).world_size == 2

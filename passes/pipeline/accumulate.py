@@ -71,6 +71,7 @@ def split_micro_batches(built, micro_batches: int):
                                   f"use a batch size divisible by {m}",
                                   v.shape[0] if v.shape else 0, m,
                                   f"Strategy(micro_batches={m})")
+    _check_split_feeds(feeds, batch, m)
     analysed = complete_on_samples(program, built.feed_names, m, MB_DIM,
                                    f"cannot split the batch into {m} micro-batches")
     split_axis = axes_over(analysed, MB_DIM)
@@ -87,6 +88,29 @@ def split_micro_batches(built, micro_batches: int):
     accumulation = Accumulation(m, batch, MappingProxyType(split_axis), frozenset(partial),
                                 tuple(boundary), frozenset(prologue), made, skipped)
     return dataclasses.replace(built, program=mb_program), accumulation
+
+
+def _check_split_feeds(feeds, batch: int, m: int) -> None:
+    """A feed split over mesh dims on its batch dim (data parallelism) must have
+    micro-batches those dims divide: else a BatchSplitError naming the batch size that
+    works, in the user's terms (not the reshard that would fail later)."""
+    rows = batch // m
+    for v in feeds:
+        attr = v.annotation
+        if attr is None or not attr.spec.dims:
+            continue
+        dims = [d for d in attr.spec.entry(0) if d in attr.mesh.dim_names]
+        parts = 1
+        for d in dims:
+            parts *= attr.mesh.dim_size(d)
+        if rows % parts:
+            raise BatchSplitError(f"Strategy(micro_batches={m}) splits the batch of {batch} "
+                                  f"into micro-batches of {rows} rows, and input {v.name} is "
+                                  f"split over mesh dims {dims} into {parts} parts, which "
+                                  f"{rows} rows do not divide; use a batch size divisible by "
+                                  f"{m * parts}", batch, m * parts,
+                                  f"Strategy(micro_batches={m}) with the split over mesh "
+                                  f"dims {dims} into {parts} parts")
 
 
 # Ops that are linear in their one tensor operand: applied to one micro-batch's share

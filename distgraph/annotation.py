@@ -200,10 +200,11 @@ class ShardDataloader:
         return len(self.dataset)
 
     def __getitem__(self, i):
-        return self.ordered(self.dataset[i])
+        return self.ordered(self.dataset[i], i)
 
-    def ordered(self, sample):
-        """``sample``'s fields with dim 0 (a batch's dim 1) in the stored sequence order."""
+    def ordered(self, sample, index=None):
+        """``sample`` (dataset sample ``index``)'s fields with dim 0 (a batch's dim 1) in
+        the stored sequence order."""
         if self.sequence_chunks == 1:
             return sample
         fields = list(sample) if isinstance(sample, (tuple, list)) else [sample]
@@ -211,11 +212,27 @@ class ShardDataloader:
         for k, f in enumerate(fields):
             f = np.asarray(f)
             if f.ndim < 1 or f.shape[0] % self.sequence_chunks:
-                raise ShardingError(f"shard_dataloader: field {k} of shape {list(f.shape)} "
-                                    f"has no sequence dim (a batch's dim 1) that "
-                                    f"{self.sequence_chunks} chunks divide")
+                raise ShardingError(self._not_chunked(k, f.shape, index))
             out.append(f[positions(np, 0, f.shape[0], f.shape[0], self.sequence_chunks)])
         return tuple(out)
+
+    def _not_chunked(self, field: int, shape, index) -> str:
+        """Why field ``field`` (of ``shape``) of a sample cannot be cut into the
+        balanced order's chunks, and what to change."""
+        chunks, ways = self.sequence_chunks, self.sequence_chunks // 2
+        dims = [d for d in self.sequence_dims if d is not None]
+        where = (f"shard_dataloader(sequence_dim={dims[0]!r}): "
+                 f"{'' if index is None else f'dataset sample {index}, '}field {field}")
+        if not shape:
+            return (f"{where} is a scalar, but context parallelism splits every field's "
+                    f"dim 0 (a batch's dim 1, the sequence), labels too: give each field "
+                    f"a sequence, or leave sequence_dim out")
+        return (f"{where} has a sequence of {shape[0]} (its dim 0 of shape {list(shape)}; "
+                f"a batch's dim 1): context parallelism over {ways} processes stores it in "
+                f"{chunks} load-balanced chunks (2 per process), and {chunks} does not divide "
+                f"{shape[0]}; use a sequence length divisible by {chunks}"
+                + (f", or balance=False (sequence order kept, {ways} blocks, the causal work "
+                   f"uneven)" if shape[0] % ways == 0 else ""))
 
     def restored(self, array, axis: int = 1):
         """``array`` (a batch's output) with dim ``axis`` back in sequence order."""
@@ -308,7 +325,7 @@ def shard_dataloader(dataset, meshes, shard_dims=None, sequence_dim=None,
             raise ShardingError(f"shard_dataloader: {len(given)} {what} for {len(meshes)} "
                                 "meshes; give one, or one per mesh")
     dims = tuple(_mesh_dim(m, d) for m, d in zip(meshes, dims))
-    seqs = tuple(_mesh_dim(m, d) for m, d in zip(meshes, seqs))
+    seqs = tuple(_mesh_dim(m, d, "sequence_dim") for m, d in zip(meshes, seqs))
     for d, q in zip(dims, seqs):
         if q is not None and q == d:
             raise ShardingError(f"shard_dataloader: sequence_dim {q!r} is also the batch's "
@@ -316,17 +333,18 @@ def shard_dataloader(dataset, meshes, shard_dims=None, sequence_dim=None,
     return ShardDataloader(dataset, meshes, dims, seqs, balance)
 
 
-def _mesh_dim(mesh: ProcessMesh, dim):
-    """A mesh dim given by name or index, as its name (None stays None)."""
+def _mesh_dim(mesh: ProcessMesh, dim, what: str = "shard_dims"):
+    """A mesh dim given by name or index (as argument ``what``), as its name (None stays
+    None)."""
     if dim is None:
         return None
     if isinstance(dim, int) and not isinstance(dim, bool):
         if not -mesh.ndim <= dim < mesh.ndim:
-            raise ShardingError(f"shard_dataloader: shard_dims {dim} is out of range for "
+            raise ShardingError(f"shard_dataloader: {what} {dim} is out of range for "
                                 f"{mesh} ({mesh.ndim} dims)")
         return mesh.dim_names[dim]
     if dim not in mesh.dim_names:
-        raise ShardingError(f"shard_dataloader: shard_dims {dim!r} is not a dim of {mesh}; "
+        raise ShardingError(f"shard_dataloader: {what} {dim!r} is not a dim of {mesh}; "
                             f"its dims are {list(mesh.dim_names)}")
     return dim
 

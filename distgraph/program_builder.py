@@ -77,6 +77,8 @@ def build_program(model, input_specs, label_specs=(), loss=None, optimizer=None,
                 loss_value = builder.as_value(loss(*outputs, *labels))
                 extra = _auxiliary_loss(model, micro_batches)
                 if extra is not None:
+                    if extra.dtype != loss_value.dtype:    # a 16-bit term under amp
+                        extra = _cast(builder, extra, loss_value.dtype)
                     loss_value = builder.emit("add", [loss_value, extra])[0]
                 if amp == "float16" and mode == "train":
                     scaling = LossScaling(loss_scale, loss_scale_window)

@@ -29,7 +29,7 @@ class Strategy:
     bubble; "ZBV" places two chunks per stage in a V; with ``auto_mode="full"`` and
     ``pipeline=True`` it is the most the stage search may use: it chooses 1, 2, 4 ..
     up to v, and the plan's strategy names its choice); ``recompute`` frees the forward activations inside every
-    ``TransformerBlock`` (True) or inside the given layer paths (e.g.
+    ``TransformerBlock`` or Llama decoder layer (True) or inside the given layer paths (e.g.
     ``["blocks.0", "blocks.1.mlp"]``) and recomputes them in the backward pass;
     ``sharding`` splits optimizer states and updates over
     ``sharding_mesh_dim`` (ZeRO-style; under ``auto_mode="full"`` the default means the
@@ -134,6 +134,14 @@ class Strategy:
             raise DistGraphError(f"Strategy.mtbf_hours (the job's mean time between "
                                  f"failures) and checkpoint_write_gbps must be positive, got "
                                  f"{self.mtbf_hours!r} and {self.checkpoint_write_gbps!r}")
+        for flag in ("sharding", "pipeline", "balance", "profile", "check_finite"):
+            if not isinstance(getattr(self, flag), bool):
+                raise DistGraphError(f"Strategy.{flag} must be True or False, got "
+                                     f"{getattr(self, flag)!r}" + (
+                                         " (ZeRO's stages: True shards the optimizer states "
+                                         "and updates over sharding_mesh_dim; auto_mode="
+                                         "'full' also weighs splitting the parameters)"
+                                         if flag == "sharding" else ""))
         if not isinstance(self.sequence_parallel, bool):
             raise DistGraphError(f"Strategy.sequence_parallel must be True or False, got "
                                  f"{self.sequence_parallel!r}")

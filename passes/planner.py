@@ -365,8 +365,10 @@ def _compiled(planned: Plan, ranks) -> Plan:
     if ranks is None or not planned.distributed:    # a serial plan runs alike everywhere
         wanted = planned.process_ids
     else:
-        wanted = tuple(sorted(planned.ranks.process(r) for r in ranks
-                              if r < planned.world_size))
+        # a rank whose process the plan lacks (meshes numbered [0, 1, 2, 4] on 4 ranks)
+        # compiles nothing: the runtime's check of the world says how to launch it
+        wanted = tuple(sorted({planned.ranks.process(r) for r in ranks
+                               if r < planned.world_size} & set(planned.process_ids)))
     state = {pid: parts.gather_points(sorted(v.name for v in planned.program.persistables),
                                       pid) for pid in wanted}
     programs = {pid: compile_process(planned, pid, state[pid]) for pid in wanted}

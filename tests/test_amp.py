@@ -121,3 +121,47 @@ def test_the_estimate_sees_half_size_activations_and_float32_masters():
     (f,), (a,) = (dg.passes.estimate(r.plan).processes for r in (full, amp))
     assert a.parameters == f.parameters and a.states == f.states     # float32 masters
     assert a.activations < 0.75 * f.activations
+
+
+@pytest.mark.parametrize("amp", ["bfloat16", "float16"])
+def test_micro_batches_accumulate_the_float32_gradients(amp):
+    """Under amp each parameter's 16-bit gradient is cast to float32: a widening cast,
+    linear in the micro-batches' shares, so gradient accumulation (and so every pipeline)
+    sums the float32 gradients; the losses follow the whole-batch run's to 16-bit
+    rounding (it was a PlanError: 'cast mixes samples across the batch')."""
+    whole = Run(dg.Strategy(amp=amp)).train(10)
+    split = Run(dg.Strategy(amp=amp, micro_batches=2))
+    acc = split.plan.accumulation
+    masters = {v.name for v in split.built.program.parameters}
+    grads = [n for n in acc.boundary if n.endswith("@GRAD")]
+    assert sorted(grads) == sorted(f"{p}@GRAD" for p in masters)
+    assert all(split.built.program.values[n].dtype == "float32" for n in grads)
+    losses = split.train(10)
+    assert losses[0] == pytest.approx(whole[0], rel=1e-6)
+    np.testing.assert_allclose(losses, whole, rtol=2e-3)
+    assert losses[-1] < losses[0] - 0.1
+
+
+@pytest.mark.parametrize("micro_batches", [1, 2])
+def test_mixtral_with_its_load_balancing_loss_trains_in_bfloat16(micro_batches):
+    """The router's statistics are counted in float32 (bfloat16 counts stop at 256) and
+    the load-balancing term joins the float32 loss; it was a DTypeError ('add': bfloat16,
+    float32). The losses follow float32 training's."""
+    def losses(amp):
+        dg.seed(0)
+        model = dg.nn.Mixtral(vocab_size=64, hidden_size=32, intermediate_size=32,
+                              num_hidden_layers=2, num_attention_heads=4,
+                              num_key_value_heads=2, num_local_experts=4,
+                              num_experts_per_tok=2, output_router_logits=True,
+                              router_aux_loss_coef=0.01)
+        engine = dg.Engine(model, loss=dg.nn.CrossEntropyLoss(), optimizer=dg.optim.AdamW(3e-3),
+                           strategy=dg.Strategy(amp=amp, micro_batches=micro_batches))
+        data = [(b["tokens"][i], b["labels"][i]) for b in map(batch, range(4)) for i in range(8)]
+        history = engine.fit(data, batch_size=8, verbose=0)
+        return engine, history.losses
+
+    engine, low = losses("bfloat16")
+    program = engine.plan().program
+    stats = [op.outputs[0] for op in program.ops if op.type == "one_hot"]
+    assert stats and all(v.dtype == "float32" for v in stats)
+    np.testing.assert_allclose(low, losses(None)[1], rtol=2e-3)

@@ -257,6 +257,16 @@ def test_a_collective_call_on_one_rank_only_fails_early_saying_it_is_collective(
 
 
 @pytest.mark.mpi
+def test_a_first_fit_with_a_batch_size_per_rank_fails_at_once_naming_it():
+    """The job's first collective call is checked too (the Engine's MPI communicator is
+    made for it), arguments included: the ranks trained mismatched steps before."""
+    rc, out, seconds = run(command("run", "-n", 2, JOBS, "alike"), DISTGRAPH_COMM_TIMEOUT="60")
+    assert rc != 0 and seconds < DEADLINE, out
+    assert ("every rank must call Engine.fit() with the same arguments (each does its share "
+            "of the same work); here rank 0 batch_size=8, rank 1 batch_size=4") in out, out
+
+
+@pytest.mark.mpi
 def test_different_collective_calls_on_different_ranks_fail_at_once():
     rc, out, seconds = run(command("run", "-n", 2, JOBS, "subset", "evaluate"),
                            DISTGRAPH_COMM_TIMEOUT="60")

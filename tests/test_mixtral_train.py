@@ -226,3 +226,19 @@ def test_the_load_balancing_loss_needs_a_count_of_micro_batches():
         ins, labels = dg.app.data.DataLoader(NextTokens(BATCH, SEQ), BATCH).specs(1)
         with pytest.raises(dg.DistGraphError, match=words):
             engine.prepare(ins, labels)
+
+
+def test_llama_megatron_of_a_mixtral_splits_its_experts():
+    """A newcomer reads ``dg.nn.llama.megatron(model, mesh)`` in the README and calls it
+    on a Mixtral: it splits each expert's intermediate dim as
+    ``dg.nn.mixtral.megatron`` does (it was an AttributeError: no ``gate_proj``)."""
+    mesh = dg.ProcessMesh([[0, 1], [2, 3]], dim_names=["ep", "mp"])
+    config = dict(vocab_size=32, hidden_size=16, intermediate_size=8, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, num_local_experts=4)
+    with dg.LazyGuard():
+        via_llama, via_mixtral = dg.nn.Mixtral(**config), dg.nn.Mixtral(**config)
+    dg.nn.llama.megatron(via_llama, mesh)
+    dg.nn.mixtral.megatron(via_mixtral, mesh)
+    ours = {n: p.annotation for n, p in via_llama.named_parameters()}
+    assert ours == {n: p.annotation for n, p in via_mixtral.named_parameters()}
+    assert str(ours["layers.0.mlp.experts.down_proj"].spec) == "[None, mp, None]"

@@ -184,3 +184,24 @@ def test_each_command_a_tutorial_gives_runs(command, tmp_path):
     proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300,
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+
+
+def test_the_readmes_prepare_snippet_plans_the_first_script_from_one_process():
+    """"What happens, stage by stage": its snippet continues the first script (a GPT on a
+    2 x 2 mesh) and plans the 4-process job from one process. It gave the GPT float
+    inputs of an MLP's shapes (a DTypeError in 'wte') and printed ``p.local(1)``, which
+    an Engine on rank 0 does not compile (a PlanError)."""
+    import distgraph as dg
+
+    first = readme_block("## A first script")
+    section = (ROOT / "README.md").read_text()
+    section = section[section.index("What happens, stage by stage"):]
+    snippet = section[section.index("```python\n") + 10:section.index("```\n", 10)]
+    snippet = "\n".join(line for line in snippet.splitlines() if ".plot(" not in line)
+    scope: dict = {}
+    exec(first[:first.index("data = ")] + snippet, scope)       # noqa: S102 - the README's
+    plan = scope["p"]
+    assert plan.world_size == 4 and "reshard" in plan.explain()
+    assert plan.local_alike(1).pretty().startswith("process ")
+    with pytest.raises(dg.PlanError, match=r"local_alike\(1\) gives its ops and shapes"):
+        plan.local(1)

@@ -2,9 +2,10 @@
 
 Tutorials 02 and 04 say how to split the model (``shard_tensor``, ``shard_op``). Here the
 model carries no annotation: ``Strategy(auto_mode="full")`` plans it for a resource file.
-The search (Alpa's intra-op ILP, solved with SCIP) gives every op of the training step
-(forward, backward and update) one strategy on a ProcessMesh of the file's device mesh,
-pricing each with the cost model: compute on the device's GFLOP/s and memory
+The search gives every op of the training step (forward, backward and update) one
+strategy on a ProcessMesh of the file's device mesh (by default, ``search="auto"``, the
+double-recursive search chooses and Alpa's intra-op ILP on SCIP refines;
+``Strategy(search="ilp")`` or ``"recursive"`` picks one), pricing each with the cost model: compute on the device's GFLOP/s and memory
 bandwidth, collectives on the links of the mesh dim they run over, reshards between
 ops. This script
 

@@ -11,10 +11,12 @@ back (reshard points between the two meshes).
 
 ``Strategy(micro_batches=8, schedule="1F1B")`` cuts each batch into 8 micro-batches:
 the forward and backward run once per micro-batch and the gradients accumulate, the
-update runs once, and the result equals training on whole batches. Each rank runs its
-tasks as actors: a task runs when its inputs have arrived and the buffers it writes to
-have room. Stage ``s`` of ``S`` keeps at most ``S - s`` micro-batches in flight, so
-stage 0 runs two forwards ahead and then alternates backward and forward: 1F1B.
+update runs once, and the result equals training on whole batches. The order of each
+rank's tasks is planned (and checked to complete) with the plan: each rank runs its
+tasks in that order, each waiting only for the activations or gradients it receives, and
+sends never wait. Stage ``s`` of ``S`` keeps at most ``S - s`` micro-batches in flight,
+so stage 0 runs two forwards ahead and then alternates backward and forward: 1F1B
+(``engine.plan().schedule()`` prints each process's order).
 
 With ``profile=True`` every rank records its tasks and messages; ``engine.timeline()``
 (on every rank) merges them. Rank 0 writes the Chrome trace (open it at

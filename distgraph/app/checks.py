@@ -24,11 +24,13 @@ from __future__ import annotations
 import functools
 import inspect
 import math
+import os
 
 import numpy as np
 
 from distgraph.errors import DistGraphError, RuntimeFault
 from distgraph.ops.nn_ops import IGNORE_INDEX, OutOfRange, check_range
+from distgraph.runtime.comm.base import DETAIL_SEP
 
 
 def check_fields(model, n_fields: int, n_labels: int) -> None:
@@ -143,17 +145,39 @@ def check_finite(loss: float, step: int, epoch: int, batch: int) -> None:
                            "Strategy(check_finite=False) to train on")
 
 
-def collective(name: str):
+def collective(name: str, alike: tuple = ()):
     """Decorate an Engine method that every rank must call: when the Engine runs
-    distributed, the ranks check that they are all in ``name`` before it runs."""
+    distributed, the ranks check that they are all in ``name``, with the same values of
+    the arguments named in ``alike`` (a dataset stands for its length), before it runs."""
 
     def wrap(method):
+        signature = inspect.signature(method)
+
+        def detail(engine, args, kwargs) -> str:
+            bound = signature.bind(engine, *args, **kwargs)
+            bound.apply_defaults()
+            return DETAIL_SEP.join(f"{a}={_alike(bound.arguments[a])}" for a in alike)
+
         @functools.wraps(method)
         def run(engine, *args, **kwargs):
-            comm = engine._comm
+            # the first call of a job makes its communicator: it is checked too
+            comm = engine._comm if engine._comm is not None or engine.world_size == 1 \
+                else engine._world()
             if comm is None or not hasattr(comm, "collective_call"):
                 return method(engine, *args, **kwargs)
-            with comm.collective_call(name):
+            with comm.collective_call(name, detail(engine, args, kwargs) if alike else ""):
                 return method(engine, *args, **kwargs)
         return run
     return wrap
+
+
+def _alike(value) -> str:
+    """How the collective check shows an argument: a dataset by its length."""
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return repr(value)
+    try:
+        return f"{len(value)} samples"
+    except TypeError:
+        return type(value).__name__

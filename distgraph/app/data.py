@@ -83,7 +83,7 @@ class _Ordered:
         return len(self.dataset)
 
     def __getitem__(self, i):
-        return self.sharding.ordered(self.dataset[i])
+        return self.sharding.ordered(self.dataset[i], i)
 
 
 class DataLoader:

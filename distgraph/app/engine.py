@@ -27,7 +27,7 @@ from distgraph.app import checkpoint, checks, plan_report, pretrained
 from distgraph.app.checkpoint import CheckpointReader
 from distgraph.app.checkpoint import newest as newest_checkpoint
 from distgraph.app.loops import History, Loops
-from distgraph.app.plans import MODES, Mode, PlanCache, as_mode, program_key
+from distgraph.app.plans import MODES, Mode, PlanCache, as_mode, idle_options, program_key
 from distgraph.app.resume import check_checkpoint, checkpoint_info, restore_info
 from distgraph.app.state import HeldState
 from distgraph.errors import DistGraphError
@@ -196,6 +196,9 @@ class Engine:
         runner = self._plans.runner(mode, self._world)
         if not planned.plan.distributed and self.world_size > 1:
             self._warn_unsplit(mode)
+        if self.world_size > 1:
+            for text in idle_options(planned.plan):
+                self._warn(text)
         return planned, runner, self._held.bind(planned.plan, runner, self._comm)
 
     def _warn_unsplit(self, mode) -> None:
@@ -206,7 +209,9 @@ class Engine:
                    f"shard_dims=\"dp\") or annotate the model with dg.shard_tensor")
 
     # -- running ------------------------------------------------------------------------------
-    @checks.collective("Engine.fit()")
+    @checks.collective("Engine.fit()", alike=("train_data", "batch_size", "epochs",
+                                              "steps_per_epoch", "valid_data", "shuffle",
+                                              "drop_last"))
     def fit(self, train_data, batch_size=1, epochs=1, steps_per_epoch=None, valid_data=None,
             shuffle=False, verbose=1, callbacks=None, drop_last=False) -> History:
         """Train until the Engine has trained ``epochs`` epochs in all (of at most
@@ -229,7 +234,7 @@ class Engine:
         return self._loops.fit(train_data, batch_size, epochs, steps_per_epoch, valid_data,
                                shuffle, verbose, callbacks, drop_last)
 
-    @checks.collective("Engine.evaluate()")
+    @checks.collective("Engine.evaluate()", alike=("valid_data", "batch_size", "drop_last"))
     def evaluate(self, valid_data, batch_size=1, metrics=None, drop_last=False,
                  verbose=1) -> dict:
         """{"loss": mean loss over the samples, <metric name>: value, ...}; ``metrics``
@@ -237,7 +242,7 @@ class Engine:
         ``verbose`` as in ``fit``: 1 a progress bar (rank 0), 2 one line, 0 nothing."""
         return self._loops.evaluate(valid_data, batch_size, metrics, drop_last, verbose)
 
-    @checks.collective("Engine.predict()")
+    @checks.collective("Engine.predict()", alike=("test_data", "batch_size", "drop_last"))
     def predict(self, test_data, batch_size=1, drop_last=False) -> list:
         """Per batch, the list of the model's outputs (global arrays)."""
         return self._loops.predict(test_data, batch_size, drop_last)
@@ -257,7 +262,7 @@ class Engine:
         _, states = self._held.publish()
         return {n: np.array(a) for n, a in states.items()}
 
-    @checks.collective("Engine.save()")
+    @checks.collective("Engine.save()", alike=("path",))
     def save(self, path) -> None:
         """Write a checkpoint directory: every parameter and optimizer state (each rank
         writes its own shards), the training position, the optimizer's settings and
@@ -281,7 +286,7 @@ class Engine:
             # "Elastic training"): tell it which step this one holds
             write_status("checkpoint", str(self.global_step))
 
-    @checks.collective("Engine.save_pretrained()")
+    @checks.collective("Engine.save_pretrained()", alike=("path",))
     def save_pretrained(self, path, dtype: str | None = None, max_shard_size="5GB") -> None:
         """Write the trained weights as a Hugging Face checkpoint folder (``config.json``
         and safetensors, sharded above ``max_shard_size``) that transformers'
@@ -289,6 +294,7 @@ class Engine:
         the checkpoint's the model came from; :mod:`distgraph.app.pretrained`). Collective:
         every rank gathers, rank 0 writes, and every rank returns once it wrote (or
         raises what went wrong)."""
+        pretrained.check_savable(self.model)          # on every rank, before gathering
         state = self.state_dict()
         failure = None
         if self.rank == 0:
@@ -322,7 +328,7 @@ class Engine:
             self.load(found)
         return found
 
-    @checks.collective("Engine.load()")
+    @checks.collective("Engine.load()", alike=("path",))
     def load(self, path, strip_prefix: str = "", prefix: str = "") -> None:
         """Restore a checkpoint written by ``save`` under any plan: each process reads
         only its blocks when it next runs. Restores the step, the training position (the

@@ -255,7 +255,7 @@ class Loops:
     def check_data(self, mode, loader: DataLoader) -> None:
         """The samples' fields against the model's forward; a warning for fields fed in a
         narrower dtype than the dataset's."""
-        n_fields, n_labels = len(loader.fields()), self.label_count(mode)
+        n_fields, n_labels = len(loader.fields()), self.label_count(mode, loader)
         checks.check_fields(self.engine.model, n_fields, n_labels)
         for k, have, fed in loader.casts():
             what = "the label" if k >= n_fields - n_labels else "an input"
@@ -263,19 +263,22 @@ class Loops:
                               f"the model's dtype; dg.set_default_dtype({have!r}) computes "
                               f"in {have}, or give {fed} samples")
 
-    def label_count(self, mode) -> int:
-        """Trailing label fields of a sample: one when training or evaluating; when
-        predicting, as many as the train or eval program has (so a dataset with labels
-        works), else none."""
+    def label_count(self, mode, loader) -> int:
+        """Trailing label fields of ``loader``'s samples: one when training or
+        evaluating; when predicting, those past the inputs of the train or eval program
+        (so a dataset with labels works, and one of inputs only), else none."""
         if mode is not Mode.PREDICT:
             return 1
         plans = self.engine._plans
         known = plans.plan(Mode.TRAIN) or plans.plan(Mode.EVAL)
-        return len(known.built.label_names) if known is not None else 0
+        if known is None:
+            return 0
+        inputs = len(known.built.feed_names) - len(known.built.label_names)
+        return min(len(known.built.label_names), max(0, len(loader.fields()) - inputs))
 
     def specs(self, mode, loader, rows: int) -> tuple:
         """The (inputs, labels) InputSpecs of ``mode``'s program for a batch of ``rows``."""
-        ins, labels = loader.specs(self.label_count(mode), rows)
+        ins, labels = loader.specs(self.label_count(mode, loader), rows)
         return ins, labels[:0] if mode is Mode.PREDICT else labels
 
     def ensure(self, mode, loader, rows: int) -> tuple:

@@ -27,6 +27,7 @@ from distgraph.app.data import reads_of
 from distgraph.errors import DistGraphError
 from distgraph.ir import Kind
 from distgraph.nn.layers import Dropout
+from distgraph.passes.transforms.sequence_parallel import tensor_parallel_dims
 from distgraph.runtime.execution.runner import PlanRunner
 
 
@@ -170,3 +171,23 @@ def check_same_search(plan, comm) -> None:
                              f"(search status {plan.search.status}, gap {plan.search.gap:.3g}): "
                              "raise Strategy.solver_time_limit so that the search finishes, or "
                              "annotate more tensors")
+
+
+def idle_options(plan) -> list[str]:
+    """Why each Strategy option that splits nothing in ``plan`` has no effect (an
+    Engine shows each once): ``sequence_parallel`` where no parameter is split over a
+    mesh dim (no tensor parallelism), ``context_parallel`` where no attention has its
+    sequence split."""
+    program, strategy, said = plan.program, plan.strategy, []
+    if strategy.sequence_parallel and not tensor_parallel_dims(program):
+        said.append("Strategy(sequence_parallel=True) does nothing here: it splits the "
+                    "activations between tensor-parallel regions over the tensor-parallel "
+                    "mesh dim, but no parameter is split over a mesh dim; annotate the "
+                    "tensor parallelism (e.g. dg.nn.llama.megatron(model, mesh))")
+    attention = [op for op in program.ops if op.type == "attention"]
+    if strategy.context_parallel and attention and not any(
+            op.dist_attr.input_specs[0].entry(2) for op in attention):
+        said.append(f"Strategy(context_parallel={strategy.context_parallel!r}) does nothing "
+                    f"here: no attention has its sequence split; split it with "
+                    f"dg.shard_dataloader(data, mesh, shard_dims=\"dp\", sequence_dim=\"cp\")")
+    return said

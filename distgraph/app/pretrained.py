@@ -57,6 +57,9 @@ MOE_FIELDS = ("num_local_experts", "num_experts_per_tok", "router_aux_loss_coef"
               "output_router_logits")
 CONFIG, WEIGHTS, INDEX = "config.json", "model.safetensors", "model.safetensors.index.json"
 IGNORED = re.compile(r".*\.rotary_emb\.inv_freq$")     # a buffer older checkpoints saved
+CHECK_CONFIG = ("config.json does not describe these weights; check its vocab_size, "
+                "hidden_size, intermediate_size, num_attention_heads, num_key_value_heads, "
+                "head_dim")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B)\s*$", re.I)
 
 
@@ -303,9 +306,10 @@ def from_pretrained(path, lazy: bool = False) -> Llama:
             for key in used:
                 stored = tensors.shape(key)
                 if stored != want:
-                    raise _fail(path, f"tensor {key} has shape {list(stored)}, but the "
-                                      f"config makes it {list(want)} (for {name} "
-                                      f"{list(p.shape)})")
+                    raise _fail(path, f"tensor {key} has shape {list(stored)}, but "
+                                      f"config.json makes it {list(want)} (for {name} "
+                                      f"{list(p.shape)}): {CHECK_CONFIG}, "
+                                      f"num_local_experts")
             p.init = reader
             if not lazy:
                 p.set_value(p.block())
@@ -314,8 +318,11 @@ def from_pretrained(path, lazy: bool = False) -> Llama:
         flip = name in transposed
         stored = tensors.shape(key)
         if (stored[::-1] if flip else stored) != tuple(p.shape):
-            raise _fail(path, f"tensor {key} has shape {list(stored)}, but the config makes "
-                              f"{name} {list(p.shape)}" + (" (stored [out, in])" if flip else ""))
+            want = list(p.shape)[::-1] if flip else list(p.shape)
+            raise _fail(path, f"tensor {key} has shape {list(stored)}, but config.json makes it "
+                              f"{want}" + (f" ([out, in] of distgraph's {name} "
+                                           f"{list(p.shape)})" if flip else "")
+                        + f": {CHECK_CONFIG}")
         p.init = CheckpointTensor(tensors.file_of[key], key, flip)
         if not lazy:
             p.set_value(p.block())
@@ -337,6 +344,15 @@ def parse_size(size) -> int:
     return int(value * base ** "BKMGT".index(unit[0]))
 
 
+def check_savable(model) -> None:
+    """Raise unless ``model`` is one :func:`save_pretrained` can write (the Llama family)."""
+    if not isinstance(model, Llama):
+        raise DistGraphError(f"save_pretrained writes a transformers checkpoint of a Llama-"
+                             f"family model (dg.nn.Llama, dg.nn.Mixtral, dg.from_pretrained's); "
+                             f"a {type(model).__name__} is not one: use engine.save(path), "
+                             f"distgraph's checkpoint of any model")
+
+
 def save_pretrained(model, path, state: dict | None = None, dtype: str | None = None,
                     model_type: str | None = None, max_shard_size="5GB") -> None:
     """Write ``model``'s weights (or ``state``, {name: global array}, e.g. an Engine's
@@ -346,6 +362,7 @@ def save_pretrained(model, path, state: dict | None = None, dtype: str | None = 
     mixtral for a Mixtral, llama for others)."""
     from safetensors.numpy import save_file
 
+    check_savable(model)
     info = getattr(model, "pretrained", None) or {}
     model_type = model_type or info.get("model_type") or (
         "mixtral" if isinstance(model.config, MixtralConfig) else "llama")

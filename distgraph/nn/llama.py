@@ -66,15 +66,20 @@ class LlamaConfig:
     def __post_init__(self):
         if self.num_key_value_heads is None:
             object.__setattr__(self, "num_key_value_heads", self.num_attention_heads)
-        if self.head_dim is None:
+        derived = self.head_dim is None
+        if derived:
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
         if self.num_attention_heads % self.num_key_value_heads:
             raise DistGraphError(f"LlamaConfig: num_attention_heads "
                                  f"{self.num_attention_heads} is not a multiple of "
                                  f"num_key_value_heads {self.num_key_value_heads}")
         if self.head_dim % 2:
+            given = "" if not derived or self.hidden_size % self.num_attention_heads == 0 \
+                else (f", and it is hidden_size {self.hidden_size} // "
+                                  f"num_attention_heads {self.num_attention_heads}, which do "
+                                  f"not divide: give a hidden_size the heads divide")
             raise DistGraphError(f"LlamaConfig: head_dim {self.head_dim} must be even "
-                                 f"(rotary embedding rotates pairs of dims)")
+                                 f"(rotary embedding rotates pairs of dims){given}")
 
     def replace(self, **changes) -> "LlamaConfig":
         return dataclasses.replace(self, **changes)
@@ -177,6 +182,11 @@ class LlamaDecoderLayer(Layer):
         h = x + self.self_attn(self.input_layernorm(x))
         return h + self.mlp(self.post_attention_layernorm(h))
 
+    def megatron(self, mesh, dim: str = "mp") -> None:
+        """This layer's Megatron split over ``dim`` (:func:`megatron_layer`); a layer
+        with another MLP (Mixtral's experts) splits its own."""
+        megatron_layer(self, mesh, dim)
+
 
 class Llama(Layer):
     """A LLaMA-family causal language model: token ids [batch, seq] -> logits
@@ -225,9 +235,11 @@ class Llama(Layer):
 
 def megatron(model: Llama, mesh, dim: str = "mp") -> None:
     """Megatron's tensor parallelism of every decoder layer of ``model`` over mesh dim
-    ``dim`` (:func:`megatron_layer`)."""
+    ``dim`` (:func:`megatron_layer`; for a Mixtral, each expert's intermediate dim:
+    :func:`distgraph.nn.mixtral.megatron`)."""
+    model.assign_paths()          # errors name a parameter by its path in the model
     for layer in model.layers:
-        megatron_layer(layer, mesh, dim)
+        layer.megatron(mesh, dim)
 
 
 def megatron_layer(layer: LlamaDecoderLayer, mesh, dim: str = "mp") -> None:

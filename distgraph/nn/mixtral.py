@@ -50,9 +50,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from distgraph import ops
+from distgraph import dtypes, ops
 from distgraph.annotation import shard_tensor
-from distgraph.errors import DistGraphError
+from distgraph.errors import DistGraphError, ShardingError
 from distgraph.nn.layer import Layer
 from distgraph.nn.layers import Linear, _normal
 from distgraph.nn.llama import (Llama, LlamaAttention, LlamaConfig, LlamaDecoderLayer, RMSNorm,
@@ -122,7 +122,10 @@ class MixtralSparseMoeBlock(Layer):
         y = ops.moe_ffn(x, ids, weights, e.gate_proj, e.up_proj, e.down_proj, capacity)
         if not c.output_router_logits:
             return y, None
-        counts = ops.sum(ops.one_hot(ids, n, x.dtype), axis=(1, 2))
+        # the statistics in float32 at least (under amp: bfloat16 counts stop at 256)
+        wide = "float32" if dtypes.itemsize(x.dtype) < 4 else x.dtype
+        counts = ops.sum(ops.one_hot(ids, n, wide), axis=(1, 2))
+        probs = probs if probs.dtype == wide else ops.cast(probs, wide)
         return y, (counts, ops.sum(probs, axis=1))
 
 
@@ -141,6 +144,16 @@ class MixtralDecoderLayer(LlamaDecoderLayer):
         h = x + self.self_attn(self.input_layernorm(x))
         y, stats = self.mlp(self.post_attention_layernorm(h))
         return h + y, stats
+
+    def megatron(self, mesh, dim: str = "mp") -> None:
+        """Megatron's attention split over ``dim`` and each expert's intermediate dim
+        split over it (gate and up column-split, down row-split); the router whole."""
+        megatron_attention(self, mesh, dim)
+        e = self.mlp.experts
+        shard_tensor(e.gate_proj, mesh, [None, None, dim])
+        shard_tensor(e.up_proj, mesh, [None, None, dim])
+        shard_tensor(e.down_proj, mesh, [None, dim, None])
+        shard_tensor(self.mlp.gate.weight, mesh, [None, None])
 
 
 class Mixtral(Llama):
@@ -199,6 +212,11 @@ def expert_parallel(model: Mixtral, mesh, dim: str = "ep", inner: str | None = N
     splits it; call this after :func:`megatron`, whose annotation of the experts it
     replaces). With the batch split over ``dim`` as well, ``moe_ffn`` dispatches the
     tokens to their experts' processes with all-to-alls over ``dim``."""
+    if not isinstance(model, Mixtral):
+        raise ShardingError(f"expert_parallel splits a Mixtral's experts, but "
+                            f"{type(model).__name__} has none; for a dense model use "
+                            f"dg.nn.llama.megatron(model, mesh, dim) or a data-parallel split")
+    model.assign_paths()          # errors name a parameter by its path in the model
     for layer in model.layers:
         e = layer.mlp.experts
         shard_tensor(e.gate_proj, mesh, [dim, None, inner])
@@ -209,11 +227,8 @@ def expert_parallel(model: Mixtral, mesh, dim: str = "ep", inner: str | None = N
 def megatron(model: Mixtral, mesh, dim: str = "mp") -> None:
     """Megatron's attention split over ``dim`` (:func:`distgraph.nn.llama.megatron_layer`)
     and each expert's intermediate dim split over it (gate and up column-split, down
-    row-split); the router whole."""
+    row-split); the router whole (:meth:`MixtralDecoderLayer.megatron`;
+    ``dg.nn.llama.megatron`` of a Mixtral is the same)."""
+    model.assign_paths()          # errors name a parameter by its path in the model
     for layer in model.layers:
-        megatron_attention(layer, mesh, dim)
-        e = layer.mlp.experts
-        shard_tensor(e.gate_proj, mesh, [None, None, dim])
-        shard_tensor(e.up_proj, mesh, [None, None, dim])
-        shard_tensor(e.down_proj, mesh, [None, dim, None])
-        shard_tensor(layer.mlp.gate.weight, mesh, [None, None])
+        layer.megatron(mesh, dim)

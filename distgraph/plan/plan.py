@@ -162,8 +162,10 @@ class Plan:
         if process_id not in self.locals:
             self.group_of(process_id)
             raise PlanError(f"process {process_id}'s program was not compiled: this plan "
-                            f"was made for processes {sorted(self.programs)}; plan again "
-                            f"without ranks= to have every process's")
+                            f"was made for processes {sorted(self.programs)} (an Engine "
+                            f"compiles its own rank's); local_alike({process_id}) gives its "
+                            f"ops and shapes, and dg.passes.plan(built, strategy, cluster) "
+                            f"without ranks= every process's program")
         return self.locals[process_id]
 
     def local_alike(self, process_id: int):

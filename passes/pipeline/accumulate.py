@@ -41,6 +41,7 @@ from __future__ import annotations
 import dataclasses
 from types import MappingProxyType
 
+from distgraph import dtypes
 from distgraph.errors import BatchSplitError, PlanError
 from distgraph.ir import Role
 from distgraph.registry import TensorType, get_op
@@ -70,6 +71,7 @@ def split_micro_batches(built, micro_batches: int):
                                   f"use a batch size divisible by {m}",
                                   v.shape[0] if v.shape else 0, m,
                                   f"Strategy(micro_batches={m})")
+    _check_split_feeds(feeds, batch, m)
     analysed = complete_on_samples(program, built.feed_names, m, MB_DIM,
                                    f"cannot split the batch into {m} micro-batches")
     split_axis = axes_over(analysed, MB_DIM)
@@ -88,9 +90,34 @@ def split_micro_batches(built, micro_batches: int):
     return dataclasses.replace(built, program=mb_program), accumulation
 
 
+def _check_split_feeds(feeds, batch: int, m: int) -> None:
+    """A feed split over mesh dims on its batch dim (data parallelism) must have
+    micro-batches those dims divide: else a BatchSplitError naming the batch size that
+    works, in the user's terms (not the reshard that would fail later)."""
+    rows = batch // m
+    for v in feeds:
+        attr = v.annotation
+        if attr is None or not attr.spec.dims:
+            continue
+        dims = [d for d in attr.spec.entry(0) if d in attr.mesh.dim_names]
+        parts = 1
+        for d in dims:
+            parts *= attr.mesh.dim_size(d)
+        if rows % parts:
+            raise BatchSplitError(f"Strategy(micro_batches={m}) splits the batch of {batch} "
+                                  f"into micro-batches of {rows} rows, and input {v.name} is "
+                                  f"split over mesh dims {dims} into {parts} parts, which "
+                                  f"{rows} rows do not divide; use a batch size divisible by "
+                                  f"{m * parts}", batch, m * parts,
+                                  f"Strategy(micro_batches={m}) with the split over mesh "
+                                  f"dims {dims} into {parts} parts")
+
+
 # Ops that are linear in their one tensor operand: applied to one micro-batch's share
 # of a sum over the samples they give its share of the result (the mean's scale after
-# the sum of a loss; slice_grad on the gradient of a sliced parameter).
+# the sum of a loss; slice_grad on the gradient of a sliced parameter). A widening cast
+# is one too: under amp each micro-batch's 16-bit gradient is cast to float32 and the
+# shares are summed in float32, as Megatron accumulates its main gradients.
 LINEAR_UNARY = ("scale", "neg", "reshape", "transpose", "sum", "slice", "slice_grad",
                  "broadcast_to")
 
@@ -102,6 +129,9 @@ def linear_in_sums(op, sum_inputs, sample_free) -> bool:
     others = [v for i, v in enumerate(op.inputs) if i not in sum_inputs]
     if op.type in LINEAR_UNARY:
         return len(op.inputs) == 1 and not (op.type == "scale" and op.attrs.get("bias", 0.0))
+    if op.type == "cast":     # a widening cast (a 16-bit gradient to its float32 master's)
+        return dtypes.is_float(op.inputs[0].dtype) and dtypes.is_float(op.outputs[0].dtype) \
+            and dtypes.itemsize(op.outputs[0].dtype) >= dtypes.itemsize(op.inputs[0].dtype)
     if op.type in ("add", "subtract"):
         return not others
     if op.type in ("multiply", "matmul") or (op.type == "divide" and sum_inputs == [0]):

@@ -46,9 +46,11 @@ seconds (default 60, or the env var ``DISTGRAPH_COMM_TIMEOUT``) raises RuntimeFa
 naming the rank and what it waited for.
 
 API calls that are collective (``Engine.fit``, ``Engine.state_dict``, ...) run inside
-``collective_call(name)``: the ranks first compare the name of the call they are in, so
-ranks calling different ones fail at once, and a rank waiting for peers that never call
-says "NAME is collective: call it on every rank".
+``collective_call(name, detail)``: the ranks first compare the name of the call they are
+in, so ranks calling different ones fail at once, and a rank waiting for peers that never
+call says "NAME is collective: call it on every rank"; and the call's ``detail`` (the
+arguments every rank must give alike: ``fit``'s batch size, epochs, dataset length), so
+ranks that would run different plans or step counts fail at once, naming each one's.
 
 :class:`~distgraph.runtime.comm.simulated.SimulatedWorld` runs N ranks as threads of one
 process; :class:`~distgraph.runtime.comm.mpi.MPICommunicator` runs them over mpi4py.
@@ -74,6 +76,20 @@ DEFAULT_TIMEOUT = 60.0
 COUNTED_KINDS = COLLECTIVES + (StepKind.SEND_RECV,)
 REDUCE_OPS = {"sum": np.add, "max": np.maximum, "min": np.minimum}
 CALL_NAME_BYTES = 64
+CALL_DETAIL_BYTES = 192
+DETAIL_SEP = "\x1f"     # between the arguments of a call's detail
+
+
+def _padded(text: str, size: int) -> bytes:
+    return text.encode()[:size].ljust(size, b"\0")
+
+
+def _item(items: list, i: int) -> str:
+    return items[i] if i < len(items) else "(none)"
+
+
+def _text(row) -> str:
+    return bytes(row).rstrip(b"\0").decode(errors="replace")
 
 
 def default_timeout() -> float:
@@ -114,27 +130,41 @@ class Communicator(ABC):
 
     # ---- collective API calls -----------------------------------------------------------
     @contextmanager
-    def collective_call(self, name: str):
+    def collective_call(self, name: str, detail: str = ""):
         """Run the block as the collective call ``name`` of every rank: the ranks first
-        check that all of them are in the same call (uncounted: it is no step traffic);
+        check that all of them are in the same call, with the same ``detail`` (the
+        arguments that must agree; "" agrees with any; uncounted: it is no step traffic);
         nested calls are checked once."""
         if self.phase or self.size == 1:
             yield
             return
-        raw = name.encode()[:CALL_NAME_BYTES]
-        mine = np.frombuffer(raw.ljust(CALL_NAME_BYTES, b"\0"), dtype=np.uint8)
+        mine = np.frombuffer(_padded(name, CALL_NAME_BYTES) + _padded(detail, CALL_DETAIL_BYTES),
+                             dtype=np.uint8)
+        width = CALL_NAME_BYTES + CALL_DETAIL_BYTES
         self.phase = name
         try:
             with self.progress.phase(name):
-                names = self._all_gather(mine, tuple(range(self.size)), 0)
-                names = [bytes(row).rstrip(b"\0").decode(errors="replace")
-                         for row in names.reshape(self.size, CALL_NAME_BYTES)]
+                rows = self._all_gather(mine, tuple(range(self.size)), 0).reshape(self.size,
+                                                                                   width)
+                names = [_text(row[:CALL_NAME_BYTES]) for row in rows]
                 others = {r: n for r, n in enumerate(names) if n != names[self.rank]}
                 if others:
                     raise RuntimeFault(f"rank {self.rank}: {name} is collective: call it on "
                                        f"every rank; here "
                                        + ", ".join(f"rank {r} called {n}"
                                                    for r, n in sorted(others.items())))
+                # ranks that give no detail (a bare collective_call) are not compared
+                details = {r: _text(row[CALL_NAME_BYTES:]).split(DETAIL_SEP)
+                           for r, row in enumerate(rows) if row[CALL_NAME_BYTES:].any()}
+                differ = [i for i in range(max(map(len, details.values()), default=0))
+                          if len({_item(d, i) for d in details.values()}) > 1]
+                if differ:
+                    raise RuntimeFault(f"rank {self.rank}: every rank must call {name} with "
+                                       f"the same arguments (each does its share of the "
+                                       f"same work); here "
+                                       + "; ".join(", ".join(f"rank {r} {_item(d, i)}"
+                                                             for r, d in details.items())
+                                                   for i in differ))
                 yield
         finally:
             self.phase = ""

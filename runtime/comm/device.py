@@ -152,8 +152,8 @@ class DeviceCommunicator(Communicator):
         return self.nccl
 
     # ---- host matters -------------------------------------------------------------------
-    def collective_call(self, name: str):
-        return self.host.collective_call(name)
+    def collective_call(self, name: str, detail: str = ""):
+        return self.host.collective_call(name, detail)
 
     def finished_peers(self, peers, seen: set, what: str) -> set:
         return self.host.finished_peers(peers, seen, what)

@@ -53,7 +53,11 @@ def check_world(plan, world_size: int) -> None:
                         f"has {world_size}; launch it with `distgraph run -n {len(ids)} "
                         f"{script}` (or `mpiexec -n {len(ids)} python {script}`)")
     if plan.rank_of is None and ids != list(range(world_size)):
-        raise PlanError(f"process ids {ids} are not 0..{world_size - 1}; give a rank mapping")
+        raise PlanError(f"the plan's meshes number their processes {ids}, but process p runs "
+                        f"on rank p, and this job's ranks are 0..{world_size - 1}: number "
+                        f"the ProcessMesh processes 0..{world_size - 1}, or map each process "
+                        f"onto a device with Engine(..., rank_mapping={{process: device "
+                        f"id}})")
 
 
 class PlanRunner:

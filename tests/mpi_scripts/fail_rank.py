@@ -63,16 +63,29 @@ def main(mode: str) -> None:
     model = P.build_model("mlp")
     P.PLANS[("mlp", *plan)].annotate(model)
     engine = dg.Engine(model, P.loss_fn("mlp"), P.make_optimizer("adamw"), strategy=strategy)
-    steps = None
+    callbacks = steps = None
     if mode in ("skip", "pipe_skip"):
         from mpi4py import MPI
         steps = P.STEPS - 1 if MPI.COMM_WORLD.Get_rank() == 1 else None
-    history = engine.fit(P.Dataset("mlp"), batch_size=P.BATCH, epochs=1, steps_per_epoch=steps,
+        # rank 1 stops itself (fit's arguments, which the ranks compare, are alike)
+        callbacks = [StopAfter(steps)] if steps is not None else None
+    history = engine.fit(P.Dataset("mlp"), batch_size=P.BATCH, epochs=1, callbacks=callbacks,
                          verbose=0)
     if mode in ("skip", "pipe_skip") and steps is not None:
         return  # rank 1 leaves without the last step (and without the collective gather)
     engine.state_dict()
     print(f"FAIL-RANK OK {len(history.losses)} steps", flush=True)
+
+
+class StopAfter(dg.callbacks.Callback):
+    """Ends this rank's fit after ``steps`` steps."""
+
+    def __init__(self, steps: int):
+        self.steps = steps
+
+    def on_step_end(self, step, logs=None):
+        if step + 1 >= self.steps:
+            self.engine.stop_training = True
 
 
 if __name__ == "__main__":

@@ -163,6 +163,8 @@ def main(mode: str, arg: str | None) -> None:
             raise ValueError("injected failure")
         on_rank_in_step("relu", 1, 1, fail)
         mlp_engine(n).fit(Regression(), batch_size=8, verbose=0)
+    elif mode == "alike":        # the job's first call, with a batch size per rank
+        mlp_engine(n).fit(Regression(), batch_size=8 if rank == 0 else 4, verbose=0)
     elif mode == "two":
         mlp_engine(2).fit(Regression(), batch_size=8, verbose=0)
     elif mode == "lines":

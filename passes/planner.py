@@ -403,6 +403,12 @@ def _rank_of(program, ids, cluster, rank_mapping, partitions, micro_batches):
     if len(cluster.devices) < world_size:
         raise TooFewDevicesError(sorted(ids), len(cluster.devices))
     if rank_mapping is None:
+        if list(ids) != list(range(world_size)):
+            raise PlanError(f"the plan's meshes number their processes {list(ids)}, but the "
+                            f"rank mapper places processes 0..{world_size - 1} on the "
+                            f"cluster's devices: number the ProcessMesh processes 0.."
+                            f"{world_size - 1}, or map each process onto a device with "
+                            f"Engine(..., rank_mapping={{process: device id}})")
         rank_mapping = map_ranks(process_graph(program, partitions,
                                                micro_batches=micro_batches), cluster,
                                  devices=[d.global_id for d in cluster.devices[:world_size]])

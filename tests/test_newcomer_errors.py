@@ -76,6 +76,29 @@ def test_meshes_numbered_past_the_ranks_fail_alike_on_every_rank_naming_the_fix(
         np.testing.assert_allclose(x, expected, rtol=1e-5)
 
 
+def test_meshes_numbered_past_the_ranks_with_a_cluster_file_name_the_fix():
+    """The same meshes with a resource file: the rank mapper places processes 0..n-1, so
+    every rank says how to number them (it was a bare ValueError of the traffic graph)."""
+    cluster = dg.Cluster.from_file(Path(__file__).parent.parent / "resources" / "clusters"
+                                   / "local4.yaml")
+
+    def plan(comm):
+        with BUILD_LOCK:
+            model = tiny_llama()
+            mesh = dg.ProcessMesh([[0, 1], [2, 4]], dim_names=["dp", "mp"])
+            dg.nn.llama.megatron(model, mesh)
+            engine = dg.Engine(model, loss=dg.nn.CrossEntropyLoss(),
+                               optimizer=dg.optim.SGD(0.1), communicator=comm, cluster=cluster)
+            data = dg.shard_dataloader(Counting(8), mesh, shard_dims="dp")
+            engine.prepare(*dg.app.data.DataLoader(data, 8).specs(1))
+
+    errors = errors_on_ranks(4, plan)
+    assert len(set(errors)) == 1, errors
+    assert errors[0].startswith("PlanError: the plan's meshes number their processes "
+                                "[0, 1, 2, 4], but the rank mapper"), errors[0]
+    assert "number the ProcessMesh processes 0..3" in errors[0]
+
+
 @pytest.mark.parametrize("seq,more", [(14, ", or balance=False"), (15, "")])
 def test_a_sequence_the_context_parallel_chunks_do_not_divide_says_which_length(seq, more):
     """cp = 2 stores the sequence in 4 balanced chunks: 14 and 15 tokens do not divide.

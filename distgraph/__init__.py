@@ -50,6 +50,8 @@ _PUBLIC = {
     "shard_dataloader": "distgraph.annotation", "shard_op": "distgraph.annotation",
     "shard_tensor": "distgraph.annotation",
     "Cluster": "distgraph.resources.cluster",
+    "get_rank": "distgraph.runtime.launch.status",
+    "get_world_size": "distgraph.runtime.launch.status",
     "CheckpointError": "distgraph.app.checkpoint",
     "from_pretrained": "distgraph.app.pretrained", "save_pretrained": "distgraph.app.pretrained",
 }

@@ -314,3 +314,26 @@ def test_micro_batches_the_data_parallel_split_does_not_divide_name_the_batch_si
                                "dims ['dp'] into 2 parts, which 3 rows do not divide; use a "
                                "batch size divisible by 4")
     assert engine.prepare(*dg.app.data.DataLoader(data, 4).specs(1)).world_size == 2
+
+
+RANK_BEFORE_ENGINE = """
+import distgraph as dg
+from mpi4py import MPI
+before = (dg.get_rank(), dg.get_world_size())
+world = MPI.COMM_WORLD
+print("rank", before, (world.Get_rank(), world.Get_size()), flush=True)
+assert before == (world.Get_rank(), world.Get_size())
+"""
+
+
+@pytest.mark.mpi
+def test_the_rank_is_known_before_an_engine_exists(tmp_path, monkeypatch):
+    """dg.get_rank() / dg.get_world_size() read the launcher's rank before MPI or an Engine
+    starts (rank 0 writes a file the others read), equal to MPI's; alone: 0 and 1."""
+    from user_scripts import run_user
+    rc, out = run_user(tmp_path, RANK_BEFORE_ENGINE, 2)
+    assert rc == 0, out
+    assert "rank (0, 2) (0, 2)" in out and "rank (1, 2) (1, 2)" in out, out
+    for var in ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    assert (dg.get_rank(), dg.get_world_size()) == (0, 1)

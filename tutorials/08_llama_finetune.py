@@ -84,7 +84,7 @@ def main():
     args = parser.parse_args()
 
     mesh = dg.ProcessMesh([[0, 1], [2, 3]], dim_names=["dp", "mp"])
-    rank = int(os.environ.get("PMI_RANK", 0))      # before the Engine: rank 0 writes
+    rank = dg.get_rank()      # before the Engine: rank 0 writes
     out = args.out or os.path.join(tempfile.gettempdir(), f"distgraph-tutorial-08-{os.getuid()}")
     source, tuned = os.path.join(out, "source"), os.path.join(out, "finetuned")
     if rank == 0 and not os.path.exists(source):

@@ -18,7 +18,6 @@ Example::
 
 from __future__ import annotations
 
-import os
 import sys
 
 import numpy as np
@@ -36,7 +35,7 @@ from distgraph.passes.planner import plan
 from distgraph.program_builder import build_program
 from distgraph.resources.cluster import Cluster
 from distgraph.runtime.launch.context import current as launch_context
-from distgraph.runtime.launch.status import write_status
+from distgraph.runtime.launch.status import get_rank, get_world_size, write_status
 from distgraph.strategy import Strategy
 
 __all__ = ["Engine", "History"]
@@ -101,14 +100,14 @@ class Engine:
         :attr:`process`."""
         if self._comm is not None:
             return self._comm.rank
-        return int(os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", 0)))
+        return get_rank()
 
     @property
     def world_size(self) -> int:
         """How many ranks the job has (``distgraph run -n N``: N; 1 when it runs alone)."""
         if self._comm is not None:
             return self._comm.size
-        return int(os.environ.get("PMI_SIZE", os.environ.get("OMPI_COMM_WORLD_SIZE", 1)))
+        return get_world_size()
 
     @property
     def process(self) -> int:

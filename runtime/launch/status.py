@@ -39,6 +39,20 @@ def env_rank() -> str:
     return os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "?"))
 
 
+def get_rank() -> int:
+    """This script's rank in the job as its launcher (``distgraph run``, ``mpiexec``) set
+    it, readable before an Engine or MPI exists (``dg.get_rank()``: e.g. rank 0 writes a
+    file the others read); 0 when the script runs alone."""
+    rank = env_rank()
+    return 0 if rank == "?" else int(rank)
+
+
+def get_world_size() -> int:
+    """How many ranks the job has, as its launcher set it (``dg.get_world_size()``); 1
+    when the script runs alone."""
+    return int(os.environ.get("PMI_SIZE", os.environ.get("OMPI_COMM_WORLD_SIZE", 1)))
+
+
 def status_folder() -> str | None:
     return os.environ.get(STATUS_DIR) or None
 

@@ -62,3 +62,19 @@ def test_partial_sources_share_paths_too():
             assert shared.reshard(src, dst, shape, "float32") == \
                 direct(cluster, mesh, src, dst, shape, "float32")
     assert len(shared._paths) == 3
+
+
+def test_dtypes_share_paths():
+    """The dtype only scales every move's bytes: tensors of any dtype and size that divide
+    alike take one planned path, priced as planning each (to the last bit)."""
+    mesh = MESHES["2x4"]
+    cluster = S.line_cluster(8, bandwidth=3.0, latency=2.0)
+    shared = SearchCosts(cluster, mesh, {p: p for p in mesh.process_ids})
+    specs = [s.out_specs[0] for s in layouts((8, 24), mesh)]
+    pairs = list(itertools.product(specs, specs))
+    for dtype, shape in (("bool", (8, 24)), ("float32", (16, 40)), ("bfloat16", (8, 24)),
+                         ("int64", (24, 8))):
+        for src, dst in pairs:
+            assert shared.reshard(src, dst, shape, dtype) == \
+                direct(cluster, mesh, src, dst, shape, dtype), (str(src), str(dst), dtype)
+    assert len(shared._paths) <= len(pairs)

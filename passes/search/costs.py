@@ -63,7 +63,8 @@ class SearchCosts:
         self._reshards: dict = {}
         self._matrices: dict = {}
         self._gathers: dict = {}
-        self._paths: dict = {}
+        self._paths: dict = {}        # (layouts, divisions) -> (steps, bytes planned for)
+        self._divides: dict = {}      # shape -> which mesh dim products divide each dim
         self._world = None
         sizes = [n for n in mesh.shape if n > 1]
         self._divisors = sorted({math.prod(c) for k in range(1, len(sizes) + 1)
@@ -187,15 +188,18 @@ class SearchCosts:
         return self._reshards[key]
 
     def _steps(self, src: ShardSpec, dst: ShardSpec, shape: tuple, dtype: str) -> list:
-        """``plan_reshard``'s steps, planned once per (layouts, dtype, which products of
-        mesh dim sizes divide each tensor dim): on one mesh every move of its search
-        costs a fixed multiple of the tensor's size, and which moves it may make
-        depends only on those divisions, so tensors that divide alike take the same
-        path, each step's buffer scaled by their sizes (exactly: every state on a path
-        divides the tensor evenly)."""
-        size = math.prod(shape)
-        form = (src, dst, dtype, tuple(tuple(n % d == 0 for d in self._divisors)
-                                       for n in shape))
+        """``plan_reshard``'s steps, planned once per (layouts, which products of mesh dim
+        sizes divide each tensor dim): on one mesh every move of its search costs a fixed
+        multiple of the tensor's bytes, and which moves it may make depends only on those
+        divisions, so tensors that divide alike take the same path whatever their size
+        and dtype (the dtype only scales every move's bytes), each step's buffer scaled
+        by their bytes (exactly: every state on a path divides the tensor evenly)."""
+        size = math.prod(shape) * dtypes.itemsize(dtype)
+        divides = self._divides.get(shape)
+        if divides is None:
+            divides = self._divides[shape] = tuple(tuple(n % d == 0 for d in self._divisors)
+                                                   for n in shape)
+        form = (src, dst, divides)
         known = self._paths.get(form)
         if known is None or size == 0 or known[1] == 0:
             steps = plan_reshard(DistAttr(self.mesh, src), DistAttr(self.mesh, dst),
@@ -203,11 +207,12 @@ class SearchCosts:
             self._paths.setdefault(form, (steps, size))
             return steps
         steps, planned = known
+        dtype = dtypes.canonical(dtype)
         out = []
         for step in steps:
             buffer = step.buffer_bytes * size // planned
             out.append(dataclasses.replace(
-                step, shape=shape, buffer_bytes=buffer,
+                step, shape=shape, dtype=dtype, buffer_bytes=buffer,
                 bytes=collective_bytes(step.kind, step.group_size, buffer)))
         return out
 

@@ -56,7 +56,7 @@ search prices that search's variants too (:meth:`RunCosts._smaller_parts`).
 **Seeds.** The micro-batch counts :mod:`distgraph.passes.search.micro` compares have the
 same ops and Value names. The first is searched; the later ones (``seed=`` its RunCosts)
 price its searches on their own programs, searching only where a layout does not divide
-their micro-batch. A count priced so is searched afresh once it is chosen.
+their micro-batch, on its SearchCosts. A count priced so is searched afresh once chosen.
 
 The stage DP on them: :func:`~distgraph.passes.search.block_plans.plan_blocks`.
 
@@ -195,7 +195,7 @@ class RunCosts:
     """The stage options of a block layering of ``copy`` (a BuiltProgram) on ``cluster``
     with ``micro`` micro-batches (module docstring)."""
 
-    def __init__(self, copy, strategy, cluster, layering, micro: int, seed=None):
+    def __init__(self, copy, strategy, cluster, layering, micro: int, seed=None, prices=None):
         self.copy, self.program, self.strategy = copy, copy.program, strategy
         self.seed = seed              # RunCosts at another micro-batch count (docstring)
         self.cluster, self.layering, self.micro = cluster, layering, micro
@@ -215,7 +215,9 @@ class RunCosts:
         self._spare: dict = {}        # t -> [_Searched, ...] searched for variants only
         self._fastest: dict = {}      # (axis, shape, logical) -> (_Searched, parts)
         self._smaller: dict = {}      # (axis, shape, logical) -> [parts of each variant]
-        self._prices: dict = {}       # (mesh, devices) -> SearchCosts: one per mesh, shared
+        # (mesh, devices) -> SearchCosts, one per mesh; its prices depend on shapes, not on
+        # the program: shared with ``prices`` (another count's) or the seed's, planned once
+        self._prices: dict = prices if prices is not None else seed._prices if seed else {}
         self._walks: dict = {}        # (mesh, devices) -> Walks of the block's searches
         self._chunks: dict = {}       # chunk count -> the layers of each chunk
         self.planned: dict = {}       # memory budget -> plan_blocks' answer (stages.py)

@@ -194,3 +194,16 @@ def test_a_seed_prices_its_layouts_on_another_micro_batch_count_by_the_same_mode
                 o.parts["block"][1].report.layouts == result.report.layouts]
         moved += bool(twin) and twin[0].parts["block"][0].time != cost.time
     assert checked >= 6 and moved >= 1 and seeded
+
+
+def test_boundary_prices_shared_by_key_equal_each_options_own(costs):
+    # p2p_seconds is cached per boundary_key (what boundary_seconds reads): every option's
+    # figure equals its own boundary priced afresh
+    from distgraph.passes.search.boundary import boundary_key, boundary_seconds
+
+    runs, options = costs
+    options = options + runs.options(variants=True)
+    priced = [runs.p2p_seconds(o) for o in options]
+    assert priced == [boundary_seconds(o, CLUSTER) for o in options]
+    assert any(p > 0 for p in priced)
+    assert len({boundary_key(o) for o in options}) <= len(runs._p2p)

@@ -84,7 +84,7 @@ import numpy as np
 from distgraph.errors import PlanError
 from distgraph.ir import Role
 from distgraph.mesh import ProcessMesh
-from distgraph.passes.search.boundary import boundary_seconds
+from distgraph.passes.search.boundary import boundary_key, boundary_seconds
 from distgraph.passes.search.costs import SearchCosts
 from distgraph.passes.search.intra_op import (Boundary, accumulating_updates, price,
                                                  search)
@@ -221,7 +221,7 @@ class RunCosts:
         self._walks: dict = {}        # (mesh, devices) -> Walks of the block's searches
         self._chunks: dict = {}       # chunk count -> the layers of each chunk
         self.planned: dict = {}       # memory budget -> plan_blocks' answer (stages.py)
-        self._p2p: dict = {}          # (option's mesh, its block search) -> boundary seconds
+        self._p2p: dict = {}          # boundary_key -> boundary seconds
 
     # -- the options --------------------------------------------------------------------
     def options(self, variants: bool = True, wanted=None, sequence: bool = True) -> list:
@@ -501,12 +501,11 @@ class RunCosts:
     def p2p_seconds(self, option) -> float:
         """Seconds per micro-batch a stage of ``option`` between two others spends passing
         its blocks' Values on and back (:func:`~distgraph.passes.search.boundary.
-        boundary_seconds`), once per mesh and block search."""
-        key = (option.axis, option.sub.shape, option.logical, id(option.parts["block"][1]))
+        boundary_seconds`), once per mesh and layouts its block receives (boundary_key)."""
+        key = boundary_key(option)
         if key not in self._p2p:
-            self._p2p[key] = (boundary_seconds(option, self.cluster),
-                              option.parts["block"][1])      # kept: its id stays its own
-        return self._p2p[key][0]
+            self._p2p[key] = boundary_seconds(option, self.cluster)
+        return self._p2p[key]
 
     def chunk_layers(self, n: int) -> list:
         """{layer: the share of its forward FLOPs} of each of the ``n`` chunks the planner

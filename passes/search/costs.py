@@ -67,6 +67,7 @@ class SearchCosts:
         self._world = None
         self.rules: dict = {}       # the op strategies of the spaces searched with these
                                     # costs (SearchSpace.rules): enumerated once per mesh
+                                    # shape (one dict may serve several SearchCosts)
 
     def op(self, op, strategies) -> tuple[np.ndarray, np.ndarray]:
         """(compute seconds, own-collective seconds) of each strategy of ``op``."""

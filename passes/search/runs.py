@@ -404,8 +404,9 @@ class RunCosts:
         pricing there (the parts, the memory variants, the refinement): its reshard
         prices are planned once."""
         key = self._mesh_key(mesh, device_of)
-        if key not in self._prices:
-            self._prices[key] = SearchCosts(self.cluster, mesh, device_of)
+        if key not in self._prices:     # one rules dict for all (keyed by mesh shape in it)
+            costs = self._prices[key] = SearchCosts(self.cluster, mesh, device_of)
+            costs.rules = next(iter(self._prices.values())).rules
         return self._prices[key]
 
     def _price(self, found, mesh, device_of) -> dict:

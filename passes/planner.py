@@ -92,8 +92,6 @@ def plan(built, strategy: Strategy | None = None, cluster=None, rank_mapping=Non
     accumulation = reuse = None
     if strategy.micro_batches in runs:
         built, accumulation, reuse = runs[strategy.micro_batches]
-        if reuse is not None and reuse.seed is not None:
-            reuse = None        # priced with another count's variants: searched afresh
     elif strategy.micro_batches > 1:
         built, accumulation = split_micro_batches(built, strategy.micro_batches)
     try:

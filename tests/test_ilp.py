@@ -284,6 +284,8 @@ def base(**kw):
           memory=[[0, 0], [0, 0, 0]], follow=[-1, 0]), "same strategy count"),
     (base(share=[[0, 1], [1]]), r"in share\[0\] and share\[1\]"),
     (base(liveness=[[0, 0]]), r"liveness\[0\] lists node 0 \('fc1'\) twice"),
+    (base(liveness=[[0], [1, 2]]), r"liveness\[1\] names node 2; nodes are 0..1"),
+    (base(liveness=[[True]]), r"liveness\[0\] names node True"),
     (base(memory_budget=3), "memory_budget is set but liveness is empty"),
     (base(liveness=[[0]], memory_budget=float("inf")), "memory_budget = inf"),
     (base(names=["a"]), "1 names for 2 nodes"),
@@ -291,6 +293,11 @@ def base(**kw):
 def test_invalid_problems_name_the_field(fields, message):
     with pytest.raises(PlanError, match=message):
         ShardingProblem(**fields)
+
+
+def test_liveness_ids_of_numpy_ints_are_taken_as_ints():
+    p = ShardingProblem(**base(liveness=[np.array([0, 1])], memory=[[1, 2], [3, 4]]))
+    assert p.liveness == ((0, 1),) and all(type(v) is int for v in p.liveness[0])
 
 
 def test_forbidden_everything_names_the_node_or_pair():

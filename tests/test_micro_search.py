@@ -125,3 +125,34 @@ def test_a_count_held_back_by_memory_is_beaten_exactly_where_its_latency_is_not_
     assert latency > free * 1.05                # memory holds the fastest parts back
     assert planner._beaten(built, tight, cluster, 4, latency, {})
     assert not planner._beaten(built, tight, cluster, 4, latency * (1 + 1e-9), {})
+
+
+def test_counts_share_their_search_costs_and_price_as_fresh_ones():
+    # a count seeded by another prices on the seed's SearchCosts (reshard and op prices
+    # depend on shapes, not on the program); oracle: the same count seeded, on fresh ones
+    from distgraph.passes.search.runs import RunCosts
+    from distgraph.passes.search.stages import pipeline_latency
+
+    built, cluster = built_gpt(layers=4), S.line_cluster(4, bandwidth=1.0)
+    strategy = dg.Strategy(auto_mode="full", pipeline=True, micro_batches=2,
+                           search="recursive")
+    runs: dict = {}
+    planner._latency(built, strategy, cluster, 2, runs)
+    seed = runs[2][2]
+    four = dataclasses.replace(strategy, micro_batches=4)
+    shared = planner._latency(built, four, cluster, 4, runs)
+    assert runs[4][2].seed is seed and runs[4][2]._prices is seed._prices
+    split, accumulation = planner._split(built, 4)
+    copy = planner._transformed(split, four)
+    fresh = RunCosts(copy, four, cluster, block_layers(copy.program, copy.block_paths), 4,
+                     seed, prices={})
+    alone, _ = pipeline_latency(copy, four, cluster, accumulation, costs=fresh)
+    assert shared == alone
+    assert [o.cost(True, 1, True) for o in runs[4][2].options()] == \
+        [o.cost(True, 1, True) for o in fresh.options()]
+    # the count chosen is searched afresh on the prices planned: the plan of a fresh search
+    chosen = dg.passes.plan(built, dataclasses.replace(strategy, micro_batches=None), cluster,
+                            ranks=())
+    again = dg.passes.plan(built, chosen.strategy, cluster, ranks=())
+    assert chosen.estimate.step_time == again.estimate.step_time
+    assert chosen.search.layouts == again.search.layouts

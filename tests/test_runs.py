@@ -194,3 +194,41 @@ def test_a_seed_prices_its_layouts_on_another_micro_batch_count_by_the_same_mode
                 o.parts["block"][1].report.layouts == result.report.layouts]
         moved += bool(twin) and twin[0].parts["block"][0].time != cost.time
     assert checked >= 6 and moved >= 1 and seeded
+
+
+def test_boundary_prices_shared_by_key_equal_each_options_own(costs):
+    # p2p_seconds is cached per boundary_key (what boundary_seconds reads): every option's
+    # figure equals its own boundary priced afresh
+    from distgraph.passes.search.boundary import boundary_key, boundary_seconds
+
+    runs, options = costs
+    options = options + runs.options(variants=True)
+    priced = [runs.p2p_seconds(o) for o in options]
+    assert priced == [boundary_seconds(o, CLUSTER) for o in options]
+    assert any(p > 0 for p in priced)
+    assert len({boundary_key(o) for o in options}) <= len(runs._p2p)
+
+
+def test_spaces_of_parts_read_the_shared_program_index_as_a_scan_of_the_program(costs):
+    # a part's Values received from outside and sent outside, found from the program's
+    # index (made once per program in the shared rules), equal a scan of every op
+    from distgraph.passes.search.space import SearchSpace
+
+    runs, _ = costs
+    program = runs.program
+    shared: dict = {}
+    mesh = dg.ProcessMesh([[0, 1], [2, 3]], ["x", "y"])
+    for layers in (range(0, 1), range(runs.rep, runs.rep + 1), range(1, 3),
+                   range(runs.layering.count - 1, runs.layering.count)):
+        ops = runs.layering.ops(layers)
+        inside = set(ops)
+        made = {o.name for k in ops for o in program.ops[k].outputs}
+        made_all = {o.name for op in program.ops for o in op.outputs}
+        leaving = {v.name for k, op in enumerate(program.ops) if k not in inside
+                   for v in op.inputs if v.name in made}
+        received = {v.name for k in ops for v in program.ops[k].inputs
+                    if v.name in made_all - made}
+        for rules in (shared, shared, None):
+            space = SearchSpace(program, mesh, ops, rules=rules)
+            assert space.leaving == leaving and space.boundary == received
+            assert leaving and received

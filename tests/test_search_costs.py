@@ -1,8 +1,8 @@
 """SearchCosts' reshard prices: planned once per path, the same seconds as planning each.
 
-The search prices a reshard from the steps ``plan_reshard`` plans; tensors that divide
-alike on a mesh take the same path, so SearchCosts plans it once and scales each step's
-buffer. Oracle: a fresh SearchCosts per tensor (nothing shared) and the steps planned
+The search prices a reshard from the steps ``plan_reshard`` plans; tensors that both
+layouts divide take the same path whatever their shape and dtype, so SearchCosts plans
+it once per pair of layouts and scales each step's buffer. Oracle: a fresh SearchCosts per tensor (nothing shared) and the steps planned
 directly, priced by ``reshard_step_time``: equal to the last bit.
 """
 
@@ -48,7 +48,11 @@ def test_shared_paths_price_as_planning_each(name):
                     (name, str(src), str(dst), shape, dtype)
                 checked += 1
     assert checked > 500
-    assert len(shared._paths) < 0.7 * checked   # paths were shared, not planned each time
+    # one path per pair of layouts, whatever the shapes (dividing alike or not) and dtypes
+    pairs = {(src, dst) for shape in SHAPES for src in
+             [s.out_specs[0] for s in layouts(shape, mesh)] for dst in
+             [s.out_specs[0] for s in layouts(shape, mesh)] if src != dst}
+    assert len(shared._paths) == len(pairs) < 0.5 * checked
 
 
 def test_partial_sources_share_paths_too():
@@ -62,3 +66,19 @@ def test_partial_sources_share_paths_too():
             assert shared.reshard(src, dst, shape, "float32") == \
                 direct(cluster, mesh, src, dst, shape, "float32")
     assert len(shared._paths) == 3
+
+
+def test_dtypes_share_paths():
+    """The dtype only scales every move's bytes: tensors of any dtype and size that divide
+    alike take one planned path, priced as planning each (to the last bit)."""
+    mesh = MESHES["2x4"]
+    cluster = S.line_cluster(8, bandwidth=3.0, latency=2.0)
+    shared = SearchCosts(cluster, mesh, {p: p for p in mesh.process_ids})
+    specs = [s.out_specs[0] for s in layouts((8, 24), mesh)]
+    pairs = list(itertools.product(specs, specs))
+    for dtype, shape in (("bool", (8, 24)), ("float32", (16, 40)), ("bfloat16", (8, 24)),
+                         ("int64", (24, 8))):
+        for src, dst in pairs:
+            assert shared.reshard(src, dst, shape, dtype) == \
+                direct(cluster, mesh, src, dst, shape, dtype), (str(src), str(dst), dtype)
+    assert len(shared._paths) <= len(pairs)

@@ -77,6 +77,18 @@ def boundary_seconds(option, cluster) -> float:
     return total
 
 
+def boundary_key(option) -> tuple:
+    """What :func:`boundary_seconds` of ``option`` reads, beside its program (options of
+    one program with equal keys cost the same): the submesh, the logical mesh and the
+    layout the block receives each periodic Value in."""
+    result = option.parts["block"][1]
+    space, choice = result.space, result.choice
+    received = tuple((name, space.nodes[space.source_node[name]].strategies[
+        choice[space.source_node[name]]].out_specs[0]) for name, _ in result.boundary.periodic)
+    return (option.axis, option.sub.shape, option.logical, space.mesh.dim_names,
+            received)
+
+
 def _pieces(option) -> list:
     """The device ids of each submesh of ``option``'s shape on its device mesh, in the
     order the stages take them (row-major: whole rows, or row pieces in a row)."""

@@ -34,7 +34,6 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 
 import numpy as np
@@ -63,13 +62,12 @@ class SearchCosts:
         self._reshards: dict = {}
         self._matrices: dict = {}
         self._gathers: dict = {}
-        self._paths: dict = {}
+        self._paths: dict = {}        # (layouts) -> (steps, bytes planned for)
+        self._fits: dict = {}         # (layout, shape) -> whether it divides the shape
         self._world = None
-        sizes = [n for n in mesh.shape if n > 1]
-        self._divisors = sorted({math.prod(c) for k in range(1, len(sizes) + 1)
-                                 for c in itertools.combinations(sizes, k)})
         self.rules: dict = {}       # the op strategies of the spaces searched with these
                                     # costs (SearchSpace.rules): enumerated once per mesh
+                                    # shape (one dict may serve several SearchCosts)
 
     def op(self, op, strategies) -> tuple[np.ndarray, np.ndarray]:
         """(compute seconds, own-collective seconds) of each strategy of ``op``."""
@@ -187,29 +185,39 @@ class SearchCosts:
         return self._reshards[key]
 
     def _steps(self, src: ShardSpec, dst: ShardSpec, shape: tuple, dtype: str) -> list:
-        """``plan_reshard``'s steps, planned once per (layouts, dtype, which products of
-        mesh dim sizes divide each tensor dim): on one mesh every move of its search
-        costs a fixed multiple of the tensor's size, and which moves it may make
-        depends only on those divisions, so tensors that divide alike take the same
-        path, each step's buffer scaled by their sizes (exactly: every state on a path
-        divides the tensor evenly)."""
-        size = math.prod(shape)
-        form = (src, dst, dtype, tuple(tuple(n % d == 0 for d in self._divisors)
-                                       for n in shape))
-        known = self._paths.get(form)
-        if known is None or size == 0 or known[1] == 0:
+        """``plan_reshard``'s steps, planned once per pair of layouts: every state on its
+        path keeps each tensor dim split by a prefix of the source's or the goal's entry
+        there (its moves are goal-directed), so where both layouts divide a tensor every
+        state does, the moves it may make are the same whatever the tensor's shape and
+        dtype, and each costs a fixed multiple of the tensor's bytes: the same path, each
+        step's buffer scaled by the bytes (exactly). A layout that does not divide the
+        tensor is planned (and refused) as ``plan_reshard`` does."""
+        size = math.prod(shape) * dtypes.itemsize(dtype)
+        known = self._paths.get((src, dst))
+        if known is None or size == 0 or known[1] == 0 or not (
+                self._divides(src, shape) and self._divides(dst, shape)):
             steps = plan_reshard(DistAttr(self.mesh, src), DistAttr(self.mesh, dst),
                                  shape, dtype)
-            self._paths.setdefault(form, (steps, size))
+            self._paths.setdefault((src, dst), (steps, size))
             return steps
         steps, planned = known
+        dtype = dtypes.canonical(dtype)
         out = []
         for step in steps:
             buffer = step.buffer_bytes * size // planned
             out.append(dataclasses.replace(
-                step, shape=shape, buffer_bytes=buffer,
+                step, shape=shape, dtype=dtype, buffer_bytes=buffer,
                 bytes=collective_bytes(step.kind, step.group_size, buffer)))
         return out
+
+    def _divides(self, spec: ShardSpec, shape: tuple) -> bool:
+        """Whether ``spec`` splits every dim of ``shape`` evenly on the mesh."""
+        key = (spec, shape)
+        if key not in self._fits:
+            self._fits[key] = len(shape) == spec.ndim and all(
+                n % math.prod(self.mesh.dim_size(m) for m in spec.entry(d)) == 0
+                for d, n in enumerate(shape))
+        return self._fits[key]
 
     def matrix(self, made: tuple, wanted: tuple, shape, dtype: str) -> np.ndarray:
         """R[i][j]: seconds from layout ``made[i]`` to ``wanted[j]``."""

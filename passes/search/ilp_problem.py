@@ -239,8 +239,13 @@ class ShardingProblem:
 
     def _liveness(self) -> tuple[tuple[int, ...], ...]:
         out = []
+        n = self.n
         for t, live in enumerate(self.liveness):
-            ids = tuple(self._node_id(f"liveness[{t}]", v) for v in live)
+            ids = tuple(live)
+            # node ids as the builders give them (ints in range) pass at once; others
+            # are checked one by one, to name the first wrong one
+            if not all(type(v) is int and 0 <= v < n for v in ids):
+                ids = tuple(self._node_id(f"liveness[{t}]", v) for v in live)
             if len(set(ids)) != len(ids):
                 dup = next(v for v in ids if ids.count(v) > 1)
                 raise PlanError(f"ShardingProblem: liveness[{t}] lists {self.node(dup)} "

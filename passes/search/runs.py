@@ -56,7 +56,7 @@ search prices that search's variants too (:meth:`RunCosts._smaller_parts`).
 **Seeds.** The micro-batch counts :mod:`distgraph.passes.search.micro` compares have the
 same ops and Value names. The first is searched; the later ones (``seed=`` its RunCosts)
 price its searches on their own programs, searching only where a layout does not divide
-their micro-batch. A count priced so is searched afresh once it is chosen.
+their micro-batch, on its SearchCosts. A count priced so is searched afresh once chosen.
 
 The stage DP on them: :func:`~distgraph.passes.search.block_plans.plan_blocks`.
 
@@ -84,7 +84,7 @@ import numpy as np
 from distgraph.errors import PlanError
 from distgraph.ir import Role
 from distgraph.mesh import ProcessMesh
-from distgraph.passes.search.boundary import boundary_seconds
+from distgraph.passes.search.boundary import boundary_key, boundary_seconds
 from distgraph.passes.search.costs import SearchCosts
 from distgraph.passes.search.intra_op import (Boundary, accumulating_updates, price,
                                                  search)
@@ -195,7 +195,7 @@ class RunCosts:
     """The stage options of a block layering of ``copy`` (a BuiltProgram) on ``cluster``
     with ``micro`` micro-batches (module docstring)."""
 
-    def __init__(self, copy, strategy, cluster, layering, micro: int, seed=None):
+    def __init__(self, copy, strategy, cluster, layering, micro: int, seed=None, prices=None):
         self.copy, self.program, self.strategy = copy, copy.program, strategy
         self.seed = seed              # RunCosts at another micro-batch count (docstring)
         self.cluster, self.layering, self.micro = cluster, layering, micro
@@ -215,11 +215,13 @@ class RunCosts:
         self._spare: dict = {}        # t -> [_Searched, ...] searched for variants only
         self._fastest: dict = {}      # (axis, shape, logical) -> (_Searched, parts)
         self._smaller: dict = {}      # (axis, shape, logical) -> [parts of each variant]
-        self._prices: dict = {}       # (mesh, devices) -> SearchCosts: one per mesh, shared
+        # (mesh, devices) -> SearchCosts, one per mesh; its prices depend on shapes, not on
+        # the program: shared with ``prices`` (another count's) or the seed's, planned once
+        self._prices: dict = prices if prices is not None else seed._prices if seed else {}
         self._walks: dict = {}        # (mesh, devices) -> Walks of the block's searches
         self._chunks: dict = {}       # chunk count -> the layers of each chunk
         self.planned: dict = {}       # memory budget -> plan_blocks' answer (stages.py)
-        self._p2p: dict = {}          # (option's mesh, its block search) -> boundary seconds
+        self._p2p: dict = {}          # boundary_key -> boundary seconds
 
     # -- the options --------------------------------------------------------------------
     def options(self, variants: bool = True, wanted=None, sequence: bool = True) -> list:
@@ -402,8 +404,9 @@ class RunCosts:
         pricing there (the parts, the memory variants, the refinement): its reshard
         prices are planned once."""
         key = self._mesh_key(mesh, device_of)
-        if key not in self._prices:
-            self._prices[key] = SearchCosts(self.cluster, mesh, device_of)
+        if key not in self._prices:     # one rules dict for all (keyed by mesh shape in it)
+            costs = self._prices[key] = SearchCosts(self.cluster, mesh, device_of)
+            costs.rules = next(iter(self._prices.values())).rules
         return self._prices[key]
 
     def _price(self, found, mesh, device_of) -> dict:
@@ -499,12 +502,11 @@ class RunCosts:
     def p2p_seconds(self, option) -> float:
         """Seconds per micro-batch a stage of ``option`` between two others spends passing
         its blocks' Values on and back (:func:`~distgraph.passes.search.boundary.
-        boundary_seconds`), once per mesh and block search."""
-        key = (option.axis, option.sub.shape, option.logical, id(option.parts["block"][1]))
+        boundary_seconds`), once per mesh and layouts its block receives (boundary_key)."""
+        key = boundary_key(option)
         if key not in self._p2p:
-            self._p2p[key] = (boundary_seconds(option, self.cluster),
-                              option.parts["block"][1])      # kept: its id stays its own
-        return self._p2p[key][0]
+            self._p2p[key] = boundary_seconds(option, self.cluster)
+        return self._p2p[key]
 
     def chunk_layers(self, n: int) -> list:
         """{layer: the share of its forward FLOPs} of each of the ``n`` chunks the planner

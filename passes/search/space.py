@@ -132,18 +132,20 @@ class SearchSpace:
     def __post_init__(self):
         whole = self.ops is None
         self.ops = tuple(range(len(self.program.ops)) if whole else self.ops)
-        # Values a part of the program receives from ops outside it (a stage's inputs)
-        self._outside = set() if whole else \
-            {o.name for op in self.program.ops for o in op.outputs} - \
-            {o.name for k in self.ops for o in self.program.ops[k].outputs}
-        if not whole:
-            inside = set(self.ops)
-            made_here = {o.name for k in self.ops for o in self.program.ops[k].outputs}
-            self.leaving = {v.name for k, op in enumerate(self.program.ops) if k not in inside
-                            for v in op.inputs if v.name in made_here}
         # rules bound and strategies enumerated per op signature; ``rules`` (a dict kept
-        # by the caller: SearchCosts.rules) shares them with other spaces on this mesh
+        # by the caller: SearchCosts.rules) shares them with other spaces on this mesh,
+        # and the program's index (who makes and who reads each Value) with every space
         shared = {} if self.rules is None else self.rules
+        # Values a part of the program receives from ops outside it (a stage's inputs)
+        self._outside = set()
+        if not whole:
+            made_by, read_by = _index(self.program, shared)
+            inside = set(self.ops)
+            made_here = [o.name for k in self.ops for o in self.program.ops[k].outputs]
+            self._outside = {v.name for k in self.ops for v in self.program.ops[k].inputs
+                             if made_by.get(v.name, k) not in inside}
+            self.leaving = {name for name in made_here
+                            if any(k not in inside for k in read_by.get(name, ()))}
         self._rules, self._followed = shared.setdefault(
             (self.mesh.shape, tuple(self.mesh.dim_names)), ({}, {}))
         self._memo: dict = {}
@@ -421,6 +423,21 @@ class SearchSpace:
                 out.append(answers[spec])
             self._followed[key] = out
         return self._followed[key]
+
+
+def _index(program, shared: dict) -> tuple:
+    """({Value name: the op index making it}, {Value name: the op indices reading it}) of
+    ``program``, made once per program (and op count) in ``shared`` (a space's rules)."""
+    key = ("index", program, len(program.ops))
+    if key not in shared:
+        made_by, read_by = {}, {}
+        for k, op in enumerate(program.ops):
+            for o in op.outputs:
+                made_by[o.name] = k
+            for v in op.inputs:
+                read_by.setdefault(v.name, []).append(k)
+        shared[key] = (made_by, read_by)
+    return shared[key]
 
 
 def layouts(shape, mesh: ProcessMesh) -> list:

@@ -136,7 +136,7 @@ def plan_pipeline(copy, strategy, cluster, accumulation, memory_budget=None,
     planner completes next) and annotate its program (module docstring).
     ``memory_budget``: bytes per device (None: the devices' memory); ``runs``: the
     RunCosts :func:`pipeline_latency` made for a copy built the same way (its searches
-    are reused)."""
+    are reused; where it was seeded by another count's, only its SearchCosts)."""
     start = time.perf_counter()
     if cluster is None:
         raise PlanError("Strategy(pipeline=True) searches stages on a cluster: pass cluster="
@@ -147,6 +147,9 @@ def plan_pipeline(copy, strategy, cluster, accumulation, memory_budget=None,
     target = cluster if memory_budget is None else _capped(cluster, memory_budget / GB)
     layering = block_layers(program, copy.block_paths)
     if layering is not None:
+        if runs is not None and runs.seed is not None:
+            # priced with another count's searches: searched afresh, on the prices planned
+            runs = RunCosts(copy, strategy, cluster, layering, micro, prices=runs._prices)
         costs = runs or RunCosts(copy, strategy, cluster, layering, micro)
         return _plan_runs(copy, strategy, cluster, target, costs, start, memory_budget)
     layering = cluster_layers(program, max_layers=2 * len(devices) + 2)

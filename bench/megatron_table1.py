@@ -20,8 +20,8 @@ For each row it prints both plans' predicted model TFLOP/s per GPU (the paper's 
 l h^2 (1 + s/(6h) + V/(16 l h)) over the estimated step time), the searched plan's
 degrees, each plan's estimated peak memory and planning seconds (for a searched plan
 also the stage search's wall seconds: the rest, completion, rank mapping and
-compilation, is work outside the searches), and Megatron's
-prediction against the published figure. Targets: the searched plan is never predicted
+compilation, is work outside the searches), and Megatron's prediction against the
+published figure. Targets: each searched plan (every ``--search``) is never predicted
 slower than Megatron's; Megatron's prediction within +-25% of the published TFLOP/s on
 every row; with ``--search auto,ilp``, auto's plan predicted no slower than the ILP-only
 plan by more than 3% and planned at least 5 x faster (CPU seconds: the machine is shared);
@@ -187,8 +187,11 @@ def main() -> int:
         ratio = r["megatron"]["tflops"] / row.published
         if not 0.75 <= ratio <= 1.25:
             missed.append(f"{row.name}: Megatron's prediction {ratio:.2f} x published")
-        if "searched" in r and r["searched"]["tflops"] < r["megatron"]["tflops"] * (1 - 1e-9):
-            missed.append(f"{row.name}: searched plan slower than Megatron's")
+        searched = [k for k in r if k.startswith("searched")]    # every search's plan
+        for kind in searched:
+            if r[kind]["tflops"] < r["megatron"]["tflops"] * (1 - 1e-9):
+                missed.append(f"{row.name}: the {r[kind]['search']} search's plan slower "
+                              "than Megatron's")
         if "searched_ilp" in r and r["searched"]["search"] == "auto":
             auto, ilp = r["searched"], r["searched_ilp"]
             if auto["tflops"] < ilp["tflops"] * (1 - AUTO_SLOWER):
@@ -199,16 +202,16 @@ def main() -> int:
                               f"{ilp['cpu_s'] / auto['cpu_s']:.1f} x faster (CPU) than ILP-only")
         if row.name == "1008.0B" and "searched" in r and r["searched"]["wall_s"] > 60:
             missed.append(f"{row.name}: planned in {r['searched']['wall_s']:.0f} s (> 60 s)")
-        for kind in ("megatron", "searched"):
-            if kind in r and r[kind]["peak_gb"] > 80:
+        for kind in ["megatron", *searched]:
+            if r[kind]["peak_gb"] > 80:
                 missed.append(f"{row.name}: {kind} plan peaks at {r[kind]['peak_gb']:.1f} GB")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
-    print("targets: searched never slower than Megatron's (t, p); Megatron's prediction "
-          "within +-25% of published; with auto,ilp: auto <= 3% slower and >= 5 x faster "
-          "(CPU); the 1T row < 60 s: " + ("met" if not missed else "NOT met: " +
-                                             "; ".join(missed)))
+    print("targets: every search's plan never slower than Megatron's (t, p); Megatron's "
+          "prediction within +-25% of published; with auto,ilp: auto <= 3% slower and >= 5 x "
+          "faster (CPU); the 1T row < 60 s: " + ("met" if not missed else "NOT met: " +
+                                                 "; ".join(missed)))
     return 1 if missed else 0
 
 

@@ -36,8 +36,14 @@ an MPI call of its ranks, so the ring polls its requests between pieces of compu
 the copy is CPU work on the very cores that compute; a rank that waits yields its core
 to a rank that computes. Wall time then hides only what the blocking ring burns while
 waiting, not the copies; the exposed wait shows the overlap itself.
-The line ``machine:`` gives the load averages before and after: figures taken while
-other jobs ran are not comparable to quiet ones.
+The line ``machine:`` gives the load averages before and after (this job's 4 ranks alone
+make about 4) and ``drift:`` the same work's time early and late in the run: figures
+taken while other jobs ran, or while the machine ran slow, are not comparable to quiet
+ones. Measured so far: in a quiet, steady run the blocking ring's waits cost about
+nothing (its waiting rank's core goes to a computing one) and the copies are CPU work
+both rings pay, so the wall-time figure is near 0 ± the noise; when the machine is
+slower and jittery the overlapped ring, with its receives posted ahead, absorbs the
+delays that the blocking one waits out at each of its exchanges.
 """
 
 from __future__ import annotations
@@ -293,6 +299,16 @@ def report(args, h, d, n, source, times, waits, cpus, before, after) -> None:
           f"{args.repeats} steps each, in turns (ring and blocking alternate which goes "
           f"first); results equal all-gather-KV: OK")
     print(f"  machine: {before} before, {after} after")
+    # the same work timed early and late in the run. This shared machine was seen to
+    # slow down under sustained load (runs of 21 turns: every variant ~25% slower than
+    # in runs of 11, CPU seconds per step too), which also grows the jitter that the
+    # overlapped ring absorbs and the blocking one waits out: the overlap figures are
+    # comparable only between runs in the same regime
+    third = max(1, args.repeats // 3)
+    first, last = (float(np.median(times["allgather"][sl]))
+                   for sl in (slice(0, third), slice(-third, None)))
+    print(f"  drift: all-gather-KV median of the first {third} steps {first * 1e3:.1f} ms, "
+          f"of the last {third} {last * 1e3:.1f} ms ({last / first - 1:+.0%})")
     for name, label in (("ring", "ring attention (overlapped)"),
                         ("blocking", "ring, blocking exchanges"),
                         ("messages", "ring's messages alone"),

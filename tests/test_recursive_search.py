@@ -319,3 +319,45 @@ def test_guided_descents_reach_the_split_unpriced_descents_miss():
     assert unpriced > 1.005 * rec.report.objective
     assert rec.report.peak_memory < 0.3 * peak_memory(rec.problem, min(
         walks.walk.run(0.0), key=lambda c: evaluate(rec.problem, c)))
+
+
+def test_a_refined_option_reuses_the_problems_pricing_built():
+    """Strategy(search="auto") refines the chosen stages' options with SCIP: on a mesh
+    the recursive search searched, the refinement builds no problem again (the block's
+    and, where the refined block meets them alike, E's and H's are the pricing's), and
+    it chooses as a refinement whose E and H problems are built afresh."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
+    from gpt_scale import dgx_cluster, gpt, program
+    from distgraph.passes.search.layers import block_layers
+    from distgraph.passes.search.runs import RunCosts
+    cluster = dgx_cluster(2)
+    built = program(gpt(4, 256, 4), 8)
+    layering = block_layers(built.program, built.block_paths)
+    strategy = dg.Strategy(auto_mode="full", pipeline=True, search="auto")
+
+    def refined(fresh_ends: bool):
+        costs = RunCosts(built, strategy, cluster, layering, micro=4)
+        options = costs.options(variants=False)
+        searched = {s.key for found in costs._found.values() for s in found}
+        chosen = [o for o in options if (o.axis, o.sub.shape, o.logical) in searched]
+        if fresh_ends:
+            costs._ends.clear()
+        return chosen, [costs.refine(o) for o in chosen]
+
+    def built_by(a, b) -> bool:       # one problem (under its own budget), not rebuilt
+        return a.problem.edges is b.problem.edges
+
+    chosen, reused = refined(False)
+    _, afresh = refined(True)
+    same_block = 0
+    for option, mine, theirs in zip(chosen, reused, afresh):
+        assert built_by(mine.parts["block"][1], option.parts["block"][1])
+        if mine.parts["block"][1].choice == option.parts["block"][1].choice:
+            same_block += 1
+            for part in ("first", "last"):
+                assert built_by(mine.parts[part][1], option.parts[part][1])
+        for part in ("first", "block", "last"):
+            a, b = mine.parts[part], theirs.parts[part]
+            assert a[1].choice == b[1].choice and a[0] == b[0], (str(option), part)
+            assert part == "block" or not built_by(a[1], b[1])
+    assert len(chosen) >= 3 and same_block >= 2

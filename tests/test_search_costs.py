@@ -48,11 +48,45 @@ def test_shared_paths_price_as_planning_each(name):
                     (name, str(src), str(dst), shape, dtype)
                 checked += 1
     assert checked > 500
-    # one path per pair of layouts, whatever the shapes (dividing alike or not) and dtypes
-    pairs = {(src, dst) for shape in SHAPES for src in
+    # one path per pair of layouts' split dims, whatever the shapes (dividing alike or
+    # not) and dtypes
+    pairs = {split_dims(src, dst) for shape in SHAPES for src in
              [s.out_specs[0] for s in layouts(shape, mesh)] for dst in
              [s.out_specs[0] for s in layouts(shape, mesh)] if src != dst}
     assert len(shared._paths) == len(pairs) < 0.5 * checked
+
+
+def split_dims(src, dst) -> tuple:
+    """A reshard's path depends on the dims either layout splits (and the pending sums)."""
+    return (tuple((src.entry(d), dst.entry(d)) for d in range(src.ndim)
+                  if src.entry(d) or dst.entry(d)), src.partial, dst.partial)
+
+
+@pytest.mark.parametrize("name", sorted(MESHES))
+def test_dims_left_whole_share_paths(name):
+    """Tensors of 2, 3 and 4 dims whose extra dims both layouts leave whole take one
+    path per pair of split dims, priced (to the last bit) as planning each."""
+    mesh = MESHES[name]
+    cluster = S.line_cluster(8, bandwidth=3.0, latency=2.0)
+    shared = SearchCosts(cluster, mesh, {p: p for p in mesh.process_ids})
+    base = [s.out_specs[0] for s in layouts((8, 24), mesh)]
+    checked = 0
+    for src, dst in itertools.product(base, base):
+        for shape, where in (((8, 24), None), ((8, 3, 24), 1), ((5, 8, 24), 0),
+                             ((8, 24, 7, 2), 2)):
+            def widen(spec):
+                if where is None:
+                    return spec
+                dims = [spec.entry(d) or None for d in range(spec.ndim)]
+                for _ in range(len(shape) - 2):
+                    dims.insert(where, None)
+                return dg.ShardSpec(dims, spec.partial)
+            a, b = widen(src), widen(dst)
+            assert shared.reshard(a, b, shape, "float32") == \
+                direct(cluster, mesh, a, b, shape, "float32"), (str(a), str(b), shape)
+            checked += 1
+    pairs = {split_dims(src, dst) for src, dst in itertools.product(base, base) if src != dst}
+    assert len(shared._paths) == len(pairs) and 4 * len(pairs) < checked
 
 
 def test_partial_sources_share_paths_too():

@@ -62,7 +62,9 @@ class SearchCosts:
         self._reshards: dict = {}
         self._matrices: dict = {}
         self._gathers: dict = {}
-        self._paths: dict = {}        # (layouts) -> (steps, bytes planned for)
+        self._paths: dict = {}        # _pair -> (steps, bytes planned for)
+        self._pairs: dict = {}        # (src, dst) -> _pair
+        self._sized: dict = {}        # (_pair, bytes) -> seconds
         self._fits: dict = {}         # (layout, shape) -> whether it divides the shape
         self._world = None
         self.rules: dict = {}       # the op strategies of the spaces searched with these
@@ -175,30 +177,63 @@ class SearchCosts:
         return feed_time(local_bytes([local_shape], [dtype]), self.device)
 
     def reshard(self, src: ShardSpec, dst: ShardSpec, shape, dtype: str) -> float:
-        """Seconds to turn ``src`` into ``dst`` (both on the mesh), 0 when equal."""
+        """Seconds to turn ``src`` into ``dst`` (both on the mesh), 0 when equal. Where
+        both divide the tensor, priced once per pair of layouts' split dims and the
+        tensor's bytes (:meth:`_steps`: the price depends on nothing else)."""
         if src == dst:
             return 0.0
         key = (src, dst, tuple(shape), dtype)
-        if key not in self._reshards:
-            self._reshards[key] = sum(reshard_step_time(s, self.pid, self.rings)
-                                      for s in self._steps(src, dst, tuple(shape), dtype))
-        return self._reshards[key]
+        got = self._reshards.get(key)
+        if got is None:
+            shape = tuple(shape)
+            size = math.prod(shape) * dtypes.itemsize(dtype)
+            if size and self._divides(src, shape) and self._divides(dst, shape):
+                sized = (self._pair(src, dst), size)
+                got = self._sized.get(sized)
+                if got is None:
+                    got = self._sized[sized] = self._priced(
+                        self._steps(src, dst, shape, dtype, size, sized[0]))
+            else:       # planned (and refused where it does not divide) as plan_reshard does
+                got = self._priced(plan_reshard(DistAttr(self.mesh, src),
+                                                DistAttr(self.mesh, dst), shape, dtype))
+            self._reshards[key] = got
+        return got
 
-    def _steps(self, src: ShardSpec, dst: ShardSpec, shape: tuple, dtype: str) -> list:
-        """``plan_reshard``'s steps, planned once per pair of layouts: every state on its
-        path keeps each tensor dim split by a prefix of the source's or the goal's entry
-        there (its moves are goal-directed), so where both layouts divide a tensor every
-        state does, the moves it may make are the same whatever the tensor's shape and
-        dtype, and each costs a fixed multiple of the tensor's bytes: the same path, each
-        step's buffer scaled by the bytes (exactly). A layout that does not divide the
-        tensor is planned (and refused) as ``plan_reshard`` does."""
-        size = math.prod(shape) * dtypes.itemsize(dtype)
-        known = self._paths.get((src, dst))
-        if known is None or size == 0 or known[1] == 0 or not (
-                self._divides(src, shape) and self._divides(dst, shape)):
+    def _priced(self, steps) -> float:
+        return sum(reshard_step_time(s, self.pid, self.rings) for s in steps)
+
+    def _pair(self, src: ShardSpec, dst: ShardSpec) -> tuple:
+        """What ``plan_reshard``'s path from ``src`` to ``dst`` depends on where both
+        divide the tensor: the (source, goal) entries of the tensor dims either splits,
+        in order, and both pending sums. A dim both leave whole is never a move's target
+        (a move appends a mesh dim only where that extends the goal's entry there, and
+        gathers only a split dim), so dropping it changes no move, their order, or which
+        is cheapest (it scales every move's bytes by its extent alike)."""
+        key = (src, dst)
+        got = self._pairs.get(key)
+        if got is None:
+            got = self._pairs[key] = (tuple((src.entry(d), dst.entry(d))
+                                            for d in range(src.ndim)
+                                            if src.entry(d) or dst.entry(d)),
+                                      src.partial, dst.partial)
+        return got
+
+    def _steps(self, src: ShardSpec, dst: ShardSpec, shape: tuple, dtype: str, size: int,
+               pair: tuple) -> list:
+        """``plan_reshard``'s steps for a tensor that both layouts divide, planned once
+        per ``pair`` (:meth:`_pair`): every state on its path keeps each tensor dim split
+        by a prefix of the source's or the goal's entry there (its moves are
+        goal-directed), so where both layouts divide a tensor every state does, the moves
+        it may make are the same whatever the tensor's shape, dtype and the dims both
+        leave whole, and each costs a fixed multiple of the tensor's bytes: the same
+        path, each step's buffer scaled by the bytes (exactly: ``size`` over the state's
+        parts). Its steps name the layouts of the tensor it was planned for; pricing
+        reads their kind, mesh dim, group and buffer only."""
+        known = self._paths.get(pair)
+        if known is None:
             steps = plan_reshard(DistAttr(self.mesh, src), DistAttr(self.mesh, dst),
                                  shape, dtype)
-            self._paths.setdefault((src, dst), (steps, size))
+            self._paths[pair] = (steps, size)
             return steps
         steps, planned = known
         dtype = dtypes.canonical(dtype)

@@ -219,6 +219,9 @@ class RunCosts:
         # the program: shared with ``prices`` (another count's) or the seed's, planned once
         self._prices: dict = prices if prices is not None else seed._prices if seed else {}
         self._walks: dict = {}        # (mesh, devices) -> Walks of the block's searches
+        self._ends: dict = {}         # (mesh, devices, part, boundary) -> Walks of E's or
+                                      # H's searches meeting the block so (the refinement
+                                      # reuses the problem the pricing built)
         self._chunks: dict = {}       # chunk count -> the layers of each chunk
         self.planned: dict = {}       # memory budget -> plan_blocks' answer (stages.py)
         self._p2p: dict = {}          # boundary_key -> boundary seconds
@@ -354,9 +357,10 @@ class RunCosts:
         taken from ``fastest`` where they meet the block alike); ``method``: the
         search's (default: the one that prices options, :func:`pricing_method`);
         ``starts``: part -> the SearchResult "auto" refines (``search``'s ``refined``).
-        The block's searches on one mesh share their recursive descents (one
+        The block's searches on one mesh share their recursive descents and problem (one
         :class:`~distgraph.passes.search.recursive.Walks` per mesh: only the budget
-        differs); ``prove=False`` (the memory variants): a budget below the block's peak
+        differs), and E's or H's searches on one mesh meeting the block alike theirs (one
+        per boundary: the refinement of a searched option builds no problem again); ``prove=False`` (the memory variants): a budget below the block's peak
         bound raises PlanError without SCIP naming the smallest peak."""
         starts = starts or {}
         method = method or pricing_method(self.strategy)
@@ -380,8 +384,10 @@ class RunCosts:
             if fastest is not None and fastest[part].boundary == meets:
                 found[part] = fastest[part]
             else:
+                ends_walks = self._ends.setdefault(
+                    (*self._mesh_key(mesh, device_of), part, meets), Walks())
                 found[part] = self._run_search(ops, mesh, device_of, meets, None, method,
-                                               starts.get(part))
+                                               starts.get(part), ends_walks)
         self.seconds += time.perf_counter() - start
         return found
 

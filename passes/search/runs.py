@@ -144,40 +144,6 @@ class RunOption:
         return f"{self.sub} as {list(self.logical)}"
 
 
-@dataclass(frozen=True)
-class RunReport:
-    """What one stage of a block layering runs: its logical mesh, its parts and each
-    part's search report (searched on a representative mesh, priced on this one)."""
-
-    option: str
-    parts: tuple          # ((part name, count, SearchReport), ...)
-
-    @property
-    def status(self) -> str:
-        return "optimal" if all(r.status == "optimal" for _, _, r in self.parts) \
-            else "time_limit"
-
-    @property
-    def gap(self) -> float:
-        return max(r.gap for _, _, r in self.parts)
-
-    @property
-    def layouts(self) -> tuple:
-        return tuple(x for _, _, r in self.parts for x in r.layouts)
-
-    def __str__(self) -> str:
-        what = " + ".join(f"{n} {name}" if n > 1 else name for name, n, _ in self.parts)
-        lines = [f"{what} on {self.option}"]
-        for name, _, report in self.parts:
-            lines.append(f"  {name}: " + str(report).replace("\n", "\n  "))
-        return "\n".join(lines)
-
-    def to_dict(self) -> dict:
-        return {"option": self.option, "status": self.status, "gap": self.gap,
-                "parts": [{"part": name, "count": n, **report.to_dict()}
-                          for name, n, report in self.parts]}
-
-
 @dataclass
 class _Searched:
     """A mesh searched for its fastest parts (``key``: (axis, submesh shape, logical
@@ -360,8 +326,9 @@ class RunCosts:
         The block's searches on one mesh share their recursive descents and problem (one
         :class:`~distgraph.passes.search.recursive.Walks` per mesh: only the budget
         differs), and E's or H's searches on one mesh meeting the block alike theirs (one
-        per boundary: the refinement of a searched option builds no problem again); ``prove=False`` (the memory variants): a budget below the block's peak
-        bound raises PlanError without SCIP naming the smallest peak."""
+        per boundary: the refinement of a searched option builds no problem again);
+        ``prove=False`` (the memory variants): a budget below the block's peak bound
+        raises PlanError without SCIP naming the smallest peak."""
         starts = starts or {}
         method = method or pricing_method(self.strategy)
         start = time.perf_counter()
@@ -537,7 +504,8 @@ class RunCosts:
     # -- the chosen stages -------------------------------------------------------------
     def annotate(self, program, layers: range, option: RunOption, mesh) -> tuple:
         """Write ``option``'s choices for ``layers`` onto ``program`` on ``mesh``; returns
-        the stage's report and its (result, ops map, values map) checks."""
+        the parts' reports ((part name, count, SearchReport), ...) and the (result, ops
+        map, values map) checks."""
         parts, checks = [], []
         blocks = [layer for layer in layers if layer in self.blocks]
         if self.has_first and 0 in layers:
@@ -555,7 +523,7 @@ class RunCosts:
             checks.append((option.parts["last"][1], None, None))
         for result, ops, values in checks:
             result.annotate(program, mesh, ops=ops, values=values)
-        return RunReport(str(option), tuple((n, c, r.report) for n, c, r in parts)), checks
+        return tuple((n, c, r.report) for n, c, r in parts), checks
 
     # -- blocks ------------------------------------------------------------------------
     def value_map(self, layer) -> dict:

@@ -50,12 +50,45 @@ from distgraph.passes.search.intra_op import search
 from distgraph.passes.search.layers import block_layers, cluster_layers
 from distgraph.passes.search.run_dp import alike_stages, beats
 from distgraph.passes.search.block_plans import plan_blocks
-from distgraph.passes.search.runs import (RunCosts, RunReport, logical_dims,
-                                          pricing_method)
+from distgraph.passes.search.runs import RunCosts, logical_dims, pricing_method
 from distgraph.passes.search.space import GB, MESH_DIMS
 from distgraph.passes.search.sharded_states import sharding_dim
 from distgraph.passes.search.stage_dp import StageCost, plan_stages
 from distgraph.resources.cluster import Cluster
+
+
+@dataclass(frozen=True)
+class RunReport:
+    """What one stage of a block layering runs: its logical mesh, its parts and each
+    part's search report (searched on a representative mesh, priced on this one)."""
+
+    option: str
+    parts: tuple          # ((part name, count, SearchReport), ...)
+
+    @property
+    def status(self) -> str:
+        return "optimal" if all(r.status == "optimal" for _, _, r in self.parts) \
+            else "time_limit"
+
+    @property
+    def gap(self) -> float:
+        return max(r.gap for _, _, r in self.parts)
+
+    @property
+    def layouts(self) -> tuple:
+        return tuple(x for _, _, r in self.parts for x in r.layouts)
+
+    def __str__(self) -> str:
+        what = " + ".join(f"{n} {name}" if n > 1 else name for name, n, _ in self.parts)
+        lines = [f"{what} on {self.option}"]
+        for name, _, report in self.parts:
+            lines.append(f"  {name}: " + str(report).replace("\n", "\n  "))
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict:
+        return {"option": self.option, "status": self.status, "gap": self.gap,
+                "parts": [{"part": name, "count": n, **report.to_dict()}
+                          for name, n, report in self.parts]}
 
 
 @dataclass(frozen=True)
@@ -253,10 +286,10 @@ def _plan_runs(copy, strategy, cluster, target, costs, start, memory_budget) -> 
                            dim_names=logical_dims(option.logical))
         parts = []
         for layers in held[s] if held is not None else [stage.layers]:
-            report, written = costs.annotate(copy.program, layers, option, mesh)
-            parts += report.parts
+            reports_of, written = costs.annotate(copy.program, layers, option, mesh)
+            parts += reports_of
             checks += written
-        reports.append(RunReport(report.option, tuple(parts)))
+        reports.append(RunReport(str(option), tuple(parts)))
         meshes.append(mesh)
     report = PipelineReport(layering, stage_plan, tuple(reports), costs.searches,
                             time.perf_counter() - start)

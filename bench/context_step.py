@@ -39,7 +39,7 @@ waiting, not the copies; the exposed wait shows the overlap itself.
 The line ``machine:`` gives the load averages before and after (this job's 4 ranks alone
 make about 4) and ``drift:`` the same work's time early and late in the run: figures
 taken while other jobs ran, or while the machine ran slow, are not comparable to quiet
-ones. Measured so far: in a quiet, steady run the blocking ring's waits cost about
+ones, and the overlap target is judged only when the drift is within 5%. Measured so far: in a quiet, steady run the blocking ring's waits cost about
 nothing (its waiting rank's core goes to a computing one) and the copies are CPU work
 both rings pay, so the wall-time figure is near 0 ± the noise; when the machine is
 slower and jittery the overlapped ring, with its receives posted ahead, absorbs the
@@ -62,6 +62,7 @@ from distgraph.runtime.comm.mpi import MPICommunicator
 
 WORLD = 4
 HIDDEN_TARGET = 0.50
+STEADY = 0.05           # the overlap is judged only when the same work's time drifted less
 RATIO_TARGET = 1.10
 
 
@@ -319,8 +320,13 @@ def report(args, h, d, n, source, times, waits, cpus, before, after) -> None:
               f" ms   quartiles {q1 * 1e3:.1f} .. {q3 * 1e3:.1f} ms")
     msg = med["messages"]
     hidden = (med["blocking"] - med["ring"]) / msg
+    # a machine that slowed down or sped up during the run inflates the overlap (the
+    # overlapped ring absorbs the jitter the blocking one waits out): not judged then
+    drift = last / first - 1
+    verdict = ("OK" if hidden >= HIDDEN_TARGET else "MISSED") if abs(drift) <= STEADY \
+        else f"NOT JUDGED (the machine drifted {drift:+.0%}: run it on a steady machine)"
     print(f"  communication hidden (blocking - overlapped) / messages alone: {hidden:.0%} "
-          f"target >= {HIDDEN_TARGET:.0%} {'OK' if hidden >= HIDDEN_TARGET else 'MISSED'}")
+          f"target >= {HIDDEN_TARGET:.0%} {verdict}")
     # each blocking step runs next to its overlapped one: the pairs' differences are
     # less at the mercy of other jobs than a difference of medians; their spread says
     # how far the headline can be trusted

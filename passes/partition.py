@@ -75,9 +75,10 @@ def _check_completed(program: Program) -> None:
 
 class _Partitioner:
     """``plans``: {(src, dst, shape, dtype): steps}, shared by the partitions of one
-    program so that each reshard is planned once."""
+    program so that each reshard is planned once; ``shapes``: {(DistAttr, global shape):
+    local shape}, shared alike (a local shape is the same on every process)."""
 
-    def __init__(self, program: Program, pid: int, plans: dict):
+    def __init__(self, program: Program, pid: int, plans: dict, shapes: dict | None = None):
         self.g, self.pid = program, pid
         self.local = Program()
         self.points: dict[int, list] = {}
@@ -87,14 +88,23 @@ class _Partitioner:
         self.copies: dict = {}
         self.points_made = 0
         self.plans = plans
+        self.shapes = {} if shapes is None else shapes
         self.at = -1      # global index of the op being partitioned (see ReshardPoint.anchor)
 
     def held(self, v: Value) -> bool:
         return self.pid in v.dist_attr.mesh
 
+    def local_shape(self, attr: DistAttr, shape) -> tuple:
+        """``attr.local_shape(shape)``, validated and computed once per program."""
+        key = (attr, tuple(shape))
+        local = self.shapes.get(key)
+        if local is None:
+            local = self.shapes[key] = attr.local_shape(shape)
+        return local
+
     def local_value(self, v: Value) -> Value:
         if v.name not in self.local.values:
-            self.local.add_value(Value(v.name, v.dist_attr.local_shape(v.shape), v.dtype,
+            self.local.add_value(Value(v.name, self.local_shape(v.dist_attr, v.shape), v.dtype,
                                        v.is_parameter, v.persistable, v.role, v.alias_of,
                                        v.annotation, v.dist_attr))
         return self.local.values[v.name]
@@ -124,7 +134,7 @@ class _Partitioner:
             reads = (held,) if held is not None and self.pid in src.mesh else ()
             writes = (name,) if self.pid in dst.mesh else ()
             if writes:
-                self.local.add_value(Value(name, dst.local_shape(v.shape), v.dtype,
+                self.local.add_value(Value(name, self.local_shape(dst, v.shape), v.dtype,
                                            role=v.role, dist_attr=dst))
             self.points.setdefault(len(self.local.ops), []).append(
                 ReshardPoint(v.name, src, dst, tuple(v.shape), v.dtype, steps, reads, writes,
@@ -267,6 +277,7 @@ class Partitions(Mapping):
         self._index = set(self.ids)
         self._made: dict = {}
         self._plans: dict = {}
+        self._shapes: dict = {}
         self._groups: tuple | None = None
         self._group_of: dict | None = None
         self._world: ProcessMesh | None = None
@@ -285,7 +296,8 @@ class Partitions(Mapping):
         if pid not in self._made:
             if pid not in self._index:
                 raise KeyError(pid)
-            self._made[pid] = _Partitioner(self.program, pid, self._plans).run()
+            self._made[pid] = _Partitioner(self.program, pid, self._plans,
+                                              self._shapes).run()
         return self._made[pid]
 
     def __contains__(self, pid) -> bool:

@@ -257,3 +257,48 @@ def test_a_value_sent_to_a_stage_is_sent_once_and_resharded_there(float64, micro
         if pid >= 2:      # the second layout made from the copy on mesh b
             assert any(not transfers and src == str(meshes[1]) for _, transfers, src in points
                        if _ in sent), points
+
+
+@pytest.mark.parametrize("key,strategy", [
+    (("gpt", "two_stage_tp", 4), dict(micro_batches=4)),
+    (("gpt", "dp_tp", 4), dict(micro_batches=2)),
+])
+def test_a_process_lists_every_group_of_its_steps_once(key, strategy):
+    """compile_process finds a collective's group once per (mesh, mesh dim): the groups
+    equal those of every step of every point, found one by one."""
+    from distgraph.passes.partition import gather_points
+    from distgraph.plan.devices import COLLECTIVE, CommGroup, step_groups
+
+    p = plan_of(key, **strategy)
+    persist = sorted(v.name for v in p.program.persistables)
+    for pid in p.process_ids:
+        local = p.local(pid)
+        found: dict = {}
+        for point in (list(local.points()) + list(p.task_graph().gathers[pid])
+                      + gather_points(p.program, persist, pid)):
+            for step in point.steps:
+                for g in step_groups(step, pid, p.ranks):
+                    found.setdefault(g.key, g)
+        for index, members in local.op_groups():
+            if pid in members and len(members) > 1:
+                g = CommGroup(COLLECTIVE, p.ranks.of(members),
+                              f"op {local.program.ops[index].type}")
+                found.setdefault(g.key, g)
+        assert p.program_of(pid).comm_groups == tuple(found[k] for k in sorted(found))
+        assert any(g.kind == COLLECTIVE for g in found.values())
+
+
+def test_local_shapes_found_once_equal_each_layouts_own():
+    """Partitions finds each (layout, shape)'s local shape once for all processes: every
+    local value's shape is its layout's local shape of the global one."""
+    p = plan_of(("gpt", "two_stage_tp", 4), micro_batches=4)
+    for pid in p.process_ids:
+        local = p.local(pid)
+        for v in local.program.values.values():
+            if v.name in p.program.values:
+                g = p.program.values[v.name]
+                assert tuple(v.shape) == g.dist_attr.local_shape(g.shape)
+        for point in local.points():
+            for name in point.writes:
+                assert tuple(local.program.values[name].shape) == \
+                    point.dst.local_shape(point.shape)

@@ -302,3 +302,31 @@ def test_local_shapes_found_once_equal_each_layouts_own():
             for name in point.writes:
                 assert tuple(local.program.values[name].shape) == \
                     point.dst.local_shape(point.shape)
+
+
+def _local_of(local) -> tuple:
+    """Everything a local program holds, comparable."""
+    prog = local.program
+    return ([(v.name, tuple(v.shape), v.dtype, v.alias_of, v.dist_attr)
+             for v in prog.values.values()],
+            [v.name for v in prog.inputs],
+            [(o.type, [v.name for v in o.inputs], [v.name for v in o.outputs],
+              sorted(map(repr, o.attrs.items())), o.role, o.dist_attr) for o in prog.ops],
+            {i: list(ps) for i, ps in local.comm_points.items()},
+            {i: repr(c) for i, c in local.op_context.items()}, dict(local.op_comm))
+
+
+@pytest.mark.parametrize("key,strategy", [
+    (("gpt", "two_stage_tp", 4), dict(micro_batches=4, recompute=True)),
+    (("gpt", "zero_dp_tp", 4), dict(micro_batches=2, sharding=True)),
+    (("gpt", "four_stage", 4), dict(micro_batches=4, schedule="ZB")),
+    (("mlp8", "layered", 4), dict(micro_batches=4)),
+])
+def test_partitions_from_one_skeleton_equal_each_process_partitioned_alone(key, strategy):
+    """Partitions does the reshard bookkeeping alike for every process once and visits
+    only a process's own ops: every local program equals partition()'s, which visits
+    every op (points, their numbers and anchors, values, ops, contexts)."""
+    p = plan_of(key, **strategy)
+    parts = Partitions(p.program)
+    for pid in p.process_ids:
+        assert _local_of(parts[pid]) == _local_of(partition(p.program, pid))

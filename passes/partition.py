@@ -18,7 +18,9 @@ layout reshards the copy that arrived (a pipeline stage's input read again by it
 recomputation or its weight gradients is not sent twice, nor kept by its sender).
 
 :class:`Partitions` holds the local programs of every process of one plan: each made on
-first use, every reshard planned once for all of them, and the processes grouped by the
+first use, every reshard planned once for all of them, the numbering of the points (the
+same on every process) found once so that a process visits only the ops of its own
+meshes and the points it sends or receives, and the processes grouped by the
 meshes they are on (processes of one group run local programs alike up to their
 coordinates, so what every process does in kind is read from one of each group).
 

@@ -208,10 +208,12 @@ def _finish_times(orders, problem) -> dict:
 
 @pytest.mark.parametrize("S", [2, 3, 4])
 def test_replay_times_every_action_as_its_definition_does(S):
-    """replay tries a process again only when a peer moves or an input is made: the
-    times are those of the definition, whatever order the processes are tried in."""
+    """replay's times are those of the definition; processes that share one order
+    object (a schedule's group) are grouped as those with equal copies are."""
     for M in (1, S, 2 * S + 1):
         for name, v, theirs in _cases(S, M):
             problem = chain(S, v, M, name)
             for orders in (make_schedule(problem).orders, theirs):
-                assert dict(replay(orders, problem).finish) == _finish_times(orders, problem)
+                timing = replay(orders, problem)
+                assert dict(timing.finish) == _finish_times(orders, problem)
+                assert replay({p: list(a) for p, a in orders.items()}, problem) == timing

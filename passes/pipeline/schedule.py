@@ -361,35 +361,26 @@ def replay(orders, problem: Problem) -> Timing:
     pos = {pid: 0 for pid in orders}
     free = {pid: 0.0 for pid in orders}
     finish: dict = {}
-    # A process runs on until its next action waits for a peer or an input; it is tried
-    # again when that peer moves or that input is made (an action's finish depends only
-    # on its process's previous action and its inputs, so the order of the tries does
-    # not change any time, nor which actions cannot run).
-    waiting: dict = {}          # action -> the processes whose next action needs it
-    todo = list(reversed(orders))
-    while todo:
-        pid = todo.pop()
-        acts = orders[pid]
-        while pos[pid] < len(acts):
-            a = acts[pos[pid]]
-            holders = problem.holders[a.chunk]
-            if any(orders[q][pos[q]] != a if pos[q] < len(orders[q]) else True
-                   for q in holders if q != pid):
-                break                   # tried again when the peer reaches a
-            deps = [Action(c, k, a.micro_batch)
-                    for c, k in problem.deps.get((a.chunk, a.kind), ())]
-            missing = next((d for d in deps if d not in finish), None)
-            if missing is not None:
-                waiting.setdefault(missing, []).append(pid)
-                break
-            start = max([free[q] for q in holders] + [finish[d] for d in deps])
-            finish[a] = start + COST[a.kind]
-            for q in holders:
-                free[q] = finish[a]
-                pos[q] += 1
-                if q != pid and pos[q] < len(orders[q]):
-                    todo.extend(problem.holders[orders[q][pos[q]].chunk])
-            todo.extend(waiting.pop(a, ()))
+    moved = True
+    while moved:
+        moved = False
+        for pid, acts in orders.items():
+            while pos[pid] < len(acts):
+                a = acts[pos[pid]]
+                holders = problem.holders[a.chunk]
+                if any(orders[q][pos[q]] != a if pos[q] < len(orders[q]) else True
+                       for q in holders if q != pid):
+                    break
+                deps = [Action(c, k, a.micro_batch)
+                        for c, k in problem.deps.get((a.chunk, a.kind), ())]
+                if not all(d in finish for d in deps):
+                    break
+                start = max([free[q] for q in holders] + [finish[d] for d in deps])
+                finish[a] = start + COST[a.kind]
+                for q in holders:
+                    free[q] = finish[a]
+                    pos[q] += 1
+                moved = True
     stuck = {pid: acts[pos[pid]] for pid, acts in orders.items() if pos[pid] < len(acts)}
     if stuck:
         raise PlanError("the schedule cannot complete: " + "; ".join(

@@ -18,7 +18,9 @@ layout reshards the copy that arrived (a pipeline stage's input read again by it
 recomputation or its weight gradients is not sent twice, nor kept by its sender).
 
 :class:`Partitions` holds the local programs of every process of one plan: each made on
-first use, every reshard planned once for all of them, and the processes grouped by the
+first use, every reshard planned once for all of them, the numbering of the points (the
+same on every process) found once so that a process visits only the ops of its own
+meshes and the points it sends or receives, and the processes grouped by the
 meshes they are on (processes of one group run local programs alike up to their
 coordinates, so what every process does in kind is read from one of each group).
 
@@ -33,6 +35,7 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import NamedTuple
 
 import numpy as np
 
@@ -73,28 +76,131 @@ def _check_completed(program: Program) -> None:
         raise PlanError("partition needs a completed program: call dg.passes.complete first")
 
 
-class _Partitioner:
-    """``plans``: {(src, dst, shape, dtype): steps}, shared by the partitions of one
-    program so that each reshard is planned once."""
+class _Decision(NamedTuple):
+    """What one reshard call decided, alike on every process: the local name of the
+    result; the layout a new point reshards from (None: an earlier copy is read again,
+    no point); the copy that arrived on the destination mesh it reshards instead of the
+    value (None: the value itself); the point's number."""
 
-    def __init__(self, program: Program, pid: int, plans: dict):
-        self.g, self.pid = program, pid
-        self.local = Program()
-        self.points: dict[int, list] = {}
+    name: str
+    src: DistAttr | None
+    near: str | None
+    seq: int
+
+
+class _Numbering:
+    """The reshard bookkeeping every process does alike (module docstring): which copy a
+    consumer reads, which points are made, in which order."""
+
+    def __init__(self):
         self.cache: dict = {}
         self.made_in: dict = {}   # cache key -> role of the op the copy was made for
         self.arrived: dict = {}   # (value name, mesh) -> cache key of a copy sent there
         self.copies: dict = {}
         self.points_made = 0
+
+    def decide(self, v: Value, dst: DistAttr, stores: str | None, role: Role | None):
+        key = (v.name, dst)
+        src = v.dist_attr
+        if key in self.cache:
+            if reuses(self.made_in.get(key), role, src, dst, v.shape):
+                return _Decision(self.cache[key], None, None, -1)
+            del self.cache[key]       # gathered again for the backward (and kept for it)
+        made = self.copies.get(v.name, 0)        # copies of v resharded so far
+        self.copies[v.name] = made + 1
+        name = f"{v.name}@{made}"
+        near = self.arrived.get((v.name, dst.mesh)) if src.mesh != dst.mesh else None
+        held = None
+        if near in self.cache and stores is None:   # sent there before: resharded there
+            src, held = near[1], self.cache[near]
+        elif src.mesh != dst.mesh and stores is None:
+            self.arrived[v.name, dst.mesh] = key
+        seq = self.points_made
+        self.points_made += 1
+        self.cache[key] = name
+        self.made_in[key] = role
+        return _Decision(name, src, held, seq)
+
+
+class _Skeleton:
+    """What partitioning decides alike for every process of a program, found once for
+    all: per op, the write-backs resharded before it, its inputs' reshards (None where
+    an input is read as made) and its own write-backs; the write-backs after the last
+    op; and, per mesh, the ops it takes part in (it runs the op, or a point sends from
+    or to it). A process is partitioned from the ops of its meshes only."""
+
+    def __init__(self, program: Program):
+        numbering = _Numbering()
+        values = program.values
+        self.ops: list = []
+        self.by_mesh: dict = {}
+        writebacks: list = []
+        for k, op in enumerate(program.ops):
+            da = op.dist_attr
+            meshes = {da.mesh}
+            before = []
+            for v, target in writebacks:
+                d = numbering.decide(v, target.dist_attr, target.name, None)
+                before.append((v, target, d))
+                if d.src is not None:
+                    meshes.update((d.src.mesh, target.dist_attr.mesh))
+            ins = []
+            for i, v in enumerate(op.inputs):
+                if v.dist_attr.mesh == da.mesh and v.dist_attr.spec == da.input_specs[i]:
+                    ins.append(None)
+                    continue
+                dst = DistAttr(da.mesh, da.input_specs[i])
+                d = numbering.decide(v, dst, None, op.role)
+                ins.append((dst, d))
+                if d.src is not None:
+                    meshes.update((d.src.mesh, dst.mesh))
+            writebacks = [(o, values[o.alias_of]) for o in op.outputs if o.alias_of
+                          and values[o.alias_of].dist_attr != o.dist_attr]
+            self.ops.append((before, ins, writebacks))
+            for m in meshes:
+                self.by_mesh.setdefault(m, []).append(k)
+        self.final = [(v, target, numbering.decide(v, target.dist_attr, target.name, None))
+                      for v, target in writebacks]
+
+    def ops_of(self, pid: int) -> list:
+        """The indices of the ops process ``pid`` takes part in, in program order."""
+        found: set = set()
+        for mesh, ks in self.by_mesh.items():
+            if pid in mesh:
+                found.update(ks)
+        return sorted(found)
+
+
+class _Partitioner:
+    """``plans``: {(src, dst, shape, dtype): steps}, shared by the partitions of one
+    program so that each reshard is planned once; ``shapes``: {(DistAttr, global shape):
+    local shape}, shared alike (a local shape is the same on every process)."""
+
+    def __init__(self, program: Program, pid: int, plans: dict, shapes: dict | None = None):
+        self.g, self.pid = program, pid
+        self.local = Program()
+        self.points: dict[int, list] = {}
+        self.numbering = _Numbering()
         self.plans = plans
+        self.shapes = {} if shapes is None else shapes
         self.at = -1      # global index of the op being partitioned (see ReshardPoint.anchor)
+        self.context: dict = {}
+        self.op_comm: dict = {}
 
     def held(self, v: Value) -> bool:
         return self.pid in v.dist_attr.mesh
 
+    def local_shape(self, attr: DistAttr, shape) -> tuple:
+        """``attr.local_shape(shape)``, validated and computed once per program."""
+        key = (attr, tuple(shape))
+        local = self.shapes.get(key)
+        if local is None:
+            local = self.shapes[key] = attr.local_shape(shape)
+        return local
+
     def local_value(self, v: Value) -> Value:
         if v.name not in self.local.values:
-            self.local.add_value(Value(v.name, v.dist_attr.local_shape(v.shape), v.dtype,
+            self.local.add_value(Value(v.name, self.local_shape(v.dist_attr, v.shape), v.dtype,
                                        v.is_parameter, v.persistable, v.role, v.alias_of,
                                        v.annotation, v.dist_attr))
         return self.local.values[v.name]
@@ -103,51 +209,42 @@ class _Partitioner:
                 role: Role | None = None) -> str | None:
         """Place a reshard point (once per value and layout, see the module docstring);
         the local name of the result. ``role``: the consuming op's."""
-        key = (v.name, dst)
-        src = v.dist_attr
-        if key in self.cache:
-            if reuses(self.made_in.get(key), role, src, dst, v.shape):
-                return self.cache[key]
-            del self.cache[key]       # gathered again for the backward (and kept for it)
-        made = self.copies.get(v.name, 0)        # copies of v resharded so far
-        self.copies[v.name] = made + 1
-        name = f"{v.name}@{made}"
-        near = self.arrived.get((v.name, dst.mesh)) if src.mesh != dst.mesh else None
-        if near in self.cache and stores is None:   # sent there before: resharded there
-            src, held = near[1], self.cache[near]
-        else:
-            held = v.name if self.held(v) else None
-            if src.mesh != dst.mesh and stores is None:
-                self.arrived[v.name, dst.mesh] = key
-        if self.pid in src.mesh or self.pid in dst.mesh:
+        return self.place(v, dst, stores, self.numbering.decide(v, dst, stores, role))
+
+    def place(self, v: Value, dst: DistAttr, stores: str | None, d: _Decision) -> str:
+        """The point ``d`` decided, in this process's program where it takes part."""
+        src = d.src
+        if src is not None and (self.pid in src.mesh or self.pid in dst.mesh):
+            held = d.near if d.near is not None else v.name if self.held(v) else None
             steps = _steps(self.plans, src, dst, v.shape, v.dtype)
             reads = (held,) if held is not None and self.pid in src.mesh else ()
-            writes = (name,) if self.pid in dst.mesh else ()
+            writes = (d.name,) if self.pid in dst.mesh else ()
             if writes:
-                self.local.add_value(Value(name, dst.local_shape(v.shape), v.dtype,
+                self.local.add_value(Value(d.name, self.local_shape(dst, v.shape), v.dtype,
                                            role=v.role, dist_attr=dst))
             self.points.setdefault(len(self.local.ops), []).append(
                 ReshardPoint(v.name, src, dst, tuple(v.shape), v.dtype, steps, reads, writes,
-                             self.points_made, (stores,) if stores and writes else (),
-                             self.at))
-        self.points_made += 1
-        self.cache[key] = name
-        self.made_in[key] = role
-        return name
+                             d.seq, (stores,) if stores and writes else (), self.at))
+        return d.name
 
-    def run(self) -> LocalProgram:
+    def _start(self) -> None:
         for v in self.g.inputs:
             if self.held(v):
                 self.local.inputs.append(self.local_value(v))
         for v in self.g.persistables:
             if self.held(v):
                 self.local_value(v)
-        context, op_comm = {}, {}
+
+    def _result(self) -> LocalProgram:
+        return LocalProgram(self.pid, self.local, self.points, self.context, self.op_comm)
+
+    def run(self) -> LocalProgram:
+        """Every op in turn, the reshard bookkeeping done here (the plain path)."""
+        self._start()
         writebacks = []
         for k, op in enumerate(self.g.ops):
             for v, target in writebacks:     # updates stored in another layout, e.g. the
                 self.reshard(v, target.dist_attr, target.name)  # all-gather after ZeRO
-            writebacks = []
             self.at = k
             da = op.dist_attr
             ins = []
@@ -162,35 +259,68 @@ class _Partitioner:
             # Every process notes the write-backs, so all number reshard points alike.
             writebacks = [(o, self.g.values[o.alias_of]) for o in op.outputs if o.alias_of
                           and self.g.values[o.alias_of].dist_attr != o.dist_attr]
-            if self.pid not in da.mesh:
-                continue
-            for j, o in enumerate(op.outputs):
-                if o.dist_attr.mesh != da.mesh or o.dist_attr.spec != da.output_specs[j]:
-                    raise PlanError(f"op {op.type} ({op.layer}) produces {o.name} as "
-                                    f"{DistAttr(da.mesh, da.output_specs[j])}, but the value "
-                                    f"says {o.dist_attr}")
-            outs = [self.local_value(o) for o in op.outputs]
-            for o, _ in writebacks:
-                self.local.values[o.name].alias_of = None
-            attrs = dict(op.attrs)
-            opdef = get_op(op.type)
-            if opdef.localize is not None or opdef.comm is not None:
-                site = LocalSite(self.pid, tuple(v.shape for v in op.inputs),
-                                 tuple(DistAttr(da.mesh, s) for s in da.input_specs),
-                                 tuple(o.shape for o in op.outputs),
-                                 tuple(DistAttr(da.mesh, s) for s in da.output_specs),
-                                 tuple(v.dtype for v in op.inputs), tuple(sorted(attrs.items())))
-            if opdef.localize is not None:
-                attrs, ctx = opdef.localize(attrs, site)
-                if ctx:
-                    context[len(self.local.ops)] = ctx
-            if opdef.comm is not None and opdef.comm(site):
-                op_comm[len(self.local.ops)] = tuple(opdef.comm(site))
-            self.local.append_op(Operation(op.type, ins, outs, attrs, op.role, op.layer,
-                                           annotation=op.annotation, dist_attr=da))
+            if self.pid in da.mesh:
+                self._append(op, ins, writebacks)
         for v, target in writebacks:
             self.reshard(v, target.dist_attr, target.name)
-        return LocalProgram(self.pid, self.local, self.points, context, op_comm)
+        return self._result()
+
+    def run_from(self, skeleton: _Skeleton) -> LocalProgram:
+        """:meth:`run` with the bookkeeping ``skeleton`` did for every process: only
+        the ops this process takes part in are visited."""
+        self._start()
+        ops = self.g.ops
+        for k in skeleton.ops_of(self.pid):
+            before, reshards, writebacks = skeleton.ops[k]
+            self.at = k - 1                  # the write-backs of op k - 1
+            for v, target, d in before:
+                self.place(v, target.dist_attr, target.name, d)
+            self.at = k
+            op = ops[k]
+            on = self.pid in op.dist_attr.mesh
+            ins = []
+            for v, r in zip(op.inputs, reshards):
+                if r is None:
+                    if on:
+                        ins.append(self.local_value(v))
+                else:
+                    name = self.place(v, r[0], None, r[1])
+                    if on:
+                        ins.append(self.local.values[name])
+            if on:
+                self._append(op, ins, writebacks)
+        self.at = len(ops) - 1
+        for v, target, d in skeleton.final:
+            self.place(v, target.dist_attr, target.name, d)
+        return self._result()
+
+    def _append(self, op: Operation, ins: list, writebacks: list) -> None:
+        """Op ``op`` of this process's mesh on its local operands ``ins``."""
+        da = op.dist_attr
+        for j, o in enumerate(op.outputs):
+            if o.dist_attr.mesh != da.mesh or o.dist_attr.spec != da.output_specs[j]:
+                raise PlanError(f"op {op.type} ({op.layer}) produces {o.name} as "
+                                f"{DistAttr(da.mesh, da.output_specs[j])}, but the value "
+                                f"says {o.dist_attr}")
+        outs = [self.local_value(o) for o in op.outputs]
+        for o, _ in writebacks:
+            self.local.values[o.name].alias_of = None
+        attrs = dict(op.attrs)
+        opdef = get_op(op.type)
+        if opdef.localize is not None or opdef.comm is not None:
+            site = LocalSite(self.pid, tuple(v.shape for v in op.inputs),
+                             tuple(DistAttr(da.mesh, s) for s in da.input_specs),
+                             tuple(o.shape for o in op.outputs),
+                             tuple(DistAttr(da.mesh, s) for s in da.output_specs),
+                             tuple(v.dtype for v in op.inputs), tuple(sorted(attrs.items())))
+        if opdef.localize is not None:
+            attrs, ctx = opdef.localize(attrs, site)
+            if ctx:
+                self.context[len(self.local.ops)] = ctx
+        if opdef.comm is not None and opdef.comm(site):
+            self.op_comm[len(self.local.ops)] = tuple(opdef.comm(site))
+        self.local.append_op(Operation(op.type, ins, outs, attrs, op.role, op.layer,
+                                       annotation=op.annotation, dist_attr=da))
 
 
 def reuses(made_for: Role | None, role: Role | None, src: DistAttr, dst: DistAttr,
@@ -267,9 +397,11 @@ class Partitions(Mapping):
         self._index = set(self.ids)
         self._made: dict = {}
         self._plans: dict = {}
+        self._shapes: dict = {}
         self._groups: tuple | None = None
         self._group_of: dict | None = None
         self._world: ProcessMesh | None = None
+        self._skeleton: _Skeleton | None = None
 
     @classmethod
     def given(cls, program: Program, locals_: dict) -> "Partitions":
@@ -285,7 +417,10 @@ class Partitions(Mapping):
         if pid not in self._made:
             if pid not in self._index:
                 raise KeyError(pid)
-            self._made[pid] = _Partitioner(self.program, pid, self._plans).run()
+            if self._skeleton is None:
+                self._skeleton = _Skeleton(self.program)
+            self._made[pid] = _Partitioner(self.program, pid, self._plans,
+                                              self._shapes).run_from(self._skeleton)
         return self._made[pid]
 
     def __contains__(self, pid) -> bool:

@@ -48,6 +48,23 @@ def test_micro_batch_program_and_what_it_accumulates(kind):
 
 
 @pytest.mark.parametrize("kind", ["mlp", "gpt"])
+def test_micro_batch_shapes_are_the_sample_analysis_local_shapes(kind):
+    """The micro-batch program takes the shapes micro-batch 0's partition found: each
+    Value's layout in the analysis on M processes, cut to one process's block."""
+    from distgraph.passes.pipeline.accumulate import MB_DIM
+    from distgraph.passes.samples import complete_on_samples
+
+    built = built_of(kind)
+    mb, _ = split_micro_batches(built, 4)
+    analysed = complete_on_samples(built.program, built.feed_names, 4, MB_DIM)
+    for v in built.program.values.values():
+        local = analysed.values[v.name].dist_attr.local_shape(v.shape)
+        assert tuple(mb.program.values[v.name].shape) == local
+    assert any(tuple(mb.program.values[v.name].shape) != tuple(v.shape)
+               for v in built.program.values.values())
+
+
+@pytest.mark.parametrize("kind", ["mlp", "gpt"])
 def test_the_split_axes_are_the_sample_axes(kind):
     """One analysis: the dims the micro-batches split are the dims that carry the
     samples, as the balanced split finds them, on the built and the micro-batch program."""

@@ -239,3 +239,33 @@ def test_completion_measures_traffic_as_partition_places_it(plan):
 
 def test_settled_plans_are_deterministic():
     assert conflicts.random_gpt_program(0).pretty() == conflicts.random_gpt_program(0).pretty()
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_reshard_prices_are_made_when_a_conflict_is_first_priced(seed):
+    """Without a cluster, completion prices conflicts on Cluster.local of the program's
+    processes, built when the first conflict is priced (a program without conflicts never
+    builds it): the layouts equal those of a completion given that cluster up front."""
+    program = conflicts.random_gpt_program(seed)
+    for v in program.values.values():
+        v.dist_attr = None
+    for op in program.ops:
+        op.dist_attr = None
+    lazy = _Completion(CompletionSetup(program, None)).run()
+    assert ("pricer" in vars(lazy.static)) == bool(lazy.conflicts)
+    given = dg.Cluster.local(len(process_ids(conflicts.random_gpt_program(seed))))
+    eager = _Completion(CompletionSetup(program, None, given)).run()
+    assert lazy.vspec == eager.vspec and lazy.ispec == eager.ispec
+    assert lazy.ospec == eager.ospec and lazy.conflicts.keys() == eager.conflicts.keys()
+    plain = program.clone()
+    dg.passes.complete(program)
+    dg.passes.complete(plain, cluster=given)
+    assert program.pretty() == plain.pretty()
+
+
+def test_a_program_without_conflicts_builds_no_reshard_prices():
+    model = P.build_model("mlp")
+    ins, labels = dg.app.data.DataLoader(P.Dataset("mlp"), P.BATCH).specs(1)
+    program = build_program(model, ins, labels, P.loss_fn("mlp"), dg.optim.SGD(0.1)).program
+    run = _Completion(CompletionSetup(program, dg.ProcessMesh([0, 1], ["x"]))).run()
+    assert not run.conflicts and "pricer" not in vars(run.static)

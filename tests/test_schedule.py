@@ -184,3 +184,36 @@ def test_peers_with_one_order_replay_as_one_process(name):
     late[5] = list(orders[5][1:]) + [orders[5][0]]      # one peer out of step: refused
     with pytest.raises(dg.PlanError, match="cannot complete"):
         replay(late, wide)
+
+
+def _finish_times(orders, problem) -> dict:
+    """Each action's finish on the unit-cost clock, from its definition: it starts when
+    the previous action of every process that holds its chunk and its inputs are done."""
+    from distgraph.passes.pipeline.schedule import COST
+
+    before = {}
+    for acts in orders.values():
+        for prev, a in zip([None] + list(acts), acts):
+            before.setdefault(a, set()).add(prev)
+    finish: dict = {}
+    while len(finish) < len(before):
+        for a, prevs in before.items():
+            deps = [Action(c, k, a.micro_batch)
+                    for c, k in problem.deps.get((a.chunk, a.kind), ())]
+            needs = [p for p in prevs if p is not None] + deps
+            if a not in finish and all(n in finish for n in needs):
+                finish[a] = max([finish[n] for n in needs], default=0.0) + COST[a.kind]
+    return finish
+
+
+@pytest.mark.parametrize("S", [2, 3, 4])
+def test_replay_times_every_action_as_its_definition_does(S):
+    """replay's times are those of the definition; processes that share one order
+    object (a schedule's group) are grouped as those with equal copies are."""
+    for M in (1, S, 2 * S + 1):
+        for name, v, theirs in _cases(S, M):
+            problem = chain(S, v, M, name)
+            for orders in (make_schedule(problem).orders, theirs):
+                timing = replay(orders, problem)
+                assert dict(timing.finish) == _finish_times(orders, problem)
+                assert replay({p: list(a) for p, a in orders.items()}, problem) == timing

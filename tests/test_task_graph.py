@@ -257,3 +257,76 @@ def test_a_value_sent_to_a_stage_is_sent_once_and_resharded_there(float64, micro
         if pid >= 2:      # the second layout made from the copy on mesh b
             assert any(not transfers and src == str(meshes[1]) for _, transfers, src in points
                        if _ in sent), points
+
+
+@pytest.mark.parametrize("key,strategy", [
+    (("gpt", "two_stage_tp", 4), dict(micro_batches=4)),
+    (("gpt", "dp_tp", 4), dict(micro_batches=2)),
+])
+def test_a_process_lists_every_group_of_its_steps_once(key, strategy):
+    """compile_process finds a collective's group once per (mesh, mesh dim): the groups
+    equal those of every step of every point, found one by one."""
+    from distgraph.passes.partition import gather_points
+    from distgraph.plan.devices import COLLECTIVE, CommGroup, step_groups
+
+    p = plan_of(key, **strategy)
+    persist = sorted(v.name for v in p.program.persistables)
+    for pid in p.process_ids:
+        local = p.local(pid)
+        found: dict = {}
+        for point in (list(local.points()) + list(p.task_graph().gathers[pid])
+                      + gather_points(p.program, persist, pid)):
+            for step in point.steps:
+                for g in step_groups(step, pid, p.ranks):
+                    found.setdefault(g.key, g)
+        for index, members in local.op_groups():
+            if pid in members and len(members) > 1:
+                g = CommGroup(COLLECTIVE, p.ranks.of(members),
+                              f"op {local.program.ops[index].type}")
+                found.setdefault(g.key, g)
+        assert p.program_of(pid).comm_groups == tuple(found[k] for k in sorted(found))
+        assert any(g.kind == COLLECTIVE for g in found.values())
+
+
+def test_local_shapes_found_once_equal_each_layouts_own():
+    """Partitions finds each (layout, shape)'s local shape once for all processes: every
+    local value's shape is its layout's local shape of the global one."""
+    p = plan_of(("gpt", "two_stage_tp", 4), micro_batches=4)
+    for pid in p.process_ids:
+        local = p.local(pid)
+        for v in local.program.values.values():
+            if v.name in p.program.values:
+                g = p.program.values[v.name]
+                assert tuple(v.shape) == g.dist_attr.local_shape(g.shape)
+        for point in local.points():
+            for name in point.writes:
+                assert tuple(local.program.values[name].shape) == \
+                    point.dst.local_shape(point.shape)
+
+
+def _local_of(local) -> tuple:
+    """Everything a local program holds, comparable."""
+    prog = local.program
+    return ([(v.name, tuple(v.shape), v.dtype, v.alias_of, v.dist_attr)
+             for v in prog.values.values()],
+            [v.name for v in prog.inputs],
+            [(o.type, [v.name for v in o.inputs], [v.name for v in o.outputs],
+              sorted(map(repr, o.attrs.items())), o.role, o.dist_attr) for o in prog.ops],
+            {i: list(ps) for i, ps in local.comm_points.items()},
+            {i: repr(c) for i, c in local.op_context.items()}, dict(local.op_comm))
+
+
+@pytest.mark.parametrize("key,strategy", [
+    (("gpt", "two_stage_tp", 4), dict(micro_batches=4, recompute=True)),
+    (("gpt", "zero_dp_tp", 4), dict(micro_batches=2, sharding=True)),
+    (("gpt", "four_stage", 4), dict(micro_batches=4, schedule="ZB")),
+    (("mlp8", "layered", 4), dict(micro_batches=4)),
+])
+def test_partitions_from_one_skeleton_equal_each_process_partitioned_alone(key, strategy):
+    """Partitions does the reshard bookkeeping alike for every process once and visits
+    only a process's own ops: every local program equals partition()'s, which visits
+    every op (points, their numbers and anchors, values, ops, contexts)."""
+    p = plan_of(key, **strategy)
+    parts = Partitions(p.program)
+    for pid in p.process_ids:
+        assert _local_of(parts[pid]) == _local_of(partition(p.program, pid))

@@ -73,7 +73,7 @@ class _Completion:
 
     def __init__(self, static: CompletionSetup, choices: dict | None = None):
         self.static = static
-        self.program, self.ops, self.pricer = static.program, static.ops, static.pricer
+        self.program, self.ops = static.program, static.ops
         self.producer, self.consumers = static.producer, static.consumers
         self.mesh, self.vmesh, self.meta = static.mesh, static.vmesh, static.meta
         self.fixed_spec, self.signature = static.fixed_spec, static.signature
@@ -144,12 +144,12 @@ class _Completion:
         edges = []
         for m, v in zip(meta.ins, op.inputs):
             if m.same_mesh:
-                edges.append(self.pricer.edge("input", v.name, mesh, self.vspec[v.name],
+                edges.append(self.static.pricer.edge("input", v.name, mesh, self.vspec[v.name],
                                               res.in_specs[m.index], v.shape, v.dtype))
         for m, o in zip(meta.outs, op.outputs):
             for key in m.consumers:
                 want = self.fixed_spec.get(key) or self.ispec[key]
-                edges.append(self.pricer.edge("output", o.name, mesh, res.out_specs[m.index], want,
+                edges.append(self.static.pricer.edge("output", o.name, mesh, res.out_specs[m.index], want,
                                               o.shape, o.dtype))
         return Candidate(res, lead, lead_name, lead_spec, tuple(e for e in edges if e is not None))
 
@@ -218,9 +218,10 @@ class _Completion:
                     changed = True
                     vspec[name] = new
                     self._mark_value(name)
-                    if known is None:
-                        known = _known_names(self.ops[k], ins, outs)
-                    self.origin.setdefault(name, (k, tuple(n for n in known if n != name)))
+                    if name not in self.origin:     # the first writer is the origin
+                        if known is None:
+                            known = _known_names(self.ops[k], ins, outs)
+                        self.origin[name] = (k, tuple(n for n in known if n != name))
         for j, name, _, _ in meta.outs:
             out = res.out_specs[j]
             self.ospec[(k, j)] = out
@@ -232,10 +233,11 @@ class _Completion:
                 changed = True
                 vspec[name] = new
                 self._mark_value(name)
-                if any(e is not UNKNOWN for e in new.dims) or new.partial:
+                if name not in self.origin and (any(e is not UNKNOWN for e in new.dims)
+                                                or new.partial):
                     if known is None:
                         known = _known_names(self.ops[k], ins, outs)
-                    self.origin.setdefault(name, (k, tuple(n for n in known if n != name)))
+                    self.origin[name] = (k, tuple(n for n in known if n != name))
         return changed
 
     def fixpoint(self) -> None:
@@ -388,7 +390,7 @@ class _Completion:
                     tuple(o.shape for o in op.outputs), outs,
                     tuple(v.dtype for v in op.inputs), tuple(sorted(op.attrs.items())))
                     for pid in mesh.process_ids]))
-        return planned_traffic(points, op_comm, self.pricer)
+        return planned_traffic(points, op_comm, self.static.pricer)
 
     def write(self) -> None:
         values, ops = self.layout()

@@ -12,6 +12,8 @@ Example::
 
 from __future__ import annotations
 
+import functools
+
 from typing import NamedTuple
 
 from distgraph.passes.completion.mesh_propagation import assign_meshes
@@ -81,11 +83,7 @@ class CompletionSetup:
                 self.consumers.setdefault(v.name, []).append((k, i))
         self.mesh, self.vmesh = assign_meshes(program, self.producer, self.consumers,
                                               default_mesh)
-        if cluster is None:
-            meshes = set(self.mesh) | set(self.vmesh.values())
-            cluster = Cluster.local(1 + max((p for m in meshes if m is not None
-                                             for p in m.process_ids), default=0))
-        self.pricer = ReshardPricer(cluster)
+        self._cluster = cluster
         unknown: dict = {}                  # one all-unknown spec per rank, shared
 
         def unknown_spec(ndim):
@@ -127,6 +125,17 @@ class CompletionSetup:
         self.signature = [self._signature(k, shared) for k in range(n)]
         self.bound: dict = {}
         self.memo: dict = {}
+
+    @functools.cached_property
+    def pricer(self) -> ReshardPricer:
+        """The reshard prices, made when a conflict is first priced: most completions
+        meet none, and ``Cluster.local`` of many processes is not free to build."""
+        cluster = self._cluster
+        if cluster is None:
+            meshes = set(self.mesh) | set(self.vmesh.values())
+            cluster = Cluster.local(1 + max((p for m in meshes if m is not None
+                                             for p in m.process_ids), default=0))
+        return ReshardPricer(cluster)
 
     def _meta(self, k: int) -> OpMeta:
         """What a visit of op k needs that never changes during the run."""

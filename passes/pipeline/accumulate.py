@@ -248,8 +248,11 @@ def _micro_batch_program(program, analysed):
     if len(local.program.ops) != len(program.ops):
         raise PlanError("internal error: the micro-batch partition lost ops; please report it")
     out = program.clone()
+    held = local.program.values         # micro-batch 0's shapes (partition found them)
     for v in out.values.values():
-        v.shape = analysed.values[v.name].dist_attr.local_shape(v.shape)
+        mine = held.get(v.name)
+        v.shape = (tuple(mine.shape) if mine is not None else
+                   analysed.values[v.name].dist_attr.local_shape(v.shape))
     for k, (op, lop) in enumerate(zip(out.ops, local.program.ops)):
         op.attrs = dict(lop.attrs)
         check_shapes(k, op, "run on a micro-batch", "use micro_batches=1")

@@ -146,8 +146,14 @@ def comm_groups(plan, pid: int, local, gathers, state_points) -> tuple:
     fetched values and while gathering the state, once each, in
     :attr:`~distgraph.plan.devices.CommGroup.key` order."""
     found: dict = {}
+    seen: set = set()       # (mesh, mesh dim) of the collective steps met: the same groups
     for point in list(local.points()) + list(gathers) + list(state_points):
         for step in point.steps:
+            if step.kind.is_collective:
+                where = (step.mesh, step.mesh_dim)
+                if where in seen:       # (a world mesh's group costs ms to find: skipped)
+                    continue
+                seen.add(where)
             for g in step_groups(step, pid, plan.ranks):
                 found.setdefault(g.key, g)
     for index, members in local.op_groups():

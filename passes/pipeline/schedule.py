@@ -332,8 +332,16 @@ def replay(orders, problem: Problem) -> Timing:
             chunks.setdefault(q, []).append(c)
     orders = {pid: orders.get(pid, ()) for pid in chunks}     # a holder without an order
     alike: dict = {}
+    interned: dict = {}     # id of an order -> (the order, its index among distinct ones)
+    distinct: dict = {}     # order -> its index
     for pid, acts in sorted(orders.items()):
-        alike.setdefault((tuple(chunks[pid]), tuple(acts)), []).append(pid)
+        entry = interned.get(id(acts))
+        if entry is None:   # the processes of a group share one order: hashed once
+            index = distinct.setdefault(tuple(acts), len(distinct))
+            entry = interned[id(acts)] = (acts, index)
+        alike.setdefault((tuple(chunks[pid]), entry[1]), []).append(pid)
+    by_index = list(distinct)
+    alike = {(held, by_index[n]): pids for (held, n), pids in alike.items()}
     expected = {(c, k, mb) for c in range(problem.chunks) for k in problem.kinds[c]
                 for mb in range(problem.micro_batches)}
     for (held, acts), (pid, *_) in alike.items():

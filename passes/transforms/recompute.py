@@ -72,10 +72,15 @@ def recompute(program: Program, paths) -> int:
             for v in op.inputs:
                 readers.setdefault(v.name, []).append(i)
     outputs = {v.name for v in program.outputs}
+    by_layer: dict = {}                 # forward ops per layer path, in program order
+    for i, op in enumerate(ops):
+        if op.role is Role.FORWARD:
+            by_layer.setdefault(op.layer, []).append(i)
     inserts: dict = {}
     renames: dict = {}
     for path in paths:
-        seg = [i for i, op in enumerate(ops) if op.role is Role.FORWARD and _inside(op.layer, path)]
+        seg = sorted(i for layer, found in by_layer.items() if _inside(layer, path)
+                     for i in found)
         planned = _plan_segment(program, seg, forward_readers, backward_readers, outputs)
         if planned is None:
             continue

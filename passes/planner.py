@@ -58,7 +58,7 @@ from distgraph.passes.pipeline.chunks import (chunk_meshes, chunk_of_ops, forwar
 from distgraph.passes.pipeline.compile import compile_process
 from distgraph.passes.pipeline.schedule import schedule_of
 from distgraph.passes.pipeline.task_graph import build_task_graph
-from distgraph.passes.samples import sample_axes
+from distgraph.passes.samples import SampleAnalyses, sample_axes
 from distgraph.passes.transforms.recompute import recompute, segments
 from distgraph.passes.transforms.sequence_parallel import sequence_parallel
 from distgraph.passes.transforms.zero import shard_updates
@@ -82,18 +82,19 @@ def plan(built, strategy: Strategy | None = None, cluster=None, rank_mapping=Non
                         f"{built.amp or 'full precision'}: build it with "
                         f"build_program(..., amp={strategy.amp!r}) (the Engine does)")
     runs: dict = {}     # micro-batch count -> (split program, its accumulation, options)
+    analyses = SampleAnalyses()     # the counts' sample analyses, shared where alike
     if strategy.micro_batches is None:
         # the search chooses M (passes/search/micro.py); the plan's strategy names it
         from distgraph.passes.search.micro import choose_micro_batches
 
         strategy = dataclasses.replace(strategy, micro_batches=choose_micro_batches(
-            built, strategy, cluster, lambda b, s, m: _latency(b, s, cluster, m, runs),
-            lambda b, s, m, seconds: _beaten(b, s, cluster, m, seconds, runs)))
+            built, strategy, cluster, lambda b, s, m: _latency(b, s, cluster, m, runs, analyses),
+            lambda b, s, m, seconds: _beaten(b, s, cluster, m, seconds, runs, analyses)))
     accumulation = reuse = None
     if strategy.micro_batches in runs:
         built, accumulation, reuse = runs[strategy.micro_batches]
     elif strategy.micro_batches > 1:
-        built, accumulation = split_micro_batches(built, strategy.micro_batches)
+        built, accumulation = split_micro_batches(built, strategy.micro_batches, analyses)
     try:
         if strategy.auto_mode == "full":
             # the search (SCIP, the stage DP) is imported by the plans that use it only
@@ -237,7 +238,7 @@ def _transformed(built, strategy):
     return copy
 
 
-def _latency(built, strategy, cluster, micro: int, runs: dict) -> float:
+def _latency(built, strategy, cluster, micro: int, runs: dict, analyses=None) -> float:
     """The stage search's latency for ``built`` split into ``micro`` micro-batches; the
     split program, its accumulation and the stage options that priced it go into
     ``runs`` under ``micro`` (those :func:`_beaten` began are reused)."""
@@ -248,7 +249,7 @@ def _latency(built, strategy, cluster, micro: int, runs: dict) -> float:
         built, accumulation, costs = runs[micro]
         copy = costs.copy
     else:
-        built, accumulation = _split(built, micro)
+        built, accumulation = _split(built, micro, analyses)
         copy = _transformed(built, strategy)
     budget = None if strategy.memory_budget_gb is None else strategy.memory_budget_gb * 1e9
     latency, costs = pipeline_latency(copy, strategy, cluster, accumulation, budget, costs,
@@ -257,13 +258,14 @@ def _latency(built, strategy, cluster, micro: int, runs: dict) -> float:
     return latency
 
 
-def _beaten(built, strategy, cluster, micro: int, seconds: float, runs: dict) -> bool:
+def _beaten(built, strategy, cluster, micro: int, seconds: float, runs: dict,
+            analyses=None) -> bool:
     """Whether the stage search finds no plan of ``micro`` micro-batches below
     ``seconds`` per step (its bound, then its search below ``seconds``); the stage
     options it searched go into ``runs`` (see :func:`_latency`)."""
     from distgraph.passes.search.stages import pipeline_beaten
 
-    built, accumulation = _split(built, micro)
+    built, accumulation = _split(built, micro, analyses)
     budget = None if strategy.memory_budget_gb is None else strategy.memory_budget_gb * 1e9
     beaten, costs = pipeline_beaten(_transformed(built, strategy), strategy, cluster,
                                     accumulation, seconds, _seed(runs), budget)
@@ -280,9 +282,10 @@ def _seed(runs: dict):
                  costs.planned and costs.seed is None), None)
 
 
-def _split(built, micro: int) -> tuple:
-    """(``built`` split into ``micro`` micro-batches, its accumulation or None)."""
-    return split_micro_batches(built, micro) if micro > 1 else (built, None)
+def _split(built, micro: int, analyses=None) -> tuple:
+    """(``built`` split into ``micro`` micro-batches, its accumulation or None);
+    ``analyses``: the sample analyses shared by the counts tried."""
+    return split_micro_batches(built, micro, analyses) if micro > 1 else (built, None)
 
 
 def _balanced(planned: Plan, cluster, searched: bool) -> Plan:

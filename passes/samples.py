@@ -25,18 +25,46 @@ from __future__ import annotations
 
 from distgraph.errors import PlanError, ShardingError
 from distgraph.mesh import ProcessMesh
-from distgraph.passes.completion.complete import complete
+from distgraph.passes.completion.alike import complete_alike
+from distgraph.passes.completion.complete import complete_run
 from distgraph.placement import DistAttr, ShardSpec
 
 SAMPLES_DIM = "samples"
 
 
+class SampleAnalyses:
+    """The analyses of one planning, shared across mesh sizes where provably exact: a
+    :func:`complete_on_samples` of a program on ``processes`` processes replays the
+    completion of the same (program, feeds, dim) on another count where every rule
+    answers its queries alike on both meshes
+    (:func:`~distgraph.passes.completion.alike.complete_alike`), else completes afresh.
+    ``replayed`` counts the analyses replayed. Keeps the programs it saw (keyed by
+    identity: a planner does not modify the program it plans)."""
+
+    def __init__(self):
+        self._runs: dict = {}        # (id(program), feeds, dim) -> (program, its run)
+        self.replayed = 0
+
+    def complete(self, program, copy, feed_names, dim: str, mesh):
+        """Complete ``copy`` (of ``program``, annotated on ``mesh``) in place."""
+        key = (id(program), tuple(feed_names), dim)
+        known = self._runs.get(key)
+        if known is not None and known[0] is program and complete_alike(known[1], copy, mesh):
+            self.replayed += 1
+            return
+        run = complete_run(copy, default_mesh=mesh)
+        if known is None:
+            self._runs[key] = (program, run)
+
+
 def complete_on_samples(program, feed_names, processes: int = 1, dim: str = SAMPLES_DIM,
-                        refusal: str = "cannot tell which dims carry the batch's samples"):
+                        refusal: str = "cannot tell which dims carry the batch's samples",
+                        analyses: SampleAnalyses | None = None):
     """A copy of ``program``, without annotations, completed on a mesh of ``processes``
     processes along ``dim`` with dim 0 of every feed of ``feed_names`` (that has one)
     split over it (see the module docstring). Where completion refuses, a PlanError
-    ``"{refusal}: {why}"``."""
+    ``"{refusal}: {why}"``. ``analyses``: where the analyses of other counts are shared
+    (:class:`SampleAnalyses`; the copy is the same)."""
     mesh = ProcessMesh(list(range(processes)), dim_names=[dim])
     copy = program.clone()
     for v in copy.values.values():
@@ -48,7 +76,10 @@ def complete_on_samples(program, feed_names, processes: int = 1, dim: str = SAMP
         if v.shape:
             v.annotation = DistAttr(mesh, ShardSpec([dim] + [None] * (len(v.shape) - 1)))
     try:
-        complete(copy, default_mesh=mesh)
+        if analyses is None:
+            complete_run(copy, default_mesh=mesh)
+        else:
+            analyses.complete(program, copy, feed_names, dim, mesh)
     except ShardingError as e:
         raise PlanError(f"{refusal}: {e}") from None
     return copy

@@ -158,3 +158,50 @@ def test_a_micro_batch_too_small_for_data_parallelism_says_so():
     P.PLANS["mlp", "dp", 4].annotate(model)
     with pytest.raises(dg.ShardingError, match="micro-batches of 1 rows"):
         dg.passes.plan(built_of("mlp", model=model), dg.Strategy(micro_batches=8))
+
+
+def _layout(program) -> tuple:
+    """Every Value's and op's completed layout, notes and origins, as text."""
+    return ([(v.name, str(v.dist_attr), tuple(v.shape)) for v in program.values.values()],
+            [(op.type, str(op.dist_attr.mesh), [str(s) for s in op.dist_attr.input_specs],
+              [str(s) for s in op.dist_attr.output_specs], list(op.dist_attr.notes))
+             for op in program.ops],
+            {n: (program.ops.index(op), srcs)
+             for n, (op, srcs) in program.completion_origin.items()})
+
+
+def _analysed(built, m, analyses):
+    from distgraph.passes.pipeline.accumulate import MB_DIM
+    from distgraph.passes.samples import complete_on_samples
+
+    try:
+        return _layout(complete_on_samples(built.program, built.feed_names, m, MB_DIM,
+                                           analyses=analyses))
+    except dg.PlanError as e:
+        return str(e)
+
+
+@pytest.mark.parametrize("kind", ["mlp", "gpt"])
+def test_sample_analyses_shared_across_counts_equal_the_plain_ones(kind):
+    """A count's sample analysis replayed from another count's (where every rule answers
+    alike on both meshes) is the analysis completed afresh: layouts, notes and origins,
+    or the same refusal; on a batch of 6, 4 and 12 micro-batches do not divide it (the
+    rules answer otherwise: not replayed, refused as a plain run refuses)."""
+    from distgraph.passes.samples import SampleAnalyses
+
+    built = built_of(kind, batch=6)
+    analyses = SampleAnalyses()
+    replayed = []
+    for m in (2, 4, 3, 6, 12, 1):
+        before = analyses.replayed
+        assert _analysed(built, m, analyses) == _analysed(built, m, None), m
+        replayed.append(analyses.replayed - before)
+    assert replayed == [0, 0, 1, 1, 0, 1]
+    split, acc = split_micro_batches(built, 3, analyses)
+    plain, plain_acc = split_micro_batches(built, 3)
+    assert analyses.replayed == 4
+    assert acc == plain_acc
+    assert [(v.name, v.shape) for v in split.program.values.values()] == \
+        [(v.name, v.shape) for v in plain.program.values.values()]
+    assert [(op.type, op.attrs) for op in split.program.ops] == \
+        [(op.type, op.attrs) for op in plain.program.ops]

@@ -452,9 +452,17 @@ def complete(program: Program, default_mesh: ProcessMesh | None = None,
     does (process p on the cluster's p-th device); without one, ``Cluster.local`` of the
     program's processes does, as the estimate prices a plan without one
     (:mod:`~distgraph.passes.completion.resolution`)."""
+    complete_run(program, default_mesh, cluster)
+    return program
+
+
+def complete_run(program: Program, default_mesh: ProcessMesh | None = None,
+                 cluster=None) -> _Completion:
+    """:func:`complete`, returning the run whose layout it wrote (what
+    :func:`~distgraph.passes.completion.alike.complete_alike` replays on another mesh)."""
     static = CompletionSetup(program, default_mesh, cluster)
     best = _Completion(static).run()
     if best.conflicts:
         best = _settle(static, best)
     best.write()
-    return program
+    return best

@@ -52,9 +52,11 @@ from distgraph.plan.accumulation import Accumulation
 MB_DIM = "mb"
 
 
-def split_micro_batches(built, micro_batches: int):
+def split_micro_batches(built, micro_batches: int, analyses=None):
     """``(micro-batch BuiltProgram, Accumulation)`` for ``built`` split into
-    ``micro_batches`` micro-batches (see the module docstring). Pure."""
+    ``micro_batches`` micro-batches (see the module docstring). Pure. ``analyses``: a
+    :class:`~distgraph.passes.samples.SampleAnalyses` shared by the counts a planner
+    tries (the same result, the sample analysis replayed where provably alike)."""
     m = int(micro_batches)
     program = built.program
     feeds = [program.values[n] for n in built.feed_names]
@@ -73,7 +75,8 @@ def split_micro_batches(built, micro_batches: int):
                                   f"Strategy(micro_batches={m})")
     _check_split_feeds(feeds, batch, m)
     analysed = complete_on_samples(program, built.feed_names, m, MB_DIM,
-                                   f"cannot split the batch into {m} micro-batches")
+                                   f"cannot split the batch into {m} micro-batches",
+                                   analyses)
     split_axis = axes_over(analysed, MB_DIM)
     partial, prologue = _sums_over_samples(analysed, split_axis, _feed_only(analysed))
     boundary = _boundary(analysed, built)

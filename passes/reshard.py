@@ -240,7 +240,10 @@ def _boxes(attr: DistAttr, shape, pids) -> np.ndarray:
     (len(pids), ndim, 2) (``DistAttr.local_slices`` for many processes at once)."""
     local = attr.local_shape(shape)
     mesh = attr.mesh
-    coords = np.array([mesh.coord(p) for p in pids], dtype=np.int64).reshape(len(pids), -1)
+    if pids == mesh.process_ids:        # all, in order: their coordinates are row-major
+        coords = np.stack(np.unravel_index(np.arange(len(pids)), mesh.shape), axis=1)
+    else:
+        coords = np.array([mesh.coord(p) for p in pids], dtype=np.int64).reshape(len(pids), -1)
     out = np.empty((len(pids), len(local), 2), dtype=np.int64)
     for i, n in enumerate(local):
         block = np.zeros(len(pids), dtype=np.int64)
@@ -272,39 +275,40 @@ class _Tiles:
         regions = list(holders)
         self.load = load = {p: 0 for p in senders}
         partial_axes = [dst.mesh.dim_index(m) for m in dst.spec.partial]
-        self.receivers = receivers = [q for q in dst.mesh.process_ids
-                                      if not any(dst.mesh.coord(q)[a] for a in partial_axes)]
-        # every (receiver, region) tile at once; the loop below visits only those that meet
+        self.receivers = receivers = list(dst.mesh.process_ids) if not partial_axes else [
+            q for q in dst.mesh.process_ids if not any(dst.mesh.coord(q)[a] for a in partial_axes)]
+        # every (receiver, region) tile at once, receiver-major as the transfers go
         held = np.array(regions, dtype=np.int64).reshape(len(regions), len(shape), 2)
         wanted = _boxes(dst, shape, receivers)
         lo = np.maximum(wanted[:, None, :, 0], held[None, :, :, 0])
         hi = np.minimum(wanted[:, None, :, 1], held[None, :, :, 1])
         meets = (lo < hi).all(axis=2)
-        ks, rs = np.nonzero(meets)               # receiver-major, as the transfers go
+        ks, rs = np.nonzero(meets)
         self.ks, self.lo, self.hi = ks, lo[ks, rs], hi[ks, rs]
-        self.sizes = sizes = ((hi - lo).prod(axis=2)[ks, rs] * itemsize).tolist()
-        self.sender = sender = [0] * len(ks)
+        self.sizes = sizes = (hi - lo).prod(axis=2)[ks, rs] * itemsize
+        # a tile its receiver holds (a process holds one region) is a local copy; the
+        # others go to their region's replicas, in tile order
+        region_of = {p: r for r, pids in enumerate(holders.values()) for p in pids}
+        to = np.asarray(receivers, dtype=np.int64)[ks]
+        held_by_receiver = np.asarray([region_of.get(q, -1) for q in receivers],
+                                      dtype=np.int64)[ks] == rs
+        self.sender = sender = np.where(held_by_receiver, to, 0)
+        remote = np.flatnonzero(~held_by_receiver)
+        remote = remote[np.argsort(rs[remote], kind="stable")]
+        bounds = np.searchsorted(rs[remote], np.arange(len(regions) + 1))
         for r, pids in enumerate(holders.values()):
-            remote, holding = [], set(pids)  # a set: a list is quadratic in the ranks
-            for i in np.flatnonzero(rs == r).tolist():
-                q = receivers[ks[i]]
-                if q in holding:
-                    sender[i] = q
-                else:
-                    remote.append(i)
-            _pick_senders(pids, remote, sizes, sender, load)
+            _pick_senders(pids, remote[bounds[r]:bounds[r + 1]], sizes, sender, load)
         self.busiest = max(load.values(), default=0)
         self.bytes = collective_bytes(StepKind.SEND_RECV, 2, self.busiest)
 
     def remote_bytes(self) -> int:
         """Bytes of the tiles a process sends to another."""
         to = np.asarray(self.receivers, dtype=np.int64)[self.ks]
-        return int(np.asarray(self.sizes, dtype=np.int64)[
-            np.asarray(self.sender, dtype=np.int64) != to].sum()) if len(self.ks) else 0
+        return int(self.sizes[self.sender != to].sum()) if len(self.ks) else 0
 
     def step(self) -> ReshardStep:
-        lows, highs, sizes, sender = self.lo.tolist(), self.hi.tolist(), self.sizes, self.sender
-        receivers = self.receivers
+        lows, highs = self.lo.tolist(), self.hi.tolist()
+        sizes, sender, receivers = self.sizes.tolist(), self.sender.tolist(), self.receivers
         transfers = [Transfer(sender[i], receivers[k], tuple(zip(lows[i], highs[i])), sizes[i])
                      for i, k in enumerate(self.ks.tolist())]
         src, dst = self.src, self.dst
@@ -314,20 +318,23 @@ class _Tiles:
 
 
 def _pick_senders(pids, tiles, sizes, sender, load) -> None:
-    """Senders of ``tiles`` (indices into ``sizes`` and ``sender``, in order), all held
-    by the replicas ``pids``: each the least-loaded replica, among equals the first from
-    the tile's turn round the replicas. Tiles of one size take the replicas in turn."""
+    """Senders of ``tiles`` (an index array into the arrays ``sizes`` and ``sender``, in
+    order), all held by the replicas ``pids``: each the least-loaded replica, among
+    equals the first from the tile's turn round the replicas. Tiles of one size take the
+    replicas in turn."""
     n = len(pids)
-    if tiles and all(sizes[i] == sizes[tiles[0]] for i in tiles):
-        for turn, i in enumerate(tiles):
-            sender[i] = pids[turn % n]
-        for j, p in enumerate(pids):
-            load[p] += sizes[tiles[0]] * (len(tiles) // n + (j < len(tiles) % n))
+    if not len(tiles):
         return
-    for turn, i in enumerate(tiles):
+    first = int(sizes[tiles[0]])
+    if (sizes[tiles] == first).all():
+        sender[tiles] = np.asarray(pids, dtype=np.int64)[np.arange(len(tiles)) % n]
+        for j, p in enumerate(pids):
+            load[p] += first * (len(tiles) // n + (j < len(tiles) % n))
+        return
+    for turn, (i, size) in enumerate(zip(tiles.tolist(), sizes[tiles].tolist())):
         best = min(range(n), key=lambda j: (load[pids[j]], (j - turn) % n))
         sender[i] = pids[best]
-        load[pids[best]] += sizes[i]
+        load[pids[best]] += size
 
 
 def _plan_cross_mesh(src: DistAttr, dst: DistAttr, shape, dtype) -> list[ReshardStep]:

@@ -155,6 +155,62 @@ def test_cross_mesh_partial_destination_receives_on_coordinate_zero_only():
     assert [(t.src, t.dst) for t in step.transfers] == [(0, 1)]
 
 
+def _tiles_one_by_one(src, dst, shape, itemsize):
+    """The p2p tiles by their definition, one tile at a time: every (receiver, source
+    region) that meet, receiver-major; a receiver that holds the region copies it, the
+    others get it from the least-loaded replica (ties: the first from the tile's turn)."""
+    holders = {}
+    for p in src.mesh.process_ids:
+        box = tuple((s.start, s.stop) for s in src.local_slices(shape, p))
+        holders.setdefault(box, []).append(p)
+    partial = [dst.mesh.dim_index(m) for m in dst.spec.partial]
+    tiles = []
+    for q in dst.mesh.process_ids:
+        if any(dst.mesh.coord(q)[a] for a in partial):
+            continue
+        want = dst.local_slices(shape, q)
+        for r, box in enumerate(holders):
+            region = tuple((max(a, w.start), min(b, w.stop)) for (a, b), w in zip(box, want))
+            if all(a < b for a, b in region):
+                tiles.append([None, q, region, math.prod(b - a for a, b in region) * itemsize,
+                              r])
+    load = dict.fromkeys(src.mesh.process_ids, 0)
+    for r, pids in enumerate(holders.values()):
+        turn = 0
+        for tile in (t for t in tiles if t[4] == r):
+            if tile[1] in pids:
+                tile[0] = tile[1]
+                continue
+            j = min(range(len(pids)), key=lambda j: (load[pids[j]], (j - turn) % len(pids)))
+            tile[0] = pids[j]
+            load[pids[j]] += tile[3]
+            turn += 1
+    return [tuple(t[:4]) for t in tiles], max(load.values())
+
+
+@pytest.mark.parametrize("src,dst,shape", [
+    (DistAttr(ProcessMesh([[0, 1], [2, 3]], ["x", "y"]), ShardSpec(["x", None])),
+     DistAttr(ProcessMesh([[2, 3, 4], [5, 6, 7]], ["a", "b"]), ShardSpec([None, "b"])),
+     (8, 6)),
+    (DistAttr(ProcessMesh([0, 1, 2], ["x"]), ShardSpec(["x", None])),
+     DistAttr(ProcessMesh([[3, 4], [5, 6]], ["a", "b"]), ShardSpec(["a", None], "b")),
+     (12, 4)),
+    (DistAttr(ProcessMesh([[0, 1], [2, 3]], ["x", "y"]), ShardSpec([None, ("x", "y")])),
+     DistAttr(ProcessMesh([0, 1, 2, 3, 4, 5], ["w"]), ShardSpec(["w", None])), (6, 8)),
+    (DistAttr(ProcessMesh([[0, 1], [2, 3]], ["x", "y"]), ShardSpec([None, None])),
+     DistAttr(ProcessMesh(list(range(4, 20)), ["w"]), ShardSpec([None, None])), (3, 5)),
+])
+def test_cross_mesh_tiles_are_those_of_their_definition(src, dst, shape):
+    """The array form of the p2p tiles (uneven tiles, a Partial destination, shared and
+    local senders) gives the tiles, senders and busiest sender of the definition."""
+    from distgraph.passes.reshard import _send_recv_step
+
+    step = _send_recv_step(src, dst, shape, "float64")
+    tiles, busiest = _tiles_one_by_one(src, dst, shape, 8)
+    assert [(t.src, t.dst, t.region, t.nbytes) for t in step.transfers] == tiles
+    assert step.buffer_bytes == busiest
+
+
 def test_same_processes_other_names_plan_on_one_mesh():
     other = ProcessMesh([[0, 1], [2, 3]], ["a", "b"])
     steps = plan(ShardSpec(["x", None]), ShardSpec([None, "a"]), (4, 4), dst_mesh=other)

@@ -34,7 +34,9 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 from types import MappingProxyType
 
 from distgraph.errors import PlanError, ShardingError, TooFewDevicesError
@@ -75,6 +77,27 @@ def plan(built, strategy: Strategy | None = None, cluster=None, rank_mapping=Non
     docstring). ``rank_mapping`` ({process: device global id}) overrides the rank
     mapper. ``ranks``: the ranks whose processes' programs to compile (None: every
     process's; a rank of a job compiles its own). Pure: ``built`` is not modified."""
+    with _cyclic_collector_paused():
+        return _planned(built, strategy, cluster, rank_mapping, ranks)
+
+
+@contextlib.contextmanager
+def _cyclic_collector_paused():
+    """Python's cyclic garbage collector paused while planning, as found after: planning
+    makes millions of short-lived objects (specs, steps, tiles, local ops) that reference
+    counting frees, and each of them counts towards the collector's next pass over the
+    whole heap (a fifth of the GPT-3 plan's CPU time, measured; its peak memory is the
+    same within 3% without them). What planning leaves in cycles the next pass frees."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _planned(built, strategy, cluster, rank_mapping, ranks) -> Plan:
     strategy = strategy or Strategy()
     _check_supported(strategy)
     if strategy.amp != built.amp:

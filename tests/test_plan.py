@@ -59,6 +59,33 @@ def test_plan_leaves_the_built_program_untouched():
     assert all(v.dist_attr is not None for v in p.program.values.values())
 
 
+def test_planning_pauses_the_cyclic_collector_and_leaves_it_as_found(monkeypatch):
+    """The collector is off while planning (the compile step sees it off)
+    and as the caller left it after, an error included; the plan is the same."""
+    import gc
+
+    from distgraph.passes import planner
+
+    seen = []
+    real = planner._compiled
+    monkeypatch.setattr(planner, "_compiled",
+                        lambda *a: seen.append(gc.isenabled()) or real(*a))
+    b = built()
+    was = gc.isenabled()
+    try:
+        for enabled in (True, False):
+            (gc.enable if enabled else gc.disable)()
+            p = dg.passes.plan(b, dg.Strategy(sharding=True))
+            assert gc.isenabled() is enabled
+            assert p.to_json() == dg.passes.plan(b, dg.Strategy(sharding=True)).to_json()
+            with pytest.raises(dg.PlanError):
+                dg.passes.plan(b, dg.Strategy(micro_batches=3))
+            assert gc.isenabled() is enabled
+    finally:
+        (gc.enable if was else gc.disable)()
+    assert seen and not any(seen)
+
+
 def test_two_plans_of_one_program_differ_and_do_not_interfere():
     b = built()
     plain = dg.passes.plan(b)

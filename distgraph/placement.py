@@ -57,6 +57,21 @@ def _normalise_entry(entry, i: int, dims):
                         f"of mesh dim names")
 
 
+def _plain(dims) -> bool:
+    """Whether every entry of ``dims`` is None or a mesh dim name (its normal form)."""
+    for e in dims:
+        if e is not None and (type(e) is not str or not e):
+            return False
+    return True
+
+
+def _plain_partial(partial) -> bool:
+    """Whether ``partial`` is a collection of mesh dim names (not one name)."""
+    kind = type(partial)
+    return (kind is frozenset or kind is tuple or kind is set or kind is list) and \
+        _plain(partial) and None not in partial
+
+
 @dataclass(frozen=True, init=False)
 class ShardSpec:
     """Per tensor dim: None | mesh dim name | tuple of names (major first); plus partial.
@@ -69,6 +84,12 @@ class ShardSpec:
     partial: frozenset = frozenset()
 
     def __init__(self, dims, partial=()):
+        kind = type(dims)
+        if (kind is tuple or kind is list) and _plain(dims) and _plain_partial(partial):
+            # the common form, already normal: entries None or names, partial names
+            object.__setattr__(self, "dims", tuple(dims))
+            object.__setattr__(self, "partial", frozenset(partial))
+            return
         if isinstance(dims, (str, ShardSpec)) or not hasattr(dims, "__iter__"):
             raise ShardingError(f"shard spec {dims!r}: give a list with one entry per "
                                 f"tensor dim, e.g. ['x', None]")
@@ -99,8 +120,12 @@ class ShardSpec:
 
     def mesh_dims(self) -> tuple[str, ...]:
         """Mesh dims used, in order: by the dims entries, then the partial ones (sorted)."""
-        used = [n for i in range(self.ndim) for n in self.entry(i)]
-        return tuple(used) + tuple(sorted(self.partial))
+        used = self.__dict__.get("_mesh_dims")     # found once per spec (a value)
+        if used is None:
+            used = tuple(n for i in range(self.ndim) for n in self.entry(i)) + \
+                tuple(sorted(self.partial))
+            object.__setattr__(self, "_mesh_dims", used)
+        return used
 
     def tensor_dim_of(self, mesh_dim: str) -> int | None:
         """The tensor dim that ``mesh_dim`` splits, or None."""
@@ -113,7 +138,11 @@ class ShardSpec:
                       shape=None, label: str | None = None) -> None:
         """Checks that need only the mesh: known mesh dims, each used at most once."""
         # The message prefix is built only on failure: validation runs on every
-        # DistAttr, and formatting a mesh costs more than the checks.
+        # DistAttr, and formatting a mesh costs more than the checks. The checks read
+        # only the mesh's dim names: a spec remembers the last names it passed on.
+        names = mesh.dim_names
+        if self.__dict__.get("_valid_on") == names:
+            return
         used = self.mesh_dims()
         for name in used:
             if name not in mesh.dim_names:
@@ -128,6 +157,7 @@ class ShardSpec:
                                     f"splits at most one tensor dim and is never both "
                                     f"split and partial")
             seen.add(name)
+        object.__setattr__(self, "_valid_on", names)
 
     def validate(self, mesh: ProcessMesh, shape, tensor_name: str = "tensor",
                  label: str | None = None) -> None:

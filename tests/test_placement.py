@@ -90,3 +90,43 @@ def test_dist_attr_validates_against_mesh():
         DistAttr(MESH, ShardSpec(["z"]))
     with pytest.raises(ShardingError, match="not divisible"):
         DistAttr(MESH, ShardSpec(["x"])).local_shape((3,))
+
+
+@pytest.mark.parametrize("dims,partial", [
+    (["x", None], ()), (("x", None), frozenset({"y"})), ([None, "y"], ["x"]), ([], ()),
+    (["x", None], "y"), ([("x", "y"), None], ()), ([["x"], None], set()), (["x", []], ("y",)),
+])
+def test_the_plain_form_constructs_the_spec_the_general_path_does(dims, partial):
+    """Entries that are None or names (and partial names) are stored as given; the same
+    spec the normalising path makes from the same entries in any other form."""
+    spec = ShardSpec(dims, partial)
+    general = ShardSpec(iter(dims), partial if not isinstance(partial, (str,)) else [partial])
+    assert spec == general and hash(spec) == hash(general) and str(spec) == str(general)
+    assert type(spec.dims) is tuple and type(spec.partial) is frozenset
+
+
+@pytest.mark.parametrize("dims", [["", None], [None, 3], [("x", ""), None]])
+def test_malformed_entries_fail_on_the_plain_form_too(dims):
+    with pytest.raises(ShardingError):
+        ShardSpec(dims)
+    with pytest.raises(ShardingError):
+        ShardSpec(["x"], partial=[""])
+
+
+def test_a_spec_checked_on_one_mesh_is_checked_again_on_another():
+    """A spec remembers only the dim names it passed on: on a mesh of other names, or
+    after failing, it is checked again (and fails each time)."""
+    spec = ShardSpec(["x", "y"])
+    spec.validate_mesh(MESH)
+    spec.validate_mesh(MESH)
+    other = ProcessMesh([0, 1], ["x"])
+    for _ in range(2):
+        with pytest.raises(ShardingError, match="unknown mesh dim 'y'"):
+            spec.validate_mesh(other)
+        with pytest.raises(ShardingError, match="unknown mesh dim 'y'"):
+            DistAttr(other, spec)
+    twice = ShardSpec(["x", "x"])
+    for _ in range(2):
+        with pytest.raises(ShardingError, match="used twice"):
+            twice.validate_mesh(MESH)
+    assert spec.mesh_dims() == ("x", "y") and ShardSpec([None], "y").mesh_dims() == ("y",)

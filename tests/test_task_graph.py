@@ -264,8 +264,9 @@ def test_a_value_sent_to_a_stage_is_sent_once_and_resharded_there(float64, micro
     (("gpt", "dp_tp", 4), dict(micro_batches=2)),
 ])
 def test_a_process_lists_every_group_of_its_steps_once(key, strategy):
-    """compile_process finds a collective's group once per (mesh, mesh dim): the groups
-    equal those of every step of every point, found one by one."""
+    """compile_process finds a collective's group once per (mesh, mesh dim) and scans a
+    shared p2p step once: the groups equal those of every step of every point, found
+    one by one."""
     from distgraph.passes.partition import gather_points
     from distgraph.plan.devices import COLLECTIVE, CommGroup, step_groups
 

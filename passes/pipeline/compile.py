@@ -147,6 +147,7 @@ def comm_groups(plan, pid: int, local, gathers, state_points) -> tuple:
     :attr:`~distgraph.plan.devices.CommGroup.key` order."""
     found: dict = {}
     seen: set = set()       # (mesh, mesh dim) of the collective steps met: the same groups
+    scanned: set = set()    # ids of the p2p steps met (points share them; they stay alive)
     for point in list(local.points()) + list(gathers) + list(state_points):
         for step in point.steps:
             if step.kind.is_collective:
@@ -154,6 +155,10 @@ def comm_groups(plan, pid: int, local, gathers, state_points) -> tuple:
                 if where in seen:       # (a world mesh's group costs ms to find: skipped)
                     continue
                 seen.add(where)
+            elif step.transfers:        # a p2p step's tiles are scanned once
+                if id(step) in scanned:
+                    continue
+                scanned.add(id(step))
             for g in step_groups(step, pid, plan.ranks):
                 found.setdefault(g.key, g)
     for index, members in local.op_groups():

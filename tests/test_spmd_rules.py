@@ -218,3 +218,31 @@ def test_transpose_permutes_splits_both_ways():
     res = rule.infer_backward([[U, U, U]], [["y", "x", None]], [(4, 6, 12)], [(12, 4, 6)],
                               MESH, perm=(2, 0, 1))
     assert specs(res) == (["[x, None, y]"], ["[y, x, None]"])
+
+
+def _filled_by_definition(spec, other):
+    """DimsSpec.filled_from by its definition: each unknown entry, in dim order, takes
+    ``other``'s known one unless a mesh dim it uses is taken already."""
+    used = {m for e in spec.dims if e is not U and e is not None
+            for m in ((e,) if isinstance(e, str) else e)} | set(spec.partial)
+    out = list(spec.dims)
+    for i, (a, b) in enumerate(zip(spec.dims, other.dims)):
+        if a is U and b is not U:
+            new = () if b is None else (b,) if isinstance(b, str) else tuple(b)
+            if not used & set(new):
+                out[i] = b
+                used |= set(new)
+    return DimsSpec(tuple(out), spec.partial)
+
+
+def test_filled_from_is_its_definition_on_random_specs():
+    import random
+
+    rng = random.Random(0)
+    entries = [U, None, "x", "y", "z", ("x", "y"), ("y", "z")]
+    for _ in range(3000):
+        ndim = rng.randint(0, 3)
+        spec = DimsSpec(tuple(rng.choice(entries) for _ in range(ndim)),
+                        frozenset(rng.sample(["x", "y", "z"], rng.randint(0, 1))))
+        other = DimsSpec(tuple(rng.choice(entries) for _ in range(rng.randint(0, 3))))
+        assert spec.filled_from(other) == _filled_by_definition(spec, other), (spec, other)

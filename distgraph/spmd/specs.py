@@ -96,20 +96,21 @@ class DimsSpec:
     def filled_from(self, other: DimsSpec) -> DimsSpec:
         """Unknown entries taken from ``other`` (in dim order) unless that would use a
         mesh dim twice; known entries and ``partial`` stay."""
-        if UNKNOWN not in self.dims:
+        dims = self.dims
+        if UNKNOWN not in dims:
             return self
-        todo = [i for i, (a, b) in enumerate(zip(self.dims, other.dims))
-                if a is UNKNOWN and b is not UNKNOWN]
-        if not todo:
-            return self
-        used = self.used()
-        out = list(self.dims)
-        for i in todo:
-            new = entry_dims(other.dims[i])
-            if used.isdisjoint(new):
-                out[i] = other.dims[i]
-                used.update(new)
-        return DimsSpec(tuple(out), self.partial)
+        out = used = None           # (one pass: completion asks this of every operand)
+        for i, (a, b) in enumerate(zip(dims, other.dims)):
+            if a is UNKNOWN and b is not UNKNOWN:
+                if used is None:
+                    used = self.used()
+                new = entry_dims(b)
+                if used.isdisjoint(new):
+                    if out is None:
+                        out = list(dims)
+                    out[i] = b
+                    used.update(new)
+        return self if out is None else DimsSpec(tuple(out), self.partial)
 
     def known(self) -> DimsSpec:
         """Unknown entries become None (what completion does at the end)."""

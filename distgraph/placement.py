@@ -165,6 +165,11 @@ class ShardSpec:
         lay out a tensor of ``shape`` on ``mesh``. ``label`` names the tensor in full
         (``parameter 'weight' of Linear(16, 64)``) instead of ``tensor '<tensor_name>'``."""
         shape = tuple(shape)
+        # The checks read the mesh's dim names and sizes and the shape: a spec remembers
+        # the last ones it passed on (most are checked again and again on them).
+        key = (mesh.dim_names, mesh.shape, shape)
+        if self.__dict__.get("_valid_for") == key:
+            return
         if len(shape) != self.ndim:
             where = self._where(mesh, tensor_name, shape, label)
             raise ShardingError(f"{where}: the spec has {self.ndim} entries for a "
@@ -180,6 +185,7 @@ class ShardSpec:
                                     f"divisible by {parts} (the size of mesh dims "
                                     f"{list(self.entry(i))}); pad the tensor or split it "
                                     f"over fewer processes")
+        object.__setattr__(self, "_valid_for", key)
 
     def _where(self, mesh, tensor_name, shape, label=None) -> str:
         shape_s = "" if shape is None else f" of shape {list(shape)}"

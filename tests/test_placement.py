@@ -130,3 +130,18 @@ def test_a_spec_checked_on_one_mesh_is_checked_again_on_another():
         with pytest.raises(ShardingError, match="used twice"):
             twice.validate_mesh(MESH)
     assert spec.mesh_dims() == ("x", "y") and ShardSpec([None], "y").mesh_dims() == ("y",)
+
+
+def test_a_spec_valid_for_one_shape_is_checked_again_for_another():
+    """validate remembers only the (dim names, mesh sizes, shape) it last passed on."""
+    spec = ShardSpec([None, "y"])
+    spec.validate(MESH, (4, 6))
+    spec.validate(MESH, (4, 6))
+    for _ in range(2):
+        with pytest.raises(ShardingError, match="dim 1 of size 5 is not divisible by 3"):
+            spec.validate(MESH, (4, 5))
+        with pytest.raises(ShardingError, match="not divisible by 4"):
+            spec.validate(ProcessMesh([[0, 1, 2, 3]], ["x", "y"]), (4, 6))
+        with pytest.raises(ShardingError, match="1 entries for a 2-d tensor|2 entries"):
+            spec.validate(MESH, (6,))
+    spec.validate(MESH, (4, 6))

@@ -278,3 +278,14 @@ def test_fixed_cases_on_four_mpi_ranks():
     assert "reshard-mpi OK 47 cases" in proc.stdout
     for kind in ("all_to_all", "reduce_scatter", "send_recv", "make_partial"):
         assert kind in proc.stdout
+
+
+def test_step_kinds_parse_from_kinds_and_names_alike():
+    from distgraph.errors import PlanError
+    from distgraph.plan.kinds import ALL_TO_ALLV, StepKind
+
+    for kind in StepKind:
+        assert StepKind.parse(kind) is kind and StepKind.parse(kind.value) is kind
+    assert StepKind.parse(ALL_TO_ALLV) is StepKind.ALL_TO_ALL
+    with pytest.raises(PlanError, match="unknown communication kind 'gather'"):
+        StepKind.parse("gather")

@@ -50,6 +50,8 @@ class StepKind(Kind):
     def parse(cls, kind) -> "StepKind":
         """``kind`` as a StepKind (:data:`ALL_TO_ALLV` is an all_to_all); a PlanError
         naming the known kinds for anything else."""
+        if kind.__class__ is cls:       # already one (every step and price asks)
+            return kind
         if kind == ALL_TO_ALLV:
             return cls.ALL_TO_ALL
         try:

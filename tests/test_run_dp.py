@@ -314,3 +314,47 @@ def test_interleaved_objective_is_the_replayed_schedules_makespan(S, v, M):
                                        chunk_layers)
     assert times == [v * 3.0] * S
     assert objective == pytest.approx(makespan, rel=1e-12)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_the_prefix_bound_bounds_every_longer_plan_and_keeps_each_caps_answer(seed):
+    """``_RunSearch.solve_cap`` stops adding stages once ``min F(s, k, d) + P[k, d]``
+    (``_prefix_bound``: the least any stages covering layers 0..k-1 with the units left
+    can cost) is no less than the best plan found: on every cap, every plan of more
+    stages than s (the full DP's tables, the bound switched off) sums to at least that
+    bound, and the cap's answer (summed time and stages) is the full DP's."""
+    from distgraph.passes.search import run_dp
+
+    rng = np.random.default_rng(900 + seed)
+    if seed % 2:
+        cluster = two_kind_cluster(rng, *[((2, 4), (1, 4)), ((1, 4), (2, 2)),
+                                          ((4, 2), (1, 2))][seed % 3])
+    else:
+        cluster = cluster_of(*[(1, 8), (4, 4), (8, 2)][seed % 3],
+                             memory=float(rng.uniform(1.0, 3.0)))
+    options, count, blocks, B = random_layers(rng, cluster, seed)
+
+    def p2p(option):
+        return 0.05 * option.parts["block"][0].time
+
+    _, search = run_dp._setup(count, blocks, options, cluster, B, True, p2p)
+    bound = search._prefix_bound()
+    full = (0,) + tuple(search.caps)
+    stopped = 0
+    for cap in search.caps_sorted:
+        search._prefix = bound
+        answer = search.solve_cap(float(cap))
+        levels = search.levels
+        search._prefix = np.full_like(bound, -1e300)            # never stops early
+        tables = []
+        walk = search._walk
+        search._walk = lambda t, s, reach: (tables.extend(t), walk(t, s, reach))[1]
+        plain = search.solve_cap(float(cap))
+        del search._walk
+        assert answer == plain
+        stopped += levels < search.levels
+        for s in range(1, len(tables)):
+            low = (tables[s][1:] + bound[1:]).min()
+            later = [float(t[full]) for t in tables[s + 1:]]
+            assert all(x >= low or math.isclose(x, low, rel_tol=1e-12) for x in later)
+    assert stopped or len(search.caps_sorted) < 3 or not np.isfinite(bound).any()

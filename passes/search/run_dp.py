@@ -121,6 +121,7 @@ class _RunSearch(_Search):
         # reach as one array per option: (stages + 1, keys), (False, False) first
         most = [np.stack([v[key] for key in keys], axis=1) for v in reach]
         tables, best, best_s = [F], math.inf, None
+        prefix = self._prefix_bound()
         for s in range(1, self.max_stages + 1):
             G = np.full_like(F, np.inf)
             for n in self._live(most, keys, s):
@@ -131,9 +132,69 @@ class _RunSearch(_Search):
                 best, best_s = float(G[full]), s
             if not np.isfinite(G).any():
                 break
+            # a plan of more stages ends in s of them (an entry of G at k >= 1) after a
+            # prefix no cheaper than ``prefix`` (_prefix_bound): none beats ``best``
+            if math.isfinite(best) and (G[1:] + prefix[1:]).min() >= best:
+                break
+        self.levels = len(tables) - 1           # the stage counts tabled (tests read it)
         if best_s is None:
             return math.inf, None
         return best, self._walk(tables, best_s, reach)
+
+    def _prefix_bound(self) -> np.ndarray:
+        """P[k, d]: a lower bound on the summed time of any stages (one or more) that
+        cover layers 0 .. k-1 with the units the table's ``d`` leaves (``caps - d`` per
+        device mesh), inf where no option fits them; P[0] is inf (no prefix). Such a
+        prefix holds no H (a table entry's stages cover the last layer); each of its
+        stages on an option o of blocks only costs at least ``m beta_o`` for its m
+        blocks (``beta_o``: o's least seconds per block over its stage lengths), the one
+        holding E at least ``e + m beta`` (``e``: the least ``T_o(E, m) - m beta`` there),
+        ``beta`` the least ``beta_o`` of the options that fit. So a plan of more than s
+        stages sums to at least ``min_k,d (F(s, k, d) + P[k, d])`` (:meth:`solve_cap`
+        stops when that is no less than its best). Made once per search, whatever the cap."""
+        if getattr(self, "_prefix", None) is None:
+            b0, b1, L = self.blocks.start, self.blocks.stop, self.L
+            grid = np.full(self.dims, np.inf)       # beta over what the prefix may use
+            fits = np.zeros(self.dims, dtype=bool)
+            per_block = []
+            for r in self.options:
+                t = r.table[False, False][1:, 0] / np.arange(1, b1 - b0 + 1) \
+                    if (False, False) in r.table and b1 > b0 else np.empty(0)
+                beta = float(t[np.isfinite(t)].min()) if np.isfinite(t).any() else math.inf
+                per_block.append(beta)
+                room = self._room(r)
+                fits |= room
+                grid = np.where(room, np.minimum(grid, beta), grid)
+            # where every option that fits costs inf per block, 0 is still a lower bound
+            grid = np.where(fits & ~np.isfinite(grid), 0.0, grid)
+            first = np.full(self.dims, np.inf)
+            if b0 > 0:
+                for r in self.options:
+                    if (True, False) not in r.table:
+                        continue
+                    times = r.table[True, False][:, 0]
+                    m = np.arange(len(times)).reshape((-1,) + (1,) * len(self.dims))
+                    with np.errstate(invalid="ignore"):     # 0 x inf where r has no room
+                        low = np.where(np.isfinite(times).reshape(m.shape),
+                                       times.reshape(m.shape) - m * grid[None],
+                                       np.inf).min(axis=0)
+                    first = np.where(self._room(r), np.minimum(first, low), first)
+            k = np.arange(L + 1).reshape((-1,) + (1,) * len(self.dims))
+            blocks = np.clip(np.minimum(k, b1) - b0, 0, None)
+            with np.errstate(invalid="ignore"):
+                out = blocks * grid[None] + (first[None] if b0 > 0 else 0.0)
+            out = np.where(fits[None] & ~np.isnan(out), out, np.inf)
+            out[0] = np.inf
+            self._prefix = out
+        return self._prefix
+
+    def _room(self, r) -> np.ndarray:
+        """Over the table's device counts d: whether the units ``caps - d`` left before
+        them hold a stage of option ``r``."""
+        shape = [1] * len(self.dims)
+        shape[r.axis] = self.dims[r.axis]
+        left = self.caps[r.axis] - np.arange(self.dims[r.axis]).reshape(shape)
+        return np.broadcast_to(left >= r.size, self.dims)
 
     def _live(self, most, keys, s) -> list:
         """The options that may lower a table entry with ``s`` micro-batches in flight:

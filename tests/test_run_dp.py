@@ -318,11 +318,12 @@ def test_interleaved_objective_is_the_replayed_schedules_makespan(S, v, M):
 
 @pytest.mark.parametrize("seed", range(10))
 def test_the_prefix_bound_bounds_every_longer_plan_and_keeps_each_caps_answer(seed):
-    """``_RunSearch.solve_cap`` stops adding stages once ``min F(s, k, d) + P[k, d]``
-    (``_prefix_bound``: the least any stages covering layers 0..k-1 with the units left
-    can cost) is no less than the best plan found: on every cap, every plan of more
-    stages than s (the full DP's tables, the bound switched off) sums to at least that
-    bound, and the cap's answer (summed time and stages) is the full DP's."""
+    """``_RunSearch.solve_cap`` stops adding stages once ``longer_bound`` (the least
+    ``F(s, k, d) + P[k, d]`` over the entries whose layers 0..k-1 the units left can
+    hold, ``P`` the least any stages covering them can cost) is no less than the best
+    plan found, or inf: on every cap, every plan of more stages than s (the full DP's
+    tables, the bound switched off) sums to at least that bound (and none exists where
+    it is inf), and the cap's answer (summed time and stages) is the full DP's."""
     from distgraph.passes.search import run_dp
 
     rng = np.random.default_rng(900 + seed)
@@ -338,23 +339,24 @@ def test_the_prefix_bound_bounds_every_longer_plan_and_keeps_each_caps_answer(se
         return 0.05 * option.parts["block"][0].time
 
     _, search = run_dp._setup(count, blocks, options, cluster, B, True, p2p)
-    bound = search._prefix_bound()
     full = (0,) + tuple(search.caps)
+    keys = list(search.options[0].table)
     stopped = 0
-    for cap in search.caps_sorted:
-        search._prefix = bound
+    caps = search.caps_sorted
+    for cap in caps[::max(1, len(caps) // 24)]:          # 24 caps or so, low to high
         answer = search.solve_cap(float(cap))
         levels = search.levels
-        search._prefix = np.full_like(bound, -1e300)            # never stops early
-        tables = []
-        walk = search._walk
-        search._walk = lambda t, s, reach: (tables.extend(t), walk(t, s, reach))[1]
+        tables = []         # the table of each stage count, 1, 2 .. (never stopping early)
+        search.longer_bound = lambda G, density: (tables.append(G), -math.inf)[1]
         plain = search.solve_cap(float(cap))
-        del search._walk
+        del search.longer_bound
         assert answer == plain
         stopped += levels < search.levels
-        for s in range(1, len(tables)):
-            low = (tables[s][1:] + bound[1:]).min()
-            later = [float(t[full]) for t in tables[s + 1:]]
+        most = [np.stack([r.reach(search.max_stages, float(cap), B)[key] for key in keys],
+                         axis=1) for r in search.options]
+        density = search._densities(most, keys)
+        for s, G in enumerate(tables, start=1):
+            low = search.longer_bound(G, density[min(s + 1, search.max_stages)])
+            later = [float(t[full]) for t in tables[s:]]
             assert all(x >= low or math.isclose(x, low, rel_tol=1e-12) for x in later)
-    assert stopped or len(search.caps_sorted) < 3 or not np.isfinite(bound).any()
+    assert stopped or len(caps) < 3

@@ -121,7 +121,7 @@ class _RunSearch(_Search):
         # reach as one array per option: (stages + 1, keys), (False, False) first
         most = [np.stack([v[key] for key in keys], axis=1) for v in reach]
         tables, best, best_s = [F], math.inf, None
-        prefix = self._prefix_bound()
+        density = self._densities(most, keys)
         for s in range(1, self.max_stages + 1):
             G = np.full_like(F, np.inf)
             for n in self._live(most, keys, s):
@@ -133,13 +133,47 @@ class _RunSearch(_Search):
             if not np.isfinite(G).any():
                 break
             # a plan of more stages ends in s of them (an entry of G at k >= 1) after a
-            # prefix no cheaper than ``prefix`` (_prefix_bound): none beats ``best``
-            if math.isfinite(best) and (G[1:] + prefix[1:]).min() >= best:
+            # prefix that fits the units left and costs no less than _prefix_bound's
+            # bound: where none beats ``best`` (or none can be made), no longer plan does
+            if self.longer_bound(G, density[min(s + 1, self.max_stages)]) >= best:
                 break
         self.levels = len(tables) - 1           # the stage counts tabled (tests read it)
         if best_s is None:
             return math.inf, None
         return best, self._walk(tables, best_s, reach)
+
+    def _densities(self, most, keys) -> np.ndarray:
+        """[s, a]: the most layers per unit a stage on device mesh a may hold with s
+        stages from it to the last (one holding E: E and its blocks), over the options
+        (``most``: their reach at the cap, as :meth:`solve_cap` keeps it); it only falls
+        as s grows (more micro-batches in flight)."""
+        out = np.zeros((self.max_stages + 1, len(self.dims)))
+        plain = keys.index((False, False)) if (False, False) in keys else None
+        first = keys.index((True, False)) if (True, False) in keys else None
+        for r, m in zip(self.options, most):
+            layers = np.zeros(len(m))
+            if plain is not None:
+                layers = np.maximum(layers, m[:, plain])
+            if first is not None:
+                layers = np.maximum(layers, np.where(m[:, first] >= 0, m[:, first] + 1, 0))
+            out[:, r.axis] = np.maximum(out[:, r.axis], layers / r.size)
+        return out
+
+    def longer_bound(self, G, density) -> float:
+        """A lower bound on the summed time of every plan of more stages than ``G``'s
+        (the table of s stages): its last s stages are an entry G[k, d] (k >= 1), its
+        first ones cover layers 0..k-1 with the units ``caps - d`` left, which hold at
+        most ``sum_a (caps_a - d_a) density_a`` layers (``density``: :meth:`_densities`
+        at s + 1, a stage that far from the last holding no more), at a cost no less
+        than :meth:`_prefix_bound`'s; inf where no entry can be so extended."""
+        shape = (1,) * len(self.dims)
+        room = np.zeros(self.dims)
+        for a, c in enumerate(self.caps):
+            left = c - np.arange(self.dims[a])
+            room = room + (left * density[a]).reshape(shape[:a] + (-1,) + shape[a + 1:])
+        k = np.arange(1, self.L + 1).reshape((-1,) + shape)
+        fits = k <= room[None] + 1e-9
+        return float(np.where(fits, G[1:] + self._prefix_bound()[1:], np.inf).min())
 
     def _prefix_bound(self) -> np.ndarray:
         """P[k, d]: a lower bound on the summed time of any stages (one or more) that

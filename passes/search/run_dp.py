@@ -63,15 +63,32 @@ class _Run:
         stages from it to the last, at index ``s`` for s = 0 .. ``stages``} (-1: none):
         1F1B keeps ``min(s, micro_batches)`` micro-batches in flight there."""
         out = {}
-        s = np.minimum(np.arange(0, stages + 1), micro_batches or stages)[:, None]
+        memory = self._memory_reach(stages, micro_batches)
         for (first, last), t in self.table.items():
-            ok = (t[:, 0] <= cap) & (t[:, 1] + (s - 1) * t[:, 2] <= self.limit)
-            # costs grow with the blocks: the feasible counts are a prefix (from 0 or 1)
+            # costs grow with the blocks: the feasible counts are a prefix (from 0 or 1);
+            # the first count over the cap or over the memory ends it
             start = 0 if (first or last) else 1
-            bad = ~ok[:, start:]
-            top = np.where(bad.any(axis=1), bad.argmax(axis=1), len(t) - start) + start - 1
+            slow = ~(t[start:, 0] <= cap)
+            over = int(slow.argmax()) if slow.any() else len(t) - start
+            top = np.minimum(memory[first, last], over) + start - 1
             out[first, last] = np.where(top >= start, top, -1)
         return out
+
+    def _memory_reach(self, stages: int, micro_batches) -> dict:
+        """{(E?, H?): at index s, the position (from the first count :meth:`reach`
+        counts) of the first block count over the memory with s stages to the last}:
+        the same whatever the cap, kept per (stages, micro-batches)."""
+        key = (stages, micro_batches)
+        if getattr(self, "_memory", (None,))[0] != key:
+            out = {}
+            s = np.minimum(np.arange(0, stages + 1), micro_batches or stages)[:, None]
+            for (first, last), t in self.table.items():
+                start = 0 if (first or last) else 1
+                bad = ~(t[:, 1] + (s - 1) * t[:, 2] <= self.limit)[:, start:]
+                out[first, last] = np.where(bad.any(axis=1), bad.argmax(axis=1),
+                                            len(t) - start)
+            self._memory = (key, out)
+        return self._memory[1]
 
     def times(self, k: int, s: int, reach: dict) -> np.ndarray:
         """Seconds of layers k..i here for i = k .. count-1, inf where they do not fit

@@ -207,12 +207,10 @@ class _RunSearch(_Search):
             b0, b1, L = self.blocks.start, self.blocks.stop, self.L
             grid = np.full(self.dims, np.inf)       # beta over what the prefix may use
             fits = np.zeros(self.dims, dtype=bool)
-            per_block = []
             for r in self.options:
                 t = r.table[False, False][1:, 0] / np.arange(1, b1 - b0 + 1) \
                     if (False, False) in r.table and b1 > b0 else np.empty(0)
                 beta = float(t[np.isfinite(t)].min()) if np.isfinite(t).any() else math.inf
-                per_block.append(beta)
                 room = self._room(r)
                 fits |= room
                 grid = np.where(room, np.minimum(grid, beta), grid)

@@ -314,3 +314,49 @@ def test_interleaved_objective_is_the_replayed_schedules_makespan(S, v, M):
                                        chunk_layers)
     assert times == [v * 3.0] * S
     assert objective == pytest.approx(makespan, rel=1e-12)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_the_prefix_bound_bounds_every_longer_plan_and_keeps_each_caps_answer(seed):
+    """``_RunSearch.solve_cap`` stops adding stages once ``longer_bound`` (the least
+    ``F(s, k, d) + P[k, d]`` over the entries whose layers 0..k-1 the units left can
+    hold, ``P`` the least any stages covering them can cost) is no less than the best
+    plan found, or inf: on every cap, every plan of more stages than s (the full DP's
+    tables, the bound switched off) sums to at least that bound (and none exists where
+    it is inf), and the cap's answer (summed time and stages) is the full DP's."""
+    from distgraph.passes.search import run_dp
+
+    rng = np.random.default_rng(900 + seed)
+    if seed % 2:
+        cluster = two_kind_cluster(rng, *[((2, 4), (1, 4)), ((1, 4), (2, 2)),
+                                          ((4, 2), (1, 2))][seed % 3])
+    else:
+        cluster = cluster_of(*[(1, 8), (4, 4), (8, 2)][seed % 3],
+                             memory=float(rng.uniform(1.0, 3.0)))
+    options, count, blocks, B = random_layers(rng, cluster, seed)
+
+    def p2p(option):
+        return 0.05 * option.parts["block"][0].time
+
+    _, search = run_dp._setup(count, blocks, options, cluster, B, True, p2p)
+    full = (0,) + tuple(search.caps)
+    keys = list(search.options[0].table)
+    stopped = 0
+    caps = search.caps_sorted
+    for cap in caps[::max(1, len(caps) // 24)]:          # 24 caps or so, low to high
+        answer = search.solve_cap(float(cap))
+        levels = search.levels
+        tables = []         # the table of each stage count, 1, 2 .. (never stopping early)
+        search.longer_bound = lambda G, density: (tables.append(G), -math.inf)[1]
+        plain = search.solve_cap(float(cap))
+        del search.longer_bound
+        assert answer == plain
+        stopped += levels < search.levels
+        most = [np.stack([r.reach(search.max_stages, float(cap), B)[key] for key in keys],
+                         axis=1) for r in search.options]
+        density = search._densities(most, keys)
+        for s, G in enumerate(tables, start=1):
+            low = search.longer_bound(G, density[min(s + 1, search.max_stages)])
+            later = [float(t[full]) for t in tables[s:]]
+            assert all(x >= low or math.isclose(x, low, rel_tol=1e-12) for x in later)
+    assert stopped or len(caps) < 3

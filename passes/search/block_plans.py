@@ -114,6 +114,7 @@ def _fitting_alike(options, count: int, blocks: range, cluster, micro_batches: i
     neighbour): a plan the DP can make, so its optimum is no greater (inf where none)."""
     best = math.inf
     meshes = cluster.device_meshes
+    limits: dict = {}               # device ids of a mesh -> their least memory
     for option in options:
         mesh = option.sub.mesh
         if len(meshes) != 1 or mesh.size % option.sub.size:
@@ -121,7 +122,9 @@ def _fitting_alike(options, count: int, blocks: range, cluster, micro_batches: i
         S = mesh.size // option.sub.size
         if S > count:
             continue
-        limit = min(cluster.device(i).memory for i in mesh.ids)
+        if mesh.ids not in limits:
+            limits[mesh.ids] = min(cluster.device(i).memory for i in mesh.ids)
+        limit = limits[mesh.ids]
         sends = p2p(option) if p2p is not None else 0.0
         times = []
         for s, (first, n, last) in enumerate(even_parts(S, blocks, count)):

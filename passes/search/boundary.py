@@ -48,6 +48,7 @@ def boundary_seconds(option, cluster) -> float:
     space, choice = result.space, result.choice
     names = list(result.space.mesh.dim_names)
     total = 0.0
+    made: dict = {}         # logical shape -> (here, there, rings): alike for its Values
     for received, _ in result.boundary.periodic:
         node = space.source_node[received]
         spec = space.nodes[node].strategies[choice[node]].out_specs[0]
@@ -62,12 +63,14 @@ def boundary_seconds(option, cluster) -> float:
         shape = tuple(d // n if outer in spec.entry(i) else d
                       for i, d in enumerate(value.shape))
         size = int(np.prod(logical))
-        ids = np.arange(2 * size)
-        here = ProcessMesh(ids[:size].reshape(logical).tolist(), dim_names=names)
-        there = ProcessMesh(ids[size:].reshape(logical).tolist(), dim_names=names)
-        devices = dict(enumerate(int(d) for d in np.concatenate([pieces[0][:size],
-                                                                 pieces[1][:size]])))
-        rings = Rings(cluster, devices.__getitem__)
+        if logical not in made:
+            ids = np.arange(2 * size)
+            devices = dict(enumerate(int(d) for d in np.concatenate([pieces[0][:size],
+                                                                     pieces[1][:size]])))
+            made[logical] = (ProcessMesh(ids[:size].reshape(logical).tolist(), dim_names=names),
+                             ProcessMesh(ids[size:].reshape(logical).tolist(), dim_names=names),
+                             Rings(cluster, devices.__getitem__))
+        here, there, rings = made[logical]
         t = logical[-1]
         senders, receivers = range(t), range(size, size + t)
         steps = plan_reshard(DistAttr(here, spec), DistAttr(there, spec), shape,

@@ -121,7 +121,8 @@ def block_layers(program, paths) -> Layering | None:
     blocks = range(head, head + len(paths))
     # the interior blocks must be identical; the first and the last may differ in a few
     # light ops (where the sums of their input's and output's gradients fall)
-    if len({_signature(program, layer_of, layer) for layer in blocks[1:-1]}) != 1:
+    members = ops_by_layer(layer_of)
+    if len({_signature(program, members.get(layer, ())) for layer in blocks[1:-1]}) != 1:
         return None
     flops, received = [0.0] * count, [0.0] * count
     made_in = {}
@@ -143,13 +144,21 @@ def _block_of(layer: str, paths) -> int | None:
     return None
 
 
-def _signature(program, layer_of, layer) -> tuple:
+def _signature(program, ops) -> tuple:
     # A random op's seed changes its numbers, not its shapes, layouts or cost: blocks
     # that differ only in their dropout seeds are identical here.
     return tuple((op.type, op.role, tuple(v.shape for v in op.inputs),
                   tuple(o.shape for o in op.outputs),
                   repr(sorted((a, x) for a, x in op.attrs.items() if a != "seed")))
-                 for k, op in enumerate(program.ops) if layer_of[k] == layer)
+                 for op in (program.ops[k] for k in ops))
+
+
+def ops_by_layer(layer_of) -> dict:
+    """{layer: the indices of its ops, in program order} (``layer_of[k]``: op k's)."""
+    out: dict = {}
+    for k, layer in enumerate(layer_of):
+        out.setdefault(layer, []).append(k)
+    return out
 
 
 def _received(program, forward) -> np.ndarray:
@@ -239,16 +248,18 @@ def _assign_rest(program, layer_of, count) -> None:
             layer_of[k] = layer_of[first] if first is not None else None
 
 
-def op_keys(program, layer_of, layer, path) -> dict:
+def op_keys(program, layer_of, layer, path, ops=None) -> dict:
     """{key: op index} of layer ``layer``'s ops: ``("forward", n)``, ``("backward",
     forward key, m)`` (the m-th op made for that forward op: its recomputed copy, its
-    gradients), ``("update", parameter path below the block)``, ``("other", n)``."""
+    gradients), ``("update", parameter path below the block)``, ``("other", n)``.
+    ``ops``: the layer's op indices in program order, where known (:func:`ops_by_layer`)."""
     keys: dict = {}
     forward: dict = {}
     count: dict = {}
-    for k, op in enumerate(program.ops):
-        if layer_of[k] != layer:
-            continue
+    if ops is None:
+        ops = [k for k in range(len(program.ops)) if layer_of[k] == layer]
+    for k in ops:
+        op = program.ops[k]
         if op.role in FORWARD:
             key = ("forward", len(forward))
             forward[id(op)] = key

@@ -63,15 +63,32 @@ class _Run:
         stages from it to the last, at index ``s`` for s = 0 .. ``stages``} (-1: none):
         1F1B keeps ``min(s, micro_batches)`` micro-batches in flight there."""
         out = {}
-        s = np.minimum(np.arange(0, stages + 1), micro_batches or stages)[:, None]
+        memory = self._memory_reach(stages, micro_batches)
         for (first, last), t in self.table.items():
-            ok = (t[:, 0] <= cap) & (t[:, 1] + (s - 1) * t[:, 2] <= self.limit)
-            # costs grow with the blocks: the feasible counts are a prefix (from 0 or 1)
+            # costs grow with the blocks: the feasible counts are a prefix (from 0 or 1);
+            # the first count over the cap or over the memory ends it
             start = 0 if (first or last) else 1
-            bad = ~ok[:, start:]
-            top = np.where(bad.any(axis=1), bad.argmax(axis=1), len(t) - start) + start - 1
+            slow = ~(t[start:, 0] <= cap)
+            over = int(slow.argmax()) if slow.any() else len(t) - start
+            top = np.minimum(memory[first, last], over) + start - 1
             out[first, last] = np.where(top >= start, top, -1)
         return out
+
+    def _memory_reach(self, stages: int, micro_batches) -> dict:
+        """{(E?, H?): at index s, the position (from the first count :meth:`reach`
+        counts) of the first block count over the memory with s stages to the last}:
+        the same whatever the cap, kept per (stages, micro-batches)."""
+        key = (stages, micro_batches)
+        if getattr(self, "_memory", (None,))[0] != key:
+            out = {}
+            s = np.minimum(np.arange(0, stages + 1), micro_batches or stages)[:, None]
+            for (first, last), t in self.table.items():
+                start = 0 if (first or last) else 1
+                bad = ~(t[:, 1] + (s - 1) * t[:, 2] <= self.limit)[:, start:]
+                out[first, last] = np.where(bad.any(axis=1), bad.argmax(axis=1),
+                                            len(t) - start)
+            self._memory = (key, out)
+        return self._memory[1]
 
     def times(self, k: int, s: int, reach: dict) -> np.ndarray:
         """Seconds of layers k..i here for i = k .. count-1, inf where they do not fit
@@ -121,6 +138,7 @@ class _RunSearch(_Search):
         # reach as one array per option: (stages + 1, keys), (False, False) first
         most = [np.stack([v[key] for key in keys], axis=1) for v in reach]
         tables, best, best_s = [F], math.inf, None
+        density = self._densities(most, keys)
         for s in range(1, self.max_stages + 1):
             G = np.full_like(F, np.inf)
             for n in self._live(most, keys, s):
@@ -131,9 +149,101 @@ class _RunSearch(_Search):
                 best, best_s = float(G[full]), s
             if not np.isfinite(G).any():
                 break
+            # a plan of more stages ends in s of them (an entry of G at k >= 1) after a
+            # prefix that fits the units left and costs no less than _prefix_bound's
+            # bound: where none beats ``best`` (or none can be made), no longer plan does
+            if self.longer_bound(G, density[min(s + 1, self.max_stages)]) >= best:
+                break
+        self.levels = len(tables) - 1           # the stage counts tabled (tests read it)
         if best_s is None:
             return math.inf, None
         return best, self._walk(tables, best_s, reach)
+
+    def _densities(self, most, keys) -> np.ndarray:
+        """[s, a]: the most layers per unit a stage on device mesh a may hold with s
+        stages from it to the last (one holding E: E and its blocks), over the options
+        (``most``: their reach at the cap, as :meth:`solve_cap` keeps it); it only falls
+        as s grows (more micro-batches in flight)."""
+        out = np.zeros((self.max_stages + 1, len(self.dims)))
+        plain = keys.index((False, False)) if (False, False) in keys else None
+        first = keys.index((True, False)) if (True, False) in keys else None
+        for r, m in zip(self.options, most):
+            layers = np.zeros(len(m))
+            if plain is not None:
+                layers = np.maximum(layers, m[:, plain])
+            if first is not None:
+                layers = np.maximum(layers, np.where(m[:, first] >= 0, m[:, first] + 1, 0))
+            out[:, r.axis] = np.maximum(out[:, r.axis], layers / r.size)
+        return out
+
+    def longer_bound(self, G, density) -> float:
+        """A lower bound on the summed time of every plan of more stages than ``G``'s
+        (the table of s stages): its last s stages are an entry G[k, d] (k >= 1), its
+        first ones cover layers 0..k-1 with the units ``caps - d`` left, which hold at
+        most ``sum_a (caps_a - d_a) density_a`` layers (``density``: :meth:`_densities`
+        at s + 1, a stage that far from the last holding no more), at a cost no less
+        than :meth:`_prefix_bound`'s; inf where no entry can be so extended."""
+        shape = (1,) * len(self.dims)
+        room = np.zeros(self.dims)
+        for a, c in enumerate(self.caps):
+            left = c - np.arange(self.dims[a])
+            room = room + (left * density[a]).reshape(shape[:a] + (-1,) + shape[a + 1:])
+        k = np.arange(1, self.L + 1).reshape((-1,) + shape)
+        fits = k <= room[None] + 1e-9
+        return float(np.where(fits, G[1:] + self._prefix_bound()[1:], np.inf).min())
+
+    def _prefix_bound(self) -> np.ndarray:
+        """P[k, d]: a lower bound on the summed time of any stages (one or more) that
+        cover layers 0 .. k-1 with the units the table's ``d`` leaves (``caps - d`` per
+        device mesh), inf where no option fits them; P[0] is inf (no prefix). Such a
+        prefix holds no H (a table entry's stages cover the last layer); each of its
+        stages on an option o of blocks only costs at least ``m beta_o`` for its m
+        blocks (``beta_o``: o's least seconds per block over its stage lengths), the one
+        holding E at least ``e + m beta`` (``e``: the least ``T_o(E, m) - m beta`` there),
+        ``beta`` the least ``beta_o`` of the options that fit. So a plan of more than s
+        stages sums to at least ``min_k,d (F(s, k, d) + P[k, d])`` (:meth:`solve_cap`
+        stops when that is no less than its best). Made once per search, whatever the cap."""
+        if getattr(self, "_prefix", None) is None:
+            b0, b1, L = self.blocks.start, self.blocks.stop, self.L
+            grid = np.full(self.dims, np.inf)       # beta over what the prefix may use
+            fits = np.zeros(self.dims, dtype=bool)
+            for r in self.options:
+                t = r.table[False, False][1:, 0] / np.arange(1, b1 - b0 + 1) \
+                    if (False, False) in r.table and b1 > b0 else np.empty(0)
+                beta = float(t[np.isfinite(t)].min()) if np.isfinite(t).any() else math.inf
+                room = self._room(r)
+                fits |= room
+                grid = np.where(room, np.minimum(grid, beta), grid)
+            # where every option that fits costs inf per block, 0 is still a lower bound
+            grid = np.where(fits & ~np.isfinite(grid), 0.0, grid)
+            first = np.full(self.dims, np.inf)
+            if b0 > 0:
+                for r in self.options:
+                    if (True, False) not in r.table:
+                        continue
+                    times = r.table[True, False][:, 0]
+                    m = np.arange(len(times)).reshape((-1,) + (1,) * len(self.dims))
+                    with np.errstate(invalid="ignore"):     # 0 x inf where r has no room
+                        low = np.where(np.isfinite(times).reshape(m.shape),
+                                       times.reshape(m.shape) - m * grid[None],
+                                       np.inf).min(axis=0)
+                    first = np.where(self._room(r), np.minimum(first, low), first)
+            k = np.arange(L + 1).reshape((-1,) + (1,) * len(self.dims))
+            blocks = np.clip(np.minimum(k, b1) - b0, 0, None)
+            with np.errstate(invalid="ignore"):
+                out = blocks * grid[None] + (first[None] if b0 > 0 else 0.0)
+            out = np.where(fits[None] & ~np.isnan(out), out, np.inf)
+            out[0] = np.inf
+            self._prefix = out
+        return self._prefix
+
+    def _room(self, r) -> np.ndarray:
+        """Over the table's device counts d: whether the units ``caps - d`` left before
+        them hold a stage of option ``r``."""
+        shape = [1] * len(self.dims)
+        shape[r.axis] = self.dims[r.axis]
+        left = self.caps[r.axis] - np.arange(self.dims[r.axis]).reshape(shape)
+        return np.broadcast_to(left >= r.size, self.dims)
 
     def _live(self, most, keys, s) -> list:
         """The options that may lower a table entry with ``s`` micro-batches in flight:

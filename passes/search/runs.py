@@ -89,7 +89,7 @@ from distgraph.passes.search.costs import SearchCosts
 from distgraph.passes.search.intra_op import (Boundary, accumulating_updates, price,
                                                  search)
 from distgraph.passes.search.block_plans import undominated
-from distgraph.passes.search.layers import op_keys, same_op
+from distgraph.passes.search.layers import op_keys, ops_by_layer, same_op
 from distgraph.passes.search.recursive import Walks
 from distgraph.passes.pipeline.chunks import forward_chunks
 from distgraph.passes.search.sharded_states import sharding_dim, writeback_bytes
@@ -170,8 +170,9 @@ class RunCosts:
         self.has_last = self.blocks.stop < layering.count
         self.rep = self.blocks.start + 1                # an interior block
         paths = copy.block_paths
+        members = ops_by_layer(layering.layer_of)
         self.keys = {layer: op_keys(self.program, layering.layer_of, layer,
-                                     paths[layer - self.blocks.start])
+                                     paths[layer - self.blocks.start], members.get(layer, []))
                      for layer in self.blocks}
         self.weights = {Role.FORWARD: 1, Role.LOSS: 1, Role.BACKWARD: 1, Role.OPTIMIZE: 1 / micro}
         self.searches = 0

@@ -212,8 +212,10 @@ class SearchSpace:
                                    [v.shape for v in op.inputs] + [o.shape for o in op.outputs])
 
     def _add_source(self, v) -> None:
-        found = [s for s in layouts(v.shape, self.mesh)
-                 if self._sequence_only(s.out_specs, [v.shape])]
+        key = ("layouts", tuple(v.shape))        # per shape on this mesh's shape
+        if key not in self._rules:
+            self._rules[key] = tuple(layouts(v.shape, self.mesh))
+        found = [s for s in self._rules[key] if self._sequence_only(s.out_specs, [v.shape])]
         if v.name in self._outside:
             # received from another stage: it arrives as the ops here consume it (the
             # p2p transfer is the same whatever they want), so it offers one layout
@@ -242,31 +244,49 @@ class SearchSpace:
                                                        for o in op.outputs)
         if op.inputs and not constrained and self._light(op):
             for pick in sorted(range(len(op.inputs)), key=lambda i: (-depth_of[i], i)):
-                induced = self._follow(op, pick, operands[pick])
+                induced, key = self._follow(op, pick, operands[pick])
                 names = len({s.name for s in induced})
                 if names >= 2 or names >= min(2, len(self._strategies(op))):
+                    # which answers are allowed depends on what the key names, which
+                    # operands are one Value (_consistent) and the sequence (_op_keeps)
+                    key = ("allowed", key, _aliasing(op), self._sequence)
+                    if key not in self._followed:
+                        self._followed[key] = tuple(_consistent(op, s) and
+                                                    self._op_keeps(op, s) for s in induced)
                     self.nodes.append(Node(
                         index, k, None, label, op.layer, tuple(induced), operands[pick],
-                        tuple(_consistent(op, s) and self._op_keeps(op, s) for s in induced),
-                        tuple(s.out_specs for s in induced)))
+                        self._followed[key], tuple(s.out_specs for s in induced)))
                     self.op_node[k] = index
                     return
-        found = [s for s in self._strategies(op) if _consistent(op, s) and _agrees(op, s)
-                 and self._op_keeps(op, s)]
-        if not found:
-            raise PlanError(f"op {label} has no strategy on {self.mesh} that agrees with its "
-                            "annotations; change the annotations")
-        strategies, hints = [], []
-        summed = [o.name in self._summed for o in op.outputs]
-        for s in found:
+        summed = tuple(o.name in self._summed for o in op.outputs)
+        # unannotated, an op's choices depend on its signature, which operands are one
+        # Value, the sequence and which results a linear op reads: made once per those
+        key = None if constrained else \
+            ("free", self._signature(op), _aliasing(op), self._sequence, summed)
+        if key is None or key not in self._followed:
+            found = [s for s in self._strategies(op) if _consistent(op, s) and _agrees(op, s)
+                     and self._op_keeps(op, s)]
+            if not found:
+                raise PlanError(f"op {label} has no strategy on {self.mesh} that agrees with "
+                                "its annotations; change the annotations")
+            strategies, hints = [], []
             shapes = [o.shape for o in op.outputs]
-            for hint in _settlements(s, shapes, self.mesh, summed):
-                if not self._sequence_only(hint, shapes):
-                    continue
-                strategies.append(s)
-                hints.append(hint)
-        self.nodes.append(Node(index, k, None, label, op.layer, tuple(strategies), -1,
-                               (True,) * len(strategies), tuple(hints)))
+            for s in found:
+                for hint in _settlements(s, shapes, self.mesh, summed):
+                    if not self._sequence_only(hint, shapes):
+                        continue
+                    strategies.append(s)
+                    hints.append(hint)
+            made = (tuple(strategies), tuple(hints))
+            if key is None:
+                self._add_free(index, k, label, op, *made)
+                return
+            self._followed[key] = made
+        self._add_free(index, k, label, op, *self._followed[key])
+
+    def _add_free(self, index, k, label, op, strategies, hints) -> None:
+        self.nodes.append(Node(index, k, None, label, op.layer, strategies, -1,
+                               (True,) * len(strategies), hints))
         self.op_node[k] = index
 
     def _tie_sources_to_updates(self) -> None:
@@ -391,9 +411,10 @@ class SearchSpace:
         bound = self._bound(op)[1]
         return isinstance(bound, EinsumPlan) and bound.light()
 
-    def _follow(self, op, pick: int, leader: int) -> list:
-        """One strategy per strategy of the leader: the rule's answer when the operand
-        ``pick`` (and every other position of the same Value) comes as the leader makes it."""
+    def _follow(self, op, pick: int, leader: int) -> tuple:
+        """(One strategy per strategy of the leader: the rule's answer when the operand
+        ``pick`` (and every other position of the same Value) comes as the leader makes
+        it; the key they are kept by on this mesh's shape)."""
         node = self.nodes[leader]
         j = self.producer[op.inputs[pick].name][1]
         made = tuple(h[j] for h in node.hints)
@@ -422,7 +443,7 @@ class SearchSpace:
                         in_shapes, out_shapes, self.mesh, [v.dtype for v in op.inputs])
                 out.append(answers[spec])
             self._followed[key] = out
-        return self._followed[key]
+        return self._followed[key], key
 
 
 def _index(program, shared: dict) -> tuple:
@@ -488,6 +509,12 @@ def _layer_of_value(name: str) -> str:
     base = name.split("@")[0]
     layer, dot, _ = base.rpartition(".")
     return layer if dot else ""
+
+
+def _aliasing(op) -> tuple:
+    """Which operands of ``op`` are one Value: each operand's first position."""
+    first: dict = {}
+    return tuple(first.setdefault(v.name, i) for i, v in enumerate(op.inputs))
 
 
 def _consistent(op, s) -> bool:

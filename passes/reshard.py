@@ -83,7 +83,8 @@ def plan_reshard_path(mesh: ProcessMesh, src: ShardSpec, dst: ShardSpec, shape,
     shape = tuple(int(s) for s in shape)
     src.validate(mesh, shape, "reshard source")
     dst.validate(mesh, shape, "reshard destination")
-    return tuple((mv.kind, mv.mesh_dim, mesh.dim_size(mv.mesh_dim), mv.buffer_bytes)
+    sizes = dict(zip(mesh.dim_names, mesh.shape))
+    return tuple((mv.kind, mv.mesh_dim, sizes[mv.mesh_dim], mv.buffer_bytes)
                  for _, mv in _search(mesh, _state(src), _state(dst), shape,
                                       dtypes.itemsize(dtype)))
 
@@ -139,27 +140,25 @@ def _spec(state: _State) -> ShardSpec:
 def _moves(sizes: dict, state: _State, goal: _State, shape, itemsize: int,
            scale: int) -> list:
     """The moves from ``state`` in the search's order: per mesh dim (``sizes``: name ->
-    size, in mesh order) its all-reduce then reduce-scatters, or its slices then
-    make-partial, or its all-gather then all-to-alls."""
+    size, in mesh order) its all-reduce then reduce-scatter, or its slice then
+    make-partial, or its all-gather then all-to-all."""
     dims, partial = state
     goal_dims, goal_partial = goal
     parts = []
-    for entry in dims:
+    split = {}          # mesh dim -> the tensor dim it splits
+    nexts = {}          # mesh dim -> the tensor dim whose goal entry it extends next
+    for e, entry in enumerate(dims):
         p = 1
         for x in entry:
             p *= sizes[x]
+            split[x] = e
         parts.append(p)
-    local_bytes = prod(s // p for s, p in zip(shape, parts)) * itemsize
-
-    def targets(base, base_parts, m, n):
-        """Tensor dims where appending m to ``base`` extends a prefix of the goal."""
-        out = []
-        for e, entry in enumerate(base):
-            k, g = len(entry), goal_dims[e]
-            if len(g) > k and g[k] == m and g[:k] == entry and \
-                    shape[e] % (base_parts[e] * n) == 0:
-                out.append(e)
-        return out
+        g, k = goal_dims[e], len(entry)
+        if len(g) > k and g[:k] == entry:
+            nexts[g[k]] = e
+    local_bytes = itemsize
+    for s, p in zip(shape, parts):
+        local_bytes *= s // p
 
     def append(ds, e, m):
         return ds[:e] + (ds[e] + (m,),) + ds[e + 1:]
@@ -167,21 +166,22 @@ def _moves(sizes: dict, state: _State, goal: _State, shape, itemsize: int,
     out = []
     for m, n in sizes.items():
         unit = (n - 1) * (scale // n)   # a move's cost: factor x (n-1) x buffer x scale/n
+        # the one tensor dim (a mesh dim splits one at most) where appending m extends a
+        # prefix of the goal's entry, if the tensor divides there
+        e = nexts.get(m)
+        if e is not None and shape[e] % (parts[e] * n):
+            e = None
         if m in partial:
             rest = partial - {m}
             out.append(_Move(ALL_REDUCE, m, (dims, rest), local_bytes,
                              2 * unit * local_bytes))
-            for e in targets(dims, parts, m, n):
+            if e is not None:
                 out.append(_Move(REDUCE_SCATTER, m, (append(dims, e, m), rest), local_bytes,
                                  unit * local_bytes, e))
             continue
-        d = None
-        for i, entry in enumerate(dims):
-            if m in entry:
-                d = i
-                break
+        d = split.get(m)
         if d is None:
-            for e in targets(dims, parts, m, n):
+            if e is not None:
                 out.append(_Move(SLICE, m, (append(dims, e, m), partial), local_bytes, 0, e))
             if m in goal_partial:
                 out.append(_Move(MAKE_PARTIAL, m, (dims, partial | {m}), local_bytes, 0))
@@ -189,18 +189,16 @@ def _moves(sizes: dict, state: _State, goal: _State, shape, itemsize: int,
             gathered = dims[:d] + (dims[d][:-1],) + dims[d + 1:]
             out.append(_Move(ALL_GATHER, m, (gathered, partial), local_bytes * n,
                              unit * (local_bytes * n), d))
-            gathered_parts = parts[:d] + [parts[d] // n] + parts[d + 1:]
-            for e in targets(gathered, gathered_parts, m, n):
-                if e != d:
-                    out.append(_Move(ALL_TO_ALL, m, (append(gathered, e, m), partial),
-                                     local_bytes, unit * local_bytes, d, e))
+            if e is not None and e != d:    # the other dims' entries and parts are kept
+                out.append(_Move(ALL_TO_ALL, m, (append(gathered, e, m), partial),
+                                 local_bytes, unit * local_bytes, d, e))
     return out
 
 
 def _search(mesh, start: _State, goal: _State, shape, itemsize: int) -> list:
     """The cheapest path's moves from ``start`` to ``goal`` on ``mesh`` as (state before,
     move) pairs: Dijkstra over states by (bytes, steps), the first found among equals."""
-    sizes = {m: mesh.dim_size(m) for m in mesh.dim_names}
+    sizes = dict(zip(mesh.dim_names, mesh.shape))
     scale = math.lcm(*mesh.shape)
     best = {start: (0, 0)}
     back: dict = {}

@@ -187,7 +187,10 @@ class SearchCosts:
             table = alike.tensors[shape, dtype] = {}
         got = table.get((a, b))
         if got is None:
-            got = table[a, b] = self._fresh(src, dst, a, b, shape, dtype)
+            size = math.prod(shape) * dtypes.itemsize(dtype)
+            got = table[a, b] = self._fresh(
+                src, dst, a, b, shape, dtype, size,
+                bool(size) and self._divides(src, a, shape) and self._divides(dst, b, shape))
         return got
 
     def matrix(self, made: tuple, wanted: tuple, shape, dtype: str) -> np.ndarray:
@@ -205,27 +208,38 @@ class SearchCosts:
             table = alike.tensors.get((shape, dtype))
             if table is None:
                 table = alike.tensors[shape, dtype] = {}
-            cols = [(alike.id(w), w) for w in cols]
+            size = math.prod(shape) * dtypes.itemsize(dtype)
+            ids = alike.id
+            cols = [(ids(w), w, None) for w in cols]   # None: whether it divides, unasked
             small = []
             for m in rows:
-                a = alike.id(m)
+                a = ids(m)
+                fits = None
                 row = []
-                for b, w in cols:
+                for j, (b, w, fits_w) in enumerate(cols):
                     price = table.get((a, b))
                     if price is None:
-                        price = table[a, b] = 0.0 if a == b else \
-                            self._fresh(m, w, a, b, shape, dtype)
+                        if a == b:
+                            price = 0.0
+                        else:
+                            if fits is None:
+                                fits = bool(size) and self._divides(m, a, shape)
+                            if fits and fits_w is None:
+                                fits_w = self._divides(w, b, shape)
+                                cols[j] = (b, w, fits_w)
+                            price = self._fresh(m, w, a, b, shape, dtype, size,
+                                                fits and fits_w)
+                        table[a, b] = price
                     row.append(price)
                 small.append(row)
             got = alike.matrices[key] = np.array(small)[np.ix_(row_of, col_of)]
         return got
 
     def _fresh(self, src: ShardSpec, dst: ShardSpec, a: int, b: int, shape: tuple,
-               dtype: str) -> float:
+               dtype: str, size: int, fits: bool) -> float:
         """:meth:`reshard`'s price of ``src`` (id ``a``) to ``dst`` (id ``b``), not yet
-        known for this tensor."""
-        size = math.prod(shape) * dtypes.itemsize(dtype)
-        if size and self._divides(src, a, shape) and self._divides(dst, b, shape):
+        known for this tensor of ``size`` bytes; ``fits``: whether both divide it."""
+        if fits:
             alike = self._alike
             pair = alike.pairs.get((a, b))
             if pair is None:

@@ -59,7 +59,7 @@ class SearchCosts:
         self._ops: dict = {}
         self._gathers: dict = {}
         self._alike = None            # _Alike: reshard prices shared with meshes priced alike
-        self._paths: dict = {}        # _pair -> (bytes planned for, path): per mesh shape
+        self._paths: dict = {}        # _pair -> _path's record: per mesh shape
         self._world = None
         self.rules: dict = {}       # what the searches with these costs share per mesh
                                     # shape: the op strategies of their spaces
@@ -241,14 +241,13 @@ class SearchCosts:
         known for this tensor of ``size`` bytes; ``fits``: whether both divide it."""
         if fits:
             alike = self._alike
-            pair = alike.pairs.get((a, b))
-            if pair is None:
-                pair = alike.pairs[a, b] = _pair(src, dst)
-            sized = (pair, size)
+            path = alike.paths.get((a, b))
+            if path is None:
+                path = alike.paths[a, b] = self._path(src, dst, shape, dtype, size)
+            sized = (path[0], size)
             got = alike.sized.get(sized)
             if got is None:
-                got = alike.sized[sized] = self._path_time(
-                    self._path(src, dst, shape, dtype, size, pair), size)
+                got = alike.sized[sized] = self._path_time(path, size)
             return got
         # planned (and refused where it does not divide) as plan_reshard does
         return sum(reshard_step_time(s, self.pid, self.rings) for s in plan_reshard(
@@ -273,21 +272,22 @@ class SearchCosts:
         self._paths = self.rules.setdefault(("reshard paths",) + shape, self._paths)
         return self._alike
 
-    def _path(self, src: ShardSpec, dst: ShardSpec, shape: tuple, dtype: str, size: int,
-              pair: tuple) -> tuple:
-        """(bytes planned for, ((kind, mesh dim, group size, buffer bytes) of each step))
-        of ``plan_reshard``'s path for a tensor that both layouts divide, planned once
-        per ``pair`` (:func:`_pair`) on meshes of this shape: every state on its path
+    def _path(self, src: ShardSpec, dst: ShardSpec, shape: tuple, dtype: str,
+              size: int) -> tuple:
+        """(its number, bytes planned for, ((kind, mesh dim, group size, buffer bytes) of
+        each step)) of ``plan_reshard``'s path for a tensor that both layouts divide,
+        planned once per pair (:func:`_pair`) on meshes of this shape: every state on its path
         keeps each tensor dim split by a prefix of the source's or the goal's entry there
         (its moves are goal-directed), so where both layouts divide a tensor every state
         does, the moves it may make are the same whatever the tensor's shape, dtype and
         the dims both leave whole, and each costs a fixed multiple of the tensor's bytes:
         the same path, each step's buffer scaled by the bytes (:meth:`_path_time`). The
         path reads the mesh's dim names and sizes only, not its processes."""
+        pair = _pair(src, dst)
         known = self._paths.get(pair)
         if known is None:
-            known = self._paths[pair] = (size, plan_reshard_path(self.mesh, src, dst, shape,
-                                                                 dtype))
+            known = self._paths[pair] = (len(self._paths), size, plan_reshard_path(
+                self.mesh, src, dst, shape, dtype))
         return known
 
     def _path_time(self, path: tuple, size: int) -> float:
@@ -297,7 +297,7 @@ class SearchCosts:
         gather), ``buffer x size / planned`` exactly (both layouts divide both tensors,
         so the parts divide the elements of each), each step's seconds known once per
         (kind, mesh dim, buffer)."""
-        planned, steps = path
+        _, planned, steps = path
         known = self._alike.steps
         total = 0
         for kind, dim, n, buffer in steps:
@@ -358,11 +358,11 @@ class SearchCosts:
 class _Alike:
     """The reshard prices of the meshes priced alike (:meth:`SearchCosts._bind`). Layouts
     are numbered (``id``: a ShardSpec hashes in Python, an int pair in C); prices are
-    kept per (shape, dtype) by pair of ids (``tensors``), per matrix, per (path pair,
+    kept per (shape, dtype) by pair of ids (``tensors``), per matrix, per (path number,
     bytes) (``sized``) and per (step kind, mesh dim, buffer bytes) (``steps``); beside
-    them each pair of ids' path pair and whether a layout divides a shape."""
+    them each pair of ids' path (``paths``) and whether a layout divides a shape."""
 
-    __slots__ = ("ids", "tensors", "matrices", "sized", "steps", "pairs", "fits")
+    __slots__ = ("ids", "tensors", "matrices", "sized", "steps", "paths", "fits")
 
     def __init__(self):
         self.ids: dict = {}
@@ -370,7 +370,7 @@ class _Alike:
         self.matrices: dict = {}
         self.sized: dict = {}
         self.steps: dict = {}
-        self.pairs: dict = {}
+        self.paths: dict = {}
         self.fits: dict = {}
 
     def id(self, spec: ShardSpec) -> int:

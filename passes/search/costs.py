@@ -15,7 +15,11 @@ applied to one strategy, one reshard or one tensor before any plan exists.
 
 A process of the mesh stands for all: every process of one SPMD mesh runs the same
 local program. Results are cached by signature, so the identical blocks of a
-transformer cost one computation each.
+transformer cost one computation each. Reshard prices are kept per layout pair (layouts
+numbered, so a matrix's entries key on ints), per path and bytes, and per step; the
+SearchCosts sharing one ``rules`` dict (the stage search's) share a mesh shape's paths,
+and those of meshes priced alike (same shape, same rings and software costs at the
+priced process) share every reshard price (:meth:`SearchCosts._bind`).
 
 With ``sample_axes`` (``Strategy(balance=True)``: which dim of each Value carries the
 batch's samples, :func:`distgraph.passes.samples.sample_axes`) an op's strategy is priced

@@ -34,8 +34,8 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from dataclasses import dataclass
 from math import prod
+from typing import NamedTuple
 
 import numpy as np
 
@@ -70,6 +70,25 @@ def plan_reshard(src: DistAttr, dst: DistAttr, shape, dtype="float32") -> list[R
     return _plan_cross_mesh(src, dst, shape, dtype)
 
 
+def plan_reshard_path(mesh: ProcessMesh, src: ShardSpec, dst: ShardSpec, shape,
+                      dtype="float32") -> tuple:
+    """``(kind, mesh dim, group size, buffer bytes)`` of each step :func:`plan_reshard`
+    plans from ``src`` to ``dst``, both on ``mesh``: its figures without the steps (what
+    a price reads; the search prices many more paths than it runs). Validated alike.
+
+    >>> mesh = ProcessMesh([0, 1], ["x"])
+    >>> plan_reshard_path(mesh, ShardSpec(["x", None]), ShardSpec([None, "x"]), (4, 4))
+    ((<StepKind.ALL_TO_ALL: 'all_to_all'>, 'x', 2, 32),)
+    """
+    shape = tuple(int(s) for s in shape)
+    src.validate(mesh, shape, "reshard source")
+    dst.validate(mesh, shape, "reshard destination")
+    sizes = dict(zip(mesh.dim_names, mesh.shape))
+    return tuple((mv.kind, mv.mesh_dim, sizes[mv.mesh_dim], mv.buffer_bytes)
+                 for _, mv in _search(mesh, _state(src), _state(dst), shape,
+                                      dtypes.itemsize(dtype)))
+
+
 def _renamed(spec: ShardSpec, rename: dict) -> ShardSpec:
     return ShardSpec([tuple(rename[n] for n in spec.entry(i)) for i in range(spec.ndim)],
                      {rename[n] for n in spec.partial})
@@ -99,8 +118,7 @@ def _renamed(spec: ShardSpec, rename: dict) -> ShardSpec:
 _State = tuple  # (dims: tuple[tuple[str, ...], ...], partial: frozenset[str])
 
 
-@dataclass(frozen=True)
-class _Move:
+class _Move(NamedTuple):
     kind: StepKind
     mesh_dim: str
     after: _State
@@ -119,53 +137,68 @@ def _spec(state: _State) -> ShardSpec:
     return ShardSpec([e if e else None for e in dims], partial)
 
 
-def _moves(mesh: ProcessMesh, state: _State, goal: _State, shape, itemsize: int, scale: int):
+def _moves(sizes: dict, state: _State, goal: _State, shape, itemsize: int,
+           scale: int) -> list:
+    """The moves from ``state`` in the search's order: per mesh dim (``sizes``: name ->
+    size, in mesh order) its all-reduce then reduce-scatter, or its slice then
+    make-partial, or its all-gather then all-to-all."""
     dims, partial = state
     goal_dims, goal_partial = goal
-    parts = [prod(mesh.dim_size(m) for m in e) for e in dims]
-    local_bytes = prod(s // p for s, p in zip(shape, parts)) * itemsize
-
-    def targets(base, m):
-        """Tensor dims where appending m to ``base`` extends a prefix of the goal."""
-        n = mesh.dim_size(m)
-        return [e for e, entry in enumerate(base)
-                if goal_dims[e][:len(entry) + 1] == entry + (m,)
-                and shape[e] % (prod(mesh.dim_size(x) for x in entry) * n) == 0]
+    parts = []
+    split = {}          # mesh dim -> the tensor dim it splits
+    nexts = {}          # mesh dim -> the tensor dim whose goal entry it extends next
+    for e, entry in enumerate(dims):
+        p = 1
+        for x in entry:
+            p *= sizes[x]
+            split[x] = e
+        parts.append(p)
+        g, k = goal_dims[e], len(entry)
+        if len(g) > k and g[:k] == entry:
+            nexts[g[k]] = e
+    local_bytes = itemsize
+    for s, p in zip(shape, parts):
+        local_bytes *= s // p
 
     def append(ds, e, m):
-        return tuple(entry + (m,) if i == e else entry for i, entry in enumerate(ds))
+        return ds[:e] + (ds[e] + (m,),) + ds[e + 1:]
 
-    def move(kind, m, after, buf, **dims_kw):
-        n = mesh.dim_size(m)
-        factor = {ALL_REDUCE: 2, SLICE: 0, MAKE_PARTIAL: 0}.get(kind, 1)
-        return _Move(kind, m, after, buf, factor * (n - 1) * buf * (scale // n), **dims_kw)
-
-    for m in mesh.dim_names:
-        d = next((i for i, e in enumerate(dims) if m in e), None)
+    out = []
+    for m, n in sizes.items():
+        unit = (n - 1) * (scale // n)   # a move's cost: factor x (n-1) x buffer x scale/n
+        # the one tensor dim (a mesh dim splits one at most) where appending m extends a
+        # prefix of the goal's entry, if the tensor divides there
+        e = nexts.get(m)
+        if e is not None and shape[e] % (parts[e] * n):
+            e = None
         if m in partial:
-            yield move(ALL_REDUCE, m, (dims, partial - {m}), local_bytes)
-            for e in targets(dims, m):
-                yield move(REDUCE_SCATTER, m, (append(dims, e, m), partial - {m}),
-                           local_bytes, tensor_dim=e)
-        elif d is None:
-            for e in targets(dims, m):
-                yield move(SLICE, m, (append(dims, e, m), partial), local_bytes,
-                           tensor_dim=e)
+            rest = partial - {m}
+            out.append(_Move(ALL_REDUCE, m, (dims, rest), local_bytes,
+                             2 * unit * local_bytes))
+            if e is not None:
+                out.append(_Move(REDUCE_SCATTER, m, (append(dims, e, m), rest), local_bytes,
+                                 unit * local_bytes, e))
+            continue
+        d = split.get(m)
+        if d is None:
+            if e is not None:
+                out.append(_Move(SLICE, m, (append(dims, e, m), partial), local_bytes, 0, e))
             if m in goal_partial:
-                yield move(MAKE_PARTIAL, m, (dims, partial | {m}), local_bytes)
+                out.append(_Move(MAKE_PARTIAL, m, (dims, partial | {m}), local_bytes, 0))
         elif dims[d][-1] == m:
-            n = mesh.dim_size(m)
-            gathered = tuple(entry[:-1] if i == d else entry for i, entry in enumerate(dims))
-            yield move(ALL_GATHER, m, (gathered, partial), local_bytes * n, tensor_dim=d)
-            for e in targets(gathered, m):
-                if e != d:
-                    yield move(ALL_TO_ALL, m, (append(gathered, e, m), partial),
-                               local_bytes, tensor_dim=d, to_tensor_dim=e)
+            gathered = dims[:d] + (dims[d][:-1],) + dims[d + 1:]
+            out.append(_Move(ALL_GATHER, m, (gathered, partial), local_bytes * n,
+                             unit * (local_bytes * n), d))
+            if e is not None and e != d:    # the other dims' entries and parts are kept
+                out.append(_Move(ALL_TO_ALL, m, (append(gathered, e, m), partial),
+                                 local_bytes, unit * local_bytes, d, e))
+    return out
 
 
-def _plan_same_mesh(mesh, src_spec, dst_spec, shape, dtype) -> list[ReshardStep]:
-    start, goal = _state(src_spec), _state(dst_spec)
-    itemsize = dtypes.itemsize(dtype)
+def _search(mesh, start: _State, goal: _State, shape, itemsize: int) -> list:
+    """The cheapest path's moves from ``start`` to ``goal`` on ``mesh`` as (state before,
+    move) pairs: Dijkstra over states by (bytes, steps), the first found among equals."""
+    sizes = dict(zip(mesh.dim_names, mesh.shape))
     scale = math.lcm(*mesh.shape)
     best = {start: (0, 0)}
     back: dict = {}
@@ -177,26 +210,36 @@ def _plan_same_mesh(mesh, src_spec, dst_spec, shape, dtype) -> list[ReshardStep]
             break
         if (cost, nsteps) > best[state]:
             continue
-        for mv in _moves(mesh, state, goal, shape, itemsize, scale):
+        for mv in _moves(sizes, state, goal, shape, itemsize, scale):
             key = (cost + mv.cost, nsteps + 1)
-            if mv.after not in best or key < best[mv.after]:
-                best[mv.after] = key
-                back[mv.after] = (state, mv)
-                heapq.heappush(heap, (*key, tick, mv.after))
+            after = mv.after
+            if after not in best or key < best[after]:
+                best[after] = key
+                back[after] = (state, mv)
+                heapq.heappush(heap, (*key, tick, after))
                 tick += 1
     if goal not in best:
-        raise PlanError(f"no reshard path from {src_spec} to {dst_spec} on {mesh} for "
-                        f"shape {list(shape)}; this is a planner bug, please report it")
+        raise PlanError(f"no reshard path from {_spec(start)} to {_spec(goal)} on {mesh} "
+                        f"for shape {list(shape)}; this is a planner bug, please report it")
     path = []
     state = goal
     while state != start:
         prev, mv = back[state]
-        n = mesh.dim_size(mv.mesh_dim)
-        path.append(ReshardStep(mv.kind, mesh, _spec(prev), _spec(state), shape, dtype,
-                         collective_bytes(mv.kind, n, mv.buffer_bytes), mv.buffer_bytes,
-                         mv.mesh_dim, n, mv.tensor_dim, mv.to_tensor_dim))
+        path.append((prev, mv))
         state = prev
     return path[::-1]
+
+
+def _plan_same_mesh(mesh, src_spec, dst_spec, shape, dtype) -> list[ReshardStep]:
+    start = _state(src_spec)
+    steps = []
+    for prev, mv in _search(mesh, start, _state(dst_spec), shape, dtypes.itemsize(dtype)):
+        n = mesh.dim_size(mv.mesh_dim)
+        steps.append(ReshardStep(mv.kind, mesh, _spec(prev), _spec(mv.after), shape, dtype,
+                                 collective_bytes(mv.kind, n, mv.buffer_bytes),
+                                 mv.buffer_bytes, mv.mesh_dim, n, mv.tensor_dim,
+                                 mv.to_tensor_dim))
+    return steps
 
 
 # ---- different meshes: reduce, p2p tiles, local all-gather -----------------------------

@@ -217,10 +217,26 @@ def reshard_step_time(step, process: int, rings: Rings, scale: float = 1.0) -> f
     involved = process in step.mesh or (step.dst_mesh is not None and process in step.dst_mesh)
     if not involved:
         return 0.0
+    if step.kind is StepKind.SEND_RECV:
+        return _message_time(step, process, rings, scale) + software_time(
+            rings.device(process), step.kind, step.buffer_bytes * scale, step.group_size)
+    n = step.group_size
+    ring = rings.along(step.mesh, process, step.mesh_dim) \
+        if step.kind.is_collective and n > 1 else None
+    return mesh_step_time(step.kind, n, step.buffer_bytes * scale, ring, rings.device(process))
+
+
+def mesh_step_time(kind: StepKind, n: int, nbytes: float, ring, device) -> float:
+    """Seconds a reshard step on one mesh (a collective over a group of ``n`` along a mesh
+    dim, or a local step) on a buffer of ``nbytes`` costs a process on ``device`` whose
+    group's ring is ``ring`` (:meth:`Rings.along`; unused, may be None, for a local step
+    or a group of one): :func:`reshard_step_time` of such a step, from its figures alone.
+    """
+    if kind.is_collective and n > 1:
+        return collective_time(kind, n, nbytes, ring.bandwidth, ring.latency) + \
+            software_time(device, kind, nbytes, n)
     # over one process a collective meets no one: the runtime runs it as a local step
-    kind = StepKind.SLICE if step.kind.is_collective and step.group_size == 1 else step.kind
-    return _message_time(step, process, rings, scale) + \
-        software_time(rings.device(process), kind, step.buffer_bytes * scale, step.group_size)
+    return software_time(device, StepKind.SLICE if kind.is_collective else kind, nbytes, n)
 
 
 def slowest_reshard_step_time(step, rings: Rings) -> float:

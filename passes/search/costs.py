@@ -15,7 +15,11 @@ applied to one strategy, one reshard or one tensor before any plan exists.
 
 A process of the mesh stands for all: every process of one SPMD mesh runs the same
 local program. Results are cached by signature, so the identical blocks of a
-transformer cost one computation each.
+transformer cost one computation each. Reshard prices are kept per layout pair (layouts
+numbered, so a matrix's entries key on ints), per path and bytes, and per step; the
+SearchCosts sharing one ``rules`` dict (the stage search's) share a mesh shape's paths,
+and those of meshes priced alike (same shape, same rings and software costs at the
+priced process) share every reshard price (:meth:`SearchCosts._bind`).
 
 With ``sample_axes`` (``Strategy(balance=True)``: which dim of each Value carries the
 batch's samples, :func:`distgraph.passes.samples.sample_axes`) an op's strategy is priced
@@ -33,19 +37,17 @@ Example::
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import numpy as np
 
 from distgraph import dtypes
 from distgraph.registry import LocalSite, TensorType, get_op
-from distgraph.passes.cost.prices import (Rings, best_overlap, feed_time, op_comm_time, op_time,
-                                          reshard_step_time)
-from distgraph.passes.reshard import plan_reshard
+from distgraph.passes.cost.prices import (Rings, best_overlap, feed_time, mesh_step_time,
+                                          op_comm_time, op_time, reshard_step_time)
+from distgraph.passes.reshard import plan_reshard, plan_reshard_path
 from distgraph.mesh import ProcessMesh
 from distgraph.placement import DistAttr, ShardSpec
-from distgraph.plan.kinds import collective_bytes
 
 
 class SearchCosts:
@@ -59,17 +61,15 @@ class SearchCosts:
         self.device = cluster.device(self.device_of[self.pid])
         self.rings = Rings(cluster, self.device_of.__getitem__)
         self._ops: dict = {}
-        self._reshards: dict = {}
-        self._matrices: dict = {}
         self._gathers: dict = {}
-        self._paths: dict = {}        # _pair -> (steps, bytes planned for)
-        self._pairs: dict = {}        # (src, dst) -> _pair
-        self._sized: dict = {}        # (_pair, bytes) -> seconds
-        self._fits: dict = {}         # (layout, shape) -> whether it divides the shape
+        self._alike = None            # _Alike: reshard prices shared with meshes priced alike
+        self._paths: dict = {}        # _pair -> _path's record: per mesh shape
         self._world = None
-        self.rules: dict = {}       # the op strategies of the spaces searched with these
-                                    # costs (SearchSpace.rules): enumerated once per mesh
-                                    # shape (one dict may serve several SearchCosts)
+        self.rules: dict = {}       # what the searches with these costs share per mesh
+                                    # shape: the op strategies of their spaces
+                                    # (SearchSpace.rules), and these costs' reshard paths
+                                    # and prices (:meth:`_bind`); one dict may serve
+                                    # several SearchCosts
 
     def op(self, op, strategies) -> tuple[np.ndarray, np.ndarray]:
         """(compute seconds, own-collective seconds) of each strategy of ``op``."""
@@ -179,92 +179,150 @@ class SearchCosts:
     def reshard(self, src: ShardSpec, dst: ShardSpec, shape, dtype: str) -> float:
         """Seconds to turn ``src`` into ``dst`` (both on the mesh), 0 when equal. Where
         both divide the tensor, priced once per pair of layouts' split dims and the
-        tensor's bytes (:meth:`_steps`: the price depends on nothing else)."""
-        if src == dst:
+        tensor's bytes (:meth:`_path`: the price depends on nothing else); every price
+        is shared with the SearchCosts of meshes priced alike (:meth:`_bind`)."""
+        alike = self._alike or self._bind()
+        a, b = alike.id(src), alike.id(dst)
+        if a == b:
             return 0.0
-        key = (src, dst, tuple(shape), dtype)
-        got = self._reshards.get(key)
+        shape = tuple(shape)
+        table = alike.tensors.get((shape, dtype))
+        if table is None:
+            table = alike.tensors[shape, dtype] = {}
+        got = table.get((a, b))
         if got is None:
-            shape = tuple(shape)
             size = math.prod(shape) * dtypes.itemsize(dtype)
-            if size and self._divides(src, shape) and self._divides(dst, shape):
-                sized = (self._pair(src, dst), size)
-                got = self._sized.get(sized)
-                if got is None:
-                    got = self._sized[sized] = self._priced(
-                        self._steps(src, dst, shape, dtype, size, sized[0]))
-            else:       # planned (and refused where it does not divide) as plan_reshard does
-                got = self._priced(plan_reshard(DistAttr(self.mesh, src),
-                                                DistAttr(self.mesh, dst), shape, dtype))
-            self._reshards[key] = got
+            got = table[a, b] = self._fresh(
+                src, dst, a, b, shape, dtype, size,
+                bool(size) and self._divides(src, a, shape) and self._divides(dst, b, shape))
         return got
-
-    def _priced(self, steps) -> float:
-        return sum(reshard_step_time(s, self.pid, self.rings) for s in steps)
-
-    def _pair(self, src: ShardSpec, dst: ShardSpec) -> tuple:
-        """What ``plan_reshard``'s path from ``src`` to ``dst`` depends on where both
-        divide the tensor: the (source, goal) entries of the tensor dims either splits,
-        in order, and both pending sums. A dim both leave whole is never a move's target
-        (a move appends a mesh dim only where that extends the goal's entry there, and
-        gathers only a split dim), so dropping it changes no move, their order, or which
-        is cheapest (it scales every move's bytes by its extent alike)."""
-        key = (src, dst)
-        got = self._pairs.get(key)
-        if got is None:
-            got = self._pairs[key] = (tuple((src.entry(d), dst.entry(d))
-                                            for d in range(src.ndim)
-                                            if src.entry(d) or dst.entry(d)),
-                                      src.partial, dst.partial)
-        return got
-
-    def _steps(self, src: ShardSpec, dst: ShardSpec, shape: tuple, dtype: str, size: int,
-               pair: tuple) -> list:
-        """``plan_reshard``'s steps for a tensor that both layouts divide, planned once
-        per ``pair`` (:meth:`_pair`): every state on its path keeps each tensor dim split
-        by a prefix of the source's or the goal's entry there (its moves are
-        goal-directed), so where both layouts divide a tensor every state does, the moves
-        it may make are the same whatever the tensor's shape, dtype and the dims both
-        leave whole, and each costs a fixed multiple of the tensor's bytes: the same
-        path, each step's buffer scaled by the bytes (exactly: ``size`` over the state's
-        parts). Its steps name the layouts of the tensor it was planned for; pricing
-        reads their kind, mesh dim, group and buffer only."""
-        known = self._paths.get(pair)
-        if known is None:
-            steps = plan_reshard(DistAttr(self.mesh, src), DistAttr(self.mesh, dst),
-                                 shape, dtype)
-            self._paths[pair] = (steps, size)
-            return steps
-        steps, planned = known
-        dtype = dtypes.canonical(dtype)
-        out = []
-        for step in steps:
-            buffer = step.buffer_bytes * size // planned
-            out.append(dataclasses.replace(
-                step, shape=shape, dtype=dtype, buffer_bytes=buffer,
-                bytes=collective_bytes(step.kind, step.group_size, buffer)))
-        return out
-
-    def _divides(self, spec: ShardSpec, shape: tuple) -> bool:
-        """Whether ``spec`` splits every dim of ``shape`` evenly on the mesh."""
-        key = (spec, shape)
-        if key not in self._fits:
-            self._fits[key] = len(shape) == spec.ndim and all(
-                n % math.prod(self.mesh.dim_size(m) for m in spec.entry(d)) == 0
-                for d, n in enumerate(shape))
-        return self._fits[key]
 
     def matrix(self, made: tuple, wanted: tuple, shape, dtype: str) -> np.ndarray:
-        """R[i][j]: seconds from layout ``made[i]`` to ``wanted[j]``."""
+        """R[i][j]: seconds from layout ``made[i]`` to ``wanted[j]``: each distinct pair
+        of layouts priced as :meth:`reshard` prices it."""
         if len(made) == 1 and len(wanted) == 1:      # a choice priced (intra_op.price)
             return np.array([[self.reshard(made[0], wanted[0], shape, dtype)]])
-        key = (made, wanted, tuple(shape), dtype)
-        if key not in self._matrices:
+        alike = self._alike or self._bind()
+        shape = tuple(shape)
+        key = (made, wanted, shape, dtype)
+        got = alike.matrices.get(key)
+        if got is None:
             rows, row_of = _unique(made)
             cols, col_of = _unique(wanted)
-            small = np.array([[self.reshard(a, b, shape, dtype) for b in cols] for a in rows])
-            self._matrices[key] = small[np.ix_(row_of, col_of)]
-        return self._matrices[key]
+            table = alike.tensors.get((shape, dtype))
+            if table is None:
+                table = alike.tensors[shape, dtype] = {}
+            size = math.prod(shape) * dtypes.itemsize(dtype)
+            ids = alike.id
+            cols = [(ids(w), w, None) for w in cols]   # None: whether it divides, unasked
+            small = []
+            for m in rows:
+                a = ids(m)
+                fits = None
+                row = []
+                for j, (b, w, fits_w) in enumerate(cols):
+                    price = table.get((a, b))
+                    if price is None:
+                        if a == b:
+                            price = 0.0
+                        else:
+                            if fits is None:
+                                fits = bool(size) and self._divides(m, a, shape)
+                            if fits and fits_w is None:
+                                fits_w = self._divides(w, b, shape)
+                                cols[j] = (b, w, fits_w)
+                            price = self._fresh(m, w, a, b, shape, dtype, size,
+                                                fits and fits_w)
+                        table[a, b] = price
+                    row.append(price)
+                small.append(row)
+            got = alike.matrices[key] = np.array(small)[np.ix_(row_of, col_of)]
+        return got
+
+    def _fresh(self, src: ShardSpec, dst: ShardSpec, a: int, b: int, shape: tuple,
+               dtype: str, size: int, fits: bool) -> float:
+        """:meth:`reshard`'s price of ``src`` (id ``a``) to ``dst`` (id ``b``), not yet
+        known for this tensor of ``size`` bytes; ``fits``: whether both divide it."""
+        if fits:
+            alike = self._alike
+            path = alike.paths.get((a, b))
+            if path is None:
+                path = alike.paths[a, b] = self._path(src, dst, shape, dtype, size)
+            sized = (path[0], size)
+            got = alike.sized.get(sized)
+            if got is None:
+                got = alike.sized[sized] = self._path_time(path, size)
+            return got
+        # planned (and refused where it does not divide) as plan_reshard does
+        return sum(reshard_step_time(s, self.pid, self.rings) for s in plan_reshard(
+            DistAttr(self.mesh, src), DistAttr(self.mesh, dst), shape, dtype))
+
+    def _bind(self) -> "_Alike":
+        """The reshard prices this SearchCosts shares (through :attr:`rules`) with those of
+        every mesh priced alike: a same-mesh reshard step costs the priced process the
+        alpha-beta of its mesh dim's ring there and its device's software
+        (:func:`~distgraph.passes.cost.prices.mesh_step_time`), and its path depends on
+        the mesh's dim names and sizes alone, so meshes of one shape whose priced process
+        has the same ring along every dim and the same software costs price every reshard
+        alike, whichever processes they hold (the stages of a homogeneous cluster). The
+        paths are shared by every mesh of the shape (on a heterogeneous cluster, meshes
+        of one shape may price them apart)."""
+        mesh = self.mesh
+        shape = (tuple(mesh.shape), tuple(mesh.dim_names))
+        self._ring_by_dim = {d: self.ring_of(d) for d in mesh.dim_names}
+        key = ("reshard prices", shape, tuple(self._ring_by_dim.values()),
+               self.device.reshard_overhead)
+        self._alike = self.rules.setdefault(key, _Alike())
+        self._paths = self.rules.setdefault(("reshard paths",) + shape, self._paths)
+        return self._alike
+
+    def _path(self, src: ShardSpec, dst: ShardSpec, shape: tuple, dtype: str,
+              size: int) -> tuple:
+        """(its number, bytes planned for, ((kind, mesh dim, group size, buffer bytes) of
+        each step)) of ``plan_reshard``'s path for a tensor that both layouts divide,
+        planned once per pair (:func:`_pair`) on meshes of this shape: every state on its path
+        keeps each tensor dim split by a prefix of the source's or the goal's entry there
+        (its moves are goal-directed), so where both layouts divide a tensor every state
+        does, the moves it may make are the same whatever the tensor's shape, dtype and
+        the dims both leave whole, and each costs a fixed multiple of the tensor's bytes:
+        the same path, each step's buffer scaled by the bytes (:meth:`_path_time`). The
+        path reads the mesh's dim names and sizes only, not its processes."""
+        pair = _pair(src, dst)
+        known = self._paths.get(pair)
+        if known is None:
+            known = self._paths[pair] = (len(self._paths), size, plan_reshard_path(
+                self.mesh, src, dst, shape, dtype))
+        return known
+
+    def _path_time(self, path: tuple, size: int) -> float:
+        """Seconds of ``path`` (:meth:`_path`) for a tensor of ``size`` bytes at the priced
+        process, as ``reshard_step_time`` prices the steps planned for the tensor: each
+        step's buffer is ``size`` over the parts of its state (times the group for a
+        gather), ``buffer x size / planned`` exactly (both layouts divide both tensors,
+        so the parts divide the elements of each), each step's seconds known once per
+        (kind, mesh dim, buffer)."""
+        _, planned, steps = path
+        known = self._alike.steps
+        total = 0
+        for kind, dim, n, buffer in steps:
+            key = (kind, dim, buffer * size // planned)
+            t = known.get(key)
+            if t is None:
+                t = known[key] = mesh_step_time(kind, n, key[2] * 1.0, self._ring_by_dim[dim],
+                                                self.device)
+            total += t
+        return total
+
+    def _divides(self, spec: ShardSpec, a: int, shape: tuple) -> bool:
+        """Whether ``spec`` (id ``a``) splits every dim of ``shape`` evenly on the mesh."""
+        key = (a, shape)
+        fits = self._alike.fits
+        got = fits.get(key)
+        if got is None:
+            got = fits[key] = len(shape) == spec.ndim and all(
+                n % math.prod(self.mesh.dim_size(m) for m in spec.entry(d)) == 0
+                for d, n in enumerate(shape))
+        return got
 
     def settle(self, spec: ShardSpec, value) -> float:
         """Seconds to settle ``spec``'s pending sum (an all-reduce, or a reduce-scatter
@@ -299,6 +357,42 @@ class SearchCosts:
             self._gathers[key] = sum(reshard_step_time(s, self.pid, self.rings)
                                      for s in steps)
         return self._gathers[key]
+
+
+class _Alike:
+    """The reshard prices of the meshes priced alike (:meth:`SearchCosts._bind`). Layouts
+    are numbered (``id``: a ShardSpec hashes in Python, an int pair in C); prices are
+    kept per (shape, dtype) by pair of ids (``tensors``), per matrix, per (path number,
+    bytes) (``sized``) and per (step kind, mesh dim, buffer bytes) (``steps``); beside
+    them each pair of ids' path (``paths``) and whether a layout divides a shape."""
+
+    __slots__ = ("ids", "tensors", "matrices", "sized", "steps", "paths", "fits")
+
+    def __init__(self):
+        self.ids: dict = {}
+        self.tensors: dict = {}
+        self.matrices: dict = {}
+        self.sized: dict = {}
+        self.steps: dict = {}
+        self.paths: dict = {}
+        self.fits: dict = {}
+
+    def id(self, spec: ShardSpec) -> int:
+        got = self.ids.get(spec)
+        if got is None:
+            got = self.ids[spec] = len(self.ids)
+        return got
+
+
+def _pair(src: ShardSpec, dst: ShardSpec) -> tuple:
+    """What ``plan_reshard``'s path from ``src`` to ``dst`` depends on where both divide
+    the tensor: the (source, goal) entries of the tensor dims either splits, in order,
+    and both pending sums. A dim both leave whole is never a move's target (a move
+    appends a mesh dim only where that extends the goal's entry there, and gathers only
+    a split dim), so dropping it changes no move, their order, or which is cheapest (it
+    scales every move's bytes by its extent alike)."""
+    return (tuple((src.entry(d), dst.entry(d)) for d in range(src.ndim)
+                  if src.entry(d) or dst.entry(d)), src.partial, dst.partial)
 
 
 def _signature(op, strategies) -> tuple:

@@ -38,6 +38,8 @@ Example::
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 TREES = 6                # forests per round: the heaviest first, then random ones
@@ -78,17 +80,15 @@ class Flat:
         self.cols = np.concatenate([p.cols for p in pairs]) if pairs else np.zeros(0, np.intp)
         self.rows_off = np.concatenate(([0], np.cumsum([len(p.rows) for p in pairs])))[:-1]
         self.cols_off = np.concatenate(([0], np.cumsum([len(p.cols) for p in pairs])))[:-1]
-        # per pair: the first of the child's cheapest strategies in each of its groups is
-        # a fixed permutation where every group holds one strategy (_tree_move)
-        self.single = [(_single(p.cols), _single(p.rows)) for p in pairs]
-        # elsewhere, each group's strategies in a padded row (_tree_move's per-group argmin)
-        self.padded = [tuple(None if one is not None else _padded(g)
-                             for one, g in zip(single, (p.cols, p.rows)))
-                       for single, p in zip(self.single, pairs)]
+        # per pair and end (v, then u), its strategies by group (_padded), for _Levels
+        self.padded = [(_padded(p.cols), _padded(p.rows)) for p in pairs]
         self.cheapest = [(p.cost.min(axis=1)[p.rows], p.cost.min(axis=0)[p.cols])
                          for p in pairs]
         self._red = red
         self._forests: dict = {}        # seed -> (the draw, the forests drawn so far)
+        # (prices, seed, last forest, choice, forest, gained) -> what improve_rounds
+        # from that state returns
+        self.ended: dict = {}
 
     def forest(self, seed: int, i: int) -> tuple:
         """The ``i``-th forest of :func:`improve`'s moves with ``seed``, drawn once."""
@@ -116,8 +116,8 @@ class Flat:
 
 def _padded(groups) -> tuple:
     """(per group, its strategies in increasing order padded with 0 to one length, where
-    the padding is, the groups' indices), so that a row's argmin with the padding priced
-    inf is the group's first cheapest strategy."""
+    the padding is), so that a row's argmin with the padding priced inf is the group's
+    first cheapest strategy."""
     order = np.argsort(groups, kind="stable")
     counts = np.bincount(groups)
     width = int(counts.max())
@@ -126,14 +126,7 @@ def _padded(groups) -> tuple:
     padded[groups[order], slot] = order
     pad = np.ones((len(counts), width), dtype=bool)
     pad[groups[order], slot] = False
-    return padded, pad, np.arange(len(counts))
-
-
-def _single(groups) -> np.ndarray | None:
-    """The strategy of each group where every group holds one, else None."""
-    if len(np.unique(groups)) != len(groups):
-        return None
-    return np.argsort(groups, kind="stable")
+    return padded, pad
 
 
 def improve(red, cost, per_class, seed: int = 0, flat: Flat | None = None) -> list:
@@ -166,17 +159,35 @@ def improve_rounds(red, cost, per_class, seed: int = 0, flat: Flat | None = None
         return per_class, True, False
     flat = flat or Flat(red)
     flat_cost = flat.costs(cost)
+    # the moves from a state (the choice at a forest, whether the round gained) are the
+    # same whoever reaches it: a run that meets a state an earlier run passed (at these
+    # prices and seed, to the same last forest) ends as that one did
+    price = (flat_cost.tobytes(), seed, forests.stop)
+    ended = flat.ended.get(price + (tuple(per_class), forests.start, gained))
+    if ended is not None:
+        return list(ended[0]), ended[1], ended[2]
+    passed = []
     best = flat.objective(flat_cost, per_class)
     for f in forests:
+        state = price + (tuple(per_class), f, gained)
+        if f > forests.start and state in flat.ended:
+            ended = flat.ended[state]
+            break
+        passed.append(state)
         for trial in _moves(flat, flat_cost, per_class, flat.forest(seed, f)):
             value = flat.objective(flat_cost, trial)
             if value < best - TIE * abs(best):
                 per_class, best, gained = trial, value, True
         if f % TREES == TREES - 1:          # a round ends
             if not gained:
-                return per_class, True, False
+                ended = (tuple(per_class), True, False)
+                break
             gained = False
-    return per_class, forests.stop >= ROUNDS * TREES, gained
+    if ended is None:
+        ended = (tuple(per_class), forests.stop >= ROUNDS * TREES, gained)
+    for state in passed:
+        flat.ended[state] = ended
+    return list(ended[0]), ended[1], ended[2]
 
 
 def _forests(red, flat, seed: int):
@@ -314,54 +325,136 @@ def _walk(n, pairs, tree) -> tuple:
     return order, parent_edge
 
 
-def _plan(red, flat, walk) -> tuple:
-    """(the forest's roots, its edges leaves first: (child, parent, the matrix oriented
-    parent x child group, the parent's group of each of its strategies, the child's
-    groups as :func:`_padded` gives them where a group holds several strategies, the
-    child's strategy per group where each group holds one, else None, the
-    parent's group indices))."""
+def _plan(red, flat, walk) -> "_Levels":
+    """The forest of ``walk`` (:func:`_walk`) as the gathers of :func:`_tree_move`,
+    level by level (:class:`_Levels`)."""
     order, parent_edge = walk
     roots, edges = [], []
-    for c in reversed(order):
+    for c in reversed(order):           # leaves first
         e = parent_edge[c]
         if e < 0:
             roots.append(c)
             continue
         p = red.pairs[e]
-        if p.v == c:
-            edges.append((c, p.u, p.cost, p.rows, flat.padded[e][0], flat.single[e][0],
-                          np.arange(p.cost.shape[0])))
+        if p.v == c:        # (child, parent, parent group x child group, parent's groups,
+            edges.append((c, p.u, p.cost, p.rows, flat.padded[e][0]))   # child's: _padded)
         else:
-            edges.append((c, p.v, p.cost.T, p.cols, flat.padded[e][1], flat.single[e][1],
-                          np.arange(p.cost.shape[1])))
-    return roots, edges
+            edges.append((c, p.v, p.cost.T, p.cols, flat.padded[e][1]))
+    return _Levels(flat, roots, edges)
+
+
+class _Levels:
+    """A forest's dynamic programme as flat gathers, one set per depth of the forest.
+
+    Leaves up, every child's cheapest strategy per group of its edge, then per strategy
+    group of its parent the cheapest child group (the matrix entry plus that strategy's
+    price), added to the parent's prices. The children of one depth are final once the
+    depth below is done, and a parent's children all lie at one depth: so a depth is
+    done in a few numpy steps over all its edges, which add to each parent in the
+    order the edge-by-edge loop did (``np.add.at`` over the edges in that order), and
+    every price is the same sum, to the last bit. Padding is priced inf (a slot of the
+    buffer kept at inf), so each argmin takes the first of equal prices as before.
+    Root down, each child then takes the strategy its parent's choice picked."""
+
+    def __init__(self, flat, roots, edges):
+        offs, n = flat.offs, int(flat.offs[-1])
+        self.inf_at, self.zero_at = n, n + 1          # buffer slots: inf and 0.0
+        depth = [0] * flat.n
+        for c, parent, *_ in reversed(edges):         # root down
+            depth[c] = depth[parent] + 1
+        self.roots = np.array(roots, dtype=np.intp)
+        width = max((offs[c + 1] - offs[c] for c in roots), default=1)
+        self.root_at = np.full((len(roots), width), n, dtype=np.intp)
+        for k, c in enumerate(roots):
+            self.root_at[k, :offs[c + 1] - offs[c]] = np.arange(offs[c], offs[c + 1])
+        self.root_off = offs[self.roots]
+        self.levels = []
+        for d in range(max(depth, default=0), 0, -1):   # deepest first
+            at = [e for e in edges if depth[e[0]] == d]
+            self.levels.append(self._level(offs, n, at))
+
+    @staticmethod
+    def _level(offs, n, edges) -> tuple:
+        members, mats, cols, add_to, add_row, upper, children, parents = \
+            [], [], [], [], [], [], [], []
+        groups = rows = 0
+        for c, parent, mat, up, (padded, pad) in edges:
+            members.append(np.where(pad, n, offs[c] + padded))
+            mats.append(mat)
+            cols.append(groups + np.arange(mat.shape[1]))
+            add_to.append(offs[parent] + np.arange(len(up)))
+            add_row.append(rows + up)
+            upper.append((rows, groups, up))
+            children.append(c)
+            parents.append(parent)
+            groups += mat.shape[1]
+            rows += mat.shape[0]
+        member_at = np.full((groups, max(m.shape[1] for m in members)), n, dtype=np.intp)
+        g = 0
+        for m in members:
+            member_at[g:g + m.shape[0], :m.shape[1]] = m
+            g += m.shape[0]
+        span = max(m.shape[1] for m in mats)
+        mat = np.full((rows, span), np.inf)
+        col = np.full((rows, span), groups, dtype=np.intp)   # -> the 0.0 slot
+        r = 0
+        for m, cs in zip(mats, cols):
+            mat[r:r + m.shape[0], :m.shape[1]] = m
+            col[r:r + m.shape[0], :m.shape[1]] = cs
+            r += m.shape[0]
+        up_at = np.concatenate([u[2] + u[0] for u in upper])     # rows by parent strategy
+        up_off = np.cumsum([0] + [len(u[2]) for u in upper])[:-1]
+        parents, children = np.array(parents, dtype=np.intp), np.array(children, dtype=np.intp)
+        return _Level(member_at, np.arange(len(member_at)), mat, col, np.arange(rows),
+                      np.concatenate(add_to), np.concatenate(add_row), parents, children,
+                      up_at, up_off, np.array([u[1] for u in upper], dtype=np.intp),
+                      offs[children])
 
 
 def _tree_move(flat, flat_cost, current, plan, off) -> list:
-    """The exact optimum over the forest of ``plan`` (:func:`_plan`), the off-forest
+    """The exact optimum over the forest of ``plan`` (:class:`_Levels`), the off-forest
     pairs priced by ``off`` ((places in ``flat_cost``, prices): each pair's price per
     strategy of its u end, then of its v end)."""
-    roots, edges = plan
     places, prices = off
-    buffer = flat_cost.copy()
+    buffer = np.empty(len(flat_cost) + 2)
+    buffer[:-2] = flat_cost
+    buffer[plan.inf_at], buffer[plan.zero_at] = np.inf, 0.0
     np.add.at(buffer, places, prices)       # in order: as adding pair by pair
-    offs = flat.offs
-    local = [buffer[offs[c]:offs[c + 1]] for c in range(flat.n)]
-    back = []                           # per edge: the child's best per parent strategy
-    for c, parent, mat, upper, padded, arg_in, rows in edges:
-        # the child's cheapest strategy in each group (the first of equal ones)
-        if arg_in is None:
-            members, pad, index = padded
-            values = local[c][members]
-            values[pad] = np.inf
-            arg_in = members[index, values.argmin(axis=1)]
-        total = mat + local[c][arg_in][None, :]
+    back = []
+    for lv in plan.levels:
+        # each child's cheapest strategy in each group (the first of equal ones)
+        arg_in = lv.member_at[lv.groups, buffer[lv.member_at].argmin(axis=1)]
+        total = lv.mat + buffer[np.append(arg_in, plan.zero_at)[lv.col]]
         pick = total.argmin(axis=1)
-        local[parent] += total[rows, pick][upper]
+        np.add.at(buffer, lv.add_to, total[lv.rows, pick][lv.add_row])
         back.append((arg_in, pick))
-    choice = list(current)
-    for c in roots:
-        choice[c] = int(local[c].argmin())
-    for (c, parent, _, upper, *_), (arg_in, pick) in zip(reversed(edges), reversed(back)):
-        choice[c] = int(arg_in[pick[upper[choice[parent]]]])
-    return choice
+    choice = np.array(current, dtype=np.intp)
+    choice[plan.roots] = buffer[plan.root_at].argmin(axis=1)
+    for lv, (arg_in, pick) in zip(reversed(plan.levels), reversed(back)):
+        picked = pick[lv.up_at[lv.up_off + choice[lv.parents]]]
+        choice[lv.children] = arg_in[lv.group_start + picked] - lv.child_off
+    return choice.tolist()
+
+
+class _Level(NamedTuple):
+    """The gathers of one depth of a forest (:class:`_Levels`): per row of
+    ``member_at``, a child's strategies in one group of its edge (padded with the inf
+    slot); per row of ``mat`` (padded with inf), a parent group of an edge, its columns
+    the child's groups (``col``: where their cheapest price lies in this depth's
+    ``arg_in``; padding at the 0.0 slot); ``add_to`` / ``add_row``: each parent
+    strategy's place in the buffer and its row; per edge, its parent, child, where its
+    parent's strategies find their row (``up_at[up_off + strategy]``), its first group
+    and its child's first place in the buffer."""
+    member_at: np.ndarray
+    groups: np.ndarray
+    mat: np.ndarray
+    col: np.ndarray
+    rows: np.ndarray
+    add_to: np.ndarray
+    add_row: np.ndarray
+    parents: np.ndarray
+    children: np.ndarray
+    up_at: np.ndarray
+    up_off: np.ndarray
+    group_start: np.ndarray
+    child_off: np.ndarray

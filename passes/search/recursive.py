@@ -338,6 +338,8 @@ class _Descent:
             safe = np.where(np.isinf(pair.cost), BIG, pair.cost)
             self.around[pair.u].append((pair, safe, True))
             self.around[pair.v].append((pair, safe, False))
+        self.edges: dict = {}      # (class, its pair, far end's candidates) -> prices
+        self.neighbours = [[p.v if is_u else p.u for p, _, is_u in a] for a in self.around]
         weight = [float(np.max(c[np.isfinite(c)], initial=0.0)) for c in red.cost]
         heaviest = sorted(range(len(red.cost)), key=lambda c: (-weight[c], c))
         self.orders = (heaviest, list(range(len(red.cost))), list(range(len(red.cost)))[::-1])
@@ -397,7 +399,7 @@ class _Descent:
     def _walk(self, cost, order, levels) -> list:
         """The descent's choice per class before the tree moves."""
         mask = [np.isfinite(c) for c in cost]
-        seen = _Seen(len(mask))
+        seen = _Seen(len(mask), self.neighbours)
         for groups in levels:
             before = [m.copy() for m in mask]
             # a class with one group open keeps its candidates: nothing to price
@@ -411,7 +413,9 @@ class _Descent:
             for _ in range(SWEEPS):                 # re-pick given every neighbour
                 changed = False
                 for c in order:
-                    if one[c] is not None:
+                    # a class none of whose neighbours moved since it picked picks
+                    # the same group again (its prices are those it picked by)
+                    if one[c] is not None or seen.picked[c] >= seen.last[c]:
                         continue
                     g = self._best(c, cost, mask, before, groups, chosen[c], seen)
                     if g != chosen[c]:
@@ -429,6 +433,8 @@ class _Descent:
         the walk's :class:`_Seen`, whose edge prices are reused."""
         open_ = np.flatnonzero(before[c])
         price = self.prices(c, cost, mask, seen=seen)
+        if seen is not None:
+            seen.picked[c] = seen.clock
         per_group = np.full(int(groups[c].max()) + 1, np.inf)
         np.minimum.at(per_group, groups[c][open_], price[open_])
         least = per_group.min()
@@ -457,7 +463,13 @@ class _Descent:
             key = (c, k, seen.version[other]) if seen is not None else None
             got = seen.edge.get(key) if key is not None else None
             if got is None or (with_mean and got[1] is None):
-                got = _edge_prices(pair, safe, is_u, mask[other], with_mean)
+                # the prices depend on the far end's candidates alone (not on lam or
+                # the walk): kept for every walk of this problem
+                at = (c, k, mask[other].tobytes())
+                got = self.edges.get(at)
+                if got is None or (with_mean and got[1] is None):
+                    got = _edge_prices(pair, safe, is_u, mask[other], with_mean)
+                    self.edges[at] = got
                 if key is not None:
                     seen.edge[key] = got
             price += got[0]
@@ -476,14 +488,23 @@ def _one_group(open_groups) -> int | None:
 
 class _Seen:
     """A walk's memo of edge prices: per class a version, raised when its candidates
-    change, and the prices of an edge per version of its far end."""
+    change, and the prices of an edge per version of its far end; per class, when it
+    last picked and when a neighbour (``neighbours``: per class, the classes it shares
+    a pair with) last moved, on one clock of moves."""
 
-    def __init__(self, n: int):
+    def __init__(self, n: int, neighbours):
         self.version = [0] * n
         self.edge: dict = {}
+        self.neighbours = neighbours
+        self.clock = 0
+        self.picked = [-1] * n
+        self.last = [0] * n
 
     def moved(self, c: int):
         self.version[c] += 1
+        self.clock += 1
+        for other in self.neighbours[c]:
+            self.last[other] = self.clock
 
 
 def _edge_prices(pair, safe, is_u, open_, with_mean) -> tuple:

@@ -89,6 +89,7 @@ class Flat:
         # (prices, seed, last forest, choice, forest, gained) -> what improve_rounds
         # from that state returns
         self.ended: dict = {}
+        self.optimistic: dict = {}      # (prices, seed, forest) -> its optimistic trials
 
     def forest(self, seed: int, i: int) -> tuple:
         """The ``i``-th forest of :func:`improve`'s moves with ``seed``, drawn once."""
@@ -174,8 +175,8 @@ def improve_rounds(red, cost, per_class, seed: int = 0, flat: Flat | None = None
             ended = flat.ended[state]
             break
         passed.append(state)
-        for trial in _moves(flat, flat_cost, per_class, flat.forest(seed, f)):
-            value = flat.objective(flat_cost, trial)
+        for trial, value in _moves(flat, flat_cost, per_class, flat.forest(seed, f),
+                                   (price[0], seed, f)):
             if value < best - TIE * abs(best):
                 per_class, best, gained = trial, value, True
         if f % TREES == TREES - 1:          # a round ends
@@ -204,19 +205,25 @@ def _forests(red, flat, seed: int):
                 _OffForest(flat, tree)
 
 
-def _moves(flat, flat_cost, current, forest):
-    """The trials of one forest: priced against ``current``, then the optimistic one and
-    its re-pricings against itself (module docstring)."""
+def _moves(flat, flat_cost, current, forest, key):
+    """The trials of one forest with their objectives: priced against ``current``, then
+    the optimistic one and its re-pricings against itself (module docstring). Those
+    depend on the forest and the prices alone (every class is chosen afresh), so they
+    are found once per ``key`` (the prices, seed and forest) and kept in ``flat``."""
     plan, off = forest
-    yield _tree_move(flat, flat_cost, current, plan, off.against(current, 1.0))
-    trial = _tree_move(flat, flat_cost, current, plan, off.optimistic(flat.cheapest))
-    yield trial
-    for _ in range(SETTLE):
-        settled = _tree_move(flat, flat_cost, current, plan, off.against(trial, 0.5))
-        if settled == trial:
-            break
-        trial = settled
-        yield trial
+    trial = _tree_move(flat, flat_cost, current, plan, off.against(current, 1.0))
+    yield trial, flat.objective(flat_cost, trial)
+    if key not in flat.optimistic:
+        trial = _tree_move(flat, flat_cost, current, plan, off.optimistic(flat.cheapest))
+        chain = [(trial, flat.objective(flat_cost, trial))]
+        for _ in range(SETTLE):
+            settled = _tree_move(flat, flat_cost, current, plan, off.against(trial, 0.5))
+            if settled == trial:
+                break
+            trial = settled
+            chain.append((trial, flat.objective(flat_cost, trial)))
+        flat.optimistic[key] = chain
+    yield from flat.optimistic[key]
 
 
 class _OffForest:

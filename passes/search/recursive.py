@@ -404,10 +404,12 @@ class _Descent:
             before = [m.copy() for m in mask]
             # a class with one group open keeps its candidates: nothing to price
             one = [_one_group(groups[c][before[c]]) for c in range(len(mask))]
+            open_groups = [None if g is not None else _Open(groups[c], before[c])
+                           for c, g in enumerate(one)]
             chosen = list(one)
             for c in order:                         # first pass: heaviest first
                 if one[c] is None:
-                    chosen[c] = self._best(c, cost, mask, before, groups, seen=seen)
+                    chosen[c] = self._best(c, cost, mask, open_groups, seen=seen)
                     mask[c] = before[c] & (groups[c] == chosen[c])
                     seen.moved(c)
             for _ in range(SWEEPS):                 # re-pick given every neighbour
@@ -417,7 +419,7 @@ class _Descent:
                     # the same group again (its prices are those it picked by)
                     if one[c] is not None or seen.picked[c] >= seen.last[c]:
                         continue
-                    g = self._best(c, cost, mask, before, groups, chosen[c], seen)
+                    g = self._best(c, cost, mask, open_groups, chosen[c], seen)
                     if g != chosen[c]:
                         chosen[c] = g
                         mask[c] = before[c] & (groups[c] == g)
@@ -427,16 +429,16 @@ class _Descent:
                     break
         return [int(np.flatnonzero(m)[0]) for m in mask]
 
-    def _best(self, c, cost, mask, before, groups, current=None, seen=None) -> int:
-        """The group of class ``c`` (among those open to it: ``before``) of least price
-        given its neighbours' candidates (``mask``); ``current`` wins ties. ``seen``:
-        the walk's :class:`_Seen`, whose edge prices are reused."""
-        open_ = np.flatnonzero(before[c])
+    def _best(self, c, cost, mask, open_groups, current=None, seen=None) -> int:
+        """The group of class ``c`` (among those open to it: ``open_groups[c]``, an
+        :class:`_Open`) of least price given its neighbours' candidates (``mask``);
+        ``current`` wins ties. ``seen``: the walk's :class:`_Seen`, whose edge prices
+        are reused."""
+        at = open_groups[c]
         price = self.prices(c, cost, mask, seen=seen)
         if seen is not None:
             seen.picked[c] = seen.clock
-        per_group = np.full(int(groups[c].max()) + 1, np.inf)
-        np.minimum.at(per_group, groups[c][open_], price[open_])
+        per_group = at.least(price)
         least = per_group.min()
         bar = least + TIE * abs(least)      # (reduced costs may be negative)
         if current is not None and per_group[current] <= bar:
@@ -446,9 +448,7 @@ class _Descent:
         tied = np.flatnonzero(per_group <= bar)
         if len(tied) == 1:
             return int(tied[0])
-        mean = self.prices(c, cost, mask, with_mean=True, seen=seen)[1]
-        second = np.full(len(per_group), np.inf)
-        np.minimum.at(second, groups[c][open_], mean[open_])
+        second = at.least(self.prices(c, cost, mask, with_mean=True, seen=seen)[1])
         return int(tied[np.argmin(second[tied])])
 
     def prices(self, c, cost, mask, with_mean=False, seen=None):
@@ -484,6 +484,29 @@ def _one_group(open_groups) -> int | None:
     if len(open_groups) and (open_groups == open_groups[0]).all():
         return int(open_groups[0])
     return None
+
+
+class _Open:
+    """A class's open strategies at a level, by group: :meth:`least` gives each group's
+    least price among them (inf where none is open), as ``np.minimum.at`` over them."""
+
+    def __init__(self, groups, open_):
+        at = np.flatnonzero(open_)
+        self.size = int(groups.max()) + 1
+        if not len(at):
+            self.members = self.starts = self.present = at
+            return
+        order = np.argsort(groups[at], kind="stable")
+        self.members = at[order]
+        grouped = groups[at][order]
+        self.starts = np.flatnonzero(np.r_[True, grouped[1:] != grouped[:-1]])
+        self.present = grouped[self.starts]
+
+    def least(self, price) -> np.ndarray:
+        out = np.full(self.size, np.inf)
+        if len(self.members):
+            out[self.present] = np.minimum.reduceat(price[self.members], self.starts)
+        return out
 
 
 class _Seen:

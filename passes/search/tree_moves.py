@@ -242,12 +242,12 @@ class _OffForest:
         self.target = _ranges(starts, self.lengths)              # where each price adds
         # the fixed part of each price's place in flat.mat: the u end's row (its column
         # comes from the other end's choice), the v end's column (likewise its row)
-        fixed = []
-        for k, e in enumerate(off):
-            rows = flat.rows[flat.rows_off[e]:flat.rows_off[e] + ku[k]]
-            cols = flat.cols[flat.cols_off[e]:flat.cols_off[e] + kv[k]]
-            fixed += [flat.mat_off[e] + rows * flat.ncols[e], flat.mat_off[e] + cols]
-        self.fixed = np.concatenate(fixed) if fixed else np.zeros(0, np.intp)
+        rows = flat.rows[_ranges(flat.rows_off[off], ku)] * np.repeat(flat.ncols[off], ku) + \
+            np.repeat(flat.mat_off[off], ku)
+        cols = flat.cols[_ranges(flat.cols_off[off], kv)] + np.repeat(flat.mat_off[off], kv)
+        # per pair, its rows' then its columns' part
+        starts = np.stack([np.cumsum(ku) - ku, len(rows) + np.cumsum(kv) - kv], axis=1).ravel()
+        self.fixed = np.concatenate([rows, cols])[_ranges(starts, self.lengths)]
         self._optimistic = None
 
     def against(self, ref, share: float) -> tuple:

@@ -44,7 +44,10 @@ lose after one forest rarely win after all of them: on the Table 1 1T row's and 
 ``--engine``'s searches, the 20 of bench/search_quality.py and 229 brute-forced random
 problems, the same choices as improving every descent fully). A walk
 prices an edge once per set of candidates its far end has (a memo per walk, raised when
-that end re-picks), and a class with one group open at a level is not priced. The
+that end re-picks, over one per problem, shared by every walk and ``lam``: the prices
+depend on the far end's candidates alone), a class with one group open at a level is
+not priced, and a re-pick is skipped where no neighbour moved since the class last
+picked (it would pick the same group). The
 guided descents and the memory ladder below descend in op-weight order only. In all, a
 search costs 1.8-3.5 x less than improving every descent of every order fully (the
 same searches): 1.6 s against SCIP's 2.7 s on the 1T row's, 4.1 s against 19 s on

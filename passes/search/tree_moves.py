@@ -17,7 +17,11 @@ a matmul with its weight, gradient and update) is in this neighbourhood. The can
 is kept only if its true objective is lower, so a move never makes the choice worse.
 The first forest keeps the heaviest interactions (the pairs whose reshard prices spread
 most); later ones are drawn with seeded random weights, so different edges are exact.
-A move costs O(edges x strategies), like one level of the descent.
+A move costs O(edges x strategies), like one level of the descent, in a few numpy steps
+per depth of the forest (:class:`_Levels`). The optimistic trials of a forest (below)
+choose every class afresh, whatever the current choice, so they are found once per
+forest and prices; and a run of moves that reaches a state (the choice at a forest,
+whether its round gained) an earlier run at those prices passed ends as that one did.
 
 **Cycles move too.** Priced against the current choice, an off-forest edge whose two
 ends move together pays twice what moving one end alone would (``R[x_u][a_v] +

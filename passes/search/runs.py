@@ -75,6 +75,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass
@@ -192,6 +193,9 @@ class RunCosts:
         self._chunks: dict = {}       # chunk count -> the layers of each chunk
         self.planned: dict = {}       # memory budget -> plan_blocks' answer (stages.py)
         self._p2p: dict = {}          # boundary_key -> boundary seconds
+        # id of an option's parts -> (the parts, the mesh, devices and parts (part ->
+        # SearchResult) of the search they were costed or priced from): what refine refines
+        self._origin: dict = {}
 
     # -- the options --------------------------------------------------------------------
     def options(self, variants: bool = True, wanted=None, sequence: bool = True) -> list:
@@ -257,12 +261,14 @@ class RunCosts:
         seeds = self.seed._found.get(kind, ()) if self.seed is not None else ()
         for searched in [*self._found.get(kind, ())[::-1], *seeds[::-1]]:
             try:
-                return searched, self._price(searched.fastest, mesh, device_of)
+                return searched, self._from(searched, searched.fastest,
+                                            self._price(searched.fastest, mesh, device_of))
             except PlanError:
                 continue
         searched = _Searched(key, mesh, device_of, self._search(mesh, device_of))
         self._found.setdefault(kind, []).append(searched)
-        return searched, self._costed(searched.fastest, mesh, device_of)
+        return searched, self._from(searched, searched.fastest,
+                                    self._costed(searched.fastest, mesh, device_of))
 
     def _smaller_parts(self, key, sub, logical) -> list:
         """The parts of the memory variants after the fastest on this mesh: those of the
@@ -275,20 +281,29 @@ class RunCosts:
             searched.smaller = self._variants(searched.mesh, searched.device_of,
                                               searched.fastest)
         if searched.key == key and mine:
-            return [self._costed(found, searched.mesh, searched.device_of)
+            return [self._from(searched, found,
+                               self._costed(found, searched.mesh, searched.device_of))
                     for found in searched.smaller]
         mesh, device_of = logical_mesh(sub.mesh, sub.shape, logical)
         seeds = self.seed._spare.get(kind, []) if self.seed is not None else []
         for source in [searched, *self._spare.get(kind, [])[::-1], *seeds[::-1]]:
             try:
                 if source.smaller is not None:      # a seed's search may have none
-                    return [self._price(found, mesh, device_of) for found in source.smaller]
+                    return [self._from(source, found, self._price(found, mesh, device_of))
+                            for found in source.smaller]
             except PlanError:
                 continue
         here = {part: result for part, (_, result) in fastest.items()}
         spare = _Searched(key, mesh, device_of, here, self._variants(mesh, device_of, here))
         self._spare.setdefault(kind, []).append(spare)
-        return [self._costed(found, mesh, device_of) for found in spare.smaller]
+        return [self._from(spare, found, self._costed(found, mesh, device_of))
+                for found in spare.smaller]
+
+    def _from(self, searched, found: dict, parts: dict) -> dict:
+        """``parts``, noted as costed or priced from ``found`` (parts of ``searched``'s
+        search, on its mesh): :meth:`refine` refines there."""
+        self._origin[id(parts)] = (parts, searched.mesh, searched.device_of, found)
+        return parts
 
     # -- searches -----------------------------------------------------------------------
     def _variants(self, mesh, device_of, fastest) -> list:
@@ -307,16 +322,37 @@ class RunCosts:
             peak = smaller["block"].report.peak_memory
         return variants
 
-    def refine(self, option: RunOption) -> RunOption:
-        """``option`` searched again on its logical mesh by ``Strategy(search="auto")``:
-        the recursive choice refined by the ILP, the block within the peak it had (so
-        the stages still fit), E and H meeting the refined block."""
+    def refine(self, option: RunOption, room: float = 0.0) -> RunOption:
+        """``option`` searched again by ``Strategy(search="auto")``: the recursive choice
+        refined by the ILP, the block within the peak it had plus ``room`` bytes (what
+        its stages may still take: :mod:`~distgraph.passes.search.stages` checks that
+        they fit), E and H meeting the refined block. Refined on the mesh whose search
+        the option's parts were costed or priced from, whose space and problems that
+        search built, and priced here as the pricing did (where the refined choice does
+        not divide here: refined here)."""
         mesh, device_of = logical_mesh(option.sub.mesh, option.sub.shape, option.logical)
-        peak = option.parts["block"][1].report.peak_memory
-        found = self._search(mesh, device_of, peak * (1 + 1e-9), method="auto",
-                             starts={part: result for part, (_, result) in option.parts.items()})
+        here = {part: result for part, (_, result) in option.parts.items()}
+        _, at, devices, found = self._origin.get(id(option.parts), (None, mesh, device_of,
+                                                                     here))
+
+        def refined(at, devices, found) -> dict:
+            peak = found["block"].report.peak_memory
+            return self._search(at, devices, (peak + room) * (1 + 1e-9), method="auto",
+                                starts=found)
+
+        if (at, devices) != (mesh, device_of) and found["block"].space.program is self.program:
+            try:
+                priced = self._price(refined(at, devices, found), mesh, device_of)
+            except PlanError:       # the refined choice does not divide here
+                pass
+            else:   # reported as refined here: from the recursive choice priced here
+                return RunOption(option.axis, option.sub, option.logical, {
+                    part: (cost, dataclasses.replace(result, report=dataclasses.replace(
+                        result.report, method="auto",
+                        recursive_objective=here[part].report.objective)))
+                    for part, (cost, result) in priced.items()})
         return RunOption(option.axis, option.sub, option.logical,
-                         self._costed(found, mesh, device_of))
+                         self._costed(refined(mesh, device_of, here), mesh, device_of))
 
     def _search(self, mesh, device_of, budget=None, fastest=None, method=None,
                 starts=None, prove=True) -> dict:

@@ -94,9 +94,9 @@ from distgraph.passes.search.layers import op_keys, ops_by_layer, same_op
 from distgraph.passes.search.recursive import Walks
 from distgraph.passes.pipeline.chunks import forward_chunks
 from distgraph.passes.search.sharded_states import sharding_dim, writeback_bytes
-from distgraph.passes.search.space import GB, logical_dims
+from distgraph.passes.search.space import GB
 from distgraph.registry import op_flops
-from distgraph.passes.search.stage_dp import Submesh, _grid
+from distgraph.passes.search.stage_dp import Submesh, _grid, logical_mesh
 
 VARIANTS = 4        # the fastest block and up to three of smaller peaks (module docstring)
 
@@ -592,17 +592,6 @@ def pricing_method(strategy) -> str:
     """The search method that prices the options the stage DP compares: the recursive
     one under ``Strategy(search="auto")`` (the ILP refines the chosen stages only)."""
     return "recursive" if strategy.search_method == "auto" else strategy.search_method
-
-
-def logical_mesh(device_mesh, shape, logical) -> tuple[ProcessMesh, dict]:
-    """A ProcessMesh of ``logical`` shape over the submesh ``shape`` (the first rows and
-    columns of ``device_mesh``), and process -> device global id: process p is the
-    p-th device of the submesh in row-major order, so dim ``y`` runs inside a row."""
-    rows, cols = shape
-    grid = np.array(device_mesh.ids).reshape(_grid(device_mesh.shape))[:rows, :cols]
-    mesh = ProcessMesh(np.arange(rows * cols).reshape(logical).tolist(),
-                       dim_names=logical_dims(logical))
-    return mesh, dict(enumerate(int(d) for d in grid.reshape(-1)))
 
 
 def _kind(logical) -> tuple:

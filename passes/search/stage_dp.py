@@ -49,7 +49,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from distgraph.errors import PlanError
+from distgraph.mesh import ProcessMesh
 from distgraph.resources.cluster import Cluster, Device, DeviceMesh
+from distgraph.passes.search.space import logical_dims
 
 
 @dataclass(frozen=True)
@@ -397,3 +399,14 @@ def _no_fit_message(L, meshes, options, limits) -> str:
             "activations 1F1B keeps in flight) while covering every device: "
             f"{'; '.join(per_mesh)}. Use devices with more memory, more sharding inside the "
             "stages, fewer micro-batches in flight, or recomputation")
+
+
+def logical_mesh(device_mesh, shape, logical) -> tuple[ProcessMesh, dict]:
+    """A ProcessMesh of ``logical`` shape over the submesh ``shape`` (the first rows and
+    columns of ``device_mesh``), and process -> device global id: process p is the
+    p-th device of the submesh in row-major order, so dim ``y`` runs inside a row."""
+    rows, cols = shape
+    grid = np.array(device_mesh.ids).reshape(_grid(device_mesh.shape))[:rows, :cols]
+    mesh = ProcessMesh(np.arange(rows * cols).reshape(logical).tolist(),
+                       dim_names=logical_dims(logical))
+    return mesh, dict(enumerate(int(d) for d in grid.reshape(-1)))

@@ -51,8 +51,8 @@ from distgraph.passes.search.intra_op import search
 from distgraph.passes.search.layers import block_layers, cluster_layers
 from distgraph.passes.search.run_dp import alike_stages, beats
 from distgraph.passes.search.block_plans import plan_blocks
-from distgraph.passes.search.runs import RunCosts, logical_dims, pricing_method
-from distgraph.passes.search.space import GB, MESH_DIMS
+from distgraph.passes.search.runs import RunCosts, pricing_method
+from distgraph.passes.search.space import GB, MESH_DIMS, logical_dims
 from distgraph.passes.search.sharded_states import sharding_dim
 from distgraph.passes.search.stage_dp import StageCost, plan_stages
 from distgraph.resources.cluster import Cluster

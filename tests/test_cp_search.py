@@ -111,7 +111,8 @@ def test_options_offer_dp_cp_tp_where_the_rows_cannot_fill_x(float64):
 
     from distgraph.passes.pipeline.accumulate import split_micro_batches
     from distgraph.passes.search.layers import block_layers
-    from distgraph.passes.search.runs import RunCosts, logical_dims
+    from distgraph.passes.search.runs import RunCosts
+    from distgraph.passes.search.space import logical_dims
 
     built, _ = C.built_program(32, 512)
     built, _ = split_micro_batches(built, C.MICRO)

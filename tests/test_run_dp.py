@@ -152,6 +152,18 @@ def random_layers(rng, cluster, seed):
     return options, count, blocks, int(rng.integers(1, 17))
 
 
+def random_case(rng, seed):
+    """A random cluster (two device kinds on odd seeds, one on even) and its random
+    layers (:func:`random_layers`): (cluster, (options, count, blocks, B))."""
+    if seed % 2:
+        cluster = two_kind_cluster(rng, *[((2, 4), (1, 4)), ((1, 4), (2, 2)),
+                                          ((4, 2), (1, 2))][seed % 3])
+    else:
+        cluster = cluster_of(*[(1, 8), (4, 4), (8, 2)][seed % 3],
+                             memory=float(rng.uniform(1.0, 3.0)))
+    return cluster, random_layers(rng, cluster, seed)
+
+
 @pytest.mark.parametrize("seed", range(12))
 @pytest.mark.parametrize("fit_memory", [True, False])
 def test_run_dp_equals_its_previous_implementation(seed, fit_memory):
@@ -159,13 +171,7 @@ def test_run_dp_equals_its_previous_implementation(seed, fit_memory):
     the same stages, objective, caps solved and options, on one and two device meshes;
     and ``beats`` answers whether that objective lies below a latency."""
     rng = np.random.default_rng(100 + seed)
-    if seed % 2:
-        cluster = two_kind_cluster(rng, *[((2, 4), (1, 4)), ((1, 4), (2, 2)),
-                                          ((4, 2), (1, 2))][seed % 3])
-    else:
-        cluster = cluster_of(*[(1, 8), (4, 4), (8, 2)][seed % 3],
-                             memory=float(rng.uniform(1.0, 3.0)))
-    options, count, blocks, B = random_layers(rng, cluster, seed)
+    cluster, (options, count, blocks, B) = random_case(rng, seed)
     args = (count, blocks, options, cluster, B, fit_memory)
     try:
         old, old_chosen = reference.plan_runs(*args)
@@ -327,13 +333,7 @@ def test_the_prefix_bound_bounds_every_longer_plan_and_keeps_each_caps_answer(se
     from distgraph.passes.search import run_dp
 
     rng = np.random.default_rng(900 + seed)
-    if seed % 2:
-        cluster = two_kind_cluster(rng, *[((2, 4), (1, 4)), ((1, 4), (2, 2)),
-                                          ((4, 2), (1, 2))][seed % 3])
-    else:
-        cluster = cluster_of(*[(1, 8), (4, 4), (8, 2)][seed % 3],
-                             memory=float(rng.uniform(1.0, 3.0)))
-    options, count, blocks, B = random_layers(rng, cluster, seed)
+    cluster, (options, count, blocks, B) = random_case(rng, seed)
 
     def p2p(option):
         return 0.05 * option.parts["block"][0].time

@@ -80,8 +80,14 @@ def main() -> None:
     parser.add_argument("--row", default="145.6B")
     parser.add_argument("--search", default="auto,ilp")
     args = parser.parse_args()
-    row = next(r for r in TABLE1 if r.name == args.row)
+    rows = {r.name: r for r in TABLE1}
+    if args.row not in rows:
+        parser.error(f"no row {args.row!r}; rows: {', '.join(rows)}")
+    row = rows[args.row]
     methods = args.search.split(",")
+    bad = sorted(set(methods) - set(dg.strategy.SEARCHES))
+    if bad:
+        parser.error(f"no search {bad}; searches: {', '.join(dg.strategy.SEARCHES)}")
     found = {m: plan_row(row, m) for m in methods}
     names = ["planning"] + [name for name, _, _ in PARTS]
     print(f"{row.name} on {row.gpus} GPUs: CPU seconds   " +

@@ -367,3 +367,29 @@ def test_elastic_without_machines_to_lose_is_one_line(tmp_path):
     assert result.stderr.strip().splitlines() == [
         "distgraph run: --elastic needs machines to lose and take back: give --hostfile "
         "FILE, --hosts LIST or --emulate FILE"]
+
+
+@pytest.mark.parametrize("options, said", [
+    (["--max-ranks", "4"], "--max-ranks"),
+    (["--min-ranks", "2", "--max-restarts", "1"], "--max-restarts, --min-ranks")])
+def test_elastic_options_without_elastic_are_refused_not_ignored(tmp_path, options, said):
+    script = tmp_path / "x.py"
+    script.write_text("print('hi')\n")
+    result = subprocess.run([sys.executable, "-m", "distgraph.cli", "run", "-n", "2",
+                             *options, str(script)], capture_output=True, text=True)
+    assert result.returncode == 2 and "hi" not in result.stdout
+    assert result.stderr.strip().splitlines() == [
+        f"distgraph run: {said} only bend an elastic job: add --elastic (with --emulate, "
+        "--hostfile or --hosts), or leave them out"]
+
+
+def test_max_ranks_below_the_ranks_asked_for_is_refused_before_any_rank_starts(tmp_path):
+    script = tmp_path / "x.py"
+    script.write_text("print('hi')\n")
+    result = subprocess.run([sys.executable, "-m", "distgraph.cli", "run", "-n", "4",
+                             "--elastic", "--max-ranks", "2", "--hosts", "localhost:4",
+                             str(script)], capture_output=True, text=True)
+    assert result.returncode == 2 and "hi" not in result.stdout
+    assert result.stderr.strip().splitlines() == [
+        "distgraph run: --max-ranks 2 is below -n 4: the job would start on 2 ranks; "
+        "give -n 2, or --max-ranks 4 or more"]

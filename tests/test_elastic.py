@@ -367,3 +367,61 @@ def test_elastic_without_machines_to_lose_is_one_line(tmp_path):
     assert result.stderr.strip().splitlines() == [
         "distgraph run: --elastic needs machines to lose and take back: give --hostfile "
         "FILE, --hosts LIST or --emulate FILE"]
+
+
+@pytest.mark.parametrize("options, said", [
+    (["--max-ranks", "4"], "--max-ranks"),
+    (["--min-ranks", "2", "--max-restarts", "1"], "--max-restarts, --min-ranks")])
+def test_elastic_options_without_elastic_are_refused_not_ignored(tmp_path, options, said):
+    script = tmp_path / "x.py"
+    script.write_text("print('hi')\n")
+    result = subprocess.run([sys.executable, "-m", "distgraph.cli", "run", "-n", "2",
+                             *options, str(script)], capture_output=True, text=True)
+    assert result.returncode == 2 and "hi" not in result.stdout
+    assert result.stderr.strip().splitlines() == [
+        f"distgraph run: {said} only bend an elastic job: add --elastic (with --emulate, "
+        "--hostfile or --hosts), or leave them out"]
+
+
+def test_max_ranks_below_the_ranks_asked_for_is_refused_before_any_rank_starts(tmp_path):
+    script = tmp_path / "x.py"
+    script.write_text("print('hi')\n")
+    result = subprocess.run([sys.executable, "-m", "distgraph.cli", "run", "-n", "4",
+                             "--elastic", "--max-ranks", "2", "--hosts", "localhost:4",
+                             str(script)], capture_output=True, text=True)
+    assert result.returncode == 2 and "hi" not in result.stdout
+    assert result.stderr.strip().splitlines() == [
+        "distgraph run: --max-ranks 2 is below -n 4: the job would start on 2 ranks; "
+        "give -n 2, or --max-ranks 4 or more"]
+
+
+RESTARTED_FIT = """
+import numpy as np, sys
+import distgraph as dg
+class Rows:
+    def __len__(self): return 8
+    def __getitem__(self, i): return np.full(4, i, "float64"), np.int64(i % 2)
+model = dg.nn.MLP(4, 8, 2)
+engine = dg.Engine(model, loss=dg.nn.CrossEntropyLoss(), optimizer=dg.optim.SGD(0.1))
+cbs = [dg.callbacks.ModelCheckpoint(sys.argv[1], every_n_steps=2)] if len(sys.argv) > 1 else []
+engine.fit(Rows(), batch_size=4, verbose=0, callbacks=cbs)
+"""
+
+
+@pytest.mark.parametrize("checkpoint", [False, True], ids=["no-callback", "empty-folder"])
+def test_a_restarted_fit_with_nothing_to_resume_from_says_it_starts_over(tmp_path, checkpoint):
+    script = tmp_path / "fit.py"
+    script.write_text(RESTARTED_FIT)
+    extra = [str(tmp_path / "ckpt")] if checkpoint else []
+    result = subprocess.run([sys.executable, str(script), *extra], capture_output=True,
+                            text=True, env=dict(os.environ, DISTGRAPH_ELASTIC_RESTART="1"))
+    assert result.returncode == 0, result.stderr
+    said = [ln for ln in result.stderr.splitlines() if ln.startswith("distgraph: elastic")]
+    if checkpoint:                        # ModelCheckpoint's own line, not a second one
+        assert said == ["distgraph: elastic restart 1 on 1 ranks: no complete checkpoint at "
+                        f"{tmp_path / 'ckpt'}: starting from step 0"]
+    else:
+        assert said == ["distgraph: elastic restart 1 on 1 ranks: no checkpoint was loaded "
+                        "and the fit has no ModelCheckpoint, so training starts over from "
+                        "step 0 (add dg.callbacks.ModelCheckpoint(path, every_n_steps=k) to "
+                        "resume from the last one)"]

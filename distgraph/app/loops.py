@@ -35,7 +35,7 @@ from distgraph.annotation import ShardDataloader
 from distgraph.app import checks, plan_report
 from distgraph.app.data import DataLoader, FieldRead
 from distgraph.app.plans import Mode
-from distgraph.callbacks import CallbackList, ProgressBar
+from distgraph.callbacks import CallbackList, ModelCheckpoint, ProgressBar
 from distgraph.errors import BatchSplitError, DistGraphError
 from distgraph.metrics import as_metrics
 from distgraph.runtime.backend import backend_for
@@ -82,6 +82,9 @@ class Loops:
         n_batches = len(loader) if steps_per_epoch is None else min(steps_per_epoch, len(loader))
         cbs = CallbackList(progress(verbose, callbacks) + list(callbacks or []), engine)
         cbs.on_fit_start({"epochs": epochs, "batch_size": batch_size})   # may load a checkpoint
+        if engine.elastic_restart and engine.global_step == 0 and not any(
+                isinstance(cb, ModelCheckpoint) for cb in callbacks or ()):
+            say_starting_over(engine)
         reached = self.position[0] >= epochs     # epochs is a total: nothing left to train
         if not reached:
             first_epoch, first_batch = self._start(loader, n_batches, steps_per_epoch)
@@ -350,6 +353,16 @@ class Loops:
         # priced on the command's --cluster / -n when it gave one (else the plan's own)
         plan_report.write_report(engine._plans.plan(mode), request, engine._launch_cluster())
         raise plan_report.PlanReported()
+
+
+def say_starting_over(engine) -> None:
+    """An elastic restart whose fit has nothing to resume from says so (rank 0), since
+    every step done before the failure runs again."""
+    if engine.rank == 0:
+        print(f"distgraph: elastic restart {engine.elastic_restart} on {engine.world_size} "
+              "ranks: no checkpoint was loaded and the fit has no ModelCheckpoint, so "
+              "training starts over from step 0 (add dg.callbacks.ModelCheckpoint(path, "
+              "every_n_steps=k) to resume from the last one)", file=sys.stderr, flush=True)
 
 
 def progress(verbose, callbacks, label=None) -> list:

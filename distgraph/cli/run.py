@@ -93,9 +93,9 @@ def _arguments(p) -> None:
                         "stops answering, end the job's ranks, drop the machines that do not "
                         "answer and start the script again on the ranks left (the README's "
                         "'Elastic training')")
-    p.add_argument("--max-restarts", type=int, default=3, metavar="N",
+    p.add_argument("--max-restarts", type=int, default=None, metavar="N",
                    help="with --elastic: restarts at most (default 3)")
-    p.add_argument("--min-ranks", type=int, default=1, metavar="K",
+    p.add_argument("--min-ranks", type=int, default=None, metavar="K",
                    help="with --elastic: stop when fewer ranks are left (default 1)")
     p.add_argument("--max-ranks", type=int, default=None, metavar="M",
                    help="with --elastic: grow back to at most M ranks (and -n) "
@@ -128,6 +128,12 @@ def _run(args) -> int:
         args = script_words(args)
         if args.elastic:
             return _run_elastic(args)
+        given = [f"--{name.replace('_', '-')}" for name in ELASTIC_ONLY
+                 if getattr(args, name) is not None]
+        if given:
+            raise DistGraphError(f"{', '.join(given)} only bend an elastic job: add "
+                                 "--elastic (with --emulate, --hostfile or --hosts), or "
+                                 "leave them out")
         if args.emulate or args.emulate_fault:
             if args.hostfile or args.hosts or args.dry_run:
                 print("distgraph run: --emulate runs every rank on this machine's network "
@@ -161,11 +167,23 @@ def _run(args) -> int:
 
 
 
+# the options that only an elastic job reads (each None unless given)
+ELASTIC_ONLY = ("max_restarts", "min_ranks", "max_ranks")
+
+
 def _run_elastic(args) -> int:
     """``distgraph run --elastic``: on an emulated cluster, or on hosts over ssh."""
     from distgraph.runtime.launch.elastic import ElasticPolicy
 
-    policy = ElasticPolicy(args.max_restarts, args.min_ranks, args.max_ranks)
+    given = {name: getattr(args, name) for name in ELASTIC_ONLY
+             if getattr(args, name) is not None}
+    policy = ElasticPolicy(**given)
+    if policy.max_ranks is not None and policy.max_ranks < args.nprocs:
+        # the first attempt would start on max_ranks ranks, not -n: say so instead
+        print(f"distgraph run: --max-ranks {policy.max_ranks} is below -n {args.nprocs}: "
+              f"the job would start on {policy.max_ranks} ranks; give -n "
+              f"{policy.max_ranks}, or --max-ranks {args.nprocs} or more", file=sys.stderr)
+        return 2
     check_launch(args.nprocs, [args.script, *args.args], args.cluster)
     if args.emulate:
         if args.hostfile or args.hosts or args.dry_run:

@@ -156,6 +156,20 @@ def test_annotations_are_hard_constraints():
     assert plan.search.objective >= free.search.objective
 
 
+def test_an_annotation_over_a_mesh_dim_of_size_one_is_the_same_constraint_without_it():
+    # the README's elastic mesh (w // 2, 2) at w = 2 has a dp dim of size 1
+    flat = dg.ProcessMesh([0, 1, 2, 3], dim_names=["x"])
+    grid = dg.ProcessMesh([[0, 1, 2, 3]], dim_names=["dp", "x"])
+
+    def on(mesh, entry):
+        return lambda model: dg.shard_tensor(model.fc1.weight, mesh, [entry, "x"])
+
+    plain = auto(S.mlp_program(1024, 128, annotate=on(flat, None)), S.line_cluster(4))
+    unit = auto(S.mlp_program(1024, 128, annotate=on(grid, "dp")), S.line_cluster(4))
+    assert spec(unit, "fc1.weight") == "[None, x]"
+    assert unit.search.objective == pytest.approx(plain.search.objective, rel=1e-12)
+
+
 def test_shared_blocks_never_beat_the_unshared_optimum():
     dims = dict(P.GPT_DIMS, n_layer=5)
     model = P.build_model("gpt", dims=dims)

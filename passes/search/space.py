@@ -64,7 +64,7 @@ from distgraph.registry import spmd_rule
 from distgraph.placement import ShardSpec
 from distgraph.plan.instructions import keeps_nothing
 from distgraph.spmd import (LETTERS, UNKNOWN, DimsSpec, EinsumPlan, OpStrategy, RuleQuery,
-                            SpmdRuleError)
+                            SpmdRuleError, entry_dims, entry_of)
 
 GB = 1e9                     # resource files give memory in GB
 MESH_DIMS = "xyzw"           # names of the dims of a mesh the search makes
@@ -226,7 +226,8 @@ class SearchSpace:
                 found = [x for x in found if x.out_specs[0] == self.received[v.name]]
             self.boundary.add(v.name)
         elif v.annotation is not None:
-            found = [s for s in found if s.out_specs[0] == v.annotation.spec]
+            wanted = _without_unit_dims(v.annotation.spec, self.mesh)
+            found = [s for s in found if s.out_specs[0] == wanted]
             if not found:
                 raise PlanError(f"{v.name} {list(v.shape)} is annotated {v.annotation.spec} on "
                                 f"{self.mesh}, which is not a layout of it there")
@@ -459,6 +460,16 @@ def _index(program, shared: dict) -> tuple:
                 read_by.setdefault(v.name, []).append(k)
         shared[key] = (made_by, read_by)
     return shared[key]
+
+
+def _without_unit_dims(spec: ShardSpec, mesh: ProcessMesh) -> ShardSpec:
+    """``spec`` with the mesh dims of size 1 dropped: a split over one process is no split,
+    and the layouts here use only mesh dims of size > 1 (a ``(w // 2, 2)`` mesh at w = 2)."""
+    def kept(entry):
+        names = tuple(n for n in entry_dims(entry) if mesh.dim_size(n) > 1)
+        return entry_of(names)
+    return ShardSpec(tuple(kept(e) for e in spec.dims),
+                     frozenset(n for n in spec.partial if mesh.dim_size(n) > 1))
 
 
 def layouts(shape, mesh: ProcessMesh) -> list:

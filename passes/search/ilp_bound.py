@@ -26,6 +26,14 @@ duals as above, L stays a bound whatever the LP solver's tolerances. (HiGHS with
 presolve: on a GPT block's refinement, 17k variables, 32 ms against 90 ms with it and
 SCIP's 0.42 s; the LP closed the gap there to 1e-15.)
 
+**When SCIP is skipped** (:func:`proven_gap`, ``ilp.solve(bounded=True)``): SCIP solves
+the model of the same reduced problem, so no choice it can return costs, on it, less
+than L; where the start's objective on it is within ``GAIN_RTOL`` of L, SCIP could
+gain at most that. ``GAIN_RTOL`` (1e-9) is below what SCIP itself resolves (its
+tolerances, numerics/epsilon 1e-9 and dual feasibility 1e-7, apply to costs scaled to
+about 1 each, :func:`~distgraph.passes.search.ilp._unit`) and far above the rounding of
+L's sums. The tests run SCIP anyway on random problems wherever this skips.
+
 Example::
 
     red = reduce_problem(problem)

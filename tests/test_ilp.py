@@ -14,7 +14,7 @@ import pytest
 
 from distgraph.errors import PlanError
 from distgraph.passes.search.ilp import (ShardingProblem, evaluate, peak_bound, peak_memory,
-                                         reduce_problem, solve)
+                                         reduce_problem, solve, unique_rows)
 
 
 def random_problem(seed, budget_kind="random"):
@@ -307,3 +307,20 @@ def test_forbidden_everything_names_the_node_or_pair():
         solve(ShardingProblem(**base(aliases=[(0, 1, [[1, 1], [1, 1]])])))
     with pytest.raises(PlanError, match="time_limit = 0"):
         solve(ShardingProblem(**base()), time_limit=0)
+
+
+def test_unique_rows_is_numpys_unique_by_rows():
+    """reduce_problem groups a matrix's rows by hashing (unique_rows): the same distinct
+    rows in the same order, and the same inverse, as np.unique(axis=0), inf, repeated
+    rows and -0.0 included."""
+    rng = np.random.default_rng(0)
+    for _ in range(500):
+        r, c = (int(k) for k in rng.integers(1, 10, 2))
+        mat = rng.integers(0, 3, (r, c)).astype(float) * rng.choice([1.0, 1e-7])
+        if rng.random() < 0.3:
+            mat[rng.integers(r), rng.integers(c)] = math.inf
+        if rng.random() < 0.2:
+            mat[rng.integers(r), rng.integers(c)] = -0.0
+        want, inverse = np.unique(mat, axis=0, return_inverse=True)
+        got, index = unique_rows(mat)
+        assert np.array_equal(got, want) and np.array_equal(index, inverse.reshape(-1))

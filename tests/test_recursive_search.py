@@ -18,6 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import distgraph as dg  # noqa: E402
 from distgraph.passes.search.ilp import evaluate, peak_memory  # noqa: E402
 from distgraph.passes.search.ilp import peak_bound, reduce_problem  # noqa: E402
+from distgraph.passes.search.intra_op import PROVEN  # noqa: E402
 from distgraph.passes.search.recursive import Walks, solve_recursive  # noqa: E402
 from distgraph.program_builder import build_program  # noqa: E402
 from distgraph.runtime.comm.simulated import SimulatedWorld  # noqa: E402
@@ -208,7 +209,10 @@ def test_explain_says_which_search_chose_and_what_the_ilp_gained():
     assert both.search.status == "optimal"
     gain = 1 - both.search.objective / both.search.recursive_objective
     assert both.search.recursive_objective == pytest.approx(rec.search.objective)
-    assert f"refined by the SCIP ILP: {gain:.2%} faster" in both.explain()
+    # the recursive choice is the optimum here: the LP bound proves it, SCIP is not run
+    assert gain == 0 and both.search.note == PROVEN and both.search.variables == 0
+    assert f"recursive bisection ({rec.search.objective * 1e3:.4f} ms), {PROVEN}" in \
+        both.explain()
     ilp = auto(S.mlp_program(128, 1024), S.line_cluster(4), "ilp")
     assert both.search.objective == pytest.approx(ilp.search.objective, rel=1e-9)
     assert "chosen by SCIP ILP" in ilp.explain()
@@ -227,7 +231,9 @@ def test_auto_prices_the_stage_dp_recursively_and_refines_the_chosen_stages():
     for report in plan.search.stages:
         assert report.method == "auto" and report.status == "optimal"
         assert report.recursive_objective >= report.objective * (1 - 1e-9)
-    assert "refined by the SCIP ILP" in plan.explain()
+        # refined by SCIP, or kept where the LP bound proves SCIP cannot gain
+        assert "refined by the SCIP ILP" in report.chosen_by or PROVEN in report.chosen_by
+        assert report.chosen_by in plan.explain()
 
 
 def test_unknown_or_misplaced_search_values_are_refused():

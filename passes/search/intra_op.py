@@ -61,11 +61,15 @@ from distgraph.units import fmt_bytes
 from distgraph.passes.search.costs import SearchCosts, local_bytes
 from distgraph.passes.search.ilp import Solution, solve
 from distgraph.passes.search.ilp_problem import ShardingProblem, evaluate, peak_memory
+from distgraph.passes.search.liveness import live_sets
 from distgraph.passes.search.sharded_states import apply_zero, zero_terms
 from distgraph.passes.search.recursive import METHODS, bisection_levels, solve_recursive
 from distgraph.passes.search.space import SearchSpace
 from distgraph.placement import DistAttr
-from distgraph.registry import get_op
+
+
+# search="auto"'s note where SCIP was not run (ilp.solve's ``bounded``)
+PROVEN = "kept: the ILP's LP bound proves SCIP cannot gain (SCIP not run)"
 
 
 @dataclass(frozen=True)
@@ -103,6 +107,8 @@ class SearchReport:
         if self.method == "auto" and self.recursive_objective is not None:
             gain = 1 - self.objective / self.recursive_objective \
                 if self.recursive_objective > 0 else 0.0
+            if self.note == PROVEN:
+                return f"recursive bisection ({self.recursive_objective * 1e3:.4f} ms), {PROVEN}"
             return (f"recursive bisection ({self.recursive_objective * 1e3:.4f} ms), refined "
                     f"by the SCIP ILP: {gain:.2%} faster")
         return "SCIP ILP" + (f" ({self.note})" if self.note else "")
@@ -285,13 +291,15 @@ def search(program, mesh: ProcessMesh, cluster, device_of: dict, *, ops=None,
         sol = solve(problem, time_limit=limit)
     elif carried is not None:
         first = evaluate(problem, carried)
-        sol = solve(problem, time_limit=limit, starts=[carried])
+        sol = solve(problem, time_limit=limit, starts=[carried], bounded=True)
     else:
         sol, note = solve_recursive(problem, space, bisection_levels(mesh, costs.ring_of),
                                     time_limit=limit, walks=walks, prove=prove)
         if method == "auto" and sol.status == "recursive":
             first = sol.objective
-            sol = solve(problem, time_limit=limit, starts=[sol.choice])
+            sol = solve(problem, time_limit=limit, starts=[sol.choice], bounded=True)
+    if first is not None and not sol.variables:     # no model: the bound proved it
+        note = PROVEN
     return _result(space, sol.choice, problem, sol, build_time, memory_budget, share,
                    boundary, method, first, note)
 
@@ -455,7 +463,7 @@ def _problem(space, costs, weights, loss, world, budget, share, live,
                 aliases.append((node.index, s_node, np.array(forbid, dtype=float)))
     apply_zero(zero_terms(space, costs, zero), space, costs, weights, compute, comm, memory,
                edges)
-    liveness = space.memo(("liveness", tuple(buffers)), lambda: _liveness(space, buffers)) \
+    liveness = space.memo(("liveness", tuple(buffers)), lambda: live_sets(space, buffers)) \
         if live else ()
     return ShardingProblem([len(n.strategies) for n in nodes], compute, comm, memory, edges,
                            aliases, [n.leader for n in nodes], liveness, budget, share,
@@ -526,63 +534,6 @@ def accumulating_updates(space, weights: dict) -> list:
     return [n.index for n in space.nodes if not n.is_source and
             program.ops[n.op].role == Role.OPTIMIZE and len(program.ops[n.op].inputs) > 1
             and program.ops[n.op].inputs[0].is_parameter]
-
-
-def _liveness(space, buffers=()) -> list:
-    """The nodes whose results are live at each op (program order): persistable sources
-    always, the program's feeds from the start to their last use, Values received from
-    ops outside ``space.ops`` (another part's, a gradient from the next block) from
-    their first use to their last (as the estimate's executor receives them: at their
-    consumer), op results from their op to their last use, and an op that keeps what
-    its gradient needs beyond its results (``saved``: moe_ffn) until that gradient
-    (``<type>_grad``), unless it could never serve it
-    (:func:`~distgraph.plan.instructions.keeps_nothing`). With ``buffers`` (update
-    nodes whose memory holds their gradient's buffer, :func:`accumulating_updates`)
-    those nodes are live always and, as the runtime adds each micro-batch's gradient
-    to its buffer as it is made, an update's read ends no earlier op's result's life."""
-    program, nodes = space.program, space.nodes
-    position = {k: t for t, k in enumerate(space.ops)}
-    vain = space.vain
-    node_of = {id(program.ops[n.op]): n.index for n in nodes if not n.is_source
-               and get_op(program.ops[n.op].type).saved is not None and n.op not in vain}
-    first: dict = {}
-    last: dict = {}
-    accumulated = bool(buffers)
-    for k in space.ops:
-        op = program.ops[k]
-        updating = accumulated and op.role == Role.OPTIMIZE
-        for v in op.inputs:
-            u = space.producer[v.name][0]
-            if updating and not nodes[u].is_source and \
-                    program.ops[nodes[u].op].role != Role.OPTIMIZE:
-                continue
-            first.setdefault(u, position[k])
-            last[u] = position[k]
-        f = op.forward_op
-        if f is not None and op.type == f.type + "_grad" and id(f) in node_of:
-            last[node_of[id(f)]] = max(last.get(node_of[id(f)], 0), position[k])
-    feeds = {v.name for v in program.inputs}
-    always, starts = list(buffers), {}
-    for n in nodes:
-        if n.index in buffers:
-            continue
-        if n.is_source:
-            if program.values[n.value].persistable:
-                always.append(n.index)
-                continue
-            begin = 0 if n.value in feeds else first.get(n.index, 0)
-            span = (begin, last.get(n.index, begin))
-        else:
-            t = position[n.op]
-            span = (t, max(t, last.get(n.index, t)))
-        starts.setdefault(span[0], []).append((span[1], n.index))
-    out, live = [], {}
-    for t in range(len(space.ops)):
-        for end, i in starts.get(t, ()):
-            live[i] = end
-        out.append(tuple(always) + tuple(live))
-        live = {i: end for i, end in live.items() if end > t}
-    return out
 
 
 def _layouts(space, choice) -> tuple:

@@ -341,14 +341,15 @@ class RunCosts:
                                 starts=found)
 
         if (at, devices) != (mesh, device_of) and found["block"].space.program is self.program:
+            searched = refined(at, devices, found)
             try:
-                priced = self._price(refined(at, devices, found), mesh, device_of)
+                priced = self._price(searched, mesh, device_of)
             except PlanError:       # the refined choice does not divide here
                 pass
             else:   # reported as refined here: from the recursive choice priced here
                 return RunOption(option.axis, option.sub, option.logical, {
                     part: (cost, dataclasses.replace(result, report=dataclasses.replace(
-                        result.report, method="auto",
+                        result.report, method="auto", note=searched[part].report.note,
                         recursive_objective=here[part].report.objective)))
                     for part, (cost, result) in priced.items()})
         return RunOption(option.axis, option.sub, option.logical,

@@ -223,6 +223,15 @@ def test_the_search_needs_a_cluster_with_one_device_mesh():
         dg.passes.plan(S.mlp_program(64, 64), dg.Strategy(auto_mode="full"), hetero)
 
 
+def test_annotations_on_more_processes_than_devices_are_refused_naming_the_launch():
+    mesh = dg.ProcessMesh([0, 1, 2, 3], dim_names=["x"])
+    built = S.mlp_program(64, 64, annotate=lambda m: dg.shard_tensor(m.fc1.weight, mesh,
+                                                                      [None, "x"]))
+    with pytest.raises(dg.PlanError, match=r"4 processes.*has 2 devices: launch 4 ranks "
+                                           r"\(`distgraph run -n 4"):
+        auto(built, S.line_cluster(2))
+
+
 def test_balanced_data_parallel_groups_are_chosen_where_they_pay():
     # one device twice as fast as the other: priced at the slow device's even share,
     # Megatron wins; with balance=True the search prices data parallelism at its

@@ -68,6 +68,11 @@ def test_a_mesh_twice_as_fast_takes_twice_the_layers():
         (pid,) = mesh.process_ids
         sizes[cluster.devices[plan.ranks(pid)].global_id] = len(layers)
     assert sizes[fast] == 4 and sum(sizes.values()) == 6
+    # explain() names the devices each stage's search ran for, not the search's own
+    # process numbering (which starts at 0 on every stage)
+    text = str(plan.search)
+    for s, stage in enumerate(plan.search.stage_plan.stages):
+        assert f"stage {s} search on devices {list(stage.device_ids)} (mesh shape " in text
 
 
 def brute_cut(flops, received, count, delta):

@@ -62,7 +62,10 @@ def search_mesh(program, cluster) -> tuple[ProcessMesh, dict]:
         mesh = meshes.pop()
         if mesh.size > len(devices.ids):
             raise PlanError(f"the annotations use {mesh} ({mesh.size} processes), but device "
-                            f"mesh {devices.name} of the cluster has {len(devices.ids)} devices")
+                            f"mesh {devices.name} of the cluster has {len(devices.ids)} devices: "
+                            f"launch {mesh.size} ranks (`distgraph run -n {mesh.size} ...`), "
+                            f"give a cluster with {mesh.size} devices, or annotate on a mesh of "
+                            f"{len(devices.ids)}")
         return mesh, {p: devices.ids[i] for i, p in enumerate(mesh.process_ids)}
     n = len(devices.ids)
     mesh = ProcessMesh([[*range(n)]][0], dim_names=["x"]) if len(devices.shape) == 1 else \

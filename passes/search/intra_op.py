@@ -114,10 +114,14 @@ class SearchReport:
         return "SCIP ILP" + (f" ({self.note})" if self.note else "")
 
     def __str__(self) -> str:
+        return self.describe(str(self.mesh))
+
+    def describe(self, where: str) -> str:
+        """``str``, naming the mesh searched as ``where`` (a pipeline stage's devices)."""
         budget = "none" if self.memory_budget is None else fmt_bytes(self.memory_budget)
         size = f"{self.variables} variables, {self.constraints} constraints" \
             if self.variables else "no ILP"
-        lines = [f"search on {self.mesh}: {self.status}, objective "
+        lines = [f"search on {where}: {self.status}, objective "
                  f"{self.objective * 1e3:.4f} ms, gap {self.gap:.3g}, solved in "
                  f"{self.solve_time:.2f} s (problem built in {self.build_time:.2f} s)",
                  f"  chosen by {self.chosen_by}",

@@ -124,8 +124,10 @@ class PipelineReport:
         lines = [f"stage search: {self.layering}; {self.searches} intra-op searches, "
                  f"{self.seconds:.2f} s",
                  "  " + str(self.stage_plan).replace("\n", "\n  ")]
-        for s, report in enumerate(self.stages):
-            lines.append(f"  stage {s} " + str(report).replace("\n", "\n  "))
+        for s, (report, stage) in enumerate(zip(self.stages, self.stage_plan.stages)):
+            # the search numbers a stage's processes from 0; name the devices it runs on
+            where = f"devices {list(stage.device_ids)} (mesh shape {list(report.mesh.shape)})"
+            lines.append(f"  stage {s} " + report.describe(where).replace("\n", "\n  "))
         return "\n".join(lines)
 
     def to_dict(self) -> dict:

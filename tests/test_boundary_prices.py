@@ -6,9 +6,9 @@ message's device pairs up at once (``Cluster.pairs``), prices a send_recv's mess
 once for every process that asks (``steps_time``) and keeps each Value's steps and price
 in a memo by what they read. Oracles, equal to the last bit: each pair looked up alone
 (``Cluster.bandwidth`` / ``latency``), the tiles summed one by one in transfer order, the
-steps priced process by process with ``reshard_step_time``, and each option's boundary
-planned and priced afresh along the module docstring's recipe; on shipped cluster files
-whose devices differ (GPUs and XPUs, a slow machine, machines whose ids interleave).
+steps priced process by process with ``reshard_step_time``, a ring's hops one by one,
+and each option's boundary planned and priced afresh along the module docstring's
+recipe; on shipped cluster files whose devices differ (GPUs and XPUs, a slow machine, machines whose ids interleave).
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ import distgraph as dg
 import distgraph.resources
 from distgraph.errors import PlanError
 from distgraph.passes.cost.formulas import link_rates
-from distgraph.passes.cost.prices import (Rings, reshard_step_time, send_recv_time,
-                                          software_time, steps_time)
+from distgraph.passes.cost.prices import (Rings, groups_along, reshard_step_time,
+                                          send_recv_time, software_time, steps_time)
 from distgraph.passes.reshard import plan_reshard
 from distgraph.passes.search.boundary import _pieces, _value_seconds, boundary_seconds
 from distgraph.passes.search.layers import block_layers
@@ -202,3 +202,44 @@ def test_one_value_priced_on_other_devices_is_priced_again():
     assert inside != across
     assert across == _value_seconds(reshard, (0, 2, 1, 3), cluster, {})
     assert list(memo) == [("steps",) + reshard]
+
+
+def plain_ring(rings, mesh, dims, group) -> tuple:
+    """A group's (bandwidth, latency) hop by hop, each pair looked up alone, the hops that
+    cross machines sharing their interfaces with the other groups' (prices.py's model)."""
+    cluster, device_of = rings.cluster, rings.device_of
+    machine = {d.global_id: d.machine_id for d in cluster.devices}
+    nics = {m.id: max(1, len(m.nics)) for m in cluster.machines}
+    crossing: dict = {}
+    for other in groups_along(mesh, dims):
+        ring = [machine[device_of(q)] for q in other]
+        for a, b in zip(ring, ring[1:] + ring[:1]):
+            if a != b:
+                crossing[a, b] = crossing.get((a, b), 0) + 1
+    devices = [device_of(q) for q in group]
+    hops = [(a, b) for a, b in zip(devices, devices[1:] + devices[:1]) if a != b]
+    share = {k: max(1.0, n / min(nics[k[0]], nics[k[1]])) for k, n in crossing.items()}
+    bw = min((cluster.bandwidth(a, b) / share.get((machine[a], machine[b]), 1.0)
+              for a, b in hops), default=float("inf"))
+    return bw, max((cluster.latency(a, b) for a, b in hops), default=0.0)
+
+
+@pytest.mark.parametrize("path", FILES, ids=os.path.basename)
+def test_rings_equal_hop_by_hop(path):
+    cluster = load(path)
+    rng = random.Random(os.path.basename(path) + "rings")
+    devices = [d.global_id for d in cluster.devices]
+    checked = 0
+    for _ in range(40):
+        size = rng.choice([s for s in (2, 4, 8, 16) if s <= len(devices)])
+        shape = rng.choice([(size,), (2, size // 2), (size // 2, 2)])
+        names = ["x", "y"][:len(shape)]
+        mesh = dg.ProcessMesh(np.arange(size).reshape(shape).tolist(), names)
+        rings = Rings(cluster, rng.sample(devices, size).__getitem__)
+        for dims in [(d,) for d in names] + [tuple(names)]:
+            for p in mesh.process_ids:
+                ring = rings.along(mesh, p, dims)
+                group = rings._group_of(mesh, dims)[p]
+                assert (ring.bandwidth, ring.latency) == plain_ring(rings, mesh, dims, group)
+                checked += 1
+    assert checked > 250

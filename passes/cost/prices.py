@@ -198,10 +198,14 @@ class Rings:
             devices = [self.device_of(q) for q in group]
             hops = [(a, b) for a, b in zip(devices, devices[1:] + devices[:1]) if a != b]
             cluster = self.cluster
-            bw = min((cluster.bandwidth(a, b)
-                      / sharing.get((self._machine(a), self._machine(b)), 1.0)
-                      for a, b in hops), default=float("inf"))
-            lat = max((cluster.latency(a, b) for a, b in hops), default=0.0)
+            bw, lat = float("inf"), 0.0
+            if hops:
+                # every hop's figures in one look-up; min and max are exact in any order
+                bws, lats = cluster.pairs([a for a, _ in hops], [b for _, b in hops])
+                if sharing:
+                    bws = bws / np.array([sharing.get((self._machine(a), self._machine(b)),
+                                                      1.0) for a, b in hops])
+                bw, lat = float(bws.min()), float(lats.max())
             cpu = all(cluster.device(d).type == "CPU" for d in devices)
             one = len({self._machine(d) for d in devices}) == 1
             self._rings[key] = Ring(bw, lat, cpu and one)

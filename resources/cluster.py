@@ -311,6 +311,16 @@ class Cluster:
         """Summed latency (µs) along the best path between global ids; 0 when a == b."""
         return self._pair(a, b)[1]
 
+    def pairs(self, a, b) -> tuple[np.ndarray, np.ndarray]:
+        """(bandwidth GB/s, latency µs) of the pairs ``(a[i], b[i])`` of global ids at once:
+        :meth:`bandwidth` and :meth:`latency` of each pair, the same floats, on arrays
+        (the cost model prices a message's hundreds of tiles in one look-up)."""
+        a, b = self._check_ids(a), self._check_ids(b)
+        if a.shape != b.shape:
+            raise PlanError(f"pairs: {a.size} first ids against {b.size} second ids; give "
+                            "one of each per pair")
+        return self._paths.lookup(a, b)
+
     def path_matrices(self, ids) -> tuple[np.ndarray, np.ndarray]:
         """(bandwidth GB/s, latency µs) matrices between the given global ids, in that order."""
         return self._paths.matrices(self._check_ids(list(ids)))

@@ -198,10 +198,14 @@ class Rings:
             devices = [self.device_of(q) for q in group]
             hops = [(a, b) for a, b in zip(devices, devices[1:] + devices[:1]) if a != b]
             cluster = self.cluster
-            bw = min((cluster.bandwidth(a, b)
-                      / sharing.get((self._machine(a), self._machine(b)), 1.0)
-                      for a, b in hops), default=float("inf"))
-            lat = max((cluster.latency(a, b) for a, b in hops), default=0.0)
+            bw, lat = float("inf"), 0.0
+            if hops:
+                # every hop's figures in one look-up; min and max are exact in any order
+                bws, lats = cluster.pairs([a for a, _ in hops], [b for _, b in hops])
+                if sharing:
+                    bws = bws / np.array([sharing.get((self._machine(a), self._machine(b)),
+                                                      1.0) for a, b in hops])
+                bw, lat = float(bws.min()), float(lats.max())
             cpu = all(cluster.device(d).type == "CPU" for d in devices)
             one = len({self._machine(d) for d in devices}) == 1
             self._rings[key] = Ring(bw, lat, cpu and one)
@@ -214,11 +218,36 @@ def reshard_step_time(step, process: int, rings: Rings, scale: float = 1.0) -> f
     the process's group, :class:`Rings`) plus the software cost of a step of its kind
     and buffer on the process's device (:func:`software_time`; a collective over one
     process costs what a local step does)."""
-    involved = process in step.mesh or (step.dst_mesh is not None and process in step.dst_mesh)
-    if not involved:
+    return _step_time(step, process, rings, scale, None)
+
+
+def steps_time(steps, processes, rings: Rings, scale: float = 1.0) -> list:
+    """Seconds each of ``processes`` spends on reshard ``steps``, one after another:
+    ``[sum(reshard_step_time(s, p, rings, scale) for s in steps) for p in processes]``,
+    the same floats, with each send_recv step's messages (the busiest sender's, whoever
+    asks) priced once instead of once per process."""
+    total = [0.0] * len(processes)
+    for step in steps:
+        message = None
+        for k, p in enumerate(processes):
+            if step.kind is StepKind.SEND_RECV and message is None and _involved(step, p):
+                message = _message_time(step, p, rings, scale)
+            total[k] += _step_time(step, p, rings, scale, message)
+    return total
+
+
+def _involved(step, process: int) -> bool:
+    return process in step.mesh or (step.dst_mesh is not None and process in step.dst_mesh)
+
+
+def _step_time(step, process: int, rings: Rings, scale: float, message) -> float:
+    """:func:`reshard_step_time`, a send_recv's messages given (``message``) or priced."""
+    if not _involved(step, process):
         return 0.0
     if step.kind is StepKind.SEND_RECV:
-        return _message_time(step, process, rings, scale) + software_time(
+        if message is None:
+            message = _message_time(step, process, rings, scale)
+        return message + software_time(
             rings.device(process), step.kind, step.buffer_bytes * scale, step.group_size)
     n = step.group_size
     ring = rings.along(step.mesh, process, step.mesh_dim) \
@@ -381,24 +410,33 @@ def best_overlap(overlaps, device, ring_of, compute_time=None) -> tuple:
     return (ov,) + overlap_time(ov, device, ring_of, compute_time)
 
 
+def send_recv_time(step, cluster, device_of, scale: float = 1.0) -> float:
+    """Seconds of a send_recv ``step``'s messages with process p on device
+    ``device_of(p)``: the busiest sender's sum, over the tiles it sends to another
+    process, of alpha + beta x bytes (times ``scale``) of the best path between the two
+    devices (:func:`~.formulas.link_rates`; a local tile is free). The pairs' figures are
+    looked up at once (:meth:`Cluster.pairs`); each sender's sum adds its tiles in
+    transfer order, alpha then bytes, as a loop over the tiles would."""
+    remote = [t for t in step.transfers if t.src != t.dst]
+    if not remote:
+        return 0.0
+    bandwidth, latency = cluster.pairs([device_of(t.src) for t in remote],
+                                       [device_of(t.dst) for t in remote])
+    alphas, betas = link_rates(bandwidth, latency)
+    per_sender: dict = {}
+    for t, alpha, beta in zip(remote, alphas.tolist(), betas.tolist()):
+        per_sender[t.src] = per_sender.get(t.src, 0.0) + alpha + beta * t.nbytes * scale
+    return max(per_sender.values())
+
+
 def _message_time(step, process: int, rings: Rings, scale: float = 1.0) -> float:
-    cluster, device_of = rings.cluster, rings.device_of
     if step.kind is StepKind.SEND_RECV:
-        per_sender: dict = {}
-        for t in step.transfers:
-            if t.src != t.dst:
-                alpha, beta = link_rates(*_link(cluster, device_of(t.src), device_of(t.dst)))
-                per_sender[t.src] = per_sender.get(t.src, 0.0) + alpha + beta * t.nbytes * scale
-        return max(per_sender.values(), default=0.0)
+        return send_recv_time(step, rings.cluster, rings.device_of, scale)
     if not step.kind.is_collective or step.group_size == 1:
         return 0.0
     ring = rings.along(step.mesh, process, step.mesh_dim)
     return collective_time(step.kind, step.group_size, step.buffer_bytes * scale,
                            ring.bandwidth, ring.latency)
-
-
-def _link(cluster, a: int, b: int) -> tuple:
-    return cluster.bandwidth(a, b), cluster.latency(a, b)
 
 
 def _nbytes(t) -> int:

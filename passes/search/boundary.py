@@ -31,24 +31,31 @@ from __future__ import annotations
 import numpy as np
 
 from distgraph.mesh import ProcessMesh
-from distgraph.passes.cost.prices import Rings, reshard_step_time
+from distgraph.passes.cost.prices import Rings, steps_time
 from distgraph.passes.reshard import plan_reshard
 from distgraph.passes.search.stage_dp import _grid
 from distgraph.placement import DistAttr
 
 
-def boundary_seconds(option, cluster) -> float:
+def boundary_seconds(option, cluster, memo: dict | None = None) -> float:
     """Seconds per micro-batch a stage of ``option`` (a RunOption) between two stages
     alike spends on the reshards of its blocks' periodic Values (module docstring); 0
-    where its submesh is the whole device mesh (no next stage there)."""
+    where its submesh is the whole device mesh (no next stage there).
+
+    ``memo`` (a dict kept by the caller for one ``cluster``, e.g. the one that holds its
+    boundaries by :func:`boundary_key`) keeps, under keys of its own, what any option's
+    Values share: each reshard's steps by what :func:`plan_reshard` reads (the logical
+    mesh, its dim names, the spec, the shape and dtype: the same steps whatever devices
+    the meshes stand on) and each Value's price by that and the devices of both sides
+    (all that :class:`Rings` reads beside the cluster)."""
     pieces = _pieces(option)
     if len(pieces) < 2:
         return 0.0
+    memo = {} if memo is None else memo
     result = option.parts["block"][1]
     space, choice = result.space, result.choice
-    names = list(result.space.mesh.dim_names)
+    names = tuple(result.space.mesh.dim_names)
     total = 0.0
-    made: dict = {}         # logical shape -> (here, there, rings): alike for its Values
     for received, _ in result.boundary.periodic:
         node = space.source_node[received]
         spec = space.nodes[node].strategies[choice[node]].out_specs[0]
@@ -63,21 +70,34 @@ def boundary_seconds(option, cluster) -> float:
         shape = tuple(d // n if outer in spec.entry(i) else d
                       for i, d in enumerate(value.shape))
         size = int(np.prod(logical))
-        if logical not in made:
-            ids = np.arange(2 * size)
-            devices = dict(enumerate(int(d) for d in np.concatenate([pieces[0][:size],
-                                                                     pieces[1][:size]])))
-            made[logical] = (ProcessMesh(ids[:size].reshape(logical).tolist(), dim_names=names),
-                             ProcessMesh(ids[size:].reshape(logical).tolist(), dim_names=names),
-                             Rings(cluster, devices.__getitem__))
-        here, there, rings = made[logical]
-        t = logical[-1]
-        senders, receivers = range(t), range(size, size + t)
-        steps = plan_reshard(DistAttr(here, spec), DistAttr(there, spec), shape,
-                             value.dtype)
-        for side in (senders, receivers):
-            total += max(sum(reshard_step_time(s, p, rings) for s in steps) for p in side)
+        devices = tuple(int(d) for d in np.concatenate([pieces[0][:size], pieces[1][:size]]))
+        reshard = (logical, names, spec, shape, value.dtype)
+        key = ("value",) + reshard + (devices,)
+        if key not in memo:
+            memo[key] = _value_seconds(reshard, devices, cluster, memo)
+        sent, received_seconds = memo[key]
+        total += sent
+        total += received_seconds
     return total
+
+
+def _value_seconds(reshard: tuple, devices: tuple, cluster, memo: dict) -> tuple:
+    """(sender's, receiver's) seconds of one Value's reshard ``reshard`` = (logical mesh,
+    dim names, spec, shape, dtype) from the first ``size`` of ``devices`` to the rest:
+    the busiest of the first tensor-parallel group of either side."""
+    logical, names, spec, shape, dtype = reshard
+    size = len(devices) // 2
+    steps = memo.get(("steps",) + reshard)
+    if steps is None:
+        ids = np.arange(2 * size)
+        here = ProcessMesh(ids[:size].reshape(logical).tolist(), dim_names=list(names))
+        there = ProcessMesh(ids[size:].reshape(logical).tolist(), dim_names=list(names))
+        steps = memo[("steps",) + reshard] = plan_reshard(
+            DistAttr(here, spec), DistAttr(there, spec), shape, dtype)
+    rings = Rings(cluster, devices.__getitem__)
+    t = logical[-1]
+    return tuple(max(steps_time(steps, side, rings))
+                 for side in (range(t), range(size, size + t)))
 
 
 def boundary_key(option) -> tuple:

@@ -513,10 +513,10 @@ class RunCosts:
     def p2p_seconds(self, option) -> float:
         """Seconds per micro-batch a stage of ``option`` between two others spends passing
         its blocks' Values on and back (:func:`~distgraph.passes.search.boundary.
-        boundary_seconds`), once per mesh and layouts its block receives (boundary_key)."""
+        boundary_seconds`), once per boundary_key; the dict is boundary_seconds' memo."""
         key = boundary_key(option)
         if key not in self._p2p:
-            self._p2p[key] = boundary_seconds(option, self.cluster)
+            self._p2p[key] = boundary_seconds(option, self.cluster, self._p2p)
         return self._p2p[key]
 
     def chunk_layers(self, n: int) -> list:

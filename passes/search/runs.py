@@ -192,7 +192,7 @@ class RunCosts:
                                       # reuses the problem the pricing built)
         self._chunks: dict = {}       # chunk count -> the layers of each chunk
         self.planned: dict = {}       # memory budget -> plan_blocks' answer (stages.py)
-        self._p2p: dict = {}          # boundary_key -> boundary seconds
+        self._p2p: dict = {}          # boundary_key -> seconds, and boundary_seconds' memo
         # id of an option's parts -> (the parts, the mesh, devices and parts (part ->
         # SearchResult) of the search they were costed or priced from): what refine refines
         self._origin: dict = {}

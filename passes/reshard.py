@@ -324,12 +324,11 @@ class _Tiles:
         # every (receiver, region) tile at once, receiver-major as the transfers go
         held = np.array(regions, dtype=np.int64).reshape(len(regions), len(shape), 2)
         wanted = _boxes(dst, shape, receivers)
-        lo = np.maximum(wanted[:, None, :, 0], held[None, :, :, 0])
-        hi = np.minimum(wanted[:, None, :, 1], held[None, :, :, 1])
-        meets = (lo < hi).all(axis=2)
-        ks, rs = np.nonzero(meets)
-        self.ks, self.lo, self.hi = ks, lo[ks, rs], hi[ks, rs]
-        self.sizes = sizes = (hi - lo).prod(axis=2)[ks, rs] * itemsize
+        ks, rs = _meeting(wanted, held)
+        lo = np.maximum(wanted[ks, :, 0], held[rs, :, 0])
+        hi = np.minimum(wanted[ks, :, 1], held[rs, :, 1])
+        self.ks, self.lo, self.hi = ks, lo, hi
+        self.sizes = sizes = (hi - lo).prod(axis=1) * itemsize
         # a tile its receiver holds (a process holds one region) is a local copy; the
         # others go to their region's replicas, in tile order
         region_of = {p: r for r, pids in enumerate(holders.values()) for p in pids}
@@ -359,6 +358,48 @@ class _Tiles:
         return ReshardStep(StepKind.SEND_RECV, src.mesh, src.spec, dst.spec, self.shape,
                            self.dtype, self.bytes, self.busiest, dst_mesh=dst.mesh,
                            transfers=tuple(transfers))
+
+
+def _meeting(wanted: np.ndarray, held: np.ndarray) -> tuple:
+    """(receiver indices, region indices) of every (wanted box, held box) pair that
+    meets, receiver-major and then in region order (``np.nonzero`` of the dense
+    receivers x regions test, without making it: the receivers of a big mesh meet few
+    of its many regions). Boxes are arrays (n, ndim, 2) of [start, stop)."""
+    n_recv, n_held, ndim = len(wanted), len(held), wanted.shape[1]
+    if not ndim:
+        return np.repeat(np.arange(n_recv), n_held), np.tile(np.arange(n_held), n_recv)
+    # per dim, the distinct intervals and which of them meet; pairs are drawn from the
+    # dim whose held intervals are most distinct, then checked on the others
+    w_ivals, h_ivals = [], []
+    for d in range(ndim):
+        w_ivals.append(np.unique(wanted[:, d, :], axis=0, return_inverse=True))
+        h_ivals.append(np.unique(held[:, d, :], axis=0, return_inverse=True))
+    best = max(range(ndim), key=lambda d: len(h_ivals[d][0]))
+    (w_u, w_inv), (h_u, h_inv) = w_ivals[best], h_ivals[best]
+    w_inv, h_inv = w_inv.reshape(-1), h_inv.reshape(-1)
+    overlap = (np.maximum(w_u[:, None, 0], h_u[None, :, 0])
+               < np.minimum(w_u[:, None, 1], h_u[None, :, 1]))
+    # regions grouped by their interval along ``best`` (CSR), in region order
+    by_interval = np.argsort(h_inv, kind="stable")
+    starts = np.searchsorted(h_inv[by_interval], np.arange(len(h_u) + 1))
+    # per distinct wanted interval, the regions whose interval meets it
+    counts = np.array([(starts[1:] - starts[:-1])[row].sum() for row in overlap],
+                      dtype=np.int64)
+    members = [np.concatenate([by_interval[starts[h]:starts[h + 1]]
+                               for h in np.flatnonzero(row)]) if counts[i] else
+               np.empty(0, dtype=np.int64) for i, row in enumerate(overlap)]
+    per_recv = counts[w_inv]
+    ks = np.repeat(np.arange(n_recv), per_recv)
+    rs = np.concatenate([members[w] for w in w_inv]) if n_recv else np.empty(0, np.int64)
+    rs = rs.astype(np.int64, copy=False)
+    keep = np.ones(len(ks), dtype=bool)
+    for d in range(ndim):
+        if d != best:
+            keep &= (np.maximum(wanted[ks, d, 0], held[rs, d, 0])
+                     < np.minimum(wanted[ks, d, 1], held[rs, d, 1]))
+    ks, rs = ks[keep], rs[keep]
+    order = np.lexsort((rs, ks))
+    return ks[order], rs[order]
 
 
 def _pick_senders(pids, tiles, sizes, sender, load) -> None:

@@ -211,6 +211,45 @@ def test_cross_mesh_tiles_are_those_of_their_definition(src, dst, shape):
     assert step.buffer_bytes == busiest
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_random_cross_mesh_tiles_are_those_of_their_definition(data):
+    """On random meshes and specs (Partial destinations included) the p2p tiles found
+    without the dense receivers x regions test are the definition's."""
+    from distgraph.passes.reshard import _send_recv_step
+
+    draw = HypothesisDraw(data)
+    src, dst, shape = cases.draw_case(draw, 8)
+    src = DistAttr(src.mesh, ShardSpec([src.spec.entry(i) or None for i in range(len(shape))]))
+    dst = DistAttr(ProcessMesh(np.array(dst.mesh.process_ids).reshape(dst.mesh.shape) + 8,
+                               list(dst.mesh.dim_names)), dst.spec)
+    step = _send_recv_step(src, dst, shape, "float64")
+    tiles, busiest = _tiles_one_by_one(src, dst, shape, 8)
+    assert [(t.src, t.dst, t.region, t.nbytes) for t in step.transfers] == tiles
+    assert step.buffer_bytes == busiest
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_boxes_that_meet_are_those_of_the_dense_test(seed):
+    """_meeting gives the pairs of boxes that meet in np.nonzero's order of the dense
+    receivers x regions test, on random boxes (uneven, overlapping, empty sets, 0-d)."""
+    from distgraph.passes.reshard import _meeting
+
+    rng = np.random.default_rng(seed)
+    ndim = int(rng.integers(0, 4))
+
+    def boxes(n):
+        lo = rng.integers(0, 6, size=(n, ndim))
+        return np.stack([lo, lo + rng.integers(1, 4, size=(n, ndim))], axis=2)
+
+    wanted, held = boxes(int(rng.integers(0, 12))), boxes(int(rng.integers(0, 12)))
+    lo = np.maximum(wanted[:, None, :, 0], held[None, :, :, 0])
+    hi = np.minimum(wanted[:, None, :, 1], held[None, :, :, 1])
+    ks, rs = np.nonzero((lo < hi).all(axis=2))
+    got = _meeting(wanted, held)
+    assert got[0].tolist() == ks.tolist() and got[1].tolist() == rs.tolist()
+
+
 @pytest.mark.parametrize("src,dst,shape", [
     (DistAttr(ProcessMesh([[0, 1], [2, 3]], ["x", "y"]), ShardSpec(["x", None])),
      DistAttr(ProcessMesh([[4, 5], [6, 7]], ["x", "y"]), ShardSpec([None, "y"])), (8, 6)),

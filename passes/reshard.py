@@ -360,12 +360,17 @@ class _Tiles:
                            transfers=tuple(transfers))
 
 
-def _meeting(wanted: np.ndarray, held: np.ndarray) -> tuple:
+def _meeting(wanted: np.ndarray, held: np.ndarray, dense_up_to: int = 1 << 16) -> tuple:
     """(receiver indices, region indices) of every (wanted box, held box) pair that
-    meets, receiver-major and then in region order (``np.nonzero`` of the dense
-    receivers x regions test, without making it: the receivers of a big mesh meet few
-    of its many regions). Boxes are arrays (n, ndim, 2) of [start, stop)."""
+    meets, receiver-major and then in region order: ``np.nonzero`` of the dense
+    receivers x regions test, made where there are at most ``dense_up_to`` pairs (it is
+    the faster there, measured); else found without it (the receivers of a big mesh
+    meet few of its many regions). Boxes are arrays (n, ndim, 2) of [start, stop)."""
     n_recv, n_held, ndim = len(wanted), len(held), wanted.shape[1]
+    if n_recv * n_held <= dense_up_to:
+        lo = np.maximum(wanted[:, None, :, 0], held[None, :, :, 0])
+        hi = np.minimum(wanted[:, None, :, 1], held[None, :, :, 1])
+        return np.nonzero((lo < hi).all(axis=2))
     if not ndim:
         return np.repeat(np.arange(n_recv), n_held), np.tile(np.arange(n_held), n_recv)
     # per dim, the distinct intervals and which of them meet; pairs are drawn from the

@@ -232,7 +232,8 @@ def test_random_cross_mesh_tiles_are_those_of_their_definition(data):
 @pytest.mark.parametrize("seed", range(20))
 def test_boxes_that_meet_are_those_of_the_dense_test(seed):
     """_meeting gives the pairs of boxes that meet in np.nonzero's order of the dense
-    receivers x regions test, on random boxes (uneven, overlapping, empty sets, 0-d)."""
+    receivers x regions test, on random boxes (uneven, overlapping, empty sets, 0-d),
+    whether it makes that test or not."""
     from distgraph.passes.reshard import _meeting
 
     rng = np.random.default_rng(seed)
@@ -246,8 +247,9 @@ def test_boxes_that_meet_are_those_of_the_dense_test(seed):
     lo = np.maximum(wanted[:, None, :, 0], held[None, :, :, 0])
     hi = np.minimum(wanted[:, None, :, 1], held[None, :, :, 1])
     ks, rs = np.nonzero((lo < hi).all(axis=2))
-    got = _meeting(wanted, held)
-    assert got[0].tolist() == ks.tolist() and got[1].tolist() == rs.tolist()
+    for dense_up_to in (0, 1 << 16):        # found without the dense test, and with it
+        got = _meeting(wanted, held, dense_up_to)
+        assert got[0].tolist() == ks.tolist() and got[1].tolist() == rs.tolist()
 
 
 @pytest.mark.parametrize("src,dst,shape", [

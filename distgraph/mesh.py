@@ -24,6 +24,9 @@ import numpy as np
 from distgraph.errors import ShardingError
 
 
+_INTS = {int, np.int64, np.int32, np.int16, np.int8, np.uint64, np.uint32, np.uint16, np.uint8}
+
+
 def _nested(ids: tuple[int, ...], shape: tuple[int, ...]) -> list:
     return np.array(ids, dtype=np.int64).reshape(shape).tolist()
 
@@ -40,17 +43,32 @@ class ProcessMesh:
     def __init__(self, mesh, dim_names=None):
         arr = self._as_array(mesh)
         names = self._check_names(mesh, arr.ndim, dim_names)
-        ids = tuple(int(v) for v in arr.reshape(-1))
+        ids = tuple(arr.reshape(-1).tolist())
         object.__setattr__(self, "_ids", ids)
         object.__setattr__(self, "_shape", tuple(int(s) for s in arr.shape))
         object.__setattr__(self, "_dim_names", names)
-        coords = {pid: tuple(int(c) for c in np.unravel_index(i, arr.shape))
-                  for i, pid in enumerate(ids)}
+        # every coordinate at once, row-major as the ids are laid out
+        coords = dict(zip(ids, zip(*(c.tolist() for c in np.unravel_index(
+            np.arange(len(ids)), arr.shape)))))
         object.__setattr__(self, "_coords", coords)
         object.__setattr__(self, "_hash", hash((ids, self._shape, names)))
 
     @staticmethod
     def _as_array(mesh) -> np.ndarray:
+        # the common case checked at once: a non-empty array of non-negative, distinct
+        # ints (no bools); anything else goes the checks below, which name what is wrong
+        if isinstance(mesh, np.ndarray) and mesh.dtype.kind in "iu":
+            arr = mesh
+        else:
+            try:
+                arr = np.array(mesh, dtype=object)
+            except ValueError:
+                arr = None
+            if arr is not None and arr.ndim and set(map(type, arr.reshape(-1))) <= _INTS:
+                arr = arr.astype(np.int64)
+        if (arr is not None and arr.dtype.kind in "iu" and arr.ndim and arr.size
+                and arr.min() >= 0 and len(np.unique(arr)) == arr.size):
+            return arr.astype(np.int64)
         what = f"ProcessMesh({mesh!r})"
         try:
             arr = np.array(mesh, dtype=object)

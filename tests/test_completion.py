@@ -466,3 +466,61 @@ def test_a_string_spec_is_an_error_saying_to_pass_a_list():
 def test_duplicate_process_ids_in_a_mesh():
     with pytest.raises(dg.ShardingError, match=r"duplicate process ids \[1\]"):
         dg.ProcessMesh([[0, 1], [1, 2]], ["a", "b"])
+
+
+def test_rule_answers_shared_by_ops_alike_in_all_their_rules_read():
+    """Ops whose rules read the same (shapes, mesh, dtypes, the attributes the rule
+    declares it reads: a GPT's dropouts differ in their seeds only) share one bound rule
+    and its answers; completing so gives every spec, note and origin the plain path
+    (answers kept per whole signature) gives, with fewer rules bound."""
+    import plans as P
+    from distgraph.passes.completion.complete import _Completion
+    from distgraph.passes.completion.setup import CompletionSetup
+
+    def program():
+        model = P.build_model("gpt", dims={**P.GPT_DIMS, "n_layer": 3}, dropout=0.1)
+        P.PLANS["gpt", "dp_tp", 4].annotate(model)
+        ins, labels = dg.app.data.DataLoader(P.Dataset("gpt"), P.BATCH).specs(1)
+        return build_program(model, ins, labels, P.loss_fn("gpt"),
+                             P.make_optimizer("adamw")).program
+
+    shared, plain = CompletionSetup(program(), None), CompletionSetup(program(), None)
+    plain.rule_key = list(plain.signature)
+    seeds = {op.attrs["seed"] for op in shared.ops if op.type == "dropout"}
+    assert len(seeds) > 1 and len(set(shared.rule_key)) < len(set(plain.signature))
+    a, b = _Completion(shared).run(), _Completion(plain).run()
+    assert (a.vspec, a.ispec, a.ospec, a.notes, a.origin) == \
+        (b.vspec, b.ispec, b.ospec, b.notes, b.origin)
+    assert len(shared.bound) < len(plain.bound) and len(shared.memo) < len(plain.memo)
+
+
+@pytest.mark.parametrize("op_type, n_in, n_out, attrs, other", [
+    ("dropout", 1, 2, {"p": 0.1, "seed": 1}, {"p": 0.5, "seed": 2}),
+    ("dropout_grad", 2, 1, {"p": 0.1}, {"p": 0.9}),
+])
+def test_a_rule_answers_alike_whatever_the_attributes_it_does_not_read(op_type, n_in,
+                                                                      n_out, attrs, other):
+    """A rule that declares the attributes it reads (``Rule.reads``) answers every query
+    alike under other values of the others."""
+    from distgraph.spmd import RuleQuery
+
+    rule = dg.ops.spmd_rule(op_type)
+    assert rule.rule.reads is not None and not set(rule.rule.reads) & set(other)
+    mesh = dg.ProcessMesh([[0, 1], [2, 3]], ["x", "y"])
+    shape = (4, 6, 8)
+    first = rule.bind([shape] * n_in, [shape] * n_out, mesh, attrs)
+    second = rule.bind([shape] * n_in, [shape] * n_out, mesh, other)
+    entries = [UNKNOWN, None, "x", "y", ("x", "y")]
+    rng = random.Random(0)
+    asked = 0
+    while asked < 200:
+        specs = [DimsSpec(tuple(rng.choice(entries) for _ in shape)) for _ in range(n_in)]
+        query = RuleQuery.make(specs, None, (), (), rng.random() < 0.5)
+        try:
+            answer = first.solve(query)
+        except dg.errors.DistGraphError:    # a mesh dim used twice: refused by both
+            with pytest.raises(dg.errors.DistGraphError):
+                second.solve(query)
+            continue
+        asked += 1
+        assert answer == second.solve(query)

@@ -336,3 +336,41 @@ def test_interleaved_chunks_fill_the_pipeline_one_chunk_at_a_time(float64):
     fill = 2 * (step[1] - step[2])                      # Σ u_s
     assert fill > 0
     assert step[1] - step[4] == pytest.approx(0.75 * fill, rel=1e-9)
+
+
+def test_step_times_kept_per_process_are_priced_afresh(float64):
+    """estimate keeps each process's reshard step times per (step, scale): every kept
+    answer equals reshard_step_time asked afresh, on a plan whose layers reshard equal
+    steps (two stages of identical data-parallel layers, a send between them)."""
+    from distgraph.passes.cost.estimate import _StepTimes
+    from distgraph.passes.cost.prices import Rings, reshard_step_time
+
+    first = dg.ProcessMesh([0, 1], ["dp"])
+    second = dg.ProcessMesh([2, 3], ["dp"])
+
+    class Stack(dg.nn.Layer):
+        def __init__(self):
+            super().__init__()
+            self.layers = dg.nn.LayerList([dg.nn.Linear(8, 8) for _ in range(4)])
+            self.head = dg.nn.Linear(8, 4)
+
+        def forward(self, x):
+            dg.shard_tensor(x, first, ["dp", None])
+            for i, layer in enumerate(self.layers):
+                x = dg.shard_op(layer, first if i < 2 else second)(x)
+            return dg.shard_op(self.head, second)(x)
+
+    p = train_plan(Stack())
+    c = cluster(4, inter_bw=0.5)
+    rings = Rings(c, lambda q: c.devices[q].global_id)
+    asked = 0
+    for pid in p.process_ids:
+        kept = _StepTimes(pid, rings)
+        for _ in range(2):
+            for point in p.local_alike(pid).points():
+                for step in point.steps:
+                    for scale in (1.0, 0.5):
+                        asked += 1
+                        assert kept(step, scale) == reshard_step_time(step, pid, rings, scale)
+        assert 0 < len(kept.known) < asked
+    assert dg.passes.estimate(p, c).step_time > 0

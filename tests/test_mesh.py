@@ -108,3 +108,29 @@ def test_invalid_meshes(ids, names, message):
     with pytest.raises(ShardingError, match=message) as info:
         ProcessMesh(ids, names)
     assert "ProcessMesh(" in str(info.value)
+
+
+class _Id(int):
+    """An Integral id that is not an int: the mesh checks it one by one."""
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_checked_at_once_as_one_by_one(seed):
+    """Ids of int types are checked and laid out with numpy at once; ids of other
+    Integral types go the checks one by one: both make the same mesh, each coordinate
+    the row-major index of its id, and both refuse duplicates and negative ids alike."""
+    rng = np.random.default_rng(seed)
+    shape = tuple(int(n) for n in rng.integers(1, 5, size=int(rng.integers(1, 4))))
+    ids = rng.permutation(4 * int(np.prod(shape)))[:int(np.prod(shape))].reshape(shape)
+    fast = ProcessMesh(ids.tolist())
+    plain = ProcessMesh(np.vectorize(_Id, otypes=[object])(ids))
+    assert fast == plain and fast.process_ids == plain.process_ids
+    for index in np.ndindex(*shape):
+        pid = int(ids[index])
+        assert fast.coord(pid) == plain.coord(pid) == tuple(int(i) for i in index)
+    for bad, message in ((-ids - 1, "negative"), (np.zeros_like(ids) + 7, "duplicate")):
+        if bad.size == 1 and message == "duplicate":
+            continue
+        for given in (bad.tolist(), bad, np.vectorize(_Id, otypes=[object])(bad)):
+            with pytest.raises(ShardingError, match=message):
+                ProcessMesh(given)

@@ -211,6 +211,74 @@ def test_cross_mesh_tiles_are_those_of_their_definition(src, dst, shape):
     assert step.buffer_bytes == busiest
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_random_cross_mesh_tiles_are_those_of_their_definition(data):
+    """On random meshes and specs (Partial destinations included) the p2p tiles found
+    without the dense receivers x regions test are the definition's."""
+    from distgraph.passes.reshard import _send_recv_step
+
+    draw = HypothesisDraw(data)
+    src, dst, shape = cases.draw_case(draw, 8)
+    src = DistAttr(src.mesh, ShardSpec([src.spec.entry(i) or None for i in range(len(shape))]))
+    dst = DistAttr(ProcessMesh(np.array(dst.mesh.process_ids).reshape(dst.mesh.shape) + 8,
+                               list(dst.mesh.dim_names)), dst.spec)
+    step = _send_recv_step(src, dst, shape, "float64")
+    tiles, busiest = _tiles_one_by_one(src, dst, shape, 8)
+    assert [(t.src, t.dst, t.region, t.nbytes) for t in step.transfers] == tiles
+    assert step.buffer_bytes == busiest
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_boxes_that_meet_are_those_of_the_dense_test(seed):
+    """_meeting gives the pairs of boxes that meet in np.nonzero's order of the dense
+    receivers x regions test, on random boxes (uneven, overlapping, empty sets, 0-d),
+    whether it makes that test or not."""
+    from distgraph.passes.reshard import _meeting
+
+    rng = np.random.default_rng(seed)
+    ndim = int(rng.integers(0, 4))
+
+    def boxes(n):
+        lo = rng.integers(0, 6, size=(n, ndim))
+        return np.stack([lo, lo + rng.integers(1, 4, size=(n, ndim))], axis=2)
+
+    wanted, held = boxes(int(rng.integers(0, 12))), boxes(int(rng.integers(0, 12)))
+    lo = np.maximum(wanted[:, None, :, 0], held[None, :, :, 0])
+    hi = np.minimum(wanted[:, None, :, 1], held[None, :, :, 1])
+    ks, rs = np.nonzero((lo < hi).all(axis=2))
+    for dense_up_to in (0, 1 << 16):        # found without the dense test, and with it
+        got = _meeting(wanted, held, dense_up_to)
+        assert got[0].tolist() == ks.tolist() and got[1].tolist() == rs.tolist()
+
+
+@pytest.mark.parametrize("src,dst,shape", [
+    (DistAttr(ProcessMesh([[0, 1], [2, 3]], ["x", "y"]), ShardSpec(["x", None])),
+     DistAttr(ProcessMesh([[4, 5], [6, 7]], ["x", "y"]), ShardSpec([None, "y"])), (8, 6)),
+    (DistAttr(ProcessMesh([[0, 1], [2, 3]], ["x", "y"]), ShardSpec([None, None], "y")),
+     DistAttr(ProcessMesh([4, 5, 6, 7], ["w"]), ShardSpec(["w", None])), (8, 4)),
+    (DistAttr(ProcessMesh([0, 1, 2], ["x"]), ShardSpec(["x", None])),
+     DistAttr(ProcessMesh([[3, 4], [5, 6]], ["a", "b"]), ShardSpec(["a", None], "b")),
+     (12, 4)),
+])
+def test_cross_mesh_steps_kept_are_planned_afresh(src, dst, shape):
+    """plan_reshard keeps the cross-mesh steps it planned for the next ask of equal
+    values (other mesh objects alike, other dtypes not): each ask gives the steps a
+    fresh plan gives, in a list of its own."""
+    from distgraph.passes.reshard import _plan_cross_mesh
+
+    for dtype in ("float64", "float32", "float64"):
+        fresh = _plan_cross_mesh(src, dst, shape, dtype)
+        again = DistAttr(ProcessMesh(np.array(src.mesh.process_ids).reshape(src.mesh.shape).tolist(),
+                                     list(src.mesh.dim_names)), src.spec)
+        first, second = plan_reshard(src, dst, shape, dtype), plan_reshard(again, dst, shape,
+                                                                            dtype)
+        assert first == second == fresh and first is not second
+        assert all(s.dtype == dtype for s in first)
+        first.clear()
+        assert plan_reshard(src, dst, shape, dtype) == fresh
+
+
 def test_same_processes_other_names_plan_on_one_mesh():
     other = ProcessMesh([[0, 1], [2, 3]], ["a", "b"])
     steps = plan(ShardSpec(["x", None]), ShardSpec([None, "a"]), (4, 4), dst_mesh=other)

@@ -32,15 +32,27 @@ class EinsumRule(Rule):
     of its operands (add, subtract), so operands that are all pending sums over the same
     mesh dims are consumed as they are and the result is that pending sum
     (``P x P -> P``: the sum of pending sums is one pending sum; gradient accumulation
-    then reduces once, as Megatron does, not once per contribution).
+    then reduces once, as Megatron does, not once per contribution). ``reads``: the
+    attributes a notation or ``out_shapes`` function reads (None: any; a string
+    notation without ``out_shapes`` reads none).
     """
 
     def __init__(self, notation: str | Callable, internal: str = "",
-                 out_shapes: Callable | None = None, linear: bool = False):
+                 out_shapes: Callable | None = None, linear: bool = False,
+                 reads: tuple | None = None):
         self._notation = notation
         self.internal = internal
         self._out_shapes = out_shapes
         self.linear = linear
+        self._reads = reads
+
+    @property
+    def reads(self) -> tuple | None:
+        if type(self) is not EinsumRule:        # a subclass's bind may read more
+            return None
+        if self._reads is not None:
+            return tuple(self._reads)
+        return () if isinstance(self._notation, str) and self._out_shapes is None else None
 
     def notation(self, in_shapes: Sequence[tuple], attrs: dict) -> str:
         if callable(self._notation):
@@ -330,7 +342,7 @@ def elementwise_rule(n_out: int = 1, linear: bool = False) -> EinsumRule:
         return lhs + "->" + ",".join([out] * n_out)
 
     notation.__name__ = f"elementwise{n_out}" + ("_linear" if linear else "")
-    return EinsumRule(notation, linear=linear)
+    return EinsumRule(notation, linear=linear, reads=())
 
 
 def axis_rule(n_in: int = 1, n_out: int = 1) -> EinsumRule:
@@ -343,4 +355,4 @@ def axis_rule(n_in: int = 1, n_out: int = 1) -> EinsumRule:
         return ",".join([word] * n_in) + "->" + ",".join([word] * n_out)
 
     notation.__name__ = "axis"
-    return EinsumRule(notation)
+    return EinsumRule(notation, reads=("axis",))

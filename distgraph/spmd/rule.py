@@ -166,7 +166,11 @@ class BoundRule(Protocol):
 
 class Rule:
     """Base of sharding rules: subclasses implement :meth:`bind`; the public calls below
-    are built on it. Attributes are the op's attributes (``axis=-1``, ``shape=(4, 6)``)."""
+    are built on it. Attributes are the op's attributes (``axis=-1``, ``shape=(4, 6)``).
+    ``reads``: the names of the attributes :meth:`bind` reads, or None where any may be
+    read (completion shares a rule's answers between ops alike in all it reads)."""
+
+    reads: tuple | None = None
 
     def bind(self, in_shapes, out_shapes, mesh, attrs: dict) -> BoundRule:
         raise NotImplementedError

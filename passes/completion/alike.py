@@ -44,7 +44,7 @@ def complete_alike(run, program, mesh: ProcessMesh) -> bool:
     if next(iter(meshes)).dim_names != mesh.dim_names or len(program.ops) != len(run.ops):
         return False
     first: dict = {}
-    for k, sig in enumerate(static.signature):
+    for k, sig in enumerate(static.rule_key):
         first.setdefault(sig, k)
     bound: dict = {}
     for (sig, query), answer in static.memo.items():

@@ -123,6 +123,11 @@ class CompletionSetup:
         # The GPT blocks repeat the same signatures layer after layer.
         shared: dict = {}                   # equal signatures become one object
         self.signature = [self._signature(k, shared) for k in range(n)]
+        # Rule answers are shared wider: by ops alike in all their rule reads (the
+        # dropouts of repeated layers differ in their seeds only); conflicts stay per
+        # signature.
+        alike: dict = {}
+        self.rule_key = [self._rule_key(k, alike) for k in range(n)]
         self.bound: dict = {}
         self.memo: dict = {}
 
@@ -174,10 +179,22 @@ class CompletionSetup:
         except TypeError:
             return None
 
-    def rule(self, k: int, query: RuleQuery):
-        """Op k's rule bound to its call site (once per signature), asked ``query``;
-        memoised per (signature, query): rules are pure."""
+    def _rule_key(self, k: int, alike: dict):
+        """What op k's rule reads besides the specs: its signature, less the values of
+        the attributes the rule declares it does not read (``Rule.reads``; their names
+        stay: the registry checks them). None where the signature is."""
         sig = self.signature[k]
+        reads = getattr(spmd_rule(self.ops[k].type).rule, "reads", None)
+        if sig is None or reads is None:
+            return sig
+        attrs = self.ops[k].attrs
+        key = sig[:5] + (tuple(sorted(attrs)), tuple((n, attrs[n]) for n in reads if n in attrs))
+        return alike.setdefault(key, key)
+
+    def rule(self, k: int, query: RuleQuery):
+        """Op k's rule bound to its call site (once per rule key), asked ``query``;
+        memoised per (rule key, query): rules are pure."""
+        sig = self.rule_key[k]
         key = None
         if sig is not None:
             key = (sig, query)

@@ -330,11 +330,11 @@ def _process_times(plan, pid, device, rings: Rings, fetch, scale: _Scale):
         if op.role == Role.OPTIMIZE:
             updates += t
     roles = [op.role for op in plan.program.ops]
-    comm += sum(times(roles[p.anchor])
-                * reshard_step_time(s, pid, rings, scale.of_step(p, s))
+    step_time = _StepTimes(pid, rings)
+    comm += sum(times(roles[p.anchor]) * step_time(s, scale.of_step(p, s))
                 for p in local.points() for s in p.steps)
     if plan.distributed:
-        comm += sum(reshard_step_time(s, pid, rings, scale.of_step(p, s))
+        comm += sum(step_time(s, scale.of_step(p, s))
                     for p in _fetch_points(plan, fetch, pid) for s in p.steps)
     ops = local.program.ops
     for index, collectives in local.op_comm.items():
@@ -345,6 +345,23 @@ def _process_times(plan, pid, device, rings: Rings, fetch, scale: _Scale):
         rows = scale.rows if any(scale.axis(v.name) is not None for v in op.inputs) else 1.0
         comm += times(op.role) * op_comm_time(collectives, ring, device, rows)
     return compute, comm, updates
+
+
+class _StepTimes:
+    """``reshard_step_time(step, pid, rings, scale)`` of one process, kept per (step,
+    scale): all else it reads is fixed here, and the layers of a stage reshard equal
+    steps (equal by value: kind, meshes, specs, shape, dtype, tiles) layer after layer."""
+
+    def __init__(self, pid: int, rings: Rings):
+        self.pid, self.rings = pid, rings
+        self.known: dict = {}
+
+    def __call__(self, step, scale: float = 1.0) -> float:
+        key = (step, scale)
+        seconds = self.known.get(key)
+        if seconds is None:
+            seconds = self.known[key] = reshard_step_time(step, self.pid, self.rings, scale)
+        return seconds
 
 
 def _fetch_points(plan, fetch, pid) -> list:

@@ -141,8 +141,10 @@ class _RunSearch(_Search):
         density = self._densities(most, keys)
         for s in range(1, self.max_stages + 1):
             G = np.full_like(F, np.inf)
+            box = _finite_box(F)
             for n in self._live(most, keys, s):
-                self._relax(G, F, self.options[n], dict(zip(keys, most[n][s].tolist())), s)
+                self._relax(G, F, self.options[n], dict(zip(keys, most[n][s].tolist())), s,
+                            box)
             tables.append(G)
             F = G
             if G[full] < best:
@@ -157,7 +159,7 @@ class _RunSearch(_Search):
         self.levels = len(tables) - 1           # the stage counts tabled (tests read it)
         if best_s is None:
             return math.inf, None
-        return best, self._walk(tables, best_s, reach)
+        return best, self._walk(tables, best_s, np.stack(most), keys)
 
     def _densities(self, most, keys) -> np.ndarray:
         """[s, a]: the most layers per unit a stage on device mesh a may hold with s
@@ -183,14 +185,19 @@ class _RunSearch(_Search):
         most ``sum_a (caps_a - d_a) density_a`` layers (``density``: :meth:`_densities`
         at s + 1, a stage that far from the last holding no more), at a cost no less
         than :meth:`_prefix_bound`'s; inf where no entry can be so extended."""
-        shape = (1,) * len(self.dims)
-        room = np.zeros(self.dims)
-        for a, c in enumerate(self.caps):
-            left = c - np.arange(self.dims[a])
-            room = room + (left * density[a]).reshape(shape[:a] + (-1,) + shape[a + 1:])
-        k = np.arange(1, self.L + 1).reshape((-1,) + shape)
-        fits = k <= room[None] + 1e-9
-        return float(np.where(fits, G[1:] + self._prefix_bound()[1:], np.inf).min())
+        key = density.tobytes()
+        if getattr(self, "_bounds", (None,))[0] != key:
+            shape = (1,) * len(self.dims)
+            room = np.zeros(self.dims)
+            for a, c in enumerate(self.caps):
+                left = c - np.arange(self.dims[a])
+                room = room + (left * density[a]).reshape(shape[:a] + (-1,) + shape[a + 1:])
+            k = np.arange(1, self.L + 1).reshape((-1,) + shape)
+            fits = k <= room[None] + 1e-9
+            # P where the entry fits, inf elsewhere: G + that is G + P or inf (G and P
+            # are >= 0 or inf, never nan), so the least is the same (kept per density)
+            self._bounds = (key, np.where(fits, self._prefix_bound()[1:], np.inf))
+        return float((G[1:] + self._bounds[1]).min())
 
     def _prefix_bound(self) -> np.ndarray:
         """P[k, d]: a lower bound on the summed time of any stages (one or more) that
@@ -250,49 +257,70 @@ class _RunSearch(_Search):
         some stage of theirs fits, and no option of the same mesh and size that is as
         fast at every length reaches as far in every kind of stage (its stages, then,
         cost no more from every start: dropping the slower one leaves the table as it
-        is). Of two alike options the first is kept."""
+        is). Of two alike options the first is kept. Over all pairs at once, the answer
+        kept while the reaches stay the same (they change with s only now and then)."""
+        if getattr(self, "_stacked", (None,))[0] is not most:
+            self._stacked = (most, np.stack(most), None, None)
+        w = self._stacked[1][:, s]                              # (options, keys)
+        if self._stacked[2] is not None and np.array_equal(w, self._stacked[2]):
+            return self._stacked[3]
         blocks = keys.index((False, False))
-        w = [m[s] for m in most]
-        fits = [int(x[blocks]) >= 1 or any(int(x[j]) >= 0 for j in range(len(keys))
-                                            if j != blocks) for x in w]
-        out = []
-        for n, ok in enumerate(fits):
-            if not ok:
-                continue
-            if any(fits[o] and (w[o] >= w[n]).all() and
-                   (o < n or not (n in self._below[o] and (w[n] >= w[o]).all()))
-                   for o in self._below[n]):
-                continue
-            out.append(n)
+        fits = (w[:, blocks] >= 1) | (np.delete(w, blocks, axis=1) >= 0).any(axis=1)
+        below, earlier = self._pairs()
+        reaches = (w[None, :, :] >= w[:, None, :]).all(axis=2)     # [n, o]: o's >= n's
+        # [n, o]: o drops n: o fits, is as fast, reaches as far, and is earlier or not
+        # itself dropped by n (as fast as n and reached as far by it)
+        drops = below & fits[None, :] & reaches & (earlier | ~(below.T & reaches.T))
+        out = np.flatnonzero(fits & ~drops.any(axis=1)).tolist()
+        self._stacked = (most, self._stacked[1], w, out)
         return out
 
-    def _relax(self, G, F, r, most, s: int) -> None:
+    def _pairs(self) -> tuple:
+        """([n, o]: whether o is in ``_faster_pairs``' set of n, [n, o]: o < n)."""
+        if getattr(self, "_pair_masks", None) is None:
+            N = len(self.options)
+            below = np.zeros((N, N), dtype=bool)
+            for n, others in enumerate(self._below):
+                below[n, list(others)] = True
+            self._pair_masks = (below, np.tri(N, k=-1, dtype=bool))
+        return self._pair_masks
+
+    def _relax(self, G, F, r, most, s: int, box=None) -> None:
         """G[k] = min(G[k], the best stage of option r starting at k, then F), ``s``
         stages from k on: ``H`` is F with r's units taken (a view), ``Gv`` the part of G
         with room for them. Only starts k <= L - s can begin s stages (one layer or more
         each), and only F's rows up to L - s + 1 are finite; a stage holding H is the
-        last (s = 1)."""
+        last (s = 1). ``box`` (:func:`_finite_box` of F) bounds F's finite entries: the
+        sums and minima are taken over it alone (outside it every term is inf and lowers
+        nothing), the same terms added in the same order, so G is the same."""
         b0, b1, L = self.blocks.start, self.blocks.stop, self.L
         if r.size >= self.dims[r.axis]:
             return
         src, dst, ramp, start, last, first = self._fixed(r, F.ndim)
         H, Gv = F[src], G[dst]
+        lo, hi = 0, L
+        if box is not None:
+            (lo, hi), cols = box[0], [slice(a, b + 1) for a, b in box[1:]]
+            if any(c.start >= n for c, n in zip(cols, H.shape[1:])):
+                return                              # no finite column with room for r
+            H, Gv = H[(slice(None),) + tuple(cols)], Gv[(slice(None),) + tuple(cols)]
         w = most[False, False]
-        top = min(b1, L - s + 1)                    # the last end j of a finite F row
+        top = min(b1, L - s + 1, hi)                # the last end j of a finite F row
         if w >= 1 and top > b0:                     # blocks only: k..j-1 in [b0, b1)
-            window = _window_min(ramp[:top - b0] + H[b0 + 1:top + 1], w)
-            window -= start[:top - b0]
-            np.minimum(Gv[b0:top], window, out=Gv[b0:top])
+            ka = max(b0, min(lo, top) - w)          # ends before lo: inf; starts before
+            window = _window_min(ramp[ka - b0:top - b0] + H[ka + 1:top + 1], w)
+            window -= start[ka - b0:top - b0]       # ka reach no finite end
+            np.minimum(Gv[ka:top], window, out=Gv[ka:top])
         if b1 < L and s == 1:                       # blocks k..b1-1, then H
             w = most[False, True]
             if w >= 0:
-                lo = max(b0, b1 - w)
-                np.minimum(Gv[lo:b1 + 1], last[lo - b0:] + H[L], out=Gv[lo:b1 + 1])
+                k0 = max(b0, b1 - w)
+                np.minimum(Gv[k0:b1 + 1], last[k0 - b0:] + H[L], out=Gv[k0:b1 + 1])
         if b0 > 0:                                  # E, blocks b0..i
             w = most[True, False]
-            if w >= 0:
-                m = min(w, b1 - b0)
-                np.minimum(Gv[0], (first[:m + 1] + H[b0:b0 + m + 1]).min(axis=0),
+            m0, m = max(0, lo - b0), min(w, b1 - b0, hi - b0)
+            if w >= 0 and m0 <= m:
+                np.minimum(Gv[0], (first[m0:m + 1] + H[b0 + m0:b0 + m + 1]).min(axis=0),
                            out=Gv[0])
             if b1 < L and s == 1 and most[True, True] >= b1 - b0:
                 np.minimum(Gv[0], r.table[True, True][b1 - b0, 0] + H[L], out=Gv[0])
@@ -322,28 +350,43 @@ class _RunSearch(_Search):
             self._prepared[id(r)] = (tuple(src), tuple(dst), ramp, start, last, first)
         return self._prepared[id(r)]
 
-    def _walk(self, tables, s, reach):
+    def _walk(self, tables, s, most, keys):
         """The stages of the best plan in ``s`` stages, recomputed from the tables: at
-        each start the first (option, end) in order that reaches the least total."""
+        each start the first (option, end) in order that reaches the least total
+        (``most``: the options' reach at the cap, stacked as :meth:`solve_cap` keeps
+        them). Each option's times are :meth:`_Run.times`', for all options at once."""
         stages, k, state = [], 0, list(self.caps)
+        runs = self.options
+        axes = np.array([r.axis for r in runs])
+        sizes = np.array([r.size for r in runs])
+        times = {key: np.stack([r.table[key][:, 0] for r in runs]) for key in keys}
+        b0, b1 = self.blocks.start, self.blocks.stop
+        rows = np.arange(len(runs))[:, None]
         while s:
             prev = tables[s - 1]
-            found = None
-            for n, r in enumerate(self.options):
-                if state[r.axis] < r.size:
+            room = np.array(state)[axes] >= sizes
+            after = np.array(state)[:, None] - np.where(
+                np.arange(len(state))[:, None] == axes[None, :], sizes[None, :], 0)
+            rest = prev[(slice(k + 1, None),) + tuple(np.where(room, after, 0))].T
+            i = np.arange(k, self.L)
+            first = k < b0
+            m = np.maximum(np.minimum(i + 1, b1) - max(k, b0), 0)
+            value = np.full(rest.shape, np.inf)
+            for last in (False, True):
+                here = (i >= b1) == last
+                if not here.any():
                     continue
-                after = list(state)
-                after[r.axis] -= r.size
-                rest = prev[(slice(k + 1, None),) + tuple(after)]
-                value = r.times(k, s, reach[n]) + rest
-                i = int(np.argmin(value))
-                if math.isfinite(value[i]) and (found is None or value[i] < found[0]):
-                    found = (float(value[i]), k + i, n)
-            if found is None:
+                reach = most[:, s, keys.index((first, last))][:, None]
+                ok = room[:, None] & here & (m <= reach) & ((m >= 1) | first | last)
+                t = np.broadcast_to(times[first, last][rows, m], ok.shape)
+                value[ok] = t[ok] + rest[ok]
+            least = value.min(axis=1)
+            if not np.isfinite(least).any():
                 raise PlanError("the stage DP found a plan but could not retrace it")
-            _, i, n = found
+            n = int(np.argmin(least))               # the first option of the least
+            i = k + int(np.argmin(value[n]))
             stages.append((k, i, n))
-            state[self.options[n].axis] -= self.options[n].size
+            state[runs[n].axis] -= runs[n].size
             k, s = i + 1, s - 1
         return stages
 
@@ -373,6 +416,18 @@ def _faster_pairs(runs: list) -> list:
         out.append({o for o, q in enumerate(runs) if o != n and q.axis == r.axis and
                     q.size == r.size and all((q.table[key][:, 0] <= r.table[key][:, 0]).all()
                                              for key in r.table)})
+    return out
+
+
+def _finite_box(F: np.ndarray) -> list | None:
+    """[(first, last) index of F's finite entries along each axis], None where none is."""
+    finite = np.isfinite(F)
+    out = []
+    for axis in range(F.ndim):
+        at = np.flatnonzero(finite.any(axis=tuple(a for a in range(F.ndim) if a != axis)))
+        if at.size == 0:
+            return None
+        out.append((int(at[0]), int(at[-1])))
     return out
 
 

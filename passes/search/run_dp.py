@@ -46,8 +46,7 @@ class _Run:
         self.table = {}
         for first in ((False, True) if blocks.start else (False,)):
             for last in ((False, True) if blocks.stop < count else (False,)):
-                rows = [option.cost(first, m, last) for m in range(n + 1)]
-                table = np.array(rows, dtype=float)    # (n+1, 3)
+                table = option.costs(first, n, last)    # (n+1, 3): cost(first, m, last)
                 # the boundaries' transfers: a stage holding E (H) has no stage before
                 # (after) it and pays half of a middle stage's (module docstring)
                 table[:, 0] += p2p * (2 - first - last) / 2
@@ -141,7 +140,7 @@ class _RunSearch(_Search):
         density = self._densities(most, keys)
         for s in range(1, self.max_stages + 1):
             G = np.full_like(F, np.inf)
-            box = _finite_box(F)
+            box = self._box_of(F)
             for n in self._live(most, keys, s):
                 self._relax(G, F, self.options[n], dict(zip(keys, most[n][s].tolist())), s,
                             box)
@@ -149,7 +148,7 @@ class _RunSearch(_Search):
             F = G
             if G[full] < best:
                 best, best_s = float(G[full]), s
-            if not np.isfinite(G).any():
+            if self._box_of(G) is None:          # no finite entry
                 break
             # a plan of more stages ends in s of them (an entry of G at k >= 1) after a
             # prefix that fits the units left and costs no less than _prefix_bound's
@@ -197,7 +196,21 @@ class _RunSearch(_Search):
             # P where the entry fits, inf elsewhere: G + that is G + P or inf (G and P
             # are >= 0 or inf, never nan), so the least is the same (kept per density)
             self._bounds = (key, np.where(fits, self._prefix_bound()[1:], np.inf))
-        return float((G[1:] + self._bounds[1]).min())
+        # over the box of G's finite entries alone (elsewhere G + P is inf), rows k >= 1
+        box = self._box_of(G)
+        if box is None or box[0][1] < 1:
+            return math.inf
+        at = tuple(slice(a, b + 1) for a, b in box[1:])
+        rows = slice(max(box[0][0], 1), box[0][1] + 1)
+        return float((G[(rows,) + at] + self._bounds[1][(slice(rows.start - 1, rows.stop - 1),)
+                                                       + at]).min())
+
+    def _box_of(self, table) -> list | None:
+        """:func:`_finite_box` of ``table``, kept for the last table asked (a table is
+        not changed once its stage count is relaxed: solve_cap asks for it twice)."""
+        if getattr(self, "_boxed", (None,))[0] is not table:
+            self._boxed = (table, _finite_box(table))
+        return self._boxed[1]
 
     def _prefix_bound(self) -> np.ndarray:
         """P[k, d]: a lower bound on the summed time of any stages (one or more) that
@@ -451,7 +464,8 @@ def plan_runs(count: int, blocks: range, options: list, cluster,
               below: float = math.inf) -> tuple | None:
     """(StagePlan, the option of each stage): stages of ``count`` layers whose
     ``blocks`` are identical, on ``options`` (:class:`~distgraph.passes.search.runs.
-    RunOption`, each with ``cost(first, blocks, last)``) of ``cluster``'s device meshes;
+    RunOption`, each with ``cost(first, blocks, last)`` and ``costs``) of ``cluster``'s
+    device meshes;
     see the module docstring. Without ``fit_memory`` the devices' memory is not a
     limit (a lower bound on the latency of options that only save memory).
     ``p2p(option)``: seconds per micro-batch a stage of the option between two others

@@ -303,7 +303,7 @@ def test_interleaved_objective_is_the_replayed_schedules_makespan(S, v, M):
     interleaved 1F1B (M u + (S - 1) u / v; it was M u + (S - v) u / v, no bubble at
     S = v)."""
     from distgraph.passes.pipeline.schedule import COST, chain, make_schedule, replay
-    from distgraph.passes.search.run_dp import alike_stages
+    from distgraph.passes.search.interleaved import alike_stages
 
     problem = chain(S, v, M, "1F1B")
     makespan = replay(make_schedule(problem).orders, problem).makespan

@@ -46,8 +46,7 @@ class _Run:
         self.table = {}
         for first in ((False, True) if blocks.start else (False,)):
             for last in ((False, True) if blocks.stop < count else (False,)):
-                rows = [option.cost(first, m, last) for m in range(n + 1)]
-                table = np.array(rows, dtype=float)    # (n+1, 3)
+                table = option.costs(first, n, last)    # (n+1, 3): cost(first, m, last)
                 # the boundaries' transfers: a stage holding E (H) has no stage before
                 # (after) it and pays half of a middle stage's (module docstring)
                 table[:, 0] += p2p * (2 - first - last) / 2
@@ -141,13 +140,15 @@ class _RunSearch(_Search):
         density = self._densities(most, keys)
         for s in range(1, self.max_stages + 1):
             G = np.full_like(F, np.inf)
+            box = self._box_of(F)
             for n in self._live(most, keys, s):
-                self._relax(G, F, self.options[n], dict(zip(keys, most[n][s].tolist())), s)
+                self._relax(G, F, self.options[n], dict(zip(keys, most[n][s].tolist())), s,
+                            box)
             tables.append(G)
             F = G
             if G[full] < best:
                 best, best_s = float(G[full]), s
-            if not np.isfinite(G).any():
+            if self._box_of(G) is None:          # no finite entry
                 break
             # a plan of more stages ends in s of them (an entry of G at k >= 1) after a
             # prefix that fits the units left and costs no less than _prefix_bound's
@@ -157,7 +158,7 @@ class _RunSearch(_Search):
         self.levels = len(tables) - 1           # the stage counts tabled (tests read it)
         if best_s is None:
             return math.inf, None
-        return best, self._walk(tables, best_s, reach)
+        return best, self._walk(tables, best_s, np.stack(most), keys)
 
     def _densities(self, most, keys) -> np.ndarray:
         """[s, a]: the most layers per unit a stage on device mesh a may hold with s
@@ -183,14 +184,33 @@ class _RunSearch(_Search):
         most ``sum_a (caps_a - d_a) density_a`` layers (``density``: :meth:`_densities`
         at s + 1, a stage that far from the last holding no more), at a cost no less
         than :meth:`_prefix_bound`'s; inf where no entry can be so extended."""
-        shape = (1,) * len(self.dims)
-        room = np.zeros(self.dims)
-        for a, c in enumerate(self.caps):
-            left = c - np.arange(self.dims[a])
-            room = room + (left * density[a]).reshape(shape[:a] + (-1,) + shape[a + 1:])
-        k = np.arange(1, self.L + 1).reshape((-1,) + shape)
-        fits = k <= room[None] + 1e-9
-        return float(np.where(fits, G[1:] + self._prefix_bound()[1:], np.inf).min())
+        key = density.tobytes()
+        if getattr(self, "_bounds", (None,))[0] != key:
+            shape = (1,) * len(self.dims)
+            room = np.zeros(self.dims)
+            for a, c in enumerate(self.caps):
+                left = c - np.arange(self.dims[a])
+                room = room + (left * density[a]).reshape(shape[:a] + (-1,) + shape[a + 1:])
+            k = np.arange(1, self.L + 1).reshape((-1,) + shape)
+            fits = k <= room[None] + 1e-9
+            # P where the entry fits, inf elsewhere: G + that is G + P or inf (G and P
+            # are >= 0 or inf, never nan), so the least is the same (kept per density)
+            self._bounds = (key, np.where(fits, self._prefix_bound()[1:], np.inf))
+        # over the box of G's finite entries alone (elsewhere G + P is inf), rows k >= 1
+        box = self._box_of(G)
+        if box is None or box[0][1] < 1:
+            return math.inf
+        at = tuple(slice(a, b + 1) for a, b in box[1:])
+        rows = slice(max(box[0][0], 1), box[0][1] + 1)
+        return float((G[(rows,) + at] + self._bounds[1][(slice(rows.start - 1, rows.stop - 1),)
+                                                       + at]).min())
+
+    def _box_of(self, table) -> list | None:
+        """:func:`_finite_box` of ``table``, kept for the last table asked (a table is
+        not changed once its stage count is relaxed: solve_cap asks for it twice)."""
+        if getattr(self, "_boxed", (None,))[0] is not table:
+            self._boxed = (table, _finite_box(table))
+        return self._boxed[1]
 
     def _prefix_bound(self) -> np.ndarray:
         """P[k, d]: a lower bound on the summed time of any stages (one or more) that
@@ -250,49 +270,70 @@ class _RunSearch(_Search):
         some stage of theirs fits, and no option of the same mesh and size that is as
         fast at every length reaches as far in every kind of stage (its stages, then,
         cost no more from every start: dropping the slower one leaves the table as it
-        is). Of two alike options the first is kept."""
+        is). Of two alike options the first is kept. Over all pairs at once, the answer
+        kept while the reaches stay the same (they change with s only now and then)."""
+        if getattr(self, "_stacked", (None,))[0] is not most:
+            self._stacked = (most, np.stack(most), None, None)
+        w = self._stacked[1][:, s]                              # (options, keys)
+        if self._stacked[2] is not None and np.array_equal(w, self._stacked[2]):
+            return self._stacked[3]
         blocks = keys.index((False, False))
-        w = [m[s] for m in most]
-        fits = [int(x[blocks]) >= 1 or any(int(x[j]) >= 0 for j in range(len(keys))
-                                            if j != blocks) for x in w]
-        out = []
-        for n, ok in enumerate(fits):
-            if not ok:
-                continue
-            if any(fits[o] and (w[o] >= w[n]).all() and
-                   (o < n or not (n in self._below[o] and (w[n] >= w[o]).all()))
-                   for o in self._below[n]):
-                continue
-            out.append(n)
+        fits = (w[:, blocks] >= 1) | (np.delete(w, blocks, axis=1) >= 0).any(axis=1)
+        below, earlier = self._pairs()
+        reaches = (w[None, :, :] >= w[:, None, :]).all(axis=2)     # [n, o]: o's >= n's
+        # [n, o]: o drops n: o fits, is as fast, reaches as far, and is earlier or not
+        # itself dropped by n (as fast as n and reached as far by it)
+        drops = below & fits[None, :] & reaches & (earlier | ~(below.T & reaches.T))
+        out = np.flatnonzero(fits & ~drops.any(axis=1)).tolist()
+        self._stacked = (most, self._stacked[1], w, out)
         return out
 
-    def _relax(self, G, F, r, most, s: int) -> None:
+    def _pairs(self) -> tuple:
+        """([n, o]: whether o is in ``_faster_pairs``' set of n, [n, o]: o < n)."""
+        if getattr(self, "_pair_masks", None) is None:
+            N = len(self.options)
+            below = np.zeros((N, N), dtype=bool)
+            for n, others in enumerate(self._below):
+                below[n, list(others)] = True
+            self._pair_masks = (below, np.tri(N, k=-1, dtype=bool))
+        return self._pair_masks
+
+    def _relax(self, G, F, r, most, s: int, box=None) -> None:
         """G[k] = min(G[k], the best stage of option r starting at k, then F), ``s``
         stages from k on: ``H`` is F with r's units taken (a view), ``Gv`` the part of G
         with room for them. Only starts k <= L - s can begin s stages (one layer or more
         each), and only F's rows up to L - s + 1 are finite; a stage holding H is the
-        last (s = 1)."""
+        last (s = 1). ``box`` (:func:`_finite_box` of F) bounds F's finite entries: the
+        sums and minima are taken over it alone (outside it every term is inf and lowers
+        nothing), the same terms added in the same order, so G is the same."""
         b0, b1, L = self.blocks.start, self.blocks.stop, self.L
         if r.size >= self.dims[r.axis]:
             return
         src, dst, ramp, start, last, first = self._fixed(r, F.ndim)
         H, Gv = F[src], G[dst]
+        lo, hi = 0, L
+        if box is not None:
+            (lo, hi), cols = box[0], [slice(a, b + 1) for a, b in box[1:]]
+            if any(c.start >= n for c, n in zip(cols, H.shape[1:])):
+                return                              # no finite column with room for r
+            H, Gv = H[(slice(None),) + tuple(cols)], Gv[(slice(None),) + tuple(cols)]
         w = most[False, False]
-        top = min(b1, L - s + 1)                    # the last end j of a finite F row
+        top = min(b1, L - s + 1, hi)                # the last end j of a finite F row
         if w >= 1 and top > b0:                     # blocks only: k..j-1 in [b0, b1)
-            window = _window_min(ramp[:top - b0] + H[b0 + 1:top + 1], w)
-            window -= start[:top - b0]
-            np.minimum(Gv[b0:top], window, out=Gv[b0:top])
+            ka = max(b0, min(lo, top) - w)          # ends before lo: inf; starts before
+            window = _window_min(ramp[ka - b0:top - b0] + H[ka + 1:top + 1], w)
+            window -= start[ka - b0:top - b0]       # ka reach no finite end
+            np.minimum(Gv[ka:top], window, out=Gv[ka:top])
         if b1 < L and s == 1:                       # blocks k..b1-1, then H
             w = most[False, True]
             if w >= 0:
-                lo = max(b0, b1 - w)
-                np.minimum(Gv[lo:b1 + 1], last[lo - b0:] + H[L], out=Gv[lo:b1 + 1])
+                k0 = max(b0, b1 - w)
+                np.minimum(Gv[k0:b1 + 1], last[k0 - b0:] + H[L], out=Gv[k0:b1 + 1])
         if b0 > 0:                                  # E, blocks b0..i
             w = most[True, False]
-            if w >= 0:
-                m = min(w, b1 - b0)
-                np.minimum(Gv[0], (first[:m + 1] + H[b0:b0 + m + 1]).min(axis=0),
+            m0, m = max(0, lo - b0), min(w, b1 - b0, hi - b0)
+            if w >= 0 and m0 <= m:
+                np.minimum(Gv[0], (first[m0:m + 1] + H[b0 + m0:b0 + m + 1]).min(axis=0),
                            out=Gv[0])
             if b1 < L and s == 1 and most[True, True] >= b1 - b0:
                 np.minimum(Gv[0], r.table[True, True][b1 - b0, 0] + H[L], out=Gv[0])
@@ -322,28 +363,43 @@ class _RunSearch(_Search):
             self._prepared[id(r)] = (tuple(src), tuple(dst), ramp, start, last, first)
         return self._prepared[id(r)]
 
-    def _walk(self, tables, s, reach):
+    def _walk(self, tables, s, most, keys):
         """The stages of the best plan in ``s`` stages, recomputed from the tables: at
-        each start the first (option, end) in order that reaches the least total."""
+        each start the first (option, end) in order that reaches the least total
+        (``most``: the options' reach at the cap, stacked as :meth:`solve_cap` keeps
+        them). Each option's times are :meth:`_Run.times`', for all options at once."""
         stages, k, state = [], 0, list(self.caps)
+        runs = self.options
+        axes = np.array([r.axis for r in runs])
+        sizes = np.array([r.size for r in runs])
+        times = {key: np.stack([r.table[key][:, 0] for r in runs]) for key in keys}
+        b0, b1 = self.blocks.start, self.blocks.stop
+        rows = np.arange(len(runs))[:, None]
         while s:
             prev = tables[s - 1]
-            found = None
-            for n, r in enumerate(self.options):
-                if state[r.axis] < r.size:
+            room = np.array(state)[axes] >= sizes
+            after = np.array(state)[:, None] - np.where(
+                np.arange(len(state))[:, None] == axes[None, :], sizes[None, :], 0)
+            rest = prev[(slice(k + 1, None),) + tuple(np.where(room, after, 0))].T
+            i = np.arange(k, self.L)
+            first = k < b0
+            m = np.maximum(np.minimum(i + 1, b1) - max(k, b0), 0)
+            value = np.full(rest.shape, np.inf)
+            for last in (False, True):
+                here = (i >= b1) == last
+                if not here.any():
                     continue
-                after = list(state)
-                after[r.axis] -= r.size
-                rest = prev[(slice(k + 1, None),) + tuple(after)]
-                value = r.times(k, s, reach[n]) + rest
-                i = int(np.argmin(value))
-                if math.isfinite(value[i]) and (found is None or value[i] < found[0]):
-                    found = (float(value[i]), k + i, n)
-            if found is None:
+                reach = most[:, s, keys.index((first, last))][:, None]
+                ok = room[:, None] & here & (m <= reach) & ((m >= 1) | first | last)
+                t = np.broadcast_to(times[first, last][rows, m], ok.shape)
+                value[ok] = t[ok] + rest[ok]
+            least = value.min(axis=1)
+            if not np.isfinite(least).any():
                 raise PlanError("the stage DP found a plan but could not retrace it")
-            _, i, n = found
+            n = int(np.argmin(least))               # the first option of the least
+            i = k + int(np.argmin(value[n]))
             stages.append((k, i, n))
-            state[self.options[n].axis] -= self.options[n].size
+            state[runs[n].axis] -= runs[n].size
             k, s = i + 1, s - 1
         return stages
 
@@ -376,6 +432,18 @@ def _faster_pairs(runs: list) -> list:
     return out
 
 
+def _finite_box(F: np.ndarray) -> list | None:
+    """[(first, last) index of F's finite entries along each axis], None where none is."""
+    finite = np.isfinite(F)
+    out = []
+    for axis in range(F.ndim):
+        at = np.flatnonzero(finite.any(axis=tuple(a for a in range(F.ndim) if a != axis)))
+        if at.size == 0:
+            return None
+        out.append((int(at[0]), int(at[-1])))
+    return out
+
+
 def _window_min(A: np.ndarray, w: int) -> np.ndarray:
     """out[q] = min(A[q : q + w]) along axis 0 (the window cut at the end), by doubling:
     minima over 1, 2, 4 .. p <= w rows, then two overlapping windows of p rows. ``A``
@@ -396,7 +464,8 @@ def plan_runs(count: int, blocks: range, options: list, cluster,
               below: float = math.inf) -> tuple | None:
     """(StagePlan, the option of each stage): stages of ``count`` layers whose
     ``blocks`` are identical, on ``options`` (:class:`~distgraph.passes.search.runs.
-    RunOption`, each with ``cost(first, blocks, last)``) of ``cluster``'s device meshes;
+    RunOption`, each with ``cost(first, blocks, last)`` and ``costs``) of ``cluster``'s
+    device meshes;
     see the module docstring. Without ``fit_memory`` the devices' memory is not a
     limit (a lower bound on the latency of options that only save memory).
     ``p2p(option)``: seconds per micro-batch a stage of the option between two others
@@ -472,115 +541,3 @@ def _setup(count, blocks, options, cluster, micro_batches, fit_memory, p2p=None)
     runs = [_Run(o, count, blocks, limits[o.axis], units[o.axis],
                  p2p(o) if p2p is not None else 0.0) for o in options]
     return runs, _RunSearch(count, blocks, runs, capacities, micro_batches)
-
-
-def plan_interleaved(count: int, blocks: range, options: list, cluster, micro_batches: int,
-                     virtual: int, chunk_layers, p2p=None) -> tuple | None:
-    """(StagePlan, the option of each stage) of the best interleaved pipeline (Megatron's
-    interleaved 1F1B: ``virtual`` chunks per stage, chunk c on stage c mod S), or None
-    where none fits. Chunks move layers between the stages, so the stages are alike: S
-    stages of one option covering a device mesh (``cluster`` has one). The planner cuts
-    the forward into S v chunks of equal work (:func:`~distgraph.passes.pipeline.chunks.
-    forward_chunks`); ``chunk_layers(n)`` returns the layers each of those ``n`` chunks
-    holds. A stage's time is its chunks' parts' (``option.cost``) plus, per chunk, the
-    transfers to and from its neighbours (``p2p(option)``: seconds per micro-batch of a
-    chunk between two others; the first and the last chunk have one neighbour; None:
-    not priced), its memory that with ``min(M, S - s)`` micro-batches in flight (as
-    the estimate counts them), and the objective the estimate's:
-    ``sum t / v + (M - 1 / v) max t`` (the last micro-batch drains a chunk, not a
-    stage, after the one before it: bubble (S - 1) / v of a stage's time).
-
-    Example::
-
-        plan_interleaved(count, blocks, options, cluster, 32, 8, chunk_layers)
-    """
-    meshes = list(cluster.device_meshes)
-    if len(meshes) != 1 or virtual < 2:
-        return None
-    limit = min(cluster.device(i).memory for i in meshes[0].ids)
-    best, layouts = None, {}
-    for option in options:
-        found = alike_stages(option, count, blocks, cluster, micro_batches, virtual,
-                             chunk_layers, p2p, layouts)
-        if found is None or max(found[2]) > limit:
-            continue
-        if best is None or found[0] < best[0]:
-            best = found + (option,)
-    if best is None:
-        return None
-    objective, times, memories, option = best
-    S = len(times)
-    return _alike_plan(option, S, count, times, memories, objective, micro_batches,
-                       virtual), (option,) * S
-
-
-def alike_stages(option, count: int, blocks: range, cluster, micro_batches: int,
-                 virtual: int, chunk_layers, p2p=None, layouts=None) -> tuple | None:
-    """(objective, times, memories) of ``option``'s stages tiling its device mesh alike,
-    ``virtual`` chunks each (:func:`plan_interleaved`; with ``virtual`` 1: the layers
-    split evenly, E on the first stage and H on the last), the devices' memory aside;
-    None where the option cannot tile its mesh in two or more such stages.
-    ``layouts``: a dict the calls of one search share (stage parts per stage count)."""
-    mesh = option.sub.mesh
-    if mesh.size % option.sub.size:
-        return None
-    S = mesh.size // option.sub.size
-    if S < 2 or S * virtual > count:
-        return None
-    layouts = {} if layouts is None else layouts
-    if (S, virtual) not in layouts:
-        layouts[S, virtual] = _stage_parts(chunk_layers(S * virtual), S, blocks, count) \
-            if virtual > 1 else even_parts(S, blocks, count)
-    sends = p2p(option) if p2p is not None else 0.0
-    times, memories = [], []
-    for s, (first, n, last) in enumerate(layouts[S, virtual]):
-        seconds, one, further = option.cost(first, n, last)
-        # every chunk a middle one but the first chunk (stage 0) and the last (S - 1)
-        times.append(seconds + sends * (virtual - (s == 0) / 2 - (s == S - 1) / 2))
-        memories.append(one + (min(micro_batches, S - s) - 1) * further)
-    return (sum(times) / virtual + (micro_batches - 1 / virtual) * max(times), times,
-            memories)
-
-
-def even_parts(S: int, blocks: range, count: int) -> list:
-    """[(E?, blocks, H?)] of ``S`` stages of whole layers split as :func:`_alike_plan`
-    places them: stage s holds layers round(count s / S) .. round(count (s+1) / S)."""
-    bounds = [round(count * s / S) for s in range(S + 1)]
-    return [(bounds[s] < blocks.start, len(range(max(bounds[s], blocks.start),
-                                                 min(bounds[s + 1], blocks.stop))),
-             bounds[s + 1] > blocks.stop) for s in range(S)]
-
-
-def _stage_parts(chunks: list, S: int, blocks: range, count: int) -> list:
-    """[(share of E, blocks, share of H)] of each of ``S`` stages holding chunks s,
-    s + S, ... (``chunks``: {layer: share of its forward FLOPs} of each chunk; a layer
-    cut between two chunks counts in each by its share there). ``count`` layers: E
-    (the layers before ``blocks``), the blocks, H (those after)."""
-    out = []
-    for s in range(S):
-        share = [0.0] * count
-        for chunk in chunks[s::S]:
-            for k, f in chunk.items():
-                share[k] += f
-        out.append((sum(share[:blocks.start]) / max(blocks.start, 1),
-                    sum(share[blocks.start:blocks.stop]),
-                    sum(share[blocks.stop:]) / max(count - blocks.stop, 1)))
-    return out
-
-
-def _alike_plan(option, S, count, times, memories, objective, micro_batches, virtual):
-    """The StagePlan of ``S`` alike stages of ``option``: stage s on the s-th submesh of
-    the device mesh in row-major order, its layers (as annotated before the chunks move
-    them: E on the first stage, H on the last) an even split of the ``count``."""
-    from distgraph.passes.search.stage_dp import StageChoice, StagePlan, _grid
-
-    rows, cols = _grid(option.sub.mesh.shape)
-    n, m = option.sub.shape
-    grid = np.array(option.sub.mesh.ids).reshape(rows, cols)
-    pieces = [grid[r:r + n, c:c + m].reshape(-1) for r in range(0, rows, n)
-              for c in range(0, cols, m)]
-    bounds = [round(count * s / S) for s in range(S + 1)]
-    stages = tuple(StageChoice(range(bounds[s], bounds[s + 1]), option.sub.mesh.name,
-                               option.sub.shape, tuple(int(d) for d in pieces[s]),
-                               float(times[s]), float(memories[s])) for s in range(S))
-    return StagePlan(stages, float(objective), micro_batches, 1, virtual)

@@ -91,10 +91,10 @@ from distgraph.passes.search.intra_op import (Boundary, accumulating_updates, pr
                                                  search)
 from distgraph.passes.search.block_plans import undominated
 from distgraph.passes.search.layers import op_keys, ops_by_layer, same_op
+from distgraph.passes.search.part_costs import stage_cost, stage_costs
 from distgraph.passes.search.recursive import Walks
 from distgraph.passes.pipeline.chunks import forward_chunks
 from distgraph.passes.search.sharded_states import sharding_dim, writeback_bytes
-from distgraph.passes.search.space import GB
 from distgraph.registry import op_flops
 from distgraph.passes.search.stage_dp import Submesh, _grid, logical_mesh
 
@@ -124,22 +124,13 @@ class RunOption:
 
     def cost(self, with_first: bool, blocks: int, with_last: bool) -> tuple:
         """(seconds per micro-batch, GB with one micro-batch in flight, GB per further
-        micro-batch in flight) of ``[E] + blocks + [H]`` here. Under virtual stages a
-        chunk may hold part of E or H: ``with_first`` / ``with_last`` may then be the
-        share (of its forward FLOPs) a stage holds, by which its time and memory are
-        taken (its working memory whole)."""
-        used = [(self.parts["first"][0], float(with_first))] if with_first else []
-        used += [(self.parts["block"][0], blocks)] if blocks else []
-        used += [(self.parts["last"][0], float(with_last))] if with_last else []
-        seconds = sum(p.time * n for p, n in used)
-        # the peak of one micro-batch: at some part, the activations the parts before it
-        # saved and its own working memory (its saved included), as the estimate walks it
-        saved = peak = 0.0
-        for p, n in used:
-            saved += p.saved * n
-            peak = max(peak, saved + p.transient)
-        fixed = sum(p.persistent * n for p, n in used)
-        return seconds, (fixed + peak) / GB, saved / GB
+        micro-batch in flight) of ``[E] + blocks + [H]`` here (:func:`~distgraph.passes.
+        search.part_costs.stage_cost`: E or H may be a share under virtual stages)."""
+        return stage_cost(self.parts, with_first, blocks, with_last)
+
+    def costs(self, with_first: bool, n: int, with_last: bool) -> np.ndarray:
+        """(n + 1, 3): row m is :meth:`cost` ``(with_first, m, with_last)``, m = 0 .. n."""
+        return stage_costs(self.parts, with_first, n, with_last)
 
     def __str__(self):
         return f"{self.sub} as {list(self.logical)}"

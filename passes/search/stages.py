@@ -49,7 +49,8 @@ from distgraph.mesh import ProcessMesh
 from distgraph.passes.search.ilp_problem import peak_memory
 from distgraph.passes.search.intra_op import search
 from distgraph.passes.search.layers import block_layers, cluster_layers
-from distgraph.passes.search.run_dp import alike_stages, beats
+from distgraph.passes.search.interleaved import alike_stages
+from distgraph.passes.search.run_dp import beats
 from distgraph.passes.search.block_plans import plan_blocks
 from distgraph.passes.search.runs import RunCosts, pricing_method
 from distgraph.passes.search.space import GB, MESH_DIMS, logical_dims

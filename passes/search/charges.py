@@ -13,7 +13,7 @@ the boundary's targets and ties); its methods give a node's terms per strategy a
 Example::
 
     problem = fixed_problem(space.rebind(mesh, result.choice), costs, weights, None,
-                            None, (), (), None)
+                            None, {}, {}, None)
     evaluate(problem, [0] * problem.n)       # the choice's seconds on ``mesh``
 """
 

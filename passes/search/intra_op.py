@@ -50,7 +50,6 @@ import math
 import time
 from dataclasses import dataclass
 
-
 from distgraph.annotation import OpAnnotation
 from distgraph.errors import PlanError
 from distgraph.ir import Role
@@ -355,7 +354,10 @@ def price(moved: SearchSpace, cluster, device_of: dict, *, weights=None, loss=No
     """The cost, by the same model, of the one strategy each node of ``moved`` offers (a
     search's choice on another mesh: ``result.space.rebind(mesh, result.choice)``),
     without solving: a SearchResult with that choice. ``status``: the status of the
-    search that made the choice."""
+    search that made the choice. Priced directly (:func:`~distgraph.passes.search.
+    charges.fixed_problem`: the chosen strategies' terms and the chosen pairs'
+    reshards, by the code that builds the search's problem), equal to what the full
+    problem of ``moved`` gives the choice."""
     start = time.perf_counter()
     costs = costs or SearchCosts(cluster, moved.mesh, device_of)
     boundary = boundary or Boundary()

@@ -140,9 +140,7 @@ class ShardingProblem:
         return tuple(out)
 
     def _node_id(self, where: str, v) -> int:
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not 0 <= v < self.n:
-            raise PlanError(f"ShardingProblem: {where} names node {v!r}; nodes are 0..{self.n - 1}")
-        return int(v)
+        return _node_id(self.n, where, v)
 
     def _matrices(self, field: str, items, convert) -> tuple:
         out = []
@@ -237,21 +235,92 @@ class ShardingProblem:
             out.append(ids)
         return tuple(out)
 
-    def _liveness(self) -> tuple[tuple[int, ...], ...]:
-        out = []
-        n = self.n
-        for t, live in enumerate(self.liveness):
-            ids = tuple(live)
-            # node ids as the builders give them (ints in range) pass at once; others
-            # are checked one by one, to name the first wrong one
-            if not all(type(v) is int and 0 <= v < n for v in ids):
-                ids = tuple(self._node_id(f"liveness[{t}]", v) for v in live)
-            if len(set(ids)) != len(ids):
-                dup = next(v for v in ids if ids.count(v) > 1)
-                raise PlanError(f"ShardingProblem: liveness[{t}] lists {self.node(dup)} "
-                                "twice; a live set names each node once")
-            out.append(ids)
-        return tuple(out)
+    def _liveness(self) -> "LiveSets":
+        if isinstance(self.liveness, LiveSets) and self.liveness.n == self.n:
+            return self.liveness            # checked for this many nodes already
+        return checked_liveness(self.liveness, self.n, self.node)
+
+    @classmethod
+    def one_each(cls, compute, comm, memory, edges=(), aliases=(), liveness=(),
+                 names=None) -> "ShardingProblem":
+        """The problem of one strategy per node (a fixed choice priced): ``compute``,
+        ``comm`` and ``memory`` one number per node, ``edges`` (u, v, seconds) and
+        ``aliases`` (u, v, forbidden) one per pair, checked as a whole rather than node
+        by node. Where a number is wrong, the checks of ``ShardingProblem(...)`` name it.
+
+        >>> p = ShardingProblem.one_each([1.0, 2.0], [0.0, 0.5], [4, 4], [(0, 1, 0.25)])
+        >>> evaluate(p, [0, 0])
+        3.75
+        """
+        n = len(compute)
+        rows = np.array([compute, comm, memory], dtype=np.float64).reshape(3, n, 1)
+        cost = np.array([x for _, _, x in edges], dtype=np.float64).reshape(-1, 1, 1)
+        ends = np.array([(u, v) for u, v, _ in edges] + [(u, v) for u, v, _ in aliases],
+                        dtype=np.int64).reshape(-1, 2)
+        if isinstance(liveness, LiveSets) and liveness.n != n:
+            liveness = tuple(liveness)
+        if np.isnan(rows[:2]).any() or (rows[:2] == -np.inf).any() or \
+                not np.isfinite(rows[2]).all() or (rows[2] < 0).any() or \
+                np.isnan(cost).any() or (cost == -np.inf).any() or \
+                ((ends < 0) | (ends >= n)).any() or (ends[:, 0] == ends[:, 1]).any():
+            return cls([1] * n, rows[0], rows[1], rows[2],
+                       [(u, v, [[x]]) for u, v, x in edges],
+                       [(u, v, [[float(x)]]) for u, v, x in aliases], None, liveness,
+                       None, (), names)
+        rows.setflags(write=False)
+        cost.setflags(write=False)
+        banned = np.array([bool(x) for _, _, x in aliases], dtype=bool).reshape(-1, 1, 1)
+        banned.setflags(write=False)
+        problem = object.__new__(cls)
+        for name, value in (
+                ("strategy_counts", (1,) * n), ("compute", rows[0]), ("comm", rows[1]),
+                ("memory", rows[2]),
+                ("edges", tuple((int(u), int(v), m) for (u, v, _), m in zip(edges, cost))),
+                ("aliases", tuple((int(u), int(v), m) for (u, v, _), m in zip(aliases, banned))),
+                ("follow", (-1,) * n), ("memory_budget", None), ("share", ()),
+                ("liveness", liveness),
+                ("names", None if names is None else tuple(str(x) for x in names))):
+            _set(problem, name, value)
+        _set(problem, "liveness", problem._liveness())
+        return problem
+
+
+class LiveSets(tuple):
+    """Liveness sets checked for a problem of ``n`` nodes (a ShardingProblem given them
+    does not check them again: a space's sets serve every problem built on it)."""
+
+    n: int
+
+    def __new__(cls, sets, n: int):
+        out = super().__new__(cls, sets)
+        out.n = n
+        return out
+
+
+def checked_liveness(liveness, n: int, node=None) -> LiveSets:
+    """``liveness`` (node ids live together at each time) checked for ``n`` nodes:
+    PlanError naming the first id out of range or listed twice in one set (``node``:
+    how to name a node, ``ShardingProblem.node``)."""
+    node = node or (lambda v: f"node {v}")
+    out = []
+    for t, live in enumerate(liveness):
+        ids = tuple(live)
+        # node ids as the builders give them (ints in range) pass at once; others
+        # are checked one by one, to name the first wrong one
+        if not all(type(v) is int and 0 <= v < n for v in ids):
+            ids = tuple(_node_id(n, f"liveness[{t}]", v) for v in live)
+        if len(set(ids)) != len(ids):
+            dup = next(v for v in ids if ids.count(v) > 1)
+            raise PlanError(f"ShardingProblem: liveness[{t}] lists {node(dup)} "
+                            "twice; a live set names each node once")
+        out.append(ids)
+    return LiveSets(out, n)
+
+
+def _node_id(n: int, where: str, v) -> int:
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not 0 <= v < n:
+        raise PlanError(f"ShardingProblem: {where} names node {v!r}; nodes are 0..{n - 1}")
+    return int(v)
 
 
 def evaluate(problem: ShardingProblem, choice: Sequence[int]) -> float:
@@ -272,7 +341,8 @@ def peak_memory(problem: ShardingProblem, choice: Sequence[int]) -> float:
     """The largest summed memory over the liveness sets under ``choice`` (0 without any)."""
     c = _check_choice(problem, choice)
     per_node = [float(problem.memory[v][c[v]]) for v in range(problem.n)]
-    return max((sum(per_node[v] for v in live) for live in problem.liveness), default=0.0)
+    at = per_node.__getitem__
+    return max((sum(map(at, live)) for live in problem.liveness), default=0.0)
 
 
 def _check_choice(problem: ShardingProblem, choice: Sequence[int]) -> list[int]:

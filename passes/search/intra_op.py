@@ -50,19 +50,17 @@ import math
 import time
 from dataclasses import dataclass
 
-import numpy as np
-
 from distgraph.annotation import OpAnnotation
 from distgraph.errors import PlanError
 from distgraph.ir import Role
 from distgraph.mesh import ProcessMesh
 from distgraph.passes.samples import sample_axes
 from distgraph.units import fmt_bytes
-from distgraph.passes.search.costs import SearchCosts, local_bytes
+from distgraph.passes.search.charges import (  # noqa: F401 (accumulating_updates: runs')
+    accumulating_updates, build_problem, fixed_problem)
+from distgraph.passes.search.costs import SearchCosts
 from distgraph.passes.search.ilp import Solution, solve
 from distgraph.passes.search.ilp_problem import ShardingProblem, evaluate, peak_memory
-from distgraph.passes.search.liveness import live_sets
-from distgraph.passes.search.sharded_states import apply_zero, zero_terms
 from distgraph.passes.search.recursive import METHODS, bisection_levels, solve_recursive
 from distgraph.passes.search.space import SearchSpace
 from distgraph.placement import DistAttr
@@ -356,11 +354,15 @@ def price(moved: SearchSpace, cluster, device_of: dict, *, weights=None, loss=No
     """The cost, by the same model, of the one strategy each node of ``moved`` offers (a
     search's choice on another mesh: ``result.space.rebind(mesh, result.choice)``),
     without solving: a SearchResult with that choice. ``status``: the status of the
-    search that made the choice."""
+    search that made the choice. Priced directly (:func:`~distgraph.passes.search.
+    charges.fixed_problem`: the chosen strategies' terms and the chosen pairs'
+    reshards, by the code that builds the search's problem), equal to what the full
+    problem of ``moved`` gives the choice."""
     start = time.perf_counter()
     costs = costs or SearchCosts(cluster, moved.mesh, device_of)
-    problem = _problem(moved, costs, weights or {}, loss, world, None, (), True,
-                       boundary or Boundary(), zero)
+    boundary = boundary or Boundary()
+    problem = fixed_problem(moved, costs, weights or {}, loss, world, dict(boundary.settle),
+                            _tied_values(boundary), zero)
     fixed = tuple(0 for _ in moved.nodes)
     objective = evaluate(problem, fixed)
     if math.isinf(objective):
@@ -383,113 +385,15 @@ def _result(space, choice, problem, sol, build_time, memory_budget, share,
 
 def _problem(space, costs, weights, loss, world, budget, share, live,
              boundary: Boundary, zero=None) -> ShardingProblem:
-    program, nodes = space.program, space.nodes
-    feeds = {v.name for v in program.inputs}
-    buffers = set(accumulating_updates(space, weights))
-    targets = dict(boundary.settle)
-    tied = {leaving: received for received, leaving in boundary.periodic}
-    compute, comm, memory = [], [], []
-    vain = space.vain
-    for node in nodes:
-        k = len(node.strategies)
-        if node.is_source:
-            v = program.values[node.value]
-            feed = v.name in feeds
-            compute.append(np.array([costs.feed(s.out_local_shapes[0], v.dtype) if feed else 0.0
-                                     for s in node.strategies]) * weights.get(Role.FORWARD, 1))
-            comm.append(np.zeros(k))
-            memory.append(np.array([local_bytes(s.out_local_shapes, [v.dtype])
-                                    for s in node.strategies], float))
-            continue
-        op = program.ops[node.op]
-        w = weights.get(op.role, 1)
-        c, m = costs.op(op, node.strategies)
-        forbid = np.where(np.array(node.allowed), 0.0, math.inf)
-        compute.append(c * w + forbid)
-        for j, o in enumerate(op.outputs):
-            if o.name in targets:           # brought to its neighbour's layout
-                m = m + np.array([costs.reshard(s.out_specs[j], targets[o.name], o.shape,
-                                                o.dtype) for s in node.strategies])
-            elif o.name in tied:            # brought to the layout it is tied to
-                m = m + np.array([costs.reshard(s.out_specs[j], hint[j], o.shape, o.dtype)
-                                  for s, hint in zip(node.strategies, node.hints)])
-            elif o.name in space.leaving:   # a pending sum is settled before it leaves
-                m = m + np.array([costs.settle(s.out_specs[j], o) for s in node.strategies])
-        comm.append(m * w)
-        kept = [j for j, o in enumerate(op.outputs) if not o.alias_of]
-        own = np.array([local_bytes([s.out_local_shapes[j] for j in kept],
-                                    [op.outputs[j].dtype for j in kept])
-                        for s in node.strategies], float)
-        if node.index in buffers:           # the gradient's buffer, in the update's layout
-            own = own + np.array([local_bytes([s.in_local_shapes[1]], [op.inputs[1].dtype])
-                                  for s in node.strategies], float)
-        memory.append(own + (0.0 if node.op in vain else costs.kept(op, node.strategies)))
-    if loss is not None and loss in space.producer:
-        u, j = space.producer[loss]
-        v = program.values[loss]
-        world = world or costs.world()
-        comm[u] = comm[u] + np.array([costs.gather(s.out_specs[j], v, world)
-                                      for s in nodes[u].strategies])
-    classes = _tie_classes(nodes, share)
-    edges, aliases = [], []
-    for leaving, received in tied.items():
-        u, j = space.producer[leaving]
-        r = space.source_node[received]
-        layouts = [x.out_specs[0] for x in nodes[r].strategies]
-        forbid = [[hint[j] != lay for lay in layouts] for hint in nodes[u].hints]
-        aliases.append((u, r, np.array(forbid, dtype=float)))
-    for node in nodes:
-        if node.is_source:
-            continue
-        op = program.ops[node.op]
-        w = weights.get(op.role, 1)
-        seen = set()
-        for i, v in enumerate(op.inputs):
-            if v.name in seen:
-                continue
-            seen.add(v.name)
-            u, j = space.producer[v.name]
-            made = tuple(s.out_specs[j] for s in nodes[u].strategies)
-            wanted = tuple(s.in_specs[i] for s in node.strategies)
-            if classes[u] == classes[node.index]:   # same class: only the diagonal is taken
-                mat = np.diag([costs.reshard(a, b, v.shape, v.dtype) for a, b in zip(made, wanted)])
-            else:
-                mat = costs.matrix(made, wanted, v.shape, v.dtype)
-            if mat.any():
-                edges.append((u, node.index, mat * w))
-        for j, o in enumerate(op.outputs):
-            if o.alias_of and o.alias_of in space.source_node:
-                s_node = space.source_node[o.alias_of]
-                if nodes[s_node].leader == node.index:      # already tied by index
-                    continue
-                layouts = [s.out_specs[0] for s in nodes[s_node].strategies]
-                forbid = [[s.out_specs[j] != lay for lay in layouts] for s in node.strategies]
-                aliases.append((node.index, s_node, np.array(forbid, dtype=float)))
-    apply_zero(zero_terms(space, costs, zero), space, costs, weights, compute, comm, memory,
-               edges)
-    liveness = space.memo(("liveness", tuple(buffers)), lambda: live_sets(space, buffers)) \
-        if live else ()
-    return ShardingProblem([len(n.strategies) for n in nodes], compute, comm, memory, edges,
-                           aliases, [n.leader for n in nodes], liveness, budget, share,
-                           [n.label for n in nodes])
+    """The ILP of the search (module docstring; :func:`~distgraph.passes.search.charges.
+    build_problem`)."""
+    return build_problem(space, costs, weights, loss, world, budget, share, live,
+                         dict(boundary.settle), _tied_values(boundary), zero)
 
 
-def _tie_classes(nodes, share) -> list:
-    parent = list(range(len(nodes)))
-
-    def root(v):
-        while parent[v] != v:
-            parent[v] = parent[parent[v]]
-            v = parent[v]
-        return v
-
-    ties = [(n.index, n.leader) for n in nodes if n.leader >= 0]
-    ties += [(g[0], v) for g in share for v in g[1:]]
-    for a, b in ties:
-        ra, rb = root(a), root(b)
-        if ra != rb:
-            parent[max(ra, rb)] = min(ra, rb)
-    return [root(v) for v in range(len(nodes))]
+def _tied_values(boundary: Boundary) -> dict:
+    """{leaving Value: received Value} of ``boundary``'s periodic pairs."""
+    return {leaving: received for received, leaving in boundary.periodic}
 
 
 def _tied(blocks: int) -> str:
@@ -526,18 +430,6 @@ def _shared_blocks(space, blocks) -> list:
         if [signature(n, path) for n in nodes] != first:
             return []
     return [tuple(n.index for n in group) for group in zip(*members)]
-
-
-def accumulating_updates(space, weights: dict) -> list:
-    """The update ops (nodes) that read a gradient accumulated in a buffer: every update
-    of a parameter from a gradient when the updates run fewer times a step than the
-    backward (``weights``: micro-batches), else none."""
-    if not weights.get(Role.OPTIMIZE, 1) < weights.get(Role.BACKWARD, 1):
-        return []
-    program = space.program
-    return [n.index for n in space.nodes if not n.is_source and
-            program.ops[n.op].role == Role.OPTIMIZE and len(program.ops[n.op].inputs) > 1
-            and program.ops[n.op].inputs[0].is_parameter]
 
 
 def _layouts(space, choice) -> tuple:

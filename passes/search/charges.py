@@ -1,0 +1,258 @@
+"""What a search's problem charges (the terms :mod:`distgraph.passes.search.intra_op`'s
+docstring lists), written once for its two users: :func:`build_problem`, every strategy
+of every node (the ILP's :class:`~distgraph.passes.search.ilp_problem.ShardingProblem`),
+and :func:`fixed_problem`, the one strategy each node of a choice moved to another mesh
+offers (``SearchSpace.rebind``), where only the chosen strategies and the chosen pairs'
+reshards are priced: no matrix, no strategy left unchosen.
+
+:class:`Charges` holds what every node's terms read (the feeds, the gradients' buffers,
+the boundary's targets and ties); its methods give a node's terms per strategy as lists
+(``op``, ``source``) and an operand's reshards (``operands``), on
+:class:`~distgraph.passes.search.costs.SearchCosts`.
+
+Example::
+
+    problem = fixed_problem(space.rebind(mesh, result.choice), costs, weights, None,
+                            None, {}, {}, None)
+    evaluate(problem, [0] * problem.n)       # the choice's seconds on ``mesh``
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from distgraph.ir import Role
+from distgraph.passes.search.costs import local_bytes
+from distgraph.passes.search.ilp_problem import ShardingProblem, checked_liveness
+from distgraph.passes.search.liveness import live_sets
+from distgraph.passes.search.sharded_states import apply_zero, zero_terms
+
+
+def accumulating_updates(space, weights: dict) -> list:
+    """The update ops (nodes) that read a gradient accumulated in a buffer: every update
+    of a parameter from a gradient when the updates run fewer times a step than the
+    backward (``weights``: micro-batches), else none."""
+    if not weights.get(Role.OPTIMIZE, 1) < weights.get(Role.BACKWARD, 1):
+        return []
+    program = space.program
+    return [n.index for n in space.nodes if not n.is_source and
+            program.ops[n.op].role == Role.OPTIMIZE and len(program.ops[n.op].inputs) > 1
+            and program.ops[n.op].inputs[0].is_parameter]
+
+
+class Charges:
+    """The terms of ``space``'s nodes on ``costs`` (module docstring); ``targets``
+    ({leaving Value: spec}) and ``tied`` ({leaving Value: received Value}): the
+    boundary's settle and periodic pairs."""
+
+    def __init__(self, space, costs, weights: dict, targets: dict, tied: dict):
+        self.space, self.costs, self.weights = space, costs, weights
+        self.targets, self.tied = targets, tied
+        self.feeds = {v.name for v in space.program.inputs}
+        self.buffers = set(accumulating_updates(space, weights))
+        self.vain = space.vain
+
+    def source(self, node, strategies) -> tuple:
+        """(compute seconds, bytes) of each strategy of source ``node``: a feed's layout
+        costs the copy of its local part, once per forward run."""
+        v = self.space.program.values[node.value]
+        w = self.weights.get(Role.FORWARD, 1)
+        feed = self.costs.feed if v.name in self.feeds else None
+        return ([feed(s.out_local_shapes[0], v.dtype) * w if feed else 0.0 * w
+                 for s in strategies],
+                [float(local_bytes(s.out_local_shapes, [v.dtype])) for s in strategies])
+
+    def op(self, node, strategies, hints, allowed) -> tuple:
+        """(compute, comm seconds, bytes) of each strategy of op ``node`` (``hints`` and
+        ``allowed`` beside them): its compute and own collectives times its role's runs
+        (inf where not allowed), a result leaving the part brought to its target, its
+        tied layout or settled, its results and what its kernel keeps."""
+        costs, space = self.costs, self.space
+        op = space.program.ops[node.op]
+        w = self.weights.get(op.role, 1)
+        c, m = costs.op(op, strategies)
+        compute = [x * w + (0.0 if ok else math.inf) for x, ok in zip(c, allowed)]
+        comm = list(m)
+        for j, o in enumerate(op.outputs):
+            if o.name in self.targets:      # brought to its neighbour's layout
+                to = self.targets[o.name]
+                extra = [costs.reshard(s.out_specs[j], to, o.shape, o.dtype) for s in strategies]
+            elif o.name in self.tied:       # brought to the layout it is tied to
+                extra = [costs.reshard(s.out_specs[j], hint[j], o.shape, o.dtype)
+                         for s, hint in zip(strategies, hints)]
+            elif o.name in space.leaving:   # a pending sum is settled before it leaves
+                extra = [costs.settle(s.out_specs[j], o) for s in strategies]
+            else:
+                continue
+            comm = [a + b for a, b in zip(comm, extra)]
+        comm = [x * w for x in comm]
+        kept = [j for j, o in enumerate(op.outputs) if not o.alias_of]
+        kept_types = [op.outputs[j].dtype for j in kept]
+        own = [float(local_bytes([s.out_local_shapes[j] for j in kept], kept_types))
+               for s in strategies]
+        if node.index in self.buffers:      # the gradient's buffer, in the update's layout
+            own = [x + local_bytes([s.in_local_shapes[1]], [op.inputs[1].dtype])
+                   for x, s in zip(own, strategies)]
+        if node.op in self.vain:
+            memory = [x + 0.0 for x in own]
+        else:
+            memory = [x + k for x, k in zip(own, costs.kept(op, strategies))]
+        return compute, comm, memory
+
+    def operands(self, node):
+        """(input index, producer node, its output index, Value, runs) of each distinct
+        operand of op ``node`` (an op reading one Value twice pays its reshard once)."""
+        space = self.space
+        op = space.program.ops[node.op]
+        w = self.weights.get(op.role, 1)
+        seen = set()
+        for i, v in enumerate(op.inputs):
+            if v.name in seen:
+                continue
+            seen.add(v.name)
+            u, j = space.producer[v.name]
+            yield i, u, j, v, w
+
+
+def build_problem(space, costs, weights, loss, world, budget, share, live, targets: dict,
+                  tied: dict, zero=None) -> ShardingProblem:
+    """The ILP of every strategy of ``space``'s nodes (``intra_op.search``)."""
+    charges = Charges(space, costs, weights, targets, tied)
+    program, nodes = space.program, space.nodes
+    compute, comm, memory = [], [], []
+    for node in nodes:
+        if node.is_source:
+            c, mem = charges.source(node, node.strategies)
+            compute.append(np.array(c))
+            comm.append(np.zeros(len(c)))
+        else:
+            c, m, mem = charges.op(node, node.strategies, node.hints, node.allowed)
+            compute.append(np.array(c))
+            comm.append(np.array(m))
+        memory.append(np.array(mem, float))
+    if loss is not None and loss in space.producer:
+        u, j = space.producer[loss]
+        v = program.values[loss]
+        world = world or costs.world()
+        comm[u] = comm[u] + np.array([costs.gather(s.out_specs[j], v, world)
+                                      for s in nodes[u].strategies])
+    classes = _tie_classes(nodes, share)
+    edges, aliases = [], []
+    for leaving, received in tied.items():
+        u, j = space.producer[leaving]
+        r = space.source_node[received]
+        layouts = [x.out_specs[0] for x in nodes[r].strategies]
+        forbid = [[hint[j] != lay for lay in layouts] for hint in nodes[u].hints]
+        aliases.append((u, r, np.array(forbid, dtype=float)))
+    for node in nodes:
+        if node.is_source:
+            continue
+        for i, u, j, v, w in charges.operands(node):
+            made = tuple(s.out_specs[j] for s in nodes[u].strategies)
+            wanted = tuple(s.in_specs[i] for s in node.strategies)
+            if classes[u] == classes[node.index]:   # same class: only the diagonal is taken
+                mat = np.diag([costs.reshard(a, b, v.shape, v.dtype) for a, b in zip(made, wanted)])
+            else:
+                mat = costs.matrix(made, wanted, v.shape, v.dtype)
+            if mat.any():
+                edges.append((u, node.index, mat * w))
+        for s_node, j in _aliased(space, node):
+            layouts = [s.out_specs[0] for s in nodes[s_node].strategies]
+            forbid = [[s.out_specs[j] != lay for lay in layouts] for s in node.strategies]
+            aliases.append((node.index, s_node, np.array(forbid, dtype=float)))
+    apply_zero(zero_terms(space, costs, zero), space, costs, weights, compute, comm, memory,
+               edges)
+    liveness = _liveness(space, charges.buffers) if live else ()
+    return ShardingProblem([len(n.strategies) for n in nodes], compute, comm, memory, edges,
+                           aliases, [n.leader for n in nodes], liveness, budget, share,
+                           [n.label for n in nodes])
+
+
+def fixed_problem(moved, costs, weights, loss, world, targets: dict, tied: dict,
+                  zero=None) -> ShardingProblem:
+    """The problem of ``moved``, a space whose nodes offer one strategy each (a choice
+    moved to another mesh), built as :func:`build_problem` builds it but pricing only
+    the chosen pairs: every term a scalar (the one strategy's), each edge's reshard
+    ``SearchCosts.reshard`` of the chosen layouts (what its 1 x 1 matrix holds), tie
+    classes unneeded (one strategy each: every tie holds). Its ``evaluate`` at the
+    choice (all zeros) equals that of the full problem, ``peak_memory`` too."""
+    charges = Charges(moved, costs, weights, targets, tied)
+    program, nodes = moved.program, moved.nodes
+    compute, comm, memory = [], [], []
+    for node in nodes:
+        if node.is_source:
+            (c,), (mem,) = charges.source(node, node.strategies)
+            m = 0.0
+        else:
+            (c,), (m,), (mem,) = charges.op(node, node.strategies, node.hints, node.allowed)
+        compute.append(c)
+        comm.append(m)
+        memory.append(mem)
+    if loss is not None and loss in moved.producer:
+        u, j = moved.producer[loss]
+        comm[u] = comm[u] + costs.gather(nodes[u].strategies[0].out_specs[j],
+                                         program.values[loss], world or costs.world())
+    edges, aliases = [], []
+    for leaving, received in tied.items():
+        u, j = moved.producer[leaving]
+        r = moved.source_node[received]
+        aliases.append((u, r, nodes[u].hints[0][j] != nodes[r].strategies[0].out_specs[0]))
+    for node in nodes:
+        if node.is_source:
+            continue
+        s = node.strategies[0]
+        for i, u, j, v, w in charges.operands(node):
+            price = costs.reshard(nodes[u].strategies[0].out_specs[j], s.in_specs[i], v.shape,
+                                  v.dtype)
+            if price:
+                edges.append((u, node.index, price * w))
+        for s_node, j in _aliased(moved, node):
+            aliases.append((node.index, s_node,
+                            s.out_specs[j] != nodes[s_node].strategies[0].out_specs[0]))
+    terms = zero_terms(moved, costs, zero)
+    if terms is not None:               # as build_problem adds them, on 1-entry arrays
+        compute, comm, memory = ([np.array([x]) for x in xs] for xs in (compute, comm, memory))
+        edges = [(u, v, np.array([[x]])) for u, v, x in edges]
+        apply_zero(terms, moved, costs, weights, compute, comm, memory, edges)
+        compute, comm, memory = ([float(x[0]) for x in xs] for xs in (compute, comm, memory))
+        edges = [(u, v, float(x[0, 0])) for u, v, x in edges if x.any()]
+    return ShardingProblem.one_each(compute, comm, memory, edges, aliases,
+                                    _liveness(moved, charges.buffers),
+                                    [n.label for n in nodes])
+
+
+def _aliased(space, node):
+    """(source node, output index) of each write-back of op ``node`` (``alias_of``) not
+    tied to its source by index: an alias constraint."""
+    op = space.program.ops[node.op]
+    for j, o in enumerate(op.outputs):
+        if o.alias_of and o.alias_of in space.source_node:
+            s_node = space.source_node[o.alias_of]
+            if space.nodes[s_node].leader != node.index:
+                yield s_node, j
+
+
+def _liveness(space, buffers):
+    """The liveness sets of ``space`` (checked once, shared by its rebinds)."""
+    return space.memo(("liveness", tuple(buffers)),
+                      lambda: checked_liveness(live_sets(space, buffers), len(space.nodes)))
+
+
+def _tie_classes(nodes, share) -> list:
+    parent = list(range(len(nodes)))
+
+    def root(v):
+        while parent[v] != v:
+            parent[v] = parent[parent[v]]
+            v = parent[v]
+        return v
+
+    ties = [(n.index, n.leader) for n in nodes if n.leader >= 0]
+    ties += [(g[0], v) for g in share for v in g[1:]]
+    for a, b in ties:
+        ra, rb = root(a), root(b)
+        if ra != rb:
+            parent[max(ra, rb)] = min(ra, rb)
+    return [root(v) for v in range(len(nodes))]

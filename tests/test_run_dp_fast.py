@@ -83,9 +83,26 @@ def test_relaxing_the_finite_box_alone_leaves_every_table_as_it_was(seed, monkey
     assert any(boxes)                   # the box was smaller than the table somewhere
 
 
+def plain_times(r, k: int, s: int, reach: dict) -> np.ndarray:
+    """Seconds of option ``r``'s layers k..i for i = k .. count-1, inf where they do not
+    fit with ``s`` micro-batches in flight (``reach``: ``_Run.reach`` at the cap), as
+    run_dp's ``_Run.times`` had them."""
+    b0, b1 = r.blocks.start, r.blocks.stop
+    i = np.arange(k, r.count)
+    first = k < b0
+    m = np.maximum(np.minimum(i + 1, b1) - max(k, b0), 0)
+    out = np.full(i.shape, np.inf)
+    for last in (False, True):
+        here = (i >= b1) == last
+        if here.any():
+            ok = here & (m <= reach[first, last][s]) & ((m >= 1) | first | last)
+            out[ok] = r.table[first, last][m[ok], 0]
+    return out
+
+
 def plain_walk(search, tables, s, reach):
     """The walk option by option: at each start, the first (option, end) in order of
-    the least total, each option's times from ``_Run.times``."""
+    the least total, each option's times from :func:`plain_times`."""
     stages, k, state = [], 0, list(search.caps)
     while s:
         prev, found = tables[s - 1], None
@@ -94,7 +111,7 @@ def plain_walk(search, tables, s, reach):
                 continue
             after = list(state)
             after[r.axis] -= r.size
-            value = r.times(k, s, reach[n]) + prev[(slice(k + 1, None),) + tuple(after)]
+            value = plain_times(r, k, s, reach[n]) + prev[(slice(k + 1, None),) + tuple(after)]
             i = int(np.argmin(value))
             if math.isfinite(value[i]) and (found is None or value[i] < found[0]):
                 found = (float(value[i]), k + i, n)

@@ -89,23 +89,6 @@ class _Run:
             self._memory = (key, out)
         return self._memory[1]
 
-    def times(self, k: int, s: int, reach: dict) -> np.ndarray:
-        """Seconds of layers k..i here for i = k .. count-1, inf where they do not fit
-        with ``s`` micro-batches in flight (``reach``: :meth:`reach` at the cap)."""
-        b0, b1 = self.blocks.start, self.blocks.stop
-        i = np.arange(k, self.count)
-        first = k < b0
-        m = np.maximum(np.minimum(i + 1, b1) - max(k, b0), 0)
-        out = np.full(i.shape, np.inf)
-        for last in (False, True):
-            here = (i >= b1) == last
-            if not here.any():
-                continue
-            most = reach[first, last][s]
-            ok = here & (m <= most) & ((m >= 1) | first | last)
-            out[ok] = self.table[first, last][m[ok], 0]
-        return out
-
 
 class _RunSearch(_Search):
     """The DP of the module docstring (same bisection over caps as the generic one).

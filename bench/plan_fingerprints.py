@@ -40,8 +40,8 @@ def fingerprint(plan) -> dict:
         f"{op.type} {op.layer} {list(op.dist_attr.mesh.process_ids)} "
         f"{[str(s) for s in op.dist_attr.input_specs]} "
         f"{[str(s) for s in op.dist_attr.output_specs]}" for op in prog.ops)
-    est = plan.estimate
-    estimate = "" if est is None else json.dumps(
+    est = plan.estimate or dg.passes.estimate(plan)     # a plan without one: as it would be
+    estimate = json.dumps(
         {"step": repr(est.step_time), "compute": repr(est.compute),
          "communication": repr(est.communication), "bubble": repr(est.bubble),
          "processes": [[repr(x) for x in (p.process, p.device, p.stage, p.compute,

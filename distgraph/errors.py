@@ -38,5 +38,16 @@ class TooFewDevicesError(PlanError):
                          f"has only {devices} devices")
 
 
+class DoesNotFit(PlanError):
+    """No plan found fits the devices' memory. ``peak``: the smallest per-device peak
+    (bytes) of the plans tried, ``where`` says on which process, stage and device, and
+    ``limit`` what that device may hold (bytes); None where no plan got that far."""
+
+    def __init__(self, message: str, peak: float | None = None, where: str = "",
+                 limit: float | None = None):
+        super().__init__(message)
+        self.peak, self.where, self.limit = peak, where, limit
+
+
 class RuntimeFault(DistGraphError):
     """A failure while running: a rank raised, died, or a message never arrived."""

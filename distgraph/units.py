@@ -8,6 +8,8 @@ Example::
 
 from __future__ import annotations
 
+GB = 1e9            # resource files give memory in GB (decimal)
+
 
 def fmt_bytes(n: float) -> str:
     """Three significant digits in binary units (whole numbers from 100 up)."""

@@ -39,7 +39,7 @@ import dataclasses
 import gc
 from types import MappingProxyType
 
-from distgraph.errors import PlanError, ShardingError, TooFewDevicesError
+from distgraph.errors import DoesNotFit, PlanError, ShardingError, TooFewDevicesError
 from distgraph.ir import Role
 from distgraph.mesh import ProcessMesh, ProcessRanks
 from distgraph.passes.balance import balance_batch, batch_mesh_dims
@@ -49,6 +49,7 @@ from distgraph.passes.completion import stage_order
 from distgraph.passes.context import assign_forms
 from distgraph.passes.cost.checkpoint import propose as propose_checkpoint
 from distgraph.passes.cost.estimate import estimate
+from distgraph.passes.fitting import fitting, named_fix
 from distgraph.passes.mapping.devices import assign_devices
 from distgraph.passes.mapping.rank_mapping import map_ranks
 from distgraph.passes.mapping.traffic import traffic_graph as process_graph
@@ -77,8 +78,13 @@ def plan(built, strategy: Strategy | None = None, cluster=None, rank_mapping=Non
     docstring). ``rank_mapping`` ({process: device global id}) overrides the rank
     mapper. ``ranks``: the ranks whose processes' programs to compile (None: every
     process's; a rank of a job compiles its own). Pure: ``built`` is not modified."""
+    strategy = strategy or Strategy()
     with _cyclic_collector_paused():
-        return _planned(built, strategy, cluster, rank_mapping, ranks)
+        try:
+            return _planned(built, strategy, cluster, rank_mapping, ranks)
+        except DoesNotFit as e:     # name a memory saver that makes it fit, tried
+            raise named_fix(e, strategy, lambda asked: _planned(
+                built, asked, cluster, rank_mapping, ranks=())) from None
 
 
 @contextlib.contextmanager
@@ -98,7 +104,6 @@ def _cyclic_collector_paused():
 
 
 def _planned(built, strategy, cluster, rank_mapping, ranks) -> Plan:
-    strategy = strategy or Strategy()
     _check_supported(strategy)
     if strategy.amp != built.amp:
         raise PlanError(f"Strategy(amp={strategy.amp!r}) plans a program built in "
@@ -119,14 +124,8 @@ def _planned(built, strategy, cluster, rank_mapping, ranks) -> Plan:
     elif strategy.micro_batches > 1:
         built, accumulation = split_micro_batches(built, strategy.micro_batches, analyses)
     try:
-        if strategy.auto_mode == "full":
-            # the search (SCIP, the stage DP) is imported by the plans that use it only
-            from distgraph.passes.search.auto import within_budget
-
-            planned = within_budget(strategy, lambda ilp_budget: _plan(
-                built, strategy, cluster, rank_mapping, accumulation, ilp_budget, reuse))
-        else:
-            planned = _plan(built, strategy, cluster, rank_mapping, accumulation)
+        planned = fitting(strategy, cluster, lambda budget: _plan(
+            built, strategy, cluster, rank_mapping, accumulation, budget, reuse))
     except ShardingError as e:
         if accumulation is None:
             raise
@@ -138,6 +137,9 @@ def _planned(built, strategy, cluster, rank_mapping, ranks) -> Plan:
 
 def _plan(built, strategy, cluster, rank_mapping, accumulation, ilp_budget=None,
           runs=None) -> Plan:
+    """One plan of ``built`` (split into micro-batches as ``accumulation`` says); under
+    ``auto_mode="full"`` searched within ``ilp_budget`` bytes per device (None: the
+    devices' memory as the searches count it)."""
     copy, searched = _completed(built, strategy, cluster, accumulation, ilp_budget, runs=runs)
     rank_mapping = rank_mapping or (searched.rank_mapping if searched is not None else None)
     interleaved = getattr(searched.result, "chunks", None) if searched is not None else None
@@ -198,7 +200,8 @@ def _plan(built, strategy, cluster, rank_mapping, accumulation, ilp_budget=None,
     order = (member_schedule_of(planned, graph) if runs_own_counts(planned)
              else schedule_of(graph))
     planned = dataclasses.replace(planned, graph=graph, order=order)
-    if searched is not None or planned.batch_split is not None or strategy.mtbf_hours:
+    if cluster is not None or planned.batch_split is not None or strategy.mtbf_hours:
+        # on a cluster the plan must fit its devices (fitting): the estimate says
         planned = dataclasses.replace(planned, estimate=estimate(planned, cluster))
     if strategy.mtbf_hours is not None:
         planned = dataclasses.replace(planned, checkpoint=propose_checkpoint(

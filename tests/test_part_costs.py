@@ -7,7 +7,7 @@ import pytest
 
 from distgraph.passes.search.part_costs import stage_cost, stage_costs
 from distgraph.passes.search.runs import PartCost
-from distgraph.passes.search.space import GB
+from distgraph.units import GB
 
 
 def random_parts(rng):

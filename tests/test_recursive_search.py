@@ -16,6 +16,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import distgraph as dg  # noqa: E402
+from distgraph.errors import DoesNotFit  # noqa: E402
 from distgraph.passes.search.ilp import evaluate, peak_memory  # noqa: E402
 from distgraph.passes.search.ilp import peak_bound, reduce_problem  # noqa: E402
 from distgraph.passes.search.intra_op import PROVEN  # noqa: E402
@@ -109,9 +110,12 @@ def test_a_memory_budget_is_met_or_refused():
     # save); the tree moves take the chain to Megatron together, the ILP's 12.97 ms
     ilp = auto(S.mlp_program(256, 512), cluster, "ilp")
     assert free.search.objective <= TOLERANCE * ilp.search.objective
-    with pytest.raises(dg.PlanError, match=r"no plan (found that )?fits .* GB per device"):
+    with pytest.raises(dg.DistGraphError) as refused:
         auto(S.mlp_program(256, 512), cluster, "recursive",
              memory_budget_gb=0.3 * free.estimate.peak_memory / 1e9)
+    assert isinstance(refused.value, DoesNotFit) and refused.value.peak > 0.3 * free.estimate.peak_memory
+    assert f"no layout peaks below {refused.value.peak / 1e9:.4g} GB per device" \
+        in str(refused.value)
 
 
 def test_searches_under_several_budgets_sharing_their_walks_equal_fresh_ones():
@@ -261,7 +265,7 @@ def test_auto_refines_a_given_choice_without_searching_again():
     assert both.report.objective <= rec.report.objective * (1 + 1e-12)
     with pytest.raises(dg.PlanError) as least:
         search(built.program, mesh, cluster, devices, method="ilp", memory_budget=1.0)
-    smallest, peak = least.value.smallest_peak, peak_memory(rec.problem, rec.choice)
+    smallest, peak = least.value.peak, peak_memory(rec.problem, rec.choice)
     assert smallest < peak
     budget = (smallest + peak) / 2           # the given choice is over it: not refined
     lean = search(built.program, mesh, cluster, devices, method="auto", memory=True,

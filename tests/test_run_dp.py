@@ -13,7 +13,7 @@ import pytest
 from distgraph.errors import PlanError
 from distgraph.passes.search.run_dp import _bound, _setup, beats, plan_runs
 from distgraph.passes.search.runs import PartCost, RunOption
-from distgraph.passes.search.space import GB
+from distgraph.units import GB
 from distgraph.passes.search.stage_dp import StageCost, Submesh, plan_stages
 from distgraph.resources.cluster import Cluster, Device, Link, Machine
 

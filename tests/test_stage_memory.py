@@ -30,7 +30,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import distgraph as dg  # noqa: E402
-from distgraph.passes.search.space import GB  # noqa: E402
+from distgraph.units import GB  # noqa: E402
 from distgraph.program_builder import build_program  # noqa: E402
 
 import plans as P  # noqa: E402

@@ -31,8 +31,8 @@ from distgraph.passes.cost.estimate import Share, price_process
 from distgraph.passes.samples import axes_of
 from distgraph.placement import DistAttr
 from distgraph.resources.cluster import Cluster
+from distgraph.units import GB
 
-GB = 1e9                       # resource files give memory in GB
 LOW, HIGH = 0.5, 1.5           # the shares (of the even one) the linear model is fitted on
 
 

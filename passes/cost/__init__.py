@@ -6,5 +6,7 @@
   cost on a device and its links (the search, completion, the autotuner and the balanced
   split price with these);
 - :mod:`.estimate`: a whole plan's step time (compute, communication, bubble) and peak
-  memory per process (``dg.passes.estimate``).
+  memory per process (``dg.passes.estimate``);
+- :mod:`.fit`: each process's peak against what its device may hold (the check every
+  plan on a cluster passes).
 """

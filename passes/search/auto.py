@@ -10,13 +10,11 @@ choice becomes the annotations that completion then follows.
 - **The search** (:mod:`distgraph.passes.search.intra_op`) runs on the program the plan executes
   (after recomputation, on the micro-batch program with micro-batches, whose forward and
   backward then count once per micro-batch), within ``Strategy.solver_time_limit``
-  seconds, under ``Strategy.memory_budget_gb`` per device.
-- **The budget holds for the estimate.** The ILP's memory model counts the results live
-  at each op; the estimate also counts reshard buffers (a resharded copy lives until its
-  last consumer) and, under a pipeline schedule, micro-batches in flight. When the
-  estimated peak of the chosen plan exceeds the budget, the search runs again with the
-  ILP's budget lowered by the excess (``BUDGET_ROUNDS`` searches at most); a budget
-  nothing fits raises PlanError naming the smallest peak.
+  seconds, under the budget per device the planner gives (None: none).
+- **The plan fits its devices** by :mod:`distgraph.passes.fitting`: the planner checks
+  the estimate of the chosen plan against each device's memory (and
+  ``Strategy.memory_budget_gb``) and searches again with a lower budget where it
+  exceeds them.
 
 Example::
 
@@ -34,11 +32,8 @@ from distgraph.ir import Role
 from distgraph.mesh import ProcessMesh
 from distgraph.passes.search.intra_op import search
 from distgraph.passes.search.sharded_states import sharding_dim
-from distgraph.passes.search.space import GB, MESH_DIMS
+from distgraph.passes.search.space import MESH_DIMS
 from distgraph.passes.search.stages import plan_pipeline
-
-BUDGET_ROUNDS = 4
-
 
 @dataclass(frozen=True)
 class AutoChoice:
@@ -114,33 +109,3 @@ def annotate(copy, strategy, cluster, accumulation, ilp_budget, runs=None) -> Au
                     method=strategy.search_method, zero=sharding_dim(strategy))
     result.annotate(program)
     return AutoChoice(result, device_of)
-
-
-def within_budget(strategy, plan_once):
-    """``plan_once(ilp_budget)`` (a Plan with its estimate) whose estimated peak memory
-    fits ``Strategy.memory_budget_gb``: the ILP's budget is lowered by the excess until
-    it does (module docstring)."""
-    if strategy.memory_budget_gb is None:
-        return plan_once(None)
-    budget = ilp_budget = strategy.memory_budget_gb * GB
-    asked = f"Strategy(memory_budget_gb={strategy.memory_budget_gb:g})"
-    peak = None
-    for _ in range(BUDGET_ROUNDS):
-        try:
-            planned = plan_once(ilp_budget)
-        except PlanError as e:
-            smallest = getattr(e, "smallest_peak", None)
-            if smallest is None:
-                raise
-            raise PlanError(f"no plan fits {asked}: the smallest peak memory any plan reaches "
-                            f"is {smallest / GB:.4g} GB per device (the results live at once"
-                            + ("" if peak is None else f"; with reshard buffers the plans that "
-                               f"come closest need {peak / GB:.4g} GB") +
-                            "); raise the budget") from None
-        peak = planned.estimate.peak_memory
-        if peak <= budget:
-            return planned
-        ilp_budget -= peak - budget
-    raise PlanError(f"no plan found that fits {asked}: the last one searched needs "
-                    f"{peak / GB:.4g} GB per device (its reshard buffers come on top of what "
-                    "the search counts); raise the budget")

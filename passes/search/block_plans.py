@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 
-from distgraph.errors import PlanError
+from distgraph.errors import DoesNotFit, PlanError
 from distgraph.passes.search.interleaved import alike_stages, even_parts, plan_interleaved
 from distgraph.passes.search.run_dp import plan_runs
 
@@ -96,11 +96,10 @@ def plan_blocks(costs, cluster, micro_batches: int = 1, virtual: int = 1,
         return None
     if plan is None:
         how = f", interleaved ({virtual} chunks per stage at most) or not," if virtual > 1 else ""
-        raise PlanError(f"no split of {count} layers ({len(blocks)} identical blocks) into "
-                        f"stages{how} fits the devices' memory (with the activations 1F1B "
-                        f"keeps in flight) while covering every device; use devices with "
-                        f"more memory, recomputation (Strategy(recompute=True)), or fewer "
-                        f"micro-batches in flight")
+        # the planner names the memory savers that make it fit (passes/fitting.py)
+        raise DoesNotFit(f"no split of {count} layers ({len(blocks)} identical blocks) into "
+                         f"stages{how} fits the devices' memory (with the activations 1F1B "
+                         f"keeps in flight) while covering every device")
     return plan
 
 

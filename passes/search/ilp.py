@@ -58,7 +58,7 @@ from dataclasses import dataclass
 import numpy as np
 from pyscipopt import Model, quicksum
 
-from distgraph.errors import PlanError
+from distgraph.errors import DoesNotFit, PlanError
 from distgraph.passes.search.ilp_bound import proven_gap
 from distgraph.passes.search.ilp_problem import ShardingProblem, evaluate, peak_memory
 
@@ -501,13 +501,13 @@ def _raise_budget(p: ShardingProblem, red: Reduced, start: float, time_limit: fl
                             "time limit")
         peak = peak_memory(p, choice)
     if status == "optimal":
-        err = PlanError(f"no sharding choice fits {budget}: the smallest peak memory any "
+        err = DoesNotFit(f"no sharding choice fits {budget}: the smallest peak memory any "
                         f"choice reaches is {peak:g}; raise the budget to at least that, or "
                         "add cheaper-memory strategies (e.g. more sharding)")
     else:
         bound = model.scip.getDualbound() * model.unit
-        err = PlanError(f"no sharding choice fits {budget}: the smallest peak memory found "
+        err = DoesNotFit(f"no sharding choice fits {budget}: the smallest peak memory found "
                         f"within the time limit is {peak:g} (none is below {bound:g}); raise "
                         "the budget")
-    err.smallest_peak = peak          # for callers that speak other units
+    err.peak = peak                   # for callers that speak other units
     raise err

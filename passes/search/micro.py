@@ -42,7 +42,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from distgraph.errors import PlanError
+from distgraph.errors import DoesNotFit, PlanError
 
 
 def batch_rows(built) -> int:
@@ -100,7 +100,7 @@ def choose_micro_batches(built, strategy, cluster, latency, beaten=None) -> int:
         if best != start:
             break
     if math.isinf(cost(best)):
-        raise PlanError(f"Strategy(micro_batches=None): no plan fits the devices' memory with "
+        raise DoesNotFit(f"Strategy(micro_batches=None): no plan fits the devices' memory with "
                         f"any of the micro-batch counts tried "
                         f"({', '.join(str(rows // sizes[i]) for i in sorted(priced))})")
     return rows // sizes[best]

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from distgraph.passes.search.space import GB
+from distgraph.units import GB
 
 
 def stage_cost(parts: dict, with_first, blocks: int, with_last) -> tuple:

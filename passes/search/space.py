@@ -66,7 +66,6 @@ from distgraph.plan.instructions import keeps_nothing
 from distgraph.spmd import (LETTERS, UNKNOWN, DimsSpec, EinsumPlan, OpStrategy, RuleQuery,
                             SpmdRuleError, entry_dims, entry_of)
 
-GB = 1e9                     # resource files give memory in GB
 MESH_DIMS = "xyzw"           # names of the dims of a mesh the search makes
 # a search mesh dim of this name splits the sequence only (context parallelism): the
 # dims as long as the feeds' dim 1, or a pending sum over it (module docstring)

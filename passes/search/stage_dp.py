@@ -48,7 +48,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from distgraph.errors import PlanError
+from distgraph.errors import DoesNotFit, PlanError
 from distgraph.mesh import ProcessMesh
 from distgraph.resources.cluster import Cluster, Device, DeviceMesh
 from distgraph.passes.search.space import logical_dims
@@ -186,7 +186,7 @@ def plan_stages(num_layers: int, cluster: Cluster,
                             "with the submesh shapes allowed ("
                             f"{', '.join(sorted({str(o.sub) for o in options}))}) and stage "
                             "times below inf; allow more shapes (e.g. (1, 1) or full rows)")
-        raise PlanError(_no_fit_message(num_layers, meshes, options, limits))
+        raise DoesNotFit(_no_fit_message(num_layers, meshes, options, limits))
     return _place([(k, i, options[n]) for k, i, n in best], meshes, micro_batches,
                   search.runs)
 
@@ -397,8 +397,7 @@ def _no_fit_message(L, meshes, options, limits) -> str:
                                                             ", and no submesh can run a layer"))
     return (f"no split of {L} layers into stages fits the devices' memory (with the "
             "activations 1F1B keeps in flight) while covering every device: "
-            f"{'; '.join(per_mesh)}. Use devices with more memory, more sharding inside the "
-            "stages, fewer micro-batches in flight, or recomputation")
+            f"{'; '.join(per_mesh)}")
 
 
 def logical_mesh(device_mesh, shape, logical) -> tuple[ProcessMesh, dict]:

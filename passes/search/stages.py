@@ -53,10 +53,11 @@ from distgraph.passes.search.interleaved import alike_stages
 from distgraph.passes.search.run_dp import beats
 from distgraph.passes.search.block_plans import plan_blocks
 from distgraph.passes.search.runs import RunCosts, pricing_method
-from distgraph.passes.search.space import GB, MESH_DIMS, logical_dims
+from distgraph.passes.search.space import MESH_DIMS, logical_dims
 from distgraph.passes.search.sharded_states import sharding_dim
 from distgraph.passes.search.stage_dp import StageCost, plan_stages
 from distgraph.resources.cluster import Cluster
+from distgraph.units import GB
 
 
 @dataclass(frozen=True)

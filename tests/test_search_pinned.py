@@ -66,6 +66,7 @@ def test_the_recursive_search_answers_random_problems_as_pinned(name):
     assert not differences(CORPUS[name](), PINNED[name])[:10]
 
 
+@pytest.mark.slow                           # six GPT plans: about 10 s in all
 @pytest.mark.parametrize("name", [n for n in CORPUS if n.startswith("recursive/gpt/")])
 def test_the_recursive_search_plans_a_gpt_as_pinned(name):
     assert not differences(CORPUS[name](), PINNED[name])[:10]

@@ -1,10 +1,10 @@
 """The run DP's and the recursive search's answers on a fixed corpus are those pinned in
 tests/data/search_outputs.json: the same stages, options, objectives, caps solved,
 choices, peaks, notes and layouts, floats to the last bit (tests/pin_search_outputs.py
-says what the corpus is and how each answer is recorded). The file was written by the
-code at the time the run DP's unvectorised version and the recursive search's version
-before it was made cheaper, kept as oracles then, answered every entry they covered as
-the code did. A change of plans that is meant re-pins it (``python
+says what the corpus is and how each answer is recorded). The file was written from the
+code as it stood while the old versions once kept as oracles (the run DP before it was
+vectorised, the recursive search before it was made cheaper) still agreed with it on the
+cases they were compared on. A change of plans that is meant re-pins it (``python
 tests/pin_search_outputs.py``, its diff reviewed); one that is not fails here, naming
 the entry and the field that moved."""
 

@@ -17,8 +17,9 @@ may hold is computed per cap for every stage count at once. Device counts are ke
 in units of the greatest common divisor of the option sizes on each device mesh. The
 caps are bisected as in :class:`~distgraph.passes.search.stage_dp._Search`, and the
 objective ``sum t + (B - 1) max t`` is the same; :func:`plan_runs` equals
-:func:`~distgraph.passes.search.stage_dp.plan_stages` given the same costs (a test),
-and returns the plan its previous, unvectorised form returned (tests/run_dp_reference.py).
+:func:`~distgraph.passes.search.stage_dp.plan_stages` given the same costs and the
+brute-force optimum (tests/test_run_dp.py), and its plans on a fixed corpus are pinned
+(tests/test_search_pinned.py).
 
 Example::
 

@@ -8,7 +8,8 @@ The protocol (override what you need; every method gets a ``logs`` dict)::
                                   "batch_size", "step"}
     on_epoch_begin(epoch, logs)
     on_step_begin(step, logs)     step: the global optimizer step about to run (0-based);
-                                  logs: {"epoch", "batch", "lr", "batch_size"}
+                                  logs: {"epoch", "batch", "lr", "batch_size", "tokens"
+                                  (a batch of token ids' [batch, seq] count; else None)}
     on_step_end(step, logs)       logs as above plus "loss" (the global loss)
     on_epoch_end(epoch, logs)     logs: the epoch's record: "loss" (mean), "lr", and
                                   "val_loss" / "val_<metric>" when fit validates
@@ -19,15 +20,17 @@ Callbacks run on every rank with identical logs, so a collective inside one
 rank. Setting ``self.engine.stop_training = True`` ends ``fit`` after the current step.
 
 Shipped: :class:`ProgressBar` (added by ``fit(verbose=1)``, the default),
-:class:`ModelCheckpoint`, :class:`EarlyStopping`, :class:`CSVLogger`. Learning-rate
-schedules need no callback: the optimizer's schedule is read before every step.
+:class:`ModelCheckpoint`, :class:`EarlyStopping`, :class:`CSVLogger`,
+:class:`TensorBoard`. Learning-rate schedules need no callback: the optimizer's schedule
+is read before every step.
 
 Example::
 
     engine.fit(data, batch_size=16, epochs=10, valid_data=valid,
                callbacks=[dg.callbacks.ModelCheckpoint("ckpt", every_n_steps=100),
                           dg.callbacks.EarlyStopping("val_loss", patience=2),
-                          dg.callbacks.CSVLogger("train.csv")])
+                          dg.callbacks.CSVLogger("train.csv"),
+                          dg.callbacks.TensorBoard("runs/gpt")])
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ import math
 import os
 import sys
 import time
+from types import SimpleNamespace
 
 from distgraph.errors import DistGraphError
 
@@ -330,3 +334,107 @@ class CSVLogger(Callback):
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+TENSORBOARD_EXTRA = "pip install 'distgraph[tensorboard]'"
+
+
+class TensorBoard(Callback):
+    """Rank 0 writes TensorBoard's event files into ``log_dir`` (``tensorboard --logdir
+    log_dir``); the other ranks write nothing. Scalars, against the global step:
+
+    - ``train/loss`` (the global loss of the step: ``History.losses``), ``train/lr``;
+    - ``step_time/measured``: seconds from ``on_step_begin`` to ``on_step_end`` (the
+      plan's step, the gather of the loss included; not the reading of the batch
+      before it), beside ``step_time/predicted``, the plan's estimate
+      (``plan.estimate.step_time``) where the plan has one (an Engine given a
+      ``cluster``, or ``auto_mode="full"``);
+    - ``throughput/samples_per_second`` and, for batches of token ids,
+      ``throughput/tokens_per_second`` (the global batch over the measured step);
+
+    against the epoch, ``epoch/loss`` (the epoch's mean), ``epoch/lr`` and, when fit
+    validates, ``epoch/val_loss`` and ``epoch/val_<metric>``; and once, at the first
+    step, the plan's ``explain()`` as the text ``plan/explain``. Scalars are float32, as
+    TensorBoard's own writer stores them (its fast loader shows no other): what
+    ``EventAccumulator`` reads back is ``History.losses`` rounded to float32.
+    Needs the ``tensorboard`` package (``pip install 'distgraph[tensorboard]'``; no
+    TensorFlow). A resumed run may write into the same ``log_dir``: its steps go on
+    from the checkpoint's.
+
+    Example::
+
+        engine.fit(data, batch_size=16, callbacks=[dg.callbacks.TensorBoard("runs/gpt")])
+        # then: tensorboard --logdir runs
+    """
+
+    def __init__(self, log_dir):
+        self._tb = _tensorboard(f"dg.callbacks.TensorBoard({str(log_dir)!r})")
+        self.log_dir = str(log_dir)
+        self._writer = None
+        self._explained = False
+        self._started = None
+
+    def on_train_begin(self, logs=None):
+        if self.engine.rank == 0 and self._writer is None:
+            self._writer = self._tb.EventFileWriter(self.log_dir)
+
+    def on_step_begin(self, step, logs=None):
+        self._started = time.perf_counter()
+
+    def on_step_end(self, step, logs=None):
+        seconds = time.perf_counter() - self._started
+        if self._writer is None:
+            return
+        plan = self.engine.plan("train")
+        self._scalar("train/loss", logs["loss"], step)
+        if logs.get("lr") is not None:
+            self._scalar("train/lr", logs["lr"], step)
+        self._scalar("step_time/measured", seconds, step)
+        if plan.estimate is not None:
+            self._scalar("step_time/predicted", plan.estimate.step_time, step)
+        self._scalar("throughput/samples_per_second", logs["batch_size"] / seconds, step)
+        if logs.get("tokens"):
+            self._scalar("throughput/tokens_per_second", logs["tokens"] / seconds, step)
+        if not self._explained:
+            self._explained = True
+            # a fenced block: TensorBoard renders text as Markdown
+            self._event(step, self._tb.text_pb("plan/explain", f"```\n{plan.explain()}\n```"))
+
+    def on_epoch_end(self, epoch, logs=None):
+        if self._writer is None:
+            return
+        for key, value in (logs or {}).items():
+            if key != "epoch" and isinstance(value, (int, float)) and \
+                    not isinstance(value, bool):
+                self._scalar(f"epoch/{key}", value, epoch)
+        self._writer.flush()
+
+    def on_train_end(self, logs=None):
+        self.close()
+
+    def close(self):
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+    def _scalar(self, tag: str, value, step: int) -> None:
+        self._event(step, self._tb.scalar_pb(tag, value))
+
+    def _event(self, step: int, summary) -> None:
+        self._writer.add_event(self._tb.event_pb2.Event(wall_time=time.time(), step=int(step),
+                                                        summary=summary))
+
+
+def _tensorboard(who: str):
+    """The parts of the ``tensorboard`` package that write event files (no TensorFlow);
+    without it, one DistGraphError naming ``who`` and the extra to install."""
+    try:
+        from tensorboard.compat.proto import event_pb2
+        from tensorboard.plugins.scalar.summary_v2 import scalar_pb
+        from tensorboard.plugins.text.summary_v2 import text_pb
+        from tensorboard.summary.writer.event_file_writer import EventFileWriter
+    except ImportError as e:
+        raise DistGraphError(f"{who} writes with the tensorboard package, which is not "
+                             f"installed ({e}): {TENSORBOARD_EXTRA}") from None
+    return SimpleNamespace(event_pb2=event_pb2, scalar_pb=scalar_pb, text_pb=text_pb,
+                           EventFileWriter=EventFileWriter)

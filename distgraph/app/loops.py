@@ -131,7 +131,8 @@ class Loops:
                 feed, _ = self.feed(planned, loader, idx, epoch, b)
                 lr = engine.optimizer.lr_at(self.step)
                 engine._held.set_lr(lr)
-                logs = {"epoch": epoch, "batch": b, "lr": lr, "batch_size": len(idx)}
+                logs = {"epoch": epoch, "batch": b, "lr": lr, "batch_size": len(idx),
+                        "tokens": tokens_of(planned.specs[0])}
                 cbs.on_step_begin(self.step, logs)
                 out = runner.run(scope, feed, self.step, local=True)
                 loss = float(out[planned.plan.built.loss_name])
@@ -353,6 +354,15 @@ class Loops:
         # priced on the command's --cluster / -n when it gave one (else the plan's own)
         plan_report.write_report(engine._plans.plan(mode), request, engine._launch_cluster())
         raise plan_report.PlanReported()
+
+
+def tokens_of(inputs) -> int | None:
+    """The tokens of a batch fed as ``inputs`` (InputSpecs): the elements of its first
+    input when that holds integer ids of sequences ([batch, seq, ...]); else None."""
+    first = inputs[0] if inputs else None
+    if first is None or len(first.shape) < 2 or not str(first.dtype).startswith(("int", "uint")):
+        return None
+    return int(np.prod(first.shape))
 
 
 def say_starting_over(engine) -> None:

@@ -6,6 +6,7 @@ Example::
     mesh = dg.ProcessMesh([[0, 1], [2, 3]], dim_names=["dp", "mp"])
     dg.shard_tensor(model.fc1.weight, mesh, [None, "mp"])      # a parameter
     data = dg.shard_dataloader(dataset, mesh, shard_dims="dp")  # the batch split over dp
+    rows = dg.shard_dataloader(hf_dataset, mesh, "dp", input_keys=["input_ids", "labels"])
     def forward(self, x):
         x = dg.shard_tensor(x, mesh, ["mp", None])             # a traced activation
         return dg.shard_op(self.fc1, mesh, out_shard_specs=[[None, "mp"]])(x)
@@ -15,11 +16,12 @@ from __future__ import annotations
 
 import copy
 from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from distgraph.errors import BatchSplitError, ShardingError
+from distgraph.errors import BatchSplitError, DistGraphError, ShardingError
 from distgraph.ir import Value
 from distgraph.mesh import ProcessMesh
 from distgraph.ops.attention_blocks import positions
@@ -183,8 +185,9 @@ class ShardDataloader:
     each batch and :attr:`sequence_chunks` for their order."""
 
     def __init__(self, dataset, meshes: tuple, shard_dims: tuple, sequence_dims: tuple = (),
-                 balance: bool = True):
+                 balance: bool = True, input_keys: tuple | None = None):
         self.dataset, self.meshes, self.shard_dims = dataset, meshes, shard_dims
+        self.input_keys = input_keys
         self.sequence_dims = sequence_dims or (None,) * len(meshes)
         sizes = {m.dim_size(d) for m, d in zip(meshes, self.sequence_dims) if d is not None}
         if len(sizes) > 1:
@@ -200,7 +203,7 @@ class ShardDataloader:
         return len(self.dataset)
 
     def __getitem__(self, i):
-        return self.ordered(self.dataset[i], i)
+        return self.ordered(sample_fields(self.dataset[i], self.input_keys, i), i)
 
     def ordered(self, sample, index=None):
         """``sample`` (dataset sample ``index``)'s fields with dim 0 (a batch's dim 1) in
@@ -246,7 +249,8 @@ class ShardDataloader:
         where = ", ".join(f"{m} by {d!r}" for m, d in zip(self.meshes, self.shard_dims))
         seq = "" if not any(self.sequence_dims) else \
             f", sequence by {list(self.sequence_dims)} in {self.sequence_chunks} chunks"
-        return f"shard_dataloader({type(self.dataset).__name__}, {where}{seq})"
+        keys = "" if self.input_keys is None else f", input_keys={list(self.input_keys)}"
+        return f"shard_dataloader({type(self.dataset).__name__}, {where}{seq}{keys})"
 
     def feed_attrs(self, shapes: list, n_labels: int) -> list:
         """One DistAttr per field of a batch (fields of ``shapes``, the last ``n_labels``
@@ -284,7 +288,7 @@ class ShardDataloader:
 
 
 def shard_dataloader(dataset, meshes, shard_dims=None, sequence_dim=None,
-                     balance: bool = True) -> ShardDataloader:
+                     balance: bool = True, input_keys=None) -> ShardDataloader:
     """Paddle's ``shard_dataloader``: the Engine feeds each batch of ``dataset`` split
     over mesh dim ``shard_dims`` (a dim name or index; None: not split, whole on the
     mesh), the labels too, so any model trains data parallel without annotating its
@@ -300,6 +304,11 @@ def shard_dataloader(dataset, meshes, shard_dims=None, sequence_dim=None,
     (``InputSpec.sequence_chunks``), a loss over tokens does not see the order, and
     ``Engine.predict`` puts its outputs back in sequence order.
 
+    ``input_keys`` (Paddle's): a dataset whose samples are dicts (a Hugging Face
+    ``datasets.Dataset``, a list of dicts) names the fields it feeds, in order: the
+    model's inputs in the order of its forward's arguments, then the label. Other keys
+    of a sample are not read.
+
     Example::
 
         mesh = dg.ProcessMesh([0, 1, 2, 3], dim_names=["dp"])
@@ -307,6 +316,8 @@ def shard_dataloader(dataset, meshes, shard_dims=None, sequence_dim=None,
                            optimizer=dg.optim.SGD(0.1))
         engine.fit(dg.shard_dataloader(dataset, mesh, shard_dims="dp"), batch_size=16)
         # context parallel: dg.shard_dataloader(tokens, mesh, "dp", sequence_dim="cp")
+        # dict samples: dg.shard_dataloader(hf_dataset, mesh, "dp",
+        #                                   input_keys=["input_ids", "labels"])
     """
     if isinstance(dataset, ShardDataloader):
         dataset = dataset.dataset
@@ -330,7 +341,50 @@ def shard_dataloader(dataset, meshes, shard_dims=None, sequence_dim=None,
         if q is not None and q == d:
             raise ShardingError(f"shard_dataloader: sequence_dim {q!r} is also the batch's "
                                 "shard_dims; split the sequence over another mesh dim")
-    return ShardDataloader(dataset, meshes, dims, seqs, balance)
+    return ShardDataloader(dataset, meshes, dims, seqs, balance,
+                           checked_input_keys(input_keys, "shard_dataloader"))
+
+
+def checked_input_keys(input_keys, where: str) -> tuple | None:
+    """``input_keys`` as a tuple of the field names (None stays None); ``where`` (the
+    call that was given them) names them in the error."""
+    if input_keys is None:
+        return None
+    try:
+        keys = None if isinstance(input_keys, str) else tuple(input_keys)
+    except TypeError:
+        keys = None
+    if not keys or not all(isinstance(k, str) for k in keys) or len(set(keys)) < len(keys):
+        raise DistGraphError(f"{where}: input_keys={input_keys!r}; give a list of the dict "
+                             "keys that hold the fields, each once, the model's inputs then "
+                             "the label, e.g. input_keys=['input_ids', 'labels']")
+    return keys
+
+
+def sample_fields(sample, input_keys=None, index=None) -> list:
+    """A dataset sample's fields in order: a tuple or list as it is, one array alone as
+    one field, a dict's values at ``input_keys`` (which a dict sample needs)."""
+    where = "a dataset sample" if index is None else f"dataset sample {index}"
+    if isinstance(sample, Mapping):
+        keys = list(sample)
+        if input_keys is None:
+            raise DistGraphError(
+                f"{where} is a dict (keys {', '.join(map(repr, keys))}); say which keys "
+                f"to feed, in order: the model's inputs as its forward takes them, then the "
+                f"label: dg.shard_dataloader(data, mesh, \"dp\", input_keys=[...]) or "
+                f"engine.fit(data, input_keys=[...]) (evaluate and predict take input_keys "
+                f"too)")
+        missing = [k for k in input_keys if k not in sample]
+        if missing:
+            raise DistGraphError(f"input_keys {list(input_keys)}: {where} has no "
+                                 f"{', '.join(map(repr, missing))} (its keys: "
+                                 f"{', '.join(map(repr, keys))})")
+        return [sample[k] for k in input_keys]
+    if input_keys is not None:
+        raise DistGraphError(f"input_keys {list(input_keys)} name the fields of dict "
+                             f"samples, but {where} is a {type(sample).__name__}: its fields "
+                             "are fed in their order; leave input_keys out")
+    return list(sample) if isinstance(sample, (tuple, list)) else [sample]
 
 
 def _mesh_dim(mesh: ProcessMesh, dim, what: str = "shard_dims"):

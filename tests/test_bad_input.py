@@ -288,7 +288,9 @@ def mlp_fit(data, loss=None):
      "dataset samples have 3 field(s) (the last is the label), so the model gets 2 input(s), "
      "but MLP.forward(x) takes 1: return samples of 1 input, then the label"),
     (Fields(as_dict=True), None, DistGraphError,
-     "dataset sample 0 is a dict (keys 'x', 'y'); samples must be tuples"),
+     "dataset sample 0 is a dict (keys 'x', 'y'); say which keys to feed, in order: the "
+     "model's inputs as its forward takes them, then the label: dg.shard_dataloader(data, "
+     "mesh, \"dp\", input_keys=[...]) or engine.fit(data, input_keys=[...])"),
     (Fields(label="int64"), None, dg.DTypeError,
      "MSELoss: the label 'label_0' is integer (int64) but the model's output is float64"),
     (Fields(), dg.nn.CrossEntropyLoss(), dg.DTypeError,

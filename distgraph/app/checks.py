@@ -177,6 +177,8 @@ def _alike(value) -> str:
         value = os.fspath(value)
     if value is None or isinstance(value, (bool, int, float, str)):
         return repr(value)
+    if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+        return repr(list(value))              # input_keys
     try:
         return f"{len(value)} samples"
     except TypeError:

@@ -1,7 +1,9 @@
 """Batches of a dataset: the Engine's data loader.
 
 A dataset is any object with ``__len__`` and ``__getitem__`` returning a tuple of numpy
-arrays (the inputs followed by the labels). :class:`DataLoader` stacks samples into
+arrays (the inputs followed by the labels), or a dict (a row of a Hugging Face
+``datasets.Dataset``, numpy-formatted or not, or of a list of dicts) whose fields
+``input_keys`` names in that order. :class:`DataLoader` stacks samples into
 batches and shuffles with (seed, epoch); :meth:`DataLoader.read` gives a process only the
 fields its program reads and only its rows of each (:func:`reads_of`: the
 ``ProcessProgram.feeds`` of its plan), reading only the samples those rows hold. Fields
@@ -13,6 +15,7 @@ the ``sharding`` of one) annotates each field so that its batch comes split.
 Example::
 
     loader = DataLoader(dataset, batch_size=8, shuffle=True, seed=0)
+    rows = DataLoader(hf_dataset, batch_size=8, input_keys=["input_ids", "labels"])
     ins, labels = loader.specs(n_labels=1)        # InputSpecs of one batch
     for idx in loader.indices(epoch=0):
         batch = loader.load(idx)                              # every field, every row
@@ -26,19 +29,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from distgraph import dtypes
-from distgraph.annotation import ShardDataloader
+from distgraph.annotation import ShardDataloader, checked_input_keys, sample_fields
 from distgraph.app import checks
 from distgraph.errors import DistGraphError
 from distgraph.trace import InputSpec
-
-
-def _as_fields(sample, index: int = 0) -> list:
-    if isinstance(sample, dict):
-        raise DistGraphError(f"dataset sample {index} is a dict (keys "
-                             f"{', '.join(map(repr, sample))}); samples must be tuples: the "
-                             "model's inputs in the order of its forward's arguments, then "
-                             "the label, e.g. return (x, y)")
-    return list(sample) if isinstance(sample, (tuple, list)) else [sample]
 
 
 def _field_dtype(arr: np.ndarray) -> str:
@@ -72,40 +66,43 @@ def reads_of(feeds, feed_names) -> dict:
     return out
 
 
-class _Ordered:
-    """A dataset's samples with the sequence (dim 0 of each field) in the stored order
-    of a context-parallel ``shard_dataloader`` (:meth:`ShardDataloader.ordered`)."""
-
-    def __init__(self, dataset, sharding: ShardDataloader):
-        self.dataset, self.sharding = dataset, sharding
-
-    def __len__(self):
-        return len(self.dataset)
-
-    def __getitem__(self, i):
-        return self.sharding.ordered(self.dataset[i], i)
-
-
 class DataLoader:
     """Stacks dataset samples into batches. ``shuffle`` permutes with (seed, epoch).
     Programs have static shapes, so a short last batch runs on a plan of its own; with
-    ``drop_last`` it is dropped instead."""
+    ``drop_last`` it is dropped instead. ``input_keys`` names the fields of dict samples
+    in order (the inputs, then the label); a ``shard_dataloader``'s own are used when it
+    is not given. ``dataset`` is the samples as given (the shard_dataloader's dataset)."""
 
     def __init__(self, dataset, batch_size, shuffle=False, seed=0, drop_last=False,
-                 sharding: ShardDataloader | None = None):
+                 sharding: ShardDataloader | None = None, input_keys=None):
         if not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
-            raise DistGraphError("a dataset needs __len__ and __getitem__ returning numpy arrays")
+            raise DistGraphError("a dataset needs __len__ and __getitem__ returning numpy "
+                                 "arrays (or dicts of them, with input_keys)")
         if batch_size < 1 or batch_size > len(dataset):
             raise DistGraphError(f"batch_size {batch_size} must be between 1 and the dataset "
                                  f"size {len(dataset)}")
+        keys = checked_input_keys(input_keys, "DataLoader")
         if isinstance(dataset, ShardDataloader):
+            own = dataset.input_keys
+            if keys is not None and own is not None and keys != own:
+                raise DistGraphError(f"input_keys {list(keys)} given, but the "
+                                     f"shard_dataloader names {list(own)}: give them once")
+            keys = own if keys is None else keys
             dataset, sharding = dataset.dataset, dataset
-        if sharding is not None and sharding.sequence_chunks > 1:
-            dataset = _Ordered(dataset, sharding)
         self.dataset, self.batch_size, self.shuffle, self.seed = dataset, batch_size, shuffle, seed
-        self.drop_last = drop_last
+        self.drop_last, self.input_keys = drop_last, keys
         self.sharding = sharding
+        # a context-parallel shard_dataloader stores each sequence in its balanced order
+        self._ordered = sharding if sharding is not None and sharding.sequence_chunks > 1 \
+            else None
         self._specs: dict = {}
+
+    def sample(self, i: int) -> list:
+        """Dataset sample ``i``'s fields in order (a dict sample's at ``input_keys``), the
+        sequence in the stored order of a context-parallel shard_dataloader
+        (:meth:`ShardDataloader.ordered`)."""
+        fields = sample_fields(self.dataset[i], self.input_keys, i)
+        return fields if self._ordered is None else list(self._ordered.ordered(fields, i))
 
     def __len__(self):
         full, rest = divmod(len(self.dataset), self.batch_size)
@@ -123,7 +120,7 @@ class DataLoader:
         rank reads only its shard of the samples)."""
         if rows is not None:
             idx = idx[rows]
-        batch = checks.stack_batch([_as_fields(self.dataset[int(i)], int(i)) for i in idx], idx)
+        batch = checks.stack_batch([self.sample(int(i)) for i in idx], idx)
         return [np.asarray(a, dtype=_field_dtype(a)) for a in batch]
 
     def read(self, idx, reads) -> list:
@@ -134,7 +131,7 @@ class DataLoader:
         wanted = sorted({int(p) for r in reads for p in (every if r.rows is None else r.rows)})
         if not wanted:             # a process that reads no input (a middle stage)
             return []
-        samples = {p: _as_fields(self.dataset[int(idx[p])], int(idx[p])) for p in wanted}
+        samples = {p: self.sample(int(idx[p])) for p in wanted}
         checks.check_field_counts([samples[p] for p in wanted], idx[wanted])
         out = []
         for r in reads:
@@ -154,7 +151,7 @@ class DataLoader:
 
     def fields(self) -> list:
         """The fields of the first sample, as arrays."""
-        return [np.asarray(f) for f in _as_fields(self.dataset[0])]
+        return [np.asarray(f) for f in self.sample(0)]
 
     def specs(self, n_labels: int, batch_rows: int | None = None):
         """InputSpecs of a batch of ``batch_rows`` samples (default: ``batch_size``),

@@ -210,9 +210,10 @@ class Engine:
     # -- running ------------------------------------------------------------------------------
     @checks.collective("Engine.fit()", alike=("train_data", "batch_size", "epochs",
                                               "steps_per_epoch", "valid_data", "shuffle",
-                                              "drop_last"))
+                                              "drop_last", "input_keys"))
     def fit(self, train_data, batch_size=1, epochs=1, steps_per_epoch=None, valid_data=None,
-            shuffle=False, verbose=1, callbacks=None, drop_last=False) -> History:
+            shuffle=False, verbose=1, callbacks=None, drop_last=False,
+            input_keys=None) -> History:
         """Train until the Engine has trained ``epochs`` epochs in all (of at most
         ``steps_per_epoch`` batches each); every rank returns the same History of global
         losses.
@@ -229,22 +230,37 @@ class Engine:
         (rank 0), 2 a line per epoch, 0 nothing. A
         short last batch trains on a plan of its own unless ``drop_last``; every batch
         shape (``valid_data``'s too) is planned before the first step, so one that the
-        data-parallel split cannot divide stops the call then, saying how to fix it."""
-        return self._loops.fit(train_data, batch_size, epochs, steps_per_epoch, valid_data,
-                               shuffle, verbose, callbacks, drop_last)
+        data-parallel split cannot divide stops the call then, saying how to fix it.
 
-    @checks.collective("Engine.evaluate()", alike=("valid_data", "batch_size", "drop_last"))
+        ``input_keys``: for a dataset whose samples are dicts (a Hugging Face
+        ``datasets.Dataset``, a list of dicts), the keys of the fields to feed, in order:
+        the model's inputs, then the label (``valid_data`` is read with them too). It is
+        given here for a dataset fed as it is, or to ``dg.shard_dataloader(...,
+        input_keys=...)`` (Paddle's place) for one split over a mesh; both are the same
+        (a resumed fit needs the same keys)::
+
+            engine.fit(hf_dataset.with_format("numpy"), batch_size=8,
+                       input_keys=["input_ids", "labels"])"""
+        return self._loops.fit(train_data, batch_size, epochs, steps_per_epoch, valid_data,
+                               shuffle, verbose, callbacks, drop_last, input_keys)
+
+    @checks.collective("Engine.evaluate()", alike=("valid_data", "batch_size", "drop_last",
+                                                   "input_keys"))
     def evaluate(self, valid_data, batch_size=1, metrics=None, drop_last=False,
-                 verbose=1) -> dict:
+                 verbose=1, input_keys=None) -> dict:
         """{"loss": mean loss over the samples, <metric name>: value, ...}; ``metrics``
         (default: the Engine's) see the global outputs and labels of every batch.
-        ``verbose`` as in ``fit``: 1 a progress bar (rank 0), 2 one line, 0 nothing."""
-        return self._loops.evaluate(valid_data, batch_size, metrics, drop_last, verbose)
+        ``verbose`` as in ``fit``: 1 a progress bar (rank 0), 2 one line, 0 nothing.
+        ``input_keys`` as in ``fit``, for dict samples."""
+        return self._loops.evaluate(valid_data, batch_size, metrics, drop_last, verbose,
+                                    input_keys)
 
-    @checks.collective("Engine.predict()", alike=("test_data", "batch_size", "drop_last"))
-    def predict(self, test_data, batch_size=1, drop_last=False) -> list:
-        """Per batch, the list of the model's outputs (global arrays)."""
-        return self._loops.predict(test_data, batch_size, drop_last)
+    @checks.collective("Engine.predict()", alike=("test_data", "batch_size", "drop_last",
+                                                  "input_keys"))
+    def predict(self, test_data, batch_size=1, drop_last=False, input_keys=None) -> list:
+        """Per batch, the list of the model's outputs (global arrays). ``input_keys`` as
+        in ``fit``, for dict samples."""
+        return self._loops.predict(test_data, batch_size, drop_last, input_keys)
 
     # -- state -------------------------------------------------------------------------------
     @checks.collective("Engine.state_dict()")

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from distgraph.annotation import ShardDataloader
+from distgraph.annotation import ShardDataloader, checked_input_keys
 from distgraph.app import checks, plan_report
 from distgraph.app.data import DataLoader, FieldRead
 from distgraph.app.plans import Mode
@@ -71,13 +71,13 @@ class Loops:
 
     # -- fit ----------------------------------------------------------------------------------
     def fit(self, train_data, batch_size, epochs, steps_per_epoch, valid_data, shuffle,
-            verbose, callbacks, drop_last) -> History:
+            verbose, callbacks, drop_last, input_keys=None) -> History:
         """``Engine.fit`` (see there)."""
         engine = self.engine
         if engine.optimizer is None or engine.loss is None:
             raise DistGraphError("fit needs an Engine with a loss and an optimizer")
         self.sharding = train_data if isinstance(train_data, ShardDataloader) else None
-        loader = self.loader(train_data, batch_size, shuffle, drop_last)
+        loader = self.loader(train_data, batch_size, shuffle, drop_last, input_keys, "fit")
         self.check_data(Mode.TRAIN, loader)
         n_batches = len(loader) if steps_per_epoch is None else min(steps_per_epoch, len(loader))
         cbs = CallbackList(progress(verbose, callbacks) + list(callbacks or []), engine)
@@ -91,6 +91,8 @@ class Loops:
             self.fit_config = {"batch_size": batch_size, "shuffle": bool(shuffle),
                                "drop_last": bool(drop_last), "steps_per_epoch": steps_per_epoch,
                                "dataset_size": len(train_data)}
+            if loader.input_keys is not None:     # dict samples: which fields were read
+                self.fit_config["input_keys"] = list(loader.input_keys)
             self.loaded = False
         self.plan_shapes(Mode.TRAIN, loader, loader.indices(0)[:n_batches])
         self.only_planning(Mode.TRAIN)
@@ -98,7 +100,8 @@ class Loops:
             self.say_reached(epochs)
             return History()
         if valid_data is not None:       # validated at each epoch's end: planned now
-            valid = self.loader(valid_data, batch_size, drop_last=drop_last)
+            valid = self.loader(valid_data, batch_size, drop_last=drop_last,
+                                input_keys=input_keys, call="fit")
             self.check_data(Mode.EVAL, valid)
             self.plan_shapes(Mode.EVAL, valid, valid.indices(0))
         # GPUs asked for where there are none, or a job of the wrong size: one line now,
@@ -108,13 +111,13 @@ class Loops:
         self.check_world(train)
         try:
             return self._train(loader, n_batches, first_epoch, first_batch, epochs, cbs,
-                               valid_data, drop_last)
+                               valid_data, drop_last, input_keys)
         except BaseException:
             cbs.close()          # a progress bar left open prints again at interpreter exit
             raise
 
     def _train(self, loader, n_batches, first_epoch, first_batch, epochs, cbs, valid_data,
-               drop_last) -> History:
+               drop_last, input_keys) -> History:
         """The epochs of ``fit`` from (first_epoch, first_batch)."""
         engine = self.engine
         history = History()
@@ -151,7 +154,8 @@ class Loops:
             if valid_data is not None and self.position[1] == 0:
                 record.update({f"val_{k}": v for k, v in
                                engine.evaluate(valid_data, loader.batch_size,
-                                               drop_last=drop_last, verbose=0).items()})
+                                               drop_last=drop_last, verbose=0,
+                                               input_keys=input_keys).items()})
             history.epochs.append(record)
             cbs.on_epoch_end(epoch, record)
             if engine.stop_training:
@@ -167,7 +171,8 @@ class Loops:
         if batch:
             now = {"batch_size": loader.batch_size, "shuffle": loader.shuffle,
                    "dataset_size": len(loader.dataset), "drop_last": loader.drop_last,
-                   "steps_per_epoch": steps_per_epoch}
+                   "steps_per_epoch": steps_per_epoch,
+                   "input_keys": None if loader.input_keys is None else list(loader.input_keys)}
             before = self.fit_config or {}
             source = "the checkpoint" if self.loaded else "the last fit"
             diff = [f"{k}={now[k]!r} ({source}: {before.get(k)!r})" for k in now
@@ -194,10 +199,12 @@ class Loops:
               file=sys.stderr, flush=True)
 
     # -- evaluate and predict ------------------------------------------------------------------
-    def evaluate(self, valid_data, batch_size, metrics, drop_last, verbose) -> dict:
+    def evaluate(self, valid_data, batch_size, metrics, drop_last, verbose,
+                 input_keys=None) -> dict:
         """``Engine.evaluate`` (see there)."""
         ms = self.engine.metrics if metrics is None else as_metrics(metrics)
-        loader = self.loader(valid_data, batch_size, drop_last=drop_last)
+        loader = self.loader(valid_data, batch_size, drop_last=drop_last,
+                             input_keys=input_keys, call="evaluate")
         self.check_data(Mode.EVAL, loader)
         self.only_planning(Mode.EVAL, loader)
         self.plan_shapes(Mode.EVAL, loader, loader.indices(0))
@@ -234,9 +241,10 @@ class Loops:
         bar.on_epoch_end(0, result)
         return result
 
-    def predict(self, test_data, batch_size, drop_last) -> list:
+    def predict(self, test_data, batch_size, drop_last, input_keys=None) -> list:
         """``Engine.predict`` (see there)."""
-        loader = self.loader(test_data, batch_size, drop_last=drop_last)
+        loader = self.loader(test_data, batch_size, drop_last=drop_last,
+                             input_keys=input_keys, call="predict")
         self.check_data(Mode.PREDICT, loader)
         self.only_planning(Mode.PREDICT, loader)
         self.plan_shapes(Mode.PREDICT, loader, loader.indices(0))
@@ -250,11 +258,15 @@ class Loops:
         return results
 
     # -- batches --------------------------------------------------------------------------------
-    def loader(self, data, batch_size, shuffle=False, drop_last=False) -> DataLoader:
-        """A DataLoader of ``data``; a plain dataset is split as the last fit's
-        ``shard_dataloader`` split its data."""
+    def loader(self, data, batch_size, shuffle=False, drop_last=False, input_keys=None,
+               call="fit") -> DataLoader:
+        """A DataLoader of ``data``, its dict samples read at ``input_keys`` (given to
+        Engine.``call``, else the shard_dataloader's); a plain dataset is split as the
+        last fit's ``shard_dataloader`` split its data (its input_keys are not taken:
+        they name the fields of that dataset)."""
         return DataLoader(data, batch_size, shuffle, self.data_seed, drop_last,
-                          sharding=self.sharding)
+                          sharding=self.sharding,
+                          input_keys=checked_input_keys(input_keys, f"Engine.{call}"))
 
     def check_data(self, mode, loader: DataLoader) -> None:
         """The samples' fields against the model's forward; a warning for fields fed in a

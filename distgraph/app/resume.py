@@ -3,8 +3,9 @@
 ``training``: the global ``step`` (optimizer steps taken; dropout masks and the
 learning-rate schedule are functions of it), the position of the last fit as
 (``epoch``, ``batch``: batches done in that epoch) and how that fit read its data
-(``batch_size``, ``shuffle``, ``drop_last``, ``steps_per_epoch``, ``dataset_size``), so a
-resumed fit can continue the same epoch with the same batches.
+(``batch_size``, ``shuffle``, ``drop_last``, ``steps_per_epoch``, ``dataset_size``, and
+``input_keys`` for dict samples), so a resumed fit can continue the same epoch with the
+same batches.
 ``optimizer``: its type and hyper-parameters, ``learning_rate`` (a number or the
 schedule's ``to_dict()``) and ``lr``, the rate of the next step.
 ``rng``: ``data_seed`` (shuffling is a function of (seed, epoch)), ``dropout_seeds``

@@ -1,7 +1,7 @@
 """Checks the Engine makes on what users give it and on what training produces.
 
 - :func:`check_fields`: a sample's fields (inputs, then labels) must match the
-  arguments of the model's forward;
+  arguments of the model's forward (:func:`forward_inputs`: how many it can take);
 - :func:`stack_batch` / :func:`stack_field`: samples of a batch must have the same
   fields of equal shapes (the error names the sample indices and shapes, not numpy's
   bare message);
@@ -31,6 +31,20 @@ import numpy as np
 from distgraph.errors import DistGraphError, RuntimeFault
 from distgraph.ops.nn_ops import IGNORE_INDEX, OutOfRange, check_range
 from distgraph.runtime.comm.base import DETAIL_SEP
+
+
+def forward_inputs(model) -> int | None:
+    """The most inputs the model's forward takes positionally; None where it takes any
+    number (``*args``, a ``shard_op`` wrapper) or its signature cannot be read."""
+    try:
+        sig = inspect.signature(model.forward)
+    except (TypeError, ValueError):
+        return None
+    kinds = inspect.Parameter
+    if any(p.kind == kinds.VAR_POSITIONAL for p in sig.parameters.values()):
+        return None
+    return sum(p.kind in (kinds.POSITIONAL_ONLY, kinds.POSITIONAL_OR_KEYWORD)
+               for p in sig.parameters.values())
 
 
 def check_fields(model, n_fields: int, n_labels: int) -> None:

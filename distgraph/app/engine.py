@@ -258,8 +258,17 @@ class Engine:
     @checks.collective("Engine.predict()", alike=("test_data", "batch_size", "drop_last",
                                                   "input_keys"))
     def predict(self, test_data, batch_size=1, drop_last=False, input_keys=None) -> list:
-        """Per batch, the list of the model's outputs (global arrays). ``input_keys`` as
-        in ``fit``, for dict samples."""
+        """The model's outputs, per batch: ``out[b]`` is the list of the outputs of batch
+        ``b`` (global arrays, on every rank), so for a model of one output (a GPT's or a
+        Llama's logits [batch, seq, vocab]) ``out[b][0]`` holds batch ``b``'s, and
+        ``np.concatenate([o[0] for o in out])`` every sample's in dataset order.
+
+        Samples may hold the label after the inputs, as ``fit`` takes them: it is not
+        fed. Which fields are labels: those the Engine's training (or evaluation)
+        program takes as labels, else, before any, a trailing field past the inputs the
+        model's forward can take (a GPT's ``forward(idx)`` predicting (tokens, labels)
+        samples: the labels are dropped, as Keras does). ``input_keys`` as in ``fit``,
+        for dict samples (the label's key may be left out)."""
         return self._loops.predict(test_data, batch_size, drop_last, input_keys)
 
     # -- state -------------------------------------------------------------------------------

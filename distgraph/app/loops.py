@@ -282,15 +282,19 @@ class Loops:
     def label_count(self, mode, loader) -> int:
         """Trailing label fields of ``loader``'s samples: one when training or
         evaluating; when predicting, those past the inputs of the train or eval program
-        (so a dataset with labels works, and one of inputs only), else none."""
+        (so a dataset with labels works, and one of inputs only), else, before any,
+        the one trailing field past the inputs the model's forward can take (Keras'
+        predict of (x, y) samples); none where its forward takes any number."""
         if mode is not Mode.PREDICT:
             return 1
         plans = self.engine._plans
         known = plans.plan(Mode.TRAIN) or plans.plan(Mode.EVAL)
+        n_fields = len(loader.fields())
         if known is None:
-            return 0
+            most = checks.forward_inputs(self.engine.model)
+            return 0 if most is None else min(1, max(0, n_fields - most))
         inputs = len(known.built.feed_names) - len(known.built.label_names)
-        return min(len(known.built.label_names), max(0, len(loader.fields()) - inputs))
+        return min(len(known.built.label_names), max(0, n_fields - inputs))
 
     def specs(self, mode, loader, rows: int) -> tuple:
         """The (inputs, labels) InputSpecs of ``mode``'s program for a batch of ``rows``."""

@@ -153,12 +153,12 @@ def test_tutorial_06_a_step_that_costs_makes_the_search_take_fewer_steps():
             <= dg.passes.estimate(hand, costly).step_time * (1 + 1e-9))
 
 
-def docstring_commands():
-    """Every command tutorials 01-05 tell a user to run (the indented ``python
-    tutorials/...`` and ``distgraph run ... tutorials/...`` lines of their docstrings)
-    that needs no file of the user's own."""
+def docstring_commands(tutorials: str = "0[1-5]_*.py"):
+    """Every command the ``tutorials`` (a glob; default 01-05) tell a user to run (the
+    indented ``python tutorials/...`` and ``distgraph run ... tutorials/...`` lines of
+    their docstrings) that needs no file of the user's own."""
     commands = []
-    for path in sorted((ROOT / "tutorials").glob("0[1-5]_*.py")):
+    for path in sorted((ROOT / "tutorials").glob(tutorials)):
         doc = path.read_text().split('"""')[1]
         for line in doc.splitlines():
             words = line.split("#")[0].split()
@@ -205,3 +205,44 @@ def test_the_readmes_prepare_snippet_plans_the_first_script_from_one_process():
     assert plan.local_alike(1).pretty().startswith("process ")
     with pytest.raises(dg.PlanError, match=r"local_alike\(1\) gives its ops and shapes"):
         plan.local(1)
+
+
+@pytest.mark.slow
+@pytest.mark.mpi
+@pytest.mark.parametrize("command", docstring_commands("09_*.py"))
+def test_each_command_of_tutorial_09_runs_and_the_loss_falls(command, tmp_path):
+    """Tutorial 09's commands, its output under the test's folder: the user's text files
+    are two of the repository's documents, ``--tensorboard`` writes where the test reads
+    it back. Each prints the loss every quarter epoch, falling; on the tutorial's own
+    corpus the last printed loss is under half the first step's (its exit code says the
+    same of the last 10 steps), and the held-out guesses are mostly right."""
+    pytest.importorskip("datasets")
+    pytest.importorskip("tokenizers")
+    words = command.split() + ["--out", str(tmp_path / "out")]
+    own = "--files" in words
+    if own:
+        at = words.index("--files")
+        words[at + 1:at + 3] = [str(ROOT / "README.md"), str(ROOT / "docs" / "DESIGN.md")]
+    if "--tensorboard" in words:
+        pytest.importorskip("tensorboard")
+        words[words.index("--tensorboard") + 1] = str(tmp_path / "tb")
+    proc = subprocess.run([sys.executable, "-m", "distgraph.cli"] + words[1:], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    printed = [float(m) for m in re.findall(r"^step +\d+  loss ([0-9.]+)$", proc.stdout, re.M)]
+    first, last = (float(x) for x in re.search(r"loss ([0-9.]+) -> ([0-9.]+) in \d+ steps",
+                                               proc.stdout).groups())
+    assert len(printed) >= 4 and printed == sorted(printed, reverse=True), proc.stdout
+    assert "trained on 4 ranks (2 dp x 2 mp)" in proc.stdout
+    if not own:
+        assert printed[-1] < first / 2 and last < first / 2, proc.stdout
+        right = int(re.search(r"(\d+)% right", proc.stdout).group(1))
+        assert right > 50, proc.stdout
+    if "--tensorboard" in words:
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        acc = EventAccumulator(str(tmp_path / "tb"), size_guidance={"tensors": 0})
+        acc.Reload()
+        assert len(acc.Tensors("train/loss")) == int(re.search(r"in (\d+) steps",
+                                                                proc.stdout).group(1))

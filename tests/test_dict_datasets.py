@@ -80,15 +80,17 @@ def test_dict_rows_train_evaluate_and_predict_as_the_same_samples_as_tuples(kind
         np.testing.assert_array_equal(a, b)
 
 
-def test_shard_dataloader_keeps_the_input_keys_and_gives_them_to_the_engine(float64):
+def test_shard_dataloader_keeps_the_input_keys_and_fit_reads_valid_data_with_them(float64):
+    """Plain dict rows as valid_data of a fit on a shard_dataloader of input_keys."""
     mesh = dg.ProcessMesh([0], dim_names=["dp"])
     rows = dg.shard_dataloader(token_rows(), mesh, "dp", input_keys=KEYS)
     assert "input_keys=['input_ids', 'labels']" in repr(rows)
     x, y = rows[3]
     np.testing.assert_array_equal(x, token_rows()[3]["input_ids"])
     np.testing.assert_array_equal(y, token_rows()[3]["labels"])
-    losses = engine().fit(rows, **FIT).losses
-    assert losses == engine().fit(as_tuples(token_rows()), **FIT).losses
+    got = engine().fit(rows, valid_data=token_rows(8), **FIT)
+    want = engine().fit(as_tuples(token_rows()), valid_data=as_tuples(token_rows(8)), **FIT)
+    assert got.losses == want.losses and got.epochs == want.epochs
 
 
 @pytest.mark.parametrize("kind", ["list of dicts", "datasets.Dataset"])

@@ -234,7 +234,8 @@ class Engine:
 
         ``input_keys``: for a dataset whose samples are dicts (a Hugging Face
         ``datasets.Dataset``, a list of dicts), the keys of the fields to feed, in order:
-        the model's inputs, then the label (``valid_data`` is read with them too). It is
+        the model's inputs, then the label (``valid_data`` is read with the training
+        data's, unless it is a shard_dataloader of its own). It is
         given here for a dataset fed as it is, or to ``dg.shard_dataloader(...,
         input_keys=...)`` (Paddle's place) for one split over a mesh; both are the same
         (a resumed fit needs the same keys)::

@@ -99,9 +99,13 @@ class Loops:
         if reached:
             self.say_reached(epochs)
             return History()
+        # valid_data is read with the keys the training data is read with (unless it is a
+        # shard_dataloader of its own keys)
+        valid_keys = input_keys if input_keys is not None or isinstance(
+            valid_data, ShardDataloader) else loader.input_keys
         if valid_data is not None:       # validated at each epoch's end: planned now
             valid = self.loader(valid_data, batch_size, drop_last=drop_last,
-                                input_keys=input_keys, call="fit")
+                                input_keys=valid_keys, call="fit")
             self.check_data(Mode.EVAL, valid)
             self.plan_shapes(Mode.EVAL, valid, valid.indices(0))
         # GPUs asked for where there are none, or a job of the wrong size: one line now,
@@ -111,14 +115,15 @@ class Loops:
         self.check_world(train)
         try:
             return self._train(loader, n_batches, first_epoch, first_batch, epochs, cbs,
-                               valid_data, drop_last, input_keys)
+                               valid_data, drop_last, valid_keys)
         except BaseException:
             cbs.close()          # a progress bar left open prints again at interpreter exit
             raise
 
     def _train(self, loader, n_batches, first_epoch, first_batch, epochs, cbs, valid_data,
-               drop_last, input_keys) -> History:
-        """The epochs of ``fit`` from (first_epoch, first_batch)."""
+               drop_last, valid_keys) -> History:
+        """The epochs of ``fit`` from (first_epoch, first_batch); ``valid_data`` is read
+        with ``valid_keys``."""
         engine = self.engine
         history = History()
         engine.stop_training = False
@@ -155,7 +160,7 @@ class Loops:
                 record.update({f"val_{k}": v for k, v in
                                engine.evaluate(valid_data, loader.batch_size,
                                                drop_last=drop_last, verbose=0,
-                                               input_keys=input_keys).items()})
+                                               input_keys=valid_keys).items()})
             history.epochs.append(record)
             cbs.on_epoch_end(epoch, record)
             if engine.stop_training:

@@ -18,17 +18,20 @@ import pytest
 
 import distgraph as dg
 
-pytest.importorskip("tensorboard")
-from tensorboard.backend.event_processing.event_accumulator import (  # noqa: E402
-    EventAccumulator,
-)
-from tensorboard.util import tensor_util  # noqa: E402
-
 SCRIPTS = Path(__file__).parent / "mpi_scripts"
+
+
+@pytest.fixture
+def tensorboard():
+    """Skips a test that writes event files where the package is not installed."""
+    return pytest.importorskip("tensorboard")
 
 
 def read_events(folder) -> dict:
     """{tag: [(step, value)]} of every event file in ``folder`` (every point kept)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.util import tensor_util
+
     acc = EventAccumulator(str(folder), size_guidance={"tensors": 0})
     acc.Reload()
     out = {}
@@ -54,7 +57,7 @@ def gpt_engine(**kw):
     return dg.Engine(model, dg.nn.CrossEntropyLoss(), dg.optim.AdamW(lr), **kw)
 
 
-def test_one_process_logs_every_step_of_history_and_the_plan(tmp_path, float64):
+def test_one_process_logs_every_step_of_history_and_the_plan(tmp_path, float64, tensorboard):
     engine = gpt_engine(cluster=dg.Cluster.local(1))
     history = engine.fit(tokens(), batch_size=4, epochs=2, valid_data=tokens(8), verbose=0,
                          callbacks=[dg.callbacks.TensorBoard(tmp_path / "tb")])
@@ -79,7 +82,7 @@ def test_one_process_logs_every_step_of_history_and_the_plan(tmp_path, float64):
     assert step == 0 and engine.plan().explain() in text.decode()
 
 
-def test_a_second_fit_goes_on_from_the_global_step_in_a_file_of_its_own(tmp_path):
+def test_a_second_fit_goes_on_from_the_global_step_in_a_file_of_its_own(tmp_path, tensorboard):
     engine = gpt_engine()
     board = dg.callbacks.TensorBoard(tmp_path)
     first = engine.fit(tokens(), batch_size=4, epochs=1, verbose=0, callbacks=[board])
@@ -104,7 +107,7 @@ def test_without_tensorboard_the_callback_says_which_extra_to_install(monkeypatc
 
 
 @pytest.mark.mpi
-def test_two_ranks_log_once_what_rank_0s_history_holds(tmp_path):
+def test_two_ranks_log_once_what_rank_0s_history_holds(tmp_path, tensorboard):
     proc = subprocess.run([sys.executable, "-m", "distgraph.cli", "run", "-n", "2",
                            str(SCRIPTS / "tensorboard_dp.py"), str(tmp_path / "tb")],
                           capture_output=True, text=True, timeout=180,

@@ -112,8 +112,8 @@ def _planned(built, strategy, cluster, rank_mapping, ranks) -> Plan:
     runs: dict = {}     # micro-batch count -> (split program, its accumulation, options)
     analyses = SampleAnalyses()     # the counts' sample analyses, shared where alike
     if strategy.micro_batches is None:
-        # the search chooses M (passes/search/micro.py); the plan's strategy names it
-        from distgraph.passes.search.micro import choose_micro_batches
+        # the search chooses M (passes/search/stages/micro.py); the plan's strategy names it
+        from distgraph.passes.search.stages.micro import choose_micro_batches
 
         strategy = dataclasses.replace(strategy, micro_batches=choose_micro_batches(
             built, strategy, cluster, lambda b, s, m: _latency(b, s, cluster, m, runs, analyses),
@@ -240,7 +240,7 @@ def _completed(built, strategy, cluster, accumulation, ilp_budget, chunks=None, 
         if strategy.sharding and updates:
             dim = strategy.sharding_mesh_dim
             if searched is not None:            # the search named the mesh dims
-                from distgraph.passes.search.sharded_states import sharding_dim
+                from distgraph.passes.search.layouts.sharded_states import sharding_dim
                 dim = sharding_dim(strategy)
             _shard_updates(program, dim, cluster)
     else:
@@ -268,7 +268,7 @@ def _latency(built, strategy, cluster, micro: int, runs: dict, analyses=None) ->
     """The stage search's latency for ``built`` split into ``micro`` micro-batches; the
     split program, its accumulation and the stage options that priced it go into
     ``runs`` under ``micro`` (those :func:`_beaten` began are reused)."""
-    from distgraph.passes.search.stages import pipeline_latency
+    from distgraph.passes.search.stages.pipeline import pipeline_latency
 
     costs = None
     if micro in runs and runs[micro][2] is not None:
@@ -289,7 +289,7 @@ def _beaten(built, strategy, cluster, micro: int, seconds: float, runs: dict,
     """Whether the stage search finds no plan of ``micro`` micro-batches below
     ``seconds`` per step (its bound, then its search below ``seconds``); the stage
     options it searched go into ``runs`` (see :func:`_latency`)."""
-    from distgraph.passes.search.stages import pipeline_beaten
+    from distgraph.passes.search.stages.pipeline import pipeline_beaten
 
     built, accumulation = _split(built, micro, analyses)
     budget = None if strategy.memory_budget_gb is None else strategy.memory_budget_gb * 1e9
@@ -303,7 +303,7 @@ def _beaten(built, strategy, cluster, micro: int, seconds: float, runs: dict,
 def _seed(runs: dict):
     """The stage options of the first micro-batch count priced in full (searched, not
     seeded): the later counts price its layouts on their programs (:mod:`distgraph.
-    passes.search.runs`); None before it."""
+    passes.search.stages.runs`); None before it."""
     return next((costs for _, _, costs in runs.values() if costs is not None and
                  costs.planned and costs.seed is None), None)
 

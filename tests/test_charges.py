@@ -1,4 +1,4 @@
-"""The price of a choice moved to another mesh (passes/search/charges.py,
+"""The price of a choice moved to another mesh (passes/search/layouts/charges.py,
 ``intra_op.price``) equals, bit for bit, the objective and peak the full problem of the
 moved space gives it (``intra_op._problem``: every term as the ILP sees it, each edge a
 matrix), per node memory and liveness alike: on random choices of MLP, GPT, Llama and
@@ -22,10 +22,10 @@ from distgraph.ir import Role  # noqa: E402
 from distgraph.mesh import ProcessMesh  # noqa: E402
 from distgraph.nn.mixtral import Mixtral, MixtralConfig  # noqa: E402
 from distgraph.passes.search import intra_op, runs  # noqa: E402
-from distgraph.passes.search.costs import SearchCosts  # noqa: E402
-from distgraph.passes.search.ilp_problem import (ShardingProblem, evaluate,  # noqa: E402
+from distgraph.passes.search.layouts.costs import SearchCosts  # noqa: E402
+from distgraph.passes.search.layouts.ilp_problem import (ShardingProblem, evaluate,  # noqa: E402
                                                  peak_memory)
-from distgraph.passes.search.space import SearchSpace  # noqa: E402
+from distgraph.passes.search.layouts.space import SearchSpace  # noqa: E402
 from distgraph.program_builder import build_program  # noqa: E402
 
 import search_cases as S  # noqa: E402

@@ -16,7 +16,7 @@ import search_cases as S
 from distgraph.passes.completion.complete import CompletionSetup, _Completion
 from distgraph.passes.partition import partition, process_ids
 from distgraph.passes.completion.resolution import ReshardPricer
-from distgraph.passes.search.costs import SearchCosts
+from distgraph.passes.search.layouts.costs import SearchCosts
 from distgraph.passes.transforms.zero import shard_updates
 
 import distgraph as dg

@@ -1,4 +1,4 @@
-"""The number of micro-batches chosen by the search (passes/search/micro.py,
+"""The number of micro-batches chosen by the search (passes/search/stages/micro.py,
 ``Strategy(micro_batches=None)``): the walk over micro-batch sizes ends where neither
 neighbour is faster (a closed-form latency and the stage search's own), the plan runs
 with the M chosen, and the option is refused where no stage search runs."""
@@ -14,8 +14,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import distgraph as dg  # noqa: E402
 from distgraph.errors import PlanError  # noqa: E402
 from distgraph.passes import planner  # noqa: E402
-from distgraph.passes.search.layers import block_layers  # noqa: E402
-from distgraph.passes.search.micro import batch_rows, choose_micro_batches, ladder  # noqa: E402
+from distgraph.passes.search.stages.layers import block_layers  # noqa: E402
+from distgraph.passes.search.stages.micro import batch_rows, choose_micro_batches, ladder  # noqa: E402
 from distgraph.program_builder import build_program  # noqa: E402
 
 import plans as P  # noqa: E402
@@ -130,8 +130,8 @@ def test_a_count_held_back_by_memory_is_beaten_exactly_where_its_latency_is_not_
 def test_counts_share_their_search_costs_and_price_as_fresh_ones():
     # a count seeded by another prices on the seed's SearchCosts (reshard and op prices
     # depend on shapes, not on the program); oracle: the same count seeded, on fresh ones
-    from distgraph.passes.search.runs import RunCosts
-    from distgraph.passes.search.stages import pipeline_latency
+    from distgraph.passes.search.stages.runs import RunCosts
+    from distgraph.passes.search.stages.pipeline import pipeline_latency
 
     built, cluster = built_gpt(layers=4), S.line_cluster(4, bandwidth=1.0)
     strategy = dg.Strategy(auto_mode="full", pipeline=True, micro_batches=2,

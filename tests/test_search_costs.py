@@ -22,8 +22,8 @@ import search_cases as S
 import yaml
 from distgraph.passes.cost.prices import Rings, reshard_step_time
 from distgraph.passes.reshard import plan_reshard, plan_reshard_path
-from distgraph.passes.search.costs import SearchCosts
-from distgraph.passes.search.space import layouts
+from distgraph.passes.search.layouts.costs import SearchCosts
+from distgraph.passes.search.layouts.space import layouts
 
 import distgraph as dg
 

@@ -7,7 +7,7 @@ choice becomes the annotations that completion then follows.
   machines x devices mesh runs across the machines), one process per device. Process p
   runs on the mesh's p-th device in row-major order: the search priced each collective
   on those devices' links, so the planner's rank mapping is that one.
-- **The search** (:mod:`distgraph.passes.search.intra_op`) runs on the program the plan executes
+- **The search** (:mod:`distgraph.passes.search.layouts.intra_op`) runs on the program the plan executes
   (after recomputation, on the micro-batch program with micro-batches, whose forward and
   backward then count once per micro-batch), within ``Strategy.solver_time_limit``
   seconds, under the budget per device the planner gives (None: none).
@@ -30,10 +30,10 @@ from dataclasses import dataclass
 from distgraph.errors import PlanError
 from distgraph.ir import Role
 from distgraph.mesh import ProcessMesh
-from distgraph.passes.search.intra_op import search
-from distgraph.passes.search.sharded_states import sharding_dim
-from distgraph.passes.search.space import MESH_DIMS
-from distgraph.passes.search.stages import plan_pipeline
+from distgraph.passes.search.layouts.intra_op import search
+from distgraph.passes.search.layouts.sharded_states import sharding_dim
+from distgraph.passes.search.layouts.space import MESH_DIMS
+from distgraph.passes.search.stages.pipeline import plan_pipeline
 
 @dataclass(frozen=True)
 class AutoChoice:

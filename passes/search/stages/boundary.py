@@ -1,7 +1,7 @@
 """What a pipeline stage pays to pass blocks' Values to its neighbours, priced as the
 plan's estimate (:mod:`distgraph.passes.cost.estimate`) prices it.
 
-A block of a run (:mod:`distgraph.passes.search.runs`) sends the next block its output
+A block of a run (:mod:`distgraph.passes.search.stages.runs`) sends the next block its output
 and, in the backward, the block before it its input's gradient: the representative
 block's ``periodic`` pairs (received, leaving). Between two stages these become
 cross-mesh reshards (:func:`~distgraph.passes.reshard.plan_reshard`: a pending sum
@@ -33,7 +33,7 @@ import numpy as np
 from distgraph.mesh import ProcessMesh
 from distgraph.passes.cost.prices import Rings, steps_time
 from distgraph.passes.reshard import plan_reshard
-from distgraph.passes.search.stage_dp import _grid
+from distgraph.passes.search.stages.stage_dp import _grid
 from distgraph.placement import DistAttr
 
 

@@ -1,7 +1,7 @@
 """Interleaved 1F1B and alike stages for layers that are runs of identical blocks (the
-planner's options of :mod:`distgraph.passes.search.runs`): stages of one option tiling its
+planner's options of :mod:`distgraph.passes.search.stages.runs`): stages of one option tiling its
 device mesh, the layers split evenly or by chunks of equal work, priced in closed form
-(no DP; :mod:`distgraph.passes.search.run_dp` is the DP for unlike stages).
+(no DP; :mod:`distgraph.passes.search.stages.run_dp` is the DP for unlike stages).
 
 Example::
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from distgraph.passes.search.stage_dp import StageChoice, StagePlan, _grid
+from distgraph.passes.search.stages.stage_dp import StageChoice, StagePlan, _grid
 
 
 def plan_interleaved(count: int, blocks: range, options: list, cluster, micro_batches: int,

@@ -1,5 +1,5 @@
 """What a stage of ``[E] + m blocks + [H]`` costs from its parts' costs
-(:class:`~distgraph.passes.search.runs.PartCost`): seconds per micro-batch, GB with one
+(:class:`~distgraph.passes.search.stages.runs.PartCost`): seconds per micro-batch, GB with one
 micro-batch in flight, GB per further micro-batch in flight. :func:`stage_cost` prices
 one stage; :func:`stage_costs` every block count 0 .. n at once, each row the number
 :func:`stage_cost` returns (the same terms, added in the same order).

@@ -1,15 +1,15 @@
 """The intra-op search (Alpa, seed 000 §4): one strategy per op and source tensor of a
-training program on one ProcessMesh, chosen by the ILP of :mod:`distgraph.passes.search.ilp`
-(SCIP) on the costs of :mod:`distgraph.passes.search.costs`.
+training program on one ProcessMesh, chosen by the ILP of :mod:`distgraph.passes.search.layouts.ilp`
+(SCIP) on the costs of :mod:`distgraph.passes.search.layouts.costs`.
 
 **The whole training graph is searched** — forward, loss, backward and update ops — as
 Alpa does: the backward holds two thirds of the FLOPs and all of the gradient traffic
 (data parallelism costs exactly the reshard from a Partial gradient to its update's
 layout). Backward ops may differ from their forward op; the edges price that.
 
-The problem (:class:`~distgraph.passes.search.ilp_problem.ShardingProblem`):
+The problem (:class:`~distgraph.passes.search.layouts.ilp_problem.ShardingProblem`):
 
-- **nodes**: :class:`~distgraph.passes.search.space.SearchSpace` (ops and source Values;
+- **nodes**: :class:`~distgraph.passes.search.layouts.space.SearchSpace` (ops and source Values;
   light ops follow their deepest operand);
 - **node costs**: an op strategy's compute and own collectives, times the op's
   ``weights`` (a micro-batched program's forward and backward run once per micro-batch);
@@ -56,13 +56,13 @@ from distgraph.ir import Role
 from distgraph.mesh import ProcessMesh
 from distgraph.passes.samples import sample_axes
 from distgraph.units import fmt_bytes
-from distgraph.passes.search.charges import (  # noqa: F401 (accumulating_updates: runs')
+from distgraph.passes.search.layouts.charges import (  # noqa: F401 (accumulating_updates: runs')
     accumulating_updates, build_problem, fixed_problem)
-from distgraph.passes.search.costs import SearchCosts
-from distgraph.passes.search.ilp import Solution, solve
-from distgraph.passes.search.ilp_problem import ShardingProblem, evaluate, peak_memory
-from distgraph.passes.search.recursive import METHODS, bisection_levels, solve_recursive
-from distgraph.passes.search.space import SearchSpace
+from distgraph.passes.search.layouts.costs import SearchCosts
+from distgraph.passes.search.layouts.ilp import Solution, solve
+from distgraph.passes.search.layouts.ilp_problem import ShardingProblem, evaluate, peak_memory
+from distgraph.passes.search.layouts.recursive import METHODS, bisection_levels, solve_recursive
+from distgraph.passes.search.layouts.space import SearchSpace
 from distgraph.placement import DistAttr
 
 
@@ -217,7 +217,7 @@ class SearchResult:
 @dataclass(frozen=True)
 class Boundary:
     """How a search of part of a program meets the rest (a stage of repeated blocks).
-    ``received`` (see :class:`~distgraph.passes.search.space.SearchSpace`): the layouts a
+    ``received`` (see :class:`~distgraph.passes.search.layouts.space.SearchSpace`): the layouts a
     received Value offers; ``settle`` ({leaving Value: spec}): the layout a Value the
     part sends out is brought to (its reshard charged), instead of its cheapest
     settlement; ``periodic`` ((received, leaving), ...): the received Value arrives in
@@ -251,7 +251,7 @@ def search(program, mesh: ProcessMesh, cluster, device_of: dict, *, ops=None,
     ``blocks``: layer paths of repeated blocks (interior ones share a choice);
     ``memory``: model the live memory even without a budget (the report's peak);
     ``balance``: price data-parallel groups of mixed devices at their balanced split
-    (:class:`~distgraph.passes.search.costs.SearchCosts`); ``boundary``: how a part of the
+    (:class:`~distgraph.passes.search.layouts.costs.SearchCosts`); ``boundary``: how a part of the
     program meets the rest (:class:`Boundary`); ``method``: who chooses (``Strategy.search``:
     "ilp" SCIP, "recursive" the double-recursive search of :mod:`distgraph.passes.search.
     recursive`, "auto" the recursive choice refined by SCIP, warm-started from it);
@@ -259,12 +259,12 @@ def search(program, mesh: ProcessMesh, cluster, device_of: dict, *, ops=None,
     are reused (a new one by default); ``refined``: under "auto", a SearchResult of the
     same ops on a mesh of the same dim names whose choice, where every node can take it
     here within the budget, SCIP refines instead of a new recursive search's; ``walks``
-    / ``prove``: the recursive search's (:func:`~distgraph.passes.search.recursive.
+    / ``prove``: the recursive search's (:func:`~distgraph.passes.search.layouts.recursive.
     solve_recursive`: descents shared by searches of these ops under other budgets, and
     with ``costs`` given the space and problem too, built once while the inputs and the
     annotations they read stay the same; no SCIP proof that a budget below the peak
     bound fits nothing); ``zero``: the mesh dim ZeRO shards the states over after the
-    search, priced here (:mod:`~distgraph.passes.search.sharded_states`)."""
+    search, priced here (:mod:`~distgraph.passes.search.layouts.sharded_states`)."""
     start = time.perf_counter()
     boundary = boundary or Boundary()
     live = memory or memory_budget is not None
@@ -385,7 +385,7 @@ def _result(space, choice, problem, sol, build_time, memory_budget, share,
 
 def _problem(space, costs, weights, loss, world, budget, share, live,
              boundary: Boundary, zero=None) -> ShardingProblem:
-    """The ILP of the search (module docstring; :func:`~distgraph.passes.search.charges.
+    """The ILP of the search (module docstring; :func:`~distgraph.passes.search.layouts.charges.
     build_problem`)."""
     return build_problem(space, costs, weights, loss, world, budget, share, live,
                          dict(boundary.settle), _tied_values(boundary), zero)

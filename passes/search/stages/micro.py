@@ -19,7 +19,7 @@ start is best. A candidate no plan fits (memory) costs infinity.
 
 **Bounds before prices.** A neighbour is first bounded: its stage DP on the fastest
 options with the devices' memory unlimited (the memory variants can only make the
-stages fit, not faster: :func:`~distgraph.passes.search.block_plans.plan_blocks`) needs each
+stages fit, not faster: :func:`~distgraph.passes.search.stages.block_plans.plan_blocks`) needs each
 logical mesh's fastest parts only; where that bound does not beat the best latency so
 far, the neighbour cannot win and its memory variants, the bulk of a price, are never
 priced. Where it does, the stage search looks for plans below the best latency only
@@ -28,7 +28,7 @@ a neighbour is priced in full only where it has one.
 
 **Searched once.** The first count priced is searched in full; the others price its
 layouts on their own programs (the same ops, other batch shapes) and search only where
-those do not divide their micro-batch (:mod:`distgraph.passes.search.runs`, seeds): a
+those do not divide their micro-batch (:mod:`distgraph.passes.search.stages.runs`, seeds): a
 count is compared by those prices and its bound, and the count chosen, if not the
 first, is searched afresh for the plan.
 

@@ -51,7 +51,7 @@ import numpy as np
 from distgraph.errors import DoesNotFit, PlanError
 from distgraph.mesh import ProcessMesh
 from distgraph.resources.cluster import Cluster, Device, DeviceMesh
-from distgraph.passes.search.space import logical_dims
+from distgraph.passes.search.layouts.space import logical_dims
 
 
 @dataclass(frozen=True)

@@ -1,17 +1,17 @@
 """``Strategy(auto_mode="full", pipeline=True)``: Alpa's inter-op search (seed 000 §5).
 
-1. **Layers**: the forward ops cut into layers (:mod:`distgraph.passes.search.layers`;
+1. **Layers**: the forward ops cut into layers (:mod:`distgraph.passes.search.stages.layers`;
    at most ``2 x devices + 2`` of them), every other op with its layer.
 2. **Stage costs**: for each range of consecutive layers and each submesh shape of each
-   device mesh (:func:`distgraph.passes.search.stage_dp.submesh_shapes`), the intra-op search
-   (:mod:`distgraph.passes.search.intra_op`) of those layers' ops on a ProcessMesh of that shape,
+   device mesh (:func:`distgraph.passes.search.stages.stage_dp.submesh_shapes`), the intra-op search
+   (:mod:`distgraph.passes.search.layouts.intra_op`) of those layers' ops on a ProcessMesh of that shape,
    priced on the first devices of that shape in the mesh. Its objective, with the forward
    and backward counted once and the updates once per ``micro_batches``, is the stage's
    time per micro-batch; its parameters and states are the stage's memory, the rest of
    its peak the activations of one micro-batch in flight. Ranges of identical ops (the
    same blocks at other depths) are searched once. Each search has
    ``Strategy.solver_time_limit`` seconds.
-3. **Stages**: :func:`distgraph.passes.search.stage_dp.plan_stages` chooses the stages and their
+3. **Stages**: :func:`distgraph.passes.search.stages.stage_dp.plan_stages` chooses the stages and their
    submeshes minimising ``sum t + (micro_batches - 1) max t`` within each device's
    memory (``Strategy.memory_budget_gb`` lowers it).
 4. **Annotations**: stage s's ops are annotated on a ProcessMesh of its devices (process
@@ -20,7 +20,7 @@
    micro-batched runtime runs the stages (``Strategy.micro_batches``, ``schedule``).
 
 ``Strategy(search=...)`` picks who searches: "ilp" SCIP everywhere, "recursive" the
-double-recursive search everywhere (:mod:`distgraph.passes.search.recursive`), "auto" the
+double-recursive search everywhere (:mod:`distgraph.passes.search.layouts.recursive`), "auto" the
 recursive search for every candidate the DP compares and SCIP, warm-started from the
 recursive choice, for the chosen stages only (their reports say what it gained).
 
@@ -46,16 +46,16 @@ import numpy as np
 from distgraph.errors import PlanError
 from distgraph.ir import Role
 from distgraph.mesh import ProcessMesh
-from distgraph.passes.search.ilp_problem import peak_memory
-from distgraph.passes.search.intra_op import search
-from distgraph.passes.search.layers import block_layers, cluster_layers
-from distgraph.passes.search.interleaved import alike_stages
-from distgraph.passes.search.run_dp import beats
-from distgraph.passes.search.block_plans import plan_blocks
-from distgraph.passes.search.runs import RunCosts, pricing_method
-from distgraph.passes.search.space import MESH_DIMS, logical_dims
-from distgraph.passes.search.sharded_states import sharding_dim
-from distgraph.passes.search.stage_dp import StageCost, plan_stages
+from distgraph.passes.search.layouts.ilp_problem import peak_memory
+from distgraph.passes.search.layouts.intra_op import search
+from distgraph.passes.search.stages.layers import block_layers, cluster_layers
+from distgraph.passes.search.stages.interleaved import alike_stages
+from distgraph.passes.search.stages.run_dp import beats
+from distgraph.passes.search.stages.block_plans import plan_blocks
+from distgraph.passes.search.stages.runs import RunCosts, pricing_method
+from distgraph.passes.search.layouts.space import MESH_DIMS, logical_dims
+from distgraph.passes.search.layouts.sharded_states import sharding_dim
+from distgraph.passes.search.stages.stage_dp import StageCost, plan_stages
 from distgraph.resources.cluster import Cluster
 from distgraph.units import GB
 
@@ -213,11 +213,11 @@ def pipeline_latency(copy, strategy, cluster, accumulation, memory_budget=None,
     """(seconds per step of the stage plan :func:`plan_pipeline` would choose for
     ``copy``, priced by the method that prices the DP's candidates, before any
     refinement and without annotating; the RunCosts that priced it, or None): what
-    :mod:`distgraph.passes.search.micro` compares. PlanError where nothing fits. The
+    :mod:`distgraph.passes.search.stages.micro` compares. PlanError where nothing fits. The
     RunCosts may be handed to :func:`plan_pipeline` for a program built the same way;
     ``costs``: one :func:`pipeline_beaten` made for ``copy`` (its searches are reused);
     ``seed``: the RunCosts of the same model at another micro-batch count, whose
-    searches price this one's options (:mod:`distgraph.passes.search.runs`)."""
+    searches price this one's options (:mod:`distgraph.passes.search.stages.runs`)."""
     micro = accumulation.micro_batches if accumulation is not None else 1
     target = cluster if memory_budget is None else _capped(cluster, memory_budget / GB)
     layering = block_layers(copy.program, copy.block_paths)
@@ -233,11 +233,11 @@ def pipeline_beaten(copy, strategy, cluster, accumulation, latency: float,
                     seed=None, memory_budget=None) -> tuple:
     """(True where the stage search finds no plan of ``copy`` below ``latency`` seconds
     per step; the RunCosts it priced, for :func:`pipeline_latency`, or None). First the
-    bound :mod:`distgraph.passes.search.micro` prunes with: the stage DP on each logical
+    bound :mod:`distgraph.passes.search.stages.micro` prunes with: the stage DP on each logical
     mesh's fastest parts, the devices' memory unlimited; where that does not rule it
     out, the stage search itself looking below ``latency`` only (its caps pruned by it,
     memory variants searched only for meshes whose alike stages beat it:
-    :func:`~distgraph.passes.search.block_plans.plan_blocks`). Programs not of identical
+    :func:`~distgraph.passes.search.stages.block_plans.plan_blocks`). Programs not of identical
     blocks are not bounded: False. ``seed``: as :func:`pipeline_latency`'s;
     ``memory_budget``: bytes per device (None: the devices' memory)."""
     layering = block_layers(copy.program, copy.block_paths)
@@ -256,7 +256,7 @@ def pipeline_beaten(copy, strategy, cluster, accumulation, latency: float,
 
 
 def _blocks_plan(costs, target, memory_budget, strategy) -> tuple:
-    """:func:`~distgraph.passes.search.block_plans.plan_blocks` of ``costs`` on ``target`` (the
+    """:func:`~distgraph.passes.search.stages.block_plans.plan_blocks` of ``costs`` on ``target`` (the
     cluster within ``memory_budget``), solved once per budget: the micro-batch search's
     DP for the count it chose is the plan's."""
     if memory_budget not in costs.planned:
@@ -295,7 +295,7 @@ def _plan_runs(copy, strategy, cluster, target, costs, start, memory_budget) -> 
 
 def _refined(stage_plan, chosen, costs, target) -> tuple:
     """(``stage_plan``, ``chosen``) with each option the DP chose refined by the ILP
-    (:meth:`~distgraph.passes.search.runs.RunCosts.refine`; an option chosen for several
+    (:meth:`~distgraph.passes.search.stages.runs.RunCosts.refine`; an option chosen for several
     stages refined once), its stages' memory restated. The refined block may take the
     room its stages leave on the devices (the least, per block they hold): the ILP then
     finds the layouts the recursive search's memory variants missed (GPT-3 310B: the

@@ -21,7 +21,8 @@ from distgraph.errors import PlanError  # noqa: E402
 from distgraph.ir import Role  # noqa: E402
 from distgraph.mesh import ProcessMesh  # noqa: E402
 from distgraph.nn.mixtral import Mixtral, MixtralConfig  # noqa: E402
-from distgraph.passes.search import intra_op, runs  # noqa: E402
+from distgraph.passes.search.layouts import intra_op  # noqa: E402
+from distgraph.passes.search.stages import runs  # noqa: E402
 from distgraph.passes.search.layouts.costs import SearchCosts  # noqa: E402
 from distgraph.passes.search.layouts.ilp_problem import (ShardingProblem, evaluate,  # noqa: E402
                                                  peak_memory)

@@ -187,7 +187,7 @@ def test_the_search_holds_the_kept_bytes_from_the_op_to_its_gradient():
     """The intra-op search's memory of a moe_ffn node is its result plus the hook's
     bytes, and the node is live at every op up to its gradient."""
     from distgraph.nn.mixtral import Mixtral, MixtralConfig
-    from distgraph.passes.search import intra_op
+    from distgraph.passes.search.layouts import intra_op
     from distgraph.passes.search.layouts.costs import SearchCosts, local_bytes
     from distgraph.passes.search.layouts.space import SearchSpace
     from distgraph.program_builder import build_program

@@ -395,7 +395,7 @@ def test_run_dp_skipping_slower_options_keeps_the_plan(seed, fit_memory, monkeyp
     """The DP skips, per stage count, an option that another of the same mesh and size
     matches in every time and reach (``_RunSearch._live``); with every option that fits
     relaxed instead, it returns the same plan, stage for stage."""
-    from distgraph.passes.search import run_dp
+    from distgraph.passes.search.stages import run_dp
 
     rng = np.random.default_rng(500 + seed)
     cluster = cluster_of(*[(1, 8), (4, 4), (8, 2)][seed % 3],
@@ -492,7 +492,7 @@ def test_the_prefix_bound_bounds_every_longer_plan_and_keeps_each_caps_answer(se
     plan found, or inf: on every cap, every plan of more stages than s (the full DP's
     tables, the bound switched off) sums to at least that bound (and none exists where
     it is inf), and the cap's answer (summed time and stages) is the full DP's."""
-    from distgraph.passes.search import run_dp
+    from distgraph.passes.search.stages import run_dp
 
     rng = np.random.default_rng(900 + seed)
     cluster, (options, count, blocks, B) = random_case(rng, seed)

@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from distgraph.passes.search import run_dp
+from distgraph.passes.search.stages import run_dp
 from distgraph.passes.search.stages.runs import PartCost, RunOption
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

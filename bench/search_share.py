@@ -26,7 +26,7 @@ import contextlib
 import time
 
 import distgraph as dg
-from distgraph.passes.search import auto
+import distgraph.passes.search as front
 from distgraph.passes.search.layouts import costs, intra_op, space
 from distgraph.passes.search.stages import pipeline, runs
 from gpt_scale import dgx_cluster, gpt, program
@@ -34,7 +34,7 @@ from megatron_table1 import TABLE1
 
 # (name, the modules or classes whose attribute is called, the attribute): a function
 # imported by name is wrapped where each caller looks it up
-PARTS = (("searches", (runs, auto, pipeline), "search"), ("pricing moved choices", (runs,), "price"),
+PARTS = (("searches", (runs, front, pipeline), "search"), ("pricing moved choices", (runs,), "price"),
          ("spaces", (space.SearchSpace,), "__post_init__"),
          ("problems", (intra_op,), "_problem"),
          ("  reshard matrices", (costs.SearchCosts,), "matrix"),

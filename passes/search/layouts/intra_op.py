@@ -29,7 +29,7 @@ The problem (:class:`~distgraph.passes.search.layouts.ilp_problem.ShardingProble
   program order (parameters and states always, split as ZeRO over ``zero`` will) within
   the budget, and what an op keeps for its gradient beyond its results (``saved``:
   moe_ffn's routes). Reshard buffers are not counted (they depend on two choices):
-  :mod:`~distgraph.passes.search.auto` checks the estimate, searching again with less.
+  the planner checks the estimate (:mod:`distgraph.passes.fitting`), searching again with less.
 
 The objective is the estimate (:func:`distgraph.passes.estimate`) of the plan the
 choice makes plus, for a Value resharded to one layout for several consumers (once by

@@ -61,11 +61,16 @@ from distgraph.resources.cluster import Cluster
 
 @dataclass(frozen=True)
 class RunReport:
-    """What one stage of a block layering runs: its logical mesh, its parts and each
-    part's search report (searched on a representative mesh, priced on this one)."""
+    """What one stage of a block layering runs: its logical mesh ``option``, its parts and
+    each part's search report (searched on a representative mesh, priced on this one),
+    and ``mesh``, the stage's own ProcessMesh. It answers what a
+    :class:`~distgraph.passes.search.intra_op.SearchReport` does for a
+    :class:`PipelineReport` (``mesh``, ``status``, ``gap``, ``layouts``, ``chosen_by``,
+    ``describe``, ``summary``, ``to_dict``)."""
 
     option: str
     parts: tuple          # ((part name, count, SearchReport), ...)
+    mesh: ProcessMesh
 
     @property
     def status(self) -> str:
@@ -80,15 +85,43 @@ class RunReport:
     def layouts(self) -> tuple:
         return tuple(x for _, _, r in self.parts for x in r.layouts)
 
+    @property
+    def method(self) -> str:
+        return self.parts[0][2].method
+
+    @property
+    def chosen_by(self) -> str:
+        """Which search chose each part's layouts, in words (once where all parts agree)."""
+        said = {r.chosen_by for _, _, r in self.parts}
+        if len(said) == 1:
+            return said.pop()
+        return "; ".join(f"{name}: {r.chosen_by}" for name, _, r in self.parts)
+
+    @property
+    def what(self) -> str:
+        """The parts it runs: ``"embedding + 2 blocks"``."""
+        return " + ".join(f"{n} {name}" if n > 1 else name for name, n, _ in self.parts)
+
     def __str__(self) -> str:
-        what = " + ".join(f"{n} {name}" if n > 1 else name for name, n, _ in self.parts)
-        lines = [f"{what} on {self.option}"]
+        return self.describe(str(self.mesh))
+
+    def describe(self, where: str) -> str:
+        """``str``, naming the stage's devices as ``where``; each part's search report
+        names the representative mesh it was searched on."""
+        lines = [f"runs {self.what} on {where}: submesh {self.option}"]
         for name, _, report in self.parts:
-            lines.append(f"  {name}: " + str(report).replace("\n", "\n  "))
+            searched = f"a representative mesh of shape {list(report.mesh.shape)}"
+            lines.append(f"  {name}: " + report.describe(searched).replace("\n", "\n  "))
         return "\n".join(lines)
+
+    def summary(self) -> str:
+        """One line: the parts, the logical mesh, the status and who chose."""
+        return (f"{self.what} on submesh {self.option}: {self.status}, gap {self.gap:.3g}, "
+                f"chosen by {self.chosen_by}")
 
     def to_dict(self) -> dict:
         return {"option": self.option, "status": self.status, "gap": self.gap,
+                "mesh": self.mesh.to_dict(),
                 "parts": [{"part": name, "count": n, **report.to_dict()}
                           for name, n, report in self.parts]}
 
@@ -283,7 +316,7 @@ def _plan_runs(copy, strategy, cluster, target, costs, start, memory_budget) -> 
             reports_of, written = costs.annotate(copy.program, layers, option, mesh)
             parts += reports_of
             checks += written
-        reports.append(RunReport(str(option), tuple(parts)))
+        reports.append(RunReport(str(option), tuple(parts), mesh))
         meshes.append(mesh)
     report = PipelineReport(layering, stage_plan, tuple(reports), costs.searches,
                             time.perf_counter() - start)

@@ -57,6 +57,7 @@ from distgraph.passes.search.space import GB, MESH_DIMS, logical_dims
 from distgraph.passes.search.sharded_states import sharding_dim
 from distgraph.passes.search.stage_dp import StageCost, plan_stages
 from distgraph.resources.cluster import Cluster
+from distgraph.units import fmt_ids
 
 
 @dataclass(frozen=True)
@@ -66,7 +67,7 @@ class RunReport:
     and ``mesh``, the stage's own ProcessMesh. It answers what a
     :class:`~distgraph.passes.search.intra_op.SearchReport` does for a
     :class:`PipelineReport` (``mesh``, ``status``, ``gap``, ``layouts``, ``chosen_by``,
-    ``describe``, ``summary``, ``to_dict``)."""
+    ``describe``, ``to_dict``)."""
 
     option: str
     parts: tuple          # ((part name, count, SearchReport), ...)
@@ -114,11 +115,6 @@ class RunReport:
             lines.append(f"  {name}: " + report.describe(searched).replace("\n", "\n  "))
         return "\n".join(lines)
 
-    def summary(self) -> str:
-        """One line: the parts, the logical mesh, the status and who chose."""
-        return (f"{self.what} on submesh {self.option}: {self.status}, gap {self.gap:.3g}, "
-                f"chosen by {self.chosen_by}")
-
     def to_dict(self) -> dict:
         return {"option": self.option, "status": self.status, "gap": self.gap,
                 "mesh": self.mesh.to_dict(),
@@ -164,6 +160,34 @@ class PipelineReport:
             lines.append(f"  stage {s} " + report.describe(where).replace("\n", "\n  "))
         return "\n".join(lines)
 
+    def summary(self) -> str:
+        """A few lines for ``Plan.explain()``: the layering, the searches, the stage plan's
+        latency, each stage's layers, devices (as ranges), status, and who chose its
+        layouts (once per distinct answer); ``str`` lists every stage's layouts."""
+        plan = self.stage_plan
+        chunks = f", {plan.virtual} chunks per stage" if plan.virtual > 1 else ""
+        lines = [f"stage search: {self.searches} intra-op searches in {self.seconds:.2f} s; "
+                 f"{len(plan.stages)} stages{chunks}, {plan.micro_batches} micro-batches, "
+                 f"latency {_seconds(plan.objective)}, {self.status}",
+                 f"  {self.layering}"]
+        said: dict = {}
+        for s, (report, stage) in enumerate(zip(self.stages, plan.stages)):
+            layers = stage.layers
+            what = f"{report.what}, " if isinstance(report, RunReport) else ""
+            held = f"layer {layers.start}" if len(layers) == 1 else \
+                f"layers {layers.start}-{layers.stop - 1}"
+            lines.append(f"  stage {s}: {held} ({what}mesh "
+                         f"{list(report.mesh.shape)}) on devices {fmt_ids(stage.device_ids)}: "
+                         f"{_seconds(stage.time)}, {stage.memory:.3g} GB, gap {report.gap:.3g}")
+            parts = report.parts if isinstance(report, RunReport) else (("", 1, report),)
+            for name, _, part in parts:
+                said.setdefault(part.chosen_by, {}).setdefault(name, []).append(s)
+        for who, where in said.items():
+            at = "; ".join(f"{name + ' of ' if name else ''}stage{'s' if len(ss) > 1 else ''} "
+                           f"{fmt_ids(ss)}" for name, ss in where.items())
+            lines.append(f"  chosen by {who}: {at}")
+        return "\n".join(lines)
+
     def to_dict(self) -> dict:
         return {"layers": self.layering.count,
                 "layer_flops": list(self.layering.flops),
@@ -172,6 +196,10 @@ class PipelineReport:
                 "stages": [dict(report.to_dict(), layers=[st.layers.start, st.layers.stop],
                                 devices=list(st.device_ids), time=st.time, memory=st.memory)
                            for report, st in zip(self.stages, self.stage_plan.stages)]}
+
+
+def _seconds(t: float) -> str:
+    return f"{t:.4g} s" if t >= 1 else f"{t * 1e3:.4g} ms"
 
 
 @dataclass(frozen=True)

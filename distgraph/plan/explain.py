@@ -147,7 +147,8 @@ class _Summary:
     # -- lines ------------------------------------------------------------------------------
     def lines(self) -> list:
         plan = self.plan
-        out = [self.head()]
+        fits, over = self.fits()
+        out = [f"{self.head()}; {fits}", *over]
         placed = set()
         for s, mesh in enumerate(plan.stages):
             out += self.stage(s, mesh)
@@ -172,31 +173,27 @@ class _Summary:
                 f"{'distributed' if plan.distributed else 'serial'}, {stages} "
                 f"stage{'s' if stages != 1 else ''}{of}, {plan.micro_batches} "
                 f"micro-batch{'es' if plan.micro_batches != 1 else ''}, "
-                f"schedule {plan.order.name}; {self.fits()}")
+                f"schedule {plan.order.name}")
 
-    def fits(self) -> str:
-        """Whether the plan fits its devices, in words."""
+    def fits(self) -> tuple:
+        """Whether the plan fits its devices, in words: (the end of the first line, the
+        lines after it: the processes over their device's memory, if any)."""
         if self.estimate is None:
-            return "memory not estimated (no estimate: dg.passes.estimate(plan, cluster))"
+            return "memory not estimated (no estimate)", []
         top = max(self.estimate.processes, key=lambda p: p.peak_memory)
-        at = _ids("process", [p.process for p in self.estimate.processes
-                              if p.peak_memory == top.peak_memory], limit=3)
+        peak = fmt_bytes(top.peak_memory)
         if self.cluster is None:
-            return (f"memory not estimated against devices (no cluster); largest peak "
-                    f"{fmt_bytes(top.peak_memory)} ({at})")
+            return f"memory not estimated against devices (no cluster); largest peak {peak}", []
         memory = self.memory(top.process)
         if not memory:
-            return (f"largest peak {fmt_bytes(top.peak_memory)} ({at}); the "
-                    "cluster gives no device memory to check it against")
+            return f"largest peak {peak}; the cluster gives no device memory to check it", []
         over = [p.process for p in self.estimate.processes
                 if self.memory(p.process) and p.peak_memory > self.memory(p.process)]
         share = top.peak_memory / memory
         if over:
-            return (f"does NOT fit: {len(over)} process(es) over their device's memory "
-                    f"({fmt_ids(over, limit=3)}); largest peak {fmt_bytes(top.peak_memory)} "
-                    f"of {fmt_bytes(memory)} ({share:.0%})")
-        return (f"fits its devices: largest peak {fmt_bytes(top.peak_memory)} of "
-                f"{fmt_bytes(memory)} ({share:.1%}, {at})")
+            return (f"does NOT fit: largest peak {peak} of {fmt_bytes(memory)} ({share:.0%})",
+                    [f"  over their device's memory: {_ids('process', over, limit=4)}"])
+        return f"fits its devices: largest peak {peak} of {fmt_bytes(memory)} ({share:.1%})", []
 
     def stage(self, s, mesh) -> list:
         plan = self.plan

@@ -177,7 +177,8 @@ class PipelineReport:
             held = f"layer {layers.start}" if len(layers) == 1 else \
                 f"layers {layers.start}-{layers.stop - 1}"
             lines.append(f"  stage {s}: {held} ({what}mesh "
-                         f"{list(report.mesh.shape)}) on devices {fmt_ids(stage.device_ids)}: "
+                         f"{list(report.mesh.shape)}) on device{'s' if len(stage.device_ids) > 1 else ''} "
+                         f"{fmt_ids(stage.device_ids)}: "
                          f"{_seconds(stage.time)}, {stage.memory:.3g} GB, gap {report.gap:.3g}")
             parts = report.parts if isinstance(report, RunReport) else (("", 1, report),)
             for name, _, part in parts:

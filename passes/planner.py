@@ -28,7 +28,7 @@ Example::
     built = build_program(model, [InputSpec([8, 16], name="x")], [InputSpec([8, 4], name="y")],
                           loss=dg.nn.MSELoss(), optimizer=dg.optim.SGD(0.1))
     p = dg.passes.plan(built, dg.Strategy(), cluster=None)
-    print(p.explain())            # processes, stages, layouts, reshards with bytes
+    print(p.explain())            # per stage: devices, layout, memory, time, MFU
     p.program_of(1)               # what process 1 runs, compiled
 """
 

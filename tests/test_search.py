@@ -197,7 +197,8 @@ def test_shared_blocks_never_beat_the_unshared_optimum():
 
 def test_explain_and_json_report_the_search():
     plan = auto(S.mlp_program(128, 1024), S.line_cluster(4))
-    text = plan.explain()
+    assert "search on mesh [4] (x): optimal" in plan.explain()
+    text = plan.explain(full=True)
     assert "search on ProcessMesh" in text and "optimal" in text and "fc1.weight: [None, x]" in text
     data = plan.to_dict()
     assert data["search"]["status"] == "optimal"

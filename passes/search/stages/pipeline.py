@@ -57,16 +57,21 @@ from distgraph.passes.search.layouts.space import MESH_DIMS, logical_dims
 from distgraph.passes.search.layouts.sharded_states import sharding_dim
 from distgraph.passes.search.stages.stage_dp import StageCost, plan_stages
 from distgraph.resources.cluster import Cluster
-from distgraph.units import GB
+from distgraph.units import GB, fmt_ids
 
 
 @dataclass(frozen=True)
 class RunReport:
-    """What one stage of a block layering runs: its logical mesh, its parts and each
-    part's search report (searched on a representative mesh, priced on this one)."""
+    """What one stage of a block layering runs: its logical mesh ``option``, its parts and
+    each part's search report (searched on a representative mesh, priced on this one),
+    and ``mesh``, the stage's own ProcessMesh. It answers what a
+    :class:`~distgraph.passes.search.layouts.intra_op.SearchReport` does for a
+    :class:`PipelineReport` (``mesh``, ``status``, ``gap``, ``layouts``, ``chosen_by``,
+    ``describe``, ``to_dict``)."""
 
     option: str
     parts: tuple          # ((part name, count, SearchReport), ...)
+    mesh: ProcessMesh
 
     @property
     def status(self) -> str:
@@ -81,15 +86,38 @@ class RunReport:
     def layouts(self) -> tuple:
         return tuple(x for _, _, r in self.parts for x in r.layouts)
 
+    @property
+    def method(self) -> str:
+        return self.parts[0][2].method
+
+    @property
+    def chosen_by(self) -> str:
+        """Which search chose each part's layouts, in words (once where all parts agree)."""
+        said = {r.chosen_by for _, _, r in self.parts}
+        if len(said) == 1:
+            return said.pop()
+        return "; ".join(f"{name}: {r.chosen_by}" for name, _, r in self.parts)
+
+    @property
+    def what(self) -> str:
+        """The parts it runs: ``"embedding + 2 blocks"``."""
+        return " + ".join(f"{n} {name}" if n > 1 else name for name, n, _ in self.parts)
+
     def __str__(self) -> str:
-        what = " + ".join(f"{n} {name}" if n > 1 else name for name, n, _ in self.parts)
-        lines = [f"{what} on {self.option}"]
+        return self.describe(str(self.mesh))
+
+    def describe(self, where: str) -> str:
+        """``str``, naming the stage's devices as ``where``; each part's search report
+        names the representative mesh it was searched on."""
+        lines = [f"runs {self.what} on {where}: submesh {self.option}"]
         for name, _, report in self.parts:
-            lines.append(f"  {name}: " + str(report).replace("\n", "\n  "))
+            searched = f"a representative mesh of shape {list(report.mesh.shape)}"
+            lines.append(f"  {name}: " + report.describe(searched).replace("\n", "\n  "))
         return "\n".join(lines)
 
     def to_dict(self) -> dict:
         return {"option": self.option, "status": self.status, "gap": self.gap,
+                "mesh": self.mesh.to_dict(),
                 "parts": [{"part": name, "count": n, **report.to_dict()}
                           for name, n, report in self.parts]}
 
@@ -132,6 +160,35 @@ class PipelineReport:
             lines.append(f"  stage {s} " + report.describe(where).replace("\n", "\n  "))
         return "\n".join(lines)
 
+    def summary(self) -> str:
+        """A few lines for ``Plan.explain()``: the layering, the searches, the stage plan's
+        latency, each stage's layers, devices (as ranges), status, and who chose its
+        layouts (once per distinct answer); ``str`` lists every stage's layouts."""
+        plan = self.stage_plan
+        chunks = f", {plan.virtual} chunks per stage" if plan.virtual > 1 else ""
+        lines = [f"stage search: {self.searches} intra-op searches in {self.seconds:.2f} s; "
+                 f"{len(plan.stages)} stages{chunks}, {plan.micro_batches} micro-batches, "
+                 f"latency {_seconds(plan.objective)}, {self.status}",
+                 f"  {self.layering}"]
+        said: dict = {}
+        for s, (report, stage) in enumerate(zip(self.stages, plan.stages)):
+            layers = stage.layers
+            what = f"{report.what}, " if isinstance(report, RunReport) else ""
+            held = f"layer {layers.start}" if len(layers) == 1 else \
+                f"layers {layers.start}-{layers.stop - 1}"
+            lines.append(f"  stage {s}: {held} ({what}mesh "
+                         f"{list(report.mesh.shape)}) on device{'s' if len(stage.device_ids) > 1 else ''} "
+                         f"{fmt_ids(stage.device_ids)}: "
+                         f"{_seconds(stage.time)}, {stage.memory:.3g} GB, gap {report.gap:.3g}")
+            parts = report.parts if isinstance(report, RunReport) else (("", 1, report),)
+            for name, _, part in parts:
+                said.setdefault(part.chosen_by, {}).setdefault(name, []).append(s)
+        for who, where in said.items():
+            at = "; ".join(f"{name + ' of ' if name else ''}stage{'s' if len(ss) > 1 else ''} "
+                           f"{fmt_ids(ss)}" for name, ss in where.items())
+            lines.append(f"  chosen by {who}: {at}")
+        return "\n".join(lines)
+
     def to_dict(self) -> dict:
         return {"layers": self.layering.count,
                 "layer_flops": list(self.layering.flops),
@@ -140,6 +197,10 @@ class PipelineReport:
                 "stages": [dict(report.to_dict(), layers=[st.layers.start, st.layers.stop],
                                 devices=list(st.device_ids), time=st.time, memory=st.memory)
                            for report, st in zip(self.stages, self.stage_plan.stages)]}
+
+
+def _seconds(t: float) -> str:
+    return f"{t:.4g} s" if t >= 1 else f"{t * 1e3:.4g} ms"
 
 
 @dataclass(frozen=True)
@@ -284,7 +345,7 @@ def _plan_runs(copy, strategy, cluster, target, costs, start, memory_budget) -> 
             reports_of, written = costs.annotate(copy.program, layers, option, mesh)
             parts += reports_of
             checks += written
-        reports.append(RunReport(str(option), tuple(parts)))
+        reports.append(RunReport(str(option), tuple(parts), mesh))
         meshes.append(mesh)
     report = PipelineReport(layering, stage_plan, tuple(reports), costs.searches,
                             time.perf_counter() - start)

@@ -137,7 +137,7 @@ def test_a_count_held_back_by_memory_is_beaten_exactly_where_its_latency_is_not_
 
 
 def test_counts_share_their_search_costs_and_price_as_fresh_ones():
-    # a count seeded by another prices on the seed's SearchCosts (reshard and op prices
+    # a count seeded by another prices on the seed's LayoutPrices (reshard and op prices
     # depend on shapes, not on the program); oracle: the same count seeded, on fresh ones
     from distgraph.passes.search.stages.runs import RunCosts
 

@@ -199,7 +199,7 @@ def test_a_seed_prices_its_layouts_on_another_micro_batch_count_by_the_same_mode
 def test_boundary_prices_shared_by_key_equal_each_options_own(costs):
     # p2p_seconds is cached per boundary_key (what boundary_seconds reads): every option's
     # figure equals its own boundary priced afresh
-    from distgraph.passes.search.stages.boundary import boundary_key, boundary_seconds
+    from distgraph.passes.cost.boundary import boundary_key, boundary_seconds
 
     runs, options = costs
     options = options + runs.options(variants=True)

@@ -82,6 +82,7 @@ from itertools import combinations
 from distgraph.errors import PlanError
 from distgraph.ir import Role
 from distgraph.plan.instructions import keeps_nothing
+from distgraph.passes.cost.terms import in_flight
 from distgraph.passes.cost.prices import (Rings, best_overlap, feed_time, op_comm_time, op_time,
                                           reshard_step_time)
 from distgraph.registry import TensorType, get_op
@@ -469,8 +470,7 @@ def _peak_memory(plan, pid, stage, scale: _Scale) -> tuple[int, int, int, int, i
     if plan.micro_batches > 1:
         # the local program is one micro-batch's: the others in flight keep what they
         # saved for their backward, and the parameters' gradients accumulate in buffers
-        in_flight = m if plan.strategy.schedule == "FThenB" else min(m, len(plan.stages) - stage)
-        acts += (in_flight - 1) * saved
+        acts += (in_flight(plan.strategy.schedule, m, len(plan.stages), stage) - 1) * saved
         grads += sum(prog.values[g].nbytes for g in plan.built.grad_names.values()
                      if g in prog.values)
     return params, states, int(grads), int(acts), int(saved)

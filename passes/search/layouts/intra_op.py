@@ -1,6 +1,6 @@
 """The intra-op search (Alpa, seed 000 §4): one strategy per op and source tensor of a
 training program on one ProcessMesh, chosen by the ILP of :mod:`distgraph.passes.search.layouts.ilp`
-(SCIP) on the costs of :mod:`distgraph.passes.search.layouts.costs`.
+(SCIP) on the costs of :mod:`distgraph.passes.cost.layout_prices`.
 
 **The whole training graph is searched** — forward, loss, backward and update ops — as
 Alpa does: the backward holds two thirds of the FLOPs and all of the gradient traffic
@@ -58,7 +58,7 @@ from distgraph.passes.samples import sample_axes
 from distgraph.units import fmt_bytes
 from distgraph.passes.search.layouts.charges import (  # noqa: F401 (accumulating_updates: runs')
     accumulating_updates, build_problem, fixed_problem)
-from distgraph.passes.search.layouts.costs import SearchCosts
+from distgraph.passes.cost.layout_prices import LayoutPrices
 from distgraph.passes.search.layouts.ilp import Solution, solve
 from distgraph.passes.search.layouts.ilp_problem import ShardingProblem, evaluate, peak_memory
 from distgraph.passes.search.layouts.recursive import METHODS, bisection_levels, solve_recursive
@@ -250,7 +250,7 @@ def search(program, mesh: ProcessMesh, cluster, device_of: dict, *, ops=None,
            memory_budget: float | None = None, time_limit: float = 60.0,
            blocks=(), memory: bool = False, balance: bool = False,
            boundary: Boundary | None = None, method: str = "ilp",
-           costs: SearchCosts | None = None, refined=None, walks=None,
+           costs: LayoutPrices | None = None, refined=None, walks=None,
            prove: bool = True, zero: str | None = None) -> SearchResult:
     """Choose a strategy for every op (of ``ops``, default all) and source Value of
     ``program`` on ``mesh`` (module docstring). ``device_of``: process -> device global id
@@ -260,11 +260,11 @@ def search(program, mesh: ProcessMesh, cluster, device_of: dict, *, ops=None,
     ``blocks``: layer paths of repeated blocks (interior ones share a choice);
     ``memory``: model the live memory even without a budget (the report's peak);
     ``balance``: price data-parallel groups of mixed devices at their balanced split
-    (:class:`~distgraph.passes.search.layouts.costs.SearchCosts`); ``boundary``: how a part of the
+    (:class:`~distgraph.passes.cost.layout_prices.LayoutPrices`); ``boundary``: how a part of the
     program meets the rest (:class:`Boundary`); ``method``: who chooses (``Strategy.search``:
     "ilp" SCIP, "recursive" the double-recursive search of :mod:`distgraph.passes.search.
     recursive`, "auto" the recursive choice refined by SCIP, warm-started from it);
-    ``costs``: a SearchCosts of the same cluster, mesh and device_of whose cached prices
+    ``costs``: a LayoutPrices of the same cluster, mesh and device_of whose cached prices
     are reused (a new one by default); ``refined``: under "auto", a SearchResult of the
     same ops on a mesh of the same dim names whose choice, where every node can take it
     here within the budget, SCIP refines instead of a new recursive search's; ``walks``
@@ -284,7 +284,7 @@ def search(program, mesh: ProcessMesh, cluster, device_of: dict, *, ops=None,
         space, share, problem = built[1], built[2], built[3].with_budget(memory_budget)
     else:
         axes = sample_axes(program, [v.name for v in program.inputs]) if balance else None
-        costs = costs or SearchCosts(cluster, mesh, device_of, axes)
+        costs = costs or LayoutPrices(cluster, mesh, device_of, axes)
         space = SearchSpace(program, mesh, ops, received=dict(boundary.received),
                             rules=costs.rules)
         share = _shared_blocks(space, blocks)
@@ -359,7 +359,7 @@ def _carried(start, space, problem):
 
 def price(moved: SearchSpace, cluster, device_of: dict, *, weights=None, loss=None,
           world=None, boundary: Boundary | None = None, status: str = "optimal",
-          costs: SearchCosts | None = None, zero: str | None = None):
+          costs: LayoutPrices | None = None, zero: str | None = None):
     """The cost, by the same model, of the one strategy each node of ``moved`` offers (a
     search's choice on another mesh: ``result.space.rebind(mesh, result.choice)``),
     without solving: a SearchResult with that choice. ``status``: the status of the
@@ -368,7 +368,7 @@ def price(moved: SearchSpace, cluster, device_of: dict, *, weights=None, loss=No
     reshards, by the code that builds the search's problem), equal to what the full
     problem of ``moved`` gives the choice."""
     start = time.perf_counter()
-    costs = costs or SearchCosts(cluster, moved.mesh, device_of)
+    costs = costs or LayoutPrices(cluster, moved.mesh, device_of)
     boundary = boundary or Boundary()
     problem = fixed_problem(moved, costs, weights or {}, loss, world, dict(boundary.settle),
                             _tied_values(boundary), zero)

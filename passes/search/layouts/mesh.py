@@ -42,11 +42,11 @@ def search_mesh(program, cluster) -> tuple[ProcessMesh, dict]:
         return mesh, {p: devices.ids[i] for i, p in enumerate(mesh.process_ids)}
     n = len(devices.ids)
     mesh = ProcessMesh([[*range(n)]][0], dim_names=["x"]) if len(devices.shape) == 1 else \
-        ProcessMesh(_grid(devices.shape), dim_names=list(MESH_DIMS[:len(devices.shape)]))
+        ProcessMesh(_nested_ids(devices.shape), dim_names=list(MESH_DIMS[:len(devices.shape)]))
     return mesh, {p: devices.ids[p] for p in range(n)}
 
 
-def _grid(shape):
+def _nested_ids(shape):
     ids = list(range(math.prod(shape)))
     for size in reversed(shape[1:]):
         ids = [ids[i:i + size] for i in range(0, len(ids), size)]

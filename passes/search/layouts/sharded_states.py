@@ -29,7 +29,7 @@ import numpy as np
 
 from distgraph.ir import Role
 from distgraph.passes.cost.prices import op_time
-from distgraph.passes.search.layouts.costs import local_bytes
+from distgraph.passes.cost.layout_prices import local_bytes
 from distgraph.placement import DistAttr
 from distgraph.registry import TensorType
 from distgraph.passes.search.layouts.space import MESH_DIMS
@@ -78,7 +78,7 @@ def updates(space):
 def zero_terms(space, costs, dim: str | None) -> ZeroTerms | None:
     """The terms of ZeRO over ``dim`` on ``space``'s mesh (module docstring); None where
     ``dim`` is None or the mesh lacks it or has it of size 1. ``costs``: the
-    SearchCosts of the mesh (the gathers' prices)."""
+    LayoutPrices of the mesh (the gathers' prices)."""
     mesh = space.mesh
     if dim is None or dim not in mesh.dim_names or mesh.dim_size(dim) == 1:
         return None

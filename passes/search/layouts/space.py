@@ -132,7 +132,7 @@ class SearchSpace:
         whole = self.ops is None
         self.ops = tuple(range(len(self.program.ops)) if whole else self.ops)
         # rules bound and strategies enumerated per op signature; ``rules`` (a dict kept
-        # by the caller: SearchCosts.rules) shares them with other spaces on this mesh,
+        # by the caller: LayoutPrices.rules) shares them with other spaces on this mesh,
         # and the program's index (who makes and who reads each Value) with every space
         shared = {} if self.rules is None else self.rules
         # Values a part of the program receives from ops outside it (a stage's inputs)

@@ -33,6 +33,7 @@ from __future__ import annotations
 import math
 
 from distgraph.errors import DoesNotFit, PlanError
+from distgraph.passes.cost.terms import held, in_flight
 from distgraph.passes.search.stages.interleaved import alike_stages, even_parts, plan_interleaved
 from distgraph.passes.search.stages.run_dp import plan_runs
 
@@ -128,7 +129,7 @@ def _fitting_alike(options, count: int, blocks: range, cluster, micro_batches: i
         times = []
         for s, (first, n, last) in enumerate(even_parts(S, blocks, count)):
             seconds, one, further = option.cost(first, n, last)
-            if one + (min(micro_batches, S - s) - 1) * further > limit:
+            if held(one, further, in_flight("1F1B", micro_batches, S, s)) > limit:
                 break
             times.append(seconds + sends * (2 - first - last) / 2)
         else:

@@ -46,6 +46,7 @@ import numpy as np
 from distgraph.errors import PlanError
 from distgraph.ir import Role
 from distgraph.mesh import ProcessMesh
+from distgraph.passes.cost.terms import held, in_flight
 from distgraph.passes.search.layouts.ilp_problem import peak_memory
 from distgraph.passes.search.layouts.intra_op import search
 from distgraph.passes.search.stages.layers import block_layers, cluster_layers
@@ -235,7 +236,7 @@ def plan_pipeline(copy, strategy, cluster, accumulation, memory_budget=None,
     planner completes next) and annotate its program (module docstring).
     ``memory_budget``: bytes per device (None: the devices' memory); ``runs``: the
     RunCosts :func:`pipeline_latency` made for a copy built the same way (its searches
-    are reused; where it was seeded by another count's, only its SearchCosts)."""
+    are reused; where it was seeded by another count's, only its LayoutPrices)."""
     start = time.perf_counter()
     if cluster is None:
         raise PlanError("Strategy(pipeline=True) searches stages on a cluster: pass cluster="
@@ -416,7 +417,7 @@ def _memory_restated(stage_plan, chosen, costs):
         memories = []
         for s, (stage, option) in enumerate(zip(stage_plan.stages, chosen)):
             _, one, further = option.cost(*_parts(stage, costs))
-            memories.append(one + (min(M, S - s) - 1) * further)
+            memories.append(held(one, further, in_flight("1F1B", M, S, s)))
     return dataclasses.replace(stage_plan, stages=tuple(
         dataclasses.replace(stage, memory=float(m))
         for stage, m in zip(stage_plan.stages, memories)))

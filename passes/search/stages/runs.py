@@ -56,7 +56,7 @@ search prices that search's variants too (:meth:`RunCosts._smaller_parts`).
 **Seeds.** The micro-batch counts :mod:`distgraph.passes.search.stages.micro` compares have the
 same ops and Value names. The first is searched; the later ones (``seed=`` its RunCosts)
 price its searches on their own programs, searching only where a layout does not divide
-their micro-batch, on its SearchCosts. A count priced so is searched afresh once chosen.
+their micro-batch, on its LayoutPrices. A count priced so is searched afresh once chosen.
 
 The stage DP on them: :func:`~distgraph.passes.search.stages.block_plans.plan_blocks`.
 
@@ -85,18 +85,18 @@ import numpy as np
 from distgraph.errors import PlanError
 from distgraph.ir import Role
 from distgraph.mesh import ProcessMesh
-from distgraph.passes.search.stages.boundary import boundary_key, boundary_seconds
-from distgraph.passes.search.layouts.costs import SearchCosts
+from distgraph.passes.cost.boundary import boundary_key, boundary_seconds
+from distgraph.passes.cost.layout_prices import LayoutPrices
 from distgraph.passes.search.layouts.intra_op import (Boundary, accumulating_updates, price,
                                                  search)
 from distgraph.passes.search.stages.block_plans import undominated
 from distgraph.passes.search.stages.layers import op_keys, ops_by_layer, same_op
-from distgraph.passes.search.stages.part_costs import stage_cost, stage_costs
+from distgraph.passes.cost.terms import grid, stage_cost, stage_costs
 from distgraph.passes.search.layouts.recursive import Walks
 from distgraph.passes.pipeline.chunks import forward_chunks
 from distgraph.passes.search.layouts.sharded_states import sharding_dim, writeback_bytes
 from distgraph.registry import op_flops
-from distgraph.passes.search.stages.stage_dp import Submesh, _grid, logical_mesh
+from distgraph.passes.search.stages.stage_dp import Submesh, logical_mesh
 
 VARIANTS = 4        # the fastest block and up to three of smaller peaks (module docstring)
 
@@ -174,7 +174,7 @@ class RunCosts:
         self._spare: dict = {}        # t -> [_Searched, ...] searched for variants only
         self._fastest: dict = {}      # (axis, shape, logical) -> (_Searched, parts)
         self._smaller: dict = {}      # (axis, shape, logical) -> [parts of each variant]
-        # (mesh, devices) -> SearchCosts, one per mesh; its prices depend on shapes, not on
+        # (mesh, devices) -> LayoutPrices, one per mesh; its prices depend on shapes, not on
         # the program: shared with ``prices`` (another count's) or the seed's, planned once
         self._prices: dict = prices if prices is not None else seed._prices if seed else {}
         self._walks: dict = {}        # (mesh, devices) -> Walks of the block's searches
@@ -196,7 +196,7 @@ class RunCosts:
         ``sequence`` too, the (dp, cp, tp) meshes (module docstring)."""
         out = []
         for axis, device_mesh in enumerate(self.cluster.device_meshes):
-            rows, cols = _grid(device_mesh.shape)
+            rows, cols = grid(device_mesh.shape)
             device = self.cluster.device(device_mesh.ids[0])
             shapes = [(n, cols) for n in range(1, rows + 1) if rows % n == 0]
             if rows == 1:
@@ -401,13 +401,13 @@ class RunCosts:
     def _mesh_key(mesh, device_of) -> tuple:
         return (mesh, tuple(sorted(device_of.items())))
 
-    def _costs(self, mesh, device_of) -> SearchCosts:
-        """The SearchCosts of ``mesh`` on those devices, shared by every search and
+    def _costs(self, mesh, device_of) -> LayoutPrices:
+        """The LayoutPrices of ``mesh`` on those devices, shared by every search and
         pricing there (the parts, the memory variants, the refinement): its reshard
         prices are planned once."""
         key = self._mesh_key(mesh, device_of)
         if key not in self._prices:     # one rules dict for all (keyed by mesh shape in it)
-            costs = self._prices[key] = SearchCosts(self.cluster, mesh, device_of)
+            costs = self._prices[key] = LayoutPrices(self.cluster, mesh, device_of)
             costs.rules = next(iter(self._prices.values())).rules
         return self._prices[key]
 
@@ -476,7 +476,7 @@ class RunCosts:
 
     def _measure(self, result, costs) -> PartCost:
         """Seconds and bytes of a search's choice (module docstring); ``costs``: the
-        SearchCosts of its mesh and devices."""
+        LayoutPrices of its mesh and devices."""
         space, problem, choice = result.space, result.problem, result.choice
         memory = [float(problem.memory[n.index][choice[n.index]]) for n in space.nodes]
         # parameters, states and (with micro-batches) the gradients' buffers, which the
@@ -503,7 +503,7 @@ class RunCosts:
 
     def p2p_seconds(self, option) -> float:
         """Seconds per micro-batch a stage of ``option`` between two others spends passing
-        its blocks' Values on and back (:func:`~distgraph.passes.search.stages.boundary.
+        its blocks' Values on and back (:func:`~distgraph.passes.cost.boundary.
         boundary_seconds`), once per boundary_key; the dict is boundary_seconds' memo."""
         key = boundary_key(option)
         if key not in self._p2p:

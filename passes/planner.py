@@ -73,16 +73,21 @@ SERIAL_MESH = ProcessMesh([0], dim_names=["world"])
 
 
 def plan(built, strategy: Strategy | None = None, cluster=None, rank_mapping=None,
-         ranks=None) -> Plan:
+         ranks=None, choice=None) -> Plan:
     """Plan ``built`` (a BuiltProgram) under ``strategy`` on ``cluster`` (see the module
     docstring). ``rank_mapping`` ({process: device global id}) overrides the rank
     mapper. ``ranks``: the ranks whose processes' programs to compile (None: every
-    process's; a rank of a job compiles its own). Pure: ``built`` is not modified."""
-    strategy = strategy or Strategy()
+    process's; a rank of a job compiles its own). ``choice``: a
+    :class:`~distgraph.passes.search.Choice` to make the plan of instead of searching
+    (``auto_mode="full"``; its strategy is the plan's; checked to fit, not searched
+    again). Pure: ``built`` and ``choice`` are not modified."""
+    strategy = choice.strategy if choice is not None else strategy or Strategy()
     with _cyclic_collector_paused():
         try:
-            return _planned(built, strategy, cluster, rank_mapping, ranks)
+            return _planned(built, strategy, cluster, rank_mapping, ranks, choice)
         except DoesNotFit as e:     # name a memory saver that makes it fit, tried
+            if choice is not None:
+                raise
             raise named_fix(e, strategy, lambda asked: _planned(
                 built, asked, cluster, rank_mapping, ranks=())) from None
 
@@ -103,23 +108,30 @@ def _cyclic_collector_paused():
             gc.enable()
 
 
-def _planned(built, strategy, cluster, rank_mapping, ranks) -> Plan:
+def _planned(built, strategy, cluster, rank_mapping, ranks, given=None) -> Plan:
     _check_supported(strategy)
     if strategy.amp != built.amp:
         raise PlanError(f"Strategy(amp={strategy.amp!r}) plans a program built in "
                         f"{built.amp or 'full precision'}: build it with "
                         f"build_program(..., amp={strategy.amp!r}) (the Engine does)")
+    if given is not None:           # made as chosen: checked, never searched again
+        return _compiled(fitting(strategy, cluster, lambda _: _plan(
+            built, strategy, cluster, rank_mapping, None, None, given), searched=False), ranks)
     session = Session()         # what this planning remembers, across its budget rounds
     return _compiled(fitting(strategy, cluster, lambda budget: _plan(
         built, strategy, cluster, rank_mapping, budget, session)), ranks)
 
 
-def _plan(built, strategy, cluster, rank_mapping, budget, session) -> Plan:
+def _plan(built, strategy, cluster, rank_mapping, budget, session, given=None) -> Plan:
     """One plan of ``built``: under ``auto_mode="full"`` the search's choice within
-    ``budget`` bytes per device (None: the devices' memory as the searches read it),
-    else the program as its annotations place it."""
+    ``budget`` bytes per device (None: the devices' memory as the searches read it), or
+    the ``given`` one; else the program as its annotations place it."""
     choice = None
-    if strategy.auto_mode == "full":
+    if given is not None:           # completed below: on a copy of its program
+        choice = dataclasses.replace(given, built=dataclasses.replace(
+            given.built, program=given.built.program.clone()))
+        copy, strategy, accumulation = choice.built, choice.strategy, choice.accumulation
+    elif strategy.auto_mode == "full":
         # the search (SCIP, the stage DP) is imported by the plans that use it only
         from distgraph.passes.search import choose
 

@@ -23,7 +23,7 @@ import argparse
 import time
 
 import distgraph as dg
-from distgraph.passes.search.intra_op import search
+from distgraph.passes.search.layouts.intra_op import search
 from distgraph.program_builder import build_program
 from distgraph.trace import InputSpec
 

@@ -41,7 +41,7 @@ import numpy as np
 
 from distgraph.errors import PlanError
 from distgraph.passes.cost.formulas import collective_time
-from distgraph.passes.search.ilp import ShardingProblem, solve
+from distgraph.passes.search.layouts.ilp import ShardingProblem, solve
 from distgraph.resources.cluster import Cluster
 
 CLUSTER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "resources",

@@ -20,7 +20,7 @@ Megatron's micro-batch of one sequence per data-parallel replica at dp = 8; with
 micro-batch is 8 sequences, split by the search.
 
 ``--micro-batches auto`` leaves the count to the search (``Strategy(micro_batches=None)``,
-:mod:`distgraph.passes.search.micro`); it is the default with ``--engine``.
+:mod:`distgraph.passes.search.stages.micro`); it is the default with ``--engine``.
 
 With ``--engine`` the model goes through ``Engine.prepare`` as a user's script gives it
 (``dg.Engine(model, CrossEntropyLoss(), AdamW, cluster=..., strategy=Strategy(

@@ -22,8 +22,8 @@ import time
 import numpy as np
 
 import distgraph as dg
-from distgraph.passes.search.auto import search_mesh
-from distgraph.passes.search.intra_op import search
+from distgraph.passes.search.layouts.mesh import search_mesh
+from distgraph.passes.search.layouts.intra_op import search
 from distgraph.program_builder import build_program
 from distgraph.trace import InputSpec
 

@@ -7,7 +7,7 @@ are called (each wrapped for the run, its behaviour unchanged; nested parts are
 included in their callers): the intra-op searches (``intra_op.search``, and
 ``intra_op.price`` of a choice moved to another mesh), their spaces
 (``SearchSpace.__post_init__``), problems (``intra_op._problem``) and, of those, the
-reshard matrices of the edges (``SearchCosts.matrix``), the recursive search
+reshard matrices of the edges (``LayoutPrices.matrix``), the recursive search
 (``solve_recursive``) and SCIP (``ilp.solve``). Then, with two searches, the first's
 planning time as a ratio to the second's, and the ratio it would reach if its problems
 and its recursive search cost nothing (the most a cheaper problem or search can give:
@@ -26,16 +26,19 @@ import contextlib
 import time
 
 import distgraph as dg
-from distgraph.passes.search import auto, costs, intra_op, runs, space, stages
+import distgraph.passes.search as front
+from distgraph.passes.cost import layout_prices
+from distgraph.passes.search.layouts import intra_op, space
+from distgraph.passes.search.stages import pipeline, runs
 from gpt_scale import dgx_cluster, gpt, program
 from megatron_table1 import TABLE1
 
 # (name, the modules or classes whose attribute is called, the attribute): a function
 # imported by name is wrapped where each caller looks it up
-PARTS = (("searches", (runs, auto, stages), "search"), ("pricing moved choices", (runs,), "price"),
+PARTS = (("searches", (runs, front, pipeline), "search"), ("pricing moved choices", (runs,), "price"),
          ("spaces", (space.SearchSpace,), "__post_init__"),
          ("problems", (intra_op,), "_problem"),
-         ("  reshard matrices", (costs.SearchCosts,), "matrix"),
+         ("  reshard matrices", (layout_prices.LayoutPrices,), "matrix"),
          ("recursive search", (intra_op,), "solve_recursive"), ("SCIP", (intra_op,), "solve"))
 
 

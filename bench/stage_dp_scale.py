@@ -32,7 +32,7 @@ import math
 import time
 
 from distgraph.passes.cost.formulas import collective_time
-from distgraph.passes.search.stage_dp import StageCost, plan_stages
+from distgraph.passes.search.stages.stage_dp import StageCost, plan_stages
 from distgraph.resources.cluster import Cluster, Device, Link, Machine, Switch
 
 A100 = ("A100-SXM4-40GB", 19500.0, 40.0)

@@ -46,6 +46,17 @@ class Role(Kind):
 
 ROLES = tuple(Role)
 
+# Recomputation (distgraph.passes.transforms.recompute) copies forward ops into the
+# backward; the Values a copy makes are named after the originals with this suffix. A
+# copy is work the hardware does again, not the model's: model FLOPs leave it out.
+RECOMPUTED = "@RECOMPUTE"
+
+
+def is_recomputed(op) -> bool:
+    """Whether ``op`` is recomputation's copy of a forward op (its results are named
+    ``<original>@RECOMPUTE``)."""
+    return bool(op.outputs) and all(o.name.endswith(RECOMPUTED) for o in op.outputs)
+
 
 @dataclass(eq=False)
 class Value:

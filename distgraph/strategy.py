@@ -15,15 +15,15 @@ AMP_DTYPES = ("bfloat16", "float16")
 class Strategy:
     """``auto_mode``: "semi" completes from annotations; "full" searches the layouts
     (Alpa's intra-op ILP, within ``solver_time_limit`` seconds per search and
-    ``memory_budget_gb`` per device; :mod:`distgraph.passes.search.intra_op`), and with
-    ``pipeline=True`` the stages too (:mod:`distgraph.passes.search.stages`). ``search``
+    ``memory_budget_gb`` per device; :mod:`distgraph.passes.search.layouts.intra_op`), and with
+    ``pipeline=True`` the stages too (:mod:`distgraph.passes.search.stages.pipeline`). ``search``
     picks who chooses the layouts there: "ilp" (SCIP), "recursive" (the double-recursive
-    search, linear in the graph: :mod:`distgraph.passes.search.recursive`) or "auto" (the
+    search, linear in the graph: :mod:`distgraph.passes.search.layouts.recursive`) or "auto" (the
     recursive search prices what the stage DP compares, SCIP refines the chosen stages;
     the default, None, means "auto": ``search_method`` is the one in effect).
     ``micro_batches`` > 1 enables gradient accumulation / pipelining with ``schedule``
     (None, with ``auto_mode="full"`` and ``pipeline=True``: the stage search chooses it,
-    :mod:`distgraph.passes.search.micro`)
+    :mod:`distgraph.passes.search.stages.micro`)
     ("1F1B", "FThenB", "ZB" or "ZBV"); ``virtual_stages`` v > 1 cuts the forward into
     ``v`` chunks per stage mesh, chunk c on stage c mod S (interleaved 1F1B or zero
     bubble; "ZBV" places two chunks per stage in a V; with ``auto_mode="full"`` and

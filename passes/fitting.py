@@ -36,16 +36,18 @@ from distgraph.units import GB
 BUDGET_ROUNDS = 4
 
 
-def fitting(strategy, cluster, plan_once):
+def fitting(strategy, cluster, plan_once, searched: bool | None = None):
     """``plan_once(budget)`` (a Plan with its estimate; ``budget``: bytes per device for
     the search, None: none beyond what the search reads from the devices) that fits
     ``cluster``'s devices (module docstring). Without a cluster there is no memory to
-    fit: the plan as made."""
+    fit: the plan as made. ``searched``: whether a lower budget can change the plan
+    (default: under ``auto_mode="full"``)."""
     if cluster is None:
         return plan_once(None)
     given = strategy.memory_budget_gb
     budget = None if given is None else given * GB
-    searched = strategy.auto_mode == "full"
+    if searched is None:
+        searched = strategy.auto_mode == "full"
     closest = floor = None
     for _ in range(BUDGET_ROUNDS if searched else 1):
         try:

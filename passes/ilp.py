@@ -1,4 +1,4 @@
 """The path of milestone 2's public ILP contract; the solver lives in
-:mod:`distgraph.passes.search.ilp`."""
+:mod:`distgraph.passes.search.layouts.ilp`."""
 
-from distgraph.passes.search.ilp import *  # noqa: F401,F403
+from distgraph.passes.search.layouts.ilp import *  # noqa: F401,F403

@@ -28,7 +28,7 @@ Example::
     built = build_program(model, [InputSpec([8, 16], name="x")], [InputSpec([8, 4], name="y")],
                           loss=dg.nn.MSELoss(), optimizer=dg.optim.SGD(0.1))
     p = dg.passes.plan(built, dg.Strategy(), cluster=None)
-    print(p.explain())            # processes, stages, layouts, reshards with bytes
+    print(p.explain())            # per stage: devices, layout, memory, time, MFU
     p.program_of(1)               # what process 1 runs, compiled
 """
 
@@ -53,16 +53,16 @@ from distgraph.passes.fitting import fitting, named_fix
 from distgraph.passes.mapping.devices import assign_devices
 from distgraph.passes.mapping.rank_mapping import map_ranks
 from distgraph.passes.mapping.traffic import traffic_graph as process_graph
-from distgraph.passes.meshslice.slices import assign_slices, check_meshes, enable, uses
+from distgraph.passes.meshslice.slices import assign_slices, check_meshes, uses
 from distgraph.passes.partition import Partitions, process_ids
-from distgraph.passes.pipeline.accumulate import split_micro_batches
+from distgraph.passes.prepare import prepared
 from distgraph.passes.pipeline.chunks import (chunk_meshes, chunk_of_ops, forward_chunks,
                                               place_chunks)
 from distgraph.passes.pipeline.compile import compile_process
 from distgraph.passes.pipeline.schedule import schedule_of
 from distgraph.passes.pipeline.task_graph import build_task_graph
-from distgraph.passes.samples import SampleAnalyses, sample_axes
-from distgraph.passes.transforms.recompute import recompute, segments
+from distgraph.passes.session import Session
+from distgraph.passes.samples import sample_axes
 from distgraph.passes.transforms.sequence_parallel import sequence_parallel
 from distgraph.passes.transforms.zero import shard_updates
 from distgraph.plan.plan import Plan
@@ -73,16 +73,21 @@ SERIAL_MESH = ProcessMesh([0], dim_names=["world"])
 
 
 def plan(built, strategy: Strategy | None = None, cluster=None, rank_mapping=None,
-         ranks=None) -> Plan:
+         ranks=None, choice=None) -> Plan:
     """Plan ``built`` (a BuiltProgram) under ``strategy`` on ``cluster`` (see the module
     docstring). ``rank_mapping`` ({process: device global id}) overrides the rank
     mapper. ``ranks``: the ranks whose processes' programs to compile (None: every
-    process's; a rank of a job compiles its own). Pure: ``built`` is not modified."""
-    strategy = strategy or Strategy()
+    process's; a rank of a job compiles its own). ``choice``: a
+    :class:`~distgraph.passes.search.Choice` to make the plan of instead of searching
+    (``auto_mode="full"``; its strategy is the plan's; checked to fit, not searched
+    again). Pure: ``built`` and ``choice`` are not modified."""
+    strategy = choice.strategy if choice is not None else strategy or Strategy()
     with _cyclic_collector_paused():
         try:
-            return _planned(built, strategy, cluster, rank_mapping, ranks)
+            return _planned(built, strategy, cluster, rank_mapping, ranks, choice)
         except DoesNotFit as e:     # name a memory saver that makes it fit, tried
+            if choice is not None:
+                raise
             raise named_fix(e, strategy, lambda asked: _planned(
                 built, asked, cluster, rank_mapping, ranks=())) from None
 
@@ -103,50 +108,53 @@ def _cyclic_collector_paused():
             gc.enable()
 
 
-def _planned(built, strategy, cluster, rank_mapping, ranks) -> Plan:
+def _planned(built, strategy, cluster, rank_mapping, ranks, given=None) -> Plan:
     _check_supported(strategy)
     if strategy.amp != built.amp:
         raise PlanError(f"Strategy(amp={strategy.amp!r}) plans a program built in "
                         f"{built.amp or 'full precision'}: build it with "
                         f"build_program(..., amp={strategy.amp!r}) (the Engine does)")
-    runs: dict = {}     # micro-batch count -> (split program, its accumulation, options)
-    analyses = SampleAnalyses()     # the counts' sample analyses, shared where alike
-    if strategy.micro_batches is None:
-        # the search chooses M (passes/search/micro.py); the plan's strategy names it
-        from distgraph.passes.search.micro import choose_micro_batches
+    if given is not None:           # made as chosen: checked, never searched again
+        return _compiled(fitting(strategy, cluster, lambda _: _plan(
+            built, strategy, cluster, rank_mapping, None, None, given), searched=False), ranks)
+    session = Session()         # what this planning remembers, across its budget rounds
+    return _compiled(fitting(strategy, cluster, lambda budget: _plan(
+        built, strategy, cluster, rank_mapping, budget, session)), ranks)
 
-        strategy = dataclasses.replace(strategy, micro_batches=choose_micro_batches(
-            built, strategy, cluster, lambda b, s, m: _latency(b, s, cluster, m, runs, analyses),
-            lambda b, s, m, seconds: _beaten(b, s, cluster, m, seconds, runs, analyses)))
-    accumulation = reuse = None
-    if strategy.micro_batches in runs:
-        built, accumulation, reuse = runs[strategy.micro_batches]
-    elif strategy.micro_batches > 1:
-        built, accumulation = split_micro_batches(built, strategy.micro_batches, analyses)
+
+def _plan(built, strategy, cluster, rank_mapping, budget, session, given=None) -> Plan:
+    """One plan of ``built``: under ``auto_mode="full"`` the search's choice within
+    ``budget`` bytes per device (None: the devices' memory as the searches read it), or
+    the ``given`` one; else the program as its annotations place it."""
+    choice = None
+    if given is not None:           # completed below: on a copy of its program
+        choice = dataclasses.replace(given, built=dataclasses.replace(
+            given.built, program=given.built.program.clone()))
+        copy, strategy, accumulation = choice.built, choice.strategy, choice.accumulation
+    elif strategy.auto_mode == "full":
+        # the search (SCIP, the stage DP) is imported by the plans that use it only
+        from distgraph.passes.search import choose
+
+        choice = choose(built, strategy, cluster, budget, session)
+        copy, strategy, accumulation = choice.built, choice.strategy, choice.accumulation
+    else:
+        copy, accumulation = prepared(built, strategy, strategy.micro_batches)
     try:
-        planned = fitting(strategy, cluster, lambda budget: _plan(
-            built, strategy, cluster, rank_mapping, accumulation, budget, reuse))
+        return _made(built, copy, strategy, cluster, rank_mapping, accumulation, choice)
     except ShardingError as e:
         if accumulation is None:
             raise
         raise ShardingError(f"{e} (with Strategy(micro_batches={accumulation.micro_batches}) "
                             f"the program runs on micro-batches of "
                             f"{accumulation.micro_batch_rows} rows)") from None
-    return _compiled(planned, ranks)
 
 
-def _plan(built, strategy, cluster, rank_mapping, accumulation, ilp_budget=None,
-          runs=None) -> Plan:
-    """One plan of ``built`` (split into micro-batches as ``accumulation`` says); under
-    ``auto_mode="full"`` searched within ``ilp_budget`` bytes per device (None: the
-    devices' memory as the searches count it)."""
-    copy, searched = _completed(built, strategy, cluster, accumulation, ilp_budget, runs=runs)
-    rank_mapping = rank_mapping or (searched.rank_mapping if searched is not None else None)
-    interleaved = getattr(searched.result, "chunks", None) if searched is not None else None
-    if strategy.auto_mode == "full" and strategy.virtual_stages > 1:
-        # the stage search chose how many chunks per stage (up to the strategy's)
-        strategy = dataclasses.replace(strategy, virtual_stages=interleaved[1]
-                                       if interleaved is not None else 1)
+def _made(built, copy, strategy, cluster, rank_mapping, accumulation, choice) -> Plan:
+    """The Plan of ``copy`` (the program the plan runs, annotated by the user or by the
+    search's ``choice``): completed, partitioned, mapped, scheduled and estimated."""
+    _completed(copy, strategy, cluster, choice)
+    rank_mapping = rank_mapping or (choice.rank_mapping if choice is not None else None)
+    interleaved = choice.chunks if choice is not None else None
     program = copy.program
     if interleaved is not None:             # the search placed the chunks (_completed)
         stages = tuple(interleaved[0])
@@ -166,8 +174,9 @@ def _plan(built, strategy, cluster, rank_mapping, accumulation, ilp_budget=None,
                             f"model's parts on several meshes")
         meshes = chunk_meshes(stages, virtual, strategy.schedule == "ZBV")
         cut = forward_chunks(program, len(meshes), why)
-        copy, _ = _completed(built, strategy, cluster, accumulation, ilp_budget,
-                             chunks=(stages, cut, meshes), runs=runs)
+        # the annotated program again, each chunk's ops moved to its mesh first
+        copy, _ = prepared(built, strategy, strategy.micro_batches)
+        _completed(copy, strategy, cluster, None, chunks=(stages, cut, meshes))
         program = copy.program
         placed = {op.dist_attr.mesh for op in program.ops if op.role in stage_order.FORWARD}
         if placed != set(stages):
@@ -191,10 +200,10 @@ def _plan(built, strategy, cluster, rank_mapping, accumulation, ilp_budget=None,
                    accumulation=accumulation, devices=assign_devices(cluster, len(ids)),
                    groups=partitions.groups(), locals=partitions,
                    sliced=tuple(uses(program)) if distributed else ())
-    if searched is not None:
-        planned = dataclasses.replace(planned, search=searched.result.report)
+    if choice is not None:
+        planned = dataclasses.replace(planned, search=choice.report)
     if strategy.balance:
-        planned = run_split(_balanced(planned, cluster, searched is not None))
+        planned = run_split(_balanced(planned, cluster, choice is not None))
     graph = build_task_graph(planned, planned.locals,
                              chunk_of_ops(planned.program, meshes, cut), meshes)
     order = (member_schedule_of(planned, graph) if runs_own_counts(planned)
@@ -209,39 +218,31 @@ def _plan(built, strategy, cluster, rank_mapping, accumulation, ilp_budget=None,
     return planned
 
 
-def _completed(built, strategy, cluster, accumulation, ilp_budget, chunks=None, runs=None):
-    """A completed copy of ``built`` (recomputation, the search's annotations, ZeRO
-    sharding applied); with ``chunks`` (stages, cut, chunk meshes) every chunk's ops
-    are moved to its mesh first; ``runs``: the stage options the micro-batch search
-    built for this program. (copy, the search's result or None)."""
-    copy = _transformed(built, strategy)
+def _completed(copy, strategy, cluster, choice, chunks=None) -> None:
+    """Complete ``copy``'s program in place: with ``chunks`` (stages, cut, chunk meshes)
+    every chunk's ops moved to its mesh first (or where the search interleaved its
+    stages, as it placed them), the search's choice checked as completion kept it,
+    sequence parallelism and ZeRO sharding applied as asked."""
     program = copy.program
-    searched = None
-    if strategy.auto_mode == "full":
-        from distgraph.passes.search.auto import annotate
-
-        searched = annotate(copy, strategy, cluster, accumulation, ilp_budget, runs)
-        interleaved = getattr(searched.result, "chunks", None)
-        if chunks is None and interleaved is not None:
-            # the stage search interleaved its alike stages: chunk c on stage c mod S
-            stages, virtual = interleaved
-            meshes = chunk_meshes(stages, virtual, False)
-            chunks = (stages, forward_chunks(program, len(meshes),
-                                             f"Strategy(virtual_stages={virtual})"), meshes)
+    if choice is not None and chunks is None and choice.chunks is not None:
+        # the stage search interleaved its alike stages: chunk c on stage c mod S
+        stages, virtual = choice.chunks
+        meshes = chunk_meshes(stages, virtual, False)
+        chunks = (stages, forward_chunks(program, len(meshes),
+                                         f"Strategy(virtual_stages={virtual})"), meshes)
     if chunks is not None:
         place_chunks(program, *chunks)
     updates = bool(program.ops_by_role("optimize"))
     if _is_annotated(program):
         complete(program, cluster=cluster)      # conflicts priced on the cluster's links
-        if searched is not None:                # as chosen, before ZeRO shards the states
-            searched.result.check(program)
+        if choice is not None:                  # as chosen, before ZeRO shards the states
+            choice.check(program)
         if strategy.sequence_parallel and sequence_parallel(program):
             complete(program, cluster=cluster)
         if strategy.sharding and updates:
             dim = strategy.sharding_mesh_dim
-            if searched is not None:            # the search named the mesh dims
-                from distgraph.passes.search.sharded_states import sharding_dim
-                dim = sharding_dim(strategy)
+            if choice is not None:              # the search named the mesh dims
+                dim = choice.sharding_dim
             _shard_updates(program, dim, cluster)
     else:
         if strategy.sharding and updates:
@@ -250,68 +251,6 @@ def _completed(built, strategy, cluster, accumulation, ilp_budget, chunks=None, 
                             "annotate its inputs with dg.shard_tensor(x, mesh, ['dp', ...])")
         complete(program, default_mesh=SERIAL_MESH)
     check_meshes(program, strategy)
-    return copy, searched
-
-
-def _transformed(built, strategy):
-    """A copy of ``built`` with MeshSlice enabled and recomputation applied as asked."""
-    program = built.program.clone()
-    copy = dataclasses.replace(built, program=program)
-    if strategy.meshslice:
-        enable(program, strategy.meshslice)
-    if strategy.recompute and program.ops_by_role("backward"):
-        recompute(program, segments(copy, strategy.recompute))
-    return copy
-
-
-def _latency(built, strategy, cluster, micro: int, runs: dict, analyses=None) -> float:
-    """The stage search's latency for ``built`` split into ``micro`` micro-batches; the
-    split program, its accumulation and the stage options that priced it go into
-    ``runs`` under ``micro`` (those :func:`_beaten` began are reused)."""
-    from distgraph.passes.search.stages import pipeline_latency
-
-    costs = None
-    if micro in runs and runs[micro][2] is not None:
-        built, accumulation, costs = runs[micro]
-        copy = costs.copy
-    else:
-        built, accumulation = _split(built, micro, analyses)
-        copy = _transformed(built, strategy)
-    budget = None if strategy.memory_budget_gb is None else strategy.memory_budget_gb * 1e9
-    latency, costs = pipeline_latency(copy, strategy, cluster, accumulation, budget, costs,
-                                      _seed(runs))
-    runs[micro] = (built, accumulation, costs)
-    return latency
-
-
-def _beaten(built, strategy, cluster, micro: int, seconds: float, runs: dict,
-            analyses=None) -> bool:
-    """Whether the stage search finds no plan of ``micro`` micro-batches below
-    ``seconds`` per step (its bound, then its search below ``seconds``); the stage
-    options it searched go into ``runs`` (see :func:`_latency`)."""
-    from distgraph.passes.search.stages import pipeline_beaten
-
-    built, accumulation = _split(built, micro, analyses)
-    budget = None if strategy.memory_budget_gb is None else strategy.memory_budget_gb * 1e9
-    beaten, costs = pipeline_beaten(_transformed(built, strategy), strategy, cluster,
-                                    accumulation, seconds, _seed(runs), budget)
-    if costs is not None:
-        runs[micro] = (built, accumulation, costs)
-    return beaten
-
-
-def _seed(runs: dict):
-    """The stage options of the first micro-batch count priced in full (searched, not
-    seeded): the later counts price its layouts on their programs (:mod:`distgraph.
-    passes.search.runs`); None before it."""
-    return next((costs for _, _, costs in runs.values() if costs is not None and
-                 costs.planned and costs.seed is None), None)
-
-
-def _split(built, micro: int, analyses=None) -> tuple:
-    """(``built`` split into ``micro`` micro-batches, its accumulation or None);
-    ``analyses``: the sample analyses shared by the counts tried."""
-    return split_micro_batches(built, micro, analyses) if micro > 1 else (built, None)
 
 
 def _balanced(planned: Plan, cluster, searched: bool) -> Plan:

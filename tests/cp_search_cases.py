@@ -92,16 +92,16 @@ def splits_sequence(result, seq: int) -> bool:
 
 
 def unsplit_stage_plan(rows: int, seq: int, budget_gb: float):
-    """The stage DP of the search (:func:`~distgraph.passes.search.run_dp.plan_runs`) on
+    """The stage DP of the search (:func:`~distgraph.passes.search.stages.run_dp.plan_runs`) on
     the options it builds for the program, less every option whose choice splits the
     sequence, on devices of ``budget_gb``: a PlanError where none of them fits."""
     import dataclasses
 
     from distgraph.passes.pipeline.accumulate import split_micro_batches
-    from distgraph.passes.search.layers import block_layers
-    from distgraph.passes.search.run_dp import plan_runs
-    from distgraph.passes.search.runs import RunCosts
-    from distgraph.passes.search.stages import _capped
+    from distgraph.passes.search.stages.layers import block_layers
+    from distgraph.passes.search.stages.run_dp import plan_runs
+    from distgraph.passes.search.stages.runs import RunCosts
+    from distgraph.passes.search.stages.pipeline import _capped
 
     built, _ = built_program(rows, seq)
     built, _ = split_micro_batches(built, MICRO)

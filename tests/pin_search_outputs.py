@@ -8,14 +8,14 @@ shows there, entry by entry, and a deliberate one is re-pinned with a reviewed d
 The corpus (each entry an answer of the code, floats as ``repr`` writes them, so a
 change in the last bit shows):
 
-* ``run_dp/random/<seed>/<fit_memory>``: :func:`~distgraph.passes.search.run_dp.plan_runs`
+* ``run_dp/random/<seed>/<fit_memory>``: :func:`~distgraph.passes.search.stages.run_dp.plan_runs`
   on the random cases of tests/test_run_dp.py (``random_case``, seeds 0-11, one and two
   device meshes, memory a limit or not): the stages (layers, mesh, shape, devices, time,
   memory), objective, caps solved (``dp_runs``) and the index of each stage's option.
 * ``run_dp/twins/<seed>``: the same on those cases with a twin of every other option (as
   fast, twice the parameters, half the activations: ties for the walk, options the
   pruning keeps or drops) and the stages' transfers priced.
-* ``recursive/random/<seed>``: :func:`~distgraph.passes.search.recursive.solve_recursive`
+* ``recursive/random/<seed>``: :func:`~distgraph.passes.search.layouts.recursive.solve_recursive`
   on the random problems of tests/test_ilp.py (``random_problem``, seeds 0-149: budgets,
   aliases, ties, forbidden strategies), as drawn and under 0.8, 0.5 and 0.3 of the peak
   of its choice without a budget (the memory ladder): choice, objective, status, peak and
@@ -46,9 +46,9 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "bench"))
 
 import distgraph as dg  # noqa: E402
-from distgraph.passes.search.recursive import solve_recursive  # noqa: E402
-from distgraph.passes.search.run_dp import plan_runs  # noqa: E402
-from distgraph.passes.search.runs import PartCost, RunOption  # noqa: E402
+from distgraph.passes.search.layouts.recursive import solve_recursive  # noqa: E402
+from distgraph.passes.search.stages.run_dp import plan_runs  # noqa: E402
+from distgraph.passes.search.stages.runs import PartCost, RunOption  # noqa: E402
 
 PINNED = os.path.join(HERE, "data", "search_outputs.json")
 SHARES = (0.8, 0.5, 0.3)                # budgets: shares of the unbudgeted choice's peak

@@ -105,7 +105,8 @@ def test_plan_with_micro_batches():
                        dg.Strategy(micro_batches=4, schedule="ZB"))
     assert p.micro_batches == 4
     assert p.program.inputs[0].shape[0] == 2
-    text = p.explain()
+    assert "gradient accumulation: 4 micro-batches of 2 rows" in p.explain()
+    text = p.explain(full=True)
     assert "gradient accumulation: 4 micro-batches of 2 rows" in text
     assert "schedule ZB, 4 micro-batch(es):\n    process 0: 0F0 0F1 0I0" in text
     d = p.to_dict()

@@ -73,8 +73,9 @@ def test_a_half_speed_device_gets_fewer_rows_and_the_step_gets_shorter(kind, dim
     # the busy times, not the device, now set the step: both within a row's work
     busy = [p.busy for p in bal.estimate.processes]
     assert max(busy) < max(p.busy for p in before.processes)
-    text = bal.explain()
+    text = bal.explain(full=True)
     assert f"processes 1: {slow} rows (rows {fast}-32" in text and "SCIP optimal" in text
+    assert f"fewest rows {slow} (processes 1), most {fast} (processes 0)" in bal.explain()
     assert bal.to_dict()["batch_split"]["members"][1]["rows"] == slow
 
 

@@ -1,6 +1,6 @@
 """Boundary and point-to-point prices on arrays and memos, against the plain path.
 
-The stage search prices each stage's boundary (passes/search/boundary.py) from
+The stage search prices each stage's boundary (passes/cost/boundary.py) from
 cross-mesh reshards whose send_recv steps carry hundreds of tiles. The fast path looks a
 message's device pairs up at once (``Cluster.pairs``), prices a send_recv's messages
 once for every process that asks (``steps_time``) and keeps each Value's steps and price
@@ -26,10 +26,10 @@ from distgraph.passes.cost.formulas import link_rates
 from distgraph.passes.cost.prices import (Rings, groups_along, reshard_step_time,
                                           send_recv_time, software_time, steps_time)
 from distgraph.passes.reshard import plan_reshard
-from distgraph.passes.search.boundary import _pieces, _value_seconds, boundary_seconds
-from distgraph.passes.search.layers import block_layers
-from distgraph.passes.search.runs import RunCosts
-from distgraph.passes.search.space import layouts
+from distgraph.passes.cost.boundary import _pieces, _value_seconds, boundary_seconds
+from distgraph.passes.search.stages.layers import block_layers
+from distgraph.passes.search.stages.runs import RunCosts
+from distgraph.passes.search.layouts.space import layouts
 from distgraph.plan.kinds import StepKind
 from distgraph.program_builder import build_program
 

@@ -1,4 +1,4 @@
-"""The price of a choice moved to another mesh (passes/search/charges.py,
+"""The price of a choice moved to another mesh (passes/search/layouts/charges.py,
 ``intra_op.price``) equals, bit for bit, the objective and peak the full problem of the
 moved space gives it (``intra_op._problem``: every term as the ILP sees it, each edge a
 matrix), per node memory and liveness alike: on random choices of MLP, GPT, Llama and
@@ -21,11 +21,12 @@ from distgraph.errors import PlanError  # noqa: E402
 from distgraph.ir import Role  # noqa: E402
 from distgraph.mesh import ProcessMesh  # noqa: E402
 from distgraph.nn.mixtral import Mixtral, MixtralConfig  # noqa: E402
-from distgraph.passes.search import intra_op, runs  # noqa: E402
-from distgraph.passes.search.costs import SearchCosts  # noqa: E402
-from distgraph.passes.search.ilp_problem import (ShardingProblem, evaluate,  # noqa: E402
+from distgraph.passes.search.layouts import intra_op  # noqa: E402
+from distgraph.passes.search.stages import runs  # noqa: E402
+from distgraph.passes.cost.layout_prices import LayoutPrices  # noqa: E402
+from distgraph.passes.search.layouts.ilp_problem import (ShardingProblem, evaluate,  # noqa: E402
                                                  peak_memory)
-from distgraph.passes.search.space import SearchSpace  # noqa: E402
+from distgraph.passes.search.layouts.space import SearchSpace  # noqa: E402
 from distgraph.program_builder import build_program  # noqa: E402
 
 import search_cases as S  # noqa: E402
@@ -120,7 +121,7 @@ def test_moved_random_choices_price_as_the_full_problem(file, make):
     program = built.program
     rng = np.random.default_rng(len(program.ops))
     here, here_devices = _mesh((2, 2), devices, 0)
-    space = SearchSpace(program, here, rules=SearchCosts(cluster, here, here_devices).rules)
+    space = SearchSpace(program, here, rules=LayoutPrices(cluster, here, here_devices).rules)
     targets = [(2, 1), (1, 2), (1, 4), (2, 2)] if len(devices) >= 8 else [(1, 2), (2, 1),
                                                                            (2, 2)]
     priced = 0
@@ -132,7 +133,7 @@ def test_moved_random_choices_price_as_the_full_problem(file, make):
             moved = space.rebind(mesh, choice)
         except PlanError:                   # a layout that does not divide there
             continue
-        costs = SearchCosts(cluster, mesh, device_of)
+        costs = LayoutPrices(cluster, mesh, device_of)
         for kw in ({}, {"weights": WEIGHTS, "loss": built.loss_name},
                    {"weights": WEIGHTS, "loss": built.loss_name, "zero": "x"}):
             priced += _same(moved, cluster, device_of, costs, **kw)
@@ -145,7 +146,7 @@ def test_moved_random_choices_price_as_the_full_problem(file, make):
             moved = found.space.rebind(mesh, found.choice)
         except PlanError:
             continue
-        costs = SearchCosts(cluster, mesh, device_of)
+        costs = LayoutPrices(cluster, mesh, device_of)
         assert _same(moved, cluster, device_of, costs, loss=built.loss_name,
                      weights=WEIGHTS, zero="x")
         priced += 1

@@ -16,7 +16,7 @@ import search_cases as S
 from distgraph.passes.completion.complete import CompletionSetup, _Completion
 from distgraph.passes.partition import partition, process_ids
 from distgraph.passes.completion.resolution import ReshardPricer
-from distgraph.passes.search.costs import SearchCosts
+from distgraph.passes.cost.layout_prices import LayoutPrices
 from distgraph.passes.transforms.zero import shard_updates
 
 import distgraph as dg
@@ -196,7 +196,7 @@ def test_on_a_cluster_a_reshard_costs_what_the_search_charges():
     cluster = two_machines(0.5)
     src, dst = dg.spmd.DimsSpec(("x", None)), dg.spmd.DimsSpec((None, None))
     edge = ReshardPricer(cluster).edge("input", "t", XY, src, dst, (8, 16), "float32")
-    search = SearchCosts(cluster, XY, {p: p for p in range(6)})
+    search = LayoutPrices(cluster, XY, {p: p for p in range(6)})
     assert edge.time == search.reshard(dg.ShardSpec(["x", None]), dg.ShardSpec([None, None]),
                                        (8, 16), "float32")
     assert edge.time == pytest.approx(1e-6 + 1 / 2 * 8 * 16 * 4 / (0.5e9 / 3))

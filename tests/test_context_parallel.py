@@ -366,7 +366,7 @@ def test_sequence_parallel_cuts_the_context_parallel_block_over_mp(float64, form
             assert op.dist_attr.input_specs[0].entry(2) == ("cp",)
     assert all(op.attrs["context_parallel"] == form for op in plan.local(0).program.ops
                if op.type.startswith("attention"))
-    inside = plan.explain()
+    inside = plan.explain(full=True)
     inside = inside[inside.index("collectives inside ops"):]
     kind = "all_to_all" if form == "ulysses" else "send_recv"
     assert f"attention [{form}] (layers.0.self_attn) over (0, 2): {kind} n=2" in inside
@@ -374,18 +374,18 @@ def test_sequence_parallel_cuts_the_context_parallel_block_over_mp(float64, form
 
 
 def test_plan_explains_attention_collectives(float64):
-    """Plan.explain() lists the attention ops' collectives among those inside ops, with
+    """Plan.explain(full=True) lists the attention ops' collectives among those inside ops, with
     their form: Ulysses' all-to-alls, the ring's hops (n - 1 of k, v forward; and n of
     dk, dv in the gradient). Ulysses where the heads do not divide (4 heads, cp 8) is a
     PlanError that says how to fix it."""
     built, _ = _built(2, "ulysses")
-    text = dg.passes.plan(built).explain()
+    text = dg.passes.plan(built).explain(full=True)
     inside = text[text.index("collectives inside ops"):]
     assert "attention [ulysses] (layers.0.self_attn) over (0, 1): all_to_all n=2" in inside
     assert "attention_grad [ulysses] (layers.1.self_attn) over (0, 1): all_to_all n=2" \
         in inside
     ring, _ = _built(4, "ring")
-    lines = dg.passes.plan(ring).explain().splitlines()
+    lines = dg.passes.plan(ring).explain(full=True).splitlines()
     forward = [x for x in lines if "attention [ring] (layers.0.self_attn)" in x]
     backward = [x for x in lines if "attention_grad [ring] (layers.0.self_attn)" in x]
     assert len(forward) == 3 and all("send_recv n=2" in x for x in forward)

@@ -110,9 +110,9 @@ def test_options_offer_dp_cp_tp_where_the_rows_cannot_fill_x(float64):
     import dataclasses
 
     from distgraph.passes.pipeline.accumulate import split_micro_batches
-    from distgraph.passes.search.layers import block_layers
-    from distgraph.passes.search.runs import RunCosts
-    from distgraph.passes.search.space import logical_dims
+    from distgraph.passes.search.stages.layers import block_layers
+    from distgraph.passes.search.stages.runs import RunCosts
+    from distgraph.passes.search.layouts.space import logical_dims
 
     built, _ = C.built_program(32, 512)
     built, _ = split_micro_batches(built, C.MICRO)
@@ -148,11 +148,11 @@ def test_variants_searched_in_stages_keep_the_plan_of_every_variant(float64, cas
     import dataclasses
 
     from distgraph.passes.pipeline.accumulate import split_micro_batches
-    from distgraph.passes.search.block_plans import plan_blocks
-    from distgraph.passes.search.layers import block_layers
-    from distgraph.passes.search.run_dp import plan_runs
-    from distgraph.passes.search.runs import RunCosts
-    from distgraph.passes.search.stages import _capped
+    from distgraph.passes.search.stages.block_plans import plan_blocks
+    from distgraph.passes.search.stages.layers import block_layers
+    from distgraph.passes.search.stages.run_dp import plan_runs
+    from distgraph.passes.search.stages.runs import RunCosts
+    from distgraph.passes.search.stages.pipeline import _capped
 
     built, _ = C.built_program(*case)
     built, _ = split_micro_batches(built, C.MICRO)

@@ -189,7 +189,10 @@ def test_estimate_prints_and_exports(float64):
     p = train_plan(MLP(dg.ProcessMesh([0, 1], ["dp"]), ["dp", None]))
     est = dg.passes.estimate(p, cluster(2))
     text = str(est)
-    assert "compute" in text and "process 1 (device 1, stage 0)" in text
+    # alike processes share a line; per_process() gives each its own
+    assert "compute" in text and "processes 0, 1 (devices 0, 1, stage 0)" in text
+    assert "process 1 (device 1, stage 0)" not in text
+    assert "process 1 (device 1, stage 0)" in est.per_process()
     data = est.to_dict()
     assert data["peak_memory"] == max(q["peak_memory"] for q in data["processes"])
     with pytest.raises(dg.PlanError, match="2 processes but the cluster has 1"):

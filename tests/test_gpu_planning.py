@@ -113,20 +113,20 @@ def _plan_on(kind, name, n, gpus, **strategy):
 
 
 def test_explain_names_the_backend_and_each_mesh_dims_communicator():
-    shared = _plan_on("gpt", "dp_tp", 4, 1).explain()
+    shared = _plan_on("gpt", "dp_tp", 4, 1).explain(full=True)
     assert "backend: cupy; GPU 0 of localhost: ranks 0, 1, 2, 3 (sharing it: MPI with " \
            "host staging between them)" in shared
     assert "mesh dim 'dp' of" in shared and "mesh dim 'mp' of" in shared
     assert f"{STAGED} for ranks" in shared and NCCL not in shared
     own = _plan_on("gpt", "dp_tp", 4, 4)
-    text = own.explain()
+    text = own.explain(full=True)
     assert "backend: cupy; GPU 0 of localhost: rank 0; GPU 1 of localhost: rank 1" in text
     assert f"mesh dim 'dp' of ProcessMesh([[0, 1], [2, 3]], dims=[dp, mp]): {NCCL} for " \
            "ranks" in text and STAGED not in text
     assert own.to_dict()["placement"]["backend"] == CUPY
-    pipeline = _plan_on("mlp", "two_stage", 2, 2, micro_batches=2).explain()
+    pipeline = _plan_on("mlp", "two_stage", 2, 2, micro_batches=2).explain(full=True)
     assert f"point to point: {NCCL} for ranks (0, 1), (1, 0)" in pipeline
-    cpu = D.planned("mlp", "dp", 2, dg.Cluster.local(2))[0].explain()
+    cpu = D.planned("mlp", "dp", 2, dg.Cluster.local(2))[0].explain(full=True)
     assert "backend: numpy on CPU ranks" in cpu and f"{MPI} for ranks (0, 1)" in cpu
 
 

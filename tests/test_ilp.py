@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from distgraph.errors import PlanError
-from distgraph.passes.search.ilp import (ShardingProblem, evaluate, peak_bound, peak_memory,
+from distgraph.passes.search.layouts.ilp import (ShardingProblem, evaluate, peak_bound, peak_memory,
                                          reduce_problem, solve, unique_rows)
 
 

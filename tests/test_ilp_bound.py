@@ -1,5 +1,5 @@
 """The proven lower bound that lets Strategy(search="auto") skip SCIP
-(passes/search/ilp_bound.py): on random small problems it never exceeds the brute-force
+(passes/search/layouts/ilp_bound.py): on random small problems it never exceeds the brute-force
 optimum, whatever its multipliers; whenever it says a start cannot be improved, SCIP run
 anyway from that start gains nothing above GAIN_RTOL; solve(bounded=True) then returns
 the start without a model, and otherwise what SCIP returns."""
@@ -13,10 +13,10 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from distgraph.passes.search.ilp import evaluate, peak_memory, reduce_problem, solve  # noqa: E402
-from distgraph.passes.search.ilp_bound import GAIN_RTOL, bound, lp_bound, proven_gap  # noqa: E402
-from distgraph.passes.search.recursive import solve_recursive  # noqa: E402
-from distgraph.passes.search.tree_moves import objective  # noqa: E402
+from distgraph.passes.search.layouts.ilp import evaluate, peak_memory, reduce_problem, solve  # noqa: E402
+from distgraph.passes.search.layouts.ilp_bound import GAIN_RTOL, bound, lp_bound, proven_gap  # noqa: E402
+from distgraph.passes.search.layouts.recursive import solve_recursive  # noqa: E402
+from distgraph.passes.search.layouts.tree_moves import objective  # noqa: E402
 
 from test_ilp import oracle, random_problem  # noqa: E402
 

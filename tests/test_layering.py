@@ -158,7 +158,7 @@ def graph():
 
 def test_every_module_of_the_four_folders_is_read():
     mods = modules()
-    assert "distgraph.passes.search.ilp" in mods and "distgraph.runtime.comm.mpi" in mods
+    assert "distgraph.passes.search.layouts.ilp" in mods and "distgraph.runtime.comm.mpi" in mods
     assert "distgraph.app.engine" in mods and "distgraph.resources.cluster" in mods
 
 
@@ -217,14 +217,14 @@ def test_the_checks_read_relative_and_importlib_imports(tmp_path):
     fake = _graph_of(tmp_path, {
         "distgraph.passes.reshard": "def f():\n    from ..runtime.execution import runner\n",
         "distgraph.runtime.execution.runner": "",
-        "distgraph.passes.search.ilp": "import importlib\n\n\ndef g(name):\n"
+        "distgraph.passes.search.layouts.ilp": "import importlib\n\n\ndef g(name):\n"
                                        "    importlib.import_module('distgraph.app.engine')\n"
                                        "    return importlib.import_module(name)\n",
         "distgraph.app.engine": ""})
     assert forbidden_imports(fake) == [
         "distgraph_passes_reshard.py:2: distgraph.passes.reshard (passes) imports "
         "distgraph.runtime.execution.runner (runtime)",
-        "distgraph_passes_search_ilp.py:5: distgraph.passes.search.ilp (passes) imports "
+        "distgraph_passes_search_layouts_ilp.py:5: distgraph.passes.search.layouts.ilp (passes) imports "
         "distgraph.app.engine (application)",
-        "distgraph_passes_search_ilp.py:6: distgraph.passes.search.ilp imports a module whose "
+        "distgraph_passes_search_layouts_ilp.py:6: distgraph.passes.search.layouts.ilp imports a module whose "
         "name is not a literal"]

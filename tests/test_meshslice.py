@@ -213,7 +213,8 @@ def planned(kind="mlp", slices=True, strategy=None):
 
 def test_plan_explain_names_the_matmuls_their_dataflow_and_k():
     plan = planned("mlp", slices=2)
-    text = plan.explain()
+    assert "MeshSlice: 4 matmul(s)" in plan.explain()
+    text = plan.explain(full=True)
     assert "MeshSlice: 4 matmul(s)" in text
     assert "matmul fc1 (forward): OS over (x, y) keeps C in place, K=2" in text
     assert "matmul fc2 (backward): LS over (x, y) keeps A in place, K=2" in text

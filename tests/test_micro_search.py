@@ -1,4 +1,4 @@
-"""The number of micro-batches chosen by the search (passes/search/micro.py,
+"""The number of micro-batches chosen by the search (passes/search/stages/micro.py,
 ``Strategy(micro_batches=None)``): the walk over micro-batch sizes ends where neither
 neighbour is faster (a closed-form latency and the stage search's own), the plan runs
 with the M chosen, and the option is refused where no stage search runs."""
@@ -13,9 +13,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import distgraph as dg  # noqa: E402
 from distgraph.errors import PlanError  # noqa: E402
-from distgraph.passes import planner  # noqa: E402
-from distgraph.passes.search.layers import block_layers  # noqa: E402
-from distgraph.passes.search.micro import batch_rows, choose_micro_batches, ladder  # noqa: E402
+from distgraph.passes.prepare import prepared  # noqa: E402
+from distgraph.passes.session import Session  # noqa: E402
+from distgraph.passes.search.stages.layers import block_layers  # noqa: E402
+from distgraph.passes.search.stages.pipeline import pipeline_latency  # noqa: E402
+from distgraph.passes.search.stages.micro import (batch_rows, choose_micro_batches,  # noqa: E402
+                                                  count_beaten, count_latency, ladder)
 from distgraph.program_builder import build_program  # noqa: E402
 
 import plans as P  # noqa: E402
@@ -72,8 +75,13 @@ def test_the_plan_runs_the_count_whose_stage_search_is_fastest_around_it():
     plan = dg.passes.plan(built, strategy, cluster, ranks=())
     m = plan.strategy.micro_batches
     assert m in [BATCH // r for r in ladder(BATCH)] and plan.micro_batches == m
-    latency = {k: planner._latency(built, plan.strategy, cluster, k, {})
-               for k in (m // 2, m, 2 * m) if k >= 1 and BATCH % k == 0}
+
+    def latency(k: int) -> float:
+        asked = dataclasses.replace(plan.strategy, micro_batches=k)
+        copy, accumulation = prepared(built, asked, k)
+        return pipeline_latency(copy, asked, cluster, accumulation)[0]
+
+    latency = {k: latency(k) for k in (m // 2, m, 2 * m) if k >= 1 and BATCH % k == 0}
     assert latency[m] <= min(latency.values())
 
 
@@ -97,16 +105,16 @@ def test_a_count_is_pruned_only_where_its_bound_reaches_the_best_latency():
                            search="recursive")
     for m in (2, 4, 8):
         asked = dataclasses.replace(strategy, micro_batches=m)
-        latency = planner._latency(built, asked, cluster, m, {})
-        assert not planner._beaten(built, asked, cluster, m, latency * (1 + 1e-9), {})
-        assert planner._beaten(built, asked, cluster, m, latency, {})
-        assert planner._beaten(built, asked, cluster, m, latency * 1e-6, {})
-    runs: dict = {}
+        latency = count_latency(built, asked, cluster, m, Session())
+        assert not count_beaten(built, asked, cluster, m, latency * (1 + 1e-9), Session())
+        assert count_beaten(built, asked, cluster, m, latency, Session())
+        assert count_beaten(built, asked, cluster, m, latency * 1e-6, Session())
+    session = Session()
     pruned = choose_micro_batches(built, strategy, cluster,
-                                  lambda b, s, m: planner._latency(b, s, cluster, m, runs),
-                                  lambda b, s, m, t: planner._beaten(b, s, cluster, m, t, runs))
+                                  lambda b, s, m: count_latency(b, s, cluster, m, session),
+                                  lambda b, s, m, t: count_beaten(b, s, cluster, m, t, session))
     full = choose_micro_batches(built, strategy, cluster,
-                                lambda b, s, m: planner._latency(b, s, cluster, m, {}))
+                                lambda b, s, m: count_latency(b, s, cluster, m, Session()))
     assert pruned == full
 
 
@@ -117,33 +125,33 @@ def test_a_count_held_back_by_memory_is_beaten_exactly_where_its_latency_is_not_
     built, cluster = built_gpt(layers=4), S.line_cluster(4, bandwidth=1.0)
     strategy = dg.Strategy(auto_mode="full", pipeline=True, micro_batches=4,
                            search="recursive")
-    runs: dict = {}
-    free = planner._latency(built, strategy, cluster, 4, runs)
-    peak = max(s.memory for s in runs[4][2].planned[None][0].stages)
+    session = Session()
+    free = count_latency(built, strategy, cluster, 4, session)
+    programs = session.table("micro-batch programs")
+    peak = max(s.memory for s in programs[4][2].planned[None][0].stages)
     tight = dataclasses.replace(strategy, memory_budget_gb=0.9 * peak)
-    latency = planner._latency(built, tight, cluster, 4, {})
+    latency = count_latency(built, tight, cluster, 4, Session())
     assert latency > free * 1.05                # memory holds the fastest parts back
-    assert planner._beaten(built, tight, cluster, 4, latency, {})
-    assert not planner._beaten(built, tight, cluster, 4, latency * (1 + 1e-9), {})
+    assert count_beaten(built, tight, cluster, 4, latency, Session())
+    assert not count_beaten(built, tight, cluster, 4, latency * (1 + 1e-9), Session())
 
 
 def test_counts_share_their_search_costs_and_price_as_fresh_ones():
-    # a count seeded by another prices on the seed's SearchCosts (reshard and op prices
+    # a count seeded by another prices on the seed's LayoutPrices (reshard and op prices
     # depend on shapes, not on the program); oracle: the same count seeded, on fresh ones
-    from distgraph.passes.search.runs import RunCosts
-    from distgraph.passes.search.stages import pipeline_latency
+    from distgraph.passes.search.stages.runs import RunCosts
 
     built, cluster = built_gpt(layers=4), S.line_cluster(4, bandwidth=1.0)
     strategy = dg.Strategy(auto_mode="full", pipeline=True, micro_batches=2,
                            search="recursive")
-    runs: dict = {}
-    planner._latency(built, strategy, cluster, 2, runs)
+    session = Session()
+    runs = session.table("micro-batch programs")
+    count_latency(built, strategy, cluster, 2, session)
     seed = runs[2][2]
     four = dataclasses.replace(strategy, micro_batches=4)
-    shared = planner._latency(built, four, cluster, 4, runs)
+    shared = count_latency(built, four, cluster, 4, session)
     assert runs[4][2].seed is seed and runs[4][2]._prices is seed._prices
-    split, accumulation = planner._split(built, 4)
-    copy = planner._transformed(split, four)
+    copy, accumulation = prepared(built, four, 4)
     fresh = RunCosts(copy, four, cluster, block_layers(copy.program, copy.block_paths), 4,
                      seed, prices={})
     alone, _ = pipeline_latency(copy, four, cluster, accumulation, costs=fresh)

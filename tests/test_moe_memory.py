@@ -187,9 +187,9 @@ def test_the_search_holds_the_kept_bytes_from_the_op_to_its_gradient():
     """The intra-op search's memory of a moe_ffn node is its result plus the hook's
     bytes, and the node is live at every op up to its gradient."""
     from distgraph.nn.mixtral import Mixtral, MixtralConfig
-    from distgraph.passes.search import intra_op
-    from distgraph.passes.search.costs import SearchCosts, local_bytes
-    from distgraph.passes.search.space import SearchSpace
+    from distgraph.passes.search.layouts import intra_op
+    from distgraph.passes.cost.layout_prices import LayoutPrices, local_bytes
+    from distgraph.passes.search.layouts.space import SearchSpace
     from distgraph.program_builder import build_program
 
     dg.seed(0)
@@ -200,7 +200,7 @@ def test_the_search_holds_the_kept_bytes_from_the_op_to_its_gradient():
     program = built.program
     mesh = dg.ProcessMesh([0, 1], ["x"])
     space = SearchSpace(program, mesh)
-    costs = SearchCosts(dg.Cluster.local(2), mesh, {0: 0, 1: 1})
+    costs = LayoutPrices(dg.Cluster.local(2), mesh, {0: 0, 1: 1})
     (node,) = [n for n in space.nodes if not n.is_source and
                program.ops[n.op].type == "moe_ffn"]
     op = program.ops[node.op]

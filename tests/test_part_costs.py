@@ -1,12 +1,12 @@
-"""A stage's costs from its parts (passes/search/part_costs.py): the rows for every block
+"""A stage's costs from its parts (passes/cost/terms.py): the rows for every block
 count at once equal the one-stage costs, bit for bit, with E and H whole, shared (virtual
 stages) or absent, on random parts."""
 
 import numpy as np
 import pytest
 
-from distgraph.passes.search.part_costs import stage_cost, stage_costs
-from distgraph.passes.search.runs import PartCost
+from distgraph.passes.cost.terms import stage_cost, stage_costs
+from distgraph.passes.search.stages.runs import PartCost
 from distgraph.units import GB
 
 

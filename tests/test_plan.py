@@ -114,7 +114,8 @@ def test_local_programs_and_bytes_come_from_the_partition():
 
 def test_explain_and_json_describe_the_plan():
     p = dg.passes.plan(built())
-    text = p.explain()
+    assert "4 process(es), distributed" in p.explain()
+    text = p.explain(full=True)              # the full listing: every parameter and reshard
     assert "4 process(es), distributed" in text
     assert "fc1.weight [8, 16] [None, mp]" in text
     assert "reshards:" in text

@@ -45,14 +45,15 @@ def test_text_report_of_a_tutorial():
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     assert out.startswith("Plan: 1 process(es), serial")
-    assert "estimate: step" in out and "compute" in out and "bubble" in out
-    assert "forward op layouts per layer:" in out and "  lm_head:" in out
+    assert "predicted = compute" in out and "bubble" in out and "MFU" in out
+    assert "forward op layouts per layer:" not in out         # --full has them
 
 
 def test_the_schedule_is_printed_after_the_stages():
     """Each process's actions in torch's notation, one line per group of processes that
-    run the same order, before the long lists."""
-    proc = plan_cli(ROOT / "tutorials" / "04_pipeline.py")
+    run the same order, before the long lists of the full listing; which has the
+    estimate and the layouts per layer."""
+    proc = plan_cli(ROOT / "tutorials" / "04_pipeline.py", "--full")
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert lines[1:6] == [
@@ -61,6 +62,8 @@ def test_the_schedule_is_printed_after_the_stages():
         "  schedule 1F1B, 8 micro-batch(es):",
         "    processes 0, 1: 0F0 0F1 0B0 0F2 0B1 0F3 0B2 0F4 0B3 0F5 0B4 0F6 0B5 0F7 0B6 0B7",
         "    processes 2, 3: 1F0 1B0 1F1 1B1 1F2 1B2 1F3 1B3 1F4 1B4 1F5 1B5 1F6 1B6 1F7 1B7"]
+    assert "  estimate: step" in proc.stdout and "  process 3 (device 3, stage 1)" in proc.stdout
+    assert "forward op layouts per layer:" in proc.stdout
 
 
 def test_json_report_of_a_searched_plan(tmp_path):
@@ -68,7 +71,7 @@ def test_json_report_of_a_searched_plan(tmp_path):
     proc = plan_cli(script, "-n", 2, "--json")
     assert proc.returncode == 0, proc.stderr
     data = json.loads(proc.stdout)
-    assert data["processes"] == [0, 1]
+    assert data["processes"] == [0, 1] and "text" not in data and "full_text" not in data
     assert data["search"]["status"] == "optimal"
     assert data["estimate"]["step_time"] > 0
     assert len(data["estimate"]["processes"]) == 2

@@ -1,4 +1,4 @@
-"""The double-recursive search (passes/search/recursive.py, Strategy(search="recursive")):
+"""The double-recursive search (passes/search/layouts/recursive.py, Strategy(search="recursive")):
 on the instances the ILP is tested on (the issue's MLP cases, GPT, a memory budget,
 brute force on random problems, with and without budgets) its plan is within 10% of the
 ILP's optimum, equal on symmetric ones (a chain of identical matmuls on a 2^k mesh); its
@@ -18,10 +18,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import distgraph as dg  # noqa: E402
 from distgraph.errors import DoesNotFit  # noqa: E402
-from distgraph.passes.search.ilp import evaluate, peak_memory  # noqa: E402
-from distgraph.passes.search.ilp import peak_bound, reduce_problem  # noqa: E402
-from distgraph.passes.search.intra_op import PROVEN  # noqa: E402
-from distgraph.passes.search.recursive import Walks, solve_recursive  # noqa: E402
+from distgraph.passes.search.layouts.ilp import evaluate, peak_memory  # noqa: E402
+from distgraph.passes.search.layouts.ilp import peak_bound, reduce_problem  # noqa: E402
+from distgraph.passes.search.layouts.intra_op import PROVEN  # noqa: E402
+from distgraph.passes.search.layouts.recursive import Walks, solve_recursive  # noqa: E402
 from distgraph.program_builder import build_program  # noqa: E402
 from distgraph.runtime.comm.simulated import SimulatedWorld  # noqa: E402
 from distgraph.trace import InputSpec  # noqa: E402
@@ -288,7 +288,7 @@ def test_unknown_or_misplaced_search_values_are_refused():
 def test_auto_refines_a_given_choice_without_searching_again():
     # the stage refinement hands "auto" the choice the stage DP priced: SCIP starts from
     # it (its objective is the recursive one reported) and reaches the ILP's optimum
-    from distgraph.passes.search.intra_op import search
+    from distgraph.passes.search.layouts.intra_op import search
 
     built, cluster = S.mlp_program(128, 1024), S.line_cluster(4)
     mesh = dg.ProcessMesh([0, 1, 2, 3], dim_names=["x"])
@@ -316,7 +316,7 @@ def test_flat_objectives_equal_the_per_pair_sums_and_tree_moves_never_worsen():
     the same order, as the per-pair objective, to the last bit; improve() gives the same
     answer with a kept Flat (its forests drawn once) as with a new one, and never a
     dearer choice."""
-    from distgraph.passes.search.tree_moves import Flat, improve, objective
+    from distgraph.passes.search.layouts.tree_moves import Flat, improve, objective
     checked = 0
     for seed in range(60):
         red = reduce_problem(random_problem(seed))
@@ -344,8 +344,8 @@ def test_guided_descents_reach_the_split_unpriced_descents_miss():
     optimum, Megatron's split over y, at a quarter of the peak."""
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
     from gpt_scale import dgx_cluster, gpt, program
-    from distgraph.passes.search.layers import block_layers
-    from distgraph.passes.search.runs import RunCosts, logical_mesh
+    from distgraph.passes.search.stages.layers import block_layers
+    from distgraph.passes.search.stages.runs import RunCosts, logical_mesh
     from distgraph.passes.transforms.recompute import recompute, segments
     cluster = dgx_cluster(9)
     built = program(gpt(4, 20480, 128), 9)
@@ -375,8 +375,8 @@ def test_a_refined_option_reuses_the_problems_pricing_built():
     it chooses as a refinement whose E and H problems are built afresh."""
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
     from gpt_scale import dgx_cluster, gpt, program
-    from distgraph.passes.search.layers import block_layers
-    from distgraph.passes.search.runs import RunCosts
+    from distgraph.passes.search.stages.layers import block_layers
+    from distgraph.passes.search.stages.runs import RunCosts
     cluster = dgx_cluster(2)
     built = program(gpt(4, 256, 4), 8)
     layering = block_layers(built.program, built.block_paths)
@@ -420,10 +420,10 @@ def test_a_refinement_given_room_finds_the_ilp_block_the_cap_of_its_peak_hid():
     the ILP's fastest within its peak; the room pays somewhere."""
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
     from gpt_scale import dgx_cluster, gpt, program
-    from distgraph.passes.search.intra_op import search
-    from distgraph.passes.search.layers import block_layers
-    from distgraph.passes.search.runs import RunCosts, RunOption, logical_mesh
-    from distgraph.passes.search.sharded_states import sharding_dim
+    from distgraph.passes.search.layouts.intra_op import search
+    from distgraph.passes.search.stages.layers import block_layers
+    from distgraph.passes.search.stages.runs import RunCosts, RunOption, logical_mesh
+    from distgraph.passes.search.layouts.sharded_states import sharding_dim
     cluster = dgx_cluster(2)
     built = program(gpt(4, 256, 4), 8)
     layering = block_layers(built.program, built.block_paths)

@@ -1,5 +1,5 @@
-"""The stage DP for runs of identical blocks (passes/search/run_dp.py) against Alpa's
-general stage DP (passes/search/stage_dp.py, itself checked against brute force) on the
+"""The stage DP for runs of identical blocks (passes/search/stages/run_dp.py) against Alpa's
+general stage DP (passes/search/stages/stage_dp.py, itself checked against brute force) on the
 same costs: the same optimum, whatever the parts' times and memories; and against brute
 force on small cases: the least objective of every split and every option per stage,
 and ties broken by the options' order. Its plans on a fixed corpus are pinned in
@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 from distgraph.errors import PlanError
-from distgraph.passes.search.run_dp import _bound, _setup, beats, plan_runs
-from distgraph.passes.search.runs import PartCost, RunOption
+from distgraph.passes.search.stages.run_dp import _bound, _setup, beats, plan_runs
+from distgraph.passes.search.stages.runs import PartCost, RunOption
 from distgraph.units import GB
-from distgraph.passes.search.stage_dp import StageCost, Submesh, plan_stages
+from distgraph.passes.search.stages.stage_dp import StageCost, Submesh, plan_stages
 from distgraph.resources.cluster import Cluster, Device, Link, Machine
 
 
@@ -395,7 +395,7 @@ def test_run_dp_skipping_slower_options_keeps_the_plan(seed, fit_memory, monkeyp
     """The DP skips, per stage count, an option that another of the same mesh and size
     matches in every time and reach (``_RunSearch._live``); with every option that fits
     relaxed instead, it returns the same plan, stage for stage."""
-    from distgraph.passes.search import run_dp
+    from distgraph.passes.search.stages import run_dp
 
     rng = np.random.default_rng(500 + seed)
     cluster = cluster_of(*[(1, 8), (4, 4), (8, 2)][seed % 3],
@@ -435,7 +435,7 @@ def test_alike_stages_that_fit_bound_the_dp_from_above(seed):
     stages that fits as the DP counts memory (block_plans._fitting_alike): a plan the DP
     can make, so its objective is no less than the DP's optimum, and the DP below it
     finds that optimum."""
-    from distgraph.passes.search.block_plans import _fitting_alike
+    from distgraph.passes.search.stages.block_plans import _fitting_alike
 
     rng = np.random.default_rng(700 + seed)
     cluster = cluster_of(*[(1, 8), (4, 4), (8, 2)][seed % 3],
@@ -465,7 +465,7 @@ def test_interleaved_objective_is_the_replayed_schedules_makespan(S, v, M):
     interleaved 1F1B (M u + (S - 1) u / v; it was M u + (S - v) u / v, no bubble at
     S = v)."""
     from distgraph.passes.pipeline.schedule import COST, chain, make_schedule, replay
-    from distgraph.passes.search.interleaved import alike_stages
+    from distgraph.passes.search.stages.interleaved import alike_stages
 
     problem = chain(S, v, M, "1F1B")
     makespan = replay(make_schedule(problem).orders, problem).makespan
@@ -492,7 +492,7 @@ def test_the_prefix_bound_bounds_every_longer_plan_and_keeps_each_caps_answer(se
     plan found, or inf: on every cap, every plan of more stages than s (the full DP's
     tables, the bound switched off) sums to at least that bound (and none exists where
     it is inf), and the cap's answer (summed time and stages) is the full DP's."""
-    from distgraph.passes.search import run_dp
+    from distgraph.passes.search.stages import run_dp
 
     rng = np.random.default_rng(900 + seed)
     cluster, (options, count, blocks, B) = random_case(rng, seed)

@@ -1,4 +1,4 @@
-"""The run DP's relaxation over the finite entries' box (passes/search/run_dp.py) leaves
+"""The run DP's relaxation over the finite entries' box (passes/search/stages/run_dp.py) leaves
 every table as the relaxation over the whole table, bit for bit, on the random cases of
 tests/test_run_dp.py with a twin of every other option. (The walk over all options at once
 and the pruning of options are held to brute force in tests/test_run_dp.py and to pinned
@@ -10,8 +10,8 @@ import sys
 import numpy as np
 import pytest
 
-from distgraph.passes.search import run_dp
-from distgraph.passes.search.runs import PartCost, RunOption
+from distgraph.passes.search.stages import run_dp
+from distgraph.passes.search.stages.runs import PartCost, RunOption
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from test_run_dp import random_case  # noqa: E402

@@ -1,4 +1,4 @@
-"""Stage options of a model of identical blocks (passes/search/runs.py): each logical
+"""Stage options of a model of identical blocks (passes/search/stages/runs.py): each logical
 mesh offers the fastest block and blocks of smaller peak memory ("memory variants"),
 each the fastest within half the previous one's peak, and no option the stage DP would
 never prefer; the variants are searched only when nothing fits or a mesh's alike stages
@@ -13,14 +13,14 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import distgraph as dg  # noqa: E402
-from distgraph.passes.search.layers import block_layers  # noqa: E402
+from distgraph.passes.search.stages.layers import block_layers  # noqa: E402
 from distgraph.errors import PlanError  # noqa: E402
-from distgraph.passes.search.run_dp import plan_runs  # noqa: E402
-from distgraph.passes.search.block_plans import plan_blocks  # noqa: E402
+from distgraph.passes.search.stages.run_dp import plan_runs  # noqa: E402
+from distgraph.passes.search.stages.block_plans import plan_blocks  # noqa: E402
 from distgraph.passes.pipeline.accumulate import split_micro_batches  # noqa: E402
-from distgraph.passes.search.ilp import evaluate  # noqa: E402
-from distgraph.passes.search.intra_op import _carried  # noqa: E402
-from distgraph.passes.search.runs import VARIANTS, RunCosts, logical_mesh  # noqa: E402
+from distgraph.passes.search.layouts.ilp import evaluate  # noqa: E402
+from distgraph.passes.search.layouts.intra_op import _carried  # noqa: E402
+from distgraph.passes.search.stages.runs import VARIANTS, RunCosts, logical_mesh  # noqa: E402
 from distgraph.program_builder import build_program  # noqa: E402
 
 import plans as P  # noqa: E402
@@ -199,7 +199,7 @@ def test_a_seed_prices_its_layouts_on_another_micro_batch_count_by_the_same_mode
 def test_boundary_prices_shared_by_key_equal_each_options_own(costs):
     # p2p_seconds is cached per boundary_key (what boundary_seconds reads): every option's
     # figure equals its own boundary priced afresh
-    from distgraph.passes.search.boundary import boundary_key, boundary_seconds
+    from distgraph.passes.cost.boundary import boundary_key, boundary_seconds
 
     runs, options = costs
     options = options + runs.options(variants=True)
@@ -221,7 +221,7 @@ def test_spaces_sharing_rules_equal_spaces_made_afresh(costs):
     # op's choices (free or followed, by what they depend on): spaces made from them,
     # for each part, on a (x, y) and a (dp, cp, tp) mesh and on the whole program,
     # equal spaces made with nothing shared, node for node
-    from distgraph.passes.search.space import SearchSpace
+    from distgraph.passes.search.layouts.space import SearchSpace
 
     runs, _ = costs
     program = runs.program
@@ -247,7 +247,7 @@ def test_spaces_sharing_rules_equal_spaces_made_afresh(costs):
 def test_spaces_of_parts_read_the_shared_program_index_as_a_scan_of_the_program(costs):
     # a part's Values received from outside and sent outside, found from the program's
     # index (made once per program in the shared rules), equal a scan of every op
-    from distgraph.passes.search.space import SearchSpace
+    from distgraph.passes.search.layouts.space import SearchSpace
 
     runs, _ = costs
     program = runs.program

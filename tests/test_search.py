@@ -14,7 +14,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import distgraph as dg  # noqa: E402
 from distgraph.errors import DoesNotFit  # noqa: E402
 from distgraph.passes.cost.prices import Rings, reshard_step_time  # noqa: E402
-from distgraph.passes.search.intra_op import search  # noqa: E402
+from distgraph.passes.search.layouts.intra_op import search  # noqa: E402
 from distgraph.placement import DistAttr  # noqa: E402
 from distgraph.program_builder import build_program  # noqa: E402
 
@@ -123,7 +123,7 @@ def gpt_program():
 def test_objective_is_the_estimate_plus_the_reshards_shared_by_consumers(case):
     """``zero-*``: Strategy(sharding=True), whose sharding of the states after the search
     (ZeRO-1: the gradient reduce-scattered, the update on a slice, the slice gathered
-    back) the search prices (passes/search/sharded_states.py)."""
+    back) the search prices (passes/search/layouts/sharded_states.py)."""
     built, cluster = {
         "dp": lambda: (S.mlp_program(1024, 128), S.line_cluster(4)),
         "zero-dp": lambda: (S.mlp_program(1024, 128), S.line_cluster(4)),
@@ -197,7 +197,8 @@ def test_shared_blocks_never_beat_the_unshared_optimum():
 
 def test_explain_and_json_report_the_search():
     plan = auto(S.mlp_program(128, 1024), S.line_cluster(4))
-    text = plan.explain()
+    assert "search on mesh [4] (x): optimal" in plan.explain()
+    text = plan.explain(full=True)
     assert "search on ProcessMesh" in text and "optimal" in text and "fc1.weight: [None, x]" in text
     data = plan.to_dict()
     assert data["search"]["status"] == "optimal"

@@ -1,10 +1,10 @@
-"""SearchCosts' reshard prices: planned once per path, the same seconds as planning each.
+"""LayoutPrices' reshard prices: planned once per path, the same seconds as planning each.
 
 The search prices a reshard from the steps ``plan_reshard`` plans; tensors that both
-layouts divide take the same path whatever their shape and dtype, so SearchCosts plans
-it once per pair of layouts and scales each step's buffer; SearchCosts sharing one
+layouts divide take the same path whatever their shape and dtype, so LayoutPrices plans
+it once per pair of layouts and scales each step's buffer; LayoutPrices sharing one
 ``rules`` dict share paths per mesh shape and prices per mesh priced alike. Oracle: a
-fresh SearchCosts per tensor (nothing shared) and the steps planned directly, priced by
+fresh LayoutPrices per tensor (nothing shared) and the steps planned directly, priced by
 ``reshard_step_time``: equal to the last bit (also on random layouts, uneven and refused
 shapes, and meshes placed over a heterogeneous cluster file's GPUs and XPUs).
 """
@@ -22,8 +22,8 @@ import search_cases as S
 import yaml
 from distgraph.passes.cost.prices import Rings, reshard_step_time
 from distgraph.passes.reshard import plan_reshard, plan_reshard_path
-from distgraph.passes.search.costs import SearchCosts
-from distgraph.passes.search.space import layouts
+from distgraph.passes.cost.layout_prices import LayoutPrices
+from distgraph.passes.search.layouts.space import layouts
 
 import distgraph as dg
 
@@ -36,7 +36,7 @@ SHAPES = [(8, 24), (16, 40), (24, 8), (6, 8), (12, 16)]
 
 
 def direct(cluster, mesh, src, dst, shape, dtype) -> float:
-    costs = SearchCosts(cluster, mesh, {p: p for p in mesh.process_ids})
+    costs = LayoutPrices(cluster, mesh, {p: p for p in mesh.process_ids})
     steps = plan_reshard(dg.DistAttr(mesh, src), dg.DistAttr(mesh, dst), shape, dtype)
     return sum(reshard_step_time(s, costs.pid, costs.rings) for s in steps)
 
@@ -45,7 +45,7 @@ def direct(cluster, mesh, src, dst, shape, dtype) -> float:
 def test_shared_paths_price_as_planning_each(name):
     mesh = MESHES[name]
     cluster = S.line_cluster(8, bandwidth=3.0, latency=2.0)
-    shared = SearchCosts(cluster, mesh, {p: p for p in mesh.process_ids})
+    shared = LayoutPrices(cluster, mesh, {p: p for p in mesh.process_ids})
     checked = 0
     for shape in SHAPES:
         specs = [s.out_specs[0] for s in layouts(shape, mesh)]
@@ -76,7 +76,7 @@ def test_dims_left_whole_share_paths(name):
     path per pair of split dims, priced (to the last bit) as planning each."""
     mesh = MESHES[name]
     cluster = S.line_cluster(8, bandwidth=3.0, latency=2.0)
-    shared = SearchCosts(cluster, mesh, {p: p for p in mesh.process_ids})
+    shared = LayoutPrices(cluster, mesh, {p: p for p in mesh.process_ids})
     base = [s.out_specs[0] for s in layouts((8, 24), mesh)]
     checked = 0
     for src, dst in itertools.product(base, base):
@@ -101,7 +101,7 @@ def test_partial_sources_share_paths_too():
     """A pending sum settled onto tensors of two sizes that divide alike: one path."""
     mesh = MESHES["2x4"]
     cluster = S.line_cluster(8)
-    shared = SearchCosts(cluster, mesh, {p: p for p in mesh.process_ids})
+    shared = LayoutPrices(cluster, mesh, {p: p for p in mesh.process_ids})
     src = dg.ShardSpec([None, "y"], {"x"})
     for dst in (dg.ShardSpec(["x", "y"]), dg.ShardSpec([None, None]), dg.ShardSpec(["y", None])):
         for shape in ((8, 16), (32, 64)):
@@ -115,7 +115,7 @@ def test_dtypes_share_paths():
     alike take one planned path, priced as planning each (to the last bit)."""
     mesh = MESHES["2x4"]
     cluster = S.line_cluster(8, bandwidth=3.0, latency=2.0)
-    shared = SearchCosts(cluster, mesh, {p: p for p in mesh.process_ids})
+    shared = LayoutPrices(cluster, mesh, {p: p for p in mesh.process_ids})
     specs = [s.out_specs[0] for s in layouts((8, 24), mesh)]
     pairs = list(itertools.product(specs, specs))
     for dtype, shape in (("bool", (8, 24)), ("float32", (16, 40)), ("bfloat16", (8, 24)),
@@ -148,7 +148,7 @@ def hetero_cluster() -> dg.Cluster:
 
 def plain(cluster, mesh, device_of, src, dst, shape, dtype):
     """What nothing shared or skipped prices: plan_reshard's steps on the ring model (a
-    layout kept costs nothing, as SearchCosts.reshard says, unchecked)."""
+    layout kept costs nothing, as LayoutPrices.reshard says, unchecked)."""
     if src == dst:
         return 0.0
     rings = Rings(cluster, device_of.__getitem__)
@@ -202,7 +202,7 @@ def placements():
 
 @pytest.mark.parametrize("seed", range(2))
 def test_shared_and_shortcut_prices_equal_plain_pricing(seed):
-    """SearchCosts of many meshes sharing one ``rules`` dict (as the stage search shares
+    """LayoutPrices of many meshes sharing one ``rules`` dict (as the stage search shares
     it): every reshard and matrix entry, on random layouts and shapes (dividing, uneven
     and refused), equals plan_reshard's steps priced afresh, to the last bit; meshes of
     one shape whose priced process has the same rings and device share their prices
@@ -214,7 +214,7 @@ def test_shared_and_shortcut_prices_equal_plain_pricing(seed):
     checked = refused = 0
     cases: dict = {}      # per mesh shape: the same cases on each of its placements
     for mesh, device_of in placements():
-        costs = SearchCosts(cluster, mesh, device_of)
+        costs = LayoutPrices(cluster, mesh, device_of)
         costs.rules = rules
         all_costs.append(costs)
         names = list(mesh.dim_names)

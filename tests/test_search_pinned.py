@@ -16,7 +16,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from distgraph.passes.search.run_dp import beats  # noqa: E402
+from distgraph.passes.search.stages.run_dp import beats  # noqa: E402
 
 import pin_search_outputs as pin  # noqa: E402
 

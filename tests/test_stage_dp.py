@@ -1,4 +1,4 @@
-"""Alpa's stage DP (passes/search/stage_dp.py) against brute force and closed forms.
+"""Alpa's stage DP (passes/search/stages/stage_dp.py) against brute force and closed forms.
 
 Oracle: every split of the layers into consecutive stages and every assignment of Alpa
 submesh shapes to them, kept when the shapes' sizes fill every device mesh exactly and
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from distgraph.errors import PlanError
-from distgraph.passes.search.stage_dp import StageCost, plan_stages, submesh_shapes
+from distgraph.passes.search.stages.stage_dp import StageCost, plan_stages, submesh_shapes
 from distgraph.resources.cluster import Cluster, Device, DeviceMesh, Link, Machine
 
 

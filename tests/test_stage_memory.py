@@ -1,4 +1,4 @@
-"""The stage search's memory model equals the estimate's (passes/search/runs.py against
+"""The stage search's memory model equals the estimate's (passes/search/stages/runs.py against
 passes/cost/estimate.py): for the plan the search yields, each stage's memory as the
 search priced it (``Plan.search.stage_plan``: parameters, optimizer states and gradient
 buffers, the activations each micro-batch in flight keeps for its backward, and the
@@ -8,7 +8,7 @@ recomputation, one whose devices' memory makes the search take memory variants (
 searched under a budget), one the search interleaves (virtual stages), and one with
 ``Strategy(sharding=True)`` on eight devices (``zero``): stages of two devices hold
 their parameters whole and their optimizer states split over the data-parallel dim
-(ZeRO-1, priced inside the search: :mod:`distgraph.passes.search.sharded_states`), with
+(ZeRO-1, priced inside the search: :mod:`distgraph.passes.search.layouts.sharded_states`), with
 the buffer of the updated slice gathered back at the update, and fewer micro-batches
 than stages (1F1B keeps ``min(M, S - s)`` in flight).
 

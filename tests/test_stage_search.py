@@ -13,7 +13,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import distgraph as dg  # noqa: E402
-from distgraph.passes.search.layers import _cut  # noqa: E402
+from distgraph.passes.search.stages.layers import _cut  # noqa: E402
 from distgraph.program_builder import build_program  # noqa: E402
 from distgraph.runtime.comm.simulated import SimulatedWorld  # noqa: E402
 
@@ -125,7 +125,7 @@ def train(model, kind, comm, cluster, dims=None, strategy=None):
 @pytest.mark.parametrize("case", ["mlp4", "gpt", "gpt_blocks"])
 def test_searched_pipelines_train_like_serial(case, float64):
     """gpt_blocks: four identical blocks, so the stage search costs runs of blocks
-    (passes/search/runs.py) and writes the representative block's layouts onto all."""
+    (passes/search/stages/runs.py) and writes the representative block's layouts onto all."""
     if case == "mlp4":
         kind, n, dims = "mlp", 4, mlp_dims()
         cluster = S.line_cluster(4, bandwidth=0.01, device=S.FLOPS_ONLY)

@@ -1,4 +1,4 @@
-"""The stage search's step time equals the estimate's (passes/search/run_dp.py and
+"""The stage search's step time equals the estimate's (passes/search/stages/run_dp.py and
 block_plans.py against passes/cost/estimate.py): for the plan the search yields, the
 stage DP's objective (``Plan.search.stage_plan.objective``: its stages' times per
 micro-batch, each with the transfers to and from its neighbouring stages, in

@@ -17,6 +17,7 @@ import tempfile
 
 from distgraph.errors import DistGraphError, TooFewDevicesError
 from distgraph.passes.cost.estimate import estimate
+from distgraph.resources.cluster import Cluster
 from distgraph.runtime.launch.context import PlanReported, PlanRequest
 
 __all__ = ["PlanReported", "PlanRequest", "layer_summary", "report", "write_failure",
@@ -25,20 +26,25 @@ __all__ = ["PlanReported", "PlanRequest", "layer_summary", "report", "write_fail
 
 def report(plan, cluster=None) -> dict:
     """The plan as plain data with its estimate (priced on ``cluster``, else the plan's
-    own, else this machine as the plan's processes) and the per-layer op summary."""
+    own, else this machine as the plan's processes), the per-layer op summary, and two
+    texts: ``text``, ``plan.explain()`` (the summary ``distgraph plan`` prints), and
+    ``full_text``, ``plan.explain(full=True)`` with the per-layer summary (``--full``)."""
     data = plan.to_dict()
     data["layers"] = layer_summary(plan)
-    data["text"] = plan.explain()
-    if plan.estimate is None:
+    est, priced = plan.estimate, None
+    if est is None:
+        priced = cluster if cluster is not None and len(cluster.devices) >= plan.world_size \
+            else plan.cluster or Cluster.local(plan.world_size)
         try:
-            est = estimate(plan, cluster if cluster is not None and
-                           len(cluster.devices) >= plan.world_size else None)
+            est = estimate(plan, priced)
         except DistGraphError as e:
             data["estimate_error"] = str(e)
+            est = None
         else:
             data["estimate"] = est.to_dict()
-            data["text"] += "\n  estimate: " + str(est).replace("\n", "\n  ")
-    data["text"] += "\n" + "\n".join(_summary_lines(data["layers"]))
+    data["text"] = plan.explain(estimate=est, cluster=priced)
+    data["full_text"] = "\n".join([plan.explain(full=True, estimate=est),
+                                   *_summary_lines(data["layers"])])
     return data
 
 

@@ -1,4 +1,4 @@
-"""``distgraph plan SCRIPT.py [--cluster FILE] [-n N] [--json] [--plot PNG] [-- ARGS]``:
+"""``distgraph plan SCRIPT.py [--cluster FILE] [-n N] [--full] [--json] [--plot PNG] [-- ARGS]``:
 print the plan a training script's Engine would use, without training.
 
 How: the script runs as it would (``python SCRIPT.py ARGS``, one process), through the
@@ -7,10 +7,13 @@ rank bootstrap with the request as its arguments (``--plan-out PATH``, ``--plan-
 ``evaluate`` / ``predict`` of any process of the script (a script that launches its ranks
 or its runs as child processes included) plans its first batch, writes the report there
 (:mod:`distgraph.app.plan_report`) and ends that process (``PlanReported``); the command
-then stops the script and everything it started, and prints the report: the processes
-and stages, per-op layouts summarised per layer, every reshard with its bytes, the
-search's report under ``Strategy(auto_mode="full")``, and the predicted step time
-(compute / communication / bubble) and peak memory per device. ``--json`` prints the same as JSON
+then stops the script and everything it started, and prints ``Plan.explain()``: whether
+the plan fits its devices, per stage its mesh, devices, layout, layers and each group of
+alike processes' peak memory and time, the predicted step time, TFLOP/s per device and
+MFU, the reshards and the search summarised. ``--full`` prints the full listing instead
+(``Plan.explain(full=True)``: every rank, reshard point with its bytes, parameter, the
+schedule, each process's estimate, the search's report, per-op layouts summarised per
+layer). ``--json`` prints the plan as JSON
 (``Plan.to_dict()`` with the estimate and the layer summary); ``--plot PNG`` also draws
 the plan (``Plan.plot``). With ``-n N``, a plan of another number of processes is an
 error, and a one-process plan of an unannotated model a warning. A script whose Engine
@@ -25,6 +28,7 @@ printed without an estimate.
 Example::
 
     distgraph plan tutorials/02_spmd_gpt.py -n 4
+    distgraph plan tutorials/02_spmd_gpt.py -n 4 --full         # every rank, reshard, ...
     distgraph plan tutorials/01_serial_gpt.py -- --steps 10     # the script's own options
     distgraph plan tutorials/03_auto_parallel.py --cluster resources/clusters/local4.yaml --json
 """
@@ -44,13 +48,14 @@ import time
 from distgraph.errors import DistGraphError
 
 GRACE = 10.0           # seconds a stopped script gets to clean up (emulated clusters do)
-USAGE = ("distgraph plan [-h] [--cluster FILE] [-n N] [--json] [--plot PNG] SCRIPT "
+USAGE = ("distgraph plan [-h] [--cluster FILE] [-n N] [--full] [--json] [--plot PNG] SCRIPT "
          "[options above] [ARGS] [-- ARGS]")
 DESCRIPTION = """\
-Print the plan a training script's Engine would use, without training: its processes and
-stages, the layouts per layer, every reshard with its bytes, the search's report, and the
-predicted step time and peak memory per device. The script runs as one plain process
-until its first Engine.fit, evaluate or predict has planned a batch."""
+Print the plan a training script's Engine would use, without training: whether it fits
+its devices, per stage its devices, layout, layers and each group of alike processes' peak
+memory and time, the predicted step time, TFLOP/s per device and MFU (--full: every rank,
+reshard and parameter, the schedule, each process's estimate). The script runs as one
+plain process until its first Engine.fit, evaluate or predict has planned a batch."""
 EPILOG = """\
 The script's own arguments follow the script (after -- where they share a name with the
 options above). -n N prices the plan on this machine as N processes and says when the plan
@@ -58,6 +63,7 @@ needs another number; --cluster FILE plans and prices it for FILE's machines.
 
 Examples:
   distgraph plan tutorials/02_spmd_gpt.py -n 4
+  distgraph plan tutorials/02_spmd_gpt.py -n 4 --full
   distgraph plan tutorials/02_spmd_gpt.py -n 4 --plot plan.png
   distgraph plan tutorials/01_serial_gpt.py -- --steps 10
   distgraph plan tutorials/03_auto_parallel.py --cluster resources/clusters/local4.yaml --json
@@ -67,6 +73,8 @@ Examples:
 def _options(p) -> None:
     p.add_argument("--cluster", help="resource file the plan is made and priced for")
     p.add_argument("-n", "--nprocs", type=int, help="without --cluster: Cluster.local(N)")
+    p.add_argument("--full", action="store_true", help="print the full listing: every rank, "
+                   "reshard and parameter, the schedule, each process's estimate")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--plot", metavar="PNG", help="also draw the plan into PNG (or .svg, .pdf): "
                    "stages, layers, weight splits, reshards; needs matplotlib")
@@ -102,7 +110,7 @@ def _split(args):
     after = argparse.ArgumentParser(prog="distgraph plan SCRIPT", allow_abbrev=False)
     _options(after)
     mine, theirs = after.parse_known_args(rest[:cut])
-    for name in ("cluster", "nprocs", "json", "plot"):
+    for name in ("cluster", "nprocs", "full", "json", "plot"):
         if getattr(mine, name):
             setattr(args, name, getattr(mine, name))
     args.args = theirs + rest[cut + 1:]
@@ -162,9 +170,10 @@ def _plan(args) -> int:
         print(f"distgraph plan: {mismatch}", file=sys.stderr)
         return 1
     if args.json:
-        print(json.dumps({k: v for k, v in data.items() if k != "text"}, indent=2))
+        print(json.dumps({k: v for k, v in data.items() if k not in ("text", "full_text")},
+                         indent=2))
     else:
-        print(data["text"])
+        print(data["full_text"] if args.full else data["text"])
         if "estimate_error" in data:
             print(f"no estimate: {data['estimate_error']}")
     if "plot_error" in data:

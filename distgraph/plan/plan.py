@@ -11,7 +11,8 @@ estimate where one was made. Nothing in it is computed later: it holds no caches
 Example::
 
     p = dg.passes.plan(built, dg.Strategy(), cluster=None)
-    print(p.explain())            # processes, stages, layouts, reshards with bytes
+    print(p.explain())            # per stage: devices, layout, memory, time, MFU
+    print(p.explain(full=True))   # every rank, reshard point (with bytes), parameter
     p.local(1).pretty()           # what process 1 runs
     p.schedule()                  # {0: [0F0, 0B0], 1: [...]}
 """
@@ -25,7 +26,9 @@ from types import MappingProxyType
 
 from distgraph.errors import PlanError
 from distgraph.mesh import ProcessRanks
+from distgraph.plan.explain import model_flops, summary
 from distgraph.plan.kinds import collective_bytes
+from distgraph.plan.listing import full_listing
 from distgraph.spmd.meshslice import SLICED, STATIONARY
 from distgraph.strategy import Strategy
 from distgraph.units import fmt_bytes
@@ -225,60 +228,29 @@ class Plan:
                 for pid in self.process_ids}
 
     # -- printing ---------------------------------------------------------------------------
-    def explain(self) -> str:
-        """Readable summary: processes and ranks, stages, parameter layouts per layer,
-        reshards with their bytes, and the estimate when there is one."""
-        lines = [f"Plan: {self.world_size} process(es), "
-                 f"{'distributed' if self.distributed else 'serial'}, "
-                 f"{len(self.program.ops)} ops"]
-        if self.rank_of is not None:
-            lines.append("  ranks: " + ", ".join(f"process {p} -> rank {r}"
-                                                 for p, r in sorted(self.rank_of.items())))
-        for s, mesh in enumerate(self.stages):
-            lines.append(f"  stage {s}: {mesh}")
-        if len(self.graph.chunks) != len(self.stages):
-            lines.append(f"  {len(self.graph.chunks)} chunks: " + ", ".join(
-                f"{c} on stage {self.stages.index(m)}" for c, m in enumerate(self.graph.chunks)))
-        lines.append("  " + self.order.pretty().replace("\n", "\n  "))
-        if self.devices is not None:
-            op_groups = [(local.program.ops[i].type, group)
-                         for local in self.representatives()
-                         for i, members in local.op_groups()
-                         for group in _translates(local.program.ops[i].dist_attr.mesh,
-                                                  members)]
-            lines.extend("  " + line for line in
-                         self.devices.explain(self.reshards(), op_groups, self.ranks))
-        if self.accumulation is not None:
-            lines.append("  " + self.accumulation.pretty().replace("\n", "\n  "))
-        lines.append("  parameters (layer: name shape spec):")
-        for layer, params in _parameters_by_layer(self.program).items():
-            lines.append(f"    {layer or '(model)'}:")
-            for v in params:
-                lines.append(f"      {v.name} {list(v.shape)} {v.dist_attr.spec}")
-        if self.sliced:
-            lines.append(f"  MeshSlice: {len(self.sliced)} matmul(s) run as 2-D GeMMs with K "
-                         "sliced, overlapped collectives (dataflow over mesh dims (u, v)):")
-            lines.extend(f"    {use}" for use in self.sliced)
-        points = self.reshards() if self.distributed else []
-        sent = self.bytes_sent() if self.distributed else {}
-        busiest = max((sum(k.values()) for k in sent.values()), default=0.0)
-        lines.append(f"  reshards: {len(points)} per step; busiest process sends "
-                     f"{fmt_bytes(busiest)} per step")
-        for p in points:
-            lines.append(f"    {p} ({fmt_bytes(p.bytes)})")
-        inside = self.op_collectives() if self.distributed else []
-        if inside:
-            lines.append(f"  collectives inside ops: {len(inside)} per step (bytes a process "
-                         f"sends, at the expected load)")
-            lines.extend(f"    {line}" for line in inside)
-        for extra in (self.search, self.batch_split):
-            if extra is not None:
-                lines.append("  " + str(extra).replace("\n", "\n  "))
-        if self.estimate is not None:
-            lines.append("  estimate: " + str(self.estimate).replace("\n", "\n  "))
-        if self.checkpoint is not None:
-            lines.append(f"  {self.checkpoint}")
-        return "\n".join(lines)
+    def explain(self, full: bool = False, estimate=None, cluster=None) -> str:
+        """The plan in words. By default a summary that stays small whatever the process
+        count (:mod:`distgraph.plan.explain`): a first line with the processes, stages,
+        micro-batches, schedule and whether the plan fits its devices; per stage its
+        mesh, processes and devices as ranges, layout, layers, a line per group of alike
+        processes (peak memory against the device's, compute and communication per
+        step), model TFLOP/s per device and MFU; then the predicted step time, the
+        plan's TFLOP/s and MFU, and the reshards, collectives and search summarised.
+        Model FLOPs are the forward, loss and backward ops' FLOPs from the op registry
+        (times the micro-batches), recomputation's copies not counted (:func:`~distgraph.
+        plan.explain.model_flops`). ``full=True``: the full listing instead, every rank,
+        reshard point, parameter, the schedule and each process's estimate
+        (:mod:`distgraph.plan.listing`). ``estimate`` / ``cluster``: those to use where
+        the plan has none (``distgraph plan`` prices plans made without an estimate)."""
+        if full:
+            return full_listing(self, estimate)
+        return summary(self, estimate, cluster)
+
+    def model_flops(self) -> float:
+        """FLOPs of one training step the model does: the forward, loss and backward ops'
+        (op registry, global shapes, times the micro-batches), not the update's, not
+        recomputation's copies (:func:`~distgraph.plan.explain.model_flops`)."""
+        return sum(model_flops(self).values())
 
     def to_dict(self) -> dict:
         """The plan as plain data (what :meth:`to_json` writes)."""
@@ -330,28 +302,3 @@ class Plan:
         from distgraph.plan.plot import plot_plan    # here: a plan rarely draws
 
         plot_plan(self, path)
-
-
-def _parameters_by_layer(program) -> dict:
-    layers: dict = {}
-    for v in program.parameters:
-        layer, _, _ = v.name.rpartition(".")
-        layers.setdefault(layer, []).append(v)
-    return layers
-
-
-def _translates(mesh, members) -> list:
-    """Every group of ``mesh`` laid out as ``members`` (a group one process of its group
-    of processes communicates in, :meth:`Plan.groups`): the same coordinates along the
-    mesh dims it spans, at every coordinate of the others, in the same order."""
-    coords = [mesh.coord(q) for q in members]
-    varying = [a for a in range(mesh.ndim) if len({c[a] for c in coords}) > 1]
-    groups = []
-    for q in mesh.process_ids:
-        at = mesh.coord(q)
-        if any(at[a] != coords[0][a] for a in varying):
-            continue
-        groups.append(tuple(int(mesh.mesh[tuple(c[a] if a in varying else at[a]
-                                                for a in range(mesh.ndim))])
-                            for c in coords))
-    return groups

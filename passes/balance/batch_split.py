@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 from distgraph.errors import PlanError
+from distgraph.units import fmt_ids
 
 # seconds are scaled so that the busiest equal share is 1 before SCIP sees them
 TOLERANCE = 1e-9
@@ -181,6 +182,27 @@ class BatchSplit:
                              "predicted_busy": p if p is None else float(p)}
                             for m, u, p in zip(self.members, self.units,
                                                self.predicted or (None,) * len(self.units))]}
+
+    def summary(self) -> str:
+        """Two lines for ``Plan.explain()``: the split, and the members' rows (fewest and
+        most, with the processes of each) and predicted busy seconds; ``str`` lists every
+        member."""
+        unit = "micro-batches of" if self.micro_batched else "runs of"
+        rows = [u * self.granule for u in self.units]
+        least, most = rows.index(min(rows)), rows.index(max(rows))
+        lines = [f"batch split over {', '.join(self.mesh_dims)}: {self.batch} rows in {unit} "
+                 f"{self.granule} row(s) over {len(self.members)} members"
+                 + (" (even)" if self.is_even else "")]
+        if not self.is_even:
+            lines.append(f"  fewest rows {rows[least]} (processes "
+                         f"{fmt_ids(self.members[least], limit=3)}), most {rows[most]} "
+                         f"(processes {fmt_ids(self.members[most], limit=3)})")
+        if self.predicted:
+            lines.append(f"  predicted busy {min(self.predicted) * 1e3:.4g} to "
+                         f"{max(self.predicted) * 1e3:.4g} ms"
+                         + (f"; SCIP {self.report.status} in {self.report.solve_time:.3f} s"
+                            if self.report is not None else ""))
+        return "\n".join(lines)
 
     def __str__(self) -> str:
         unit = "micro-batches of" if self.micro_batched else "runs of"

@@ -7,6 +7,13 @@
   split price with these);
 - :mod:`.estimate`: a whole plan's step time (compute, communication, bubble) and peak
   memory per process (``dg.passes.estimate``);
+- :mod:`.terms`: the terms of a pipeline's price the estimate and the stage searches
+  share (micro-batches in flight, what a stage then holds, a stage's cost from its
+  parts);
+- :mod:`.layout_prices`: the prices of layouts on one mesh (a strategy, a reshard, a
+  tensor), which the intra-op search's problem is built from;
+- :mod:`.boundary`: what a pipeline stage pays to pass its blocks' Values to its
+  neighbours, as the estimate prices those reshards;
 - :mod:`.fit`: each process's peak against what its device may hold (the check every
   plan on a cluster passes).
 """

@@ -69,7 +69,8 @@ both.
 Example::
 
     est = dg.passes.estimate(plan, cluster)
-    print(est)                # step, compute / communication / bubble, memory per process
+    print(est)                # step, compute / communication / bubble, memory per group
+    est.per_process()         # ... per process
     est.step_time, est.processes[0].peak_memory
 """
 
@@ -81,11 +82,12 @@ from itertools import combinations
 from distgraph.errors import PlanError
 from distgraph.ir import Role
 from distgraph.plan.instructions import keeps_nothing
+from distgraph.passes.cost.terms import in_flight
 from distgraph.passes.cost.prices import (Rings, best_overlap, feed_time, op_comm_time, op_time,
                                           reshard_step_time)
 from distgraph.registry import TensorType, get_op
 from distgraph.resources.cluster import Cluster
-from distgraph.units import fmt_bytes
+from distgraph.units import fmt_bytes, fmt_ids
 
 
 @dataclass(frozen=True)
@@ -136,18 +138,54 @@ class Estimate:
                 "processes": [dict(asdict(p), peak_memory=p.peak_memory)
                               for p in self.processes]}
 
+    def groups(self) -> list:
+        """The processes in groups of equal figures (stage, compute, communication and
+        memory; alike processes are estimated once, so theirs are equal), each a list of
+        ProcessEstimates, in the order of their first process."""
+        groups: dict = {}
+        for p in self.processes:
+            key = (p.stage, p.compute, p.communication, p.parameters, p.states, p.gradients,
+                   p.activations)
+            groups.setdefault(key, []).append(p)
+        return list(groups.values())
+
     def __str__(self) -> str:
-        lines = [f"step {self.step_time * 1e3:.3f} ms = compute {self.compute * 1e3:.3f} + "
-                 f"communication {self.communication * 1e3:.3f} + bubble "
-                 f"{self.bubble * 1e3:.3f} ms"]
+        """The step, then one line per group of processes with equal figures
+        (:meth:`groups`); :meth:`per_process` has a line per process."""
+        lines = [self._head()]
+        for group in self.groups():
+            p = group[0]
+            who = (f"processes {fmt_ids(q.process for q in group)} (devices "
+                   f"{fmt_ids(q.device for q in group)}" if len(group) > 1 else
+                   f"process {p.process} (device {p.device}")
+            lines.append(f"  {who}, stage {p.stage}): compute {p.compute * 1e3:.3f} ms, "
+                         f"communication {p.communication * 1e3:.3f} ms")
+            lines.append(f"    {_memory(p)}")
+        return "\n".join(lines)
+
+    def per_process(self) -> str:
+        """The step, then every process's figures on a line of its own."""
+        lines = [self._head()]
         for p in self.processes:
             lines.append(f"  process {p.process} (device {p.device}, stage {p.stage}): "
-                         f"compute {p.compute * 1e3:.3f} ms, communication "
-                         f"{p.communication * 1e3:.3f} ms, peak {fmt_bytes(p.peak_memory)} "
-                         f"(parameters {fmt_bytes(p.parameters)}, states "
-                         f"{fmt_bytes(p.states)}, gradients {fmt_bytes(p.gradients)}, "
-                         f"activations {fmt_bytes(p.activations)})")
+                         f"{_figures(p)}")
         return "\n".join(lines)
+
+    def _head(self) -> str:
+        return (f"step {self.step_time * 1e3:.3f} ms = compute {self.compute * 1e3:.3f} + "
+                f"communication {self.communication * 1e3:.3f} + bubble "
+                f"{self.bubble * 1e3:.3f} ms")
+
+
+def _figures(p: ProcessEstimate) -> str:
+    return (f"compute {p.compute * 1e3:.3f} ms, communication {p.communication * 1e3:.3f} ms, "
+            f"{_memory(p)}")
+
+
+def _memory(p: ProcessEstimate) -> str:
+    return (f"peak {fmt_bytes(p.peak_memory)} (parameters {fmt_bytes(p.parameters)}, states "
+            f"{fmt_bytes(p.states)}, gradients {fmt_bytes(p.gradients)}, activations "
+            f"{fmt_bytes(p.activations)})")
 
 
 @dataclass(frozen=True)
@@ -432,8 +470,7 @@ def _peak_memory(plan, pid, stage, scale: _Scale) -> tuple[int, int, int, int, i
     if plan.micro_batches > 1:
         # the local program is one micro-batch's: the others in flight keep what they
         # saved for their backward, and the parameters' gradients accumulate in buffers
-        in_flight = m if plan.strategy.schedule == "FThenB" else min(m, len(plan.stages) - stage)
-        acts += (in_flight - 1) * saved
+        acts += (in_flight(plan.strategy.schedule, m, len(plan.stages), stage) - 1) * saved
         grads += sum(prog.values[g].nbytes for g in plan.built.grad_names.values()
                      if g in prog.values)
     return params, states, int(grads), int(acts), int(saved)

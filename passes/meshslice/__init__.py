@@ -4,7 +4,7 @@ partial collectives overlapped with K partial GeMMs.
 - the algorithm is matmul's distributed form (:mod:`distgraph.ops.meshslice`), its
   layouts matmul's rule (:mod:`distgraph.spmd.meshslice`);
 - :mod:`.slices`: the planner's part (``Strategy(meshslice=...)``, each matmul's K,
-  what ``Plan.explain()`` lists);
+  what ``Plan.explain(full=True)`` lists);
 - :func:`autotune`: the LLM autotuner (dataflow per FC layer, mesh shape and K from the
   cost model of a resource file).
 """

@@ -9,7 +9,7 @@ and saying which matmuls run it.
   matmul that runs as MeshSlice with ``"auto"`` gets the K that the cost model
   (:func:`distgraph.passes.cost.prices.best_overlap`, on its mesh's first process) finds
   fastest among those its layout allows; the search priced its strategy with the same K.
-- :func:`uses` lists the matmuls that run it (``Plan.explain()`` prints them).
+- :func:`uses` lists the matmuls that run it (``Plan.explain(full=True)`` prints them).
 
 Example::
 

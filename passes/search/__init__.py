@@ -1,4 +1,127 @@
-"""The automatic search (``Strategy(auto_mode="full")``): the intra-op sharding ILP
-(Alpa, on SCIP) and the inter-op stage DP."""
+"""The automatic search (``Strategy(auto_mode="full")``), behind one call:
 
-from distgraph.passes.search.intra_op import search
+    choice = choose(built, strategy, cluster, budget=None, session=None)
+
+A built program, a strategy and a cluster in; one frozen :class:`Choice` out: the program
+the plan runs with every op's layout written on it (and, with ``pipeline=True``, its
+stage), the micro-batch count, the chunks per stage, the rank mapping the search priced
+and its report. The planner (:mod:`distgraph.passes.planner`) completes the chosen
+program, checks that it fits (:mod:`distgraph.passes.fitting`) and makes the Plan.
+
+Which module decides what:
+
+| decision | module | how |
+|---|---|---|
+| the micro-batch count (``micro_batches=None``) | ``stages/micro.py`` | the stage search priced at neighbouring counts, bounds first |
+| the layers a stage can hold | ``stages/layers.py`` | Alpa's operator clustering; runs of identical blocks |
+| stages and their submeshes | ``stages/pipeline.py``, ``stage_dp.py`` | Alpa's inter-op DP on the intra-op searches' costs |
+| ... for runs of identical blocks | ``stages/runs.py``, ``run_dp.py``, ``block_plans.py``, ``interleaved.py`` | one search per logical mesh, the DP linear in the blocks, memory variants |
+| what passing a stage's blocks on costs | ``stages/boundary.py``, ``part_costs.py`` | cross-mesh reshards priced as the estimate prices them |
+| the mesh of a search without stages | ``layouts/mesh.py`` | the annotations' mesh, else the cluster's device mesh |
+| every op's layout on a mesh | ``layouts/intra_op.py`` | Alpa's ILP (``ilp.py`` on SCIP, ``ilp_bound.py``), MindSpore's double recursion (``recursive.py``, ``tree_moves.py``) |
+| what a layout costs | ``layouts/costs.py``, ``charges.py``, ``liveness.py``, ``sharded_states.py`` | the cost model's prices (:mod:`distgraph.passes.cost`) on each strategy |
+
+Every memo of one planning lives in its :class:`~distgraph.passes.session.Session`
+(the planner makes one per ``plan`` call; ``choose`` makes one when given none).
+
+Example::
+
+    choice = choose(built, dg.Strategy(auto_mode="full", pipeline=True), cluster)
+    print(choice.report)          # layers, stages and each stage's search
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from distgraph.ir import Role
+from distgraph.passes.prepare import split, transformed
+from distgraph.passes.search.layouts.intra_op import search
+from distgraph.passes.search.layouts.mesh import search_mesh
+from distgraph.passes.search.layouts.sharded_states import sharding_dim
+from distgraph.passes.session import Session
+from distgraph.passes.search.stages.micro import searched_count
+from distgraph.passes.search.stages.pipeline import plan_pipeline
+
+__all__ = ["Choice", "Session", "choose"]
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What the search decided for one program (module docstring). ``built``: the program
+    the plan runs (micro-batch program, recomputation applied) with the chosen layouts
+    written on it as annotations; ``strategy``: the strategy asked, with the micro-batch
+    count and the chunks per stage the search chose; ``accumulation``: how a step
+    accumulates its micro-batches (None: one); ``result``: the search's outcome (its
+    ``report``; ``check(program)`` after completion); ``rank_mapping``: {process: device
+    global id} as the search priced it."""
+
+    built: object
+    strategy: object
+    accumulation: object
+    result: object
+    rank_mapping: dict
+
+    @property
+    def report(self):
+        return self.result.report
+
+    @property
+    def chunks(self):
+        """(stage meshes, chunks per stage) where the stages are interleaved, else None."""
+        return getattr(self.result, "chunks", None)
+
+    @property
+    def sharding_dim(self):
+        """The mesh dims ZeRO shards the optimizer states over (``Strategy(sharding=
+        True)``), as the search names them."""
+        return sharding_dim(self.strategy)
+
+    def check(self, program) -> None:
+        """Check that completion kept every chosen layout of ``program``."""
+        self.result.check(program)
+
+
+def choose(built, strategy, cluster, budget: float | None = None,
+           session: Session | None = None) -> Choice:
+    """The search's choice for ``built`` (a BuiltProgram) under ``strategy`` on
+    ``cluster``, within ``budget`` bytes per device (None: the devices' memory as the
+    stage search reads it; no limit for a search without stages). Pure: ``built`` is not
+    modified."""
+    session = session or Session()
+    micro = strategy.micro_batches
+    if micro is None:
+        micro = session.table("micro-batch count").memo(
+            "chosen", lambda: searched_count(built, strategy, cluster, session))
+    asked = dataclasses.replace(strategy, micro_batches=micro)
+    programs = session.table("micro-batch programs")   # M -> (program, accumulation, costs)
+    if micro not in programs:
+        programs[micro] = (*split(built, micro, session.analyses), None)
+    program, accumulation, costs = programs[micro]
+    copy = transformed(program, asked)
+    if asked.pipeline:
+        result = plan_pipeline(copy, asked, cluster, accumulation, budget, costs)
+        rank_mapping = result.rank_mapping
+        if asked.virtual_stages > 1:
+            # the stage search chose how many chunks per stage (up to the strategy's)
+            chunks = result.chunks
+            asked = dataclasses.replace(asked, virtual_stages=chunks[1] if chunks else 1)
+    else:
+        result, rank_mapping = _layouts(copy, asked, cluster, accumulation, budget)
+    return Choice(copy, asked, accumulation, result, rank_mapping)
+
+
+def _layouts(copy, strategy, cluster, accumulation, budget) -> tuple:
+    """(the intra-op search's result on the program's mesh, written onto it; the rank
+    mapping it priced)."""
+    program = copy.program
+    mesh, device_of = search_mesh(program, cluster)
+    micro = accumulation.micro_batches if accumulation is not None else 1
+    weights = {Role.FORWARD: micro, Role.LOSS: micro, Role.BACKWARD: micro, Role.OPTIMIZE: 1}
+    result = search(program, mesh, cluster, device_of, weights=weights, loss=copy.loss_name,
+                    memory_budget=budget, time_limit=strategy.solver_time_limit,
+                    blocks=copy.block_paths, balance=strategy.balance,
+                    method=strategy.search_method, zero=sharding_dim(strategy))
+    result.annotate(program)
+    return result, device_of

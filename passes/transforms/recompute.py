@@ -27,10 +27,10 @@ from __future__ import annotations
 import dataclasses
 
 from distgraph.errors import PlanError
-from distgraph.ir import Operation, Program, Role, Value
+from distgraph.ir import RECOMPUTED, Operation, Program, Role, Value
 from distgraph.registry import get_op
 
-SUFFIX = "@RECOMPUTE"
+SUFFIX = RECOMPUTED            # what the copies' Values are named with (Value + SUFFIX)
 
 
 def _inside(layer: str, path: str) -> bool:

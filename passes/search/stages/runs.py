@@ -2,12 +2,12 @@
 times one block, searched once per logical mesh shape (Alpa's inter-op search made
 tractable for transformers of a hundred layers on a thousand devices).
 
-The layers (:func:`~distgraph.passes.search.layers.block_layers`) are the part before
+The layers (:func:`~distgraph.passes.search.stages.layers.block_layers`) are the part before
 the blocks (``E``: the embedding), the blocks, and the part after them (``H``: the head
 and the loss). A stage is ``[E] + k blocks + [H]`` on a submesh and costs
 
 - **time**: ``t_E + k t_B + t_H`` per micro-batch. ``t_B`` is one block's intra-op search
-  with its input and output tied (:class:`~distgraph.passes.search.intra_op.Boundary`
+  with its input and output tied (:class:`~distgraph.passes.search.layouts.intra_op.Boundary`
   ``periodic``): the block receives its input in the layout it sends its output in, as
   every block of a run does, so the reshards between two blocks are inside ``t_B`` and
   k blocks cost k times it. ``E`` and ``H`` are searched with the Values they exchange
@@ -34,13 +34,13 @@ not (and then prices the meshes after it).
 1,024 GPUs at t = 8), the submesh is also offered as ``(dp, cp, t)`` with dp = gcd(x,
 rows) and cp = x / dp (dims ``x``, ``cp``, ``y``: cp between the machines' tp and dp, as
 Meta orders them), if cp divides the sequence. Its ``cp`` dim splits only the sequence
-(:data:`~distgraph.passes.search.space.SEQUENCE_DIM`): every activation of the blocks
+(:data:`~distgraph.passes.search.layouts.space.SEQUENCE_DIM`): every activation of the blocks
 and attention itself (ring or Ulysses, by :mod:`distgraph.passes.context`'s prices), the
 weights' gradients summed over it. No other cp is offered: rows split instead divide
 the activations alike without attention's collectives (and at dp 1 the (x, t) search
 may split the sequence over x). They are searched per ``t`` apart from the (x, t) ones,
 their variants only where memory holds the fastest options back (:mod:`~distgraph.
-passes.search.block_plans`).
+passes.search.stages.block_plans`).
 
 **Memory variants.** A block's search minimises its time alone, so it may keep weights
 and their optimizer states whole where splitting them costs about as much time: cheap
@@ -53,12 +53,12 @@ weights: six blocks a stage instead of one). E and H are searched again only whe
 block meets them in other layouts. A mesh whose fastest parts are priced from another's
 search prices that search's variants too (:meth:`RunCosts._smaller_parts`).
 
-**Seeds.** The micro-batch counts :mod:`distgraph.passes.search.micro` compares have the
+**Seeds.** The micro-batch counts :mod:`distgraph.passes.search.stages.micro` compares have the
 same ops and Value names. The first is searched; the later ones (``seed=`` its RunCosts)
 price its searches on their own programs, searching only where a layout does not divide
-their micro-batch, on its SearchCosts. A count priced so is searched afresh once chosen.
+their micro-batch, on its LayoutPrices. A count priced so is searched afresh once chosen.
 
-The stage DP on them: :func:`~distgraph.passes.search.block_plans.plan_blocks`.
+The stage DP on them: :func:`~distgraph.passes.search.stages.block_plans.plan_blocks`.
 
 **Blocks that differ.** The interior blocks are identical op by op; the first and the
 last differ from them in where a few gradient sums fall. They are costed as interior
@@ -85,18 +85,18 @@ import numpy as np
 from distgraph.errors import PlanError
 from distgraph.ir import Role
 from distgraph.mesh import ProcessMesh
-from distgraph.passes.search.boundary import boundary_key, boundary_seconds
-from distgraph.passes.search.costs import SearchCosts
-from distgraph.passes.search.intra_op import (Boundary, accumulating_updates, price,
+from distgraph.passes.cost.boundary import boundary_key, boundary_seconds
+from distgraph.passes.cost.layout_prices import LayoutPrices
+from distgraph.passes.search.layouts.intra_op import (Boundary, accumulating_updates, price,
                                                  search)
-from distgraph.passes.search.block_plans import undominated
-from distgraph.passes.search.layers import op_keys, ops_by_layer, same_op
-from distgraph.passes.search.part_costs import stage_cost, stage_costs
-from distgraph.passes.search.recursive import Walks
+from distgraph.passes.search.stages.block_plans import undominated
+from distgraph.passes.search.stages.layers import op_keys, ops_by_layer, same_op
+from distgraph.passes.cost.terms import grid, stage_cost, stage_costs
+from distgraph.passes.search.layouts.recursive import Walks
 from distgraph.passes.pipeline.chunks import forward_chunks
-from distgraph.passes.search.sharded_states import sharding_dim, writeback_bytes
+from distgraph.passes.search.layouts.sharded_states import sharding_dim, writeback_bytes
 from distgraph.registry import op_flops
-from distgraph.passes.search.stage_dp import Submesh, _grid, logical_mesh
+from distgraph.passes.search.stages.stage_dp import Submesh, logical_mesh
 
 VARIANTS = 4        # the fastest block and up to three of smaller peaks (module docstring)
 
@@ -174,7 +174,7 @@ class RunCosts:
         self._spare: dict = {}        # t -> [_Searched, ...] searched for variants only
         self._fastest: dict = {}      # (axis, shape, logical) -> (_Searched, parts)
         self._smaller: dict = {}      # (axis, shape, logical) -> [parts of each variant]
-        # (mesh, devices) -> SearchCosts, one per mesh; its prices depend on shapes, not on
+        # (mesh, devices) -> LayoutPrices, one per mesh; its prices depend on shapes, not on
         # the program: shared with ``prices`` (another count's) or the seed's, planned once
         self._prices: dict = prices if prices is not None else seed._prices if seed else {}
         self._walks: dict = {}        # (mesh, devices) -> Walks of the block's searches
@@ -196,7 +196,7 @@ class RunCosts:
         ``sequence`` too, the (dp, cp, tp) meshes (module docstring)."""
         out = []
         for axis, device_mesh in enumerate(self.cluster.device_meshes):
-            rows, cols = _grid(device_mesh.shape)
+            rows, cols = grid(device_mesh.shape)
             device = self.cluster.device(device_mesh.ids[0])
             shapes = [(n, cols) for n in range(1, rows + 1) if rows % n == 0]
             if rows == 1:
@@ -316,7 +316,7 @@ class RunCosts:
     def refine(self, option: RunOption, room: float = 0.0) -> RunOption:
         """``option`` searched again by ``Strategy(search="auto")``: the recursive choice
         refined by the ILP, the block within the peak it had plus ``room`` bytes (what
-        its stages may still take: :mod:`~distgraph.passes.search.stages` checks that
+        its stages may still take: :mod:`~distgraph.passes.search.stages.pipeline` checks that
         they fit), E and H meeting the refined block. Refined on the mesh whose search
         the option's parts were costed or priced from, whose space and problems that
         search built, and priced here as the pricing did (where the refined choice does
@@ -353,7 +353,7 @@ class RunCosts:
         search's (default: the one that prices options, :func:`pricing_method`);
         ``starts``: part -> the SearchResult "auto" refines (``search``'s ``refined``).
         The block's searches on one mesh share their recursive descents and problem (one
-        :class:`~distgraph.passes.search.recursive.Walks` per mesh: only the budget
+        :class:`~distgraph.passes.search.layouts.recursive.Walks` per mesh: only the budget
         differs), and E's or H's searches on one mesh meeting the block alike theirs (one
         per boundary: the refinement of a searched option builds no problem again);
         ``prove=False`` (the memory variants): a budget below the block's peak bound
@@ -401,13 +401,13 @@ class RunCosts:
     def _mesh_key(mesh, device_of) -> tuple:
         return (mesh, tuple(sorted(device_of.items())))
 
-    def _costs(self, mesh, device_of) -> SearchCosts:
-        """The SearchCosts of ``mesh`` on those devices, shared by every search and
+    def _costs(self, mesh, device_of) -> LayoutPrices:
+        """The LayoutPrices of ``mesh`` on those devices, shared by every search and
         pricing there (the parts, the memory variants, the refinement): its reshard
         prices are planned once."""
         key = self._mesh_key(mesh, device_of)
         if key not in self._prices:     # one rules dict for all (keyed by mesh shape in it)
-            costs = self._prices[key] = SearchCosts(self.cluster, mesh, device_of)
+            costs = self._prices[key] = LayoutPrices(self.cluster, mesh, device_of)
             costs.rules = next(iter(self._prices.values())).rules
         return self._prices[key]
 
@@ -476,7 +476,7 @@ class RunCosts:
 
     def _measure(self, result, costs) -> PartCost:
         """Seconds and bytes of a search's choice (module docstring); ``costs``: the
-        SearchCosts of its mesh and devices."""
+        LayoutPrices of its mesh and devices."""
         space, problem, choice = result.space, result.problem, result.choice
         memory = [float(problem.memory[n.index][choice[n.index]]) for n in space.nodes]
         # parameters, states and (with micro-batches) the gradients' buffers, which the
@@ -503,7 +503,7 @@ class RunCosts:
 
     def p2p_seconds(self, option) -> float:
         """Seconds per micro-batch a stage of ``option`` between two others spends passing
-        its blocks' Values on and back (:func:`~distgraph.passes.search.boundary.
+        its blocks' Values on and back (:func:`~distgraph.passes.cost.boundary.
         boundary_seconds`), once per boundary_key; the dict is boundary_seconds' memo."""
         key = boundary_key(option)
         if key not in self._p2p:

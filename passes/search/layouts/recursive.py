@@ -33,13 +33,13 @@ layouts (Megatron within a machine): on 8 x 8 and 4 x 8 A100 meshes
 **Group moves.** A descent of single-op moves stops where every op leaving its layout
 alone pays reshards that its neighbours moving with it would save (on slow links an MLP
 stays replicated rather than take Megatron's column-then-row pair). After the last level
-each descent is improved by tree moves (:mod:`distgraph.passes.search.tree_moves`):
+each descent is improved by tree moves (:mod:`distgraph.passes.search.layouts.tree_moves`):
 every class re-chosen at once, exactly on a spanning forest of the interactions (chains
 of layers move together), kept only where the objective falls.
 
 **What a search costs.** Every descent gets one forest of tree moves; only the ``KEEP``
 (2) best after it, alike ends once, get the rest, which then follow exactly the
-trajectory a full :func:`~distgraph.passes.search.tree_moves.improve` would (ends that
+trajectory a full :func:`~distgraph.passes.search.layouts.tree_moves.improve` would (ends that
 lose after one forest rarely win after all of them: on the Table 1 1T row's and GPT-3
 ``--engine``'s searches, the 20 of bench/search_quality.py and 229 brute-forced random
 problems, the same choices as improving every descent fully). A walk
@@ -69,7 +69,7 @@ wins; the lower levels' choices it leaves open are priced at their best.
 
 **What the ILP respects, this respects.** It solves the same :class:`~distgraph.passes.
 search.ilp_problem.ShardingProblem` (the same candidate enumeration and prices,
-:mod:`distgraph.passes.search.intra_op`): follow and share ties are its classes,
+:mod:`distgraph.passes.search.layouts.intra_op`): follow and share ties are its classes,
 forbidden strategies are never candidates, aliases (an update writes a parameter or
 ZeRO-split state back in the layout it is stored in) forbid pairs. With a memory budget
 the choice's peak over the liveness sets is checked; over it, the search runs again
@@ -77,15 +77,15 @@ with each byte a class holds priced at ``lam`` seconds (a Lagrange multiplier), 
 raised 8 x at a time until the peak fits, then lowered by bisection (of ``log lam``,
 three steps) to the cheapest choice that fits.
 Where no ``lam`` fits, or the choice breaks an alias, the SCIP ILP decides
-(:func:`~distgraph.passes.search.ilp.solve`, which finds a plan or names the smallest
+(:func:`~distgraph.passes.search.layouts.ilp.solve`, which finds a plan or names the smallest
 peak) and the report says so.
 
 **Searches of one problem under several budgets** (the memory variants of :mod:`~distgraph.
-passes.search.runs`: the same block, its budget halved each time) share a :class:`Walks`:
+passes.search.stages.runs`: the same block, its budget halved each time) share a :class:`Walks`:
 a descent depends on the problem and ``lam``, not on the budget, so each ``lam``'s
 descents are walked once for all of them, and the walk up ``lam``'s ladder, the same
 ladder every time, repeats no descent. Such a caller may also ask for no proof
-(``prove=False``): a budget below :func:`~distgraph.passes.search.ilp.peak_bound` then
+(``prove=False``): a budget below :func:`~distgraph.passes.search.layouts.ilp.peak_bound` then
 raises PlanError at once, without SCIP naming the smallest peak.
 
 Example::
@@ -103,9 +103,9 @@ import numpy as np
 from scipy import sparse
 
 from distgraph.errors import PlanError
-from distgraph.passes.search.ilp import (BUDGET_RTOL, Solution, check_forbidden, evaluate,
+from distgraph.passes.search.layouts.ilp import (BUDGET_RTOL, Solution, check_forbidden, evaluate,
                                          peak_bound, peak_memory, reduce_problem, solve)
-from distgraph.passes.search.tree_moves import ROUNDS, TREES, Flat, improve_rounds
+from distgraph.passes.search.layouts.tree_moves import ROUNDS, TREES, Flat, improve_rounds
 
 METHODS = ("ilp", "recursive", "auto")
 KEEP = 2                 # descents per run whose tree moves go on after the first forests

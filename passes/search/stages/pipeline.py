@@ -1,17 +1,17 @@
 """``Strategy(auto_mode="full", pipeline=True)``: Alpa's inter-op search (seed 000 §5).
 
-1. **Layers**: the forward ops cut into layers (:mod:`distgraph.passes.search.layers`;
+1. **Layers**: the forward ops cut into layers (:mod:`distgraph.passes.search.stages.layers`;
    at most ``2 x devices + 2`` of them), every other op with its layer.
 2. **Stage costs**: for each range of consecutive layers and each submesh shape of each
-   device mesh (:func:`distgraph.passes.search.stage_dp.submesh_shapes`), the intra-op search
-   (:mod:`distgraph.passes.search.intra_op`) of those layers' ops on a ProcessMesh of that shape,
+   device mesh (:func:`distgraph.passes.search.stages.stage_dp.submesh_shapes`), the intra-op search
+   (:mod:`distgraph.passes.search.layouts.intra_op`) of those layers' ops on a ProcessMesh of that shape,
    priced on the first devices of that shape in the mesh. Its objective, with the forward
    and backward counted once and the updates once per ``micro_batches``, is the stage's
    time per micro-batch; its parameters and states are the stage's memory, the rest of
    its peak the activations of one micro-batch in flight. Ranges of identical ops (the
    same blocks at other depths) are searched once. Each search has
    ``Strategy.solver_time_limit`` seconds.
-3. **Stages**: :func:`distgraph.passes.search.stage_dp.plan_stages` chooses the stages and their
+3. **Stages**: :func:`distgraph.passes.search.stages.stage_dp.plan_stages` chooses the stages and their
    submeshes minimising ``sum t + (micro_batches - 1) max t`` within each device's
    memory (``Strategy.memory_budget_gb`` lowers it).
 4. **Annotations**: stage s's ops are annotated on a ProcessMesh of its devices (process
@@ -20,7 +20,7 @@
    micro-batched runtime runs the stages (``Strategy.micro_batches``, ``schedule``).
 
 ``Strategy(search=...)`` picks who searches: "ilp" SCIP everywhere, "recursive" the
-double-recursive search everywhere (:mod:`distgraph.passes.search.recursive`), "auto" the
+double-recursive search everywhere (:mod:`distgraph.passes.search.layouts.recursive`), "auto" the
 recursive search for every candidate the DP compares and SCIP, warm-started from the
 recursive choice, for the chosen stages only (their reports say what it gained).
 
@@ -46,27 +46,33 @@ import numpy as np
 from distgraph.errors import PlanError
 from distgraph.ir import Role
 from distgraph.mesh import ProcessMesh
-from distgraph.passes.search.ilp_problem import peak_memory
-from distgraph.passes.search.intra_op import search
-from distgraph.passes.search.layers import block_layers, cluster_layers
-from distgraph.passes.search.interleaved import alike_stages
-from distgraph.passes.search.run_dp import beats
-from distgraph.passes.search.block_plans import plan_blocks
-from distgraph.passes.search.runs import RunCosts, pricing_method
-from distgraph.passes.search.space import MESH_DIMS, logical_dims
-from distgraph.passes.search.sharded_states import sharding_dim
-from distgraph.passes.search.stage_dp import StageCost, plan_stages
+from distgraph.passes.cost.terms import held, in_flight
+from distgraph.passes.search.layouts.ilp_problem import peak_memory
+from distgraph.passes.search.layouts.intra_op import search
+from distgraph.passes.search.stages.layers import block_layers, cluster_layers
+from distgraph.passes.search.stages.interleaved import alike_stages
+from distgraph.passes.search.stages.run_dp import beats
+from distgraph.passes.search.stages.block_plans import plan_blocks
+from distgraph.passes.search.stages.runs import RunCosts, pricing_method
+from distgraph.passes.search.layouts.space import MESH_DIMS, logical_dims
+from distgraph.passes.search.layouts.sharded_states import sharding_dim
+from distgraph.passes.search.stages.stage_dp import StageCost, plan_stages
 from distgraph.resources.cluster import Cluster
-from distgraph.units import GB
+from distgraph.units import GB, fmt_ids
 
 
 @dataclass(frozen=True)
 class RunReport:
-    """What one stage of a block layering runs: its logical mesh, its parts and each
-    part's search report (searched on a representative mesh, priced on this one)."""
+    """What one stage of a block layering runs: its logical mesh ``option``, its parts and
+    each part's search report (searched on a representative mesh, priced on this one),
+    and ``mesh``, the stage's own ProcessMesh. It answers what a
+    :class:`~distgraph.passes.search.layouts.intra_op.SearchReport` does for a
+    :class:`PipelineReport` (``mesh``, ``status``, ``gap``, ``layouts``, ``chosen_by``,
+    ``describe``, ``to_dict``)."""
 
     option: str
     parts: tuple          # ((part name, count, SearchReport), ...)
+    mesh: ProcessMesh
 
     @property
     def status(self) -> str:
@@ -81,15 +87,38 @@ class RunReport:
     def layouts(self) -> tuple:
         return tuple(x for _, _, r in self.parts for x in r.layouts)
 
+    @property
+    def method(self) -> str:
+        return self.parts[0][2].method
+
+    @property
+    def chosen_by(self) -> str:
+        """Which search chose each part's layouts, in words (once where all parts agree)."""
+        said = {r.chosen_by for _, _, r in self.parts}
+        if len(said) == 1:
+            return said.pop()
+        return "; ".join(f"{name}: {r.chosen_by}" for name, _, r in self.parts)
+
+    @property
+    def what(self) -> str:
+        """The parts it runs: ``"embedding + 2 blocks"``."""
+        return " + ".join(f"{n} {name}" if n > 1 else name for name, n, _ in self.parts)
+
     def __str__(self) -> str:
-        what = " + ".join(f"{n} {name}" if n > 1 else name for name, n, _ in self.parts)
-        lines = [f"{what} on {self.option}"]
+        return self.describe(str(self.mesh))
+
+    def describe(self, where: str) -> str:
+        """``str``, naming the stage's devices as ``where``; each part's search report
+        names the representative mesh it was searched on."""
+        lines = [f"runs {self.what} on {where}: submesh {self.option}"]
         for name, _, report in self.parts:
-            lines.append(f"  {name}: " + str(report).replace("\n", "\n  "))
+            searched = f"a representative mesh of shape {list(report.mesh.shape)}"
+            lines.append(f"  {name}: " + report.describe(searched).replace("\n", "\n  "))
         return "\n".join(lines)
 
     def to_dict(self) -> dict:
         return {"option": self.option, "status": self.status, "gap": self.gap,
+                "mesh": self.mesh.to_dict(),
                 "parts": [{"part": name, "count": n, **report.to_dict()}
                           for name, n, report in self.parts]}
 
@@ -132,6 +161,35 @@ class PipelineReport:
             lines.append(f"  stage {s} " + report.describe(where).replace("\n", "\n  "))
         return "\n".join(lines)
 
+    def summary(self) -> str:
+        """A few lines for ``Plan.explain()``: the layering, the searches, the stage plan's
+        latency, each stage's layers, devices (as ranges), status, and who chose its
+        layouts (once per distinct answer); ``str`` lists every stage's layouts."""
+        plan = self.stage_plan
+        chunks = f", {plan.virtual} chunks per stage" if plan.virtual > 1 else ""
+        lines = [f"stage search: {self.searches} intra-op searches in {self.seconds:.2f} s; "
+                 f"{len(plan.stages)} stages{chunks}, {plan.micro_batches} micro-batches, "
+                 f"latency {_seconds(plan.objective)}, {self.status}",
+                 f"  {self.layering}"]
+        said: dict = {}
+        for s, (report, stage) in enumerate(zip(self.stages, plan.stages)):
+            layers = stage.layers
+            what = f"{report.what}, " if isinstance(report, RunReport) else ""
+            held = f"layer {layers.start}" if len(layers) == 1 else \
+                f"layers {layers.start}-{layers.stop - 1}"
+            lines.append(f"  stage {s}: {held} ({what}mesh "
+                         f"{list(report.mesh.shape)}) on device{'s' if len(stage.device_ids) > 1 else ''} "
+                         f"{fmt_ids(stage.device_ids)}: "
+                         f"{_seconds(stage.time)}, {stage.memory:.3g} GB, gap {report.gap:.3g}")
+            parts = report.parts if isinstance(report, RunReport) else (("", 1, report),)
+            for name, _, part in parts:
+                said.setdefault(part.chosen_by, {}).setdefault(name, []).append(s)
+        for who, where in said.items():
+            at = "; ".join(f"{name + ' of ' if name else ''}stage{'s' if len(ss) > 1 else ''} "
+                           f"{fmt_ids(ss)}" for name, ss in where.items())
+            lines.append(f"  chosen by {who}: {at}")
+        return "\n".join(lines)
+
     def to_dict(self) -> dict:
         return {"layers": self.layering.count,
                 "layer_flops": list(self.layering.flops),
@@ -140,6 +198,10 @@ class PipelineReport:
                 "stages": [dict(report.to_dict(), layers=[st.layers.start, st.layers.stop],
                                 devices=list(st.device_ids), time=st.time, memory=st.memory)
                            for report, st in zip(self.stages, self.stage_plan.stages)]}
+
+
+def _seconds(t: float) -> str:
+    return f"{t:.4g} s" if t >= 1 else f"{t * 1e3:.4g} ms"
 
 
 @dataclass(frozen=True)
@@ -174,7 +236,7 @@ def plan_pipeline(copy, strategy, cluster, accumulation, memory_budget=None,
     planner completes next) and annotate its program (module docstring).
     ``memory_budget``: bytes per device (None: the devices' memory); ``runs``: the
     RunCosts :func:`pipeline_latency` made for a copy built the same way (its searches
-    are reused; where it was seeded by another count's, only its SearchCosts)."""
+    are reused; where it was seeded by another count's, only its LayoutPrices)."""
     start = time.perf_counter()
     if cluster is None:
         raise PlanError("Strategy(pipeline=True) searches stages on a cluster: pass cluster="
@@ -213,11 +275,11 @@ def pipeline_latency(copy, strategy, cluster, accumulation, memory_budget=None,
     """(seconds per step of the stage plan :func:`plan_pipeline` would choose for
     ``copy``, priced by the method that prices the DP's candidates, before any
     refinement and without annotating; the RunCosts that priced it, or None): what
-    :mod:`distgraph.passes.search.micro` compares. PlanError where nothing fits. The
+    :mod:`distgraph.passes.search.stages.micro` compares. PlanError where nothing fits. The
     RunCosts may be handed to :func:`plan_pipeline` for a program built the same way;
     ``costs``: one :func:`pipeline_beaten` made for ``copy`` (its searches are reused);
     ``seed``: the RunCosts of the same model at another micro-batch count, whose
-    searches price this one's options (:mod:`distgraph.passes.search.runs`)."""
+    searches price this one's options (:mod:`distgraph.passes.search.stages.runs`)."""
     micro = accumulation.micro_batches if accumulation is not None else 1
     target = cluster if memory_budget is None else _capped(cluster, memory_budget / GB)
     layering = block_layers(copy.program, copy.block_paths)
@@ -233,11 +295,11 @@ def pipeline_beaten(copy, strategy, cluster, accumulation, latency: float,
                     seed=None, memory_budget=None) -> tuple:
     """(True where the stage search finds no plan of ``copy`` below ``latency`` seconds
     per step; the RunCosts it priced, for :func:`pipeline_latency`, or None). First the
-    bound :mod:`distgraph.passes.search.micro` prunes with: the stage DP on each logical
+    bound :mod:`distgraph.passes.search.stages.micro` prunes with: the stage DP on each logical
     mesh's fastest parts, the devices' memory unlimited; where that does not rule it
     out, the stage search itself looking below ``latency`` only (its caps pruned by it,
     memory variants searched only for meshes whose alike stages beat it:
-    :func:`~distgraph.passes.search.block_plans.plan_blocks`). Programs not of identical
+    :func:`~distgraph.passes.search.stages.block_plans.plan_blocks`). Programs not of identical
     blocks are not bounded: False. ``seed``: as :func:`pipeline_latency`'s;
     ``memory_budget``: bytes per device (None: the devices' memory)."""
     layering = block_layers(copy.program, copy.block_paths)
@@ -256,7 +318,7 @@ def pipeline_beaten(copy, strategy, cluster, accumulation, latency: float,
 
 
 def _blocks_plan(costs, target, memory_budget, strategy) -> tuple:
-    """:func:`~distgraph.passes.search.block_plans.plan_blocks` of ``costs`` on ``target`` (the
+    """:func:`~distgraph.passes.search.stages.block_plans.plan_blocks` of ``costs`` on ``target`` (the
     cluster within ``memory_budget``), solved once per budget: the micro-batch search's
     DP for the count it chose is the plan's."""
     if memory_budget not in costs.planned:
@@ -284,7 +346,7 @@ def _plan_runs(copy, strategy, cluster, target, costs, start, memory_budget) -> 
             reports_of, written = costs.annotate(copy.program, layers, option, mesh)
             parts += reports_of
             checks += written
-        reports.append(RunReport(str(option), tuple(parts)))
+        reports.append(RunReport(str(option), tuple(parts), mesh))
         meshes.append(mesh)
     report = PipelineReport(layering, stage_plan, tuple(reports), costs.searches,
                             time.perf_counter() - start)
@@ -295,7 +357,7 @@ def _plan_runs(copy, strategy, cluster, target, costs, start, memory_budget) -> 
 
 def _refined(stage_plan, chosen, costs, target) -> tuple:
     """(``stage_plan``, ``chosen``) with each option the DP chose refined by the ILP
-    (:meth:`~distgraph.passes.search.runs.RunCosts.refine`; an option chosen for several
+    (:meth:`~distgraph.passes.search.stages.runs.RunCosts.refine`; an option chosen for several
     stages refined once), its stages' memory restated. The refined block may take the
     room its stages leave on the devices (the least, per block they hold): the ILP then
     finds the layouts the recursive search's memory variants missed (GPT-3 310B: the
@@ -355,7 +417,7 @@ def _memory_restated(stage_plan, chosen, costs):
         memories = []
         for s, (stage, option) in enumerate(zip(stage_plan.stages, chosen)):
             _, one, further = option.cost(*_parts(stage, costs))
-            memories.append(one + (min(M, S - s) - 1) * further)
+            memories.append(held(one, further, in_flight("1F1B", M, S, s)))
     return dataclasses.replace(stage_plan, stages=tuple(
         dataclasses.replace(stage, memory=float(m))
         for stage, m in zip(stage_plan.stages, memories)))

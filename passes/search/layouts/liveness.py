@@ -1,6 +1,6 @@
 """Which results of a searched program are live together: the liveness sets of the
-intra-op search's memory model (:mod:`distgraph.passes.search.intra_op`), one per op of
-the program order, as node indices of its :class:`~distgraph.passes.search.space.
+intra-op search's memory model (:mod:`distgraph.passes.search.layouts.intra_op`), one per op of
+the program order, as node indices of its :class:`~distgraph.passes.search.layouts.space.
 SearchSpace`.
 
 Example::

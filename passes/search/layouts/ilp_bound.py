@@ -1,7 +1,7 @@
 """A proven lower bound on a sharding problem's optimum, for ``Strategy(search="auto")``:
 where it shows that SCIP cannot improve a choice, the refinement skips SCIP.
 
-**The bound** (of a :class:`~distgraph.passes.search.ilp.Reduced` problem, memory
+**The bound** (of a :class:`~distgraph.passes.search.layouts.ilp.Reduced` problem, memory
 ignored): for any numbers ``beta[p][a]`` (per pair ``p = (u, v)`` and row group ``a``)
 and ``gamma[p][b]`` (per column group ``b``),
 
@@ -19,7 +19,7 @@ optimum, so L bounds the budgeted optimum too. The bound holds for *any* beta an
 so how they are found does not matter to its truth, only to how close it comes:
 
 **Its multipliers** are the duals of the marginal constraints of the ILP's own LP
-relaxation (:mod:`~distgraph.passes.search.ilp`'s ``e`` variables: ``sum_b e[a][b] ==
+relaxation (:mod:`~distgraph.passes.search.layouts.ilp`'s ``e`` variables: ``sum_b e[a][b] ==
 sum_{i in group a} s[u][i]`` and the columns'), solved by HiGHS (dual simplex). At an
 exact LP optimum L equals the LP optimum, SCIP's root bound; computed again from the
 duals as above, L stays a bound whatever the LP solver's tolerances. (HiGHS without its
@@ -31,7 +31,7 @@ the model of the same reduced problem, so no choice it can return costs, on it, 
 than L; where the start's objective on it is within ``GAIN_RTOL`` of L, SCIP could
 gain at most that. ``GAIN_RTOL`` (1e-9) is below what SCIP itself resolves (its
 tolerances, numerics/epsilon 1e-9 and dual feasibility 1e-7, apply to costs scaled to
-about 1 each, :func:`~distgraph.passes.search.ilp._unit`) and far above the rounding of
+about 1 each, :func:`~distgraph.passes.search.layouts.ilp._unit`) and far above the rounding of
 L's sums. The tests run SCIP anyway on random problems wherever this skips.
 
 Example::
@@ -48,7 +48,7 @@ import numpy as np
 from scipy import sparse
 from scipy.optimize import linprog
 
-from distgraph.passes.search.tree_moves import objective
+from distgraph.passes.search.layouts.tree_moves import objective
 
 GAIN_RTOL = 1e-9        # a proven gain below this (relative) is no gain: SCIP's own resolution
 
@@ -136,7 +136,7 @@ def _duals(red) -> tuple:
 
 def _scale(c) -> float:
     """The median magnitude of the nonzero costs (the LP is solved on costs of order 1,
-    as :func:`~distgraph.passes.search.ilp.solve` scales SCIP's)."""
+    as :func:`~distgraph.passes.search.layouts.ilp.solve` scales SCIP's)."""
     nonzero = np.abs(c[c != 0])
     return float(np.median(nonzero)) if nonzero.size else 1.0
 

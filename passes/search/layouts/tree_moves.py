@@ -1,6 +1,6 @@
 """Group moves for the double-recursive search: many ops leave their layouts together.
 
-A descent that moves one op at a time (:mod:`distgraph.passes.search.recursive`) stops
+A descent that moves one op at a time (:mod:`distgraph.passes.search.layouts.recursive`) stops
 where every single move costs more than it saves, even when a whole chain moving at once
 would save: on slow links an MLP stays replicated, because the first matmul that splits
 its weight pays a reshard that only the next matmul's split would remove (Megatron's

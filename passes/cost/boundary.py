@@ -1,7 +1,7 @@
 """What a pipeline stage pays to pass blocks' Values to its neighbours, priced as the
 plan's estimate (:mod:`distgraph.passes.cost.estimate`) prices it.
 
-A block of a run (:mod:`distgraph.passes.search.runs`) sends the next block its output
+A block of a run (:mod:`distgraph.passes.search.stages.runs`) sends the next block its output
 and, in the backward, the block before it its input's gradient: the representative
 block's ``periodic`` pairs (received, leaving). Between two stages these become
 cross-mesh reshards (:func:`~distgraph.passes.reshard.plan_reshard`: a pending sum
@@ -33,7 +33,7 @@ import numpy as np
 from distgraph.mesh import ProcessMesh
 from distgraph.passes.cost.prices import Rings, steps_time
 from distgraph.passes.reshard import plan_reshard
-from distgraph.passes.search.stage_dp import _grid
+from distgraph.passes.cost.terms import grid
 from distgraph.placement import DistAttr
 
 
@@ -115,8 +115,8 @@ def boundary_key(option) -> tuple:
 def _pieces(option) -> list:
     """The device ids of each submesh of ``option``'s shape on its device mesh, in the
     order the stages take them (row-major: whole rows, or row pieces in a row)."""
-    rows, cols = _grid(option.sub.mesh.shape)
+    rows, cols = grid(option.sub.mesh.shape)
     n, m = option.sub.shape
-    grid = np.array(option.sub.mesh.ids).reshape(rows, cols)
-    return [grid[r:r + n, c:c + m].reshape(-1) for r in range(0, rows - n + 1, n)
+    ids = np.array(option.sub.mesh.ids).reshape(rows, cols)
+    return [ids[r:r + n, c:c + m].reshape(-1) for r in range(0, rows - n + 1, n)
             for c in range(0, cols - m + 1, m)]

@@ -1,7 +1,7 @@
 """Interleaved 1F1B and alike stages for layers that are runs of identical blocks (the
-planner's options of :mod:`distgraph.passes.search.runs`): stages of one option tiling its
+planner's options of :mod:`distgraph.passes.search.stages.runs`): stages of one option tiling its
 device mesh, the layers split evenly or by chunks of equal work, priced in closed form
-(no DP; :mod:`distgraph.passes.search.run_dp` is the DP for unlike stages).
+(no DP; :mod:`distgraph.passes.search.stages.run_dp` is the DP for unlike stages).
 
 Example::
 
@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from distgraph.passes.search.stage_dp import StageChoice, StagePlan, _grid
+from distgraph.passes.cost.terms import grid, held, in_flight
+from distgraph.passes.search.stages.stage_dp import StageChoice, StagePlan
 
 
 def plan_interleaved(count: int, blocks: range, options: list, cluster, micro_batches: int,
@@ -78,7 +79,7 @@ def alike_stages(option, count: int, blocks: range, cluster, micro_batches: int,
         seconds, one, further = option.cost(first, n, last)
         # every chunk a middle one but the first chunk (stage 0) and the last (S - 1)
         times.append(seconds + sends * (virtual - (s == 0) / 2 - (s == S - 1) / 2))
-        memories.append(one + (min(micro_batches, S - s) - 1) * further)
+        memories.append(held(one, further, in_flight("1F1B", micro_batches, S, s)))
     return (sum(times) / virtual + (micro_batches - 1 / virtual) * max(times), times,
             memories)
 
@@ -113,10 +114,10 @@ def _alike_plan(option, S, count, times, memories, objective, micro_batches, vir
     """The StagePlan of ``S`` alike stages of ``option``: stage s on the s-th submesh of
     the device mesh in row-major order, its layers (as annotated before the chunks move
     them: E on the first stage, H on the last) an even split of the ``count``."""
-    rows, cols = _grid(option.sub.mesh.shape)
+    rows, cols = grid(option.sub.mesh.shape)
     n, m = option.sub.shape
-    grid = np.array(option.sub.mesh.ids).reshape(rows, cols)
-    pieces = [grid[r:r + n, c:c + m].reshape(-1) for r in range(0, rows, n)
+    ids = np.array(option.sub.mesh.ids).reshape(rows, cols)
+    pieces = [ids[r:r + n, c:c + m].reshape(-1) for r in range(0, rows, n)
               for c in range(0, cols, m)]
     bounds = [round(count * s / S) for s in range(S + 1)]
     stages = tuple(StageChoice(range(bounds[s], bounds[s + 1]), option.sub.mesh.name,

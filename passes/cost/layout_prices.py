@@ -1,5 +1,7 @@
-"""What the intra-op search charges: the cost model of :mod:`distgraph.passes.cost`,
-applied to one strategy, one reshard or one tensor before any plan exists.
+"""The prices of layouts on one mesh, before any plan exists: what the intra-op search
+charges (:mod:`distgraph.passes.search`), from the unit prices the estimate charges
+(:mod:`distgraph.passes.cost.prices`), applied to one strategy, one reshard or one
+tensor.
 
 - an op's strategy: ``op_time`` on its local shapes (and its local attributes, as the
   partitioned op will have them) on the mesh's device, plus its own collectives on the
@@ -17,9 +19,9 @@ A process of the mesh stands for all: every process of one SPMD mesh runs the sa
 local program. Results are cached by signature, so the identical blocks of a
 transformer cost one computation each. Reshard prices are kept per layout pair (layouts
 numbered, so a matrix's entries key on ints), per path and bytes, and per step; the
-SearchCosts sharing one ``rules`` dict (the stage search's) share a mesh shape's paths,
+LayoutPrices sharing one ``rules`` dict (the stage search's) share a mesh shape's paths,
 and those of meshes priced alike (same shape, same rings and software costs at the
-priced process) share every reshard price (:meth:`SearchCosts._bind`).
+priced process) share every reshard price (:meth:`LayoutPrices._bind`).
 
 With ``sample_axes`` (``Strategy(balance=True)``: which dim of each Value carries the
 batch's samples, :func:`distgraph.passes.samples.sample_axes`) an op's strategy is priced
@@ -31,7 +33,7 @@ device does the same work and the slowest device sets the price.
 
 Example::
 
-    costs = SearchCosts(cluster, mesh, {0: 0, 1: 1})
+    costs = LayoutPrices(cluster, mesh, {0: 0, 1: 1})
     costs.reshard(ShardSpec(["x", None]), ShardSpec([None, None]), (8, 4), "float32")
 """
 
@@ -50,7 +52,7 @@ from distgraph.mesh import ProcessMesh
 from distgraph.placement import DistAttr, ShardSpec
 
 
-class SearchCosts:
+class LayoutPrices:
     """Seconds and bytes of strategies on ``mesh``, whose process p runs on device
     ``device_of[p]`` of ``cluster``."""
 
@@ -69,7 +71,7 @@ class SearchCosts:
                                     # shape: the op strategies of their spaces
                                     # (SearchSpace.rules), and these costs' reshard paths
                                     # and prices (:meth:`_bind`); one dict may serve
-                                    # several SearchCosts
+                                    # several LayoutPrices
 
     def op(self, op, strategies) -> tuple[np.ndarray, np.ndarray]:
         """(compute seconds, own-collective seconds) of each strategy of ``op``."""
@@ -180,7 +182,7 @@ class SearchCosts:
         """Seconds to turn ``src`` into ``dst`` (both on the mesh), 0 when equal. Where
         both divide the tensor, priced once per pair of layouts' split dims and the
         tensor's bytes (:meth:`_path`: the price depends on nothing else); every price
-        is shared with the SearchCosts of meshes priced alike (:meth:`_bind`)."""
+        is shared with the LayoutPrices of meshes priced alike (:meth:`_bind`)."""
         alike = self._alike or self._bind()
         a, b = alike.id(src), alike.id(dst)
         if a == b:
@@ -258,7 +260,7 @@ class SearchCosts:
             DistAttr(self.mesh, src), DistAttr(self.mesh, dst), shape, dtype))
 
     def _bind(self) -> "_Alike":
-        """The reshard prices this SearchCosts shares (through :attr:`rules`) with those of
+        """The reshard prices this LayoutPrices shares (through :attr:`rules`) with those of
         every mesh priced alike: a same-mesh reshard step costs the priced process the
         alpha-beta of its mesh dim's ring there and its device's software
         (:func:`~distgraph.passes.cost.prices.mesh_step_time`), and its path depends on
@@ -360,7 +362,7 @@ class SearchCosts:
 
 
 class _Alike:
-    """The reshard prices of the meshes priced alike (:meth:`SearchCosts._bind`). Layouts
+    """The reshard prices of the meshes priced alike (:meth:`LayoutPrices._bind`). Layouts
     are numbered (``id``: a ShardSpec hashes in Python, an int pair in C); prices are
     kept per (shape, dtype) by pair of ids (``tensors``), per matrix, per (path number,
     bytes) (``sized``) and per (step kind, mesh dim, buffer bytes) (``steps``); beside

@@ -1,4 +1,4 @@
-"""Alpa's stage DP (:mod:`distgraph.passes.search.stage_dp`) for layers that are runs of
+"""Alpa's stage DP (:mod:`distgraph.passes.search.stages.stage_dp`) for layers that are runs of
 identical blocks: the same recurrence and the same answer, in time linear in the layers.
 
 With ``E``, identical blocks and ``H`` as the layers (:mod:`distgraph.passes.search.
@@ -15,9 +15,9 @@ whole tables). Stages with E or H are single terms. The tables keep one axis per
 mesh, so taking an option's devices is a view, not a copy; how many blocks an option
 may hold is computed per cap for every stage count at once. Device counts are kept
 in units of the greatest common divisor of the option sizes on each device mesh. The
-caps are bisected as in :class:`~distgraph.passes.search.stage_dp._Search`, and the
+caps are bisected as in :class:`~distgraph.passes.search.stages.stage_dp._Search`, and the
 objective ``sum t + (B - 1) max t`` is the same; :func:`plan_runs` equals
-:func:`~distgraph.passes.search.stage_dp.plan_stages` given the same costs and the
+:func:`~distgraph.passes.search.stages.stage_dp.plan_stages` given the same costs and the
 brute-force optimum (tests/test_run_dp.py), and its plans on a fixed corpus are pinned
 (tests/test_search_pinned.py).
 
@@ -33,7 +33,7 @@ import math
 import numpy as np
 
 from distgraph.errors import PlanError
-from distgraph.passes.search.stage_dp import _place, _Search
+from distgraph.passes.search.stages.stage_dp import _place, _Search
 
 
 class _Run:
@@ -447,7 +447,7 @@ def plan_runs(count: int, blocks: range, options: list, cluster,
               micro_batches: int = 1, fit_memory: bool = True, p2p=None,
               below: float = math.inf) -> tuple | None:
     """(StagePlan, the option of each stage): stages of ``count`` layers whose
-    ``blocks`` are identical, on ``options`` (:class:`~distgraph.passes.search.runs.
+    ``blocks`` are identical, on ``options`` (:class:`~distgraph.passes.search.stages.runs.
     RunOption`, each with ``cost(first, blocks, last)`` and ``costs``) of ``cluster``'s
     device meshes;
     see the module docstring. Without ``fit_memory`` the devices' memory is not a

@@ -3,7 +3,7 @@
 compile step on top and hid SCIP's status, gap and time limit, so it is not used.)
 
 :func:`solve` picks one strategy per node of a :class:`ShardingProblem` (see
-:mod:`distgraph.passes.search.ilp_problem` for its fields), minimising
+:mod:`distgraph.passes.search.layouts.ilp_problem` for its fields), minimising
 
     sum_v (compute[v][c_v] + comm[v][c_v])  +  sum over edges (u, v, R) of R[c_u][c_v]
 
@@ -59,8 +59,8 @@ import numpy as np
 from pyscipopt import Model, quicksum
 
 from distgraph.errors import DoesNotFit, PlanError
-from distgraph.passes.search.ilp_bound import proven_gap
-from distgraph.passes.search.ilp_problem import ShardingProblem, evaluate, peak_memory
+from distgraph.passes.search.layouts.ilp_bound import proven_gap
+from distgraph.passes.search.layouts.ilp_problem import ShardingProblem, evaluate, peak_memory
 
 __all__ = ["ShardingProblem", "Solution", "evaluate", "peak_memory", "solve", "reduce_problem",
            "check_forbidden", "peak_bound"]
@@ -359,7 +359,7 @@ def solve(problem: ShardingProblem, time_limit: float = 60.0, starts=(),
           bounded: bool = False) -> Solution:
     """Solve ``problem`` with SCIP within ``time_limit`` seconds (model building included).
     ``starts``: choices SCIP starts from. ``bounded``: where the first start is allowed,
-    fits the budget and a proven lower bound (:func:`~distgraph.passes.search.ilp_bound.
+    fits the budget and a proven lower bound (:func:`~distgraph.passes.search.layouts.ilp_bound.
     proven_gap`) leaves no choice more than ``GAIN_RTOL`` cheaper, it is the answer,
     without SCIP (status "optimal", gap the bound's; no model: 0 variables).
 

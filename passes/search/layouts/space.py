@@ -1,7 +1,7 @@
 """The nodes of the intra-op search: what each op and each source tensor may choose.
 
 A training program (forward, loss, backward and update ops: Alpa searches the whole
-training graph, see :mod:`distgraph.passes.search.intra_op`) on one ProcessMesh becomes a list of
+training graph, see :mod:`distgraph.passes.search.layouts.intra_op`) on one ProcessMesh becomes a list of
 :class:`Node` records:
 
 - one node per **source** Value (a feed, parameter or optimizer state, or for a stage the
@@ -32,7 +32,7 @@ in the update's layout (``alias_of``), so their sources take the update's strate
 index: the same choices as an alias constraint, in fewer variables.
 
 **A ``cp`` mesh dim splits the sequence** (:data:`SEQUENCE_DIM`; the stage search's
-(dp, cp, tp) meshes, :mod:`distgraph.passes.search.runs`): its layouts split only
+(dp, cp, tp) meshes, :mod:`distgraph.passes.search.stages.runs`): its layouts split only
 tensor dims as long as the feeds' dim 1 (the sequence; another dim of that length
 may be split too, which costs nothing in correctness) or sum over it (the weight
 gradients), so that it is context parallelism and not a third tp or dp, and a 3-D
@@ -132,7 +132,7 @@ class SearchSpace:
         whole = self.ops is None
         self.ops = tuple(range(len(self.program.ops)) if whole else self.ops)
         # rules bound and strategies enumerated per op signature; ``rules`` (a dict kept
-        # by the caller: SearchCosts.rules) shares them with other spaces on this mesh,
+        # by the caller: LayoutPrices.rules) shares them with other spaces on this mesh,
         # and the program's index (who makes and who reads each Value) with every space
         shared = {} if self.rules is None else self.rules
         # Values a part of the program receives from ops outside it (a stage's inputs)

@@ -1,6 +1,6 @@
-"""What a search's problem charges (the terms :mod:`distgraph.passes.search.intra_op`'s
+"""What a search's problem charges (the terms :mod:`distgraph.passes.search.layouts.intra_op`'s
 docstring lists), written once for its two users: :func:`build_problem`, every strategy
-of every node (the ILP's :class:`~distgraph.passes.search.ilp_problem.ShardingProblem`),
+of every node (the ILP's :class:`~distgraph.passes.search.layouts.ilp_problem.ShardingProblem`),
 and :func:`fixed_problem`, the one strategy each node of a choice moved to another mesh
 offers (``SearchSpace.rebind``), where only the chosen strategies and the chosen pairs'
 reshards are priced: no matrix, no strategy left unchosen.
@@ -8,7 +8,7 @@ reshards are priced: no matrix, no strategy left unchosen.
 :class:`Charges` holds what every node's terms read (the feeds, the gradients' buffers,
 the boundary's targets and ties); its methods give a node's terms per strategy as lists
 (``op``, ``source``) and an operand's reshards (``operands``), on
-:class:`~distgraph.passes.search.costs.SearchCosts`.
+:class:`~distgraph.passes.cost.layout_prices.LayoutPrices`.
 
 Example::
 
@@ -24,10 +24,10 @@ import math
 import numpy as np
 
 from distgraph.ir import Role
-from distgraph.passes.search.costs import local_bytes
-from distgraph.passes.search.ilp_problem import ShardingProblem, checked_liveness
-from distgraph.passes.search.liveness import live_sets
-from distgraph.passes.search.sharded_states import apply_zero, zero_terms
+from distgraph.passes.cost.layout_prices import local_bytes
+from distgraph.passes.search.layouts.ilp_problem import ShardingProblem, checked_liveness
+from distgraph.passes.search.layouts.liveness import live_sets
+from distgraph.passes.search.layouts.sharded_states import apply_zero, zero_terms
 
 
 def accumulating_updates(space, weights: dict) -> list:
@@ -175,7 +175,7 @@ def fixed_problem(moved, costs, weights, loss, world, targets: dict, tied: dict,
     """The problem of ``moved``, a space whose nodes offer one strategy each (a choice
     moved to another mesh), built as :func:`build_problem` builds it but pricing only
     the chosen pairs: every term a scalar (the one strategy's), each edge's reshard
-    ``SearchCosts.reshard`` of the chosen layouts (what its 1 x 1 matrix holds), tie
+    ``LayoutPrices.reshard`` of the chosen layouts (what its 1 x 1 matrix holds), tie
     classes unneeded (one strategy each: every tie holds). Its ``evaluate`` at the
     choice (all zeros) equals that of the full problem, ``peak_memory`` too."""
     charges = Charges(moved, costs, weights, targets, tied)

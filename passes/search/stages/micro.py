@@ -19,7 +19,7 @@ start is best. A candidate no plan fits (memory) costs infinity.
 
 **Bounds before prices.** A neighbour is first bounded: its stage DP on the fastest
 options with the devices' memory unlimited (the memory variants can only make the
-stages fit, not faster: :func:`~distgraph.passes.search.block_plans.plan_blocks`) needs each
+stages fit, not faster: :func:`~distgraph.passes.search.stages.block_plans.plan_blocks`) needs each
 logical mesh's fastest parts only; where that bound does not beat the best latency so
 far, the neighbour cannot win and its memory variants, the bulk of a price, are never
 priced. Where it does, the stage search looks for plans below the best latency only
@@ -28,13 +28,17 @@ a neighbour is priced in full only where it has one.
 
 **Searched once.** The first count priced is searched in full; the others price its
 layouts on their own programs (the same ops, other batch shapes) and search only where
-those do not divide their micro-batch (:mod:`distgraph.passes.search.runs`, seeds): a
+those do not divide their micro-batch (:mod:`distgraph.passes.search.stages.runs`, seeds): a
 count is compared by those prices and its bound, and the count chosen, if not the
 first, is searched afresh for the plan.
 
+The counts priced keep their split program, accumulation and stage options in the
+planning's session (table "micro-batch programs": M -> (program, accumulation, RunCosts)):
+the plan of the count chosen reuses them.
+
 Example::
 
-    m = choose_micro_batches(built, strategy, cluster, latency)   # Strategy(micro_batches=m)
+    m = searched_count(built, strategy, cluster, session)     # Strategy(micro_batches=m)
 """
 
 from __future__ import annotations
@@ -43,6 +47,9 @@ import dataclasses
 import math
 
 from distgraph.errors import DoesNotFit, PlanError
+from distgraph.passes.prepare import split, transformed
+from distgraph.passes.search.stages.pipeline import pipeline_beaten, pipeline_latency
+from distgraph.units import GB
 
 
 def batch_rows(built) -> int:
@@ -104,3 +111,58 @@ def choose_micro_batches(built, strategy, cluster, latency, beaten=None) -> int:
                         f"any of the micro-batch counts tried "
                         f"({', '.join(str(rows // sizes[i]) for i in sorted(priced))})")
     return rows // sizes[best]
+
+
+def searched_count(built, strategy, cluster, session) -> int:
+    """:func:`choose_micro_batches` with each count priced by the stage search
+    (:func:`count_latency`, :func:`count_beaten`) within ``session``."""
+    return choose_micro_batches(
+        built, strategy, cluster,
+        lambda b, s, m: count_latency(b, s, cluster, m, session),
+        lambda b, s, m, seconds: count_beaten(b, s, cluster, m, seconds, session))
+
+
+def count_latency(built, strategy, cluster, micro: int, session) -> float:
+    """The stage search's seconds per step for ``built`` split into ``micro``
+    micro-batches (:func:`~distgraph.passes.search.stages.pipeline.pipeline_latency`);
+    the split program, its accumulation and the stage options that priced it go into
+    the session's "micro-batch programs" (those :func:`count_beaten` began are reused)."""
+    programs = session.table("micro-batch programs")
+    costs = None
+    if micro in programs and programs[micro][2] is not None:
+        program, accumulation, costs = programs[micro]
+        copy = costs.copy
+    else:
+        program, accumulation = split(built, micro, session.analyses)
+        copy = transformed(program, strategy)
+    seconds, costs = pipeline_latency(copy, strategy, cluster, accumulation, _budget(strategy),
+                                      costs, first_searched(programs))
+    programs[micro] = (program, accumulation, costs)
+    return seconds
+
+
+def count_beaten(built, strategy, cluster, micro: int, seconds: float, session) -> bool:
+    """Whether the stage search finds no plan of ``micro`` micro-batches below
+    ``seconds`` per step (its bound, then its search below ``seconds``:
+    :func:`~distgraph.passes.search.stages.pipeline.pipeline_beaten`); the stage options
+    it searched go into the session as :func:`count_latency`'s do."""
+    programs = session.table("micro-batch programs")
+    program, accumulation = split(built, micro, session.analyses)
+    beaten, costs = pipeline_beaten(transformed(program, strategy), strategy, cluster,
+                                    accumulation, seconds, first_searched(programs),
+                                    _budget(strategy))
+    if costs is not None:
+        programs[micro] = (program, accumulation, costs)
+    return beaten
+
+
+def first_searched(programs):
+    """The stage options of the first micro-batch count priced in full (searched, not
+    priced from another count's): the later counts price its layouts on their programs
+    (:mod:`distgraph.passes.search.stages.runs`); None before it."""
+    return next((costs for _, _, costs in programs.values() if costs is not None and
+                 costs.planned and costs.seed is None), None)
+
+
+def _budget(strategy):
+    return None if strategy.memory_budget_gb is None else strategy.memory_budget_gb * GB

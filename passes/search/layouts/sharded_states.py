@@ -11,7 +11,7 @@ So a parameter kept whole over the data-parallel dim with its states split there
 its true price: :func:`zero_terms` gives, per strategy of each update and of each
 state, what ZeRO changes (the update's compute, its write-back gather, the layout its
 gradient is consumed in, the states' bytes), which
-:func:`~distgraph.passes.search.intra_op.search` adds to its node costs and edges
+:func:`~distgraph.passes.search.layouts.intra_op.search` adds to its node costs and edges
 (``zero=``), so a memory budget can be met by splitting the states rather than the
 weights. :func:`writeback_bytes` is the buffer the gather writes into, live at the
 update beside the parameters, states and gradients' buffers (as the estimate counts it).
@@ -29,10 +29,10 @@ import numpy as np
 
 from distgraph.ir import Role
 from distgraph.passes.cost.prices import op_time
-from distgraph.passes.search.costs import local_bytes
+from distgraph.passes.cost.layout_prices import local_bytes
 from distgraph.placement import DistAttr
 from distgraph.registry import TensorType
-from distgraph.passes.search.space import MESH_DIMS
+from distgraph.passes.search.layouts.space import MESH_DIMS
 from distgraph.passes.transforms.zero import sharded_spec
 from distgraph.registry import get_op
 
@@ -78,7 +78,7 @@ def updates(space):
 def zero_terms(space, costs, dim: str | None) -> ZeroTerms | None:
     """The terms of ZeRO over ``dim`` on ``space``'s mesh (module docstring); None where
     ``dim`` is None or the mesh lacks it or has it of size 1. ``costs``: the
-    SearchCosts of the mesh (the gathers' prices)."""
+    LayoutPrices of the mesh (the gathers' prices)."""
     mesh = space.mesh
     if dim is None or dim not in mesh.dim_names or mesh.dim_size(dim) == 1:
         return None

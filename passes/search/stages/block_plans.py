@@ -1,7 +1,7 @@
 """The stage plan of a model of identical blocks: Alpa's stage DP
-(:mod:`distgraph.passes.search.run_dp`) on the options of
-:class:`~distgraph.passes.search.runs.RunCosts`, plain or interleaved, every stage's
-transfers to its neighbours priced (:meth:`~distgraph.passes.search.runs.RunCosts.
+(:mod:`distgraph.passes.search.stages.run_dp`) on the options of
+:class:`~distgraph.passes.search.stages.runs.RunCosts`, plain or interleaved, every stage's
+transfers to its neighbours priced (:meth:`~distgraph.passes.search.stages.runs.RunCosts.
 p2p_seconds`) as the plan's estimate counts them.
 
 The variants are searched only when they can matter (:func:`plan_blocks`). A variant's
@@ -33,15 +33,16 @@ from __future__ import annotations
 import math
 
 from distgraph.errors import DoesNotFit, PlanError
-from distgraph.passes.search.interleaved import alike_stages, even_parts, plan_interleaved
-from distgraph.passes.search.run_dp import plan_runs
+from distgraph.passes.cost.terms import held, in_flight
+from distgraph.passes.search.stages.interleaved import alike_stages, even_parts, plan_interleaved
+from distgraph.passes.search.stages.run_dp import plan_runs
 
 
 def plan_blocks(costs, cluster, micro_batches: int = 1, virtual: int = 1,
                 below: float = math.inf) -> tuple | None:
     """(StagePlan, the option of each stage) of ``costs``' layers on ``cluster``: the
     stage DP and, with ``virtual`` > 1, the interleaved pipelines of 2, 4 .. ``virtual``
-    chunks per stage (:func:`~distgraph.passes.search.interleaved.plan_interleaved`) on the
+    chunks per stage (:func:`~distgraph.passes.search.stages.interleaved.plan_interleaved`) on the
     fastest options, then on the memory variants of the meshes where memory held them
     back (module docstring); the least objective wins. ``below``: a latency another
     plan has (another micro-batch count's): only plans below it are looked for, and
@@ -106,7 +107,7 @@ def plan_blocks(costs, cluster, micro_batches: int = 1, virtual: int = 1,
 def _fitting_alike(options, count: int, blocks: range, cluster, micro_batches: int,
                    p2p) -> float:
     """The least objective of a plan of alike stages tiling a device mesh (one option,
-    the layers split evenly as :func:`~distgraph.passes.search.interleaved.alike_stages`
+    the layers split evenly as :func:`~distgraph.passes.search.stages.interleaved.alike_stages`
     splits them) whose every stage fits the memory as the stage DP counts it (``min(M,
     S - s)`` micro-batches in flight at the s-th stage), each stage paying its
     transfers' share as the DP's tables do (by the parts it holds, E and H having one
@@ -128,7 +129,7 @@ def _fitting_alike(options, count: int, blocks: range, cluster, micro_batches: i
         times = []
         for s, (first, n, last) in enumerate(even_parts(S, blocks, count)):
             seconds, one, further = option.cost(first, n, last)
-            if one + (min(micro_batches, S - s) - 1) * further > limit:
+            if held(one, further, in_flight("1F1B", micro_batches, S, s)) > limit:
                 break
             times.append(seconds + sends * (2 - first - last) / 2)
         else:

@@ -51,7 +51,8 @@ import numpy as np
 from distgraph.errors import DoesNotFit, PlanError
 from distgraph.mesh import ProcessMesh
 from distgraph.resources.cluster import Cluster, Device, DeviceMesh
-from distgraph.passes.search.space import logical_dims
+from distgraph.passes.cost.terms import grid, held, in_flight
+from distgraph.passes.search.layouts.space import logical_dims
 
 
 @dataclass(frozen=True)
@@ -125,19 +126,9 @@ def submesh_shapes(shape: tuple[int, ...]) -> list[tuple[int, int]]:
     >>> submesh_shapes((4, 8))
     [(1, 1), (1, 2), (1, 4), (1, 8), (2, 8), (3, 8), (4, 8)]
     """
-    rows, cols = _grid(shape)
+    rows, cols = grid(shape)
     pieces = [1 << k for k in range(cols.bit_length()) if cols % (1 << k) == 0 and 1 << k < cols]
     return [(1, m) for m in pieces] + [(n, cols) for n in range(1, rows + 1)]
-
-
-def _grid(shape) -> tuple[int, int]:
-    shape = tuple(int(s) for s in shape)
-    if len(shape) == 1:
-        return 1, shape[0]
-    if len(shape) == 2:
-        return shape
-    raise PlanError(f"stage construction needs 1-D or 2-D device meshes, got shape "
-                    f"{list(shape)}; describe the mesh as (machines, devices per machine)")
 
 
 @dataclass
@@ -360,8 +351,8 @@ def _place(stages, meshes, micro_batches, runs) -> StagePlan:
     total = len(stages)
     placed: dict[int, tuple[int, ...]] = {}
     for axis, mesh in enumerate(meshes):
-        rows, cols = _grid(mesh.shape)
-        grid = np.array(mesh.ids).reshape(rows, cols)
+        rows, cols = grid(mesh.shape)
+        ids = np.array(mesh.ids).reshape(rows, cols)
         mine = [(j, st) for j, st in enumerate(stages) if st[2].axis == axis]
         mine.sort(key=lambda js: (-js[1][2].sub.size, js[0]))
         fill = [0] * rows
@@ -369,18 +360,18 @@ def _place(stages, meshes, micro_batches, runs) -> StagePlan:
         for j, (_, _, o) in mine:
             n, m = o.sub.shape
             if m == cols:
-                placed[j] = tuple(int(x) for x in grid[row:row + n].reshape(-1))
+                placed[j] = tuple(int(x) for x in ids[row:row + n].reshape(-1))
                 fill[row:row + n] = [cols] * n
                 row += n
             else:
                 r = next(r for r in range(rows) if cols - fill[r] >= m)
-                placed[j] = tuple(int(x) for x in grid[r, fill[r]:fill[r] + m])
+                placed[j] = tuple(int(x) for x in ids[r, fill[r]:fill[r] + m])
                 fill[r] += m
     out = []
     for j, (k, i, o) in enumerate(stages):
         t, mem, act = o.at(k, i)
         out.append(StageChoice(range(k, i + 1), o.sub.mesh.name, o.sub.shape, placed[j], float(t),
-                         float(mem + (min(total - j, micro_batches) - 1) * act)))
+                         float(held(mem, act, in_flight("1F1B", micro_batches, total, j)))))
     times = [s.time for s in out]
     return StagePlan(tuple(out), sum(times) + (micro_batches - 1) * max(times),
                      micro_batches, runs)
@@ -405,7 +396,7 @@ def logical_mesh(device_mesh, shape, logical) -> tuple[ProcessMesh, dict]:
     columns of ``device_mesh``), and process -> device global id: process p is the
     p-th device of the submesh in row-major order, so dim ``y`` runs inside a row."""
     rows, cols = shape
-    grid = np.array(device_mesh.ids).reshape(_grid(device_mesh.shape))[:rows, :cols]
+    ids = np.array(device_mesh.ids).reshape(grid(device_mesh.shape))[:rows, :cols]
     mesh = ProcessMesh(np.arange(rows * cols).reshape(logical).tolist(),
                        dim_names=logical_dims(logical))
-    return mesh, dict(enumerate(int(d) for d in grid.reshape(-1)))
+    return mesh, dict(enumerate(int(d) for d in ids.reshape(-1)))

@@ -1,15 +1,15 @@
 """The intra-op search (Alpa, seed 000 §4): one strategy per op and source tensor of a
-training program on one ProcessMesh, chosen by the ILP of :mod:`distgraph.passes.search.ilp`
-(SCIP) on the costs of :mod:`distgraph.passes.search.costs`.
+training program on one ProcessMesh, chosen by the ILP of :mod:`distgraph.passes.search.layouts.ilp`
+(SCIP) on the costs of :mod:`distgraph.passes.cost.layout_prices`.
 
 **The whole training graph is searched** — forward, loss, backward and update ops — as
 Alpa does: the backward holds two thirds of the FLOPs and all of the gradient traffic
 (data parallelism costs exactly the reshard from a Partial gradient to its update's
 layout). Backward ops may differ from their forward op; the edges price that.
 
-The problem (:class:`~distgraph.passes.search.ilp_problem.ShardingProblem`):
+The problem (:class:`~distgraph.passes.search.layouts.ilp_problem.ShardingProblem`):
 
-- **nodes**: :class:`~distgraph.passes.search.space.SearchSpace` (ops and source Values;
+- **nodes**: :class:`~distgraph.passes.search.layouts.space.SearchSpace` (ops and source Values;
   light ops follow their deepest operand);
 - **node costs**: an op strategy's compute and own collectives, times the op's
   ``weights`` (a micro-batched program's forward and backward run once per micro-batch);
@@ -29,7 +29,7 @@ The problem (:class:`~distgraph.passes.search.ilp_problem.ShardingProblem`):
   program order (parameters and states always, split as ZeRO over ``zero`` will) within
   the budget, and what an op keeps for its gradient beyond its results (``saved``:
   moe_ffn's routes). Reshard buffers are not counted (they depend on two choices):
-  :mod:`~distgraph.passes.search.auto` checks the estimate, searching again with less.
+  the planner checks the estimate (:mod:`distgraph.passes.fitting`), searching again with less.
 
 The objective is the estimate (:func:`distgraph.passes.estimate`) of the plan the
 choice makes plus, for a Value resharded to one layout for several consumers (once by
@@ -56,13 +56,13 @@ from distgraph.ir import Role
 from distgraph.mesh import ProcessMesh
 from distgraph.passes.samples import sample_axes
 from distgraph.units import fmt_bytes
-from distgraph.passes.search.charges import (  # noqa: F401 (accumulating_updates: runs')
+from distgraph.passes.search.layouts.charges import (  # noqa: F401 (accumulating_updates: runs')
     accumulating_updates, build_problem, fixed_problem)
-from distgraph.passes.search.costs import SearchCosts
-from distgraph.passes.search.ilp import Solution, solve
-from distgraph.passes.search.ilp_problem import ShardingProblem, evaluate, peak_memory
-from distgraph.passes.search.recursive import METHODS, bisection_levels, solve_recursive
-from distgraph.passes.search.space import SearchSpace
+from distgraph.passes.cost.layout_prices import LayoutPrices
+from distgraph.passes.search.layouts.ilp import Solution, solve
+from distgraph.passes.search.layouts.ilp_problem import ShardingProblem, evaluate, peak_memory
+from distgraph.passes.search.layouts.recursive import METHODS, bisection_levels, solve_recursive
+from distgraph.passes.search.layouts.space import SearchSpace
 from distgraph.placement import DistAttr
 
 
@@ -139,6 +139,15 @@ class SearchReport:
             lines.append(f"  ({hidden} backward and update ops chose freely too; "
                          "Plan.to_json() lists them)")
         return "\n".join(lines)
+
+    def summary(self) -> str:
+        """Two lines for ``Plan.explain()``: the status, objective and solve time, who
+        chose, and the problem's size (``str`` lists the layouts)."""
+        size = f"{self.variables} variables" if self.variables else "no ILP"
+        dims = ", ".join(self.mesh.dim_names)
+        return (f"search on mesh {list(self.mesh.shape)} ({dims}): {self.status}, objective {self.objective * 1e3:.4f} ms, "
+                f"gap {self.gap:.3g}, solved in {self.solve_time:.2f} s; {self.nodes} nodes, "
+                f"{size}\n  chosen by {self.chosen_by}")
 
     def to_dict(self) -> dict:
         return {"mesh": {"process_ids": list(self.mesh.process_ids),
@@ -217,7 +226,7 @@ class SearchResult:
 @dataclass(frozen=True)
 class Boundary:
     """How a search of part of a program meets the rest (a stage of repeated blocks).
-    ``received`` (see :class:`~distgraph.passes.search.space.SearchSpace`): the layouts a
+    ``received`` (see :class:`~distgraph.passes.search.layouts.space.SearchSpace`): the layouts a
     received Value offers; ``settle`` ({leaving Value: spec}): the layout a Value the
     part sends out is brought to (its reshard charged), instead of its cheapest
     settlement; ``periodic`` ((received, leaving), ...): the received Value arrives in
@@ -241,7 +250,7 @@ def search(program, mesh: ProcessMesh, cluster, device_of: dict, *, ops=None,
            memory_budget: float | None = None, time_limit: float = 60.0,
            blocks=(), memory: bool = False, balance: bool = False,
            boundary: Boundary | None = None, method: str = "ilp",
-           costs: SearchCosts | None = None, refined=None, walks=None,
+           costs: LayoutPrices | None = None, refined=None, walks=None,
            prove: bool = True, zero: str | None = None) -> SearchResult:
     """Choose a strategy for every op (of ``ops``, default all) and source Value of
     ``program`` on ``mesh`` (module docstring). ``device_of``: process -> device global id
@@ -251,20 +260,20 @@ def search(program, mesh: ProcessMesh, cluster, device_of: dict, *, ops=None,
     ``blocks``: layer paths of repeated blocks (interior ones share a choice);
     ``memory``: model the live memory even without a budget (the report's peak);
     ``balance``: price data-parallel groups of mixed devices at their balanced split
-    (:class:`~distgraph.passes.search.costs.SearchCosts`); ``boundary``: how a part of the
+    (:class:`~distgraph.passes.cost.layout_prices.LayoutPrices`); ``boundary``: how a part of the
     program meets the rest (:class:`Boundary`); ``method``: who chooses (``Strategy.search``:
     "ilp" SCIP, "recursive" the double-recursive search of :mod:`distgraph.passes.search.
     recursive`, "auto" the recursive choice refined by SCIP, warm-started from it);
-    ``costs``: a SearchCosts of the same cluster, mesh and device_of whose cached prices
+    ``costs``: a LayoutPrices of the same cluster, mesh and device_of whose cached prices
     are reused (a new one by default); ``refined``: under "auto", a SearchResult of the
     same ops on a mesh of the same dim names whose choice, where every node can take it
     here within the budget, SCIP refines instead of a new recursive search's; ``walks``
-    / ``prove``: the recursive search's (:func:`~distgraph.passes.search.recursive.
+    / ``prove``: the recursive search's (:func:`~distgraph.passes.search.layouts.recursive.
     solve_recursive`: descents shared by searches of these ops under other budgets, and
     with ``costs`` given the space and problem too, built once while the inputs and the
     annotations they read stay the same; no SCIP proof that a budget below the peak
     bound fits nothing); ``zero``: the mesh dim ZeRO shards the states over after the
-    search, priced here (:mod:`~distgraph.passes.search.sharded_states`)."""
+    search, priced here (:mod:`~distgraph.passes.search.layouts.sharded_states`)."""
     start = time.perf_counter()
     boundary = boundary or Boundary()
     live = memory or memory_budget is not None
@@ -275,7 +284,7 @@ def search(program, mesh: ProcessMesh, cluster, device_of: dict, *, ops=None,
         space, share, problem = built[1], built[2], built[3].with_budget(memory_budget)
     else:
         axes = sample_axes(program, [v.name for v in program.inputs]) if balance else None
-        costs = costs or SearchCosts(cluster, mesh, device_of, axes)
+        costs = costs or LayoutPrices(cluster, mesh, device_of, axes)
         space = SearchSpace(program, mesh, ops, received=dict(boundary.received),
                             rules=costs.rules)
         share = _shared_blocks(space, blocks)
@@ -350,7 +359,7 @@ def _carried(start, space, problem):
 
 def price(moved: SearchSpace, cluster, device_of: dict, *, weights=None, loss=None,
           world=None, boundary: Boundary | None = None, status: str = "optimal",
-          costs: SearchCosts | None = None, zero: str | None = None):
+          costs: LayoutPrices | None = None, zero: str | None = None):
     """The cost, by the same model, of the one strategy each node of ``moved`` offers (a
     search's choice on another mesh: ``result.space.rebind(mesh, result.choice)``),
     without solving: a SearchResult with that choice. ``status``: the status of the
@@ -359,7 +368,7 @@ def price(moved: SearchSpace, cluster, device_of: dict, *, weights=None, loss=No
     reshards, by the code that builds the search's problem), equal to what the full
     problem of ``moved`` gives the choice."""
     start = time.perf_counter()
-    costs = costs or SearchCosts(cluster, moved.mesh, device_of)
+    costs = costs or LayoutPrices(cluster, moved.mesh, device_of)
     boundary = boundary or Boundary()
     problem = fixed_problem(moved, costs, weights or {}, loss, world, dict(boundary.settle),
                             _tied_values(boundary), zero)
@@ -385,7 +394,7 @@ def _result(space, choice, problem, sol, build_time, memory_budget, share,
 
 def _problem(space, costs, weights, loss, world, budget, share, live,
              boundary: Boundary, zero=None) -> ShardingProblem:
-    """The ILP of the search (module docstring; :func:`~distgraph.passes.search.charges.
+    """The ILP of the search (module docstring; :func:`~distgraph.passes.search.layouts.charges.
     build_problem`)."""
     return build_problem(space, costs, weights, loss, world, budget, share, live,
                          dict(boundary.settle), _tied_values(boundary), zero)

@@ -1,0 +1,96 @@
+"""The terms of a pipeline's price that the estimate and the stage searches share: how many
+micro-batches a stage holds at once, what it then holds, and a stage's cost from its
+parts.
+
+- :func:`in_flight`: the micro-batches stage ``s`` of ``S`` holds under a schedule: all
+  ``M`` under FThenB (every forward before any backward), ``min(M, S - s)`` under the
+  others (1F1B and its kin start a micro-batch's backward once the stages after it
+  have run its forward);
+- :func:`held`: the memory of a stage holding that many: one micro-batch at its peak,
+  each other one with what it keeps from its forward to its backward;
+- :func:`stage_cost` / :func:`stage_costs`: what a stage of ``[E] + m blocks + [H]``
+  costs from its parts' costs (:class:`~distgraph.passes.search.stages.runs.PartCost`):
+  seconds per micro-batch, GB with one micro-batch in flight, GB per further micro-batch
+  in flight; :func:`stage_costs` every block count 0 .. n at once, each row the number
+  :func:`stage_cost` returns (the same terms, added in the same order);
+- :func:`grid`: a device mesh's shape as (machines, devices per machine).
+
+Example::
+
+    held(one, further, in_flight("1F1B", 8, 4, 0))     # stage 0 of 4 holds 4
+    stage_cost(option.parts, True, 4, False)           # E + 4 blocks
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from distgraph.errors import PlanError
+from distgraph.units import GB
+
+
+def in_flight(schedule: str, micro_batches: int, stages: int, stage: int) -> int:
+    """The micro-batches stage ``stage`` of ``stages`` holds at once (module docstring)."""
+    if schedule == "FThenB":
+        return micro_batches
+    return min(micro_batches, stages - stage)
+
+
+def held(one: float, further: float, count: int) -> float:
+    """Memory of a stage holding ``count`` micro-batches: ``one`` with one in flight,
+    ``further`` for each other one."""
+    return one + (count - 1) * further
+
+
+def grid(shape) -> tuple[int, int]:
+    """A device mesh's shape as (machines, devices per machine): a 1-D mesh is one row."""
+    shape = tuple(int(s) for s in shape)
+    if len(shape) == 1:
+        return 1, shape[0]
+    if len(shape) == 2:
+        return shape
+    raise PlanError(f"stage construction needs 1-D or 2-D device meshes, got shape "
+                    f"{list(shape)}; describe the mesh as (machines, devices per machine)")
+
+
+def stage_cost(parts: dict, with_first, blocks: int, with_last) -> tuple:
+    """(seconds, GB with one micro-batch in flight, GB per further one) of ``[E] +
+    blocks + [H]``; ``parts``: "first" / "block" / "last" -> (PartCost, search). Under
+    virtual stages ``with_first`` / ``with_last`` may be the share of E or H a stage
+    holds, by which its time and memory are taken (its working memory whole)."""
+    used = [(parts["first"][0], float(with_first))] if with_first else []
+    used += [(parts["block"][0], blocks)] if blocks else []
+    used += [(parts["last"][0], float(with_last))] if with_last else []
+    seconds = sum(p.time * n for p, n in used)
+    # the peak of one micro-batch: at some part, the activations the parts before it
+    # saved and its own working memory (its saved included), as the estimate walks it
+    saved = peak = 0.0
+    for p, n in used:
+        saved += p.saved * n
+        peak = max(peak, saved + p.transient)
+    fixed = sum(p.persistent * n for p, n in used)
+    return seconds, (fixed + peak) / GB, saved / GB
+
+
+def stage_costs(parts: dict, with_first, n: int, with_last) -> np.ndarray:
+    """(n + 1, 3): row m is :func:`stage_cost` ``(parts, with_first, m, with_last)``,
+    m = 0 .. n: the same sums term by term, in the same order, over the rows m >= 1."""
+    out = np.empty((n + 1, 3))
+    out[0] = stage_cost(parts, with_first, 0, with_last)
+    if n < 1:
+        return out
+    m = np.arange(1, n + 1)
+    used = [(parts["first"][0], float(with_first))] if with_first else []
+    used += [(parts["block"][0], m)]
+    used += [(parts["last"][0], float(with_last))] if with_last else []
+    seconds = fixed = 0
+    saved = peak = 0.0
+    for p, k in used:
+        seconds = seconds + p.time * k
+        fixed = fixed + p.persistent * k
+        saved = saved + p.saved * k
+        peak = np.maximum(peak, saved + p.transient)
+    out[1:, 0] = seconds
+    out[1:, 1] = (fixed + peak) / GB
+    out[1:, 2] = saved / GB
+    return out

@@ -1,0 +1,44 @@
+"""The program a plan runs, before any layout is chosen: the built program split into
+micro-batches and rewritten for the memory savers and MeshSlice the strategy asks for.
+
+Every plan starts here, searched or annotated: the search prices the program the plan
+will run (:mod:`distgraph.passes.search`), and the planner completes that same program.
+
+Example::
+
+    copy, accumulation = prepared(built, strategy, micro_batches=4)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from distgraph.passes.meshslice.slices import enable
+from distgraph.passes.pipeline.accumulate import split_micro_batches
+from distgraph.passes.transforms.recompute import recompute, segments
+
+
+def split(built, micro_batches: int, analyses=None) -> tuple:
+    """(``built`` split into ``micro_batches`` micro-batches, its accumulation), or
+    (``built``, None) for one; ``analyses``: the sample analyses shared by the counts a
+    planning tries (:class:`~distgraph.passes.samples.SampleAnalyses`)."""
+    if micro_batches > 1:
+        return split_micro_batches(built, micro_batches, analyses)
+    return built, None
+
+
+def transformed(built, strategy):
+    """A copy of ``built`` with MeshSlice enabled and recomputation applied as asked."""
+    program = built.program.clone()
+    copy = dataclasses.replace(built, program=program)
+    if strategy.meshslice:
+        enable(program, strategy.meshslice)
+    if strategy.recompute and program.ops_by_role("backward"):
+        recompute(program, segments(copy, strategy.recompute))
+    return copy
+
+
+def prepared(built, strategy, micro_batches: int, analyses=None) -> tuple:
+    """(the program the plan runs, as a BuiltProgram copy; its accumulation or None)."""
+    built, accumulation = split(built, micro_batches, analyses)
+    return transformed(built, strategy), accumulation

@@ -1,0 +1,1 @@
+"""Stages: the layers cut into pipeline stages on submeshes, and the micro-batch count."""

@@ -1,0 +1,113 @@
+"""The search's front door (passes/search/__init__.py): ``choose`` gives a frozen Choice,
+``dg.passes.plan(..., choice=)`` makes the plan of a Choice without searching, and a choice
+is priced as the estimate prices the plan it makes: for random choices, not just the
+optimum (the search charges every consumer of a Value resharded once for several: those
+repeated reshards are the only difference, as tests/test_search.py states for the
+optimum)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import distgraph as dg  # noqa: E402
+from distgraph.errors import DoesNotFit  # noqa: E402
+from distgraph.passes.prepare import prepared  # noqa: E402
+from distgraph.passes.search import Choice, choose  # noqa: E402
+from distgraph.passes.search.layouts.ilp import solve  # noqa: E402
+from distgraph.passes.search.layouts.ilp_problem import evaluate  # noqa: E402
+from distgraph.passes.session import Session  # noqa: E402
+
+import search_cases as S  # noqa: E402
+from test_search import gpt_program, repeated_reshard_seconds  # noqa: E402
+
+
+def random_choice(built, strategy, cluster, seed: int) -> tuple:
+    """(a Choice of layouts drawn at random among those the search's problem allows, its
+    price by the problem's own terms): the allowed choice of least cost under random
+    prices, as SCIP finds it (so every tie, alias and follow the problem states holds)."""
+    searched = choose(built, strategy, cluster)
+    result, problem = searched.result, searched.result.problem
+    rng = np.random.default_rng(seed)
+
+    def drawn(rows):
+        return [np.where(np.isfinite(np.asarray(r, float)), rng.random(len(r)), np.inf)
+                for r in rows]
+
+    edges = [(u, v, np.where(np.isfinite(np.asarray(R, float)), rng.random(np.shape(R)), np.inf))
+             for u, v, R in problem.edges]
+    random = dataclasses.replace(problem, compute=drawn(problem.compute),
+                                 comm=[np.zeros(len(c)) for c in problem.comm], edges=edges,
+                                 memory_budget=None, liveness=())
+    picked = tuple(solve(random, time_limit=30).choice)
+    copy, accumulation = prepared(built, searched.strategy, searched.strategy.micro_batches)
+    drawn_result = dataclasses.replace(result, choice=picked)
+    drawn_result.annotate(copy.program)
+    return (Choice(copy, searched.strategy, accumulation, drawn_result, searched.rank_mapping),
+            evaluate(problem, picked))
+
+
+CASES = {"mlp": lambda: (S.mlp_program(1024, 128), S.line_cluster(4)),
+         "mlp on a grid": lambda: (S.mlp_program(1024, 256), S.grid_cluster()),
+         "gpt": lambda: (gpt_program(), S.line_cluster(4))}
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_random_choice_is_priced_as_the_estimate_prices_its_plan(case, seed):
+    built, cluster = CASES[case]()
+    strategy = dg.Strategy(auto_mode="full", search="ilp")
+    choice, price = random_choice(built, strategy, cluster, seed)
+    plan = dg.passes.plan(built, strategy, cluster, choice=choice, ranks=())
+    assert plan.estimate.step_time > 0
+    assert price == pytest.approx(plan.estimate.step_time
+                                  + repeated_reshard_seconds(plan, cluster), rel=1e-9)
+    # and the search's own choice is cheaper than the one drawn
+    searched = dg.passes.plan(built, strategy, cluster, ranks=())
+    assert searched.search.objective < price        # the drawn choice is not the optimum
+
+
+def test_the_plan_of_a_choice_is_the_searched_plan():
+    built, cluster = S.mlp_program(1024, 128), S.line_cluster(4)
+    strategy = dg.Strategy(auto_mode="full")
+    choice = choose(built, strategy, cluster)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        choice.strategy = strategy
+    searched = dg.passes.plan(built, strategy, cluster, ranks=())
+    made = dg.passes.plan(built, strategy, cluster, choice=choice, ranks=())
+    again = dg.passes.plan(built, strategy, cluster, choice=choice, ranks=())  # not modified
+    for plan in (made, again):
+        assert plan.estimate == searched.estimate
+        assert [str(op.dist_attr) for op in plan.program.ops] == \
+            [str(op.dist_attr) for op in searched.program.ops]
+
+
+def test_a_session_keeps_its_tables_and_counts_what_they_served():
+    built, cluster = gpt_program(), S.line_cluster(4, bandwidth=1.0)
+    strategy = dg.Strategy(auto_mode="full", pipeline=True, micro_batches=None,
+                           search="recursive")
+    session = Session()
+    first = choose(built, strategy, cluster, session=session)
+    again = choose(built, strategy, cluster, session=session)       # a budget round
+    assert again.strategy.micro_batches == first.strategy.micro_batches
+    stats = {name: (n, hits, misses) for name, n, hits, misses in session.stats()}
+    assert stats["micro-batch count"] == (1, 1, 1)       # walked once, served once more
+    assert first.strategy.micro_batches in session.table("micro-batch programs")
+    assert str(session).startswith("memo tables: micro-batch count 1 (hits 1, misses 1)")
+
+
+def test_a_choice_that_does_not_fit_is_refused_not_searched_again():
+    built = S.mlp_program(256, 512)
+    strategy = dg.Strategy(auto_mode="full")
+    roomy = S.line_cluster(4, bandwidth=0.1)
+    choice = choose(built, strategy, roomy)
+    peak = dg.passes.plan(built, strategy, roomy, choice=choice).estimate.peak_memory
+    small = S.line_cluster(4, bandwidth=0.1, device=dict(S.DEVICE, memory=0.9 * peak / 1e9))
+    with pytest.raises(DoesNotFit, match="the plan does not fit its devices' memory"):
+        dg.passes.plan(built, strategy, small, choice=choice)

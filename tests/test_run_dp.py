@@ -518,7 +518,8 @@ def test_the_prefix_bound_bounds_every_longer_plan_and_keeps_each_caps_answer(se
                          axis=1) for r in search.options]
         density = search._densities(most, keys)
         for s, G in enumerate(tables, start=1):
-            low = search.longer_bound(G, density[min(s + 1, search.max_stages)])
+            low = search.longer_bound(
+                G, search.extension(density[min(s + 1, search.max_stages)]))
             later = [float(t[full]) for t in tables[s:]]
             assert all(x >= low or math.isclose(x, low, rel_tol=1e-12) for x in later)
     assert stopped or len(caps) < 3

@@ -58,12 +58,14 @@ class _Run:
         m = len(range(max(k, self.blocks.start), min(i + 1, self.blocks.stop)))
         return tuple(float(x) for x in self.table[first, last][m])
 
-    def reach(self, stages: int, cap: float, micro_batches: int | None = None) -> dict:
+    def reach(self, stages: int, cap: float, micro_batches: int | None = None,
+              memory: dict | None = None) -> dict:
         """{(E?, H?): the most blocks such a stage may hold within ``cap`` with ``s``
         stages from it to the last, at index ``s`` for s = 0 .. ``stages``} (-1: none):
-        1F1B keeps ``min(s, micro_batches)`` micro-batches in flight there."""
+        1F1B keeps ``min(s, micro_batches)`` micro-batches in flight there. ``memory``:
+        :meth:`memory_reach` of these stages and micro-batches, where the caller has it."""
         out = {}
-        memory = self._memory_reach(stages, micro_batches)
+        memory = self.memory_reach(stages, micro_batches) if memory is None else memory
         for (first, last), t in self.table.items():
             # costs grow with the blocks: the feasible counts are a prefix (from 0 or 1);
             # the first count over the cap or over the memory ends it
@@ -74,21 +76,17 @@ class _Run:
             out[first, last] = np.where(top >= start, top, -1)
         return out
 
-    def _memory_reach(self, stages: int, micro_batches) -> dict:
+    def memory_reach(self, stages: int, micro_batches) -> dict:
         """{(E?, H?): at index s, the position (from the first count :meth:`reach`
         counts) of the first block count over the memory with s stages to the last}:
-        the same whatever the cap, kept per (stages, micro-batches)."""
-        key = (stages, micro_batches)
-        if getattr(self, "_memory", (None,))[0] != key:
-            out = {}
-            s = np.minimum(np.arange(0, stages + 1), micro_batches or stages)[:, None]
-            for (first, last), t in self.table.items():
-                start = 0 if (first or last) else 1
-                bad = ~(t[:, 1] + (s - 1) * t[:, 2] <= self.limit)[:, start:]
-                out[first, last] = np.where(bad.any(axis=1), bad.argmax(axis=1),
-                                            len(t) - start)
-            self._memory = (key, out)
-        return self._memory[1]
+        the same whatever the cap (a search finds it once per option)."""
+        out = {}
+        s = np.minimum(np.arange(0, stages + 1), micro_batches or stages)[:, None]
+        for (first, last), t in self.table.items():
+            start = 0 if (first or last) else 1
+            bad = ~(t[:, 1] + (s - 1) * t[:, 2] <= self.limit)[:, start:]
+            out[first, last] = np.where(bad.any(axis=1), bad.argmax(axis=1), len(t) - start)
+        return out
 
 
 class _RunSearch(_Search):
@@ -108,41 +106,57 @@ class _RunSearch(_Search):
         # caps it visited before they were pruned, so it returns the same plan
         times = np.concatenate([r.table[key][:, 0] for r in runs for key in r.table])
         self.caps_sorted = np.unique(times[np.isfinite(times)])
-        self._below = _faster_pairs(self.options)
-        self._prepared: dict = {}       # id(option) -> what _relax reads of it (_fixed)
+        # what every cap reads of the options, found once: the memory's reach, the pairs
+        # of options as fast as each other (_live), what _relax reads of each (_fixed),
+        # and the least cost of the stages before a table's entries (_prefix_bound)
+        self._memory = [r.memory_reach(self.max_stages, B) for r in self.options]
+        N = len(self.options)
+        below = np.zeros((N, N), dtype=bool)
+        for n, others in enumerate(_faster_pairs(self.options)):
+            below[n, list(others)] = True
+        self._pairs = (below, np.tri(N, k=-1, dtype=bool))
+        self._fixed = {id(r): self._prepared(r, 1 + len(self.dims)) for r in self.options}
+        self._prefix = self._prefix_bound()
 
     def solve_cap(self, cap: float):
         self.runs += 1
         F = np.full((self.L + 1,) + self.dims, np.inf)
         F[(self.L,) + (0,) * len(self.dims)] = 0.0
         full = (0,) + tuple(self.caps)
-        reach = [r.reach(self.max_stages, cap, self.B) for r in self.options]
+        reach = [r.reach(self.max_stages, cap, self.B, m)
+                 for r, m in zip(self.options, self._memory)]
         keys = list(self.options[0].table) if self.options else []
-        # reach as one array per option: (stages + 1, keys), (False, False) first
-        most = [np.stack([v[key] for key in keys], axis=1) for v in reach]
+        # reach as one array: (options, stages + 1, keys), (False, False) first
+        most = np.stack([np.stack([v[key] for key in keys], axis=1) for v in reach])
         tables, best, best_s = [F], math.inf, None
         density = self._densities(most, keys)
+        box, reached, live, bounded = _finite_box(F), None, None, None
         for s in range(1, self.max_stages + 1):
             G = np.full_like(F, np.inf)
-            box = self._box_of(F)
-            for n in self._live(most, keys, s):
+            # the options live at s, found again only where their reaches changed
+            if reached is None or not np.array_equal(most[:, s], reached):
+                reached, live = most[:, s], self._live(most, keys, s)
+            for n in live:
                 self._relax(G, F, self.options[n], dict(zip(keys, most[n][s].tolist())), s,
                             box)
             tables.append(G)
-            F = G
+            F, box = G, _finite_box(G)
             if G[full] < best:
                 best, best_s = float(G[full]), s
-            if self._box_of(G) is None:          # no finite entry
+            if box is None:                     # no finite entry
                 break
             # a plan of more stages ends in s of them (an entry of G at k >= 1) after a
             # prefix that fits the units left and costs no less than _prefix_bound's
             # bound: where none beats ``best`` (or none can be made), no longer plan does
-            if self.longer_bound(G, density[min(s + 1, self.max_stages)]) >= best:
+            row = density[min(s + 1, self.max_stages)]
+            if bounded is None or not np.array_equal(row, bounded[0]):
+                bounded = (row, self.extension(row))    # density changes now and then
+            if self.longer_bound(G, bounded[1]) >= best:
                 break
         self.levels = len(tables) - 1           # the stage counts tabled (tests read it)
         if best_s is None:
             return math.inf, None
-        return best, self._walk(tables, best_s, np.stack(most), keys)
+        return best, self._walk(tables, best_s, most, keys)
 
     def _densities(self, most, keys) -> np.ndarray:
         """[s, a]: the most layers per unit a stage on device mesh a may hold with s
@@ -161,40 +175,34 @@ class _RunSearch(_Search):
             out[:, r.axis] = np.maximum(out[:, r.axis], layers / r.size)
         return out
 
-    def longer_bound(self, G, density) -> float:
+    def extension(self, density) -> np.ndarray:
+        """P[k - 1, d] for k >= 1 (:meth:`_prefix_bound`) where layers 0..k-1 fit the units
+        ``caps - d`` left, which hold at most ``sum_a (caps_a - d_a) density_a`` layers
+        (``density``: :meth:`_densities` at s + 1, a stage that far from the last holding
+        no more), inf elsewhere: G + that is G + P or inf (G and P are >= 0 or inf, never
+        nan), so the least is the same."""
+        shape = (1,) * len(self.dims)
+        room = np.zeros(self.dims)
+        for a, c in enumerate(self.caps):
+            left = c - np.arange(self.dims[a])
+            room = room + (left * density[a]).reshape(shape[:a] + (-1,) + shape[a + 1:])
+        k = np.arange(1, self.L + 1).reshape((-1,) + shape)
+        return np.where(k <= room[None] + 1e-9, self._prefix[1:], np.inf)
+
+    def longer_bound(self, G, extension) -> float:
         """A lower bound on the summed time of every plan of more stages than ``G``'s
         (the table of s stages): its last s stages are an entry G[k, d] (k >= 1), its
-        first ones cover layers 0..k-1 with the units ``caps - d`` left, which hold at
-        most ``sum_a (caps_a - d_a) density_a`` layers (``density``: :meth:`_densities`
-        at s + 1, a stage that far from the last holding no more), at a cost no less
-        than :meth:`_prefix_bound`'s; inf where no entry can be so extended."""
-        key = density.tobytes()
-        if getattr(self, "_bounds", (None,))[0] != key:
-            shape = (1,) * len(self.dims)
-            room = np.zeros(self.dims)
-            for a, c in enumerate(self.caps):
-                left = c - np.arange(self.dims[a])
-                room = room + (left * density[a]).reshape(shape[:a] + (-1,) + shape[a + 1:])
-            k = np.arange(1, self.L + 1).reshape((-1,) + shape)
-            fits = k <= room[None] + 1e-9
-            # P where the entry fits, inf elsewhere: G + that is G + P or inf (G and P
-            # are >= 0 or inf, never nan), so the least is the same (kept per density)
-            self._bounds = (key, np.where(fits, self._prefix_bound()[1:], np.inf))
+        first ones cover layers 0..k-1 with the units ``caps - d`` left, at a cost no less
+        than ``extension`` there (:meth:`extension` of the density at s + 1); inf where
+        no entry can be so extended."""
         # over the box of G's finite entries alone (elsewhere G + P is inf), rows k >= 1
-        box = self._box_of(G)
+        box = _finite_box(G)
         if box is None or box[0][1] < 1:
             return math.inf
         at = tuple(slice(a, b + 1) for a, b in box[1:])
         rows = slice(max(box[0][0], 1), box[0][1] + 1)
-        return float((G[(rows,) + at] + self._bounds[1][(slice(rows.start - 1, rows.stop - 1),)
-                                                       + at]).min())
-
-    def _box_of(self, table) -> list | None:
-        """:func:`_finite_box` of ``table``, kept for the last table asked (a table is
-        not changed once its stage count is relaxed: solve_cap asks for it twice)."""
-        if getattr(self, "_boxed", (None,))[0] is not table:
-            self._boxed = (table, _finite_box(table))
-        return self._boxed[1]
+        return float((G[(rows,) + at] + extension[(slice(rows.start - 1, rows.stop - 1),)
+                                                  + at]).min())
 
     def _prefix_bound(self) -> np.ndarray:
         """P[k, d]: a lower bound on the summed time of any stages (one or more) that
@@ -207,39 +215,37 @@ class _RunSearch(_Search):
         ``beta`` the least ``beta_o`` of the options that fit. So a plan of more than s
         stages sums to at least ``min_k,d (F(s, k, d) + P[k, d])`` (:meth:`solve_cap`
         stops when that is no less than its best). Made once per search, whatever the cap."""
-        if getattr(self, "_prefix", None) is None:
-            b0, b1, L = self.blocks.start, self.blocks.stop, self.L
-            grid = np.full(self.dims, np.inf)       # beta over what the prefix may use
-            fits = np.zeros(self.dims, dtype=bool)
+        b0, b1, L = self.blocks.start, self.blocks.stop, self.L
+        grid = np.full(self.dims, np.inf)       # beta over what the prefix may use
+        fits = np.zeros(self.dims, dtype=bool)
+        for r in self.options:
+            t = r.table[False, False][1:, 0] / np.arange(1, b1 - b0 + 1) \
+                if (False, False) in r.table and b1 > b0 else np.empty(0)
+            beta = float(t[np.isfinite(t)].min()) if np.isfinite(t).any() else math.inf
+            room = self._room(r)
+            fits |= room
+            grid = np.where(room, np.minimum(grid, beta), grid)
+        # where every option that fits costs inf per block, 0 is still a lower bound
+        grid = np.where(fits & ~np.isfinite(grid), 0.0, grid)
+        first = np.full(self.dims, np.inf)
+        if b0 > 0:
             for r in self.options:
-                t = r.table[False, False][1:, 0] / np.arange(1, b1 - b0 + 1) \
-                    if (False, False) in r.table and b1 > b0 else np.empty(0)
-                beta = float(t[np.isfinite(t)].min()) if np.isfinite(t).any() else math.inf
-                room = self._room(r)
-                fits |= room
-                grid = np.where(room, np.minimum(grid, beta), grid)
-            # where every option that fits costs inf per block, 0 is still a lower bound
-            grid = np.where(fits & ~np.isfinite(grid), 0.0, grid)
-            first = np.full(self.dims, np.inf)
-            if b0 > 0:
-                for r in self.options:
-                    if (True, False) not in r.table:
-                        continue
-                    times = r.table[True, False][:, 0]
-                    m = np.arange(len(times)).reshape((-1,) + (1,) * len(self.dims))
-                    with np.errstate(invalid="ignore"):     # 0 x inf where r has no room
-                        low = np.where(np.isfinite(times).reshape(m.shape),
-                                       times.reshape(m.shape) - m * grid[None],
-                                       np.inf).min(axis=0)
-                    first = np.where(self._room(r), np.minimum(first, low), first)
-            k = np.arange(L + 1).reshape((-1,) + (1,) * len(self.dims))
-            blocks = np.clip(np.minimum(k, b1) - b0, 0, None)
-            with np.errstate(invalid="ignore"):
-                out = blocks * grid[None] + (first[None] if b0 > 0 else 0.0)
-            out = np.where(fits[None] & ~np.isnan(out), out, np.inf)
-            out[0] = np.inf
-            self._prefix = out
-        return self._prefix
+                if (True, False) not in r.table:
+                    continue
+                times = r.table[True, False][:, 0]
+                m = np.arange(len(times)).reshape((-1,) + (1,) * len(self.dims))
+                with np.errstate(invalid="ignore"):     # 0 x inf where r has no room
+                    low = np.where(np.isfinite(times).reshape(m.shape),
+                                   times.reshape(m.shape) - m * grid[None],
+                                   np.inf).min(axis=0)
+                first = np.where(self._room(r), np.minimum(first, low), first)
+        k = np.arange(L + 1).reshape((-1,) + (1,) * len(self.dims))
+        blocks = np.clip(np.minimum(k, b1) - b0, 0, None)
+        with np.errstate(invalid="ignore"):
+            out = blocks * grid[None] + (first[None] if b0 > 0 else 0.0)
+        out = np.where(fits[None] & ~np.isnan(out), out, np.inf)
+        out[0] = np.inf
+        return out
 
     def _room(self, r) -> np.ndarray:
         """Over the table's device counts d: whether the units ``caps - d`` left before
@@ -254,33 +260,19 @@ class _RunSearch(_Search):
         some stage of theirs fits, and no option of the same mesh and size that is as
         fast at every length reaches as far in every kind of stage (its stages, then,
         cost no more from every start: dropping the slower one leaves the table as it
-        is). Of two alike options the first is kept. Over all pairs at once, the answer
-        kept while the reaches stay the same (they change with s only now and then)."""
-        if getattr(self, "_stacked", (None,))[0] is not most:
-            self._stacked = (most, np.stack(most), None, None)
-        w = self._stacked[1][:, s]                              # (options, keys)
-        if self._stacked[2] is not None and np.array_equal(w, self._stacked[2]):
-            return self._stacked[3]
+        is). Of two alike options the first is kept. Over all pairs at once (``most``:
+        the options' reaches, (options, stages + 1, keys)); :meth:`solve_cap` asks again
+        only where the reaches changed (they change with s only now and then)."""
+        w = most[:, s]                                          # (options, keys)
         blocks = keys.index((False, False))
         fits = (w[:, blocks] >= 1) | (np.delete(w, blocks, axis=1) >= 0).any(axis=1)
-        below, earlier = self._pairs()
+        # [n, o]: whether o is in _faster_pairs' set of n, whether o < n
+        below, earlier = self._pairs
         reaches = (w[None, :, :] >= w[:, None, :]).all(axis=2)     # [n, o]: o's >= n's
         # [n, o]: o drops n: o fits, is as fast, reaches as far, and is earlier or not
         # itself dropped by n (as fast as n and reached as far by it)
         drops = below & fits[None, :] & reaches & (earlier | ~(below.T & reaches.T))
-        out = np.flatnonzero(fits & ~drops.any(axis=1)).tolist()
-        self._stacked = (most, self._stacked[1], w, out)
-        return out
-
-    def _pairs(self) -> tuple:
-        """([n, o]: whether o is in ``_faster_pairs``' set of n, [n, o]: o < n)."""
-        if getattr(self, "_pair_masks", None) is None:
-            N = len(self.options)
-            below = np.zeros((N, N), dtype=bool)
-            for n, others in enumerate(self._below):
-                below[n, list(others)] = True
-            self._pair_masks = (below, np.tri(N, k=-1, dtype=bool))
-        return self._pair_masks
+        return np.flatnonzero(fits & ~drops.any(axis=1)).tolist()
 
     def _relax(self, G, F, r, most, s: int, box=None) -> None:
         """G[k] = min(G[k], the best stage of option r starting at k, then F), ``s``
@@ -293,7 +285,7 @@ class _RunSearch(_Search):
         b0, b1, L = self.blocks.start, self.blocks.stop, self.L
         if r.size >= self.dims[r.axis]:
             return
-        src, dst, ramp, start, last, first = self._fixed(r, F.ndim)
+        src, dst, ramp, start, last, first = self._fixed[id(r)]
         H, Gv = F[src], G[dst]
         lo, hi = 0, L
         if box is not None:
@@ -322,30 +314,28 @@ class _RunSearch(_Search):
             if b1 < L and s == 1 and most[True, True] >= b1 - b0:
                 np.minimum(Gv[0], r.table[True, True][b1 - b0, 0] + H[L], out=Gv[0])
 
-    def _fixed(self, r, ndim: int) -> tuple:
+    def _prepared(self, r, ndim: int) -> tuple:
         """What :meth:`_relax` reads of option ``r`` whatever the cap and stage count:
         the table views' slices, and as vectors along the layers, a blocks-only stage's
         ``j tb`` at its end j and ``k tb - fixed`` at its start k (m blocks cost m tb plus
         the transfers' share, the table's row 0), the times of blocks k..b1-1 with H
         for k = b0 .. b1, those of E with 0, 1 .. blocks."""
-        if id(r) not in self._prepared:
-            b0, b1 = self.blocks.start, self.blocks.stop
-            axis, n = 1 + r.axis, self.dims[r.axis]
-            src, dst = [slice(None)] * ndim, [slice(None)] * ndim
-            src[axis], dst[axis] = slice(0, n - r.size), slice(r.size, None)
-            col = (-1,) + (1,) * (ndim - 1)
-            ramp = start = last = first = None
-            if (False, False) in r.table and b1 > b0:
-                table = r.table[False, False]
-                fixed, tb = table[0, 0], table[1, 0] - table[0, 0]
-                ramp = np.arange(b0 + 1, b1 + 1).reshape(col) * tb
-                start = np.arange(b0, b1).reshape(col) * tb - fixed
-            if (False, True) in r.table:
-                last = r.table[False, True][b1 - np.arange(b0, b1 + 1), 0].reshape(col)
-            if (True, False) in r.table:
-                first = r.table[True, False][:, 0].reshape(col)
-            self._prepared[id(r)] = (tuple(src), tuple(dst), ramp, start, last, first)
-        return self._prepared[id(r)]
+        b0, b1 = self.blocks.start, self.blocks.stop
+        axis, n = 1 + r.axis, self.dims[r.axis]
+        src, dst = [slice(None)] * ndim, [slice(None)] * ndim
+        src[axis], dst[axis] = slice(0, n - r.size), slice(r.size, None)
+        col = (-1,) + (1,) * (ndim - 1)
+        ramp = start = last = first = None
+        if (False, False) in r.table and b1 > b0:
+            table = r.table[False, False]
+            fixed, tb = table[0, 0], table[1, 0] - table[0, 0]
+            ramp = np.arange(b0 + 1, b1 + 1).reshape(col) * tb
+            start = np.arange(b0, b1).reshape(col) * tb - fixed
+        if (False, True) in r.table:
+            last = r.table[False, True][b1 - np.arange(b0, b1 + 1), 0].reshape(col)
+        if (True, False) in r.table:
+            first = r.table[True, False][:, 0].reshape(col)
+        return tuple(src), tuple(dst), ramp, start, last, first
 
     def _walk(self, tables, s, most, keys):
         """The stages of the best plan in ``s`` stages, recomputed from the tables: at

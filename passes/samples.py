@@ -27,6 +27,7 @@ from distgraph.errors import PlanError, ShardingError
 from distgraph.mesh import ProcessMesh
 from distgraph.passes.completion.alike import complete_alike
 from distgraph.passes.completion.complete import complete_run
+from distgraph.passes.session import Table
 from distgraph.placement import DistAttr, ShardSpec
 
 SAMPLES_DIM = "samples"
@@ -38,23 +39,25 @@ class SampleAnalyses:
     completion of the same (program, feeds, dim) on another count where every rule
     answers its queries alike on both meshes
     (:func:`~distgraph.passes.completion.alike.complete_alike`), else completes afresh.
-    ``replayed`` counts the analyses replayed. Keeps the programs it saw (keyed by
-    identity: a planner does not modify the program it plans)."""
+    ``runs``: the table that keeps the first completion of each (program, feeds, dim)
+    (the planning's session's "sample analyses"; a fresh one by default; the program
+    keyed by identity: a planner does not modify the program it plans). ``replayed``
+    counts the analyses replayed."""
 
-    def __init__(self):
-        self._runs: dict = {}        # (id(program), feeds, dim) -> (program, its run)
+    def __init__(self, runs: Table | None = None):
+        self._runs = Table("sample analyses") if runs is None else runs
         self.replayed = 0
 
     def complete(self, program, copy, feed_names, dim: str, mesh):
         """Complete ``copy`` (of ``program``, annotated on ``mesh``) in place."""
-        key = (id(program), tuple(feed_names), dim)
-        known = self._runs.get(key)
-        if known is not None and known[0] is program and complete_alike(known[1], copy, mesh):
-            self.replayed += 1
-            return
-        run = complete_run(copy, default_mesh=mesh)
+        key = (program, tuple(feed_names), dim)
+        known = self._runs.find(key)
         if known is None:
-            self._runs[key] = (program, run)
+            self._runs[key] = complete_run(copy, default_mesh=mesh)
+        elif complete_alike(known, copy, mesh):
+            self.replayed += 1
+        else:
+            complete_run(copy, default_mesh=mesh)
 
 
 def complete_on_samples(program, feed_names, processes: int = 1, dim: str = SAMPLES_DIM,

@@ -5,25 +5,27 @@ The planner makes a :class:`Session` per call and hands it to the search's front
 worked out for later (a stage option's searches, a mesh's reshard prices, the program
 split for a micro-batch count) keeps it in a table of the session, named for what it
 holds, and the session goes when the call returns: nothing is remembered from one plan
-to the next, and nothing is kept in module state. A table counts its hits and misses,
-so the search's report can say what each table held and how often it served
-(:meth:`Session.stats`).
+to the next, and nothing is kept in module state. A function called outside a planning
+makes a fresh session where it is given none. A table counts its hits and misses, so
+the search's report can say what each table held and how often it served
+(:meth:`Session.stats`); the tables a planning makes are listed in
+:mod:`distgraph.passes.search`'s docstring.
 
 Example::
 
     session = Session()
     prices = session.table("reshard prices")
     seconds = prices.memo(key, lambda: price(step))
-    print(session.stats())        # [("reshard prices", 1 entry, 0 hits, 1 miss), ...]
+    print(session)        # memo tables: reshard prices 1 (hits 0, misses 1)
 """
 
 from __future__ import annotations
 
-from distgraph.passes.samples import SampleAnalyses
-
 
 class Table(dict):
-    """A memo table: a dict that counts its hits and misses through :meth:`memo`."""
+    """A memo table: a dict that counts its hits and misses through :meth:`memo` and
+    :meth:`find` (a loop that reads it directly adds what it served to ``hits`` and
+    ``misses`` itself)."""
 
     def __init__(self, name: str):
         super().__init__()
@@ -40,14 +42,21 @@ class Table(dict):
         self.hits += 1
         return value
 
+    def find(self, key):
+        """The value kept under ``key`` (a hit), or None (a miss: the caller makes it)."""
+        value = self.get(key)
+        if value is None:
+            self.misses += 1
+        else:
+            self.hits += 1
+        return value
+
 
 class Session:
     """The tables of one planning (module docstring)."""
 
     def __init__(self):
         self._tables: dict = {}
-        # the sample analyses of the micro-batch programs, shared where provably alike
-        self.analyses = SampleAnalyses()
 
     def table(self, name: str) -> Table:
         """The table called ``name``, made empty the first time it is asked for."""
@@ -61,8 +70,13 @@ class Session:
         return [(t.name, len(t), t.hits, t.misses) for t in self._tables.values()]
 
     def __str__(self) -> str:
-        rows = self.stats()
-        if not rows:
-            return "memo tables: none"
-        return "memo tables: " + "; ".join(f"{name} {n} (hits {hits}, misses {misses})"
-                                           for name, n, hits, misses in rows)
+        return describe(self.stats())
+
+
+def describe(stats) -> str:
+    """One line of :meth:`Session.stats` rows: ``memo tables: name entries (hits h,
+    misses m); ...``."""
+    if not stats:
+        return "memo tables: none"
+    return "memo tables: " + "; ".join(f"{name} {n} (hits {hits}, misses {misses})"
+                                       for name, n, hits, misses in stats)

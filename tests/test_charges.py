@@ -23,7 +23,7 @@ from distgraph.mesh import ProcessMesh  # noqa: E402
 from distgraph.nn.mixtral import Mixtral, MixtralConfig  # noqa: E402
 from distgraph.passes.search.layouts import intra_op  # noqa: E402
 from distgraph.passes.search.stages import runs  # noqa: E402
-from distgraph.passes.cost.layout_prices import LayoutPrices  # noqa: E402
+from distgraph.passes.cost.layout_prices import LayoutPrices, layout_prices  # noqa: E402
 from distgraph.passes.search.layouts.ilp_problem import (ShardingProblem, evaluate,  # noqa: E402
                                                  peak_memory)
 from distgraph.passes.search.layouts.space import SearchSpace  # noqa: E402
@@ -121,7 +121,7 @@ def test_moved_random_choices_price_as_the_full_problem(file, make):
     program = built.program
     rng = np.random.default_rng(len(program.ops))
     here, here_devices = _mesh((2, 2), devices, 0)
-    space = SearchSpace(program, here, rules=LayoutPrices(cluster, here, here_devices).rules)
+    space = SearchSpace(program, here)
     targets = [(2, 1), (1, 2), (1, 4), (2, 2)] if len(devices) >= 8 else [(1, 2), (2, 1),
                                                                            (2, 2)]
     priced = 0
@@ -176,7 +176,9 @@ def test_every_choice_priced_while_planning_a_gpt_prices_as_the_full_problem(mon
     for moved, cluster, device_of, kw in calls:
         boundary = kw["boundary"]
         kinds.update(k for k in ("received", "settle", "periodic") if getattr(boundary, k))
-        assert _same(moved, cluster, device_of, **kw)
+        kw = dict(kw)           # on the LayoutPrices the planning priced with
+        costs = layout_prices(cluster, moved.mesh, device_of, session=kw.pop("session"))
+        assert _same(moved, cluster, device_of, costs, **kw)
     assert kinds == {"received", "settle", "periodic"}
 
 

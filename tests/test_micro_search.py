@@ -137,8 +137,9 @@ def test_a_count_held_back_by_memory_is_beaten_exactly_where_its_latency_is_not_
 
 
 def test_counts_share_their_search_costs_and_price_as_fresh_ones():
-    # a count seeded by another prices on the seed's LayoutPrices (reshard and op prices
-    # depend on shapes, not on the program); oracle: the same count seeded, on fresh ones
+    # a count seeded by another prices in the seed's session, on its LayoutPrices
+    # (reshard and op prices depend on shapes, not on the program); oracle: the same
+    # count seeded, on fresh ones
     from distgraph.passes.search.stages.runs import RunCosts
 
     built, cluster = built_gpt(layers=4), S.line_cluster(4, bandwidth=1.0)
@@ -150,10 +151,10 @@ def test_counts_share_their_search_costs_and_price_as_fresh_ones():
     seed = runs[2][2]
     four = dataclasses.replace(strategy, micro_batches=4)
     shared = count_latency(built, four, cluster, 4, session)
-    assert runs[4][2].seed is seed and runs[4][2]._prices is seed._prices
+    assert runs[4][2].seed is seed and runs[4][2].session is seed.session
     copy, accumulation = prepared(built, four, 4)
     fresh = RunCosts(copy, four, cluster, block_layers(copy.program, copy.block_paths), 4,
-                     seed, prices={})
+                     seed, session=Session())
     alone, _ = pipeline_latency(copy, four, cluster, accumulation, costs=fresh)
     assert shared == alone
     assert [o.cost(True, 1, True) for o in runs[4][2].options()] == \

@@ -128,7 +128,12 @@ def test_searches_under_several_budgets_sharing_their_walks_equal_fresh_ones():
         base = random_problem(seed, budget_kind=None)
         if not base.liveness:
             continue
-        walks = Walks()
+        try:
+            walks = Walks(base, None, [])
+        except dg.PlanError:            # nothing allowed: a fresh search refuses it too
+            with pytest.raises(dg.PlanError):
+                solve_recursive(base, None, [])
+            continue
         peak = None
         for _ in range(4):
             budget = None if peak is None else peak / 2
@@ -358,8 +363,7 @@ def test_guided_descents_reach_the_split_unpriced_descents_miss():
         mesh, device_of = logical_mesh(cluster.device_meshes[0], (9, 8), (9, 2, 4))
         found[method] = costs._search(mesh, device_of)["block"]
     rec, ilp = found["recursive"], found["ilp"]
-    walks = Walks()
-    walks.setup(rec.problem, rec.space, ["x", "cp", "y"])
+    walks = Walks(rec.problem, rec.space, ["x", "cp", "y"])
     unpriced = min(evaluate(rec.problem, c) for c in walks.walk.run(0.0))
     assert rec.report.status == "recursive" and ilp.report.status == "optimal"
     assert rec.report.objective == pytest.approx(ilp.report.objective, rel=1e-9)
@@ -387,8 +391,8 @@ def test_a_refined_option_reuses_the_problems_pricing_built():
         options = costs.options(variants=False)
         searched = {s.key for found in costs._found.values() for s in found}
         chosen = [o for o in options if (o.axis, o.sub.shape, o.logical) in searched]
-        if fresh_ends:
-            costs._ends.clear()
+        if fresh_ends:          # the problems the pricing built, forgotten
+            costs.session.table("search problems").clear()
         return chosen, [costs.refine(o) for o in chosen]
 
     def built_by(a, b) -> bool:       # one problem (under its own budget), not rebuilt
@@ -442,7 +446,7 @@ def test_a_refinement_given_room_finds_the_ilp_block_the_cap_of_its_peak_hid():
         except dg.PlanError:
             continue
         variant = RunOption(option.axis, option.sub, option.logical,
-                            costs._costed(smaller, mesh, device_of))
+                            costs._costed(smaller))
         peak = smaller["block"].report.peak_memory
         room = fastest.report.peak_memory - peak
 

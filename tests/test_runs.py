@@ -209,23 +209,23 @@ def test_boundary_prices_shared_by_key_equal_each_options_own(costs):
     assert len({boundary_key(o) for o in options}) <= len(runs._p2p)
 
 
-def kept_entries(shared: dict) -> int:
-    """How many records the shared rules of SearchSpaces keep (per mesh shape: rules
-    and strategies, followed and free choices)."""
-    return sum(len(d) for key, kept in shared.items() if key[0] != "index"
-               and isinstance(kept, tuple) for d in kept)
+def kept_entries(session) -> int:
+    """How many records a session's SearchSpaces keep (per mesh shape: rules and
+    strategies, followed and free choices)."""
+    return len(session.table("op strategies"))
 
 
 def test_spaces_sharing_rules_equal_spaces_made_afresh(costs):
-    # the shared rules keep per mesh shape each source's layouts and each unannotated
-    # op's choices (free or followed, by what they depend on): spaces made from them,
-    # for each part, on a (x, y) and a (dp, cp, tp) mesh and on the whole program,
-    # equal spaces made with nothing shared, node for node
+    # a session keeps per mesh shape each source's layouts and each unannotated op's
+    # choices (free or followed, by what they depend on): spaces made from them, for
+    # each part, on a (x, y) and a (dp, cp, tp) mesh and on the whole program, equal
+    # spaces made with nothing shared, node for node
     from distgraph.passes.search.layouts.space import SearchSpace
+    from distgraph.passes.session import Session
 
     runs, _ = costs
     program = runs.program
-    shared: dict = {}
+    shared = Session()
     meshes = [dg.ProcessMesh([[0, 1], [2, 3]], ["x", "y"]),
               dg.ProcessMesh([[[0, 1]], [[2, 3]]], ["x", "cp", "y"]),
               dg.ProcessMesh([[[0], [1]], [[2], [3]]], ["x", "cp", "y"])]
@@ -236,7 +236,7 @@ def test_spaces_sharing_rules_equal_spaces_made_afresh(costs):
     for mesh in meshes:
         for ops in parts:
             before = kept_entries(shared)
-            kept = SearchSpace(program, mesh, ops, rules=shared)
+            kept = SearchSpace(program, mesh, ops, session=shared)
             fresh = SearchSpace(program, mesh, ops)
             assert kept.nodes == fresh.nodes
             after = kept_entries(shared)
@@ -246,12 +246,14 @@ def test_spaces_sharing_rules_equal_spaces_made_afresh(costs):
 
 def test_spaces_of_parts_read_the_shared_program_index_as_a_scan_of_the_program(costs):
     # a part's Values received from outside and sent outside, found from the program's
-    # index (made once per program in the shared rules), equal a scan of every op
+    # index (made once per program in the session's program facts), equal a scan of
+    # every op
     from distgraph.passes.search.layouts.space import SearchSpace
+    from distgraph.passes.session import Session
 
     runs, _ = costs
     program = runs.program
-    shared: dict = {}
+    shared = Session()
     mesh = dg.ProcessMesh([[0, 1], [2, 3]], ["x", "y"])
     for layers in (range(0, 1), range(runs.rep, runs.rep + 1), range(1, 3),
                    range(runs.layering.count - 1, runs.layering.count)):
@@ -263,7 +265,7 @@ def test_spaces_of_parts_read_the_shared_program_index_as_a_scan_of_the_program(
                    for v in op.inputs if v.name in made}
         received = {v.name for k in ops for v in program.ops[k].inputs
                     if v.name in made_all - made}
-        for rules in (shared, shared, None):
-            space = SearchSpace(program, mesh, ops, rules=rules)
+        for session in (shared, shared, None):
+            space = SearchSpace(program, mesh, ops, session=session)
             assert space.leaving == leaving and space.boundary == received
             assert leaving and received

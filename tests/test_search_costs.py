@@ -2,8 +2,8 @@
 
 The search prices a reshard from the steps ``plan_reshard`` plans; tensors that both
 layouts divide take the same path whatever their shape and dtype, so LayoutPrices plans
-it once per pair of layouts and scales each step's buffer; LayoutPrices sharing one
-``rules`` dict share paths per mesh shape and prices per mesh priced alike. Oracle: a
+it once per pair of layouts and scales each step's buffer; LayoutPrices of one session
+share paths per mesh shape and prices per mesh priced alike. Oracle: a
 fresh LayoutPrices per tensor (nothing shared) and the steps planned directly, priced by
 ``reshard_step_time``: equal to the last bit (also on random layouts, uneven and refused
 shapes, and meshes placed over a heterogeneous cluster file's GPUs and XPUs).
@@ -22,8 +22,10 @@ import search_cases as S
 import yaml
 from distgraph.passes.cost.prices import Rings, reshard_step_time
 from distgraph.passes.reshard import plan_reshard, plan_reshard_path
+from distgraph.passes.cost import layout_prices
 from distgraph.passes.cost.layout_prices import LayoutPrices
 from distgraph.passes.search.layouts.space import layouts
+from distgraph.passes.session import Session
 
 import distgraph as dg
 
@@ -35,6 +37,16 @@ MESHES = {
 SHAPES = [(8, 24), (16, 40), (24, 8), (6, 8), (12, 16)]
 
 
+def planned_paths(monkeypatch) -> list:
+    """The (mesh, source, goal, shape, dtype) of every path LayoutPrices plans from now on
+    (:func:`plan_reshard_path`, called once per path)."""
+    calls = []
+    real = layout_prices.plan_reshard_path
+    monkeypatch.setattr(layout_prices, "plan_reshard_path",
+                        lambda *args: calls.append(args) or real(*args))
+    return calls
+
+
 def direct(cluster, mesh, src, dst, shape, dtype) -> float:
     costs = LayoutPrices(cluster, mesh, {p: p for p in mesh.process_ids})
     steps = plan_reshard(dg.DistAttr(mesh, src), dg.DistAttr(mesh, dst), shape, dtype)
@@ -42,8 +54,9 @@ def direct(cluster, mesh, src, dst, shape, dtype) -> float:
 
 
 @pytest.mark.parametrize("name", sorted(MESHES))
-def test_shared_paths_price_as_planning_each(name):
+def test_shared_paths_price_as_planning_each(name, monkeypatch):
     mesh = MESHES[name]
+    paths = planned_paths(monkeypatch)
     cluster = S.line_cluster(8, bandwidth=3.0, latency=2.0)
     shared = LayoutPrices(cluster, mesh, {p: p for p in mesh.process_ids})
     checked = 0
@@ -61,7 +74,7 @@ def test_shared_paths_price_as_planning_each(name):
     pairs = {split_dims(src, dst) for shape in SHAPES for src in
              [s.out_specs[0] for s in layouts(shape, mesh)] for dst in
              [s.out_specs[0] for s in layouts(shape, mesh)] if src != dst}
-    assert len(shared._paths) == len(pairs) < 0.5 * checked
+    assert len(paths) == len(pairs) < 0.5 * checked
 
 
 def split_dims(src, dst) -> tuple:
@@ -71,10 +84,11 @@ def split_dims(src, dst) -> tuple:
 
 
 @pytest.mark.parametrize("name", sorted(MESHES))
-def test_dims_left_whole_share_paths(name):
+def test_dims_left_whole_share_paths(name, monkeypatch):
     """Tensors of 2, 3 and 4 dims whose extra dims both layouts leave whole take one
     path per pair of split dims, priced (to the last bit) as planning each."""
     mesh = MESHES[name]
+    paths = planned_paths(monkeypatch)
     cluster = S.line_cluster(8, bandwidth=3.0, latency=2.0)
     shared = LayoutPrices(cluster, mesh, {p: p for p in mesh.process_ids})
     base = [s.out_specs[0] for s in layouts((8, 24), mesh)]
@@ -94,12 +108,13 @@ def test_dims_left_whole_share_paths(name):
                 direct(cluster, mesh, a, b, shape, "float32"), (str(a), str(b), shape)
             checked += 1
     pairs = {split_dims(src, dst) for src, dst in itertools.product(base, base) if src != dst}
-    assert len(shared._paths) == len(pairs) and 4 * len(pairs) < checked
+    assert len(paths) == len(pairs) and 4 * len(pairs) < checked
 
 
-def test_partial_sources_share_paths_too():
+def test_partial_sources_share_paths_too(monkeypatch):
     """A pending sum settled onto tensors of two sizes that divide alike: one path."""
     mesh = MESHES["2x4"]
+    paths = planned_paths(monkeypatch)
     cluster = S.line_cluster(8)
     shared = LayoutPrices(cluster, mesh, {p: p for p in mesh.process_ids})
     src = dg.ShardSpec([None, "y"], {"x"})
@@ -107,13 +122,14 @@ def test_partial_sources_share_paths_too():
         for shape in ((8, 16), (32, 64)):
             assert shared.reshard(src, dst, shape, "float32") == \
                 direct(cluster, mesh, src, dst, shape, "float32")
-    assert len(shared._paths) == 3
+    assert len(paths) == 3
 
 
-def test_dtypes_share_paths():
+def test_dtypes_share_paths(monkeypatch):
     """The dtype only scales every move's bytes: tensors of any dtype and size that divide
     alike take one planned path, priced as planning each (to the last bit)."""
     mesh = MESHES["2x4"]
+    paths = planned_paths(monkeypatch)
     cluster = S.line_cluster(8, bandwidth=3.0, latency=2.0)
     shared = LayoutPrices(cluster, mesh, {p: p for p in mesh.process_ids})
     specs = [s.out_specs[0] for s in layouts((8, 24), mesh)]
@@ -123,7 +139,7 @@ def test_dtypes_share_paths():
         for src, dst in pairs:
             assert shared.reshard(src, dst, shape, dtype) == \
                 direct(cluster, mesh, src, dst, shape, dtype), (str(src), str(dst), dtype)
-    assert len(shared._paths) <= len(pairs)
+    assert len(paths) <= len(pairs)
 
 
 # ---- shared and shortcut pricing against plain planning, on random cases ------------------
@@ -201,21 +217,22 @@ def placements():
 
 
 @pytest.mark.parametrize("seed", range(2))
-def test_shared_and_shortcut_prices_equal_plain_pricing(seed):
-    """LayoutPrices of many meshes sharing one ``rules`` dict (as the stage search shares
-    it): every reshard and matrix entry, on random layouts and shapes (dividing, uneven
-    and refused), equals plan_reshard's steps priced afresh, to the last bit; meshes of
-    one shape whose priced process has the same rings and device share their prices
-    (other process ids alike), others do not, and every mesh of a shape shares paths."""
+def test_shared_and_shortcut_prices_equal_plain_pricing(seed, monkeypatch):
+    """LayoutPrices of many meshes in one session (as a planning shares them): every
+    reshard and matrix entry, on random layouts and shapes (dividing, uneven and
+    refused), equals plan_reshard's steps priced afresh, to the last bit; meshes of one
+    shape whose priced process has the same rings and device share their prices (other
+    process ids alike), others do not, and every mesh of a shape shares paths (none is
+    planned twice)."""
     rng = random.Random(seed)
     cluster = hetero_cluster()
-    rules: dict = {}
+    session = Session()
+    paths = planned_paths(monkeypatch)
     all_costs = []
     checked = refused = 0
     cases: dict = {}      # per mesh shape: the same cases on each of its placements
     for mesh, device_of in placements():
-        costs = LayoutPrices(cluster, mesh, device_of)
-        costs.rules = rules
+        costs = LayoutPrices(cluster, mesh, device_of, session=session)
         all_costs.append(costs)
         names = list(mesh.dim_names)
         if mesh.shape not in cases:
@@ -251,12 +268,13 @@ def test_shared_and_shortcut_prices_equal_plain_pricing(seed):
                tuple(costs.ring_of(d) for d in costs.mesh.dim_names), costs.device.model)
         by_key.setdefault(key, []).append(costs)
     for group in by_key.values():
-        assert all(c._alike is group[0]._alike for c in group)
-        assert all(c._paths is group[0]._paths for c in group)
-    alikes = {id(c._alike) for c in all_costs}
+        assert all(c.alike is group[0].alike for c in group)
+    alikes = {id(c.alike) for c in all_costs}
     assert len(alikes) == len(by_key) < len(all_costs)
     # on other process ids, the GPU placement shares the first mesh's prices
-    assert all_costs[0]._alike is all_costs[2]._alike is not all_costs[1]._alike
+    assert all_costs[0].alike is all_costs[2].alike is not all_costs[1].alike
+    planned = {(m.shape, m.dim_names, split_dims(src, dst)) for m, src, dst, *_ in paths}
+    assert paths and len(planned) == len(paths)
 
 
 def test_plan_reshard_path_is_plan_reshards_figures():

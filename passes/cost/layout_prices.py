@@ -16,12 +16,14 @@ tensor.
   beyond them (the op's ``saved`` hook, at the expected load).
 
 A process of the mesh stands for all: every process of one SPMD mesh runs the same
-local program. Results are cached by signature, so the identical blocks of a
-transformer cost one computation each. Reshard prices are kept per layout pair (layouts
-numbered, so a matrix's entries key on ints), per path and bytes, and per step; the
-LayoutPrices sharing one ``rules`` dict (the stage search's) share a mesh shape's paths,
-and those of meshes priced alike (same shape, same rings and software costs at the
-priced process) share every reshard price (:meth:`LayoutPrices._bind`).
+local program. What it prices is kept in the tables of its planning's session
+(:class:`~distgraph.passes.session.Session`; a fresh one by default): "op prices" by op
+signature, so the identical blocks of a transformer cost one computation each; "reshard
+prices" per tensor and pair of layouts (layouts numbered, so a matrix's entries key on
+ints), per matrix and per step, shared by the meshes priced alike (same shape, same
+rings and software costs at the priced process: :attr:`LayoutPrices.alike`); "reshard
+paths" per mesh shape. :func:`layout_prices` gives the one LayoutPrices of a mesh and
+its devices in a session ("layout prices").
 
 With ``sample_axes`` (``Strategy(balance=True)``: which dim of each Value carries the
 batch's samples, :func:`distgraph.passes.samples.sample_axes`) an op's strategy is priced
@@ -33,7 +35,7 @@ device does the same work and the slowest device sets the price.
 
 Example::
 
-    costs = LayoutPrices(cluster, mesh, {0: 0, 1: 1})
+    costs = layout_prices(cluster, mesh, {0: 0, 1: 1}, session=session)
     costs.reshard(ShardSpec(["x", None]), ShardSpec([None, None]), (8, 4), "float32")
 """
 
@@ -48,38 +50,60 @@ from distgraph.registry import LocalSite, TensorType, get_op
 from distgraph.passes.cost.prices import (Rings, best_overlap, feed_time, mesh_step_time,
                                           op_comm_time, op_time, reshard_step_time)
 from distgraph.passes.reshard import plan_reshard, plan_reshard_path
+from distgraph.passes.session import Session
 from distgraph.mesh import ProcessMesh
 from distgraph.placement import DistAttr, ShardSpec
 
 
+def layout_prices(cluster, mesh, device_of: dict, sample_axes: dict | None = None,
+                  session: Session | None = None) -> "LayoutPrices":
+    """The LayoutPrices of ``mesh`` on those devices of ``cluster`` (and ``sample_axes``)
+    in ``session``: one per planning, shared by every search and pricing there."""
+    session = session or Session()
+    # the cluster by identity (a Cluster hashes every device; the LayoutPrices kept holds
+    # it, so its id names no other while the entry lives)
+    key = (id(cluster), mesh, tuple(sorted(device_of.items())),
+           None if sample_axes is None else tuple(sorted(sample_axes.items())))
+    return session.table("layout prices").memo(
+        key, lambda: LayoutPrices(cluster, mesh, device_of, sample_axes, session))
+
+
 class LayoutPrices:
     """Seconds and bytes of strategies on ``mesh``, whose process p runs on device
-    ``device_of[p]`` of ``cluster``."""
+    ``device_of[p]`` of ``cluster``; what it prices is kept in ``session``'s tables
+    (module docstring)."""
 
-    def __init__(self, cluster, mesh, device_of: dict, sample_axes: dict | None = None):
+    def __init__(self, cluster, mesh, device_of: dict, sample_axes: dict | None = None,
+                 session: Session | None = None):
         self.cluster, self.mesh, self.device_of = cluster, mesh, dict(device_of)
         self.sample_axes = sample_axes
+        self.session = session = session or Session()
         self.pid = mesh.process_ids[0]
         self.device = cluster.device(self.device_of[self.pid])
         self.rings = Rings(cluster, self.device_of.__getitem__)
-        self._ops: dict = {}
-        self._gathers: dict = {}
-        self._alike = None            # _Alike: reshard prices shared with meshes priced alike
-        self._paths: dict = {}        # _pair -> _path's record: per mesh shape
-        self._world = None
-        self.rules: dict = {}       # what the searches with these costs share per mesh
-                                    # shape: the op strategies of their spaces
-                                    # (SearchSpace.rules), and these costs' reshard paths
-                                    # and prices (:meth:`_bind`); one dict may serve
-                                    # several LayoutPrices
+        self.world = ProcessMesh(sorted(mesh.process_ids), dim_names=["world"])
+        self._ring_by_dim = {d: self.ring_of(d) for d in mesh.dim_names}
+        self._ops = session.table("op prices")
+        self._prices = session.table("reshard prices")
+        self._paths = session.table("reshard paths")
+        self._shape = (tuple(mesh.shape), tuple(mesh.dim_names))
+        # the first LayoutPrices of the meshes priced alike, whose reshard prices these
+        # share: a same-mesh reshard step costs the priced process the alpha-beta of its
+        # mesh dim's ring there and its device's software (:func:`~distgraph.passes.cost.
+        # prices.mesh_step_time`), and its path depends on the mesh's dim names and sizes
+        # alone, so meshes of one shape whose priced process has the same ring along
+        # every dim and the same software costs price every reshard alike, whichever
+        # processes they hold (the stages of a homogeneous cluster)
+        self.alike = session.table("layout prices").memo(
+            ("priced alike", self._shape, tuple(self._ring_by_dim.values()),
+             self.device.reshard_overhead), lambda: self)
 
     def op(self, op, strategies) -> tuple[np.ndarray, np.ndarray]:
         """(compute seconds, own-collective seconds) of each strategy of ``op``."""
-        key = _signature(op, strategies)
-        if key not in self._ops:
-            priced = [self._price(op, s) for s in strategies]
-            self._ops[key] = (np.array([c for c, _ in priced]), np.array([m for _, m in priced]))
-        return self._ops[key]
+        def priced():
+            both = [self._price(op, s) for s in strategies]
+            return np.array([c for c, _ in both]), np.array([m for _, m in both])
+        return self._ops.memo((self, _signature(op, strategies)), priced)
 
     def kept(self, op, strategies) -> np.ndarray:
         """Bytes each strategy's kernel keeps for the gradient beyond its results (the
@@ -87,16 +111,16 @@ class LayoutPrices:
         hook = get_op(op.type).saved
         if hook is None:
             return np.zeros(len(strategies))
-        key = ("kept",) + _signature(op, strategies)
-        if key not in self._ops:
+
+        def kept():
             out = []
             for s in strategies:
                 attrs, context = self._localized(op, s)
                 ins = [TensorType(shape, v.dtype)
                        for shape, v in zip(s.in_local_shapes, op.inputs)]
                 out.append(hook(attrs, context or {}, ins))
-            self._ops[key] = np.array(out, float)
-        return self._ops[key]
+            return np.array(out, float)
+        return self._ops.memo((self, "kept", _signature(op, strategies)), kept)
 
     def _localized(self, op, s) -> tuple:
         """(attributes, kernel context) of ``op`` under strategy ``s``, as partition
@@ -182,21 +206,30 @@ class LayoutPrices:
         """Seconds to turn ``src`` into ``dst`` (both on the mesh), 0 when equal. Where
         both divide the tensor, priced once per pair of layouts' split dims and the
         tensor's bytes (:meth:`_path`: the price depends on nothing else); every price
-        is shared with the LayoutPrices of meshes priced alike (:meth:`_bind`)."""
-        alike = self._alike or self._bind()
-        a, b = alike.id(src), alike.id(dst)
+        is shared with the LayoutPrices of meshes priced alike (:attr:`alike`)."""
+        a, b = self._number(src), self._number(dst)
         if a == b:
             return 0.0
         shape = tuple(shape)
-        table = alike.tensors.get((shape, dtype))
-        if table is None:
-            table = alike.tensors[shape, dtype] = {}
-        got = table.get((a, b))
+        key = (self.alike, shape, dtype, a, b)
+        got = self._prices.find(key)
         if got is None:
             size = math.prod(shape) * dtypes.itemsize(dtype)
-            got = table[a, b] = self._fresh(
+            got = self._prices[key] = self._fresh(
                 src, dst, a, b, shape, dtype, size,
-                bool(size) and self._divides(src, a, shape) and self._divides(dst, b, shape))
+                bool(size) and self._divides(src, shape) and self._divides(dst, shape))
+        return got
+
+    def _number(self, spec: ShardSpec) -> int:
+        """The number of layout ``spec`` in the session (what the reshard prices and paths
+        key on: a ShardSpec hashes in Python, an int pair in C)."""
+        paths = self._paths
+        got = paths.get(spec)           # (read directly: asked twice per reshard priced)
+        if got is None:
+            paths.misses += 1
+            got = paths[spec] = len(paths)  # unique: entries are never removed
+        else:
+            paths.hits += 1
         return got
 
     def matrix(self, made: tuple, wanted: tuple, shape, dtype: str) -> np.ndarray:
@@ -204,97 +237,69 @@ class LayoutPrices:
         of layouts priced as :meth:`reshard` prices it."""
         if len(made) == 1 and len(wanted) == 1:      # a choice priced (intra_op.price)
             return np.array([[self.reshard(made[0], wanted[0], shape, dtype)]])
-        alike = self._alike or self._bind()
         shape = tuple(shape)
-        key = (made, wanted, shape, dtype)
-        got = alike.matrices.get(key)
-        if got is None:
-            rows, row_of = _unique(made)
-            cols, col_of = _unique(wanted)
-            table = alike.tensors.get((shape, dtype))
-            if table is None:
-                table = alike.tensors[shape, dtype] = {}
-            size = math.prod(shape) * dtypes.itemsize(dtype)
-            ids = alike.id
-            cols = [(ids(w), w, None) for w in cols]   # None: whether it divides, unasked
-            small = []
-            for m in rows:
-                a = ids(m)
-                fits = None
-                row = []
-                for j, (b, w, fits_w) in enumerate(cols):
-                    price = table.get((a, b))
-                    if price is None:
-                        if a == b:
-                            price = 0.0
-                        else:
-                            if fits is None:
-                                fits = bool(size) and self._divides(m, a, shape)
-                            if fits and fits_w is None:
-                                fits_w = self._divides(w, b, shape)
-                                cols[j] = (b, w, fits_w)
-                            price = self._fresh(m, w, a, b, shape, dtype, size,
-                                                fits and fits_w)
-                        table[a, b] = price
-                    row.append(price)
-                small.append(row)
-            got = alike.matrices[key] = np.array(small)[np.ix_(row_of, col_of)]
-        return got
+        return self._prices.memo((self.alike, shape, dtype, made, wanted),
+                                 lambda: self._matrix(made, wanted, shape, dtype))
+
+    def _matrix(self, made: tuple, wanted: tuple, shape: tuple, dtype: str) -> np.ndarray:
+        rows, row_of = _unique(made)
+        cols, col_of = _unique(wanted)
+        table, alike = self._prices, self.alike
+        size = math.prod(shape) * dtypes.itemsize(dtype)
+        number = self._number
+        cols = [(number(w), w, None) for w in cols]     # None: whether it divides, unasked
+        small, served = [], 0
+        for m in rows:
+            a = number(m)
+            fits = None
+            row = []
+            for j, (b, w, fits_w) in enumerate(cols):
+                key = (alike, shape, dtype, a, b)
+                price = table.get(key)
+                if price is None:
+                    if a == b:
+                        price = 0.0
+                    else:
+                        table.misses += 1
+                        if fits is None:
+                            fits = bool(size) and self._divides(m, shape)
+                        if fits and fits_w is None:
+                            fits_w = self._divides(w, shape)
+                            cols[j] = (b, w, fits_w)
+                        price = table[key] = self._fresh(m, w, a, b, shape, dtype, size,
+                                                         fits and fits_w)
+                else:
+                    served += 1
+                row.append(price)
+            small.append(row)
+        table.hits += served
+        return np.array(small)[np.ix_(row_of, col_of)]
 
     def _fresh(self, src: ShardSpec, dst: ShardSpec, a: int, b: int, shape: tuple,
                dtype: str, size: int, fits: bool) -> float:
-        """:meth:`reshard`'s price of ``src`` (id ``a``) to ``dst`` (id ``b``), not yet
-        known for this tensor of ``size`` bytes; ``fits``: whether both divide it."""
+        """:meth:`reshard`'s price of ``src`` (number ``a``) to ``dst`` (number ``b``), not
+        yet known for this tensor of ``size`` bytes; ``fits``: whether both divide it."""
         if fits:
-            alike = self._alike
-            path = alike.paths.get((a, b))
-            if path is None:
-                path = alike.paths[a, b] = self._path(src, dst, shape, dtype, size)
-            sized = (path[0], size)
-            got = alike.sized.get(sized)
-            if got is None:
-                got = alike.sized[sized] = self._path_time(path, size)
-            return got
+            path = self._paths.memo((self._shape, a, b),
+                                    lambda: self._path(src, dst, shape, dtype, size))
+            return self._path_time(path, size)
         # planned (and refused where it does not divide) as plan_reshard does
         return sum(reshard_step_time(s, self.pid, self.rings) for s in plan_reshard(
             DistAttr(self.mesh, src), DistAttr(self.mesh, dst), shape, dtype))
 
-    def _bind(self) -> "_Alike":
-        """The reshard prices this LayoutPrices shares (through :attr:`rules`) with those of
-        every mesh priced alike: a same-mesh reshard step costs the priced process the
-        alpha-beta of its mesh dim's ring there and its device's software
-        (:func:`~distgraph.passes.cost.prices.mesh_step_time`), and its path depends on
-        the mesh's dim names and sizes alone, so meshes of one shape whose priced process
-        has the same ring along every dim and the same software costs price every reshard
-        alike, whichever processes they hold (the stages of a homogeneous cluster). The
-        paths are shared by every mesh of the shape (on a heterogeneous cluster, meshes
-        of one shape may price them apart)."""
-        mesh = self.mesh
-        shape = (tuple(mesh.shape), tuple(mesh.dim_names))
-        self._ring_by_dim = {d: self.ring_of(d) for d in mesh.dim_names}
-        key = ("reshard prices", shape, tuple(self._ring_by_dim.values()),
-               self.device.reshard_overhead)
-        self._alike = self.rules.setdefault(key, _Alike())
-        self._paths = self.rules.setdefault(("reshard paths",) + shape, self._paths)
-        return self._alike
-
     def _path(self, src: ShardSpec, dst: ShardSpec, shape: tuple, dtype: str,
               size: int) -> tuple:
-        """(its number, bytes planned for, ((kind, mesh dim, group size, buffer bytes) of
-        each step)) of ``plan_reshard``'s path for a tensor that both layouts divide,
-        planned once per pair (:func:`_pair`) on meshes of this shape: every state on its path
-        keeps each tensor dim split by a prefix of the source's or the goal's entry there
-        (its moves are goal-directed), so where both layouts divide a tensor every state
+        """(bytes planned for, ((kind, mesh dim, group size, buffer bytes) of each step))
+        of ``plan_reshard``'s path for a tensor that both layouts divide, planned once per
+        pair (:func:`_pair`) on meshes of this shape: every state on its path keeps each
+        tensor dim split by a prefix of the source's or the goal's entry there (its
+        moves are goal-directed), so where both layouts divide a tensor every state
         does, the moves it may make are the same whatever the tensor's shape, dtype and
         the dims both leave whole, and each costs a fixed multiple of the tensor's bytes:
         the same path, each step's buffer scaled by the bytes (:meth:`_path_time`). The
         path reads the mesh's dim names and sizes only, not its processes."""
-        pair = _pair(src, dst)
-        known = self._paths.get(pair)
-        if known is None:
-            known = self._paths[pair] = (len(self._paths), size, plan_reshard_path(
-                self.mesh, src, dst, shape, dtype))
-        return known
+        return self._paths.memo((self._shape, _pair(src, dst)), lambda: (
+            size, plan_reshard_path(self.mesh, src, dst, shape, dtype)))
 
     def _path_time(self, path: tuple, size: int) -> float:
         """Seconds of ``path`` (:meth:`_path`) for a tensor of ``size`` bytes at the priced
@@ -302,29 +307,21 @@ class LayoutPrices:
         step's buffer is ``size`` over the parts of its state (times the group for a
         gather), ``buffer x size / planned`` exactly (both layouts divide both tensors,
         so the parts divide the elements of each), each step's seconds known once per
-        (kind, mesh dim, buffer)."""
-        _, planned, steps = path
-        known = self._alike.steps
+        (kind, mesh dim, buffer) on the meshes priced alike."""
+        planned, steps = path
+        known, alike = self._prices, self.alike
         total = 0
         for kind, dim, n, buffer in steps:
-            key = (kind, dim, buffer * size // planned)
-            t = known.get(key)
-            if t is None:
-                t = known[key] = mesh_step_time(kind, n, key[2] * 1.0, self._ring_by_dim[dim],
-                                                self.device)
-            total += t
+            nbytes = buffer * size // planned
+            total += known.memo((alike, kind, dim, nbytes), lambda: mesh_step_time(
+                kind, n, nbytes * 1.0, self._ring_by_dim[dim], self.device))
         return total
 
-    def _divides(self, spec: ShardSpec, a: int, shape: tuple) -> bool:
-        """Whether ``spec`` (id ``a``) splits every dim of ``shape`` evenly on the mesh."""
-        key = (a, shape)
-        fits = self._alike.fits
-        got = fits.get(key)
-        if got is None:
-            got = fits[key] = len(shape) == spec.ndim and all(
-                n % math.prod(self.mesh.dim_size(m) for m in spec.entry(d)) == 0
-                for d, n in enumerate(shape))
-        return got
+    def _divides(self, spec: ShardSpec, shape: tuple) -> bool:
+        """Whether ``spec`` splits every dim of ``shape`` evenly on the mesh."""
+        return len(shape) == spec.ndim and all(
+            n % math.prod(self.mesh.dim_size(m) for m in spec.entry(d)) == 0
+            for d, n in enumerate(shape))
 
     def settle(self, spec: ShardSpec, value) -> float:
         """Seconds to settle ``spec``'s pending sum (an all-reduce, or a reduce-scatter
@@ -340,50 +337,18 @@ class LayoutPrices:
                     ways.append(ShardSpec(spec.dims[:d] + (m,) + spec.dims[d + 1:]))
         return min(self.reshard(spec, w, value.shape, value.dtype) for w in ways)
 
-    def world(self):
-        """The mesh's processes as one 1-D mesh ``world`` (where the runtime gathers the
-        fetched loss, as ``intra_op.search`` prices it by default), made once."""
-        if self._world is None:
-            self._world = ProcessMesh(sorted(self.mesh.process_ids), dim_names=["world"])
-        return self._world
-
     def gather(self, spec: ShardSpec, value, world) -> float:
         """Seconds to bring ``value`` (laid out ``spec`` on the mesh) whole to every
-        process of ``world`` (``partition.world_mesh``: how the runtime fetches the loss)."""
-        key = (spec, tuple(value.shape), value.dtype, world)
-        if key not in self._gathers:        # planned once: p2p tiles to every process
+        process of ``world`` (``partition.world_mesh``: how the runtime fetches the loss;
+        :attr:`world`, the mesh's processes as one 1-D mesh, by default)."""
+        def gathered():                 # planned once: p2p tiles to every process
             src = DistAttr(self.mesh, spec)
             dst = DistAttr(world, ShardSpec.replicated(len(value.shape)))
             steps = [] if src == dst else plan_reshard(src, dst, tuple(value.shape),
                                                        value.dtype)
-            self._gathers[key] = sum(reshard_step_time(s, self.pid, self.rings)
-                                     for s in steps)
-        return self._gathers[key]
-
-
-class _Alike:
-    """The reshard prices of the meshes priced alike (:meth:`LayoutPrices._bind`). Layouts
-    are numbered (``id``: a ShardSpec hashes in Python, an int pair in C); prices are
-    kept per (shape, dtype) by pair of ids (``tensors``), per matrix, per (path number,
-    bytes) (``sized``) and per (step kind, mesh dim, buffer bytes) (``steps``); beside
-    them each pair of ids' path (``paths``) and whether a layout divides a shape."""
-
-    __slots__ = ("ids", "tensors", "matrices", "sized", "steps", "paths", "fits")
-
-    def __init__(self):
-        self.ids: dict = {}
-        self.tensors: dict = {}
-        self.matrices: dict = {}
-        self.sized: dict = {}
-        self.steps: dict = {}
-        self.paths: dict = {}
-        self.fits: dict = {}
-
-    def id(self, spec: ShardSpec) -> int:
-        got = self.ids.get(spec)
-        if got is None:
-            got = self.ids[spec] = len(self.ids)
-        return got
+            return sum(reshard_step_time(s, self.pid, self.rings) for s in steps)
+        return self._ops.memo((self, "gather", spec, tuple(value.shape), value.dtype, world),
+                              gathered)
 
 
 def _pair(src: ShardSpec, dst: ShardSpec) -> tuple:

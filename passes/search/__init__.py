@@ -36,12 +36,12 @@ import dataclasses
 from dataclasses import dataclass
 
 from distgraph.ir import Role
-from distgraph.passes.prepare import split, transformed
+from distgraph.passes.prepare import transformed
 from distgraph.passes.search.layouts.intra_op import search
 from distgraph.passes.search.layouts.mesh import search_mesh
 from distgraph.passes.search.layouts.sharded_states import sharding_dim
 from distgraph.passes.session import Session
-from distgraph.passes.search.stages.micro import searched_count
+from distgraph.passes.search.stages.micro import searched_count, split_in
 from distgraph.passes.search.stages.pipeline import plan_pipeline
 
 __all__ = ["Choice", "Session", "choose"]
@@ -97,7 +97,7 @@ def choose(built, strategy, cluster, budget: float | None = None,
     asked = dataclasses.replace(strategy, micro_batches=micro)
     programs = session.table("micro-batch programs")   # M -> (program, accumulation, costs)
     if micro not in programs:
-        programs[micro] = (*split(built, micro, session.analyses), None)
+        programs[micro] = (*split_in(built, micro, session), None)
     program, accumulation, costs = programs[micro]
     copy = transformed(program, asked)
     if asked.pipeline:

@@ -135,7 +135,7 @@ def build_problem(space, costs, weights, loss, world, budget, share, live, targe
     if loss is not None and loss in space.producer:
         u, j = space.producer[loss]
         v = program.values[loss]
-        world = world or costs.world()
+        world = world or costs.world
         comm[u] = comm[u] + np.array([costs.gather(s.out_specs[j], v, world)
                                       for s in nodes[u].strategies])
     classes = _tie_classes(nodes, share)
@@ -193,7 +193,7 @@ def fixed_problem(moved, costs, weights, loss, world, targets: dict, tied: dict,
     if loss is not None and loss in moved.producer:
         u, j = moved.producer[loss]
         comm[u] = comm[u] + costs.gather(nodes[u].strategies[0].out_specs[j],
-                                         program.values[loss], world or costs.world())
+                                         program.values[loss], world or costs.world)
     edges, aliases = [], []
     for leaving, received in tied.items():
         u, j = moved.producer[leaving]
@@ -235,9 +235,9 @@ def _aliased(space, node):
 
 
 def _liveness(space, buffers):
-    """The liveness sets of ``space`` (checked once, shared by its rebinds)."""
-    return space.memo(("liveness", tuple(buffers)),
-                      lambda: checked_liveness(live_sets(space, buffers), len(space.nodes)))
+    """The liveness sets of ``space``, checked (found again for each problem: cheaper
+    than the pricing that asks for them)."""
+    return checked_liveness(live_sets(space, buffers), len(space.nodes))
 
 
 def _tie_classes(nodes, share) -> list:

@@ -46,6 +46,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass
@@ -58,11 +59,13 @@ from distgraph.passes.samples import sample_axes
 from distgraph.units import fmt_bytes
 from distgraph.passes.search.layouts.charges import (  # noqa: F401 (accumulating_updates: runs')
     accumulating_updates, build_problem, fixed_problem)
-from distgraph.passes.cost.layout_prices import LayoutPrices
+from distgraph.passes.cost.layout_prices import LayoutPrices, layout_prices
 from distgraph.passes.search.layouts.ilp import Solution, solve
 from distgraph.passes.search.layouts.ilp_problem import ShardingProblem, evaluate, peak_memory
-from distgraph.passes.search.layouts.recursive import METHODS, bisection_levels, solve_recursive
+from distgraph.passes.search.layouts.recursive import (METHODS, Walks, bisection_levels,
+                                                       solve_recursive)
 from distgraph.passes.search.layouts.space import SearchSpace
+from distgraph.passes.session import Session
 from distgraph.placement import DistAttr
 
 
@@ -245,13 +248,25 @@ def _mapped(node, ops, values) -> bool:
     return ops is None or node.op in ops
 
 
+@dataclass(frozen=True)
+class _Built:
+    """What :func:`search` builds for its inputs (the session's "search problems"): the
+    space, the shared blocks, the problem (no budget) and, once a recursive search asked,
+    its :class:`~distgraph.passes.search.layouts.recursive.Walks`."""
+
+    space: SearchSpace
+    share: list
+    problem: ShardingProblem
+    walks: Walks | None = None
+
+
 def search(program, mesh: ProcessMesh, cluster, device_of: dict, *, ops=None,
            weights: dict | None = None, loss: str | None = None, world=None,
            memory_budget: float | None = None, time_limit: float = 60.0,
            blocks=(), memory: bool = False, balance: bool = False,
            boundary: Boundary | None = None, method: str = "ilp",
-           costs: LayoutPrices | None = None, refined=None, walks=None,
-           prove: bool = True, zero: str | None = None) -> SearchResult:
+           costs: LayoutPrices | None = None, refined=None, prove: bool = True,
+           zero: str | None = None, session: Session | None = None) -> SearchResult:
     """Choose a strategy for every op (of ``ops``, default all) and source Value of
     ``program`` on ``mesh`` (module docstring). ``device_of``: process -> device global id
     of ``cluster``; ``weights``: op role -> times it runs per step (default 1);
@@ -264,34 +279,38 @@ def search(program, mesh: ProcessMesh, cluster, device_of: dict, *, ops=None,
     program meets the rest (:class:`Boundary`); ``method``: who chooses (``Strategy.search``:
     "ilp" SCIP, "recursive" the double-recursive search of :mod:`distgraph.passes.search.
     recursive`, "auto" the recursive choice refined by SCIP, warm-started from it);
-    ``costs``: a LayoutPrices of the same cluster, mesh and device_of whose cached prices
-    are reused (a new one by default); ``refined``: under "auto", a SearchResult of the
-    same ops on a mesh of the same dim names whose choice, where every node can take it
-    here within the budget, SCIP refines instead of a new recursive search's; ``walks``
-    / ``prove``: the recursive search's (:func:`~distgraph.passes.search.layouts.recursive.
-    solve_recursive`: descents shared by searches of these ops under other budgets, and
-    with ``costs`` given the space and problem too, built once while the inputs and the
-    annotations they read stay the same; no SCIP proof that a budget below the peak
-    bound fits nothing); ``zero``: the mesh dim ZeRO shards the states over after the
-    search, priced here (:mod:`~distgraph.passes.search.layouts.sharded_states`)."""
+    ``costs``: a LayoutPrices of the same cluster, mesh and device_of (by default the
+    session's, :func:`~distgraph.passes.cost.layout_prices.layout_prices`); ``refined``:
+    under "auto", a SearchResult of the same ops on a mesh of the same dim names whose
+    choice, where every node can take it here within the budget, SCIP refines instead
+    of a new recursive search's; ``prove``: the recursive search's (no SCIP proof that
+    a budget below the peak bound fits nothing: :func:`~distgraph.passes.search.layouts.
+    recursive.solve_recursive`); ``zero``: the mesh dim ZeRO shards the states over
+    after the search, priced here (:mod:`~distgraph.passes.search.layouts.
+    sharded_states`); ``session``: the planning's (a fresh one by default, or that of
+    ``costs``), which keeps the space and problem of each inputs (and the annotations
+    they read) in "search problems", with the recursive search's descents: searches of
+    these ops under other budgets, or by another method, build nothing again."""
     start = time.perf_counter()
+    session = session or (costs.session if costs is not None else Session())
     boundary = boundary or Boundary()
     live = memory or memory_budget is not None
-    inputs = (program, costs, _marks(program, ops), ops, mesh, boundary, weights, loss, world,
-              tuple(blocks), live, zero)
-    built = walks.built if walks is not None and costs is not None else None
-    if built is not None and _same(built[0], inputs):
-        space, share, problem = built[1], built[2], built[3].with_budget(memory_budget)
-    else:
+    if costs is None:
         axes = sample_axes(program, [v.name for v in program.inputs]) if balance else None
-        costs = costs or LayoutPrices(cluster, mesh, device_of, axes)
+        costs = layout_prices(cluster, mesh, device_of, axes, session)
+    problems = session.table("search problems")
+    key = (program, costs, _marks(program, ops), None if ops is None else tuple(ops), mesh,
+           boundary, None if weights is None else tuple(weights.items()), loss, world,
+           tuple(blocks), live, zero)
+
+    def build() -> _Built:
         space = SearchSpace(program, mesh, ops, received=dict(boundary.received),
-                            rules=costs.rules)
+                            session=session)
         share = _shared_blocks(space, blocks)
-        problem = _problem(space, costs, weights or {}, loss, world, memory_budget, share,
-                           live, boundary, zero)
-        if walks is not None:
-            walks.built = (inputs, space, share, problem)
+        return _Built(space, share, _problem(space, costs, weights or {}, loss, world, None,
+                                             share, live, boundary, zero))
+    built = problems.memo(key, build)
+    space, share, problem = built.space, built.share, built.problem.with_budget(memory_budget)
     build_time = time.perf_counter() - start
     limit = max(time_limit - build_time, 0.1 * time_limit)
     if method not in METHODS:
@@ -304,8 +323,12 @@ def search(program, mesh: ProcessMesh, cluster, device_of: dict, *, ops=None,
         first = evaluate(problem, carried)
         sol = solve(problem, time_limit=limit, starts=[carried], bounded=True)
     else:
-        sol, note = solve_recursive(problem, space, bisection_levels(mesh, costs.ring_of),
-                                    time_limit=limit, walks=walks, prove=prove)
+        dims = bisection_levels(mesh, costs.ring_of)
+        if built.walks is None:         # the first recursive search of the problem
+            built = problems[key] = dataclasses.replace(
+                built, walks=Walks(built.problem, space, dims, session))
+        sol, note = solve_recursive(problem, space, dims, time_limit=limit,
+                                    walks=built.walks, prove=prove)
         if method == "auto" and sol.status == "recursive":
             first = sol.objective
             sol = solve(problem, time_limit=limit, starts=[sol.choice], bounded=True)
@@ -321,13 +344,6 @@ def _marks(program, ops) -> tuple:
     ops = range(len(program.ops)) if ops is None else ops
     return tuple(x.annotation for k in ops for x in
                  (program.ops[k], *program.ops[k].inputs, *program.ops[k].outputs))
-
-
-def _same(a: tuple, b: tuple) -> bool:
-    """Whether two searches' inputs (``search``) are the same: the program, the costs and
-    the annotations the same objects, the rest equal."""
-    return all(x is y for x, y in zip(a[:2], b[:2])) and len(a[2]) == len(b[2]) and \
-        all(x is y for x, y in zip(a[2], b[2])) and a[3:] == b[3:]
 
 
 def _carried(start, space, problem):
@@ -359,16 +375,18 @@ def _carried(start, space, problem):
 
 def price(moved: SearchSpace, cluster, device_of: dict, *, weights=None, loss=None,
           world=None, boundary: Boundary | None = None, status: str = "optimal",
-          costs: LayoutPrices | None = None, zero: str | None = None):
+          costs: LayoutPrices | None = None, zero: str | None = None,
+          session: Session | None = None):
     """The cost, by the same model, of the one strategy each node of ``moved`` offers (a
     search's choice on another mesh: ``result.space.rebind(mesh, result.choice)``),
     without solving: a SearchResult with that choice. ``status``: the status of the
     search that made the choice. Priced directly (:func:`~distgraph.passes.search.
     charges.fixed_problem`: the chosen strategies' terms and the chosen pairs'
     reshards, by the code that builds the search's problem), equal to what the full
-    problem of ``moved`` gives the choice."""
+    problem of ``moved`` gives the choice. ``costs`` / ``session``: as :func:`search`'s."""
     start = time.perf_counter()
-    costs = costs or LayoutPrices(cluster, moved.mesh, device_of)
+    costs = costs or layout_prices(cluster, moved.mesh, device_of,
+                                   session=session or moved.session)
     boundary = boundary or Boundary()
     problem = fixed_problem(moved, costs, weights or {}, loss, world, dict(boundary.settle),
                             _tied_values(boundary), zero)

@@ -43,9 +43,10 @@ trajectory a full :func:`~distgraph.passes.search.layouts.tree_moves.improve` wo
 lose after one forest rarely win after all of them: on the Table 1 1T row's and GPT-3
 ``--engine``'s searches, the 20 of bench/search_quality.py and 229 brute-forced random
 problems, the same choices as improving every descent fully). A walk
-prices an edge once per set of candidates its far end has (a memo per walk, raised when
-that end re-picks, over one per problem, shared by every walk and ``lam``: the prices
-depend on the far end's candidates alone), a class with one group open at a level is
+prices an edge once per set of candidates its far end has (per walk, by the far end's
+version, raised when it re-picks; over that, per problem in the session's "edge
+prices", shared by every walk and ``lam``: the prices depend on the far end's
+candidates alone), a class with one group open at a level is
 not priced, and a re-pick is skipped where no neighbour moved since the class last
 picked (it would pick the same group). The
 guided descents and the memory ladder below descend in op-weight order only. In all, a
@@ -81,10 +82,11 @@ Where no ``lam`` fits, or the choice breaks an alias, the SCIP ILP decides
 peak) and the report says so.
 
 **Searches of one problem under several budgets** (the memory variants of :mod:`~distgraph.
-passes.search.stages.runs`: the same block, its budget halved each time) share a :class:`Walks`:
+passes.search.stages.runs`: the same block, its budget halved each time) share a :class:`Walks`
+(:func:`~distgraph.passes.search.layouts.intra_op.search` keeps one per problem):
 a descent depends on the problem and ``lam``, not on the budget, so each ``lam``'s
-descents are walked once for all of them, and the walk up ``lam``'s ladder, the same
-ladder every time, repeats no descent. Such a caller may also ask for no proof
+descents are walked once for all of them (the session's "recursive descents"), and the
+walk up ``lam``'s ladder, the same ladder every time, repeats no descent. Such a caller may also ask for no proof
 (``prove=False``): a budget below :func:`~distgraph.passes.search.layouts.ilp.peak_bound` then
 raises PlanError at once, without SCIP naming the smallest peak.
 
@@ -106,6 +108,7 @@ from distgraph.errors import PlanError
 from distgraph.passes.search.layouts.ilp import (BUDGET_RTOL, Solution, check_forbidden, evaluate,
                                          peak_bound, peak_memory, reduce_problem, solve)
 from distgraph.passes.search.layouts.tree_moves import ROUNDS, TREES, Flat, improve_rounds
+from distgraph.passes.session import Session
 
 METHODS = ("ilp", "recursive", "auto")
 KEEP = 2                 # descents per run whose tree moves go on after the first forests
@@ -124,47 +127,40 @@ def bisection_levels(mesh, ring_of) -> list:
 
 
 class Walks:
-    """The descents of one problem at each memory price ``lam``, kept for the searches
-    of that problem under other budgets (module docstring): each ``lam``'s choices with
-    their objectives and peaks. A Walks serves one problem (the same space, costs and
-    liveness), whatever its ``memory_budget``.
+    """The recursive search of one problem (built on ``space``, bisected over the mesh
+    dims ``dims``) whatever its ``memory_budget``: its reduced problem's levels and
+    descents, and the peak bound; the descents at each memory price ``lam`` (each
+    ``lam``'s choices with their objectives and peaks) kept in ``session``'s "recursive
+    descents" for the searches of the problem under other budgets (module docstring).
 
     Example::
 
-        walks = Walks()
+        walks = Walks(problem, space, dims)
         for budget in (8e9, 4e9, 2e9):
-            solve_recursive(replace(problem, memory_budget=budget), space, dims, walks=walks)
+            solve_recursive(problem.with_budget(budget), space, dims, walks=walks)
     """
 
-    def __init__(self):
-        self.walk = None           # the _Descent, made by the first search
-        self.bound = None          # peak_bound of the reduced problem
-        self.found: dict = {}      # lam -> [(choice, objective, peak), ...]
-        self.built = None          # (inputs, space, share, problem): intra_op.search's
-
-    def setup(self, problem, space, dims):
-        if self.walk is None:
-            red = reduce_problem(problem)
-            check_forbidden(problem, red)
-            members = [[] for _ in red.cost]
-            for v, c in enumerate(red.cls):
-                members[c].append(v)
-            levels = _groups(space, members, dims)
-            last = [np.arange(len(costs)) for costs in red.cost]
-            # slowest level first (SAPP's order), and on 2-D meshes fastest first as well
-            orders = [levels + [last]] + ([levels[::-1] + [last]] if len(levels) > 1 else [])
-            self.walk = _Descent(red, orders)
-            self.bound = peak_bound(red)
-        elif len(self.walk.red.cls) != problem.n:
-            raise PlanError("a Walks serves one problem; this one has another node count")
-        return self.walk
+    def __init__(self, problem, space, dims, session: Session | None = None):
+        session = session or Session()
+        red = reduce_problem(problem)
+        check_forbidden(problem, red)
+        members = [[] for _ in red.cost]
+        for v, c in enumerate(red.cls):
+            members[c].append(v)
+        levels = _groups(space, members, dims)
+        last = [np.arange(len(costs)) for costs in red.cost]
+        # slowest level first (SAPP's order), and on 2-D meshes fastest first as well
+        orders = [levels + [last]] + ([levels[::-1] + [last]] if len(levels) > 1 else [])
+        self.walk = _Descent(red, orders, session)
+        self.bound = peak_bound(red)              # of the reduced problem
+        self._found = session.table("recursive descents")
 
     def run(self, problem, lam: float) -> list:
         """[(choice, objective, peak)] of the descents at ``lam``; at ``lam`` = 0 also
         the guided ones (module docstring: memory priced at the unpriced choice's
         seconds per byte for the descent, then tree moves at the price of time alone).
         At ``lam`` > 0 (the memory ladder) only the op-weight order descends."""
-        if lam not in self.found:
+        def descents():
             priced: dict = {}       # descents that end alike are priced once
 
             def add(choices):
@@ -176,8 +172,8 @@ class Walks:
                 _, objective, peak = min(priced.values(), key=lambda f: f[1])
                 if math.isfinite(objective) and objective > 0 and peak > 0:
                     add(self.walk.run(objective / peak, improve_at=0.0, heaviest_only=True))
-            self.found[lam] = list(priced.values())
-        return self.found[lam]
+            return list(priced.values())
+        return self._found.memo((self, lam), descents)
 
 
 def solve_recursive(problem, space, dims, time_limit: float = 60.0, walks=None,
@@ -189,8 +185,7 @@ def solve_recursive(problem, space, dims, time_limit: float = 60.0, walks=None,
     a :class:`Walks` of this problem under other budgets, whose descents are reused;
     ``prove=False``: a budget below the peak bound raises PlanError without SCIP."""
     start = time.perf_counter()
-    walks = walks or Walks()
-    walks.setup(problem, space, dims)
+    walks = walks or Walks(problem, space, dims)
     choice, objective, peak = min(walks.run(problem, 0.0), key=lambda f: f[1])
     budget = problem.memory_budget
     note = ""
@@ -333,15 +328,16 @@ class _Descent:
     """The levels of one reduced problem (one list per level order), walked top-down
     with memory priced ``lam``."""
 
-    def __init__(self, red, level_orders):
+    def __init__(self, red, level_orders, session):
         self.red, self.level_orders = red, level_orders
-        self.flat = Flat(red)
+        self.flat = Flat(red, session)
         self.around = [[] for _ in red.cost]
         for pair in red.pairs:
             safe = np.where(np.isinf(pair.cost), BIG, pair.cost)
             self.around[pair.u].append((pair, safe, True))
             self.around[pair.v].append((pair, safe, False))
-        self.edges: dict = {}      # (class, its pair, far end's candidates) -> prices
+        # (self, class, its pair, far end's candidates) -> prices (:meth:`prices`)
+        self.edges = session.table("edge prices")
         self.neighbours = [[p.v if is_u else p.u for p, _, is_u in a] for a in self.around]
         weight = [float(np.max(c[np.isfinite(c)], initial=0.0)) for c in red.cost]
         heaviest = sorted(range(len(red.cost)), key=lambda c: (-weight[c], c))
@@ -468,11 +464,11 @@ class _Descent:
             if got is None or (with_mean and got[1] is None):
                 # the prices depend on the far end's candidates alone (not on lam or
                 # the walk): kept for every walk of this problem
-                at = (c, k, mask[other].tobytes())
-                got = self.edges.get(at)
+                at = (self, c, k, mask[other].tobytes())
+                got = self.edges.find(at)
                 if got is None or (with_mean and got[1] is None):
-                    got = _edge_prices(pair, safe, is_u, mask[other], with_mean)
-                    self.edges[at] = got
+                    got = self.edges[at] = _edge_prices(pair, safe, is_u, mask[other],
+                                                        with_mean)
                 if key is not None:
                     seen.edge[key] = got
             price += got[0]

@@ -54,7 +54,6 @@ Example::
 from __future__ import annotations
 
 import copy
-import functools
 import itertools
 from dataclasses import dataclass, field
 
@@ -62,6 +61,7 @@ from distgraph.errors import PlanError, ShardingError
 from distgraph.mesh import ProcessMesh
 from distgraph.registry import spmd_rule
 from distgraph.placement import ShardSpec
+from distgraph.passes.session import Session
 from distgraph.plan.instructions import keeps_nothing
 from distgraph.spmd import (LETTERS, UNKNOWN, DimsSpec, EinsumPlan, OpStrategy, RuleQuery,
                             SpmdRuleError, entry_dims, entry_of)
@@ -114,7 +114,11 @@ class SearchSpace:
     node each, replicated: any split of it is a local slice); ``leaving`` those it
     sends to ops outside it. ``received`` overrides what a received Value offers:
     ``{name: spec}`` that one layout (as a neighbour makes it), ``{name: None}`` every
-    layout (a repeated block's input, tied to the output it makes for the next block)."""
+    layout (a repeated block's input, tied to the output it makes for the next block).
+    What ops offer on a mesh shape (bound rules, strategies, followers' answers, choices
+    moved to other meshes) is kept in ``session``'s "op strategies", shared with every
+    space of the planning; who makes and reads each Value, and the ops whose kept memory
+    could never serve their gradient (``vain``), in its "program facts"."""
 
     program: object
     mesh: ProcessMesh
@@ -126,28 +130,31 @@ class SearchSpace:
     boundary: set = field(default_factory=set)
     leaving: set = field(default_factory=set)
     received: dict = field(default_factory=dict)
-    rules: dict | None = None
+    session: Session | None = None
 
     def __post_init__(self):
         whole = self.ops is None
         self.ops = tuple(range(len(self.program.ops)) if whole else self.ops)
-        # rules bound and strategies enumerated per op signature; ``rules`` (a dict kept
-        # by the caller: LayoutPrices.rules) shares them with other spaces on this mesh,
-        # and the program's index (who makes and who reads each Value) with every space
-        shared = {} if self.rules is None else self.rules
+        self.session = self.session or Session()
+        facts = self.session.table("program facts")
+        program = self.program
+        # the program's ops whose kept memory could never serve their gradient
+        # (keeps_nothing), found once per program: the liveness sets read them
+        self.vain = facts.memo((program, "vain"), lambda: keeps_nothing(program.ops))
+        # what ops offer on this mesh's shape, kept per op signature (module docstring)
+        self._offers = self.session.table("op strategies")
+        self._at = (tuple(self.mesh.shape), tuple(self.mesh.dim_names))
         # Values a part of the program receives from ops outside it (a stage's inputs)
         self._outside = set()
         if not whole:
-            made_by, read_by = _index(self.program, shared)
+            made_by, read_by = facts.memo((program, "index", len(program.ops)),
+                                          lambda: _index(program))
             inside = set(self.ops)
             made_here = [o.name for k in self.ops for o in self.program.ops[k].outputs]
             self._outside = {v.name for k in self.ops for v in self.program.ops[k].inputs
                              if made_by.get(v.name, k) not in inside}
             self.leaving = {name for name in made_here
                             if any(k not in inside for k in read_by.get(name, ()))}
-        self._rules, self._followed = shared.setdefault(
-            (self.mesh.shape, tuple(self.mesh.dim_names)), ({}, {}))
-        self._memo: dict = {}
         feeds = self.program.inputs
         self._sequence = (int(feeds[0].shape[1]) if feeds and len(feeds[0].shape) > 1
                           else -1) if SEQUENCE_DIM in self.mesh.dim_names else None
@@ -168,20 +175,6 @@ class SearchSpace:
             for j, o in enumerate(op.outputs):
                 self.producer[o.name] = (len(self.nodes) - 1, j)
         self._tie_sources_to_updates()
-
-    def memo(self, key, make):
-        """``make()``, made once per ``key`` for this space and its rebinds to other
-        meshes (what depends on the program's structure alone: the liveness sets)."""
-        if key not in self._memo:
-            self._memo[key] = make()
-        return self._memo[key]
-
-    @functools.cached_property
-    def vain(self) -> frozenset:
-        """The program's ops whose kept memory could never serve their gradient
-        (:func:`~distgraph.plan.instructions.keeps_nothing`), found once per space (its
-        rebinds to other meshes share it)."""
-        return keeps_nothing(self.program.ops)
 
     # -- nodes ------------------------------------------------------------------------------
     def _check_mesh(self, op) -> None:
@@ -211,10 +204,9 @@ class SearchSpace:
                                    [v.shape for v in op.inputs] + [o.shape for o in op.outputs])
 
     def _add_source(self, v) -> None:
-        key = ("layouts", tuple(v.shape))        # per shape on this mesh's shape
-        if key not in self._rules:
-            self._rules[key] = tuple(layouts(v.shape, self.mesh))
-        found = [s for s in self._rules[key] if self._sequence_only(s.out_specs, [v.shape])]
+        offered = self._offers.memo((self._at, "layouts", tuple(v.shape)),
+                                    lambda: tuple(layouts(v.shape, self.mesh)))
+        found = [s for s in offered if self._sequence_only(s.out_specs, [v.shape])]
         if v.name in self._outside:
             # received from another stage: it arrives as the ops here consume it (the
             # p2p transfer is the same whatever they want), so it offers one layout
@@ -249,40 +241,42 @@ class SearchSpace:
                 if names >= 2 or names >= min(2, len(self._strategies(op))):
                     # which answers are allowed depends on what the key names, which
                     # operands are one Value (_consistent) and the sequence (_op_keeps)
-                    key = ("allowed", key, _aliasing(op), self._sequence)
-                    if key not in self._followed:
-                        self._followed[key] = tuple(_consistent(op, s) and
-                                                    self._op_keeps(op, s) for s in induced)
+                    allowed = self._offers.memo(
+                        (self._at, "allowed", key, _aliasing(op), self._sequence),
+                        lambda: tuple(_consistent(op, s) and self._op_keeps(op, s)
+                                      for s in induced))
                     self.nodes.append(Node(
                         index, k, None, label, op.layer, tuple(induced), operands[pick],
-                        self._followed[key], tuple(s.out_specs for s in induced)))
+                        allowed, tuple(s.out_specs for s in induced)))
                     self.op_node[k] = index
                     return
         summed = tuple(o.name in self._summed for o in op.outputs)
+        if constrained:
+            self._add_free(index, k, label, op, *self._free(op, label, summed))
+            return
         # unannotated, an op's choices depend on its signature, which operands are one
         # Value, the sequence and which results a linear op reads: made once per those
-        key = None if constrained else \
-            ("free", self._signature(op), _aliasing(op), self._sequence, summed)
-        if key is None or key not in self._followed:
-            found = [s for s in self._strategies(op) if _consistent(op, s) and _agrees(op, s)
-                     and self._op_keeps(op, s)]
-            if not found:
-                raise PlanError(f"op {label} has no strategy on {self.mesh} that agrees with "
-                                "its annotations; change the annotations")
-            strategies, hints = [], []
-            shapes = [o.shape for o in op.outputs]
-            for s in found:
-                for hint in _settlements(s, shapes, self.mesh, summed):
-                    if not self._sequence_only(hint, shapes):
-                        continue
-                    strategies.append(s)
-                    hints.append(hint)
-            made = (tuple(strategies), tuple(hints))
-            if key is None:
-                self._add_free(index, k, label, op, *made)
-                return
-            self._followed[key] = made
-        self._add_free(index, k, label, op, *self._followed[key])
+        self._add_free(index, k, label, op, *self._offers.memo(
+            (self._at, "free", self._signature(op), _aliasing(op), self._sequence, summed),
+            lambda: self._free(op, label, summed)))
+
+    def _free(self, op, label, summed) -> tuple:
+        """(strategies, hints) of an op choosing freely: its rule's strategies that agree
+        with its annotations, each once per way to settle its Partial results."""
+        found = [s for s in self._strategies(op) if _consistent(op, s) and _agrees(op, s)
+                 and self._op_keeps(op, s)]
+        if not found:
+            raise PlanError(f"op {label} has no strategy on {self.mesh} that agrees with "
+                            "its annotations; change the annotations")
+        strategies, hints = [], []
+        shapes = [o.shape for o in op.outputs]
+        for s in found:
+            for hint in _settlements(s, shapes, self.mesh, summed):
+                if not self._sequence_only(hint, shapes):
+                    continue
+                strategies.append(s)
+                hints.append(hint)
+        return tuple(strategies), tuple(hints)
 
     def _add_free(self, index, k, label, op, strategies, hints) -> None:
         self.nodes.append(Node(index, k, None, label, op.layer, strategies, -1,
@@ -322,8 +316,7 @@ class SearchSpace:
             raise PlanError(f"rebind: {mesh} names its dims {list(mesh.dim_names)}, the "
                             f"search's mesh {list(self.mesh.dim_names)}")
         # the records moved here, shared by the rebinds to meshes of this shape
-        moved_to = ({} if self.rules is None else
-                    self.rules.setdefault(("rebind", mesh.shape, tuple(mesh.dim_names)), {}))
+        moved_to, at = self._offers, (tuple(mesh.shape), tuple(mesh.dim_names), "moved")
         nodes = []
         for node in self.nodes:
             s, hint = node.strategies[choice[node.index]], node.hints[choice[node.index]]
@@ -338,9 +331,9 @@ class SearchSpace:
                 key = (op.type, s.in_specs, s.out_specs, hint, tuple(v.dtype for v in op.inputs),
                        tuple(tuple(v.shape) for v in op.inputs),
                        tuple(tuple(o.shape) for o in op.outputs))
-            moved = moved_to.get(key)
+            moved = moved_to.find(at + key)
             if moved is None:
-                moved = moved_to[key] = self._moved(program, node, s, hint, mesh)
+                moved = moved_to[at + key] = self._moved(program, node, s, hint, mesh)
             nodes.append(Node(node.index, node.op, node.value, node.label, node.layer,
                               (moved,), node.leader, (True,), (hint,)))
         other = copy.copy(self)
@@ -380,31 +373,27 @@ class SearchSpace:
     def _bound(self, op):
         """(rule, bound rule) of ``op`` on the mesh (its strategies: :meth:`_strategies`,
         enumerated only where asked: a light op that follows needs none)."""
-        key = self._signature(op)
-        if key not in self._rules:
+        def bound():
             rule = spmd_rule(op.type)
             try:
-                bound = rule.bind([v.shape for v in op.inputs], [o.shape for o in op.outputs],
-                                  self.mesh, op.attrs)
+                return rule, rule.bind([v.shape for v in op.inputs],
+                                       [o.shape for o in op.outputs], self.mesh, op.attrs)
             except SpmdRuleError as e:
                 raise PlanError(f"sharding rule of {op.type} ({op.layer or 'top level'}) on "
                                 f"{self.mesh}: {e}") from None
-            self._rules[key] = (rule, bound)
-        return self._rules[key]
+        return self._offers.memo((self._at, "bound", self._signature(op)), bound)
 
     def _strategies(self, op) -> tuple:
-        key = ("strategies",) + self._signature(op)
-        if key not in self._rules:
+        def strategies():
             rule = self._bound(op)[0]
             try:
-                found = rule.strategies([v.shape for v in op.inputs],
-                                        [o.shape for o in op.outputs], self.mesh,
-                                        [v.dtype for v in op.inputs], **op.attrs)
+                return tuple(rule.strategies([v.shape for v in op.inputs],
+                                             [o.shape for o in op.outputs], self.mesh,
+                                             [v.dtype for v in op.inputs], **op.attrs))
             except SpmdRuleError as e:
                 raise PlanError(f"sharding rule of {op.type} ({op.layer or 'top level'}) on "
                                 f"{self.mesh}: {e}") from None
-            self._rules[key] = tuple(found)
-        return self._rules[key]
+        return self._offers.memo((self._at, "strategies", self._signature(op)), strategies)
 
     def _light(self, op) -> bool:
         """No letter is contracted between two operands (Alpa's "light" ops)."""
@@ -420,7 +409,8 @@ class SearchSpace:
         made = tuple(h[j] for h in node.hints)
         same = tuple(i for i, v in enumerate(op.inputs) if v.name == op.inputs[pick].name)
         key = (self._signature(op), same, made)
-        if key not in self._followed:
+        found = self._offers.find((self._at, "follow") + key)
+        if found is None:
             rule, bound = self._bound(op)
             in_shapes = [v.shape for v in op.inputs]
             out_shapes = [o.shape for o in op.outputs]
@@ -442,23 +432,20 @@ class SearchSpace:
                         [s.known() for s in res.in_specs], [s.known() for s in res.out_specs],
                         in_shapes, out_shapes, self.mesh, [v.dtype for v in op.inputs])
                 out.append(answers[spec])
-            self._followed[key] = out
-        return self._followed[key], key
+            found = self._offers[(self._at, "follow") + key] = out
+        return found, key
 
 
-def _index(program, shared: dict) -> tuple:
+def _index(program) -> tuple:
     """({Value name: the op index making it}, {Value name: the op indices reading it}) of
-    ``program``, made once per program (and op count) in ``shared`` (a space's rules)."""
-    key = ("index", program, len(program.ops))
-    if key not in shared:
-        made_by, read_by = {}, {}
-        for k, op in enumerate(program.ops):
-            for o in op.outputs:
-                made_by[o.name] = k
-            for v in op.inputs:
-                read_by.setdefault(v.name, []).append(k)
-        shared[key] = (made_by, read_by)
-    return shared[key]
+    ``program`` (a space keeps it per program and op count in its "program facts")."""
+    made_by, read_by = {}, {}
+    for k, op in enumerate(program.ops):
+        for o in op.outputs:
+            made_by[o.name] = k
+        for v in op.inputs:
+            read_by.setdefault(v.name, []).append(k)
+    return made_by, read_by
 
 
 def _without_unit_dims(spec: ShardSpec, mesh: ProcessMesh) -> ShardSpec:

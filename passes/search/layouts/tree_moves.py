@@ -21,7 +21,8 @@ A move costs O(edges x strategies), like one level of the descent, in a few nump
 per depth of the forest (:class:`_Levels`). The optimistic trials of a forest (below)
 choose every class afresh, whatever the current choice, so they are found once per
 forest and prices; and a run of moves that reaches a state (the choice at a forest,
-whether its round gained) an earlier run at those prices passed ends as that one did.
+whether its round gained) an earlier run at those prices passed ends as that one did
+(both kept in the planning's session, table "tree moves").
 
 **Cycles move too.** Priced against the current choice, an off-forest edge whose two
 ends move together pays twice what moving one end alone would (``R[x_u][a_v] +
@@ -46,10 +47,13 @@ from typing import NamedTuple
 
 import numpy as np
 
+from distgraph.passes.session import Session
+
 TREES = 6                # forests per round: the heaviest first, then random ones
 ROUNDS = 8               # rounds of moves (it stops at a round that finds no gain)
 TIE = 1e-9               # relative gain below which a move is not taken
 SETTLE = 4               # re-pricings of an optimistic move against itself
+SEED = 0                 # of the random weights of the forests after the heaviest
 
 
 def objective(red, cost, per_class) -> float:
@@ -62,7 +66,9 @@ def objective(red, cost, per_class) -> float:
 class Flat:
     """A reduced problem's pairs as flat arrays, built once per problem, so that a
     choice's objective and a move's off-forest prices are gathered in one step each
-    (the same sums, in the same order, as :func:`objective` and the per-pair loops).
+    (the same sums, in the same order, as :func:`objective` and the per-pair loops);
+    the forests of its moves, drawn once; the ends of its runs of moves and its
+    optimistic trials kept in ``session``'s "tree moves" (a fresh session by default).
 
     Example::
 
@@ -70,7 +76,7 @@ class Flat:
         flat.objective(flat.costs(cost), per_class)      # == objective(red, cost, per_class)
     """
 
-    def __init__(self, red):
+    def __init__(self, red, session: Session | None = None):
         pairs = red.pairs
         self.n = len(red.cost)
         sizes = np.array([len(c) for c in red.cost], dtype=np.intp)
@@ -88,19 +94,16 @@ class Flat:
         self.padded = [(_padded(p.cols), _padded(p.rows)) for p in pairs]
         self.cheapest = [(p.cost.min(axis=1)[p.rows], p.cost.min(axis=0)[p.cols])
                          for p in pairs]
-        self._red = red
-        self._forests: dict = {}        # seed -> (the draw, the forests drawn so far)
-        # (prices, seed, last forest, choice, forest, gained) -> what improve_rounds
-        # from that state returns
-        self.ended: dict = {}
-        self.optimistic: dict = {}      # (prices, seed, forest) -> its optimistic trials
+        self._draw, self._drawn = _forests(red, self), []    # the forests drawn so far
+        # (self, prices, last forest, choice, forest, gained) -> what improve_rounds from
+        # that state returns; (self, prices, forest) -> that forest's optimistic trials
+        self.moves = (session or Session()).table("tree moves")
 
-    def forest(self, seed: int, i: int) -> tuple:
-        """The ``i``-th forest of :func:`improve`'s moves with ``seed``, drawn once."""
-        draw, drawn = self._forests.setdefault(seed, (_forests(self._red, self, seed), []))
-        while len(drawn) <= i:
-            drawn.append(next(draw))
-        return drawn[i]
+    def forest(self, i: int) -> tuple:
+        """The ``i``-th forest of :func:`improve`'s moves, drawn once."""
+        while len(self._drawn) <= i:
+            self._drawn.append(next(self._draw))
+        return self._drawn[i]
 
     def costs(self, cost) -> np.ndarray:
         """``cost`` (a list of per-class arrays) as one flat float array."""
@@ -134,15 +137,15 @@ def _padded(groups) -> tuple:
     return padded, pad
 
 
-def improve(red, cost, per_class, seed: int = 0, flat: Flat | None = None) -> list:
+def improve(red, cost, per_class, flat: Flat | None = None) -> list:
     """``per_class`` (a strategy per class of ``red``) improved by tree moves (module
     docstring), priced with node costs ``cost``; never worse than the input. ``flat``:
     ``red``'s :class:`Flat` where the caller keeps one (its forests are then drawn once
-    for all the calls: they depend on the problem and ``seed`` alone)."""
-    return improve_rounds(red, cost, per_class, seed, flat)[0]
+    for all the calls: they depend on the problem alone)."""
+    return improve_rounds(red, cost, per_class, flat)[0]
 
 
-def improve_rounds(red, cost, per_class, seed: int = 0, flat: Flat | None = None,
+def improve_rounds(red, cost, per_class, flat: Flat | None = None,
                    forests: range = range(ROUNDS * TREES), gained: bool = False) -> tuple:
     """(the choice, whether it settled: a round found no gain, whether the round under
     way has gained) of :func:`improve` run over the moves of ``forests`` only (forest
@@ -166,21 +169,22 @@ def improve_rounds(red, cost, per_class, seed: int = 0, flat: Flat | None = None
     flat_cost = flat.costs(cost)
     # the moves from a state (the choice at a forest, whether the round gained) are the
     # same whoever reaches it: a run that meets a state an earlier run passed (at these
-    # prices and seed, to the same last forest) ends as that one did
-    price = (flat_cost.tobytes(), seed, forests.stop)
-    ended = flat.ended.get(price + (tuple(per_class), forests.start, gained))
+    # prices, to the same last forest) ends as that one did
+    price = (flat, flat_cost.tobytes(), forests.stop)
+    ended = flat.moves.find(price + (tuple(per_class), forests.start, gained))
     if ended is not None:
         return list(ended[0]), ended[1], ended[2]
     passed = []
     best = flat.objective(flat_cost, per_class)
     for f in forests:
         state = price + (tuple(per_class), f, gained)
-        if f > forests.start and state in flat.ended:
-            ended = flat.ended[state]
-            break
+        if f > forests.start:
+            ended = flat.moves.find(state)
+            if ended is not None:
+                break
         passed.append(state)
-        for trial, value in _moves(flat, flat_cost, per_class, flat.forest(seed, f),
-                                   (price[0], seed, f)):
+        for trial, value in _moves(flat, flat_cost, per_class, flat.forest(f),
+                                   (flat, price[1], f)):
             if value < best - TIE * abs(best):
                 per_class, best, gained = trial, value, True
         if f % TREES == TREES - 1:          # a round ends
@@ -191,14 +195,14 @@ def improve_rounds(red, cost, per_class, seed: int = 0, flat: Flat | None = None
     if ended is None:
         ended = (tuple(per_class), forests.stop >= ROUNDS * TREES, gained)
     for state in passed:
-        flat.ended[state] = ended
+        flat.moves[state] = ended
     return list(ended[0]), ended[1], ended[2]
 
 
-def _forests(red, flat, seed: int):
+def _forests(red, flat):
     """The forests of the moves in turn, each as (its plan, its off-forest pairs): per
     round the heaviest, then ones of seeded random weights (module docstring)."""
-    rng = np.random.default_rng(seed)
+    rng = np.random.default_rng(SEED)
     spread = np.array([_spread(p.cost) for p in red.pairs])
     while True:
         for k in range(TREES):
@@ -213,12 +217,13 @@ def _moves(flat, flat_cost, current, forest, key):
     """The trials of one forest with their objectives: priced against ``current``, then
     the optimistic one and its re-pricings against itself (module docstring). Those
     depend on the forest and the prices alone (every class is chosen afresh), so they
-    are found once per ``key`` (the prices, seed and forest) and kept in ``flat``."""
+    are found once per ``key`` (the Flat, the prices and the forest; in ``flat.moves``)."""
     plan, off = forest
     trial = _tree_move(flat, flat_cost, current, plan, off.against(current, 1.0))
     yield trial, flat.objective(flat_cost, trial)
-    if key not in flat.optimistic:
-        trial = _tree_move(flat, flat_cost, current, plan, off.optimistic(flat.cheapest))
+
+    def optimistic():
+        trial = _tree_move(flat, flat_cost, current, plan, (off.target, off.hopeful))
         chain = [(trial, flat.objective(flat_cost, trial))]
         for _ in range(SETTLE):
             settled = _tree_move(flat, flat_cost, current, plan, off.against(trial, 0.5))
@@ -226,8 +231,8 @@ def _moves(flat, flat_cost, current, forest, key):
                 break
             trial = settled
             chain.append((trial, flat.objective(flat_cost, trial)))
-        flat.optimistic[key] = chain
-    yield from flat.optimistic[key]
+        return chain
+    yield from flat.moves.memo(key, optimistic)
 
 
 class _OffForest:
@@ -252,7 +257,9 @@ class _OffForest:
         # per pair, its rows' then its columns' part
         starts = np.stack([np.cumsum(ku) - ku, len(rows) + np.cumsum(kv) - kv], axis=1).ravel()
         self.fixed = np.concatenate([rows, cols])[_ranges(starts, self.lengths)]
-        self._optimistic = None
+        # the optimistic move's prices: half the cheapest reshard each strategy can meet
+        parts = [x for e in off for x in flat.cheapest[e]]
+        self.hopeful = 0.5 * np.concatenate(parts) if parts else np.zeros(0)
 
     def against(self, ref, share: float) -> tuple:
         """(places, prices): ``share`` of the reshard to (from) ``ref``'s choice at the
@@ -263,13 +270,6 @@ class _OffForest:
         row = flat.rows[flat.rows_off[off] + ref[flat.u[off]]] * flat.ncols[off]
         step = np.stack([col, row], axis=1).ravel()
         return self.target, share * flat.mat[self.fixed + np.repeat(step, self.lengths)]
-
-    def optimistic(self, cheapest) -> tuple:
-        """(places, prices): half the cheapest reshard its strategy can meet."""
-        if self._optimistic is None:
-            parts = [x for e in self.off for x in cheapest[e]]
-            self._optimistic = 0.5 * np.concatenate(parts) if parts else np.zeros(0)
-        return self.target, self._optimistic
 
 
 def _ranges(starts, lengths) -> np.ndarray:

@@ -48,6 +48,7 @@ import math
 
 from distgraph.errors import DoesNotFit, PlanError
 from distgraph.passes.prepare import split, transformed
+from distgraph.passes.samples import SampleAnalyses
 from distgraph.passes.search.stages.pipeline import pipeline_beaten, pipeline_latency
 from distgraph.units import GB
 
@@ -133,7 +134,7 @@ def count_latency(built, strategy, cluster, micro: int, session) -> float:
         program, accumulation, costs = programs[micro]
         copy = costs.copy
     else:
-        program, accumulation = split(built, micro, session.analyses)
+        program, accumulation = split_in(built, micro, session)
         copy = transformed(program, strategy)
     seconds, costs = pipeline_latency(copy, strategy, cluster, accumulation, _budget(strategy),
                                       costs, first_searched(programs))
@@ -147,13 +148,20 @@ def count_beaten(built, strategy, cluster, micro: int, seconds: float, session) 
     :func:`~distgraph.passes.search.stages.pipeline.pipeline_beaten`); the stage options
     it searched go into the session as :func:`count_latency`'s do."""
     programs = session.table("micro-batch programs")
-    program, accumulation = split(built, micro, session.analyses)
+    program, accumulation = split_in(built, micro, session)
     beaten, costs = pipeline_beaten(transformed(program, strategy), strategy, cluster,
                                     accumulation, seconds, first_searched(programs),
                                     _budget(strategy))
     if costs is not None:
         programs[micro] = (program, accumulation, costs)
     return beaten
+
+
+def split_in(built, micro: int, session) -> tuple:
+    """:func:`~distgraph.passes.prepare.split` of ``built`` into ``micro`` micro-batches,
+    its sample analysis shared with the other counts of ``session``'s planning (table
+    "sample analyses")."""
+    return split(built, micro, SampleAnalyses(session.table("sample analyses")))
 
 
 def first_searched(programs):

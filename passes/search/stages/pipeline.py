@@ -249,7 +249,7 @@ def plan_pipeline(copy, strategy, cluster, accumulation, memory_budget=None,
     if layering is not None:
         if runs is not None and runs.seed is not None:
             # priced with another count's searches: searched afresh, on the prices planned
-            runs = RunCosts(copy, strategy, cluster, layering, micro, prices=runs._prices)
+            runs = RunCosts(copy, strategy, cluster, layering, micro, session=runs.session)
         costs = runs or RunCosts(copy, strategy, cluster, layering, micro)
         return _plan_runs(copy, strategy, cluster, target, costs, start, memory_budget)
     layering = cluster_layers(program, max_layers=2 * len(devices) + 2)

@@ -86,17 +86,16 @@ from distgraph.errors import PlanError
 from distgraph.ir import Role
 from distgraph.mesh import ProcessMesh
 from distgraph.passes.cost.boundary import boundary_key, boundary_seconds
-from distgraph.passes.cost.layout_prices import LayoutPrices
 from distgraph.passes.search.layouts.intra_op import (Boundary, accumulating_updates, price,
                                                  search)
 from distgraph.passes.search.stages.block_plans import undominated
 from distgraph.passes.search.stages.layers import op_keys, ops_by_layer, same_op
 from distgraph.passes.cost.terms import grid, stage_cost, stage_costs
-from distgraph.passes.search.layouts.recursive import Walks
 from distgraph.passes.pipeline.chunks import forward_chunks
 from distgraph.passes.search.layouts.sharded_states import sharding_dim, writeback_bytes
 from distgraph.registry import op_flops
 from distgraph.passes.search.stages.stage_dp import Submesh, logical_mesh
+from distgraph.passes.session import Session
 
 VARIANTS = 4        # the fastest block and up to three of smaller peaks (module docstring)
 
@@ -153,9 +152,13 @@ class RunCosts:
     """The stage options of a block layering of ``copy`` (a BuiltProgram) on ``cluster``
     with ``micro`` micro-batches (module docstring)."""
 
-    def __init__(self, copy, strategy, cluster, layering, micro: int, seed=None, prices=None):
+    def __init__(self, copy, strategy, cluster, layering, micro: int, seed=None,
+                 session: Session | None = None):
         self.copy, self.program, self.strategy = copy, copy.program, strategy
         self.seed = seed              # RunCosts at another micro-batch count (docstring)
+        # the planning's: its layouts' prices, problems and descents are shared by every
+        # search and pricing there (a seed's by default)
+        self.session = session or (seed.session if seed is not None else Session())
         self.cluster, self.layering, self.micro = cluster, layering, micro
         self.blocks = layering.blocks
         self.has_first = self.blocks.start > 0
@@ -174,13 +177,6 @@ class RunCosts:
         self._spare: dict = {}        # t -> [_Searched, ...] searched for variants only
         self._fastest: dict = {}      # (axis, shape, logical) -> (_Searched, parts)
         self._smaller: dict = {}      # (axis, shape, logical) -> [parts of each variant]
-        # (mesh, devices) -> LayoutPrices, one per mesh; its prices depend on shapes, not on
-        # the program: shared with ``prices`` (another count's) or the seed's, planned once
-        self._prices: dict = prices if prices is not None else seed._prices if seed else {}
-        self._walks: dict = {}        # (mesh, devices) -> Walks of the block's searches
-        self._ends: dict = {}         # (mesh, devices, part, boundary) -> Walks of E's or
-                                      # H's searches meeting the block so (the refinement
-                                      # reuses the problem the pricing built)
         self._chunks: dict = {}       # chunk count -> the layers of each chunk
         self.planned: dict = {}       # memory budget -> plan_blocks' answer (stages.py)
         self._p2p: dict = {}          # boundary_key -> seconds, and boundary_seconds' memo
@@ -259,7 +255,7 @@ class RunCosts:
         searched = _Searched(key, mesh, device_of, self._search(mesh, device_of))
         self._found.setdefault(kind, []).append(searched)
         return searched, self._from(searched, searched.fastest,
-                                    self._costed(searched.fastest, mesh, device_of))
+                                    self._costed(searched.fastest))
 
     def _smaller_parts(self, key, sub, logical) -> list:
         """The parts of the memory variants after the fastest on this mesh: those of the
@@ -273,7 +269,7 @@ class RunCosts:
                                               searched.fastest)
         if searched.key == key and mine:
             return [self._from(searched, found,
-                               self._costed(found, searched.mesh, searched.device_of))
+                               self._costed(found))
                     for found in searched.smaller]
         mesh, device_of = logical_mesh(sub.mesh, sub.shape, logical)
         seeds = self.seed._spare.get(kind, []) if self.seed is not None else []
@@ -287,7 +283,7 @@ class RunCosts:
         here = {part: result for part, (_, result) in fastest.items()}
         spare = _Searched(key, mesh, device_of, here, self._variants(mesh, device_of, here))
         self._spare.setdefault(kind, []).append(spare)
-        return [self._from(spare, found, self._costed(found, mesh, device_of))
+        return [self._from(spare, found, self._costed(found))
                 for found in spare.smaller]
 
     def _from(self, searched, found: dict, parts: dict) -> dict:
@@ -344,7 +340,7 @@ class RunCosts:
                         recursive_objective=here[part].report.objective)))
                     for part, (cost, result) in priced.items()})
         return RunOption(option.axis, option.sub, option.logical,
-                         self._costed(refined(mesh, device_of, here), mesh, device_of))
+                         self._costed(refined(mesh, device_of, here)))
 
     def _search(self, mesh, device_of, budget=None, fastest=None, method=None,
                 starts=None, prove=True) -> dict:
@@ -352,21 +348,19 @@ class RunCosts:
         taken from ``fastest`` where they meet the block alike); ``method``: the
         search's (default: the one that prices options, :func:`pricing_method`);
         ``starts``: part -> the SearchResult "auto" refines (``search``'s ``refined``).
-        The block's searches on one mesh share their recursive descents and problem (one
-        :class:`~distgraph.passes.search.layouts.recursive.Walks` per mesh: only the budget
-        differs), and E's or H's searches on one mesh meeting the block alike theirs (one
-        per boundary: the refinement of a searched option builds no problem again);
-        ``prove=False`` (the memory variants): a budget below the block's peak bound
-        raises PlanError without SCIP naming the smallest peak."""
+        The block's searches on one mesh share their problem and recursive descents (the
+        session's: only the budget differs), and E's or H's searches on one mesh meeting
+        the block alike theirs (the refinement of a searched option builds no problem
+        again); ``prove=False`` (the memory variants): a budget below the block's peak
+        bound raises PlanError without SCIP naming the smallest peak."""
         starts = starts or {}
         method = method or pricing_method(self.strategy)
         start = time.perf_counter()
         block_ops = self.layering.ops(range(self.rep, self.rep + 1))
         periodic = self._periodic(block_ops)
         boundary = Boundary(received=tuple((r, None) for r, _ in periodic), periodic=periodic)
-        walks = self._walks.setdefault(self._mesh_key(mesh, device_of), Walks())
         found = {"block": self._run_search(block_ops, mesh, device_of, boundary, budget,
-                                           method, starts.get("block"), walks, prove)}
+                                           method, starts.get("block"), prove)}
         block = found["block"]
         ends = []
         if self.has_first:
@@ -380,36 +374,19 @@ class RunCosts:
             if fastest is not None and fastest[part].boundary == meets:
                 found[part] = fastest[part]
             else:
-                ends_walks = self._ends.setdefault(
-                    (*self._mesh_key(mesh, device_of), part, meets), Walks())
                 found[part] = self._run_search(ops, mesh, device_of, meets, None, method,
-                                               starts.get(part), ends_walks)
+                                               starts.get(part))
         self.seconds += time.perf_counter() - start
         return found
 
     def _run_search(self, ops, mesh, device_of, boundary, budget, method, start=None,
-                    walks=None, prove=True):
+                    prove=True):
         self.searches += 1
         return search(self.program, mesh, self.cluster, device_of, ops=ops,
                       weights=self.weights, loss=self._loss(ops), memory_budget=budget,
                       time_limit=self.strategy.solver_time_limit, memory=True,
-                      boundary=boundary, method=method, costs=self._costs(mesh, device_of),
-                      refined=start, walks=walks, prove=prove,
-                      zero=sharding_dim(self.strategy))
-
-    @staticmethod
-    def _mesh_key(mesh, device_of) -> tuple:
-        return (mesh, tuple(sorted(device_of.items())))
-
-    def _costs(self, mesh, device_of) -> LayoutPrices:
-        """The LayoutPrices of ``mesh`` on those devices, shared by every search and
-        pricing there (the parts, the memory variants, the refinement): its reshard
-        prices are planned once."""
-        key = self._mesh_key(mesh, device_of)
-        if key not in self._prices:     # one rules dict for all (keyed by mesh shape in it)
-            costs = self._prices[key] = LayoutPrices(self.cluster, mesh, device_of)
-            costs.rules = next(iter(self._prices.values())).rules
-        return self._prices[key]
+                      boundary=boundary, method=method, refined=start, prove=prove,
+                      zero=sharding_dim(self.strategy), session=self.session)
 
     def _price(self, found, mesh, device_of) -> dict:
         out = {}
@@ -417,9 +394,9 @@ class RunCosts:
             moved = result.space.rebind(mesh, result.choice, self.program)
             priced = price(moved, self.cluster, device_of, weights=self.weights,
                            loss=self._loss(result.space.ops), boundary=result.boundary,
-                           status=result.report.status, costs=self._costs(mesh, device_of),
-                           zero=sharding_dim(self.strategy))
-            out[part] = (self._measure(priced, self._costs(mesh, device_of)), priced)
+                           status=result.report.status, zero=sharding_dim(self.strategy),
+                           session=self.session)
+            out[part] = (self._measure(priced), priced)
         return out
 
     def _loss(self, ops):
@@ -470,13 +447,11 @@ class RunCosts:
                 received.append((name, space.nodes[u].hints[choice[u]][j]))
         return Boundary(received=tuple(received), settle=tuple(settle))
 
-    def _costed(self, found: dict, mesh, device_of) -> dict:
-        costs = self._costs(mesh, device_of)
-        return {part: (self._measure(result, costs), result) for part, result in found.items()}
+    def _costed(self, found: dict) -> dict:
+        return {part: (self._measure(result), result) for part, result in found.items()}
 
-    def _measure(self, result, costs) -> PartCost:
-        """Seconds and bytes of a search's choice (module docstring); ``costs``: the
-        LayoutPrices of its mesh and devices."""
+    def _measure(self, result) -> PartCost:
+        """Seconds and bytes of a search's choice (module docstring)."""
         space, problem, choice = result.space, result.problem, result.choice
         memory = [float(problem.memory[n.index][choice[n.index]]) for n in space.nodes]
         # parameters, states and (with micro-batches) the gradients' buffers, which the

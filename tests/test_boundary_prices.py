@@ -32,6 +32,7 @@ from distgraph.passes.search.stages.runs import RunCosts
 from distgraph.passes.search.layouts.space import layouts
 from distgraph.plan.kinds import StepKind
 from distgraph.program_builder import build_program
+from distgraph.passes.session import Session
 
 import plans as P
 
@@ -179,18 +180,20 @@ def plain_boundary(option, cluster) -> float:
 
 @pytest.mark.parametrize("name", ["emulated_mixed_2x2.yaml", "hetero_2gpu_2xpu.yaml"])
 def test_boundaries_from_one_memo_equal_each_planned_afresh(name):
-    """One memo shared by every option (the stage search's), in two orders, gives each
-    option's boundary planned and priced afresh: its keys hold all the prices read."""
+    """One session's table shared by every option (the stage search's), in two orders,
+    gives each option's boundary planned and priced afresh: its keys hold all the prices
+    read."""
     cluster = load(os.path.join(CLUSTERS, name))
     runs = run_costs(cluster)
     options = runs.options() + runs.options(variants=True)
     want = [plain_boundary(o, cluster) for o in options]
     assert any(w > 0 for w in want)
     for order in (options, options[::-1]):
-        memo: dict = {}
-        got = {id(o): boundary_seconds(o, cluster, memo) for o in order}
+        session = Session()
+        got = {id(o): boundary_seconds(o, cluster, session) for o in order}
         assert [got[id(o)] for o in options] == want
         # Values shared between options: fewer prices kept than Values priced
+        memo = session.table("boundary prices")
         assert sum(k[0] == "value" for k in memo) < sum(
             len(o.parts["block"][1].boundary.periodic) for o in options
             if len(_pieces(o)) > 1)
@@ -203,11 +206,12 @@ def test_one_value_priced_on_other_devices_is_priced_again():
     cluster = load(os.path.join(CLUSTERS, "emulated_mixed_2x2.yaml"))
     spec = dg.ShardSpec(["x", None])
     reshard = ((2,), ("x",), spec, (8, 4), "float32")
-    memo: dict = {}
+    memo = Session().table("boundary prices")
     inside = _value_seconds(reshard, (0, 1, 2, 3), cluster, memo)
     across = _value_seconds(reshard, (0, 2, 1, 3), cluster, memo)
     assert inside != across
-    assert across == _value_seconds(reshard, (0, 2, 1, 3), cluster, {})
+    assert across == _value_seconds(reshard, (0, 2, 1, 3), cluster,
+                                    Session().table("boundary prices"))
     assert list(memo) == [("steps",) + reshard]
 
 

@@ -94,12 +94,15 @@ def test_a_session_keeps_its_tables_and_counts_what_they_served():
                            search="recursive")
     session = Session()
     first = choose(built, strategy, cluster, session=session)
+    programs = session.table("micro-batch programs")
+    walked = programs.hits, programs.misses
     again = choose(built, strategy, cluster, session=session)       # a budget round
     assert again.strategy.micro_batches == first.strategy.micro_batches
-    stats = {name: (n, hits, misses) for name, n, hits, misses in session.stats()}
-    assert stats["micro-batch count"] == (1, 1, 1)       # walked once, served once more
-    assert first.strategy.micro_batches in session.table("micro-batch programs")
-    assert str(session).startswith("memo tables: micro-batch count 1 (hits 1, misses 1)")
+    # walked once: the second round is served the count chosen and its program
+    assert programs[None] == first.strategy.micro_batches in programs
+    assert (programs.hits, programs.misses) == (walked[0] + 2, walked[1])
+    assert str(session).startswith(f"memo tables: micro-batch programs {len(programs)} "
+                                   f"(hits {walked[0] + 2}, misses {walked[1]})")
 
 
 def test_a_choice_that_does_not_fit_is_refused_not_searched_again():

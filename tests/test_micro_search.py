@@ -128,7 +128,7 @@ def test_a_count_held_back_by_memory_is_beaten_exactly_where_its_latency_is_not_
     session = Session()
     free = count_latency(built, strategy, cluster, 4, session)
     programs = session.table("micro-batch programs")
-    peak = max(s.memory for s in programs[4][2].planned[None][0].stages)
+    peak = max(s.memory for s in programs[4][3][1][0].stages)     # (budget, (plan, ...))
     tight = dataclasses.replace(strategy, memory_budget_gb=0.9 * peak)
     latency = count_latency(built, tight, cluster, 4, Session())
     assert latency > free * 1.05                # memory holds the fastest parts back
@@ -139,7 +139,7 @@ def test_a_count_held_back_by_memory_is_beaten_exactly_where_its_latency_is_not_
 def test_counts_share_their_search_costs_and_price_as_fresh_ones():
     # a count seeded by another prices in the seed's session, on its LayoutPrices
     # (reshard and op prices depend on shapes, not on the program); oracle: the same
-    # count seeded, on fresh ones
+    # count seeded (the seed's searches read from another session), on fresh ones
     from distgraph.passes.search.stages.runs import RunCosts
 
     built, cluster = built_gpt(layers=4), S.line_cluster(4, bandwidth=1.0)
@@ -151,11 +151,15 @@ def test_counts_share_their_search_costs_and_price_as_fresh_ones():
     seed = runs[2][2]
     four = dataclasses.replace(strategy, micro_batches=4)
     shared = count_latency(built, four, cluster, 4, session)
-    assert runs[4][2].seed is seed and runs[4][2].session is seed.session
+    assert runs[4][2].seed is seed and runs[4][2].session is seed.session is session
     copy, accumulation = prepared(built, four, 4)
+    elsewhere = Session()       # the searches of the session, none of its prices
+    elsewhere.table("mesh searches").update(session.table("mesh searches"))
     fresh = RunCosts(copy, four, cluster, block_layers(copy.program, copy.block_paths), 4,
-                     seed, session=Session())
-    alone, _ = pipeline_latency(copy, four, cluster, accumulation, costs=fresh)
+                     seed, session=elsewhere)
+    alone, _, _ = pipeline_latency(copy, four, cluster, accumulation, costs=fresh)
+    assert {id(c) for c in elsewhere.table("layout prices").values()}.isdisjoint(
+        id(c) for c in session.table("layout prices").values())     # priced afresh
     assert shared == alone
     assert [o.cost(True, 1, True) for o in runs[4][2].options()] == \
         [o.cost(True, 1, True) for o in fresh.options()]

@@ -389,7 +389,8 @@ def test_a_refined_option_reuses_the_problems_pricing_built():
     def refined(fresh_ends: bool):
         costs = RunCosts(built, strategy, cluster, layering, micro=4)
         options = costs.options(variants=False)
-        searched = {s.key for found in costs._found.values() for s in found}
+        searched = {s.key for (owner, _), kind in costs.session.table("mesh searches").items()
+                    if owner is costs for s in kind.found}
         chosen = [o for o in options if (o.axis, o.sub.shape, o.logical) in searched]
         if fresh_ends:          # the problems the pricing built, forgotten
             costs.session.table("search problems").clear()
@@ -436,7 +437,7 @@ def test_a_refinement_given_room_finds_the_ilp_block_the_cap_of_its_peak_hid():
     gained = 0
     for option in costs.options(variants=False):
         mesh, device_of = logical_mesh(option.sub.mesh, option.sub.shape, option.logical)
-        _, at, _, found = costs._origin[id(option.parts)]
+        at, _, found = option.origin
         if at != mesh:
             continue                # priced from another mesh's search
         fastest = found["block"]

@@ -63,7 +63,9 @@ def figures(option) -> list:
 
 def test_variants_halve_the_peak_at_the_least_time(costs):
     runs, _ = costs
-    searched = [[s.fastest] + s.smaller for found in runs._found.values() for s in found]
+    searched = [[s.fastest] + s.smaller for (owner, _), kind in
+                runs.session.table("mesh searches").items() if owner is runs
+                for s in kind.found]
     assert any(len(variants) > 1 for variants in searched)
     for variants in searched:
         assert 1 <= len(variants) <= VARIANTS
@@ -174,7 +176,8 @@ def test_a_seed_prices_its_layouts_on_another_micro_batch_count_by_the_same_mode
     other = split_costs(4, seed)
     options = other.options()
     assert other.searches < seed.searches        # most layouts came from the seed
-    seeded = {id(r.space) for s in [x for f in seed._found.values() for x in f]
+    seeded = {id(r.space) for (owner, _), kind in seed.session.table("mesh searches").items()
+              if owner is seed for s in kind.found
               for parts in [s.fastest] + (s.smaller or []) for r in parts.values()}
     checked, moved = 0, 0
     for option in options:
@@ -206,7 +209,8 @@ def test_boundary_prices_shared_by_key_equal_each_options_own(costs):
     priced = [runs.p2p_seconds(o) for o in options]
     assert priced == [boundary_seconds(o, CLUSTER) for o in options]
     assert any(p > 0 for p in priced)
-    assert len({boundary_key(o) for o in options}) <= len(runs._p2p)
+    kept = {key[1] for key in runs.session.table("boundary prices") if len(key) == 2}
+    assert {boundary_key(o) for o in options} <= kept
 
 
 def kept_entries(session) -> int:

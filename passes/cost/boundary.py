@@ -21,6 +21,10 @@ stage of 4,096 devices in milliseconds. A stage between two others sends each Va
 and receives each once: it pays the sender's and the receiver's share, the whole figure;
 a stage with one neighbour (the first or the last) pays half of it.
 
+What it works out is kept in the planning's session (table "boundary prices"): each
+option's figure by its program and :func:`boundary_key`, each reshard's steps and each
+Value's price.
+
 Example::
 
     seconds = boundary_seconds(option, cluster)    # per micro-batch, a middle stage
@@ -34,24 +38,32 @@ from distgraph.mesh import ProcessMesh
 from distgraph.passes.cost.prices import Rings, steps_time
 from distgraph.passes.reshard import plan_reshard
 from distgraph.passes.cost.terms import grid
+from distgraph.passes.session import Session
 from distgraph.placement import DistAttr
 
 
-def boundary_seconds(option, cluster, memo: dict | None = None) -> float:
+def boundary_seconds(option, cluster, session: Session | None = None) -> float:
     """Seconds per micro-batch a stage of ``option`` (a RunOption) between two stages
     alike spends on the reshards of its blocks' periodic Values (module docstring); 0
     where its submesh is the whole device mesh (no next stage there).
 
-    ``memo`` (a dict kept by the caller for one ``cluster``, e.g. the one that holds its
-    boundaries by :func:`boundary_key`) keeps, under keys of its own, what any option's
-    Values share: each reshard's steps by what :func:`plan_reshard` reads (the logical
-    mesh, its dim names, the spec, the shape and dtype: the same steps whatever devices
-    the meshes stand on) and each Value's price by that and the devices of both sides
-    (all that :class:`Rings` reads beside the cluster)."""
+    ``session`` (the planning's, on one ``cluster``; a fresh one by default) keeps in
+    "boundary prices" each option's figure by its block's program and
+    :func:`boundary_key`, and what any option's Values share: each reshard's steps by
+    what :func:`plan_reshard` reads (the logical mesh, its dim names, the spec, the shape
+    and dtype: the same steps whatever devices the meshes stand on) and each Value's
+    price by that and the devices of both sides (all that :class:`Rings` reads beside
+    the cluster)."""
+    memo = (session or Session()).table("boundary prices")
+    result = option.parts["block"][1]
+    return memo.memo((result.space.program, boundary_key(option)),
+                     lambda: _seconds(option, cluster, memo))
+
+
+def _seconds(option, cluster, memo) -> float:
     pieces = _pieces(option)
     if len(pieces) < 2:
         return 0.0
-    memo = {} if memo is None else memo
     result = option.parts["block"][1]
     space, choice = result.space, result.choice
     names = tuple(result.space.mesh.dim_names)
@@ -72,10 +84,9 @@ def boundary_seconds(option, cluster, memo: dict | None = None) -> float:
         size = int(np.prod(logical))
         devices = tuple(int(d) for d in np.concatenate([pieces[0][:size], pieces[1][:size]]))
         reshard = (logical, names, spec, shape, value.dtype)
-        key = ("value",) + reshard + (devices,)
-        if key not in memo:
-            memo[key] = _value_seconds(reshard, devices, cluster, memo)
-        sent, received_seconds = memo[key]
+        sent, received_seconds = memo.memo(
+            ("value",) + reshard + (devices,),
+            lambda: _value_seconds(reshard, devices, cluster, memo))
         total += sent
         total += received_seconds
     return total
@@ -87,13 +98,13 @@ def _value_seconds(reshard: tuple, devices: tuple, cluster, memo: dict) -> tuple
     the busiest of the first tensor-parallel group of either side."""
     logical, names, spec, shape, dtype = reshard
     size = len(devices) // 2
-    steps = memo.get(("steps",) + reshard)
-    if steps is None:
+
+    def planned():
         ids = np.arange(2 * size)
         here = ProcessMesh(ids[:size].reshape(logical).tolist(), dim_names=list(names))
         there = ProcessMesh(ids[size:].reshape(logical).tolist(), dim_names=list(names))
-        steps = memo[("steps",) + reshard] = plan_reshard(
-            DistAttr(here, spec), DistAttr(there, spec), shape, dtype)
+        return plan_reshard(DistAttr(here, spec), DistAttr(there, spec), shape, dtype)
+    steps = memo.memo(("steps",) + reshard, planned)
     rings = Rings(cluster, devices.__getitem__)
     t = logical[-1]
     return tuple(max(steps_time(steps, side, rings))

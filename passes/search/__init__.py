@@ -90,29 +90,31 @@ def choose(built, strategy, cluster, budget: float | None = None,
     stage search reads it; no limit for a search without stages). Pure: ``built`` is not
     modified."""
     session = session or Session()
+    # M -> (program, accumulation, RunCosts, (budget, stage plan)); None -> the count chosen
+    programs = session.table("micro-batch programs")
     micro = strategy.micro_batches
     if micro is None:
-        micro = session.table("micro-batch count").memo(
-            "chosen", lambda: searched_count(built, strategy, cluster, session))
+        micro = programs.memo(None, lambda: searched_count(built, strategy, cluster, session))
     asked = dataclasses.replace(strategy, micro_batches=micro)
-    programs = session.table("micro-batch programs")   # M -> (program, accumulation, costs)
-    if micro not in programs:
-        programs[micro] = (*split_in(built, micro, session), None)
-    program, accumulation, costs = programs[micro]
+    known = programs.find(micro)
+    if known is None:
+        known = programs[micro] = (*split_in(built, micro, session), None, None)
+    program, accumulation, costs, planned = known
     copy = transformed(program, asked)
     if asked.pipeline:
-        result = plan_pipeline(copy, asked, cluster, accumulation, budget, costs)
+        result = plan_pipeline(copy, asked, cluster, accumulation, budget, costs, planned,
+                               session)
         rank_mapping = result.rank_mapping
         if asked.virtual_stages > 1:
             # the stage search chose how many chunks per stage (up to the strategy's)
             chunks = result.chunks
             asked = dataclasses.replace(asked, virtual_stages=chunks[1] if chunks else 1)
     else:
-        result, rank_mapping = _layouts(copy, asked, cluster, accumulation, budget)
+        result, rank_mapping = _layouts(copy, asked, cluster, accumulation, budget, session)
     return Choice(copy, asked, accumulation, result, rank_mapping)
 
 
-def _layouts(copy, strategy, cluster, accumulation, budget) -> tuple:
+def _layouts(copy, strategy, cluster, accumulation, budget, session) -> tuple:
     """(the intra-op search's result on the program's mesh, written onto it; the rank
     mapping it priced)."""
     program = copy.program
@@ -122,6 +124,7 @@ def _layouts(copy, strategy, cluster, accumulation, budget) -> tuple:
     result = search(program, mesh, cluster, device_of, weights=weights, loss=copy.loss_name,
                     memory_budget=budget, time_limit=strategy.solver_time_limit,
                     blocks=copy.block_paths, balance=strategy.balance,
-                    method=strategy.search_method, zero=sharding_dim(strategy))
+                    method=strategy.search_method, zero=sharding_dim(strategy),
+                    session=session)
     result.annotate(program)
     return result, device_of

@@ -32,9 +32,10 @@ those do not divide their micro-batch (:mod:`distgraph.passes.search.stages.runs
 count is compared by those prices and its bound, and the count chosen, if not the
 first, is searched afresh for the plan.
 
-The counts priced keep their split program, accumulation and stage options in the
-planning's session (table "micro-batch programs": M -> (program, accumulation, RunCosts)):
-the plan of the count chosen reuses them.
+The counts priced keep their split program, accumulation, stage options and stage plan
+in the planning's session (table "micro-batch programs": M -> (program, accumulation,
+RunCosts, (memory budget, stage plan)); None -> the count chosen): the plan of the count
+chosen reuses them.
 
 Example::
 
@@ -126,19 +127,22 @@ def searched_count(built, strategy, cluster, session) -> int:
 def count_latency(built, strategy, cluster, micro: int, session) -> float:
     """The stage search's seconds per step for ``built`` split into ``micro``
     micro-batches (:func:`~distgraph.passes.search.stages.pipeline.pipeline_latency`);
-    the split program, its accumulation and the stage options that priced it go into
-    the session's "micro-batch programs" (those :func:`count_beaten` began are reused)."""
+    the split program, its accumulation, the stage options that priced it and its plan
+    go into the session's "micro-batch programs" (the options :func:`count_beaten` began
+    are reused)."""
     programs = session.table("micro-batch programs")
+    known = programs.find(micro)
     costs = None
-    if micro in programs and programs[micro][2] is not None:
-        program, accumulation, costs = programs[micro]
+    if known is not None and known[2] is not None:
+        program, accumulation, costs, _ = known
         copy = costs.copy
     else:
         program, accumulation = split_in(built, micro, session)
         copy = transformed(program, strategy)
-    seconds, costs = pipeline_latency(copy, strategy, cluster, accumulation, _budget(strategy),
-                                      costs, first_searched(programs))
-    programs[micro] = (program, accumulation, costs)
+    seconds, costs, planned = pipeline_latency(copy, strategy, cluster, accumulation,
+                                               _budget(strategy), costs,
+                                               first_searched(programs), session)
+    programs[micro] = (program, accumulation, costs, planned)
     return seconds
 
 
@@ -151,9 +155,9 @@ def count_beaten(built, strategy, cluster, micro: int, seconds: float, session) 
     program, accumulation = split_in(built, micro, session)
     beaten, costs = pipeline_beaten(transformed(program, strategy), strategy, cluster,
                                     accumulation, seconds, first_searched(programs),
-                                    _budget(strategy))
+                                    _budget(strategy), session)
     if costs is not None:
-        programs[micro] = (program, accumulation, costs)
+        programs[micro] = (program, accumulation, costs, None)
     return beaten
 
 
@@ -168,8 +172,8 @@ def first_searched(programs):
     """The stage options of the first micro-batch count priced in full (searched, not
     priced from another count's): the later counts price its layouts on their programs
     (:mod:`distgraph.passes.search.stages.runs`); None before it."""
-    return next((costs for _, _, costs in programs.values() if costs is not None and
-                 costs.planned and costs.seed is None), None)
+    return next((costs for m, (_, _, costs, planned) in programs.items() if m is not None
+                 and planned is not None and costs is not None and costs.seed is None), None)
 
 
 def _budget(strategy):

@@ -57,6 +57,7 @@ from distgraph.passes.search.stages.runs import RunCosts, pricing_method
 from distgraph.passes.search.layouts.space import MESH_DIMS, logical_dims
 from distgraph.passes.search.layouts.sharded_states import sharding_dim
 from distgraph.passes.search.stages.stage_dp import StageCost, plan_stages
+from distgraph.passes.session import Session
 from distgraph.resources.cluster import Cluster
 from distgraph.units import GB, fmt_ids
 
@@ -231,13 +232,17 @@ class PipelineChoice:
 
 
 def plan_pipeline(copy, strategy, cluster, accumulation, memory_budget=None,
-                  runs=None) -> PipelineChoice:
+                  runs=None, planned=None, session: Session | None = None) -> PipelineChoice:
     """Choose layers, stages and each stage's layouts for ``copy`` (a BuiltProgram the
     planner completes next) and annotate its program (module docstring).
-    ``memory_budget``: bytes per device (None: the devices' memory); ``runs``: the
-    RunCosts :func:`pipeline_latency` made for a copy built the same way (its searches
-    are reused; where it was seeded by another count's, only its LayoutPrices)."""
+    ``memory_budget``: bytes per device (None: the devices' memory); ``runs`` /
+    ``planned``: the RunCosts :func:`pipeline_latency` made for a copy built the same
+    way and the stage plan it priced (its searches are reused, and its plan where made
+    within ``memory_budget``; where it was seeded by another count's, only its
+    session's prices); ``session``: the planning's (a fresh one by default), where what
+    the search works out is kept."""
     start = time.perf_counter()
+    session = session or (runs.session if runs is not None else Session())
     if cluster is None:
         raise PlanError("Strategy(pipeline=True) searches stages on a cluster: pass cluster="
                         "dg.Cluster.from_file(...) or dg.Cluster.local(N)")
@@ -249,11 +254,14 @@ def plan_pipeline(copy, strategy, cluster, accumulation, memory_budget=None,
     if layering is not None:
         if runs is not None and runs.seed is not None:
             # priced with another count's searches: searched afresh, on the prices planned
-            runs = RunCosts(copy, strategy, cluster, layering, micro, session=runs.session)
-        costs = runs or RunCosts(copy, strategy, cluster, layering, micro)
-        return _plan_runs(copy, strategy, cluster, target, costs, start, memory_budget)
+            runs, planned = RunCosts(copy, strategy, cluster, layering, micro,
+                                     session=session), None
+        costs = runs or RunCosts(copy, strategy, cluster, layering, micro, session=session)
+        if planned is None or planned[0] != memory_budget:
+            planned = memory_budget, _blocks_plan(costs, target, strategy)
+        return _plan_runs(copy, strategy, cluster, target, costs, start, planned[1])
     layering = cluster_layers(program, max_layers=2 * len(devices) + 2)
-    stage_cost = _StageCosts(copy, strategy, cluster, layering, micro)
+    stage_cost = _StageCosts(copy, strategy, cluster, layering, micro, session)
     stage_plan = plan_stages(layering.count, target, stage_cost, micro_batches=micro)
     # every search before any annotation; under search="auto" the ILP refines these only
     results = [stage_cost.result(st.layers, cluster.device_mesh(st.mesh), st.shape,
@@ -271,28 +279,32 @@ def plan_pipeline(copy, strategy, cluster, accumulation, memory_budget=None,
 
 
 def pipeline_latency(copy, strategy, cluster, accumulation, memory_budget=None,
-                     costs=None, seed=None) -> tuple:
+                     costs=None, seed=None, session: Session | None = None) -> tuple:
     """(seconds per step of the stage plan :func:`plan_pipeline` would choose for
     ``copy``, priced by the method that prices the DP's candidates, before any
-    refinement and without annotating; the RunCosts that priced it, or None): what
-    :mod:`distgraph.passes.search.stages.micro` compares. PlanError where nothing fits. The
-    RunCosts may be handed to :func:`plan_pipeline` for a program built the same way;
-    ``costs``: one :func:`pipeline_beaten` made for ``copy`` (its searches are reused);
-    ``seed``: the RunCosts of the same model at another micro-batch count, whose
-    searches price this one's options (:mod:`distgraph.passes.search.stages.runs`)."""
+    refinement and without annotating; the RunCosts that priced it and (``memory_budget``,
+    that plan), or None and None): what :mod:`distgraph.passes.search.stages.micro`
+    compares. PlanError where nothing fits. The RunCosts and plan may be handed to
+    :func:`plan_pipeline` for a program built the same way; ``costs``: one
+    :func:`pipeline_beaten` made for ``copy`` (its searches are reused); ``seed``: the
+    RunCosts of the same model at another micro-batch count, whose searches price this
+    one's options (:mod:`distgraph.passes.search.stages.runs`); ``session``: the
+    planning's (by default the seed's, or a fresh one)."""
     micro = accumulation.micro_batches if accumulation is not None else 1
     target = cluster if memory_budget is None else _capped(cluster, memory_budget / GB)
     layering = block_layers(copy.program, copy.block_paths)
     if layering is not None:
-        costs = costs or RunCosts(copy, strategy, cluster, layering, micro, seed)
-        return _blocks_plan(costs, target, memory_budget, strategy)[0].objective, costs
+        costs = costs or RunCosts(copy, strategy, cluster, layering, micro, seed, session)
+        planned = _blocks_plan(costs, target, strategy)
+        return planned[0].objective, costs, (memory_budget, planned)
     layering = cluster_layers(copy.program, max_layers=2 * len(cluster.devices) + 2)
-    stage_cost = _StageCosts(copy, strategy, cluster, layering, micro)
-    return plan_stages(layering.count, target, stage_cost, micro_batches=micro).objective, None
+    stage_cost = _StageCosts(copy, strategy, cluster, layering, micro, session)
+    return plan_stages(layering.count, target, stage_cost,
+                       micro_batches=micro).objective, None, None
 
 
 def pipeline_beaten(copy, strategy, cluster, accumulation, latency: float,
-                    seed=None, memory_budget=None) -> tuple:
+                    seed=None, memory_budget=None, session: Session | None = None) -> tuple:
     """(True where the stage search finds no plan of ``copy`` below ``latency`` seconds
     per step; the RunCosts it priced, for :func:`pipeline_latency`, or None). First the
     bound :mod:`distgraph.passes.search.stages.micro` prunes with: the stage DP on each logical
@@ -300,13 +312,13 @@ def pipeline_beaten(copy, strategy, cluster, accumulation, latency: float,
     out, the stage search itself looking below ``latency`` only (its caps pruned by it,
     memory variants searched only for meshes whose alike stages beat it:
     :func:`~distgraph.passes.search.stages.block_plans.plan_blocks`). Programs not of identical
-    blocks are not bounded: False. ``seed``: as :func:`pipeline_latency`'s;
+    blocks are not bounded: False. ``seed`` / ``session``: as :func:`pipeline_latency`'s;
     ``memory_budget``: bytes per device (None: the devices' memory)."""
     layering = block_layers(copy.program, copy.block_paths)
     if layering is None:
         return False, None
     micro = accumulation.micro_batches if accumulation is not None else 1
-    costs = RunCosts(copy, strategy, cluster, layering, micro, seed)
+    costs = RunCosts(copy, strategy, cluster, layering, micro, seed, session)
     fastest = costs.options(variants=False)
     if not beats(latency, layering.count, layering.blocks, fastest, cluster, micro,
                  fit_memory=False):
@@ -317,21 +329,18 @@ def pipeline_beaten(copy, strategy, cluster, accumulation, latency: float,
     return found is None, costs
 
 
-def _blocks_plan(costs, target, memory_budget, strategy) -> tuple:
-    """:func:`~distgraph.passes.search.stages.block_plans.plan_blocks` of ``costs`` on ``target`` (the
-    cluster within ``memory_budget``), solved once per budget: the micro-batch search's
-    DP for the count it chose is the plan's."""
-    if memory_budget not in costs.planned:
-        costs.planned[memory_budget] = plan_blocks(costs, target, micro_batches=costs.micro,
-                                                   virtual=_virtual(strategy))
-    return costs.planned[memory_budget]
+def _blocks_plan(costs, target, strategy) -> tuple:
+    """:func:`~distgraph.passes.search.stages.block_plans.plan_blocks` of ``costs`` on
+    ``target`` (the cluster within the memory budget)."""
+    return plan_blocks(costs, target, micro_batches=costs.micro, virtual=_virtual(strategy))
 
 
-def _plan_runs(copy, strategy, cluster, target, costs, start, memory_budget) -> PipelineChoice:
+def _plan_runs(copy, strategy, cluster, target, costs, start, planned) -> PipelineChoice:
     """The stage search of a model of identical blocks (:mod:`distgraph.passes.search.
-    runs`): options costed once per logical mesh, the DP linear in the blocks."""
+    runs`): options costed once per logical mesh, the DP linear in the blocks
+    (``planned``: its plan, before the refinement)."""
     layering = costs.layering
-    stage_plan, chosen = _blocks_plan(costs, target, memory_budget, strategy)
+    stage_plan, chosen = planned
     if strategy.search_method == "auto":       # the ILP refines the chosen stages only
         stage_plan, chosen = _refined(stage_plan, chosen, costs, target)
     index = {d.global_id: p for p, d in enumerate(cluster.devices)}
@@ -450,36 +459,41 @@ def _virtual(strategy) -> int:
 
 
 class _StageCosts:
-    """The DP's cost callback: one intra-op search per (distinct layer range, submesh)."""
+    """The DP's cost callback: one intra-op search per (distinct layer range, submesh),
+    kept in ``session``'s "stage options" (by the range's ops' signature for the cost,
+    by the range for the search)."""
 
-    def __init__(self, copy, strategy, cluster, layering, micro):
+    def __init__(self, copy, strategy, cluster, layering, micro, session=None):
         self.copy, self.strategy, self.cluster = copy, strategy, cluster
         self.layering, self.micro = layering, micro
-        self.costs: dict = {}
-        self.results: dict = {}
+        self.session = session or Session()
+        self.options = self.session.table("stage options")
         self.searches = 0
 
     def __call__(self, layers: range, sub) -> StageCost:
         ops = self.layering.ops(layers)
-        key = (self._signature(ops), sub.mesh.name, sub.shape)
-        if key not in self.costs:
+
+        def cost():
             result = self.result(layers, sub.mesh, sub.shape, ops)
             problem, choice = result.problem, result.choice
             persistent = sum(float(problem.memory[n.index][choice[n.index]])
                              for n in result.space.nodes if n.is_source and
                              self.copy.program.values[n.value].persistable)
             peak = peak_memory(problem, choice)
-            self.costs[key] = StageCost(result.report.objective, persistent / GB,
-                                        max(peak - persistent, 0.0) / GB)
-        return self.costs[key]
+            return StageCost(result.report.objective, persistent / GB,
+                             max(peak - persistent, 0.0) / GB)
+        return self.options.memo((self, "cost", self._signature(ops), sub.mesh.name,
+                                  sub.shape), cost)
 
     def result(self, layers: range, device_mesh, shape, ops=None, method=None):
         """The search of exactly ``layers`` on a ``shape`` submesh of ``device_mesh`` by
         ``method`` (default: the one that prices the DP's candidates)."""
         method = method or pricing_method(self.strategy)
-        key = (layers.start, layers.stop, device_mesh.name, tuple(shape), method)
-        if key not in self.results:
-            ops = self.layering.ops(layers) if ops is None else ops
+        key = (self, "search", layers.start, layers.stop, device_mesh.name, tuple(shape),
+               method)
+        ops = self.layering.ops(layers) if ops is None else ops
+
+        def searched():
             mesh, device_of = _submesh(device_mesh, shape)
             program = self.copy.program
             loss = self.copy.loss_name
@@ -488,13 +502,12 @@ class _StageCosts:
                 loss = None
             weights = {Role.FORWARD: 1, Role.LOSS: 1, Role.BACKWARD: 1, Role.OPTIMIZE: 1 / self.micro}
             self.searches += 1
-            self.results[key] = search(program, mesh, self.cluster, device_of, ops=ops,
-                                       weights=weights, loss=loss,
-                                       time_limit=self.strategy.solver_time_limit,
-                                       blocks=self.copy.block_paths, memory=True,
-                                       balance=self.strategy.balance, method=method,
-                                       zero=sharding_dim(self.strategy))
-        return self.results[key]
+            return search(program, mesh, self.cluster, device_of, ops=ops, weights=weights,
+                          loss=loss, time_limit=self.strategy.solver_time_limit,
+                          blocks=self.copy.block_paths, memory=True,
+                          balance=self.strategy.balance, method=method,
+                          zero=sharding_dim(self.strategy), session=self.session)
+        return self.options.memo(key, searched)
 
     def _signature(self, ops) -> tuple:
         program = self.copy.program

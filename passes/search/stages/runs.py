@@ -56,7 +56,15 @@ search prices that search's variants too (:meth:`RunCosts._smaller_parts`).
 **Seeds.** The micro-batch counts :mod:`distgraph.passes.search.stages.micro` compares have the
 same ops and Value names. The first is searched; the later ones (``seed=`` its RunCosts)
 price its searches on their own programs, searching only where a layout does not divide
-their micro-batch, on its LayoutPrices. A count priced so is searched afresh once chosen.
+their micro-batch. A count priced so is searched afresh once chosen.
+
+**The session.** What a RunCosts works out is kept in its planning's session (its seed's
+by default; :mod:`distgraph.passes.session`): "stage options" per RunCosts and logical
+mesh (the fastest parts and the memory variants), "mesh searches" per RunCosts and kind
+of mesh (the searches others are priced from: a seeded RunCosts reads its seed's
+there), "boundary prices" (:func:`~distgraph.passes.cost.boundary.boundary_seconds`),
+the chunks of the forward in "program facts"; the searches' problems and prices in the
+tables of :func:`~distgraph.passes.search.layouts.intra_op.search`.
 
 The stage DP on them: :func:`~distgraph.passes.search.stages.block_plans.plan_blocks`.
 
@@ -78,14 +86,14 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from distgraph.errors import PlanError
 from distgraph.ir import Role
 from distgraph.mesh import ProcessMesh
-from distgraph.passes.cost.boundary import boundary_key, boundary_seconds
+from distgraph.passes.cost.boundary import boundary_seconds
 from distgraph.passes.search.layouts.intra_op import (Boundary, accumulating_updates, price,
                                                  search)
 from distgraph.passes.search.stages.block_plans import undominated
@@ -120,6 +128,9 @@ class RunOption:
     sub: Submesh
     logical: tuple
     parts: dict           # "first" / "block" / "last" -> (PartCost, SearchResult)
+    # (mesh, devices, parts (part -> SearchResult)) of the search the parts were costed
+    # or priced from: where RunCosts.refine refines (None: here)
+    origin: tuple | None = field(default=None, compare=False, repr=False)
 
     def cost(self, with_first: bool, blocks: int, with_last: bool) -> tuple:
         """(seconds per micro-batch, GB with one micro-batch in flight, GB per further
@@ -148,6 +159,27 @@ class _Searched:
     smaller: list | None = None
 
 
+@dataclass
+class _Kind:
+    """The searches of one kind of logical mesh (:func:`_kind`) others are priced from, in
+    the order searched: for their fastest parts (``found``), for variants only
+    (``spare``). A RunCosts' "mesh searches" entry per kind."""
+
+    found: list = field(default_factory=list)
+    spare: list = field(default_factory=list)
+
+
+@dataclass
+class _Options:
+    """A logical mesh's options: the search its fastest parts came from, those parts and
+    their origin (``fastest``: (parts, origin), :attr:`RunOption.origin`), and the memory
+    variants' once asked (``variants``). A RunCosts' "stage options" entry per mesh."""
+
+    searched: _Searched
+    fastest: tuple
+    variants: list | None = None
+
+
 class RunCosts:
     """The stage options of a block layering of ``copy`` (a BuiltProgram) on ``cluster``
     with ``micro`` micro-batches (module docstring)."""
@@ -172,17 +204,15 @@ class RunCosts:
         self.weights = {Role.FORWARD: 1, Role.LOSS: 1, Role.BACKWARD: 1, Role.OPTIMIZE: 1 / micro}
         self.searches = 0
         self.seconds = 0.0
-        self._maps: dict = {}
-        self._found: dict = {}        # t -> [_Searched, ...] in the order searched
-        self._spare: dict = {}        # t -> [_Searched, ...] searched for variants only
-        self._fastest: dict = {}      # (axis, shape, logical) -> (_Searched, parts)
-        self._smaller: dict = {}      # (axis, shape, logical) -> [parts of each variant]
-        self._chunks: dict = {}       # chunk count -> the layers of each chunk
-        self.planned: dict = {}       # memory budget -> plan_blocks' answer (stages.py)
-        self._p2p: dict = {}          # boundary_key -> seconds, and boundary_seconds' memo
-        # id of an option's parts -> (the parts, the mesh, devices and parts (part ->
-        # SearchResult) of the search they were costed or priced from): what refine refines
-        self._origin: dict = {}
+        self._options = self.session.table("stage options")     # (self, mesh) -> _Options
+        self._kinds = self.session.table("mesh searches")       # (self, kind) -> _Kind
+        # the representative block's ops and how it meets the blocks beside it, and what
+        # E and H meet of it (the first and the last block's Values by its own names):
+        # read by every search, found once
+        self.block_ops = self.layering.ops(range(self.rep, self.rep + 1))
+        self.periodic = self._periodic(self.block_ops)
+        self._to_rep = {layer: {v: k for k, v in self.value_map(layer).items()}
+                        for layer in {self.blocks.start, self.blocks.stop - 1}}
 
     # -- the options --------------------------------------------------------------------
     def options(self, variants: bool = True, wanted=None, sequence: bool = True) -> list:
@@ -210,18 +240,19 @@ class RunCosts:
         rows_mb = self._batch_rows()
         order = sorted(out, key=lambda o: (_kind(o[2]), rows_mb % o[2][0] != 0,
                                            -int(np.prod(o[2]))))
+        entries = {}
         for axis, sub, logical in order:
             key = (axis, sub.shape, logical)
-            if key not in self._fastest:
-                self._fastest[key] = self._fastest_parts(key, sub, logical)
-            if variants and key not in self._smaller and (wanted is None or wanted(
-                    RunOption(axis, sub, logical, self._fastest[key][1]))):
-                self._smaller[key] = self._smaller_parts(key, sub, logical)
+            entry = entries[key] = self._options.memo(
+                (self, key), lambda: self._fastest_parts(key, sub, logical))
+            if variants and entry.variants is None and (wanted is None or wanted(
+                    RunOption(axis, sub, logical, *entry.fastest))):
+                entry.variants = self._smaller_parts(key, sub, logical, entry)
         options = []
         for axis, sub, logical in out:
-            key = (axis, sub.shape, logical)
-            parts = [self._fastest[key][1]] + (self._smaller.get(key, []) if variants else [])
-            options += undominated([RunOption(axis, sub, logical, p) for p in parts])
+            entry = entries[axis, sub.shape, logical]
+            parts = [entry.fastest] + (entry.variants or [] if variants else [])
+            options += undominated([RunOption(axis, sub, logical, *p) for p in parts])
         return options
 
     def _batch_rows(self) -> int:
@@ -240,57 +271,55 @@ class RunCosts:
         cp = x // dp
         return cp if dp > 1 and cp > 1 and int(feeds[0].shape[1]) % cp == 0 else 1
 
-    def _fastest_parts(self, key, sub, logical) -> tuple:
-        """(the search whose fastest parts this mesh takes, the parts): priced from the
-        latest search of its ``t`` whose fastest choice divides here, else searched."""
+    def _searched(self, costs, kind) -> _Kind:
+        """The searches of ``kind`` of ``costs`` (this RunCosts or its seed)."""
+        return self._kinds.memo((costs, kind), _Kind)
+
+    def _fastest_parts(self, key, sub, logical) -> _Options:
+        """The fastest parts of this mesh: priced from the latest search of its ``t``
+        whose fastest choice divides here (here or in the seed), else searched."""
         mesh, device_of = logical_mesh(sub.mesh, sub.shape, logical)
         kind = _kind(logical)
-        seeds = self.seed._found.get(kind, ()) if self.seed is not None else ()
-        for searched in [*self._found.get(kind, ())[::-1], *seeds[::-1]]:
+        mine = self._searched(self, kind).found
+        seeds = self._searched(self.seed, kind).found if self.seed is not None else []
+        for searched in [*mine[::-1], *seeds[::-1]]:
             try:
-                return searched, self._from(searched, searched.fastest,
-                                            self._price(searched.fastest, mesh, device_of))
+                return _Options(searched, _from(searched, searched.fastest, self._price(
+                    searched.fastest, mesh, device_of)))
             except PlanError:
                 continue
         searched = _Searched(key, mesh, device_of, self._search(mesh, device_of))
-        self._found.setdefault(kind, []).append(searched)
-        return searched, self._from(searched, searched.fastest,
-                                    self._costed(searched.fastest))
+        mine.append(searched)
+        return _Options(searched, _from(searched, searched.fastest,
+                                        self._costed(searched.fastest)))
 
-    def _smaller_parts(self, key, sub, logical) -> list:
-        """The parts of the memory variants after the fastest on this mesh: those of the
-        search its fastest parts came from, else of those searched since for its kind
-        (here or in the seed), priced here where all divide; else searched here."""
-        searched, fastest = self._fastest[key]
-        kind = _kind(logical)
-        mine = any(searched is s for s in self._found.get(kind, ()))
+    def _smaller_parts(self, key, sub, logical, entry: _Options) -> list:
+        """The (parts, origin) of the memory variants after the fastest on this mesh:
+        those of the search its fastest parts came from, else of those searched since
+        for its kind (here or in the seed), priced here where all divide; else searched
+        here."""
+        searched, (fastest, _) = entry.searched, entry.fastest
+        kind = self._searched(self, _kind(logical))
+        mine = any(searched is s for s in kind.found)
         if searched.smaller is None and mine:
             searched.smaller = self._variants(searched.mesh, searched.device_of,
                                               searched.fastest)
         if searched.key == key and mine:
-            return [self._from(searched, found,
-                               self._costed(found))
-                    for found in searched.smaller]
+            return [_from(searched, found, self._costed(found)) for found in searched.smaller]
         mesh, device_of = logical_mesh(sub.mesh, sub.shape, logical)
-        seeds = self.seed._spare.get(kind, []) if self.seed is not None else []
-        for source in [searched, *self._spare.get(kind, [])[::-1], *seeds[::-1]]:
+        seeds = self._searched(self.seed, _kind(logical)).spare if self.seed is not None \
+            else []
+        for source in [searched, *kind.spare[::-1], *seeds[::-1]]:
             try:
                 if source.smaller is not None:      # a seed's search may have none
-                    return [self._from(source, found, self._price(found, mesh, device_of))
+                    return [_from(source, found, self._price(found, mesh, device_of))
                             for found in source.smaller]
             except PlanError:
                 continue
         here = {part: result for part, (_, result) in fastest.items()}
         spare = _Searched(key, mesh, device_of, here, self._variants(mesh, device_of, here))
-        self._spare.setdefault(kind, []).append(spare)
-        return [self._from(spare, found, self._costed(found))
-                for found in spare.smaller]
-
-    def _from(self, searched, found: dict, parts: dict) -> dict:
-        """``parts``, noted as costed or priced from ``found`` (parts of ``searched``'s
-        search, on its mesh): :meth:`refine` refines there."""
-        self._origin[id(parts)] = (parts, searched.mesh, searched.device_of, found)
-        return parts
+        kind.spare.append(spare)
+        return [_from(spare, found, self._costed(found)) for found in spare.smaller]
 
     # -- searches -----------------------------------------------------------------------
     def _variants(self, mesh, device_of, fastest) -> list:
@@ -319,8 +348,7 @@ class RunCosts:
         not divide here: refined here)."""
         mesh, device_of = logical_mesh(option.sub.mesh, option.sub.shape, option.logical)
         here = {part: result for part, (_, result) in option.parts.items()}
-        _, at, devices, found = self._origin.get(id(option.parts), (None, mesh, device_of,
-                                                                     here))
+        at, devices, found = option.origin or (mesh, device_of, here)
 
         def refined(at, devices, found) -> dict:
             peak = found["block"].report.peak_memory
@@ -356,10 +384,9 @@ class RunCosts:
         starts = starts or {}
         method = method or pricing_method(self.strategy)
         start = time.perf_counter()
-        block_ops = self.layering.ops(range(self.rep, self.rep + 1))
-        periodic = self._periodic(block_ops)
-        boundary = Boundary(received=tuple((r, None) for r, _ in periodic), periodic=periodic)
-        found = {"block": self._run_search(block_ops, mesh, device_of, boundary, budget,
+        boundary = Boundary(received=tuple((r, None) for r, _ in self.periodic),
+                            periodic=self.periodic)
+        found = {"block": self._run_search(self.block_ops, mesh, device_of, boundary, budget,
                                            method, starts.get("block"), prove)}
         block = found["block"]
         ends = []
@@ -407,30 +434,25 @@ class RunCosts:
         """(received, leaving) pairs of the representative block: what it receives
         is, in the next block (forward) or the one before (backward), what it sends."""
         inside = set(block_ops)
+        producer = {o.name: k for k, op in enumerate(self.program.ops) for o in op.outputs}
         made = {o.name for k in block_ops for o in self.program.ops[k].outputs}
         received = [v.name for k in block_ops for v in self.program.ops[k].inputs
-                    if v.name not in made and self._producer(v.name) is not None
-                    and self._producer(v.name) not in inside]
+                    if v.name not in made and producer.get(v.name, k) not in inside]
+        maps = [self.value_map(neighbour) for neighbour in (self.rep + 1, self.rep - 1)]
         pairs = {}
         for name in dict.fromkeys(received):
-            for neighbour in (self.rep + 1, self.rep - 1):
-                other = self.value_map(neighbour).get(name)
+            for names in maps:
+                other = names.get(name)
                 if other in made:
                     pairs[name] = other
                     break
         return tuple(pairs.items())
 
-    def _producer(self, name):
-        if not hasattr(self, "_producers"):
-            self._producers = {o.name: k for k, op in enumerate(self.program.ops)
-                               for o in op.outputs}
-        return self._producers.get(name)
-
     def _neighbour(self, block, ops, layer) -> Boundary:
         """What E (H) exchanges with block ``layer``, fixed to the representative block's
         choice: Values it sends are brought to the layout the block receives them in,
         Values it receives arrive as the block sends them."""
-        to_rep = {v: k for k, v in self.value_map(layer).items()}
+        to_rep = self._to_rep[layer]
         space, choice = block.space, block.choice
         part_made = {o.name for k in ops for o in self.program.ops[k].outputs}
         part_reads = {v.name for k in ops for v in self.program.ops[k].inputs}
@@ -479,31 +501,30 @@ class RunCosts:
     def p2p_seconds(self, option) -> float:
         """Seconds per micro-batch a stage of ``option`` between two others spends passing
         its blocks' Values on and back (:func:`~distgraph.passes.cost.boundary.
-        boundary_seconds`), once per boundary_key; the dict is boundary_seconds' memo."""
-        key = boundary_key(option)
-        if key not in self._p2p:
-            self._p2p[key] = boundary_seconds(option, self.cluster, self._p2p)
-        return self._p2p[key]
+        boundary_seconds`, kept in the session per boundary_key)."""
+        return boundary_seconds(option, self.cluster, self.session)
 
     def chunk_layers(self, n: int) -> list:
         """{layer: the share of its forward FLOPs} of each of the ``n`` chunks the planner
         cuts the forward into under virtual stages (:func:`~distgraph.passes.pipeline.
-        chunks.forward_chunks`)."""
-        if n not in self._chunks:
-            cut = forward_chunks(self.program, n, f"{n} chunks")
-            layer_of = self.layering.layer_of
-            flops = {k: op_flops(self.program.ops[k]) or 0.0 for k in cut}
-            total: dict = {}
-            for k in cut:
-                total[layer_of[k]] = total.get(layer_of[k], 0.0) + flops[k]
-            out: list = [{} for _ in range(n)]
-            for k, c in cut.items():
-                layer = layer_of[k]
-                if layer is not None:
-                    share = flops[k] / total[layer] if total[layer] else 1.0
-                    out[c][layer] = out[c].get(layer, 0.0) + share
-            self._chunks[n] = out
-        return self._chunks[n]
+        chunks.forward_chunks`), found once per program (the session's program facts)."""
+        return self.session.table("program facts").memo((self.program, "chunks", n),
+                                                        lambda: self._chunk_layers(n))
+
+    def _chunk_layers(self, n: int) -> list:
+        cut = forward_chunks(self.program, n, f"{n} chunks")
+        layer_of = self.layering.layer_of
+        flops = {k: op_flops(self.program.ops[k]) or 0.0 for k in cut}
+        total: dict = {}
+        for k in cut:
+            total[layer_of[k]] = total.get(layer_of[k], 0.0) + flops[k]
+        out: list = [{} for _ in range(n)]
+        for k, c in cut.items():
+            layer = layer_of[k]
+            if layer is not None:
+                share = flops[k] / total[layer] if total[layer] else 1.0
+                out[c][layer] = out[c].get(layer, 0.0) + share
+        return out
 
     # -- the chosen stages -------------------------------------------------------------
     def annotate(self, program, layers: range, option: RunOption, mesh) -> tuple:
@@ -532,15 +553,12 @@ class RunCosts:
     # -- blocks ------------------------------------------------------------------------
     def value_map(self, layer) -> dict:
         """{Value of the representative block: the same Value of block ``layer``}."""
-        if layer not in self._maps:
-            ops = self.op_map(layer)
-            names = {}
-            for k, other in ops.items():
-                a, b = self.program.ops[k], self.program.ops[other]
-                for v, w in zip(a.inputs + a.outputs, b.inputs + b.outputs):
-                    names.setdefault(v.name, w.name)
-            self._maps[layer] = names
-        return self._maps[layer]
+        names = {}
+        for k, other in self.op_map(layer).items():
+            a, b = self.program.ops[k], self.program.ops[other]
+            for v, w in zip(a.inputs + a.outputs, b.inputs + b.outputs):
+                names.setdefault(v.name, w.name)
+        return names
 
     def op_map(self, layer, matched_only: bool = False) -> dict:
         """{op of the representative block: the op at its place in block ``layer``}
@@ -553,6 +571,12 @@ class RunCosts:
                     same_op(self.program.ops[k], self.program.ops[theirs[key]]):
                 out[k] = theirs[key]
         return out
+
+
+def _from(searched: _Searched, found: dict, parts: dict) -> tuple:
+    """(``parts``, their origin): costed or priced from ``found`` (parts of ``searched``'s
+    search, on its mesh), where :meth:`RunCosts.refine` refines."""
+    return parts, (searched.mesh, searched.device_of, found)
 
 
 def pricing_method(strategy) -> str:

@@ -80,3 +80,9 @@ def describe(stats) -> str:
         return "memo tables: none"
     return "memo tables: " + "; ".join(f"{name} {n} (hits {hits}, misses {misses})"
                                        for name, n, hits, misses in stats)
+
+
+def memo_tables(stats) -> list:
+    """:meth:`Session.stats` rows as plain data (a report's ``to_dict``)."""
+    return [{"name": name, "entries": n, "hits": hits, "misses": misses}
+            for name, n, hits, misses in stats]

@@ -114,3 +114,43 @@ def test_a_choice_that_does_not_fit_is_refused_not_searched_again():
     small = S.line_cluster(4, bandwidth=0.1, device=dict(S.DEVICE, memory=0.9 * peak / 1e9))
     with pytest.raises(DoesNotFit, match="the plan does not fit its devices' memory"):
         dg.passes.plan(built, strategy, small, choice=choice)
+
+
+def test_a_table_counts_what_it_served():
+    table = Session().table("prices")
+    assert table.memo("a", lambda: 1) == 1 and table.memo("a", lambda: 2) == 1
+    assert table.find("a") == 1 and table.find("b") is None
+    assert (len(table), table.hits, table.misses) == (1, 2, 2)
+    assert str(Session()) == "memo tables: none"
+
+
+def test_a_planning_keeps_its_memos_in_at_most_15_tables_its_report_lists(monkeypatch):
+    """A searched pipeline with micro_batches=None (the most tables: the micro-batch
+    walk, the block runs, the recursive search and SCIP's refinement) keeps every memo
+    in its session, in at most 15 tables, each named in the front door's docstring; the
+    plan's search report lists them (to_dict, explain(full=True)), and a table counts
+    what it served: each problem the searches built is an entry and a miss of "search
+    problems", each search that found one built a hit."""
+    from distgraph.passes import search as front
+    from distgraph.passes.search.layouts import intra_op
+    from distgraph.passes.session import describe
+    from test_micro_search import built_gpt
+
+    asked, built = [], []
+    marks, problem = intra_op._marks, intra_op._problem      # once per search, per build
+    monkeypatch.setattr(intra_op, "_marks", lambda *a: asked.append(1) or marks(*a))
+    monkeypatch.setattr(intra_op, "_problem", lambda *a: built.append(1) or problem(*a))
+    strategy = dg.Strategy(auto_mode="full", pipeline=True, micro_batches=None, search="auto")
+    plan = dg.passes.plan(built_gpt(layers=4), strategy, S.line_cluster(4, bandwidth=1.0),
+                          ranks=())
+    memos = plan.search.memos
+    tables = {name: (n, hits, misses) for name, n, hits, misses in memos}
+    assert len(tables) == len(memos) <= 15
+    assert all(f"\n| {name} |" in front.__doc__ for name in tables)
+    assert {"micro-batch programs", "mesh searches", "search problems"} <= set(tables)
+    assert tables["search problems"] == (len(built), len(asked) - len(built), len(built))
+    assert tables["search problems"][1] > 0           # the refinement's problems, found
+    assert plan.to_dict()["search"]["memo_tables"] == [
+        {"name": name, "entries": n, "hits": hits, "misses": misses}
+        for name, n, hits, misses in memos]
+    assert describe(memos) in str(plan.search) and describe(memos) in plan.explain(full=True)

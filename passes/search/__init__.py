@@ -22,7 +22,26 @@ Which module decides what:
 | what a layout costs | ``layouts/costs.py``, ``charges.py``, ``liveness.py``, ``sharded_states.py`` | the cost model's prices (:mod:`distgraph.passes.cost`) on each strategy |
 
 Every memo of one planning lives in its :class:`~distgraph.passes.session.Session`
-(the planner makes one per ``plan`` call; ``choose`` makes one when given none).
+(the planner makes one per ``plan`` call; ``choose`` makes one when given none), in at
+most these tables; the search's report (``Plan.search``) lists what each held and served:
+
+| table | key | value | kept by |
+|---|---|---|---|
+| micro-batch programs | M; None | M's split program, accumulation, RunCosts, (budget, stage plan); the count chosen | ``stages/micro.py`` |
+| sample analyses | (program, feeds, dim) | the completion on samples the other counts' splits replay | ``passes/samples.py`` |
+| stage options | (RunCosts, logical mesh); (_StageCosts, layers, submesh) | its fastest parts and memory variants; a stage's cost and search | ``stages/runs.py``, ``pipeline.py`` |
+| mesh searches | (RunCosts, kind of mesh) | the searches others are priced from (a seed's too) | ``stages/runs.py`` |
+| boundary prices | (program, boundary key); a reshard; a Value on its devices | a stage's p2p seconds; its steps; their seconds | ``cost/boundary.py`` |
+| search problems | a search's inputs | its space, shared blocks, problem and recursive search (Walks) | ``layouts/intra_op.py`` |
+| recursive descents | (Walks, lam) | the descents' choices, objectives and peaks | ``layouts/recursive.py`` |
+| edge prices | (descent, class, pair, far end's candidates) | the cheapest reshard per strategy | ``layouts/recursive.py`` |
+| tree moves | (Flat, prices, forest[, state]) | a forest's optimistic trials; where a run of moves ends | ``layouts/tree_moves.py`` |
+| layout prices | (cluster, mesh, devices, sample axes); meshes priced alike | their LayoutPrices; the first of them | ``cost/layout_prices.py`` |
+| op prices | (LayoutPrices, op signature) | its strategies' compute, collective and kept bytes; a gather | ``cost/layout_prices.py`` |
+| reshard prices | (meshes priced alike, tensor, layouts); (..., step, bytes) | seconds of a reshard, a matrix of them; of a step | ``cost/layout_prices.py`` |
+| reshard paths | a layout; (mesh shape, pair of layouts) | its number; plan_reshard's path | ``cost/layout_prices.py`` |
+| op strategies | (mesh shape, what an op or source offers) | rules bound, strategies, followers' answers, moved choices | ``layouts/space.py`` |
+| program facts | (program, what) | who makes and reads each Value, ops keeping nothing, chunks | ``layouts/space.py``, ``runs.py`` |
 
 Example::
 
@@ -111,6 +130,9 @@ def choose(built, strategy, cluster, budget: float | None = None,
             asked = dataclasses.replace(asked, virtual_stages=chunks[1] if chunks else 1)
     else:
         result, rank_mapping = _layouts(copy, asked, cluster, accumulation, budget, session)
+    # the report says what the planning's tables held and served, this search included
+    result = dataclasses.replace(result, report=dataclasses.replace(
+        result.report, memos=tuple(session.stats())))
     return Choice(copy, asked, accumulation, result, rank_mapping)
 
 

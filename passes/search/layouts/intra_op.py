@@ -65,7 +65,7 @@ from distgraph.passes.search.layouts.ilp_problem import ShardingProblem, evaluat
 from distgraph.passes.search.layouts.recursive import (METHODS, Walks, bisection_levels,
                                                        solve_recursive)
 from distgraph.passes.search.layouts.space import SearchSpace
-from distgraph.passes.session import Session
+from distgraph.passes.session import Session, describe, memo_tables
 from distgraph.placement import DistAttr
 
 
@@ -80,7 +80,9 @@ class SearchReport:
     shared one strategy, the memory budget (bytes, or None) and the peak the ILP sees,
     and the chosen layouts (``layouts``: (layer, what, strategy, role) of every
     parameter and every op that chose freely). ``str`` summarises them per layer:
-    parameters and forward ops; ``to_dict`` lists them all."""
+    parameters and forward ops; ``to_dict`` lists them all. The report of a planning's
+    search (``Plan.search``) also holds its session's tables (``memos``: (name, entries,
+    hits, misses) of each, :meth:`~distgraph.passes.session.Session.stats`)."""
 
     mesh: ProcessMesh
     status: str
@@ -99,6 +101,7 @@ class SearchReport:
     method: str = "ilp"
     recursive_objective: float | None = None
     note: str = ""
+    memos: tuple = ()
 
     @property
     def chosen_by(self) -> str:
@@ -141,6 +144,8 @@ class SearchReport:
         if hidden:
             lines.append(f"  ({hidden} backward and update ops chose freely too; "
                          "Plan.to_json() lists them)")
+        if self.memos:
+            lines.append(f"  {describe(self.memos)}")
         return "\n".join(lines)
 
     def summary(self) -> str:
@@ -163,7 +168,8 @@ class SearchReport:
                 "constraints": self.constraints, "memory_budget": self.memory_budget,
                 "peak_memory": self.peak_memory, "method": self.method,
                 "recursive_objective": self.recursive_objective, "note": self.note,
-                "layouts": [list(x) for x in self.layouts]}
+                "layouts": [list(x) for x in self.layouts],
+                "memo_tables": memo_tables(self.memos)}
 
 
 @dataclass

@@ -57,7 +57,7 @@ from distgraph.passes.search.stages.runs import RunCosts, pricing_method
 from distgraph.passes.search.layouts.space import MESH_DIMS, logical_dims
 from distgraph.passes.search.layouts.sharded_states import sharding_dim
 from distgraph.passes.search.stages.stage_dp import StageCost, plan_stages
-from distgraph.passes.session import Session
+from distgraph.passes.session import Session, describe, memo_tables
 from distgraph.resources.cluster import Cluster
 from distgraph.units import GB, fmt_ids
 
@@ -128,13 +128,15 @@ class RunReport:
 class PipelineReport:
     """What the stage search did: the layers, the stage plan, each stage's intra-op
     search report, how many intra-op searches costed the DP and the seconds it all
-    took."""
+    took; the planning's memo tables (``memos``: (name, entries, hits, misses) of each,
+    :meth:`~distgraph.passes.session.Session.stats`)."""
 
     layering: object
     stage_plan: object
     stages: tuple
     searches: int
     seconds: float
+    memos: tuple = ()
 
     @property
     def status(self) -> str:
@@ -160,6 +162,8 @@ class PipelineReport:
             # the search numbers a stage's processes from 0; name the devices it runs on
             where = f"devices {list(stage.device_ids)} (mesh shape {list(report.mesh.shape)})"
             lines.append(f"  stage {s} " + report.describe(where).replace("\n", "\n  "))
+        if self.memos:
+            lines.append(f"  {describe(self.memos)}")
         return "\n".join(lines)
 
     def summary(self) -> str:
@@ -198,7 +202,8 @@ class PipelineReport:
                 "searches": self.searches, "seconds": self.seconds,
                 "stages": [dict(report.to_dict(), layers=[st.layers.start, st.layers.stop],
                                 devices=list(st.device_ids), time=st.time, memory=st.memory)
-                           for report, st in zip(self.stages, self.stage_plan.stages)]}
+                           for report, st in zip(self.stages, self.stage_plan.stages)],
+                "memo_tables": memo_tables(self.memos)}
 
 
 def _seconds(t: float) -> str:

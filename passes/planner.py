@@ -118,8 +118,11 @@ def _planned(built, strategy, cluster, rank_mapping, ranks, given=None) -> Plan:
         return _compiled(fitting(strategy, cluster, lambda _: _plan(
             built, strategy, cluster, rank_mapping, None, None, given), searched=False), ranks)
     session = Session()         # what this planning remembers, across its budget rounds
-    return _compiled(fitting(strategy, cluster, lambda budget: _plan(
-        built, strategy, cluster, rank_mapping, budget, session)), ranks)
+    try:
+        return _compiled(fitting(strategy, cluster, lambda budget: _plan(
+            built, strategy, cluster, rank_mapping, budget, session)), ranks)
+    finally:
+        session.close()         # its tables freed now, not at the next cyclic collection
 
 
 def _plan(built, strategy, cluster, rank_mapping, budget, session, given=None) -> Plan:

@@ -69,6 +69,12 @@ class Session:
         """(name, entries, hits, misses) of every table, in the order they were made."""
         return [(t.name, len(t), t.hits, t.misses) for t in self._tables.values()]
 
+    def close(self) -> None:
+        """Empty every table (what the planning made is freed at once: what a table keeps
+        refers to the session, a cycle only the cyclic collector would free)."""
+        for table in self._tables.values():
+            table.clear()
+
     def __str__(self) -> str:
         return describe(self.stats())
 

@@ -280,8 +280,10 @@ class LayoutPrices:
         """:meth:`reshard`'s price of ``src`` (number ``a``) to ``dst`` (number ``b``), not
         yet known for this tensor of ``size`` bytes; ``fits``: whether both divide it."""
         if fits:
-            path = self._paths.memo((self._shape, a, b),
-                                    lambda: self._path(src, dst, shape, dtype, size))
+            key = (self._shape, a, b)
+            path = self._paths.find(key)
+            if path is None:
+                path = self._paths[key] = self._path(src, dst, shape, dtype, size)
             return self._path_time(path, size)
         # planned (and refused where it does not divide) as plan_reshard does
         return sum(reshard_step_time(s, self.pid, self.rings) for s in plan_reshard(
@@ -311,10 +313,16 @@ class LayoutPrices:
         planned, steps = path
         known, alike = self._prices, self.alike
         total = 0
-        for kind, dim, n, buffer in steps:
-            nbytes = buffer * size // planned
-            total += known.memo((alike, kind, dim, nbytes), lambda: mesh_step_time(
-                kind, n, nbytes * 1.0, self._ring_by_dim[dim], self.device))
+        for kind, dim, n, buffer in steps:     # read directly: the hottest of the reads
+            key = (alike, kind, dim, buffer * size // planned)
+            t = known.get(key)
+            if t is None:
+                known.misses += 1
+                t = known[key] = mesh_step_time(kind, n, key[3] * 1.0, self._ring_by_dim[dim],
+                                                self.device)
+            else:
+                known.hits += 1
+            total += t
         return total
 
     def _divides(self, spec: ShardSpec, shape: tuple) -> bool:

@@ -263,7 +263,7 @@ def plan_pipeline(copy, strategy, cluster, accumulation, memory_budget=None,
                                      session=session), None
         costs = runs or RunCosts(copy, strategy, cluster, layering, micro, session=session)
         if planned is None or planned[0] != memory_budget:
-            planned = memory_budget, _blocks_plan(costs, target, strategy)
+            planned = memory_budget, plan_blocks(costs, target, micro, _virtual(strategy))
         return _plan_runs(copy, strategy, cluster, target, costs, start, planned[1])
     layering = cluster_layers(program, max_layers=2 * len(devices) + 2)
     stage_cost = _StageCosts(copy, strategy, cluster, layering, micro, session)
@@ -300,7 +300,7 @@ def pipeline_latency(copy, strategy, cluster, accumulation, memory_budget=None,
     layering = block_layers(copy.program, copy.block_paths)
     if layering is not None:
         costs = costs or RunCosts(copy, strategy, cluster, layering, micro, seed, session)
-        planned = _blocks_plan(costs, target, strategy)
+        planned = plan_blocks(costs, target, micro, _virtual(strategy))
         return planned[0].objective, costs, (memory_budget, planned)
     layering = cluster_layers(copy.program, max_layers=2 * len(cluster.devices) + 2)
     stage_cost = _StageCosts(copy, strategy, cluster, layering, micro, session)
@@ -332,12 +332,6 @@ def pipeline_beaten(copy, strategy, cluster, accumulation, latency: float,
     found = plan_blocks(costs, target, micro_batches=micro, virtual=_virtual(strategy),
                         below=latency)
     return found is None, costs
-
-
-def _blocks_plan(costs, target, strategy) -> tuple:
-    """:func:`~distgraph.passes.search.stages.block_plans.plan_blocks` of ``costs`` on
-    ``target`` (the cluster within the memory budget)."""
-    return plan_blocks(costs, target, micro_batches=costs.micro, virtual=_virtual(strategy))
 
 
 def _plan_runs(copy, strategy, cluster, target, costs, start, planned) -> PipelineChoice:

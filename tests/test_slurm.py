@@ -7,7 +7,9 @@ Inside ``sbatch``, ``salloc`` and a one-task ``srun`` the ranks go on the alloca
 nodes without a host file, ``-n`` from the allocation, and train equal to serial; more
 ranks than the allocation has, or ``distgraph run`` started as several srun tasks, is one
 line before anything starts; ``scancel`` leaves no rank and no hydra proxy on either
-node. The real-Slurm tests skip, with the reason, where this process cannot make
+node; under ``--elastic`` a node drained mid-run (``scontrol update ... state=drain``) is
+dropped and the job resumes on the other node from its newest checkpoint, with the serial
+run's weights. The real-Slurm tests skip, with the reason, where this process cannot make
 network namespaces or the packages (slurmd slurmctld slurm-client munge) are missing.
 """
 
@@ -20,6 +22,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from distgraph.errors import PlanError
@@ -321,3 +324,38 @@ def test_scancel_leaves_no_rank_and_no_proxy_on_either_node(cluster):
             if name.startswith(("distgraph-status-", "distgraph-logs-")):
                 shutil.rmtree(os.path.join(cluster.tmp_of(n), name))
     assert_clean(cluster, seconds=0)
+
+
+@pytest.mark.slow
+def test_elastic_a_node_drained_mid_run_is_dropped_and_training_resumes_on_the_other(
+        cluster, tmp_path):
+    from test_elastic import SCRIPT, assert_equal_weights
+    serial = tmp_path / "serial.npz"
+    subprocess.run([sys.executable, SCRIPT, "--out", str(serial)], check=True,
+                   env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True)
+    shared = Path(cluster.shared) / "elastic"
+    script = batch_script(cluster, "elastic.sh",
+                          f"distgraph run --elastic --min-ranks 2 --log-dir {shared}/logs "
+                          f"{SCRIPT} --ckpt {shared}/ckpt --out {shared}/w.npz --step-time 0.2")
+    job, out = submit(cluster, script)
+    try:
+        wait_for(out, r"^STEP \S+ ([6-9]|1\d) world=4")     # past the checkpoint of step 4
+        cluster.slurm("scontrol", "update", "nodename=node1", "state=drain", "reason=repair")
+        wait_for(out, r"^DONE ", seconds=240)
+        deadline = time.monotonic() + 60
+        while cluster.slurm("squeue", "-h", "-j", job, check=False).stdout.strip():
+            assert time.monotonic() < deadline, "the job did not end"
+            time.sleep(0.3)
+        text = out.read_text()
+        assert "elastic: host node1 is draining in Slurm; restart 1 of 3 on 2 ranks " \
+            "(node0:2), was 4; dropped node1" in text, text
+        assert "finished after 1 restart (world sizes 4 -> 2)" in text, text
+        assert "resumed from" in text and "DONE world=2 step=24" in text, text
+        assert_equal_weights(shared / "w.npz", dict(np.load(serial)))
+        records = [json.loads(ln) for ln in (shared / "logs" / "elastic.jsonl").open()]
+        assert [r["world"] for r in records if r["event"] == "start"] == [4, 2]
+        assert cluster.node_state("node1") == "drain"
+        assert_clean(cluster)
+    finally:
+        cluster.slurm("scancel", job, check=False)
+        cluster.resume("node1")       # for the tests after this one

@@ -228,6 +228,14 @@ def wait_for(path: Path, pattern: str, seconds=120) -> None:
         time.sleep(0.2)
 
 
+def wait_ended(cluster, job: str, seconds=120) -> None:
+    """Until ``job`` has left the queue (``sbatch --wait`` asks only every few seconds)."""
+    deadline = time.monotonic() + seconds
+    while cluster.slurm("squeue", "-h", "-j", job, check=False).stdout.strip():
+        assert time.monotonic() < deadline, f"job {job} did not end in {seconds} s"
+        time.sleep(0.2)
+
+
 def assert_clean(cluster, seconds=30) -> None:
     """No job in the queue, no process on the nodes but slurmd, no job folder in their
     /tmp, within ``seconds``."""
@@ -254,7 +262,8 @@ def test_sbatch_trains_on_both_nodes_equal_to_serial(cluster):
     logs = Path(cluster.shared) / "sbatch-logs"
     script = batch_script(cluster, "train.sh",
                           f"distgraph run --log-dir {logs} {' '.join(map(str, TRAIN))}")
-    job, out = submit(cluster, script, "--wait")
+    job, out = submit(cluster, script)
+    wait_ended(cluster, job)
     check_report(result(out.read_text(), "PLANS-RESULT"), 4, ["gpt:dp_tp"])
     assert ranks_hosts(logs, 4) == ["node0", "node0", "node1", "node1"]
     assert_clean(cluster)
@@ -305,10 +314,7 @@ def test_scancel_leaves_no_rank_and_no_proxy_on_either_node(cluster):
         running = " ".join(cluster.processes(n))
         assert "hydra_pmi_proxy" in running and "fault_jobs.py long" in running, running
     cluster.slurm("scancel", job)
-    deadline = time.monotonic() + 60
-    while cluster.slurm("squeue", "-h", "-j", job, check=False).stdout.strip():
-        assert time.monotonic() < deadline, "the job did not end"
-        time.sleep(0.3)
+    wait_ended(cluster, job)
     deadline = time.monotonic() + 30
     while any(cluster.processes(n) for n in cluster.nodes):
         assert time.monotonic() < deadline, {n: cluster.processes(n) for n in cluster.nodes}
@@ -331,26 +337,25 @@ def test_elastic_a_node_drained_mid_run_is_dropped_and_training_resumes_on_the_o
         cluster, tmp_path):
     from test_elastic import SCRIPT, assert_equal_weights
     serial = tmp_path / "serial.npz"
-    subprocess.run([sys.executable, SCRIPT, "--out", str(serial)], check=True,
+    epochs = ["--epochs", "3"]      # 36 steps of 0.2 s: time for the drain to be seen
+    subprocess.run([sys.executable, SCRIPT, "--out", str(serial), *epochs], check=True,
                    env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True)
     shared = Path(cluster.shared) / "elastic"
     script = batch_script(cluster, "elastic.sh",
                           f"distgraph run --elastic --min-ranks 2 --log-dir {shared}/logs "
-                          f"{SCRIPT} --ckpt {shared}/ckpt --out {shared}/w.npz --step-time 0.2")
+                          f"{SCRIPT} --ckpt {shared}/ckpt --out {shared}/w.npz --step-time 0.2 "
+                          f"{' '.join(epochs)}")
     job, out = submit(cluster, script)
     try:
         wait_for(out, r"^STEP \S+ ([6-9]|1\d) world=4")     # past the checkpoint of step 4
         cluster.slurm("scontrol", "update", "nodename=node1", "state=drain", "reason=repair")
         wait_for(out, r"^DONE ", seconds=240)
-        deadline = time.monotonic() + 60
-        while cluster.slurm("squeue", "-h", "-j", job, check=False).stdout.strip():
-            assert time.monotonic() < deadline, "the job did not end"
-            time.sleep(0.3)
+        wait_ended(cluster, job)
         text = out.read_text()
         assert "elastic: host node1 is draining in Slurm; restart 1 of 3 on 2 ranks " \
             "(node0:2), was 4; dropped node1" in text, text
         assert "finished after 1 restart (world sizes 4 -> 2)" in text, text
-        assert "resumed from" in text and "DONE world=2 step=24" in text, text
+        assert "resumed from" in text and "DONE world=2 step=36" in text, text
         assert_equal_weights(shared / "w.npz", dict(np.load(serial)))
         records = [json.loads(ln) for ln in (shared / "logs" / "elastic.jsonl").open()]
         assert [r["world"] for r in records if r["event"] == "start"] == [4, 2]

@@ -161,6 +161,7 @@ def _skip_without_slurm() -> None:
 
 # first: one process holds one cluster at a time (its namespaces are named after the
 # process), and the module's cluster below stays up until its last test
+@pytest.mark.slow      # a Slurm cluster's start
 def test_the_daemons_namespaces_and_files_are_removed_after_an_error():
     _skip_without_slurm()
     with pytest.raises(RuntimeError, match="on purpose"):
@@ -257,6 +258,7 @@ def ranks_hosts(logs: Path, n: int) -> list[str]:
     return [(logs / f"rank-{r}.log").read_text().split(",")[0].split()[-1] for r in range(n)]
 
 
+@pytest.mark.mpi
 @pytest.mark.slow
 def test_sbatch_trains_on_both_nodes_equal_to_serial(cluster):
     logs = Path(cluster.shared) / "sbatch-logs"
@@ -269,6 +271,7 @@ def test_sbatch_trains_on_both_nodes_equal_to_serial(cluster):
     assert_clean(cluster)
 
 
+@pytest.mark.mpi
 @pytest.mark.slow
 def test_salloc_trains_on_both_nodes_from_the_login_host_equal_to_serial(cluster):
     proc = typed(cluster, "salloc", "-N", 2, "--ntasks-per-node=2", "distgraph", "run", *TRAIN)
@@ -277,6 +280,7 @@ def test_salloc_trains_on_both_nodes_from_the_login_host_equal_to_serial(cluster
     assert_clean(cluster)
 
 
+@pytest.mark.mpi
 @pytest.mark.slow
 def test_srun_of_distgraph_run_in_an_allocation_trains_equal_to_serial(cluster):
     logs = Path(cluster.shared) / "srun-logs"
@@ -288,6 +292,7 @@ def test_srun_of_distgraph_run_in_an_allocation_trains_equal_to_serial(cluster):
     assert_clean(cluster)
 
 
+@pytest.mark.slow      # a Slurm cluster's start
 def test_more_ranks_than_the_allocation_or_several_srun_tasks_start_nothing(cluster):
     proc = typed(cluster, "salloc", "-N", 2, "--ntasks-per-node=2", "distgraph", "run",
                  "-n", 5, *TRAIN)
@@ -304,6 +309,7 @@ def test_more_ranks_than_the_allocation_or_several_srun_tasks_start_nothing(clus
     assert_clean(cluster, seconds=0)
 
 
+@pytest.mark.mpi
 @pytest.mark.slow
 def test_scancel_leaves_no_rank_and_no_proxy_on_either_node(cluster):
     script = batch_script(cluster, "long.sh",
@@ -332,6 +338,7 @@ def test_scancel_leaves_no_rank_and_no_proxy_on_either_node(cluster):
     assert_clean(cluster, seconds=0)
 
 
+@pytest.mark.mpi
 @pytest.mark.slow
 def test_elastic_a_node_drained_mid_run_is_dropped_and_training_resumes_on_the_other(
         cluster, tmp_path):

@@ -366,7 +366,7 @@ def test_elastic_without_machines_to_lose_is_one_line(tmp_path):
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         "distgraph run: --elastic needs machines to lose and take back: give --hostfile "
-        "FILE, --hosts LIST or --emulate FILE"]
+        "FILE, --hosts LIST or --emulate FILE, or run it in a Slurm allocation"]
 
 
 @pytest.mark.parametrize("options, said", [

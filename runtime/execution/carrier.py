@@ -15,7 +15,7 @@ the order is the plan's, the same on every process of a stage, so tensor-paralle
 meet their collectives alike, and the plan checked that it completes.
 
 Failure contract: an error in a task is a RuntimeFault naming the rank, the task, the
-stage and the micro-batch; a message that does not arrive within the communicator's
+chunk and the micro-batch; a message that does not arrive within the communicator's
 timeout is a RuntimeFault naming what the waiting action needs and from which rank.
 Under the launcher each instruction is marked in the rank's progress record, so a hung
 rank is named with its step and op.
@@ -201,7 +201,7 @@ class Carrier:
         except DistGraphError as e:
             mb = f", micro-batch {m}" if self.m > 1 else ""
             raise RuntimeFault(f"rank {self.rank} (process {self.pid}): task "
-                               f"{action.task} of stage {action.chunk}{mb} in step "
+                               f"{action.task} of chunk {action.chunk}{mb} in step "
                                f"{self.step} failed: {e}") from e
         self.done[m].add(block.task.key)
         self.left[m] -= 1
@@ -228,7 +228,7 @@ class Carrier:
                                                      tag(instr.point.seq, ms[0])))
         except DistGraphError as e:
             raise RuntimeFault(f"rank {self.rank} (process {self.pid}): task "
-                               f"{actions[0].task} of stage {actions[0].chunk}, micro-batches "
+                               f"{actions[0].task} of chunk {actions[0].chunk}, micro-batches "
                                f"{', '.join(map(str, ms))} (run as one) in step {self.step} "
                                f"failed: {e}") from e
         for name, value in sums.items():
@@ -360,8 +360,8 @@ class Carrier:
         return self.xb.xp.take(whole, self.xb.xp.asarray(rows.take), axis=rows.axis)
 
     # -- records -----------------------------------------------------------------------------------
-    def _event(self, kind, stage, m, start, end, peer=None) -> None:
-        self.events.append((self.rank, stage, kind, m, self.step, start, end, peer))
+    def _event(self, kind, chunk, m, start, end, peer=None) -> None:
+        self.events.append((self.rank, chunk, kind, m, self.step, start, end, peer))
 
     def _record_memory(self) -> None:
         live_bytes, live = 0, 0
@@ -384,7 +384,7 @@ class Carrier:
                 who = ", ".join(str(self.ranks(s)) for s in missing)
                 needs.append(f"{instr.point.value} from rank{'s' if len(missing) > 1 else ''} "
                              f"{who} (tag {self.tags.tag(instr.point.seq, a.micro_batch)})")
-        return (f"rank {self.rank} (process {self.pid}, stage {a.chunk}): timed out after "
+        return (f"rank {self.rank} (process {self.pid}, chunk {a.chunk}): timed out after "
                 f"{self.timeout:g} s in step {self.step} with no message arriving; a peer "
                 f"did not send what this rank's tasks wait for:\n  {a.task} micro-batch "
                 f"{a.micro_batch} waits for " + "; ".join(needs) + f" (action {a})")

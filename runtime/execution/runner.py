@@ -97,16 +97,39 @@ class PlanRunner:
         return time.perf_counter() - (self._t0 or 0.0)
 
     # -- state ------------------------------------------------------------------------------
+    def lay_out(self, names, block_of) -> dict:
+        """This process's blocks of the plan's persistables ``names`` (in that order; those
+        it holds), on the runner's array backend, C-contiguous in each Value's dtype:
+        {name: array}. ``block_of(value, index)`` gives the block of Value ``value`` at
+        ``index`` (this process's slices of the global value) as a host array, and whether
+        that array is the block's own (taken without a copy where its dtype and order
+        are right). The one way state is laid out: the Engine's held state
+        (``HeldState.bind``) gives its blocks from where each value is held, and
+        :meth:`shard_scope` from global arrays."""
+        values = self.plan.program.values
+        out = {}
+        for name in names:
+            v = values[name]
+            if self.pid not in v.dist_attr.mesh:
+                continue
+            block, own = block_of(v, v.dist_attr.local_slices(v.shape, self.pid))
+            out[name] = self.backend.from_host(
+                np.array(block, dtype=v.dtype, order="C", copy=None if own else True))
+        return out
+
     def shard_scope(self, global_values: dict) -> dict:
-        """Local shards of persistable values from their global arrays."""
-        scope = {}
-        local = self.program.local
-        for v in local.program.persistables:
+        """This process's blocks of every persistable of the plan, cut from their global
+        arrays ``global_values`` ({name: array}) and laid out by :meth:`lay_out`."""
+
+        def block_of(v, index):
             if v.name not in global_values:
                 raise PlanError(f"no initial value for {v.name}")
-            block = local_slice(v.dist_attr, self.pid, v.name, np.asarray(global_values[v.name]))
-            scope[v.name] = self.backend.from_host(block)
-        return scope
+            if v.dist_attr.spec.partial:
+                raise PlanError(f"cannot shard {v.name}: a stored or fed value cannot be "
+                                "Partial")
+            return np.asarray(global_values[v.name])[index], False
+
+        return self.lay_out([v.name for v in self.local.program.persistables], block_of)
 
     def gather(self, scope: dict, names) -> dict:
         """Global values of persistables ``names`` on every process, as host (numpy)

@@ -3,9 +3,11 @@
 Each :class:`Event` is one task instance (``forward``, ``backward`` or, split,
 ``backward_input`` / ``backward_weight``, ``update``) or one message (``send``: posted
 until delivered; ``recv``: posted until every tile of a micro-batch arrived), with
-the rank, its pipeline stage, the micro-batch (None for the update), the step and start
-and end in seconds since the job's profiling started (every rank's clock starts at one
-barrier). Memory samples record the activations a rank holds after each task.
+the rank, the chunk it ran (``Action.chunk``, torch's stage index, in the field
+``stage``; for sends, the update and memory samples the rank's lowest chunk), the
+micro-batch (None for the update), the step and start and end in seconds since the
+job's profiling started (every rank's clock starts at one barrier). Memory samples
+record the activations a rank holds after each task.
 
 :meth:`Timeline.gather` merges every rank's records (a collective), so every rank holds
 the whole timeline; :meth:`save` writes a Chrome trace (open it in Perfetto or
@@ -88,8 +90,8 @@ class Timeline:
     @classmethod
     def gather(cls, events, memory, comm) -> "Timeline":
         """Every rank's raw records merged, on every rank (a collective over ``comm``'s
-        world; ``comm`` None: this process alone). ``events`` are tuples (rank, stage,
-        kind, micro-batch, step, start, end, peer); ``memory`` tuples (rank, stage,
+        world; ``comm`` None: this process alone). ``events`` are tuples (rank, chunk,
+        kind, micro-batch, step, start, end, peer); ``memory`` tuples (rank, chunk,
         step, time, bytes, micro-batches)."""
         ev = np.array([(r, s, EVENT_KINDS.index(k), -1 if m is None else m, st, a, b,
                         -1 if p is None else p) for r, s, k, m, st, a, b, p in events],
@@ -143,10 +145,12 @@ class Timeline:
         """The Chrome trace-event form: one process per rank, compute on thread 0 and
         messages on thread 1, memory as a counter."""
         trace = []
-        stages = {e.rank: e.stage for e in self.events}
+        chunks: dict = {}
+        for e in self.events:
+            chunks.setdefault(e.rank, set()).add(e.stage)
         for rank in self.ranks:
             trace.append({"name": "process_name", "ph": "M", "pid": rank,
-                          "args": {"name": f"rank {rank} (stage {stages.get(rank, '?')})"}})
+                          "args": {"name": f"rank {rank} ({_chunks(chunks.get(rank))})"}})
             trace.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": 0,
                           "args": {"name": "compute"}})
             trace.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": 1,
@@ -207,6 +211,13 @@ class Timeline:
         fig.tight_layout()
         fig.savefig(path, dpi=120)
         plt.close(fig)
+
+
+def _chunks(chunks) -> str:
+    """``"chunk 1"``, ``"chunks 1, 5"`` (virtual stages), ``"chunk ?"`` (no events)."""
+    if not chunks:
+        return "chunk ?"
+    return f"chunk{'s' if len(chunks) > 1 else ''} {', '.join(map(str, sorted(chunks)))}"
 
 
 def _all_rows(comm, rows):

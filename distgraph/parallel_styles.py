@@ -43,6 +43,7 @@ Example::
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 from distgraph.errors import DistGraphError
@@ -63,6 +64,9 @@ class ParallelStyle:
     input = None
     output = None
     splits = False          # whether it splits the parameters of what it names
+    # how the output gets its layout: moved there after the layer (a reshard, Paddle's
+    # post-hook), or made so by the layer's own ops (it runs on the split it reads)
+    output_moved = True
 
     def param_spec(self, shape, dim: str):
         return None
@@ -145,10 +149,12 @@ class SequenceParallelEnd(ParallelStyle):
 
 @dataclass(frozen=True)
 class SequenceParallelEnable(ParallelStyle):
-    """A layer run on the sequence split over ``mp`` (a norm): input and output split."""
+    """A layer run on the sequence split over ``mp`` (a norm): its input split over the
+    sequence, and so its output, which it makes so."""
 
     input = SEQUENCE
     output = SEQUENCE
+    output_moved = False
 
 
 @dataclass(frozen=True)
@@ -160,10 +166,10 @@ class SequenceParallelDisable(ParallelStyle):
     output = SEQUENCE
 
 
-class SplitPoint:
+class SplitPoint(enum.Enum):
     """Paddle's split points of ``pp_config["split_spec"]`` as a dict: ``{layer path:
     SplitPoint.END}`` ends a stage after that layer, ``SplitPoint.BEGINNING`` begins one
     at it."""
 
-    BEGINNING = "beginning"
-    END = "end"
+    BEGINNING = 0
+    END = 1

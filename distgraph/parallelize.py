@@ -80,6 +80,7 @@ import difflib
 import fnmatch
 import functools
 
+from distgraph import ops
 from distgraph.annotation import OpAnnotation, shard_tensor, to_shard_spec
 from distgraph.errors import DistGraphError
 from distgraph.ir import Value
@@ -293,13 +294,13 @@ def _cuts(stages, model, spec, n) -> list:
             raise DistGraphError(f"parallelize: pp_config split_spec names {path!r}, which is "
                                  f"not a layer of {type(model).__name__}"
                                  f"{_suggest(path, stages.index)}")
-        if point == SplitPoint.END:
+        if point is SplitPoint.END:
             points.append((stages.end_of(path), None))
-        elif point == SplitPoint.BEGINNING:
+        elif point is SplitPoint.BEGINNING:
             points.append((stages.index[path], None))
         elif isinstance(point, int) and not isinstance(point, bool) and 0 < point < n:
             points.append((stages.index[path], point))
-        elif point == 0 and not isinstance(point, bool):
+        elif isinstance(point, int) and not isinstance(point, bool) and point == 0:
             zero = stages.index[path]
         else:
             raise DistGraphError(f"parallelize: pp_config split_spec[{path!r}] = {point!r}; give "
@@ -333,7 +334,9 @@ def _layer_list(stages, path) -> list:
 
 
 def _show(spec) -> str:
-    return "{" + ", ".join(f"{k!r}: {v!r}" for k, v in spec.items()) + "}"
+    """A split_spec dict as it is written: ``{'blocks.0': dg.SplitPoint.END}``."""
+    return "{" + ", ".join(f"{k!r}: " + (f"dg.{v}" if isinstance(v, SplitPoint) else repr(v))
+                           for k, v in spec.items()) + "}"
 
 
 def _suggest(name, names) -> str:
@@ -536,12 +539,23 @@ def _wrap(layer, mesh, styles, path) -> None:
             wanted[x.name] = spec
             with builder.scope(op_annotation=OpAnnotation(mesh, tuple(wanted.items()))):
                 out = own(*args, **kwargs)
-        if outputs:
-            first = out[0] if isinstance(out, (tuple, list)) else out
-            style = outputs[0]
-            shard_tensor(first, mesh, _activation_spec(style.output, first, mesh, path, style,
-                                                       "output"))
-        return out
+        if not outputs:
+            return out
+        several = isinstance(out, (tuple, list))
+        first = out[0] if several else out
+        style = outputs[0]
+        spec = _activation_spec(style.output, first, mesh, path, style, "output")
+        if not style.output_moved:          # the layer makes it so: pinned where it is made
+            shard_tensor(first, mesh, spec)
+            return out
+        # Paddle reshards the output after the layer (a post-hook): the layer makes it as
+        # its rule does and a copy takes it in the layout asked, so the move is a reshard
+        # between them (a pending sum reduce-scattered), not the layer's ops laid out anew
+        # to make that layout themselves (a weight gathered)
+        with builder.scope(op_annotation=OpAnnotation(mesh, ())):
+            moved = ops.scale(first, 1.0)
+        shard_tensor(moved, mesh, spec)
+        return (moved, *out[1:]) if several else moved
 
     _replace_forward(layer, forward)
 

@@ -175,6 +175,8 @@ _LAYOUTS = [
                    _mp("megatron", 3, "blocks"), PIPELINE)),
     # Llama
     ("llama", Layout("dp_z2", (4,), ("dp",), _dp(2))),
+    ("llama", Layout("dp_cp", (2, 2), ("dp", "cp"), lambda: {})),
+    ("llama", Layout("cp_mp_megatron", (2, 2), ("cp", "mp"), _mp("megatron"))),
     ("llama", Layout("mp_styles", (4,), ("mp",), _mp(llama_styles))),
     ("llama", Layout("dp_mp_sequence_parallel", (2, 2), ("dp", "mp"),
                      _mp(llama_sequence_parallel))),
@@ -297,16 +299,20 @@ def parallelized(kind: str, layout: Layout | None):
     return dg.parallelize(model, layout.mesh, layout.config(), optimizer=optimizer)
 
 
-def train(comm, kind: str, layout: Layout | None = None) -> tuple:
+def train(comm, kind: str, layout: Layout | None = None, loader=None) -> tuple:
     """(History.losses, engine.state_dict()) of STEPS steps of ``kind`` laid out by
     ``layout`` on ``comm`` (None: MPI's world under ``distgraph run``, or serially
-    without a layout); SimulatedWorld.run(train, kind, layout) gives it its threads'."""
+    without a layout); SimulatedWorld.run(train, kind, layout) gives it its threads'.
+    ``loader``: keyword arguments of a dg.shard_dataloader over the layout's mesh that
+    feeds the data (None: the dataset as it is)."""
     with BUILD_LOCK:
         model, optimizer = parallelized(kind, layout)
     strategy = dg.Strategy(**(layout.strategy if layout is not None else {}))
     engine = dg.Engine(model, loss=dg.nn.CrossEntropyLoss(), optimizer=optimizer,
                        strategy=strategy, communicator=comm)
     data = NextTokens(kind)
+    if loader is not None:
+        data = dg.shard_dataloader(data, layout.mesh, **loader)
     with BUILD_LOCK:
         engine.prepare(*dg.app.data.DataLoader(data, BATCH).specs(1))
     history = engine.fit(data, batch_size=BATCH, epochs=1, verbose=0)

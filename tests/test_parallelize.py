@@ -1,8 +1,8 @@
 """``dg.parallelize``: a layout in one call equals the same layout written with
 ``shard_tensor`` (the completed programs' dist attrs, op by op), trains as the serial
 model does (float64, 1e-10) for GPT, Llama and Mixtral with each config alone and
-combined (real MPI ranks: 4, and 8 for dp x mp x pp), and says what is wrong with a
-config in one DistGraphError naming the culprit. Paddle's styles split what Paddle's
+combined, cp and ep too (real MPI ranks: 4, and 8 for dp x mp x pp), and says what is
+wrong with a config in one DistGraphError naming the culprit. Paddle's styles split what Paddle's
 split; its sequence-parallel styles on Llama move exactly what
 ``Strategy(sequence_parallel=True)`` moves."""
 
@@ -110,6 +110,20 @@ def test_llama_sequence_parallel_styles_move_what_megatron_sp_moves():
 
     assert moves(ours) == moves(theirs)
     assert any(kind == "reduce_scatter" for kind, _ in moves(ours))
+
+
+def test_the_readmes_layout_in_one_config_plans_after_the_first_script():
+    """The README's dp x mp x pp snippet, after its first script's model, plans its 8
+    processes from one process: two stages of 2 x 2, ZeRO's sharding on."""
+    readme = open(os.path.join(HERE, "..", "README.md")).read()
+    section = readme[readme.index("## A first script"):readme.index("## Serial")]
+    blocks = section.split("```python\n")[1:]
+    first, snippet = blocks[0].split("```")[0], blocks[2].split("```")[0]
+    scope: dict = {}
+    exec(first[:first.index("engine = ")] + snippet, scope)     # noqa: S102 - the README's
+    plan = scope["engine"].prepare([dg.InputSpec([16, 32], "int64", "tokens")],
+                                   [dg.InputSpec([16, 32], "int64", "labels")])
+    assert [m.shape for m in plan.stages] == [(2, 2), (2, 2)] and plan.strategy.sharding
 
 
 # -- what each piece does -------------------------------------------------------------------
@@ -332,6 +346,20 @@ def test_training_equals_serial_on_threads(float64, serial, kind, name):
     layout = C.LAYOUTS[kind, name]
     for result in SimulatedWorld(layout.ranks, timeout=120).run(C.train, kind, layout):
         C.trains_equal(result, serial[kind])
+
+
+def test_context_parallel_from_the_loader_keeps_its_balanced_order(float64, serial):
+    """dp x cp: the loader's split of the sequence over cp, in the load-balanced order
+    of 2 cp chunks, is kept (parallelize's own is the natural order: the mpi job), and
+    trains as serial does."""
+    layout = C.LAYOUTS["llama", "dp_cp"]
+    loader = dict(shard_dims="dp", sequence_dim="cp")
+    data = dg.shard_dataloader(C.NextTokens("llama"), layout.mesh, **loader)
+    plan = _plan(*C.parallelized("llama", layout), dg.Strategy(), "llama", data)
+    assert str(plan.program.inputs[0].dist_attr.spec) == "[dp, cp]"
+    assert data.sequence_chunks == 4
+    for result in SimulatedWorld(4, timeout=120).run(C.train, "llama", layout, loader):
+        C.trains_equal(result, serial["llama"])
 
 
 JOBS = {4: sorted(k for k, layout in C.LAYOUTS.items() if layout.ranks == 4),

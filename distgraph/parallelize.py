@@ -28,14 +28,20 @@ size > 1 that the config gives nothing to do is an error, not a silent copy.
     updates its slice of a parameter, whose gradient is reduce-scattered onto that slice
     rather than all-reduced, and the updated slices are all-gathered back. That is
     level 2 (ZeRO-2: states and gradients). Level 1 is the same plan: Paddle's level 1
-    all-reduces the gradient and keeps it whole, which here would move twice the bytes
-    (an all-reduce is a reduce-scatter and an all-gather) to hold a whole gradient that
-    no update reads; what level 1 asks for, states split over ``dp``, it has.
+    all-reduces the gradient and keeps it whole, which here would move twice the
+    gradient's bytes (an all-reduce is a reduce-scatter and an all-gather) to hold a
+    whole gradient that no update reads; what level 1 asks for, states split over
+    ``dp``, it has.
   - 3: also the parameters, stored split over ``dp`` on their first dim that ``dp``
-    divides (on top of their tensor-parallel split): completion gathers a weight where
-    an op needs it whole (ZeRO-3, FSDP), or moves the activations instead where its
-    pricing finds that cheaper; a parameter with no such dim keeps level 2's sharded
-    states.
+    divides (on top of their tensor-parallel split), and read whole over ``dp`` by the
+    ops of the layer that owns them (ZeRO-3, FSDP: each weight all-gathered where it is
+    used, in the forward and again in the backward; its gradient reduce-scattered onto
+    its slice; the batch stays split). The reads are pinned (the layer's forward runs
+    under an op annotation, as ``shard_op``'s in_shard_specs): completion, which prices
+    bytes moved and not work, would otherwise gather the small token batch instead and
+    compute the whole batch on every process. A parameter with no such dim keeps level
+    2's sharded states; one read outside its layer (GPT's ``wpe``, a tied head) is read
+    as completion chooses.
 
   The level reaches the planner on the optimizer, as Paddle wraps it: ``parallelize``
   returns the optimizer it is given with ``optimizer.sharding_level`` set; the program
@@ -66,8 +72,8 @@ each input of the model's forward is split over ``dp`` (and ``ep``) on dim 0, an
 ``cp`` on dim 1, on the first stage, unless the data come from ``dg.shard_dataloader``,
 whose split is kept: ``engine.fit(dataset)`` trains data parallel as it stands, and
 ``dg.shard_dataloader(data, [first stage, last stage], "dp")`` also reads each label
-on its own processes only, and with ``sequence_dim="cp"`` stores sequences in the load
--balanced order (the split made here keeps the natural order). A style that lays out
+on its own processes only, and with ``sequence_dim="cp"`` stores sequences in the
+load-balanced order (the split made here keeps the natural order). A style that lays out
 activations wraps its layer's forward. Everything else (micro-batches, the schedule,
 recompute, amp, ``sequence_parallel``) stays in ``dg.Strategy``.
 
@@ -117,15 +123,18 @@ def parallelize(model, mesh, config=None, optimizer=None):
     params = model.named_parameters()
     before = [p.annotation for _, p in params]
     try:
-        wraps = _annotate(model, stages, config.get("mp_config", {}).get("parallelize_plan"),
-                          level, "ep" in mesh.dim_names)
+        wraps, gathered = _annotate(model, stages,
+                                    config.get("mp_config", {}).get("parallelize_plan"), level,
+                                    "ep" in mesh.dim_names)
     except DistGraphError:
         for (_, p), annotation in zip(params, before):    # as it was
             p.annotation = annotation
         raise
     _unwrap(model)
-    for path, (layer, styles) in wraps.items():
-        _wrap(layer, stages.mesh_of(path), styles, path)
+    layers = dict(model.named_sublayers())
+    for path in sorted(set(wraps) | set(gathered)):
+        styles = wraps[path][1] if path in wraps else []
+        _wrap(layers[path], stages.mesh_of(path), styles, path, gathered.get(path, {}))
     _wrap_inputs(model, stages.meshes[0])
     if optimizer is None:
         return model
@@ -133,9 +142,11 @@ def parallelize(model, mesh, config=None, optimizer=None):
     return model, optimizer
 
 
-def _annotate(model, stages, plan, level, experts) -> dict:
+def _annotate(model, stages, plan, level, experts) -> tuple:
     """Annotate every parameter of ``model`` on its stage's mesh; returns the layers
-    whose activations the plan lays out ({path: (layer, styles)})."""
+    whose activations the plan lays out ({path: (layer, styles)}) and, with level 3, the
+    layers whose parameters their ops read gathered over dp ({path: {parameter's name
+    in the layer: the spec read}})."""
     for _, p in model.named_parameters():
         p.annotation = None
     template = stages.meshes[0]     # every stage alike: the specs are made on stage 0's
@@ -144,12 +155,19 @@ def _annotate(model, stages, plan, level, experts) -> dict:
              ShardSpec.replicated(len(p.shape)) for name, p in model.named_parameters()}
     if experts:
         _split_experts(model, specs, template)
+    gathered = {}
     if level == 3:
+        used = dict(specs)
         _split_over_dp(model, specs, template)
+        for path, layer in model.named_sublayers():
+            for leaf, p in layer._parameters.items():
+                name = f"{path}.{leaf}"
+                if specs.get(name, used.get(name)) != used.get(name):
+                    gathered.setdefault(path, {})[leaf] = used[name]
     for name, p in model.named_parameters():
         p.annotation = None
         shard_tensor(p, stages.mesh_of(name), specs[name])
-    return wraps
+    return wraps, gathered
 
 
 # -- the config and the mesh -----------------------------------------------------------------
@@ -514,9 +532,10 @@ def _activation_spec(kind, value, mesh, path, style, side) -> list:
     return _entries(mesh, ndim)
 
 
-def _wrap(layer, mesh, styles, path) -> None:
+def _wrap(layer, mesh, styles, path, gathered) -> None:
     """``layer`` runs its forward consuming its first input and producing its first output
-    as ``styles`` ask (its own forward kept under WRAPPED)."""
+    as ``styles`` ask, and reading its parameters named in ``gathered`` in the spec given
+    there (level 3: gathered over dp before use); its own forward kept under WRAPPED."""
     own = layer.forward
     inputs = [s for s, _ in styles if s.input]
     outputs = [s for s, _ in styles if s.output]
@@ -527,16 +546,21 @@ def _wrap(layer, mesh, styles, path) -> None:
         x = args[0] if args else None
         if builder is None or not isinstance(x, Value):
             return own(*args, **kwargs)
-        if not inputs:
-            out = own(*args, **kwargs)
-        else:
+        wanted = {}
+        if inputs:
             style = inputs[0]
             spec = to_shard_spec(_activation_spec(style.input, x, mesh, path, style, "input"),
                                  mesh, len(x.shape), f"the input of {path!r}")
             spec.validate(mesh, x.shape, f"input {x.name!r} of {path!r} ({style})")
-            outer = builder.op_annotation
-            wanted = dict(outer.in_specs) if outer is not None and outer.mesh == mesh else {}
             wanted[x.name] = spec
+        for leaf, spec in gathered.items():
+            wanted[builder.as_value(layer._parameters[leaf]).name] = spec
+        if not wanted:
+            out = own(*args, **kwargs)
+        else:
+            outer = builder.op_annotation
+            if outer is not None and outer.mesh == mesh:
+                wanted = {**dict(outer.in_specs), **wanted}
             with builder.scope(op_annotation=OpAnnotation(mesh, tuple(wanted.items()))):
                 out = own(*args, **kwargs)
         if not outputs:

@@ -231,14 +231,37 @@ def split_input(model, mesh, entry) -> None:
 
 def gpt_by_hand(table, meshes):
     """Every GPT parameter on its stage's mesh (GPT_STAGES with two meshes) with its spec
-    in ``table``."""
+    in ``table``; where a spec splits a parameter over dp (ZeRO-3), the ops of its layer
+    read it without that split (:func:`read_whole_over_dp`)."""
     def annotate(model):
-        for name, p in model.named_parameters():
-            stage = 0 if len(meshes) == 1 else next(
-                s for s, parts in enumerate(GPT_STAGES)
-                if any(name.startswith(part + ".") for part in parts))
-            dg.shard_tensor(p, meshes[stage], table[_key(name)])
+        for path, layer in model.named_sublayers():
+            stored = {}
+            for leaf, p in layer._parameters.items():
+                name = f"{path}.{leaf}"
+                stage = 0 if len(meshes) == 1 else next(
+                    s for s, parts in enumerate(GPT_STAGES)
+                    if any(name.startswith(part + ".") for part in parts))
+                dg.shard_tensor(p, meshes[stage], table[_key(name)])
+                stored[leaf] = table[_key(name)]
+            used = {leaf: [None if e == "dp" else e for e in spec]
+                    for leaf, spec in stored.items() if "dp" in spec}
+            if used:
+                read_whole_over_dp(layer, meshes[stage], used)
     return annotate
+
+
+def read_whole_over_dp(layer, mesh, specs) -> None:
+    """``layer``'s ops read its parameters named in ``specs`` in those specs (gathered
+    over dp before use, as ZeRO-3 does): its forward run under ``shard_op`` with the
+    parameters as the callable's arguments, whose in_shard_specs they are."""
+    own, leaves = layer.forward, list(specs)
+
+    def forward(x):
+        run = dg.shard_op(lambda x, *params: own(x), mesh,
+                          in_shard_specs=[None] + [specs[leaf] for leaf in leaves])
+        return run(x, *(layer._parameters[leaf] for leaf in leaves))
+
+    layer.forward = forward
 
 
 def llama_by_hand(meshes):

@@ -206,6 +206,22 @@ def test_the_level_rides_on_the_optimizer_to_the_planner():
     assert "sharding_level" not in optimizer.hyperparameters()
 
 
+def test_level_3_gathers_each_weight_to_use_it_and_keeps_the_batch_split():
+    """ZeRO-3 as FSDP runs it: each weight stored split over dp is all-gathered where its
+    layer uses it (forward, and again for the input gradients), the tokens stay split
+    over dp (not gathered to compute the whole batch everywhere, which moves fewer bytes
+    but does dp times the work), and its gradient is reduce-scattered onto its slice."""
+    layout = C.LAYOUTS["gpt", "dp_z3"]
+    plan = _plan(*C.parallelized("gpt", layout), dg.Strategy(**layout.strategy))
+    steps = collections.defaultdict(list)
+    for point in plan.local(0).points():
+        steps[point.value] += [str(s.kind) for s in point.steps]
+    assert "input_0" not in steps
+    for name in ("blocks.0.attn.qkv.weight", "blocks.1.mlp.fc2.weight", "lm_head.weight"):
+        assert steps[name] == ["all_gather", "all_gather"], name
+        assert steps[name + "@GRAD"] == ["reduce_scatter"], name
+
+
 def test_parallelize_again_lays_the_model_out_anew():
     """A second call replaces every annotation and wrapper of the first (no layout
     stacked on another)."""

@@ -190,6 +190,7 @@ _LAYOUTS = [
     ("mixtral", Layout("ep_mp_megatron", (2, 2), ("ep", "mp"), _mp("megatron"))),
     ("mixtral", Layout("pp_ep", (2, 2), ("pp", "ep"), _pp("layers"), PIPELINE)),
     ("mixtral", Layout("dp_mp_megatron_z2", (2, 2), ("dp", "mp"), _mp("megatron", 2))),
+    ("mixtral", Layout("dp_ep_z3", (2, 2), ("dp", "ep"), _dp(3))),
     ("mixtral", Layout("pp_dp_mp_z2", (2, 2, 2), ("pp", "dp", "mp"),
                        _mp("megatron", 2, "layers"), PIPELINE)),
 ]

@@ -160,9 +160,9 @@ def _annotate(model, stages, plan, level, experts) -> tuple:
         used = dict(specs)
         _split_over_dp(model, specs, template)
         for path, layer in model.named_sublayers():
-            for leaf, p in layer._parameters.items():
-                name = f"{path}.{leaf}"
-                if specs.get(name, used.get(name)) != used.get(name):
+            for leaf in layer._parameters:
+                name = f"{path}.{leaf}"          # not in specs: a tied parameter's 2nd path
+                if name in specs and specs[name] != used[name]:
                     gathered.setdefault(path, {})[leaf] = used[name]
     for name, p in model.named_parameters():
         p.annotation = None
@@ -191,7 +191,7 @@ def _checked_config(config) -> dict:
                 raise DistGraphError(f"parallelize: config[{key!r}] key {inner!r} is not one "
                                      f"it knows; give {', '.join(map(repr, CONFIG_KEYS[key]))}")
     for key, inner in (("mp_config", "parallelize_plan"), ("pp_config", "split_spec")):
-        if key in config and inner not in config[key]:
+        if key in config and config[key].get(inner) is None:
             raise DistGraphError(f"parallelize: config[{key!r}] needs {inner!r}")
     return config
 
@@ -244,7 +244,7 @@ class Stages:
         self.index = {path: i for i, (path, _) in enumerate(self.order)}
         self.meshes = _stage_meshes(mesh)
         self.cuts = _cuts(self, model, split_spec, len(self.meshes)) \
-            if len(self.meshes) > 1 else []
+            if split_spec is not None else []
 
     def stage_of(self, path: str) -> int:
         i = self.index[path]

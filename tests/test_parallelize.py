@@ -278,6 +278,8 @@ MISTAKES = [
                                                r"states: pass optimizer="),
     ("level without dp", _gpt, MP, {**MEGATRON, "dp_config": {"sharding_level": 1}},
      {"optimizer": dg.optim.SGD(0.1)}, r"sharding_level 1 shards over mesh dim 'dp', but"),
+    ("no plan", _gpt, MP, _plan_of(None), {},
+     r"config\['mp_config'\] needs 'parallelize_plan'"),
     ("built-in name", _gpt, MP, _plan_of("tensor"), {},
      r"parallelize_plan 'tensor' is not a built-in plan; give 'megatron'"),
     ("no built-in", lambda: dg.nn.MLP(4, 8), MP, MEGATRON, {},

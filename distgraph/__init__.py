@@ -3,7 +3,9 @@
 Public names (see the README): ``trace``, ``InputSpec``, ``Engine``, ``Strategy``,
 ``ops``, ``nn``, ``optim``, ``set_default_dtype``, ``seed``, ``LazyGuard``, the error classes, the
 distributed attributes ``ProcessMesh``, ``ShardSpec``, ``shard_tensor``, ``shard_op``,
-``shard_dataloader``, and ``__version__``.
+``shard_dataloader``, a layout in one call ``parallelize`` with Paddle's styles
+(``ColWiseParallel``, ``RowWiseParallel``, ``SequenceParallelBegin`` / ``End`` / ``Enable``
+/ ``Disable``, ``SplitPoint``), and ``__version__``.
 
 Each name is imported the first time it is used (PEP 562), so that what imports only a
 part of distgraph pays only for that part: ``distgraph run`` and every rank's bootstrap
@@ -49,6 +51,13 @@ _PUBLIC = {
     "ShardSpec": "distgraph.placement",
     "shard_dataloader": "distgraph.annotation", "shard_op": "distgraph.annotation",
     "shard_tensor": "distgraph.annotation",
+    "parallelize": "distgraph.parallelize",
+    "ColWiseParallel": "distgraph.parallel_styles", "RowWiseParallel": "distgraph.parallel_styles",
+    "SequenceParallelBegin": "distgraph.parallel_styles",
+    "SequenceParallelDisable": "distgraph.parallel_styles",
+    "SequenceParallelEnable": "distgraph.parallel_styles",
+    "SequenceParallelEnd": "distgraph.parallel_styles",
+    "SplitPoint": "distgraph.parallel_styles",
     "Cluster": "distgraph.resources.cluster",
     "get_rank": "distgraph.runtime.launch.status",
     "get_world_size": "distgraph.runtime.launch.status",
@@ -93,14 +102,19 @@ def __dir__():
     return sorted(set(globals()) | set(__all__))
 
 
+# submodules that share their name with the public function they define
+_NAMESAKES = ("trace", "parallelize")
+
+
 class _Facade(types.ModuleType):
-    """The package module. Importing a submodule binds it on its package, and one
-    submodule shares its name with a public function: ``distgraph.trace`` defines
-    ``trace``. The name stays the function, as it was when everything was imported here."""
+    """The package module. Importing a submodule binds it on its package, and two
+    submodules share their names with public functions: ``distgraph.trace`` defines
+    ``trace``, ``distgraph.parallelize`` ``parallelize``. The names stay the functions, as
+    ``trace`` was when everything was imported here."""
 
     def __setattr__(self, name, value):
-        if name == "trace" and isinstance(value, types.ModuleType):
-            value = value.trace
+        if name in _NAMESAKES and isinstance(value, types.ModuleType):
+            value = getattr(value, name)
         super().__setattr__(name, value)
 
 

@@ -23,7 +23,9 @@ PUBLIC = ("InputSpec", "trace", "Engine", "History", "Strategy", "ops", "nn", "o
           "Replicate", "Partial", "shard_tensor", "shard_op", "shard_dataloader", "Cluster",
           "Program", "Operation", "Value", "append_backward", "DistGraphError",
           "ShardingError", "ResourceFileError", "PlanError", "RuntimeFault",
-          "CheckpointError", "DTypeError", "ShapeError", "__version__")
+          "CheckpointError", "DTypeError", "ShapeError", "__version__", "parallelize",
+          "ColWiseParallel", "RowWiseParallel", "SequenceParallelBegin", "SequenceParallelEnd",
+          "SequenceParallelEnable", "SequenceParallelDisable", "SplitPoint")
 HEAVY = ("numpy", "scipy", "networkx", "yaml", "pyscipopt", "cvxpy")
 
 
@@ -66,6 +68,16 @@ def test_trace_stays_the_function_once_its_module_is_imported():
     from distgraph.trace import InputSpec
 
     assert InputSpec is dg.InputSpec
+
+
+def test_parallelize_stays_the_function_once_its_module_is_imported():
+    """``distgraph.parallelize`` is a module defining the function of its name, as
+    ``distgraph.trace`` is: importing the module leaves the name the function."""
+    import distgraph.parallelize as bound
+    from distgraph.parallelize import matches
+
+    assert dg.parallelize is bound and callable(dg.parallelize)
+    assert dg.parallelize.__name__ == "parallelize" and matches("a.*", "a.b")
 
 
 def test_the_public_names_work_together():

@@ -200,6 +200,28 @@ def test_a_checkpoint_whose_config_does_not_fit_its_weights_says_which_fields(tm
     assert "check its vocab_size, hidden_size, intermediate_size" in message, message
 
 
+@pytest.mark.parametrize("lazy", [False, True])
+def test_a_checkpoint_whose_index_names_a_missing_shard_says_the_index_lists_it(tmp_path,
+                                                                                 lazy):
+    """A sharded checkpoint copied without one of its shards: one DistGraphError that
+    names the index, the shard it lists and a tensor it holds (it was a bare
+    FileNotFoundError from safetensors, naming only the shard's path)."""
+    import json
+
+    dg.save_pretrained(tiny_llama(), tmp_path, max_shard_size="2KB")
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 2
+    gone = shards[1]
+    (tmp_path / gone).unlink()
+    with pytest.raises(DistGraphError) as info:
+        dg.from_pretrained(tmp_path, lazy=lazy)
+    message = str(info.value)
+    held = sorted(k for k, f in index["weight_map"].items() if f == gone)
+    assert f"model.safetensors.index.json lists {gone}" in message, message
+    assert held[0] in message and "is not in the folder" in message, message
+
+
 @pytest.mark.parametrize("change,said", [
     (dict(batch_size=4), "rank 0 batch_size=8, rank 1 batch_size=4"),
     (dict(samples=12), "rank 0 train_data=8 samples, rank 1 train_data=12 samples"),

@@ -262,6 +262,37 @@ def test_a_megatron_split_the_mesh_does_not_divide_names_the_parameter_by_its_pa
         dg.nn.llama.megatron(model, dg.ProcessMesh([0, 1, 2], dim_names=["mp"]))
 
 
+def readme_gpt_and_mesh():
+    model = dg.nn.GPT(vocab_size=64, d_model=64, n_layer=2, n_head=4, max_seq_len=32)
+    return model, dg.ProcessMesh([[0, 1], [2, 3]], dim_names=["dp", "mp"])
+
+
+@pytest.mark.parametrize("spec, said", [
+    ([None, "mpp"], "unknown mesh dim 'mpp'"),
+    ("mp", "shard spec 'mp' is a string"),
+    ([None, None, "mp"], "the spec has 3 entries for a 2-d tensor"),
+])
+def test_a_wrong_spec_on_a_parameter_names_it_by_its_path_before_any_trace(spec, said):
+    """The README's annotation with a mistake, before the Engine traced anything: the
+    error named "parameter 'weight' of Linear(64, 256)", one of four such Linears."""
+    model, mesh = readme_gpt_and_mesh()
+    with pytest.raises(dg.ShardingError) as info:
+        dg.shard_tensor(model.blocks[1].mlp.fc1.weight, mesh, spec)
+    message = str(info.value)
+    assert message.startswith("parameter 'blocks.1.mlp.fc1.weight' of Linear(64, 256)"), message
+    assert said in message, message
+
+
+def test_a_layer_given_to_shard_tensor_is_named_by_its_path_with_its_parameters():
+    model, mesh = readme_gpt_and_mesh()
+    with pytest.raises(dg.ShardingError) as info:
+        dg.shard_tensor(model.blocks[0].mlp.fc1, mesh, [None, "mp"])
+    assert str(info.value) == (
+        "shard_tensor: got the layer 'blocks.0.mlp.fc1' (Linear(64, 256)), not a tensor: "
+        "annotate its parameters (blocks.0.mlp.fc1.weight, blocks.0.mlp.fc1.bias), or run "
+        "it on a mesh with dg.shard_op(layer, mesh, ...)")
+
+
 def test_predict_takes_samples_of_inputs_only_after_fit(float64):
     """After fit, predict of samples without labels said "samples have 1 field(s) (the
     last is the label), so the model gets 0 input(s)"; now they are the inputs, and

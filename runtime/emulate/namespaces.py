@@ -172,6 +172,25 @@ def remove_leftovers(log=None) -> list[str]:
     return removed
 
 
+def other_jobs(job: str) -> list[str]:
+    """One line per other distgraph job whose namespaces are here, and whose launcher
+    runs: ``job 842.417664 (pid 842: distgraph run -n 4 --emulate ...)``."""
+    lines = []
+    for name in our_namespaces():
+        pid, start, _ = parse_namespace(name)
+        other = f"{pid}.{start}"
+        if other == job or not job_alive(pid, start) or any(f"job {other} " in ln
+                                                            for ln in lines):
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                command = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:
+            command = "?"
+        lines.append(f"job {other} (pid {pid}: {command[:120]})")
+    return lines
+
+
 def taken_subnets() -> set[str]:
     """/24 prefixes under 10/8 in use here: on this namespace's addresses and routes,
     and on the namespaces of other distgraph jobs."""
@@ -204,6 +223,16 @@ class Emulation:
         self._catch_termination()
         try:
             remove_leftovers(self.log)
+            others = other_jobs(self.layout.job)
+            if others:
+                # they cannot meet this one (own namespaces, addresses only inside them),
+                # but they share this machine's cores
+                self.log.write(f"distgraph: {len(others)} other emulated cluster"
+                               f"{'s run' if len(others) > 1 else ' runs'} on this machine "
+                               f"({'; '.join(others)}): its ranks share the cores, so "
+                               "timings and shaped bandwidths may be off while "
+                               f"{'they run' if len(others) > 1 else 'it runs'}\n")
+                self.log.flush()
             self._setup()
         except BaseException:
             self._teardown()

@@ -300,6 +300,24 @@ def test_a_file_without_links_inside_its_machines_restarts_on_the_machine_left(
 @pytest.mark.mpi
 @pytest.mark.slow
 @EMULATED
+def test_a_successful_elastic_job_removes_its_temporary_logs_failed_attempts_included(
+        launched, tmp_path):
+    """Issue #52: without --log-dir each attempt kept its own temporary log folder when
+    it failed (a machine lost), though the job then succeeded on the ranks left."""
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    args = elastic(tmp_path, script=["--step-time", "0.2"])
+    at = args.index("--log-dir")
+    del args[at:at + 2]
+    result = launched.run(*args, env={"TMPDIR": str(temp)}, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "restart 1 of 3 on 2 ranks (node0:2), was 4; dropped node1" in result.stderr
+    assert not [p.name for p in temp.iterdir() if p.name.startswith("distgraph-logs-")]
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+@EMULATED
 def test_a_machine_lost_while_a_checkpoint_is_written_resumes_from_the_previous_one(
         launched, tmp_path, serial):
     proc = launched.start(*elastic(tmp_path, faults=(), script=["--hold-save-at", "8"]))

@@ -18,8 +18,9 @@ from pathlib import Path
 import pytest
 
 import distgraph as dg
-from distgraph.runtime.emulate.namespaces import (check_prerequisites, job_alive, other_jobs,
-                                                  our_namespaces, remove_job)
+from distgraph.runtime.emulate.namespaces import (check_prerequisites, job_alive,
+                                                  leftover_folders, other_jobs, our_namespaces,
+                                                  remove_job)
 from distgraph.runtime.emulate.layout import (namespace_name, parse_namespace, process_start,
                                               this_job)
 from test_meshslice_mpi import check_cases
@@ -288,10 +289,12 @@ def test_namespaces_of_a_killed_launcher_go_at_the_next_start(launched):
     assert sorted(launched.namespaces_of(proc)) == sorted(names)
     job = parse_namespace(names[0])
     assert not job_alive(job[0], job[1])
+    folders = leftover_folders(f"{job[0]}.{job[1]}")       # its TemporaryDirectory
+    assert len(folders) == 1 and os.path.isdir(folders[0])
     result = launched.run("run", "-n", "1", "--emulate", FILE_2X2, PROBE)
     probe(result)
     assert f"removed 3 namespaces left by emulated job {job[0]}.{job[1]}" in result.stderr
-    assert launched.namespaces_of(proc) == []
+    assert launched.namespaces_of(proc) == [] and not os.path.exists(folders[0])
 
 
 def test_without_root_the_launcher_says_so_before_creating_anything(launched):

@@ -56,6 +56,7 @@ STALL_RATE_BITS = 8000         # a stalled link trickles 1 kB/s
 STALL_BURST_BYTES = 2000
 KILL_GRACE_SECONDS = 1.0
 LINK_STATES = ("down", "stall", "up")
+FOLDER_KINDS = ("emulate", "elastic")     # a job's temporary folders: distgraph-<kind>-<job>-*
 TERMINATING = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
@@ -161,11 +162,18 @@ def remove_leftovers(log=None) -> list[str]:
     for name in our_namespaces() + [os.path.basename(p) for p in our_groups()]:
         pid, start, _ = parse_namespace(name)
         jobs[f"{pid}.{start}"] = (pid, start)
+    for folder in leftover_folders("*"):
+        job = os.path.basename(folder).split("-")[2]
+        pid, _, start = job.partition(".")
+        if pid.isdigit() and start.isdigit():
+            jobs.setdefault(job, (int(pid), int(start)))
     removed = []
     for job, (pid, start) in sorted(jobs.items()):
         if not job_alive(pid, start):
             gone = remove_job(job)
             removed += gone
+            for folder in leftover_folders(job):
+                shutil.rmtree(folder, ignore_errors=True)
             if log is not None and gone:
                 log.write(f"distgraph: removed {len(gone)} namespaces left by emulated job "
                           f"{job}, whose launcher (pid {pid}) is gone\n")
@@ -189,6 +197,24 @@ def other_jobs(job: str) -> list[str]:
             command = "?"
         lines.append(f"job {other} (pid {pid}: {command[:120]})")
     return lines
+
+
+def leftover_folders(job: str) -> list[str]:
+    """The temporary folders of emulated job ``job`` (``distgraph-emulate-<job>-*``,
+    ``distgraph-elastic-<job>-*``): what a killed launcher leaves beside its namespaces."""
+    import glob
+    import tempfile
+
+    return sorted(p for kind in FOLDER_KINDS
+                  for p in glob.glob(os.path.join(tempfile.gettempdir(),
+                                                  folder_prefix(kind, job) + "*")))
+
+
+def folder_prefix(kind: str, job: str) -> str:
+    """The prefix of a temporary folder of ``job`` (``kind``: one of
+    :data:`FOLDER_KINDS`), so that :func:`remove_leftovers` finds the folder once the
+    job's launcher is gone (killed: its ``TemporaryDirectory`` was never removed)."""
+    return f"{PREFIX}{kind}-{job}-"
 
 
 def taken_subnets() -> set[str]:

@@ -162,7 +162,7 @@ def test_two_emulated_jobs_at_once_do_not_meet(launched):
     second = launched.run("run", "-n", "4", "--emulate", FILE_2X2, PROBE, "0-1", "0-2",
                           timeout=BOUND)
     assert probe(second)["hostnames"] == ["node0", "node0", "node1", "node1"]
-    assert f"other emulated cluster" in second.stderr and f"job {job} (pid {first.pid}: " \
+    assert "other emulated cluster" in second.stderr and f"job {job} (pid {first.pid}: " \
         in second.stderr, second.stderr[-2000:]
     assert first.poll() is None and sorted(launched.namespaces_of(first)) == sorted(names)
     out, err = first.communicate(timeout=BOUND)

@@ -145,7 +145,7 @@ class Parameter:
         value = np.asarray(value)
         if tuple(value.shape) != self.shape:
             raise DistGraphError(f"set_value: shape {list(value.shape)} does not match the "
-                                 f"parameter's shape {list(self.shape)}")
+                                 f"shape {list(self.shape)} of {self.describe()}")
         self._value = np.array(value, dtype=self.dtype, order="C")
 
     def __repr__(self) -> str:

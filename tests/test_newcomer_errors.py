@@ -293,6 +293,15 @@ def test_a_layer_given_to_shard_tensor_is_named_by_its_path_with_its_parameters(
         "it on a mesh with dg.shard_op(layer, mesh, ...)")
 
 
+def test_a_value_of_the_wrong_shape_names_the_parameter_by_its_path():
+    model, _ = readme_gpt_and_mesh()
+    with pytest.raises(dg.DistGraphError) as info:
+        model.blocks[1].mlp.fc2.weight.set_value(np.zeros((64, 256)))
+    assert str(info.value) == ("set_value: shape [64, 256] does not match the shape "
+                               "[256, 64] of parameter 'blocks.1.mlp.fc2.weight' of "
+                               "Linear(256, 64)")
+
+
 def test_predict_takes_samples_of_inputs_only_after_fit(float64):
     """After fit, predict of samples without labels said "samples have 1 field(s) (the
     last is the label), so the model gets 0 input(s)"; now they are the inputs, and

@@ -46,6 +46,17 @@ def test_every_public_name_resolves(name):
     assert namespace["x"] is value
 
 
+def test_dir_shows_the_public_names_not_the_facades_helpers():
+    """``dir(dg)`` (and tab completion) lists what a user may call: the public names, the
+    submodules imported so far and the dunders; not the modules the facade uses itself."""
+    shown = set(dir(dg))
+    assert not shown & {"importlib", "sys", "types", "limit_blas_threads"}, sorted(shown)
+    assert set(dg.__all__) <= shown
+    others = [name for name in shown - set(dg.__all__) if not name.startswith("__")
+              and not getattr(getattr(dg, name), "__name__", "").startswith("distgraph.")]
+    assert not others, others
+
+
 def test_submodules_are_attributes_as_before():
     assert dg.spmd.UNKNOWN is not None and dg.resources.cluster.Cluster is dg.Cluster
     assert callable(dg.passes.plan_reshard) and callable(dg.ops.matmul)

@@ -22,9 +22,15 @@ and 2 key/value heads, RoPE theta 500,000), else with ``dg.save_pretrained`` of 
   ``config.json`` transformers reads), and when ``transformers`` is installed loads it
   there and checks that its logits agree with distgraph's.
 
+``transformers`` is optional. To have it, install torch's CPU wheel first: a plain ``pip
+install torch`` pulls the CUDA build and its libraries (6.2 GB), which nothing here uses::
+
+    pip install torch --index-url https://download.pytorch.org/whl/cpu
+    pip install transformers
+
 Run it with the launcher (4 MPI ranks, one BLAS thread each)::
 
-    distgraph run -n 4 tutorials/08_llama_finetune.py             # 5 s on 2 cores, 15 s with transformers
+    distgraph run -n 4 tutorials/08_llama_finetune.py             # 7 s on 2 cores, 11-15 s with transformers
     distgraph run -n 4 tutorials/08_llama_finetune.py --steps 20  # quicker
     distgraph run -n 4 tutorials/08_llama_finetune.py --by-hand   # shard_tensor, same layout
 

@@ -27,7 +27,9 @@ Example::
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import tempfile
 import threading
 import time
 
@@ -178,7 +180,18 @@ def launch_elastic_hosts(assignment: HostAssignment | None, argv: list[str],
         raise PlanError("--elastic with --hostfile/--hosts takes no --cluster yet (the "
                         "file would describe machines that may be lost); give --emulate "
                         "FILE, or leave --cluster out")
-    attempts = HostAttempts(assignment, argv, log, env, log_dir, timeout, policy)
-    records = os.path.join(log_dir, "elastic.jsonl") if log_dir else None
-    return ElasticRun(attempts.machines(), assignment.nprocs, attempts, attempts.answering,
-                      policy, log, records).run()
+    # without --log-dir, one temporary folder holds every attempt's logs: removed when
+    # the job succeeds (its failed attempts included), kept and named when it fails
+    temporary = log_dir is None
+    log_dir = tempfile.mkdtemp(prefix="distgraph-logs-") if temporary else log_dir
+    rc = 1
+    try:
+        attempts = HostAttempts(assignment, argv, log, env, log_dir, timeout, policy)
+        rc = ElasticRun(attempts.machines(), assignment.nprocs, attempts, attempts.answering,
+                        policy, log, os.path.join(log_dir, "elastic.jsonl")).run()
+    finally:
+        if temporary and rc == 0:
+            shutil.rmtree(log_dir, ignore_errors=True)
+        elif temporary:
+            log.write(f"distgraph: elastic: every attempt's logs are in {log_dir}\n")
+    return rc

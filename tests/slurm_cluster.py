@@ -293,7 +293,7 @@ class SlurmCluster:
         pairs = []
         for top in _tops_in_tmp([self.folder, *_job_places()]):
             os.makedirs(os.path.join(tmp, top), exist_ok=True)
-            pairs.append((os.path.join(tempfile.gettempdir(), top), os.path.join(tmp, top)))
+            pairs.append((os.path.join("/tmp", top), os.path.join(tmp, top)))
         mounts = [p for pair in pairs for p in pair]
         with open(self._path("nodes", name, "stdout.log"), "w") as out:
             self._daemons[name] = subprocess.Popen(
@@ -324,14 +324,18 @@ def _job_places() -> list[str]:
 
 
 def _tops_in_tmp(places) -> list[str]:
-    """The folders right below the temporary folder that hold ``places``."""
-    tmp = os.path.realpath(tempfile.gettempdir())
-    tops = set()
+    """The folders below ``/tmp`` (which a node's own folder replaces) that hold
+    ``places``, as paths relative to /tmp, none inside another: each is bound at its own
+    path on a node, so that the rest of the node's /tmp (and of TMPDIR below it, as in a
+    test run) stays the node's own."""
+    tmp = os.path.realpath("/tmp")
+    found = set()
     for place in places:
         rel = os.path.relpath(os.path.realpath(place), tmp)
         if rel != "." and not rel.startswith(".."):
-            tops.add(rel.split(os.sep)[0])
-    return sorted(tops)
+            found.add(rel)
+    return sorted(r for r in found
+                  if not any(r != o and r.startswith(o + os.sep) for o in found))
 
 
 def _write(path: str, text: str, mode: int = 0o644) -> None:

@@ -19,6 +19,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -329,12 +330,19 @@ def test_scancel_leaves_no_rank_and_no_proxy_on_either_node(cluster):
     assert "received SIGTERM: stopped mpiexec and its 4 ranks on 2 hosts" in text, text
     # Slurm refuses a cancelled job a step to clean node1's files with: the launcher says
     # where they are (each rank's log and status files; the processes are gone)
-    left = [f for f in os.listdir(cluster.tmp_of("node1")) if f.startswith("distgraph-status")]
-    assert len(left) == 1 and f"look for /tmp/{left[0]} there" in text, text
+    # a node's /tmp is its own folder: the job's temporary folder (TMPDIR) is below it
+    below = os.path.relpath(os.path.realpath(tempfile.gettempdir()), os.path.realpath("/tmp"))
+    here = os.path.join("/tmp", below) if below != "." else "/tmp"
+
+    def node_tmp(n):
+        return os.path.normpath(os.path.join(cluster.tmp_of(n), below))
+
+    left = [f for f in os.listdir(node_tmp("node1")) if f.startswith("distgraph-status")]
+    assert len(left) == 1 and f"look for {here}/{left[0]} there" in text, text
     for n in cluster.nodes:
-        for name in os.listdir(cluster.tmp_of(n)):
+        for name in os.listdir(node_tmp(n)):
             if name.startswith(("distgraph-status-", "distgraph-logs-")):
-                shutil.rmtree(os.path.join(cluster.tmp_of(n), name))
+                shutil.rmtree(os.path.join(node_tmp(n), name))
     assert_clean(cluster, seconds=0)
 
 

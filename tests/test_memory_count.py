@@ -1,10 +1,12 @@
 """The runtime's count of the bytes a rank holds (runtime/execution/memory.py), against
 oracles: an array a kernel keeps shows in the peak byte for byte; a serial step's peak is
 the program's parameters, states and the values live at its peak, counted by hand; the
-count is the same on a backend that copies what it is given (as CuPy does); pipelined
-steps release everything they held."""
+count is the same on a backend that copies what it is given (as CuPy does); each rank
+records its own; ``Strategy(memory_check=True)`` says once when a rank holds more than
+its plan's estimate by over 10 %, and nothing on an ordinary plan."""
 
 import dataclasses
+import json
 import os
 import sys
 
@@ -19,10 +21,12 @@ from distgraph.runtime.backend import NUMPY, ArrayBackend
 from distgraph.runtime.comm.simulated import SimulatedWorld
 from distgraph.runtime.execution.memory import Held, Kept, Ledger, Mirrored
 from distgraph.runtime.execution.runner import PlanRunner
+from distgraph.units import fmt_bytes
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import plans as P  # noqa: E402
+from user_scripts import run_user, with_prelude  # noqa: E402
 
 BATCH = 8
 
@@ -202,3 +206,113 @@ def test_pipeline_steps_end_holding_their_state_alone(float64, key, strategy):
     for memory, state in SimulatedWorld(n, timeout=60).run(rank):
         for m in memory:
             assert m.resident == state and state <= m.start < m.peak
+
+
+def engine(cluster=None, **strategy):
+    dg.seed(0)
+    return dg.Engine(Net(), dg.nn.MSELoss(), dg.optim.Adam(0.01), cluster=cluster,
+                     strategy=dg.Strategy(**strategy))
+
+
+def test_history_and_the_progress_line_show_the_peak(float64, capsys, monkeypatch):
+    monkeypatch.setenv("DISTGRAPH_TERMINAL", "0")              # plain lines, not a bar
+    history = engine().fit(Rows(), batch_size=BATCH, epochs=1)
+    expected = Serial().steps(4)
+    assert history.memory == [m.peak for m in expected]
+    assert history.memory_at == ["action 0B0, op 'relu_grad'"] * 4
+    err = capsys.readouterr().err
+    assert f"peak_mem={fmt_bytes(expected[0].peak).replace(' ', '')}" in err
+
+
+def test_the_check_says_once_where_an_unpriced_buffer_is_held(float64, capsys, monkeypatch):
+    plan_peak = engine(dg.Cluster.local(1)).prepare(
+        *dg.app.data.DataLoader(Rows(), BATCH).specs(1)).estimate.processes[0].peak_memory
+    quiet = engine(dg.Cluster.local(1), memory_check=True)
+    quiet.fit(Rows(), batch_size=BATCH, epochs=1, verbose=0)     # an ordinary plan
+    assert "warning" not in capsys.readouterr().err
+    keep_probe(monkeypatch, 1 << 16)
+    history = engine(dg.Cluster.local(1), memory_check=True).fit(
+        Rows(), batch_size=BATCH, epochs=1, verbose=0)
+    lines = [x for x in capsys.readouterr().err.splitlines() if "warning" in x]
+    assert len(lines) == 1, lines                                # once, not per step
+    peak = history.memory[0]
+    assert peak > 1.1 * plan_peak
+    assert (f"rank 0 held {fmt_bytes(peak)} ({peak} bytes) at its peak in step 0, "
+            f"action 0B0, op 'relu_grad': {peak / plan_peak:.2f}x the plan's estimate of "
+            f"{fmt_bytes(plan_peak)} ({plan_peak} bytes)") in lines[0]
+
+
+def test_the_check_without_an_estimate_says_so_once(float64, capsys):
+    engine(memory_check=True).fit(Rows(), batch_size=BATCH, epochs=1, verbose=0)
+    lines = [x for x in capsys.readouterr().err.splitlines() if "warning" in x]
+    assert len(lines) == 1 and "this plan has none" in lines[0]
+    with pytest.raises(dg.DistGraphError, match="Strategy.memory_check must be True or False"):
+        dg.Strategy(memory_check="yes")
+
+
+def test_two_ranks_record_their_own_peaks(float64, capsys, monkeypatch):
+    """Data parallel on 2 ranks; rank 1's relu keeps a buffer: its History, its timeline
+    samples and its warning show it, rank 0's do not."""
+    keep_probe(monkeypatch, 1 << 16, when=lambda ctx: ctx.comm is not None and ctx.comm.rank == 1)
+    mesh = dg.ProcessMesh([0, 1], ["dp"])
+
+    def rank(comm):
+        dg.seed(0)
+        model = dg.parallelize(Net(), mesh)
+        e = dg.Engine(model, dg.nn.MSELoss(), dg.optim.Adam(0.01), communicator=comm,
+                      cluster=dg.Cluster.local(2),
+                      strategy=dg.Strategy(memory_check=True, profile=True))
+        history = e.fit(Rows(), batch_size=BATCH, epochs=1, verbose=0)
+        return history.memory, e.timeline()
+
+    (mem0, tl), (mem1, _) = SimulatedWorld(2, timeout=60).run(rank)
+    assert [b - a for a, b in zip(mem0, mem1)] == [1 << 16] * 4
+    peaks = tl.peak_memory()
+    assert {r: s.peak for r, s in peaks.items()} == {0: max(mem0), 1: max(mem1)}
+    assert peaks[1].action == "0B0"
+    for step in range(4):
+        assert [tl.peak_memory(step)[r].peak for r in (0, 1)] == [mem0[step], mem1[step]]
+    counters = [e for e in tl.to_chrome()["traceEvents"] if e["name"] == "memory"]
+    assert {e["pid"] for e in counters} == {0, 1}
+    lines = [x for x in capsys.readouterr().err.splitlines() if "warning" in x]
+    assert len(lines) == 1 and "rank 1 held" in lines[0]
+
+
+@pytest.mark.mpi
+def test_each_mpi_rank_counts_its_own(tmp_path):
+    """Two MPI ranks, data parallel (a batch large enough for the peak to lie in the
+    backward); rank 1 keeps an extra 64 KiB from relu to its gradient: each rank's
+    History shows its own peak and only rank 1 warns."""
+    rc, out = run_user(tmp_path, with_prelude("""
+        import dataclasses, json
+        import distgraph.ops  # registers the ops
+        from distgraph import registry
+        if dg.runtime.launch.status.get_rank() == 1:
+            relu, grad = registry.get_op("relu"), registry.get_op("relu_grad")
+            def keeping(ctx, x, **attrs):
+                if ctx.saved is not None:
+                    ctx.saved["probe"] = np.ones(8192)
+                return relu.kernel(ctx, x, **attrs)
+            def taking(ctx, *args, **attrs):
+                ctx.saved.pop("probe", None)
+                return grad.kernel(ctx, *args, **attrs)
+            registry._REGISTRY["relu"] = dataclasses.replace(relu, kernel=keeping)
+            registry._REGISTRY["relu_grad"] = dataclasses.replace(grad, kernel=taking)
+        dg.seed(0)
+        model = dg.parallelize(dg.nn.MLP(16, 32, 4, activation="relu"),
+                               dg.ProcessMesh([0, 1], ["dp"]))
+        engine = dg.Engine(model, loss=dg.nn.MSELoss(), optimizer=dg.optim.SGD(0.1),
+                           cluster=dg.Cluster.local(2),
+                           strategy=dg.Strategy(memory_check=True, profile=True))
+        history = engine.fit(Rows(128), batch_size=32, verbose=0)   # peak at relu_grad
+        peaks = {r: s.peak for r, s in engine.timeline().peak_memory().items()}
+        print("MEMORY", engine.rank, json.dumps([history.memory, peaks]), flush=True)
+    """), 2)
+    assert rc == 0, out
+    rows = {int(line.split()[1]): json.loads(line.split(None, 2)[2])
+            for line in out.splitlines() if line.startswith("MEMORY")}
+    (mem0, peaks), (mem1, _) = rows[0], rows[1]
+    assert [b - a for a, b in zip(mem0, mem1)] == [8192 * 8] * 4
+    assert peaks == {"0": max(mem0), "1": max(mem1)}
+    warnings = [line for line in out.splitlines() if "warning" in line]
+    assert len(warnings) == 1 and "rank 1 held" in warnings[0], out

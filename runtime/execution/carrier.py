@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections import deque
 
 from distgraph.errors import DistGraphError, RuntimeFault
 from distgraph.plan.instructions import GatherInstr, OpInstr, PointInstr, RecvInstr, SendInstr
@@ -37,6 +38,7 @@ from distgraph.runtime.launch.progress import NO_PROGRESS
 
 RECEIVE_AHEAD = 2      # actions that receive whose messages are posted for in advance
 PEER_CHECK_SECONDS = 1.0   # how often a long wait looks whether its peers have finished
+STEPS_KEPT = 256           # the steps whose memory record a carrier keeps
 
 
 def _count(shape) -> int:
@@ -51,7 +53,7 @@ class Carrier:
     a plan whose processes run on ``ranks``, bound to ``comm`` (None for a plan of one
     process) and the array ``backend``. Every step counts the bytes the process holds
     (:mod:`.memory`): its record, the peak and where it was reached, is appended to
-    :attr:`steps`. With ``profile``, every task, send and receive is recorded in
+    :attr:`steps` (the last :data:`STEPS_KEPT`). With ``profile``, every task, send and receive is recorded in
     :attr:`events` and, after each task, the activations kept between tasks and the
     bytes held in :attr:`memory`."""
 
@@ -73,7 +75,7 @@ class Carrier:
         self.clock = clock or time.perf_counter
         self.events: list = []
         self.memory: list = []
-        self.steps: list = []               # StepMemory of every step run
+        self.steps = deque(maxlen=STEPS_KEPT)    # StepMemory of the last steps run
         self.timeout = comm.timeout if comm is not None else 60.0
         self.spin = comm.poll_spin_seconds if comm is not None else 0.0
         self.progress = getattr(comm, "progress", NO_PROGRESS)

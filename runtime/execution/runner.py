@@ -24,7 +24,7 @@ Example (inside a rank)::
     runner = PlanRunner(p, comm)
     scope = runner.shard_scope(global_arrays)
     out = runner.run(scope, feed=global_batch, step=0)      # {"loss": global loss}
-    runner.memory[-1].peak                                  # bytes held at the step's peak
+    runner.last_memory.peak                                 # bytes held at the step's peak
 """
 
 from __future__ import annotations
@@ -101,10 +101,16 @@ class PlanRunner:
 
     @property
     def memory(self) -> list:
-        """The :class:`~distgraph.runtime.execution.memory.StepMemory` of every step this
-        runner ran, in order: this process's peak bytes, where it was reached, the bytes
-        held when the step began and once it ended."""
-        return self.carrier.steps
+        """The :class:`~distgraph.runtime.execution.memory.StepMemory` of the steps this
+        runner ran (the last 256), in order: this process's peak bytes, where it was
+        reached, the bytes held when the step began and once it ended."""
+        return list(self.carrier.steps)
+
+    @property
+    def last_memory(self):
+        """The last step's :class:`~distgraph.runtime.execution.memory.StepMemory` (None
+        before the first)."""
+        return self.carrier.steps[-1] if self.carrier.steps else None
 
     def check_memory(self) -> tuple | None:
         """Under ``Strategy(memory_check=True)``, what to say once about the last step's
@@ -113,7 +119,7 @@ class PlanRunner:
         and the plan's predicted bytes (``plan.estimate``) when the measured peak exceeds
         the prediction by more than 10 %; a plan without an estimate says that it has none,
         once."""
-        if self._checked or not self.plan.strategy.memory_check or not self.memory:
+        if self._checked or not self.plan.strategy.memory_check or not self.carrier.steps:
             return None
         predicted = predicted_peak(self.plan, self.pid)
         if predicted is None:
@@ -124,7 +130,7 @@ class PlanRunner:
                     "auto_mode='full'", False)
         rank = self.host_comm.rank if self.host_comm is not None else 0
         who = f"rank {rank}" + (f" (process {self.pid})" if self.pid != rank else "")
-        said = check_peak(self.memory[-1], predicted, who, CHECK_MARGIN)
+        said = check_peak(self.last_memory, predicted, who, CHECK_MARGIN)
         if said is None:
             return None
         self._checked = True

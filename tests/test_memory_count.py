@@ -19,7 +19,7 @@ from distgraph import registry
 from distgraph.program_builder import build_program
 from distgraph.runtime.backend import NUMPY, ArrayBackend
 from distgraph.runtime.comm.simulated import SimulatedWorld
-from distgraph.runtime.execution.memory import Held, Kept, Ledger, Mirrored
+from distgraph.runtime.execution.memory import Counted, Kept, Ledger, Mirrored
 from distgraph.runtime.execution.runner import PlanRunner
 from distgraph.units import fmt_bytes
 
@@ -95,10 +95,10 @@ class Serial:
         return self.runner.memory
 
 
-def test_held_dicts_count_each_memory_once():
+def test_counted_dicts_count_each_memory_once():
     led = Ledger(NUMPY)
     a, b = np.zeros(100), np.zeros((3, 4), np.float32)
-    env, other = Held(led, {"a": a}), Held(led)
+    env, other = Counted(led, {"a": a}), Counted(led)
     other["view"] = a.reshape(10, 10)[2:]            # a view of a: no new memory
     other["both"] = (a, b, {"b": b})                 # a kept structure: b once
     assert led.bytes == a.nbytes + b.nbytes

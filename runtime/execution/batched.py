@@ -16,7 +16,7 @@ from __future__ import annotations
 from distgraph.plan.instructions import PointInstr
 from distgraph.plan.kinds import AccumulationMode
 from distgraph.runtime.execution.executor import call_kernel
-from distgraph.runtime.execution.memory import Held, Ledger
+from distgraph.runtime.execution.memory import Counted, Ledger
 
 
 def run_batched(task, envs, micro_batches, scope, ctx, backend, point, ledger=None) -> dict:
@@ -27,7 +27,7 @@ def run_batched(task, envs, micro_batches, scope, ctx, backend, point, ledger=No
     :class:`~distgraph.runtime.execution.memory.Ledger`; None: one of its own) counts the
     joined operands while their op runs, and the results until the task ends."""
     ledger = Ledger(backend) if ledger is None else ledger
-    joined = Held(ledger)
+    joined = Counted(ledger)
     first = envs[micro_batches[0]]
     action = ledger.at[0]
     for op in task.ops:

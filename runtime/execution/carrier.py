@@ -32,7 +32,7 @@ from distgraph.plan.instructions import GatherInstr, OpInstr, PointInstr, RecvIn
 from distgraph.plan.kinds import AccumulationMode, ItemKind, TaskKind
 from distgraph.runtime.execution.batched import run_batched
 from distgraph.runtime.execution.executor import donatable, may_donate, run_op
-from distgraph.runtime.execution.memory import Held, Kept, Ledger, Mirrored, record
+from distgraph.runtime.execution.memory import Counted, Kept, Ledger, Mirrored, record
 from distgraph.runtime.execution.tasks import Accumulator, InstrRunner, micro_batch_context
 from distgraph.runtime.launch.progress import NO_PROGRESS
 
@@ -53,9 +53,9 @@ class Carrier:
     a plan whose processes run on ``ranks``, bound to ``comm`` (None for a plan of one
     process) and the array ``backend``. Every step counts the bytes the process holds
     (:mod:`.memory`): its record, the peak and where it was reached, is appended to
-    :attr:`steps` (the last :data:`STEPS_KEPT`). With ``profile``, every task, send and receive is recorded in
-    :attr:`events` and, after each task, the activations kept between tasks and the
-    bytes held in :attr:`memory`."""
+    :attr:`steps` (the last :data:`STEPS_KEPT`). With ``profile``, every task, send and
+    receive is recorded in :attr:`events` and, after each task, the activations kept
+    between tasks and the bytes held in :attr:`memory`."""
 
     def __init__(self, program, ranks, comm, backend, profile: bool = False, clock=None):
         self.program = program
@@ -93,7 +93,8 @@ class Carrier:
         led = self.ledger = Ledger(self.xb)
         led.add_foreign(a for f in feeds for a in f.values())
         self.step, self.scope = step, Mirrored(led, scope)
-        self.env = [Held(led, f) for f in feeds] + [Held(led) for _ in range(self.m - len(feeds))]
+        self.env = [Counted(led, f) for f in feeds] + [Counted(led)
+                                                        for _ in range(self.m - len(feeds))]
         # what a kernel keeps for a later kernel of its micro-batch and layer
         # (KernelContext.saved), per micro-batch: {layer: {key: kept}}
         self.saved = [{} for _ in range(self.m)]
@@ -105,7 +106,7 @@ class Carrier:
         self.pending: dict = {}             # action index -> ({instr index: [requests]},
         #                                      posted at, bytes reserved)
         self.posted = 0                     # receiving actions posted for so far
-        self.fetched = Held(led)
+        self.fetched = Counted(led)
         start = led.bytes
         led.since()
         self.progress.begin_step(step, self._table)

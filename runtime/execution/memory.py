@@ -20,7 +20,7 @@ them. Memory the runtime did not allocate (the caller's batch, of which the fed 
 views on the numpy backend) is foreign: an array viewing it counts its own bytes, once per
 address, so the fed rows count as the CuPy backend's copies of them would.
 
-**When.** The count follows the containers the runtime keeps (:class:`Held` dicts),
+**When.** The count follows the containers the runtime keeps (:class:`Counted` dicts),
 hence the runtime's own free-after-last-use: a value is counted from the moment it is
 stored (an op's results are stored before its dying inputs are dropped, so an op's peak
 holds its inputs and its outputs) until the runtime drops its last reference to it (the
@@ -37,7 +37,7 @@ Example::
 
     led = Ledger(backend)
     scope = Mirrored(led, scope)                # counts the state; stores go through
-    env = Held(led, feed)
+    env = Counted(led, feed)
     env["y"] = x @ w                            # counted
     env.pop("x")                                # dropped (if nothing else holds it)
     led.peak, led.peak_at
@@ -188,7 +188,7 @@ def _root(a):
     return a
 
 
-class Held(dict):
+class Counted(dict):
     """A dict whose values ``ledger`` counts while it holds them (stored, replaced,
     popped, cleared); reads are a plain dict's. :class:`Mirrored` writes its stores
     through to another dict, :class:`Kept` drops what is popped later."""
@@ -242,8 +242,8 @@ class Held(dict):
         dict.clear(self)
 
 
-class Mirrored(Held):
-    """A :class:`Held` whose stores are written through to ``mirror`` (the caller's
+class Mirrored(Counted):
+    """A :class:`Counted` whose stores are written through to ``mirror`` (the caller's
     scope: an updated parameter replaces the old one there at once)."""
 
     __slots__ = ("mirror",)
@@ -257,7 +257,7 @@ class Mirrored(Held):
         self.mirror[key] = value
 
 
-class Kept(Held):
+class Kept(Counted):
     """What kernels keep for their gradients (``KernelContext.saved``): what a kernel
     takes back (pops) is dropped at the ledger's next :meth:`~Ledger.settle`."""
 

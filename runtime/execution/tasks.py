@@ -14,7 +14,7 @@ from __future__ import annotations
 from distgraph.errors import RuntimeFault
 from distgraph.plan.kinds import AccumulationMode
 from distgraph.registry import KernelContext
-from distgraph.runtime.execution.memory import Held
+from distgraph.runtime.execution.memory import Counted
 from distgraph.runtime.execution.reshard import (apply_reshard, assemble_tiles, outgoing_tiles,
                                                  run_point)
 
@@ -45,8 +45,8 @@ class Accumulator:
 
     def __init__(self, program, backend, ledger):
         self.program, self.xb, self.ledger = program, backend, ledger
-        self.values = Held(ledger)
-        self.parts = Held(ledger)
+        self.values = Counted(ledger)
+        self.parts = Counted(ledger)
 
     def add(self, name: str, value, owned: bool) -> None:
         mode = self.program.mode(name)
@@ -61,11 +61,11 @@ class Accumulator:
         else:
             self.values[name] += value
 
-    def take(self) -> Held:
+    def take(self) -> Counted:
         """The accumulated values, handed over (the accumulator is empty after it, so the
         update frees each one at its last use); a concatenated one as its list of
         micro-batch parts (only fetched values are, and they are gathered part by part)."""
-        out = Held(self.ledger, self.values)
+        out = Counted(self.ledger, self.values)
         out.update(self.parts)
         self.values.clear()
         self.parts.clear()

@@ -16,6 +16,7 @@ import pytest
 import distgraph as dg
 import distgraph.ops  # noqa: F401  (registers the ops keep_probe patches)
 from distgraph import registry
+from distgraph.registry import KernelContext
 from distgraph.program_builder import build_program
 from distgraph.runtime.backend import NUMPY, ArrayBackend
 from distgraph.runtime.comm.simulated import SimulatedWorld
@@ -118,6 +119,16 @@ def test_counted_dicts_count_each_memory_once():
     scope = Mirrored(led, mine)
     scope["p"] = np.ones(4)                          # an update: the new array replaces
     assert mine["p"] is scope["p"] and led.bytes == 8 + 32
+
+    class Exchange:                                  # as moe_ffn keeps its dispatch
+        def __init__(self):
+            self.routes = [np.zeros(6, np.int64)]
+            self.xp, self.dtype = np, np.float32     # a module and a scalar type: no memory
+            self.ctx = KernelContext(np, comm=Exchange.__new__(Exchange))
+            self.ctx.comm.buffer = np.zeros(1000)    # a communicator's: not the kernel's
+
+    kept["dispatch"] = Exchange()
+    assert led.bytes == 8 + 32 + 48
 
 
 def test_a_serial_step_holds_the_state_and_the_values_live_at_its_peak(float64):
@@ -287,6 +298,7 @@ def test_each_mpi_rank_counts_its_own(tmp_path):
         import dataclasses, json
         import distgraph.ops  # registers the ops
         from distgraph import registry
+from distgraph.registry import KernelContext
         if dg.runtime.launch.status.get_rank() == 1:
             relu, grad = registry.get_op("relu"), registry.get_op("relu_grad")
             def keeping(ctx, x, **attrs):

@@ -46,7 +46,9 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
 
+from distgraph.registry import KernelContext
 from distgraph.units import fmt_bytes
 
 CHECK_MARGIN = 0.10        # a measured peak above the estimate by more than this is said
@@ -56,7 +58,10 @@ _MISSING = object()
 
 def arrays_in(value, depth: int = 0):
     """The arrays in ``value``: itself if it is one (it has ``nbytes`` and ``dtype``), else
-    those in a list, tuple, dict or plain object's attributes, a few levels down."""
+    those in a list, tuple, dict or plain object's attributes, a few levels down (not
+    through modules, callables or a ``KernelContext``)."""
+    if isinstance(value, type):            # numpy's scalar types have nbytes too
+        return
     if hasattr(value, "nbytes") and hasattr(value, "dtype"):
         yield value
     elif depth < _DEPTH:
@@ -64,7 +69,10 @@ def arrays_in(value, depth: int = 0):
             items = value
         elif isinstance(value, dict):
             items = value.values()
-        elif hasattr(value, "__dict__") and not isinstance(value, type):
+        elif hasattr(value, "__dict__") and not (
+                callable(value) or isinstance(value, (ModuleType, KernelContext))):
+            # a plain object's (what moe_ffn keeps); not through a kernel's context to
+            # its communicator
             items = vars(value).values()
         else:
             return
@@ -109,6 +117,8 @@ class Ledger:
             return
         if base is None:
             key, owner = id(value), value
+        elif isinstance(value, type):           # a class (np.float32): no memory
+            return
         else:
             key, owner = self._key(value, base)
         owners = self.owners
@@ -133,7 +143,12 @@ class Ledger:
             for a in arrays_in(value):
                 self.drop(a)
             return
-        key = id(value) if base is None else self._key(value, base)[0]
+        if base is None:
+            key = id(value)
+        elif isinstance(value, type):
+            return
+        else:
+            key = self._key(value, base)[0]
         owners = self.owners
         entry = owners.get(key)
         if entry is None:

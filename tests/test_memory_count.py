@@ -298,7 +298,6 @@ def test_each_mpi_rank_counts_its_own(tmp_path):
         import dataclasses, json
         import distgraph.ops  # registers the ops
         from distgraph import registry
-from distgraph.registry import KernelContext
         if dg.runtime.launch.status.get_rank() == 1:
             relu, grad = registry.get_op("relu"), registry.get_op("relu_grad")
             def keeping(ctx, x, **attrs):

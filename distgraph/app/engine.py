@@ -389,8 +389,8 @@ class Engine:
     def timeline(self, mode="train"):
         """The timeline of the steps run so far in ``mode``, merged over every rank (a
         collective: call it on all ranks). Needs ``Strategy(profile=True)``; see
-        :class:`distgraph.runtime.execution.timeline.Timeline` (``.events``, ``.save``,
-        ``.plot``)."""
+        :class:`distgraph.runtime.execution.timeline.Timeline` (``.events``, ``.memory``,
+        ``.peak_memory()``, ``.save``, ``.plot``)."""
         if not self.strategy.profile:
             raise DistGraphError("no timeline was recorded: create the Engine with "
                                  "Strategy(profile=True)")

@@ -128,12 +128,13 @@ class Engine:
                              "first")
 
     # -- what the loops ask of the Engine ---------------------------------------------------
-    def warn(self, text: str) -> None:
-        """One line on rank 0's stderr, once per Engine."""
+    def warn(self, text: str, this_rank: bool = False) -> None:
+        """One line on rank 0's stderr, once per Engine; ``this_rank``: a line about this
+        rank alone (its measured memory), printed by this rank whichever it is."""
         if text in self._warned:
             return
         self._warned.add(text)
-        if self.rank == 0:
+        if this_rank or self.rank == 0:
             print(f"distgraph: warning: {text}", file=sys.stderr, flush=True)
 
     # -- planning -------------------------------------------------------------------------------
@@ -388,8 +389,8 @@ class Engine:
     def timeline(self, mode="train"):
         """The timeline of the steps run so far in ``mode``, merged over every rank (a
         collective: call it on all ranks). Needs ``Strategy(profile=True)``; see
-        :class:`distgraph.runtime.execution.timeline.Timeline` (``.events``, ``.save``,
-        ``.plot``)."""
+        :class:`distgraph.runtime.execution.timeline.Timeline` (``.events``, ``.memory``,
+        ``.peak_memory()``, ``.save``, ``.plot``)."""
         if not self.strategy.profile:
             raise DistGraphError("no timeline was recorded: create the Engine with "
                                  "Strategy(profile=True)")

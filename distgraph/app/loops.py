@@ -54,11 +54,16 @@ class History:
     ``epochs``: one record per epoch this fit ran, numbered over the Engine's life
     (``epoch``, mean ``loss``, ``lr``, and ``val_loss`` / ``val_<metric>`` when
     validation data was given). Empty when the fit's total of epochs was reached
-    already."""
+    already. ``memory``: per step, the bytes this rank held at its peak (the arrays the
+    runtime holds: :mod:`distgraph.runtime.execution.memory`); each rank has its own,
+    unlike ``losses``; ``memory_at``: where each peak was reached (``"action 0B1, op
+    'matmul_grad' in layer 'fc1'"``)."""
 
     losses: list = field(default_factory=list)
     steps: list = field(default_factory=list)
     epochs: list = field(default_factory=list)
+    memory: list = field(default_factory=list)
+    memory_at: list = field(default_factory=list)
 
 
 class Loops:
@@ -153,12 +158,15 @@ class Loops:
                 loss = float(out[planned.plan.built.loss_name])
                 if engine.strategy.check_finite:
                     checks.check_finite(loss, self.step, epoch, b)
+                memory = self.memory_of(runner)
                 self.step += 1
                 self.position = (epoch, b + 1) if b + 1 < n_batches else (epoch + 1, 0)
                 losses.append(loss)
                 history.losses.append(loss)
                 history.steps.append(self.step - 1)
-                cbs.on_step_end(self.step - 1, {**logs, "loss": loss})
+                history.memory.append(memory.peak)
+                history.memory_at.append(sys.intern(memory.where))   # a few distinct ones
+                cbs.on_step_end(self.step - 1, {**logs, "loss": loss, "memory": memory.peak})
                 if engine.stop_training:
                     break
             record = {"epoch": epoch, "loss": float(np.mean(losses)) if losses else float("nan"),
@@ -241,6 +249,7 @@ class Loops:
             labels = range(n_in, len(built.feed_names)) if ms else ()
             feed, whole = self.feed(planned, loader, idx, 0, b, labels)
             out = runner.run(scope, feed, self.step, local=True)
+            self.memory_of(runner)
             loss = float(out[built.loss_name])
             total += loss * len(idx)
             count += len(idx)
@@ -265,6 +274,7 @@ class Loops:
             planned, runner, scope = self.ensure(Mode.PREDICT, loader, len(idx))
             feed, _ = self.feed(planned, loader, idx, 0, b)
             out = runner.run(scope, feed, self.step, local=True)
+            self.memory_of(runner)
             results.append([loader.restored(np.asarray(out[n]))
                             for n in planned.plan.built.output_names])
         return results
@@ -327,6 +337,14 @@ class Loops:
                    for name, r in reads.items()}
         planned.check()(feed, samples, epoch, batch)
         return feed, arrays[len(reads):]
+
+    def memory_of(self, runner):
+        """The step just run's memory record on this rank (``runner.last_memory``), said
+        once where ``Strategy(memory_check=True)`` finds its peak above the plan's."""
+        said = runner.check_memory()
+        if said is not None:
+            self.engine.warn(*said)
+        return runner.last_memory
 
     def check_world(self, plan) -> None:
         """A plan of another number of processes than the job's ranks stops now, saying

@@ -3,7 +3,9 @@
 Public names (see the README): ``trace``, ``InputSpec``, ``Engine``, ``Strategy``,
 ``ops``, ``nn``, ``optim``, ``set_default_dtype``, ``seed``, ``LazyGuard``, the error classes, the
 distributed attributes ``ProcessMesh``, ``ShardSpec``, ``shard_tensor``, ``shard_op``,
-``shard_dataloader``, and ``__version__``.
+``shard_dataloader``, a layout in one call ``parallelize`` with Paddle's styles
+(``ColWiseParallel``, ``RowWiseParallel``, ``SequenceParallelBegin`` / ``End`` / ``Enable``
+/ ``Disable``, ``SplitPoint``), and ``__version__``.
 
 Each name is imported the first time it is used (PEP 562), so that what imports only a
 part of distgraph pays only for that part: ``distgraph run`` and every rank's bootstrap
@@ -22,14 +24,16 @@ Example::
     mesh = dg.ProcessMesh([0, 1], ["dp"])      # imports distgraph.mesh here
 """
 
-import importlib
-import sys
-import types
+# imported under private names: ``dir(dg)`` and tab completion show the public names,
+# not this module's helpers (``__dir__`` below leaves out names with one underscore)
+import importlib as _importlib
+import sys as _sys
+import types as _types
 
 from distgraph.errors import DistGraphError, PlanError, ResourceFileError, RuntimeFault, ShardingError
-from distgraph.threads import limit_blas_threads
+from distgraph.threads import limit_blas_threads as _limit_blas_threads
 
-limit_blas_threads()     # one BLAS thread per process unless the user set one (threads.py)
+_limit_blas_threads()     # one BLAS thread per process unless the user set one (threads.py)
 
 # public name -> the module that defines it
 _PUBLIC = {
@@ -49,6 +53,13 @@ _PUBLIC = {
     "ShardSpec": "distgraph.placement",
     "shard_dataloader": "distgraph.annotation", "shard_op": "distgraph.annotation",
     "shard_tensor": "distgraph.annotation",
+    "parallelize": "distgraph.parallelize",
+    "ColWiseParallel": "distgraph.parallel_styles", "RowWiseParallel": "distgraph.parallel_styles",
+    "SequenceParallelBegin": "distgraph.parallel_styles",
+    "SequenceParallelDisable": "distgraph.parallel_styles",
+    "SequenceParallelEnable": "distgraph.parallel_styles",
+    "SequenceParallelEnd": "distgraph.parallel_styles",
+    "SplitPoint": "distgraph.parallel_styles",
     "Cluster": "distgraph.resources.cluster",
     "get_rank": "distgraph.runtime.launch.status",
     "get_world_size": "distgraph.runtime.launch.status",
@@ -66,9 +77,9 @@ __all__ = ["DistGraphError", "PlanError", "ResourceFileError", "RuntimeFault", "
 
 def __getattr__(name: str):
     if name in _PUBLIC:
-        value = getattr(importlib.import_module(_PUBLIC[name]), name)
+        value = getattr(_importlib.import_module(_PUBLIC[name]), name)
     elif name in _SUBPACKAGES:
-        value = importlib.import_module(f"{__name__}.{name}")
+        value = _importlib.import_module(f"{__name__}.{name}")
     elif name.startswith("__"):      # what tools probe for (__wrapped__, __test__)
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     else:
@@ -78,30 +89,37 @@ def __getattr__(name: str):
             # all first (not for a module such as ``from distgraph import dtypes``, which
             # distgraph's own modules do while they are being imported)
             for public in __all__:
-                getattr(sys.modules[__name__], public)
+                getattr(_sys.modules[__name__], public)
         try:
-            value = importlib.import_module(f"{__name__}.{name}")
+            value = _importlib.import_module(f"{__name__}.{name}")
         except ModuleNotFoundError as err:
             if err.name != f"{__name__}.{name}":
                 raise
             raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
-    setattr(sys.modules[__name__], name, value)
+    setattr(_sys.modules[__name__], name, value)
     return value
 
 
 def __dir__():
-    return sorted(set(globals()) | set(__all__))
+    # the public names, the submodules imported so far and the dunders; not the helpers
+    shown = {name for name in globals() if not name.startswith("_") or name.startswith("__")}
+    return sorted(shown | set(__all__))
 
 
-class _Facade(types.ModuleType):
-    """The package module. Importing a submodule binds it on its package, and one
-    submodule shares its name with a public function: ``distgraph.trace`` defines
-    ``trace``. The name stays the function, as it was when everything was imported here."""
+# submodules that share their name with the public function they define
+_NAMESAKES = ("trace", "parallelize")
+
+
+class _Facade(_types.ModuleType):
+    """The package module. Importing a submodule binds it on its package, and two
+    submodules share their names with public functions: ``distgraph.trace`` defines
+    ``trace``, ``distgraph.parallelize`` ``parallelize``. The names stay the functions, as
+    ``trace`` was when everything was imported here."""
 
     def __setattr__(self, name, value):
-        if name == "trace" and isinstance(value, types.ModuleType):
-            value = value.trace
+        if name in _NAMESAKES and isinstance(value, _types.ModuleType):
+            value = getattr(value, name)
         super().__setattr__(name, value)
 
 
-sys.modules[__name__].__class__ = _Facade
+_sys.modules[__name__].__class__ = _Facade

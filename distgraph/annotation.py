@@ -50,7 +50,7 @@ def to_shard_spec(spec, mesh: ProcessMesh, ndim: int, label: str = "tensor") -> 
 
 
 def _label_of(x) -> str:
-    """How errors name ``x``: ``tensor 'h'`` or ``parameter 'weight' of Linear(16, 64)``."""
+    """How errors name ``x``: ``tensor 'h'`` or ``parameter 'fc1.weight' of Linear(16, 64)``."""
     return f"tensor {x.name!r}" if isinstance(x, Value) else x.describe()
 
 
@@ -60,6 +60,14 @@ def shard_tensor(x, mesh: ProcessMesh, shard_spec):
     Completion never changes an annotation; a conflicting consumer gets a reshard."""
     if not isinstance(mesh, ProcessMesh):
         raise ShardingError(f"shard_tensor: mesh must be a ProcessMesh, got {type(mesh).__name__}")
+    if _is_layer(x):
+        path = x._model_path()
+        params = [name for name, _ in x.named_parameters(path)]
+        what = f"the layer {path!r} ({x!r})," if path else f"a layer, {x!r},"
+        raise ShardingError(f"shard_tensor: got {what} not a tensor: annotate its parameters"
+                            + (f" ({', '.join(params[:3])}{', ...' if len(params) > 3 else ''})"
+                               if params else "")
+                            + ", or run it on a mesh with dg.shard_op(layer, mesh, ...)")
     if not isinstance(x, (Parameter, Value)):
         raise ShardingError(f"shard_tensor: expected a Parameter or a traced tensor, got "
                             f"{type(x).__name__}")

@@ -10,14 +10,16 @@ The protocol (override what you need; every method gets a ``logs`` dict)::
     on_step_begin(step, logs)     step: the global optimizer step about to run (0-based);
                                   logs: {"epoch", "batch", "lr", "batch_size", "tokens"
                                   (a batch of token ids' [batch, seq] count; else None)}
-    on_step_end(step, logs)       logs as above plus "loss" (the global loss)
+    on_step_end(step, logs)       logs as above plus "loss" (the global loss) and
+                                  "memory" (the bytes this rank held at the step's peak)
     on_epoch_end(epoch, logs)     logs: the epoch's record: "loss" (mean), "lr", and
                                   "val_loss" / "val_<metric>" when fit validates
     on_train_end(logs)            logs: {"steps": steps run by this fit, "step": global}
 
-Callbacks run on every rank with identical logs, so a collective inside one
-(``engine.save``) is safe; ``self.engine`` is the Engine and ``self.engine.rank`` the
-rank. Setting ``self.engine.stop_training = True`` ends ``fit`` after the current step.
+Callbacks run on every rank with identical logs (but "memory": each rank's own), so a
+collective inside one (``engine.save``) is safe; ``self.engine`` is the Engine and
+``self.engine.rank`` the rank. Setting ``self.engine.stop_training = True`` ends ``fit``
+after the current step.
 
 Shipped: :class:`ProgressBar` (added by ``fit(verbose=1)``, the default),
 :class:`ModelCheckpoint`, :class:`EarlyStopping`, :class:`CSVLogger`,
@@ -43,6 +45,7 @@ import time
 from types import SimpleNamespace
 
 from distgraph.errors import DistGraphError
+from distgraph.units import fmt_bytes
 
 
 class Callback:
@@ -127,6 +130,11 @@ def _fmt(value) -> str:
     return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
+def _fmt_bytes(n) -> str:
+    """``"1.5MiB"``: bytes in binary units, one word (progress lines split on spaces)."""
+    return fmt_bytes(n).replace(" ", "")
+
+
 TERMINAL_VAR = "DISTGRAPH_TERMINAL"   # "1" / "0": whether the job's output reaches a terminal
 
 
@@ -145,12 +153,13 @@ def is_terminal(stream) -> bool:
 
 
 class ProgressBar(Callback):
-    """A tqdm bar per epoch on rank 0: the step's loss, steps/s and samples/s (global
-    samples). Where the output does not reach a terminal (a file, a pipe into ``tee``:
-    :func:`is_terminal`), plain lines instead of the bar's ``\r`` updates: one about
-    every tenth of the epoch and one at its end. With ``bar=False``, only the line at
-    each epoch's end, on stdout (``fit(verbose=2)``). ``label`` names the bar instead of
-    ``epoch i/n`` (``evaluate`` shows "evaluate").
+    """A tqdm bar per epoch on rank 0: the step's loss, rank 0's measured memory peak in
+    the step (``mem``; at the epoch's end ``peak_mem``, the highest of the epoch), steps/s
+    and samples/s (global samples). Where the output does not reach a terminal (a file, a
+    pipe into ``tee``: :func:`is_terminal`), plain lines instead of the bar's ``\r``
+    updates: one about every tenth of the epoch and one at its end. With ``bar=False``,
+    only the line at each epoch's end, on stdout (``fit(verbose=2)``). ``label`` names
+    the bar instead of ``epoch i/n`` (``evaluate`` shows "evaluate").
 
     Example::
 
@@ -174,6 +183,7 @@ class ProgressBar(Callback):
 
     def on_epoch_begin(self, epoch, logs=None):
         self._start, self._samples, self._count = time.perf_counter(), 0, 0
+        self._peak = None
         self._epoch, self._done = epoch, logs.get("batch", 0) if logs else 0
         self._lines = self.bar and self._active() and \
             not is_terminal(self.file or sys.stderr)
@@ -193,22 +203,26 @@ class ProgressBar(Callback):
         self._count += 1
         self._done += 1
         self._samples += logs.get("batch_size", 0)
+        shown = {"loss": f"{logs['loss']:.4g}"}
+        if logs.get("memory") is not None:
+            self._peak = max(self._peak or 0, logs["memory"])
+            shown["mem"] = _fmt_bytes(logs["memory"])
         every = max(1, (self.steps or 0) // 10)
         if self._lines and self._done % every == 0 and self._done != self.steps:
-            text = " ".join(f"{k}={v}" for k, v in
-                            {"loss": f"{logs['loss']:.4g}", **self._rates()}.items())
+            text = " ".join(f"{k}={v}" for k, v in {**shown, **self._rates()}.items())
             total = f"/{self.steps}" if self.steps else ""
             print(f"{self._name(self._epoch)} step {self._done}{total} {text}",
                   file=self.file or sys.stderr, flush=True)
         if self._tqdm is not None:
-            self._tqdm.set_postfix({"loss": f"{logs['loss']:.4g}", **self._rates()},
-                                   refresh=False)
+            self._tqdm.set_postfix({**shown, **self._rates()}, refresh=False)
             self._tqdm.update(1)
 
     def on_epoch_end(self, epoch, logs=None):
         # the epoch's record: its mean loss, shown apart from the last step's "loss"
         shown = {("mean_loss" if k == "loss" else k): v for k, v in (logs or {}).items()
                  if k != "epoch"}
+        if self._peak is not None:
+            shown["peak_mem"] = _fmt_bytes(self._peak)
         if self._tqdm is not None:
             self._tqdm.set_postfix({**{k: _fmt(v) for k, v in shown.items()},
                                     **self._rates()})

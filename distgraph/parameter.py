@@ -88,11 +88,12 @@ class Parameter:
         return p
 
     def describe(self) -> str:
-        """How errors name it: ``parameter 'weight' of Linear(16, 64)``; once its model
-        was traced, by its path: ``parameter 'fc1.weight' of Linear(16, 64)``."""
+        """How errors name it: by its path in the model and its layer,
+        ``parameter 'blocks.0.mlp.fc1.weight' of Linear(64, 256)`` (the path is known
+        once the layer is assigned into its model, before any trace)."""
         if self.owner is None:
             return "parameter"
-        path = self.owner._path
+        path = self.owner._model_path()
         name = f"{path}.{self.attr_name}" if path else self.attr_name
         return f"parameter {name!r} of {self.owner!r}"
 
@@ -144,7 +145,7 @@ class Parameter:
         value = np.asarray(value)
         if tuple(value.shape) != self.shape:
             raise DistGraphError(f"set_value: shape {list(value.shape)} does not match the "
-                                 f"parameter's shape {list(self.shape)}")
+                                 f"shape {list(self.shape)} of {self.describe()}")
         self._value = np.array(value, dtype=self.dtype, order="C")
 
     def __repr__(self) -> str:

@@ -163,7 +163,7 @@ class ShardSpec:
                  label: str | None = None) -> None:
         """Raise ShardingError (naming tensor, shape, spec and mesh) if this spec cannot
         lay out a tensor of ``shape`` on ``mesh``. ``label`` names the tensor in full
-        (``parameter 'weight' of Linear(16, 64)``) instead of ``tensor '<tensor_name>'``."""
+        (``parameter 'fc1.weight' of Linear(16, 64)``) instead of ``tensor '<tensor_name>'``."""
         shape = tuple(shape)
         # The checks read the mesh's dim names and sizes and the shape: a spec remembers
         # the last ones it passed on (most are checked again and again on them).

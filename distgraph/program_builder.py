@@ -34,6 +34,7 @@ class BuiltProgram:
     label_names: list = field(default_factory=list)
     block_paths: tuple = ()       # paths of the model's blocks (recompute units)
     amp: str | None = None        # the mixed-precision dtype it computes in
+    sharding_level: int = 0       # its optimizer's ZeRO level (dg.parallelize's dp_config)
 
     @property
     def fetch_names(self) -> list:
@@ -99,7 +100,8 @@ def build_program(model, input_specs, label_specs=(), loss=None, optimizer=None,
                         [v.name for v in outputs],
                         loss_value.name if loss_value is not None else None,
                         {n: g.name for n, g in grads.items()}, [v.name for v in labels],
-                        blocks, amp)
+                        blocks, amp,
+                        getattr(optimizer, "sharding_level", 0) if mode == "train" else 0)
 
 
 def _auxiliary_loss(model, micro_batches):

@@ -35,7 +35,11 @@ class Strategy:
     ``sharding_mesh_dim`` (ZeRO-style; under ``auto_mode="full"`` the default means the
     search's data-parallel dim); ``profile`` records a timeline; ``check_finite``
     stops training with a RuntimeFault at a NaN or infinite loss (False: train on);
-    ``seed`` seeds shuffling. ``meshslice`` lets every matmul run as MeshSlice where
+    ``seed`` seeds shuffling. ``memory_check``: each rank compares its measured peak
+    bytes (the arrays the runtime holds, :mod:`distgraph.runtime.execution.memory`) with
+    its process's figure in the plan's estimate and says once, naming where the peak
+    was reached, when it exceeds it by more than 10 % (a plan without an estimate says
+    that, once). ``meshslice`` lets every matmul run as MeshSlice where
     its operands are 2-D sharded (True: the cost model picks each one's number of
     slices K; a number: that K; :mod:`distgraph.passes.meshslice`); completion and the
     search (auto_mode="full") may then choose MeshSlice's layouts. ``balance`` splits the
@@ -80,6 +84,7 @@ class Strategy:
     checkpoint_write_gbps: float = 1.0
     sequence_parallel: bool = False
     context_parallel: str | None = None
+    memory_check: bool = False
 
     @property
     def search_method(self) -> str:
@@ -134,7 +139,8 @@ class Strategy:
             raise DistGraphError(f"Strategy.mtbf_hours (the job's mean time between "
                                  f"failures) and checkpoint_write_gbps must be positive, got "
                                  f"{self.mtbf_hours!r} and {self.checkpoint_write_gbps!r}")
-        for flag in ("sharding", "pipeline", "balance", "profile", "check_finite"):
+        for flag in ("sharding", "pipeline", "balance", "profile", "check_finite",
+                     "memory_check"):
             if not isinstance(getattr(self, flag), bool):
                 raise DistGraphError(f"Strategy.{flag} must be True or False, got "
                                      f"{getattr(self, flag)!r}" + (

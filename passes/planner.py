@@ -81,7 +81,7 @@ def plan(built, strategy: Strategy | None = None, cluster=None, rank_mapping=Non
     :class:`~distgraph.passes.search.Choice` to make the plan of instead of searching
     (``auto_mode="full"``; its strategy is the plan's; checked to fit, not searched
     again). Pure: ``built`` and ``choice`` are not modified."""
-    strategy = choice.strategy if choice is not None else strategy or Strategy()
+    strategy = choice.strategy if choice is not None else _zero(built, strategy or Strategy())
     with _cyclic_collector_paused():
         try:
             return _planned(built, strategy, cluster, rank_mapping, ranks, choice)
@@ -90,6 +90,15 @@ def plan(built, strategy: Strategy | None = None, cluster=None, rank_mapping=Non
                 raise
             raise named_fix(e, strategy, lambda asked: _planned(
                 built, asked, cluster, rank_mapping, ranks=())) from None
+
+
+def _zero(built, strategy: Strategy) -> Strategy:
+    """``strategy`` with ZeRO's sharding on where the program's optimizer carries a
+    sharding level (``dg.parallelize``'s dp_config: the level reaches the planner on the
+    optimizer, as Paddle wraps it)."""
+    if getattr(built, "sharding_level", 0) and not strategy.sharding:
+        return dataclasses.replace(strategy, sharding=True)
+    return strategy
 
 
 @contextlib.contextmanager

@@ -155,7 +155,7 @@ class Cluster:
                                          "each pair of endpoints linked once")
                 pairs.add(ln.endpoints)
         compute = [d.global_id for d in self.devices]
-        reach = _reachable(compute[0], self.all_links)
+        reach = _reachable(compute[0], self.all_links)   # implied shared memory included
         lost = [g for g in compute if g not in reach]
         if lost:
             raise InvalidCluster("links", f"devices {_ranges(lost)} cannot reach device "
@@ -257,8 +257,41 @@ class Cluster:
 
     @property
     def all_links(self) -> list[Link]:
-        """Links inside every machine, then links between machines."""
-        return [ln for m in self.machines for ln in m.links] + list(self.links)
+        """Links inside every machine (the file's, then the shared memory implied between
+        devices they leave apart: :attr:`implied_links`), then links between machines."""
+        implied = self.implied_links
+        return [ln for m in self.machines for ln in m.links + implied.get(m.id, ())] \
+            + list(self.links)
+
+    @cached_property
+    def implied_links(self) -> dict[int, tuple[Link, ...]]:
+        """Machine id -> the shared-memory links (type ``SHM``) between its compute
+        devices that its own links do not join: the devices of one machine always reach
+        each other (the ranks on them share its memory), whatever the file lists. A file
+        without links inside its machines, whose devices reached each other only through
+        another machine's links, so still plans with the other machine lost (an elastic
+        restart on the machines left). Figures: :data:`LOCAL_BANDWIDTH_GBPS` and
+        :data:`LOCAL_LATENCY_US` between CPUs, :data:`LOCAL_STAGED_LATENCY_US` (host
+        staging) where an end is an accelerator. They are not written to files.
+
+        Example::
+
+            >>> one = Machine(0, "node0", (Device(0, 0, 0, "CPU", "cpu", {"float32": 50.0}, 4.0),
+            ...                            Device(1, 1, 0, "CPU", "cpu", {"float32": 50.0}, 4.0)))
+            >>> Cluster((one,)).implied_links
+            {0: (Link(source=0, target=1, bandwidth=10.0, latency=1.0, type='SHM'),)}
+        """
+        out = {}
+        for m in self.machines:
+            joined = _components(m.node_ids, m.links)
+            links = tuple(Link(a.global_id, b.global_id, LOCAL_BANDWIDTH_GBPS,
+                               LOCAL_LATENCY_US if a.type == b.type == "CPU"
+                               else LOCAL_STAGED_LATENCY_US, "SHM")
+                          for i, a in enumerate(m.devices) for b in m.devices[i + 1:]
+                          if joined[a.global_id] != joined[b.global_id])
+            if links:
+                out[m.id] = links
+        return out
 
     @cached_property
     def graph(self) -> networkx.Graph:
@@ -436,6 +469,22 @@ def _reachable(start: int, links) -> set[int]:
                 seen.add(other)
                 todo.append(other)
     return seen
+
+
+def _components(nodes, links) -> dict[int, int]:
+    """Each node's component under ``links`` (a node of it; links to other nodes ignored)."""
+    root = {n: n for n in nodes}
+
+    def find(n):
+        while root[n] != n:
+            root[n] = root[root[n]]
+            n = root[n]
+        return n
+
+    for ln in links:
+        if ln.source in root and ln.target in root:
+            root[find(ln.source)] = find(ln.target)
+    return {n: find(n) for n in nodes}
 
 
 def local_gpus(nprocs: int, gpus) -> Cluster:

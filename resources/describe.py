@@ -83,9 +83,13 @@ def _link_rows(cluster) -> list[str]:
     # Rows group links inside machines by (type, bandwidth, latency) across machines, so
     # identical machines share one row; links between machines form their own rows.
     groups: dict[tuple, list] = {}
+    implied = cluster.implied_links      # not in the file: said so in the type column
     for m in cluster.machines:
         for ln in m.links:
             groups.setdefault(("inside", ln.type, ln.bandwidth, ln.latency), []).append((m.id, ln))
+        for ln in implied.get(m.id, ()):
+            groups.setdefault(("inside", f"{ln.type} (implied)", ln.bandwidth, ln.latency),
+                              []).append((m.id, ln))
     for ln in cluster.links:
         groups.setdefault(("between", ln.type, ln.bandwidth, ln.latency), []).append((None, ln))
     rows = []

@@ -115,6 +115,11 @@ class ArrayBackend:
     def nbytes(self, a) -> int:
         return int(a.nbytes)
 
+    def address(self, a) -> int:
+        """Where ``a``'s first element lies in memory (two views of the same bytes share
+        it; the runtime's memory count tells them apart by it)."""
+        return int(a.__array_interface__["data"][0])
+
     def writeable(self, a) -> bool:
         """Whether ``a`` may be written (numpy marks read-only views; CuPy has none)."""
         return bool(a.flags.writeable)
@@ -151,6 +156,11 @@ class CupyBackend(ArrayBackend):
 
     def writeable(self, a) -> bool:
         return True
+
+    def address(self, a) -> int:
+        if isinstance(a, np.ndarray):
+            return super().address(a)
+        return int(a.data.ptr)
 
     def synchronize(self) -> None:
         self.xp.cuda.get_current_stream().synchronize()

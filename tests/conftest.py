@@ -1,5 +1,9 @@
 """Fixtures shared by the test modules."""
 
+import os
+import shutil
+import tempfile
+
 import pytest
 
 import distgraph as dg
@@ -25,3 +29,26 @@ def _default_dtype_restored():
         yield
     finally:
         dg.set_default_dtype(before)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _temporary_files_of_this_run(tmp_path_factory):
+    """Every temporary file of the run, the jobs' included, in one folder removed at its
+    end: a job that fails keeps its logs (``distgraph-logs-*``, right for a user), an
+    emulated launcher killed on purpose its folder; tests leave neither in /tmp. The
+    folder is short, as ssh's control sockets live in it (a Unix socket's path holds 107
+    bytes), so it is not pytest's tmp_path."""
+    tmp_path_factory.getbasetemp()      # pytest's own folders stay where they were
+    before = os.environ.get("TMPDIR")
+    folder = tempfile.mkdtemp(prefix="dgtest-")
+    os.environ["TMPDIR"] = folder
+    tempfile.tempdir = None                  # this process's gettempdir() reads it again
+    try:
+        yield folder
+    finally:
+        if before is None:
+            os.environ.pop("TMPDIR", None)
+        else:
+            os.environ["TMPDIR"] = before
+        tempfile.tempdir = None
+        shutil.rmtree(folder, ignore_errors=True)

@@ -437,10 +437,10 @@ def test_bad_annotation_names_tensor_shape_spec_and_mesh(shape, bad, words, targ
         assert w in msg, (w, msg)
 
 
-def test_errors_on_a_parameter_name_it_and_its_layer_path_once_traced():
+def test_errors_on_a_parameter_name_it_by_its_path_before_and_after_tracing():
     mesh = dg.ProcessMesh([0, 1, 2, 3], ["mp"])
     model = MLP(16, 64, 4)
-    with pytest.raises(dg.ShardingError, match=r"^parameter 'weight' of Linear\(16, 64\) "
+    with pytest.raises(dg.ShardingError, match=r"^parameter 'fc1.weight' of Linear\(16, 64\) "
                                                r"of shape \[16, 64\] with spec \[x, None\]"):
         dg.shard_tensor(model.fc1.weight, mesh, ["x", None])
     dg.trace(model, dg.InputSpec([4, 16], name="x"))
@@ -455,7 +455,7 @@ def test_a_string_spec_is_an_error_saying_to_pass_a_list():
     with pytest.raises(dg.ShardingError) as err:
         dg.shard_tensor(model.fc1.weight, mesh, "mp")
     msg = str(err.value)
-    assert "parameter 'weight' of Linear(16, 64): shard spec 'mp' is a string" in msg
+    assert "parameter 'fc1.weight' of Linear(16, 64): shard spec 'mp' is a string" in msg
     assert "pass a list with one entry per tensor dim (2), e.g. ['mp', None]" in msg
     assert "unknown mesh dim" not in msg
     with pytest.raises(dg.ShardingError, match="tensor 'acts': shard spec 'mp' is a string"):

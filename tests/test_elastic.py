@@ -145,6 +145,20 @@ def test_the_reduced_cluster_holds_the_machines_left():
     assert [m.hostname for m in reduced.machines] == ["node1"]
 
 
+def test_a_file_without_links_inside_its_machines_reduces_to_either_machine(tmp_path):
+    """The devices of a machine reach each other through its shared memory, whatever the
+    file lists: a file the job started with is also a cluster of the machines left (it
+    was 'elastic_2x2 reduced to node0: links: devices 1 cannot reach device 0')."""
+    data = Cluster.from_file(FILE_2X2).to_dict()
+    for machine in data["machines"]:
+        del machine["links"]
+    started = Cluster.from_dict(data, "elastic_2x2")
+    for kept, ids in (("node0", [0, 1]), ("node1", [2, 3])):
+        reduced = subcluster(started, [Machine(kept, 2)])
+        assert [d.global_id for d in reduced.devices] == ids
+        assert reduced.bandwidth(*ids) == started.bandwidth(*ids) == 10.0
+
+
 def test_the_restart_travels_in_the_launch_context():
     ctx = LaunchContext(restart=2)
     parsed, rest = LaunchContext.parse([*ctx.argv(), "--", "x.py"])
@@ -218,8 +232,9 @@ def assert_equal_weights(path, serial):
     assert worst < 1e-10, worst
 
 
-def elastic(tmp_path, *extra, faults=("machine node1 down at step 6",), script=()):
-    args = ["run", "-n", "4", "--emulate", FILE_2X2, "--elastic", "--min-ranks", "2",
+def elastic(tmp_path, *extra, faults=("machine node1 down at step 6",), script=(),
+            file=FILE_2X2):
+    args = ["run", "-n", "4", "--emulate", str(file), "--elastic", "--min-ranks", "2",
             "--log-dir", str(tmp_path / "logs")]
     for fault in faults:
         args += ["--emulate-fault", fault]
@@ -255,6 +270,49 @@ def test_a_machine_lost_mid_epoch_the_job_finishes_on_the_ranks_left(launched, t
     assert processes_mentioning(str(tmp_path)) == []
     records = [json.loads(ln) for ln in (tmp_path / "logs" / "elastic.jsonl").open()]
     assert [r["world"] for r in records if r["event"] == "start"] == [4, 2]
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+@EMULATED
+def test_a_file_without_links_inside_its_machines_restarts_on_the_machine_left(
+        launched, tmp_path, serial):
+    """The user's file of issue #52 (every device linked to the other machine's, none
+    inside a machine) started, then lost node1: the restart died planning on node0
+    ('links: devices 1 cannot reach device 0')."""
+    import yaml
+
+    data = Cluster.from_file(FILE_2X2).to_dict()
+    for machine in data["machines"]:
+        del machine["links"]
+    file = tmp_path / "elastic_2x2.yaml"
+    file.write_text(yaml.safe_dump({**data, "name": "elastic_2x2"}))
+    result = launched.run(*elastic(tmp_path, file=file, script=["--step-time", "0.2"]),
+                          timeout=300)
+    out, err = result.stdout, result.stderr
+    assert result.returncode == 0, out[-3000:] + err[-3000:]
+    assert "restart 1 of 3 on 2 ranks (node0:2), was 4; dropped node1" in err
+    assert "finished after 1 restart (world sizes 4 -> 2)" in err
+    assert "DONE world=2 step=24" in out
+    assert_equal_weights(tmp_path / "w.npz", serial)
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+@EMULATED
+def test_a_successful_elastic_job_removes_its_temporary_logs_failed_attempts_included(
+        launched, tmp_path):
+    """Issue #52: without --log-dir each attempt kept its own temporary log folder when
+    it failed (a machine lost), though the job then succeeded on the ranks left."""
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    args = elastic(tmp_path, script=["--step-time", "0.2"])
+    at = args.index("--log-dir")
+    del args[at:at + 2]
+    result = launched.run(*args, env={"TMPDIR": str(temp)}, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "restart 1 of 3 on 2 ranks (node0:2), was 4; dropped node1" in result.stderr
+    assert not [p.name for p in temp.iterdir() if p.name.startswith("distgraph-logs-")]
 
 
 @pytest.mark.mpi
@@ -366,7 +424,7 @@ def test_elastic_without_machines_to_lose_is_one_line(tmp_path):
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         "distgraph run: --elastic needs machines to lose and take back: give --hostfile "
-        "FILE, --hosts LIST or --emulate FILE"]
+        "FILE, --hosts LIST or --emulate FILE, or run it in a Slurm allocation"]
 
 
 @pytest.mark.parametrize("options, said", [

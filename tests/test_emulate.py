@@ -18,9 +18,11 @@ from pathlib import Path
 import pytest
 
 import distgraph as dg
-from distgraph.runtime.emulate.namespaces import (check_prerequisites, job_alive, our_namespaces,
-                                       remove_job)
-from distgraph.runtime.emulate.layout import namespace_name, parse_namespace, this_job
+from distgraph.runtime.emulate.namespaces import (check_prerequisites, job_alive,
+                                                  leftover_folders, other_jobs, our_namespaces,
+                                                  remove_job)
+from distgraph.runtime.emulate.layout import (namespace_name, parse_namespace, process_start,
+                                              this_job)
 from test_meshslice_mpi import check_cases
 from test_spmd_mpi import check_report
 
@@ -31,6 +33,7 @@ TRAIN = str(ROOT / "tests" / "mpi_scripts" / "train_plans.py")
 MESHSLICE = str(ROOT / "tests" / "mpi_scripts" / "meshslice_cases.py")
 LINK_GBPS = 0.125
 TOLERANCE = 0.2
+BOUND = 60      # seconds a job of a few seconds gets before the test fails saying so
 
 
 def _cannot_emulate() -> str | None:
@@ -79,8 +82,23 @@ class Launcher:
         return proc
 
     def run(self, *args, env=None, timeout=120) -> subprocess.CompletedProcess:
+        """The job's result; a job still running after ``timeout`` seconds is stopped
+        (its cluster removed) and the test fails saying so, with what the job printed and
+        the other emulated jobs of this machine, not with a bare TimeoutExpired."""
         proc = self.start(*args, env=env)
-        out, err = proc.communicate(timeout=timeout)
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            others = other_jobs(f"{proc.pid}.{process_start(proc.pid)}")
+            proc.send_signal(signal.SIGTERM)
+            try:
+                out, err = proc.communicate(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                out, err = proc.communicate()
+            pytest.fail(f"`distgraph {' '.join(args)}` was still running after {timeout} s "
+                        f"and was stopped; other emulated jobs here then: "
+                        f"{'; '.join(others) or 'none'}\n{out[-2000:]}{err[-2000:]}")
         return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
     def namespaces_of(self, proc) -> list[str]:
@@ -124,12 +142,35 @@ def test_ranks_run_on_the_files_machines_and_cross_machines_over_the_shaped_link
     # different machines, so theirs goes over TCP through the link shaped to 1 Gbit/s.
     # Were it shared memory (MPICH's default transport), it would run at GB/s.
     report = probe(launched.run("run", "-n", "4", "--emulate", FILE_2X2, PROBE, "0-1", "0-2",
-                                "1-3"))
+                                "1-3", timeout=BOUND))
     assert report["hostnames"] == ["node0", "node0", "node1", "node1"]
     assert report["cluster"] == [FILE_2X2] * 4
     for pair in ("0-2", "1-3"):
         assert abs(report["bandwidth"][pair] / LINK_GBPS - 1) <= TOLERANCE, report
     assert report["bandwidth"]["0-1"] > 4 * LINK_GBPS, report
+
+
+def test_two_emulated_jobs_at_once_do_not_meet(launched):
+    """Issue #52: with another emulated job running, a job runs in namespaces and
+    addresses of its own, says that the other shares the machine's cores, and leaves the
+    other running and whole (the README's suite timed out here after 120 s while another
+    job ran). Bandwidths are not checked: the two share 2 cores."""
+    first = launched.start("run", "-n", "4", "--emulate", FILE_2X2, PROBE, "--allreduce",
+                           "12", "0-2")
+    names = _wait_for_namespaces(launched, first, 3)
+    job = "{}.{}".format(*parse_namespace(names[0])[:2])
+    second = launched.run("run", "-n", "4", "--emulate", FILE_2X2, PROBE, "0-1", "0-2",
+                          timeout=BOUND)
+    assert probe(second)["hostnames"] == ["node0", "node0", "node1", "node1"]
+    assert "other emulated cluster" in second.stderr and f"job {job} (pid {first.pid}: " \
+        in second.stderr, second.stderr[-2000:]
+    assert first.poll() is None and sorted(launched.namespaces_of(first)) == sorted(names)
+    out, err = first.communicate(timeout=BOUND)
+    report = probe(subprocess.CompletedProcess(first.args, first.returncode, out, err))
+    assert len({r["count"] for r in report["allreduce"]}) == 1
+    subnets = [next(ln.split("addresses ")[1] for ln in e.splitlines() if "addresses " in ln)
+               for e in (err, second.stderr)]
+    assert subnets[0] != subnets[1], subnets
 
 
 THREE_MACHINES = """
@@ -248,10 +289,12 @@ def test_namespaces_of_a_killed_launcher_go_at_the_next_start(launched):
     assert sorted(launched.namespaces_of(proc)) == sorted(names)
     job = parse_namespace(names[0])
     assert not job_alive(job[0], job[1])
+    folders = leftover_folders(f"{job[0]}.{job[1]}")       # its TemporaryDirectory
+    assert len(folders) == 1 and os.path.isdir(folders[0])
     result = launched.run("run", "-n", "1", "--emulate", FILE_2X2, PROBE)
     probe(result)
     assert f"removed 3 namespaces left by emulated job {job[0]}.{job[1]}" in result.stderr
-    assert launched.namespaces_of(proc) == []
+    assert launched.namespaces_of(proc) == [] and not os.path.exists(folders[0])
 
 
 def test_without_root_the_launcher_says_so_before_creating_anything(launched):

@@ -516,3 +516,21 @@ def test_a_new_strategy_plans_again_and_moves_the_states(float64):
         np.testing.assert_allclose(losses, want, rtol=1e-12)
         assert all(np.max(np.abs(got[k] - params[k])) < 1e-12 for k in params)
         assert all(np.max(np.abs(got_states[k] - states[k])) < 1e-12 for k in states)
+
+
+def test_the_loops_read_no_private_attribute_of_the_engine():
+    """``app/loops.py`` reads the Engine through its public names and is given the plan
+    cache and the held state (read from the source, as tests/test_layering.py reads
+    imports): no ``engine._x``, ``self.engine._x`` or other object's ``_x``, only its own."""
+    import ast
+
+    import distgraph.app.loops as loops
+
+    tree = ast.parse(Path(loops.__file__).read_text())
+    private = [f"line {node.lineno}: {ast.unparse(node)}" for node in ast.walk(tree)
+               if isinstance(node, ast.Attribute) and node.attr.startswith("_")
+               and not node.attr.startswith("__")
+               and not (isinstance(node.value, ast.Name) and node.value.id == "self")]
+    assert not private, private
+    engine = dg.Engine(dg.nn.Linear(3, 2), dg.nn.MSELoss(), dg.optim.SGD(0.1))
+    assert engine._loops.plans is engine._plans and engine._loops.held is engine._held

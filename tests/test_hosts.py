@@ -166,7 +166,7 @@ def test_the_launcher_is_chosen_as_hydra_chooses_it():
     assert Launcher.from_env({"HYDRA_BOOTSTRAP": "rsh"}).argv("n", ["ls"]) == ["rsh", "n", "ls"]
     slurm = {"SLURM_JOB_NODELIST": "n[1-2]", "SLURM_NNODES": "2", "SLURM_TASKS_PER_NODE": "2(x2)"}
     assert Launcher.from_env(slurm).argv("n1", ["ls"]) == [
-        "srun", "--nodes=1", "--ntasks=1", "--nodelist=n1", "--quiet", "ls"]
+        "srun", "--nodes=1", "--ntasks=1", "--nodelist=n1", "--quiet", "--overlap", "ls"]
     assert Launcher.from_env({**slurm, "HYDRA_LAUNCHER": "ssh"}).kind == "ssh"
     with pytest.raises(dg.PlanError, match="HYDRA_LAUNCHER=lsf"):
         Launcher.from_env({"HYDRA_LAUNCHER": "lsf"})

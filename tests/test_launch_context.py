@@ -3,8 +3,10 @@ the Engine as the bootstrap's arguments, through one function; a context opened
 in-process wins over the environment; processes a script starts inherit it; the
 plan-only stop ends a script with exit code 0 and no ``except Exception`` swallows it."""
 
+import os
 import subprocess
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 
@@ -81,3 +83,20 @@ def test_the_bootstrap_opens_the_context_for_the_script_and_its_children(tmp_pat
     assert proc.returncode == 0, proc.stderr
     name = dg.Cluster.from_file(LOCAL4).name
     assert proc.stdout.splitlines() == [f"CLUSTER {name} {LOCAL4}", f"CHILD {name}"]
+
+
+@pytest.mark.mpi
+def test_the_suite_keeps_a_failed_jobs_logs_in_its_own_temporary_folder_not_in_tmp():
+    """Issue #52: the suite left some 24 distgraph-logs-* folders in /tmp. A failed job
+    keeps its logs (right for a user), here in the temporary folder tests/conftest.py
+    gives the run (TMPDIR), which the run removes at its end."""
+    run_folder = Path(os.environ["TMPDIR"])
+    assert run_folder.name.startswith("dgtest-") and run_folder == Path(tempfile.gettempdir())
+    before = set(run_folder.glob("distgraph-logs-*"))
+    script = Path(__file__).parent / "mpi_scripts" / "fault_jobs.py"
+    proc = subprocess.run([sys.executable, "-m", "distgraph.cli", "run", "-n", "2",
+                           str(script), "lines"], capture_output=True, text=True,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=90)
+    assert proc.returncode != 0
+    kept = set(run_folder.glob("distgraph-logs-*")) - before
+    assert len(kept) == 1 and f"{kept.pop()}{os.sep}rank-<r>.log" in proc.stderr, proc.stderr

@@ -161,7 +161,7 @@ def test_a_failing_rank_gives_one_line_and_its_traceback_goes_to_its_log(tmp_pat
     rc, out, seconds = run(command("run", "-n", 4, "--log-dir", logs, JOBS, "fail"))
     assert rc != 0 and seconds < DEADLINE
     assert out.splitlines() == [
-        ("distgraph: rank 1 failed: RuntimeFault: rank 1 (process 1): task forward of stage 0 "
+        ("distgraph: rank 1 failed: RuntimeFault: rank 1 (process 1): task forward of chunk 0 "
          "in step 1 failed: op 'relu' failed in step 1: ValueError: injected failure"),
         (f"distgraph: the job failed (mpiexec exit code {rc}); each rank's full output is "
          f"in {logs}{os.sep}rank-<r>.log")], out

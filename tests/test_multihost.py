@@ -256,7 +256,7 @@ def test_a_failing_rank_ends_the_job_on_every_host_with_one_line(hosts, tmp_path
     assert proc.returncode != 0
     lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("distgraph: ")]
     assert lines[0] == ("distgraph: rank 1 on node0 failed: RuntimeFault: rank 1 (process 1): "
-                        "task forward of stage 0 in step 1 failed: op 'relu' failed in step 1: "
+                        "task forward of chunk 0 in step 1 failed: op 'relu' failed in step 1: "
                         "ValueError: injected failure"), proc.stderr
     assert len(lines) == 2 and "rank-<r>.log" in lines[1], proc.stderr
     assert "injected failure" in (logs / "rank-1.log").read_text()

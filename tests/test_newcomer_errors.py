@@ -200,6 +200,28 @@ def test_a_checkpoint_whose_config_does_not_fit_its_weights_says_which_fields(tm
     assert "check its vocab_size, hidden_size, intermediate_size" in message, message
 
 
+@pytest.mark.parametrize("lazy", [False, True])
+def test_a_checkpoint_whose_index_names_a_missing_shard_says_the_index_lists_it(tmp_path,
+                                                                                 lazy):
+    """A sharded checkpoint copied without one of its shards: one DistGraphError that
+    names the index, the shard it lists and a tensor it holds (it was a bare
+    FileNotFoundError from safetensors, naming only the shard's path)."""
+    import json
+
+    dg.save_pretrained(tiny_llama(), tmp_path, max_shard_size="2KB")
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 2
+    gone = shards[1]
+    (tmp_path / gone).unlink()
+    with pytest.raises(DistGraphError) as info:
+        dg.from_pretrained(tmp_path, lazy=lazy)
+    message = str(info.value)
+    held = sorted(k for k, f in index["weight_map"].items() if f == gone)
+    assert f"model.safetensors.index.json lists {gone}" in message, message
+    assert held[0] in message and "is not in the folder" in message, message
+
+
 @pytest.mark.parametrize("change,said", [
     (dict(batch_size=4), "rank 0 batch_size=8, rank 1 batch_size=4"),
     (dict(samples=12), "rank 0 train_data=8 samples, rank 1 train_data=12 samples"),
@@ -238,6 +260,46 @@ def test_a_megatron_split_the_mesh_does_not_divide_names_the_parameter_by_its_pa
     with pytest.raises(dg.ShardingError, match=r"parameter 'layers\.0\.self_attn\.q_proj\."
                                                r"weight' of Linear\(16, 16"):
         dg.nn.llama.megatron(model, dg.ProcessMesh([0, 1, 2], dim_names=["mp"]))
+
+
+def readme_gpt_and_mesh():
+    model = dg.nn.GPT(vocab_size=64, d_model=64, n_layer=2, n_head=4, max_seq_len=32)
+    return model, dg.ProcessMesh([[0, 1], [2, 3]], dim_names=["dp", "mp"])
+
+
+@pytest.mark.parametrize("spec, said", [
+    ([None, "mpp"], "unknown mesh dim 'mpp'"),
+    ("mp", "shard spec 'mp' is a string"),
+    ([None, None, "mp"], "the spec has 3 entries for a 2-d tensor"),
+])
+def test_a_wrong_spec_on_a_parameter_names_it_by_its_path_before_any_trace(spec, said):
+    """The README's annotation with a mistake, before the Engine traced anything: the
+    error named "parameter 'weight' of Linear(64, 256)", one of four such Linears."""
+    model, mesh = readme_gpt_and_mesh()
+    with pytest.raises(dg.ShardingError) as info:
+        dg.shard_tensor(model.blocks[1].mlp.fc1.weight, mesh, spec)
+    message = str(info.value)
+    assert message.startswith("parameter 'blocks.1.mlp.fc1.weight' of Linear(64, 256)"), message
+    assert said in message, message
+
+
+def test_a_layer_given_to_shard_tensor_is_named_by_its_path_with_its_parameters():
+    model, mesh = readme_gpt_and_mesh()
+    with pytest.raises(dg.ShardingError) as info:
+        dg.shard_tensor(model.blocks[0].mlp.fc1, mesh, [None, "mp"])
+    assert str(info.value) == (
+        "shard_tensor: got the layer 'blocks.0.mlp.fc1' (Linear(64, 256)), not a tensor: "
+        "annotate its parameters (blocks.0.mlp.fc1.weight, blocks.0.mlp.fc1.bias), or run "
+        "it on a mesh with dg.shard_op(layer, mesh, ...)")
+
+
+def test_a_value_of_the_wrong_shape_names_the_parameter_by_its_path():
+    model, _ = readme_gpt_and_mesh()
+    with pytest.raises(dg.DistGraphError) as info:
+        model.blocks[1].mlp.fc2.weight.set_value(np.zeros((64, 256)))
+    assert str(info.value) == ("set_value: shape [64, 256] does not match the shape "
+                               "[256, 64] of parameter 'blocks.1.mlp.fc2.weight' of "
+                               "Linear(256, 64)")
 
 
 def test_predict_takes_samples_of_inputs_only_after_fit(float64):

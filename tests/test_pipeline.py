@@ -115,10 +115,13 @@ def test_virtual_stages_train_like_serial(float64, key, micro_batches, schedule,
     plan = results[0][2].plan()
     assert len(plan.stages) == S and len(plan.task_graph().chunks) == 2 * S
     events = results[0][3].events
+    labels = {t["pid"]: t["args"]["name"] for t in results[0][3].to_chrome()["traceEvents"]
+              if t["name"] == "process_name"}
     for rank in range(S):       # the timeline shows each rank's two chunks (stages)
         stages = {e.stage for e in events if e.rank == rank and e.kind == "forward"}
         assert stages == ({rank, 2 * S - 1 - rank} if schedule == "ZBV" else
                           {rank, rank + S}), (rank, stages)
+        assert labels[rank] == f"rank {rank} (chunks {', '.join(map(str, sorted(stages)))})"
 
 
 @pytest.mark.slow
@@ -349,6 +352,8 @@ def test_timeline_records_every_task_and_message(tmp_path):
     path = tmp_path / "t.json"
     tl.save(path)
     trace = json.loads(path.read_text())["traceEvents"]
+    assert [t["args"]["name"] for t in trace if t["name"] == "process_name"] == \
+        ["rank 0 (chunk 0)", "rank 1 (chunk 1)"]
     spans = [t for t in trace if t["ph"] == "X"]
     assert len(spans) == len(tl.events)
     assert {t["pid"] for t in spans} == {0, 1}
@@ -386,7 +391,7 @@ def test_a_failing_task_names_rank_task_and_micro_batch(monkeypatch):
     with pytest.raises(dg.RuntimeFault) as info:
         run_pipeline(("mlp", "two_stage", 2), 4, "1F1B")
     text = str(info.value)
-    assert "rank 0 (process 0): task forward of stage 0, micro-batch 0 in step 1" in text
+    assert "rank 0 (process 0): task forward of chunk 0, micro-batch 0 in step 1" in text
     assert "op 'relu'" in text and "injected failure" in text
 
 
@@ -405,7 +410,7 @@ def test_a_message_that_never_arrives_is_a_runtime_fault():
     with pytest.raises(dg.RuntimeFault) as info:
         SimulatedWorld(2, timeout=1).run(rank)
     text = str(info.value)
-    assert "rank 0 (process 0, stage 0): timed out after 1 s" in text
+    assert "rank 0 (process 0, chunk 0): timed out after 1 s" in text
     assert "backward micro-batch 0 waits for" in text and "from rank 1" in text
 
 

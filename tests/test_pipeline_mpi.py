@@ -88,7 +88,7 @@ def test_a_failing_pipeline_task_ends_the_job_naming_rank_and_task():
     rc, out, seconds = launch(2, "pipe_raise")
     assert rc != 0 and seconds < DEADLINE
     assert "rank 0 failed" in out, out[-3000:]
-    assert "task forward of stage 0, micro-batch 0 in step 1" in out, out[-3000:]
+    assert "task forward of chunk 0, micro-batch 0 in step 1" in out, out[-3000:]
     assert "op 'relu'" in out and "injected failure" in out, out[-3000:]
 
 

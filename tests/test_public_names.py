@@ -23,7 +23,9 @@ PUBLIC = ("InputSpec", "trace", "Engine", "History", "Strategy", "ops", "nn", "o
           "Replicate", "Partial", "shard_tensor", "shard_op", "shard_dataloader", "Cluster",
           "Program", "Operation", "Value", "append_backward", "DistGraphError",
           "ShardingError", "ResourceFileError", "PlanError", "RuntimeFault",
-          "CheckpointError", "DTypeError", "ShapeError", "__version__")
+          "CheckpointError", "DTypeError", "ShapeError", "__version__", "parallelize",
+          "ColWiseParallel", "RowWiseParallel", "SequenceParallelBegin", "SequenceParallelEnd",
+          "SequenceParallelEnable", "SequenceParallelDisable", "SplitPoint")
 HEAVY = ("numpy", "scipy", "networkx", "yaml", "pyscipopt", "cvxpy")
 
 
@@ -42,6 +44,17 @@ def test_every_public_name_resolves(name):
     namespace: dict = {}
     exec(f"from distgraph import {name} as x", namespace)
     assert namespace["x"] is value
+
+
+def test_dir_shows_the_public_names_not_the_facades_helpers():
+    """``dir(dg)`` (and tab completion) lists what a user may call: the public names, the
+    submodules imported so far and the dunders; not the modules the facade uses itself."""
+    shown = set(dir(dg))
+    assert not shown & {"importlib", "sys", "types", "limit_blas_threads"}, sorted(shown)
+    assert set(dg.__all__) <= shown
+    others = [name for name in shown - set(dg.__all__) if not name.startswith("__")
+              and not getattr(getattr(dg, name), "__name__", "").startswith("distgraph.")]
+    assert not others, others
 
 
 def test_submodules_are_attributes_as_before():
@@ -66,6 +79,16 @@ def test_trace_stays_the_function_once_its_module_is_imported():
     from distgraph.trace import InputSpec
 
     assert InputSpec is dg.InputSpec
+
+
+def test_parallelize_stays_the_function_once_its_module_is_imported():
+    """``distgraph.parallelize`` is a module defining the function of its name, as
+    ``distgraph.trace`` is: importing the module leaves the name the function."""
+    import distgraph.parallelize as bound
+    from distgraph.parallelize import matches
+
+    assert dg.parallelize is bound and callable(dg.parallelize)
+    assert dg.parallelize.__name__ == "parallelize" and matches("a.*", "a.b")
 
 
 def test_the_public_names_work_together():

@@ -231,6 +231,43 @@ def test_cluster_constructor_validates_like_the_loader():
         Device(0, 0, 0, "QPU")
 
 
+def two_machines_without_links_inside(device="CPU"):
+    """A user's file (issue #52): 2 machines x 2 devices, every device linked to the other
+    machine's, none inside a machine; its devices reached each other only through the
+    other machine's devices."""
+    def machine(k):
+        return {"id": k, "hostname": f"node{k}", "devices": [
+            {"global_id": 2 * k + i, "local_id": i, "type": device, "model": "m",
+             "memory": 4, "gflops": {"float32": 50}} for i in range(2)]}
+    return {"name": "elastic_2x2", "machines": [machine(0), machine(1)],
+            "links": [{"source": a, "target": b, "bandwidth": 0.125, "latency": 100,
+                       "type": "NET"} for a in (0, 1) for b in (2, 3)]}
+
+
+def test_the_devices_of_one_machine_reach_each_other_without_links_inside_it():
+    """Over the machine's shared memory (default figures, as Cluster.local's), not
+    through another machine; and a machine kept alone (an elastic restart's cluster)
+    is a cluster: it was 'links: devices 1 cannot reach device 0'."""
+    from distgraph.resources.cluster import (LOCAL_BANDWIDTH_GBPS, LOCAL_LATENCY_US,
+                                             LOCAL_STAGED_LATENCY_US)
+    data = two_machines_without_links_inside()
+    c = Cluster.from_dict(data)
+    assert (c.bandwidth(0, 1), c.latency(0, 1)) == (LOCAL_BANDWIDTH_GBPS, LOCAL_LATENCY_US)
+    assert (c.bandwidth(2, 3), c.latency(2, 3)) == (LOCAL_BANDWIDTH_GBPS, LOCAL_LATENCY_US)
+    assert (c.bandwidth(0, 3), c.latency(0, 3)) == (0.125, 100.0)
+    assert c.device_meshes[0].dim_bandwidths == (0.125, LOCAL_BANDWIDTH_GBPS)
+    assert "SHM (implied)" in c.describe()
+    assert "links" not in c.to_dict()["machines"][0]       # the file stays the user's
+    assert Cluster.from_dict(c.to_dict()) == c
+    alone = Cluster.from_dict({**data, "machines": data["machines"][:1], "links": []})
+    assert [d.global_id for d in alone.devices] == [0, 1] and alone.bandwidth(0, 1) == 10.0
+    gpus = Cluster.from_dict(two_machines_without_links_inside("GPU"))
+    assert gpus.latency(0, 1) == LOCAL_STAGED_LATENCY_US   # staged through the host
+    # devices the machine's own links join (here through its NIC) get no implied link
+    assert shipped("gpu_2x8.yaml").implied_links == {}
+    assert shipped("paddle_2x8.json").implied_links == {}
+
+
 def test_readme_example_loads(tmp_path):
     text = open(os.path.join(RESOURCES, "README.md"), encoding="utf-8").read()
     section = text[text.index("## A complete example"):]

@@ -242,8 +242,22 @@ PADDLE_CASES = [
     ("unknown_type", lambda d: dev(d, 0, 1).update(type="FPGA"), "machines[0].devices[1].type"),
     ("bandwidth_negative", lambda d: link(d, 0, 0).update(bandwidth=-235),
      "machines[0].links[0].bandwidth"),
-    ("not_connected", lambda d: m(d, 0).update(links=[]), "links"),
+    # a second machine and no link between the two (the devices of one machine reach
+    # each other through its shared memory: one machine without links is connected)
+    ("not_connected", lambda d: d["machines"].append(second_machine(d)), "links"),
 ]
+
+
+def second_machine(data):
+    """A copy of the first machine with global ids 2 and 3, linked to nothing outside."""
+    other = json.loads(json.dumps(data["machines"][0]))
+    other["hostname"] = "h2"
+    for device in other["devices"]:
+        device["global_id"] += 2
+    for ln in other["links"]:
+        ln["source_global_id"] += 2
+        ln["target_global_id"] += 2
+    return other
 
 
 def test_paddle_base_case_is_valid(tmp_path):

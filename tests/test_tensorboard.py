@@ -124,4 +124,4 @@ def test_two_ranks_log_once_what_rank_0s_history_holds(tmp_path, tensorboard):
     assert events["train/loss"] == list(zip(zero["steps"], as_float32(zero["losses"])))
     assert [v for _, v in events["epoch/loss"]] == as_float32(zero["epoch_losses"])
     assert {v for _, v in events["step_time/predicted"]} == {float(np.float32(zero["predicted"]))}
-    assert "ProcessMesh([0, 1]" in events["plan/explain"][0][1].decode()
+    assert "Plan: 2 process(es), distributed, 1 stage" in events["plan/explain"][0][1].decode()

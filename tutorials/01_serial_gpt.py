@@ -3,7 +3,7 @@
 The data (tutorials/counting_data.py) is a synthetic next-token task that a GPT which
 learns the pattern solves far below ln(vocab).
 
-    python tutorials/01_serial_gpt.py            # default size, a few seconds on 2 cores
+    python tutorials/01_serial_gpt.py            # default size, about 2 s on 2 cores
     python tutorials/01_serial_gpt.py --steps 50 # quicker
 """
 

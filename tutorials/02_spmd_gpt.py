@@ -29,7 +29,7 @@ ones are all-reduced over ``dp`` too, each shard among the ranks holding it.
 
 Run it with the launcher (4 MPI ranks, one BLAS thread each)::
 
-    distgraph run -n 4 tutorials/02_spmd_gpt.py            # about 5 s on 2 cores
+    distgraph run -n 4 tutorials/02_spmd_gpt.py            # about 8 s on 2 cores
     distgraph run -n 4 tutorials/02_spmd_gpt.py --steps 40 # quicker
 
 Started as one plain process (``python tutorials/02_spmd_gpt.py``) it stops with a

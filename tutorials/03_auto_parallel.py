@@ -18,7 +18,7 @@ ops. This script
 With ``--pipeline`` the search also cuts the model into pipeline stages (Alpa's stage
 DP, ``Strategy(pipeline=True, micro_batches=4)``).
 
-    python tutorials/03_auto_parallel.py                       # local4.yaml, ~20 s
+    python tutorials/03_auto_parallel.py                       # local4.yaml, ~6 s
     distgraph cluster calibrate -n 4 -o my4.yaml               # measure this machine
     python tutorials/03_auto_parallel.py --cluster my4.yaml
     python tutorials/03_auto_parallel.py --cluster resources/clusters/emulated_2x2.yaml --no-train

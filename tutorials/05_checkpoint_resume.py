@@ -2,7 +2,7 @@
 exactly where an uninterrupted run ends.
 
     python tutorials/05_checkpoint_resume.py               # one process, about 3 s
-    python tutorials/05_checkpoint_resume.py --nprocs 4    # 4 MPI ranks, dp x mp (7 s)
+    python tutorials/05_checkpoint_resume.py --nprocs 4    # 4 MPI ranks, dp x mp (6 s)
     python tutorials/05_checkpoint_resume.py --nprocs 4 --resume-nprocs 1
 
 This script is the conductor; it starts the training runs as child processes:

@@ -29,7 +29,7 @@ nothing, that made the search prefer a plan of twice the steps (82 collectives a
 dp x mp's 43), measured 1.2-1.35 x dp x mp's step at 10 Gbit/s. Calibrated, each step
 costs what these ranks measured (per ring round: a step over 4 ranks waits 3 times).
 
-Run it as root (2-3 minutes on 2 cores, 4 on a busy one)::
+Run it as root (about 75 s on 2 cores, nearer 3 minutes on a busy machine)::
 
     python tutorials/06_emulated_cluster.py
     python tutorials/06_emulated_cluster.py --steps 4 --speeds 1,0.25

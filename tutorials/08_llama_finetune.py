@@ -9,19 +9,30 @@ and 2 key/value heads, RoPE theta 500,000), else with ``dg.save_pretrained`` of 
 - loads it lazily: ``dg.from_pretrained(path, lazy=True)`` builds the model with no
   values; each rank reads only its blocks of each tensor when the Engine lays the model
   out (``get_slice``, never a whole tensor it does not own);
-- splits every decoder layer the Megatron way over ``mp`` (``dg.nn.llama.megatron``: q,
+- lays it out in one call, ``dg.parallelize`` (Paddle's intermediate API): Llama's
+  built-in ``"megatron"`` plan splits every decoder layer the Megatron way over ``mp`` (q,
   k, v, gate and up by columns, o and down by rows; the 2 key/value heads split one per
-  rank) and the batch over ``dp``;
+  rank) and the vocabulary of the embedding and the head; the batch goes over ``dp``;
+  ``sharding_level`` 2 (ZeRO) splits AdamW's moments and master weights over ``dp``, the
+  gradients reduce-scattered onto them. ``--by-hand`` lays out the same with
+  ``dg.nn.llama.megatron``, ``shard_tensor`` and ``Strategy(sharding=True)``;
 - fine-tunes on the counting task of tutorial 01 with ``Strategy(amp="bfloat16")``:
   forward and backward in bfloat16, float32 master weights and AdamW moments;
 - writes the result with ``engine.save_pretrained`` (the checkpoint's dtype, a
   ``config.json`` transformers reads), and when ``transformers`` is installed loads it
   there and checks that its logits agree with distgraph's.
 
+``transformers`` is optional. To have it, install torch's CPU wheel first: a plain ``pip
+install torch`` pulls the CUDA build and its libraries (6.2 GB), which nothing here uses::
+
+    pip install torch --index-url https://download.pytorch.org/whl/cpu
+    pip install transformers
+
 Run it with the launcher (4 MPI ranks, one BLAS thread each)::
 
-    distgraph run -n 4 tutorials/08_llama_finetune.py             # 5 s on 2 cores, 15 s with transformers
+    distgraph run -n 4 tutorials/08_llama_finetune.py             # 7 s on 2 cores, 11-15 s with transformers
     distgraph run -n 4 tutorials/08_llama_finetune.py --steps 20  # quicker
+    distgraph run -n 4 tutorials/08_llama_finetune.py --by-hand   # shard_tensor, same layout
 
 Rank 0 prints the loss curve's start and end; the job fails unless the loss fell by at
 least half. The checkpoints go to ``--out`` (default: a temporary folder).
@@ -75,12 +86,25 @@ def check_in_transformers(path, engine, samples):
     return float(np.max(np.abs(theirs - ours)) / np.max(np.abs(theirs)))
 
 
+def by_hand(model, mesh):
+    """The layout of the "megatron" plan, tensor by tensor: every decoder layer split by
+    dg.nn.llama.megatron, the vocabulary of the embedding and the head over mp, the
+    final norm whole (ZeRO's sharding is Strategy(sharding=True))."""
+    dg.nn.llama.megatron(model, mesh)
+    dg.shard_tensor(model.embed_tokens.weight, mesh, ["mp", None])
+    dg.shard_tensor(model.lm_head.weight, mesh, [None, "mp"])
+    dg.shard_tensor(model.norm.weight, mesh, [None])
+    return model
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--batch-size", type=int, default=16, help="global batch")
     parser.add_argument("--seq-len", type=int, default=32)
     parser.add_argument("--out", help="folder for the checkpoints (default: a temporary one)")
+    parser.add_argument("--by-hand", action="store_true",
+                        help="lay the model out with shard_tensor instead of dg.parallelize")
     args = parser.parse_args()
 
     mesh = dg.ProcessMesh([[0, 1], [2, 3]], dim_names=["dp", "mp"])
@@ -96,9 +120,16 @@ def main():
     while not os.path.exists(source):
         time.sleep(0.1)
     model = dg.from_pretrained(source, lazy=True)
-    dg.nn.llama.megatron(model, mesh)
-    engine = dg.Engine(model, loss=dg.nn.CrossEntropyLoss(), optimizer=dg.optim.AdamW(3e-3),
-                       strategy=dg.Strategy(amp="bfloat16"))
+    if args.by_hand:
+        model, optimizer, sharding = by_hand(model, mesh), dg.optim.AdamW(3e-3), True
+    else:
+        model, optimizer = dg.parallelize(model, mesh, {
+            "dp_config": {"sharding_level": 2},             # ZeRO: states and gradients
+            "mp_config": {"parallelize_plan": "megatron"},  # Llama's built-in plan
+        }, optimizer=dg.optim.AdamW(3e-3))                  # carries the level
+        sharding = False                                    # (the optimizer says it)
+    engine = dg.Engine(model, loss=dg.nn.CrossEntropyLoss(), optimizer=optimizer,
+                       strategy=dg.Strategy(amp="bfloat16", sharding=sharding))
     data = CountingSequences(args.steps * args.batch_size, args.seq_len, CONFIG["vocab_size"])
     start = time.perf_counter()
     history = engine.fit(dg.shard_dataloader(data, mesh, shard_dims="dp"),

@@ -176,7 +176,7 @@ def collective(name: str, alike: tuple = ()):
         def run(engine, *args, **kwargs):
             # the first call of a job makes its communicator: it is checked too
             comm = engine._comm if engine._comm is not None or engine.world_size == 1 \
-                else engine._world()
+                else engine.world()
             if comm is None or not hasattr(comm, "collective_call"):
                 return method(engine, *args, **kwargs)
             with comm.collective_call(name, detail(engine, args, kwargs) if alike else ""):

@@ -61,6 +61,11 @@ class Engine:
     way the last ``fit``'s shard_dataloader did. ``engine.rank`` and
     ``engine.world_size`` say where this script runs; ``engine.process`` which logical
     process of the plan this rank runs (``engine.plan().local(engine.process)``).
+
+    ``ensure``, ``planned_key``, ``world``, ``warn``, ``plan_request`` and
+    ``launch_cluster`` are what its loops (:class:`~distgraph.app.loops.Loops`, made with
+    the plan cache and the held state) ask of the Engine: public to the package, not
+    needed by a training script.
     """
 
     def __init__(self, model, loss=None, optimizer=None, metrics=None, cluster=None,
@@ -71,14 +76,14 @@ class Engine:
             raise DistGraphError("metrics are computed by evaluate(), which needs a loss: "
                                  "give the Engine a loss too")
         self._launch = launch_context()    # what distgraph run / plan asked of this script
-        self.cluster = cluster if cluster is not None else self._launch_cluster()
+        self.cluster = cluster if cluster is not None else self.launch_cluster()
         self.rank_mapping = rank_mapping
         self.strategy = strategy or Strategy()
         self.stop_training = False
         self._comm = communicator
         self._plans = PlanCache()
         self._held = HeldState(model, optimizer)
-        self._loops = Loops(self)
+        self._loops = Loops(self, self._plans, self._held)
         self._warned: set = set()          # warnings this Engine printed already
 
     @property
@@ -122,12 +127,14 @@ class Engine:
         raise DistGraphError("no plan yet: call fit(), evaluate(), predict() or prepare() "
                              "first")
 
-    def _warn(self, text: str) -> None:
-        """One line on rank 0's stderr, once per Engine."""
+    # -- what the loops ask of the Engine ---------------------------------------------------
+    def warn(self, text: str, this_rank: bool = False) -> None:
+        """One line on rank 0's stderr, once per Engine; ``this_rank``: a line about this
+        rank alone (its measured memory), printed by this rank whichever it is."""
         if text in self._warned:
             return
         self._warned.add(text)
-        if self.rank == 0:
+        if this_rank or self.rank == 0:
             print(f"distgraph: warning: {text}", file=sys.stderr, flush=True)
 
     # -- planning -------------------------------------------------------------------------------
@@ -159,7 +166,7 @@ class Engine:
         return program_key(mode, inputs_spec, labels_spec, self.model, self.optimizer,
                            self.strategy)
 
-    def _planned(self, mode, inputs_spec, labels_spec) -> tuple:
+    def planned_key(self, mode, inputs_spec, labels_spec) -> tuple:
         """The key of ``mode``'s program for these feeds, planned now if it was not yet."""
         key = self._key(mode, inputs_spec, labels_spec)
         if self._plans.get(key) is None:
@@ -174,13 +181,19 @@ class Engine:
             return self.cluster
         return Cluster.local(self.world_size)
 
-    def _launch_cluster(self):
+    def launch_cluster(self):
         """The Cluster of the launch context (``distgraph run/plan --cluster FILE``), or
         None."""
         path = self._launch.cluster
         return Cluster.from_file(path) if path else None
 
-    def _world(self):
+    @property
+    def plan_request(self):
+        """What ``distgraph plan`` asked of this script (a
+        :class:`~distgraph.runtime.launch.context.PlanRequest`), or None outside it."""
+        return self._launch.plan
+
+    def world(self):
         """The job's communicator: the one given, else MPI's world (this script runs under
         ``distgraph run`` or mpiexec), made when first needed."""
         if self._comm is None:
@@ -188,24 +201,24 @@ class Engine:
             self._comm = MPICommunicator()
         return self._comm
 
-    def _ensure(self, mode, inputs_spec, labels_spec) -> tuple:
+    def ensure(self, mode, inputs_spec, labels_spec) -> tuple:
         """(Planned, runner, scope) of ``mode`` for these feeds: planned once per program
         key, its runner made once, the held values laid out for it."""
-        planned = self._plans.activate(self._planned(mode, inputs_spec, labels_spec))
-        runner = self._plans.runner(mode, self._world)
+        planned = self._plans.activate(self.planned_key(mode, inputs_spec, labels_spec))
+        runner = self._plans.runner(mode, self.world)
         if not planned.plan.distributed and self.world_size > 1:
             self._warn_unsplit(mode)
         if self.world_size > 1:
             for text in idle_options(planned.plan):
-                self._warn(text)
+                self.warn(text)
         return planned, runner, self._held.bind(planned.plan, runner, self._comm)
 
     def _warn_unsplit(self, mode) -> None:
         verb = {Mode.TRAIN: "trains on", Mode.EVAL: "evaluates", Mode.PREDICT: "predicts"}
-        self._warn(f"the model has no annotation, so each of the {self.world_size} ranks "
-                   f"{verb[mode]} the whole batch (the same work {self.world_size} times); "
-                   f"split the batch with dg.shard_dataloader(dataset, mesh, "
-                   f"shard_dims=\"dp\") or annotate the model with dg.shard_tensor")
+        self.warn(f"the model has no annotation, so each of the {self.world_size} ranks "
+                  f"{verb[mode]} the whole batch (the same work {self.world_size} times); "
+                  f"split the batch with dg.shard_dataloader(dataset, mesh, "
+                  f"shard_dims=\"dp\") or annotate the model with dg.shard_tensor")
 
     # -- running ------------------------------------------------------------------------------
     @checks.collective("Engine.fit()", alike=("train_data", "batch_size", "epochs",
@@ -304,7 +317,7 @@ class Engine:
                 entries.append(checkpoint.Entry(name, layout.shape, layout.dtype, kind,
                                                 layout.attr, layout.plan.ranks, local))
         if any(p.distributed for p in self._plans.plans().values()):
-            self._world()
+            self.world()
         checkpoint.save(path, entries, checkpoint_info(self), self._comm)
         if self._launch.restart is not None and self.rank == 0:
             # an elastic launcher grows the job from a complete checkpoint (the README's
@@ -329,7 +342,7 @@ class Engine:
             except Exception as e:             # every rank raises it, none waits
                 failure = e
         if self.world_size > 1 and any(p.distributed for p in self._plans.plans().values()):
-            world = self._world()
+            world = self.world()
             failed = world.all_reduce(np.array([float(failure is not None)]),
                                       list(range(world.size)), op="max")
             if failed[0] and failure is None:
@@ -371,13 +384,13 @@ class Engine:
         restore_info(self, reader.info)
         train = self._plans.active(Mode.TRAIN)
         if train is not None:    # lay the values out for the training plan now (planned
-            self._ensure(Mode.TRAIN, *train.specs)   # again if the dropout seeds changed)
+            self.ensure(Mode.TRAIN, *train.specs)   # again if the dropout seeds changed)
 
     def timeline(self, mode="train"):
         """The timeline of the steps run so far in ``mode``, merged over every rank (a
         collective: call it on all ranks). Needs ``Strategy(profile=True)``; see
-        :class:`distgraph.runtime.execution.timeline.Timeline` (``.events``, ``.save``,
-        ``.plot``)."""
+        :class:`distgraph.runtime.execution.timeline.Timeline` (``.events``, ``.memory``,
+        ``.peak_memory()``, ``.save``, ``.plot``)."""
         if not self.strategy.profile:
             raise DistGraphError("no timeline was recorded: create the Engine with "
                                  "Strategy(profile=True)")

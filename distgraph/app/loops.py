@@ -1,7 +1,7 @@
 """The loops of an Engine: ``fit``, ``evaluate`` and ``predict``, batch by batch.
 
 :class:`Loops` runs the batches of a call. For each batch it asks the Engine for the
-plan of the batch's shape with the held values laid out for it (``Engine._ensure``: the
+plan of the batch's shape with the held values laid out for it (``Engine.ensure``: the
 plan cache, then the held state), reads this process's part of the batch (only the
 fields its program reads and only its rows of each:
 :func:`~distgraph.app.data.reads_of` of the program's feeds), runs the step on the
@@ -18,9 +18,14 @@ several, and a fit whose total is reached already trains nothing and says so.
 Under ``distgraph plan`` the first call plans its first batch, writes the report and
 stops the script (:class:`~distgraph.runtime.launch.context.PlanReported`).
 
+It reads the Engine through its public names (those a script uses, and those the
+Engine keeps for its loops: ``ensure``, ``planned_key``, ``world``, ``warn``,
+``plan_request``, ``launch_cluster``), and the Engine's plan cache and held state, which
+it is given.
+
 Example::
 
-    loops = Loops(engine)
+    loops = Loops(engine, plans, held)      # the Engine's PlanCache and HeldState
     history = loops.fit(data, batch_size=8, epochs=2)
 """
 
@@ -49,19 +54,26 @@ class History:
     ``epochs``: one record per epoch this fit ran, numbered over the Engine's life
     (``epoch``, mean ``loss``, ``lr``, and ``val_loss`` / ``val_<metric>`` when
     validation data was given). Empty when the fit's total of epochs was reached
-    already."""
+    already. ``memory``: per step, the bytes this rank held at its peak (the arrays the
+    runtime holds: :mod:`distgraph.runtime.execution.memory`); each rank has its own,
+    unlike ``losses``; ``memory_at``: where each peak was reached (``"action 0B1, op
+    'matmul_grad' in layer 'fc1'"``)."""
 
     losses: list = field(default_factory=list)
     steps: list = field(default_factory=list)
     epochs: list = field(default_factory=list)
+    memory: list = field(default_factory=list)
+    memory_at: list = field(default_factory=list)
 
 
 class Loops:
     """The fit / evaluate / predict loops of ``engine`` and its training position
-    (module docstring)."""
+    (module docstring); ``plans`` and ``held`` are the Engine's plan cache
+    (:class:`~distgraph.app.plans.PlanCache`) and held state
+    (:class:`~distgraph.app.state.HeldState`)."""
 
-    def __init__(self, engine):
-        self.engine = engine
+    def __init__(self, engine, plans, held):
+        self.engine, self.plans, self.held = engine, plans, held
         self.step = 0                  # optimizer steps taken (dropout and LR use it)
         self.position = (0, 0)         # (epoch, batch) training reached: the next fit's start
         self.loaded = False            # position and fit_config came from a checkpoint
@@ -110,7 +122,7 @@ class Loops:
             self.plan_shapes(Mode.EVAL, valid, valid.indices(0))
         # GPUs asked for where there are none, or a job of the wrong size: one line now,
         # not after the progress bar
-        train = engine._plans.plan(Mode.TRAIN)
+        train = self.plans.plan(Mode.TRAIN)
         backend_for(train.devices, engine.rank if train.distributed else 0)
         self.check_world(train)
         try:
@@ -138,7 +150,7 @@ class Loops:
                 planned, runner, scope = self.ensure(Mode.TRAIN, loader, len(idx))
                 feed, _ = self.feed(planned, loader, idx, epoch, b)
                 lr = engine.optimizer.lr_at(self.step)
-                engine._held.set_lr(lr)
+                self.held.set_lr(lr)
                 logs = {"epoch": epoch, "batch": b, "lr": lr, "batch_size": len(idx),
                         "tokens": tokens_of(planned.specs[0])}
                 cbs.on_step_begin(self.step, logs)
@@ -146,12 +158,15 @@ class Loops:
                 loss = float(out[planned.plan.built.loss_name])
                 if engine.strategy.check_finite:
                     checks.check_finite(loss, self.step, epoch, b)
+                memory = self.memory_of(runner)
                 self.step += 1
                 self.position = (epoch, b + 1) if b + 1 < n_batches else (epoch + 1, 0)
                 losses.append(loss)
                 history.losses.append(loss)
                 history.steps.append(self.step - 1)
-                cbs.on_step_end(self.step - 1, {**logs, "loss": loss})
+                history.memory.append(memory.peak)
+                history.memory_at.append(sys.intern(memory.where))   # a few distinct ones
+                cbs.on_step_end(self.step - 1, {**logs, "loss": loss, "memory": memory.peak})
                 if engine.stop_training:
                     break
             record = {"epoch": epoch, "loss": float(np.mean(losses)) if losses else float("nan"),
@@ -213,7 +228,7 @@ class Loops:
         self.check_data(Mode.EVAL, loader)
         self.only_planning(Mode.EVAL, loader)
         self.plan_shapes(Mode.EVAL, loader, loader.indices(0))
-        self.check_world(self.engine._plans.plan(Mode.EVAL))
+        self.check_world(self.plans.plan(Mode.EVAL))
         bar = CallbackList(progress(verbose, None, label="evaluate"), self.engine)
         try:
             return self._evaluate(loader, ms, bar)
@@ -234,6 +249,7 @@ class Loops:
             labels = range(n_in, len(built.feed_names)) if ms else ()
             feed, whole = self.feed(planned, loader, idx, 0, b, labels)
             out = runner.run(scope, feed, self.step, local=True)
+            self.memory_of(runner)
             loss = float(out[built.loss_name])
             total += loss * len(idx)
             count += len(idx)
@@ -258,6 +274,7 @@ class Loops:
             planned, runner, scope = self.ensure(Mode.PREDICT, loader, len(idx))
             feed, _ = self.feed(planned, loader, idx, 0, b)
             out = runner.run(scope, feed, self.step, local=True)
+            self.memory_of(runner)
             results.append([loader.restored(np.asarray(out[n]))
                             for n in planned.plan.built.output_names])
         return results
@@ -280,9 +297,9 @@ class Loops:
         checks.check_fields(self.engine.model, n_fields, n_labels)
         for k, have, fed in loader.casts():
             what = "the label" if k >= n_fields - n_labels else "an input"
-            self.engine._warn(f"dataset field {k} ({what}) is {have} and is cast to {fed}, "
-                              f"the model's dtype; dg.set_default_dtype({have!r}) computes "
-                              f"in {have}, or give {fed} samples")
+            self.engine.warn(f"dataset field {k} ({what}) is {have} and is cast to {fed}, "
+                             f"the model's dtype; dg.set_default_dtype({have!r}) computes "
+                             f"in {have}, or give {fed} samples")
 
     def label_count(self, mode, loader) -> int:
         """Trailing label fields of ``loader``'s samples: one when training or
@@ -292,8 +309,7 @@ class Loops:
         predict of (x, y) samples); none where its forward takes any number."""
         if mode is not Mode.PREDICT:
             return 1
-        plans = self.engine._plans
-        known = plans.plan(Mode.TRAIN) or plans.plan(Mode.EVAL)
+        known = self.plans.plan(Mode.TRAIN) or self.plans.plan(Mode.EVAL)
         n_fields = len(loader.fields())
         if known is None:
             most = checks.forward_inputs(self.engine.model)
@@ -308,7 +324,7 @@ class Loops:
 
     def ensure(self, mode, loader, rows: int) -> tuple:
         """(Planned, runner, scope) of ``mode`` for a batch of ``rows`` samples."""
-        return self.engine._ensure(mode, *self.specs(mode, loader, rows))
+        return self.engine.ensure(mode, *self.specs(mode, loader, rows))
 
     def feed(self, planned, loader, idx, epoch: int, batch: int, whole=()) -> tuple:
         """(this process's feed of the batch of samples ``idx``: only the inputs its
@@ -322,11 +338,19 @@ class Loops:
         planned.check()(feed, samples, epoch, batch)
         return feed, arrays[len(reads):]
 
+    def memory_of(self, runner):
+        """The step just run's memory record on this rank (``runner.last_memory``), said
+        once where ``Strategy(memory_check=True)`` finds its peak above the plan's."""
+        said = runner.check_memory()
+        if said is not None:
+            self.engine.warn(*said)
+        return runner.last_memory
+
     def check_world(self, plan) -> None:
         """A plan of another number of processes than the job's ranks stops now, saying
         how to launch it (before a progress bar is drawn)."""
         if plan.distributed:
-            self.engine._world()   # the job's communicator first: its hook makes errors one line
+            self.engine.world()    # the job's communicator first: its hook makes errors one line
             check_world(plan, self.engine.world_size)
 
     # -- planning only ----------------------------------------------------------------------------
@@ -345,7 +369,7 @@ class Loops:
         names the two ways out: ``drop_last=True``, or the dataset lengths nearest to
         this one whose last batch divides."""
         try:
-            self.engine._planned(mode, *self.specs(mode, loader, rows))
+            self.engine.planned_key(mode, *self.specs(mode, loader, rows))
         except DistGraphError as e:
             if rows == loader.batch_size:
                 raise
@@ -367,13 +391,13 @@ class Loops:
         ``mode``'s first batch (with ``loader``; ``fit`` has planned already), write the
         report and stop the script (:class:`PlanReported`)."""
         engine = self.engine
-        request = engine._launch.plan
+        request = engine.plan_request
         if request is None:
             return
         if loader is not None:
             self.plan_batch(mode, loader, len(loader.indices(0)[0]))
         # priced on the command's --cluster / -n when it gave one (else the plan's own)
-        plan_report.write_report(engine._plans.plan(mode), request, engine._launch_cluster())
+        plan_report.write_report(self.plans.plan(mode), request, engine.launch_cluster())
         raise plan_report.PlanReported()
 
 

@@ -208,9 +208,7 @@ class _Tensors:
         self.path = path
         index = os.path.join(path, INDEX)
         if os.path.exists(index):
-            with open(index) as f:
-                self.file_of = {k: os.path.join(path, v) for k, v in json.load(f)["weight_map"]
-                                .items()}
+            self.file_of = _index_files(path, index)
         elif os.path.exists(os.path.join(path, WEIGHTS)):
             from safetensors import safe_open
 
@@ -225,6 +223,28 @@ class _Tensors:
 
         with safe_open(self.file_of[key], framework="numpy") as f:
             return tuple(f.get_slice(key).get_shape())
+
+
+def _index_files(path: str, index: str) -> dict:
+    """{tensor: its shard's path} of a sharded checkpoint's index, every shard it lists
+    checked to be in ``path`` (a copy that left one out failed at the first tensor read
+    from it, with safetensors' FileNotFoundError naming only the shard)."""
+    try:
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        file_of = {k: os.path.join(path, v) for k, v in weight_map.items()}
+    except (ValueError, KeyError, TypeError, AttributeError) as err:
+        raise _fail(index, f"not a safetensors index ({type(err).__name__}: {err}): it "
+                           f"should hold a \"weight_map\" of tensor -> shard file") from None
+    held: dict = {}
+    for key, file in sorted(weight_map.items()):
+        held.setdefault(file, []).append(key)
+    for file, keys in sorted(held.items()):
+        if not os.path.isfile(os.path.join(path, file)):
+            what = keys[0] if len(keys) == 1 else f"{len(keys)} tensors, {keys[0]} first"
+            raise _fail(path, f"{INDEX} lists {file} (holding {what}), which is not in the "
+                              f"folder: copy or download every shard the index names")
+    return file_of
 
 
 class CheckpointTensor:

@@ -86,7 +86,9 @@ class HeldState:
         """Lay out every persistable of ``plan`` for ``runner`` (its process, its array
         backend: numpy, or CuPy) and return the scope; ``comm`` is the job's world
         communicator (None while no plan of the job is distributed). Cheap when ``plan``
-        is the one bound last and the model was not given new values."""
+        is the one bound last and the model was not given new values. Each value laid out
+        anew is laid out by the runner (:meth:`PlanRunner.lay_out
+        <distgraph.runtime.execution.runner.PlanRunner.lay_out>`), from where it is held."""
         self.take_user_changes()
         if self.bound is plan:
             return self.arrays
@@ -94,33 +96,33 @@ class HeldState:
         moved = self._move(sorted(n for n in want if n in self.layouts), plan, comm)
         params = dict(self.model.named_parameters())
         self._check_pending(want)
-        pid = runner.pid
+        made, from_checkpoint = [], set()      # the values laid out anew, in name order
         for name in sorted(want):
             v = want[name]
-            layout = HeldLayout(v.dist_attr, tuple(v.shape), v.dtype, plan, runner)
-            if name in self.layouts and name not in moved:
-                self.layouts[name] = layout
+            kept = name in self.layouts and name not in moved
+            self.layouts[name] = HeldLayout(v.dist_attr, tuple(v.shape), v.dtype, plan, runner)
+            if kept:
                 continue
-            self.layouts[name] = layout
+            made.append(name)
             self.arrays.pop(name, None)
-            from_checkpoint = name in self.pending_names
-            self.pending_names.discard(name)
-            if pid not in v.dist_attr.mesh:
-                continue
-            index = v.dist_attr.local_slices(v.shape, pid)
-            fresh = False         # a new array of this process's own (no copy needed)
+            if name in self.pending_names:
+                from_checkpoint.add(name)
+                self.pending_names.discard(name)
+
+        def block_of(v, index):
+            """(this process's block of ``v``, whether it is a new array of its own)."""
+            name = v.name
             if name in moved:
-                block = moved[name]
-            elif from_checkpoint:
-                block = self.pending.read(name, index)
-            elif name in params:         # a lazy parameter makes only this block
-                block, fresh = params[name].block(index), True
-            elif name in self.states:
-                block = np.asarray(self.states[name])[index]
-            else:
-                block = self._fresh(v, index)
-            self.arrays[name] = runner.backend.from_host(
-                np.array(block, dtype=v.dtype, order="C", copy=None if fresh else True))
+                return moved[name], False
+            if name in from_checkpoint:
+                return self.pending.read(name, index), False
+            if name in params:          # a lazy parameter makes only this block
+                return params[name].block(index), True
+            if name in self.states:
+                return np.asarray(self.states[name])[index], False
+            return self._fresh(v, index), False
+
+        self.arrays.update(runner.lay_out(made, block_of))
         self.bound = plan
         return self.arrays
 

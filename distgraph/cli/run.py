@@ -11,6 +11,7 @@ import os
 import sys
 
 from distgraph.errors import DistGraphError
+from distgraph.runtime.launch import slurm
 from distgraph.runtime.launch.hosts import assign_hosts
 from distgraph.runtime.launch.launcher import check_launch, launch
 from distgraph.runtime.launch.remote import is_local
@@ -34,11 +35,16 @@ starts, every host must answer over ssh in batch mode with the same Python and d
 at the same paths; after the job its logs come back to DIR. --dry-run prints which rank
 goes to which host (and device) and starts nothing.
 
-Elastic (--elastic, with --emulate, --hostfile or --hosts): when a rank dies or a machine
-stops answering, the job's ranks are ended, the machines that do not answer dropped and
-the script started again on the ranks left (--max-restarts N, --min-ranks K); the script
-sees its new world in engine.world_size, and ModelCheckpoint resumes from its newest
-complete checkpoint (the README's "Elastic training").
+Slurm: inside an allocation (salloc, sbatch, a one-task srun) the ranks go on its nodes,
+as many per node as it has tasks there, and -n defaults to its tasks; hydra starts them
+through srun (the README's "Slurm").
+
+Elastic (--elastic, with --emulate, --hostfile, --hosts or in a Slurm allocation): when a
+rank dies or a machine stops answering (or Slurm drains its node), the job's ranks are
+ended, the machines that do not answer dropped and the script started again on the ranks
+left (--max-restarts N, --min-ranks K); the script sees its new world in
+engine.world_size, and ModelCheckpoint resumes from its newest complete checkpoint (the
+README's "Elastic training").
 
 Everything after the script is the script's, exactly as after `python script.py`: a --
 there reaches the script too (distgraph's own options go before the script; a -- before
@@ -70,7 +76,8 @@ def add_run_parser(commands) -> None:
 
 
 def _arguments(p) -> None:
-    p.add_argument("-n", "--nprocs", type=int, required=True, help="number of ranks")
+    p.add_argument("-n", "--nprocs", type=int, default=None,
+                   help="number of ranks (inside a Slurm allocation: its tasks by default)")
     p.add_argument("--cluster", metavar="FILE",
                    help="resource file for the Engine (validated before the ranks start)")
     p.add_argument("--hostfile", metavar="FILE",
@@ -89,10 +96,10 @@ def _arguments(p) -> None:
     p.add_argument("--emulate-fault", action="append", default=[], metavar="SPEC",
                    help="with --emulate: a fault to inject, e.g. 'link node0-node1 down at 5s'")
     p.add_argument("--elastic", action="store_true",
-                   help="with --emulate, --hostfile or --hosts: when a rank dies or a machine "
-                        "stops answering, end the job's ranks, drop the machines that do not "
-                        "answer and start the script again on the ranks left (the README's "
-                        "'Elastic training')")
+                   help="with --emulate, --hostfile, --hosts or in a Slurm allocation: when a "
+                        "rank dies or a machine stops answering, end the job's ranks, drop the "
+                        "machines that do not answer and start the script again on the ranks "
+                        "left (the README's 'Elastic training')")
     p.add_argument("--max-restarts", type=int, default=None, metavar="N",
                    help="with --elastic: restarts at most (default 3)")
     p.add_argument("--min-ranks", type=int, default=None, metavar="K",
@@ -126,8 +133,10 @@ def script_words(args):
 def _run(args) -> int:
     try:
         args = script_words(args)
+        allocation = slurm.allocation_from_env(os.environ)
+        args.nprocs = slurm.ranks(args.nprocs, allocation)
         if args.elastic:
-            return _run_elastic(args)
+            return _run_elastic(args, allocation)
         given = [f"--{name.replace('_', '-')}" for name in ELASTIC_ONLY
                  if getattr(args, name) is not None]
         if given:
@@ -150,8 +159,9 @@ def _run(args) -> int:
             from distgraph.resources.cluster import Cluster
 
             cluster = Cluster.from_file(args.cluster)
-        assignment = assign_hosts(args.nprocs, args.hostfile, args.hosts, cluster,
-                                     args.cluster, os.environ)
+        assignment = slurm.placement(assign_hosts(args.nprocs, args.hostfile, args.hosts,
+                                                  cluster, args.cluster, os.environ),
+                                     allocation, args.nprocs, os.environ)
         if args.dry_run:
             print(assignment.describe() if assignment is not None else
                   f"{args.nprocs} rank{'s' if args.nprocs != 1 else ''} on this host (no "
@@ -162,7 +172,8 @@ def _run(args) -> int:
         return launch(args.nprocs, argv, cluster=args.cluster, log_dir=args.log_dir,
                       assignment=assignment)
     except DistGraphError as err:
-        print(f"distgraph run: {err}", file=sys.stderr)
+        if os.environ.get("SLURM_PROCID", "0") == "0":    # one line from srun's tasks
+            print(f"distgraph run: {err}", file=sys.stderr)
         return 2
 
 
@@ -171,8 +182,9 @@ def _run(args) -> int:
 ELASTIC_ONLY = ("max_restarts", "min_ranks", "max_ranks")
 
 
-def _run_elastic(args) -> int:
-    """``distgraph run --elastic``: on an emulated cluster, or on hosts over ssh."""
+def _run_elastic(args, allocation) -> int:
+    """``distgraph run --elastic``: on an emulated cluster, or on hosts over ssh or the
+    nodes of ``allocation`` (a Slurm allocation, None outside one)."""
     from distgraph.runtime.launch.elastic import ElasticPolicy
 
     given = {name: getattr(args, name) for name in ELASTIC_ONLY
@@ -197,12 +209,15 @@ def _run_elastic(args) -> int:
     if args.emulate_fault:
         print("distgraph run: --emulate-fault needs --emulate FILE", file=sys.stderr)
         return 2
-    if not (args.hostfile or args.hosts):
+    if not (args.hostfile or args.hosts or allocation):
         print("distgraph run: --elastic needs machines to lose and take back: give "
-              "--hostfile FILE, --hosts LIST or --emulate FILE", file=sys.stderr)
+              "--hostfile FILE, --hosts LIST or --emulate FILE, or run it in a Slurm "
+              "allocation", file=sys.stderr)
         return 2
     from distgraph.runtime.launch.elastic_hosts import launch_elastic_hosts
 
-    assignment = assign_hosts(args.nprocs, args.hostfile, args.hosts, None, None, os.environ)
+    assignment = slurm.placement(assign_hosts(args.nprocs, args.hostfile, args.hosts, None,
+                                              None, os.environ),
+                                 allocation, args.nprocs, os.environ)
     return launch_elastic_hosts(assignment, [args.script, *args.args], policy,
                                 cluster=args.cluster, log_dir=args.log_dir)

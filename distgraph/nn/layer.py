@@ -28,6 +28,8 @@ class Layer:
         object.__setattr__(self, "_parameters", OrderedDict())
         object.__setattr__(self, "_sublayers", OrderedDict())
         object.__setattr__(self, "_path", "")     # set by assign_paths when traced
+        # (layer, attribute name) it was first assigned to: its path before it is traced
+        object.__setattr__(self, "_parent", None)
         object.__setattr__(self, "training", True)
 
     def extra_repr(self) -> str:
@@ -49,6 +51,8 @@ class Layer:
                 value.owner, value.attr_name = self, name
         elif isinstance(value, Layer):
             self._sublayers[name] = value
+            if getattr(value, "_parent", None) is None and value is not self:
+                object.__setattr__(value, "_parent", (self, name))
         object.__setattr__(self, name, value)
 
     def forward(self, *args, **kwargs):
@@ -86,6 +90,19 @@ class Layer:
 
     def parameters(self):
         return [p for _, p in self.named_parameters()]
+
+    def _model_path(self) -> str:
+        """The layer's path in its model (``blocks.0.mlp.fc1``; ``""`` for the model):
+        the one tracing assigned, else the attributes it was first assigned as, up to the
+        layer that holds it and is held by none. Errors name parameters by it."""
+        if self._path:
+            return self._path
+        names, layer, seen = [], self, {id(self)}
+        while getattr(layer, "_parent", None) is not None and id(layer._parent[0]) not in seen:
+            layer, name = layer._parent
+            names.append(name)
+            seen.add(id(layer))
+        return ".".join(reversed(names))
 
     def assign_paths(self) -> None:
         """Record each sub-layer's path (used as the layer name in errors and the IR)."""

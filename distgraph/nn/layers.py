@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 from distgraph import dtypes, ops
+from distgraph.annotation import shard_tensor
 from distgraph.errors import DistGraphError
 from distgraph.registry import DTypeError, ShapeError
 from distgraph.initializer import Init
@@ -160,6 +161,17 @@ class TransformerBlock(Layer):
         x = x + self.attn(self.ln1(x))
         return x + self.mlp(self.ln2(x))
 
+    def megatron(self, mesh, dim: str = "mp") -> None:
+        """This block's Megatron split over mesh dim ``dim``: ``attn.qkv`` and ``mlp.fc1``
+        column-split (weight ``[None, dim]``, bias ``[dim]``), ``attn.proj`` and
+        ``mlp.fc2`` row-split (weight ``[dim, None]``); their biases and the norms
+        whole."""
+        for first, second in ((self.attn.qkv, self.attn.proj), (self.mlp.fc1, self.mlp.fc2)):
+            shard_tensor(first.weight, mesh, [None, dim])
+            if first.bias is not None:
+                shard_tensor(first.bias, mesh, [dim])
+            shard_tensor(second.weight, mesh, [dim, None])
+
 
 class GPT(Layer):
     """GPT-2: token + position embedding, blocks, final LayerNorm, untied LM head.
@@ -198,6 +210,19 @@ class GPT(Layer):
         for block in self.blocks:
             x = block(x)
         return self.head(x)
+
+    def megatron(self, mesh, dim: str = "mp") -> None:
+        """Megatron-LM's tensor parallelism over mesh dim ``dim`` (``dg.parallelize``'s
+        ``"megatron"`` plan): every block's (:meth:`TransformerBlock.megatron`), and the
+        vocabulary of ``wte`` (``[dim, None]``) and ``lm_head`` (``[None, dim]``) split
+        over ``dim`` (Megatron's vocab-parallel embedding and output layer) where its
+        size divides the vocabulary (else they stay whole)."""
+        self.assign_paths()       # errors name a parameter by its path in the model
+        for block in self.blocks:
+            block.megatron(mesh, dim)
+        if self.wte.weight.shape[0] % mesh.dim_size(dim) == 0:
+            shard_tensor(self.wte.weight, mesh, [dim, None])
+            shard_tensor(self.lm_head.weight, mesh, [None, dim])
 
 
 class CrossEntropyLoss(Layer):

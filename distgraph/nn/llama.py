@@ -232,6 +232,19 @@ class Llama(Layer):
             x = layer(x)
         return self.head(x)
 
+    def megatron(self, mesh, dim: str = "mp") -> None:
+        """Megatron-LM's tensor parallelism over mesh dim ``dim`` (``dg.parallelize``'s
+        ``"megatron"`` plan): every decoder layer as :func:`megatron` splits it, and the
+        vocabulary of ``embed_tokens`` (``[dim, None]``) and ``lm_head`` (``[None,
+        dim]``; a tied head is the embedding) split over ``dim`` (Megatron's
+        vocab-parallel embedding and output layer) where its size divides the vocabulary
+        (else they stay whole)."""
+        megatron(self, mesh, dim)
+        if self.config.vocab_size % mesh.dim_size(dim) == 0:
+            shard_tensor(self.embed_tokens.weight, mesh, [dim, None])
+            if self.lm_head is not None:
+                shard_tensor(self.lm_head.weight, mesh, [None, dim])
+
 
 def megatron(model: Llama, mesh, dim: str = "mp") -> None:
     """Megatron's tensor parallelism of every decoder layer of ``model`` over mesh dim

@@ -85,6 +85,8 @@ class MixtralConfig(LlamaConfig):
 class MixtralExperts(Layer):
     """The experts' SwiGLU weights, stacked with the expert as dim 0."""
 
+    experts_stacked = True       # dim 0 is the expert: dg.parallelize splits it over "ep"
+
     def __init__(self, config: MixtralConfig):
         super().__init__()
         c, std = config, config.initializer_range

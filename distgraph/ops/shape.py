@@ -196,7 +196,8 @@ def _concat_notation(in_shapes, attrs):
     return ",".join([word] * len(in_shapes)) + "->" + word
 
 
-@register_op("concat", spmd=EinsumRule(_concat_notation))
+# aligned as Paddle's phi concat: a split the concat dim cannot keep moves to another dim
+@register_op("concat", spmd=EinsumRule(_concat_notation, align=True))
 class Concat:
     def infer(*xs, axis):
         first = xs[0].shape

@@ -39,6 +39,27 @@ class Optimizer:
         self.learning_rate = learning_rate
 
     @property
+    def sharding_level(self) -> int:
+        """ZeRO's level for this optimizer's updates, as ``dg.parallelize`` sets it from
+        ``dp_config``'s ``sharding_level`` (Paddle wraps the optimizer for it): 0 none;
+        1, 2 and 3 plan the program built with it with ``Strategy(sharding=True)`` (its
+        states and updates split over ``dp``; level 3's parameters are split by
+        ``parallelize`` itself)."""
+        return self.__dict__.get("_sharding_level", 0)
+
+    @sharding_level.setter
+    def sharding_level(self, level: int) -> None:
+        if isinstance(level, bool) or level not in (0, 1, 2, 3):
+            raise DistGraphError(f"{type(self).__name__}.sharding_level = {level!r}; give 0, "
+                                 f"1, 2 or 3 (ZeRO's levels)")
+        self._sharding_level = level
+
+    def _sharding(self) -> dict:
+        """The sharding level among the hyperparameters where it is set (a new level
+        plans again)."""
+        return {"sharding_level": self.sharding_level} if self.sharding_level else {}
+
+    @property
     def learning_rate(self):
         return self._learning_rate
 
@@ -57,7 +78,7 @@ class Optimizer:
 
     def hyperparameters(self) -> dict:
         """Type and settings other than the learning rate, as plain data."""
-        return {"type": type(self).__name__}
+        return {"type": type(self).__name__, **self._sharding()}
 
     def state_names(self, parameter_names) -> list:
         """Names of the state Values this optimizer keeps for ``parameter_names``."""
@@ -139,7 +160,7 @@ class SGD(Optimizer):
         self.momentum = float(momentum)
 
     def hyperparameters(self):
-        return {"type": type(self).__name__, "momentum": self.momentum}
+        return {"type": type(self).__name__, "momentum": self.momentum, **self._sharding()}
 
     def _emit_update(self, builder, param, grad, states, step, rate, flag):
         (vel,) = states
@@ -164,7 +185,7 @@ class Adam(Optimizer):
 
     def hyperparameters(self):
         return {"type": type(self).__name__, "beta1": self.beta1, "beta2": self.beta2,
-                "epsilon": self.epsilon, "weight_decay": self.weight_decay}
+                "epsilon": self.epsilon, "weight_decay": self.weight_decay, **self._sharding()}
 
     def _step_value(self, builder, flag):
         step = builder.program.values.get(STEP)

@@ -19,9 +19,12 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from distgraph import dtypes
+from distgraph.plan.reshard import ReshardPoint, ReshardStep
+from distgraph.plan.tasks import Task
 from distgraph.registry import get_op
 
 
@@ -29,7 +32,7 @@ from distgraph.registry import get_op
 class OpInstr:
     """One op, compiled: its kernel and the names it reads and writes."""
 
-    kernel: object
+    kernel: Callable
     op_type: str
     layer: str
     ins: tuple
@@ -58,7 +61,7 @@ class OpInstr:
 class PointInstr:
     """A reshard point run in place on every process it involves (blocking)."""
 
-    point: object
+    point: ReshardPoint
     reads: tuple
     writes: tuple
     stores: tuple
@@ -71,9 +74,9 @@ class PointInstr:
 class SendInstr:
     """Steps before the transfer (on the source mesh), then the tiles to post."""
 
-    point: object
+    point: ReshardPoint
     head: tuple
-    transfer: object
+    transfer: ReshardStep       # the point's send_recv step
     reads: tuple
     writes: tuple = ()
 
@@ -85,8 +88,8 @@ class SendInstr:
 class RecvInstr:
     """The tiles of ``transfer`` that arrived, assembled, then the steps after it."""
 
-    point: object
-    transfer: object
+    point: ReshardPoint
+    transfer: ReshardStep
     tail: tuple
     incoming: tuple           # (source process, shape) in arrival order
     reads: tuple
@@ -100,7 +103,7 @@ class RecvInstr:
 class GatherInstr:
     """Bring fetched value number ``index`` to every process (in the update)."""
 
-    point: object
+    point: ReshardPoint
     index: int
     reads: tuple
     writes: tuple = ()
@@ -115,7 +118,7 @@ class Block:
     the last time in this task; ``others[name]``: the other tasks of the process that
     use ``name`` (it dies once they too are done for the micro-batch)."""
 
-    task: object
+    task: Task
     instrs: tuple
     last: tuple
     others: dict
@@ -128,7 +131,7 @@ class BatchedOp:
     :class:`~distgraph.plan.kinds.AccumulationMode` and, for ``concat``, the axis);
     ``grow``: for a reshape, the dim of its ``shape`` that holds the samples."""
 
-    instr: object
+    instr: OpInstr | PointInstr
     joins: tuple
     grow: int | None
 

@@ -25,10 +25,19 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from distgraph.errors import PlanError
+from distgraph.ir import Operation
 from distgraph.mesh import ProcessRanks
+from distgraph.ops.meshslice import LocalMeshSlice
+from distgraph.plan.accumulation import Accumulation
+from distgraph.plan.devices import DeviceAssignment
 from distgraph.plan.explain import model_flops, summary
 from distgraph.plan.kinds import collective_bytes
 from distgraph.plan.listing import full_listing
+from distgraph.plan.protocols import (BatchSplitLike, CheckpointIntervalLike, ClusterLike,
+                                      EstimateLike, SearchReportLike)
+from distgraph.plan.schedule import Schedule
+from distgraph.plan.tasks import TaskGraph
+from distgraph.program_builder import BuiltProgram
 from distgraph.spmd.meshslice import SLICED, STATIONARY
 from distgraph.strategy import Strategy
 from distgraph.units import fmt_bytes
@@ -42,8 +51,8 @@ class SlicedMatmul:
     its mesh's first process, a :class:`~distgraph.ops.meshslice.LocalMeshSlice`)."""
 
     index: int
-    op: object
-    local: object
+    op: Operation
+    local: LocalMeshSlice
 
     def __str__(self) -> str:
         op, lay = self.op, self.local
@@ -66,12 +75,16 @@ class Plan:
     planner (same feed, output, loss and gradient names); ``distributed`` says whether it
     runs as an SPMD job (it carries annotations) or on one process; ``ranks`` (a
     :class:`~distgraph.mesh.ProcessRanks`) says which rank runs each logical process;
-    ``stages`` are the meshes of the forward program in data-flow order; ``estimate`` is
-    the cost model's estimate, where one was made; ``search`` the report of the automatic
+    ``stages`` are the meshes of the forward program in data-flow order; ``cluster`` the
+    cluster it was planned on (None: this machine); ``estimate`` is the cost model's
+    estimate, where one was made; ``checkpoint`` the checkpoint interval proposed under
+    ``Strategy(mtbf_hours=...)``, else None; ``search`` the report of the automatic
     search, else None; ``batch_split`` the rows of a global batch each process reads
     under ``Strategy(balance=True)``, else None; ``devices`` each rank's device, hence
     the array backend and each group's communicator
-    (:class:`~distgraph.plan.devices.DeviceAssignment`).
+    (:class:`~distgraph.plan.devices.DeviceAssignment`). Those five made above the
+    contract (by the resources and the planner) are typed with what is read of them,
+    the Protocols of :mod:`distgraph.plan.protocols`.
 
     ``groups`` are the processes alike up to their coordinates (on the same meshes);
     ``locals`` holds the local program of one process of each group and of every
@@ -81,29 +94,30 @@ class Plan:
     ``row_gathers`` how fetched per-sample values come back in the batch's order under
     an uneven split (:class:`~distgraph.plan.program.RowGather`); ``sample_axes`` the
     dim that carries the samples of each Value, where the batch split needed them;
-    ``sliced`` the matmuls that run as MeshSlice.
+    ``sliced`` the matmuls that run as MeshSlice; ``graph`` the task graph and ``order``
+    the schedule (None only while the planner builds them).
 
     With ``Strategy(micro_batches=M)``, M > 1, ``program`` is the *micro-batch* program
     and ``accumulation`` says how the step accumulates over the micro-batches
     (:class:`~distgraph.plan.accumulation.Accumulation`)."""
 
-    built: object
+    built: BuiltProgram
     strategy: Strategy
     distributed: bool
     process_ids: tuple
     ranks: ProcessRanks
     stages: tuple
-    cluster: object = None
-    estimate: object = None
-    checkpoint: object = None
-    accumulation: object = None
-    search: object = None
-    batch_split: object = None
-    devices: object = None
+    cluster: ClusterLike | None = None
+    estimate: EstimateLike | None = None
+    checkpoint: CheckpointIntervalLike | None = None
+    accumulation: Accumulation | None = None
+    search: SearchReportLike | None = None
+    batch_split: BatchSplitLike | None = None
+    devices: DeviceAssignment | None = None
     groups: tuple = ()
     locals: MappingProxyType = field(default_factory=lambda: _EMPTY, repr=False)
-    graph: object = field(default=None, repr=False)
-    order: object = field(default=None, repr=False)
+    graph: TaskGraph | None = field(default=None, repr=False)
+    order: Schedule | None = field(default=None, repr=False)
     programs: MappingProxyType = field(default_factory=lambda: _EMPTY, repr=False)
     micro_batch_counts: MappingProxyType = field(default_factory=lambda: _EMPTY, repr=False)
     row_gathers: MappingProxyType = field(default_factory=lambda: _EMPTY, repr=False)

@@ -26,6 +26,8 @@ from collections import Counter
 from dataclasses import dataclass
 
 from distgraph.errors import DistGraphError
+from distgraph.mesh import ProcessMesh
+from distgraph.placement import ShardSpec
 from distgraph.plan.kinds import StepKind
 from distgraph.units import fmt_bytes
 
@@ -39,8 +41,8 @@ class WeightView:
 
     name: str
     shape: tuple
-    mesh: object
-    spec: object
+    mesh: ProcessMesh
+    spec: ShardSpec
     gathered: tuple = ()    # mesh dims whose split is all-gathered before the forward
     batch: tuple = ()       # mesh dims that split the samples its forward op computes on
 
@@ -83,7 +85,7 @@ class StageView:
     the batch over (each computes on its share of the samples; empty: whole)."""
 
     index: int
-    mesh: object
+    mesh: ProcessMesh
     layers: tuple
     batch: tuple = ()
 

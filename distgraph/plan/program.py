@@ -20,7 +20,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
+from distgraph.plan.accumulation import Accumulation
+from distgraph.plan.instructions import Block
 from distgraph.plan.kinds import AccumulationMode
+from distgraph.plan.local import LocalProgram
+from distgraph.plan.tags import TagScheme
 
 
 @dataclass(frozen=True)
@@ -69,10 +73,10 @@ class ProcessProgram:
 
     process: int
     rank: int
-    local: object
+    local: LocalProgram
     blocks: MappingProxyType
-    update: object
-    prologue: object
+    update: Block
+    prologue: Block | None
     actions: tuple
     batched: tuple
     batched_tasks: MappingProxyType
@@ -84,11 +88,11 @@ class ProcessProgram:
     batch_rows: tuple | None
     prologue_ops: tuple
     prologue_sums: frozenset
-    accumulation: object
+    accumulation: Accumulation | None
     source_of: MappingProxyType
     fetch: tuple
     row_gathers: MappingProxyType
-    tags: object
+    tags: TagScheme
     comm_groups: tuple
     state_gathers: MappingProxyType
     home: int = 0

@@ -55,7 +55,7 @@ class Action:
         """``Action.parse("1W0")`` == ``Action(1, "W", 0)``."""
         match = _ACTION.match(text.strip())
         if match is None:
-            raise PlanError(f"{text!r} is not an action: write stage, F/B/I/W, micro-batch "
+            raise PlanError(f"{text!r} is not an action: write chunk, F/B/I/W, micro-batch "
                             f"(e.g. '0F3')")
         return cls(int(match[1]), match[2], int(match[3]))
 

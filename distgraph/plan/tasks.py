@@ -60,7 +60,7 @@ class Task:
         return self.kind.per_micro_batch
 
     def __str__(self) -> str:
-        where = "" if self.chunk is None else f" of stage {self.chunk}"
+        where = "" if self.chunk is None else f" of chunk {self.chunk}"
         return f"{self.kind}{where} (process {self.process})"
 
 

@@ -46,11 +46,19 @@ Tie-break: how a rule settles operands that disagree
    more ways. So no answer reshards only operands ours reshards and is more split:
    ``concat`` of ``[None, x, y]``, ``[None, x, y]`` and ``[y, None, x]`` along axis 1
    gives ``[y, None, x]`` (the third kept), not ``[None, None, y]``.
+7. ``concat`` aligns, as Paddle's phi concat does (:mod:`distgraph.spmd.align`): a mesh
+   dim the answer leaves unused that an operand offers (on the concat dim, which is never
+   split, or against another operand's None) splits a dim every operand has, the one
+   where an operand offers it first, else the first it divides: ``[None, None]`` and
+   ``[None, x]`` along axis 1 give ``[x, None]`` (the first sliced, the second moved by
+   an all-to-all), not ``[None, None]`` (the second all-gathered).
 
 Paddle's phi rules agree on 1 and 3 (the first tensor axis to claim a mesh dim keeps
 it). They differ where an operand leaves a dim unsplit and another splits it: Paddle
 merges replicated with sharded into sharded, ours keeps the earlier operand's None (the
-other operand is gathered) — completion prices such conflicts by the bytes they move.
+other operand is gathered) — completion prices such conflicts by the bytes they move —
+except for concat (7). tests/test_spmd_generated.py holds concat's generated cases to
+Paddle's recorded answers and names the cases where ours differs, and why.
 
 So ``add`` of x ``[None, None, x]`` and y ``[x, None, None]`` keeps x's layout (both are
 consumed as ``[None, None, x]``, as Paddle does); an annotated bias ``[x]`` keeps its

@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Sequence
 
+from distgraph.spmd.align import align_unused
 from distgraph.spmd.keep import split_most
 from distgraph.spmd.rule import OpStrategy, Rule, RuleQuery, SpmdResult
 from distgraph.spmd.specs import UNKNOWN, DimsSpec, SpmdRuleError, entry_dims, entry_of, entry_str
@@ -34,17 +35,20 @@ class EinsumRule(Rule):
     (``P x P -> P``: the sum of pending sums is one pending sum; gradient accumulation
     then reduces once, as Megatron does, not once per contribution). ``reads``: the
     attributes a notation or ``out_shapes`` function reads (None: any; a string
-    notation without ``out_shapes`` reads none).
+    notation without ``out_shapes`` reads none). ``align``: a mesh dim an answer leaves
+    unused that an operand offers splits a dim every operand has instead of being
+    gathered (concat's rule, as Paddle's: :mod:`distgraph.spmd.align`).
     """
 
     def __init__(self, notation: str | Callable, internal: str = "",
                  out_shapes: Callable | None = None, linear: bool = False,
-                 reads: tuple | None = None):
+                 reads: tuple | None = None, align: bool = False):
         self._notation = notation
         self.internal = internal
         self._out_shapes = out_shapes
         self.linear = linear
         self._reads = reads
+        self.align = align
 
     @property
     def reads(self) -> tuple | None:
@@ -69,17 +73,19 @@ class EinsumRule(Rule):
         notation = self.notation(in_shapes, attrs)
         if out_shapes is None and self._out_shapes is not None:
             out_shapes = self._out_shapes(in_shapes, attrs)
-        return EinsumPlan(notation, in_shapes, out_shapes, mesh, self.internal, self.linear)
+        return EinsumPlan(notation, in_shapes, out_shapes, mesh, self.internal, self.linear,
+                          self.align)
 
 
 class EinsumPlan:
     """An EinsumRule bound to shapes and a mesh (a :class:`~distgraph.spmd.rule.BoundRule`)."""
 
     def __init__(self, notation: str, in_shapes, out_shapes, mesh, internal: str = "",
-                 linear: bool = False):
+                 linear: bool = False, align: bool = False):
         self.notation = notation
         self.internal = set(internal)
         self.linear = linear
+        self.align = align
         lhs, rhs = notation.split("->")
         # "" is either no operand or one 0-d operand; the operand count decides
         self.in_letters = lhs.split(",") if (lhs or len(in_shapes) == 1) else []
@@ -147,13 +153,13 @@ class EinsumPlan:
                                     f"{len(spec.dims)} dims, the notation gives it {len(word)}")
             words[source] = word
         pending = self.pending(ins)
-        decided, seen, notes, resharded = self._merge(query, words, query.sources(), pending)
-        res = self._result(decided, seen, notes, resharded, pending)
-        if resharded:      # a second opinion: split more at no more resharding
-            better = split_most(self, query, words, decided, set(resharded), pending)
-            if better is not None:
-                return self._result(*better, pending)
-        return res
+        answer = self._merge(query, words, query.sources(), pending)
+        if answer[3]:      # a second opinion: split more at no more resharding
+            answer = split_most(self, query, words, answer[0], set(answer[3]),
+                                pending) or answer
+        if answer[3] and self.align:     # the mesh dims left unused split a free dim
+            answer = align_unused(self, query, words, answer[0], pending) or answer
+        return self._result(*answer, pending)
 
     def pending(self, in_specs) -> frozenset:
         """The mesh dims over which a linear op's operands are all pending sums (kept

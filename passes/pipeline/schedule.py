@@ -170,7 +170,9 @@ def _rules(problem: Problem, chunks: tuple) -> _Rules:
     many = m * len(chunks)
     s = min(chunks) if chunks else 0
     name = problem.schedule
-    if m == 1 or S == 1 or name == "FThenB":
+    # one stage (gradient accumulation) follows the rules of S = 1: under 1F1B one
+    # micro-batch in flight (F0 B0 F1 B1 ...), as the estimate counts it
+    if m == 1 or name == "FThenB":
         return _Rules(many, many, name == "FThenB" and m > 1, many, name == "ZBV")
     g = m // max(1, m // S)
     if name == "ZBV":

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -31,7 +32,7 @@ from distgraph.resources.cluster import Cluster
 from distgraph.runtime.emulate.exec import GROUPS_VAR, HOSTS_VAR
 from distgraph.runtime.emulate.faults import FaultInjector
 from distgraph.runtime.emulate.launch import TRANSPORT_ENV, _write_wrapper, prepare
-from distgraph.runtime.emulate.namespaces import Emulation, Terminated
+from distgraph.runtime.emulate.namespaces import Emulation, Terminated, folder_prefix
 from distgraph.runtime.emulate.probe import answering
 from distgraph.runtime.launch.elastic import ElasticPolicy, ElasticRun, Machine, Outcome
 from distgraph.runtime.launch.launcher import launch
@@ -188,8 +189,13 @@ def launch_elastic(cluster_file: str, nprocs: int, argv: list[str], policy: Elas
     log = sys.stderr if log is None else log
     layout, parsed = prepare(cluster_file, nprocs, faults)
     injector = None
+    # without --log-dir, one temporary folder holds every attempt's logs: removed when
+    # the job succeeds (its failed attempts included), kept and named when it fails
+    temporary = log_dir is None
+    log_dir = tempfile.mkdtemp(prefix="distgraph-logs-") if temporary else log_dir
+    rc = 1
     try:
-        with tempfile.TemporaryDirectory(prefix="distgraph-elastic-") as tmp, \
+        with tempfile.TemporaryDirectory(prefix=folder_prefix("elastic", layout.job)) as tmp, \
                 Emulation(layout, log) as emulation:
             log.write(layout.describe() + "\n")
             log.flush()
@@ -214,4 +220,8 @@ def launch_elastic(cluster_file: str, nprocs: int, argv: list[str], policy: Elas
     finally:
         if injector is not None:
             injector.stop()
+        if temporary and rc == 0:
+            shutil.rmtree(log_dir, ignore_errors=True)
+        elif temporary:
+            log.write(f"distgraph: elastic: every attempt's logs are in {log_dir}\n")
     return rc

@@ -44,6 +44,7 @@ from distgraph.runtime.emulate.namespaces import (
     Emulation,
     Terminated,
     check_prerequisites,
+    folder_prefix,
     taken_subnets,
 )
 from distgraph.runtime.launch.launcher import launch
@@ -94,7 +95,7 @@ def launch_emulated(cluster_file: str, nprocs: int, argv: list[str], faults=(),
     comm_timeout = _comm_timeout(os.environ if env is None else env)
     injector = None
     try:
-        with tempfile.TemporaryDirectory(prefix="distgraph-emulate-") as tmp, \
+        with tempfile.TemporaryDirectory(prefix=folder_prefix("emulate", layout.job)) as tmp, \
                 Emulation(layout, log) as emulation:
             log.write(layout.describe() + "\n")
             log.flush()

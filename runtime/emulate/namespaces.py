@@ -56,6 +56,7 @@ STALL_RATE_BITS = 8000         # a stalled link trickles 1 kB/s
 STALL_BURST_BYTES = 2000
 KILL_GRACE_SECONDS = 1.0
 LINK_STATES = ("down", "stall", "up")
+FOLDER_KINDS = ("emulate", "elastic")     # a job's temporary folders: distgraph-<kind>-<job>-*
 TERMINATING = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
@@ -161,15 +162,59 @@ def remove_leftovers(log=None) -> list[str]:
     for name in our_namespaces() + [os.path.basename(p) for p in our_groups()]:
         pid, start, _ = parse_namespace(name)
         jobs[f"{pid}.{start}"] = (pid, start)
+    for folder in leftover_folders("*"):
+        job = os.path.basename(folder).split("-")[2]
+        pid, _, start = job.partition(".")
+        if pid.isdigit() and start.isdigit():
+            jobs.setdefault(job, (int(pid), int(start)))
     removed = []
     for job, (pid, start) in sorted(jobs.items()):
         if not job_alive(pid, start):
             gone = remove_job(job)
             removed += gone
+            for folder in leftover_folders(job):
+                shutil.rmtree(folder, ignore_errors=True)
             if log is not None and gone:
                 log.write(f"distgraph: removed {len(gone)} namespaces left by emulated job "
                           f"{job}, whose launcher (pid {pid}) is gone\n")
     return removed
+
+
+def other_jobs(job: str) -> list[str]:
+    """One line per other distgraph job whose namespaces are here, and whose launcher
+    runs: ``job 842.417664 (pid 842: distgraph run -n 4 --emulate ...)``."""
+    lines = []
+    for name in our_namespaces():
+        pid, start, _ = parse_namespace(name)
+        other = f"{pid}.{start}"
+        if other == job or not job_alive(pid, start) or any(f"job {other} " in ln
+                                                            for ln in lines):
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                command = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:
+            command = "?"
+        lines.append(f"job {other} (pid {pid}: {command[:120]})")
+    return lines
+
+
+def leftover_folders(job: str) -> list[str]:
+    """The temporary folders of emulated job ``job`` (``distgraph-emulate-<job>-*``,
+    ``distgraph-elastic-<job>-*``): what a killed launcher leaves beside its namespaces."""
+    import glob
+    import tempfile
+
+    return sorted(p for kind in FOLDER_KINDS
+                  for p in glob.glob(os.path.join(tempfile.gettempdir(),
+                                                  folder_prefix(kind, job) + "*")))
+
+
+def folder_prefix(kind: str, job: str) -> str:
+    """The prefix of a temporary folder of ``job`` (``kind``: one of
+    :data:`FOLDER_KINDS`), so that :func:`remove_leftovers` finds the folder once the
+    job's launcher is gone (killed: its ``TemporaryDirectory`` was never removed)."""
+    return f"{PREFIX}{kind}-{job}-"
 
 
 def taken_subnets() -> set[str]:
@@ -204,6 +249,16 @@ class Emulation:
         self._catch_termination()
         try:
             remove_leftovers(self.log)
+            others = other_jobs(self.layout.job)
+            if others:
+                # they cannot meet this one (own namespaces, addresses only inside them),
+                # but they share this machine's cores
+                self.log.write(f"distgraph: {len(others)} other emulated cluster"
+                               f"{'s run' if len(others) > 1 else ' runs'} on this machine "
+                               f"({'; '.join(others)}): its ranks share the cores, so "
+                               "timings and shaped bandwidths may be off while "
+                               f"{'they run' if len(others) > 1 else 'it runs'}\n")
+                self.log.flush()
             self._setup()
         except BaseException:
             self._teardown()

@@ -15,7 +15,7 @@ the order is the plan's, the same on every process of a stage, so tensor-paralle
 meet their collectives alike, and the plan checked that it completes.
 
 Failure contract: an error in a task is a RuntimeFault naming the rank, the task, the
-stage and the micro-batch; a message that does not arrive within the communicator's
+chunk and the micro-batch; a message that does not arrive within the communicator's
 timeout is a RuntimeFault naming what the waiting action needs and from which rank.
 Under the launcher each instruction is marked in the rank's progress record, so a hung
 rank is named with its step and op.
@@ -25,25 +25,37 @@ from __future__ import annotations
 
 import os
 import time
+from collections import deque
 
 from distgraph.errors import DistGraphError, RuntimeFault
 from distgraph.plan.instructions import GatherInstr, OpInstr, PointInstr, RecvInstr, SendInstr
 from distgraph.plan.kinds import AccumulationMode, ItemKind, TaskKind
 from distgraph.runtime.execution.batched import run_batched
 from distgraph.runtime.execution.executor import donatable, may_donate, run_op
+from distgraph.runtime.execution.memory import Counted, Kept, Ledger, Mirrored, record
 from distgraph.runtime.execution.tasks import Accumulator, InstrRunner, micro_batch_context
 from distgraph.runtime.launch.progress import NO_PROGRESS
 
 RECEIVE_AHEAD = 2      # actions that receive whose messages are posted for in advance
 PEER_CHECK_SECONDS = 1.0   # how often a long wait looks whether its peers have finished
+STEPS_KEPT = 256           # the steps whose memory record a carrier keeps
+
+
+def _count(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
 
 
 class Carrier:
     """The actions of ``program`` (a :class:`~distgraph.plan.program.ProcessProgram`) of
     a plan whose processes run on ``ranks``, bound to ``comm`` (None for a plan of one
-    process) and the array ``backend``. With ``profile``, every task, send and receive
-    is recorded in :attr:`events` and the live activations after each task in
-    :attr:`memory`."""
+    process) and the array ``backend``. Every step counts the bytes the process holds
+    (:mod:`.memory`): its record, the peak and where it was reached, is appended to
+    :attr:`steps` (the last :data:`STEPS_KEPT`). With ``profile``, every task, send and
+    receive is recorded in :attr:`events` and, after each task, the activations kept
+    between tasks and the bytes held in :attr:`memory`."""
 
     def __init__(self, program, ranks, comm, backend, profile: bool = False, clock=None):
         self.program = program
@@ -63,6 +75,7 @@ class Carrier:
         self.clock = clock or time.perf_counter
         self.events: list = []
         self.memory: list = []
+        self.steps = deque(maxlen=STEPS_KEPT)    # StepMemory of the last steps run
         self.timeout = comm.timeout if comm is not None else 60.0
         self.spin = comm.poll_spin_seconds if comm is not None else 0.0
         self.progress = getattr(comm, "progress", NO_PROGRESS)
@@ -76,19 +89,26 @@ class Carrier:
     def run(self, scope: dict, feeds: list, step: int) -> dict:
         """One training step on ``feeds`` (one dict of local inputs per micro-batch);
         returns the fetched values (global, on every process)."""
-        self.step, self.scope = step, scope
-        self.env = [dict(f) for f in feeds] + [{} for _ in range(self.m - len(feeds))]
+        # every array the step holds is held in a dict the step's ledger counts
+        led = self.ledger = Ledger(self.xb)
+        led.add_foreign(a for f in feeds for a in f.values())
+        self.step, self.scope = step, Mirrored(led, scope)
+        self.env = [Counted(led, f) for f in feeds] + [Counted(led)
+                                                        for _ in range(self.m - len(feeds))]
         # what a kernel keeps for a later kernel of its micro-batch and layer
         # (KernelContext.saved), per micro-batch: {layer: {key: kept}}
         self.saved = [{} for _ in range(self.m)]
         self.feed_names = set().union(*(f.keys() for f in feeds)) if feeds else set()
-        self.acc = Accumulator(self.program, self.xb)
+        self.acc = Accumulator(self.program, self.xb, led)
         self.done = [set() for _ in range(self.m)]
         self.left = [sum(1 for a in self.actions if a.micro_batch == m) for m in range(self.m)]
-        self.sends: list = []               # (request, (rank, micro-batch) or None, start)
-        self.pending: dict = {}             # action index -> {recv instr index: [requests]}
+        self.sends: list = []               # (request, (rank, micro-batch) or None, start, tile)
+        self.pending: dict = {}             # action index -> ({instr index: [requests]},
+        #                                      posted at, bytes reserved)
         self.posted = 0                     # receiving actions posted for so far
-        self.fetched: dict = {}
+        self.fetched = Counted(led)
+        start = led.bytes
+        led.since()
         self.progress.begin_step(step, self._table)
         i = 0
         while i < len(self.actions):
@@ -102,11 +122,15 @@ class Carrier:
             if i in self.pending:
                 self._wait_receives(i)
             self._run_action(i, self.actions[i])
+            self._poll_sends()          # a delivered send's tile is released now
             i += 1
         self._run_update()
         self._wait_sends()
         self.progress.end_step()
-        return self.fetched
+        fetched = dict(self.fetched)
+        self.fetched.clear()            # handed to the caller: no longer the step's
+        self.steps.append(record(led, step, start))
+        return fetched
 
     # -- messages ---------------------------------------------------------------------------
     def _post_ahead(self, i: int) -> None:
@@ -116,17 +140,21 @@ class Carrier:
             j = self.receiving[self.posted]
             m = self.actions[j].micro_batch
             now = self.clock()
-            reqs = {}
+            reqs, reserved = {}, 0
             for k, instr in enumerate(self.blocks[j].instrs):
                 if isinstance(instr, RecvInstr):
                     tag = self.tags.tag(instr.point.seq, m)
                     reqs[k] = [self.comm.irecv(shape, instr.point.dtype, self.ranks(src), tag)
                                for src, shape in instr.incoming]
-            self.pending[j] = (reqs, now)
+                    item = self.xb.dtype(instr.point.dtype).itemsize
+                    reserved += sum(item * _count(shape) for _, shape in instr.incoming)
+            # a posted receive's buffer is counted from now (MPI allocates it now)
+            self.ledger.reserve(reserved)
+            self.pending[j] = (reqs, now, reserved)
             self.posted += 1
 
     def _arrived(self, i: int) -> bool:
-        reqs, _ = self.pending[i]
+        reqs = self.pending[i][0]
         return all(r.test() for rs in reqs.values() for r in rs)
 
     def _poll_sends(self) -> bool:
@@ -134,9 +162,10 @@ class Carrier:
             return False
         still, progressed = [], False
         for item in self.sends:
-            req, what, start = item
+            req, what, start, tile = item
             if req.test():
                 progressed = True
+                self.ledger.drop(tile)
                 if self.profile and what is not None:
                     self._event(ItemKind.SEND, self.home, what[1], start, self.clock(), peer=what[0])
             else:
@@ -171,7 +200,7 @@ class Carrier:
 
     def _wait_receives(self, i: int) -> None:
         a = self.actions[i]
-        reqs, _ = self.pending[i]
+        reqs = self.pending[i][0]
         instrs = self.blocks[i].instrs
         peers = sorted({self.ranks(src) for k in reqs for src, _ in instrs[k].incoming})
         what = (f"messages from rank{'s' if len(peers) > 1 else ''} "
@@ -179,11 +208,11 @@ class Carrier:
                 f"(action {a})")
         self._wait(lambda: self._arrived(i), what, lambda: self._stalled(i), peers)
         if self.profile:
-            _, start = self.pending[i]
+            start = self.pending[i][1]
             self._event(ItemKind.RECV, a.chunk, a.micro_batch, start, self.clock())
 
     def _wait_sends(self) -> None:
-        peers = sorted({what[0] for _, what, _ in self.sends if what is not None})
+        peers = sorted({what[0] for _, what, _, _ in self.sends if what is not None})
         self._wait(lambda: not self._poll_sends() and not self.sends,
                    "other ranks to receive this rank's sends",
                    lambda: f"rank {self.rank} (process {self.pid}): timed out after "
@@ -195,22 +224,27 @@ class Carrier:
         start = self.clock()
         m = action.micro_batch
         block = self.blocks[i]
+        self.ledger.at = (action, None)
         try:
-            tiles = self.pending.pop(i)[0] if i in self.pending else {}
+            tiles = {}
+            if i in self.pending:
+                tiles, _, reserved = self.pending.pop(i)
+                # the reserved bytes become the arrived tiles (counted until assembled)
+                self.ledger.release(reserved)
+                self.ledger.hold([r.value for rs in tiles.values() for r in rs])
             self._run_block(block, m, tiles)
         except DistGraphError as e:
             mb = f", micro-batch {m}" if self.m > 1 else ""
             raise RuntimeFault(f"rank {self.rank} (process {self.pid}): task "
-                               f"{action.task} of stage {action.chunk}{mb} in step "
+                               f"{action.task} of chunk {action.chunk}{mb} in step "
                                f"{self.step} failed: {e}") from e
         self.done[m].add(block.task.key)
         self.left[m] -= 1
         if not self.left[m]:
-            self.env[m].clear()
-            self.saved[m].clear()
+            self._release(m)
         if self.profile:
             self._event(action.task, action.chunk, m, start, self.clock())
-            self._record_memory()
+            self._record_memory(action.task, action.chunk, m)
 
     def _run_group(self, indices: list) -> None:
         """Run the weight-gradient actions at ``indices`` as one task (:mod:`.batched`)."""
@@ -219,16 +253,18 @@ class Carrier:
         block = self.blocks[indices[0]]
         start = self.clock()
         self.progress.at(self._offsets[block.task.key])
+        self.ledger.at = (actions[0], None)
         try:
             tag = self.tags.tag
             sums = run_batched(
                 self.program.batched_tasks[block.task.key], self.env, ms, self.scope,
                 self.runner.context(self.step, {}), self.xb,
                 lambda instr, env: self.runner.point(instr, env, self.scope,
-                                                     tag(instr.point.seq, ms[0])))
+                                                     tag(instr.point.seq, ms[0])),
+                self.ledger)
         except DistGraphError as e:
             raise RuntimeFault(f"rank {self.rank} (process {self.pid}): task "
-                               f"{actions[0].task} of stage {actions[0].chunk}, micro-batches "
+                               f"{actions[0].task} of chunk {actions[0].chunk}, micro-batches "
                                f"{', '.join(map(str, ms))} (run as one) in step {self.step} "
                                f"failed: {e}") from e
         for name, value in sums.items():
@@ -243,27 +279,32 @@ class Carrier:
             self.done[m].add(block.task.key)
             self.left[m] -= 1
             if not self.left[m]:
-                self.env[m].clear()
-                self.saved[m].clear()
+                self._release(m)
             if self.profile:
                 self._event(action.task, action.chunk, m, start + k * share,
                             start + (k + 1) * share)
-                self._record_memory()
+                self._record_memory(action.task, action.chunk, m)
 
     def _run_block(self, block, m: int, tiles: dict) -> None:
         env, scope, runner = self.env[m], self.scope, self.runner
         accumulates = block.task.accumulates
         offset = self._offsets[block.task.key]
         done, progress, step = self.done[m], self.progress, self.step
-        saved, bases = self.saved[m], {}
+        saved, bases, led = self.saved[m], {}, self.ledger
+        action = led.at[0]
         for j, instr in enumerate(block.instrs):
             progress.at(offset + j)
+            led.at = (action, instr)
             dying = [n for n in block.last[j] if all(o in done for o in block.others[n])]
             if isinstance(instr, OpInstr):
                 # one kept-values dict per layer (KernelContext.saved), none where what
                 # the kernel keeps could never serve its gradient (OpInstr.keeps: the
                 # original of a recomputed op, evaluation)
-                kept = saved.setdefault(instr.layer, {}) if instr.keeps else None
+                kept = None
+                if instr.keeps:
+                    kept = saved.get(instr.layer)
+                    if kept is None:
+                        kept = saved[instr.layer] = Kept(led)
                 if instr.ctx:
                     c = instr.ctx
                     if instr.axis is not None and "out_global_shape" in c:
@@ -280,6 +321,7 @@ class Carrier:
                 donate = tuple(n for n in instr.donors if n in dying and
                                donatable((n,), env, scope, self.acc.values))[:1]
                 run_op(instr, env, scope, ctx, donate)
+                led.settle()
             elif isinstance(instr, PointInstr):
                 read = instr.reads[0] if instr.reads else None
                 donate = may_donate(read, dying, env, self.feed_names, scope, self.acc.values)
@@ -287,10 +329,13 @@ class Carrier:
             elif isinstance(instr, SendInstr):
                 tag = self.tags.tag(instr.point.seq, m)
                 for rank, tile in runner.send_tiles(instr, env, scope, tag):
-                    self.sends.append((self.comm.isend(tile, rank, tag), (rank, m), self.clock()))
+                    led.hold(tile)          # until the send is done
+                    self.sends.append((self.comm.isend(tile, rank, tag), (rank, m),
+                                       self.clock(), tile))
             else:
-                runner.receive(instr, env, [r.value for r in tiles[j]],
-                               self.tags.tag(instr.point.seq, m))
+                arrived = [r.value for r in tiles.pop(j)]
+                runner.receive(instr, env, arrived, self.tags.tag(instr.point.seq, m))
+                led.drop(arrived)
             for name in instr.writes:
                 if name in accumulates:
                     self.acc.add(name, env[name], owned=name in dying)
@@ -299,13 +344,15 @@ class Carrier:
 
     def _run_update(self) -> None:
         block = self.program.update
-        env, scope, runner = self.acc.result(), self.scope, self.runner
+        env, scope, runner = self.acc.take(), self.scope, self.runner
         offset = self._offsets["update"]
         start = self.clock()
+        self.ledger.at = ("update", None)
         try:
             base = runner.context(self.step, {})
             for j, instr in enumerate(block.instrs):
                 self.progress.at(offset + j)
+                self.ledger.at = ("update", instr)
                 dying = block.last[j]
                 if isinstance(instr, OpInstr):
                     ctx = runner.context(self.step, instr.ctx) if instr.ctx else base
@@ -323,8 +370,17 @@ class Carrier:
         except DistGraphError as e:
             raise RuntimeFault(f"rank {self.rank} (process {self.pid}): task update in step "
                                f"{self.step} failed: {e}") from e
+        env.clear()
         if self.profile:
             self._event(TaskKind.UPDATE, self.home, None, start, self.clock())
+            self._record_memory(TaskKind.UPDATE, self.home, None)
+
+    def _release(self, m: int) -> None:
+        """Micro-batch ``m``'s work is done: what it holds is dropped."""
+        self.env[m].clear()
+        for kept in self.saved[m].values():
+            kept.clear()
+        self.saved[m].clear()
 
     def _gather(self, instr: GatherInstr, env):
         """The global value of a fetched name; per-sample outputs (kept per micro-batch)
@@ -360,22 +416,27 @@ class Carrier:
         return self.xb.xp.take(whole, self.xb.xp.asarray(rows.take), axis=rows.axis)
 
     # -- records -----------------------------------------------------------------------------------
-    def _event(self, kind, stage, m, start, end, peer=None) -> None:
-        self.events.append((self.rank, stage, kind, m, self.step, start, end, peer))
+    def _event(self, kind, chunk, m, start, end, peer=None) -> None:
+        self.events.append((self.rank, chunk, kind, m, self.step, start, end, peer))
 
-    def _record_memory(self) -> None:
+    def _record_memory(self, kind, chunk, m) -> None:
+        """A memory sample after a task of ``kind`` on ``chunk`` and micro-batch ``m``:
+        the activations kept between tasks (bytes, micro-batches), the bytes the rank
+        holds and the most it held since the last sample."""
         live_bytes, live = 0, 0
         for env in self.env:
             held = [a for n, a in env.items() if n not in self.feed_names]
             if held:
                 live += 1
                 live_bytes += sum(int(getattr(a, "nbytes", 0)) for a in held)
-        self.memory.append((self.rank, self.home, self.step, self.clock(), live_bytes, live))
+        led = self.ledger
+        self.memory.append((self.rank, chunk, self.step, self.clock(), live_bytes, live,
+                            led.bytes, led.since(), kind, m))
 
     # -- diagnostics -------------------------------------------------------------------------------
     def _stalled(self, i: int) -> str:
         a = self.actions[i]
-        reqs, _ = self.pending[i]
+        reqs = self.pending[i][0]
         needs = []
         for k, rs in reqs.items():
             instr = self.blocks[i].instrs[k]
@@ -384,7 +445,7 @@ class Carrier:
                 who = ", ".join(str(self.ranks(s)) for s in missing)
                 needs.append(f"{instr.point.value} from rank{'s' if len(missing) > 1 else ''} "
                              f"{who} (tag {self.tags.tag(instr.point.seq, a.micro_batch)})")
-        return (f"rank {self.rank} (process {self.pid}, stage {a.chunk}): timed out after "
+        return (f"rank {self.rank} (process {self.pid}, chunk {a.chunk}): timed out after "
                 f"{self.timeout:g} s in step {self.step} with no message arriving; a peer "
                 f"did not send what this rank's tasks wait for:\n  {a.task} micro-batch "
                 f"{a.micro_batch} waits for " + "; ".join(needs) + f" (action {a})")

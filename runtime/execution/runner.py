@@ -12,6 +12,9 @@ the same on every process, as host (numpy) arrays: a loss summed over the micro-
 per-sample outputs concatenated. The array backend (numpy, or CuPy on a GPU) and the
 communicator are the two seams a device plugs into: a plan whose devices are GPUs runs on
 CuPy on the GPU its rank's device names, its groups over NCCL or host-staged MPI.
+Every step counts the bytes of the arrays the process holds (:mod:`.memory`):
+:attr:`PlanRunner.memory` lists each step's peak and where it was reached, and
+:meth:`PlanRunner.check_memory` compares it with the plan's estimate.
 :func:`relayout` moves held values from one plan's layout to another's by the reshard
 points the planner made for the move.
 
@@ -21,6 +24,7 @@ Example (inside a rank)::
     runner = PlanRunner(p, comm)
     scope = runner.shard_scope(global_arrays)
     out = runner.run(scope, feed=global_batch, step=0)      # {"loss": global loss}
+    runner.last_memory.peak                                 # bytes held at the step's peak
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from distgraph.runtime.backend import backend_for, backend_of
 from distgraph.runtime.comm.device import DeviceCommunicator
 from distgraph.runtime.execution.carrier import Carrier
 from distgraph.runtime.execution.executor import call_kernel
+from distgraph.runtime.execution.memory import CHECK_MARGIN, check_peak, predicted_peak
 from distgraph.runtime.execution.reshard import apply_reshard, run_point
 from distgraph.runtime.execution.timeline import Timeline
 
@@ -92,21 +97,82 @@ class PlanRunner:
         self._t0 = None
         self.carrier = Carrier(self.program, plan.ranks, comm, self.backend, self.profile,
                                clock=self._clock)
+        self._checked = False
+
+    @property
+    def memory(self) -> list:
+        """The :class:`~distgraph.runtime.execution.memory.StepMemory` of the steps this
+        runner ran (the last 256), in order: this process's peak bytes, where it was
+        reached, the bytes held when the step began and once it ended."""
+        return list(self.carrier.steps)
+
+    @property
+    def last_memory(self):
+        """The last step's :class:`~distgraph.runtime.execution.memory.StepMemory` (None
+        before the first)."""
+        return self.carrier.steps[-1] if self.carrier.steps else None
+
+    def check_memory(self) -> tuple | None:
+        """Under ``Strategy(memory_check=True)``, what to say once about the last step's
+        measured peak: ``(line, about this rank alone)``, or None (nothing to say, or
+        said already). The line names the rank, where the peak was reached, the measured
+        and the plan's predicted bytes (``plan.estimate``) when the measured peak exceeds
+        the prediction by more than 10 %; a plan without an estimate says that it has none,
+        once."""
+        if self._checked or not self.plan.strategy.memory_check or not self.carrier.steps:
+            return None
+        predicted = predicted_peak(self.plan, self.pid)
+        if predicted is None:
+            self._checked = True
+            return ("Strategy(memory_check=True) compares each rank's measured peak with "
+                    "the plan's estimate, but this plan has none: give the Engine a cluster "
+                    "(dg.Cluster.local(n) prices this machine) or plan with "
+                    "auto_mode='full'", False)
+        rank = self.host_comm.rank if self.host_comm is not None else 0
+        who = f"rank {rank}" + (f" (process {self.pid})" if self.pid != rank else "")
+        said = check_peak(self.last_memory, predicted, who, CHECK_MARGIN)
+        if said is None:
+            return None
+        self._checked = True
+        return said, True
 
     def _clock(self) -> float:
         return time.perf_counter() - (self._t0 or 0.0)
 
     # -- state ------------------------------------------------------------------------------
+    def lay_out(self, names, block_of) -> dict:
+        """This process's blocks of the plan's persistables ``names`` (in that order; those
+        it holds), on the runner's array backend, C-contiguous in each Value's dtype:
+        {name: array}. ``block_of(value, index)`` gives the block of Value ``value`` at
+        ``index`` (this process's slices of the global value) as a host array, and whether
+        that array is the block's own (taken without a copy where its dtype and order
+        are right). The one way state is laid out: the Engine's held state
+        (``HeldState.bind``) gives its blocks from where each value is held, and
+        :meth:`shard_scope` from global arrays."""
+        values = self.plan.program.values
+        out = {}
+        for name in names:
+            v = values[name]
+            if self.pid not in v.dist_attr.mesh:
+                continue
+            block, own = block_of(v, v.dist_attr.local_slices(v.shape, self.pid))
+            out[name] = self.backend.from_host(
+                np.array(block, dtype=v.dtype, order="C", copy=None if own else True))
+        return out
+
     def shard_scope(self, global_values: dict) -> dict:
-        """Local shards of persistable values from their global arrays."""
-        scope = {}
-        local = self.program.local
-        for v in local.program.persistables:
+        """This process's blocks of every persistable of the plan, cut from their global
+        arrays ``global_values`` ({name: array}) and laid out by :meth:`lay_out`."""
+
+        def block_of(v, index):
             if v.name not in global_values:
                 raise PlanError(f"no initial value for {v.name}")
-            block = local_slice(v.dist_attr, self.pid, v.name, np.asarray(global_values[v.name]))
-            scope[v.name] = self.backend.from_host(block)
-        return scope
+            if v.dist_attr.spec.partial:
+                raise PlanError(f"cannot shard {v.name}: a stored or fed value cannot be "
+                                "Partial")
+            return np.asarray(global_values[v.name])[index], False
+
+        return self.lay_out([v.name for v in self.local.program.persistables], block_of)
 
     def gather(self, scope: dict, names) -> dict:
         """Global values of persistables ``names`` on every process, as host (numpy)

@@ -14,6 +14,7 @@ from __future__ import annotations
 from distgraph.errors import RuntimeFault
 from distgraph.plan.kinds import AccumulationMode
 from distgraph.registry import KernelContext
+from distgraph.runtime.execution.memory import Counted
 from distgraph.runtime.execution.reshard import (apply_reshard, assemble_tiles, outgoing_tiles,
                                                  run_point)
 
@@ -39,19 +40,20 @@ def micro_batch_context(ctx: dict, axis: int | None, micro_batches: int, m) -> d
 class Accumulator:
     """Values the update reads, accumulated over the micro-batches as they are made:
     summed (a sum over the samples, e.g. a gradient), kept from the first micro-batch (the
-    same in every one), or concatenated along their sample dim (per-sample outputs)."""
+    same in every one), or concatenated along their sample dim (per-sample outputs). The
+    step's ``ledger`` (:class:`~distgraph.runtime.execution.memory.Ledger`) counts them."""
 
-    def __init__(self, program, backend):
-        self.program, self.xb = program, backend
-        self.values: dict = {}
-        self.parts: dict = {}
+    def __init__(self, program, backend, ledger):
+        self.program, self.xb, self.ledger = program, backend, ledger
+        self.values = Counted(ledger)
+        self.parts = Counted(ledger)
 
     def add(self, name: str, value, owned: bool) -> None:
         mode = self.program.mode(name)
         if mode is AccumulationMode.KEEP:
             self.values.setdefault(name, value)
         elif mode is AccumulationMode.CONCAT:
-            self.parts.setdefault(name, []).append(value)
+            self.parts[name] = self.parts.get(name, []) + [value]
         elif name not in self.values:
             # take the first micro-batch's array when nothing else can see it
             fresh = owned and getattr(value, "base", None) is None and self.xb.writeable(value)
@@ -59,11 +61,14 @@ class Accumulator:
         else:
             self.values[name] += value
 
-    def result(self) -> dict:
-        """The accumulated values; a concatenated one as its list of micro-batch parts
-        (only fetched values are, and they are gathered part by part)."""
-        out = dict(self.values)
+    def take(self) -> Counted:
+        """The accumulated values, handed over (the accumulator is empty after it, so the
+        update frees each one at its last use); a concatenated one as its list of
+        micro-batch parts (only fetched values are, and they are gathered part by part)."""
+        out = Counted(self.ledger, self.values)
         out.update(self.parts)
+        self.values.clear()
+        self.parts.clear()
         return out
 
 

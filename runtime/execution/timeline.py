@@ -3,9 +3,14 @@
 Each :class:`Event` is one task instance (``forward``, ``backward`` or, split,
 ``backward_input`` / ``backward_weight``, ``update``) or one message (``send``: posted
 until delivered; ``recv``: posted until every tile of a micro-batch arrived), with
-the rank, its pipeline stage, the micro-batch (None for the update), the step and start
-and end in seconds since the job's profiling started (every rank's clock starts at one
-barrier). Memory samples record the activations a rank holds after each task.
+the rank, the chunk it ran (``Action.chunk``, torch's stage index, in the field
+``stage``; for sends and the update the rank's lowest chunk), the micro-batch (None for
+the update), the step and start and end in seconds since the job's profiling started
+(every rank's clock starts at one barrier). A :class:`MemorySample` after each task
+(the update too) records the activations the rank keeps between tasks and the bytes of
+every array it holds (:mod:`.memory`: state, activations, gradients, buffers), now and
+at their highest during the task; :meth:`Timeline.peak_memory` gives each rank's peak
+and the action that reached it.
 
 :meth:`Timeline.gather` merges every rank's records (a collective), so every rank holds
 the whole timeline; :meth:`save` writes a Chrome trace (open it in Perfetto or
@@ -17,6 +22,7 @@ Example::
     tl = engine.timeline()
     tl.save("t.json"); tl.plot("t.png")
     tl.idle_fraction()          # {rank: idle share of the pipeline's span}
+    tl.peak_memory(step=1)      # {rank: the sample of its peak}: .peak, .action
 """
 
 from __future__ import annotations
@@ -55,8 +61,10 @@ class Event:
 
 @dataclass(frozen=True)
 class MemorySample:
-    """After a task on ``rank``: ``bytes`` of activations held for later tasks, by
-    ``micro_batches`` micro-batches."""
+    """After a task (``kind`` on chunk ``stage`` and micro-batch ``micro_batch``; the
+    update: None) on ``rank``: ``bytes`` of activations held for later tasks, by
+    ``micro_batches`` micro-batches; ``held``: the bytes of every array the rank holds
+    then; ``peak``: the most it held during the task (and the receives posted for it)."""
 
     rank: int
     stage: int
@@ -64,6 +72,17 @@ class MemorySample:
     time: float
     bytes: int
     micro_batches: int
+    held: int = 0
+    peak: int = 0
+    kind: str = "forward"
+    micro_batch: int | None = None
+
+    @property
+    def action(self) -> str:
+        """The task in the schedule's notation (``"0F3"``), or ``"update"``."""
+        if self.micro_batch is None:
+            return str(self.kind)
+        return f"{self.stage}{TaskKind(self.kind).action}{self.micro_batch}"
 
 
 class Timeline:
@@ -88,20 +107,22 @@ class Timeline:
     @classmethod
     def gather(cls, events, memory, comm) -> "Timeline":
         """Every rank's raw records merged, on every rank (a collective over ``comm``'s
-        world; ``comm`` None: this process alone). ``events`` are tuples (rank, stage,
-        kind, micro-batch, step, start, end, peer); ``memory`` tuples (rank, stage,
-        step, time, bytes, micro-batches)."""
+        world; ``comm`` None: this process alone). ``events`` are tuples (rank, chunk,
+        kind, micro-batch, step, start, end, peer); ``memory`` tuples (rank, chunk,
+        step, time, bytes, micro-batches, held, peak, kind, micro-batch)."""
         ev = np.array([(r, s, EVENT_KINDS.index(k), -1 if m is None else m, st, a, b,
                         -1 if p is None else p) for r, s, k, m, st, a, b, p in events],
                       dtype=np.float64).reshape(-1, 8)
-        mem = np.array(list(memory), dtype=np.float64).reshape(-1, 6)
+        mem = np.array([(*row[:8], EVENT_KINDS.index(row[8]), -1 if row[9] is None
+                         else row[9]) for row in memory], dtype=np.float64).reshape(-1, 10)
         if comm is not None and comm.size > 1:
             ev, mem = _all_rows(comm, ev), _all_rows(comm, mem)
         out_events = [Event(int(r), int(s), EVENT_KINDS[int(k)], None if m < 0 else int(m),
                             int(st), float(a), float(b), None if p < 0 else int(p))
                       for r, s, k, m, st, a, b, p in ev]
-        out_memory = [MemorySample(int(r), int(s), int(st), float(t), int(b), int(n))
-                      for r, s, st, t, b, n in mem]
+        out_memory = [MemorySample(int(r), int(s), int(st), float(t), int(b), int(n), int(h),
+                                   int(pk), EVENT_KINDS[int(k)], None if m < 0 else int(m))
+                      for r, s, st, t, b, n, h, pk, k, m in mem]
         return cls(out_events, out_memory)
 
     # -- measures -----------------------------------------------------------------------------
@@ -138,15 +159,27 @@ class Timeline:
             out[s.rank] = (max(b, s.bytes), max(n, s.micro_batches))
         return out
 
+    def peak_memory(self, step: int | None = None) -> dict:
+        """{rank: the sample of the task in which the rank held the most bytes} in
+        ``step`` or over every step: its ``peak`` bytes and ``action``."""
+        out = {}
+        for s in self.memory:
+            if (step is None or s.step == step) and (s.rank not in out
+                                                     or s.peak > out[s.rank].peak):
+                out[s.rank] = s
+        return out
+
     # -- output ---------------------------------------------------------------------------------
     def to_chrome(self) -> dict:
         """The Chrome trace-event form: one process per rank, compute on thread 0 and
         messages on thread 1, memory as a counter."""
         trace = []
-        stages = {e.rank: e.stage for e in self.events}
+        chunks: dict = {}
+        for e in self.events:
+            chunks.setdefault(e.rank, set()).add(e.stage)
         for rank in self.ranks:
             trace.append({"name": "process_name", "ph": "M", "pid": rank,
-                          "args": {"name": f"rank {rank} (stage {stages.get(rank, '?')})"}})
+                          "args": {"name": f"rank {rank} ({_chunks(chunks.get(rank))})"}})
             trace.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": 0,
                           "args": {"name": "compute"}})
             trace.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": 1,
@@ -160,6 +193,8 @@ class Timeline:
         for s in self.memory:
             trace.append({"name": "activations", "ph": "C", "pid": s.rank, "ts": s.time * 1e6,
                           "args": {"bytes": s.bytes, "micro_batches": s.micro_batches}})
+            trace.append({"name": "memory", "ph": "C", "pid": s.rank, "ts": s.time * 1e6,
+                          "args": {"held": s.held, "peak": s.peak}})
         return {"traceEvents": trace, "displayTimeUnit": "ms"}
 
     def save(self, path) -> None:
@@ -207,6 +242,13 @@ class Timeline:
         fig.tight_layout()
         fig.savefig(path, dpi=120)
         plt.close(fig)
+
+
+def _chunks(chunks) -> str:
+    """``"chunk 1"``, ``"chunks 1, 5"`` (virtual stages), ``"chunk ?"`` (no events)."""
+    if not chunks:
+        return "chunk ?"
+    return f"chunk{'s' if len(chunks) > 1 else ''} {', '.join(map(str, sorted(chunks)))}"
 
 
 def _all_rows(comm, rows):

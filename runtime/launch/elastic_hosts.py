@@ -1,10 +1,13 @@
-"""Elastic jobs on hosts over ssh: ``distgraph run --elastic --hostfile FILE`` (or ``--hosts``).
+"""Elastic jobs on hosts over ssh: ``distgraph run --elastic --hostfile FILE`` (or ``--hosts``),
+or on the nodes of a Slurm allocation (through srun: :mod:`distgraph.runtime.launch.slurm`).
 
 Each attempt (:mod:`distgraph.runtime.launch.elastic`) is an ordinary multi-host job
 (:func:`~distgraph.runtime.launch.launcher.launch`: the check of every host before it
 starts, the clean-up of every host after it) on the hosts that answer, as many ranks on
 each as the first assignment gave it. A host answers when ``true`` runs there over the
-job's launcher (ssh in batch mode) within :data:`ANSWER_TIMEOUT` seconds; while an
+job's launcher (ssh in batch mode, or srun) within :data:`ANSWER_TIMEOUT` seconds and, in
+a Slurm allocation, Slurm still runs work on its node (a node drained or draining, down
+or not responding is lost, as ``scontrol update nodename=N state=drain`` asks); while an
 attempt runs, a thread asks every :data:`PROBE_EVERY` seconds, and the ranks' status
 files on this host are read: a host that stops answering, or a rank here that died or
 failed, stops the attempt at once. A rank that dies on another host ends the job through
@@ -24,12 +27,14 @@ Example::
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import tempfile
 import threading
 import time
 
 from distgraph.errors import PlanError
-from distgraph.runtime.launch import remote
+from distgraph.runtime.launch import remote, slurm
 from distgraph.runtime.launch.elastic import ElasticPolicy, ElasticRun, Machine, Outcome
 from distgraph.runtime.launch.hosts import HostAssignment
 from distgraph.runtime.launch.launcher import launch
@@ -56,10 +61,24 @@ class HostAttempts:
                 for h in self.assignment.distinct_hosts]
 
     def answering(self, names) -> set[str]:
-        far = [h for h in names if not remote.is_local(h)]
+        return {h for h, why in self.why_not(names).items() if why is None}
+
+    def why_not(self, names) -> dict[str, str | None]:
+        """Host -> None when it answers, else why not: ``stopped answering``, or in a
+        Slurm allocation ``is draining in Slurm`` (a node Slurm runs no work on,
+        :func:`~distgraph.runtime.launch.slurm.unavailable`, is lost though it answers)."""
+        why: dict[str, str] = {}
+        if self.launcher.kind == "slurm":
+            try:
+                states = slurm.unavailable(names, self.env)
+            except PlanError:      # the controller is busy: the nodes are asked below
+                states = {}
+            why.update({h: f"is {state} in Slurm" for h, state in states.items()})
+        far = [h for h in names if h not in why and not remote.is_local(h)]
         answers = remote.run_everywhere(self.launcher, {h: ["true"] for h in far},
                                         ANSWER_TIMEOUT) if far else {}
-        return {h for h in names if h not in answers or answers[h].returncode == 0}
+        why.update({h: "stopped answering" for h, a in answers.items() if a.returncode != 0})
+        return {h: why.get(h) for h in names}
 
     def __call__(self, world, restart: int) -> Outcome:
         hosts = tuple(m.name for m in world for _ in range(m.slots))
@@ -83,11 +102,7 @@ class HostAttempts:
         cause = seen.get("cause")
         if rc != 0 and cause is None:
             # hydra may see a host's proxy go before the prober sees the host: ask now
-            names = [m.name for m in world]
-            alive = self.answering(names)
-            lost = [h for h in names if h not in alive]
-            if lost:
-                cause = f"host {', '.join(lost)} stopped answering"
+            cause = _lost_line(self.why_not([m.name for m in world]))
         return Outcome(rc, cause if rc != 0 else None, seen.get("detected") or time.time())
 
     def _probe(self, world, restart: int, seen: dict, stop: threading.Event) -> None:
@@ -96,10 +111,9 @@ class HostAttempts:
         grow = self.policy.may_grow(self.assignment.nprocs, sum(m.slots for m in world),
                                     restart)
         while not stop.wait(PROBE_EVERY):
-            alive = self.answering(names)
-            lost = [h for h in names if h not in alive]
+            lost = _lost_line(self.why_not(names))
             if lost:
-                seen["stop"] = f"host {', '.join(lost)} stopped answering"
+                seen["stop"] = lost
                 return
             if not grow or "status" not in seen:
                 continue
@@ -144,6 +158,15 @@ class HostAttempts:
         return watch
 
 
+def _lost_line(why: dict) -> str | None:
+    """``host a, b stopped answering; host c is draining in Slurm``; None: none lost."""
+    hosts: dict[str, list] = {}
+    for host, reason in why.items():
+        if reason is not None:
+            hosts.setdefault(reason, []).append(host)
+    return "; ".join(f"host {', '.join(h)} {reason}" for reason, h in hosts.items()) or None
+
+
 def launch_elastic_hosts(assignment: HostAssignment | None, argv: list[str],
                          policy: ElasticPolicy, cluster: str | None = None,
                          log_dir: str | None = None, env: dict | None = None,
@@ -151,12 +174,24 @@ def launch_elastic_hosts(assignment: HostAssignment | None, argv: list[str],
     """Run ``argv`` as an elastic job on ``assignment``'s hosts (module docstring)."""
     log = sys.stderr if log is None else log
     if assignment is None:
-        raise PlanError("--elastic needs hosts: give --hostfile FILE or --hosts LIST")
+        raise PlanError("--elastic needs hosts: give --hostfile FILE or --hosts LIST, or "
+                        "run it in a Slurm allocation")
     if cluster is not None:
         raise PlanError("--elastic with --hostfile/--hosts takes no --cluster yet (the "
                         "file would describe machines that may be lost); give --emulate "
                         "FILE, or leave --cluster out")
-    attempts = HostAttempts(assignment, argv, log, env, log_dir, timeout, policy)
-    records = os.path.join(log_dir, "elastic.jsonl") if log_dir else None
-    return ElasticRun(attempts.machines(), assignment.nprocs, attempts, attempts.answering,
-                      policy, log, records).run()
+    # without --log-dir, one temporary folder holds every attempt's logs: removed when
+    # the job succeeds (its failed attempts included), kept and named when it fails
+    temporary = log_dir is None
+    log_dir = tempfile.mkdtemp(prefix="distgraph-logs-") if temporary else log_dir
+    rc = 1
+    try:
+        attempts = HostAttempts(assignment, argv, log, env, log_dir, timeout, policy)
+        rc = ElasticRun(attempts.machines(), assignment.nprocs, attempts, attempts.answering,
+                        policy, log, os.path.join(log_dir, "elastic.jsonl")).run()
+    finally:
+        if temporary and rc == 0:
+            shutil.rmtree(log_dir, ignore_errors=True)
+        elif temporary:
+            log.write(f"distgraph: elastic: every attempt's logs are in {log_dir}\n")
+    return rc

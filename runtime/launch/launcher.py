@@ -186,7 +186,10 @@ def launch(nprocs: int, argv: list[str], cluster: str | None = None,
             remote.preflight(launcher, assignment.distinct_hosts,
                              [argv[0]] + ([os.path.abspath(cluster)] if cluster else []),
                              masters=masters)
-            mpiexec_args = [*mpiexec_args, "-hosts", assignment.hydra_hosts()]
+            # hydra reaches the hosts as the check and the clean-up do, not as it
+            # would guess (its own reading of a Slurm allocation, say)
+            mpiexec_args = [*mpiexec_args, "-launcher", launcher.kind, "-hosts",
+                            assignment.hydra_hosts()]
         here = current()
         context = LaunchContext(os.path.abspath(cluster) if cluster else here.cluster,
                                 here.plan, here.restart if restart is None else restart)

@@ -82,8 +82,10 @@ class Launcher:
         """The command line that runs ``command`` on ``host`` (as the master of its
         shared connection with ``master``)."""
         if self.kind == "slurm":
+            # --overlap: a step beside hydra's (a probe while the ranks run) or inside one
+            # (distgraph run under srun) starts at once instead of waiting for its CPUs
             return [self.program, "--nodes=1", "--ntasks=1", f"--nodelist={host}", "--quiet",
-                    *command]
+                    "--overlap", *command]
         options = ["-x", "-o", "BatchMode=yes", "-o", f"ConnectTimeout={CONNECT_TIMEOUT}"] \
             if self.kind == "ssh" else []
         if master:
@@ -104,8 +106,12 @@ class Launcher:
         return replace(self, control=os.path.join(folder, "%C")) if self.kind == "ssh" else self
 
     def hydra_env(self, env) -> dict:
-        """What hydra's environment needs for its ssh to share the connections too:
-        ``HYDRA_LAUNCHER_EXTRA_ARGS`` (``env``'s own kept first)."""
+        """What hydra's environment needs: over ssh, for its ssh to share the connections
+        too, ``HYDRA_LAUNCHER_EXTRA_ARGS`` (``env``'s own kept first); through Slurm,
+        ``SLURM_OVERLAP`` for its srun (see :meth:`argv`: the ranks' step shares the CPUs
+        of the step distgraph run may itself run in)."""
+        if self.kind == "slurm":
+            return {"SLURM_OVERLAP": "1"}
         if self.control is None:
             return {}
         own = env.get("HYDRA_LAUNCHER_EXTRA_ARGS", "").strip()

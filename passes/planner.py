@@ -55,7 +55,7 @@ from distgraph.passes.mapping.rank_mapping import map_ranks
 from distgraph.passes.mapping.traffic import traffic_graph as process_graph
 from distgraph.passes.meshslice.slices import assign_slices, check_meshes, uses
 from distgraph.passes.partition import Partitions, process_ids
-from distgraph.passes.prepare import prepared
+from distgraph.passes.prepare import prepare
 from distgraph.passes.pipeline.chunks import (chunk_meshes, chunk_of_ops, forward_chunks,
                                               place_chunks)
 from distgraph.passes.pipeline.compile import compile_process
@@ -142,17 +142,17 @@ def _plan(built, strategy, cluster, rank_mapping, budget, session, given=None) -
     if given is not None:           # completed below: on a copy of its program
         choice = dataclasses.replace(given, built=dataclasses.replace(
             given.built, program=given.built.program.clone()))
-        copy, strategy, accumulation = choice.built, choice.strategy, choice.accumulation
+        prepared, strategy, accumulation = choice.built, choice.strategy, choice.accumulation
     elif strategy.auto_mode == "full":
         # the search (SCIP, the stage DP) is imported by the plans that use it only
         from distgraph.passes.search import choose
 
         choice = choose(built, strategy, cluster, budget, session)
-        copy, strategy, accumulation = choice.built, choice.strategy, choice.accumulation
+        prepared, strategy, accumulation = choice.built, choice.strategy, choice.accumulation
     else:
-        copy, accumulation = prepared(built, strategy, strategy.micro_batches)
+        prepared, accumulation = prepare(built, strategy, strategy.micro_batches)
     try:
-        return _made(built, copy, strategy, cluster, rank_mapping, accumulation, choice)
+        return _made(built, prepared, strategy, cluster, rank_mapping, accumulation, choice)
     except ShardingError as e:
         if accumulation is None:
             raise
@@ -161,13 +161,13 @@ def _plan(built, strategy, cluster, rank_mapping, budget, session, given=None) -
                             f"{accumulation.micro_batch_rows} rows)") from None
 
 
-def _made(built, copy, strategy, cluster, rank_mapping, accumulation, choice) -> Plan:
-    """The Plan of ``copy`` (the program the plan runs, annotated by the user or by the
+def _made(built, prepared, strategy, cluster, rank_mapping, accumulation, choice) -> Plan:
+    """The Plan of ``prepared`` (the program the plan runs, annotated by the user or by the
     search's ``choice``): completed, partitioned, mapped, scheduled and estimated."""
-    _completed(copy, strategy, cluster, choice)
+    _completed(prepared, strategy, cluster, choice)
     rank_mapping = rank_mapping or (choice.rank_mapping if choice is not None else None)
     interleaved = choice.chunks if choice is not None else None
-    program = copy.program
+    program = prepared.program
     if interleaved is not None:             # the search placed the chunks (_completed)
         stages = tuple(interleaved[0])
     else:
@@ -187,9 +187,9 @@ def _made(built, copy, strategy, cluster, rank_mapping, accumulation, choice) ->
         meshes = chunk_meshes(stages, virtual, strategy.schedule == "ZBV")
         cut = forward_chunks(program, len(meshes), why)
         # the annotated program again, each chunk's ops moved to its mesh first
-        copy, _ = prepared(built, strategy, strategy.micro_batches)
-        _completed(copy, strategy, cluster, None, chunks=(stages, cut, meshes))
-        program = copy.program
+        prepared, _ = prepare(built, strategy, strategy.micro_batches)
+        _completed(prepared, strategy, cluster, None, chunks=(stages, cut, meshes))
+        program = prepared.program
         placed = {op.dist_attr.mesh for op in program.ops if op.role in stage_order.FORWARD}
         if placed != set(stages):
             raise PlanError(f"internal error: placing the chunks changed the stage meshes "
@@ -208,7 +208,7 @@ def _made(built, copy, strategy, cluster, rank_mapping, accumulation, choice) ->
         if assign_slices(program, priced, device_of) + assign_forms(program, priced,
                                                                     device_of):
             partitions = Partitions(program, ids)   # with their K, attention's forms
-    planned = Plan(copy, strategy, distributed, ids, ProcessRanks(rank_of), stages, cluster,
+    planned = Plan(prepared, strategy, distributed, ids, ProcessRanks(rank_of), stages, cluster,
                    accumulation=accumulation, devices=assign_devices(cluster, len(ids)),
                    groups=partitions.groups(), locals=partitions,
                    sliced=tuple(uses(program)) if distributed else ())
@@ -230,12 +230,12 @@ def _made(built, copy, strategy, cluster, rank_mapping, accumulation, choice) ->
     return planned
 
 
-def _completed(copy, strategy, cluster, choice, chunks=None) -> None:
-    """Complete ``copy``'s program in place: with ``chunks`` (stages, cut, chunk meshes)
+def _completed(prepared, strategy, cluster, choice, chunks=None) -> None:
+    """Complete ``prepared``'s program in place: with ``chunks`` (stages, cut, chunk meshes)
     every chunk's ops moved to its mesh first (or where the search interleaved its
     stages, as it placed them), the search's choice checked as completion kept it,
     sequence parallelism and ZeRO sharding applied as asked."""
-    program = copy.program
+    program = prepared.program
     if choice is not None and chunks is None and choice.chunks is not None:
         # the stage search interleaved its alike stages: chunk c on stage c mod S
         stages, virtual = choice.chunks

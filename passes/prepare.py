@@ -6,7 +6,7 @@ will run (:mod:`distgraph.passes.search`), and the planner completes that same p
 
 Example::
 
-    copy, accumulation = prepared(built, strategy, micro_batches=4)
+    prepared, accumulation = prepare(built, strategy, micro_batches=4)
 """
 
 from __future__ import annotations
@@ -30,15 +30,15 @@ def split(built, micro_batches: int, analyses=None) -> tuple:
 def transformed(built, strategy):
     """A copy of ``built`` with MeshSlice enabled and recomputation applied as asked."""
     program = built.program.clone()
-    copy = dataclasses.replace(built, program=program)
+    prepared = dataclasses.replace(built, program=program)
     if strategy.meshslice:
         enable(program, strategy.meshslice)
     if strategy.recompute and program.ops_by_role("backward"):
-        recompute(program, segments(copy, strategy.recompute))
-    return copy
+        recompute(program, segments(prepared, strategy.recompute))
+    return prepared
 
 
-def prepared(built, strategy, micro_batches: int, analyses=None) -> tuple:
+def prepare(built, strategy, micro_batches: int, analyses=None) -> tuple:
     """(the program the plan runs, as a BuiltProgram copy; its accumulation or None)."""
     built, accumulation = split(built, micro_batches, analyses)
     return transformed(built, strategy), accumulation

@@ -105,10 +105,10 @@ def unsplit_stage_plan(rows: int, seq: int, budget_gb: float):
 
     built, _ = built_program(rows, seq)
     built, _ = split_micro_batches(built, MICRO)
-    copy = dataclasses.replace(built, program=built.program.clone())
-    layering = block_layers(copy.program, copy.block_paths)
+    prepared = dataclasses.replace(built, program=built.program.clone())
+    layering = block_layers(prepared.program, prepared.block_paths)
     machine = cluster()
-    costs = RunCosts(copy, strategy(), machine, layering, MICRO)
+    costs = RunCosts(prepared, strategy(), machine, layering, MICRO)
     options = [o for o in costs.options(variants=True)
                if not any(splits_sequence(r, seq) for _, r in o.parts.values())]
     return plan_runs(layering.count, layering.blocks, options, _capped(machine, budget_gb),

@@ -138,10 +138,10 @@ def run_costs(cluster) -> RunCosts:
     dims = dict(P.GPT_DIMS, n_layer=4)
     data = P.Dataset("gpt", dims=dims, batch=16)
     ins, labels = dg.app.data.DataLoader(data, 16).specs(1)
-    copy = build_program(P.build_model("gpt", dims=dims), ins, labels, P.loss_fn("gpt"),
+    prepared = build_program(P.build_model("gpt", dims=dims), ins, labels, P.loss_fn("gpt"),
                          dg.optim.AdamW(0.01))
-    layering = block_layers(copy.program, copy.block_paths)
-    return RunCosts(copy, dg.Strategy(auto_mode="full", pipeline=True), cluster, layering,
+    layering = block_layers(prepared.program, prepared.block_paths)
+    return RunCosts(prepared, dg.Strategy(auto_mode="full", pipeline=True), cluster, layering,
                     micro=4)
 
 

@@ -1,7 +1,7 @@
 """Completion (``dg.passes.complete``): from a few annotations to a DistAttr on every Value
 and every operand of every op.
 
-Oracles: the hand-derived Megatron / data-parallel layouts; the Paddle seed's two-mesh
+Oracles: the hand-derived Megatron / data-parallel layouts; Paddle's design talk's two-mesh
 example; and, for every completed program, consistency — each op's specs are a fixpoint
 of its own sharding rule (running the rule on what the op consumes gives back exactly
 what it consumes and produces), each Value's spec is what its producer makes, and every
@@ -88,7 +88,7 @@ def reshard_points(prog):
             or op.dist_attr.mesh != v.dist_attr.mesh]
 
 
-# -- the seed's example: two matmuls on two meshes ------------------------------------------------
+# -- Paddle's design example: two matmuls on two meshes ------------------------------------
 def seed_program():
     model = MLP()
     m1 = dg.ProcessMesh([0, 1], ["x"])

@@ -116,9 +116,9 @@ def test_options_offer_dp_cp_tp_where_the_rows_cannot_fill_x(float64):
 
     built, _ = C.built_program(32, 512)
     built, _ = split_micro_batches(built, C.MICRO)
-    copy = dataclasses.replace(built, program=built.program.clone())
-    costs = RunCosts(copy, C.strategy(), C.cluster(), block_layers(copy.program,
-                                                                    copy.block_paths), C.MICRO)
+    prepared = dataclasses.replace(built, program=built.program.clone())
+    costs = RunCosts(prepared, C.strategy(), C.cluster(), block_layers(prepared.program,
+                                                                    prepared.block_paths), C.MICRO)
     assert [costs._sequence_split(x) for x in (16, 8, 24, 4)] == [2, 1, 1, 1]
     assert logical_dims((8, 2, 4)) == ["x", "cp", "y"]
 
@@ -160,9 +160,9 @@ def test_variants_searched_in_stages_keep_the_plan_of_every_variant(float64, cas
     target = machine if budget_gb is None else _capped(machine, budget_gb)
 
     def costs():
-        copy = dataclasses.replace(built, program=built.program.clone())
-        return RunCosts(copy, C.strategy(), machine,
-                        block_layers(copy.program, copy.block_paths), C.MICRO)
+        prepared = dataclasses.replace(built, program=built.program.clone())
+        return RunCosts(prepared, C.strategy(), machine,
+                        block_layers(prepared.program, prepared.block_paths), C.MICRO)
 
     staged = costs()
     plan, _ = plan_blocks(staged, target, micro_batches=C.MICRO)

@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import distgraph as dg  # noqa: E402
 from distgraph.errors import DoesNotFit  # noqa: E402
-from distgraph.passes.prepare import prepared  # noqa: E402
+from distgraph.passes.prepare import prepare  # noqa: E402
 from distgraph.passes.search import Choice, choose  # noqa: E402
 from distgraph.passes.search.layouts.ilp import solve  # noqa: E402
 from distgraph.passes.search.layouts.ilp_problem import evaluate  # noqa: E402
@@ -46,10 +46,10 @@ def random_choice(built, strategy, cluster, seed: int) -> tuple:
                                  comm=[np.zeros(len(c)) for c in problem.comm], edges=edges,
                                  memory_budget=None, liveness=())
     picked = tuple(solve(random, time_limit=30).choice)
-    copy, accumulation = prepared(built, searched.strategy, searched.strategy.micro_batches)
+    prepared, accumulation = prepare(built, searched.strategy, searched.strategy.micro_batches)
     drawn_result = dataclasses.replace(result, choice=picked)
-    drawn_result.annotate(copy.program)
-    return (Choice(copy, searched.strategy, accumulation, drawn_result, searched.rank_mapping),
+    drawn_result.annotate(prepared.program)
+    return (Choice(prepared, searched.strategy, accumulation, drawn_result, searched.rank_mapping),
             evaluate(problem, picked))
 
 

@@ -1,4 +1,4 @@
-"""MeshSlice (seed 001): the blocked slicing keeps every sub-shard on the same global
+"""MeshSlice (Nam et al.): the blocked slicing keeps every sub-shard on the same global
 indices, matmul's rule offers the three dataflows' layouts when asked to, the K-sliced
 kernel equals the unsliced matmul for every dataflow, K and mesh (and counts the bytes
 the plan counts), plans use it where they say so and train like serial, the cost model
@@ -391,7 +391,7 @@ def test_the_search_chooses_meshslice_where_slow_links_make_overlap_pay_and_pric
 # ---- the autotuner ----------------------------------------------------------------------------
 
 def test_the_backward_dataflows_are_the_layouts_of_the_forwards_specs():
-    """The autotuner's table (seed Table 1) is what completion finds: each backward GeMM,
+    """The autotuner's table (the paper's Table 1) is what completion finds: each backward GeMM,
     on the forward's layouts of x, W and y, is the listed dataflow."""
     tokens, n_in, n_out = 8, 12, 16
     for forward in ("OS", "LS", "RS"):
@@ -413,7 +413,7 @@ def test_stage_one_keeps_the_largest_matrix_stationary():
     assert stationary_dataflow(tokens=64, n_in=1024, n_out=1024) == "RS"    # W largest
     assert stationary_dataflow(tokens=512, n_in=512, n_out=512) == "OS"     # ties: y
     # on one device the three dataflows run the same three GeMMs: the prices tie, and
-    # the seed's rule decides
+    # the paper's rule decides
     report = dg.passes.meshslice.autotune(layers=1, hidden=64, heads=4, seq=16, batch=2,
                                           cluster=EMULATED, devices=1, verbose=False)
     assert [(name, dataflow) for name, dataflow, _ in report.best.layers] == \

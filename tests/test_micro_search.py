@@ -13,7 +13,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import distgraph as dg  # noqa: E402
 from distgraph.errors import PlanError  # noqa: E402
-from distgraph.passes.prepare import prepared  # noqa: E402
+from distgraph.passes.prepare import prepare  # noqa: E402
 from distgraph.passes.session import Session  # noqa: E402
 from distgraph.passes.search.stages.layers import block_layers  # noqa: E402
 from distgraph.passes.search.stages.pipeline import pipeline_latency  # noqa: E402
@@ -78,8 +78,8 @@ def test_the_plan_runs_the_count_whose_stage_search_is_fastest_around_it():
 
     def latency(k: int) -> float:
         asked = dataclasses.replace(plan.strategy, micro_batches=k)
-        copy, accumulation = prepared(built, asked, k)
-        return pipeline_latency(copy, asked, cluster, accumulation)[0]
+        prepared, accumulation = prepare(built, asked, k)
+        return pipeline_latency(prepared, asked, cluster, accumulation)[0]
 
     latency = {k: latency(k) for k in (m // 2, m, 2 * m) if k >= 1 and BATCH % k == 0}
     assert latency[m] <= min(latency.values())
@@ -137,9 +137,9 @@ def test_a_count_held_back_by_memory_is_beaten_exactly_where_its_latency_is_not_
 
 
 def test_counts_share_their_search_costs_and_price_as_fresh_ones():
-    # a count seeded by another prices in the seed's session, on its LayoutPrices
+    # a count with another as donor prices in the donor's session, on its LayoutPrices
     # (reshard and op prices depend on shapes, not on the program); oracle: the same
-    # count seeded (the seed's searches read from another session), on fresh ones
+    # count with a donor (the donor's searches read from another session), on fresh ones
     from distgraph.passes.search.stages.runs import RunCosts
 
     built, cluster = built_gpt(layers=4), S.line_cluster(4, bandwidth=1.0)
@@ -148,16 +148,16 @@ def test_counts_share_their_search_costs_and_price_as_fresh_ones():
     session = Session()
     runs = session.table("micro-batch programs")
     count_latency(built, strategy, cluster, 2, session)
-    seed = runs[2][2]
+    donor = runs[2][2]
     four = dataclasses.replace(strategy, micro_batches=4)
     shared = count_latency(built, four, cluster, 4, session)
-    assert runs[4][2].seed is seed and runs[4][2].session is seed.session is session
-    copy, accumulation = prepared(built, four, 4)
+    assert runs[4][2].donor is donor and runs[4][2].session is donor.session is session
+    prepared, accumulation = prepare(built, four, 4)
     elsewhere = Session()       # the searches of the session, none of its prices
     elsewhere.table("mesh searches").update(session.table("mesh searches"))
-    fresh = RunCosts(copy, four, cluster, block_layers(copy.program, copy.block_paths), 4,
-                     seed, session=elsewhere)
-    alone, _, _ = pipeline_latency(copy, four, cluster, accumulation, costs=fresh)
+    layering = block_layers(prepared.program, prepared.block_paths)
+    fresh = RunCosts(prepared, four, cluster, layering, 4, donor, session=elsewhere)
+    alone, _, _ = pipeline_latency(prepared, four, cluster, accumulation, costs=fresh)
     assert {id(c) for c in elsewhere.table("layout prices").values()}.isdisjoint(
         id(c) for c in session.table("layout prices").values())     # priced afresh
     assert shared == alone

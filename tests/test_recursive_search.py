@@ -21,7 +21,7 @@ from distgraph.errors import DoesNotFit  # noqa: E402
 from distgraph.passes.search.layouts.ilp import evaluate, peak_memory  # noqa: E402
 from distgraph.passes.search.layouts.ilp import peak_bound, reduce_problem  # noqa: E402
 from distgraph.passes.search.layouts.intra_op import PROVEN  # noqa: E402
-from distgraph.passes.search.layouts.recursive import Walks, solve_recursive  # noqa: E402
+from distgraph.passes.search.layouts.recursive import Descents, solve_recursive  # noqa: E402
 from distgraph.program_builder import build_program  # noqa: E402
 from distgraph.runtime.comm.simulated import SimulatedWorld  # noqa: E402
 from distgraph.trace import InputSpec  # noqa: E402
@@ -121,7 +121,7 @@ def test_a_memory_budget_is_met_or_refused():
 
 def test_searches_under_several_budgets_sharing_their_walks_equal_fresh_ones():
     """The memory variants' searches (one problem, the budget halved each time) share a
-    Walks: each answer equals a fresh search's; without a proof, a budget below the
+    Descents: each answer equals a fresh search's; without a proof, a budget below the
     peak bound is refused at once, as the ILP refuses it."""
     compared = refused = 0
     for seed in range(60):
@@ -129,7 +129,7 @@ def test_searches_under_several_budgets_sharing_their_walks_equal_fresh_ones():
         if not base.liveness:
             continue
         try:
-            walks = Walks(base, None, [])
+            descents = Descents(base, None, [])
         except dg.PlanError:            # nothing allowed: a fresh search refuses it too
             with pytest.raises(dg.PlanError):
                 solve_recursive(base, None, [])
@@ -143,20 +143,20 @@ def test_searches_under_several_budgets_sharing_their_walks_equal_fresh_ones():
             except dg.PlanError:
                 fresh = None
             if fresh is not None and fresh_note:
-                shared, note = solve_recursive(p, None, [], walks=walks)
+                shared, note = solve_recursive(p, None, [], descents=descents)
                 assert (shared.choice, note) == (fresh.choice, fresh_note)
                 break
             if budget is not None and peak_bound(reduce_problem(p)) > budget * (1 + 1e-9):
                 assert fresh is None                # the ILP refuses it too
                 with pytest.raises(dg.PlanError, match="peaks within memory_budget"):
-                    solve_recursive(p, None, [], walks=walks, prove=False)
+                    solve_recursive(p, None, [], descents=descents, prove=False)
                 refused += 1
                 break
             if fresh is None:
                 with pytest.raises(dg.PlanError):
-                    solve_recursive(p, None, [], walks=walks, prove=False)
+                    solve_recursive(p, None, [], descents=descents, prove=False)
                 break
-            shared, note = solve_recursive(p, None, [], walks=walks, prove=False)
+            shared, note = solve_recursive(p, None, [], descents=descents, prove=False)
             assert shared.choice == fresh.choice and note == ""
             compared += 1
             peak = peak_memory(p, shared.choice)
@@ -363,13 +363,13 @@ def test_guided_descents_reach_the_split_unpriced_descents_miss():
         mesh, device_of = logical_mesh(cluster.device_meshes[0], (9, 8), (9, 2, 4))
         found[method] = costs._search(mesh, device_of)["block"]
     rec, ilp = found["recursive"], found["ilp"]
-    walks = Walks(rec.problem, rec.space, ["x", "cp", "y"])
-    unpriced = min(evaluate(rec.problem, c) for c in walks.walk.run(0.0))
+    descents = Descents(rec.problem, rec.space, ["x", "cp", "y"])
+    unpriced = min(evaluate(rec.problem, c) for c in descents.walk.run(0.0))
     assert rec.report.status == "recursive" and ilp.report.status == "optimal"
     assert rec.report.objective == pytest.approx(ilp.report.objective, rel=1e-9)
     assert unpriced > 1.005 * rec.report.objective
     assert rec.report.peak_memory < 0.3 * peak_memory(rec.problem, min(
-        walks.walk.run(0.0), key=lambda c: evaluate(rec.problem, c)))
+        descents.walk.run(0.0), key=lambda c: evaluate(rec.problem, c)))
 
 
 def test_a_refined_option_reuses_the_problems_pricing_built():

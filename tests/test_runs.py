@@ -43,10 +43,10 @@ def run_costs() -> RunCosts:
     dims = dict(P.GPT_DIMS, n_layer=4)
     data = P.Dataset("gpt", dims=dims, batch=BATCH)
     ins, labels = dg.app.data.DataLoader(data, BATCH).specs(1)
-    copy = build_program(P.build_model("gpt", dims=dims), ins, labels, P.loss_fn("gpt"),
+    prepared = build_program(P.build_model("gpt", dims=dims), ins, labels, P.loss_fn("gpt"),
                          dg.optim.AdamW(0.01))
-    layering = block_layers(copy.program, copy.block_paths)
-    return RunCosts(copy, dg.Strategy(auto_mode="full", pipeline=True), CLUSTER,
+    layering = block_layers(prepared.program, prepared.block_paths)
+    return RunCosts(prepared, dg.Strategy(auto_mode="full", pipeline=True), CLUSTER,
                     layering, micro=MICRO)
 
 
@@ -159,26 +159,26 @@ def test_variants_are_searched_where_the_fastest_options_do_not_fit(costs):
     assert all(figures(o) not in [figures(f) for f in fastest] for o in plan[1])
 
 
-def split_costs(micro: int, seed=None) -> RunCosts:
+def split_costs(micro: int, donor=None) -> RunCosts:
     """RunCosts of the test's GPT split into ``micro`` micro-batches, as the micro-batch
-    search prices it (``seed``: the RunCosts of another count)."""
-    whole = run_costs().copy
+    search prices it (``donor``: the RunCosts of another count)."""
+    whole = run_costs().prepared
     split, _ = split_micro_batches(whole, micro)
     return RunCosts(split, dg.Strategy(auto_mode="full", pipeline=True), CLUSTER,
-                    block_layers(split.program, split.block_paths), micro, seed)
+                    block_layers(split.program, split.block_paths), micro, donor)
 
 
-def test_a_seed_prices_its_layouts_on_another_micro_batch_count_by_the_same_model():
+def test_a_donor_prices_its_layouts_on_another_micro_batch_count_by_the_same_model():
     # another count's searches priced here cost what this program's own search space
     # says those layouts cost: the transplant changes the shapes, not the model
-    seed = split_costs(2)
-    seed.options()
-    other = split_costs(4, seed)
+    donor = split_costs(2)
+    donor.options()
+    other = split_costs(4, donor)
     options = other.options()
-    assert other.searches < seed.searches        # most layouts came from the seed
-    seeded = {id(r.space) for (owner, _), kind in seed.session.table("mesh searches").items()
-              if owner is seed for s in kind.found
-              for parts in [s.fastest] + (s.smaller or []) for r in parts.values()}
+    assert other.searches < donor.searches        # most layouts came from the donor
+    lent = {id(r.space) for (owner, _), kind in donor.session.table("mesh searches").items()
+            if owner is donor for s in kind.found
+            for parts in [s.fastest] + (s.smaller or []) for r in parts.values()}
     checked, moved = 0, 0
     for option in options:
         cost, result = option.parts["block"]
@@ -191,12 +191,12 @@ def test_a_seed_prices_its_layouts_on_another_micro_batch_count_by_the_same_mode
             continue
         assert evaluate(own.problem, choice) == pytest.approx(cost.time, rel=1e-12)
         checked += 1
-        mine = seed.options()
+        mine = donor.options()
         twin = [o for o in mine if (o.axis, o.sub.shape, o.logical) ==
                 (option.axis, option.sub.shape, option.logical) and
                 o.parts["block"][1].report.layouts == result.report.layouts]
         moved += bool(twin) and twin[0].parts["block"][0].time != cost.time
-    assert checked >= 6 and moved >= 1 and seeded
+    assert checked >= 6 and moved >= 1 and lent
 
 
 def test_boundary_prices_shared_by_key_equal_each_options_own(costs):

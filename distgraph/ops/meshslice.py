@@ -1,4 +1,4 @@
-"""MeshSlice, the distributed form of a 2-D sharded matmul (seed 001, §3.1).
+"""MeshSlice, the distributed form of a 2-D sharded matmul (Nam et al., §3.1).
 
 A matmul whose operands come in one of MeshSlice's layouts
 (:mod:`distgraph.spmd.meshslice`: OS, LS or RS on mesh dims u, v) runs here with K

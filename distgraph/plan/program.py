@@ -64,12 +64,13 @@ class ProcessProgram:
     schedule's order; ``batched`` the runs of consecutive weight-gradient actions that
     run as one (tuples of action indices) and ``batched_tasks[key]`` how; ``env_slots``
     the micro-batches of a step in the task graph (the largest group's under an uneven
-    split), ``runs`` the number this process runs, ``batch_micro_batches`` the plan's
-    count and ``positions`` where each of its micro-batches sits in the batch;
+    split), ``micro_batches`` the number this process runs, ``batch_micro_batches`` the
+    plan's count and ``positions`` where each of its micro-batches sits in the batch;
     ``prologue_ops`` the accumulation prologue's ops and ``prologue_sums`` the sums they
     make; ``accumulation`` the plan's (None without micro-batches) and ``source_of``
     which Value each local name holds; ``state_gathers[name]`` the point that brings
-    persistable ``name`` whole to every process."""
+    persistable ``name`` whole to every process; ``first_chunk`` the lowest chunk it runs
+    (where its sends and update are drawn in the timeline)."""
 
     process: int
     rank: int
@@ -81,7 +82,7 @@ class ProcessProgram:
     batched: tuple
     batched_tasks: MappingProxyType
     env_slots: int
-    runs: int
+    micro_batches: int
     batch_micro_batches: int
     positions: tuple
     feeds: tuple
@@ -95,7 +96,7 @@ class ProcessProgram:
     tags: TagScheme
     comm_groups: tuple
     state_gathers: MappingProxyType
-    home: int = 0
+    first_chunk: int = 0
     persistables: frozenset = field(default_factory=frozenset)
 
     def mode(self, name: str) -> AccumulationMode:

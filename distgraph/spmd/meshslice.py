@@ -1,4 +1,4 @@
-"""MeshSlice's layouts of a matmul, and the rule that offers them (seed 001, §2.3 and §3).
+"""MeshSlice's layouts of a matmul, and the rule that offers them (Nam et al., §2.3 and §3).
 
 A 2-D GeMM ``C[m, n] = A[m, k] B[k, n]`` on two mesh dims ``(u, v)`` keeps one matrix
 where it is (stationary) and moves the other two along the mesh's rows or columns. With
@@ -159,7 +159,7 @@ def block_size(length: int, parts_a: int, parts_b: int, slices: int) -> int:
 def layouts(in_shapes, attrs, mesh) -> list:
     """Every MeshSlice layout of a matmul with ``in_shapes`` and ``attrs`` on ``mesh``:
     on each ordered pair of distinct mesh dims of size > 1 (in mesh order first: every
-    result then lies rows over the first dim, as the seed stores all matrices), each
+    result then lies rows over the first dim, as the paper stores all matrices), each
     dataflow, m split on each dim of the m-group, where every split divides its dim and
     (when ``attrs`` fix K) K divides the sliced shard."""
     axes = MatmulAxes.of(in_shapes, attrs)

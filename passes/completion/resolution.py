@@ -1,4 +1,4 @@
-"""Cost-aware conflict resolution (MindSpore's sharding propagation, seed 003): when an
+"""Cost-aware conflict resolution (MindSpore's sharding propagation, in its docs): when an
 op's operands disagree, price each way of settling it by the redistribution it causes.
 
 A conflict is a visit of completion whose rule answer reshards an operand. Its

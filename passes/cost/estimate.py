@@ -486,10 +486,10 @@ def _kept(local, scale: _Scale) -> tuple[dict, dict]:
     keeps_nothing`, the gradient then recomputes them)."""
     out: dict = {}
     sizes: dict = {}
-    vain = keeps_nothing(local.program.ops)
+    keeping_nothing = keeps_nothing(local.program.ops)
     for i, op in enumerate(local.program.ops):
         hook = get_op(op.type).saved
-        if hook is not None and i not in vain:
+        if hook is not None and i not in keeping_nothing:
             name = f"{op.layer}@KEPT@{op.type}"
             ins = [TensorType(v.shape, v.dtype) for v in op.inputs]
             rows = scale.rows if scale.axis(op.inputs[0].name) is not None else 1.0

@@ -1,4 +1,4 @@
-"""MeshSlice (seed 001): 2-D tensor parallelism whose collectives are cut into K
+"""MeshSlice (Nam et al.): 2-D tensor parallelism whose collectives are cut into K
 partial collectives overlapped with K partial GeMMs.
 
 - the algorithm is matmul's distributed form (:mod:`distgraph.ops.meshslice`), its

@@ -1,4 +1,4 @@
-"""The MeshSlice LLM autotuner (seed 001, §3.2): for a transformer's FC layers on a
+"""The MeshSlice LLM autotuner (Nam et al., §3.2): for a transformer's FC layers on a
 cluster, the dataflow of each layer, then the mesh shape and each GeMM's number of slices
 K, from the cost model of the cluster's resource file.
 
@@ -15,9 +15,9 @@ LS over (u, v)  OS over (u, v)          LS over (v, u)
 RS over (u, v)  RS over (v, u)          OS over (u, v)
 =============== ======================= =========================
 
-The seed keeps the largest matrix stationary. Here, on each mesh shape, the layer takes
+The paper keeps the largest matrix stationary. Here, on each mesh shape, the layer takes
 the forward dataflow whose three GeMMs (each at its fastest K) the cost model prices
-least, the seed's rule only breaking ties (:func:`stationary_dataflow`): the three are
+least, the paper's rule only breaking ties (:func:`stationary_dataflow`): the three are
 priced for the ranking anyway, and the rule does not know the machines (in one run of
 ``bench/meshslice.py`` on the emulated 2 x 2, fc1's rule-chosen OS measured 1.14 x the
 RS layers that the model priced lower).
@@ -28,7 +28,7 @@ machines x devices cluster ``x`` crosses machines; u = x, v = y), skipping shape
 columns would split an attention head. Each GeMM's time is MeshSlice's pipeline
 (:func:`distgraph.passes.cost.prices.overlap_time`), for each K its layout allows (among
 ``slices``); each GeMM takes its fastest K, independently of the others. The shapes are
-ranked by the time of all FC GeMMs of a training step. As in the seed, a partial GeMM
+ranked by the time of all FC GeMMs of a training step. As in the paper, a partial GeMM
 costs its FLOPs over the device's effective GeMM throughput (the file's ``gflops``, which
 ``distgraph cluster calibrate`` measures with every rank computing at once) plus one op
 launch, and what it reads again (the operand it does not cut, or the result it
@@ -220,7 +220,7 @@ def autotune(layers: int, hidden: int, heads: int, seq: int, batch: int, cluster
 
 
 def stationary_dataflow(tokens: int, n_in: int, n_out: int) -> str:
-    """The seed's stage 1 (here the tie-breaker of the priced choice): the forward
+    """The paper's stage 1 (here the tie-breaker of the priced choice): the forward
     dataflow that keeps the largest of x (tokens x in), W and y (tokens x out) in place;
     ties go to y, then x."""
     return _by_size(tokens, n_in, n_out)[0]

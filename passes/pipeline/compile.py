@@ -39,11 +39,11 @@ def compile_process(plan, pid: int, state_points) -> ProcessProgram:
     gathers = graph.gathers[pid]
     source_of: dict = {}        # local name -> the global Value it holds
     compiled: dict = {}
-    vain = keeps_nothing(local.program.ops)     # what they would keep could never serve
+    keeping_nothing = keeps_nothing(local.program.ops)     # what they would keep could never serve
     for key, task in graph.tasks_of(pid).items():
         instrs = []
         for it in task.items:
-            instr = _instr(it, points, gathers, local, plan.accumulation, pid, vain)
+            instr = _instr(it, points, gathers, local, plan.accumulation, pid, keeping_nothing)
             instrs.append(instr)
             for name in instr.writes:          # a point's result holds its point's Value
                 source_of.setdefault(name, name if isinstance(instr, OpInstr)
@@ -64,14 +64,14 @@ def compile_process(plan, pid: int, state_points) -> ProcessProgram:
                          if op.outputs and all(o.name in made for o in op.outputs))
     rows = feed_rows(plan, pid)
     found = set(rows.values())
-    home = min((t.chunk for t in graph.tasks_of(pid).values() if t.chunk is not None),
-               default=0)
+    first_chunk = min((t.chunk for t in graph.tasks_of(pid).values() if t.chunk is not None),
+                      default=0)
     return ProcessProgram(
         process=pid, rank=plan.ranks(pid), local=local,
         blocks=MappingProxyType(blocks), update=update, prologue=prologue,
         actions=tuple(actions), batched=_runs(actions, blocks, batched_tasks),
         batched_tasks=MappingProxyType(batched_tasks), env_slots=graph.micro_batches,
-        runs=plan.micro_batches_of(pid), batch_micro_batches=plan.micro_batches,
+        micro_batches=plan.micro_batches_of(pid), batch_micro_batches=plan.micro_batches,
         positions=micro_batch_positions(plan, pid),
         feeds=tuple(Feed(v.name, rows[v.name], _rest(plan.program, v.name, pid))
                     for v in local.program.inputs),
@@ -81,14 +81,14 @@ def compile_process(plan, pid: int, state_points) -> ProcessProgram:
         row_gathers=plan.row_gathers, tags=graph.tags,
         comm_groups=comm_groups(plan, pid, local, gathers, state_points),
         state_gathers=MappingProxyType({p.value: p for p in state_points}),
-        home=home, persistables=persistable)
+        first_chunk=first_chunk, persistables=persistable)
 
 
-def _instr(it, points, gathers, local, acc, pid, vain=frozenset()):
+def _instr(it, points, gathers, local, acc, pid, keeping_nothing=frozenset()):
     if it.kind is ItemKind.OP:
         op = local.program.ops[it.index]
         axis = acc.split_axis.get(op.outputs[0].name) if acc is not None and op.outputs else None
-        return op_instr(op, local.op_context.get(it.index), axis, it.index not in vain)
+        return op_instr(op, local.op_context.get(it.index), axis, it.index not in keeping_nothing)
     if it.kind is ItemKind.GATHER:
         g = gathers[it.index]
         return GatherInstr(g, it.index, g.reads)

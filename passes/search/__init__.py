@@ -30,10 +30,10 @@ most these tables; the search's report (``Plan.search``) lists what each held an
 | micro-batch programs | M; None | M's split program, accumulation, RunCosts, (budget, stage plan); the count chosen | ``stages/micro.py`` |
 | sample analyses | (program, feeds, dim) | the completion on samples the other counts' splits replay | ``passes/samples.py`` |
 | stage options | (RunCosts, logical mesh); (_StageCosts, layers, submesh) | its fastest parts and memory variants; a stage's cost and search | ``stages/runs.py``, ``pipeline.py`` |
-| mesh searches | (RunCosts, kind of mesh) | the searches others are priced from (a seed's too) | ``stages/runs.py`` |
+| mesh searches | (RunCosts, kind of mesh) | the searches others are priced from (a donor's) | ``stages/runs.py`` |
 | boundary prices | (program, boundary key); a reshard; a Value on its devices | a stage's p2p seconds; its steps; their seconds | ``cost/boundary.py`` |
-| search problems | a search's inputs | its space, shared blocks, problem and recursive search (Walks) | ``layouts/intra_op.py`` |
-| recursive descents | (Walks, lam) | the descents' choices, objectives and peaks | ``layouts/recursive.py`` |
+| search problems | a search's inputs | its space, shared blocks, problem and recursive search (Descents) | ``layouts/intra_op.py`` |
+| recursive descents | (Descents, lam) | the descents' choices, objectives and peaks | ``layouts/recursive.py`` |
 | edge prices | (descent, class, pair, far end's candidates) | the cheapest reshard per strategy | ``layouts/recursive.py`` |
 | tree moves | (Flat, prices, forest[, state]) | a forest's optimistic trials; where a run of moves ends | ``layouts/tree_moves.py`` |
 | layout prices | (cluster, mesh, devices, sample axes); meshes priced alike | their LayoutPrices; the first of them | ``cost/layout_prices.py`` |
@@ -119,9 +119,9 @@ def choose(built, strategy, cluster, budget: float | None = None,
     if known is None:
         known = programs[micro] = (*split_in(built, micro, session), None, None)
     program, accumulation, costs, planned = known
-    copy = transformed(program, asked)
+    prepared = transformed(program, asked)
     if asked.pipeline:
-        result = plan_pipeline(copy, asked, cluster, accumulation, budget, costs, planned,
+        result = plan_pipeline(prepared, asked, cluster, accumulation, budget, costs, planned,
                                session)
         rank_mapping = result.rank_mapping
         if asked.virtual_stages > 1:
@@ -129,23 +129,23 @@ def choose(built, strategy, cluster, budget: float | None = None,
             chunks = result.chunks
             asked = dataclasses.replace(asked, virtual_stages=chunks[1] if chunks else 1)
     else:
-        result, rank_mapping = _layouts(copy, asked, cluster, accumulation, budget, session)
+        result, rank_mapping = _layouts(prepared, asked, cluster, accumulation, budget, session)
     # the report says what the planning's tables held and served, this search included
     result = dataclasses.replace(result, report=dataclasses.replace(
         result.report, memos=tuple(session.stats())))
-    return Choice(copy, asked, accumulation, result, rank_mapping)
+    return Choice(prepared, asked, accumulation, result, rank_mapping)
 
 
-def _layouts(copy, strategy, cluster, accumulation, budget, session) -> tuple:
+def _layouts(prepared, strategy, cluster, accumulation, budget, session) -> tuple:
     """(the intra-op search's result on the program's mesh, written onto it; the rank
     mapping it priced)."""
-    program = copy.program
+    program = prepared.program
     mesh, device_of = search_mesh(program, cluster)
     micro = accumulation.micro_batches if accumulation is not None else 1
     weights = {Role.FORWARD: micro, Role.LOSS: micro, Role.BACKWARD: micro, Role.OPTIMIZE: 1}
-    result = search(program, mesh, cluster, device_of, weights=weights, loss=copy.loss_name,
+    result = search(program, mesh, cluster, device_of, weights=weights, loss=prepared.loss_name,
                     memory_budget=budget, time_limit=strategy.solver_time_limit,
-                    blocks=copy.block_paths, balance=strategy.balance,
+                    blocks=prepared.block_paths, balance=strategy.balance,
                     method=strategy.search_method, zero=sharding_dim(strategy),
                     session=session)
     result.annotate(program)

@@ -70,7 +70,7 @@ class Carrier:
         self.receiving = [i for i, b in enumerate(self.blocks)
                           if any(isinstance(x, RecvInstr) for x in b.instrs)]
         self.groups = {run[0]: run for run in program.batched}
-        self.home = program.home
+        self.first_chunk = program.first_chunk
         self.profile = profile
         self.clock = clock or time.perf_counter
         self.events: list = []
@@ -167,7 +167,8 @@ class Carrier:
                 progressed = True
                 self.ledger.drop(tile)
                 if self.profile and what is not None:
-                    self._event(ItemKind.SEND, self.home, what[1], start, self.clock(), peer=what[0])
+                    self._event(ItemKind.SEND, self.first_chunk, what[1], start, self.clock(),
+                                peer=what[0])
             else:
                 still.append(item)
         self.sends = still
@@ -372,8 +373,8 @@ class Carrier:
                                f"{self.step} failed: {e}") from e
         env.clear()
         if self.profile:
-            self._event(TaskKind.UPDATE, self.home, None, start, self.clock())
-            self._record_memory(TaskKind.UPDATE, self.home, None)
+            self._event(TaskKind.UPDATE, self.first_chunk, None, start, self.clock())
+            self._record_memory(TaskKind.UPDATE, self.first_chunk, None)
 
     def _release(self, m: int) -> None:
         """Micro-batch ``m``'s work is done: what it holds is dropped."""

@@ -194,7 +194,7 @@ class PlanRunner:
         global batches they are cut here; a ``local`` feed holds them already (the rows
         of every micro-batch one after the other, and only this process's slices of the
         other dims), so each micro-batch is the next run of rows, a view."""
-        runs = self.program.runs
+        runs = self.program.micro_batches
         feeds = [dict() for _ in range(runs)]
         for f in self.program.feeds:
             name, ranges, rest = f.name, f.rows, f.rest

@@ -52,7 +52,7 @@ class Charges:
         self.targets, self.tied = targets, tied
         self.feeds = {v.name for v in space.program.inputs}
         self.buffers = set(accumulating_updates(space, weights))
-        self.vain = space.vain
+        self.keeping_nothing = space.keeping_nothing
 
     def source(self, node, strategies) -> tuple:
         """(compute seconds, bytes) of each strategy of source ``node``: a feed's layout
@@ -95,7 +95,7 @@ class Charges:
         if node.index in self.buffers:      # the gradient's buffer, in the update's layout
             own = [x + local_bytes([s.in_local_shapes[1]], [op.inputs[1].dtype])
                    for x, s in zip(own, strategies)]
-        if node.op in self.vain:
+        if node.op in self.keeping_nothing:
             memory = [x + 0.0 for x in own]
         else:
             memory = [x + k for x, k in zip(own, costs.kept(op, strategies))]

@@ -1,4 +1,4 @@
-"""Alpa's intra-op sharding ILP (seed 000, §4), solved with SCIP through pyscipopt.
+"""Alpa's intra-op sharding ILP (OSDI'22, §4), solved with SCIP through pyscipopt.
 (The model is built with pyscipopt directly: cvxpy as a modelling layer added its own
 compile step on top and hid SCIP's status, gap and time limit, so it is not used.)
 

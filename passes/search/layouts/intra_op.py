@@ -1,4 +1,4 @@
-"""The intra-op search (Alpa, seed 000 §4): one strategy per op and source tensor of a
+"""The intra-op search (Alpa, OSDI'22 §4): one strategy per op and source tensor of a
 training program on one ProcessMesh, chosen by the ILP of :mod:`distgraph.passes.search.layouts.ilp`
 (SCIP) on the costs of :mod:`distgraph.passes.cost.layout_prices`.
 
@@ -62,7 +62,7 @@ from distgraph.passes.search.layouts.charges import (  # noqa: F401 (accumulatin
 from distgraph.passes.cost.layout_prices import LayoutPrices, layout_prices
 from distgraph.passes.search.layouts.ilp import Solution, solve
 from distgraph.passes.search.layouts.ilp_problem import ShardingProblem, evaluate, peak_memory
-from distgraph.passes.search.layouts.recursive import (METHODS, Walks, bisection_levels,
+from distgraph.passes.search.layouts.recursive import (METHODS, Descents, bisection_levels,
                                                        solve_recursive)
 from distgraph.passes.search.layouts.space import SearchSpace
 from distgraph.passes.session import Session, describe, memo_tables
@@ -258,12 +258,12 @@ def _mapped(node, ops, values) -> bool:
 class _Built:
     """What :func:`search` builds for its inputs (the session's "search problems"): the
     space, the shared blocks, the problem (no budget) and, once a recursive search asked,
-    its :class:`~distgraph.passes.search.layouts.recursive.Walks`."""
+    its :class:`~distgraph.passes.search.layouts.recursive.Descents`."""
 
     space: SearchSpace
     share: list
     problem: ShardingProblem
-    walks: Walks | None = None
+    descents: Descents | None = None
 
 
 def search(program, mesh: ProcessMesh, cluster, device_of: dict, *, ops=None,
@@ -330,11 +330,11 @@ def search(program, mesh: ProcessMesh, cluster, device_of: dict, *, ops=None,
         sol = solve(problem, time_limit=limit, starts=[carried], bounded=True)
     else:
         dims = bisection_levels(mesh, costs.ring_of)
-        if built.walks is None:         # the first recursive search of the problem
+        if built.descents is None:         # the first recursive search of the problem
             built = problems[key] = dataclasses.replace(
-                built, walks=Walks(built.problem, space, dims, session))
+                built, descents=Descents(built.problem, space, dims, session))
         sol, note = solve_recursive(problem, space, dims, time_limit=limit,
-                                    walks=built.walks, prove=prove)
+                                    descents=built.descents, prove=prove)
         if method == "auto" and sol.status == "recursive":
             first = sol.objective
             sol = solve(problem, time_limit=limit, starts=[sol.choice], bounded=True)

@@ -29,9 +29,9 @@ def live_sets(space, buffers=()) -> list:
     no earlier op's result's life."""
     program, nodes = space.program, space.nodes
     position = {k: t for t, k in enumerate(space.ops)}
-    vain = space.vain
+    keeping_nothing = space.keeping_nothing
     node_of = {id(program.ops[n.op]): n.index for n in nodes if not n.is_source
-               and get_op(program.ops[n.op].type).saved is not None and n.op not in vain}
+               and get_op(program.ops[n.op].type).saved is not None and n.op not in keeping_nothing}
     first: dict = {}
     last: dict = {}
     accumulated = bool(buffers)

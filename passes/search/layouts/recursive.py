@@ -1,4 +1,4 @@
-"""The double-recursive strategy search (MindSpore's SAPP, seed 003): every op's layout
+"""The double-recursive strategy search (MindSpore's SAPP, in its docs): every op's layout
 on a mesh chosen level by level, without an ILP, on the problem the ILP would solve.
 
 **Levels: the device set bisected.** SAPP sees a cluster as a symmetric multi-level
@@ -82,7 +82,7 @@ Where no ``lam`` fits, or the choice breaks an alias, the SCIP ILP decides
 peak) and the report says so.
 
 **Searches of one problem under several budgets** (the memory variants of :mod:`~distgraph.
-passes.search.stages.runs`: the same block, its budget halved each time) share a :class:`Walks`
+passes.search.stages.runs`: the same block, its budget halved each time) share a :class:`Descents`
 (:func:`~distgraph.passes.search.layouts.intra_op.search` keeps one per problem):
 a descent depends on the problem and ``lam``, not on the budget, so each ``lam``'s
 descents are walked once for all of them (the session's "recursive descents"), and the
@@ -126,7 +126,7 @@ def bisection_levels(mesh, ring_of) -> list:
     return sorted(dims, key=lambda d: (ring_of(d).bandwidth, dims.index(d)))
 
 
-class Walks:
+class Descents:
     """The recursive search of one problem (built on ``space``, bisected over the mesh
     dims ``dims``) whatever its ``memory_budget``: its reduced problem's levels and
     descents, and the peak bound; the descents at each memory price ``lam`` (each
@@ -135,9 +135,9 @@ class Walks:
 
     Example::
 
-        walks = Walks(problem, space, dims)
+        descents = Descents(problem, space, dims)
         for budget in (8e9, 4e9, 2e9):
-            solve_recursive(problem.with_budget(budget), space, dims, walks=walks)
+            solve_recursive(problem.with_budget(budget), space, dims, descents=descents)
     """
 
     def __init__(self, problem, space, dims, session: Session | None = None):
@@ -176,28 +176,28 @@ class Walks:
         return self._found.memo((self, lam), descents)
 
 
-def solve_recursive(problem, space, dims, time_limit: float = 60.0, walks=None,
+def solve_recursive(problem, space, dims, time_limit: float = 60.0, descents=None,
                     prove: bool = True):
     """(Solution, note) of ``problem`` (built on ``space``) by recursive bisection over
     the mesh dims ``dims`` in that order (module docstring). ``note`` is "" or says why
     the ILP decided (``time_limit`` bounds it then). The Solution's status is
-    "recursive" and its gap inf (no bound is known), unless the ILP decided. ``walks``:
-    a :class:`Walks` of this problem under other budgets, whose descents are reused;
+    "recursive" and its gap inf (no bound is known), unless the ILP decided. ``descents``:
+    a :class:`Descents` of this problem under other budgets, whose descents are reused;
     ``prove=False``: a budget below the peak bound raises PlanError without SCIP."""
     start = time.perf_counter()
-    walks = walks or Walks(problem, space, dims)
-    choice, objective, peak = min(walks.run(problem, 0.0), key=lambda f: f[1])
+    descents = descents or Descents(problem, space, dims)
+    choice, objective, peak = min(descents.run(problem, 0.0), key=lambda f: f[1])
     budget = problem.memory_budget
     note = ""
     if math.isinf(objective):
         note = "the recursive choice broke an alias"
     elif budget is not None and peak > budget:
         # below the bound no lam can fit: the ILP names the smallest peak at once
-        fits = walks.bound <= budget * (1 + BUDGET_RTOL)
+        fits = descents.bound <= budget * (1 + BUDGET_RTOL)
         if not fits and not prove:
             raise PlanError(f"no choice peaks within memory_budget = {budget:g} bytes: "
-                            f"every one peaks at {walks.bound:g} or more")
-        choice = _fit(problem, walks, objective, peak, budget) if fits else None
+                            f"every one peaks at {descents.bound:g} or more")
+        choice = _fit(problem, descents, objective, peak, budget) if fits else None
         if choice is None:
             note = "no recursive choice fit the memory budget"
     if note:
@@ -207,15 +207,15 @@ def solve_recursive(problem, space, dims, time_limit: float = 60.0, walks=None,
                     time.perf_counter() - start, peak_memory(problem, choice), 0, 0), ""
 
 
-def _fit(problem, walks, objective, peak, budget):
+def _fit(problem, descents, objective, peak, budget):
     """The cheapest choice found whose peak fits ``budget``, raising the price of memory
     from the unpriced choice's ``objective`` / ``peak`` (module docstring); None if none
     fits."""
     lam = 1e-3 * objective / max(peak, 1.0)
-    walk = walks.walk
+    walk = descents.walk
 
     def fitting(lam):
-        found = [(o, c) for c, o, p in walks.run(problem, lam) if p <= budget]
+        found = [(o, c) for c, o, p in descents.run(problem, lam) if p <= budget]
         return min(found, key=lambda f: f[0], default=(None, None))[1]
 
     low, high, best = 0.0, None, None

@@ -10,7 +10,7 @@ training graph, see :mod:`distgraph.passes.search.layouts.intra_op`) on one Proc
 - one node per **op**, whose strategies are its rule's (``OpStrategy`` records: specs
   consumed and produced, local shapes, the op's own collectives).
 
-**Light ops follow an operand** (Alpa's graph simplification, seed 000 §4): an op that
+**Light ops follow an operand** (Alpa's graph simplification, OSDI'22 §4): an op that
 contracts no letter shared by two operands (elementwise, reshape, transpose, reductions,
 softmax, layer_norm, the update ops...) takes the strategy its rule answers to the
 layout of its deepest operand (the one with the longest path from the sources; the
@@ -118,7 +118,7 @@ class SearchSpace:
     What ops offer on a mesh shape (bound rules, strategies, followers' answers, choices
     moved to other meshes) is kept in ``session``'s "op strategies", shared with every
     space of the planning; who makes and reads each Value, and the ops whose kept memory
-    could never serve their gradient (``vain``), in its "program facts"."""
+    could never serve their gradient (``keeping_nothing``), in its "program facts"."""
 
     program: object
     mesh: ProcessMesh
@@ -140,7 +140,8 @@ class SearchSpace:
         program = self.program
         # the program's ops whose kept memory could never serve their gradient
         # (keeps_nothing), found once per program: the liveness sets read them
-        self.vain = facts.memo((program, "vain"), lambda: keeps_nothing(program.ops))
+        self.keeping_nothing = facts.memo((program, "keeping nothing"),
+                                          lambda: keeps_nothing(program.ops))
         # what ops offer on this mesh's shape, kept per op signature (module docstring)
         self._offers = self.session.table("op strategies")
         self._at = (tuple(self.mesh.shape), tuple(self.mesh.dim_names))

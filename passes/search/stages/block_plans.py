@@ -24,7 +24,7 @@ of (64, 8); at 131,072 tokens Meta's (8, 16, 8), which the (128, 8) plan fits wi
 
 Example::
 
-    costs = RunCosts(copy, strategy, cluster, layering, micro=8)
+    costs = RunCosts(prepared, strategy, cluster, layering, micro=8)
     plan, chosen = plan_blocks(costs, cluster, micro_batches=8)   # variants if needed
 """
 

@@ -1,5 +1,5 @@
-"""Layer construction for the stage search (Alpa, seed 000 §5 "operator clustering";
-seed 004 "layer construction"): the forward ops, in program order, cut into ``L``
+"""Layer construction for the stage search (Alpa, OSDI'22 §5 "operator clustering"; the
+Alpa walk-through's "layer construction"): the forward ops, in program order, cut into ``L``
 consecutive layers, and every other op given the layer it belongs with.
 
 **The cut** (Alpa's DP): ``G(k, r)``, the least possible largest amount of data one
@@ -14,7 +14,7 @@ among cuts of equal traffic the most even one (least sum of squared layer FLOPs)
 ``L`` is the largest count up to ``max_layers`` for which such a cut exists.
 
 **The other ops**: a backward op belongs with the forward op it differentiates; one
-without (a gradient sum, the loss gradient's seed) with the earliest layer among the
+without (a gradient sum, the loss's unit gradient) with the earliest layer among the
 producers of its operands (the last layer when it has none); an update with the layer
 of its parameter's first consumer. Updates without a parameter (the learning-rate read,
 the step counter) belong to every stage: they get no layer (None) and completion puts

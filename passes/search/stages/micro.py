@@ -28,7 +28,7 @@ a neighbour is priced in full only where it has one.
 
 **Searched once.** The first count priced is searched in full; the others price its
 layouts on their own programs (the same ops, other batch shapes) and search only where
-those do not divide their micro-batch (:mod:`distgraph.passes.search.stages.runs`, seeds): a
+those do not divide their micro-batch (:mod:`distgraph.passes.search.stages.runs`, donors): a
 count is compared by those prices and its bound, and the count chosen, if not the
 first, is searched afresh for the plan.
 
@@ -135,11 +135,11 @@ def count_latency(built, strategy, cluster, micro: int, session) -> float:
     costs = None
     if known is not None and known[2] is not None:
         program, accumulation, costs, _ = known
-        copy = costs.copy
+        prepared = costs.prepared
     else:
         program, accumulation = split_in(built, micro, session)
-        copy = transformed(program, strategy)
-    seconds, costs, planned = pipeline_latency(copy, strategy, cluster, accumulation,
+        prepared = transformed(program, strategy)
+    seconds, costs, planned = pipeline_latency(prepared, strategy, cluster, accumulation,
                                                _budget(strategy), costs,
                                                first_searched(programs), session)
     programs[micro] = (program, accumulation, costs, planned)
@@ -173,7 +173,7 @@ def first_searched(programs):
     priced from another count's): the later counts price its layouts on their programs
     (:mod:`distgraph.passes.search.stages.runs`); None before it."""
     return next((costs for m, (_, _, costs, planned) in programs.items() if m is not None
-                 and planned is not None and costs is not None and costs.seed is None), None)
+                 and planned is not None and costs is not None and costs.donor is None), None)
 
 
 def _budget(strategy):

@@ -1,4 +1,4 @@
-"""``Strategy(auto_mode="full", pipeline=True)``: Alpa's inter-op search (seed 000 §5).
+"""``Strategy(auto_mode="full", pipeline=True)``: Alpa's inter-op search (OSDI'22 §5).
 
 1. **Layers**: the forward ops cut into layers (:mod:`distgraph.passes.search.stages.layers`;
    at most ``2 x devices + 2`` of them), every other op with its layer.
@@ -236,14 +236,14 @@ class PipelineChoice:
             r.check(program, ops=ops, values=values)
 
 
-def plan_pipeline(copy, strategy, cluster, accumulation, memory_budget=None,
+def plan_pipeline(prepared, strategy, cluster, accumulation, memory_budget=None,
                   runs=None, planned=None, session: Session | None = None) -> PipelineChoice:
-    """Choose layers, stages and each stage's layouts for ``copy`` (a BuiltProgram the
+    """Choose layers, stages and each stage's layouts for ``prepared`` (a BuiltProgram the
     planner completes next) and annotate its program (module docstring).
     ``memory_budget``: bytes per device (None: the devices' memory); ``runs`` /
     ``planned``: the RunCosts :func:`pipeline_latency` made for a copy built the same
     way and the stage plan it priced (its searches are reused, and its plan where made
-    within ``memory_budget``; where it was seeded by another count's, only its
+    within ``memory_budget``; where another count's lent it prices, only its
     session's prices); ``session``: the planning's (a fresh one by default), where what
     the search works out is kept."""
     start = time.perf_counter()
@@ -251,23 +251,23 @@ def plan_pipeline(copy, strategy, cluster, accumulation, memory_budget=None,
     if cluster is None:
         raise PlanError("Strategy(pipeline=True) searches stages on a cluster: pass cluster="
                         "dg.Cluster.from_file(...) or dg.Cluster.local(N)")
-    program = copy.program
+    program = prepared.program
     micro = accumulation.micro_batches if accumulation is not None else 1
     devices = [d.global_id for d in cluster.devices]
-    target = cluster if memory_budget is None else _capped(cluster, memory_budget / GB)
-    layering = block_layers(program, copy.block_paths)
+    capped = cluster if memory_budget is None else _capped(cluster, memory_budget / GB)
+    layering = block_layers(program, prepared.block_paths)
     if layering is not None:
-        if runs is not None and runs.seed is not None:
+        if runs is not None and runs.donor is not None:
             # priced with another count's searches: searched afresh, on the prices planned
-            runs, planned = RunCosts(copy, strategy, cluster, layering, micro,
+            runs, planned = RunCosts(prepared, strategy, cluster, layering, micro,
                                      session=session), None
-        costs = runs or RunCosts(copy, strategy, cluster, layering, micro, session=session)
+        costs = runs or RunCosts(prepared, strategy, cluster, layering, micro, session=session)
         if planned is None or planned[0] != memory_budget:
-            planned = memory_budget, plan_blocks(costs, target, micro, _virtual(strategy))
-        return _plan_runs(copy, strategy, cluster, target, costs, start, planned[1])
+            planned = memory_budget, plan_blocks(costs, capped, micro, _virtual(strategy))
+        return _plan_runs(prepared, strategy, cluster, capped, costs, start, planned[1])
     layering = cluster_layers(program, max_layers=2 * len(devices) + 2)
-    stage_cost = _StageCosts(copy, strategy, cluster, layering, micro, session)
-    stage_plan = plan_stages(layering.count, target, stage_cost, micro_batches=micro)
+    stage_cost = _StageCosts(prepared, strategy, cluster, layering, micro, session)
+    stage_plan = plan_stages(layering.count, capped, stage_cost, micro_batches=micro)
     # every search before any annotation; under search="auto" the ILP refines these only
     results = [stage_cost.result(st.layers, cluster.device_mesh(st.mesh), st.shape,
                                  method=strategy.search_method) for st in stage_plan.stages]
@@ -283,65 +283,65 @@ def plan_pipeline(copy, strategy, cluster, accumulation, memory_budget=None,
                           {p: d for p, d in enumerate(devices)})
 
 
-def pipeline_latency(copy, strategy, cluster, accumulation, memory_budget=None,
-                     costs=None, seed=None, session: Session | None = None) -> tuple:
+def pipeline_latency(prepared, strategy, cluster, accumulation, memory_budget=None,
+                     costs=None, donor=None, session: Session | None = None) -> tuple:
     """(seconds per step of the stage plan :func:`plan_pipeline` would choose for
-    ``copy``, priced by the method that prices the DP's candidates, before any
+    ``prepared``, priced by the method that prices the DP's candidates, before any
     refinement and without annotating; the RunCosts that priced it and (``memory_budget``,
     that plan), or None and None): what :mod:`distgraph.passes.search.stages.micro`
     compares. PlanError where nothing fits. The RunCosts and plan may be handed to
     :func:`plan_pipeline` for a program built the same way; ``costs``: one
-    :func:`pipeline_beaten` made for ``copy`` (its searches are reused); ``seed``: the
+    :func:`pipeline_beaten` made for ``prepared`` (its searches are reused); ``donor``: the
     RunCosts of the same model at another micro-batch count, whose searches price this
     one's options (:mod:`distgraph.passes.search.stages.runs`); ``session``: the
-    planning's (by default the seed's, or a fresh one)."""
+    planning's (by default the donor's, or a fresh one)."""
     micro = accumulation.micro_batches if accumulation is not None else 1
-    target = cluster if memory_budget is None else _capped(cluster, memory_budget / GB)
-    layering = block_layers(copy.program, copy.block_paths)
+    capped = cluster if memory_budget is None else _capped(cluster, memory_budget / GB)
+    layering = block_layers(prepared.program, prepared.block_paths)
     if layering is not None:
-        costs = costs or RunCosts(copy, strategy, cluster, layering, micro, seed, session)
-        planned = plan_blocks(costs, target, micro, _virtual(strategy))
+        costs = costs or RunCosts(prepared, strategy, cluster, layering, micro, donor, session)
+        planned = plan_blocks(costs, capped, micro, _virtual(strategy))
         return planned[0].objective, costs, (memory_budget, planned)
-    layering = cluster_layers(copy.program, max_layers=2 * len(cluster.devices) + 2)
-    stage_cost = _StageCosts(copy, strategy, cluster, layering, micro, session)
-    return plan_stages(layering.count, target, stage_cost,
+    layering = cluster_layers(prepared.program, max_layers=2 * len(cluster.devices) + 2)
+    stage_cost = _StageCosts(prepared, strategy, cluster, layering, micro, session)
+    return plan_stages(layering.count, capped, stage_cost,
                        micro_batches=micro).objective, None, None
 
 
-def pipeline_beaten(copy, strategy, cluster, accumulation, latency: float,
-                    seed=None, memory_budget=None, session: Session | None = None) -> tuple:
-    """(True where the stage search finds no plan of ``copy`` below ``latency`` seconds
+def pipeline_beaten(prepared, strategy, cluster, accumulation, latency: float,
+                    donor=None, memory_budget=None, session: Session | None = None) -> tuple:
+    """(True where the stage search finds no plan of ``prepared`` below ``latency`` seconds
     per step; the RunCosts it priced, for :func:`pipeline_latency`, or None). First the
     bound :mod:`distgraph.passes.search.stages.micro` prunes with: the stage DP on each logical
     mesh's fastest parts, the devices' memory unlimited; where that does not rule it
     out, the stage search itself looking below ``latency`` only (its caps pruned by it,
     memory variants searched only for meshes whose alike stages beat it:
     :func:`~distgraph.passes.search.stages.block_plans.plan_blocks`). Programs not of identical
-    blocks are not bounded: False. ``seed`` / ``session``: as :func:`pipeline_latency`'s;
+    blocks are not bounded: False. ``donor`` / ``session``: as :func:`pipeline_latency`'s;
     ``memory_budget``: bytes per device (None: the devices' memory)."""
-    layering = block_layers(copy.program, copy.block_paths)
+    layering = block_layers(prepared.program, prepared.block_paths)
     if layering is None:
         return False, None
     micro = accumulation.micro_batches if accumulation is not None else 1
-    costs = RunCosts(copy, strategy, cluster, layering, micro, seed, session)
+    costs = RunCosts(prepared, strategy, cluster, layering, micro, donor, session)
     fastest = costs.options(variants=False)
     if not beats(latency, layering.count, layering.blocks, fastest, cluster, micro,
                  fit_memory=False):
         return True, costs
-    target = cluster if memory_budget is None else _capped(cluster, memory_budget / GB)
-    found = plan_blocks(costs, target, micro_batches=micro, virtual=_virtual(strategy),
+    capped = cluster if memory_budget is None else _capped(cluster, memory_budget / GB)
+    found = plan_blocks(costs, capped, micro_batches=micro, virtual=_virtual(strategy),
                         below=latency)
     return found is None, costs
 
 
-def _plan_runs(copy, strategy, cluster, target, costs, start, planned) -> PipelineChoice:
+def _plan_runs(prepared, strategy, cluster, capped, costs, start, planned) -> PipelineChoice:
     """The stage search of a model of identical blocks (:mod:`distgraph.passes.search.
     runs`): options costed once per logical mesh, the DP linear in the blocks
     (``planned``: its plan, before the refinement)."""
     layering = costs.layering
     stage_plan, chosen = planned
     if strategy.search_method == "auto":       # the ILP refines the chosen stages only
-        stage_plan, chosen = _refined(stage_plan, chosen, costs, target)
+        stage_plan, chosen = _refined(stage_plan, chosen, costs, capped)
     index = {d.global_id: p for p, d in enumerate(cluster.devices)}
     reports, checks, meshes = [], [], []
     held = _chunk_ranges(costs, len(stage_plan.stages), stage_plan.virtual)
@@ -351,7 +351,7 @@ def _plan_runs(copy, strategy, cluster, target, costs, start, planned) -> Pipeli
                            dim_names=logical_dims(option.logical))
         parts = []
         for layers in held[s] if held is not None else [stage.layers]:
-            reports_of, written = costs.annotate(copy.program, layers, option, mesh)
+            reports_of, written = costs.annotate(prepared.program, layers, option, mesh)
             parts += reports_of
             checks += written
         reports.append(RunReport(str(option), tuple(parts), mesh))
@@ -363,7 +363,7 @@ def _plan_runs(copy, strategy, cluster, target, costs, start, planned) -> Pipeli
                           stage_plan.virtual, tuple(meshes))
 
 
-def _refined(stage_plan, chosen, costs, target) -> tuple:
+def _refined(stage_plan, chosen, costs, capped) -> tuple:
     """(``stage_plan``, ``chosen``) with each option the DP chose refined by the ILP
     (:meth:`~distgraph.passes.search.stages.runs.RunCosts.refine`; an option chosen for several
     stages refined once), its stages' memory restated. The refined block may take the
@@ -374,7 +374,7 @@ def _refined(stage_plan, chosen, costs, target) -> tuple:
     had, and where even that does not fit or is slower (E and H meet the refined block
     anew), the option is kept as the DP chose it."""
     stages = stage_plan.stages
-    limits = [min(target.device(d).memory for d in st.device_ids) for st in stages]
+    limits = [min(capped.device(d).memory for d in st.device_ids) for st in stages]
     room: dict = {}
     for stage, option, limit in zip(stages, chosen, limits):
         blocks = max(_parts(stage, costs)[1], 1)
@@ -462,8 +462,8 @@ class _StageCosts:
     kept in ``session``'s "stage options" (by the range's ops' signature for the cost,
     by the range for the search)."""
 
-    def __init__(self, copy, strategy, cluster, layering, micro, session=None):
-        self.copy, self.strategy, self.cluster = copy, strategy, cluster
+    def __init__(self, prepared, strategy, cluster, layering, micro, session=None):
+        self.prepared, self.strategy, self.cluster = prepared, strategy, cluster
         self.layering, self.micro = layering, micro
         self.session = session or Session()
         self.options = self.session.table("stage options")
@@ -477,7 +477,7 @@ class _StageCosts:
             problem, choice = result.problem, result.choice
             persistent = sum(float(problem.memory[n.index][choice[n.index]])
                              for n in result.space.nodes if n.is_source and
-                             self.copy.program.values[n.value].persistable)
+                             self.prepared.program.values[n.value].persistable)
             peak = peak_memory(problem, choice)
             return StageCost(result.report.objective, persistent / GB,
                              max(peak - persistent, 0.0) / GB)
@@ -494,8 +494,8 @@ class _StageCosts:
 
         def searched():
             mesh, device_of = _submesh(device_mesh, shape)
-            program = self.copy.program
-            loss = self.copy.loss_name
+            program = self.prepared.program
+            loss = self.prepared.loss_name
             if loss is not None and not any(o.name == loss for k in ops
                                              for o in program.ops[k].outputs):
                 loss = None
@@ -503,13 +503,13 @@ class _StageCosts:
             self.searches += 1
             return search(program, mesh, self.cluster, device_of, ops=ops, weights=weights,
                           loss=loss, time_limit=self.strategy.solver_time_limit,
-                          blocks=self.copy.block_paths, memory=True,
+                          blocks=self.prepared.block_paths, memory=True,
                           balance=self.strategy.balance, method=method,
                           zero=sharding_dim(self.strategy), session=self.session)
         return self.options.memo(key, searched)
 
     def _signature(self, ops) -> tuple:
-        program = self.copy.program
+        program = self.prepared.program
         return tuple((op.type, op.role, tuple(v.shape for v in op.inputs),
                       tuple(o.shape for o in op.outputs), repr(sorted(op.attrs.items())))
                      for op in (program.ops[k] for k in ops))

@@ -54,14 +54,14 @@ block meets them in other layouts. A mesh whose fastest parts are priced from an
 search prices that search's variants too (:meth:`RunCosts._smaller_parts`).
 
 **Seeds.** The micro-batch counts :mod:`distgraph.passes.search.stages.micro` compares have the
-same ops and Value names. The first is searched; the later ones (``seed=`` its RunCosts)
+same ops and Value names. The first is searched; the later ones (``donor=`` its RunCosts)
 price its searches on their own programs, searching only where a layout does not divide
 their micro-batch. A count priced so is searched afresh once chosen.
 
-**The session.** What a RunCosts works out is kept in its planning's session (its seed's
+**The session.** What a RunCosts works out is kept in its planning's session (its donor's
 by default; :mod:`distgraph.passes.session`): "stage options" per RunCosts and logical
 mesh (the fastest parts and the memory variants), "mesh searches" per RunCosts and kind
-of mesh (the searches others are priced from: a seeded RunCosts reads its seed's
+of mesh (the searches others are priced from: a RunCosts with a donor reads its donor's
 there), "boundary prices" (:func:`~distgraph.passes.cost.boundary.boundary_seconds`),
 the chunks of the forward in "program facts"; the searches' problems and prices in the
 tables of :func:`~distgraph.passes.search.layouts.intra_op.search`.
@@ -76,7 +76,7 @@ left to completion.
 
 Example::
 
-    costs = RunCosts(copy, strategy, cluster, layering, micro=8)
+    costs = RunCosts(prepared, strategy, cluster, layering, micro=8)
     for option in costs.options():        # per (device mesh, submesh, logical shape)
         option.cost(True, 4, False)       # E + 4 blocks: (seconds, GB, GB per micro-batch)
 """
@@ -181,22 +181,22 @@ class _Options:
 
 
 class RunCosts:
-    """The stage options of a block layering of ``copy`` (a BuiltProgram) on ``cluster``
+    """The stage options of a block layering of ``prepared`` (a BuiltProgram) on ``cluster``
     with ``micro`` micro-batches (module docstring)."""
 
-    def __init__(self, copy, strategy, cluster, layering, micro: int, seed=None,
+    def __init__(self, prepared, strategy, cluster, layering, micro: int, donor=None,
                  session: Session | None = None):
-        self.copy, self.program, self.strategy = copy, copy.program, strategy
-        self.seed = seed              # RunCosts at another micro-batch count (docstring)
+        self.prepared, self.program, self.strategy = prepared, prepared.program, strategy
+        self.donor = donor            # RunCosts at another micro-batch count (docstring)
         # the planning's: its layouts' prices, problems and descents are shared by every
-        # search and pricing there (a seed's by default)
-        self.session = session or (seed.session if seed is not None else Session())
+        # search and pricing there (a donor's by default)
+        self.session = session or (donor.session if donor is not None else Session())
         self.cluster, self.layering, self.micro = cluster, layering, micro
         self.blocks = layering.blocks
         self.has_first = self.blocks.start > 0
         self.has_last = self.blocks.stop < layering.count
         self.rep = self.blocks.start + 1                # an interior block
-        paths = copy.block_paths
+        paths = prepared.block_paths
         members = ops_by_layer(layering.layer_of)
         self.keys = {layer: op_keys(self.program, layering.layer_of, layer,
                                      paths[layer - self.blocks.start], members.get(layer, []))
@@ -272,17 +272,17 @@ class RunCosts:
         return cp if dp > 1 and cp > 1 and int(feeds[0].shape[1]) % cp == 0 else 1
 
     def _searched(self, costs, kind) -> _Kind:
-        """The searches of ``kind`` of ``costs`` (this RunCosts or its seed)."""
+        """The searches of ``kind`` of ``costs`` (this RunCosts or its donor)."""
         return self._kinds.memo((costs, kind), _Kind)
 
     def _fastest_parts(self, key, sub, logical) -> _Options:
         """The fastest parts of this mesh: priced from the latest search of its ``t``
-        whose fastest choice divides here (here or in the seed), else searched."""
+        whose fastest choice divides here (here or in the donor), else searched."""
         mesh, device_of = logical_mesh(sub.mesh, sub.shape, logical)
         kind = _kind(logical)
         mine = self._searched(self, kind).found
-        seeds = self._searched(self.seed, kind).found if self.seed is not None else []
-        for searched in [*mine[::-1], *seeds[::-1]]:
+        donors = self._searched(self.donor, kind).found if self.donor is not None else []
+        for searched in [*mine[::-1], *donors[::-1]]:
             try:
                 return _Options(searched, _from(searched, searched.fastest, self._price(
                     searched.fastest, mesh, device_of)))
@@ -296,7 +296,7 @@ class RunCosts:
     def _smaller_parts(self, key, sub, logical, entry: _Options) -> list:
         """The (parts, origin) of the memory variants after the fastest on this mesh:
         those of the search its fastest parts came from, else of those searched since
-        for its kind (here or in the seed), priced here where all divide; else searched
+        for its kind (here or in the donor), priced here where all divide; else searched
         here."""
         searched, (fastest, _) = entry.searched, entry.fastest
         kind = self._searched(self, _kind(logical))
@@ -307,11 +307,11 @@ class RunCosts:
         if searched.key == key and mine:
             return [_from(searched, found, self._costed(found)) for found in searched.smaller]
         mesh, device_of = logical_mesh(sub.mesh, sub.shape, logical)
-        seeds = self._searched(self.seed, _kind(logical)).spare if self.seed is not None \
+        donors = self._searched(self.donor, _kind(logical)).spare if self.donor is not None \
             else []
-        for source in [searched, *kind.spare[::-1], *seeds[::-1]]:
+        for source in [searched, *kind.spare[::-1], *donors[::-1]]:
             try:
-                if source.smaller is not None:      # a seed's search may have none
+                if source.smaller is not None:      # a donor's search may have none
                     return [_from(source, found, self._price(found, mesh, device_of))
                             for found in source.smaller]
             except PlanError:
@@ -428,7 +428,7 @@ class RunCosts:
 
     def _loss(self, ops):
         made = {o.name for k in ops for o in self.program.ops[k].outputs}
-        return self.copy.loss_name if self.copy.loss_name in made else None
+        return self.prepared.loss_name if self.prepared.loss_name in made else None
 
     def _periodic(self, block_ops) -> tuple:
         """(received, leaving) pairs of the representative block: what it receives

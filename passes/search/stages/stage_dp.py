@@ -1,4 +1,4 @@
-"""Alpa's inter-op stage construction (seed 000, §5, eq. 5): a DP over (layers, submesh).
+"""Alpa's inter-op stage construction (OSDI'22, §5, eq. 5): a DP over (layers, submesh).
 
 Given ``L`` layers in order, a Cluster's device meshes and a cost callback
 ``cost(layers: range, submesh: Submesh) -> StageCost`` (in a planner: the intra-op search

@@ -44,6 +44,8 @@ import sys
 import time
 from types import SimpleNamespace
 
+import numpy as np
+
 from distgraph.errors import DistGraphError
 from distgraph.units import fmt_bytes
 
@@ -351,6 +353,7 @@ class CSVLogger(Callback):
 
 
 TENSORBOARD_EXTRA = "pip install 'distgraph[tensorboard]'"
+MEMORY_RANKS = 64           # TensorBoard's memory/rank<r> series drawn, at most
 
 
 class TensorBoard(Callback):
@@ -365,6 +368,10 @@ class TensorBoard(Callback):
       ``cluster``, or ``auto_mode="full"``);
     - ``throughput/samples_per_second`` and, for batches of token ids,
       ``throughput/tokens_per_second`` (the global batch over the measured step);
+    - ``memory/rank<r>``: the bytes each rank held at its step's peak (``History.memory``
+      of that rank, gathered to rank 0; ranks beyond the first :data:`MEMORY_RANKS` only
+      in ``memory/max``, the highest of them), beside ``memory/predicted``, the plan's
+      predicted peak (``plan.estimate.peak_memory``, the highest process's);
 
     against the epoch, ``epoch/loss`` (the epoch's mean), ``epoch/lr`` and, when fit
     validates, ``epoch/val_loss`` and ``epoch/val_<metric>``; and once, at the first
@@ -397,6 +404,7 @@ class TensorBoard(Callback):
 
     def on_step_end(self, step, logs=None):
         seconds = time.perf_counter() - self._started
+        peaks = self._peaks(logs.get("memory"))     # every rank takes part
         if self._writer is None:
             return
         plan = self.engine.plan("train")
@@ -409,6 +417,12 @@ class TensorBoard(Callback):
         self._scalar("throughput/samples_per_second", logs["batch_size"] / seconds, step)
         if logs.get("tokens"):
             self._scalar("throughput/tokens_per_second", logs["tokens"] / seconds, step)
+        if peaks is not None:
+            for rank, peak in enumerate(peaks[:MEMORY_RANKS]):
+                self._scalar(f"memory/rank{rank}", peak, step)
+            self._scalar("memory/max", max(peaks), step)
+            if plan.estimate is not None:
+                self._scalar("memory/predicted", plan.estimate.peak_memory, step)
         if not self._explained:
             self._explained = True
             # a fenced block: TensorBoard renders text as Markdown
@@ -430,6 +444,17 @@ class TensorBoard(Callback):
         if self._writer is not None:
             self._writer.close()
             self._writer = None
+
+    def _peaks(self, memory) -> list | None:
+        """Every rank's peak bytes of the step (``memory``: this rank's), gathered to all
+        ranks where there are several; None where the runtime measured none."""
+        if memory is None:
+            return None
+        if self.engine.world_size == 1:
+            return [int(memory)]
+        world = self.engine.world()
+        mine = np.array([memory], dtype=np.int64)
+        return [int(v) for v in world.all_gather(mine, tuple(range(world.size)))]
 
     def _scalar(self, tag: str, value, step: int) -> None:
         self._event(step, self._tb.scalar_pb(tag, value))

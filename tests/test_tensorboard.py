@@ -1,7 +1,7 @@
 """``dg.callbacks.TensorBoard``: rank 0 writes TensorBoard's event files, read back here
 with TensorBoard's own ``EventAccumulator``. Oracles: ``History`` (every step's loss and
 the epochs' means, as float32, which TensorBoard's scalars are), the plan
-(``explain()``, ``estimate.step_time``), the batch's shape (tokens per second over
+(``explain()``, ``estimate.step_time``), each rank's ``History.memory``, the batch's shape (tokens per second over
 samples per second is the sequence length), and the files in the folder (one writer:
 rank 0's)."""
 
@@ -80,6 +80,8 @@ def test_one_process_logs_every_step_of_history_and_the_plan(tmp_path, float64, 
     np.testing.assert_allclose(ratios, 8, rtol=1e-6)
     ((step, text),) = events["plan/explain"]
     assert step == 0 and engine.plan().explain() in text.decode()
+    assert events["memory/rank0"] == list(zip(history.steps, as_float32(history.memory)))
+    assert events["memory/max"] == events["memory/rank0"] and "memory/rank1" not in events
 
 
 def test_a_second_fit_goes_on_from_the_global_step_in_a_file_of_its_own(tmp_path, tensorboard):
@@ -125,3 +127,11 @@ def test_two_ranks_log_once_what_rank_0s_history_holds(tmp_path, tensorboard):
     assert [v for _, v in events["epoch/loss"]] == as_float32(zero["epoch_losses"])
     assert {v for _, v in events["step_time/predicted"]} == {float(np.float32(zero["predicted"]))}
     assert "Plan: 2 process(es), distributed, 1 stage" in events["plan/explain"][0][1].decode()
+    # each rank's measured peak, gathered to rank 0's file, and the plan's predicted one
+    for rank in (0, 1):
+        assert events[f"memory/rank{rank}"] == list(zip(zero["steps"],
+                                                        as_float32(ranks[rank]["memory"])))
+    assert [v for _, v in events["memory/max"]] == \
+        as_float32(map(max, ranks[0]["memory"], ranks[1]["memory"]))
+    assert {v for _, v in events["memory/predicted"]} == \
+        {float(np.float32(zero["predicted_peak"]))}

@@ -7,7 +7,8 @@ Usage::
     distgraph run -n 2 tests/mpi_scripts/tensorboard_dp.py DIR
 
 Each rank prints ``TB-RANK {json}``: its rank, its History's losses and steps, the
-epochs' mean losses, and the plan's predicted step time.
+epochs' mean losses, its measured memory peaks, and the plan's predicted step time and
+peak.
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ def main(directory):
                          epochs=2, verbose=0, callbacks=[dg.callbacks.TensorBoard(directory)])
     print("TB-RANK " + json.dumps({
         "rank": engine.rank, "losses": history.losses, "steps": history.steps,
-        "epoch_losses": [e["loss"] for e in history.epochs],
+        "epoch_losses": [e["loss"] for e in history.epochs], "memory": history.memory,
+        "predicted_peak": engine.plan().estimate.peak_memory,
         "predicted": engine.plan().estimate.step_time}), flush=True)
 
 

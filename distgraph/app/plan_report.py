@@ -74,9 +74,16 @@ def _summary_lines(layers: dict) -> list:
 
 def write_report(plan, request: PlanRequest, cluster=None) -> None:
     """Write ``report(plan)`` to ``request.out`` (and the plan's picture to
-    ``request.plot``) unless another process already did (the first complete report
-    wins; readers never see a partial file, and the picture is there before the report)."""
+    ``request.plot``, its plan file to ``request.save``) unless another process already
+    did (the first complete report wins; readers never see a partial file, and the
+    picture and the plan file are there before the report)."""
     data = report(plan, cluster)
+    if request.save:
+        try:
+            plan.save(request.save)
+            data["saved"] = {"path": request.save, "bytes": os.path.getsize(request.save)}
+        except (DistGraphError, OSError) as e:
+            data["save_error"] = str(e)
     if request.plot:
         try:
             plan.plot(request.plot)

@@ -1,4 +1,4 @@
-"""distgraph run -n N [--hostfile FILE | --hosts LIST] [--cluster FILE] [--dry-run]
+"""distgraph run -n N [--hostfile FILE | --hosts LIST] [--cluster FILE] [--plan PATH] [--dry-run]
 [--log-dir DIR] [--elastic [--max-restarts N] [--min-ranks K]] script.py [args]: start N ranks of a script with the mpiexec that pip
 installs, one BLAS thread per rank, on this host or on several (also
 ``python -m distgraph.cli run``). Scripts also run under a plain ``mpiexec -n N python script.py``.
@@ -25,6 +25,12 @@ terminal shows one line per cause; the tracebacks are in the logs.
 
 With --cluster FILE the file is validated before any rank starts, and an Engine created
 without a cluster uses it (its devices, in order, are ranks 0..N-1).
+
+With --plan PATH (a plan file: plan.save(PATH), distgraph plan SCRIPT --save PATH) an
+Engine created without a plan runs PATH's plan, made again without any search. Before any
+rank starts the file is read and checked whole (its format version, that it is complete
+and consistent), and checked to have been made for N processes and, with --cluster, for
+FILE's cluster; the Engine checks that it was made for the script's program.
 
 Several machines: --hostfile FILE (MPICH's host file, one host[:slots] per line) or
 --hosts a:2,b:2 puts the ranks on those hosts, slots filled in order; without either, a
@@ -80,6 +86,9 @@ def _arguments(p) -> None:
                    help="number of ranks (inside a Slurm allocation: its tasks by default)")
     p.add_argument("--cluster", metavar="FILE",
                    help="resource file for the Engine (validated before the ranks start)")
+    p.add_argument("--plan", metavar="PATH",
+                   help="plan file the Engine runs without searching (checked before the "
+                        "ranks start)")
     p.add_argument("--hostfile", metavar="FILE",
                    help="run the ranks on the hosts of this MPICH host file (host[:slots] "
                         "per line)")
@@ -135,6 +144,10 @@ def _run(args) -> int:
         args = script_words(args)
         allocation = slurm.allocation_from_env(os.environ)
         args.nprocs = slurm.ranks(args.nprocs, allocation)
+        if args.plan and (args.elastic or args.emulate):
+            raise DistGraphError("--plan runs a plan file made for -n processes on a plain "
+                                 "launch; an elastic or emulated job (--elastic, --emulate) "
+                                 "plans for the ranks it has: leave --plan out")
         if args.elastic:
             return _run_elastic(args, allocation)
         given = [f"--{name.replace('_', '-')}" for name in ELASTIC_ONLY
@@ -159,6 +172,8 @@ def _run(args) -> int:
             from distgraph.resources.cluster import Cluster
 
             cluster = Cluster.from_file(args.cluster)
+        if args.plan:
+            _check_plan_file(args.plan, args.nprocs, cluster)
         assignment = slurm.placement(assign_hosts(args.nprocs, args.hostfile, args.hosts,
                                                   cluster, args.cluster, os.environ),
                                      allocation, args.nprocs, os.environ)
@@ -170,12 +185,23 @@ def _run(args) -> int:
         if assignment is not None and all(map(is_local, assignment.distinct_hosts)):
             assignment = None                   # hydra starts them all here, as without
         return launch(args.nprocs, argv, cluster=args.cluster, log_dir=args.log_dir,
-                      assignment=assignment)
+                      assignment=assignment, plan_file=args.plan)
     except DistGraphError as err:
         if os.environ.get("SLURM_PROCID", "0") == "0":    # one line from srun's tasks
             print(f"distgraph run: {err}", file=sys.stderr)
         return 2
 
+
+
+def _check_plan_file(path, nprocs: int, cluster) -> None:
+    """Refuse a plan file before any rank starts: one that cannot be read whole, of a
+    newer format, made for another number of processes or (given) another cluster."""
+    from distgraph.plan.file import read
+
+    saved = read(path)
+    saved.check_world(nprocs)
+    if cluster is not None:
+        saved.check_cluster(cluster)
 
 
 # the options that only an elastic job reads (each None unless given)

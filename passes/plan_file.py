@@ -73,7 +73,7 @@ class FileChoice:
             if got != attr:
                 raise self.saved.fault(
                     f"value {name!r} is laid out as {attr.spec} on {attr.mesh} in the file, "
-                    f"but its producer's rules make it {got.spec} on {got.mesh}",
+                    f"but completion under the op rules makes it {got.spec} on {got.mesh}",
                     "the file was edited into a layout the rules refuse: save the plan again")
         for index, ann in d.ops:
             op = program.ops[index]

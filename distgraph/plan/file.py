@@ -250,11 +250,12 @@ def read(path) -> PlanFile:
     try:
         data = json.loads(text)
     except json.JSONDecodeError as e:
-        cut = e.pos >= len(text.rstrip()) - 1
+        cut = not text.rstrip().endswith("}")      # a plan file is one JSON object
         raise PlanFileError(
-            f"plan file {path}: not a complete plan file: its JSON "
-            f"{'ends' if cut else 'breaks'} at line {e.lineno} column {e.colno} ({e.msg})"
-            f"{'; it was cut short' if cut else ''}: save the plan again "
+            f"plan file {path}: not a complete plan file: its JSON breaks at line "
+            f"{e.lineno} column {e.colno} ({e.msg})"
+            f"{', and it ends before its last }: it was cut short' if cut else ''}: save "
+            f"the plan again "
             f"(plan.save(path) or distgraph plan SCRIPT --save PATH)", path) from None
     return _Reader(path, data).plan_file()
 

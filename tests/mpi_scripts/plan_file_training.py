@@ -9,7 +9,7 @@ Usage::
 ``full``: the model unannotated, under ``Strategy(auto_mode="full", pipeline=True,
 micro_batches=4)``. Either way the Engine is made as without a plan file: under
 ``distgraph run --plan`` it takes the file's plan from the launch context. float64,
-tests/plans.py's data and AdamW. Rank 0 writes its global parameters to OUT/params.npz and
+tests/plans.py's data and AdamW. Each rank marks that it started (OUT/started.RANK); rank 0 writes its global parameters to OUT/params.npz and
 prints ``PLANFILE-RESULT {json}``: the losses, the plan's estimated step time, stages,
 micro-batches, a digest of its completed program, and whether the search was imported.
 """
@@ -48,6 +48,7 @@ def program_digest(plan) -> str:
 
 def main() -> None:
     kind, out = sys.argv[1], sys.argv[2]
+    open(os.path.join(out, f"started.{dg.get_rank()}"), "w").close()  # a rank ran
     dg.set_default_dtype("float64")
     engine = engine_of(kind)
     history = engine.fit(P.Dataset("gpt"), batch_size=P.BATCH, epochs=1, verbose=0)

@@ -131,7 +131,7 @@ def test_a_plan_pickles_whole(files, float64, tmp_path):
         assert read(tmp_path / "again.json").decisions == read(path).decisions
 
 
-# -- refused before any rank starts: distgraph run --plan ---------------------------------------
+# -- refused before any rank starts: distgraph run --plan --------------------------------
 def _edited(files, tmp_path, kind, edit) -> Path:
     data = json.loads(Path(files[kind][1]).read_text())
     edit(data)
@@ -198,7 +198,7 @@ def test_a_file_for_another_cluster_is_refused_before_any_rank_starts(files, tmp
     assert "the plan was made for 4 devices" in line and "the cluster has 16" in line
 
 
-# -- refused before any search: Engine(plan=...) --------------------------------------------------
+# -- refused before any search: Engine(plan=...) -----------------------------------------
 def test_a_file_for_another_program_is_refused_before_any_search(files, float64, no_search):
     engine = loading_engine(files["full"][1], layers=3)
     with pytest.raises(dg.PlanFileError, match="the plan was made for 2 layers; the model "
@@ -254,7 +254,7 @@ def test_a_file_edited_against_the_program_is_refused_before_any_search(
     assert said in str(err.value)
 
 
-# -- trained on real ranks --------------------------------------------------------------------------
+# -- trained on real ranks ---------------------------------------------------------------
 def _result(proc, tag="PLANFILE-RESULT"):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(tag + " ")]

@@ -55,13 +55,16 @@ import os
 import tempfile
 from dataclasses import dataclass
 
+import numpy as np
+
 from distgraph.annotation import OpAnnotation
 from distgraph.errors import DistGraphError, PlanFileError
 from distgraph.mesh import ProcessMesh
 from distgraph.placement import DistAttr, ShardSpec
 from distgraph.plan.fingerprint import (cluster_difference, cluster_print,
-                                        program_difference)
+                                        program_difference, program_print)
 from distgraph.strategy import Strategy
+from distgraph.version import __version__
 
 FORMAT = "distgraph-plan"
 VERSION = 1
@@ -122,8 +125,6 @@ class PlanFile:
                              "plan again for this cluster")
 
     def check_program(self, built) -> None:
-        from distgraph.plan.fingerprint import program_print
-
         said = program_difference(self.program, program_print(built))
         if said:
             raise self.fault(said, "plan this model again (distgraph plan SCRIPT --save "
@@ -160,8 +161,6 @@ def encode(plan) -> dict:
               "step_time": None if est is None else est.step_time,
               "peak_memory": None if est is None else
               max(p.peak_memory for p in est.processes)}
-    from distgraph.version import __version__
-
     return {"format": FORMAT, "version": VERSION, "distgraph": __version__,
             "world_size": plan.world_size, "program": decisions.program,
             "cluster": cluster_print(plan.cluster),
@@ -286,7 +285,7 @@ class _Reader:
         if version > VERSION:
             raise self.fault("version", f"format version {version} was written by a newer "
                              f"distgraph ({data.get('distgraph', 'unknown')}); this one "
-                             f"({_installed()}) reads versions up to {VERSION}: upgrade "
+                             f"({__version__}) reads versions up to {VERSION}: upgrade "
                              f"distgraph, or save the plan again with this one")
         if version < 1:
             raise self.fault("version", f"{version} is no format version (1..{VERSION})")
@@ -354,8 +353,6 @@ class _Reader:
             raise self.fault(where, f"process {bad[0]} is out of range: the plan has "
                              f"{self.world} processes (0..{self.world - 1})")
         try:
-            import numpy as np
-
             return ProcessMesh(np.array(ids, dtype=np.int64).reshape(shape), dims)
         except (DistGraphError, ValueError) as e:
             raise self.fault(where, str(e)) from None
@@ -474,7 +471,3 @@ def _kind_name(kind) -> str:
     return " or ".join(names.get(k, k.__name__) for k in kinds)
 
 
-def _installed() -> str:
-    from distgraph.version import __version__
-
-    return __version__

@@ -163,7 +163,8 @@ def launch(nprocs: int, argv: list[str], cluster: str | None = None,
     module docstring), else on this one. The ranks run under the launch context this
     process runs under (:func:`~distgraph.runtime.launch.context.current`), with
     ``cluster`` as its cluster file when one is given, ``plan_file`` as its plan file
-    (``distgraph run --plan``) and ``restart`` as the start of an elastic job (:mod:`distgraph.runtime.launch.elastic`); ``on_start(job)`` is called
+    (``distgraph run --plan``) and ``restart`` as the start of an elastic job
+    (:mod:`distgraph.runtime.launch.elastic`); ``on_start(job)`` is called
     once the job runs (its status folder is ``job.status_dir``).
 
     Each rank's output is shown and also kept in ``log_dir/rank-<r>.log`` (default: a

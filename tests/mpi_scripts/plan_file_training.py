@@ -9,9 +9,10 @@ Usage::
 ``full``: the model unannotated, under ``Strategy(auto_mode="full", pipeline=True,
 micro_batches=4)``. Either way the Engine is made as without a plan file: under
 ``distgraph run --plan`` it takes the file's plan from the launch context. float64,
-tests/plans.py's data and AdamW. Each rank marks that it started (OUT/started.RANK); rank 0 writes its global parameters to OUT/params.npz and
-prints ``PLANFILE-RESULT {json}``: the losses, the plan's estimated step time, stages,
-micro-batches, a digest of its completed program, and whether the search was imported.
+tests/plans.py's data and AdamW. Each rank marks that it started (OUT/started.RANK);
+rank 0 writes its global parameters to OUT/params.npz and prints ``PLANFILE-RESULT
+{json}``: the losses, the plan's estimated step time, stages, micro-batches, a digest of
+its completed program, and whether the search was imported.
 """
 
 from __future__ import annotations

@@ -37,6 +37,7 @@ import contextlib
 import dataclasses
 
 from distgraph.errors import DoesNotFit, PlanError, PlanFileError, ShardingError
+from distgraph.passes.planner import cyclic_collector_paused, plan
 from distgraph.passes.prepare import prepared
 from distgraph.plan.file import PlanFile
 
@@ -93,14 +94,13 @@ def load(saved: PlanFile, built, cluster, ranks=None, world_size: int | None = N
     ``cluster`` (module docstring); ``ranks``: the ranks whose programs to compile (as
     :func:`~distgraph.passes.planner.plan`); ``world_size``: the job's, checked where
     given."""
-    from distgraph.passes.planner import plan    # the planner imports this module
-
     saved.check_program(built)
     saved.check_cluster(cluster)
     if world_size is not None:
         saved.check_world(world_size)
     strategy, d = saved.strategy, saved.decisions
-    with _refused(saved):
+    # as the planner plans: the split and the plan make millions of short-lived objects
+    with _refused(saved), cyclic_collector_paused():
         if d.on == "built":
             target = dataclasses.replace(built, program=built.program.clone())
             _annotate(target.program, saved)

@@ -87,7 +87,7 @@ def plan(built, strategy: Strategy | None = None, cluster=None, rank_mapping=Non
     (``auto_mode="full"``; its strategy is the plan's; checked to fit, not searched
     again). Pure: ``built`` and ``choice`` are not modified."""
     strategy = choice.strategy if choice is not None else _zero(built, strategy or Strategy())
-    with _cyclic_collector_paused():
+    with cyclic_collector_paused():
         try:
             planned = _planned(built, strategy, cluster, rank_mapping, ranks, choice)
         except DoesNotFit as e:     # name a memory saver that makes it fit, tried
@@ -110,7 +110,7 @@ def _zero(built, strategy: Strategy) -> Strategy:
 
 
 @contextlib.contextmanager
-def _cyclic_collector_paused():
+def cyclic_collector_paused():
     """Python's cyclic garbage collector paused while planning, as found after: planning
     makes millions of short-lived objects (specs, steps, tiles, local ops) that reference
     counting frees, and each of them counts towards the collector's next pass over the

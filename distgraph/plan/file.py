@@ -194,9 +194,16 @@ class _Tables:
         self.meshes: list = []
         self.specs: list = []
         self._mesh: dict = {}
+        self._mesh_of: dict = {}
+        self._held: list = []
         self._spec: dict = {}
 
     def mesh(self, mesh) -> int:
+        # by identity first: the decisions share mesh objects, and equal meshes of
+        # thousands of processes compare their ids one by one
+        k = self._mesh_of.get(id(mesh))
+        if k is not None:
+            return k
         k = self._mesh.get(mesh)
         if k is None:
             k = self._mesh[mesh] = len(self.meshes)
@@ -207,6 +214,8 @@ class _Tables:
             else:
                 out["ids"] = ids
             self.meshes.append(out)
+        self._mesh_of[id(mesh)] = k
+        self._held.append(mesh)         # alive while its id is a key
         return k
 
     def spec(self, spec) -> int:

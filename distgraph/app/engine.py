@@ -169,6 +169,13 @@ class Engine:
                               context_parallel=s.context_parallel,
                               micro_batches=s.micro_batches)
         try:
+            if self._plan_file is not None and mode is Mode.TRAIN and \
+                    self._launch.plan is not None and self._launch.plan.check:
+                # distgraph run --plan, before any rank starts: the file fits this script?
+                self._plan_file.check_program(built)
+                self._plan_file.check_cluster(self._file_cluster())
+                plan_report.write_checked(self._launch.plan)
+                raise plan_report.PlanReported()
             if self._plan_file is not None and mode is Mode.TRAIN:
                 # the file's plan, made again without search; checked to be this program's
                 planned = load_plan(self._plan_file, built, self._file_cluster(),

@@ -20,8 +20,8 @@ from distgraph.passes.cost.estimate import estimate
 from distgraph.resources.cluster import Cluster
 from distgraph.runtime.launch.context import PlanReported, PlanRequest
 
-__all__ = ["PlanReported", "PlanRequest", "layer_summary", "report", "write_failure",
-           "write_report"]
+__all__ = ["PlanReported", "PlanRequest", "layer_summary", "report", "write_checked",
+           "write_failure", "write_report"]
 
 
 def report(plan, cluster=None) -> dict:
@@ -90,6 +90,12 @@ def write_report(plan, request: PlanRequest, cluster=None) -> None:
         except DistGraphError as e:
             data["plot_error"] = str(e)
     _publish(data, request.out)
+
+
+def write_checked(request: PlanRequest) -> None:
+    """Say that the Engine's plan file was made for the script's program and cluster
+    (``distgraph run --plan`` asks it before any rank starts: ``request.check``)."""
+    _publish({"checked": True}, request.out)
 
 
 def write_failure(error: DistGraphError, request: PlanRequest) -> None:

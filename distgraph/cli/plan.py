@@ -148,24 +148,12 @@ def _plan(args) -> int:
             Cluster.local(args.nprocs).save(cluster)
         save = os.path.abspath(args.save) if args.save else None
         context = LaunchContext(cluster, PlanRequest(out, args.plot, save))
-        log = os.path.join(tmp, "script.log")
-        with open(log, "w") as sink:
-            proc = subprocess.Popen([sys.executable, "-m", "distgraph.runtime.launch.bootstrap",
-                                     *context.argv(), "--", args.script, *args.args], env=env,
-                                    stdout=sink, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
-            while not os.path.exists(out) and proc.poll() is None:
-                time.sleep(0.05)
-            _stop(proc)
-        if not os.path.exists(out):
-            with open(log) as f:
-                tail = f.read()[-3000:]
-            print(f"distgraph plan: {args.script} ended (exit code {proc.returncode}) "
+        data, code, tail = script_report([args.script, *args.args], context, env, tmp)
+        if data is None:
+            print(f"distgraph plan: {args.script} ended (exit code {code}) "
                   "without planning a step: it must call Engine.fit, evaluate or predict. "
                   f"Its output:\n{tail}", file=sys.stderr)
             return 1
-        with open(out) as f:
-            data = json.load(f)
     # -n N alone stands for N devices: a plan of more processes than that says which -n
     mismatch = _process_count(data, args) if "processes" in data and not (
         "error" in data and args.cluster) else ""
@@ -196,6 +184,27 @@ def _plan(args) -> int:
     if mismatch:
         print(f"distgraph plan: warning: {mismatch}", file=sys.stderr)
     return 0
+
+
+def script_report(argv: list, context, env: dict, tmp: str) -> tuple:
+    """Run ``argv`` (a script and its arguments) as one process under ``context`` (whose
+    request writes its report to ``context.plan.out``) until the report is there, then
+    stop it and everything it started: (the report, or None; the exit code; the tail of
+    its output). ``tmp``: a folder for its log."""
+    out = context.plan.out
+    log = os.path.join(tmp, "script.log")
+    with open(log, "w") as sink:
+        proc = subprocess.Popen([sys.executable, "-m", "distgraph.runtime.launch.bootstrap",
+                                 *context.argv(), "--", *argv], env=env, stdout=sink,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        while not os.path.exists(out) and proc.poll() is None:
+            time.sleep(0.05)
+        _stop(proc)
+    if not os.path.exists(out):
+        with open(log) as f:
+            return None, proc.returncode, f.read()[-3000:]
+    with open(out) as f:
+        return json.load(f), proc.returncode, ""
 
 
 def _process_count(data: dict, args) -> str:

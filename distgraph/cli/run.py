@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 
 from distgraph.errors import DistGraphError
 from distgraph.runtime.launch import slurm
@@ -29,8 +30,10 @@ without a cluster uses it (its devices, in order, are ranks 0..N-1).
 With --plan PATH (a plan file: plan.save(PATH), distgraph plan SCRIPT --save PATH) an
 Engine created without a plan runs PATH's plan, made again without any search. Before any
 rank starts the file is read and checked whole (its format version, that it is complete
-and consistent), and checked to have been made for N processes and, with --cluster, for
-FILE's cluster; the Engine checks that it was made for the script's program.
+and consistent), checked to have been made for N processes and, with --cluster, for
+FILE's cluster, and then for the script's program: the script runs once as one process
+until its Engine builds the training program, which is checked against the file (nothing
+is planned) and the script stopped.
 
 Several machines: --hostfile FILE (MPICH's host file, one host[:slots] per line) or
 --hosts a:2,b:2 puts the ranks on those hosts, slots filled in order; without either, a
@@ -173,7 +176,7 @@ def _run(args) -> int:
 
             cluster = Cluster.from_file(args.cluster)
         if args.plan:
-            _check_plan_file(args.plan, args.nprocs, cluster)
+            _check_plan_file(args.plan, args.nprocs, cluster, args.cluster, argv)
         assignment = slurm.placement(assign_hosts(args.nprocs, args.hostfile, args.hosts,
                                                   cluster, args.cluster, os.environ),
                                      allocation, args.nprocs, os.environ)
@@ -193,15 +196,37 @@ def _run(args) -> int:
 
 
 
-def _check_plan_file(path, nprocs: int, cluster) -> None:
+def _check_plan_file(path, nprocs: int, cluster, cluster_path, argv: list) -> None:
     """Refuse a plan file before any rank starts: one that cannot be read whole, of a
-    newer format, made for another number of processes or (given) another cluster."""
+    newer format, made for another number of processes or (given) another cluster; then
+    one made for another program: the script runs once as one process, up to its
+    Engine's first plan, which only checks the file against the script's program and
+    cluster (a launch context's ``PlanRequest(check=True)``) and plans nothing."""
+    from distgraph.cli.plan import script_report
     from distgraph.plan.file import read
+    from distgraph.runtime.launch.context import LaunchContext, PlanRequest
 
     saved = read(path)
     saved.check_world(nprocs)
     if cluster is not None:
         saved.check_cluster(cluster)
+    with tempfile.TemporaryDirectory(prefix="distgraph-plan-check-") as tmp:
+        context = LaunchContext(os.path.abspath(cluster_path) if cluster_path else None,
+                                PlanRequest(os.path.join(tmp, "check.json"), check=True),
+                                plan_file=os.path.abspath(path))
+        env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+        data, code, tail = script_report(argv, context, env, tmp)
+    if data is None:
+        raise DistGraphError(f"{argv[0]} ended (exit code {code}) before its Engine planned, "
+                             f"so the plan file {path} could not be checked against it: with "
+                             f"--plan the script must train with a dg.Engine. Its output:\n"
+                             f"{tail}")
+    if "error" in data:
+        raise DistGraphError(data["error"])
+    if not data.get("checked"):
+        print(f"distgraph run: warning: {argv[0]}'s Engine did not train first, so the plan "
+              f"file {path} was not checked against its program before the ranks start",
+              file=sys.stderr)
 
 
 # the options that only an elastic job reads (each None unless given)

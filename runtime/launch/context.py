@@ -51,20 +51,26 @@ PLAN_OUT = "DISTGRAPH_PLAN_OUT"         # distgraph plan: where the report goes
 PLAN_PLOT = "DISTGRAPH_PLAN_PLOT"       # distgraph plan --plot: where the picture goes
 PLAN_SAVE = "DISTGRAPH_PLAN_SAVE"       # distgraph plan --save: where the plan file goes
 PLAN_FILE = "DISTGRAPH_PLAN_FILE"       # distgraph run --plan: the plan file to run
+PLAN_CHECK = "DISTGRAPH_PLAN_CHECK"     # distgraph run --plan: check the file, plan nothing
 RESTART = "DISTGRAPH_ELASTIC_RESTART"   # distgraph run --elastic: which start this is
 OPTIONS = {"--cluster": "cluster", "--plan-out": "plan_out", "--plan-plot": "plan_plot",
            "--plan-save": "plan_save", "--plan-file": "plan_file",
+           "--plan-check": "plan_check",
            "--elastic-restart": "restart"}
 
 
 @dataclass(frozen=True)
 class PlanRequest:
     """What ``distgraph plan`` asks: the report's path, the picture's (None: no
-    picture), the plan file's (``--save``; None: none)."""
+    picture), the plan file's (``--save``; None: none). ``check``: what ``distgraph run
+    --plan`` asks before any rank starts, only that the Engine's plan file be checked
+    against the script's program and cluster (the report says so, or why not), without
+    planning."""
 
     out: str
     plot: str | None = None
     save: str | None = None
+    check: bool = False
 
 
 @dataclass(frozen=True)
@@ -91,6 +97,8 @@ class LaunchContext:
                               ("--plan-file", self.plan_file)):
             if value:
                 out += [option, os.path.abspath(value)]
+        if self.plan is not None and self.plan.check:
+            out += ["--plan-check", "1"]
         if self.restart is not None:
             out += ["--elastic-restart", str(self.restart)]
         return out
@@ -102,26 +110,30 @@ class LaunchContext:
         base = inherited or cls()
         found: dict = {"cluster": base.cluster, "plan_out": base.plan and base.plan.out,
                        "plan_plot": base.plan and base.plan.plot,
-                       "plan_save": base.plan and base.plan.save, "restart": base.restart,
+                       "plan_save": base.plan and base.plan.save,
+                       "plan_check": base.plan and base.plan.check and "1",
+                       "restart": base.restart,
                        "plan_file": base.plan_file}
         args = list(args)
         while args and args[0] in OPTIONS:
             if len(args) < 2:
                 raise SystemExit(f"bootstrap: {args[0]} needs a value")
             if args[0] == "--plan-out":     # a request of its own: not an inherited plot
-                found["plan_plot"] = found["plan_save"] = None
+                found["plan_plot"] = found["plan_save"] = found["plan_check"] = None
             found[OPTIONS[args[0]]] = args[1]
             args = args[2:]
         if args and args[0] == "--":
             args = args[1:]
         return cls._of(found["cluster"], found["plan_out"], found["plan_plot"],
-                       found["restart"], found["plan_save"], found["plan_file"]), args
+                       found["restart"], found["plan_save"], found["plan_file"],
+                       found["plan_check"]), args
 
     def environ(self) -> dict:
         """The variables that carry this context to processes the script starts."""
         values = {CLUSTER_VAR: self.cluster, PLAN_OUT: self.plan and self.plan.out,
                   PLAN_PLOT: self.plan and self.plan.plot,
                   PLAN_SAVE: self.plan and self.plan.save, PLAN_FILE: self.plan_file,
+                  PLAN_CHECK: self.plan and self.plan.check and "1",
                   RESTART: None if self.restart is None else str(self.restart)}
         return {k: v for k, v in values.items() if v}
 
@@ -131,13 +143,14 @@ class LaunchContext:
         docstring): read from ``environ`` (default: this process's environment)."""
         env = os.environ if environ is None else environ
         return cls._of(env.get(CLUSTER_VAR), env.get(PLAN_OUT), env.get(PLAN_PLOT),
-                       env.get(RESTART), env.get(PLAN_SAVE), env.get(PLAN_FILE))
+                       env.get(RESTART), env.get(PLAN_SAVE), env.get(PLAN_FILE),
+                       env.get(PLAN_CHECK))
 
     @classmethod
     def _of(cls, cluster, plan_out, plan_plot, restart=None, plan_save=None,
-            plan_file=None) -> "LaunchContext":
-        plan = PlanRequest(plan_out, plan_plot or None, plan_save or None) \
-            if plan_out else None
+            plan_file=None, plan_check=None) -> "LaunchContext":
+        plan = PlanRequest(plan_out, plan_plot or None, plan_save or None,
+                           plan_check == "1") if plan_out else None
         restart = int(restart) if restart not in (None, "") else None
         return cls(cluster or None, plan, restart, plan_file or None)
 

@@ -3,13 +3,14 @@
 Usage::
 
     distgraph plan tests/mpi_scripts/plan_file_training.py -n 4 --save P.json -- semi OUT
-    distgraph run -n 4 --plan P.json tests/mpi_scripts/plan_file_training.py semi OUT
+    distgraph run -n 4 --plan P.json tests/mpi_scripts/plan_file_training.py semi OUT [LAYERS]
 
 ``semi``: the model annotated dp x mp (tests/plans.py's "dp_tp" plan on 4 processes);
 ``full``: the model unannotated, under ``Strategy(auto_mode="full", pipeline=True,
 micro_batches=4)``. Either way the Engine is made as without a plan file: under
 ``distgraph run --plan`` it takes the file's plan from the launch context. float64,
-tests/plans.py's data and AdamW. Each rank marks that it started (OUT/started.RANK);
+tests/plans.py's data and AdamW (LAYERS: GPT blocks, default tests/plans.py's). Each rank
+of a job marks that it started (OUT/rank-started.RANK);
 rank 0 writes its global parameters to OUT/params.npz and prints ``PLANFILE-RESULT
 {json}``: the losses, the plan's estimated step time, stages, micro-batches, a digest of
 its completed program, and whether the search was imported.
@@ -33,9 +34,11 @@ import plans as P  # noqa: E402
 FULL = dg.Strategy(auto_mode="full", pipeline=True, micro_batches=4)
 
 
-def engine_of(kind: str, cluster=None):
-    """The Engine of ``kind`` ("semi" or "full"), as the test builds it to save a plan."""
-    model = P.build_model("gpt", seed=0)
+def engine_of(kind: str, cluster=None, layers: int | None = None):
+    """The Engine of ``kind`` ("semi" or "full"), as the test builds it to save a plan;
+    ``layers``: GPT blocks other than tests/plans.py's."""
+    model = P.build_model("gpt", seed=0, dims=None if layers is None else
+                          {**P.GPT_DIMS, "n_layer": layers})
     if kind == "semi":
         P.PLANS["gpt", "dp_tp", 4].annotate(model)
     strategy = FULL if kind == "full" else dg.Strategy()
@@ -49,9 +52,11 @@ def program_digest(plan) -> str:
 
 def main() -> None:
     kind, out = sys.argv[1], sys.argv[2]
-    open(os.path.join(out, f"started.{dg.get_rank()}"), "w").close()  # a rank ran
+    layers = int(sys.argv[3]) if len(sys.argv) > 3 else None
+    if dg.get_world_size() > 1:                 # a rank of the job started
+        open(os.path.join(out, f"rank-started.{dg.get_rank()}"), "w").close()
     dg.set_default_dtype("float64")
-    engine = engine_of(kind)
+    engine = engine_of(kind, layers=layers)
     history = engine.fit(P.Dataset("gpt"), batch_size=P.BATCH, epochs=1, verbose=0)
     params = engine.state_dict()
     if engine.rank == 0:

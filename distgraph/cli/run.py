@@ -175,8 +175,9 @@ def _run(args) -> int:
             from distgraph.resources.cluster import Cluster
 
             cluster = Cluster.from_file(args.cluster)
-        if args.plan:
-            _check_plan_file(args.plan, args.nprocs, cluster, args.cluster, argv)
+        if args.plan:       # --dry-run starts nothing: the file alone is checked
+            _check_plan_file(args.plan, args.nprocs, cluster, args.cluster,
+                             None if args.dry_run else argv)
         assignment = slurm.placement(assign_hosts(args.nprocs, args.hostfile, args.hosts,
                                                   cluster, args.cluster, os.environ),
                                      allocation, args.nprocs, os.environ)
@@ -196,12 +197,13 @@ def _run(args) -> int:
 
 
 
-def _check_plan_file(path, nprocs: int, cluster, cluster_path, argv: list) -> None:
+def _check_plan_file(path, nprocs: int, cluster, cluster_path, argv: list | None) -> None:
     """Refuse a plan file before any rank starts: one that cannot be read whole, of a
     newer format, made for another number of processes or (given) another cluster; then
-    one made for another program: the script runs once as one process, up to its
-    Engine's first plan, which only checks the file against the script's program and
-    cluster (a launch context's ``PlanRequest(check=True)``) and plans nothing."""
+    (unless ``argv`` is None) one made for another program: the script runs once as one
+    process, up to its Engine's first plan, which only checks the file against the
+    script's program and cluster (a launch context's ``PlanRequest(check=True)``) and
+    plans nothing."""
     from distgraph.cli.plan import script_report
     from distgraph.plan.file import read
     from distgraph.runtime.launch.context import LaunchContext, PlanRequest
@@ -210,6 +212,8 @@ def _check_plan_file(path, nprocs: int, cluster, cluster_path, argv: list) -> No
     saved.check_world(nprocs)
     if cluster is not None:
         saved.check_cluster(cluster)
+    if argv is None:
+        return
     with tempfile.TemporaryDirectory(prefix="distgraph-plan-check-") as tmp:
         context = LaunchContext(os.path.abspath(cluster_path) if cluster_path else None,
                                 PlanRequest(os.path.join(tmp, "check.json"), check=True),

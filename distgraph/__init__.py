@@ -64,6 +64,7 @@ _PUBLIC = {
     "get_rank": "distgraph.runtime.launch.status",
     "get_world_size": "distgraph.runtime.launch.status",
     "CheckpointError": "distgraph.app.checkpoint",
+    "PlanFileError": "distgraph.errors",
     "from_pretrained": "distgraph.app.pretrained", "save_pretrained": "distgraph.app.pretrained",
 }
 # sub-packages that are public names themselves

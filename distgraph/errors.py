@@ -51,3 +51,14 @@ class DoesNotFit(PlanError):
 
 class RuntimeFault(DistGraphError):
     """A failure while running: a rank raised, died, or a message never arrived."""
+
+
+class PlanFileError(PlanError):
+    """A plan file (``plan.save``, ``Engine(plan=PATH)``, ``distgraph run --plan``) that
+    cannot be used: cut short or edited into nonsense, from a newer format version, or
+    made for another program, cluster or world size. ``path``: the file. Raised before
+    any rank runs the plan and before any search, naming the first difference."""
+
+    def __init__(self, message: str, path: str | None = None):
+        super().__init__(message)
+        self.path = path

@@ -293,6 +293,9 @@ class ProcessRanks:
     def __setattr__(self, name, value):
         raise AttributeError("ProcessRanks is immutable")
 
+    def __reduce__(self):
+        return ProcessRanks, (self._rank,)
+
     def __call__(self, process: int) -> int:
         return process if self._rank is None else self._rank[process]
 

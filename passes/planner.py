@@ -19,9 +19,12 @@ While it plans, the plan's ``locals`` are the lazy
 :class:`~distgraph.passes.partition.Partitions` (a process is partitioned when first
 needed); the plan it returns holds only plain values: the local programs of one process
 per group and of every compiled process, and the compiled programs
-(:mod:`distgraph.passes.pipeline.compile`). Data must only move from an earlier stage to a
-later one in the forward pass: a plan whose stages form a cycle is a PlanError naming its
-ops (:mod:`distgraph.passes.completion.stage_order`).
+(:mod:`distgraph.passes.pipeline.compile`); ``plan.decisions`` what it was made from and
+for (the layouts completion started from, the chunks, ZeRO's mesh dims, the program's
+print), which ``plan.save(path)`` writes (:mod:`distgraph.plan.file`) and
+:mod:`distgraph.passes.plan_file` makes the same plan from. Data must only move from an
+earlier stage to a later one in the forward pass: a plan whose stages form a cycle is a
+PlanError naming its ops (:mod:`distgraph.passes.completion.stage_order`).
 
 Example::
 
@@ -65,6 +68,8 @@ from distgraph.passes.session import Session
 from distgraph.passes.samples import sample_axes
 from distgraph.passes.transforms.sequence_parallel import sequence_parallel
 from distgraph.passes.transforms.zero import shard_updates
+from distgraph.plan.file import Decisions
+from distgraph.plan.fingerprint import program_print
 from distgraph.plan.plan import Plan
 from distgraph.resources.cluster import Cluster
 from distgraph.strategy import Strategy
@@ -82,14 +87,17 @@ def plan(built, strategy: Strategy | None = None, cluster=None, rank_mapping=Non
     (``auto_mode="full"``; its strategy is the plan's; checked to fit, not searched
     again). Pure: ``built`` and ``choice`` are not modified."""
     strategy = choice.strategy if choice is not None else _zero(built, strategy or Strategy())
-    with _cyclic_collector_paused():
+    with cyclic_collector_paused():
         try:
-            return _planned(built, strategy, cluster, rank_mapping, ranks, choice)
+            planned = _planned(built, strategy, cluster, rank_mapping, ranks, choice)
         except DoesNotFit as e:     # name a memory saver that makes it fit, tried
             if choice is not None:
                 raise
             raise named_fix(e, strategy, lambda asked: _planned(
                 built, asked, cluster, rank_mapping, ranks=())) from None
+        # what it was made for, as plan.save writes it (distgraph.plan.file)
+        return dataclasses.replace(planned, decisions=dataclasses.replace(
+            planned.decisions, program=program_print(built)))
 
 
 def _zero(built, strategy: Strategy) -> Strategy:
@@ -102,7 +110,7 @@ def _zero(built, strategy: Strategy) -> Strategy:
 
 
 @contextlib.contextmanager
-def _cyclic_collector_paused():
+def cyclic_collector_paused():
     """Python's cyclic garbage collector paused while planning, as found after: planning
     makes millions of short-lived objects (specs, steps, tiles, local ops) that reference
     counting frees, and each of them counts towards the collector's next pass over the
@@ -151,8 +159,11 @@ def _plan(built, strategy, cluster, rank_mapping, budget, session, given=None) -
         prepared, strategy, accumulation = choice.built, choice.strategy, choice.accumulation
     else:
         prepared, accumulation = prepare(built, strategy, strategy.micro_batches)
+    # the layouts completion starts from, before it (and ZeRO) writes more of them
+    decisions = _recorded(built, choice)
     try:
-        return _made(built, prepared, strategy, cluster, rank_mapping, accumulation, choice)
+        return dataclasses.replace(_made(built, prepared, strategy, cluster, rank_mapping,
+                                         accumulation, choice), decisions=decisions)
     except ShardingError as e:
         if accumulation is None:
             raise
@@ -228,6 +239,24 @@ def _made(built, prepared, strategy, cluster, rank_mapping, accumulation, choice
         planned = dataclasses.replace(planned, checkpoint=propose_checkpoint(
             planned.estimate, strategy.mtbf_hours, strategy.checkpoint_write_gbps))
     return planned
+
+
+def _recorded(built, choice) -> Decisions:
+    """The decisions of a plan of ``built``: the search's ``choice`` written on the
+    program it runs (before completion), or, without one, the model's own annotations
+    (``program`` is left None: :func:`~distgraph.passes.planner.plan` sets its print)."""
+    if choice is None:
+        return Decisions(None, "built", *_annotations(built.program))
+    return Decisions(None, "prepared", *_annotations(choice.built.program), choice.chunks,
+                     choice.sharding_dim)
+
+
+def _annotations(program) -> tuple:
+    values = tuple((v.name, v.annotation) for v in program.values.values()
+                   if v.annotation is not None)
+    ops = tuple((k, op.annotation) for k, op in enumerate(program.ops)
+                if op.annotation is not None)
+    return values, ops
 
 
 def _completed(prepared, strategy, cluster, choice, chunks=None) -> None:

@@ -18,6 +18,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import numpy as np
@@ -31,7 +32,9 @@ from distgraph.app.resume import check_checkpoint, checkpoint_info, restore_info
 from distgraph.app.state import HeldState
 from distgraph.errors import DistGraphError
 from distgraph.metrics import as_metrics
+from distgraph.passes.plan_file import load as load_plan
 from distgraph.passes.planner import plan
+from distgraph.plan.file import read as read_plan_file
 from distgraph.program_builder import build_program
 from distgraph.resources.cluster import Cluster
 from distgraph.runtime.launch.context import current as launch_context
@@ -62,6 +65,14 @@ class Engine:
     ``engine.world_size`` say where this script runs; ``engine.process`` which logical
     process of the plan this rank runs (``engine.plan().local(engine.process)``).
 
+    ``plan`` (a path; default: ``distgraph run --plan PATH``'s) makes the training plan
+    from a plan file (``plan.save(path)``, ``distgraph plan SCRIPT --save PATH``) without
+    any search: the file is read and checked whole when the Engine is made, and checked to
+    have been made for this program, cluster and world size when it plans; the file's
+    Strategy is the Engine's (the runtime-only options given, ``profile``,
+    ``check_finite``, ``memory_check`` and ``seed``, kept). Evaluation and prediction
+    programs, which the file does not hold, are planned under that Strategy.
+
     ``ensure``, ``planned_key``, ``world``, ``warn``, ``plan_request`` and
     ``launch_cluster`` are what its loops (:class:`~distgraph.app.loops.Loops`, made with
     the plan cache and the held state) ask of the Engine: public to the package, not
@@ -69,7 +80,8 @@ class Engine:
     """
 
     def __init__(self, model, loss=None, optimizer=None, metrics=None, cluster=None,
-                 strategy: Strategy | None = None, communicator=None, rank_mapping=None):
+                 strategy: Strategy | None = None, communicator=None, rank_mapping=None,
+                 plan=None):
         self.model, self.loss, self.optimizer = model, loss, optimizer
         self.metrics = as_metrics(metrics)
         if self.metrics and loss is None:
@@ -81,6 +93,12 @@ class Engine:
         self.strategy = strategy or Strategy()
         self.stop_training = False
         self._comm = communicator
+        path = plan if plan is not None else self._launch.plan_file
+        self._plan_file = None if path is None else read_plan_file(path)  # checked whole
+        if self._plan_file is not None:
+            self.strategy = _file_strategy(self._plan_file, strategy)
+            if self.world_size > 1:          # in a job: one of its size
+                self._plan_file.check_world(self.world_size)
         self._plans = PlanCache()
         self._held = HeldState(model, optimizer)
         self._loops = Loops(self, self._plans, self._held)
@@ -151,9 +169,22 @@ class Engine:
                               context_parallel=s.context_parallel,
                               micro_batches=s.micro_batches)
         try:
-            # every rank plans alike and compiles its own process's program
-            planned = plan(built, self.strategy, self._planning_cluster(), self.rank_mapping,
-                           ranks=(self.rank,))
+            if self._plan_file is not None and mode is Mode.TRAIN and \
+                    self._launch.plan is not None and self._launch.plan.check:
+                # distgraph run --plan, before any rank starts: the file fits this script?
+                self._plan_file.check_program(built)
+                self._plan_file.check_cluster(self._file_cluster())
+                plan_report.write_checked(self._launch.plan)
+                raise plan_report.PlanReported()
+            if self._plan_file is not None and mode is Mode.TRAIN:
+                # the file's plan, made again without search; checked to be this program's
+                planned = load_plan(self._plan_file, built, self._file_cluster(),
+                                    ranks=(self.rank,), world_size=self.world_size
+                                    if self.world_size > 1 else None)
+            else:
+                # every rank plans alike and compiles its own process's program
+                planned = plan(built, self.strategy, self._planning_cluster(),
+                               self.rank_mapping, ranks=(self.rank,))
         except DistGraphError as e:
             if self._launch.plan is not None:      # distgraph plan shows why
                 plan_report.write_failure(e, self._launch.plan)
@@ -180,6 +211,14 @@ class Engine:
         if self.cluster is not None or self.strategy.auto_mode != "full":
             return self.cluster
         return Cluster.local(self.world_size)
+
+    def _file_cluster(self):
+        """The cluster a plan file's plan is made on: the Engine's, else this machine as
+        the file's processes where the file was made for a cluster (the automatic search
+        plans on ``Cluster.local``), else none."""
+        if self.cluster is not None or self._plan_file.cluster is None:
+            return self.cluster
+        return Cluster.local(self._plan_file.world_size)
 
     def launch_cluster(self):
         """The Cluster of the launch context (``distgraph run/plan --cluster FILE``), or
@@ -406,3 +445,15 @@ class Engine:
         if p is None:
             raise DistGraphError(f"no {mode} program yet: call prepare() or fit() first")
         return p
+
+
+# options that change how a plan runs, not the plan: kept from the Engine's Strategy
+_RUNTIME_ONLY = ("profile", "check_finite", "memory_check", "seed")
+
+
+def _file_strategy(saved, given: Strategy | None) -> Strategy:
+    """The Strategy of a plan file's Engine: the file's, with ``given``'s runtime-only
+    options."""
+    if given is None:
+        return saved.strategy
+    return dataclasses.replace(saved.strategy, **{k: getattr(given, k) for k in _RUNTIME_ONLY})

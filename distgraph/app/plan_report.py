@@ -20,8 +20,8 @@ from distgraph.passes.cost.estimate import estimate
 from distgraph.resources.cluster import Cluster
 from distgraph.runtime.launch.context import PlanReported, PlanRequest
 
-__all__ = ["PlanReported", "PlanRequest", "layer_summary", "report", "write_failure",
-           "write_report"]
+__all__ = ["PlanReported", "PlanRequest", "layer_summary", "report", "write_checked",
+           "write_failure", "write_report"]
 
 
 def report(plan, cluster=None) -> dict:
@@ -74,15 +74,28 @@ def _summary_lines(layers: dict) -> list:
 
 def write_report(plan, request: PlanRequest, cluster=None) -> None:
     """Write ``report(plan)`` to ``request.out`` (and the plan's picture to
-    ``request.plot``) unless another process already did (the first complete report
-    wins; readers never see a partial file, and the picture is there before the report)."""
+    ``request.plot``, its plan file to ``request.save``) unless another process already
+    did (the first complete report wins; readers never see a partial file, and the
+    picture and the plan file are there before the report)."""
     data = report(plan, cluster)
+    if request.save:
+        try:
+            plan.save(request.save)
+            data["saved"] = {"path": request.save, "bytes": os.path.getsize(request.save)}
+        except (DistGraphError, OSError) as e:
+            data["save_error"] = str(e)
     if request.plot:
         try:
             plan.plot(request.plot)
         except DistGraphError as e:
             data["plot_error"] = str(e)
     _publish(data, request.out)
+
+
+def write_checked(request: PlanRequest) -> None:
+    """Say that the Engine's plan file was made for the script's program and cluster
+    (``distgraph run --plan`` asks it before any rank starts: ``request.check``)."""
+    _publish({"checked": True}, request.out)
 
 
 def write_failure(error: DistGraphError, request: PlanRequest) -> None:

@@ -1,5 +1,5 @@
-"""``distgraph plan SCRIPT.py [--cluster FILE] [-n N] [--full] [--json] [--plot PNG] [-- ARGS]``:
-print the plan a training script's Engine would use, without training.
+"""``distgraph plan SCRIPT.py [--cluster FILE] [-n N] [--full] [--json] [--plot PNG] [--save PATH]
+[-- ARGS]``: print the plan a training script's Engine would use, without training.
 
 How: the script runs as it would (``python SCRIPT.py ARGS``, one process), through the
 rank bootstrap with the request as its arguments (``--plan-out PATH``, ``--plan-plot``,
@@ -15,7 +15,10 @@ MFU, the reshards and the search summarised. ``--full`` prints the full listing 
 schedule, each process's estimate, the search's report, per-op layouts summarised per
 layer). ``--json`` prints the plan as JSON
 (``Plan.to_dict()`` with the estimate and the layer summary); ``--plot PNG`` also draws
-the plan (``Plan.plot``). With ``-n N``, a plan of another number of processes is an
+the plan (``Plan.plot``); ``--save PATH`` writes its plan file (``Plan.save``: the
+decisions and what they were made for, :mod:`distgraph.plan.file`), which
+``distgraph run -n N --plan PATH SCRIPT`` runs without searching again. With ``-n N``, a
+plan of another number of processes is an
 error, and a one-process plan of an unannotated model a warning. A script whose Engine
 cannot plan (a ``PlanError`` such as stages that form a cycle) prints that error and
 exits 1.
@@ -48,8 +51,8 @@ import time
 from distgraph.errors import DistGraphError
 
 GRACE = 10.0           # seconds a stopped script gets to clean up (emulated clusters do)
-USAGE = ("distgraph plan [-h] [--cluster FILE] [-n N] [--full] [--json] [--plot PNG] SCRIPT "
-         "[options above] [ARGS] [-- ARGS]")
+USAGE = ("distgraph plan [-h] [--cluster FILE] [-n N] [--full] [--json] [--plot PNG] "
+         "[--save PATH] SCRIPT [options above] [ARGS] [-- ARGS]")
 DESCRIPTION = """\
 Print the plan a training script's Engine would use, without training: whether it fits
 its devices, per stage its devices, layout, layers and each group of alike processes' peak
@@ -65,6 +68,7 @@ Examples:
   distgraph plan tutorials/02_spmd_gpt.py -n 4
   distgraph plan tutorials/02_spmd_gpt.py -n 4 --full
   distgraph plan tutorials/02_spmd_gpt.py -n 4 --plot plan.png
+  distgraph plan tutorials/03_auto_parallel.py -n 4 --save gpt.plan.json
   distgraph plan tutorials/01_serial_gpt.py -- --steps 10
   distgraph plan tutorials/03_auto_parallel.py --cluster resources/clusters/local4.yaml --json
 """
@@ -78,6 +82,8 @@ def _options(p) -> None:
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--plot", metavar="PNG", help="also draw the plan into PNG (or .svg, .pdf): "
                    "stages, layers, weight splits, reshards; needs matplotlib")
+    p.add_argument("--save", metavar="PATH", help="also write the plan file (Plan.save) that "
+                   "`distgraph run --plan PATH` runs without searching again")
 
 
 def add_plan_parser(commands) -> None:
@@ -110,7 +116,7 @@ def _split(args):
     after = argparse.ArgumentParser(prog="distgraph plan SCRIPT", allow_abbrev=False)
     _options(after)
     mine, theirs = after.parse_known_args(rest[:cut])
-    for name in ("cluster", "nprocs", "full", "json", "plot"):
+    for name in ("cluster", "nprocs", "full", "json", "plot", "save"):
         if getattr(mine, name):
             setattr(args, name, getattr(mine, name))
     args.args = theirs + rest[cut + 1:]
@@ -140,25 +146,14 @@ def _plan(args) -> int:
         if not cluster and args.nprocs:
             cluster = os.path.join(tmp, f"local{args.nprocs}.yaml")
             Cluster.local(args.nprocs).save(cluster)
-        context = LaunchContext(cluster, PlanRequest(out, args.plot))
-        log = os.path.join(tmp, "script.log")
-        with open(log, "w") as sink:
-            proc = subprocess.Popen([sys.executable, "-m", "distgraph.runtime.launch.bootstrap",
-                                     *context.argv(), "--", args.script, *args.args], env=env,
-                                    stdout=sink, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
-            while not os.path.exists(out) and proc.poll() is None:
-                time.sleep(0.05)
-            _stop(proc)
-        if not os.path.exists(out):
-            with open(log) as f:
-                tail = f.read()[-3000:]
-            print(f"distgraph plan: {args.script} ended (exit code {proc.returncode}) "
+        save = os.path.abspath(args.save) if args.save else None
+        context = LaunchContext(cluster, PlanRequest(out, args.plot, save))
+        data, code, tail = script_report([args.script, *args.args], context, env, tmp)
+        if data is None:
+            print(f"distgraph plan: {args.script} ended (exit code {code}) "
                   "without planning a step: it must call Engine.fit, evaluate or predict. "
                   f"Its output:\n{tail}", file=sys.stderr)
             return 1
-        with open(out) as f:
-            data = json.load(f)
     # -n N alone stands for N devices: a plan of more processes than that says which -n
     mismatch = _process_count(data, args) if "processes" in data and not (
         "error" in data and args.cluster) else ""
@@ -181,9 +176,35 @@ def _plan(args) -> int:
         return 1
     if args.plot and not args.json:
         print(f"wrote {args.plot}")
+    if "save_error" in data:
+        print(f"distgraph plan: no plan file: {data['save_error']}", file=sys.stderr)
+        return 1
+    if "saved" in data and not args.json:
+        print(f"wrote plan file {args.save} ({data['saved']['bytes']:,} bytes)")
     if mismatch:
         print(f"distgraph plan: warning: {mismatch}", file=sys.stderr)
     return 0
+
+
+def script_report(argv: list, context, env: dict, tmp: str) -> tuple:
+    """Run ``argv`` (a script and its arguments) as one process under ``context`` (whose
+    request writes its report to ``context.plan.out``) until the report is there, then
+    stop it and everything it started: (the report, or None; the exit code; the tail of
+    its output). ``tmp``: a folder for its log."""
+    out = context.plan.out
+    log = os.path.join(tmp, "script.log")
+    with open(log, "w") as sink:
+        proc = subprocess.Popen([sys.executable, "-m", "distgraph.runtime.launch.bootstrap",
+                                 *context.argv(), "--", *argv], env=env, stdout=sink,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        while not os.path.exists(out) and proc.poll() is None:
+            time.sleep(0.05)
+        _stop(proc)
+    if not os.path.exists(out):
+        with open(log) as f:
+            return None, proc.returncode, f.read()[-3000:]
+    with open(out) as f:
+        return json.load(f), proc.returncode, ""
 
 
 def _process_count(data: dict, args) -> str:

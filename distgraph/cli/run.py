@@ -1,4 +1,4 @@
-"""distgraph run -n N [--hostfile FILE | --hosts LIST] [--cluster FILE] [--dry-run]
+"""distgraph run -n N [--hostfile FILE | --hosts LIST] [--cluster FILE] [--plan PATH] [--dry-run]
 [--log-dir DIR] [--elastic [--max-restarts N] [--min-ranks K]] script.py [args]: start N ranks of a script with the mpiexec that pip
 installs, one BLAS thread per rank, on this host or on several (also
 ``python -m distgraph.cli run``). Scripts also run under a plain ``mpiexec -n N python script.py``.
@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 
 from distgraph.errors import DistGraphError
 from distgraph.runtime.launch import slurm
@@ -25,6 +26,14 @@ terminal shows one line per cause; the tracebacks are in the logs.
 
 With --cluster FILE the file is validated before any rank starts, and an Engine created
 without a cluster uses it (its devices, in order, are ranks 0..N-1).
+
+With --plan PATH (a plan file: plan.save(PATH), distgraph plan SCRIPT --save PATH) an
+Engine created without a plan runs PATH's plan, made again without any search. Before any
+rank starts the file is read and checked whole (its format version, that it is complete
+and consistent), checked to have been made for N processes and, with --cluster, for
+FILE's cluster, and then for the script's program: the script runs once as one process
+until its Engine builds the training program, which is checked against the file (nothing
+is planned) and the script stopped.
 
 Several machines: --hostfile FILE (MPICH's host file, one host[:slots] per line) or
 --hosts a:2,b:2 puts the ranks on those hosts, slots filled in order; without either, a
@@ -80,6 +89,9 @@ def _arguments(p) -> None:
                    help="number of ranks (inside a Slurm allocation: its tasks by default)")
     p.add_argument("--cluster", metavar="FILE",
                    help="resource file for the Engine (validated before the ranks start)")
+    p.add_argument("--plan", metavar="PATH",
+                   help="plan file the Engine runs without searching (checked before the "
+                        "ranks start)")
     p.add_argument("--hostfile", metavar="FILE",
                    help="run the ranks on the hosts of this MPICH host file (host[:slots] "
                         "per line)")
@@ -135,6 +147,10 @@ def _run(args) -> int:
         args = script_words(args)
         allocation = slurm.allocation_from_env(os.environ)
         args.nprocs = slurm.ranks(args.nprocs, allocation)
+        if args.plan and (args.elastic or args.emulate):
+            raise DistGraphError("--plan runs a plan file made for -n processes on a plain "
+                                 "launch; an elastic or emulated job (--elastic, --emulate) "
+                                 "plans for the ranks it has: leave --plan out")
         if args.elastic:
             return _run_elastic(args, allocation)
         given = [f"--{name.replace('_', '-')}" for name in ELASTIC_ONLY
@@ -159,6 +175,9 @@ def _run(args) -> int:
             from distgraph.resources.cluster import Cluster
 
             cluster = Cluster.from_file(args.cluster)
+        if args.plan:       # --dry-run starts nothing: the file alone is checked
+            _check_plan_file(args.plan, args.nprocs, cluster, args.cluster,
+                             None if args.dry_run else argv)
         assignment = slurm.placement(assign_hosts(args.nprocs, args.hostfile, args.hosts,
                                                   cluster, args.cluster, os.environ),
                                      allocation, args.nprocs, os.environ)
@@ -170,12 +189,48 @@ def _run(args) -> int:
         if assignment is not None and all(map(is_local, assignment.distinct_hosts)):
             assignment = None                   # hydra starts them all here, as without
         return launch(args.nprocs, argv, cluster=args.cluster, log_dir=args.log_dir,
-                      assignment=assignment)
+                      assignment=assignment, plan_file=args.plan)
     except DistGraphError as err:
         if os.environ.get("SLURM_PROCID", "0") == "0":    # one line from srun's tasks
             print(f"distgraph run: {err}", file=sys.stderr)
         return 2
 
+
+
+def _check_plan_file(path, nprocs: int, cluster, cluster_path, argv: list | None) -> None:
+    """Refuse a plan file before any rank starts: one that cannot be read whole, of a
+    newer format, made for another number of processes or (given) another cluster; then
+    (unless ``argv`` is None) one made for another program: the script runs once as one
+    process, up to its Engine's first plan, which only checks the file against the
+    script's program and cluster (a launch context's ``PlanRequest(check=True)``) and
+    plans nothing."""
+    from distgraph.cli.plan import script_report
+    from distgraph.plan.file import read
+    from distgraph.runtime.launch.context import LaunchContext, PlanRequest
+
+    saved = read(path)
+    saved.check_world(nprocs)
+    if cluster is not None:
+        saved.check_cluster(cluster)
+    if argv is None:
+        return
+    with tempfile.TemporaryDirectory(prefix="distgraph-plan-check-") as tmp:
+        context = LaunchContext(os.path.abspath(cluster_path) if cluster_path else None,
+                                PlanRequest(os.path.join(tmp, "check.json"), check=True),
+                                plan_file=os.path.abspath(path))
+        env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+        data, code, tail = script_report(argv, context, env, tmp)
+    if data is None:
+        raise DistGraphError(f"{argv[0]} ended (exit code {code}) before its Engine planned, "
+                             f"so the plan file {path} could not be checked against it: with "
+                             f"--plan the script must train with a dg.Engine. Its output:\n"
+                             f"{tail}")
+    if "error" in data:
+        raise DistGraphError(data["error"])
+    if not data.get("checked"):
+        print(f"distgraph run: warning: {argv[0]}'s Engine did not train first, so the plan "
+              f"file {path} was not checked against its program before the ranks start",
+              file=sys.stderr)
 
 
 # the options that only an elastic job reads (each None unless given)

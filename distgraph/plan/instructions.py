@@ -56,6 +56,15 @@ class OpInstr:
     def __str__(self) -> str:
         return f"op '{self.op_type}'" + (f" in layer '{self.layer}'" if self.layer else "")
 
+    def __reduce__(self):
+        # pickled without its kernel (often a lambda), found again by its op type
+        fields = [getattr(self, f.name) for f in dataclasses.fields(self)[1:]]
+        return _unpickled_instr, tuple(fields)
+
+
+def _unpickled_instr(op_type, *fields) -> OpInstr:
+    return OpInstr(get_op(op_type).kernel, op_type, *fields)
+
 
 @dataclass(frozen=True)
 class PointInstr:

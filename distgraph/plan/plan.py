@@ -19,8 +19,11 @@ Example::
 
 from __future__ import annotations
 
+import copyreg
 import dataclasses
+import io
 import json
+import pickle
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
@@ -31,6 +34,7 @@ from distgraph.ops.meshslice import LocalMeshSlice
 from distgraph.plan.accumulation import Accumulation
 from distgraph.plan.devices import DeviceAssignment
 from distgraph.plan.explain import model_flops, summary
+from distgraph.plan.file import Decisions
 from distgraph.plan.kinds import collective_bytes
 from distgraph.plan.listing import full_listing
 from distgraph.plan.protocols import (BatchSplitLike, CheckpointIntervalLike, ClusterLike,
@@ -43,6 +47,20 @@ from distgraph.strategy import Strategy
 from distgraph.units import fmt_bytes
 
 _EMPTY = MappingProxyType({})
+
+
+def _view_reduced(view):
+    return _view, (dict(view),)
+
+
+def _view(items: dict) -> MappingProxyType:
+    return MappingProxyType(items)
+
+
+def _unpickled(data: bytes) -> "Plan":
+    plan = object.__new__(Plan)
+    plan.__dict__.update(pickle.loads(data))
+    return plan
 
 
 @dataclass(frozen=True)
@@ -95,7 +113,8 @@ class Plan:
     an uneven split (:class:`~distgraph.plan.program.RowGather`); ``sample_axes`` the
     dim that carries the samples of each Value, where the batch split needed them;
     ``sliced`` the matmuls that run as MeshSlice; ``graph`` the task graph and ``order``
-    the schedule (None only while the planner builds them).
+    the schedule (None only while the planner builds them); ``decisions`` what the plan
+    was made from, as :meth:`save` writes it (:class:`~distgraph.plan.file.Decisions`).
 
     With ``Strategy(micro_batches=M)``, M > 1, ``program`` is the *micro-batch* program
     and ``accumulation`` says how the step accumulates over the micro-batches
@@ -123,6 +142,17 @@ class Plan:
     row_gathers: MappingProxyType = field(default_factory=lambda: _EMPTY, repr=False)
     sample_axes: MappingProxyType | None = field(default=None, repr=False)
     sliced: tuple = ()
+    decisions: Decisions | None = field(default=None, repr=False)
+
+    def __reduce__(self):
+        """Pickled whole: its read-only mapping views (here and in the programs, task
+        graph, schedule it holds), which pickle cannot copy, go as dicts and come back
+        as views (a pickler of its own: nothing process-wide changes)."""
+        buffer = io.BytesIO()
+        pickler = pickle.Pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL)
+        pickler.dispatch_table = {**copyreg.dispatch_table, MappingProxyType: _view_reduced}
+        pickler.dump(dict(self.__dict__))
+        return _unpickled, (buffer.getvalue(),)
 
     @property
     def program(self):
@@ -307,6 +337,15 @@ class Plan:
 
     def to_json(self, indent: int | None = 2) -> str:
         return json.dumps(self.to_dict(), indent=indent)
+
+    def save(self, path) -> None:
+        """Write the plan's decisions and what they were made for (the program, the
+        cluster, the world size) to ``path`` as a versioned JSON plan file
+        (:mod:`distgraph.plan.file`); ``dg.Engine(..., plan=path)`` and
+        ``distgraph run --plan path`` make the same plan from it without searching."""
+        from distgraph.plan.file import save
+
+        save(self, path)
 
     def plot(self, path) -> None:
         """Draw the plan into ``path`` (PNG, SVG or PDF by its suffix): a column per

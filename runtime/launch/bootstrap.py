@@ -1,6 +1,6 @@
 """Per-rank entry point used by the launcher:
 ``python -m distgraph.runtime.launch.bootstrap [--cluster FILE] [--plan-out PATH]
-[--plan-plot PATH] [--] script.py args``.
+[--plan-plot PATH] [--plan-save PATH] [--plan-file PATH] [--] script.py args``.
 
 It runs the script as ``__main__`` under the launch context its options give
 (:mod:`distgraph.runtime.launch.context`: the cluster of ``distgraph run --cluster``, the
@@ -122,7 +122,8 @@ def main(argv: list[str] | None = None) -> None:
                                         LaunchContext.inherited())
     if not args:
         sys.exit("usage: python -m distgraph.runtime.launch.bootstrap [--cluster FILE] "
-                 "[--plan-out PATH] [--plan-plot PATH] [--] script.py [args...]")
+                 "[--plan-out PATH] [--plan-plot PATH] [--plan-save PATH] [--plan-file PATH] "
+                 "[--] script.py [args...]")
     # here, not above: the communicator imports this module's abort hook, not the watcher
     from distgraph.runtime.launch.supervisor import supervise_this_rank
     supervise_this_rank()

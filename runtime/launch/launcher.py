@@ -154,7 +154,7 @@ def launch(nprocs: int, argv: list[str], cluster: str | None = None,
            env: dict | None = None, timeout: float | None = None,
            log_dir: str | None = None, mpiexec_args=(), prefix=(), extra_env=None,
            watch=None, assignment: HostAssignment | None = None, restart: int | None = None,
-           on_start=None) -> int:
+           on_start=None, plan_file: str | None = None) -> int:
     """Run ``argv`` on ``nprocs`` ranks; returns the exit code (mpiexec's; 128 + the
     signal when stopped by one; 124 after ``timeout`` seconds; 1 when ``watch``, a
     callable polled while the job runs, returns a reason to stop it).
@@ -162,8 +162,9 @@ def launch(nprocs: int, argv: list[str], cluster: str | None = None,
     the ranks' environment; with a ``assignment`` the ranks run on its hosts (see the
     module docstring), else on this one. The ranks run under the launch context this
     process runs under (:func:`~distgraph.runtime.launch.context.current`), with
-    ``cluster`` as its cluster file when one is given and ``restart`` as the start of an
-    elastic job (:mod:`distgraph.runtime.launch.elastic`); ``on_start(job)`` is called
+    ``cluster`` as its cluster file when one is given, ``plan_file`` as its plan file
+    (``distgraph run --plan``) and ``restart`` as the start of an elastic job
+    (:mod:`distgraph.runtime.launch.elastic`); ``on_start(job)`` is called
     once the job runs (its status folder is ``job.status_dir``).
 
     Each rank's output is shown and also kept in ``log_dir/rank-<r>.log`` (default: a
@@ -192,7 +193,8 @@ def launch(nprocs: int, argv: list[str], cluster: str | None = None,
                             assignment.hydra_hosts()]
         here = current()
         context = LaunchContext(os.path.abspath(cluster) if cluster else here.cluster,
-                                here.plan, here.restart if restart is None else restart)
+                                here.plan, here.restart if restart is None else restart,
+                                os.path.abspath(plan_file) if plan_file else here.plan_file)
         command = launch_command(nprocs, argv, mpiexec_args, prefix, context)
         keep_logs = log_dir is not None
         if log_dir is None:

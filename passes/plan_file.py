@@ -102,9 +102,9 @@ def load(saved: PlanFile, built, cluster, ranks=None, world_size: int | None = N
     # as the planner plans: the split and the plan make millions of short-lived objects
     with _refused(saved), cyclic_collector_paused():
         if d.on == "built":
-            target = dataclasses.replace(built, program=built.program.clone())
-            _annotate(target.program, saved)
-            planned = plan(target, strategy, cluster, rank_mapping=saved.rank_mapping,
+            annotated = dataclasses.replace(built, program=built.program.clone())
+            _annotate(annotated.program, saved)
+            planned = plan(annotated, strategy, cluster, rank_mapping=saved.rank_mapping,
                            ranks=ranks)
         else:
             prepared, accumulation = prepare(built, strategy, strategy.micro_batches)

@@ -54,6 +54,7 @@ Example::
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 from dataclasses import dataclass, field
 
@@ -63,6 +64,7 @@ from distgraph.registry import spmd_rule
 from distgraph.placement import ShardSpec
 from distgraph.passes.session import Session
 from distgraph.plan.instructions import keeps_nothing
+from distgraph.plan.styles import feed_problem, search_roles, weight_problem, weight_kinds
 from distgraph.spmd import (LETTERS, UNKNOWN, DimsSpec, EinsumPlan, OpStrategy, RuleQuery,
                             SpmdRuleError, entry_dims, entry_of)
 
@@ -131,6 +133,7 @@ class SearchSpace:
     leaving: set = field(default_factory=set)
     received: dict = field(default_factory=dict)
     session: Session | None = None
+    style: str | None = None
 
     def __post_init__(self):
         whole = self.ops is None
@@ -175,6 +178,8 @@ class SearchSpace:
             for j, o in enumerate(op.outputs):
                 self.producer[o.name] = (len(self.nodes) - 1, j)
         self._tie_sources_to_updates()
+        if self.style is not None:
+            self._keep_to_style()
 
     # -- nodes ------------------------------------------------------------------------------
     def _check_mesh(self, op) -> None:
@@ -304,6 +309,40 @@ class SearchSpace:
                 self.nodes[src] = Node(src, None, old.value, old.label, old.layer, tuple(made),
                                        node.index, (True,) * len(made),
                                        tuple(m.out_specs for m in made))
+
+    def _keep_to_style(self) -> None:
+        """Forbid (``allowed`` False) the layouts of weights and feeds that ``style``'s
+        framework does not run (:mod:`distgraph.plan.styles`): on a tied weight, its
+        update's strategies that write it so."""
+        tensor, sequence = search_roles(self.mesh)
+        sizes = dict(zip(self.mesh.dim_names, self.mesh.shape))
+        kinds = self.session.table("program facts").memo(
+            (self.program, "weight kinds"), lambda: weight_kinds(self.program))
+        feeds = {v.name for v in self.program.inputs}
+
+        def bad(name, spec) -> bool:
+            v = self.program.values[name]
+            if name in feeds:
+                return feed_problem(name, v.shape, spec, sizes, tensor, sequence) is not None
+            return weight_problem(name, kinds[name], v.shape, spec, sizes, tensor,
+                                  whole_bias=True) is not None
+        for node in list(self.nodes):
+            if node.is_source and node.value not in self.boundary and node.leader < 0 \
+                    and (node.value in feeds or node.value in kinds):
+                keep = tuple(ok and not bad(node.value, s.out_specs[0])
+                             for ok, s in zip(node.allowed, node.strategies))
+            elif not node.is_source and any(o.alias_of in kinds
+                                            for o in self.program.ops[node.op].outputs):
+                outs = [(j, o.alias_of) for j, o in enumerate(self.program.ops[node.op].outputs)
+                        if o.alias_of in kinds]
+                keep = tuple(ok and not any(bad(name, s.out_specs[j]) for j, name in outs)
+                             for ok, s in zip(node.allowed, node.strategies))
+            else:
+                continue
+            if not any(keep):
+                raise PlanError(f"{node.label} has no layout on {self.mesh} that "
+                                f"{self.style} runs (Strategy(target={self.style!r}))")
+            self.nodes[node.index] = dataclasses.replace(node, allowed=keep)
 
     def rebind(self, mesh: ProcessMesh, choice, program=None) -> "SearchSpace":
         """These nodes on ``mesh`` (the same dim names, other sizes), each offering only

@@ -413,7 +413,8 @@ class RunCosts:
                       weights=self.weights, loss=self._loss(ops), memory_budget=budget,
                       time_limit=self.strategy.solver_time_limit, memory=True,
                       boundary=boundary, method=method, refined=start, prove=prove,
-                      zero=sharding_dim(self.strategy), session=self.session)
+                      zero=sharding_dim(self.strategy), session=self.session,
+                      style=self.strategy.target)
 
     def _price(self, found, mesh, device_of) -> dict:
         out = {}

@@ -102,10 +102,26 @@ def weight_problem(name: str, kind: str, shape, spec, sizes: dict, tensor: str |
 
 
 def feed_problem(name: str, shape, spec, sizes: dict, tensor: str | None,
-                 sequence: str | None = None) -> str | None:
+                 sequence: str | None = None, data: tuple = ()) -> str | None:
     """What is not the frameworks' in feed ``name`` laid out as ``spec``: a feed is split
     over the data dims along its batch (dim 0) and over the context-parallel dim
-    ``sequence`` along the sequence (dim 1), never over the tensor dim."""
+    ``sequence`` along the sequence (dim 1), never over the tensor dim. ``data``: the
+    data dims it must be split over where they divide its batch (each data-parallel rank
+    reads its own samples), and then over ``sequence`` where it divides the sequence
+    (the search's rule)."""
+    wanted = [m for m in data if sizes.get(m, 1) > 1]
+    count = 1
+    for m in wanted:
+        count *= sizes[m]
+    have = set(entry_dims(spec.dims[0])) if spec.dims else set()
+    if wanted and shape and shape[0] % count == 0 and not set(wanted) <= have:
+        return (f"feed {name} {list(shape)} is not split over the data-parallel dims "
+                f"{wanted} along its batch")
+    cp = sizes.get(sequence, 1) if data and sequence else 1
+    if cp > 1 and len(shape) > 1 and shape[1] % cp == 0 and \
+            sequence not in entry_dims(spec.dims[1]):
+        return (f"feed {name} {list(shape)} is not split over the context-parallel dim "
+                f"{sequence!r} along its sequence")
     for d, e in enumerate(spec.dims):
         for m in entry_dims(e):
             if sizes.get(m, 1) < 2:

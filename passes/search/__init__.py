@@ -149,12 +149,14 @@ def choose(built, strategy, cluster, budget: float | None = None,
 def _layouts(copy, strategy, cluster, accumulation, budget, session) -> tuple:
     """(the intra-op search's result on the program's mesh, written onto it; the rank
     mapping it priced). Under ``Strategy(target=...)`` the search's own mesh is searched
-    as each (dp, tp) shape of its devices (:func:`_target_meshes`), the fastest kept."""
+    as (data, tensor) meshes of its devices (:func:`_target_meshes`), the fastest kept."""
     program = copy.program
     micro = accumulation.micro_batches if accumulation is not None else 1
     weights = {Role.FORWARD: micro, Role.LOSS: micro, Role.BACKWARD: micro, Role.OPTIMIZE: 1}
     found, failed = None, None
-    for mesh, device_of in _target_meshes(*search_mesh(program, cluster), strategy.target):
+    rows = program.inputs[0].shape[0] if program.inputs and program.inputs[0].shape else 1
+    for mesh, device_of in _target_meshes(*search_mesh(program, cluster), strategy.target,
+                                          rows):
         try:
             result = search(program, mesh, cluster, device_of, weights=weights,
                             loss=copy.loss_name, memory_budget=budget,
@@ -173,19 +175,20 @@ def _layouts(copy, strategy, cluster, accumulation, budget, session) -> tuple:
     return found
 
 
-def _target_meshes(mesh, device_of, target) -> list:
+def _target_meshes(mesh, device_of, target, rows: int) -> list:
     """[(mesh, device_of)] the search plans on: ``mesh`` alone, or under a target where
     ``mesh`` is the search's own (dims x, y .. over processes 0 .. n-1, not annotated),
-    its processes as (n / t, t) meshes (dims x: data, y: tensor parallel) for every t
-    dividing its last dim (a machine's devices), so that the tensor degree is searched
-    as the stage search searches it."""
+    its processes as (data, tensor) meshes whose tensor dim is its last dims (none, the
+    last, ..., all), so that each of its dims is data or tensor parallel: every layout
+    there is one of ``mesh``'s, and the search under a target a restriction of it. The
+    data dim divides the batch's ``rows``: each data-parallel rank reads its own."""
     n = mesh.size
     if target is None or tuple(mesh.dim_names) != tuple(MESH_DIMS[:mesh.ndim]) or \
             list(mesh.process_ids) != list(range(n)):
         return [(mesh, device_of)]
-    inner = mesh.shape[-1]
+    tensors = sorted({int(np.prod(mesh.shape[k:])) for k in range(mesh.ndim + 1)})
     return [(ProcessMesh(np.arange(n).reshape(n // t, t).tolist(), dim_names=["x", "y"]),
-             device_of) for t in range(1, inner + 1) if inner % t == 0]
+             device_of) for t in tensors if rows % (n // t) == 0]
 
 
 def _check_target(strategy) -> None:

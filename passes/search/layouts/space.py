@@ -316,6 +316,7 @@ class SearchSpace:
         update's strategies that write it so."""
         tensor, sequence = search_roles(self.mesh)
         sizes = dict(zip(self.mesh.dim_names, self.mesh.shape))
+        data = tuple(m for m in self.mesh.dim_names if m not in (tensor, sequence))
         kinds = self.session.table("program facts").memo(
             (self.program, "weight kinds"), lambda: weight_kinds(self.program))
         feeds = {v.name for v in self.program.inputs}
@@ -323,7 +324,8 @@ class SearchSpace:
         def bad(name, spec) -> bool:
             v = self.program.values[name]
             if name in feeds:
-                return feed_problem(name, v.shape, spec, sizes, tensor, sequence) is not None
+                return feed_problem(name, v.shape, spec, sizes, tensor, sequence,
+                                    data) is not None
             return weight_problem(name, kinds[name], v.shape, spec, sizes, tensor,
                                   whole_bias=True) is not None
         for node in list(self.nodes):
@@ -373,6 +375,8 @@ class SearchSpace:
             moved = moved_to.find(at + key)
             if moved is None:
                 moved = moved_to[at + key] = self._moved(program, node, s, hint, mesh)
+            # a split or pending sum over a dim of one process here is none
+            hint = tuple(_without_unit_dims(h, mesh) for h in hint)
             nodes.append(Node(node.index, node.op, node.value, node.label, node.layer,
                               (moved,), node.leader, (True,), (hint,)))
         other = copy.copy(self)
@@ -396,11 +400,15 @@ class SearchSpace:
             except ShardingError as e:
                 raise PlanError(f"the choice for {node.label} does not divide on "
                                 f"{mesh}: {e}") from None
+        # a split or pending sum over a dim of one process here is none (as completion
+        # writes it)
+        ins = tuple(_without_unit_dims(x, mesh) for x in s.in_specs)
+        outs = tuple(_without_unit_dims(x, mesh) for x in s.out_specs)
         if node.is_source:
-            return OpStrategy(s.name, (), s.out_specs, (),
-                              (_local_shape(s.out_specs[0], v.shape, mesh),), s.flops_fraction)
+            return OpStrategy(s.name, (), outs, (),
+                              (_local_shape(outs[0], v.shape, mesh),), s.flops_fraction)
         return spmd_rule(op.type).strategy(
-            s.in_specs, s.out_specs, [v.shape for v in op.inputs],
+            ins, outs, [v.shape for v in op.inputs],
             [o.shape for o in op.outputs], mesh, [v.dtype for v in op.inputs])
 
     # -- strategies ----------------------------------------------------------------------------

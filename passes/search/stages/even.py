@@ -6,7 +6,7 @@ So under a target the stage search is no DP: for each option of
 :class:`~distgraph.passes.search.stages.runs.RunCosts` (a submesh in a logical (dp, tp) or
 (dp, cp, tp) shape, its fastest parts or a memory variant) that tiles the device mesh in
 ``S`` stages with ``S`` dividing the blocks, the stages hold ``E`` + ``k`` blocks, ``k``
-blocks ... ``k`` blocks + ``H`` (k = blocks / S), priced as the stage DP prices a stage
+blocks ... ``k`` blocks + ``H`` (k = blocks / S), its data-parallel dim dividing the micro-batch's rows, priced as the stage DP prices a stage
 (:func:`~distgraph.passes.search.stages.interleaved.alike_stages`: each stage's time with
 its transfers' share, its memory with ``min(M, S - s)`` micro-batches in flight under
 1F1B), and the least ``sum t + (M - 1) max t`` that fits wins. One stage (``S`` = 1,
@@ -48,11 +48,14 @@ def plan_even(costs, cluster, micro_batches: int = 1, below: float = math.inf) -
                         f"plan on one (target=None searches stages over several)")
     count, blocks = costs.layering.count, costs.blocks
     limit = min(cluster.device(i).memory for i in meshes[0].ids)
+    rows = costs.batch_rows()
 
     def priced(option) -> tuple | None:
         """(objective, times, memories, option, S) of ``option``'s even split, or None."""
         S = option.sub.mesh.size // option.sub.size
-        if option.sub.mesh.size % option.sub.size or len(blocks) % S:
+        # every data-parallel rank reads its own rows of each micro-batch
+        if option.sub.mesh.size % option.sub.size or len(blocks) % S or \
+                rows % option.logical[0]:
             return None
         sends = costs.p2p_seconds(option) if S > 1 else 0.0
         times, memories = [], []

@@ -11,6 +11,10 @@ clusters gives one that does not export (the restriction bites).
 
 from __future__ import annotations
 
+import json
+import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -275,3 +279,23 @@ def test_the_restriction_bites_where_the_free_search_picks_a_foreign_layout():
     kept = dg.passes.plan(built(GPT()), dg.Strategy(auto_mode="full", target="megatron"),
                           cluster)
     check_exports(kept)
+
+
+def test_the_plan_command_prints_an_export():
+    """``distgraph plan SCRIPT --export``: the tutorial's pipeline (2 stages of 2
+    data-parallel processes, 8 micro-batches) as Megatron's arguments and torchtitan's
+    fields."""
+    def plan_cli(*args):
+        return subprocess.run([sys.executable, "-m", "distgraph.cli", "plan",
+                               str(ROOT / "tutorials" / "04_pipeline.py"), *args],
+                              capture_output=True, text=True, timeout=300, cwd=ROOT)
+    proc = plan_cli("--export", "megatron")
+    assert proc.returncode == 0, proc.stderr
+    args = megatron_args(shlex.split(proc.stdout))
+    assert (args["--tensor-model-parallel-size"], args["--pipeline-model-parallel-size"]) == \
+        ("1", "2")
+    assert int(args["--global-batch-size"]) == int(args["--micro-batch-size"]) * 8 * 2
+    proc = plan_cli("--export", "torchtitan")
+    assert proc.returncode == 0, proc.stderr
+    par = json.loads(proc.stdout)["parallelism"]
+    assert (par["data_parallel_replicate_degree"], par["pipeline_parallel_degree"]) == (2, 2)

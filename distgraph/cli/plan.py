@@ -15,7 +15,10 @@ MFU, the reshards and the search summarised. ``--full`` prints the full listing 
 schedule, each process's estimate, the search's report, per-op layouts summarised per
 layer). ``--json`` prints the plan as JSON
 (``Plan.to_dict()`` with the estimate and the layer summary); ``--plot PNG`` also draws
-the plan (``Plan.plot``). With ``-n N``, a plan of another number of processes is an
+the plan (``Plan.plot``); ``--export torchtitan|megatron`` prints the plan as that
+framework's configuration instead (``Plan.export``: torchtitan's ParallelismConfig fields
+as JSON, Megatron-LM's arguments on one line; exit 1 saying why where it cannot run the
+plan). With ``-n N``, a plan of another number of processes is an
 error, and a one-process plan of an unannotated model a warning. A script whose Engine
 cannot plan (a ``PlanError`` such as stages that form a cycle) prints that error and
 exits 1.
@@ -48,8 +51,8 @@ import time
 from distgraph.errors import DistGraphError
 
 GRACE = 10.0           # seconds a stopped script gets to clean up (emulated clusters do)
-USAGE = ("distgraph plan [-h] [--cluster FILE] [-n N] [--full] [--json] [--plot PNG] SCRIPT "
-         "[options above] [ARGS] [-- ARGS]")
+USAGE = ("distgraph plan [-h] [--cluster FILE] [-n N] [--full] [--json] [--plot PNG] "
+         "[--export torchtitan|megatron] SCRIPT [options above] [ARGS] [-- ARGS]")
 DESCRIPTION = """\
 Print the plan a training script's Engine would use, without training: whether it fits
 its devices, per stage its devices, layout, layers and each group of alike processes' peak
@@ -65,6 +68,7 @@ Examples:
   distgraph plan tutorials/02_spmd_gpt.py -n 4
   distgraph plan tutorials/02_spmd_gpt.py -n 4 --full
   distgraph plan tutorials/02_spmd_gpt.py -n 4 --plot plan.png
+  distgraph plan tutorials/02_spmd_gpt.py -n 4 --export megatron
   distgraph plan tutorials/01_serial_gpt.py -- --steps 10
   distgraph plan tutorials/03_auto_parallel.py --cluster resources/clusters/local4.yaml --json
 """
@@ -78,6 +82,10 @@ def _options(p) -> None:
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--plot", metavar="PNG", help="also draw the plan into PNG (or .svg, .pdf): "
                    "stages, layers, weight splits, reshards; needs matplotlib")
+    p.add_argument("--export", choices=("torchtitan", "megatron"),
+                   help="print the plan as that framework's configuration instead: "
+                        "torchtitan's ParallelismConfig fields (JSON), Megatron-LM's "
+                        "arguments (one line)")
 
 
 def add_plan_parser(commands) -> None:
@@ -110,7 +118,7 @@ def _split(args):
     after = argparse.ArgumentParser(prog="distgraph plan SCRIPT", allow_abbrev=False)
     _options(after)
     mine, theirs = after.parse_known_args(rest[:cut])
-    for name in ("cluster", "nprocs", "full", "json", "plot"):
+    for name in ("cluster", "nprocs", "full", "json", "plot", "export"):
         if getattr(mine, name):
             setattr(args, name, getattr(mine, name))
     args.args = theirs + rest[cut + 1:]
@@ -169,7 +177,14 @@ def _plan(args) -> int:
     if mismatch and data.get("distributed", True):
         print(f"distgraph plan: {mismatch}", file=sys.stderr)
         return 1
-    if args.json:
+    if args.export:
+        exported = data["export"][args.export]
+        if isinstance(exported, dict) and "error" in exported:
+            print(f"distgraph plan: {exported['error']}", file=sys.stderr)
+            return 1
+        print(shlex.join(exported) if isinstance(exported, list) else
+              json.dumps(exported, indent=2))
+    elif args.json:
         print(json.dumps({k: v for k, v in data.items() if k not in ("text", "full_text")},
                          indent=2))
     else:

@@ -6,9 +6,9 @@ micro_batches=M, recompute=True)``, as bench/plan_gpt3.py and bench/megatron_tab
 plan it) and the same strategy with ``target="megatron"``; prints both predicted step
 times, their ratio (restricted / unrestricted: >= 1, a restriction can only cost), the
 restricted plan's ``plan.export("megatron")`` and whether the unrestricted plan exports
-(and if not, why). For Table 1 rows also Megatron's own (t, p) plan
-(:func:`gpt_scale.megatron_plan`) exported, as a check that the export reads Megatron's
-layout back as its arguments.
+(and if not, why). Also Megatron's own (t, p) plan (Table 1's, and (8, 16) for GPT-3:
+:func:`gpt_scale.megatron_plan`) priced and exported, as a check that the export reads
+Megatron's layout back as its arguments.
 
 Run::
 
@@ -80,8 +80,9 @@ def main() -> None:
     args = parser.parse_args()
     results = []
     if args.gpt3:
+        # Megatron's own: Narayanan et al.'s (t, p) = (8, 16) at dp = 8 for this model
         r = compare("GPT-3 175B", 96, 12288, 96, 1536, 192, dg.Cluster.from_file(DGX_FILE),
-                    args.time_limit)
+                    args.time_limit, own=(8, 16))
         results.append(r)
         print(report(r), flush=True)
     for row in [r for r in TABLE1 if r.name in args.rows.split(",")]:

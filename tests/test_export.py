@@ -249,9 +249,19 @@ def _shipped(name):
     return lambda: dg.Cluster.from_file(ROOT / "resources" / "clusters" / name)
 
 
+def _llama():
+    return dg.nn.Llama(vocab_size=64, hidden_size=32, intermediate_size=64,
+                       num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                       max_position_embeddings=SEQ)
+
+
+# model, cluster, batch, more of the strategy
 SEARCHED = {
-    "gpt on 4 cpus": (lambda: GPT(n_layer=4), lambda: dg.Cluster.local(4), 8),
-    "gpt on 2 x 8 gpus": (lambda: GPT(n_layer=4), _shipped("gpu_2x8.yaml"), 16),
+    "gpt on 4 cpus": (lambda: GPT(n_layer=4), lambda: dg.Cluster.local(4), 8, {}),
+    "gpt on 2 x 8 gpus": (lambda: GPT(n_layer=4), _shipped("gpu_2x8.yaml"), 16, {}),
+    "gpt on 2 x 8 gpus, zero": (lambda: GPT(n_layer=4), _shipped("gpu_2x8.yaml"), 16,
+                                {"sharding": True}),
+    "llama on 4 cpus": (_llama, lambda: dg.Cluster.local(4), 8, {}),
 }
 
 
@@ -259,15 +269,17 @@ SEARCHED = {
 @pytest.mark.parametrize("pipeline", [False, True], ids=["layouts", "stages"])
 @pytest.mark.parametrize("case", list(SEARCHED))
 def test_a_restricted_search_always_exports_and_is_a_restriction(case, pipeline):
-    model, cluster, batch = SEARCHED[case]
+    model, cluster, batch, more = SEARCHED[case]
     cluster = cluster()
     micro = 4 if pipeline else 1
     free = dg.passes.plan(built(model(), batch), dg.Strategy(
-        auto_mode="full", pipeline=pipeline, micro_batches=micro), cluster)
+        auto_mode="full", pipeline=pipeline, micro_batches=micro, **more), cluster)
     for target in ("megatron", "torchtitan"):
         plan = dg.passes.plan(built(model(), batch), dg.Strategy(
-            auto_mode="full", pipeline=pipeline, micro_batches=micro, target=target), cluster)
-        check_exports(plan)
+            auto_mode="full", pipeline=pipeline, micro_batches=micro, target=target, **more),
+            cluster)
+        titan, args = check_exports(plan)
+        assert ("--use-distributed-optimizer" in args) == bool(more.get("sharding"))
         assert plan.estimate.step_time >= free.estimate.step_time * (1 - 1e-9)
 
 

@@ -191,7 +191,7 @@ def degrees(plan, target: str = "megatron") -> Degrees:
         raise _cannot(target, "the batch is split unevenly over the data-parallel groups "
                       "(Strategy(balance=True))")
     zero = _zero_dim(strategy)
-    if zero is not None and zero not in data:
+    if zero is not None and zero not in data and sizes.get(zero, 1) > 1:
         raise _cannot(target, f"ZeRO shards over mesh dim {zero!r}, not a data-parallel dim "
                       f"({data})")
     dp = 1

@@ -93,28 +93,36 @@ def megatron_args(argv: list) -> dict:
     return out
 
 
-def check_exports(plan):
-    """Both exports of ``plan``, checked against the plan's world and batch."""
+def check_exports(plan, targets=("torchtitan", "megatron")):
+    """The exports of ``plan`` to ``targets``, checked against the plan's world and
+    batch: (torchtitan's dict or None, Megatron's arguments as a dict or None)."""
     world, rows = plan.world_size, plan.program.inputs[0].shape[0] * plan.micro_batches
-    titan = plan.export("torchtitan")
-    par = titan["parallelism"]
-    dp = par["data_parallel_replicate_degree"] * par["data_parallel_shard_degree"]
-    assert dp * par["tensor_parallel_degree"] * par["pipeline_parallel_degree"] * \
-        par["context_parallel_degree"] == world
-    assert titan["training"]["global_batch_size"] == rows
-    assert titan["training"]["local_batch_size"] * dp == rows // (
-        1 if par["pipeline_parallel_degree"] > 1 else plan.micro_batches)
-    args = megatron_args(plan.export("megatron"))
-    tp, pp = int(args["--tensor-model-parallel-size"]), int(args["--pipeline-model-parallel-size"])
-    cp = int(args["--context-parallel-size"])
-    mdp = world // (tp * pp * cp)
-    assert mdp * tp * pp * cp == world and mdp == dp
-    assert int(args["--global-batch-size"]) == \
-        int(args["--micro-batch-size"]) * plan.micro_batches * mdp == rows
-    titan_config = _titan()
-    if titan_config is not None:         # torchtitan's own config takes the fields
-        made = titan_config.ParallelismConfig(**par)
-        assert made.tensor_parallel_degree == par["tensor_parallel_degree"]
+    titan = args = None
+    if "torchtitan" in targets:
+        titan = plan.export("torchtitan")
+        par = titan["parallelism"]
+        dp = par["data_parallel_replicate_degree"] * par["data_parallel_shard_degree"]
+        assert dp * par["tensor_parallel_degree"] * par["pipeline_parallel_degree"] * \
+            par["context_parallel_degree"] == world
+        assert titan["training"]["global_batch_size"] == rows
+        assert titan["training"]["local_batch_size"] * dp == rows // (
+            1 if par["pipeline_parallel_degree"] > 1 else plan.micro_batches)
+        titan_config = _titan()
+        if titan_config is not None:         # torchtitan's own config takes the fields
+            made = titan_config.ParallelismConfig(**par)
+            assert made.tensor_parallel_degree == par["tensor_parallel_degree"]
+    if "megatron" in targets:
+        args = megatron_args(plan.export("megatron"))
+        tp = int(args["--tensor-model-parallel-size"])
+        pp = int(args["--pipeline-model-parallel-size"])
+        cp = int(args["--context-parallel-size"])
+        dp = world // (tp * pp * cp)
+        assert dp * tp * pp * cp == world and dp % int(args["--expert-model-parallel-size"]) == 0
+        assert int(args["--global-batch-size"]) == \
+            int(args["--micro-batch-size"]) * plan.micro_batches * dp == rows
+        if titan is not None:
+            assert dp == titan["parallelism"]["data_parallel_replicate_degree"] * \
+                titan["parallelism"]["data_parallel_shard_degree"]
     return titan, args
 
 
@@ -181,6 +189,34 @@ def test_a_llama_laid_out_by_parallelize_exports():
             titan["parallelism"]["pipeline_parallel_degree"],
             titan["parallelism"]["data_parallel_replicate_degree"]) == (2, 2, 2)
     assert degrees(plan).blocks_per_chunk == 2
+
+
+def _mixtral(layers=2):
+    return dg.nn.Mixtral(vocab_size=64, hidden_size=32, intermediate_size=32,
+                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=SEQ, num_local_experts=4,
+                         num_experts_per_tok=2)
+
+
+@pytest.mark.parametrize("dims,megatron", [(("ep", "mp"), True), (("dp", "ep"), False)])
+def test_experts_over_data_ranks_export_as_expert_parallelism(dims, megatron):
+    """Mixtral's experts split over the ``ep`` dim that splits the batch too: Megatron's
+    --expert-model-parallel-size; torchtitan's expert parallelism borrows FSDP's, context
+    and tensor parallelism's ranks, so without those it cannot run it."""
+    mesh = dg.ProcessMesh(np.arange(4).reshape(2, 2).tolist(), list(dims))
+    config = {"mp_config": {"parallelize_plan": "megatron"}} if "mp" in dims else {}
+    plan = dg.passes.plan(built(dg.parallelize(_mixtral(), mesh, config)), dg.Strategy())
+    args = megatron_args(plan.export("megatron"))
+    assert args["--expert-model-parallel-size"] == "2"
+    assert args["--tensor-model-parallel-size"] == ("2" if "mp" in dims else "1")
+    if megatron:
+        assert plan.export("torchtitan")["parallelism"]["expert_parallel_degree"] == 2
+    else:
+        with pytest.raises(dg.DistGraphError, match="borrows its ranks from FSDP"):
+            plan.export("torchtitan")
+    zero = dg.passes.plan(built(dg.parallelize(_mixtral(), mesh, config)),
+                          dg.Strategy(sharding=True, sharding_mesh_dim=dims[0]))
+    assert zero.export("torchtitan")["parallelism"]["expert_parallel_degree"] == 2
 
 
 def _split_embedding_by_hidden(model, meshes):
@@ -262,6 +298,7 @@ SEARCHED = {
     "gpt on 2 x 8 gpus, zero": (lambda: GPT(n_layer=4), _shipped("gpu_2x8.yaml"), 16,
                                 {"sharding": True}),
     "llama on 4 cpus": (_llama, lambda: dg.Cluster.local(4), 8, {}),
+    "mixtral on 4 cpus": (lambda: _mixtral(4), lambda: dg.Cluster.local(4), 8, {}),
 }
 
 
@@ -278,8 +315,9 @@ def test_a_restricted_search_always_exports_and_is_a_restriction(case, pipeline)
         plan = dg.passes.plan(built(model(), batch), dg.Strategy(
             auto_mode="full", pipeline=pipeline, micro_batches=micro, target=target, **more),
             cluster)
-        titan, args = check_exports(plan)
-        assert ("--use-distributed-optimizer" in args) == bool(more.get("sharding"))
+        titan, args = check_exports(plan, (target,))
+        if args is not None:
+            assert ("--use-distributed-optimizer" in args) == bool(more.get("sharding"))
         assert plan.estimate.step_time >= free.estimate.step_time * (1 - 1e-9)
 
 
@@ -311,3 +349,10 @@ def test_the_plan_command_prints_an_export():
     assert proc.returncode == 0, proc.stderr
     par = json.loads(proc.stdout)["parallelism"]
     assert (par["data_parallel_replicate_degree"], par["pipeline_parallel_degree"]) == (2, 2)
+
+
+def test_a_target_pipeline_needs_identical_blocks():
+    with pytest.raises(dg.PlanError, match="no run of identical blocks"):
+        dg.passes.plan(built(_mixtral(2)), dg.Strategy(auto_mode="full", target="megatron",
+                                                        pipeline=True, micro_batches=2),
+                       dg.Cluster.local(2))

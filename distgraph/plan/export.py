@@ -169,6 +169,8 @@ def degrees(plan, target: str = "megatron") -> Degrees:
     kinds = weight_kinds(program)
     split = {m for v in program.parameters for e in v.dist_attr.spec.dims
              for m in entry_dims(e) if sizes.get(m, 1) > 1 and m not in data}
+    experts = {m for v in program.parameters if kinds[v.name] == "expert"
+               for m in entry_dims(v.dist_attr.spec.dims[0]) if m in data}
     split -= set(sequence)
     if len(split) > 1:
         raise _cannot(target, f"weights are split over mesh dims {sorted(split)}: tensor "
@@ -197,10 +199,21 @@ def degrees(plan, target: str = "megatron") -> Degrees:
     dp = 1
     for m in data:
         dp *= sizes[m]
+    ep = 1
+    for m in experts:
+        ep *= sizes[m]
+    if ep > 1 and target == "torchtitan":
+        dense = (dp if zero is not None else 1) * (sizes[tensor] if tensor else 1) * \
+            (sizes[sequence[0]] if sequence else 1)
+        if dense % ep:
+            raise _cannot(target, f"the experts are split over {ep} ranks, but torchtitan's "
+                          f"expert parallelism borrows its ranks from FSDP, context and tensor "
+                          f"parallelism ({dense} here: data_parallel_shard_degree x cp x tp); "
+                          f"shard over the data-parallel dims (Strategy(sharding=True))")
     virtual, per_chunk = _chunks(plan, stages, target)
     rows = int(feed.shape[0])
     return Degrees(dp=dp, tp=sizes.get(tensor, 1) if tensor else 1, pp=len(stages),
-                   cp=sizes[sequence[0]] if sequence else 1, ep=1, virtual=virtual,
+                   cp=sizes[sequence[0]] if sequence else 1, ep=ep, virtual=virtual,
                    blocks_per_chunk=per_chunk, micro_batch=rows // dp,
                    micro_batches=plan.micro_batches,
                    seq_len=int(feed.shape[1]) if len(feed.shape) > 1 else 1,

@@ -27,7 +27,7 @@ from distgraph.spmd.specs import entry_dims
 
 # how a weight is read in the forward: the op types that say it
 _KINDS = {"matmul": "linear", "embedding": "embedding", "layer_norm": "norm",
-          "rms_norm": "norm", "add": "bias"}
+          "rms_norm": "norm", "add": "bias", "moe_ffn": "expert"}
 # ops a weight may pass through on its way to the op that reads it (amp's cast)
 _THROUGH = ("cast",)
 
@@ -35,12 +35,17 @@ _THROUGH = ("cast",)
 def weight_kinds(program) -> dict:
     """{parameter name: how the forward reads it}: "linear" (a matmul operand),
     "embedding" (an embedding's table), "norm" (a norm's scale or shift), "bias" (an
-    add's operand) or "other"; looked up through casts."""
+    add's operand), "expert" (a mixture of experts' stacked weights), "router" (a Linear
+    inside a mixture of experts' layer: its gate, whole in both frameworks) or "other";
+    looked up through casts."""
     readers: dict = {}
+    moe = set()
     for op in program.ops:
         if op.role in (Role.FORWARD, Role.LOSS):
             for v in op.inputs:
                 readers.setdefault(v.name, []).append(op)
+            if op.type == "moe_ffn" and op.layer:
+                moe.add(op.layer + ".")
     out = {}
     for p in program.parameters:
         names, kinds = [p.name], []
@@ -51,12 +56,16 @@ def weight_kinds(program) -> dict:
                 else:
                     kinds.append(_KINDS.get(op.type, "other"))
         # a table tied to the LM head is read both ways: its vocabulary split is the one
-        out[p.name] = "embedding" if "embedding" in kinds else kinds[0] if kinds else "other"
+        kind = "embedding" if "embedding" in kinds else kinds[0] if kinds else "other"
+        if kind == "linear" and any(p.name.startswith(m) for m in moe):
+            kind = "router"
+        out[p.name] = kind
     return out
 
 
 def weight_problem(name: str, kind: str, shape, spec, sizes: dict, tensor: str | None,
-                   data_ok: bool = False, whole_bias: bool = False) -> str | None:
+                   data_ok: bool = False, whole_bias: bool = False,
+                   experts_ok: bool = True) -> str | None:
     """What is not Megatron's / torchtitan's in weight ``name`` (of ``kind``, ``shape``)
     laid out as ``spec`` on a mesh of ``sizes`` ({dim: size}) whose tensor-parallel dim
     is ``tensor`` (None: none), or None where nothing is. ``data_ok``: a split over
@@ -64,10 +73,14 @@ def weight_problem(name: str, kind: str, shape, spec, sizes: dict, tensor: str |
     ``whole_bias``: a bias must be whole over the tensor dim too (the search's rule: a
     column Linear's output, split, adds its slice of a whole bias, which computes the
     same; a split bias is column parallel only beside a column-split weight, a pair of
-    choices the search's per-node rule cannot tie)."""
+    choices the search's per-node rule cannot tie). ``experts_ok``: experts may be split
+    over a data dim (expert parallelism; the search under torchtitan does not, as its
+    expert parallelism needs FSDP's ranks)."""
     over = [(d, m) for d, e in enumerate(spec.dims) for m in entry_dims(e)
             if sizes.get(m, 1) > 1]
-    other = [(d, m) for d, m in over if m != tensor]
+    # experts split over a data dim on their expert dim: expert parallelism
+    other = [(d, m) for d, m in over
+             if m != tensor and not (kind == "expert" and d == 0 and experts_ok)]
     if other and not data_ok:
         d, m = other[0]
         return (f"{name} {list(shape)} is split over mesh dim {m!r} (its dim {d}), which is "
@@ -85,6 +98,13 @@ def weight_problem(name: str, kind: str, shape, spec, sizes: dict, tensor: str |
             return (f"Linear weight {name} {list(shape)} is whole over the tensor dim "
                     f"{tensor!r} of {t} processes: both frameworks split every Linear "
                     f"column- or row-wise under tensor parallelism")
+        return None
+    if kind == "expert":
+        if on_t and on_t[0] < n - 2:
+            return (f"expert weights {name} {list(shape)} are split over the tensor dim "
+                    f"{tensor!r} along their dim {on_t[0]}: both frameworks split each "
+                    f"expert's matrix over it (expert tensor parallelism), the experts over "
+                    f"data-parallel ranks (expert parallelism)")
         return None
     if kind == "embedding":
         if on_t and on_t[0] != 0:

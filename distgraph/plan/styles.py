@@ -6,13 +6,16 @@ Megatron's column / row style (a Linear weight ``[in, out]`` split over its outp
 features, column, or its input features, row; Megatron's ColumnParallelLinear /
 RowParallelLinear, torchtitan's ColwiseParallel / RowwiseParallel), the embedding table
 over its vocabulary (VocabParallelEmbedding; torchtitan's RowwiseParallel on
-``tok_embeddings``), a column Linear's bias with its columns, norms and a row Linear's
-bias whole; data parallelism over the other mesh dims (the batch split there, every
-weight whole: the distributed optimizer / FSDP shards only what ZeRO shards after the
-search); context parallelism over a mesh dim splitting the sequence. Where the tensor
-dim has more than one process every Linear weight is split over it (neither framework
-leaves a block's Linear whole under tensor parallelism), unless neither of its matrix
-dims divides there.
+``tok_embeddings``), norms whole, a bias whole or split (a column Linear's with its
+columns; a row Linear's sum reduce-scattered onto its features may add a split bias,
+which moves the bytes Megatron's all-reduce moves: the degrees are the same); a mixture
+of experts' experts split over data-parallel ranks (expert parallelism) and its router
+whole; data parallelism over the other mesh dims (the batch split there, every weight
+whole: the distributed optimizer / FSDP shards only what ZeRO shards after the search);
+context parallelism over a mesh dim splitting the sequence. Where the tensor dim has
+more than one process every Linear weight is split over it (neither framework leaves a
+block's Linear whole under tensor parallelism), unless neither of its matrix dims
+divides there.
 
 Example::
 
@@ -64,16 +67,12 @@ def weight_kinds(program) -> dict:
 
 
 def weight_problem(name: str, kind: str, shape, spec, sizes: dict, tensor: str | None,
-                   data_ok: bool = False, whole_bias: bool = False,
-                   experts_ok: bool = True) -> str | None:
+                   data_ok: bool = False, experts_ok: bool = True) -> str | None:
     """What is not Megatron's / torchtitan's in weight ``name`` (of ``kind``, ``shape``)
     laid out as ``spec`` on a mesh of ``sizes`` ({dim: size}) whose tensor-parallel dim
     is ``tensor`` (None: none), or None where nothing is. ``data_ok``: a split over
     another mesh dim is FSDP's (torchtitan's ``data_parallel_shard_degree``).
-    ``whole_bias``: a bias must be whole over the tensor dim too (the search's rule: a
-    column Linear's output, split, adds its slice of a whole bias, which computes the
-    same; a split bias is column parallel only beside a column-split weight, a pair of
-    choices the search's per-node rule cannot tie). ``experts_ok``: experts may be split
+    ``experts_ok``: experts may be split
     over a data dim (expert parallelism; the search under torchtitan does not, as its
     expert parallelism needs FSDP's ranks)."""
     over = [(d, m) for d, e in enumerate(spec.dims) for m in entry_dims(e)
@@ -112,7 +111,7 @@ def weight_problem(name: str, kind: str, shape, spec, sizes: dict, tensor: str |
                     f"{tensor!r} along its dim {on_t[0]}: both frameworks split the "
                     f"vocabulary (dim 0)")
         return None
-    if kind == "bias" and n == 1 and not whole_bias:
+    if kind == "bias" and n == 1:
         return None
     if on_t:
         what = {"norm": "norm weight", "bias": "weight"}.get(kind, "weight")

@@ -327,7 +327,6 @@ class SearchSpace:
                 return feed_problem(name, v.shape, spec, sizes, tensor, sequence,
                                     data) is not None
             return weight_problem(name, kinds[name], v.shape, spec, sizes, tensor,
-                                  whole_bias=True,
                                   experts_ok=self.style == "megatron") is not None
         for node in list(self.nodes):
             if node.is_source and node.value not in self.boundary and node.leader < 0 \

@@ -174,6 +174,9 @@ def test_hand_plans_export_their_degrees(case):
     elif want[3] > 1:
         assert par["pipeline_parallel_schedule"] == "1F1B"
         assert par["pipeline_parallel_layers_per_stage"] == 2
+    if want[3] > 1:     # torchtitan then splits the blocks as the plan does
+        assert par["pipeline_parallel_first_stage_less_layers"] == 0
+        assert par["pipeline_parallel_last_stage_less_layers"] == 0
 
 
 def test_a_llama_laid_out_by_parallelize_exports():

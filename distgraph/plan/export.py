@@ -4,7 +4,10 @@
 fields of torchtitan's ``ParallelismConfig`` (``data_parallel_replicate_degree``,
 ``data_parallel_shard_degree``, ``tensor_parallel_degree``, ``enable_sequence_parallel``,
 ``pipeline_parallel_degree``, ``pipeline_parallel_schedule``,
-``pipeline_parallel_layers_per_stage``, ``pipeline_parallel_microbatch_size``,
+``pipeline_parallel_layers_per_stage`` with ``pipeline_parallel_first_stage_less_layers``
+and ``pipeline_parallel_last_stage_less_layers`` 0 (torchtitan then puts that many blocks
+in each (virtual) stage, the embedding in the first and the head in the last, as the
+plan does), ``pipeline_parallel_microbatch_size``,
 ``context_parallel_degree``, ``expert_parallel_degree``: ``ParallelismConfig(**d)``
 builds it); ``"activation_checkpoint"``, ``{"mode": "none" | "full"}`` (its
 ActivationCheckpoint mode); ``"training"``, ``local_batch_size``, ``global_batch_size``
@@ -109,6 +112,9 @@ def export(plan, target: str):
                 "pipeline_parallel_degree": d.pp,
                 "pipeline_parallel_schedule": schedule,
                 "pipeline_parallel_layers_per_stage": d.blocks_per_chunk if d.pp > 1 else None,
+                # the embedding and the head count as no layer: the blocks split evenly
+                "pipeline_parallel_first_stage_less_layers": 0 if d.pp > 1 else 1,
+                "pipeline_parallel_last_stage_less_layers": 0 if d.pp > 1 else 1,
                 "pipeline_parallel_microbatch_size": d.micro_batch,
                 "context_parallel_degree": d.cp,
                 "expert_parallel_degree": d.ep,

@@ -278,6 +278,9 @@ def test_unknown_targets_and_semi_targets_are_refused():
         dg.Strategy(auto_mode="full", target="deepspeed")
     with pytest.raises(dg.DistGraphError, match="use it with auto_mode='full'"):
         dg.Strategy(target="megatron")
+    with pytest.raises(dg.PlanError, match="splits the batch evenly"):
+        dg.passes.plan(built(GPT()), dg.Strategy(auto_mode="full", target="torchtitan",
+                                                 balance=True), dg.Cluster.local(2))
     with pytest.raises(dg.PlanError, match="megatron has no pipeline schedule 'FThenB'"):
         dg.passes.plan(built(GPT()), dg.Strategy(auto_mode="full", target="megatron",
                                                  pipeline=True, micro_batches=2,

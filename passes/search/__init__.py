@@ -200,6 +200,9 @@ def _check_target(strategy) -> None:
         raise PlanError(f"Strategy(target={target!r}) does not interleave stages: distgraph "
                         f"cuts virtual stages by equal work, {target} by whole layers; "
                         f"use virtual_stages=1 and schedule '1F1B'")
+    if strategy.balance:
+        raise PlanError(f"Strategy(target={target!r}, balance=True): {target} splits the batch "
+                        f"evenly over its data-parallel ranks; leave balance False")
     if strategy.pipeline and strategy.schedule not in TARGET_SCHEDULES[target]:
         raise PlanError(f"{target} has no pipeline schedule {strategy.schedule!r}; with "
                         f"Strategy(target={target!r}) use one of "

@@ -38,6 +38,11 @@ may be split too, which costs nothing in correctness) or sum over it (the weight
 gradients), so that it is context parallelism and not a third tp or dp, and a 3-D
 mesh offers about as many strategies per op as a 2-D one.
 
+**Under a target** (``style``: ``Strategy(target=...)``) the layouts of weights and feeds
+that Megatron-LM / torchtitan do not run are forbidden (``allowed`` False, an infinite
+price): the mesh's last dim is tensor parallel, the others data parallel
+(:mod:`distgraph.plan.styles`, the predicate ``plan.export`` checks with).
+
 **Annotations are hard constraints**: an annotated source keeps its layout, an annotated
 result is produced as annotated, a ``shard_op`` in_spec is consumed as given; an op that
 carries one chooses freely among the strategies that agree. A strategy that consumes

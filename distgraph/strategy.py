@@ -9,6 +9,7 @@ from distgraph.errors import DistGraphError
 SCHEDULES = ("1F1B", "FThenB", "ZB", "ZBV")
 SEARCHES = ("ilp", "recursive", "auto")
 AMP_DTYPES = ("bfloat16", "float16")
+TARGETS = ("torchtitan", "megatron")
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,13 @@ class Strategy:
     yet: none is silently ignored. ``context_parallel`` ("ring" or "ulysses") is how
     attention runs where the sequence is split over a mesh dim (``shard_dataloader(...,
     sequence_dim=...)``); None: per attention op, the form that moves fewer bytes
-    (:mod:`distgraph.ops.context_parallel`)."""
+    (:mod:`distgraph.ops.context_parallel`). ``target`` ("torchtitan" or "megatron";
+    None: no restriction) keeps the automatic search (``auto_mode="full"``) to plans
+    that framework runs, so that ``plan.export(target)`` gives its configuration
+    (:mod:`distgraph.plan.styles`, :mod:`distgraph.plan.export`): every Linear weight
+    split column- or row-wise over one tensor-parallel mesh dim, data parallel over the
+    rest, stages of the same mesh shape holding the same number of blocks, no
+    interleaving, a schedule the framework has."""
 
     auto_mode: str = "semi"
     pipeline: bool = False
@@ -85,6 +92,7 @@ class Strategy:
     sequence_parallel: bool = False
     context_parallel: str | None = None
     memory_check: bool = False
+    target: str | None = None
 
     @property
     def search_method(self) -> str:
@@ -96,6 +104,15 @@ class Strategy:
             raise DistGraphError(f"Strategy.context_parallel must be 'ring', 'ulysses' or None "
                                  f"(the cost model chooses per attention op), got "
                                  f"{self.context_parallel!r}")
+        if self.target is not None and self.target not in TARGETS:
+            raise DistGraphError(f"Strategy.target must be None or one of "
+                                 f"{', '.join(map(repr, TARGETS))} (the framework whose "
+                                 f"layouts the search keeps to), got {self.target!r}")
+        if self.target is not None and self.auto_mode != "full":
+            raise DistGraphError(f"Strategy.target={self.target!r} restricts the automatic "
+                                 f"search: use it with auto_mode='full' (under 'semi' the "
+                                 f"annotations decide; plan.export({self.target!r}) says "
+                                 f"whether the plan is one {self.target} runs)")
         if self.auto_mode not in ("semi", "full"):
             raise DistGraphError(f"Strategy.auto_mode must be 'semi' or 'full', got {self.auto_mode!r}")
         if self.search is not None and self.search not in SEARCHES:

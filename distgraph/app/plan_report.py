@@ -17,6 +17,7 @@ import tempfile
 
 from distgraph.errors import DistGraphError, TooFewDevicesError
 from distgraph.passes.cost.estimate import estimate
+from distgraph.plan.export import TARGETS
 from distgraph.resources.cluster import Cluster
 from distgraph.runtime.launch.context import PlanReported, PlanRequest
 
@@ -28,7 +29,8 @@ def report(plan, cluster=None) -> dict:
     """The plan as plain data with its estimate (priced on ``cluster``, else the plan's
     own, else this machine as the plan's processes), the per-layer op summary, and two
     texts: ``text``, ``plan.explain()`` (the summary ``distgraph plan`` prints), and
-    ``full_text``, ``plan.explain(full=True)`` with the per-layer summary (``--full``)."""
+    ``full_text``, ``plan.explain(full=True)`` with the per-layer summary (``--full``);
+    ``export``: :func:`exports`."""
     data = plan.to_dict()
     data["layers"] = layer_summary(plan)
     est, priced = plan.estimate, None
@@ -42,10 +44,23 @@ def report(plan, cluster=None) -> dict:
             est = None
         else:
             data["estimate"] = est.to_dict()
+    data["export"] = exports(plan)
     data["text"] = plan.explain(estimate=est, cluster=priced)
     data["full_text"] = "\n".join([plan.explain(full=True, estimate=est),
                                    *_summary_lines(data["layers"])])
     return data
+
+
+def exports(plan) -> dict:
+    """{target: ``plan.export(target)``, or {"error": why it cannot}} for torchtitan
+    and Megatron-LM (``distgraph plan --export``)."""
+    out = {}
+    for target in TARGETS:
+        try:
+            out[target] = plan.export(target)
+        except DistGraphError as e:
+            out[target] = {"error": str(e)}
+    return out
 
 
 def layer_summary(plan) -> dict:

@@ -17,8 +17,11 @@ layer). ``--json`` prints the plan as JSON
 (``Plan.to_dict()`` with the estimate and the layer summary); ``--plot PNG`` also draws
 the plan (``Plan.plot``); ``--save PATH`` writes its plan file (``Plan.save``: the
 decisions and what they were made for, :mod:`distgraph.plan.file`), which
-``distgraph run -n N --plan PATH SCRIPT`` runs without searching again. With ``-n N``, a
-plan of another number of processes is an
+``distgraph run -n N --plan PATH SCRIPT`` runs without searching again;
+``--export torchtitan|megatron`` prints the plan as that
+framework's configuration instead (``Plan.export``: torchtitan's ParallelismConfig fields
+as JSON, Megatron-LM's arguments on one line; exit 1 saying why where it cannot run the
+plan). With ``-n N``, a plan of another number of processes is an
 error, and a one-process plan of an unannotated model a warning. A script whose Engine
 cannot plan (a ``PlanError`` such as stages that form a cycle) prints that error and
 exits 1.
@@ -52,7 +55,7 @@ from distgraph.errors import DistGraphError
 
 GRACE = 10.0           # seconds a stopped script gets to clean up (emulated clusters do)
 USAGE = ("distgraph plan [-h] [--cluster FILE] [-n N] [--full] [--json] [--plot PNG] "
-         "[--save PATH] SCRIPT [options above] [ARGS] [-- ARGS]")
+         "[--save PATH] [--export torchtitan|megatron] SCRIPT [options above] [ARGS] [-- ARGS]")
 DESCRIPTION = """\
 Print the plan a training script's Engine would use, without training: whether it fits
 its devices, per stage its devices, layout, layers and each group of alike processes' peak
@@ -69,6 +72,7 @@ Examples:
   distgraph plan tutorials/02_spmd_gpt.py -n 4 --full
   distgraph plan tutorials/02_spmd_gpt.py -n 4 --plot plan.png
   distgraph plan tutorials/03_auto_parallel.py -n 4 --save gpt.plan.json
+  distgraph plan tutorials/02_spmd_gpt.py -n 4 --export megatron
   distgraph plan tutorials/01_serial_gpt.py -- --steps 10
   distgraph plan tutorials/03_auto_parallel.py --cluster resources/clusters/local4.yaml --json
 """
@@ -84,6 +88,10 @@ def _options(p) -> None:
                    "stages, layers, weight splits, reshards; needs matplotlib")
     p.add_argument("--save", metavar="PATH", help="also write the plan file (Plan.save) that "
                    "`distgraph run --plan PATH` runs without searching again")
+    p.add_argument("--export", choices=("torchtitan", "megatron"),
+                   help="print the plan as that framework's configuration instead: "
+                        "torchtitan's ParallelismConfig fields (JSON), Megatron-LM's "
+                        "arguments (one line)")
 
 
 def add_plan_parser(commands) -> None:
@@ -116,7 +124,7 @@ def _split(args):
     after = argparse.ArgumentParser(prog="distgraph plan SCRIPT", allow_abbrev=False)
     _options(after)
     mine, theirs = after.parse_known_args(rest[:cut])
-    for name in ("cluster", "nprocs", "full", "json", "plot", "save"):
+    for name in ("cluster", "nprocs", "full", "json", "plot", "save", "export"):
         if getattr(mine, name):
             setattr(args, name, getattr(mine, name))
     args.args = theirs + rest[cut + 1:]
@@ -164,7 +172,14 @@ def _plan(args) -> int:
     if mismatch and data.get("distributed", True):
         print(f"distgraph plan: {mismatch}", file=sys.stderr)
         return 1
-    if args.json:
+    if args.export:
+        exported = data["export"][args.export]
+        if isinstance(exported, dict) and "error" in exported:
+            print(f"distgraph plan: {exported['error']}", file=sys.stderr)
+            return 1
+        print(shlex.join(exported) if isinstance(exported, list) else
+              json.dumps(exported, indent=2))
+    elif args.json:
         print(json.dumps({k: v for k, v in data.items() if k not in ("text", "full_text")},
                          indent=2))
     else:

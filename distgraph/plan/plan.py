@@ -35,6 +35,7 @@ from distgraph.plan.accumulation import Accumulation
 from distgraph.plan.devices import DeviceAssignment
 from distgraph.plan.explain import model_flops, summary
 from distgraph.plan.file import Decisions
+from distgraph.plan.export import export
 from distgraph.plan.kinds import collective_bytes
 from distgraph.plan.listing import full_listing
 from distgraph.plan.protocols import (BatchSplitLike, CheckpointIntervalLike, ClusterLike,
@@ -334,6 +335,13 @@ class Plan:
             if value is not None:
                 out["placement" if name == "devices" else name] = value.to_dict()
         return out
+
+    def export(self, target: str):
+        """This plan as ``target``'s configuration: "torchtitan" gives a dict (its
+        ParallelismConfig fields, activation-checkpoint mode, batch sizes), "megatron" an
+        argv list of Megatron-LM's arguments; DistGraphError saying what the framework
+        cannot express (:mod:`distgraph.plan.export`)."""
+        return export(self, target)
 
     def to_json(self, indent: int | None = 2) -> str:
         return json.dumps(self.to_dict(), indent=indent)

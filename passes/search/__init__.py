@@ -19,6 +19,7 @@ Which module decides what:
 | what passing a stage's blocks on costs | ``stages/boundary.py``, ``part_costs.py`` | cross-mesh reshards priced as the estimate prices them |
 | the mesh of a search without stages | ``layouts/mesh.py`` | the annotations' mesh, else the cluster's device mesh |
 | every op's layout on a mesh | ``layouts/intra_op.py`` | Alpa's ILP (``ilp.py`` on SCIP, ``ilp_bound.py``), MindSpore's double recursion (``recursive.py``, ``tree_moves.py``) |
+| what a framework runs (``Strategy(target=...)``) | ``layouts/space.py`` (weights' and feeds' layouts), ``stages/even.py`` (even splits), here (the (dp, tp) shapes of a search without stages) | :mod:`distgraph.plan.styles`'s predicate, shared with ``plan.export`` |
 | what a layout costs | ``layouts/costs.py``, ``charges.py``, ``liveness.py``, ``sharded_states.py`` | the cost model's prices (:mod:`distgraph.passes.cost`) on each strategy |
 
 Every memo of one planning lives in its :class:`~distgraph.passes.session.Session`
@@ -54,16 +55,24 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+import numpy as np
+
+from distgraph.errors import PlanError
 from distgraph.ir import Role
+from distgraph.mesh import ProcessMesh
 from distgraph.passes.prepare import transformed
 from distgraph.passes.search.layouts.intra_op import search
 from distgraph.passes.search.layouts.mesh import search_mesh
 from distgraph.passes.search.layouts.sharded_states import sharding_dim
+from distgraph.passes.search.layouts.space import MESH_DIMS
 from distgraph.passes.session import Session
 from distgraph.passes.search.stages.micro import searched_count, split_in
 from distgraph.passes.search.stages.pipeline import plan_pipeline
 
 __all__ = ["Choice", "Session", "choose"]
+
+# the pipeline schedules each target runs, by distgraph's names (without interleaving)
+TARGET_SCHEDULES = {"megatron": ("1F1B",), "torchtitan": ("1F1B", "FThenB")}
 
 
 @dataclass(frozen=True)
@@ -108,6 +117,7 @@ def choose(built, strategy, cluster, budget: float | None = None,
     ``cluster``, within ``budget`` bytes per device (None: the devices' memory as the
     stage search reads it; no limit for a search without stages). Pure: ``built`` is not
     modified."""
+    _check_target(strategy)
     session = session or Session()
     # M -> (program, accumulation, RunCosts, (budget, stage plan)); None -> the count chosen
     programs = session.table("micro-batch programs")
@@ -138,15 +148,62 @@ def choose(built, strategy, cluster, budget: float | None = None,
 
 def _layouts(prepared, strategy, cluster, accumulation, budget, session) -> tuple:
     """(the intra-op search's result on the program's mesh, written onto it; the rank
-    mapping it priced)."""
+    mapping it priced). Under ``Strategy(target=...)`` the search's own mesh is searched
+    as (data, tensor) meshes of its devices (:func:`_target_meshes`), the fastest kept."""
     program = prepared.program
-    mesh, device_of = search_mesh(program, cluster)
     micro = accumulation.micro_batches if accumulation is not None else 1
     weights = {Role.FORWARD: micro, Role.LOSS: micro, Role.BACKWARD: micro, Role.OPTIMIZE: 1}
-    result = search(program, mesh, cluster, device_of, weights=weights, loss=prepared.loss_name,
-                    memory_budget=budget, time_limit=strategy.solver_time_limit,
-                    blocks=prepared.block_paths, balance=strategy.balance,
-                    method=strategy.search_method, zero=sharding_dim(strategy),
-                    session=session)
-    result.annotate(program)
-    return result, device_of
+    found, failed = None, None
+    rows = program.inputs[0].shape[0] if program.inputs and program.inputs[0].shape else 1
+    for mesh, device_of in _target_meshes(*search_mesh(program, cluster), strategy.target,
+                                          rows):
+        try:
+            result = search(program, mesh, cluster, device_of, weights=weights,
+                            loss=prepared.loss_name, memory_budget=budget,
+                            time_limit=strategy.solver_time_limit, blocks=prepared.block_paths,
+                            balance=strategy.balance, method=strategy.search_method,
+                            zero=sharding_dim(strategy), session=session,
+                            style=strategy.target)
+        except PlanError as e:          # no layout the target runs fits this shape
+            failed = failed or e
+            continue
+        if found is None or result.report.objective < found[0].report.objective:
+            found = result, device_of
+    if found is None:
+        raise failed
+    found[0].annotate(program)
+    return found
+
+
+def _target_meshes(mesh, device_of, target, rows: int) -> list:
+    """[(mesh, device_of)] the search plans on: ``mesh`` alone, or under a target where
+    ``mesh`` is the search's own (dims x, y .. over processes 0 .. n-1, not annotated),
+    its processes as (data, tensor) meshes whose tensor dim is its last dims (none, the
+    last, ..., all), so that each of its dims is data or tensor parallel: every layout
+    there is one of ``mesh``'s, and the search under a target a restriction of it. The
+    data dim divides the batch's ``rows``: each data-parallel rank reads its own."""
+    n = mesh.size
+    if target is None or tuple(mesh.dim_names) != tuple(MESH_DIMS[:mesh.ndim]) or \
+            list(mesh.process_ids) != list(range(n)):
+        return [(mesh, device_of)]
+    tensors = sorted({int(np.prod(mesh.shape[k:])) for k in range(mesh.ndim + 1)})
+    return [(ProcessMesh(np.arange(n).reshape(n // t, t).tolist(), dim_names=["x", "y"]),
+             device_of) for t in tensors if rows % (n // t) == 0]
+
+
+def _check_target(strategy) -> None:
+    """PlanError where ``strategy`` asks a target for what its framework does not run."""
+    target = strategy.target
+    if target is None:
+        return
+    if strategy.virtual_stages > 1 or strategy.schedule == "ZBV":
+        raise PlanError(f"Strategy(target={target!r}) does not interleave stages: distgraph "
+                        f"cuts virtual stages by equal work, {target} by whole layers; "
+                        f"use virtual_stages=1 and schedule '1F1B'")
+    if strategy.balance:
+        raise PlanError(f"Strategy(target={target!r}, balance=True): {target} splits the batch "
+                        f"evenly over its data-parallel ranks; leave balance False")
+    if strategy.pipeline and strategy.schedule not in TARGET_SCHEDULES[target]:
+        raise PlanError(f"{target} has no pipeline schedule {strategy.schedule!r}; with "
+                        f"Strategy(target={target!r}) use one of "
+                        f"{', '.join(TARGET_SCHEDULES[target])}")

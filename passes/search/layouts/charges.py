@@ -56,12 +56,15 @@ class Charges:
 
     def source(self, node, strategies) -> tuple:
         """(compute seconds, bytes) of each strategy of source ``node``: a feed's layout
-        costs the copy of its local part, once per forward run."""
+        costs the copy of its local part, once per forward run (inf where not
+        ``node.allowed``)."""
         v = self.space.program.values[node.value]
         w = self.weights.get(Role.FORWARD, 1)
         feed = self.costs.feed if v.name in self.feeds else None
-        return ([feed(s.out_local_shapes[0], v.dtype) * w if feed else 0.0 * w
-                 for s in strategies],
+        allowed = node.allowed if len(node.allowed) == len(strategies) else \
+            (True,) * len(strategies)
+        return ([(feed(s.out_local_shapes[0], v.dtype) * w if feed else 0.0 * w)
+                 + (0.0 if ok else math.inf) for s, ok in zip(strategies, allowed)],
                 [float(local_bytes(s.out_local_shapes, [v.dtype])) for s in strategies])
 
     def op(self, node, strategies, hints, allowed) -> tuple:

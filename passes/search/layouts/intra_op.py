@@ -272,7 +272,8 @@ def search(program, mesh: ProcessMesh, cluster, device_of: dict, *, ops=None,
            blocks=(), memory: bool = False, balance: bool = False,
            boundary: Boundary | None = None, method: str = "ilp",
            costs: LayoutPrices | None = None, refined=None, prove: bool = True,
-           zero: str | None = None, session: Session | None = None) -> SearchResult:
+           zero: str | None = None, session: Session | None = None,
+           style: str | None = None) -> SearchResult:
     """Choose a strategy for every op (of ``ops``, default all) and source Value of
     ``program`` on ``mesh`` (module docstring). ``device_of``: process -> device global id
     of ``cluster``; ``weights``: op role -> times it runs per step (default 1);
@@ -296,7 +297,9 @@ def search(program, mesh: ProcessMesh, cluster, device_of: dict, *, ops=None,
     sharded_states`); ``session``: the planning's (a fresh one by default, or that of
     ``costs``), which keeps the space and problem of each inputs (and the annotations
     they read) in "search problems", with the recursive search's descents: searches of
-    these ops under other budgets, or by another method, build nothing again."""
+    these ops under other budgets, or by another method, build nothing again;
+    ``style``: ``Strategy.target``, the framework whose layouts alone are allowed
+    (:meth:`~distgraph.passes.search.layouts.space.SearchSpace._keep_to_style`)."""
     start = time.perf_counter()
     session = session or (costs.session if costs is not None else Session())
     boundary = boundary or Boundary()
@@ -307,11 +310,11 @@ def search(program, mesh: ProcessMesh, cluster, device_of: dict, *, ops=None,
     problems = session.table("search problems")
     key = (program, costs, _marks(program, ops), None if ops is None else tuple(ops), mesh,
            boundary, None if weights is None else tuple(weights.items()), loss, world,
-           tuple(blocks), live, zero)
+           tuple(blocks), live, zero, style)
 
     def build() -> _Built:
         space = SearchSpace(program, mesh, ops, received=dict(boundary.received),
-                            session=session)
+                            session=session, style=style)
         share = _shared_blocks(space, blocks)
         return _Built(space, share, _problem(space, costs, weights or {}, loss, world, None,
                                              share, live, boundary, zero))

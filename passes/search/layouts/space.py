@@ -38,6 +38,11 @@ may be split too, which costs nothing in correctness) or sum over it (the weight
 gradients), so that it is context parallelism and not a third tp or dp, and a 3-D
 mesh offers about as many strategies per op as a 2-D one.
 
+**Under a target** (``style``: ``Strategy(target=...)``) the layouts of weights and feeds
+that Megatron-LM / torchtitan do not run are forbidden (``allowed`` False, an infinite
+price): the mesh's last dim is tensor parallel, the others data parallel
+(:mod:`distgraph.plan.styles`, the predicate ``plan.export`` checks with).
+
 **Annotations are hard constraints**: an annotated source keeps its layout, an annotated
 result is produced as annotated, a ``shard_op`` in_spec is consumed as given; an op that
 carries one chooses freely among the strategies that agree. A strategy that consumes
@@ -54,6 +59,7 @@ Example::
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 from dataclasses import dataclass, field
 
@@ -63,6 +69,7 @@ from distgraph.registry import spmd_rule
 from distgraph.placement import ShardSpec
 from distgraph.passes.session import Session
 from distgraph.plan.instructions import keeps_nothing
+from distgraph.plan.styles import feed_problem, search_roles, weight_problem, weight_kinds
 from distgraph.spmd import (LETTERS, UNKNOWN, DimsSpec, EinsumPlan, OpStrategy, RuleQuery,
                             SpmdRuleError, entry_dims, entry_of)
 
@@ -131,6 +138,7 @@ class SearchSpace:
     leaving: set = field(default_factory=set)
     received: dict = field(default_factory=dict)
     session: Session | None = None
+    style: str | None = None
 
     def __post_init__(self):
         whole = self.ops is None
@@ -176,6 +184,8 @@ class SearchSpace:
             for j, o in enumerate(op.outputs):
                 self.producer[o.name] = (len(self.nodes) - 1, j)
         self._tie_sources_to_updates()
+        if self.style is not None:
+            self._keep_to_style()
 
     # -- nodes ------------------------------------------------------------------------------
     def _check_mesh(self, op) -> None:
@@ -306,6 +316,42 @@ class SearchSpace:
                                        node.index, (True,) * len(made),
                                        tuple(m.out_specs for m in made))
 
+    def _keep_to_style(self) -> None:
+        """Forbid (``allowed`` False) the layouts of weights and feeds that ``style``'s
+        framework does not run (:mod:`distgraph.plan.styles`): on a tied weight, its
+        update's strategies that write it so."""
+        tensor, sequence = search_roles(self.mesh)
+        sizes = dict(zip(self.mesh.dim_names, self.mesh.shape))
+        data = tuple(m for m in self.mesh.dim_names if m not in (tensor, sequence))
+        kinds = self.session.table("program facts").memo(
+            (self.program, "weight kinds"), lambda: weight_kinds(self.program))
+        feeds = {v.name for v in self.program.inputs}
+
+        def bad(name, spec) -> bool:
+            v = self.program.values[name]
+            if name in feeds:
+                return feed_problem(name, v.shape, spec, sizes, tensor, sequence,
+                                    data) is not None
+            return weight_problem(name, kinds[name], v.shape, spec, sizes, tensor,
+                                  experts_ok=self.style == "megatron") is not None
+        for node in list(self.nodes):
+            if node.is_source and node.value not in self.boundary and node.leader < 0 \
+                    and (node.value in feeds or node.value in kinds):
+                keep = tuple(ok and not bad(node.value, s.out_specs[0])
+                             for ok, s in zip(node.allowed, node.strategies))
+            elif not node.is_source and any(o.alias_of in kinds
+                                            for o in self.program.ops[node.op].outputs):
+                outs = [(j, o.alias_of) for j, o in enumerate(self.program.ops[node.op].outputs)
+                        if o.alias_of in kinds]
+                keep = tuple(ok and not any(bad(name, s.out_specs[j]) for j, name in outs)
+                             for ok, s in zip(node.allowed, node.strategies))
+            else:
+                continue
+            if not any(keep):
+                raise PlanError(f"{node.label} has no layout on {self.mesh} that "
+                                f"{self.style} runs (Strategy(target={self.style!r}))")
+            self.nodes[node.index] = dataclasses.replace(node, allowed=keep)
+
     def rebind(self, mesh: ProcessMesh, choice, program=None) -> "SearchSpace":
         """These nodes on ``mesh`` (the same dim names, other sizes), each offering only
         the strategy ``choice`` picks for it here: a choice priced on another mesh. A
@@ -335,6 +381,8 @@ class SearchSpace:
             moved = moved_to.find(at + key)
             if moved is None:
                 moved = moved_to[at + key] = self._moved(program, node, s, hint, mesh)
+            # a split or pending sum over a dim of one process here is none
+            hint = tuple(_without_unit_dims(h, mesh) for h in hint)
             nodes.append(Node(node.index, node.op, node.value, node.label, node.layer,
                               (moved,), node.leader, (True,), (hint,)))
         other = copy.copy(self)
@@ -358,11 +406,15 @@ class SearchSpace:
             except ShardingError as e:
                 raise PlanError(f"the choice for {node.label} does not divide on "
                                 f"{mesh}: {e}") from None
+        # a split or pending sum over a dim of one process here is none (as completion
+        # writes it)
+        ins = tuple(_without_unit_dims(x, mesh) for x in s.in_specs)
+        outs = tuple(_without_unit_dims(x, mesh) for x in s.out_specs)
         if node.is_source:
-            return OpStrategy(s.name, (), s.out_specs, (),
-                              (_local_shape(s.out_specs[0], v.shape, mesh),), s.flops_fraction)
+            return OpStrategy(s.name, (), outs, (),
+                              (_local_shape(outs[0], v.shape, mesh),), s.flops_fraction)
         return spmd_rule(op.type).strategy(
-            s.in_specs, s.out_specs, [v.shape for v in op.inputs],
+            ins, outs, [v.shape for v in op.inputs],
             [o.shape for o in op.outputs], mesh, [v.dtype for v in op.inputs])
 
     # -- strategies ----------------------------------------------------------------------------

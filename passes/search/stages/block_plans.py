@@ -34,6 +34,7 @@ import math
 
 from distgraph.errors import DoesNotFit, PlanError
 from distgraph.passes.cost.terms import held, in_flight
+from distgraph.passes.search.stages.even import plan_even
 from distgraph.passes.search.stages.interleaved import alike_stages, even_parts, plan_interleaved
 from distgraph.passes.search.stages.run_dp import plan_runs
 
@@ -44,10 +45,13 @@ def plan_blocks(costs, cluster, micro_batches: int = 1, virtual: int = 1,
     stage DP and, with ``virtual`` > 1, the interleaved pipelines of 2, 4 .. ``virtual``
     chunks per stage (:func:`~distgraph.passes.search.stages.interleaved.plan_interleaved`) on the
     fastest options, then on the memory variants of the meshes where memory held them
-    back (module docstring); the least objective wins. ``below``: a latency another
+    back (module docstring); the least objective wins (under ``Strategy(target=...)``
+    the even splits of :mod:`~distgraph.passes.search.stages.even` alone). ``below``: a latency another
     plan has (another micro-batch count's): only plans below it are looked for, and
     memory holds a mesh back only where its alike stages beat it; None where none is
     found."""
+    if costs.strategy.target is not None:      # a framework's stages: split evenly
+        return plan_even(costs, cluster, micro_batches, below)
     count, blocks = costs.layering.count, costs.blocks
     p2p = costs.p2p_seconds
     chunks = [2 ** k for k in range(1, int(math.log2(max(virtual, 1))) + 1)]

@@ -265,6 +265,7 @@ def plan_pipeline(prepared, strategy, cluster, accumulation, memory_budget=None,
         if planned is None or planned[0] != memory_budget:
             planned = memory_budget, plan_blocks(costs, capped, micro, _virtual(strategy))
         return _plan_runs(prepared, strategy, cluster, capped, costs, start, planned[1])
+    _no_blocks(strategy)
     layering = cluster_layers(program, max_layers=2 * len(devices) + 2)
     stage_cost = _StageCosts(prepared, strategy, cluster, layering, micro, session)
     stage_plan = plan_stages(layering.count, capped, stage_cost, micro_batches=micro)
@@ -302,6 +303,7 @@ def pipeline_latency(prepared, strategy, cluster, accumulation, memory_budget=No
         costs = costs or RunCosts(prepared, strategy, cluster, layering, micro, donor, session)
         planned = plan_blocks(costs, capped, micro, _virtual(strategy))
         return planned[0].objective, costs, (memory_budget, planned)
+    _no_blocks(strategy)
     layering = cluster_layers(prepared.program, max_layers=2 * len(cluster.devices) + 2)
     stage_cost = _StageCosts(prepared, strategy, cluster, layering, micro, session)
     return plan_stages(layering.count, capped, stage_cost,
@@ -449,6 +451,14 @@ def _chunk_ranges(costs, S: int, virtual: int):
         if mine:
             out[c % S].append(range(mine[0], mine[-1] + 1))
     return out
+
+
+def _no_blocks(strategy) -> None:
+    """PlanError under a target: its stages are even splits of identical blocks."""
+    if strategy.target is not None:
+        raise PlanError(f"Strategy(target={strategy.target!r}) splits a model's identical "
+                        f"blocks evenly over stages; this model has no run of identical "
+                        f"blocks (model.blocks / model.layers) to split")
 
 
 def _virtual(strategy) -> int:

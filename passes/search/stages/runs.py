@@ -237,7 +237,7 @@ class RunCosts:
                     if cp > 1:
                         out.append((axis, sub, (logical[0] // cp, cp, t)))
         # search the largest mesh of each kind and t whose x divides the rows first
-        rows_mb = self._batch_rows()
+        rows_mb = self.batch_rows()
         order = sorted(out, key=lambda o: (_kind(o[2]), rows_mb % o[2][0] != 0,
                                            -int(np.prod(o[2]))))
         entries = {}
@@ -255,7 +255,7 @@ class RunCosts:
             options += undominated([RunOption(axis, sub, logical, *p) for p in parts])
         return options
 
-    def _batch_rows(self) -> int:
+    def batch_rows(self) -> int:
         feeds = self.program.inputs
         return int(feeds[0].shape[0]) if feeds and feeds[0].shape else 1
 
@@ -267,7 +267,7 @@ class RunCosts:
         feeds = self.program.inputs
         if not feeds or len(feeds[0].shape) < 2:
             return 1
-        dp = math.gcd(x, self._batch_rows())
+        dp = math.gcd(x, self.batch_rows())
         cp = x // dp
         return cp if dp > 1 and cp > 1 and int(feeds[0].shape[1]) % cp == 0 else 1
 
@@ -413,7 +413,8 @@ class RunCosts:
                       weights=self.weights, loss=self._loss(ops), memory_budget=budget,
                       time_limit=self.strategy.solver_time_limit, memory=True,
                       boundary=boundary, method=method, refined=start, prove=prove,
-                      zero=sharding_dim(self.strategy), session=self.session)
+                      zero=sharding_dim(self.strategy), session=self.session,
+                      style=self.strategy.target)
 
     def _price(self, found, mesh, device_of) -> dict:
         out = {}

@@ -11,6 +11,18 @@ SEARCHES = ("ilp", "recursive", "auto")
 AMP_DTYPES = ("bfloat16", "float16")
 
 
+class _Unset:
+    """The default of an option the search decides where the user leaves it: resolved by
+    ``Strategy.__post_init__`` into the option's value (None, "searched", under
+    ``auto_mode="full"``; the fixed default otherwise), so no Strategy holds it."""
+
+    def __repr__(self) -> str:
+        return "unset"
+
+
+UNSET = _Unset()
+
+
 @dataclass(frozen=True)
 class Strategy:
     """``auto_mode``: "semi" completes from annotations; "full" searches the layouts
@@ -23,7 +35,8 @@ class Strategy:
     the default, None, means "auto": ``search_method`` is the one in effect).
     ``micro_batches`` > 1 enables gradient accumulation / pipelining with ``schedule``
     (None, with ``auto_mode="full"`` and ``pipeline=True``: the stage search chooses it,
-    :mod:`distgraph.passes.search.stages.micro`)
+    :mod:`distgraph.passes.search.stages.micro`; left unset it is None there and 1
+    elsewhere, a count given is kept)
     ("1F1B", "FThenB", "ZB" or "ZBV"); ``virtual_stages`` v > 1 cuts the forward into
     ``v`` chunks per stage mesh, chunk c on stage c mod S (interleaved 1F1B or zero
     bubble; "ZBV" places two chunks per stage in a V; with ``auto_mode="full"`` and
@@ -64,7 +77,7 @@ class Strategy:
     auto_mode: str = "semi"
     pipeline: bool = False
     schedule: str = "1F1B"
-    micro_batches: int | None = 1
+    micro_batches: int | None = UNSET
     recompute: bool | tuple = False
     sharding: bool = False
     sharding_mesh_dim: str = "dp"
@@ -92,6 +105,9 @@ class Strategy:
         return "auto" if self.search is None else self.search
 
     def __post_init__(self):
+        full = self.auto_mode == "full"
+        if self.micro_batches is UNSET:         # searched with the stages, else one
+            object.__setattr__(self, "micro_batches", None if full and self.pipeline else 1)
         if self.context_parallel not in (None, "ring", "ulysses"):
             raise DistGraphError(f"Strategy.context_parallel must be 'ring', 'ulysses' or None "
                                  f"(the cost model chooses per attention op), got "

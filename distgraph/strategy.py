@@ -43,7 +43,9 @@ class Strategy:
     ``pipeline=True`` it is the most the stage search may use: it chooses 1, 2, 4 ..
     up to v, and the plan's strategy names its choice); ``recompute`` frees the forward activations inside every
     ``TransformerBlock`` or Llama decoder layer (True) or inside the given layer paths (e.g.
-    ``["blocks.0", "blocks.1.mlp"]``) and recomputes them in the backward pass;
+    ``["blocks.0", "blocks.1.mlp"]``) and recomputes them in the backward pass, or
+    ("selective") only each attention's scores, q k^T to softmax and dropout (Korthikanti
+    et al. 2022; :func:`distgraph.passes.transforms.recompute.attention_cores`);
     ``sharding`` splits optimizer states and updates over
     ``sharding_mesh_dim`` (ZeRO-style; under ``auto_mode="full"`` the default means the
     search's data-parallel dim); ``profile`` records a timeline; ``check_finite``
@@ -125,13 +127,14 @@ class Strategy:
         if not isinstance(self.virtual_stages, int) or self.virtual_stages < 1:
             raise DistGraphError(f"Strategy.virtual_stages must be an integer >= 1, got "
                                  f"{self.virtual_stages!r}")
-        if not isinstance(self.recompute, bool):
+        if not isinstance(self.recompute, bool) and self.recompute != "selective":
             given = self.recompute
             paths = () if isinstance(given, str) or not hasattr(given, "__iter__") \
                 else tuple(given)
             if not paths or not all(isinstance(p, str) and p for p in paths):
-                raise DistGraphError(f"Strategy.recompute must be True/False or a list of "
-                                     f"layer paths such as ['blocks.0'], got {given!r}")
+                raise DistGraphError(f"Strategy.recompute must be True/False, 'selective' or "
+                                     f"a list of layer paths such as ['blocks.0'], got "
+                                     f"{given!r}")
             object.__setattr__(self, "recompute", paths)
         if not isinstance(self.meshslice, bool) and not (
                 isinstance(self.meshslice, int) and self.meshslice >= 1):

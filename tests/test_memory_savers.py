@@ -1,6 +1,7 @@
 """The memory savers a strategy leaves unset are the search's to choose under
 ``auto_mode="full"`` (distgraph/strategy.py, passes/fitting.py): the micro-batch count with
-``pipeline=True``; what the user sets is kept."""
+``pipeline=True``; what the user sets is kept. Selective recomputation
+(``Strategy(recompute="selective")``) trains as serial training on real MPI ranks."""
 
 from __future__ import annotations
 
@@ -14,7 +15,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import distgraph as dg  # noqa: E402
 from distgraph.errors import DoesNotFit  # noqa: E402
 
+import plans as P  # noqa: E402
+from distgraph.passes.transforms.recompute import SUFFIX  # noqa: E402
 from test_fitting import _gpt, cluster_of, fits  # noqa: E402
+from test_spmd_mpi import check_report, run_plans  # noqa: E402
 
 
 def pipelined(**options) -> dg.Strategy:
@@ -42,3 +46,23 @@ def test_unset_micro_batches_fit_where_the_one_a_user_gives_does_not(one_micro_b
         dg.passes.plan(_gpt(), pipelined(micro_batches=1), cluster)     # kept, refused
     plan = dg.passes.plan(_gpt(), pipelined(), cluster)
     assert plan.micro_batches > 1 and fits(plan, cluster)
+
+
+SELECTIVE = ["gpt:tp_sp_selective", "gpt:dp_tp_selective"]
+
+
+@pytest.mark.mpi
+def test_selective_recomputation_trains_as_serial_on_four_mpi_ranks():
+    """Tensor parallelism with sequence parallelism, and dp x tp, each with every block's
+    attention scores recomputed: losses and parameters equal serial training (fp64,
+    1e-10) on every rank."""
+    for key in SELECTIVE:               # the plans do recompute the scores
+        plan = P.RECOMPUTE_PLANS[(*key.split(":"), 4)]
+        model = P.build_model("gpt")
+        plan.annotate(model)
+        engine = P.prepare(P.make_engine(model, "gpt", sequence_parallel=plan.sequence_parallel,
+                                         recompute=plan.recompute), "gpt")
+        copied = {op.type for op in engine.plan().program.ops
+                  if op.outputs[0].name.endswith(SUFFIX)}
+        assert copied == {"matmul", "scale", "causal_mask", "full", "where", "softmax"}, key
+    check_report(run_plans(4, SELECTIVE), 4, SELECTIVE)

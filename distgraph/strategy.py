@@ -45,7 +45,10 @@ class Strategy:
     ``TransformerBlock`` or Llama decoder layer (True) or inside the given layer paths (e.g.
     ``["blocks.0", "blocks.1.mlp"]``) and recomputes them in the backward pass, or
     ("selective") only each attention's scores, q k^T to softmax and dropout (Korthikanti
-    et al. 2022; :func:`distgraph.passes.transforms.recompute.attention_cores`);
+    et al. 2022; :func:`distgraph.passes.transforms.recompute.attention_cores`); None,
+    the default under ``auto_mode="full"`` (False otherwise): the planner chooses among
+    False, "selective" and True the plan of least estimated step time that fits
+    (:func:`distgraph.passes.fitting.with_savers`);
     ``sharding`` splits optimizer states and updates over
     ``sharding_mesh_dim`` (ZeRO-style; under ``auto_mode="full"`` the default means the
     search's data-parallel dim); ``profile`` records a timeline; ``check_finite``
@@ -80,7 +83,7 @@ class Strategy:
     pipeline: bool = False
     schedule: str = "1F1B"
     micro_batches: int | None = UNSET
-    recompute: bool | tuple = False
+    recompute: bool | str | tuple | None = UNSET
     sharding: bool = False
     sharding_mesh_dim: str = "dp"
     solver_time_limit: float = 60.0
@@ -110,6 +113,8 @@ class Strategy:
         full = self.auto_mode == "full"
         if self.micro_batches is UNSET:         # searched with the stages, else one
             object.__setattr__(self, "micro_batches", None if full and self.pipeline else 1)
+        if self.recompute is UNSET:             # searched under auto_mode="full"
+            object.__setattr__(self, "recompute", None if full else False)
         if self.context_parallel not in (None, "ring", "ulysses"):
             raise DistGraphError(f"Strategy.context_parallel must be 'ring', 'ulysses' or None "
                                  f"(the cost model chooses per attention op), got "
@@ -127,7 +132,8 @@ class Strategy:
         if not isinstance(self.virtual_stages, int) or self.virtual_stages < 1:
             raise DistGraphError(f"Strategy.virtual_stages must be an integer >= 1, got "
                                  f"{self.virtual_stages!r}")
-        if not isinstance(self.recompute, bool) and self.recompute != "selective":
+        if self.recompute is not None and not isinstance(self.recompute, bool) and \
+                self.recompute != "selective":
             given = self.recompute
             paths = () if isinstance(given, str) or not hasattr(given, "__iter__") \
                 else tuple(given)

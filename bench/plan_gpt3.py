@@ -130,8 +130,8 @@ def main() -> None:
           f"({rows // max(d['dp'])} per data-parallel replica), schedule "
           f"{plan.strategy.schedule}, {RECOMPUTED[plan.strategy.recompute]}"
           f"{' (chosen by the search)' if args.recompute == 'searched' else ''}")
-    for note in plan.savers:
-        print(f"  {note}")
+    for line in (line for note in plan.savers for line in note.lines()):
+        print(f"  {line}")
     print("  " + str(search.stage_plan).replace("\n", "\n  "))
     print(f"predicted step {est.step_time:.2f} s (compute {est.compute:.2f} + communication "
           f"{est.communication:.2f} + bubble {est.bubble:.2f}); {tflops:.1f} model TFLOP/s "

@@ -46,7 +46,7 @@ class SaverChoice:
     others: tuple = ()
 
     def __str__(self) -> str:
-        return "; ".join(self.lines())
+        return "; ".join(line.strip() for line in self.lines())
 
     def lines(self) -> list:
         """The choice in words: the value chosen and its peak and step time, then each

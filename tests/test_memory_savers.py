@@ -120,3 +120,20 @@ def test_selective_recomputation_trains_as_serial_on_four_mpi_ranks():
                   if op.outputs[0].name.endswith(SUFFIX)}
         assert copied == {"matmul", "scale", "causal_mask", "full", "where", "softmax"}, key
     check_report(run_plans(4, SELECTIVE), 4, SELECTIVE)
+
+
+def test_selective_recomputation_holds_what_the_estimate_says(float64):
+    """The bytes a rank holds at its peak with the attention scores recomputed are the
+    plan's estimate (the runtime's count, runtime/execution/memory.py), and fewer than
+    without recomputation."""
+    data = P.Dataset("gpt", n=32, dims=dict(P.GPT_DIMS, max_seq_len=32), batch=16)
+    held = {}
+    for kind in (False, "selective"):
+        dg.seed(0)
+        model = dg.nn.GPT(vocab_size=64, d_model=32, n_layer=2, n_head=4, max_seq_len=32)
+        engine = dg.Engine(model, dg.nn.CrossEntropyLoss(), dg.optim.AdamW(1e-3),
+                           cluster=dg.Cluster.local(1), strategy=dg.Strategy(recompute=kind))
+        history = engine.fit(data, batch_size=16, epochs=1, verbose=0)
+        held[kind] = history.memory[-1]
+        assert held[kind] == pytest.approx(engine.plan().estimate.peak_memory, rel=1e-5), kind
+    assert held["selective"] < held[False]

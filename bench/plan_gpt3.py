@@ -22,6 +22,13 @@ micro-batch is 8 sequences, split by the search.
 ``--micro-batches auto`` leaves the count to the search (``Strategy(micro_batches=None)``,
 :mod:`distgraph.passes.search.stages.micro`); it is the default with ``--engine``.
 
+``--recompute searched`` leaves recomputation to the search (``Strategy(recompute=None)``,
+the default with ``auto_mode="full"``: none, the attention scores or whole blocks, the
+plan of least estimated step time that fits; :mod:`distgraph.passes.fitting`); "none",
+"selective" and "full" fix it. ``--memory-gb G`` gives every GPU G GB (40: the A100-40GB).
+``--micro-batches auto --recompute searched`` is ``Strategy(auto_mode="full",
+pipeline=True)`` as a user leaves it.
+
 With ``--engine`` the model goes through ``Engine.prepare`` as a user's script gives it
 (``dg.Engine(model, CrossEntropyLoss(), AdamW, cluster=..., strategy=Strategy(
 auto_mode="full", pipeline=True, micro_batches=None, recompute=True))``): the same
@@ -30,6 +37,7 @@ program and plan, and rank 0's process program compiled too.
 Run::
 
     python bench/plan_gpt3.py [--micro-batches 192|auto] [--layers 96] [--search auto|ilp|recursive]
+                              [--recompute full|selective|none|searched] [--memory-gb 40]
                               [--engine] [--json OUT]
 
 Timings on a shared 2-core machine are noisy: CPU seconds are printed beside wall.
@@ -45,6 +53,9 @@ import distgraph as dg
 from gpt_scale import DGX_FILE, SEQ, degrees, gpt, model_flops, program
 
 BATCH, HIDDEN, HEADS, PUBLISHED = 1536, 12288, 96, 140.0
+RECOMPUTE = {"full": True, "selective": "selective", "none": False, "searched": None}
+RECOMPUTED = {True: "full recomputation of every block", False: "no recomputation",
+              "selective": "the attention scores recomputed (selective)"}
 
 
 def main() -> None:
@@ -58,6 +69,11 @@ def main() -> None:
                         help="seconds per intra-op search")
     parser.add_argument("--search", choices=dg.strategy.SEARCHES, default="auto",
                         help="who chooses the layouts (Strategy.search)")
+    parser.add_argument("--recompute", choices=tuple(RECOMPUTE), default="full",
+                        help="recomputation (Strategy.recompute): 'searched' leaves it to the "
+                             "search")
+    parser.add_argument("--memory-gb", type=float, default=None,
+                        help="every GPU's memory in GB (default: the cluster file's)")
     parser.add_argument("--engine", action="store_true",
                         help="plan through Engine.prepare, as a user's script does")
     parser.add_argument("--json", help="write the figures to this file")
@@ -66,10 +82,17 @@ def main() -> None:
     micro = None if given == "auto" else int(given)
     wall, cpu = time.perf_counter(), time.process_time()
     cluster = dg.Cluster.from_file(args.cluster)
+    if args.memory_gb is not None:
+        data = cluster.to_dict()
+        for machine in data["machines"]:
+            for device in machine["devices"]:
+                device["memory"] = args.memory_gb
+        cluster = dg.Cluster.from_dict(data, f"{args.cluster} at {args.memory_gb:g} GB")
     gpus = len(cluster.devices)
     loaded = time.perf_counter() - wall
     strategy = dg.Strategy(auto_mode="full", pipeline=True, micro_batches=micro,
-                           recompute=True, solver_time_limit=args.time_limit,
+                           recompute=RECOMPUTE[args.recompute],
+                           solver_time_limit=args.time_limit,
                            search=args.search)
     if args.engine:
         engine = dg.Engine(gpt(args.layers, HIDDEN, HEADS), dg.nn.CrossEntropyLoss(),
@@ -105,20 +128,25 @@ def main() -> None:
           f"{chosen} micro-batches ({'chosen by the search' if micro is None else 'given'}) "
           f"of {rows} sequences "
           f"({rows // max(d['dp'])} per data-parallel replica), schedule "
-          f"{plan.strategy.schedule}, full recomputation of every block")
+          f"{plan.strategy.schedule}, {RECOMPUTED[plan.strategy.recompute]}"
+          f"{' (chosen by the search)' if args.recompute == 'searched' else ''}")
+    for line in (line for note in plan.savers for line in note.lines()):
+        print(f"  {line}")
     print("  " + str(search.stage_plan).replace("\n", "\n  "))
     print(f"predicted step {est.step_time:.2f} s (compute {est.compute:.2f} + communication "
           f"{est.communication:.2f} + bubble {est.bubble:.2f}); {tflops:.1f} model TFLOP/s "
           f"per GPU (published: {PUBLISHED:.0f}, ratio {tflops / PUBLISHED:.2f})")
-    print(f"peak memory {peak:.1f} GB per device at most (target <= 80 GB): "
-          f"{'met' if peak <= 80 else 'NOT met'}")
+    memory = min(dev.memory for dev in cluster.devices)
+    print(f"peak memory {peak:.1f} GB per device at most (target <= {memory:g} GB): "
+          f"{'met' if peak <= memory else 'NOT met'}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"wall_s": total_wall, "cpu_s": total_cpu, "plan_s": plan_s,
                        "degrees": d, "micro_batches": chosen, "micro_batches_given": micro,
                        "step_time": est.step_time, "tflops_per_gpu": tflops,
                        "peak_gb": peak, "search_s": search.seconds, "search": args.search,
-                       "engine": args.engine,
+                       "engine": args.engine, "recompute": plan.strategy.recompute,
+                       "memory_gb": memory,
                        "searches": search.searches}, f, indent=2)
 
 

@@ -12,6 +12,18 @@ AMP_DTYPES = ("bfloat16", "float16")
 TARGETS = ("torchtitan", "megatron")
 
 
+class _Unset:
+    """The default of an option the search decides where the user leaves it: resolved by
+    ``Strategy.__post_init__`` into the option's value (None, "searched", under
+    ``auto_mode="full"``; the fixed default otherwise), so no Strategy holds it."""
+
+    def __repr__(self) -> str:
+        return "unset"
+
+
+UNSET = _Unset()
+
+
 @dataclass(frozen=True)
 class Strategy:
     """``auto_mode``: "semi" completes from annotations; "full" searches the layouts
@@ -24,14 +36,20 @@ class Strategy:
     the default, None, means "auto": ``search_method`` is the one in effect).
     ``micro_batches`` > 1 enables gradient accumulation / pipelining with ``schedule``
     (None, with ``auto_mode="full"`` and ``pipeline=True``: the stage search chooses it,
-    :mod:`distgraph.passes.search.stages.micro`)
+    :mod:`distgraph.passes.search.stages.micro`; left unset it is None there and 1
+    elsewhere, a count given is kept)
     ("1F1B", "FThenB", "ZB" or "ZBV"); ``virtual_stages`` v > 1 cuts the forward into
     ``v`` chunks per stage mesh, chunk c on stage c mod S (interleaved 1F1B or zero
     bubble; "ZBV" places two chunks per stage in a V; with ``auto_mode="full"`` and
     ``pipeline=True`` it is the most the stage search may use: it chooses 1, 2, 4 ..
     up to v, and the plan's strategy names its choice); ``recompute`` frees the forward activations inside every
     ``TransformerBlock`` or Llama decoder layer (True) or inside the given layer paths (e.g.
-    ``["blocks.0", "blocks.1.mlp"]``) and recomputes them in the backward pass;
+    ``["blocks.0", "blocks.1.mlp"]``) and recomputes them in the backward pass, or
+    ("selective") only each attention's scores, q k^T to softmax and dropout (Korthikanti
+    et al. 2022; :func:`distgraph.passes.transforms.recompute.attention_cores`); None,
+    the default under ``auto_mode="full"`` (False otherwise): the planner chooses among
+    False, "selective" and True the plan of least estimated step time that fits
+    (:func:`distgraph.passes.fitting.with_savers`);
     ``sharding`` splits optimizer states and updates over
     ``sharding_mesh_dim`` (ZeRO-style; under ``auto_mode="full"`` the default means the
     search's data-parallel dim); ``profile`` records a timeline; ``check_finite``
@@ -71,8 +89,8 @@ class Strategy:
     auto_mode: str = "semi"
     pipeline: bool = False
     schedule: str = "1F1B"
-    micro_batches: int | None = 1
-    recompute: bool | tuple = False
+    micro_batches: int | None = UNSET
+    recompute: bool | str | tuple | None = UNSET
     sharding: bool = False
     sharding_mesh_dim: str = "dp"
     solver_time_limit: float = 60.0
@@ -100,6 +118,11 @@ class Strategy:
         return "auto" if self.search is None else self.search
 
     def __post_init__(self):
+        full = self.auto_mode == "full"
+        if self.micro_batches is UNSET:         # searched with the stages, else one
+            object.__setattr__(self, "micro_batches", None if full and self.pipeline else 1)
+        if self.recompute is UNSET:             # searched under auto_mode="full"
+            object.__setattr__(self, "recompute", None if full else False)
         if self.context_parallel not in (None, "ring", "ulysses"):
             raise DistGraphError(f"Strategy.context_parallel must be 'ring', 'ulysses' or None "
                                  f"(the cost model chooses per attention op), got "
@@ -126,13 +149,15 @@ class Strategy:
         if not isinstance(self.virtual_stages, int) or self.virtual_stages < 1:
             raise DistGraphError(f"Strategy.virtual_stages must be an integer >= 1, got "
                                  f"{self.virtual_stages!r}")
-        if not isinstance(self.recompute, bool):
+        if self.recompute is not None and not isinstance(self.recompute, bool) and \
+                self.recompute != "selective":
             given = self.recompute
             paths = () if isinstance(given, str) or not hasattr(given, "__iter__") \
                 else tuple(given)
             if not paths or not all(isinstance(p, str) and p for p in paths):
-                raise DistGraphError(f"Strategy.recompute must be True/False or a list of "
-                                     f"layer paths such as ['blocks.0'], got {given!r}")
+                raise DistGraphError(f"Strategy.recompute must be True/False, 'selective' or "
+                                     f"a list of layer paths such as ['blocks.0'], got "
+                                     f"{given!r}")
             object.__setattr__(self, "recompute", paths)
         if not isinstance(self.meshslice, bool) and not (
                 isinstance(self.meshslice, int) and self.meshslice >= 1):

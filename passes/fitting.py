@@ -14,6 +14,14 @@ searched, or a plan of the user's annotations (``auto_mode="semi"``).
   flight), ``BUDGET_ROUNDS`` searches at most. A plan of annotations is the user's and
   is not searched again. What does not fit ends in :class:`~distgraph.errors.DoesNotFit`,
   naming the smallest peak found, where, and the limit.
+- :func:`with_savers` chooses what the strategy leaves to the search
+  (``Strategy(recompute=None)``, the default under ``auto_mode="full"``): it plans
+  without recomputation, recomputing the attention scores ("selective") and, where that
+  does not fit, whole blocks (True), each as :func:`fitting` plans, and keeps the plan
+  of least estimated step time that fits: with room, none (recomputation only adds
+  work), where memory binds the least that fits or the one whose memory lets faster
+  layouts in. The choice is a per-plan one (every stage alike), and the plan says what
+  it chose and what each other value needed (``Plan.savers``).
 - :func:`named_fix` turns that error into the one the user sees: it plans again with the
   memory savers the strategy leaves off (more micro-batches chosen by the search,
   recomputation, ZeRO sharding of the optimizer states, stages) and names the first that
@@ -22,6 +30,7 @@ searched, or a plan of the user's annotations (``auto_mode="semi"``).
 Example::
 
     planned = fitting(strategy, cluster, lambda budget: plan_once(budget))
+    planned = with_savers(strategy, cluster, plan_with, replan)   # recompute=None chosen
 """
 
 from __future__ import annotations
@@ -31,9 +40,66 @@ import math
 
 from distgraph.errors import DoesNotFit, PlanError
 from distgraph.passes.cost.fit import limit_of, overflows
+from distgraph.plan.savers import SaverChoice
 from distgraph.units import GB
 
 BUDGET_ROUNDS = 4
+# recomputation the search weighs, least first; whole blocks only where "selective" does
+# not fit (it recomputes a superset of selective's ops, for memory selective leaves)
+RECOMPUTED = (False, "selective", True)
+
+
+def with_savers(strategy, cluster, plan_with, replan):
+    """``plan_with(strategy)`` (a Plan that fits, or a DoesNotFit) with the memory savers
+    ``strategy`` leaves to the search chosen (module docstring), and the choices on the
+    plan (``Plan.savers``). What fits under no choice is the DoesNotFit of the last tried,
+    with :func:`named_fix`'s fix (``replan``: as for it)."""
+    kinds = RECOMPUTED if strategy.recompute is None else (strategy.recompute,)
+    priced, best, refused = [], None, None
+    for kind in kinds:
+        if kind is True and best is not None:
+            break
+        asked = dataclasses.replace(strategy, recompute=kind)
+        try:
+            planned = plan_with(asked)
+        except DoesNotFit as e:
+            refused = (asked, e)
+            priced.append((kind, e.peak, None))
+            continue
+        except PlanError:           # not one this model takes (no attention scores, blocks)
+            if kind is kinds[0]:
+                raise
+            continue
+        if planned.estimate is None:    # nothing to price or fit against: the least
+            return _noted(planned, strategy, kinds, [])
+        priced.append((kind, planned.estimate.peak_memory, planned.estimate.step_time))
+        if best is None or planned.estimate.step_time < best.estimate.step_time:
+            best = planned
+    if best is None:
+        asked, error = refused
+        raise named_fix(error, asked, replan) from None
+    return _noted(best, strategy, kinds, priced, cluster)
+
+
+def _noted(planned, strategy, kinds, priced, cluster=None):
+    """``planned`` with the choices the search made for ``strategy`` on it."""
+    notes = []
+    if strategy.micro_batches is None:
+        notes.append(SaverChoice("micro_batches", planned.micro_batches, None, math.inf, None))
+    if len(kinds) > 1:
+        est, value = planned.estimate, planned.strategy.recompute
+        peak = seconds = None
+        limit = math.inf
+        if est is not None:
+            top = max(est.processes, key=lambda p: p.peak_memory)
+            peak, seconds = float(top.peak_memory), est.step_time
+            if cluster is not None:
+                limit = limit_of(cluster, top.device, strategy.memory_budget_gb)
+        notes.append(SaverChoice("recompute", value, peak, limit, seconds,
+                                 tuple(p for p in priced if p[0] != value)))
+    if not notes:
+        return planned
+    return dataclasses.replace(planned, savers=planned.savers + tuple(notes))
 
 
 def fitting(strategy, cluster, plan_once, searched: bool | None = None):
@@ -145,7 +211,7 @@ def _savers(strategy) -> list:
     elif full and strategy.micro_batches is not None:
         first = [{"micro_batches": None}]
     out = list(first)
-    if not strategy.recompute:
+    if strategy.recompute is False:
         out.append({"recompute": True})
         if first:
             out.append({**first[0], "recompute": True})

@@ -42,7 +42,7 @@ import dataclasses
 import gc
 from types import MappingProxyType
 
-from distgraph.errors import DoesNotFit, PlanError, ShardingError, TooFewDevicesError
+from distgraph.errors import PlanError, ShardingError, TooFewDevicesError
 from distgraph.ir import Role
 from distgraph.mesh import ProcessMesh, ProcessRanks
 from distgraph.passes.balance import balance_batch, batch_mesh_dims
@@ -52,7 +52,7 @@ from distgraph.passes.completion import stage_order
 from distgraph.passes.context import assign_forms
 from distgraph.passes.cost.checkpoint import propose as propose_checkpoint
 from distgraph.passes.cost.estimate import estimate
-from distgraph.passes.fitting import fitting, named_fix
+from distgraph.passes.fitting import fitting, with_savers
 from distgraph.passes.mapping.devices import assign_devices
 from distgraph.passes.mapping.rank_mapping import map_ranks
 from distgraph.passes.mapping.traffic import traffic_graph as process_graph
@@ -88,13 +88,14 @@ def plan(built, strategy: Strategy | None = None, cluster=None, rank_mapping=Non
     again). Pure: ``built`` and ``choice`` are not modified."""
     strategy = choice.strategy if choice is not None else _zero(built, strategy or Strategy())
     with cyclic_collector_paused():
-        try:
+        if choice is not None:
             planned = _planned(built, strategy, cluster, rank_mapping, ranks, choice)
-        except DoesNotFit as e:     # name a memory saver that makes it fit, tried
-            if choice is not None:
-                raise
-            raise named_fix(e, strategy, lambda asked: _planned(
-                built, asked, cluster, rank_mapping, ranks=())) from None
+        else:
+            _check_supported(strategy)
+            # the savers left to the search chosen; what does not fit names a saver that does
+            planned = with_savers(strategy, cluster, lambda asked: _planned(
+                built, asked, cluster, rank_mapping, ranks), lambda asked: _planned(
+                built, asked, cluster, rank_mapping, ranks=()))
         # what it was made for, as plan.save writes it (distgraph.plan.file)
         return dataclasses.replace(planned, decisions=dataclasses.replace(
             planned.decisions, program=program_print(built)))
@@ -324,6 +325,10 @@ def _check_supported(strategy: Strategy) -> None:
         raise PlanError("Strategy(micro_batches=None) lets the stage search choose the number "
                         "of micro-batches: use it with auto_mode='full' and pipeline=True, or "
                         "give micro_batches=M")
+    if strategy.recompute is None and not full:
+        raise PlanError("Strategy(recompute=None) lets the search choose recomputation: use it "
+                        "with auto_mode='full', or give recompute=False, True, 'selective' or "
+                        "layer paths")
     if strategy.search is not None and not full:
         raise PlanError(f"Strategy(search={strategy.search!r}) picks the automatic search: "
                         "use it with auto_mode='full' (or leave it None)")

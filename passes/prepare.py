@@ -15,7 +15,8 @@ import dataclasses
 
 from distgraph.passes.meshslice.slices import enable
 from distgraph.passes.pipeline.accumulate import split_micro_batches
-from distgraph.passes.transforms.recompute import recompute, segments
+from distgraph.passes.transforms.recompute import (attention_cores, recompute, recompute_ops,
+                                                   segments)
 
 
 def split(built, micro_batches: int, analyses=None) -> tuple:
@@ -33,7 +34,9 @@ def transformed(built, strategy):
     prepared = dataclasses.replace(built, program=program)
     if strategy.meshslice:
         enable(program, strategy.meshslice)
-    if strategy.recompute and program.ops_by_role("backward"):
+    if strategy.recompute == "selective" and program.ops_by_role("backward"):
+        recompute_ops(program, attention_cores(program, prepared.block_paths))
+    elif strategy.recompute and program.ops_by_role("backward"):
         recompute(program, segments(prepared, strategy.recompute))
     return prepared
 

@@ -158,7 +158,8 @@ def recursive_gpt(case: str) -> dict:
     before = dg.get_default_dtype()
     try:
         plan = dg.passes.plan(program(gpt(4, 256, 4), 8),
-                              dg.Strategy(auto_mode="full", search="recursive", **options),
+                              dg.Strategy(auto_mode="full", search="recursive",
+                                          recompute=False, **options),
                               dgx_cluster(nodes), ranks=())
     except dg.PlanError:
         return {"refused": "PlanError"}

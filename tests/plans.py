@@ -170,7 +170,8 @@ class Plan:
     """``annotate(model)`` marks a fresh model; ``sharding`` turns on ZeRO-style update
     sharding over ``dp`` (Strategy(sharding=True)); ``auto`` lets the search plan the
     unannotated model (Strategy(auto_mode="full") on ``Cluster.local(nprocs)``);
-    ``sequence_parallel``: Strategy(sequence_parallel=True) (Megatron-SP)."""
+    ``sequence_parallel``: Strategy(sequence_parallel=True) (Megatron-SP); ``recompute``:
+    Strategy(recompute=...)."""
 
     kind: str
     name: str
@@ -179,6 +180,7 @@ class Plan:
     sharding: bool = False
     auto: bool = False
     sequence_parallel: bool = False
+    recompute: object = False
 
     def __str__(self) -> str:
         return f"{self.kind}-{self.name}-n{self.nprocs}"
@@ -447,6 +449,14 @@ SP_PLANS = {(_kind, "tp_sp", _n): Plan(_kind, "tp_sp", _n, tp_plan(_kind, _n),
 SP_PLANS["gpt", "dp_tp_sp", 4] = Plan("gpt", "dp_tp_sp", 4, dp_tp_plan("gpt", 4),
                                       sequence_parallel=True)
 
+# Selective recomputation (Strategy(recompute="selective"), tests/test_memory_savers.py) on
+# Megatron's tensor parallelism with sequence parallelism, and on a 2 x 2 dp x tp mesh.
+RECOMPUTE_PLANS = {
+    ("gpt", "tp_sp_selective", 4): Plan("gpt", "tp_sp_selective", 4, tp_plan("gpt", 4),
+                                        sequence_parallel=True, recompute="selective"),
+    ("gpt", "dp_tp_selective", 4): Plan("gpt", "dp_tp_selective", 4, dp_tp_plan("gpt", 4),
+                                        recompute="selective")}
+
 # The automatic search's plan of each model (tests/test_search_training.py).
 AUTO_PLANS = {(_kind, "auto", _n): Plan(_kind, "auto", _n, _no_annotation, auto=True)
               for _kind in ("mlp", "gpt") for _n in (2, 4)}
@@ -479,9 +489,9 @@ def make_optimizer(name: str):
 
 
 def make_engine(model, kind, comm=None, sharding=False, optimizer="adamw", auto=False,
-                sequence_parallel=False):
+                sequence_parallel=False, recompute=False):
     strategy = dg.Strategy(sharding=sharding, auto_mode="full" if auto else "semi",
-                           sequence_parallel=sequence_parallel)
+                           sequence_parallel=sequence_parallel, recompute=recompute)
     return dg.Engine(model, loss_fn(kind), make_optimizer(optimizer), strategy=strategy,
                      communicator=comm)
 

@@ -99,3 +99,18 @@ def test_sequence_parallel_activations_per_layer_are_korthikantis(row, cluster):
     stored, split = (_per_layer(row, cluster, sp_) for sp_ in (False, True))
     assert split == pytest.approx(sp, rel=0.10)
     assert stored / split == pytest.approx(tp / sp, rel=0.10)
+
+
+# 7.5B (t = 4) and 18.4B (t = 8): each layer's scores 5 a s / h is 6.7 and 13.3 times the 34
+@pytest.mark.parametrize("row", [r for r in ROWS if r.values[0].name in ("7.5B", "18.4B")])
+def test_selective_recomputation_keeps_korthikantis_34_s_b_h_over_t_per_layer(row, cluster):
+    """Selective recomputation (Strategy(recompute="selective"): each attention's scores
+    recomputed) keeps s b h / t * 34 bytes per layer with sequence parallelism and
+    s b h (10 + 24 / t) without (Korthikanti et al., Table 2), within 1%."""
+    s, b, h, t = SEQ, 1, row.hidden, row.t
+    for sequence_parallel, expected in ((True, s * b * h / t * 34),
+                                        (False, s * b * h * (10 + 24 / t))):
+        two, three = (_estimate(row, cluster, n, 1, "selective", 1, sequence_parallel)[1]
+                      for n in (2, 3))
+        layer = three.processes[0].saved_activations - two.processes[0].saved_activations
+        assert layer == pytest.approx(expected, rel=0.01), sequence_parallel

@@ -113,3 +113,30 @@ def test_distributed_recompute_equals_plain_and_serial(float64, plan):
         assert all(np.max(np.abs(params[k] - rc_params[k])) <= 1e-12 for k in params)
         assert max(abs(a - b) for a, b in zip(rc_losses, serial_losses)) <= 1e-10
         assert all(np.max(np.abs(rc_params[k] - serial_params[k])) <= 1e-10 for k in params)
+
+
+def test_selective_recompute_copies_the_attention_scores_only(float64):
+    """Strategy(recompute="selective"): each block's attention core, from q k^T through
+    the mask, softmax and dropout, is recomputed (Korthikanti et al.); the losses and
+    parameters are the plain run's, and it keeps fewer bytes than no recomputation and
+    more than recomputing whole blocks."""
+    plain, losses, params = gpt_run(False)
+    engine, sel_losses, sel_params = gpt_run("selective")
+    assert max(abs(a - b) for a, b in zip(losses, sel_losses)) <= 1e-12
+    assert all(np.max(np.abs(params[k] - sel_params[k])) <= 1e-12 for k in params)
+    program = engine.plan().program
+    copies = [op for op in program.ops if op.outputs[0].name.endswith(SUFFIX)]
+    assert sorted(op.type for op in copies if op.layer.startswith("blocks.0.")) == sorted(
+        ["matmul", "scale", "causal_mask", "full", "where", "softmax", "dropout"])
+    assert {op.layer.split(".")[1] for op in copies} == {"0", "1"}
+    assert all(".attn" in op.layer for op in copies)
+    whole = gpt_run(True, epochs=1)[0].plan().program
+    assert peak_activation_bytes(whole) < peak_activation_bytes(program) < \
+        peak_activation_bytes(plain.plan().program)
+
+
+def test_selective_recompute_needs_attention_scores():
+    engine = dg.Engine(dg.nn.Linear(8, 2), dg.nn.MSELoss(), dg.optim.SGD(0.1),
+                       strategy=dg.Strategy(recompute="selective"))
+    with pytest.raises(dg.PlanError, match="recompute='selective'.*compute none"):
+        engine.prepare([dg.InputSpec([4, 8], name="x")], [dg.InputSpec([4, 2], name="y")])

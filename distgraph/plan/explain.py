@@ -327,6 +327,7 @@ class _Summary:
             flows = Counter(use.local.dataflow for use in plan.sliced)
             out.append(f"  MeshSlice: {len(plan.sliced)} matmul(s) as 2-D GeMMs with K sliced ("
                        + ", ".join(f"{d} {n}" for d, n in flows.items()) + ")")
+        out += [f"  {line}" for c in plan.savers for line in c.lines()]
         for extra in (plan.search, plan.batch_split):
             if extra is not None:
                 out.append("  " + extra.summary().replace("\n", "\n  "))

@@ -113,9 +113,11 @@ class Plan:
     ``row_gathers`` how fetched per-sample values come back in the batch's order under
     an uneven split (:class:`~distgraph.plan.program.RowGather`); ``sample_axes`` the
     dim that carries the samples of each Value, where the batch split needed them;
-    ``sliced`` the matmuls that run as MeshSlice; ``graph`` the task graph and ``order``
-    the schedule (None only while the planner builds them); ``decisions`` what the plan
-    was made from, as :meth:`save` writes it (:class:`~distgraph.plan.file.Decisions`).
+    ``sliced`` the matmuls that run as MeshSlice; ``savers`` what the search chose for the
+    memory savers the strategy left to it (:class:`~distgraph.plan.savers.SaverChoice`);
+    ``graph`` the task graph and ``order`` the schedule (None only while the planner
+    builds them); ``decisions`` what the plan was made from, as :meth:`save` writes it
+    (:class:`~distgraph.plan.file.Decisions`).
 
     With ``Strategy(micro_batches=M)``, M > 1, ``program`` is the *micro-batch* program
     and ``accumulation`` says how the step accumulates over the micro-batches
@@ -143,6 +145,7 @@ class Plan:
     row_gathers: MappingProxyType = field(default_factory=lambda: _EMPTY, repr=False)
     sample_axes: MappingProxyType | None = field(default=None, repr=False)
     sliced: tuple = ()
+    savers: tuple = ()
     decisions: Decisions | None = field(default=None, repr=False)
 
     def __reduce__(self):
@@ -324,6 +327,7 @@ class Plan:
             "reshards": [],
             "bytes_sent": {},
             "meshslice": [use.to_dict() for use in self.sliced],
+            "savers": [c.to_dict() for c in self.savers],
         }
         if self.distributed:
             out["reshards"] = [{"value": p.value, "src": str(p.src), "dst": str(p.dst),

@@ -119,6 +119,8 @@ def choose(built, strategy, cluster, budget: float | None = None,
     modified."""
     _check_target(strategy)
     session = session or Session()
+    if strategy.recompute is None:      # the planner weighs recomputation (passes/fitting.py)
+        strategy = dataclasses.replace(strategy, recompute=False)
     # M -> (program, accumulation, RunCosts, (budget, stage plan)); None -> the count chosen
     programs = session.table("micro-batch programs")
     micro = strategy.micro_batches

@@ -59,10 +59,19 @@ def segments(built, option) -> list:
 def recompute(program: Program, paths) -> int:
     """Rewrite ``program`` (forward, backward and update ops, not yet completed) so the
     activations of each layer path are recomputed in the backward; returns how many ops
-    were copied. The segments are independent (a copy reads only its own segment's
-    copies and what enters the segment), so every one is planned on the program as
-    given and all are applied in one pass."""
-    ops = program.ops
+    were copied (:func:`recompute_ops` on each path's forward ops)."""
+    by_layer: dict = {}                 # forward ops per layer path, in program order
+    for i, op in enumerate(program.ops):
+        if op.role is Role.FORWARD:
+            by_layer.setdefault(op.layer, []).append(i)
+    return recompute_ops(program, [sorted(i for layer, found in by_layer.items()
+                                          if _inside(layer, path) for i in found)
+                                   for path in paths])
+
+
+def _readers(ops) -> tuple:
+    """({Value name: indices of the forward and loss ops reading it}, {...: of the
+    backward ops})."""
     forward_readers: dict = {}
     backward_readers: dict = {}
     for i, op in enumerate(ops):
@@ -71,16 +80,78 @@ def recompute(program: Program, paths) -> int:
         if readers is not None:
             for v in op.inputs:
                 readers.setdefault(v.name, []).append(i)
-    outputs = {v.name for v in program.outputs}
-    by_layer: dict = {}                 # forward ops per layer path, in program order
+    return forward_readers, backward_readers
+
+
+def attention_cores(program: Program, blocks) -> list:
+    """The segments of selective recomputation (Korthikanti et al. 2022, "Reducing
+    Activation Recomputation in Large Transformer Models", section 4.2): in each block
+    of ``blocks`` (layer paths), each attention's core, the forward ops from the matmul of
+    queries and keys through the softmax (and its scaling, mask and dropout) to the
+    matmul of the probabilities with the values, and the op making the causal mask only it
+    reads: what keeps the 5 a s^2 b bytes of attention scores per layer (and the mask's
+    s^2). Its inputs (q, k, v) and its output stay kept, so a
+    layer keeps 34 s b h bytes (16-bit) where it kept 34 s b h + 5 a s^2 b. A list of
+    forward op indices per core; PlanError where the blocks have none (a fused
+    attention op keeps no scores)."""
+    ops = program.ops
+    forward_readers, _ = _readers(ops)
+    maker = {o.name: i for i, op in enumerate(ops) if op.role is Role.FORWARD
+             for o in op.outputs}
+    cores = []
     for i, op in enumerate(ops):
-        if op.role is Role.FORWARD:
-            by_layer.setdefault(op.layer, []).append(i)
+        if op.type != "softmax" or op.role is not Role.FORWARD or \
+                not any(_inside(op.layer, b) for b in blocks):
+            continue
+        score = op.inputs[0].shape
+        seg, v = [i], op.inputs[0]          # up to the matmul making the scores
+        while v is not None and v.name in maker:
+            k = maker[v.name]
+            seg.append(k)
+            v = None if ops[k].type == "matmul" else next(
+                (x for x in ops[k].inputs if x.shape == score), None)
+        if ops[seg[-1]].type != "matmul":
+            continue
+        v = op.outputs[0]                   # down to the matmul reading the probabilities
+        while True:
+            readers = forward_readers.get(v.name, [])
+            if len(readers) != 1:
+                break
+            k = readers[0]
+            seg.append(k)
+            if ops[k].type == "matmul":
+                cores.append(sorted(seg + _made_for(ops, seg, maker, forward_readers)))
+                break
+            v = ops[k].outputs[0]
+    if not cores:
+        raise PlanError("Strategy(recompute='selective') recomputes each attention's scores "
+                        "(the ops from q k^T through softmax and dropout to the product with "
+                        "v), but the model's blocks compute none (a fused attention op keeps "
+                        "no scores); use recompute=True or a list of layer paths")
+    return cores
+
+
+def _made_for(ops, seg, maker, forward_readers) -> list:
+    """The ops of no operands (the causal mask) that make a Value only ``seg`` reads:
+    recomputed with it rather than kept for it (s^2 bytes per layer)."""
+    inside = set(seg)
+    return sorted({maker[v.name] for i in seg for v in ops[i].inputs
+                   if v.name in maker and not ops[maker[v.name]].inputs
+                   and set(forward_readers[v.name]) <= inside} - inside)
+
+
+def recompute_ops(program: Program, segs) -> int:
+    """Rewrite ``program`` so the activations each segment of ``segs`` (lists of forward
+    op indices) makes for its own backward are recomputed there; returns how many ops
+    were copied. The segments are independent (a copy reads only its own segment's
+    copies and what enters the segment), so every one is planned on the program as
+    given and all are applied in one pass."""
+    ops = program.ops
+    forward_readers, backward_readers = _readers(ops)
+    outputs = {v.name for v in program.outputs}
     inserts: dict = {}
     renames: dict = {}
-    for path in paths:
-        seg = sorted(i for layer, found in by_layer.items() if _inside(layer, path)
-                     for i in found)
+    for seg in segs:
         planned = _plan_segment(program, seg, forward_readers, backward_readers, outputs)
         if planned is None:
             continue

@@ -45,13 +45,15 @@ def main(argv) -> None:
     refs = {}
     report = {"dtype": dtype, "world": comm.size, "plans": {}}
     for kind, name in keys:
-        plan = {**P.PLANS, **P.AUTO_PLANS, **P.SP_PLANS}[kind, name, comm.size]
+        plan = {**P.PLANS, **P.AUTO_PLANS, **P.SP_PLANS, **P.RECOMPUTE_PLANS}[
+            kind, name, comm.size]
         if kind not in refs:
             refs[kind] = P.serial_reference(kind)
         model = P.build_model(kind)
         plan.annotate(model)
         engine = P.prepare(P.make_engine(model, kind, comm, plan.sharding, auto=plan.auto,
-                                         sequence_parallel=plan.sequence_parallel),
+                                         sequence_parallel=plan.sequence_parallel,
+                                         recompute=plan.recompute),
                            kind)
         history = engine.fit(P.Dataset(kind), batch_size=P.BATCH, epochs=1)
         errors = P.compare((history.losses, engine.state_dict()), refs[kind], dtype)

@@ -1,0 +1,78 @@
+"""What the search chose for a memory saver the strategy left to it, as a value the plan
+carries (``Plan.savers``) and ``explain()`` says in words.
+
+Under ``Strategy(auto_mode="full")`` an option left unset is the search's: recomputation
+(none, "selective" or whole blocks: :func:`distgraph.passes.fitting.with_savers`) and, with
+``pipeline=True``, the micro-batch count (:mod:`distgraph.passes.search.stages.micro`).
+Each choice is one :class:`SaverChoice`: the option, the value chosen, the plan's peak and
+step time with it, what a device may hold, and every other value priced: its peak and
+step time, or its closest plan's peak where it did not fit (what the choice saved).
+
+Example::
+
+    SaverChoice("recompute", "selective", 38.6e9, 40e9, 21.8,
+                ((False, 39.3e9, 26.0), (True, 39.3e9, None))).lines()
+    # recompute='selective' chosen by the search: peak 35.9 GiB of the 37.3 GiB a device
+    #     may hold, 21.8 s per step
+    #   without recomputation: peak 36.6 GiB, 26 s per step
+    #   recomputing whole blocks: does not fit (its closest plan needs 36.6 GiB)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from distgraph.units import fmt_bytes
+
+_SPELLED = {False: "without recomputation", True: "recomputing whole blocks",
+            "selective": "recomputing the attention scores"}
+
+
+@dataclass(frozen=True)
+class SaverChoice:
+    """``option`` (a Strategy field) set to ``value`` by the search; ``peak``: the plan's
+    largest peak in bytes with it (None: not estimated), ``limit`` what that device may
+    hold (inf: no limit known), ``seconds`` its estimated step time (None: not
+    estimated); ``others``: (value, peak bytes or None, seconds or None) of each other
+    value priced, in the order tried: seconds None where it did not fit, the peak then
+    its closest plan's."""
+
+    option: str
+    value: object
+    peak: float | None
+    limit: float
+    seconds: float | None
+    others: tuple = ()
+
+    def __str__(self) -> str:
+        return "; ".join(line.strip() for line in self.lines())
+
+    def lines(self) -> list:
+        """The choice in words: the value chosen and its peak and step time, then each
+        other value priced, one a line."""
+        text = f"{self.option}={self.value!r} chosen by the search"
+        if self.option == "micro_batches":
+            return [text + " (the stage search's least latency among the counts it priced)"]
+        if self.peak is not None:
+            text += f": peak {fmt_bytes(self.peak)}" + (
+                "" if math.isinf(self.limit) else
+                f" of the {fmt_bytes(self.limit)} a device may hold") + (
+                "" if self.seconds is None else f", {self.seconds:.3g} s per step")
+        out = [text]
+        for value, peak, seconds in self.others:
+            name = _SPELLED.get(value, repr(value))
+            if seconds is not None:
+                out.append(f"  {name}: peak {fmt_bytes(peak)}, {seconds:.3g} s per step")
+            elif peak is not None:
+                out.append(f"  {name}: does not fit (its closest plan needs "
+                           f"{fmt_bytes(peak)})")
+            else:
+                out.append(f"  {name}: does not fit")
+        return out
+
+    def to_dict(self) -> dict:
+        return {"option": self.option, "value": self.value, "peak": self.peak,
+                "limit": None if math.isinf(self.limit) else self.limit,
+                "seconds": self.seconds,
+                "others": [{"value": v, "peak": p, "seconds": s} for v, p, s in self.others]}

@@ -470,7 +470,8 @@ def _peak_memory(plan, pid, stage, scale: _Scale) -> tuple[int, int, int, int, i
     if plan.micro_batches > 1:
         # the local program is one micro-batch's: the others in flight keep what they
         # saved for their backward, and the parameters' gradients accumulate in buffers
-        acts += (in_flight(plan.strategy.schedule, m, len(plan.stages), stage) - 1) * saved
+        acts += (in_flight(plan.strategy.schedule, m, len(plan.stages), stage,
+                          plan.strategy.virtual_stages) - 1) * saved
         grads += sum(prog.values[g].nbytes for g in plan.built.grad_names.values()
                      if g in prog.values)
     return params, states, int(grads), int(acts), int(saved)

@@ -29,10 +29,19 @@ from distgraph.errors import PlanError
 from distgraph.units import GB
 
 
-def in_flight(schedule: str, micro_batches: int, stages: int, stage: int) -> int:
-    """The micro-batches stage ``stage`` of ``stages`` holds at once (module docstring)."""
+def in_flight(schedule: str, micro_batches: int, stages: int, stage: int,
+              virtual: int = 1) -> float:
+    """The micro-batches stage ``stage`` of ``stages`` holds at once (module docstring).
+    With ``virtual`` chunks per stage (interleaved 1F1B) a stage runs ``2 (S - s - 1) +
+    (v - 1) S`` chunk forwards before its first backward and one more in the steady
+    state (Narayanan et al., SC'21, as :mod:`~distgraph.passes.pipeline.schedule` orders
+    them), each holding 1/v of a micro-batch's: rank 0 of 4 stages of 2 chunks holds 11
+    chunks, 5.5 micro-batches, not 4."""
     if schedule == "FThenB":
         return micro_batches
+    if virtual > 1 and schedule == "1F1B":
+        chunks = 2 * (stages - stage - 1) + (virtual - 1) * stages + 1
+        return min(virtual * micro_batches, chunks) / virtual
     return min(micro_batches, stages - stage)
 
 

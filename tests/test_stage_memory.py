@@ -14,7 +14,12 @@ than stages (1F1B keeps ``min(M, S - s)`` in flight).
 
 What the tolerance covers: the search does not price the buffers of resharded copies
 (the estimate counts a copy live to its last consumer); under virtual stages it prices
-a chunk holding part of the embedding or the head by its share of their FLOPs. On
+a chunk holding part of the embedding or the head by its share of their FLOPs, and the
+micro-batches in flight as ``in_flight``'s chunks, each 1/v of its stage's saved
+activations, where the estimate replays the plan's schedule chunk by chunk (the chunks
+differ: a stage's chunks in flight at its peak are mostly its first, and the last
+chunk holds the head): the search prices the ``interleaved`` case's stage 4.4% above
+the estimate (``TOLERANCES``). On
 these cases the two differ by at most a few hundred bytes in a third of a megabyte.
 The search lives an op's results as one (the head's softmax_cross_entropy: its per-row
 loss, freed by the estimate before the backward, counted with the other result it
@@ -38,7 +43,7 @@ import search_cases as S  # noqa: E402
 
 BATCH = 16
 TOLERANCE = 1e-3
-TOLERANCES = {"zero": 3e-3}
+TOLERANCES = {"zero": 3e-3, "interleaved": 0.05}
 
 
 def gpt_program(layers: int):

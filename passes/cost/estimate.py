@@ -53,7 +53,11 @@ communication and bubble, and peak memory per process.
   Under a pipeline schedule a stage holds the micro-batches in flight (M for FThenB,
   S - s for 1F1B on stage s): one at its peak, each other one with the activations it
   keeps from its forward to its backward (``saved_activations``: what is live when the
-  backward starts, before the gradient from the next stage arrives); with micro-batches the gradients of the parameters are
+  backward starts, before the gradient from the next stage arrives), read off the
+  plan's schedule where it has one (:func:`~distgraph.passes.cost.terms.held_by_order`:
+  per chunk, and under ZB / ZBV what the deferred weight gradients read from each I to
+  its W; interleaved 1F1B by ``in_flight``'s chunks, as the stage search prices it);
+  with micro-batches the gradients of the parameters are
   accumulated in buffers that live through the step (a micro-batch's gradient is added
   to its buffer as it is made, as the runtime does, and not held to the update).
 - **Alike processes are estimated once.** Processes on the same meshes whose devices
@@ -82,7 +86,8 @@ from itertools import combinations
 from distgraph.errors import PlanError
 from distgraph.ir import Role
 from distgraph.plan.instructions import keeps_nothing
-from distgraph.passes.cost.terms import in_flight
+from distgraph.passes.cost.held import action_holds
+from distgraph.passes.cost.terms import held_by_order, in_flight
 from distgraph.passes.cost.prices import (Rings, best_overlap, feed_time, op_comm_time, op_time,
                                           reshard_step_time)
 from distgraph.registry import TensorType, get_op
@@ -419,16 +424,19 @@ def _peak_memory(plan, pid, stage, scale: _Scale) -> tuple[int, int, int, int, i
     states = sum(v.nbytes for v in prog.persistables if not v.is_parameter)
     roles = [op.role for op in plan.program.ops]
     items, item_roles = [], []        # a reshard point's role is the role of its consumer
+    item_ops = []                     # the op an item runs before or is
     kept, sizes = _kept(local, scale)
     for i, op in enumerate(prog.ops + [None]):
         for point in local.comm_points.get(i, ()):
             items.append((point.reads, point.writes))
             item_roles.append(roles[point.anchor] if point.anchor >= 0 else None)
+            item_ops.append(i)
         if op is not None:
             reads, writes = kept.get(i, ((), ()))
             items.append((tuple(v.name for v in op.inputs) + reads,
                           tuple(o.name for o in op.outputs if not o.alias_of) + writes))
             item_roles.append(op.role)
+            item_ops.append(i)
     updating = [role == Role.OPTIMIZE for role in item_roles]
     # With micro-batches the runtime adds what a micro-batch makes for the update (its
     # gradients) to the step's buffers as it is made: the update reads the buffers
@@ -449,10 +457,24 @@ def _peak_memory(plan, pid, stage, scale: _Scale) -> tuple[int, int, int, int, i
     # next stage received in it (neither is kept from the forward for the backward)
     first_backward = next((k for k, role in enumerate(item_roles) if role == Role.BACKWARD),
                           len(items))
+    # with a schedule: the micro-batch's peak in each of its actions (chunk, letter), to
+    # which the others hold what the schedule has them hold then
+    order = plan.order.of(pid) if plan.order is not None and plan.micro_batches > 1 else ()
+    if order and plan.graph is not None:
+        task_of, made, after_input = action_holds(plan, pid, local, scale.nbytes)
+    else:       # interleaved 1F1B: in_flight's chunks, as the stage search prices them
+        order, task_of = (), {}
+    after_forward: dict = {}
+    by_task: dict = {}
     saved = 0
     for k, (reads, writes) in enumerate(items):
         if k == first_backward:
             saved = sum(b for n, b in live.items() if "@GRAD" not in n)
+            first = min(made.values())[0] if order and made else None
+            for n, b in live.items():       # by the chunk that makes it (feeds: the first)
+                if order and "@GRAD" not in n:
+                    chunk = made.get(n, (first,))[0]
+                    after_forward[chunk] = after_forward.get(chunk, 0) + b
         for name in writes:
             if name in sizes:
                 live[name] = sizes[name]
@@ -461,16 +483,30 @@ def _peak_memory(plan, pid, stage, scale: _Scale) -> tuple[int, int, int, int, i
         total = sum(live.values())
         if total > peak:
             peak, at_peak = total, dict(live)
+        if order:
+            task = task_of.get(item_ops[k])
+            if total > by_task.get(task, (-1,))[0]:
+                by_task[task] = (total, dict(live))
         for name in set(reads + writes):
             if last.get(name) == k:
                 live.pop(name, None)
+    others = 0
+    if order:
+        # the most over the actions of the running micro-batch's own and the others'
+        held = held_by_order(order, after_forward, after_input)
+        task = max(by_task, key=lambda t: by_task[t][0] + held.get(t, 0))
+        at_peak, others = by_task[task][1], held.get(task, 0)
     grads = sum(b for n, b in at_peak.items() if "@GRAD" in n)
-    acts = sum(b for n, b in at_peak.items() if "@GRAD" not in n)
+    acts = sum(b for n, b in at_peak.items() if "@GRAD" not in n) + others
     m = scale.micro_batches
     if plan.micro_batches > 1:
         # the local program is one micro-batch's: the others in flight keep what they
-        # saved for their backward, and the parameters' gradients accumulate in buffers
-        acts += (in_flight(plan.strategy.schedule, m, len(plan.stages), stage) - 1) * saved
+        # saved for their backward (by the schedule, above; while the search plans, with
+        # no schedule yet, by the in-flight term), and the parameters' gradients
+        # accumulate in buffers
+        if not order:
+            acts += (in_flight(plan.strategy.schedule, m, len(plan.stages), stage,
+                              plan.strategy.virtual_stages) - 1) * saved
         grads += sum(prog.values[g].nbytes for g in plan.built.grad_names.values()
                      if g in prog.values)
     return params, states, int(grads), int(acts), int(saved)

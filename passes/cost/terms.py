@@ -8,6 +8,8 @@ parts.
   have run its forward);
 - :func:`held`: the memory of a stage holding that many: one micro-batch at its peak,
   each other one with what it keeps from its forward to its backward;
+  :func:`held_by_order`: what the other micro-batches hold, read off a known schedule
+  (per chunk, and from I to W under zero bubble);
 - :func:`stage_cost` / :func:`stage_costs`: what a stage of ``[E] + m blocks + [H]``
   costs from its parts' costs (:class:`~distgraph.passes.search.stages.runs.PartCost`):
   seconds per micro-batch, GB with one micro-batch in flight, GB per further micro-batch
@@ -29,11 +31,44 @@ from distgraph.errors import PlanError
 from distgraph.units import GB
 
 
-def in_flight(schedule: str, micro_batches: int, stages: int, stage: int) -> int:
-    """The micro-batches stage ``stage`` of ``stages`` holds at once (module docstring)."""
+def in_flight(schedule: str, micro_batches: int, stages: int, stage: int,
+              virtual: int = 1) -> float:
+    """The micro-batches stage ``stage`` of ``stages`` holds at once (module docstring).
+    With ``virtual`` chunks per stage (interleaved 1F1B) a stage runs ``2 (S - s - 1) +
+    (v - 1) S`` chunk forwards before its first backward and one more in the steady
+    state (Narayanan et al., SC'21, as :mod:`~distgraph.passes.pipeline.schedule` orders
+    them), each holding 1/v of a micro-batch's: rank 0 of 4 stages of 2 chunks holds 11
+    chunks, 5.5 micro-batches, not 4."""
     if schedule == "FThenB":
         return micro_batches
+    if virtual > 1 and schedule == "1F1B":
+        chunks = 2 * (stages - stage - 1) + (virtual - 1) * stages + 1
+        return min(virtual * micro_batches, chunks) / virtual
     return min(micro_batches, stages - stage)
+
+
+def held_by_order(order, after_forward: dict, after_input: dict) -> dict:
+    """{(chunk, kind): the most bytes the other micro-batches hold while a process runs
+    that action} over ``order`` (its schedule: actions with ``chunk``, ``kind`` F / B /
+    I / W and ``micro_batch``): a chunk's micro-batch holds ``after_forward[chunk]``
+    from its F to its backward (B, or I then) and ``after_input[chunk]`` from its I to
+    its W (zero bubble: what the weight gradients read). The estimate's in-flight term
+    where the schedule is known, added to what the running micro-batch holds in that
+    action; under 1F1B with one chunk per stage its most is ``(in_flight - 1)`` times
+    what a micro-batch keeps, the stage search's term."""
+    state: dict = {}
+    by_batch: dict = {}
+    most: dict = {}
+    for a in order:
+        m, key = a.micro_batch, (a.chunk, a.kind)
+        others = sum(by_batch.values()) - by_batch.get(m, 0.0)
+        most[key] = max(most.get(key, 0.0), others)
+        before = state.get((a.chunk, m), 0.0)
+        now = (after_forward.get(a.chunk, 0.0) if a.kind == "F" else
+               after_input.get(a.chunk, 0.0) if a.kind == "I" else 0.0)
+        state[a.chunk, m] = now
+        by_batch[m] = by_batch.get(m, 0.0) - before + now
+    return most
 
 
 def held(one: float, further: float, count: int) -> float:

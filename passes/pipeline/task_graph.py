@@ -230,10 +230,16 @@ class _TaskBuilder:
     def _point_key(self, p) -> tuple:
         """The task a point's result is made in: the first, in a micro-batch's data flow,
         whose ops read it in the point's layout (a resharded value is made once and
-        reused by later consumers, say an I and a W op)."""
+        reused by later consumers, say an I and a W op). Only the ops that read this
+        point's result count: a parameter gathered for the forward and gathered again for
+        the backward (ZeRO-3, a searched plan's weight sharded over dp) is two points,
+        and the backward's is made in the backward, not held from the forward's end."""
         keys = {self._key(p.anchor)}
+        ops, made = self.local.program.ops, set(p.writes)
         for k in self.uses.get(p.value, {}).get((p.dst.mesh, p.dst.spec), ()):
-            keys.add(self._key(k))
+            i = self.local_of.get(k)
+            if i is None or any(v.name in made for v in ops[i].inputs):
+                keys.add(self._key(k))
         if any(kind == PROLOGUE for _, kind in keys):
             raise PlanError(f"the micro-batches' prologue (whole-batch sums of the feeds) "
                             f"would reshard {p.value} ({p.src} -> {p.dst}); lay the feeds "

@@ -111,14 +111,17 @@ def test_a_loaded_plan_is_the_saved_one(files, kind, float64, no_search, tmp_pat
 def test_the_file_holds_decisions_not_processes(files):
     """Meshes and specs written once each, processes as ranges: the searched plan's file
     holds no list of process ids, and every layout refers to the tables."""
-    _, path = files["full"]
+    saved, path = files["full"]
     data = json.loads(Path(path).read_text())
     assert data["format"] == "distgraph-plan" and data["version"] == 1
     assert all("first" in m for m in data["meshes"])
     assert data["decisions"]["rank_mapping"] == [[0, 0, 4]]     # one run: p on device p
     assert len(data["specs"]) < len(data["decisions"]["values"])
+    # the recomputation the search chose (the strategy left it unset), not "unset"
+    assert saved.strategy.recompute is not None
     assert read(path).strategy == dg.Strategy(auto_mode="full", pipeline=True,
-                                              micro_batches=4)
+                                              micro_batches=4,
+                                              recompute=saved.strategy.recompute)
 
 
 def test_a_plan_pickles_whole(files, float64, tmp_path):

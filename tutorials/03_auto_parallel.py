@@ -19,6 +19,7 @@ With ``--pipeline`` the search also cuts the model into pipeline stages (Alpa's 
 DP, ``Strategy(pipeline=True, micro_batches=4)``).
 
     python tutorials/03_auto_parallel.py                       # local4.yaml, ~6 s
+    distgraph run -n 4 tutorials/03_auto_parallel.py           # the same, ranks started first
     distgraph cluster calibrate -n 4 -o my4.yaml               # measure this machine
     python tutorials/03_auto_parallel.py --cluster my4.yaml
     python tutorials/03_auto_parallel.py --cluster resources/clusters/emulated_2x2.yaml --no-train
@@ -134,6 +135,11 @@ def main():
     if args.rank_part:
         return train(args)
     cluster = dg.Cluster.from_file(args.cluster)
+    if dg.get_world_size() > 1:         # started by `distgraph run -n N` already: train here
+        if dg.get_rank() == 0:
+            show(args, cluster)
+        os.environ.setdefault("DISTGRAPH_CLUSTER", os.path.abspath(args.cluster))
+        return None if args.no_train else train(args)
     show(args, cluster)
     if args.no_train:
         return

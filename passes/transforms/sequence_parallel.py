@@ -22,7 +22,12 @@ The regions are found from the completed layout, for any model:
   over ``t``;
 - an activation of a region that an op outside tensor parallelism makes or reads (the
   embedding, an LM head whose weight is whole) is *fenced*: annotated with its layout as
-  it is, so the sequence split stops there (an all-gather or a local slice at the edge).
+  it is, so the sequence split stops there (an all-gather or a local slice at the edge);
+- an activation a later pipeline stage reads stays out of every region, unannotated:
+  an annotation would pin the next stage's first ops (its norm, its residual add) to
+  this stage's mesh, a cycle between the stages; the transfer between the stages sends
+  tiles from every process and gathers them in the next stage (reshard's local
+  all-gather), as Megatron's scatter-gather of the pipeline's messages does.
 
 With context parallelism the sequence is already split over another mesh dim (``cp``);
 the region's activations are then split over ``(cp, t)``, cp major: each cp block of
@@ -101,7 +106,12 @@ def _region(program, mesh, m, producer, consumers) -> tuple:
         spec = v.dist_attr.spec
         return (forward(producer.get(v.name)) and v.annotation is None and len(v.shape) == 3
                 and dtypes.is_float(v.dtype) and tuple(v.shape[:2]) == rows
-                and m not in spec.mesh_dims() and v.shape[SEQ] % (parts(spec) * size) == 0)
+                and m not in spec.mesh_dims() and v.shape[SEQ] % (parts(spec) * size) == 0
+                and not leaves(v))
+
+    def leaves(v):                   # read by a forward op of another (pipeline) stage
+        return any(c.role is Role.FORWARD and c.dist_attr.mesh != mesh
+                   for c in consumers.get(v.name, ()))
 
     def parts(spec):                 # the sequence's split so far (context parallelism)
         return int(np.prod([mesh.dim_size(d) for d in spec.entry(SEQ)], dtype=np.int64))

@@ -23,6 +23,9 @@ The regions are found from the completed layout, for any model:
 - an activation of a region that an op outside tensor parallelism makes or reads (the
   embedding, an LM head whose weight is whole) is *fenced*: annotated with its layout as
   it is, so the sequence split stops there (an all-gather or a local slice at the edge);
+- the heavy ops (matmuls) reading a region's activation, or its recomputed copy,
+  consume it whole over the sequence (pinned as a ``shard_op`` in_spec would): the
+  all-gather into a column-split matmul, forward and for the weight gradient;
 - an activation a later pipeline stage reads stays out of every region, unannotated:
   an annotation would pin the next stage's first ops (its norm, its residual add) to
   this stage's mesh, a cycle between the stages; the transfer between the stages sends
@@ -46,7 +49,8 @@ from collections import deque
 import numpy as np
 
 from distgraph import dtypes
-from distgraph.ir import Program, Role
+from distgraph.annotation import OpAnnotation
+from distgraph.ir import RECOMPUTED, Program, Role
 from distgraph.placement import DistAttr, ShardSpec
 from distgraph.registry import spmd_rule
 from distgraph.spmd import EinsumPlan
@@ -81,14 +85,33 @@ def sequence_parallel(program: Program) -> int:
     for mesh, dims in sorted(tensor_parallel_dims(program).items(), key=lambda kv: str(kv[0])):
         for m in sorted(dims):
             region, fenced = _region(program, mesh, m, producer, consumers)
+            whole = {}                      # name -> its layout before the split
             for v in region - fenced:
+                whole[v.name] = whole[v.name + RECOMPUTED] = v.dist_attr.spec
                 dims_ = list(v.dist_attr.spec.dims)
                 dims_[SEQ] = v.dist_attr.spec.entry(SEQ) + (m,)
                 v.annotation = DistAttr(mesh, ShardSpec(dims_))
                 split += 1
             for v in fenced:
                 v.annotation = v.annotation or v.dist_attr
+            _gather_into_heavy_ops(program, mesh, whole)
     return split
+
+
+def _gather_into_heavy_ops(program: Program, mesh, whole: dict) -> None:
+    """Pin how the heavy ops (matmuls) on ``mesh`` consume a split activation, or its
+    recomputed copy: whole over the sequence, as before the split, so the activation is
+    all-gathered into them, forward and backward (Megatron-SP gathers it again for the
+    weight gradient). Left to completion's tie-break, the operand met first claims the
+    tensor-parallel dim for its sequence letter: the weight was all-gathered instead
+    (h x 3h elements for b x s x h), or the weight gradient made whole over the sequence
+    split and reduce-scattered, a weight's bytes per micro-batch."""
+    for op in program.ops:
+        if op.annotation is not None or op.dist_attr is None or op.dist_attr.mesh != mesh:
+            continue
+        pins = tuple((v.name, whole[v.name]) for v in op.inputs if v.name in whole)
+        if pins and not _light(op):
+            op.annotation = OpAnnotation(mesh, pins)
 
 
 def _region(program, mesh, m, producer, consumers) -> tuple:

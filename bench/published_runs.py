@@ -54,7 +54,8 @@ error (predicted / published - 1), the step split (compute, communication, bubbl
 the peak memory; then the mean |error|. Targets: each row within +-10%, mean |error| <=
 5% (exit status 1 when missed). ``--searched`` also plans ``Strategy(auto_mode="full",
 pipeline=True)`` on the same model (unannotated), cluster, micro-batch count and memory
-savers, and prints its predicted throughput over the published layout's.
+savers (sequence parallelism left to the search, which weighs it itself), and prints
+its predicted throughput over the published layout's.
 
 Run::
 
@@ -216,8 +217,7 @@ def plan_gpt(run: Run, searched: bool, time_limit: float) -> dict:
         strategy = dg.Strategy(auto_mode="full", pipeline=True,
                                micro_batches=run.micro_batches,
                                recompute=recompute_option(run, model),
-                               sequence_parallel=run.sp, sharding=run.sharding,
-                               solver_time_limit=time_limit)
+                               sharding=run.sharding, solver_time_limit=time_limit)
         built = program(model, run.batch)
         plan, wall, cpu = timed(lambda: dg.passes.plan(built, strategy, cluster, ranks=()))
         out["searched"] = summary(run.figure, estimate_of(plan), wall, cpu)

@@ -219,8 +219,12 @@ def plan_gpt(run: Run, searched: bool, time_limit: float) -> dict:
                                recompute=recompute_option(run, model),
                                sharding=run.sharding, solver_time_limit=time_limit)
         built = program(model, run.batch)
-        plan, wall, cpu = timed(lambda: dg.passes.plan(built, strategy, cluster, ranks=()))
-        out["searched"] = summary(run.figure, estimate_of(plan), wall, cpu)
+        try:
+            plan, wall, cpu = timed(lambda: dg.passes.plan(built, strategy, cluster,
+                                                           ranks=()))
+            out["searched"] = summary(run.figure, estimate_of(plan), wall, cpu)
+        except dg.errors.DoesNotFit as e:      # the search's answer, printed as such
+            out["searched"] = {"refused": str(e)}
     return out
 
 
@@ -253,8 +257,11 @@ def row_line(name: str, source: str, layout: str, unit: str, r: dict) -> str:
             f"{r['compute_s']:.2f} + {r['communication_s']:.2f} + {r['bubble_s']:.2f}; "
             f"peak {r['peak_gb']:5.1f} GB{'' if r['peak_gb'] <= 80 else ' (> 80)'}; "
             f"planned {r['wall_s']:.0f} s")
-    if "searched" in r:
-        line += f" | searched / published layout {r['searched']['predicted'] / r['predicted']:.2f}"
+    found = r.get("searched")
+    if found and "refused" in found:
+        line += f" | searched: {found['refused']}"
+    elif found:
+        line += f" | searched / published layout {found['predicted'] / r['predicted']:.2f}"
     return line
 
 

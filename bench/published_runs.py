@@ -16,12 +16,14 @@ throughput with the published one, in the paper's own unit and FLOP count:
   per GPU, same count). The paper gives no (t, p) for it: Table 1's layout for the same
   width (145.6B, h = 12,288: t 8, p 8) is used, dp 16, one sequence per micro-batch.
 - **Korthikanti et al. 2022** ("Reducing Activation Recomputation in Large Transformer
-  Models", arXiv 2205.05198), configurations of its Table 3, sequence parallelism and
-  selective recomputation ("present work"), data parallel size 1: 22B (64 heads, h 6,144,
-  48 layers, t 8, p 1, 8 GPUs, batch 4, micro-batch 4), 175B (96, 12,288, 96, t 8, p 8,
-  64 GPUs, batch 64), 530B (128, 20,480, 105, t 8, p 35, 280 GPUs, batch 280), 1T (160,
-  25,600, 128, t 8, p 64, 512 GPUs, batch 512), micro-batch 1 for the last three.
-  Published model FLOPs utilisation (MFU) 41.5%, 51.4%, 56.0%, 56.3% (the paper's
+  Models", arXiv 2205.05198), configurations of its Table 3 (as recalled from the paper:
+  the table itself could not be read from a source in this session, its MFU figures
+  could), sequence parallelism and selective recomputation ("present work"), data
+  parallel size 1 (NVIDIA/Megatron-LM's README says so of these figures): 22B (64 heads,
+  h 6,144, 48 layers, t 8, p 1, 8 GPUs, batch 4, micro-batch 4), 175B (96, 12,288, 96, t
+  8, p 8, 64 GPUs, batch 64), 530B (128, 20,480, 105, t 8, p 35, 280 GPUs, batch 280),
+  1T (160, 25,600, 128, t 8, p 64, 512 GPUs, batch 512), micro-batch 1 for the last
+  three. Published model FLOPs utilisation (MFU) 41.5%, 51.4%, 56.0%, 56.3% (the paper's
   end-to-end table, repeated in NVIDIA/Megatron-LM's README beside HFU 43.7, 52.8, 57.0,
   57.0%), with model FLOPs 72 B s l h^2 (1 + s/(6h) + V/(12 l h)) (recomputation not
   counted) over the A100's 312 TFLOP/s bfloat16 peak (datasheet).
@@ -30,9 +32,11 @@ throughput with the published one, in the paper's own unit and FLOP count:
   parallelism (dp 124), activation checkpointing, "up to 147 TFLOP/s per GPU"; batch 2M
   tokens (Table 1): 8 sequences of 2,048 per replica, 992 in all; vocabulary 50,272. The
   paper names no micro-batch: one micro-batch of the replica's 8 sequences. Its FLOP
-  count is not stated: Narayanan's (recomputation counted) is used. FSDP's parameter
-  gathers are priced as ZeRO's (states and updates split over dp, ``sharding=True``):
-  the weights stay whole on each replica, so the estimated peak exceeds 80 GB.
+  count is not stated: Narayanan's (recomputation counted) is used. FSDP is asked for as
+  ZeRO (``sharding=True``: states and updates split over dp); dp = 124 divides none of
+  the weights' dims, so nothing is split (FSDP pads flat buffers) and the estimated peak
+  far exceeds 80 GB; the gradients' reduction over dp is priced after the backward
+  (FSDP overlaps it with the backward).
 - **Llama 3 405B** (Meta, "The Llama 3 Herd of Models", 2024, Table 4): the three rows of
   ``bench/plan_llama3.py`` (8K and 16K H100s, sequence 8K; 16K H100s, sequence 128K
   with CP 16), published TFLOP/s per GPU 430, 400, 380, with that bench's layout (Meta's

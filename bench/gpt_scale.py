@@ -56,17 +56,24 @@ class CoreAttention(dg.nn.Layer):
     softmax, dropout and the product with v on ``[b, h, s, hd]`` heads. Being a layer,
     its path (``blocks.{i}.attn.core``) is what selective recomputation names
     (Korthikanti et al. 2022: only these activations, which grow with s^2, are
-    recomputed)."""
+    recomputed). ``fused``: scale, mask and softmax as Megatron's one kernel
+    (``ops.scaled_masked_softmax``, FusedScaleMaskSoftmax) instead of three ops."""
 
-    def __init__(self, dropout: float):
+    def __init__(self, dropout: float, fused: bool = False):
         super().__init__()
         self.drop = dg.nn.Dropout(dropout)
+        self.fused = fused
 
     def forward(self, q, k, v):
         t, hd = q.shape[2], q.shape[3]
-        att = ops.scale(ops.matmul(q, k, transpose_y=True), 1.0 / math.sqrt(hd))
-        att = ops.where(ops.causal_mask(t), att, float("-inf"))
-        return ops.matmul(self.drop(ops.softmax(att, axis=-1)), v)
+        scores = ops.matmul(q, k, transpose_y=True)
+        if self.fused:
+            probs = ops.scaled_masked_softmax(scores, 1.0 / math.sqrt(hd))
+        else:
+            att = ops.where(ops.causal_mask(t), ops.scale(scores, 1.0 / math.sqrt(hd)),
+                            float("-inf"))
+            probs = ops.softmax(att, axis=-1)
+        return ops.matmul(self.drop(probs), v)
 
 
 class CoreMegatronAttention(MegatronAttention):
@@ -82,12 +89,12 @@ class CoreMegatronAttention(MegatronAttention):
         return self.resid_drop(self.proj(y))
 
 
-def with_core(model, dropout: float = 0.1) -> list:
+def with_core(model, dropout: float = 0.1, fused: bool = False) -> list:
     """Give every block of a :class:`Megatron` model its attention core as a layer
-    (:class:`CoreAttention`); returns the cores' paths, what
-    ``Strategy(recompute=paths)`` recomputes selectively."""
+    (:class:`CoreAttention`, its softmax ``fused`` or not); returns the cores' paths,
+    what ``Strategy(recompute=paths)`` recomputes selectively."""
     for block in model.blocks:
-        block.attn.core = CoreAttention(dropout)
+        block.attn.core = CoreAttention(dropout, fused)
         block.attn.__class__ = CoreMegatronAttention
     return [f"blocks.{i}.attn.core" for i in range(len(model.blocks))]
 
@@ -165,7 +172,8 @@ def dgx_cluster(nodes: int) -> dg.Cluster:
 
 
 def megatron_plan(layers, hidden, heads, t, p, gpus, batch, micro_batches, cluster,
-                  recompute=True, sequence_parallel=False, sharding=False, vocab=VOCAB):
+                  recompute=True, sequence_parallel=False, sharding=False, vocab=VOCAB,
+                  fused_softmax=False):
     """Megatron's (t, p) as annotations: p stages of layers / p blocks each (every
     parameter of a block on its stage), the embeddings on the first and the final norm
     and head on the last, each stage a (dp, t) mesh of whole machines with the blocks'
@@ -173,13 +181,15 @@ def megatron_plan(layers, hidden, heads, t, p, gpus, batch, micro_batches, clust
     the LM head split over ``mp`` too; every block recomputed unless ``recompute`` is
     False, only each attention core (:func:`with_core`) where it is "selective";
     ``sequence_parallel``: Megatron-SP between the tensor-parallel regions;
-    ``sharding``: optimizer states and updates split over ``dp`` (ZeRO)."""
+    ``sharding``: optimizer states and updates split over ``dp`` (ZeRO);
+    ``fused_softmax``: Megatron's fused scale-mask-softmax kernel in every attention."""
     dp = gpus // (t * p)
     ids = np.arange(gpus).reshape(p, dp, t)
     meshes = [dg.ProcessMesh(ids[j].tolist(), dim_names=["dp", "mp"]) for j in range(p)]
     model = gpt(layers, hidden, heads, meshes[0], vocab)
-    if recompute == "selective":
-        recompute = with_core(model)
+    if recompute == "selective" or fused_softmax:
+        cores = with_core(model, fused=fused_softmax)
+        recompute = cores if recompute == "selective" else recompute
     per = layers // p
     for i, block in enumerate(model.blocks):
         mesh = meshes[min(i // per, p - 1)]

@@ -47,6 +47,10 @@ Tables 2-3 (per-row MFU, layouts and the machine's figures) could not be read fr
 source here; only the abstract's 55.2% MFU for MegaScale on 12,288 GPUs, "1.34x" over
 Megatron-LM, was.
 
+The GPT rows' model is ``bench/gpt_scale.py``'s Megatron GPT with its attention scores'
+scale, causal mask and softmax as one op (``ops.scaled_masked_softmax``), as Megatron-LM
+runs them (FusedScaleMaskSoftmax, ``--masked-softmax-fusion``, on by default).
+
 Machines: the A100 runs on DGX A100 nodes as ``resources/clusters/dgx_a100_1024.yaml``
 describes them (Selene; OPT's Azure NDm A100 v4 nodes are the same node: eight 80 GB
 A100s on NVSwitch, eight 200 Gb/s HDR HCAs), that file's node copied to the row's GPU
@@ -177,9 +181,11 @@ SOURCES = {       # --sources key: the rows it names
 
 
 def recompute_option(run: Run, model):
-    """``Strategy.recompute`` for the run's kind on ``model`` (selective: each attention
-    core made a layer of its own, :func:`gpt_scale.with_core`)."""
-    return {"full": True, "none": False}.get(run.recompute) or with_core(model)
+    """``Strategy.recompute`` for the run's kind on ``model``, whose attention cores
+    become layers of their own with the fused softmax (:func:`gpt_scale.with_core`; the
+    selective kind recomputes them)."""
+    cores = with_core(model, fused=True)
+    return {"full": True, "none": False}.get(run.recompute, cores)
 
 
 def estimate_of(plan):
@@ -212,7 +218,8 @@ def plan_gpt(run: Run, searched: bool, time_limit: float) -> dict:
         run.layers, run.hidden, run.heads, run.t, run.p, run.gpus, run.batch,
         run.micro_batches, None,
         recompute={"full": True, "none": False}.get(run.recompute, "selective"),
-        sequence_parallel=run.sp, sharding=run.sharding, vocab=run.vocab))
+        sequence_parallel=run.sp, sharding=run.sharding, vocab=run.vocab,
+        fused_softmax=True))
     est = dg.passes.estimate(plan, cluster)
     out = summary(run.figure, est, wall, cpu)
     del plan

@@ -93,12 +93,6 @@ def test_a_shard_dataloader_split_is_kept_and_a_plain_dataset_split_over_dp():
     assert str(plan.program.inputs[0].dist_attr.spec) == "[ep, None]"
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "Strategy(sequence_parallel=True) now pins its activations whole into the matmuls, "
-    "forward and weight gradient (passes/transforms/sequence_parallel.py: Megatron-SP "
-    "all-gathers them); the styles' plan still makes q_proj's weight gradient whole over "
-    "the sequence split and reduce-scatters it (2 reduce_scatter and 2 all_to_all more "
-    "here): parallelize's styles need the same pins"))
 def test_llama_sequence_parallel_styles_move_what_megatron_sp_moves():
     """Paddle's Llama plan with SequenceParallelBegin/Enable/Disable/End (its styles as
     Paddle's Llama example writes them) moves the same collectives, of the same bytes, as

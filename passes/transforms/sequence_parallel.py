@@ -98,20 +98,46 @@ def sequence_parallel(program: Program) -> int:
     return split
 
 
-def _gather_into_heavy_ops(program: Program, mesh, whole: dict) -> None:
+def gather_into_matmuls(program: Program) -> int:
+    """Pin, as :func:`sequence_parallel` does for its own regions, the heavy ops reading
+    an activation whose annotation splits its sequence over a tensor-parallel mesh dim
+    (a sequence-parallel style of ``dg.parallelize``): they consume it whole over that
+    dim. Returns how many ops were pinned; complete the program again afterwards."""
+    pinned = 0
+    for mesh, dims in sorted(tensor_parallel_dims(program).items(), key=lambda kv: str(kv[0])):
+        whole = {}
+        for v in program.values.values():
+            ann = v.annotation
+            if ann is None or ann.mesh != mesh or len(v.shape) != 3:
+                continue
+            entry = ann.spec.entry(SEQ)
+            kept = tuple(d for d in entry if d not in dims)
+            if kept != entry:
+                spec = list(ann.spec.dims)
+                spec[SEQ] = kept if len(kept) > 1 else (kept[0] if kept else None)
+                whole[v.name] = whole[v.name + RECOMPUTED] = ShardSpec(spec)
+        pinned += _gather_into_heavy_ops(program, mesh, whole)
+    return pinned
+
+
+def _gather_into_heavy_ops(program: Program, mesh, whole: dict) -> int:
     """Pin how the heavy ops (matmuls) on ``mesh`` consume a split activation, or its
     recomputed copy: whole over the sequence, as before the split, so the activation is
     all-gathered into them, forward and backward (Megatron-SP gathers it again for the
     weight gradient). Left to completion's tie-break, the operand met first claims the
     tensor-parallel dim for its sequence letter: the weight was all-gathered instead
     (h x 3h elements for b x s x h), or the weight gradient made whole over the sequence
-    split and reduce-scattered, a weight's bytes per micro-batch."""
+    split and reduce-scattered, a weight's bytes per micro-batch. Returns how many ops
+    were pinned."""
+    pinned = 0
     for op in program.ops:
         if op.annotation is not None or op.dist_attr is None or op.dist_attr.mesh != mesh:
             continue
         pins = tuple((v.name, whole[v.name]) for v in op.inputs if v.name in whole)
         if pins and not _light(op):
             op.annotation = OpAnnotation(mesh, pins)
+            pinned += 1
+    return pinned
 
 
 def _region(program, mesh, m, producer, consumers) -> tuple:

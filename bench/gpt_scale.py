@@ -51,6 +51,54 @@ class MegatronAttention(dg.nn.MultiHeadAttention):
         return self.resid_drop(self.proj(y))
 
 
+class CoreAttention(dg.nn.Layer):
+    """Megatron-LM's CoreAttention as a layer of its own: q k^T, scale, causal mask,
+    softmax, dropout and the product with v on ``[b, h, s, hd]`` heads. Being a layer,
+    its path (``blocks.{i}.attn.core``) is what selective recomputation names
+    (Korthikanti et al. 2022: only these activations, which grow with s^2, are
+    recomputed). ``fused``: scale, mask and softmax as Megatron's one kernel
+    (``ops.scaled_masked_softmax``, FusedScaleMaskSoftmax) instead of three ops."""
+
+    def __init__(self, dropout: float, fused: bool = False):
+        super().__init__()
+        self.drop = dg.nn.Dropout(dropout)
+        self.fused = fused
+
+    def forward(self, q, k, v):
+        t, hd = q.shape[2], q.shape[3]
+        scores = ops.matmul(q, k, transpose_y=True)
+        if self.fused:
+            probs = ops.scaled_masked_softmax(scores, 1.0 / math.sqrt(hd))
+        else:
+            att = ops.where(ops.causal_mask(t), ops.scale(scores, 1.0 / math.sqrt(hd)),
+                            float("-inf"))
+            probs = ops.softmax(att, axis=-1)
+        return ops.matmul(self.drop(probs), v)
+
+
+class CoreMegatronAttention(MegatronAttention):
+    """:class:`MegatronAttention` whose attention core is the :class:`CoreAttention`
+    layer ``core`` (the same function)."""
+
+    def forward(self, x):
+        b, t, d = x.shape
+        h, hd = self.n_head, d // self.n_head
+        qkv = ops.reshape(self.qkv(x), [b, t, h, 3 * hd])
+        q, k, v = (ops.transpose(z, [0, 2, 1, 3]) for z in ops.split(qkv, 3, axis=-1))
+        y = ops.reshape(ops.transpose(self.core(q, k, v), [0, 2, 1, 3]), [b, t, d])
+        return self.resid_drop(self.proj(y))
+
+
+def with_core(model, dropout: float = 0.1, fused: bool = False) -> list:
+    """Give every block of a :class:`Megatron` model its attention core as a layer
+    (:class:`CoreAttention`, its softmax ``fused`` or not); returns the cores' paths,
+    what ``Strategy(recompute=paths)`` recomputes selectively."""
+    for block in model.blocks:
+        block.attn.core = CoreAttention(dropout, fused)
+        block.attn.__class__ = CoreMegatronAttention
+    return [f"blocks.{i}.attn.core" for i in range(len(model.blocks))]
+
+
 class Megatron(dg.nn.GPT):
     """GPT-3 as Megatron-LM builds it (:class:`MegatronAttention`), whose tokens are split
     over the first stage's ``dp`` dim (``mesh`` None: no annotation, for the search)."""
@@ -67,12 +115,12 @@ class Megatron(dg.nn.GPT):
         return super().forward(idx)
 
 
-def gpt(layers: int, hidden: int, heads: int, mesh=None):
-    """A lazy bfloat16 GPT of Megatron's shape (vocabulary 51,200, sequence 2048,
-    dropout 0.1)."""
+def gpt(layers: int, hidden: int, heads: int, mesh=None, vocab: int = VOCAB):
+    """A lazy bfloat16 GPT of Megatron's shape (vocabulary 51,200 unless given,
+    sequence 2048, dropout 0.1)."""
     dg.set_default_dtype("bfloat16")
     with dg.LazyGuard():
-        return Megatron(mesh, vocab_size=VOCAB, d_model=hidden, n_layer=layers,
+        return Megatron(mesh, vocab_size=vocab, d_model=hidden, n_layer=layers,
                         n_head=heads, max_seq_len=SEQ, dropout=0.1)
 
 
@@ -124,17 +172,24 @@ def dgx_cluster(nodes: int) -> dg.Cluster:
 
 
 def megatron_plan(layers, hidden, heads, t, p, gpus, batch, micro_batches, cluster,
-                  recompute=True, sequence_parallel=False):
+                  recompute=True, sequence_parallel=False, sharding=False, vocab=VOCAB,
+                  fused_softmax=False):
     """Megatron's (t, p) as annotations: p stages of layers / p blocks each (every
     parameter of a block on its stage), the embeddings on the first and the final norm
     and head on the last, each stage a (dp, t) mesh of whole machines with the blocks'
     Linear layers split the Megatron way over ``mp``, the vocabulary of the embedding and
     the LM head split over ``mp`` too; every block recomputed unless ``recompute`` is
-    False; ``sequence_parallel``: Megatron-SP between the tensor-parallel regions."""
+    False, only each attention core (:func:`with_core`) where it is "selective";
+    ``sequence_parallel``: Megatron-SP between the tensor-parallel regions;
+    ``sharding``: optimizer states and updates split over ``dp`` (ZeRO);
+    ``fused_softmax``: Megatron's fused scale-mask-softmax kernel in every attention."""
     dp = gpus // (t * p)
     ids = np.arange(gpus).reshape(p, dp, t)
     meshes = [dg.ProcessMesh(ids[j].tolist(), dim_names=["dp", "mp"]) for j in range(p)]
-    model = gpt(layers, hidden, heads, meshes[0])
+    model = gpt(layers, hidden, heads, meshes[0], vocab)
+    if recompute == "selective" or fused_softmax:
+        cores = with_core(model, fused=fused_softmax)
+        recompute = cores if recompute == "selective" else recompute
     per = layers // p
     for i, block in enumerate(model.blocks):
         mesh = meshes[min(i // per, p - 1)]
@@ -155,7 +210,7 @@ def megatron_plan(layers, hidden, heads, t, p, gpus, batch, micro_batches, clust
     dg.shard_tensor(model.lm_head.weight, meshes[-1], [None, "mp"])
     built = program(model, batch)
     strategy = dg.Strategy(micro_batches=micro_batches, recompute=recompute,
-                           sequence_parallel=sequence_parallel)
+                           sequence_parallel=sequence_parallel, sharding=sharding)
     return dg.passes.plan(built, strategy, cluster, ranks=())   # planned, not run
 
 

@@ -66,7 +66,8 @@ from distgraph.passes.pipeline.schedule import schedule_of
 from distgraph.passes.pipeline.task_graph import build_task_graph
 from distgraph.passes.session import Session
 from distgraph.passes.samples import sample_axes
-from distgraph.passes.transforms.sequence_parallel import sequence_parallel
+from distgraph.passes.transforms.sequence_parallel import gather_into_matmuls, \
+    sequence_parallel
 from distgraph.passes.transforms.zero import shard_updates
 from distgraph.plan.file import Decisions
 from distgraph.plan.fingerprint import program_print
@@ -280,6 +281,9 @@ def _completed(prepared, strategy, cluster, choice, chunks=None) -> None:
         if choice is not None:                  # as chosen, before ZeRO shards the states
             choice.check(program)
         if strategy.sequence_parallel and sequence_parallel(program):
+            complete(program, cluster=cluster)
+        elif choice is None and strategy.auto_mode == "semi" and \
+                gather_into_matmuls(program):       # the user's (a style's) sequence split
             complete(program, cluster=cluster)
         if strategy.sharding and updates:
             dim = strategy.sharding_mesh_dim

@@ -104,6 +104,8 @@ CASES = [
     OpCase("log_softmax", ((4, 12),), {"axis": 0}),
     OpCase("softmax_grad", ((4, 12), (4, 12)), {"axis": 1}),
     OpCase("log_softmax_grad", ((6, 4), (6, 4)), {"axis": 1}),
+    OpCase("scaled_masked_softmax", ((4, 6, 12, 12),), {"scale": 0.5, "causal": True}),
+    OpCase("scaled_masked_softmax_grad", ((4, 6, 12, 12), (4, 6, 12, 12)), {"scale": 0.5}),
     OpCase("layer_norm", ((4, 6, 12), (12,), (12,)), {"epsilon": 1e-5}),
     OpCase("layer_norm_grad", ((4, 6, 12), (12,), (4, 6), (4, 6), (4, 6, 12))),
     OpCase("rms_norm", ((4, 6, 12), (12,)), {"epsilon": 1e-5}),

@@ -315,6 +315,14 @@ for _op, _fn in (("softmax", ops.softmax), ("log_softmax", ops.log_softmax)):
         CASES.append(Case(_op, f"rank{_rank}-axis{_axis}", _make_softmax))
 
 
+for _shape, _causal in (((2, 3, 4, 4), True), ((3, 2, 5), False), ((2, 3, 5), True)):
+    def _make_sms(rng, shape=_shape, causal=_causal):
+        return (lambda p, f: ops.scaled_masked_softmax(p["x"], 0.7, causal)), \
+            {"x": 2.0 * normal(rng, shape)}, {}
+    CASES.append(Case("scaled_masked_softmax", f"{len(_shape)}d-causal{_causal}-{_shape[-2]}x"
+                      f"{_shape[-1]}", _make_sms))
+
+
 for _shape in ((3, 5), (2, 3, 6)):
     def _make_ln(rng, shape=_shape):
         h = shape[-1]

@@ -225,3 +225,21 @@ def test_sequence_parallel_inside_two_tensor_parallel_pipeline_stages(float64):
         assert {"reduce_scatter", "send_recv"} <= kinds
         errors = P.compare(result, serial, "float64")
         assert errors["loss"] <= 1e-10 and errors["param"] <= 1e-10, errors
+
+
+def test_sequence_parallel_keeps_stage_boundaries_whole():
+    """Megatron's (t, p) as bench/gpt_scale.py annotates it (each block's norms on its
+    stage): the activation a stage hands the next stays out of the sequence-parallel
+    regions, so the next stage's first norm and residual add stay on their stage (it
+    pinned them to the earlier one, a cycle between the stages)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
+    from gpt_scale import dgx_cluster, megatron_plan
+
+    plan = megatron_plan(4, 256, 8, 4, 2, 8, 4, 2, dgx_cluster(1), sequence_parallel=True)
+    order = {m: i for i, m in enumerate(plan.stages)}
+    for op in plan.program.ops:
+        if op.role.value == "forward" and op.layer.startswith("blocks."):
+            block = int(op.layer.split(".")[1])
+            assert order[op.dist_attr.mesh] == block // 2, (op.type, op.layer)
+    kinds = {str(s.kind) for p in plan.reshards() for s in p.steps}
+    assert "reduce_scatter" in kinds

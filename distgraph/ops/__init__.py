@@ -16,6 +16,7 @@ from distgraph.ops.nn_ops import (cross_entropy, embedding, layer_norm, log_soft
 from distgraph.ops.transformer import rms_norm, rotary
 from distgraph.ops.moe import moe_ffn, one_hot, top_k
 from distgraph.ops.attention import attention
+from distgraph.ops.fused_softmax import scaled_masked_softmax
 from distgraph.ops import optim_ops  # noqa: F401  (registers the update ops)
 from distgraph.ops import operators as _operators
 from distgraph.ir import Value as _Value

@@ -22,7 +22,15 @@ The regions are found from the completed layout, for any model:
   over ``t``;
 - an activation of a region that an op outside tensor parallelism makes or reads (the
   embedding, an LM head whose weight is whole) is *fenced*: annotated with its layout as
-  it is, so the sequence split stops there (an all-gather or a local slice at the edge).
+  it is, so the sequence split stops there (an all-gather or a local slice at the edge);
+- the heavy ops (matmuls) reading a region's activation, or its recomputed copy,
+  consume it whole over the sequence (pinned as a ``shard_op`` in_spec would): the
+  all-gather into a column-split matmul, forward and for the weight gradient;
+- an activation a later pipeline stage reads stays out of every region, unannotated:
+  an annotation would pin the next stage's first ops (its norm, its residual add) to
+  this stage's mesh, a cycle between the stages; the transfer between the stages sends
+  tiles from every process and gathers them in the next stage (reshard's local
+  all-gather), as Megatron's scatter-gather of the pipeline's messages does.
 
 With context parallelism the sequence is already split over another mesh dim (``cp``);
 the region's activations are then split over ``(cp, t)``, cp major: each cp block of
@@ -41,7 +49,8 @@ from collections import deque
 import numpy as np
 
 from distgraph import dtypes
-from distgraph.ir import Program, Role
+from distgraph.annotation import OpAnnotation
+from distgraph.ir import RECOMPUTED, Program, Role
 from distgraph.placement import DistAttr, ShardSpec
 from distgraph.registry import spmd_rule
 from distgraph.spmd import EinsumPlan
@@ -76,14 +85,59 @@ def sequence_parallel(program: Program) -> int:
     for mesh, dims in sorted(tensor_parallel_dims(program).items(), key=lambda kv: str(kv[0])):
         for m in sorted(dims):
             region, fenced = _region(program, mesh, m, producer, consumers)
+            whole = {}                      # name -> its layout before the split
             for v in region - fenced:
+                whole[v.name] = whole[v.name + RECOMPUTED] = v.dist_attr.spec
                 dims_ = list(v.dist_attr.spec.dims)
                 dims_[SEQ] = v.dist_attr.spec.entry(SEQ) + (m,)
                 v.annotation = DistAttr(mesh, ShardSpec(dims_))
                 split += 1
             for v in fenced:
                 v.annotation = v.annotation or v.dist_attr
+            _gather_into_heavy_ops(program, mesh, whole)
     return split
+
+
+def gather_into_matmuls(program: Program) -> int:
+    """Pin, as :func:`sequence_parallel` does for its own regions, the heavy ops reading
+    an activation whose annotation splits its sequence over a tensor-parallel mesh dim
+    (a sequence-parallel style of ``dg.parallelize``): they consume it whole over that
+    dim. Returns how many ops were pinned; complete the program again afterwards."""
+    pinned = 0
+    for mesh, dims in sorted(tensor_parallel_dims(program).items(), key=lambda kv: str(kv[0])):
+        whole = {}
+        for v in program.values.values():
+            ann = v.annotation
+            if ann is None or ann.mesh != mesh or len(v.shape) != 3:
+                continue
+            entry = ann.spec.entry(SEQ)
+            kept = tuple(d for d in entry if d not in dims)
+            if kept != entry:
+                spec = list(ann.spec.dims)
+                spec[SEQ] = kept if len(kept) > 1 else (kept[0] if kept else None)
+                whole[v.name] = whole[v.name + RECOMPUTED] = ShardSpec(spec)
+        pinned += _gather_into_heavy_ops(program, mesh, whole)
+    return pinned
+
+
+def _gather_into_heavy_ops(program: Program, mesh, whole: dict) -> int:
+    """Pin how the heavy ops (matmuls) on ``mesh`` consume a split activation, or its
+    recomputed copy: whole over the sequence, as before the split, so the activation is
+    all-gathered into them, forward and backward (Megatron-SP gathers it again for the
+    weight gradient). Left to completion's tie-break, the operand met first claims the
+    tensor-parallel dim for its sequence letter: the weight was all-gathered instead
+    (h x 3h elements for b x s x h), or the weight gradient made whole over the sequence
+    split and reduce-scattered, a weight's bytes per micro-batch. Returns how many ops
+    were pinned."""
+    pinned = 0
+    for op in program.ops:
+        if op.annotation is not None or op.dist_attr is None or op.dist_attr.mesh != mesh:
+            continue
+        pins = tuple((v.name, whole[v.name]) for v in op.inputs if v.name in whole)
+        if pins and not _light(op):
+            op.annotation = OpAnnotation(mesh, pins)
+            pinned += 1
+    return pinned
 
 
 def _region(program, mesh, m, producer, consumers) -> tuple:
@@ -101,7 +155,12 @@ def _region(program, mesh, m, producer, consumers) -> tuple:
         spec = v.dist_attr.spec
         return (forward(producer.get(v.name)) and v.annotation is None and len(v.shape) == 3
                 and dtypes.is_float(v.dtype) and tuple(v.shape[:2]) == rows
-                and m not in spec.mesh_dims() and v.shape[SEQ] % (parts(spec) * size) == 0)
+                and m not in spec.mesh_dims() and v.shape[SEQ] % (parts(spec) * size) == 0
+                and not leaves(v))
+
+    def leaves(v):                   # read by a forward op of another (pipeline) stage
+        return any(c.role is Role.FORWARD and c.dist_attr.mesh != mesh
+                   for c in consumers.get(v.name, ()))
 
     def parts(spec):                 # the sequence's split so far (context parallelism)
         return int(np.prod([mesh.dim_size(d) for d in spec.entry(SEQ)], dtype=np.int64))

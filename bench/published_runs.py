@@ -141,10 +141,10 @@ class Run:
 
     def model_flops(self) -> float:
         """The FLOPs of one step as the source counts them."""
-        b, s, l, h, v = self.batch, self.seq, self.layers, self.hidden, self.vocab
+        b, s, n, h, v = self.batch, self.seq, self.layers, self.hidden, self.vocab
         if self.metric == "mfu":                      # Korthikanti: no recomputation
-            return 72.0 * b * s * l * h ** 2 * (1 + s / (6 * h) + v / (12 * l * h))
-        return model_flops(b, l, h, s, v)           # Narayanan: recomputation counted
+            return 72.0 * b * s * n * h ** 2 * (1 + s / (6 * h) + v / (12 * n * h))
+        return model_flops(b, n, h, s, v)           # Narayanan: recomputation counted
 
     def figure(self, step_time: float) -> float:
         """The predicted figure in the published unit, for a step of ``step_time``."""

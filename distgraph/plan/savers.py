@@ -39,7 +39,7 @@ class SaverChoice:
     its closest plan's."""
 
     option: str
-    value: object
+    value: bool | str | int       # recompute: False, True, "selective"; micro_batches: a count
     peak: float | None
     limit: float
     seconds: float | None

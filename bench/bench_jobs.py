@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 import time
 
 import numpy as np
@@ -42,8 +43,8 @@ def calibrated(n: int, given: str | None, folder: str, repeats: int = 3) -> str:
     if given is not None:
         return given
     path = os.path.join(folder, f"calibrated{n}.yaml")
-    subprocess.run(["distgraph", "cluster", "calibrate", "-n", str(n), "-o", path,
-                    "--repeats", str(repeats)],
+    subprocess.run([sys.executable, "-m", "distgraph.cli", "cluster", "calibrate", "-n", str(n),
+                    "-o", path, "--repeats", str(repeats)],
                    check=True, env=JOB_ENV, stdout=subprocess.DEVNULL)
     return path
 
@@ -52,8 +53,8 @@ def rows_from_ranks(n: int, script: str, args: list, folder: str) -> list:
     """Run ``script`` on ``n`` ranks with ``args`` and ``--rank-output FILE``; the rows
     its rank 0 wrote there (:func:`write_rows`)."""
     out = os.path.join(folder, f"rows{n}.json")
-    subprocess.run(["distgraph", "run", "-n", str(n), os.path.abspath(script), *args,
-                    "--rank-output", out], check=True, env=JOB_ENV)
+    subprocess.run([sys.executable, "-m", "distgraph.cli", "run", "-n", str(n),
+                    os.path.abspath(script), *args, "--rank-output", out], check=True, env=JOB_ENV)
     with open(out) as f:
         return json.load(f)
 

@@ -112,8 +112,8 @@ def predictions(case: str, cluster_file: str, batch: int) -> list:
 def calibrated(path: str, nprocs: int, folder: str) -> str:
     """The emulated cluster of ``path`` as measured on ``nprocs`` ranks."""
     out = os.path.join(folder, f"{os.path.basename(path)[:-5]}_measured.yaml")
-    subprocess.run(["distgraph", "cluster", "calibrate", "--emulate", path, "-n", str(nprocs),
-                    "-o", out], check=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    subprocess.run([sys.executable, "-m", "distgraph.cli", "cluster", "calibrate", "--emulate",
+                    path, "-n", str(nprocs), "-o", out], check=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
     return out
 
 

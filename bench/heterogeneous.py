@@ -113,7 +113,8 @@ def calibrated(path: str, nprocs: int, folder: str) -> str:
     """The emulated cluster of ``path`` as measured on ``nprocs`` ranks."""
     out = os.path.join(folder, f"{os.path.basename(path)[:-5]}_measured.yaml")
     subprocess.run([sys.executable, "-m", "distgraph.cli", "cluster", "calibrate", "--emulate",
-                    path, "-n", str(nprocs), "-o", out], check=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+                    path, "-n", str(nprocs), "-o", out], check=True,
+                   env=dict(os.environ, OMP_NUM_THREADS="1"))
     return out
 
 

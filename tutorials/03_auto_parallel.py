@@ -24,6 +24,8 @@ DP, ``Strategy(pipeline=True, micro_batches=4)``).
     python tutorials/03_auto_parallel.py --cluster my4.yaml
     python tutorials/03_auto_parallel.py --cluster resources/clusters/emulated_2x2.yaml --no-train
     python tutorials/03_auto_parallel.py --pipeline
+    python tutorials/03_auto_parallel.py --target megatron    # plans Megatron-LM can run
+    distgraph plan tutorials/03_auto_parallel.py -n 4 --export megatron -- --target megatron
 
 ``distgraph plan tutorials/03_auto_parallel.py`` prints the plan without training.
 """
@@ -46,8 +48,9 @@ BATCH = 16
 
 def strategy(args) -> dg.Strategy:
     if args.pipeline:
-        return dg.Strategy(auto_mode="full", pipeline=True, micro_batches=4)
-    return dg.Strategy(auto_mode="full")
+        return dg.Strategy(auto_mode="full", pipeline=True, micro_batches=4,
+                           target=args.target)
+    return dg.Strategy(auto_mode="full", target=args.target)
 
 
 def program(model, data):
@@ -130,6 +133,8 @@ def main():
     parser.add_argument("--pipeline", action="store_true", help="search stages too")
     parser.add_argument("--steps", type=int, default=30, help="training steps")
     parser.add_argument("--no-train", action="store_true", help="only print the plan")
+    parser.add_argument("--target", choices=("torchtitan", "megatron"),
+                        help="search only plans that framework runs (plan.export)")
     parser.add_argument("--rank-part", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rank_part:
@@ -146,6 +151,7 @@ def main():
     from distgraph.runtime.launch.launcher import launch
     print(f"\ntraining on {len(cluster.devices)} ranks ...", flush=True)
     argv = [os.path.abspath(__file__), "--rank-part", "--steps", str(args.steps)]
+    argv += ["--target", args.target] if args.target else []
     rc = launch(len(cluster.devices), argv + (["--pipeline"] if args.pipeline else []),
                 cluster=args.cluster)
     if rc != 0:

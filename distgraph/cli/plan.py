@@ -72,7 +72,7 @@ Examples:
   distgraph plan tutorials/02_spmd_gpt.py -n 4 --full
   distgraph plan tutorials/02_spmd_gpt.py -n 4 --plot plan.png
   distgraph plan tutorials/03_auto_parallel.py -n 4 --save gpt.plan.json
-  distgraph plan tutorials/02_spmd_gpt.py -n 4 --export megatron
+  distgraph plan tutorials/03_auto_parallel.py -n 4 --export megatron -- --target megatron
   distgraph plan tutorials/01_serial_gpt.py -- --steps 10
   distgraph plan tutorials/03_auto_parallel.py --cluster resources/clusters/local4.yaml --json
 """

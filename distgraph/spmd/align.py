@@ -19,7 +19,8 @@ is Paddle's answer.
 
 from __future__ import annotations
 
-from distgraph.spmd.specs import UNKNOWN, entry_dims, entry_of, entry_str
+from distgraph.spmd.keep import known_entries, resharded_notes
+from distgraph.spmd.specs import entry_dims
 
 
 def align_unused(plan, query, words, decided: dict, pending=frozenset()):
@@ -33,7 +34,7 @@ def align_unused(plan, query, words, decided: dict, pending=frozenset()):
     seen: set = set()
     fixed: set = set()                     # letters an annotated operand has an entry for
     for source in order:
-        for letter, entry in _known(query, words, source):
+        for letter, entry in known_entries(query, words, source):
             seen.add(letter)
             if query.is_fixed(source):
                 fixed.add(letter)
@@ -59,20 +60,6 @@ def align_unused(plan, query, words, decided: dict, pending=frozenset()):
     notes = [f"mesh dim {d}, which the answer left unused, splits dim '{letter}' of every "
              f"operand: an operand that held it elsewhere moves by an all-to-all, one "
              f"whole there is sliced, none is gathered" for d, letter in moves]
-    resharded = []
-    for source in order:
-        for letter, entry in _known(query, words, source):
-            have = aligned.get(letter, ())
-            if entry_dims(entry) != have:
-                why = ("that dim is never split here" if letter.isupper()
-                       else f"kept {entry_str(entry_of(have))}")
-                notes.append(f"{source} dim '{letter}' wants {entry_str(entry)}, {why}; "
-                             f"{source} is resharded")
-                resharded.append(source)
-    return aligned, seen, notes, resharded
+    more, resharded = resharded_notes(query, words, order, aligned)
+    return aligned, seen, notes + more, resharded
 
-
-def _known(query, words, source):
-    for letter, entry in zip(words[source], query.spec(source).dims):
-        if letter != "1" and entry is not UNKNOWN:
-            yield letter, entry

@@ -37,7 +37,7 @@ def split_most(plan, query, words, greedy: dict, moved: set, pending=frozenset()
     decided: dict = {c: () for c in plan.order if c.isupper()}
     seen: set = set()
     for source in order:
-        for letter, entry in _known(query, words, source):
+        for letter, entry in known_entries(query, words, source):
             seen.add(letter)
             if source in kept:
                 decided[letter] = entry_dims(entry)
@@ -47,19 +47,26 @@ def split_most(plan, query, words, greedy: dict, moved: set, pending=frozenset()
     best = _fill(plan, query, words, others, decided, owner)
     if best is None or _ways(plan, best) <= _ways(plan, greedy):
         return None
-    notes = [f"splitting the op {_ways(plan, best)} ways instead of {_ways(plan, greedy)} "
-             f"reshards no operand the operands' order keeps"]
-    resharded = []
+    notes, resharded = resharded_notes(query, words, order, best)
+    return best, seen, [f"splitting the op {_ways(plan, best)} ways instead of "
+                        f"{_ways(plan, greedy)} reshards no operand the operands' order "
+                        f"keeps", *notes], resharded
+
+
+def resharded_notes(query, words, order, decided: dict) -> tuple:
+    """(notes, operands) of every operand in ``order`` whose known dims ``decided``
+    (letter -> mesh dims) does not keep: each is resharded, a note per dim saying why."""
+    notes, resharded = [], []
     for source in order:
-        for letter, entry in _known(query, words, source):
-            have = best.get(letter, ())
+        for letter, entry in known_entries(query, words, source):
+            have = decided.get(letter, ())
             if entry_dims(entry) != have:
                 why = ("that dim is never split here" if letter.isupper()
                        else f"kept {entry_str(entry_of(have))}")
                 notes.append(f"{source} dim '{letter}' wants {entry_str(entry)}, {why}; "
                              f"{source} is resharded")
                 resharded.append(source)
-    return best, seen, notes, resharded
+    return notes, resharded
 
 
 def _ways(plan, decided: dict) -> int:
@@ -70,7 +77,8 @@ def _ways(plan, decided: dict) -> int:
     return ways
 
 
-def _known(query, words, source):
+def known_entries(query, words, source):
+    """(letter, entry) of each dim of operand ``source`` whose entry the query knows."""
     for letter, entry in zip(words[source], query.spec(source).dims):
         if letter != "1" and entry is not UNKNOWN:
             yield letter, entry
@@ -82,7 +90,7 @@ def _fill(plan, query, words, others, decided: dict, owner: dict) -> dict | None
     there are too many answers to try."""
     offers: dict = {}
     for source in others:
-        for letter, entry in _known(query, words, source):
+        for letter, entry in known_entries(query, words, source):
             if letter not in decided and letter.islower():
                 options = offers.setdefault(letter, [])
                 dims = entry_dims(entry)
@@ -106,7 +114,7 @@ def _fill(plan, query, words, others, decided: dict, owner: dict) -> dict | None
             continue
         answer = {**decided, **{c: dims for c, dims in zip(letters, combo) if dims}}
         whole = sum(all(answer.get(letter, ()) == entry_dims(entry)
-                        for letter, entry in _known(query, words, s)) for s in others)
+                        for letter, entry in known_entries(query, words, s)) for s in others)
         score = (_ways(plan, answer), whole)
         if best_score is None or score > best_score:
             best, best_score = answer, score

@@ -235,8 +235,12 @@ class Counted(dict):
             if default is _MISSING:
                 raise KeyError(key)
             return default
-        self.ledger.drop(value)
+        self._release(value)
         return value
+
+    def _release(self, value) -> None:
+        """What a popped ``value`` does to the count: dropped now."""
+        self.ledger.drop(value)
 
     def popitem(self):
         key = next(reversed(self))
@@ -278,14 +282,8 @@ class Kept(Counted):
 
     __slots__ = ()
 
-    def pop(self, key, default=_MISSING):
-        value = dict.pop(self, key, _MISSING)
-        if value is _MISSING:
-            if default is _MISSING:
-                raise KeyError(key)
-            return default
+    def _release(self, value) -> None:
         self.ledger.later(value)
-        return value
 
 
 @dataclass(frozen=True)

@@ -216,6 +216,22 @@ def test_a_file_for_another_program_is_refused_before_any_search(files, float64,
         engine.prepare(*specs())
 
 
+def test_a_strategy_other_than_the_files_is_refused_and_one_left_to_the_search_is_not(
+        files, float64, no_search):
+    """The Engine's Strategy sets micro_batches=2 for a file of 4: refused, naming both;
+    the script's own Strategy (recompute left to the search, the file holding its
+    choice) plans from the file, and its runtime-only options are kept."""
+    path = files["full"][1]
+    with pytest.raises(dg.DistGraphError, match=r"Strategy\(micro_batches=2\) is not the plan "
+                                                r"file's \(micro_batches=4"):
+        loading_engine(path, strategy=dg.Strategy(auto_mode="full", pipeline=True,
+                                                  micro_batches=2))
+    engine = loading_engine(path, strategy=dg.Strategy(auto_mode="full", pipeline=True,
+                                                       micro_batches=4, memory_check=True))
+    assert engine.strategy.recompute == files["full"][0].strategy.recompute is not None
+    assert engine.strategy.memory_check and engine.prepare(*specs()).micro_batches == 4
+
+
 def test_a_file_for_another_batch_is_refused_before_any_search(files, float64, no_search):
     engine = loading_engine(files["semi"][1])
     ins, labels = dg.app.data.DataLoader(P.Dataset("gpt"), 4).specs(1)

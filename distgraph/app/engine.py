@@ -453,7 +453,16 @@ _RUNTIME_ONLY = ("profile", "check_finite", "memory_check", "seed")
 
 def _file_strategy(saved, given: Strategy | None) -> Strategy:
     """The Strategy of a plan file's Engine: the file's, with ``given``'s runtime-only
-    options."""
+    options. A planning option ``given`` sets otherwise than the file is an error (the
+    file's plan runs as saved, never silently another); one it leaves to the search
+    (None) takes the file's, the search's choice then."""
     if given is None:
         return saved.strategy
+    for f in dataclasses.fields(Strategy):
+        mine, theirs = getattr(given, f.name), getattr(saved.strategy, f.name)
+        if f.name not in _RUNTIME_ONLY and mine is not None and mine != theirs:
+            raise DistGraphError(
+                f"the Engine's Strategy({f.name}={mine!r}) is not the plan file's "
+                f"({f.name}={theirs!r}, {saved.path}): the file's plan runs as it was "
+                f"saved; leave {f.name} out of the Strategy or plan again without the file")
     return dataclasses.replace(saved.strategy, **{k: getattr(given, k) for k in _RUNTIME_ONLY})

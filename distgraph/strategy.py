@@ -52,7 +52,10 @@ class Strategy:
     (:func:`distgraph.passes.fitting.with_savers`);
     ``sharding`` splits optimizer states and updates over
     ``sharding_mesh_dim`` (ZeRO-style; under ``auto_mode="full"`` the default means the
-    search's data-parallel dim); ``profile`` records a timeline; ``check_finite``
+    search's data-parallel dim); None, the default under ``auto_mode="full"`` (False
+    otherwise): the planner chooses it by price, as it chooses recomputation
+    (:func:`distgraph.passes.fitting.with_savers`), and the plan's strategy says what it
+    chose (False where no data-parallel dim is left to shard over); ``profile`` records a timeline; ``check_finite``
     stops training with a RuntimeFault at a NaN or infinite loss (False: train on);
     ``seed`` seeds shuffling. ``memory_check``: each rank compares its measured peak
     bytes (the arrays the runtime holds, :mod:`distgraph.runtime.execution.memory`) with
@@ -73,7 +76,10 @@ class Strategy:
     tensor parallelism, the norms, residual adds and dropout between the tensor-parallel
     regions run split over the sequence on the tensor-parallel mesh dim, their all-reduces
     becoming all-gathers and reduce-scatters
-    (:mod:`distgraph.passes.transforms.sequence_parallel`). The planner
+    (:mod:`distgraph.passes.transforms.sequence_parallel`; under ``auto_mode="full"`` on
+    the searched layouts); None, the default under ``auto_mode="full"`` (False
+    otherwise): the planner chooses it by price (``with_savers``; False in the plan's
+    strategy where the plan has no tensor-parallel region to split). The planner
     (:func:`distgraph.passes.plan`) raises PlanError for an option that is not available
     yet: none is silently ignored. ``context_parallel`` ("ring" or "ulysses") is how
     attention runs where the sequence is split over a mesh dim (``shard_dataloader(...,
@@ -91,7 +97,7 @@ class Strategy:
     schedule: str = "1F1B"
     micro_batches: int | None = UNSET
     recompute: bool | str | tuple | None = UNSET
-    sharding: bool = False
+    sharding: bool | None = UNSET
     sharding_mesh_dim: str = "dp"
     solver_time_limit: float = 60.0
     memory_budget_gb: float | None = None
@@ -107,7 +113,7 @@ class Strategy:
     search: str | None = None
     mtbf_hours: float | None = None
     checkpoint_write_gbps: float = 1.0
-    sequence_parallel: bool = False
+    sequence_parallel: bool | None = UNSET
     context_parallel: str | None = None
     memory_check: bool = False
     target: str | None = None
@@ -121,8 +127,9 @@ class Strategy:
         full = self.auto_mode == "full"
         if self.micro_batches is UNSET:         # searched with the stages, else one
             object.__setattr__(self, "micro_batches", None if full and self.pipeline else 1)
-        if self.recompute is UNSET:             # searched under auto_mode="full"
-            object.__setattr__(self, "recompute", None if full else False)
+        for saver in ("recompute", "sharding", "sequence_parallel"):
+            if getattr(self, saver) is UNSET:   # searched under auto_mode="full"
+                object.__setattr__(self, saver, None if full else False)
         if self.context_parallel not in (None, "ring", "ulysses"):
             raise DistGraphError(f"Strategy.context_parallel must be 'ring', 'ulysses' or None "
                                  f"(the cost model chooses per attention op), got "
@@ -183,15 +190,19 @@ class Strategy:
                                  f"{self.mtbf_hours!r} and {self.checkpoint_write_gbps!r}")
         for flag in ("sharding", "pipeline", "balance", "profile", "check_finite",
                      "memory_check"):
+            if flag == "sharding" and self.sharding is None:    # the search's to choose
+                continue
             if not isinstance(getattr(self, flag), bool):
                 raise DistGraphError(f"Strategy.{flag} must be True or False, got "
                                      f"{getattr(self, flag)!r}" + (
                                          " (ZeRO's stages: True shards the optimizer states "
                                          "and updates over sharding_mesh_dim; auto_mode="
-                                         "'full' also weighs splitting the parameters)"
+                                         "'full' also weighs splitting the parameters; "
+                                         "None: the search chooses)"
                                          if flag == "sharding" else ""))
-        if not isinstance(self.sequence_parallel, bool):
-            raise DistGraphError(f"Strategy.sequence_parallel must be True or False, got "
+        if self.sequence_parallel is not None and not isinstance(self.sequence_parallel, bool):
+            raise DistGraphError(f"Strategy.sequence_parallel must be True, False or None "
+                                 f"(the search chooses, auto_mode='full'), got "
                                  f"{self.sequence_parallel!r}")
         if self.schedule not in SCHEDULES:
             raise DistGraphError(f"Strategy.schedule must be one of {SCHEDULES}, got "

@@ -47,21 +47,52 @@ BUDGET_ROUNDS = 4
 # recomputation the search weighs, least first; whole blocks only where "selective" does
 # not fit (it recomputes a superset of selective's ops, for memory selective leaves)
 RECOMPUTED = (False, "selective", True)
+# the savers the search asks on first, whose price in time the cost model puts at or near
+# nothing (with_savers): ZeRO sharding over the data dims, sequence parallelism
+FREE = ("sharding", "sequence_parallel")
 
 
-def with_savers(strategy, cluster, plan_with, replan):
+def with_savers(strategy, cluster, plan_with, replan, applied=None):
     """``plan_with(strategy)`` (a Plan that fits, or a DoesNotFit) with the memory savers
-    ``strategy`` leaves to the search chosen (module docstring), and the choices on the
-    plan (``Plan.savers``). What fits under no choice is the DoesNotFit of the last tried,
-    with :func:`named_fix`'s fix (``replan``: as for it)."""
+    ``strategy`` leaves to the search chosen, and the choices on the plan
+    (``Plan.savers``). What fits under no choice is the DoesNotFit of the last tried,
+    with :func:`named_fix`'s fix (``replan``: as for it). ``applied(plan)``: {saver:
+    whether it changed the plan} for the savers the plan's strategy turns on
+    (:func:`distgraph.passes.planner.applied`; None: every saver asked acts).
+
+    The order, and why so few plannings (each is a search; GPT-3 175B's is ~12 s):
+
+    - ZeRO sharding (``sharding=None``) is asked on in every planning and never planned
+      off: the search prices it inside its problem (:mod:`~distgraph.passes.search.
+      layouts.sharded_states`) as the gradient's reduce-scatter and the updated slice's
+      all-gather, the bytes of the all-reduce it replaces, and the update on a slice:
+      for every layout it is no slower and holds fewer bytes (states over n) than
+      without, so the search's best with it is the best without it or better. Where
+      the plan shards no update (no data-parallel dim of size > 1 is left), it says
+      False: the plan is the one off would give.
+    - Sequence parallelism (``sequence_parallel=None``) is asked on first: it rewrites
+      the searched layouts after the search (all-reduces become reduce-scatters and
+      all-gathers of the same bytes, the light ops and their activations split), but
+      on the search's own layouts the gathers it adds can cost time, so where it acts
+      off is priced too, at the same recomputation, sharing the first planning's search
+      (the planner's sessions): completion and the estimate only. Where it finds no
+      tensor-parallel region, it says False without a second planning.
+    - Recomputation as before, with those: none, the attention scores, and whole blocks
+      only where neither fits.
+
+    The plan kept is the one of least estimated step time that fits among those
+    priced."""
+    applied = applied or (lambda planned: {})
     kinds = RECOMPUTED if strategy.recompute is None else (strategy.recompute,)
+    free = {s: True for s in FREE if getattr(strategy, s) is None}
     priced, best, refused = [], None, None
+    tried = {}          # recompute kind -> [(sequence_parallel, plan or DoesNotFit)]
     for kind in kinds:
         if kind is True and best is not None:
             break
-        asked = dataclasses.replace(strategy, recompute=kind)
+        asked = dataclasses.replace(strategy, recompute=kind, **free)
         try:
-            planned = plan_with(asked)
+            candidates = _free_candidates(asked, free, plan_with, applied)
         except DoesNotFit as e:
             refused = (asked, e)
             priced.append((kind, e.peak, None))
@@ -70,36 +101,107 @@ def with_savers(strategy, cluster, plan_with, replan):
             if kind is kinds[0]:
                 raise
             continue
-        if planned.estimate is None:    # nothing to price or fit against: the least
-            return _noted(planned, strategy, kinds, [])
+        tried[kind] = candidates
+        fitted = [c for _, c in candidates if not isinstance(c, DoesNotFit)]
+        if not fitted:
+            refused = (asked, candidates[-1][1])
+            peaks = [c.peak for _, c in candidates if c.peak is not None]
+            priced.append((kind, min(peaks) if peaks else None, None))
+            continue
+        if fitted[0].estimate is None:  # nothing to price or fit against: the first
+            return _noted(fitted[0], strategy, kinds, [])
+        planned = min(fitted, key=lambda p: p.estimate.step_time)
         priced.append((kind, planned.estimate.peak_memory, planned.estimate.step_time))
         if best is None or planned.estimate.step_time < best.estimate.step_time:
             best = planned
     if best is None:
         asked, error = refused
         raise named_fix(error, asked, replan) from None
-    return _noted(best, strategy, kinds, priced, cluster)
+    return _noted(best, strategy, kinds, priced, cluster, tried.get(best.strategy.recompute))
 
 
-def _noted(planned, strategy, kinds, priced, cluster=None):
-    """``planned`` with the choices the search made for ``strategy`` on it."""
+def _free_candidates(asked, free, plan_with, applied) -> list:
+    """[(sequence_parallel, plan or DoesNotFit)] of ``asked`` (the savers of ``free``
+    on) at one recomputation: the plan with them on, its strategy saying False for a
+    saver of ``free`` that changed nothing, then, where sequence parallelism is the
+    search's and acted (or did not fit), the plan without it (:func:`with_savers`). A
+    plan with sequence parallelism that the model does not take (a PlanError) is
+    planned without it. Raises the DoesNotFit where the plan with them on does not fit
+    and there is no other."""
+    searched_sp = free.get("sequence_parallel", False)
+    without = dataclasses.replace(asked, sequence_parallel=False)
+    try:
+        planned = plan_with(asked)
+    except DoesNotFit as e:
+        if not searched_sp:
+            raise
+        planned = e
+    except PlanError:
+        if not searched_sp:
+            raise
+        return [(False, plan_with(without))]
+    if not isinstance(planned, DoesNotFit):
+        idle = {s: False for s, acted in applied(planned).items() if s in free and not acted}
+        if idle:
+            planned = _said(planned, idle)
+        if not searched_sp or "sequence_parallel" in idle or planned.estimate is None:
+            return [(planned.strategy.sequence_parallel, planned)]
+        without = dataclasses.replace(without, **idle)
+    try:
+        off = plan_with(without)
+    except DoesNotFit as e:
+        off = e
+    return [(True, planned), (False, off)]
+
+
+def _said(planned, idle: dict):
+    """``planned`` with its strategy saying False for the savers of ``idle`` (and ZeRO's
+    mesh dims recorded as none where sharding is one of them): each changed nothing, so
+    the plan is the one without it, and it replays as such from a file."""
+    out = dataclasses.replace(planned, strategy=dataclasses.replace(planned.strategy, **idle))
+    if "sharding" in idle and out.decisions is not None:
+        out = dataclasses.replace(out, decisions=dataclasses.replace(out.decisions,
+                                                                     zero_dim=None))
+    return out
+
+
+def _noted(planned, strategy, kinds, priced, cluster=None, candidates=None):
+    """``planned`` with the choices the search made for ``strategy`` on it; ``priced``:
+    (recompute kind, peak, seconds) of each kind tried; ``candidates``: the plans priced
+    at the chosen kind, with and without sequence parallelism."""
     notes = []
     if strategy.micro_batches is None:
         notes.append(SaverChoice("micro_batches", planned.micro_batches, None, math.inf, None))
+    peak = seconds = None
+    limit = math.inf
+    est = planned.estimate
+    if est is not None:
+        top = max(est.processes, key=lambda p: p.peak_memory)
+        peak, seconds = float(top.peak_memory), est.step_time
+        if cluster is not None:
+            limit = limit_of(cluster, top.device, strategy.memory_budget_gb)
     if len(kinds) > 1:
-        est, value = planned.estimate, planned.strategy.recompute
-        peak = seconds = None
-        limit = math.inf
-        if est is not None:
-            top = max(est.processes, key=lambda p: p.peak_memory)
-            peak, seconds = float(top.peak_memory), est.step_time
-            if cluster is not None:
-                limit = limit_of(cluster, top.device, strategy.memory_budget_gb)
+        value = planned.strategy.recompute
         notes.append(SaverChoice("recompute", value, peak, limit, seconds,
                                  tuple(p for p in priced if p[0] != value)))
+    for saver in FREE:
+        if getattr(strategy, saver) is not None:
+            continue
+        value = getattr(planned.strategy, saver)
+        others = tuple(_price(v, c) for v, c in candidates or () if c is not planned)
+        notes.append(SaverChoice(saver, value, peak, limit, seconds,
+                                 others if saver == "sequence_parallel" else ()))
     if not notes:
         return planned
     return dataclasses.replace(planned, savers=planned.savers + tuple(notes))
+
+
+def _price(value, candidate) -> tuple:
+    """(value, peak, seconds) of a candidate plan; seconds None for a DoesNotFit, the
+    peak then its closest plan's."""
+    if isinstance(candidate, DoesNotFit):
+        return (value, candidate.peak, None)
+    return (value, candidate.estimate.peak_memory, candidate.estimate.step_time)
 
 
 def fitting(strategy, cluster, plan_once, searched: bool | None = None):

@@ -68,7 +68,7 @@ from distgraph.passes.session import Session
 from distgraph.passes.samples import sample_axes
 from distgraph.passes.transforms.sequence_parallel import gather_into_matmuls, \
     sequence_parallel
-from distgraph.passes.transforms.zero import shard_updates
+from distgraph.passes.transforms.zero import shard_updates, sharded_states
 from distgraph.plan.file import Decisions
 from distgraph.plan.fingerprint import program_print
 from distgraph.plan.plan import Plan
@@ -93,10 +93,16 @@ def plan(built, strategy: Strategy | None = None, cluster=None, rank_mapping=Non
             planned = _planned(built, strategy, cluster, rank_mapping, ranks, choice)
         else:
             _check_supported(strategy)
-            # the savers left to the search chosen; what does not fit names a saver that does
-            planned = with_savers(strategy, cluster, lambda asked: _planned(
-                built, asked, cluster, rank_mapping, ranks), lambda asked: _planned(
-                built, asked, cluster, rank_mapping, ranks=()))
+            sessions = {}
+            try:
+                # the savers left to the search chosen; what does not fit names one that does
+                planned = with_savers(strategy, cluster, lambda asked: _planned(
+                    built, asked, cluster, rank_mapping, ranks, sessions=sessions),
+                    lambda asked: _planned(built, asked, cluster, rank_mapping, ranks=()),
+                    applied)
+            finally:
+                for session in sessions.values():
+                    session.close()
         # what it was made for, as plan.save writes it (distgraph.plan.file)
         return dataclasses.replace(planned, decisions=dataclasses.replace(
             planned.decisions, program=program_print(built)))
@@ -127,7 +133,14 @@ def cyclic_collector_paused():
             gc.enable()
 
 
-def _planned(built, strategy, cluster, rank_mapping, ranks, given=None) -> Plan:
+def _planned(built, strategy, cluster, rank_mapping, ranks, given=None,
+             sessions=None) -> Plan:
+    """The plan of ``built`` under ``strategy`` that fits ``cluster`` (``fitting``), its
+    processes of ``ranks`` compiled. ``sessions``: {strategy: Session} of the plannings
+    of one ``plan`` call (closed by it): those whose strategies differ only in
+    ``sequence_parallel`` share one, since sequence parallelism rewrites the searched
+    layouts after the search (:func:`_completed`), which never reads it: the second of
+    them prices the same search's choice without searching again."""
     _check_supported(strategy)
     if strategy.amp != built.amp:
         raise PlanError(f"Strategy(amp={strategy.amp!r}) plans a program built in "
@@ -136,12 +149,15 @@ def _planned(built, strategy, cluster, rank_mapping, ranks, given=None) -> Plan:
     if given is not None:           # made as chosen: checked, never searched again
         return _compiled(fitting(strategy, cluster, lambda _: _plan(
             built, strategy, cluster, rank_mapping, None, None, given), searched=False), ranks)
-    session = Session()         # what this planning remembers, across its budget rounds
+    # what this planning remembers, across its budget rounds
+    session = Session() if sessions is None else sessions.setdefault(
+        dataclasses.replace(strategy, sequence_parallel=False), Session())
     try:
         return _compiled(fitting(strategy, cluster, lambda budget: _plan(
             built, strategy, cluster, rank_mapping, budget, session)), ranks)
     finally:
-        session.close()         # its tables freed now, not at the next cyclic collection
+        if sessions is None:
+            session.close()     # its tables freed now, not at the next cyclic collection
 
 
 def _plan(built, strategy, cluster, rank_mapping, budget, session, given=None) -> Plan:
@@ -280,7 +296,7 @@ def _completed(prepared, strategy, cluster, choice, chunks=None) -> None:
         complete(program, cluster=cluster)      # conflicts priced on the cluster's links
         if choice is not None:                  # as chosen, before ZeRO shards the states
             choice.check(program)
-        if strategy.sequence_parallel and sequence_parallel(program):
+        if strategy.sequence_parallel and sequence_parallel(program, choice is not None):
             complete(program, cluster=cluster)
         elif choice is None and strategy.auto_mode == "semi" and \
                 gather_into_matmuls(program):       # the user's (a style's) sequence split
@@ -297,6 +313,42 @@ def _completed(prepared, strategy, cluster, choice, chunks=None) -> None:
                             "annotate its inputs with dg.shard_tensor(x, mesh, ['dp', ...])")
         complete(program, default_mesh=SERIAL_MESH)
     check_meshes(program, strategy)
+
+
+def applied(planned: Plan) -> dict:
+    """{saver: whether it changed ``planned``} for the savers its strategy turns on that
+    may find nothing to change: ``sharding`` (an update's optimizer states split over
+    ZeRO's mesh dim while its parameter is not: :func:`sharded_states`) and
+    ``sequence_parallel`` (a forward activation the plan splits over the sequence where
+    the layouts it was completed from, the search's or the user's, did not). What
+    :func:`~distgraph.passes.fitting.with_savers` reads to say False where a saver it
+    tried has nothing to act on (no data-parallel or tensor-parallel dim)."""
+    out = {}
+    if planned.strategy.sharding:
+        dims = planned.decisions.zero_dim if planned.decisions is not None else None
+        dims = dims or planned.strategy.sharding_mesh_dim
+        out["sharding"] = sharded_states(planned.program, dims)
+    if planned.strategy.sequence_parallel:
+        out["sequence_parallel"] = _sequence_split(planned)
+    return out
+
+
+def _sequence_split(planned: Plan) -> bool:
+    """Whether a forward activation of ``planned`` is split over the sequence (dim 1) on
+    a mesh dim its recorded annotation did not split it over (what sequence parallelism
+    adds: :func:`~distgraph.passes.transforms.sequence_parallel.sequence_parallel`)."""
+    program = planned.program
+    made = {o.name: op for op in program.ops for o in op.outputs}
+    given = dict(planned.decisions.values) if planned.decisions is not None else {}
+    for name, op in made.items():
+        v = program.values[name]
+        if op.role is not Role.FORWARD or len(v.shape) != 3 or v.dist_attr is None:
+            continue
+        before = given.get(name)
+        was = set(before.spec.entry(1)) if before is not None else set()
+        if set(v.dist_attr.spec.entry(1)) - was:
+            return True
+    return False
 
 
 def _balanced(planned: Plan, cluster, searched: bool) -> Plan:
@@ -333,6 +385,10 @@ def _check_supported(strategy: Strategy) -> None:
         raise PlanError("Strategy(recompute=None) lets the search choose recomputation: use it "
                         "with auto_mode='full', or give recompute=False, True, 'selective' or "
                         "layer paths")
+    for saver in ("sharding", "sequence_parallel"):
+        if getattr(strategy, saver) is None and not full:
+            raise PlanError(f"Strategy({saver}=None) lets the search choose it: use it with "
+                            f"auto_mode='full', or give {saver}=True or False")
     if strategy.search is not None and not full:
         raise PlanError(f"Strategy(search={strategy.search!r}) picks the automatic search: "
                         "use it with auto_mode='full' (or leave it None)")
@@ -351,7 +407,7 @@ def _check_supported(strategy: Strategy) -> None:
         raise PlanError(f"Strategy(solver_time_limit={strategy.solver_time_limit!r}) bounds "
                         "the automatic search and the balanced split: use it with "
                         "auto_mode='full' or balance=True")
-    if strategy.sharding_mesh_dim != defaults.sharding_mesh_dim and not strategy.sharding:
+    if strategy.sharding_mesh_dim != defaults.sharding_mesh_dim and strategy.sharding is False:
         raise PlanError(f"Strategy(sharding_mesh_dim={strategy.sharding_mesh_dim!r}) names "
                         "the dim ZeRO-style sharding splits updates over: use it with "
                         "sharding=True")
@@ -366,12 +422,6 @@ def _check_supported(strategy: Strategy) -> None:
                         "(pipeline=True, schedule='1F1B': it interleaves up to "
                         "virtual_stages chunks per stage); or annotate the stages by hand "
                         "with auto_mode='semi'")
-    if full and strategy.sequence_parallel:
-        raise PlanError("Strategy(sequence_parallel=True) with auto_mode='full': the search "
-                        "already weighs sequence-parallel layouts (a row-split matmul's "
-                        "pending sum reduce-scattered onto the sequence dim) against the "
-                        "others; leave sequence_parallel=False, or annotate the tensor "
-                        "parallelism and use auto_mode='semi'")
 
 
 def _compiled(planned: Plan, ranks) -> Plan:

@@ -24,10 +24,17 @@ from test_spmd_mpi import check_report, run_plans  # noqa: E402
 
 
 def pipelined(**options) -> dg.Strategy:
-    return dg.Strategy(auto_mode="full", pipeline=True, **options)
+    """The stage search's strategy; ZeRO and sequence parallelism off, as in
+    :func:`searched`."""
+    return dg.Strategy(auto_mode="full", pipeline=True, sharding=False,
+                       sequence_parallel=False, **options)
 
 
 def searched(memory_bytes, **options):
+    """The 4-layer GPT searched on 4 devices of ``memory_bytes``; ZeRO and sequence
+    parallelism off unless given, so that recomputation alone is weighed here
+    (tests/test_searched_savers.py weighs them)."""
+    options = {"sharding": False, "sequence_parallel": False, **options}
     return dg.passes.plan(_gpt(), dg.Strategy(auto_mode="full", **options),
                           cluster_of(4, memory_bytes))
 
@@ -81,7 +88,7 @@ def test_where_memory_forces_it_the_search_recomputes_and_fits(peaks):
 def test_micro_batches_unset_are_searched_with_the_stages_and_one_elsewhere():
     assert dg.Strategy().micro_batches == 1
     assert dg.Strategy(auto_mode="full").micro_batches == 1
-    assert pipelined().micro_batches is None
+    assert dg.Strategy(auto_mode="full", pipeline=True).micro_batches is None
     assert pipelined(micro_batches=4).micro_batches == 4
     assert pipelined(micro_batches=1).micro_batches == 1
 

@@ -2,8 +2,9 @@
 carries (``Plan.savers``) and ``explain()`` says in words.
 
 Under ``Strategy(auto_mode="full")`` an option left unset is the search's: recomputation
-(none, "selective" or whole blocks: :func:`distgraph.passes.fitting.with_savers`) and, with
-``pipeline=True``, the micro-batch count (:mod:`distgraph.passes.search.stages.micro`).
+(none, "selective" or whole blocks), ZeRO sharding and sequence parallelism
+(:func:`distgraph.passes.fitting.with_savers`) and, with ``pipeline=True``, the
+micro-batch count (:mod:`distgraph.passes.search.stages.micro`).
 Each choice is one :class:`SaverChoice`: the option, the value chosen, the plan's peak and
 step time with it, what a device may hold, and every other value priced: its peak and
 step time, or its closest plan's peak where it did not fit (what the choice saved).
@@ -25,8 +26,18 @@ from dataclasses import dataclass
 
 from distgraph.units import fmt_bytes
 
-_SPELLED = {False: "without recomputation", True: "recomputing whole blocks",
-            "selective": "recomputing the attention scores"}
+_SPELLED = {
+    "recompute": {False: "without recomputation", True: "recomputing whole blocks",
+                  "selective": "recomputing the attention scores"},
+    "sharding": {False: "without ZeRO sharding", True: "with ZeRO sharding"},
+    "sequence_parallel": {False: "without sequence parallelism",
+                          True: "with sequence parallelism"}}
+# why a choice of these was made with no other value priced (with_savers)
+_UNPRICED = {
+    ("sharding", True): "not planned without: the search prices the reduce-scatter and "
+                        "all-gather at the all-reduce's bytes, the update on a slice",
+    ("sharding", False): "no update left to shard over a data-parallel dim",
+    ("sequence_parallel", False): "no tensor-parallel region to split"}
 
 
 @dataclass(frozen=True)
@@ -39,7 +50,8 @@ class SaverChoice:
     its closest plan's."""
 
     option: str
-    value: bool | str | int       # recompute: False, True, "selective"; micro_batches: a count
+    value: bool | str | int       # recompute: False, True, "selective"; micro_batches: a
+    #                               count; sharding, sequence_parallel: True or False
     peak: float | None
     limit: float
     seconds: float | None
@@ -54,14 +66,15 @@ class SaverChoice:
         text = f"{self.option}={self.value!r} chosen by the search"
         if self.option == "micro_batches":
             return [text + " (the stage search's least latency among the counts it priced)"]
+        why = _UNPRICED.get((self.option, self.value)) if not self.others else None
         if self.peak is not None:
             text += f": peak {fmt_bytes(self.peak)}" + (
                 "" if math.isinf(self.limit) else
                 f" of the {fmt_bytes(self.limit)} a device may hold") + (
                 "" if self.seconds is None else f", {self.seconds:.3g} s per step")
-        out = [text]
+        out = [text + (f" ({why})" if why else "")]
         for value, peak, seconds in self.others:
-            name = _SPELLED.get(value, repr(value))
+            name = _SPELLED.get(self.option, {}).get(value, repr(value))
             if seconds is not None:
                 out.append(f"  {name}: peak {fmt_bytes(peak)}, {seconds:.3g} s per step")
             elif peak is not None:

@@ -73,9 +73,15 @@ def tensor_parallel_dims(program: Program) -> dict:
     return found
 
 
-def sequence_parallel(program: Program) -> int:
+def sequence_parallel(program: Program, searched: bool = False) -> int:
     """Annotate the sequence-parallel regions of a completed program (module docstring);
-    returns how many activations were split. Complete the program again afterwards."""
+    returns how many activations were split. Complete the program again afterwards.
+
+    ``searched``: the program's layouts are the automatic search's, written as
+    annotations on every op and activation (``auto_mode="full"``), not a user's
+    constraints: its activations may join a region, and the pins that would hold the
+    region whole are released (:func:`_released`) so that completion lays out the light
+    ops, and the gradients flowing back through them, as it does for a user's plan."""
     producer = {o.name: op for op in program.ops for o in op.outputs}
     consumers: dict = {}
     for op in program.ops:
@@ -84,7 +90,7 @@ def sequence_parallel(program: Program) -> int:
     split = 0
     for mesh, dims in sorted(tensor_parallel_dims(program).items(), key=lambda kv: str(kv[0])):
         for m in sorted(dims):
-            region, fenced = _region(program, mesh, m, producer, consumers)
+            region, fenced = _region(program, mesh, m, producer, consumers, searched)
             whole = {}                      # name -> its layout before the split
             for v in region - fenced:
                 whole[v.name] = whole[v.name + RECOMPUTED] = v.dist_attr.spec
@@ -94,6 +100,8 @@ def sequence_parallel(program: Program) -> int:
                 split += 1
             for v in fenced:
                 v.annotation = v.annotation or v.dist_attr
+            if searched:
+                _released(program, {v.name for v in region - fenced})
             _gather_into_heavy_ops(program, mesh, whole)
     return split
 
@@ -140,8 +148,9 @@ def _gather_into_heavy_ops(program: Program, mesh, whole: dict) -> int:
     return pinned
 
 
-def _region(program, mesh, m, producer, consumers) -> tuple:
-    """(activations to split over m, those of them fenced) on ``mesh``."""
+def _region(program, mesh, m, producer, consumers, searched=False) -> tuple:
+    """(activations to split over m, those of them fenced) on ``mesh``; ``searched``: an
+    activation the search annotated may join (:func:`sequence_parallel`)."""
     size = mesh.dim_size(m)
 
     def forward(op):
@@ -153,7 +162,8 @@ def _region(program, mesh, m, producer, consumers) -> tuple:
 
     def eligible(v, rows):
         spec = v.dist_attr.spec
-        return (forward(producer.get(v.name)) and v.annotation is None and len(v.shape) == 3
+        return (forward(producer.get(v.name)) and (searched or v.annotation is None)
+                and len(v.shape) == 3
                 and dtypes.is_float(v.dtype) and tuple(v.shape[:2]) == rows
                 and m not in spec.mesh_dims() and v.shape[SEQ] % (parts(spec) * size) == 0
                 and not leaves(v))
@@ -198,6 +208,26 @@ def _region(program, mesh, m, producer, consumers) -> tuple:
                 fenced.add(v)
         todo.extend(u for u in near if u not in region and eligible(u, rows))
     return region, fenced
+
+
+def _released(program: Program, split: set) -> None:
+    """Release the search's pins around the activations ``split`` (names) now annotated
+    split over the sequence: the light ops reading or making one of them, or its
+    gradient or recomputed copy (``name@...``), lose their op annotation and those copies
+    and gradients their layout, so completion gives the light ops the split layouts
+    (forward and backward) instead of gathering into the search's whole ones; the heavy
+    ops keep theirs, which consume the activation whole, as Megatron-SP's all-gather
+    into a matmul does (:func:`_gather_into_heavy_ops`)."""
+    def base(v):
+        return v.name.split("@", 1)[0]
+
+    for op in program.ops:
+        if op.annotation is not None and _light(op) and any(
+                base(v) in split for v in (*op.inputs, *op.outputs)):
+            op.annotation = None
+        for v in op.outputs:
+            if v.name != base(v) and base(v) in split:
+                v.annotation = None
 
 
 def _light(op) -> bool:

@@ -66,3 +66,20 @@ def shard_updates(program: Program, mesh_dim: str = "dp") -> int:
                 out.annotation = DistAttr(mesh, spec)
         count += 1
     return count
+
+
+def sharded_states(program: Program, mesh_dims) -> bool:
+    """Whether a completed program shards an update's optimizer states over one of
+    ``mesh_dims`` (a name or a tuple of names) where the parameter it updates is not
+    split over it: what :func:`shard_updates` leaves behind where it sharded something,
+    and nothing else lays out (an update keeps its states as its parameter)."""
+    dims = {mesh_dims} if isinstance(mesh_dims, str) else set(mesh_dims)
+    for op in program.ops:
+        if op.role is not Role.OPTIMIZE or not get_op(op.type).inplace or \
+                not op.inputs[0].is_parameter:
+            continue
+        kept = set(op.inputs[0].dist_attr.spec.mesh_dims())
+        for _, i in get_op(op.type).inplace:
+            if i > 0 and (set(op.inputs[i].dist_attr.spec.mesh_dims()) & dims) - kept:
+                return True
+    return False

@@ -26,8 +26,11 @@ micro-batch is 8 sequences, split by the search.
 the default with ``auto_mode="full"``: none, the attention scores or whole blocks, the
 plan of least estimated step time that fits; :mod:`distgraph.passes.fitting`); "none",
 "selective" and "full" fix it. ``--memory-gb G`` gives every GPU G GB (40: the A100-40GB).
-``--micro-batches auto --recompute searched`` is ``Strategy(auto_mode="full",
-pipeline=True)`` as a user leaves it.
+``--sharding`` and ``--sequence-parallel`` (searched, the default: ``Strategy(sharding=None,
+sequence_parallel=None)``, chosen by price as recomputation is; on; off) set ZeRO sharding
+over the data dims and sequence parallelism; off and off is the plan made before the
+search chose them. ``--micro-batches auto --recompute searched`` is
+``Strategy(auto_mode="full", pipeline=True)`` as a user leaves it.
 
 With ``--engine`` the model goes through ``Engine.prepare`` as a user's script gives it
 (``dg.Engine(model, CrossEntropyLoss(), AdamW, cluster=..., strategy=Strategy(
@@ -38,6 +41,7 @@ Run::
 
     python bench/plan_gpt3.py [--micro-batches 192|auto] [--layers 96] [--search auto|ilp|recursive]
                               [--recompute full|selective|none|searched] [--memory-gb 40]
+                              [--sharding searched|on|off] [--sequence-parallel searched|on|off]
                               [--engine] [--json OUT]
 
 Timings on a shared 2-core machine are noisy: CPU seconds are printed beside wall.
@@ -54,6 +58,7 @@ from gpt_scale import DGX_FILE, SEQ, degrees, gpt, model_flops, program
 
 BATCH, HIDDEN, HEADS, PUBLISHED = 1536, 12288, 96, 140.0
 RECOMPUTE = {"full": True, "selective": "selective", "none": False, "searched": None}
+SAVER = {"searched": None, "on": True, "off": False}
 RECOMPUTED = {True: "full recomputation of every block", False: "no recomputation",
               "selective": "the attention scores recomputed (selective)"}
 
@@ -74,6 +79,9 @@ def main() -> None:
                              "search")
     parser.add_argument("--memory-gb", type=float, default=None,
                         help="every GPU's memory in GB (default: the cluster file's)")
+    for saver in ("--sharding", "--sequence-parallel"):
+        parser.add_argument(saver, choices=tuple(SAVER), default="searched",
+                            help="left to the search (default), or given")
     parser.add_argument("--engine", action="store_true",
                         help="plan through Engine.prepare, as a user's script does")
     parser.add_argument("--json", help="write the figures to this file")
@@ -92,6 +100,8 @@ def main() -> None:
     loaded = time.perf_counter() - wall
     strategy = dg.Strategy(auto_mode="full", pipeline=True, micro_batches=micro,
                            recompute=RECOMPUTE[args.recompute],
+                           sharding=SAVER[args.sharding],
+                           sequence_parallel=SAVER[args.sequence_parallel],
                            solver_time_limit=args.time_limit,
                            search=args.search)
     if args.engine:
@@ -146,6 +156,8 @@ def main() -> None:
                        "step_time": est.step_time, "tflops_per_gpu": tflops,
                        "peak_gb": peak, "search_s": search.seconds, "search": args.search,
                        "engine": args.engine, "recompute": plan.strategy.recompute,
+                       "sharding": plan.strategy.sharding,
+                       "sequence_parallel": plan.strategy.sequence_parallel,
                        "memory_gb": memory,
                        "searches": search.searches}, f, indent=2)
 

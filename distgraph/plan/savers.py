@@ -34,7 +34,7 @@ _SPELLED = {
                           True: "with sequence parallelism"}}
 # why a choice of these was made with no other value priced (with_savers)
 _UNPRICED = {
-    ("sharding", True): "not planned without: the search prices the reduce-scatter and "
+    ("sharding", True): "not planned without: the search prices its reduce-scatter and "
                         "all-gather at the all-reduce's bytes, the update on a slice",
     ("sharding", False): "no update left to shard over a data-parallel dim",
     ("sequence_parallel", False): "no tensor-parallel region to split"}
@@ -72,7 +72,7 @@ class SaverChoice:
                 "" if math.isinf(self.limit) else
                 f" of the {fmt_bytes(self.limit)} a device may hold") + (
                 "" if self.seconds is None else f", {self.seconds:.3g} s per step")
-        out = [text + (f" ({why})" if why else "")]
+        out = [text] + ([f"  ({why})"] if why else [])
         for value, peak, seconds in self.others:
             name = _SPELLED.get(self.option, {}).get(value, repr(value))
             if seconds is not None:

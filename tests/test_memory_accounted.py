@@ -42,6 +42,28 @@ def test_in_flight_is_what_the_1f1b_schedule_holds(stages, virtual, micro_batche
         assert in_flight("1F1B", 8, 4, 0, 2) == 5.5
 
 
+def test_the_estimate_walks_a_micro_batch_in_the_order_the_runtime_runs_its_tasks():
+    """Oracle: ZBV's schedule (make_schedule) read by hand. The program orders each
+    layer's weight gradient (W) beside its input gradient (I); the runtime runs a
+    chunk's I task whole, its W task later, so what W reads lives through I: the walk
+    takes micro-batch 0's task order (a point outside the tasks stays with the item
+    before it, the update goes last). Under 1F1B the program's order is the runtime's."""
+    from distgraph.ir import Role
+    from distgraph.passes.cost.held import run_order
+
+    order = make_schedule(chain(4, 2, 4, "ZBV")).orders[0]
+    assert [str(a) for a in order if a.micro_batch == 0] == ["0F0", "7F0", "7I0", "7W0",
+                                                             "0I0", "0W0"]
+    f, b, u = Role.FORWARD, Role.BACKWARD, Role.OPTIMIZE
+    tasks = [(0, "F"), (0, "F"), (7, "F"), None, (7, "I"), (7, "W"), (7, "I"), (7, "W"),
+             (0, "I"), (0, "W"), (0, "I"), (0, "W"), None]
+    roles = [f, f, f, f, b, b, b, b, b, b, b, b, u]
+    assert run_order(order, tasks, roles) == [0, 1, 2, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12]
+    one_f1b = make_schedule(chain(4, 1, 8, "1F1B")).orders[1]
+    tasks = [(1, "F")] * 3 + [None] + [(1, "B")] * 3 + [None]
+    assert run_order(one_f1b, tasks, [f] * 4 + [b] * 3 + [u]) == list(range(8))
+
+
 SCRIPT = """
     import json
     import numpy as np

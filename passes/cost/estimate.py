@@ -56,7 +56,10 @@ communication and bubble, and peak memory per process.
   backward starts, before the gradient from the next stage arrives), read off the
   plan's schedule where it has one (:func:`~distgraph.passes.cost.terms.held_by_order`:
   per chunk, and under ZB / ZBV what the deferred weight gradients read from each I to
-  its W; interleaved 1F1B by ``in_flight``'s chunks, as the stage search prices it);
+  its W; interleaved 1F1B by ``in_flight``'s chunks, as the stage search prices it),
+  the running micro-batch's items walked in the order the runtime runs its tasks
+  (:func:`~distgraph.passes.cost.held.run_order`: a chunk's W after its whole I, so
+  what W reads lives through I);
   with micro-batches the gradients of the parameters are
   accumulated in buffers that live through the step (a micro-batch's gradient is added
   to its buffer as it is made, as the runtime does, and not held to the update).
@@ -86,7 +89,7 @@ from itertools import combinations
 from distgraph.errors import PlanError
 from distgraph.ir import Role
 from distgraph.plan.instructions import keeps_nothing
-from distgraph.passes.cost.held import action_holds
+from distgraph.passes.cost.held import action_holds, run_order
 from distgraph.passes.cost.terms import held_by_order, in_flight
 from distgraph.passes.cost.prices import (Rings, best_overlap, feed_time, op_comm_time, op_time,
                                           reshard_step_time)
@@ -437,6 +440,19 @@ def _peak_memory(plan, pid, stage, scale: _Scale) -> tuple[int, int, int, int, i
                           tuple(o.name for o in op.outputs if not o.alias_of) + writes))
             item_roles.append(op.role)
             item_ops.append(i)
+    # with a schedule: the micro-batch's peak in each of its actions (chunk, letter), to
+    # which the others hold what the schedule has them hold then
+    order = plan.order.of(pid) if plan.order is not None and plan.micro_batches > 1 else ()
+    if order and plan.graph is not None:
+        task_of, made, after_input = action_holds(plan, pid, local, scale.nbytes)
+        # walked in the order the runtime runs them: a value a deferred weight gradient
+        # (W) reads lives through the input gradient's (I) task, however the program
+        # orders the two
+        moved = run_order(order, [task_of.get(i) for i in item_ops], item_roles)
+        items, item_roles, item_ops = ([xs[k] for k in moved]
+                                       for xs in (items, item_roles, item_ops))
+    else:       # interleaved 1F1B: in_flight's chunks, as the stage search prices them
+        order, task_of = (), {}
     updating = [role == Role.OPTIMIZE for role in item_roles]
     # With micro-batches the runtime adds what a micro-batch makes for the update (its
     # gradients) to the step's buffers as it is made: the update reads the buffers
@@ -457,13 +473,6 @@ def _peak_memory(plan, pid, stage, scale: _Scale) -> tuple[int, int, int, int, i
     # next stage received in it (neither is kept from the forward for the backward)
     first_backward = next((k for k, role in enumerate(item_roles) if role == Role.BACKWARD),
                           len(items))
-    # with a schedule: the micro-batch's peak in each of its actions (chunk, letter), to
-    # which the others hold what the schedule has them hold then
-    order = plan.order.of(pid) if plan.order is not None and plan.micro_batches > 1 else ()
-    if order and plan.graph is not None:
-        task_of, made, after_input = action_holds(plan, pid, local, scale.nbytes)
-    else:       # interleaved 1F1B: in_flight's chunks, as the stage search prices them
-        order, task_of = (), {}
     after_forward: dict = {}
     by_task: dict = {}
     saved = 0

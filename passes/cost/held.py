@@ -4,7 +4,9 @@ process's schedule with (:mod:`distgraph.passes.cost.estimate`).
 
 :func:`action_holds` reads them off the process's tasks (the task graph): which action
 each op runs in, which chunk and action make each value, and the bytes a micro-batch
-keeps from its I to its W under zero bubble (what the deferred weight gradients read).
+keeps from its I to its W under zero bubble (what the deferred weight gradients read);
+:func:`run_order` the order in which one micro-batch runs the program's items (a chunk's
+W after its whole I, wherever the program puts each layer's weight gradient).
 
 Example::
 
@@ -14,6 +16,7 @@ Example::
 
 from __future__ import annotations
 
+from distgraph.ir import Role
 from distgraph.plan.kinds import ItemKind
 
 
@@ -54,3 +57,31 @@ def action_holds(plan, pid: int, local, nbytes) -> tuple:
         if letter in "FI" and later and name not in keep and name in values:
             after_input[min(later)] = after_input.get(min(later), 0) + nbytes(values[name])
     return task_of, made, after_input
+
+
+def run_order(order, tasks: list, roles: list) -> list:
+    """The indices of a local program's items (``tasks[k]``: the (chunk, letter) of item
+    k, None outside the micro-batches' tasks; ``roles[k]``: its role) in the order one
+    micro-batch runs them under ``order`` (the process's schedule): by its first
+    micro-batch's actions, the program's order within a task. An item outside the tasks
+    goes with the item before it, an update after them all. Under 1F1B this is the
+    program's order; under zero bubble the W items of a chunk follow its I items.
+
+    Example::
+
+        run_order(order, [(0, "F"), (0, "W"), (0, "I")], ["forward"] + ["backward"] * 2)
+        # [0, 2, 1]: 0F, 0I, 0W
+    """
+    first = order[0].micro_batch
+    rank = {}
+    for a in order:
+        if a.micro_batch == first:
+            rank.setdefault((a.chunk, a.kind), len(rank))
+    keys, at = [], -1
+    for k, (task, role) in enumerate(zip(tasks, roles)):
+        if role == Role.OPTIMIZE and task is None:
+            keys.append((len(rank), k))
+            continue
+        at = rank.get(task, at)
+        keys.append((at, k))
+    return [k for _, k in sorted(keys)]

@@ -255,21 +255,30 @@ class Carrier:
         start = self.clock()
         self.progress.at(self._offsets[block.task.key])
         self.ledger.at = (actions[0], None)
+        dies = {n for names in block.last for n in names}
+
+        def release(name) -> None:
+            # a micro-batch's operand the joined copy replaced, where this task is its
+            # last reader: dropped now, not when the group ends
+            if name in dies:
+                for m in ms:
+                    if all(o in self.done[m] for o in block.others[name]):
+                        self.env[m].pop(name, None)
+
         try:
             tag = self.tags.tag
-            sums = run_batched(
+            run_batched(
                 self.program.batched_tasks[block.task.key], self.env, ms, self.scope,
                 self.runner.context(self.step, {}), self.xb,
                 lambda instr, env: self.runner.point(instr, env, self.scope,
                                                      tag(instr.point.seq, ms[0])),
-                self.ledger)
+                self.ledger, emit=lambda name, value: self.acc.add(name, value, owned=True),
+                release=release)
         except DistGraphError as e:
             raise RuntimeFault(f"rank {self.rank} (process {self.pid}): task "
                                f"{actions[0].task} of chunk {actions[0].chunk}, micro-batches "
                                f"{', '.join(map(str, ms))} (run as one) in step {self.step} "
                                f"failed: {e}") from e
-        for name, value in sums.items():
-            self.acc.add(name, value, owned=True)
         end = self.clock()
         share = (end - start) / len(actions)
         for k, (action, m) in enumerate(zip(actions, ms)):

@@ -200,9 +200,13 @@ def report_matrix(rows, cluster_file: str) -> None:
     cluster = dg.Cluster.from_file(cluster_file)
     d = cluster.devices[0]
     a, b = d.global_id, cluster.devices[-1].global_id
-    print(f"calibrated {cluster.name!r}: device 0 at {d.gflops['float32']:.1f} GFLOP/s "
-          f"(float32, 4 ranks at once), {d.memory_bandwidth:g} GB/s memory, between "
-          f"machines {cluster.bandwidth(a, b):.4g} GB/s and {cluster.latency(a, b):.3g} us")
+    print(f"{cluster.name!r}: device 0 at {d.gflops['float32']:.1f} GFLOP/s (float32), "
+          f"{d.memory_bandwidth or 'no'} GB/s memory, {len(d.op_costs or ())} op types "
+          f"priced; between machines {cluster.bandwidth(a, b):.4g} GB/s and "
+          f"{cluster.latency(a, b):.3g} us")
+    software = d.reshard_overhead or {}
+    print("  software per reshard step (us per ring round, ns per byte): " + ", ".join(
+        f"{k} {v[0]:g}/{v[1]:g}" for k, v in sorted(software.items())))
     print(f"{'plan':<16} {'shape':<8} {'predicted ms':>12} {'compute':>8} {'comm':>8} "
           f"{'bubble':>8} {'measured ms':>11} {'error':>7}")
     for r in rows:
@@ -230,9 +234,13 @@ def run_matrix(args) -> None:
     from distgraph.runtime.emulate.namespaces import check_prerequisites
 
     check_prerequisites()
+    # the 1-minute load average: other work on the machine takes the cores the ranks
+    # were calibrated on (the 4 ranks themselves add about 4 while they run)
+    load = [os.getloadavg()[0]]
     with tempfile.TemporaryDirectory(prefix="distgraph-bench-") as tmp:
         cluster = os.path.abspath(calibrated(4, args.cluster, tmp, args.calibrate_repeats,
                                              emulate=args.emulate))
+        load.append(os.getloadavg()[0])
         out = os.path.join(tmp, "rows.json")
         argv = [os.path.abspath(__file__), "--matrix", "--cluster", cluster, "--plans",
                 args.plans, "--steps", str(args.steps), "--repeats", str(args.repeats),
@@ -242,7 +250,10 @@ def run_matrix(args) -> None:
             raise SystemExit(f"the emulated run failed (exit code {rc})")
         with open(out) as f:
             rows = json.load(f)
+        load.append(os.getloadavg()[0])
         report_matrix(rows, cluster)
+    print(f"load average (1 min) on {os.cpu_count()} cores: {load[0]:.2f} before, "
+          f"{load[1]:.2f} after calibrating, {load[2]:.2f} after the plans")
 
 
 def main() -> None:

@@ -45,6 +45,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -252,6 +253,9 @@ def run_matrix(args) -> None:
             rows = json.load(f)
         load.append(os.getloadavg()[0])
         report_matrix(rows, cluster)
+        if args.save_cluster:
+            shutil.copyfile(cluster, args.save_cluster)
+            print(f"the calibrated file is kept as {args.save_cluster} (--cluster reuses it)")
     print(f"load average (1 min) on {os.cpu_count()} cores: {load[0]:.2f} before, "
           f"{load[1]:.2f} after calibrating, {load[2]:.2f} after the plans")
 
@@ -273,6 +277,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3,
                         help="with --matrix: timings per plan (best kept)")
     parser.add_argument("--batch", type=int, default=32, help="with --matrix: batch size")
+    parser.add_argument("--save-cluster", metavar="FILE",
+                        help="with --matrix: keep the calibrated resource file as FILE")
     parser.add_argument("--rank-output", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.matrix:

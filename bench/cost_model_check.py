@@ -37,7 +37,10 @@ bubble split, the measured step and the relative error; then the Spearman rank
 correlation of predicted against measured (target >= 0.9) and the median |error|
 (target <= 10%), and a least-squares fit of the measured steps on the predicted parts
 (how far each part would have to be scaled to match: where the error comes from). It
-prints figures and asserts nothing.
+prints figures and asserts nothing. It takes about 2.5 minutes on an otherwise idle
+2-core machine, 5-6 under load; other work on the machine changes both the measured
+steps and the calibrated figures (most of all the collectives' software costs, whose
+meeting waits grow with the ranks' descheduling), so it prints the load average too.
 """
 
 from __future__ import annotations

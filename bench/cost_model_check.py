@@ -32,8 +32,10 @@ the machine link's latency is the veth's, not FILE's). Every plan is planned and
 (``dg.passes.estimate``) on that file and run on the emulated ranks; after a warm-up of
 two steps the plans are timed round-robin (so a change in the machine's load hits them
 alike), ``--repeats`` timings of ``--steps`` steps each, best kept; a timing is the
-slowest rank's. It prints per plan the predicted step and its compute / communication /
-bubble split, the measured step and the relative error; then the Spearman rank
+slowest rank's. It prints per plan the predicted step and its parts (compute; the
+communication's alpha-beta on the links, "wire"; what the calibration measured the
+runtime's steps to cost beyond it, "software": calls, copies and the wait for the group
+to meet; bubble), the measured step and the relative error; then the Spearman rank
 correlation of predicted against measured (target >= 0.9) and the median |error|
 (target <= 10%), and a least-squares fit of the measured steps on the predicted parts
 (how far each part would have to be scaled to match: where the error comes from). It
@@ -138,7 +140,18 @@ def report(rows) -> None:
         print(f"  {kind}: Spearman {spearman([r['predicted'] for r in sub], [r['measured'] for r in sub]):.3f}")
 
 
-PARTS = ("compute", "communication", "bubble")
+PARTS = ("compute", "wire", "software", "bubble")
+
+
+def without_software(cluster):
+    """``cluster`` with no device carrying measured software costs of communication steps
+    (``reshard_overhead``): what the cost model charges for the messages alone."""
+    import dataclasses
+
+    return dataclasses.replace(cluster, machines=tuple(
+        dataclasses.replace(m, devices=tuple(dataclasses.replace(d, reshard_overhead=None)
+                                             for d in m.devices))
+        for m in cluster.machines))
 
 
 def measure_matrix(cluster_file: str, names: list, steps: int, repeats: int,
@@ -155,6 +168,7 @@ def measure_matrix(cluster_file: str, names: list, steps: int, repeats: int,
     if comm.size != 4:
         raise dg.PlanError(f"--matrix runs memory_check's plans on 4 ranks, not {comm.size}")
     cluster = dg.Cluster.from_file(cluster_file)
+    wire_only = without_software(cluster)
     rows, runs = [], []
     for name in names:
         m, opt, strategy, _, data = M.layout(name, M.Tokens(batch * max(steps, 2)), cluster)
@@ -163,8 +177,9 @@ def measure_matrix(cluster_file: str, names: list, steps: int, repeats: int,
         time_fit(engine, data, comm, 2, batch)          # plans, lays out, warms up
         plan = engine.plan()
         est = dg.passes.estimate(plan, cluster)
+        wire = dg.passes.estimate(plan, wire_only).communication
         rows.append({"plan": name, "predicted": est.step_time, "compute": est.compute,
-                     "communication": est.communication, "bubble": est.bubble,
+                     "wire": wire, "software": est.communication - wire, "bubble": est.bubble,
                      "shape": f"{len(plan.stages)}st {plan.micro_batches}mb",
                      "measured": float("inf")})
         runs.append((engine, data))
@@ -180,13 +195,13 @@ def measure_matrix(cluster_file: str, names: list, steps: int, repeats: int,
 
 def part_scales(rows) -> dict:
     """{part: factor}: the non-negative least-squares fit of the measured steps on the
-    predicted compute, communication and bubble of every row; a factor far from 1 says
-    that part is mispriced across the plans (parts that no row has get no factor).
+    predicted parts (:data:`PARTS`) of every row; a factor far from 1 says that part is
+    mispriced across the plans (parts that no row has get no factor).
 
-    >>> rows = [dict(compute=1.0, communication=0.0, bubble=0.0, measured=1.2),
-    ...         dict(compute=1.0, communication=2.0, bubble=0.0, measured=2.2)]
+    >>> rows = [dict(compute=1.0, wire=0.0, software=0.0, bubble=0.0, measured=1.2),
+    ...         dict(compute=1.0, wire=2.0, software=0.0, bubble=0.0, measured=2.2)]
     >>> {k: round(v, 3) for k, v in part_scales(rows).items()}
-    {'compute': 1.2, 'communication': 0.5}
+    {'compute': 1.2, 'wire': 0.5}
     """
     from scipy.optimize import nnls
 
@@ -211,8 +226,8 @@ def report_matrix(rows, cluster_file: str) -> None:
     software = d.reshard_overhead or {}
     print("  software per reshard step (us per ring round, ns per byte): " + ", ".join(
         f"{k} {v[0]:g}/{v[1]:g}" for k, v in sorted(software.items())))
-    print(f"{'plan':<16} {'shape':<8} {'predicted ms':>12} {'compute':>8} {'comm':>8} "
-          f"{'bubble':>8} {'measured ms':>11} {'error':>7}")
+    print(f"{'plan':<16} {'shape':<8} {'predicted ms':>12} "
+          + " ".join(f"{p:>8}" for p in PARTS) + f" {'measured ms':>11} {'error':>7}")
     for r in rows:
         err = r["predicted"] / r["measured"] - 1
         print(f"{r['plan']:<16} {r['shape']:<8} {r['predicted'] * 1e3:>12.1f} "

@@ -52,18 +52,36 @@ def rows_of(parts, factors):
 
 
 def test_part_scales_recover_the_factors():
-    parts = [(1.0, 0.5, 0.0), (2.0, 0.1, 0.3), (0.5, 1.0, 0.2), (1.5, 0.2, 0.0)]
-    scales = cmc.part_scales(rows_of(parts, (1.25, 0.5, 2.0)))
-    assert scales == pytest.approx({"compute": 1.25, "communication": 0.5, "bubble": 2.0})
+    parts = [(1.0, 0.5, 0.1, 0.0), (2.0, 0.1, 0.4, 0.3), (0.5, 1.0, 0.0, 0.2),
+             (1.5, 0.2, 0.9, 0.0), (0.3, 0.3, 0.3, 0.6)]
+    scales = cmc.part_scales(rows_of(parts, (1.25, 0.5, 0.25, 2.0)))
+    assert scales == pytest.approx({"compute": 1.25, "wire": 0.5, "software": 0.25,
+                                    "bubble": 2.0})
 
 
 def test_part_scales_leave_out_parts_no_plan_has():
-    scales = cmc.part_scales(rows_of([(1.0, 0.5, 0.0), (2.0, 0.1, 0.0)], (1.1, 0.9, 0.0)))
-    assert scales == pytest.approx({"compute": 1.1, "communication": 0.9})
+    scales = cmc.part_scales(rows_of([(1.0, 0.5, 0.0, 0.0), (2.0, 0.1, 0.0, 0.0)],
+                                     (1.1, 0.9, 0.0, 0.0)))
+    assert scales == pytest.approx({"compute": 1.1, "wire": 0.9})
+
+
+def test_without_software_keeps_everything_but_the_steps_software_costs():
+    import distgraph as dg
+
+    devices = [dict(global_id=i, local_id=i, type="CPU", memory=4, gflops={"float32": 10},
+                    reshard_overhead={"all_reduce": [30.0, 0.5]}) for i in range(2)]
+    cluster = dg.Cluster.from_dict({"machines": [{"id": 0, "hostname": "a", "devices": devices,
+                                                 "links": [{"source": 0, "target": 1,
+                                                            "bandwidth": 5, "latency": 2}]}]})
+    bare = cmc.without_software(cluster)
+    assert [d.reshard_overhead for d in bare.devices] == [None, None]
+    assert [d.gflops for d in bare.devices] == [d.gflops for d in cluster.devices]
+    assert (bare.bandwidth(0, 1), bare.latency(0, 1)) == (5, 2)
 
 
 def test_report_prints_the_figures_against_the_targets(capsys):
-    rows = rows_of([(1.0, 0.5, 0.0), (2.0, 0.1, 0.3), (0.5, 1.0, 1.2)], (1.0, 1.0, 1.0))
+    rows = rows_of([(1.0, 0.5, 0.0, 0.0), (2.0, 0.1, 0.0, 0.3), (0.5, 1.0, 0.0, 1.2)],
+                   (1.0, 1.0, 1.0, 1.0))
     rows[0]["measured"] *= 1.25
     cluster = os.path.join(HERE, "..", "resources", "clusters", "emulated_2x2.yaml")
     cmc.report_matrix(rows, cluster)

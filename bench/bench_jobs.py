@@ -37,14 +37,50 @@ def timed(fns, steps, warmup, comm):
     return times
 
 
-def calibrated(n: int, given: str | None, folder: str, repeats: int = 3) -> str:
+def time_fit(engine, data, comm, steps: int, batch: int) -> float:
+    """Seconds per optimizer step of ``engine.fit`` over ``steps`` batches of ``batch``
+    samples of ``data``, on the slowest rank (the ranks meet before and after);
+    ``comm`` is distgraph's communicator. ``fit``'s ``epochs`` is the Engine's total:
+    this trains one more epoch of ``steps`` batches."""
+    comm.barrier()
+    start = time.perf_counter()
+    engine.fit(data, batch_size=batch, epochs=engine.epoch + 1, steps_per_epoch=steps,
+               verbose=0)
+    comm.barrier()
+    return (time.perf_counter() - start) / steps
+
+
+def spearman(a, b) -> float:
+    """Spearman's rank correlation of ``a`` and ``b`` (ties ranked by position).
+
+    >>> spearman([1, 2, 3], [10, 30, 20])
+    0.5
+    """
+    ra = np.argsort(np.argsort(a)).astype(float)
+    rb = np.argsort(np.argsort(b)).astype(float)
+    return float(np.corrcoef(ra, rb)[0, 1])
+
+
+def median_abs_error(predicted, measured) -> float:
+    """The median of |predicted / measured - 1| over the pairs.
+
+    >>> median_abs_error([1.25, 0.5, 2.0], [1.0, 1.0, 2.0])
+    0.25
+    """
+    return float(np.median([abs(p / m - 1) for p, m in zip(predicted, measured)]))
+
+
+def calibrated(n: int, given: str | None, folder: str, repeats: int = 3,
+               emulate: str | None = None) -> str:
     """``given``, or a resource file of this machine calibrated for ``n`` ranks
-    (``distgraph cluster calibrate --repeats``), written into ``folder``."""
+    (``distgraph cluster calibrate --repeats``; with ``emulate``, the ranks of that
+    resource file's emulated cluster, ``--emulate``), written into ``folder``."""
     if given is not None:
         return given
     path = os.path.join(folder, f"calibrated{n}.yaml")
+    extra = ["--emulate", emulate] if emulate else []
     subprocess.run([sys.executable, "-m", "distgraph.cli", "cluster", "calibrate", "-n", str(n),
-                    "-o", path, "--repeats", str(repeats)],
+                    "-o", path, "--repeats", str(repeats), *extra],
                    check=True, env=JOB_ENV, stdout=subprocess.DEVNULL)
     return path
 

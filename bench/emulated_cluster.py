@@ -36,7 +36,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 
 import numpy as np
 
@@ -53,6 +52,7 @@ from distgraph.runtime.comm.mpi import MPICommunicator
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 import plans as P  # noqa: E402
+from bench_jobs import time_fit  # noqa: E402
 
 MLP = dict(seq=16, d_in=256, hidden=1024, d_out=256)
 GPT = dict(vocab_size=512, d_model=256, n_layer=2, n_head=4, max_seq_len=32)
@@ -97,16 +97,6 @@ def predict(engine, cluster) -> dict:
     return {"total": est.step_time, "compute": est.compute, "comm": est.communication}
 
 
-def time_steps(engine, data, comm, steps: int) -> float:
-    comm.barrier()
-    start = time.perf_counter()
-    # epochs is the Engine's total: one more epoch of ``steps`` batches
-    engine.fit(data, batch_size=BATCH, epochs=engine.epoch + 1, steps_per_epoch=steps,
-               verbose=0)
-    comm.barrier()
-    return (time.perf_counter() - start) / steps
-
-
 def mapper_choice(program, cluster) -> str:
     """The placement the rank mapper picks for a dp x mp program, by where it puts the
     mp group of processes 0 and 1."""
@@ -132,7 +122,7 @@ def rank_part(args) -> None:
         engine = dg.Engine(model, P.loss_fn(kind), dg.optim.AdamW(1e-3), cluster=cluster,
                            communicator=comm, rank_mapping=mapping, strategy=auto)
         data = Data(kind, BATCH * (args.steps + 2))
-        time_steps(engine, data, comm, 2)                                 # warm up
+        time_fit(engine, data, comm, 2, BATCH)                             # warm up
         row = {"model": kind, "plan": plan, "placement": where, "measured": float("inf")}
         if comm.rank == 0:
             program = engine.plan().program
@@ -144,7 +134,8 @@ def rank_part(args) -> None:
     # Round-robin over the plans, so that a change in the machine's load hits them alike.
     for _ in range(args.repeats):
         for row, (engine, data) in zip(rows, runs):
-            row["measured"] = min(row["measured"], time_steps(engine, data, comm, args.steps))
+            row["measured"] = min(row["measured"],
+                                  time_fit(engine, data, comm, args.steps, BATCH))
     comm.free()
     if comm.rank == 0:
         with open(os.path.join(os.environ[LOG_DIR], args.rank_part), "w") as f:

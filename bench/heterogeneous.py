@@ -39,7 +39,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 
 import distgraph as dg
 from distgraph.resources.cluster import Link
@@ -51,6 +50,7 @@ from distgraph.runtime.emulate.namespaces import check_prerequisites
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 import plans as P  # noqa: E402
+from bench_jobs import time_fit  # noqa: E402
 
 CLUSTERS = os.path.join(ROOT, "resources", "clusters")
 CASES = {"2x1": ("emulated_mixed_2x1.yaml", 2, "dp"),
@@ -131,29 +131,19 @@ def rank_part(args) -> None:
             samples = data(kind, args.batch * (args.steps + 2), args.batch)
             row = {"case": case, "model": kind, "balance": balance, "measured": float("inf")}
             try:
-                time_steps(engine, samples, comm, 2, args.batch)         # warm up
+                time_fit(engine, samples, comm, 2, args.batch)           # warm up
                 runs.append((row, engine, samples))
             except dg.PlanError as err:        # every rank refuses alike, before any step
                 row["error"] = str(err)
             rows.append(row)
     for _ in range(args.repeats):
         for row, engine, samples in runs:
-            row["measured"] = min(row["measured"], time_steps(engine, samples, comm,
-                                                              args.steps, args.batch))
+            row["measured"] = min(row["measured"], time_fit(engine, samples, comm,
+                                                            args.steps, args.batch))
     comm.free()
     if comm.rank == 0:
         with open(args.rank_part, "w") as f:
             json.dump(rows, f)
-
-
-def time_steps(engine, samples, comm, steps: int, batch: int) -> float:
-    comm.barrier()
-    start = time.perf_counter()
-    # epochs is the Engine's total: one more epoch of ``steps`` batches
-    engine.fit(samples, batch_size=batch, epochs=engine.epoch + 1, steps_per_epoch=steps,
-               verbose=0)
-    comm.barrier()
-    return (time.perf_counter() - start) / steps
 
 
 def main(argv=None) -> int:

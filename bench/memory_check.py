@@ -104,12 +104,16 @@ def model(kind):
     return dg.nn.GPT(vocab_size=VOCAB, d_model=128, n_layer=8, n_head=4, max_seq_len=SEQ)
 
 
-def layout(name, data):
-    """(model, optimizer, strategy, cluster, data) of plan ``name``."""
-    opt, cluster = dg.optim.AdamW(1e-3), dg.Cluster.local(4)
-    if name in SEARCHED:
+def layout(name, data, cluster=None):
+    """(model, optimizer, strategy, cluster, data) of plan ``name``, planned and priced
+    on ``cluster`` (default: ``dg.Cluster.local(4)``, and for ``searched_pp`` the emulated
+    2 x 2 file, whose slow machine link makes the search cut stages)."""
+    opt = dg.optim.AdamW(1e-3)
+    if cluster is None:
+        cluster = dg.Cluster.local(4)
         if name == "searched_pp":
             cluster = dg.Cluster.from_file(CLUSTERS / "emulated_2x2.yaml")
+    if name in SEARCHED:
         return (model("gpt"), opt, dg.Strategy(solver_time_limit=20, **SEARCHED[name]),
                 cluster, data)
     kind, shape, dims, config, fields = LAYOUTS[name]

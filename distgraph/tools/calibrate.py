@@ -476,8 +476,9 @@ def main(argv=None) -> None:
                         help="measure the CPU, or each rank's GPU (auto: the GPUs when CuPy "
                              "finds one)")
     parser.add_argument("--gemm-window", type=float, default=0.0, metavar="SECONDS",
-                        help="time GEMMs over windows of SECONDS (sustained rate) instead of "
-                             "one matmul each")
+                        help="time GEMMs, and the whole steps that scale the per-op costs, "
+                             "over windows of SECONDS (sustained rates) instead of one "
+                             "matmul or step each")
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error(f"--repeats must be at least 1, got {args.repeats}")
@@ -503,7 +504,8 @@ def main(argv=None) -> None:
                 for name, dtype in DTYPES[record["type"]]},
         memory_bandwidth=round(memory_bandwidth_gbps(args.repeats, xb, nbytes), 3),
         op_overhead=round(op_overhead_us(args.repeats, xb=xb), 3),
-        op_costs=op_costs(args.repeats, sync=lambda: idle_barrier(comm), xb=xb))
+        op_costs=op_costs(args.repeats, sync=lambda: idle_barrier(comm), xb=xb,
+                          window=args.gemm_window))
     records = comm.gather(record, root=0)
     if rank == 0:
         names = "/".join(records[0]["gflops"])

@@ -7,7 +7,8 @@
   GPT training step (forward, backward and Adam update), so that the mix of op types is
   the one models have.
 - ``op_costs``: per op type, ``(µs per call, ns per unit of work)`` fitted (least
-  squares, both >= 0) to every op of GPT and MLP training steps at three sizes, timed
+  squares, both >= 0) to every op of GPT, MLP, Llama and Mixtral training steps at
+  three sizes, timed
   one by one in distgraph's executor, and scaled to the steps' measured totals (see
   :func:`op_costs`); work is an op's FLOPs for a matmul and the
   elements it reads and writes otherwise (:func:`distgraph.registry.op_work`). It
@@ -33,6 +34,8 @@ import time
 import numpy as np
 
 from distgraph.nn.layers import GPT, MLP, CrossEntropyLoss, MSELoss
+from distgraph.nn.llama import Llama, LlamaConfig
+from distgraph.nn.mixtral import Mixtral, MixtralConfig
 from distgraph.optim import Adam
 from distgraph.program_builder import build_program
 from distgraph.registry import TensorType, op_work
@@ -94,9 +97,21 @@ GPT_SIZES = ((dict(vocab_size=64, d_model=16, n_layer=1, n_head=2, max_seq_len=8
              (dict(vocab_size=128, d_model=64, n_layer=1, n_head=4, max_seq_len=32), 8),
              (dict(vocab_size=256, d_model=128, n_layer=1, n_head=4, max_seq_len=64), 8))
 MLP_SIZES = (((16, 32, 8), 8), ((256, 1024, 256), 256), ((512, 2048, 512), 256))
+# (Llama's fields, batch, sequence) of the Llama (grouped-query attention: fewer kv heads)
+# and Mixtral steps op_costs times too, so that their op types (RMS norm, rotary
+# embedding, the fused attention, SiLU, the experts' moe_ffn) get measured costs and not
+# the roofline's, which prices their transcendental and strided work far under its time.
+LLAMA_SIZES = ((dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_attention_heads=2,
+                     num_key_value_heads=1), 2, 8),
+               (dict(vocab_size=128, hidden_size=64, intermediate_size=128,
+                     num_attention_heads=4, num_key_value_heads=2), 8, 32),
+               (dict(vocab_size=256, hidden_size=128, intermediate_size=256,
+                     num_attention_heads=4, num_key_value_heads=2), 8, 64))
+MOE_EXPERTS = dict(num_local_experts=4, num_experts_per_tok=2)
 
 
-def op_costs(repeats: int = 3, steps: int = 5, sync=None, xb=NUMPY) -> dict:
+def op_costs(repeats: int = 3, steps: int = 5, sync=None, xb=NUMPY,
+             window: float = 0.0) -> dict:
     """{op type: (µs per call, ns per unit of work)} on this process's backend ``xb``
     (numpy, or CuPy: the GPU's, each op timed to the end of its kernels; module docstring).
 
@@ -105,7 +120,13 @@ def op_costs(repeats: int = 3, steps: int = 5, sync=None, xb=NUMPY) -> dict:
     the share of a core this process really gets when other ranks compute beside it:
     with more ranks than cores, single ops are often timed while a neighbour waits).
     ``sync`` (e.g. an MPI barrier) lines the ranks up before each timed step, so that
-    all of them compute at once, as in training."""
+    all of them compute at once, as in training. With ``window`` > 0 the whole step is
+    instead the mean of as many steps as fit in ``window`` seconds run back to back
+    after one ``sync``: a step of a few ms, lined up alone, still often runs while a
+    neighbour has not woken from the barrier yet (4 ranks on 2 cores then measure
+    about 1.5 x a lone rank's step, where training, whose ranks are all busy, computing
+    or polling for messages, takes 2 x), while steps back to back share the cores as
+    training does."""
     from scipy.optimize import nnls
 
     samples: dict = {}
@@ -125,7 +146,8 @@ def op_costs(repeats: int = 3, steps: int = 5, sync=None, xb=NUMPY) -> dict:
         works = [_work(op) for op in program.ops]
         # the mean, not the median: with more ranks than cores a short step often runs
         # alone in its time slice, and only the mean carries the share of a core
-        totals.append((program, works, float(np.mean(whole))))
+        totals.append((program, works, float(np.mean(whole)) if window <= 0 else
+                       _sustained_step(run, window, sync)))
         for op, w, t in zip(program.ops, works, seconds):
             samples.setdefault(op.type, []).append((w, float(t)))
     fitted = {}
@@ -142,6 +164,20 @@ def op_costs(repeats: int = 3, steps: int = 5, sync=None, xb=NUMPY) -> dict:
                              for program, works, measured in totals]))
     return {op_type: (round(a * scale * 1e6, 4), round(b * scale * 1e9, 6))
             for op_type, (a, b) in fitted.items()}
+
+
+def _sustained_step(run, window: float, sync=None) -> float:
+    """Mean seconds of ``run``'s step over as many steps as fit in ``window`` seconds,
+    back to back after one ``sync`` (see :func:`op_costs`)."""
+    if sync is not None:
+        sync()
+    count, start = 0, time.perf_counter()
+    while True:
+        run([])             # timed as the fitted ops were (a GPU's to the end of each op)
+        count += 1
+        elapsed = time.perf_counter() - start
+        if elapsed >= window:
+            return elapsed / count
 
 
 def _work(op) -> float:
@@ -164,6 +200,14 @@ def _probe_programs(xb=NUMPY):
         cases.append((model, MSELoss(),
                       [("x", rng.normal(size=(batch, d_in)).astype(np.float32)),
                        ("y", rng.normal(size=(batch, d_out)).astype(np.float32))]))
+    for fields, batch, t in LLAMA_SIZES:
+        tokens = rng.integers(0, fields["vocab_size"], size=(batch, t))
+        for model in (Llama(LlamaConfig(num_hidden_layers=1, max_position_embeddings=t,
+                                        **fields)),
+                      Mixtral(MixtralConfig(num_hidden_layers=1, max_position_embeddings=t,
+                                            **fields, **MOE_EXPERTS))):
+            cases.append((model, CrossEntropyLoss(),
+                          [("tokens", tokens), ("labels", np.roll(tokens, -1, axis=1))]))
     for model, loss, fields in cases:
         (x_name, x), (y_name, y) = fields
         optimizer = Adam(1e-3)

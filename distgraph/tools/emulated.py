@@ -11,7 +11,10 @@ and plans like FILE. With N below FILE's device count, OUT holds the measured de
 (and the machines that hold them).
 
 GEMM rates are measured sustained (over :data:`GEMM_WINDOW` seconds, all ranks at once),
-since a machine slowed by a CPU quota computes at full speed for a moment at a time.
+since a machine slowed by a CPU quota computes at full speed for a moment at a time; so
+are the whole steps that scale the per-op costs (:func:`~distgraph.tools.device_probe.
+op_costs`), since a short step lined up alone often runs while ranks that share its
+core have not woken yet.
 It then prints each machine's measured GEMM rate next to FILE's (as shares of the
 machine FILE says is fastest), and, per pair of devices, FILE's link figures next to the
 measured ones::

@@ -35,7 +35,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from distgraph.errors import DoesNotFit, PlanError
-from distgraph.ir import Role, is_recomputed
+from distgraph.ir import RECOMPUTED, Role, is_recomputed
 from distgraph.passes.cost.fit import overflows
 from distgraph.passes.prepare import split, transformed
 from distgraph.plan.savers import SaverChoice
@@ -65,6 +65,16 @@ class Replayed:
                 raise PlanError(f"internal error: recomputing per stage, completion changed "
                                 f"the chosen layout of {v.name!r} ({v.annotation.spec} on "
                                 f"{v.annotation.mesh} to {v.dist_attr.spec}); please report it")
+        for k, op in enumerate(program.ops):
+            if op.annotation is None or op.dist_attr is None:
+                continue
+            specs = {v.name: s for v, s in zip(op.inputs, op.dist_attr.input_specs)}
+            for name, spec in op.annotation.in_specs:
+                if spec is not None and specs.get(name) != spec:
+                    raise PlanError(f"internal error: recomputing per stage, completion "
+                                    f"changed how op #{k} {op.type} ({op.layer}) consumes "
+                                    f"{name!r}: {spec} chosen, {specs.get(name)} made; "
+                                    f"please report it")
 
 
 def per_stage(planned, strategy, cluster, replanned):
@@ -174,12 +184,21 @@ def replayed(built, planned, recompute, rank_mapping=None) -> Replayed:
             values[name].annotation = attr
     for k, ann in d.ops:
         if k in index:
-            ops[index[k]].annotation = ann
+            ops[index[k]].annotation = _read_as(ann, ops[index[k]])
     if rank_mapping is None and planned.rank_of is not None:
         devices = planned.cluster.devices
         rank_mapping = {p: devices[r].global_id for p, r in planned.rank_of.items()}
     return Replayed(prepared, strategy, accumulation, rank_mapping, d.chunks, d.zero_dim,
                     planned.search)
+
+
+def _read_as(annotation, op):
+    """``annotation`` (a chosen op's) with each operand named as ``op`` reads it: a
+    gradient that read a recomputed copy (``x@RECOMPUTE``) where ``op`` reads ``x``."""
+    names = {v.name for v in op.inputs}
+    specs = tuple((n[:-len(RECOMPUTED)] if n not in names and n.endswith(RECOMPUTED) else n, s)
+                  for n, s in annotation.in_specs)
+    return dataclasses.replace(annotation, in_specs=specs)
 
 
 def _aligned(chosen, ops) -> dict:

@@ -66,7 +66,7 @@ class SaverChoice:
         out = [text]
         if self.stages:
             runs = _runs(self.stages)
-            out.append("  per stage: " + "; ".join(
+            out.append("  per stage, on the layouts searched with it on every stage: " + "; ".join(
                 f"{_stages(a, b)} {_SPELLED[kind]}" for a, b, kind in runs))
         for value, peak, seconds in self.others:
             name = _SPELLED.get(value, None) if not isinstance(value, tuple) else None

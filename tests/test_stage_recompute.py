@@ -23,6 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "mpi_scripts"))
 
 import distgraph as dg  # noqa: E402
+from distgraph.errors import DoesNotFit  # noqa: E402
 from distgraph.ir import is_recomputed  # noqa: E402
 from distgraph.passes.cost.fit import overflows  # noqa: E402
 from distgraph.passes.stage_recompute import block_stages, stage_kinds  # noqa: E402
@@ -82,6 +83,8 @@ def test_where_memory_forces_it_the_first_stages_recompute_and_the_last_do_not(t
                                                                                  float64):
     plan, cluster = tight
     assert not overflows(plan.estimate, cluster, None)
+    with pytest.raises(DoesNotFit):         # no plan without recomputation fits
+        planned(TIGHT, recompute=False)
     kinds = stage_kinds(plan, block_stages(plan))
     assert len(kinds) >= 2 and kinds[0] is not False and kinds[-1] is False
     # the blocks of the stages that recompute are the ones the strategy names
@@ -200,7 +203,8 @@ def test_the_note_says_per_stage_what_each_stage_got():
                        9e5, 1e6, 0.02, ((False, None, None), ("selective", 9.5e5, 0.025)),
                        ("selective", "selective", False, False))
     lines = note.lines()
-    assert lines[0].startswith("recompute=per layer (2 attention scores) chosen by the search")
+    assert lines[0].startswith("recompute=per layer (the attention scores of 2 layers) chosen "
+                               "by the search: peak")
     assert lines[1] == ("  per stage, on the layouts searched with it on every stage: "
                         "stages 0-1 recomputing the attention scores; stages 2-3 without "
                         "recomputation")

@@ -96,8 +96,8 @@ def _short(value) -> str:
     if not isinstance(value, tuple):
         return repr(value)
     scores = sum(isinstance(e, tuple) for e in value)
-    kinds = [f"{scores} attention scores"] if scores else []
-    kinds += [f"{len(value) - scores} whole"] if len(value) > scores else []
+    kinds = [f"the attention scores of {scores} layers"] if scores else []
+    kinds += [f"{len(value) - scores} layers whole"] if len(value) > scores else []
     return f"per layer ({' and '.join(kinds)})"
 
 

@@ -94,7 +94,7 @@ def per_stage(planned, strategy, cluster, replanned):
     probe = replanned(False, False)
     needs = {o.stage for o in overflows(probe.estimate, cluster, strategy.memory_budget_gb)}
     tried = ()
-    if needs < set(stage_of.values()):
+    if set(stage_of.values()) - needs:          # some stage of blocks has room
         value = per_layer(kind, [b for b, s in stage_of.items() if s in needs])
         try:
             candidate = replanned(value, True)

@@ -26,6 +26,7 @@ import distgraph as dg  # noqa: E402
 from distgraph.errors import DoesNotFit  # noqa: E402
 from distgraph.ir import is_recomputed  # noqa: E402
 from distgraph.passes.cost.fit import overflows  # noqa: E402
+from distgraph.passes import stage_recompute  # noqa: E402
 from distgraph.passes.stage_recompute import block_stages, stage_kinds  # noqa: E402
 from distgraph.plan.savers import SaverChoice  # noqa: E402
 from distgraph.units import GB  # noqa: E402
@@ -68,21 +69,34 @@ def planned(memory_bytes: float, **options):
     return engine.prepare(*specs()), cluster
 
 
+def counting(patch, replays: list) -> None:
+    """Count the plans made of a chosen plan's decisions recomputed otherwise."""
+    choice = stage_recompute.Replays.choice
+    patch.setattr(stage_recompute.Replays, "choice",
+                  lambda self, recompute: replays.append(recompute) or choice(self, recompute))
+
+
 @pytest.fixture(scope="module")
 def tight():
-    """(the searched plan at TIGHT, its cluster), float64."""
+    """(the searched plan at TIGHT, its cluster, the recomputations replayed), float64."""
     before = dg.get_default_dtype()
     dg.set_default_dtype("float64")
+    replays = []
     try:
-        return planned(TIGHT)
+        with pytest.MonkeyPatch.context() as patch:
+            counting(patch, replays)
+            return (*planned(TIGHT), replays)
     finally:
         dg.set_default_dtype(before)
 
 
 def test_where_memory_forces_it_the_first_stages_recompute_and_the_last_do_not(tight,
                                                                                  float64):
-    plan, cluster = tight
+    plan, cluster, replays = tight
     assert not overflows(plan.estimate, cluster, None)
+    # two plans without a search: the chosen layouts without recomputation, then on the
+    # stages that overflowed there
+    assert replays == [False, plan.strategy.recompute]
     with pytest.raises(DoesNotFit):         # no plan without recomputation fits
         planned(TIGHT, recompute=False)
     kinds = stage_kinds(plan, block_stages(plan))
@@ -104,8 +118,11 @@ def test_where_memory_forces_it_the_first_stages_recompute_and_the_last_do_not(t
     assert "without recomputation" in text.split("per stage")[1].splitlines()[0]
 
 
-def test_with_room_no_stage_recomputes(float64):
+def test_with_room_no_stage_recomputes(float64, monkeypatch):
+    replays = []
+    counting(monkeypatch, replays)
     plan, cluster = planned(1e12)
+    assert replays == []                # nothing recomputed: nothing to choose per stage
     assert plan.strategy.recompute is False
     assert not any(is_recomputed(op) for op in plan.program.ops)
     note = next(c for c in plan.savers if c.option == "recompute")
@@ -115,7 +132,7 @@ def test_with_room_no_stage_recomputes(float64):
 
 
 def test_the_per_stage_plan_saved_and_loaded_is_the_same_plan(tight, float64, tmp_path):
-    plan, cluster = tight
+    plan, cluster, _ = tight
     path = tmp_path / "plan.json"
     plan.save(path)
     held = json.loads(path.read_text())["strategy"]["recompute"]
@@ -137,7 +154,7 @@ def test_the_per_stage_plan_saved_and_loaded_is_the_same_plan(tight, float64, tm
 def test_the_per_stage_plan_trains_on_four_ranks_as_serially(tight, float64, tmp_path):
     """Saved here, loaded by 4 MPI ranks under ``distgraph run --cluster --plan``: the
     same plan, and losses and parameters equal serial training (float64, 1e-10)."""
-    plan, _ = tight
+    plan, _, _ = tight
     path, resources = tmp_path / "plan.json", tmp_path / "line4.json"
     plan.save(path)
     resources.write_text(json.dumps(line_data(TIGHT)))

@@ -138,7 +138,8 @@ def main() -> None:
           f"{chosen} micro-batches ({'chosen by the search' if micro is None else 'given'}) "
           f"of {rows} sequences "
           f"({rows // max(d['dp'])} per data-parallel replica), schedule "
-          f"{plan.strategy.schedule}, {RECOMPUTED[plan.strategy.recompute]}"
+          f"{plan.strategy.schedule}, "
+          f"{RECOMPUTED.get(plan.strategy.recompute, 'recomputation per stage (below)')}"
           f"{' (chosen by the search)' if args.recompute == 'searched' else ''}")
     for line in (line for note in plan.savers for line in note.lines()):
         print(f"  {line}")

@@ -12,6 +12,32 @@ AMP_DTYPES = ("bfloat16", "float16")
 TARGETS = ("torchtitan", "megatron")
 
 
+def _layers_recomputed(given) -> tuple:
+    """``Strategy.recompute`` given per layer, as the Strategy holds it: a tuple whose
+    entries are a layer path (its forward recomputed whole) or a pair (path,
+    "selective") (its attention scores only); a pair (path, True) is held as the path,
+    so that both spellings are one strategy. A tuple, not a dict: strategies are hashed,
+    and the plan file writes it as a JSON list of strings and pairs."""
+    entries = () if isinstance(given, str) or not hasattr(given, "__iter__") else tuple(given)
+    held = []
+    for entry in entries:
+        if isinstance(entry, str) and entry:
+            held.append(entry)
+            continue
+        pair = () if isinstance(entry, str) or not hasattr(entry, "__iter__") else tuple(entry)
+        if len(pair) != 2 or not isinstance(pair[0], str) or not pair[0] or \
+                not (pair[1] is True or pair[1] == "selective"):
+            held = None
+            break
+        held.append(pair[0] if pair[1] is True else (pair[0], "selective"))
+    if not held:
+        raise DistGraphError(f"Strategy.recompute must be True/False, 'selective' or a list "
+                             f"of layer paths, each alone (recomputed whole) or paired with "
+                             f"its kind, such as ['blocks.0', ('blocks.1', 'selective')], got "
+                             f"{given!r}")
+    return tuple(held)
+
+
 class _Unset:
     """The default of an option the search decides where the user leaves it: resolved by
     ``Strategy.__post_init__`` into the option's value (None, "searched", under
@@ -46,10 +72,13 @@ class Strategy:
     ``TransformerBlock`` or Llama decoder layer (True) or inside the given layer paths (e.g.
     ``["blocks.0", "blocks.1.mlp"]``) and recomputes them in the backward pass, or
     ("selective") only each attention's scores, q k^T to softmax and dropout (Korthikanti
-    et al. 2022; :func:`distgraph.passes.transforms.recompute.attention_cores`); None,
-    the default under ``auto_mode="full"`` (False otherwise): the planner chooses among
-    False, "selective" and True the plan of least estimated step time that fits
-    (:func:`distgraph.passes.fitting.with_savers`);
+    et al. 2022; :func:`distgraph.passes.transforms.recompute.attention_cores`); per layer,
+    a list entry may pair a path with its kind (``[("blocks.0", "selective"), "blocks.1"]``:
+    block 0's scores, block 1 whole); None, the default under ``auto_mode="full"`` (False
+    otherwise): the planner chooses among False, "selective" and True the plan of least
+    estimated step time that fits (:func:`distgraph.passes.fitting.with_savers`), then,
+    with stages, recomputes only on the stages that need it where that is faster
+    (:mod:`distgraph.passes.stage_recompute`; the plan's strategy names each layer);
     ``sharding`` splits optimizer states and updates over
     ``sharding_mesh_dim`` (ZeRO-style; under ``auto_mode="full"`` the default means the
     search's data-parallel dim); None, the default under ``auto_mode="full"`` (False
@@ -158,14 +187,7 @@ class Strategy:
                                  f"{self.virtual_stages!r}")
         if self.recompute is not None and not isinstance(self.recompute, bool) and \
                 self.recompute != "selective":
-            given = self.recompute
-            paths = () if isinstance(given, str) or not hasattr(given, "__iter__") \
-                else tuple(given)
-            if not paths or not all(isinstance(p, str) and p for p in paths):
-                raise DistGraphError(f"Strategy.recompute must be True/False, 'selective' or "
-                                     f"a list of layer paths such as ['blocks.0'], got "
-                                     f"{given!r}")
-            object.__setattr__(self, "recompute", paths)
+            object.__setattr__(self, "recompute", _layers_recomputed(self.recompute))
         if not isinstance(self.meshslice, bool) and not (
                 isinstance(self.meshslice, int) and self.meshslice >= 1):
             raise DistGraphError(f"Strategy.meshslice must be True/False or a number of "

@@ -21,7 +21,9 @@ searched, or a plan of the user's annotations (``auto_mode="semi"``).
   of least estimated step time that fits: with room, none (recomputation only adds
   work), where memory binds the least that fits or the one whose memory lets faster
   layouts in. The choice is a per-plan one (every stage alike), and the plan says what
-  it chose and what each other value needed (``Plan.savers``).
+  it chose and what each other value needed (``Plan.savers``); the planner then tries
+  recomputing on the stages that need it only
+  (:func:`distgraph.passes.stage_recompute.per_stage`, on this plan's layouts).
 - :func:`named_fix` turns that error into the one the user sees: it plans again with the
   memory savers the strategy leaves off (more micro-batches chosen by the search,
   recomputation, ZeRO sharding of the optimizer states, stages) and names the first that

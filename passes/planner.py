@@ -65,6 +65,7 @@ from distgraph.passes.pipeline.compile import compile_process
 from distgraph.passes.pipeline.schedule import schedule_of
 from distgraph.passes.pipeline.task_graph import build_task_graph
 from distgraph.passes.session import Session
+from distgraph.passes.stage_recompute import Replays, per_stage
 from distgraph.passes.samples import sample_axes
 from distgraph.passes.transforms.sequence_parallel import gather_into_matmuls, \
     sequence_parallel
@@ -96,16 +97,30 @@ def plan(built, strategy: Strategy | None = None, cluster=None, rank_mapping=Non
             sessions = {}
             try:
                 # the savers left to the search chosen; what does not fit names one that does
-                planned = with_savers(strategy, cluster, lambda asked: _planned(
+                chosen = with_savers(strategy, cluster, lambda asked: _planned(
                     built, asked, cluster, rank_mapping, ranks, sessions=sessions),
                     lambda asked: _planned(built, asked, cluster, rank_mapping, ranks=()),
                     applied)
             finally:
                 for session in sessions.values():
                     session.close()
+            # recomputation on the stages that need it only, where that fits and is faster
+            replays = Replays(built, chosen, rank_mapping)
+            planned = per_stage(chosen, strategy, cluster, lambda recompute, checked:
+                                _replanned(built, replays.choice(recompute), cluster,
+                                           rank_mapping, ranks, checked))
         # what it was made for, as plan.save writes it (distgraph.plan.file)
         return dataclasses.replace(planned, decisions=dataclasses.replace(
             planned.decisions, program=program_print(built)))
+
+
+def _replanned(built, given, cluster, rank_mapping, ranks, checked) -> Plan:
+    """The plan of ``given`` (a chosen plan's decisions recomputed otherwise,
+    :class:`~distgraph.passes.stage_recompute.Replays`): fitted and compiled for
+    ``ranks`` where ``checked``, else only estimated."""
+    if checked:
+        return _planned(built, given.strategy, cluster, rank_mapping, ranks, given)
+    return _plan(built, given.strategy, cluster, rank_mapping, None, None, given)
 
 
 def _zero(built, strategy: Strategy) -> Strategy:

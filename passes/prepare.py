@@ -16,7 +16,7 @@ import dataclasses
 from distgraph.passes.meshslice.slices import enable
 from distgraph.passes.pipeline.accumulate import split_micro_batches
 from distgraph.passes.transforms.recompute import (attention_cores, recompute, recompute_ops,
-                                                   segments)
+                                                   scores_of, segments)
 
 
 def split(built, micro_batches: int, analyses=None) -> tuple:
@@ -36,6 +36,15 @@ def transformed(built, strategy):
         enable(program, strategy.meshslice)
     if strategy.recompute == "selective" and program.ops_by_role("backward"):
         recompute_ops(program, attention_cores(program, prepared.block_paths))
+    elif isinstance(strategy.recompute, tuple) and program.ops_by_role("backward"):
+        # per layer: the named layers' scores first, then the layers recomputed whole
+        # (their segments are found on the program as it then is)
+        scores = [e[0] for e in strategy.recompute if isinstance(e, tuple)]
+        whole = [e for e in strategy.recompute if isinstance(e, str)]
+        if scores:
+            recompute_ops(program, scores_of(program, scores))
+        if whole:
+            recompute(program, segments(prepared, whole))
     elif strategy.recompute and program.ops_by_role("backward"):
         recompute(program, segments(prepared, strategy.recompute))
     return prepared

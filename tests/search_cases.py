@@ -54,10 +54,16 @@ def _device(gid: int, local: int, device=None) -> dict:
 def line_cluster(n: int, bandwidth: float = 10.0, latency: float = 1.0,
                  device=None) -> dg.Cluster:
     """One machine of ``n`` devices, every pair linked alike: a 1-D device mesh."""
+    return dg.Cluster.from_dict(line_cluster_data(n, bandwidth, latency, device))
+
+
+def line_cluster_data(n: int, bandwidth: float = 10.0, latency: float = 1.0,
+                      device=None) -> dict:
+    """:func:`line_cluster`'s resource file data (to write as a .json resource file)."""
     links = [{"group": list(range(n)), "bandwidth": bandwidth, "latency": latency}]
-    return dg.Cluster.from_dict({"name": f"line{n}", "machines": [
+    return {"name": f"line{n}", "machines": [
         {"id": 0, "hostname": "m0", "devices": [_device(i, i, device) for i in range(n)],
-         "links": links}]})
+         "links": links}]}
 
 
 def two_speed_cluster(ratio: float = 2.0) -> dg.Cluster:

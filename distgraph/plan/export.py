@@ -243,9 +243,12 @@ def _recompute(plan, target: str) -> str:
     blocks = tuple(plan.built.block_paths)
     if asked is False:
         return "none"
-    if asked is True or sorted(asked) == sorted(blocks):
+    whole = isinstance(asked, tuple) and all(isinstance(e, str) for e in asked)
+    if asked is True or (whole and sorted(asked) == sorted(blocks)):
         return "full"
-    raise _cannot(target, f"recomputation of {list(asked)} only: the frameworks recompute "
+    # the attention scores ("selective"), or some layers only (per stage: passes/stage_recompute.py)
+    what = "the attention scores" if asked == "selective" else f"{list(asked)}"
+    raise _cannot(target, f"recomputation of {what} only: the frameworks recompute "
                   f"every block (full) or none")
 
 

@@ -8,6 +8,8 @@ micro-batch count (:mod:`distgraph.passes.search.stages.micro`).
 Each choice is one :class:`SaverChoice`: the option, the value chosen, the plan's peak and
 step time with it, what a device may hold, and every other value priced: its peak and
 step time, or its closest plan's peak where it did not fit (what the choice saved).
+Recomputation chosen per stage (:mod:`distgraph.passes.stage_recompute`) names each layer
+and says, per stage, what its blocks got.
 
 Example::
 
@@ -47,15 +49,18 @@ class SaverChoice:
     hold (inf: no limit known), ``seconds`` its estimated step time (None: not
     estimated); ``others``: (value, peak bytes or None, seconds or None) of each other
     value priced, in the order tried: seconds None where it did not fit, the peak then
-    its closest plan's."""
+    its closest plan's; ``stages``: for recomputation chosen per stage
+    (:mod:`distgraph.passes.stage_recompute`), what each stage's blocks got."""
 
     option: str
-    value: bool | str | int       # recompute: False, True, "selective"; micro_batches: a
-    #                               count; sharding, sequence_parallel: True or False
+    value: bool | str | int | tuple   # recompute: False, True, "selective" or per layer;
+    #                                   micro_batches: a count; sharding,
+    #                                   sequence_parallel: True or False
     peak: float | None
     limit: float
     seconds: float | None
     others: tuple = ()
+    stages: tuple = ()          # recompute: per stage, its blocks' (False, "selective", True)
 
     def __str__(self) -> str:
         return "; ".join(line.strip() for line in self.lines())
@@ -63,7 +68,7 @@ class SaverChoice:
     def lines(self) -> list:
         """The choice in words: the value chosen and its peak and step time, then each
         other value priced, one a line."""
-        text = f"{self.option}={self.value!r} chosen by the search"
+        text = f"{self.option}={_short(self.value)} chosen by the search"
         if self.option == "micro_batches":
             return [text + " (the stage search's least latency among the counts it priced)"]
         why = _UNPRICED.get((self.option, self.value)) if not self.others else None
@@ -73,8 +78,16 @@ class SaverChoice:
                 f" of the {fmt_bytes(self.limit)} a device may hold") + (
                 "" if self.seconds is None else f", {self.seconds:.3g} s per step")
         out = [text] + ([f"  ({why})"] if why else [])
+        if self.stages:
+            runs = _runs(self.stages)
+            out.append("  per stage, on the layouts searched with it on every stage: " + "; ".join(
+                f"{_stages(a, b)} {_SPELLED['recompute'][kind]}" for a, b, kind in runs))
         for value, peak, seconds in self.others:
-            name = _SPELLED.get(self.option, {}).get(value, repr(value))
+            name = _SPELLED.get(self.option, {}).get(value) if not isinstance(value, tuple) \
+                else None
+            name = name or _short(value)
+            if self.stages and value in ("selective", True):
+                name += " on every stage"
             if seconds is not None:
                 out.append(f"  {name}: peak {fmt_bytes(peak)}, {seconds:.3g} s per step")
             elif peak is not None:
@@ -88,4 +101,31 @@ class SaverChoice:
         return {"option": self.option, "value": self.value, "peak": self.peak,
                 "limit": None if math.isinf(self.limit) else self.limit,
                 "seconds": self.seconds,
-                "others": [{"value": v, "peak": p, "seconds": s} for v, p, s in self.others]}
+                "others": [{"value": v, "peak": p, "seconds": s} for v, p, s in self.others],
+                "stages": list(self.stages)}
+
+
+def _short(value) -> str:
+    """A value as the choice's line shows it: a per-layer recomputation by its count and
+    kinds (the stages line says where), anything else as its repr."""
+    if not isinstance(value, tuple):
+        return repr(value)
+    scores = sum(isinstance(e, tuple) for e in value)
+    kinds = [f"the attention scores of {scores} layers"] if scores else []
+    kinds += [f"{len(value) - scores} layers whole"] if len(value) > scores else []
+    return f"per layer ({' and '.join(kinds)})"
+
+
+def _runs(kinds) -> list:
+    """[(first stage, last stage, kind)] of the runs of equal kinds in ``kinds``."""
+    out = []
+    for s, kind in enumerate(kinds):
+        if out and out[-1][2] == kind:
+            out[-1] = (out[-1][0], s, kind)
+        else:
+            out.append((s, s, kind))
+    return out
+
+
+def _stages(a: int, b: int) -> str:
+    return f"stage {a}" if a == b else f"stages {a}-{b}"

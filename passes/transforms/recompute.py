@@ -131,6 +131,25 @@ def attention_cores(program: Program, blocks) -> list:
     return cores
 
 
+def scores_of(program: Program, paths) -> list:
+    """:func:`attention_cores` of the layers ``paths`` (``Strategy(recompute=[(path,
+    "selective"), ...])``), each of which must hold one: a PlanError names a path whose
+    forward has no attention scores (a layer that is not a block, a fused attention)."""
+    try:
+        cores = attention_cores(program, paths)
+    except PlanError:               # none of the paths holds scores: named below
+        cores = []
+    ops = program.ops
+    held = {p for p in paths for core in cores if any(_inside(ops[i].layer, p) for i in core)}
+    missing = [p for p in paths if p not in held]
+    if missing:
+        raise PlanError(f"Strategy(recompute=[..., ({missing[0]!r}, 'selective'), ...]): layer "
+                        f"{missing[0]!r} computes no attention scores to recompute (no "
+                        f"softmax between two matmuls below it); name a block, or recompute "
+                        f"the layer whole ({missing[0]!r} alone)")
+    return cores
+
+
 def _made_for(ops, seg, maker, forward_readers) -> list:
     """The ops of no operands (the causal mask) that make a Value only ``seg`` reads:
     recomputed with it rather than kept for it (s^2 bytes per layer)."""

@@ -61,9 +61,10 @@ Prints per row: the published figure (unit as published, source), the prediction
 error (predicted / published - 1), the step split (compute, communication, bubble) and
 the peak memory; then the mean |error|. Targets: each row within +-10%, mean |error| <=
 5% (exit status 1 when missed). ``--searched`` also plans ``Strategy(auto_mode="full",
-pipeline=True)`` on the same model (unannotated), cluster, micro-batch count and memory
-savers (sequence parallelism left to the search, which weighs it itself), and prints
-its predicted throughput over the published layout's.
+pipeline=True)``, nothing else set, on the same model (unannotated), batch and cluster
+(the micro-batch count, recomputation, ZeRO sharding and sequence parallelism are the
+search's), and prints its predicted throughput over the published layout's (the Llama
+rows keep Meta's micro-batch count and chunks: ``bench/plan_llama3.py``'s search).
 
 Run::
 
@@ -83,8 +84,7 @@ import time
 from dataclasses import dataclass
 
 import distgraph as dg
-from gpt_scale import SEQ, VOCAB, dgx_cluster, gpt, megatron_plan, model_flops, program, \
-    with_core
+from gpt_scale import SEQ, VOCAB, dgx_cluster, gpt, megatron_plan, model_flops, program
 from megatron_table1 import TABLE1
 
 A100_PEAK_TFLOPS = 312.0     # A100 bfloat16 dense tensor-core peak (datasheet), for MFU
@@ -180,14 +180,6 @@ SOURCES = {       # --sources key: the rows it names
 }
 
 
-def recompute_option(run: Run, model):
-    """``Strategy.recompute`` for the run's kind on ``model``, whose attention cores
-    become layers of their own with the fused softmax (:func:`gpt_scale.with_core`; the
-    selective kind recomputes them)."""
-    cores = with_core(model, fused=True)
-    return {"full": True, "none": False}.get(run.recompute, cores)
-
-
 def estimate_of(plan):
     return plan.estimate or dg.passes.estimate(plan)
 
@@ -225,10 +217,9 @@ def plan_gpt(run: Run, searched: bool, time_limit: float) -> dict:
     del plan
     if searched:
         model = gpt(run.layers, run.hidden, run.heads, vocab=run.vocab)
-        strategy = dg.Strategy(auto_mode="full", pipeline=True,
-                               micro_batches=run.micro_batches,
-                               recompute=recompute_option(run, model),
-                               sharding=run.sharding, solver_time_limit=time_limit)
+        # the strategy a user writes first: micro-batches, recomputation, ZeRO sharding
+        # and sequence parallelism all left to the search
+        strategy = dg.Strategy(auto_mode="full", pipeline=True, solver_time_limit=time_limit)
         built = program(model, run.batch)
         try:
             plan, wall, cpu = timed(lambda: dg.passes.plan(built, strategy, cluster,

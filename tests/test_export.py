@@ -323,7 +323,7 @@ def test_a_restricted_search_always_exports_and_is_a_restriction(case, pipeline)
             cluster)
         titan, args = check_exports(plan, (target,))
         if args is not None:
-            assert ("--use-distributed-optimizer" in args) == bool(more.get("sharding"))
+            assert ("--use-distributed-optimizer" in args) == plan.strategy.sharding
         assert plan.estimate.step_time >= free.estimate.step_time * (1 - 1e-9)
 
 

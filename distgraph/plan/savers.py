@@ -36,8 +36,6 @@ _SPELLED = {
                           True: "with sequence parallelism"}}
 # why a choice of these was made with no other value priced (with_savers)
 _UNPRICED = {
-    ("sharding", True): "not planned without: the search prices its reduce-scatter and "
-                        "all-gather at the all-reduce's bytes, the update on a slice",
     ("sharding", False): "no update left to shard over a data-parallel dim",
     ("sequence_parallel", False): "no tensor-parallel region to split"}
 

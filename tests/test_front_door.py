@@ -140,9 +140,9 @@ def test_a_planning_keeps_its_memos_in_at_most_15_tables_its_report_lists(monkey
     marks, problem = intra_op._marks, intra_op._problem      # once per search, per build
     monkeypatch.setattr(intra_op, "_marks", lambda *a: asked.append(1) or marks(*a))
     monkeypatch.setattr(intra_op, "_problem", lambda *a: built.append(1) or problem(*a))
-    # recompute given: left to the search, each recomputation it weighs is a planning
+    # the memory savers given: left to the search, each value it weighs is a planning
     strategy = dg.Strategy(auto_mode="full", pipeline=True, micro_batches=None, search="auto",
-                           recompute=False)
+                           recompute=False, sharding=False, sequence_parallel=False)
     plan = dg.passes.plan(built_gpt(layers=4), strategy, S.line_cluster(4, bandwidth=1.0),
                           ranks=())
     memos = plan.search.memos

@@ -119,9 +119,12 @@ def test_the_file_holds_decisions_not_processes(files):
     assert len(data["specs"]) < len(data["decisions"]["values"])
     # the recomputation the search chose (the strategy left it unset), not "unset"
     assert saved.strategy.recompute is not None
-    assert read(path).strategy == dg.Strategy(auto_mode="full", pipeline=True,
-                                              micro_batches=4,
-                                              recompute=saved.strategy.recompute)
+    # and the ZeRO sharding and sequence parallelism it chose, True or False
+    assert isinstance(saved.strategy.sharding, bool)
+    assert isinstance(saved.strategy.sequence_parallel, bool)
+    assert read(path).strategy == dg.Strategy(
+        auto_mode="full", pipeline=True, micro_batches=4, recompute=saved.strategy.recompute,
+        sharding=saved.strategy.sharding, sequence_parallel=saved.strategy.sequence_parallel)
 
 
 def test_a_plan_pickles_whole(files, float64, tmp_path):

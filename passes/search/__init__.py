@@ -119,8 +119,12 @@ def choose(built, strategy, cluster, budget: float | None = None,
     modified."""
     _check_target(strategy)
     session = session or Session()
-    if strategy.recompute is None:      # the planner weighs recomputation (passes/fitting.py)
+    # the savers the planner weighs (passes/fitting.py) as it asks for them first:
+    # no recomputation, ZeRO's sharding on
+    if strategy.recompute is None:
         strategy = dataclasses.replace(strategy, recompute=False)
+    if strategy.sharding is None:
+        strategy = dataclasses.replace(strategy, sharding=True)
     # M -> (program, accumulation, RunCosts, (budget, stage plan)); None -> the count chosen
     programs = session.table("micro-batch programs")
     micro = strategy.micro_batches

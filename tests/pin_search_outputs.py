@@ -159,7 +159,8 @@ def recursive_gpt(case: str) -> dict:
     try:
         plan = dg.passes.plan(program(gpt(4, 256, 4), 8),
                               dg.Strategy(auto_mode="full", search="recursive",
-                                          recompute=False, **options),
+                                          recompute=False, sharding=False,
+                                          sequence_parallel=False, **options),
                               dgx_cluster(nodes), ranks=())
     except dg.PlanError:
         return {"refused": "PlanError"}

@@ -84,7 +84,8 @@ Example::
 
     costs = RunCosts(prepared, strategy, cluster, layering, micro=8)
     for option in costs.options():        # per (device mesh, submesh, logical shape)
-        option.cost(True, 4, False)       # E + 4 blocks: (seconds, GB, GB per micro-batch)
+        option.cost(True, 4, False)       # E + 4 blocks: (seconds, GB, GB per micro-batch,
+        #                                   GB with every forward first)
 """
 
 from __future__ import annotations
@@ -155,12 +156,13 @@ class RunOption:
 
     def cost(self, with_first: bool, blocks: int, with_last: bool) -> tuple:
         """(seconds per micro-batch, GB with one micro-batch in flight, GB per further
-        micro-batch in flight) of ``[E] + blocks + [H]`` here (:func:`~distgraph.passes.
-        search.part_costs.stage_cost`: E or H may be a share under virtual stages)."""
+        micro-batch in flight, GB with one in flight where every forward runs first) of
+        ``[E] + blocks + [H]`` here (:func:`~distgraph.passes.cost.terms.stage_cost`: E
+        or H may be a share under virtual stages)."""
         return stage_cost(self.parts, with_first, blocks, with_last)
 
     def costs(self, with_first: bool, n: int, with_last: bool) -> np.ndarray:
-        """(n + 1, 3): row m is :meth:`cost` ``(with_first, m, with_last)``, m = 0 .. n."""
+        """(n + 1, 4): row m is :meth:`cost` ``(with_first, m, with_last)``, m = 0 .. n."""
         return stage_costs(self.parts, with_first, n, with_last)
 
     def __str__(self):
@@ -542,18 +544,24 @@ class RunCosts:
                 max(position.get(space.nodes[u].op, backward), backward)
             made_at[t] = made_at.get(t, 0.0) + memory[i]
             of_gradient[u] = of_gradient.get(u, 0.0) + memory[i]
-        forward = back = making = 0.0
-        made = 0.0
-        for t, live in enumerate(problem.liveness):
-            beyond = sum(memory[i] for i in live) - held
-            if t < backward:
-                forward = max(forward, beyond)
-                continue
-            made += made_at.get(t, 0.0)
-            back = max(back, beyond)
-            # the runtime takes a buffer's first gradient array as the buffer: one array
-            # while that gradient is live
-            making = max(making, beyond + made - sum(of_gradient.get(i, 0.0) for i in live))
+        # per liveness set at once (a large block has hundreds, each of hundreds of nodes)
+        sets = problem.liveness
+        step = np.repeat(np.arange(len(sets)), [len(live) for live in sets])
+        nodes = np.fromiter((i for live in sets for i in live), dtype=np.intp, count=len(step))
+        adopted = np.zeros(len(memory))
+        adopted[list(of_gradient)] = list(of_gradient.values())
+        beyond = np.bincount(step, np.asarray(memory)[nodes], len(sets)) - held
+        # the runtime takes a buffer's first gradient array as the buffer: one array
+        # while that gradient is live
+        shared = np.bincount(step, adopted[nodes], len(sets))
+        made = np.zeros(len(sets))
+        for t, b in made_at.items():
+            made[t] += b
+        made = np.cumsum(made)
+        back_steps = slice(backward, None)
+        forward = max(float(beyond[:backward].max(initial=0.0)), 0.0)
+        back = max(float(beyond[back_steps].max(initial=0.0)), 0.0)
+        making = max(float((beyond + made - shared)[back_steps].max(initial=0.0)), 0.0)
         buffers = sum(made_at.values())
         # the write-back's buffer as the transient counts it, at an update: every
         # buffer made then

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from distgraph.passes.cost.terms import in_flight
+from distgraph.passes.cost.terms import buffers_by_action, in_flight
 from distgraph.passes.pipeline.schedule import chain, make_schedule
 from user_scripts import run_user, with_prelude
 
@@ -40,6 +40,21 @@ def test_in_flight_is_what_the_1f1b_schedule_holds(stages, virtual, micro_batche
             held_by_schedule(sched.orders[s], virtual)), s
     if (stages, virtual, micro_batches) == (4, 2, 8):
         assert in_flight("1F1B", 8, 4, 0, 2) == 5.5
+
+
+def test_a_gradient_buffer_is_held_from_the_first_run_of_the_task_that_makes_it():
+    """Oracle: the schedules read by hand. Under FThenB (4 stages, 4 micro-batches) stage
+    0 runs every forward and then micro-batch 0's backward without any buffer: its B
+    makes them (10 bytes), and the later backwards hold them. Under 1F1B stage 1 of 4
+    with 8 micro-batches runs 3 forwards, B0, then a forward that holds B0's buffers."""
+    gpipe = make_schedule(chain(4, 1, 4, "FThenB")).orders[0]
+    assert [str(a) for a in gpipe] == ["0F0", "0F1", "0F2", "0F3", "0B0", "0B1", "0B2", "0B3"]
+    assert buffers_by_action(gpipe, {(0, "B"): 10}) == [
+        (0, True), (0, False), (0, False), (0, False), (0, True), (10, False),
+        (10, False), (10, False)]
+    one_f1b = make_schedule(chain(4, 1, 8, "1F1B")).orders[1]
+    assert [str(a) for a in one_f1b[:5]] == ["1F0", "1F1", "1F2", "1B0", "1F3"]
+    assert buffers_by_action(one_f1b, {(1, "B"): 10})[3:5] == [(0, True), (10, False)]
 
 
 def test_the_estimate_walks_a_micro_batch_in_the_order_the_runtime_runs_its_tasks():

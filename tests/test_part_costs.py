@@ -12,8 +12,13 @@ from distgraph.units import GB
 
 def random_parts(rng):
     def part():
-        return (PartCost(*(float(x) for x in rng.uniform(0, 1, 4) * [1e-3, GB, GB, GB])),
-                None)
+        time, persistent, saved, transient = (float(x) for x in
+                                              rng.uniform(0, 1, 4) * [1e-3, GB, GB, GB])
+        buffers = float(rng.uniform(0, persistent))
+        forward, backward = (float(x) for x in rng.uniform(0, transient, 2))
+        making = float(rng.uniform(backward, transient + buffers))
+        return (PartCost(time, persistent, saved, transient, buffers, forward, backward,
+                         making), None)
     return {"first": part(), "block": part(), "last": part()}
 
 
@@ -26,7 +31,7 @@ def test_every_block_count_at_once_equals_one_stage_at_a_time(seed):
     for first in shares:
         for last in shares:
             rows = stage_costs(parts, first, n, last)
-            assert rows.shape == (n + 1, 3)
+            assert rows.shape == (n + 1, 4)
             for m in range(n + 1):
                 assert tuple(rows[m]) == stage_cost(parts, first, m, last)
 
@@ -41,3 +46,30 @@ def test_the_peak_is_at_the_part_whose_working_memory_tops_the_saved_before_it()
     assert rows[:, 0].tolist() == [1.0, 3.0, 5.0, 7.0, 9.0, 11.0]
     assert rows[:, 1].tolist() == [6.0, 6.0, 6.0, 6.0, 6.0, 7.0]
     assert rows[:, 2].tolist() == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
+
+
+def test_with_every_forward_first_the_buffers_are_counted_from_the_backward_that_makes_them():
+    """E (1 GB persistent, 0.5 of it buffers) saves 1 GB; a block (2 GB persistent, 1 of
+    it buffers) saves 1; forwards work in 1 more, backwards in 2 more without their
+    buffers and in 3 more once each has made its own. With 2 blocks (fixed 5 GB, 2.5 of
+    it buffers, 3 saved): the forward peaks at 3 + 1 = 4; the first backward at the last
+    block at 3 + 3 = 6, at the first block at 2 + 3 + 1 (the last block's buffers) = 6,
+    at E at 1 + 3 + 2 (the blocks' buffers) = 6; a later backward 2.5 (every buffer) +
+    (3 + 2) - 3 (one micro-batch less held) = 4.5: so 2.5 + 6 = 8.5 GB, where buffers held
+    from the start give 5 + 3 + 3 = 11 (fixed, saved and the last block's transient)."""
+    E = (PartCost(1.0, 1 * GB, 1 * GB, 3 * GB, 0.5 * GB, 1 * GB, 2 * GB, 3 * GB), None)
+    block = (PartCost(2.0, 2 * GB, 1 * GB, 3 * GB, 1 * GB, 1 * GB, 2 * GB, 3 * GB), None)
+    seconds, one, further, before = stage_cost({"first": E, "block": block}, True, 2, False)
+    assert (one, further, before) == (11.0, 3.0, 8.5)
+    assert stage_costs({"first": E, "block": block}, True, 2, False)[2].tolist() == \
+        [seconds, one, further, before]
+
+
+def test_without_buffers_the_forwards_first_memory_is_the_one_in_flight():
+    """Parts that leave their buffers in ``persistent`` (``buffers`` 0, their working
+    memory ``transient`` in every phase) price a stage alike either way."""
+    rng = np.random.default_rng(2200)
+    parts = {k: (PartCost(*(float(x) for x in rng.uniform(0, 1, 4) * [1e-3, GB, GB, GB])),
+                 None) for k in ("first", "block", "last")}
+    rows = stage_costs(parts, True, 12, True)
+    assert rows[:, 3].tolist() == rows[:, 1].tolist()

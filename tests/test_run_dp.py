@@ -72,7 +72,7 @@ def test_run_dp_equals_the_general_dp(seed, ends):
     def cost(layers, sub):
         k, i = layers.start, layers.stop - 1
         m = len(range(max(k, blocks.start), min(i + 1, blocks.stop)))
-        return StageCost(*by_shape[sub.shape].cost(k < blocks.start, m, i >= blocks.stop))
+        return StageCost(*by_shape[sub.shape].cost(k < blocks.start, m, i >= blocks.stop)[:3])
 
     try:
         general = plan_stages(count, cluster, cost, micro_batches=B,
@@ -183,7 +183,7 @@ def brute_force_runs(count, blocks, options, cluster, B, fit_memory=True, p2p=No
             first, last = k < b0, i >= b1
             m = len(range(max(k, b0), min(i + 1, b1)))
             for n, o in enumerate(options):
-                seconds, memory, further = o.cost(first, m, last)
+                seconds, memory, further, _ = o.cost(first, m, last)
                 if p2p is not None:
                     seconds += p2p(o) * (2 - first - last) / 2
                 cost[k, i, n] = (seconds, memory, further)
@@ -372,7 +372,7 @@ def test_run_dp_prices_the_stage_transfers_once_per_stage(seed):
         k, i = layers.start, layers.stop - 1
         m = len(range(max(k, blocks.start), min(i + 1, blocks.stop)))
         head, tail = k < blocks.start, i >= blocks.stop
-        seconds, memory, further = by_shape[sub.shape].cost(head, m, tail)
+        seconds, memory, further, _ = by_shape[sub.shape].cost(head, m, tail)
         return StageCost(seconds + sends[sub.shape] * (2 - head - tail) / 2, memory, further)
 
     def p2p(option):

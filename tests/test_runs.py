@@ -118,15 +118,17 @@ def test_variants_are_not_searched_where_the_fastest_options_lose_nothing_to_mem
 def least_memory(runs, options) -> float:
     """The least device memory (GB) at which plan_runs finds a plan on ``options``: a
     stage fits where its peak, ``memory + (s - 1) saved`` with s micro-batches in flight
-    (at most one per device), is within the device's, so the least is one of those peaks;
-    the smallest that fits (fitting is monotone in the memory)."""
+    (at most one per device; ``memory`` the stage's with one in flight, or where it holds
+    every micro-batch the one with the forwards first: terms.held), is within the
+    device's, so the least is one of those peaks; the smallest that fits (fitting is
+    monotone in the memory)."""
     count, blocks, devices = runs.layering.count, runs.blocks, CLUSTER.device_meshes[0].size
     firsts = (False, True) if blocks.start else (False,)
     lasts = (False, True) if blocks.stop < count else (False,)
     peaks = sorted({memory + (s - 1) * saved for o in options for f in firsts for last in lasts
                     for m in range(len(blocks) + 1)
-                    for _, memory, saved in [o.cost(f, m, last)]
-                    for s in range(1, devices + 1)})
+                    for _, one, saved, before in [o.cost(f, m, last)]
+                    for memory in (one, before) for s in range(1, devices + 1)})
 
     def fits(memory):
         try:

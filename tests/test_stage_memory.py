@@ -10,7 +10,11 @@ searched under a budget), one the search interleaves (virtual stages), and one w
 their parameters whole and their optimizer states split over the data-parallel dim
 (ZeRO-1, priced inside the search: :mod:`distgraph.passes.search.layouts.sharded_states`), with
 the buffer of the updated slice gathered back at the update, and fewer micro-batches
-than stages (1F1B keeps ``min(M, S - s)`` in flight).
+than stages (1F1B keeps ``min(M, S - s)`` in flight). With 4 micro-batches on 4 stages
+of one chunk, stage 0 holds every micro-batch, its forwards all before its first
+backward: both count its gradient buffers from the backward that makes them
+(:func:`~distgraph.passes.cost.terms.held`'s forwards-first term), the peak in that
+first backward (with virtual stages both count them from the start).
 
 What the tolerance covers: the search does not price the buffers of resharded copies
 (the estimate counts a copy live to its last consumer); under virtual stages it prices

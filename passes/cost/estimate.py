@@ -62,7 +62,12 @@ communication and bubble, and peak memory per process.
   what W reads lives through I);
   with micro-batches the gradients of the parameters are
   accumulated in buffers that live through the step (a micro-batch's gradient is added
-  to its buffer as it is made, as the runtime does, and not held to the update).
+  to its buffer as it is made, as the runtime does, and not held to the update), each
+  made by the first backward that makes its gradient
+  (:func:`~distgraph.passes.cost.terms.buffers_by_action`: FThenB peaks in its first
+  backward, before most are made) where a process runs one chunk, as the stage search
+  prices it (:func:`~distgraph.passes.cost.terms.held`); with several (virtual stages,
+  ZBV) all from the start, as the search prices in_flight's chunks.
 - **Alike processes are estimated once.** Processes on the same meshes whose devices
   are alike and whose groups along every set of mesh dims have the same rings run the
   same local program at the same speed: the first of them is partitioned
@@ -90,7 +95,7 @@ from distgraph.errors import PlanError
 from distgraph.ir import Role
 from distgraph.plan.instructions import keeps_nothing
 from distgraph.passes.cost.held import action_holds, run_order
-from distgraph.passes.cost.terms import held_by_order, in_flight
+from distgraph.passes.cost.terms import buffers_by_action, held_by_action, in_flight
 from distgraph.passes.cost.prices import (Rings, best_overlap, feed_time, op_comm_time, op_time,
                                           reshard_step_time)
 from distgraph.registry import TensorType, get_op
@@ -474,7 +479,20 @@ def _peak_memory(plan, pid, stage, scale: _Scale) -> tuple[int, int, int, int, i
     first_backward = next((k for k, role in enumerate(item_roles) if role == Role.BACKWARD),
                           len(items))
     after_forward: dict = {}
-    by_task: dict = {}
+    # with micro-batches a parameter's gradient buffer is made by the first run of the
+    # task that makes its gradient (the runtime's Accumulator) and held to the update.
+    # Counted so where a process runs one chunk, as the stage search prices a stage
+    # (terms.held: where every forward runs first, the buffers from the backward that
+    # makes them); with several (virtual stages, ZBV) the search prices in_flight's
+    # chunks and every buffer from the start, and so does the estimate
+    buffers = {g: prog.values[g].nbytes for g in plan.built.grad_names.values()
+               if g in prog.values} if plan.micro_batches > 1 else {}
+    lazy = len({a.chunk for a in order}) == 1
+    by_task: dict = {}          # task: (most bytes over its items, live then)
+    first_run: dict = {}        # task: (the same with the buffers its items made so far, live
+    #                             then, those buffers' bytes): what its first run holds
+    task_made: dict = {}        # task: bytes of the buffers its items make
+    made_by: dict = {}          # the buffers made by the items so far: the task making it
     saved = 0
     for k, (reads, writes) in enumerate(items):
         if k == first_backward:
@@ -494,17 +512,41 @@ def _peak_memory(plan, pid, stage, scale: _Scale) -> tuple[int, int, int, int, i
             peak, at_peak = total, dict(live)
         if order:
             task = task_of.get(item_ops[k])
+            for name in writes if lazy else ():
+                if name in buffers and name not in made_by:
+                    made_by[name] = task
+                    task_made[task] = task_made.get(task, 0) + buffers[name]
             if total > by_task.get(task, (-1,))[0]:
                 by_task[task] = (total, dict(live))
+            # the runtime takes a buffer's first gradient array as the buffer: one
+            # array while that gradient is live
+            own = task_made.get(task, 0) - sum(buffers[n] for n in live
+                                               if made_by.get(n, False) == task)
+            if total + own > first_run.get(task, (-1,))[0]:
+                first_run[task] = (total + own, dict(live), own)
         for name in set(reads + writes):
             if last.get(name) == k:
                 live.pop(name, None)
     others = 0
+    made_now = sum(buffers.values())
     if order:
-        # the most over the actions of the running micro-batch's own and the others'
-        held = held_by_order(order, after_forward, after_input)
-        task = max(by_task, key=lambda t: by_task[t][0] + held.get(t, 0))
-        at_peak, others = by_task[task][1], held.get(task, 0)
+        # the most over the actions of the running micro-batch's own, the others' and the
+        # buffers made by then; after the micro-batches' tasks (the update) every buffer
+        always = made_now - sum(b for t, b in task_made.items() if t is not None)
+        best = (by_task[None][0] + made_now, by_task[None][1], 0, made_now) \
+            if None in by_task else (-1, {}, 0, made_now)
+        for a, held, (before, first) in zip(order, held_by_action(
+                order, after_forward, after_input), buffers_by_action(order, task_made)):
+            key = (a.chunk, a.kind)
+            if key not in by_task:
+                continue
+            # a task's first run holds the buffers it has made so far (in first_run),
+            # a later one those made before it, its own among them
+            (total, live_then, own) = first_run[key] if first else (*by_task[key], 0)
+            if total + always + before + held > best[0]:
+                best = (total + always + before + held, live_then, held,
+                        always + before + own)
+        _, at_peak, others, made_now = best
     grads = sum(b for n, b in at_peak.items() if "@GRAD" in n)
     acts = sum(b for n, b in at_peak.items() if "@GRAD" not in n) + others
     m = scale.micro_batches
@@ -516,8 +558,7 @@ def _peak_memory(plan, pid, stage, scale: _Scale) -> tuple[int, int, int, int, i
         if not order:
             acts += (in_flight(plan.strategy.schedule, m, len(plan.stages), stage,
                               plan.strategy.virtual_stages) - 1) * saved
-        grads += sum(prog.values[g].nbytes for g in plan.built.grad_names.values()
-                     if g in prog.values)
+        grads += made_now
     return params, states, int(grads), int(acts), int(saved)
 
 

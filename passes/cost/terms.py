@@ -13,8 +13,11 @@ parts.
 - :func:`stage_cost` / :func:`stage_costs`: what a stage of ``[E] + m blocks + [H]``
   costs from its parts' costs (:class:`~distgraph.passes.search.stages.runs.PartCost`):
   seconds per micro-batch, GB with one micro-batch in flight, GB per further micro-batch
-  in flight; :func:`stage_costs` every block count 0 .. n at once, each row the number
-  :func:`stage_cost` returns (the same terms, added in the same order);
+  in flight, and GB with one in flight where every forward runs before the first
+  backward (the gradient buffers made in the backward, as the estimate counts them:
+  :func:`held` takes it where a stage holds all the micro-batches); :func:`stage_costs`
+  every block count 0 .. n at once, each row the number :func:`stage_cost` returns (the
+  same terms, added in the same order);
 - :func:`grid`: a device mesh's shape as (machines, devices per machine).
 
 Example::
@@ -55,25 +58,61 @@ def held_by_order(order, after_forward: dict, after_input: dict) -> dict:
     its W (zero bubble: what the weight gradients read). The estimate's in-flight term
     where the schedule is known, added to what the running micro-batch holds in that
     action; under 1F1B with one chunk per stage its most is ``(in_flight - 1)`` times
-    what a micro-batch keeps, the stage search's term."""
+    what a micro-batch keeps, the stage search's term. :func:`held_by_action` has it
+    action by action."""
+    most: dict = {}
+    for a, others in zip(order, held_by_action(order, after_forward, after_input)):
+        key = (a.chunk, a.kind)
+        most[key] = max(most.get(key, 0.0), others)
+    return most
+
+
+def held_by_action(order, after_forward: dict, after_input: dict) -> list:
+    """The bytes the other micro-batches hold while the process runs each action of
+    ``order``, in order (:func:`held_by_order`'s terms)."""
     state: dict = {}
     by_batch: dict = {}
-    most: dict = {}
+    out = []
     for a in order:
-        m, key = a.micro_batch, (a.chunk, a.kind)
-        others = sum(by_batch.values()) - by_batch.get(m, 0.0)
-        most[key] = max(most.get(key, 0.0), others)
+        m = a.micro_batch
+        out.append(sum(by_batch.values()) - by_batch.get(m, 0.0))
         before = state.get((a.chunk, m), 0.0)
         now = (after_forward.get(a.chunk, 0.0) if a.kind == "F" else
                after_input.get(a.chunk, 0.0) if a.kind == "I" else 0.0)
         state[a.chunk, m] = now
         by_batch[m] = by_batch.get(m, 0.0) - before + now
-    return most
+    return out
 
 
-def held(one: float, further: float, count: int) -> float:
+def buffers_by_action(order, made: dict) -> list:
+    """(bytes of the gradient buffers the actions before it made, whether it is the first
+    run of its task) for each action of ``order``; ``made``: {(chunk, kind): bytes of the
+    buffers its task makes}. The runtime makes a parameter's accumulation buffer when
+    its first micro-batch's gradient is made (the first run of the task that makes it)
+    and holds it to the update: before the first backward none is held, which is where
+    FThenB, holding every micro-batch, peaks."""
+    seen: set = set()
+    total = 0.0
+    out = []
+    for a in order:
+        key = (a.chunk, a.kind)
+        first = key not in seen
+        out.append((total, first))
+        if first:
+            seen.add(key)
+            total += made.get(key, 0.0)
+    return out
+
+
+def held(one: float, further: float, count: float, micro_batches: int | None = None,
+         one_before: float | None = None) -> float:
     """Memory of a stage holding ``count`` micro-batches: ``one`` with one in flight,
-    ``further`` for each other one."""
+    ``further`` for each other one. Where it holds all ``micro_batches`` (every forward
+    runs before its first backward: FThenB, or 1F1B with ``M <= S - s``), ``one_before``
+    (:func:`stage_cost`'s fourth term) instead of ``one``: its peak is then in the first
+    forwards or backward, before the gradient buffers the later ones hold are made."""
+    if one_before is not None and micro_batches is not None and count >= micro_batches:
+        one = one_before
     return one + (count - 1) * further
 
 
@@ -89,10 +128,12 @@ def grid(shape) -> tuple[int, int]:
 
 
 def stage_cost(parts: dict, with_first, blocks: int, with_last) -> tuple:
-    """(seconds, GB with one micro-batch in flight, GB per further one) of ``[E] +
-    blocks + [H]``; ``parts``: "first" / "block" / "last" -> (PartCost, search). Under
-    virtual stages ``with_first`` / ``with_last`` may be the share of E or H a stage
-    holds, by which its time and memory are taken (its working memory whole)."""
+    """(seconds, GB with one micro-batch in flight, GB per further one, GB with one in
+    flight where all run their forwards before the first backward) of ``[E] + blocks +
+    [H]``; ``parts``: "first" / "block" / "last" -> (PartCost, search). Under virtual
+    stages ``with_first`` / ``with_last`` may be the share of E or H a stage holds, by
+    which its time and memory are taken (its working memory whole). The fourth term is
+    :func:`held`'s ``one_before`` (:func:`_before`)."""
     used = [(parts["first"][0], float(with_first))] if with_first else []
     used += [(parts["block"][0], blocks)] if blocks else []
     used += [(parts["last"][0], float(with_last))] if with_last else []
@@ -104,13 +145,13 @@ def stage_cost(parts: dict, with_first, blocks: int, with_last) -> tuple:
         saved += p.saved * n
         peak = max(peak, saved + p.transient)
     fixed = sum(p.persistent * n for p, n in used)
-    return seconds, (fixed + peak) / GB, saved / GB
+    return seconds, (fixed + peak) / GB, saved / GB, _before(used, fixed, saved) / GB
 
 
 def stage_costs(parts: dict, with_first, n: int, with_last) -> np.ndarray:
-    """(n + 1, 3): row m is :func:`stage_cost` ``(parts, with_first, m, with_last)``,
+    """(n + 1, 4): row m is :func:`stage_cost` ``(parts, with_first, m, with_last)``,
     m = 0 .. n: the same sums term by term, in the same order, over the rows m >= 1."""
-    out = np.empty((n + 1, 3))
+    out = np.empty((n + 1, 4))
     out[0] = stage_cost(parts, with_first, 0, with_last)
     if n < 1:
         return out
@@ -128,4 +169,37 @@ def stage_costs(parts: dict, with_first, n: int, with_last) -> np.ndarray:
     out[1:, 0] = seconds
     out[1:, 1] = (fixed + peak) / GB
     out[1:, 2] = saved / GB
+    out[1:, 3] = _before(used, fixed, saved) / GB
     return out
+
+
+def _before(used: list, fixed, saved):
+    """Bytes of a stage of ``used`` ((PartCost, count) in forward order; ``fixed``: their
+    persistent bytes, ``saved``: their saved ones) with one micro-batch in flight where
+    every micro-batch runs its forward before the stage's first backward (the others'
+    ``saved`` aside): the runtime makes a gradient buffer when the first backward makes
+    its gradient, so the most of
+
+    - a forward (the last): no buffer yet;
+    - the first backward at a part: the buffers of the parts after it (their backward
+      ran before) and its own made so far; in a run of blocks at its first or its last
+      block (the saved ones fall by a block's and the buffers grow by one's);
+    - a later backward (or the update): every buffer, and one micro-batch less held
+      (hence ``- saved``).
+
+    With no buffers (one micro-batch, or parts that leave them in ``persistent``) this
+    is :func:`stage_cost`'s second term."""
+    buffers = sum(p.buffers * k for p, k in used)
+    after = buffers
+    before = forward = backward = first = 0.0
+    for p, k in used:
+        after = after - p.buffers * k
+        forward = np.maximum(forward, before + p.saved * k + p.forward)
+        backward = np.maximum(backward, before + p.saved * k + p.backward)
+        low = np.minimum(k, 1.0)
+        for j in (low, k):
+            first = np.maximum(first, before + p.saved * j + p.making + after
+                               + p.buffers * (k - j))
+        before = before + p.saved * k
+    return fixed - buffers + np.maximum(np.maximum(forward, first),
+                                        buffers + backward - saved)

@@ -132,8 +132,9 @@ def _fitting_alike(options, count: int, blocks: range, cluster, micro_batches: i
         sends = p2p(option) if p2p is not None else 0.0
         times = []
         for s, (first, n, last) in enumerate(even_parts(S, blocks, count)):
-            seconds, one, further = option.cost(first, n, last)
-            if held(one, further, in_flight("1F1B", micro_batches, S, s)) > limit:
+            seconds, one, further, before = option.cost(first, n, last)
+            if held(one, further, in_flight("1F1B", micro_batches, S, s), micro_batches,
+                    before) > limit:
                 break
             times.append(seconds + sends * (2 - first - last) / 2)
         else:

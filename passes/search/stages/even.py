@@ -62,9 +62,10 @@ def plan_even(costs, cluster, micro_batches: int = 1, below: float = math.inf) -
         for s, (start, stop) in enumerate(even_blocks(S, blocks, count)):
             first, last = start < blocks.start, stop > blocks.stop
             n = len(range(max(start, blocks.start), min(stop, blocks.stop)))
-            seconds, one, further = option.cost(first, n, last)
+            seconds, one, further, before = option.cost(first, n, last)
             times.append(seconds + sends * (2 - first - last) / 2)
-            memories.append(held(one, further, in_flight("1F1B", micro_batches, S, s)))
+            memories.append(held(one, further, in_flight("1F1B", micro_batches, S, s),
+                                 micro_batches, before))
         return sum(times) + (micro_batches - 1) * max(times), times, memories, option, S
 
     best = None

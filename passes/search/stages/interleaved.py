@@ -76,10 +76,11 @@ def alike_stages(option, count: int, blocks: range, cluster, micro_batches: int,
     sends = p2p(option) if p2p is not None else 0.0
     times, memories = [], []
     for s, (first, n, last) in enumerate(layouts[S, virtual]):
-        seconds, one, further = option.cost(first, n, last)
+        seconds, one, further, before = option.cost(first, n, last)
         # every chunk a middle one but the first chunk (stage 0) and the last (S - 1)
         times.append(seconds + sends * (virtual - (s == 0) / 2 - (s == S - 1) / 2))
-        memories.append(held(one, further, in_flight("1F1B", micro_batches, S, s, virtual)))
+        memories.append(held(one, further, in_flight("1F1B", micro_batches, S, s, virtual),
+                             micro_batches, before))
     return (sum(times) / virtual + (micro_batches - 1 / virtual) * max(times), times,
             memories)
 

@@ -426,8 +426,8 @@ def _memory_restated(stage_plan, chosen, costs):
     else:
         memories = []
         for s, (stage, option) in enumerate(zip(stage_plan.stages, chosen)):
-            _, one, further = option.cost(*_parts(stage, costs))
-            memories.append(held(one, further, in_flight("1F1B", M, S, s)))
+            _, one, further, before = option.cost(*_parts(stage, costs))
+            memories.append(held(one, further, in_flight("1F1B", M, S, s), M, before))
     return dataclasses.replace(stage_plan, stages=tuple(
         dataclasses.replace(stage, memory=float(m))
         for stage, m in zip(stage_plan.stages, memories)))

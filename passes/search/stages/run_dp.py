@@ -47,7 +47,7 @@ class _Run:
         self.table = {}
         for first in ((False, True) if blocks.start else (False,)):
             for last in ((False, True) if blocks.stop < count else (False,)):
-                table = option.costs(first, n, last)    # (n+1, 3): cost(first, m, last)
+                table = option.costs(first, n, last)    # (n+1, 4): cost(first, m, last)
                 # the boundaries' transfers: a stage holding E (H) has no stage before
                 # (after) it and pays half of a middle stage's (module docstring)
                 table[:, 0] += p2p * (2 - first - last) / 2
@@ -82,9 +82,12 @@ class _Run:
         the same whatever the cap (a search finds it once per option)."""
         out = {}
         s = np.minimum(np.arange(0, stages + 1), micro_batches or stages)[:, None]
+        # holding every micro-batch, all forwards run first (terms.held)
+        every = s >= micro_batches if micro_batches else np.zeros_like(s, dtype=bool)
         for (first, last), t in self.table.items():
             start = 0 if (first or last) else 1
-            bad = ~(t[:, 1] + (s - 1) * t[:, 2] <= self.limit)[:, start:]
+            one = np.where(every, t[:, 3], t[:, 1])
+            bad = ~(one + (s - 1) * t[:, 2] <= self.limit)[:, start:]
             out[first, last] = np.where(bad.any(axis=1), bad.argmax(axis=1), len(t) - start)
         return out
 
@@ -485,14 +488,16 @@ def _bound(runs: list, search, devices: int) -> float:
     least device-seconds the layers need spread over all of them, ``W / N``; their
     times sum to at least each layer's least time; the objective is then at least
     ``max(sum, W / N) + (B - 1) W / N``. Only options where a stage of the layer fits the
-    memory with one micro-batch in flight count (inf where a layer fits nowhere)."""
+    memory with one micro-batch in flight (the less of terms.held's two counts of it) count
+    (inf where a layer fits nowhere)."""
     b0, b1, L = search.blocks.start, search.blocks.stop, search.L
     parts = [((False, 1, False), b1 - b0)] + ([((True, 0, False), 1)] if b0 else []) + \
         ([((False, 0, True), 1)] if b1 < L else [])
     least_time = least_work = 0.0
     for where, n in parts:
         fits = [(seconds, seconds * r.option.sub.size) for r in runs
-                for seconds, memory, _ in [r.option.cost(*where)] if memory <= r.limit]
+                for seconds, one, _, before in [r.option.cost(*where)]
+                if min(one, before) <= r.limit]
         if not fits:
             return math.inf
         least_time += n * min(f[0] for f in fits)

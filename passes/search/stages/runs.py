@@ -17,7 +17,13 @@ and the loss). A stage is ``[E] + k blocks + [H]`` on a submesh and costs
   keeps from its forward to its backward (``saved``: what the search's liveness holds
   at the first backward op) and the working memory beyond both at the part's peak
   (``transient``). A stage holds the sums of the first two, ``saved`` again for each
-  further micro-batch in flight, and its largest ``transient``.
+  further micro-batch in flight, and its largest ``transient``. Where a stage holds
+  every micro-batch (each forward runs before the first backward: FThenB, or 1F1B with
+  ``M <= S - s``) its peak is in the first backward or before it, when the runtime has
+  made only the gradient buffers of the backward so far: a part also keeps its buffers'
+  bytes and its working memory in the forward, in the backward, and in the backward
+  with its own buffers as it makes them (:class:`PartCost`; the stage's sum:
+  :func:`~distgraph.passes.cost.terms.stage_cost`'s fourth term).
 
 **Submeshes and logical meshes.** Stages take ``n`` whole machines of a device mesh of
 ``rows`` machines for every ``n`` dividing ``rows`` (so that equal stages can tile it),
@@ -78,7 +84,8 @@ Example::
 
     costs = RunCosts(prepared, strategy, cluster, layering, micro=8)
     for option in costs.options():        # per (device mesh, submesh, logical shape)
-        option.cost(True, 4, False)       # E + 4 blocks: (seconds, GB, GB per micro-batch)
+        option.cost(True, 4, False)       # E + 4 blocks: (seconds, GB, GB per micro-batch,
+        #                                   GB with every forward first)
 """
 
 from __future__ import annotations
@@ -111,12 +118,27 @@ VARIANTS = 4        # the fastest block and up to three of smaller peaks (module
 @dataclass(frozen=True)
 class PartCost:
     """One part of a stage (E, one block, or H) on one logical mesh: seconds per
-    micro-batch, and bytes per device (module docstring)."""
+    micro-batch, and bytes per device (module docstring). ``buffers``: the part of
+    ``persistent`` that is gradient buffers, which the runtime makes in the first
+    backward; ``forward`` / ``backward``: the working memory beyond ``saved`` over the
+    forward's steps and over the backward's and the update's, without the buffers;
+    ``making``: over the backward's and the update's with the part's own buffers made
+    by then (its first backward). Left out, the three are ``transient`` (and the
+    buffers, none, held from the start as persistent)."""
 
     time: float
     persistent: float
     saved: float
     transient: float
+    buffers: float = 0.0
+    forward: float | None = None
+    backward: float | None = None
+    making: float | None = None
+
+    def __post_init__(self):
+        for name in ("forward", "backward", "making"):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, self.transient)
 
 
 @dataclass(frozen=True)
@@ -134,12 +156,13 @@ class RunOption:
 
     def cost(self, with_first: bool, blocks: int, with_last: bool) -> tuple:
         """(seconds per micro-batch, GB with one micro-batch in flight, GB per further
-        micro-batch in flight) of ``[E] + blocks + [H]`` here (:func:`~distgraph.passes.
-        search.part_costs.stage_cost`: E or H may be a share under virtual stages)."""
+        micro-batch in flight, GB with one in flight where every forward runs first) of
+        ``[E] + blocks + [H]`` here (:func:`~distgraph.passes.cost.terms.stage_cost`: E
+        or H may be a share under virtual stages)."""
         return stage_cost(self.parts, with_first, blocks, with_last)
 
     def costs(self, with_first: bool, n: int, with_last: bool) -> np.ndarray:
-        """(n + 1, 3): row m is :meth:`cost` ``(with_first, m, with_last)``, m = 0 .. n."""
+        """(n + 1, 4): row m is :meth:`cost` ``(with_first, m, with_last)``, m = 0 .. n."""
         return stage_costs(self.parts, with_first, n, with_last)
 
     def __str__(self):
@@ -495,9 +518,56 @@ class RunCosts:
         peak = result.report.peak_memory
         # Strategy(sharding=True), priced in the search (sharded_states): at an update,
         # beside what persists, the buffer its ZeRO write-back gathers into
-        transient = max(peak - persistent - saved,
-                        writeback_bytes(result, sharding_dim(self.strategy)), 0.0)
-        return PartCost(result.report.objective, persistent, saved, transient)
+        writeback = writeback_bytes(result, sharding_dim(self.strategy))
+        transient = max(peak - persistent - saved, writeback, 0.0)
+        if not (backward and problem.liveness):
+            return PartCost(result.report.objective, persistent, saved, transient)
+        return PartCost(result.report.objective, persistent, saved, transient,
+                        *self._phases(result, memory, persistent + saved, backward,
+                                      writeback))
+
+    def _phases(self, result, memory: list, held: float, backward: int,
+                writeback: float) -> tuple:
+        """(buffers, forward, backward, making) of :class:`PartCost` from the choice's
+        liveness: a gradient buffer (an accumulating update's node) is made at the op
+        that makes the gradient it accumulates (the runtime's first add to it), at the
+        backward's start where another part makes it, and is that gradient's array
+        while the gradient is live; ``held``: persistent and saved."""
+        space, problem = result.space, result.problem
+        position = {k: t for t, k in enumerate(space.ops)}
+        made_at: dict = {}
+        of_gradient: dict = {}      # the gradient's node: its buffer's bytes
+        for i in accumulating_updates(space, self.weights):
+            gradient = self.program.ops[space.nodes[i].op].inputs[1].name
+            u = space.producer[gradient][0]
+            t = backward if space.nodes[u].is_source else \
+                max(position.get(space.nodes[u].op, backward), backward)
+            made_at[t] = made_at.get(t, 0.0) + memory[i]
+            of_gradient[u] = of_gradient.get(u, 0.0) + memory[i]
+        # per liveness set at once (a large block has hundreds, each of hundreds of nodes)
+        sets = problem.liveness
+        step = np.repeat(np.arange(len(sets)), [len(live) for live in sets])
+        nodes = np.fromiter((i for live in sets for i in live), dtype=np.intp, count=len(step))
+        adopted = np.zeros(len(memory))
+        adopted[list(of_gradient)] = list(of_gradient.values())
+        beyond = np.bincount(step, np.asarray(memory)[nodes], len(sets)) - held
+        # the runtime takes a buffer's first gradient array as the buffer: one array
+        # while that gradient is live
+        shared = np.bincount(step, adopted[nodes], len(sets))
+        made = np.zeros(len(sets))
+        for t, b in made_at.items():
+            made[t] += b
+        made = np.cumsum(made)
+        back_steps = slice(backward, None)
+        forward = max(float(beyond[:backward].max(initial=0.0)), 0.0)
+        back = max(float(beyond[back_steps].max(initial=0.0)), 0.0)
+        making = max(float((beyond + made - shared)[back_steps].max(initial=0.0)), 0.0)
+        buffers = sum(made_at.values())
+        # the write-back's buffer as the transient counts it, at an update: every
+        # buffer made then
+        if writeback:
+            back, making = max(back, writeback), max(making, writeback + buffers)
+        return buffers, forward, back, making
 
     def p2p_seconds(self, option) -> float:
         """Seconds per micro-batch a stage of ``option`` between two others spends passing

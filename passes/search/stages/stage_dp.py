@@ -369,9 +369,11 @@ def _place(stages, meshes, micro_batches, runs) -> StagePlan:
                 fill[r] += m
     out = []
     for j, (k, i, o) in enumerate(stages):
-        t, mem, act = o.at(k, i)
+        # a run option's row has the memory where all forwards run first (terms.held)
+        t, mem, act, *before = o.at(k, i)
         out.append(StageChoice(range(k, i + 1), o.sub.mesh.name, o.sub.shape, placed[j], float(t),
-                         float(held(mem, act, in_flight("1F1B", micro_batches, total, j)))))
+                         float(held(mem, act, in_flight("1F1B", micro_batches, total, j),
+                                    micro_batches, *before))))
     times = [s.time for s in out]
     return StagePlan(tuple(out), sum(times) + (micro_batches - 1) * max(times),
                      micro_batches, runs)

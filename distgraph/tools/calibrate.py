@@ -14,8 +14,9 @@ time: point-to-point latency (half the round trip of an 8-byte ping-pong) and ba
 bandwidth (2(n-1)/n * bytes / time, the figure the ring formula uses). Ranks on the same
 host form one machine; pairs on one host get ``SHM`` links, pairs across hosts ``NET``
 links between machines. Then one reshard step of each kind through distgraph's runtime,
-between ops as in training, on three tensor sizes: what a step costs beyond its
-messages' alpha-beta, per step and per byte of its buffer (``reshard_overhead``; with it
+between ops as in training, on three tensor sizes, timed as what it adds to a loop of
+those ops (so that the turns ranks take at cores they share, which the compute rates
+already hold, are not counted again): what a step costs beyond its messages' alpha-beta, per step and per byte of its buffer (``reshard_overhead``; with it
 ``all_to_allv``, the all-to-all with uneven counts per pair that MoE's dispatch runs, on
 megabyte buffers, and the exchange of its counts: :mod:`distgraph.tools.step_probe`); and
 what one collective of MeshSlice's sliced pipeline costs per step (its kernel on a tiny
@@ -58,7 +59,8 @@ from distgraph.runtime.launch.status import LOG_DIR
 from distgraph.tools.device_probe import (BANDWIDTH_BYTES, memory_bandwidth_gbps, op_costs,
                                           op_overhead_us)
 from distgraph.units import fmt_bytes
-from distgraph.tools.step_probe import RESHARD_BYTES, measure_all_to_allv, measure_reshard_steps
+from distgraph.tools.step_probe import (RESHARD_BYTES, idle_barrier, measure_all_to_allv,
+                                        measure_reshard_steps)
 
 SCRIPT = os.path.abspath(__file__)   # what `distgraph cluster calibrate` starts on each rank
 GEMM_SIZE = 1024
@@ -101,13 +103,6 @@ def gemm_gflops(dtype, size: int = GEMM_SIZE, repeats: int = 5, sync=None,
                 break
         rates.append(2.0 * size**3 * count / elapsed / 1e9)
     return float(np.median(rates))
-
-
-def idle_barrier(comm, poll: float = 1e-3) -> None:
-    """A barrier of all ranks that sleeps between polls instead of spinning."""
-    request = comm.Ibarrier()
-    while not request.Test():
-        time.sleep(poll)
 
 
 def say(comm, text: str) -> None:

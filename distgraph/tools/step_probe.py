@@ -1,8 +1,9 @@
 """What ``distgraph cluster calibrate`` measures of communication steps through distgraph's
 runtime: one reshard step of each kind (:func:`measure_reshard_steps`) and an op's
 all-to-all with variable counts per pair, MoE's dropless dispatch
-(:func:`measure_all_to_allv`), each run between ops as in training. The calibration fits
-what they cost beyond their messages' alpha-beta (:func:`distgraph.tools.calibrate.
+(:func:`measure_all_to_allv`), each run between ops as in training and measured as what
+it adds to a loop of those ops (:func:`step_cost`). The calibration fits what they cost
+beyond their messages' alpha-beta (:func:`distgraph.tools.calibrate.
 reshard_overheads`)."""
 
 from __future__ import annotations
@@ -23,26 +24,68 @@ RESHARD_KINDS = (StepKind.SLICE,) + COLLECTIVES     # the kinds one group's step
 RESHARD_BYTES = (4 * 2**10, 64 * 2**10, 1 * 2**20)
 RESHARD_ITERS = 20
 BETWEEN_BYTES = 2**18      # per array of the work run between two timed steps
+BETWEEN_GEMM = 256          # the side of the GEMM run between two timed steps: an op
 
 
 def between_steps(arrays) -> None:
     """What a rank does between two communication steps of a training step, the same on
     every rank: an op or two, here an elementwise add over ``BETWEEN_BYTES`` arrays and a
-    small GEMM. They take the caches from the runtime's code and data, and the ranks
-    reach the next step as each finishes, not in lockstep."""
+    GEMM of side ``BETWEEN_GEMM`` (a fraction of a millisecond, as an op of a small
+    model's layer). They take the caches from the runtime's code and data, and the ranks
+    reach the next step as each finishes, not in lockstep; with more ranks than cores
+    the ranks take turns at it, so that a step waits for peers that are not running."""
     a, b, c, m = arrays
     np.add(a, b, out=c)
     m @ m
 
 
+def step_cost(comm, work, step, repeats: int, iters: int = RESHARD_ITERS) -> float:
+    """Seconds ``step`` adds to a loop of ``work``, as a training step pays it: a loop of
+    ``iters`` x (``work()``, then ``step`` on what it returns) against a loop of ``work``
+    alone, each timed whole on every rank from a common start and taken at its slowest
+    rank; the best of ``repeats`` timings of each (after one pair that warms up), their
+    difference per iteration.
+
+    The difference, not the step timed on its own: with more ranks than cores the ranks
+    take turns on the cores, and a step timed alone counts the wait for a descheduled
+    peer, most of it the peer's turn at its own ``work``, which the cost model already
+    prices at the rate the ranks compute at while sharing the cores. What the turns cost
+    both loops cancels; what the step adds stays: its calls, copies and messages, and
+    the wait for the group to meet that the ``work`` alone would not have had. The best
+    timing of each loop, as for the links' ping-pong: the one least disturbed by other
+    processes on the machine, whose turns a waiting group pays many times over (the
+    cost of the ranks' own turns is in every timing)."""
+    best = [np.inf, np.inf]
+    for batch in range(repeats + 1):           # batch 0 warms up
+        for stepping in (False, True):
+            idle_barrier(comm)
+            start = time.perf_counter()
+            for _ in range(iters):
+                made = work()
+                if stepping:
+                    step(made)
+                del made
+            seconds = comm.allreduce(time.perf_counter() - start, op=_mpi_max())
+            if batch:
+                best[stepping] = min(best[stepping], seconds)
+    return (best[True] - best[False]) / iters
+
+
+def idle_barrier(comm, poll: float = 1e-3) -> None:
+    """A barrier of all ranks that sleeps between polls instead of spinning (a spinning
+    rank would take the core from one that has not arrived yet)."""
+    request = comm.Ibarrier()
+    while not request.Test():
+        time.sleep(poll)
+
+
 def measure_reshard_steps(comm, repeats: int) -> dict:
-    """{step kind: ((buffer bytes, seconds), ...)}: one reshard step of each kind through
-    distgraph's runtime over all ranks, on tensors of :data:`RESHARD_BYTES`, the mean
-    over :data:`RESHARD_ITERS` steps each run after the work of :func:`between_steps` (a
-    step in a tight loop finds its code and data cached and its peers waiting: in
-    training neither holds), the median of ``repeats`` batches, the slowest rank's view.
-    What a step costs beyond the alpha-beta of its messages is
-    :func:`reshard_overheads`'s fit."""
+    """{step kind: ((buffer bytes, seconds), ...)}: what one reshard step of each kind
+    through distgraph's runtime over all ranks, on tensors of :data:`RESHARD_BYTES`,
+    adds to a loop of the work of :func:`between_steps` (:func:`step_cost`; a step in a
+    tight loop finds its code and data cached and its peers waiting: in training
+    neither holds), the slowest rank's view. What a step costs beyond the alpha-beta of
+    its messages is :func:`reshard_overheads`'s fit."""
 
     # the runtime is what the figure describes; imported at measurement time only
     from distgraph.runtime.comm.mpi import MPICommunicator
@@ -56,7 +99,7 @@ def measure_reshard_steps(comm, repeats: int) -> dict:
                StepKind.REDUCE_SCATTER: ([None, None], ("x",), ["x", None]),
                StepKind.ALL_TO_ALL: (["x", None], (), [None, "x"])}
     work = (np.ones(BETWEEN_BYTES // 8), np.ones(BETWEEN_BYTES // 8),
-            np.empty(BETWEEN_BYTES // 8), np.ones((64, 64), np.float32))
+            np.empty(BETWEEN_BYTES // 8), np.ones((BETWEEN_GEMM,) * 2, np.float32))
     out = {}
     for kind in RESHARD_KINDS if n > 1 else (StepKind.SLICE,):
         before, partial, after = layouts[kind]
@@ -68,18 +111,9 @@ def measure_reshard_steps(comm, repeats: int) -> dict:
             src = DistAttr(mesh, ShardSpec(before, partial=partial))
             steps = plan_reshard(src, DistAttr(mesh, ShardSpec(after)), shape, "float32")
             local = np.ones(src.local_shape(shape), dtype=np.float32)
-            batches = []
-            for batch in range(repeats + 1):       # batch 0 warms up
-                runtime.barrier()
-                spent = 0.0
-                for _ in range(RESHARD_ITERS):
-                    between_steps(work)
-                    start = time.perf_counter()
-                    apply_reshard(steps, local, runtime, runtime.rank)
-                    spent += time.perf_counter() - start
-                if batch:
-                    batches.append(spent / RESHARD_ITERS)
-            seconds = comm.allreduce(float(np.median(batches)), op=_mpi_max())
+            seconds = step_cost(comm, lambda: between_steps(work),
+                                lambda _, steps=steps, local=local:
+                                apply_reshard(steps, local, runtime, runtime.rank), repeats)
             out[kind].append((steps[0].buffer_bytes, seconds))
     return out
 
@@ -121,12 +155,10 @@ def measure_all_to_allv(comm, repeats: int) -> list:
     size: the per-step cost of an exchange there, which the dispatch pays once more per
     forward), then ``all_to_allv`` of :func:`uneven_counts` rows of
     :data:`ALL_TO_ALLV_ROW` bytes, a local buffer of each of :data:`ALL_TO_ALLV_BYTES`
-    gathered afresh from its rows before each call. Each call comes after an expert's
-    GEMM (:func:`between_experts`) and a barrier, not timed: the collective's own time,
-    with the caches as the experts leave them, not the skew of the ranks' compute, which
-    the expected load cannot price. A batch is :data:`RESHARD_ITERS` calls, taken at its
-    slowest rank's mean (the group waits for it at every exchange, as the step does);
-    the figure is the median of ``repeats`` batches."""
+    gathered afresh from its rows before each call. What each adds to a loop of an
+    expert's GEMM (:func:`between_experts`) and the gathering of its buffer
+    (:func:`step_cost`: the slowest rank's view; the group waits for it at every
+    exchange, as the step does), with the caches as the experts leave them."""
     from distgraph.runtime.comm.mpi import MPICommunicator
 
     n, rank = comm.Get_size(), comm.Get_rank()
@@ -147,24 +179,13 @@ def measure_all_to_allv(comm, repeats: int) -> list:
         cases.append((nbytes, lambda source=source, order=order: source[order],
                       lambda buf, send=send, recv=recv: runtime.all_to_allv(buf, send, recv,
                                                                             group)))
-    out = []
-    for nbytes, make, exchange in cases:
-        batches = []
-        for batch in range(repeats + 1):       # batch 0 warms up
-            runtime.barrier()
-            spent = 0.0
-            for _ in range(RESHARD_ITERS):
-                between_experts(experts)
-                buf = make()                  # made afresh, as the dispatch sends
-                runtime.barrier()             # the collective's time, not the GEMMs' skew
-                start = time.perf_counter()
-                exchange(buf)
-                spent += time.perf_counter() - start
-                del buf
-            if batch:
-                batches.append(comm.allreduce(spent / RESHARD_ITERS, op=_mpi_max()))
-        out.append((nbytes, float(np.median(batches))))
-    return out
+
+    def work(make):
+        between_experts(experts)
+        return make()                         # made afresh, as the dispatch sends
+
+    return [(nbytes, step_cost(comm, lambda make=make: work(make), exchange, repeats))
+            for nbytes, make, exchange in cases]
 
 
 def _mpi_max():

@@ -94,16 +94,15 @@ def plan(built, strategy: Strategy | None = None, cluster=None, rank_mapping=Non
             planned = _planned(built, strategy, cluster, rank_mapping, ranks, choice)
         else:
             _check_supported(strategy)
-            sessions = {}
+            session = Session()
             try:
                 # the savers left to the search chosen; what does not fit names one that does
                 chosen = with_savers(strategy, cluster, lambda asked: _planned(
-                    built, asked, cluster, rank_mapping, ranks, sessions=sessions),
+                    built, asked, cluster, rank_mapping, ranks, session=session),
                     lambda asked: _planned(built, asked, cluster, rank_mapping, ranks=()),
                     applied)
             finally:
-                for session in sessions.values():
-                    session.close()
+                session.close()     # its tables freed now, not at the next cyclic collection
             # recomputation on the stages that need it only, where that fits and is faster
             replays = Replays(built, chosen, rank_mapping)
             planned = per_stage(chosen, strategy, cluster, lambda recompute, checked:
@@ -149,13 +148,16 @@ def cyclic_collector_paused():
 
 
 def _planned(built, strategy, cluster, rank_mapping, ranks, given=None,
-             sessions=None) -> Plan:
+             session=None) -> Plan:
     """The plan of ``built`` under ``strategy`` that fits ``cluster`` (``fitting``), its
-    processes of ``ranks`` compiled. ``sessions``: {strategy: Session} of the plannings
-    of one ``plan`` call (closed by it): those whose strategies differ only in
-    ``sequence_parallel`` share one, since sequence parallelism rewrites the searched
-    layouts after the search (:func:`_completed`), which never reads it: the second of
-    them prices the same search's choice without searching again."""
+    processes of ``ranks`` compiled. ``session``: the one of every planning of one
+    ``plan`` call (closed by it), whatever savers each asks: the search keys what it
+    keeps by what it depends on (a count's stage options by the strategy it searched,
+    sequence parallelism set aside: :func:`~distgraph.passes.search.stages.micro.
+    searched_as`), so a planning that differs only in ``sequence_parallel`` (rewritten
+    after the search, :func:`_completed`) prices the same search's choice without
+    searching again, and the others split each micro-batch count once and share the
+    prices of the ops and reshards their programs have in common."""
     _check_supported(strategy)
     if strategy.amp != built.amp:
         raise PlanError(f"Strategy(amp={strategy.amp!r}) plans a program built in "
@@ -165,13 +167,13 @@ def _planned(built, strategy, cluster, rank_mapping, ranks, given=None,
         return _compiled(fitting(strategy, cluster, lambda _: _plan(
             built, strategy, cluster, rank_mapping, None, None, given), searched=False), ranks)
     # what this planning remembers, across its budget rounds
-    session = Session() if sessions is None else sessions.setdefault(
-        dataclasses.replace(strategy, sequence_parallel=False), Session())
+    own = session is None
+    session = session or Session()
     try:
         return _compiled(fitting(strategy, cluster, lambda budget: _plan(
             built, strategy, cluster, rank_mapping, budget, session)), ranks)
     finally:
-        if sessions is None:
+        if own:
             session.close()     # its tables freed now, not at the next cyclic collection
 
 

@@ -17,9 +17,10 @@ process.
 
 While it plans, the plan's ``locals`` are the lazy
 :class:`~distgraph.passes.partition.Partitions` (a process is partitioned when first
-needed); the plan it returns holds only plain values: the local programs of one process
-per group and of every compiled process, and the compiled programs
-(:mod:`distgraph.passes.pipeline.compile`); ``plan.decisions`` what it was made from and
+needed); the plan it returns, the one of the candidates it priced that it keeps (the
+others are compared by their estimates, never compiled), holds only plain values: the
+local programs of one process per group and of every compiled process, and the compiled
+programs (:mod:`distgraph.passes.pipeline.compile`); ``plan.decisions`` what it was made from and
 for (the layouts completion started from, the chunks, ZeRO's mesh dims, the program's
 print), which ``plan.save(path)`` writes (:mod:`distgraph.plan.file`) and
 :mod:`distgraph.passes.plan_file` makes the same plan from. Data must only move from an
@@ -91,35 +92,35 @@ def plan(built, strategy: Strategy | None = None, cluster=None, rank_mapping=Non
     strategy = choice.strategy if choice is not None else _zero(built, strategy or Strategy())
     with cyclic_collector_paused():
         if choice is not None:
-            planned = _planned(built, strategy, cluster, rank_mapping, ranks, choice)
+            planned = _fitted(built, strategy, cluster, rank_mapping, choice)
         else:
             _check_supported(strategy)
-            sessions = {}
+            session = Session()
             try:
                 # the savers left to the search chosen; what does not fit names one that does
-                chosen = with_savers(strategy, cluster, lambda asked: _planned(
-                    built, asked, cluster, rank_mapping, ranks, sessions=sessions),
-                    lambda asked: _planned(built, asked, cluster, rank_mapping, ranks=()),
-                    applied)
+                chosen = with_savers(strategy, cluster, lambda asked: _fitted(
+                    built, asked, cluster, rank_mapping, session=session),
+                    lambda asked: _fitted(built, asked, cluster, rank_mapping), applied)
             finally:
-                for session in sessions.values():
-                    session.close()
+                session.close()     # its tables freed now, not at the next cyclic collection
             # recomputation on the stages that need it only, where that fits and is faster
             replays = Replays(built, chosen, rank_mapping)
             planned = per_stage(chosen, strategy, cluster, lambda recompute, checked:
                                 _replanned(built, replays.choice(recompute), cluster,
-                                           rank_mapping, ranks, checked))
+                                           rank_mapping, checked))
+        # the plan kept compiled, once: the candidates were priced by their estimates
+        planned = _compiled(planned, ranks)
         # what it was made for, as plan.save writes it (distgraph.plan.file)
         return dataclasses.replace(planned, decisions=dataclasses.replace(
             planned.decisions, program=program_print(built)))
 
 
-def _replanned(built, given, cluster, rank_mapping, ranks, checked) -> Plan:
+def _replanned(built, given, cluster, rank_mapping, checked) -> Plan:
     """The plan of ``given`` (a chosen plan's decisions recomputed otherwise,
-    :class:`~distgraph.passes.stage_recompute.Replays`): fitted and compiled for
-    ``ranks`` where ``checked``, else only estimated."""
+    :class:`~distgraph.passes.stage_recompute.Replays`): fitted where ``checked``, else
+    only estimated (neither compiled: :func:`plan` compiles the plan it keeps)."""
     if checked:
-        return _planned(built, given.strategy, cluster, rank_mapping, ranks, given)
+        return _fitted(built, given.strategy, cluster, rank_mapping, given)
     return _plan(built, given.strategy, cluster, rank_mapping, None, None, given)
 
 
@@ -148,30 +149,34 @@ def cyclic_collector_paused():
             gc.enable()
 
 
-def _planned(built, strategy, cluster, rank_mapping, ranks, given=None,
-             sessions=None) -> Plan:
-    """The plan of ``built`` under ``strategy`` that fits ``cluster`` (``fitting``), its
-    processes of ``ranks`` compiled. ``sessions``: {strategy: Session} of the plannings
-    of one ``plan`` call (closed by it): those whose strategies differ only in
-    ``sequence_parallel`` share one, since sequence parallelism rewrites the searched
-    layouts after the search (:func:`_completed`), which never reads it: the second of
-    them prices the same search's choice without searching again."""
+def _fitted(built, strategy, cluster, rank_mapping, given=None, session=None) -> Plan:
+    """The plan of ``built`` under ``strategy`` that fits ``cluster`` (``fitting``), not
+    yet compiled (its ``locals`` the lazy partitions): the candidates a planning prices
+    are compared by their estimates, and only the plan kept is compiled
+    (:func:`_compiled`, in :func:`plan`). ``session``: the one of every planning of one
+    ``plan`` call (closed by it), whatever savers each asks: the search keys what it
+    keeps by what it depends on (a count's stage options by the strategy it searched,
+    sequence parallelism set aside: :func:`~distgraph.passes.search.stages.micro.
+    searched_as`), so a planning that differs only in ``sequence_parallel`` (rewritten
+    after the search, :func:`_completed`) prices the same search's choice without
+    searching again, and the others split each micro-batch count once and share the
+    prices of the ops and reshards their programs have in common."""
     _check_supported(strategy)
     if strategy.amp != built.amp:
         raise PlanError(f"Strategy(amp={strategy.amp!r}) plans a program built in "
                         f"{built.amp or 'full precision'}: build it with "
                         f"build_program(..., amp={strategy.amp!r}) (the Engine does)")
     if given is not None:           # made as chosen: checked, never searched again
-        return _compiled(fitting(strategy, cluster, lambda _: _plan(
-            built, strategy, cluster, rank_mapping, None, None, given), searched=False), ranks)
+        return fitting(strategy, cluster, lambda _: _plan(
+            built, strategy, cluster, rank_mapping, None, None, given), searched=False)
     # what this planning remembers, across its budget rounds
-    session = Session() if sessions is None else sessions.setdefault(
-        dataclasses.replace(strategy, sequence_parallel=False), Session())
+    own = session is None
+    session = session or Session()
     try:
-        return _compiled(fitting(strategy, cluster, lambda budget: _plan(
-            built, strategy, cluster, rank_mapping, budget, session)), ranks)
+        return fitting(strategy, cluster, lambda budget: _plan(
+            built, strategy, cluster, rank_mapping, budget, session))
     finally:
-        if sessions is None:
+        if own:
             session.close()     # its tables freed now, not at the next cyclic collection
 
 

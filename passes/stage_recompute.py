@@ -82,8 +82,9 @@ def per_stage(planned, strategy, cluster, replanned):
     """``planned`` (with_savers' plan) or, where recomputing on fewer of its stages fits
     and is faster, that plan (module docstring); either way its recompute note says per
     stage what was chosen. ``replanned(recompute, checked)``: the plan of ``planned``'s
-    decisions with ``Strategy.recompute`` set so (:class:`Replays`), fitted and compiled
-    where ``checked`` (a DoesNotFit where it does not fit), else only estimated."""
+    decisions with ``Strategy.recompute`` set so (:class:`Replays`), checked to fit where
+    ``checked`` (a DoesNotFit where it does not), else only estimated; the planner
+    compiles the plan kept."""
     kind = planned.strategy.recompute
     if strategy.recompute is not None or kind not in ("selective", True) or \
             cluster is None or planned.estimate is None:

@@ -20,6 +20,7 @@ import distgraph as dg  # noqa: E402
 from distgraph.errors import DoesNotFit  # noqa: E402
 from distgraph.passes.prepare import prepare  # noqa: E402
 from distgraph.passes.search import Choice, choose  # noqa: E402
+from distgraph.passes.search.stages.micro import searched_as  # noqa: E402
 from distgraph.passes.search.layouts.ilp import solve  # noqa: E402
 from distgraph.passes.search.layouts.ilp_problem import evaluate  # noqa: E402
 from distgraph.passes.session import Session  # noqa: E402
@@ -98,11 +99,14 @@ def test_a_session_keeps_its_tables_and_counts_what_they_served():
     walked = programs.hits, programs.misses
     again = choose(built, strategy, cluster, session=session)       # a budget round
     assert again.strategy.micro_batches == first.strategy.micro_batches
-    # walked once: the second round is served the count chosen and its program
-    assert programs[None] == first.strategy.micro_batches in programs
-    assert (programs.hits, programs.misses) == (walked[0] + 2, walked[1])
+    # walked once: the second round is served the count chosen, its split program and
+    # its stage options
+    search = searched_as(dataclasses.replace(strategy, recompute=False))
+    assert programs[search, None] == first.strategy.micro_batches in programs
+    assert (search, first.strategy.micro_batches) in programs
+    assert (programs.hits, programs.misses) == (walked[0] + 3, walked[1])
     assert str(session).startswith(f"memo tables: micro-batch programs {len(programs)} "
-                                   f"(hits {walked[0] + 2}, misses {walked[1]})")
+                                   f"(hits {walked[0] + 3}, misses {walked[1]})")
 
 
 def test_a_choice_that_does_not_fit_is_refused_not_searched_again():

@@ -18,7 +18,7 @@ from distgraph.passes.session import Session  # noqa: E402
 from distgraph.passes.search.stages.layers import block_layers  # noqa: E402
 from distgraph.passes.search.stages.pipeline import pipeline_latency  # noqa: E402
 from distgraph.passes.search.stages.micro import (batch_rows, choose_micro_batches,  # noqa: E402
-                                                  count_beaten, count_latency, ladder)
+                                                  count_beaten, count_latency, ladder, searched_as)
 from distgraph.program_builder import build_program  # noqa: E402
 
 import plans as P  # noqa: E402
@@ -128,7 +128,7 @@ def test_a_count_held_back_by_memory_is_beaten_exactly_where_its_latency_is_not_
     session = Session()
     free = count_latency(built, strategy, cluster, 4, session)
     programs = session.table("micro-batch programs")
-    peak = max(s.memory for s in programs[4][3][1][0].stages)     # (budget, (plan, ...))
+    peak = max(s.memory for s in programs[searched_as(strategy), 4][1][1][0].stages)
     tight = dataclasses.replace(strategy, memory_budget_gb=0.9 * peak)
     latency = count_latency(built, tight, cluster, 4, Session())
     assert latency > free * 1.05                # memory holds the fastest parts back
@@ -148,10 +148,11 @@ def test_counts_share_their_search_costs_and_price_as_fresh_ones():
     session = Session()
     runs = session.table("micro-batch programs")
     count_latency(built, strategy, cluster, 2, session)
-    donor = runs[2][2]
+    donor = runs[searched_as(strategy), 2][0]
     four = dataclasses.replace(strategy, micro_batches=4)
     shared = count_latency(built, four, cluster, 4, session)
-    assert runs[4][2].donor is donor and runs[4][2].session is donor.session is session
+    mine = runs[searched_as(four), 4][0]
+    assert mine.donor is donor and mine.session is donor.session is session
     prepared, accumulation = prepare(built, four, 4)
     elsewhere = Session()       # the searches of the session, none of its prices
     elsewhere.table("mesh searches").update(session.table("mesh searches"))
@@ -161,7 +162,7 @@ def test_counts_share_their_search_costs_and_price_as_fresh_ones():
     assert {id(c) for c in elsewhere.table("layout prices").values()}.isdisjoint(
         id(c) for c in session.table("layout prices").values())     # priced afresh
     assert shared == alone
-    assert [o.cost(True, 1, True) for o in runs[4][2].options()] == \
+    assert [o.cost(True, 1, True) for o in mine.options()] == \
         [o.cost(True, 1, True) for o in fresh.options()]
     # the count chosen is searched afresh on the prices planned: the plan of a fresh search
     chosen = dg.passes.plan(built, dataclasses.replace(strategy, micro_batches=None), cluster,

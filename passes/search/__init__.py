@@ -28,7 +28,7 @@ most these tables; the search's report (``Plan.search``) lists what each held an
 
 | table | key | value | kept by |
 |---|---|---|---|
-| micro-batch programs | M; None | M's split program, accumulation, RunCosts, (budget, stage plan); the count chosen | ``stages/micro.py`` |
+| micro-batch programs | M; (search, M); (search, None) | M's split program and accumulation; its RunCosts and (budget, stage plan) for a search; the count chosen | ``stages/micro.py`` |
 | sample analyses | (program, feeds, dim) | the completion on samples the other counts' splits replay | ``passes/samples.py`` |
 | stage options | (RunCosts, logical mesh); (_StageCosts, layers, submesh) | its fastest parts and memory variants; a stage's cost and search | ``stages/runs.py``, ``pipeline.py`` |
 | mesh searches | (RunCosts, kind of mesh) | the searches others are priced from (a donor's) | ``stages/runs.py`` |
@@ -66,7 +66,7 @@ from distgraph.passes.search.layouts.mesh import search_mesh
 from distgraph.passes.search.layouts.sharded_states import sharding_dim
 from distgraph.passes.search.layouts.space import MESH_DIMS
 from distgraph.passes.session import Session
-from distgraph.passes.search.stages.micro import searched_count, split_in
+from distgraph.passes.search.stages.micro import searched_as, searched_count, split_in
 from distgraph.passes.search.stages.pipeline import plan_pipeline
 
 __all__ = ["Choice", "Session", "choose"]
@@ -125,16 +125,17 @@ def choose(built, strategy, cluster, budget: float | None = None,
         strategy = dataclasses.replace(strategy, recompute=False)
     if strategy.sharding is None:
         strategy = dataclasses.replace(strategy, sharding=True)
-    # M -> (program, accumulation, RunCosts, (budget, stage plan)); None -> the count chosen
+    # M -> (program, accumulation); (search, M) -> (RunCosts, (budget, stage plan));
+    # (search, None) -> the count chosen (stages/micro.py)
     programs = session.table("micro-batch programs")
+    search = searched_as(strategy)
     micro = strategy.micro_batches
     if micro is None:
-        micro = programs.memo(None, lambda: searched_count(built, strategy, cluster, session))
+        micro = programs.memo((search, None),
+                              lambda: searched_count(built, strategy, cluster, session))
     asked = dataclasses.replace(strategy, micro_batches=micro)
-    known = programs.find(micro)
-    if known is None:
-        known = programs[micro] = (*split_in(built, micro, session), None, None)
-    program, accumulation, costs, planned = known
+    program, accumulation = split_in(built, micro, session)
+    costs, planned = programs.find((search, micro)) or (None, None)
     prepared = transformed(program, asked)
     if asked.pipeline:
         result = plan_pipeline(prepared, asked, cluster, accumulation, budget, costs, planned,

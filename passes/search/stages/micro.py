@@ -32,10 +32,13 @@ those do not divide their micro-batch (:mod:`distgraph.passes.search.stages.runs
 count is compared by those prices and its bound, and the count chosen, if not the
 first, is searched afresh for the plan.
 
-The counts priced keep their split program, accumulation, stage options and stage plan
-in the planning's session (table "micro-batch programs": M -> (program, accumulation,
-RunCosts, (memory budget, stage plan)); None -> the count chosen): the plan of the count
-chosen reuses them.
+The counts priced keep their split program and accumulation, their stage options and
+stage plan in the planning's session, table "micro-batch programs": M -> (program,
+accumulation), the split, which no strategy changes; (search, M) -> (RunCosts, (memory
+budget, stage plan)) and (search, None) -> the count chosen, ``search`` the strategy as
+the search reads it (:func:`searched_as`: what the stage options depend on). The plan of
+the count chosen reuses them, and the plannings of one ``plan`` call that weigh other
+recomputations (:func:`~distgraph.passes.fitting.with_savers`) split each count once.
 
 Example::
 
@@ -124,25 +127,30 @@ def searched_count(built, strategy, cluster, session) -> int:
         lambda b, s, m, seconds: count_beaten(b, s, cluster, m, seconds, session))
 
 
+def searched_as(strategy):
+    """``strategy`` as the stage search reads it, the key of a count's entries in "micro-
+    batch programs" beside M: the count and sequence parallelism set aside (the
+    planner's rewrite after the search, :func:`~distgraph.passes.planner._completed`);
+    everything else, recomputation and ZeRO included, changes the program searched or
+    its prices."""
+    return dataclasses.replace(strategy, micro_batches=None, sequence_parallel=False)
+
+
 def count_latency(built, strategy, cluster, micro: int, session) -> float:
     """The stage search's seconds per step for ``built`` split into ``micro``
     micro-batches (:func:`~distgraph.passes.search.stages.pipeline.pipeline_latency`);
-    the split program, its accumulation, the stage options that priced it and its plan
-    go into the session's "micro-batch programs" (the options :func:`count_beaten` began
-    are reused)."""
+    the stage options that priced it and its plan go into the session's "micro-batch
+    programs" (the options :func:`count_beaten` began are reused)."""
     programs = session.table("micro-batch programs")
-    known = programs.find(micro)
-    costs = None
-    if known is not None and known[2] is not None:
-        program, accumulation, costs, _ = known
-        prepared = costs.prepared
-    else:
-        program, accumulation = split_in(built, micro, session)
-        prepared = transformed(program, strategy)
+    key = (searched_as(strategy), micro)
+    known = programs.find(key)
+    costs = known[0] if known is not None else None
+    program, accumulation = split_in(built, micro, session)
+    prepared = costs.prepared if costs is not None else transformed(program, strategy)
     seconds, costs, planned = pipeline_latency(prepared, strategy, cluster, accumulation,
                                                _budget(strategy), costs,
-                                               first_searched(programs), session)
-    programs[micro] = (program, accumulation, costs, planned)
+                                               first_searched(programs, strategy), session)
+    programs[key] = (costs, planned)
     return seconds
 
 
@@ -154,26 +162,32 @@ def count_beaten(built, strategy, cluster, micro: int, seconds: float, session) 
     programs = session.table("micro-batch programs")
     program, accumulation = split_in(built, micro, session)
     beaten, costs = pipeline_beaten(transformed(program, strategy), strategy, cluster,
-                                    accumulation, seconds, first_searched(programs),
+                                    accumulation, seconds, first_searched(programs, strategy),
                                     _budget(strategy), session)
     if costs is not None:
-        programs[micro] = (program, accumulation, costs, None)
+        programs[searched_as(strategy), micro] = (costs, None)
     return beaten
 
 
 def split_in(built, micro: int, session) -> tuple:
-    """:func:`~distgraph.passes.prepare.split` of ``built`` into ``micro`` micro-batches,
-    its sample analysis shared with the other counts of ``session``'s planning (table
-    "sample analyses")."""
-    return split(built, micro, SampleAnalyses(session.table("sample analyses")))
+    """:func:`~distgraph.passes.prepare.split` of ``built`` (the one program a planning's
+    session plans) into ``micro`` micro-batches, made once per session (table
+    "micro-batch programs", by M: the split reads no strategy; each use prepares its own
+    copy), its sample analysis shared with the other counts (table "sample analyses")."""
+    return session.table("micro-batch programs").memo(micro, lambda: split(
+        built, micro, SampleAnalyses(session.table("sample analyses"))))
 
 
-def first_searched(programs):
-    """The stage options of the first micro-batch count priced in full (searched, not
-    priced from another count's): the later counts price its layouts on their programs
-    (:mod:`distgraph.passes.search.stages.runs`); None before it."""
-    return next((costs for m, (_, _, costs, planned) in programs.items() if m is not None
-                 and planned is not None and costs is not None and costs.donor is None), None)
+def first_searched(programs, strategy):
+    """The stage options of the first micro-batch count priced in full for ``strategy``'s
+    search (searched, not priced from another count's): the later counts price its
+    layouts on their programs (:mod:`distgraph.passes.search.stages.runs`); None before
+    it."""
+    search = searched_as(strategy)
+    priced = (value for key, value in programs.items()
+              if isinstance(key, tuple) and key[0] == search and key[1] is not None)
+    return next((costs for costs, planned in priced
+                 if planned is not None and costs is not None and costs.donor is None), None)
 
 
 def _budget(strategy):

@@ -153,9 +153,10 @@ def _free_candidates(asked, free, plan_with, applied) -> list:
     on) at one recomputation: the plan with them on, its strategy saying False for a
     saver of ``free`` that changed nothing, then, where sequence parallelism is the
     search's and acted (or did not fit), the plan without it (:func:`with_savers`). A
-    plan with sequence parallelism that the model does not take (a PlanError) is
-    planned without it. Raises the DoesNotFit where the plan with them on does not fit
-    and there is no other."""
+    saver of ``free`` that the model or its layouts do not take (a PlanError: no
+    blocks to split over the sequence, no update on a mesh with ZeRO's dim) is planned
+    without: ZeRO's alone, then sequence parallelism alone, then both. Raises the
+    DoesNotFit where the plan with them on does not fit and there is no other."""
     searched_sp = free.get("sequence_parallel", False)
     without = dataclasses.replace(asked, sequence_parallel=False)
     try:
@@ -164,10 +165,8 @@ def _free_candidates(asked, free, plan_with, applied) -> list:
         if not searched_sp:
             raise
         planned = e
-    except PlanError:
-        if not searched_sp:
-            raise
-        return [(False, plan_with(without))]
+    except PlanError as refused:
+        return _without_refused(asked, free, plan_with, applied, refused)
     if not isinstance(planned, DoesNotFit):
         idle = {s: False for s, acted in applied(planned).items() if s in free and not acted}
         if idle:
@@ -180,6 +179,21 @@ def _free_candidates(asked, free, plan_with, applied) -> list:
     except DoesNotFit as e:
         off = e
     return [(True, planned), (False, off)]
+
+
+def _without_refused(asked, free, plan_with, applied, refused: PlanError) -> list:
+    """:func:`_free_candidates` of ``asked`` with the fewest of ``free``'s savers off
+    that the planner takes (``refused``: its PlanError with them all on, raised where
+    none does)."""
+    on = [s for s in FREE if free.get(s)]
+    for off in [(s,) for s in on] + ([tuple(on)] if len(on) > 1 else []):
+        try:
+            return _free_candidates(dataclasses.replace(asked, **dict.fromkeys(off, False)),
+                                    {s: True for s in on if s not in off}, plan_with, applied)
+        except PlanError as e:
+            if isinstance(e, DoesNotFit):
+                raise
+    raise refused
 
 
 def _said(planned, idle: dict):

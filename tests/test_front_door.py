@@ -101,7 +101,8 @@ def test_a_session_keeps_its_tables_and_counts_what_they_served():
     assert again.strategy.micro_batches == first.strategy.micro_batches
     # walked once: the second round is served the count chosen, its split program and
     # its stage options
-    search = searched_as(dataclasses.replace(strategy, recompute=False))
+    # (keyed by the strategy choose searched: the savers as the planner asks them first)
+    search = searched_as(dataclasses.replace(strategy, recompute=False, sharding=True))
     assert programs[search, None] == first.strategy.micro_batches in programs
     assert (search, first.strategy.micro_batches) in programs
     assert (programs.hits, programs.misses) == (walked[0] + 3, walked[1])

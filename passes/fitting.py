@@ -71,10 +71,14 @@ def with_savers(strategy, cluster, plan_with, replan, applied=None):
       slower and holds fewer bytes. The searches are not exact, though: with it they
       may settle on another layout, slower than the one found without (a GPT of 4
       blocks on 4 CPUs: 7.20 ms against 7.17 ms found). So where it acted in the plan
-      kept, that plan's recomputation is planned once more without it, and the faster
-      that fits is kept: one planning more, not one per recomputation. Where the plan
-      shards no update (no data-parallel dim of size > 1 is left), it says False: the
-      plan is the one off would give.
+      kept and that plan does not recompute, it is planned once more without it, and the
+      faster that fits is kept: one planning more, not one per recomputation. Where the
+      plan kept recomputes, memory binds even with the states split, and the plan
+      without them is not priced: it holds more on every layout, and searching it again
+      under lowered budgets costs more than the planning it would check (GPT-3 175B on
+      40 GB A100s: twice the CPU time). Where the plan shards no update (no
+      data-parallel dim of size > 1 is left), it says False: the plan is the one off
+      would give.
     - Sequence parallelism (``sequence_parallel=None``) is asked on first: it rewrites
       the searched layouts after the search (all-reduces become reduce-scatters and
       all-gathers of the same bytes, the light ops and their activations split), but
@@ -123,7 +127,7 @@ def with_savers(strategy, cluster, plan_with, replan, applied=None):
         asked, error = refused
         raise named_fix(error, asked, replan) from None
     zero_off = None
-    if free.get("sharding") and best.strategy.sharding:
+    if free.get("sharding") and best.strategy.sharding and not best.strategy.recompute:
         best, zero_off = _zero_priced(best, strategy, free, plan_with)
     # sequence parallelism's alternatives were priced with the sharding on
     alternatives = tried.get(best.strategy.recompute) if zero_off is None or \

@@ -36,6 +36,8 @@ _SPELLED = {
                           True: "with sequence parallelism"}}
 # why a choice of these was made with no other value priced (with_savers)
 _UNPRICED = {
+    ("sharding", True): "not planned without: the plan recomputes, memory binds, and without "
+                        "the states split it holds more on every layout",
     ("sharding", False): "no update left to shard over a data-parallel dim",
     ("sequence_parallel", False): "no tensor-parallel region to split"}
 

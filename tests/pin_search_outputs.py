@@ -49,7 +49,8 @@ sys.path.insert(0, os.path.join(HERE, "..", "bench"))
 import distgraph as dg  # noqa: E402
 from distgraph.passes.search.layouts.recursive import solve_recursive  # noqa: E402
 from distgraph.passes.search.stages.run_dp import plan_runs  # noqa: E402
-from distgraph.passes.search.stages.runs import PartCost, RunOption  # noqa: E402
+from distgraph.passes.search.stages.part_cost import PartCost  # noqa: E402
+from distgraph.passes.search.stages.runs import RunOption  # noqa: E402
 
 PINNED = os.path.join(HERE, "data", "search_outputs.json")
 SHARES = (0.8, 0.5, 0.3)                # budgets: shares of the unbudgeted choice's peak

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from distgraph.passes.cost.terms import stage_cost, stage_costs
-from distgraph.passes.search.stages.runs import PartCost
+from distgraph.passes.search.stages.part_cost import PartCost
 from distgraph.units import GB
 
 

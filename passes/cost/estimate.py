@@ -93,8 +93,7 @@ from itertools import combinations
 
 from distgraph.errors import PlanError
 from distgraph.ir import Role
-from distgraph.plan.instructions import keeps_nothing
-from distgraph.passes.cost.held import action_holds, run_order
+from distgraph.passes.cost.held import action_holds, kernels_keep, run_order
 from distgraph.passes.cost.terms import buffers_by_action, held_by_action, in_flight
 from distgraph.passes.cost.prices import (Rings, best_overlap, feed_time, op_comm_time, op_time,
                                           reshard_step_time)
@@ -433,7 +432,7 @@ def _peak_memory(plan, pid, stage, scale: _Scale) -> tuple[int, int, int, int, i
     roles = [op.role for op in plan.program.ops]
     items, item_roles = [], []        # a reshard point's role is the role of its consumer
     item_ops = []                     # the op an item runs before or is
-    kept, sizes = _kept(local, scale)
+    kept, sizes = kernels_keep(local, scale)
     for i, op in enumerate(prog.ops + [None]):
         for point in local.comm_points.get(i, ()):
             items.append((point.reads, point.writes))
@@ -560,32 +559,6 @@ def _peak_memory(plan, pid, stage, scale: _Scale) -> tuple[int, int, int, int, i
                               plan.strategy.virtual_stages) - 1) * saved
         grads += made_now
     return params, states, int(grads), int(acts), int(saved)
-
-
-def _kept(local, scale: _Scale) -> tuple[dict, dict]:
-    """What kernels keep for their gradients beyond any Value (an op's ``saved`` hook:
-    ``moe_ffn``'s routes, rows and activations), as a name live from the op to its
-    gradient: ({op index: (names read, names written)}, {name: bytes}). The runtime
-    keeps them per layer and op (``KernelContext.saved``): the forward writes them and
-    ``<type>_grad`` of the same layer takes them, except where they could never serve
-    that gradient (a recomputed segment's: :func:`~distgraph.plan.instructions.
-    keeps_nothing`, the gradient then recomputes them)."""
-    out: dict = {}
-    sizes: dict = {}
-    keeping_nothing = keeps_nothing(local.program.ops)
-    for i, op in enumerate(local.program.ops):
-        hook = get_op(op.type).saved
-        if hook is not None and i not in keeping_nothing:
-            name = f"{op.layer}@KEPT@{op.type}"
-            ins = [TensorType(v.shape, v.dtype) for v in op.inputs]
-            rows = scale.rows if scale.axis(op.inputs[0].name) is not None else 1.0
-            sizes[name] = hook(op.attrs, local.op_context.get(i, {}), ins) * rows
-            out[i] = ((), (name,))
-        elif op.type.endswith("_grad"):
-            name = f"{op.layer}@KEPT@{op.type[:-len('_grad')]}"
-            if name in sizes:
-                out[i] = ((name,), ())
-    return out, sizes
 
 
 def _combine(plan, processes, update_time, counts) -> Estimate:

@@ -6,7 +6,8 @@ process's schedule with (:mod:`distgraph.passes.cost.estimate`).
 each op runs in, which chunk and action make each value, and the bytes a micro-batch
 keeps from its I to its W under zero bubble (what the deferred weight gradients read);
 :func:`run_order` the order in which one micro-batch runs the program's items (a chunk's
-W after its whole I, wherever the program puts each layer's weight gradient).
+W after its whole I, wherever the program puts each layer's weight gradient);
+:func:`kernels_keep` what kernels keep for their gradients beyond any Value.
 
 Example::
 
@@ -17,7 +18,9 @@ Example::
 from __future__ import annotations
 
 from distgraph.ir import Role
+from distgraph.plan.instructions import keeps_nothing
 from distgraph.plan.kinds import ItemKind
+from distgraph.registry import TensorType, get_op
 
 
 def action_holds(plan, pid: int, local, nbytes) -> tuple:
@@ -85,3 +88,30 @@ def run_order(order, tasks: list, roles: list) -> list:
         at = rank.get(task, at)
         keys.append((at, k))
     return [k for _, k in sorted(keys)]
+
+
+def kernels_keep(local, scale) -> tuple[dict, dict]:
+    """What kernels keep for their gradients beyond any Value (an op's ``saved`` hook:
+    ``moe_ffn``'s routes, rows and activations), as a name live from the op to its
+    gradient: ({op index: (names read, names written)}, {name: bytes}). The runtime
+    keeps them per layer and op (``KernelContext.saved``): the forward writes them and
+    ``<type>_grad`` of the same layer takes them, except where they could never serve
+    that gradient (a recomputed segment's: :func:`~distgraph.plan.instructions.
+    keeps_nothing`, the gradient then recomputes them). ``scale``: the estimate's rows
+    per process (``rows``, and ``axis(name)``: the dim a Value carries samples on)."""
+    out: dict = {}
+    sizes: dict = {}
+    keeping_nothing = keeps_nothing(local.program.ops)
+    for i, op in enumerate(local.program.ops):
+        hook = get_op(op.type).saved
+        if hook is not None and i not in keeping_nothing:
+            name = f"{op.layer}@KEPT@{op.type}"
+            ins = [TensorType(v.shape, v.dtype) for v in op.inputs]
+            rows = scale.rows if scale.axis(op.inputs[0].name) is not None else 1.0
+            sizes[name] = hook(op.attrs, local.op_context.get(i, {}), ins) * rows
+            out[i] = ((), (name,))
+        elif op.type.endswith("_grad"):
+            name = f"{op.layer}@KEPT@{op.type[:-len('_grad')]}"
+            if name in sizes:
+                out[i] = ((name,), ())
+    return out, sizes

@@ -101,44 +101,19 @@ from distgraph.errors import PlanError
 from distgraph.ir import Role
 from distgraph.mesh import ProcessMesh
 from distgraph.passes.cost.boundary import boundary_seconds
-from distgraph.passes.search.layouts.intra_op import (Boundary, accumulating_updates, price,
+from distgraph.passes.search.layouts.intra_op import (Boundary, price,
                                                  search)
 from distgraph.passes.search.stages.block_plans import undominated
+from distgraph.passes.search.stages.part_cost import measure
 from distgraph.passes.search.stages.layers import op_keys, ops_by_layer, same_op
 from distgraph.passes.cost.terms import grid, stage_cost, stage_costs
 from distgraph.passes.pipeline.chunks import forward_chunks
-from distgraph.passes.search.layouts.sharded_states import sharding_dim, writeback_bytes
+from distgraph.passes.search.layouts.sharded_states import sharding_dim
 from distgraph.registry import op_flops
 from distgraph.passes.search.stages.stage_dp import Submesh, logical_mesh
 from distgraph.passes.session import Session
 
 VARIANTS = 4        # the fastest block and up to three of smaller peaks (module docstring)
-
-
-@dataclass(frozen=True)
-class PartCost:
-    """One part of a stage (E, one block, or H) on one logical mesh: seconds per
-    micro-batch, and bytes per device (module docstring). ``buffers``: the part of
-    ``persistent`` that is gradient buffers, which the runtime makes in the first
-    backward; ``forward`` / ``backward``: the working memory beyond ``saved`` over the
-    forward's steps and over the backward's and the update's, without the buffers;
-    ``making``: over the backward's and the update's with the part's own buffers made
-    by then (its first backward). Left out, the three are ``transient`` (and the
-    buffers, none, held from the start as persistent)."""
-
-    time: float
-    persistent: float
-    saved: float
-    transient: float
-    buffers: float = 0.0
-    forward: float | None = None
-    backward: float | None = None
-    making: float | None = None
-
-    def __post_init__(self):
-        for name in ("forward", "backward", "making"):
-            if getattr(self, name) is None:
-                object.__setattr__(self, name, self.transient)
 
 
 @dataclass(frozen=True)
@@ -447,7 +422,7 @@ class RunCosts:
                            loss=self._loss(result.space.ops), boundary=result.boundary,
                            status=result.report.status, zero=sharding_dim(self.strategy),
                            session=self.session)
-            out[part] = (self._measure(priced), priced)
+            out[part] = (measure(priced, self.program, self.weights, self.strategy), priced)
         return out
 
     def _loss(self, ops):
@@ -494,80 +469,8 @@ class RunCosts:
         return Boundary(received=tuple(received), settle=tuple(settle))
 
     def _costed(self, found: dict) -> dict:
-        return {part: (self._measure(result), result) for part, result in found.items()}
-
-    def _measure(self, result) -> PartCost:
-        """Seconds and bytes of a search's choice (module docstring)."""
-        space, problem, choice = result.space, result.problem, result.choice
-        memory = [float(problem.memory[n.index][choice[n.index]]) for n in space.nodes]
-        # parameters, states and (with micro-batches) the gradients' buffers, which the
-        # update nodes' memory holds (intra_op.accumulating_updates)
-        always = {n.index for n in space.nodes if n.is_source and
-                  self.program.values[n.value].persistable}
-        always.update(accumulating_updates(space, self.weights))
-        persistent = sum(memory[i] for i in always)
-        backward = next((t for t, k in enumerate(space.ops)
-                         if self.program.ops[k].role == Role.BACKWARD), None)
-        saved = 0.0
-        if backward and problem.liveness:
-            # live when the backward starts and made before it (as the estimate counts:
-            # not the first backward op's result, nor a gradient received for it)
-            before = set(problem.liveness[backward - 1])
-            saved = sum(memory[i] for i in problem.liveness[backward]
-                        if i in before and i not in always)
-        peak = result.report.peak_memory
-        # Strategy(sharding=True), priced in the search (sharded_states): at an update,
-        # beside what persists, the buffer its ZeRO write-back gathers into
-        writeback = writeback_bytes(result, sharding_dim(self.strategy))
-        transient = max(peak - persistent - saved, writeback, 0.0)
-        if not (backward and problem.liveness):
-            return PartCost(result.report.objective, persistent, saved, transient)
-        return PartCost(result.report.objective, persistent, saved, transient,
-                        *self._phases(result, memory, persistent + saved, backward,
-                                      writeback))
-
-    def _phases(self, result, memory: list, held: float, backward: int,
-                writeback: float) -> tuple:
-        """(buffers, forward, backward, making) of :class:`PartCost` from the choice's
-        liveness: a gradient buffer (an accumulating update's node) is made at the op
-        that makes the gradient it accumulates (the runtime's first add to it), at the
-        backward's start where another part makes it, and is that gradient's array
-        while the gradient is live; ``held``: persistent and saved."""
-        space, problem = result.space, result.problem
-        position = {k: t for t, k in enumerate(space.ops)}
-        made_at: dict = {}
-        of_gradient: dict = {}      # the gradient's node: its buffer's bytes
-        for i in accumulating_updates(space, self.weights):
-            gradient = self.program.ops[space.nodes[i].op].inputs[1].name
-            u = space.producer[gradient][0]
-            t = backward if space.nodes[u].is_source else \
-                max(position.get(space.nodes[u].op, backward), backward)
-            made_at[t] = made_at.get(t, 0.0) + memory[i]
-            of_gradient[u] = of_gradient.get(u, 0.0) + memory[i]
-        # per liveness set at once (a large block has hundreds, each of hundreds of nodes)
-        sets = problem.liveness
-        step = np.repeat(np.arange(len(sets)), [len(live) for live in sets])
-        nodes = np.fromiter((i for live in sets for i in live), dtype=np.intp, count=len(step))
-        adopted = np.zeros(len(memory))
-        adopted[list(of_gradient)] = list(of_gradient.values())
-        beyond = np.bincount(step, np.asarray(memory)[nodes], len(sets)) - held
-        # the runtime takes a buffer's first gradient array as the buffer: one array
-        # while that gradient is live
-        shared = np.bincount(step, adopted[nodes], len(sets))
-        made = np.zeros(len(sets))
-        for t, b in made_at.items():
-            made[t] += b
-        made = np.cumsum(made)
-        back_steps = slice(backward, None)
-        forward = max(float(beyond[:backward].max(initial=0.0)), 0.0)
-        back = max(float(beyond[back_steps].max(initial=0.0)), 0.0)
-        making = max(float((beyond + made - shared)[back_steps].max(initial=0.0)), 0.0)
-        buffers = sum(made_at.values())
-        # the write-back's buffer as the transient counts it, at an update: every
-        # buffer made then
-        if writeback:
-            back, making = max(back, writeback), max(making, writeback + buffers)
-        return buffers, forward, back, making
+        return {part: (measure(result, self.program, self.weights, self.strategy), result)
+                for part, result in found.items()}
 
     def p2p_seconds(self, option) -> float:
         """Seconds per micro-batch a stage of ``option`` between two others spends passing

@@ -1,0 +1,122 @@
+"""One part of a stage priced from its intra-op search's choice (Alpa's stage costs,
+:mod:`~distgraph.passes.search.stages.runs`): seconds per micro-batch, and the bytes a
+device holds for it, persistent, saved for the backward, and working memory, with the
+gradient buffers counted from the backward that makes them (the runtime's first add).
+
+Example::
+
+    cost = measure(result, program, weights, strategy)
+    cost.persistent, cost.saved, cost.transient, cost.making
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from distgraph.ir import Role
+from distgraph.passes.search.layouts.intra_op import accumulating_updates
+from distgraph.passes.search.layouts.sharded_states import sharding_dim, writeback_bytes
+
+
+@dataclass(frozen=True)
+class PartCost:
+    """One part of a stage (E, one block, or H) on one logical mesh: seconds per
+    micro-batch, and bytes per device (module docstring). ``buffers``: the part of
+    ``persistent`` that is gradient buffers, which the runtime makes in the first
+    backward; ``forward`` / ``backward``: the working memory beyond ``saved`` over the
+    forward's steps and over the backward's and the update's, without the buffers;
+    ``making``: over the backward's and the update's with the part's own buffers made
+    by then (its first backward). Left out, the three are ``transient`` (and the
+    buffers, none, held from the start as persistent)."""
+
+    time: float
+    persistent: float
+    saved: float
+    transient: float
+    buffers: float = 0.0
+    forward: float | None = None
+    backward: float | None = None
+    making: float | None = None
+
+    def __post_init__(self):
+        for name in ("forward", "backward", "making"):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, self.transient)
+
+
+
+def measure(result, program, weights, strategy) -> PartCost:
+    """Seconds and bytes of a search's choice (:mod:`~distgraph.passes.search.stages.runs`'s
+    docstring): ``program`` the one searched, ``weights`` the search's weights of each role."""
+    space, problem, choice = result.space, result.problem, result.choice
+    memory = [float(problem.memory[n.index][choice[n.index]]) for n in space.nodes]
+    # parameters, states and (with micro-batches) the gradients' buffers, which the
+    # update nodes' memory holds (intra_op.accumulating_updates)
+    always = {n.index for n in space.nodes if n.is_source and
+              program.values[n.value].persistable}
+    always.update(accumulating_updates(space, weights))
+    persistent = sum(memory[i] for i in always)
+    backward = next((t for t, k in enumerate(space.ops)
+                     if program.ops[k].role == Role.BACKWARD), None)
+    saved = 0.0
+    if backward and problem.liveness:
+        # live when the backward starts and made before it (as the estimate counts:
+        # not the first backward op's result, nor a gradient received for it)
+        before = set(problem.liveness[backward - 1])
+        saved = sum(memory[i] for i in problem.liveness[backward]
+                    if i in before and i not in always)
+    peak = result.report.peak_memory
+    # Strategy(sharding=True), priced in the search (sharded_states): at an update,
+    # beside what persists, the buffer its ZeRO write-back gathers into
+    writeback = writeback_bytes(result, sharding_dim(strategy))
+    transient = max(peak - persistent - saved, writeback, 0.0)
+    if not (backward and problem.liveness):
+        return PartCost(result.report.objective, persistent, saved, transient)
+    return PartCost(result.report.objective, persistent, saved, transient,
+                    *phases(result, weights, program, memory, persistent + saved, backward,
+                                  writeback))
+
+def phases(result, weights, program, memory: list, held: float, backward: int,
+           writeback: float) -> tuple:
+    """(buffers, forward, backward, making) of :class:`PartCost` from the choice's
+    liveness: a gradient buffer (an accumulating update's node) is made at the op
+    that makes the gradient it accumulates (the runtime's first add to it), at the
+    backward's start where another part makes it, and is that gradient's array
+    while the gradient is live; ``held``: persistent and saved."""
+    space, problem = result.space, result.problem
+    position = {k: t for t, k in enumerate(space.ops)}
+    made_at: dict = {}
+    of_gradient: dict = {}      # the gradient's node: its buffer's bytes
+    for i in accumulating_updates(space, weights):
+        gradient = program.ops[space.nodes[i].op].inputs[1].name
+        u = space.producer[gradient][0]
+        t = backward if space.nodes[u].is_source else \
+            max(position.get(space.nodes[u].op, backward), backward)
+        made_at[t] = made_at.get(t, 0.0) + memory[i]
+        of_gradient[u] = of_gradient.get(u, 0.0) + memory[i]
+    # per liveness set at once (a large block has hundreds, each of hundreds of nodes)
+    sets = problem.liveness
+    step = np.repeat(np.arange(len(sets)), [len(live) for live in sets])
+    nodes = np.fromiter((i for live in sets for i in live), dtype=np.intp, count=len(step))
+    adopted = np.zeros(len(memory))
+    adopted[list(of_gradient)] = list(of_gradient.values())
+    beyond = np.bincount(step, np.asarray(memory)[nodes], len(sets)) - held
+    # the runtime takes a buffer's first gradient array as the buffer: one array
+    # while that gradient is live
+    shared = np.bincount(step, adopted[nodes], len(sets))
+    made = np.zeros(len(sets))
+    for t, b in made_at.items():
+        made[t] += b
+    made = np.cumsum(made)
+    back_steps = slice(backward, None)
+    forward = max(float(beyond[:backward].max(initial=0.0)), 0.0)
+    back = max(float(beyond[back_steps].max(initial=0.0)), 0.0)
+    making = max(float((beyond + made - shared)[back_steps].max(initial=0.0)), 0.0)
+    buffers = sum(made_at.values())
+    # the write-back's buffer as the transient counts it, at an update: every
+    # buffer made then
+    if writeback:
+        back, making = max(back, writeback), max(making, writeback + buffers)
+    return buffers, forward, back, making

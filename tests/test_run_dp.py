@@ -13,7 +13,8 @@ import pytest
 
 from distgraph.errors import PlanError
 from distgraph.passes.search.stages.run_dp import _bound, _setup, beats, plan_runs
-from distgraph.passes.search.stages.runs import PartCost, RunOption
+from distgraph.passes.search.stages.part_cost import PartCost
+from distgraph.passes.search.stages.runs import RunOption
 from distgraph.units import GB
 from distgraph.passes.search.stages.stage_dp import StageCost, Submesh, plan_stages
 from distgraph.resources.cluster import Cluster, Device, Link, Machine

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from distgraph.passes.search.stages import run_dp
-from distgraph.passes.search.stages.runs import PartCost, RunOption
+from distgraph.passes.search.stages.part_cost import PartCost
+from distgraph.passes.search.stages.runs import RunOption
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from test_run_dp import random_case  # noqa: E402

@@ -11,7 +11,7 @@ parts.
   :func:`held_by_order`: what the other micro-batches hold, read off a known schedule
   (per chunk, and from I to W under zero bubble);
 - :func:`stage_cost` / :func:`stage_costs`: what a stage of ``[E] + m blocks + [H]``
-  costs from its parts' costs (:class:`~distgraph.passes.search.stages.runs.PartCost`):
+  costs from its parts' costs (:class:`~distgraph.passes.search.stages.part_cost.PartCost`):
   seconds per micro-batch, GB with one micro-batch in flight, GB per further micro-batch
   in flight, and GB with one in flight where every forward runs before the first
   backward (the gradient buffers made in the backward, as the estimate counts them:

@@ -81,8 +81,6 @@ def __getattr__(name: str):
         value = getattr(_importlib.import_module(_PUBLIC[name]), name)
     elif name in _SUBPACKAGES:
         value = _importlib.import_module(f"{__name__}.{name}")
-    elif name.startswith("__"):      # what tools probe for (__wrapped__, __test__)
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     else:
         if name in _INTERNAL_PACKAGES:
             # dg.app.data, dg.resources.cluster, ...: a path into the internals finds
@@ -91,14 +89,24 @@ def __getattr__(name: str):
             # distgraph's own modules do while they are being imported)
             for public in __all__:
                 getattr(_sys.modules[__name__], public)
-        try:
-            value = _importlib.import_module(f"{__name__}.{name}")
-        except ModuleNotFoundError as err:
-            if err.name != f"{__name__}.{name}":
-                raise
-            raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+        value = _submodule(__name__, name)
     setattr(_sys.modules[__name__], name, value)
     return value
+
+
+def _submodule(package: str, name: str):
+    """The submodule ``name`` of ``package``, imported, or AttributeError where there is
+    none. The internal packages' own ``__getattr__`` is this too: where ``import
+    distgraph.app.state`` bound ``dg.app`` before anything public was imported,
+    ``dg.app.data`` is imported when it is read, not missing."""
+    if name.startswith("__"):       # what tools probe for (__wrapped__, __test__)
+        raise AttributeError(f"module {package!r} has no attribute {name!r}")
+    try:
+        return _importlib.import_module(f"{package}.{name}")
+    except ModuleNotFoundError as err:
+        if err.name != f"{package}.{name}":
+            raise
+        raise AttributeError(f"module {package!r} has no attribute {name!r}") from None
 
 
 def __dir__():

@@ -71,6 +71,16 @@ def test_paths_into_submodules_find_what_they_found_before():
                   "assert dg.passes.meshslice.autotune and dg.optim.lr.CosineDecay")
 
 
+def test_paths_into_submodules_work_after_importing_one_of_them_directly():
+    """``import distgraph.app.state`` binds ``dg.app`` before anything public is imported;
+    its other modules are still found as attributes (this order once failed a test file)."""
+    fresh_modules("from distgraph.app.state import HeldState\n"
+                  "import distgraph as dg\n"
+                  "assert dg.app.data.DataLoader and dg.runtime.comm.base\n"
+                  "assert dg.tools.calibrate and dg.resources.cluster.Cluster\n"
+                  "assert not hasattr(dg.app, 'no_such_module')")
+
+
 def test_trace_stays_the_function_once_its_module_is_imported():
     import distgraph.trace as bound   # binds the submodule on the package; reads it back
 

@@ -25,8 +25,8 @@ searched, or a plan of the user's annotations (``auto_mode="semi"``).
   recomputing on the stages that need it only
   (:func:`distgraph.passes.stage_recompute.per_stage`, on this plan's layouts).
 - :func:`named_fix` turns that error into the one the user sees: it plans again with the
-  memory savers the strategy leaves off (more micro-batches chosen by the search,
-  recomputation, ZeRO sharding of the optimizer states, stages) and names the first that
+  memory savers the strategy leaves off (sequence parallelism, more micro-batches chosen
+  by the search, recomputation, ZeRO sharding of the optimizer states, stages) and names the first that
   fits, with its peak, so the fix it names is one that works.
 
 Example::
@@ -352,9 +352,11 @@ def named_fix(error: DoesNotFit, strategy, replan) -> PlanError:
 
 
 def _savers(strategy) -> list:
-    """The strategy changes to try, most likely first: the search choosing the
+    """The strategy changes to try, most likely first: sequence parallelism turned off
+    by the user (the plan's own layouts split; no other search), the search choosing the
     micro-batches (with stages), recomputation, then ZeRO sharding on top of the last."""
     full = strategy.auto_mode == "full"
+    split = [{"sequence_parallel": True}] if strategy.sequence_parallel is False else []
     first = []
     if full and not strategy.pipeline:
         first = [{"pipeline": True, "micro_batches": None}]
@@ -367,7 +369,7 @@ def _savers(strategy) -> list:
             out.append({**first[0], "recompute": True})
     if not strategy.sharding:
         out.append({**out[-1], "sharding": True} if out else {"sharding": True})
-    return out
+    return split + out
 
 
 def _spelled(changes: dict) -> str:

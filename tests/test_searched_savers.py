@@ -144,16 +144,16 @@ def test_with_room_the_search_picks_the_faster_sequence_parallelism(sp_plans):
         plan.explain()
 
 
-@pytest.mark.slow
 def test_where_memory_forces_it_the_search_splits_the_sequence(sp_plans):
     """Just above the sequence-parallel plan's peak: without it nothing fits (the user's
-    False is refused), the search's plan splits the sequence and fits."""
+    False is refused, naming sequence parallelism as the fix), the search's plan splits
+    the sequence and fits."""
     cluster = fast_cluster(1.002 * sp_plans[True].estimate.peak_memory)
     plan = planned(one_sequence_gpt(), cluster, sharding=False)
     assert plan.strategy.sequence_parallel is True and fits(plan, cluster)
     said = note(plan, "sequence_parallel")
     assert [(v, s) for v, _, s in said.others] == [(False, None)]
-    with pytest.raises(DoesNotFit):
+    with pytest.raises(DoesNotFit, match=r"Strategy\(sequence_parallel=True\) makes it fit"):
         planned(one_sequence_gpt(), cluster, sharding=False, sequence_parallel=False)
 
 

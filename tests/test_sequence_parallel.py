@@ -244,3 +244,41 @@ def test_sequence_parallel_keeps_stage_boundaries_whole():
             assert order[op.dist_attr.mesh] == block // 2, (op.type, op.layer)
     kinds = {str(s.kind) for p in plan.reshards() for s in p.steps}
     assert "reduce_scatter" in kinds
+
+
+def test_sequence_parallel_on_searched_stages_keeps_every_op_on_its_stage():
+    """A searched pipeline's annotations (every forward op and activation, as the search
+    writes them) with a stage boundary inside a block, as on GPT-3 at 40 GB: block 1's
+    first norm on stage A, the rest of block 1 on stage B. The pins sequence parallelism
+    releases are the layouts, not the stages: the residual add that reads A's activation
+    and B's dropout stays on B (released whole it took A's mesh, a cycle between the
+    stages the planner refused)."""
+    from distgraph.annotation import OpAnnotation
+    from distgraph.passes.completion.complete import complete
+    from distgraph.passes.transforms.sequence_parallel import sequence_parallel
+
+    stage_a, stage_b = dg.ProcessMesh([0, 1], ["mp"]), dg.ProcessMesh([2, 3], ["mp"])
+    dg.seed(0)
+    model = dg.nn.GPT(vocab_size=64, d_model=32, n_layer=2, n_head=4, max_seq_len=16,
+                      dropout=0.1)
+    for block, mesh in zip(model.blocks, (stage_a, stage_b)):
+        for layer, spec in ((block.attn.qkv, [None, "mp"]), (block.attn.proj, ["mp", None]),
+                            (block.mlp.fc1, [None, "mp"]), (block.mlp.fc2, ["mp", None])):
+            dg.shard_tensor(layer.weight, mesh, spec)
+    tokens = [dg.InputSpec([4, 16], "int64", "tokens")]
+    program = build_program(model, tokens, [dg.InputSpec([4, 16], "int64", "labels")],
+                            dg.nn.CrossEntropyLoss(), dg.optim.SGD(0.1)).program
+    complete(program)
+    forward = [op for op in program.ops if op.role.value == "forward"]
+    stage_of = {id(op): op.dist_attr.mesh for op in forward}
+    ln1 = next(op for op in forward if op.layer == "blocks.1.ln1")
+    assert stage_of[id(ln1)] == stage_a        # the boundary inside block 1
+    for op in forward:                          # the search's annotations
+        op.annotation = OpAnnotation(op.dist_attr.mesh)
+    for v in program.values.values():
+        if v.dist_attr is not None and "@" not in v.name:
+            v.annotation = v.dist_attr
+    assert sequence_parallel(program, searched=True) > 0
+    complete(program)
+    moved = [(op.type, op.layer) for op in forward if op.dist_attr.mesh != stage_of[id(op)]]
+    assert not moved

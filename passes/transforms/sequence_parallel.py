@@ -213,9 +213,12 @@ def _region(program, mesh, m, producer, consumers, searched=False) -> tuple:
 def _released(program: Program, split: set) -> None:
     """Release the search's pins around the activations ``split`` (names) now annotated
     split over the sequence: the light ops reading or making one of them, or its
-    gradient or recomputed copy (``name@...``), lose their op annotation and those copies
-    and gradients their layout, so completion gives the light ops the split layouts
-    (forward and backward) instead of gathering into the search's whole ones; the heavy
+    gradient or recomputed copy (``name@...``), keep only their op annotation's mesh
+    (the stage the search put them on: an op released whole at a stage boundary took
+    the mesh of its first operand, a residual add the stage before its dropout's, and
+    the stages formed a cycle on GPT-3 at 40 GB) and those copies and gradients lose
+    their layout, so completion gives the light ops the split layouts (forward and
+    backward) instead of gathering into the search's whole ones; the heavy
     ops keep theirs, which consume the activation whole, as Megatron-SP's all-gather
     into a matmul does (:func:`_gather_into_heavy_ops`)."""
     def base(v):
@@ -229,7 +232,7 @@ def _released(program: Program, split: set) -> None:
         # dim of each stage was a seventh of GPT-3 175B's planning, profiled)
         if op.annotation is not None and any(
                 base(v) in split for v in (*op.inputs, *op.outputs)) and _light(op):
-            op.annotation = None
+            op.annotation = OpAnnotation(op.annotation.mesh)
         for v in op.outputs:
             if v.name != base(v) and base(v) in split:
                 v.annotation = None

@@ -35,10 +35,12 @@ def built_gpt(batch=BATCH, layers=2):
                          dg.optim.AdamW(0.01))
 
 
-def test_the_ladder_is_the_powers_of_two_that_divide_the_batch():
+def test_the_ladder_is_the_divisors_of_the_batch():
     assert ladder(16) == [1, 2, 4, 8, 16]
-    assert ladder(1536) == [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
-    assert ladder(6) == [1, 2]
+    assert ladder(6) == [1, 2, 3, 6]
+    assert ladder(1) == [1] and ladder(7) == [1, 7]
+    for rows in (1536, 2520, 97, 360):
+        assert ladder(rows) == [r for r in range(1, rows + 1) if rows % r == 0]
 
 
 @pytest.mark.parametrize("stages, fixed", [(4, 0.0), (4, 3.0), (1, 1.0), (8, 0.5)])
@@ -81,7 +83,9 @@ def test_the_plan_runs_the_count_whose_stage_search_is_fastest_around_it():
         prepared, accumulation = prepare(built, asked, k)
         return pipeline_latency(prepared, asked, cluster, accumulation)[0]
 
-    latency = {k: latency(k) for k in (m // 2, m, 2 * m) if k >= 1 and BATCH % k == 0}
+    sizes = ladder(BATCH)           # the counts of the micro-batch sizes either side
+    at = sizes.index(BATCH // m)
+    latency = {BATCH // r: latency(BATCH // r) for r in sizes[max(at - 1, 0):at + 2]}
     assert latency[m] <= min(latency.values())
 
 

@@ -10,11 +10,14 @@ itself (:func:`distgraph.passes.search.stages.pipeline_latency`: stages, submesh
 layouts chosen for the micro-batch program of M, by the method that prices the DP's
 candidates, ``"recursive"`` under ``search="auto"``), and the least latency wins.
 
-**Candidates.** The batch of B rows split into micro-batches of r rows, r a power of
-two dividing B. The walk starts at the r closest below B / (machines of the cluster):
-a micro-batch that every machine could hold a share of, as Megatron's micro-batch of
-one sequence per data-parallel replica is. It then moves to the neighbouring r (twice
-or half as many rows) while the latency falls; so it prices three candidates where the
+**Candidates.** The batch of B rows split into micro-batches of r rows, r any divisor
+of B: the replicas of a stage split a micro-batch's rows, so r = 9 lets 9 replicas
+take one sequence each, as Megatron's 530B run does (2,520 GPUs as 35 stages of 9 x
+8; with powers of two only, its meshes of 5 or 7 nodes replicated work, at half the
+published layout's throughput). The walk starts at the r closest below B / (machines
+of the cluster): a micro-batch that every machine could hold a share of, as Megatron's
+micro-batch of one sequence per data-parallel replica is. It then moves to the next
+divisor either way while the latency falls; so it prices three candidates where the
 start is best. A candidate no plan fits (memory) costs infinity.
 
 **Bounds before prices.** A neighbour is first bounded: its stage DP on the fastest
@@ -69,12 +72,9 @@ def batch_rows(built) -> int:
 
 
 def ladder(rows: int) -> list:
-    """Micro-batch sizes r (rows): the powers of two dividing ``rows``, ascending."""
-    out, r = [], 1
-    while rows % r == 0 and r <= rows:
-        out.append(r)
-        r *= 2
-    return out
+    """Micro-batch sizes r (rows): the divisors of ``rows``, ascending."""
+    small = [r for r in range(1, math.isqrt(rows) + 1) if rows % r == 0]
+    return sorted(set(small) | {rows // r for r in small})
 
 
 def choose_micro_batches(built, strategy, cluster, latency, beaten=None) -> int:
@@ -88,7 +88,8 @@ def choose_micro_batches(built, strategy, cluster, latency, beaten=None) -> int:
     rows = batch_rows(built)
     sizes = ladder(rows)
     machines = max(len(cluster.machines), 1) if cluster is not None else 1
-    start = max(i for i, r in enumerate(sizes) if r <= max(rows // machines, 1))
+    start = max(i for i, r in enumerate(sizes)
+                if r <= max(rows // machines, 1) and r & (r - 1) == 0)
     priced: dict = {}
 
     def cost(i, below=math.inf):

@@ -13,12 +13,15 @@ candidates, ``"recursive"`` under ``search="auto"``), and the least latency wins
 **Candidates.** The batch of B rows split into micro-batches of r rows, r any divisor
 of B: the replicas of a stage split a micro-batch's rows, so r = 9 lets 9 replicas
 take one sequence each, as Megatron's 530B run does (2,520 GPUs as 35 stages of 9 x
-8; with powers of two only, its meshes of 5 or 7 nodes replicated work, at half the
-published layout's throughput). The walk starts at the r closest below B / (machines
-of the cluster): a micro-batch that every machine could hold a share of, as Megatron's
-micro-batch of one sequence per data-parallel replica is. It then moves to the next
-divisor either way while the latency falls; so it prices three candidates where the
-start is best. A candidate no plan fits (memory) costs infinity.
+8; with powers of two only, its meshes of 5 nodes replicated work, at half the
+published layout's throughput). The walk starts at the power of two closest below B /
+(machines of the cluster): a micro-batch that every machine could hold a share of, as
+Megatron's micro-batch of one sequence per data-parallel replica is. It then moves to
+the next divisor either way while the latency falls; so it prices three candidates
+where the start is best. The walk is local and the counts after the first are priced
+on its layouts, so the start decides where it ends: on GPT-3 (B = 1,536 on 128
+machines) starting at 12 ended at 128 micro-batches, 196 TFLOP/s, and starting at 8
+at 192, 222. A candidate no plan fits (memory) costs infinity.
 
 **Bounds before prices.** A neighbour is first bounded: its stage DP on the fastest
 options with the devices' memory unlimited (the memory variants can only make the

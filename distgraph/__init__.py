@@ -96,9 +96,12 @@ def __getattr__(name: str):
 
 def _submodule(package: str, name: str):
     """The submodule ``name`` of ``package``, imported, or AttributeError where there is
-    none. The internal packages' own ``__getattr__`` is this too: where ``import
-    distgraph.app.state`` bound ``dg.app`` before anything public was imported,
-    ``dg.app.data`` is imported when it is read, not missing."""
+    none. The application's packages (``distgraph.app``, ``distgraph.tools``) have
+    this as their own ``__getattr__``: where ``import distgraph.app.state`` bound
+    ``dg.app`` before anything public was imported, ``dg.app.data`` is imported when it
+    is read, not missing. The lower layers may not import the facade
+    (``tests/test_layering.py``), so ``dg.runtime.<module>`` is found as Python finds
+    it: once something imported it."""
     if name.startswith("__"):       # what tools probe for (__wrapped__, __test__)
         raise AttributeError(f"module {package!r} has no attribute {name!r}")
     try:

@@ -26,8 +26,8 @@ searched, or a plan of the user's annotations (``auto_mode="semi"``).
   (:func:`distgraph.passes.stage_recompute.per_stage`, on this plan's layouts).
 - :func:`named_fix` turns that error into the one the user sees: it plans again with the
   memory savers the strategy leaves off (sequence parallelism, more micro-batches chosen
-  by the search, recomputation, ZeRO sharding of the optimizer states, stages) and names the first that
-  fits, with its peak, so the fix it names is one that works.
+  by the search, recomputation, ZeRO sharding of the optimizer states, stages) and names
+  the first that fits, with its peak, so the fix it names is one that works.
 
 Example::
 

@@ -174,3 +174,29 @@ def test_counts_share_their_search_costs_and_price_as_fresh_ones():
     again = dg.passes.plan(built, chosen.strategy, cluster, ranks=())
     assert chosen.estimate.step_time == again.estimate.step_time
     assert chosen.search.layouts == again.search.layouts
+
+
+def test_a_count_priced_on_another_counts_searches_plans_no_slower_than_priced():
+    # a count's own searches look first on the meshes whose x divides its micro-batch's
+    # rows, so another count's searches may price it faster than they do (Llama 3 405B
+    # at one sequence per micro-batch: 434 against 132 TFLOP/s); the count was chosen on
+    # that price, so its plan keeps the priced stages where its fresh search is slower.
+    # Oracle: the latencies of the count searched alone and priced from a donor
+    from distgraph.passes.search import choose
+
+    built, cluster = built_gpt(batch=4, layers=4), S.line_cluster(8, bandwidth=1.0)
+    strategy = dg.Strategy(auto_mode="full", pipeline=True, micro_batches=2,
+                           search="recursive", recompute=False, sharding=True)
+    alone = count_latency(built, strategy, cluster, 2, Session())
+    session = Session()
+    count_latency(built, dataclasses.replace(strategy, micro_batches=4), cluster, 4, session)
+    priced = count_latency(built, strategy, cluster, 2, session)
+    assert session.table("micro-batch programs")[searched_as(strategy), 2][0].donor is not None
+    assert priced < alone               # the case this test is about
+    choice = choose(built, strategy, cluster, session=session)
+    assert choice.result.report.objective == priced
+    plan = dg.passes.plan(built, choice=choice, cluster=cluster, ranks=())
+    assert plan.micro_batches == 2 and plan.search.objective == priced
+    # and where the fresh search is the faster, the plan is the fresh one
+    fresh = choose(built, strategy, cluster, session=Session())
+    assert fresh.result.report.objective == alone

@@ -258,9 +258,8 @@ def plan_pipeline(prepared, strategy, cluster, accumulation, memory_budget=None,
     layering = block_layers(program, prepared.block_paths)
     if layering is not None:
         if runs is not None and runs.donor is not None:
-            # priced with another count's searches: searched afresh, on the prices planned
-            runs, planned = RunCosts(prepared, strategy, cluster, layering, micro,
-                                     session=session), None
+            runs, planned = _afresh(prepared, strategy, cluster, layering, micro, capped,
+                                    memory_budget, runs, planned, session)
         costs = runs or RunCosts(prepared, strategy, cluster, layering, micro, session=session)
         if planned is None or planned[0] != memory_budget:
             planned = memory_budget, plan_blocks(costs, capped, micro, _virtual(strategy))
@@ -334,6 +333,29 @@ def pipeline_beaten(prepared, strategy, cluster, accumulation, latency: float,
     found = plan_blocks(costs, capped, micro_batches=micro, virtual=_virtual(strategy),
                         below=latency)
     return found is None, costs
+
+
+def _afresh(prepared, strategy, cluster, layering, micro, capped, memory_budget, runs,
+            planned, session) -> tuple:
+    """(RunCosts, (``memory_budget``, stage plan)) for a count priced with another count's
+    searches (``runs``, its donor's: :mod:`~distgraph.passes.search.stages.micro`): searched
+    afresh, and the priced plan kept where the fresh search finds none as fast. The
+    searches of one count look for the layouts of the micro-batch they split (a mesh's
+    ``x`` dividing its rows, first), so another count's may price faster here (Llama 3
+    405B at one sequence per micro-batch: the sequence split over 64 devices that a
+    micro-batch of two sequences found); the count was chosen on that price, and its
+    plan is at least as fast."""
+    fresh = RunCosts(prepared, strategy, cluster, layering, micro, session=session)
+    priced = planned[1] if planned is not None and planned[0] == memory_budget else None
+    try:
+        mine = plan_blocks(fresh, capped, micro, _virtual(strategy))
+    except PlanError:
+        if priced is None:
+            raise
+        return runs, planned
+    if priced is not None and priced[0].objective < mine[0].objective:
+        return runs, planned
+    return fresh, (memory_budget, mine)
 
 
 def _plan_runs(prepared, strategy, cluster, capped, costs, start, planned) -> PipelineChoice:

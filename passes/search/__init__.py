@@ -28,7 +28,7 @@ most these tables; the search's report (``Plan.search``) lists what each held an
 
 | table | key | value | kept by |
 |---|---|---|---|
-| micro-batch programs | M; (search, M); (search, None) | M's split program and accumulation; its RunCosts and (budget, stage plan) for a search; the count chosen | ``stages/micro.py`` |
+| micro-batch programs | M; (search, M); (search, None, budget) | M's split program and accumulation; its RunCosts and (budget, stage plan) for a search; the count chosen within a budget | ``stages/micro.py`` |
 | sample analyses | (program, feeds, dim) | the completion on samples the other counts' splits replay | ``passes/samples.py`` |
 | stage options | (RunCosts, logical mesh); (_StageCosts, layers, submesh) | its fastest parts and memory variants; a stage's cost and search | ``stages/runs.py``, ``pipeline.py`` |
 | mesh searches | (RunCosts, kind of mesh) | the searches others are priced from (a donor's) | ``stages/runs.py`` |
@@ -126,13 +126,15 @@ def choose(built, strategy, cluster, budget: float | None = None,
     if strategy.sharding is None:
         strategy = dataclasses.replace(strategy, sharding=True)
     # M -> (program, accumulation); (search, M) -> (RunCosts, (budget, stage plan));
-    # (search, None) -> the count chosen (stages/micro.py)
+    # (search, None, budget) -> the count chosen within budget (stages/micro.py): where
+    # the planner lowers the budget (passes/fitting.py) the counts are weighed again
+    # under it, since what fits reorders them
     programs = session.table("micro-batch programs")
     search = searched_as(strategy)
     micro = strategy.micro_batches
     if micro is None:
-        micro = programs.memo((search, None),
-                              lambda: searched_count(built, strategy, cluster, session))
+        micro = programs.memo((search, None, budget), lambda: searched_count(
+            built, strategy, cluster, session, budget))
     asked = dataclasses.replace(strategy, micro_batches=micro)
     program, accumulation = split_in(built, micro, session)
     costs, planned = programs.find((search, micro)) or (None, None)

@@ -18,10 +18,16 @@ published layout's throughput). The walk starts at the power of two closest belo
 (machines of the cluster): a micro-batch that every machine could hold a share of, as
 Megatron's micro-batch of one sequence per data-parallel replica is. It then moves to
 the next divisor either way while the latency falls; so it prices three candidates
-where the start is best. The walk is local and the counts after the first are priced
-on its layouts, so the start decides where it ends: on GPT-3 (B = 1,536 on 128
-machines) starting at 12 ended at 128 micro-batches, 196 TFLOP/s, and starting at 8
-at 192, 222. A candidate no plan fits (memory) costs infinity.
+where the start is best. The counts after the first are priced on its layouts, so the
+start matters: on GPT-3 (B = 1,536 on 128 machines) starting at 12 ended at 128
+micro-batches, 196 TFLOP/s, and starting at 8 at 192, 222. The latency is not unimodal
+in M, though: where memory binds, a few large micro-batches fit only on few wide stages
+and the next counts not at all, while one sequence per micro-batch fits on many narrow
+ones (Korthikanti's 1T on 512 A100s: 64 stages of one node at 512 micro-batches, as
+Megatron ran it). So a second walk starts at the other end, one row per micro-batch
+(the least memory per micro-batch in flight, the most micro-batches), where that is
+not bounded off by the first walk's best, and the better end wins. A candidate no plan
+fits (memory) costs infinity.
 
 **Bounds before prices.** A neighbour is first bounded: its stage DP on the fastest
 options with the devices' memory unlimited (the memory variants can only make the
@@ -36,12 +42,20 @@ a neighbour is priced in full only where it has one.
 layouts on their own programs (the same ops, other batch shapes) and search only where
 those do not divide their micro-batch (:mod:`distgraph.passes.search.stages.runs`, donors): a
 count is compared by those prices and its bound, and the count chosen, if not the
-first, is searched afresh for the plan.
+first, is searched afresh for the plan (the priced plan kept where that is slower).
+
+**Within the budget in force.** The counts are priced within the planner's memory
+budget. Where a plan's estimate overflows the devices, the planner searches again under
+a lower budget (:func:`~distgraph.passes.fitting.fitting`), and the counts are weighed
+again under it: what fits reorders them (Korthikanti's 1T on 512 A100s: 64 micro-batches
+priced at 112 s per step within the devices' memory, but 295 s once held to what
+fits).
 
 The counts priced keep their split program and accumulation, their stage options and
 stage plan in the planning's session, table "micro-batch programs": M -> (program,
 accumulation), the split, which no strategy changes; (search, M) -> (RunCosts, (memory
-budget, stage plan)) and (search, None) -> the count chosen, ``search`` the strategy as
+budget, stage plan)) and (search, None, budget) -> the count chosen within budget
+(bytes; None: the strategy's or the devices'), ``search`` the strategy as
 the search reads it (:func:`searched_as`: what the stage options depend on). The plan of
 the count chosen reuses them, and the plannings of one ``plan`` call that weigh other
 recomputations (:func:`~distgraph.passes.fitting.with_savers`) split each count once.
@@ -94,6 +108,7 @@ def choose_micro_batches(built, strategy, cluster, latency, beaten=None) -> int:
     start = max(i for i, r in enumerate(sizes)
                 if r <= max(rows // machines, 1) and r & (r - 1) == 0)
     priced: dict = {}
+    bounded: set = set()        # shown no faster than a best so far (so than every later)
 
     def cost(i, below=math.inf):
         """M's latency, or ``below`` where the bound shows it is no less."""
@@ -101,6 +116,7 @@ def choose_micro_batches(built, strategy, cluster, latency, beaten=None) -> int:
             m = rows // sizes[i]
             asked = dataclasses.replace(strategy, micro_batches=m)
             if math.isfinite(below) and beaten is not None and beaten(built, asked, m, below):
+                bounded.add(i)
                 return below
             try:
                 priced[i] = latency(built, asked, m)
@@ -108,13 +124,22 @@ def choose_micro_batches(built, strategy, cluster, latency, beaten=None) -> int:
                 priced[i] = math.inf
         return priced[i]
 
-    best = start
-    for step in (-1, 1):                # towards smaller micro-batches, then larger
-        i = best + step
-        while 0 <= i < len(sizes) and cost(i, cost(best)) < cost(best):
-            best, i = i, i + step
-        if best != start:
-            break
+    def walk(best):
+        """The local walk from ``best``: towards smaller micro-batches, then larger."""
+        first = best
+        for step in (-1, 1):
+            i = best + step
+            while 0 <= i < len(sizes) and cost(i, cost(best)) < cost(best):
+                best, i = i, i + step
+            if best != first:
+                break
+        return best
+
+    best = walk(start)
+    # the other end: one row per micro-batch, first bounded against the best so far;
+    # where it beats it, a walk from there
+    if 0 not in priced and 0 not in bounded and cost(0, cost(best)) < cost(best):
+        best = min(best, walk(0), key=cost)
     if math.isinf(cost(best)):
         raise DoesNotFit(f"Strategy(micro_batches=None): no plan fits the devices' memory with "
                         f"any of the micro-batch counts tried "
@@ -122,13 +147,14 @@ def choose_micro_batches(built, strategy, cluster, latency, beaten=None) -> int:
     return rows // sizes[best]
 
 
-def searched_count(built, strategy, cluster, session) -> int:
+def searched_count(built, strategy, cluster, session, budget=None) -> int:
     """:func:`choose_micro_batches` with each count priced by the stage search
-    (:func:`count_latency`, :func:`count_beaten`) within ``session``."""
+    (:func:`count_latency`, :func:`count_beaten`) within ``session``, under ``budget``
+    bytes per device (None: the strategy's, else the devices' memory)."""
     return choose_micro_batches(
         built, strategy, cluster,
-        lambda b, s, m: count_latency(b, s, cluster, m, session),
-        lambda b, s, m, seconds: count_beaten(b, s, cluster, m, seconds, session))
+        lambda b, s, m: count_latency(b, s, cluster, m, session, budget),
+        lambda b, s, m, seconds: count_beaten(b, s, cluster, m, seconds, session, budget))
 
 
 def searched_as(strategy):
@@ -140,11 +166,12 @@ def searched_as(strategy):
     return dataclasses.replace(strategy, micro_batches=None, sequence_parallel=False)
 
 
-def count_latency(built, strategy, cluster, micro: int, session) -> float:
+def count_latency(built, strategy, cluster, micro: int, session, budget=None) -> float:
     """The stage search's seconds per step for ``built`` split into ``micro``
-    micro-batches (:func:`~distgraph.passes.search.stages.pipeline.pipeline_latency`);
-    the stage options that priced it and its plan go into the session's "micro-batch
-    programs" (the options :func:`count_beaten` began are reused)."""
+    micro-batches (:func:`~distgraph.passes.search.stages.pipeline.pipeline_latency`),
+    within ``budget`` bytes per device (None: the strategy's, else the devices'
+    memory); the stage options that priced it and its plan go into the session's
+    "micro-batch programs" (the options :func:`count_beaten` began are reused)."""
     programs = session.table("micro-batch programs")
     key = (searched_as(strategy), micro)
     known = programs.find(key)
@@ -152,22 +179,24 @@ def count_latency(built, strategy, cluster, micro: int, session) -> float:
     program, accumulation = split_in(built, micro, session)
     prepared = costs.prepared if costs is not None else transformed(program, strategy)
     seconds, costs, planned = pipeline_latency(prepared, strategy, cluster, accumulation,
-                                               _budget(strategy), costs,
+                                               _budget(strategy, budget), costs,
                                                first_searched(programs, strategy), session)
     programs[key] = (costs, planned)
     return seconds
 
 
-def count_beaten(built, strategy, cluster, micro: int, seconds: float, session) -> bool:
+def count_beaten(built, strategy, cluster, micro: int, seconds: float, session,
+                 budget=None) -> bool:
     """Whether the stage search finds no plan of ``micro`` micro-batches below
-    ``seconds`` per step (its bound, then its search below ``seconds``:
-    :func:`~distgraph.passes.search.stages.pipeline.pipeline_beaten`); the stage options
-    it searched go into the session as :func:`count_latency`'s do."""
+    ``seconds`` per step within ``budget`` (as :func:`count_latency`'s: its bound, then
+    its search below ``seconds``: :func:`~distgraph.passes.search.stages.pipeline.
+    pipeline_beaten`); the stage options it searched go into the session as
+    :func:`count_latency`'s do."""
     programs = session.table("micro-batch programs")
     program, accumulation = split_in(built, micro, session)
     beaten, costs = pipeline_beaten(transformed(program, strategy), strategy, cluster,
                                     accumulation, seconds, first_searched(programs, strategy),
-                                    _budget(strategy), session)
+                                    _budget(strategy, budget), session)
     if costs is not None:
         programs[searched_as(strategy), micro] = (costs, None)
     return beaten
@@ -194,5 +223,10 @@ def first_searched(programs, strategy):
                  if planned is not None and costs is not None and costs.donor is None), None)
 
 
-def _budget(strategy):
+def _budget(strategy, budget=None):
+    """Bytes per device the counts are priced within: ``budget`` (the planner's, which
+    lowers the strategy's where a plan's estimate overflowed it), else the strategy's;
+    None: the devices' memory."""
+    if budget is not None:
+        return budget
     return None if strategy.memory_budget_gb is None else strategy.memory_budget_gb * GB

@@ -191,13 +191,17 @@ def count_beaten(built, strategy, cluster, micro: int, seconds: float, session,
     ``seconds`` per step within ``budget`` (as :func:`count_latency`'s: its bound, then
     its search below ``seconds``: :func:`~distgraph.passes.search.stages.pipeline.
     pipeline_beaten`); the stage options it searched go into the session as
-    :func:`count_latency`'s do."""
+    :func:`count_latency`'s do (and those a count has there are reused: the bound of
+    another budget's walk prices nothing again)."""
     programs = session.table("micro-batch programs")
+    known = programs.find((searched_as(strategy), micro))
+    costs = known[0] if known is not None else None
     program, accumulation = split_in(built, micro, session)
-    beaten, costs = pipeline_beaten(transformed(program, strategy), strategy, cluster,
-                                    accumulation, seconds, first_searched(programs, strategy),
-                                    _budget(strategy, budget), session)
-    if costs is not None:
+    prepared = costs.prepared if costs is not None else transformed(program, strategy)
+    beaten, costs = pipeline_beaten(prepared, strategy, cluster, accumulation, seconds,
+                                    first_searched(programs, strategy),
+                                    _budget(strategy, budget), session, costs)
+    if costs is not None and known is None:
         programs[searched_as(strategy), micro] = (costs, None)
     return beaten
 

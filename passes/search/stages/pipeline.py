@@ -310,7 +310,8 @@ def pipeline_latency(prepared, strategy, cluster, accumulation, memory_budget=No
 
 
 def pipeline_beaten(prepared, strategy, cluster, accumulation, latency: float,
-                    donor=None, memory_budget=None, session: Session | None = None) -> tuple:
+                    donor=None, memory_budget=None, session: Session | None = None,
+                    costs=None) -> tuple:
     """(True where the stage search finds no plan of ``prepared`` below ``latency`` seconds
     per step; the RunCosts it priced, for :func:`pipeline_latency`, or None). First the
     bound :mod:`distgraph.passes.search.stages.micro` prunes with: the stage DP on each logical
@@ -318,13 +319,14 @@ def pipeline_beaten(prepared, strategy, cluster, accumulation, latency: float,
     out, the stage search itself looking below ``latency`` only (its caps pruned by it,
     memory variants searched only for meshes whose alike stages beat it:
     :func:`~distgraph.passes.search.stages.block_plans.plan_blocks`). Programs not of identical
-    blocks are not bounded: False. ``donor`` / ``session``: as :func:`pipeline_latency`'s;
-    ``memory_budget``: bytes per device (None: the devices' memory)."""
+    blocks are not bounded: False. ``donor`` / ``session`` / ``costs``: as
+    :func:`pipeline_latency`'s; ``memory_budget``: bytes per device (None: the devices'
+    memory)."""
     layering = block_layers(prepared.program, prepared.block_paths)
     if layering is None:
         return False, None
     micro = accumulation.micro_batches if accumulation is not None else 1
-    costs = RunCosts(prepared, strategy, cluster, layering, micro, donor, session)
+    costs = costs or RunCosts(prepared, strategy, cluster, layering, micro, donor, session)
     fastest = costs.options(variants=False)
     if not beats(latency, layering.count, layering.blocks, fastest, cluster, micro,
                  fit_memory=False):

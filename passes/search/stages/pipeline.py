@@ -243,9 +243,9 @@ def plan_pipeline(prepared, strategy, cluster, accumulation, memory_budget=None,
     ``memory_budget``: bytes per device (None: the devices' memory); ``runs`` /
     ``planned``: the RunCosts :func:`pipeline_latency` made for a copy built the same
     way and the stage plan it priced (its searches are reused, and its plan where made
-    within ``memory_budget``; where another count's lent it prices, only its
-    session's prices); ``session``: the planning's (a fresh one by default), where what
-    the search works out is kept."""
+    within ``memory_budget``; where another count's lent it prices, searched afresh and
+    that plan kept where faster: :func:`_afresh`); ``session``: the planning's (a fresh
+    one by default), where what the search works out is kept."""
     start = time.perf_counter()
     session = session or (runs.session if runs is not None else Session())
     if cluster is None:

@@ -62,7 +62,9 @@ search prices that search's variants too (:meth:`RunCosts._smaller_parts`).
 **Seeds.** The micro-batch counts :mod:`distgraph.passes.search.stages.micro` compares have the
 same ops and Value names. The first is searched; the later ones (``donor=`` its RunCosts)
 price its searches on their own programs, searching only where a layout does not divide
-their micro-batch. A count priced so is searched afresh once chosen.
+their micro-batch. A count priced so is searched afresh once chosen, and its priced plan
+kept where the fresh search's is slower (:func:`~distgraph.passes.search.stages.
+pipeline.plan_pipeline`).
 
 **The session.** What a RunCosts works out is kept in its planning's session (its donor's
 by default; :mod:`distgraph.passes.session`): "stage options" per RunCosts and logical

@@ -97,13 +97,13 @@ def test_a_session_keeps_its_tables_and_counts_what_they_served():
     first = choose(built, strategy, cluster, session=session)
     programs = session.table("micro-batch programs")
     walked = programs.hits, programs.misses
-    again = choose(built, strategy, cluster, session=session)       # a budget round
+    again = choose(built, strategy, cluster, session=session)       # the same budget
     assert again.strategy.micro_batches == first.strategy.micro_batches
-    # walked once: the second round is served the count chosen, its split program and
-    # its stage options
+    # walked once: the second round is served the count chosen (within its budget, None:
+    # the devices' memory), its split program and its stage options
     # (keyed by the strategy choose searched: the savers as the planner asks them first)
     search = searched_as(dataclasses.replace(strategy, recompute=False, sharding=True))
-    assert programs[search, None] == first.strategy.micro_batches in programs
+    assert programs[search, None, None] == first.strategy.micro_batches in programs
     assert (search, first.strategy.micro_batches) in programs
     assert (programs.hits, programs.misses) == (walked[0] + 3, walked[1])
     assert str(session).startswith(f"memo tables: micro-batch programs {len(programs)} "

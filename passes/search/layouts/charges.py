@@ -42,6 +42,28 @@ def accumulating_updates(space, weights: dict) -> list:
             and program.ops[n.op].inputs[0].is_parameter]
 
 
+def gradient_buffers(space, weights: dict) -> dict:
+    """{accumulating update node: the node whose memory holds its gradient's buffer}.
+    The runtime accumulates a gradient as the backward makes it: it takes the first
+    micro-batch's array as the buffer, and the update reshards the sum to its layout
+    once a step. So where the op making the gradient makes nothing but such gradients
+    (a weight's matmul, a bias's sum), that op's node holds the buffer, in the layout
+    it is made in (a sum pending over a mesh dim is whole there); else (a gradient
+    received from another part, or made beside an input's gradient, as layer_norm's)
+    the update's node holds it, in the layout the update reads it in."""
+    program, nodes = space.program, space.nodes
+    updates = accumulating_updates(space, weights)
+    gradient = {i: program.ops[nodes[i].op].inputs[1].name for i in updates}
+    accumulated = set(gradient.values())
+    held = {}
+    for i, name in gradient.items():
+        u = space.producer[name][0]
+        alone = not nodes[u].is_source and all(
+            o.alias_of or o.name in accumulated for o in program.ops[nodes[u].op].outputs)
+        held[i] = u if alone else i
+    return held
+
+
 class Charges:
     """The terms of ``space``'s nodes on ``costs`` (module docstring); ``targets``
     ({leaving Value: spec}) and ``tied`` ({leaving Value: received Value}): the
@@ -51,7 +73,7 @@ class Charges:
         self.space, self.costs, self.weights = space, costs, weights
         self.targets, self.tied = targets, tied
         self.feeds = {v.name for v in space.program.inputs}
-        self.buffers = set(accumulating_updates(space, weights))
+        self.buffers = gradient_buffers(space, weights)
         self.keeping_nothing = space.keeping_nothing
 
     def source(self, node, strategies) -> tuple:
@@ -95,7 +117,7 @@ class Charges:
         kept_types = [op.outputs[j].dtype for j in kept]
         own = [float(local_bytes([s.out_local_shapes[j] for j in kept], kept_types))
                for s in strategies]
-        if node.index in self.buffers:      # the gradient's buffer, in the update's layout
+        if self.buffers.get(node.index) == node.index:  # its gradient's buffer, in its layout
             own = [x + local_bytes([s.in_local_shapes[1]], [op.inputs[1].dtype])
                    for x, s in zip(own, strategies)]
         if node.op in self.keeping_nothing:
@@ -237,10 +259,11 @@ def _aliased(space, node):
                 yield s_node, j
 
 
-def _liveness(space, buffers):
+def _liveness(space, buffers: dict):
     """The liveness sets of ``space``, checked (found again for each problem: cheaper
-    than the pricing that asks for them)."""
-    return checked_liveness(live_sets(space, buffers), len(space.nodes))
+    than the pricing that asks for them); ``buffers``: :func:`gradient_buffers`'s."""
+    always = sorted(set(buffers) | set(buffers.values()))
+    return checked_liveness(live_sets(space, always), len(space.nodes))
 
 
 def _tie_classes(nodes, share) -> list:

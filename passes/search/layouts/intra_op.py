@@ -28,7 +28,9 @@ The problem (:class:`~distgraph.passes.search.layouts.ilp_problem.ShardingProble
 - **memory** (with ``memory_budget`` bytes): every live result at each op of the
   program order (parameters and states always, split as ZeRO over ``zero`` will) within
   the budget, and what an op keeps for its gradient beyond its results (``saved``:
-  moe_ffn's routes). Reshard buffers are not counted (they depend on two choices):
+  moe_ffn's routes); with micro-batches each gradient's buffer, always, in the layout
+  the backward makes it in (:func:`~distgraph.passes.search.layouts.charges.
+  gradient_buffers`). Reshard buffers are not counted (they depend on two choices):
   the planner checks the estimate (:mod:`distgraph.passes.fitting`), searching again with less.
 
 The objective is the estimate (:func:`distgraph.passes.estimate`) of the plan the
@@ -57,8 +59,7 @@ from distgraph.ir import Role
 from distgraph.mesh import ProcessMesh
 from distgraph.passes.samples import sample_axes
 from distgraph.units import fmt_bytes
-from distgraph.passes.search.layouts.charges import (  # noqa: F401 (accumulating_updates: runs')
-    accumulating_updates, build_problem, fixed_problem)
+from distgraph.passes.search.layouts.charges import build_problem, fixed_problem
 from distgraph.passes.cost.layout_prices import LayoutPrices, layout_prices
 from distgraph.passes.search.layouts.ilp import Solution, solve
 from distgraph.passes.search.layouts.ilp_problem import ShardingProblem, evaluate, peak_memory

@@ -22,11 +22,11 @@ def live_sets(space, buffers=()) -> list:
     consumer), op results from their op to their last use, and an op that keeps what
     its gradient needs beyond its results (``saved``: moe_ffn) until that gradient
     (``<type>_grad``), unless it could never serve it
-    (:func:`~distgraph.plan.instructions.keeps_nothing`). With ``buffers`` (update
-    nodes whose memory holds their gradient's buffer, :func:`~distgraph.passes.search.
-    intra_op.accumulating_updates`) those nodes are live always and, as the runtime
-    adds each micro-batch's gradient to its buffer as it is made, an update's read ends
-    no earlier op's result's life."""
+    (:func:`~distgraph.plan.instructions.keeps_nothing`). With ``buffers`` (the
+    accumulating updates and the nodes holding their gradients' buffers,
+    :func:`~distgraph.passes.search.layouts.charges.gradient_buffers`) those nodes are
+    live always and, as the runtime adds each micro-batch's gradient to its buffer as
+    it is made, an update's read ends no earlier op's result's life."""
     program, nodes = space.program, space.nodes
     position = {k: t for t, k in enumerate(space.ops)}
     keeping_nothing = space.keeping_nothing

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from distgraph.ir import Role
-from distgraph.passes.search.layouts.intra_op import accumulating_updates
+from distgraph.passes.search.layouts.charges import gradient_buffers
 from distgraph.passes.search.layouts.sharded_states import sharding_dim, writeback_bytes
 
 
@@ -53,10 +53,11 @@ def measure(result, program, weights, strategy) -> PartCost:
     space, problem, choice = result.space, result.problem, result.choice
     memory = [float(problem.memory[n.index][choice[n.index]]) for n in space.nodes]
     # parameters, states and (with micro-batches) the gradients' buffers, which the
-    # update nodes' memory holds (intra_op.accumulating_updates)
+    # nodes making the gradients or the update nodes hold (charges.gradient_buffers)
     always = {n.index for n in space.nodes if n.is_source and
               program.values[n.value].persistable}
-    always.update(accumulating_updates(space, weights))
+    buffers = gradient_buffers(space, weights)
+    always.update(buffers, buffers.values())
     persistent = sum(memory[i] for i in always)
     backward = next((t for t, k in enumerate(space.ops)
                      if program.ops[k].role == Role.BACKWARD), None)
@@ -74,28 +75,42 @@ def measure(result, program, weights, strategy) -> PartCost:
     transient = max(peak - persistent - saved, writeback, 0.0)
     if not (backward and problem.liveness):
         return PartCost(result.report.objective, persistent, saved, transient)
-    return PartCost(result.report.objective, persistent, saved, transient,
-                    *phases(result, weights, program, memory, persistent + saved, backward,
-                                  writeback))
+    buffers, forward, back, making = phases(result, weights, program, memory,
+                                            persistent + saved, backward, writeback)
+    # the liveness holds a buffer its gradient's node holds once: a later micro-batch's
+    # gradient beside it is in ``back`` only
+    return PartCost(result.report.objective, persistent, saved, max(transient, back),
+                    buffers, forward, back, making)
 
 def phases(result, weights, program, memory: list, held: float, backward: int,
            writeback: float) -> tuple:
     """(buffers, forward, backward, making) of :class:`PartCost` from the choice's
-    liveness: a gradient buffer (an accumulating update's node) is made at the op
-    that makes the gradient it accumulates (the runtime's first add to it), at the
-    backward's start where another part makes it, and is that gradient's array
-    while the gradient is live; ``held``: persistent and saved."""
+    liveness: a gradient buffer is made at the op that makes the gradient it
+    accumulates (the runtime's first add to it), at the backward's start where another
+    part makes it. Held by that op's node (:func:`~distgraph.passes.search.layouts.
+    charges.gradient_buffers`), it is the first micro-batch's gradient itself, and a
+    later one's gradient is live beside it at that op; held by the update's node, it
+    is that gradient's array while the gradient is live. ``held``: persistent and
+    saved."""
     space, problem = result.space, result.problem
     position = {k: t for t, k in enumerate(space.ops)}
     made_at: dict = {}
-    of_gradient: dict = {}      # the gradient's node: its buffer's bytes
-    for i in accumulating_updates(space, weights):
+    of_gradient: dict = {}      # the gradient's node: its buffer's bytes (update-held)
+    later = np.zeros(len(problem.liveness))     # a later micro-batch's gradient, by step
+    seen = set()
+    for i, h in gradient_buffers(space, weights).items():
+        if h in seen:           # one op making several gradients holds their buffers
+            continue
+        seen.add(h)
         gradient = program.ops[space.nodes[i].op].inputs[1].name
         u = space.producer[gradient][0]
         t = backward if space.nodes[u].is_source else \
             max(position.get(space.nodes[u].op, backward), backward)
-        made_at[t] = made_at.get(t, 0.0) + memory[i]
-        of_gradient[u] = of_gradient.get(u, 0.0) + memory[i]
+        made_at[t] = made_at.get(t, 0.0) + memory[h]
+        if h == i:
+            of_gradient[u] = of_gradient.get(u, 0.0) + memory[i]
+        else:
+            later[t] += memory[h]
     # per liveness set at once (a large block has hundreds, each of hundreds of nodes)
     sets = problem.liveness
     step = np.repeat(np.arange(len(sets)), [len(live) for live in sets])
@@ -112,7 +127,7 @@ def phases(result, weights, program, memory: list, held: float, backward: int,
     made = np.cumsum(made)
     back_steps = slice(backward, None)
     forward = max(float(beyond[:backward].max(initial=0.0)), 0.0)
-    back = max(float(beyond[back_steps].max(initial=0.0)), 0.0)
+    back = max(float((beyond + later)[back_steps].max(initial=0.0)), 0.0)
     making = max(float((beyond + made - shared)[back_steps].max(initial=0.0)), 0.0)
     buffers = sum(made_at.values())
     # the write-back's buffer as the transient counts it, at an update: every

@@ -72,9 +72,11 @@ def test_nothing_fits_names_the_counts_tried():
 
 
 def test_the_plan_runs_the_count_whose_stage_search_is_fastest_around_it():
+    # the savers given (weighed in test_searched_savers.py): one planning, the count's
     built, cluster = built_gpt(), S.line_cluster(4, bandwidth=1.0)
     strategy = dg.Strategy(auto_mode="full", pipeline=True, micro_batches=None,
-                           search="recursive")
+                           search="recursive", recompute=False, sharding=True,
+                           sequence_parallel=False)
     plan = dg.passes.plan(built, strategy, cluster, ranks=())
     m = plan.strategy.micro_batches
     assert m in [BATCH // r for r in ladder(BATCH)] and plan.micro_batches == m

@@ -56,8 +56,8 @@ def measure(result, program, weights, strategy) -> PartCost:
     # nodes making the gradients or the update nodes hold (charges.gradient_buffers)
     always = {n.index for n in space.nodes if n.is_source and
               program.values[n.value].persistable}
-    buffers = gradient_buffers(space, weights)
-    always.update(buffers, buffers.values())
+    holders = gradient_buffers(space, weights)
+    always.update(holders, holders.values())
     persistent = sum(memory[i] for i in always)
     backward = next((t for t, k in enumerate(space.ops)
                      if program.ops[k].role == Role.BACKWARD), None)

@@ -85,7 +85,8 @@ import time
 from dataclasses import dataclass
 
 import distgraph as dg
-from gpt_scale import SEQ, VOCAB, dgx_cluster, gpt, megatron_plan, model_flops, program
+from gpt_scale import (SEQ, VOCAB, dgx_cluster, gpt, megatron_plan, model_flops, program,
+                       with_core)
 from megatron_table1 import TABLE1
 
 A100_PEAK_TFLOPS = 312.0     # A100 bfloat16 dense tensor-core peak (datasheet), for MFU
@@ -218,6 +219,7 @@ def plan_gpt(run: Run, searched: bool, time_limit: float) -> dict:
     del plan
     if searched:
         model = gpt(run.layers, run.hidden, run.heads, vocab=run.vocab)
+        with_core(model, fused=True)        # the layout's model: Megatron's fused softmax
         # the strategy a user writes first: micro-batches, recomputation, ZeRO sharding
         # and sequence parallelism all left to the search
         strategy = dg.Strategy(auto_mode="full", pipeline=True, solver_time_limit=time_limit)

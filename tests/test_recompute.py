@@ -135,6 +135,47 @@ def test_selective_recompute_copies_the_attention_scores_only(float64):
         peak_activation_bytes(plain.plan().program)
 
 
+class FusedAttention(dg.nn.MultiHeadAttention):
+    """The same attention with its scale, mask and softmax as Megatron's one fused
+    kernel (``ops.scaled_masked_softmax``)."""
+
+    def forward(self, x):
+        b, t, d = x.shape
+        h, hd = self.n_head, d // self.n_head
+        q, k, v = (dg.ops.transpose(dg.ops.reshape(z, [b, t, h, hd]), [0, 2, 1, 3])
+                   for z in dg.ops.split(self.qkv(x), 3, axis=-1))
+        att = dg.ops.scaled_masked_softmax(dg.ops.matmul(q, k, transpose_y=True),
+                                           1.0 / np.sqrt(hd))
+        att = self.attn_drop(att)
+        y = dg.ops.reshape(dg.ops.transpose(dg.ops.matmul(att, v), [0, 2, 1, 3]), [b, t, d])
+        return self.resid_drop(self.proj(y))
+
+
+def test_selective_recompute_finds_the_fused_softmax_kernel(float64):
+    """An attention whose scale, mask and softmax are one fused kernel (as Megatron-LM
+    runs it) has its core recomputed by Strategy(recompute="selective") too: from q k^T
+    through the kernel and dropout; training equals the plain run."""
+    def run(recompute):
+        dg.seed(0)
+        model = dg.nn.GPT(32, 16, 2, 2, 8, dropout=0.1)
+        for block in model.blocks:
+            block.attn.__class__ = FusedAttention
+        engine = dg.Engine(model, dg.nn.CrossEntropyLoss(), dg.optim.AdamW(1e-2),
+                           strategy=dg.Strategy(recompute=recompute))
+        history = engine.fit(P.Tokens(), batch_size=4, epochs=2, shuffle=True, verbose=0)
+        return engine, history.losses, engine.state_dict()
+
+    plain, losses, params = run(False)
+    engine, sel_losses, sel_params = run("selective")
+    assert max(abs(a - b) for a, b in zip(losses, sel_losses)) <= 1e-12
+    assert all(np.max(np.abs(params[k] - sel_params[k])) <= 1e-12 for k in params)
+    program = engine.plan().program
+    copies = [op for op in program.ops if op.outputs[0].name.endswith(SUFFIX)]
+    assert sorted(op.type for op in copies if op.layer.startswith("blocks.0.")) == sorted(
+        ["matmul", "scaled_masked_softmax", "dropout"])
+    assert peak_activation_bytes(program) < peak_activation_bytes(plain.plan().program)
+
+
 def test_selective_recompute_needs_attention_scores():
     engine = dg.Engine(dg.nn.Linear(8, 2), dg.nn.MSELoss(), dg.optim.SGD(0.1),
                        strategy=dg.Strategy(recompute="selective"))

@@ -31,6 +31,9 @@ from distgraph.ir import RECOMPUTED, Operation, Program, Role, Value
 from distgraph.registry import get_op
 
 SUFFIX = RECOMPUTED            # what the copies' Values are named with (Value + SUFFIX)
+# the ops an attention core's probabilities come from: softmax, or Megatron's fused
+# scale-mask-softmax kernel (distgraph.ops.scaled_masked_softmax)
+SOFTMAX = ("softmax", "scaled_masked_softmax")
 
 
 def _inside(layer: str, path: str) -> bool:
@@ -87,8 +90,9 @@ def attention_cores(program: Program, blocks) -> list:
     """The segments of selective recomputation (Korthikanti et al. 2022, "Reducing
     Activation Recomputation in Large Transformer Models", section 4.2): in each block
     of ``blocks`` (layer paths), each attention's core, the forward ops from the matmul of
-    queries and keys through the softmax (and its scaling, mask and dropout) to the
-    matmul of the probabilities with the values, and the op making the causal mask only it
+    queries and keys through the softmax (and its scaling, mask and dropout; or the one
+    fused kernel of the three, ``scaled_masked_softmax``) to the matmul of the
+    probabilities with the values, and the op making the causal mask only it
     reads: what keeps the 5 a s^2 b bytes of attention scores per layer (and the mask's
     s^2). Its inputs (q, k, v) and its output stay kept, so a
     layer keeps 34 s b h bytes (16-bit) where it kept 34 s b h + 5 a s^2 b. A list of
@@ -100,7 +104,7 @@ def attention_cores(program: Program, blocks) -> list:
              for o in op.outputs}
     cores = []
     for i, op in enumerate(ops):
-        if op.type != "softmax" or op.role is not Role.FORWARD or \
+        if op.type not in SOFTMAX or op.role is not Role.FORWARD or \
                 not any(_inside(op.layer, b) for b in blocks):
             continue
         score = op.inputs[0].shape

@@ -39,8 +39,8 @@ def tight_cluster(memory: float):
     return S.line_cluster(4, bandwidth=0.01, device=dict(S.DEVICE, memory=memory))
 
 
-def run_costs() -> RunCosts:
-    dims = dict(P.GPT_DIMS, n_layer=4)
+def run_costs(**dims) -> RunCosts:
+    dims = dict(P.GPT_DIMS, n_layer=4, **dims)
     data = P.Dataset("gpt", dims=dims, batch=BATCH)
     ins, labels = dg.app.data.DataLoader(data, BATCH).specs(1)
     prepared = build_program(P.build_model("gpt", dims=dims), ins, labels, P.loss_fn("gpt"),
@@ -75,6 +75,26 @@ def test_variants_halve_the_peak_at_the_least_time(costs):
             assert peak <= previous / 2 * (1 + 1e-9)
         # a tighter budget never makes the block faster
         assert times == sorted(times)
+
+
+def test_the_embedding_and_the_head_halve_with_the_block():
+    """A vocabulary of 1,024 on slow links: the fastest E and H keep their weights whole
+    (16 bytes a parameter on every device); a variant's E and H peak within half the
+    one's before it where a layout of theirs does, and never above it (the first and
+    the last stage hold them beside their blocks)."""
+    runs = run_costs(vocab_size=1024)
+    runs.options()
+    searched = [[s.fastest] + s.smaller for (owner, _), kind in
+                runs.session.table("mesh searches").items() if owner is runs
+                for s in kind.found]
+    halved = set()
+    for variants in searched:
+        for part in ("first", "last"):
+            peaks = [v[part].report.peak_memory for v in variants]
+            assert all(b <= a * (1 + 1e-9) for a, b in zip(peaks, peaks[1:])), (part, peaks)
+            if any(b <= a / 2 * (1 + 1e-9) for a, b in zip(peaks, peaks[1:])):
+                halved.add(part)
+    assert halved == {"first", "last"}
 
 
 def test_no_option_is_matched_or_beaten_by_another_on_its_mesh(costs):

@@ -55,9 +55,13 @@ also offers the fastest block whose peak memory is within half the fastest one's
 within half of that, and so on (up to :data:`VARIANTS` in all, while the search finds a
 smaller one), as options of their own: the DP takes the fastest that lets its stages
 fit (on GPT-3 310B, Megatron's split of every weight over t instead of whole attention
-weights: six blocks a stage instead of one). E and H are searched again only where the
-block meets them in other layouts. A mesh whose fastest parts are priced from another's
-search prices that search's variants too (:meth:`RunCosts._smaller_parts`).
+weights: six blocks a stage instead of one). E and H halve with the block: a variant's
+E (H) is the fastest within half the peak of the one before it where the search finds
+one (else within that peak), since the first (last) stage holds them beside its blocks and
+the most micro-batches in flight (Korthikanti's 530B: the embedding whole, 16.9 GB a
+device, where split over t it is 2.1 GB, kept three blocks off the first stage). A mesh
+whose fastest parts are priced from another's search prices that search's variants too
+(:meth:`RunCosts._smaller_parts`).
 
 **Seeds.** The micro-batch counts :mod:`distgraph.passes.search.stages.micro` compares have the
 same ops and Value names. The first is searched; the later ones (``donor=`` its RunCosts)
@@ -324,25 +328,29 @@ class RunCosts:
     # -- searches -----------------------------------------------------------------------
     def _variants(self, mesh, device_of, fastest) -> list:
         """The fastest parts whose block peaks within half, a quarter, an eighth ... of
-        ``fastest``'s block peak, while a smaller one exists (``VARIANTS - 1`` at most)."""
+        ``fastest``'s block peak, while a smaller one exists (``VARIANTS - 1`` at most),
+        E and H each within half the peak of the variant before (module docstring)."""
         variants = []
-        peak = fastest["block"].report.peak_memory
+        peaks = {part: found.report.peak_memory for part, found in fastest.items()}
         for _ in range(VARIANTS - 1):
             try:
-                smaller = self._search(mesh, device_of, peak / 2, fastest, prove=False)
+                smaller = self._search(mesh, device_of, peaks["block"] / 2, fastest,
+                                       prove=False, ends={part: (peak / 2, peak) for part, peak
+                                                          in peaks.items() if part != "block"})
             except PlanError:               # no layout of the block peaks that low
                 break
-            if not smaller["block"].report.peak_memory < peak:
+            if not smaller["block"].report.peak_memory < peaks["block"]:
                 break
             variants.append(smaller)
-            peak = smaller["block"].report.peak_memory
+            peaks = {part: found.report.peak_memory for part, found in smaller.items()}
         return variants
 
     def refine(self, option: RunOption, room: float = 0.0) -> RunOption:
         """``option`` searched again by ``Strategy(search="auto")``: the recursive choice
         refined by the ILP, the block within the peak it had plus ``room`` bytes (what
         its stages may still take: :mod:`~distgraph.passes.search.stages.pipeline` checks that
-        they fit), E and H meeting the refined block. Refined on the mesh whose search
+        they fit), E and H meeting the refined block (a variant's within the peaks they
+        had). Refined on the mesh whose search
         the option's parts were costed or priced from, whose space and problems that
         search built, and priced here as the pricing did (where the refined choice does
         not divide here: refined here)."""
@@ -352,8 +360,11 @@ class RunCosts:
 
         def refined(at, devices, found) -> dict:
             peak = found["block"].report.peak_memory
+            # E and H of a memory variant within the peaks they had (module docstring)
+            ends = {part: (r.report.peak_memory * (1 + 1e-9),) for part, r in found.items()
+                    if part != "block" and r.report.memory_budget is not None}
             return self._search(at, devices, (peak + room) * (1 + 1e-9), method="auto",
-                                starts=found)
+                                starts=found, ends=ends)
 
         if (at, devices) != (mesh, device_of) and found["block"].space.program is self.program:
             searched = refined(at, devices, found)
@@ -371,10 +382,13 @@ class RunCosts:
                          self._costed(refined(mesh, device_of, here)))
 
     def _search(self, mesh, device_of, budget=None, fastest=None, method=None,
-                starts=None, prove=True) -> dict:
-        """The parts on ``mesh``, the block within ``budget`` bytes per device (E and H
-        taken from ``fastest`` where they meet the block alike); ``method``: the
-        search's (default: the one that prices options, :func:`pricing_method`);
+                starts=None, prove=True, ends=None) -> dict:
+        """The parts on ``mesh``, the block within ``budget`` bytes per device, E and H
+        within the first of ``ends`` ({"first" / "last": budgets in bytes, tried in
+        order}) a layout of theirs peaks within (else the fastest), taken from
+        ``fastest`` where they meet the block alike and fit the first;
+        ``method``: the search's (default: the one that prices options,
+        :func:`pricing_method`);
         ``starts``: part -> the SearchResult "auto" refines (``search``'s ``refined``).
         The block's searches on one mesh share their problem and recursive descents (the
         session's: only the budget differs), and E's or H's searches on one mesh meeting
@@ -389,20 +403,29 @@ class RunCosts:
         found = {"block": self._run_search(self.block_ops, mesh, device_of, boundary, budget,
                                            method, starts.get("block"), prove)}
         block = found["block"]
-        ends = []
+        parts = []
         if self.has_first:
-            ends.append(("first", range(0, 1), self.blocks.start))
+            parts.append(("first", range(0, 1), self.blocks.start))
         if self.has_last:
-            ends.append(("last", range(self.layering.count - 1, self.layering.count),
-                         self.blocks.stop - 1))
-        for part, layers, layer in ends:
+            parts.append(("last", range(self.layering.count - 1, self.layering.count),
+                          self.blocks.stop - 1))
+        for part, layers, layer in parts:
             ops = self.layering.ops(layers)
             meets = self._neighbour(block, ops, layer)
-            if fastest is not None and fastest[part].boundary == meets:
+            budgets = (ends or {}).get(part, ())
+            if fastest is not None and fastest[part].boundary == meets and all(
+                    fastest[part].report.peak_memory <= b for b in budgets[:1]):
                 found[part] = fastest[part]
-            else:
-                found[part] = self._run_search(ops, mesh, device_of, meets, None, method,
-                                               starts.get(part))
+                continue
+            for within in (*budgets, None):
+                try:
+                    found[part] = self._run_search(ops, mesh, device_of, meets, within,
+                                                   method, starts.get(part),
+                                                   prove=within is None)
+                    break
+                except PlanError:
+                    if within is None:
+                        raise
         self.seconds += time.perf_counter() - start
         return found
 

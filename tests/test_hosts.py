@@ -143,6 +143,7 @@ def test_conflicting_or_bad_host_options_fail_in_one_line(args, expected):
     assert proc.stderr.count("\n") == 1 and proc.stdout == ""
 
 
+@pytest.mark.mpi
 def test_hosts_that_are_all_this_machine_run_as_a_local_job(tmp_path):
     script = ROOT / "tests" / "mpi_scripts" / "fault_jobs.py"
     proc = distgraph("run", "-n", 2, "--hosts", f"localhost,{socket.gethostname()}",

@@ -21,6 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 LOCAL4 = ROOT / "resources" / "clusters" / "local4.yaml"
 
 
+@pytest.mark.mpi
 def test_the_bootstrap_arguments_carry_the_context_and_the_script_follows(tmp_path):
     context = LaunchContext(str(LOCAL4), PlanRequest(str(tmp_path / "p.json"), "x.png"))
     argv = context.argv()

@@ -8,6 +8,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 import distgraph as dg
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -173,6 +175,7 @@ ECHO_ARGV = """
 """
 
 
+@pytest.mark.mpi
 def test_distgraph_run_gives_the_script_its_words_as_python_does(tmp_path):
     """``distgraph run -n N SCRIPT ARGS``: the script gets ARGS exactly as after ``python
     SCRIPT ARGS``, a ``--`` among them included (it was swallowed); a ``--`` before the

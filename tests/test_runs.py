@@ -84,9 +84,12 @@ def test_the_embedding_and_the_head_halve_with_the_block():
     the last stage hold them beside their blocks)."""
     runs = run_costs(vocab_size=1024)
     runs.options()
-    searched = [[s.fastest] + s.smaller for (owner, _), kind in
-                runs.session.table("mesh searches").items() if owner is runs
-                for s in kind.found]
+    found = [s for (owner, _), kind in runs.session.table("mesh searches").items()
+             if owner is runs for s in kind.found]
+    # each leaner variant is a variant's block with E and H of their own
+    blocks = [id(v["block"]) for s in found for v in s.smaller]
+    assert all(id(v["block"]) in blocks for s in found for v in s.leaner)
+    searched = [[s.fastest] + s.leaner for s in found]
     halved = set()
     for variants in searched:
         for part in ("first", "last"):

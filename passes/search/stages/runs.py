@@ -55,11 +55,13 @@ also offers the fastest block whose peak memory is within half the fastest one's
 within half of that, and so on (up to :data:`VARIANTS` in all, while the search finds a
 smaller one), as options of their own: the DP takes the fastest that lets its stages
 fit (on GPT-3 310B, Megatron's split of every weight over t instead of whole attention
-weights: six blocks a stage instead of one). E and H halve with the block: a variant's
-E (H) is the fastest within half the peak of the one before it where the search finds
-one (else within that peak), since the first (last) stage holds them beside its blocks and
-the most micro-batches in flight (Korthikanti's 530B: the embedding whole, 16.9 GB a
-device, where split over t it is 2.1 GB, kept three blocks off the first stage). A mesh
+weights: six blocks a stage instead of one). Each variant is offered twice where E and
+H can shrink: with the fastest E and H meeting its block, and with each within half the
+peak of the one before it where the search finds one (else within that peak). The first
+(last) stage holds them beside its blocks and the most micro-batches in flight
+(Korthikanti's 530B: the embedding whole, 16.9 GB a device, where split over t it is
+2.1 GB, kept three blocks off the first stage); where there is room, the fastest E is
+kept (175B: 188.6 ms on the first stage with it, 192.4 ms without). A mesh
 whose fastest parts are priced from another's search prices that search's variants too
 (:meth:`RunCosts._smaller_parts`).
 
@@ -153,14 +155,19 @@ class RunOption:
 @dataclass
 class _Searched:
     """A mesh searched for its fastest parts (``key``: (axis, submesh shape, logical
-    shape)), and for its memory variants once they are asked for (``smaller``); parts
-    as dicts part -> SearchResult."""
+    shape)), and for its memory variants once they are asked for (``smaller``, and
+    ``leaner``: those of them with E and H halved too); parts as dicts part ->
+    SearchResult."""
 
     key: tuple
     mesh: ProcessMesh
     device_of: dict
     fastest: dict
     smaller: list | None = None
+    leaner: list = field(default_factory=list)
+
+    def variants(self) -> list:
+        return self.smaller + self.leaner
 
 
 @dataclass
@@ -306,10 +313,11 @@ class RunCosts:
         kind = self._searched(self, _kind(logical))
         mine = any(searched is s for s in kind.found)
         if searched.smaller is None and mine:
-            searched.smaller = self._variants(searched.mesh, searched.device_of,
-                                              searched.fastest)
+            searched.smaller, searched.leaner = self._variants(
+                searched.mesh, searched.device_of, searched.fastest)
         if searched.key == key and mine:
-            return [_from(searched, found, self._costed(found)) for found in searched.smaller]
+            return [_from(searched, found, self._costed(found))
+                    for found in searched.variants()]
         mesh, device_of = logical_mesh(sub.mesh, sub.shape, logical)
         donors = self._searched(self.donor, _kind(logical)).spare if self.donor is not None \
             else []
@@ -317,33 +325,39 @@ class RunCosts:
             try:
                 if source.smaller is not None:      # a donor's search may have none
                     return [_from(source, found, self._price(found, mesh, device_of))
-                            for found in source.smaller]
+                            for found in source.variants()]
             except PlanError:
                 continue
         here = {part: result for part, (_, result) in fastest.items()}
-        spare = _Searched(key, mesh, device_of, here, self._variants(mesh, device_of, here))
+        spare = _Searched(key, mesh, device_of, here, *self._variants(mesh, device_of, here))
         kind.spare.append(spare)
-        return [_from(spare, found, self._costed(found)) for found in spare.smaller]
+        return [_from(spare, found, self._costed(found)) for found in spare.variants()]
 
     # -- searches -----------------------------------------------------------------------
-    def _variants(self, mesh, device_of, fastest) -> list:
-        """The fastest parts whose block peaks within half, a quarter, an eighth ... of
-        ``fastest``'s block peak, while a smaller one exists (``VARIANTS - 1`` at most),
-        E and H each within half the peak of the variant before (module docstring)."""
-        variants = []
-        peaks = {part: found.report.peak_memory for part, found in fastest.items()}
+    def _variants(self, mesh, device_of, fastest) -> tuple:
+        """(the fastest parts whose block peaks within half, a quarter, an eighth ... of
+        ``fastest``'s block peak, while a smaller one exists (``VARIANTS - 1`` at most);
+        each of them whose E and H peak within half those of the one before, where
+        theirs do (module docstring))."""
+        variants, leaner = [], []
+        peak = fastest["block"].report.peak_memory
+        ends = {part: found.report.peak_memory for part, found in fastest.items()
+                if part != "block"}
         for _ in range(VARIANTS - 1):
             try:
-                smaller = self._search(mesh, device_of, peaks["block"] / 2, fastest,
-                                       prove=False, ends={part: (peak / 2, peak) for part, peak
-                                                          in peaks.items() if part != "block"})
+                smaller = self._search(mesh, device_of, peak / 2, fastest, prove=False)
             except PlanError:               # no layout of the block peaks that low
                 break
-            if not smaller["block"].report.peak_memory < peaks["block"]:
+            if not smaller["block"].report.peak_memory < peak:
                 break
             variants.append(smaller)
-            peaks = {part: found.report.peak_memory for part, found in smaller.items()}
-        return variants
+            peak = smaller["block"].report.peak_memory
+            lean = self._ends(smaller["block"], mesh, device_of, None, {}, smaller,
+                              {part: (b / 2, b) for part, b in ends.items()})
+            if any(lean[part] is not smaller[part] for part in lean):
+                leaner.append({**smaller, **lean})
+            ends = {part: found.report.peak_memory for part, found in lean.items()}
+        return variants, leaner
 
     def refine(self, option: RunOption, room: float = 0.0) -> RunOption:
         """``option`` searched again by ``Strategy(search="auto")``: the recursive choice
@@ -384,12 +398,9 @@ class RunCosts:
     def _search(self, mesh, device_of, budget=None, fastest=None, method=None,
                 starts=None, prove=True, ends=None) -> dict:
         """The parts on ``mesh``, the block within ``budget`` bytes per device, E and H
-        within the first of ``ends`` ({"first" / "last": budgets in bytes, tried in
-        order}) a layout of theirs peaks within (else the fastest), taken from
-        ``fastest`` where they meet the block alike and fit the first;
+        meeting it (:meth:`_ends`: within ``ends``, from ``fastest`` where they can be);
         ``method``: the search's (default: the one that prices options,
-        :func:`pricing_method`);
-        ``starts``: part -> the SearchResult "auto" refines (``search``'s ``refined``).
+        :func:`pricing_method`); ``starts``: part -> the SearchResult "auto" refines (``search``'s ``refined``).
         The block's searches on one mesh share their problem and recursive descents (the
         session's: only the budget differs), and E's or H's searches on one mesh meeting
         the block alike theirs (the refinement of a searched option builds no problem
@@ -402,13 +413,25 @@ class RunCosts:
                             periodic=self.periodic)
         found = {"block": self._run_search(self.block_ops, mesh, device_of, boundary, budget,
                                            method, starts.get("block"), prove)}
-        block = found["block"]
+        self.seconds += time.perf_counter() - start
+        found.update(self._ends(found["block"], mesh, device_of, method, starts, fastest,
+                                ends))
+        return found
+
+    def _ends(self, block, mesh, device_of, method, starts, fastest=None, ends=None) -> dict:
+        """E and H meeting ``block`` (a SearchResult of the block), each within the first
+        of its ``ends`` budgets ({"first" / "last": bytes, tried in order}) a layout of
+        it peaks within, else the fastest; taken from ``fastest`` (parts) where they
+        meet the block alike and fit the first budget."""
+        start = time.perf_counter()
+        method = method or pricing_method(self.strategy)
         parts = []
         if self.has_first:
             parts.append(("first", range(0, 1), self.blocks.start))
         if self.has_last:
             parts.append(("last", range(self.layering.count - 1, self.layering.count),
                           self.blocks.stop - 1))
+        found = {}
         for part, layers, layer in parts:
             ops = self.layering.ops(layers)
             meets = self._neighbour(block, ops, layer)

@@ -101,20 +101,20 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from dataclasses import dataclass, field
 
 import numpy as np
 
 from distgraph.errors import PlanError
 from distgraph.ir import Role
-from distgraph.mesh import ProcessMesh
 from distgraph.passes.cost.boundary import boundary_seconds
 from distgraph.passes.search.layouts.intra_op import (Boundary, price,
                                                  search)
 from distgraph.passes.search.stages.block_plans import undominated
 from distgraph.passes.search.stages.part_cost import measure
+from distgraph.passes.search.stages.run_options import (MeshKind, MeshOptions, RunOption,
+                                                        Searched, kind_of, with_origin)
 from distgraph.passes.search.stages.layers import op_keys, ops_by_layer, same_op
-from distgraph.passes.cost.terms import grid, stage_cost, stage_costs
+from distgraph.passes.cost.terms import grid
 from distgraph.passes.pipeline.chunks import forward_chunks
 from distgraph.passes.search.layouts.sharded_states import sharding_dim
 from distgraph.registry import op_flops
@@ -122,73 +122,6 @@ from distgraph.passes.search.stages.stage_dp import Submesh, logical_mesh
 from distgraph.passes.session import Session
 
 VARIANTS = 4        # the fastest block and up to three of smaller peaks (module docstring)
-
-
-@dataclass(frozen=True)
-class RunOption:
-    """A submesh in a logical shape and its parts' costs and searches (``first`` /
-    ``last`` None when the program has no E / H part)."""
-
-    axis: int
-    sub: Submesh
-    logical: tuple
-    parts: dict           # "first" / "block" / "last" -> (PartCost, SearchResult)
-    # (mesh, devices, parts (part -> SearchResult)) of the search the parts were costed
-    # or priced from: where RunCosts.refine refines (None: here)
-    origin: tuple | None = field(default=None, compare=False, repr=False)
-
-    def cost(self, with_first: bool, blocks: int, with_last: bool) -> tuple:
-        """(seconds per micro-batch, GB with one micro-batch in flight, GB per further
-        micro-batch in flight, GB with one in flight where every forward runs first) of
-        ``[E] + blocks + [H]`` here (:func:`~distgraph.passes.cost.terms.stage_cost`: E
-        or H may be a share under virtual stages)."""
-        return stage_cost(self.parts, with_first, blocks, with_last)
-
-    def costs(self, with_first: bool, n: int, with_last: bool) -> np.ndarray:
-        """(n + 1, 4): row m is :meth:`cost` ``(with_first, m, with_last)``, m = 0 .. n."""
-        return stage_costs(self.parts, with_first, n, with_last)
-
-    def __str__(self):
-        return f"{self.sub} as {list(self.logical)}"
-
-
-@dataclass
-class _Searched:
-    """A mesh searched for its fastest parts (``key``: (axis, submesh shape, logical
-    shape)), and for its memory variants once they are asked for (``smaller``, and
-    ``leaner``: those of them with E and H halved too); parts as dicts part ->
-    SearchResult."""
-
-    key: tuple
-    mesh: ProcessMesh
-    device_of: dict
-    fastest: dict
-    smaller: list | None = None
-    leaner: list = field(default_factory=list)
-
-    def variants(self) -> list:
-        return self.smaller + self.leaner
-
-
-@dataclass
-class _Kind:
-    """The searches of one kind of logical mesh (:func:`_kind`) others are priced from, in
-    the order searched: for their fastest parts (``found``), for variants only
-    (``spare``). A RunCosts' "mesh searches" entry per kind."""
-
-    found: list = field(default_factory=list)
-    spare: list = field(default_factory=list)
-
-
-@dataclass
-class _Options:
-    """A logical mesh's options: the search its fastest parts came from, those parts and
-    their origin (``fastest``: (parts, origin), :attr:`RunOption.origin`), and the memory
-    variants' once asked (``variants``). A RunCosts' "stage options" entry per mesh."""
-
-    searched: _Searched
-    fastest: tuple
-    variants: list | None = None
 
 
 class RunCosts:
@@ -215,8 +148,8 @@ class RunCosts:
         self.weights = {Role.FORWARD: 1, Role.LOSS: 1, Role.BACKWARD: 1, Role.OPTIMIZE: 1 / micro}
         self.searches = 0
         self.seconds = 0.0
-        self._options = self.session.table("stage options")     # (self, mesh) -> _Options
-        self._kinds = self.session.table("mesh searches")       # (self, kind) -> _Kind
+        self._options = self.session.table("stage options")     # (self, mesh) -> MeshOptions
+        self._kinds = self.session.table("mesh searches")       # (self, kind) -> MeshKind
         # the representative block's ops and how it meets the blocks beside it, and what
         # E and H meet of it (the first and the last block's Values by its own names):
         # read by every search, found once
@@ -249,7 +182,7 @@ class RunCosts:
                         out.append((axis, sub, (logical[0] // cp, cp, t)))
         # search the largest mesh of each kind and t whose x divides the rows first
         rows_mb = self.batch_rows()
-        order = sorted(out, key=lambda o: (_kind(o[2]), rows_mb % o[2][0] != 0,
+        order = sorted(out, key=lambda o: (kind_of(o[2]), rows_mb % o[2][0] != 0,
                                            -int(np.prod(o[2]))))
         entries = {}
         for axis, sub, logical in order:
@@ -282,56 +215,56 @@ class RunCosts:
         cp = x // dp
         return cp if dp > 1 and cp > 1 and int(feeds[0].shape[1]) % cp == 0 else 1
 
-    def _searched(self, costs, kind) -> _Kind:
+    def _searched(self, costs, kind) -> MeshKind:
         """The searches of ``kind`` of ``costs`` (this RunCosts or its donor)."""
-        return self._kinds.memo((costs, kind), _Kind)
+        return self._kinds.memo((costs, kind), MeshKind)
 
-    def _fastest_parts(self, key, sub, logical) -> _Options:
+    def _fastest_parts(self, key, sub, logical) -> MeshOptions:
         """The fastest parts of this mesh: priced from the latest search of its ``t``
         whose fastest choice divides here (here or in the donor), else searched."""
         mesh, device_of = logical_mesh(sub.mesh, sub.shape, logical)
-        kind = _kind(logical)
+        kind = kind_of(logical)
         mine = self._searched(self, kind).found
         donors = self._searched(self.donor, kind).found if self.donor is not None else []
         for searched in [*mine[::-1], *donors[::-1]]:
             try:
-                return _Options(searched, _from(searched, searched.fastest, self._price(
-                    searched.fastest, mesh, device_of)))
+                return MeshOptions(searched, with_origin(
+                    searched, searched.fastest, self._price(searched.fastest, mesh, device_of)))
             except PlanError:
                 continue
-        searched = _Searched(key, mesh, device_of, self._search(mesh, device_of))
+        searched = Searched(key, mesh, device_of, self._search(mesh, device_of))
         mine.append(searched)
-        return _Options(searched, _from(searched, searched.fastest,
+        return MeshOptions(searched, with_origin(searched, searched.fastest,
                                         self._costed(searched.fastest)))
 
-    def _smaller_parts(self, key, sub, logical, entry: _Options) -> list:
+    def _smaller_parts(self, key, sub, logical, entry: MeshOptions) -> list:
         """The (parts, origin) of the memory variants after the fastest on this mesh:
         those of the search its fastest parts came from, else of those searched since
         for its kind (here or in the donor), priced here where all divide; else searched
         here."""
         searched, (fastest, _) = entry.searched, entry.fastest
-        kind = self._searched(self, _kind(logical))
+        kind = self._searched(self, kind_of(logical))
         mine = any(searched is s for s in kind.found)
         if searched.smaller is None and mine:
             searched.smaller, searched.leaner = self._variants(
                 searched.mesh, searched.device_of, searched.fastest)
         if searched.key == key and mine:
-            return [_from(searched, found, self._costed(found))
+            return [with_origin(searched, found, self._costed(found))
                     for found in searched.variants()]
         mesh, device_of = logical_mesh(sub.mesh, sub.shape, logical)
-        donors = self._searched(self.donor, _kind(logical)).spare if self.donor is not None \
-            else []
+        donors = self._searched(self.donor, kind_of(logical)).spare \
+            if self.donor is not None else []
         for source in [searched, *kind.spare[::-1], *donors[::-1]]:
             try:
                 if source.smaller is not None:      # a donor's search may have none
-                    return [_from(source, found, self._price(found, mesh, device_of))
+                    return [with_origin(source, found, self._price(found, mesh, device_of))
                             for found in source.variants()]
             except PlanError:
                 continue
         here = {part: result for part, (_, result) in fastest.items()}
-        spare = _Searched(key, mesh, device_of, here, *self._variants(mesh, device_of, here))
+        spare = Searched(key, mesh, device_of, here, *self._variants(mesh, device_of, here))
         kind.spare.append(spare)
-        return [_from(spare, found, self._costed(found)) for found in spare.variants()]
+        return [with_origin(spare, found, self._costed(found)) for found in spare.variants()]
 
     # -- searches -----------------------------------------------------------------------
     def _variants(self, mesh, device_of, fastest) -> tuple:
@@ -595,18 +528,7 @@ class RunCosts:
         return out
 
 
-def _from(searched: _Searched, found: dict, parts: dict) -> tuple:
-    """(``parts``, their origin): costed or priced from ``found`` (parts of ``searched``'s
-    search, on its mesh), where :meth:`RunCosts.refine` refines."""
-    return parts, (searched.mesh, searched.device_of, found)
-
-
 def pricing_method(strategy) -> str:
     """The search method that prices the options the stage DP compares: the recursive
     one under ``Strategy(search="auto")`` (the ILP refines the chosen stages only)."""
     return "recursive" if strategy.search_method == "auto" else strategy.search_method
-
-
-def _kind(logical) -> tuple:
-    """Logical meshes whose searches price each other: the same dims and the same t."""
-    return (len(logical), logical[-1])

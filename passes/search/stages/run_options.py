@@ -1,0 +1,100 @@
+"""The records of :class:`~distgraph.passes.search.stages.runs.RunCosts`: a stage option
+(:class:`RunOption`: a submesh in a logical shape, its parts' costs and the searches they
+came from) and what a RunCosts keeps of its searches per logical mesh, kind of mesh and
+option (:class:`Searched`, :class:`MeshKind`, :class:`MeshOptions`), in its planning's
+session.
+
+Example::
+
+    option = RunOption(axis, sub, (1, 8), parts)
+    seconds, one, further, before = option.cost(True, 3, False)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from distgraph.mesh import ProcessMesh
+from distgraph.passes.cost.terms import stage_cost, stage_costs
+from distgraph.passes.search.stages.stage_dp import Submesh
+
+
+@dataclass(frozen=True)
+class RunOption:
+    """A submesh in a logical shape and its parts' costs and searches (``first`` /
+    ``last`` None when the program has no E / H part)."""
+
+    axis: int
+    sub: Submesh
+    logical: tuple
+    parts: dict           # "first" / "block" / "last" -> (PartCost, SearchResult)
+    # (mesh, devices, parts (part -> SearchResult)) of the search the parts were costed
+    # or priced from: where RunCosts.refine refines (None: here)
+    origin: tuple | None = field(default=None, compare=False, repr=False)
+
+    def cost(self, with_first: bool, blocks: int, with_last: bool) -> tuple:
+        """(seconds per micro-batch, GB with one micro-batch in flight, GB per further
+        micro-batch in flight, GB with one in flight where every forward runs first) of
+        ``[E] + blocks + [H]`` here (:func:`~distgraph.passes.cost.terms.stage_cost`: E
+        or H may be a share under virtual stages)."""
+        return stage_cost(self.parts, with_first, blocks, with_last)
+
+    def costs(self, with_first: bool, n: int, with_last: bool) -> np.ndarray:
+        """(n + 1, 4): row m is :meth:`cost` ``(with_first, m, with_last)``, m = 0 .. n."""
+        return stage_costs(self.parts, with_first, n, with_last)
+
+    def __str__(self):
+        return f"{self.sub} as {list(self.logical)}"
+
+
+@dataclass
+class Searched:
+    """A mesh searched for its fastest parts (``key``: (axis, submesh shape, logical
+    shape)), and for its memory variants once they are asked for (``smaller``, and
+    ``leaner``: those of them with E and H halved too); parts as dicts part ->
+    SearchResult."""
+
+    key: tuple
+    mesh: ProcessMesh
+    device_of: dict
+    fastest: dict
+    smaller: list | None = None
+    leaner: list = field(default_factory=list)
+
+    def variants(self) -> list:
+        return self.smaller + self.leaner
+
+
+@dataclass
+class MeshKind:
+    """The searches of one kind of logical mesh (:func:`kind_of`) others are priced from, in
+    the order searched: for their fastest parts (``found``), for variants only
+    (``spare``). A RunCosts' "mesh searches" entry per kind."""
+
+    found: list = field(default_factory=list)
+    spare: list = field(default_factory=list)
+
+
+@dataclass
+class MeshOptions:
+    """A logical mesh's options: the search its fastest parts came from, those parts and
+    their origin (``fastest``: (parts, origin), :attr:`RunOption.origin`), and the memory
+    variants' once asked (``variants``). A RunCosts' "stage options" entry per mesh."""
+
+    searched: Searched
+    fastest: tuple
+    variants: list | None = None
+
+
+def with_origin(searched: Searched, found: dict, parts: dict) -> tuple:
+    """(``parts``, their origin): costed or priced from ``found`` (parts of ``searched``'s
+    search, on its mesh), where :meth:`~distgraph.passes.search.stages.runs.RunCosts.refine`
+    refines."""
+    return parts, (searched.mesh, searched.device_of, found)
+
+
+def kind_of(logical) -> tuple:
+    """Logical meshes whose searches price each other: the same dims and the same t."""
+    return (len(logical), logical[-1])

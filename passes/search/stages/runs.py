@@ -61,8 +61,8 @@ peak of the one before it where the search finds one (else within that peak). Th
 (last) stage holds them beside its blocks and the most micro-batches in flight
 (Korthikanti's 530B: the embedding whole, 16.9 GB a device, where split over t it is
 2.1 GB, kept three blocks off the first stage); where there is room, the fastest E is
-kept (175B: 188.6 ms on the first stage with it, 192.4 ms without). A mesh
-whose fastest parts are priced from another's search prices that search's variants too
+kept (175B: 188.6 ms on the first stage with it, 192.4 ms without). A mesh whose
+fastest parts are priced from another's search prices that search's variants too
 (:meth:`RunCosts._smaller_parts`).
 
 **Seeds.** The micro-batch counts :mod:`distgraph.passes.search.stages.micro` compares have the
@@ -296,11 +296,10 @@ class RunCosts:
         """``option`` searched again by ``Strategy(search="auto")``: the recursive choice
         refined by the ILP, the block within the peak it had plus ``room`` bytes (what
         its stages may still take: :mod:`~distgraph.passes.search.stages.pipeline` checks that
-        they fit), E and H meeting the refined block (a variant's within the peaks they
-        had). Refined on the mesh whose search
-        the option's parts were costed or priced from, whose space and problems that
-        search built, and priced here as the pricing did (where the refined choice does
-        not divide here: refined here)."""
+        they fit), E and H meeting the refined block (a lean variant's within the peaks
+        they had). Refined on the mesh whose search the option's parts were costed or
+        priced from, whose space and problems that search built, and priced here as the
+        pricing did (where the refined choice does not divide here: refined here)."""
         mesh, device_of = logical_mesh(option.sub.mesh, option.sub.shape, option.logical)
         here = {part: result for part, (_, result) in option.parts.items()}
         at, devices, found = option.origin or (mesh, device_of, here)

@@ -245,7 +245,7 @@ class SearchSpace:
         label = f"#{k} {op.type} ({op.layer or 'top level'})"
         constrained = op.annotation is not None or any(o.annotation is not None
                                                        for o in op.outputs)
-        if op.inputs and not constrained and self._light(op) and not self._sums_weight(op):
+        if op.inputs and not constrained and self._light(op):
             for pick in sorted(range(len(op.inputs)), key=lambda i: (-depth_of[i], i)):
                 induced, key = self._follow(op, pick, operands[pick])
                 names = len({s.name for s in induced})
@@ -452,17 +452,6 @@ class SearchSpace:
         """No letter is contracted between two operands (Alpa's "light" ops)."""
         bound = self._bound(op)[1]
         return isinstance(bound, EinsumPlan) and bound.light()
-
-    def _sums_weight(self, op) -> bool:
-        """Whether a letter of a parameter the op reads is summed away (a light op that
-        still chooses freely: the embedding's vocabulary, split as Megatron splits it,
-        leaves a pending sum; followed from its ids the weight was whole or gathered)."""
-        bound = self._bound(op)[1]
-        if not isinstance(bound, EinsumPlan):
-            return False
-        outs = set("".join(bound.out_letters))
-        return any(v.is_parameter and set(word) - outs - set(bound.internal)
-                   for v, word in zip(op.inputs, bound.in_letters))
 
     def _follow(self, op, pick: int, leader: int) -> tuple:
         """(One strategy per strategy of the leader: the rule's answer when the operand

@@ -20,9 +20,13 @@ import plans as P  # noqa: E402
 
 
 
-def gpt_run(recompute, epochs=2):
+def gpt_run(recompute, epochs=2, attention=None):
+    """(engine, losses, parameters) of a small GPT trained under ``recompute``; its
+    blocks' attention of class ``attention`` where given."""
     dg.seed(0)
     model = dg.nn.GPT(32, 16, 2, 2, 8, dropout=0.1)
+    for block in model.blocks if attention is not None else ():
+        block.attn.__class__ = attention
     engine = dg.Engine(model, dg.nn.CrossEntropyLoss(), dg.optim.AdamW(1e-2),
                        strategy=dg.Strategy(recompute=recompute))
     history = engine.fit(P.Tokens(), batch_size=4, epochs=epochs, shuffle=True, verbose=0)
@@ -115,17 +119,23 @@ def test_distributed_recompute_equals_plain_and_serial(float64, plan):
         assert all(np.max(np.abs(rc_params[k] - serial_params[k])) <= 1e-10 for k in params)
 
 
+def selective_against_plain(attention=None) -> tuple:
+    """(the plain run's engine, the selective run's program, its recomputed copies):
+    both runs trained to the same losses and parameters (1e-12)."""
+    plain, losses, params = gpt_run(False, attention=attention)
+    engine, sel_losses, sel_params = gpt_run("selective", attention=attention)
+    assert max(abs(a - b) for a, b in zip(losses, sel_losses)) <= 1e-12
+    assert all(np.max(np.abs(params[k] - sel_params[k])) <= 1e-12 for k in params)
+    program = engine.plan().program
+    return plain, program, [op for op in program.ops if op.outputs[0].name.endswith(SUFFIX)]
+
+
 def test_selective_recompute_copies_the_attention_scores_only(float64):
     """Strategy(recompute="selective"): each block's attention core, from q k^T through
     the mask, softmax and dropout, is recomputed (Korthikanti et al.); the losses and
     parameters are the plain run's, and it keeps fewer bytes than no recomputation and
     more than recomputing whole blocks."""
-    plain, losses, params = gpt_run(False)
-    engine, sel_losses, sel_params = gpt_run("selective")
-    assert max(abs(a - b) for a, b in zip(losses, sel_losses)) <= 1e-12
-    assert all(np.max(np.abs(params[k] - sel_params[k])) <= 1e-12 for k in params)
-    program = engine.plan().program
-    copies = [op for op in program.ops if op.outputs[0].name.endswith(SUFFIX)]
+    plain, program, copies = selective_against_plain()
     assert sorted(op.type for op in copies if op.layer.startswith("blocks.0.")) == sorted(
         ["matmul", "scale", "causal_mask", "full", "where", "softmax", "dropout"])
     assert {op.layer.split(".")[1] for op in copies} == {"0", "1"}
@@ -155,22 +165,7 @@ def test_selective_recompute_finds_the_fused_softmax_kernel(float64):
     """An attention whose scale, mask and softmax are one fused kernel (as Megatron-LM
     runs it) has its core recomputed by Strategy(recompute="selective") too: from q k^T
     through the kernel and dropout; training equals the plain run."""
-    def run(recompute):
-        dg.seed(0)
-        model = dg.nn.GPT(32, 16, 2, 2, 8, dropout=0.1)
-        for block in model.blocks:
-            block.attn.__class__ = FusedAttention
-        engine = dg.Engine(model, dg.nn.CrossEntropyLoss(), dg.optim.AdamW(1e-2),
-                           strategy=dg.Strategy(recompute=recompute))
-        history = engine.fit(P.Tokens(), batch_size=4, epochs=2, shuffle=True, verbose=0)
-        return engine, history.losses, engine.state_dict()
-
-    plain, losses, params = run(False)
-    engine, sel_losses, sel_params = run("selective")
-    assert max(abs(a - b) for a, b in zip(losses, sel_losses)) <= 1e-12
-    assert all(np.max(np.abs(params[k] - sel_params[k])) <= 1e-12 for k in params)
-    program = engine.plan().program
-    copies = [op for op in program.ops if op.outputs[0].name.endswith(SUFFIX)]
+    plain, program, copies = selective_against_plain(FusedAttention)
     assert sorted(op.type for op in copies if op.layer.startswith("blocks.0.")) == sorted(
         ["matmul", "scaled_masked_softmax", "dropout"])
     assert peak_activation_bytes(program) < peak_activation_bytes(plain.plan().program)

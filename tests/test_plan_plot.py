@@ -78,7 +78,7 @@ def test_an_automatic_plan_that_splits_the_batch_shows_it():
                        # ZeRO's states split, the search no longer gathers weights here
                        strategy=dg.Strategy(auto_mode="full", sharding=False),
                        cluster=dg.Cluster.local(4))
-    plan = engine.prepare(*DataLoader(CountingSequences(64, 8, 32), 16).specs(1))
+    plan = engine.prepare(*DataLoader(CountingSequences(64, 8, 32), 32).specs(1))
     (tokens, *_) = plan.program.inputs
     split = tuple(tokens.dist_attr.spec.entry(0))
     assert split, "the search no longer splits the batch: pick another case"

@@ -18,7 +18,10 @@ first on ties). Its strategy list is then one entry per strategy of that operand
 the same order, so that the ILP can tie the two by index (``follow``). It follows the
 deepest operand that leaves it a choice (a broadcast of a scalar, which has one layout,
 would pin the loss gradient replicated; it then chooses freely). Heavy ops (matmul,
-embedding gradients) and ops without operands choose freely.
+embedding gradients), ops without operands and light ops that sum a parameter's letter
+away choose freely: the embedding looks rows up, so it is light, but following its ids
+would leave the table whole or gathered, where Megatron splits its vocabulary (a
+pending sum) or hidden dim.
 
 **A Partial result offers each way to settle it.** An operand that comes as a pending
 sum is resharded before a light op; which layout the op then takes is a choice (an
@@ -60,7 +63,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import itertools
 from dataclasses import dataclass, field
 
 from distgraph.errors import PlanError, ShardingError
@@ -70,8 +72,10 @@ from distgraph.placement import ShardSpec
 from distgraph.passes.session import Session
 from distgraph.plan.instructions import keeps_nothing
 from distgraph.plan.styles import feed_problem, search_roles, weight_problem, weight_kinds
-from distgraph.spmd import (LETTERS, UNKNOWN, DimsSpec, EinsumPlan, OpStrategy, RuleQuery,
-                            SpmdRuleError, entry_dims, entry_of)
+from distgraph.spmd import (UNKNOWN, DimsSpec, EinsumPlan, OpStrategy, RuleQuery,
+                            SpmdRuleError)
+from distgraph.passes.search.layouts.placements import (local_shape, settlements,
+                                                        without_unit_dims, layouts)
 
 MESH_DIMS = "xyzw"           # names of the dims of a mesh the search makes
 # a search mesh dim of this name splits the sequence only (context parallelism): the
@@ -228,7 +232,7 @@ class SearchSpace:
                 found = [x for x in found if x.out_specs[0] == self.received[v.name]]
             self.boundary.add(v.name)
         elif v.annotation is not None:
-            wanted = _without_unit_dims(v.annotation.spec, self.mesh)
+            wanted = without_unit_dims(v.annotation.spec, self.mesh)
             found = [s for s in found if s.out_specs[0] == wanted]
             if not found:
                 raise PlanError(f"{v.name} {list(v.shape)} is annotated {v.annotation.spec} on "
@@ -245,7 +249,7 @@ class SearchSpace:
         label = f"#{k} {op.type} ({op.layer or 'top level'})"
         constrained = op.annotation is not None or any(o.annotation is not None
                                                        for o in op.outputs)
-        if op.inputs and not constrained and self._light(op):
+        if op.inputs and not constrained and self._light(op) and not self._sums_weight(op):
             for pick in sorted(range(len(op.inputs)), key=lambda i: (-depth_of[i], i)):
                 induced, key = self._follow(op, pick, operands[pick])
                 names = len({s.name for s in induced})
@@ -282,7 +286,7 @@ class SearchSpace:
         strategies, hints = [], []
         shapes = [o.shape for o in op.outputs]
         for s in found:
-            for hint in _settlements(s, shapes, self.mesh, summed):
+            for hint in settlements(s, shapes, self.mesh, summed):
                 if not self._sequence_only(hint, shapes):
                     continue
                 strategies.append(s)
@@ -382,7 +386,7 @@ class SearchSpace:
             if moved is None:
                 moved = moved_to[at + key] = self._moved(program, node, s, hint, mesh)
             # a split or pending sum over a dim of one process here is none
-            hint = tuple(_without_unit_dims(h, mesh) for h in hint)
+            hint = tuple(without_unit_dims(h, mesh) for h in hint)
             nodes.append(Node(node.index, node.op, node.value, node.label, node.layer,
                               (moved,), node.leader, (True,), (hint,)))
         other = copy.copy(self)
@@ -408,11 +412,11 @@ class SearchSpace:
                                 f"{mesh}: {e}") from None
         # a split or pending sum over a dim of one process here is none (as completion
         # writes it)
-        ins = tuple(_without_unit_dims(x, mesh) for x in s.in_specs)
-        outs = tuple(_without_unit_dims(x, mesh) for x in s.out_specs)
+        ins = tuple(without_unit_dims(x, mesh) for x in s.in_specs)
+        outs = tuple(without_unit_dims(x, mesh) for x in s.out_specs)
         if node.is_source:
             return OpStrategy(s.name, (), outs, (),
-                              (_local_shape(outs[0], v.shape, mesh),), s.flops_fraction)
+                              (local_shape(outs[0], v.shape, mesh),), s.flops_fraction)
         return spmd_rule(op.type).strategy(
             ins, outs, [v.shape for v in op.inputs],
             [o.shape for o in op.outputs], mesh, [v.dtype for v in op.inputs])
@@ -452,6 +456,17 @@ class SearchSpace:
         """No letter is contracted between two operands (Alpa's "light" ops)."""
         bound = self._bound(op)[1]
         return isinstance(bound, EinsumPlan) and bound.light()
+
+    def _sums_weight(self, op) -> bool:
+        """Whether a letter of a parameter the op reads is summed away (a light op that
+        still chooses freely: the embedding's vocabulary, split as Megatron splits it,
+        leaves a pending sum; followed from its ids the weight was whole or gathered)."""
+        bound = self._bound(op)[1]
+        if not isinstance(bound, EinsumPlan):
+            return False
+        outs = set("".join(bound.out_letters))
+        return any(v.is_parameter and set(word) - outs - set(bound.internal)
+                   for v, word in zip(op.inputs, bound.in_letters))
 
     def _follow(self, op, pick: int, leader: int) -> tuple:
         """(One strategy per strategy of the leader: the rule's answer when the operand
@@ -499,58 +514,6 @@ def _index(program) -> tuple:
         for v in op.inputs:
             read_by.setdefault(v.name, []).append(k)
     return made_by, read_by
-
-
-def _without_unit_dims(spec: ShardSpec, mesh: ProcessMesh) -> ShardSpec:
-    """``spec`` with the mesh dims of size 1 dropped: a split over one process is no split,
-    and the layouts here use only mesh dims of size > 1 (a ``(w // 2, 2)`` mesh at w = 2)."""
-    def kept(entry):
-        names = tuple(n for n in entry_dims(entry) if mesh.dim_size(n) > 1)
-        return entry_of(names)
-    return ShardSpec(tuple(kept(e) for e in spec.dims),
-                     frozenset(n for n in spec.partial if mesh.dim_size(n) > 1))
-
-
-def layouts(shape, mesh: ProcessMesh) -> list:
-    """Every layout of a tensor of ``shape`` on ``mesh`` (replicated first), as one-output
-    OpStrategy records: each mesh dim of size > 1 splits a dim it divides, or none."""
-    ndim = len(shape)
-    word = LETTERS[:ndim]
-    plan = EinsumPlan(f"{word}->{word}", [tuple(shape)], [tuple(shape)], mesh)
-    return [OpStrategy(str(s.out_specs[0]), (), s.out_specs, (), s.out_local_shapes,
-                       s.flops_fraction) for s in plan.strategies()]
-
-
-def _settlements(s, out_shapes, mesh, summed=None) -> list:
-    """The hints a strategy offers its followers, one tuple of output layouts each: the
-    outputs as made, except that a Partial output may be settled by an all-reduce (the
-    partial mesh dims left unsplit) or a reduce-scatter onto one of its unsplit dims, or,
-    where a linear op reads it (``summed[j]``), be left pending for that op to add."""
-    options = []
-    for j, (spec, shape) in enumerate(zip(s.out_specs, out_shapes)):
-        if not spec.partial:
-            options.append([spec])
-            continue
-        ways = [ShardSpec(spec.dims)] + ([spec] if summed and summed[j] else [])
-        for m in sorted(spec.partial):
-            size = mesh.dim_size(m)
-            for d, (entry, n) in enumerate(zip(spec.dims, shape)):
-                if entry is None and n % size == 0 and len(spec.partial) == 1:
-                    dims = list(spec.dims)
-                    dims[d] = m
-                    ways.append(ShardSpec(dims))
-        options.append(ways)
-    return [tuple(c) for c in itertools.product(*options)]
-
-
-def _local_shape(spec: ShardSpec, shape, mesh: ProcessMesh) -> tuple:
-    sizes = dict(zip(mesh.dim_names, mesh.shape))
-    out = []
-    for entry, n in zip(spec.dims, shape):
-        for m in (() if entry is None else (entry,) if isinstance(entry, str) else entry):
-            n //= sizes[m]
-        out.append(n)
-    return tuple(out)
 
 
 def _layer_of_value(name: str) -> str:

@@ -48,16 +48,17 @@ def plan_blocks(costs, cluster, micro_batches: int = 1, virtual: int = 1,
     back (module docstring); the least objective wins (under ``Strategy(target=...)``
     the even splits of :mod:`~distgraph.passes.search.stages.even` alone). ``below``: a latency another
     plan has (another micro-batch count's): only plans below it are looked for, and
-    memory holds a mesh back only where its alike stages beat it; None where none is
-    found."""
+    memory holds a mesh back only where its alike stages beat it (where the fastest
+    options fit some plan, however slow; where they fit none, every mesh's variants are
+    searched, as without ``below``); None where none is found."""
     if costs.strategy.target is not None:      # a framework's stages: split evenly
         return plan_even(costs, cluster, micro_batches, below)
     count, blocks = costs.layering.count, costs.blocks
     p2p = costs.p2p_seconds
     chunks = [2 ** k for k in range(1, int(math.log2(max(virtual, 1))) + 1)]
 
-    def best_of(options, plan):
-        latency = plan[0].objective if plan is not None else below
+    def best_of(options, plan, bound=below):
+        latency = plan[0].objective if plan is not None else bound
         for v in chunks:
             found = plan_interleaved(count, blocks, options, cluster, micro_batches, v,
                                      costs.chunk_layers, p2p)
@@ -75,7 +76,8 @@ def plan_blocks(costs, cluster, micro_batches: int = 1, virtual: int = 1,
             plain = None
         return plain or plan
 
-    plan = best_of(costs.options(variants=False), None)
+    fastest = costs.options(variants=False)
+    plan = best_of(fastest, None)
     latency = plan[0].objective if plan is not None else below
     layouts: dict = {}
 
@@ -88,8 +90,13 @@ def plan_blocks(costs, cluster, micro_batches: int = 1, virtual: int = 1,
                 return True
         return False
 
-    wanted = None if plan is None and math.isinf(below) else held_back
-    if wanted is None or any(held_back(o) for o in costs.options(variants=False)):
+    # where the fastest options fit no plan at all, every mesh's variants are searched,
+    # below a latency too (the search without one does: a plan of unlike stages may
+    # need the variants of a mesh whose alike stages do not beat the latency)
+    fits = plan is not None or (math.isfinite(below) and
+                                best_of(fastest, None, math.inf) is not None)
+    wanted = held_back if fits else None
+    if wanted is None or any(held_back(o) for o in fastest):
         # the variants of the (x, t) meshes first: the plan they give holds the (dp, cp,
         # tp) meshes' variants back where those meshes' alike stages do not beat it
         plan = best_of(costs.options(variants=True, wanted=wanted, sequence=False), plan)

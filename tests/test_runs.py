@@ -19,7 +19,9 @@ from distgraph.passes.search.stages.run_dp import plan_runs  # noqa: E402
 from distgraph.passes.search.stages.block_plans import plan_blocks  # noqa: E402
 from distgraph.passes.pipeline.accumulate import split_micro_batches  # noqa: E402
 from distgraph.passes.search.layouts.ilp import evaluate  # noqa: E402
-from distgraph.passes.search.layouts.intra_op import _carried  # noqa: E402
+from distgraph.passes.search.layouts.intra_op import _carried, held_peak  # noqa: E402
+from distgraph.passes.search.layouts.ilp_problem import peak_memory  # noqa: E402
+from distgraph.passes.search.stages.part_cost import measure  # noqa: E402
 from distgraph.passes.search.stages.runs import VARIANTS, RunCosts, logical_mesh  # noqa: E402
 from distgraph.program_builder import build_program  # noqa: E402
 
@@ -98,6 +100,28 @@ def test_the_embedding_and_the_head_halve_with_the_block():
             if any(b <= a / 2 * (1 + 1e-9) for a, b in zip(peaks, peaks[1:])):
                 halved.add(part)
     assert halved == {"first", "last"}
+
+
+def test_a_budget_with_micro_batches_in_flight_counts_their_saved_activations():
+    """A stage keeping k micro-batches in flight holds its blocks' saved activations k
+    times: a search with ``in_flight=k`` keeps weights, states and k times the saved
+    within its budget (where a budget on one micro-batch's peak picks a block whose k
+    in flight do not fit), and reports its choice as one micro-batch, as the problem
+    without the weighting prices it."""
+    runs = run_costs(max_seq_len=32)        # activations outweigh the weights
+    (option,) = [o for o in runs.options(variants=False) if o.logical == (2, 2)]
+    mesh, device_of = logical_mesh(option.sub.mesh, option.sub.shape, option.logical)
+    fastest = {part: result for part, (_, result) in option.parts.items()}
+    k = 4
+    budget = 0.75 * held_peak(fastest["block"], runs.weights, k)
+    held = runs._within(mesh, device_of, fastest, budget, k)["block"]
+    plain = runs._within(mesh, device_of, fastest, budget, 1)["block"]
+    assert held_peak(held, runs.weights, k) <= budget < held_peak(plain, runs.weights, k)
+    cost = measure(held, runs.program, runs.weights, runs.strategy)
+    assert cost.persistent + k * cost.saved <= budget
+    assert held.report.in_flight == k and plain.report.in_flight == 1
+    assert held.report.peak_memory == peak_memory(plain.problem, held.choice)
+    assert held.report.objective >= plain.report.objective     # the memory costs time
 
 
 def test_no_option_is_matched_or_beaten_by_another_on_its_mesh(costs):

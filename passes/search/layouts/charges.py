@@ -64,6 +64,26 @@ def gradient_buffers(space, weights: dict) -> dict:
     return held
 
 
+def held_nodes(space, problem, weights: dict) -> tuple:
+    """(the nodes held all step: parameters, states and gradient buffers; the nodes
+    saved for the backward: live when it starts and made before it, as the estimate
+    counts them, not the first backward op's result nor a gradient received for it;
+    the liveness step where the backward starts, None without one) of ``space``'s
+    ``problem``."""
+    program = space.program
+    always = {n.index for n in space.nodes if n.is_source and
+              program.values[n.value].persistable}
+    holders = gradient_buffers(space, weights)
+    always.update(holders, holders.values())
+    backward = next((t for t, k in enumerate(space.ops)
+                     if program.ops[k].role == Role.BACKWARD), None)
+    if not (backward and problem.liveness):
+        return always, set(), backward
+    before = set(problem.liveness[backward - 1])
+    saved = {i for i in problem.liveness[backward] if i in before and i not in always}
+    return always, saved, backward
+
+
 class Charges:
     """The terms of ``space``'s nodes on ``costs`` (module docstring); ``targets``
     ({leaving Value: spec}) and ``tied`` ({leaving Value: received Value}): the

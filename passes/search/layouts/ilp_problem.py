@@ -91,6 +91,15 @@ class ShardingProblem:
         _set(other, "memory_budget", self._budget(budget))
         return other
 
+    def with_held(self, nodes, times: int) -> "ShardingProblem":
+        """This problem with the memory of ``nodes`` counted ``times`` times, its other
+        fields shared (the activations a pipeline stage keeps for ``times`` micro-batches
+        in flight, :func:`~distgraph.passes.search.layouts.intra_op.search`)."""
+        other = copy.copy(self)
+        _set(other, "memory", tuple(m * times if v in nodes else m
+                                    for v, m in enumerate(self.memory)))
+        return other
+
     def _budget(self, budget) -> float | None:
         if budget is not None:
             if isinstance(budget, bool) or not isinstance(budget, (int, float, np.number)) \

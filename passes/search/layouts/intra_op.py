@@ -32,6 +32,9 @@ The problem (:class:`~distgraph.passes.search.layouts.ilp_problem.ShardingProble
   the backward makes it in (:func:`~distgraph.passes.search.layouts.charges.
   gradient_buffers`). Reshard buffers are not counted (they depend on two choices):
   the planner checks the estimate (:mod:`distgraph.passes.fitting`), searching again with less.
+  With ``in_flight`` = k the activations saved for the backward count k times (a
+  pipeline stage holds them for each micro-batch in flight; the result is priced as
+  one micro-batch, :func:`held_peak` gives the weighted peak).
 
 The objective is the estimate (:func:`distgraph.passes.estimate`) of the plan the
 choice makes plus, for a Value resharded to one layout for several consumers (once by
@@ -59,7 +62,7 @@ from distgraph.ir import Role
 from distgraph.mesh import ProcessMesh
 from distgraph.passes.samples import sample_axes
 from distgraph.units import fmt_bytes
-from distgraph.passes.search.layouts.charges import build_problem, fixed_problem
+from distgraph.passes.search.layouts.charges import build_problem, fixed_problem, held_nodes
 from distgraph.passes.cost.layout_prices import LayoutPrices, layout_prices
 from distgraph.passes.search.layouts.ilp import Solution, solve
 from distgraph.passes.search.layouts.ilp_problem import ShardingProblem, evaluate, peak_memory
@@ -103,6 +106,7 @@ class SearchReport:
     recursive_objective: float | None = None
     note: str = ""
     memos: tuple = ()
+    in_flight: int = 1
 
     @property
     def chosen_by(self) -> str:
@@ -124,6 +128,9 @@ class SearchReport:
     def describe(self, where: str) -> str:
         """``str``, naming the mesh searched as ``where`` (a pipeline stage's devices)."""
         budget = "none" if self.memory_budget is None else fmt_bytes(self.memory_budget)
+        if self.in_flight > 1 and self.memory_budget is not None:
+            budget += (f" (the activations saved for the backward counted {self.in_flight}"
+                       " times)")
         size = f"{self.variables} variables, {self.constraints} constraints" \
             if self.variables else "no ILP"
         lines = [f"search on {where}: {self.status}, objective "
@@ -167,6 +174,7 @@ class SearchReport:
                 "nodes": self.nodes, "free_nodes": self.free_nodes,
                 "shared_blocks": self.shared_blocks, "variables": self.variables,
                 "constraints": self.constraints, "memory_budget": self.memory_budget,
+                "in_flight": self.in_flight,
                 "peak_memory": self.peak_memory, "method": self.method,
                 "recursive_objective": self.recursive_objective, "note": self.note,
                 "layouts": [list(x) for x in self.layouts],
@@ -274,7 +282,7 @@ def search(program, mesh: ProcessMesh, cluster, device_of: dict, *, ops=None,
            boundary: Boundary | None = None, method: str = "ilp",
            costs: LayoutPrices | None = None, refined=None, prove: bool = True,
            zero: str | None = None, session: Session | None = None,
-           style: str | None = None) -> SearchResult:
+           style: str | None = None, in_flight: int = 1) -> SearchResult:
     """Choose a strategy for every op (of ``ops``, default all) and source Value of
     ``program`` on ``mesh`` (module docstring). ``device_of``: process -> device global id
     of ``cluster``; ``weights``: op role -> times it runs per step (default 1);
@@ -300,7 +308,11 @@ def search(program, mesh: ProcessMesh, cluster, device_of: dict, *, ops=None,
     they read) in "search problems", with the recursive search's descents: searches of
     these ops under other budgets, or by another method, build nothing again;
     ``style``: ``Strategy.target``, the framework whose layouts alone are allowed
-    (:meth:`~distgraph.passes.search.layouts.space.SearchSpace._keep_to_style`)."""
+    (:meth:`~distgraph.passes.search.layouts.space.SearchSpace._keep_to_style`);
+    ``in_flight``: the micro-batches a pipeline stage keeps in flight, whose activations
+    saved for the backward the budget counts that many times (the memory variants of
+    :mod:`~distgraph.passes.search.stages.runs`); the result's problem and peak count
+    them once, as for one micro-batch."""
     start = time.perf_counter()
     session = session or (costs.session if costs is not None else Session())
     boundary = boundary or Boundary()
@@ -320,6 +332,14 @@ def search(program, mesh: ProcessMesh, cluster, device_of: dict, *, ops=None,
         return _Built(space, share, _problem(space, costs, weights or {}, loss, world, None,
                                              share, live, boundary, zero))
     built = problems.memo(key, build)
+    plain = built.problem
+    if in_flight > 1:           # its own problem, and recursive descents, per count
+        base = built
+        key = (*key, in_flight)
+        built = problems.memo(key, lambda: dataclasses.replace(
+            base, problem=base.problem.with_held(held_nodes(base.space, base.problem,
+                                                            weights or {})[1], in_flight),
+            descents=None))
     space, share, problem = built.space, built.share, built.problem.with_budget(memory_budget)
     build_time = time.perf_counter() - start
     limit = max(time_limit - build_time, 0.1 * time_limit)
@@ -344,8 +364,19 @@ def search(program, mesh: ProcessMesh, cluster, device_of: dict, *, ops=None,
             sol = solve(problem, time_limit=limit, starts=[sol.choice], bounded=True)
     if first is not None and not sol.variables:     # no model: the bound proved it
         note = PROVEN
-    return _result(space, sol.choice, problem, sol, build_time, memory_budget, share,
-                   boundary, method, first, note)
+    if in_flight > 1:           # priced as one micro-batch, as every search's result is
+        sol = dataclasses.replace(sol, peak_memory=peak_memory(plain, sol.choice))
+    return _result(space, sol.choice, plain.with_budget(memory_budget), sol, build_time,
+                   memory_budget, share, boundary, method, first, note, in_flight)
+
+
+def held_peak(result: SearchResult, weights: dict | None, in_flight: int) -> float:
+    """The peak of ``result``'s choice with the activations it saves for the backward
+    counted ``in_flight`` times (what a search with that ``in_flight`` bounds)."""
+    if in_flight == 1:
+        return result.report.peak_memory
+    saved = held_nodes(result.space, result.problem, weights or {})[1]
+    return peak_memory(result.problem.with_held(saved, in_flight), result.choice)
 
 
 def _marks(program, ops) -> tuple:
@@ -410,13 +441,14 @@ def price(moved: SearchSpace, cluster, device_of: dict, *, weights=None, loss=No
 
 
 def _result(space, choice, problem, sol, build_time, memory_budget, share,
-            boundary, method="ilp", first=None, note="") -> SearchResult:
+            boundary, method="ilp", first=None, note="", in_flight=1) -> SearchResult:
     layouts = _layouts(space, choice)
     report = SearchReport(space.mesh, sol.status, sol.objective, sol.gap, sol.solve_time,
                           build_time, len(space.nodes),
                           sum(1 for n in space.nodes if n.leader < 0),
                           len(share[0]) if share else 0, sol.variables, sol.constraints,
-                          memory_budget, sol.peak_memory, layouts, method, first, note)
+                          memory_budget, sol.peak_memory, layouts, method, first, note,
+                          in_flight=in_flight)
     return SearchResult(space, tuple(choice), report, problem, boundary)
 
 

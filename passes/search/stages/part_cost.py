@@ -15,8 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from distgraph.ir import Role
-from distgraph.passes.search.layouts.charges import gradient_buffers
+from distgraph.passes.search.layouts.charges import gradient_buffers, held_nodes
 from distgraph.passes.search.layouts.sharded_states import sharding_dim, writeback_bytes
 
 
@@ -53,21 +52,11 @@ def measure(result, program, weights, strategy) -> PartCost:
     space, problem, choice = result.space, result.problem, result.choice
     memory = [float(problem.memory[n.index][choice[n.index]]) for n in space.nodes]
     # parameters, states and (with micro-batches) the gradients' buffers, which the
-    # nodes making the gradients or the update nodes hold (charges.gradient_buffers)
-    always = {n.index for n in space.nodes if n.is_source and
-              program.values[n.value].persistable}
-    holders = gradient_buffers(space, weights)
-    always.update(holders, holders.values())
+    # nodes making the gradients or the update nodes hold (charges.gradient_buffers),
+    # and what the forward saved for the backward
+    always, kept, backward = held_nodes(space, problem, weights)
     persistent = sum(memory[i] for i in always)
-    backward = next((t for t, k in enumerate(space.ops)
-                     if program.ops[k].role == Role.BACKWARD), None)
-    saved = 0.0
-    if backward and problem.liveness:
-        # live when the backward starts and made before it (as the estimate counts:
-        # not the first backward op's result, nor a gradient received for it)
-        before = set(problem.liveness[backward - 1])
-        saved = sum(memory[i] for i in problem.liveness[backward]
-                    if i in before and i not in always)
+    saved = sum(memory[i] for i in kept)
     peak = result.report.peak_memory
     # Strategy(sharding=True), priced in the search (sharded_states): at an update,
     # beside what persists, the buffer its ZeRO write-back gathers into

@@ -55,7 +55,16 @@ also offers the fastest block whose peak memory is within half the fastest one's
 within half of that, and so on (up to :data:`VARIANTS` in all, while the search finds a
 smaller one), as options of their own: the DP takes the fastest that lets its stages
 fit (on GPT-3 310B, Megatron's split of every weight over t instead of whole attention
-weights: six blocks a stage instead of one). Each variant is offered twice where E and
+weights: six blocks a stage instead of one). Those halve the peak of one micro-batch,
+where the weights weigh most; a stage keeps the activations its blocks save for the
+backward once per micro-batch in flight (k, the first of the mesh's stages tiling the
+devices: up to 64 on Korthikanti's 1T). Where the fastest block with its saved
+activations counted k times exceeds its share of that stage's memory (what a device
+may hold over the blocks the stage holds), the mesh also offers the fastest block
+within that share so counted, then within 7/8 and 3/4 of it (the share leaves E and
+the other blocks' working memory out): on 1T, tensor-parallel weights with activations
+saved at 0.25 GB a block instead of 0.43, Megatron's two blocks a stage (a 1.02 plan
+where the halving ladder gave 0.89). Each variant is offered twice where E and
 H can shrink: with the fastest E and H meeting its block, and with each within half the
 peak of the one before it where the search finds one (else within that peak). The first
 (last) stage holds them beside its blocks and the most micro-batches in flight
@@ -107,7 +116,8 @@ import numpy as np
 from distgraph.errors import PlanError
 from distgraph.ir import Role
 from distgraph.passes.cost.boundary import boundary_seconds
-from distgraph.passes.search.layouts.intra_op import (Boundary, price,
+from distgraph.passes.cost.fit import limit_of
+from distgraph.passes.search.layouts.intra_op import (Boundary, held_peak, price,
                                                  search)
 from distgraph.passes.search.stages.block_plans import undominated
 from distgraph.passes.search.stages.part_cost import measure
@@ -269,28 +279,61 @@ class RunCosts:
     # -- searches -----------------------------------------------------------------------
     def _variants(self, mesh, device_of, fastest) -> tuple:
         """(the fastest parts whose block peaks within half, a quarter, an eighth ... of
-        ``fastest``'s block peak, while a smaller one exists (``VARIANTS - 1`` at most);
+        ``fastest``'s block peak, while a smaller one exists (``VARIANTS - 1`` at most),
+        then the fastest whose block fits its share of a stage's memory with the
+        micro-batches in flight (:meth:`_share`) where ``fastest``'s does not, and within
+        7/8 and 3/4 of it (the share leaves E and the other blocks' working memory out);
         each of them whose E and H peak within half those of the one before, where
         theirs do (module docstring))."""
-        variants, leaner = [], []
-        peak = fastest["block"].report.peak_memory
-        ends = {part: found.report.peak_memory for part, found in fastest.items()
-                if part != "block"}
+        variants, peak = [], fastest["block"].report.peak_memory
         for _ in range(VARIANTS - 1):
-            try:
-                smaller = self._search(mesh, device_of, peak / 2, fastest, prove=False)
-            except PlanError:               # no layout of the block peaks that low
-                break
-            if not smaller["block"].report.peak_memory < peak:
+            smaller = self._within(mesh, device_of, fastest, peak / 2)
+            if smaller is None or not smaller["block"].report.peak_memory < peak:
                 break
             variants.append(smaller)
             peak = smaller["block"].report.peak_memory
+        held, share = self._in_flight(mesh), self._share(mesh, device_of)
+        peak = held_peak(fastest["block"], self.weights, held)
+        for step in range(VARIANTS - 1 if held > 1 and peak > share else 0):
+            smaller = self._within(mesh, device_of, fastest, share * (1 - step / 8), held)
+            if smaller is None:
+                break
+            if held_peak(smaller["block"], self.weights, held) < peak:
+                variants.append(smaller)
+                peak = held_peak(smaller["block"], self.weights, held)
+        leaner = []
+        ends = {part: found.report.peak_memory for part, found in fastest.items()
+                if part != "block"}
+        for smaller in variants:
             lean = self._ends(smaller["block"], mesh, device_of, None, {}, smaller,
                               {part: (b / 2, b) for part, b in ends.items()})
             if any(lean[part] is not smaller[part] for part in lean):
                 leaner.append({**smaller, **lean})
             ends = {part: found.report.peak_memory for part, found in lean.items()}
         return variants, leaner
+
+    def _within(self, mesh, device_of, fastest, budget, in_flight=1) -> dict | None:
+        """The parts with the fastest block within ``budget`` (its saved activations
+        counted ``in_flight`` times), None where no layout of the block peaks that low."""
+        try:
+            return self._search(mesh, device_of, budget, fastest, prove=False,
+                                in_flight=in_flight)
+        except PlanError:
+            return None
+
+    def _in_flight(self, mesh) -> int:
+        """The micro-batches the first of the stages of ``mesh``'s size tiling the
+        devices keeps in flight (1F1B), whose saved activations its blocks hold."""
+        return max(1, min(self.micro, len(self.cluster.devices) // mesh.size))
+
+    def _share(self, mesh, device_of) -> float:
+        """Bytes a block of the first of the stages of ``mesh``'s size tiling the devices
+        may take where they split the blocks evenly: what its devices may hold over the
+        blocks it holds."""
+        stages = max(1, len(self.cluster.devices) // mesh.size)
+        limit = min(limit_of(self.cluster, d, self.strategy.memory_budget_gb)
+                    for d in set(device_of.values()))
+        return limit / math.ceil(len(self.blocks) / stages)
 
     def refine(self, option: RunOption, room: float = 0.0) -> RunOption:
         """``option`` searched again by ``Strategy(search="auto")``: the recursive choice
@@ -305,12 +348,13 @@ class RunCosts:
         at, devices, found = option.origin or (mesh, device_of, here)
 
         def refined(at, devices, found) -> dict:
-            peak = found["block"].report.peak_memory
+            held = found["block"].report.in_flight
+            peak = held_peak(found["block"], self.weights, held)
             # E and H of a memory variant within the peaks they had (module docstring)
             ends = {part: (r.report.peak_memory * (1 + 1e-9),) for part, r in found.items()
                     if part != "block" and r.report.memory_budget is not None}
             return self._search(at, devices, (peak + room) * (1 + 1e-9), method="auto",
-                                starts=found, ends=ends)
+                                starts=found, ends=ends, in_flight=held)
 
         if (at, devices) != (mesh, device_of) and found["block"].space.program is self.program:
             searched = refined(at, devices, found)
@@ -328,7 +372,7 @@ class RunCosts:
                          self._costed(refined(mesh, device_of, here)))
 
     def _search(self, mesh, device_of, budget=None, fastest=None, method=None,
-                starts=None, prove=True, ends=None) -> dict:
+                starts=None, prove=True, ends=None, in_flight=1) -> dict:
         """The parts on ``mesh``, the block within ``budget`` bytes per device, E and H
         meeting it (:meth:`_ends`: within ``ends``, from ``fastest`` where they can be);
         ``method``: the search's (default: the one that prices options,
@@ -337,14 +381,16 @@ class RunCosts:
         session's: only the budget differs), and E's or H's searches on one mesh meeting
         the block alike theirs (the refinement of a searched option builds no problem
         again); ``prove=False`` (the memory variants): a budget below the block's peak
-        bound raises PlanError without SCIP naming the smallest peak."""
+        bound raises PlanError without SCIP naming the smallest peak; ``in_flight``: the
+        micro-batches whose saved activations ``budget`` counts (:func:`~distgraph.passes.
+        search.layouts.intra_op.search`)."""
         starts = starts or {}
         method = method or pricing_method(self.strategy)
         start = time.perf_counter()
         boundary = Boundary(received=tuple((r, None) for r, _ in self.periodic),
                             periodic=self.periodic)
         found = {"block": self._run_search(self.block_ops, mesh, device_of, boundary, budget,
-                                           method, starts.get("block"), prove)}
+                                           method, starts.get("block"), prove, in_flight)}
         self.seconds += time.perf_counter() - start
         found.update(self._ends(found["block"], mesh, device_of, method, starts, fastest,
                                 ends))
@@ -385,14 +431,14 @@ class RunCosts:
         return found
 
     def _run_search(self, ops, mesh, device_of, boundary, budget, method, start=None,
-                    prove=True):
+                    prove=True, in_flight=1):
         self.searches += 1
         return search(self.program, mesh, self.cluster, device_of, ops=ops,
                       weights=self.weights, loss=self._loss(ops), memory_budget=budget,
                       time_limit=self.strategy.solver_time_limit, memory=True,
                       boundary=boundary, method=method, refined=start, prove=prove,
                       zero=sharding_dim(self.strategy), session=self.session,
-                      style=self.strategy.target)
+                      style=self.strategy.target, in_flight=in_flight)
 
     def _price(self, found, mesh, device_of) -> dict:
         out = {}

@@ -5,6 +5,7 @@ never prefer; the variants are searched only when nothing fits or a mesh's alike
 would beat the best plan with unlimited memory, and the plan equals the eager one (the
 stage DP on every option, the stages' transfers priced alike)."""
 
+import math
 import os
 import sys
 
@@ -22,7 +23,8 @@ from distgraph.passes.search.layouts.ilp import evaluate  # noqa: E402
 from distgraph.passes.search.layouts.intra_op import _carried, held_peak  # noqa: E402
 from distgraph.passes.search.layouts.ilp_problem import peak_memory  # noqa: E402
 from distgraph.passes.search.stages.part_cost import measure  # noqa: E402
-from distgraph.passes.search.stages.runs import VARIANTS, RunCosts, logical_mesh  # noqa: E402
+from distgraph.passes.search.stages.runs import RunCosts, logical_mesh  # noqa: E402
+from distgraph.passes.search.stages.run_variants import VARIANTS  # noqa: E402
 from distgraph.program_builder import build_program  # noqa: E402
 
 import plans as P  # noqa: E402
@@ -122,6 +124,36 @@ def test_a_budget_with_micro_batches_in_flight_counts_their_saved_activations():
     assert held.report.in_flight == k and plain.report.in_flight == 1
     assert held.report.peak_memory == peak_memory(plain.problem, held.choice)
     assert held.report.objective >= plain.report.objective     # the memory costs time
+
+
+def test_variants_for_the_micro_batches_in_flight_let_a_faster_plan_fit():
+    """8 devices of 1.5 MB and activations outweighing the weights: a stage of 4 devices
+    keeps 2 micro-batches in flight, so the variants that halve one micro-batch's peak
+    are not the ones its stages need; the in-flight variants (searched on the kind's
+    8-device mesh, priced on 4) give a faster plan than the options without them."""
+    dims = dict(P.GPT_DIMS, n_layer=4, max_seq_len=32)
+    data = P.Dataset("gpt", dims=dims, batch=BATCH)
+    ins, labels = dg.app.data.DataLoader(data, BATCH).specs(1)
+    built = build_program(P.build_model("gpt", dims=dims), ins, labels, P.loss_fn("gpt"),
+                          dg.optim.AdamW(0.01))
+    cluster = S.line_cluster(8, bandwidth=0.01, device=dict(S.DEVICE, memory=1.5e-3))
+    runs = RunCosts(built, dg.Strategy(auto_mode="full", pipeline=True), cluster,
+                    block_layers(built.program, built.block_paths), micro=MICRO)
+    options = runs.options()
+
+    def searched(option):
+        return (option.origin[2] if option.origin else {"block": option.parts["block"][1]})
+
+    held = [o for o in options if searched(o)["block"].report.in_flight > 1]
+    assert any(o.sub.size == 4 and searched(o)["block"].space.mesh.size == 8 for o in held)
+
+    def latency(options):
+        try:
+            return plan_runs(runs.layering.count, runs.blocks, options, cluster, MICRO,
+                             p2p=runs.p2p_seconds)[0].objective
+        except PlanError:
+            return math.inf
+    assert latency(options) < latency([o for o in options if o not in held])
 
 
 def test_no_option_is_matched_or_beaten_by_another_on_its_mesh(costs):

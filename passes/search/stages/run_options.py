@@ -53,8 +53,8 @@ class RunOption:
 class Searched:
     """A mesh searched for its fastest parts (``key``: (axis, submesh shape, logical
     shape)), and for its memory variants once they are asked for (``smaller``, and
-    ``leaner``: those of them with E and H halved too); parts as dicts part ->
-    SearchResult."""
+    ``leaner``: those of them with E and H halved too; ``held``: those for the micro-
+    batches in flight on meshes priced from it); parts as dicts part -> SearchResult."""
 
     key: tuple
     mesh: ProcessMesh
@@ -62,6 +62,7 @@ class Searched:
     fastest: dict
     smaller: list | None = None
     leaner: list = field(default_factory=list)
+    held: dict = field(default_factory=dict)    # (k, scale) -> RunCosts._held_here's
 
     def variants(self) -> list:
         return self.smaller + self.leaner

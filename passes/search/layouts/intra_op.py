@@ -311,7 +311,7 @@ def search(program, mesh: ProcessMesh, cluster, device_of: dict, *, ops=None,
     (:meth:`~distgraph.passes.search.layouts.space.SearchSpace._keep_to_style`);
     ``in_flight``: the micro-batches a pipeline stage keeps in flight, whose activations
     saved for the backward the budget counts that many times (the memory variants of
-    :mod:`~distgraph.passes.search.stages.runs`); the result's problem and peak count
+    :mod:`~distgraph.passes.search.stages.run_variants`); the result's problem and peak count
     them once, as for one micro-batch."""
     start = time.perf_counter()
     session = session or (costs.session if costs is not None else Session())

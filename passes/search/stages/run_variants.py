@@ -4,27 +4,28 @@ mesh's fastest options back (:mod:`~distgraph.passes.search.stages.block_plans`)
 
 A block's search minimises its time alone, so it may keep weights and their optimizer
 states whole where splitting them costs about as much time: cheap for one block, too
-much for the many blocks a stage of few devices must hold. Each mesh also offers the fastest block whose peak memory is within half the fastest one's, then
-within half of that, and so on (up to :data:`VARIANTS` in all, while the search finds a
-smaller one), as options of their own: the DP takes the fastest that lets its stages
-fit (on GPT-3 310B, Megatron's split of every weight over t instead of whole attention
-weights: six blocks a stage instead of one). Those halve the peak of one micro-batch,
-where the weights weigh most; a stage keeps the activations its blocks save for the
-backward once per micro-batch in flight (k, the first of the mesh's stages tiling the
-devices: up to 64 on Korthikanti's 1T). Where the fastest block with its saved
-activations counted k times exceeds its share of that stage's memory (what a device
-may hold over the blocks the stage holds), the mesh also offers the fastest block
-within that share so counted, then within 7/8 and 3/4 of it (the share leaves E and
-the other blocks' working memory out): on 1T, tensor-parallel weights with activations
-saved at 0.25 GB a block instead of 0.43, Megatron's two blocks a stage (a 1.02 plan
-where the halving ladder gave 0.89). Each variant is offered twice where E and
-H can shrink: with the fastest E and H meeting its block, and with each within half the
-peak of the one before it where the search finds one (else within that peak). The first
-(last) stage holds them beside its blocks and the most micro-batches in flight
-(Korthikanti's 530B: the embedding whole, 16.9 GB a device, where split over t it is
-2.1 GB, kept three blocks off the first stage); where there is room, the fastest E is
-kept (175B: 188.6 ms on the first stage with it, 192.4 ms without). A mesh whose
-fastest parts are priced from another's search prices that search's variants too
+much for the many blocks a stage of few devices must hold. Each mesh also offers the
+fastest block whose peak memory is within half the fastest one's, then within half of
+that, and so on (up to :data:`VARIANTS` in all, while the search finds a smaller one),
+as options of their own: the DP takes the fastest that lets its stages fit (on GPT-3
+310B, Megatron's split of every weight over t instead of whole attention weights: six
+blocks a stage instead of one). Those halve the peak of one micro-batch, where the
+weights weigh most; a stage keeps the activations its blocks save for the backward once
+per micro-batch in flight (k, the first of the mesh's stages tiling the devices: up to
+64 on Korthikanti's 1T). Where the fastest block with its saved activations counted k
+times exceeds its share of that stage's memory (what a device may hold over the blocks
+the stage holds), the mesh also offers the fastest block within that share so counted,
+then within 7/8 and 3/4 of it (the share leaves E and the other blocks' working memory
+out): on 1T, tensor-parallel weights with activations saved at 0.25 GB a block instead
+of 0.43, Megatron's two blocks a stage (a 1.02 plan where the halving ladder gave 0.89).
+Each variant is offered twice where E and H can shrink: with the fastest E and H meeting
+its block, and with each within half the peak of the one before it where the search
+finds one (else within that peak). The first (last) stage holds them beside its blocks
+and the most micro-batches in flight (Korthikanti's 530B: the embedding whole, 16.9 GB a
+device, where split over t it is 2.1 GB, kept three blocks off the first stage); where
+there is room, the fastest E is kept (175B: 188.6 ms on the first stage with it, 192.4
+ms without). A mesh whose fastest parts are priced from another's search prices that
+search's variants too
 (:meth:`~distgraph.passes.search.stages.runs.RunCosts._smaller_parts`), and its own
 in-flight ones: searched on that mesh with this one's k, their share scaled by the
 fastest block's peaks so counted there and here (:meth:`MemoryVariants._held_here`).

@@ -111,7 +111,6 @@ from distgraph.passes.search.stages.stage_dp import Submesh, logical_mesh
 from distgraph.passes.session import Session
 
 
-
 class RunCosts(MemoryVariants):
     """The stage options of a block layering of ``prepared`` (a BuiltProgram) on ``cluster``
     with ``micro`` micro-batches (module docstring)."""
@@ -263,8 +262,9 @@ class RunCosts(MemoryVariants):
         """``option`` searched again by ``Strategy(search="auto")``: the recursive choice
         refined by the ILP, the block within the peak it had plus ``room`` bytes (what
         its stages may still take: :mod:`~distgraph.passes.search.stages.pipeline` checks that
-        they fit), E and H meeting the refined block (a lean variant's within the peaks
-        they had). Refined on the mesh whose search the option's parts were costed or
+        they fit; an in-flight variant's peak with its saved activations counted as its
+        search counted them), E and H meeting the refined block (a lean variant's within
+        the peaks they had). Refined on the mesh whose search the option's parts were costed or
         priced from, whose space and problems that search built, and priced here as the
         pricing did (where the refined choice does not divide here: refined here)."""
         mesh, device_of = logical_mesh(option.sub.mesh, option.sub.shape, option.logical)

@@ -13,6 +13,7 @@ that it has an estimate, ``dg.Cluster.local(4)`` unless said). A GPT of 8 blocks
 ``dp``; ``dp_accum`` (4 micro-batches accumulated); ``mp`` (Megatron); ``dp_mp`` (2 x 2);
 ``zero1`` / ``zero2`` / ``zero3`` (dp with sharding levels 1-3); ``recompute`` (dp,
 ``Strategy(recompute=True)``); ``amp_bf16`` (dp, ``Strategy(amp="bfloat16")``);
+``pp_amp`` (the 1F1B pipeline below under ``amp="bfloat16"``);
 pipelines of 4 stages over ``pp`` with 8 micro-batches: ``pp_1f1b``, ``pp_gpipe``
 (FThenB), ``pp_zb``, ``pp_interleaved`` (1F1B, 2 virtual stages), ``pp_zbv``;
 ``searched`` (``auto_mode="full"``), ``searched_pp`` (``pipeline=True``, micro-batches
@@ -66,6 +67,8 @@ LAYOUTS = {
        for k in (1, 2, 3)},
     "recompute": ("gpt", (4,), ("dp",), {}, dict(recompute=True)),
     "amp_bf16": ("gpt", (4,), ("dp",), {}, dict(amp="bfloat16")),
+    "pp_amp": ("gpt", (4,), ("pp",), {"pp_config": {"split_spec": "blocks"}},
+               dict(micro_batches=8, amp="bfloat16")),
     **{name: ("gpt", (4,), ("pp",), {"pp_config": {"split_spec": "blocks"}},
               dict(micro_batches=8, **fields)) for name, fields in PIPELINES.items()},
     "moe_ep": ("mixtral", (4,), ("ep",), {}, {}),

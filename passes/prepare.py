@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 
 from distgraph.passes.meshslice.slices import enable
+from distgraph.plan.accumulation import made_once
 from distgraph.passes.pipeline.accumulate import split_micro_batches
 from distgraph.passes.transforms.recompute import (attention_cores, recompute, recompute_ops,
                                                    scores_of, segments)
@@ -34,19 +35,22 @@ def transformed(built, strategy):
     prepared = dataclasses.replace(built, program=program)
     if strategy.meshslice:
         enable(program, strategy.meshslice)
+    # what a micro-batched step holds anyway (the values it makes once) is not recomputed
+    held = made_once(program) if (strategy.micro_batches or 1) > 1 and strategy.recompute \
+        else frozenset()
     if strategy.recompute == "selective" and program.ops_by_role("backward"):
-        recompute_ops(program, attention_cores(program, prepared.block_paths))
+        recompute_ops(program, attention_cores(program, prepared.block_paths), held)
     elif isinstance(strategy.recompute, tuple) and program.ops_by_role("backward"):
         # per layer: the named layers' scores first, then the layers recomputed whole
         # (their segments are found on the program as it then is)
         scores = [e[0] for e in strategy.recompute if isinstance(e, tuple)]
         whole = [e for e in strategy.recompute if isinstance(e, str)]
         if scores:
-            recompute_ops(program, scores_of(program, scores))
+            recompute_ops(program, scores_of(program, scores), held)
         if whole:
-            recompute(program, segments(prepared, whole))
+            recompute(program, segments(prepared, whole), held)
     elif strategy.recompute and program.ops_by_role("backward"):
-        recompute(program, segments(prepared, strategy.recompute))
+        recompute(program, segments(prepared, strategy.recompute), held)
     return prepared
 
 

@@ -96,8 +96,9 @@ SCRIPT = """
               "megatron"}}), "zero3": ((n,), ["dp"], {"dp_config": {"sharding_level": 3}}),
               "dp_mp": ((2, 2), ["dp", "mp"], {"mp_config": {"parallelize_plan": "megatron"}}),
               **{name: ((n,), ["pp"], {"pp_config": {"split_spec": "blocks"}}) for name in
-                 ("pp_1f1b", "pp_interleaved", "pp_gpipe", "pp_zb", "pp_zbv")}}
+                 ("pp_1f1b", "pp_interleaved", "pp_gpipe", "pp_zb", "pp_zbv", "pp_amp")}}
     STRATEGY = {"pp_1f1b": dict(micro_batches=4), "searched": dict(auto_mode="full"),
+                "pp_amp": dict(micro_batches=4, amp="bfloat16"),
                 "pp_interleaved": dict(micro_batches=4, virtual_stages=2),
                 "pp_gpipe": dict(micro_batches=4, schedule="FThenB"),
                 "pp_zb": dict(micro_batches=4, schedule="ZB"),
@@ -142,9 +143,11 @@ def within(rows: dict) -> None:
 @pytest.mark.mpi
 def test_two_ranks_hold_what_their_plans_estimate(tmp_path):
     """Zero bubble's groups of weight gradients held their chunk's gradients a second
-    time and their operands twice (ZB 1.15x in bench/memory_check.py)."""
-    within(measured(tmp_path, "dp,mp,zero3,pp_1f1b,pp_interleaved,pp_gpipe,pp_zb,pp_zbv",
-                    2))
+    time and their operands twice (ZB 1.15x in bench/memory_check.py). Under amp the
+    16-bit copies of a stage's weights are made once a step and held once, however many
+    micro-batches are in flight (distgraph.plan.accumulation.made_once)."""
+    within(measured(tmp_path, "dp,mp,zero3,pp_1f1b,pp_interleaved,pp_gpipe,pp_zb,pp_zbv,"
+                              "pp_amp", 2))
 
 
 @pytest.mark.mpi

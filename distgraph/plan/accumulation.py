@@ -14,7 +14,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from types import MappingProxyType
 
+from distgraph.ir import Role
 from distgraph.plan.kinds import AccumulationMode
+from distgraph.registry import get_op
+
+# ops that draw random numbers: each micro-batch draws its own
+RANDOM = ("dropout",)
 
 
 @dataclass(frozen=True)
@@ -57,3 +62,41 @@ class Accumulation:
         for name in sorted(self.prologue):
             lines.append(f"  whole  {name} (summed over the micro-batches before the step)")
         return "\n".join(lines)
+
+
+def made_once(program) -> frozenset:
+    """Names of the Values a micro-batched step makes once, before its first micro-batch,
+    and holds to the last micro-batch's last use: the results of forward ops that read
+    only persistables (and Values made so), draw no random numbers and communicate
+    nothing (no collective of their own; on a completed program, no operand resharded
+    and no reader on another mesh), read by no update and not a program output. Under
+    ``Strategy(amp=...)`` these are the 16-bit copies of the parameters: made once a step
+    and held once, as Megatron holds its 16-bit parameters beside float32 masters, not
+    once per micro-batch in flight. Their ops run once a step (the task graph's
+    prologue), and the estimate and the search count them so.
+
+    Example: ``fc1.weight -> cast -> fc1.weight@bfloat16`` is made once; ``x ->
+    matmul`` is not (it reads a feed)."""
+    once: set = set()
+    persistable = {v.name for v in program.values.values() if v.persistable}
+    readers = program.consumers()
+    outputs = {v.name for v in program.outputs}
+    for op in program.ops:
+        if op.role is not Role.FORWARD or op.type in RANDOM or not op.outputs or \
+                get_op(op.type).comm is not None:
+            continue
+        if not all(v.name in persistable or v.name in once for v in op.inputs):
+            continue
+        da = op.dist_attr
+        if da is not None and any(
+                v.dist_attr is None or v.dist_attr.mesh != da.mesh or spec != v.dist_attr.spec
+                for v, spec in zip(op.inputs, da.input_specs)):
+            continue
+        names = [o.name for o in op.outputs]
+        if any(n in outputs for n in names) or any(
+                r.role is Role.OPTIMIZE or (da is not None and r.dist_attr is not None and
+                                            r.dist_attr.mesh != da.mesh)
+                for n in names for r in readers.get(n, ())):
+            continue
+        once.update(names)
+    return frozenset(once)

@@ -67,7 +67,9 @@ class ProcessProgram:
     split), ``micro_batches`` the number this process runs, ``batch_micro_batches`` the
     plan's count and ``positions`` where each of its micro-batches sits in the batch;
     ``prologue_ops`` the accumulation prologue's ops and ``prologue_sums`` the sums they
-    make; ``accumulation`` the plan's (None without micro-batches) and ``source_of``
+    make; ``step_ops`` the ops whose results the step makes once, before its first
+    micro-batch, for all of them (:func:`~distgraph.plan.accumulation.made_once`: under
+    amp the 16-bit copies of the parameters); ``accumulation`` the plan's (None without micro-batches) and ``source_of``
     which Value each local name holds; ``state_gathers[name]`` the point that brings
     persistable ``name`` whole to every process; ``first_chunk`` the lowest chunk it runs
     (where its sends and update are drawn in the timeline)."""
@@ -98,6 +100,7 @@ class ProcessProgram:
     state_gathers: MappingProxyType
     first_chunk: int = 0
     persistables: frozenset = field(default_factory=frozenset)
+    step_ops: tuple = ()
 
     def mode(self, name: str) -> AccumulationMode:
         """How local value ``name`` combines over the micro-batches."""

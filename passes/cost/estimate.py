@@ -93,6 +93,7 @@ from itertools import combinations
 
 from distgraph.errors import PlanError
 from distgraph.ir import Role
+from distgraph.plan.accumulation import made_once
 from distgraph.passes.cost.held import action_holds, kernels_keep, run_order
 from distgraph.passes.cost.terms import buffers_by_action, held_by_action, in_flight
 from distgraph.passes.cost.prices import (Rings, best_overlap, feed_time, op_comm_time, op_time,
@@ -262,8 +263,9 @@ def price_process(plan, pid: int, cluster, share: Share = Share(), rings=None) -
     fetch = [plan.built.loss_name] if plan.built.loss_name else []
     device = rings.device(pid)
     scale = _Scale(plan, share, pid)
-    compute, comm, updates = _process_times(plan, pid, device, rings, fetch, scale)
-    memory = _peak_memory(plan, pid, stage, scale)
+    once = made_once(plan.program) if plan.accumulation is not None else frozenset()
+    compute, comm, updates = _process_times(plan, pid, device, rings, fetch, scale, once)
+    memory = _peak_memory(plan, pid, stage, scale, once)
     return ProcessEstimate(pid, device.global_id, stage, compute, comm, *memory), updates
 
 
@@ -352,12 +354,13 @@ def _rows_held(plan, pid: int) -> float:
     return 1.0
 
 
-def _process_times(plan, pid, device, rings: Rings, fetch, scale: _Scale):
+def _process_times(plan, pid, device, rings: Rings, fetch, scale: _Scale, once=frozenset()):
     local = plan.local_alike(pid)
     m = scale.micro_batches       # plan.micro_batches > 1: the local program is one micro-batch's
 
-    def times(role: str) -> int:
-        return 1 if role == Role.OPTIMIZE else m
+    def times(op) -> int:
+        return 1 if op.role == Role.OPTIMIZE or (
+            op.outputs and op.outputs[0].name in once) else m
 
     # each process copies in its part of every feed, once per micro-batch
     compute = m * sum(feed_time(scale.nbytes(v), device) for v in local.program.inputs)
@@ -371,17 +374,17 @@ def _process_times(plan, pid, device, rings: Rings, fetch, scale: _Scale):
             mesh = op.dist_attr.mesh
             _, work, hidden = best_overlap(ways, device,
                                            lambda dim: rings.along(mesh, pid, dim))
-            compute += work * times(op.role)
-            comm += hidden * times(op.role)
+            compute += work * times(op)
+            comm += hidden * times(op)
             overlapped.add(index)
             continue
         t = op_time(op.type, ins, [scale.tensor(v) for v in op.outputs], op.attrs, device)
-        compute += t * times(op.role)
-        if op.role == Role.OPTIMIZE:
-            updates += t
-    roles = [op.role for op in plan.program.ops]
+        compute += t * times(op)
+        if op.role == Role.OPTIMIZE or (op.outputs and op.outputs[0].name in once):
+            updates += t        # once a step (the update, the values made once)
+    ops = plan.program.ops
     step_time = _StepTimes(pid, rings)
-    comm += sum(times(roles[p.anchor]) * step_time(s, scale.of_step(p, s))
+    comm += sum(times(ops[p.anchor]) * step_time(s, scale.of_step(p, s))
                 for p in local.points() for s in p.steps)
     if plan.distributed:
         comm += sum(step_time(s, scale.of_step(p, s))
@@ -393,7 +396,7 @@ def _process_times(plan, pid, device, rings: Rings, fetch, scale: _Scale):
         op = ops[index]
         ring = rings.of_op(op.dist_attr.mesh, pid, local.op_context.get(index))
         rows = scale.rows if any(scale.axis(v.name) is not None for v in op.inputs) else 1.0
-        comm += times(op.role) * op_comm_time(collectives, ring, device, rows)
+        comm += times(op) * op_comm_time(collectives, ring, device, rows)
     return compute, comm, updates
 
 
@@ -422,9 +425,12 @@ def _fetch_points(plan, fetch, pid) -> list:
     return [p for p in plan.graph.gathers[pid] if p.value in fetch]
 
 
-def _peak_memory(plan, pid, stage, scale: _Scale) -> tuple[int, int, int, int, int]:
+def _peak_memory(plan, pid, stage, scale: _Scale, once=frozenset()) -> tuple[int, int, int,
+                                                                              int, int]:
     """(parameters, states, gradients, activations, saved activations) bytes at the
-    process's peak (module docstring)."""
+    process's peak (module docstring); ``once``: the Values the step makes once
+    (:func:`~distgraph.plan.accumulation.made_once`), live from the step's start to its
+    update and never among what a micro-batch in flight keeps."""
     local = plan.local_alike(pid)
     prog = local.program
     params = sum(v.nbytes for v in prog.persistables if v.is_parameter)
@@ -470,8 +476,13 @@ def _peak_memory(plan, pid, stage, scale: _Scale) -> tuple[int, int, int, int, i
                 last[name] = k
         if not updating[k]:
             made_before.update(writes)
+    # the Values made once are every micro-batch's, from the step's start to the update
+    made_here = [v for v in prog.values.values() if v.name in once]
+    if made_here:
+        end = max((k for k, u in enumerate(updating) if not u), default=len(items) - 1)
+        last.update((v.name, end) for v in made_here)
     keep = {v.name for v in prog.persistables}
-    live = {v.name: scale.nbytes(v) for v in prog.inputs}
+    live = {v.name: scale.nbytes(v) for v in prog.inputs + made_here}
     peak, at_peak = sum(live.values()), dict(live)
     # the backward's first item: a stage's output is sent before it, the gradient from the
     # next stage received in it (neither is kept from the forward for the backward)
@@ -495,10 +506,10 @@ def _peak_memory(plan, pid, stage, scale: _Scale) -> tuple[int, int, int, int, i
     saved = 0
     for k, (reads, writes) in enumerate(items):
         if k == first_backward:
-            saved = sum(b for n, b in live.items() if "@GRAD" not in n)
+            saved = sum(b for n, b in live.items() if "@GRAD" not in n and n not in once)
             first = min(made.values())[0] if order and made else None
             for n, b in live.items():       # by the chunk that makes it (feeds: the first)
-                if order and "@GRAD" not in n:
+                if order and "@GRAD" not in n and n not in once:
                     chunk = made.get(n, (first,))[0]
                     after_forward[chunk] = after_forward.get(chunk, 0) + b
         for name in writes:
@@ -509,7 +520,7 @@ def _peak_memory(plan, pid, stage, scale: _Scale) -> tuple[int, int, int, int, i
         total = sum(live.values())
         if total > peak:
             peak, at_peak = total, dict(live)
-        if order:
+        if order and not (writes and set(writes) <= once):    # made before the tasks
             task = task_of.get(item_ops[k])
             for name in writes if lazy else ():
                 if name in buffers and name not in made_by:

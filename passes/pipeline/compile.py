@@ -8,7 +8,9 @@ values), each with the names it uses for the last time (a micro-batch's values d
 their last reader, and a ``donate`` op may then take their buffer); finds the runs of
 consecutive weight-gradient actions that run as one (:mod:`.batched`); lists the
 communicator groups the process meets; cuts the rows of every input it reads per
-micro-batch; and plans the gathers that bring each persistable whole to every process.
+micro-batch; lists the ops whose results the step makes once (``step_ops``:
+:func:`~distgraph.plan.accumulation.made_once`); and plans the gathers that bring each
+persistable whole to every process.
 
 Example::
 
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 from types import MappingProxyType
 
+from distgraph.plan.accumulation import made_once
 from distgraph.plan.devices import COLLECTIVE, CommGroup, step_groups
 from distgraph.plan.instructions import (Block, GatherInstr, OpInstr, PointInstr, RecvInstr,
                                          SendInstr, last_uses, op_instr, keeps_nothing,
@@ -49,7 +52,10 @@ def compile_process(plan, pid: int, state_points) -> ProcessProgram:
                 source_of.setdefault(name, name if isinstance(instr, OpInstr)
                                      else instr.point.value)
         compiled[key] = (task, instrs)
-    feeds = {v.name for v in local.program.inputs}
+    acc = plan.accumulation
+    once = made_once(plan.program) if acc is not None else frozenset()
+    # a Value made once is every micro-batch's: none of them may take its buffer
+    feeds = {v.name for v in local.program.inputs} | once
     persistable = frozenset(v.name for v in local.program.persistables)
     blocks = _blocks(compiled, feeds, persistable, local.program.values)
     update = blocks.pop((None, TaskKind.UPDATE))
@@ -58,10 +64,12 @@ def compile_process(plan, pid: int, state_points) -> ProcessProgram:
     batched_tasks = {key: b for key, block in blocks.items()
                      if key[1] is TaskKind.BACKWARD_WEIGHT
                      and (b := batched_task(block, plan.accumulation, source_of)) is not None}
-    acc = plan.accumulation
     made = acc.prologue_values if acc is not None else frozenset()
     prologue_ops = tuple(op_instr(op) for op in local.program.ops
                          if op.outputs and all(o.name in made for o in op.outputs))
+    step_ops = tuple(op_instr(op, local.op_context.get(i)) for i, op in
+                     enumerate(local.program.ops)
+                     if op.outputs and all(o.name in once for o in op.outputs))
     rows = feed_rows(plan, pid)
     found = set(rows.values())
     first_chunk = min((t.chunk for t in graph.tasks_of(pid).values() if t.chunk is not None),
@@ -77,6 +85,7 @@ def compile_process(plan, pid: int, state_points) -> ProcessProgram:
                     for v in local.program.inputs),
         batch_rows=found.pop() if len(found) == 1 else None,
         prologue_ops=prologue_ops, prologue_sums=acc.prologue if acc is not None else frozenset(),
+        step_ops=step_ops,
         accumulation=acc, source_of=MappingProxyType(source_of), fetch=tuple(graph.fetch),
         row_gathers=plan.row_gathers, tags=graph.tags,
         comm_groups=comm_groups(plan, pid, local, gathers, state_points),

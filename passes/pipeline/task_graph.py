@@ -17,8 +17,10 @@ micro-batches is the same graph with M = 1):
   which run different numbers of micro-batches, meet only there and in the update); the
   graph then counts micro-batches up to the largest group's.
 
-Ops of the accumulation's prologue (whole-batch sums only the feeds make) belong to no
-task: the runner makes their results before the step's first task.
+Ops of the accumulation's prologue (whole-batch sums only the feeds make) and the ops
+whose results a step makes once (:func:`~distgraph.plan.accumulation.made_once`: under amp
+the 16-bit copies of the parameters) belong to no task: the runner makes their results
+before the step's first task.
 
 A reshard point of the plan becomes task items: run in place when the task that makes
 its value also consumes it, when it has no point-to-point transfer or when it feeds the
@@ -45,6 +47,7 @@ from types import MappingProxyType
 
 from distgraph.errors import PlanError
 from distgraph.ir import Role
+from distgraph.plan.accumulation import made_once
 from distgraph.plan.kinds import PER_MICRO_BATCH, ItemKind, StepKind, TaskKind
 from distgraph.plan.tags import TagScheme
 from distgraph.plan.tasks import Flow, Item, Task, TaskGraph
@@ -101,8 +104,9 @@ def build_task_graph(plan, parts, chunk_of: tuple, chunk_meshes: tuple) -> TaskG
     m = max(split.units) if uneven else plan.micro_batches
     kind_of = op_kinds(program, split=strategy.schedule in ("ZB", "ZBV"))
     acc = plan.accumulation
-    if acc is not None and acc.skipped:
-        kind_of = [PROLOGUE if op.outputs and all(o.name in acc.skipped for o in op.outputs)
+    if acc is not None:     # what the micro-batches do not run: the prologue's, made_once
+        before = acc.skipped | made_once(program)
+        kind_of = [PROLOGUE if op.outputs and all(o.name in before for o in op.outputs)
                    else kind for op, kind in zip(program.ops, kind_of)]
     n_chunks = len(chunk_meshes)
     flow_rank = _flow_rank(n_chunks)

@@ -59,17 +59,17 @@ def segments(built, option) -> list:
     return list(option)
 
 
-def recompute(program: Program, paths) -> int:
+def recompute(program: Program, paths, held=frozenset()) -> int:
     """Rewrite ``program`` (forward, backward and update ops, not yet completed) so the
     activations of each layer path are recomputed in the backward; returns how many ops
-    were copied (:func:`recompute_ops` on each path's forward ops)."""
+    were copied (:func:`recompute_ops` on each path's forward ops; ``held``: as there)."""
     by_layer: dict = {}                 # forward ops per layer path, in program order
     for i, op in enumerate(program.ops):
         if op.role is Role.FORWARD:
             by_layer.setdefault(op.layer, []).append(i)
     return recompute_ops(program, [sorted(i for layer, found in by_layer.items()
                                           if _inside(layer, path) for i in found)
-                                   for path in paths])
+                                   for path in paths], held)
 
 
 def _readers(ops) -> tuple:
@@ -163,15 +163,17 @@ def _made_for(ops, seg, maker, forward_readers) -> list:
                    and set(forward_readers[v.name]) <= inside} - inside)
 
 
-def recompute_ops(program: Program, segs) -> int:
+def recompute_ops(program: Program, segs, held=frozenset()) -> int:
     """Rewrite ``program`` so the activations each segment of ``segs`` (lists of forward
     op indices) makes for its own backward are recomputed there; returns how many ops
-    were copied. The segments are independent (a copy reads only its own segment's
+    were copied. ``held``: Values the step holds whatever is recomputed (those a micro-
+    batched step makes once, :func:`~distgraph.plan.accumulation.made_once`): read, not
+    recomputed. The segments are independent (a copy reads only its own segment's
     copies and what enters the segment), so every one is planned on the program as
     given and all are applied in one pass."""
     ops = program.ops
     forward_readers, backward_readers = _readers(ops)
-    outputs = {v.name for v in program.outputs}
+    outputs = {v.name for v in program.outputs} | set(held)
     inserts: dict = {}
     renames: dict = {}
     for seg in segs:

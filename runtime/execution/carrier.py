@@ -110,6 +110,7 @@ class Carrier:
         start = led.bytes
         led.since()
         self.progress.begin_step(step, self._table)
+        self._made_once()
         i = 0
         while i < len(self.actions):
             group = self.groups.get(i)
@@ -131,6 +132,29 @@ class Carrier:
         self.fetched.clear()            # handed to the caller: no longer the step's
         self.steps.append(record(led, step, start))
         return fetched
+
+    def _made_once(self) -> None:
+        """The step's once-made Values (``ProcessProgram.step_ops``: under amp the 16-bit
+        copies of the parameters), made from the scope before the first micro-batch and
+        given to every micro-batch that runs: one array each, dropped by the last
+        micro-batch that reads it, and never a donor (no micro-batch owns it alone)."""
+        ops = self.program.step_ops
+        if not ops:
+            return
+        made = Counted(self.ledger)
+        self.ledger.at = ("step start", None)
+        try:
+            for instr in ops:
+                run_op(instr, made, self.scope, self.runner.context(self.step, instr.ctx), ())
+                self.ledger.settle()
+        except DistGraphError as e:
+            raise RuntimeFault(f"rank {self.rank} (process {self.pid}): the values made once "
+                               f"in step {self.step} failed: {e}") from e
+        for env, left in zip(self.env, self.left):
+            if left:
+                env.update(made)
+        self.feed_names |= made.keys()
+        made.clear()
 
     # -- messages ---------------------------------------------------------------------------
     def _post_ahead(self, i: int) -> None:

@@ -64,6 +64,20 @@ def gradient_buffers(space, weights: dict) -> dict:
     return held
 
 
+def once_nodes(space, weights: dict) -> set:
+    """The op nodes whose results a micro-batched step makes once
+    (:func:`~distgraph.plan.accumulation.made_once`: under amp the parameters' 16-bit
+    copies): run once a step and held all of it, as the runtime makes them before the
+    first micro-batch. None where the program runs one micro-batch a step (``weights``:
+    the updates run as often as the backward)."""
+    if not weights.get(Role.OPTIMIZE, 1) < weights.get(Role.BACKWARD, 1) or \
+            not space.made_once:
+        return set()
+    program, once = space.program, space.made_once
+    return {n.index for n in space.nodes if not n.is_source and program.ops[n.op].outputs
+            and all(o.name in once for o in program.ops[n.op].outputs)}
+
+
 def held_nodes(space, problem, weights: dict) -> tuple:
     """(the nodes held all step: parameters, states and gradient buffers; the nodes
     saved for the backward: live when it starts and made before it, as the estimate
@@ -74,7 +88,7 @@ def held_nodes(space, problem, weights: dict) -> tuple:
     always = {n.index for n in space.nodes if n.is_source and
               program.values[n.value].persistable}
     holders = gradient_buffers(space, weights)
-    always.update(holders, holders.values())
+    always.update(holders, holders.values(), once_nodes(space, weights))
     backward = next((t for t, k in enumerate(space.ops)
                      if program.ops[k].role == Role.BACKWARD), None)
     if not (backward and problem.liveness):
@@ -94,6 +108,7 @@ class Charges:
         self.targets, self.tied = targets, tied
         self.feeds = {v.name for v in space.program.inputs}
         self.buffers = gradient_buffers(space, weights)
+        self.once = once_nodes(space, weights)
         self.keeping_nothing = space.keeping_nothing
 
     def source(self, node, strategies) -> tuple:
@@ -116,7 +131,7 @@ class Charges:
         tied layout or settled, its results and what its kernel keeps."""
         costs, space = self.costs, self.space
         op = space.program.ops[node.op]
-        w = self.weights.get(op.role, 1)
+        w = self.weights.get(Role.OPTIMIZE if node.index in self.once else op.role, 1)
         c, m = costs.op(op, strategies)
         compute = [x * w + (0.0 if ok else math.inf) for x, ok in zip(c, allowed)]
         comm = list(m)
@@ -209,7 +224,7 @@ def build_problem(space, costs, weights, loss, world, budget, share, live, targe
             aliases.append((node.index, s_node, np.array(forbid, dtype=float)))
     apply_zero(zero_terms(space, costs, zero), space, costs, weights, compute, comm, memory,
                edges)
-    liveness = _liveness(space, charges.buffers) if live else ()
+    liveness = _liveness(space, charges) if live else ()
     return ShardingProblem([len(n.strategies) for n in nodes], compute, comm, memory, edges,
                            aliases, [n.leader for n in nodes], liveness, budget, share,
                            [n.label for n in nodes])
@@ -264,7 +279,7 @@ def fixed_problem(moved, costs, weights, loss, world, targets: dict, tied: dict,
         compute, comm, memory = ([float(x[0]) for x in xs] for xs in (compute, comm, memory))
         edges = [(u, v, float(x[0, 0])) for u, v, x in edges if x.any()]
     return ShardingProblem.one_each(compute, comm, memory, edges, aliases,
-                                    _liveness(moved, charges.buffers),
+                                    _liveness(moved, charges),
                                     [n.label for n in nodes])
 
 
@@ -279,10 +294,12 @@ def _aliased(space, node):
                 yield s_node, j
 
 
-def _liveness(space, buffers: dict):
+def _liveness(space, charges: Charges):
     """The liveness sets of ``space``, checked (found again for each problem: cheaper
-    than the pricing that asks for them); ``buffers``: :func:`gradient_buffers`'s."""
-    always = sorted(set(buffers) | set(buffers.values()))
+    than the pricing that asks for them), the nodes of ``charges``' gradient buffers and
+    values made once live always."""
+    buffers = charges.buffers
+    always = sorted(set(buffers) | set(buffers.values()) | charges.once)
     return checked_liveness(live_sets(space, always), len(space.nodes))
 
 

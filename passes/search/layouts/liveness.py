@@ -24,9 +24,11 @@ def live_sets(space, buffers=()) -> list:
     (``<type>_grad``), unless it could never serve it
     (:func:`~distgraph.plan.instructions.keeps_nothing`). With ``buffers`` (the
     accumulating updates and the nodes holding their gradients' buffers,
-    :func:`~distgraph.passes.search.layouts.charges.gradient_buffers`) those nodes are
-    live always and, as the runtime adds each micro-batch's gradient to its buffer as
-    it is made, an update's read ends no earlier op's result's life."""
+    :func:`~distgraph.passes.search.layouts.charges.gradient_buffers`, and those making
+    the Values a micro-batched step makes once, :func:`~distgraph.passes.search.layouts.
+    charges.once_nodes`) those nodes are live always and, as the runtime adds each
+    micro-batch's gradient to its buffer as it is made, an update's read ends no
+    earlier op's result's life."""
     program, nodes = space.program, space.nodes
     position = {k: t for t, k in enumerate(space.ops)}
     keeping_nothing = space.keeping_nothing

@@ -70,6 +70,7 @@ from distgraph.mesh import ProcessMesh
 from distgraph.registry import spmd_rule
 from distgraph.placement import ShardSpec
 from distgraph.passes.session import Session
+from distgraph.plan.accumulation import made_once
 from distgraph.plan.instructions import keeps_nothing
 from distgraph.plan.styles import feed_problem, search_roles, weight_problem, weight_kinds
 from distgraph.spmd import (UNKNOWN, DimsSpec, EinsumPlan, OpStrategy, RuleQuery,
@@ -129,7 +130,8 @@ class SearchSpace:
     What ops offer on a mesh shape (bound rules, strategies, followers' answers, choices
     moved to other meshes) is kept in ``session``'s "op strategies", shared with every
     space of the planning; who makes and reads each Value, and the ops whose kept memory
-    could never serve their gradient (``keeping_nothing``), in its "program facts"."""
+    could never serve their gradient (``keeping_nothing``) and the Values a micro-batched
+    step makes once (``made_once``), in its "program facts"."""
 
     program: object
     mesh: ProcessMesh
@@ -154,6 +156,9 @@ class SearchSpace:
         # (keeps_nothing), found once per program: the liveness sets read them
         self.keeping_nothing = facts.memo((program, "keeping nothing"),
                                           lambda: keeps_nothing(program.ops))
+        # the Values a micro-batched step makes once (made_once), found once per program:
+        # the charges and the liveness sets read them where the program is micro-batched
+        self.made_once = facts.memo((program, "made once"), lambda: made_once(program))
         # what ops offer on this mesh's shape, kept per op signature (module docstring)
         self._offers = self.session.table("op strategies")
         self._at = (tuple(self.mesh.shape), tuple(self.mesh.dim_names))

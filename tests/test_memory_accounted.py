@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from distgraph.passes.cost.terms import buffers_by_action, in_flight
+from distgraph.passes.cost.stage import buffers_by_action, in_flight
 from distgraph.passes.pipeline.schedule import chain, make_schedule
 from user_scripts import run_user, with_prelude
 

@@ -1,11 +1,11 @@
-"""A stage's costs from its parts (passes/cost/terms.py): the rows for every block
+"""A stage's costs from its parts (passes/cost/stage.py): the rows for every block
 count at once equal the one-stage costs, bit for bit, with E and H whole, shared (virtual
 stages) or absent, on random parts."""
 
 import numpy as np
 import pytest
 
-from distgraph.passes.cost.terms import stage_cost, stage_costs
+from distgraph.passes.cost.stage import stage_cost, stage_costs
 from distgraph.passes.search.stages.part_cost import PartCost
 from distgraph.units import GB
 

@@ -13,7 +13,7 @@ the buffer of the updated slice gathered back at the update, and fewer micro-bat
 than stages (1F1B keeps ``min(M, S - s)`` in flight). With 4 micro-batches on 4 stages
 of one chunk, stage 0 holds every micro-batch, its forwards all before its first
 backward: both count its gradient buffers from the backward that makes them
-(:func:`~distgraph.passes.cost.terms.held`'s forwards-first term), the peak in that
+(:func:`~distgraph.passes.cost.stage.held`'s forwards-first term), the peak in that
 first backward (with virtual stages both count them from the start).
 
 What the tolerance covers: the search does not price the buffers of resharded copies

@@ -37,7 +37,7 @@ import numpy as np
 from distgraph.mesh import ProcessMesh
 from distgraph.passes.cost.prices import Rings, steps_time
 from distgraph.passes.reshard import plan_reshard
-from distgraph.passes.cost.terms import grid
+from distgraph.passes.cost.stage import grid
 from distgraph.passes.session import Session
 from distgraph.placement import DistAttr
 

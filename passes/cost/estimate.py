@@ -54,7 +54,7 @@ communication and bubble, and peak memory per process.
   S - s for 1F1B on stage s): one at its peak, each other one with the activations it
   keeps from its forward to its backward (``saved_activations``: what is live when the
   backward starts, before the gradient from the next stage arrives), read off the
-  plan's schedule where it has one (:func:`~distgraph.passes.cost.terms.held_by_order`:
+  plan's schedule where it has one (:func:`~distgraph.passes.cost.stage.held_by_order`:
   per chunk, and under ZB / ZBV what the deferred weight gradients read from each I to
   its W; interleaved 1F1B by ``in_flight``'s chunks, as the stage search prices it),
   the running micro-batch's items walked in the order the runtime runs its tasks
@@ -64,9 +64,9 @@ communication and bubble, and peak memory per process.
   accumulated in buffers that live through the step (a micro-batch's gradient is added
   to its buffer as it is made, as the runtime does, and not held to the update), each
   made by the first backward that makes its gradient
-  (:func:`~distgraph.passes.cost.terms.buffers_by_action`: FThenB peaks in its first
+  (:func:`~distgraph.passes.cost.stage.buffers_by_action`: FThenB peaks in its first
   backward, before most are made) where a process runs one chunk, as the stage search
-  prices it (:func:`~distgraph.passes.cost.terms.held`); with several (virtual stages,
+  prices it (:func:`~distgraph.passes.cost.stage.held`); with several (virtual stages,
   ZBV) all from the start, as the search prices in_flight's chunks.
 - **Alike processes are estimated once.** Processes on the same meshes whose devices
   are alike and whose groups along every set of mesh dims have the same rings run the
@@ -95,7 +95,8 @@ from distgraph.errors import PlanError
 from distgraph.ir import Role
 from distgraph.plan.accumulation import made_once
 from distgraph.passes.cost.held import action_holds, kernels_keep, run_order
-from distgraph.passes.cost.terms import buffers_by_action, held_by_action, in_flight
+from distgraph.passes.cost.stage import (buffers_by_action, held_by_action, in_flight,
+                                         step_time)
 from distgraph.passes.cost.prices import (Rings, best_overlap, feed_time, op_comm_time, op_time,
                                           reshard_step_time)
 from distgraph.registry import TensorType, get_op
@@ -383,11 +384,11 @@ def _process_times(plan, pid, device, rings: Rings, fetch, scale: _Scale, once=f
         if op.role == Role.OPTIMIZE or (op.outputs and op.outputs[0].name in once):
             updates += t        # once a step (the update, the values made once)
     ops = plan.program.ops
-    step_time = _StepTimes(pid, rings)
-    comm += sum(times(ops[p.anchor]) * step_time(s, scale.of_step(p, s))
+    step_seconds = _StepTimes(pid, rings)
+    comm += sum(times(ops[p.anchor]) * step_seconds(s, scale.of_step(p, s))
                 for p in local.points() for s in p.steps)
     if plan.distributed:
-        comm += sum(step_time(s, scale.of_step(p, s))
+        comm += sum(step_seconds(s, scale.of_step(p, s))
                     for p in _fetch_points(plan, fetch, pid) for s in p.steps)
     ops = local.program.ops
     for index, collectives in local.op_comm.items():
@@ -583,15 +584,10 @@ def _combine(plan, processes, update_time, counts) -> Estimate:
         upd = {s: update_time[p.process] for s, p in slowest.items()}
         per_mb = {s: (p.busy - upd[s]) / counts[p.process] for s, p in slowest.items()}
         # with v chunks per stage (interleaved 1F1B, ZBV's two) the pipeline fills and
-        # drains one chunk at a time: the fill is 1/v of the stages' sum; interleaved
-        # 1F1B's last micro-batch ends a chunk after the one before it (Narayanan et
-        # al., SC'21: bubble (S - 1) / (v M) of the ideal time, as schedule.replay
-        # finds it); ZBV's zero-bubble W fills that
+        # drains one chunk at a time (the accountant's step_time)
         virtual = 2 if plan.strategy.schedule == "ZBV" else plan.strategy.virtual_stages
-        last = 1 / virtual if plan.strategy.schedule == "1F1B" else 1
-        total = (sum(per_mb.values()) / virtual + max((counts[p.process] - last) * per_mb[s]
-                                                      for s, p in slowest.items())
-                 + max(upd.values()))
+        total = step_time(list(per_mb.values()), [counts[p.process] for p in slowest.values()],
+                          virtual, plan.strategy.schedule, list(upd.values()))
     bottleneck = max(processes, key=lambda p: p.busy)
     return Estimate(total, bottleneck.compute, bottleneck.communication,
                     max(total - bottleneck.busy, 0.0), tuple(processes))

@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 
 from distgraph.errors import DoesNotFit, PlanError
-from distgraph.passes.cost.terms import held, in_flight
+from distgraph.passes.cost.stage import priced_stages, step_time
 from distgraph.passes.search.stages.even import plan_even
 from distgraph.passes.search.stages.interleaved import alike_stages, even_parts, plan_interleaved
 from distgraph.passes.search.stages.run_dp import plan_runs
@@ -136,16 +136,10 @@ def _fitting_alike(options, count: int, blocks: range, cluster, micro_batches: i
         if mesh.ids not in limits:
             limits[mesh.ids] = min(cluster.device(i).memory for i in mesh.ids)
         limit = limits[mesh.ids]
-        sends = p2p(option) if p2p is not None else 0.0
-        times = []
-        for s, (first, n, last) in enumerate(even_parts(S, blocks, count)):
-            seconds, one, further, before = option.cost(first, n, last)
-            if held(one, further, in_flight("1F1B", micro_batches, S, s), micro_batches,
-                    before) > limit:
-                break
-            times.append(seconds + sends * (2 - first - last) / 2)
-        else:
-            best = min(best, sum(times) + (micro_batches - 1) * max(times))
+        times, memories = priced_stages(option, even_parts(S, blocks, count), micro_batches,
+                                        p2p(option) if p2p is not None else 0.0)
+        if max(memories) <= limit:
+            best = min(best, step_time(times, micro_batches))
     return best
 
 

@@ -24,7 +24,7 @@ import math
 import numpy as np
 
 from distgraph.errors import DoesNotFit, PlanError
-from distgraph.passes.cost.terms import grid, held, in_flight
+from distgraph.passes.cost.stage import grid, priced_stages, step_time
 from distgraph.passes.search.stages.stage_dp import StageChoice, StagePlan
 
 
@@ -57,16 +57,14 @@ def plan_even(costs, cluster, micro_batches: int = 1, below: float = math.inf) -
         if option.sub.mesh.size % option.sub.size or len(blocks) % S or \
                 rows % option.logical[0]:
             return None
-        sends = costs.p2p_seconds(option) if S > 1 else 0.0
-        times, memories = [], []
-        for s, (start, stop) in enumerate(even_blocks(S, blocks, count)):
-            first, last = start < blocks.start, stop > blocks.stop
-            n = len(range(max(start, blocks.start), min(stop, blocks.stop)))
-            seconds, one, further, before = option.cost(first, n, last)
-            times.append(seconds + sends * (2 - first - last) / 2)
-            memories.append(held(one, further, in_flight("1F1B", micro_batches, S, s),
-                                 micro_batches, before))
-        return sum(times) + (micro_batches - 1) * max(times), times, memories, option, S
+        parts = []
+        for start, stop in even_blocks(S, blocks, count):
+            parts.append((start < blocks.start,
+                          len(range(max(start, blocks.start), min(stop, blocks.stop))),
+                          stop > blocks.stop))
+        times, memories = priced_stages(option, parts, micro_batches,
+                                        costs.p2p_seconds(option) if S > 1 else 0.0)
+        return step_time(times, micro_batches), times, memories, option, S
 
     best = None
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from distgraph.passes.cost.terms import grid, held, in_flight
+from distgraph.passes.cost.stage import grid, priced_stages, step_time
 from distgraph.passes.search.stages.stage_dp import StageChoice, StagePlan
 
 
@@ -73,16 +73,9 @@ def alike_stages(option, count: int, blocks: range, cluster, micro_batches: int,
     if (S, virtual) not in layouts:
         layouts[S, virtual] = _stage_parts(chunk_layers(S * virtual), S, blocks, count) \
             if virtual > 1 else even_parts(S, blocks, count)
-    sends = p2p(option) if p2p is not None else 0.0
-    times, memories = [], []
-    for s, (first, n, last) in enumerate(layouts[S, virtual]):
-        seconds, one, further, before = option.cost(first, n, last)
-        # every chunk a middle one but the first chunk (stage 0) and the last (S - 1)
-        times.append(seconds + sends * (virtual - (s == 0) / 2 - (s == S - 1) / 2))
-        memories.append(held(one, further, in_flight("1F1B", micro_batches, S, s, virtual),
-                             micro_batches, before))
-    return (sum(times) / virtual + (micro_batches - 1 / virtual) * max(times), times,
-            memories)
+    times, memories = priced_stages(option, layouts[S, virtual], micro_batches,
+                                    p2p(option) if p2p is not None else 0.0, virtual)
+    return step_time(times, micro_batches, virtual), times, memories
 
 
 def even_parts(S: int, blocks: range, count: int) -> list:

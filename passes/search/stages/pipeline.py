@@ -46,7 +46,7 @@ import numpy as np
 from distgraph.errors import PlanError
 from distgraph.ir import Role
 from distgraph.mesh import ProcessMesh
-from distgraph.passes.cost.terms import held, in_flight
+from distgraph.passes.cost.stage import priced_stages, transfers
 from distgraph.passes.search.layouts.ilp_problem import peak_memory
 from distgraph.passes.search.layouts.intra_op import search
 from distgraph.passes.search.stages.layers import block_layers, cluster_layers
@@ -415,7 +415,7 @@ def _refined(stage_plan, chosen, costs, capped) -> tuple:
             out = 0.0
             for s in mine:
                 first, n, last = _parts(stages[s], costs)
-                out += candidate.cost(first, n, last)[0] + share * (2 - first - last) / 2
+                out += candidate.cost(first, n, last)[0] + transfers(share, first, last)
             return out
 
         candidate = costs.refine(option, room[id(option)])
@@ -443,15 +443,13 @@ def _memory_restated(stage_plan, chosen, costs):
     refinement of the option the DP chose lays the blocks out anew: the plan's memory
     is the refined one's), as the DP counts it: 1F1B keeps ``min(M, S - s)``
     micro-batches in flight on stage s."""
-    S, M, layering = len(stage_plan.stages), stage_plan.micro_batches, costs.layering
+    M, layering = stage_plan.micro_batches, costs.layering
     if stage_plan.virtual > 1:
         memories = alike_stages(chosen[0], layering.count, costs.blocks, None, M,
                                 stage_plan.virtual, costs.chunk_layers)[2]
     else:
-        memories = []
-        for s, (stage, option) in enumerate(zip(stage_plan.stages, chosen)):
-            _, one, further, before = option.cost(*_parts(stage, costs))
-            memories.append(held(one, further, in_flight("1F1B", M, S, s), M, before))
+        parts = [_parts(stage, costs) for stage in stage_plan.stages]
+        memories = priced_stages(list(chosen), parts, M)[1]
     return dataclasses.replace(stage_plan, stages=tuple(
         dataclasses.replace(stage, memory=float(m))
         for stage, m in zip(stage_plan.stages, memories)))

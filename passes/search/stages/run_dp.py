@@ -33,6 +33,7 @@ import math
 import numpy as np
 
 from distgraph.errors import PlanError
+from distgraph.passes.cost.stage import transfers
 from distgraph.passes.search.stages.stage_dp import _place, _Search
 
 
@@ -50,7 +51,7 @@ class _Run:
                 table = option.costs(first, n, last)    # (n+1, 4): cost(first, m, last)
                 # the boundaries' transfers: a stage holding E (H) has no stage before
                 # (after) it and pays half of a middle stage's (module docstring)
-                table[:, 0] += p2p * (2 - first - last) / 2
+                table[:, 0] += transfers(p2p, first, last)
                 self.table[first, last] = table
 
     def at(self, k: int, i: int) -> tuple:
@@ -380,9 +381,6 @@ class _RunSearch(_Search):
             k, s = i + 1, s - 1
         return stages
 
-    def objective(self, stages) -> float:
-        times = [self.options[n].at(k, i)[0] for k, i, n in stages]
-        return float(sum(times) + (self.B - 1) * max(times))
 
 
 def _undominated(runs: list) -> list:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from distgraph.mesh import ProcessMesh
-from distgraph.passes.cost.terms import stage_cost, stage_costs
+from distgraph.passes.cost.stage import stage_cost, stage_costs
 from distgraph.passes.search.stages.stage_dp import Submesh
 
 
@@ -37,7 +37,7 @@ class RunOption:
     def cost(self, with_first: bool, blocks: int, with_last: bool) -> tuple:
         """(seconds per micro-batch, GB with one micro-batch in flight, GB per further
         micro-batch in flight, GB with one in flight where every forward runs first) of
-        ``[E] + blocks + [H]`` here (:func:`~distgraph.passes.cost.terms.stage_cost`: E
+        ``[E] + blocks + [H]`` here (:func:`~distgraph.passes.cost.stage.stage_cost`: E
         or H may be a share under virtual stages)."""
         return stage_cost(self.parts, with_first, blocks, with_last)
 

@@ -23,7 +23,7 @@ and the loss). A stage is ``[E] + k blocks + [H]`` on a submesh and costs
   made only the gradient buffers of the backward so far: a part also keeps its buffers'
   bytes and its working memory in the forward, in the backward, and in the backward
   with its own buffers as it makes them (:class:`PartCost`; the stage's sum:
-  :func:`~distgraph.passes.cost.terms.stage_cost`'s fourth term).
+  :func:`~distgraph.passes.cost.stage.stage_cost`'s fourth term).
 
 **Submeshes and logical meshes.** Stages take ``n`` whole machines of a device mesh of
 ``rows`` machines for every ``n`` dividing ``rows`` (so that equal stages can tile it),
@@ -103,7 +103,7 @@ from distgraph.passes.search.stages.run_variants import MemoryVariants
 from distgraph.passes.search.stages.run_options import (MeshKind, MeshOptions, RunOption,
                                                         Searched, kind_of, with_origin)
 from distgraph.passes.search.stages.layers import op_keys, ops_by_layer, same_op
-from distgraph.passes.cost.terms import grid
+from distgraph.passes.cost.stage import grid
 from distgraph.passes.pipeline.chunks import forward_chunks
 from distgraph.passes.search.layouts.sharded_states import sharding_dim
 from distgraph.registry import op_flops

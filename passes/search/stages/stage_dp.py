@@ -51,7 +51,7 @@ import numpy as np
 from distgraph.errors import DoesNotFit, PlanError
 from distgraph.mesh import ProcessMesh
 from distgraph.resources.cluster import Cluster, Device, DeviceMesh
-from distgraph.passes.cost.terms import grid, held, in_flight
+from distgraph.passes.cost.stage import grid, held, in_flight, step_time
 from distgraph.passes.search.layouts.space import logical_dims
 
 
@@ -288,8 +288,7 @@ class _Search:
         return stages
 
     def objective(self, stages) -> float:
-        times = [self.options[n].at(k, i)[0] for k, i, n in stages]
-        return float(sum(times) + (self.B - 1) * max(times))
+        return float(step_time([self.options[n].at(k, i)[0] for k, i, n in stages], self.B))
 
     def run(self, below: float = math.inf):
         """The stages of the least objective, or None when none fits; with ``below``,
@@ -374,8 +373,7 @@ def _place(stages, meshes, micro_batches, runs) -> StagePlan:
         out.append(StageChoice(range(k, i + 1), o.sub.mesh.name, o.sub.shape, placed[j], float(t),
                          float(held(mem, act, in_flight("1F1B", micro_batches, total, j),
                                     micro_batches, *before))))
-    times = [s.time for s in out]
-    return StagePlan(tuple(out), sum(times) + (micro_batches - 1) * max(times),
+    return StagePlan(tuple(out), step_time([s.time for s in out], micro_batches),
                      micro_batches, runs)
 
 

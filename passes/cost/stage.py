@@ -1,15 +1,23 @@
-"""The terms of a pipeline's price that the estimate and the stage searches share: how many
-micro-batches a stage holds at once, what it then holds, and a stage's cost from its
-parts.
+"""The accountant: a pipeline stage's price and a schedule's step, written once. The
+estimate (:mod:`distgraph.passes.cost.estimate`) and every stage search (the stage DP,
+runs of blocks, interleaved and even splits, the micro-batch count, the refinement)
+price with these and nothing else:
 
-- :func:`in_flight`: the micro-batches stage ``s`` of ``S`` holds under a schedule: all
-  ``M`` under FThenB (every forward before any backward), ``min(M, S - s)`` under the
-  others (1F1B and its kin start a micro-batch's backward once the stages after it
-  have run its forward);
+- :func:`step_time`: a schedule's step from its stages' seconds per micro-batch (and
+  their seconds once a step): ``sum t / v + (M - last) max t + max update``, Alpa's
+  ``sum t + (M - 1) max t`` with one chunk per stage (``last`` is ``1 / v`` under
+  interleaved 1F1B: the last micro-batch drains a chunk, not a stage, after the one
+  before it; Narayanan et al., SC'21). Stages that run their own number of micro-batches
+  (an uneven batch split) take ``max_s (M_s - last) t_s``.
+- :func:`in_flight`: the micro-batches stage ``s`` of ``S`` holds at once under a
+  schedule: all ``M`` under FThenB (every forward before any backward), ``min(M, S -
+  s)`` under the others (1F1B and its kin start a micro-batch's backward once the stages
+  after it have run its forward);
 - :func:`held`: the memory of a stage holding that many: one micro-batch at its peak,
   each other one with what it keeps from its forward to its backward;
   :func:`held_by_order`: what the other micro-batches hold, read off a known schedule
   (per chunk, and from I to W under zero bubble);
+- :func:`transfers`: a stage's share of the sends to and from its neighbours;
 - :func:`stage_cost` / :func:`stage_costs`: what a stage of ``[E] + m blocks + [H]``
   costs from its parts' costs (:class:`~distgraph.passes.search.stages.part_cost.PartCost`):
   seconds per micro-batch, GB with one micro-batch in flight, GB per further micro-batch
@@ -17,13 +25,15 @@ parts.
   backward (the gradient buffers made in the backward, as the estimate counts them:
   :func:`held` takes it where a stage holds all the micro-batches); :func:`stage_costs`
   every block count 0 .. n at once, each row the number :func:`stage_cost` returns (the
-  same terms, added in the same order);
+  same terms, added in the same order); :func:`priced_stages`: the seconds and memory
+  of a stage option's stages, each holding given parts, at their places in a pipeline;
 - :func:`grid`: a device mesh's shape as (machines, devices per machine).
 
 Example::
 
     held(one, further, in_flight("1F1B", 8, 4, 0))     # stage 0 of 4 holds 4
     stage_cost(option.parts, True, 4, False)           # E + 4 blocks
+    step_time([0.2, 0.25, 0.2], 8)                     # 0.65 + 7 x 0.25
 """
 
 from __future__ import annotations
@@ -32,6 +42,32 @@ import numpy as np
 
 from distgraph.errors import PlanError
 from distgraph.units import GB
+
+
+def step_time(times, micro_batches, virtual: int = 1, schedule: str = "1F1B",
+              updates=(0.0,)) -> float:
+    """Seconds of a step whose stages take ``times`` per micro-batch (forward and
+    backward, transfers included) and ``updates`` once a step (the update, the values
+    made once): ``sum t / v + max_s (M_s - last) t_s + max update`` (module docstring);
+    ``micro_batches``: M, or one count per stage (an uneven split); ``virtual``: chunks
+    per stage."""
+    counts = micro_batches if isinstance(micro_batches, (list, tuple)) else \
+        [micro_batches] * len(times)
+    last = 1 / virtual if schedule == "1F1B" else 1
+    if len(set(counts)) == 1:       # as (M - last) max t: the same float as below
+        drain = (counts[0] - last) * max(times)
+    else:
+        drain = max((m - last) * t for m, t in zip(counts, times))
+    return sum(times) / virtual + drain + max(updates)
+
+
+def transfers(sends: float, at_start, at_end, virtual: int = 1) -> float:
+    """A stage's share of its transfers, per micro-batch: ``sends`` (seconds a chunk
+    between two others spends passing its values on and back) for each of its
+    ``virtual`` chunks, half of it less where it holds the first chunk (``at_start``:
+    no stage before it) and where it holds the last (``at_end``)."""
+    return sends * (virtual - (at_start + at_end) / 2) if virtual > 1 else \
+        sends * (2 - at_start - at_end) / 2
 
 
 def in_flight(schedule: str, micro_batches: int, stages: int, stage: int,
@@ -114,6 +150,29 @@ def held(one: float, further: float, count: float, micro_batches: int | None = N
     if one_before is not None and micro_batches is not None and count >= micro_batches:
         one = one_before
     return one + (count - 1) * further
+
+
+def priced_stages(options, parts: list, micro_batches: int, sends: float = 0.0,
+                  virtual: int = 1) -> tuple[list, list]:
+    """([seconds per micro-batch], [GB]) of the ``len(parts)`` stages of a pipeline of
+    stage ``options`` (one per stage, or one for all; each with ``cost(E?, blocks,
+    H?)``, :meth:`~distgraph.passes.search.stages.run_options.RunOption.cost`), stage s
+    holding ``parts[s]`` = (E or its share, blocks, H or its share): its parts' seconds
+    and its :func:`transfers`' share (``sends``), and its memory with the micro-batches
+    1F1B keeps in flight there."""
+    S = len(parts)
+    if not isinstance(options, (list, tuple)):
+        options = [options] * S
+    times, memories = [], []
+    for s, (option, (first, n, last)) in enumerate(zip(options, parts)):
+        seconds, one, further, before = option.cost(first, n, last)
+        if virtual > 1:     # every chunk a middle one but the first chunk and the last
+            times.append(seconds + transfers(sends, s == 0, s == S - 1, virtual))
+        else:
+            times.append(seconds + transfers(sends, first, last))
+        memories.append(held(one, further, in_flight("1F1B", micro_batches, S, s, virtual),
+                             micro_batches, before))
+    return times, memories
 
 
 def grid(shape) -> tuple[int, int]:

@@ -31,6 +31,7 @@ from distgraph.app.plans import MODES, Mode, PlanCache, as_mode, idle_options, p
 from distgraph.app.resume import check_checkpoint, checkpoint_info, restore_info
 from distgraph.app.state import HeldState
 from distgraph.errors import DistGraphError
+from distgraph.keywords import keywords_checked
 from distgraph.metrics import as_metrics
 from distgraph.passes.plan_file import load as load_plan
 from distgraph.passes.planner import plan
@@ -44,6 +45,7 @@ from distgraph.strategy import Strategy
 __all__ = ["Engine", "History"]
 
 
+@keywords_checked          # Engine(optimiser=...) names 'optimizer'
 class Engine:
     """Builds the training, evaluation and prediction programs of a model and runs them.
 

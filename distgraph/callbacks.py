@@ -373,9 +373,11 @@ class TensorBoard(Callback):
 
     against the epoch, ``epoch/loss`` (the epoch's mean), ``epoch/lr`` and, when fit
     validates, ``epoch/val_loss`` and ``epoch/val_<metric>``; and once, at the first
-    step, the plan's ``explain()`` as the text ``plan/explain``. Scalars are float32, as
-    TensorBoard's own writer stores them (its fast loader shows no other): what
-    ``EventAccumulator`` reads back is ``History.losses`` rounded to float32.
+    step, the plan's ``explain()`` as the text ``plan/explain``. Scalars are written as
+    ``torch.utils.tensorboard`` and tensorboardX write them (a summary value's
+    ``simple_value``, float32), so every reader of scalars finds them: what
+    ``EventAccumulator(log_dir).Scalars("train/loss")`` reads back is ``History.losses``
+    rounded to float32.
     Needs the ``tensorboard`` package (``pip install 'distgraph[tensorboard]'``; no
     TensorFlow). A resumed run may write into the same ``log_dir``: its steps go on
     from the checkpoint's.
@@ -457,7 +459,10 @@ class TensorBoard(Callback):
         return [int(v) for v in world.all_gather(mine, tuple(range(world.size)))]
 
     def _scalar(self, tag: str, value, step: int) -> None:
-        self._event(step, self._tb.scalar_pb(tag, value))
+        # simple_value, not a tensor summary: readers that ask for scalars (the
+        # accumulator's Scalars(), pandas exporters, W&B's sync) see only these
+        summary = self._tb.summary_pb2.Summary
+        self._event(step, summary(value=[summary.Value(tag=tag, simple_value=float(value))]))
 
     def _event(self, step: int, summary) -> None:
         self._writer.add_event(self._tb.event_pb2.Event(wall_time=time.time(), step=int(step),
@@ -468,12 +473,11 @@ def _tensorboard(who: str):
     """The parts of the ``tensorboard`` package that write event files (no TensorFlow);
     without it, one DistGraphError naming ``who`` and the extra to install."""
     try:
-        from tensorboard.compat.proto import event_pb2
-        from tensorboard.plugins.scalar.summary_v2 import scalar_pb
+        from tensorboard.compat.proto import event_pb2, summary_pb2
         from tensorboard.plugins.text.summary_v2 import text_pb
         from tensorboard.summary.writer.event_file_writer import EventFileWriter
     except ImportError as e:
         raise DistGraphError(f"{who} writes with the tensorboard package, which is not "
                              f"installed ({e}): {TENSORBOARD_EXTRA}") from None
-    return SimpleNamespace(event_pb2=event_pb2, scalar_pb=scalar_pb, text_pb=text_pb,
+    return SimpleNamespace(event_pb2=event_pb2, summary_pb2=summary_pb2, text_pb=text_pb,
                            EventFileWriter=EventFileWriter)

@@ -15,9 +15,8 @@ Example::
 
 from __future__ import annotations
 
-import difflib
-
 from distgraph.errors import DistGraphError
+from distgraph.keywords import suggest
 from distgraph.mesh import ProcessMesh
 from distgraph.parallel_styles import SplitPoint
 
@@ -142,11 +141,6 @@ def _show(spec) -> str:
     """A split_spec dict as it is written: ``{'blocks.0': dg.SplitPoint.END}``."""
     return "{" + ", ".join(f"{k!r}: " + (f"dg.{v}" if isinstance(v, SplitPoint) else repr(v))
                            for k, v in spec.items()) + "}"
-
-
-def suggest(name, names) -> str:
-    close = difflib.get_close_matches(name, list(names), n=3)
-    return f" (did you mean {', '.join(map(repr, close))}?)" if close else ""
 
 
 # -- tensor parallelism ----------------------------------------------------------------------

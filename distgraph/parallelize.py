@@ -93,7 +93,8 @@ from distgraph.mesh import ProcessMesh
 from distgraph.optim import Optimizer
 from distgraph.parallel_styles import (FEATURES, SEQUENCE, ColWiseParallel, ParallelStyle,
                                        RowWiseParallel)
-from distgraph.parallel_stages import Stages, suggest
+from distgraph.keywords import suggest
+from distgraph.parallel_stages import Stages
 from distgraph.placement import ShardSpec
 from distgraph.trace import active_builder
 
@@ -180,8 +181,8 @@ def _checked_config(config) -> dict:
                              f"{', '.join(CONFIG_KEYS)}, got {type(config).__name__}")
     for key, value in config.items():
         if key not in CONFIG_KEYS:
-            raise DistGraphError(f"parallelize: config key {key!r} is not one it knows; "
-                                 f"give {', '.join(map(repr, CONFIG_KEYS))} (micro-batches, "
+            raise DistGraphError(f"parallelize: config key {key!r} is not one it knows"
+                                 f"{suggest(key, CONFIG_KEYS, 1)}; give {', '.join(map(repr, CONFIG_KEYS))} (micro-batches, "
                                  f"schedule, recompute and amp are dg.Strategy's)")
         if not isinstance(value, dict):
             raise DistGraphError(f"parallelize: config[{key!r}] must be a dict, e.g. "
@@ -189,7 +190,7 @@ def _checked_config(config) -> dict:
         for inner in value:
             if inner not in CONFIG_KEYS[key]:
                 raise DistGraphError(f"parallelize: config[{key!r}] key {inner!r} is not one "
-                                     f"it knows; give {', '.join(map(repr, CONFIG_KEYS[key]))}")
+                                     f"it knows{suggest(inner, CONFIG_KEYS[key], 1)}; give {', '.join(map(repr, CONFIG_KEYS[key]))}")
     for key, inner in (("mp_config", "parallelize_plan"), ("pp_config", "split_spec")):
         if key in config and config[key].get(inner) is None:
             raise DistGraphError(f"parallelize: config[{key!r}] needs {inner!r}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from distgraph.errors import DistGraphError
+from distgraph.keywords import keywords_checked
 
 SCHEDULES = ("1F1B", "FThenB", "ZB", "ZBV")
 SEARCHES = ("ilp", "recursive", "auto")
@@ -50,6 +51,7 @@ class _Unset:
 UNSET = _Unset()
 
 
+@keywords_checked          # Strategy(auto_mod=...) names 'auto_mode'
 @dataclass(frozen=True)
 class Strategy:
     """``auto_mode``: "semi" completes from annotations; "full" searches the layouts

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Mapping
 import numpy as np
 
 from distgraph.errors import PlanError
+from distgraph.keywords import keywords_checked
 from distgraph.resources.elements import (COMPUTE_TYPES, DEVICE_TYPES, NETWORK_TYPES, Device,
                                           DeviceMesh, FrozenMap, InvalidCluster, Link, Machine,
                                           Switch, _ranges, _set)
@@ -65,6 +66,7 @@ LOCAL_PCIE_LATENCY_US = 10.0
 LOCAL_STAGED_LATENCY_US = 30.0
 
 
+@keywords_checked          # a mistyped keyword names the nearest field
 @dataclass(frozen=True)
 class Cluster:
     """Machines, links between them, switches and device meshes.
@@ -431,6 +433,7 @@ class Cluster:
         files.save_cluster(self, path, compact)
 
     @classmethod
+    @keywords_checked
     def local(cls, nprocs: int, device: str = "CPU") -> "Cluster":
         """This machine as ``nprocs`` devices on one mesh of shape (n,).
 

@@ -116,7 +116,7 @@ def test_the_readmes_layout_in_one_config_plans_after_the_first_script():
     """The README's dp x mp x pp snippet, after its first script's model, plans its 8
     processes from one process: two stages of 2 x 2, ZeRO's sharding on."""
     readme = open(os.path.join(HERE, "..", "README.md")).read()
-    section = readme[readme.index("## A first script"):readme.index("## Serial")]
+    section = readme[readme.index("## A first script"):readme.index("## Where to read on")]
     blocks = section.split("```python\n")[1:]
     first, snippet = blocks[0].split("```")[0], blocks[2].split("```")[0]
     scope: dict = {}

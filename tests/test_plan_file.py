@@ -96,11 +96,23 @@ def _same_plan(a, b) -> None:
     assert a.strategy == b.strategy
 
 
+def _said_file(out: str, path) -> str:
+    """The one line in which rank 0 says which plan file it runs."""
+    lines = [ln for ln in out.splitlines() if ln.startswith("distgraph: running the plan")]
+    assert len(lines) == 1, out[-3000:]
+    assert lines[0].startswith(f"distgraph: running the plan in {path} (")
+    assert lines[0].endswith("): read from the file, nothing searched")
+    return lines[0]
+
+
 @pytest.mark.parametrize("kind", ["full", "semi"])
-def test_a_loaded_plan_is_the_saved_one(files, kind, float64, no_search, tmp_path):
+def test_a_loaded_plan_is_the_saved_one(files, kind, float64, no_search, tmp_path, capsys):
     saved, path = files[kind]
     engine = loading_engine(path)
+    assert engine.plan_file == str(path)
     loaded = engine.prepare(*specs())
+    said = _said_file(capsys.readouterr().out, path)
+    assert f"{len(saved.stages)} stage" in said and f"{saved.micro_batches} micro" in said
     _same_plan(saved, loaded)
     assert loaded.search is None            # made from the file: no search ran
     assert encode(loaded) == encode(saved)  # and it saves the same file again
@@ -307,7 +319,9 @@ def test_a_saved_plan_trains_on_four_ranks_as_serially(kind, float64, tmp_path):
         assert proc.returncode == 0 and "wrote plan file" in proc.stdout, proc.stderr
         saved = saved_plan("semi", tmp_path / "again.json")     # the same plan, here
         assert read(path).decisions == read(tmp_path / "again.json").decisions
-    got = _result(cli("run", "-n", 4, "--plan", path, SCRIPT, kind, tmp_path, timeout=600))
+    proc = cli("run", "-n", 4, "--plan", path, SCRIPT, kind, tmp_path, timeout=600)
+    got = _result(proc)
+    _said_file(proc.stdout, path)                   # once: rank 0 says it
     assert got["world"] == 4 and not got["searched"] and not got["search_imported"]
     assert got["step_time"] == saved.estimate.step_time
     assert got["stages"] == [str(m) for m in saved.stages]

@@ -28,13 +28,17 @@ def tensorboard():
 
 
 def read_events(folder) -> dict:
-    """{tag: [(step, value)]} of every event file in ``folder`` (every point kept)."""
+    """{tag: [(step, value)]} of every event file in ``folder`` (every point kept): the
+    scalars as the accumulator's ``Scalars()`` reads them (as every reader of scalars
+    does), the text as its ``Tensors()``."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from tensorboard.util import tensor_util
 
-    acc = EventAccumulator(str(folder), size_guidance={"tensors": 0})
+    acc = EventAccumulator(str(folder), size_guidance={"tensors": 0, "scalars": 0})
     acc.Reload()
     out = {}
+    for tag in acc.Tags()["scalars"]:
+        out[tag] = [(e.step, e.value) for e in acc.Scalars(tag)]
     for tag in acc.Tags()["tensors"]:
         out[tag] = [(e.step, tensor_util.make_ndarray(e.tensor_proto).item())
                     for e in acc.Tensors(tag)]

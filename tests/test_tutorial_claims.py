@@ -68,9 +68,10 @@ def test_the_readmes_first_script_runs_as_is_and_says_what_the_readme_says(tmp_p
     assert got == pytest.approx(said, abs=0.01), (line, quoted)   # BLAS may round apart
 
 
-def readme_block(heading: str) -> str:
-    """The first python block of the README's section ``heading``."""
-    readme = (ROOT / "README.md").read_text()
+def readme_block(heading: str, page: str = "README.md") -> str:
+    """The first python block of the section ``heading`` of the README (or of ``page``,
+    a path from the repository's root: the docs pages of its map)."""
+    readme = (ROOT / page).read_text()
     section = readme[readme.index(heading):]
     return section[section.index("```python\n") + 10:section.index("```\n", 10)]
 
@@ -78,12 +79,13 @@ def readme_block(heading: str) -> str:
 @pytest.mark.slow
 @pytest.mark.mpi
 def test_the_readmes_automatic_plan_snippet_runs_after_the_first_scripts_dataset(tmp_path):
-    """The "Automatic plans" snippet, after the first script's dataset (as its comment
-    says), runs from the repository's root on 4 ranks: every name it uses is defined
+    """The "Automatic plans" snippet (docs/automatic.md), after the first script's
+    dataset (as its comment says), runs from the repository's root on 4 ranks: every name it uses is defined
     (it used an undefined ``loss``, ``optimizer``, ``built`` and ``my4.yaml``) and it
     prints the search's report."""
     first = readme_block("## A first script")
-    script = first[:first.index("dg.seed(0)")] + readme_block("## Automatic plans")
+    script = first[:first.index("dg.seed(0)")] + readme_block("## Automatic plans",
+                                                              "docs/automatic.md")
     (tmp_path / "auto.py").write_text(script)
     proc = subprocess.run([sys.executable, "-m", "distgraph.cli", "run", "-n", "4",
                            str(tmp_path / "auto.py")], cwd=ROOT, capture_output=True,
@@ -187,14 +189,14 @@ def test_each_command_a_tutorial_gives_runs(command, tmp_path):
 
 
 def test_the_readmes_prepare_snippet_plans_the_first_script_from_one_process():
-    """"What happens, stage by stage": its snippet continues the first script (a GPT on a
-    2 x 2 mesh) and plans the 4-process job from one process. It gave the GPT float
+    """"What happens, stage by stage" (docs/programs.md): its snippet continues the first
+    script (a GPT on a 2 x 2 mesh) and plans the 4-process job from one process. It gave the GPT float
     inputs of an MLP's shapes (a DTypeError in 'wte') and printed ``p.local(1)``, which
     an Engine on rank 0 does not compile (a PlanError)."""
     import distgraph as dg
 
     first = readme_block("## A first script")
-    section = (ROOT / "README.md").read_text()
+    section = (ROOT / "docs" / "programs.md").read_text()
     section = section[section.index("What happens, stage by stage"):]
     snippet = section[section.index("```python\n") + 10:section.index("```\n", 10)]
     snippet = "\n".join(line for line in snippet.splitlines() if ".plot(" not in line)

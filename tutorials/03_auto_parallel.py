@@ -109,19 +109,24 @@ def show(args, cluster) -> None:
                   "x the searched plan)")
 
 
-def train(args) -> None:
-    """On every rank: train a few steps with the searched plan."""
+def make_engine(args) -> dg.Engine:
+    """The Engine of every rank: the searched plan (or, under ``distgraph run --plan
+    FILE``, the file's, with no search)."""
     cluster = dg.Cluster.from_file(os.environ["DISTGRAPH_CLUSTER"])
     dg.seed(0)
-    engine = dg.Engine(dg.nn.GPT(**GPT), loss=dg.nn.CrossEntropyLoss(),
-                       optimizer=dg.optim.AdamW(3e-3), cluster=cluster,
-                       strategy=strategy(args))
+    return dg.Engine(dg.nn.GPT(**GPT), loss=dg.nn.CrossEntropyLoss(),
+                     optimizer=dg.optim.AdamW(3e-3), cluster=cluster, strategy=strategy(args))
+
+
+def train(args, engine) -> None:
+    """On every rank: train a few steps with the searched plan."""
     data = CountingSequences(BATCH * args.steps, GPT["max_seq_len"], GPT["vocab_size"])
     history = engine.fit(data, batch_size=BATCH, epochs=1, verbose=0)
     first, last = history.losses[0], sum(history.losses[-5:]) / 5
     if engine.rank == 0:
-        print(f"trained {len(history.losses)} steps on {engine.world_size} ranks with the "
-              f"searched plan: loss {first:.3f} -> {last:.3f} (ln vocab = "
+        which = f"the plan in {engine.plan_file}" if engine.plan_file else "the searched plan"
+        print(f"trained {len(history.losses)} steps on {engine.world_size} ranks with "
+              f"{which}: loss {first:.3f} -> {last:.3f} (ln vocab = "
               f"{math.log(GPT['vocab_size']):.3f})")
     if not last < first:
         raise RuntimeError(f"the loss did not fall ({first:.3f} -> {last:.3f})")
@@ -138,13 +143,16 @@ def main():
     parser.add_argument("--rank-part", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rank_part:
-        return train(args)
+        return train(args, make_engine(args))
     cluster = dg.Cluster.from_file(args.cluster)
     if dg.get_world_size() > 1:         # started by `distgraph run -n N` already: train here
-        if dg.get_rank() == 0:
-            show(args, cluster)
         os.environ.setdefault("DISTGRAPH_CLUSTER", os.path.abspath(args.cluster))
-        return None if args.no_train else train(args)
+        engine = make_engine(args)
+        # under `distgraph run --plan FILE` the file's plan runs: nothing is searched, and
+        # the Engine says which file it runs
+        if dg.get_rank() == 0 and engine.plan_file is None:
+            show(args, cluster)
+        return None if args.no_train else train(args, engine)
     show(args, cluster)
     if args.no_train:
         return

@@ -3,7 +3,7 @@
 A resource file is normally a description that plans are scored against. With
 ``--emulate`` it becomes something to run on: each machine of the file is a Linux
 network namespace with the machine's hostname, and the link between machines is shaped
-to the file's bandwidth (root only; the README's "Emulated clusters" says how). This
+to the file's bandwidth (root only; docs/machines.md's "Emulated clusters" says how). This
 tutorial
 
 1. measures the emulated cluster as a user would before planning for it

@@ -8,7 +8,7 @@ stages stay data parallel. Planning needs no running job: this script plans the
 16-process job from one process and draws it with ``plan.plot(path)``: a column per
 stage with its mesh, the layers on it, each weight matrix cut by the mesh dims that split
 it, the reshards in each layer and the activations and gradients crossing stages, with
-their bytes. The README shows the picture it draws.
+their bytes. docs/programs.md shows the picture it draws.
 
     python tutorials/07_plan_picture.py                      # into a temporary folder
     python tutorials/07_plan_picture.py --out plan.png

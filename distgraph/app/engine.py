@@ -31,6 +31,7 @@ from distgraph.app.plans import MODES, Mode, PlanCache, as_mode, idle_options, p
 from distgraph.app.resume import check_checkpoint, checkpoint_info, restore_info
 from distgraph.app.state import HeldState
 from distgraph.errors import DistGraphError
+from distgraph.keywords import keywords_checked
 from distgraph.metrics import as_metrics
 from distgraph.passes.plan_file import load as load_plan
 from distgraph.passes.planner import plan
@@ -44,6 +45,7 @@ from distgraph.strategy import Strategy
 __all__ = ["Engine", "History"]
 
 
+@keywords_checked          # Engine(optimiser=...) names 'optimizer'
 class Engine:
     """Builds the training, evaluation and prediction programs of a model and runs them.
 
@@ -71,7 +73,9 @@ class Engine:
     have been made for this program, cluster and world size when it plans; the file's
     Strategy is the Engine's (the runtime-only options given, ``profile``,
     ``check_finite``, ``memory_check`` and ``seed``, kept). Evaluation and prediction
-    programs, which the file does not hold, are planned under that Strategy.
+    programs, which the file does not hold, are planned under that Strategy. Rank 0 says
+    which file it runs and that nothing was searched; ``engine.plan_file`` is its path
+    (None: the Engine plans).
 
     ``ensure``, ``planned_key``, ``world``, ``warn``, ``plan_request`` and
     ``launch_cluster`` are what its loops (:class:`~distgraph.app.loops.Loops`, made with
@@ -94,6 +98,7 @@ class Engine:
         self.stop_training = False
         self._comm = communicator
         path = plan if plan is not None else self._launch.plan_file
+        self.plan_file = None if path is None else str(path)
         self._plan_file = None if path is None else read_plan_file(path)  # checked whole
         if self._plan_file is not None:
             self.strategy = _file_strategy(self._plan_file, strategy)
@@ -181,6 +186,10 @@ class Engine:
                 planned = load_plan(self._plan_file, built, self._file_cluster(),
                                     ranks=(self.rank,), world_size=self.world_size
                                     if self.world_size > 1 else None)
+                if self.rank == 0:
+                    print(f"distgraph: running the plan in {self.plan_file} "
+                          f"({_outline(planned)}): read from the file, nothing searched",
+                          flush=True)
             else:
                 # every rank plans alike and compiles its own process's program
                 planned = plan(built, self.strategy, self._planning_cluster(),
@@ -466,3 +475,13 @@ def _file_strategy(saved, given: Strategy | None) -> Strategy:
                 f"({f.name}={theirs!r}, {saved.path}): the file's plan runs as it was "
                 f"saved; leave {f.name} out of the Strategy or plan again without the file")
     return dataclasses.replace(saved.strategy, **{k: getattr(given, k) for k in _RUNTIME_ONLY})
+
+
+def _outline(plan) -> str:
+    """A plan in a few words: processes, stages, micro-batches, the predicted step."""
+    words = [f"{plan.world_size} process{'es' if plan.world_size != 1 else ''}",
+             f"{len(plan.stages)} stage{'s' if len(plan.stages) != 1 else ''}",
+             f"{plan.micro_batches} micro-batch{'es' if plan.micro_batches != 1 else ''}"]
+    if plan.estimate is not None:
+        words.append(f"predicted step {plan.estimate.step_time * 1e3:.3g} ms")
+    return ", ".join(words)

@@ -46,14 +46,14 @@ goes to which host (and device) and starts nothing.
 
 Slurm: inside an allocation (salloc, sbatch, a one-task srun) the ranks go on its nodes,
 as many per node as it has tasks there, and -n defaults to its tasks; hydra starts them
-through srun (the README's "Slurm").
+through srun (docs/machines.md's "Slurm").
 
 Elastic (--elastic, with --emulate, --hostfile, --hosts or in a Slurm allocation): when a
 rank dies or a machine stops answering (or Slurm drains its node), the job's ranks are
 ended, the machines that do not answer dropped and the script started again on the ranks
 left (--max-restarts N, --min-ranks K); the script sees its new world in
-engine.world_size, and ModelCheckpoint resumes from its newest complete checkpoint (the
-README's "Elastic training").
+engine.world_size, and ModelCheckpoint resumes from its newest complete checkpoint
+(docs/machines.md's "Elastic training").
 
 Everything after the script is the script's, exactly as after `python script.py`: a --
 there reaches the script too (distgraph's own options go before the script; a -- before
@@ -103,7 +103,7 @@ def _arguments(p) -> None:
                    help="folder for the per-rank logs rank-<r>.log (default: a temporary one)")
     p.add_argument("--emulate", metavar="FILE",
                    help="run on an emulated cluster: FILE's machines as network namespaces "
-                        "with links shaped to its figures (root only; the README's "
+                        "with links shaped to its figures (root only; docs/machines.md's "
                         "'Emulated clusters' says more)")
     p.add_argument("--emulate-fault", action="append", default=[], metavar="SPEC",
                    help="with --emulate: a fault to inject, e.g. 'link node0-node1 down at 5s'")
@@ -111,7 +111,7 @@ def _arguments(p) -> None:
                    help="with --emulate, --hostfile, --hosts or in a Slurm allocation: when a "
                         "rank dies or a machine stops answering, end the job's ranks, drop the "
                         "machines that do not answer and start the script again on the ranks "
-                        "left (the README's 'Elastic training')")
+                        "left (docs/machines.md's 'Elastic training')")
     p.add_argument("--max-restarts", type=int, default=None, metavar="N",
                    help="with --elastic: restarts at most (default 3)")
     p.add_argument("--min-ranks", type=int, default=None, metavar="K",

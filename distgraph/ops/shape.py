@@ -196,10 +196,11 @@ def _concat_notation(in_shapes, attrs):
     return ",".join([word] * len(in_shapes)) + "->" + word
 
 
-# aligned as Paddle's phi concat: a split the concat dim cannot keep moves to another dim
-@register_op("concat", spmd=EinsumRule(_concat_notation, align=True))
+# aligned as Paddle's phi concat: a split the concat dim cannot keep moves to another dim;
+# sliced: an output asked for split on the concat dim is computed as that slice (R -> S)
+@register_op("concat", spmd=EinsumRule(_concat_notation, align=True, sliced=True))
 class Concat:
-    def infer(*xs, axis):
+    def infer(*xs, axis, window=None):
         first = xs[0].shape
         for x in xs[1:]:
             if len(x.shape) != len(first) or any(a != b for i, (a, b) in
@@ -207,11 +208,33 @@ class Concat:
                 raise ShapeError(f"concat along axis {axis}: shapes "
                                  f"{[list(t.shape) for t in xs]} differ off that axis")
         shape = list(first)
-        shape[axis] = sum(x.shape[axis] for x in xs)
+        shape[axis] = sum(x.shape[axis] for x in xs) if window is None else \
+            window[1] - window[0]
         return TensorType(tuple(shape), same_dtype(*xs))
 
-    def kernel(ctx, *xs, axis):
-        return ctx.xp.concatenate(xs, axis=axis)
+    def kernel(ctx, *xs, axis, window=None):
+        if window is None:
+            return ctx.xp.concatenate(xs, axis=axis)
+        # only the rows [lo, hi) of the result along the axis: the parts of each operand
+        # that fall there (the whole result is never made)
+        lo, hi = window
+        parts, start = [], 0
+        for x in xs:
+            a, b = max(lo, start), min(hi, start + x.shape[axis])
+            if a < b:
+                index = [slice(None)] * x.ndim
+                index[axis] = slice(a - start, b - start)
+                parts.append(x[tuple(index)])
+            start += x.shape[axis]
+        return ctx.xp.concatenate(parts, axis=axis)
+
+    def localize(attrs, site):
+        # operands whole on the axis, the result split there: this process's slice of it
+        whole = sum(shape[attrs["axis"]] for shape in site.in_shapes)
+        if site.out_local_shape()[attrs["axis"]] == whole:
+            return attrs, {}
+        span = site.out_slices()[attrs["axis"]]
+        return {**attrs, "window": (span.start, span.stop)}, {}
 
     def grad(op, dz):
         axis = op.attrs["axis"]

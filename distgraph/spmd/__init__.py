@@ -51,7 +51,11 @@ Tie-break: how a rule settles operands that disagree
    split, or against another operand's None) splits a dim every operand has, the one
    where an operand offers it first, else the first it divides: ``[None, None]`` and
    ``[None, x]`` along axis 1 give ``[x, None]`` (the first sliced, the second moved by
-   an all-to-all), not ``[None, None]`` (the second all-gathered).
+   an all-to-all), not ``[None, None]`` (the second all-gathered). And an output asked
+   for split on the concat dim (its known spec: an annotation, what its consumers take)
+   keeps that split where the mesh dims are free: the op computes its slice from inputs
+   whole there (``EinsumRule(sliced=True)``; backward, ``[None, x]`` gives inputs
+   ``[None, None]`` and the output ``[None, x]``, as Paddle's reverse rule does).
 
 Paddle's phi rules agree on 1 and 3 (the first tensor axis to claim a mesh dim keeps
 it). They differ where an operand leaves a dim unsplit and another splits it: Paddle

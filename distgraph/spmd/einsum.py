@@ -37,13 +37,18 @@ class EinsumRule(Rule):
     attributes a notation or ``out_shapes`` function reads (None: any; a string
     notation without ``out_shapes`` reads none). ``align``: a mesh dim an answer leaves
     unused that an operand offers splits a dim every operand has instead of being
-    gathered (concat's rule, as Paddle's: :mod:`distgraph.spmd.align`).
+    gathered (concat's rule, as Paddle's: :mod:`distgraph.spmd.align`). ``sliced``: an
+    output may be split on a dim the notation never splits (uppercase) where it asks to
+    be (its known spec, e.g. what its consumers take): the op computes that slice of its
+    result from operands whole there (R -> S, moving nothing); otherwise it is whole
+    there. The search is not offered such layouts (a slice after the op is free too).
     """
 
     def __init__(self, notation: str | Callable, internal: str = "",
                  out_shapes: Callable | None = None, linear: bool = False,
-                 reads: tuple | None = None, align: bool = False):
+                 reads: tuple | None = None, align: bool = False, sliced: bool = False):
         self._notation = notation
+        self.sliced = sliced
         self.internal = internal
         self._out_shapes = out_shapes
         self.linear = linear
@@ -74,14 +79,14 @@ class EinsumRule(Rule):
         if out_shapes is None and self._out_shapes is not None:
             out_shapes = self._out_shapes(in_shapes, attrs)
         return EinsumPlan(notation, in_shapes, out_shapes, mesh, self.internal, self.linear,
-                          self.align)
+                          self.align, self.sliced)
 
 
 class EinsumPlan:
     """An EinsumRule bound to shapes and a mesh (a :class:`~distgraph.spmd.rule.BoundRule`)."""
 
     def __init__(self, notation: str, in_shapes, out_shapes, mesh, internal: str = "",
-                 linear: bool = False, align: bool = False):
+                 linear: bool = False, align: bool = False, sliced: bool = False):
         self.notation = notation
         self.internal = set(internal)
         self.linear = linear
@@ -90,6 +95,15 @@ class EinsumPlan:
         # "" is either no operand or one 0-d operand; the operand count decides
         self.in_letters = lhs.split(",") if (lhs or len(in_shapes) == 1) else []
         self.out_letters = rhs.split(",")
+        # the letters solve() reads outputs by: with ``sliced`` an output's uppercase
+        # letter has a lowercase twin of its own, split only where that output asks (the
+        # op then computes the slice), whole otherwise; strategies, reductions and
+        # lightness keep the op's own letters
+        self.twins = {c.lower(): c for w in self.out_letters for c in w
+                      if sliced and c.isupper()}
+        if set(self.twins) & set(lhs):
+            raise SpmdRuleError(f"rule {notation!r}: a sliced letter's lowercase is taken")
+        self.out_words = [w.lower() if sliced else w for w in self.out_letters]
         if len(self.in_letters) != len(in_shapes):
             raise SpmdRuleError(f"rule {notation!r} expects {len(self.in_letters)} inputs, "
                                 f"got {len(in_shapes)}")
@@ -100,7 +114,7 @@ class EinsumPlan:
         self.dim_sizes: dict[str, set] = {}
         words = [(w, s, f"input {i}") for i, (w, s) in enumerate(zip(self.in_letters, in_shapes))]
         words += [(w, s, f"output {j}")
-                  for j, (w, s) in enumerate(zip(self.out_letters, out_shapes or []))]
+                  for j, (w, s) in enumerate(zip(self.out_words, out_shapes or []))]
         for word, shape, who in words:
             if len(word) != len(shape):
                 raise SpmdRuleError(f"rule {notation!r}: {who} has shape {list(shape)}, the "
@@ -108,7 +122,7 @@ class EinsumPlan:
             for letter, n in zip(word, shape):
                 self.dim_sizes.setdefault(letter, set()).add(n)
         self.order: list[str] = []             # letters in order of first appearance
-        for word in self.in_letters + self.out_letters:
+        for word in self.in_letters + self.out_words:
             for letter in word:
                 if letter not in self.order and letter != "1":
                     self.order.append(letter)
@@ -143,7 +157,7 @@ class EinsumPlan:
                                 f"inputs, got {len(ins)}")
         words = {}
         for source in query.sources():
-            side = self.in_letters if source.side == "input" else self.out_letters
+            side = self.in_letters if source.side == "input" else self.out_words
             if source.index >= len(side):
                 raise SpmdRuleError(f"rule {self.notation!r} has {len(side)} {source.side}s, "
                                     f"got a spec for {source}")
@@ -211,6 +225,8 @@ class EinsumPlan:
         def final(letter):
             if letter in decided:
                 return entry_of(decided[letter])
+            if letter in self.twins:          # whole where no output asks for a slice
+                return None
             return None if letter in seen else UNKNOWN
 
         merged = {c: final(c) for c in self.order}
@@ -220,7 +236,7 @@ class EinsumPlan:
 
         new_ins = tuple(spec_of(w, pending) for w in self.in_letters)
         new_outs = []
-        for word, reduced in zip(self.out_letters, self.reduced):
+        for word, reduced in zip(self.out_words, self.reduced):
             partial = set(pending)
             for letter in reduced:
                 partial.update(entry_dims(merged.get(letter)))
@@ -264,7 +280,7 @@ class EinsumPlan:
         dim of its letter; the replicated strategy first."""
         if self.out_shapes is None:
             raise SpmdRuleError("strategies need the output shapes")
-        letters = [c for c in self.order if c.islower()]
+        letters = [c for c in self.order if c.islower() and c not in self.twins]
         mesh_dims = [m for m in self.sizes if self.sizes[m] > 1]
         found = []
         for choice in itertools.product([None] + letters, repeat=len(mesh_dims)):

@@ -42,6 +42,40 @@ def _report(exc_type, exc, tb, previous) -> None:
         traceback.print_exception(exc_type, exc, tb, file=f)
 
 
+def where_in_script(tb) -> str | None:
+    """``file:line`` of the innermost frame of ``tb`` in the user's code (not distgraph's
+    packages, Python's library or installed packages), or None."""
+    import sysconfig
+
+    skip = [os.path.dirname(m.__file__) + os.sep for m in
+            (sys.modules.get(n) for n in ("distgraph", "distgraph.resources",
+                                          "distgraph.passes", "distgraph.runtime"))
+            if m is not None and getattr(m, "__file__", None)]
+    skip += [sysconfig.get_paths()[k] + os.sep for k in ("stdlib", "platstdlib", "purelib",
+                                                         "platlib")]
+    found = None
+    while tb is not None:
+        name = os.path.abspath(tb.tb_frame.f_code.co_filename)
+        if not name.startswith("<") and not any(name.startswith(p) for p in skip):
+            found = f"{name}:{tb.tb_lineno}"
+        tb = tb.tb_next
+    return found
+
+
+def one_line(exc_type, exc, tb) -> str:
+    """The error as the launcher shows it: ``Kind: message``; an error in the script's
+    own terms (a mistyped keyword, any error not distgraph's) with the script's file
+    and line at the end of its first line, which is otherwise only in the rank's log."""
+    message = f"{exc_type.__name__}: {exc}"
+    if issubclass(exc_type, DistGraphError) and not issubclass(exc_type, TypeError):
+        return message
+    where = where_in_script(tb)
+    if where is None:
+        return message
+    first, sep, rest = message.partition("\n")
+    return f"{first} ({where}){sep}{rest}"
+
+
 ABORT_GRACE = 0.2    # seconds between the failure line and MPI_Abort under a plain mpiexec
 PEER_GRACE = 3.0     # seconds a failing rank waits for peers failing too to say so (ranks
                      # start seconds apart on a busy machine; blocked peers are not waited for)
@@ -84,7 +118,7 @@ def install_abort_hook() -> None:
         return
 
     def hook(exc_type, exc, tb):
-        message = f"{exc_type.__name__}: {exc}"      # its lines kept: the launcher indents them
+        message = one_line(exc_type, exc, tb)        # its lines kept: the launcher indents them
         from mpi4py import MPI
         running = MPI.Is_initialized() and not MPI.Is_finalized()
         if running and MPI.COMM_WORLD.Get_size() == 1 and log_path() is None:

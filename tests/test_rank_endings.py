@@ -172,6 +172,38 @@ def parent(pid: int) -> int:
     return int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[1])
 
 
+HANG_BEFORE_MPI = """
+import os, time
+if os.environ.get("PMI_RANK") == "1" and "HANG_MARK" in os.environ:
+    with open(os.environ["HANG_MARK"], "w") as f:
+        f.write(str(time.time()))
+    time.sleep(3600)
+"""
+
+
+@pytest.mark.mpi
+def test_a_rank_stuck_before_mpi_starts_ends_the_job_at_the_users_timeout(tmp_path):
+    """Rank 1 hangs as its interpreter starts (a sitecustomize that sleeps: a hung import
+    of a network file system, say), before the bootstrap, so before MPI starts: rank 0
+    waits in MPI_Init, where no timeout of its own reaches. DISTGRAPH_COMM_TIMEOUT
+    bounds that wait too."""
+    (tmp_path / "sitecustomize.py").write_text(HANG_BEFORE_MPI)
+    mark = tmp_path / "hang.time"
+    job = Traced(tmp_path, "run", "-n", 2, ENDINGS, "exit", 9, PYTHONPATH=str(tmp_path),
+                 HANG_MARK=str(mark), DISTGRAPH_COMM_TIMEOUT="3")
+    rc = job.wait()
+    alive, files = job.leftovers()
+    out = job.output
+    print(f"hangs before MPI starts: {job.ended - float(mark.read_text()):.2f} s from the "
+          "fault to the end of the job")
+    assert rc != 0, out
+    assert ("rank 0 waited 3 s for MPI to start on every rank (DISTGRAPH_COMM_TIMEOUT) and "
+            "rank 1 never began it") in out, out
+    assert not alive, alive
+    assert job.files, "the job's MPI files were never seen: the check below checks nothing"
+    assert not files, files
+
+
 def start_and_wait_for(tmp_path, n: int, *args) -> Traced:
     job = Traced(tmp_path, "run", "-n", n, JOBS, *args)
     deadline = time.monotonic() + TIMEOUT

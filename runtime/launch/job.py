@@ -160,6 +160,7 @@ class Job:
     def stop(self) -> None:
         """SIGTERM to mpiexec (which passes it to every rank); SIGKILL to whatever of the
         job is still alive after GRACE seconds."""
+        self._note_held(marked_pids(self.marker))    # what a rank killed now leaves
         if self._proc.poll() is None:
             self._proc.send_signal(signal.SIGTERM)
         end = time.monotonic() + GRACE
@@ -184,8 +185,7 @@ class Job:
         # hydra puts its proxies and ranks in sessions of their own: they are found by
         # the job's marker in their environment (so are the processes a rank started)
         leftovers = marked_pids(self.marker)
-        for pid in leftovers:
-            self._held |= held_by(pid)
+        self._note_held(leftovers)
         try:
             os.killpg(self._proc.pid, signal.SIGKILL)
         except OSError:
@@ -195,6 +195,12 @@ class Job:
                 os.kill(pid, signal.SIGKILL)
             except OSError:
                 pass
+
+    def _note_held(self, pids) -> None:
+        """Note the files of JOB_FILES that ``pids`` hold, to be removed after the job
+        (a rank still in MPI's start has not listed its own)."""
+        for pid in pids:
+            self._held |= held_by(pid)
 
     def _close(self) -> None:
         for read_end, (_, keep_open) in self._fifos.items():

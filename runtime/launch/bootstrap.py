@@ -137,9 +137,36 @@ def abort_job(message: str, code: int = 1) -> None:
         # (without it the cause is sometimes lost)
         time.sleep(ABORT_GRACE)
     else:   # MPI's own abort notice goes with the traceback, not to the terminal
+        _let_output_out()
         fd = os.open(logfile, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         os.dup2(fd, 2)
     world.Abort(code)
+
+
+def _let_output_out(limit: float = 1.0) -> None:
+    """Wait (at most ``limit`` seconds) until this rank's supervisor has read what the
+    rank printed: MPI_Abort gets the supervisors killed, and with them the last lines
+    still in the pipes (the rank's last words before its error)."""
+    import fcntl
+    import struct
+    import termios
+
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    end = time.monotonic() + limit
+    for fd in (1, 2):
+        while time.monotonic() < end:
+            try:
+                unread, = struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0" * 4))
+            except OSError:
+                break
+            if unread == 0:
+                break
+            time.sleep(0.005)
+    time.sleep(0.01)     # from the supervisor's read to its write: the same loop
 
 
 def start_mpi() -> None:

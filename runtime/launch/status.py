@@ -9,8 +9,8 @@ each named after the rank (``PMI_RANK``):
 - ``<rank>.mpi``      ``starting`` while the rank waits in MPI's start for its peers,
   ``running`` once MPI runs (by the rank's bootstrap, before the script);
 - ``<rank>.files``    the files MPI made for the job that outlive a rank killed before
-  ``MPI_Finalize`` (its shared-memory segments), one per line, for the launcher to remove
-  (see :mod:`distgraph.runtime.launch.leftovers`);
+  ``MPI_Finalize`` (its shared-memory segments, its proxy's topology file), one per
+  line, for the launcher to remove (see :mod:`distgraph.runtime.launch.hostside`);
 - ``<rank>.failed``   the one-line error of an uncaught exception, or of ``sys.exit``
   with a non-zero code (by the rank);
 - ``<rank>.done``     the script ended well: it returned (empty), or how it ended
@@ -120,8 +120,7 @@ class RankState:
     exit: str | None
     pids: tuple
     host: str | None = None
-    finished: str | None = None     # the text of ``done``: how the script ended well
-    mpi: str | None = None
+    mpi: str | None = None          # ``starting``, ``running``; None: MPI not begun
 
     @property
     def silent(self) -> bool:
@@ -133,11 +132,11 @@ def read_states(folder: str, nprocs: int) -> list[RankState]:
     states = []
     for rank in range(nprocs):
         pids = read_status(folder, rank, "pids") or ""
-        done = read_status(folder, rank, "done")
-        states.append(RankState(rank, read_status(folder, rank, "failed"), done is not None,
+        states.append(RankState(rank, read_status(folder, rank, "failed"),
+                                read_status(folder, rank, "done") is not None,
                                 read_status(folder, rank, "exit"),
                                 tuple(int(p) for p in pids.split() if p.isdigit()),
-                                read_status(folder, rank, "host"), done,
+                                read_status(folder, rank, "host"),
                                 read_status(folder, rank, "mpi")))
     return states
 

@@ -18,19 +18,21 @@ at every poll and stops the job when
   MPI started cannot);
 - a rank has waited in MPI's start longer than the ranks' timeout
   (``DISTGRAPH_COMM_TIMEOUT``): a peer never got there. Every rank starts MPI before its
-  script runs (:mod:`~distgraph.runtime.launch.bootstrap`), so this is the only wait of a
-  job outside the communicators' deadlines.
+  script runs (:mod:`~distgraph.runtime.launch.bootstrap`), so that the script's own
+  steps cannot turn this wait into an endless one, and the communicators bound the rest.
 
 A rule that holds is acted on a moment later (``SETTLE``, ``FAILED_GRACE``), so that a
 job hydra or its ranks end anyway (a rank killed by a signal: 0.2 s) ends as they end
-it, and an elastic job's own watch sees its failures first. A rank that finishes while its peers wait for it in a collective
-is named by those peers within two seconds (:mod:`distgraph.runtime.comm.mpi`). Only the
-ranks of this host are watched: the others keep their status files on their hosts.
+it, and an elastic job's own watch sees its failures first. A rank that finishes while
+its peers wait for it in a collective is named by those peers within two seconds
+(:mod:`distgraph.runtime.comm.mpi`). Only the ranks of this host are watched: the others
+keep their status files on their hosts.
 
 Example::
 
     watch = RankWatch(job.status_dir, nprocs, timeout=60)
-    reason = watch()     # None, or "rank 2 exited with code 0 before its first collective"
+    watch()     # None, or "rank 2 exited with code 0 in step 3 without finishing its
+                # script or reporting an error"
 """
 
 from __future__ import annotations

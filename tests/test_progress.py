@@ -6,7 +6,7 @@ import pytest
 
 from distgraph.errors import RuntimeFault
 from distgraph.runtime.comm.simulated import SimulatedWorld
-from distgraph.runtime.launch.progress import NO_PROGRESS, Progress, behind, read_where
+from distgraph.runtime.launch.progress import NO_PROGRESS, Progress, behind, moment, read_where
 from distgraph.runtime.launch.status import RankState, failure_lines
 
 
@@ -37,8 +37,30 @@ def test_status_files_take_precedence(tmp_path):
     (tmp_path / "0.done").write_text("")
     assert read_where(str(tmp_path), 0).state == "finished"
     (tmp_path / "1.exit").write_text("killed by signal 9")
-    assert str(read_where(str(tmp_path), 1)) == "rank 1 has ended (killed by signal 9)"
+    assert str(read_where(str(tmp_path), 1)) == \
+        "rank 1 has ended (killed by signal 9) before its first collective"
     assert read_where(str(tmp_path), 3).state == "not started"
+    (tmp_path / "0.exit").write_text("exited with code 0")     # beside done: a finish
+    assert str(read_where(str(tmp_path), 0)) == \
+        "rank 0 has finished its script before its first collective"
+
+
+def test_moment_says_when_in_the_job_a_rank_is(tmp_path):
+    folder = str(tmp_path)
+    assert moment(folder, 0) == "before its first collective"
+    p = Progress(folder, 0)
+    assert moment(folder, 0) == "before its first collective"
+    with p.phase("Engine.fit()"):
+        p.wait_begin("all_gather on group (0, 1)")
+        assert moment(folder, 0) == "while waiting for all_gather on group (0, 1), in Engine.fit()"
+        p.wait_end()
+        assert moment(folder, 0) == "before its first training step, in Engine.fit()"
+        p.begin_step(4, p.table(["op 'relu'"]))
+        assert moment(folder, 0) == "in step 4, in Engine.fit()"
+        p.end_step()
+    assert moment(folder, 0) == "after step 4"
+    (tmp_path / "0.done").write_text("sys.exit(0)")
+    assert str(read_where(folder, 0)) == "rank 0 ended its script with sys.exit(0) after step 4"
 
 
 def test_behind_names_the_ranks_that_are_not_waiting_first(tmp_path):
@@ -61,7 +83,8 @@ def test_behind_names_the_ranks_that_are_not_waiting_first(tmp_path):
     (tmp_path / "3.failed").write_text("RuntimeFault: ...")
     (tmp_path / "1.done").write_text("")
     sentence, _ = behind(folder, 0, range(4))
-    assert sentence == "rank 1 has finished its script"     # a failed rank is reported apart
+    assert sentence == ("rank 1 has finished its script while waiting for all_reduce on "
+                        "group (0, 1, 2, 3)")      # (its last record); the failed one: apart
     assert behind(None, 0, range(4)) == ("", set())
     assert not NO_PROGRESS.active and NO_PROGRESS.table(["x"]) == -1
 
@@ -124,10 +147,11 @@ def test_failure_lines_group_ranks_whose_errors_differ_only_by_their_own_name():
               failed(2, "RuntimeFault: rank 2: timed out waiting for rank 3"),
               failed(3, "RuntimeFault: rank 0: timed out waiting for rank 3"),
               failed(4, "PlanError: rank 4: no plan"),
-              RankState(5, None, False, "killed by signal 9", ())]
-    assert failure_lines(states) == [
+              RankState(5, None, False, "killed by signal 9", ()),
+              RankState(6, None, True, "exited with code 0", ())]     # it finished
+    assert failure_lines(states, moments={5: "in step 2"}) == [
         "ranks 0, 1, 2 failed: RuntimeFault: timed out waiting for rank 3",
         "rank 3 failed: RuntimeFault: rank 0: timed out waiting for rank 3",
         "rank 4 failed: PlanError: rank 4: no plan",
-        "rank 5 died without reporting an error (killed by signal 9); the other ranks "
-        "were stopped after it"]
+        "rank 5 died without reporting an error (killed by signal 9 in step 2); the other "
+        "ranks were stopped after it"]

@@ -22,7 +22,10 @@ EPILOG = """\
 Every rank gets one BLAS thread unless OMP_NUM_THREADS (or OPENBLAS/MKL_NUM_THREADS) is set.
 Each rank's output is shown and also written to DIR/rank-<r>.log; without --log-dir, DIR
 is a temporary folder, kept and named only when the job fails. When a rank fails, the
-terminal shows one line per cause; the tracebacks are in the logs.
+terminal shows one line per cause; the tracebacks are in the logs. A job succeeds only
+when every rank finishes its script: a rank that ends while the others still need it
+(sys.exit, os._exit, killed) or waits for MPI's start longer than DISTGRAPH_COMM_TIMEOUT
+ends the job within seconds, named; nothing of MPI's is left in /dev/shm or /tmp.
 
 With --cluster FILE the file is validated before any rank starts, and an Engine created
 without a cluster uses it (its devices, in order, are ranks 0..N-1).

@@ -58,7 +58,6 @@ process; :class:`~distgraph.runtime.comm.mpi.MPICommunicator` runs them over mpi
 
 from __future__ import annotations
 
-import os
 import time
 from abc import ABC, abstractmethod
 from contextlib import contextmanager
@@ -71,8 +70,9 @@ from distgraph.plan.kinds import COLLECTIVES, StepKind, collective_bytes
 from distgraph.plan.tags import MAX_TAG
 from distgraph.runtime.backend import NUMPY
 from distgraph.runtime.launch.progress import NO_PROGRESS
+# the timeout is the launcher's too (it bounds the wait in MPI's start): defined there
+from distgraph.runtime.launch.status import DEFAULT_TIMEOUT, default_timeout  # noqa: F401
 
-DEFAULT_TIMEOUT = 60.0
 COUNTED_KINDS = COLLECTIVES + (StepKind.SEND_RECV,)
 REDUCE_OPS = {"sum": np.add, "max": np.maximum, "min": np.minimum}
 CALL_NAME_BYTES = 64
@@ -90,20 +90,6 @@ def _item(items: list, i: int) -> str:
 
 def _text(row) -> str:
     return bytes(row).rstrip(b"\0").decode(errors="replace")
-
-
-def default_timeout() -> float:
-    """Seconds a receive or collective may wait: $DISTGRAPH_COMM_TIMEOUT, else 60."""
-    raw = os.environ.get("DISTGRAPH_COMM_TIMEOUT")
-    if raw is None:
-        return DEFAULT_TIMEOUT
-    try:
-        value = float(raw)
-    except ValueError:
-        raise RuntimeFault(f"DISTGRAPH_COMM_TIMEOUT={raw!r} is not a number of seconds") from None
-    if value <= 0:
-        raise RuntimeFault(f"DISTGRAPH_COMM_TIMEOUT={raw!r} must be positive")
-    return value
 
 
 class Communicator(ABC):

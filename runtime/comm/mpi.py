@@ -145,8 +145,21 @@ class MPICommunicator(Communicator):
         ranks = range(self.size) if peers is None else peers
         lagging, states = behind(self._status, self.rank, ranks)
         where = f"; {lagging}" if lagging else ""
-        if self.phase:
+        ended = [w for w in (read_where(self._status, r) for r in ranks if r != self.rank)
+                 if w.state in ("finished", "ended")] if self._status else []
+        if self.phase and ended and all(w.phase == self.phase for w in ended):
+            fix = (f"{'they' if len(ended) > 1 else 'it'} ended inside {self.phase}, which "
+                   "every rank must run to its end: a rank whose script ends (sys.exit, "
+                   "os._exit) while its peers still need it ends the job")
+        elif self.phase:
             fix = f"{self.phase} is collective: call it on every rank"
+            if states & {"computing", "not started"}:
+                fix += (f" (if every rank does, the ranks named are stuck or slower than the "
+                        f"timeout, {self.timeout:g} s; DISTGRAPH_COMM_TIMEOUT sets it)")
+        elif ended:
+            fix = ("a rank whose script ends while its peers still run collectives ends the "
+                   "job: every rank must make the same collective calls before its script "
+                   "ends")
         elif "computing" in states:
             fix = (f"it is stuck there or slower than the timeout ({self.timeout:g} s; "
                    "DISTGRAPH_COMM_TIMEOUT sets it)")

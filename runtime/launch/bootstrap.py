@@ -8,14 +8,21 @@ request of ``distgraph plan``, which runs its script through here too; what they
 is what this process inherited), exported to the script's environment for the processes
 it starts; a :class:`PlanReported` stop ends the script with exit code 0. It turns an
 uncaught exception into ``MPI_Abort`` so that one failing rank ends the whole job with a
-non-zero exit code instead of leaving the other ranks blocked in a collective. Under the launcher (a status folder in
-``DISTGRAPH_STATUS_DIR``, see :mod:`distgraph.runtime.launch.status`) a supervisor forked
-before MPI starts watches the rank (:mod:`distgraph.runtime.launch.supervisor`); the rank writes
-``<rank>.failed`` with its error or ``<rank>.done`` when the script returns, and its
-traceback goes to its log file only: the launcher prints the one-line causes. A failing
-rank writes its line before anything else and, before it aborts, gives the peers that
-are not waiting on it a moment to write theirs (:func:`let_peers_report`), so that every
-rank that failed is listed.
+non-zero exit code instead of leaving the other ranks blocked in a collective.
+
+Under the launcher (a status folder in ``DISTGRAPH_STATUS_DIR``, see
+:mod:`distgraph.runtime.launch.status`) a supervisor forked first watches the rank
+(:mod:`distgraph.runtime.launch.supervisor`), and MPI starts before the script does
+(:func:`start_mpi`): ``MPI_Init`` returns only once every rank has called it, so started
+at whatever point the script first imports mpi4py it would hold every rank for the
+slowest, and for ever for a rank that ends before it gets there (its script returned, or
+raised, first). Started here it is one known wait, which the launcher bounds
+(:mod:`distgraph.runtime.launch.watch`). The rank writes ``<rank>.failed`` with its error,
+``<rank>.done`` when the script returns or calls ``sys.exit(0)`` (saying which), and its
+traceback goes to its log file only: the launcher prints the one-line causes. A non-zero
+``sys.exit`` is a failure like an exception. A failing rank writes its line before
+anything else and, before it aborts, gives the peers that are not waiting on it a moment
+to write theirs (:func:`let_peers_report`), so that every rank that failed is listed.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import time
 
 from distgraph.errors import DistGraphError
 from distgraph.runtime.launch.context import LaunchContext, PlanReported, opened
+from distgraph.runtime.launch.hostside import held_by, parent_of
 from distgraph.runtime.launch.progress import read_where
 from distgraph.runtime.launch.status import log_path, status_folder, write_status
 
@@ -119,9 +127,8 @@ def install_abort_hook() -> None:
 
     def hook(exc_type, exc, tb):
         message = one_line(exc_type, exc, tb)        # its lines kept: the launcher indents them
-        from mpi4py import MPI
-        running = MPI.Is_initialized() and not MPI.Is_finalized()
-        if running and MPI.COMM_WORLD.Get_size() == 1 and log_path() is None:
+        world = _running_world()
+        if (world is None or world.Get_size() == 1) and log_path() is None:
             if issubclass(exc_type, DistGraphError):
                 sys.stderr.write(f"distgraph: {message}\n")
             else:
@@ -131,24 +138,98 @@ def install_abort_hook() -> None:
         # that failed too may end this process at any moment after
         write_status("failed", message)
         _report(exc_type, exc, tb, previous)
-        if running:
-            world = MPI.COMM_WORLD
-            let_peers_report(world.Get_rank(), world.Get_size())
-            logfile = log_path()
-            if logfile is None:
-                sys.stderr.write(f"distgraph: rank {world.Get_rank()} failed: {message}; "
-                                 "aborting the job\n")
-                sys.stderr.flush()
-                # MPI_Abort ends mpiexec's proxies too; give them a moment to forward
-                # this line (without it the cause is sometimes lost)
-                time.sleep(ABORT_GRACE)
-            else:   # MPI's own abort notice goes with the traceback, not to the terminal
-                fd = os.open(logfile, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-                os.dup2(fd, 2)
-            world.Abort(1)
+        abort_job(message)
 
     hook.distgraph_abort = True
     sys.excepthook = hook
+
+
+def _running_world():
+    """MPI's world communicator if MPI runs in this process, else None. Never starts MPI:
+    its start waits for every rank, and a rank that failed before it started MPI would
+    wait there for ever."""
+    MPI = sys.modules.get("mpi4py.MPI")
+    if MPI is None or not MPI.Is_initialized() or MPI.Is_finalized():
+        return None
+    return MPI.COMM_WORLD
+
+
+def abort_job(message: str, code: int = 1) -> None:
+    """After this rank's error is on record: abort the whole job with ``code``, once the
+    peers failing too have said so. Returns where MPI does not run (the process then
+    ends by itself, and the launcher stops the job)."""
+    world = _running_world()
+    if world is None or world.Get_size() == 1:
+        return
+    let_peers_report(world.Get_rank(), world.Get_size())
+    logfile = log_path()
+    if logfile is None:
+        sys.stderr.write(f"distgraph: rank {world.Get_rank()} failed: {message}; "
+                         "aborting the job\n")
+        sys.stderr.flush()
+        # MPI_Abort ends mpiexec's proxies too; give them a moment to forward this line
+        # (without it the cause is sometimes lost)
+        time.sleep(ABORT_GRACE)
+    else:   # MPI's own abort notice goes with the traceback, not to the terminal
+        _let_output_out()
+        fd = os.open(logfile, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        os.dup2(fd, 2)
+    world.Abort(code)
+
+
+def _let_output_out(limit: float = 1.0) -> None:
+    """Wait (at most ``limit`` seconds) until this rank's supervisor has read what the
+    rank printed: MPI_Abort gets the supervisors killed, and with them the last lines
+    still in the pipes (the rank's last words before its error)."""
+    import fcntl
+    import struct
+    import termios
+
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    end = time.monotonic() + limit
+    for fd in (1, 2):
+        while time.monotonic() < end:
+            try:
+                unread, = struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0" * 4))
+            except OSError:
+                break
+            if unread == 0:
+                break
+            time.sleep(0.005)
+    time.sleep(0.01)     # from the supervisor's read to its write: the same loop
+
+
+def start_mpi() -> None:
+    """Under the launcher, before the script runs: start MPI, saying so in
+    ``<rank>.mpi`` (``starting``, then ``running``), and list in ``<rank>.files`` the
+    files MPI made for the job, which a rank killed leaves behind
+    (:mod:`~distgraph.runtime.launch.hostside`)."""
+    if not status_folder():
+        return
+    write_status("mpi", "starting")
+    from mpi4py import MPI  # noqa: F401  MPI_Init_thread: returns once every rank called it
+
+    # hydra's proxy, this rank's supervisor's parent, holds the topology file it made
+    proxy = parent_of(os.getppid())
+    write_status("files", "\n".join(sorted(held_by("self") | held_by(proxy))))
+    write_status("mpi", "running")
+
+
+def _exited(stop: SystemExit) -> None:
+    """The script called ``sys.exit``: code 0 (or None) is a finish, on record as such;
+    any other code (a number, or a message that Python prints) fails the job as an
+    uncaught exception does."""
+    code = stop.code
+    if code is None or code == 0:
+        write_status("done", f"sys.exit({'' if code is None else 0})")
+        return
+    message = f"SystemExit: sys.exit({code!r})"
+    write_status("failed", message)
+    abort_job(message, code if isinstance(code, int) else 1)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -162,6 +243,7 @@ def main(argv: list[str] | None = None) -> None:
     from distgraph.runtime.launch.supervisor import supervise_this_rank
     supervise_this_rank()
     install_abort_hook()
+    start_mpi()
     sys.argv = args
     # as `python script.py` does: the script's folder comes first on the import path
     sys.path.insert(0, os.path.dirname(os.path.abspath(args[0])))
@@ -171,6 +253,9 @@ def main(argv: list[str] | None = None) -> None:
             runpy.run_path(args[0], run_name="__main__")
         except PlanReported:       # distgraph plan has its report: the script ends here
             pass
+        except SystemExit as stop:
+            _exited(stop)
+            raise
     write_status("done")
 
 

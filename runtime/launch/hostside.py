@@ -16,9 +16,19 @@ importing distgraph would cost every host a second or more.
 - ``collect FOLDER VAR=VALUE``: after a job, on a host whose ranks kept their status
   files and logs in FOLDER (the job's status folder, the same path on every host): kills
   the job's processes still alive here (recorded in ``<rank>.pids`` and carrying
-  ``VAR=VALUE`` in their environment, so a reused process id is never hit), writes
+  ``VAR=VALUE`` in their environment, so a reused process id is never hit), removes the
+  files MPI made for them that their end left behind (:func:`remove_files`), writes
   FOLDER as an uncompressed tar to stdout and removes it. FOLDER on the launching host
   itself (it holds :data:`LAUNCHER_FILE`) is written but never removed.
+
+Files a job leaves outside its folders: MPICH's ranks on a host share memory through a
+file in /dev/shm (``mpich_shm_*``) that ``MPI_Finalize`` removes, and hydra's proxy writes
+the host's topology to ``/tmp/hydra_hwloc_xmlfile_*`` for its ranks and removes it when it
+exits. A rank killed before ``MPI_Finalize`` (a signal, ``MPI_Abort``, hydra ending the
+job after a peer died) or a proxy killed leaves them for good (2 MB of memory a job).
+They are known by what the job's own processes hold (:func:`held_by`): each rank lists
+its own and its proxy's into ``<rank>.files`` once MPI runs, and the launcher looks at
+the processes of the job it kills; only those paths are removed.
 
 Example (what the launcher runs, through ssh)::
 
@@ -36,6 +46,8 @@ import sys
 import time
 
 LAUNCHER_FILE = ".launcher"     # marks the status folder of the launching host
+JOB_FILES = ("/dev/shm/mpich_shm_", "/tmp/hydra_hwloc_xmlfile_")   # see the docstring
+DELETED = " (deleted)"
 KILL_GRACE = 1.0
 
 
@@ -96,6 +108,79 @@ def job_pids(folder: str, marker: str) -> list[int]:
     return pids
 
 
+def held_by(pid) -> set[str]:
+    """The files of :data:`JOB_FILES` that process ``pid`` (or ``"self"``) maps or has
+    open and that still exist by that name; empty for a process gone or not readable."""
+    paths = set()
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            for line in f:
+                fields = line.rstrip("\n").split(None, 5)
+                if len(fields) == 6:
+                    paths.add(fields[5])
+        fds = f"/proc/{pid}/fd"
+        for fd in os.listdir(fds):
+            try:
+                paths.add(os.readlink(os.path.join(fds, fd)))
+            except OSError:
+                pass
+    except OSError:
+        pass
+    return {p for p in paths if p.startswith(JOB_FILES) and not p.endswith(DELETED)}
+
+
+def parent_of(pid) -> int | None:
+    """The parent process id of ``pid`` (or ``"self"``); None if it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rpartition(")")[2].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def marked_pids(marker: str) -> list[int]:
+    """Live processes (zombies aside) whose environment holds ``marker`` (``VAR=VALUE``)."""
+    want = marker.encode() + b"\0"
+    pids = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/environ", "rb") as f:
+                if want in f.read() + b"\0":
+                    pids.append(int(name))
+        except OSError:
+            pass
+    return pids
+
+
+def recorded_files(folder: str) -> set[str]:
+    """The files the ranks listed in ``folder/<rank>.files``."""
+    paths = set()
+    for path in glob.glob(os.path.join(folder, "*.files")):
+        try:
+            with open(path) as f:
+                paths.update(line.strip() for line in f if line.strip())
+        except OSError:
+            pass
+    return paths
+
+
+def remove_files(paths) -> list[str]:
+    """Remove those of ``paths`` that are :data:`JOB_FILES` and still there; the ones
+    removed."""
+    removed = []
+    for path in sorted(paths):
+        if not path.startswith(JOB_FILES):
+            continue
+        try:
+            os.unlink(path)
+            removed.append(path)
+        except OSError:
+            pass
+    return removed
+
+
 def kill_job(folder: str, marker: str, grace: float = KILL_GRACE) -> int:
     """SIGTERM the job's processes here, SIGKILL what is left after ``grace`` seconds;
     how many there were."""
@@ -124,6 +209,7 @@ def collect(folder: str, marker: str, out) -> None:
         tarfile.open(fileobj=out, mode="w|").close()
         return
     kill_job(folder, marker)
+    remove_files(recorded_files(folder))
     with tarfile.open(fileobj=out, mode="w|") as tar:
         for name in sorted(os.listdir(folder)):
             path = os.path.join(folder, name)

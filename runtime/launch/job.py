@@ -8,9 +8,14 @@ comes through two FIFOs in the status folder, and from ranks on other hosts thro
 mpiexec's stdout and stderr, marked (see :mod:`distgraph.runtime.launch.supervisor`).
 
 Stopping sends mpiexec SIGTERM, which it passes to every rank; whatever is still alive
-after ``GRACE`` seconds, mpiexec, what it started here (ssh clients, local proxies) and
-every process a supervisor here recorded, gets SIGKILL. (What is left on other hosts is
-the launcher's to clean: :func:`distgraph.runtime.launch.remote.collect`.)
+after ``GRACE`` seconds, mpiexec and every process here carrying the job's marker in its
+environment (hydra's proxies and ssh clients, the supervisors, the ranks and what they
+started), gets SIGKILL; so does whatever is left of the job when mpiexec ends by itself.
+Then the files MPI made for the job that its end left
+here (shared memory in /dev/shm, hydra's topology file in /tmp:
+:mod:`~distgraph.runtime.launch.hostside`) are removed: those the ranks listed and those
+the processes killed held. (What is left on other hosts is the launcher's to clean:
+:func:`distgraph.runtime.launch.remote.collect`.)
 
 Example::
 
@@ -28,7 +33,12 @@ import subprocess
 import sys
 import time
 
-from distgraph.runtime.launch.hostside import job_pids
+from distgraph.runtime.launch.hostside import (
+    held_by,
+    marked_pids,
+    recorded_files,
+    remove_files,
+)
 from distgraph.runtime.launch.status import STATUS_DIR
 from distgraph.runtime.launch.supervisor import MARK
 
@@ -58,6 +68,7 @@ class Job:
         self._fifos: dict = {}
         self._mpiexec: dict = {}
         self._log = -1
+        self._held: set = set()      # files of JOB_FILES the job's processes held
 
     # ---- start ----------------------------------------------------------------------
     def start(self) -> None:
@@ -116,6 +127,7 @@ class Job:
         finally:
             self._kill_leftovers()
             self._close()
+            remove_files(self._held | recorded_files(self.status_dir))
         if self.stopped_by is not None:
             return 128 + self.stopped_by
         if self.timed_out:
@@ -148,6 +160,7 @@ class Job:
     def stop(self) -> None:
         """SIGTERM to mpiexec (which passes it to every rank); SIGKILL to whatever of the
         job is still alive after GRACE seconds."""
+        self._note_held(marked_pids(self.marker))    # what a rank killed now leaves
         if self._proc.poll() is None:
             self._proc.send_signal(signal.SIGTERM)
         end = time.monotonic() + GRACE
@@ -158,10 +171,6 @@ class Job:
         self._proc.wait()
 
     def _kill_everything(self) -> None:
-        try:
-            self._proc.kill()
-        except OSError:
-            pass
         self._kill_leftovers()
 
     @property
@@ -170,17 +179,28 @@ class Job:
         return f"{STATUS_DIR}={self.status_dir}"
 
     def _kill_leftovers(self) -> None:
-        """SIGKILL every process of the job here that outlived mpiexec: those it started
-        (its session) and those the supervisors recorded."""
+        """SIGKILL every process of the job here that outlived mpiexec: mpiexec's session
+        and every process carrying the job's marker; the files of JOB_FILES they hold are
+        noted first, to be removed with them."""
+        # hydra puts its proxies and ranks in sessions of their own: they are found by
+        # the job's marker in their environment (so are the processes a rank started)
+        leftovers = marked_pids(self.marker)
+        self._note_held(leftovers)
         try:
             os.killpg(self._proc.pid, signal.SIGKILL)
         except OSError:
             pass
-        for pid in job_pids(self.status_dir, self.marker):
+        for pid in leftovers:
             try:
                 os.kill(pid, signal.SIGKILL)
             except OSError:
                 pass
+
+    def _note_held(self, pids) -> None:
+        """Note the files of JOB_FILES that ``pids`` hold, to be removed after the job
+        (a rank still in MPI's start has not listed its own)."""
+        for pid in pids:
+            self._held |= held_by(pid)
 
     def _close(self) -> None:
         for read_end, (_, keep_open) in self._fifos.items():

@@ -11,9 +11,13 @@ The pieces, each a function of its own:
   kept for reuse unless the caller chose otherwise, the job's status and log folders.
 - :func:`check_launch` validates everything the user gave before anything starts.
 - :class:`~distgraph.runtime.launch.job.Job` runs mpiexec, shows the ranks' output, and stops
-  the job and every rank (:mod:`distgraph.runtime.launch.job`).
+  the job and every rank (:mod:`distgraph.runtime.launch.job`), leaving no file of MPI's
+  behind; :class:`~distgraph.runtime.launch.watch.RankWatch` stops it as soon as a rank's
+  end (or a wait in MPI's start past the ranks' timeout) means it can no longer finish.
 - :func:`stop_on_signals` turns SIGTERM, SIGHUP and SIGINT into stopping the job.
 - :func:`report` reads the status folder and says, one line per cause, why a job failed.
+  A job succeeds only when every rank finished its script: a rank gone without a word
+  fails it, whatever mpiexec's exit code.
 
 On several hosts (a :class:`~distgraph.runtime.launch.hosts.HostAssignment`), hydra starts the
 ranks over its launcher (ssh by default) at exactly the assignment's hosts, after every
@@ -40,7 +44,7 @@ import threading
 from contextlib import ExitStack, contextmanager
 
 from distgraph.callbacks import TERMINAL_VAR, is_terminal
-from distgraph.errors import PlanError
+from distgraph.errors import PlanError, RuntimeFault
 from distgraph.threads import limit_blas_threads
 from distgraph.runtime.launch import remote
 from distgraph.runtime.launch.connections import Masters
@@ -48,13 +52,17 @@ from distgraph.runtime.launch.context import LaunchContext, current
 from distgraph.runtime.launch.hostside import LAUNCHER_FILE
 from distgraph.runtime.launch.hosts import HostAssignment
 from distgraph.runtime.launch.job import Job
+from distgraph.runtime.launch.progress import moment
 from distgraph.runtime.launch.status import (
+    DEFAULT_TIMEOUT,
     LOG_DIR,
     RANK_HOSTS,
     STATUS_DIR,
+    default_timeout,
     failure_lines,
     read_states,
 )
+from distgraph.runtime.launch.watch import RankWatch
 
 # glibc hands a freed block of 128 KiB or more back to the OS, and a training step that
 # frees each gradient after its update then page-faults the same megabytes back in on
@@ -211,17 +219,29 @@ def launch(nprocs: int, argv: list[str], cluster: str | None = None,
                 ranks.update(launcher.hydra_env(ranks))
                 open(os.path.join(status, LAUNCHER_FILE), "w").close()
             job = Job(command, ranks, status, log_dir)
+            # MPI's start is bounded by the ranks' timeout where every rank's status is
+            # here to say who did not come (over several hosts, hydra's ssh start may be
+            # slow and the ranks elsewhere unseen)
+            ranks_watch = RankWatch(status, nprocs,
+                                    _comm_timeout(ranks) if assignment is None else None)
+
+            def watching():
+                return (watch() if watch is not None else None) or ranks_watch()
+
             with stop_on_signals(job):
                 job.start()
                 if on_start is not None:
                     on_start(job)
-                returncode = job.wait(timeout, watch)
+                returncode = job.wait(timeout, watching)
                 problems = []
                 if assignment is not None:
                     problems = remote.collect(launcher, assignment.distinct_hosts, status,
                                               job.marker, masters)
                     remote.move_logs(status, log_dir)
-            lines = report(job, nprocs, returncode, timeout, assignment) + problems
+            lines = report(job, nprocs, returncode, timeout, assignment, ranks_watch.reason)
+            if lines and returncode == 0:    # mpiexec said 0, but a rank did not finish
+                returncode = 1
+            lines += problems
     for line in lines:
         sys.stderr.write(f"distgraph: {line}\n")
     sys.stderr.flush()
@@ -230,9 +250,20 @@ def launch(nprocs: int, argv: list[str], cluster: str | None = None,
     return returncode
 
 
+def _comm_timeout(env: dict) -> float:
+    """The ranks' communication timeout (a value they refuse counts as the default:
+    they say so themselves)."""
+    try:
+        return default_timeout(env)
+    except RuntimeFault:
+        return DEFAULT_TIMEOUT
+
+
 def report(job: Job, nprocs: int, returncode: int, timeout: float | None,
-           assignment: HostAssignment | None = None) -> list[str]:
-    """The lines the terminal gets about how the job ended (none when it succeeded)."""
+           assignment: HostAssignment | None = None, stopped: str | None = None) -> list[str]:
+    """The lines the terminal gets about how the job ended (none when it succeeded:
+    mpiexec exited with 0 and every rank finished its script). ``stopped``: why the
+    launcher's :class:`RankWatch` stopped the job, if it did."""
     logs = f"each rank's full output is in {job.log_dir}{os.sep}rank-<r>.log"
     ranks = f"its {nprocs} ranks"
     if assignment is not None:
@@ -244,13 +275,23 @@ def report(job: Job, nprocs: int, returncode: int, timeout: float | None,
     if job.timed_out:
         return [f"the job did not finish within {timeout:g} s: stopped mpiexec and "
                 + f"{ranks} ({logs})"]
-    if job.stopped_because is not None:
+    if job.stopped_because is not None and stopped is None:
         return [f"{job.stopped_because}: stopped mpiexec and {ranks} ({logs})"]
-    if returncode == 0:
+    states = read_states(job.status_dir, nprocs)
+    unfinished = [s.rank for s in states if not s.done]
+    if returncode == 0 and not unfinished:
         return []
-    lines = failure_lines(read_states(job.status_dir, nprocs), hosts=assignment is not None)
-    if not lines:
+    moments = {s.rank: moment(job.status_dir, s.rank) for s in states if s.silent}
+    lines = failure_lines(states, hosts=assignment is not None, moments=moments)
+    if stopped is not None:
+        return (lines or [stopped]) + [f"stopped mpiexec and {ranks}; the job failed; {logs}"]
+    if not lines and returncode != 0:
         said = job.mpiexec_output_tail()
         said = f"; mpiexec said: {said}" if said else ""
         lines = [f"mpiexec exited with code {returncode} and no rank reported an error{said}"]
-    return lines + [f"the job failed (mpiexec exit code {returncode}); {logs}"]
+    if not lines:
+        who = f"rank{'s' if len(unfinished) > 1 else ''} {', '.join(map(str, unfinished))}"
+        lines = [f"{who} ended without finishing the script or reporting an error"]
+    code = f"mpiexec exit code {returncode}" + (", but not every rank finished its script"
+                                                 if returncode == 0 else "")
+    return lines + [f"the job failed ({code}); {logs}"]

@@ -143,12 +143,12 @@ class Progress(NullProgress):
 
     @contextmanager
     def phase(self, name: str):
-        """Name the collective API call this rank is in (``Engine.state_dict()``)."""
+        """Name the collective API call this rank is in (``Engine.state_dict()``). Left
+        by an exception (``sys.exit`` in a callback included), the call stays on record:
+        it is where the rank was when it failed or ended, which its peers then say."""
         _put_text(self._mm, _PHASE_AT, _PHASE_LEN, name)
-        try:
-            yield
-        finally:
-            _put_text(self._mm, _PHASE_AT, _PHASE_LEN, "")
+        yield
+        _put_text(self._mm, _PHASE_AT, _PHASE_LEN, "")
 
 
 # ---- reading ------------------------------------------------------------------------------
@@ -197,17 +197,17 @@ def read_where(folder: str, rank: int) -> Where:
     failed = read_status(folder, rank, "failed")
     if failed is not None:       # (its error is reported on its own)
         return Where(rank, "failed", -1, "has failed", "", 0.0)
-    if read_status(folder, rank, "done") is not None:
-        return Where(rank, "finished", -1, "has finished its script", "", 0.0)
+    done = read_status(folder, rank, "done")
     ended = read_status(folder, rank, "exit")
-    if ended is not None:
-        return Where(rank, "ended", -1, f"has ended ({ended})", "", 0.0)
-    try:
-        with open(os.path.join(folder, f"{rank}.progress"), "rb") as f:
-            raw = f.read(SIZE)
-    except OSError:
-        raw = b""
-    if len(raw) < SIZE:
+    raw = _record(folder, rank)
+    if done is not None or ended is not None:     # phase: the call it was in at its end
+        phase = "" if raw is None else _get_text(raw[_PHASE_AT:_PHASE_AT + _PHASE_LEN])
+        if done is not None:
+            how = f"ended its script with {done}" if done else "has finished its script"
+            return Where(rank, "finished", -1, f"{how} {moment(folder, rank)}", phase, 0.0)
+        return Where(rank, "ended", -1, f"has ended ({ended}) {moment(folder, rank)}", phase,
+                     0.0)
+    if raw is None:
         return Where(rank, "not started", -1, "has not started communicating", "", 0.0)
     state, step, index, table, _ = struct.unpack_from(f"<{_INTS}q", raw)
     phase = _get_text(raw[_PHASE_AT:_PHASE_AT + _PHASE_LEN])
@@ -219,17 +219,43 @@ def read_where(folder: str, rank: int) -> Where:
     return Where(rank, "computing", step if state == STEP else -1, at, phase, 0.0)
 
 
-def last_step(folder: str, rank: int) -> int:
-    """The last training step ``rank`` began (its record keeps it between steps); -1
-    before its first step or without a record."""
+def _record(folder: str, rank: int) -> bytes | None:
+    """``rank``'s progress record as bytes; None before it has one."""
     try:
         with open(os.path.join(folder, f"{rank}.progress"), "rb") as f:
             raw = f.read(SIZE)
     except OSError:
-        return -1
-    if len(raw) < SIZE:
-        return -1
-    return struct.unpack_from("<2q", raw)[1]       # -1 until the first step begins
+        return None
+    return raw if len(raw) == SIZE else None
+
+
+def moment(folder: str, rank: int) -> str:
+    """When in the job ``rank`` is, or was when it ended, from its record:
+    ``before its first collective``, ``in step 3``, ``after step 8``, ``while waiting for
+    ...``, followed by the collective API call it is in (``, in Engine.fit()``)."""
+    raw = _record(folder, rank)
+    if raw is None:
+        return "before its first collective"
+    state, step, _, _, waits = struct.unpack_from(f"<{_INTS}q", raw)
+    phase = _get_text(raw[_PHASE_AT:_PHASE_AT + _PHASE_LEN])
+    if state == WAITING:
+        place = f"while waiting for {_get_text(raw[_TEXT_AT:])}"
+    elif state == STEP:
+        place = f"in step {step}"
+    elif step >= 0:
+        place = f"after step {step}"
+    elif waits == 0:
+        place = "before its first collective"
+    else:
+        place = "before its first training step"
+    return f"{place}, in {phase}" if phase else place
+
+
+def last_step(folder: str, rank: int) -> int:
+    """The last training step ``rank`` began (its record keeps it between steps); -1
+    before its first step or without a record."""
+    raw = _record(folder, rank)
+    return -1 if raw is None else struct.unpack_from("<2q", raw)[1]
 
 
 def rank_hosts(env=None) -> tuple[str, ...] | None:

@@ -6,10 +6,18 @@ each named after the rank (``PMI_RANK``):
 
 - ``<rank>.pids``     the supervisor's and the rank's process ids, written at start;
 - ``<rank>.host``     the name of the host the rank runs on (by its supervisor);
-- ``<rank>.failed``   the one-line error of an uncaught exception (by the rank);
-- ``<rank>.done``     the script returned (by the rank);
-- ``<rank>.exit``     how the rank ended when it neither failed nor finished (by its
-  supervisor: killed by a signal, ``os._exit``, a crash);
+- ``<rank>.mpi``      ``starting`` while the rank waits in MPI's start for its peers,
+  ``running`` once MPI runs (by the rank's bootstrap, before the script);
+- ``<rank>.files``    the files MPI made for the job that outlive a rank killed before
+  ``MPI_Finalize`` (its shared-memory segments, its proxy's topology file), one per
+  line, for the launcher to remove (see :mod:`distgraph.runtime.launch.hostside`);
+- ``<rank>.failed``   the one-line error of an uncaught exception, or of ``sys.exit``
+  with a non-zero code (by the rank);
+- ``<rank>.done``     the script ended well: it returned (empty), or how it ended
+  early (``sys.exit(0)``) (by the rank);
+- ``<rank>.exit``     how the rank's process ended (by its supervisor: ``exited with
+  code 0``, ``killed by signal 9``); alone, without ``done`` or ``failed``, the rank
+  ended without a word (killed, crashed, ``os._exit``);
 - ``<rank>.progress`` where the rank is (see :mod:`distgraph.runtime.launch.progress`).
 
 On a job over several hosts each host keeps its ranks' files in a folder of its own at
@@ -28,10 +36,29 @@ import os
 import re
 from dataclasses import dataclass
 
+from distgraph.errors import RuntimeFault
+
 STATUS_DIR = "DISTGRAPH_STATUS_DIR"
 LOG_DIR = "DISTGRAPH_LOG_DIR"
 CLUSTER_VAR = "DISTGRAPH_CLUSTER"     # the resource file of ``distgraph run --cluster``
 RANK_HOSTS = "DISTGRAPH_RANK_HOSTS"   # over several hosts: each rank's host, comma-separated
+TIMEOUT_VAR = "DISTGRAPH_COMM_TIMEOUT"
+DEFAULT_TIMEOUT = 60.0
+
+
+def default_timeout(env=None) -> float:
+    """Seconds a rank may wait for its peers (a receive, a collective, MPI's start):
+    $DISTGRAPH_COMM_TIMEOUT of ``env`` (default: this process's), else 60."""
+    raw = (os.environ if env is None else env).get(TIMEOUT_VAR)
+    if raw is None:
+        return DEFAULT_TIMEOUT
+    try:
+        value = float(raw)
+    except ValueError:
+        raise RuntimeFault(f"{TIMEOUT_VAR}={raw!r} is not a number of seconds") from None
+    if value <= 0:
+        raise RuntimeFault(f"{TIMEOUT_VAR}={raw!r} must be positive")
+    return value
 
 
 def env_rank() -> str:
@@ -93,6 +120,12 @@ class RankState:
     exit: str | None
     pids: tuple
     host: str | None = None
+    mpi: str | None = None          # ``starting``, ``running``; None: MPI not begun
+
+    @property
+    def silent(self) -> bool:
+        """The rank's process ended without finishing its script or saying why."""
+        return self.exit is not None and self.failed is None and not self.done
 
 
 def read_states(folder: str, nprocs: int) -> list[RankState]:
@@ -103,7 +136,8 @@ def read_states(folder: str, nprocs: int) -> list[RankState]:
                                 read_status(folder, rank, "done") is not None,
                                 read_status(folder, rank, "exit"),
                                 tuple(int(p) for p in pids.split() if p.isdigit()),
-                                read_status(folder, rank, "host")))
+                                read_status(folder, rank, "host"),
+                                read_status(folder, rank, "mpi")))
     return states
 
 
@@ -124,11 +158,14 @@ def _cause(state: RankState) -> str:
     return f"{kind}{sep}{text[own.end():]}" if sep and own else state.failed
 
 
-def failure_lines(states: list[RankState], hosts: bool = False) -> list[str]:
+def failure_lines(states: list[RankState], hosts: bool = False,
+                  moments: dict | None = None) -> list[str]:
     """One line per distinct cause: the ranks that failed with the same error together
     (an error that names the rank raising it counts as the same for every rank; a lone
-    rank's keeps its words), then each rank that died without a word; each rank named
-    with its host when ``hosts`` (a job over several hosts)."""
+    rank's keeps its words), then each rank that died without a word, with where it was
+    when ``moments`` (rank -> ``in step 3``, see
+    :func:`~distgraph.runtime.launch.progress.moment`) has it; each rank named with its
+    host when ``hosts`` (a job over several hosts)."""
     by_error: dict[str, list[RankState]] = {}
     for s in states:
         if s.failed is not None:
@@ -138,7 +175,9 @@ def failure_lines(states: list[RankState], hosts: bool = False) -> list[str]:
              + (error if len(ranks) > 1 else ranks[0].failed).rstrip("\n").replace("\n", "\n  ")
              for error, ranks in by_error.items()]
     for s in states:
-        if s.failed is None and s.exit is not None:
-            lines.append(f"{_ranks([s], hosts)} died without reporting an error ({s.exit}); "
-                         "the other ranks were stopped after it")
+        if s.silent:
+            where = (moments or {}).get(s.rank)
+            lines.append(f"{_ranks([s], hosts)} died without reporting an error ({s.exit}"
+                         f"{' ' + where if where else ''}); the other ranks were stopped "
+                         "after it")
     return lines

@@ -3,8 +3,10 @@
 It records the rank's process ids and host, copies everything the rank prints into the
 rank's log file (``<log dir>/rank-<r>.log``, whose first line names the rank's host) and
 on to the launcher's terminal, forwards termination signals to the rank, and when the
-rank ends without having finished or reported an error (killed, crashed, ``os._exit``)
-writes ``<rank>.exit`` saying how. It then ends the way its rank did, which is what
+rank's process ends writes ``<rank>.exit`` saying how (``exited with code 0``, ``killed
+by signal 9``): the launcher's watch (:mod:`distgraph.runtime.launch.watch`) reads it,
+and without ``<rank>.done`` or ``<rank>.failed`` beside it the rank ended without a word
+(killed, crashed, ``os._exit``). It then ends the way its rank did, which is what
 mpiexec sees.
 
 On the launching host the output reaches the terminal through the FIFOs ``out.fifo`` /
@@ -104,8 +106,7 @@ def supervise_this_rank() -> None:
     else:
         code = os.WEXITSTATUS(status)
         how = f"exited with code {code}"
-    if not os.path.exists(os.path.join(folder, f"{env_rank()}.done")):
-        write_status("exit", how, folder)
+    write_status("exit", how, folder)
     os._exit(code)
 
 

@@ -97,6 +97,7 @@ from distgraph.passes.cost.held import action_holds, kernels_keep, run_order
 from distgraph.passes.cost.terms import buffers_by_action, held_by_action, in_flight
 from distgraph.passes.cost.prices import (Rings, best_overlap, feed_time, op_comm_time, op_time,
                                           reshard_step_time)
+from distgraph.passes.cost.by_task import TaskSpent
 from distgraph.registry import TensorType, get_op
 from distgraph.resources.cluster import Cluster
 from distgraph.units import fmt_bytes, fmt_ids
@@ -106,7 +107,8 @@ from distgraph.units import fmt_bytes, fmt_ids
 class ProcessEstimate:
     """One process: its device, seconds of compute and communication per step, and
     bytes at its memory peak (``peak_memory`` = parameters + states + gradients +
-    activations live then)."""
+    activations live then); ``tasks``: those seconds by the task that spends them
+    (:class:`~distgraph.passes.cost.by_task.TaskSeconds`; none without a task graph)."""
 
     process: int
     device: int
@@ -118,6 +120,7 @@ class ProcessEstimate:
     gradients: int
     activations: int
     saved_activations: int = 0
+    tasks: tuple = ()
 
     @property
     def busy(self) -> float:
@@ -262,9 +265,10 @@ def price_process(plan, pid: int, cluster, share: Share = Share(), rings=None) -
     fetch = [plan.built.loss_name] if plan.built.loss_name else []
     device = rings.device(pid)
     scale = _Scale(plan, share, pid)
-    compute, comm, updates = _process_times(plan, pid, device, rings, fetch, scale)
+    compute, comm, updates, tasks = _process_times(plan, pid, device, rings, fetch, scale)
     memory = _peak_memory(plan, pid, stage, scale)
-    return ProcessEstimate(pid, device.global_id, stage, compute, comm, *memory), updates
+    return ProcessEstimate(pid, device.global_id, stage, compute, comm, *memory,
+                           tasks=tasks), updates
 
 
 def _alike(plan, rings: Rings) -> dict:
@@ -353,14 +357,16 @@ def _rows_held(plan, pid: int) -> float:
 
 
 def _process_times(plan, pid, device, rings: Rings, fetch, scale: _Scale):
-    local = plan.local_alike(pid)
+    local, tasks = plan.local_alike(pid), TaskSpent(plan, pid)
     m = scale.micro_batches       # plan.micro_batches > 1: the local program is one micro-batch's
 
     def times(role: str) -> int:
         return 1 if role == Role.OPTIMIZE else m
 
     # each process copies in its part of every feed, once per micro-batch
-    compute = m * sum(feed_time(scale.nbytes(v), device) for v in local.program.inputs)
+    feeds = sum(feed_time(scale.nbytes(v), device) for v in local.program.inputs)
+    compute = m * feeds
+    tasks.add(tasks.first_forward, compute, 0.0)
     updates = comm = 0.0
     overlapped = set()
     for index, op in enumerate(local.program.ops):
@@ -373,19 +379,25 @@ def _process_times(plan, pid, device, rings: Rings, fetch, scale: _Scale):
                                            lambda dim: rings.along(mesh, pid, dim))
             compute += work * times(op.role)
             comm += hidden * times(op.role)
+            tasks.add(tasks.of_op(index), work * times(op.role), hidden * times(op.role))
             overlapped.add(index)
             continue
         t = op_time(op.type, ins, [scale.tensor(v) for v in op.outputs], op.attrs, device)
         compute += t * times(op.role)
+        tasks.add(tasks.of_op(index), t * times(op.role), 0.0)
         if op.role == Role.OPTIMIZE:
             updates += t
     roles = [op.role for op in plan.program.ops]
     step_time = _StepTimes(pid, rings)
-    comm += sum(times(roles[p.anchor]) * step_time(s, scale.of_step(p, s))
-                for p in local.points() for s in p.steps)
+    for p in local.points():
+        seconds = times(roles[p.anchor]) * sum(step_time(s, scale.of_step(p, s)) for s in p.steps)
+        comm += seconds
+        tasks.add(tasks.of_point(p.seq), 0.0, seconds)
     if plan.distributed:
-        comm += sum(step_time(s, scale.of_step(p, s))
-                    for p in _fetch_points(plan, fetch, pid) for s in p.steps)
+        seconds = sum(step_time(s, scale.of_step(p, s))
+                      for p in _fetch_points(plan, fetch, pid) for s in p.steps)
+        comm += seconds
+        tasks.add(tasks.update, 0.0, seconds)
     ops = local.program.ops
     for index, collectives in local.op_comm.items():
         if index in overlapped:
@@ -393,8 +405,10 @@ def _process_times(plan, pid, device, rings: Rings, fetch, scale: _Scale):
         op = ops[index]
         ring = rings.of_op(op.dist_attr.mesh, pid, local.op_context.get(index))
         rows = scale.rows if any(scale.axis(v.name) is not None for v in op.inputs) else 1.0
-        comm += times(op.role) * op_comm_time(collectives, ring, device, rows)
-    return compute, comm, updates
+        seconds = times(op.role) * op_comm_time(collectives, ring, device, rows)
+        comm += seconds
+        tasks.add(tasks.of_op(index), 0.0, seconds)
+    return compute, comm, updates, tasks.seconds()
 
 
 class _StepTimes:

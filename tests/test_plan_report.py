@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import subprocess
 import sys
 
 import pytest
@@ -36,7 +37,9 @@ from distgraph.plan.report import report_data  # noqa: E402
 
 import browser  # noqa: E402
 import test_explain as E  # noqa: E402
+from user_scripts import run_command, write_script  # noqa: E402
 
+ROOT = os.path.join(HERE, "..")
 
 needs_browser = pytest.mark.skipif(
     browser.CHROMIUM is None, reason="no chromium on PATH: the test command installs it as "
@@ -236,3 +239,74 @@ def test_an_unwritable_page_is_one_error(pipeline, tmp_path):
     with pytest.raises(dg.DistGraphError, match="cannot write the plan's report to"):
         plan.report(tmp_path / "no-such-folder" / "plan.html")
 
+
+# ---- the commands -------------------------------------------------------------------------------
+
+@needs_browser
+def test_distgraph_plan_writes_the_page_of_the_estimate_it_prints(tmp_path):
+    """``distgraph plan SCRIPT -n 4 --report PAGE``: the page shows the estimate the
+    command reports (priced on this machine as 4 processes), and loads clean."""
+    page = tmp_path / "plan.html"
+    proc = subprocess.run([sys.executable, "-m", "distgraph.cli", "plan",
+                           os.path.join(ROOT, "tutorials", "04_pipeline.py"), "-n", "4",
+                           "--json", "--report", str(page)],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    assert data["page"]["path"] == str(page) and data["page"]["bytes"] == page.stat().st_size
+    loaded = browser.dump_dom(page)
+    assert loaded.console == [] and loaded.body.get("data-rendered") == "1"
+    check_figure(loaded.figures, "step_time", data["estimate"]["step_time"], digits=4)
+    busiest = max(data["estimate"]["processes"],
+                  key=lambda p: p["compute"] + p["communication"])
+    check_figure(loaded.figures, "compute", busiest["compute"], digits=4)
+
+
+RUN_SCRIPT = """
+    import os
+    import sys
+    import distgraph as dg
+    sys.path.insert(0, {tests!r})
+    import plans as P
+
+    page = {page!r}
+
+    class PageFirst(dg.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            if self.engine.rank == 0:
+                print(f"page before training: {{os.path.exists(page)}}", flush=True)
+
+    model = P.build_model("mlp4")
+    P.PIPELINE_PLANS["mlp4", "layered", 2].annotate(model)
+    engine = dg.Engine(model, P.loss_fn("mlp4"), dg.optim.SGD(0.1),
+                       strategy=dg.Strategy(micro_batches=4, profile=True))
+    engine.fit(P.Dataset("mlp4"), batch_size=P.BATCH, callbacks=[PageFirst()], verbose=0)
+"""
+
+
+@needs_browser
+@pytest.mark.mpi
+def test_distgraph_run_writes_the_page_before_training_and_what_it_measured(tmp_path):
+    """``distgraph run -n 2 --report PAGE`` on a two-stage pipeline: rank 0 writes the page
+    before the first step, and again after the fit (``Strategy(profile=True)``) with the
+    run's timeline: a lane per rank of its last step, beside the prediction."""
+    page = tmp_path / "run.html"
+    script = write_script(tmp_path, RUN_SCRIPT.format(tests=HERE, page=str(page)))
+    rc, out = run_command([sys.executable, "-m", "distgraph.cli", "run", "-n", "2",
+                           "--report", str(page), str(script)], timeout=300)
+    assert rc == 0, out
+    assert "page before training: True" in out
+    loaded = browser.dump_dom(page)
+    assert loaded.console == [] and loaded.body.get("data-rendered") == "1"
+    assert {"predicted_step", "replayed_step", "measured_step"} <= set(loaded.figures)
+    assert 0 < float(loaded.figures["measured_step"][0]) < 60
+
+
+
+def test_distgraph_run_refuses_a_page_it_cannot_write_before_any_rank_starts(tmp_path):
+    script = write_script(tmp_path, "raise SystemExit('started: the page was not checked')")
+    rc, out = run_command([sys.executable, "-m", "distgraph.cli", "run", "-n", "2",
+                           "--report", str(tmp_path / "missing" / "run.html"), str(script)])
+    assert rc == 2 and "started" not in out
+    assert f"--report {tmp_path / 'missing' / 'run.html'}: {tmp_path / 'missing'} is not a " \
+           "folder this user can write" in out

@@ -73,8 +73,8 @@ class Engine:
     ``check_finite``, ``memory_check`` and ``seed``, kept). Evaluation and prediction
     programs, which the file does not hold, are planned under that Strategy.
 
-    ``ensure``, ``planned_key``, ``world``, ``warn``, ``plan_request`` and
-    ``launch_cluster`` are what its loops (:class:`~distgraph.app.loops.Loops`, made with
+    ``ensure``, ``planned_key``, ``world``, ``warn``, ``plan_request``, ``page_request``
+    and ``launch_cluster`` are what its loops (:class:`~distgraph.app.loops.Loops`, made with
     the plan cache and the held state) ask of the Engine: public to the package, not
     needed by a training script.
     """
@@ -231,6 +231,12 @@ class Engine:
         """What ``distgraph plan`` asked of this script (a
         :class:`~distgraph.runtime.launch.context.PlanRequest`), or None outside it."""
         return self._launch.plan
+
+    @property
+    def page_request(self):
+        """Where ``distgraph run --report PAGE`` asked rank 0 to write the training plan's
+        page, or None."""
+        return self._launch.report
 
     def world(self):
         """The job's communicator: the one given, else MPI's world (this script runs under

@@ -171,6 +171,29 @@ def test_a_1024_process_plan_is_drawn_grouped(tmp_path):
     check_figure(loaded.figures, "step_time", est.step_time, digits=4)
 
 
+@needs_browser
+def test_the_savers_chosen_and_every_alternative_priced(tmp_path):
+    """A searched plan that left ZeRO and sequence parallelism to the search: each saver's
+    table shows the value chosen and every other value with the peak and step time the
+    search priced (``Plan.savers``)."""
+    from test_searched_savers import _gpt, cluster_of, planned
+
+    plan = planned(_gpt(2), cluster_of(4, 1e12))
+    assert {c.option for c in plan.savers} >= {"sharding", "sequence_parallel"}
+    path = tmp_path / "savers.html"
+    plan.report(path)
+    loaded = browser.dump_dom(path)
+    assert loaded.console == []
+    for c in plan.savers:
+        rows = [(c.peak, c.seconds)] + [(peak, seconds) for _, peak, seconds in c.others]
+        for j, (peak, seconds) in enumerate(rows):
+            if peak is not None:
+                check_figure(loaded.figures, f"saver:{c.option}:{j}:peak", peak)
+            if seconds is not None:
+                check_figure(loaded.figures, f"saver:{c.option}:{j}:seconds", seconds, 4)
+        assert c.lines()[0] in loaded.html
+
+
 # ---- the predicted timeline -------------------------------------------------------------------
 
 @pytest.mark.parametrize("schedule", SCHEDULES)

@@ -433,10 +433,12 @@ function savers(root, data) {
   for (const c of data.savers) {
     const rows = [[c.value, c.peak, c.seconds, true], ...c.others.map(o =>
       [o.value, o.peak, o.seconds, false])];
-    const body = rows.map(([value, peak, seconds, chosen]) => el("tr",
+    const body = rows.map(([value, peak, seconds, chosen], j) => el("tr",
       {"class": chosen ? "chosen" : ""}, [el("td", {}, JSON.stringify(value)),
-      el("td", {"class": "num"}, peak === null ? "" : fmtBytes(peak)),
-      el("td", {"class": "num"}, seconds === null ? "does not fit" : fmtTime(seconds)),
+      el("td", {"class": "num"}, peak === null ? "" :
+         fig(`saver:${c.option}:${j}:peak`, peak, fmtBytes)),
+      el("td", {"class": "num"}, seconds === null ? "does not fit" :
+         fig(`saver:${c.option}:${j}:seconds`, seconds, fmtTime)),
       el("td", {}, chosen ? "chosen" : "")]));
     root.append(el("p", {}, c.lines[0]));
     root.append(el("table", {}, [el("tr", {}, [c.option, "peak", "step", ""].map(h =>

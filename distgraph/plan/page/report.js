@@ -206,7 +206,8 @@ function clusterGraph(c, status) {
   const height = switchRow + Math.ceil(n / cols) * (boxH + 24) + 16;
   const root = svg("svg", {width: WIDTH, height, viewBox: `0 0 ${WIDTH} ${height}`});
   const at = {};          // node id -> [x, y]
-  const links = svg("g", {}), boxes = svg("g", {});
+  // machines under the links under the nodes: a link inside a machine shows on its box
+  const frames = svg("g", {}), links = svg("g", {}), boxes = svg("g", {});
   c.switches.forEach((id, k) => {
     at[id] = [(k + 1) * WIDTH / (c.switches.length + 1), 30];
     boxes.append(svg("circle", {cx: at[id][0], cy: 30, r: 10, fill: "#fff", stroke: "#555"}));
@@ -214,10 +215,10 @@ function clusterGraph(c, status) {
   });
   c.machines.forEach((m, i) => {
     const x0 = 10 + (i % cols) * (boxW + 24), y0 = switchRow + 10 + Math.floor(i / cols) * (boxH + 24);
-    boxes.append(svg("rect", {x: x0, y: y0, width: boxW, height: boxH, rx: 6, fill: "#f3f5f8",
-                              stroke: "#9aa3b5"}));
-    boxes.append(svg("text", {x: x0 + 8, y: y0 + 15}, `${m.host} (machine ${m.id})`));
-    boxes.append(svg("text", {x: x0 + 8, y: y0 + boxH - 6, "class": "small muted"},
+    frames.append(svg("rect", {x: x0, y: y0, width: boxW, height: boxH, rx: 6, fill: "#f3f5f8",
+                               stroke: "#9aa3b5"}));
+    frames.append(svg("text", {x: x0 + 8, y: y0 + 15}, `${m.host} (machine ${m.id})`));
+    frames.append(svg("text", {x: x0 + 8, y: y0 + boxH - 6, "class": "small muted"},
                      `${m.models.join(", ")}, ${m.memory.map(g => g + " GB").join(", ")}`));
     m.devices.forEach((id, k) => {
       const x = x0 + 10 + (k % across) * (cell + 6), y = y0 + 22 + Math.floor(k / across) * (cell + 6);
@@ -243,12 +244,13 @@ function clusterGraph(c, status) {
     if (!at[a] || !at[b]) continue;
     const w = 0.6 + 3.4 * (hi > lo ? (Math.log(bw) - lo) / (hi - lo) : 1);
     const [x1, y1] = at[a], [x2, y2] = at[b];
-    const bend = x1 === x2 || y1 === y2 ? 10 : 0;
-    links.append(svg("path", {d: `M${x1} ${y1}Q${(x1 + x2) / 2 + bend} ${(y1 + y2) / 2 - bend} ${x2} ${y2}`,
+    // devices of one row: an arc under it, deeper for farther pairs, so links stay apart
+    const sag = y1 === y2 ? 0.15 * Math.abs(x2 - x1) : 0;
+    links.append(svg("path", {d: `M${x1} ${y1}Q${(x1 + x2) / 2} ${(y1 + y2) / 2 + sag} ${x2} ${y2}`,
                               fill: "none", stroke: "#2f5d8a", "stroke-opacity": 0.28,
                               "stroke-width": w}));
   }
-  root.append(links, boxes);
+  root.append(frames, links, boxes);
   return root;
 }
 

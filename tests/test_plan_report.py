@@ -146,6 +146,23 @@ def test_the_figures_shown_are_the_estimates(pipeline, page):
 
 
 @needs_browser
+def test_a_plan_without_estimate_or_cluster_says_so(tmp_path):
+    """A serial plan made without a cluster has no estimate: the page loads clean, draws
+    no timeline, memory or cluster, and says how to get them."""
+    plan = dg.passes.plan(E.built_of("mlp"), dg.Strategy(), None)
+    assert plan.estimate is None and plan.cluster is None
+    path = tmp_path / "bare.html"
+    plan.report(path)
+    loaded = browser.dump_dom(path)
+    assert loaded.console == [] and loaded.body.get("data-rendered") == "1"
+    drawn = loaded.html.split('<main id="report">')[1].split("</main>")[0]
+    assert "This plan has no estimate" in drawn
+    assert "step_time" not in loaded.figures and "Pipeline schedule" not in drawn
+    assert "<svg" not in drawn
+    check_figure(loaded.figures, "flops", sum(E.oracle_flops(plan).values()), digits=4)
+
+
+@needs_browser
 def test_a_1024_process_plan_is_drawn_grouped(tmp_path):
     """A 1,024-process Megatron plan on the DGX A100 file: the cluster as a grid of its
     128 machines (no single link), memory as one bar per group of alike processes; the

@@ -1,7 +1,8 @@
 """distgraph run -n N [--hostfile FILE | --hosts LIST] [--cluster FILE] [--plan PATH] [--dry-run]
-[--report PAGE] [--log-dir DIR] [--elastic [--max-restarts N] [--min-ranks K]] script.py [args]: start N ranks of a script with the mpiexec that pip
-installs, one BLAS thread per rank, on this host or on several (also
-``python -m distgraph.cli run``). Scripts also run under a plain ``mpiexec -n N python script.py``.
+[--report PAGE] [--log-dir DIR] [--elastic [--max-restarts N] [--min-ranks K]] script.py
+[args]: start N ranks of a script with the mpiexec that pip installs, one BLAS thread per
+rank, on this host or on several (also ``python -m distgraph.cli run``). Scripts also run
+under a plain ``mpiexec -n N python script.py``.
 """
 
 from __future__ import annotations

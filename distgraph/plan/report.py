@@ -39,7 +39,6 @@ from __future__ import annotations
 import dataclasses
 import html
 import json
-import math
 import os
 import tempfile
 from importlib import resources
@@ -52,7 +51,6 @@ from distgraph.version import __version__
 
 MEMORY_GROUPS = 48       # bars of alike processes at most; the rest counted
 GRID_MACHINES = 32       # clusters of more machines are drawn as a grid, links as classes
-DIGITS = 6               # significant digits of the figures the page draws with
 
 
 def write_report(plan, path, estimate=None, cluster=None, timeline=None) -> None:
@@ -113,11 +111,6 @@ def report_data(plan, estimate=None, cluster=None, timeline=None) -> dict:
         "describe": facts.cluster.describe() if facts.cluster is not None else None,
         "search": plan.search.summary() if plan.search is not None else None,
     }
-
-
-def _round(x):
-    """``x`` to DIGITS significant digits (the page draws with them; a smaller file)."""
-    return float(f"{x:.{DIGITS}g}") if isinstance(x, float) and math.isfinite(x) else x
 
 
 def _totals(facts) -> dict:

@@ -10,9 +10,10 @@ replayed with those durations (:func:`~distgraph.plan.replay.replay`: an action 
 when its inputs are done and its processes are free), so each lane shows when the
 stage's actions run, how much of each is communication, and where it waits: the
 bubble. Whole-batch sums that belong to no task (each stage's prologue) end before the
-first action of any stage; each stage's update follows its last action. The lanes end at the replayed step, which the page
-shows beside the estimate's step time (the estimate sums the stages' work by a closed
-form, :mod:`distgraph.passes.cost.estimate`; the two agree where the stages are even).
+first action of any stage; each stage's update follows its last action. The lanes end at
+the replayed step, which the page shows beside the estimate's step time (the estimate
+sums the stages' work by a closed form, :mod:`distgraph.passes.cost.estimate`; the two
+agree where the stages are even).
 
 **Measured** (:func:`measured`): the runtime's timeline of a run
 (``engine.timeline()`` with ``Strategy(profile=True)``, or the Chrome trace
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import json
 import math
+
 from distgraph.errors import DistGraphError
 from distgraph.plan.kinds import TaskKind
 from distgraph.plan.protocols import TimelineLike
@@ -112,8 +114,9 @@ def _by_order(plan, pids) -> list:
 
 
 def measured(plan, timeline) -> dict:
-    """The last step of a run's ``timeline`` (a :class:`~distgraph.plan.protocols.TimelineLike`, or the path of its
-    Chrome trace), one lane per rank (module docstring)."""
+    """The last step of a run's ``timeline`` (a
+    :class:`~distgraph.plan.protocols.TimelineLike`, or the path of its Chrome trace), one
+    lane per rank (module docstring)."""
     events = _events(timeline)
     compute = [e for e in events if e["kind"] in MEASURED_KINDS[:4]]
     if not compute:

@@ -13,7 +13,7 @@ const MEMORY_PARTS = [["parameters", "#4c78a8"], ["states", "#72b7b2"],
 const STEP_PARTS = [["compute", "#4c78a8"], ["communication", "#f58518"],
                     ["bubble", "#d5d9e0"]];
 
-// ---- elements ------------------------------------------------------------------------------
+// ---- elements ---------------------------------------------------------------------------
 function el(tag, attrs, children) {
   const node = document.createElement(tag);
   for (const [k, v] of Object.entries(attrs || {})) node.setAttribute(k, v);
@@ -30,7 +30,7 @@ function svg(tag, attrs, text) {
   return node;
 }
 
-// ---- numbers, as distgraph prints them --------------------------------------------------------
+// ---- numbers, as distgraph prints them --------------------------------------------------
 function sig(x, digits) {
   return String(Number(x.toPrecision(digits)));
 }
@@ -88,7 +88,7 @@ function legend(items) {
     el("span", {}, [el("span", {"class": "chip", "style": `background:${color}`}), label])));
 }
 
-// ---- the key figures --------------------------------------------------------------------------
+// ---- the key figures --------------------------------------------------------------------
 function header(root, data) {
   root.append(el("h1", {}, data.title));
   root.append(el("p", {"class": "head"}, data.head));
@@ -122,7 +122,7 @@ function header(root, data) {
   }
 }
 
-// ---- the cluster --------------------------------------------------------------------------------
+// ---- the cluster ------------------------------------------------------------------------
 function cluster(root, data) {
   const c = data.cluster;
   section(root, `Cluster ${c.name ? "'" + c.name + "'" : ""}: ${c.machines.length} machine(s)`,
@@ -214,14 +214,16 @@ function clusterGraph(c, status) {
     boxes.append(svg("text", {x: at[id][0] + 13, y: 34, "class": "small muted"}, `switch ${id}`));
   });
   c.machines.forEach((m, i) => {
-    const x0 = 10 + (i % cols) * (boxW + 24), y0 = switchRow + 10 + Math.floor(i / cols) * (boxH + 24);
+    const x0 = 10 + (i % cols) * (boxW + 24);
+    const y0 = switchRow + 10 + Math.floor(i / cols) * (boxH + 24);
     frames.append(svg("rect", {x: x0, y: y0, width: boxW, height: boxH, rx: 6, fill: "#f3f5f8",
                                stroke: "#9aa3b5"}));
     frames.append(svg("text", {x: x0 + 8, y: y0 + 15}, `${m.host} (machine ${m.id})`));
     frames.append(svg("text", {x: x0 + 8, y: y0 + boxH - 6, "class": "small muted"},
                      `${m.models.join(", ")}, ${m.memory.map(g => g + " GB").join(", ")}`));
     m.devices.forEach((id, k) => {
-      const x = x0 + 10 + (k % across) * (cell + 6), y = y0 + 22 + Math.floor(k / across) * (cell + 6);
+      const x = x0 + 10 + (k % across) * (cell + 6);
+      const y = y0 + 22 + Math.floor(k / across) * (cell + 6);
       at[id] = [x + cell / 2, y + cell / 2];
       const rect = svg("rect", {x, y, width: cell, height: cell, rx: 3,
                                 fill: stageColor(m.stages[k]), stroke: "#4a5160"});
@@ -254,7 +256,7 @@ function clusterGraph(c, status) {
   return root;
 }
 
-// ---- the schedule -------------------------------------------------------------------------------
+// ---- the schedule -----------------------------------------------------------------------
 function axis(root, x0, width, y, end) {
   const ticks = 6;
   for (let k = 0; k <= ticks; k++) {
@@ -343,7 +345,7 @@ function measuredSchedule(root, data) {
                                                                 fmtTime), more + "."]));
 }
 
-// ---- memory and time ------------------------------------------------------------------------------
+// ---- memory and time --------------------------------------------------------------------
 function barChart(rows, top, parts, marks) {
   const left = 300, width = WIDTH - left - 190, row = 24;
   const height = rows.length * row + 12;
@@ -391,8 +393,10 @@ function memory(root, data) {
     g.processes), ...["parameters", "states", "gradients", "activations", "peak", "usable",
     "memory"].map(k => el("td", {"class": "num"}, fig(`memory:${i}:${k}`, g[k], fmtBytes)))]));
   root.append(el("table", {}, [el("tr", {}, cells.map(h => el("th", {}, h))), ...body]));
-  if (mem.hidden) root.append(el("p", {"class": "note"}, `${mem.hidden} more group(s) ` +
-                                 "with smaller peaks are not drawn (explain(full=True) has each)."));
+  if (mem.hidden) {
+    root.append(el("p", {"class": "note"}, `${mem.hidden} more group(s) with smaller ` +
+                   "peaks are not drawn (explain(full=True) has each)."));
+  }
 }
 
 function stepTime(root, data) {
@@ -417,7 +421,7 @@ function stepTime(root, data) {
     "per device", "MFU"].map(h => el("th", {}, h))), ...body]));
 }
 
-// ---- words ----------------------------------------------------------------------------------------
+// ---- words ------------------------------------------------------------------------------
 function stagesTable(root, data) {
   section(root, "Stages", "Where each stage runs, its layout and the layers it holds.");
   const body = data.stages.map(s => el("tr", {}, [el("td", {}, `${s.index}`),
@@ -469,7 +473,7 @@ function texts(root, data) {
   root.append(el("footer", {}, `distgraph ${data.version}`));
 }
 
-// ---- the page ---------------------------------------------------------------------------------------
+// ---- the page ---------------------------------------------------------------------------
 function draw() {
   const started = performance.now();
   const data = JSON.parse(document.getElementById("plan-data").textContent);

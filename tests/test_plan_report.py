@@ -19,6 +19,7 @@ Without chromium (and not root to install it) the browser's tests skip, saying w
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -209,6 +210,10 @@ def test_the_savers_chosen_and_every_alternative_priced(tmp_path):
             if seconds is not None:
                 check_figure(loaded.figures, f"saver:{c.option}:{j}:seconds", seconds, 4)
         assert c.lines()[0] in loaded.html
+    zero = next(c for c in plan.savers if c.option == "sharding")
+    unpriced = dataclasses.replace(zero, others=())      # a choice with nothing else priced
+    notes = report_data(dataclasses.replace(plan, savers=(unpriced,)))["savers"][0]["notes"]
+    assert notes == [unpriced.lines()[1].strip()] and notes[0].startswith("(not planned")
 
 
 # ---- the predicted timeline -------------------------------------------------------------------

@@ -105,7 +105,7 @@ def report_data(plan, estimate=None, cluster=None, timeline=None) -> dict:
         "memory": _memory(facts),
         "predicted": predicted(plan, est) if est is not None else None,
         "measured": measured(plan, timeline) if timeline is not None else None,
-        "savers": [dict(c.to_dict(), lines=c.lines()) for c in plan.savers],
+        "savers": [_saver(c) for c in plan.savers],
         "strategy": _strategy(plan.strategy),
         "cluster": _cluster(facts) if facts.cluster is not None else None,
         "describe": facts.cluster.describe() if facts.cluster is not None else None,
@@ -174,6 +174,14 @@ def _memory(facts) -> dict:
                     "peak": params + states + grads + acts, "memory": memory,
                     "usable": usable})
     return {"groups": out, "hidden": len(groups) - len(out)}
+
+
+def _saver(choice) -> dict:
+    """A saver's choice as data, with its words: the first line, and the notes between it
+    and the alternatives' lines (why none was priced; what each stage got)."""
+    lines = choice.lines()
+    return dict(choice.to_dict(), head=lines[0],
+                notes=[line.strip() for line in lines[1:len(lines) - len(choice.others)]])
 
 
 def _strategy(strategy) -> list:

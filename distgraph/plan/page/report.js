@@ -446,7 +446,8 @@ function savers(root, data) {
       el("td", {"class": "num"}, seconds === null ? "does not fit" :
          fig(`saver:${c.option}:${j}:seconds`, seconds, fmtTime)),
       el("td", {}, chosen ? "chosen" : "")]));
-    root.append(el("p", {}, c.lines[0]));
+    root.append(el("p", {}, c.head));
+    for (const note of c.notes) root.append(el("p", {"class": "note"}, note));
     root.append(el("table", {}, [el("tr", {}, [c.option, "peak", "step", ""].map(h =>
       el("th", {}, h))), ...body]));
   }

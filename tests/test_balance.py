@@ -17,7 +17,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import distgraph as dg  # noqa: E402
 from distgraph.errors import PlanError  # noqa: E402
-from distgraph.passes.cost.estimate import Share, price_process  # noqa: E402
+from distgraph.passes.cost.estimate import price_process  # noqa: E402
+from distgraph.passes.cost.shares import Share  # noqa: E402
 from distgraph.passes.samples import sample_axes  # noqa: E402
 from distgraph.program_builder import build_program  # noqa: E402
 from distgraph.runtime.comm.simulated import SimulatedWorld  # noqa: E402

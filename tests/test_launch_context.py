@@ -42,6 +42,21 @@ def test_what_the_options_leave_out_is_inherited_and_a_plan_request_is_whole():
     assert LaunchContext.inherited({PLAN_OUT: "o.json"}).environ() == {PLAN_OUT: "o.json"}
 
 
+def test_the_pages_asked_for_travel_as_arguments_and_in_the_environment(tmp_path):
+    """``distgraph run --report PAGE`` (the context's ``report``) and ``distgraph plan
+    --report PAGE`` (the request's ``page``) come back whole from the bootstrap's
+    arguments and from the environment a script's children inherit; a request of its
+    own does not inherit another's page."""
+    page, plan_page = str(tmp_path / "run.html"), str(tmp_path / "plan.html")
+    context = LaunchContext(str(LOCAL4), PlanRequest(str(tmp_path / "p.json"), page=plan_page),
+                            report=page)
+    parsed, rest = LaunchContext.parse(context.argv() + ["--", "s.py"])
+    assert parsed == context and rest == ["s.py"]
+    assert LaunchContext.inherited(context.environ()) == context
+    parsed, _ = LaunchContext.parse(["--plan-out", "new.json", "s.py"], context)
+    assert parsed.plan == PlanRequest("new.json") and parsed.report == page
+
+
 def test_an_opened_context_wins_over_the_environment(monkeypatch):
     monkeypatch.setenv(CLUSTER_VAR, str(ROOT / "no-such-file.yaml"))
     assert current().cluster.endswith("no-such-file.yaml")

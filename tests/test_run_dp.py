@@ -465,7 +465,8 @@ def test_interleaved_objective_is_the_replayed_schedules_makespan(S, v, M):
     3, no transfers: alike_stages' objective is the makespan schedule.replay finds for
     interleaved 1F1B (M u + (S - 1) u / v; it was M u + (S - v) u / v, no bubble at
     S = v)."""
-    from distgraph.passes.pipeline.schedule import COST, chain, make_schedule, replay
+    from distgraph.passes.pipeline.schedule import chain, make_schedule
+    from distgraph.plan.replay import COST, replay
     from distgraph.passes.search.stages.interleaved import alike_stages
 
     problem = chain(S, v, M, "1F1B")

@@ -7,12 +7,14 @@ import os
 import sys
 from types import MappingProxyType
 
+import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import distgraph as dg  # noqa: E402
-from distgraph.passes.pipeline.schedule import Problem, chain, make_schedule, replay  # noqa: E402
+from distgraph.passes.pipeline.schedule import chain, make_schedule  # noqa: E402
+from distgraph.plan.replay import Problem, replay  # noqa: E402
 from distgraph.plan.kinds import TaskKind  # noqa: E402
 from distgraph.plan.schedule import Action  # noqa: E402
 
@@ -186,10 +188,11 @@ def test_peers_with_one_order_replay_as_one_process(name):
         replay(late, wide)
 
 
-def _finish_times(orders, problem) -> dict:
-    """Each action's finish on the unit-cost clock, from its definition: it starts when
-    the previous action of every process that holds its chunk and its inputs are done."""
-    from distgraph.passes.pipeline.schedule import COST
+def _finish_times(orders, problem, seconds=None) -> dict:
+    """Each action's finish on the unit-cost clock (or with ``seconds`` per (chunk,
+    kind)), from its definition: it starts when the previous action of every process
+    that holds its chunk and its inputs are done."""
+    from distgraph.plan.replay import COST
 
     before = {}
     for acts in orders.values():
@@ -202,7 +205,8 @@ def _finish_times(orders, problem) -> dict:
                     for c, k in problem.deps.get((a.chunk, a.kind), ())]
             needs = [p for p in prevs if p is not None] + deps
             if a not in finish and all(n in finish for n in needs):
-                finish[a] = max([finish[n] for n in needs], default=0.0) + COST[a.kind]
+                finish[a] = max([finish[n] for n in needs], default=0.0) + (
+                    COST[a.kind] if seconds is None else seconds[a.chunk, a.kind])
     return finish
 
 
@@ -217,3 +221,22 @@ def test_replay_times_every_action_as_its_definition_does(S):
                 timing = replay(orders, problem)
                 assert dict(timing.finish) == _finish_times(orders, problem)
                 assert replay({p: list(a) for p, a in orders.items()}, problem) == timing
+
+
+@pytest.mark.parametrize("name", ["1F1B", "FThenB", "ZB", "ZBV"])
+def test_replay_with_seconds_times_every_action_as_its_definition_does(name):
+    """Each action lasting the seconds given for its (chunk, kind), as a plan's report
+    lays a schedule out: the times are the definition's; with every stage's F taking f
+    and B taking b, 1F1B and FThenB on S stages end at (M + S - 1)(f + b)."""
+    rng = np.random.default_rng(0)
+    S, M = 4, 6
+    problem = chain(S, 1, M, name)
+    seconds = {(c, k): float(rng.uniform(0.5, 3.0))
+               for c in range(problem.chunks) for k in problem.kinds[c]}
+    orders = make_schedule(problem).orders
+    timing = replay(orders, problem, seconds)
+    assert dict(timing.finish) == pytest.approx(_finish_times(orders, problem, seconds))
+    if name in ("1F1B", "FThenB"):
+        even = {(c, k): 0.3 if k == "F" else 0.7 for c, k in seconds}
+        assert replay(orders, problem, even).makespan == pytest.approx((M + S - 1) * 1.0)
+

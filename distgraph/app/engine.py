@@ -77,8 +77,8 @@ class Engine:
     which file it runs and that nothing was searched; ``engine.plan_file`` is its path
     (None: the Engine plans).
 
-    ``ensure``, ``planned_key``, ``world``, ``warn``, ``plan_request`` and
-    ``launch_cluster`` are what its loops (:class:`~distgraph.app.loops.Loops`, made with
+    ``ensure``, ``planned_key``, ``world``, ``warn``, ``plan_request``, ``page_request``
+    and ``launch_cluster`` are what its loops (:class:`~distgraph.app.loops.Loops`, made with
     the plan cache and the held state) ask of the Engine: public to the package, not
     needed by a training script.
     """
@@ -240,6 +240,12 @@ class Engine:
         """What ``distgraph plan`` asked of this script (a
         :class:`~distgraph.runtime.launch.context.PlanRequest`), or None outside it."""
         return self._launch.plan
+
+    @property
+    def page_request(self):
+        """Where ``distgraph run --report PAGE`` asked rank 0 to write the training plan's
+        page, or None."""
+        return self._launch.report
 
     def world(self):
         """The job's communicator: the one given, else MPI's world (this script runs under

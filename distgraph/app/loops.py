@@ -125,12 +125,15 @@ class Loops:
         train = self.plans.plan(Mode.TRAIN)
         backend_for(train.devices, engine.rank if train.distributed else 0)
         self.check_world(train)
+        plan_report.write_run_page(engine, train)        # distgraph run --report
         try:
-            return self._train(loader, n_batches, first_epoch, first_batch, epochs, cbs,
-                               valid_data, drop_last, valid_keys)
+            history = self._train(loader, n_batches, first_epoch, first_batch, epochs, cbs,
+                                  valid_data, drop_last, valid_keys)
         except BaseException:
             cbs.close()          # a progress bar left open prints again at interpreter exit
             raise
+        plan_report.write_run_page(engine, train, measured=True)
+        return history
 
     def _train(self, loader, n_batches, first_epoch, first_batch, epochs, cbs, valid_data,
                drop_last, valid_keys) -> History:

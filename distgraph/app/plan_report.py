@@ -7,6 +7,11 @@ The command's request (where the report goes, where the plan's picture goes when
 (:func:`distgraph.runtime.launch.context.current`: a :class:`PlanRequest`), which the
 Engine reads once, when it is created; once the report is written the Engine raises
 :class:`PlanReported` and the bootstrap that runs the script ends it there.
+
+The plan's page (``Plan.report``: ``distgraph plan --report PAGE``, and ``distgraph run
+--report PAGE``, written by rank 0 before training and, with ``Strategy(profile=True)``,
+again after each fit with what the run measured) shows the same estimate:
+:func:`priced`, :func:`write_page`, :func:`write_run_page`.
 """
 
 from __future__ import annotations
@@ -21,31 +26,39 @@ from distgraph.plan.export import TARGETS
 from distgraph.resources.cluster import Cluster
 from distgraph.runtime.launch.context import PlanReported, PlanRequest
 
-__all__ = ["PlanReported", "PlanRequest", "layer_summary", "report", "write_checked",
-           "write_failure", "write_report"]
+__all__ = ["PlanReported", "PlanRequest", "layer_summary", "priced", "report",
+           "write_checked", "write_failure", "write_page", "write_report", "write_run_page"]
 
 
-def report(plan, cluster=None) -> dict:
-    """The plan as plain data with its estimate (priced on ``cluster``, else the plan's
-    own, else this machine as the plan's processes), the per-layer op summary, and two
-    texts: ``text``, ``plan.explain()`` (the summary ``distgraph plan`` prints), and
-    ``full_text``, ``plan.explain(full=True)`` with the per-layer summary (``--full``);
-    ``export``: :func:`exports`."""
+def priced(plan, cluster=None) -> tuple:
+    """(the estimate, the cluster it was made on, why there is none) of ``plan``: the
+    plan's own (made on its own cluster: None), else one made on ``cluster`` where it
+    holds the plan's processes, else on the plan's cluster, else on this machine as the
+    plan's processes."""
+    if plan.estimate is not None:
+        return plan.estimate, None, None
+    on = cluster if cluster is not None and len(cluster.devices) >= plan.world_size \
+        else plan.cluster or Cluster.local(plan.world_size)
+    try:
+        return estimate(plan, on), on, None
+    except DistGraphError as e:
+        return None, on, str(e)
+
+
+def report(plan, cluster=None, pricing=None) -> dict:
+    """The plan as plain data with its estimate (:func:`priced` on ``cluster``; given:
+    ``pricing``), the per-layer op summary, and two texts: ``text``, ``plan.explain()``
+    (the summary ``distgraph plan`` prints), and ``full_text``, ``plan.explain(full=True)``
+    with the per-layer summary (``--full``); ``export``: :func:`exports`."""
     data = plan.to_dict()
     data["layers"] = layer_summary(plan)
-    est, priced = plan.estimate, None
-    if est is None:
-        priced = cluster if cluster is not None and len(cluster.devices) >= plan.world_size \
-            else plan.cluster or Cluster.local(plan.world_size)
-        try:
-            est = estimate(plan, priced)
-        except DistGraphError as e:
-            data["estimate_error"] = str(e)
-            est = None
-        else:
-            data["estimate"] = est.to_dict()
+    est, priced_on, error = pricing or priced(plan, cluster)
+    if error is not None:
+        data["estimate_error"] = error
+    elif plan.estimate is None:
+        data["estimate"] = est.to_dict()
     data["export"] = exports(plan)
-    data["text"] = plan.explain(estimate=est, cluster=priced)
+    data["text"] = plan.explain(estimate=est, cluster=priced_on)
     data["full_text"] = "\n".join([plan.explain(full=True, estimate=est),
                                    *_summary_lines(data["layers"])])
     return data
@@ -87,12 +100,40 @@ def _summary_lines(layers: dict) -> list:
     return lines
 
 
+def write_page(plan, path, cluster=None, pricing=None, timeline=None) -> None:
+    """Write ``plan``'s page (``Plan.report``) to ``path``, with its estimate as
+    :func:`priced` makes it on ``cluster`` (given: ``pricing``) and a run's
+    ``timeline``."""
+    est, priced_on, _ = pricing or priced(plan, cluster)
+    plan.report(path, estimate=est, cluster=priced_on, timeline=timeline)
+
+
+def write_run_page(engine, plan, measured: bool = False) -> None:
+    """Under ``distgraph run --report PAGE`` (``engine.page_request``), rank 0 writes the
+    training ``plan``'s page there (its estimate as :func:`priced` makes it on the launch
+    cluster); with ``measured``, after a fit under ``Strategy(profile=True)``, again with
+    the run's timeline (gathered from every rank: a collective). A page that cannot be
+    written is a warning: the training goes on."""
+    path = engine.page_request
+    if path is None or (measured and not engine.strategy.profile):
+        return
+    timeline = engine.timeline() if measured else None
+    if engine.rank != 0:
+        return
+    try:
+        write_page(plan, path, engine.launch_cluster(), timeline=timeline)
+    except (DistGraphError, OSError) as e:
+        engine.warn(f"the plan's page was not written to {path}: {e}")
+
+
 def write_report(plan, request: PlanRequest, cluster=None) -> None:
     """Write ``report(plan)`` to ``request.out`` (and the plan's picture to
-    ``request.plot``, its plan file to ``request.save``) unless another process already
-    did (the first complete report wins; readers never see a partial file, and the
-    picture and the plan file are there before the report)."""
-    data = report(plan, cluster)
+    ``request.plot``, its plan file to ``request.save``, its page to ``request.page``)
+    unless another process already did (the first complete report wins; readers never
+    see a partial file, and the picture, the plan file and the page are there before the
+    report)."""
+    pricing = priced(plan, cluster)
+    data = report(plan, cluster, pricing)
     if request.save:
         try:
             plan.save(request.save)
@@ -104,6 +145,12 @@ def write_report(plan, request: PlanRequest, cluster=None) -> None:
             plan.plot(request.plot)
         except DistGraphError as e:
             data["plot_error"] = str(e)
+    if request.page:
+        try:
+            write_page(plan, request.page, cluster, pricing)
+            data["page"] = {"path": request.page, "bytes": os.path.getsize(request.page)}
+        except (DistGraphError, OSError) as e:
+            data["page_error"] = str(e)
     _publish(data, request.out)
 
 

@@ -1,9 +1,10 @@
 """``distgraph plan SCRIPT.py [--cluster FILE] [-n N] [--full] [--json] [--plot PNG] [--save PATH]
-[-- ARGS]``: print the plan a training script's Engine would use, without training.
+[--report PAGE] [-- ARGS]``: print the plan a training script's Engine would use, without
+training.
 
 How: the script runs as it would (``python SCRIPT.py ARGS``, one process), through the
 rank bootstrap with the request as its arguments (``--plan-out PATH``, ``--plan-plot``,
-``--cluster``: :mod:`distgraph.runtime.launch.context`). The first ``Engine.fit`` /
+``--cluster``, ...: :mod:`distgraph.runtime.launch.context`). The first ``Engine.fit`` /
 ``evaluate`` / ``predict`` of any process of the script (a script that launches its ranks
 or its runs as child processes included) plans its first batch, writes the report there
 (:mod:`distgraph.app.plan_report`) and ends that process (``PlanReported``); the command
@@ -17,7 +18,9 @@ layer). ``--json`` prints the plan as JSON
 (``Plan.to_dict()`` with the estimate and the layer summary); ``--plot PNG`` also draws
 the plan (``Plan.plot``); ``--save PATH`` writes its plan file (``Plan.save``: the
 decisions and what they were made for, :mod:`distgraph.plan.file`), which
-``distgraph run -n N --plan PATH SCRIPT`` runs without searching again;
+``distgraph run -n N --plan PATH SCRIPT`` runs without searching again; ``--report PAGE``
+writes the plan's page (``Plan.report``: one self-contained HTML file, with the estimate
+the summary prints);
 ``--export torchtitan|megatron`` prints the plan as that
 framework's configuration instead (``Plan.export``: torchtitan's ParallelismConfig fields
 as JSON, Megatron-LM's arguments on one line; exit 1 saying why where it cannot run the
@@ -55,7 +58,8 @@ from distgraph.errors import DistGraphError
 
 GRACE = 10.0           # seconds a stopped script gets to clean up (emulated clusters do)
 USAGE = ("distgraph plan [-h] [--cluster FILE] [-n N] [--full] [--json] [--plot PNG] "
-         "[--save PATH] [--export torchtitan|megatron] SCRIPT [options above] [ARGS] [-- ARGS]")
+         "[--save PATH] [--report PAGE] [--export torchtitan|megatron] SCRIPT [options above] "
+         "[ARGS] [-- ARGS]")
 DESCRIPTION = """\
 Print the plan a training script's Engine would use, without training: whether it fits
 its devices, per stage its devices, layout, layers and each group of alike processes' peak
@@ -71,6 +75,7 @@ Examples:
   distgraph plan tutorials/02_spmd_gpt.py -n 4
   distgraph plan tutorials/02_spmd_gpt.py -n 4 --full
   distgraph plan tutorials/02_spmd_gpt.py -n 4 --plot plan.png
+  distgraph plan tutorials/02_spmd_gpt.py -n 4 --report plan.html
   distgraph plan tutorials/03_auto_parallel.py -n 4 --save gpt.plan.json
   distgraph plan tutorials/03_auto_parallel.py -n 4 --export megatron -- --target megatron
   distgraph plan tutorials/01_serial_gpt.py -- --steps 10
@@ -88,6 +93,9 @@ def _options(p) -> None:
                    "stages, layers, weight splits, reshards; needs matplotlib")
     p.add_argument("--save", metavar="PATH", help="also write the plan file (Plan.save) that "
                    "`distgraph run --plan PATH` runs without searching again")
+    p.add_argument("--report", metavar="PAGE", help="also write the plan's page (Plan.report):"
+                   " one HTML file a browser opens from disk, with the cluster, the schedule"
+                   " as a timeline, memory and time per stage")
     p.add_argument("--export", choices=("torchtitan", "megatron"),
                    help="print the plan as that framework's configuration instead: "
                         "torchtitan's ParallelismConfig fields (JSON), Megatron-LM's "
@@ -124,7 +132,7 @@ def _split(args):
     after = argparse.ArgumentParser(prog="distgraph plan SCRIPT", allow_abbrev=False)
     _options(after)
     mine, theirs = after.parse_known_args(rest[:cut])
-    for name in ("cluster", "nprocs", "full", "json", "plot", "save", "export"):
+    for name in ("cluster", "nprocs", "full", "json", "plot", "save", "report", "export"):
         if getattr(mine, name):
             setattr(args, name, getattr(mine, name))
     args.args = theirs + rest[cut + 1:]
@@ -155,7 +163,8 @@ def _plan(args) -> int:
             cluster = os.path.join(tmp, f"local{args.nprocs}.yaml")
             Cluster.local(args.nprocs).save(cluster)
         save = os.path.abspath(args.save) if args.save else None
-        context = LaunchContext(cluster, PlanRequest(out, args.plot, save))
+        page = os.path.abspath(args.report) if args.report else None
+        context = LaunchContext(cluster, PlanRequest(out, args.plot, save, page=page))
         data, code, tail = script_report([args.script, *args.args], context, env, tmp)
         if data is None:
             print(f"distgraph plan: {args.script} ended (exit code {code}) "
@@ -196,6 +205,11 @@ def _plan(args) -> int:
         return 1
     if "saved" in data and not args.json:
         print(f"wrote plan file {args.save} ({data['saved']['bytes']:,} bytes)")
+    if "page_error" in data:
+        print(f"distgraph plan: no page: {data['page_error']}", file=sys.stderr)
+        return 1
+    if "page" in data and not args.json:
+        print(f"wrote the plan's page {args.report} ({data['page']['bytes']:,} bytes)")
     if mismatch:
         print(f"distgraph plan: warning: {mismatch}", file=sys.stderr)
     return 0

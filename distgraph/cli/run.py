@@ -1,18 +1,21 @@
 """distgraph run -n N [--hostfile FILE | --hosts LIST] [--cluster FILE] [--plan PATH] [--dry-run]
-[--log-dir DIR] [--elastic [--max-restarts N] [--min-ranks K]] script.py [args]: start N ranks of a script with the mpiexec that pip
-installs, one BLAS thread per rank, on this host or on several (also
-``python -m distgraph.cli run``). Scripts also run under a plain ``mpiexec -n N python script.py``.
+[--report PAGE] [--log-dir DIR] [--elastic [--max-restarts N] [--min-ranks K]] script.py
+[args]: start N ranks of a script with the mpiexec that pip installs, one BLAS thread per
+rank, on this host or on several (also ``python -m distgraph.cli run``). Scripts also run
+under a plain ``mpiexec -n N python script.py``.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import tempfile
 
 from distgraph.errors import DistGraphError
 from distgraph.runtime.launch import slurm
+from distgraph.runtime.launch.context import current, opened
 from distgraph.runtime.launch.hosts import assign_hosts
 from distgraph.runtime.launch.launcher import check_launch, launch
 from distgraph.runtime.launch.remote import is_local
@@ -37,6 +40,10 @@ and consistent), checked to have been made for N processes and, with --cluster, 
 FILE's cluster, and then for the script's program: the script runs once as one process
 until its Engine builds the training program, which is checked against the file (nothing
 is planned) and the script stopped.
+
+With --report PAGE rank 0 writes its training plan's page there (Plan.report: one HTML
+file a browser opens from disk) once the Engine has planned, before the first step; with
+Strategy(profile=True) it writes it again after each fit, with the run's measured timeline.
 
 Several machines: --hostfile FILE (MPICH's host file, one host[:slots] per line) or
 --hosts a:2,b:2 puts the ranks on those hosts, slots filled in order; without either, a
@@ -95,6 +102,9 @@ def _arguments(p) -> None:
     p.add_argument("--plan", metavar="PATH",
                    help="plan file the Engine runs without searching (checked before the "
                         "ranks start)")
+    p.add_argument("--report", metavar="PAGE",
+                   help="rank 0 writes its training plan's page (Plan.report) to PAGE before "
+                        "training")
     p.add_argument("--hostfile", metavar="FILE",
                    help="run the ranks on the hosts of this MPICH host file (host[:slots] "
                         "per line)")
@@ -146,6 +156,19 @@ def script_words(args):
 
 
 def _run(args) -> int:
+    if args.report:        # what the ranks' Engines read (the launch context), in every launch
+        folder = os.path.dirname(os.path.abspath(args.report))
+        if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+            print(f"distgraph run: --report {args.report}: {folder} is not a folder this "
+                  "user can write; give a page path in one", file=sys.stderr)
+            return 2
+        page = os.path.abspath(args.report)
+        with opened(dataclasses.replace(current(), report=page)):
+            return _launched(args)
+    return _launched(args)
+
+
+def _launched(args) -> int:
     try:
         args = script_words(args)
         allocation = slurm.allocation_from_env(os.environ)

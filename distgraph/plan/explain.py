@@ -40,6 +40,7 @@ Example::
 from __future__ import annotations
 
 from collections import Counter
+from functools import cached_property
 
 from distgraph.errors import PlanError
 from distgraph.ir import Role, is_recomputed
@@ -83,20 +84,22 @@ def _counted(plan) -> list:
 def summary(plan, estimate=None, cluster=None) -> str:
     """The summary of ``plan`` (module docstring). ``estimate`` / ``cluster``: those to
     use where the plan has none (else the plan's)."""
-    return "\n".join(_Summary(plan, estimate, cluster).lines())
+    return "\n".join(Summary(plan, estimate, cluster).lines())
 
 
-class _Summary:
+class Summary:
     """What the summary reads once: the estimate per process, each process's device,
-    the model FLOPs per stage, the bytes each process sends."""
+    the model FLOPs per stage, the bytes each process sends (the plan's report
+    (:mod:`.report`) reads the others too)."""
 
     def __init__(self, plan, estimate, cluster):
         self.plan = plan
         self.estimate = estimate if estimate is not None else plan.estimate
         self.cluster = cluster if cluster is not None else plan.cluster
+        # read once: a cluster makes the list of its devices anew when asked
+        self.devices = self.cluster.devices if self.cluster is not None else None
         self.figures = {} if self.estimate is None else \
             {p.process: p for p in self.estimate.processes}
-        self.sent = plan.bytes_sent() if plan.distributed else {}
         counted = _counted(plan)
         self.flops = sum(f for _, f in counted)
         by_dtype = _by_dtype(counted)
@@ -112,6 +115,12 @@ class _Summary:
                 self.stage_flops[s] += f
 
     # -- facts ------------------------------------------------------------------------------
+    @cached_property
+    def sent(self) -> dict:
+        """{process: {kind: bytes}} each process sends per step (counted only when asked:
+        every process's tasks are walked, a minute at 16,384 processes)."""
+        return self.plan.bytes_sent() if self.plan.distributed else {}
+
     def _stage_of_mesh(self, mesh):
         if mesh is None:
             return 0 if len(self.plan.stages) == 1 else None
@@ -120,12 +129,12 @@ class _Summary:
 
     def device(self, pid):
         """The cluster's Device of process ``pid``, or None without a cluster."""
-        if self.cluster is None:
+        if self.devices is None:
             return None
         rank = self.plan.ranks(pid)
-        if rank >= len(self.cluster.devices):
+        if rank >= len(self.devices):
             return None
-        return self.cluster.devices[rank]
+        return self.devices[rank]
 
     def memory(self, pid) -> float:
         """Bytes of memory of ``pid``'s device (0: not known)."""
@@ -199,8 +208,8 @@ class _Summary:
         plan = self.plan
         out = [f"  stage {s}: mesh {list(mesh.shape)} ({', '.join(mesh.dim_names)}), "
                f"{self.where(mesh.process_ids)}"]
-        out += [f"    {line}" for line in _layout(plan, mesh)]
-        out.append(f"    holds {_holdings(plan, mesh)}")
+        out += [f"    {line}" for line in layout(plan, mesh)]
+        out.append(f"    holds {holdings(plan, mesh)}")
         out += self.group_lines([q for g in plan.groups for q in g
                                  if self.stage_of.get(g[0]) == s])
         out.append(f"    {self.throughput(self.stage_flops[s], mesh.process_ids, stage=True)}")
@@ -264,14 +273,21 @@ class _Summary:
         text = f"model FLOPs {_fmt_flops(flops)} per step{share}"
         if self.estimate is None or not self.estimate.step_time:
             return text + "; step time not estimated"
-        per_device = flops / self.estimate.step_time / len(pids)
+        per_device, mfu = self.rates(flops, pids)
         text += f": {_fmt_rate(per_device)} per device"
-        peak = self.peak_flops(pids)
-        if not peak:
+        if mfu is None:
             why = "no cluster" if self.cluster is None else \
                 f"the devices give no GFLOP/s for {self.dtype}"
             return text + f", MFU not known ({why})"
-        return text + f", MFU {flops / self.estimate.step_time / peak:.2%}"
+        return text + f", MFU {mfu:.2%}"
+
+    def rates(self, flops, pids) -> tuple:
+        """(model FLOP/s per device of ``pids`` at the predicted step time, MFU: their
+        share of the devices' peak FLOP/s, None where a device gives none) of ``flops``
+        per step; needs an estimated step time."""
+        per_device = flops / self.estimate.step_time / len(pids)
+        peak = self.peak_flops(pids)
+        return per_device, (flops / self.estimate.step_time / peak if peak else None)
 
     def totals(self) -> list:
         plan, est = self.plan, self.estimate
@@ -378,7 +394,7 @@ def _fmt_rate(per_second: float) -> str:
     return f"{per_second / 1e6:.3g} MFLOP/s"
 
 
-def _layout(plan, mesh) -> list:
+def layout(plan, mesh) -> list:
     """Two lines: the specs the stage's forward matmuls compute their activations in,
     and the layout of its weights, other parameters and optimizer states."""
     program = plan.program
@@ -444,7 +460,7 @@ def _top(counts: Counter) -> str:
     return shown + (f" (+{more} other spec{'s' if more > 1 else ''})" if more > 0 else "")
 
 
-def _holdings(plan, mesh) -> str:
+def holdings(plan, mesh) -> str:
     """The layers each chunk on ``mesh`` runs the forward of: ``chunk 0: wte, wpe,
     blocks.0-3``."""
     graph = plan.graph

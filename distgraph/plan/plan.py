@@ -359,6 +359,20 @@ class Plan:
 
         save(self, path)
 
+    def report(self, path, estimate=None, cluster=None, timeline=None) -> None:
+        """Write the plan as one self-contained HTML page to ``path`` (styles, script and
+        data inline; a browser opens it from disk): the cluster's resource graph with each
+        stage's processes on their devices, the schedule as a timeline per stage at the
+        estimate's seconds (and as measured: ``timeline``, a run's ``engine.timeline()``
+        or the file ``Timeline.save`` wrote), memory per group of alike processes against
+        the devices', each stage's step as compute, communication and bubble, TFLOP/s and
+        MFU, the memory savers and their priced alternatives, the strategy and cluster
+        (:mod:`distgraph.plan.report`). ``estimate`` / ``cluster``: those to show where
+        the plan has none, as in :meth:`explain`."""
+        from distgraph.plan.report import write_report    # here: a plan rarely reports
+
+        write_report(self, path, estimate, cluster, timeline)
+
     def plot(self, path) -> None:
         """Draw the plan into ``path`` (PNG, SVG or PDF by its suffix): a column per
         stage with its mesh, the layers on it, how each weight is split per mesh dim, the

@@ -2,10 +2,11 @@
 
 A :class:`~distgraph.plan.plan.Plan` carries values whose classes live above the
 contract: the cluster (``distgraph.resources``), the estimate, the search's report, the
-checkpoint interval and the balanced batch split (``distgraph.passes``). The contract
-may not import them (tests/test_layering.py), so each such field is typed with a
-Protocol here that lists exactly what is read of it: by the plan's printing
-(:mod:`.explain`, :mod:`.listing`, :meth:`Plan.to_dict`), by the runtime and by the
+checkpoint interval and the balanced batch split (``distgraph.passes``), and a run's
+timeline (``distgraph.runtime``) that a plan's report shows. The contract may not import
+them (tests/test_layering.py), so each such field is typed with a Protocol here that
+lists exactly what is read of it: by the plan's printing (:mod:`.explain`,
+:mod:`.listing`, :mod:`.report`, :meth:`Plan.to_dict`), by the runtime and by the
 application (``distgraph.app``, ``distgraph.callbacks``). Every value is printed with
 ``str`` too, which every object has. The real classes satisfy them
 (tests/test_plan_protocols.py checks a planned plan's values with ``isinstance``).
@@ -44,21 +45,101 @@ class DeviceLike(Protocol):
 
 
 @runtime_checkable
-class ClusterLike(Protocol):
-    """The cluster a plan was made for (``distgraph.resources.cluster.Cluster``): rank r
-    runs on ``devices[r]``."""
+class LinkLike(Protocol):
+    """A link of the resource graph (``distgraph.resources.elements.Link``): its two
+    endpoints' global ids, GB/s, µs and a label such as ``NVL``."""
+
+    @property
+    def source(self) -> int: ...
+
+    @property
+    def target(self) -> int: ...
+
+    @property
+    def bandwidth(self) -> float: ...
+
+    @property
+    def latency(self) -> float: ...
+
+    @property
+    def type(self) -> str: ...
+
+
+@runtime_checkable
+class MachineLike(Protocol):
+    """A machine of a cluster (``distgraph.resources.elements.Machine``): its compute
+    devices, network interfaces and the links inside it."""
+
+    @property
+    def id(self) -> int: ...
+
+    @property
+    def hostname(self) -> str: ...
 
     @property
     def devices(self) -> Sequence[DeviceLike]: ...
+
+    @property
+    def nics(self) -> Sequence[DeviceLike]: ...
+
+    @property
+    def links(self) -> Sequence[LinkLike]: ...
+
+
+@runtime_checkable
+class ClusterLike(Protocol):
+    """The cluster a plan was made for (``distgraph.resources.cluster.Cluster``): rank r
+    runs on ``devices[r]``; the report draws its machines, the links inside and between
+    them and its switches (each with a ``global_id``), and prints ``describe()``."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def devices(self) -> Sequence[DeviceLike]: ...
+
+    @property
+    def machines(self) -> Sequence[MachineLike]: ...
+
+    @property
+    def links(self) -> Sequence[LinkLike]: ...
+
+    @property
+    def switches(self) -> Sequence: ...
+
+    def describe(self) -> str: ...
+
+
+@runtime_checkable
+class TaskSecondsLike(Protocol):
+    """Seconds a step spends in one task of a process (``distgraph.passes.cost.by_task.
+    TaskSeconds``): its chunk (None: the update, the prologue) and kind (a
+    :class:`~distgraph.plan.kinds.TaskKind` value)."""
+
+    @property
+    def chunk(self) -> int | None: ...
+
+    @property
+    def kind(self) -> str: ...
+
+    @property
+    def compute(self) -> float: ...
+
+    @property
+    def communication(self) -> float: ...
 
 
 @runtime_checkable
 class ProcessEstimateLike(Protocol):
     """One process's figures in an estimate (``distgraph.passes.cost.estimate.
-    ProcessEstimate``): seconds per step, bytes at its memory peak."""
+    ProcessEstimate``): seconds per step (and by task), its stage, bytes at its memory
+    peak and what they hold."""
 
     @property
     def process(self) -> int: ...
+
+    @property
+    def stage(self) -> int: ...
 
     @property
     def compute(self) -> float: ...
@@ -67,7 +148,22 @@ class ProcessEstimateLike(Protocol):
     def communication(self) -> float: ...
 
     @property
+    def parameters(self) -> int: ...
+
+    @property
+    def states(self) -> int: ...
+
+    @property
+    def gradients(self) -> int: ...
+
+    @property
+    def activations(self) -> int: ...
+
+    @property
     def peak_memory(self) -> int: ...
+
+    @property
+    def tasks(self) -> Sequence[TaskSecondsLike]: ...
 
 
 @runtime_checkable
@@ -134,3 +230,13 @@ class BatchSplitLike(Protocol):
     def summary(self) -> str: ...
 
     def to_dict(self) -> dict: ...
+
+
+@runtime_checkable
+class TimelineLike(Protocol):
+    """What a plan's report (:mod:`.report_lanes`) reads of a run's timeline
+    (``distgraph.runtime.execution.timeline.Timeline``): its events, each with ``rank``,
+    ``stage`` (the chunk), ``kind``, ``micro_batch``, ``step``, ``start`` and ``end``."""
+
+    @property
+    def events(self) -> Sequence: ...

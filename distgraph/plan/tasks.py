@@ -100,9 +100,17 @@ class TaskGraph:
     fetch: tuple
     gathers: MappingProxyType
 
+    def __post_init__(self):
+        # each process's tasks, indexed once: a scan of every task per process is
+        # quadratic (a 16,384-process plan holds 278,528 tasks)
+        by_process: dict = {}
+        for t in self.tasks:
+            by_process.setdefault(t.process, {})[t.key] = t
+        object.__setattr__(self, "_by_process", by_process)
+
     def tasks_of(self, process: int) -> dict:
         """{(chunk, kind): Task} of ``process``; the update under (None, "update")."""
-        return {t.key: t for t in self.tasks if t.process == process}
+        return dict(self._by_process.get(process, {}))
 
     def processes(self) -> list:
         return sorted({t.process for t in self.tasks})

@@ -27,7 +27,8 @@ from fractions import Fraction
 
 from distgraph.errors import PlanError
 from distgraph.passes.balance.batch_split import BatchSplit, Member, SplitProblem, solve_split
-from distgraph.passes.cost.estimate import Share, price_process
+from distgraph.passes.cost.estimate import price_process
+from distgraph.passes.cost.shares import Share
 from distgraph.passes.samples import axes_of
 from distgraph.placement import DistAttr
 from distgraph.resources.cluster import Cluster

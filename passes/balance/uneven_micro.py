@@ -33,7 +33,8 @@ from types import MappingProxyType
 from distgraph.errors import PlanError, ShardingError
 from distgraph.ir import Role
 from distgraph.passes.pipeline.accumulate import linear_in_sums
-from distgraph.passes.pipeline.schedule import Problem, checked_schedule, problem_of
+from distgraph.passes.pipeline.schedule import checked_schedule
+from distgraph.plan.replay import Problem, problem_of
 from distgraph.plan.schedule import Schedule
 from distgraph.plan.kinds import PER_MICRO_BATCH, ItemKind, StepKind
 from distgraph.plan.tasks import COMMUNICATING

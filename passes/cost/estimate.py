@@ -28,13 +28,11 @@ communication and bubble, and peak memory per process.
   processor's stage, not a link's.
 - **Step**: processes meet at every collective, so a stage takes as long as its busiest
   process. Without micro-batches the stages run one after another, ``T = Σ t_s``. With M
-  micro-batches (Alpa's formula) ``T = Σ u_s + (M-1) max u_s + max update_s`` where
-  ``u_s`` is stage s's forward + backward time for one micro-batch (a micro-batched
-  plan's local programs are one micro-batch's: their forward and backward ops and
-  reshards count M times a step, the update's once); with v chunks per stage
-  (``virtual_stages``, ZBV's 2) the fill ``Σ u_s`` is ``Σ u_s / v`` (and interleaved
-  1F1B's ``M - 1`` is ``M - 1/v``: bubble ``(S - 1)/v`` of ``u``). The bottleneck
-  process's compute and communication are reported, and ``bubble`` is its idle time.
+  micro-batches, the accountant's :func:`~distgraph.passes.cost.stage.step_time` of the
+  stages' forward + backward seconds per micro-batch and their seconds once a step (the
+  update, the values made once; a micro-batched plan's local programs are one
+  micro-batch's). The bottleneck process's compute and communication are reported, and
+  ``bubble`` is its idle time.
 - **Uneven splits.** With a balanced batch split (``Plan.batch_split``,
   ``Strategy(balance=True)``) each process is priced on its share: without micro-batches
   every dim that carries the samples (:mod:`distgraph.passes.samples`) and is split over
@@ -99,7 +97,9 @@ from distgraph.passes.cost.stage import (buffers_by_action, held_by_action, in_f
                                          step_time)
 from distgraph.passes.cost.prices import (Rings, best_overlap, feed_time, op_comm_time, op_time,
                                           reshard_step_time)
-from distgraph.registry import TensorType, get_op
+from distgraph.passes.cost.by_task import TaskSpent
+from distgraph.passes.cost.shares import Scale, Share, share_of
+from distgraph.registry import get_op
 from distgraph.resources.cluster import Cluster
 from distgraph.units import fmt_bytes, fmt_ids
 
@@ -108,7 +108,8 @@ from distgraph.units import fmt_bytes, fmt_ids
 class ProcessEstimate:
     """One process: its device, seconds of compute and communication per step, and
     bytes at its memory peak (``peak_memory`` = parameters + states + gradients +
-    activations live then)."""
+    activations live then); ``tasks``: those seconds by the task that spends them
+    (:class:`~distgraph.passes.cost.by_task.TaskSeconds`; none without a task graph)."""
 
     process: int
     device: int
@@ -120,6 +121,7 @@ class ProcessEstimate:
     gradients: int
     activations: int
     saved_activations: int = 0
+    tasks: tuple = ()
 
     @property
     def busy(self) -> float:
@@ -202,28 +204,6 @@ def _memory(p: ProcessEstimate) -> str:
             f"{fmt_bytes(p.activations)})")
 
 
-@dataclass(frozen=True)
-class Share:
-    """A process's share of an uneven batch split over ``mesh_dims``: ``rows``, its rows
-    over the even split's (without micro-batches), and ``micro_batches``, how many it
-    runs (with them; None: the plan's count). ``Share()`` is the even split."""
-
-    rows: float = 1.0
-    micro_batches: int | None = None
-    mesh_dims: tuple = ()
-
-
-def share_of(plan, pid: int) -> Share:
-    """The Share of ``pid`` under the plan's batch split (even without one)."""
-    split = getattr(plan, "batch_split", None)
-    if split is None:
-        return Share()
-    if split.micro_batched:
-        return Share(micro_batches=split.micro_batches(pid), mesh_dims=split.mesh_dims)
-    even = split.batch / len(split.members)
-    return Share(rows=split.row_count(pid) / even, mesh_dims=split.mesh_dims)
-
-
 def estimate(plan, cluster=None) -> Estimate:
     """The plan's predicted step time and memory on ``cluster`` (default: the plan's own
     cluster, else ``Cluster.local`` of its size). See the module docstring."""
@@ -263,11 +243,13 @@ def price_process(plan, pid: int, cluster, share: Share = Share(), rings=None) -
     stage = next((s for s, mesh in enumerate(plan.stages) if pid in mesh.process_ids), 0)
     fetch = [plan.built.loss_name] if plan.built.loss_name else []
     device = rings.device(pid)
-    scale = _Scale(plan, share, pid)
+    scale = Scale(plan, share, pid)
     once = made_once(plan.program) if plan.accumulation is not None else frozenset()
-    compute, comm, updates = _process_times(plan, pid, device, rings, fetch, scale, once)
+    compute, comm, updates, tasks = _process_times(plan, pid, device, rings, fetch, scale,
+                                                   once)
     memory = _peak_memory(plan, pid, stage, scale, once)
-    return ProcessEstimate(pid, device.global_id, stage, compute, comm, *memory), updates
+    return ProcessEstimate(pid, device.global_id, stage, compute, comm, *memory,
+                           tasks=tasks), updates
 
 
 def _alike(plan, rings: Rings) -> dict:
@@ -289,74 +271,8 @@ def _alike(plan, rings: Rings) -> dict:
     return keys
 
 
-class _Scale:
-    """What a Share changes in process ``pid``'s local program: the size of Values that
-    carry the samples along the split's mesh dims (relative to the rows its local program
-    holds: the even share, or its own under an uneven split), and the count of
-    micro-batches."""
-
-    def __init__(self, plan, share: Share, pid: int):
-        self.plan = plan
-        self.micro_batches = share.micro_batches or plan.micro_batches
-        self.rows = share.rows / _rows_held(plan, pid)
-        self.dims = frozenset(share.mesh_dims)
-        self.axes = {}
-        if self.rows != 1.0:
-            if plan.sample_axes is None:
-                raise PlanError("pricing an uneven share of the batch needs the dims that "
-                                "carry the samples: plan with Strategy(balance=True), or give "
-                                "the plan its sample_axes (distgraph.passes.samples)")
-            self.axes = plan.sample_axes
-
-    def axis(self, name: str) -> int | None:
-        """The dim of local Value ``name`` whose size scales, None if none: one that
-        carries the samples and is split over the split's mesh dims (a resharded copy,
-        ``name@k``, as its Value is made)."""
-        if not self.axes:
-            return None
-        base = name if name in self.axes else name.rsplit("@", 1)[0]
-        axis = self.axes.get(base)
-        if axis is None or base not in self.plan.program.values:
-            return None
-        spec = self.plan.program.values[base].dist_attr.spec
-        return axis if self.dims & set(spec.entry(axis)) else None
-
-    def tensor(self, v) -> TensorType:
-        axis = self.axis(v.name)
-        if axis is None:
-            return TensorType(v.shape, v.dtype)
-        shape = list(v.shape)
-        shape[axis] = int(round(shape[axis] * self.rows))
-        return TensorType(tuple(shape), v.dtype)
-
-    def nbytes(self, v) -> float:
-        return v.nbytes * (self.rows if self.axis(v.name) is not None else 1.0)
-
-    def of_step(self, point, step) -> float:
-        """How a reshard step of ``point`` scales: with the rows of a sample-carrying
-        Value, except along the split's own mesh dims (it moves the same total there)."""
-        if self.axis(point.value) is None or step.mesh_dim in self.dims:
-            return 1.0
-        return self.rows
-
-
-def _rows_held(plan, pid: int) -> float:
-    """The rows process ``pid``'s local program holds over the even split's: 1, except
-    for the local programs of an uneven split by rows (:mod:`distgraph.passes.balance.uneven`),
-    whose values that carry samples differ from the even blocks along that dim."""
-    for v in plan.local_alike(pid).program.values.values():
-        value = plan.program.values.get(v.name)
-        if value is None or value.dist_attr is None or pid not in value.dist_attr.mesh:
-            continue
-        even = value.dist_attr.local_shape(value.shape)
-        for have, want in zip(v.shape, even):
-            if have != want and want:
-                return have / want
-    return 1.0
-
-
-def _process_times(plan, pid, device, rings: Rings, fetch, scale: _Scale, once=frozenset()):
-    local = plan.local_alike(pid)
+def _process_times(plan, pid, device, rings: Rings, fetch, scale: Scale, once=frozenset()):
+    local, tasks = plan.local_alike(pid), TaskSpent(plan, pid)
     m = scale.micro_batches       # plan.micro_batches > 1: the local program is one micro-batch's
 
     def times(op) -> int:
@@ -364,7 +280,9 @@ def _process_times(plan, pid, device, rings: Rings, fetch, scale: _Scale, once=f
             op.outputs and op.outputs[0].name in once) else m
 
     # each process copies in its part of every feed, once per micro-batch
-    compute = m * sum(feed_time(scale.nbytes(v), device) for v in local.program.inputs)
+    feeds = sum(feed_time(scale.nbytes(v), device) for v in local.program.inputs)
+    compute = m * feeds
+    tasks.add(tasks.first_forward, compute, 0.0)
     updates = comm = 0.0
     overlapped = set()
     for index, op in enumerate(local.program.ops):
@@ -377,19 +295,26 @@ def _process_times(plan, pid, device, rings: Rings, fetch, scale: _Scale, once=f
                                            lambda dim: rings.along(mesh, pid, dim))
             compute += work * times(op)
             comm += hidden * times(op)
+            tasks.add(tasks.of_op(index), work * times(op), hidden * times(op))
             overlapped.add(index)
             continue
         t = op_time(op.type, ins, [scale.tensor(v) for v in op.outputs], op.attrs, device)
         compute += t * times(op)
+        tasks.add(tasks.of_op(index), t * times(op), 0.0)
         if op.role == Role.OPTIMIZE or (op.outputs and op.outputs[0].name in once):
             updates += t        # once a step (the update, the values made once)
     ops = plan.program.ops
     step_seconds = _StepTimes(pid, rings)
-    comm += sum(times(ops[p.anchor]) * step_seconds(s, scale.of_step(p, s))
-                for p in local.points() for s in p.steps)
+    for p in local.points():
+        seconds = times(ops[p.anchor]) * sum(step_seconds(s, scale.of_step(p, s))
+                                             for s in p.steps)
+        comm += seconds
+        tasks.add(tasks.of_point(p.seq), 0.0, seconds)
     if plan.distributed:
-        comm += sum(step_seconds(s, scale.of_step(p, s))
-                    for p in _fetch_points(plan, fetch, pid) for s in p.steps)
+        seconds = sum(step_seconds(s, scale.of_step(p, s))
+                      for p in _fetch_points(plan, fetch, pid) for s in p.steps)
+        comm += seconds
+        tasks.add(tasks.update, 0.0, seconds)
     ops = local.program.ops
     for index, collectives in local.op_comm.items():
         if index in overlapped:
@@ -397,8 +322,10 @@ def _process_times(plan, pid, device, rings: Rings, fetch, scale: _Scale, once=f
         op = ops[index]
         ring = rings.of_op(op.dist_attr.mesh, pid, local.op_context.get(index))
         rows = scale.rows if any(scale.axis(v.name) is not None for v in op.inputs) else 1.0
-        comm += times(op) * op_comm_time(collectives, ring, device, rows)
-    return compute, comm, updates
+        seconds = times(op) * op_comm_time(collectives, ring, device, rows)
+        comm += seconds
+        tasks.add(tasks.of_op(index), 0.0, seconds)
+    return compute, comm, updates, tasks.seconds()
 
 
 class _StepTimes:
@@ -426,7 +353,7 @@ def _fetch_points(plan, fetch, pid) -> list:
     return [p for p in plan.graph.gathers[pid] if p.value in fetch]
 
 
-def _peak_memory(plan, pid, stage, scale: _Scale, once=frozenset()) -> tuple[int, int, int,
+def _peak_memory(plan, pid, stage, scale: Scale, once=frozenset()) -> tuple[int, int, int,
                                                                               int, int]:
     """(parameters, states, gradients, activations, saved activations) bytes at the
     process's peak (module docstring); ``once``: the Values the step makes once

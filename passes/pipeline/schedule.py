@@ -25,10 +25,12 @@ torch's Interleaved1F1B, InterleavedZeroBubble and ZBVZeroBubble while holding n
 micro-batches in flight (``tests/test_schedule.py`` compares them). A plan without
 micro-batches has one F and one B (or I and W) per chunk, ordered by the data flow.
 
-:func:`replay` runs given orders on the same clock (an action starts when its inputs
-are done, every process holding its chunk has reached it and those processes are free):
-it is the check that a schedule completes — a :class:`PlanError` naming the waiting
-actions when it cannot — and gives the finish time and the peak in flight.
+:func:`~distgraph.plan.replay.replay` (in the plan contract, which a plan's report
+reads too) runs given orders on the same clock (an action starts when its inputs are
+done, every process holding its chunk has reached it and those processes are free): it
+is the check that a schedule completes — a :class:`PlanError` naming the waiting actions
+when it cannot — and gives the finish time and the peak in flight. What the rules and
+the replay read of a task graph is a :class:`~distgraph.plan.replay.Problem`.
 :func:`schedule_of` is what the planner calls: a task graph's schedule, made and checked.
 
 Example::
@@ -36,84 +38,19 @@ Example::
     problem = chain(stages=4, virtual=2, micro_batches=8, schedule="1F1B")
     sched = make_schedule(problem)
     print(sched.pretty())          # process 0: 0F0 0F1 0F2 0F3 4F0 ...
-    replay(sched.orders, problem).makespan
+    replay(sched.orders, problem).makespan          # distgraph.plan.replay
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from types import MappingProxyType
 
 from distgraph.errors import PlanError
+from distgraph.plan.replay import COST, Problem, problem_of, replay
 from distgraph.plan.schedule import Action, Schedule
 
-COST = {"F": 1, "B": 2, "I": 1, "W": 1}
 SCHEDULES = ("FThenB", "1F1B", "ZB", "ZBV")
-
-
-@dataclass(frozen=True)
-class Problem:
-    """What the rules need to know about a plan. ``holders[c]``: the processes that run
-    chunk ``c``; ``kinds[c]``: its action kinds (e.g. ``("F", "B")``); ``deps[(c,
-    kind)]``: the (chunk, kind) pairs whose results it reads, in the same micro-batch;
-    ``schedule`` one of :data:`SCHEDULES`; ``stages`` S stage meshes; ``virtual`` v
-    chunks per stage mesh."""
-
-    micro_batches: int
-    holders: tuple
-    kinds: tuple
-    deps: MappingProxyType
-    schedule: str = "1F1B"
-    stages: int = 1
-    virtual: int = 1
-
-    @property
-    def chunks(self) -> int:
-        return len(self.holders)
-
-    def processes(self) -> list:
-        return sorted({p for hs in self.holders for p in hs})
-
-    def chunks_of(self, pid: int) -> tuple:
-        return self._chunks_by_process().get(pid, ())
-
-    def _chunks_by_process(self) -> dict:
-        # {process: its chunks}, built once: a scan of every chunk's holders per
-        # process is chunks x processes x holders (20 s for 16,384 processes)
-        index = self.__dict__.get("_by_process")
-        if index is None:
-            index = {}
-            for c, hs in enumerate(self.holders):
-                for p in hs:
-                    index.setdefault(p, []).append(c)
-            index = {p: tuple(cs) for p, cs in index.items()}
-            object.__setattr__(self, "_by_process", index)
-        return index
-
-    def last_kind(self, chunk: int) -> str | None:
-        """The backward that frees chunk's micro-batch (None: it has no backward)."""
-        for kind in ("W", "B", "I"):
-            if kind in self.kinds[chunk]:
-                return kind
-        return None
-
-
-def problem_of(graph) -> Problem:
-    """What the rules need to know about a task graph
-    (:class:`~distgraph.plan.tasks.TaskGraph`)."""
-    holders, kinds = [], []
-    by_chunk: dict = {}
-    for t in graph.tasks:
-        by_chunk.setdefault(t.chunk, []).append(t)
-    for c in range(len(graph.chunks)):
-        mine = by_chunk.get(c, [])
-        holders.append(tuple(sorted({t.process for t in mine})))
-        kinds.append(tuple(k for k in "FBIW"
-                           if any(t.kind.per_micro_batch and t.kind.action == k
-                                  for t in mine)))
-    return Problem(graph.micro_batches, tuple(holders), tuple(kinds), graph.deps,
-                   graph.schedule, len(graph.stages), graph.virtual)
 
 
 def chain(stages: int, virtual: int, micro_batches: int, schedule: str) -> Problem:
@@ -309,115 +246,3 @@ def make_schedule(problem: Problem) -> Schedule:
         for pid in g.pids:
             orders[pid] = acts
     return Schedule(problem.schedule, m, MappingProxyType(dict(sorted(orders.items()))))
-
-
-# ---- replay: the check, and the unit-cost measure ---------------------------------------------
-
-@dataclass(frozen=True)
-class Timing:
-    """A replayed schedule: ``makespan`` (unit-cost clock), ``finish[action]``, and
-    ``peak[pid]``: the most chunk-micro-batches a process holds in flight."""
-
-    makespan: float
-    finish: MappingProxyType
-    peak: MappingProxyType
-
-
-def replay(orders, problem: Problem) -> Timing:
-    """Run ``orders`` ({pid: [Action]}) on the unit-cost clock. Raises PlanError naming
-    the waiting actions when they cannot all run (an input no earlier action makes, or
-    processes waiting for each other in a circle). Processes that hold the same chunks
-    and run the same order move in step, so one of each such group is replayed."""
-    chunks: dict = {pid: [] for pid in orders}
-    for c, holders in enumerate(problem.holders):
-        for q in holders:
-            chunks.setdefault(q, []).append(c)
-    orders = {pid: orders.get(pid, ()) for pid in chunks}     # a holder without an order
-    alike: dict = {}
-    interned: dict = {}     # id of an order -> (the order, its index among distinct ones)
-    distinct: dict = {}     # order -> its index
-    for pid, acts in sorted(orders.items()):
-        entry = interned.get(id(acts))
-        if entry is None:   # the processes of a group share one order: hashed once
-            index = distinct.setdefault(tuple(acts), len(distinct))
-            entry = interned[id(acts)] = (acts, index)
-        alike.setdefault((tuple(chunks[pid]), entry[1]), []).append(pid)
-    by_index = list(distinct)
-    alike = {(held, by_index[n]): pids for (held, n), pids in alike.items()}
-    expected = {(c, k, mb) for c in range(problem.chunks) for k in problem.kinds[c]
-                for mb in range(problem.micro_batches)}
-    for (held, acts), (pid, *_) in alike.items():
-        mine = {(a.chunk, a.kind, a.micro_batch) for a in acts}
-        want = {x for x in expected if x[0] in held}
-        if len(mine) != len(acts) or mine != want:
-            extra = sorted(Action(*x) for x in mine - want)
-            missing = sorted(Action(*x) for x in want - mine)
-            raise PlanError(f"process {pid}'s schedule does not run each of its actions once"
-                            f" (missing {', '.join(map(str, missing[:6])) or 'none'}; "
-                            f"not its own or repeated: "
-                            f"{', '.join(map(str, extra[:6])) or 'none'})")
-    firsts = {pids[0] for pids in alike.values()}
-    orders = {pid: list(acts) for (_, acts), (pid, *_) in alike.items()}
-    problem = dataclasses.replace(problem, holders=tuple(
-        tuple(q for q in hs if q in firsts) for hs in problem.holders))
-    pos = {pid: 0 for pid in orders}
-    free = {pid: 0.0 for pid in orders}
-    finish: dict = {}
-    moved = True
-    while moved:
-        moved = False
-        for pid, acts in orders.items():
-            while pos[pid] < len(acts):
-                a = acts[pos[pid]]
-                holders = problem.holders[a.chunk]
-                if any(orders[q][pos[q]] != a if pos[q] < len(orders[q]) else True
-                       for q in holders if q != pid):
-                    break
-                deps = [Action(c, k, a.micro_batch)
-                        for c, k in problem.deps.get((a.chunk, a.kind), ())]
-                if not all(d in finish for d in deps):
-                    break
-                start = max([free[q] for q in holders] + [finish[d] for d in deps])
-                finish[a] = start + COST[a.kind]
-                for q in holders:
-                    free[q] = finish[a]
-                    pos[q] += 1
-                moved = True
-    stuck = {pid: acts[pos[pid]] for pid, acts in orders.items() if pos[pid] < len(acts)}
-    if stuck:
-        raise PlanError("the schedule cannot complete: " + "; ".join(
-            _waiting(pid, a, orders, pos, finish, problem) for pid, a in sorted(stuck.items()))
-            + ". This plan's stages exchange data in a circle; place the model's parts so "
-              "that data flows from each stage only to later ones")
-    peak = {}
-    for (_, acts), pids in alike.items():
-        most = _peak(acts, problem)
-        peak.update((pid, most) for pid in pids)
-    return Timing(max(finish.values(), default=0.0), MappingProxyType(finish),
-                  MappingProxyType(dict(sorted(peak.items()))))
-
-
-def _waiting(pid, a, orders, pos, finish, problem) -> str:
-    needs = [str(Action(c, k, a.micro_batch)) for c, k in problem.deps.get((a.chunk, a.kind), ())
-             if Action(c, k, a.micro_batch) not in finish]
-    peers = [f"process {q} at {orders[q][pos[q]] if pos[q] < len(orders[q]) else 'its end'}"
-             for q in problem.holders[a.chunk]
-             if q != pid and (pos[q] >= len(orders[q]) or orders[q][pos[q]] != a)]
-    why = []
-    if needs:
-        why.append(f"for {', '.join(needs)}")
-    if peers:
-        why.append(f"for {', '.join(peers)}")
-    return f"process {pid} waits at {a} " + " and ".join(why)
-
-
-def _peak(acts, problem: Problem) -> int:
-    live = peak = 0
-    for a in acts:
-        last = problem.last_kind(a.chunk)
-        if last is None:
-            continue
-        live += a.kind == "F"
-        peak = max(peak, live)
-        live -= a.kind == last
-    return peak

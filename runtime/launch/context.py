@@ -1,10 +1,11 @@
 """What the command that started a script asks of its Engines: the launch context.
 
 ``distgraph run --cluster FILE`` asks that an Engine made without a cluster use FILE's,
-``distgraph run --plan PATH`` that an Engine made without a plan file use PATH's plan;
-``distgraph plan [--cluster FILE | -n N] [--plot PNG] [--save PATH]`` asks the first
-Engine call that plans a batch to write the plan's report (and picture, and plan file)
-and to end the script there. The
+``distgraph run --plan PATH`` that an Engine made without a plan file use PATH's plan,
+``distgraph run --report PAGE`` that rank 0 write its training plan's report there;
+``distgraph plan [--cluster FILE | -n N] [--plot PNG] [--save PATH] [--report PAGE]`` asks
+the first Engine call that plans a batch to write the plan's report (and picture, plan
+file and page) and to end the script there. The
 request travels as **arguments**: the command gives it to the per-rank bootstrap
 (``python -m distgraph.runtime.launch.bootstrap --cluster FILE --plan-out PATH ...
 script.py``, :meth:`LaunchContext.argv`), the bootstrap opens the context around the
@@ -50,27 +51,31 @@ from distgraph.runtime.launch.status import CLUSTER_VAR
 PLAN_OUT = "DISTGRAPH_PLAN_OUT"         # distgraph plan: where the report goes
 PLAN_PLOT = "DISTGRAPH_PLAN_PLOT"       # distgraph plan --plot: where the picture goes
 PLAN_SAVE = "DISTGRAPH_PLAN_SAVE"       # distgraph plan --save: where the plan file goes
+PLAN_PAGE = "DISTGRAPH_PLAN_PAGE"       # distgraph plan --report: where the page goes
 PLAN_FILE = "DISTGRAPH_PLAN_FILE"       # distgraph run --plan: the plan file to run
 PLAN_CHECK = "DISTGRAPH_PLAN_CHECK"     # distgraph run --plan: check the file, plan nothing
+REPORT = "DISTGRAPH_REPORT"             # distgraph run --report: where rank 0 writes the page
 RESTART = "DISTGRAPH_ELASTIC_RESTART"   # distgraph run --elastic: which start this is
 OPTIONS = {"--cluster": "cluster", "--plan-out": "plan_out", "--plan-plot": "plan_plot",
-           "--plan-save": "plan_save", "--plan-file": "plan_file",
-           "--plan-check": "plan_check",
+           "--plan-save": "plan_save", "--plan-page": "plan_page",
+           "--plan-file": "plan_file",
+           "--plan-check": "plan_check", "--report": "report",
            "--elastic-restart": "restart"}
 
 
 @dataclass(frozen=True)
 class PlanRequest:
     """What ``distgraph plan`` asks: the report's path, the picture's (None: no
-    picture), the plan file's (``--save``; None: none). ``check``: what ``distgraph run
-    --plan`` asks before any rank starts, only that the Engine's plan file be checked
-    against the script's program and cluster (the report says so, or why not), without
-    planning."""
+    picture), the plan file's (``--save``; None: none), the page's (``--report``,
+    ``Plan.report``; None: none). ``check``: what ``distgraph run --plan`` asks before
+    any rank starts, only that the Engine's plan file be checked against the script's
+    program and cluster (the report says so, or why not), without planning."""
 
     out: str
     plot: str | None = None
     save: str | None = None
     check: bool = False
+    page: str | None = None
 
 
 @dataclass(frozen=True)
@@ -80,12 +85,14 @@ class LaunchContext:
     ``restart``, in an elastic job (``distgraph run --elastic``), which start of the
     script this is (0: the first; k: after the k-th failure), None outside one;
     ``plan_file``, the plan file an Engine made without one runs (``distgraph run
-    --plan``)."""
+    --plan``); ``report``, where rank 0 writes the page of its training plan
+    (``distgraph run --report``: ``Plan.report``)."""
 
     cluster: str | None = None
     plan: PlanRequest | None = None
     restart: int | None = None
     plan_file: str | None = None
+    report: str | None = None
 
     def argv(self) -> list:
         """The bootstrap's options that carry this context (before the script)."""
@@ -94,7 +101,9 @@ class LaunchContext:
                               ("--plan-out", self.plan and self.plan.out),
                               ("--plan-plot", self.plan and self.plan.plot),
                               ("--plan-save", self.plan and self.plan.save),
-                              ("--plan-file", self.plan_file)):
+                              ("--plan-page", self.plan and self.plan.page),
+                              ("--plan-file", self.plan_file),
+                              ("--report", self.report)):
             if value:
                 out += [option, os.path.abspath(value)]
         if self.plan is not None and self.plan.check:
@@ -111,29 +120,32 @@ class LaunchContext:
         found: dict = {"cluster": base.cluster, "plan_out": base.plan and base.plan.out,
                        "plan_plot": base.plan and base.plan.plot,
                        "plan_save": base.plan and base.plan.save,
+                       "plan_page": base.plan and base.plan.page,
                        "plan_check": base.plan and base.plan.check and "1",
                        "restart": base.restart,
-                       "plan_file": base.plan_file}
+                       "plan_file": base.plan_file, "report": base.report}
         args = list(args)
         while args and args[0] in OPTIONS:
             if len(args) < 2:
                 raise SystemExit(f"bootstrap: {args[0]} needs a value")
             if args[0] == "--plan-out":     # a request of its own: not an inherited plot
                 found["plan_plot"] = found["plan_save"] = found["plan_check"] = None
+                found["plan_page"] = None
             found[OPTIONS[args[0]]] = args[1]
             args = args[2:]
         if args and args[0] == "--":
             args = args[1:]
         return cls._of(found["cluster"], found["plan_out"], found["plan_plot"],
                        found["restart"], found["plan_save"], found["plan_file"],
-                       found["plan_check"]), args
+                       found["plan_check"], found["report"], found["plan_page"]), args
 
     def environ(self) -> dict:
         """The variables that carry this context to processes the script starts."""
         values = {CLUSTER_VAR: self.cluster, PLAN_OUT: self.plan and self.plan.out,
                   PLAN_PLOT: self.plan and self.plan.plot,
                   PLAN_SAVE: self.plan and self.plan.save, PLAN_FILE: self.plan_file,
-                  PLAN_CHECK: self.plan and self.plan.check and "1",
+                  PLAN_PAGE: self.plan and self.plan.page,
+                  PLAN_CHECK: self.plan and self.plan.check and "1", REPORT: self.report,
                   RESTART: None if self.restart is None else str(self.restart)}
         return {k: v for k, v in values.items() if v}
 
@@ -144,15 +156,16 @@ class LaunchContext:
         env = os.environ if environ is None else environ
         return cls._of(env.get(CLUSTER_VAR), env.get(PLAN_OUT), env.get(PLAN_PLOT),
                        env.get(RESTART), env.get(PLAN_SAVE), env.get(PLAN_FILE),
-                       env.get(PLAN_CHECK))
+                       env.get(PLAN_CHECK), env.get(REPORT), env.get(PLAN_PAGE))
 
     @classmethod
     def _of(cls, cluster, plan_out, plan_plot, restart=None, plan_save=None,
-            plan_file=None, plan_check=None) -> "LaunchContext":
+            plan_file=None, plan_check=None, report=None,
+            plan_page=None) -> "LaunchContext":
         plan = PlanRequest(plan_out, plan_plot or None, plan_save or None,
-                           plan_check == "1") if plan_out else None
+                           plan_check == "1", plan_page or None) if plan_out else None
         restart = int(restart) if restart not in (None, "") else None
-        return cls(cluster or None, plan, restart, plan_file or None)
+        return cls(cluster or None, plan, restart, plan_file or None, report or None)
 
 
 class PlanReported(BaseException):

@@ -202,7 +202,8 @@ def launch(nprocs: int, argv: list[str], cluster: str | None = None,
         here = current()
         context = LaunchContext(os.path.abspath(cluster) if cluster else here.cluster,
                                 here.plan, here.restart if restart is None else restart,
-                                os.path.abspath(plan_file) if plan_file else here.plan_file)
+                                os.path.abspath(plan_file) if plan_file else here.plan_file,
+                                here.report)
         command = launch_command(nprocs, argv, mpiexec_args, prefix, context)
         keep_logs = log_dir is not None
         if log_dir is None:

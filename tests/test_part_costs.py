@@ -17,8 +17,9 @@ def random_parts(rng):
         buffers = float(rng.uniform(0, persistent))
         forward, backward = (float(x) for x in rng.uniform(0, transient, 2))
         making = float(rng.uniform(backward, transient + buffers))
+        update = float(rng.uniform(0, 1e-2))
         return (PartCost(time, persistent, saved, transient, buffers, forward, backward,
-                         making), None)
+                         making, update), None)
     return {"first": part(), "block": part(), "last": part()}
 
 
@@ -31,7 +32,7 @@ def test_every_block_count_at_once_equals_one_stage_at_a_time(seed):
     for first in shares:
         for last in shares:
             rows = stage_costs(parts, first, n, last)
-            assert rows.shape == (n + 1, 4)
+            assert rows.shape == (n + 1, 5)
             for m in range(n + 1):
                 assert tuple(rows[m]) == stage_cost(parts, first, m, last)
 
@@ -59,10 +60,10 @@ def test_with_every_forward_first_the_buffers_are_counted_from_the_backward_that
     from the start give 5 + 3 + 3 = 11 (fixed, saved and the last block's transient)."""
     E = (PartCost(1.0, 1 * GB, 1 * GB, 3 * GB, 0.5 * GB, 1 * GB, 2 * GB, 3 * GB), None)
     block = (PartCost(2.0, 2 * GB, 1 * GB, 3 * GB, 1 * GB, 1 * GB, 2 * GB, 3 * GB), None)
-    seconds, one, further, before = stage_cost({"first": E, "block": block}, True, 2, False)
+    seconds, one, further, before, _ = stage_cost({"first": E, "block": block}, True, 2, False)
     assert (one, further, before) == (11.0, 3.0, 8.5)
     assert stage_costs({"first": E, "block": block}, True, 2, False)[2].tolist() == \
-        [seconds, one, further, before]
+        [seconds, one, further, before, 0.0]
 
 
 def test_without_buffers_the_forwards_first_memory_is_the_one_in_flight():

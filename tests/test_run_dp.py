@@ -184,7 +184,7 @@ def brute_force_runs(count, blocks, options, cluster, B, fit_memory=True, p2p=No
             first, last = k < b0, i >= b1
             m = len(range(max(k, b0), min(i + 1, b1)))
             for n, o in enumerate(options):
-                seconds, memory, further, _ = o.cost(first, m, last)
+                seconds, memory, further, *_ = o.cost(first, m, last)
                 if p2p is not None:
                     seconds += p2p(o) * (2 - first - last) / 2
                 cost[k, i, n] = (seconds, memory, further)
@@ -373,7 +373,7 @@ def test_run_dp_prices_the_stage_transfers_once_per_stage(seed):
         k, i = layers.start, layers.stop - 1
         m = len(range(max(k, blocks.start), min(i + 1, blocks.stop)))
         head, tail = k < blocks.start, i >= blocks.stop
-        seconds, memory, further, _ = by_shape[sub.shape].cost(head, m, tail)
+        seconds, memory, further, *_ = by_shape[sub.shape].cost(head, m, tail)
         return StageCost(seconds + sends[sub.shape] * (2 - head - tail) / 2, memory, further)
 
     def p2p(option):
@@ -480,7 +480,7 @@ def test_interleaved_objective_is_the_replayed_schedules_makespan(S, v, M):
     def chunk_layers(n):
         return [{k: 1.0} for k in range(n)]
 
-    objective, times, _ = alike_stages(option, count, range(count), cluster, M, v,
+    objective, times, *_ = alike_stages(option, count, range(count), cluster, M, v,
                                        chunk_layers)
     assert times == [v * 3.0] * S
     assert objective == pytest.approx(makespan, rel=1e-12)

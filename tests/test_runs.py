@@ -206,7 +206,7 @@ def least_memory(runs, options) -> float:
     lasts = (False, True) if blocks.stop < count else (False,)
     peaks = sorted({memory + (s - 1) * saved for o in options for f in firsts for last in lasts
                     for m in range(len(blocks) + 1)
-                    for _, one, saved, before in [o.cost(f, m, last)]
+                    for _, one, saved, before, _ in [o.cost(f, m, last)]
                     for memory in (one, before) for s in range(1, devices + 1)})
 
     def fits(memory):

@@ -38,6 +38,8 @@ Example::
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from distgraph.errors import PlanError
@@ -153,8 +155,9 @@ def held(one: float, further: float, count: float, micro_batches: int | None = N
 
 
 def priced_stages(options, parts: list, micro_batches: int, sends: float = 0.0,
-                  virtual: int = 1) -> tuple[list, list]:
-    """([seconds per micro-batch], [GB]) of the ``len(parts)`` stages of a pipeline of
+                  virtual: int = 1) -> tuple[list, list, list]:
+    """([seconds per micro-batch], [GB], [update seconds once a step]) of the
+    ``len(parts)`` stages of a pipeline of
     stage ``options`` (one per stage, or one for all; each with ``cost(E?, blocks,
     H?)``, :meth:`~distgraph.passes.search.stages.run_options.RunOption.cost`), stage s
     holding ``parts[s]`` = (E or its share, blocks, H or its share): its parts' seconds
@@ -163,16 +166,18 @@ def priced_stages(options, parts: list, micro_batches: int, sends: float = 0.0,
     S = len(parts)
     if not isinstance(options, (list, tuple)):
         options = [options] * S
-    times, memories = [], []
+    times, memories, updates = [], [], []
     for s, (option, (first, n, last)) in enumerate(zip(options, parts)):
-        seconds, one, further, before = option.cost(first, n, last)
+        price = option.cost(first, n, last)
         if virtual > 1:     # every chunk a middle one but the first chunk and the last
-            times.append(seconds + transfers(sends, s == 0, s == S - 1, virtual))
+            times.append(price.seconds + transfers(sends, s == 0, s == S - 1, virtual))
         else:
-            times.append(seconds + transfers(sends, first, last))
-        memories.append(held(one, further, in_flight("1F1B", micro_batches, S, s, virtual),
-                             micro_batches, before))
-    return times, memories
+            times.append(price.seconds + transfers(sends, first, last))
+        memories.append(held(price.one, price.further, in_flight("1F1B", micro_batches, S, s,
+                                                                 virtual),
+                             micro_batches, price.before))
+        updates.append(price.update)
+    return times, memories, updates
 
 
 def grid(shape) -> tuple[int, int]:
@@ -186,13 +191,25 @@ def grid(shape) -> tuple[int, int]:
                     f"{list(shape)}; describe the mesh as (machines, devices per machine)")
 
 
-def stage_cost(parts: dict, with_first, blocks: int, with_last) -> tuple:
-    """(seconds, GB with one micro-batch in flight, GB per further one, GB with one in
-    flight where all run their forwards before the first backward) of ``[E] + blocks +
-    [H]``; ``parts``: "first" / "block" / "last" -> (PartCost, search). Under virtual
-    stages ``with_first`` / ``with_last`` may be the share of E or H a stage holds, by
-    which its time and memory are taken (its working memory whole). The fourth term is
-    :func:`held`'s ``one_before`` (:func:`_before`)."""
+class StagePrice(NamedTuple):
+    """What a stage option costs holding some parts (:func:`stage_cost`): ``seconds`` per
+    micro-batch (forward, backward and the update's share, ``update / M``: what the stage
+    DP compares), GB with ``one`` micro-batch in flight, GB per ``further`` one, GB with one
+    in flight where every forward runs ``before`` the first backward (:func:`held`'s
+    ``one_before``), and the ``update``'s seconds once a step."""
+
+    seconds: float
+    one: float
+    further: float
+    before: float
+    update: float = 0.0
+
+
+def stage_cost(parts: dict, with_first, blocks: int, with_last) -> StagePrice:
+    """The :class:`StagePrice` of ``[E] + blocks + [H]``; ``parts``: "first" / "block" /
+    "last" -> (PartCost, search). Under virtual stages ``with_first`` / ``with_last`` may
+    be the share of E or H a stage holds, by which its time and memory are taken (its
+    working memory whole). ``before`` is :func:`_before`."""
     used = [(parts["first"][0], float(with_first))] if with_first else []
     used += [(parts["block"][0], blocks)] if blocks else []
     used += [(parts["last"][0], float(with_last))] if with_last else []
@@ -204,13 +221,14 @@ def stage_cost(parts: dict, with_first, blocks: int, with_last) -> tuple:
         saved += p.saved * n
         peak = max(peak, saved + p.transient)
     fixed = sum(p.persistent * n for p, n in used)
-    return seconds, (fixed + peak) / GB, saved / GB, _before(used, fixed, saved) / GB
+    return StagePrice(seconds, (fixed + peak) / GB, saved / GB,
+                      _before(used, fixed, saved) / GB, sum(p.update * n for p, n in used))
 
 
 def stage_costs(parts: dict, with_first, n: int, with_last) -> np.ndarray:
-    """(n + 1, 4): row m is :func:`stage_cost` ``(parts, with_first, m, with_last)``,
+    """(n + 1, 5): row m is :func:`stage_cost` ``(parts, with_first, m, with_last)``,
     m = 0 .. n: the same sums term by term, in the same order, over the rows m >= 1."""
-    out = np.empty((n + 1, 4))
+    out = np.empty((n + 1, 5))
     out[0] = stage_cost(parts, with_first, 0, with_last)
     if n < 1:
         return out
@@ -218,17 +236,19 @@ def stage_costs(parts: dict, with_first, n: int, with_last) -> np.ndarray:
     used = [(parts["first"][0], float(with_first))] if with_first else []
     used += [(parts["block"][0], m)]
     used += [(parts["last"][0], float(with_last))] if with_last else []
-    seconds = fixed = 0
+    seconds = fixed = update = 0
     saved = peak = 0.0
     for p, k in used:
         seconds = seconds + p.time * k
         fixed = fixed + p.persistent * k
         saved = saved + p.saved * k
+        update = update + p.update * k
         peak = np.maximum(peak, saved + p.transient)
     out[1:, 0] = seconds
     out[1:, 1] = (fixed + peak) / GB
     out[1:, 2] = saved / GB
     out[1:, 3] = _before(used, fixed, saved) / GB
+    out[1:, 4] = update
     return out
 
 

@@ -168,7 +168,7 @@ def _layouts(prepared, strategy, cluster, accumulation, budget, session) -> tupl
                                           rows):
         try:
             result = search(program, mesh, cluster, device_of, weights=weights,
-                            loss=prepared.loss_name, memory_budget=budget,
+                            loss=prepared.loss_name, memory_budget=budget, memory=True,
                             time_limit=strategy.solver_time_limit, blocks=prepared.block_paths,
                             balance=strategy.balance, method=strategy.search_method,
                             zero=sharding_dim(strategy), session=session,

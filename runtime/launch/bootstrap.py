@@ -34,7 +34,6 @@ import time
 
 from distgraph.errors import DistGraphError
 from distgraph.runtime.launch.context import LaunchContext, PlanReported, opened
-from distgraph.runtime.launch.hostside import held_by, parent_of
 from distgraph.runtime.launch.progress import read_where
 from distgraph.runtime.launch.status import log_path, status_folder, write_status
 
@@ -214,6 +213,8 @@ def start_mpi() -> None:
     from mpi4py import MPI  # noqa: F401  MPI_Init_thread: returns once every rank called it
 
     # hydra's proxy, this rank's supervisor's parent, holds the topology file it made
+    # (read only under the launcher: a plain import of the communicator stays light)
+    from distgraph.runtime.launch.hostside import held_by, parent_of
     proxy = parent_of(os.getppid())
     write_status("files", "\n".join(sorted(held_by("self") | held_by(proxy))))
     write_status("mpi", "running")

@@ -346,6 +346,14 @@ def evaluate(problem: ShardingProblem, choice: Sequence[int]) -> float:
     return total + sum(float(mat[c[u], c[v]]) for u, v, mat in problem.edges)
 
 
+def share_of(problem: ShardingProblem, choice: Sequence[int], nodes) -> float:
+    """The part of :func:`evaluate`'s objective that ``nodes`` (node indices) spend under
+    ``choice``: their compute and collectives and the reshards into them."""
+    c, inside = [int(i) for i in choice], set(nodes)
+    total = sum(float(problem.compute[v][c[v]] + problem.comm[v][c[v]]) for v in inside)
+    return total + sum(float(mat[c[u], c[v]]) for u, v, mat in problem.edges if v in inside)
+
+
 def peak_memory(problem: ShardingProblem, choice: Sequence[int]) -> float:
     """The largest summed memory over the liveness sets under ``choice`` (0 without any)."""
     c = _check_choice(problem, choice)

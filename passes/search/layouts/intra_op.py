@@ -109,6 +109,13 @@ class SearchReport:
     in_flight: int = 1
 
     @property
+    def step_time(self) -> float:
+        """Seconds per step of the choice as the search priced it (its objective: every op
+        times the runs its role makes a step): what ``plan.estimate`` says of the plan
+        made from it."""
+        return self.objective
+
+    @property
     def chosen_by(self) -> str:
         """Which search chose the layouts, in words (``Strategy.search``)."""
         if self.method == "recursive":
@@ -169,7 +176,8 @@ class SearchReport:
         return {"mesh": {"process_ids": list(self.mesh.process_ids),
                          "shape": list(self.mesh.shape),
                          "dim_names": list(self.mesh.dim_names)},
-                "status": self.status, "objective": self.objective, "gap": self.gap,
+                "status": self.status, "objective": self.objective,
+                "step_time": self.step_time, "gap": self.gap,
                 "solve_time": self.solve_time, "build_time": self.build_time,
                 "nodes": self.nodes, "free_nodes": self.free_nodes,
                 "shared_blocks": self.shared_blocks, "variables": self.variables,

@@ -136,8 +136,8 @@ def _fitting_alike(options, count: int, blocks: range, cluster, micro_batches: i
         if mesh.ids not in limits:
             limits[mesh.ids] = min(cluster.device(i).memory for i in mesh.ids)
         limit = limits[mesh.ids]
-        times, memories = priced_stages(option, even_parts(S, blocks, count), micro_batches,
-                                        p2p(option) if p2p is not None else 0.0)
+        times, memories, _ = priced_stages(option, even_parts(S, blocks, count),
+                                           micro_batches, p2p(option) if p2p is not None else 0.0)
         if max(memories) <= limit:
             best = min(best, step_time(times, micro_batches))
     return best

@@ -62,9 +62,9 @@ def plan_even(costs, cluster, micro_batches: int = 1, below: float = math.inf) -
             parts.append((start < blocks.start,
                           len(range(max(start, blocks.start), min(stop, blocks.stop))),
                           stop > blocks.stop))
-        times, memories = priced_stages(option, parts, micro_batches,
-                                        costs.p2p_seconds(option) if S > 1 else 0.0)
-        return step_time(times, micro_batches), times, memories, option, S
+        times, memories, updates = priced_stages(option, parts, micro_batches,
+                                                 costs.p2p_seconds(option) if S > 1 else 0.0)
+        return step_time(times, micro_batches), times, memories, option, S, updates
 
     best = None
 
@@ -91,7 +91,7 @@ def plan_even(costs, cluster, micro_batches: int = 1, below: float = math.inf) -
         raise DoesNotFit(f"no even split of {len(blocks)} blocks over stages of one mesh "
                          f"shape (Strategy(target={target!r})) fits the devices' memory "
                          f"(with the activations 1F1B keeps in flight)")
-    objective, times, memories, option, S = best
+    objective, times, memories, option, S, updates = best
     rows, cols = grid(option.sub.mesh.shape)
     n, m = option.sub.shape
     ids = np.array(option.sub.mesh.ids).reshape(rows, cols)
@@ -99,6 +99,6 @@ def plan_even(costs, cluster, micro_batches: int = 1, below: float = math.inf) -
               for c in range(0, cols, m)]
     stages = tuple(StageChoice(range(start, stop), option.sub.mesh.name, option.sub.shape,
                                tuple(int(d) for d in pieces[s]), float(times[s]),
-                               float(memories[s]))
+                               float(memories[s]), float(updates[s]))
                    for s, (start, stop) in enumerate(even_blocks(S, blocks, count)))
     return StagePlan(stages, float(objective), micro_batches, 1, 1), (option,) * S

@@ -50,15 +50,15 @@ def plan_interleaved(count: int, blocks: range, options: list, cluster, micro_ba
             best = found + (option,)
     if best is None:
         return None
-    objective, times, memories, option = best
+    objective, times, memories, updates, option = best
     S = len(times)
-    return _alike_plan(option, S, count, times, memories, objective, micro_batches,
+    return _alike_plan(option, S, count, times, memories, updates, objective, micro_batches,
                        virtual), (option,) * S
 
 
 def alike_stages(option, count: int, blocks: range, cluster, micro_batches: int,
                  virtual: int, chunk_layers, p2p=None, layouts=None) -> tuple | None:
-    """(objective, times, memories) of ``option``'s stages tiling its device mesh alike,
+    """(objective, times, memories, updates) of ``option``'s stages tiling its device mesh alike,
     ``virtual`` chunks each (:func:`plan_interleaved`; with ``virtual`` 1: the layers
     split evenly, E on the first stage and H on the last), the devices' memory aside;
     None where the option cannot tile its mesh in two or more such stages.
@@ -73,9 +73,9 @@ def alike_stages(option, count: int, blocks: range, cluster, micro_batches: int,
     if (S, virtual) not in layouts:
         layouts[S, virtual] = _stage_parts(chunk_layers(S * virtual), S, blocks, count) \
             if virtual > 1 else even_parts(S, blocks, count)
-    times, memories = priced_stages(option, layouts[S, virtual], micro_batches,
-                                    p2p(option) if p2p is not None else 0.0, virtual)
-    return step_time(times, micro_batches, virtual), times, memories
+    times, memories, updates = priced_stages(option, layouts[S, virtual], micro_batches,
+                                             p2p(option) if p2p is not None else 0.0, virtual)
+    return step_time(times, micro_batches, virtual), times, memories, updates
 
 
 def even_parts(S: int, blocks: range, count: int) -> list:
@@ -104,7 +104,8 @@ def _stage_parts(chunks: list, S: int, blocks: range, count: int) -> list:
     return out
 
 
-def _alike_plan(option, S, count, times, memories, objective, micro_batches, virtual):
+def _alike_plan(option, S, count, times, memories, updates, objective, micro_batches,
+                virtual):
     """The StagePlan of ``S`` alike stages of ``option``: stage s on the s-th submesh of
     the device mesh in row-major order, its layers (as annotated before the chunks move
     them: E on the first stage, H on the last) an even split of the ``count``."""
@@ -116,5 +117,6 @@ def _alike_plan(option, S, count, times, memories, objective, micro_batches, vir
     bounds = [round(count * s / S) for s in range(S + 1)]
     stages = tuple(StageChoice(range(bounds[s], bounds[s + 1]), option.sub.mesh.name,
                                option.sub.shape, tuple(int(d) for d in pieces[s]),
-                               float(times[s]), float(memories[s])) for s in range(S))
+                               float(times[s]), float(memories[s]), float(updates[s]))
+                   for s in range(S))
     return StagePlan(stages, float(objective), micro_batches, 1, virtual)

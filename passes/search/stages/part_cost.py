@@ -1,7 +1,8 @@
 """One part of a stage priced from its intra-op search's choice (Alpa's stage costs,
-:mod:`~distgraph.passes.search.stages.runs`): seconds per micro-batch, and the bytes a
-device holds for it, persistent, saved for the backward, and working memory, with the
-gradient buffers counted from the backward that makes them (the runtime's first add).
+:mod:`~distgraph.passes.search.stages.runs`): seconds per micro-batch (and of them, the
+update's once a step), and the bytes a device holds for it, persistent, saved for the
+backward, and working memory, with the gradient buffers counted from the backward that
+makes them (the runtime's first add).
 
 Example::
 
@@ -15,14 +16,18 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from distgraph.passes.search.layouts.charges import gradient_buffers, held_nodes
+from distgraph.ir import Role
+from distgraph.passes.search.layouts.charges import gradient_buffers, held_nodes, once_nodes
+from distgraph.passes.search.layouts.ilp_problem import share_of
 from distgraph.passes.search.layouts.sharded_states import sharding_dim, writeback_bytes
 
 
 @dataclass(frozen=True)
 class PartCost:
     """One part of a stage (E, one block, or H) on one logical mesh: seconds per
-    micro-batch, and bytes per device (module docstring). ``buffers``: the part of
+    micro-batch, and bytes per device (module docstring). ``update``: the seconds of its
+    update (and of the values a step makes once) once a step, of which ``time`` holds
+    the share of one micro-batch (the search's weights). ``buffers``: the part of
     ``persistent`` that is gradient buffers, which the runtime makes in the first
     backward; ``forward`` / ``backward``: the working memory beyond ``saved`` over the
     forward's steps and over the backward's and the update's, without the buffers;
@@ -38,6 +43,7 @@ class PartCost:
     forward: float | None = None
     backward: float | None = None
     making: float | None = None
+    update: float = 0.0
 
     def __post_init__(self):
         for name in ("forward", "backward", "making"):
@@ -62,14 +68,28 @@ def measure(result, program, weights, strategy) -> PartCost:
     # beside what persists, the buffer its ZeRO write-back gathers into
     writeback = writeback_bytes(result, sharding_dim(strategy))
     transient = max(peak - persistent - saved, writeback, 0.0)
+    update = once_a_step(result, program, weights)
     if not (backward and problem.liveness):
-        return PartCost(result.report.objective, persistent, saved, transient)
+        return PartCost(result.report.objective, persistent, saved, transient, update=update)
     buffers, forward, back, making = phases(result, weights, program, memory,
                                             persistent + saved, backward, writeback)
     # the liveness holds a buffer its gradient's node holds once: a later micro-batch's
     # gradient beside it is in ``back`` only
     return PartCost(result.report.objective, persistent, saved, max(transient, back),
-                    buffers, forward, back, making)
+                    buffers, forward, back, making, update)
+
+
+def once_a_step(result, program, weights) -> float:
+    """Seconds a step spends once in the choice of ``result``: the update's ops and the
+    values made once (:func:`~distgraph.passes.search.layouts.charges.once_nodes`), with
+    the reshards into them, which the search's objective counts at the update's weight
+    (its share of one micro-batch)."""
+    w = weights.get(Role.OPTIMIZE, 1)
+    space = result.space
+    nodes = once_nodes(space, weights) | {
+        n.index for n in space.nodes
+        if not n.is_source and program.ops[n.op].role == Role.OPTIMIZE}
+    return share_of(result.problem, result.choice, nodes) / w if w else 0.0
 
 def phases(result, weights, program, memory: list, held: float, backward: int,
            writeback: float) -> tuple:

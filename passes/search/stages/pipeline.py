@@ -46,7 +46,7 @@ import numpy as np
 from distgraph.errors import PlanError
 from distgraph.ir import Role
 from distgraph.mesh import ProcessMesh
-from distgraph.passes.cost.stage import priced_stages, transfers
+from distgraph.passes.cost.stage import priced_stages, step_time, transfers
 from distgraph.passes.search.layouts.ilp_problem import peak_memory
 from distgraph.passes.search.layouts.intra_op import search
 from distgraph.passes.search.stages.layers import block_layers, cluster_layers
@@ -147,6 +147,23 @@ class PipelineReport:
         return self.stage_plan.objective
 
     @property
+    def step_time(self) -> float:
+        """Seconds per step of the chosen stages as the search priced them, by the
+        accountant's :func:`~distgraph.passes.cost.stage.step_time` (their forward and
+        backward per micro-batch, their updates once a step): what ``plan.estimate``
+        says of the plan made from them."""
+        plan = self.stage_plan
+        M = plan.micro_batches
+        return step_time([s.time - s.update / M for s in plan.stages], M, plan.virtual,
+                         updates=[s.update for s in plan.stages])
+
+    @property
+    def peak_memory(self) -> float:
+        """Bytes the fullest device of the chosen stages holds, as the search counted them
+        (its micro-batches in flight included)."""
+        return max(s.memory for s in self.stage_plan.stages) * GB
+
+    @property
     def gap(self) -> float:
         return max(s.gap for s in self.stages)
 
@@ -198,7 +215,8 @@ class PipelineReport:
     def to_dict(self) -> dict:
         return {"layers": self.layering.count,
                 "layer_flops": list(self.layering.flops),
-                "objective": self.objective, "status": self.status,
+                "objective": self.objective, "step_time": self.step_time,
+                "peak_memory": self.peak_memory, "status": self.status,
                 "searches": self.searches, "seconds": self.seconds,
                 "stages": [dict(report.to_dict(), layers=[st.layers.start, st.layers.stop],
                                 devices=list(st.device_ids), time=st.time, memory=st.memory)

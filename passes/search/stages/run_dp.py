@@ -48,7 +48,7 @@ class _Run:
         self.table = {}
         for first in ((False, True) if blocks.start else (False,)):
             for last in ((False, True) if blocks.stop < count else (False,)):
-                table = option.costs(first, n, last)    # (n+1, 4): cost(first, m, last)
+                table = option.costs(first, n, last)    # (n+1, 5): cost(first, m, last)
                 # the boundaries' transfers: a stage holding E (H) has no stage before
                 # (after) it and pays half of a middle stage's (module docstring)
                 table[:, 0] += transfers(p2p, first, last)
@@ -390,7 +390,8 @@ def _undominated(runs: list) -> list:
     kept = []
     for r in runs:
         if not any(o.axis == r.axis and o.size == r.size and
-                   all((o.table[key] <= r.table[key]).all() for key in r.table)
+                   all((o.table[key][:, :4] <= r.table[key][:, :4]).all()
+                       for key in r.table)
                    for o in kept):
             kept.append(r)
     return kept
@@ -493,9 +494,8 @@ def _bound(runs: list, search, devices: int) -> float:
         ([((False, 0, True), 1)] if b1 < L else [])
     least_time = least_work = 0.0
     for where, n in parts:
-        fits = [(seconds, seconds * r.option.sub.size) for r in runs
-                for seconds, one, _, before in [r.option.cost(*where)]
-                if min(one, before) <= r.limit]
+        fits = [(price.seconds, price.seconds * r.option.sub.size) for r in runs
+                for price in [r.option.cost(*where)] if min(price.one, price.before) <= r.limit]
         if not fits:
             return math.inf
         least_time += n * min(f[0] for f in fits)

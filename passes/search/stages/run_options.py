@@ -7,7 +7,7 @@ session.
 Example::
 
     option = RunOption(axis, sub, (1, 8), parts)
-    seconds, one, further, before = option.cost(True, 3, False)
+    price = option.cost(True, 3, False)      # seconds, one, further, before, update
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from distgraph.mesh import ProcessMesh
-from distgraph.passes.cost.stage import stage_cost, stage_costs
+from distgraph.passes.cost.stage import StagePrice, stage_cost, stage_costs
 from distgraph.passes.search.stages.stage_dp import Submesh
 
 
@@ -34,15 +34,14 @@ class RunOption:
     # or priced from: where RunCosts.refine refines (None: here)
     origin: tuple | None = field(default=None, compare=False, repr=False)
 
-    def cost(self, with_first: bool, blocks: int, with_last: bool) -> tuple:
-        """(seconds per micro-batch, GB with one micro-batch in flight, GB per further
-        micro-batch in flight, GB with one in flight where every forward runs first) of
-        ``[E] + blocks + [H]`` here (:func:`~distgraph.passes.cost.stage.stage_cost`: E
-        or H may be a share under virtual stages)."""
+    def cost(self, with_first: bool, blocks: int, with_last: bool) -> StagePrice:
+        """The :class:`~distgraph.passes.cost.stage.StagePrice` of ``[E] + blocks + [H]``
+        here (:func:`~distgraph.passes.cost.stage.stage_cost`: E or H may be a share
+        under virtual stages)."""
         return stage_cost(self.parts, with_first, blocks, with_last)
 
     def costs(self, with_first: bool, n: int, with_last: bool) -> np.ndarray:
-        """(n + 1, 4): row m is :meth:`cost` ``(with_first, m, with_last)``, m = 0 .. n."""
+        """(n + 1, 5): row m is :meth:`cost` ``(with_first, m, with_last)``, m = 0 .. n."""
         return stage_costs(self.parts, with_first, n, with_last)
 
     def __str__(self):

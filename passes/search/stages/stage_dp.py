@@ -85,7 +85,9 @@ class StageCost:
 
 @dataclass(frozen=True)
 class StageChoice:
-    """One pipeline stage: its layers, submesh, devices, time and peak memory per device."""
+    """One pipeline stage: its layers, submesh, devices, seconds per micro-batch (the
+    update's share included: ``update / M``), peak memory per device (GB) and its
+    update's seconds once a step."""
 
     layers: range
     mesh: str
@@ -93,6 +95,7 @@ class StageChoice:
     device_ids: tuple[int, ...]
     time: float
     memory: float
+    update: float = 0.0
 
     def __str__(self):
         last = self.layers.stop - 1
@@ -368,11 +371,13 @@ def _place(stages, meshes, micro_batches, runs) -> StagePlan:
                 fill[r] += m
     out = []
     for j, (k, i, o) in enumerate(stages):
-        # a run option's row has the memory where all forwards run first (terms.held)
-        t, mem, act, *before = o.at(k, i)
+        # a run option's row has the memory where all forwards run first (stage.held)
+        # and its update's seconds once a step
+        t, mem, act, *rest = o.at(k, i)
         out.append(StageChoice(range(k, i + 1), o.sub.mesh.name, o.sub.shape, placed[j], float(t),
-                         float(held(mem, act, in_flight("1F1B", micro_batches, total, j),
-                                    micro_batches, *before))))
+                               float(held(mem, act, in_flight("1F1B", micro_batches, total, j),
+                                          micro_batches, *rest[:1])),
+                               float(rest[1]) if len(rest) > 1 else 0.0))
     return StagePlan(tuple(out), step_time([s.time for s in out], micro_batches),
                      micro_batches, runs)
 

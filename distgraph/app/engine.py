@@ -97,7 +97,12 @@ class Engine:
         path = plan if plan is not None else self._launch.plan_file
         self._plan_file = None if path is None else read_plan_file(path)  # checked whole
         if self._plan_file is not None:
-            self.strategy = _file_strategy(self._plan_file, strategy)
+            try:
+                self.strategy = _file_strategy(self._plan_file, strategy)
+            except DistGraphError as e:
+                if self._launch.plan is not None:      # distgraph run --plan's check says it
+                    plan_report.write_failure(e, self._launch.plan)
+                raise
             if self.world_size > 1:          # in a job: one of its size
                 self._plan_file.check_world(self.world_size)
         self._plans = PlanCache()
@@ -172,9 +177,13 @@ class Engine:
         try:
             if self._plan_file is not None and mode is Mode.TRAIN and \
                     self._launch.plan is not None and self._launch.plan.check:
-                # distgraph run --plan, before any rank starts: the file fits this script?
+                # distgraph run --plan, before any rank starts: the file fits this script,
+                # and its plan is made whole (no rank's program compiled): what the
+                # ranks would refuse is refused here
                 self._plan_file.check_program(built)
                 self._plan_file.check_cluster(self._file_cluster())
+                load_plan(self._plan_file, built, self._file_cluster(), ranks=(),
+                          world_size=self._plan_file.world_size)
                 plan_report.write_checked(self._launch.plan)
                 raise plan_report.PlanReported()
             if self._plan_file is not None and mode is Mode.TRAIN:

@@ -147,6 +147,16 @@ def test_the_reduced_cluster_holds_the_machines_left():
     assert [m.hostname for m in reduced.machines] == ["node1"]
 
 
+def test_a_link_group_reduces_to_the_devices_left():
+    """gpu_2x8's machines hold their 8 GPUs in one NVLink group: node1 with 4 GPUs left
+    keeps the group's pairs among them."""
+    reduced = subcluster(Cluster.from_file(ROOT / "resources" / "clusters" / "gpu_2x8.yaml"),
+                         [Machine("node1", 4)])
+    assert [d.global_id for d in reduced.devices] == [8, 9, 10, 11]
+    assert (reduced.bandwidth(8, 11), reduced.latency(8, 11)) == (300.0, 2.0)
+    assert [g.members for g in reduced.machines[0].links.groups] == [(8, 9, 10, 11)]
+
+
 def test_a_file_without_links_inside_its_machines_reduces_to_either_machine(tmp_path):
     """The devices of a machine reach each other through its shared memory, whatever the
     file lists: a file the job started with is also a cluster of the machines left (it

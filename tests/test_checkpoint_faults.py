@@ -191,3 +191,18 @@ def test_an_unwritable_folder_is_refused_at_fit_start_not_at_the_first_save(tmp_
             engine.fit(P.Tokens(), batch_size=4, verbose=0,
                        callbacks=[dg.callbacks.ModelCheckpoint(path, every_n_steps=3)])
         assert engine.global_step == 0
+
+
+def test_a_saves_cleanup_keeps_the_folder_the_metadata_on_disk_names(float64, tmp_path):
+    """Whatever folder a save believes it committed, the one metadata.json names stays: a
+    reader of that metadata finds its files (two writers used to delete each other's)."""
+    from distgraph.app import checkpoint
+
+    engine = gpt_engine()
+    engine.save(tmp_path / "ckpt")
+    named = json.loads((tmp_path / "ckpt" / "metadata.json").read_text())["data"]
+    (tmp_path / "ckpt" / "data-step0-other").mkdir()
+    checkpoint._cleanup(str(tmp_path / "ckpt"), "data-step0-other")
+    assert sorted(os.listdir(tmp_path / "ckpt")) == sorted([".lock", "data-step0-other", named,
+                                                             "metadata.json"])
+    assert verify(tmp_path / "ckpt").ok

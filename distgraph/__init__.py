@@ -63,7 +63,7 @@ _PUBLIC = {
     "Cluster": "distgraph.resources.cluster",
     "get_rank": "distgraph.runtime.launch.status",
     "get_world_size": "distgraph.runtime.launch.status",
-    "CheckpointError": "distgraph.app.checkpoint",
+    "CheckpointError": "distgraph.errors",
     "PlanFileError": "distgraph.errors",
     "from_pretrained": "distgraph.app.pretrained", "save_pretrained": "distgraph.app.pretrained",
 }

@@ -185,6 +185,7 @@ class ProgressBar(Callback):
         self._start, self._samples, self._count = time.perf_counter(), 0, 0
         self._peak = None
         self._epoch, self._done = epoch, logs.get("batch", 0) if logs else 0
+        self.steps = (logs or {}).get("steps", self.steps)   # (a dataset that changed length)
         self._lines = self.bar and self._active() and \
             not is_terminal(self.file or sys.stderr)
         if self.bar and self._active() and not self._lines:
@@ -246,11 +247,14 @@ class ModelCheckpoint(Callback):
     """``engine.save(path)`` every ``every_n_steps`` optimizer steps, or at the end of
     every epoch when ``every_n_steps`` is None. ``path`` may hold ``{step}`` and
     ``{epoch}`` to keep several checkpoints; otherwise each save replaces the last one
-    atomically. Runs on every rank (saving is collective).
+    atomically. Runs on every rank (saving is collective). From the start of ``fit`` to
+    its end the job holds ``path`` (:mod:`distgraph.app.checkpoint_lock`): a path that
+    cannot be written, or that another job holds, stops the fit at its start.
 
     In an elastic job restarted after a failure (``engine.elastic_restart`` > 0), the
-    fit first loads the newest complete checkpoint at ``path`` (``engine.resume``),
-    resharded into the new plan, and goes on from its step; the script is unchanged."""
+    fit first loads the newest checkpoint at ``path`` that verifies completely
+    (``engine.resume``: a damaged one is skipped, saying why), resharded into the new
+    plan, and goes on from its step; the script is unchanged."""
 
     def __init__(self, path, every_n_steps: int | None = None):
         if every_n_steps is not None and int(every_n_steps) < 1:

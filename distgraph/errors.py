@@ -62,3 +62,8 @@ class PlanFileError(PlanError):
     def __init__(self, message: str, path: str | None = None):
         super().__init__(message)
         self.path = path
+
+
+class CheckpointError(DistGraphError):
+    """A checkpoint that cannot be written (an unwritable directory, one another job
+    holds), read (damaged: a file cut short, a flipped bit) or does not fit the model."""

@@ -21,7 +21,9 @@ program without any search:
    PlanFileError naming the op), ZeRO over the file's mesh dims, the file's stage chunks
    and rank mapping, partition, schedule, estimate; or, for a plan made without search,
    the planner as for the annotated model;
-4. the result checked against the file's: the same stages and micro-batch count.
+4. the result checked against the file's: the same stages and micro-batch count, and
+   (a file this version wrote) the same estimated step time and peak memory: an edit of
+   those figures, or of a strategy field that changes the plan (``sharding``), is said.
 
 Nothing here imports the search (:mod:`distgraph.passes.search`): loading never runs it.
 
@@ -35,11 +37,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 
 from distgraph.errors import DoesNotFit, PlanError, PlanFileError, ShardingError
 from distgraph.passes.planner import cyclic_collector_paused, plan
 from distgraph.passes.prepare import prepare
 from distgraph.plan.file import PlanFile
+from distgraph.version import __version__
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,7 +161,9 @@ def _annotate(program, saved: PlanFile) -> None:
 
 
 def _check_result(planned, saved: PlanFile) -> None:
-    """The plan made must be the one saved: its stages and micro-batch count."""
+    """The plan made must be the one saved: its stages and micro-batch count, and, when
+    this distgraph wrote the file (another version may price the same decisions
+    otherwise), its estimate's step time and peak memory."""
     result = saved.result
     if tuple(planned.stages) != result["stages"]:
         raise saved.fault(f"its decisions make stages {[str(m) for m in planned.stages]}, "
@@ -169,3 +175,13 @@ def _check_result(planned, saved: PlanFile) -> None:
     if planned.world_size != saved.world_size:
         raise saved.fault(f"its decisions make a plan of {planned.world_size} processes, "
                           f"the file says {saved.world_size}")
+    est = planned.estimate
+    if est is None or saved.written_by != __version__:
+        return
+    for key, got in (("step_time", est.step_time),
+                     ("peak_memory", max(p.peak_memory for p in est.processes))):
+        said = result.get(key)
+        if said is not None and not math.isclose(said, got, rel_tol=1e-9):
+            raise saved.fault(f"result.{key} is {said}, but its decisions make a plan of "
+                              f"{key} {got}: the file was edited (its strategy, decisions or "
+                              f"result)", "save the plan again")

@@ -35,8 +35,9 @@ import numpy as np
 from distgraph.errors import PlanError
 from distgraph.keywords import keywords_checked
 from distgraph.resources.elements import (COMPUTE_TYPES, DEVICE_TYPES, NETWORK_TYPES, Device,
-                                          DeviceMesh, FrozenMap, InvalidCluster, Link, Machine,
-                                          Switch, _ranges, _set)
+                                          DeviceMesh, FrozenMap, InvalidCluster, Link,
+                                          LinkGroup, Links, Machine, Overlaps, Switch, _ranges,
+                                          _set, clique)
 from distgraph.resources import describe as _describe, schema as _schema
 from distgraph.resources.gpus import detect_gpus
 from distgraph.resources.symmetry import ReducedPaths
@@ -47,7 +48,7 @@ if TYPE_CHECKING:
 # The value classes live in elements.py and are re-exported here, so that
 # `from distgraph.resources.cluster import Cluster, Device, Link` is the one import needed.
 __all__ = ["COMPUTE_TYPES", "DEVICE_TYPES", "NETWORK_TYPES", "Cluster", "Device", "DeviceMesh",
-           "FrozenMap", "InvalidCluster", "Link", "Machine", "Switch"]
+           "FrozenMap", "InvalidCluster", "Link", "LinkGroup", "Links", "Machine", "Switch"]
 
 # Defaults of Cluster.local: rough figures for one CPU rank, not measurements
 # (`distgraph cluster calibrate` measures them). Shared-memory MPI moves a few GB/s
@@ -78,7 +79,7 @@ class Cluster:
     """
 
     machines: tuple[Machine, ...]
-    links: tuple[Link, ...] = ()
+    links: Links = ()
     switches: tuple[Switch, ...] = ()
     device_meshes: tuple[DeviceMesh, ...] | None = None
     name: str = ""
@@ -86,7 +87,7 @@ class Cluster:
 
     def __post_init__(self):
         _set(self, "machines", tuple(self.machines))
-        _set(self, "links", tuple(self.links))
+        _set(self, "links", Links(self.links))
         _set(self, "switches", tuple(self.switches))
         _set(self, "calibration", FrozenMap(self.calibration))
         self._check_nodes()
@@ -134,11 +135,12 @@ class Cluster:
     def _check_links(self):
         owner = {nid: m.id for m in self.machines for nid in m.node_ids}
         switch_ids = {s.global_id for s in self.switches}
-        pairs: set[tuple[int, int]] = set()
+        overlaps = Overlaps()
         groups = [(f"machines[{i}].links", m.links, m.id) for i, m in enumerate(self.machines)]
         for where, links, machine in groups + [("links", self.links, None)]:
-            for j, ln in enumerate(links):
+            for j, ln in enumerate(links.elements):
                 key = f"{where}[{j}]"
+                inside: dict[int, int] = {}     # machine -> an endpoint in it
                 for end in ln.endpoints:
                     if end not in owner and (machine is not None or end not in switch_ids):
                         raise InvalidCluster(key, f"endpoint {end} is not defined",
@@ -148,16 +150,20 @@ class Cluster:
                         raise InvalidCluster(key, f"endpoint {end} belongs to machine "
                                              f"{owner[end]}", "links between machines under "
                                              "the top-level 'links'")
-                if machine is None and ln.source in owner and ln.target in owner \
-                        and owner[ln.source] == owner[ln.target]:
-                    raise InvalidCluster(key, f"both endpoints are in machine "
-                                         f"{owner[ln.source]}", "it under that machine's links")
-                if ln.endpoints in pairs:
-                    raise InvalidCluster(key, f"link {ln.source}-{ln.target} is given twice",
+                    if machine is None and end in owner:
+                        if owner[end] in inside:
+                            raise InvalidCluster(key, f"both endpoints of link "
+                                                 f"{inside[owner[end]]}-{end} are in machine "
+                                                 f"{owner[end]}", "it under that machine's "
+                                                 "links")
+                        inside[owner[end]] = end
+                found = overlaps.add(ln, key)
+                if found is not None:
+                    (a, b), other = found[1], found[0]
+                    raise InvalidCluster(key, f"link {a}-{b} is given twice (also at {other})",
                                          "each pair of endpoints linked once")
-                pairs.add(ln.endpoints)
         compute = [d.global_id for d in self.devices]
-        reach = _reachable(compute[0], self.all_links)   # implied shared memory included
+        reach = _reachable(compute[0], self._elements)   # implied shared memory included
         lost = [g for g in compute if g not in reach]
         if lost:
             raise InvalidCluster("links", f"devices {_ranges(lost)} cannot reach device "
@@ -260,13 +266,20 @@ class Cluster:
     @property
     def all_links(self) -> list[Link]:
         """Links inside every machine (the file's, then the shared memory implied between
-        devices they leave apart: :attr:`implied_links`), then links between machines."""
-        implied = self.implied_links
-        return [ln for m in self.machines for ln in m.links + implied.get(m.id, ())] \
-            + list(self.links)
+        devices they leave apart: :attr:`implied_links`), then links between machines;
+        one per pair of endpoints (a group's made one by one: see :attr:`_elements`)."""
+        return [ln for e in self._elements
+                for ln in (e.links() if isinstance(e, LinkGroup) else (e,))]
 
     @cached_property
-    def implied_links(self) -> dict[int, tuple[Link, ...]]:
+    def _elements(self) -> tuple:
+        """:attr:`all_links` as given: Links and LinkGroups (what scales with devices)."""
+        implied = self.implied_links
+        return tuple(e for m in self.machines for e in m.links.elements + implied.get(m.id, ())) \
+            + self.links.elements
+
+    @cached_property
+    def implied_links(self) -> dict[int, tuple]:
         """Machine id -> the shared-memory links (type ``SHM``) between its compute
         devices that its own links do not join: the devices of one machine always reach
         each other (the ranks on them share its memory), whatever the file lists. A file
@@ -274,7 +287,9 @@ class Cluster:
         another machine's links, so still plans with the other machine lost (an elastic
         restart on the machines left). Figures: :data:`LOCAL_BANDWIDTH_GBPS` and
         :data:`LOCAL_LATENCY_US` between CPUs, :data:`LOCAL_STAGED_LATENCY_US` (host
-        staging) where an end is an accelerator. They are not written to files.
+        staging) where an end is an accelerator. They are not written to files. Where
+        the file joins none of a machine's devices, of one kind (CPUs, or none), they are
+        one :class:`LinkGroup` of all of them.
 
         Example::
 
@@ -285,14 +300,23 @@ class Cluster:
         """
         out = {}
         for m in self.machines:
-            joined = _components(m.node_ids, m.links)
-            links = tuple(Link(a.global_id, b.global_id, LOCAL_BANDWIDTH_GBPS,
-                               LOCAL_LATENCY_US if a.type == b.type == "CPU"
-                               else LOCAL_STAGED_LATENCY_US, "SHM")
-                          for i, a in enumerate(m.devices) for b in m.devices[i + 1:]
-                          if joined[a.global_id] != joined[b.global_id])
-            if links:
-                out[m.id] = links
+            joined = _components(m.node_ids, m.links.elements)
+            devices = m.devices
+            part = np.array([joined[d.global_id] for d in devices])
+            parts = len(set(part.tolist()))
+            cpus = {d.type == "CPU" for d in devices}
+            if parts < 2:
+                continue
+            if parts == len(devices) and len(cpus) == 1:
+                latency = LOCAL_LATENCY_US if cpus == {True} else LOCAL_STAGED_LATENCY_US
+                out[m.id] = (clique([d.global_id for d in devices], LOCAL_BANDWIDTH_GBPS,
+                                    latency, "SHM"),)
+                continue
+            out[m.id] = tuple(Link(a.global_id, devices[j].global_id, LOCAL_BANDWIDTH_GBPS,
+                                   LOCAL_LATENCY_US if a.type == devices[j].type == "CPU"
+                                   else LOCAL_STAGED_LATENCY_US, "SHM")
+                              for i, a in enumerate(devices)
+                              for j in (np.flatnonzero(part[i + 1:] != part[i]) + i + 1).tolist())
         return out
 
     @cached_property
@@ -312,7 +336,7 @@ class Cluster:
     def _paths(self) -> ReducedPaths:
         # Interchangeable machines are computed once (see symmetry.py): a 16,384-GPU
         # cluster's paths come from some 300 nodes instead of 32,800.
-        return ReducedPaths(self.machines, self.switches, self.all_links)
+        return ReducedPaths(self.machines, self.switches, self._elements)
 
     def _check_ids(self, ids) -> np.ndarray:
         try:
@@ -454,17 +478,25 @@ class Cluster:
                             "'CPU' (its cores as ranks) or 'GPU' (its CUDA GPUs)")
         devices = tuple(Device(i, i, 0, "CPU", LOCAL_MODEL, LOCAL_GFLOPS, LOCAL_MEMORY_GB)
                         for i in range(nprocs))
-        links = tuple(Link(i, j, LOCAL_BANDWIDTH_GBPS, LOCAL_LATENCY_US, "SHM")
-                      for i in range(nprocs) for j in range(i + 1, nprocs))
+        links = (clique(range(nprocs), LOCAL_BANDWIDTH_GBPS, LOCAL_LATENCY_US, "SHM"),) \
+            if nprocs > 1 else ()
         return cls(machines=(Machine(0, "localhost", devices, links),), name=f"local{nprocs}")
+
+
+def _joining(links):
+    """Pairs of endpoints that join what ``links`` (Links and LinkGroups) join: a
+    group's members one after the other (enough for who reaches whom)."""
+    for ln in links:
+        ends = ln.endpoints
+        yield from zip(ends, ends[1:])
 
 
 def _reachable(start: int, links) -> set[int]:
     """The nodes joined to ``start`` by ``links`` (a breadth-first walk)."""
     near: dict[int, list[int]] = {}
-    for ln in links:
-        near.setdefault(ln.source, []).append(ln.target)
-        near.setdefault(ln.target, []).append(ln.source)
+    for a, b in _joining(links):
+        near.setdefault(a, []).append(b)
+        near.setdefault(b, []).append(a)
     seen, todo = {start}, [start]
     while todo:
         for other in near.get(todo.pop(), ()):
@@ -484,9 +516,9 @@ def _components(nodes, links) -> dict[int, int]:
             n = root[n]
         return n
 
-    for ln in links:
-        if ln.source in root and ln.target in root:
-            root[find(ln.source)] = find(ln.target)
+    for a, b in _joining(links):
+        if a in root and b in root:
+            root[find(a)] = find(b)
     return {n: find(n) for n in nodes}
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 
-from distgraph.resources.elements import _ranges
+from distgraph.resources.elements import LinkGroup, _ranges
 
 MAX_MACHINE_ROWS = 16
 MAX_PAIRS_SHOWN = 3
@@ -85,12 +85,12 @@ def _link_rows(cluster) -> list[str]:
     groups: dict[tuple, list] = {}
     implied = cluster.implied_links      # not in the file: said so in the type column
     for m in cluster.machines:
-        for ln in m.links:
+        for ln in m.links.elements:
             groups.setdefault(("inside", ln.type, ln.bandwidth, ln.latency), []).append((m.id, ln))
         for ln in implied.get(m.id, ()):
             groups.setdefault(("inside", f"{ln.type} (implied)", ln.bandwidth, ln.latency),
                               []).append((m.id, ln))
-    for ln in cluster.links:
+    for ln in cluster.links.elements:
         groups.setdefault(("between", ln.type, ln.bandwidth, ln.latency), []).append((None, ln))
     rows = []
     for (scope, ltype, bw, lat), members in groups.items():
@@ -101,10 +101,12 @@ def _link_rows(cluster) -> list[str]:
                      else f"inside each of machines {_ranges(ids)}")
         else:
             where = "between machines"
-        pairs = ", ".join(f"{ln.source}-{ln.target}" for _, ln in members[:MAX_PAIRS_SHOWN])
+        pairs = ", ".join(f"each pair of {_ranges(ln.members)}" if isinstance(ln, LinkGroup)
+                          else f"{ln.source}-{ln.target}" for _, ln in members[:MAX_PAIRS_SHOWN])
         if len(members) > MAX_PAIRS_SHOWN:
             pairs += ", ..."
-        rows.append([where, ltype or "-", _fmt(bw), _fmt(lat), str(len(members)), pairs])
+        count = sum(ln.count if isinstance(ln, LinkGroup) else 1 for _, ln in members)
+        rows.append([where, ltype or "-", _fmt(bw), _fmt(lat), str(count), pairs])
     if not rows:
         return ["  (none)"]
     return _table(["where", "type", "GB/s", "latency us", "count", "pairs"], rows)

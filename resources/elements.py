@@ -12,7 +12,9 @@ Example::
 
 from __future__ import annotations
 
+import itertools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Mapping
 
@@ -160,6 +162,178 @@ class Link:
 
 
 @dataclass(frozen=True)
+class LinkGroup:
+    """Every pair of ``members`` joined alike (``bandwidth`` GB/s, ``latency`` µs): a
+    resource file's ``group`` link, or the shared memory of a machine whose devices the
+    file joins by nothing. It is held as one value, not ``n (n - 1) / 2`` links, so a
+    machine of 10,000 devices all linked to each other costs 10,000 ids. ``members`` are
+    stored sorted.
+
+    Example::
+
+        >>> g = LinkGroup((2, 0, 1), bandwidth=300, latency=2, type="NVL")
+        >>> g.members, g.count, [ln.endpoints for ln in g.links()]
+        ((0, 1, 2), 3, [(0, 1), (0, 2), (1, 2)])
+    """
+
+    members: tuple[int, ...]
+    bandwidth: float
+    latency: float
+    type: str = ""
+
+    def __post_init__(self):
+        members = tuple(sorted(int(m) for m in self.members))
+        where = f"link group {_ranges(members)}"
+        if len(members) < 2 or len(set(members)) != len(members):
+            raise InvalidCluster(where, f"got members {list(self.members)}",
+                                 "at least two different endpoints")
+        if not (self.bandwidth > 0 and math.isfinite(self.bandwidth)):
+            raise InvalidCluster(f"{where}.bandwidth", f"got {self.bandwidth}",
+                                 "a finite number of GB/s > 0")
+        if not (self.latency >= 0 and math.isfinite(self.latency)):
+            raise InvalidCluster(f"{where}.latency", f"got {self.latency}",
+                                 "a finite number of µs >= 0")
+        _set(self, "members", members)
+        _set(self, "bandwidth", float(self.bandwidth))
+        _set(self, "latency", float(self.latency))
+
+    @property
+    def endpoints(self) -> tuple[int, ...]:
+        return self.members
+
+    @property
+    def count(self) -> int:
+        """The links it stands for."""
+        return len(self.members) * (len(self.members) - 1) // 2
+
+    def links(self):
+        """Its links, one per pair of members (an iterator: there may be millions)."""
+        m = self.members
+        for i, a in enumerate(m):
+            for b in m[i + 1:]:
+                yield Link(a, b, self.bandwidth, self.latency, self.type)
+
+
+def clique(members, bandwidth: float, latency: float, type: str = "") -> "Link | LinkGroup":
+    """Every pair of ``members`` joined alike: one Link for two, else a LinkGroup."""
+    members = tuple(members)
+    if len(members) == 2:
+        return Link(members[0], members[1], bandwidth, latency, type)
+    return LinkGroup(members, bandwidth, latency, type)
+
+
+class Links(Sequence):
+    """The links of a machine or between machines, as given: ``pairs`` (Link) and
+    ``groups`` (LinkGroup). Read as a sequence it is every link they make, the pairs
+    first, then each group's (``len``, indexing and iteration make a group's links as
+    they go); code that must scale reads ``pairs`` and ``groups`` (``elements``: both).
+    Equal to Links (or a sequence of links) that make the same links, however written."""
+
+    def __init__(self, items=()):
+        pairs, groups = [], []
+        for item in items:
+            if isinstance(item, Links):
+                pairs += item.pairs
+                groups += item.groups
+            elif isinstance(item, LinkGroup):
+                groups.append(item)
+            elif isinstance(item, Link):
+                pairs.append(item)
+            else:
+                raise InvalidCluster("links", f"got {item!r}", "Link or LinkGroup values")
+        self.pairs, self.groups = tuple(pairs), tuple(groups)
+
+    @property
+    def elements(self) -> tuple:
+        return self.pairs + self.groups
+
+    def __len__(self) -> int:
+        return len(self.pairs) + sum(g.count for g in self.groups)
+
+    def __iter__(self):
+        yield from self.pairs
+        for g in self.groups:
+            yield from g.links()
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return tuple(self)[index]
+        n = len(self)
+        k = index + n if index < 0 else index
+        if not 0 <= k < n:
+            raise IndexError("link index out of range")
+        if k < len(self.pairs):
+            return self.pairs[k]
+        k -= len(self.pairs)
+        for g in self.groups:
+            if k < g.count:
+                return next(itertools.islice(g.links(), k, None))
+            k -= g.count
+        raise IndexError("link index out of range")
+
+    def __eq__(self, other):
+        if isinstance(other, (tuple, list)):
+            other = Links(other)
+        if not isinstance(other, Links):
+            return NotImplemented
+        if self.pairs == other.pairs and self.groups == other.groups:
+            return True
+        # the same links written otherwise (a group, or its pairs one by one)
+        return len(self) == len(other) and set(self) == set(other)
+
+    def __hash__(self):
+        # what equal Links share however they are written: their count and endpoints
+        return hash((len(self), frozenset(e for ln in self.elements for e in ln.endpoints)))
+
+    def __repr__(self):
+        return f"Links({list(self.elements)!r})"
+
+
+class Overlaps:
+    """Finds a pair of endpoints that two links (Link or LinkGroup) both join, without
+    listing a group's pairs: :meth:`add` gives the earlier link's ``key`` and the pair,
+    or None."""
+
+    def __init__(self):
+        self.pairs: dict = {}          # (a, b) -> key of the Link
+        self.partners: dict = {}       # node -> [(other end, key)] of its Links
+        self.groups_of: dict = {}      # node -> [index into self.groups]
+        self.groups: list = []         # (member set, key)
+
+    def add(self, link, key):
+        """Record ``link`` (given at ``key``); the overlap with an earlier one, if any."""
+        if isinstance(link, Link):
+            a, b = link.endpoints
+            if (a, b) in self.pairs:
+                return self.pairs[a, b], (a, b)
+            in_a, in_b = self.groups_of.get(a), self.groups_of.get(b)
+            common = in_b and in_a and set(in_a).intersection(in_b)
+            if common:
+                return self.groups[min(common)][1], (a, b)
+            self.pairs[a, b] = key
+            for end, other in ((a, b), (b, a)):
+                if end in self.partners:
+                    self.partners[end].append((other, key))
+                else:
+                    self.partners[end] = [(other, key)]
+            return None
+        members = set(link.members)
+        shared: dict = {}
+        for m in link.members:
+            for other, k in self.partners.get(m, ()):
+                if other in members:
+                    return k, (min(m, other), max(m, other))
+            for g in self.groups_of.get(m, ()):
+                if g in shared:
+                    return self.groups[g][1], (shared[g], m)
+                shared[g] = m
+        for m in link.members:
+            self.groups_of.setdefault(m, []).append(len(self.groups))
+        self.groups.append((members, key))
+        return None
+
+
+@dataclass(frozen=True)
 class Switch:
     """A network switch between machines: routes traffic, hosts no process."""
 
@@ -169,19 +343,20 @@ class Switch:
 
 @dataclass(frozen=True)
 class Machine:
-    """A host: compute ``devices``, network interfaces ``nics`` and the ``links`` among them."""
+    """A host: compute ``devices``, network interfaces ``nics`` and the ``links`` among them
+    (a :class:`Links`: pairs and groups)."""
 
     id: int
     hostname: str
     devices: tuple[Device, ...]
-    links: tuple[Link, ...] = ()
+    links: Links = ()
     nics: tuple[Device, ...] = ()
     addr: str = ""
     port: int | None = None
 
     def __post_init__(self):
         _set(self, "devices", tuple(self.devices))
-        _set(self, "links", tuple(self.links))
+        _set(self, "links", Links(self.links))
         _set(self, "nics", tuple(self.nics))
 
     @property

@@ -44,11 +44,12 @@ def load_cluster(path, make):
         raise ResourceFileError(f"{source}: cannot read the file ({err}); expected a readable "
                                 "UTF-8 text file") from None
     data = _parse(source, text)
-    return cluster_from_data(data, make, source, line_map(text))
+    return cluster_from_data(data, make, source, lambda: line_map(text))
 
 
-def cluster_from_data(data, make, source: str = "<dict>", lines: dict[str, int] | None = None):
-    """Build a Cluster with ``make`` from parsed content, in Paddle's format or distgraph's."""
+def cluster_from_data(data, make, source: str = "<dict>", lines=None):
+    """Build a Cluster with ``make`` from parsed content, in Paddle's format or distgraph's;
+    ``lines``: key path -> line, or the function that makes that map (see Reader)."""
     if is_paddle_format(data):
         return cluster_from_paddle(data, Reader(source, lines, lenient_numbers=True), make)
     return cluster_from_dict(data, Reader(source, lines), make)

@@ -132,6 +132,8 @@ def compact(machines: list[dict], links: list[dict], switch_ids: set[int]):
     out."""
     by_source: dict[int, list[tuple[int, dict]]] = {}
     for j, ln in enumerate(links):
+        if "group" in ln:           # a group between machines: written as it is
+            continue
         for end, other in (("source", "target"), ("target", "source")):
             if ln[other] in switch_ids and ln[end] not in switch_ids:
                 by_source.setdefault(ln[end], []).append((j, ln))

@@ -37,16 +37,23 @@ def _show(value) -> str:
 
 
 class Reader:
-    """Validating accessors over plain data; ``lines`` maps key paths to line numbers.
+    """Validating accessors over plain data; ``lines`` maps key paths to line numbers (or
+    is a function that makes that map: called once, when an error first needs a line, as
+    a valid file of 10,000 devices need not be parsed a second time for them).
 
     ``lenient_numbers`` also accepts numbers written as strings (Paddle's files do that).
     """
 
-    def __init__(self, source: str, lines: dict[str, int] | None = None,
-                 lenient_numbers: bool = False):
+    def __init__(self, source: str, lines=None, lenient_numbers: bool = False):
         self.source = source
-        self.lines = lines or {}
+        self._lines = lines or {}
         self.lenient_numbers = lenient_numbers
+
+    @property
+    def lines(self) -> dict[str, int]:
+        if callable(self._lines):
+            self._lines = self._lines()
+        return self._lines
 
     @property
     def default_name(self) -> str:

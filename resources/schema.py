@@ -2,8 +2,9 @@
 
 Parsing checks every key, type and reference and reports the key path of the first
 problem; the Cluster constructor then checks what needs the whole picture (device meshes,
-connectivity). ``cluster_to_dict`` writes the canonical form: one entry per link (no
-``group`` shorthand), every optional key that carries information.
+connectivity). ``cluster_to_dict`` writes the canonical form: one entry per link or
+link group (a ``group`` stays one entry, whatever its size), every optional key that
+carries information.
 
 Example::
 
@@ -18,11 +19,11 @@ Example::
 from __future__ import annotations
 
 from dataclasses import replace
-from itertools import combinations
 
 from distgraph.ops import registered_ops     # the package: every op registered
 from distgraph.resources.elements import (COMPUTE_TYPES, SOFTWARE_KINDS, Device, DeviceMesh,
-                                          InvalidCluster, Link, Machine, Switch)
+                                          InvalidCluster, Link, LinkGroup, Machine, Overlaps,
+                                          Switch, clique)
 from distgraph.resources.groups import compact as _compact, expand as _expand_group
 from distgraph.resources.reader import Reader, join
 
@@ -99,13 +100,12 @@ def cluster_from_dict(data, reader: Reader, make):
         gid = reader.integer(s, "global_id", key)
         ids.define(gid, key, None)
         switches.append(Switch(gid, reader.string(s, "name", key, default="")))
-    pairs: dict[tuple[int, int], str] = {}
+    pairs = Overlaps()          # every pair of endpoints linked once
     machines = []
     for (mid, hostname, addr, port, devices, nics, raw_links), key, node in parsed:
         if isinstance(raw_links, tuple):          # a moved node: node 0's links moved
             shift = raw_links[0]
-            links = tuple(Link(ln.source + shift, ln.target + shift, ln.bandwidth,
-                               ln.latency, ln.type) for ln in machines[-1].links)
+            links = tuple(_shifted_link(ln, shift) for ln in machines[-1].links.elements)
         else:
             links = _links(reader, raw_links, join(key, "links"), mid, ids, pairs, node)
         machines.append(Machine(mid, hostname, devices, links, nics, addr, port))
@@ -139,6 +139,7 @@ def _machine(reader: Reader, raw, key: str, index: int, ids: _Ids, node: str = "
     port = reader.integer(m, "port", key, default=None)
     devices = []
     local_seen: dict = {}
+    per_type: dict = {}          # devices of each type so far: the default local id
     raw_devices = reader.sequence(reader.get(m, "devices", key), join(key, "devices"),
                                   "a list of devices", nonempty=True)
     for j, raw_dev in enumerate(raw_devices):
@@ -146,8 +147,8 @@ def _machine(reader: Reader, raw, key: str, index: int, ids: _Ids, node: str = "
         d = reader.mapping(raw_dev, dkey, DEVICE_KEYS)
         gid = reader.integer(d, "global_id", dkey)
         dtype = reader.string(d, "type", dkey, choices=COMPUTE_TYPES)
-        local = reader.integer(d, "local_id", dkey,
-                               default=sum(1 for x in devices if x.type == dtype))
+        local = reader.integer(d, "local_id", dkey, default=per_type.get(dtype, 0))
+        per_type[dtype] = per_type.get(dtype, 0) + 1
         model = reader.string(d, "model", dkey, default="")
         _shared_local(reader, local_seen, (dtype, local), model, join(dkey, "local_id"))
         memory = reader.number(d, "memory", dkey, strict=True, unit="GB")
@@ -215,15 +216,16 @@ def _unique_local(reader: Reader, seen: dict, slot: tuple[str, int], key: str):
 
 
 def _links(reader: Reader, raw_links: list, key: str, machine: int | None, ids: _Ids,
-           pairs: dict, node: str = "") -> tuple[Link, ...]:
+           pairs: Overlaps, node: str = "") -> tuple:
     """Links of one machine (``machine`` = its id) or between machines (None)."""
     return tuple(ln for j, raw in enumerate(raw_links)
                  for ln in _link(reader, raw, join(key, j), machine, ids, pairs, node))
 
 
-def _link(reader: Reader, raw, lkey: str, machine: int | None, ids: _Ids, pairs: dict,
-          node: str = "") -> list[Link]:
-    """The links one entry at ``lkey`` gives: one pair, or all pairs of a group."""
+def _link(reader: Reader, raw, lkey: str, machine: int | None, ids: _Ids, pairs: Overlaps,
+          node: str = "") -> list:
+    """The link one entry at ``lkey`` gives: a Link, or a LinkGroup (all pairs of a
+    group: one value, whatever its size)."""
     ln = reader.mapping(raw, lkey, LINK_KEYS)
     bandwidth = reader.number(ln, "bandwidth", lkey, strict=True, unit="GB/s")
     latency = reader.number(ln, "latency", lkey, unit="µs")
@@ -238,26 +240,38 @@ def _link(reader: Reader, raw, lkey: str, machine: int | None, ids: _Ids, pairs:
                 for i, g in enumerate(members)]
         if len({e for e, _ in ends}) != len(ends) or len(ends) < 2:
             reader.fail(gkey, f"got {members}", "at least two different global ids")
-        endpoint_pairs = [(a, b) for a, b in combinations(ends, 2)]
     else:
         a = (_endpoint(reader, ln, "source", lkey, machine, ids), join(lkey, "source"))
         b = (_endpoint(reader, ln, "target", lkey, machine, ids), join(lkey, "target"))
         if a[0] == b[0]:
             reader.fail(b[1], f"source and target are both {a[0]}", "two different ids")
-        endpoint_pairs = [(a, b)]
-    out = []
-    for (s, skey), (t, _tkey) in endpoint_pairs:
-        if machine is None and ids.machine[s] is not None and ids.machine[s] == ids.machine[t]:
-            reader.fail(skey, f"both ends of link {s}-{t}{node} are in machine "
-                        f"{ids.machine[s]}", "links inside a machine under that machine's "
-                        "'links'")
-        pair = (min(s, t), max(s, t))
-        if pair in pairs:
-            reader.fail(lkey, f"link {pair[0]}-{pair[1]}{node} is also given at "
-                        f"{pairs[pair]}", "each pair of endpoints linked once")
-        pairs[pair] = lkey + node
-        out.append(Link(s, t, bandwidth, latency, ltype))
-    return out
+        ends = [a, b]
+    if machine is None:
+        inside: dict = {}          # machine -> an end in it, and its key
+        for e, ekey in ends:
+            m = ids.machine[e]
+            if m is not None and m in inside:
+                first, fkey = inside[m]
+                reader.fail(fkey, f"both ends of link {first}-{e}{node} are in machine "
+                            f"{m}", "links inside a machine under that machine's 'links'")
+            if m is not None:
+                inside[m] = (e, ekey)
+    out = clique([e for e, _ in ends], bandwidth, latency, ltype) if "group" in ln \
+        else Link(ends[0][0], ends[1][0], bandwidth, latency, ltype)
+    found = pairs.add(out, lkey + node)
+    if found is not None:
+        other, (a, b) = found
+        reader.fail(lkey, f"link {a}-{b}{node} is also given at {other}",
+                    "each pair of endpoints linked once")
+    return [out]
+
+
+def _shifted_link(ln, shift: int):
+    """Link (or group) ``ln`` of node 0 of a node group, for the node ``shift`` ids on."""
+    if isinstance(ln, LinkGroup):
+        return LinkGroup(tuple(m + shift for m in ln.members), ln.bandwidth, ln.latency,
+                         ln.type)
+    return Link(ln.source + shift, ln.target + shift, ln.bandwidth, ln.latency, ln.type)
 
 
 def _endpoint(reader: Reader, data: dict, name, key: str, machine: int | None, ids: _Ids) -> int:
@@ -299,7 +313,7 @@ def cluster_to_dict(cluster, compact: bool = False) -> dict:
     if cluster.name:
         out["name"] = cluster.name
     machines = [_machine_dict(m) for m in cluster.machines]
-    links = [_link_dict(ln) for ln in cluster.links]
+    links = [_link_dict(ln) for ln in cluster.links.elements]
     groups = []
     if compact:
         machines, groups, links = _compact(machines, links,
@@ -386,14 +400,15 @@ def _machine_dict(m: Machine) -> dict:
     if m.nics:
         out["nics"] = [{"global_id": n.global_id, "local_id": n.local_id,
                         **({"model": n.model} if n.model else {})} for n in m.nics]
-    if m.links:
-        out["links"] = [_link_dict(ln) for ln in m.links]
+    if m.links.elements:
+        out["links"] = [_link_dict(ln) for ln in m.links.elements]
     return out
 
 
-def _link_dict(ln: Link) -> dict:
-    out = {"source": ln.source, "target": ln.target, "bandwidth": _num(ln.bandwidth),
-           "latency": _num(ln.latency)}
+def _link_dict(ln) -> dict:
+    ends = {"group": list(ln.members)} if isinstance(ln, LinkGroup) else \
+        {"source": ln.source, "target": ln.target}
+    out = {**ends, "bandwidth": _num(ln.bandwidth), "latency": _num(ln.latency)}
     if ln.type:
         out["type"] = ln.type
     return out

@@ -375,3 +375,42 @@ def test_float64_samples_for_a_float32_model_are_cast_and_said_once(capsys):
     data32.x, data32.y = data32.x.astype(np.float32), data32.y.astype(np.float32)
     assert mlp_fit(data32).losses == casted            # the same numbers as float32 data
     assert capsys.readouterr().err == ""
+
+
+NAN_TOKEN = """
+import numpy as np
+import distgraph as dg
+
+class Tokens:
+    '''Token ids and next-token labels; sample 5's ids come as floats with a NaN.'''
+    def __init__(self, n=32):
+        self.x = np.random.default_rng(0).integers(0, 32, size=(n, 17))
+    def __len__(self):
+        return len(self.x)
+    def __getitem__(self, i):
+        ids, labels = self.x[i, :-1], self.x[i, 1:]
+        if i == 5:
+            ids = ids.astype("float32")
+            ids[3] = np.nan
+        return ids, labels
+
+mesh = dg.ProcessMesh([0, 1], dim_names=["dp"])
+dg.seed(0)
+model = dg.nn.GPT(vocab_size=32, d_model=16, n_layer=1, n_head=2, max_seq_len=16)
+engine = dg.Engine(model, loss=dg.nn.CrossEntropyLoss(), optimizer=dg.optim.SGD(0.1))
+engine.fit(dg.shard_dataloader(Tokens(), mesh, shard_dims="dp"), batch_size=8, verbose=0)
+"""
+
+
+@pytest.mark.mpi
+def test_a_nan_among_token_ids_names_the_sample_and_field(tmp_path):
+    """Data parallel on 2 ranks: rank 1 reads sample 5 (rows 4..7 of batch 0), whose ids
+    hold a NaN; the job ends naming the sample, the field and the position (not the
+    embedding's IndexError), serially alike."""
+    said = ("dataset sample 5 field 0 at position [3] is nan, but field 0 holds integers "
+            "(ids or labels, as in dataset sample 0): fix or drop that sample")
+    rc, out = run_user(tmp_path, NAN_TOKEN, 2)
+    assert rc != 0 and said in out and "IndexError" not in out, out
+    rc, out = run_user(tmp_path, NAN_TOKEN.replace("dg.shard_dataloader(Tokens(), mesh, "
+                                                   "shard_dims=\"dp\")", "Tokens()"), 1)
+    assert rc != 0 and said in out, out

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -46,10 +47,16 @@ def test_a_checkpoint_is_shard_files_and_metadata(float64, tmp_path):
     engine.fit(P.Tokens(), batch_size=4, epochs=1, verbose=0)
     engine.save(tmp_path / "ckpt")
     names = sorted(os.listdir(tmp_path / "ckpt"))
-    assert names[1] == "metadata.json" and names[0].startswith("data-step4-")
-    assert os.listdir(tmp_path / "ckpt" / names[0]) == ["rank-00000.bin"]
+    assert names[0] == ".lock" and names[2] == "metadata.json"      # the lock: no job holds it
+    assert names[1].startswith("data-step4-")
+    assert os.listdir(tmp_path / "ckpt" / names[1]) == ["rank-00000.bin"]
     meta = json.loads((tmp_path / "ckpt" / "metadata.json").read_text())
     assert meta["format"] == "distgraph-checkpoint" and meta["distgraph_version"]
+    shard = (tmp_path / "ckpt" / names[1] / "rank-00000.bin").read_bytes()
+    assert meta["files"] == {"rank-00000.bin": {"bytes": len(shard),
+                                                "crc32": f"{zlib.crc32(shard):08x}"}}
+    body = {k: v for k, v in meta.items() if k != "checksum"}
+    assert meta["checksum"] == f"{zlib.crc32(json.dumps(body, sort_keys=True, separators=(',', ':')).encode()):08x}"
     assert meta["training"] == {"step": 4, "epoch": 1, "batch": 0, "batch_size": 4,
                                 "shuffle": False, "drop_last": False,
                                 "steps_per_epoch": None, "dataset_size": 16}
@@ -246,7 +253,7 @@ def test_a_save_killed_midway_leaves_a_loadable_checkpoint(float64, tmp_path, po
     engine.fit(P.Tokens(), batch_size=4, epochs=engine.epoch + 1, verbose=0)
     assert engine.global_step == step + 4
     engine.save(tmp_path / "ckpt")
-    assert sorted(n[:5] for n in os.listdir(tmp_path / "ckpt")) == ["data-", "metad"]
+    assert sorted(n[:5] for n in os.listdir(tmp_path / "ckpt")) == [".lock", "data-", "metad"]
 
 
 def resume_check(directory, plan, serial_too=False):

@@ -11,12 +11,14 @@ import signal
 import subprocess
 import sys
 import time
+import zlib
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from distgraph.app.checkpoint import newest
+from distgraph.app.checkpoint import metadata_checksum
+from distgraph.app.checkpoint_verify import newest
 from distgraph.errors import PlanError
 from distgraph.resources.cluster import Cluster
 from distgraph.runtime.emulate.elastic import subcluster
@@ -145,6 +147,16 @@ def test_the_reduced_cluster_holds_the_machines_left():
     assert [m.hostname for m in reduced.machines] == ["node1"]
 
 
+def test_a_link_group_reduces_to_the_devices_left():
+    """gpu_2x8's machines hold their 8 GPUs in one NVLink group: node1 with 4 GPUs left
+    keeps the group's pairs among them."""
+    reduced = subcluster(Cluster.from_file(ROOT / "resources" / "clusters" / "gpu_2x8.yaml"),
+                         [Machine("node1", 4)])
+    assert [d.global_id for d in reduced.devices] == [8, 9, 10, 11]
+    assert (reduced.bandwidth(8, 11), reduced.latency(8, 11)) == (300.0, 2.0)
+    assert [g.members for g in reduced.machines[0].links.groups] == [(8, 9, 10, 11)]
+
+
 def test_a_file_without_links_inside_its_machines_reduces_to_either_machine(tmp_path):
     """The devices of a machine reach each other through its shared memory, whatever the
     file lists: a file the job started with is also a cluster of the machines left (it
@@ -173,18 +185,24 @@ def test_newest_chooses_the_complete_checkpoint_with_the_highest_step(tmp_path):
         (folder / "data-1").mkdir(parents=True)
         if complete:
             (folder / "data-1" / "rank-00000.bin").write_bytes(b"x")
-        meta = {"format": "distgraph-checkpoint", "data": "data-1",
+        meta = {"format": "distgraph-checkpoint", "version": 2, "data": "data-1",
                 "training": {"step": step},
+                "files": {"rank-00000.bin": {"bytes": 1, "crc32": f"{zlib.crc32(b'x'):08x}"}},
                 "tensors": {"w": {"shards": [{"file": "rank-00000.bin"}]}}}
+        meta["checksum"] = metadata_checksum(meta)
         (folder / "metadata.json").write_text(json.dumps(meta))
 
     fake("ckpt-4", 4)
     fake("ckpt-8", 8)
     fake("ckpt-12", 12, complete=False)            # its files are not all there
     (tmp_path / "ckpt-16").mkdir()                 # a save killed before its metadata
-    assert newest(str(tmp_path / "ckpt-{step}")) == str(tmp_path / "ckpt-8")
-    assert newest(str(tmp_path / "ckpt-4")) == str(tmp_path / "ckpt-4")
-    assert newest(str(tmp_path / "ckpt-16")) is None
+    path, skipped = newest(str(tmp_path / "ckpt-{step}"))
+    assert path == str(tmp_path / "ckpt-8")
+    assert [v.path for v in skipped] == [str(tmp_path / "ckpt-12")]
+    assert "rank-00000.bin is missing" in str(skipped[0])
+    assert newest(str(tmp_path / "ckpt-4")) == (str(tmp_path / "ckpt-4"), [])
+    path, skipped = newest(str(tmp_path / "ckpt-16"))
+    assert path is None and skipped[0].absent
 
 
 # ---- on an emulated cluster (root) --------------------------------------------------------

@@ -119,3 +119,72 @@ def test_the_total_under_distgraph_run(tmp_path):
                      "loaded [2] [8, 9, 10, 11]"], out
     assert out.count("the Engine has trained 2 epochs already; epochs=2 is the total to "
                      "reach: pass epochs=3 or more to train more") == 1, out
+
+
+CHANGING = with_prelude("""
+    import json
+
+    class Changing(Rows):
+        '''Rows whose length is ``lengths[e]`` from epoch e on (the last one after).'''
+        def __init__(self, lengths):
+            super().__init__(max(lengths))
+            self.lengths, self.epoch = lengths, 0
+        def __len__(self):
+            return self.lengths[min(self.epoch, len(self.lengths) - 1)]
+
+    class Epochs(dg.callbacks.Callback):
+        '''Tells the dataset the epoch that comes next; counts the steps of each.'''
+        def __init__(self, data):
+            self.data, self.steps = data, []
+        def on_epoch_begin(self, epoch, logs=None):
+            self.steps.append(0)
+        def on_epoch_end(self, epoch, logs=None):
+            self.data.epoch = epoch + 1
+        def on_step_end(self, step, logs=None):
+            self.steps[-1] += 1
+
+    def changing_fit(lengths, data_of=lambda d: d):
+        data = Changing(lengths)
+        epochs = Epochs(data)
+        engine = mlp_engine()
+        history = engine.fit(data_of(data), batch_size=4, epochs=3, shuffle=True, verbose=0,
+                             callbacks=[epochs])
+        return epochs.steps, history.losses
+
+    if __name__ == "__main__":
+        mesh = dg.ProcessMesh([0, 1], ["dp"])
+        steps, losses = changing_fit(json.loads(sys.argv[1]),
+                                     lambda d: dg.shard_dataloader(d, mesh, shard_dims="dp"))
+        if dg.get_rank() == 0:
+            print("CHANGING " + json.dumps({"steps": steps, "losses": losses}), flush=True)
+""")
+
+
+@pytest.mark.mpi
+def test_a_dataset_whose_length_changes_between_epochs_is_followed(tmp_path):
+    """Data parallel on 2 ranks, a dataset of 16 samples, then 32, then 24: each epoch
+    reads all it has (4, 8 and 6 steps), with the losses of a serial run of the same
+    data, and rank 0 says so; shrunk to 13, whose last batch of 1 the split cannot
+    divide, the job stops at the start of that epoch saying the length changed."""
+    import json
+    import types
+
+    rc, out = run_user(tmp_path, CHANGING, 2, "[16, 32, 24]")
+    assert rc == 0, out
+    got = json.loads(next(ln for ln in out.splitlines() if ln.startswith("CHANGING "))[9:])
+    assert got["steps"] == [4, 8, 6]
+    serial = types.ModuleType("changing")
+    exec(compile(CHANGING, "changing", "exec"), serial.__dict__)
+    steps, losses = serial.changing_fit([16, 32, 24])
+    assert steps == [4, 8, 6]
+    np.testing.assert_allclose(got["losses"], losses, rtol=1e-5)
+    assert out.count("the training dataset has 32 samples at the start of epoch 1, 16 at "
+                     "the start of the last: epoch 1 reads 8 batches of it") == 1, out
+    assert "has 24 samples at the start of epoch 2, 32 at the start of the last" in out
+
+    rc, out = run_user(tmp_path, CHANGING, 2, "[16, 13]")
+    assert rc != 0
+    assert ("the training dataset has 13 samples at the start of epoch 1, 16 at the start "
+            "of the last: the last batch of each epoch has 1 samples (dataset of 13, "
+            "batch_size 4), which") in out, out
+    assert "use a dataset of 12 or 14 samples" in out, out

@@ -158,8 +158,8 @@ def _edited(files, tmp_path, kind, edit) -> Path:
     return out
 
 
-def _refused_at_launch(path, tmp_path, *options, n=4, layers=()):
-    proc = cli("run", "-n", n, *options, "--plan", path, SCRIPT, "semi", tmp_path, *layers)
+def _refused_at_launch(path, tmp_path, *options, n=4, layers=(), kind="semi"):
+    proc = cli("run", "-n", n, *options, "--plan", path, SCRIPT, kind, tmp_path, *layers)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert not list(tmp_path.glob("rank-started.*")), "a rank started"
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
@@ -221,6 +221,75 @@ def test_a_file_for_another_program_is_refused_before_any_rank_starts(files, tmp
     is checked against the file: a GPT of 3 blocks for a plan of 2."""
     line = _refused_at_launch(files["semi"][1], tmp_path, layers=(3,))
     assert "the plan was made for 2 layers; the model has 3" in line
+
+
+def _three_entries(data):
+    """A 2-D weight's spec given three entries."""
+    row = next(r for r in data["decisions"]["values"] if r[0] == "blocks.0.mlp.fc1.weight")
+    data["specs"].append([[None, None, "mp"], []])
+    row[2] = len(data["specs"]) - 1
+
+
+def _device_4(data):
+    data["decisions"]["rank_mapping"] = [[0, 0, 1], [1, 2, 1], [2, 1, 1], [3, 4, 1]]
+
+
+def _zero_y(data):
+    data["decisions"]["zero_dim"] = "y"
+
+
+def _step_time(data):
+    data["result"]["step_time"] *= 0.5
+
+
+def _peak_memory(data):
+    data["result"]["peak_memory"] = 1
+
+
+def _refused_operand(data):
+    """The first qkv matmul (op #4) consumes its weight split over the contracted dim."""
+    op = next(o for o in data["decisions"]["ops"] if o[0] == 4)
+    data["specs"].append([["x", None], []])
+    op[2][1] = [op[2][1][0], len(data["specs"]) - 1]
+
+
+@pytest.mark.parametrize("kind, edit, said", [
+    ("semi", _three_entries, "input 1 spec [None, None, mp] has 3 dims, the notation gives "
+                             "it 2"),
+    ("semi", _device_4, "the rank mapping uses devices [4], but this job's 4 ranks own "
+                        "devices [0, 1, 2, 3]"),
+    ("semi", _zero_y, "decisions.zero_dim: 'y' is no mesh dim of the plan (its meshes have "
+                      "dims dp, mp)"),
+    ("semi", _step_time, "result.step_time is 0.00"),
+    ("semi", _peak_memory, "result.peak_memory is 1, but its decisions make a plan of "
+                           "peak_memory"),
+    ("full", _refused_operand, "op #4 matmul (blocks.0.attn.qkv) consumes "
+                               "'blocks.0.attn.qkv.weight' as [x, None] in the file, but its "
+                               "rules make it [None, None]"),
+])
+def test_a_file_edited_into_a_plan_that_cannot_run_is_refused_before_any_rank_starts(
+        files, tmp_path, kind, edit, said):
+    """The plan is made from the file once before the ranks start (no rank's program
+    compiled): what every rank would refuse after planning is refused there, in one line."""
+    line = _refused_at_launch(_edited(files, tmp_path, kind, edit), tmp_path, kind=kind)
+    assert said in line and "edited.json" in line, line
+
+
+def _sharding(data):
+    data["strategy"]["sharding"] = True
+
+
+def test_a_strategy_edited_in_the_file_is_said(files, tmp_path, float64, no_search):
+    """sharding=True written into a file saved without it: an Engine that takes the
+    file's Strategy makes another plan than the file's result says; one whose script
+    sets sharding=False is refused before any rank starts."""
+    path = _edited(files, tmp_path, "semi", _sharding)
+    with pytest.raises(dg.PlanFileError, match="result.step_time is .*, but its decisions "
+                                               "make a plan of step_time .*: the file was "
+                                               "edited"):
+        loading_engine(path).prepare(*specs())
+    line = _refused_at_launch(path, tmp_path)
+    assert "the Engine's Strategy(sharding=False) is not the plan file's (sharding=True" in line
 
 
 # -- refused before any search: Engine(plan=...) -----------------------------------------

@@ -171,6 +171,27 @@ def test_memory_needs(hetero):
     assert hetero.device(mapping.process_to_device[2]).type == "GPU"
 
 
+def test_a_device_too_small_for_any_process_is_named_with_why():
+    """local4 with device 3 given 1e-6 GB: four processes, three devices that hold one."""
+    cpu = dict(type="CPU", model="c", gflops={"float32": 1.0})
+    small = Machine(0, "a", [Device(i, i, 0, memory=1e-6 if i == 3 else 4.0, **cpu)
+                             for i in range(4)])
+    with pytest.raises(PlanError, match=r"the plan has 4 processes, but only 3 of the 4 "
+                                        r"devices of cluster '\(unnamed\)' can hold one: device 3 \(CPU "
+                                        r"c, 1e-06 GB\) has less memory than the 0.5 GB the "
+                                        r"smallest process needs"):
+        map_ranks(ProcessGraph(4, memory=[0.5, 1, 1, 1]), Cluster([small]))
+    # enough devices in all, but the big ones taken: the free ones are named, with why
+    mixed = Machine(0, "a", [Device(i, i, 0, memory=m, **cpu)
+                             for i, m in enumerate([8.0, 1.0, 1.0])])
+    with pytest.raises(PlanError, match=r"no free device is left for process \d \(any type, "
+                                        r"6 GB\): the free devices cannot hold it \(device \d "
+                                        r"\(CPU c, 1 GB\) has less memory than the 6 GB "
+                                        r"process \d needs"):
+        map_ranks(ProcessGraph(3, {(0, 1): 1e9, (1, 2): 1e9}, memory=[6, 6, 1]),
+                  Cluster([mixed]))
+
+
 # ---- oracles on small cases -------------------------------------------------------------
 def tiny_cluster():
     """2 machines x 3 CPUs; inside 10 GB/s 1 us, between (via a direct link) 1 GB/s 5 us;

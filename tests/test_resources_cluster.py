@@ -18,7 +18,8 @@ from hypothesis import given, settings, strategies as st
 
 import distgraph.resources
 from distgraph.errors import PlanError, ResourceFileError
-from distgraph.resources.cluster import Cluster, Device, FrozenMap, Link, Machine, Switch
+from distgraph.resources.cluster import (Cluster, Device, FrozenMap, Link, LinkGroup, Machine,
+                                        Switch)
 from distgraph.resources.paths import best_paths
 
 RESOURCES = os.path.dirname(distgraph.resources.__file__)
@@ -297,3 +298,28 @@ def test_group_shorthand_expands_to_all_pairs():
         list(itertools.combinations(range(4), 2))
     assert [d.local_id for d in c.devices] == [0, 1, 2, 3]
     assert np.all(c.path_matrices([0, 1, 2, 3])[0][~np.eye(4, dtype=bool)] == 5.0)
+
+
+@pytest.mark.parametrize("links, said", [
+    ([{"group": [0, 1, 2]}, {"source": 2, "target": 1}],
+     "machines[0].links[1]: link 1-2 is also given at machines[0].links[0]"),
+    ([{"group": [0, 1, 2]}, {"group": [3, 2, 1]}],
+     "machines[0].links[1]: link 1-2 is also given at machines[0].links[0]"),
+    ([{"source": 0, "target": 1}, {"group": [3, 1, 0]}],
+     "machines[0].links[1]: link 0-1 is also given at machines[0].links[0]"),
+])
+def test_a_pair_linked_twice_is_refused_however_the_links_are_written(links, said):
+    """Groups stay groups (never listed pair by pair), yet a pair in two of them, or in a
+    group and a single link, is one error naming both."""
+    data = {"machines": [{"hostname": "h", "devices": [
+        {"global_id": i, "type": "CPU", "memory": 1, "gflops": {"float32": 1}} for i in range(4)],
+        "links": [{**ln, "bandwidth": 5, "latency": 1} for ln in links]}]}
+    with pytest.raises(ResourceFileError, match=re.escape(said)):
+        Cluster.from_dict(data)
+    made = [LinkGroup(ln["group"], 5, 1) if "group" in ln else Link(ln["source"],
+                                                                   ln["target"], 5, 1)
+            for ln in links]
+    devices = [Device(i, i, 0, "CPU", "c", {"float32": 1.0}, 1.0) for i in range(4)]
+    with pytest.raises(ResourceFileError, match=r"machines\[0\].links\[1\]: link \d-\d is "
+                                                r"given twice \(also at machines\[0\]\.links\[0\]"):
+        Cluster([Machine(0, "h", devices, made)])

@@ -5,6 +5,7 @@ Oracles: the same cluster written node by node; all-pairs best paths on every no
 shipped 16,384-H100 file.
 """
 
+import json
 import os
 
 import numpy as np
@@ -230,3 +231,68 @@ def test_groups_do_not_change_the_written_out_a100_file():
     np.testing.assert_array_equal(rbw, bw)
     np.testing.assert_allclose(rlat, lat, rtol=1e-12)
     assert c._paths.reduced_nodes == 3 * 16 + 9
+
+
+# ---- twins: the devices of a machine that reach everything alike -------------------------
+def twin_machines(machines=2, gpus=12, shared=True) -> Cluster:
+    """``machines`` machines of ``gpus`` GPUs and two NICs, the first half of the GPUs on
+    NIC A, the rest on NIC B (PCIe), the NICs on one switch; the GPUs one NVLink group
+    (``shared``), or no links among them (shared memory, implied)."""
+    gpu = {"type": "GPU", "model": "G", "memory": 80, "gflops": {"bfloat16": 1000}}
+    step = gpus + 2
+    out, links = [], []
+    for m in range(machines):
+        base = m * step
+        ids = list(range(base, base + gpus))
+        inside = [{"source": g, "target": base + gpus + (k >= gpus // 2), "bandwidth": 25,
+                   "latency": 2} for k, g in enumerate(ids)]
+        if shared:
+            inside.append({"group": ids, "bandwidth": 300, "latency": 3, "type": "NVL"})
+        out.append({"hostname": f"n{m}", "devices": [{"global_id": g, **gpu} for g in ids],
+                    "nics": [{"global_id": base + gpus}, {"global_id": base + gpus + 1}],
+                    "links": inside})
+        links += [{"source": base + gpus + r, "target": 1000, "bandwidth": 40, "latency": 1}
+                  for r in range(2)]
+    return Cluster.from_dict({"machines": out, "switches": [{"global_id": 1000}],
+                              "links": links})
+
+
+@pytest.mark.parametrize("machines, shared", [(1, True), (3, True), (4, False), (1, False)])
+def test_twin_devices_give_the_full_matrices(machines, shared):
+    """Best paths from three devices of each twin class (and three machines of a kind)
+    equal the all-pairs matrices of every node, and so do the device meshes' worst pairs."""
+    cluster = twin_machines(machines, shared=shared)
+    ids, bw, lat = full_paths(cluster)
+    rbw, rlat = cluster.path_matrices(ids)
+    np.testing.assert_array_equal(rbw, bw)
+    np.testing.assert_allclose(rlat, lat, rtol=1e-12)
+    mesh = cluster.device_meshes[0]
+    assert list(zip(mesh.dim_bandwidths, mesh.dim_latencies)) == \
+        brute_mesh_dims(cluster, mesh)
+    for a in ids[:20]:
+        for b in ids[-20:]:
+            assert (cluster.bandwidth(a, b), cluster.latency(a, b)) == \
+                (bw[ids.index(a), ids.index(b)], lat[ids.index(a), ids.index(b)])
+    assert cluster._paths.reduced_nodes < len(ids)
+
+
+def test_a_machine_of_10000_devices_holds_its_links_as_one_group(tmp_path):
+    """One machine of 10,000 GPUs in one NVLink group (and one with no links at all:
+    shared memory implied): a group is one value, not 49,995,000 links, and the paths come
+    from three of its devices."""
+    gpu = {"type": "GPU", "model": "G", "memory": 80, "gflops": {"bfloat16": 1000}}
+    devices = [{"global_id": i, **gpu} for i in range(10000)]
+    for links, figures in (([{"group": list(range(10000)), "bandwidth": 300, "latency": 3,
+                              "type": "NVL"}], (300.0, 3.0)), ([], (10.0, 30.0))):
+        path = tmp_path / "big.json"
+        path.write_text(json.dumps({"machines": [{"hostname": "big", "devices": devices,
+                                                  "links": links}]}))
+        c = Cluster.from_file(path)
+        mesh = c.device_meshes[0]
+        assert mesh.shape == (10000,)
+        assert (mesh.dim_bandwidths[0], mesh.dim_latencies[0]) == figures
+        assert (c.bandwidth(0, 9999), c.latency(17, 4242)) == figures
+        assert c._paths.reduced_nodes == 3
+        links = c.machines[0].links if links else c.implied_links[0]
+        assert len(links) == 1 or len(links.groups) == 1
+        assert "49995000" in c.describe()

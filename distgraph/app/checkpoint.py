@@ -8,7 +8,9 @@ A checkpoint is a directory::
       data-<id>/rank-00001.bin   aligned offsets; one file per rank that wrote any
 
 ``metadata.json`` holds ``format``/``version``, ``distgraph_version``, ``data`` (the
-shard folder it commits), ``world_size``, and per tensor (``tensors``): ``shape``,
+shard folder it commits), ``world_size``, ``files`` (per shard file its ``bytes`` and
+``crc32``, as eight hex digits), ``checksum`` (the crc32 of the metadata itself:
+:func:`metadata_checksum`), and per tensor (``tensors``): ``shape``,
 ``dtype`` (numpy's byte-order-explicit string, e.g. ``<f8``), ``kind`` ("parameter" or
 "optimizer"), ``mesh`` (process ids, shape, dim names), ``spec`` (as ``[dp, None]``)
 and ``shards``: for each distinct block, the ``file``, byte ``offset``, ``start`` (global
@@ -20,14 +22,24 @@ lowest process id on a tie), which spreads replicated tensors over the ranks. Th
 seed, dropout seeds, the parameter generator's state).
 
 Saving is collective (every rank calls :func:`save`): each rank writes the blocks it
-owns into a temporary folder and fsyncs them; once every rank succeeded, rank 0 fsyncs
+owns into a temporary folder, computing its file's crc32 as it writes, and fsyncs it;
+once every rank succeeded (and sent its file's size and checksum), rank 0 fsyncs
 the folder, renames it to ``data-<id>``, writes ``metadata.json`` to a temporary file,
 fsyncs it and renames it over the old one (an atomic replace), then removes the previous
 data folder. A job killed at any moment leaves a ``metadata.json`` that names complete
-files: the previous checkpoint, or the new one.
+files: the previous checkpoint, or the new one. Rank 0 holds the checkpoint's lock
+while it saves (:mod:`distgraph.app.checkpoint_lock`), so a save of another job into the
+same directory is refused instead of deleting this one's files.
 
-Loading reads any block of any tensor (:meth:`CheckpointReader.read`) from the shards
-that overlap it, through memory maps, so a process of a new plan reads only its slices.
+The checksums are crc32 (zlib): it runs at several GB/s (cheaper than writing the
+bytes), catches every error of one to 32 neighbouring bits and misses other damage with
+a chance of 2**-32; with the recorded sizes that is what accidental damage (a flipped
+bit, a truncated or half-copied file) needs. It is no protection against tampering.
+Before a checkpoint is loaded, :mod:`distgraph.app.checkpoint_verify` checks them.
+
+Loading (once :func:`distgraph.app.checkpoint_verify.verify` found it whole) reads any
+block of any tensor (:meth:`CheckpointReader.read`) from the shards that overlap it,
+through memory maps, so a process of a new plan reads only its slices.
 The directory must be on a filesystem every rank sees.
 
 Example::
@@ -42,23 +54,22 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import zlib
 from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
 
-from distgraph.errors import DistGraphError
+from distgraph.app.checkpoint_lock import LOCK_NAME, Lock
+from distgraph.errors import CheckpointError
 
 FORMAT = "distgraph-checkpoint"
 GLOBAL_STATE = "optimizer@"      # optimizer states of no one parameter (optimizer@STEP)
-VERSION = 1
+VERSION = 2              # 2: checksums of the files and of the metadata
+READABLE = (1, 2)        # 1: written before checksums, read without verifying
 METADATA = "metadata.json"
 ALIGN = 64
 PHASE_TIMEOUT = 3600.0   # seconds a rank waits for the others to finish a phase of a save
-
-
-class CheckpointError(DistGraphError):
-    """A checkpoint cannot be written, read, or does not fit the model."""
 
 
 @dataclass(frozen=True)
@@ -130,30 +141,40 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+def metadata_checksum(meta: dict) -> str:
+    """The crc32 of a checkpoint's metadata without its ``checksum`` entry, as eight hex
+    digits: computed over its canonical JSON (sorted keys, no spaces), so what is checked
+    is the content that reading the file gives."""
+    body = {k: v for k, v in meta.items() if k != "checksum"}
+    return f"{zlib.crc32(json.dumps(body, sort_keys=True, separators=(',', ':')).encode()):08x}"
+
+
 def _is_ours(name: str) -> bool:
     return name == METADATA or name.startswith((".tmp-", "data-", METADATA + ".tmp-"))
 
 
-def _prepare(path: str, tmp: str) -> None:
+def _check_directory(path: str) -> None:
+    """A checkpoint directory holds only what saves put there (never a user's files,
+    which a save's cleanup could take for leftovers)."""
     if os.path.exists(path):
         if not os.path.isdir(path):
             raise CheckpointError(f"cannot save a checkpoint to {path}: it is a file; give a "
                                   f"directory path")
-        foreign = sorted(n for n in os.listdir(path) if not _is_ours(n))
+        foreign = sorted(n for n in os.listdir(path) if not _is_ours(n) and n != LOCK_NAME)
         if foreign:
             raise CheckpointError(f"cannot save a checkpoint to {path}: the directory holds "
                                   f"other files ({', '.join(foreign[:5])}); give a new or "
                                   f"checkpoint directory")
-    os.makedirs(tmp)
 
 
-def _write_files(tmp: str, rank: int, mine: list) -> None:
-    """Write this rank's blocks into its shard file, then fsync it."""
+def _write_files(tmp: str, rank: int, mine: list) -> tuple:
+    """Write this rank's blocks into its shard file, then fsync it: (1, its size, its
+    crc32), or (0, 0, 0) where the rank writes none."""
     if not mine:
-        return
+        return 0, 0, 0
+    size, crc = 0, 0
     with open(os.path.join(tmp, f"rank-{rank:05d}.bin"), "wb") as f:
         for e, block, offset in mine:
-            f.seek(offset)
             local = e.local if e.attr is not None else np.asarray(e.local)[block]
             data = np.asarray(local, dtype=np.dtype(e.dtype))
             if not data.flags.c_contiguous:      # (ascontiguousarray makes 0-d arrays 1-d)
@@ -162,9 +183,13 @@ def _write_files(tmp: str, rank: int, mine: list) -> None:
                 raise CheckpointError(f"{e.name}: this rank holds a block of shape "
                                       f"{list(data.shape)}, the layout says "
                                       f"{[s.stop - s.start for s in block]}")
-            f.write(memoryview(data).cast("B"))
+            for chunk in (bytes(offset - size), memoryview(data).cast("B")):
+                f.write(chunk)          # the alignment's zeros, then the block
+                crc = zlib.crc32(chunk, crc)
+            size = offset + data.nbytes
         f.flush()
         os.fsync(f.fileno())
+    return 1, size, crc
 
 
 def _publish_data(path: str, tmp: str, data: str) -> None:
@@ -185,51 +210,79 @@ def _write_metadata(path: str, meta: dict, token: str) -> None:
 
 def _cleanup(path: str, keep: str) -> None:
     """Remove what no committed metadata names: older data folders, leftovers of saves
-    that were killed."""
+    that were killed. The folder the metadata on disk names stays whatever ``keep`` says
+    (a reader of it must find its files)."""
+    try:
+        with open(os.path.join(path, METADATA)) as f:
+            named = json.load(f).get("data")
+    except (OSError, ValueError, AttributeError):
+        named = None
     for name in os.listdir(path):
-        if name != keep and name != METADATA and _is_ours(name):
+        if name not in (keep, named, METADATA) and _is_ours(name):
             full = os.path.join(path, name)
             shutil.rmtree(full) if os.path.isdir(full) else os.remove(full)
 
 
-class _Agreement:
+class Agreement:
     """Runs a phase on one or all ranks and makes every rank fail if any did."""
 
     def __init__(self, comm):
         self.comm = comm
         self.rank = comm.rank if comm is not None else 0
+        self.size = comm.size if comm is not None else 1
 
-    def phase(self, what: str, fn, on_ranks=None) -> None:
-        error = None
+    def phase(self, what: str, fn, on_ranks=None, width: int = 0) -> list:
+        """Run ``fn`` (on ``on_ranks``, else on every rank); raise on every rank if it
+        raised on any. ``width``: ``fn`` returns that many integers, and the phase
+        returns every rank's, in rank order (zeros where it did not run)."""
+        error, figures = None, [0] * width
         if on_ranks is None or self.rank in on_ranks:
             try:
-                fn()
+                result = fn()
+                if width:
+                    figures = [int(v) for v in result]
             except Exception as e:     # every rank must learn of it, whatever it was
                 error = e
         if self.comm is None:
             if error is not None:
                 raise _wrap(what, error)
-            return
-        group = tuple(range(self.comm.size))
-        # Writing a large checkpoint may take longer than the wait allowed for a step's
-        # collectives, so the ranks that finished first wait up to PHASE_TIMEOUT here.
-        timeout, self.comm.timeout = self.comm.timeout, max(self.comm.timeout, PHASE_TIMEOUT)
-        try:
-            flags = self.comm.all_gather(np.array([error is not None], dtype=np.int64), group)
-        finally:
-            self.comm.timeout = timeout
-        failed = [r for r, f in enumerate(flags.tolist()) if f]
+            return [figures]
+        rows = self.gather([error is not None, *figures])
+        failed = [r for r, row in enumerate(rows) if row[0]]
         if error is not None:
             raise _wrap(what, error)
         if failed:
             raise CheckpointError(f"{what} failed on rank(s) {failed}; see their errors")
+        return [row[1:] for row in rows]
+
+    def gather(self, values) -> list:
+        """Every rank's ``values`` (integers, as many on every rank), in rank order."""
+        arr = np.array([int(v) for v in values], dtype=np.int64)
+        if self.comm is None:
+            return [arr.tolist()]
+        got = self._long(lambda group: self.comm.all_gather(arr, group))
+        return np.asarray(got).reshape(self.comm.size, len(arr)).tolist()
+
+    def most(self, values) -> list:
+        """The largest of every rank's ``values`` (integers, as many on every rank)."""
+        arr = np.array([int(v) for v in values], dtype=np.int64)
+        if self.comm is None or not len(arr):
+            return arr.tolist()
+        return np.asarray(self._long(lambda group: self.comm.all_reduce(arr, group, op="max"))
+                          ).tolist()
+
+    def _long(self, collective):
+        # Writing or reading a large checkpoint may take longer than the wait allowed for
+        # a step's collectives, so the ranks that finished first wait up to PHASE_TIMEOUT.
+        timeout, self.comm.timeout = self.comm.timeout, max(self.comm.timeout, PHASE_TIMEOUT)
+        try:
+            return collective(tuple(range(self.comm.size)))
+        finally:
+            self.comm.timeout = timeout
 
     def token(self) -> int:
         value = int.from_bytes(os.urandom(6), "little") if self.rank == 0 else 0
-        if self.comm is None:
-            return value
-        arr = np.array([value], dtype=np.int64)
-        return int(self.comm.all_reduce(arr, tuple(range(self.comm.size)), op="max")[0])
+        return max(row[0] for row in self.gather([value]))
 
 
 def _wrap(what, error):
@@ -241,67 +294,91 @@ def _wrap(what, error):
 def save(path, entries, info: dict, comm=None) -> str:
     """Write a checkpoint of ``entries`` (every rank's, same names and layouts) plus the
     ``info`` sections into directory ``path``; collective when ``comm`` is given. Returns
-    the name of the committed data folder."""
+    the name of the committed data folder. A directory another job holds is refused."""
     path = os.path.abspath(os.fspath(path))
     entries = sorted(entries, key=lambda e: e.name)
-    agree = _Agreement(comm)
+    agree = Agreement(comm)
     step = int(info.get("training", {}).get("step", 0))
     token = f"step{step}-{agree.token():012x}"
     tmp, data = os.path.join(path, f".tmp-{token}"), f"data-{token}"
     tensors, writes = layout(entries)
     mine = writes.get(agree.rank, [])
-    agree.phase(f"preparing checkpoint directory {path}", lambda: _prepare(path, tmp),
-                on_ranks=(0,))
-    agree.phase(f"writing the shards of checkpoint {path}",
-                lambda: _write_files(tmp, agree.rank, mine))
-    meta = {"format": FORMAT, "version": VERSION, "distgraph_version": distgraph_version(),
-            "data": data, "world_size": comm.size if comm is not None else 1,
-            "tensors": tensors, **info}
+    lock = Lock(path)
 
-    def commit():
-        _publish_data(path, tmp, data)
-        _write_metadata(path, meta, token)
-        _cleanup(path, data)
+    def prepare():
+        _check_directory(path)
+        lock.acquire()
+        os.makedirs(tmp)
 
-    agree.phase(f"committing checkpoint {path}", commit, on_ranks=(0,))
+    try:
+        agree.phase(f"preparing checkpoint directory {path}", prepare, on_ranks=(0,))
+        written = agree.phase(f"writing the shards of checkpoint {path}",
+                              lambda: _write_files(tmp, agree.rank, mine), width=3)
+        files = {f"rank-{rank:05d}.bin": {"bytes": size, "crc32": f"{crc:08x}"}
+                 for rank, (wrote, size, crc) in enumerate(written) if wrote}
+        meta = {"format": FORMAT, "version": VERSION,
+                "distgraph_version": distgraph_version(), "data": data,
+                "world_size": agree.size, "files": files, "tensors": tensors, **info}
+        meta["checksum"] = metadata_checksum(meta)
+
+        def commit():
+            _publish_data(path, tmp, data)
+            _write_metadata(path, meta, token)
+            _cleanup(path, data)
+
+        agree.phase(f"committing checkpoint {path}", commit, on_ranks=(0,))
+    finally:
+        lock.release()
     return data
 
 
+def hold(path, comm=None) -> Lock:
+    """Take the lock of checkpoint directory (or series) ``path`` for a job that will
+    save there (``ModelCheckpoint``, at the start of ``fit``): on rank 0, after the checks
+    a save makes first; every rank raises when that fails. Returns the lock, held on rank
+    0, to release when the job is done saving. Collective when ``comm`` is given."""
+    path = os.path.abspath(os.fspath(path))
+    lock = Lock(path)
+
+    def take():
+        if "{" not in path:
+            _check_directory(path)
+        lock.acquire()
+
+    Agreement(comm).phase(f"taking checkpoint directory {path}", take, on_ranks=(0,))
+    return lock
+
+
 # -- loading -------------------------------------------------------------------------------
-def complete(path) -> dict | None:
-    """The metadata of the checkpoint at ``path`` when it is complete (its
-    ``metadata.json`` reads and every file it names exists), else None. A save killed
-    midway leaves the previous metadata, which names the previous files: still complete."""
+def read_metadata(path) -> dict:
+    """The metadata of the checkpoint at ``path``, checked against its checksum;
+    CheckpointError naming the file and what is wrong with it."""
+    path = os.path.abspath(os.fspath(path))
+    meta_path = os.path.join(path, METADATA)
+    if not os.path.isfile(meta_path):
+        what = "no such directory" if not os.path.isdir(path) else \
+            f"no {METADATA} in it (no save into it ever completed)"
+        raise CheckpointError(f"no checkpoint at {path}: {what}")
     try:
-        with open(os.path.join(path, METADATA)) as f:
-            meta = json.load(f)
-    except (OSError, ValueError):
-        return None
-    if meta.get("format") != FORMAT:
-        return None
-    data = os.path.join(path, meta.get("data", ""))
-    files = {s["file"] for t in meta.get("tensors", {}).values() for s in t.get("shards", [])}
-    if not all(os.path.isfile(os.path.join(data, name)) for name in files):
-        return None
+        with open(meta_path, "rb") as f:
+            meta = json.loads(f.read())
+    except OSError as e:
+        raise CheckpointError(f"cannot read {meta_path}: {e}") from None
+    except ValueError as e:
+        raise CheckpointError(f"{meta_path} is damaged: it does not parse as JSON "
+                              f"({e})") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise CheckpointError(f"{meta_path} is not a distgraph checkpoint (format "
+                              f"{meta.get('format') if isinstance(meta, dict) else None!r})")
+    if meta.get("version") not in READABLE:
+        raise CheckpointError(f"{meta_path} has checkpoint format version "
+                              f"{meta.get('version')}; this distgraph reads versions "
+                              f"{', '.join(map(str, READABLE))}")
+    if meta["version"] >= 2 and meta.get("checksum") != metadata_checksum(meta):
+        raise CheckpointError(f"{meta_path} is damaged: its content does not match its "
+                              f"checksum (recorded {meta.get('checksum')}, content "
+                              f"{metadata_checksum(meta)})")
     return meta
-
-
-def newest(pattern) -> str | None:
-    """The newest complete checkpoint at ``pattern``: a folder, or a path holding
-    ``{step}`` / ``{epoch}`` (``ModelCheckpoint``'s), of which the complete one with the
-    highest step wins; None when there is none."""
-    import glob
-    import re
-
-    pattern = str(pattern)
-    if "{" not in pattern:
-        return pattern if complete(pattern) is not None else None
-    found = []
-    for path in glob.glob(re.sub(r"\{[^}]*\}", "*", pattern)):
-        meta = complete(path)
-        if meta is not None:
-            found.append((int(meta.get("training", {}).get("step", 0)), path))
-    return max(found)[1] if found else None
 
 
 class CheckpointReader:
@@ -316,23 +393,7 @@ class CheckpointReader:
 
     def __init__(self, path, strip_prefix: str = "", prefix: str = ""):
         self.path = os.path.abspath(os.fspath(path))
-        meta_path = os.path.join(self.path, METADATA)
-        if not os.path.isfile(meta_path):
-            what = "no such directory" if not os.path.isdir(self.path) else \
-                f"no {METADATA} in it (no save into it ever completed)"
-            raise CheckpointError(f"no checkpoint at {self.path}: {what}")
-        try:
-            with open(meta_path) as f:
-                meta = json.load(f)
-        except (OSError, ValueError) as e:
-            raise CheckpointError(f"cannot read {meta_path}: {e}") from None
-        if meta.get("format") != FORMAT:
-            raise CheckpointError(f"{meta_path} is not a distgraph checkpoint (format "
-                                  f"{meta.get('format')!r})")
-        if meta.get("version") != VERSION:
-            raise CheckpointError(f"{meta_path} has checkpoint format version "
-                                  f"{meta.get('version')}; this distgraph reads version "
-                                  f"{VERSION}")
+        meta = read_metadata(self.path)
         self.meta = meta
         self.tensors = _renamed(meta["tensors"], strip_prefix, prefix)
         self.data_dir = os.path.join(self.path, meta["data"])

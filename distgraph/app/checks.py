@@ -74,11 +74,13 @@ def check_fields(model, n_fields: int, n_labels: int) -> None:
                          f"{', then the label' if n_labels else ''}")
 
 
-def stack_batch(samples: list, indices) -> list:
-    """Stack the fields of ``samples`` (dataset items ``indices``) into batch arrays."""
+def stack_batch(samples: list, indices, integer=()) -> list:
+    """Stack the fields of ``samples`` (dataset items ``indices``) into batch arrays;
+    ``integer``: the fields that hold integers (see :func:`stack_field`)."""
     fields = [[np.asarray(f) for f in s] for s in samples]
     check_field_counts(fields, indices)
-    return [stack_field([s[k] for s in fields], indices, k) for k in range(len(fields[0]))]
+    return [stack_field([s[k] for s in fields], indices, k, k in integer)
+            for k in range(len(fields[0]))]
 
 
 def check_field_counts(samples: list, indices) -> None:
@@ -91,9 +93,11 @@ def check_field_counts(samples: list, indices) -> None:
                                  "same fields (inputs, then labels)")
 
 
-def stack_field(arrays: list, indices, k: int):
+def stack_field(arrays: list, indices, k: int, integer: bool = False):
     """Field ``k`` of the samples ``indices`` (``arrays``, one per sample) as one batch
-    array; they must have equal shapes."""
+    array; they must have equal shapes. ``integer``: the field holds integers (ids,
+    labels: the dataset's first sample has them so), so every value must be a whole
+    finite number, whatever dtype a sample gives it in."""
     first = arrays[0]
     for i, a in zip(indices, arrays):
         if a.shape != first.shape:
@@ -101,7 +105,16 @@ def stack_field(arrays: list, indices, k: int):
                                  f"{list(a.shape)} but sample {int(indices[0])} has "
                                  f"{list(first.shape)}; samples of a batch must have equal "
                                  "shapes (pad or crop them)")
-    return np.stack(arrays)
+    batch = np.stack(arrays)
+    if integer and np.issubdtype(batch.dtype, np.inexact):
+        bad = ~np.isfinite(batch) | (batch != np.round(batch))
+        if bad.any():
+            row, *at = (int(x) for x in np.argwhere(bad)[0])
+            raise DistGraphError(f"dataset sample {int(indices[row])} field {k}"
+                                 f"{f' at position {at}' if at else ''} is "
+                                 f"{batch[(row, *at)]}, but field {k} holds integers (ids or "
+                                 f"labels, as in dataset sample 0): fix or drop that sample")
+    return batch
 
 
 class FeedCheck:

@@ -96,6 +96,7 @@ class DataLoader:
         self._ordered = sharding if sharding is not None and sharding.sequence_chunks > 1 \
             else None
         self._specs: dict = {}
+        self._fed = None
 
     def sample(self, i: int) -> list:
         """Dataset sample ``i``'s fields in order (a dict sample's at ``input_keys``), the
@@ -120,8 +121,10 @@ class DataLoader:
         rank reads only its shard of the samples)."""
         if rows is not None:
             idx = idx[rows]
-        batch = checks.stack_batch([self.sample(int(i)) for i in idx], idx)
-        return [np.asarray(a, dtype=_field_dtype(a)) for a in batch]
+        fed = self.fed_dtypes()
+        batch = checks.stack_batch([self.sample(int(i)) for i in idx], idx,
+                                   [k for k, t in enumerate(fed) if t == "int64"])
+        return [np.asarray(a, dtype=t) for a, t in zip(batch, fed)]
 
     def read(self, idx, reads) -> list:
         """The arrays ``reads`` (FieldReads) ask for of the batch of samples ``idx``, one
@@ -139,10 +142,18 @@ class DataLoader:
             if not len(rows):      # a process that runs no micro-batch of this batch
                 out.append(np.empty((0,)))
                 continue
+            fed = self.fed_dtypes()[r.field]
             batch = checks.stack_field([np.asarray(samples[int(p)][r.field]) for p in rows],
-                                       idx[rows], r.field)
-            out.append(np.asarray(batch[(slice(None),) + r.cut], dtype=_field_dtype(batch)))
+                                       idx[rows], r.field, fed == "int64")
+            out.append(np.asarray(batch[(slice(None),) + r.cut], dtype=fed))
         return out
+
+    def fed_dtypes(self) -> list:
+        """The dtype each field is fed in: its InputSpec's, from dataset sample 0 (every
+        sample's values are cast to it; an integer field takes whole numbers only)."""
+        if self._fed is None:
+            self._fed = [_field_dtype(a) for a in self.fields()]
+        return self._fed
 
     def epoch(self, epoch: int, rows: slice | None = None):
         """Batches of one epoch (see :meth:`load`)."""

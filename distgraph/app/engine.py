@@ -25,7 +25,8 @@ import numpy as np
 
 from distgraph.app import checkpoint, checks, plan_report, pretrained
 from distgraph.app.checkpoint import CheckpointReader
-from distgraph.app.checkpoint import newest as newest_checkpoint
+from distgraph.app.checkpoint_verify import newest as newest_checkpoint
+from distgraph.app.checkpoint_verify import verify
 from distgraph.app.loops import History, Loops
 from distgraph.app.plans import MODES, Mode, PlanCache, as_mode, idle_options, program_key
 from distgraph.app.resume import check_checkpoint, checkpoint_info, restore_info
@@ -101,7 +102,12 @@ class Engine:
         self.plan_file = None if path is None else str(path)
         self._plan_file = None if path is None else read_plan_file(path)  # checked whole
         if self._plan_file is not None:
-            self.strategy = _file_strategy(self._plan_file, strategy)
+            try:
+                self.strategy = _file_strategy(self._plan_file, strategy)
+            except DistGraphError as e:
+                if self._launch.plan is not None:      # distgraph run --plan's check says it
+                    plan_report.write_failure(e, self._launch.plan)
+                raise
             if self.world_size > 1:          # in a job: one of its size
                 self._plan_file.check_world(self.world_size)
         self._plans = PlanCache()
@@ -176,9 +182,13 @@ class Engine:
         try:
             if self._plan_file is not None and mode is Mode.TRAIN and \
                     self._launch.plan is not None and self._launch.plan.check:
-                # distgraph run --plan, before any rank starts: the file fits this script?
+                # distgraph run --plan, before any rank starts: the file fits this script,
+                # and its plan is made whole (no rank's program compiled): what the
+                # ranks would refuse is refused here
                 self._plan_file.check_program(built)
                 self._plan_file.check_cluster(self._file_cluster())
+                load_plan(self._plan_file, built, self._file_cluster(), ranks=(),
+                          world_size=self._plan_file.world_size)
                 plan_report.write_checked(self._launch.plan)
                 raise plan_report.PlanReported()
             if self._plan_file is not None and mode is Mode.TRAIN:
@@ -297,7 +307,9 @@ class Engine:
         (rank 0), 2 a line per epoch, 0 nothing. A
         short last batch trains on a plan of its own unless ``drop_last``; every batch
         shape (``valid_data``'s too) is planned before the first step, so one that the
-        data-parallel split cannot divide stops the call then, saying how to fix it.
+        data-parallel split cannot divide stops the call then, saying how to fix it. A
+        dataset whose length changes between epochs is followed: each epoch reads every
+        sample it has when the epoch starts (said in one line, its shapes planned then).
 
         ``input_keys``: for a dataset whose samples are dicts (a Hugging Face
         ``datasets.Dataset``, a list of dicts), the keys of the fields to feed, in order:
@@ -359,7 +371,9 @@ class Engine:
         """Write a checkpoint directory: every parameter and optimizer state (each rank
         writes its own shards), the training position, the optimizer's settings and
         learning-rate schedule, and the random state. Collective: call it on every rank.
-        Atomic: a job killed while saving leaves the previous checkpoint at ``path``."""
+        Atomic: a job killed while saving leaves the previous checkpoint at ``path``.
+        Each file is written with its crc32, checked when loaded. A directory that another
+        job is saving into is refused (CheckpointError naming that job)."""
         entries = []
         params = {n for n, _ in self.model.named_parameters()}
         for name, layout, local in self._held.entries():
@@ -411,13 +425,18 @@ class Engine:
         is, 0 the first, k after the k-th failure; None outside one."""
         return self._launch.restart
 
+    @checks.collective("Engine.resume()", alike=("path",))
     def resume(self, path) -> str | None:
-        """Load the newest complete checkpoint at ``path`` (a folder, or a path with
-        ``{step}`` / ``{epoch}``) when there is one; the path loaded, or None. A
-        checkpoint whose save was cut short is never chosen. Collective like ``load``."""
-        found = newest_checkpoint(path)
+        """Load the newest checkpoint at ``path`` (a folder, or a path with ``{step}`` /
+        ``{epoch}``) that verifies completely (every file whole, as its checksums say);
+        the path loaded, or None. Each newer one skipped (damaged, or its save cut short)
+        is named with the reason, in one line on rank 0. Collective like ``load``."""
+        found, skipped = newest_checkpoint(path, self._comm)
+        for verdict in skipped:
+            if not (verdict.absent and "{" not in str(path)):
+                self.warn(f"resume: skipped checkpoint {verdict.path}: {verdict}")
         if found is not None:
-            self.load(found)
+            self._load(found)
         return found
 
     @checks.collective("Engine.load()", alike=("path",))
@@ -426,13 +445,30 @@ class Engine:
         only its blocks when it next runs. Restores the step, the training position (the
         next ``fit(epochs=N)`` trains on from there until N epochs are done in all), the
         data order and the dropout seeds. The optimizer's settings stay the ones given to this Engine.
-        Collective like ``save``: call it on every rank.
+        Collective like ``save``: call it on every rank. Every file is checked against
+        its checksum first (the ranks share the reading): a damaged checkpoint is one
+        CheckpointError naming the file, and nothing of it is loaded.
 
         A checkpoint of the same model nested otherwise loads with its names renamed:
         ``strip_prefix="inner."`` drops that start of the checkpoint's names (saved
         from a wrapper layer whose ``inner`` is this model), ``prefix="inner."`` adds it
         (saved from the bare model, loaded into a wrapper)."""
+        verdict = verify(path, self._comm)
+        if verdict.absent:
+            raise checkpoint.CheckpointError(str(verdict))
+        if not verdict.ok:
+            raise checkpoint.CheckpointError(
+                f"checkpoint {verdict.path} is damaged, nothing of it was loaded: {verdict}. "
+                f"Load an older checkpoint (engine.resume(\"ck/step-{{step}}\") takes the "
+                f"newest one that is whole)")
+        self._load(path, strip_prefix, prefix)
+
+    def _load(self, path, strip_prefix: str = "", prefix: str = "") -> None:
         reader = CheckpointReader(path, strip_prefix=strip_prefix, prefix=prefix)
+        if reader.meta["version"] < checkpoint.VERSION:
+            self.warn(f"checkpoint {reader.path} was written before checkpoints had "
+                      f"checksums (format version {reader.meta['version']}): loaded "
+                      f"without checking its files; save it again to have them")
         check_checkpoint(self, reader)
         self._held.load(reader)
         restore_info(self, reader.info)

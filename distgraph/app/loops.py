@@ -38,6 +38,7 @@ import numpy as np
 
 from distgraph.annotation import ShardDataloader, checked_input_keys
 from distgraph.app import checks, plan_report
+from distgraph.app.checkpoint import hold
 from distgraph.app.data import DataLoader, FieldRead
 from distgraph.app.plans import Mode
 from distgraph.callbacks import CallbackList, ModelCheckpoint, ProgressBar
@@ -93,16 +94,35 @@ class Loops:
         self.check_data(Mode.TRAIN, loader)
         n_batches = len(loader) if steps_per_epoch is None else min(steps_per_epoch, len(loader))
         cbs = CallbackList(progress(verbose, callbacks) + list(callbacks or []), engine)
-        cbs.on_fit_start({"epochs": epochs, "batch_size": batch_size})   # may load a checkpoint
+        # the directories the fit will save into: held by this job until it returns
+        comm = engine.world() if engine.world_size > 1 else None
+        locks = [hold(cb.path, comm) for cb in cbs.callbacks if isinstance(cb, ModelCheckpoint)]
+        for lock in locks:
+            if lock.unsupported:
+                engine.warn(f"the filesystem of {lock.path} takes no locks "
+                            f"({lock.unsupported}): nothing stops another job from saving "
+                            f"there while this one does")
+        try:
+            return self._fit(loader, n_batches, epochs, steps_per_epoch, valid_data, cbs,
+                             drop_last, input_keys)
+        finally:
+            for lock in locks:
+                lock.release()
+
+    def _fit(self, loader, n_batches, epochs, steps_per_epoch, valid_data, cbs, drop_last,
+             input_keys) -> History:
+        """``fit`` once its callbacks hold their checkpoint directories."""
+        engine, callbacks = self.engine, cbs.callbacks
+        cbs.on_fit_start({"epochs": epochs, "batch_size": loader.batch_size})   # may load a checkpoint
         if engine.elastic_restart and engine.global_step == 0 and not any(
-                isinstance(cb, ModelCheckpoint) for cb in callbacks or ()):
+                isinstance(cb, ModelCheckpoint) for cb in callbacks):
             say_starting_over(engine)
         reached = self.position[0] >= epochs     # epochs is a total: nothing left to train
         if not reached:
             first_epoch, first_batch = self._start(loader, n_batches, steps_per_epoch)
-            self.fit_config = {"batch_size": batch_size, "shuffle": bool(shuffle),
+            self.fit_config = {"batch_size": loader.batch_size, "shuffle": bool(loader.shuffle),
                                "drop_last": bool(drop_last), "steps_per_epoch": steps_per_epoch,
-                               "dataset_size": len(train_data)}
+                               "dataset_size": len(loader.dataset)}
             if loader.input_keys is not None:     # dict samples: which fields were read
                 self.fit_config["input_keys"] = list(loader.input_keys)
             self.loaded = False
@@ -116,7 +136,7 @@ class Loops:
         valid_keys = input_keys if input_keys is not None or isinstance(
             valid_data, ShardDataloader) else loader.input_keys
         if valid_data is not None:       # validated at each epoch's end: planned now
-            valid = self.loader(valid_data, batch_size, drop_last=drop_last,
+            valid = self.loader(valid_data, loader.batch_size, drop_last=drop_last,
                                 input_keys=valid_keys, call="fit")
             self.check_data(Mode.EVAL, valid)
             self.plan_shapes(Mode.EVAL, valid, valid.indices(0))
@@ -146,8 +166,10 @@ class Loops:
                             "batch_size": loader.batch_size, "step": self.step})
         for epoch in range(first_epoch, epochs):
             start = first_batch if epoch == first_epoch else 0
+            if epoch != first_epoch:
+                n_batches = self.epoch_batches(loader, epoch, n_batches)
             self.position = (epoch, start)
-            cbs.on_epoch_begin(epoch, {"batch": start})
+            cbs.on_epoch_begin(epoch, {"batch": start, "steps": n_batches})
             losses, lr = [], None
             for b, idx in enumerate(loader.indices(epoch)[start:n_batches], start=start):
                 planned, runner, scope = self.ensure(Mode.TRAIN, loader, len(idx))
@@ -185,6 +207,34 @@ class Loops:
                 break
         cbs.on_train_end({"steps": len(history.losses), "step": self.step})
         return history
+
+    def epoch_batches(self, loader, epoch: int, before: int) -> int:
+        """The batches epoch ``epoch`` runs (``before``: the last epoch's). A dataset
+        whose length changed since the last epoch is followed: the epoch reads every
+        sample it has now, its batch shapes are planned first, and rank 0 says so in one
+        line. Every rank must see the same length (checked when there are several)."""
+        engine, config = self.engine, self.fit_config
+        n = len(loader.dataset)
+        if engine.world_size > 1:
+            comm = engine.world()
+            lengths = np.asarray(comm.all_gather(np.array([n], dtype=np.int64),
+                                                 tuple(range(comm.size)))).tolist()
+            if len(set(lengths)) > 1:
+                raise DistGraphError(f"at the start of epoch {epoch} the training dataset "
+                                     f"has {lengths} samples on ranks 0..{comm.size - 1}: "
+                                     f"every rank must read the same dataset")
+        if n == config["dataset_size"]:
+            return before
+        changed = (f"the training dataset has {n} samples at the start of epoch {epoch}, "
+                   f"{config['dataset_size']} at the start of the last")
+        steps = config["steps_per_epoch"]
+        batches = loader.indices(epoch)
+        n_batches = len(batches) if steps is None else min(steps, len(batches))
+        self.plan_shapes(Mode.TRAIN, loader, batches[:n_batches], changed)
+        config["dataset_size"] = n
+        engine.warn(f"{changed}: epoch {epoch} reads {n_batches} batches of it"
+                    + (" (steps_per_epoch)" if n_batches == steps else ""))
+        return n_batches
 
     def _start(self, loader, n_batches, steps_per_epoch) -> tuple:
         """(epoch, batch) to start at: where training stopped (``position``: the last
@@ -357,14 +407,15 @@ class Loops:
             check_world(plan, self.engine.world_size)
 
     # -- planning only ----------------------------------------------------------------------------
-    def plan_shapes(self, mode, loader, batches) -> None:
+    def plan_shapes(self, mode, loader, batches, changed: str = "") -> None:
         """Plan ``mode``'s program for every batch shape of ``batches`` (index arrays),
         the full batch first, before the first step: a batch that cannot be planned
-        stops the call now, never at the end of an epoch."""
+        stops the call now, never at the end of an epoch. ``changed``: why the shapes
+        are planned again (a dataset whose length changed), said first in an error."""
         for rows in sorted({len(idx) for idx in batches}, reverse=True):
-            self.plan_batch(mode, loader, rows)
+            self.plan_batch(mode, loader, rows, changed)
 
-    def plan_batch(self, mode, loader, rows: int) -> None:
+    def plan_batch(self, mode, loader, rows: int, changed: str = "") -> None:
         """Plan (without running) ``mode``'s program for a batch of ``rows`` samples.
 
         A short last batch runs on a plan of its own, as serial training would run it;
@@ -377,8 +428,9 @@ class Loops:
             if rows == loader.batch_size:
                 raise
             n, b = len(loader.dataset), loader.batch_size
-            last = (f"the last batch{' of each epoch' if mode is Mode.TRAIN else ''} has "
-                    f"{rows} samples (dataset of {n}, batch_size {b})")
+            each = " of each epoch" if mode is Mode.TRAIN else ""
+            last = (f"{changed}: " if changed else "") + \
+                f"the last batch{each} has {rows} samples (dataset of {n}, batch_size {b})"
             if not isinstance(e, BatchSplitError):
                 raise type(e)(f"{last} and cannot be planned: {e}. Pass drop_last=True, or "
                               f"use a dataset length that {b} divides") from None

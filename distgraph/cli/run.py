@@ -38,8 +38,8 @@ Engine created without a plan runs PATH's plan, made again without any search. B
 rank starts the file is read and checked whole (its format version, that it is complete
 and consistent), checked to have been made for N processes and, with --cluster, for
 FILE's cluster, and then for the script's program: the script runs once as one process
-until its Engine builds the training program, which is checked against the file (nothing
-is planned) and the script stopped.
+until its Engine builds the training program, which is checked against the file and its
+plan made from it (without search, compiling no rank's program), and the script stopped.
 
 With --report PAGE rank 0 writes its training plan's page there (Plan.report: one HTML
 file a browser opens from disk) once the Engine has planned, before the first step; with
@@ -227,9 +227,9 @@ def _check_plan_file(path, nprocs: int, cluster, cluster_path, argv: list | None
     """Refuse a plan file before any rank starts: one that cannot be read whole, of a
     newer format, made for another number of processes or (given) another cluster; then
     (unless ``argv`` is None) one made for another program: the script runs once as one
-    process, up to its Engine's first plan, which only checks the file against the
-    script's program and cluster (a launch context's ``PlanRequest(check=True)``) and
-    plans nothing."""
+    process, up to its Engine's first plan, which checks the file against the
+    script's program and cluster and makes its plan, compiling no rank's program (a
+    launch context's ``PlanRequest(check=True)``)."""
     from distgraph.cli.plan import script_report
     from distgraph.plan.file import read
     from distgraph.runtime.launch.context import LaunchContext, PlanRequest

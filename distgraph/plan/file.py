@@ -110,6 +110,7 @@ class PlanFile:
     decisions: Decisions
     rank_mapping: dict | None
     result: dict
+    written_by: str = ""        # the distgraph version that wrote the file
 
     def fault(self, what: str, fix: str = "") -> PlanFileError:
         """A PlanFileError about this file."""
@@ -327,9 +328,12 @@ class _Reader:
         stages = [self.mesh_at(m, f"result.stages[{k}]")
                   for k, m in enumerate(self.get(result, "stages", list, "result.stages"))]
         self.get(result, "micro_batches", int, "result.micro_batches")
+        for key in ("step_time", "peak_memory"):
+            if key in result:
+                self.get(result, key, (int, float, type(None)), f"result.{key}")
         result = dict(result, stages=tuple(stages))
         return PlanFile(self.path, version, world, program, cluster, strategy, decisions,
-                        mapping, result)
+                        mapping, result, str(data.get("distgraph", "")))
 
     def strategy(self, fields: dict) -> Strategy:
         known = {f.name for f in dataclasses.fields(Strategy)}
@@ -449,6 +453,11 @@ class _Reader:
             if not all(isinstance(n, str) for n in zero):
                 raise self.fault("decisions.zero_dim", f"expected mesh dim names, got {zero}")
             zero = tuple(zero)
+        dims = {n for m in self.meshes for n in m.dim_names}
+        unknown = [n for n in ((zero,) if isinstance(zero, str) else zero or ()) if n not in dims]
+        if unknown:
+            raise self.fault("decisions.zero_dim", f"{unknown[0]!r} is no mesh dim of the "
+                             f"plan (its meshes have dims {', '.join(sorted(dims))})")
         return Decisions(program, on, tuple(values), tuple(ops), chunks, zero), mapping
 
     def mapping(self, runs: list) -> dict:
@@ -480,7 +489,7 @@ def _is(value, kind) -> bool:
 def _kind_name(kind) -> str:
     kinds = kind if isinstance(kind, tuple) else (kind,)
     names = {dict: "an object", list: "a list", int: "an integer", str: "a string",
-             type(None): "null"}
+             float: "a number", type(None): "null"}
     return " or ".join(names.get(k, k.__name__) for k in kinds)
 
 

@@ -188,6 +188,26 @@ class _Problem:
                             f"but the largest such device of cluster {name!r} has "
                             f"{pool.max():g} GB; lower its memory need (more model "
                             f"parallelism, recompute) or use devices with more memory")
+        unfit = np.flatnonzero(~self.compat.any(axis=0))     # devices that hold no process
+        if g.num_processes > len(self.devices) - unfit.size:
+            raise PlanError(f"the plan has {g.num_processes} processes, but only "
+                            f"{len(self.devices) - unfit.size} of the {len(self.devices)} "
+                            f"devices of cluster {name!r} can hold one: "
+                            + "; ".join(self._unfit(d) for d in unfit[:5])
+                            + (f"; and {unfit.size - 5} more" if unfit.size > 5 else "")
+                            + ". Correct the resource file, or plan for fewer processes")
+
+    def _unfit(self, d: int, p: int | None = None) -> str:
+        """Why device ``d`` takes process ``p`` (None: any process) nowhere, in words."""
+        g, dev = self.graph, self.devices[d]
+        ps = range(g.num_processes) if p is None else [p]
+        wanted = {g.device_types[q] for q in ps} - {None}
+        what = f"device {dev.global_id} ({dev.type} {dev.model}, {dev.memory:g} GB)"
+        if wanted and dev.type not in wanted:
+            return f"{what} is not a {' or '.join(sorted(wanted))}"
+        need = min(g.memory[q] for q in ps)
+        return (f"{what} has less memory than the {need:g} GB "
+                + (f"process {p} needs" if p is not None else "the smallest process needs"))
 
     def neighbours(self, p: int):
         """(neighbour ids, their bytes with p); every term shares this sparsity."""
@@ -220,11 +240,14 @@ class _Problem:
         machines = {int(i): d.machine_id for i, d in zip(self.ids, self.devices)}
         return RankMapping(mapping, self.cost_of(dev_of), method, self.cluster.name, machines)
 
-    def no_device(self, p: int):
+    def no_device(self, p: int, free):
+        left = np.flatnonzero(free)
+        said = "; ".join(self._unfit(d, p) for d in left[:5]) or "none is left"
         raise PlanError(f"no free device is left for process {p} "
                         f"({self.graph.device_types[p] or 'any'} type, "
-                        f"{self.graph.memory[p]:g} GB): the processes with large memory needs "
-                        "take the only devices that fit them; lower the needs or add devices")
+                        f"{self.graph.memory[p]:g} GB): the free devices cannot hold it "
+                        f"({said}); the processes with large memory needs take the only "
+                        "devices that fit them; lower the needs or add devices")
 
 
 def map_ranks(process_graph: ProcessGraph, cluster: Cluster, *, devices=None,
@@ -286,7 +309,7 @@ def _greedy(prob: _Problem) -> np.ndarray:
         added = prob.added_cost(p, dev_of, placed)
         ok = free & prob.compat[p]
         if not ok.any():
-            prob.no_device(p)
+            prob.no_device(p, free)
         cand = np.where(ok, added, np.inf)
         best = cand.min()
         idx = np.flatnonzero(cand <= best + 1e-9 * abs(best))
@@ -385,7 +408,7 @@ def _bfs(prob: _Problem) -> np.ndarray:
             p = queue.popleft()
             ok = np.flatnonzero(free & prob.compat[p])
             if not ok.size:
-                prob.no_device(p)
+                prob.no_device(p, free)
             dev_of[p] = ok[0]
             free[ok[0]] = False
             for q in sorted(prob.neighbours(p)[0].tolist()):
@@ -409,7 +432,7 @@ def _random(prob: _Problem, rng) -> np.ndarray:
     for p in rng.permutation(P):
         ok = np.flatnonzero(free & prob.compat[p])
         if not ok.size:
-            prob.no_device(int(p))
+            prob.no_device(int(p), free)
         d = ok[rng.integers(ok.size)]
         dev_of[p] = d
         free[d] = False

@@ -56,14 +56,22 @@ def subcluster(cluster: Cluster, world) -> Cluster:
         devices = sorted(m["devices"], key=lambda d: d["global_id"])[:take[m["hostname"]]]
         ids = {d["global_id"] for d in devices}
         kept |= ids
-        links = [ln for ln in m.get("links", []) if {ln["source"], ln["target"]} <= ids]
+        links = [k for k in (_kept(ln, ids) for ln in m.get("links", [])) if k]
         machines.append({**m, "devices": devices, "links": links})
     reduced = {k: v for k, v in data.items() if k not in ("machines", "links", "device_meshes")}
     reduced["name"] = f"{data.get('name', 'cluster')}-{'-'.join(take)}"
     reduced["machines"] = machines
-    reduced["links"] = [ln for ln in data.get("links", [])
-                        if {ln["source"], ln["target"]} <= kept]
+    reduced["links"] = [k for k in (_kept(ln, kept) for ln in data.get("links", [])) if k]
     return Cluster.from_dict(reduced, f"{cluster.name} reduced to {', '.join(take)}")
+
+
+def _kept(link: dict, ids: set):
+    """A resource file's link (a pair, or a group: every pair of its members) reduced to
+    the ends in ``ids``; None where it joins fewer than two of them."""
+    if "group" in link:
+        members = [g for g in link["group"] if g in ids]
+        return {**link, "group": members} if len(members) > 1 else None
+    return link if {link["source"], link["target"]} <= ids else None
 
 
 class EmulatedAttempts:

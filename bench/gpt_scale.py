@@ -159,7 +159,10 @@ def dgx_cluster(nodes: int) -> dg.Cluster:
         for n in machine["nics"]:
             n["global_id"] = nic_id[n["global_id"]]
         for ln in machine["links"]:
-            ln["source"], ln["target"] = ids[ln["source"]], ids[ln["target"]]
+            if "group" in ln:           # one link joining every device of the group
+                ln["group"] = [ids[d] for d in ln["group"]]
+            else:
+                ln["source"], ln["target"] = ids[ln["source"]], ids[ln["target"]]
         machines.append(machine)
         for ln in nic_links:
             links.append(dict(ln, source=nic_id[ln["source"]],

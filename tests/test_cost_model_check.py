@@ -22,7 +22,7 @@ from bench_jobs import median_abs_error, spearman  # noqa: E402
 
 def test_matrix_runs_memory_checks_plan_kinds():
     assert list(cmc.MATRIX_PLANS) == list(memory_check.LAYOUTS) + list(memory_check.SEARCHED)
-    assert len(cmc.MATRIX_PLANS) == len(set(cmc.MATRIX_PLANS)) == 21
+    assert len(cmc.MATRIX_PLANS) == len(set(cmc.MATRIX_PLANS)) == 22   # with pp_amp
 
 
 @pytest.mark.parametrize("seed", range(5))

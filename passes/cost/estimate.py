@@ -272,8 +272,13 @@ def _alike(plan, rings: Rings) -> dict:
 
 
 def _process_times(plan, pid, device, rings: Rings, fetch, scale: Scale, once=frozenset()):
+    """(compute, communication, seconds of them once a step, seconds by task) of process
+    ``pid`` a step: a micro-batched plan's local program is one micro-batch's, run M
+    times, except its update and the values a step makes once (``once``), which run once
+    with their reshards and collectives, and the fetched values' gathers (the update's
+    task's end): what the accountant's step takes once (:func:`_combine`)."""
     local, tasks = plan.local_alike(pid), TaskSpent(plan, pid)
-    m = scale.micro_batches       # plan.micro_batches > 1: the local program is one micro-batch's
+    m = scale.micro_batches
 
     def times(op) -> int:
         return 1 if op.role == Role.OPTIMIZE or (
@@ -289,31 +294,34 @@ def _process_times(plan, pid, device, rings: Rings, fetch, scale: Scale, once=fr
         ins = [scale.tensor(v) for v in op.inputs]
         hook = get_op(op.type).overlap
         ways = hook(op.attrs, ins) if hook is not None else ()
+        n = times(op)
         if ways:
             mesh = op.dist_attr.mesh
             _, work, hidden = best_overlap(ways, device,
                                            lambda dim: rings.along(mesh, pid, dim))
-            compute += work * times(op)
-            comm += hidden * times(op)
-            tasks.add(tasks.of_op(index), work * times(op), hidden * times(op))
+            compute += work * n
+            comm += hidden * n
+            updates += (work + hidden) * (n == 1)
+            tasks.add(tasks.of_op(index), work * n, hidden * n)
             overlapped.add(index)
             continue
         t = op_time(op.type, ins, [scale.tensor(v) for v in op.outputs], op.attrs, device)
-        compute += t * times(op)
-        tasks.add(tasks.of_op(index), t * times(op), 0.0)
-        if op.role == Role.OPTIMIZE or (op.outputs and op.outputs[0].name in once):
-            updates += t        # once a step (the update, the values made once)
+        compute += t * n
+        updates += t * (n == 1)
+        tasks.add(tasks.of_op(index), t * n, 0.0)
     ops = plan.program.ops
     step_seconds = _StepTimes(pid, rings)
     for p in local.points():
-        seconds = times(ops[p.anchor]) * sum(step_seconds(s, scale.of_step(p, s))
-                                             for s in p.steps)
+        n = times(ops[p.anchor])
+        seconds = n * sum(step_seconds(s, scale.of_step(p, s)) for s in p.steps)
         comm += seconds
+        updates += seconds * (n == 1)
         tasks.add(tasks.of_point(p.seq), 0.0, seconds)
     if plan.distributed:
         seconds = sum(step_seconds(s, scale.of_step(p, s))
                       for p in _fetch_points(plan, fetch, pid) for s in p.steps)
         comm += seconds
+        updates += seconds
         tasks.add(tasks.update, 0.0, seconds)
     ops = local.program.ops
     for index, collectives in local.op_comm.items():
@@ -322,8 +330,10 @@ def _process_times(plan, pid, device, rings: Rings, fetch, scale: Scale, once=fr
         op = ops[index]
         ring = rings.of_op(op.dist_attr.mesh, pid, local.op_context.get(index))
         rows = scale.rows if any(scale.axis(v.name) is not None for v in op.inputs) else 1.0
-        seconds = times(op) * op_comm_time(collectives, ring, device, rows)
+        n = times(op)
+        seconds = n * op_comm_time(collectives, ring, device, rows)
         comm += seconds
+        updates += seconds * (n == 1)
         tasks.add(tasks.of_op(index), 0.0, seconds)
     return compute, comm, updates, tasks.seconds()
 

@@ -1,0 +1,79 @@
+"""One price (issue #63): what the search priced for the plan it chose is what the plan's
+estimate says of it. The search report's ``step_time`` and ``peak_memory`` (bytes, the
+fullest process) equal ``plan.estimate``'s within 1% over a sample of automatic plans:
+searches on one mesh and stage searches, with and without micro-batches, ZeRO, and the
+savers left to the search. The oracle is the estimate, which walks every process's local
+program after completion, partition and reshard insertion; the search prices strategies
+per op on a representative mesh before any of that."""
+
+from pathlib import Path
+
+import pytest
+
+import distgraph as dg
+from distgraph.passes.cost.stage import step_time
+from distgraph.program_builder import build_program
+
+CLUSTERS_DIR = Path(__file__).resolve().parents[1] / "resources" / "clusters"
+TOLERANCE = 0.01
+SAVERS_GIVEN = dict(recompute=False, sharding=False, sequence_parallel=False)
+EMULATED = "emulated_2x2.yaml"
+CASES = {
+    # name: (blocks, batch, cluster file or None for Cluster.local(4), strategy fields)
+    "one mesh": (4, 16, None, dict(SAVERS_GIVEN)),
+    "one mesh, ZeRO": (4, 16, None, dict(SAVERS_GIVEN, sharding=True)),
+    "one mesh, 4 micro-batches": (4, 16, None, dict(SAVERS_GIVEN, micro_batches=4)),
+    "stages, 4 micro-batches": (4, 16, EMULATED, dict(SAVERS_GIVEN, pipeline=True,
+                                                       micro_batches=4)),
+    "stages, 8 micro-batches": (8, 32, EMULATED, dict(SAVERS_GIVEN, pipeline=True,
+                                                       micro_batches=8)),
+    "stages, ZeRO": (8, 32, EMULATED, dict(SAVERS_GIVEN, pipeline=True, micro_batches=8,
+                                           sharding=True)),
+    "stages, the default strategy": (8, 32, EMULATED, dict(pipeline=True)),
+}
+
+
+def planned(blocks, batch, cluster_file, fields):
+    dg.seed(0)
+    model = dg.nn.GPT(vocab_size=128, d_model=64, n_layer=blocks, n_head=4, max_seq_len=16)
+    built = build_program(model, [dg.InputSpec([batch, 16], "int64", "tokens")],
+                          [dg.InputSpec([batch, 16], "int64", "labels")],
+                          loss=dg.nn.CrossEntropyLoss(), optimizer=dg.optim.AdamW(1e-3))
+    cluster = dg.Cluster.from_file(CLUSTERS_DIR / cluster_file) if cluster_file else \
+        dg.Cluster.local(4)
+    return dg.passes.plan(built, dg.Strategy(auto_mode="full", **fields), cluster, ranks=())
+
+
+# where the two counts still differ, said (strict: the test says when it holds)
+APART = {"one mesh, 4 micro-batches": "a search on one mesh counts a gradient's buffer "
+         "once at the op that makes it; the estimate also counts the later micro-batches' "
+         "gradient beside it there (the stage searches do: PartCost.backward): 1.1% low"}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(
+    strict=True, reason=APART[n])) if n in APART else n for n in CASES])
+def test_the_search_prices_its_plan_as_the_estimate_does(name):
+    plan = planned(*CASES[name])
+    report, est = plan.search, plan.estimate
+    assert report.step_time == pytest.approx(est.step_time, rel=TOLERANCE), name
+    assert report.peak_memory == pytest.approx(est.peak_memory, rel=TOLERANCE), name
+
+
+def test_the_report_says_its_figures():
+    plan = planned(*CASES["stages, 8 micro-batches"])
+    figures = plan.search.to_dict()
+    assert figures["step_time"] == plan.search.step_time > 0
+    assert figures["peak_memory"] == plan.search.peak_memory > 0
+
+
+def test_the_step_takes_the_updates_once_and_the_slowest_stage_per_micro_batch():
+    """Oracle: the formula by hand. Three stages of 2, 3 and 2 ms per micro-batch, updates
+    of 5, 1 and 1 ms once a step, 4 micro-batches: 7 + 3 x 3 + 5 ms. Interleaved (2 chunks
+    per stage): the fill is half, the last micro-batch drains a chunk: 3.5 + 3.5 x 3 + 5.
+    Stages that run 4, 2 and 4 micro-batches (an uneven split): 7 + max(3 x 2, 1 x 3,
+    3 x 2) + 5."""
+    times, updates = [2.0, 3.0, 2.0], [5.0, 1.0, 1.0]
+    assert step_time(times, 4, updates=updates) == 7 + 3 * 3 + 5
+    assert step_time(times, 4, virtual=2, updates=updates) == 3.5 + 3.5 * 3 + 5
+    assert step_time(times, [4, 2, 4], updates=updates) == 7 + 6 + 5
+    assert step_time(times, 4, schedule="FThenB", virtual=2) == 3.5 + 3 * 3

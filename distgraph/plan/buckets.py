@@ -58,6 +58,15 @@ class StartAt:
     instr: int
 
 
+def overlapping(plan) -> bool:
+    """Whether ``plan`` starts communication ahead: ``Strategy(overlap=True)``, and not
+    under an uneven split by micro-batches (its data-parallel groups run different
+    numbers of micro-batches, so their collectives would meet out of order)."""
+    split = plan.batch_split
+    return plan.strategy.overlap and not (split is not None and split.micro_batched
+                                          and not split.is_even)
+
+
 def reduction(point, local, producer: dict) -> int | None:
     """The local op that makes ``point``'s value when the point is a reduction the update
     reads that may start early (module docstring), else None."""

@@ -24,6 +24,7 @@ from __future__ import annotations
 from types import MappingProxyType
 
 from distgraph.plan.accumulation import made_once
+from distgraph.plan.buckets import overlapping
 from distgraph.plan.devices import COLLECTIVE, CommGroup, step_groups
 from distgraph.plan.instructions import (Block, GatherInstr, OpInstr, PointInstr, RecvInstr,
                                          SendInstr, last_uses, op_instr, keeps_nothing,
@@ -31,7 +32,7 @@ from distgraph.plan.instructions import (Block, GatherInstr, OpInstr, PointInstr
 from distgraph.plan.kinds import ItemKind, TaskKind
 from distgraph.plan.program import Feed, ProcessProgram
 from distgraph.passes.pipeline.batched import batched_task
-from distgraph.passes.pipeline.overlap import bucket_starts, overlapping, prefetched
+from distgraph.passes.pipeline.overlap import bucket_starts, prefetched
 
 
 def compile_process(plan, pid: int, state_points) -> ProcessProgram:

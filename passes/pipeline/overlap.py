@@ -21,15 +21,6 @@ from distgraph.plan.kinds import ItemKind
 AFTER_ACTION = -1
 
 
-def overlapping(plan) -> bool:
-    """Whether ``plan`` starts communication ahead: ``Strategy(overlap=True)``, and not
-    under an uneven split by micro-batches (its data-parallel groups run different
-    numbers of micro-batches, so their collectives would meet out of order)."""
-    split = plan.batch_split
-    return plan.strategy.overlap and not (split is not None and split.micro_batched
-                                          and not split.is_even)
-
-
 def bucket_starts(plan, local, blocks: dict, update, actions, runs) -> tuple:
     """The :class:`StartAt` of every gradient bucket of ``local`` whose reductions the
     update (``update``, a Block) runs: after the last instruction, in the schedule's

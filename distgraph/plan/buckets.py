@@ -13,7 +13,7 @@ same answer.
   bytes); a bucket's collectives start together once its last gradient is made, each on
   its own array, in place (no flat copy: a bucket costs no memory), and the update waits
   for each where it reads it.
-- **Prefetched gathers** (:func:`prefetch_groups`). Under ZeRO-3 a parameter is gathered
+- **Prefetched gathers** (:func:`prefetch_groups`, :func:`prefetching`). Under ZeRO-3 a parameter is gathered
   (one all-gather of the stored shard) before the ops of its layer; the gathers of one
   layer form a group, and while a layer's group runs the next group of the same task is
   started, so at most one layer ahead is held.
@@ -65,6 +65,15 @@ def overlapping(plan) -> bool:
     split = plan.batch_split
     return plan.strategy.overlap and not (split is not None and split.micro_batched
                                           and not split.is_even)
+
+
+def prefetching(plan) -> bool:
+    """Whether ``plan`` prefetches its parameter gathers: it overlaps
+    (:func:`overlapping`) and was built for ZeRO-3 (``sharding_level`` 3 of
+    ``dg.parallelize``'s ``dp_config``, FSDP's full sharding). A searched plan whose
+    layouts split a weight over data parallel gathers it where it is used: the search
+    prices its memory so."""
+    return overlapping(plan) and getattr(plan.built, "sharding_level", 0) == 3
 
 
 def reduction(point, local, producer: dict) -> int | None:

@@ -18,7 +18,8 @@ Example::
 from __future__ import annotations
 
 from distgraph.ir import Role
-from distgraph.plan.buckets import gradient_buckets, overlapping, prefetch_groups, prefetchable
+from distgraph.plan.buckets import (gradient_buckets, overlapping, prefetch_groups, prefetchable,
+                                    prefetching)
 from distgraph.passes.cost.formulas import collective_time
 from distgraph.passes.cost.prices import reshard_step_time
 from distgraph.passes.cost.stage import exposed
@@ -77,7 +78,7 @@ def prefetched_order(plan, local, seqs) -> list | None:
     gathers of a layer (:func:`~distgraph.plan.buckets.prefetch_groups`) moved to just
     after the first gather of the group before it in the same pass (forward or backward),
     where the runtime starts it; None where nothing is prefetched."""
-    if not overlapping(plan):
+    if not prefetching(plan):
         return None
     ops = local.program.ops
     points = {p.seq: (i, p) for i in local.comm_points for p in local.comm_points[i]}

@@ -24,7 +24,7 @@ from __future__ import annotations
 from types import MappingProxyType
 
 from distgraph.plan.accumulation import made_once
-from distgraph.plan.buckets import overlapping
+from distgraph.plan.buckets import overlapping, prefetching
 from distgraph.plan.devices import COLLECTIVE, CommGroup, step_groups
 from distgraph.plan.instructions import (Block, GatherInstr, OpInstr, PointInstr, RecvInstr,
                                          SendInstr, last_uses, op_instr, keeps_nothing,
@@ -97,7 +97,7 @@ def compile_process(plan, pid: int, state_points) -> ProcessProgram:
         state_gathers=MappingProxyType({p.value: p for p in state_points}),
         first_chunk=first_chunk, persistables=persistable,
         starts=bucket_starts(plan, local, blocks, update, actions, runs) if overlap else (),
-        prefetch=prefetched(local, blocks) if overlap else MappingProxyType({}))
+        prefetch=prefetched(local, blocks) if prefetching(plan) else MappingProxyType({}))
 
 
 def _instr(it, points, gathers, local, acc, pid, keeping_nothing=frozenset()):

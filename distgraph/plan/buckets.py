@@ -33,6 +33,7 @@ from distgraph.plan.kinds import StepKind
 
 MB = 1 << 20
 REDUCTIONS = (StepKind.ALL_REDUCE, StepKind.REDUCE_SCATTER)
+AFTER_ACTION = -1          # StartAt.instr: once the action (or its batched run) is done
 
 
 @dataclass(frozen=True)

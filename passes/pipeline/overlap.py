@@ -14,11 +14,11 @@ from __future__ import annotations
 
 from types import MappingProxyType
 
-from distgraph.plan.buckets import StartAt, gradient_buckets, prefetch_groups, prefetchable
+from distgraph.plan.buckets import (AFTER_ACTION, StartAt, gradient_buckets, prefetch_groups,
+                                    prefetchable)
 from distgraph.plan.instructions import OpInstr, PointInstr
 from distgraph.plan.kinds import ItemKind
 
-AFTER_ACTION = -1
 
 
 def bucket_starts(plan, local, blocks: dict, update, actions, runs) -> tuple:

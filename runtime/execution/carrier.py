@@ -28,12 +28,13 @@ import time
 from collections import deque
 
 from distgraph.errors import DistGraphError, RuntimeFault
+from distgraph.plan.buckets import AFTER_ACTION
 from distgraph.plan.instructions import GatherInstr, OpInstr, PointInstr, RecvInstr, SendInstr
 from distgraph.plan.kinds import AccumulationMode, ItemKind, TaskKind
 from distgraph.runtime.execution.batched import run_batched
 from distgraph.runtime.execution.executor import donatable, may_donate, run_op
 from distgraph.runtime.execution.memory import Counted, Kept, Ledger, Mirrored, record
-from distgraph.runtime.execution.overlap import AFTER_ACTION, Ahead
+from distgraph.runtime.execution.overlap import Ahead
 from distgraph.runtime.execution.tasks import Accumulator, InstrRunner, micro_batch_context
 from distgraph.runtime.launch.progress import NO_PROGRESS
 

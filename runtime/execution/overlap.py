@@ -34,7 +34,6 @@ from distgraph.plan.instructions import PointInstr
 from distgraph.plan.kinds import StepKind
 from distgraph.runtime.execution.reshard import check_local
 
-AFTER_ACTION = -1
 
 
 class Ahead:

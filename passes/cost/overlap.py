@@ -2,11 +2,13 @@
 as the runtime runs them (:mod:`distgraph.plan.buckets`).
 
 A bucket's reductions start after the op that makes its last gradient, in the step's last
-micro-batch. Each reduction costs the processor its software (:func:`~.prices.
-software_time`: calls, copies, the meeting; and, inside one machine of CPUs, the
-transfer itself, which the processes copy themselves) where it starts, and the wires its
-alpha-beta time (:func:`~.formulas.collective_time` on its group's ring), which runs
-while the backward computes. The wires carry one collective at a time, in the order they
+micro-batch. Each reduction costs the processor the copies of its software
+(:func:`~.prices.software_time`'s part per byte: packing, sums; and, inside one machine
+of CPUs, the transfer itself, which the processes copy themselves) where it starts; the
+rest runs while the backward computes: its alpha-beta time on the wires
+(:func:`~.formulas.collective_time` on its group's ring) and its software's part per
+step, the wait at each round for the neighbour to reach it (with more ranks than cores,
+a descheduled neighbour's), which the rank spends computing instead of waiting. The wires carry one collective at a time, in the order they
 start; the step waits for what is left after the backward's last op
 (:func:`~.stage.exposed`).
 
@@ -21,7 +23,7 @@ from distgraph.ir import Role
 from distgraph.plan.buckets import (gradient_buckets, overlapping, prefetch_groups, prefetchable,
                                     prefetching)
 from distgraph.passes.cost.formulas import collective_time
-from distgraph.passes.cost.prices import reshard_step_time
+from distgraph.passes.cost.prices import reshard_step_time, software_time
 from distgraph.passes.cost.stage import exposed
 
 
@@ -59,17 +61,19 @@ def bucket_seconds(plan, local, pid: int, rings, scale, op_seconds: dict) -> tup
 
 
 def _wire(step, pid: int, rings, scale: float) -> float:
-    """The alpha-beta seconds of a collective ``step`` on its group's ring (0 inside one
-    machine of CPUs, whose transfers the processes copy themselves, and for a group of
-    one)."""
+    """The seconds of a collective ``step`` that need no processor (module docstring):
+    the alpha-beta seconds on its group's ring (not inside one machine of CPUs, whose
+    transfers the processes copy themselves) and the waits of its software per step;
+    0 for a group of one."""
     n = step.group_size
     if n <= 1 or pid not in step.mesh:
         return 0.0
     ring = rings.along(step.mesh, pid, step.mesh_dim)
+    waits = software_time(rings.device(pid), step.kind, 0.0, n)
     if ring.copied:
-        return 0.0
-    return collective_time(step.kind, n, step.buffer_bytes * scale, ring.bandwidth,
-                           ring.latency)
+        return waits
+    return waits + collective_time(step.kind, n, step.buffer_bytes * scale, ring.bandwidth,
+                                   ring.latency)
 
 
 def prefetched_order(plan, local, seqs) -> list | None:

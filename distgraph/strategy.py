@@ -127,7 +127,8 @@ class Strategy:
     default, 25) as soon as its gradients are final, and are waited for in the update
     that reads them; under ZeRO-3 the next layer's parameter gathers start while the
     current layer computes (one layer ahead at most); the estimate prices what stays
-    exposed (:mod:`distgraph.plan.buckets`). ``overlap=False`` runs every collective
+    exposed (:mod:`distgraph.plan.buckets`; the layout search still prices the reductions
+    as run after the backward). ``overlap=False`` runs every collective
     where it is issued, for measurement and debugging."""
 
     auto_mode: str = "semi"

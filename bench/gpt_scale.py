@@ -176,7 +176,7 @@ def dgx_cluster(nodes: int) -> dg.Cluster:
 
 def megatron_plan(layers, hidden, heads, t, p, gpus, batch, micro_batches, cluster,
                   recompute=True, sequence_parallel=False, sharding=False, vocab=VOCAB,
-                  fused_softmax=False):
+                  fused_softmax=False, overlap=True):
     """Megatron's (t, p) as annotations: p stages of layers / p blocks each (every
     parameter of a block on its stage), the embeddings on the first and the final norm
     and head on the last, each stage a (dp, t) mesh of whole machines with the blocks'
@@ -185,7 +185,9 @@ def megatron_plan(layers, hidden, heads, t, p, gpus, batch, micro_batches, clust
     False, only each attention core (:func:`with_core`) where it is "selective";
     ``sequence_parallel``: Megatron-SP between the tensor-parallel regions;
     ``sharding``: optimizer states and updates split over ``dp`` (ZeRO);
-    ``fused_softmax``: Megatron's fused scale-mask-softmax kernel in every attention."""
+    ``fused_softmax``: Megatron's fused scale-mask-softmax kernel in every attention;
+    ``overlap``: the gradients' reduction over dp started during the backward
+    (``Strategy(overlap=...)``)."""
     dp = gpus // (t * p)
     ids = np.arange(gpus).reshape(p, dp, t)
     meshes = [dg.ProcessMesh(ids[j].tolist(), dim_names=["dp", "mp"]) for j in range(p)]
@@ -213,7 +215,8 @@ def megatron_plan(layers, hidden, heads, t, p, gpus, batch, micro_batches, clust
     dg.shard_tensor(model.lm_head.weight, meshes[-1], [None, "mp"])
     built = program(model, batch)
     strategy = dg.Strategy(micro_batches=micro_batches, recompute=recompute,
-                           sequence_parallel=sequence_parallel, sharding=sharding)
+                           sequence_parallel=sequence_parallel, sharding=sharding,
+                           overlap=overlap)
     return dg.passes.plan(built, strategy, cluster, ranks=())   # planned, not run
 
 

@@ -121,7 +121,15 @@ class Strategy:
     (:mod:`distgraph.plan.styles`, :mod:`distgraph.plan.export`): every Linear weight
     split column- or row-wise over one tensor-parallel mesh dim, data parallel over the
     rest, stages of the same mesh shape holding the same number of blocks, no
-    interleaving, a schedule the framework has."""
+    interleaving, a schedule the framework has. ``overlap`` (default True) hides
+    communication behind compute: the gradients' reductions over data parallel start
+    during the backward, a bucket of about ``bucket_mb`` MB at a time (PyTorch DDP's
+    default, 25) as soon as its gradients are final, and are waited for in the update
+    that reads them; under ZeRO-3 the next layer's parameter gathers start while the
+    current layer computes (one layer ahead at most); the estimate prices what stays
+    exposed (:mod:`distgraph.plan.buckets`; the layout search still prices the reductions
+    as run after the backward). ``overlap=False`` runs every collective
+    where it is issued, for measurement and debugging."""
 
     auto_mode: str = "semi"
     pipeline: bool = False
@@ -148,6 +156,8 @@ class Strategy:
     context_parallel: str | None = None
     memory_check: bool = False
     target: str | None = None
+    overlap: bool = True
+    bucket_mb: float = 25.0
 
     @property
     def search_method(self) -> str:
@@ -212,8 +222,13 @@ class Strategy:
             raise DistGraphError(f"Strategy.mtbf_hours (the job's mean time between "
                                  f"failures) and checkpoint_write_gbps must be positive, got "
                                  f"{self.mtbf_hours!r} and {self.checkpoint_write_gbps!r}")
+        if isinstance(self.bucket_mb, bool) or not isinstance(self.bucket_mb, (int, float)) \
+                or not self.bucket_mb > 0:
+            raise DistGraphError(f"Strategy.bucket_mb must be a positive number of MB (the "
+                                 f"gradients reduced together while the backward runs; "
+                                 f"PyTorch DDP's default is 25), got {self.bucket_mb!r}")
         for flag in ("sharding", "pipeline", "balance", "profile", "check_finite",
-                     "memory_check"):
+                     "memory_check", "overlap"):
             if flag == "sharding" and self.sharding is None:    # the search's to choose
                 continue
             if not isinstance(getattr(self, flag), bool):

@@ -72,7 +72,12 @@ class ProcessProgram:
     amp the 16-bit copies of the parameters); ``accumulation`` the plan's (None without micro-batches) and ``source_of``
     which Value each local name holds; ``state_gathers[name]`` the point that brings
     persistable ``name`` whole to every process; ``first_chunk`` the lowest chunk it runs
-    (where its sends and update are drawn in the timeline)."""
+    (where its sends and update are drawn in the timeline); ``starts`` where the
+    update's reductions start during the backward
+    (:class:`~distgraph.plan.buckets.StartAt`, ``Strategy(overlap=True)``) and
+    ``prefetch[(chunk, kind)]`` the groups (instruction positions) of a task's ZeRO-3
+    parameter gathers, each started while the group before it runs
+    (:func:`~distgraph.plan.buckets.prefetch_groups`)."""
 
     process: int
     rank: int
@@ -101,6 +106,8 @@ class ProcessProgram:
     first_chunk: int = 0
     persistables: frozenset = field(default_factory=frozenset)
     step_ops: tuple = ()
+    starts: tuple = ()
+    prefetch: MappingProxyType = field(default_factory=lambda: MappingProxyType({}))
 
     def mode(self, name: str) -> AccumulationMode:
         """How local value ``name`` combines over the micro-batches."""

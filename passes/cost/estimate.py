@@ -26,6 +26,11 @@ communication and bubble, and peak memory per process.
   the pipeline does not hide) as communication. On CPUs a collective
   inside one machine is memory copies the processes make themselves: it takes the
   processor's stage, not a link's.
+- **Overlap** (``Strategy(overlap=True)``): the gradients' reductions the runtime
+  starts in buckets during the backward pay their software where they start and what
+  their wires leave exposed after the backward's last op, once a step
+  (:mod:`~distgraph.passes.cost.overlap`, the accountant's
+  :func:`~distgraph.passes.cost.stage.exposed`).
 - **Step**: processes meet at every collective, so a stage takes as long as its busiest
   process. Without micro-batches the stages run one after another, ``T = Σ t_s``. With M
   micro-batches, the accountant's :func:`~distgraph.passes.cost.stage.step_time` of the
@@ -93,6 +98,7 @@ from distgraph.errors import PlanError
 from distgraph.ir import Role
 from distgraph.plan.accumulation import made_once
 from distgraph.passes.cost.held import action_holds, kernels_keep, run_order
+from distgraph.passes.cost.overlap import bucket_seconds, prefetched_order
 from distgraph.passes.cost.stage import (buffers_by_action, held_by_action, in_flight,
                                          step_time)
 from distgraph.passes.cost.prices import (Rings, best_overlap, feed_time, op_comm_time, op_time,
@@ -290,6 +296,7 @@ def _process_times(plan, pid, device, rings: Rings, fetch, scale: Scale, once=fr
     tasks.add(tasks.first_forward, compute, 0.0)
     updates = comm = 0.0
     overlapped = set()
+    op_seconds = {}
     for index, op in enumerate(local.program.ops):
         ins = [scale.tensor(v) for v in op.inputs]
         hook = get_op(op.type).overlap
@@ -305,13 +312,21 @@ def _process_times(plan, pid, device, rings: Rings, fetch, scale: Scale, once=fr
             tasks.add(tasks.of_op(index), work * n, hidden * n)
             overlapped.add(index)
             continue
-        t = op_time(op.type, ins, [scale.tensor(v) for v in op.outputs], op.attrs, device)
+        t = op_seconds[index] = op_time(op.type, ins, [scale.tensor(v) for v in op.outputs],
+                                        op.attrs, device)
         compute += t * n
         updates += t * (n == 1)
         tasks.add(tasks.of_op(index), t * n, 0.0)
     ops = plan.program.ops
     step_seconds = _StepTimes(pid, rings)
+    # the gradient buckets reduced during the backward: what stays exposed, once a step
+    paid, _, bucketed = bucket_seconds(plan, local, pid, rings, scale, op_seconds)
+    comm += paid
+    updates += paid
+    tasks.add(tasks.update, 0.0, paid)
     for p in local.points():
+        if p.seq in bucketed:
+            continue
         n = times(ops[p.anchor])
         seconds = n * sum(step_seconds(s, scale.of_step(p, s)) for s in p.steps)
         comm += seconds
@@ -376,18 +391,26 @@ def _peak_memory(plan, pid, stage, scale: Scale, once=frozenset()) -> tuple[int,
     roles = [op.role for op in plan.program.ops]
     items, item_roles = [], []        # a reshard point's role is the role of its consumer
     item_ops = []                     # the op an item runs before or is
+    item_seqs = []                    # an item's reshard point (None: an op)
     kept, sizes = kernels_keep(local, scale)
     for i, op in enumerate(prog.ops + [None]):
         for point in local.comm_points.get(i, ()):
             items.append((point.reads, point.writes))
             item_roles.append(roles[point.anchor] if point.anchor >= 0 else None)
             item_ops.append(i)
+            item_seqs.append(point.seq)
         if op is not None:
             reads, writes = kept.get(i, ((), ()))
             items.append((tuple(v.name for v in op.inputs) + reads,
                           tuple(o.name for o in op.outputs if not o.alias_of) + writes))
             item_roles.append(op.role)
             item_ops.append(i)
+            item_seqs.append(None)
+    # a ZeRO-3 gather prefetched is held from where the runtime starts it
+    moved = prefetched_order(plan, local, item_seqs)
+    if moved is not None:
+        items, item_roles, item_ops = ([xs[k] for k in moved]
+                                       for xs in (items, item_roles, item_ops))
     # with a schedule: the micro-batch's peak in each of its actions (chunk, letter), to
     # which the others hold what the schedule has them hold then
     order = plan.order.of(pid) if plan.order is not None and plan.micro_batches > 1 else ()

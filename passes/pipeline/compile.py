@@ -9,8 +9,9 @@ their last reader, and a ``donate`` op may then take their buffer); finds the ru
 consecutive weight-gradient actions that run as one (:mod:`.batched`); lists the
 communicator groups the process meets; cuts the rows of every input it reads per
 micro-batch; lists the ops whose results the step makes once (``step_ops``:
-:func:`~distgraph.plan.accumulation.made_once`); and plans the gathers that bring each
-persistable whole to every process.
+:func:`~distgraph.plan.accumulation.made_once`); says where communication starts ahead
+(:mod:`.overlap`: the gradient buckets, the ZeRO-3 gathers prefetched); and plans the
+gathers that bring each persistable whole to every process.
 
 Example::
 
@@ -23,6 +24,7 @@ from __future__ import annotations
 from types import MappingProxyType
 
 from distgraph.plan.accumulation import made_once
+from distgraph.plan.buckets import overlapping, prefetching
 from distgraph.plan.devices import COLLECTIVE, CommGroup, step_groups
 from distgraph.plan.instructions import (Block, GatherInstr, OpInstr, PointInstr, RecvInstr,
                                          SendInstr, last_uses, op_instr, keeps_nothing,
@@ -30,6 +32,7 @@ from distgraph.plan.instructions import (Block, GatherInstr, OpInstr, PointInstr
 from distgraph.plan.kinds import ItemKind, TaskKind
 from distgraph.plan.program import Feed, ProcessProgram
 from distgraph.passes.pipeline.batched import batched_task
+from distgraph.passes.pipeline.overlap import bucket_starts, prefetched
 
 
 def compile_process(plan, pid: int, state_points) -> ProcessProgram:
@@ -74,10 +77,12 @@ def compile_process(plan, pid: int, state_points) -> ProcessProgram:
     found = set(rows.values())
     first_chunk = min((t.chunk for t in graph.tasks_of(pid).values() if t.chunk is not None),
                       default=0)
+    runs = _runs(actions, blocks, batched_tasks)
+    overlap = overlapping(plan)
     return ProcessProgram(
         process=pid, rank=plan.ranks(pid), local=local,
         blocks=MappingProxyType(blocks), update=update, prologue=prologue,
-        actions=tuple(actions), batched=_runs(actions, blocks, batched_tasks),
+        actions=tuple(actions), batched=runs,
         batched_tasks=MappingProxyType(batched_tasks), env_slots=graph.micro_batches,
         micro_batches=plan.micro_batches_of(pid), batch_micro_batches=plan.micro_batches,
         positions=micro_batch_positions(plan, pid),
@@ -90,7 +95,9 @@ def compile_process(plan, pid: int, state_points) -> ProcessProgram:
         row_gathers=plan.row_gathers, tags=graph.tags,
         comm_groups=comm_groups(plan, pid, local, gathers, state_points),
         state_gathers=MappingProxyType({p.value: p for p in state_points}),
-        first_chunk=first_chunk, persistables=persistable)
+        first_chunk=first_chunk, persistables=persistable,
+        starts=bucket_starts(plan, local, blocks, update, actions, runs) if overlap else (),
+        prefetch=prefetched(local, blocks) if prefetching(plan) else MappingProxyType({}))
 
 
 def _instr(it, points, gathers, local, acc, pid, keeping_nothing=frozenset()):

@@ -31,9 +31,11 @@ Semantics (identical for every implementation):
   done (a receive's array is then ``request.value``). The caller must not change a sent
   array until its request is done. They never wait, so whoever polls them (the pipeline
   actors) owns the timeout.
-- ``iall_gather(arr, group, axis)`` and ``ireduce_scatter(arr, group, axis)`` start the
-  collective and return a :class:`Request` at once (MPI's ``Iallgather`` /
-  ``Ireduce_scatter``): its ``value`` is what the blocking call returns, once
+- ``iall_gather(arr, group, axis)``, ``iall_reduce(arr, group, op, inplace)`` and
+  ``ireduce_scatter(arr, group, axis)`` start the collective and return a
+  :class:`Request` at once (MPI's ``Iallgather`` / ``Iallreduce`` /
+  ``Ireduce_scatter``; a communicator without a nonblocking form runs the blocking one
+  and returns a request that is done): its ``value`` is what the blocking call returns, once
   ``test()`` is True. As with ``isend``, the caller must not change ``arr`` until the
   request is done (the collective may read it in place). Every member starts the same collectives on a group in the same
   order; several may be in flight at once, on one group or on several, while the caller
@@ -296,6 +298,22 @@ class Communicator(ABC):
             return Request.completed(arr.copy(), f"all_gather on group {group}")
         return self._iall_gather(arr, group, axis)
 
+    def iall_reduce(self, arr, group, op: str = "sum", inplace: bool = False) -> "Request":
+        """Start an all-reduce (the module docstring); with ``inplace`` the caller hands
+        ``arr`` over and the result may be written into it. ``arr`` must stay unchanged
+        until the request is done."""
+        arr = self._c(arr)
+        group = self._group(group, "iall_reduce")
+        if op not in REDUCE_OPS:
+            raise RuntimeFault(f"rank {self.rank}: iall_reduce op {op!r}; use one of "
+                               f"{sorted(REDUCE_OPS)}")
+        self._count("all_reduce", len(group), arr.nbytes)
+        inplace = inplace and self.backend.writeable(arr)
+        if len(group) == 1:
+            return Request.completed(arr if inplace else arr.copy(),
+                                     f"all_reduce on group {group}")
+        return self._iall_reduce(arr, group, op, inplace)
+
     def ireduce_scatter(self, arr, group, axis: int = 0) -> "Request":
         """Start a reduce-scatter (sum; the module docstring); ``arr`` must stay unchanged
         until the request is done."""
@@ -329,6 +347,13 @@ class Communicator(ABC):
 
     def _ireduce_scatter(self, arr, group, axis) -> "Request":
         raise RuntimeFault(f"{type(self).__name__} has no nonblocking reduce_scatter")
+
+    def _iall_reduce(self, arr, group, op, inplace) -> "Request":
+        """The blocking all-reduce, as a request that is done (a communicator with a
+        nonblocking one overrides this)."""
+        out = (self._all_reduce_inplace(arr, group, op) if inplace
+               else self._all_reduce(arr, group, op))
+        return Request.completed(out, f"all_reduce on group {group}")
 
     def _isend(self, arr, dst, tag) -> "Request":
         raise RuntimeFault(f"{type(self).__name__} has no nonblocking send")

@@ -268,6 +268,27 @@ class MPICommunicator(Communicator):
         return _MPICollective(self, request, (arr, out), group, f"all_gather on group {group}",
                               lambda: xb.joined(out, axis))
 
+    def _iall_reduce(self, arr, group, op, inplace):
+        if arr.dtype == BF16:        # summed in float32, as the blocking kind is
+            request = self._iall_reduce(arr.astype(np.float32), group, op, True)
+            finish = request._finish
+
+            def rounded():
+                out = finish().astype(BF16)
+                if inplace:
+                    arr[...] = out
+                    return arr
+                return out
+            request._finish = rounded
+            return request
+        what = f"all_reduce on group {group}"
+        if inplace:
+            request = self._sub(group).Iallreduce(self._MPI.IN_PLACE, arr, op=self._ops[op])
+            return _MPICollective(self, request, (arr,), group, what, lambda: arr)
+        out = self.backend.empty(arr.shape, arr.dtype)
+        request = self._sub(group).Iallreduce(arr, out, op=self._ops[op])
+        return _MPICollective(self, request, (arr, out), group, what, lambda: out)
+
     def _ireduce_scatter(self, arr, group, axis):
         if arr.dtype == BF16:
             request = self._ireduce_scatter(arr.astype(np.float32), group, axis)

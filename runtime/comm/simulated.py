@@ -168,6 +168,21 @@ class SimulatedCommunicator(Communicator):
             self, slot, group, seq, "all_gather",
             lambda data: self.backend.concatenate([data[r] for r in group], axis=axis))
 
+    def _iall_reduce(self, arr, group, op, inplace):
+        slot, seq = self._deposit("all_reduce", group, arr, (op,))
+
+        def finish(data):
+            out = data[group[0]].copy()
+            reduce = self.backend.reducer(op)
+            for r in group[1:]:
+                reduce(out, data[r], out=out)
+            if inplace:
+                arr[...] = out
+                return arr
+            return out
+
+        return _SimulatedCollective(self, slot, group, seq, "all_reduce", finish)
+
     def _ireduce_scatter(self, arr, group, axis):
         slot, seq = self._deposit("reduce_scatter", group, arr, ("sum", axis))
 

@@ -28,11 +28,13 @@ import time
 from collections import deque
 
 from distgraph.errors import DistGraphError, RuntimeFault
+from distgraph.plan.buckets import AFTER_ACTION
 from distgraph.plan.instructions import GatherInstr, OpInstr, PointInstr, RecvInstr, SendInstr
 from distgraph.plan.kinds import AccumulationMode, ItemKind, TaskKind
 from distgraph.runtime.execution.batched import run_batched
 from distgraph.runtime.execution.executor import donatable, may_donate, run_op
 from distgraph.runtime.execution.memory import Counted, Kept, Ledger, Mirrored, record
+from distgraph.runtime.execution.overlap import Ahead
 from distgraph.runtime.execution.tasks import Accumulator, InstrRunner, micro_batch_context
 from distgraph.runtime.launch.progress import NO_PROGRESS
 
@@ -84,6 +86,8 @@ class Carrier:
             self._offsets[key] = len(labels)
             labels.extend(str(x) for x in block.instrs)
         self._table = self.progress.table(labels) if self.progress.active else -1
+        ahead = Ahead(program, comm, ranks) if comm is not None else None
+        self.ahead = ahead if ahead is not None and ahead.active else None
 
     # -- one step ------------------------------------------------------------------------------
     def run(self, scope: dict, feeds: list, step: int) -> dict:
@@ -110,6 +114,8 @@ class Carrier:
         start = led.bytes
         led.since()
         self.progress.begin_step(step, self._table)
+        if self.ahead is not None:
+            self.ahead.begin_step()
         self._made_once()
         i = 0
         while i < len(self.actions):
@@ -118,11 +124,15 @@ class Carrier:
                 self._post_ahead(group[-1])
                 self._run_group(group)
                 i = group[-1] + 1
+                if self.ahead is not None:
+                    self.ahead.after(group[-1], AFTER_ACTION, self.acc.values)
                 continue
             self._post_ahead(i)
             if i in self.pending:
                 self._wait_receives(i)
             self._run_action(i, self.actions[i])
+            if self.ahead is not None:
+                self.ahead.after(i, AFTER_ACTION, self.acc.values)
             self._poll_sends()          # a delivered send's tile is released now
             i += 1
         self._run_update()
@@ -257,7 +267,7 @@ class Carrier:
                 # the reserved bytes become the arrived tiles (counted until assembled)
                 self.ledger.release(reserved)
                 self.ledger.hold([r.value for rs in tiles.values() for r in rs])
-            self._run_block(block, m, tiles)
+            self._run_block(block, m, tiles, i)
         except DistGraphError as e:
             mb = f", micro-batch {m}" if self.m > 1 else ""
             raise RuntimeFault(f"rank {self.rank} (process {self.pid}): task "
@@ -319,8 +329,20 @@ class Carrier:
                             start + (k + 1) * share)
                 self._record_memory(action.task, action.chunk, m)
 
-    def _run_block(self, block, m: int, tiles: dict) -> None:
+    def _await(self, request) -> None:
+        """Wait for a collective started ahead (:mod:`.overlap`), moving sends along."""
+        peers = tuple(getattr(request, "group", ()))
+        self._wait(request.test, request.what,
+                   lambda: f"rank {self.rank} (process {self.pid}): timed out after "
+                           f"{self.timeout:g} s in step {self.step} waiting for "
+                           f"{request.what}, started ahead; every rank of its group must "
+                           f"run the same plan", [p for p in peers if p != self.rank])
+
+    def _run_block(self, block, m: int, tiles: dict, i: int = -1) -> None:
         env, scope, runner = self.env[m], self.scope, self.runner
+        ahead, key = self.ahead, block.task.key
+        if ahead is not None:
+            ahead.begin_task()
         accumulates = block.task.accumulates
         offset = self._offsets[block.task.key]
         done, progress, step = self.done[m], self.progress, self.step
@@ -357,9 +379,15 @@ class Carrier:
                 run_op(instr, env, scope, ctx, donate)
                 led.settle()
             elif isinstance(instr, PointInstr):
-                read = instr.reads[0] if instr.reads else None
-                donate = may_donate(read, dying, env, self.feed_names, scope, self.acc.values)
-                runner.point(instr, env, scope, self.tags.tag(instr.point.seq, m), donate)
+                if ahead is not None and ahead.prefetches(key, j):
+                    env[instr.writes[0]] = ahead.gathered(
+                        key, j, block.instrs, lambda n: env[n] if n in env else scope[n],
+                        led, self._await)
+                else:
+                    read = instr.reads[0] if instr.reads else None
+                    donate = may_donate(read, dying, env, self.feed_names, scope,
+                                        self.acc.values)
+                    runner.point(instr, env, scope, self.tags.tag(instr.point.seq, m), donate)
             elif isinstance(instr, SendInstr):
                 tag = self.tags.tag(instr.point.seq, m)
                 for rank, tile in runner.send_tiles(instr, env, scope, tag):
@@ -375,6 +403,9 @@ class Carrier:
                     self.acc.add(name, env[name], owned=name in dying)
             for name in dying:
                 env.pop(name, None)
+            if ahead is not None:
+                ahead.after(i, j, self.acc.values, (env, scope))
+                ahead.poll()
 
     def _run_update(self) -> None:
         block = self.program.update
@@ -395,6 +426,8 @@ class Carrier:
                     run_op(instr, env, scope, ctx, donate)
                 elif isinstance(instr, GatherInstr):
                     self.fetched[instr.point.value] = self._gather(instr, env)
+                elif self.ahead is not None and instr.point.seq in self.ahead.pending:
+                    env[instr.writes[0]] = self.ahead.take(instr.point.seq, self._await)
                 else:
                     read = instr.reads[0] if instr.reads else None
                     donate = may_donate(read, dying, env, (), scope)

@@ -64,7 +64,7 @@ def apply_step(step: ReshardStep, local, comm, process_id: int, ranks: ProcessRa
         return _send_recv(step, local, comm, process_id, rank, tag)
     if process_id not in step.mesh:
         return local
-    _check_local(step, local, process_id)
+    check_local(step, local, process_id)
     members = step.mesh.group_of(process_id, step.mesh_dim)
     group = tuple(rank(p) for p in members)
     me = members.index(process_id)
@@ -86,7 +86,7 @@ def apply_step(step: ReshardStep, local, comm, process_id: int, ranks: ProcessRa
     raise RuntimeFault(f"process {process_id}: no executor for reshard step {step}")
 
 
-def _check_local(step: ReshardStep, local, process_id: int) -> None:
+def check_local(step: ReshardStep, local, process_id: int) -> None:
     expected = step.src_attr.local_shape(step.shape)
     if local is None or tuple(local.shape) != expected or local.dtype != np.dtype(step.dtype):
         got = "None" if local is None else f"{tuple(local.shape)} {local.dtype}"
@@ -106,7 +106,7 @@ def outgoing_tiles(step: ReshardStep, local, process_id: int) -> list:
     them in): the send half of the step, which an actor posts without waiting."""
     if process_id not in step.mesh:
         return []
-    _check_local(step, local, process_id)
+    check_local(step, local, process_id)
     origin = _origin(step.src_attr, step.shape, process_id)
     return [(t.dst, local[t.slices(origin)]) for t in step.transfers
             if t.src == process_id and t.dst != process_id]

@@ -1,8 +1,10 @@
 """Run by tests/test_parallelize.py under ``distgraph run -n N``: each layout named in
-``argv[2:]`` ("kind:name" of parallelize_cases.LAYOUTS, each of N ranks) trains on the
-job's MPI ranks; every rank writes its losses and parameters to
-``{argv[1]}/{kind}_{name}_rank{r}.npz`` for the test to compare with its serial run."""
+``argv[2:]`` ("kind:name" of parallelize_cases.LAYOUTS, each of N ranks; "kind:name@B":
+with ``Strategy(bucket_mb=B)``) trains on the job's MPI ranks; every rank writes its
+losses and parameters to ``{argv[1]}/{kind}_{name}[@B]_rank{r}.npz`` for the test to
+compare with its serial run."""
 
+import dataclasses
 import os
 import sys
 
@@ -19,7 +21,12 @@ dg.set_default_dtype("float64")
 rank, size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
 for key in sys.argv[2:]:
     kind, name = key.split(":")
+    name, _, bucket = name.partition("@")
     layout = C.LAYOUTS[kind, name]
+    if bucket:
+        layout = dataclasses.replace(layout, strategy={**layout.strategy,
+                                                       "bucket_mb": float(bucket)})
+        name = f"{name}@{bucket}"
     assert layout.ranks == size, (key, layout.ranks, size)
     losses, state = C.train(None, kind, layout)
     np.savez(os.path.join(sys.argv[1], f"{kind}_{name}_rank{rank}.npz"),

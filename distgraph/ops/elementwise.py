@@ -154,7 +154,12 @@ GRADS = (
 register_rows(GRADS, infer=grad_infer, spmd=elementwise_rule(), differentiable=False)
 
 
-@register_op("cast", spmd=elementwise_rule())
+# A cast is linear in its operand: a pending sum cast part by part sums to the cast sum
+# (exactly where it widens; where it narrows, as a 16-bit sum's parts round anyway). So
+# under amp a gradient's 16-bit parts, pending over the data-parallel dims, are cast to
+# float32 and accumulated as they come, and reduced once a step, as Megatron's float32
+# gradient buffers are (``S(0) P x -> S(0) P``).
+@register_op("cast", spmd=elementwise_rule(linear=True))
 class Cast:
     def infer(x, dtype):
         return TensorType(x.shape, dtypes.canonical(dtype))

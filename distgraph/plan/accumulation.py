@@ -31,7 +31,8 @@ class Accumulation:
     and backward, each accumulated by :meth:`mode`. ``prologue`` names the whole-batch
     sums the prologue makes, ``prologue_values`` every Value its ops make, and
     ``skipped`` the Values whose ops the micro-batches do not run again (the prologue's
-    sums and what only they read)."""
+    sums and what only they read); ``gathered_once``: whether a Value made once may gather
+    its operands once a step (:func:`made_once`; not under ZeRO-3)."""
 
     micro_batches: int
     batch: int
@@ -41,6 +42,13 @@ class Accumulation:
     prologue: frozenset = frozenset()
     prologue_values: frozenset = frozenset()
     skipped: frozenset = frozenset()
+    gathered_once: bool = True
+
+    def made_once(self, program) -> frozenset:
+        """:func:`made_once` of the plan's completed ``program`` under this accumulation
+        (whose ``gathered_once`` is False for a ZeRO-3 program: a weight gathered where
+        each micro-batch uses it)."""
+        return made_once(program, self.gathered_once)
 
     @property
     def micro_batch_rows(self) -> int:
@@ -64,16 +72,20 @@ class Accumulation:
         return "\n".join(lines)
 
 
-def made_once(program) -> frozenset:
+def made_once(program, gathered: bool = True) -> frozenset:
     """Names of the Values a micro-batched step makes once, before its first micro-batch,
     and holds to the last micro-batch's last use: the results of forward ops that read
-    only persistables (and Values made so), draw no random numbers and communicate
-    nothing (no collective of their own; on a completed program, no operand resharded
-    and no reader on another mesh), read by no update and not a program output. Under
-    ``Strategy(amp=...)`` these are the 16-bit copies of the parameters: made once a step
-    and held once, as Megatron holds its 16-bit parameters beside float32 masters, not
-    once per micro-batch in flight. Their ops run once a step (the task graph's
-    prologue), and the estimate and the search count them so.
+    only persistables (and Values made so), draw no random numbers and have no
+    collective of their own, read by no update, by no op on another mesh and not a
+    program output. An operand may be resharded on the op's own mesh (a parameter split
+    over the data-parallel dim gathered whole: once a step, with the op), unless not
+    ``gathered`` (ZeRO-3, ``sharding_level`` 3, gathers a weight where each micro-batch
+    uses it): then, on a completed program, none. Under ``Strategy(amp=...)`` these are
+    the 16-bit copies of the parameters: made once a step and held once, as Megatron
+    holds its 16-bit parameters beside float32 masters (and its distributed optimizer
+    gathers them once a step from the masters' slices), not once per micro-batch in
+    flight. Their ops and their operands' reshards run once a step (the carrier's
+    ``step_ops``), and the estimate and the search count them so.
 
     Example: ``fc1.weight -> cast -> fc1.weight@bfloat16`` is made once; ``x ->
     matmul`` is not (it reads a feed)."""
@@ -89,7 +101,8 @@ def made_once(program) -> frozenset:
             continue
         da = op.dist_attr
         if da is not None and any(
-                v.dist_attr is None or v.dist_attr.mesh != da.mesh or spec != v.dist_attr.spec
+                v.dist_attr is None or v.dist_attr.mesh != da.mesh or
+                (not gathered and spec != v.dist_attr.spec)
                 for v, spec in zip(op.inputs, da.input_specs)):
             continue
         names = [o.name for o in op.outputs]

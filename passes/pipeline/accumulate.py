@@ -89,7 +89,8 @@ def split_micro_batches(built, micro_batches: int, analyses=None):
     mb_program = _micro_batch_program(program, analysed)
     made, skipped = _prologue_ops(analysed, prologue, boundary)
     accumulation = Accumulation(m, batch, MappingProxyType(split_axis), frozenset(partial),
-                                tuple(boundary), frozenset(prologue), made, skipped)
+                                tuple(boundary), frozenset(prologue), made, skipped,
+                                gathered_once=getattr(built, "sharding_level", 0) < 3)
     return dataclasses.replace(built, program=mb_program), accumulation
 
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 from types import MappingProxyType
 
-from distgraph.plan.accumulation import made_once
 from distgraph.plan.buckets import overlapping, prefetching
 from distgraph.plan.devices import COLLECTIVE, CommGroup, step_groups
 from distgraph.plan.instructions import (Block, GatherInstr, OpInstr, PointInstr, RecvInstr,
@@ -56,7 +55,7 @@ def compile_process(plan, pid: int, state_points) -> ProcessProgram:
                                      else instr.point.value)
         compiled[key] = (task, instrs)
     acc = plan.accumulation
-    once = made_once(plan.program) if acc is not None else frozenset()
+    once = acc.made_once(plan.program) if acc is not None else frozenset()
     # a Value made once is every micro-batch's: none of them may take its buffer
     feeds = {v.name for v in local.program.inputs} | once
     persistable = frozenset(v.name for v in local.program.persistables)
@@ -70,9 +69,12 @@ def compile_process(plan, pid: int, state_points) -> ProcessProgram:
     made = acc.prologue_values if acc is not None else frozenset()
     prologue_ops = tuple(op_instr(op) for op in local.program.ops
                          if op.outputs and all(o.name in made for o in op.outputs))
-    step_ops = tuple(op_instr(op, local.op_context.get(i)) for i, op in
-                     enumerate(local.program.ops)
-                     if op.outputs and all(o.name in once for o in op.outputs))
+    step_ops = []           # the once-made ops, each after its operands' reshards
+    for i, op in enumerate(local.program.ops):
+        if op.outputs and all(o.name in once for o in op.outputs):
+            step_ops += [PointInstr(p, p.reads, p.writes, p.stores)
+                         for p in local.comm_points.get(i, ())]
+            step_ops.append(op_instr(op, local.op_context.get(i)))
     rows = feed_rows(plan, pid)
     found = set(rows.values())
     first_chunk = min((t.chunk for t in graph.tasks_of(pid).values() if t.chunk is not None),
@@ -90,7 +92,7 @@ def compile_process(plan, pid: int, state_points) -> ProcessProgram:
                     for v in local.program.inputs),
         batch_rows=found.pop() if len(found) == 1 else None,
         prologue_ops=prologue_ops, prologue_sums=acc.prologue if acc is not None else frozenset(),
-        step_ops=step_ops,
+        step_ops=tuple(step_ops),
         accumulation=acc, source_of=MappingProxyType(source_of), fetch=tuple(graph.fetch),
         row_gathers=plan.row_gathers, tags=graph.tags,
         comm_groups=comm_groups(plan, pid, local, gathers, state_points),

@@ -47,7 +47,6 @@ from types import MappingProxyType
 
 from distgraph.errors import PlanError
 from distgraph.ir import Role
-from distgraph.plan.accumulation import made_once
 from distgraph.plan.kinds import PER_MICRO_BATCH, ItemKind, StepKind, TaskKind
 from distgraph.plan.tags import TagScheme
 from distgraph.plan.tasks import Flow, Item, Task, TaskGraph
@@ -104,10 +103,14 @@ def build_task_graph(plan, parts, chunk_of: tuple, chunk_meshes: tuple) -> TaskG
     m = max(split.units) if uneven else plan.micro_batches
     kind_of = op_kinds(program, split=strategy.schedule in ("ZB", "ZBV"))
     acc = plan.accumulation
+    once_ops = frozenset()
     if acc is not None:     # what the micro-batches do not run: the prologue's, made_once
-        before = acc.skipped | made_once(program)
-        kind_of = [PROLOGUE if op.outputs and all(o.name in before for o in op.outputs)
-                   else kind for op, kind in zip(program.ops, kind_of)]
+        once = acc.made_once(program)
+        once_ops = frozenset(k for k, op in enumerate(program.ops) if op.outputs and
+                             all(o.name in once for o in op.outputs))
+        kind_of = [PROLOGUE if k in once_ops or (op.outputs and all(
+            o.name in acc.skipped for o in op.outputs)) else kind
+                   for k, (op, kind) in enumerate(zip(program.ops, kind_of))]
     n_chunks = len(chunk_meshes)
     flow_rank = _flow_rank(n_chunks)
     uses: dict = {}         # value -> (mesh, spec) it is read in -> the reading ops
@@ -127,7 +130,8 @@ def build_task_graph(plan, parts, chunk_of: tuple, chunk_meshes: tuple) -> TaskG
         first = group[0]
         local = parts[first]
         builder = _TaskBuilder(plan, first, local, kind_of, chunk_of, flow_rank, producer,
-                               uses, parts.gather_points(fetch, first, padded), uneven)
+                               uses, parts.gather_points(fetch, first, padded), uneven,
+                               once_ops)
         mine = builder.tasks()
         for p in local.points():
             points.setdefault(p.seq, p)
@@ -208,9 +212,10 @@ class _TaskBuilder:
     """The tasks of one process, the transfers its points send, and where it receives."""
 
     def __init__(self, plan, pid, local, kind_of, chunk_of, flow_rank, producer, uses,
-                 gathers, prologue_points=False):
+                 gathers, prologue_points=False, once_ops=frozenset()):
         self.plan, self.pid, self.local = plan, pid, local
         self.prologue_points = prologue_points
+        self.once_ops = once_ops        # ops made once: they and their points run before
         self.kind_of, self.chunk_of, self.rank = kind_of, chunk_of, flow_rank
         self.producer, self.uses, self.gathers = producer, uses, gathers
         self.global_index = [k for k, op in enumerate(plan.program.ops)
@@ -270,7 +275,8 @@ class _TaskBuilder:
             self._add(self._key(k), (i, 1, 0), Item(ItemKind.OP, i))
         for index, plist in self.local.comm_points.items():
             for p in plist:
-                self._place_point(index, p)
+                if p.anchor not in self.once_ops:   # the step's once-made ops read it
+                    self._place_point(index, p)
         end = len(self.local.program.ops)
         for g in range(len(self.gathers)):
             self._add((None, UPDATE), (end, 3, g), Item(ItemKind.GATHER, g))

@@ -86,6 +86,7 @@ class Carrier:
             self._offsets[key] = len(labels)
             labels.extend(str(x) for x in block.instrs)
         self._table = self.progress.table(labels) if self.progress.active else -1
+        self._step_dies = _step_dies(program)
         ahead = Ahead(program, comm, ranks) if comm is not None else None
         self.ahead = ahead if ahead is not None and ahead.active else None
 
@@ -145,18 +146,25 @@ class Carrier:
 
     def _made_once(self) -> None:
         """The step's once-made Values (``ProcessProgram.step_ops``: under amp the 16-bit
-        copies of the parameters), made from the scope before the first micro-batch and
-        given to every micro-batch that runs: one array each, dropped by the last
-        micro-batch that reads it, and never a donor (no micro-batch owns it alone)."""
-        ops = self.program.step_ops
-        if not ops:
+        copies of the parameters, after their operands' reshards), made from the scope
+        before the first micro-batch and given to every micro-batch that runs: one array
+        each, dropped by the last micro-batch that reads it, and never a donor (no
+        micro-batch owns it alone). A reshard's result lives to its op's end."""
+        instrs = self.program.step_ops
+        if not instrs:
             return
         made = Counted(self.ledger)
-        self.ledger.at = ("step start", None)
         try:
-            for instr in ops:
+            for j, instr in enumerate(instrs):
+                self.ledger.at = ("step start", instr)
+                if isinstance(instr, PointInstr):
+                    self.runner.point(instr, made, self.scope,
+                                      self.tags.tag(instr.point.seq, 0))
+                    continue
                 run_op(instr, made, self.scope, self.runner.context(self.step, instr.ctx), ())
                 self.ledger.settle()
+                for name in self._step_dies[j]:     # a gathered operand, used for the last time
+                    made.pop(name, None)
         except DistGraphError as e:
             raise RuntimeFault(f"rank {self.rank} (process {self.pid}): the values made once "
                                f"in step {self.step} failed: {e}") from e
@@ -516,3 +524,22 @@ class Carrier:
                 f"{self.timeout:g} s in step {self.step} with no message arriving; a peer "
                 f"did not send what this rank's tasks wait for:\n  {a.task} micro-batch "
                 f"{a.micro_batch} waits for " + "; ".join(needs) + f" (action {a})")
+
+
+def _step_dies(program) -> list:
+    """For each of ``program.step_ops``, the reshard results it reads for the last time
+    that no task of the micro-batches reads: a weight gathered for its 16-bit copy lives
+    only to the cast."""
+    read_later = {n for block in program.blocks.values() for instr in block.instrs
+                  for n in getattr(instr, "reads", ()) + getattr(instr, "ins", ())}
+    made = {n for instr in program.step_ops if isinstance(instr, PointInstr)
+            for n in instr.writes}
+    last: dict = {}
+    for j, instr in enumerate(program.step_ops):
+        for n in getattr(instr, "ins", ()):
+            if n in made and n not in read_later:
+                last[n] = j
+    out: list = [[] for _ in program.step_ops]
+    for n, j in last.items():
+        out[j].append(n)
+    return out

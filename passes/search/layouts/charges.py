@@ -166,7 +166,8 @@ class Charges:
         operand of op ``node`` (an op reading one Value twice pays its reshard once)."""
         space = self.space
         op = space.program.ops[node.op]
-        w = self.weights.get(op.role, 1)
+        # a Value made once reshards its operands once a step, with it
+        w = self.weights.get(Role.OPTIMIZE if node.index in self.once else op.role, 1)
         seen = set()
         for i, v in enumerate(op.inputs):
             if v.name in seen:

@@ -334,8 +334,9 @@ def search(program, mesh: ProcessMesh, cluster, device_of: dict, *, ops=None,
            tuple(blocks), live, zero, style)
 
     def build() -> _Built:
+        once = (weights or {}).get(Role.OPTIMIZE, 1) < (weights or {}).get(Role.BACKWARD, 1)
         space = SearchSpace(program, mesh, ops, received=dict(boundary.received),
-                            session=session, style=style)
+                            session=session, style=style, once=once)
         share = _shared_blocks(space, blocks)
         return _Built(space, share, _problem(space, costs, weights or {}, loss, world, None,
                                              share, live, boundary, zero))

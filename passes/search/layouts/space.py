@@ -130,8 +130,9 @@ class SearchSpace:
     What ops offer on a mesh shape (bound rules, strategies, followers' answers, choices
     moved to other meshes) is kept in ``session``'s "op strategies", shared with every
     space of the planning; who makes and reads each Value, and the ops whose kept memory
-    could never serve their gradient (``keeping_nothing``) and the Values a micro-batched
-    step makes once (``made_once``), in its "program facts"."""
+    could never serve their gradient (``keeping_nothing``) and, with ``once``, the Values
+    a micro-batched step makes once (``made_once``, whose ops choose freely), in its
+    "program facts"."""
 
     program: object
     mesh: ProcessMesh
@@ -145,6 +146,7 @@ class SearchSpace:
     received: dict = field(default_factory=dict)
     session: Session | None = None
     style: str | None = None
+    once: bool = False
 
     def __post_init__(self):
         whole = self.ops is None
@@ -156,9 +158,11 @@ class SearchSpace:
         # (keeps_nothing), found once per program: the liveness sets read them
         self.keeping_nothing = facts.memo((program, "keeping nothing"),
                                           lambda: keeps_nothing(program.ops))
-        # the Values a micro-batched step makes once (made_once), found once per program:
-        # the charges and the liveness sets read them where the program is micro-batched
-        self.made_once = facts.memo((program, "made once"), lambda: made_once(program))
+        # with ``once`` (a micro-batched step's) the Values it makes once (made_once),
+        # found once per program: their ops choose freely (their operands may be
+        # resharded, once a step), and the charges and the liveness sets read them
+        self.made_once = facts.memo((program, "made once"), lambda: made_once(program)) \
+            if self.once else frozenset()
         # what ops offer on this mesh's shape, kept per op signature (module docstring)
         self._offers = self.session.table("op strategies")
         self._at = (tuple(self.mesh.shape), tuple(self.mesh.dim_names))
@@ -254,7 +258,9 @@ class SearchSpace:
         label = f"#{k} {op.type} ({op.layer or 'top level'})"
         constrained = op.annotation is not None or any(o.annotation is not None
                                                        for o in op.outputs)
-        if op.inputs and not constrained and self._light(op) and not self._sums_weight(op):
+        once = op.outputs and all(o.name in self.made_once for o in op.outputs)
+        if op.inputs and not constrained and not once and self._light(op) and \
+                not self._sums_weight(op):
             for pick in sorted(range(len(op.inputs)), key=lambda i: (-depth_of[i], i)):
                 induced, key = self._follow(op, pick, operands[pick])
                 names = len({s.name for s in induced})

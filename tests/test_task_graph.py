@@ -68,7 +68,13 @@ def test_tasks_cut_each_local_program_by_role():
                     if {o.name for o in op.outputs} <= p.accumulation.skipped]
         assert [local.program.ops[i].type for i in prologue] == \
             (["label_mask", "sum"] if pid >= 2 else [])
-        assert sorted(ops + prologue) == list(range(len(local.program.ops)))
+        # and the values the step makes once (the positions' lookup, the causal masks)
+        once = p.accumulation.made_once(p.program)
+        made_once = [i for i, op in enumerate(local.program.ops)
+                     if op.outputs and {o.name for o in op.outputs} <= once]
+        assert made_once and {local.program.ops[i].type for i in made_once} <= \
+            {"slice", "embedding", "causal_mask", "full"}
+        assert sorted(ops + prologue + made_once) == list(range(len(local.program.ops)))
         roles = {kind: {local.program.ops[it.index].role for it in t.items if it.kind == "op"}
                  for (_, kind), t in tasks.items()}
         assert roles["forward"] <= {"forward", "loss"}

@@ -1,8 +1,8 @@
 """What ``distgraph cluster calibrate`` measures of communication steps through distgraph's
 runtime: one reshard step of each kind (:func:`measure_reshard_steps`) and an op's
 all-to-all with variable counts per pair, MoE's dropless dispatch
-(:func:`measure_all_to_allv`), each run between ops as in training and measured as what
-it adds to a loop of those ops (:func:`step_cost`). The calibration fits what they cost
+(:func:`measure_all_to_allv`), each run between ops as in training, its group lined up,
+the fastest of many kept (:func:`steps_cost`). The calibration fits what they cost
 beyond their messages' alpha-beta (:func:`distgraph.tools.calibrate.
 reshard_overheads`)."""
 
@@ -31,44 +31,41 @@ def between_steps(arrays) -> None:
     """What a rank does between two communication steps of a training step, the same on
     every rank: an op or two, here an elementwise add over ``BETWEEN_BYTES`` arrays and a
     GEMM of side ``BETWEEN_GEMM`` (a fraction of a millisecond, as an op of a small
-    model's layer). They take the caches from the runtime's code and data, and the ranks
-    reach the next step as each finishes, not in lockstep; with more ranks than cores
-    the ranks take turns at it, so that a step waits for peers that are not running."""
+    model's layer). They take the caches from the runtime's code and data."""
     a, b, c, m = arrays
     np.add(a, b, out=c)
     m @ m
 
 
-def step_cost(comm, work, step, repeats: int, iters: int = RESHARD_ITERS) -> float:
-    """Seconds ``step`` adds to a loop of ``work``, as a training step pays it: a loop of
-    ``iters`` x (``work()``, then ``step`` on what it returns) against a loop of ``work``
-    alone, each timed whole on every rank from a common start and taken at its slowest
-    rank; the best of ``repeats`` timings of each (after one pair that warms up), their
-    difference per iteration.
+def steps_cost(comm, cases, repeats: int, iters: int = RESHARD_ITERS) -> list:
+    """[seconds] each case's step takes when its group meets it at once, as a training
+    step whose ranks run alike pays it. ``cases``: (``work``, ``step``) pairs; a run of
+    a case is ``work()``, then the ranks lined up by a barrier, then ``step`` on what
+    ``work`` returned, timed alone. ``repeats`` rounds (after one that warms up) of
+    ``iters`` runs of each case in turn; the fastest of each on each rank, then the
+    slowest rank's.
 
-    The difference, not the step timed on its own: with more ranks than cores the ranks
-    take turns on the cores, and a step timed alone counts the wait for a descheduled
-    peer, most of it the peer's turn at its own ``work``, which the cost model already
-    prices at the rate the ranks compute at while sharing the cores. What the turns cost
-    both loops cancels; what the step adds stays: its calls, copies and messages, and
-    the wait for the group to meet that the ``work`` alone would not have had. The best
-    timing of each loop, as for the links' ping-pong: the one least disturbed by other
-    processes on the machine, whose turns a waiting group pays many times over (the
-    cost of the ranks' own turns is in every timing)."""
-    best = [np.inf, np.inf]
+    The fastest, lined up, and the cases in turn: with other processes on the machine,
+    or more ranks than cores, a step often waits for a peer that is not running; that
+    wait is the machine's load or the ranks' turns at the cores (which the cost model
+    prices at the rate the ranks compute at while sharing them), not the step's, and a
+    spell of load slows few runs of any one case. What stays is the step's calls, copies
+    and messages, after ``work`` has taken the caches from the runtime's code and data,
+    as an op between two steps does: the same run after run on a loaded machine."""
+    best = [np.inf] * len(cases)
     for batch in range(repeats + 1):           # batch 0 warms up
-        for stepping in (False, True):
-            idle_barrier(comm)
-            start = time.perf_counter()
+        for k, (work, step) in enumerate(cases):
             for _ in range(iters):
                 made = work()
-                if stepping:
-                    step(made)
+                comm.Barrier()
+                start = time.perf_counter()
+                step(made)
+                seconds = time.perf_counter() - start
                 del made
-            seconds = comm.allreduce(time.perf_counter() - start, op=_mpi_max())
-            if batch:
-                best[stepping] = min(best[stepping], seconds)
-    return (best[True] - best[False]) / iters
+                if batch:
+                    best[k] = min(best[k], seconds)
+    idle_barrier(comm)
+    return [comm.allreduce(t, op=_mpi_max()) for t in best]
 
 
 def idle_barrier(comm, poll: float = 1e-3) -> None:
@@ -82,9 +79,9 @@ def idle_barrier(comm, poll: float = 1e-3) -> None:
 def measure_reshard_steps(comm, repeats: int) -> dict:
     """{step kind: ((buffer bytes, seconds), ...)}: what one reshard step of each kind
     through distgraph's runtime over all ranks, on tensors of :data:`RESHARD_BYTES`,
-    adds to a loop of the work of :func:`between_steps` (:func:`step_cost`; a step in a
-    tight loop finds its code and data cached and its peers waiting: in training
-    neither holds), the slowest rank's view. What a step costs beyond the alpha-beta of
+    takes after the work of :func:`between_steps` (:func:`steps_cost`; a step in a tight
+    loop finds its code and data cached: in training it does not), the slowest rank's
+    view. What a step costs beyond the alpha-beta of
     its messages is :func:`reshard_overheads`'s fit."""
 
     # the runtime is what the figure describes; imported at measurement time only
@@ -100,10 +97,9 @@ def measure_reshard_steps(comm, repeats: int) -> dict:
                StepKind.ALL_TO_ALL: (["x", None], (), [None, "x"])}
     work = (np.ones(BETWEEN_BYTES // 8), np.ones(BETWEEN_BYTES // 8),
             np.empty(BETWEEN_BYTES // 8), np.ones((BETWEEN_GEMM,) * 2, np.float32))
-    out = {}
+    cases, keys = [], []
     for kind in RESHARD_KINDS if n > 1 else (StepKind.SLICE,):
         before, partial, after = layouts[kind]
-        out[kind] = []
         for nbytes in RESHARD_BYTES:
             cols = 8 * n
             rows = n * max(8, -(-nbytes // (4 * cols * n)))
@@ -111,10 +107,13 @@ def measure_reshard_steps(comm, repeats: int) -> dict:
             src = DistAttr(mesh, ShardSpec(before, partial=partial))
             steps = plan_reshard(src, DistAttr(mesh, ShardSpec(after)), shape, "float32")
             local = np.ones(src.local_shape(shape), dtype=np.float32)
-            seconds = step_cost(comm, lambda: between_steps(work),
-                                lambda _, steps=steps, local=local:
-                                apply_reshard(steps, local, runtime, runtime.rank), repeats)
-            out[kind].append((steps[0].buffer_bytes, seconds))
+            cases.append((lambda: between_steps(work),
+                          lambda _, steps=steps, local=local:
+                          apply_reshard(steps, local, runtime, runtime.rank)))
+            keys.append((kind, steps[0].buffer_bytes))
+    out: dict = {}
+    for (kind, nbytes), seconds in zip(keys, steps_cost(comm, cases, repeats)):
+        out.setdefault(kind, []).append((nbytes, seconds))
     return out
 
 
@@ -155,10 +154,9 @@ def measure_all_to_allv(comm, repeats: int) -> list:
     size: the per-step cost of an exchange there, which the dispatch pays once more per
     forward), then ``all_to_allv`` of :func:`uneven_counts` rows of
     :data:`ALL_TO_ALLV_ROW` bytes, a local buffer of each of :data:`ALL_TO_ALLV_BYTES`
-    gathered afresh from its rows before each call. What each adds to a loop of an
-    expert's GEMM (:func:`between_experts`) and the gathering of its buffer
-    (:func:`step_cost`: the slowest rank's view; the group waits for it at every
-    exchange, as the step does), with the caches as the experts leave them."""
+    gathered afresh from its rows before each call. What each takes after an expert's
+    GEMM (:func:`between_experts`) and the gathering of its buffer (:func:`steps_cost`:
+    the slowest rank's view), with the caches as the experts leave them."""
     from distgraph.runtime.comm.mpi import MPICommunicator
 
     n, rank = comm.Get_size(), comm.Get_rank()
@@ -184,8 +182,9 @@ def measure_all_to_allv(comm, repeats: int) -> list:
         between_experts(experts)
         return make()                         # made afresh, as the dispatch sends
 
-    return [(nbytes, step_cost(comm, lambda make=make: work(make), exchange, repeats))
-            for nbytes, make, exchange in cases]
+    timed = steps_cost(comm, [(lambda make=make: work(make), exchange)
+                              for _, make, exchange in cases], repeats)
+    return [(nbytes, seconds) for (nbytes, _, _), seconds in zip(cases, timed)]
 
 
 def _mpi_max():

@@ -24,8 +24,11 @@ another process had descheduled is not the link's. For the whole group: all-redu
 latency (8 bytes) and bus bandwidth (2(n-1)/n * bytes / time). Ranks on the same host
 form one machine; pairs on one host get ``SHM`` links, pairs across hosts ``NET`` links
 between machines. Then one reshard step of each kind through distgraph's runtime,
-between ops as in training, its group lined up, on three tensor sizes: what a step
-costs beyond its messages' alpha-beta (the wire), per step and per byte of its buffer
+between ops as in training, on three tensor sizes, timed as what it adds to a loop of
+those ops (the ranks' own turns at cores they share, which the compute rates already
+hold, cancel): what a step costs beyond its messages' alpha-beta (the wire: the links'
+fastest figures), calls, copies and the wait for the group to meet, per step and per
+byte of its buffer
 (``reshard_overhead``; with it ``all_to_allv``, the all-to-all with uneven counts per
 pair that MoE's dispatch runs, on megabyte buffers, and the exchange of its counts:
 :mod:`distgraph.tools.step_probe`); and what one collective of MeshSlice's sliced
@@ -356,10 +359,7 @@ def reshard_overheads(cluster, steps: dict, sliced: dict | None = None,
     for name, measured in steps.items():
         kind = StepKind.parse(name)            # all_to_allv: all_to_all's formula
         sizes = np.array([float(b) for b, _ in measured])
-        beyond = np.array([max(t - (collective_time(kind, n, b, ring.bandwidth,
-                                                    ring.latency)
-                                    if kind.is_collective else 0.0), 0.0)
-                           for b, t in measured])
+        beyond = np.array([max(t - _wire(kind, n, b, ring), 0.0) for b, t in measured])
         if sizes.max() == sizes.min():
             per_step, per_byte = float(np.median(beyond)), 0.0
         elif sizes.min() < TINY_BYTES and (sizes >= TINY_BYTES).any():
@@ -388,6 +388,17 @@ def reshard_overheads(cluster, steps: dict, sliced: dict | None = None,
         out["sliced"] = (round(sliced_overhead(cluster, sliced, out, per_byte) * 1e6, 3),
                          per_byte)
     return out
+
+
+def _wire(kind: StepKind, n: int, nbytes: float, ring) -> float:
+    """Seconds the cost model charges a step's messages on ``ring``: a collective's
+    alpha-beta, a send_recv's one message (alpha + bytes / bandwidth), a local step
+    none."""
+    if kind.is_collective:
+        return collective_time(kind, n, nbytes, ring.bandwidth, ring.latency)
+    if kind is StepKind.SEND_RECV:
+        return ring.latency * 1e-6 + nbytes / (ring.bandwidth * 1e9)
+    return 0.0
 
 
 def sliced_overhead(cluster, sliced: dict, software: dict, per_byte: float = 0.0) -> float:
@@ -511,9 +522,8 @@ def main(argv=None) -> None:
         gflops={k: round(v * share, 3) for k, v in rates.items()}, gemm=curve,
         memory_bandwidth=round(bandwidth * share, 3),
         op_overhead=round(op_overhead_us(args.repeats, xb=xb) / share, 3),
-        # a GEMM is priced by the curve, launched at the op overhead
-        op_costs={k: (round(a / share, 4), round(b / share, 6)) for k, (a, b) in costs.items()
-                  if k != "matmul"},
+        # a GEMM's work is priced by the curve; its per-call cost here is its launch
+        op_costs={k: (round(a / share, 4), round(b / share, 6)) for k, (a, b) in costs.items()},
         cores=cores, core_share=share)
     records = comm.gather(record, root=0)
     if rank == 0:

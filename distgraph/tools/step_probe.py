@@ -1,8 +1,9 @@
 """What ``distgraph cluster calibrate`` measures of communication steps through distgraph's
 runtime: one reshard step of each kind (:func:`measure_reshard_steps`) and an op's
 all-to-all with variable counts per pair, MoE's dropless dispatch
-(:func:`measure_all_to_allv`), each run between ops as in training, its group lined up,
-the fastest of many kept (:func:`steps_cost`). The calibration fits what they cost
+(:func:`measure_all_to_allv`), each run between ops as in training and measured as what
+it adds to a loop of those ops, the cases in turn, the fastest loops kept
+(:func:`steps_cost`). The calibration fits what they cost
 beyond their messages' alpha-beta (:func:`distgraph.tools.calibrate.
 reshard_overheads`)."""
 
@@ -19,6 +20,7 @@ from distgraph.plan.kinds import COLLECTIVES, StepKind
 from distgraph.runtime.execution.reshard import apply_reshard
 
 RESHARD_KINDS = (StepKind.SLICE,) + COLLECTIVES     # the kinds one group's step is timed in
+# (and send_recv, between two halves of the ranks: measure_reshard_steps)
 # global bytes of the tensors each reshard step kind is timed on: the per-step cost shows
 # on the smallest, the per-byte cost (the runtime's copies) on the others
 RESHARD_BYTES = (4 * 2**10, 64 * 2**10, 1 * 2**20)
@@ -38,34 +40,36 @@ def between_steps(arrays) -> None:
 
 
 def steps_cost(comm, cases, repeats: int, iters: int = RESHARD_ITERS) -> list:
-    """[seconds] each case's step takes when its group meets it at once, as a training
-    step whose ranks run alike pays it. ``cases``: (``work``, ``step``) pairs; a run of
-    a case is ``work()``, then the ranks lined up by a barrier, then ``step`` on what
-    ``work`` returned, timed alone. ``repeats`` rounds (after one that warms up) of
-    ``iters`` runs of each case in turn; the fastest of each on each rank, then the
-    slowest rank's.
+    """[seconds] each case's step adds to a loop of its work, as a training step pays it.
+    ``cases``: (``work``, ``step``) pairs. A round times, for each case in turn, a loop
+    of ``iters`` x ``work()`` and one of ``iters`` x (``work()``, then ``step`` on what
+    it returned), each whole on every rank from a common start and taken at its slowest
+    rank; ``repeats`` rounds after one that warms up. The fastest loop of each kind, their
+    difference per iteration.
 
-    The fastest, lined up, and the cases in turn: with other processes on the machine,
-    or more ranks than cores, a step often waits for a peer that is not running; that
-    wait is the machine's load or the ranks' turns at the cores (which the cost model
-    prices at the rate the ranks compute at while sharing them), not the step's, and a
-    spell of load slows few runs of any one case. What stays is the step's calls, copies
-    and messages, after ``work`` has taken the caches from the runtime's code and data,
-    as an op between two steps does: the same run after run on a loaded machine."""
-    best = [np.inf] * len(cases)
+    The difference, not the step timed on its own: with more ranks than cores the ranks
+    take turns on the cores, and a step timed alone counts the wait for a descheduled
+    peer, most of it the peer's turn at its own ``work``, which the cost model already
+    prices at the rate the ranks compute at while sharing the cores. What the turns cost
+    both loops cancels; what the step adds stays: its calls, copies and messages, and
+    the wait for the group to meet that the work alone would not have had. The fastest
+    loops, and the cases in turn: a spell of other processes' load on the machine slows
+    few rounds of any one case."""
+    best = [[np.inf, np.inf] for _ in cases]
     for batch in range(repeats + 1):           # batch 0 warms up
         for k, (work, step) in enumerate(cases):
-            for _ in range(iters):
-                made = work()
-                comm.Barrier()
+            for stepping in (False, True):
+                idle_barrier(comm)
                 start = time.perf_counter()
-                step(made)
-                seconds = time.perf_counter() - start
-                del made
+                for _ in range(iters):
+                    made = work()
+                    if stepping:
+                        step(made)
+                    del made
+                seconds = comm.allreduce(time.perf_counter() - start, op=_mpi_max())
                 if batch:
-                    best[k] = min(best[k], seconds)
-    idle_barrier(comm)
-    return [comm.allreduce(t, op=_mpi_max()) for t in best]
+                    best[k][stepping] = min(best[k][stepping], seconds)
+    return [max(stepped - alone, 0.0) / iters for alone, stepped in best]
 
 
 def idle_barrier(comm, poll: float = 1e-3) -> None:
@@ -79,9 +83,9 @@ def idle_barrier(comm, poll: float = 1e-3) -> None:
 def measure_reshard_steps(comm, repeats: int) -> dict:
     """{step kind: ((buffer bytes, seconds), ...)}: what one reshard step of each kind
     through distgraph's runtime over all ranks, on tensors of :data:`RESHARD_BYTES`,
-    takes after the work of :func:`between_steps` (:func:`steps_cost`; a step in a tight
-    loop finds its code and data cached: in training it does not), the slowest rank's
-    view. What a step costs beyond the alpha-beta of
+    adds to a loop of the work of :func:`between_steps` (:func:`steps_cost`; a step in a
+    tight loop finds its code and data cached and its peers waiting: in training neither
+    holds), the slowest rank's view. What a step costs beyond the alpha-beta of
     its messages is :func:`reshard_overheads`'s fit."""
 
     # the runtime is what the figure describes; imported at measurement time only
@@ -111,6 +115,23 @@ def measure_reshard_steps(comm, repeats: int) -> dict:
                           lambda _, steps=steps, local=local:
                           apply_reshard(steps, local, runtime, runtime.rank)))
             keys.append((kind, steps[0].buffer_bytes))
+    if n > 1:
+        # a pipeline's hand-over: the first half of the ranks send a tensor each to the
+        # second half (a send_recv between two meshes), the others wait for it
+        half = n // 2
+        sources = ProcessMesh(list(range(half)), ["x"])
+        targets = ProcessMesh(list(range(half, 2 * half)), ["x"])
+        for nbytes in RESHARD_BYTES:
+            shape = (half * max(8, -(-nbytes // (4 * 8 * half))), 8)
+            src = DistAttr(sources, ShardSpec(["x", None]))
+            steps = plan_reshard(src, DistAttr(targets, ShardSpec(["x", None])), shape,
+                                 "float32")
+            local = np.ones(src.local_shape(shape), dtype=np.float32) \
+                if runtime.rank < half else None
+            cases.append((lambda: between_steps(work),
+                          lambda _, steps=steps, local=local:
+                          apply_reshard(steps, local, runtime, runtime.rank)))
+            keys.append((StepKind.SEND_RECV, steps[0].buffer_bytes))
     out: dict = {}
     for (kind, nbytes), seconds in zip(keys, steps_cost(comm, cases, repeats)):
         out.setdefault(kind, []).append((nbytes, seconds))
@@ -154,9 +175,10 @@ def measure_all_to_allv(comm, repeats: int) -> list:
     size: the per-step cost of an exchange there, which the dispatch pays once more per
     forward), then ``all_to_allv`` of :func:`uneven_counts` rows of
     :data:`ALL_TO_ALLV_ROW` bytes, a local buffer of each of :data:`ALL_TO_ALLV_BYTES`
-    gathered afresh from its rows before each call. What each takes after an expert's
-    GEMM (:func:`between_experts`) and the gathering of its buffer (:func:`steps_cost`:
-    the slowest rank's view), with the caches as the experts leave them."""
+    gathered afresh from its rows before each call. What each adds to a loop of an
+    expert's GEMM (:func:`between_experts`) and the gathering of its buffer
+    (:func:`steps_cost`: the slowest rank's view; the group waits for it at every
+    exchange, as the step does), with the caches as the experts leave them."""
     from distgraph.runtime.comm.mpi import MPICommunicator
 
     n, rank = comm.Get_size(), comm.Get_rank()

@@ -170,7 +170,8 @@ def dgx_cluster(nodes: int) -> dg.Cluster:
     for ln in spine_links:
         links.append(dict(ln, source=switch_id[ln["source"]], target=switch_id[ln["target"]]))
     switches = [dict(s, global_id=switch_id[s["global_id"]]) for s in rails + spine]
-    return dg.Cluster.from_dict({"name": f"dgx_a100_{nodes * gpus}", "machines": machines,
+    return dg.Cluster.from_dict({"name": f"dgx_a100_{nodes * gpus}", "figures": "published",
+                                 "machines": machines,
                                  "switches": switches, "links": links})
 
 

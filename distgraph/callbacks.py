@@ -358,6 +358,15 @@ TENSORBOARD_EXTRA = "pip install 'distgraph[tensorboard]'"
 MEMORY_RANKS = 64           # TensorBoard's memory/rank<r> series drawn, at most
 
 
+def predicted_tag(plan) -> str:
+    """The TensorBoard tag of a plan's predicted step time: ``step_time/predicted``, or
+    ``step_time/predicted_uncalibrated`` where the plan's cluster is not calibrated
+    (``Cluster.calibrated``; a plan without one is priced on ``Cluster.local``'s
+    defaults)."""
+    measured = plan.cluster is not None and plan.cluster.calibrated
+    return "step_time/predicted" if measured else "step_time/predicted_uncalibrated"
+
+
 class TensorBoard(Callback):
     """Rank 0 writes TensorBoard's event files into ``log_dir`` (``tensorboard --logdir
     log_dir``); the other ranks write nothing. Scalars, against the global step:
@@ -367,7 +376,9 @@ class TensorBoard(Callback):
       plan's step, the gather of the loss included; not the reading of the batch
       before it), beside ``step_time/predicted``, the plan's estimate
       (``plan.estimate.step_time``) where the plan has one (an Engine given a
-      ``cluster``, or ``auto_mode="full"``);
+      ``cluster``, or ``auto_mode="full"``), named ``step_time/predicted_uncalibrated``
+      where the plan's cluster gives default figures, not measured ones
+      (:func:`predicted_tag`);
     - ``throughput/samples_per_second`` and, for batches of token ids,
       ``throughput/tokens_per_second`` (the global batch over the measured step);
     - ``memory/rank<r>``: the bytes each rank held at its step's peak (``History.memory``
@@ -417,7 +428,7 @@ class TensorBoard(Callback):
             self._scalar("train/lr", logs["lr"], step)
         self._scalar("step_time/measured", seconds, step)
         if plan.estimate is not None:
-            self._scalar("step_time/predicted", plan.estimate.step_time, step)
+            self._scalar(predicted_tag(plan), plan.estimate.step_time, step)
         self._scalar("throughput/samples_per_second", logs["batch_size"] / seconds, step)
         if logs.get("tokens"):
             self._scalar("throughput/tokens_per_second", logs["tokens"] / seconds, step)

@@ -146,6 +146,9 @@ def get_op(op_type: str) -> OpDef:
 # Ops whose time follows their FLOPs (dense contractions, the experts' grouped ones);
 # every other op's follows the elements it reads and writes.
 FLOP_BOUND = ("matmul", "moe_ffn", "moe_ffn_grad", "attention", "attention_grad")
+# Ops whose kernels return a view of their operand (numpy's and CuPy's reshape of a
+# contiguous array, slices, broadcasts): they move no bytes, whatever their shapes.
+VIEWS = ("reshape", "split", "slice", "broadcast_to")
 
 
 def op_work(op_type: str, ins, outs, attrs) -> float:

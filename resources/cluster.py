@@ -34,6 +34,7 @@ import numpy as np
 
 from distgraph.errors import PlanError
 from distgraph.keywords import keywords_checked
+from distgraph.resources.local_cache import cached_local
 from distgraph.resources.elements import (COMPUTE_TYPES, DEVICE_TYPES, NETWORK_TYPES, Device,
                                           DeviceMesh, FrozenMap, InvalidCluster, Link,
                                           LinkGroup, Links, Machine, Overlaps, Switch, _ranges,
@@ -65,6 +66,8 @@ LOCAL_GPU_GFLOPS = {"float16": 100000.0, "bfloat16": 100000.0, "float32": 20000.
 LOCAL_PCIE_BANDWIDTH_GBPS = 12.0
 LOCAL_PCIE_LATENCY_US = 10.0
 LOCAL_STAGED_LATENCY_US = 30.0
+# Where a cluster's figures come from (Cluster.figures): measured here, published, defaults.
+FIGURES = ("measured", "published", "")
 
 
 @keywords_checked          # a mistyped keyword names the nearest field
@@ -74,7 +77,11 @@ class Cluster:
 
     ``device_meshes=None`` infers one mesh per (type, model): shape ``(machines,
     devices per machine)`` when every machine holding them has the same count, else
-    ``(count,)``. Construction validates ids, link endpoints, meshes and connectivity and
+    ``(count,)``. ``figures`` says where the devices' and links' figures come from:
+    ``"measured"`` (``distgraph cluster calibrate`` measured them on the machine;
+    ``calibration`` holds what it measured them with), ``"published"`` (published
+    measurements of the machine, which the file names), or ``""``: defaults, and the
+    plans priced on them are uncalibrated (:attr:`calibrated`). Construction validates ids, link endpoints, meshes and connectivity and
     raises :class:`InvalidCluster` (a ResourceFileError) naming the key at fault.
     """
 
@@ -84,8 +91,12 @@ class Cluster:
     device_meshes: tuple[DeviceMesh, ...] | None = None
     name: str = ""
     calibration: Mapping[str, float] = field(default_factory=FrozenMap)
+    figures: str = ""
 
     def __post_init__(self):
+        if self.figures not in FIGURES:
+            raise InvalidCluster("figures", f"got {self.figures!r}",
+                                 " or ".join(repr(f) for f in FIGURES if f))
         _set(self, "machines", tuple(self.machines))
         _set(self, "links", Links(self.links))
         _set(self, "switches", tuple(self.switches))
@@ -386,6 +397,24 @@ class Cluster:
 
     # ---- views -----------------------------------------------------------------------
     @property
+    def calibrated(self) -> bool:
+        """Whether the figures were measured (``figures`` "measured", or a file from
+        ``distgraph cluster calibrate`` of before that key: its ``calibration``) or
+        published for the machine; False for defaults."""
+        return bool(self.figures) or bool(self.calibration)
+
+    @property
+    def calibrate_command(self) -> str:
+        """The command that measures this cluster's figures (``distgraph cluster
+        calibrate``), for people reading an uncalibrated plan."""
+        name = self.name or "my_cluster"
+        n = len(self.devices)
+        if len(self.machines) == 1:
+            return f"distgraph cluster calibrate -n {n} -o {name}.yaml"
+        return (f"distgraph cluster calibrate -n {n} --hosts " + ",".join(
+            f"{m.hostname}:{len(m.devices)}" for m in self.machines) + f" -o {name}.yaml")
+
+    @property
     def devices(self) -> list[Device]:
         """Compute devices (no NICs), by global id."""
         return list(self._devices_by_id)
@@ -465,17 +494,24 @@ class Cluster:
         machine's GPUs, detected with CuPy (:mod:`distgraph.resources.gpus`; a
         :class:`~distgraph.resources.gpus.NoGPU` error when there are none), rank r on
         GPU ``r mod count`` (its ``local_id``): with more ranks than GPUs, ranks share
-        one (see :func:`local_gpus`). The GFLOP/s and link figures are defaults (see
-        LOCAL_* in this module), not measurements; ``distgraph cluster calibrate``
-        measures them.
+        one (see :func:`local_gpus`).
+
+        Where this machine was measured for ``nprocs`` ranks of such devices (``distgraph
+        run`` without ``--cluster`` measures it once and keeps it, as does ``distgraph
+        cluster calibrate --local``: :mod:`distgraph.resources.local_cache`), that
+        measured cluster; else one of default figures (see LOCAL_* in this module), not
+        measurements, which a plan priced on them calls uncalibrated.
         """
         if not isinstance(nprocs, int) or nprocs < 1:
             raise PlanError(f"Cluster.local needs a positive number of processes, got {nprocs!r}")
-        if device == "GPU":
-            return local_gpus(nprocs, detect_gpus(f"Cluster.local({nprocs}, device='GPU')"))
-        if device != "CPU":
+        if device not in ("CPU", "GPU"):
             raise PlanError(f"Cluster.local(device={device!r}): this machine's devices are "
                             "'CPU' (its cores as ranks) or 'GPU' (its CUDA GPUs)")
+        measured = cached_local(nprocs, device, cls.from_file)
+        if measured is not None:
+            return measured
+        if device == "GPU":
+            return local_gpus(nprocs, detect_gpus(f"Cluster.local({nprocs}, device='GPU')"))
         devices = tuple(Device(i, i, 0, "CPU", LOCAL_MODEL, LOCAL_GFLOPS, LOCAL_MEMORY_GB)
                         for i in range(nprocs))
         links = (clique(range(nprocs), LOCAL_BANDWIDTH_GBPS, LOCAL_LATENCY_US, "SHM"),) \

@@ -70,6 +70,41 @@ def _per_step_and_byte(cost) -> tuple:
 
 
 @dataclass(frozen=True)
+class GemmCurve:
+    """How a device's GEMM rate depends on the GEMM's shape (the cost model's
+    :func:`~distgraph.passes.cost.compute.gemm_seconds` reads it): the device runs a GEMM
+    as output tiles, ``units`` at a time (a GPU's SMs; one BLAS thread's core), each tile
+    at most ``tile`` = (rows, columns) and stepping through the contracted dim k with a
+    cost per tile of ``k_fill`` more steps (loading its first operands, writing its
+    result). A smaller tile reuses each element it loads fewer times: one with
+    ``r x c / (r + c)`` below ``reuse`` runs at that fraction of a unit's rate (0: every
+    tile at the full rate). With ``units`` > 1 a GEMM of few tiles splits k over several
+    (``split-K``) to fill the units. The rate of a unit is the device's GFLOP/s of the
+    dtype over ``units``: the large-GEMM rate the curve tends to.
+
+    Example: ``GemmCurve(132, (256, 128), 160, 56)`` (an H100's, fitted to XLA's
+    published table of cuBLAS GEMM rates: resources/clusters/h100_16384.yaml).
+    """
+
+    units: int = 1
+    tile: tuple = (256, 128)
+    k_fill: float = 0.0
+    reuse: float = 0.0
+
+    def __post_init__(self):
+        _set(self, "tile", tuple(int(t) for t in self.tile))
+        if int(self.units) < 1 or len(self.tile) != 2 or min(self.tile) < 1:
+            raise InvalidCluster("gemm", f"units {self.units}, tile {self.tile}",
+                                 "units >= 1 and a tile of two positive sizes")
+        if not (self.k_fill >= 0 and self.reuse >= 0):
+            raise InvalidCluster("gemm", f"k_fill {self.k_fill}, reuse {self.reuse}",
+                                 "k_fill >= 0 and reuse >= 0")
+        _set(self, "units", int(self.units))
+        _set(self, "k_fill", float(self.k_fill))
+        _set(self, "reuse", float(self.reuse))
+
+
+@dataclass(frozen=True)
 class Device:
     """One device. ``gflops`` maps a dtype name to GFLOP/s; ``memory`` is in GB;
     ``memory_bandwidth`` (GB/s) and ``op_overhead`` (µs per op launch) feed the cost model
@@ -82,7 +117,9 @@ class Device:
     its messages' alpha-beta (the runtime's own copies; a file may give the µs alone;
     the µs are a 2-process step's, paid once per ring round by a collective over more);
     ``sliced``: one collective inside MeshSlice's sliced pipeline (µs per step), and the
-    ns per byte a partial GeMM reads again.
+    ns per byte a partial GeMM reads again; ``gemm``: how its GEMM rate depends on a
+    GEMM's m, n and k (a :class:`GemmCurve`; None: every GEMM at the GFLOP/s of its
+    dtype, or at its memory bandwidth where that is slower).
 
     Example: ``Device(0, 0, 0, "GPU", "A100-SXM4-40GB", {"float32": 19500}, 40)``.
     """
@@ -98,6 +135,7 @@ class Device:
     op_overhead: float | None = None
     op_costs: Mapping[str, tuple] | None = None
     reshard_overhead: Mapping[str, tuple] | None = None
+    gemm: GemmCurve | None = None
 
     def __post_init__(self):
         if self.type not in DEVICE_TYPES:

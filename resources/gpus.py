@@ -27,13 +27,15 @@ class NoGPU(DistGraphError):
 
 @dataclass(frozen=True)
 class GPUInfo:
-    """One CUDA device: its ordinal (``local_id``), name, memory in GB and compute
-    capability (major, minor)."""
+    """One CUDA device: its ordinal (``local_id``), name, memory in GB, compute
+    capability (major, minor) and streaming multiprocessors (``sms``: 0 where not
+    known)."""
 
     local_id: int
     name: str
     memory_gb: float
     capability: tuple
+    sms: int = 0
 
 
 def import_cupy(what: str):
@@ -67,7 +69,8 @@ def detect_gpus(what: str = "GPU detection") -> list:
         name = props.get("name", b"GPU")
         out.append(GPUInfo(i, name.decode() if isinstance(name, bytes) else str(name),
                            round(props.get("totalGlobalMem", 0) / 1e9, 3),
-                           (int(props.get("major", 0)), int(props.get("minor", 0)))))
+                           (int(props.get("major", 0)), int(props.get("minor", 0))),
+                           int(props.get("multiProcessorCount", 0))))
     return out
 
 

@@ -22,16 +22,17 @@ from dataclasses import replace
 
 from distgraph.ops import registered_ops     # the package: every op registered
 from distgraph.resources.elements import (COMPUTE_TYPES, SOFTWARE_KINDS, Device, DeviceMesh,
-                                          InvalidCluster, Link, LinkGroup, Machine, Overlaps,
-                                          Switch, clique)
+                                          GemmCurve, InvalidCluster, Link, LinkGroup, Machine,
+                                          Overlaps, Switch, clique)
 from distgraph.resources.groups import compact as _compact, expand as _expand_group
 from distgraph.resources.reader import Reader, join
 
 TOP_KEYS = ("name", "machines", "node_groups", "links", "switches", "device_meshes",
-            "calibration")
+            "calibration", "figures")
 MACHINE_KEYS = ("id", "hostname", "addr", "port", "devices", "nics", "links")
 DEVICE_KEYS = ("global_id", "local_id", "type", "model", "gflops", "memory",
-               "memory_bandwidth", "op_overhead", "op_costs", "reshard_overhead")
+               "memory_bandwidth", "op_overhead", "op_costs", "reshard_overhead", "gemm")
+GEMM_KEYS = ("units", "tile", "k_fill", "reuse")
 NIC_KEYS = ("global_id", "local_id", "type", "model")
 LINK_KEYS = ("source", "target", "group", "bandwidth", "latency", "type")
 SWITCH_KEYS = ("global_id", "name")
@@ -126,7 +127,9 @@ def cluster_from_dict(data, reader: Reader, make):
     try:
         return make(tuple(machines), tuple(inter), tuple(switches),
                        None if meshes is None else tuple(meshes),
-                       reader.string(top, "name", "", default=reader.default_name), calibration)
+                       reader.string(top, "name", "", default=reader.default_name), calibration,
+                       reader.string(top, "figures", "", default="",
+                                     choices=("measured", "published")))
     except InvalidCluster as err:
         reader.fail(err.key, err.problem, err.expected)
 
@@ -166,7 +169,7 @@ def _machine(reader: Reader, raw, key: str, index: int, ids: _Ids, node: str = "
         costs = _op_costs(reader, d, dkey)
         reshard = _reshard_overhead(reader, d, dkey)
         devices.append(Device(gid, local, mid, dtype, model, gflops, memory, mem_bw, overhead,
-                              costs, reshard))
+                              costs, reshard, _gemm(reader, d, dkey)))
     nics = []
     for j, raw_nic in enumerate(reader.sequence(m.get("nics", []), join(key, "nics"))):
         nkey = join(join(key, "nics"), j)
@@ -333,6 +336,8 @@ def cluster_to_dict(cluster, compact: bool = False) -> dict:
                                  "device_ids": list(m.ids)} for m in cluster.device_meshes]
     if cluster.calibration:
         out["calibration"] = {k: _num(v) for k, v in cluster.calibration.items()}
+    if cluster.figures:
+        out["figures"] = cluster.figures
     return out
 
 
@@ -353,6 +358,24 @@ def _op_costs(reader: Reader, d: dict, dkey: str):
         costs[op_type] = tuple(reader.number({str(i): v}, str(i), pkey)
                                for i, v in enumerate(pair))
     return costs
+
+
+def _gemm(reader: Reader, d: dict, dkey: str):
+    """A device's ``gemm`` curve ({units, tile: [rows, columns], k_fill, reuse}), or None."""
+    raw = reader.get(d, "gemm", dkey, default=None)
+    if raw is None:
+        return None
+    key = join(dkey, "gemm")
+    g = reader.mapping(raw, key, GEMM_KEYS, "a mapping {units: N, tile: [rows, columns], "
+                       "k_fill: steps, reuse: flops per element}")
+    tile = reader.sequence(reader.get(g, "tile", key), join(key, "tile"), "[rows, columns]")
+    if len(tile) != 2:
+        reader.fail(join(key, "tile"), f"got {len(tile)} numbers", "two: [rows, columns]")
+    units = reader.integer(g, "units", key, minimum=1)
+    sizes = [reader.integer({str(i): v}, str(i), join(key, "tile"), minimum=1)
+             for i, v in enumerate(tile)]
+    return GemmCurve(units, tuple(sizes), reader.number(g, "k_fill", key, default=0.0),
+                     reader.number(g, "reuse", key, default=0.0))
 
 
 def _reshard_overhead(reader: Reader, d: dict, dkey: str):
@@ -387,6 +410,9 @@ def _device_dict(d) -> dict:
     if d.reshard_overhead:
         out["reshard_overhead"] = {k: [_num(a), _num(b)] if b else _num(a)
                                    for k, (a, b) in sorted(d.reshard_overhead.items())}
+    if d.gemm is not None:
+        out["gemm"] = {"units": d.gemm.units, "tile": list(d.gemm.tile),
+                       "k_fill": _num(d.gemm.k_fill), "reuse": _num(d.gemm.reuse)}
     return out
 
 

@@ -8,6 +8,14 @@ import pytest
 
 import distgraph as dg
 
+# Nothing of the tests' reaches the user's cache (distgraph.resources.local_cache): this
+# machine's kept calibration is looked for, and kept, in a folder of this run's, and
+# `distgraph run` without --cluster measures nothing (DISTGRAPH_CALIBRATE=never) unless a
+# test asks for it: Cluster.local(n) gives its default figures to every other test.
+CACHE = tempfile.mkdtemp(prefix="dgcache-")
+os.environ["DISTGRAPH_CACHE_DIR"] = CACHE
+os.environ["DISTGRAPH_CALIBRATE"] = "never"
+
 
 @pytest.fixture
 def float64():
@@ -52,3 +60,4 @@ def _temporary_files_of_this_run(tmp_path_factory):
             os.environ["TMPDIR"] = before
         tempfile.tempdir = None
         shutil.rmtree(folder, ignore_errors=True)
+        shutil.rmtree(CACHE, ignore_errors=True)

@@ -346,7 +346,8 @@ def test_guided_descents_reach_the_split_unpriced_descents_miss():
     micro-batches, recomputation) on a [9, 2, 4] (dp, cp, tp) mesh of 9 DGX A100s: the
     unpriced descents settle on the sequence split over cp and y with every weight whole;
     the guided ones (memory priced, then tree moves at time alone) reach the ILP's
-    optimum, Megatron's split over y, at a quarter of the peak."""
+    optimum, at about half their peak (a quarter, Megatron's split over y, before GEMMs
+    were priced by their shape: the DGX file's GEMM curve moves the optimum)."""
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
     from gpt_scale import dgx_cluster, gpt, program
     from distgraph.passes.search.stages.layers import block_layers
@@ -368,7 +369,7 @@ def test_guided_descents_reach_the_split_unpriced_descents_miss():
     assert rec.report.status == "recursive" and ilp.report.status == "optimal"
     assert rec.report.objective == pytest.approx(ilp.report.objective, rel=1e-9)
     assert unpriced > 1.005 * rec.report.objective
-    assert rec.report.peak_memory < 0.3 * peak_memory(rec.problem, min(
+    assert rec.report.peak_memory < 0.6 * peak_memory(rec.problem, min(
         descents.walk.run(0.0), key=lambda c: evaluate(rec.problem, c)))
 
 

@@ -209,7 +209,8 @@ def test_shipped_h100_file_is_metas_machine():
     c = Cluster.from_file(os.path.join(CLUSTERS, "h100_16384.yaml"))
     assert len(c.devices) == 16384 and len(c.machines) == 2048
     d = c.devices[0]
-    assert (d.model, d.memory, d.gflops["bfloat16"]) == ("H100-SXM5-80GB", 80.0, 700000.0)
+    assert (d.model, d.memory, d.gflops["bfloat16"]) == ("H100-SXM5-80GB", 80.0, 869000.0)
+    assert (d.gemm.units, d.gemm.tile) == (132, (256, 128)) and c.figures == "published"
     mesh = c.device_meshes[0]
     assert mesh.shape == (2048, 8)
     assert (mesh.dim_bandwidths, mesh.dim_latencies) == ((46.0, 370.0), (11.0, 3.0))

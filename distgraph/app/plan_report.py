@@ -23,6 +23,7 @@ import tempfile
 from distgraph.errors import DistGraphError, TooFewDevicesError
 from distgraph.passes.cost.estimate import estimate
 from distgraph.plan.export import TARGETS
+from distgraph.plan.figures import calibrated
 from distgraph.resources.cluster import Cluster
 from distgraph.runtime.launch.context import PlanReported, PlanRequest
 
@@ -49,7 +50,8 @@ def report(plan, cluster=None, pricing=None) -> dict:
     """The plan as plain data with its estimate (:func:`priced` on ``cluster``; given:
     ``pricing``), the per-layer op summary, and two texts: ``text``, ``plan.explain()``
     (the summary ``distgraph plan`` prints), and ``full_text``, ``plan.explain(full=True)``
-    with the per-layer summary (``--full``); ``export``: :func:`exports`."""
+    with the per-layer summary (``--full``); ``export``: :func:`exports`; ``calibrated``:
+    whether the cluster the times were priced on gives measured figures."""
     data = plan.to_dict()
     data["layers"] = layer_summary(plan)
     est, priced_on, error = pricing or priced(plan, cluster)
@@ -58,6 +60,8 @@ def report(plan, cluster=None, pricing=None) -> dict:
     elif plan.estimate is None:
         data["estimate"] = est.to_dict()
     data["export"] = exports(plan)
+    # whether the times were priced on measured figures (Cluster.calibrated)
+    data["calibrated"] = calibrated(priced_on if priced_on is not None else plan.cluster)
     data["text"] = plan.explain(estimate=est, cluster=priced_on)
     data["full_text"] = "\n".join([plan.explain(full=True, estimate=est),
                                    *_summary_lines(data["layers"])])

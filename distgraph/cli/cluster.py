@@ -40,9 +40,14 @@ def add_cluster_parser(subparsers) -> argparse.ArgumentParser:
         "rank's GEMM rate, the links between ranks (one pair at a time while the others "
         "sleep), and what the cost model charges per op type and per reshard step. Each "
         "figure is printed as it comes; the file is written at the end.",
-        epilog="Example: distgraph cluster calibrate -n 4 -o here.yaml")
+        epilog="Example: distgraph cluster calibrate -n 4 -o here.yaml (or --local: this "
+        "machine, kept for Cluster.local(4) and distgraph run -n 4)")
     cal.add_argument("-n", "--nprocs", type=int, required=True, help="number of MPI ranks")
-    cal.add_argument("-o", "--output", required=True, help="file to write (.yaml or .json)")
+    cal.add_argument("-o", "--output", help="file to write (.yaml or .json)")
+    cal.add_argument("--local", action="store_true",
+                     help="measure this machine for N ranks into the file Cluster.local(N) "
+                          "and distgraph run without --cluster use (kept under "
+                          "$DISTGRAPH_CACHE_DIR, default ~/.cache/distgraph), instead of -o")
     cal.add_argument("--repeats", type=int, default=3, help="measurement batches (default 3)")
     cal.add_argument("--timeout", type=float, default=300.0,
                      help="seconds before the measurement is abandoned (default 300)")
@@ -81,6 +86,27 @@ def calibrate_command(args) -> int:
     from distgraph.tools.calibrate import SCRIPT as CALIBRATE_SCRIPT
     from distgraph.tools.emulated import calibrate_command_emulated
 
+    if args.local == bool(args.output):
+        print("distgraph cluster calibrate: give -o FILE (a resource file to write) or "
+              "--local (this machine, kept for Cluster.local and distgraph run), one of "
+              "them", file=sys.stderr)
+        return 2
+    if args.local:
+        if args.emulate or args.hostfile or args.hosts:
+            print("distgraph cluster calibrate: --local measures this machine; give it no "
+                  "--emulate, --hostfile or --hosts", file=sys.stderr)
+            return 2
+        from distgraph.tools.local_calibration import calibrated_local
+
+        try:
+            path = calibrated_local(args.nprocs, recalibrate=True)
+        except DistGraphError as err:
+            print(f"distgraph cluster calibrate: {err}", file=sys.stderr)
+            return 1
+        print(f"wrote {path} (what Cluster.local({args.nprocs}) and distgraph run -n "
+              f"{args.nprocs} without --cluster use)")
+        print(Cluster.from_file(path).describe())
+        return 0
     output = os.path.abspath(args.output)
     if not output.lower().endswith((".yaml", ".yml", ".json")):
         print(f"distgraph cluster calibrate: {args.output}: expected a name ending in .yaml, "

@@ -1,4 +1,5 @@
-"""distgraph run -n N [--hostfile FILE | --hosts LIST] [--cluster FILE] [--plan PATH] [--dry-run]
+"""distgraph run -n N [--hostfile FILE | --hosts LIST] [--cluster FILE | --recalibrate]
+[--plan PATH] [--dry-run]
 [--report PAGE] [--log-dir DIR] [--elastic [--max-restarts N] [--min-ranks K]] script.py
 [args]: start N ranks of a script with the mpiexec that pip installs, one BLAS thread per
 rank, on this host or on several (also ``python -m distgraph.cli run``). Scripts also run
@@ -31,7 +32,12 @@ when every rank finishes its script: a rank that ends while the others still nee
 ends the job within seconds, named; nothing of MPI's is left in /dev/shm or /tmp.
 
 With --cluster FILE the file is validated before any rank starts, and an Engine created
-without a cluster uses it (its devices, in order, are ranks 0..N-1).
+without a cluster uses it (its devices, in order, are ranks 0..N-1). Without it (and
+without --plan or other hosts) the job runs on this machine as measured for N ranks: the
+first such run measures it (distgraph cluster calibrate's figures, a few tens of
+seconds) and keeps the file under $DISTGRAPH_CACHE_DIR (default ~/.cache/distgraph),
+keyed by host, distgraph version and N; --recalibrate measures it again, and
+DISTGRAPH_CALIBRATE=never runs on default figures instead.
 
 With --plan PATH (a plan file: plan.save(PATH), distgraph plan SCRIPT --save PATH) an
 Engine created without a plan runs PATH's plan, made again without any search. Before any
@@ -99,6 +105,9 @@ def _arguments(p) -> None:
                    help="number of ranks (inside a Slurm allocation: its tasks by default)")
     p.add_argument("--cluster", metavar="FILE",
                    help="resource file for the Engine (validated before the ranks start)")
+    p.add_argument("--recalibrate", action="store_true",
+                   help="without --cluster: measure this machine again (the kept "
+                        "measurement of it for N ranks is replaced)")
     p.add_argument("--plan", metavar="PATH",
                    help="plan file the Engine runs without searching (checked before the "
                         "ranks start)")
@@ -195,6 +204,10 @@ def _launched(args) -> int:
 
             return run_command(args)
         argv = [args.script, *args.args]
+        if _measures_here(args, allocation):
+            from distgraph.tools.local_calibration import calibrated_local
+
+            args.cluster = calibrated_local(args.nprocs, args.recalibrate)
         check_launch(args.nprocs, argv, args.cluster)
         cluster = None
         if args.cluster:     # resource files need numpy, networkx and scipy: only then
@@ -221,6 +234,21 @@ def _launched(args) -> int:
             print(f"distgraph run: {err}", file=sys.stderr)
         return 2
 
+
+
+def _measures_here(args, allocation) -> bool:
+    """Whether this launch runs on this machine's measured figures: no cluster file, no
+    plan file, no other hosts, not a dry run, and measuring not turned off
+    (``$DISTGRAPH_CALIBRATE=never``); ``--recalibrate`` asks for it."""
+    from distgraph.tools.local_calibration import wanted
+
+    here = not (args.cluster or args.plan or args.hostfile or args.hosts or allocation
+                or args.dry_run or os.environ.get("HYDRA_HOST_FILE"))
+    if args.recalibrate and not here:
+        raise DistGraphError("--recalibrate measures this machine for a job without "
+                             "--cluster, --plan, --hostfile, --hosts or --dry-run; leave "
+                             "it out here")
+    return here and (wanted() or args.recalibrate)
 
 
 def _check_plan_file(path, nprocs: int, cluster, cluster_path, argv: list | None) -> None:

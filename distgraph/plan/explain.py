@@ -17,8 +17,11 @@ has no estimate, and not checked where it has no cluster). Then per stage:
   compute and communication seconds and bytes sent per step;
 - its model FLOPs per step, TFLOP/s per device at the predicted step time and MFU.
 
-Then the predicted step time (compute + communication + bubble of the busiest process),
-the model FLOPs, TFLOP/s per device and MFU of the whole plan; the reshards and the
+Then the predicted step time (compute + communication + bubble of the busiest process;
+"uncalibrated", with the command that measures the machine, where the cluster's figures
+are defaults: :mod:`distgraph.plan.figures`), the model FLOPs, TFLOP/s per device and MFU
+of the whole plan (and a word on precision where float32 runs on devices with a much
+faster 16-bit rate); the reshards and the
 collectives inside ops counted per kind with the bytes of the busiest process; the
 search's and the batch split's summaries; and where the full listing is
 (``Plan.explain(full=True)``, :mod:`distgraph.plan.listing`).
@@ -44,6 +47,7 @@ from functools import cached_property
 
 from distgraph.errors import PlanError
 from distgraph.ir import Role, is_recomputed
+from distgraph.plan.figures import UNCALIBRATED, calibrated, calibration_note, precision_note
 from distgraph.plan.kinds import ItemKind, TaskKind
 from distgraph.registry import FLOP_BOUND, op_flops
 from distgraph.units import fmt_bytes, fmt_ids
@@ -294,14 +298,18 @@ class Summary:
         if est is None:
             out = ["  step time not estimated (no estimate)"]
         else:
-            out = [f"  step {_fmt_time(est.step_time)} predicted = compute "
+            guess = "" if calibrated(self.cluster) else f" ({UNCALIBRATED})"
+            out = [f"  step {_fmt_time(est.step_time)} predicted{guess} = compute "
                    f"{_fmt_time(est.compute)} + communication {_fmt_time(est.communication)} "
                    f"+ bubble {_fmt_time(est.bubble)} (of the busiest process)"]
+            out += [f"    {line}" for line in calibration_note(self.cluster)]
         times = f" x {plan.micro_batches} micro-batches" if plan.micro_batches > 1 else ""
         out.append(f"  {self.throughput(self.flops, plan.process_ids)}")
         out.append(f"    (forward, loss and backward ops{times}, recomputation not counted"
                    + (f"; MFU against the devices' {self.dtype} GFLOP/s in the cluster)"
                       if self.dtype else ")"))
+        out += [f"  {line}" for line in precision_note(
+            self.dtype, self.devices[:plan.world_size] if self.devices is not None else None)]
         return out
 
     def communication(self) -> list:

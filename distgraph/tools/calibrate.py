@@ -1,28 +1,41 @@
 """Measure this machine's MPI ranks and write a resource file.
 
-Per rank: GEMM GFLOP/s in float32 and float64 (numpy matmul of a GEMM large enough to
-keep every core busy, the ranks lined up before each run so that all compute at once:
-the median of what each rank gets while all compute), memory bandwidth and distgraph's
-per-op overhead (:mod:`distgraph.tools.device_probe`). On a machine whose GPUs CuPy finds
+Every probe runs many times and keeps its fastest run: on a machine that other
+processes load (several people's jobs on a few cores), the fastest run is the one they
+left alone, the same run after run, where a mean or a median moves with the load.
+How the job's own ranks share the cores is not left to chance either: where a host has
+more ranks than cores (``os.sched_getaffinity``; ranks on one host are those of one
+kernel boot, network namespaces included), each rank's compute figures are its fastest
+ones times its share of a core (:func:`core_share`), which is what the ranks of a
+training job get while all compute.
+
+Per rank: the GEMM curve (:mod:`distgraph.tools.gemm_probe`: a sweep of GEMM shapes,
+the rate of full tiles per dtype, the tile, its fill in steps of k and the reuse below
+which a tile slows), memory bandwidth and distgraph's per-op overhead and per-op-type
+costs (:mod:`distgraph.tools.device_probe`). On a machine whose GPUs CuPy finds
 (``--device auto``, the default; ``--device GPU`` insists, ``CPU`` measures the cores),
 each rank measures its GPU instead (the rank's place on its host modulo the GPUs there:
-GEMMs of 4096^3 in float16, float32 and float64, the memory bandwidth and the per-op
-costs on CuPy, each timed to the end of its kernels) and becomes a GPU device of that
-``local_id``; the links between ranks are still MPI's through host memory. Per pair of ranks, one pair at a
-time: point-to-point latency (half the round trip of an 8-byte ping-pong) and bandwidth
-(a multi-megabyte ping-pong). For the whole group: all-reduce latency (8 bytes) and bus
-bandwidth (2(n-1)/n * bytes / time, the figure the ring formula uses). Ranks on the same
-host form one machine; pairs on one host get ``SHM`` links, pairs across hosts ``NET``
-links between machines. Then one reshard step of each kind through distgraph's runtime,
+the sweep on its SMs, the memory bandwidth and the per-op costs on CuPy, each timed to
+the end of its kernels) and becomes a GPU device of that ``local_id``; the links
+between ranks are still MPI's through host memory. Per pair of ranks, one pair at a
+time: point-to-point latency (half the fastest round trip of an 8-byte ping-pong) and
+bandwidth (the fastest multi-megabyte ping-pong): a round trip that waited for a peer
+another process had descheduled is not the link's. For the whole group: all-reduce
+latency (8 bytes) and bus bandwidth (2(n-1)/n * bytes / time). Ranks on the same host
+form one machine; pairs on one host get ``SHM`` links, pairs across hosts ``NET`` links
+between machines. Then one reshard step of each kind through distgraph's runtime,
 between ops as in training, on three tensor sizes, timed as what it adds to a loop of
-those ops (so that the turns ranks take at cores they share, which the compute rates
-already hold, are not counted again): what a step costs beyond its messages' alpha-beta, per step and per byte of its buffer (``reshard_overhead``; with it
-``all_to_allv``, the all-to-all with uneven counts per pair that MoE's dispatch runs, on
-megabyte buffers, and the exchange of its counts: :mod:`distgraph.tools.step_probe`); and
-what one collective of MeshSlice's sliced pipeline costs per step (its kernel on a tiny
-GeMM at K = 1 and 8) and what a byte a partial GeMM reads again costs (8 partial GeMMs of
-1024^3 against one): the ``sliced`` entry. Rank r becomes device r. Rank 0 prints each
-result as it comes.
+those ops (the ranks' own turns at cores they share, which the compute rates already
+hold, cancel): what a step costs beyond its messages' alpha-beta (the wire: the links'
+fastest figures), calls, copies and the wait for the group to meet, per step and per
+byte of its buffer
+(``reshard_overhead``; with it ``all_to_allv``, the all-to-all with uneven counts per
+pair that MoE's dispatch runs, on megabyte buffers, and the exchange of its counts:
+:mod:`distgraph.tools.step_probe`); and what one collective of MeshSlice's sliced
+pipeline costs per step (its kernel on a tiny GeMM at K = 1 and 8) and what a byte a
+partial GeMM reads again costs (8 partial GeMMs of 1024^3 against one): the ``sliced``
+entry. Rank r becomes device r. Rank 0 prints each result as it comes. The file says
+``figures: measured``.
 
 While a pair measures, the other ranks wait in a barrier that sleeps between polls
 (:func:`idle_barrier`), not in MPI's own, which spins: with more ranks than cores a
@@ -34,8 +47,10 @@ Run it through the CLI (``distgraph cluster calibrate -n 2 -o mine.yaml``) or by
 
 Only rank 0 writes the file; with ``--in-log-dir`` it writes it under the output's name
 into its log folder (``$DISTGRAPH_LOG_DIR``), which ``distgraph run`` on several hosts
-brings back to the launching host. The defaults keep a 2-rank run to about a second of
-measuring; raise ``--repeats`` for steadier figures.
+brings back to the launching host. ``--gemm-window SECONDS`` times the GEMMs and the
+steps that scale the per-op costs as sustained rates of all ranks at once instead (the
+emulated clusters, whose CPU quotas let a rank run at full speed for a moment at a
+time); the core share is then in the rates already.
 """
 
 from __future__ import annotations
@@ -58,51 +73,18 @@ from distgraph.runtime.backend import NUMPY, CupyBackend
 from distgraph.runtime.launch.status import LOG_DIR
 from distgraph.tools.device_probe import (BANDWIDTH_BYTES, memory_bandwidth_gbps, op_costs,
                                           op_overhead_us)
+from distgraph.tools.gemm_probe import gemm_curve
 from distgraph.units import fmt_bytes
 from distgraph.tools.step_probe import (RESHARD_BYTES, idle_barrier, measure_all_to_allv,
                                         measure_reshard_steps)
 
 SCRIPT = os.path.abspath(__file__)   # what `distgraph cluster calibrate` starts on each rank
-GEMM_SIZE = 1024
-GPU_GEMM_SIZE = 4096          # a GPU needs a larger GEMM than a core to reach its rate
 GPU_BANDWIDTH_BYTES = 256 * 2**20
-DTYPES = {"CPU": (("float32", np.float32), ("float64", np.float64)),
-          "GPU": (("float16", np.float16), ("float32", np.float32), ("float64", np.float64))}
+DTYPES = {"CPU": ("float32", "float64"), "GPU": ("float16", "float32", "float64")}
 SMALL_BYTES = 8
 LARGE_BYTES = 4 * 2**20
 ALLREDUCE_BYTES = 4 * 2**20
 TINY_BYTES = 1024      # a step on fewer bytes measures its per-step cost alone
-
-
-def gemm_gflops(dtype, size: int = GEMM_SIZE, repeats: int = 5, sync=None,
-                window: float = 0.0, xb=NUMPY) -> float:
-    """GFLOP/s of size^3 matmuls (2 size^3 flops each), the median of ``repeats`` timings
-    after one warm-up. Each timing is one matmul, or with ``window`` > 0 as many as fit in
-    ``window`` seconds: the sustained rate, which a CPU quota shows only over several of
-    its periods (a single matmul of a throttled rank runs at the core's full speed).
-    ``sync`` (a barrier) lines the ranks up before each timing, so that every rank runs
-    while all do (the best run of an unaligned rank is one that had a core alone).
-    ``xb``: the array backend (numpy: this CPU; CuPy: the rank's GPU, each matmul timed to
-    its end)."""
-    rng = np.random.default_rng(0)
-    a = xb.from_host(rng.standard_normal((size, size)).astype(dtype))
-    b = xb.from_host(rng.standard_normal((size, size)).astype(dtype))
-    a @ b
-    xb.synchronize()
-    rates = []
-    for _ in range(repeats):
-        if sync is not None:
-            sync()
-        count, start = 0, time.perf_counter()
-        while True:
-            a @ b
-            xb.synchronize()
-            count += 1
-            elapsed = time.perf_counter() - start
-            if elapsed >= window:
-                break
-        rates.append(2.0 * size**3 * count / elapsed / 1e9)
-    return float(np.median(rates))
 
 
 def say(comm, text: str) -> None:
@@ -113,22 +95,23 @@ def say(comm, text: str) -> None:
 
 def ping_pong(comm, peer: int, first: bool, nbytes: int, iters: int, batches: int) -> float:
     """One-way seconds per message between this rank and ``peer`` (only the two call
-    it): half the round trip, mean over ``iters`` exchanges, best of ``batches`` (the
-    best batch is the least disturbed by other processes). The exchanges keep the two in
-    step, so batches need no barrier."""
+    it): half the fastest of ``iters x batches`` round trips, each timed alone. A round
+    trip in which a peer waited for the other to be scheduled again (another process's
+    turn at the core) is the machine's load, not the link's; the fastest one is the
+    link's. The exchanges keep the two in step, so batches need no barrier."""
     buf = np.zeros(max(nbytes, 1), dtype=np.uint8)
     best = np.inf
     for batch in range(batches + 1):  # batch 0 warms up the connection, and is not counted
-        start = time.perf_counter()
         for _ in range(iters):
+            start = time.perf_counter()
             if first:
                 comm.Send(buf, dest=peer)
                 comm.Recv(buf, source=peer)
             else:
                 comm.Recv(buf, source=peer)
                 comm.Send(buf, dest=peer)
-        if batch:
-            best = min(best, (time.perf_counter() - start) / iters / 2.0)
+            if batch:
+                best = min(best, (time.perf_counter() - start) / 2.0)
     return best
 
 
@@ -142,8 +125,8 @@ def measure_pairs(comm, repeats: int) -> dict[tuple[int, int], tuple[float, floa
         idle_barrier(comm)
         if rank in (a, b):
             peer, first = (b, True) if rank == a else (a, False)
-            lat = ping_pong(comm, peer, first, SMALL_BYTES, 50, repeats)
-            t = ping_pong(comm, peer, first, LARGE_BYTES, 2, repeats)
+            lat = ping_pong(comm, peer, first, SMALL_BYTES, 200, repeats)
+            t = ping_pong(comm, peer, first, LARGE_BYTES, 20, repeats)
             if rank == a:
                 out[(a, b)] = (LARGE_BYTES / t / 1e9, lat * 1e6)
                 if a != 0:
@@ -156,7 +139,8 @@ def measure_pairs(comm, repeats: int) -> dict[tuple[int, int], tuple[float, floa
 
 
 def measure_allreduce(comm, repeats: int) -> tuple[float, float]:
-    """(bus bandwidth GB/s, latency µs) of MPI all-reduce (sum, float64)."""
+    """(bus bandwidth GB/s, latency µs) of MPI all-reduce (sum, float64): the fastest
+    of its runs on each rank, lined up, then the slowest rank's."""
     from mpi4py import MPI
 
     n = comm.Get_size()
@@ -164,15 +148,16 @@ def measure_allreduce(comm, repeats: int) -> tuple[float, float]:
     big_in = np.ones(ALLREDUCE_BYTES // 8)
     big_out = np.empty_like(big_in)
     timings = []
-    for send, recv, iters in ((small_in, small_out, 50), (big_in, big_out, 2)):
+    for send, recv, iters in ((small_in, small_out, 200), (big_in, big_out, 20)):
         best = np.inf
         for batch in range(repeats + 1):  # batch 0 warms up, and is not counted
             idle_barrier(comm)
-            start = time.perf_counter()
             for _ in range(iters):
+                comm.Barrier()
+                start = time.perf_counter()
                 comm.Allreduce(send, recv, op=MPI.SUM)
-            if batch:
-                best = min(best, (time.perf_counter() - start) / iters)
+                if batch:
+                    best = min(best, time.perf_counter() - start)
         # Ranks time the same collective; the slowest rank's view is the collective's.
         timings.append(comm.allreduce(best, op=MPI.MAX))
     bus = 2.0 * (n - 1) / n * ALLREDUCE_BYTES / timings[1] / 1e9
@@ -202,8 +187,25 @@ def rank_device(comm, device: str) -> tuple:
     gpu = gpus[local % len(gpus)]
     sharing = sum(1 for k in range(hosts.count(host)) if k % len(gpus) == gpu.local_id)
     return ({"rank": comm.Get_rank(), "host": host, "type": "GPU", "local_id": gpu.local_id,
-             "model": gpu.name, "memory": gpu.memory_gb, "sharing": sharing},
+             "model": gpu.name, "memory": gpu.memory_gb, "sharing": sharing,
+             "units": max(gpu.sms, 1)},
             CupyBackend(gpu.local_id, f"rank {comm.Get_rank()}'s GPU {gpu.local_id}"))
+
+
+def core_share(comm) -> tuple:
+    """(this rank's share of a core while every rank of its host computes: cores over
+    ranks, at most 1; the cores) where the ranks of one kernel (its boot id: network
+    namespaces share it) outnumber the cores this process may run on."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="utf-8") as f:
+            kernel = f.read().strip()
+    except OSError:
+        from mpi4py import MPI
+        kernel = MPI.Get_processor_name()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
+        (os.cpu_count() or 1)
+    ranks = comm.allgather(kernel).count(kernel)
+    return min(1.0, cores / ranks), cores
 
 
 def cpu_model() -> str:
@@ -357,10 +359,7 @@ def reshard_overheads(cluster, steps: dict, sliced: dict | None = None,
     for name, measured in steps.items():
         kind = StepKind.parse(name)            # all_to_allv: all_to_all's formula
         sizes = np.array([float(b) for b, _ in measured])
-        beyond = np.array([max(t - (collective_time(kind, n, b, ring.bandwidth,
-                                                    ring.latency)
-                                    if kind.is_collective else 0.0), 0.0)
-                           for b, t in measured])
+        beyond = np.array([max(t - _wire(kind, n, b, ring), 0.0) for b, t in measured])
         if sizes.max() == sizes.min():
             per_step, per_byte = float(np.median(beyond)), 0.0
         elif sizes.min() < TINY_BYTES and (sizes >= TINY_BYTES).any():
@@ -389,6 +388,17 @@ def reshard_overheads(cluster, steps: dict, sliced: dict | None = None,
         out["sliced"] = (round(sliced_overhead(cluster, sliced, out, per_byte) * 1e6, 3),
                          per_byte)
     return out
+
+
+def _wire(kind: StepKind, n: int, nbytes: float, ring) -> float:
+    """Seconds the cost model charges a step's messages on ``ring``: a collective's
+    alpha-beta, a send_recv's one message (alpha + bytes / bandwidth), a local step
+    none."""
+    if kind.is_collective:
+        return collective_time(kind, n, nbytes, ring.bandwidth, ring.latency)
+    if kind is StepKind.SEND_RECV:
+        return ring.latency * 1e-6 + nbytes / (ring.bandwidth * 1e9)
+    return 0.0
 
 
 def sliced_overhead(cluster, sliced: dict, software: dict, per_byte: float = 0.0) -> float:
@@ -439,14 +449,18 @@ def build_cluster(ranks: list[dict], pairs: dict, allreduce, name: str, steps=No
         mine = [r for r in ranks if r["host"] == host]
         devices = [Device(r["rank"], r.get("local_id", k), m, r.get("type", "CPU"), r["model"],
                           r["gflops"], round(r["memory"] / r.get("sharing", per_host[host]), 3),
-                          r.get("memory_bandwidth"), r.get("op_overhead"), r.get("op_costs"))
+                          r.get("memory_bandwidth"), r.get("op_overhead"), r.get("op_costs"),
+                          gemm=r.get("gemm"))
                    for k, r in enumerate(mine)]
         links = [Link(a, b, bw, lat, "SHM") for (a, b), (bw, lat) in pairs.items()
                  if machine_of[a] == m and machine_of[b] == m]
         machines.append(Machine(m, host, devices, links))
     inter = [Link(a, b, bw, lat, "NET") for (a, b), (bw, lat) in pairs.items()
              if machine_of[a] != machine_of[b]]
-    calibration = {"ranks": len(ranks), "gemm_size": GEMM_SIZE, "p2p_bytes": LARGE_BYTES}
+    calibration = {"ranks": len(ranks), "p2p_bytes": LARGE_BYTES}
+    for key in ("cores", "core_share"):
+        if key in ranks[0]:
+            calibration[key] = round(min(r[key] for r in ranks), 4)
     if steps:
         measured = Cluster(machines, inter, name=name)
         overheads = reshard_overheads(measured, steps, sliced, partial)
@@ -457,7 +471,7 @@ def build_cluster(ranks: list[dict], pairs: dict, allreduce, name: str, steps=No
         calibration.update(allreduce_bus_bandwidth=round(allreduce[0], 4),
                            allreduce_latency=round(allreduce[1], 3),
                            allreduce_bytes=ALLREDUCE_BYTES)
-    return Cluster(machines, inter, name=name, calibration=calibration)
+    return Cluster(machines, inter, name=name, calibration=calibration, figures="measured")
 
 
 def main(argv=None) -> None:
@@ -472,8 +486,8 @@ def main(argv=None) -> None:
                              "finds one)")
     parser.add_argument("--gemm-window", type=float, default=0.0, metavar="SECONDS",
                         help="time GEMMs, and the whole steps that scale the per-op costs, "
-                             "over windows of SECONDS (sustained rates) instead of one "
-                             "matmul or step each")
+                             "over windows of SECONDS (sustained rates of all ranks at once) "
+                             "instead of keeping their fastest runs")
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error(f"--repeats must be at least 1, got {args.repeats}")
@@ -489,23 +503,36 @@ def main(argv=None) -> None:
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
     record, xb = rank_device(comm, args.device)
-    gemm = GPU_GEMM_SIZE if record["type"] == "GPU" else GEMM_SIZE
-    say(comm, f"{size} ranks on {record['type']}: GEMM {gemm}^3 on every rank at once"
-              + (f", sustained over {args.gemm_window:g} s" if args.gemm_window else ""))
+    share, cores = core_share(comm)
+    if args.gemm_window or record["type"] == "GPU":
+        share = 1.0      # sustained rates hold the ranks' turns; a GPU is not a core
+    say(comm, f"{size} ranks on {record['type']}"
+              + (f" ({cores} cores: a share of {share:.2g} of a core each)"
+                 if record["type"] == "CPU" else "")
+              + (f", GEMMs sustained over {args.gemm_window:g} s" if args.gemm_window else ""))
     nbytes = GPU_BANDWIDTH_BYTES if record["type"] == "GPU" else BANDWIDTH_BYTES
+    bandwidth = memory_bandwidth_gbps(args.repeats, xb, nbytes)
+    idle_barrier(comm)
+    rates, curve, error = gemm_curve(xb, DTYPES[record["type"]], 2 * args.repeats + 1,
+                                     record.get("units", 1), bandwidth * 1e9,
+                                     args.gemm_window, lambda: idle_barrier(comm))
+    costs = op_costs(args.repeats, sync=lambda: idle_barrier(comm), xb=xb,
+                     window=args.gemm_window)
     record.update(
-        gflops={name: round(gemm_gflops(dtype, gemm, args.repeats + 2,
-                                        lambda: idle_barrier(comm), args.gemm_window, xb), 3)
-                for name, dtype in DTYPES[record["type"]]},
-        memory_bandwidth=round(memory_bandwidth_gbps(args.repeats, xb, nbytes), 3),
-        op_overhead=round(op_overhead_us(args.repeats, xb=xb), 3),
-        op_costs=op_costs(args.repeats, sync=lambda: idle_barrier(comm), xb=xb,
-                          window=args.gemm_window))
+        gflops={k: round(v * share, 3) for k, v in rates.items()}, gemm=curve,
+        memory_bandwidth=round(bandwidth * share, 3),
+        op_overhead=round(op_overhead_us(args.repeats, xb=xb) / share, 3),
+        # a GEMM's work is priced by the curve; its per-call cost here is its launch
+        op_costs={k: (round(a / share, 4), round(b / share, 6)) for k, (a, b) in costs.items()},
+        cores=cores, core_share=share)
     records = comm.gather(record, root=0)
     if rank == 0:
         names = "/".join(records[0]["gflops"])
         say(comm, f"GEMM GFLOP/s per rank ({names}): " + ", ".join(
-            "/".join(f"{v:.1f}" for v in r["gflops"].values()) for r in records))
+            "/".join(f"{v:.1f}" for v in r["gflops"].values()) for r in records)
+            + f"; curve {curve.units} unit(s), tile {curve.tile[0]} x {curve.tile[1]}, "
+              f"k_fill {curve.k_fill:g}, reuse {curve.reuse:g} (the sweep's median error "
+              f"{error:.1%})")
     pairs = measure_pairs(comm, args.repeats)
     allreduce = None
     if size > 1:

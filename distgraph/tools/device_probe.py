@@ -2,6 +2,8 @@
 
 - ``memory_bandwidth_gbps``: GB/s of a large elementwise add (two arrays read, one
   written), the rate of memory-bound ops.
+
+Every probe keeps the fastest of its runs (module :mod:`distgraph.tools.calibrate`).
 - ``op_overhead_us``: µs per op that distgraph's executor spends on an op whose tensors
   are tiny, so that the arithmetic is negligible: the mean over every op of a one-layer
   GPT training step (forward, backward and Adam update), so that the mix of op types is
@@ -44,27 +46,35 @@ from distgraph.runtime.execution.executor import ProgramRunner
 from distgraph.trace import InputSpec
 
 BANDWIDTH_BYTES = 32 * 2**20       # per array: well past the caches
+PROBES = 5                         # runs per repeat of a probe whose fastest is kept
+CHUNKS = 16                        # parts of the arrays the memory bandwidth is timed on
 
 
 def memory_bandwidth_gbps(repeats: int = 3, xb=NUMPY, nbytes: int = BANDWIDTH_BYTES) -> float:
-    """Best-of-``repeats`` GB/s of ``c = a + b`` on float64 arrays of ``nbytes`` each (3
-    arrays moved) on backend ``xb`` (numpy: this CPU; CuPy: its GPU)."""
+    """GB/s of ``c = a + b`` on float64 (3 arrays moved) on backend ``xb`` (numpy: this
+    CPU; CuPy: its GPU): arrays of ``nbytes`` each, well past the caches, added chunk
+    by chunk (:data:`CHUNKS` of them, each timed alone) ``PROBES x repeats`` times, the
+    fastest chunk kept (a chunk takes a fraction of a millisecond: the whole add, tens
+    of milliseconds, is often cut by another process's turn)."""
     n = nbytes // 8
     a, b, c = xb.xp.ones(n), xb.xp.ones(n), xb.xp.empty(n)
     xb.xp.add(a, b, out=c)
     xb.synchronize()
+    step = n // CHUNKS
     best = np.inf
-    for _ in range(repeats):
-        start = time.perf_counter()
-        xb.xp.add(a, b, out=c)
-        xb.synchronize()
-        best = min(best, time.perf_counter() - start)
-    return 3 * n * 8 / best / 1e9
+    for _ in range(PROBES * repeats):
+        for k in range(CHUNKS):
+            part = slice(k * step, (k + 1) * step)
+            start = time.perf_counter()
+            xb.xp.add(a[part], b[part], out=c[part])
+            xb.synchronize()
+            best = min(best, time.perf_counter() - start)
+    return 3 * step * 8 / best / 1e9
 
 
 def op_overhead_us(repeats: int = 3, steps: int = 20, xb=NUMPY) -> float:
     """Mean µs per op of a tiny one-layer GPT training step run by distgraph's executor
-    on backend ``xb`` (best of ``repeats`` batches of ``steps`` steps)."""
+    on backend ``xb`` (the fastest step of ``PROBES x repeats`` batches of ``steps``)."""
     model = GPT(vocab_size=16, d_model=8, n_layer=1, n_head=2, max_seq_len=4)
     built = build_program(model, [InputSpec([1, 4], "int64", "tokens")],
                           [InputSpec([1, 4], "int64", "labels")], CrossEntropyLoss(), Adam(1e-3))
@@ -79,12 +89,12 @@ def op_overhead_us(repeats: int = 3, steps: int = 20, xb=NUMPY) -> float:
     runner.run(scope, feed, fetch, 0)
     xb.synchronize()
     best = np.inf
-    for _ in range(repeats):
-        start = time.perf_counter()
+    for _ in range(PROBES * repeats):
         for step in range(steps):
+            start = time.perf_counter()
             runner.run(scope, feed, fetch, step)
-        xb.synchronize()
-        best = min(best, (time.perf_counter() - start) / steps)
+            xb.synchronize()
+            best = min(best, time.perf_counter() - start)
     return best / len(program.ops) * 1e6
 
 
@@ -115,38 +125,38 @@ def op_costs(repeats: int = 3, steps: int = 5, sync=None, xb=NUMPY,
     """{op type: (µs per call, ns per unit of work)} on this process's backend ``xb``
     (numpy, or CuPy: the GPU's, each op timed to the end of its kernels; module docstring).
 
-    The fit takes each op's median time; the costs are then scaled so that they add up
-    to the mean whole step of each program (the executor's own work between ops, and
-    the share of a core this process really gets when other ranks compute beside it:
-    with more ranks than cores, single ops are often timed while a neighbour waits).
-    ``sync`` (e.g. an MPI barrier) lines the ranks up before each timed step, so that
-    all of them compute at once, as in training. With ``window`` > 0 the whole step is
-    instead the mean of as many steps as fit in ``window`` seconds run back to back
-    after one ``sync``: a step of a few ms, lined up alone, still often runs while a
-    neighbour has not woken from the barrier yet (4 ranks on 2 cores then measure
-    about 1.5 x a lone rank's step, where training, whose ranks are all busy, computing
-    or polling for messages, takes 2 x), while steps back to back share the cores as
-    training does."""
+    The fit takes each op's fastest time of the runs (the executor's own work for the
+    op included: the ops' times add up to the step). The fastest of each op, not of
+    whole steps: an op of microseconds to a millisecond often runs undisturbed on a
+    machine that other processes load, a step of milliseconds rarely, and the fastest is
+    what the device does when they leave it alone, the same run after run; how ranks
+    that outnumber the cores share them is the calibration's
+    (:func:`distgraph.tools.calibrate.core_share`). ``sync`` (e.g. an MPI barrier) lines
+    the ranks up before each timed step, so that all of them compute at once, as in
+    training. With ``window`` > 0 the costs are instead scaled so that they add up to
+    the mean of as many steps as fit in ``window`` seconds run back to back after one
+    ``sync``: the sustained rate of ranks that share cores or a CPU quota (the emulated
+    clusters), all computing."""
     from scipy.optimize import nnls
 
     samples: dict = {}
     totals = []
-    for program, run in _probe_programs(xb):
-        per_run, whole = [], []
+    programs = list(_probe_programs(xb))
+    fastest = [np.full(len(program.ops), np.inf) for program, _ in programs]
+    for _, run in programs:
         run([])                                        # warm-up
-        for _ in range(repeats * steps):
+    # the programs in turn, round after round: each op's runs spread over the whole
+    # probe, so that a spell of load on the machine slows few of them
+    for _ in range(repeats * steps):
+        for k, (_, run) in enumerate(programs):
             timings: list = []
             if sync is not None:
                 sync()
-            start = time.perf_counter()
             run(timings)
-            whole.append(time.perf_counter() - start)
-            per_run.append(timings)
-        seconds = np.median(np.array(per_run), axis=0)
+            fastest[k] = np.minimum(fastest[k], timings)
+    for (program, run), seconds in zip(programs, fastest):
         works = [_work(op) for op in program.ops]
-        # the mean, not the median: with more ranks than cores a short step often runs
-        # alone in its time slice, and only the mean carries the share of a core
-        totals.append((program, works, float(np.mean(whole)) if window <= 0 else
+        totals.append((program, works, float(np.sum(seconds)) if window <= 0 else
                        _sustained_step(run, window, sync)))
         for op, w, t in zip(program.ops, works, seconds):
             samples.setdefault(op.type, []).append((w, float(t)))

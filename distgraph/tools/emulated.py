@@ -66,7 +66,8 @@ def relabel(measured: Cluster, source: Cluster, nprocs: int) -> Cluster:
         meshes = tuple(DeviceMesh(mesh.name, mesh.shape, mesh.ids)
                        for mesh in source.device_meshes)
     return Cluster(tuple(machines), tuple(between), device_meshes=meshes,
-                   name=f"{source.name}_measured", calibration=measured.calibration)
+                   name=f"{source.name}_measured", calibration=measured.calibration,
+                   figures="measured")
 
 
 def _measured(d, machine: int, got):

@@ -2,7 +2,8 @@
 runtime: one reshard step of each kind (:func:`measure_reshard_steps`) and an op's
 all-to-all with variable counts per pair, MoE's dropless dispatch
 (:func:`measure_all_to_allv`), each run between ops as in training and measured as what
-it adds to a loop of those ops (:func:`step_cost`). The calibration fits what they cost
+it adds to a loop of those ops, the cases in turn, the fastest loops kept
+(:func:`steps_cost`). The calibration fits what they cost
 beyond their messages' alpha-beta (:func:`distgraph.tools.calibrate.
 reshard_overheads`)."""
 
@@ -19,6 +20,7 @@ from distgraph.plan.kinds import COLLECTIVES, StepKind
 from distgraph.runtime.execution.reshard import apply_reshard
 
 RESHARD_KINDS = (StepKind.SLICE,) + COLLECTIVES     # the kinds one group's step is timed in
+# (and send_recv, between two halves of the ranks: measure_reshard_steps)
 # global bytes of the tensors each reshard step kind is timed on: the per-step cost shows
 # on the smallest, the per-byte cost (the runtime's copies) on the others
 RESHARD_BYTES = (4 * 2**10, 64 * 2**10, 1 * 2**20)
@@ -31,19 +33,18 @@ def between_steps(arrays) -> None:
     """What a rank does between two communication steps of a training step, the same on
     every rank: an op or two, here an elementwise add over ``BETWEEN_BYTES`` arrays and a
     GEMM of side ``BETWEEN_GEMM`` (a fraction of a millisecond, as an op of a small
-    model's layer). They take the caches from the runtime's code and data, and the ranks
-    reach the next step as each finishes, not in lockstep; with more ranks than cores
-    the ranks take turns at it, so that a step waits for peers that are not running."""
+    model's layer). They take the caches from the runtime's code and data."""
     a, b, c, m = arrays
     np.add(a, b, out=c)
     m @ m
 
 
-def step_cost(comm, work, step, repeats: int, iters: int = RESHARD_ITERS) -> float:
-    """Seconds ``step`` adds to a loop of ``work``, as a training step pays it: a loop of
-    ``iters`` x (``work()``, then ``step`` on what it returns) against a loop of ``work``
-    alone, each timed whole on every rank from a common start and taken at its slowest
-    rank; the best of ``repeats`` timings of each (after one pair that warms up), their
+def steps_cost(comm, cases, repeats: int, iters: int = RESHARD_ITERS) -> list:
+    """[seconds] each case's step adds to a loop of its work, as a training step pays it.
+    ``cases``: (``work``, ``step``) pairs. A round times, for each case in turn, a loop
+    of ``iters`` x ``work()`` and one of ``iters`` x (``work()``, then ``step`` on what
+    it returned), each whole on every rank from a common start and taken at its slowest
+    rank; ``repeats`` rounds after one that warms up. The fastest loop of each kind, their
     difference per iteration.
 
     The difference, not the step timed on its own: with more ranks than cores the ranks
@@ -51,24 +52,24 @@ def step_cost(comm, work, step, repeats: int, iters: int = RESHARD_ITERS) -> flo
     peer, most of it the peer's turn at its own ``work``, which the cost model already
     prices at the rate the ranks compute at while sharing the cores. What the turns cost
     both loops cancels; what the step adds stays: its calls, copies and messages, and
-    the wait for the group to meet that the ``work`` alone would not have had. The best
-    timing of each loop, as for the links' ping-pong: the one least disturbed by other
-    processes on the machine, whose turns a waiting group pays many times over (the
-    cost of the ranks' own turns is in every timing)."""
-    best = [np.inf, np.inf]
+    the wait for the group to meet that the work alone would not have had. The fastest
+    loops, and the cases in turn: a spell of other processes' load on the machine slows
+    few rounds of any one case."""
+    best = [[np.inf, np.inf] for _ in cases]
     for batch in range(repeats + 1):           # batch 0 warms up
-        for stepping in (False, True):
-            idle_barrier(comm)
-            start = time.perf_counter()
-            for _ in range(iters):
-                made = work()
-                if stepping:
-                    step(made)
-                del made
-            seconds = comm.allreduce(time.perf_counter() - start, op=_mpi_max())
-            if batch:
-                best[stepping] = min(best[stepping], seconds)
-    return (best[True] - best[False]) / iters
+        for k, (work, step) in enumerate(cases):
+            for stepping in (False, True):
+                idle_barrier(comm)
+                start = time.perf_counter()
+                for _ in range(iters):
+                    made = work()
+                    if stepping:
+                        step(made)
+                    del made
+                seconds = comm.allreduce(time.perf_counter() - start, op=_mpi_max())
+                if batch:
+                    best[k][stepping] = min(best[k][stepping], seconds)
+    return [max(stepped - alone, 0.0) / iters for alone, stepped in best]
 
 
 def idle_barrier(comm, poll: float = 1e-3) -> None:
@@ -82,9 +83,9 @@ def idle_barrier(comm, poll: float = 1e-3) -> None:
 def measure_reshard_steps(comm, repeats: int) -> dict:
     """{step kind: ((buffer bytes, seconds), ...)}: what one reshard step of each kind
     through distgraph's runtime over all ranks, on tensors of :data:`RESHARD_BYTES`,
-    adds to a loop of the work of :func:`between_steps` (:func:`step_cost`; a step in a
-    tight loop finds its code and data cached and its peers waiting: in training
-    neither holds), the slowest rank's view. What a step costs beyond the alpha-beta of
+    adds to a loop of the work of :func:`between_steps` (:func:`steps_cost`; a step in a
+    tight loop finds its code and data cached and its peers waiting: in training neither
+    holds), the slowest rank's view. What a step costs beyond the alpha-beta of
     its messages is :func:`reshard_overheads`'s fit."""
 
     # the runtime is what the figure describes; imported at measurement time only
@@ -100,10 +101,9 @@ def measure_reshard_steps(comm, repeats: int) -> dict:
                StepKind.ALL_TO_ALL: (["x", None], (), [None, "x"])}
     work = (np.ones(BETWEEN_BYTES // 8), np.ones(BETWEEN_BYTES // 8),
             np.empty(BETWEEN_BYTES // 8), np.ones((BETWEEN_GEMM,) * 2, np.float32))
-    out = {}
+    cases, keys = [], []
     for kind in RESHARD_KINDS if n > 1 else (StepKind.SLICE,):
         before, partial, after = layouts[kind]
-        out[kind] = []
         for nbytes in RESHARD_BYTES:
             cols = 8 * n
             rows = n * max(8, -(-nbytes // (4 * cols * n)))
@@ -111,10 +111,30 @@ def measure_reshard_steps(comm, repeats: int) -> dict:
             src = DistAttr(mesh, ShardSpec(before, partial=partial))
             steps = plan_reshard(src, DistAttr(mesh, ShardSpec(after)), shape, "float32")
             local = np.ones(src.local_shape(shape), dtype=np.float32)
-            seconds = step_cost(comm, lambda: between_steps(work),
-                                lambda _, steps=steps, local=local:
-                                apply_reshard(steps, local, runtime, runtime.rank), repeats)
-            out[kind].append((steps[0].buffer_bytes, seconds))
+            cases.append((lambda: between_steps(work),
+                          lambda _, steps=steps, local=local:
+                          apply_reshard(steps, local, runtime, runtime.rank)))
+            keys.append((kind, steps[0].buffer_bytes))
+    if n > 1:
+        # a pipeline's hand-over: the first half of the ranks send a tensor each to the
+        # second half (a send_recv between two meshes), the others wait for it
+        half = n // 2
+        sources = ProcessMesh(list(range(half)), ["x"])
+        targets = ProcessMesh(list(range(half, 2 * half)), ["x"])
+        for nbytes in RESHARD_BYTES:
+            shape = (half * max(8, -(-nbytes // (4 * 8 * half))), 8)
+            src = DistAttr(sources, ShardSpec(["x", None]))
+            steps = plan_reshard(src, DistAttr(targets, ShardSpec(["x", None])), shape,
+                                 "float32")
+            local = np.ones(src.local_shape(shape), dtype=np.float32) \
+                if runtime.rank < half else None
+            cases.append((lambda: between_steps(work),
+                          lambda _, steps=steps, local=local:
+                          apply_reshard(steps, local, runtime, runtime.rank)))
+            keys.append((StepKind.SEND_RECV, steps[0].buffer_bytes))
+    out: dict = {}
+    for (kind, nbytes), seconds in zip(keys, steps_cost(comm, cases, repeats)):
+        out.setdefault(kind, []).append((nbytes, seconds))
     return out
 
 
@@ -157,7 +177,7 @@ def measure_all_to_allv(comm, repeats: int) -> list:
     :data:`ALL_TO_ALLV_ROW` bytes, a local buffer of each of :data:`ALL_TO_ALLV_BYTES`
     gathered afresh from its rows before each call. What each adds to a loop of an
     expert's GEMM (:func:`between_experts`) and the gathering of its buffer
-    (:func:`step_cost`: the slowest rank's view; the group waits for it at every
+    (:func:`steps_cost`: the slowest rank's view; the group waits for it at every
     exchange, as the step does), with the caches as the experts leave them."""
     from distgraph.runtime.comm.mpi import MPICommunicator
 
@@ -184,8 +204,9 @@ def measure_all_to_allv(comm, repeats: int) -> list:
         between_experts(experts)
         return make()                         # made afresh, as the dispatch sends
 
-    return [(nbytes, step_cost(comm, lambda make=make: work(make), exchange, repeats))
-            for nbytes, make, exchange in cases]
+    timed = steps_cost(comm, [(lambda make=make: work(make), exchange)
+                              for _, make, exchange in cases], repeats)
+    return [(nbytes, seconds) for (nbytes, _, _), seconds in zip(cases, timed)]
 
 
 def _mpi_max():

@@ -35,9 +35,10 @@ from typing import NamedTuple
 import numpy as np
 
 from distgraph import dtypes
+from distgraph.passes.cost.compute import gemm_seconds, gemm_shape
 from distgraph.passes.cost.formulas import collective_time, link_rates, pipeline_time
 from distgraph.plan.kinds import ALL_TO_ALLV, StepKind
-from distgraph.registry import get_op, op_work
+from distgraph.registry import VIEWS, get_op, op_work
 
 # (memory bandwidth GB/s, op overhead µs) by device type when the file gives none.
 DEFAULTS = {"CPU": (10.0, 20.0), "GPU": (1000.0, 10.0), "XPU": (500.0, 10.0),
@@ -56,21 +57,40 @@ def device_rates(device) -> tuple[float, float]:
 
 def op_time(op_type: str, ins, outs, attrs: dict, device) -> float:
     """Seconds for one op on ``device``; ``ins``/``outs`` are TensorTypes (local shapes).
-    The device's measured cost of the op type where it has one (per call + per unit of
-    work), else the roofline with the device's launch cost."""
+    The one price of an op, for the estimate and every search: a GEMM on a device with a
+    GEMM curve by its shape (:func:`~distgraph.passes.cost.compute.gemm_seconds`) plus
+    its launch (the measured per-call cost of the op type where there is one); any other
+    op at the device's measured cost of its type where it has one (per call + per unit
+    of work), else the roofline with the device's launch cost (element-wise and
+    normalisation ops: their bytes at the memory bandwidth)."""
     costs = device.op_costs.get(op_type) if device.op_costs else None
+    shape = gemm_shape(op_type, ins, outs, attrs) if device.gemm is not None else None
+    if shape is not None:
+        mem_bw, overhead = device_rates(device)
+        launch = costs[0] * 1e-6 if costs is not None else overhead
+        return launch + gemm_seconds(*shape, dtypes.itemsize(outs[0].dtype),
+                                     _rate(device, outs[0].dtype), device.gemm, mem_bw)
     if costs is not None:
         return costs[0] * 1e-6 + costs[1] * 1e-9 * op_work(op_type, ins, outs, attrs)
     return roofline_time(op_type, ins, outs, attrs, device)
 
 
+def _rate(device, dtype: str) -> float:
+    """FLOP/s of ``device`` for ``dtype``: its figure for the dtype, else float32's, else
+    its fastest."""
+    return device.flops(dtype) or device.flops("float32") or max(device.gflops.values()) * 1e9
+
+
 def roofline_time(op_type: str, ins, outs, attrs: dict, device) -> float:
     """Seconds for one op from the device's GFLOP/s, memory bandwidth and launch cost
-    alone (what :func:`op_time` falls back to without a measured cost of the op type)."""
+    alone (what :func:`op_time` falls back to without a measured cost of the op type); a
+    view (:data:`~distgraph.registry.VIEWS`) moves nothing and costs its launch."""
+    if op_type in VIEWS:
+        return device_rates(device)[1]
     flops = get_op(op_type).flops(ins, outs, **attrs)
     touched = sum(_nbytes(t) for t in ins) + sum(_nbytes(t) for t in outs)
     dtype = outs[0].dtype if outs else (ins[0].dtype if ins else "float32")
-    rate = device.flops(dtype) or device.flops("float32") or max(device.gflops.values()) * 1e9
+    rate = _rate(device, dtype)
     mem_bw, overhead = device_rates(device)
     return overhead + max(flops / rate, touched / mem_bw)
 

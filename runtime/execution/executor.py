@@ -133,9 +133,10 @@ class ProgramRunner:
     def run(self, scope: dict, feed: dict | None = None, fetch=(), step: int = 0,
             timings: list | None = None, device_sync=None) -> dict:
         """Execute once; returns {name: array} for ``fetch``. With ``timings`` (a list),
-        the seconds each op took are appended to it in program order; ``device_sync``
-        (a GPU backend's ``synchronize``) then ends each op's timing, whose kernels the
-        GPU runs after the call returns."""
+        the seconds each op took are appended to it in program order, the executor's own
+        work for the op (its context, donations, fetches and frees) included, so that
+        they add up to the step; ``device_sync`` (a GPU backend's ``synchronize``) then
+        ends each op's kernels, which the GPU runs after the call returns."""
         env = {}
         for name in self.feed_names:
             if feed is None or name not in feed:
@@ -147,19 +148,19 @@ class ProgramRunner:
         if timings is not None and device_sync is not None:
             device_sync()
         for instr, free in self.items:
+            start = time.perf_counter() if timings is not None else 0.0
             octx = KernelContext(self.xp, step, **instr.ctx) if instr.ctx else ctx
             donate = tuple(n for n in instr.donors
                            if n not in fetch and donatable((n,), env, scope, fetched))[:1]
-            start = time.perf_counter() if timings is not None else 0.0
             run_op(instr, env, scope, octx, donate)
-            if timings is not None:
-                if device_sync is not None:
-                    device_sync()
-                timings.append(time.perf_counter() - start)
+            if timings is not None and device_sync is not None:
+                device_sync()
             for name in fetch.intersection(instr.outs):
                 fetched[name] = env[name]
             for name in free:
                 env.pop(name, None)
+            if timings is not None:
+                timings.append(time.perf_counter() - start)
         for name in fetch - set(fetched):
             if name in env:
                 fetched[name] = env[name]

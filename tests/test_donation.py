@@ -107,21 +107,31 @@ def test_a_value_seen_elsewhere_is_not_donated():
     assert not may_donate("v", ("v",), {"v": a[1:]}, ())            # a view itself
 
 
-def test_a_dying_gradient_is_all_reduced_in_place(monkeypatch, float64):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_dying_gradient_is_all_reduced_in_place(monkeypatch, float64, overlap):
     """Data parallel on two processes: every gradient dies at its all-reduce in the
-    update, so the runtime hands it over (one buffer and pass less per gradient)."""
+    update, so the runtime hands it over (one buffer and pass less per gradient): at the
+    update's reshard point without overlap, or to the bucket's nonblocking all-reduce
+    started during the backward with it."""
+    from distgraph.runtime.comm.base import Communicator
     from distgraph.runtime.execution import tasks
 
     flags = []
-    original = tasks.run_point
+    original_point, original_iall = tasks.run_point, Communicator.iall_reduce
 
     def recording(point, local, comm, pid, ranks=None, tag=0, donate=False):
         if any(s.kind == "all_reduce" for s in point.steps) and local is not None \
                 and local.nbytes >= DONATE_MIN_BYTES:
             flags.append((point.value, donate))
-        return original(point, local, comm, pid, ranks, tag, donate)
+        return original_point(point, local, comm, pid, ranks, tag, donate)
+
+    def recording_iall(self, arr, group, op="sum", inplace=False):
+        if arr.nbytes >= DONATE_MIN_BYTES:
+            flags.append((arr.shape, inplace))
+        return original_iall(self, arr, group, op, inplace)
 
     monkeypatch.setattr(tasks, "run_point", recording)
+    monkeypatch.setattr(Communicator, "iall_reduce", recording_iall)
     mesh = ProcessMesh([0, 1], ["dp"])
 
     class Wide(dg.nn.Layer):
@@ -139,10 +149,13 @@ def test_a_dying_gradient_is_all_reduced_in_place(monkeypatch, float64):
     for r in range(2):
         dg.seed(0)
         engines.append(dg.Engine(Wide(), dg.nn.MSELoss(), dg.optim.SGD(0.1),
+                                 strategy=dg.Strategy(overlap=overlap),
                                  communicator=world.communicator(r)))
     world.run(lambda comm: engines[comm.rank].fit(data, batch_size=8, verbose=0))
     assert flags and all(donate for _, donate in flags), flags
-    assert {name for name, _ in flags} == {"fc.weight@GRAD"}
+    # the weight's gradient, once a step on each process (the bias is below the size)
+    expected = "fc.weight@GRAD" if not overlap else (N, N)
+    assert {name for name, _ in flags} == {expected}
 
 
 # -- ops registered with donate ---------------------------------------------------------------------

@@ -14,6 +14,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import distgraph as dg  # noqa: E402
 from distgraph.errors import DoesNotFit  # noqa: E402
 from distgraph.passes.cost.prices import Rings, reshard_step_time  # noqa: E402
+from distgraph.passes.search.layouts.ilp_bound import GAIN_RTOL  # noqa: E402
 from distgraph.passes.search.layouts.intra_op import search  # noqa: E402
 from distgraph.placement import DistAttr  # noqa: E402
 from distgraph.program_builder import build_program  # noqa: E402
@@ -137,7 +138,8 @@ def test_objective_is_the_estimate_plus_the_reshards_shared_by_consumers(case):
     # (overlap=False); with overlap the estimate takes off what the backward hides
     plan = auto(built, cluster, micro_batches=4 if case == "micro-batched" else 1,
                 sharding=case.startswith("zero"), overlap=False)
-    assert plan.search.status == "optimal" and plan.search.gap == 0
+    # optimal: SCIP's or a bound's proof (ilp_bound.proven_gap) within its resolution
+    assert plan.search.status == "optimal" and 0 <= plan.search.gap <= GAIN_RTOL
     if case.startswith("zero"):     # the premise: some update runs on a slice of its states
         assert any(op.role == "optimize" and len(op.inputs) > 2 and
                    "x" in op.inputs[2].dist_attr.spec.mesh_dims() and

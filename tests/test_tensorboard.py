@@ -42,8 +42,11 @@ def read_events(folder) -> dict:
     for tag in acc.Tags()["scalars"]:
         out[tag] = [(e.step, e.value) for e in acc.Scalars(tag)]
     for tag in acc.Tags()["tensors"]:
-        out[tag] = [(e.step, tensor_util.make_ndarray(e.tensor_proto).item())
-                    for e in acc.Tensors(tag)]
+        values = [(e.step, tensor_util.make_ndarray(e.tensor_proto).item())
+                  for e in acc.Tensors(tag)]
+        # only text is a tensor: a number written as one is unreadable as a scalar
+        assert all(isinstance(v, bytes) for _, v in values), (tag, values[:3])
+        out[tag] = values
     return out
 
 

@@ -244,7 +244,7 @@ def test_each_command_of_tutorial_09_runs_and_the_loss_falls(command, tmp_path):
     if "--tensorboard" in words:
         from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-        acc = EventAccumulator(str(tmp_path / "tb"), size_guidance={"tensors": 0})
+        acc = EventAccumulator(str(tmp_path / "tb"), size_guidance={"scalars": 0})
         acc.Reload()
-        assert len(acc.Tensors("train/loss")) == int(re.search(r"in (\d+) steps",
+        assert len(acc.Scalars("train/loss")) == int(re.search(r"in (\d+) steps",
                                                                 proc.stdout).group(1))

@@ -283,9 +283,13 @@ def report(job: Job, nprocs: int, returncode: int, timeout: float | None,
     if returncode == 0 and not unfinished:
         return []
     moments = {s.rank: moment(job.status_dir, s.rank) for s in states if s.silent}
-    lines = failure_lines(states, hosts=assignment is not None, moments=moments)
     if stopped is not None:
-        return (lines or [stopped]) + [f"stopped mpiexec and {ranks}; the job failed; {logs}"]
+        # the errors ranks reported say more than the watch's summary of them; a rank
+        # that ended silently is the watch's reason itself or was ended by the stop
+        said = failure_lines([s for s in states if s.failed is not None],
+                             hosts=assignment is not None)
+        return (said or [stopped]) + [f"stopped mpiexec and {ranks}; the job failed; {logs}"]
+    lines = failure_lines(states, hosts=assignment is not None, moments=moments)
     if not lines and returncode != 0:
         said = job.mpiexec_output_tail()
         said = f"; mpiexec said: {said}" if said else ""

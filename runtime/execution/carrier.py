@@ -33,7 +33,8 @@ from distgraph.plan.instructions import GatherInstr, OpInstr, PointInstr, RecvIn
 from distgraph.plan.kinds import AccumulationMode, ItemKind, TaskKind
 from distgraph.runtime.execution.batched import run_batched
 from distgraph.runtime.execution.executor import donatable, may_donate, run_op
-from distgraph.runtime.execution.memory import Counted, Kept, Ledger, Mirrored, record
+from distgraph.runtime.execution.memory import (AllocationProbe, Counted, Kept, Ledger, Mirrored,
+                                                record)
 from distgraph.runtime.execution.overlap import Ahead
 from distgraph.runtime.execution.tasks import Accumulator, InstrRunner, micro_batch_context
 from distgraph.runtime.launch.progress import NO_PROGRESS
@@ -78,6 +79,7 @@ class Carrier:
         self.events: list = []
         self.memory: list = []
         self.steps = deque(maxlen=STEPS_KEPT)    # StepMemory of the last steps run
+        self.probe = AllocationProbe(backend)
         self.timeout = comm.timeout if comm is not None else 60.0
         self.spin = comm.poll_spin_seconds if comm is not None else 0.0
         self.progress = getattr(comm, "progress", NO_PROGRESS)
@@ -114,9 +116,10 @@ class Carrier:
         self.fetched = Counted(led)
         start = led.bytes
         led.since()
+        self.probe.begin()
         self.progress.begin_step(step, self._table)
         if self.ahead is not None:
-            self.ahead.begin_step()
+            self.ahead.clear()
         self._made_once()
         i = 0
         while i < len(self.actions):
@@ -138,10 +141,12 @@ class Carrier:
             i += 1
         self._run_update()
         self._wait_sends()
+        if self.ahead is not None:
+            self.ahead.clear()
         self.progress.end_step()
         fetched = dict(self.fetched)
         self.fetched.clear()            # handed to the caller: no longer the step's
-        self.steps.append(record(led, step, start))
+        self.steps.append(record(led, step, start, self.probe.above()))
         return fetched
 
     def _made_once(self) -> None:

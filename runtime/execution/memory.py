@@ -33,6 +33,14 @@ The peak of a step is the highest count reached, with what was running then
 (:attr:`Ledger.peak_at`: the action and the instruction); :class:`StepMemory` is the
 step's record, :func:`check_peak` the comparison with the plan's estimate.
 
+**What the allocator handed out.** Beside its own count, a step records what the
+machine's allocator gave out where that is measured: on the numpy backend, while
+``tracemalloc`` traces (the caller started it: tracing slows every Python allocation),
+the traced peak during the step above what was traced at its start
+(:class:`AllocationProbe`). That sees what the count does not: kernels' temporaries,
+collectives' buffers, copies made inside a call (and, as noise, the Python objects the
+step makes). On CuPy it is not measured (None).
+
 Example::
 
     led = Ledger(backend)
@@ -45,6 +53,7 @@ Example::
 
 from __future__ import annotations
 
+import tracemalloc
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -286,13 +295,46 @@ class Kept(Counted):
         self.ledger.later(value)
 
 
+class AllocationProbe:
+    """The allocator's high-water mark over one step (module docstring): ``begin()`` as
+    the step starts, ``above()`` as it ends: the most bytes allocated during the step
+    above what was allocated at its start, or None where nothing measures it (numpy
+    without ``tracemalloc`` tracing; CuPy).
+
+    Example::
+
+        tracemalloc.start()
+        probe = AllocationProbe(backend)
+        probe.begin(); run_step(); probe.above()      # 123456
+    """
+
+    def __init__(self, backend):
+        self.traced = getattr(backend, "name", "numpy") == "numpy"
+        self.start: int | None = None
+
+    def begin(self) -> None:
+        if self.traced and tracemalloc.is_tracing():
+            self.start = tracemalloc.get_traced_memory()[0]
+            tracemalloc.reset_peak()
+        else:
+            self.start = None
+
+    def above(self) -> int | None:
+        if self.start is None or not tracemalloc.is_tracing():
+            return None
+        return int(tracemalloc.get_traced_memory()[1] - self.start)
+
+
 @dataclass(frozen=True)
 class StepMemory:
     """One step of one rank: ``peak`` bytes held at its highest, reached in ``action``
     (``"0B2"``, ``"update"``, or ``"step start"``: the state and the fed rows) at
     ``instruction`` (``"op 'matmul' in layer 'fc1'"``, a reshard, a send, ...; "" where
     none ran), ``start`` bytes held when the step began (state and fed rows) and
-    ``resident`` bytes held once it ended (the state carried to the next step)."""
+    ``resident`` bytes held once it ended (the state carried to the next step).
+    ``allocated``: the allocator's most bytes during the step above its start
+    (:class:`AllocationProbe`; None where not measured), so that ``start +
+    allocated`` is the step's allocation peak as the machine saw it."""
 
     step: int
     peak: int
@@ -300,6 +342,13 @@ class StepMemory:
     instruction: str
     start: int
     resident: int
+    allocated: int | None = None
+
+    @property
+    def allocation_peak(self) -> int | None:
+        """``start + allocated``: the step's peak as the allocator handed it out (None
+        where not measured)."""
+        return None if self.allocated is None else self.start + self.allocated
 
     @property
     def where(self) -> str:
@@ -310,11 +359,12 @@ class StepMemory:
         return f"{head}, {self.instruction}" if self.instruction else head
 
 
-def record(ledger: Ledger, step: int, start: int) -> StepMemory:
-    """The step's record from its ledger, once the step's values are released."""
+def record(ledger: Ledger, step: int, start: int, allocated: int | None = None) -> StepMemory:
+    """The step's record from its ledger, once the step's values are released;
+    ``allocated``: :meth:`AllocationProbe.above`."""
     action, instr = ledger.peak_at
     return StepMemory(step, int(ledger.peak), str(action), "" if instr is None else str(instr),
-                      int(start), int(ledger.bytes))
+                      int(start), int(ledger.bytes), allocated)
 
 
 def predicted_peak(plan, pid: int) -> int | None:

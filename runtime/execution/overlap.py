@@ -59,7 +59,9 @@ class Ahead:
     def active(self) -> bool:
         return bool(self.at or self.groups)
 
-    def begin_step(self) -> None:
+    def clear(self) -> None:
+        """Forget every request (a step starts or has ended): a request holds its
+        buffers, which would otherwise outlive the step."""
         self.pending.clear()
         self.gathers.clear()
         self._order = []
@@ -108,6 +110,7 @@ class Ahead:
         if req is None:
             return None
         wait(req)
+        self._forget(req)
         return req.value
 
     # -- prefetched gathers --------------------------------------------------------------
@@ -130,6 +133,7 @@ class Ahead:
         req, reserved = self.gathers.pop(j)
         wait(req)
         ledger.release(reserved)
+        self._forget(req)
         return req.value
 
     def _gather(self, k: int, instr, read, ledger) -> None:
@@ -144,6 +148,10 @@ class Ahead:
         self._order.append(req)
 
     # -- progress ------------------------------------------------------------------------
+    def _forget(self, req) -> None:
+        """Stop polling ``req`` (its result was taken): nothing keeps its buffers then."""
+        self._order = [r for r in self._order if r is not req]
+
     def poll(self) -> None:
         """Let MPI move the pending collectives: test the oldest one not done (MPI's
         progress engine then runs for all of them)."""

@@ -39,6 +39,12 @@ the cost model prices the communication it hides.
 same layer, which takes them) at the expected load, for a localized op (``attrs`` and
 ``ctx`` as ``localize`` made them, ``ins`` local TensorTypes), so the memory model counts
 what no Value holds (``moe_ffn``'s routes, rows and expert activations).
+``workspace(ins, outs, **attrs) -> bytes`` (optional; none: 0) says how many bytes its
+kernel allocates beyond its results while it runs, at its most (the temporaries of an
+array expression, a scratch copy), for local TensorTypes ``ins`` and ``outs``: the
+memory model adds them to what is live at the op, so that the estimate is what the
+allocator hands out. tests/test_workspace.py measures every op's against the allocator
+(``tracemalloc``); :func:`op_workspace` reads it.
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
+from distgraph.dtypes import itemsize
 from distgraph.errors import DistGraphError
 from distgraph.mesh import ProcessRanks
 from distgraph.placement import DistAttr
@@ -87,6 +94,7 @@ class OpDef:
     donate: bool = False
     overlap: Callable | None = None
     saved: Callable | None = None
+    workspace: Callable | None = None
 
 
 _REGISTRY: dict[str, OpDef] = {}
@@ -101,7 +109,7 @@ def register_op(op_type: str, *, spmd, inplace=(), differentiable=True, donate=F
                  grad=members.get("grad"), flops=members.get("flops"), inplace=inplace,
                  differentiable=differentiable, localize=members.get("localize"),
                  comm=members.get("comm"), donate=donate, overlap=members.get("overlap"),
-                 saved=members.get("saved"))
+                 saved=members.get("saved"), workspace=members.get("workspace"))
         return cls
 
     return wrap
@@ -109,7 +117,7 @@ def register_op(op_type: str, *, spmd, inplace=(), differentiable=True, donate=F
 
 def register(op_type: str, *, spmd, infer, kernel, grad=None, flops=None, inplace=(),
              differentiable=True, localize=None, comm=None, donate=False,
-             overlap=None, saved=None) -> OpDef:
+             overlap=None, saved=None, workspace=None) -> OpDef:
     """Validate and register one op entry from its parts (``register_op`` is the class
     form; :func:`distgraph.ops.common.register_rows` registers a table of them)."""
     if op_type in _REGISTRY:
@@ -127,7 +135,7 @@ def register(op_type: str, *, spmd, infer, kernel, grad=None, flops=None, inplac
                              f"distgraph.spmd.Rule")
     rule = OpRule(op_type, spmd, infer, comm)
     entry = OpDef(op_type, infer, kernel, grad, rule, flops or _zero_flops, tuple(inplace),
-                  differentiable, localize, comm, donate, overlap, saved)
+                  differentiable, localize, comm, donate, overlap, saved, workspace)
     _REGISTRY[op_type] = entry
     return entry
 
@@ -158,6 +166,13 @@ def op_work(op_type: str, ins, outs, attrs) -> float:
     if op_type in FLOP_BOUND:
         return float(get_op(op_type).flops(ins, outs, **attrs))
     return float(sum(size(t) for t in ins) + sum(size(t) for t in outs))
+
+
+def op_workspace(op_type: str, ins, outs, attrs) -> int:
+    """Bytes op ``op_type``'s kernel allocates beyond its results while it runs, for local
+    TensorTypes ``ins`` and ``outs`` (its ``workspace`` hook; 0 without one)."""
+    hook = get_op(op_type).workspace
+    return 0 if hook is None else int(hook(ins, outs, **attrs))
 
 
 def op_flops(op) -> float:
@@ -280,6 +295,11 @@ def size(t: TensorType) -> int:
     for d in t.shape:
         n *= d
     return n
+
+
+def nbytes(t: TensorType) -> int:
+    """Bytes of an array of TensorType ``t``."""
+    return size(t) * itemsize(t.dtype)
 
 
 @dataclass

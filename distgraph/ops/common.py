@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from distgraph.errors import DistGraphError
-from distgraph.registry import DTypeError, ShapeError, TensorType, register, size
+from distgraph.registry import DTypeError, ShapeError, TensorType, nbytes, register, size
 from distgraph.spmd import Rule
 from distgraph.trace import current_builder, emit1
 
@@ -17,7 +17,9 @@ class Row:
     apart from its family. ``kernel(ctx, *arrays, **attrs)`` and ``grad(op, dz)`` as in
     :mod:`distgraph.registry`; ``flops``: FLOPs per element of the result, or the
     registry's ``flops(ins, outs, **attrs)``. ``infer`` and ``spmd`` override the
-    family's (``None``: the family's).
+    family's (``None``: the family's). ``workspace``: the temporaries its kernel
+    allocates beyond its result, in arrays of the result's size, or the registry's
+    ``workspace(ins, outs, **attrs)`` (bytes).
 
     Example: ``Row("exp", lambda ctx, x: ctx.xp.exp(x), lambda op, dz: [...])``.
     """
@@ -29,6 +31,7 @@ class Row:
     donate: bool = False
     infer: Callable | None = None
     spmd: Rule | None = None
+    workspace: float | Callable = 0
 
 
 def register_rows(rows, *, infer=None, spmd=None, flops=1, differentiable=True) -> None:
@@ -41,7 +44,16 @@ def register_rows(rows, *, infer=None, spmd=None, flops=1, differentiable=True) 
         register(row.name, spmd=spmd if row.spmd is None else row.spmd,
                  infer=infer if row.infer is None else row.infer, kernel=row.kernel, grad=row.grad,
                  flops=elementwise_flops(count) if isinstance(count, int) else count,
-                 differentiable=differentiable, donate=row.donate)
+                 differentiable=differentiable, donate=row.donate,
+                 workspace=row.workspace if callable(row.workspace) else
+                 results_times(row.workspace))
+
+
+def results_times(k: float):
+    """A ``workspace`` hook: ``k`` arrays the size of the first result (None for 0)."""
+    if not k:
+        return None
+    return lambda ins, outs, **attrs: k * nbytes(outs[0])
 
 
 def broadcast_shapes(*shapes) -> tuple:

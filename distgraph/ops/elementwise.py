@@ -97,30 +97,84 @@ def grad_infer(y, dy):
     return broadcast_infer(y, dy)
 
 
+# The activations' kernels run in place on one array of the result's size (and their
+# gradients on one more), not as array expressions: an expression allocates an array per
+# operation (numpy elides some of them, CuPy none), 3 to 5 the size of the result for
+# GELU's.
+def _result(ctx, *arrays):
+    """An uninitialised array of the broadcast shape of ``arrays``, in their dtype."""
+    shape = ctx.xp.broadcast_shapes(*(a.shape for a in arrays))
+    return ctx.xp.empty(shape, arrays[0].dtype)
+
+
+def _gelu_tanh(ctx, x):
+    """tanh(sqrt(2/pi) (x + 0.044715 x^3)), in a new array."""
+    t = x.dtype.type
+    out = ctx.xp.multiply(x, x, out=_result(ctx, x))
+    out *= x
+    out *= t(0.044715)
+    out += x
+    out *= t(GELU_C)
+    return ctx.xp.tanh(out, out=out)
+
+
 def _gelu(ctx, x):
     """GELU, tanh approximation: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))."""
-    xp = ctx.xp
-    inner = x.dtype.type(GELU_C) * (x + x.dtype.type(0.044715) * x * x * x)
-    return x.dtype.type(0.5) * x * (1 + xp.tanh(inner))
+    out = _gelu_tanh(ctx, x)
+    out += 1
+    out *= x
+    out *= x.dtype.type(0.5)
+    return out
+
+
+def _sigmoid(ctx, x):
+    """sigmoid(x) = (1 + tanh(x / 2)) / 2 (no overflow), in a new array."""
+    half = x.dtype.type(0.5)
+    out = ctx.xp.multiply(x, half, out=_result(ctx, x))
+    ctx.xp.tanh(out, out=out)
+    out *= half
+    out += half
+    return out
 
 
 def _silu(ctx, x):
-    """SiLU (swish): x sigmoid(x), with sigmoid(x) = (1 + tanh(x / 2)) / 2 (no overflow)."""
-    half = x.dtype.type(0.5)
-    return x * (half + half * ctx.xp.tanh(half * x))
+    """SiLU (swish): x sigmoid(x)."""
+    out = _sigmoid(ctx, x)
+    out *= x
+    return out
 
 
 def _silu_grad(ctx, x, dy):
-    half = x.dtype.type(0.5)
-    s = half + half * ctx.xp.tanh(half * x)           # sigmoid(x)
-    return dy * s * (1 + x * (1 - s))
+    """dy s (1 + x (1 - s)), s = sigmoid(x)."""
+    s = _sigmoid(ctx, x)
+    out = _result(ctx, s, dy)
+    ctx.xp.subtract(1, s, out=out)
+    out *= x
+    out += 1
+    out *= s
+    out *= dy
+    return out
 
 
 def _gelu_grad(ctx, x, dy):
-    t = x.dtype.type
-    th = ctx.xp.tanh(t(GELU_C) * (x + t(0.044715) * x * x * x))
-    d_inner = t(GELU_C) * (1 + t(3 * 0.044715) * x * x)
-    return dy * (t(0.5) * (1 + th) + t(0.5) * x * (1 - th * th) * d_inner)
+    """dy (0.5 (1 + th) + 0.5 x (1 - th^2) d), th = tanh(inner), d = inner' =
+    sqrt(2/pi) (1 + 3 0.044715 x^2); computed as dy (1 + th) (0.5 + 0.5 x d (1 - th))."""
+    t, xp = x.dtype.type, ctx.xp
+    th = _gelu_tanh(ctx, x)
+    half_xd = _result(ctx, x, dy)
+    xp.multiply(x, x, out=half_xd)
+    half_xd *= t(3 * 0.044715)
+    half_xd += 1
+    half_xd *= t(GELU_C)
+    half_xd *= x
+    half_xd *= t(0.5)
+    xp.subtract(1, th, out=th)          # 1 - th
+    half_xd *= th
+    half_xd += t(0.5)
+    xp.subtract(2, th, out=th)          # 1 + th
+    half_xd *= th
+    half_xd *= dy
+    return half_xd
 
 
 # Row(name, kernel, grad, flops per element=1, donate=False); rule S(i) -> S(i).
@@ -146,9 +200,9 @@ GRADS = (
     Row("tanh_grad", lambda ctx, y, dy: dy * (1 - y * y), flops=3),      # dy (1 - y^2)
     Row("relu_grad", lambda ctx, y, dy: ctx.xp.multiply(dy, y > 0, out=ctx.out),
         donate=True),                                                    # dy where y > 0
-    Row("gelu_grad", _gelu_grad, flops=14,
+    Row("gelu_grad", _gelu_grad, flops=14, workspace=1,
         infer=lambda x, dy: broadcast_infer(x, dy)),                     # reads x, not y
-    Row("silu_grad", _silu_grad, flops=8,
+    Row("silu_grad", _silu_grad, flops=8, workspace=1,
         infer=lambda x, dy: broadcast_infer(x, dy)),                     # reads x, not y
 )
 register_rows(GRADS, infer=grad_infer, spmd=elementwise_rule(), differentiable=False)

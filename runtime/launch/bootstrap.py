@@ -173,7 +173,21 @@ def abort_job(message: str, code: int = 1) -> None:
         _let_output_out()
         fd = os.open(logfile, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         os.dup2(fd, 2)
+    _remove_job_files()
     world.Abort(code)
+
+
+def _remove_job_files() -> None:
+    """Before MPI_Abort: remove the files MPI made for the job on this host, which the
+    abort leaves behind (hydra kills every rank, so none reaches the MPI_Finalize that
+    removes the shared-memory segment, and its proxy, whose exit removes the topology
+    file). Under a plain mpiexec nobody else would: this rank, its parent (hydra's
+    proxy) and under the launcher its supervisor's parent hold them. The processes
+    that map them keep their memory; the job is ending."""
+    from distgraph.runtime.launch.hostside import held_by, parent_of, remove_files
+
+    parent = os.getppid()
+    remove_files(held_by("self") | held_by(parent) | held_by(parent_of(parent)))
 
 
 def _let_output_out(limit: float = 1.0) -> None:

@@ -59,14 +59,15 @@ def stuck_before_mpi(folder: Path, timeout: float) -> tuple[dict, list, Path]:
     """Rank 1 hangs as its interpreter starts (a sitecustomize in ``folder`` that sleeps:
     a hung import of a network file system, say), before the bootstrap, so before MPI
     starts, under ``DISTGRAPH_COMM_TIMEOUT=timeout``: (the job's environment, what the
-    output says, the file where the rank writes the moment it hangs). Run with
+    output says, the file where the rank writes the moment it hangs). Any other rank
+    may be the one that says it. Run with
     ``rank_endings.py exit 9`` (no rank exits: only the hang is planted)."""
     (folder / "sitecustomize.py").write_text(HANG_BEFORE_MPI)
     mark = folder / "hang.time"
     env = {"PYTHONPATH": str(folder), "HANG_MARK": str(mark),
            "DISTGRAPH_COMM_TIMEOUT": f"{timeout:g}"}
-    said = [f"rank 0 waited {timeout:g} s for MPI to start on every rank "
-            "(DISTGRAPH_COMM_TIMEOUT) and rank 1 never began it"]
+    said = [f"waited {timeout:g} s for MPI to start on every rank (DISTGRAPH_COMM_TIMEOUT) "
+            "and rank 1 never began it"]      # said by whichever rank waited longest
     return env, said, mark
 
 

@@ -50,7 +50,14 @@ class DoesNotFit(PlanError):
 
 
 class RuntimeFault(DistGraphError):
-    """A failure while running: a rank raised, died, or a message never arrived."""
+    """A failure while running: a rank raised, died, or a message never arrived.
+    ``timed_out``: raised because a wait ran past the ranks' timeout, so every peer
+    has had that long to fail on its own (a rank aborting the job for it does not wait
+    for them to say so)."""
+
+    def __init__(self, message: str = "", timed_out: bool = False):
+        super().__init__(message)
+        self.timed_out = timed_out
 
 
 class PlanFileError(PlanError):

@@ -7,6 +7,7 @@ import tempfile
 import pytest
 
 import distgraph as dg
+from job_traces import Trace, new_marker
 
 # Nothing of the tests' reaches the user's cache (distgraph.resources.local_cache): this
 # machine's kept calibration is looked for, and kept, in a folder of this run's, and
@@ -26,6 +27,21 @@ def float64():
         yield
     finally:
         dg.set_default_dtype(before)
+
+
+@pytest.fixture
+def job_trace(monkeypatch):
+    """A :class:`job_traces.Trace` of every process the test starts: its marker is in
+    the test's environment while it runs, so every command started from it carries it.
+    The test ends with ``job_trace.assert_nothing_left(ran_mpi=...)``; whatever of its
+    jobs is still alive afterwards is killed."""
+    trace = Trace(new_marker())
+    for key, value in trace.env.items():
+        monkeypatch.setenv(key, value)
+    try:
+        yield trace
+    finally:
+        trace.leftovers()
 
 
 @pytest.fixture(autouse=True)

@@ -225,10 +225,11 @@ def test_check_finite_false_trains_on():
 
 
 @pytest.mark.mpi
-def test_a_nan_loss_on_mpi_ranks_raises_what_serial_raises():
+def test_a_nan_loss_on_mpi_ranks_raises_what_serial_raises(job_trace):
     serial = error_of(lambda: J.mlp_engine(1).fit(J.Regression(nan_at=20), batch_size=8))
     rc, out = launch(2, "nan")
     assert rc != 0 and rank_errors(out) and set(rank_errors(out)) == {serial}, out
+    job_trace.assert_nothing_left(ran_mpi=True)
 
 
 # ---- ragged samples, the launcher's cluster --------------------------------------------------
@@ -403,7 +404,7 @@ engine.fit(dg.shard_dataloader(Tokens(), mesh, shard_dims="dp"), batch_size=8, v
 
 
 @pytest.mark.mpi
-def test_a_nan_among_token_ids_names_the_sample_and_field(tmp_path):
+def test_a_nan_among_token_ids_names_the_sample_and_field(tmp_path, job_trace):
     """Data parallel on 2 ranks: rank 1 reads sample 5 (rows 4..7 of batch 0), whose ids
     hold a NaN; the job ends naming the sample, the field and the position (not the
     embedding's IndexError), serially alike."""
@@ -414,3 +415,4 @@ def test_a_nan_among_token_ids_names_the_sample_and_field(tmp_path):
     rc, out = run_user(tmp_path, NAN_TOKEN.replace("dg.shard_dataloader(Tokens(), mesh, "
                                                    "shard_dims=\"dp\")", "Tokens()"), 1)
     assert rc != 0 and said in out, out
+    job_trace.assert_nothing_left(ran_mpi=True)

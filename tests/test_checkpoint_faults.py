@@ -24,14 +24,15 @@ sys.path.insert(0, str(Path(__file__).parent))
 import plans as P  # noqa: E402
 
 SCRIPTS = Path(__file__).parent / "mpi_scripts"
-ENV = dict(os.environ, OMP_NUM_THREADS="1")
 
 
 def launch(nprocs, script, *args, **kwargs):
+    """``distgraph run`` in this environment as it is now (a test's job_trace marker
+    included), with one BLAS thread."""
     cmd = [sys.executable, "-m", "distgraph.cli", "run", "-n", str(nprocs), str(script),
            *map(str, args)]
-    return subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, **kwargs)
+    return subprocess.Popen(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)
 
 
 def result(proc, tag, timeout=240):
@@ -49,7 +50,8 @@ def shard(folder, rank):
 
 @pytest.mark.slow
 @pytest.mark.mpi
-def test_resume_skips_a_damaged_newest_checkpoint_and_ends_as_a_clean_resume(tmp_path):
+def test_resume_skips_a_damaged_newest_checkpoint_and_ends_as_a_clean_resume(tmp_path,
+                                                                             job_trace):
     """The newest of four checkpoints (step 12) damaged in rank 1's shard file: one bit
     flipped, or its last 100 bytes cut. resume returns step 9, says why it skipped step
     12, and the run ends with every parameter and optimizer state equal, bit for bit, to
@@ -85,6 +87,7 @@ def test_resume_skips_a_damaged_newest_checkpoint_and_ends_as_a_clean_resume(tmp
                                           f"damaged, nothing of it was loaded: {damaged} {said}")
         assert (f"resume: skipped checkpoint {series[kind].format(step=12)}: {damaged} {said}"
                 in err)
+    job_trace.assert_nothing_left(ran_mpi=True)
 
 
 def gpt_engine(seed=0):
@@ -135,7 +138,8 @@ def test_a_checkpoint_of_format_version_1_loads_unverified_and_says_so(float64, 
 
 @pytest.mark.slow
 @pytest.mark.mpi
-def test_a_second_job_on_a_held_directory_is_refused_at_its_fit_start(tmp_path, float64):
+def test_a_second_job_on_a_held_directory_is_refused_at_its_fit_start(tmp_path, float64,
+                                                                       job_trace):
     """Job A (2 ranks) fits with ModelCheckpoint(ck) and waits after its second step; job
     B, started on the same ck, ends at its fit's start, non-zero, naming A's rank 0; a
     save from a third process is refused the same way; A finishes unharmed and its
@@ -164,10 +168,11 @@ def test_a_second_job_on_a_held_directory_is_refused_at_its_fit_start(tmp_path, 
     assert verify(ck).ok and verify(ck).meta["training"]["step"] == 4
     out, err = launch(2, SCRIPTS / "checkpoint_dirs.py", ck).communicate(timeout=120)
     assert "DONE 4" in out, out + err
+    job_trace.assert_nothing_left(ran_mpi=True)
 
 
 @pytest.mark.mpi
-def test_an_unwritable_checkpoint_path_is_refused_at_fit_start(tmp_path):
+def test_an_unwritable_checkpoint_path_is_refused_at_fit_start(tmp_path, job_trace):
     """A ModelCheckpoint path under a file: both ranks stop before the first step."""
     (tmp_path / "afile").write_text("not a folder")
     path = tmp_path / "afile" / "ck-{step}"
@@ -175,6 +180,7 @@ def test_an_unwritable_checkpoint_path_is_refused_at_fit_start(tmp_path):
     assert "STEP" not in out and "FITTING" not in out, out + err
     assert (f"cannot write checkpoints to {path}: {tmp_path / 'afile'} is a file, where a "
             f"folder is needed" in err), err
+    job_trace.assert_nothing_left(ran_mpi=True)
 
 
 def test_an_unwritable_folder_is_refused_at_fit_start_not_at_the_first_save(tmp_path):

@@ -55,12 +55,16 @@ def test_a_kernel_error_on_one_rank_ends_the_job_naming_rank_and_op():
 
 
 @pytest.mark.mpi
-def test_under_a_plain_mpiexec_a_kernel_error_also_ends_the_job():
+def test_under_a_plain_mpiexec_a_kernel_error_also_ends_the_job(job_trace):
+    """No launcher watches the job: the failing rank aborts it, and removes the files MPI
+    made for it, which the abort would leave (a shared-memory segment, hydra's topology
+    file)."""
     from distgraph.runtime.launch.launcher import mpiexec_path
     rc, out, seconds = run([mpiexec_path(), "-n", "4", sys.executable, str(SCRIPT), "raise"])
     assert rc != 0
     assert seconds < DEADLINE
     assert "rank 1 failed" in out and "op 'relu'" in out, out[-3000:]
+    job_trace.assert_nothing_left(ran_mpi=True)
 
 
 @pytest.mark.mpi

@@ -161,7 +161,7 @@ CHANGING = with_prelude("""
 
 
 @pytest.mark.mpi
-def test_a_dataset_whose_length_changes_between_epochs_is_followed(tmp_path):
+def test_a_dataset_whose_length_changes_between_epochs_is_followed(tmp_path, job_trace):
     """Data parallel on 2 ranks, a dataset of 16 samples, then 32, then 24: each epoch
     reads all it has (4, 8 and 6 steps), with the losses of a serial run of the same
     data, and rank 0 says so; shrunk to 13, whose last batch of 1 the split cannot
@@ -188,3 +188,4 @@ def test_a_dataset_whose_length_changes_between_epochs_is_followed(tmp_path):
             "of the last: the last batch of each epoch has 1 samples (dataset of 13, "
             "batch_size 4), which") in out, out
     assert "use a dataset of 12 or 14 samples" in out, out
+    job_trace.assert_nothing_left(ran_mpi=True)

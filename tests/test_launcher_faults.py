@@ -10,12 +10,14 @@ import signal
 import subprocess
 import sys
 import time
-import uuid
 from pathlib import Path
 
 import pytest
 
 from distgraph.resources.cluster import Cluster
+
+sys.path.insert(0, str(Path(__file__).parent))
+from job_traces import Traced, marked  # noqa: E402
 
 JOBS = Path(__file__).parent / "mpi_scripts" / "fault_jobs.py"
 CLUSTERS = Path(__file__).parent.parent / "resources" / "clusters"
@@ -41,23 +43,6 @@ def run(argv, **env):
     return proc.returncode, proc.stdout + proc.stderr, time.monotonic() - start
 
 
-def processes_with(marker: str) -> list[str]:
-    """Command lines of live processes whose environment holds ``marker`` (ours only:
-    other users' environments are unreadable)."""
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                if marker.encode() not in f.read():
-                    continue
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmdline = f.read().replace(b"\0", b" ").decode()
-            found.append(f"{pid}: {cmdline}")
-        except OSError:
-            pass
-    return found
-
-
 # ---- 1. signals -------------------------------------------------------------------------
 
 @pytest.mark.mpi
@@ -65,32 +50,20 @@ def processes_with(marker: str) -> list[str]:
                                             (signal.SIGINT, False, 2), (signal.SIGINT, True, 4)],
                          ids=["SIGTERM", "SIGHUP", "SIGINT", "ctrl-c-to-the-group"])
 def test_a_signal_ends_mpiexec_and_every_rank(tmp_path, sig, to_group, n):
-    marker = f"FAULT_TEST_MARK={uuid.uuid4().hex}"
-    key, value = marker.split("=")
-    out_path = tmp_path / "out.txt"
-    with open(out_path, "w") as out:
-        proc = subprocess.Popen(command("run", "-n", n, JOBS, "long"), stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True,
-                                env=dict(os.environ, OMP_NUM_THREADS="1", **{key: value}))
-    try:
-        deadline = time.monotonic() + TIMEOUT
-        while out_path.read_text().count("STARTED") < n and time.monotonic() < deadline:
-            assert proc.poll() is None, out_path.read_text()
-            time.sleep(0.2)
-        assert len(processes_with(marker)) >= 2 + 2 * n   # launcher, mpiexec, supervisors, ranks
-        if to_group:      # what a terminal does on Ctrl-C: the whole foreground group
-            os.killpg(proc.pid, sig)
-        else:
-            proc.send_signal(sig)
-        code = proc.wait(timeout=5)
-        time.sleep(0.5)
-        left = processes_with(marker)
-    finally:
-        for line in processes_with(marker):
-            os.kill(int(line.split(":")[0]), signal.SIGKILL)
-    text = out_path.read_text()
+    job = Traced(tmp_path, "run", "-n", n, JOBS, "long")
+    deadline = time.monotonic() + TIMEOUT
+    while job.output.count("STARTED") < n and time.monotonic() < deadline:
+        assert job.proc.poll() is None, job.output
+        time.sleep(0.2)
+    assert len(marked(job.marker.encode())) >= 2 + 2 * n   # launcher, mpiexec, supervisors, ranks
+    if to_group:      # what a terminal does on Ctrl-C: the whole foreground group
+        os.killpg(job.proc.pid, sig)
+    else:
+        job.proc.send_signal(sig)
+    code = job.wait(timeout=5)
+    text = job.output
     assert code == 128 + sig, text
-    assert not left, left
+    job.trace.assert_nothing_left(ran_mpi=True)
     ours = [ln for ln in text.splitlines() if ln.startswith("distgraph")]
     assert len(ours) == 1 and f"received {signal.Signals(sig).name}" in ours[0], text
     assert "Traceback" not in text and "KeyboardInterrupt" not in text, text

@@ -221,3 +221,28 @@ def test_version_and_help_are_plain_text():
         assert description[0].isupper() and len(description) > 40, out   # says what it does
         for markup in ("``", ":func:", ":mod:", ".. ", ".py)"):
             assert markup not in out, (command, out)
+
+
+def test_a_device_too_small_for_any_process_is_named_with_why(tmp_path):
+    """local4 with device 3 given 1e-6 GB (issue 68): tutorial 02's four processes have
+    three devices that hold one. The plan names that device, its memory, and what the
+    smallest process needs: its parameters and optimizer states, as the estimate of the
+    same plan on local4 counts them."""
+    import yaml
+
+    local4 = ROOT / "resources" / "clusters" / "local4.yaml"
+    data = yaml.safe_load(local4.read_text())
+    data["name"] = "tiny3"
+    data["machines"][0]["devices"][3]["memory"] = 1e-6
+    tiny = write(tmp_path, "tiny.yaml", yaml.safe_dump(data))
+    script = ROOT / "tutorials" / "02_spmd_gpt.py"
+    proc = plan_cli(script, "-n", 4, "--cluster", local4, "--json")
+    assert proc.returncode == 0, proc.stderr
+    held = min(p["parameters"] + p["states"]
+               for p in json.loads(proc.stdout)["estimate"]["processes"])
+    proc = plan_cli(script, "-n", 4, "--cluster", tiny)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert (f"the plan has 4 processes, but only 3 of the 4 devices of cluster 'tiny3' can "
+            f"hold one: device 3 (CPU cpu, 1e-06 GB) has less memory than the {held / 1e9:g} "
+            "GB the smallest process needs. Correct the resource file, or plan for fewer "
+            "processes") in proc.stderr, proc.stdout + proc.stderr

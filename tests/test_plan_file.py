@@ -32,11 +32,16 @@ import plans as P  # noqa: E402
 
 SCRIPT = Path(__file__).parent / "mpi_scripts" / "plan_file_training.py"
 ROOT = Path(__file__).resolve().parents[1]
-ENV = dict(os.environ, OMP_NUM_THREADS="1")
+
+
+def env() -> dict:
+    """This environment as it is now (a test's job_trace marker included), one BLAS
+    thread."""
+    return dict(os.environ, OMP_NUM_THREADS="1")
 
 
 def cli(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "distgraph.cli", *map(str, args)], env=ENV,
+    return subprocess.run([sys.executable, "-m", "distgraph.cli", *map(str, args)], env=env(),
                           capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 
 
@@ -158,13 +163,16 @@ def _edited(files, tmp_path, kind, edit) -> Path:
     return out
 
 
-def _refused_at_launch(path, tmp_path, *options, n=4, layers=(), kind="semi"):
+def _refused_at_launch(path, tmp_path, trace, *options, n=4, layers=(), kind="semi"):
+    """The one line of ``distgraph run --plan path``, refused before any rank started;
+    ``trace``: the test's job_trace, which finds no MPI and nothing left of the job."""
     proc = cli("run", "-n", n, *options, "--plan", path, SCRIPT, kind, tmp_path, *layers)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert not list(tmp_path.glob("rank-started.*")), "a rank started"
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1, proc.stderr                 # one line, no traceback
     assert "Traceback" not in proc.stderr
+    trace.assert_nothing_left(ran_mpi=False)
     return lines[0]
 
 
@@ -192,34 +200,38 @@ def _spec_number(data):
     (_unknown_dim, "names mesh dim 'z', but its mesh"),
     (_spec_number, "is out of range (the file has"),
 ])
-def test_a_damaged_file_is_refused_before_any_rank_starts(files, tmp_path, edit, said):
-    line = _refused_at_launch(_edited(files, tmp_path, "semi", edit), tmp_path)
+def test_a_damaged_file_is_refused_before_any_rank_starts(files, tmp_path, edit, said,
+                                                          job_trace):
+    line = _refused_at_launch(_edited(files, tmp_path, "semi", edit), tmp_path, job_trace)
     assert said in line and "edited.json" in line
 
 
-def test_a_file_cut_short_is_refused_before_any_rank_starts(files, tmp_path):
+def test_a_file_cut_short_is_refused_before_any_rank_starts(files, tmp_path, job_trace):
     text = Path(files["semi"][1]).read_text()
     cut = tmp_path / "cut.json"
     cut.write_text(text[:len(text) // 2])
-    line = _refused_at_launch(cut, tmp_path)
+    line = _refused_at_launch(cut, tmp_path, job_trace)
     assert "cut.json" in line and "it was cut short" in line
 
 
-def test_a_file_for_another_world_size_is_refused_before_any_rank_starts(files, tmp_path):
-    line = _refused_at_launch(files["semi"][1], tmp_path, n=2)
+def test_a_file_for_another_world_size_is_refused_before_any_rank_starts(files, tmp_path,
+                                                                         job_trace):
+    line = _refused_at_launch(files["semi"][1], tmp_path, job_trace, n=2)
     assert "the plan was made for 4 processes; the job has 2" in line
 
 
-def test_a_file_for_another_cluster_is_refused_before_any_rank_starts(files, tmp_path):
-    line = _refused_at_launch(files["semi"][1], tmp_path, "--cluster",
+def test_a_file_for_another_cluster_is_refused_before_any_rank_starts(files, tmp_path,
+                                                                      job_trace):
+    line = _refused_at_launch(files["semi"][1], tmp_path, job_trace, "--cluster",
                               ROOT / "resources" / "clusters" / "gpu_2x8.yaml")
     assert "the plan was made for 4 devices" in line and "the cluster has 16" in line
 
 
-def test_a_file_for_another_program_is_refused_before_any_rank_starts(files, tmp_path):
+def test_a_file_for_another_program_is_refused_before_any_rank_starts(files, tmp_path,
+                                                                      job_trace):
     """The script runs once, as one process, up to its Engine's training program, which
     is checked against the file: a GPT of 3 blocks for a plan of 2."""
-    line = _refused_at_launch(files["semi"][1], tmp_path, layers=(3,))
+    line = _refused_at_launch(files["semi"][1], tmp_path, job_trace, layers=(3,))
     assert "the plan was made for 2 layers; the model has 3" in line
 
 
@@ -268,10 +280,11 @@ def _refused_operand(data):
                                "rules make it [None, None]"),
 ])
 def test_a_file_edited_into_a_plan_that_cannot_run_is_refused_before_any_rank_starts(
-        files, tmp_path, kind, edit, said):
+        files, tmp_path, kind, edit, said, job_trace):
     """The plan is made from the file once before the ranks start (no rank's program
     compiled): what every rank would refuse after planning is refused there, in one line."""
-    line = _refused_at_launch(_edited(files, tmp_path, kind, edit), tmp_path, kind=kind)
+    line = _refused_at_launch(_edited(files, tmp_path, kind, edit), tmp_path, job_trace,
+                              kind=kind)
     assert said in line and "edited.json" in line, line
 
 
@@ -279,7 +292,7 @@ def _sharding(data):
     data["strategy"]["sharding"] = True
 
 
-def test_a_strategy_edited_in_the_file_is_said(files, tmp_path, float64, no_search):
+def test_a_strategy_edited_in_the_file_is_said(files, tmp_path, float64, no_search, job_trace):
     """sharding=True written into a file saved without it: an Engine that takes the
     file's Strategy makes another plan than the file's result says; one whose script
     sets sharding=False is refused before any rank starts."""
@@ -288,7 +301,7 @@ def test_a_strategy_edited_in_the_file_is_said(files, tmp_path, float64, no_sear
                                                "make a plan of step_time .*: the file was "
                                                "edited"):
         loading_engine(path).prepare(*specs())
-    line = _refused_at_launch(path, tmp_path)
+    line = _refused_at_launch(path, tmp_path, job_trace)
     assert "the Engine's Strategy(sharding=False) is not the plan file's (sharding=True" in line
 
 
@@ -332,9 +345,8 @@ def test_a_file_for_another_world_size_is_refused_in_a_job(files):
             "except dg.PlanFileError as e:\n    print('REFUSED', e)\n"
             % (str(ROOT / "tests"), str(ROOT / "tests" / "mpi_scripts"),
                str(files["semi"][1])))
-    env = dict(ENV, PMI_SIZE="2", PMI_RANK="1")
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                          text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=dict(env(), PMI_SIZE="2", PMI_RANK="1"), timeout=120)
     assert "REFUSED" in proc.stdout, proc.stdout + proc.stderr
     assert "the plan was made for 4 processes; the job has 2" in proc.stdout
 
@@ -375,7 +387,7 @@ def _result(proc, tag="PLANFILE-RESULT"):
 @pytest.mark.slow
 @pytest.mark.mpi
 @pytest.mark.parametrize("kind", ["full", "semi"])
-def test_a_saved_plan_trains_on_four_ranks_as_serially(kind, float64, tmp_path):
+def test_a_saved_plan_trains_on_four_ranks_as_serially(kind, float64, tmp_path, job_trace):
     """Saved in one process (the searched plan through the API, the semi plan through
     ``distgraph plan --save``), loaded by 4 MPI ranks under ``distgraph run --plan``:
     the same plan (estimate, stages, micro-batches, program), no search, and training
@@ -401,3 +413,4 @@ def test_a_saved_plan_trains_on_four_ranks_as_serially(kind, float64, tmp_path):
     err = P.compare((got["losses"], params_got), (losses, params), "float64")
     assert err["steps"] == P.STEPS
     assert err["loss"] < P.TOLERANCE["float64"] and err["param"] < P.TOLERANCE["float64"], err
+    job_trace.assert_nothing_left(ran_mpi=True)

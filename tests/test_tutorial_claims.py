@@ -248,3 +248,35 @@ def test_each_command_of_tutorial_09_runs_and_the_loss_falls(command, tmp_path):
         acc.Reload()
         assert len(acc.Scalars("train/loss")) == int(re.search(r"in (\d+) steps",
                                                                 proc.stdout).group(1))
+
+
+@pytest.mark.slow
+@pytest.mark.mpi
+def test_tutorial_03_under_run_plan_says_which_file_runs_and_that_nothing_was_searched(
+        tmp_path, job_trace):
+    """Tutorial 03's plan saved by ``distgraph plan --save``, then run by ``distgraph run
+    --plan FILE``: rank 0 says once which file runs, with the step the file predicts, and
+    that nothing was searched; no search report follows (it once printed one that looked
+    like a fresh search), and the tutorial trains with the file's plan. Neither command
+    leaves a process or a file of its jobs."""
+    script = ROOT / "tutorials" / "03_auto_parallel.py"
+    plan = tmp_path / "t03.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "distgraph.cli", "plan", str(script), "-n",
+                           "4", "--save", str(plan)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, env=env)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    step = json.loads(plan.read_text())["result"]["step_time"]
+    proc = subprocess.run([sys.executable, "-m", "distgraph.cli", "run", "-n", "4", "--plan",
+                           str(plan), str(script), "--steps", "10"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300, env=env)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    said = [ln for ln in out.splitlines() if ln.startswith("distgraph: running the plan")]
+    assert said == [f"distgraph: running the plan in {plan} (4 processes, 1 stage, 1 "
+                    f"micro-batch, predicted step {step * 1e3:.3g} ms): read from the file, "
+                    "nothing searched"], out
+    for searched in ("search on ", "cluster local4", "hand-written plans"):
+        assert searched not in out, out
+    assert f"trained 10 steps on 4 ranks with the plan in {plan}: loss" in out, out
+    job_trace.assert_nothing_left(ran_mpi=True)

@@ -34,8 +34,10 @@ def test_a_rank_gone_without_a_word_stops_the_job_after_a_moment(folder, monkeyp
     watch = RankWatch(str(folder), 3, timeout=None)
     assert watch() is None                     # hydra may be ending the job itself
     time.sleep(0.25)
-    assert watch() == watch.reason == ("rank 2 exited with code 0 in step 5 without "
-                                       "finishing its script or reporting an error")
+    # the words of the report when hydra ends such a job itself: the same either way
+    assert watch() == watch.reason == ("rank 2 died without reporting an error (exited "
+                                       "with code 0 in step 5); the other ranks were "
+                                       "stopped after it")
 
 
 def test_a_failed_rank_gets_its_grace_to_abort_the_job_itself(folder, monkeypatch):

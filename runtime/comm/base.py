@@ -337,7 +337,7 @@ class Communicator(ABC):
                 raise RuntimeFault(f"rank {self.rank}: timed out after {self.timeout:g} s "
                                    f"waiting for {late}; this call is collective: call it "
                                    "on every rank of the group (check that every rank runs "
-                                   "the same plan)")
+                                   "the same plan)", timed_out=True)
             time.sleep(delay)
             delay = min(delay * 2 or 1e-5, 1e-3)
         return [r.value for r in requests]

@@ -106,7 +106,8 @@ class MPICommunicator(Communicator):
             if now > deadline:
                 self._cancel(receives)
                 raise RuntimeFault(self._gave_up(f"timed out after {self.timeout:g} s "
-                                                 f"waiting for {what}", peers, collective))
+                                                 f"waiting for {what}", peers, collective),
+                                   timed_out=True)
             if now - start < SPIN_SECONDS:
                 os.sched_yield()
                 continue

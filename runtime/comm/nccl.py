@@ -194,7 +194,7 @@ class NcclPath:
                 self.abort()
                 raise RuntimeFault(self.host._gave_up(
                     f"timed out after {self.timeout:g} s waiting for NCCL {what} "
-                    f"(NCCL communicators aborted)", peers, True))
+                    f"(NCCL communicators aborted)", peers, True), timed_out=True)
             if now - start < SPIN_SECONDS:
                 os.sched_yield()
             else:
@@ -357,7 +357,7 @@ class NcclPath:
                 self.abort()
                 raise RuntimeFault(self.host._gave_up(
                     f"timed out after {self.timeout:g} s waiting for {what} over NCCL "
-                    f"(NCCL communicators aborted)", peers, False))
+                    f"(NCCL communicators aborted)", peers, False), timed_out=True)
             time.sleep(1e-4)
 
     def _take_headers(self) -> None:

@@ -92,7 +92,7 @@ class SimulatedWorld:
                 raise RuntimeFault(f"rank {rank}: timed out after {timeout:g} s waiting for "
                                    f"{what()}; " + (fix or "a peer did not make the matching "
                                                     "call (check that every rank runs the "
-                                                    "same plan)"))
+                                                    "same plan)"), timed_out=True)
             self._cond.wait(remaining)
 
 

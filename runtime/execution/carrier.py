@@ -235,7 +235,7 @@ class Carrier:
                 last, idle_since = now, None
                 continue
             if now - last > self.timeout:
-                raise RuntimeFault(describe())
+                raise RuntimeFault(describe(), timed_out=True)
             if peers and now - check > PEER_CHECK_SECONDS:
                 check = now
                 seen = self.comm.finished_peers(peers, seen, what)

@@ -137,7 +137,8 @@ def install_abort_hook() -> None:
         # that failed too may end this process at any moment after
         write_status("failed", message)
         _report(exc_type, exc, tb, previous)
-        abort_job(message)
+        # after a wait past the timeout every peer has had that long to fail on its own
+        abort_job(message, peers_may_report=not getattr(exc, "timed_out", False))
 
     hook.distgraph_abort = True
     sys.excepthook = hook
@@ -153,14 +154,16 @@ def _running_world():
     return MPI.COMM_WORLD
 
 
-def abort_job(message: str, code: int = 1) -> None:
+def abort_job(message: str, code: int = 1, peers_may_report: bool = True) -> None:
     """After this rank's error is on record: abort the whole job with ``code``, once the
-    peers failing too have said so. Returns where MPI does not run (the process then
-    ends by itself, and the launcher stops the job)."""
+    peers failing too have said so (``peers_may_report``; False: at once). Returns where
+    MPI does not run (the process then ends by itself, and the launcher stops the
+    job)."""
     world = _running_world()
     if world is None or world.Get_size() == 1:
         return
-    let_peers_report(world.Get_rank(), world.Get_size())
+    if peers_may_report:
+        let_peers_report(world.Get_rank(), world.Get_size())
     logfile = log_path()
     if logfile is None:
         sys.stderr.write(f"distgraph: rank {world.Get_rank()} failed: {message}; "
@@ -173,7 +176,21 @@ def abort_job(message: str, code: int = 1) -> None:
         _let_output_out()
         fd = os.open(logfile, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         os.dup2(fd, 2)
+    _remove_job_files()
     world.Abort(code)
+
+
+def _remove_job_files() -> None:
+    """Before MPI_Abort: remove the files MPI made for the job on this host, which the
+    abort leaves behind (hydra kills every rank, so none reaches the MPI_Finalize that
+    removes the shared-memory segment, and its proxy, whose exit removes the topology
+    file). Under a plain mpiexec nobody else would: this rank, its parent (hydra's
+    proxy) and under the launcher its supervisor's parent hold them. The processes
+    that map them keep their memory; the job is ending."""
+    from distgraph.runtime.launch.hostside import held_by, parent_of, remove_files
+
+    parent = os.getppid()
+    remove_files(held_by("self") | held_by(parent) | held_by(parent_of(parent)))
 
 
 def _let_output_out(limit: float = 1.0) -> None:

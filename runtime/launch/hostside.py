@@ -28,7 +28,9 @@ exits. A rank killed before ``MPI_Finalize`` (a signal, ``MPI_Abort``, hydra end
 job after a peer died) or a proxy killed leaves them for good (2 MB of memory a job).
 They are known by what the job's own processes hold (:func:`held_by`): each rank lists
 its own and its proxy's into ``<rank>.files`` once MPI runs, and the launcher looks at
-the processes of the job it kills; only those paths are removed.
+the processes of the job it kills; only those paths are removed. A rank that aborts the
+job removes its host's itself first (under a plain ``mpiexec`` nobody else would:
+:func:`~distgraph.runtime.launch.bootstrap.abort_job`).
 
 Example (what the launcher runs, through ssh)::
 

@@ -31,8 +31,8 @@ keep their status files on their hosts.
 Example::
 
     watch = RankWatch(job.status_dir, nprocs, timeout=60)
-    watch()     # None, or "rank 2 exited with code 0 in step 3 without finishing its
-                # script or reporting an error"
+    watch()     # None, or "rank 2 died without reporting an error (exited with code 0
+                # in step 3); the other ranks were stopped after it"
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from __future__ import annotations
 import time
 
 from distgraph.runtime.launch.progress import moment
-from distgraph.runtime.launch.status import read_states
+from distgraph.runtime.launch.status import failure_lines, read_states
 
 SETTLE = 1.0          # seconds a rank's silent end stands before the job is stopped for it
 FAILED_GRACE = 5.0    # seconds a failed rank gets to end the job itself (PEER_GRACE + 2)
@@ -73,10 +73,9 @@ class RankWatch:
         """{(rule, rank): (seconds it must hold, a function making the reason)} of the
         rules that hold for rank state ``s``."""
         folder = self.status_dir
-        if s.silent:
-            return {("ended", s.rank): (SETTLE, lambda: (
-                f"rank {s.rank} {s.exit} {moment(folder, s.rank)} without finishing its "
-                "script or reporting an error"))}
+        if s.silent:       # in the words of the report of a job hydra ended for it
+            return {("ended", s.rank): (SETTLE, lambda: failure_lines(
+                [s], moments={s.rank: moment(folder, s.rank)})[0])}
         if s.failed is not None:
             first = (s.failed.strip().splitlines() or ["an error"])[0]
             return {("failed", s.rank): (FAILED_GRACE, lambda: (

@@ -319,8 +319,16 @@ CASES = {
     "slice_grad-bf16": ("slice_grad", lambda r: ([normal(r, 512, 1024, dtype=BF16)],
                                                  {"axes": (1,), "starts": (512,),
                                                   "ends": (1536,), "shape": (512, 2048)})),
+    "where-bf16": ("where", lambda r: ([r.random((1024, 1024)) < 0.5,
+                                        normal(r, 1024, 1024, dtype=BF16),
+                                        np.zeros((), BF16)], {})),
+    "one_hot-bf16": ("one_hot", lambda r: ([indices(r, 16384, high=64)],
+                                           {"n": 64, "dtype": "bfloat16"})),
     "embedding-bf16": ("embedding", lambda r: ([indices(r, 16, 512, high=1024),
                                                 normal(r, 1024, 128, dtype=BF16)], {})),
+    "embedding-bf16-vocab-shard": ("embedding", lambda r: (
+        [indices(r, 16, 512, high=2048), normal(r, 512, 128, dtype=BF16)],
+        {"vocab_start": 512, "vocab_size": 2048})),
     "embedding_grad-bf16": ("embedding_grad", lambda r: (
         [indices(r, 16, 256, high=1024), normal(r, 16, 256, 256, dtype=BF16)],
         {"vocab_size": 1024})),
@@ -350,6 +358,33 @@ def test_each_ops_workspace_in_its_other_forms(case):
     # the premise: a temporary the size of an operand or the results would show above
     # the slack
     assert max([results, declared] + [a.nbytes for a in args]) > 4 * SLACK
+
+
+def test_ops_taking_16bit_operands_equal_their_float32_computation():
+    """An op registered with ``takes_16bit`` gets its 16-bit operands as they are; its
+    results equal, bit for bit, the executor's rule for every other op (the operands
+    widened to float32, the kernel, the results rounded to their dtypes)."""
+    checked = set()
+    for case, (op_type, make) in sorted(CASES.items()):
+        args, attrs = make(np.random.default_rng(0))
+        entry = get_op(op_type)
+        outs = entry.infer(*[kind_of(a) for a in args], **attrs)
+        outs = [outs] if isinstance(outs, TensorType) else list(outs)
+        if not entry.takes_16bit or not any(t.dtype in dtypes.HALF_DTYPES
+                                            for t in [*map(kind_of, args), *outs]):
+            continue
+        instr = OpInstr(entry.kernel, op_type, "", (), (), attrs, (), {},
+                        out_dtypes=tuple(dtypes.numpy_dtype(t.dtype) for t in outs))
+        got = executor.call_kernel(instr, KernelContext(np), [a.copy() for a in args])
+        wide = [a.astype(np.float32) if a.dtype == BF16 else a.copy() for a in args]
+        want = entry.kernel(KernelContext(np), *wide, **attrs)
+        want = want if isinstance(want, tuple) else (want,)
+        for g, w, t in zip(got, want, outs):
+            assert g.dtype == dtypes.numpy_dtype(t.dtype), case
+            np.testing.assert_array_equal(g, np.asarray(w).astype(g.dtype), err_msg=case)
+        checked.add(op_type)
+    assert {"concat", "split", "transpose", "slice_grad", "cast", "where", "embedding",
+            "one_hot", "label_mask", "nonfinite_count", "mixed_adam_update"} <= checked
 
 
 def _mlp(p, f):

@@ -240,11 +240,12 @@ def _emb_grad_notation(in_shapes, attrs):
     return f"{batch},{batch}h->vh"
 
 
-@register_op("embedding", spmd=EinsumRule(_emb_notation))
+@register_op("embedding", spmd=EinsumRule(_emb_notation), takes_16bit=True)
 class Embedding:
     """out[..., :] = table[ids[...], :]; ``vocab_start`` lets a vocabulary shard look up
     only the ids it owns (others give zeros), which is how the split form works;
-    ``vocab_size`` is then the whole vocabulary, against which every shard checks the ids."""
+    ``vocab_size`` is then the whole vocabulary, against which every shard checks the ids.
+    A lookup moves rows: a 16-bit table is taken as it is."""
 
     def infer(ids, table, vocab_start=None, vocab_size=None):
         if ids.dtype not in dtypes.INT_DTYPES:

@@ -44,7 +44,11 @@ kernel allocates beyond its results while it runs, at its most (the temporaries 
 array expression, a scratch copy), for local TensorTypes ``ins`` and ``outs``: the
 memory model adds them to what is live at the op, so that the estimate is what the
 allocator hands out. tests/test_workspace.py measures every op's against the allocator
-(``tracemalloc``); :func:`op_workspace` reads it.
+(``tracemalloc``); :func:`op_workspace` reads it, adding what the runtime's float32
+computation of a 16-bit op allocates. ``takes_16bit=True`` says the kernel takes 16-bit
+operands as they are (it only moves values: reshape, concat, cast; or casts what it
+computes itself, as ``mixed_adam_update``): the runtime then runs it without float32
+copies.
 """
 
 from __future__ import annotations
@@ -55,7 +59,7 @@ from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
-from distgraph.dtypes import itemsize
+from distgraph.dtypes import HALF_DTYPES, itemsize
 from distgraph.errors import DistGraphError
 from distgraph.mesh import ProcessRanks
 from distgraph.placement import DistAttr
@@ -95,12 +99,14 @@ class OpDef:
     overlap: Callable | None = None
     saved: Callable | None = None
     workspace: Callable | None = None
+    takes_16bit: bool = False
 
 
 _REGISTRY: dict[str, OpDef] = {}
 
 
-def register_op(op_type: str, *, spmd, inplace=(), differentiable=True, donate=False):
+def register_op(op_type: str, *, spmd, inplace=(), differentiable=True, donate=False,
+                takes_16bit=False):
     """Class decorator that validates and registers one op entry."""
 
     def wrap(cls):
@@ -109,7 +115,8 @@ def register_op(op_type: str, *, spmd, inplace=(), differentiable=True, donate=F
                  grad=members.get("grad"), flops=members.get("flops"), inplace=inplace,
                  differentiable=differentiable, localize=members.get("localize"),
                  comm=members.get("comm"), donate=donate, overlap=members.get("overlap"),
-                 saved=members.get("saved"), workspace=members.get("workspace"))
+                 saved=members.get("saved"), workspace=members.get("workspace"),
+                 takes_16bit=takes_16bit)
         return cls
 
     return wrap
@@ -117,7 +124,7 @@ def register_op(op_type: str, *, spmd, inplace=(), differentiable=True, donate=F
 
 def register(op_type: str, *, spmd, infer, kernel, grad=None, flops=None, inplace=(),
              differentiable=True, localize=None, comm=None, donate=False,
-             overlap=None, saved=None, workspace=None) -> OpDef:
+             overlap=None, saved=None, workspace=None, takes_16bit=False) -> OpDef:
     """Validate and register one op entry from its parts (``register_op`` is the class
     form; :func:`distgraph.ops.common.register_rows` registers a table of them)."""
     if op_type in _REGISTRY:
@@ -135,7 +142,8 @@ def register(op_type: str, *, spmd, infer, kernel, grad=None, flops=None, inplac
                              f"distgraph.spmd.Rule")
     rule = OpRule(op_type, spmd, infer, comm)
     entry = OpDef(op_type, infer, kernel, grad, rule, flops or _zero_flops, tuple(inplace),
-                  differentiable, localize, comm, donate, overlap, saved, workspace)
+                  differentiable, localize, comm, donate, overlap, saved, workspace,
+                  bool(takes_16bit))
     _REGISTRY[op_type] = entry
     return entry
 
@@ -170,9 +178,40 @@ def op_work(op_type: str, ins, outs, attrs) -> float:
 
 def op_workspace(op_type: str, ins, outs, attrs) -> int:
     """Bytes op ``op_type``'s kernel allocates beyond its results while it runs, for local
-    TensorTypes ``ins`` and ``outs`` (its ``workspace`` hook; 0 without one)."""
-    hook = get_op(op_type).workspace
-    return 0 if hook is None else int(hook(ins, outs, **attrs))
+    TensorTypes ``ins`` and ``outs`` (its ``workspace`` hook; 0 without one).
+
+    An op with a 16-bit float operand or result that does not take them as they are
+    (``takes_16bit``) runs as the runtime's executor runs it
+    (``distgraph.runtime.execution.executor.call_kernel``, which this mirrors): float32
+    copies of its 16-bit operands, its kernel on them (its own workspace in float32), the
+    copies dropped, then its float32 results rounded to their 16-bit dtypes. So its
+    workspace is the larger of the kernel's peak (copies, float32 results, the kernel's
+    workspace) and the rounding's (float32 and 16-bit results, and the copies a result
+    was written into), less the 16-bit results it leaves.
+
+    Example: ``op_workspace("add", [bf16 [4096], bf16 [4096]], [bf16 [4096]], {})`` is
+    2 x 16 KiB of float32 copies + the 16 KiB float32 sum, less the 8 KiB bfloat16
+    result it leaves: 40 KiB.
+    """
+    entry = get_op(op_type)
+
+    def own(ins, outs) -> int:
+        return 0 if entry.workspace is None else int(entry.workspace(ins, outs, **attrs))
+
+    if entry.takes_16bit or not any(t.dtype in HALF_DTYPES for t in (*ins, *outs)):
+        return own(ins, outs)
+    wide = [TensorType(t.shape, "float32") if t.dtype in HALF_DTYPES else t
+            for t in (*ins, *outs)]
+    wide_ins, wide_outs = wide[:len(ins)], wide[len(ins):]
+    copies = {i: nbytes(w) for i, (t, w) in enumerate(zip(ins, wide_ins))
+              if t.dtype in HALF_DTYPES}
+    rounded = [j for j, t in enumerate(outs) if t.dtype in HALF_DTYPES]
+    into = dict(entry.inplace)          # result j written into operand i's (copy) buffer
+    fresh = sum(nbytes(wide_outs[j]) for j in rounded if j not in into)
+    held = sum(copies.get(into[j], 0) for j in rounded if j in into)
+    narrow = sum(nbytes(outs[j]) for j in rounded)
+    kernel = sum(copies.values()) + fresh + own(wide_ins, wide_outs)
+    return max(kernel, fresh + held + narrow) - narrow
 
 
 def op_flops(op) -> float:

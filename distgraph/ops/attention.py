@@ -40,7 +40,7 @@ from __future__ import annotations
 
 from distgraph import dtypes
 from distgraph.ops import context_parallel as cp
-from distgraph.ops.attention_blocks import attend, attend_grad, positions
+from distgraph.ops.attention_blocks import attend, attend_bytes, attend_grad, positions
 from distgraph.registry import ShapeError, TensorType, register_op
 from distgraph.ops.transformer import sequence_chunks
 from distgraph.trace import active_builder, emit
@@ -89,6 +89,16 @@ def _check(q, k, v, causal, sliding_window, sequence_chunks):
                          f"the sequence {q.shape[2]}")
 
 
+def _workspace(ins, attrs, grad: bool) -> int:
+    """The serial kernel's workspace (:func:`attend_bytes`): its largest block's scores
+    and products. The context-parallel forms (``sequence_parts`` > 1) are not counted."""
+    if attrs.get("sequence_parts", 1) > 1:
+        return 0
+    q, k = ins[0], ins[1]
+    return attend_bytes(q.shape, k.shape, dtypes.itemsize(q.dtype), attrs.get("causal", True),
+                        attrs.get("sliding_window"), attrs.get("sequence_chunks", 1), grad)
+
+
 @register_op("attention", spmd=cp.ContextRule("bhsD,bhsD,bhsD->bhsD,bhs"))
 class Attention:
     """S(b|h|s) x S(b|h|s) x S(b|h|s) -> S(b|h|s), S(b|h|s); a split s runs context
@@ -119,6 +129,9 @@ class Attention:
     comm = cp.comm
     overlap = cp.overlap
 
+    def workspace(ins, outs, **attrs):
+        return _workspace(ins, attrs, grad=False)
+
     def grad(op, dy, dlse=None):
         return emit("attention_grad", [*op.inputs, *op.outputs, dy], dict(op.attrs))
 
@@ -147,6 +160,9 @@ class AttentionGrad:
 
     localize = cp.localize
     overlap = cp.overlap
+
+    def workspace(ins, outs, **attrs):
+        return _workspace(ins, attrs, grad=True)
 
     def comm(site):
         return cp.comm(site, grad=True)

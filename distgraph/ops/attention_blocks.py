@@ -59,26 +59,34 @@ def block_forward(xp, q, k, v, scale, mask):
     return _forward(xp, q, k, v, scale, mask)
 
 
-def _masked(xp, s, mask):
-    """Scores ``s`` with the hidden keys at -inf. ``mask``: bool [queries, keys]; or
-    (start, bool [queries, keys - start]) when every query sees the keys before
-    ``start`` (only the diagonal part is masked); None: every key seen."""
+def _hide(xp, s, mask) -> None:
+    """Set the hidden keys of scores ``s`` to -inf, in place. ``mask``: bool [queries,
+    keys]; or (start, bool [queries, keys - start]) when every query sees the keys
+    before ``start`` (only the diagonal part is masked); None: every key seen."""
     if mask is None:
-        return s
+        return
     if isinstance(mask, tuple):
         start, sub = mask
-        s[..., start:] = xp.where(sub, s[..., start:], -xp.inf)
-        return s
-    return xp.where(mask, s, -xp.inf)
+        xp.copyto(s[..., start:], -xp.inf, where=~sub)
+    else:
+        xp.copyto(s, -xp.inf, where=~mask)
 
 
+# The blocks run in place on the scores' array (the probabilities, then in the backward
+# their gradient beside a second one): as array expressions they held three or four
+# arrays of the scores' size at once.
 def _forward(xp, q, k, v, scale, mask):
-    s = _masked(xp, (q @ k.swapaxes(-1, -2)) * q.dtype.type(scale), mask)
+    s = q @ k.swapaxes(-1, -2)
+    s *= q.dtype.type(scale)
+    _hide(xp, s, mask)
     top = xp.max(s, axis=-1, keepdims=True)
     safe = xp.where(xp.isfinite(top), top, 0)
-    p = xp.exp(s - safe)
+    del top
+    s -= safe
+    p = xp.exp(s, out=s)
     total = xp.sum(p, axis=-1, keepdims=True)
-    y = (p @ v) / xp.where(total > 0, total, 1)
+    y = p @ v
+    y /= xp.where(total > 0, total, 1)
     with_keys = total[..., 0] > 0
     lse = xp.where(with_keys, safe[..., 0] + xp.log(xp.where(with_keys, total[..., 0], 1)),
                    -xp.inf)
@@ -102,12 +110,17 @@ def block_backward(xp, q, k, v, y, lse, dy, scale, mask):
 
 def _backward(xp, q, k, v, y, lse, dy, scale, mask):
     sc = q.dtype.type(scale)
-    s = _masked(xp, (q @ k.swapaxes(-1, -2)) * sc, mask)
-    p = xp.exp(s - xp.where(xp.isfinite(lse), lse, 0)[..., None])
+    p = q @ k.swapaxes(-1, -2)
+    p *= sc
+    _hide(xp, p, mask)
+    p -= xp.where(xp.isfinite(lse), lse, 0)[..., None]
+    xp.exp(p, out=p)
     dv = p.swapaxes(-1, -2) @ dy
-    dp = dy @ v.swapaxes(-1, -2)
-    delta = xp.sum(dy * y, axis=-1, keepdims=True)
-    ds = p * (dp - delta) * sc
+    ds = dy @ v.swapaxes(-1, -2)
+    ds -= xp.expand_dims(xp.einsum("...i,...i->...", dy, y), -1)     # sum(dy y, -1)
+    ds *= p
+    del p
+    ds *= sc
     return ds @ k, ds.swapaxes(-1, -2) @ q, dv
 
 
@@ -207,3 +220,43 @@ def attend_grad(xp, q, k, v, y, lse, dy, scale, pq, pk, causal: bool, window,
         dk[..., keys, :] += dkb
         dv[..., keys, :] += dvb
     return dq, dk, dv
+
+
+def _block_bytes(b, h, hk, r, n, d, item, grad: bool, causal: bool) -> int:
+    """What one block of ``r`` queries against ``n`` keys allocates beyond its results
+    (:func:`_forward`, :func:`_backward`, their grouped-query sums): the scores (and
+    their gradient), the products of the block, the mask, row statistics."""
+    scores, stats, mask = b * h * r * n * item, b * h * r * item, r * n * causal
+    rows_out, keys_out = b * h * r * d * item, b * h * n * d * item
+    if not grad:
+        return mask + scores + rows_out + 6 * stats
+    grouped_sums = 2 * keys_out * (1 + hk / h) + rows_out if hk < h else 0
+    return mask + max(2 * scores + keys_out + 2 * stats, scores + 2 * keys_out + rows_out,
+                      grouped_sums)
+
+
+def attend_bytes(q_shape, k_shape, item: int, causal: bool, window, chunks: int = 1,
+                 grad: bool = False, rows: int = ROWS) -> int:
+    """Bytes :func:`attend` (``grad``: :func:`attend_grad`) allocates beyond its results
+    for q ``[b, h, s, d]`` and k, v ``[b, hk, s, d]`` of ``item`` bytes an element: its
+    largest block's (the scores of ``rows`` queries against the keys they see, their
+    products, mask and row statistics); stored in the balanced order of ``chunks`` > 1
+    also the operands' copies in sequence order.
+
+    Example: ``attend_bytes((8, 8, 128, 32), (8, 4, 128, 32), 4, True, None)`` is about
+    the [8, 8, 128, 128] float32 scores (4 MiB) and one [8, 8, 128, 32] product (1 MiB).
+    """
+    b, h, s, d = q_shape
+    hk = k_shape[1]
+    worst = 0
+    for start in range(0, s, rows):
+        r = min(rows, s - start)
+        first = 0 if window is None else max(0, start - window + 1)
+        n = start + r - first if causal else k_shape[2]
+        worst = max(worst, _block_bytes(b, h, hk, r, n, d, item, grad, causal))
+    if chunks <= 1:
+        return int(worst)
+    q_bytes, k_bytes, lse_bytes = b * h * s * d * item, b * hk * s * d * item, b * h * s * item
+    if grad:        # q, y, dy, k, v, lse in sequence order; the gradients back
+        return int(max(3 * q_bytes + 2 * k_bytes + lse_bytes + worst, q_bytes + 2 * k_bytes))
+    return int(max(q_bytes + 2 * k_bytes + worst, q_bytes + lse_bytes))

@@ -56,6 +56,30 @@ def results_times(k: float):
     return lambda ins, outs, **attrs: k * nbytes(outs[0])
 
 
+# Elements per buffer of numpy's ufunc loops that cast (np.getbufsize()): a buffer per
+# operand; CuPy's kernels cast in registers.
+BUFFER = 8192
+
+
+def ufunc_buffers(*itemsizes) -> int:
+    """Bytes of numpy's buffers for a casting ufunc of operands of ``itemsizes``."""
+    return BUFFER * sum(itemsizes)
+
+
+def reduced_bytes(t: TensorType, axis: int = -1) -> int:
+    """Bytes of ``t`` reduced over ``axis`` (a row statistic: a max, a sum, a norm)."""
+    return nbytes(t) // max(t.shape[axis], 1) if t.shape else nbytes(t)
+
+
+def dot_along(xp, a, b, axis: int = -1):
+    """``sum(a * b, axis, keepdims=True)`` of same-shape ``a`` and ``b`` as one einsum,
+    without the product's array (a kernel's workspace)."""
+    letters = "abcdefghijklmnopqrstuvwxyz"[:a.ndim]
+    axis %= a.ndim
+    out = letters[:axis] + letters[axis + 1:]
+    return xp.expand_dims(xp.einsum(f"{letters},{letters}->{out}", a, b), axis)
+
+
 def broadcast_shapes(*shapes) -> tuple:
     rank = max(len(s) for s in shapes)
     out = []

@@ -19,11 +19,12 @@ import numpy as np
 from distgraph import dtypes
 from distgraph.ops.common import (Row, as_tensor_pair, broadcast_infer, elementwise_flops,
                                   reduce_to_shape, register_rows)
-from distgraph.registry import ShapeError, TensorType, register_op
+from distgraph.registry import ShapeError, TensorType, nbytes, register_op, size
 from distgraph.spmd import EinsumRule, elementwise_rule
 from distgraph.trace import emit, emit1
 
 GELU_C = math.sqrt(2.0 / math.pi)
+DRAW = 1 << 16         # dropout's numbers drawn at a time (float64: 512 KiB)
 
 
 # -- arithmetic --------------------------------------------------------------------------------
@@ -195,14 +196,27 @@ UNARY = (
 )
 register_rows(UNARY, infer=same, spmd=elementwise_rule())
 
+def _of_x(ins, outs):
+    """The workspace of a gradient of an activation of x: one array of x's shape (th, s)."""
+    return nbytes(ins[0])
+
+
+def _tanh_grad(ctx, y, dy):
+    """dy (1 - y^2)."""
+    out = ctx.xp.multiply(y, y, out=_result(ctx, y, dy))
+    ctx.xp.subtract(1, out, out=out)
+    out *= dy
+    return out
+
+
 # Row(name, kernel(ctx, y or x, dy) -> dx, flops per element); rule S(i) x S(i) -> S(i).
 GRADS = (
-    Row("tanh_grad", lambda ctx, y, dy: dy * (1 - y * y), flops=3),      # dy (1 - y^2)
+    Row("tanh_grad", _tanh_grad, flops=3),                               # dy (1 - y^2)
     Row("relu_grad", lambda ctx, y, dy: ctx.xp.multiply(dy, y > 0, out=ctx.out),
-        donate=True),                                                    # dy where y > 0
-    Row("gelu_grad", _gelu_grad, flops=14, workspace=1,
+        donate=True, workspace=lambda ins, outs: size(ins[0])),        # dy where y > 0
+    Row("gelu_grad", _gelu_grad, flops=14, workspace=_of_x,
         infer=lambda x, dy: broadcast_infer(x, dy)),                     # reads x, not y
-    Row("silu_grad", _silu_grad, flops=8, workspace=1,
+    Row("silu_grad", _silu_grad, flops=8, workspace=_of_x,
         infer=lambda x, dy: broadcast_infer(x, dy)),                     # reads x, not y
 )
 register_rows(GRADS, infer=grad_infer, spmd=elementwise_rule(), differentiable=False)
@@ -213,7 +227,7 @@ register_rows(GRADS, infer=grad_infer, spmd=elementwise_rule(), differentiable=F
 # under amp a gradient's 16-bit parts, pending over the data-parallel dims, are cast to
 # float32 and accumulated as they come, and reduced once a step, as Megatron's float32
 # gradient buffers are (``S(0) P x -> S(0) P``).
-@register_op("cast", spmd=elementwise_rule(linear=True))
+@register_op("cast", spmd=elementwise_rule(linear=True), takes_16bit=True)
 class Cast:
     def infer(x, dtype):
         return TensorType(x.shape, dtypes.canonical(dtype))
@@ -228,7 +242,7 @@ class Cast:
 
 # -- constants, where, masks --------------------------------------------------------------------
 @register_op("full", spmd=EinsumRule(lambda shapes, attrs: "->" + "1" * len(attrs["shape"])),
-             differentiable=False)
+             differentiable=False, takes_16bit=True)
 class Full:
     """A constant tensor (replicated: its dims are never split)."""
 
@@ -239,9 +253,10 @@ class Full:
         return ctx.xp.full(shape, value, dtype=dtype)
 
 
-@register_op("where", spmd=elementwise_rule())
+@register_op("where", spmd=elementwise_rule(), takes_16bit=True)
 class Where:
-    """``cond ? x : y`` with broadcasting; ``cond`` is bool."""
+    """``cond ? x : y`` with broadcasting; ``cond`` is bool (a choice, exact in any
+    dtype: 16-bit operands are taken as they are)."""
 
     flops = elementwise_flops(1)
 
@@ -272,10 +287,14 @@ class CausalMask:
         return TensorType((size, size), "bool")
 
     def kernel(ctx, size, window=None):
-        mask = ctx.xp.tril(ctx.xp.ones((size, size), dtype=bool))
+        mask = ctx.xp.tri(size, size, 0, dtype=bool)
         if window is not None and window < size:
-            mask &= ~ctx.xp.tril(ctx.xp.ones((size, size), dtype=bool), -window)
+            # the keys a window hides, j <= i - window, are a part of those j <= i
+            ctx.xp.logical_xor(mask, ctx.xp.tri(size, size, -window, dtype=bool), out=mask)
         return mask
+
+    def workspace(ins, outs, size, window=None):
+        return size * size if window is not None and window < size else 0
 
 
 @register_op("dropout", spmd=elementwise_rule(n_out=2))
@@ -291,11 +310,25 @@ class Dropout:
     def kernel(ctx, x, p, seed):
         shape = ctx.out_global_shape or x.shape
         rng = np.random.Generator(np.random.Philox(key=seed, counter=ctx.step))
-        keep = rng.random(shape) >= p
-        if ctx.out_slices is not None:
-            keep = keep[ctx.out_slices]
+        # drawn DRAW numbers at a time (the stream's same numbers as drawn at once)
+        keep = np.empty(shape, dtype=bool)
+        flat = keep.reshape(-1)
+        for start in range(0, flat.size, DRAW):
+            stop = min(start + DRAW, flat.size)
+            np.greater_equal(rng.random(stop - start), p, out=flat[start:stop])
+        if ctx.out_slices is not None and keep.shape != x.shape:
+            keep = np.ascontiguousarray(keep[ctx.out_slices])
         keep = ctx.xp.asarray(keep)
-        return x * keep * x.dtype.type(1.0 / (1.0 - p)), keep
+        out = ctx.xp.multiply(x, keep, out=ctx.xp.empty_like(x))
+        out *= x.dtype.type(1.0 / (1.0 - p))
+        return out, keep
+
+    def workspace(ins, outs, p, seed):
+        # a block of draws (float64), before the result is made; a process that keeps a
+        # slice of the mask (a split tensor, a micro-batch) also draws the whole mask (a
+        # byte an element of the global tensor), which its local types do not say and
+        # this leaves out
+        return max(8 * min(size(ins[0]), DRAW) - nbytes(outs[0]), 0)
 
     def localize(attrs, site):
         return attrs, {"out_global_shape": tuple(site.out_shapes[0]),
@@ -313,7 +346,9 @@ class DropoutGrad:
         return dy
 
     def kernel(ctx, keep, dy, p):
-        return dy * keep * dy.dtype.type(1.0 / (1.0 - p))
+        out = ctx.xp.multiply(dy, keep, out=ctx.xp.empty_like(dy))
+        out *= dy.dtype.type(1.0 / (1.0 - p))
+        return out
 
 
 # -- functional API -----------------------------------------------------------------------------

@@ -20,7 +20,7 @@ Example::
 from __future__ import annotations
 
 from distgraph import dtypes
-from distgraph.ops.common import Row, register_rows
+from distgraph.ops.common import Row, dot_along, reduced_bytes, register_rows
 from distgraph.registry import DTypeError, ShapeError
 from distgraph.spmd import EinsumRule
 from distgraph.spmd.einsum import LETTERS
@@ -49,20 +49,35 @@ def _grad_infer(y, dy, scale=1.0):
     return y
 
 
+# In place on the result (the mask applied with copyto, exp after the subtraction): as
+# array expressions they allocated four arrays of the scores' size.
 def _kernel(ctx, x, scale=1.0, causal=True):
     xp = ctx.xp
-    z = x * xp.asarray(scale, dtype=x.dtype)
+    z = xp.multiply(x, xp.asarray(scale, dtype=x.dtype), out=xp.empty_like(x))
     if causal:
         sq, sk = x.shape[-2:]
-        keep = xp.tril(xp.ones((sq, sk), dtype=bool), k=sk - sq)
-        z = xp.where(keep, z, xp.asarray(-xp.inf, dtype=x.dtype))
-    e = xp.exp(z - xp.max(z, axis=-1, keepdims=True))
-    return e / xp.sum(e, axis=-1, keepdims=True)
+        hidden = xp.tri(sq, sk, sk - sq, dtype=bool)
+        xp.logical_not(hidden, out=hidden)
+        xp.copyto(z, xp.asarray(-xp.inf, dtype=x.dtype), where=hidden)
+        del hidden
+    z -= xp.max(z, axis=-1, keepdims=True)
+    xp.exp(z, out=z)
+    z /= xp.sum(z, axis=-1, keepdims=True)
+    return z
+
+
+def _workspace(ins, outs, scale=1.0, causal=True):
+    # the mask, or a row statistic
+    x = outs[0]
+    return max(x.shape[-2] * x.shape[-1] if causal else 0, reduced_bytes(x))
 
 
 def _grad_kernel(ctx, y, dy, scale=1.0):
     xp = ctx.xp
-    return xp.asarray(scale, dtype=y.dtype) * y * (dy - xp.sum(dy * y, axis=-1, keepdims=True))
+    out = xp.subtract(dy, dot_along(xp, dy, y), out=xp.empty_like(y))
+    out *= y
+    out *= xp.asarray(scale, dtype=y.dtype)
+    return out
 
 
 def _grad(op, dz):
@@ -71,9 +86,10 @@ def _grad(op, dz):
 
 
 # Row(name, kernel, grad, flops per element): scale 1, mask 1, softmax 5; gradient 5.
-register_rows((Row("scaled_masked_softmax", _kernel, _grad, flops=7),),
+register_rows((Row("scaled_masked_softmax", _kernel, _grad, flops=7, workspace=_workspace),),
               infer=_infer, spmd=EinsumRule(_notation(1), reads=()))
-register_rows((Row("scaled_masked_softmax_grad", _grad_kernel, flops=5),),
+register_rows((Row("scaled_masked_softmax_grad", _grad_kernel, flops=5,
+                   workspace=lambda ins, outs, scale=1.0: reduced_bytes(outs[0])),),
               infer=_grad_infer, spmd=EinsumRule(_notation(2), reads=()), differentiable=False)
 
 

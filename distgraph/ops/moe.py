@@ -59,8 +59,8 @@ import math
 
 from distgraph import dtypes
 from distgraph.ops import moe_dispatch
-from distgraph.ops.common import elementwise_flops
-from distgraph.registry import DTypeError, ShapeError, TensorType, register_op
+from distgraph.ops.common import elementwise_flops, ufunc_buffers
+from distgraph.registry import DTypeError, ShapeError, TensorType, nbytes, register_op, size
 from distgraph.spmd import LETTERS, EinsumRule
 from distgraph.spmd.experts import ExpertRule
 from distgraph.trace import emit, emit1
@@ -96,6 +96,12 @@ class TopK:
         ids = xp.argsort(-x, axis=-1, kind="stable")[..., :k]
         return xp.take_along_axis(x, ids, axis=-1), ids.astype("int64")
 
+    def workspace(ins, outs, k):
+        # -x and the whole order (int64), of which the first k are kept (the results are
+        # made after -x is dropped)
+        order = size(ins[0]) * INDEX
+        return max(nbytes(ins[0]) + order - sum(nbytes(t) for t in outs), order)
+
     def grad(op, dvalues, dids=None):
         return [emit1("top_k_grad", [dvalues, op.outputs[1]], {"n": op.inputs[0].shape[-1]})]
 
@@ -116,12 +122,17 @@ class TopKGrad:
         ctx.xp.put_along_axis(out, ids, dvalues, axis=-1)
         return out
 
+    def workspace(ins, outs, n):
+        # put_along_axis's row index (int64) and numpy's per-row scratch of the setting
+        return size(outs[0]) // max(n, 1) * (INDEX + 4)
+
 
 @register_op("one_hot", differentiable=False, spmd=EinsumRule(
     lambda s, a: f"{LETTERS[:len(s[0])]}->{LETTERS[:len(s[0])]}N",
-    out_shapes=lambda s, a: [tuple(s[0]) + (a["n"],)]))
+    out_shapes=lambda s, a: [tuple(s[0]) + (a["n"],)]), takes_16bit=True)
 class OneHot:
-    """S(b) -> S(b): the new last dim is never split."""
+    """S(b) -> S(b): the new last dim is never split. Written in its ``dtype`` (a
+    16-bit one too) without a bool array first."""
 
     flops = elementwise_flops(1)
 
@@ -131,7 +142,12 @@ class OneHot:
         return TensorType(tuple(ids.shape) + (int(n),), dtypes.canonical(dtype))
 
     def kernel(ctx, ids, n, dtype="float32"):
-        return (ids[..., None] == ctx.xp.arange(n)).astype(dtype)
+        xp = ctx.xp
+        return xp.equal(ids[..., None], xp.arange(n), out=xp.empty(ids.shape + (n,), dtype))
+
+    def workspace(ins, outs, n, dtype="float32"):
+        # the comparison's results cast into the result a buffer at a time (numpy)
+        return ufunc_buffers(INDEX, INDEX, 1)
 
 
 # -- moe_ffn ------------------------------------------------------------------------------------
@@ -176,20 +192,72 @@ def kept_bytes(attrs, ctx, ins) -> float:
     :func:`distgraph.ops.moe_dispatch.kept_bytes`."""
     if ctx.get("group") is not None:
         return moe_dispatch.kept_bytes(attrs, len(ctx["group"]), ins)
-    b, s, d = ins[0].shape
-    k = ins[1].shape[2]
-    local, _, inner = ins[3].shape
+    d, inner = ins[3].shape[1:]
+    return _local_pairs(attrs, ins) * ((2 * d + 2 * inner) * dtypes.itemsize(ins[0].dtype)
+                                       + 2 * INDEX)
+
+
+def _local_pairs(attrs, ins) -> float:
+    """The assignments this process's experts run at the expected load (a balanced
+    routing's share)."""
+    b, s, k = ins[1].shape
+    local = ins[3].shape[0]
     experts = attrs.get("num_experts") or local
     capacity = attrs.get("capacity")
     per_seq = s * k if capacity is None else min(s * k, experts * capacity)
-    pairs = b * per_seq * local / experts            # a balanced routing's share
-    return pairs * ((2 * d + 2 * inner) * dtypes.itemsize(ins[0].dtype) + 2 * INDEX)
+    return b * per_seq * local / experts
 
 
-def _silu_parts(xp, g):
+ROWS = 512      # an expert's tokens computed at once: its temporaries have this many rows
+
+
+def workspace_bytes(attrs, ins, grad: bool) -> int:
+    """Bytes moe_ffn's serial kernel (``grad``: moe_ffn_grad's) allocates beyond its
+    results at the expected load: its routes (two int64 per assignment, beside the
+    one-hot choices that find them), and one block of an expert's tokens (ROWS, or an
+    expert's expected share if fewer): the rows, the pre-activations and their products
+    (and, for the gradient, the block's recomputed forward and a weight's gradient of
+    one block). Where the runtime keeps the forward's arrays (``ctx.saved``, priced by
+    :func:`kept_bytes`) the gradient recomputes none: one block is then counted twice, a
+    bound. The all-to-all form's exchange buffers are not counted here."""
+    b, s, k = ins[1].shape
+    local, d, inner = ins[3].shape
+    item = dtypes.itemsize(ins[0].dtype)
+    pairs = _local_pairs(attrs, ins)
+    choices = b * s * k * local * (1 if attrs.get("capacity") is None else 10)
+    n = min(ROWS, pairs / local) if local else 0
+    if grad:
+        block = n * item * (2 * d + 2 * inner + max(d + 3 * inner, 3 * d + 2 * inner)) + \
+            d * inner * item
+    else:
+        block = n * item * (2 * d + 2 * inner + max(inner, 2 * d))
+    return int(2 * INDEX * pairs + max(choices, block + n * item))
+
+
+def _swiglu(xp, g, u):
+    """silu(g) u in one new array (sigmoid as ops.silu computes it)."""
     half = g.dtype.type(0.5)
-    s = half + half * xp.tanh(half * g)             # sigmoid, as ops.silu computes it
-    return g * s, s
+    h = xp.multiply(g, half, out=xp.empty_like(g))
+    xp.tanh(h, out=h)
+    h *= half
+    h += half
+    h *= g
+    h *= u
+    return h
+
+
+def _expert(xp, xf, rows, gate, up, down):
+    """One expert's forward on rows ``rows`` of ``xf``: (xs, g, u, out)."""
+    xs = xf[rows]
+    g, u = xs @ gate, xs @ up
+    return xs, g, u, _swiglu(xp, g, u) @ down
+
+
+def _blocks(routes, rows: int = ROWS):
+    """The routes' assignments in blocks of at most ``rows`` tokens of one expert."""
+    for e, tokens, slots in routes:
+        for start in range(0, tokens.size, rows):
+            yield e, tokens[start:start + rows], slots[start:start + rows]
 
 
 def _routes(xp, ids, capacity, start, count):
@@ -254,17 +322,20 @@ class MoeFFN:
         b, s, d = x.shape
         xf, wf = x.reshape(b * s, d), weights.reshape(b * s, -1)
         y = xp.zeros_like(xf)
-        kept = []
-        for e, rows, slots in _routes(xp, ids, capacity, expert_start or 0, gate.shape[0]):
-            xs = xf[rows]
-            g, u = xs @ gate[e], xs @ up[e]
-            act, _ = _silu_parts(xp, g)
-            out = (act * u) @ down[e]
+        kept = [] if ctx.saved is not None else None
+        for e, rows, slots in _blocks(_routes(xp, ids, capacity, expert_start or 0,
+                                              gate.shape[0])):
+            xs, g, u, out = _expert(xp, xf, rows, gate[e], up[e], down[e])
             y[rows] += out * wf[rows, slots][:, None]
-            kept.append((e, rows, slots, xs, g, u, out))
-        if ctx.saved is not None:
+            if kept is not None:
+                kept.append((e, rows, slots, xs, g, u, out))
+            del xs, g, u, out
+        if kept is not None:
             ctx.saved["moe_ffn"] = ((x, ids, weights, gate, up, down), kept)
         return y.reshape(x.shape)
+
+    def workspace(ins, outs, **attrs):
+        return workspace_bytes(attrs, ins, grad=False)
 
     localize = moe_dispatch.localize
     comm = moe_dispatch.comm
@@ -302,20 +373,20 @@ class MoeFFNGrad:
         xf, wf, dyf = x.reshape(b * s, d), weights.reshape(b * s, -1), dy.reshape(b * s, d)
         dx, dw = xp.zeros_like(xf), xp.zeros_like(wf)
         grads = [xp.zeros_like(w) for w in (gate, up, down)]
+        scratch = xp.empty(gate[0].size, dtype=gate.dtype)      # a block's weight gradient
         for e, rows, slots, xs, g, u, out in _kept_or_recomputed(
                 ctx, (x, ids, weights, gate, up, down), capacity, expert_start):
-            dys = dyf[rows]
-            act, sig = _silu_parts(xp, g)
-            h = act * u
-            dw[rows, slots] = xp.sum(out * dys, axis=-1)
-            do = dys * wf[rows, slots][:, None]
-            grads[2][e] = h.T @ do
-            dh = do @ down[e].T
-            du = dh * act
-            dg = dh * u * sig * (1 + g * (1 - sig))
-            grads[0][e], grads[1][e] = xs.T @ dg, xs.T @ du
-            dx[rows] += dg @ gate[e].T + du @ up[e].T
+            do = dyf[rows]
+            dw[rows, slots] = xp.einsum("nd,nd->n", out, do)
+            do *= wf[rows, slots][:, None]
+            back = _expert_backward(xp, xs, g, u, do, (gate[e], up[e], down[e]),
+                                    [w[e] for w in grads], scratch)
+            dx[rows] += back            # (dx[rows] gathered after, not during, the block)
+            del xs, g, u, out, do, back
         return (dx.reshape(x.shape), dw.reshape(weights.shape), *grads)
+
+    def workspace(ins, outs, **attrs):
+        return workspace_bytes(attrs, ins, grad=True)
 
     localize = moe_dispatch.localize
 
@@ -323,22 +394,55 @@ class MoeFFNGrad:
         return moe_dispatch.comm(site, grad=True)
 
 
+def _add_product(xp, a, b, into, scratch) -> None:
+    """``into += a @ b`` by way of ``scratch`` (the product of one block of rows)."""
+    into += xp.matmul(a, b, out=scratch[:into.size].reshape(into.shape))
+
+
+def _expert_backward(xp, xs, g, u, do, weights, grads, scratch):
+    """One block's SwiGLU backward from its pre-activations ``g``, ``u`` and the
+    gradient ``do`` of its weighted output: adds to the expert's weight gradients
+    ``grads`` (gate, up, down) and returns the rows' dx, beside three arrays of the
+    block's pre-activations' size."""
+    gate, up, down = weights
+    half = g.dtype.type(0.5)
+    sig = xp.multiply(g, half, out=xp.empty_like(g))       # sigmoid, as ops.silu
+    xp.tanh(sig, out=sig)
+    sig *= half
+    sig += half
+    act = xp.multiply(g, sig, out=xp.empty_like(g))
+    h = xp.multiply(act, u, out=xp.empty_like(g))
+    _add_product(xp, h.T, do, grads[2], scratch)
+    del h
+    dg = do @ down.T                                        # dh
+    du = xp.multiply(dg, act, out=act)
+    dg *= u                                                 # dh u sig (1 + g (1 - sig))
+    dg *= sig
+    xp.subtract(1, sig, out=sig)
+    sig *= g
+    sig += 1
+    dg *= sig
+    del sig
+    _add_product(xp, xs.T, dg, grads[0], scratch)
+    _add_product(xp, xs.T, du, grads[1], scratch)
+    dx = dg @ gate.T
+    dx += du @ up.T
+    return dx
+
+
 def _kept_or_recomputed(ctx, operands, capacity, expert_start):
-    """moe_ffn's forward per expert, ``(e, rows, slots, xs, g, u, out)``: as its kernel
-    kept it in ``ctx.saved`` for these very operands, else recomputed."""
+    """moe_ffn's forward by blocks, ``(e, rows, slots, xs, g, u, out)``: as its kernel
+    kept it in ``ctx.saved`` for these very operands, else recomputed a block at a time."""
     xp = ctx.xp
     x, ids, _, gate, up, down = operands
     kept = ctx.saved.pop("moe_ffn", None) if ctx.saved is not None else None
     if kept is not None and all(a is b for a, b in zip(kept[0], operands)):
-        return kept[1]
+        yield from kept[1]
+        return
     xf = x.reshape(-1, x.shape[-1])
-    out = []
-    for e, rows, slots in _routes(xp, ids, capacity, expert_start or 0, gate.shape[0]):
-        xs = xf[rows]
-        g, u = xs @ gate[e], xs @ up[e]
-        act, _ = _silu_parts(xp, g)
-        out.append((e, rows, slots, xs, g, u, (act * u) @ down[e]))
-    return out
+    for e, rows, slots in _blocks(_routes(xp, ids, capacity, expert_start or 0,
+                                          gate.shape[0])):
+        yield (e, rows, slots, *_expert(xp, xf, rows, gate[e], up[e], down[e]))
 
 
 # -- functional API -----------------------------------------------------------------------------

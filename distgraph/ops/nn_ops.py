@@ -19,15 +19,17 @@ from __future__ import annotations
 
 from distgraph import dtypes
 from distgraph.errors import DistGraphError
-from distgraph.ops.common import Row, elementwise_flops, normalize_axes, register_rows
+from distgraph.ops.common import (Row, dot_along, elementwise_flops, normalize_axes,
+                                  reduced_bytes, register_rows)
 from distgraph.ops.elementwise import divide, multiply, subtract
 from distgraph.ops.reduce import mean as reduce_mean
 from distgraph.ops.reduce import sum as reduce_sum
-from distgraph.registry import DTypeError, ShapeError, TensorType, register_op
+from distgraph.registry import DTypeError, ShapeError, TensorType, nbytes, register_op, size
 from distgraph.spmd import LETTERS, EinsumRule, axis_rule, elementwise_rule
 from distgraph.trace import emit, emit1
 
 IGNORE_INDEX = -100
+INDEX = 8          # bytes of the int64 indices the kernels make (numpy's and cupy's intp)
 
 
 class OutOfRange(DistGraphError):
@@ -77,17 +79,50 @@ def _softmax_grad_infer(y, dy, axis=-1):
     return y
 
 
+# The softmax family's kernels run in place on their result (exp after the subtraction,
+# on the same array; a product summed over the axis as one einsum): as array expressions
+# they allocated one or two more arrays of the result's size. log_softmax keeps one: the
+# exponentials it sums.
+def _shifted(xp, x, axis):
+    """``x - max(x, axis)`` in a new array."""
+    return xp.subtract(x, xp.max(x, axis=axis, keepdims=True), out=xp.empty_like(x))
+
+
 def _softmax(ctx, x, axis=-1):
     xp = ctx.xp
-    e = xp.exp(x - xp.max(x, axis=axis, keepdims=True))
+    e = _shifted(xp, x, axis)
+    xp.exp(e, out=e)
     e /= xp.sum(e, axis=axis, keepdims=True)
     return e
 
 
 def _log_softmax(ctx, x, axis=-1):
     xp = ctx.xp
-    shifted = x - xp.max(x, axis=axis, keepdims=True)
-    return shifted - xp.log(xp.sum(xp.exp(shifted), axis=axis, keepdims=True))
+    out = _shifted(xp, x, axis)
+    out -= xp.log(xp.sum(xp.exp(out), axis=axis, keepdims=True))
+    return out
+
+
+def _softmax_grad(ctx, y, dy, axis=-1):
+    """dx = y (dy - sum(dy y, axis))."""
+    out = ctx.xp.subtract(dy, dot_along(ctx.xp, dy, y, axis), out=ctx.xp.empty_like(y))
+    out *= y
+    return out
+
+
+def _log_softmax_grad(ctx, y, dy, axis=-1):
+    """dx = dy - exp(y) sum(dy, axis)."""
+    xp = ctx.xp
+    out = xp.exp(y)
+    out *= xp.sum(dy, axis=axis, keepdims=True)
+    return xp.subtract(dy, out, out=out)
+
+
+def _rows(n: float):
+    """A softmax-family ``workspace``: ``n`` arrays of the result plus a row statistic."""
+    def workspace(ins, outs, axis=-1):
+        return n * nbytes(outs[0]) + reduced_bytes(outs[0], axis)
+    return workspace
 
 
 def _grad_by(grad_type):
@@ -100,21 +135,18 @@ def _grad_by(grad_type):
 # Row(name, kernel, grad, flops per element, infer); "abC->abC" for axis=-1:
 # S(0) -> S(0), the softmax axis is never split.
 SOFTMAX = (
-    Row("softmax", _softmax, _grad_by("softmax_grad"), flops=5, infer=_float_only("softmax")),
+    Row("softmax", _softmax, _grad_by("softmax_grad"), flops=5, infer=_float_only("softmax"),
+        workspace=_rows(0)),
     Row("log_softmax", _log_softmax, _grad_by("log_softmax_grad"), flops=5,
-        infer=_float_only("log_softmax")),
+        infer=_float_only("log_softmax"), workspace=_rows(1)),
 )
 register_rows(SOFTMAX, spmd=axis_rule())
 
 # Row(name, kernel(ctx, y, dy, axis) -> dx, flops per element); "abC,abC->abC" for axis=-1:
 # S(0) x S(0) -> S(0).
 SOFTMAX_GRADS = (
-    Row("softmax_grad",          # dx = y * (dy - sum(dy * y, axis))
-        lambda ctx, y, dy, axis=-1: y * (dy - ctx.xp.sum(dy * y, axis=axis, keepdims=True)),
-        flops=4),
-    Row("log_softmax_grad",      # dx = dy - exp(y) * sum(dy, axis)
-        lambda ctx, y, dy, axis=-1: dy - ctx.xp.exp(y) * ctx.xp.sum(dy, axis=axis, keepdims=True),
-        flops=4),
+    Row("softmax_grad", _softmax_grad, flops=4, workspace=_rows(0)),
+    Row("log_softmax_grad", _log_softmax_grad, flops=4, workspace=_rows(0)),
 )
 register_rows(SOFTMAX_GRADS, infer=_softmax_grad_infer, spmd=axis_rule(n_in=2),
               differentiable=False)
@@ -148,11 +180,19 @@ class LayerNorm:
         return x, stat, stat
 
     def kernel(ctx, x, w, b, epsilon=1e-5):
+        # in place on the result: x - mean, its squares summed as an einsum
         xp = ctx.xp
         mean = xp.mean(x, axis=-1)
-        xc = x - mean[..., None]
-        rstd = 1.0 / xp.sqrt(xp.mean(xc * xc, axis=-1) + x.dtype.type(epsilon))
-        return xc * rstd[..., None] * w + b, mean, rstd.astype(x.dtype)
+        y = xp.subtract(x, mean[..., None], out=xp.empty_like(x))
+        var = dot_along(xp, y, y)[..., 0] / x.dtype.type(x.shape[-1])
+        rstd = 1.0 / xp.sqrt(var + x.dtype.type(epsilon))
+        y *= rstd[..., None]
+        y *= w
+        y += b
+        return y, mean, rstd.astype(x.dtype, copy=False)
+
+    def workspace(ins, outs, epsilon=1e-5):
+        return 2 * nbytes(outs[1])          # a row statistic's intermediates
 
     def grad(op, dy, dmean=None, drstd=None):
         x, w, _ = op.inputs
@@ -168,16 +208,25 @@ class LayerNormGrad:
         return x, w, w
 
     def kernel(ctx, x, w, mean, rstd, dy):
+        """dx = rstd / h (h g - sum(g) - xhat sum(g xhat)), g = dy w, in place on dx
+        beside one array, xhat; the sums of products as einsums."""
         xp = ctx.xp
-        batch_axes = tuple(range(x.ndim - 1))
-        xhat = (x - mean[..., None]) * rstd[..., None]
-        dw = xp.sum(dy * xhat, axis=batch_axes)
-        db = xp.sum(dy, axis=batch_axes)
-        g = dy * w
-        h = x.shape[-1]
-        dx = rstd[..., None] / h * (h * g - xp.sum(g, axis=-1, keepdims=True)
-                                    - xhat * xp.sum(g * xhat, axis=-1, keepdims=True))
+        t, h = x.dtype.type, x.shape[-1]
+        xhat = xp.subtract(x, mean[..., None], out=xp.empty_like(x))
+        xhat *= rstd[..., None]
+        dw = xp.einsum("ni,ni->i", dy.reshape(-1, h), xhat.reshape(-1, h))
+        db = xp.sum(dy, axis=tuple(range(x.ndim - 1)))
+        dx = xp.multiply(dy, w, out=xp.empty_like(x))
+        g_sum = xp.sum(dx, axis=-1, keepdims=True)
+        xhat *= dot_along(xp, dx, xhat)
+        dx *= t(h)
+        dx -= g_sum
+        dx -= xhat
+        dx *= rstd[..., None] / t(h)
         return dx, dw, db
+
+    def workspace(ins, outs):
+        return nbytes(outs[0]) + 2 * reduced_bytes(outs[0])     # xhat
 
 
 # -- embedding ----------------------------------------------------------------------------------
@@ -191,11 +240,12 @@ def _emb_grad_notation(in_shapes, attrs):
     return f"{batch},{batch}h->vh"
 
 
-@register_op("embedding", spmd=EinsumRule(_emb_notation))
+@register_op("embedding", spmd=EinsumRule(_emb_notation), takes_16bit=True)
 class Embedding:
     """out[..., :] = table[ids[...], :]; ``vocab_start`` lets a vocabulary shard look up
     only the ids it owns (others give zeros), which is how the split form works;
-    ``vocab_size`` is then the whole vocabulary, against which every shard checks the ids."""
+    ``vocab_size`` is then the whole vocabulary, against which every shard checks the ids.
+    A lookup moves rows: a 16-bit table is taken as it is."""
 
     def infer(ids, table, vocab_start=None, vocab_size=None):
         if ids.dtype not in dtypes.INT_DTYPES:
@@ -210,10 +260,16 @@ class Embedding:
         if vocab_start is None:
             return table[ids]
         local = ids - vocab_start
-        inside = (local >= 0) & (local < table.shape[0])
-        out = table[ctx.xp.where(inside, local, 0)]
-        out *= inside[..., None]
+        inside = local >= 0
+        inside &= local < table.shape[0]
+        local *= inside                     # another shard's id looks up row 0, zeroed
+        out = table[local]
+        ctx.xp.copyto(out, 0, where=~inside[..., None])
         return out
+
+    def workspace(ins, outs, vocab_start=None, vocab_size=None):
+        ids = ins[0]
+        return 0 if vocab_start is None else size(ids) * (dtypes.itemsize(ids.dtype) + 2)
 
     def localize(attrs, site):
         rows = site.in_slices(1)[0]
@@ -235,12 +291,27 @@ class EmbeddingGrad:
 
     def kernel(ctx, ids, dy, vocab_size, vocab_start=None):
         xp = ctx.xp
-        flat = ids.reshape(-1) - (vocab_start or 0)
         rows = dy.reshape(-1, dy.shape[-1])
-        inside = (flat >= 0) & (flat < vocab_size)
-        out = xp.zeros((vocab_size, dy.shape[-1]), dtype=dy.dtype)
-        xp.add.at(out, flat[inside], rows[inside])
-        return out
+        if vocab_start is None:             # the ids the forward checked: all rows
+            out = xp.zeros((vocab_size, dy.shape[-1]), dtype=dy.dtype)
+            xp.add.at(out, ids.reshape(-1), rows)
+            return out
+        # another shard's id adds into one row past this shard's, left out of the result
+        # (the rows are not copied to drop them)
+        local = ids.reshape(-1) - vocab_start
+        outside = local < 0
+        outside |= local >= vocab_size
+        local[outside] = vocab_size
+        out = xp.zeros((vocab_size + 1, dy.shape[-1]), dtype=dy.dtype)
+        xp.add.at(out, local, rows)
+        return out[:vocab_size]
+
+    def workspace(ins, outs, vocab_size, vocab_start=None):
+        ids, dy = ins
+        if vocab_start is None:
+            return 0
+        return size(ids) * (dtypes.itemsize(ids.dtype) + 2) + nbytes(dy) // size(ids) \
+            if size(ids) else 0
 
     def localize(attrs, site):
         rows = site.out_slices(0)[0]
@@ -261,8 +332,12 @@ def _sce_grad_notation(in_shapes, attrs):
 
 
 def _logsumexp(xp, x, axis=-1):
+    """log(sum(exp(x), axis)), beside one array of ``x``'s size (the exponentials)."""
     m = xp.max(x, axis=axis, keepdims=True)
-    return xp.log(xp.sum(xp.exp(x - m), axis=axis)) + m[..., 0]
+    e = xp.subtract(x, m, out=xp.empty_like(x))
+    total = xp.sum(xp.exp(e, out=e), axis=axis)
+    del e
+    return xp.log(total) + m[..., 0]
 
 
 def _class_split(site):
@@ -313,6 +388,9 @@ class SoftmaxCrossEntropy:
         loss *= labels != ignore_index
         return loss, lse
 
+    def workspace(ins, outs, ignore_index=IGNORE_INDEX, class_start=None, num_classes=None):
+        return nbytes(ins[0])               # the exponentials of the logits
+
     def localize(attrs, site):
         split = _class_split(site)
         if split is None:
@@ -352,7 +430,8 @@ class SoftmaxCrossEntropyGrad:
 
     def kernel(ctx, logits, labels, lse, dloss, ignore_index=IGNORE_INDEX, class_start=None):
         xp = ctx.xp
-        p = xp.exp(logits - lse[..., None])
+        p = xp.subtract(logits, lse[..., None], out=xp.empty_like(logits))
+        xp.exp(p, out=p)
         local = labels - (class_start or 0)
         inside = (local >= 0) & (local < logits.shape[-1])
         index = xp.where(inside, local, 0)[..., None]
@@ -361,16 +440,22 @@ class SoftmaxCrossEntropyGrad:
         p *= (dloss * (labels != ignore_index))[..., None]
         return p
 
+    def workspace(ins, outs, ignore_index=IGNORE_INDEX, class_start=None):
+        # per row: the label's column (int64, twice), take_along_axis's and
+        # put_along_axis's row index (int64), the picked value, a bool
+        labels = ins[1]
+        return size(labels) * (3 * INDEX + dtypes.itemsize(ins[0].dtype) + 1)
+
     def localize(attrs, site):
         cols = site.in_slices(0)[-1]
         split = cols.stop - cols.start != site.in_shapes[0][-1]
         return ({**attrs, "class_start": cols.start} if split else attrs), {}
 
 
-@register_op("label_mask", spmd=elementwise_rule(), differentiable=False)
+@register_op("label_mask", spmd=elementwise_rule(), differentiable=False, takes_16bit=True)
 class LabelMask:
-    """1 where a label is not ``ignore_index``, else 0, as ``dtype``: the positions a
-    mean cross-entropy averages over."""
+    """1 where a label is not ``ignore_index``, else 0, as ``dtype`` (a 16-bit one
+    too): the positions a mean cross-entropy averages over."""
 
     flops = elementwise_flops(1)
 
@@ -380,7 +465,8 @@ class LabelMask:
         return TensorType(labels.shape, dtypes.canonical(dtype))
 
     def kernel(ctx, labels, ignore_index=IGNORE_INDEX, dtype="float32"):
-        return (labels != ignore_index).astype(dtype)
+        xp = ctx.xp
+        return xp.not_equal(labels, ignore_index, out=xp.empty(labels.shape, dtype))
 
 
 # -- functional API -----------------------------------------------------------------------------

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import math
 
+from distgraph import dtypes
 from distgraph.ops.common import elementwise_flops
-from distgraph.registry import ShapeError, TensorType, register_op
+from distgraph.registry import ShapeError, TensorType, register_op, size
 from distgraph.spmd import EinsumRule, LETTERS
 
 
@@ -84,14 +85,22 @@ class SgdUpdate:
         if _skipped(apply):
             return param, velocity
         t, lr = param.dtype.type, float(lr)
-        if momentum == 0:
-            # two parameter-sized passes instead of four
-            param -= t(lr) * grad
-            return param, velocity
-        velocity *= t(momentum)
-        velocity += grad
-        param -= t(lr) * velocity
+
+        def step(param, grad, velocity, tmp):
+            if momentum == 0:
+                # two parameter-sized passes instead of four
+                ctx.xp.multiply(grad, t(lr), out=tmp)
+            else:
+                velocity *= t(momentum)
+                velocity += grad
+                ctx.xp.multiply(velocity, t(lr), out=tmp)
+            param -= tmp
+
+        by_blocks(ctx.xp, step, param, grad, velocity)
         return param, velocity
+
+    def workspace(ins, outs, momentum):
+        return block_bytes(ins[0])
 
 
 @register_op("adam_update", spmd=EinsumRule(_update_notation(4, 3)),
@@ -117,13 +126,18 @@ class AdamUpdate:
         return _adam_step(ctx.xp, param, grad, m, v, float(step), float(lr), beta1, beta2,
                           epsilon, weight_decay)
 
+    def workspace(ins, outs, beta1, beta2, epsilon, weight_decay):
+        return block_bytes(ins[0])
+
 
 @register_op("mixed_adam_update", spmd=EinsumRule(_update_notation(5, 4)),
-             inplace=((0, 0), (1, 2), (2, 3), (3, 4)), differentiable=False)
+             inplace=((0, 0), (1, 2), (2, 3), (3, 4)), differentiable=False, takes_16bit=True)
 class MixedAdamUpdate:
     """Adam / AdamW of a 16-bit parameter as mixed-precision training runs it (ZeRO's
     2 + 2 + 12 bytes per parameter): the step is taken on the float32 ``master`` copy
-    with float32 moments, and the 16-bit parameter is the master rounded."""
+    with float32 moments, and the 16-bit parameter is the master rounded. It takes the
+    16-bit parameter and gradient as they are (``takes_16bit``): the gradient is widened
+    a block at a time, the parameter written in place."""
 
     flops = elementwise_flops(13)
 
@@ -135,35 +149,59 @@ class MixedAdamUpdate:
 
     def kernel(ctx, param, grad, master, m, v, step, lr, beta1, beta2, epsilon,
                weight_decay):
-        _adam_step(ctx.xp, master, grad.astype(master.dtype), m, v, float(step), float(lr),
-                   beta1, beta2, epsilon, weight_decay)
+        _adam_step(ctx.xp, master, grad, m, v, float(step), float(lr), beta1, beta2,
+                   epsilon, weight_decay)
         param[...] = master
         return param, master, m, v
 
+    def workspace(ins, outs, beta1, beta2, epsilon, weight_decay):
+        param, grad, master = ins[:3]
+        wide = TensorType(grad.shape, master.dtype)
+        return block_bytes(master) + (block_bytes(wide) if grad.dtype != master.dtype else 0)
 
-CHUNK = 1 << 16     # elements per block of a host Adam step (5 such arrays fit in L2)
+
+CHUNK = 1 << 16     # elements per block of a host update (5 such arrays fit in L2)
+
+
+def block_bytes(t: TensorType) -> int:
+    """Bytes of one block of an update over ``t``: its scratch array (``by_blocks``)."""
+    return min(size(t), CHUNK) * dtypes.itemsize(t.dtype)
+
+
+def by_blocks(xp, step, param, *arrays) -> None:
+    """``step(param, *arrays, tmp)`` on blocks of CHUNK elements of the same-shape
+    ``param`` and ``arrays`` (all at once where they are small or not C-contiguous),
+    ``tmp`` a scratch block of ``param``'s dtype; an operand of another dtype (a 16-bit
+    gradient) is widened into a second scratch block first. Blocks read each array from
+    memory once, the step's other passes from cache, and the scratch is one block."""
+    arrays = (param,) + arrays
+    if param.size == 0:
+        return
+    whole = param.size <= CHUNK or not all(getattr(a, "flags", None) is not None
+                                           and a.flags.c_contiguous for a in arrays)
+    flat = arrays if whole else [a.reshape(-1) for a in arrays]
+    n = param.size if whole else CHUNK
+    tmp = xp.empty(n, param.dtype)
+    wide = xp.empty(n, param.dtype) if any(a.dtype != param.dtype for a in arrays) else None
+    for start in range(0, param.size, n):
+        block = [a[start:start + n] if not whole else a for a in flat]
+        count = block[0].size
+        for i, a in enumerate(block):
+            if a.dtype != param.dtype:
+                block[i] = wide[:count].reshape(a.shape)
+                block[i][...] = a
+        step(*block, tmp[:count].reshape(block[0].shape))
 
 
 def _adam_step(xp, param, grad, m, v, n, lr, beta1, beta2, epsilon, weight_decay):
-    """One Adam step on ``param`` and its moments, in place (see AdamUpdate). On the host
-    (C-contiguous numpy arrays) it runs block by block, so that its dozen passes read
-    each array from memory once and the rest from cache."""
-    arrays = (param, grad, m, v)
-    if param.size <= CHUNK or not all(getattr(a, "flags", None) is not None
-                                      and a.flags.c_contiguous for a in arrays):
-        _adam_block(xp, *arrays, n, lr, beta1, beta2, epsilon, weight_decay)
-        return param, m, v
-    flat = [a.reshape(-1) for a in arrays]
-    tmp = xp.empty(CHUNK, param.dtype)
-    for start in range(0, param.size, CHUNK):
-        block = [a[start:start + CHUNK] for a in flat]
-        _adam_block(xp, *block, n, lr, beta1, beta2, epsilon, weight_decay,
-                    tmp[:len(block[0])])
+    """One Adam step on ``param`` and its moments, in place (see AdamUpdate), a block at
+    a time (:func:`by_blocks`)."""
+    by_blocks(xp, lambda *block: _adam_block(xp, *block, n, lr, beta1, beta2, epsilon,
+                                              weight_decay), param, grad, m, v)
     return param, m, v
 
 
-def _adam_block(xp, param, grad, m, v, n, lr, beta1, beta2, epsilon, weight_decay,
-                tmp=None):
+def _adam_block(xp, param, grad, m, v, tmp, n, lr, beta1, beta2, epsilon, weight_decay):
     """:func:`_adam_step` on arrays of one block; ``tmp`` a scratch array of their shape.
     With bias corrections c1 = 1 - beta1^n, c2 = 1 - beta2^n the update is
     lr / c1 * m / (sqrt(v / c2) + eps) = (lr sqrt(c2) / c1) * m / (sqrt(v) + eps sqrt(c2))."""
@@ -171,7 +209,6 @@ def _adam_block(xp, param, grad, m, v, n, lr, beta1, beta2, epsilon, weight_deca
     if weight_decay:
         param *= t(1.0 - lr * weight_decay)
     root_c2 = math.sqrt(1.0 - beta2 ** n)
-    tmp = xp.empty_like(param) if tmp is None else tmp
     m -= grad                                   # m = beta1 m + (1 - beta1) g
     m *= t(beta1)
     m += grad
@@ -204,9 +241,11 @@ def _all_letters(shapes, attrs):
     return LETTERS[:len(shapes[0])] + "->"          # S(i) -> P: a count over the shards
 
 
-@register_op("nonfinite_count", spmd=EinsumRule(_all_letters), differentiable=False)
+@register_op("nonfinite_count", spmd=EinsumRule(_all_letters), differentiable=False,
+             takes_16bit=True)
 class NonfiniteCount:
-    """How many entries of ``x`` are inf or NaN (float32, 0-d)."""
+    """How many entries of ``x`` are inf or NaN (float32, 0-d); a 16-bit ``x`` is read
+    as it is (``takes_16bit``: no float32 copy of each gradient float16 training checks)."""
 
     flops = elementwise_flops(1)
 
@@ -216,6 +255,9 @@ class NonfiniteCount:
     def kernel(ctx, x):
         xp = ctx.xp
         return xp.asarray(x.size - xp.count_nonzero(xp.isfinite(x)), dtype="float32")
+
+    def workspace(ins, outs):
+        return size(ins[0])             # isfinite's bool array
 
 
 @register_op("loss_scale_update", spmd=EinsumRule(",,->,,"), differentiable=False)

@@ -3,6 +3,9 @@
 Sharding: transpose permutes letters (``"abc->cab"``); concat/split/slice never split the
 axis they cut; broadcast_to never splits a stretched dim; reshape gives each merged or
 split group one letter on its major dims (see ``reshape_notation``).
+
+They only move values, so they take 16-bit operands as they are (``takes_16bit``: no
+float32 copies) and allocate nothing beyond their results.
 """
 
 from __future__ import annotations
@@ -74,7 +77,8 @@ def reshape_notation(in_shapes, attrs) -> str:
     return "".join(left) + "->" + "".join(right)
 
 
-@register_op("reshape", spmd=EinsumRule(reshape_notation, out_shapes=lambda s, a: [a["shape"]]))
+@register_op("reshape", spmd=EinsumRule(reshape_notation, out_shapes=lambda s, a: [a["shape"]]),
+             takes_16bit=True)
 class Reshape:
     def infer(x, shape):
         total = 1
@@ -126,7 +130,7 @@ def _transpose_notation(in_shapes, attrs):
     return word + "->" + "".join(word[p] for p in perm)
 
 
-@register_op("transpose", spmd=EinsumRule(_transpose_notation))
+@register_op("transpose", spmd=EinsumRule(_transpose_notation), takes_16bit=True)
 class Transpose:
     def infer(x, perm):
         if sorted(perm) != list(range(len(x.shape))):
@@ -161,7 +165,7 @@ def _broadcast_notation(in_shapes, attrs):
     return f"{word}->{out}"
 
 
-@register_op("broadcast_to", spmd=EinsumRule(_broadcast_notation))
+@register_op("broadcast_to", spmd=EinsumRule(_broadcast_notation), takes_16bit=True)
 class BroadcastTo:
     def infer(x, shape):
         off = len(shape) - len(x.shape)
@@ -198,7 +202,8 @@ def _concat_notation(in_shapes, attrs):
 
 # aligned as Paddle's phi concat: a split the concat dim cannot keep moves to another dim;
 # sliced: an output asked for split on the concat dim is computed as that slice (R -> S)
-@register_op("concat", spmd=EinsumRule(_concat_notation, align=True, sliced=True))
+@register_op("concat", spmd=EinsumRule(_concat_notation, align=True, sliced=True),
+             takes_16bit=True)
 class Concat:
     def infer(*xs, axis, window=None):
         first = xs[0].shape
@@ -251,7 +256,7 @@ def _split_notation(in_shapes, attrs):
     return word + "->" + ",".join([word] * len(attrs["sections"]))
 
 
-@register_op("split", spmd=EinsumRule(_split_notation))
+@register_op("split", spmd=EinsumRule(_split_notation), takes_16bit=True)
 class Split:
     def infer(x, sections, axis):
         if sum(sections) != x.shape[axis]:
@@ -296,7 +301,7 @@ def _slice_notation(in_shapes, attrs):
     return f"{word}->{word}"
 
 
-@register_op("slice", spmd=EinsumRule(_slice_notation))
+@register_op("slice", spmd=EinsumRule(_slice_notation), takes_16bit=True)
 class Slice:
     """Paddle's slice: ``x[starts[i]:ends[i]]`` along each of ``axes``."""
 
@@ -318,7 +323,8 @@ class Slice:
         return [emit1("slice_grad", [dz], {**op.attrs, "shape": tuple(op.inputs[0].shape)})]
 
 
-@register_op("slice_grad", spmd=EinsumRule(_slice_notation), differentiable=False)
+@register_op("slice_grad", spmd=EinsumRule(_slice_notation), differentiable=False,
+             takes_16bit=True)
 class SliceGrad:
     """Zeros of the sliced tensor's shape with ``dy`` written into the slice."""
 

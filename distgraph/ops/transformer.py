@@ -31,8 +31,8 @@ import numpy as np
 
 from distgraph import dtypes
 from distgraph.ops.attention_blocks import positions
-from distgraph.ops.common import elementwise_flops
-from distgraph.registry import ShapeError, TensorType, register_op
+from distgraph.ops.common import dot_along, elementwise_flops
+from distgraph.registry import ShapeError, TensorType, nbytes, register_op
 from distgraph.spmd import LETTERS, EinsumRule
 from distgraph.trace import active_builder, emit, emit1
 
@@ -92,11 +92,18 @@ class RMSNorm:
         return x, TensorType(x.shape[:-1], _compute_dtype(x.dtype))
 
     def kernel(ctx, x, w, epsilon=1e-6):
+        # in place on the result; the squares summed as an einsum
         xp = ctx.xp
         xf = x.astype(_compute_dtype(str(x.dtype)), copy=False)
-        rstd = 1.0 / xp.sqrt(xp.mean(xf * xf, axis=-1) + xf.dtype.type(epsilon))
-        y = (xf * rstd[..., None]).astype(x.dtype, copy=False)
-        return y * w, rstd
+        t = xf.dtype.type
+        rstd = 1.0 / xp.sqrt(dot_along(xp, xf, xf)[..., 0] / t(x.shape[-1]) + t(epsilon))
+        y = xp.multiply(xf, rstd[..., None], out=xp.empty(x.shape, xf.dtype))
+        y = y.astype(x.dtype, copy=False)
+        y *= w
+        return y, rstd
+
+    def workspace(ins, outs, epsilon=1e-6):
+        return 2 * nbytes(outs[1])          # the row statistic's intermediates
 
     def grad(op, dy, drstd=None):
         x, w = op.inputs
@@ -113,15 +120,26 @@ class RMSNormGrad:
         return x, w
 
     def kernel(ctx, x, w, rstd, dy):
+        """In place on dx beside one array, xhat; the sums of products as einsums."""
         xp = ctx.xp
-        ct = rstd.dtype
-        xhat = x.astype(ct, copy=False) * rstd[..., None]
+        ct, h = rstd.dtype, x.shape[-1]
+        xhat = xp.multiply(x, rstd[..., None], out=xp.empty(x.shape, ct))
         dyf = dy.astype(ct, copy=False)
-        dw = xp.sum(dyf * xhat.astype(x.dtype).astype(ct, copy=False),
-                    axis=tuple(range(x.ndim - 1)))
-        g = dyf * w.astype(ct, copy=False)
-        dx = rstd[..., None] * (g - xhat * xp.mean(g * xhat, axis=-1, keepdims=True))
+        # the forward rounds xhat to x's dtype before the weight
+        rounded = xhat if x.dtype == ct else xhat.astype(x.dtype).astype(ct)
+        dw = xp.einsum("ni,ni->i", dyf.reshape(-1, h), rounded.reshape(-1, h))
+        del rounded
+        wf = w.astype(ct, copy=False)
+        mean = xp.einsum("ni,i,ni->n", dyf.reshape(-1, h), wf, xhat.reshape(-1, h))
+        xhat *= (mean / ct.type(h)).reshape(x.shape[:-1] + (1,))
+        dx = xp.multiply(dyf, wf, out=xp.empty(x.shape, ct))
+        dx -= xhat
+        dx *= rstd[..., None]
         return dx.astype(x.dtype, copy=False), dw.astype(w.dtype, copy=False)
+
+    def workspace(ins, outs):
+        x, rstd = ins[0], ins[2]
+        return nbytes(TensorType(x.shape, rstd.dtype)) + 2 * nbytes(rstd)     # xhat
 
 
 def rms_norm(x, weight, epsilon=1e-6):
@@ -165,9 +183,23 @@ class Rotary:
         sin = xp.sin(angle).reshape(shape).astype(x.dtype)
         if inverse:
             sin = -sin
+        # the halves' products into the result's halves, each beside one half-size array
         half = x.shape[-1] // 2
         x1, x2 = x[..., :half], x[..., half:]
-        return xp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+        out = xp.empty_like(x)
+        lo, hi = out[..., :half], out[..., half:]
+        tmp = xp.empty(x1.shape, x.dtype)
+        xp.multiply(x1, cos, out=lo)
+        lo -= xp.multiply(x2, sin, out=tmp)
+        xp.multiply(x2, cos, out=hi)
+        hi += xp.multiply(x1, sin, out=tmp)
+        return out
+
+    def workspace(ins, outs, seq_axis, theta, scaling=(), inverse=False, sequence_chunks=1):
+        # a half of the result; the angles (float64) and their cos, sin
+        x = ins[0]
+        angles = x.shape[seq_axis % len(x.shape)] * (x.shape[-1] // 2)
+        return nbytes(x) // 2 + angles * (2 * 8 + 2 * dtypes.itemsize(x.dtype))
 
     def localize(attrs, site):
         slices = site.out_slices(0)

@@ -31,7 +31,7 @@ from distgraph import dtypes
 from distgraph.errors import RuntimeFault
 from distgraph.ir import Program
 from distgraph.plan.instructions import OpInstr, last_uses, op_instr, with_donors
-from distgraph.registry import KernelContext
+from distgraph.registry import KernelContext, get_op
 
 DONATE_MIN_BYTES = 1 << 16   # below this a fresh buffer costs about nothing
 HALF = (np.dtype("float16"), dtypes.numpy_dtype("bfloat16"))
@@ -61,16 +61,23 @@ def call_kernel(instr: OpInstr, ctx, args, attrs=None) -> tuple:
     instruction's) as a tuple of results; a failure becomes a RuntimeFault naming the op
     and its layer. Operands in a 16-bit float dtype are computed in float32 (numpy has no
     16-bit kernels) and results are rounded to their declared dtypes; a 16-bit overflow
-    is no warning (float16 training's loss scaling expects and handles them)."""
+    is no warning (float16 training's loss scaling expects and handles them). An op
+    registered with ``takes_16bit`` (its kernel only moves values, or casts itself) gets
+    its 16-bit operands as they are. The float32 copies are dropped before the results
+    are rounded: :func:`distgraph.registry.op_workspace` counts the bytes this way."""
     attrs = instr.attrs if attrs is None else attrs
     if not any(getattr(a, "dtype", None) in HALF for a in args) and \
             not any(d in HALF for d in instr.out_dtypes):
         return _call(instr, ctx, args, attrs)
-    args = [a.astype(FLOAT32) if getattr(a, "dtype", None) in HALF else a for a in args]
+    if get_op(instr.op_type).takes_16bit:
+        with np.errstate(over="ignore", invalid="ignore"):
+            return _call(instr, ctx, args, attrs)
+    wide = [a.astype(FLOAT32) if getattr(a, "dtype", None) in HALF else a for a in args]
     if ctx.out is not None:
         ctx = dataclasses.replace(ctx, out=None)
     with np.errstate(over="ignore", invalid="ignore"):
-        result = _call(instr, ctx, args, attrs)
+        result = _call(instr, ctx, wide, attrs)
+        del wide
         return tuple(r.astype(d) if getattr(r, "dtype", d) != d else r
                      for r, d in zip(result, instr.out_dtypes))
 

@@ -100,10 +100,13 @@ SEARCHED = {
 PLANS = list(LAYOUTS) + list(SEARCHED)
 
 
+GPT = dict(vocab_size=VOCAB, d_model=128, n_layer=8, n_head=4, max_seq_len=SEQ)
+
+
 class Tokens:
-    def __init__(self, n, seed=0):
+    def __init__(self, n, seed=0, seq=SEQ, vocab=VOCAB):
         rng = np.random.default_rng(seed)
-        self.x = rng.integers(0, VOCAB, (n, SEQ + 1))
+        self.x = rng.integers(0, vocab, (n, seq + 1))
 
     def __len__(self):
         return len(self.x)
@@ -112,30 +115,36 @@ class Tokens:
         return self.x[i, :-1].astype(np.int64), self.x[i, 1:].astype(np.int64)
 
 
-def model(kind):
+def model(kind, gpt=None):
+    """Plan kind ``kind``'s model; ``gpt``: the GPT's keywords (default :data:`GPT`)."""
     dg.seed(0)
     if kind == "llama":
         return dg.nn.Llama(LLAMA)
     if kind == "mixtral":
         return dg.nn.Mixtral(MIXTRAL)
-    return dg.nn.GPT(vocab_size=VOCAB, d_model=128, n_layer=8, n_head=4, max_seq_len=SEQ)
+    return dg.nn.GPT(**(gpt or GPT))
 
 
-def layout(name, data, cluster=None):
+def layout(name, data, cluster=None, gpt=None, adam=False):
     """(model, optimizer, strategy, cluster, data) of plan ``name``, planned and priced
     on ``cluster`` (default: ``dg.Cluster.local(4)``, and for ``searched_pp`` the emulated
-    2 x 2 file, whose slow machine link makes the search cut stages)."""
-    opt = dg.optim.AdamW(1e-3)
+    2 x 2 file, whose slow machine link makes the search cut stages); ``gpt``: the GPT's
+    keywords, ``adam``: Adam rather than AdamW."""
+    opt = dg.optim.Adam(1e-3) if adam else dg.optim.AdamW(1e-3)
+
+    def make(kind):
+        return model(kind, gpt)
+
     if cluster is None:
         cluster = dg.Cluster.local(4)
         if name == "searched_pp":
             cluster = dg.Cluster.from_file(CLUSTERS / "emulated_2x2.yaml")
     if name in SEARCHED:
-        return (model("gpt"), opt, dg.Strategy(solver_time_limit=20, **SEARCHED[name]),
+        return (make("gpt"), opt, dg.Strategy(solver_time_limit=20, **SEARCHED[name]),
                 cluster, data)
     kind, shape, dims, config, fields = LAYOUTS[name]
     mesh = dg.ProcessMesh(np.arange(4).reshape(shape).tolist(), list(dims))
-    m, opt = dg.parallelize(model(kind), mesh, config, optimizer=opt)
+    m, opt = dg.parallelize(make(kind), mesh, config, optimizer=opt)
     if "cp" in dims:
         data = dg.shard_dataloader(data, mesh, shard_dims="dp", sequence_dim="cp")
     return m, opt, dg.Strategy(**fields), cluster, data
@@ -144,9 +153,15 @@ def layout(name, data, cluster=None):
 def measure(name, comm, args):
     """This rank's (measured peak and resident bytes, where, its process's estimate,
     the plan's shape) of plan ``name``."""
-    data = Tokens(args.batch * args.steps)
+    gpt = None
+    if args.gpt:
+        vocab, d_model, n_layer, n_head, seq = map(int, args.gpt.split(","))
+        gpt = dict(vocab_size=vocab, d_model=d_model, n_layer=n_layer, n_head=n_head,
+                   max_seq_len=seq)
+    data = Tokens(args.batch * args.steps, seq=gpt["max_seq_len"] if gpt else SEQ,
+                  vocab=gpt["vocab_size"] if gpt else VOCAB)
     with BUILD_LOCK:            # tracing is not thread-safe: the threads plan in turn
-        m, opt, strategy, cluster, data = layout(name, data)
+        m, opt, strategy, cluster, data = layout(name, data, gpt=gpt, adam=args.adam)
     engine = dg.Engine(m, dg.nn.CrossEntropyLoss(), opt, cluster=cluster,
                        strategy=strategy, communicator=comm)
     with BUILD_LOCK:
@@ -205,6 +220,10 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--target", type=float, default=0.05)
     parser.add_argument("--explain", action="store_true")
+    parser.add_argument("--gpt", default="",
+                        help="the GPT's vocab,d_model,layers,heads,seq (issue 69's table: "
+                             "512,256,4,8,128 with --batch 16 --steps 3 --adam)")
+    parser.add_argument("--adam", action="store_true", help="Adam rather than AdamW")
     args = parser.parse_args(argv)
     dg.set_default_dtype("float32")
     names = args.plans.split(",")

@@ -176,12 +176,18 @@ def op_work(op_type: str, ins, outs, attrs) -> float:
     return float(sum(size(t) for t in ins) + sum(size(t) for t in outs))
 
 
-def op_workspace(op_type: str, ins, outs, attrs) -> int:
+def op_workspace(op_type: str, ins, outs, attrs, widened: bool = True) -> int:
     """Bytes op ``op_type``'s kernel allocates beyond its results while it runs, for local
     TensorTypes ``ins`` and ``outs`` (its ``workspace`` hook; 0 without one).
 
-    An op with a 16-bit float operand or result that does not take them as they are
-    (``takes_16bit``) runs as the runtime's executor runs it
+    ``widened``: the backend computes 16-bit operands in float32 (numpy, which has no
+    16-bit kernels: a CPU device). Where it does not (a GPU's libraries compute in 16 bits,
+    as the published runs did), an op's workspace is its kernel's own, in its dtypes.
+    The cost model prices a GPU that way, though distgraph's CuPy path still widens as
+    below: its 16-bit copies are not priced there.
+
+    With ``widened``, an op with a 16-bit float operand or result that does not take them
+    as they are (``takes_16bit``) runs as the runtime's executor runs it
     (``distgraph.runtime.execution.executor.call_kernel``, which this mirrors): float32
     copies of its 16-bit operands, its kernel on them (its own workspace in float32), the
     copies dropped, then its float32 results rounded to their 16-bit dtypes. So its
@@ -198,7 +204,8 @@ def op_workspace(op_type: str, ins, outs, attrs) -> int:
     def own(ins, outs) -> int:
         return 0 if entry.workspace is None else int(entry.workspace(ins, outs, **attrs))
 
-    if entry.takes_16bit or not any(t.dtype in HALF_DTYPES for t in (*ins, *outs)):
+    if not widened or entry.takes_16bit or \
+            not any(t.dtype in HALF_DTYPES for t in (*ins, *outs)):
         return own(ins, outs)
     wide = [TensorType(t.shape, "float32") if t.dtype in HALF_DTYPES else t
             for t in (*ins, *outs)]

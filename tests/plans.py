@@ -16,6 +16,7 @@ Example::
 from __future__ import annotations
 
 import threading
+import tracemalloc
 from dataclasses import dataclass
 from typing import Callable
 
@@ -509,6 +510,16 @@ def train(model, kind, comm=None, sharding=False, optimizer="adamw", auto=False)
     engine = prepare(make_engine(model, kind, comm, sharding, optimizer, auto), kind)
     history = engine.fit(Dataset(kind), batch_size=BATCH, epochs=1)
     return history.losses, engine.state_dict()
+
+
+def traced_fit(engine, data, **fit):
+    """``engine.fit(data, **fit)`` with ``tracemalloc`` tracing, so that its history's
+    ``allocated`` holds each step's peak as the allocator handed it out."""
+    tracemalloc.start()
+    try:
+        return engine.fit(data, **fit)
+    finally:
+        tracemalloc.stop()
 
 
 def serial_reference(kind, seed=0, optimizer="adamw"):

@@ -64,7 +64,9 @@ def long_plan():
 def test_no_stage_plan_keeping_the_sequence_whole_fits_the_budget(float64):
     with pytest.raises(dg.PlanError, match="fits the devices' memory"):
         C.unsplit_stage_plan(*C.LONG, C.BUDGET_GB)
-    plan, chosen = C.unsplit_stage_plan(*C.LONG, 2 * C.BUDGET_GB)      # the oracle can fit
+    # the oracle can fit with more room (4x: the attention's workspace, the score
+    # blocks of the whole sequence, is counted beside its activations)
+    plan, chosen = C.unsplit_stage_plan(*C.LONG, 4 * C.BUDGET_GB)
     assert plan.stages and chosen
 
 

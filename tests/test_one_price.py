@@ -44,14 +44,7 @@ def planned(blocks, batch, cluster_file, fields):
     return dg.passes.plan(built, dg.Strategy(auto_mode="full", **fields), cluster, ranks=())
 
 
-# where the two counts still differ, said (strict: the test says when it holds)
-APART = {"one mesh, 4 micro-batches": "a search on one mesh counts a gradient's buffer "
-         "once at the op that makes it; the estimate also counts the later micro-batches' "
-         "gradient beside it there (the stage searches do: PartCost.backward): 1.1% low"}
-
-
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(
-    strict=True, reason=APART[n])) if n in APART else n for n in CASES])
+@pytest.mark.parametrize("name", list(CASES))
 def test_the_search_prices_its_plan_as_the_estimate_does(name):
     plan = planned(*CASES[name])
     report, est = plan.search, plan.estimate

@@ -178,21 +178,26 @@ def test_the_per_stage_plan_trains_on_four_ranks_as_serially(tight, float64, tmp
 
 def test_a_blocks_recomputation_holds_what_the_estimate_says(float64):
     """Per layer: block 0's attention scores and block 1 whole recomputed. The bytes a
-    rank holds at its peak are the plan's estimate (the runtime's count) with and
-    without, and each recomputation holds fewer than the one before it."""
+    rank's allocator hands out at its peak are the plan's estimate (tracemalloc; the
+    kernels' workspace included) with and without, and each recomputation keeps fewer
+    activations for the backward than the one before it."""
     data = P.Dataset("gpt", n=32, dims=dict(P.GPT_DIMS, max_seq_len=32), batch=16)
-    held = {}
+    held, saved = {}, {}
     options = (False, (("blocks.0", "selective"),), (("blocks.0", "selective"), "blocks.1"))
     for option in options:
         dg.seed(0)
         model = dg.nn.GPT(vocab_size=64, d_model=32, n_layer=2, n_head=4, max_seq_len=32)
         engine = dg.Engine(model, dg.nn.CrossEntropyLoss(), dg.optim.AdamW(1e-3),
                            cluster=dg.Cluster.local(1), strategy=dg.Strategy(recompute=option))
-        history = engine.fit(data, batch_size=16, epochs=1, verbose=0)
-        held[option] = history.memory[-1]
-        assert held[option] == pytest.approx(engine.plan().estimate.peak_memory, rel=1e-5)
+        history = P.traced_fit(engine, data, batch_size=16, epochs=1, verbose=0)
+        held[option] = history.allocated[-1]
+        saved[option] = engine.plan().estimate.processes[0].saved_activations
+        assert held[option] == pytest.approx(engine.plan().estimate.peak_memory, rel=0.05)
         assert engine.plan().strategy.recompute == option
-    assert held[options[2]] < held[options[1]] < held[options[0]]
+    # block 1 recomputed whole keeps less for the backward; the peak (block 0's backward,
+    # with a GELU gradient's workspace) stays where it was
+    assert saved[options[2]] < saved[options[1]] < saved[options[0]]
+    assert held[options[2]] <= 1.01 * held[options[1]] and held[options[1]] < held[options[0]]
 
 
 def test_recompute_per_layer_is_one_hashable_value_and_a_bad_entry_is_refused():

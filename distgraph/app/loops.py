@@ -58,13 +58,16 @@ class History:
     already. ``memory``: per step, the bytes this rank held at its peak (the arrays the
     runtime holds: :mod:`distgraph.runtime.execution.memory`); each rank has its own,
     unlike ``losses``; ``memory_at``: where each peak was reached (``"action 0B1, op
-    'matmul_grad' in layer 'fc1'"``)."""
+    'matmul_grad' in layer 'fc1'"``); ``allocated``: per step, the peak as the allocator
+    handed it out (kernels' temporaries included) where it is measured (numpy while
+    ``tracemalloc`` traces: ``StepMemory.allocation_peak``), else None."""
 
     losses: list = field(default_factory=list)
     steps: list = field(default_factory=list)
     epochs: list = field(default_factory=list)
     memory: list = field(default_factory=list)
     memory_at: list = field(default_factory=list)
+    allocated: list = field(default_factory=list)
 
 
 class Loops:
@@ -190,6 +193,7 @@ class Loops:
                 history.losses.append(loss)
                 history.steps.append(self.step - 1)
                 history.memory.append(memory.peak)
+                history.allocated.append(memory.allocation_peak)
                 history.memory_at.append(sys.intern(memory.where))   # a few distinct ones
                 cbs.on_step_end(self.step - 1, {**logs, "loss": loss, "memory": memory.peak})
                 if engine.stop_training:

@@ -52,7 +52,8 @@ communication and bubble, and peak memory per process.
   (gradients, activations) live at the peak of the executor's free-after-last-use order,
   with what a kernel keeps for its gradient beyond any Value (an op's ``saved`` hook:
   ``moe_ffn``'s routes, rows and expert activations at the expected load) live from the
-  op to its gradient.
+  op to its gradient, and, while an op runs, its kernel's temporaries (its
+  ``workspace`` hook, measured against the allocator by tests/test_workspace.py).
   Under a pipeline schedule a stage holds the micro-batches in flight (M for FThenB,
   S - s for 1F1B on stage s): one at its peak, each other one with the activations it
   keeps from its forward to its backward (``saved_activations``: what is live when the
@@ -105,16 +106,19 @@ from distgraph.passes.cost.prices import (Rings, best_overlap, feed_time, op_com
                                           reshard_step_time)
 from distgraph.passes.cost.by_task import TaskSpent
 from distgraph.passes.cost.shares import Scale, Share, share_of
-from distgraph.registry import get_op
+from distgraph.registry import get_op, op_workspace
 from distgraph.resources.cluster import Cluster
 from distgraph.units import fmt_bytes, fmt_ids
+
+
+WORKSPACE = " workspace"     # the running kernel's, among the names live at a peak
 
 
 @dataclass(frozen=True)
 class ProcessEstimate:
     """One process: its device, seconds of compute and communication per step, and
     bytes at its memory peak (``peak_memory`` = parameters + states + gradients +
-    activations live then); ``tasks``: those seconds by the task that spends them
+    activations live then + the running kernel's ``workspace``); ``tasks``: those seconds by the task that spends them
     (:class:`~distgraph.passes.cost.by_task.TaskSeconds`; none without a task graph)."""
 
     process: int
@@ -127,6 +131,7 @@ class ProcessEstimate:
     gradients: int
     activations: int
     saved_activations: int = 0
+    workspace: int = 0
     tasks: tuple = ()
 
     @property
@@ -135,7 +140,8 @@ class ProcessEstimate:
 
     @property
     def peak_memory(self) -> int:
-        return self.parameters + self.states + self.gradients + self.activations
+        return (self.parameters + self.states + self.gradients + self.activations +
+                self.workspace)
 
 
 @dataclass(frozen=True)
@@ -167,7 +173,7 @@ class Estimate:
         groups: dict = {}
         for p in self.processes:
             key = (p.stage, p.compute, p.communication, p.parameters, p.states, p.gradients,
-                   p.activations)
+                   p.activations, p.workspace)
             groups.setdefault(key, []).append(p)
         return list(groups.values())
 
@@ -207,7 +213,7 @@ def _figures(p: ProcessEstimate) -> str:
 def _memory(p: ProcessEstimate) -> str:
     return (f"peak {fmt_bytes(p.peak_memory)} (parameters {fmt_bytes(p.parameters)}, states "
             f"{fmt_bytes(p.states)}, gradients {fmt_bytes(p.gradients)}, activations "
-            f"{fmt_bytes(p.activations)})")
+            f"{fmt_bytes(p.activations)}, workspace {fmt_bytes(p.workspace)})")
 
 
 def estimate(plan, cluster=None) -> Estimate:
@@ -253,7 +259,7 @@ def price_process(plan, pid: int, cluster, share: Share = Share(), rings=None) -
     once = made_once(plan.program) if plan.accumulation is not None else frozenset()
     compute, comm, updates, tasks = _process_times(plan, pid, device, rings, fetch, scale,
                                                    once)
-    memory = _peak_memory(plan, pid, stage, scale, once)
+    memory = _peak_memory(plan, pid, stage, scale, once, widened=device.type == "CPU")
     return ProcessEstimate(pid, device.global_id, stage, compute, comm, *memory,
                            tasks=tasks), updates
 
@@ -378,12 +384,13 @@ def _fetch_points(plan, fetch, pid) -> list:
     return [p for p in plan.graph.gathers[pid] if p.value in fetch]
 
 
-def _peak_memory(plan, pid, stage, scale: Scale, once=frozenset()) -> tuple[int, int, int,
-                                                                              int, int]:
-    """(parameters, states, gradients, activations, saved activations) bytes at the
-    process's peak (module docstring); ``once``: the Values the step makes once
+def _peak_memory(plan, pid, stage, scale: Scale, once=frozenset(),
+                 widened: bool = True) -> tuple[int, int, int, int, int, int]:
+    """(parameters, states, gradients, activations, saved activations, workspace) bytes at
+    the process's peak (module docstring); ``once``: the Values the step makes once
     (:func:`~distgraph.plan.accumulation.made_once`), live from the step's start to its
-    update and never among what a micro-batch in flight keeps."""
+    update and never among what a micro-batch in flight keeps; ``widened``: the device's
+    backend computes 16-bit operands in float32 (:func:`~distgraph.registry.op_workspace`)."""
     local = plan.local_alike(pid)
     prog = local.program
     params = sum(v.nbytes for v in prog.persistables if v.is_parameter)
@@ -392,6 +399,7 @@ def _peak_memory(plan, pid, stage, scale: Scale, once=frozenset()) -> tuple[int,
     items, item_roles = [], []        # a reshard point's role is the role of its consumer
     item_ops = []                     # the op an item runs before or is
     item_seqs = []                    # an item's reshard point (None: an op)
+    spare = {}                        # an op's item: its kernel's workspace (bytes)
     kept, sizes = kernels_keep(local, scale)
     for i, op in enumerate(prog.ops + [None]):
         for point in local.comm_points.get(i, ()):
@@ -401,16 +409,20 @@ def _peak_memory(plan, pid, stage, scale: Scale, once=frozenset()) -> tuple[int,
             item_seqs.append(point.seq)
         if op is not None:
             reads, writes = kept.get(i, ((), ()))
+            spare[len(items)] = op_workspace(op.type, [scale.tensor(v) for v in op.inputs],
+                                             [scale.tensor(o) for o in op.outputs], op.attrs,
+                                             widened)
             items.append((tuple(v.name for v in op.inputs) + reads,
                           tuple(o.name for o in op.outputs if not o.alias_of) + writes))
             item_roles.append(op.role)
             item_ops.append(i)
             item_seqs.append(None)
+    spare = [spare.get(k, 0) for k in range(len(items))]
     # a ZeRO-3 gather prefetched is held from where the runtime starts it
     moved = prefetched_order(plan, local, item_seqs)
     if moved is not None:
-        items, item_roles, item_ops = ([xs[k] for k in moved]
-                                       for xs in (items, item_roles, item_ops))
+        items, item_roles, item_ops, spare = ([xs[k] for k in moved]
+                                              for xs in (items, item_roles, item_ops, spare))
     # with a schedule: the micro-batch's peak in each of its actions (chunk, letter), to
     # which the others hold what the schedule has them hold then
     order = plan.order.of(pid) if plan.order is not None and plan.micro_batches > 1 else ()
@@ -420,8 +432,8 @@ def _peak_memory(plan, pid, stage, scale: Scale, once=frozenset()) -> tuple[int,
         # (W) reads lives through the input gradient's (I) task, however the program
         # orders the two
         moved = run_order(order, [task_of.get(i) for i in item_ops], item_roles)
-        items, item_roles, item_ops = ([xs[k] for k in moved]
-                                       for xs in (items, item_roles, item_ops))
+        items, item_roles, item_ops, spare = ([xs[k] for k in moved]
+                                              for xs in (items, item_roles, item_ops, spare))
     else:       # interleaved 1F1B: in_flight's chunks, as the stage search prices them
         order, task_of = (), {}
     updating = [role == Role.OPTIMIZE for role in item_roles]
@@ -478,9 +490,10 @@ def _peak_memory(plan, pid, stage, scale: Scale, once=frozenset()) -> tuple[int,
                 live[name] = sizes[name]
             elif name not in keep:
                 live[name] = scale.nbytes(prog.values[name])
-        total = sum(live.values())
+        # a kernel's workspace is held while it runs, beside its results
+        total = sum(live.values()) + spare[k]
         if total > peak:
-            peak, at_peak = total, dict(live)
+            peak, at_peak = total, dict(live, **{WORKSPACE: spare[k]})
         if order and not (writes and set(writes) <= once):    # made before the tasks
             task = task_of.get(item_ops[k])
             for name in writes if lazy else ():
@@ -488,13 +501,13 @@ def _peak_memory(plan, pid, stage, scale: Scale, once=frozenset()) -> tuple[int,
                     made_by[name] = task
                     task_made[task] = task_made.get(task, 0) + buffers[name]
             if total > by_task.get(task, (-1,))[0]:
-                by_task[task] = (total, dict(live))
+                by_task[task] = (total, dict(live, **{WORKSPACE: spare[k]}))
             # the runtime takes a buffer's first gradient array as the buffer: one
             # array while that gradient is live
             own = task_made.get(task, 0) - sum(buffers[n] for n in live
                                                if made_by.get(n, False) == task)
             if total + own > first_run.get(task, (-1,))[0]:
-                first_run[task] = (total + own, dict(live), own)
+                first_run[task] = (total + own, dict(live, **{WORKSPACE: spare[k]}), own)
         for name in set(reads + writes):
             if last.get(name) == k:
                 live.pop(name, None)
@@ -518,6 +531,7 @@ def _peak_memory(plan, pid, stage, scale: Scale, once=frozenset()) -> tuple[int,
                 best = (total + always + before + held, live_then, held,
                         always + before + own)
         _, at_peak, others, made_now = best
+    workspace = at_peak.pop(WORKSPACE, 0)
     grads = sum(b for n, b in at_peak.items() if "@GRAD" in n)
     acts = sum(b for n, b in at_peak.items() if "@GRAD" not in n) + others
     m = scale.micro_batches
@@ -530,7 +544,7 @@ def _peak_memory(plan, pid, stage, scale: Scale, once=frozenset()) -> tuple[int,
             acts += (in_flight(plan.strategy.schedule, m, len(plan.stages), stage,
                               plan.strategy.virtual_stages) - 1) * saved
         grads += made_now
-    return params, states, int(grads), int(acts), int(saved)
+    return params, states, int(grads), int(acts), int(saved), int(workspace)
 
 
 def _combine(plan, processes, update_time, counts) -> Estimate:

@@ -46,7 +46,7 @@ import math
 import numpy as np
 
 from distgraph import dtypes
-from distgraph.registry import LocalSite, TensorType, get_op
+from distgraph.registry import LocalSite, TensorType, get_op, op_workspace
 from distgraph.passes.cost.prices import (Rings, best_overlap, feed_time, mesh_step_time,
                                           op_comm_time, op_time, reshard_step_time)
 from distgraph.passes.reshard import plan_reshard, plan_reshard_path
@@ -121,6 +121,26 @@ class LayoutPrices:
                 out.append(hook(attrs, context or {}, ins))
             return np.array(out, float)
         return self._ops.memo((self, "kept", _signature(op, strategies)), kept)
+
+    def workspace(self, op, strategies) -> np.ndarray:
+        """Bytes each strategy's kernel allocates beyond its results while it runs on the
+        priced device (:func:`~distgraph.registry.op_workspace`: its hook, and on a CPU
+        the float32 copies of its 16-bit operands; zeros without either)."""
+        widened = self.device.type == "CPU"       # numpy computes 16 bits in float32
+        if get_op(op.type).workspace is None and not (widened and _half(op)):
+            return np.zeros(len(strategies))
+
+        def spare():
+            out = []
+            for s in strategies:
+                attrs, _ = self._localized(op, s)
+                ins = [TensorType(shape, v.dtype)
+                       for shape, v in zip(s.in_local_shapes, op.inputs)]
+                outs = [TensorType(shape, o.dtype)
+                        for shape, o in zip(s.out_local_shapes, op.outputs)]
+                out.append(op_workspace(op.type, ins, outs, attrs, widened))
+            return np.array(out, float)
+        return self._ops.memo((self, "workspace", _signature(op, strategies)), spare)
 
     def _localized(self, op, s) -> tuple:
         """(attributes, kernel context) of ``op`` under strategy ``s``, as partition
@@ -368,6 +388,13 @@ def _pair(src: ShardSpec, dst: ShardSpec) -> tuple:
     scales every move's bytes by its extent alike)."""
     return (tuple((src.entry(d), dst.entry(d)) for d in range(src.ndim)
                   if src.entry(d) or dst.entry(d)), src.partial, dst.partial)
+
+
+def _half(op) -> bool:
+    """Whether an operand or result of ``op`` is a 16-bit float (the executor computes
+    such an op in float32, with copies: :func:`~distgraph.registry.op_workspace`)."""
+    return any(dtypes.is_float(v.dtype) and dtypes.itemsize(v.dtype) == 2
+               for v in list(op.inputs) + list(op.outputs))
 
 
 def _signature(op, strategies) -> tuple:

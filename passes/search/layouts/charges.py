@@ -182,16 +182,18 @@ def build_problem(space, costs, weights, loss, world, budget, share, live, targe
     """The ILP of every strategy of ``space``'s nodes (``intra_op.search``)."""
     charges = Charges(space, costs, weights, targets, tied)
     program, nodes = space.program, space.nodes
-    compute, comm, memory = [], [], []
+    compute, comm, memory, spare = [], [], [], []
     for node in nodes:
         if node.is_source:
             c, mem = charges.source(node, node.strategies)
             compute.append(np.array(c))
             comm.append(np.zeros(len(c)))
+            spare.append(np.zeros(len(c)))
         else:
             c, m, mem = charges.op(node, node.strategies, node.hints, node.allowed)
             compute.append(np.array(c))
             comm.append(np.array(m))
+            spare.append(costs.workspace(program.ops[node.op], node.strategies))
         memory.append(np.array(mem, float))
     if loss is not None and loss in space.producer:
         u, j = space.producer[loss]
@@ -228,7 +230,8 @@ def build_problem(space, costs, weights, loss, world, budget, share, live, targe
     liveness = _liveness(space, charges) if live else ()
     return ShardingProblem([len(n.strategies) for n in nodes], compute, comm, memory, edges,
                            aliases, [n.leader for n in nodes], liveness, budget, share,
-                           [n.label for n in nodes])
+                           [n.label for n in nodes], spare if liveness else None,
+                           running(space) if liveness else ())
 
 
 def fixed_problem(moved, costs, weights, loss, world, targets: dict, tied: dict,
@@ -241,16 +244,18 @@ def fixed_problem(moved, costs, weights, loss, world, targets: dict, tied: dict,
     choice (all zeros) equals that of the full problem, ``peak_memory`` too."""
     charges = Charges(moved, costs, weights, targets, tied)
     program, nodes = moved.program, moved.nodes
-    compute, comm, memory = [], [], []
+    compute, comm, memory, spare = [], [], [], []
     for node in nodes:
         if node.is_source:
             (c,), (mem,) = charges.source(node, node.strategies)
-            m = 0.0
+            m = w = 0.0
         else:
             (c,), (m,), (mem,) = charges.op(node, node.strategies, node.hints, node.allowed)
+            (w,) = costs.workspace(program.ops[node.op], node.strategies)
         compute.append(c)
         comm.append(m)
         memory.append(mem)
+        spare.append(w)
     if loss is not None and loss in moved.producer:
         u, j = moved.producer[loss]
         comm[u] = comm[u] + costs.gather(nodes[u].strategies[0].out_specs[j],
@@ -281,7 +286,14 @@ def fixed_problem(moved, costs, weights, loss, world, targets: dict, tied: dict,
         edges = [(u, v, float(x[0, 0])) for u, v, x in edges if x.any()]
     return ShardingProblem.one_each(compute, comm, memory, edges, aliases,
                                     _liveness(moved, charges),
-                                    [n.label for n in nodes])
+                                    [n.label for n in nodes], spare, running(moved))
+
+
+def running(space) -> list:
+    """The node whose op runs at each liveness time of ``space`` (its ops in program
+    order, :func:`~distgraph.passes.search.layouts.liveness.live_sets`)."""
+    node_of = {n.op: n.index for n in space.nodes if not n.is_source}
+    return [node_of.get(k, -1) for k in space.ops]
 
 
 def _aliased(space, node):

@@ -26,7 +26,11 @@ The model (legend: the single-letter names below are used in this module only)::
               m[t] == m[t-1] + memory of the nodes entering at t - of those leaving;
               m[t] <= budget. A node live over an interval appears in two rows, not in
               every row of its interval, so the model stays linear in program size.
-    z         the peak, max_t m[t]; minimised only to name the smallest peak
+              An op's kernel workspace while it runs (the problem's ``workspace`` at
+              its ``running`` times) adds to its step's level in a row of its own:
+              m[t] + sum_i w[i] s[c][i] <= budget.
+    z         the peak, max_t m[t] (with the workspace rows); minimised only to name
+              the smallest peak
 
 Reductions before the model is built (each exact, so the optimum is unchanged):
 
@@ -116,6 +120,8 @@ class Reduced:
     pairs: list[Pair]
     steps: list[dict[int, np.ndarray]]   # liveness: per changing step, class -> delta
     memory: list[np.ndarray]             # per class, per strategy: members' memory summed
+    spikes: list = None                  # per step: (class, workspace) of the ops running
+    #                                      at its level, beside it
 
 
 def _classes(p: ShardingProblem) -> np.ndarray:
@@ -183,7 +189,8 @@ def reduce_problem(p: ShardingProblem) -> Reduced:
     memory = [np.zeros(len(c)) for c in cost]
     for v in range(p.n):
         memory[cls[v]] = memory[cls[v]] + p.memory[v]
-    return Reduced(cls, cost, pairs, _memory_steps(p, cls), memory)
+    steps, spikes = _memory_steps(p, cls)
+    return Reduced(cls, cost, pairs, steps, memory, spikes)
 
 
 def unique_rows(mat) -> tuple:
@@ -202,9 +209,12 @@ def unique_rows(mat) -> tuple:
     return mat[heads[order]], rank[seen]
 
 
-def _memory_steps(p: ShardingProblem, cls: np.ndarray) -> list[dict[int, np.ndarray]]:
-    steps, previous = [], set()
-    for live in p.liveness:
+def _memory_steps(p: ShardingProblem, cls: np.ndarray) -> tuple[list, list]:
+    """(the liveness's changing steps: class -> delta, and per step the workspaces of
+    the ops running at its level: (class, bytes per strategy))."""
+    steps, spikes, previous = [], [], set()
+    running = p.running if p.workspace is not None else ()
+    for t, live in enumerate(p.liveness):
         current = set(live)
         delta: dict[int, np.ndarray] = {}
         for sign, nodes in ((1.0, current - previous), (-1.0, previous - current)):
@@ -212,10 +222,16 @@ def _memory_steps(p: ShardingProblem, cls: np.ndarray) -> list[dict[int, np.ndar
                 c = int(cls[v])
                 delta[c] = delta.get(c, 0.0) + sign * p.memory[v]
         delta = {c: d for c, d in delta.items() if np.any(d)}
-        if delta:        # an unchanged level needs no new row
+        if delta or not steps:        # an unchanged level needs no new row
             steps.append(delta)
+            spikes.append([])
         previous = current
-    return steps
+        v = running[t] if running else -1
+        if v != -1 and np.any(p.workspace[v]):
+            spikes[-1].append((int(cls[v]), p.workspace[v]))
+    if steps and not steps[0] and not spikes[0]:
+        steps, spikes = steps[1:], spikes[1:]
+    return steps, spikes
 
 
 class _Model:
@@ -238,7 +254,7 @@ class _Model:
         ub = budget / unit if budget is not None and not minimise_peak else None
         self.z = z = scip.addVar(lb=0.0, obj=1.0) if minimise_peak else None
         self.m = []
-        for delta in red.steps:
+        for delta, spikes in zip(red.steps, red.spikes):
             m = scip.addVar(lb=0.0, ub=ub)
             self.m.append(m)
             terms = [(-1.0, m)] if m_prev is None else [(-1.0, m), (1.0, m_prev)]
@@ -248,6 +264,13 @@ class _Model:
             scip.addCons(quicksum(coef * x for coef, x in terms) == 0)
             if z is not None:
                 scip.addCons(z - m >= 0)
+            for c, work in spikes:      # a kernel's workspace beside the level
+                extra = quicksum(float(w) / unit * self.s[c][i] for i, w in enumerate(work)
+                                 if w)
+                if ub is not None:
+                    scip.addCons(m + extra <= ub)
+                if z is not None:
+                    scip.addCons(z - m - extra >= 0)
             m_prev = m
 
     def _pair(self, pair: Pair, weight: float) -> dict:
@@ -281,9 +304,9 @@ class _Model:
             for ab, e in e_of.items():
                 scip.setSolVal(sol, e, float(ab == key))
         level = peak = 0.0
-        for delta, m in zip(red.steps, self.m):
+        for delta, spikes, m in zip(red.steps, red.spikes, self.m):
             level += sum(float(d[per_class[c]]) for c, d in delta.items())
-            peak = max(peak, level)
+            peak = max([peak, level] + [level + float(w[per_class[c]]) for c, w in spikes])
             scip.setSolVal(sol, m, max(level, 0.0) / self.unit)
         if self.z is not None:
             scip.setSolVal(sol, self.z, peak / self.unit)
@@ -453,7 +476,8 @@ def _memory_unit(red: Reduced) -> float:
     the budget are divided by it (exactly). In bytes (1e9 .. 1e10 against 0/1 variables)
     SCIP's presolve cut off choices that fit: on a GPT-3 block it called 0.387 s optimal
     under a 12.1 GB budget while a choice of 0.0211 s peaking at 6.3 GB fit it."""
-    largest = max((float(np.abs(d).max()) for delta in red.steps for d in delta.values()),
+    largest = max([float(np.abs(d).max()) for delta in red.steps for d in delta.values()] +
+                  [float(np.max(w)) for spikes in red.spikes for _, w in spikes],
                   default=0.0)
     return 2.0 ** math.floor(math.log2(largest)) if largest > 0 else 1.0
 
@@ -465,7 +489,7 @@ def peak_bound(red: Reduced) -> float:
     allowed = [np.isfinite(c) for c in red.cost]
     live: dict = {}
     level = bound = 0.0
-    for delta in red.steps:
+    for delta, spikes in zip(red.steps, red.spikes):
         for c, d in delta.items():
             old = live.get(c)
             new = d if old is None else old + d
@@ -473,6 +497,11 @@ def peak_bound(red: Reduced) -> float:
                 (0.0 if old is None else float(old[allowed[c]].min()))
             live[c] = new
         bound = max(bound, level)
+        for c, w in spikes:     # the running class's least level with its workspace
+            old = live.get(c)
+            least = 0.0 if old is None else float(old[allowed[c]].min())
+            with_work = w if old is None else old + w
+            bound = max(bound, level - least + float(with_work[allowed[c]].min()))
     return bound
 
 

@@ -15,6 +15,10 @@ communication time and a memory size (``compute[v][i]``, ``comm[v][i]``,
   identical transformer block: ``share = list(zip(*nodes_of_block))``.
 - ``liveness``: the nodes whose memory is live together at each time; with
   ``memory_budget`` the summed memory at every time must stay within it.
+- ``workspace`` and ``running``: ``workspace[v][i]`` the bytes node ``v``'s op kernel
+  allocates while it runs under strategy ``i`` (its temporaries), ``running[t]`` the
+  node whose op runs at liveness time ``t`` (-1: none): the memory at time ``t`` is the
+  live nodes' plus the running node's workspace (none given: zeros).
 
 An ``inf`` entry in ``compute``, ``comm`` or ``R`` forbids that strategy or pair. Tied
 nodes (follow, share) need equal strategy counts: their strategies correspond by index.
@@ -61,6 +65,8 @@ class ShardingProblem:
     memory_budget: float | None = None
     share: Sequence[Sequence[int]] = ()
     names: Sequence[str] | None = None
+    workspace: Sequence[Sequence[float]] | None = None
+    running: Sequence[int] = ()
 
     def __post_init__(self):
         counts = tuple(self.strategy_counts)
@@ -83,6 +89,9 @@ class ShardingProblem:
         _set(self, "share", self._share())
         _set(self, "liveness", self._liveness())
         _set(self, "memory_budget", self._budget(self.memory_budget))
+        if self.workspace is not None:
+            _set(self, "workspace", self._vectors("workspace", self.workspace))
+        _set(self, "running", self._running())
 
     def with_budget(self, budget: float | None) -> "ShardingProblem":
         """This problem with ``memory_budget`` = ``budget``, its other fields shared (a
@@ -136,7 +145,7 @@ class ShardingProblem:
                 raise PlanError(f"ShardingProblem: {field}[{v}] has {arr.size} entries but "
                                 f"{self.node(v)} has strategy_counts[{v}] = {k}; give one "
                                 "entry per strategy")
-            if field == "memory":
+            if field in ("memory", "workspace"):
                 bad, allowed = ~np.isfinite(arr) | (arr < 0), "finite numbers >= 0"
             else:
                 bad, allowed = np.isnan(arr) | (arr == -np.inf), "numbers, or inf to forbid it"
@@ -150,6 +159,26 @@ class ShardingProblem:
 
     def _node_id(self, where: str, v) -> int:
         return _node_id(self.n, where, v)
+
+    def _running(self) -> tuple[int, ...]:
+        if not len(self.running):
+            return ()
+        if len(self.running) != len(self.liveness):
+            raise PlanError(f"ShardingProblem: running has {len(self.running)} entries for "
+                            f"{len(self.liveness)} liveness sets; give the node running at "
+                            "each time (-1: none)")
+        return tuple(-1 if v == -1 else self._node_id(f"running[{t}]", v)
+                     for t, v in enumerate(self.running))
+
+    def spikes(self, choice: Sequence[int]) -> np.ndarray:
+        """The running node's workspace at each liveness time under ``choice`` (zeros
+        without workspace)."""
+        out = np.zeros(len(self.liveness))
+        if self.workspace is not None:
+            for t, v in enumerate(self.running):
+                if v != -1:
+                    out[t] = self.workspace[v][choice[v]]
+        return out
 
     def _matrices(self, field: str, items, convert) -> tuple:
         out = []
@@ -251,9 +280,9 @@ class ShardingProblem:
 
     @classmethod
     def one_each(cls, compute, comm, memory, edges=(), aliases=(), liveness=(),
-                 names=None) -> "ShardingProblem":
+                 names=None, workspace=None, running=()) -> "ShardingProblem":
         """The problem of one strategy per node (a fixed choice priced): ``compute``,
-        ``comm`` and ``memory`` one number per node, ``edges`` (u, v, seconds) and
+        ``comm``, ``memory`` (and ``workspace``) one number per node, ``edges`` (u, v, seconds) and
         ``aliases`` (u, v, forbidden) one per pair, checked as a whole rather than node
         by node. Where a number is wrong, the checks of ``ShardingProblem(...)`` name it.
 
@@ -275,7 +304,9 @@ class ShardingProblem:
             return cls([1] * n, rows[0], rows[1], rows[2],
                        [(u, v, [[x]]) for u, v, x in edges],
                        [(u, v, [[float(x)]]) for u, v, x in aliases], None, liveness,
-                       None, (), names)
+                       None, (), names,
+                       None if workspace is None else [[float(x)] for x in workspace],
+                       running)
         rows.setflags(write=False)
         cost.setflags(write=False)
         banned = np.array([bool(x) for _, _, x in aliases], dtype=bool).reshape(-1, 1, 1)
@@ -288,9 +319,14 @@ class ShardingProblem:
                 ("aliases", tuple((int(u), int(v), m) for (u, v, _), m in zip(aliases, banned))),
                 ("follow", (-1,) * n), ("memory_budget", None), ("share", ()),
                 ("liveness", liveness),
-                ("names", None if names is None else tuple(str(x) for x in names))):
+                ("names", None if names is None else tuple(str(x) for x in names)),
+                ("workspace", None), ("running", running)):
             _set(problem, name, value)
         _set(problem, "liveness", problem._liveness())
+        if workspace is not None:
+            _set(problem, "workspace", problem._vectors("workspace", [[float(x)] for x in
+                                                                      workspace]))
+        _set(problem, "running", problem._running())
         return problem
 
 
@@ -355,11 +391,14 @@ def share_of(problem: ShardingProblem, choice: Sequence[int], nodes) -> float:
 
 
 def peak_memory(problem: ShardingProblem, choice: Sequence[int]) -> float:
-    """The largest summed memory over the liveness sets under ``choice`` (0 without any)."""
+    """The largest summed memory over the liveness sets under ``choice``, each with the
+    running node's workspace (0 without any set)."""
     c = _check_choice(problem, choice)
     per_node = [float(problem.memory[v][c[v]]) for v in range(problem.n)]
     at = per_node.__getitem__
-    return max((sum(map(at, live)) for live in problem.liveness), default=0.0)
+    spikes = problem.spikes(c)
+    return max((sum(map(at, live)) + float(w) for live, w in zip(problem.liveness, spikes)),
+               default=0.0)
 
 
 def _check_choice(problem: ShardingProblem, choice: Sequence[int]) -> list[int]:

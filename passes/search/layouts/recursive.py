@@ -258,7 +258,9 @@ def _tighten(problem, walk, choice, budget) -> list:
                 break
             trial = memory.copy()
             trial[members[c]] = [problem.memory[v][i] for v in members[c]]
-            if (live @ trial).max() <= budget:
+            picks = per_class[:c] + [int(i)] + per_class[c + 1:]
+            spikes = problem.spikes([picks[k] for k in red.cls])     # kernels' workspace
+            if (live @ trial + spikes).max() <= budget:
                 per_class[c], memory = int(i), trial
                 mask[c] = np.arange(len(price)) == i
                 break

@@ -126,7 +126,8 @@ def phases(result, weights, program, memory: list, held: float, backward: int,
     nodes = np.fromiter((i for live in sets for i in live), dtype=np.intp, count=len(step))
     adopted = np.zeros(len(memory))
     adopted[list(of_gradient)] = list(of_gradient.values())
-    beyond = np.bincount(step, np.asarray(memory)[nodes], len(sets)) - held
+    beyond = np.bincount(step, np.asarray(memory)[nodes], len(sets)) - held + \
+        problem.spikes(result.choice)       # the running kernel's workspace
     # the runtime takes a buffer's first gradient array as the buffer: one array
     # while that gradient is live
     shared = np.bincount(step, adopted[nodes], len(sets))

@@ -91,7 +91,7 @@ class GPTLayers:
             t += collective_time("all_reduce", dp, 4 * params / tp, *link) / self.B
             memory = (16 * params / tp) / 1e9
             act = self.act * len(layers) / size / 1e9
-            if memory + act <= sub.device.memory and (best is None or t < best.time):
+            if memory + act <= sub.device.usable_memory() and (best is None or t < best.time):
                 best = StageCost(t, memory + act, act)
         # Nothing fits on this submesh: an infinite time keeps the DP away from it.
         return best or StageCost(math.inf, 0.0, 0.0)

@@ -131,7 +131,8 @@ def _fmt(value) -> str:
 
 
 def _fmt_bytes(n) -> str:
-    """``"1.5MiB"``: bytes in binary units, one word (progress lines split on spaces)."""
+    """``"1.5MB"``: bytes as :func:`~distgraph.units.fmt_bytes` says them, one word
+    (progress lines split on spaces)."""
     return fmt_bytes(n).replace(" ", "")
 
 

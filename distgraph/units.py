@@ -1,9 +1,14 @@
 """Sizes and id lists for people: the one byte formatter and the one id-range formatter.
 
+Bytes are said in decimal units (kB, MB, GB: 10^3, 10^6, 10^9 bytes), the resource
+file's unit for memory (a device's ``memory`` and ``reserved_memory``,
+``Strategy(memory_budget_gb)``), so a peak, what a device may hold and its memory read in
+one unit wherever they are printed.
+
 Example::
 
-    >>> fmt_bytes(16), fmt_bytes(4800), fmt_bytes(1.5 * 2 ** 20), fmt_bytes(3 * 2 ** 30)
-    ('16 B', '4.69 KiB', '1.5 MiB', '3 GiB')
+    >>> fmt_bytes(16), fmt_bytes(4800), fmt_bytes(1.5e6), fmt_bytes(74e9), fmt_bytes(123.4e9)
+    ('16 B', '4.8 kB', '1.5 MB', '74 GB', '123 GB')
     >>> fmt_ids(range(64)), fmt_ids([*range(64, 128), *range(192, 256)]), fmt_ids([3, 1])
     ('0-63', '64-127, 192-255', '1, 3')
     >>> fmt_ids(range(0, 1024, 8))
@@ -16,8 +21,8 @@ GB = 1e9            # resource files give memory in GB (decimal)
 
 
 def fmt_bytes(n: float) -> str:
-    """Three significant digits in binary units (whole numbers from 100 up)."""
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+    """Three significant digits in decimal units (whole numbers from 100 up)."""
+    for unit, size in (("GB", GB), ("MB", 1e6), ("kB", 1e3)):
         if n >= size:
             v = n / size
             return f"{v:.3g} {unit}" if v < 100 else f"{v:.0f} {unit}"

@@ -1,9 +1,10 @@
 """Plans that fit, by construction: no plan on a cluster is returned whose estimate needs
 more memory than a device may hold.
 
-What a device may hold is its memory in the resource file, or ``Strategy(memory_budget_gb)``
-where that is less (:func:`~distgraph.passes.cost.fit.limit_of`); the devices' memory is
-a limit whether or not a budget is given. The check is the estimate's
+What a device may hold is its usable memory (its memory in the resource file less its
+reserve), or ``Strategy(memory_budget_gb)`` where that is less
+(:func:`~distgraph.passes.cost.fit.limit_of`); the devices' usable memory is a limit
+whether or not a budget is given. The check is the estimate's
 (:func:`~distgraph.passes.cost.fit.overflows`), made once per plan, after every choice,
 whichever path made it: a searched plan with or without stages, micro-batches given or
 searched, or a plan of the user's annotations (``auto_mode="semi"``).
@@ -287,13 +288,12 @@ def fitting(strategy, cluster, plan_once, searched: bool | None = None):
 
 def _next_budget(strategy, cluster, budget, worst) -> float:
     """The budget of the next search after ``worst`` overflowed: the device's limit where
-    the search was not held to it (no budget, or one above the device's memory), else
-    what it was held to less the excess (the searches count what is live at each op,
-    the estimate also reshard buffers and micro-batches in flight)."""
+    the search was not held to it (no budget, or one above the device's usable memory),
+    else what it was held to less the excess (the searches count what is live at each
+    op, the estimate also reshard buffers and micro-batches in flight)."""
     held = math.inf if budget is None else budget
-    memory = cluster.device(worst.device).memory
-    if strategy.pipeline and memory is not None:    # the stage search reads the devices'
-        held = min(held, memory * GB)
+    if strategy.pipeline:           # the stage search reads the devices' usable memory
+        held = min(held, cluster.device(worst.device).usable_memory() * GB)
     return worst.limit if held > worst.limit else held - worst.excess
 
 
@@ -304,8 +304,10 @@ def _refusal(searched: bool, cluster, given, closest, floor) -> DoesNotFit:
         "the plan does not fit its devices' memory"
     if closest is not None:
         needs = "the closest needs" if searched else "it needs"
+        reserve = cluster.device(closest.device).reserve
         text += (f": {needs} {closest.peak / GB:.4g} GB on {_where(closest)}, which may hold "
-                 f"{closest.limit / GB:.4g} GB")
+                 f"{closest.limit / GB:.4g} GB" + (f" (its {reserve:.4g} GB reserve left free)"
+                                                   if reserve else ""))
         limit, where = closest.limit, _where(closest)
     else:
         limit = min(limit_of(cluster, d.global_id, given) for d in cluster.devices)
@@ -316,10 +318,10 @@ def _refusal(searched: bool, cluster, given, closest, floor) -> DoesNotFit:
                  f"{floor / GB:.4g} GB per device as the search counts it (the results "
                  f"live at once)")
     if closest is not None and given is not None:
-        memory = cluster.device(closest.device).memory
-        if memory is not None and closest.peak <= memory * GB:
-            text += (f" (Strategy(memory_budget_gb={given:g}); the device has {memory:g} "
-                     f"GB: a budget of {closest.peak / GB:.4g} GB fits this plan)")
+        usable = cluster.device(closest.device).usable_memory()
+        if closest.peak <= usable * GB:
+            text += (f" (Strategy(memory_budget_gb={given:g}); the device has {usable:.4g} "
+                     f"GB usable: a budget of {closest.peak / GB:.4g} GB fits this plan)")
     return DoesNotFit(text, closest.peak if closest is not None else floor, where, limit)
 
 

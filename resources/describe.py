@@ -67,7 +67,7 @@ def describe(cluster) -> str:
         devs = [cluster.device(i) for i in mesh.ids]
         d0 = devs[0]
         rows.append([mesh.name, f"{mesh.device_type} {mesh.model}".strip(), str(mesh.shape),
-                     _ranges(mesh.ids), dims, f"{d0.memory:g} GB",
+                     _ranges(mesh.ids), dims, d0.memory_text,
                      " ".join(f"{k}={_span([d.gflops.get(k, 0.0) for d in devs])}"
                               for k in d0.gflops)])
     lines += _table(["name", "device", "shape", "ids", "dims", "memory", "GFLOP/s"], rows)

@@ -24,6 +24,35 @@ from distgraph.plan.kinds import ALL_TO_ALLV, StepKind
 COMPUTE_TYPES = ("CPU", "GPU", "XPU", "NPU", "DCU", "MLU", "IPU", "TPU")
 NETWORK_TYPES = ("NIC",)
 DEVICE_TYPES = COMPUTE_TYPES + NETWORK_TYPES
+# What an accelerator's training process cannot hand to its arrays, by default
+# (resources/README.md, "Usable memory", gives the sources): a fixed part for the runtime's
+# context (a CUDA context holds some 0.3-0.5 GB with lazy module loading) and the
+# communicators' buffers (an NCCL communicator some 0.5-0.7 GB on A100s, a process of a
+# 3-D plan is in several), and a share of the device for the caching allocator's slack
+# (reserved but unallocated blocks: a few % of a full device).
+RESERVE_FIXED_GB = 2.0
+RESERVE_SHARE = 0.05
+RESERVE_EXPECTED = ("a number of GB >= 0 and below the device's memory: what its process "
+                    "cannot hand to its arrays (the runtime's context, the communicators' "
+                    "buffers, the allocator's slack)")
+
+
+def default_reserve(device_type: str, memory: float) -> float:
+    """GB of a device's ``memory`` (GB) its process cannot fill, where the resource file
+    gives no ``reserved_memory``: ``RESERVE_FIXED_GB`` + ``RESERVE_SHARE`` of the memory on
+    an accelerator, at most half of it (a device of a few GB is a share of a GPU that
+    several ranks use, or a test's figure: half stays usable); 0 on a CPU, whose figure in
+    a file is already the host memory a rank may use, its heap what the estimate counts
+    (no device context, no communicator buffers in device memory), and on a NIC.
+
+    Example::
+
+        >>> default_reserve("GPU", 80.0), default_reserve("GPU", 2.0), default_reserve("CPU", 4.0)
+        (6.0, 1.0, 0.0)
+    """
+    if device_type not in COMPUTE_TYPES or device_type == "CPU":
+        return 0.0
+    return min(RESERVE_FIXED_GB + RESERVE_SHARE * memory, memory / 2)
 
 
 class FrozenMap(dict):
@@ -119,9 +148,13 @@ class Device:
     ``sliced``: one collective inside MeshSlice's sliced pipeline (µs per step), and the
     ns per byte a partial GeMM reads again; ``gemm``: how its GEMM rate depends on a
     GEMM's m, n and k (a :class:`GemmCurve`; None: every GEMM at the GFLOP/s of its
-    dtype, or at its memory bandwidth where that is slower).
+    dtype, or at its memory bandwidth where that is slower); ``reserved_memory``: GB of
+    ``memory`` the process cannot hand to its arrays (the resource file's; None: the
+    default for the type, :func:`default_reserve`): what the planner may fill is
+    :meth:`usable_memory`.
 
-    Example: ``Device(0, 0, 0, "GPU", "A100-SXM4-40GB", {"float32": 19500}, 40)``.
+    Example: ``Device(0, 0, 0, "GPU", "A100-SXM4-40GB", {"float32": 19500}, 40)``
+    (``.reserve`` 4.0 GB, ``.usable_memory()`` 36.0 GB).
     """
 
     global_id: int
@@ -136,6 +169,7 @@ class Device:
     op_costs: Mapping[str, tuple] | None = None
     reshard_overhead: Mapping[str, tuple] | None = None
     gemm: GemmCurve | None = None
+    reserved_memory: float | None = None
 
     def __post_init__(self):
         if self.type not in DEVICE_TYPES:
@@ -150,6 +184,43 @@ class Device:
         if self.op_costs is not None:
             _set(self, "op_costs", FrozenMap({str(k): (float(a), float(b))
                                               for k, (a, b) in self.op_costs.items()}))
+        if self.reserved_memory is not None:
+            reserve = float(self.reserved_memory)
+            if not (math.isfinite(reserve) and 0 <= reserve < self.memory):
+                raise InvalidCluster(f"device {self.global_id}.reserved_memory",
+                                     f"got {reserve:g} of a device of {self.memory:g} GB",
+                                     RESERVE_EXPECTED)
+            _set(self, "reserved_memory", reserve)
+
+    @property
+    def reserve(self) -> float:
+        """GB of its memory the process cannot fill: the file's ``reserved_memory``, else
+        the default for its type (:func:`default_reserve`)."""
+        if self.reserved_memory is not None:
+            return self.reserved_memory
+        return default_reserve(self.type, self.memory)
+
+    def usable_memory(self, budget_gb: float | None = None) -> float:
+        """GB the planner may fill on this device: its memory less :attr:`reserve`, and at
+        most ``budget_gb`` where given (``Strategy(memory_budget_gb)``, which can only
+        lower it). Every limit the planner fits a plan to is this one.
+
+        Example::
+
+            >>> d = Device(0, 0, 0, "GPU", "A100", {"bfloat16": 312000}, 80)
+            >>> d.usable_memory(), d.usable_memory(budget_gb=40)
+            (74.0, 40)
+        """
+        usable = self.memory - self.reserve
+        return usable if budget_gb is None else min(usable, budget_gb)
+
+    @property
+    def memory_text(self) -> str:
+        """Its memory in words: ``"80 GB, 74 GB usable"``; ``"4 GB"`` where all of it is."""
+        usable = self.usable_memory()
+        if usable == self.memory:
+            return f"{self.memory:g} GB"
+        return f"{self.memory:g} GB, {usable:.4g} GB usable"
 
     @property
     def is_compute(self) -> bool:

@@ -15,6 +15,8 @@ Differences from the distgraph schema, and how they are bridged:
 - a link listed under one machine may point into another machine (NIC to NIC "NET"
   links): it becomes a link between machines;
 - keys distgraph does not use (``alpha_latency``, ``arch``, ``vendor``, ...) are ignored;
+  a device may add distgraph's ``reserved_memory`` (GB its process cannot fill; without
+  it, the default for its type: resources/README.md);
 - machine ids are the positions in ``machines``; device meshes are inferred.
 
 Detection: a file is Paddle's when some device has ``sp_gflops``/``dp_gflops``/
@@ -37,6 +39,7 @@ from __future__ import annotations
 from distgraph.resources.elements import (COMPUTE_TYPES, Device, InvalidCluster, Link,
                                          Machine)
 from distgraph.resources.reader import Reader, join
+from distgraph.resources.schema import reserved_memory
 
 GFLOPS_KEYS = {"sp_gflops": "float32", "dp_gflops": "float64", "hp_gflops": "float16"}
 
@@ -125,7 +128,8 @@ def _devices(reader: Reader, m: dict, key: str, machine: int, owner: dict):
         if not gflops:
             reader.fail(dkey, "no sp_gflops, dp_gflops or hp_gflops",
                         "at least sp_gflops (float32 GFLOP/s)")
-        devices.append(Device(gid, local, machine, dtype, model, gflops, memory))
+        devices.append(Device(gid, local, machine, dtype, model, gflops, memory,
+                              reserved_memory=reserved_memory(reader, d, dkey, memory)))
     if not devices:
         reader.fail(join(key, "devices"), "only NICs", "at least one compute device")
     return tuple(devices), tuple(nics)

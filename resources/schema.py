@@ -21,9 +21,9 @@ from __future__ import annotations
 from dataclasses import replace
 
 from distgraph.ops import registered_ops     # the package: every op registered
-from distgraph.resources.elements import (COMPUTE_TYPES, SOFTWARE_KINDS, Device, DeviceMesh,
-                                          GemmCurve, InvalidCluster, Link, LinkGroup, Machine,
-                                          Overlaps, Switch, clique)
+from distgraph.resources.elements import (COMPUTE_TYPES, RESERVE_EXPECTED, SOFTWARE_KINDS,
+                                          Device, DeviceMesh, GemmCurve, InvalidCluster, Link,
+                                          LinkGroup, Machine, Overlaps, Switch, clique)
 from distgraph.resources.groups import compact as _compact, expand as _expand_group
 from distgraph.resources.reader import Reader, join
 
@@ -31,7 +31,8 @@ TOP_KEYS = ("name", "machines", "node_groups", "links", "switches", "device_mesh
             "calibration", "figures")
 MACHINE_KEYS = ("id", "hostname", "addr", "port", "devices", "nics", "links")
 DEVICE_KEYS = ("global_id", "local_id", "type", "model", "gflops", "memory",
-               "memory_bandwidth", "op_overhead", "op_costs", "reshard_overhead", "gemm")
+               "reserved_memory", "memory_bandwidth", "op_overhead", "op_costs",
+               "reshard_overhead", "gemm")
 GEMM_KEYS = ("units", "tile", "k_fill", "reuse")
 NIC_KEYS = ("global_id", "local_id", "type", "model")
 LINK_KEYS = ("source", "target", "group", "bandwidth", "latency", "type")
@@ -169,7 +170,8 @@ def _machine(reader: Reader, raw, key: str, index: int, ids: _Ids, node: str = "
         costs = _op_costs(reader, d, dkey)
         reshard = _reshard_overhead(reader, d, dkey)
         devices.append(Device(gid, local, mid, dtype, model, gflops, memory, mem_bw, overhead,
-                              costs, reshard, _gemm(reader, d, dkey)))
+                              costs, reshard, _gemm(reader, d, dkey),
+                              reserved_memory(reader, d, dkey, memory)))
     nics = []
     for j, raw_nic in enumerate(reader.sequence(m.get("nics", []), join(key, "nics"))):
         nkey = join(join(key, "nics"), j)
@@ -341,6 +343,16 @@ def cluster_to_dict(cluster, compact: bool = False) -> dict:
     return out
 
 
+def reserved_memory(reader: Reader, d: dict, dkey: str, memory: float) -> float | None:
+    """A device's ``reserved_memory`` (GB of its ``memory`` its process cannot fill;
+    :class:`~distgraph.resources.elements.Device`), or None where the file gives none."""
+    reserve = reader.number(d, "reserved_memory", dkey, default=None, unit="GB")
+    if reserve is not None and reserve >= memory:
+        reader.fail(join(dkey, "reserved_memory"), f"got {reserve:g}, which leaves nothing "
+                    f"of the device's {memory:g} GB", RESERVE_EXPECTED)
+    return reserve
+
+
 def _op_costs(reader: Reader, d: dict, dkey: str):
     """A device's ``op_costs``: {op type: [µs per call, ns per unit of work]}, or None."""
     raw = reader.get(d, "op_costs", dkey, default=None)
@@ -401,7 +413,10 @@ def _reshard_overhead(reader: Reader, d: dict, dkey: str):
 
 def _device_dict(d) -> dict:
     out = {"global_id": d.global_id, "local_id": d.local_id, "type": d.type, "model": d.model,
-           "memory": _num(d.memory), "gflops": {k: _num(v) for k, v in d.gflops.items()}}
+           "memory": _num(d.memory)}
+    if d.reserved_memory is not None:           # None: the type's default, left to it
+        out["reserved_memory"] = _num(d.reserved_memory)
+    out["gflops"] = {k: _num(v) for k, v in d.gflops.items()}
     for key in ("memory_bandwidth", "op_overhead"):
         if getattr(d, key) is not None:
             out[key] = _num(getattr(d, key))

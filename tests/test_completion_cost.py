@@ -46,7 +46,7 @@ def test_cross_entropy_keeps_the_logits_and_gathers_the_labels():
     prog = conflicts.conflict_cross_entropy(S.line_cluster(4, bandwidth=1.0))
     sce = op_of(prog, "softmax_cross_entropy")
     assert specs(sce)[0] == ["[None, None, x]", "[None, None]"]
-    # labels [8, 16] int64 gathered over 4: (n-1)/n of the 1 KiB gathered buffer per
+    # labels [8, 16] int64 gathered over 4: (n-1)/n of the 1 kB gathered buffer per
     # process; the op's own all-gather of 128 logsumexps x 4 and all-reduce of 128
     # picked logits (float32), per process; and the mean's count of labels that are not
     # ignore_index, counted where the labels are split: one float32 all-reduce
@@ -56,17 +56,17 @@ def test_cross_entropy_keeps_the_logits_and_gathers_the_labels():
     assert step_bytes(prog) == pytest.approx(4 * (labels + inside + count))
     note = next(n for n in sce.dist_attr.notes if n.startswith("kept"))
     assert note.startswith("kept matmul_0 [None, None, x]: resharding labels (768 B) instead "
-                           "of matmul_0 (24 KiB)")
+                           "of matmul_0 (24.6 kB)")
     # the time decides: per step, the labels' all_gather and the op's own all_gather and
     # all_reduce over its class-split group, against the logits' all-to-all
-    assert "planned 12 KiB taking 21.1 us per step against 96 KiB taking 39.6 us" in note
+    assert "planned 12.3 kB taking 21.1 us per step against 98.4 kB taking 39.6 us" in note
     text = dg.passes.why(prog, "labels")
     assert "because on softmax_cross_entropy: kept matmul_0 [None, None, x]" in text
 
 
 def test_where_latency_decides_the_cross_entropy_reshards_the_logits():
     """On this machine's links (Cluster.local: 10 GB/s, 1 us), what completion prices
-    without a cluster as the estimate does, the logits' all-to-all (24 KiB per process,
+    without a cluster as the estimate does, the logits' all-to-all (24.6 kB per process,
     3 rounds) takes less than the vocab-parallel form's own all_gather and all_reduce
     over the class-split group (9 rounds) with the labels' all_gather: the rule's order,
     logits split on the batch, stands."""
@@ -80,7 +80,7 @@ def test_where_latency_decides_the_cross_entropy_reshards_the_logits():
 def test_combined_split_kept_where_cheaper_than_the_rule_order():
     prog = conflicts.conflict_embedding()
     emb = op_of(prog, "embedding")
-    # keeping the table's (x, y) split gathers the ids over x: 1 KiB of int64 per process
+    # keeping the table's (x, y) split gathers the ids over x: 1.02 kB of int64 per process
     assert specs(emb) == (["[None, None]", "[None, (x,y)]"], ["[None, None, (x,y)]"])
     assert step_bytes(prog) == pytest.approx(6 * (1 / 2 * 8 * 16 * 8))
     prog = conflicts.conflict_matmul()
@@ -124,17 +124,17 @@ def conflict_matmul_2d(cluster=None):
 
 
 def test_the_links_decide_by_time():
-    # k split over x (a) or y (b). Keeping a: b is gathered over y (4.5 KiB per process)
-    # and the output all-reduced over x (9 KiB); keeping b: a gathered over x (6 KiB),
-    # the output all-reduced over y (12 KiB). On like links (Cluster.local, the default)
+    # k split over x (a) or y (b). Keeping a: b is gathered over y (4.61 kB per process)
+    # and the output all-reduced over x (9.22 kB); keeping b: a gathered over x (6.14 kB),
+    # the output all-reduced over y (12.3 kB). On like links (Cluster.local, the default)
     # fewer bytes and messages keep a; a slow network under x keeps b.
     mm = conflict_matmul_2d().ops[0]
     assert specs(mm) == (["[None, x]", "[x, None]"], ["[None, None] P(x)"])
     mm = conflict_matmul_2d(two_machines(0.1)).ops[0]
     assert specs(mm) == (["[None, y]", "[y, None]"], ["[None, None] P(y)"])
     note = next(n for n in mm.dist_attr.notes if n.startswith("kept"))
-    assert note.startswith("kept b [y, None]: resharding a (6 KiB), matmul_0 (12 KiB) instead "
-                           "of b (4.5 KiB), matmul_0 (9 KiB)")
+    assert note.startswith("kept b [y, None]: resharding a (6.14 kB), matmul_0 (12.3 kB) "
+                           "instead of b (4.61 kB), matmul_0 (9.22 kB)")
     assert " us" in note
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import re
 import sys
@@ -146,6 +147,18 @@ def check_summary(plan, estimate=None, cluster=None) -> str:
     def device(q):
         return cluster.devices[plan.ranks(q)]
 
+    def usable(q):
+        """Bytes process q's device may hold: its memory less its reserve (the file's, else
+        5% and 2 GB on an accelerator, at most half; none on a CPU), at most the budget."""
+        d = device(q)
+        reserve = d.reserved_memory
+        if reserve is None:
+            reserve = 0.0 if d.type == "CPU" else min(2 + 0.05 * d.memory, d.memory / 2)
+        budget = plan.strategy.memory_budget_gb
+        return min(d.memory - reserve, math.inf if budget is None else budget) * 1e9
+
+    # one unit for every size: decimal bytes, as the resource file's GB
+    assert not re.search(r"\d (KiB|MiB|GiB)\b", text)
     if est is None:
         assert "memory not estimated" in head
     elif cluster is None:
@@ -154,13 +167,20 @@ def check_summary(plan, estimate=None, cluster=None) -> str:
             f"{fmt_bytes(peak)}" in head
     else:
         peak = max(p.peak_memory for p in est.processes)
-        over = [p for p in est.processes if p.peak_memory > device(p.process).memory * 1e9]
+        over = [p for p in est.processes if p.peak_memory > usable(p.process)]
         top = next(p for p in est.processes if p.peak_memory == peak)
         verdict = "fits its devices" if not over else "does NOT fit"
         assert f"; {verdict}: largest peak {fmt_bytes(peak)} of " \
-            f"{fmt_bytes(device(top.process).memory * 1e9)} (" in head
+            f"{fmt_bytes(usable(top.process))} usable (" in head
+        memory = device(top.process).memory * 1e9
+        said = [x for x in lines[1:3] if x.startswith("  usable memory ")]
+        if usable(top.process) < memory:      # why less than the device's: one line says
+            assert said[0].startswith(f"  usable memory {fmt_bytes(usable(top.process))}: "
+                                      f"the device's {fmt_bytes(memory)} ")
+        else:
+            assert not said
         if over:
-            assert lines[1] == "  over their device's memory: process" + \
+            assert lines[1] == "  over their device's usable memory: process" + \
                 ("es " if len(over) > 1 else " ") + runs(p.process for p in over)
     by_stage = sections(lines)
     assert sorted(by_stage) == list(range(len(plan.stages)))
@@ -302,10 +322,47 @@ def test_a_plan_over_its_devices_memory_says_so():
     assert min(p.peak_memory for p in est.processes) > 1e4
     lines = check_summary(plan, est, small).splitlines()
     assert "does NOT fit: largest peak" in lines[0]
-    assert lines[1] == "  over their device's memory: processes 0, 1"
+    assert lines[1] == "  over their device's usable memory: processes 0, 1"
     no_cluster = check_summary(dataclasses.replace(plan, cluster=None), est)
     assert "memory not estimated against devices (no cluster)" in no_cluster
     assert "MFU not known (no cluster)" in no_cluster
+
+
+def gpus_of(memory_gb: float, reserved_gb: float | None = None, n: int = 2):
+    """``n`` GPUs of ``memory_gb`` on one machine, ``reserved_memory`` as given."""
+    data = dg.Cluster.local(n).to_dict()
+    for machine in data["machines"]:
+        for d in machine["devices"]:
+            d.update(type="GPU", model="G", memory=memory_gb)
+            if reserved_gb is not None:
+                d["reserved_memory"] = reserved_gb
+    return dg.Cluster.from_dict(data)
+
+
+def test_explain_says_peak_usable_and_device_memory_in_one_unit():
+    """A GPU's reserve: the first line holds the peak against the usable memory and the
+    next says the device's memory and what it leaves out, all in decimal bytes; a peak
+    between the usable and the device's memory does not fit."""
+    plan, _ = planned(("gpt", "dp", 2))
+    peak = dg.passes.estimate(plan, dg.Cluster.local(2)).peak_memory
+    gpus = gpus_of(80, 20)
+    lines = check_summary(plan, dg.passes.estimate(plan, gpus), gpus).splitlines()
+    assert lines[0].endswith(f"fits its devices: largest peak {fmt_bytes(peak)} of 60 GB usable "
+                             f"({peak / 60e9:.1%})")
+    assert lines[1] == ("  usable memory 60 GB: the device's 80 GB less 20 GB reserved (the "
+                        "runtime's context, the communicators' buffers, the allocator's slack)")
+    assert "(GPU G, 80 GB, 60 GB usable)" in "\n".join(lines)
+    # the default reserve of an accelerator: 5% and 2 GB of a 40 GB GPU
+    forty = gpus_of(40)
+    assert " of 36 GB usable (" in check_summary(plan, dg.passes.estimate(plan, forty),
+                                                  forty).splitlines()[0]
+    # device memory above the peak, usable memory below it: the plan does not fit
+    tight = gpus_of(2 * peak / 1e9, reserved_gb=1.5 * peak / 1e9)
+    lines = check_summary(plan, dg.passes.estimate(plan, tight), tight).splitlines()
+    assert "does NOT fit: largest peak" in lines[0]
+    assert lines[1] == "  over their device's usable memory: processes 0, 1"
+    assert lines[2].startswith(f"  usable memory {fmt_bytes(0.5 * peak)}: the device's "
+                               f"{fmt_bytes(2 * peak)} less {fmt_bytes(1.5 * peak)} reserved")
 
 
 def test_a_serial_plan():
@@ -458,7 +515,7 @@ def test_a_1024_process_plan_fits_a_screen_per_stage(megatron_1024):
     for s in range(4):
         first, last = 256 * s, 256 * s + 255
         assert (f"  stage {s}: mesh [32, 8] (dp, mp), processes {first}-{last} on devices "
-                f"{first}-{last} (GPU A100-SXM4-80GB, 74.5 GiB)") in lines
+                f"{first}-{last} (GPU A100-SXM4-80GB, 80 GB, 74 GB usable)") in lines
         assert f"    processes {first}-{last}: peak " in text
     assert "weights: matmul [None, mp] x2, [mp, None] x2 (split over mp)" in text
     assert "bfloat16" in text

@@ -142,6 +142,14 @@ def test_the_file_holds_decisions_not_processes(files):
     assert read(path).strategy == dg.Strategy(
         auto_mode="full", pipeline=True, micro_batches=4, recompute=saved.strategy.recompute,
         sharding=saved.strategy.sharding, sequence_parallel=saved.strategy.sequence_parallel)
+    # the result's memory in one unit, bytes: the largest peak, what its device may hold
+    # (a CPU of Cluster.local: all of its memory) and the device's memory
+    top = max(saved.estimate.processes, key=lambda p: p.peak_memory)
+    memory = saved.cluster.device(top.device).memory * 1e9
+    assert (data["result"]["peak_memory"], data["result"]["usable_memory"],
+            data["result"]["device_memory"]) == (top.peak_memory, memory, memory)
+    assert saved.to_dict()["memory"] == {"process": top.process, "peak": top.peak_memory,
+                                         "usable": memory, "device": memory}
 
 
 def test_a_plan_pickles_whole(files, float64, tmp_path):

@@ -45,7 +45,7 @@ ROOT = os.path.join(HERE, "..")
 needs_browser = pytest.mark.skipif(
     browser.CHROMIUM is None, reason="no chromium on PATH: the test command installs it as "
     "root (apt-get install -y chromium); elsewhere install it to run these tests")
-UNITS = {"s": 1.0, "ms": 1e-3, "B": 1.0, "KiB": 2 ** 10, "MiB": 2 ** 20, "GiB": 2 ** 30,
+UNITS = {"s": 1.0, "ms": 1e-3, "B": 1.0, "kB": 1e3, "MB": 1e6, "GB": 1e9,
          "FLOP": 1.0, "kFLOP": 1e3, "MFLOP": 1e6, "GFLOP": 1e9, "TFLOP": 1e12,
          "PFLOP": 1e15, "MFLOP/s": 1e6, "GFLOP/s": 1e9, "TFLOP/s": 1e12, "%": 1e-2}
 SCHEDULES = ("FThenB", "1F1B", "ZB")
@@ -122,7 +122,11 @@ def test_the_figures_shown_are_the_estimates(pipeline, page):
     for key in ("step_time", "compute", "communication", "bubble"):
         check_figure(figures, key, getattr(est, key), digits=4)
     check_figure(figures, "predicted_step", est.step_time, digits=4)
-    check_figure(figures, "peak_memory", max(p.peak_memory for p in est.processes))
+    top = max(est.processes, key=lambda p: p.peak_memory)
+    check_figure(figures, "peak_memory", top.peak_memory)
+    device = cluster.devices[plan.ranks(top.process)]      # a CPU: all of it usable
+    check_figure(figures, "usable_memory", device.memory * 1e9)
+    check_figure(figures, "device_memory", device.memory * 1e9)
     flops = sum(E.oracle_flops(plan).values())
     check_figure(figures, "flops", flops, digits=4)
     peak = sum(d.flops("float32") for d in cluster.devices[:plan.world_size])
@@ -184,9 +188,13 @@ def test_a_1024_process_plan_is_drawn_grouped(tmp_path):
     assert sum(m["stages"].count(s) for m in data["cluster"]["machines"]
                for s in range(4)) == 1024
     assert 4 <= len(data["memory"]["groups"]) < 64
+    # an 80 GB A100 leaves 74 GB usable by default (2 GB and 5% reserved): every bar's line
+    assert {(g["usable"], g["memory"]) for g in data["memory"]["groups"]} == {(74e9, 80e9)}
     loaded = browser.dump_dom(path)
     assert loaded.console == [] and loaded.body.get("data-rendered") == "1"
     check_figure(loaded.figures, "step_time", est.step_time, digits=4)
+    check_figure(loaded.figures, "usable_memory", 74e9)
+    check_figure(loaded.figures, "device_memory", 80e9)
 
 
 @needs_browser

@@ -58,6 +58,15 @@ SCHEMA_CASES = [
      "machines[0].devices[0].memory", "memory"),
     ("memory_missing", lambda d: dev(d, 0, 1).pop("memory"), "machines[0].devices[1].memory",
      None),
+    # a reserve below 0, or one that leaves nothing of the device's memory (40 GB)
+    ("reserved_negative", lambda d: dev(d, 1, 0).update(reserved_memory=-1),
+     "machines[1].devices[0].reserved_memory", "reserved_memory"),
+    ("reserved_all", lambda d: dev(d, 0, 1).update(reserved_memory=40),
+     "machines[0].devices[1].reserved_memory", "reserved_memory"),
+    ("reserved_more", lambda d: dev(d, 0, 0).update(reserved_memory="41"),
+     "machines[0].devices[0].reserved_memory", "reserved_memory"),
+    ("reserved_text", lambda d: dev(d, 0, 0).update(reserved_memory="some"),
+     "machines[0].devices[0].reserved_memory", "reserved_memory"),
     ("hostname_missing", lambda d: m(d, 0).pop("hostname"), "machines[0].hostname", None),
     ("hostname_not_text", lambda d: m(d, 1).update(hostname=42), "machines[1].hostname",
      "hostname"),
@@ -242,6 +251,10 @@ PADDLE_CASES = [
     ("unknown_type", lambda d: dev(d, 0, 1).update(type="FPGA"), "machines[0].devices[1].type"),
     ("bandwidth_negative", lambda d: link(d, 0, 0).update(bandwidth=-235),
      "machines[0].links[0].bandwidth"),
+    ("reserved_all", lambda d: dev(d, 0, 1).update(reserved_memory="32"),
+     "machines[0].devices[1].reserved_memory"),
+    ("reserved_negative", lambda d: dev(d, 0, 0).update(reserved_memory=-2),
+     "machines[0].devices[0].reserved_memory"),
     # a second machine and no link between the two (the devices of one machine reach
     # each other through its shared memory: one machine without links is connected)
     ("not_connected", lambda d: d["machines"].append(second_machine(d)), "links"),

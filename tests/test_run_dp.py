@@ -21,9 +21,11 @@ from distgraph.resources.cluster import Cluster, Device, Link, Machine
 
 
 def cluster_of(rows, cols, memory):
+    """GPUs whose ``memory`` (GB) a stage may fill: no reserve (``reserved_memory`` 0)."""
     machines, firsts = [], []
     for m in range(rows):
-        devs = tuple(Device(m * cols + j, j, m, "GPU", "g", {"float32": 100.0}, memory)
+        devs = tuple(Device(m * cols + j, j, m, "GPU", "g", {"float32": 100.0}, memory,
+                            reserved_memory=0.0)
                      for j in range(cols))
         links = tuple(Link(a.global_id, b.global_id, 100, 1)
                       for a, b in itertools.combinations(devs, 2))
@@ -103,7 +105,8 @@ def two_kind_cluster(rng, shape_a, shape_b):
             [("a", shape_a[1], 2.0)] * shape_a[0] + [("b", shape_b[1], 1.5)] * shape_b[0]):
         base = sum(len(x.devices) for x in machines)
         devs = tuple(Device(base + j, j, m, "GPU", model, {"float32": 100.0},
-                            memory * float(rng.uniform(0.8, 1.2)) if j == 0 else memory)
+                            memory * float(rng.uniform(0.8, 1.2)) if j == 0 else memory,
+                            reserved_memory=0.0)
                      for j in range(cols))
         links = tuple(Link(a.global_id, b.global_id, 100, 1)
                       for a, b in itertools.combinations(devs, 2))

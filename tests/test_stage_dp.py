@@ -17,14 +17,17 @@ from distgraph.passes.search.stages.stage_dp import StageCost, plan_stages, subm
 from distgraph.resources.cluster import Cluster, Device, DeviceMesh, Link, Machine
 
 
-def make_cluster(groups, device_meshes=None):
+def make_cluster(groups, device_meshes=None, reserved=0.0):
     """groups: (machines, devices per machine, GFLOP/s, memory GB, model) per device kind;
-    devices of one machine all linked, machines chained through their first devices."""
+    devices of one machine all linked, machines chained through their first devices.
+    ``reserved``: each device's ``reserved_memory`` (0: its memory is what a stage may
+    fill, the figure these tests give; None: the GPU default)."""
     machines, links, gid, mid = [], [], 0, 0
     firsts = []
     for count, per, gflops, memory, model in groups:
         for _ in range(count):
-            devs = tuple(Device(gid + j, j, mid, "GPU", model, {"float32": gflops}, memory)
+            devs = tuple(Device(gid + j, j, mid, "GPU", model, {"float32": gflops}, memory,
+                                reserved_memory=reserved)
                          for j in range(per))
             inner = tuple(Link(a.global_id, b.global_id, 100, 1)
                           for a, b in itertools.combinations(devs, 2))
@@ -208,6 +211,29 @@ def test_memory_limit_shapes_the_split():
     with pytest.raises(PlanError, match=r"one layer needs at least 1.5 GB per device"):
         plan_stages(8, make_cluster([(1, 4, 100, 1.0, "a")]),
                     lambda r, s: StageCost(len(r), 1.5 * len(r)), 4)
+
+
+def test_stages_fit_the_usable_memory():
+    """A device's reserve is left free: the plan on devices of 6 GB with 2 reserved is the
+    plan on devices of 4 GB, one stage of 8 layers (6 GB) no longer fits, and a layer of
+    5 GB fits nowhere; the default reserve of a 6 GB GPU is 2.3 GB."""
+    def cost(layers, sub):   # per layer: 0.5 GB replicated + 1 GB split over the submesh
+        n = len(layers)
+        return StageCost(n / sub.size, n * (0.5 + 1.0 / sub.size), activation_memory=0.1)
+    six = make_cluster([(1, 4, 100, 6.0, "a")], reserved=2.0)
+    four = make_cluster([(1, 4, 100, 4.0, "a")])
+    whole = plan_stages(8, make_cluster([(1, 4, 100, 6.0, "a")]), cost, micro_batches=1)
+    assert [s.shape for s in whole.stages] == [(1, 4)] and whole.stages[0].memory == 6.0
+    plan = plan_stages(8, six, cost, micro_batches=1)
+    assert plan == plan_stages(8, four, cost, micro_batches=1)
+    assert len(plan.stages) > 1 and all(s.memory <= 4.0 for s in plan.stages)
+    with pytest.raises(PlanError, match=r"devices with 4 GB usable\): one layer needs at "
+                                        r"least 5 GB per device"):
+        plan_stages(8, six, lambda r, s: StageCost(len(r), 5.0 * len(r)), 4)
+    default = make_cluster([(1, 4, 100, 6.0, "a")], reserved=None)
+    assert default.devices[0].usable_memory() == pytest.approx(3.7)
+    assert plan_stages(8, default, cost, micro_batches=1) == plan_stages(
+        8, make_cluster([(1, 4, 100, 3.7, "a")]), cost, micro_batches=1)
 
 
 def test_in_flight_activations_count_per_stage():

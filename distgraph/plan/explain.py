@@ -1,19 +1,24 @@
 """``Plan.explain()``: a plan in words, as long for 1,024 processes as for 4.
 
 The first line says the processes, stages (and chunks), micro-batches and schedule, and
-whether the plan fits its devices: the largest peak of the estimate against the memory
-of that process's device (from the plan's cluster; "memory not estimated" where the plan
-has no estimate, and not checked where it has no cluster). Then per stage:
+whether the plan fits its devices: the largest peak of the estimate against the usable
+memory of that process's device, and that device's memory (from the plan's cluster;
+"memory not estimated" where the plan has no estimate, and not checked where it has no
+cluster). **Usable memory** is what the planner fits plans to: the device's memory less
+its reserve (the resource file's ``reserved_memory``, or the default for its type), at
+most ``Strategy(memory_budget_gb)`` where given (``Device.usable_memory``). Every size is
+said in one unit, decimal bytes (:func:`~distgraph.units.fmt_bytes`: GB as resource
+files give memory). Then per stage:
 
 - its mesh (shape and dim names), its processes, ranks and devices as ranges
-  (``0-63``, ``64-127, 192-255``) and the devices' model and memory;
+  (``0-63``, ``64-127, 192-255``) and the devices' model, memory and usable memory;
 - its layout, from the program's dist attrs: the most common specs the forward matmuls'
   activations are computed in, the specs their weights are held in (and the mesh dims
   those split over), how many other parameters are split, and the mesh dims the
   optimizer states are split over beyond their parameter's (ZeRO);
 - the layers each of its chunks holds;
 - one line per group of alike processes (``Plan.groups``, split further where the
-  estimate's figures differ): the processes as ranges, peak memory against the device's,
+  estimate's figures differ): the processes as ranges, peak memory against the usable,
   compute and communication seconds and bytes sent per step;
 - its model FLOPs per step, TFLOP/s per device at the predicted step time and MFU.
 
@@ -85,6 +90,15 @@ def _counted(plan) -> list:
     return out
 
 
+def memory_figures(plan, estimate=None, cluster=None) -> dict | None:
+    """Bytes of the largest peak of ``plan``'s estimate, of what its process's device may
+    hold (its usable memory, module docstring) and of that device's memory:
+    ``{"process", "peak", "usable", "device"}`` (usable and device None without a
+    cluster); None without an estimate. What ``explain()``'s first line, ``to_dict()``
+    and the plan file say. ``estimate`` / ``cluster``: those to use where the plan has none."""
+    return Summary(plan, estimate, cluster).memory_figures()
+
+
 def summary(plan, estimate=None, cluster=None) -> str:
     """The summary of ``plan`` (module docstring). ``estimate`` / ``cluster``: those to
     use where the plan has none (else the plan's)."""
@@ -145,6 +159,24 @@ class Summary:
         device = self.device(pid)
         return device.memory * GB if device is not None else 0.0
 
+    def memory_figures(self) -> dict | None:
+        """:func:`memory_figures` of this summary's plan, estimate and cluster."""
+        if self.estimate is None:
+            return None
+        top = max(self.estimate.processes, key=lambda p: p.peak_memory)
+        known = self.device(top.process) is not None
+        return {"process": top.process, "peak": float(top.peak_memory),
+                "usable": self.usable(top.process) if known else None,
+                "device": self.memory(top.process) if known else None}
+
+    def usable(self, pid) -> float:
+        """Bytes ``pid``'s device may hold: its usable memory, at most the strategy's
+        budget (``Device.usable_memory``, the limit the planner fits to; 0: not known)."""
+        device = self.device(pid)
+        if device is None:
+            return 0.0
+        return device.usable_memory(self.plan.strategy.memory_budget_gb) * GB
+
     def peak_flops(self, pids) -> float:
         """The sum of the devices' peak FLOP/s of ``pids`` for the model's dtype (0 where
         one of them gives none)."""
@@ -197,16 +229,36 @@ class Summary:
         peak = fmt_bytes(top.peak_memory)
         if self.cluster is None:
             return f"memory not estimated against devices (no cluster); largest peak {peak}", []
-        memory = self.memory(top.process)
-        if not memory:
+        usable = self.usable(top.process)
+        if not usable:
             return f"largest peak {peak}; the cluster gives no device memory to check it", []
         over = [p.process for p in self.estimate.processes
-                if self.memory(p.process) and p.peak_memory > self.memory(p.process)]
-        share = top.peak_memory / memory
+                if self.usable(p.process) and p.peak_memory > self.usable(p.process)]
+        share = top.peak_memory / usable
+        said = self.usable_said(top.process)
         if over:
-            return (f"does NOT fit: largest peak {peak} of {fmt_bytes(memory)} ({share:.0%})",
-                    [f"  over their device's memory: {_ids('process', over, limit=4)}"])
-        return f"fits its devices: largest peak {peak} of {fmt_bytes(memory)} ({share:.1%})", []
+            return (f"does NOT fit: largest peak {peak} of {fmt_bytes(usable)} usable "
+                    f"({share:.0%})",
+                    [f"  over their device's usable memory: {_ids('process', over, limit=4)}",
+                     *said])
+        return (f"fits its devices: largest peak {peak} of {fmt_bytes(usable)} usable "
+                f"({share:.1%})"), said
+
+    def usable_said(self, pid) -> list:
+        """Where ``pid``'s device's usable memory is less than its memory, a line saying
+        why: the reserve, the strategy's budget; else none (all of it is usable)."""
+        device, budget = self.device(pid), self.plan.strategy.memory_budget_gb
+        memory, usable = self.memory(pid), self.usable(pid)
+        if usable >= memory:
+            return []
+        why = []
+        if device.reserve:
+            why.append(f"less {fmt_bytes(device.reserve * GB)} reserved (the runtime's "
+                       "context, the communicators' buffers, the allocator's slack)")
+        if usable < device.usable_memory() * GB:
+            why.append(f"at most Strategy(memory_budget_gb={budget:g})")
+        return [f"  usable memory {fmt_bytes(usable)}: the device's {fmt_bytes(memory)} "
+                + ", ".join(why)]
 
     def stage(self, s, mesh) -> list:
         plan = self.plan
@@ -236,8 +288,10 @@ class Summary:
             return text
         text += f" on {_ids('device', [d.global_id for d in devices])}"
         kinds = Counter((d.type if d.model.lower() in ("", d.type.lower()) else
-                         f"{d.type} {d.model}") + f", {fmt_bytes(d.memory * GB)}"
-                        for d in devices)
+                         f"{d.type} {d.model}") + f", {fmt_bytes(d.memory * GB)}" +
+                        (f", {fmt_bytes(self.usable(q))} usable"
+                         if self.usable(q) < d.memory * GB else "")
+                        for q, d in zip(pids, devices))
         return text + " (" + "; ".join(f"{n} {k}" if len(kinds) > 1 else k
                                        for k, n in kinds.items()) + ")"
 
@@ -249,17 +303,17 @@ class Summary:
         for q in pids:
             p = self.figures.get(q)
             figures = None if p is None else (p.peak_memory, p.compute, p.communication)
-            key = (member.get(q, (q,))[0], figures, self.memory(q),
+            key = (member.get(q, (q,))[0], figures, self.usable(q),
                    sum(self.sent.get(q, {}).values()))
             groups.setdefault(key, []).append(q)
         out = []
-        for (_, figures, memory, sent), members in list(groups.items())[:GROUP_LINES]:
+        for (_, figures, usable, sent), members in list(groups.items())[:GROUP_LINES]:
             text = f"    {_ids('process', members, limit=4)}: "
             if figures is None:
                 text += "memory and time not estimated"
             else:
                 peak, compute, comm = figures
-                of = f" of {fmt_bytes(memory)} ({peak / memory:.1%})" if memory else ""
+                of = f" of {fmt_bytes(usable)} usable ({peak / usable:.1%})" if usable else ""
                 text += (f"peak {fmt_bytes(peak)}{of}, compute {_fmt_time(compute)}, "
                          f"communication {_fmt_time(comm)}")
             out.append(text + (f", sends {fmt_bytes(sent)} per step" if self.plan.distributed

@@ -42,7 +42,8 @@ Format (``version`` 1)::
                    "chunks": null | {"stages": [mesh, ...], "virtual": 2},
                    "rank_mapping": null | [[process, device, count], ...],
                    "zero_dim": null | "x" | ["x", "y"]},
-     "result": {"stages": [mesh, ...], "micro_batches": 4, "step_time": 0.1, ...}}
+     "result": {"stages": [mesh, ...], "micro_batches": 4, "step_time": 0.1,
+                "peak_memory": bytes, "usable_memory": bytes, "device_memory": bytes}}
 
 Example::
 
@@ -65,6 +66,7 @@ from distgraph.annotation import OpAnnotation
 from distgraph.errors import DistGraphError, PlanFileError
 from distgraph.mesh import ProcessMesh
 from distgraph.placement import DistAttr, ShardSpec
+from distgraph.plan.explain import memory_figures
 from distgraph.plan.fingerprint import (cluster_difference, cluster_print,
                                         program_difference, program_print)
 from distgraph.strategy import Strategy
@@ -161,11 +163,12 @@ def encode(plan) -> dict:
         "on": decisions.on, "chunks": chunks, "rank_mapping": mapping,
         "zero_dim": _listed(decisions.zero_dim)}
     est = plan.estimate
+    memory = memory_figures(plan) or {}
     result = {"stages": [table.mesh(m) for m in plan.stages],
               "micro_batches": plan.micro_batches,
               "step_time": None if est is None else est.step_time,
-              "peak_memory": None if est is None else
-              max(p.peak_memory for p in est.processes)}
+              "peak_memory": memory.get("peak"), "usable_memory": memory.get("usable"),
+              "device_memory": memory.get("device")}
     return {"format": FORMAT, "version": VERSION, "distgraph": __version__,
             "world_size": plan.world_size, "program": decisions.program,
             "cluster": cluster_print(plan.cluster),
@@ -328,7 +331,7 @@ class _Reader:
         stages = [self.mesh_at(m, f"result.stages[{k}]")
                   for k, m in enumerate(self.get(result, "stages", list, "result.stages"))]
         self.get(result, "micro_batches", int, "result.micro_batches")
-        for key in ("step_time", "peak_memory"):
+        for key in ("step_time", "peak_memory", "usable_memory", "device_memory"):
             if key in result:
                 self.get(result, key, (int, float, type(None)), f"result.{key}")
         result = dict(result, stages=tuple(stages))

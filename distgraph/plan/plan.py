@@ -33,7 +33,7 @@ from distgraph.mesh import ProcessRanks
 from distgraph.ops.meshslice import LocalMeshSlice
 from distgraph.plan.accumulation import Accumulation
 from distgraph.plan.devices import DeviceAssignment
-from distgraph.plan.explain import model_flops, summary
+from distgraph.plan.explain import memory_figures, model_flops, summary
 from distgraph.plan.file import Decisions
 from distgraph.plan.export import export
 from distgraph.plan.kinds import collective_bytes
@@ -301,7 +301,9 @@ class Plan:
         return sum(model_flops(self).values())
 
     def to_dict(self) -> dict:
-        """The plan as plain data (what :meth:`to_json` writes)."""
+        """The plan as plain data (what :meth:`to_json` writes); ``memory``: the bytes of
+        the largest peak, of what its device may hold and of its memory
+        (:func:`~distgraph.plan.explain.memory_figures`)."""
         prog = self.program
         out = {
             "distributed": self.distributed,
@@ -328,6 +330,7 @@ class Plan:
             "bytes_sent": {},
             "meshslice": [use.to_dict() for use in self.sliced],
             "savers": [c.to_dict() for c in self.savers],
+            "memory": memory_figures(self),
         }
         if self.distributed:
             out["reshards"] = [{"value": p.value, "src": str(p.src), "dst": str(p.dst),

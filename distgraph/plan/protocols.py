@@ -27,7 +27,9 @@ from typing import Protocol, runtime_checkable
 @runtime_checkable
 class DeviceLike(Protocol):
     """A compute device of a cluster (``distgraph.resources.elements.Device``):
-    ``memory`` in GB, ``flops(dtype)`` its peak FLOP/s (0.0: not given)."""
+    ``memory`` in GB, ``reserve`` the GB of it its process cannot fill,
+    ``usable_memory(budget_gb)`` the GB a plan may fill (memory less the reserve, at
+    most the budget), ``flops(dtype)`` its peak FLOP/s (0.0: not given)."""
 
     @property
     def global_id(self) -> int: ...
@@ -40,6 +42,11 @@ class DeviceLike(Protocol):
 
     @property
     def memory(self) -> float: ...
+
+    @property
+    def reserve(self) -> float: ...
+
+    def usable_memory(self, budget_gb: float | None = None) -> float: ...
 
     def flops(self, dtype: str = "float32") -> float: ...
 

@@ -18,7 +18,8 @@ It shows
   measured;
 - memory per group of alike processes as stacked bars (parameters, optimizer states,
   gradients, activations: the parts of the estimate's peak) against what a device may
-  hold (its memory, or ``Strategy(memory_budget_gb)`` where less) and its memory;
+  hold (its usable memory: its memory less its reserve, at most
+  ``Strategy(memory_budget_gb)``) and its memory, in decimal bytes as ``explain()``;
 - each stage's step split into compute, communication and bubble, with its model FLOP/s
   per device and MFU;
 - the memory savers the search chose and each alternative it priced, the strategy, the
@@ -44,7 +45,7 @@ import tempfile
 from importlib import resources
 
 from distgraph.errors import DistGraphError
-from distgraph.plan.explain import GB, Summary, holdings, layout
+from distgraph.plan.explain import Summary, holdings, layout
 from distgraph.plan.report_lanes import measured, predicted
 from distgraph.units import fmt_ids
 from distgraph.version import __version__
@@ -120,9 +121,11 @@ def _totals(facts) -> dict:
            "flops": facts.flops, "dtype": facts.dtype}
     if est is None:
         return out
+    figures = facts.memory_figures()
     out.update(step_time=est.step_time, compute=est.compute,
                communication=est.communication, bubble=est.bubble,
-               peak_memory=max(p.peak_memory for p in est.processes))
+               peak_memory=figures["peak"], usable_memory=figures["usable"],
+               device_memory=figures["device"])
     if est.step_time:
         out["per_device"], out["mfu"] = facts.rates(facts.flops, plan.process_ids)
     return out
@@ -154,15 +157,11 @@ def _memory(facts) -> dict:
     est = facts.estimate
     if est is None:
         return {"groups": [], "hidden": 0}
-    budget = facts.plan.strategy.memory_budget_gb
     groups: dict = {}
     for p in est.processes:
-        memory = facts.memory(p.process)
-        # what a device may hold: its memory, or the budget where that is less
-        # (passes.cost.fit.limit_of, the limit the planner fits plans to)
-        limits = [x for x in (memory, None if budget is None else budget * GB) if x]
-        key = (p.stage, p.parameters, p.states, p.gradients, p.activations, memory,
-               min(limits) if limits else 0.0)
+        # what a device may hold: the limit the planner fits plans to
+        key = (p.stage, p.parameters, p.states, p.gradients, p.activations,
+               facts.memory(p.process), facts.usable(p.process))
         groups.setdefault(key, []).append(p.process)
     shown = set(sorted(groups, key=lambda k: -sum(k[1:5]))[:MEMORY_GROUPS])
     out = []

@@ -6,7 +6,8 @@ Under ``Strategy(auto_mode="full")`` an option left unset is the search's: recom
 (:func:`distgraph.passes.fitting.with_savers`) and, with ``pipeline=True``, the
 micro-batch count (:mod:`distgraph.passes.search.stages.micro`).
 Each choice is one :class:`SaverChoice`: the option, the value chosen, the plan's peak and
-step time with it, what a device may hold, and every other value priced: its peak and
+step time with it, what a device may hold (its usable memory: its memory less its
+reserve, at most the strategy's budget), and every other value priced: its peak and
 step time, or its closest plan's peak where it did not fit (what the choice saved).
 Recomputation chosen per stage (:mod:`distgraph.passes.stage_recompute`) names each layer
 and says, per stage, what its blocks got.
@@ -15,10 +16,10 @@ Example::
 
     SaverChoice("recompute", "selective", 38.6e9, 40e9, 21.8,
                 ((False, 39.3e9, 26.0), (True, 39.3e9, None))).lines()
-    # recompute='selective' chosen by the search: peak 35.9 GiB of the 37.3 GiB a device
-    #     may hold, 21.8 s per step
-    #   without recomputation: peak 36.6 GiB, 26 s per step
-    #   recomputing whole blocks: does not fit (its closest plan needs 36.6 GiB)
+    # recompute='selective' chosen by the search: peak 38.6 GB of the 40 GB usable on a
+    #     device, 21.8 s per step
+    #   without recomputation: peak 39.3 GB, 26 s per step
+    #   recomputing whole blocks: does not fit (its closest plan needs 39.3 GB)
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ class SaverChoice:
         if self.peak is not None:
             text += f": peak {fmt_bytes(self.peak)}" + (
                 "" if math.isinf(self.limit) else
-                f" of the {fmt_bytes(self.limit)} a device may hold") + (
+                f" of the {fmt_bytes(self.limit)} usable on a device") + (
                 "" if self.seconds is None else f", {self.seconds:.3g} s per step")
         out = [text] + ([f"  ({why})"] if why else [])
         if self.stages:

@@ -73,10 +73,10 @@ def relabel(measured: Cluster, source: Cluster, nprocs: int) -> Cluster:
 def _measured(d, machine: int, got):
     """``d`` (FILE's device) with the figures measured on its rank (``got``): GFLOP/s,
     memory bandwidth, op launch cost, per-op-type costs and per-step reshard software
-    costs; identity, type, model and memory stay FILE's."""
+    costs; identity, type, model, memory and its reserve stay FILE's."""
     return dataclasses.replace(got, global_id=d.global_id, local_id=d.local_id,
                                machine_id=machine, type=d.type, model=d.model,
-                               memory=d.memory)
+                               memory=d.memory, reserved_memory=d.reserved_memory)
 
 
 def comparison(source: Cluster, out: Cluster) -> tuple[str, list[float]]:

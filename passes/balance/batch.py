@@ -6,7 +6,8 @@ that split dim 0 of the feeds, on every stage), prices each process with the est
 (:func:`distgraph.passes.cost.estimate.price_process`) at two shares of the batch to get a
 linear model of its busy time (seconds per row, or per micro-batch, and a fixed part:
 updates, gradient reductions, launch costs), bounds each group's share by its devices'
-memory (``Device.memory``, and ``Strategy.memory_budget_gb`` where given) with the
+usable memory (:func:`~distgraph.passes.cost.fit.limit_of`: ``Device.usable_memory``, at
+most ``Strategy.memory_budget_gb`` where given) with the
 estimate's peak-memory model, and solves the split with
 :func:`distgraph.passes.balance.batch_split.solve_split`.
 
@@ -28,11 +29,11 @@ from fractions import Fraction
 from distgraph.errors import PlanError
 from distgraph.passes.balance.batch_split import BatchSplit, Member, SplitProblem, solve_split
 from distgraph.passes.cost.estimate import price_process
+from distgraph.passes.cost.fit import limit_of
 from distgraph.passes.cost.shares import Share
 from distgraph.passes.samples import axes_of
 from distgraph.placement import DistAttr
 from distgraph.resources.cluster import Cluster
-from distgraph.units import GB
 
 LOW, HIGH = 0.5, 1.5           # the shares (of the even one) the linear model is fitted on
 
@@ -147,11 +148,8 @@ def _model(plan, pid, cluster, dims, even: int, budget_gb) -> tuple:
     at = [price_process(plan, pid, cluster, share)[0] for share in shares]
     per_unit = max((at[1].busy - at[0].busy) / (high - low), 0.0)
     fixed = max(at[0].busy - per_unit * low, 0.0)
-    device = cluster.device(at[0].device)
-    limit = device.memory * GB
-    if budget_gb is not None:
-        limit = min(limit, budget_gb * GB)
-    return fixed, per_unit, _memory_cap(plan, at, low, high, limit), device.global_id
+    limit = limit_of(cluster, at[0].device, budget_gb)
+    return fixed, per_unit, _memory_cap(plan, at, low, high, limit), at[0].device
 
 
 def _memory_cap(plan, at, low, high, limit) -> int | None:

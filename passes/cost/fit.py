@@ -1,9 +1,10 @@
 """Whether a plan fits its devices: each process's estimated peak memory against what its
 device may hold.
 
-A device may hold its memory as the resource file gives it (``Device.memory``, GB), or
-``Strategy(memory_budget_gb=...)`` where that is less: the budget can only lower the
-devices' memory, never raise it. The peak is the estimate's
+A device may hold its usable memory (``Device.usable_memory``: its memory less what its
+process cannot hand to its arrays, ``reserved_memory`` in the resource file or the
+default for its type), or ``Strategy(memory_budget_gb=...)`` where that is less: the
+budget can only lower it, never raise it. The peak is the estimate's
 (:func:`~distgraph.passes.cost.estimate.estimate`: parameters, optimizer states, gradients
 and the activations live at the process's peak), so what the planner checks is what
 ``plan.estimate`` and ``explain()`` say. :func:`overflows` lists the processes over their
@@ -13,7 +14,7 @@ Example::
 
     over = overflows(plan.estimate, cluster, budget_gb=None)
     if over:
-        print(over[0])        # process 0 (stage 0, device 0): 119.2 GB of 80 GB
+        print(over[0])        # process 0 (stage 0, device 0): 119.2 GB of 74 GB
 """
 
 from __future__ import annotations
@@ -44,11 +45,9 @@ class Overflow:
 
 
 def limit_of(cluster, device: int, budget_gb: float | None) -> float:
-    """Bytes device ``device`` (global id) may hold: its memory, or ``budget_gb`` where
-    that is less (a device without a memory figure: the budget, else unlimited)."""
-    memory = cluster.device(device).memory
-    limits = [x * GB for x in (memory, budget_gb) if x is not None]
-    return min(limits) if limits else float("inf")
+    """Bytes device ``device`` (global id) may hold: its usable memory, at most
+    ``budget_gb`` (:meth:`~distgraph.resources.elements.Device.usable_memory`)."""
+    return cluster.device(device).usable_memory(budget_gb) * GB
 
 
 def overflows(estimate, cluster, budget_gb: float | None) -> list[Overflow]:

@@ -32,7 +32,8 @@ the traffic of collectives that overlap is summed, not raced.
    O(P * D) and 1024 processes on 1024 devices map in a second or two.
 
 Compatibility: a process that names a device type only goes on devices of that type, and
-only on devices with at least its memory need. The baselines :func:`bfs_first_free_mapping`
+only on devices whose usable memory (``Device.usable_memory``: memory less its reserve) is
+at least its memory need. The baselines :func:`bfs_first_free_mapping`
 (Paddle's simple rule) and :func:`random_mapping` respect the same constraints.
 
 Example::
@@ -143,7 +144,7 @@ class _Problem:
         np.fill_diagonal(per_message, 0.0)
         P = graph.num_processes
         types = np.array([d.type for d in devs])
-        memory = np.array([d.memory for d in devs])
+        memory = np.array([d.usable_memory() for d in devs])    # what a process may fill
         self.compat = np.empty((P, len(devs)), dtype=bool)
         for p in range(P):
             want = graph.device_types[p]
@@ -185,9 +186,10 @@ class _Problem:
             t = g.device_types[p]
             pool = memory if t is None else memory[types == t]
             raise PlanError(f"process {p} needs {g.memory[p]:g} GB on a {t or 'any'} device, "
-                            f"but the largest such device of cluster {name!r} has "
-                            f"{pool.max():g} GB; lower its memory need (more model "
-                            f"parallelism, recompute) or use devices with more memory")
+                            f"but the largest such device of cluster {name!r} may hold "
+                            f"{pool.max():.4g} GB (its usable memory); lower its memory need "
+                            "(more model parallelism, recompute) or use devices with more "
+                            "memory")
         unfit = np.flatnonzero(~self.compat.any(axis=0))     # devices that hold no process
         if g.num_processes > len(self.devices) - unfit.size:
             raise PlanError(f"the plan has {g.num_processes} processes, but only "
@@ -202,7 +204,7 @@ class _Problem:
         g, dev = self.graph, self.devices[d]
         ps = range(g.num_processes) if p is None else [p]
         wanted = {g.device_types[q] for q in ps} - {None}
-        what = f"device {dev.global_id} ({dev.type} {dev.model}, {dev.memory:g} GB)"
+        what = f"device {dev.global_id} ({dev.type} {dev.model}, {dev.memory_text})"
         if wanted and dev.type not in wanted:
             return f"{what} is not a {' or '.join(sorted(wanted))}"
         need = min(g.memory[q] for q in ps)

@@ -39,8 +39,9 @@ function fmtTime(s) {
   return s >= 1 ? `${sig(s, 4)} s` : `${sig(s * 1e3, 4)} ms`;
 }
 
+// decimal units, as distgraph.units.fmt_bytes and the resource file's GB
 function fmtBytes(n) {
-  for (const [unit, size] of [["GiB", 2 ** 30], ["MiB", 2 ** 20], ["KiB", 2 ** 10]]) {
+  for (const [unit, size] of [["GB", 1e9], ["MB", 1e6], ["kB", 1e3]]) {
     if (n >= size) {
       const v = n / size;
       return v < 100 ? `${sig(v, 3)} ${unit}` : `${Math.round(v)} ${unit}`;
@@ -109,6 +110,10 @@ function header(root, data) {
   if (t.mfu !== undefined && t.mfu !== null) card("MFU", fig("mfu", t.mfu, fmtShare));
   if (t.peak_memory !== undefined) {
     card("largest peak", fig("peak_memory", t.peak_memory, fmtBytes));
+    if (t.usable_memory) {
+      card("of usable memory", fig("usable_memory", t.usable_memory, fmtBytes));
+      card("device memory", fig("device_memory", t.device_memory, fmtBytes));
+    }
   }
   root.append(el("div", {"class": "cards"}, cards));
   if (t.step_time !== undefined) {
@@ -375,20 +380,22 @@ function memory(root, data) {
   const mem = data.memory;
   section(root, "Memory per group of alike processes",
           "The estimate's peak of each group: parameters, optimizer states, gradients and " +
-          "activations; the dashed line is what a device may hold (its memory, or the " +
-          "strategy's memory budget where less), the solid one its memory (left out where " +
-          "it is over three times the largest peak: the text gives it).");
+          "activations; the dashed line is what a device may hold, its usable memory (its " +
+          "memory less its reserve, at most the strategy's memory budget), the solid one " +
+          "its memory (left out where it is over three times the largest peak: the text " +
+          "gives it).");
   // the bars' scale: the largest peak, and the devices' lines where they are near it
   const peaks = Math.max(...mem.groups.map(g => g.peak), 1);
   const near = mem.groups.flatMap(g => [g.memory, g.usable]).filter(v => v <= 3 * peaks);
   const top = Math.max(peaks, ...near) * 1.02;
   const rows = mem.groups.map(g => ({...g, label: `stage ${g.stage}: ${g.processes}` +
     (g.count > 1 ? ` (${g.count})` : ""), text: `${fmtBytes(g.peak)}` +
-    (g.memory ? ` of ${fmtBytes(g.memory)} (${(100 * g.peak / g.memory).toFixed(1)}%)` : "")}));
+    (g.usable ? ` of ${fmtBytes(g.usable)} usable (${(100 * g.peak / g.usable).toFixed(1)}%)` :
+     "")}));
   root.append(barChart(rows, top, MEMORY_PARTS, [["usable", "#b3261e", "4 3"],
                                                  ["memory", "#1d2330", ""]]));
-  root.append(legend(MEMORY_PARTS.concat([["may hold", "#b3261e"], ["device memory", "#1d2330"]])));
-  const cells = ["processes", ...MEMORY_PARTS.map(p => p[0]), "peak", "may hold", "memory"];
+  root.append(legend(MEMORY_PARTS.concat([["usable", "#b3261e"], ["device memory", "#1d2330"]])));
+  const cells = ["processes", ...MEMORY_PARTS.map(p => p[0]), "peak", "usable", "memory"];
   const body = mem.groups.map((g, i) => el("tr", {}, [el("td", {}, `stage ${g.stage}: ` +
     g.processes), ...["parameters", "states", "gradients", "activations", "peak", "usable",
     "memory"].map(k => el("td", {"class": "num"}, fig(`memory:${i}:${k}`, g[k], fmtBytes)))]));

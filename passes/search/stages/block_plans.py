@@ -125,7 +125,7 @@ def _fitting_alike(options, count: int, blocks: range, cluster, micro_batches: i
     neighbour): a plan the DP can make, so its optimum is no greater (inf where none)."""
     best = math.inf
     meshes = cluster.device_meshes
-    limits: dict = {}               # device ids of a mesh -> their least memory
+    limits: dict = {}               # device ids of a mesh -> their least usable memory
     for option in options:
         mesh = option.sub.mesh
         if len(meshes) != 1 or mesh.size % option.sub.size:
@@ -134,7 +134,7 @@ def _fitting_alike(options, count: int, blocks: range, cluster, micro_batches: i
         if S > count:
             continue
         if mesh.ids not in limits:
-            limits[mesh.ids] = min(cluster.device(i).memory for i in mesh.ids)
+            limits[mesh.ids] = min(cluster.device(i).usable_memory() for i in mesh.ids)
         limit = limits[mesh.ids]
         times, memories, _ = priced_stages(option, even_parts(S, blocks, count),
                                            micro_batches, p2p(option) if p2p is not None else 0.0)

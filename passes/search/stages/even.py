@@ -47,7 +47,7 @@ def plan_even(costs, cluster, micro_batches: int = 1, below: float = math.inf) -
                         f"of one mesh shape: the cluster has {len(meshes)} device meshes; "
                         f"plan on one (target=None searches stages over several)")
     count, blocks = costs.layering.count, costs.blocks
-    limit = min(cluster.device(i).memory for i in meshes[0].ids)
+    limit = min(cluster.device(i).usable_memory() for i in meshes[0].ids)
     rows = costs.batch_rows()
 
     def priced(option) -> tuple | None:

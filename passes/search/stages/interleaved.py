@@ -39,7 +39,7 @@ def plan_interleaved(count: int, blocks: range, options: list, cluster, micro_ba
     meshes = list(cluster.device_meshes)
     if len(meshes) != 1 or virtual < 2:
         return None
-    limit = min(cluster.device(i).memory for i in meshes[0].ids)
+    limit = min(cluster.device(i).usable_memory() for i in meshes[0].ids)
     best, layouts = None, {}
     for option in options:
         found = alike_stages(option, count, blocks, cluster, micro_batches, virtual,

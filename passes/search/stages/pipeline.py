@@ -13,7 +13,7 @@
    ``Strategy.solver_time_limit`` seconds.
 3. **Stages**: :func:`distgraph.passes.search.stages.stage_dp.plan_stages` chooses the stages and their
    submeshes minimising ``sum t + (micro_batches - 1) max t`` within each device's
-   memory (``Strategy.memory_budget_gb`` lowers it).
+   usable memory (``Device.usable_memory``; ``Strategy.memory_budget_gb`` lowers it).
 4. **Annotations**: stage s's ops are annotated on a ProcessMesh of its devices (process
    p is device p of the cluster, rank p) with its search's choice; completion then
    places the learning-rate read and step counter on the union of the stages, and the
@@ -418,7 +418,7 @@ def _refined(stage_plan, chosen, costs, capped) -> tuple:
     had, and where even that does not fit or is slower (E and H meet the refined block
     anew), the option is kept as the DP chose it."""
     stages = stage_plan.stages
-    limits = [min(capped.device(d).memory for d in st.device_ids) for st in stages]
+    limits = [min(capped.device(d).usable_memory() for d in st.device_ids) for st in stages]
     room: dict = {}
     for stage, option, limit in zip(stages, chosen, limits):
         blocks = max(_parts(stage, costs)[1], 1)
@@ -579,10 +579,11 @@ def _submesh(device_mesh, shape) -> tuple[ProcessMesh, dict]:
 
 
 def _capped(cluster, gb: float):
-    """``cluster`` with every device's memory at most ``gb``."""
+    """``cluster`` with every device's usable memory at most ``gb`` (its reserve raised
+    where that is less: the stage search reads the devices' usable memory)."""
     data = cluster.to_dict()
     for machine in data["machines"]:
         for device in machine["devices"]:
-            if "memory" in device:
-                device["memory"] = min(device["memory"], gb)
+            d = cluster.device(device["global_id"])
+            device["reserved_memory"] = d.memory - d.usable_memory(gb)
     return Cluster.from_dict(data)

@@ -513,7 +513,7 @@ def _setup(count, blocks, options, cluster, micro_batches, fit_memory, p2p=None)
         unit = math.gcd(*sizes, mesh.size) if sizes else mesh.size
         units.append(unit)
         capacities.append(mesh.size // unit)
-        limits.append(min(cluster.device(i).memory for i in mesh.ids) if fit_memory
+        limits.append(min(cluster.device(i).usable_memory() for i in mesh.ids) if fit_memory
                       else math.inf)
     runs = [_Run(o, count, blocks, limits[o.axis], units[o.axis],
                  p2p(o) if p2p is not None else 0.0) for o in options]

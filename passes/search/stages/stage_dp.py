@@ -8,9 +8,10 @@ cover every device exactly once, and minimises the pipeline latency of ``B`` mic
 
     T = sum_i t_i + (B - 1) * max_i t_i
 
-under each device's memory: a stage with ``s`` stages after it keeps ``s`` more
+under each device's usable memory: a stage with ``s`` stages after it keeps ``s`` more
 micro-batches of activations in flight (1F1B), so it needs
-``memory + s * activation_memory <= device.memory`` (GB, the resource file's unit).
+``memory + s * activation_memory <= device.usable_memory()`` (GB, the resource file's
+unit: the device's memory less its reserve).
 
 Submesh shapes (Alpa's, so that any mix whose sizes add up to a mesh can be placed on it):
 on a device mesh of shape ``(N, M)`` (a 1-D mesh ``(n,)`` is ``(1, n)``), rows of ``1, 2,
@@ -170,7 +171,7 @@ def plan_stages(num_layers: int, cluster: Cluster,
                         "one layer and every device holds a stage; use more layers (a finer "
                         "layer split) or fewer meshes")
     options = _options(num_layers, cluster, meshes, cost, shapes)
-    limits = [min(cluster.device(i).memory for i in m.ids) for m in meshes]
+    limits = [min(cluster.device(i).usable_memory() for i in m.ids) for m in meshes]
     sizes = [m.size for m in meshes]
     search = _Search(num_layers, sizes, options, limits, micro_batches)
     best = search.run()
@@ -388,9 +389,9 @@ def _no_fit_message(L, meshes, options, limits) -> str:
         mine = [o for o in options if o.axis == axis]
         need = min(float(np.min(np.diag(o.memory))) for o in mine)
         finite = any(np.isfinite(np.diag(o.time)).any() for o in mine)
-        per_mesh.append(f"mesh {mesh.name} (devices with {limits[axis]:g} GB): one layer needs "
-                        f"at least {need:g} GB per device" + ("" if finite else
-                                                            ", and no submesh can run a layer"))
+        per_mesh.append(f"mesh {mesh.name} (devices with {limits[axis]:g} GB usable): one "
+                        f"layer needs at least {need:g} GB per device" +
+                        ("" if finite else ", and no submesh can run a layer"))
     return (f"no split of {L} layers into stages fits the devices' memory (with the "
             "activations 1F1B keeps in flight) while covering every device: "
             f"{'; '.join(per_mesh)}")

@@ -12,6 +12,7 @@ import math
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -31,29 +32,37 @@ DIMS = (7, 10, 5)          # no dim divisible by 3 or 4
 
 # -- the split ----------------------------------------------------------------------------
 
-def least_padding(spec, shape, n):
-    """Brute force: (padded elements, dim) of every dim no mesh dim splits; the least."""
-    options = [(-(-s // n) * n * math.prod(shape) // s - math.prod(shape) if s else 0, d)
-               for d, s in enumerate(shape) if spec.dims[d] is None]
+def least_padding(spec, shape, mesh, n):
+    """Brute force over every dim: (padded elements, whether split already, dim) of each
+    that ZeRO may split (a free dim, padded; a split one where dp and its mesh dims
+    divide it); the least, free dims first on ties."""
+    options = []
+    for d, size in enumerate(shape):
+        rest = math.prod(shape) // size if size else 0
+        if spec.dims[d] is None:
+            options.append(((-(-size // n) * n - size) * rest, 0, d))
+        elif size % (n * mesh.dim_size(spec.dims[d])) == 0:
+            options.append((0, 1, d))
     return min(options) if options else None
 
 
 @pytest.mark.parametrize("n", [2, 3, 4, 12])
-def test_the_split_dim_is_the_free_dim_with_the_least_padding(n):
+def test_the_split_dim_is_the_one_with_the_least_padding(n):
     mesh = dg.ProcessMesh(np.arange(n * 2).reshape(n, 2).tolist(), ["dp", "mp"])
-    for shape in itertools.product((1, 5, 7, 12, 20), repeat=2):
+    for shape in itertools.product((1, 5, 7, 12, 20, 24), repeat=2):
         for spec in (ShardSpec([None, None]), ShardSpec(["mp", None]), ShardSpec([None, "mp"])):
             if any(e is not None and s % 2 for e, s in zip(spec.dims, shape)):
                 continue
-            z, want = zero_split(spec, shape, mesh, "dp"), least_padding(spec, shape, n)
+            z, want = zero_split(spec, shape, mesh, "dp"), least_padding(spec, shape, mesh, n)
             if want is None:
                 assert z is None
                 continue
-            extra, d = want
+            extra, split, d = want
             assert (z.dim, math.prod(z.padded) - math.prod(shape)) == (d, extra), (shape, spec)
             assert z.padded[d] % n == 0 and z.padded[:d] + z.padded[d + 1:] == \
                 shape[:d] + shape[d + 1:]
-            assert z.spec.dims[d] == "dp" and z.pads == (extra > 0)
+            assert z.spec.dims[d] == (("mp", "dp") if split else "dp") and z.pads == (extra > 0)
+            assert z.spec.dims[1 - d] == spec.dims[1 - d]
 
 
 def test_a_dim_the_size_divides_is_split_unpadded_as_before():
@@ -173,6 +182,51 @@ def test_level_3_stores_the_padded_parameters_split_and_reads_them_gathered():
                for v in local.program.persistables if v.is_parameter)
 
 
+def test_level_3_stores_every_parameter_split_over_dp_whatever_the_shapes():
+    """dp x mp of 2 x 2, fc1 column-wise and fc2 row-wise: the dims split over mp that 4
+    divides are split over (mp, dp) unpadded, fc2.bias (5) is padded to 6; every
+    parameter and state is held split over dp, gathered where it is read."""
+    dg.seed(0)
+    mesh = dg.ProcessMesh([[0, 1], [2, 3]], ["dp", "mp"])
+    model, opt = dg.parallelize(
+        dg.nn.MLP(7, 12, 5), mesh, {"dp_config": {"sharding_level": 3}, "mp_config": {
+            "parallelize_plan": {"fc1": dg.ColWiseParallel(), "fc2": dg.RowWiseParallel()}}},
+        optimizer=dg.optim.Adam(1e-2))
+    built = build_program(model, [dg.InputSpec([4, 7], name="x")],
+                          [dg.InputSpec([4, 5], name="y")], loss=dg.nn.MSELoss(), optimizer=opt)
+    program = dg.passes.plan(built, dg.Strategy()).program
+    specs = {v.name: (str(v.dist_attr.spec), v.padded_from) for v in program.persistables
+             if v.shape}
+    assert specs["fc1.weight"] == ("[None, (mp,dp)]", None)
+    assert specs["fc1.bias"] == specs["fc1.bias@MOMENT2"] == ("[(mp,dp)]", None)
+    assert specs["fc2.weight"] == ("[(mp,dp), None]", None)
+    assert specs["fc2.bias"] == specs["fc2.bias@MOMENT1"] == ("[dp]", (5,))
+
+
+def test_exports_read_logical_shapes():
+    """A ZeRO-3 GPT on dp 3 (parameters stored padded) reads to the frameworks as the
+    same plan at level 2 (parameters whole): the same weight kinds, the same torchtitan
+    configuration; Megatron's refusal names the weight's own shape."""
+    from distgraph.plan.styles import weight_kinds
+
+    plans = {}
+    for level in (2, 3):
+        dg.seed(0)
+        model, opt = dg.parallelize(
+            dg.nn.GPT(vocab_size=64, d_model=32, n_layer=2, n_head=4, max_seq_len=8),
+            dg.ProcessMesh([0, 1, 2], ["dp"]), {"dp_config": {"sharding_level": level}},
+            optimizer=dg.optim.AdamW(1e-3))
+        built = build_program(model, [dg.InputSpec([6, 8], "int64", "tokens")],
+                              [dg.InputSpec([6, 8], "int64", "labels")],
+                              loss=dg.nn.CrossEntropyLoss(), optimizer=opt)
+        plans[level] = dg.passes.plan(built, dg.Strategy())
+    assert plans[3].program.values["wpe.weight"].padded_from == (8, 32)
+    assert weight_kinds(plans[3].program) == weight_kinds(plans[2].program)
+    assert plans[3].export("torchtitan") == plans[2].export("torchtitan")
+    with pytest.raises(dg.DistGraphError, match=r"wpe.weight \[8, 32\] is split over"):
+        plans[3].export("megatron")
+
+
 def test_where_the_size_divides_nothing_is_padded():
     """A model whose dims dp divides is planned as before: no pad, no slice."""
     dg.seed(0)
@@ -217,33 +271,32 @@ class Rows:
         return self.x[i], self.y[i]
 
 
-def fitted(level, comm, n, valid=False):
-    dg.seed(0)
-    model, opt = dg.nn.MLP(*DIMS), dg.optim.AdamW(1e-2)
-    if comm is not None:
-        with LOCK:
+LOCK = threading.Lock()      # tracing keeps module state: threads build one at a time
+
+
+def fitted(level, comm, n):
+    with LOCK:
+        dg.seed(0)
+        model, opt = dg.nn.MLP(*DIMS), dg.optim.AdamW(1e-2)
+        if comm is not None:
             model, opt = dg.parallelize(model, dg.ProcessMesh(list(range(n)), ["dp"]),
                                         {"dp_config": {"sharding_level": level}}, optimizer=opt)
-    engine = dg.Engine(model, dg.nn.MSELoss(), opt, communicator=comm)
-    history = engine.fit(Rows(24), batch_size=12, epochs=2, verbose=0,
-                         valid_data=Rows(12) if valid else None)
+        engine = dg.Engine(model, dg.nn.MSELoss(), opt, communicator=comm)
+        engine.prepare(*dg.app.data.DataLoader(Rows(24), 12).specs(1))
+    history = engine.fit(Rows(24), batch_size=12, epochs=2, verbose=0)
     return history.losses, engine.state_dict(), engine.optimizer_state_dict()
-
-
-LOCK = __import__("threading").Lock()
 
 
 @pytest.mark.parametrize("level,n", [(1, 3), (3, 3), (2, 4)])
 def test_training_equals_serial_with_every_tensor_padded(float64, level, n):
-    """Threads of one process (SimulatedWorld); evaluating between epochs moves the
-    level-3 parameters between the training plan's padded layout and evaluation's
-    unpadded one and back (gathered and laid out anew)."""
+    """Threads of one process (SimulatedWorld); the states as the model sees them
+    (``optimizer_state_dict``) have their logical shapes."""
     losses, params, states = fitted(level, None, n)
-    for got in SimulatedWorld(n, timeout=60).run(lambda c: fitted(level, c, n, valid=True)):
+    for got in SimulatedWorld(n, timeout=60).run(lambda c: fitted(level, c, n)):
         assert max(abs(a - b) for a, b in zip(got[0], losses)) <= TOLERANCE
         assert max(float(np.max(np.abs(got[1][k] - params[k]))) for k in params) <= TOLERANCE
         assert sorted(got[2]) == sorted(states)
-        for k in states:           # the states as the model sees them: logical shapes
+        for k in states:
             assert got[2][k].shape == states[k].shape
             assert float(np.max(np.abs(got[2][k] - states[k]))) <= TOLERANCE
 
@@ -263,7 +316,8 @@ def run_script(n, *args):
 def check_ranks(ranks, n):
     assert len(ranks) == n
     for mine in ranks:
-        assert max(mine["loss"], mine["param"], mine["state"]) <= TOLERANCE, mine
+        assert max(mine["loss"], mine["param"], mine["state"], mine.get("valid", 0)) \
+            <= TOLERANCE, mine
         assert "state_names" not in mine, mine
 
 
@@ -272,8 +326,9 @@ def check_ranks(ranks, n):
     (3, ["1:adam", "2:adam", "3:adam", "1:sgd", "3:sgd", "s:adam"]),
     (4, ["1:adam", "3:sgd", "2:adam:mp", "3:adam:mp"])])
 def test_training_equals_serial_on_mpi_ranks(n, cases):
-    """Every rank's losses, parameters and optimizer states equal serial training
-    (float64, 1e-10), and the bytes of the states each rank's runtime holds equal the
+    """Every rank's losses, parameters and optimizer states, and its validation losses
+    after each epoch (the values moved to evaluation's plan and back), equal serial
+    training (float64, 1e-10), and the bytes of the states each rank's runtime holds equal the
     plan's estimate for its process."""
     report = run_script(n, "train", *cases)
     assert report["world"] == n and sorted(report["cases"]) == sorted(cases)

@@ -80,32 +80,37 @@ class ZeroSplit:
 
 
 def zero_split(spec: ShardSpec, shape, mesh, mesh_dim) -> ZeroSplit | None:
-    """How ZeRO splits a tensor of ``shape`` laid out as ``spec`` over ``mesh_dim``: the
-    dim no mesh dim splits with the least padding (zero where the mesh dim's size divides
-    it; the first such dim), None where ``spec`` already uses ``mesh_dim``, the mesh lacks
-    it (or has it of size 1: nothing to shard) or every dim is split.
+    """How ZeRO splits a tensor of ``shape`` laid out as ``spec`` over ``mesh_dim`` (of
+    size n): along the dim needing the least padding, where a dim no mesh dim splits is
+    padded to a multiple of n and a dim split over other mesh dims may be split over
+    ``mesh_dim`` too (minor to them) where their product with n divides it, unpadded.
+    On ties the dims no mesh dim splits come first, in order (the first such dim n
+    divides: the split of before). None where ``spec`` already uses ``mesh_dim``, the mesh
+    lacks it (or has it of size 1: nothing to shard) or no dim can be split.
 
-    Example: [5, 12] on a dp of 3 splits dim 1, unpadded; [5, 7] pads dim 1 to 9 (2
-    columns of 5) rather than dim 0 to 6 (a row of 7)."""
+    Example: on a dp of 3, [5, 12] splits dim 1, unpadded; [5, 7] pads dim 1 to 9 (2
+    columns of 5) rather than dim 0 to 6 (a row of 7); [12] split over a tensor dim of 2
+    is split over it and dp, (mp, dp)."""
     if mesh_dim not in mesh.dim_names or mesh_dim in spec.mesh_dims():
         return None
     n = mesh.dim_size(mesh_dim)
     if n == 1:
         return None
     shape = tuple(shape)
-    best = None
+    options = []            # (padded elements, split already, dim, its padded size)
     for d, size in enumerate(shape):
-        if spec.dims[d] is not None:
-            continue
-        rounded = -(-size // n) * n
-        extra = (rounded - size) * math.prod(shape[:d] + shape[d + 1:])
-        if best is None or extra < best[0]:
-            best = (extra, d, rounded)
-    if best is None:
+        split = spec.entry(d)
+        if not split:
+            rounded = -(-size // n) * n
+            options.append(((rounded - size) * math.prod(shape[:d] + shape[d + 1:]), 1, d,
+                            rounded))
+        elif size % (n * math.prod(mesh.dim_size(m) for m in split)) == 0:
+            options.append((0, 2, d, size))
+    if not options:
         return None
-    _, d, rounded = best
+    _, _, d, rounded = min(options)
     dims = list(spec.dims)
-    dims[d] = mesh_dim
+    dims[d] = mesh_dim if not spec.entry(d) else (*spec.entry(d), mesh_dim)
     return ZeroSplit(ShardSpec(dims), d, shape, shape[:d] + (rounded,) + shape[d + 1:])
 
 
@@ -124,8 +129,8 @@ def updated_parameter(program: Program, op) -> Value | None:
 def shard_updates(program: Program, mesh_dim: str = "dp", store_split: bool = False) -> int:
     """Annotate the update ops of a completed program, padding where it must (see the
     module docstring); returns how many parameters' updates were sharded. With
-    ``store_split`` (ZeRO-3) a parameter padded to be split is stored split. Complete
-    the program again afterwards."""
+    ``store_split`` (ZeRO-3) the parameters are stored split too. Complete the program
+    again afterwards."""
     count = 0
     for op in list(program.ops):
         param = updated_parameter(program, op)
@@ -134,7 +139,7 @@ def shard_updates(program: Program, mesh_dim: str = "dp", store_split: bool = Fa
         split = zero_split(param.dist_attr.spec, param.shape, op.dist_attr.mesh, mesh_dim)
         if split is None:
             continue
-        if store_split and split.pads:
+        if store_split:
             _store_split(program, op, split)
         else:
             _split_update(program, op, split)
@@ -173,15 +178,21 @@ def _split_update(program: Program, op, split: ZeroSplit) -> None:
 
 
 def _store_split(program: Program, op, split: ZeroSplit) -> None:
-    """ZeRO-3 on update ``op`` whose parameter ``split`` pads: the parameter stored padded
-    and split, every other op reading a slice of it gathered, the update in place on the
-    stored slice."""
+    """ZeRO-3 on update ``op``: the parameter stored split as ``split`` says, every other
+    op reading it as it did before (gathered where it is used; where ``split`` pads,
+    through a slice that cuts the padding off), the update in place on the stored
+    slice."""
     param, grad = op.inputs[0], op.inputs[1]
     mesh = op.dist_attr.mesh
     readers = [(c, i) for c in program.ops if c is not op
                for i, v in enumerate(c.inputs) if v is param]
-    param.padded_from, param.shape = split.shape, split.padded
     param.annotation = DistAttr(mesh, split.spec)
+    if not split.pads:
+        for c, i in readers:
+            _read_as(c, param.name, c.dist_attr.input_specs[i])
+        _annotate_update(op, split)
+        return
+    param.padded_from, param.shape = split.shape, split.padded
     for c, i in readers:
         read = list(c.dist_attr.input_specs[i].dims)
         read[split.dim] = None          # read whole along the padded dim (gathered there)
@@ -199,6 +210,14 @@ def _store_split(program: Program, op, split: ZeroSplit) -> None:
     _pad_states(op, split)
     op.outputs[0].shape = split.padded
     _annotate_update(op, split)
+
+
+def _read_as(op, name: str, spec: ShardSpec) -> None:
+    """Pin op ``op`` to read its operand ``name`` laid out as ``spec``."""
+    pinned = op.annotation.in_specs if op.annotation is not None else ()
+    mesh = op.annotation.mesh if op.annotation is not None else op.dist_attr.mesh
+    op.annotation = OpAnnotation(mesh, tuple((n, s) for n, s in pinned if n != name) +
+                                 ((name, spec),))
 
 
 def _annotate_update(op, split: ZeroSplit) -> None:
@@ -230,13 +249,17 @@ def _pad_states(op, split: ZeroSplit) -> None:
 
 def _pad(program: Program, value: Value, split: ZeroSplit, at: int, update) -> Value:
     """``value`` padded as ``split`` says by a ``pad`` op inserted at ``at`` (the update's
-    role, layer and mesh), which reads it as it is made: a gradient pending over the
-    data-parallel dim stays pending through the pad and is reduce-scattered at the
-    padded size, not all-reduced before it."""
+    role, layer and mesh), which reads it as it is made but whole along the padded dim: a
+    gradient pending over the data-parallel dim stays pending through the pad and is
+    reduce-scattered at the padded size, not all-reduced before it."""
     padded = program.add_value(Value(value.name + PADDED, split.padded, value.dtype,
                                      role=Role.OPTIMIZE))
     mesh = update.dist_attr.mesh
-    made = ((value.name, value.dist_attr.spec),) if value.dist_attr.mesh == mesh else ()
+    made = ()
+    if value.dist_attr.mesh == mesh:
+        dims = list(value.dist_attr.spec.dims)
+        dims[split.dim] = None
+        made = ((value.name, ShardSpec(dims, value.dist_attr.spec.partial)),)
     program.ops.insert(at, Operation("pad", [value], [padded],
                                      {"axis": split.dim, "size": split.padded[split.dim]},
                                      Role.OPTIMIZE, update.layer,

@@ -10,10 +10,12 @@ Usage (float64 throughout)::
 A CASE is ``LEVEL:OPTIMIZER[:mp]``: ``dg.parallelize`` with ``dp_config``
 ``sharding_level`` LEVEL (1-3; ``s`` for ``Strategy(sharding=True)`` on plain
 annotations) over a ``dp`` mesh of every rank (``mp``: a (world/2, 2) ``dp`` x ``mp`` mesh,
-fc1 column-wise and fc2 row-wise), ``adam`` or ``sgd`` (momentum 0.9). The model is an
-MLP 7 -> 10 -> 5: no dim of it is divisible by 3 or 4, so every tensor is padded.
+fc1 column-wise and fc2 row-wise; ``pp``: two stages of world/2, fc1 on the first, two
+micro-batches), ``adam`` or ``sgd`` (momentum 0.9). The model is an MLP 7 -> 10 -> 5:
+no dim of it is divisible by 3 or 4, so every tensor is padded; with ``mp`` 7 -> 12 -> 5,
+whose hidden dim, split over mp, is split over mp and dp (unpadded) where 4 divides it.
 
-``train`` fits two epochs of three steps and compares, on every rank, the losses, the
+``train`` fits two epochs of three steps (evaluating after each) and compares, on every rank, the losses, the
 parameters and the optimizer states with serial training of the same seed; it also
 measures the bytes of the optimizer states this rank's runtime holds (its arrays) against
 the plan's estimate for its process. ``save`` fits one epoch and saves a checkpoint to DIR;
@@ -33,6 +35,9 @@ from distgraph.runtime.comm.mpi import MPICommunicator
 
 DIMS = (7, 10, 5)
 BATCH, ROWS = 12, 36
+
+
+MP_DIMS = (7, 12, 5)
 
 
 class Rows:
@@ -66,12 +71,15 @@ def optimizer(name):
 
 def engine(case, comm):
     level, opt, *rest = case.split(":")
+    dims = MP_DIMS if rest == ["mp"] else DIMS
     dg.seed(0)
     if comm is None:
-        return dg.Engine(dg.nn.MLP(*DIMS), dg.nn.MSELoss(), optimizer(opt))
+        return dg.Engine(dg.nn.MLP(*dims), dg.nn.MSELoss(), optimizer(opt))
     n = comm.size
     if rest == ["mp"]:
         mesh = dg.ProcessMesh(np.arange(n).reshape(n // 2, 2).tolist(), ["dp", "mp"])
+    elif rest == ["pp"]:
+        mesh = dg.ProcessMesh(np.arange(n).reshape(2, n // 2).tolist(), ["pp", "dp"])
     else:
         mesh = dg.ProcessMesh(list(range(n)), ["dp"])
     if level == "s":
@@ -81,14 +89,17 @@ def engine(case, comm):
     if rest == ["mp"]:
         config["mp_config"] = {"parallelize_plan": {"fc1": dg.ColWiseParallel(),
                                                     "fc2": dg.RowWiseParallel()}}
-    model, opt = dg.parallelize(dg.nn.MLP(*DIMS), mesh, config, optimizer=optimizer(opt))
-    return dg.Engine(model, dg.nn.MSELoss(), opt, communicator=comm)
+    if rest == ["pp"]:
+        config["pp_config"] = {"split_spec": {"fc1": dg.SplitPoint.END}}
+    model, opt = dg.parallelize(dg.nn.MLP(*dims), mesh, config, optimizer=optimizer(opt))
+    return dg.Engine(model, dg.nn.MSELoss(), opt, communicator=comm,
+                     strategy=dg.Strategy(micro_batches=2 if rest == ["pp"] else 1))
 
 
 def errors(engine, reference) -> dict:
     """Largest differences of this engine's losses, parameters and states from
     ``reference`` (losses, parameters, states)."""
-    losses, params, states = reference
+    losses, params, states, _ = reference
     mine = (engine.state_dict(), engine.optimizer_state_dict())
     out = {"param": max(float(np.max(np.abs(mine[0][k] - params[k]))) for k in params),
            "state": max(float(np.max(np.abs(mine[1][k] - states[k]))) for k in states),
@@ -109,16 +120,23 @@ def held_states(engine) -> tuple:
 
 
 def serial(case, epochs) -> tuple:
+    """(losses, parameters, states, validation losses) of serial training."""
     e = engine(case, None)
-    history = e.fit(Rows(ROWS), batch_size=BATCH, epochs=epochs, verbose=0)
-    return history.losses, e.state_dict(), e.optimizer_state_dict()
+    history = e.fit(Rows(ROWS), batch_size=BATCH, epochs=epochs, verbose=0,
+                    valid_data=Rows(BATCH))
+    return (history.losses, e.state_dict(), e.optimizer_state_dict(),
+            [r["val_loss"] for r in history.epochs])
 
 
 def train(case, comm) -> dict:
     reference = serial(case, 2)
     e = engine(case, comm)
-    history = e.fit(Rows(ROWS), batch_size=BATCH, epochs=2, verbose=0)
+    # evaluated after each epoch: the values move between the training plan's layout
+    # (padded) and evaluation's (no states; ZeRO-3's parameters unpadded) and back
+    history = e.fit(Rows(ROWS), batch_size=BATCH, epochs=2, verbose=0,
+                    valid_data=Rows(BATCH))
     out = errors(e, reference)
+    out["valid"] = max(abs(r["val_loss"] - w) for r, w in zip(history.epochs, reference[3]))
     out["loss"] = max(abs(a - b) for a, b in zip(history.losses, reference[0]))
     out["steps"] = len(history.losses)
     out["held_states"], out["estimated_states"] = held_states(e)

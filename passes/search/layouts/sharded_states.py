@@ -36,7 +36,7 @@ import numpy as np
 from distgraph.ir import Role
 from distgraph.passes.cost.prices import op_time
 from distgraph.passes.cost.layout_prices import local_bytes
-from distgraph.placement import DistAttr
+from distgraph.placement import DistAttr, ShardSpec
 from distgraph.registry import TensorType
 from distgraph.passes.search.layouts.space import MESH_DIMS
 from distgraph.passes.transforms.zero import zero_split
@@ -62,13 +62,13 @@ class ZeroTerms:
     """What ZeRO changes in a search's problem, per strategy index: ``compute`` seconds
     of each update node on its slice (nan where it does not shard), the write-back gather's
     seconds per step (``gather``), the layout each update consumes its gradient in
-    (``grad``) and the shape it is consumed at (``grad_shape``: padded where ZeRO pads),
+    (``grad``) and, where ZeRO pads it first, the (dim, padded shape) of the pad (``pads``),
     and the bytes factor of each state's source node (``states``)."""
 
     compute: dict       # update node -> np.ndarray of seconds (nan: unchanged)
     gather: dict        # update node -> np.ndarray of seconds per run of the update
     grad: dict          # update node -> tuple of ShardSpec
-    grad_shape: dict    # update node -> tuple of shapes
+    pads: dict          # update node -> tuple of (dim, padded shape) or None
     states: dict        # state source node -> np.ndarray of factors
 
 
@@ -91,7 +91,7 @@ def zero_terms(space, costs, dim: str | None) -> ZeroTerms | None:
     if dim is None or dim not in mesh.dim_names or mesh.dim_size(dim) == 1:
         return None
     n = mesh.dim_size(dim)
-    compute, gather, grad, grad_shape, states = {}, {}, {}, {}, {}
+    compute, gather, grad, pads, states = {}, {}, {}, {}, {}
     for node, op in updates(space):
         param = op.inputs[0]
         splits = [zero_split(s.in_specs[0], param.shape, mesh, dim) for s in node.strategies]
@@ -104,15 +104,15 @@ def zero_terms(space, costs, dim: str | None) -> ZeroTerms | None:
             for z, s in zip(splits, node.strategies)])
         grad[node.index] = tuple(s.in_specs[1] if z is None else z.spec
                                  for z, s in zip(splits, node.strategies))
-        grad_shape[node.index] = tuple(tuple(param.shape) if z is None else z.padded
-                                       for z in splits)
+        pads[node.index] = tuple((z.dim, z.padded) if z is not None and z.pads else None
+                                 for z in splits)
         for _, i in get_op(op.type).inplace:
             state = op.inputs[i]
             if i > 0 and state.name in space.source_node:
                 k = space.source_node[state.name]
                 states[k] = np.array([_states_factor(t.out_specs[0], state.shape, mesh, dim)
                                       for t in space.nodes[k].strategies])
-    return ZeroTerms(compute, gather, grad, grad_shape, states)
+    return ZeroTerms(compute, gather, grad, pads, states)
 
 
 def _states_factor(spec, shape, mesh, dim) -> float:
@@ -172,6 +172,22 @@ def writeback_bytes(result, dim: str | None) -> float:
     return most
 
 
+def _padded_matrix(costs, made: tuple, wanted: tuple, dim: int, padded: tuple,
+                   grad) -> np.ndarray:
+    """Seconds from each layout ``made`` of ``grad`` to each ``wanted`` of it padded
+    along ``dim`` to ``padded``, as the plan runs it: the pad reads the dim whole (a
+    layout splitting it is gathered there first, at the gradient's own shape), keeps
+    the rest of the layout (a pending sum stays pending), and the padded gradient is
+    resharded to the update's layout (a reduce-scatter of the padded bytes)."""
+    whole = []
+    for spec in made:
+        dims = list(spec.dims)
+        dims[dim] = None
+        whole.append(ShardSpec(dims, spec.partial))
+    first = np.array([costs.reshard(m, g, grad.shape, grad.dtype) for m, g in zip(made, whole)])
+    return first[:, None] + costs.matrix(tuple(whole), wanted, padded, grad.dtype)
+
+
 def apply_zero(terms: ZeroTerms | None, space, costs, weights: dict, compute: list,
                comm: list, memory: list, edges: list) -> None:
     """Add ``terms`` to a problem's node costs and edges as :func:`~distgraph.passes.
@@ -191,13 +207,12 @@ def apply_zero(terms: ZeroTerms | None, space, costs, weights: dict, compute: li
         grad = space.program.ops[node.op].inputs[1]
         u, j = space.producer[grad.name]
         made = tuple(s.out_specs[j] for s in space.nodes[u].strategies)
-        # priced at the shape each strategy consumes it at (padded where ZeRO pads)
-        shapes = terms.grad_shape[v]
-        mat = np.zeros((len(made), len(shapes)))
-        for shape in dict.fromkeys(shapes):
-            cols = [c for c, at in enumerate(shapes) if at == shape]
-            mat[:, cols] = costs.matrix(made, tuple(terms.grad[v][c] for c in cols), shape,
-                                        grad.dtype)
+        mat = np.zeros((len(made), len(terms.grad[v])))
+        for pad in dict.fromkeys(terms.pads[v]):
+            cols = [c for c, p in enumerate(terms.pads[v]) if p == pad]
+            wanted = tuple(terms.grad[v][c] for c in cols)
+            mat[:, cols] = costs.matrix(made, wanted, grad.shape, grad.dtype) if pad is None \
+                else _padded_matrix(costs, made, wanted, *pad, grad)
         mat = mat * w
         if (u, v) in at:
             edges[at[(u, v)]] = (u, v, mat)

@@ -26,12 +26,12 @@ size > 1 that the config gives nothing to do is an error, not a silent copy.
   - 1 and 2: the optimizer's states and updates split over ``dp``
     (``Strategy(sharding=True)``, :mod:`distgraph.passes.transforms.zero`, whatever the
     shapes: a tensor no dim of which ``dp`` divides is padded with zeros to be split
-    evenly): each process updates its slice of a parameter, whose gradient is reduce-scattered onto that slice
-    rather than all-reduced, and the updated slices are all-gathered back. That is
-    level 2 (ZeRO-2: states and gradients). Level 1 is the same plan: Paddle's level 1
-    all-reduces the gradient and keeps it whole, which here would move twice the
-    gradient's bytes (an all-reduce is a reduce-scatter and an all-gather) to hold a
-    whole gradient that no update reads; what level 1 asks for, states split over
+    evenly): each process updates its slice of a parameter, whose gradient is
+    reduce-scattered onto that slice rather than all-reduced, and the updated slices are
+    all-gathered back. That is level 2 (ZeRO-2: states and gradients). Level 1 is the same
+    plan: Paddle's level 1 all-reduces the gradient and keeps it whole, which here would
+    move twice the gradient's bytes (an all-reduce is a reduce-scatter and an all-gather) to
+    hold a whole gradient that no update reads; what level 1 asks for, states split over
     ``dp``, it has.
   - 3: also the parameters, stored split over ``dp`` on their first dim that ``dp``
     divides (on top of their tensor-parallel split), and read whole over ``dp`` by the

@@ -34,35 +34,38 @@ DIMS = (7, 10, 5)          # no dim divisible by 3 or 4
 
 def least_padding(spec, shape, mesh, n):
     """Brute force over every dim: (padded elements, whether split already, dim) of each
-    that ZeRO may split (a free dim, padded; a split one where dp and its mesh dims
-    divide it); the least, free dims first on ties."""
-    options = []
+    that ZeRO may split (a free dim, padded; a split one where dp and its mesh dims divide
+    it); the least, free dims first on ties; where there is none, a split dim padded."""
+    options, last_resort = [], []
     for d, size in enumerate(shape):
         rest = math.prod(shape) // size if size else 0
-        if spec.dims[d] is None:
-            options.append(((-(-size // n) * n - size) * rest, 0, d))
-        elif size % (n * mesh.dim_size(spec.dims[d])) == 0:
-            options.append((0, 1, d))
-    return min(options) if options else None
+        ways = n * (mesh.dim_size(spec.dims[d]) if spec.dims[d] else 1)
+        extra = (-(-size // ways) * ways - size) * rest
+        if spec.dims[d] is None or extra == 0:
+            options.append((extra, int(spec.dims[d] is not None), d))
+        else:
+            last_resort.append((extra, 1, d))
+    return min(options or last_resort) if options or last_resort else None
 
 
 @pytest.mark.parametrize("n", [2, 3, 4, 12])
 def test_the_split_dim_is_the_one_with_the_least_padding(n):
     mesh = dg.ProcessMesh(np.arange(n * 2).reshape(n, 2).tolist(), ["dp", "mp"])
-    for shape in itertools.product((1, 5, 7, 12, 20, 24), repeat=2):
-        for spec in (ShardSpec([None, None]), ShardSpec(["mp", None]), ShardSpec([None, "mp"])):
-            if any(e is not None and s % 2 for e, s in zip(spec.dims, shape)):
-                continue
-            z, want = zero_split(spec, shape, mesh, "dp"), least_padding(spec, shape, mesh, n)
-            if want is None:
-                assert z is None
-                continue
-            extra, split, d = want
-            assert (z.dim, math.prod(z.padded) - math.prod(shape)) == (d, extra), (shape, spec)
-            assert z.padded[d] % n == 0 and z.padded[:d] + z.padded[d + 1:] == \
-                shape[:d] + shape[d + 1:]
-            assert z.spec.dims[d] == (("mp", "dp") if split else "dp") and z.pads == (extra > 0)
-            assert z.spec.dims[1 - d] == spec.dims[1 - d]
+    sizes = (1, 2, 5, 7, 12, 20, 24)
+    cases = [(shape, ShardSpec(dims)) for shape in itertools.product(sizes, repeat=2)
+             for dims in ([None, None], ["mp", None], [None, "mp"])]
+    cases += [((size,), ShardSpec(dims)) for size in sizes for dims in ([None], ["mp"])]
+    for shape, spec in cases:
+        if any(e is not None and s % 2 for e, s in zip(spec.dims, shape)):
+            continue
+        z, want = zero_split(spec, shape, mesh, "dp"), least_padding(spec, shape, mesh, n)
+        extra, split, d = want
+        assert (z.dim, math.prod(z.padded) - math.prod(shape)) == (d, extra), (shape, spec)
+        assert z.padded[d] % (n * (2 if split else 1)) == 0
+        assert z.padded[:d] + z.padded[d + 1:] == shape[:d] + shape[d + 1:]
+        assert z.spec.dims[d] == (("mp", "dp") if split else "dp") and z.pads == (extra > 0)
+        assert z.spec.dims[:d] + z.spec.dims[d + 1:] == spec.dims[:d] + spec.dims[d + 1:]
+    assert zero_split(ShardSpec([]), (), mesh, "dp") is None
 
 
 def test_a_dim_the_size_divides_is_split_unpadded_as_before():
@@ -324,12 +327,15 @@ def check_ranks(ranks, n):
 @pytest.mark.mpi
 @pytest.mark.parametrize("n,cases", [
     (3, ["1:adam", "2:adam", "3:adam", "1:sgd", "3:sgd", "s:adam"]),
-    (4, ["1:adam", "3:sgd", "2:adam:mp", "3:adam:mp"])])
+    (4, ["1:adam", "3:sgd", "2:adam:mp", "3:adam:mp", "2:sgd:mp12", "3:adam:mp12"]),
+    (6, ["2:adam:pp", "3:adam:pp"])])
 def test_training_equals_serial_on_mpi_ranks(n, cases):
-    """Every rank's losses, parameters and optimizer states, and its validation losses
-    after each epoch (the values moved to evaluation's plan and back), equal serial
-    training (float64, 1e-10), and the bytes of the states each rank's runtime holds equal the
-    plan's estimate for its process."""
+    """On 3 ranks, 4 (dp alone; 2 x 2 dp x mp, fc1.bias padded over (mp, dp), or with a
+    hidden size of 12 split over both unpadded) and 6 (two pipeline stages of dp 3, two
+    micro-batches): every rank's losses, parameters, optimizer states and validation
+    losses after each epoch (the values moved to evaluation's plan and back) equal
+    serial training (float64, 1e-10), and the bytes of the states each rank's runtime
+    holds equal the plan's estimate for its process."""
     report = run_script(n, "train", *cases)
     assert report["world"] == n and sorted(report["cases"]) == sorted(cases)
     for case, ranks in report["cases"].items():
@@ -340,15 +346,20 @@ def test_training_equals_serial_on_mpi_ranks(n, cases):
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("case", ["2:adam", "3:adam"])
-def test_a_checkpoint_saved_at_dp_3_resumes_at_dp_2_and_4(tmp_path, case):
-    """Saved padded at dp 3 (as logical shapes), loaded at dp 2 and 4 (padded otherwise):
-    the second epoch's losses and the final parameters and states equal the serial run
-    of both epochs."""
-    assert run_script(3, "save", tmp_path / "ckpt", case)["saved"] == 3
+@pytest.mark.parametrize("case,saved,resumed", [("2:adam", 3, (2, 4)), ("3:adam", 3, (2, 4)),
+                                                ("2:sgd", 4, (3,))])
+def test_a_checkpoint_resumes_at_another_data_parallel_size(tmp_path, case, saved, resumed):
+    """Saved padded at dp 3 (as logical shapes), loaded at dp 2 and 4 (padded otherwise),
+    and saved at dp 4 (fc2.bias, 5 padded to 8: the last rank's block is all padding,
+    written by none) loaded at dp 3: the second epoch's losses and the final parameters
+    and states equal the serial run of both epochs."""
+    assert run_script(saved, "save", tmp_path / "ckpt", case)["saved"] == 3
     meta = json.loads((tmp_path / "ckpt" / "metadata.json").read_text())
-    assert meta["tensors"]["fc1.weight@MOMENT1"]["shape"] == [DIMS[0], DIMS[1]]
-    for n in (2, 4):
+    moment = meta["tensors"]["fc2.bias@VELOCITY" if "sgd" in case else "fc1.weight@MOMENT1"]
+    assert moment["shape"] == ([DIMS[2]] if "sgd" in case else [DIMS[0], DIMS[1]])
+    covered = sum(math.prod(shard["shape"]) for shard in moment["shards"])
+    assert covered == math.prod(moment["shape"])        # each element once, no padding
+    for n in resumed:
         report = run_script(n, "resume", tmp_path / "ckpt", case)
         check_ranks(report["ranks"], n)
         assert all(mine["steps"] == 3 for mine in report["ranks"])

@@ -10,13 +10,16 @@ Usage (float64 throughout)::
 A CASE is ``LEVEL:OPTIMIZER[:mp]``: ``dg.parallelize`` with ``dp_config``
 ``sharding_level`` LEVEL (1-3; ``s`` for ``Strategy(sharding=True)`` on plain
 annotations) over a ``dp`` mesh of every rank (``mp``: a (world/2, 2) ``dp`` x ``mp`` mesh,
-fc1 column-wise and fc2 row-wise; ``pp``: two stages of world/2, fc1 on the first, two
-micro-batches), ``adam`` or ``sgd`` (momentum 0.9). The model is an MLP 7 -> 10 -> 5:
-no dim of it is divisible by 3 or 4, so every tensor is padded; with ``mp`` 7 -> 12 -> 5,
-whose hidden dim, split over mp, is split over mp and dp (unpadded) where 4 divides it.
+fc1 column-wise and fc2 row-wise; ``mp12`` the same with a hidden size of 12; ``pp``: two
+stages of world/2, fc1 on the first, two micro-batches), ``adam`` or ``sgd`` (momentum
+0.9). The model is an MLP 7 -> 10 -> 5: no dim of it is divisible by 3 or 4, so every
+tensor is padded (under ``mp`` fc1.bias, split over mp, is padded to 12 and split over
+mp and dp); with ``mp12`` 7 -> 12 -> 5, whose hidden dim, split over mp, is split over
+mp and dp unpadded.
 
-``train`` fits two epochs of three steps (evaluating after each) and compares, on every rank, the losses, the
-parameters and the optimizer states with serial training of the same seed; it also
+``train`` fits two epochs of three steps (evaluating after each) and compares, on every
+rank, the losses, the parameters, the optimizer states and the validation losses with
+serial training of the same seed; it also
 measures the bytes of the optimizer states this rank's runtime holds (its arrays) against
 the plan's estimate for its process. ``save`` fits one epoch and saves a checkpoint to DIR;
 ``resume`` (any number of ranks) loads it, fits the second epoch and compares with the
@@ -71,12 +74,12 @@ def optimizer(name):
 
 def engine(case, comm):
     level, opt, *rest = case.split(":")
-    dims = MP_DIMS if rest == ["mp"] else DIMS
+    dims = MP_DIMS if rest == ["mp12"] else DIMS
     dg.seed(0)
     if comm is None:
         return dg.Engine(dg.nn.MLP(*dims), dg.nn.MSELoss(), optimizer(opt))
     n = comm.size
-    if rest == ["mp"]:
+    if rest in (["mp"], ["mp12"]):
         mesh = dg.ProcessMesh(np.arange(n).reshape(n // 2, 2).tolist(), ["dp", "mp"])
     elif rest == ["pp"]:
         mesh = dg.ProcessMesh(np.arange(n).reshape(2, n // 2).tolist(), ["pp", "dp"])
@@ -86,7 +89,7 @@ def engine(case, comm):
         return dg.Engine(Annotated(mesh), dg.nn.MSELoss(), optimizer(opt), communicator=comm,
                          strategy=dg.Strategy(sharding=True))
     config = {"dp_config": {"sharding_level": int(level)}}
-    if rest == ["mp"]:
+    if rest in (["mp"], ["mp12"]):
         config["mp_config"] = {"parallelize_plan": {"fc1": dg.ColWiseParallel(),
                                                     "fc2": dg.RowWiseParallel()}}
     if rest == ["pp"]:

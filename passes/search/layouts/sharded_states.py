@@ -99,9 +99,8 @@ def zero_terms(space, costs, dim: str | None) -> ZeroTerms | None:
             continue
         compute[node.index] = np.array([np.nan if z is None else _sliced_time(op, s, z, mesh, costs)
                                         for z, s in zip(splits, node.strategies)])
-        gather[node.index] = np.array([
-            0.0 if z is None else costs.reshard(z.spec, s.in_specs[0], z.padded, param.dtype)
-            for z, s in zip(splits, node.strategies)])
+        gather[node.index] = np.array([0.0 if z is None else _writeback_time(s, z, param, costs)
+                                       for z, s in zip(splits, node.strategies)])
         grad[node.index] = tuple(s.in_specs[1] if z is None else z.spec
                                  for z, s in zip(splits, node.strategies))
         pads[node.index] = tuple((z.dim, z.padded) if z is not None and z.pads else None
@@ -113,6 +112,28 @@ def zero_terms(space, costs, dim: str | None) -> ZeroTerms | None:
                 states[k] = np.array([_states_factor(t.out_specs[0], state.shape, mesh, dim)
                                       for t in space.nodes[k].strategies])
     return ZeroTerms(compute, gather, grad, pads, states)
+
+
+def _whole_along(spec: ShardSpec, dim: int) -> ShardSpec:
+    """``spec`` whole along tensor dim ``dim`` (what a pad reads and a slice makes)."""
+    dims = list(spec.dims)
+    dims[dim] = None
+    return ShardSpec(dims, spec.partial)
+
+
+def _writeback_time(s, z, param, costs) -> float:
+    """Seconds a step moves the parameter of an update under strategy ``s`` that ZeRO
+    splits as ``z``: the updated slice all-gathered into the stored layout; where ``z``
+    pads, into the layout whole along the padded dim (the slice cutting it back reads
+    that), with the parameter gathered so for its pad first and the cut result written
+    back into the stored layout (none of these two where no mesh dim splits that dim)."""
+    stored = s.in_specs[0]
+    if not z.pads:
+        return costs.reshard(z.spec, stored, z.padded, param.dtype)
+    whole = _whole_along(stored, z.dim)
+    return (costs.reshard(z.spec, whole, z.padded, param.dtype)
+            + costs.reshard(stored, whole, param.shape, param.dtype)
+            + costs.reshard(whole, stored, param.shape, param.dtype))
 
 
 def _states_factor(spec, shape, mesh, dim) -> float:
@@ -141,16 +162,19 @@ def _sliced_time(op, s, z, mesh, costs) -> float:
                       local(op.outputs, s.out_specs, s.out_local_shapes), op.attrs, costs.device)
     if not z.pads:
         return seconds
-    whole = TensorType(s.in_local_shapes[0], param.dtype)
-    padded = TensorType(DistAttr(mesh, s.in_specs[0]).local_shape(z.padded), param.dtype)
+    # the pads read their operands whole along the padded dim, the slice makes that
     grad = op.inputs[1]
+    whole = DistAttr(mesh, _whole_along(s.in_specs[0], z.dim))
+    param_whole = TensorType(whole.local_shape(param.shape), param.dtype)
+    padded = TensorType(whole.local_shape(z.padded), param.dtype)
+    grad_whole = DistAttr(mesh, _whole_along(s.in_specs[1], z.dim))
     attrs = {"axis": z.dim, "size": z.padded[z.dim]}
     cut = {"axes": (z.dim,), "starts": (0,), "ends": (param.shape[z.dim],)}
     return seconds + sum(op_time(kind, [a], [b], attrs_, costs.device) for kind, a, b, attrs_ in (
-        ("pad", whole, TensorType(sliced, param.dtype), attrs),
-        ("pad", TensorType(s.in_local_shapes[1], grad.dtype),
-         TensorType(padded.shape, grad.dtype), attrs),
-        ("slice", padded, whole, cut)))
+        ("pad", param_whole, TensorType(sliced, param.dtype), attrs),
+        ("pad", TensorType(grad_whole.local_shape(grad.shape), grad.dtype),
+         TensorType(grad_whole.local_shape(z.padded), grad.dtype), attrs),
+        ("slice", padded, param_whole, cut)))
 
 
 def writeback_bytes(result, dim: str | None) -> float:
@@ -166,8 +190,8 @@ def writeback_bytes(result, dim: str | None) -> float:
         s = node.strategies[choice[node.index]]
         z = zero_split(s.in_specs[0], param.shape, mesh, dim)
         if z is not None:
-            whole = local_bytes([DistAttr(mesh, s.in_specs[0]).local_shape(z.padded)],
-                                [param.dtype])
+            gathered = _whole_along(s.in_specs[0], z.dim) if z.pads else s.in_specs[0]
+            whole = local_bytes([DistAttr(mesh, gathered).local_shape(z.padded)], [param.dtype])
             most = max(most, whole * (1 + 1 / mesh.dim_size(dim)))
     return most
 
@@ -179,11 +203,7 @@ def _padded_matrix(costs, made: tuple, wanted: tuple, dim: int, padded: tuple,
     layout splitting it is gathered there first, at the gradient's own shape), keeps
     the rest of the layout (a pending sum stays pending), and the padded gradient is
     resharded to the update's layout (a reduce-scatter of the padded bytes)."""
-    whole = []
-    for spec in made:
-        dims = list(spec.dims)
-        dims[dim] = None
-        whole.append(ShardSpec(dims, spec.partial))
+    whole = [_whole_along(spec, dim) for spec in made]
     first = np.array([costs.reshard(m, g, grad.shape, grad.dtype) for m, g in zip(made, whole)])
     return first[:, None] + costs.matrix(tuple(whole), wanted, padded, grad.dtype)
 

@@ -309,11 +309,11 @@ def mtnlg_states() -> int:
     eight, twelve = first_stage_states(8), first_stage_states(12)
     for r in (eight, twelve):
         print(f"MT-NLG 530B t8 p35 dp{r['dp']:<2} ({r['gpus']:,} GPUs): first stage's optimizer "
-              f"states {r['states'] / 1e9:.4f} GB per GPU (ZeRO's padding "
+              f"states {r['states']:,} B = {r['states'] / 1e9:.4f} GB per GPU (ZeRO's padding "
               f"{r['padding'] / 1e6:.2f} MB), peak {r['peak'] / 1e9:.1f} GB")
     ratio = twelve["states"] / eight["states"]
-    print(f"dp 12 / dp 8: {ratio:.5f} (8/12 = {8 / 12:.5f}); without the padding "
-          f"{(twelve['states'] - twelve['padding']) / eight['states']:.5f}")
+    print(f"dp 12 / dp 8: {ratio:.6f} (8/12 = {8 / 12:.6f}); without the padding "
+          f"{(twelve['states'] - twelve['padding']) / eight['states']:.6f}")
     return 0 if ratio <= 8 / 12 else 1
 
 

@@ -464,8 +464,9 @@ def _compiled(planned: Plan, ranks) -> Plan:
 
 
 def _shard_updates(program, mesh_dim: str, cluster, store_split: bool) -> None:
-    """ZeRO over ``mesh_dim`` (:func:`shard_updates`), the parameters stored split where
-    ``store_split`` (ZeRO-3: what ``dg.parallelize`` could not split, padded)."""
+    """ZeRO over ``mesh_dim`` (:func:`shard_updates`), the parameters stored split too
+    where ``store_split`` (ZeRO-3: those ``dg.parallelize`` could not split, padded or
+    over a tensor-parallel dim and ``mesh_dim``)."""
     meshes = {op.dist_attr.mesh for op in program.ops if op.role is Role.OPTIMIZE}
     if not any(mesh_dim in m.dim_names for m in meshes):
         raise PlanError(f"Strategy(sharding=True) shards updates over mesh dim {mesh_dim!r}, "

@@ -73,8 +73,8 @@ UNPADDED = "@UNPADDED"        # ZeRO-3: the slice of a stored padded parameter a
 class ZeroSplit:
     """How ZeRO splits a tensor of ``shape`` over a mesh dim: along tensor dim ``dim``,
     padded to ``padded`` (``shape`` with that dim rounded up to a multiple of the mesh
-    dim's size; ``shape`` itself where the size divides it); ``spec`` is the tensor's
-    layout with that dim split over the mesh dim (of the padded tensor)."""
+    dims that split it then; ``shape`` itself where they divide it); ``spec`` is the
+    tensor's layout with that dim split over the mesh dim too (of the padded tensor)."""
 
     spec: ShardSpec
     dim: int

@@ -34,9 +34,10 @@ throughput with the published one, in the paper's own unit and FLOP count:
   paper names no micro-batch: one micro-batch of the replica's 8 sequences. Its FLOP
   count is not stated: Narayanan's (recomputation counted) is used. FSDP is asked for as
   ZeRO (``sharding=True``: states and updates split over dp); dp = 124 divides none of
-  the weights' dims, so nothing is split (FSDP pads flat buffers) and the estimated peak
-  far exceeds 80 GB; FSDP reduces the gradients during the backward, and so the row is
-  planned with ``Strategy(overlap=True)``.
+  the weights' dims, so each is padded along one (FSDP pads flat buffers); FSDP reduces
+  the gradients during the backward, and so the row is planned with
+  ``Strategy(overlap=True)`` (the padded gradients, made by the update's pads, are
+  reduced after it).
 - **Llama 3 405B** (Meta, "The Llama 3 Herd of Models", 2024, Table 4): the three rows of
   ``bench/plan_llama3.py`` (8K and 16K H100s, sequence 8K; 16K H100s, sequence 128K
   with CP 16), published TFLOP/s per GPU 430, 400, 380, with that bench's layout (Meta's

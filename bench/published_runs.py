@@ -34,9 +34,10 @@ throughput with the published one, in the paper's own unit and FLOP count:
   paper names no micro-batch: one micro-batch of the replica's 8 sequences. Its FLOP
   count is not stated: Narayanan's (recomputation counted) is used. FSDP is asked for as
   ZeRO (``sharding=True``: states and updates split over dp); dp = 124 divides none of
-  the weights' dims, so nothing is split (FSDP pads flat buffers) and the estimated peak
-  far exceeds 80 GB; FSDP reduces the gradients during the backward, and so the row is
-  planned with ``Strategy(overlap=True)``.
+  the weights' dims, so each is padded along one (FSDP pads flat buffers); FSDP reduces
+  the gradients during the backward, and so the row is planned with
+  ``Strategy(overlap=True)`` (the padded gradients, made by the update's pads, are
+  reduced after it).
 - **Llama 3 405B** (Meta, "The Llama 3 Herd of Models", 2024, Table 4): the three rows of
   ``bench/plan_llama3.py`` (8K and 16K H100s, sequence 8K; 16K H100s, sequence 128K
   with CP 16), published TFLOP/s per GPU 430, 400, 380, with that bench's layout (Meta's
@@ -74,10 +75,17 @@ search's), and prints its predicted throughput over the published layout's; the 
 rows too (``bench/plan_llama3.py``'s own search keeps Meta's micro-batch count,
 recomputation, ZeRO and chunks).
 
+``--mtnlg-states`` prints instead what ZeRO's sharding of the optimizer states leaves on
+each GPU of MT-NLG 530B's first stage (Smith et al. 2022, "Using DeepSpeed and Megatron
+to Train Megatron-Turing NLG 530B": 105 layers, h 20,480, 128 heads, t 8, p 35, batch
+1,920, sequence 2,048, ZeRO stage 1 over dp) at dp 8 (2,240 GPUs) and dp 12 (3,360
+GPUs), with the ratio against 8/12; dp 12 divides none of the 20,480-wide dims, so those
+tensors are padded (their padding's bytes are printed).
+
 Run::
 
     python bench/published_runs.py [--rows 22B,OPT-175B | --sources korthikanti,opt]
-                                   [--searched] [--json OUT]
+                                   [--searched] [--json OUT] [--mtnlg-states]
 
 Timings on a shared 2-core machine are noisy; the Llama rows plan 8K-16K GPUs and take
 minutes each.
@@ -87,6 +95,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from dataclasses import dataclass
@@ -272,6 +281,43 @@ def plan_llama(name: str, searched: bool, h100) -> dict:
     return out
 
 
+MTNLG = dict(layers=105, hidden=20480, heads=128, t=8, p=35, batch=1920)
+
+
+def first_stage_states(dp: int) -> dict:
+    """MT-NLG 530B's layout at data-parallel size ``dp`` (one sequence per micro-batch,
+    every block recomputed, ZeRO's sharding of the states over dp), planned and priced on
+    its DGX A100 nodes: the first stage's optimizer states per GPU (the most of its
+    processes), and of them the bytes of ZeRO's padding."""
+    m = MTNLG
+    gpus = m["t"] * m["p"] * dp
+    plan = megatron_plan(m["layers"], m["hidden"], m["heads"], m["t"], m["p"], gpus,
+                         m["batch"], m["batch"] // dp, None, recompute=True, sharding=True,
+                         overlap=False)
+    est = dg.passes.estimate(plan, dgx_cluster(gpus // 8))
+    first = max((p for p in est.processes if p.stage == 0), key=lambda p: p.states)
+    local = plan.local_alike(first.process).program
+    padding = sum(v.nbytes * (1 - math.prod(plan.program.values[v.name].logical_shape)
+                              / math.prod(plan.program.values[v.name].shape))
+                  for v in local.persistables if not v.is_parameter)
+    return {"dp": dp, "gpus": gpus, "states": first.states, "padding": padding,
+            "peak": first.peak_memory}
+
+
+def mtnlg_states() -> int:
+    """Print :func:`first_stage_states` at dp 8 and 12; exit status 1 where dp 12 holds
+    more than 8/12 of dp 8's."""
+    eight, twelve = first_stage_states(8), first_stage_states(12)
+    for r in (eight, twelve):
+        print(f"MT-NLG 530B t8 p35 dp{r['dp']:<2} ({r['gpus']:,} GPUs): first stage's optimizer "
+              f"states {r['states']:,} B = {r['states'] / 1e9:.4f} GB per GPU (ZeRO's padding "
+              f"{r['padding'] / 1e6:.2f} MB), peak {r['peak'] / 1e9:.1f} GB")
+    ratio = twelve["states"] / eight["states"]
+    print(f"dp 12 / dp 8: {ratio:.6f} (8/12 = {8 / 12:.6f}); without the padding "
+          f"{(twelve['states'] - twelve['padding']) / eight['states']:.6f}")
+    return 0 if ratio <= 8 / 12 else 1
+
+
 def row_line(name: str, source: str, layout: str, unit: str, r: dict) -> str:
     err = r["predicted"] / r["published"] - 1
     line = (f"{name:>13} | {layout:<52} | {r['published']:6.1f} {unit:<8} {source:<45} | "
@@ -314,7 +360,11 @@ def main(argv=None) -> int:
     parser.add_argument("--time-limit", type=float, default=60.0,
                         help="seconds per intra-op search (--searched)")
     parser.add_argument("--json", help="write the figures to this file")
+    parser.add_argument("--mtnlg-states", action="store_true",
+                        help="print MT-NLG 530B's first-stage optimizer states at dp 8 and 12")
     args = parser.parse_args(argv)
+    if args.mtnlg_states:
+        return mtnlg_states()
     runs = {r.name: r for r in GPT_RUNS}
     h100 = None
     results = []

@@ -63,7 +63,10 @@ class Value:
     """One SSA value (``+ - * / @ .T`` trace ops: :mod:`distgraph.ops.operators`).
     ``dist_attr`` is what its producer makes (set by completion);
     ``annotation`` is the user's ``shard_tensor`` choice, which completion never changes.
-    ``alias_of`` names the persistable value an update op writes back to."""
+    ``alias_of`` names the persistable value an update op writes back to. ``padded_from``:
+    the shape of a persistable before ZeRO padded it with zeros to split it evenly
+    (:mod:`distgraph.passes.transforms.zero`; None: not padded), the shape it has for the
+    model, checkpoints and ``state_dict``: :attr:`logical_shape`."""
 
     name: str
     shape: tuple
@@ -74,9 +77,15 @@ class Value:
     alias_of: str | None = None
     annotation: Any = None
     dist_attr: Any = None
+    padded_from: tuple | None = None
 
     def __post_init__(self):
         self.role = Role(self.role)
+
+    @property
+    def logical_shape(self) -> tuple:
+        """The shape without ZeRO's padding (``shape`` where it is not padded)."""
+        return self.shape if self.padded_from is None else self.padded_from
 
     @property
     def ndim(self) -> int:
@@ -172,7 +181,8 @@ class Program:
         new._counters = dict(self._counters)
         for v in self.values.values():
             new.values[v.name] = Value(v.name, tuple(v.shape), v.dtype, v.is_parameter,
-                                       v.persistable, v.role, v.alias_of, v.annotation)
+                                       v.persistable, v.role, v.alias_of, v.annotation,
+                                       padded_from=v.padded_from)
         ops: dict[int, Operation] = {}
         for op in self.ops:
             ops[id(op)] = new.append_op(Operation(

@@ -24,13 +24,14 @@ size > 1 that the config gives nothing to do is an error, not a silent copy.
 
   - 0: plain data parallelism: gradients all-reduced, states whole.
   - 1 and 2: the optimizer's states and updates split over ``dp``
-    (``Strategy(sharding=True)``, :mod:`distgraph.passes.transforms.zero`): each process
-    updates its slice of a parameter, whose gradient is reduce-scattered onto that slice
-    rather than all-reduced, and the updated slices are all-gathered back. That is
-    level 2 (ZeRO-2: states and gradients). Level 1 is the same plan: Paddle's level 1
-    all-reduces the gradient and keeps it whole, which here would move twice the
-    gradient's bytes (an all-reduce is a reduce-scatter and an all-gather) to hold a
-    whole gradient that no update reads; what level 1 asks for, states split over
+    (``Strategy(sharding=True)``, :mod:`distgraph.passes.transforms.zero`, whatever the
+    shapes: a tensor no dim of which ``dp`` divides is padded with zeros to be split
+    evenly): each process updates its slice of a parameter, whose gradient is
+    reduce-scattered onto that slice rather than all-reduced, and the updated slices are
+    all-gathered back. That is level 2 (ZeRO-2: states and gradients). Level 1 is the same
+    plan: Paddle's level 1 all-reduces the gradient and keeps it whole, which here would
+    move twice the gradient's bytes (an all-reduce is a reduce-scatter and an all-gather) to
+    hold a whole gradient that no update reads; what level 1 asks for, states split over
     ``dp``, it has.
   - 3: also the parameters, stored split over ``dp`` on their first dim that ``dp``
     divides (on top of their tensor-parallel split), and read whole over ``dp`` by the
@@ -39,9 +40,11 @@ size > 1 that the config gives nothing to do is an error, not a silent copy.
     its slice; the batch stays split). The reads are pinned (the layer's forward runs
     under an op annotation, as ``shard_op``'s in_shard_specs): completion, which prices
     bytes moved and not work, would otherwise gather the small token batch instead and
-    compute the whole batch on every process. A parameter with no such dim keeps level
-    2's sharded states; one read outside its layer (GPT's ``wpe``, a tied head) is read
-    as completion chooses.
+    compute the whole batch on every process. A parameter with no such dim is stored
+    split by the planner (:mod:`distgraph.passes.transforms.zero`): padded with zeros
+    along the dim needing the least, or over a dim split over ``mp`` and ``dp`` together
+    where their product divides it, and read whole where it is used; one read outside
+    its layer (GPT's ``wpe``, a tied head) is read as completion chooses.
 
   The level reaches the planner on the optimizer, as Paddle wraps it: ``parallelize``
   returns the optimizer it is given with ``optimizer.sharding_level`` set; the program

@@ -325,7 +325,7 @@ def _completed(prepared, strategy, cluster, choice, chunks=None) -> None:
             dim = strategy.sharding_mesh_dim
             if choice is not None:              # the search named the mesh dims
                 dim = choice.sharding_dim
-            _shard_updates(program, dim, cluster)
+            _shard_updates(program, dim, cluster, getattr(prepared, "sharding_level", 0) == 3)
     else:
         if strategy.sharding and updates:
             raise PlanError("Strategy(sharding=True) shards optimizer states over a data-"
@@ -463,14 +463,17 @@ def _compiled(planned: Plan, ranks) -> Plan:
                                locals=MappingProxyType({pid: parts[pid] for pid in sorted(kept)}))
 
 
-def _shard_updates(program, mesh_dim: str, cluster) -> None:
+def _shard_updates(program, mesh_dim: str, cluster, store_split: bool) -> None:
+    """ZeRO over ``mesh_dim`` (:func:`shard_updates`), the parameters stored split too
+    where ``store_split`` (ZeRO-3: those ``dg.parallelize`` could not split, padded or
+    over a tensor-parallel dim and ``mesh_dim``)."""
     meshes = {op.dist_attr.mesh for op in program.ops if op.role is Role.OPTIMIZE}
     if not any(mesh_dim in m.dim_names for m in meshes):
         raise PlanError(f"Strategy(sharding=True) shards updates over mesh dim {mesh_dim!r}, "
                         f"but no update runs on a mesh with that dim (meshes: "
                         f"{', '.join(sorted(map(str, meshes)))}); set "
                         f"Strategy(sharding_mesh_dim=...) to a data-parallel dim")
-    if shard_updates(program, mesh_dim):
+    if shard_updates(program, mesh_dim, store_split):
         complete(program, cluster=cluster)
 
 

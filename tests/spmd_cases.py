@@ -96,6 +96,8 @@ CASES = [
     OpCase("split", ((4, 12),), {"sections": (6, 6), "axis": 1}),
     OpCase("slice", ((4, 12),), {"axes": (1,), "starts": (0,), "ends": (6,)}),
     OpCase("slice_grad", ((4, 6),), {"axes": (1,), "starts": (0,), "ends": (6,), "shape": (4, 12)}),
+    OpCase("pad", ((4, 5),), {"axis": 1, "size": 12}),
+    OpCase("pad", ((3, 6),), {"axis": 0, "size": 4}),
     OpCase("sum", ((4, 6, 12),), {"axis": (2,), "keepdim": False}),
     OpCase("sum", ((4, 12),), {"axis": (0, 1), "keepdim": True}),
     OpCase("max", ((4, 12),), {"axis": (0,), "keepdim": True}),

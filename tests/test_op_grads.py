@@ -306,6 +306,14 @@ for _label, (_s, _axes, _starts, _ends) in SLICES.items():
     CASES.append(Case("slice", _label, _make_slice))
 
 
+# pad: ZeRO's zeros past a dim's end (inserted by the planner, never traced by a model)
+for _label, (_s, _axis, _size) in {"rows": ((5, 4), 0, 6), "last-axis": ((3, 2, 5), 2, 8),
+                                   "nothing-added": ((4, 3), 1, 3)}.items():
+    def _make_pad(rng, s=_s, axis=_axis, size=_size):
+        return (lambda p, f: emit1("pad", [p["x"]], {"axis": axis, "size": size})), \
+            {"x": normal(rng, s)}, {}
+    CASES.append(Case("pad", _label, _make_pad))
+
 # -- nn ops --------------------------------------------------------------------------------------
 for _op, _fn in (("softmax", ops.softmax), ("log_softmax", ops.log_softmax)):
     for _rank, _axis in ((2, -1), (2, 0), (3, 1), (3, -1)):

@@ -52,16 +52,22 @@ def _specs(model) -> dict:
 def test_the_layout_written_with_shard_tensor_gives_the_same_plan(kind, name):
     """Hand-written annotations (every parameter on its stage, the specs of Megatron's
     table, level 3's dp split, the input's batch split inside forward) and
-    Strategy(sharding=True) for a ZeRO level: the completed program parallelize's layout
-    gives, whose optimizer carries the level, is the same op by op."""
+    Strategy(sharding=True) for a ZeRO level, with the optimizer carrying level 3 where
+    it is (the planner then stores split the parameters no free dim of which dp
+    divides): the completed program parallelize's layout gives, whose optimizer carries
+    the level, is the same op by op."""
     layout = C.LAYOUTS[kind, name]
-    ours = _plan(*C.parallelized(kind, layout), dg.Strategy(**layout.strategy), kind)
+    model, optimizer = C.parallelized(kind, layout)
+    ours = _plan(model, optimizer, dg.Strategy(**layout.strategy), kind)
     annotate, batch, strategy = C.BY_HAND[kind, name]
     model = C.build(kind)
     annotate(model)
     if batch is not None:
         C.split_input(model, *batch)
-    theirs = _plan(model, dg.optim.AdamW(1e-2), dg.Strategy(**strategy), kind)
+    by_hand = dg.optim.AdamW(1e-2)
+    if optimizer.sharding_level == 3:
+        by_hand.sharding_level = 3
+    theirs = _plan(model, by_hand, dg.Strategy(**strategy), kind)
     assert ours.strategy.sharding == theirs.strategy.sharding
     assert _layouts(ours) == _layouts(theirs)
 

@@ -76,7 +76,9 @@ PHASE_TIMEOUT = 3600.0   # seconds a rank waits for the others to finish a phase
 class Entry:
     """One tensor to save. ``attr`` is its layout (None: every rank holds it whole and
     rank 0 writes it); ``rank_of`` maps a process id of ``attr.mesh`` to its rank;
-    ``local`` is this rank's block (None where it holds none)."""
+    ``local`` is this rank's block (None where it holds none). ``padded``: the shape
+    ``attr`` lays it out on where it is stored padded (ZeRO's zeros past ``shape``,
+    which is what is saved), None where it is not."""
 
     name: str
     shape: tuple
@@ -85,6 +87,7 @@ class Entry:
     attr: object = None
     rank_of: Callable = lambda pid: pid
     local: object = None
+    padded: tuple | None = None
 
 
 def distgraph_version() -> str:
@@ -111,8 +114,11 @@ def layout(entries) -> tuple[dict, dict]:
         else:
             holders: dict = {}
             for pid in sorted(e.attr.mesh.process_ids):
-                index = e.attr.local_slices(e.shape, pid)
-                holders.setdefault(tuple((s.start, s.stop) for s in index), []).append(pid)
+                index = e.attr.local_slices(e.padded or e.shape, pid)
+                # of a padded block, the part inside the tensor (none: only padding)
+                block = tuple((min(s.start, n), min(s.stop, n)) for s, n in zip(index, e.shape))
+                if e.padded is None or all(a < b for a, b in block):
+                    holders.setdefault(block, []).append(pid)
             for block, pids in holders.items():   # the holder that has written least
                 blocks[block] = min((sizes.get(e.rank_of(p), 0), p) for p in pids)[1]
             blocks = {block: e.rank_of(pid) for block, pid in blocks.items()}
@@ -176,6 +182,8 @@ def _write_files(tmp: str, rank: int, mine: list) -> tuple:
     with open(os.path.join(tmp, f"rank-{rank:05d}.bin"), "wb") as f:
         for e, block, offset in mine:
             local = e.local if e.attr is not None else np.asarray(e.local)[block]
+            if e.padded is not None:        # a padded block: its part inside the tensor
+                local = np.asarray(local)[tuple(slice(0, s.stop - s.start) for s in block)]
             data = np.asarray(local, dtype=np.dtype(e.dtype))
             if not data.flags.c_contiguous:      # (ascontiguousarray makes 0-d arrays 1-d)
                 data = data.copy(order="C")

@@ -382,8 +382,9 @@ class Engine:
                 entries.append(checkpoint.Entry(name, tuple(local.shape), str(local.dtype),
                                                 kind, local=local))
             else:
-                entries.append(checkpoint.Entry(name, layout.shape, layout.dtype, kind,
-                                                layout.attr, layout.plan.ranks, local))
+                entries.append(checkpoint.Entry(
+                    name, layout.logical, layout.dtype, kind, layout.attr, layout.plan.ranks,
+                    local, layout.shape if layout.shape != layout.logical else None))
         if any(p.distributed for p in self._plans.plans().values()):
             self.world()
         checkpoint.save(path, entries, checkpoint_info(self), self._comm)

@@ -35,13 +35,16 @@ from distgraph.runtime.execution.runner import relayout
 
 class HeldLayout(NamedTuple):
     """How a held value is laid out: its DistAttr in ``plan``, global shape and dtype, and
-    the runner of ``plan`` (which gathers it, and whose array backend holds its block)."""
+    the runner of ``plan`` (which gathers it, and whose array backend holds its block);
+    ``logical``: its shape without ZeRO's padding (``shape`` where it is not padded: the
+    blocks of a padded value hold zeros past it)."""
 
     attr: object
     shape: tuple
     dtype: str
     plan: object
     runner: object
+    logical: tuple
 
 
 class HeldState:
@@ -93,14 +96,21 @@ class HeldState:
         if self.bound is plan:
             return self.arrays
         want = {v.name: v for v in plan.program.persistables}
-        moved = self._move(sorted(n for n in want if n in self.layouts), plan, comm)
+        held = sorted(n for n in want if n in self.layouts)
+        # a value the plans pad otherwise (ZeRO's padding for another data-parallel
+        # size, or none) is gathered whole, cut back, and laid out anew (collective:
+        # layouts are the same on every rank); the others move block by block
+        regathered = self.gather([n for n in held
+                                  if self.layouts[n].shape != tuple(want[n].shape)])
+        moved = self._move([n for n in held if n not in regathered], plan, comm)
         params = dict(self.model.named_parameters())
         self._check_pending(want)
         made, from_checkpoint = [], set()      # the values laid out anew, in name order
         for name in sorted(want):
             v = want[name]
-            kept = name in self.layouts and name not in moved
-            self.layouts[name] = HeldLayout(v.dist_attr, tuple(v.shape), v.dtype, plan, runner)
+            kept = name in self.layouts and name not in moved and name not in regathered
+            self.layouts[name] = HeldLayout(v.dist_attr, tuple(v.shape), v.dtype, plan, runner,
+                                            tuple(v.logical_shape))
             if kept:
                 continue
             made.append(name)
@@ -112,8 +122,10 @@ class HeldState:
         def block_of(v, index):
             """(this process's block of ``v``, whether it is a new array of its own)."""
             name = v.name
-            if name in moved:
-                return moved[name], False
+            if name in moved:       # this block (past a padded value's end: cut back)
+                return moved[name][tuple(slice(0, s.stop - s.start) for s in index)], False
+            if name in regathered:
+                return regathered[name][index], False
             if name in from_checkpoint:
                 return self.pending.read(name, index), False
             if name in params:          # a lazy parameter makes only this block

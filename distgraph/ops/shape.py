@@ -1,7 +1,8 @@
-"""Shape ops: reshape, transpose, broadcast_to, concat, split, slice.
+"""Shape ops: reshape, transpose, broadcast_to, concat, split, slice, pad.
 
-Sharding: transpose permutes letters (``"abc->cab"``); concat/split/slice never split the
-axis they cut; broadcast_to never splits a stretched dim; reshape gives each merged or
+Sharding: transpose permutes letters (``"abc->cab"``); concat/split/slice/pad never split
+the axis they cut or pad (but may make their result split there from an operand whole
+there); broadcast_to never splits a stretched dim; reshape gives each merged or
 split group one letter on its major dims (see ``reshape_notation``).
 
 They only move values, so they take 16-bit operands as they are (``takes_16bit``: no
@@ -341,6 +342,59 @@ class SliceGrad:
 
     def localize(attrs, site):
         return {**attrs, "shape": site.out_local_shape()}, {}
+
+
+def _pad_notation(in_shapes, attrs):
+    rank = len(in_shapes[0])
+    word = _axis_word(rank, axis_of(attrs["axis"], rank))
+    return f"{word}->{word}"
+
+
+# linear: zeros added to each term of a pending sum leave a pending sum (P -> P), so a
+# gradient pending over dp is padded first and reduce-scattered at its padded size;
+# sliced: asked for split on the padded axis, each process makes its own rows of the
+# result from the operand whole there (R -> S(axis), no whole padded copy).
+# S(i) -> S(i) for i not the axis; P -> P; R -> S(axis)
+@register_op("pad", spmd=EinsumRule(_pad_notation, linear=True, sliced=True))
+class Pad:
+    """``x`` with zeros appended along ``axis`` up to ``size`` elements: ZeRO's padding of
+    a parameter, its gradient and its optimizer states to a multiple of the data-parallel
+    size (:mod:`distgraph.passes.transforms.zero`). No FLOPs: a copy, priced by the bytes
+    it moves. ``window`` (set by ``localize``): only the rows [lo, hi) of the result.
+
+    Example: pad of ``[[1, 2]]`` with axis 0, size 3 is ``[[1, 2], [0, 0], [0, 0]]``."""
+
+    def infer(x, axis, size, window=None):
+        if not x.shape[axis] <= size:
+            raise ShapeError(f"pad to size {size} along dim {axis} of a tensor of shape "
+                             f"{list(x.shape)}: the size is smaller than the dim")
+        shape = list(x.shape)
+        shape[axis] = size if window is None else window[1] - window[0]
+        return TensorType(tuple(shape), x.dtype)
+
+    def kernel(ctx, x, axis, size, window=None):
+        lo, hi = (0, size) if window is None else window
+        shape = list(x.shape)
+        shape[axis] = hi - lo
+        out = ctx.xp.zeros(shape, dtype=x.dtype)
+        kept = min(hi, x.shape[axis]) - lo        # the rows of x in the window
+        if kept > 0:
+            into, src = [slice(None)] * x.ndim, [slice(None)] * x.ndim
+            into[axis], src[axis] = slice(0, kept), slice(lo, lo + kept)
+            out[tuple(into)] = x[tuple(src)]
+        return out
+
+    def localize(attrs, site):
+        # the operand whole on the axis, the result split there: this process's rows
+        axis = attrs["axis"]
+        if site.out_local_shape()[axis] == attrs["size"]:
+            return attrs, {}
+        span = site.out_slices()[axis]
+        return {**attrs, "window": (span.start, span.stop)}, {}
+
+    def grad(op, dz):
+        axis = op.attrs["axis"]
+        return [slice_(dz, (axis,), (0,), (op.inputs[0].shape[axis],))]
 
 
 def slice_(x, axes, starts, ends):

@@ -43,8 +43,8 @@ class Optimizer:
         """ZeRO's level for this optimizer's updates, as ``dg.parallelize`` sets it from
         ``dp_config``'s ``sharding_level`` (Paddle wraps the optimizer for it): 0 none;
         1, 2 and 3 plan the program built with it with ``Strategy(sharding=True)`` (its
-        states and updates split over ``dp``; level 3's parameters are split by
-        ``parallelize`` itself)."""
+        states and updates split over ``dp``; level 3's parameters too: by
+        ``parallelize`` where ``dp`` divides a dim, by the planner otherwise)."""
         return self.__dict__.get("_sharding_level", 0)
 
     @sharding_level.setter

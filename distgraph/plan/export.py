@@ -191,7 +191,7 @@ def degrees(plan, target: str = "megatron") -> Degrees:
                            sequence[0] if sequence else None)
     fsdp = target == "torchtitan" and strategy.sharding
     for v in program.parameters:
-        problem = problem or weight_problem(v.name, kinds[v.name], v.shape,
+        problem = problem or weight_problem(v.name, kinds[v.name], v.logical_shape,
                                             v.dist_attr.spec, sizes, tensor, data_ok=fsdp)
     if problem:
         raise _cannot(target, problem)

@@ -40,7 +40,8 @@ def weight_kinds(program) -> dict:
     "embedding" (an embedding's table), "norm" (a norm's scale or shift), "bias" (an
     add's operand), "expert" (a mixture of experts' stacked weights), "router" (a Linear
     inside a mixture of experts' layer: its gate, whole in both frameworks) or "other";
-    looked up through casts."""
+    looked up through casts, and through the slice that cuts a parameter ZeRO stored
+    padded back to its shape."""
     readers: dict = {}
     moe = set()
     for op in program.ops:
@@ -53,8 +54,10 @@ def weight_kinds(program) -> dict:
     for p in program.parameters:
         names, kinds = [p.name], []
         while names:
-            for op in readers.get(names.pop(), ()):
-                if op.type in _THROUGH:
+            name = names.pop()
+            for op in readers.get(name, ()):
+                if op.type in _THROUGH or (op.type == "slice" and name == p.name
+                                           and p.padded_from is not None):
                     names += [o.name for o in op.outputs]
                 else:
                     kinds.append(_KINDS.get(op.type, "other"))

@@ -10,8 +10,9 @@ the mesh of its inputs' producers, and where two meet, the one that contains the
 stage 0's activation and stage 1's therefore runs on stage 1. Ops without a placed input
 (constants, ops on unannotated parameters or feeds) take the earliest stage of the ops that
 read them, else the mesh of the op before them. Backward ops take their forward op's mesh,
-update ops their parameter's; the step counter shared by all updates lives on the union of
-their meshes.
+update ops their parameter's (or the mesh they are annotated with, as ZeRO annotates an
+update and the pads and slice around it); the step counter shared by all updates lives on
+the union of their meshes.
 
 Example::
 
@@ -97,7 +98,9 @@ def assign_meshes(program: Program, producer: dict, consumers: dict,
         if op.role == Role.BACKWARD and op.forward_op is not None:
             set_op(k, mesh[index[id(op.forward_op)]] or first)
     for k, op in enumerate(ops):
-        if op.role == Role.OPTIMIZE and op.inputs and op.inputs[0].is_parameter:
+        if op.role == Role.OPTIMIZE and op.annotation is not None:
+            set_op(k, op.annotation.mesh)
+        elif op.role == Role.OPTIMIZE and op.inputs and op.inputs[0].is_parameter:
             set_op(k, vmesh.get(op.inputs[0].name, first))
     update_meshes = [mesh[k] for k, op in enumerate(ops)
                      if op.role == Role.OPTIMIZE and mesh[k] is not None]

@@ -148,16 +148,22 @@ class PlanRunner:
         that array is the block's own (taken without a copy where its dtype and order
         are right). The one way state is laid out: the Engine's held state
         (``HeldState.bind``) gives its blocks from where each value is held, and
-        :meth:`shard_scope` from global arrays."""
+        :meth:`shard_scope` from global arrays. A value stored padded (ZeRO's,
+        ``Value.padded_from``) is asked for the part of its block inside its logical
+        shape, and the rest of the block is zeros."""
         values = self.plan.program.values
         out = {}
         for name in names:
             v = values[name]
             if self.pid not in v.dist_attr.mesh:
                 continue
-            block, own = block_of(v, v.dist_attr.local_slices(v.shape, self.pid))
-            out[name] = self.backend.from_host(
-                np.array(block, dtype=v.dtype, order="C", copy=None if own else True))
+            index = v.dist_attr.local_slices(v.shape, self.pid)
+            if v.padded_from is None:
+                block, own = block_of(v, index)
+                block = np.array(block, dtype=v.dtype, order="C", copy=None if own else True)
+            else:
+                block = padded_block(v, index, block_of)
+            out[name] = self.backend.from_host(block)
         return out
 
     def shard_scope(self, global_values: dict) -> dict:
@@ -180,11 +186,16 @@ class PlanRunner:
         is in flight, so the gathers' tags count from 0."""
         out = {}
         points = self.program.state_gathers
+        values = self.plan.program.values
         for i, name in enumerate(names):
             point = points[name]
             local = scope[point.value] if point.reads else None
-            out[point.value] = self.backend.to_host(apply_reshard(
+            whole = self.backend.to_host(apply_reshard(
                 point.steps, local, self.comm, self.pid, self.plan.ranks, i))
+            logical = values[point.value].padded_from
+            if logical is not None:         # ZeRO's padding cut off
+                whole = np.ascontiguousarray(whole[tuple(slice(0, n) for n in logical)])
+            out[point.value] = whole
         return out
 
     # -- feeding ---------------------------------------------------------------------------------
@@ -277,6 +288,18 @@ def relayout(points, blocks: dict, comm, rank: int) -> dict:
     for tag, point in enumerate(points):
         local = blocks[point.value] if point.reads else None
         out[point.value] = run_point(point, local, comm, rank, None, tag)
+    return out
+
+
+def padded_block(v, index, block_of):
+    """The block at ``index`` of Value ``v`` stored padded (``v.padded_from``): its part
+    inside the logical shape from ``block_of`` (as :meth:`PlanRunner.lay_out` takes it),
+    zeros past it, as a new C-contiguous host array."""
+    inside = tuple(slice(min(s.start, n), min(s.stop, n)) for s, n in zip(index, v.padded_from))
+    out = np.zeros(tuple(s.stop - s.start for s in index), dtype=v.dtype)
+    if all(s.stop > s.start for s in inside):
+        block, _ = block_of(v, inside)
+        out[tuple(slice(0, s.stop - s.start) for s in inside)] = block
     return out
 
 

@@ -5,6 +5,11 @@ over that dim (:func:`~distgraph.passes.transforms.zero.shard_updates`, ZeRO-1):
 gradient is resharded to the update's slice (a reduce-scatter where it was
 all-reduced), each process updates its slice, and the updated slice is all-gathered
 back into the stored parameter, once a step; the states take ``1 / n`` of their bytes.
+Where n divides no free dim of a tensor, ZeRO pads one with zeros to a multiple of n
+(:func:`~distgraph.passes.transforms.zero.zero_split`), and it is priced padded: the
+states' bytes are the padded tensor's over n, the reduce-scatter and the all-gather move
+the padded tensor, and the update runs on the padded slice beside the pads and the
+slice that cuts the result back.
 
 So a parameter kept whole over the data-parallel dim with its states split there
 (Meta's FSDP layout, Megatron's distributed optimizer) is a layout the search sees at
@@ -24,16 +29,17 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 
 from distgraph.ir import Role
 from distgraph.passes.cost.prices import op_time
 from distgraph.passes.cost.layout_prices import local_bytes
-from distgraph.placement import DistAttr
+from distgraph.placement import DistAttr, ShardSpec
 from distgraph.registry import TensorType
 from distgraph.passes.search.layouts.space import MESH_DIMS
-from distgraph.passes.transforms.zero import sharded_spec
+from distgraph.passes.transforms.zero import zero_split
 from distgraph.registry import get_op
 
 
@@ -56,11 +62,13 @@ class ZeroTerms:
     """What ZeRO changes in a search's problem, per strategy index: ``compute`` seconds
     of each update node on its slice (nan where it does not shard), the write-back gather's
     seconds per step (``gather``), the layout each update consumes its gradient in
-    (``grad``), and the bytes factor of each state's source node (``states``)."""
+    (``grad``) and, where ZeRO pads it first, the (dim, padded shape) of the pad (``pads``),
+    and the bytes factor of each state's source node (``states``)."""
 
     compute: dict       # update node -> np.ndarray of seconds (nan: unchanged)
     gather: dict        # update node -> np.ndarray of seconds per run of the update
     grad: dict          # update node -> tuple of ShardSpec
+    pads: dict          # update node -> tuple of (dim, padded shape) or None
     states: dict        # state source node -> np.ndarray of factors
 
 
@@ -83,47 +91,96 @@ def zero_terms(space, costs, dim: str | None) -> ZeroTerms | None:
     if dim is None or dim not in mesh.dim_names or mesh.dim_size(dim) == 1:
         return None
     n = mesh.dim_size(dim)
-    compute, gather, grad, states = {}, {}, {}, {}
+    compute, gather, grad, pads, states = {}, {}, {}, {}, {}
     for node, op in updates(space):
         param = op.inputs[0]
-        specs = [sharded_spec(s.in_specs[0], param.shape, mesh, dim) for s in node.strategies]
-        if not any(specs):
+        splits = [zero_split(s.in_specs[0], param.shape, mesh, dim) for s in node.strategies]
+        if not any(splits):
             continue
         compute[node.index] = np.array([np.nan if z is None else _sliced_time(op, s, z, mesh, costs)
-                                        for z, s in zip(specs, node.strategies)])
-        gather[node.index] = np.array([
-            0.0 if z is None else costs.reshard(z, s.in_specs[0], param.shape, param.dtype)
-            for z, s in zip(specs, node.strategies)])
-        grad[node.index] = tuple(s.in_specs[1] if z is None else z
-                                 for z, s in zip(specs, node.strategies))
+                                        for z, s in zip(splits, node.strategies)])
+        gather[node.index] = np.array([0.0 if z is None else _writeback_time(s, z, param, costs)
+                                       for z, s in zip(splits, node.strategies)])
+        grad[node.index] = tuple(s.in_specs[1] if z is None else z.spec
+                                 for z, s in zip(splits, node.strategies))
+        pads[node.index] = tuple((z.dim, z.padded) if z is not None and z.pads else None
+                                 for z in splits)
         for _, i in get_op(op.type).inplace:
             state = op.inputs[i]
             if i > 0 and state.name in space.source_node:
                 k = space.source_node[state.name]
-                states[k] = np.array([
-                    1.0 if sharded_spec(t.out_specs[0], state.shape, mesh, dim) is None
-                    else 1.0 / n for t in space.nodes[k].strategies])
-    return ZeroTerms(compute, gather, grad, states)
+                states[k] = np.array([_states_factor(t.out_specs[0], state.shape, mesh, dim)
+                                      for t in space.nodes[k].strategies])
+    return ZeroTerms(compute, gather, grad, pads, states)
+
+
+def _whole_along(spec: ShardSpec, dim: int) -> ShardSpec:
+    """``spec`` whole along tensor dim ``dim`` (what a pad reads and a slice makes)."""
+    dims = list(spec.dims)
+    dims[dim] = None
+    return ShardSpec(dims, spec.partial)
+
+
+def _writeback_time(s, z, param, costs) -> float:
+    """Seconds a step moves the parameter of an update under strategy ``s`` that ZeRO
+    splits as ``z``: the updated slice all-gathered into the stored layout; where ``z``
+    pads, into the layout whole along the padded dim (the slice cutting it back reads
+    that), with the parameter gathered so for its pad first and the cut result written
+    back into the stored layout (none of these two where no mesh dim splits that dim)."""
+    stored = s.in_specs[0]
+    if not z.pads:
+        return costs.reshard(z.spec, stored, z.padded, param.dtype)
+    whole = _whole_along(stored, z.dim)
+    return (costs.reshard(z.spec, whole, z.padded, param.dtype)
+            + costs.reshard(stored, whole, param.shape, param.dtype)
+            + costs.reshard(whole, stored, param.shape, param.dtype))
+
+
+def _states_factor(spec, shape, mesh, dim) -> float:
+    """The bytes of a state laid out as ``spec`` once ZeRO splits it over ``dim``, over
+    its bytes as ``spec`` (1 where ZeRO leaves it): the padded tensor's share."""
+    z = zero_split(spec, shape, mesh, dim)
+    if z is None:
+        return 1.0
+    return math.prod(DistAttr(mesh, z.spec).local_shape(z.padded)) / \
+        max(math.prod(DistAttr(mesh, spec).local_shape(shape)), 1)
 
 
 def _sliced_time(op, s, z, mesh, costs) -> float:
-    """Seconds of update ``op`` under strategy ``s`` run on the slice ``z`` of its
-    parameter (its operands and results laid out as the parameter, sliced alike)."""
+    """Seconds of update ``op`` under strategy ``s`` run on the slice of its parameter
+    that ``z`` (a ZeroSplit) makes (its operands and results laid out as the parameter,
+    sliced alike), and where ``z`` pads, of the pads of the parameter and its gradient
+    and of the slice that cuts the result back."""
     param = op.inputs[0]
+    sliced = DistAttr(mesh, z.spec).local_shape(z.padded)
 
     def local(values, specs, shapes):
-        return [TensorType(DistAttr(mesh, z).local_shape(v.shape)
-                           if spec == s.in_specs[0] and v.shape == param.shape else shape,
-                           v.dtype) for v, spec, shape in zip(values, specs, shapes)]
+        return [TensorType(sliced if spec == s.in_specs[0] and v.shape == param.shape
+                           else shape, v.dtype) for v, spec, shape in zip(values, specs, shapes)]
 
-    return op_time(op.type, local(op.inputs, s.in_specs, s.in_local_shapes),
-                   local(op.outputs, s.out_specs, s.out_local_shapes), op.attrs, costs.device)
+    seconds = op_time(op.type, local(op.inputs, s.in_specs, s.in_local_shapes),
+                      local(op.outputs, s.out_specs, s.out_local_shapes), op.attrs, costs.device)
+    if not z.pads:
+        return seconds
+    # the pads read their operands whole along the padded dim, the slice makes that
+    grad = op.inputs[1]
+    whole = DistAttr(mesh, _whole_along(s.in_specs[0], z.dim))
+    param_whole = TensorType(whole.local_shape(param.shape), param.dtype)
+    padded = TensorType(whole.local_shape(z.padded), param.dtype)
+    grad_whole = DistAttr(mesh, _whole_along(s.in_specs[1], z.dim))
+    attrs = {"axis": z.dim, "size": z.padded[z.dim]}
+    cut = {"axes": (z.dim,), "starts": (0,), "ends": (param.shape[z.dim],)}
+    return seconds + sum(op_time(kind, [a], [b], attrs_, costs.device) for kind, a, b, attrs_ in (
+        ("pad", param_whole, TensorType(sliced, param.dtype), attrs),
+        ("pad", TensorType(grad_whole.local_shape(grad.shape), grad.dtype),
+         TensorType(grad_whole.local_shape(z.padded), grad.dtype), attrs),
+        ("slice", padded, param_whole, cut)))
 
 
 def writeback_bytes(result, dim: str | None) -> float:
     """The largest buffer ZeRO's write-back holds at an update of ``result``'s choice (a
-    SearchResult): the updated slice and the parameter it is gathered into (bytes per
-    device; 0 where nothing is sharded)."""
+    SearchResult): the updated slice and the parameter it is gathered into, padded where
+    ZeRO pads (bytes per device; 0 where nothing is sharded)."""
     mesh, choice = result.space.mesh, result.choice
     if dim is None or dim not in mesh.dim_names or mesh.dim_size(dim) == 1:
         return 0.0
@@ -131,11 +188,24 @@ def writeback_bytes(result, dim: str | None) -> float:
     for node, op in updates(result.space):
         param = op.inputs[0]
         s = node.strategies[choice[node.index]]
-        z = sharded_spec(s.in_specs[0], param.shape, mesh, dim)
+        z = zero_split(s.in_specs[0], param.shape, mesh, dim)
         if z is not None:
-            whole = local_bytes([s.in_local_shapes[0]], [param.dtype])
+            gathered = _whole_along(s.in_specs[0], z.dim) if z.pads else s.in_specs[0]
+            whole = local_bytes([DistAttr(mesh, gathered).local_shape(z.padded)], [param.dtype])
             most = max(most, whole * (1 + 1 / mesh.dim_size(dim)))
     return most
+
+
+def _padded_matrix(costs, made: tuple, wanted: tuple, dim: int, padded: tuple,
+                   grad) -> np.ndarray:
+    """Seconds from each layout ``made`` of ``grad`` to each ``wanted`` of it padded
+    along ``dim`` to ``padded``, as the plan runs it: the pad reads the dim whole (a
+    layout splitting it is gathered there first, at the gradient's own shape), keeps
+    the rest of the layout (a pending sum stays pending), and the padded gradient is
+    resharded to the update's layout (a reduce-scatter of the padded bytes)."""
+    whole = [_whole_along(spec, dim) for spec in made]
+    first = np.array([costs.reshard(m, g, grad.shape, grad.dtype) for m, g in zip(made, whole)])
+    return first[:, None] + costs.matrix(tuple(whole), wanted, padded, grad.dtype)
 
 
 def apply_zero(terms: ZeroTerms | None, space, costs, weights: dict, compute: list,
@@ -157,7 +227,13 @@ def apply_zero(terms: ZeroTerms | None, space, costs, weights: dict, compute: li
         grad = space.program.ops[node.op].inputs[1]
         u, j = space.producer[grad.name]
         made = tuple(s.out_specs[j] for s in space.nodes[u].strategies)
-        mat = costs.matrix(made, terms.grad[v], grad.shape, grad.dtype) * w
+        mat = np.zeros((len(made), len(terms.grad[v])))
+        for pad in dict.fromkeys(terms.pads[v]):
+            cols = [c for c, p in enumerate(terms.pads[v]) if p == pad]
+            wanted = tuple(terms.grad[v][c] for c in cols)
+            mat[:, cols] = costs.matrix(made, wanted, grad.shape, grad.dtype) if pad is None \
+                else _padded_matrix(costs, made, wanted, *pad, grad)
+        mat = mat * w
         if (u, v) in at:
             edges[at[(u, v)]] = (u, v, mat)
         elif mat.any():

@@ -140,9 +140,10 @@ def test_the_figures_shown_are_the_estimates(pipeline, page):
                      est.step_time - top.compute - top.communication, digits=4)
     # every process's memory is one row's, and every row some processes'
     rows = {i: {k: float(figures[f"memory:{i}:{k}"][0]) for k in
-                ("parameters", "states", "gradients", "activations", "peak", "memory")}
+                ("parameters", "states", "gradients", "activations", "workspace", "peak",
+                 "memory")}
             for i in range(len(est.processes)) if f"memory:{i}:peak" in figures}
-    wanted = {(p.parameters, p.states, p.gradients, p.activations, p.peak_memory,
+    wanted = {(p.parameters, p.states, p.gradients, p.activations, p.workspace, p.peak_memory,
                cluster.devices[plan.ranks(p.process)].memory * 1e9) for p in est.processes}
     assert {tuple(r.values()) for r in rows.values()} == wanted
     for i, row in rows.items():

@@ -17,7 +17,8 @@ It shows
   between them (the bubble); and, given the runtime's timeline of a run, what it
   measured;
 - memory per group of alike processes as stacked bars (parameters, optimizer states,
-  gradients, activations: the parts of the estimate's peak) against what a device may
+  gradients, activations, the running kernel's workspace: the parts of the estimate's
+  peak) against what a device may
   hold (its usable memory: its memory less its reserve, at most
   ``Strategy(memory_budget_gb)``) and its memory, in decimal bytes as ``explain()``;
 - each stage's step split into compute, communication and bubble, with its model FLOP/s
@@ -160,17 +161,17 @@ def _memory(facts) -> dict:
     groups: dict = {}
     for p in est.processes:
         # what a device may hold: the limit the planner fits plans to
-        key = (p.stage, p.parameters, p.states, p.gradients, p.activations,
+        key = (p.stage, p.parameters, p.states, p.gradients, p.activations, p.workspace,
                facts.memory(p.process), facts.usable(p.process))
         groups.setdefault(key, []).append(p.process)
-    shown = set(sorted(groups, key=lambda k: -sum(k[1:5]))[:MEMORY_GROUPS])
+    shown = set(sorted(groups, key=lambda k: -sum(k[1:6]))[:MEMORY_GROUPS])
     out = []
     for key in sorted(shown, key=lambda k: (k[0], min(groups[k]))):
-        stage, params, states, grads, acts, memory, usable = key
+        stage, params, states, grads, acts, work, memory, usable = key
         out.append({"stage": stage, "processes": fmt_ids(groups[key], limit=4),
                     "count": len(groups[key]), "parameters": params, "states": states,
-                    "gradients": grads, "activations": acts,
-                    "peak": params + states + grads + acts, "memory": memory,
+                    "gradients": grads, "activations": acts, "workspace": work,
+                    "peak": params + states + grads + acts + work, "memory": memory,
                     "usable": usable})
     return {"groups": out, "hidden": len(groups) - len(out)}
 

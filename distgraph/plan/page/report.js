@@ -9,7 +9,8 @@ const KIND_COLORS = {F: "#4c9be8", B: "#e8874c", I: "#e8874c", W: "#b05cc6",
                      update: "#59a14f", prologue: "#9aa3b5", send: "#8d8d8d",
                      recv: "#c2c2c2"};
 const MEMORY_PARTS = [["parameters", "#4c78a8"], ["states", "#72b7b2"],
-                      ["gradients", "#f58518"], ["activations", "#e45756"]];
+                      ["gradients", "#f58518"], ["activations", "#e45756"],
+                      ["workspace", "#b279a2"]];
 const STEP_PARTS = [["compute", "#4c78a8"], ["communication", "#f58518"],
                     ["bubble", "#d5d9e0"]];
 
@@ -379,8 +380,8 @@ function barChart(rows, top, parts, marks) {
 function memory(root, data) {
   const mem = data.memory;
   section(root, "Memory per group of alike processes",
-          "The estimate's peak of each group: parameters, optimizer states, gradients and " +
-          "activations; the dashed line is what a device may hold, its usable memory (its " +
+          "The estimate's peak of each group: parameters, optimizer states, gradients, " +
+          "activations and the running kernel's workspace; the dashed line is what a device may hold, its usable memory (its " +
           "memory less its reserve, at most the strategy's memory budget), the solid one " +
           "its memory (left out where it is over three times the largest peak: the text " +
           "gives it).");
@@ -397,8 +398,8 @@ function memory(root, data) {
   root.append(legend(MEMORY_PARTS.concat([["usable", "#b3261e"], ["device memory", "#1d2330"]])));
   const cells = ["processes", ...MEMORY_PARTS.map(p => p[0]), "peak", "usable", "memory"];
   const body = mem.groups.map((g, i) => el("tr", {}, [el("td", {}, `stage ${g.stage}: ` +
-    g.processes), ...["parameters", "states", "gradients", "activations", "peak", "usable",
-    "memory"].map(k => el("td", {"class": "num"}, fig(`memory:${i}:${k}`, g[k], fmtBytes)))]));
+    g.processes), ...["parameters", "states", "gradients", "activations", "workspace", "peak",
+    "usable", "memory"].map(k => el("td", {"class": "num"}, fig(`memory:${i}:${k}`, g[k], fmtBytes)))]));
   root.append(el("table", {}, [el("tr", {}, cells.map(h => el("th", {}, h))), ...body]));
   if (mem.hidden) {
     root.append(el("p", {"class": "note"}, `${mem.hidden} more group(s) with smaller ` +

@@ -177,10 +177,15 @@ def check_zero(program, locals_, plan):
     """Gradients reduce-scattered, updated slices all-gathered back into the stored
     parameter, optimizer states held as 1/dp slices of the stored parameter."""
     dp = 2 if plan.name == "zero_dp_tp" else plan.nprocs
-    # every parameter with a dim that tensor parallelism left whole and dp divides
+
+    def parts(v, d) -> int:
+        return math.prod(v.dist_attr.mesh.dim_size(m) for m in v.dist_attr.spec.entry(d))
+
+    # every parameter with a dim that dp divides beside the mesh dims splitting it (one
+    # tensor parallelism left whole, or one it splits whose pieces dp divides again):
+    # its states are split with no padding (passes/transforms/zero.py)
     params = [v.name for v in program.parameters
-              if any(e is None and size % dp == 0
-                     for e, size in zip(v.dist_attr.spec.dims, v.shape))]
+              if any(size % (dp * parts(v, d)) == 0 for d, size in enumerate(v.shape))]
     assert set(params) >= {name for name, _ in weight_names(plan.kind)}
     for local in locals_:
         written_back = {p.stores[0]: {s.kind for s in p.steps} for p in local.points()

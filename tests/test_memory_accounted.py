@@ -170,3 +170,43 @@ def test_four_ranks_hold_what_their_plans_estimate(tmp_path):
     receives it posts ahead, which the estimate does not price."""
     within(measured(tmp_path, "dp_mp,zero3,pp_1f1b,pp_interleaved,searched,pp_gpipe,pp_zb",
                     4))
+
+
+def test_the_estimate_says_which_gradients_are_accumulation_buffers(monkeypatch):
+    """Oracle: the runtime's accumulator, read as the update takes it. With micro-batches
+    under amp the step adds each micro-batch's gradients into one buffer a parameter, in
+    float32 (the gradients' dtype, cast before they are summed): the estimate's
+    ``gradient_buffers`` are those arrays' bytes, its ``buffer_dtypes`` their dtypes, and
+    ``explain()`` says so beside the gradients."""
+    import numpy as np
+
+    import distgraph as dg
+    from distgraph.runtime.execution.tasks import Accumulator
+
+    taken = []
+    take = Accumulator.take
+
+    def recording(self):
+        out = take(self)
+        taken.append({name: (v.nbytes, str(v.dtype)) for name, v in out.items()
+                      if hasattr(v, "nbytes")})
+        return out
+
+    monkeypatch.setattr(Accumulator, "take", recording)
+    dg.seed(0)
+    model = dg.nn.GPT(vocab_size=64, d_model=32, n_layer=2, n_head=2, max_seq_len=16)
+    engine = dg.Engine(model, dg.nn.CrossEntropyLoss(), dg.optim.AdamW(1e-3),
+                       cluster=dg.Cluster.local(1),
+                       strategy=dg.Strategy(micro_batches=4, amp="bfloat16"))
+    x = np.random.default_rng(0).integers(0, 64, (8, 17))
+    data = [(row[:-1].astype(np.int64), row[1:].astype(np.int64)) for row in x]
+    engine.fit(data, batch_size=8, epochs=1, verbose=0)
+    plan = engine.plan()
+    grads = set(plan.built.grad_names.values())
+    held = {n: b for n, b in taken[-1].items() if n in grads}
+    assert held and {d for _, d in held.values()} == {"float32"}
+    (p,) = plan.estimate.processes
+    assert p.gradient_buffers == sum(b for b, _ in held.values())
+    assert p.buffer_dtypes == ("float32",)
+    assert p.gradient_buffers <= p.gradients
+    assert "float32 accumulation buffers" in str(plan.estimate)

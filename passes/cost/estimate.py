@@ -118,7 +118,11 @@ WORKSPACE = " workspace"     # the running kernel's, among the names live at a p
 class ProcessEstimate:
     """One process: its device, seconds of compute and communication per step, and
     bytes at its memory peak (``peak_memory`` = parameters + states + gradients +
-    activations live then + the running kernel's ``workspace``); ``tasks``: those seconds by the task that spends them
+    activations live then + the running kernel's ``workspace``); of the ``gradients``,
+    ``gradient_buffers`` bytes are the step's accumulation buffers (with micro-batches:
+    one per parameter gradient, in that gradient's dtype, ``buffer_dtypes``; the rest
+    are the running micro-batch's own gradients, of parameters and activations, live
+    then); ``tasks``: those seconds by the task that spends them
     (:class:`~distgraph.passes.cost.by_task.TaskSeconds`; none without a task graph)."""
 
     process: int
@@ -132,6 +136,8 @@ class ProcessEstimate:
     activations: int
     saved_activations: int = 0
     workspace: int = 0
+    gradient_buffers: int = 0
+    buffer_dtypes: tuple = ()
     tasks: tuple = ()
 
     @property
@@ -211,8 +217,10 @@ def _figures(p: ProcessEstimate) -> str:
 
 
 def _memory(p: ProcessEstimate) -> str:
+    buffers = (f" ({fmt_bytes(p.gradient_buffers)} of them {'/'.join(p.buffer_dtypes)} "
+               f"accumulation buffers)" if p.gradient_buffers else "")
     return (f"peak {fmt_bytes(p.peak_memory)} (parameters {fmt_bytes(p.parameters)}, states "
-            f"{fmt_bytes(p.states)}, gradients {fmt_bytes(p.gradients)}, activations "
+            f"{fmt_bytes(p.states)}, gradients {fmt_bytes(p.gradients)}{buffers}, activations "
             f"{fmt_bytes(p.activations)}, workspace {fmt_bytes(p.workspace)})")
 
 
@@ -385,9 +393,10 @@ def _fetch_points(plan, fetch, pid) -> list:
 
 
 def _peak_memory(plan, pid, stage, scale: Scale, once=frozenset(),
-                 widened: bool = True) -> tuple[int, int, int, int, int, int]:
-    """(parameters, states, gradients, activations, saved activations, workspace) bytes at
-    the process's peak (module docstring); ``once``: the Values the step makes once
+                 widened: bool = True) -> tuple:
+    """(parameters, states, gradients, activations, saved activations, workspace, the
+    gradients' accumulation buffers) bytes at the process's peak (module docstring), and
+    the buffers' dtypes; ``once``: the Values the step makes once
     (:func:`~distgraph.plan.accumulation.made_once`), live from the step's start to its
     update and never among what a micro-batch in flight keeps; ``widened``: the device's
     backend computes 16-bit operands in float32 (:func:`~distgraph.registry.op_workspace`)."""
@@ -544,7 +553,9 @@ def _peak_memory(plan, pid, stage, scale: Scale, once=frozenset(),
             acts += (in_flight(plan.strategy.schedule, m, len(plan.stages), stage,
                               plan.strategy.virtual_stages) - 1) * saved
         grads += made_now
-    return params, states, int(grads), int(acts), int(saved), int(workspace)
+    dtypes = tuple(sorted({prog.values[g].dtype for g in buffers})) if made_now else ()
+    return (params, states, int(grads), int(acts), int(saved), int(workspace),
+            int(made_now), dtypes)
 
 
 def _combine(plan, processes, update_time, counts) -> Estimate:

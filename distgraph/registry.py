@@ -176,6 +176,22 @@ def op_work(op_type: str, ins, outs, attrs) -> float:
     return float(sum(size(t) for t in ins) + sum(size(t) for t in outs))
 
 
+EXCHANGES = ("all_to_all", "all_to_allv")
+
+
+def comm_workspace(collectives) -> int:
+    """Bytes an op's own all-to-alls hold while its kernel runs, for its ``comm`` hook's
+    ``((kind, group size, buffer bytes), ...)``: each exchange's result is a new array the
+    kernel keeps to its end (MoE's rows there and back, Ulysses' heads), and at the
+    largest one the send side holds its buffer again (MPI's all_to_all packs its pieces
+    into one array, a dispatch packs its rows before an all_to_allv). Point-to-point hops
+    (ring attention) pass one block at a time, which the op's own ``workspace`` hook
+    counts. tests/test_memory_accounted.py and bench/memory_check.py (moe_ep,
+    cp_ulysses) measure it on MPI ranks."""
+    sizes = [float(b) for kind, _, b in collectives if kind in EXCHANGES]
+    return int(sum(sizes) + max(sizes, default=0.0))
+
+
 def op_workspace(op_type: str, ins, outs, attrs, widened: bool = True) -> int:
     """Bytes op ``op_type``'s kernel allocates beyond its results while it runs, for local
     TensorTypes ``ins`` and ``outs`` (its ``workspace`` hook; 0 without one).

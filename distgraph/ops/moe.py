@@ -175,7 +175,7 @@ def _pairs(ins, capacity) -> int:
     return b * per_seq
 
 
-def _ffn_flops(ins, outs, capacity=None, expert_start=None, num_experts=None):
+def _ffn_flops(ins, outs, capacity=None, expert_start=None, num_experts=None, members=None):
     d, inner = ins[3].shape[1], ins[3].shape[2]
     return _pairs(ins, capacity) * (6 * d * inner + 5 * inner + 2 * d)
 
@@ -212,18 +212,30 @@ ROWS = 512      # an expert's tokens computed at once: its temporaries have this
 
 
 def workspace_bytes(attrs, ins, grad: bool) -> int:
-    """Bytes moe_ffn's serial kernel (``grad``: moe_ffn_grad's) allocates beyond its
-    results at the expected load: its routes (two int64 per assignment, beside the
-    one-hot choices that find them), and one block of an expert's tokens (ROWS, or an
+    """Bytes moe_ffn's kernel (``grad``: moe_ffn_grad's) allocates beyond its results at
+    the expected load: its routes (two int64 per assignment, beside the one-hot choices
+    that find them), then, serially, one block of an expert's tokens (ROWS, or an
     expert's expected share if fewer): the rows, the pre-activations and their products
     (and, for the gradient, the block's recomputed forward and a weight's gradient of
     one block). Where the runtime keeps the forward's arrays (``ctx.saved``, priced by
     :func:`kept_bytes`) the gradient recomputes none: one block is then counted twice, a
-    bound. The all-to-all form's exchange buffers are not counted here."""
+    bound. The all-to-all form (``members``: the processes of its group, set by
+    :func:`~distgraph.ops.moe_dispatch.localize`) runs each local expert on every row the
+    group sends it at once: the results of the rows received, and an expert's
+    temporaries (the forward's SwiGLU, the gradient's from the kept pre-activations);
+    its exchange buffers are counted from its ``comm`` hook
+    (:func:`~distgraph.registry.comm_workspace`)."""
     b, s, k = ins[1].shape
     local, d, inner = ins[3].shape
     item = dtypes.itemsize(ins[0].dtype)
     pairs = _local_pairs(attrs, ins)
+    members = attrs.get("members")
+    if members:
+        received = pairs * members          # this process's experts' rows, all senders'
+        experts = attrs.get("num_experts") or local
+        routes = 2 * INDEX * b * s * k + b * s * k * experts
+        expert = received / local * item * ((8 * inner + 3 * d) if grad else (3 * inner + d))
+        return int(routes + received * d * item + expert)
     choices = b * s * k * local * (1 if attrs.get("capacity") is None else 10)
     n = min(ROWS, pairs / local) if local else 0
     if grad:
@@ -295,7 +307,7 @@ class MoeFFN:
     flops = _ffn_flops
 
     def infer(x, ids, weights, gate, up, down, capacity=None, expert_start=None,
-              num_experts=None):
+              num_experts=None, members=None):
         if len(x.shape) != 3 or tuple(ids.shape[:2]) != tuple(x.shape[:2]) or \
                 tuple(weights.shape) != tuple(ids.shape):
             raise ShapeError(f"moe_ffn: x [b, s, d] and ids, weights [b, s, k] expected, got "
@@ -313,7 +325,7 @@ class MoeFFN:
         return x
 
     def kernel(ctx, x, ids, weights, gate, up, down, capacity=None, expert_start=None,
-               num_experts=None):
+               num_experts=None, members=None):
         xp = ctx.xp
         _check(xp, ids, gate.shape[0] if num_experts is None else num_experts)
         if ctx.group is not None:
@@ -356,15 +368,15 @@ class MoeFFNGrad:
     dx (Partial where experts or the inner dim are split), dweights (the expert's output
     dotted with dy), and the stacked weights' gradients (Partial where tokens are split)."""
 
-    def flops(ins, outs, capacity=None, expert_start=None, num_experts=None):
+    def flops(ins, outs, capacity=None, expert_start=None, num_experts=None, members=None):
         return 2 * _ffn_flops(ins, outs, capacity)
 
     def infer(x, ids, weights, gate, up, down, dy, capacity=None, expert_start=None,
-              num_experts=None):
+              num_experts=None, members=None):
         return x, weights, gate, up, down
 
     def kernel(ctx, x, ids, weights, gate, up, down, dy, capacity=None, expert_start=None,
-               num_experts=None):
+               num_experts=None, members=None):
         xp = ctx.xp
         if ctx.group is not None:
             return moe_dispatch.backward(ctx, x, ids, weights, gate, up, down, dy, capacity,

@@ -63,15 +63,17 @@ def shared_dim(site) -> str | None:
 
 
 def localize(attrs, site):
-    """The local attributes (first local expert, all experts) and, for the all-to-all
-    form, the kernel's ``group``: the processes holding the other expert blocks."""
+    """The local attributes (first local expert, all experts; for the all-to-all form
+    also ``members``, its group's size) and, for the all-to-all form, the kernel's
+    ``group``: the processes holding the other expert blocks."""
     experts = site.in_slices(3)[0]
     if experts.stop - experts.start == site.in_shapes[3][0]:
         return attrs, {}
     local = {**attrs, "expert_start": experts.start, "num_experts": site.in_shapes[3][0]}
     if shared_dim(site) is None:
         return local, {}
-    return local, {"group": site.split_group(3, 0)}
+    group = site.split_group(3, 0)
+    return {**local, "members": len(group)}, {"group": group}
 
 
 def comm(site, grad: bool = False) -> tuple:

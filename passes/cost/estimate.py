@@ -106,7 +106,7 @@ from distgraph.passes.cost.prices import (Rings, best_overlap, feed_time, op_com
                                           reshard_step_time)
 from distgraph.passes.cost.by_task import TaskSpent
 from distgraph.passes.cost.shares import Scale, Share, share_of
-from distgraph.registry import get_op, op_workspace
+from distgraph.registry import comm_workspace, get_op, op_workspace
 from distgraph.resources.cluster import Cluster
 from distgraph.units import fmt_bytes, fmt_ids
 
@@ -420,7 +420,8 @@ def _peak_memory(plan, pid, stage, scale: Scale, once=frozenset(),
             reads, writes = kept.get(i, ((), ()))
             spare[len(items)] = op_workspace(op.type, [scale.tensor(v) for v in op.inputs],
                                              [scale.tensor(o) for o in op.outputs], op.attrs,
-                                             widened)
+                                             widened) + \
+                comm_workspace(local.op_comm.get(i, ()))
             items.append((tuple(v.name for v in op.inputs) + reads,
                           tuple(o.name for o in op.outputs if not o.alias_of) + writes))
             item_roles.append(op.role)

@@ -46,7 +46,7 @@ import math
 import numpy as np
 
 from distgraph import dtypes
-from distgraph.registry import LocalSite, TensorType, get_op, op_workspace
+from distgraph.registry import LocalSite, TensorType, comm_workspace, get_op, op_workspace
 from distgraph.passes.cost.prices import (Rings, best_overlap, feed_time, mesh_step_time,
                                           op_comm_time, op_time, reshard_step_time)
 from distgraph.passes.reshard import plan_reshard, plan_reshard_path
@@ -125,9 +125,11 @@ class LayoutPrices:
     def workspace(self, op, strategies) -> np.ndarray:
         """Bytes each strategy's kernel allocates beyond its results while it runs on the
         priced device (:func:`~distgraph.registry.op_workspace`: its hook, and on a CPU
-        the float32 copies of its 16-bit operands; zeros without either)."""
+        the float32 copies of its 16-bit operands; with its own all-to-alls their buffers,
+        :func:`~distgraph.registry.comm_workspace`; zeros without any)."""
         widened = self.device.type == "CPU"       # numpy computes 16 bits in float32
-        if get_op(op.type).workspace is None and not (widened and _half(op)):
+        if get_op(op.type).workspace is None and not (widened and _half(op)) and \
+                not any(s.comm for s in strategies):
             return np.zeros(len(strategies))
 
         def spare():
@@ -138,7 +140,8 @@ class LayoutPrices:
                        for shape, v in zip(s.in_local_shapes, op.inputs)]
                 outs = [TensorType(shape, o.dtype)
                         for shape, o in zip(s.out_local_shapes, op.outputs)]
-                out.append(op_workspace(op.type, ins, outs, attrs, widened))
+                out.append(op_workspace(op.type, ins, outs, attrs, widened) +
+                           comm_workspace(s.comm or ()))
             return np.array(out, float)
         return self._ops.memo((self, "workspace", _signature(op, strategies)), spare)
 

@@ -116,9 +116,7 @@ class LayoutPrices:
             out = []
             for s in strategies:
                 attrs, context = self._localized(op, s)
-                ins = [TensorType(shape, v.dtype)
-                       for shape, v in zip(s.in_local_shapes, op.inputs)]
-                out.append(hook(attrs, context or {}, ins))
+                out.append(hook(attrs, context or {}, _local_types(op, s)[0]))
             return np.array(out, float)
         return self._ops.memo((self, "kept", _signature(op, strategies)), kept)
 
@@ -136,11 +134,7 @@ class LayoutPrices:
             out = []
             for s in strategies:
                 attrs, _ = self._localized(op, s)
-                ins = [TensorType(shape, v.dtype)
-                       for shape, v in zip(s.in_local_shapes, op.inputs)]
-                outs = [TensorType(shape, o.dtype)
-                        for shape, o in zip(s.out_local_shapes, op.outputs)]
-                out.append(op_workspace(op.type, ins, outs, attrs, widened) +
+                out.append(op_workspace(op.type, *_local_types(op, s), attrs, widened) +
                            comm_workspace(s.comm or ()))
             return np.array(out, float)
         return self._ops.memo((self, "workspace", _signature(op, strategies)), spare)
@@ -161,12 +155,11 @@ class LayoutPrices:
     def _price(self, op, s) -> tuple[float, float]:
         opdef = get_op(op.type)
         attrs, context = self._localized(op, s)
-        ins = [TensorType(shape, v.dtype) for shape, v in zip(s.in_local_shapes, op.inputs)]
+        ins, outs = _local_types(op, s)
         ways = opdef.overlap(attrs, ins) if opdef.overlap is not None else ()
         if ways:
             _, compute, hidden = best_overlap(ways, self.device, self.ring_of)
             return compute, hidden
-        outs = [TensorType(shape, o.dtype) for shape, o in zip(s.out_local_shapes, op.outputs)]
         comm = op_comm_time(s.comm, self.rings.of_op(self.mesh, self.pid, context),
                             self.device) if s.comm else 0.0
         if self.sample_axes is None:
@@ -391,6 +384,12 @@ def _pair(src: ShardSpec, dst: ShardSpec) -> tuple:
     scales every move's bytes by its extent alike)."""
     return (tuple((src.entry(d), dst.entry(d)) for d in range(src.ndim)
                   if src.entry(d) or dst.entry(d)), src.partial, dst.partial)
+
+
+def _local_types(op, s) -> tuple:
+    """(operands, results) of ``op`` under strategy ``s`` as local TensorTypes."""
+    return ([TensorType(shape, v.dtype) for shape, v in zip(s.in_local_shapes, op.inputs)],
+            [TensorType(shape, o.dtype) for shape, o in zip(s.out_local_shapes, op.outputs)])
 
 
 def _half(op) -> bool:

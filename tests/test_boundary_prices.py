@@ -217,19 +217,24 @@ def test_one_value_priced_on_other_devices_is_priced_again():
 
 def plain_ring(rings, mesh, dims, group) -> tuple:
     """A group's (bandwidth, latency) hop by hop, each pair looked up alone, the hops that
-    cross machines sharing their interfaces with the other groups' (prices.py's model)."""
+    cross machines sharing their interfaces with the other groups' or striped over them
+    (prices.py's model)."""
     cluster, device_of = rings.cluster, rings.device_of
     machine = {d.global_id: d.machine_id for d in cluster.devices}
     nics = {m.id: max(1, len(m.nics)) for m in cluster.machines}
     crossing: dict = {}
+    fewest: dict = {}
     for other in groups_along(mesh, dims):
         ring = [machine[device_of(q)] for q in other]
         for a, b in zip(ring, ring[1:] + ring[:1]):
             if a != b:
                 crossing[a, b] = crossing.get((a, b), 0) + 1
+                fewest[a, b] = min(fewest.get((a, b), len(ring)), ring.count(a),
+                                   ring.count(b))
     devices = [device_of(q) for q in group]
     hops = [(a, b) for a, b in zip(devices, devices[1:] + devices[:1]) if a != b]
-    share = {k: max(1.0, n / min(nics[k[0]], nics[k[1]])) for k, n in crossing.items()}
+    share = {k: 1.0 / min(fewest[k], min(nics[k[0]], nics[k[1]]) / n)
+             for k, n in crossing.items()}
     bw = min((cluster.bandwidth(a, b) / share.get((machine[a], machine[b]), 1.0)
               for a, b in hops), default=float("inf"))
     return bw, max((cluster.latency(a, b) for a, b in hops), default=0.0)
@@ -254,3 +259,32 @@ def test_rings_equal_hop_by_hop(path):
                 assert (ring.bandwidth, ring.latency) == plain_ring(rings, mesh, dims, group)
                 checked += 1
     assert checked > 250
+
+
+@pytest.mark.parametrize("t, times", [(1, 8), (2, 4), (4, 2), (8, 1)])
+def test_a_ring_stripes_its_crossing_over_the_nics_its_members_reach(t, times):
+    """Data-parallel rings of 32 GPUs over DGX A100 nodes (8 GPUs, 8 HCAs at 24 GB/s each,
+    NVLink 230 GB/s): with t tensor-parallel ranks per node, t rings cross between two
+    nodes at once, each with 8 / t members per node, so each stripes over 8 / t HCAs
+    (NCCL's channels cross at other members); one ring per node reaches 8 HCAs, bounded
+    then by the 192 GB/s of 8 x 24 < 230. The tensor-parallel rings stay inside a node."""
+    cluster = load(os.path.join(CLUSTERS, "dgx_a100_1024.yaml"))
+    gpus = 32 * t
+    mesh = dg.ProcessMesh(np.arange(gpus).reshape(32, t).tolist(), ["dp", "mp"])
+    rings = Rings(cluster, lambda p: p)
+    hca = cluster.bandwidth(0, 8)
+    assert hca == 24.0
+    assert rings.along(mesh, 0, "dp").bandwidth == min(230.0, times * hca)
+    if t > 1:
+        assert rings.along(mesh, 0, "mp").bandwidth == 230.0
+
+
+def test_a_machine_of_one_nic_shares_it_and_stripes_nothing():
+    """Two machines of 8 GPUs and one NIC each (12.5 GB/s between them): a ring of all 16
+    crosses at full speed, eight rings of 2 (one per GPU pair) share the NIC 8 ways."""
+    cluster = load(os.path.join(CLUSTERS, "gpu_2x8.yaml"))
+    rings = Rings(cluster, lambda p: cluster.devices[p].global_id)
+    whole = dg.ProcessMesh(list(range(16)), ["x"])
+    assert rings.along(whole, 0, "x").bandwidth == 12.5
+    pairs = dg.ProcessMesh(np.arange(16).reshape(2, 8).tolist(), ["x", "y"])
+    assert rings.along(pairs, 0, "x").bandwidth == 12.5 / 8

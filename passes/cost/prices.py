@@ -16,7 +16,11 @@ mesh dims that cross between the same machines in the same direction at once (ev
 group of a mesh dim runs the step together), spread over the machines' network
 interfaces: k hops over m NICs take k/m of a hop's bandwidth each when k > m (a DGX's
 eight HCAs, one per GPU, carry eight groups' hops at full speed; one NIC carries them
-in turn). A machine without NICs, whose devices the file links across machines
+in turn). Where fewer hops cross than there are NICs, a group with g members on each
+machine stripes its hop over up to min(g, m / k) of them, as NCCL does: its channels
+are rings in other orders, each crossing at another member and so through another
+member's NIC (a data-parallel ring over 4 DGX nodes crosses at 8 GPUs, over 8 HCAs, at
+8 x one HCA's bandwidth; its NVLink hops still bound it). A machine without NICs, whose devices the file links across machines
 directly, has one network: its links stand for the one machine link they share (the
 emulated clusters). Groups of CPUs inside one machine are marked ``copied``:
 shared-memory transfers are the processes' own copies (a sliced pipeline counts them as
@@ -192,23 +196,28 @@ class Rings:
         return self._machines[device]
 
     def _sharing(self, mesh, dims) -> dict:
-        """{(machine, machine): how many hops share one of the network interfaces
-        between them}: the hops of the groups along ``dims`` that cross from the first
-        to the second at once, over the interfaces of the machine with fewer (at least
-        1; none for a group that runs alone)."""
+        """{(machine, machine): what divides a hop's bandwidth between them}: k / m where
+        the k hops of the groups along ``dims`` that cross from the first to the second
+        at once share m network interfaces (those of the machine with fewer, at least
+        1), and where k < m, 1 / min(g, m / k) for groups of g members on each side
+        striped over the interfaces (module docstring); none for a group that runs
+        alone."""
         if dims is None:
             return {}
         key = (mesh, dims)
         if key not in self._sharings:
-            crossing: dict = {}
+            crossing: dict = {}     # (a, b) -> [hops at once, fewest members of a group]
             for group in set(self._group_of(mesh, dims).values()):
                 ring = [self._machine(self.device_of(q)) for q in group]
+                members = {m: ring.count(m) for m in set(ring)}
                 for a, b in zip(ring, ring[1:] + ring[:1]):
                     if a != b:
-                        crossing[a, b] = crossing.get((a, b), 0) + 1
+                        hops = crossing.setdefault((a, b), [0, len(ring)])
+                        hops[0] += 1
+                        hops[1] = min(hops[1], members[a], members[b])
             self._sharings[key] = {
-                (a, b): max(1.0, k / min(self._nics[a], self._nics[b]))
-                for (a, b), k in crossing.items()}
+                (a, b): 1.0 / min(g, min(self._nics[a], self._nics[b]) / k)
+                for (a, b), (k, g) in crossing.items()}
         return self._sharings[key]
 
     def _ring(self, mesh, dims, group: tuple) -> Ring:

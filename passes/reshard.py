@@ -31,7 +31,6 @@ Example::
 
 from __future__ import annotations
 
-import functools
 import heapq
 import itertools
 import math
@@ -68,7 +67,7 @@ def plan_reshard(src: DistAttr, dst: DistAttr, shape, dtype="float32") -> list[R
     if src.mesh.process_ids == dst.mesh.process_ids and src.mesh.shape == dst.mesh.shape:
         rename = dict(zip(dst.mesh.dim_names, src.mesh.dim_names))
         return _plan_same_mesh(src.mesh, src.spec, _renamed(dst.spec, rename), shape, dtype)
-    return list(_cross_mesh_steps(src, dst, shape, dtype))
+    return _plan_cross_mesh(src, dst, shape, dtype)
 
 
 def plan_reshard_path(mesh: ProcessMesh, src: ShardSpec, dst: ShardSpec, shape,
@@ -425,15 +424,6 @@ def _pick_senders(pids, tiles, sizes, sender, load) -> None:
         best = min(range(n), key=lambda j: (load[pids[j]], (j - turn) % n))
         sender[i] = pids[best]
         load[pids[best]] += size
-
-
-@functools.lru_cache(maxsize=512)
-def _cross_mesh_steps(src: DistAttr, dst: DistAttr, shape: tuple, dtype: str) -> tuple:
-    """:func:`_plan_cross_mesh`'s steps, kept for the next ask of the same values (all it
-    reads; the steps are frozen values): the stage search prices the same boundary
-    between logical meshes alike for many of its options (the 1T row: 198 of 529 asks
-    were asked before)."""
-    return tuple(_plan_cross_mesh(src, dst, shape, dtype))
 
 
 def _plan_cross_mesh(src: DistAttr, dst: DistAttr, shape, dtype) -> list[ReshardStep]:

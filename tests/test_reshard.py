@@ -252,33 +252,6 @@ def test_boxes_that_meet_are_those_of_the_dense_test(seed):
         assert got[0].tolist() == ks.tolist() and got[1].tolist() == rs.tolist()
 
 
-@pytest.mark.parametrize("src,dst,shape", [
-    (DistAttr(ProcessMesh([[0, 1], [2, 3]], ["x", "y"]), ShardSpec(["x", None])),
-     DistAttr(ProcessMesh([[4, 5], [6, 7]], ["x", "y"]), ShardSpec([None, "y"])), (8, 6)),
-    (DistAttr(ProcessMesh([[0, 1], [2, 3]], ["x", "y"]), ShardSpec([None, None], "y")),
-     DistAttr(ProcessMesh([4, 5, 6, 7], ["w"]), ShardSpec(["w", None])), (8, 4)),
-    (DistAttr(ProcessMesh([0, 1, 2], ["x"]), ShardSpec(["x", None])),
-     DistAttr(ProcessMesh([[3, 4], [5, 6]], ["a", "b"]), ShardSpec(["a", None], "b")),
-     (12, 4)),
-])
-def test_cross_mesh_steps_kept_are_planned_afresh(src, dst, shape):
-    """plan_reshard keeps the cross-mesh steps it planned for the next ask of equal
-    values (other mesh objects alike, other dtypes not): each ask gives the steps a
-    fresh plan gives, in a list of its own."""
-    from distgraph.passes.reshard import _plan_cross_mesh
-
-    for dtype in ("float64", "float32", "float64"):
-        fresh = _plan_cross_mesh(src, dst, shape, dtype)
-        again = DistAttr(ProcessMesh(np.array(src.mesh.process_ids).reshape(src.mesh.shape).tolist(),
-                                     list(src.mesh.dim_names)), src.spec)
-        first, second = plan_reshard(src, dst, shape, dtype), plan_reshard(again, dst, shape,
-                                                                            dtype)
-        assert first == second == fresh and first is not second
-        assert all(s.dtype == dtype for s in first)
-        first.clear()
-        assert plan_reshard(src, dst, shape, dtype) == fresh
-
-
 def test_same_processes_other_names_plan_on_one_mesh():
     other = ProcessMesh([[0, 1], [2, 3]], ["a", "b"])
     steps = plan(ShardSpec(["x", None]), ShardSpec([None, "a"]), (4, 4), dst_mesh=other)

@@ -246,25 +246,3 @@ def test_filled_from_is_its_definition_on_random_specs():
                         frozenset(rng.sample(["x", "y", "z"], rng.randint(0, 1))))
         other = DimsSpec(tuple(rng.choice(entries) for _ in range(rng.randint(0, 3))))
         assert spec.filled_from(other) == _filled_by_definition(spec, other), (spec, other)
-
-
-def test_filled_from_kept_answers_are_those_asked_afresh():
-    """filled_from keeps its answers per (spec, other): asked again, of equal specs made
-    anew, it answers what the plain computation and the definition give."""
-    import random
-
-    from distgraph.spmd.specs import _filled
-
-    rng = random.Random(1)
-    entries = [U, None, "x", "y", ("x", "y")]
-    pairs = [(tuple(rng.choice(entries) for _ in range(2)),
-              frozenset(rng.sample(["x", "y"], rng.randint(0, 1))),
-              tuple(rng.choice(entries) for _ in range(2))) for _ in range(40)]
-    for _ in range(3):
-        for dims, partial, other in pairs:
-            spec, to = DimsSpec(dims, partial), DimsSpec(other)
-            answer = spec.filled_from(to)
-            assert answer == _filled_by_definition(spec, to), (spec, to)
-            if U in dims:
-                assert answer == _filled.__wrapped__(spec, to)
-                assert answer.partial == partial

@@ -12,7 +12,6 @@ Example::
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 from distgraph.errors import DistGraphError
@@ -97,9 +96,21 @@ class DimsSpec:
     def filled_from(self, other: DimsSpec) -> DimsSpec:
         """Unknown entries taken from ``other`` (in dim order) unless that would use a
         mesh dim twice; known entries and ``partial`` stay."""
-        if UNKNOWN not in self.dims:
+        dims = self.dims
+        if UNKNOWN not in dims:
             return self
-        return _filled(self, other)
+        out = used = None
+        for i, (a, b) in enumerate(zip(dims, other.dims)):
+            if a is UNKNOWN and b is not UNKNOWN:
+                if used is None:
+                    used = self.used()
+                new = entry_dims(b)
+                if used.isdisjoint(new):
+                    if out is None:
+                        out = list(dims)
+                    out[i] = b
+                    used.update(new)
+        return self if out is None else DimsSpec(tuple(out), self.partial)
 
     def known(self) -> DimsSpec:
         """Unknown entries become None (what completion does at the end)."""
@@ -112,26 +123,6 @@ class DimsSpec:
         if self.partial:
             s += " P(" + ",".join(sorted(self.partial)) + ")"
         return s
-
-
-@functools.lru_cache(maxsize=1 << 14)
-def _filled(spec: DimsSpec, other: DimsSpec) -> DimsSpec:
-    """:meth:`DimsSpec.filled_from` of a spec with unknown entries, kept per (spec,
-    other): both are frozen values and all it reads, and completion asks few distinct
-    pairs very often (19 pairs for 166k asks in the sample analysis of a 128-layer GPT)."""
-    dims = spec.dims
-    out = used = None
-    for i, (a, b) in enumerate(zip(dims, other.dims)):
-        if a is UNKNOWN and b is not UNKNOWN:
-            if used is None:
-                used = spec.used()
-            new = entry_dims(b)
-            if used.isdisjoint(new):
-                if out is None:
-                    out = list(dims)
-                out[i] = b
-                used.update(new)
-    return spec if out is None else DimsSpec(tuple(out), spec.partial)
 
 
 def _normalise(entry):

@@ -124,11 +124,14 @@ def gpt(layers: int, hidden: int, heads: int, mesh=None, vocab: int = VOCAB):
                         n_head=heads, max_seq_len=SEQ, dropout=0.1)
 
 
-def program(model, batch: int):
-    """The training program of ``model`` on ``batch`` sequences (AdamW)."""
+def program(model, batch: int, sharding_level: int = 0):
+    """The training program of ``model`` on ``batch`` sequences (AdamW; its
+    ``sharding_level`` as ``dp_config`` gives it: 3 is ZeRO-3, FSDP's full sharding)."""
+    optimizer = dg.optim.AdamW(1e-4)
+    optimizer.sharding_level = sharding_level
     return build_program(model, [InputSpec([batch, SEQ], "int64", "tokens")],
                          [InputSpec([batch, SEQ], "int64", "labels")],
-                         dg.nn.CrossEntropyLoss(), dg.optim.AdamW(1e-4))
+                         dg.nn.CrossEntropyLoss(), optimizer)
 
 
 def dgx_cluster(nodes: int) -> dg.Cluster:
@@ -177,7 +180,7 @@ def dgx_cluster(nodes: int) -> dg.Cluster:
 
 def megatron_plan(layers, hidden, heads, t, p, gpus, batch, micro_batches, cluster,
                   recompute=True, sequence_parallel=False, sharding=False, vocab=VOCAB,
-                  fused_softmax=False, overlap=True):
+                  fused_softmax=False, overlap=True, sharding_level=0):
     """Megatron's (t, p) as annotations: p stages of layers / p blocks each (every
     parameter of a block on its stage), the embeddings on the first and the final norm
     and head on the last, each stage a (dp, t) mesh of whole machines with the blocks'
@@ -185,7 +188,8 @@ def megatron_plan(layers, hidden, heads, t, p, gpus, batch, micro_batches, clust
     the LM head split over ``mp`` too; every block recomputed unless ``recompute`` is
     False, only each attention core (:func:`with_core`) where it is "selective";
     ``sequence_parallel``: Megatron-SP between the tensor-parallel regions;
-    ``sharding``: optimizer states and updates split over ``dp`` (ZeRO);
+    ``sharding``: optimizer states and updates split over ``dp`` (ZeRO), with
+    ``sharding_level`` 3 the parameters stored split too and gathered where used (FSDP);
     ``fused_softmax``: Megatron's fused scale-mask-softmax kernel in every attention;
     ``overlap``: the gradients' reduction over dp started during the backward
     (``Strategy(overlap=...)``)."""
@@ -214,7 +218,7 @@ def megatron_plan(layers, hidden, heads, t, p, gpus, batch, micro_batches, clust
     dg.shard_tensor(model.ln_f.weight, meshes[-1], [None])
     dg.shard_tensor(model.ln_f.bias, meshes[-1], [None])
     dg.shard_tensor(model.lm_head.weight, meshes[-1], [None, "mp"])
-    built = program(model, batch)
+    built = program(model, batch, sharding_level)
     strategy = dg.Strategy(micro_batches=micro_batches, recompute=recompute,
                            sequence_parallel=sequence_parallel, sharding=sharding,
                            overlap=overlap)

@@ -132,6 +132,7 @@ class Run:
     recompute: str = "full"
     sp: bool = False
     sharding: bool = False
+    sharding_level: int = 0
     overlap: bool = False
     vocab: int = VOCAB
     seq: int = SEQ
@@ -156,7 +157,9 @@ class Run:
                  "none": "no recompute"}[self.recompute]
         return (f"t{self.t} p{self.p} dp{self.dp} mb{self.micro} x{self.micro_batches} "
                 f"B{self.batch} s{self.seq}, {saver}{', SP' if self.sp else ''}"
-                f"{', ZeRO' if self.sharding else ''}{', overlap' if self.overlap else ''}")
+                f"{', ZeRO' if self.sharding else ''}"
+                f"{f'-{self.sharding_level}' if self.sharding_level else ''}"
+                f"{', overlap' if self.overlap else ''}")
 
     def model_flops(self) -> float:
         """The FLOPs of one step as the source counts them."""
@@ -188,7 +191,7 @@ GPT_RUNS = tuple(
     Run("1T", KORTHIKANTI, 160, 25600, 128, 8, 64, 1, 1, 512, 56.3, "mfu", "selective",
         True),
     Run("OPT-175B", OPT, 96, 12288, 96, 8, 1, 124, 8, 992, 147.0, "tflops", "full",
-        sharding=True, overlap=True, vocab=50272),
+        sharding=True, sharding_level=3, overlap=True, vocab=50272),
 )
 LLAMA_ROWS = {"Llama3 405B a": "a", "Llama3 405B b": "b", "Llama3 405B c": "c"}
 SOURCES = {       # --sources key: the rows it names
@@ -230,7 +233,7 @@ def plan_gpt(run: Run, searched: bool, time_limit: float) -> dict:
         run.micro_batches, None,
         recompute={"full": True, "none": False}.get(run.recompute, "selective"),
         sequence_parallel=run.sp, sharding=run.sharding, vocab=run.vocab,
-        fused_softmax=True, overlap=run.overlap))
+        fused_softmax=True, overlap=run.overlap, sharding_level=run.sharding_level))
     est = dg.passes.estimate(plan, cluster)
     out = summary(run.figure, est, wall, cpu)
     del plan

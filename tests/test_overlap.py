@@ -178,3 +178,52 @@ def test_a_rank_that_dies_while_its_peers_wait_in_a_started_reduction_ends_the_j
     assert rc != 0, out
     assert "finished" not in out
     assert "rank 1" in out, out
+
+
+def test_prefetched_gathers_pay_what_the_layer_before_leaves_exposed(monkeypatch):
+    """ZeRO-3's gathers started a block ahead (prefetch_seconds, as the estimate calls it
+    on a slow link): with no compute between them every gather is waited for whole, so
+    they pay what the plain pricing of their steps sums to; with a second of compute per
+    op only a pass's first gather waits for its wire, the others pay their copies. The
+    gradient buckets share the wires with the backward's gathers."""
+    from distgraph.passes.cost import estimate as E
+    from distgraph.passes.cost.overlap import _wire, bucket_seconds, prefetch_seconds
+    from distgraph.passes.cost.prices import reshard_step_time
+    from distgraph.plan.buckets import prefetch_unit
+
+    assert [prefetch_unit(x) for x in ("blocks.3.attn.qkv", "h.12", "wte", "")] == \
+        ["blocks.3", "h.12", "wte", ""]
+    asked = []
+    monkeypatch.setattr(E, "prefetch_seconds",
+                        lambda *args: asked.append(args) or prefetch_seconds(*args))
+    cluster = dg.Cluster.from_file(os.path.join(HERE, "..", "resources", "clusters",
+                                                "emulated_2x2.yaml"))
+    dg.passes.estimate(planned("gpt", "dp_z3"), cluster)
+    plan, local, pid, rings, scale, op_seconds = asked[0]
+    points = {p.seq: p for p in local.points()}
+
+    def full(seq):
+        p = points[seq]
+        return reshard_step_time(p.steps[0], pid, rings, scale.of_step(p, p.steps[0]))
+
+    def wire(seq):
+        p = points[seq]
+        return _wire(p.steps[0], pid, rings, scale.of_step(p, p.steps[0]))
+
+    free, busy = prefetch_seconds(plan, local, pid, rings, scale, {})
+    assert busy and all(start >= 0 and wire > 0 for start, wire in busy)
+    assert len(free) > 4
+    assert sum(free.values()) == pytest.approx(sum(full(s) for s in free))
+    slow, _ = prefetch_seconds(plan, local, pid, rings, scale,
+                               dict.fromkeys(range(len(local.program.ops)), 1.0))
+    waited = [s for s in slow if slow[s] > full(s) - wire(s) + 1e-12]
+    assert 1 <= len(waited) <= 2                    # the forward's first, the backward's
+    assert all(slow[s] == pytest.approx(full(s)) for s in waited)
+    assert all(0 <= slow[s] <= full(s) * (1 + 1e-12) for s in slow)
+    real, busy = prefetch_seconds(plan, local, pid, rings, scale, op_seconds)
+    assert sum(slow.values()) <= sum(real.values()) <= sum(free.values())
+    # the backward's buckets queue behind the gathers started before them on the wires
+    alone = bucket_seconds(plan, local, pid, rings, scale, op_seconds)[0]
+    assert bucket_seconds(plan, local, pid, rings, scale, op_seconds, busy)[0] >= alone
+    assert bucket_seconds(plan, local, pid, rings, scale, op_seconds,
+                          ((0.0, 100.0),))[0] > alone + 99.0

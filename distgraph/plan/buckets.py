@@ -15,8 +15,9 @@ same answer.
   for each where it reads it.
 - **Prefetched gathers** (:func:`prefetch_groups`, :func:`prefetching`). Under ZeRO-3 a parameter is gathered
   (one all-gather of the stored shard) before the ops of its layer; the gathers of one
-  layer form a group, and while a layer's group runs the next group of the same task is
-  started, so at most one layer ahead is held.
+  layer (:func:`prefetch_unit`: a repeated block as a whole, FSDP's unit) form a group,
+  and while a layer's group runs the next group of the same task is started, so at most
+  one layer ahead is held.
 
 Example::
 
@@ -130,6 +131,21 @@ def prefetchable(point, local) -> bool:
         return False
     value = local.program.values.get(point.reads[0])
     return value is not None and value.persistable
+
+
+def prefetch_unit(layer: str) -> str:
+    """The layer whose gathers a ZeRO-3 prefetch holds together: a module path up to its
+    first index, the repeated block it is in (``"blocks.3.attn.qkv"`` -> ``"blocks.3"``,
+    as FSDP wraps a transformer block), else the path itself (``"wte"``).
+
+    >>> prefetch_unit("blocks.3.attn.qkv"), prefetch_unit("ln_f")
+    ('blocks.3', 'ln_f')
+    """
+    parts = (layer or "").split(".")
+    for k, part in enumerate(parts):
+        if part.isdigit():
+            return ".".join(parts[:k + 1])
+    return layer
 
 
 def prefetch_groups(seqs_in_order, layer_of: dict) -> list:

@@ -30,7 +30,9 @@ communication and bubble, and peak memory per process.
   starts in buckets during the backward pay their software where they start and what
   their wires leave exposed after the backward's last op, once a step
   (:mod:`~distgraph.passes.cost.overlap`, the accountant's
-  :func:`~distgraph.passes.cost.stage.exposed`).
+  :func:`~distgraph.passes.cost.stage.exposed`); under ZeRO-3 each parameter gather
+  started a layer ahead pays its software's copies and what its reader still waits for
+  of it after the layer before computed.
 - **Step**: processes meet at every collective, so a stage takes as long as its busiest
   process. Without micro-batches the stages run one after another, ``T = Σ t_s``. With M
   micro-batches, the accountant's :func:`~distgraph.passes.cost.stage.step_time` of the
@@ -99,7 +101,7 @@ from distgraph.errors import PlanError
 from distgraph.ir import Role
 from distgraph.plan.accumulation import made_once
 from distgraph.passes.cost.held import action_holds, kernels_keep, run_order
-from distgraph.passes.cost.overlap import bucket_seconds, prefetched_order
+from distgraph.passes.cost.overlap import bucket_seconds, prefetch_seconds, prefetched_order
 from distgraph.passes.cost.stage import (buffers_by_action, held_by_action, in_flight,
                                          step_time)
 from distgraph.passes.cost.prices import (Rings, best_overlap, feed_time, op_comm_time, op_time,
@@ -333,8 +335,10 @@ def _process_times(plan, pid, device, rings: Rings, fetch, scale: Scale, once=fr
         tasks.add(tasks.of_op(index), t * n, 0.0)
     ops = plan.program.ops
     step_seconds = _StepTimes(pid, rings)
+    # the ZeRO-3 gathers prefetched a layer ahead: the copies and the wait each pays
+    prefetched, busy = prefetch_seconds(plan, local, pid, rings, scale, op_seconds)
     # the gradient buckets reduced during the backward: what stays exposed, once a step
-    paid, _, bucketed = bucket_seconds(plan, local, pid, rings, scale, op_seconds)
+    paid, _, bucketed = bucket_seconds(plan, local, pid, rings, scale, op_seconds, busy)
     comm += paid
     updates += paid
     tasks.add(tasks.update, 0.0, paid)
@@ -342,7 +346,8 @@ def _process_times(plan, pid, device, rings: Rings, fetch, scale: Scale, once=fr
         if p.seq in bucketed:
             continue
         n = times(ops[p.anchor])
-        seconds = n * sum(step_seconds(s, scale.of_step(p, s)) for s in p.steps)
+        seconds = n * (prefetched[p.seq] if p.seq in prefetched else
+                       sum(step_seconds(s, scale.of_step(p, s)) for s in p.steps))
         comm += seconds
         updates += seconds * (n == 1)
         tasks.add(tasks.of_point(p.seq), 0.0, seconds)

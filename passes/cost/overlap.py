@@ -8,9 +8,14 @@ of CPUs, the transfer itself, which the processes copy themselves) where it star
 rest runs while the backward computes: its alpha-beta time on the wires
 (:func:`~.formulas.collective_time` on its group's ring) and its software's part per
 step, the wait at each round for the neighbour to reach it (with more ranks than cores,
-a descheduled neighbour's), which the rank spends computing instead of waiting. The wires carry one collective at a time, in the order they
-start; the step waits for what is left after the backward's last op
+a descheduled neighbour's), which the rank spends computing instead of waiting. The wires
+carry one collective at a time, in the order they start (a ZeRO-3 gather the backward
+prefetched included); the step waits for what is left after the backward's last op
 (:func:`~.stage.exposed`).
+
+Under ZeRO-3 the gathers a layer ahead (:func:`prefetch_seconds`) run on the same wires
+while the layer before computes; each pays its copies and what its reader still waits
+for.
 
 Example::
 
@@ -20,18 +25,22 @@ Example::
 from __future__ import annotations
 
 from distgraph.ir import Role
-from distgraph.plan.buckets import (gradient_buckets, overlapping, prefetch_groups, prefetchable,
-                                    prefetching)
+from distgraph.plan.buckets import (gradient_buckets, overlapping, prefetch_groups,
+                                    prefetch_unit, prefetchable, prefetching)
 from distgraph.passes.cost.formulas import collective_time
 from distgraph.passes.cost.prices import reshard_step_time, software_time
 from distgraph.passes.cost.stage import exposed
 
 
-def bucket_seconds(plan, local, pid: int, rings, scale, op_seconds: dict) -> tuple:
+def bucket_seconds(plan, local, pid: int, rings, scale, op_seconds: dict,
+                   busy=()) -> tuple:
     """(seconds the step pays for the bucketed reductions of process ``pid``'s
     ``local`` program, seconds of them hidden behind the backward, the seqs of their
     points); ``op_seconds[i]``: one run of local op i; ``scale``: the process's
-    :class:`~.shares.Scale`. Nothing where the plan does not overlap."""
+    :class:`~.shares.Scale`; ``busy``: (start, wire seconds) of the other collectives
+    the backward starts on the same wires (its prefetched gathers,
+    :func:`prefetch_seconds`), seconds into it, which a bucket started after one waits
+    behind. Nothing where the plan does not overlap."""
     if not overlapping(plan):
         return 0.0, 0.0, frozenset()
     buckets = gradient_buckets(local, plan.strategy.bucket_mb)
@@ -54,7 +63,11 @@ def bucket_seconds(plan, local, pid: int, rings, scale, op_seconds: dict) -> tup
         ready = sum(op_seconds.get(i, 0.0) for i in backward if i <= bucket.after) + processor
         starts.append((ready, wire))
     end = sum(op_seconds.get(i, 0.0) for i in backward) + processor
-    left = exposed(starts, end)
+    # one wire, in the order the collectives start, to the last bucket: what it leaves
+    # past the backward's end is what the step waits for (the gathers' waits are theirs)
+    queue = sorted([(r, w, True) for r, w in starts] + [(r, w, False) for r, w in busy])
+    upto = max(k for k, (_, _, bucket) in enumerate(queue) if bucket)
+    left = exposed([(r, w) for r, w, _ in queue[:upto + 1]], end)
     paid = processor + left
     hidden = sum(w for _, w in starts) - left
     return paid, hidden, frozenset(s for b in buckets for s in b.points)
@@ -82,6 +95,82 @@ def prefetched_order(plan, local, seqs) -> list | None:
     gathers of a layer (:func:`~distgraph.plan.buckets.prefetch_groups`) moved to just
     after the first gather of the group before it in the same pass (forward or backward),
     where the runtime starts it; None where nothing is prefetched."""
+    found = _groups(plan, local, seqs)
+    if found is None:
+        return None
+    ahead = found[1]
+    moved = {k for group in ahead.values() for k in group}
+    order = []
+    for k in range(len(seqs)):
+        if k not in moved:
+            order.append(k)
+        for j in ahead.get(k, ()):
+            if j not in order:
+                order.append(j)
+    return order
+
+
+def prefetch_seconds(plan, local, pid: int, rings, scale, op_seconds: dict) -> tuple:
+    """({seq: seconds one micro-batch pays for that prefetched ZeRO-3 gather} of process
+    ``pid``'s ``local`` program (``op_seconds[i]``: one run of local op i), as the
+    runtime runs them: at a layer's first gather, its group's gathers not yet started
+    and the next group's of the same pass start, each costing the processor its
+    software's copies there while the rest (:func:`_wire`) runs on the wires, one
+    collective at a time; the gather's reader waits for what is left of it. A gather
+    pays its copies and its wait. Also (start, wire seconds) of each gather the
+    backward starts, seconds after its first op starts (what :func:`bucket_seconds`
+    shares the wires with). Empty where nothing is prefetched."""
+    seqs, ops_at = [], []
+    ops = local.program.ops
+    for i in range(len(ops) + 1):
+        for p in local.comm_points.get(i, ()):
+            seqs.append(p.seq)
+            ops_at.append(None)
+        if i < len(ops):
+            seqs.append(None)
+            ops_at.append(i)
+    found = _groups(plan, local, seqs)
+    if found is None:
+        return {}, ()
+    groups, ahead = found
+    group_of = {j: group for group in groups for j in group}
+    points = {p.seq: p for p in local.points()}
+    clock = wires = 0.0
+    backward = None             # the clock when the backward's first op starts
+    done, paid, busy = {}, {}, []
+    for k, seq in enumerate(seqs):
+        if seq is None:
+            if backward is None and ops[ops_at[k]].role is Role.BACKWARD:
+                backward = clock
+            clock += op_seconds.get(ops_at[k], 0.0)
+            continue
+        if k not in group_of:
+            continue
+        group = group_of[k]
+        for j in group + ahead.get(group[0], ()):
+            if j in done:
+                continue
+            p = points[seqs[j]]
+            step = p.steps[0]
+            factor = scale.of_step(p, step)
+            wire = _wire(step, pid, rings, factor)
+            copies = reshard_step_time(step, pid, rings, factor) - wire
+            clock += copies
+            if backward is not None:
+                busy.append((max(wires, clock) - backward, wire))
+            wires = max(wires, clock) + wire
+            done[j] = wires
+            paid[seqs[j]] = copies
+        wait = max(0.0, done[k] - clock)
+        clock += wait
+        paid[seq] += wait
+    return paid, tuple(busy)
+
+
+def _groups(plan, local, seqs) -> tuple | None:
+    """(the groups of prefetched gathers among the items ``seqs`` (as
+    :func:`prefetched_order` takes them), {the first item of a group: the next group of
+    the same pass, started after it}); None where nothing is prefetched."""
     if not prefetching(plan):
         return None
     ops = local.program.ops
@@ -95,7 +184,7 @@ def prefetched_order(plan, local, seqs) -> list | None:
                        {v.name for v in op.inputs}), None)
         if reader is not None:
             found.append(k)
-            key_of[k] = (reader.role, reader.layer)
+            key_of[k] = (reader.role, prefetch_unit(reader.layer))
     groups = prefetch_groups(found, key_of)
     if len(groups) < 2:
         return None
@@ -103,12 +192,4 @@ def prefetched_order(plan, local, seqs) -> list | None:
     for before, after in zip(groups, groups[1:]):
         if key_of[before[0]][0] == key_of[after[0]][0]:
             ahead[before[0]] = after
-    moved = {k for group in ahead.values() for k in group}
-    order = []
-    for k in range(len(seqs)):
-        if k not in moved:
-            order.append(k)
-        for j in ahead.get(k, ()):
-            if j not in order:
-                order.append(j)
-    return order
+    return groups, ahead

@@ -15,7 +15,7 @@ from __future__ import annotations
 from types import MappingProxyType
 
 from distgraph.plan.buckets import (AFTER_ACTION, StartAt, gradient_buckets, prefetch_groups,
-                                    prefetchable)
+                                    prefetch_unit, prefetchable)
 from distgraph.plan.instructions import OpInstr, PointInstr
 from distgraph.plan.kinds import ItemKind
 
@@ -57,8 +57,8 @@ def bucket_starts(plan, local, blocks: dict, update, actions, runs) -> tuple:
 def prefetched(local, blocks: dict) -> MappingProxyType:
     """{block key: groups of instruction positions} of the per-micro-batch tasks with two
     or more groups of ZeRO-3 parameter gathers (:func:`~distgraph.plan.buckets.
-    prefetch_groups`; a group's layer is that of the first op after it that reads one of
-    its gathered values)."""
+    prefetch_groups`; a group's layer is the :func:`~distgraph.plan.buckets.prefetch_unit`
+    of the first op after it that reads one of its gathered values)."""
     out = {}
     for key, block in blocks.items():
         if not block.task.per_micro_batch:
@@ -73,7 +73,7 @@ def prefetched(local, blocks: dict) -> MappingProxyType:
                 if reader is None:
                     continue
                 found.append(instr.point.seq)
-                layer_of[instr.point.seq] = reader.layer
+                layer_of[instr.point.seq] = prefetch_unit(reader.layer)
                 position[instr.point.seq] = j
         groups = prefetch_groups(found, layer_of)
         if len(groups) > 1:

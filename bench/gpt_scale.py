@@ -180,7 +180,7 @@ def dgx_cluster(nodes: int) -> dg.Cluster:
 
 def megatron_plan(layers, hidden, heads, t, p, gpus, batch, micro_batches, cluster,
                   recompute=True, sequence_parallel=False, sharding=False, vocab=VOCAB,
-                  fused_softmax=False, overlap=True, sharding_level=0, bucket_mb=25.0):
+                  fused_softmax=False, overlap=True, sharding_level=0):
     """Megatron's (t, p) as annotations: p stages of layers / p blocks each (every
     parameter of a block on its stage), the embeddings on the first and the final norm
     and head on the last, each stage a (dp, t) mesh of whole machines with the blocks'
@@ -191,8 +191,8 @@ def megatron_plan(layers, hidden, heads, t, p, gpus, batch, micro_batches, clust
     ``sharding``: optimizer states and updates split over ``dp`` (ZeRO), with
     ``sharding_level`` 3 the parameters stored split too and gathered where used (FSDP);
     ``fused_softmax``: Megatron's fused scale-mask-softmax kernel in every attention;
-    ``overlap``: the gradients' reduction over dp started during the backward, in
-    buckets of ``bucket_mb`` MB (``Strategy(overlap=..., bucket_mb=...)``)."""
+    ``overlap``: the gradients' reduction over dp started during the backward
+    (``Strategy(overlap=...)``)."""
     dp = gpus // (t * p)
     ids = np.arange(gpus).reshape(p, dp, t)
     meshes = [dg.ProcessMesh(ids[j].tolist(), dim_names=["dp", "mp"]) for j in range(p)]
@@ -221,7 +221,7 @@ def megatron_plan(layers, hidden, heads, t, p, gpus, batch, micro_batches, clust
     built = program(model, batch, sharding_level)
     strategy = dg.Strategy(micro_batches=micro_batches, recompute=recompute,
                            sequence_parallel=sequence_parallel, sharding=sharding,
-                           overlap=overlap, bucket_mb=bucket_mb)
+                           overlap=overlap)
     return dg.passes.plan(built, strategy, cluster, ranks=())   # planned, not run
 
 

@@ -46,11 +46,9 @@ throughput with the published one, in the paper's own unit and FLOP count:
   that bench's default).
 
 Overlap as published: Megatron-LM as Narayanan et al. and Korthikanti et al. ran it
-reduced the gradients over dp after the backward, all of them in one flat buffer
-(``--overlap-grad-reduce`` came to Megatron-LM later), so those rows are planned with one
-bucket (``Strategy(overlap=True, bucket_mb=AFTER_BACKWARD)``: it starts once the last
-gradient is made, one all-reduce of a flat array per group and dtype); OPT's FSDP and
-Llama 3's runs overlapped it (``overlap=True``, buckets of the default size).
+reduced the gradients over dp after the backward (``--overlap-grad-reduce`` came to
+Megatron-LM later), so those rows are planned with ``Strategy(overlap=False)``; OPT's
+FSDP and Llama 3's runs overlapped it (``overlap=True``).
 
 MegaScale's (Jiang et al., NSDI'24) Megatron-LM baseline rows are not in the table: its
 Tables 2-3 (per-row MFU, layouts and the machine's figures) could not be read from a
@@ -109,7 +107,6 @@ from megatron_table1 import TABLE1
 
 A100_PEAK_TFLOPS = 312.0     # A100 bfloat16 dense tensor-core peak (datasheet), for MFU
 WITHIN, MEAN_WITHIN = 0.10, 0.05
-AFTER_BACKWARD = 1e9        # MB: one bucket, all the gradients, once the last is made
 RECOMPUTE_KINDS = ("full", "selective", "none")
 
 
@@ -236,8 +233,7 @@ def plan_gpt(run: Run, searched: bool, time_limit: float) -> dict:
         run.micro_batches, None,
         recompute={"full": True, "none": False}.get(run.recompute, "selective"),
         sequence_parallel=run.sp, sharding=run.sharding, vocab=run.vocab,
-        fused_softmax=True, overlap=True, sharding_level=run.sharding_level,
-        bucket_mb=25.0 if run.overlap else AFTER_BACKWARD))
+        fused_softmax=True, overlap=run.overlap, sharding_level=run.sharding_level))
     est = dg.passes.estimate(plan, cluster)
     out = summary(run.figure, est, wall, cpu)
     del plan

@@ -124,9 +124,8 @@ class Strategy:
     interleaving, a schedule the framework has. ``overlap`` (default True) hides
     communication behind compute: the gradients' reductions over data parallel start
     during the backward, a bucket of about ``bucket_mb`` MB at a time (PyTorch DDP's
-    default, 25) as soon as its gradients are final (a bucket's all-reduces as one, on
-    a flat array of its gradients, as DDP's), and are waited for in the update that
-    reads them; under ZeRO-3 the next layer's parameter gathers start while the
+    default, 25) as soon as its gradients are final, and are waited for in the update
+    that reads them; under ZeRO-3 the next layer's parameter gathers start while the
     current layer computes (one layer ahead at most); the estimate prices what stays
     exposed (:mod:`distgraph.plan.buckets`; the layout search still prices the reductions
     as run after the backward). ``overlap=False`` runs every collective

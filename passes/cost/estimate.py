@@ -101,8 +101,7 @@ from distgraph.errors import PlanError
 from distgraph.ir import Role
 from distgraph.plan.accumulation import made_once
 from distgraph.passes.cost.held import action_holds, kernels_keep, run_order
-from distgraph.passes.cost.overlap import (bucket_seconds, packed_bytes, prefetch_seconds,
-                                           prefetched_order)
+from distgraph.passes.cost.overlap import bucket_seconds, prefetch_seconds, prefetched_order
 from distgraph.passes.cost.stage import (buffers_by_action, held_by_action, in_flight,
                                          step_time)
 from distgraph.passes.cost.prices import (Rings, best_overlap, feed_time, op_comm_time, op_time,
@@ -433,10 +432,6 @@ def _peak_memory(plan, pid, stage, scale: Scale, once=frozenset(),
             item_roles.append(op.role)
             item_ops.append(i)
             item_seqs.append(None)
-    # a bucket's flat array, packed after the op that makes its last gradient
-    for i, nbytes in packed_bytes(plan, local, pid, scale).items():
-        k = next(k for k, (o, q) in enumerate(zip(item_ops, item_seqs)) if o == i and q is None)
-        spare[k] = spare.get(k, 0) + nbytes
     spare = [spare.get(k, 0) for k in range(len(items))]
     # a ZeRO-3 gather prefetched is held from where the runtime starts it
     moved = prefetched_order(plan, local, item_seqs)

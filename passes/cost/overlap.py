@@ -2,9 +2,7 @@
 as the runtime runs them (:mod:`distgraph.plan.buckets`).
 
 A bucket's reductions start after the op that makes its last gradient, in the step's last
-micro-batch: its all-reduces of one group and dtype as one, on a flat array of them (whose
-packing, a read and a write of each, costs the processor its memory bandwidth), each
-reduce-scatter on its own. Each reduction costs the processor the copies of its software
+micro-batch. Each reduction costs the processor the copies of its software
 (:func:`~.prices.software_time`'s part per byte: packing, sums; and, inside one machine
 of CPUs, the transfer itself, which the processes copy themselves) where it starts; the
 rest runs while the backward computes: its alpha-beta time on the wires
@@ -30,8 +28,7 @@ from distgraph.ir import Role
 from distgraph.plan.buckets import (gradient_buckets, overlapping, prefetch_groups,
                                     prefetch_unit, prefetchable, prefetching)
 from distgraph.passes.cost.formulas import collective_time
-from distgraph.passes.cost.prices import device_rates, reshard_step_time, software_time
-from distgraph.plan.kinds import StepKind
+from distgraph.passes.cost.prices import reshard_step_time, software_time
 from distgraph.passes.cost.stage import exposed
 
 
@@ -54,16 +51,15 @@ def bucket_seconds(plan, local, pid: int, rings, scale, op_seconds: dict,
     points = {p.seq: p for p in local.points()}
     processor = 0.0          # the buckets' software so far, run on the processor
     starts, paid = [], 0.0
-    bandwidth = device_rates(rings.device(pid))[0]
     for bucket in buckets:
         wire = 0.0
-        for step, factor, joined in _collectives(bucket, points, pid, scale):
-            seconds = reshard_step_time(step, pid, rings, factor)
-            w = _wire(step, pid, rings, factor)
+        for seq in bucket.points:
+            p = points[seq]
+            step = p.steps[0]
+            seconds = reshard_step_time(step, pid, rings, scale.of_step(p, step))
+            w = _wire(step, pid, rings, scale.of_step(p, step))
             wire += w
-            # the flat array's packing: each gradient read and written once
-            processor += seconds - w + (2 * factor * step.buffer_bytes / bandwidth
-                                        if joined else 0.0)
+            processor += seconds - w
         ready = sum(op_seconds.get(i, 0.0) for i in backward if i <= bucket.after) + processor
         starts.append((ready, wire))
     end = sum(op_seconds.get(i, 0.0) for i in backward) + processor
@@ -75,46 +71,6 @@ def bucket_seconds(plan, local, pid: int, rings, scale, op_seconds: dict,
     paid = processor + left
     hidden = sum(w for _, w in starts) - left
     return paid, hidden, frozenset(s for b in buckets for s in b.points)
-
-
-def packed_bytes(plan, local, pid: int, scale) -> dict:
-    """{local op index: bytes of the flat arrays the buckets started after it pack} of
-    process ``pid`` (:func:`bucket_seconds`' joined all-reduces): each lives beside the
-    gradients it packs until they are freed, once a step."""
-    if not overlapping(plan):
-        return {}
-    points = {p.seq: p for p in local.points()}
-    out: dict = {}
-    for bucket in gradient_buckets(local, plan.strategy.bucket_mb):
-        for step, factor, joined in _collectives(bucket, points, pid, scale):
-            if joined:
-                out[bucket.after] = out.get(bucket.after, 0) + int(factor * step.buffer_bytes)
-    return out
-
-
-def _collectives(bucket, points, pid: int, scale) -> list:
-    """(step, scale, joined) of each collective ``bucket`` starts on process ``pid``, as
-    the runtime starts them: its all-reduces of one group (mesh dim, of two or more) and
-    dtype as one on a flat array of their bytes (``joined``: more than one packed; the step's buffer is
-    the first's, scaled to the sum), each reduce-scatter on its own."""
-    out, joined = [], {}
-    for seq in bucket.points:
-        p = points[seq]
-        step = p.steps[0]
-        if pid not in step.mesh:
-            continue
-        factor = scale.of_step(p, step)
-        if step.kind is StepKind.ALL_REDUCE and step.group_size > 1:
-            joined.setdefault((step.mesh, step.mesh_dim, step.dtype), []).append(
-                (step, step.buffer_bytes * factor))
-        else:
-            out.append((step, factor, False))
-    for members in joined.values():
-        step = members[0][0]
-        total = sum(nbytes for _, nbytes in members)
-        out.append((step, total / step.buffer_bytes if step.buffer_bytes else 0.0,
-                    len(members) > 1))
-    return out
 
 
 def _wire(step, pid: int, rings, scale: float) -> float:

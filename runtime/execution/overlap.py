@@ -5,12 +5,10 @@ The planner says where (:mod:`distgraph.plan.buckets`, ``ProcessProgram.starts``
 their results to the instruction that reads them:
 
 - **Gradient buckets.** After the instruction that makes the last gradient of a bucket
-  (in the step's last micro-batch) its reductions start on the accumulated gradients:
-  the all-reduces of the gradients the accumulator alone holds as one, in place, on a
-  flat array of them whose views replace them in the accumulator (PyTorch DDP's flat
-  buckets), per group (of two or more) and dtype; any other all-reduce and each
-  reduce-scatter on its own; the update's reshard point of a gradient then waits for its request instead of
-  running the collective.
+  (in the step's last micro-batch) each of its reductions starts on the accumulated
+  gradient (an all-reduce in place where the accumulator alone holds the array, a
+  reduce-scatter into a new one); the update's reshard point of that gradient then waits
+  for its request instead of running the collective.
 - **Prefetched gathers** (ZeRO-3). When a task reaches a group of parameter gathers, the
   group's gathers and the next group's start; the instruction of each gather waits for
   its own request. The bytes of a gather in flight are counted from its start (at most
@@ -85,7 +83,6 @@ class Ahead:
             self._start(start, accumulated, holders)
 
     def _start(self, start: StartAt, accumulated, holders) -> None:
-        joined: dict = {}           # (group, dtype) -> [(seq, name, arr)] reduced as one
         for seq in start.points:
             instr = self.update[seq]
             step = instr.point.steps[0]
@@ -98,43 +95,13 @@ class Ahead:
                                    f"action {start.action} needs {name!r}, which was not "
                                    f"accumulated; please report it")
             check_local(step, arr, self.pid)
-            group = self._group(step)
-            if step.kind is StepKind.ALL_REDUCE and len(group) > 1 and \
-                    _alone(name, arr, accumulated, holders):
-                joined.setdefault((group, str(arr.dtype)), []).append((seq, name, arr))
-                continue
             if step.kind is StepKind.ALL_REDUCE:
-                req = self.comm.iall_reduce(arr, group, inplace=_alone(name, arr, accumulated,
-                                                                       holders))
+                req = self.comm.iall_reduce(arr, self._group(step),
+                                            inplace=_alone(name, arr, accumulated, holders))
             else:
-                req = self.comm.ireduce_scatter(arr, group, axis=step.tensor_dim)
+                req = self.comm.ireduce_scatter(arr, self._group(step), axis=step.tensor_dim)
             self.pending[seq] = req
             self._order.append(req)
-        for (group, _), members in joined.items():
-            self._joined(group, members, accumulated)
-
-    def _joined(self, group, members, accumulated) -> None:
-        """One all-reduce in place of the gradients ``members`` ((seq, name, array) of one
-        group and dtype, each held by the accumulator alone): packed into one flat array,
-        whose views replace them in the accumulator (their own arrays are freed), as
-        PyTorch DDP's buckets are flat."""
-        if len(members) == 1:
-            seq, _, arr = members[0]
-            req = self.comm.iall_reduce(arr, group, inplace=True)
-            self.pending[seq] = req
-            self._order.append(req)
-            return
-        flat = self.comm.backend.xp.concatenate([arr.reshape(-1) for _, _, arr in members])
-        offset, parts = 0, []
-        for seq, name, arr in members:
-            view = flat[offset:offset + arr.size].reshape(arr.shape)
-            accumulated[name] = view
-            parts.append((seq, view))
-            offset += arr.size
-        req = self.comm.iall_reduce(flat, group, inplace=True)
-        for seq, view in parts:
-            self.pending[seq] = _Part(req, view)
-        self._order.append(req)
 
     def take(self, seq: int, wait):
         """The result of the update's reduction point ``seq`` when it was started ahead
@@ -142,10 +109,6 @@ class Ahead:
         req = self.pending.pop(seq, None)
         if req is None:
             return None
-        if isinstance(req, _Part):
-            wait(req.request)
-            self._forget(req.request)
-            return req.value
         wait(req)
         self._forget(req)
         return req.value
@@ -195,14 +158,6 @@ class Ahead:
         order = self._order
         while order and order[0].test():
             order.pop(0)
-
-
-class _Part:
-    """A gradient's part of a flat all-reduce (:meth:`Ahead._joined`): its ``request``
-    and its ``value``, a view of the flat array."""
-
-    def __init__(self, request, value):
-        self.request, self.value = request, value
 
 
 def _alone(name, arr, accumulated, holders) -> bool:

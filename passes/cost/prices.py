@@ -20,11 +20,11 @@ in turn). Where fewer hops cross than there are NICs, a group with g members on 
 machine stripes its hop over up to min(g, m / k) of them, as NCCL does: its channels
 are rings in other orders, each crossing at another member and so through another
 member's NIC (a data-parallel ring over 4 DGX nodes crosses at 8 GPUs, over 8 HCAs, at
-8 x one HCA's bandwidth; its NVLink hops still bound it). A machine without NICs, whose devices the file links across machines
-directly, has one network: its links stand for the one machine link they share (the
-emulated clusters). Groups of CPUs inside one machine are marked ``copied``:
-shared-memory transfers are the processes' own copies (a sliced pipeline counts them as
-processor time).
+8 x one HCA's bandwidth; its NVLink hops still bound it). A machine without NICs, whose
+devices the file links across machines directly, has one network: its links stand for
+the one machine link they share (the emulated clusters). Groups of CPUs inside one
+machine are marked ``copied``: shared-memory transfers are the processes' own copies (a
+sliced pipeline counts them as processor time).
 
 Example::
 

@@ -33,9 +33,11 @@ throughput with the published one, in the paper's own unit and FLOP count:
   tokens (Table 1): 8 sequences of 2,048 per replica, 992 in all; vocabulary 50,272. The
   paper names no micro-batch: one micro-batch of the replica's 8 sequences. Its FLOP
   count is not stated: Narayanan's (recomputation counted) is used. FSDP is asked for as
-  ZeRO (``sharding=True``: states and updates split over dp); dp = 124 divides none of
-  the weights' dims, so each is padded along one (FSDP pads flat buffers); FSDP reduces
-  the gradients during the backward, and so the row is planned with
+  ZeRO-3 (``sharding=True`` with the optimizer's ``sharding_level`` 3, FSDP's full
+  sharding: parameters, states and updates split over dp, each parameter gathered where
+  it is used); dp = 124 divides none of the weights' dims, so each is padded along one
+  (FSDP pads flat buffers); FSDP reduces the gradients during the backward and gathers
+  the next block's parameters ahead, and so the row is planned with
   ``Strategy(overlap=True)`` (the padded gradients, made by the update's pads, are
   reduced after it).
 - **Llama 3 405B** (Meta, "The Llama 3 Herd of Models", 2024, Table 4): the three rows of

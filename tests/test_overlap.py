@@ -211,7 +211,7 @@ def test_prefetched_gathers_pay_what_the_layer_before_leaves_exposed(monkeypatch
         return _wire(p.steps[0], pid, rings, scale.of_step(p, p.steps[0]))
 
     free, busy = prefetch_seconds(plan, local, pid, rings, scale, {})
-    assert busy and all(start >= 0 and wire > 0 for start, wire in busy)
+    assert busy and all(start >= 0 and seconds > 0 for start, seconds in busy)
     assert len(free) > 4
     assert sum(free.values()) == pytest.approx(sum(full(s) for s in free))
     slow, _ = prefetch_seconds(plan, local, pid, rings, scale,

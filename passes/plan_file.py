@@ -37,60 +37,39 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 
 from distgraph.errors import DoesNotFit, PlanError, PlanFileError, ShardingError
+from distgraph.passes.choice import Choice
 from distgraph.passes.planner import cyclic_collector_paused, plan
 from distgraph.passes.prepare import prepare
 from distgraph.plan.file import PlanFile
 from distgraph.version import __version__
 
 
-@dataclasses.dataclass(frozen=True)
-class FileChoice:
-    """A choice made by a file, in the form the planner takes a search's
-    (:class:`~distgraph.passes.search.Choice`): the program with the file's layouts,
-    the strategy, the accumulation, the rank mapping, the chunks and ZeRO's mesh dims;
-    ``check`` says whether completion kept the file's layouts."""
-
-    built: object
-    strategy: object
-    accumulation: object
-    rank_mapping: dict | None
-    saved: PlanFile
-
-    report = None                   # no search ran: the plan carries no search report
-
-    @property
-    def chunks(self):
-        return self.saved.decisions.chunks
-
-    @property
-    def sharding_dim(self):
-        return self.saved.decisions.zero_dim
-
-    def check(self, program) -> None:
-        """Raise PlanFileError unless completion gave ``program`` every layout the file
-        holds (a layout the op rules refuse is changed by completion)."""
-        d, values = self.saved.decisions, program.values
-        for name, attr in d.values:
-            got = values[name].dist_attr
-            if got != attr:
-                raise self.saved.fault(
-                    f"value {name!r} is laid out as {attr.spec} on {attr.mesh} in the file, "
-                    f"but completion under the op rules makes it {got.spec} on {got.mesh}",
-                    "the file was edited into a layout the rules refuse: save the plan again")
-        for index, ann in d.ops:
-            op = program.ops[index]
-            da = op.dist_attr
-            specs = {v.name: s for v, s in zip(op.inputs, da.input_specs)}
-            for key, spec in ann.in_specs:
-                if spec is not None and specs.get(key) != spec:
-                    raise self.saved.fault(
-                        f"op #{index} {op.type} ({op.layer or 'top level'}) consumes "
-                        f"{key!r} as {spec} in the file, but its rules make it "
-                        f"{specs.get(key)}", "the file was edited into a layout the rules "
-                        "refuse: save the plan again")
+def _check(saved: PlanFile, program) -> None:
+    """Raise PlanFileError unless completion gave ``program`` every layout the file
+    holds (a layout the op rules refuse is changed by completion)."""
+    d, values = saved.decisions, program.values
+    for name, attr in d.values:
+        got = values[name].dist_attr
+        if got != attr:
+            raise saved.fault(
+                f"value {name!r} is laid out as {attr.spec} on {attr.mesh} in the file, "
+                f"but completion under the op rules makes it {got.spec} on {got.mesh}",
+                "the file was edited into a layout the rules refuse: save the plan again")
+    for index, ann in d.ops:
+        op = program.ops[index]
+        da = op.dist_attr
+        specs = {v.name: s for v, s in zip(op.inputs, da.input_specs)}
+        for key, spec in ann.in_specs:
+            if spec is not None and specs.get(key) != spec:
+                raise saved.fault(
+                    f"op #{index} {op.type} ({op.layer or 'top level'}) consumes "
+                    f"{key!r} as {spec} in the file, but its rules make it "
+                    f"{specs.get(key)}", "the file was edited into a layout the rules "
+                    "refuse: save the plan again")
 
 
 def load(saved: PlanFile, built, cluster, ranks=None, world_size: int | None = None):
@@ -113,8 +92,9 @@ def load(saved: PlanFile, built, cluster, ranks=None, world_size: int | None = N
         else:
             prepared, accumulation = prepare(built, strategy, strategy.micro_batches)
             _annotate(prepared.program, saved)
-            planned = plan(built, cluster=cluster, ranks=ranks, choice=FileChoice(
-                prepared, strategy, accumulation, saved.rank_mapping, saved))
+            planned = plan(built, cluster=cluster, ranks=ranks, choice=Choice(
+                prepared, strategy, accumulation, saved.rank_mapping, d.chunks, d.zero_dim,
+                None, functools.partial(_check, saved)))
     _check_result(planned, saved)
     return planned
 

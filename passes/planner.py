@@ -86,9 +86,9 @@ def plan(built, strategy: Strategy | None = None, cluster=None, rank_mapping=Non
     docstring). ``rank_mapping`` ({process: device global id}) overrides the rank
     mapper. ``ranks``: the ranks whose processes' programs to compile (None: every
     process's; a rank of a job compiles its own). ``choice``: a
-    :class:`~distgraph.passes.search.Choice` to make the plan of instead of searching
-    (``auto_mode="full"``; its strategy is the plan's; checked to fit, not searched
-    again). Pure: ``built`` and ``choice`` are not modified."""
+    :class:`~distgraph.passes.choice.Choice` (the search's, a file's, a replay's) to make
+    the plan of instead of searching (``auto_mode="full"``; its strategy is the plan's;
+    checked to fit, not searched again). Pure: ``built`` and ``choice`` are not modified."""
     strategy = choice.strategy if choice is not None else _zero(built, strategy or Strategy())
     with cyclic_collector_paused():
         if choice is not None:

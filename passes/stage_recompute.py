@@ -33,49 +33,34 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from dataclasses import dataclass
 
 from distgraph.errors import DoesNotFit, PlanError
 from distgraph.ir import RECOMPUTED, Role, is_recomputed
+from distgraph.passes.choice import Choice
 from distgraph.passes.cost.fit import overflows
 from distgraph.passes.prepare import split, transformed
 from distgraph.plan.savers import SaverChoice
 
 
-@dataclass(frozen=True)
-class Replayed:
-    """A chosen plan's decisions on its program recomputed otherwise, in the form the
-    planner takes a search's choice (:class:`~distgraph.passes.search.Choice`): ``built``
-    the program with the chosen layouts, ``strategy`` naming the recomputation per layer,
-    the accumulation, the rank mapping ({process: device global id} or None), the chunks
-    and ZeRO's mesh dims as chosen, and the chosen plan's search report."""
-
-    built: object
-    strategy: object
-    accumulation: object
-    rank_mapping: dict | None
-    chunks: tuple | None
-    sharding_dim: object
-    report: object
-
-    def check(self, program) -> None:
-        """PlanError unless completion kept every chosen layout of ``program`` (it kept
-        them in the chosen plan, whose ops these are)."""
-        for v in program.values.values():
-            if v.annotation is not None and v.dist_attr != v.annotation:
-                raise PlanError(f"internal error: recomputing per stage, completion changed "
-                                f"the chosen layout of {v.name!r} ({v.annotation.spec} on "
-                                f"{v.annotation.mesh} to {v.dist_attr.spec}); please report it")
-        for k, op in enumerate(program.ops):
-            if op.annotation is None or op.dist_attr is None:
-                continue
-            specs = {v.name: s for v, s in zip(op.inputs, op.dist_attr.input_specs)}
-            for name, spec in op.annotation.in_specs:
-                if spec is not None and specs.get(name) != spec:
-                    raise PlanError(f"internal error: recomputing per stage, completion "
-                                    f"changed how op #{k} {op.type} ({op.layer}) consumes "
-                                    f"{name!r}: {spec} chosen, {specs.get(name)} made; "
-                                    f"please report it")
+def _kept(program) -> None:
+    """PlanError unless completion kept every layout of ``program`` its annotations
+    carry over from the chosen plan (:meth:`Replays.choice`; completion kept them in the
+    chosen plan, whose ops these are)."""
+    for v in program.values.values():
+        if v.annotation is not None and v.dist_attr != v.annotation:
+            raise PlanError(f"internal error: recomputing per stage, completion changed "
+                            f"the chosen layout of {v.name!r} ({v.annotation.spec} on "
+                            f"{v.annotation.mesh} to {v.dist_attr.spec}); please report it")
+    for k, op in enumerate(program.ops):
+        if op.annotation is None or op.dist_attr is None:
+            continue
+        specs = {v.name: s for v, s in zip(op.inputs, op.dist_attr.input_specs)}
+        for name, spec in op.annotation.in_specs:
+            if spec is not None and specs.get(name) != spec:
+                raise PlanError(f"internal error: recomputing per stage, completion "
+                                f"changed how op #{k} {op.type} ({op.layer}) consumes "
+                                f"{name!r}: {spec} chosen, {specs.get(name)} made; "
+                                f"please report it")
 
 
 def per_stage(planned, strategy, cluster, replanned):
@@ -181,7 +166,7 @@ class Replays:
         program, accumulation = split(self.built, self.planned.micro_batches)
         return program, accumulation, transformed(program, self.planned.strategy).program.ops
 
-    def choice(self, recompute) -> Replayed:
+    def choice(self, recompute) -> Choice:
         """The chosen plan's decisions on its program prepared with ``Strategy.recompute``
         set to ``recompute``: the same micro-batches, and every op and Value the two
         programs share laid out as chosen (the recomputed copies the new program lacks
@@ -206,8 +191,8 @@ class Replays:
         if mapping is None and planned.rank_of is not None:     # as the chosen plan maps
             devices = planned.cluster.devices
             mapping = {p: devices[r].global_id for p, r in planned.rank_of.items()}
-        return Replayed(prepared, strategy, accumulation, mapping, d.chunks, d.zero_dim,
-                        planned.search)
+        return Choice(prepared, strategy, accumulation, mapping, d.chunks, d.zero_dim,
+                      planned.search, _kept)
 
 
 def _read_as(annotation, op):

@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import distgraph as dg  # noqa: E402
 from distgraph.errors import DoesNotFit  # noqa: E402
 from distgraph.passes.prepare import prepare  # noqa: E402
-from distgraph.passes.search import Choice, choose  # noqa: E402
+from distgraph.passes.search import choose, searched_choice  # noqa: E402
 from distgraph.passes.search.stages.micro import searched_as  # noqa: E402
 from distgraph.passes.search.layouts.ilp import solve  # noqa: E402
 from distgraph.passes.search.layouts.ilp_problem import evaluate  # noqa: E402
@@ -50,7 +50,8 @@ def random_choice(built, strategy, cluster, seed: int) -> tuple:
     prepared, accumulation = prepare(built, searched.strategy, searched.strategy.micro_batches)
     drawn_result = dataclasses.replace(result, choice=picked)
     drawn_result.annotate(prepared.program)
-    return (Choice(prepared, searched.strategy, accumulation, drawn_result, searched.rank_mapping),
+    return (searched_choice(prepared, searched.strategy, accumulation, drawn_result,
+                            searched.rank_mapping),
             evaluate(problem, picked))
 
 

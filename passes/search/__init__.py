@@ -53,13 +53,13 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 
 import numpy as np
 
 from distgraph.errors import PlanError
 from distgraph.ir import Role
 from distgraph.mesh import ProcessMesh
+from distgraph.passes.choice import Choice
 from distgraph.passes.prepare import transformed
 from distgraph.passes.search.layouts.intra_op import search
 from distgraph.passes.search.layouts.mesh import search_mesh
@@ -69,46 +69,19 @@ from distgraph.passes.session import Session
 from distgraph.passes.search.stages.micro import searched_as, searched_count, split_in
 from distgraph.passes.search.stages.pipeline import plan_pipeline
 
-__all__ = ["Choice", "Session", "choose"]
+__all__ = ["Choice", "Session", "choose", "searched_choice"]
 
 # the pipeline schedules each target runs, by distgraph's names (without interleaving)
 TARGET_SCHEDULES = {"megatron": ("1F1B",), "torchtitan": ("1F1B", "FThenB")}
 
 
-@dataclass(frozen=True)
-class Choice:
-    """What the search decided for one program (module docstring). ``built``: the program
-    the plan runs (micro-batch program, recomputation applied) with the chosen layouts
-    written on it as annotations; ``strategy``: the strategy asked, with the micro-batch
-    count and the chunks per stage the search chose; ``accumulation``: how a step
-    accumulates its micro-batches (None: one); ``result``: the search's outcome (its
-    ``report``; ``check(program)`` after completion); ``rank_mapping``: {process: device
-    global id} as the search priced it."""
-
-    built: object
-    strategy: object
-    accumulation: object
-    result: object
-    rank_mapping: dict
-
-    @property
-    def report(self):
-        return self.result.report
-
-    @property
-    def chunks(self):
-        """(stage meshes, chunks per stage) where the stages are interleaved, else None."""
-        return getattr(self.result, "chunks", None)
-
-    @property
-    def sharding_dim(self):
-        """The mesh dims ZeRO shards the optimizer states over (``Strategy(sharding=
-        True)``), as the search names them."""
-        return sharding_dim(self.strategy)
-
-    def check(self, program) -> None:
-        """Check that completion kept every chosen layout of ``program``."""
-        self.result.check(program)
+def searched_choice(prepared, strategy, accumulation, result, rank_mapping) -> Choice:
+    """The :class:`~distgraph.passes.choice.Choice` of a search's ``result`` (written on
+    ``prepared``'s program): its report, the chunks it chose, the mesh dims ZeRO shards
+    over as it names them, and its check of what completion kept."""
+    return Choice(prepared, strategy, accumulation, rank_mapping,
+                  getattr(result, "chunks", None), sharding_dim(strategy), result.report,
+                  result.check, result)
 
 
 def choose(built, strategy, cluster, budget: float | None = None,
@@ -152,7 +125,7 @@ def choose(built, strategy, cluster, budget: float | None = None,
     # the report says what the planning's tables held and served, this search included
     result = dataclasses.replace(result, report=dataclasses.replace(
         result.report, memos=tuple(session.stats())))
-    return Choice(prepared, asked, accumulation, result, rank_mapping)
+    return searched_choice(prepared, asked, accumulation, result, rank_mapping)
 
 
 def _layouts(prepared, strategy, cluster, accumulation, budget, session) -> tuple:

@@ -90,7 +90,6 @@ def zero_terms(space, costs, dim: str | None) -> ZeroTerms | None:
     mesh = space.mesh
     if dim is None or dim not in mesh.dim_names or mesh.dim_size(dim) == 1:
         return None
-    n = mesh.dim_size(dim)
     compute, gather, grad, pads, states = {}, {}, {}, {}, {}
     for node, op in updates(space):
         param = op.inputs[0]

@@ -30,6 +30,12 @@ CASES = {
     "stages, ZeRO": (8, 32, EMULATED, dict(SAVERS_GIVEN, pipeline=True, micro_batches=8,
                                            sharding=True)),
     "stages, the default strategy": (8, 32, EMULATED, dict(pipeline=True)),
+    "stages, selective recomputation": (8, 32, EMULATED, dict(
+        SAVERS_GIVEN, pipeline=True, micro_batches=8, recompute="selective")),
+    "stages, whole blocks recomputed": (8, 32, EMULATED, dict(
+        SAVERS_GIVEN, pipeline=True, micro_batches=8, recompute=True)),
+    "stages, reductions after the backward": (8, 32, EMULATED, dict(
+        SAVERS_GIVEN, pipeline=True, micro_batches=8, overlap=False)),
 }
 
 

@@ -45,11 +45,14 @@ class MLP(dg.nn.Layer):
         return self.fc2(dg.ops.relu(self.fc1(x)))
 
 
-def train_plan(model, batch=8, **kw):
+def train_plan(model, batch=8, strategy=None, **kw):
+    """The plan of ``model``'s training, its gradients reduced after the backward unless
+    ``strategy`` says otherwise (the formulas below price each collective whole; with
+    overlap the update's first op, the learning rate's read, runs while they finish)."""
     built = build_program(model, [dg.InputSpec([batch, 8], name="x")],
                           [dg.InputSpec([batch, 4], name="y")], dg.nn.MSELoss(),
                           dg.optim.SGD(0.1))
-    return dg.passes.plan(built, **kw)
+    return dg.passes.plan(built, strategy or dg.Strategy(overlap=False), **kw)
 
 
 def test_data_parallel_communication_is_one_all_reduce_per_gradient(float64):
@@ -104,7 +107,7 @@ def test_micro_batch_gradients_are_held_once_in_their_buffers(float64):
     made: the estimate holds the buffers, and beside them at most the largest gradient
     being made (here the [8, 16] activation gradient of ``fc1``'s output or ``fc1``'s weight
     gradient), never every micro-batch gradient until the update as well."""
-    p = train_plan(MLP(), strategy=dg.Strategy(micro_batches=2))
+    p = train_plan(MLP(), strategy=dg.Strategy(micro_batches=2, overlap=False))
     (proc,) = dg.passes.estimate(p, cluster(1)).processes
     sizes = [(8 * 16), 16, 16 * 4, 4]
     buffers = sum(sizes) * 8
@@ -173,7 +176,7 @@ def test_an_ops_own_collectives_run_on_the_group_its_kernel_names(float64):
     a slow network)."""
     built = plans.vocab_parallel_head()
     inter = 0.01
-    p = dg.passes.plan(built, cluster=cluster(4, inter_bw=inter),
+    p = dg.passes.plan(built, dg.Strategy(overlap=False), cluster=cluster(4, inter_bw=inter),
                        rank_mapping={0: 0, 1: 1, 2: 2, 3: 3})
     (collectives,) = p.local(0).op_comm.values()
     assert collectives == (("all_gather", 2, 4 * 2 * 8), ("all_reduce", 2, 4 * 8))

@@ -1,5 +1,5 @@
 """Communication hidden behind compute (Strategy(overlap=True, bucket_mb=...)): the buckets
-and where they start, the accountant's exposed term, the estimate's price, training equal
+and where they start, the accountant's wire, the estimate's price, training equal
 to serial with several buckets started mid-backward and ZeRO-3 gathers prefetched (on
 threads and on real MPI ranks), and a rank that dies while its peers wait in a started
 collective ending the job."""
@@ -20,7 +20,7 @@ sys.path.insert(0, HERE)
 import distgraph as dg  # noqa: E402
 from distgraph.ir import Role  # noqa: E402
 from distgraph.plan.buckets import MB, gradient_buckets  # noqa: E402
-from distgraph.passes.cost.stage import exposed  # noqa: E402
+from distgraph.passes.cost.stage import finishes  # noqa: E402
 from distgraph.runtime.comm.simulated import SimulatedWorld  # noqa: E402
 
 import parallelize_cases as C  # noqa: E402
@@ -97,12 +97,26 @@ def test_each_bucket_starts_after_the_instruction_that_makes_its_last_gradient()
                                                   for s in start.points)
 
 
-def test_exposed_is_what_the_wires_leave_after_the_compute():
-    assert exposed([], 1.0) == 0.0
-    assert exposed([(0.2, 0.3)], 1.0) == 0.0                  # hidden whole
-    assert exposed([(0.9, 0.3)], 1.0) == pytest.approx(0.2)
+def test_the_collectives_finish_one_wire_in_the_order_they_start():
+    assert finishes([]) == []
+    assert finishes([(0.2, 0.3)]) == pytest.approx([0.5])
     # one wire: the second waits for the first (0.1 + 0.5, then + 0.5)
-    assert exposed([(0.1, 0.5), (0.2, 0.5)], 0.5) == pytest.approx(0.6)
+    assert finishes([(0.1, 0.5), (0.2, 0.5)]) == pytest.approx([0.6, 1.1])
+    assert finishes([(0.1, 0.1), (0.9, 0.1)]) == pytest.approx([0.2, 1.0])
+
+
+def test_the_first_update_reads_the_first_bucket_reduced():
+    """The update runs in the order the backward makes the gradients, so with overlap
+    its first reduction is the first bucket's, which started first, and each later
+    update reads a bucket started no earlier than the one before."""
+    plan = planned("gpt", "dp_z0", bucket_mb=TINY)
+    local = plan.locals[0]
+    buckets = gradient_buckets(local, TINY)
+    bucket_of = {seq: b for b, bucket in enumerate(buckets) for seq in bucket.points}
+    read = [bucket_of[p.seq] for i in sorted(local.comm_points)
+            for p in local.comm_points[i] if p.seq in bucket_of]
+    assert len(read) == len(bucket_of) > 4
+    assert read[0] == 0 and read == sorted(read)
 
 
 def test_the_estimate_pays_what_overlap_leaves_exposed():

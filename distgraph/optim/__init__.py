@@ -88,12 +88,20 @@ class Optimizer:
     _uses_step = False
 
     def append_update(self, program: Program, grads: dict[str, Value], scaling=None) -> None:
-        """Append one update op per parameter that has a gradient. ``scaling`` (float16
+        """Append one update op per parameter that has a gradient, in the order the
+        backward makes the gradients. ``scaling`` (float16
         training's :class:`~distgraph.optim.amp.LossScaling`): the gradients are of the
         scaled loss; they are unscaled first, and a step whose gradients overflowed is not
         applied."""
         if not grads:
             raise DistGraphError("no parameter gradients to update")
+        # in the order the backward makes the gradients (the last layer's first): with
+        # overlap (Strategy(overlap=True)) a bucket's reduction starts once its
+        # gradients are made, so the first update reads the first bucket reduced and
+        # the update computes while the later buckets are on the wire
+        made = {o.name: i for i, op in enumerate(program.ops) for o in op.outputs}
+        order = sorted(grads, key=lambda name: made.get(grads[name].name, -1))
+        grads = {name: grads[name] for name in order}
         builder = Builder(program)
         with builder.active(), builder.scope(role=Role.OPTIMIZE):
             apply = None

@@ -28,9 +28,10 @@ communication and bubble, and peak memory per process.
   processor's stage, not a link's.
 - **Overlap** (``Strategy(overlap=True)``): the gradients' reductions the runtime
   starts in buckets during the backward pay their software where they start and what
-  their wires leave exposed after the backward's last op, once a step
+  the ops after the backward (the update, in the order the backward made its
+  gradients) wait for of their wires, once a step
   (:mod:`~distgraph.passes.cost.overlap`, the accountant's
-  :func:`~distgraph.passes.cost.stage.exposed`); under ZeRO-3 each parameter gather
+  :func:`~distgraph.passes.cost.stage.finishes`); under ZeRO-3 each parameter gather
   started a layer ahead pays its software's copies and what its reader still waits for
   of it after the layer before computed.
 - **Step**: processes meet at every collective, so a stage takes as long as its busiest

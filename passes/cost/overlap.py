@@ -10,8 +10,11 @@ rest runs while the backward computes: its alpha-beta time on the wires
 step, the wait at each round for the neighbour to reach it (with more ranks than cores,
 a descheduled neighbour's), which the rank spends computing instead of waiting. The wires
 carry one collective at a time, in the order they start (a ZeRO-3 gather the backward
-prefetched included); the step waits for what is left after the backward's last op
-(:func:`~.stage.exposed`).
+prefetched included, :func:`~.stage.finishes`). After the backward's last op, each op
+waits for the buckets of the reductions it reads: the update, whose ops run in the order
+the backward made their gradients (:meth:`~distgraph.optim.Optimizer.append_update`), so
+that the first bucket reduced is the first updated, and the update computes while the
+later buckets are on the wire. The step pays what those waits add.
 
 Under ZeRO-3 the gathers a layer ahead (:func:`prefetch_seconds`) run on the same wires
 while the layer before computes; each pays its copies and what its reader still waits
@@ -29,7 +32,7 @@ from distgraph.plan.buckets import (gradient_buckets, overlapping, prefetch_grou
                                     prefetch_unit, prefetchable, prefetching)
 from distgraph.passes.cost.formulas import collective_time
 from distgraph.passes.cost.prices import reshard_step_time, software_time
-from distgraph.passes.cost.stage import exposed
+from distgraph.passes.cost.stage import finishes
 
 
 def bucket_seconds(plan, local, pid: int, rings, scale, op_seconds: dict,
@@ -63,11 +66,26 @@ def bucket_seconds(plan, local, pid: int, rings, scale, op_seconds: dict,
         ready = sum(op_seconds.get(i, 0.0) for i in backward if i <= bucket.after) + processor
         starts.append((ready, wire))
     end = sum(op_seconds.get(i, 0.0) for i in backward) + processor
-    # one wire, in the order the collectives start, to the last bucket: what it leaves
-    # past the backward's end is what the step waits for (the gathers' waits are theirs)
-    queue = sorted([(r, w, True) for r, w in starts] + [(r, w, False) for r, w in busy])
-    upto = max(k for k, (_, _, bucket) in enumerate(queue) if bucket)
-    left = exposed([(r, w) for r, w, _ in queue[:upto + 1]], end)
+    # one wire, in the order the collectives start (a gather before a bucket ready at
+    # the same moment), to the last bucket
+    queue = sorted([(r, w, b) for b, (r, w) in enumerate(starts)] +
+                   [(r, w, None) for r, w in busy], key=lambda e: (e[0], e[1], e[2] is not None))
+    upto = max(k for k, (_, _, b) in enumerate(queue) if b is not None)
+    ends = finishes([(r, w) for r, w, _ in queue[:upto + 1]])
+    done = {b: t for (_, _, b), t in zip(queue, ends) if b is not None}
+    # after the backward, each op waits for the buckets of the reductions it reads (the
+    # update, in the order the backward made its gradients): what the step waits for is
+    # the clock past the backward's end less the ops' own seconds
+    at = {p.seq: i for i, found in local.comm_points.items() for p in found}
+    gate: dict = {}
+    for b, bucket in enumerate(buckets):
+        for seq in bucket.points:
+            gate[at[seq]] = max(gate.get(at[seq], 0.0), done[b])
+    clock = work = 0.0
+    for i in range(max(backward, default=-1) + 1, len(ops)):
+        clock = max(clock, gate.get(i, 0.0) - end) + op_seconds.get(i, 0.0)
+        work += op_seconds.get(i, 0.0)
+    left = clock - work
     paid = processor + left
     hidden = sum(w for _, w in starts) - left
     return paid, hidden, frozenset(s for b in buckets for s in b.points)

@@ -28,8 +28,8 @@ price with these and nothing else:
   same terms, added in the same order); :func:`priced_stages`: the seconds and memory
   of a stage option's stages, each holding given parts, at their places in a pipeline;
 - :func:`grid`: a device mesh's shape as (machines, devices per machine);
-- :func:`exposed`: what collectives started during the compute (gradient buckets
-  reduced during the backward, ``Strategy(overlap=True)``) leave the step to wait for.
+- :func:`finishes`: when collectives started during the compute (gradient buckets
+  reduced during the backward, ``Strategy(overlap=True)``) are done, one wire.
 
 Example::
 
@@ -65,20 +65,22 @@ def step_time(times, micro_batches, virtual: int = 1, schedule: str = "1F1B",
     return sum(times) / virtual + drain + max(updates)
 
 
-def exposed(buckets, end: float) -> float:
-    """Seconds of communication a step waits for after its compute ends at ``end``:
-    ``buckets`` are (ready, wire) in the order they start, each collective's wire time
-    starting once it is ready (seconds into the compute: the compute before its start,
-    the processor's share of the collectives before it included) and the one before it
-    is done (one link, one collective at a time), ``max(0, last end - end)``.
+def finishes(buckets) -> list:
+    """When each collective of ``buckets`` is done: (ready, wire) in the order they
+    start, each one's wire time starting once it is ready (seconds into the compute: the
+    compute before its start, the processor's share of the collectives before it
+    included) and the one before it is done (one link, one collective at a time). The
+    ops after the compute wait for the collectives they read
+    (:func:`~distgraph.passes.cost.overlap.bucket_seconds`).
 
-    >>> round(exposed([(0.5, 0.2), (0.6, 0.3), (1.0, 0.1)], 1.0), 9)   # ends 0.7, 1, 1.1
-    0.1
+    >>> [round(t, 9) for t in finishes([(0.5, 0.2), (0.6, 0.3), (1.0, 0.1)])]
+    [0.7, 1.0, 1.1]
     """
-    done = 0.0
+    done, out = 0.0, []
     for ready, wire in buckets:
         done = max(done, ready) + wire
-    return max(0.0, done - end)
+        out.append(done)
+    return out
 
 
 def transfers(sends: float, at_start, at_end, virtual: int = 1) -> float:

@@ -89,10 +89,9 @@ class Optimizer:
 
     def append_update(self, program: Program, grads: dict[str, Value], scaling=None) -> None:
         """Append one update op per parameter that has a gradient, in the order the
-        backward makes the gradients. ``scaling`` (float16
-        training's :class:`~distgraph.optim.amp.LossScaling`): the gradients are of the
-        scaled loss; they are unscaled first, and a step whose gradients overflowed is not
-        applied."""
+        backward makes the gradients. ``scaling`` (float16 training's
+        :class:`~distgraph.optim.amp.LossScaling`): the gradients are of the scaled loss;
+        they are unscaled first, and a step whose gradients overflowed is not applied."""
         if not grads:
             raise DistGraphError("no parameter gradients to update")
         # in the order the backward makes the gradients (the last layer's first): with

@@ -5,6 +5,7 @@ this file (written from the contract, not from the solver): objective = node cos
 matrices, aliases forbid, follow/share tie, liveness sets bound memory.
 """
 
+import dataclasses
 import itertools
 import math
 import re
@@ -85,7 +86,8 @@ def oracle(p):
             continue
         if any(V[c[u]][c[v]] for u, v, V in p.aliases):
             continue
-        cost = sum(p.compute[v][c[v]] + p.comm[v][c[v]] for v in range(p.n))
+        cost = max([sum(p.compute[v][c[v]] + p.comm[v][c[v]] for v in range(p.n))] +
+                   [sum(rows[v][c[v]] for v in range(p.n)) for rows in p.other_processes])
         cost += sum(R[c[u]][c[v]] for u, v, R in p.edges)
         if math.isinf(cost):
             continue
@@ -128,6 +130,26 @@ def test_the_public_contract_path_is_the_solver():
 @pytest.mark.parametrize("seed", range(120))
 def test_random_problems_match_brute_force(seed):
     check_against_oracle(random_problem(seed))
+
+
+def unlike_processes(seed):
+    """random_problem(seed) whose mesh holds one or two further kinds of process, each
+    paying its own seconds per strategy (some slower, some faster, an inf now and then)."""
+    p = random_problem(seed)
+    rng = np.random.default_rng(seed + 1000)
+    kinds = []
+    for _ in range(int(rng.integers(1, 3))):
+        rows = [np.where(rng.random(k) < 0.1, math.inf, rng.integers(0, 14, k).astype(float))
+                for k in p.strategy_counts]
+        kinds.append(rows)
+    return dataclasses.replace(p, other_processes=kinds)
+
+
+@pytest.mark.parametrize("seed", range(80))
+def test_the_slowest_kind_of_process_is_the_objective_as_brute_force_finds_it(seed):
+    """Oracle: each choice's objective is its edges plus the largest of the kinds' node
+    sums (the step waits for the slowest process)."""
+    check_against_oracle(unlike_processes(seed))
 
 
 def bytes_problem(seed):

@@ -15,8 +15,12 @@ tensor.
 - memory: a strategy's local result bytes, and what its kernel keeps for the gradient
   beyond them (the op's ``saved`` hook, at the expected load).
 
-A process of the mesh stands for all: every process of one SPMD mesh runs the same
-local program. What it prices is kept in the tables of its planning's session
+A process of the mesh stands for all of its kind: every process of one SPMD mesh runs
+the same local program, and processes whose devices' figures and rings are the same pay
+the same for it. Where the mesh holds processes of other kinds (a calibrated machine's
+devices each measure their own figures), :attr:`LayoutPrices.others` prices at one of
+each, and the searches take the slowest kind's sum (the step waits for it). What it
+prices is kept in the tables of its planning's session
 (:class:`~distgraph.passes.session.Session`; a fresh one by default): "op prices" by op
 signature, so the identical blocks of a transformer cost one computation each; "reshard
 prices" per tensor and pair of layouts (layouts numbered, so a matrix's entries key on
@@ -41,6 +45,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -56,16 +61,34 @@ from distgraph.placement import DistAttr, ShardSpec
 
 
 def layout_prices(cluster, mesh, device_of: dict, sample_axes: dict | None = None,
-                  session: Session | None = None) -> "LayoutPrices":
+                  session: Session | None = None, pid: int | None = None) -> "LayoutPrices":
     """The LayoutPrices of ``mesh`` on those devices of ``cluster`` (and ``sample_axes``)
-    in ``session``: one per planning, shared by every search and pricing there."""
+    in ``session``, priced at process ``pid`` (None: the mesh's first): one per
+    planning, shared by every search and pricing there."""
     session = session or Session()
+    pid = mesh.process_ids[0] if pid is None else pid
     # the cluster by identity (a Cluster hashes every device; the LayoutPrices kept holds
     # it, so its id names no other while the entry lives)
     key = (id(cluster), mesh, tuple(sorted(device_of.items())),
-           None if sample_axes is None else tuple(sorted(sample_axes.items())))
+           None if sample_axes is None else tuple(sorted(sample_axes.items())), pid)
     return session.table("layout prices").memo(
-        key, lambda: LayoutPrices(cluster, mesh, device_of, sample_axes, session))
+        key, lambda: LayoutPrices(cluster, mesh, device_of, sample_axes, session, pid))
+
+
+def process_kinds(cluster, mesh, device_of: dict) -> tuple:
+    """What each process of ``mesh`` (in ``mesh.process_ids`` order), on device
+    ``device_of[p]`` of ``cluster``, pays by: its device's figures (all but its ids) and
+    its rings along the mesh's dims. Processes of one kind price every layout alike."""
+    rings = Rings(cluster, device_of.__getitem__)
+    figures: dict = {}
+    out = []
+    for p in mesh.process_ids:
+        d = device_of[p]
+        if d not in figures:
+            figures[d] = dataclasses.replace(cluster.device(d), global_id=0, local_id=0,
+                                             machine_id=0)
+        out.append((figures[d], tuple(rings.along(mesh, p, dim) for dim in mesh.dim_names)))
+    return tuple(out)
 
 
 class LayoutPrices:
@@ -74,11 +97,12 @@ class LayoutPrices:
     (module docstring)."""
 
     def __init__(self, cluster, mesh, device_of: dict, sample_axes: dict | None = None,
-                 session: Session | None = None):
+                 session: Session | None = None, pid: int | None = None):
         self.cluster, self.mesh, self.device_of = cluster, mesh, dict(device_of)
         self.sample_axes = sample_axes
         self.session = session = session or Session()
-        self.pid = mesh.process_ids[0]
+        self.pid = mesh.process_ids[0] if pid is None else pid
+        self._kinds = None          # the processes by what they pay (others), when asked
         self.device = cluster.device(self.device_of[self.pid])
         self.rings = Rings(cluster, self.device_of.__getitem__)
         self.world = ProcessMesh(sorted(mesh.process_ids), dim_names=["world"])
@@ -97,6 +121,27 @@ class LayoutPrices:
         self.alike = session.table("layout prices").memo(
             ("priced alike", self._shape, tuple(self._ring_by_dim.values()),
              self.device.reshard_overhead), lambda: self)
+
+    @property
+    def others(self) -> tuple:
+        """The LayoutPrices of this mesh at one process of each other kind: processes
+        whose devices' figures (GFLOP/s, overheads, curves: all but their ids) or rings
+        along a mesh dim differ from the priced one's pay otherwise for the same local
+        program, and the step waits for the slowest (the searches take the largest
+        kind's sum, ``ShardingProblem.other_processes``). Empty where every process pays
+        alike (a homogeneous cluster), and with ``sample_axes``, whose balanced prices
+        take the slowest device already."""
+        if self.sample_axes is not None:
+            return ()
+        if self._kinds is None:
+            kinds = dict(zip(self.mesh.process_ids, process_kinds(self.cluster, self.mesh,
+                                                                  self.device_of)))
+            first = {kinds[self.pid]: self.pid}
+            for p in self.mesh.process_ids:
+                first.setdefault(kinds[p], p)
+            self._kinds = tuple(first.values())[1:]
+        return tuple(layout_prices(self.cluster, self.mesh, self.device_of,
+                                   session=self.session, pid=p) for p in self._kinds)
 
     def op(self, op, strategies) -> tuple[np.ndarray, np.ndarray]:
         """(compute seconds, own-collective seconds) of each strategy of ``op``."""

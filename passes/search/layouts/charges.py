@@ -181,26 +181,8 @@ def build_problem(space, costs, weights, loss, world, budget, share, live, targe
                   tied: dict, zero=None) -> ShardingProblem:
     """The ILP of every strategy of ``space``'s nodes (``intra_op.search``)."""
     charges = Charges(space, costs, weights, targets, tied)
-    program, nodes = space.program, space.nodes
-    compute, comm, memory, spare = [], [], [], []
-    for node in nodes:
-        if node.is_source:
-            c, mem = charges.source(node, node.strategies)
-            compute.append(np.array(c))
-            comm.append(np.zeros(len(c)))
-            spare.append(np.zeros(len(c)))
-        else:
-            c, m, mem = charges.op(node, node.strategies, node.hints, node.allowed)
-            compute.append(np.array(c))
-            comm.append(np.array(m))
-            spare.append(costs.workspace(program.ops[node.op], node.strategies))
-        memory.append(np.array(mem, float))
-    if loss is not None and loss in space.producer:
-        u, j = space.producer[loss]
-        v = program.values[loss]
-        world = world or costs.world
-        comm[u] = comm[u] + np.array([costs.gather(s.out_specs[j], v, world)
-                                      for s in nodes[u].strategies])
+    nodes = space.nodes
+    compute, comm, memory, spare = _terms(charges, loss, world)
     classes = _tie_classes(nodes, share)
     edges, aliases = [], []
     for leaving, received in tied.items():
@@ -225,13 +207,56 @@ def build_problem(space, costs, weights, loss, world, budget, share, live, targe
             layouts = [s.out_specs[0] for s in nodes[s_node].strategies]
             forbid = [[s.out_specs[j] != lay for lay in layouts] for s in node.strategies]
             aliases.append((node.index, s_node, np.array(forbid, dtype=float)))
+    others = [_seconds_at(space, other, weights, loss, world, targets, tied, zero, edges)
+              for other in costs.others]
     apply_zero(zero_terms(space, costs, zero), space, costs, weights, compute, comm, memory,
                edges)
     liveness = _liveness(space, charges) if live else ()
     return ShardingProblem([len(n.strategies) for n in nodes], compute, comm, memory, edges,
                            aliases, [n.leader for n in nodes], liveness, budget, share,
                            [n.label for n in nodes], spare if liveness else None,
-                           running(space) if liveness else ())
+                           running(space) if liveness else (), others)
+
+
+def _terms(charges, loss, world) -> tuple:
+    """(compute, comm, memory, workspace): per node of ``charges``'s space, each
+    strategy's seconds and bytes at its priced process (:func:`build_problem`), the
+    loss's gather onto ``world`` included."""
+    space, costs = charges.space, charges.costs
+    program, nodes = space.program, space.nodes
+    compute, comm, memory, spare = [], [], [], []
+    for node in nodes:
+        if node.is_source:
+            c, mem = charges.source(node, node.strategies)
+            compute.append(np.array(c))
+            comm.append(np.zeros(len(c)))
+            spare.append(np.zeros(len(c)))
+        else:
+            c, m, mem = charges.op(node, node.strategies, node.hints, node.allowed)
+            compute.append(np.array(c))
+            comm.append(np.array(m))
+            spare.append(costs.workspace(program.ops[node.op], node.strategies))
+        memory.append(np.array(mem, float))
+    if loss is not None and loss in space.producer:
+        u, j = space.producer[loss]
+        v = program.values[loss]
+        world = world or costs.world
+        comm[u] = comm[u] + np.array([costs.gather(s.out_specs[j], v, world)
+                                      for s in nodes[u].strategies])
+    return compute, comm, memory, spare
+
+
+def _seconds_at(space, costs, weights, loss, world, targets: dict, tied: dict, zero,
+                edges: list) -> list:
+    """Per node of ``space``, each strategy's compute and collectives at the process
+    ``costs`` prices (another kind of process of the mesh, ``LayoutPrices.others``), as
+    :func:`build_problem` charges them at its own (``edges``: its edges, which ZeRO's
+    terms may reprice: a copy is given them)."""
+    compute, comm, memory, _ = _terms(Charges(space, costs, weights, targets, tied), loss,
+                                      world)
+    apply_zero(zero_terms(space, costs, zero), space, costs, weights, compute, comm, memory,
+               list(edges))
+    return [c + m for c, m in zip(compute, comm)]
 
 
 def fixed_problem(moved, costs, weights, loss, world, targets: dict, tied: dict,
@@ -277,6 +302,9 @@ def fixed_problem(moved, costs, weights, loss, world, targets: dict, tied: dict,
         for s_node, j in _aliased(moved, node):
             aliases.append((node.index, s_node,
                             s.out_specs[j] != nodes[s_node].strategies[0].out_specs[0]))
+    others = [[float(x[0]) for x in _seconds_at(
+        moved, other, weights, loss, world, targets, tied, zero,
+        [(u, v, np.array([[x]])) for u, v, x in edges])] for other in costs.others]
     terms = zero_terms(moved, costs, zero)
     if terms is not None:               # as build_problem adds them, on 1-entry arrays
         compute, comm, memory = ([np.array([x]) for x in xs] for xs in (compute, comm, memory))
@@ -286,7 +314,7 @@ def fixed_problem(moved, costs, weights, loss, world, targets: dict, tied: dict,
         edges = [(u, v, float(x[0, 0])) for u, v, x in edges if x.any()]
     return ShardingProblem.one_each(compute, comm, memory, edges, aliases,
                                     _liveness(moved, charges),
-                                    [n.label for n in nodes], spare, running(moved))
+                                    [n.label for n in nodes], spare, running(moved), others)
 
 
 def running(space) -> list:

@@ -122,6 +122,8 @@ class Reduced:
     memory: list[np.ndarray]             # per class, per strategy: members' memory summed
     spikes: list = None                  # per step: (class, workspace) of the ops running
     #                                      at its level, beside it
+    others: list = None                  # per further kind of process, its cost (as cost:
+    #                                      the same edge terms, its own nodes' seconds)
 
 
 def _classes(p: ShardingProblem) -> np.ndarray:
@@ -147,11 +149,15 @@ def _classes(p: ShardingProblem) -> np.ndarray:
 def reduce_problem(p: ShardingProblem) -> Reduced:
     cls = _classes(p)
     ncls = int(cls.max()) + 1 if p.n else 0
-    cost = [None] * ncls
-    for v in range(p.n):
-        c = cls[v]
-        node = p.compute[v] + p.comm[v]
-        cost[c] = node.copy() if cost[c] is None else cost[c] + node
+    # the priced process's cost first, then each other kind's: the edge terms moved into
+    # the node costs below are every kind's
+    kinds = [[p.compute[v] + p.comm[v] for v in range(p.n)], *p.other_processes]
+    every = [[None] * ncls for _ in kinds]
+    for seconds, kind in zip(kinds, every):
+        for v in range(p.n):
+            c = cls[v]
+            kind[c] = seconds[v].copy() if kind[c] is None else kind[c] + seconds[v]
+    cost = every[0]
     mats: dict[tuple[int, int], np.ndarray] = {}
 
     def oriented(u, v, mat):
@@ -166,13 +172,15 @@ def reduce_problem(p: ShardingProblem) -> Reduced:
     for u, v, mat in p.edges:
         key, m = oriented(u, v, mat)
         if m is None:
-            cost[key] = cost[key] + np.diag(mat)
+            for kind in every:
+                kind[key] = kind[key] + np.diag(mat)
         else:
             mats[key] += m
     for u, v, forbid in p.aliases:
         key, m = oriented(u, v, forbid)
         if m is None:
-            cost[key] = np.where(np.diag(forbid), np.inf, cost[key])
+            for kind in every:
+                kind[key] = np.where(np.diag(forbid), np.inf, kind[key])
         else:
             mats[key] = np.where(m, np.inf, mats[key])
     pairs = []
@@ -181,7 +189,8 @@ def reduce_problem(p: ShardingProblem) -> Reduced:
             a, b = mat[:, 0], mat[0, :] - mat[0, 0]
             scale = max(1.0, float(np.abs(mat).max()))
             if float(np.abs(mat - (a[:, None] + b[None, :])).max()) <= 1e-12 * scale:
-                cost[cu], cost[cv] = cost[cu] + a, cost[cv] + b
+                for kind in every:
+                    kind[cu], kind[cv] = kind[cu] + a, kind[cv] + b
                 continue
         uniq, rows = unique_rows(mat)
         uniq, cols = unique_rows(uniq.T)
@@ -190,7 +199,12 @@ def reduce_problem(p: ShardingProblem) -> Reduced:
     for v in range(p.n):
         memory[cls[v]] = memory[cls[v]] + p.memory[v]
     steps, spikes = _memory_steps(p, cls)
-    return Reduced(cls, cost, pairs, steps, memory, spikes)
+    if len(every) > 1:      # a strategy forbidden to one kind of process is to all
+        for c in range(ncls):
+            barred = np.any([~np.isfinite(kind[c]) for kind in every], axis=0)
+            for kind in every:
+                kind[c] = np.where(barred, np.inf, kind[c])
+    return Reduced(cls, every[0], pairs, steps, memory, spikes, every[1:])
 
 
 def unique_rows(mat) -> tuple:
@@ -242,12 +256,23 @@ class _Model:
         self.scip = scip = Model()
         scip.hideOutput()
         weight = 0.0 if minimise_peak else 1.0 / _unit(red)
+        # with several kinds of process, the nodes' seconds enter as the slowest kind's
+        # sum, t (at least each kind's), and the edges as they are
+        per_node = 0.0 if red.others else weight
         self.s = []
         for costs in red.cost:
             row = [scip.addVar(vtype="B", ub=0.0 if math.isinf(x) else 1.0,
-                               obj=0.0 if math.isinf(x) else weight * float(x)) for x in costs]
+                               obj=0.0 if math.isinf(x) else per_node * float(x))
+                   for x in costs]
             scip.addCons(quicksum(row) == 1)
             self.s.append(row)
+        self.t = None
+        if red.others and not minimise_peak:
+            self.t = scip.addVar(lb=0.0, obj=1.0)
+            for kind in (red.cost, *red.others):
+                scip.addCons(self.t - quicksum(
+                    weight * float(x) * s for costs, row in zip(kind, self.s)
+                    for x, s in zip(costs, row) if x and math.isfinite(x)) >= 0)
         self.e = [self._pair(pair, weight) for pair in red.pairs]
         m_prev = None
         self.unit = unit = _memory_unit(red)
@@ -310,6 +335,13 @@ class _Model:
             scip.setSolVal(sol, m, max(level, 0.0) / self.unit)
         if self.z is not None:
             scip.setSolVal(sol, self.z, peak / self.unit)
+        if self.t is not None:
+            slowest = max(sum(float(costs[i]) for costs, i in zip(kind, per_class))
+                          for kind in (red.cost, *red.others))
+            if not math.isfinite(slowest):
+                scip.freeSol(sol)
+                return
+            scip.setSolVal(sol, self.t, slowest / _unit(red))
         scip.addSol(sol, free=True)
 
     def run(self, deadline: float) -> str:

@@ -144,7 +144,10 @@ def _scale(c) -> float:
 def proven_gap(red, per_class) -> float | None:
     """How much (relative) any choice of ``red`` may undercut ``per_class`` (a strategy
     per class), by :func:`lp_bound`, where that is at most ``GAIN_RTOL``: SCIP could not
-    improve it. None otherwise (or where ``per_class`` is forbidden)."""
+    improve it. None otherwise (or where ``per_class`` is forbidden, or the problem's
+    processes pay unlike: the bound is the priced process's sum, not the slowest one's)."""
+    if red.others:
+        return None
     value = objective(red, red.cost, per_class)
     if not math.isfinite(value):
         return None

@@ -19,6 +19,12 @@ communication time and a memory size (``compute[v][i]``, ``comm[v][i]``,
   allocates while it runs under strategy ``i`` (its temporaries), ``running[t]`` the
   node whose op runs at liveness time ``t`` (-1: none): the memory at time ``t`` is the
   live nodes' plus the running node's workspace (none given: zeros).
+- ``other_processes``: where the mesh's processes do not all pay alike (devices whose
+  figures differ), one entry per further kind of process: per node, the seconds of each
+  strategy there (its compute and collectives, as ``compute[v] + comm[v]`` are the
+  priced process's). A step lasts as long as its slowest process, so the objective is
+  then the edges plus the largest of the kinds' node sums (Alpa's sum where there is
+  one kind: none given).
 
 An ``inf`` entry in ``compute``, ``comm`` or ``R`` forbids that strategy or pair. Tied
 nodes (follow, share) need equal strategy counts: their strategies correspond by index.
@@ -67,6 +73,7 @@ class ShardingProblem:
     names: Sequence[str] | None = None
     workspace: Sequence[Sequence[float]] | None = None
     running: Sequence[int] = ()
+    other_processes: Sequence[Sequence[Sequence[float]]] = ()
 
     def __post_init__(self):
         counts = tuple(self.strategy_counts)
@@ -92,6 +99,9 @@ class ShardingProblem:
         if self.workspace is not None:
             _set(self, "workspace", self._vectors("workspace", self.workspace))
         _set(self, "running", self._running())
+        _set(self, "other_processes", tuple(
+            self._vectors(f"other_processes[{k}]", rows)
+            for k, rows in enumerate(self.other_processes)))
 
     def with_budget(self, budget: float | None) -> "ShardingProblem":
         """This problem with ``memory_budget`` = ``budget``, its other fields shared (a
@@ -280,9 +290,11 @@ class ShardingProblem:
 
     @classmethod
     def one_each(cls, compute, comm, memory, edges=(), aliases=(), liveness=(),
-                 names=None, workspace=None, running=()) -> "ShardingProblem":
+                 names=None, workspace=None, running=(),
+                 other_processes=()) -> "ShardingProblem":
         """The problem of one strategy per node (a fixed choice priced): ``compute``,
-        ``comm``, ``memory`` (and ``workspace``) one number per node, ``edges`` (u, v, seconds) and
+        ``comm``, ``memory`` (and ``workspace``, and each of ``other_processes``) one
+        number per node, ``edges`` (u, v, seconds) and
         ``aliases`` (u, v, forbidden) one per pair, checked as a whole rather than node
         by node. Where a number is wrong, the checks of ``ShardingProblem(...)`` name it.
 
@@ -306,7 +318,7 @@ class ShardingProblem:
                        [(u, v, [[float(x)]]) for u, v, x in aliases], None, liveness,
                        None, (), names,
                        None if workspace is None else [[float(x)] for x in workspace],
-                       running)
+                       running, [[[float(x)] for x in xs] for xs in other_processes])
         rows.setflags(write=False)
         cost.setflags(write=False)
         banned = np.array([bool(x) for _, _, x in aliases], dtype=bool).reshape(-1, 1, 1)
@@ -320,13 +332,16 @@ class ShardingProblem:
                 ("follow", (-1,) * n), ("memory_budget", None), ("share", ()),
                 ("liveness", liveness),
                 ("names", None if names is None else tuple(str(x) for x in names)),
-                ("workspace", None), ("running", running)):
+                ("workspace", None), ("running", running), ("other_processes", ())):
             _set(problem, name, value)
         _set(problem, "liveness", problem._liveness())
         if workspace is not None:
             _set(problem, "workspace", problem._vectors("workspace", [[float(x)] for x in
                                                                       workspace]))
         _set(problem, "running", problem._running())
+        _set(problem, "other_processes", tuple(
+            problem._vectors(f"other_processes[{k}]", [[float(x)] for x in xs])
+            for k, xs in enumerate(other_processes)))
         return problem
 
 
@@ -378,16 +393,26 @@ def evaluate(problem: ShardingProblem, choice: Sequence[int]) -> float:
         return math.inf
     if any(mat[c[u], c[v]] for u, v, mat in problem.aliases):
         return math.inf
-    total = sum(float(problem.compute[v][c[v]] + problem.comm[v][c[v]]) for v in range(problem.n))
-    return total + sum(float(mat[c[u], c[v]]) for u, v, mat in problem.edges)
+    return _slowest(problem, c, range(problem.n)) + \
+        sum(float(mat[c[u], c[v]]) for u, v, mat in problem.edges)
 
 
 def share_of(problem: ShardingProblem, choice: Sequence[int], nodes) -> float:
     """The part of :func:`evaluate`'s objective that ``nodes`` (node indices) spend under
-    ``choice``: their compute and collectives and the reshards into them."""
+    ``choice``: their compute and collectives (at the kind of process that spends most
+    on them) and the reshards into them."""
     c, inside = [int(i) for i in choice], set(nodes)
-    total = sum(float(problem.compute[v][c[v]] + problem.comm[v][c[v]]) for v in inside)
-    return total + sum(float(mat[c[u], c[v]]) for u, v, mat in problem.edges if v in inside)
+    return _slowest(problem, c, inside) + \
+        sum(float(mat[c[u], c[v]]) for u, v, mat in problem.edges if v in inside)
+
+
+def _slowest(problem: ShardingProblem, c: list, nodes) -> float:
+    """The seconds ``nodes`` spend under choice ``c`` at the kind of process that spends
+    the most on them (the priced process, or one of ``other_processes``)."""
+    total = sum(float(problem.compute[v][c[v]] + problem.comm[v][c[v]]) for v in nodes)
+    for rows in problem.other_processes:
+        total = max(total, sum(float(rows[v][c[v]]) for v in nodes))
+    return total
 
 
 def peak_memory(problem: ShardingProblem, choice: Sequence[int]) -> float:

@@ -95,6 +95,7 @@ import numpy as np
 from distgraph.errors import PlanError
 from distgraph.ir import Role
 from distgraph.passes.cost.boundary import boundary_seconds
+from distgraph.passes.cost.layout_prices import process_kinds
 from distgraph.passes.search.layouts.intra_op import (Boundary, held_peak, price,
                                                  search)
 from distgraph.passes.search.stages.block_plans import undominated
@@ -363,6 +364,21 @@ class RunCosts(MemoryVariants):
                       boundary=boundary, method=method, refined=start, prove=prove,
                       zero=sharding_dim(self.strategy), session=self.session,
                       style=self.strategy.target, in_flight=in_flight)
+
+    def placed(self, option: RunOption, device_ids) -> RunOption:
+        """``option`` priced on the devices a stage of it is placed on (``device_ids``,
+        row-major over its submesh) where they pay otherwise than the first devices of
+        its submesh shape, which priced it for the DP (Alpa's meshes of alike devices;
+        each device of a calibrated machine has figures of its own:
+        :func:`~distgraph.passes.cost.layout_prices.process_kinds`); else ``option``."""
+        mesh, device_of = logical_mesh(option.sub.mesh, option.sub.shape, option.logical)
+        here = dict(enumerate(int(d) for d in device_ids))
+        if process_kinds(self.cluster, mesh, device_of) == \
+                process_kinds(self.cluster, mesh, here):
+            return option
+        found = {part: result for part, (_, result) in option.parts.items()}
+        return RunOption(option.axis, option.sub, option.logical,
+                         self._price(found, mesh, here), option.origin)
 
     def _price(self, found, mesh, device_of) -> dict:
         out = {}

@@ -280,21 +280,27 @@ def fitting(strategy, cluster, plan_once, searched: bool | None = None):
         worst = over[0]
         if closest is None or worst.peak < closest.peak:
             closest = worst
-        budget = _next_budget(strategy, cluster, budget, worst)
+        budget = _next_budget(strategy, cluster, budget, worst,
+                              getattr(planned.search, "peak_memory", None))
         if budget <= 0:
             break
     raise _refusal(searched, cluster, given, closest, floor)
 
 
-def _next_budget(strategy, cluster, budget, worst) -> float:
+def _next_budget(strategy, cluster, budget, worst, counted=None) -> float:
     """The budget of the next search after ``worst`` overflowed: the device's limit where
     the search was not held to it (no budget, or one above the device's usable memory),
-    else what it was held to less the excess (the searches count what is live at each
-    op, the estimate also reshard buffers and micro-batches in flight)."""
+    else what it was held to, or the peak it counted for the plan where that is less,
+    less the excess (the searches count what is live at each op, the estimate also
+    reshard buffers and micro-batches in flight). Below the peak it counted, the next
+    search cannot choose the same plan again (a GPT of 4 blocks at 0.7 of its pipeline's
+    peak: three searches of 13 s each chose one plan under budgets 271 bytes apart)."""
     held = math.inf if budget is None else budget
     if strategy.pipeline:           # the stage search reads the devices' usable memory
         held = min(held, cluster.device(worst.device).usable_memory() * GB)
-    return worst.limit if held > worst.limit else held - worst.excess
+    if held > worst.limit:
+        return worst.limit
+    return min(held, counted if counted else math.inf) - worst.excess
 
 
 def _refusal(searched: bool, cluster, given, closest, floor) -> DoesNotFit:

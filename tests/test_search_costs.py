@@ -26,6 +26,7 @@ from distgraph.passes.cost import layout_prices
 from distgraph.passes.cost.layout_prices import LayoutPrices
 from distgraph.passes.search.layouts.space import layouts
 from distgraph.passes.session import Session
+from distgraph.registry import spmd_rule
 
 import distgraph as dg
 
@@ -301,3 +302,22 @@ def test_plan_reshard_path_is_plan_reshards_figures():
             (s.kind, s.mesh_dim, s.group_size, s.buffer_bytes) for s in steps)
         planned += 1
     assert planned > 500
+
+
+def test_a_mesh_is_priced_at_one_process_of_each_kind():
+    """Processes on devices of the same figures with the same rings along every mesh dim
+    price alike: a 2 x 2 grid of alike machines (fast links inside, slow across) is one
+    kind; a device of twice the GFLOP/s is another, priced at its own process, where a
+    matmul takes less time under every strategy."""
+    grid = dg.ProcessMesh([[0, 1], [2, 3]], ["x", "y"])
+    assert LayoutPrices(S.grid_cluster(), grid, {p: p for p in range(4)}).others == ()
+    line = dg.ProcessMesh([0, 1], ["x"])
+    costs = LayoutPrices(S.mixed_speed_cluster(2.0), line, {0: 0, 1: 1})
+    (other,) = costs.others
+    assert (costs.pid, other.pid) == (0, 1)
+    mm = S.mlp_program(256, 512).program.ops[0]
+    assert mm.type == "matmul"
+    strategies = spmd_rule("matmul").strategies([v.shape for v in mm.inputs],
+                                               [v.shape for v in mm.outputs], line)
+    fast, slow = costs.op(mm, strategies)[0], other.op(mm, strategies)[0]
+    assert (fast > 0).all() and (fast < slow).all()

@@ -52,7 +52,8 @@ import numpy as np
 
 from distgraph import dtypes
 from distgraph.registry import LocalSite, TensorType, comm_workspace, get_op, op_workspace
-from distgraph.passes.cost.prices import (Rings, best_overlap, feed_time, mesh_step_time,
+from distgraph.passes.cost.prices import (Rings, best_overlap, feed_time, groups_along,
+                                          mesh_step_time,
                                           op_comm_time, op_time, reshard_step_time)
 from distgraph.passes.reshard import plan_reshard, plan_reshard_path
 from distgraph.passes.session import Session
@@ -80,15 +81,17 @@ def process_kinds(cluster, mesh, device_of: dict) -> tuple:
     ``device_of[p]`` of ``cluster``, pays by: its device's figures (all but its ids) and
     its rings along the mesh's dims. Processes of one kind price every layout alike."""
     rings = Rings(cluster, device_of.__getitem__)
+    ring_of: dict = {p: () for p in mesh.process_ids}
+    for dim in mesh.dim_names:          # a group's ring is each of its processes'
+        for group in groups_along(mesh, dim):
+            ring = rings.along(mesh, group[0], dim)
+            for p in group:
+                ring_of[p] += (ring,)
     figures: dict = {}
-    out = []
-    for p in mesh.process_ids:
-        d = device_of[p]
-        if d not in figures:
-            figures[d] = dataclasses.replace(cluster.device(d), global_id=0, local_id=0,
-                                             machine_id=0)
-        out.append((figures[d], tuple(rings.along(mesh, p, dim) for dim in mesh.dim_names)))
-    return tuple(out)
+    for d in set(device_of[p] for p in mesh.process_ids):
+        figures[d] = dataclasses.replace(cluster.device(d), global_id=0, local_id=0,
+                                         machine_id=0)
+    return tuple((figures[device_of[p]], ring_of[p]) for p in mesh.process_ids)
 
 
 class LayoutPrices:

@@ -9,6 +9,7 @@ per op on a representative mesh before any of that."""
 from pathlib import Path
 
 import pytest
+import search_cases as S
 
 import distgraph as dg
 from distgraph.passes.cost.stage import step_time
@@ -71,6 +72,21 @@ def test_the_search_prices_a_mesh_of_unlike_devices_as_its_slowest_process(name,
     path = tmp_path / "unlike.yaml"
     path.write_text(text.replace(fast, fast.replace("50", "40").replace("25", "20")))
     plan = planned(blocks, batch, path, fields)
+    assert plan.search.step_time == pytest.approx(plan.estimate.step_time, rel=TOLERANCE)
+    assert plan.search.peak_memory == pytest.approx(plan.estimate.peak_memory, rel=TOLERANCE)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "known gap (issue #63): a model without identical blocks is staged by the generic "
+    "stage DP (stages/stage_dp.py), whose stage costs are the layer range's intra-op "
+    "search alone: no sends between the stages, memory without the accountant's held() "
+    "terms (measured: step -48%, peak -20% on the emulated 2 x 2)"))
+def test_the_stages_of_a_model_without_identical_blocks_are_priced_as_the_estimate_does():
+    built = S.mlp_program(batch=256, hidden=512)
+    plan = dg.passes.plan(built, dg.Strategy(auto_mode="full", pipeline=True, micro_batches=4,
+                                             **SAVERS_GIVEN),
+                          dg.Cluster.from_file(CLUSTERS_DIR / EMULATED), ranks=())
+    assert len(plan.stages) > 1
     assert plan.search.step_time == pytest.approx(plan.estimate.step_time, rel=TOLERANCE)
     assert plan.search.peak_memory == pytest.approx(plan.estimate.peak_memory, rel=TOLERANCE)
 

@@ -124,11 +124,12 @@ class Charges:
                  + (0.0 if ok else math.inf) for s, ok in zip(strategies, allowed)],
                 [float(local_bytes(s.out_local_shapes, [v.dtype])) for s in strategies])
 
-    def op(self, node, strategies, hints, allowed) -> tuple:
+    def op(self, node, strategies, hints, allowed, memory: bool = True) -> tuple:
         """(compute, comm seconds, bytes) of each strategy of op ``node`` (``hints`` and
         ``allowed`` beside them): its compute and own collectives times its role's runs
         (inf where not allowed), a result leaving the part brought to its target, its
-        tied layout or settled, its results and what its kernel keeps."""
+        tied layout or settled, its results and what its kernel keeps (None without
+        ``memory``)."""
         costs, space = self.costs, self.space
         op = space.program.ops[node.op]
         w = self.weights.get(Role.OPTIMIZE if node.index in self.once else op.role, 1)
@@ -148,6 +149,8 @@ class Charges:
                 continue
             comm = [a + b for a, b in zip(comm, extra)]
         comm = [x * w for x in comm]
+        if not memory:
+            return compute, comm, None
         kept = [j for j, o in enumerate(op.outputs) if not o.alias_of]
         kept_types = [op.outputs[j].dtype for j in kept]
         own = [float(local_bytes([s.out_local_shapes[j] for j in kept], kept_types))
@@ -218,13 +221,14 @@ def build_problem(space, costs, weights, loss, world, budget, share, live, targe
                            running(space) if liveness else (), others)
 
 
-def _terms(charges, loss, world) -> tuple:
+def _terms(charges, loss, world, memory: bool = True) -> tuple:
     """(compute, comm, memory, workspace): per node of ``charges``'s space, each
     strategy's seconds and bytes at its priced process (:func:`build_problem`), the
-    loss's gather onto ``world`` included."""
+    loss's gather onto ``world`` included (the bytes only with ``memory``: else the
+    sources' alone, and no workspace)."""
     space, costs = charges.space, charges.costs
     program, nodes = space.program, space.nodes
-    compute, comm, memory, spare = [], [], [], []
+    compute, comm, held, spare = [], [], [], []
     for node in nodes:
         if node.is_source:
             c, mem = charges.source(node, node.strategies)
@@ -232,18 +236,21 @@ def _terms(charges, loss, world) -> tuple:
             comm.append(np.zeros(len(c)))
             spare.append(np.zeros(len(c)))
         else:
-            c, m, mem = charges.op(node, node.strategies, node.hints, node.allowed)
+            c, m, mem = charges.op(node, node.strategies, node.hints, node.allowed, memory)
             compute.append(np.array(c))
             comm.append(np.array(m))
-            spare.append(costs.workspace(program.ops[node.op], node.strategies))
-        memory.append(np.array(mem, float))
+            if memory:
+                spare.append(costs.workspace(program.ops[node.op], node.strategies))
+            else:
+                mem = np.zeros(len(c))
+        held.append(np.array(mem, float))
     if loss is not None and loss in space.producer:
         u, j = space.producer[loss]
         v = program.values[loss]
         world = world or costs.world
         comm[u] = comm[u] + np.array([costs.gather(s.out_specs[j], v, world)
                                       for s in nodes[u].strategies])
-    return compute, comm, memory, spare
+    return compute, comm, held, spare
 
 
 def _seconds_at(space, costs, weights, loss, world, targets: dict, tied: dict, zero,
@@ -253,7 +260,7 @@ def _seconds_at(space, costs, weights, loss, world, targets: dict, tied: dict, z
     :func:`build_problem` charges them at its own (``edges``: its edges, which ZeRO's
     terms may reprice: a copy is given them)."""
     compute, comm, memory, _ = _terms(Charges(space, costs, weights, targets, tied), loss,
-                                      world)
+                                      world, memory=False)
     apply_zero(zero_terms(space, costs, zero), space, costs, weights, compute, comm, memory,
                list(edges))
     return [c + m for c, m in zip(compute, comm)]

@@ -53,8 +53,8 @@ import numpy as np
 from distgraph import dtypes
 from distgraph.registry import LocalSite, TensorType, comm_workspace, get_op, op_workspace
 from distgraph.passes.cost.prices import (Rings, best_overlap, feed_time, groups_along,
-                                          mesh_step_time,
-                                          op_comm_time, op_time, reshard_step_time)
+                                          mesh_step_time, op_comm_time, op_time,
+                                          reshard_step_time)
 from distgraph.passes.reshard import plan_reshard, plan_reshard_path
 from distgraph.passes.session import Session
 from distgraph.mesh import ProcessMesh

@@ -8,7 +8,9 @@ compile step on top and hid SCIP's status, gap and time limit, so it is not used
     sum_v (compute[v][c_v] + comm[v][c_v])  +  sum over edges (u, v, R) of R[c_u][c_v]
 
 subject to the aliases, follow and share ties, and, with a ``memory_budget``, the summed
-memory of every liveness set. It returns a :class:`Solution`; when no choice fits the
+memory of every liveness set. Where the problem has ``other_processes`` (processes of a
+mesh that pay unlike), the first sum is the largest of the kinds' sums (the step waits
+for the slowest process). It returns a :class:`Solution`; when no choice fits the
 budget it raises ``PlanError`` naming the smallest peak memory that any choice reaches.
 
 The model (legend: the single-letter names below are used in this module only)::
@@ -31,6 +33,9 @@ The model (legend: the single-letter names below are used in this module only)::
               m[t] + sum_i w[i] s[c][i] <= budget.
     z         the peak, max_t m[t] (with the workspace rows); minimised only to name
               the smallest peak
+    t         with ``other_processes``: the nodes' seconds at the slowest kind of
+              process, t >= sum_c sum_i cost_k[c][i] s[c][i] for each kind k (the s
+              then carry no cost of their own; the edges' e carry theirs)
 
 Reductions before the model is built (each exact, so the optimum is unchanged):
 

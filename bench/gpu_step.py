@@ -1,11 +1,15 @@
 """A GPT training step on one GPU: distgraph on CuPy against PyTorch eager on the same GPU
 (in the same run) and against distgraph on numpy.
 
-    python bench/gpu_step.py [--steps 10] [--numpy-steps 1] [--layers 12 --d-model 768 ...]
+    python bench/gpu_step.py [--steps 10] [--numpy-steps 1] [--amp] [--cluster FILE]
+                             [--layers 12 --d-model 768 ...]
 
 The model is GPT-2 small's shape: 12 layers, d_model 768, 12 heads, sequence 1024, batch
-8, vocabulary 50257, fp32, AdamW; dropout 0. distgraph trains it with ``Engine.fit`` on
-``Cluster.local(1, device="GPU")`` (CuPy on GPU 0); PyTorch trains the same architecture
+8, vocabulary 50257, fp32 (``--amp``: bf16 mixed precision, ``Strategy(amp="bfloat16")``
+against ``torch.autocast``, float32 weights in both), AdamW; dropout 0. distgraph trains
+it with ``Engine.fit`` on ``Cluster.local(1, device="GPU")`` (CuPy on GPU 0; ``--cluster``:
+planned on a resource file's GPU instead, one ``distgraph cluster calibrate`` wrote);
+PyTorch trains the same architecture
 (nanoGPT's, its attention composed of matmul, mask and softmax as distgraph's is: eager,
 no fused attention; ``--sdpa`` adds a run with ``scaled_dot_product_attention``) with
 ``torch.optim.AdamW``. Each framework warms up for one step, then ``--steps`` steps are
@@ -16,7 +20,9 @@ records it) against ``torch.cuda.max_memory_allocated``. distgraph on numpy runs
 takes minutes there).
 
 Prints the step times, tokens/s, the ratio distgraph-CuPy / PyTorch throughput (target
->= 0.7), the speed-up over numpy and both peaks. Without a GPU or CuPy it says so and
+>= 0.7), the speed-up over numpy and both peaks; for distgraph also the plan's predicted
+step and peak beside the measured step, the runtime's count of the bytes it held at
+its peak and CuPy's pool's. Without a GPU or CuPy it says so and
 exits 0 (nothing to measure); without PyTorch it measures distgraph alone.
 """
 
@@ -85,11 +91,13 @@ def distgraph_steps(args, cluster, steps):
     dg.seed(0)
     model = dg.nn.GPT(vocab_size=args.vocab, d_model=args.d_model, n_layer=args.layers,
                       n_head=args.heads, max_seq_len=args.seq)
-    engine = dg.Engine(model, dg.nn.CrossEntropyLoss(), dg.optim.AdamW(1e-4), cluster=cluster)
+    strategy = dg.Strategy(amp="bfloat16") if args.amp else dg.Strategy()
+    engine = dg.Engine(model, dg.nn.CrossEntropyLoss(), dg.optim.AdamW(1e-4), cluster=cluster,
+                       strategy=strategy)
     clock = StepClock()
     data = Tokens(args.batch * (steps + 1), args.seq, args.vocab)
-    engine.fit(data, batch_size=args.batch, epochs=1, verbose=0, callbacks=[clock])
-    return clock.times[1:], engine
+    history = engine.fit(data, batch_size=args.batch, epochs=1, verbose=0, callbacks=[clock])
+    return clock.times[1:], engine, history
 
 
 def torch_steps(args, steps, sdpa=False):
@@ -150,8 +158,9 @@ def torch_steps(args, steps, sdpa=False):
         rows = [data[i] for i in range(s * args.batch, (s + 1) * args.batch)]
         x = torch.from_numpy(np.stack([r[0] for r in rows])).to(device)
         y = torch.from_numpy(np.stack([r[1] for r in rows])).to(device)
-        logits = model(x)
-        loss = F.cross_entropy(logits.view(-1, args.vocab), y.view(-1))
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=args.amp):
+            logits = model(x)
+            loss = F.cross_entropy(logits.view(-1, args.vocab).float(), y.view(-1))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -174,6 +183,12 @@ def main(argv=None) -> int:
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--vocab", type=int, default=50257)
+    parser.add_argument("--cluster", metavar="FILE",
+                        help="plan on this resource file's GPU (one from `distgraph cluster "
+                             "calibrate`) instead of Cluster.local(1, device='GPU')")
+    parser.add_argument("--amp", action="store_true",
+                        help="bf16 mixed precision: Strategy(amp='bfloat16') against "
+                             "torch.autocast(bfloat16), float32 weights in both")
     parser.add_argument("--sdpa", action="store_true",
                         help="also time PyTorch with its fused attention")
     args = parser.parse_args(argv)
@@ -187,13 +202,24 @@ def main(argv=None) -> int:
     dg.set_default_dtype("float32")
     tokens = args.batch * args.seq
     print(f"gpu_step: GPT {args.layers} layers, d_model {args.d_model}, {args.heads} heads, "
-          f"seq {args.seq}, batch {args.batch}, vocab {args.vocab}, fp32, AdamW on "
-          f"{gpus[0].name}")
+          f"seq {args.seq}, batch {args.batch}, vocab {args.vocab}, "
+          f"{'amp bf16' if args.amp else 'fp32'}, AdamW on {gpus[0].name}"
+          f"{', planned on ' + args.cluster if args.cluster else ''}")
     with PeakPool(cupy) as pool:
-        times, _ = distgraph_steps(args, dg.Cluster.local(1, device="GPU"), args.steps)
+        cluster = (dg.Cluster.from_file(args.cluster) if args.cluster
+                   else dg.Cluster.local(1, device="GPU"))
+        times, engine, history = distgraph_steps(args, cluster, args.steps)
     ours = statistics.median(times)
+    estimate = engine.plan().estimate
     print(f"  distgraph, CuPy:   {ours * 1e3:9.1f} ms/step  {tokens / ours:10.0f} tokens/s  "
           f"peak {pool.peak / 2**30:6.2f} GiB")
+    if estimate is None:
+        print("    (no estimate: the plan was not priced)")
+    else:
+        print(f"    predicted step {estimate.step_time * 1e3:.1f} ms ({estimate.step_time / ours:.2f} x "
+              f"measured); peak: predicted {estimate.peak_memory / 2**30:.2f} GiB, the "
+              f"runtime's count {max(history.memory) / 2**30:.2f} GiB, CuPy's pool "
+              f"{pool.peak / 2**30:.2f} GiB")
     rows = []
     try:
         import torch  # noqa: F401
@@ -210,7 +236,7 @@ def main(argv=None) -> int:
         print(f"    distgraph / {name} throughput: {t / ours:.2f} (target >= 0.7 against "
               f"eager); peak memory {pool.peak / max(peak, 1):.2f} x theirs")
     if args.numpy_steps > 0:
-        cpu, _ = distgraph_steps(args, None, args.numpy_steps)
+        cpu, _, _ = distgraph_steps(args, None, args.numpy_steps)
         c = statistics.median(cpu)
         print(f"  distgraph, numpy:  {c * 1e3:9.1f} ms/step  {tokens / c:10.0f} tokens/s  "
               f"(CuPy is {c / ours:.1f} x faster)")

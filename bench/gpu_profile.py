@@ -1,0 +1,121 @@
+"""Where a GPT training step's time goes on one GPU, op type by op type.
+
+    python bench/gpu_profile.py [--amp] [--layers 12 --d-model 768 ...] [--top 25]
+
+The model and batch are bench/gpu_step.py's (GPT-2 small, seq 1024, batch 8). The step's
+local program (its plan on ``Cluster.local(1, device="GPU")``) is run by the executor on
+CuPy three ways after two warm-up steps: plain (the step's wall time, the GPU synchronised
+at its end); with the host's seconds per op (no synchronisation: what Python and the
+launches cost); and with each op synchronised (the GPU's seconds per op, launches
+included). Prints the three step times and, per op type, calls and the milliseconds of
+each way, the most costly first. On numpy (``--numpy``) it profiles the CPU instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections import defaultdict
+
+import numpy as np
+
+import distgraph as dg
+from distgraph.program_builder import build_program
+from distgraph.runtime.backend import NUMPY, get_backend
+from distgraph.runtime.execution.executor import ProgramRunner
+from distgraph.runtime.execution.runner import PlanRunner
+
+
+def local_step(args, backend):
+    """(runner of the step's local program, its scope, its feed, the local program)."""
+    dg.set_default_dtype("float32")
+    dg.seed(0)
+    model = dg.nn.GPT(vocab_size=args.vocab, d_model=args.d_model, n_layer=args.layers,
+                      n_head=args.heads, max_seq_len=args.seq)
+    opt = dg.optim.AdamW(1e-4)
+    ids = [dg.InputSpec([args.batch, args.seq], "int64", name="x")]
+    labels = [dg.InputSpec([args.batch, args.seq], "int64", name="y")]
+    amp = "bfloat16" if args.amp else None
+    built = build_program(model, ids, labels, dg.nn.CrossEntropyLoss(), opt, amp=amp)
+    device = "GPU" if backend is not NUMPY else "CPU"
+    strategy = dg.Strategy(amp=amp) if amp else dg.Strategy()
+    plan = dg.passes.plan(built, strategy, dg.Cluster.local(1, device=device))
+    values = {n: p.numpy() for n, p in model.named_parameters()}
+    scope = PlanRunner(plan, None, backend).shard_scope(
+        {**values, **opt.initial_state(built.program)})
+    local = plan.local(0)
+    program = local.program
+    rng = np.random.default_rng(0)
+    feed = {name: backend.from_host(rng.integers(0, args.vocab, (args.batch, args.seq)))
+            for name in ("x", "y")}
+    return ProgramRunner(program, backend.xp, op_context=local.op_context), scope, feed, program
+
+
+def gemm_rates(xp, sync, n=8192) -> str:
+    """TFLOP/s of an n^3 matmul of random operands per dtype on ``xp`` (or why not)."""
+    import ml_dtypes
+
+    out = []
+    for name, dtype in (("float32", np.float32), ("float16", np.float16),
+                        ("bfloat16", ml_dtypes.bfloat16)):
+        try:
+            a = xp.asarray(np.random.default_rng(0).standard_normal((n, n)).astype(dtype))
+            a @ a
+            sync()
+            start = time.perf_counter()
+            for _ in range(5):
+                a @ a
+            sync()
+            out.append(f"{name} {2 * n ** 3 * 5 / (time.perf_counter() - start) / 1e12:.0f}")
+        except Exception as e:        # noqa: BLE001  (what the backend cannot do is said)
+            out.append(f"{name}: {type(e).__name__}: {str(e)[:80]}")
+    return "; ".join(out)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--d-model", type=int, default=768)
+    parser.add_argument("--heads", type=int, default=12)
+    parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--vocab", type=int, default=50257)
+    parser.add_argument("--amp", action="store_true", help="Strategy(amp='bfloat16')")
+    parser.add_argument("--numpy", action="store_true", help="profile on the CPU")
+    parser.add_argument("--top", type=int, default=25)
+    args = parser.parse_args(argv)
+    backend = NUMPY if args.numpy else get_backend("cupy")
+    if not args.numpy:
+        print(f"gpu_profile: matmul TFLOP/s: {gemm_rates(backend.xp, backend.synchronize)}")
+    runner, scope, feed, program = local_step(args, backend)
+    types = [op.type for op in runner.program.ops]
+    for step in range(2):
+        runner.run(scope, feed, (), step=step)
+    backend.synchronize()
+    start = time.perf_counter()
+    runner.run(scope, feed, (), step=2)
+    backend.synchronize()
+    wall = time.perf_counter() - start
+    host, device = [], []
+    runner.run(scope, feed, (), step=3, timings=host)
+    backend.synchronize()
+    runner.run(scope, feed, (), step=4, timings=device, device_sync=backend.synchronize)
+    rows = defaultdict(lambda: [0, 0.0, 0.0])
+    for t, h, d in zip(types, host, device):
+        rows[t][0] += 1
+        rows[t][1] += h
+        rows[t][2] += d
+    print(f"gpu_profile: GPT {args.layers} layers, d_model {args.d_model}, seq {args.seq}, "
+          f"batch {args.batch}, {'amp bf16' if args.amp else 'fp32'} on {backend!r}: "
+          f"{len(types)} ops")
+    print(f"  step {wall * 1e3:.1f} ms; host's seconds per op summed {sum(host) * 1e3:.1f} ms; "
+          f"each op synchronised {sum(device) * 1e3:.1f} ms")
+    print(f"  {'op type':28} {'calls':>6} {'host ms':>9} {'synced ms':>10}")
+    for t, (n, h, d) in sorted(rows.items(), key=lambda r: -r[1][2])[:args.top]:
+        print(f"  {t:28} {n:6d} {h * 1e3:9.2f} {d * 1e3:10.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

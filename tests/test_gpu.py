@@ -5,6 +5,7 @@
   parameters live on the GPU, state_dict and checkpoints come back to the host.
 - dp, tp, dp x tp and two stages of 1F1B on 2 and 4 ranks sharing the GPU (MPI with host
   staging) equal serial.
+- Mixed precision (bf16) trains on CuPy as on numpy, to bfloat16's precision.
 - NCCL on a one-rank group; with two GPUs or more, NCCL between 2 ranks (every
   collective, tag-matched messages, plans whose groups NCCL carries) and a rank that
   skips a collective ending its peer's wait within the timeout.
@@ -71,6 +72,20 @@ def test_serial_cupy_equals_serial_numpy(kind, dropout, float64, tmp_path):
     again.load(tmp_path / "ckpt")
     loaded = again.state_dict()
     assert all(np.array_equal(loaded[k], gpu_params[k]) for k in gpu_params)
+
+
+def test_amp_on_cupy_trains_as_on_numpy():
+    """``Strategy(amp="bfloat16")``: the GPU multiplies 16-bit operands on its matrix units
+    (float32 accumulation), the host widens them to float32 first; both round each
+    product once to bfloat16, so the losses agree to bfloat16's precision."""
+    def losses(cluster):
+        engine = dg.Engine(P.build_model("gpt"), P.loss_fn("gpt"), P.make_optimizer("adamw"),
+                           cluster=cluster, strategy=dg.Strategy(amp="bfloat16"))
+        return engine.fit(P.Dataset("gpt"), batch_size=P.BATCH, epochs=1, verbose=0).losses
+
+    gpu, cpu = losses(dg.Cluster.local(1, device="GPU")), losses(dg.Cluster.local(1))
+    assert len(gpu) == len(cpu) == P.STEPS
+    assert np.allclose(gpu, cpu, rtol=1e-2), (gpu, cpu)
 
 
 CASES = ["mlp:dp", "gpt:tp", "mlp:two_stage:1F1B", "gpt:two_stage:1F1B"]

@@ -17,6 +17,7 @@ import math
 import numpy as np
 
 from distgraph import dtypes
+from distgraph.ops import fused_gpu
 from distgraph.ops.common import (Row, as_tensor_pair, broadcast_infer, elementwise_flops,
                                   reduce_to_shape, register_rows)
 from distgraph.registry import ShapeError, TensorType, nbytes, register_op, size
@@ -120,7 +121,10 @@ def _gelu_tanh(ctx, x):
 
 
 def _gelu(ctx, x):
-    """GELU, tanh approximation: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))."""
+    """GELU, tanh approximation: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))); one
+    kernel on a GPU (:mod:`distgraph.ops.fused_gpu`)."""
+    if ctx.xp is not np:
+        return fused_gpu.gelu(x)
     out = _gelu_tanh(ctx, x)
     out += 1
     out *= x
@@ -159,8 +163,11 @@ def _silu_grad(ctx, x, dy):
 
 def _gelu_grad(ctx, x, dy):
     """dy (0.5 (1 + th) + 0.5 x (1 - th^2) d), th = tanh(inner), d = inner' =
-    sqrt(2/pi) (1 + 3 0.044715 x^2); computed as dy (1 + th) (0.5 + 0.5 x d (1 - th))."""
+    sqrt(2/pi) (1 + 3 0.044715 x^2); computed as dy (1 + th) (0.5 + 0.5 x d (1 - th)),
+    in one kernel on a GPU where ``x`` and ``dy`` share a dtype."""
     t, xp = x.dtype.type, ctx.xp
+    if xp is not np and x.dtype == dy.dtype:
+        return fused_gpu.gelu_grad(x, dy)
     th = _gelu_tanh(ctx, x)
     half_xd = _result(ctx, x, dy)
     xp.multiply(x, x, out=half_xd)

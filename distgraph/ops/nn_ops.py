@@ -17,8 +17,11 @@ position in the batch. An ignored label gives loss 0 and gradient 0.
 
 from __future__ import annotations
 
+import numpy as np
+
 from distgraph import dtypes
 from distgraph.errors import DistGraphError
+from distgraph.ops import fused_gpu
 from distgraph.ops.common import (Row, dot_along, elementwise_flops, normalize_axes,
                                   reduced_bytes, register_rows)
 from distgraph.ops.elementwise import divide, multiply, subtract
@@ -90,6 +93,8 @@ def _shifted(xp, x, axis):
 
 def _softmax(ctx, x, axis=-1):
     xp = ctx.xp
+    if xp is not np and axis in (-1, x.ndim - 1) and fused_gpu.by_rows(x):
+        return fused_gpu.softmax(x)
     e = _shifted(xp, x, axis)
     xp.exp(e, out=e)
     e /= xp.sum(e, axis=axis, keepdims=True)
@@ -105,6 +110,8 @@ def _log_softmax(ctx, x, axis=-1):
 
 def _softmax_grad(ctx, y, dy, axis=-1):
     """dx = y (dy - sum(dy y, axis))."""
+    if ctx.xp is not np and axis in (-1, y.ndim - 1) and fused_gpu.by_rows(y, dy):
+        return fused_gpu.softmax_grad(y, dy)
     out = ctx.xp.subtract(dy, dot_along(ctx.xp, dy, y, axis), out=ctx.xp.empty_like(y))
     out *= y
     return out

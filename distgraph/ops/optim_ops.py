@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from distgraph import dtypes
+from distgraph.ops import fused_gpu
 from distgraph.ops.common import elementwise_flops
 from distgraph.registry import ShapeError, TensorType, register_op, size
 from distgraph.spmd import EinsumRule, LETTERS
@@ -123,8 +126,8 @@ class AdamUpdate:
                weight_decay):
         if _skipped(apply):
             return param, m, v
-        return _adam_step(ctx.xp, param, grad, m, v, float(step), float(lr), beta1, beta2,
-                          epsilon, weight_decay)
+        return _adam_step(ctx.xp, param, grad, m, v, step, lr, beta1, beta2, epsilon,
+                          weight_decay)
 
     def workspace(ins, outs, beta1, beta2, epsilon, weight_decay):
         return block_bytes(ins[0])
@@ -149,8 +152,8 @@ class MixedAdamUpdate:
 
     def kernel(ctx, param, grad, master, m, v, step, lr, beta1, beta2, epsilon,
                weight_decay):
-        _adam_step(ctx.xp, master, grad, m, v, float(step), float(lr), beta1, beta2,
-                   epsilon, weight_decay)
+        _adam_step(ctx.xp, master, grad, m, v, step, lr, beta1, beta2, epsilon,
+                   weight_decay)
         param[...] = master
         return param, master, m, v
 
@@ -193,9 +196,15 @@ def by_blocks(xp, step, param, *arrays) -> None:
         step(*block, tmp[:count].reshape(block[0].shape))
 
 
-def _adam_step(xp, param, grad, m, v, n, lr, beta1, beta2, epsilon, weight_decay):
+def _adam_step(xp, param, grad, m, v, step, lr, beta1, beta2, epsilon, weight_decay):
     """One Adam step on ``param`` and its moments, in place (see AdamUpdate), a block at
-    a time (:func:`by_blocks`)."""
+    a time (:func:`by_blocks`); on a GPU in one kernel
+    (:func:`distgraph.ops.fused_gpu.adam`) where the gradient is of the parameter's
+    dtype. ``step`` and ``lr``: 0-d arrays."""
+    if xp is not np and grad.dtype == param.dtype:
+        fused_gpu.adam(param, grad, m, v, step, lr, beta1, beta2, epsilon, weight_decay)
+        return param, m, v
+    n, lr = float(step), float(lr)
     by_blocks(xp, lambda *block: _adam_block(xp, *block, n, lr, beta1, beta2, epsilon,
                                               weight_decay), param, grad, m, v)
     return param, m, v

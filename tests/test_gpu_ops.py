@@ -1,0 +1,108 @@
+"""Every registered op's kernel on CuPy equals numpy's, fp64, forward and gradient
+(``gpu`` marker; skipped, saying why, without a GPU).
+
+Each case of ``test_op_grads.CASES`` (one per differentiable op and more: every op their
+traces emit, the backward's grad ops included) is traced with its backward and run twice
+by ``ProgramRunner``: on numpy and on CuPy with the same parameters and feeds. The loss
+and every parameter's gradient agree to 1e-10 (relative to the largest entry)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import zlib
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from distgraph.resources.gpus import NoGPU, detect_gpus  # noqa: E402
+from distgraph.runtime.execution.executor import ProgramRunner  # noqa: E402
+
+from gradcheck import GradCheck  # noqa: E402
+from test_op_grads import CASES  # noqa: E402
+
+
+def _why_not() -> str:
+    try:
+        detect_gpus()
+        return ""
+    except NoGPU as e:
+        return str(e)
+
+
+WHY = _why_not()
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(bool(WHY), reason=f"no GPU: {WHY}")]
+TOL = 1e-10
+
+
+def _close(a, b) -> float:
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    return float(np.max(np.abs(a - b)) / max(1.0, float(np.max(np.abs(b)))))
+
+
+@pytest.mark.parametrize("c", CASES, ids=lambda c: c.id)
+def test_cupy_kernels_equal_numpys(c):
+    import cupy
+
+    rng = np.random.default_rng([0, zlib.crc32(c.id.encode())])
+    fn, params, feeds = c.make(rng)
+    check = GradCheck(fn, params, feeds)
+    loss, grads = check.analytic()
+    fetch = [check.loss.name] + [g.name for g in check.grads.values()]
+    on_gpu = ProgramRunner(check.program, xp=cupy)
+    out = on_gpu.run({n: cupy.asarray(a) for n, a in check.params.items()},
+                     {n: cupy.asarray(a) for n, a in check.feeds.items()}, fetch,
+                     step=check.step)
+    assert _close(cupy.asnumpy(out[check.loss.name]), loss) < TOL, c.id
+    for name, g in check.grads.items():
+        got = cupy.asnumpy(out[g.name])
+        assert got.shape == grads[name].shape, (c.id, name)
+        assert _close(got, grads[name]) < TOL, (c.id, name, _close(got, grads[name]))
+
+
+@pytest.mark.parametrize("dtype, tol", [("float64", 1e-12), ("float32", 1e-5)])
+def test_the_fused_adam_step_equals_numpys(dtype, tol):
+    """Adam on a GPU is one kernel (distgraph.ops.fused_gpu); numpy's runs a block at a
+    time. Three AdamW steps of a parameter larger than numpy's block agree."""
+    import cupy
+
+    from distgraph.ops.optim_ops import CHUNK, _adam_step
+
+    rng = np.random.default_rng(0)
+    p, m, v = (rng.standard_normal(3 * CHUNK + 5).astype(dtype) for _ in range(3))
+    v = np.abs(v)
+    on_gpu = [cupy.asarray(a) for a in (p, m, v)]
+    for step in (1, 2, 3):
+        grad = rng.standard_normal(p.shape).astype(dtype)
+        args = (0.9, 0.95, 1e-8, 0.1)
+        _adam_step(np, p, grad, m, v, np.asarray(step), np.asarray(1e-3), *args)
+        _adam_step(cupy, *on_gpu[:1], cupy.asarray(grad), *on_gpu[1:], cupy.asarray(step),
+                   cupy.asarray(1e-3), *args)
+    for host, device in zip((p, m, v), on_gpu):
+        assert _close(cupy.asnumpy(device), host) < tol
+
+
+@pytest.mark.parametrize("dtype, tol", [("float64", 1e-12), ("float32", 1e-6)])
+@pytest.mark.parametrize("cols", [1, 3, 300, 1030])
+def test_the_row_softmax_kernels_equal_numpys(cols, dtype, tol):
+    """Softmax over the last dim and its gradient: one block of threads per row on a GPU
+    (distgraph.ops.fused_gpu), numpy's array expressions on the host; rows longer than a
+    block and masked (-inf) entries included."""
+    import cupy
+
+    from distgraph.ops.nn_ops import _softmax, _softmax_grad
+    from distgraph.registry import KernelContext
+
+    rng = np.random.default_rng(cols)
+    x = (rng.standard_normal((2, 3, 5, cols)) * 4).astype(dtype)
+    x[..., 1:][rng.random((2, 3, 5, cols - 1)) < 0.3] = -np.inf
+    dy = rng.standard_normal(x.shape).astype(dtype)
+    host, device = KernelContext(np, 0), KernelContext(cupy, 0)
+    y = _softmax(host, x)
+    y_gpu = _softmax(device, cupy.asarray(x))
+    assert _close(cupy.asnumpy(y_gpu), y) < tol
+    dx = _softmax_grad(host, y, dy)
+    assert _close(cupy.asnumpy(_softmax_grad(device, cupy.asarray(y), cupy.asarray(dy))),
+                  dx) < tol

@@ -26,7 +26,7 @@ from distgraph.passes.cost.formulas import link_rates
 from distgraph.passes.cost.prices import (Rings, groups_along, reshard_step_time,
                                           send_recv_time, software_time, steps_time)
 from distgraph.passes.reshard import plan_reshard
-from distgraph.passes.cost.boundary import _pieces, _value_seconds, boundary_seconds
+from distgraph.passes.cost.boundary import _value_seconds, boundary_seconds, pieces
 from distgraph.passes.search.stages.layers import block_layers
 from distgraph.passes.search.stages.runs import RunCosts
 from distgraph.passes.search.layouts.space import layouts
@@ -148,8 +148,8 @@ def run_costs(cluster) -> RunCosts:
 def plain_boundary(option, cluster) -> float:
     """The boundary of ``option`` as the module docstring of boundary.py describes it,
     each Value planned and priced afresh, process by process, tile by tile."""
-    pieces = _pieces(option)
-    if len(pieces) < 2:
+    sides = pieces(option.sub)
+    if len(sides) < 2:
         return 0.0
     result = option.parts["block"][1]
     space, choice = result.space, result.choice
@@ -165,7 +165,7 @@ def plain_boundary(option, cluster) -> float:
         shape = tuple(d // n if names[0] in spec.entry(i) else d
                       for i, d in enumerate(value.shape))
         size = int(np.prod(logical))
-        devices = [int(d) for d in pieces[0][:size]] + [int(d) for d in pieces[1][:size]]
+        devices = [int(d) for d in sides[0][:size]] + [int(d) for d in sides[1][:size]]
         ids = np.arange(2 * size)
         here = dg.ProcessMesh(ids[:size].reshape(logical).tolist(), names)
         there = dg.ProcessMesh(ids[size:].reshape(logical).tolist(), names)
@@ -196,7 +196,7 @@ def test_boundaries_from_one_memo_equal_each_planned_afresh(name):
         memo = session.table("boundary prices")
         assert sum(k[0] == "value" for k in memo) < sum(
             len(o.parts["block"][1].boundary.periodic) for o in options
-            if len(_pieces(o)) > 1)
+            if len(pieces(o.sub)) > 1)
     assert [runs.p2p_seconds(o) for o in options] == want
 
 

@@ -129,8 +129,9 @@ def test_a_searched_pipeline_sends_receives_and_reports_as_the_protocol_says():
     ins, labels = dg.app.data.DataLoader(data, 16).specs(1)
     built = build_program(P.PlanMLP(dims, 2), ins, labels, P.loss_fn("mlp"),
                           dg.optim.AdamW(0.01))
+    # two device meshes: a stage on each
     plan = dg.passes.plan(built, dg.Strategy(auto_mode="full", pipeline=True, micro_batches=2),
-                          S.line_cluster(2, bandwidth=0.01, device=S.FLOPS_ONLY))
+                          S.two_speed_cluster(ratio=1.0))
     assert type(plan.search).__name__ == "PipelineReport"
     assert isinstance(plan.search, protocols.SearchReportLike)
     seen = {c.__name__ for c in walk(plan)}

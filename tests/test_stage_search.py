@@ -50,13 +50,17 @@ def stage_layers(plan) -> list:
 
 
 def test_equal_layers_on_equal_devices_make_equal_stages():
-    # slow links make splitting a layer over devices dear: one layer per device
-    cluster = S.line_cluster(4, bandwidth=0.01, device=S.FLOPS_ONLY)
-    plan = dg.passes.plan(program(mlp(4), dims=mlp_dims()), pipeline(), cluster)
-    assert stage_layers(plan) == [["fc1"], ["fc2"], ["fc3"], ["fc4"]]
-    assert [m.size for m in plan.stages] == [1, 1, 1, 1]
+    # wide layers on slow links: a weight's reduction over 4 devices is dearer than a
+    # micro-batch's rows sent between two stages, a stage of one layer idles too long
+    # in the pipeline's fill: two stages of two layers each (one stage, replicated or
+    # split, is the faster plan below 0.1 GB/s, where the sends between stages, priced
+    # since the stage DP prices them, cost more)
+    cluster = S.line_cluster(4, bandwidth=0.1, device=S.FLOPS_ONLY)
+    plan = dg.passes.plan(program(mlp(4, 1024), dims=mlp_dims(1024)), pipeline(), cluster)
+    assert stage_layers(plan) == [["fc1", "fc2"], ["fc3", "fc4"]]
+    assert [m.size for m in plan.stages] == [2, 2]
     assert plan.micro_batches == 8
-    assert plan.search.status == "optimal" and len(plan.search.stages) == 4
+    assert plan.search.status == "optimal" and len(plan.search.stages) == 2
 
 
 def test_a_mesh_twice_as_fast_takes_twice_the_layers():
@@ -127,8 +131,10 @@ def test_searched_pipelines_train_like_serial(case, float64):
     """gpt_blocks: four identical blocks, so the stage search costs runs of blocks
     (passes/search/stages/runs.py) and writes the representative block's layouts onto all."""
     if case == "mlp4":
-        kind, n, dims = "mlp", 4, mlp_dims()
-        cluster = S.line_cluster(4, bandwidth=0.01, device=S.FLOPS_ONLY)
+        # two device meshes, a stage on each (on one mesh of alike devices one stage of
+        # the four layers is faster, since the stage DP prices the sends between stages)
+        kind, n, dims = "mlp", 2, mlp_dims()
+        cluster = S.two_speed_cluster(ratio=1.5)
         build = lambda: mlp(4)                                       # noqa: E731
     elif case == "gpt_blocks":
         kind, n, dims = "gpt", 2, dict(P.GPT_DIMS, n_layer=4)

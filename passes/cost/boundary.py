@@ -61,34 +61,42 @@ def boundary_seconds(option, cluster, session: Session | None = None) -> float:
 
 
 def _seconds(option, cluster, memo) -> float:
-    pieces = _pieces(option)
+    result = option.parts["block"][1]
+    return values_seconds(result, option.logical, pieces(option.sub),
+                          [received for received, _ in result.boundary.periodic], cluster,
+                          memo)
+
+
+def values_seconds(result, logical, pieces, names, cluster, memo) -> float:
+    """Seconds the reshards of Values ``names`` cost, sender's and receiver's: each
+    received in the layout ``result`` (a search on a ``logical`` mesh) chose for it, from
+    that layout on the submesh of devices ``pieces[0]`` to the same on ``pieces[1]``
+    (module docstring; ``pieces``: :func:`pieces`); 0 where the device mesh holds one
+    such submesh."""
     if len(pieces) < 2:
         return 0.0
-    result = option.parts["block"][1]
     space, choice = result.space, result.choice
-    names = tuple(result.space.mesh.dim_names)
+    dims = tuple(space.mesh.dim_names)
     total = 0.0
-    for received, _ in result.boundary.periodic:
+    for received in names:
         node = space.source_node[received]
         spec = space.nodes[node].strategies[choice[node]].out_specs[0]
         value = space.program.values[received]
         # where the Value is split over the data-parallel dim (0), its replicas move
         # alike: plan the first one's share (a mesh of one replica, the rows it holds);
         # a Value replicated there may be sent in slices the receivers all-gather
-        outer = names[0]
-        n = option.logical[0] if outer in spec.mesh_dims() and outer not in spec.partial \
-            else 1
-        logical = (option.logical[0] // n,) + tuple(option.logical[1:])
+        outer = dims[0]
+        n = logical[0] if outer in spec.mesh_dims() and outer not in spec.partial else 1
+        shape_n = (logical[0] // n,) + tuple(logical[1:])
         shape = tuple(d // n if outer in spec.entry(i) else d
                       for i, d in enumerate(value.shape))
-        size = int(np.prod(logical))
+        size = int(np.prod(shape_n))
         devices = tuple(int(d) for d in np.concatenate([pieces[0][:size], pieces[1][:size]]))
-        reshard = (logical, names, spec, shape, value.dtype)
+        reshard = (shape_n, dims, spec, shape, value.dtype)
         sent, received_seconds = memo.memo(
             ("value",) + reshard + (devices,),
             lambda: _value_seconds(reshard, devices, cluster, memo))
-        total += sent
-        total += received_seconds
+        total += sent + received_seconds
     return total
 
 
@@ -123,11 +131,11 @@ def boundary_key(option) -> tuple:
             received)
 
 
-def _pieces(option) -> list:
-    """The device ids of each submesh of ``option``'s shape on its device mesh, in the
+def pieces(sub) -> list:
+    """The device ids of each submesh of ``sub``'s shape on its device mesh, in the
     order the stages take them (row-major: whole rows, or row pieces in a row)."""
-    rows, cols = grid(option.sub.mesh.shape)
-    n, m = option.sub.shape
-    ids = np.array(option.sub.mesh.ids).reshape(rows, cols)
+    rows, cols = grid(sub.mesh.shape)
+    n, m = sub.shape
+    ids = np.array(sub.mesh.ids).reshape(rows, cols)
     return [ids[r:r + n, c:c + m].reshape(-1) for r in range(0, rows - n + 1, n)
             for c in range(0, cols - m + 1, m)]

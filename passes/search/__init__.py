@@ -30,7 +30,7 @@ most these tables; the search's report (``Plan.search``) lists what each held an
 |---|---|---|---|
 | micro-batch programs | M; (search, M); (search, None, budget) | M's split program and accumulation; its RunCosts and (budget, stage plan) for a search; the count chosen within a budget | ``stages/micro.py`` |
 | sample analyses | (program, feeds, dim) | the completion on samples the other counts' splits replay | ``passes/samples.py`` |
-| stage options | (RunCosts, logical mesh); (_StageCosts, layers, submesh) | its fastest parts and memory variants; a stage's cost and search | ``stages/runs.py``, ``pipeline.py`` |
+| stage options | (RunCosts, logical mesh); (LayerRangeCosts, layers, submesh) | its fastest parts and memory variants; a stage's cost and search | ``stages/runs.py``, ``stages/layer_ranges.py`` |
 | mesh searches | (RunCosts, kind of mesh) | the searches others are priced from (a donor's) | ``stages/runs.py`` |
 | boundary prices | (program, boundary key); a reshard; a Value on its devices | a stage's p2p seconds; its steps; their seconds | ``cost/boundary.py`` |
 | search problems | a search's inputs | its space, shared blocks, problem and recursive search (Descents) | ``layouts/intra_op.py`` |

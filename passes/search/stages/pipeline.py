@@ -5,12 +5,13 @@
 2. **Stage costs**: for each range of consecutive layers and each submesh shape of each
    device mesh (:func:`distgraph.passes.search.stages.stage_dp.submesh_shapes`), the intra-op search
    (:mod:`distgraph.passes.search.layouts.intra_op`) of those layers' ops on a ProcessMesh of that shape,
-   priced on the first devices of that shape in the mesh. Its objective, with the forward
-   and backward counted once and the updates once per ``micro_batches``, is the stage's
-   time per micro-batch; its parameters and states are the stage's memory, the rest of
-   its peak the activations of one micro-batch in flight. Ranges of identical ops (the
-   same blocks at other depths) are searched once. Each search has
-   ``Strategy.solver_time_limit`` seconds.
+   priced on the first devices of that shape in the mesh, by the accountant
+   (:mod:`distgraph.passes.search.stages.layer_ranges`): its seconds per micro-batch
+   (the forward and backward, the update's share, the reshards of the Values it receives
+   from a stage beside it), its memory with one micro-batch in flight and with each
+   further one, its update once a step. Ranges of identical ops (the same blocks at
+   other depths) are searched once. Each search has ``Strategy.solver_time_limit``
+   seconds; the chosen stages are priced again where they are placed.
 3. **Stages**: :func:`distgraph.passes.search.stages.stage_dp.plan_stages` chooses the stages and their
    submeshes minimising ``sum t + (micro_batches - 1) max t`` within each device's
    usable memory (``Device.usable_memory``; ``Strategy.memory_budget_gb`` lowers it).
@@ -42,19 +43,16 @@ from dataclasses import dataclass
 import numpy as np
 
 from distgraph.errors import PlanError
-from distgraph.ir import Role
 from distgraph.mesh import ProcessMesh
 from distgraph.passes.cost.stage import step_time
-from distgraph.passes.search.layouts.ilp_problem import peak_memory
-from distgraph.passes.search.layouts.intra_op import search
 from distgraph.passes.search.stages.layers import block_layers, cluster_layers
 from distgraph.passes.search.stages.run_dp import beats
 from distgraph.passes.search.stages.block_plans import plan_blocks
 from distgraph.passes.search.stages.chosen import priced_as_placed, refined
-from distgraph.passes.search.stages.runs import RunCosts, pricing_method
-from distgraph.passes.search.layouts.space import MESH_DIMS, logical_dims
-from distgraph.passes.search.layouts.sharded_states import sharding_dim
-from distgraph.passes.search.stages.stage_dp import StageCost, plan_stages
+from distgraph.passes.search.stages.layer_ranges import LayerRangeCosts
+from distgraph.passes.search.stages.runs import RunCosts
+from distgraph.passes.search.layouts.space import logical_dims
+from distgraph.passes.search.stages.stage_dp import plan_stages
 from distgraph.passes.session import Session, describe, memo_tables
 from distgraph.resources.cluster import Cluster
 from distgraph.units import GB, fmt_ids
@@ -282,11 +280,12 @@ def plan_pipeline(prepared, strategy, cluster, accumulation, memory_budget=None,
         return _plan_runs(prepared, strategy, cluster, capped, costs, start, planned[1])
     _no_blocks(strategy)
     layering = cluster_layers(program, max_layers=2 * len(devices) + 2)
-    stage_cost = _StageCosts(prepared, strategy, cluster, layering, micro, session)
+    stage_cost = LayerRangeCosts(prepared, strategy, cluster, layering, micro, session)
     stage_plan = plan_stages(layering.count, capped, stage_cost, micro_batches=micro)
     # every search before any annotation; under search="auto" the ILP refines these only
     results = [stage_cost.result(st.layers, cluster.device_mesh(st.mesh), st.shape,
                                  method=strategy.search_method) for st in stage_plan.stages]
+    stage_plan, results = stage_cost.restated(stage_plan, results)
     for stage, result in zip(stage_plan.stages, results):
         pids = [devices.index(d) for d in stage.device_ids]
         mesh = result.space.mesh
@@ -320,7 +319,7 @@ def pipeline_latency(prepared, strategy, cluster, accumulation, memory_budget=No
         return planned[0].objective, costs, (memory_budget, planned)
     _no_blocks(strategy)
     layering = cluster_layers(prepared.program, max_layers=2 * len(cluster.devices) + 2)
-    stage_cost = _StageCosts(prepared, strategy, cluster, layering, micro, session)
+    stage_cost = LayerRangeCosts(prepared, strategy, cluster, layering, micro, session)
     return plan_stages(layering.count, capped, stage_cost,
                        micro_batches=micro).objective, None, None
 
@@ -439,77 +438,6 @@ def _virtual(strategy) -> int:
     """The most chunks per stage the search may interleave: ``Strategy.virtual_stages``
     under the 1F1B schedule (the search chooses 1, 2, 4 .. up to it), else 1."""
     return strategy.virtual_stages if strategy.schedule == "1F1B" else 1
-
-
-class _StageCosts:
-    """The DP's cost callback: one intra-op search per (distinct layer range, submesh),
-    kept in ``session``'s "stage options" (by the range's ops' signature for the cost,
-    by the range for the search)."""
-
-    def __init__(self, prepared, strategy, cluster, layering, micro, session=None):
-        self.prepared, self.strategy, self.cluster = prepared, strategy, cluster
-        self.layering, self.micro = layering, micro
-        self.session = session or Session()
-        self.options = self.session.table("stage options")
-        self.searches = 0
-
-    def __call__(self, layers: range, sub) -> StageCost:
-        ops = self.layering.ops(layers)
-
-        def cost():
-            result = self.result(layers, sub.mesh, sub.shape, ops)
-            problem, choice = result.problem, result.choice
-            persistent = sum(float(problem.memory[n.index][choice[n.index]])
-                             for n in result.space.nodes if n.is_source and
-                             self.prepared.program.values[n.value].persistable)
-            peak = peak_memory(problem, choice)
-            return StageCost(result.report.objective, persistent / GB,
-                             max(peak - persistent, 0.0) / GB)
-        return self.options.memo((self, "cost", self._signature(ops), sub.mesh.name,
-                                  sub.shape), cost)
-
-    def result(self, layers: range, device_mesh, shape, ops=None, method=None):
-        """The search of exactly ``layers`` on a ``shape`` submesh of ``device_mesh`` by
-        ``method`` (default: the one that prices the DP's candidates)."""
-        method = method or pricing_method(self.strategy)
-        key = (self, "search", layers.start, layers.stop, device_mesh.name, tuple(shape),
-               method)
-        ops = self.layering.ops(layers) if ops is None else ops
-
-        def searched():
-            mesh, device_of = _submesh(device_mesh, shape)
-            program = self.prepared.program
-            loss = self.prepared.loss_name
-            if loss is not None and not any(o.name == loss for k in ops
-                                             for o in program.ops[k].outputs):
-                loss = None
-            weights = {Role.FORWARD: 1, Role.LOSS: 1, Role.BACKWARD: 1, Role.OPTIMIZE: 1 / self.micro}
-            self.searches += 1
-            return search(program, mesh, self.cluster, device_of, ops=ops, weights=weights,
-                          loss=loss, time_limit=self.strategy.solver_time_limit,
-                          blocks=self.prepared.block_paths, memory=True,
-                          balance=self.strategy.balance, method=method,
-                          zero=sharding_dim(self.strategy), session=self.session)
-        return self.options.memo(key, searched)
-
-    def _signature(self, ops) -> tuple:
-        program = self.prepared.program
-        return tuple((op.type, op.role, tuple(v.shape for v in op.inputs),
-                      tuple(o.shape for o in op.outputs), repr(sorted(op.attrs.items())))
-                     for op in (program.ops[k] for k in ops))
-
-
-def _submesh(device_mesh, shape) -> tuple[ProcessMesh, dict]:
-    """A ProcessMesh of submesh ``shape`` (rows, columns) and its processes' devices: the
-    first rows and columns of the device mesh (1-D device meshes give 1-D meshes)."""
-    rows, cols = shape
-    if len(device_mesh.shape) == 1:
-        ids = list(device_mesh.ids[:cols])
-        return ProcessMesh(list(range(cols)), dim_names=[MESH_DIMS[0]]), dict(enumerate(ids))
-    grid = np.array(device_mesh.ids).reshape(device_mesh.shape)[:rows, :cols]
-    mesh = ProcessMesh(np.arange(rows * cols).reshape(rows, cols).tolist(),
-                       dim_names=list(MESH_DIMS[:2]))
-    return mesh, dict(enumerate(int(d) for d in grid.reshape(-1)))
 
 
 def _capped(cluster, gb: float):

@@ -76,12 +76,17 @@ class Submesh:
 @dataclass(frozen=True)
 class StageCost:
     """What the callback returns for one (layers, submesh): seconds per micro-batch
-    (forward + backward), memory per device in GB without in-flight activations, and
-    the activation memory per device of one micro-batch in flight (GB)."""
+    (forward + backward, and the update's share ``update / M``), memory per device in GB
+    with one micro-batch in flight, the memory of each further one (GB), the memory with
+    one in flight where every forward runs before the first backward (GB; None: as
+    ``memory``; :func:`~distgraph.passes.cost.stage.held`'s ``one_before``) and the
+    update's seconds once a step."""
 
     time: float
     memory: float
     activation_memory: float = 0.0
+    before: float | None = None
+    update: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -137,17 +142,21 @@ def submesh_shapes(shape: tuple[int, ...]) -> list[tuple[int, int]]:
 
 @dataclass
 class _Option:
-    """One submesh choice and its cost tables over layer ranges [k, i] (inf where i < k)."""
+    """One submesh choice and its cost tables over layer ranges [k, i] (inf where i < k):
+    :class:`StageCost`'s five figures."""
 
     axis: int            # which device mesh
     sub: Submesh
     time: np.ndarray
     memory: np.ndarray
     act: np.ndarray
+    before: np.ndarray
+    update: np.ndarray
 
     def at(self, k: int, i: int) -> tuple:
-        """(time, memory, activation memory) of layers k..i here."""
-        return self.time[k, i], self.memory[k, i], self.act[k, i]
+        """(time, memory, activation memory, memory before, update) of layers k..i."""
+        return (self.time[k, i], self.memory[k, i], self.act[k, i], self.before[k, i],
+                self.update[k, i])
 
 
 def plan_stages(num_layers: int, cluster: Cluster,
@@ -206,7 +215,7 @@ def _options(L, cluster, meshes, cost, shapes) -> list[_Option]:
         device = cluster.device(mesh.ids[0])
         for s in chosen:
             sub = Submesh(mesh, s, device)
-            tables = np.full((3, L, L), np.inf)
+            tables = np.full((5, L, L), np.inf)
             tables[1:] = 0.0
             for k in range(L):
                 for i in range(k, L):
@@ -215,9 +224,12 @@ def _options(L, cluster, meshes, cost, shapes) -> list[_Option]:
     return options
 
 
-def _stage_cost(cost, layers: range, sub: Submesh) -> tuple[float, float, float]:
+def _stage_cost(cost, layers: range, sub: Submesh) -> tuple:
+    """The five figures of :class:`StageCost` of ``cost(layers, sub)``."""
     out = cost(layers, sub)
+    extra = (None, 0.0)
     if isinstance(out, StageCost):
+        extra = (out.before, out.update)
         out = (out.time, out.memory, out.activation_memory)
     try:
         values = tuple(float(x) for x in out)
@@ -233,7 +245,8 @@ def _stage_cost(cost, layers: range, sub: Submesh) -> tuple[float, float, float]
             not (values[0] >= 0 and not math.isnan(values[0])):
         raise PlanError(f"{where} returned {values}; times and memories are numbers >= 0 "
                         "(time may be inf for a stage that cannot run there)")
-    return values
+    before, update = extra
+    return values + (values[1] if before is None else float(before), float(update))
 
 
 class _Search:

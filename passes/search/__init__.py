@@ -60,13 +60,16 @@ from distgraph.errors import PlanError
 from distgraph.ir import Role
 from distgraph.mesh import ProcessMesh
 from distgraph.passes.choice import Choice
+from distgraph.passes.cost.stage import stage_cost
 from distgraph.passes.prepare import transformed
 from distgraph.passes.search.layouts.intra_op import search
 from distgraph.passes.search.layouts.mesh import search_mesh
 from distgraph.passes.search.layouts.sharded_states import sharding_dim
 from distgraph.passes.search.layouts.space import MESH_DIMS
 from distgraph.passes.session import Session
+from distgraph.units import GB
 from distgraph.passes.search.stages.micro import searched_as, searched_count, split_in
+from distgraph.passes.search.stages.part_cost import measure
 from distgraph.passes.search.stages.pipeline import plan_pipeline
 
 __all__ = ["Choice", "Session", "choose", "searched_choice"]
@@ -153,8 +156,17 @@ def _layouts(prepared, strategy, cluster, accumulation, budget, session) -> tupl
             found = result, device_of
     if found is None:
         raise failed
-    found[0].annotate(program)
-    return found
+    result, device_of = found
+    result.annotate(program)
+    if micro > 1:
+        # its peak as the accountant counts a stage: a later micro-batch's gradients
+        # beside the buffers the first one's became (part_cost.measure), which the
+        # search's liveness holds once
+        part = measure(result, program, weights, strategy)
+        peak = stage_cost({"first": (part, result)}, True, 0, False).one * GB
+        result = dataclasses.replace(result, report=dataclasses.replace(
+            result.report, peak_memory=peak))
+    return result, device_of
 
 
 def _target_meshes(mesh, device_of, target, rows: int) -> list:

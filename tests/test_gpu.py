@@ -164,4 +164,5 @@ def test_calibrate_measures_the_gpu(tmp_path):
     assert device.model == detect_gpus()[0].name
     assert set(device.gflops) == {"float16", "float32", "float64"}
     assert device.gflops["float32"] > 1000          # GFLOP/s: a GPU, not a core
-    assert device.memory_bandwidth > 100 and device.op_costs["matmul"][1] > 0
+    assert device.memory_bandwidth > 100 and device.gemm is not None
+    assert not device.op_costs          # the roofline prices a GPU's ops (calibrate.py)

@@ -15,8 +15,10 @@ which a tile slows), memory bandwidth and distgraph's per-op overhead and per-op
 costs (:mod:`distgraph.tools.device_probe`). On a machine whose GPUs CuPy finds
 (``--device auto``, the default; ``--device GPU`` insists, ``CPU`` measures the cores),
 each rank measures its GPU instead (the rank's place on its host modulo the GPUs there:
-the sweep on its SMs, the memory bandwidth and the per-op costs on CuPy, each timed to
-the end of its kernels) and becomes a GPU device of that ``local_id``; the links
+the sweep on its SMs, the memory bandwidth and the per-op overhead on CuPy, each timed
+to the end of its kernels; no per-op-type costs, whose probe steps are launch-bound on
+a GPU: its ops are priced by the roofline) and becomes a GPU device of that
+``local_id``; the links
 between ranks are still MPI's through host memory. Per pair of ranks, one pair at a
 time: point-to-point latency (half the fastest round trip of an 8-byte ping-pong) and
 bandwidth (the fastest multi-megabyte ping-pong): a round trip that waited for a peer
@@ -516,14 +518,19 @@ def main(argv=None) -> None:
     rates, curve, error = gemm_curve(xb, DTYPES[record["type"]], 2 * args.repeats + 1,
                                      record.get("units", 1), bandwidth * 1e9,
                                      args.gemm_window, lambda: idle_barrier(comm))
+    # A GPU's op costs are not fitted: the probe steps' ops are launch-bound there, and
+    # the per-unit cost fitted to them overshoots at training sizes (on an H200, GPT-2
+    # small's step predicted 2.4 x its 262 ms with them, 1.05 x with the roofline of the
+    # measured bandwidth and launch cost instead)
     costs = op_costs(args.repeats, sync=lambda: idle_barrier(comm), xb=xb,
-                     window=args.gemm_window)
+                     window=args.gemm_window) if record["type"] == "CPU" else None
     record.update(
         gflops={k: round(v * share, 3) for k, v in rates.items()}, gemm=curve,
         memory_bandwidth=round(bandwidth * share, 3),
         op_overhead=round(op_overhead_us(args.repeats, xb=xb) / share, 3),
         # a GEMM's work is priced by the curve; its per-call cost here is its launch
-        op_costs={k: (round(a / share, 4), round(b / share, 6)) for k, (a, b) in costs.items()},
+        op_costs=None if costs is None else
+        {k: (round(a / share, 4), round(b / share, 6)) for k, (a, b) in costs.items()},
         cores=cores, core_share=share)
     records = comm.gather(record, root=0)
     if rank == 0:

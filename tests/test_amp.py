@@ -165,3 +165,30 @@ def test_mixtral_with_its_load_balancing_loss_trains_in_bfloat16(micro_batches):
     stats = [op.outputs[0] for op in program.ops if op.type == "one_hot"]
     assert stats and all(v.dtype == "float32" for v in stats)
     np.testing.assert_allclose(low, losses(None)[1], rtol=2e-3)
+
+
+def test_a_gpu_multiplies_16_bit_operands_as_they_are_only_in_one_2d_gemm():
+    """The executor's choice (runtime/execution/executor.gpu_16bit): a GPU runs a Linear
+    layer's GEMM, or two matrices', on bfloat16 operands on its matrix units; a batched
+    matmul (CuPy has no 16-bit float path for it), MeshSlice's sliced form (partial
+    products accumulated) and operands of two dtypes are widened to float32 first."""
+    from types import SimpleNamespace
+
+    from distgraph.dtypes import numpy_dtype
+    from distgraph.runtime.execution.executor import gpu_16bit
+
+    bf16 = numpy_dtype("bfloat16")
+
+    def takes(shapes, attrs=(), dtypes=(bf16, bf16), op="matmul"):
+        args = [np.zeros(s, dtype=d) for s, d in zip(shapes, dtypes)]
+        return gpu_16bit(SimpleNamespace(op_type=op, out_dtypes=(bf16,)), args, dict(attrs))
+
+    assert takes([(4, 8, 16), (16, 32)])                              # a Linear layer
+    assert takes([(8, 16), (32, 16)], {"transpose_y": True})
+    assert takes([(16, 8), (16, 32)], {"transpose_x": True})
+    assert takes([(4, 8, 16), (4, 8, 32)], {"rows": True})            # its weight's gradient
+    assert not takes([(2, 4, 8, 16), (2, 4, 16, 8)])                  # attention's, batched
+    assert not takes([(4, 8, 16), (16, 32)], {"transpose_x": True})
+    assert not takes([(8, 16), (16, 32)], {"meshslice": object()})
+    assert not takes([(8, 16), (16, 32)], dtypes=(bf16, np.float32))
+    assert not takes([(8, 16), (8, 16)], op="add")

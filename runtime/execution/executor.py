@@ -38,25 +38,19 @@ HALF = (np.dtype("float16"), dtypes.numpy_dtype("bfloat16"))
 FLOAT32 = np.dtype("float32")
 
 
-def _never(args, attrs) -> bool:
-    return False
-
-
-def _gpu_gemm(args, attrs) -> bool:
-    """Whether a matmul's kernel runs as one 2-D GEMM of one dtype: a Linear layer's
-    (its rows flattened, the weight 2-D) or two matrices; not MeshSlice's sliced form,
-    which accumulates partial products."""
-    if attrs.get("meshslice") or args[0].dtype != args[1].dtype:
+def gpu_16bit(instr: OpInstr, args, attrs) -> bool:
+    """Whether a GPU runs ``instr``'s kernel on its 16-bit operands as they are: a GEMM
+    on the matrix units, accumulating in float32 and rounding its result once, as the
+    host's float32 computation rounds it (which on a GPU runs at the float32 rate,
+    several times slower). A matmul of one 2-D GEMM of one dtype: a Linear layer's (its
+    rows flattened, the weight 2-D) or two matrices; not a batched one (CuPy's has no
+    16-bit float path) nor MeshSlice's sliced form, which accumulates partial
+    products."""
+    if instr.op_type != "matmul" or attrs.get("meshslice") or \
+            not args[0].dtype == args[1].dtype == instr.out_dtypes[0]:
         return False
     return bool(attrs.get("rows")) or (args[1].ndim == 2 and (
         args[0].ndim == 2 or not attrs.get("transpose_x")))
-
-
-# op type -> whether a GPU runs its kernel on these 16-bit operands as they are: a GEMM
-# on the matrix units, accumulating in float32 and rounding its result once, as the
-# host's float32 computation rounds it (which on a GPU runs at the float32 rate, several
-# times slower). CuPy's batched matmul has no 16-bit float path: those are widened.
-GPU_16BIT = {"matmul": _gpu_gemm}
 
 
 def run_op(instr: OpInstr, env: dict, scope: dict, ctx: KernelContext, donate=()) -> None:
@@ -84,15 +78,15 @@ def call_kernel(instr: OpInstr, ctx, args, attrs=None) -> tuple:
     16-bit kernels) and results are rounded to their declared dtypes; a 16-bit overflow
     is no warning (float16 training's loss scaling expects and handles them). An op
     registered with ``takes_16bit`` (its kernel only moves values, or casts itself) gets
-    its 16-bit operands as they are, and so does a GEMM on a GPU (:data:`GPU_16BIT`).
+    its 16-bit operands as they are, and so does a GEMM on a GPU (:func:`gpu_16bit`).
     The float32 copies are dropped before the results
     are rounded: :func:`distgraph.registry.op_workspace` counts the bytes this way."""
     attrs = instr.attrs if attrs is None else attrs
     if not any(getattr(a, "dtype", None) in HALF for a in args) and \
             not any(d in HALF for d in instr.out_dtypes):
         return _call(instr, ctx, args, attrs)
-    if get_op(instr.op_type).takes_16bit or (
-            ctx.xp is not np and GPU_16BIT.get(instr.op_type, _never)(args, attrs)):
+    if get_op(instr.op_type).takes_16bit or (ctx.xp is not np and
+                                             gpu_16bit(instr, args, attrs)):
         with np.errstate(over="ignore", invalid="ignore"):
             return _call(instr, ctx, args, attrs)
     wide = [a.astype(FLOAT32) if getattr(a, "dtype", None) in HALF else a for a in args]

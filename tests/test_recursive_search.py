@@ -271,7 +271,7 @@ def test_auto_prices_the_stage_dp_recursively_and_refines_the_chosen_stages():
     data = P.Dataset("mlp", dims=dims, batch=16)
     ins, labels = dg.app.data.DataLoader(data, 16).specs(1)
     built = build_program(model, ins, labels, P.loss_fn("mlp"), dg.optim.AdamW(0.01))
-    cluster = S.line_cluster(4, bandwidth=0.01, device=S.FLOPS_ONLY)
+    cluster = S.two_speed_cluster(ratio=1.5)         # two device meshes: a stage on each
     plan = auto(built, cluster, "auto", pipeline=True, micro_batches=8)
     assert len(plan.search.stages) > 1
     for report in plan.search.stages:

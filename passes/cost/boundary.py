@@ -67,13 +67,12 @@ def _seconds(option, cluster, memo) -> float:
                           memo)
 
 
-def values_seconds(result, logical, pieces, names, cluster, memo) -> float:
+def values_seconds(result, logical, sides, names, cluster, memo) -> float:
     """Seconds the reshards of Values ``names`` cost, sender's and receiver's: each
     received in the layout ``result`` (a search on a ``logical`` mesh) chose for it, from
-    that layout on the submesh of devices ``pieces[0]`` to the same on ``pieces[1]``
-    (module docstring; ``pieces``: :func:`pieces`); 0 where the device mesh holds one
-    such submesh."""
-    if len(pieces) < 2:
+    that layout on the submesh of devices ``sides[0]`` to the same on ``sides[1]``
+    (module docstring; e.g. two of :func:`pieces`); 0 without a second side."""
+    if len(sides) < 2:
         return 0.0
     space, choice = result.space, result.choice
     dims = tuple(space.mesh.dim_names)
@@ -91,7 +90,7 @@ def values_seconds(result, logical, pieces, names, cluster, memo) -> float:
         shape = tuple(d // n if outer in spec.entry(i) else d
                       for i, d in enumerate(value.shape))
         size = int(np.prod(shape_n))
-        devices = tuple(int(d) for d in np.concatenate([pieces[0][:size], pieces[1][:size]]))
+        devices = tuple(int(d) for d in np.concatenate([sides[0][:size], sides[1][:size]]))
         reshard = (shape_n, dims, spec, shape, value.dtype)
         sent, received_seconds = memo.memo(
             ("value",) + reshard + (devices,),

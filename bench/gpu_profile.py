@@ -25,6 +25,7 @@ from distgraph.program_builder import build_program
 from distgraph.runtime.backend import NUMPY, get_backend
 from distgraph.runtime.execution.executor import ProgramRunner
 from distgraph.runtime.execution.runner import PlanRunner
+from gpu_step import model_arguments
 
 
 def local_step(args, backend):
@@ -75,12 +76,7 @@ def gemm_rates(xp, sync, n=8192) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=int, default=12)
-    parser.add_argument("--d-model", type=int, default=768)
-    parser.add_argument("--heads", type=int, default=12)
-    parser.add_argument("--seq", type=int, default=1024)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--vocab", type=int, default=50257)
+    model_arguments(parser)
     parser.add_argument("--amp", action="store_true", help="Strategy(amp='bfloat16')")
     parser.add_argument("--numpy", action="store_true", help="profile on the CPU")
     parser.add_argument("--top", type=int, default=25)

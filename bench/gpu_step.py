@@ -172,17 +172,20 @@ def torch_steps(args, steps, sdpa=False):
     return times[1:], peak
 
 
+def model_arguments(parser) -> None:
+    """The GPT's shape and batch (GPT-2 small's, batch 8, by default); bench/gpu_profile.py
+    takes them too."""
+    for flag, default in (("--layers", 12), ("--d-model", 768), ("--heads", 12),
+                          ("--seq", 1024), ("--batch", 8), ("--vocab", 50257)):
+        parser.add_argument(flag, type=int, default=default)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=10, help="timed GPU steps (default 10)")
     parser.add_argument("--numpy-steps", type=int, default=1,
                         help="timed steps of distgraph on numpy (0 skips it)")
-    parser.add_argument("--layers", type=int, default=12)
-    parser.add_argument("--d-model", type=int, default=768)
-    parser.add_argument("--heads", type=int, default=12)
-    parser.add_argument("--seq", type=int, default=1024)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--vocab", type=int, default=50257)
+    model_arguments(parser)
     parser.add_argument("--cluster", metavar="FILE",
                         help="plan on this resource file's GPU (one from `distgraph cluster "
                              "calibrate`) instead of Cluster.local(1, device='GPU')")
@@ -208,6 +211,9 @@ def main(argv=None) -> int:
     with PeakPool(cupy) as pool:
         cluster = (dg.Cluster.from_file(args.cluster) if args.cluster
                    else dg.Cluster.local(1, device="GPU"))
+        if any(d.type != "GPU" for d in cluster.devices):
+            parser.error(f"--cluster {args.cluster}: its devices must be GPUs (this bench "
+                         "times CuPy); give a file `distgraph cluster calibrate` wrote on a GPU")
         times, engine, history = distgraph_steps(args, cluster, args.steps)
     ours = statistics.median(times)
     estimate = engine.plan().estimate

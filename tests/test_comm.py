@@ -1,5 +1,6 @@
 import subprocess
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -143,6 +144,24 @@ def test_simulated_collective_timeout_names_missing_ranks():
                                            r"ranks \[2\]\)"):
         world.run(lambda comm: comm.all_reduce(np.ones(2), (0, 1, 2)) if comm.rank < 2 else 0)
 
+
+
+def test_broadcast_bytes_gives_the_roots_bytes_to_every_rank_after_a_long_wait():
+    """The root's bytes (every byte value, ~0.3 MB, as a plan's text is sent) on every
+    rank, uncounted; the others wait for a root slower than the communicator's timeout
+    where ``timeout`` allows it, and time out where it does not."""
+    data = bytes(range(256)) * 1200 + b"end"
+
+    def body(comm, timeout):
+        if comm.rank == 1:
+            time.sleep(0.6)                 # the root, still planning
+        got = comm.broadcast_bytes(data if comm.rank == 1 else None, root=1, timeout=timeout)
+        return got, comm.total_bytes_sent
+
+    results = SimulatedWorld(3, timeout=0.3).run(lambda comm: body(comm, 5.0))
+    assert results == [(data, 0.0)] * 3
+    with pytest.raises(RuntimeFault, match="timed out after 0.3 s"):
+        SimulatedWorld(3, timeout=0.3).run(lambda comm: body(comm, None))
 
 def test_simulated_mismatched_collectives_raise():
     world = SimulatedWorld(2, timeout=20)

@@ -1,7 +1,9 @@
 """A sample of the plan matrix on real MPI ranks (``python -m distgraph.cli run -n N``, the
 ``distgraph run`` command): every rank's ``History.losses`` and parameters equal serial
 training, the losses are the same on every rank, and ZeRO's partitioned program
-reduce-scatters gradients and all-gathers parameters."""
+reduce-scatters gradients and all-gathers parameters. A plan the search chooses in
+``fit`` is searched on rank 0 only, every other rank making the same plan from its
+decisions; where rank 0's search fails, every rank raises its error."""
 
 import json
 import os
@@ -42,6 +44,9 @@ def check_report(report, nprocs, keys):
             assert max(abs(a - b) for a, b in zip(mine["losses"], result["serial"])) <= TOLERANCE
             assert mine["errors"]["loss"] <= TOLERANCE, (name, rank, mine["errors"])
             assert mine["errors"]["param"] <= TOLERANCE, (name, rank, mine["errors"])
+        if "-auto" in name:     # rank 0 searched; the others made its plan from its decisions
+            assert [mine["searched"] for mine in ranks] == [True] + [False] * (nprocs - 1)
+            assert {mine["decisions"] for mine in ranks} == {ranks[0]["decisions"]}, name
         if "-zero" in name:
             assert "reduce_scatter" in result["reshards"]["grad"], name
             assert result["reshards"]["param"] == ["all_gather"], name
@@ -56,4 +61,9 @@ def test_plans_on_four_mpi_ranks():
 
 @pytest.mark.mpi
 def test_plans_on_two_mpi_ranks():
-    check_report(run_plans(2, TWO), 2, TWO)
+    report = run_plans(2, ["refused"] + TWO)
+    check_report(report, 2, TWO)
+    # rank 0's search found no plan: every rank raised its error, none waited for it
+    (kind, message), other = report["refused"]
+    assert kind == "DoesNotFit" and "may hold 1e-06 GB" in message and other == [kind, message], \
+        report["refused"]

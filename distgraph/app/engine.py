@@ -19,6 +19,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import pickle
 import sys
 
 import numpy as np
@@ -31,11 +32,13 @@ from distgraph.app.loops import History, Loops
 from distgraph.app.plans import MODES, Mode, PlanCache, as_mode, idle_options, program_key
 from distgraph.app.resume import check_checkpoint, checkpoint_info, restore_info
 from distgraph.app.state import HeldState
-from distgraph.errors import DistGraphError
+from distgraph.errors import DistGraphError, PlanError
 from distgraph.keywords import keywords_checked
 from distgraph.metrics import as_metrics
 from distgraph.passes.plan_file import load as load_plan
 from distgraph.passes.planner import plan
+from distgraph.plan.file import as_text as plan_text
+from distgraph.plan.file import from_text as plan_from_text
 from distgraph.plan.file import read as read_plan_file
 from distgraph.program_builder import build_program
 from distgraph.resources.cluster import Cluster
@@ -179,6 +182,7 @@ class Engine:
                               loss_scale_window=s.loss_scale_window,
                               context_parallel=s.context_parallel,
                               micro_batches=s.micro_batches)
+        shared = False
         try:
             if self._plan_file is not None and mode is Mode.TRAIN and \
                     self._launch.plan is not None and self._launch.plan.check:
@@ -201,16 +205,47 @@ class Engine:
                           f"({_outline(planned)}): read from the file, nothing searched",
                           flush=True)
             else:
-                # every rank plans alike and compiles its own process's program
-                planned = plan(built, self.strategy, self._planning_cluster(),
-                               self.rank_mapping, ranks=(self.rank,))
+                planned, shared = self._planned(built, mode)
         except DistGraphError as e:
             if self._launch.plan is not None:      # distgraph plan shows why
                 plan_report.write_failure(e, self._launch.plan)
             raise
         self._plans.add(self._key(mode, inputs_spec, labels_spec), planned,
-                        (inputs_spec, labels_spec))
+                        (inputs_spec, labels_spec), shared)
         return planned
+
+    def _planned(self, built, mode) -> tuple:
+        """(the Engine's plan of ``built``, whether rank 0's search made it), each rank
+        compiling its own process's program.
+
+        Where the search chooses the training plan of a job of several ranks, inside a
+        collective call (``fit``), rank 0 searches and sends the plan's decisions (its plan
+        file's text, :mod:`distgraph.plan.file`) to the others, which make the plan from
+        them without searching, as from a file: the search's time limits are wall-clock,
+        so ranks searching alike on loaded machines could choose different plans, and the
+        job's CPUs pay for one search, not one per rank. An error of rank 0's planning is
+        raised on every rank. Elsewhere (``prepare`` called by the script, which needs no
+        running job; a plan of the user's annotations; evaluation) every rank plans alike:
+        that planning searches nothing or is pure."""
+        cluster = self._planning_cluster()
+        comm = self._comm
+        if not (mode is Mode.TRAIN and self.strategy.auto_mode == "full"
+                and comm is not None and comm.size > 1 and getattr(comm, "phase", "")):
+            return plan(built, self.strategy, cluster, self.rank_mapping,
+                        ranks=(self.rank,)), False
+        if self.rank == 0:
+            try:
+                planned = plan(built, self.strategy, cluster, self.rank_mapping, ranks=(0,))
+            except Exception as e:
+                comm.broadcast_bytes(b"E" + _portable(e), timeout=PLAN_TIMEOUT)
+                raise
+            comm.broadcast_bytes(b"P" + plan_text(planned).encode(), timeout=PLAN_TIMEOUT)
+            return planned, True
+        got = comm.broadcast_bytes(None, timeout=PLAN_TIMEOUT)
+        if got[:1] == b"E":
+            raise pickle.loads(got[1:])
+        return load_plan(plan_from_text(got[1:].decode(), "(the plan rank 0 searched)"),
+                         built, cluster, ranks=(self.rank,)), True
 
     def _key(self, mode, inputs_spec, labels_spec) -> tuple:
         return program_key(mode, inputs_spec, labels_spec, self.model, self.optimizer,
@@ -497,6 +532,23 @@ class Engine:
         if p is None:
             raise DistGraphError(f"no {mode} program yet: call prepare() or fit() first")
         return p
+
+
+# seconds the other ranks wait for rank 0's search (Engine._planned), as long as any
+# planning takes: a rank 0 that fails or ends meanwhile ends the wait sooner
+PLAN_TIMEOUT = 3600.0
+
+
+def _portable(error: Exception) -> bytes:
+    """``error`` pickled for the other ranks to raise as it is: itself where it pickles
+    and unpickles, else a PlanError saying it."""
+    try:
+        payload = pickle.dumps(error)
+        pickle.loads(payload)
+        return payload
+    except Exception:
+        return pickle.dumps(PlanError(f"rank 0 could not plan: {type(error).__name__}: "
+                                      f"{error}"))
 
 
 # options that change how a plan runs, not the plan: kept from the Engine's Strategy

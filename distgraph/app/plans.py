@@ -66,11 +66,14 @@ def program_key(mode: Mode, inputs_spec, labels_spec, model, optimizer, strategy
 @dataclass
 class Planned:
     """One planned program: its ``plan``, the (inputs, labels) InputSpecs it was planned
-    for, its ``runner`` once it ran, the range check of its feeds and what this rank
-    reads of a batch (its program's feeds: :func:`~distgraph.app.data.reads_of`)."""
+    for, whether its search was rank 0's, sent to the others (``shared``: the same plan
+    on every rank by construction), its ``runner`` once it ran, the range check of its
+    feeds and what this rank reads of a batch (its program's feeds:
+    :func:`~distgraph.app.data.reads_of`)."""
 
     plan: object
     specs: tuple
+    shared: bool = False
     runner: PlanRunner | None = None
     feed_check: FeedCheck | None = None
     feed_reads: dict | None = None
@@ -97,10 +100,10 @@ class PlanCache:
     def get(self, key) -> Planned | None:
         return self._planned.get(key)
 
-    def add(self, key, plan, specs) -> Planned:
+    def add(self, key, plan, specs, shared: bool = False) -> Planned:
         """Hold ``plan`` under ``key`` (a new plan of a key replaces the old one) and make
         it the one its mode runs."""
-        self._planned[key] = Planned(plan, (list(specs[0]), list(specs[1])))
+        self._planned[key] = Planned(plan, (list(specs[0]), list(specs[1])), shared)
         return self.activate(key)
 
     def activate(self, key) -> Planned:
@@ -130,7 +133,7 @@ class PlanCache:
         communicator, for a distributed plan)."""
         planned = self.active(mode)
         if planned.runner is None:
-            planned.runner = make_runner(planned.plan, comm)
+            planned.runner = make_runner(planned.plan, comm, searched_apart=not planned.shared)
         return planned.runner
 
     def ran(self, mode) -> PlanRunner | None:
@@ -139,9 +142,9 @@ class PlanCache:
         return None if planned is None else planned.runner
 
 
-def make_runner(plan, comm) -> PlanRunner:
-    """The runner of ``plan`` on this rank; a searched plan must be the one every rank's
-    search chose. 16-bit parameters (a 16-bit default dtype) are planned with master
+def make_runner(plan, comm, searched_apart: bool = True) -> PlanRunner:
+    """The runner of ``plan`` on this rank; a plan each rank searched itself
+    (``searched_apart``) must be the one every rank's search chose. 16-bit parameters (a 16-bit default dtype) are planned with master
     copies the optimizer does not initialise, never run: mixed-precision training is a
     float32 model with ``Strategy(amp=...)``."""
     for v in plan.program.parameters:
@@ -153,7 +156,7 @@ def make_runner(plan, comm) -> PlanRunner:
     if not plan.distributed:
         return PlanRunner(plan, None)
     world = comm()
-    if plan.search is not None:
+    if plan.search is not None and searched_apart:
         check_same_search(plan, world)
     return PlanRunner(plan, world)
 

@@ -177,9 +177,14 @@ def encode(plan) -> dict:
             "result": result}
 
 
+def as_text(plan) -> str:
+    """``plan``'s file as its text (what :func:`save` writes; :func:`from_text` reads it)."""
+    return json.dumps(encode(plan), separators=(",", ":"))
+
+
 def save(plan, path) -> None:
     """Write ``plan``'s file to ``path`` atomically (a reader never sees half a file)."""
-    text = json.dumps(encode(plan), separators=(",", ":"))
+    text = as_text(plan)
     folder = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(prefix=".plan-", dir=folder)
     try:
@@ -263,6 +268,12 @@ def read(path) -> PlanFile:
             text = f.read()
     except OSError as e:
         raise PlanFileError(f"plan file {path}: cannot be read ({e.strerror})", path) from None
+    return from_text(text, path)
+
+
+def from_text(text: str, path: str) -> PlanFile:
+    """The plan file whose text is ``text``, checked whole as :func:`read` checks one;
+    ``path`` names it in the errors."""
     try:
         data = json.loads(text)
     except json.JSONDecodeError as e:

@@ -157,6 +157,26 @@ class Communicator(ABC):
         finally:
             self.phase = ""
 
+    def broadcast_bytes(self, data: bytes | None, root: int = 0,
+                        timeout: float | None = None) -> bytes:
+        """``data``, given on rank ``root`` (the others give None), on every rank; a
+        collective of every rank, uncounted (it is no step traffic): its length, then its
+        bytes, each an all-reduce of the root's array with the others' zeros (host arrays,
+        whatever the backend). ``timeout``: how long the others may wait for the root (at
+        least the communicator's)."""
+        if self.size == 1:
+            return data
+        everyone = tuple(range(self.size))
+        mine = np.frombuffer(data if self.rank == root else b"", dtype=np.uint8)
+        before, self.timeout = self.timeout, max(self.timeout, timeout or 0.0)
+        try:
+            n = self._all_reduce(np.array([mine.size], dtype=np.int64), everyone, "sum")
+            buffer = np.zeros(int(self.backend.to_host(n)[0]), dtype=np.uint8)
+            buffer[:mine.size] = mine
+            return self.backend.to_host(self._all_reduce(buffer, everyone, "sum")).tobytes()
+        finally:
+            self.timeout = before
+
     # ---- counters -------------------------------------------------------------------
     def reset_counters(self) -> None:
         self.bytes_sent = {k: 0.0 for k in COUNTED_KINDS}

@@ -61,7 +61,7 @@ communication and bubble, and peak memory per process.
   S - s for 1F1B on stage s): one at its peak, each other one with the activations it
   keeps from its forward to its backward (``saved_activations``: what is live when the
   backward starts, before the gradient from the next stage arrives), read off the
-  plan's schedule where it has one (:func:`~distgraph.passes.cost.stage.held_by_order`:
+  plan's schedule where it has one (:func:`~distgraph.passes.cost.stage.held_by_action`:
   per chunk, and under ZB / ZBV what the deferred weight gradients read from each I to
   its W; interleaved 1F1B by ``in_flight``'s chunks, as the stage search prices it),
   the running micro-batch's items walked in the order the runtime runs its tasks

@@ -1,5 +1,5 @@
 """What a micro-batch holds between the actions of a known schedule, per chunk: the
-figures the estimate's :func:`~distgraph.passes.cost.stage.held_by_order` replays a
+figures the estimate's :func:`~distgraph.passes.cost.stage.held_by_action` replays a
 process's schedule with (:mod:`distgraph.passes.cost.estimate`).
 
 :func:`action_holds` reads them off the process's tasks (the task graph): which action

@@ -15,8 +15,8 @@ price with these and nothing else:
   after it have run its forward);
 - :func:`held`: the memory of a stage holding that many: one micro-batch at its peak,
   each other one with what it keeps from its forward to its backward;
-  :func:`held_by_order`: what the other micro-batches hold, read off a known schedule
-  (per chunk, and from I to W under zero bubble);
+  :func:`held_by_action`: what the other micro-batches hold while a process runs each
+  action of a known schedule (per chunk, and from I to W under zero bubble);
 - :func:`transfers`: a stage's share of the sends to and from its neighbours;
 - :func:`stage_cost` / :func:`stage_costs`: what a stage of ``[E] + m blocks + [H]``
   costs from its parts' costs (:class:`~distgraph.passes.search.stages.part_cost.PartCost`):
@@ -108,26 +108,14 @@ def in_flight(schedule: str, micro_batches: int, stages: int, stage: int,
     return min(micro_batches, stages - stage)
 
 
-def held_by_order(order, after_forward: dict, after_input: dict) -> dict:
-    """{(chunk, kind): the most bytes the other micro-batches hold while a process runs
-    that action} over ``order`` (its schedule: actions with ``chunk``, ``kind`` F / B /
-    I / W and ``micro_batch``): a chunk's micro-batch holds ``after_forward[chunk]``
-    from its F to its backward (B, or I then) and ``after_input[chunk]`` from its I to
-    its W (zero bubble: what the weight gradients read). The estimate's in-flight term
-    where the schedule is known, added to what the running micro-batch holds in that
-    action; under 1F1B with one chunk per stage its most is ``(in_flight - 1)`` times
-    what a micro-batch keeps, the stage search's term. :func:`held_by_action` has it
-    action by action."""
-    most: dict = {}
-    for a, others in zip(order, held_by_action(order, after_forward, after_input)):
-        key = (a.chunk, a.kind)
-        most[key] = max(most.get(key, 0.0), others)
-    return most
-
-
 def held_by_action(order, after_forward: dict, after_input: dict) -> list:
     """The bytes the other micro-batches hold while the process runs each action of
-    ``order``, in order (:func:`held_by_order`'s terms)."""
+    ``order``, in order: a chunk's micro-batch holds ``after_forward[chunk]`` from its F
+    to its backward (B, or I then) and ``after_input[chunk]`` from its I to its W (zero
+    bubble: what the weight gradients read). The estimate's in-flight term where the
+    schedule is known, added to what the running micro-batch holds in that action;
+    under 1F1B with one chunk per stage its most is ``(in_flight - 1)`` times what a
+    micro-batch keeps, the stage search's term."""
     state: dict = {}
     by_batch: dict = {}
     out = []

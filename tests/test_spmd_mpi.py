@@ -47,6 +47,8 @@ def check_report(report, nprocs, keys):
         if "-auto" in name:     # rank 0 searched; the others made its plan from its decisions
             assert [mine["searched"] for mine in ranks] == [True] + [False] * (nprocs - 1)
             assert {mine["decisions"] for mine in ranks} == {ranks[0]["decisions"]}, name
+            assert [mine["eval searched"] for mine in ranks] == [True] + [False] * (nprocs - 1)
+            assert len({mine["eval loss"] for mine in ranks}) == 1, name
         if "-zero" in name:
             assert "reduce_scatter" in result["reshards"]["grad"], name
             assert result["reshards"]["param"] == ["all_gather"], name

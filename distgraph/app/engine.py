@@ -205,7 +205,7 @@ class Engine:
                           f"({_outline(planned)}): read from the file, nothing searched",
                           flush=True)
             else:
-                planned, shared = self._planned(built, mode)
+                planned, shared = self._planned(built)
         except DistGraphError as e:
             if self._launch.plan is not None:      # distgraph plan shows why
                 plan_report.write_failure(e, self._launch.plan)
@@ -214,23 +214,23 @@ class Engine:
                         (inputs_spec, labels_spec), shared)
         return planned
 
-    def _planned(self, built, mode) -> tuple:
+    def _planned(self, built) -> tuple:
         """(the Engine's plan of ``built``, whether rank 0's search made it), each rank
         compiling its own process's program.
 
-        Where the search chooses the training plan of a job of several ranks, inside a
-        collective call (``fit``), rank 0 searches and sends the plan's decisions (its plan
-        file's text, :mod:`distgraph.plan.file`) to the others, which make the plan from
-        them without searching, as from a file: the search's time limits are wall-clock,
+        Where the search chooses the plan of a job of several ranks, inside a collective
+        call (``fit``, ``evaluate``, ``predict``), rank 0 searches and sends the plan's
+        decisions (its plan file's text, :mod:`distgraph.plan.file`) to the others, which
+        make the plan from them without searching, as from a file: the search's time limits are wall-clock,
         so ranks searching alike on loaded machines could choose different plans, and the
         job's CPUs pay for one search, not one per rank. An error of rank 0's planning is
         raised on every rank. Elsewhere (``prepare`` called by the script, which needs no
-        running job; a plan of the user's annotations; evaluation) every rank plans alike:
-        that planning searches nothing or is pure."""
+        running job; a plan of the user's annotations, which searches nothing) every rank
+        plans alike."""
         cluster = self._planning_cluster()
         comm = self._comm
-        if not (mode is Mode.TRAIN and self.strategy.auto_mode == "full"
-                and comm is not None and comm.size > 1 and getattr(comm, "phase", "")):
+        if not (self.strategy.auto_mode == "full" and comm is not None and comm.size > 1
+                and getattr(comm, "phase", "")):
             return plan(built, self.strategy, cluster, self.rank_mapping,
                         ranks=(self.rank,)), False
         if self.rank == 0:

@@ -10,7 +10,8 @@ largest errors against serial, whether its plan was searched on it and the diges
 the plan's decisions (its plan file's text), the serial losses, the kinds of the reshard
 steps that touch gradients and parameters in rank 0's partitioned program, and the
 matmuls that run as MeshSlice. A plan the search chooses is left to ``fit`` (no
-``prepare`` first), which searches on rank 0 only. With ``refused`` first among the plans,
+``prepare`` first), which searches on rank 0 only; then ``evaluate`` plans and runs the
+evaluation program alike (its loss and whether this rank searched it are reported). With ``refused`` first among the plans,
 every rank first fits an MLP whose search cannot fit a 1 KB budget and reports the error
 it raised (``"refused"``: [type, message] per rank).
 """
@@ -85,6 +86,10 @@ def main(argv) -> None:
         mine = {"losses": history.losses, "errors": errors,
                 "searched": engine.plan().search is not None,
                 "decisions": hashlib.sha256(as_text(engine.plan()).encode()).hexdigest()}
+        if plan.auto:           # evaluation's plan is searched in evaluate() alike
+            mine["eval loss"] = engine.evaluate(P.Dataset(kind), batch_size=P.BATCH,
+                                              verbose=0)["loss"]
+            mine["eval searched"] = engine.plan("eval").search is not None
         everyone = comm._comm.gather(mine, root=0)
         if comm.rank == 0:
             report["plans"][str(plan)] = {

@@ -221,12 +221,12 @@ class Engine:
         Where the search chooses the plan of a job of several ranks, inside a collective
         call (``fit``, ``evaluate``, ``predict``), rank 0 searches and sends the plan's
         decisions (its plan file's text, :mod:`distgraph.plan.file`) to the others, which
-        make the plan from them without searching, as from a file: the search's time limits are wall-clock,
-        so ranks searching alike on loaded machines could choose different plans, and the
-        job's CPUs pay for one search, not one per rank. An error of rank 0's planning is
-        raised on every rank. Elsewhere (``prepare`` called by the script, which needs no
-        running job; a plan of the user's annotations, which searches nothing) every rank
-        plans alike."""
+        make the plan from them without searching, as from a file: the search's time
+        limits are wall-clock, so ranks searching alike on loaded machines could choose
+        different plans, and the job's CPUs pay for one search, not one per rank. An
+        error of rank 0's planning is raised on every rank. Elsewhere (``prepare`` called
+        by the script, which needs no running job; a plan of the user's annotations,
+        which searches nothing) every rank plans alike."""
         cluster = self._planning_cluster()
         comm = self._comm
         if not (self.strategy.auto_mode == "full" and comm is not None and comm.size > 1

@@ -133,7 +133,8 @@ class PlanCache:
         communicator, for a distributed plan)."""
         planned = self.active(mode)
         if planned.runner is None:
-            planned.runner = make_runner(planned.plan, comm, searched_apart=not planned.shared)
+            planned.runner = make_runner(planned.plan, comm,
+                                         searched_apart=not planned.shared)
         return planned.runner
 
     def ran(self, mode) -> PlanRunner | None:
@@ -144,9 +145,10 @@ class PlanCache:
 
 def make_runner(plan, comm, searched_apart: bool = True) -> PlanRunner:
     """The runner of ``plan`` on this rank; a plan each rank searched itself
-    (``searched_apart``) must be the one every rank's search chose. 16-bit parameters (a 16-bit default dtype) are planned with master
-    copies the optimizer does not initialise, never run: mixed-precision training is a
-    float32 model with ``Strategy(amp=...)``."""
+    (``searched_apart``) must be the one every rank's search chose. 16-bit parameters (a
+    16-bit default dtype) are planned with master copies the optimizer does not
+    initialise, never run: mixed-precision training is a float32 model with
+    ``Strategy(amp=...)``."""
     for v in plan.program.parameters:
         if v.dtype in dtypes.HALF_DTYPES:
             raise DistGraphError(f"running the program: parameter {v.name!r} is {v.dtype}; "

@@ -161,9 +161,9 @@ class Communicator(ABC):
                         timeout: float | None = None) -> bytes:
         """``data``, given on rank ``root`` (the others give None), on every rank; a
         collective of every rank, uncounted (it is no step traffic): its length, then its
-        bytes, each an all-reduce of the root's array with the others' zeros (host arrays,
-        whatever the backend). ``timeout``: how long the others may wait for the root (at
-        least the communicator's)."""
+        bytes, each an all-reduce of the root's numpy array with the others' zeros.
+        ``timeout``: how long the others may wait for the root (at least the
+        communicator's)."""
         if self.size == 1:
             return data
         everyone = tuple(range(self.size))

@@ -11,9 +11,10 @@ the plan's decisions (its plan file's text), the serial losses, the kinds of the
 steps that touch gradients and parameters in rank 0's partitioned program, and the
 matmuls that run as MeshSlice. A plan the search chooses is left to ``fit`` (no
 ``prepare`` first), which searches on rank 0 only; then ``evaluate`` plans and runs the
-evaluation program alike (its loss and whether this rank searched it are reported). With ``refused`` first among the plans,
-every rank first fits an MLP whose search cannot fit a 1 KB budget and reports the error
-it raised (``"refused"``: [type, message] per rank).
+evaluation program alike (its loss and whether this rank searched it are reported).
+With ``refused`` first among the plans, every rank first fits an MLP whose search cannot
+fit a 1 KB budget and reports the error it raised (``"refused"``: [type, message] per
+rank).
 """
 
 from __future__ import annotations

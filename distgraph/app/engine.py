@@ -172,7 +172,9 @@ class Engine:
     # -- planning -------------------------------------------------------------------------------
     def prepare(self, inputs_spec, labels_spec=(), mode="train"):
         """Build and plan the program for ``mode``; returns the Plan. Needs no running job:
-        only running needs as many ranks as the plan has processes."""
+        only running needs as many ranks as the plan has processes. Called by the script,
+        it plans on the rank that calls it; ``fit``, ``evaluate`` and ``predict`` plan what
+        they run themselves, the search on rank 0 only (:meth:`_planned`)."""
         mode = as_mode(mode)
         inputs_spec, labels_spec = list(inputs_spec), list(labels_spec)
         s = self.strategy

@@ -106,3 +106,30 @@ def test_the_row_softmax_kernels_equal_numpys(cols, dtype, tol):
     dx = _softmax_grad(host, y, dy)
     assert _close(cupy.asnumpy(_softmax_grad(device, cupy.asarray(y), cupy.asarray(dy))),
                   dx) < tol
+
+
+@pytest.mark.parametrize("dtype, tol", [("float64", 1e-12), ("float32", 1e-5)])
+@pytest.mark.parametrize("shape", [(7, 1), (2, 3, 300), (130, 1030)])
+def test_the_layer_norm_kernels_equal_numpys(shape, dtype, tol):
+    """Layer norm and its gradient: one block of threads per row on a GPU, the weight's
+    and the bias' gradients as column sums over chunks of rows (distgraph.ops.fused_gpu);
+    numpy's array expressions on the host. Rows longer than a block, more rows than a
+    chunk and a last chunk cut short included."""
+    import cupy
+
+    from distgraph.registry import KernelContext, get_op
+
+    rng = np.random.default_rng(shape[-1])
+    x = (rng.standard_normal(shape) * 3 + 1).astype(dtype)
+    w, b = (rng.standard_normal(shape[-1]).astype(dtype) for _ in range(2))
+    dy = rng.standard_normal(shape).astype(dtype)
+    host, device = KernelContext(np, 0), KernelContext(cupy, 0)
+    forward, backward = get_op("layer_norm").kernel, get_op("layer_norm_grad").kernel
+    want = forward(host, x, w, b, epsilon=1e-5)
+    got = forward(device, *map(cupy.asarray, (x, w, b)), epsilon=1e-5)
+    for a, e in zip(got, want):
+        assert a.dtype == e.dtype and _close(cupy.asnumpy(a), e) < tol
+    want = backward(host, x, w, want[1], want[2], dy)
+    got = backward(device, cupy.asarray(x), cupy.asarray(w), *got[1:], cupy.asarray(dy))
+    for a, e in zip(got, want):
+        assert a.shape == e.shape and a.dtype == e.dtype and _close(cupy.asnumpy(a), e) < tol

@@ -7,12 +7,15 @@ over a GPT's 150 parameters the launches outnumber the work. :func:`adam` is Ada
 step as one CuPy elementwise kernel: each element read and written once, the step
 counter and the learning rate read on the device (no copy to the host, which would
 wait for the GPU). :func:`gelu` and :func:`gelu_grad` are GELU's (tanh form) array
-expressions, 7 and 14 passes over an activation, as one each. Their arithmetic is the
+expressions, 7 and 14 passes over an activation, as one each. The row softmax and layer
+norm, and their gradients, are one block of threads per row (layer norm's weight and bias
+gradients, sums over rows, a second kernel of column sums). Their arithmetic is the
 ``xp`` forms', in the operands' dtype, so a float64 step equals numpy's to rounding.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 C = repr(math.sqrt(2.0 / math.pi))
@@ -109,6 +112,70 @@ extern "C" __global__ void distgraph_softmax(const T* x, T* y, long long cols) {
     for (long long j = threadIdx.x; j < cols; j += blockDim.x) yr[j] = exp(xr[j] - top) / total;
 }
 
+// Layer norm over the last dim, one block per row: the mean, then the sum of the squared
+// deviations (from the cache), then y = (x - mean) rstd w + b; the xp form makes eight passes.
+extern "C" __global__ void distgraph_layer_norm(const T* x, const T* w, const T* b, T* y,
+                                                T* mean, T* rstd, long long cols, T eps) {
+    __shared__ T shared[33];
+    const T* xr = x + blockIdx.x * cols;
+    T* yr = y + blockIdx.x * cols;
+    T total = 0;
+    for (long long j = threadIdx.x; j < cols; j += blockDim.x) total += xr[j];
+    const T mu = block_reduce(total, shared, false) / (T)cols;
+    T squares = 0;
+    for (long long j = threadIdx.x; j < cols; j += blockDim.x) {
+        T d = xr[j] - mu;
+        squares += d * d;
+    }
+    const T rs = (T)1 / sqrt(block_reduce(squares, shared, false) / (T)cols + eps);
+    for (long long j = threadIdx.x; j < cols; j += blockDim.x)
+        yr[j] = (xr[j] - mu) * rs * w[j] + b[j];
+    if (threadIdx.x == 0) { mean[blockIdx.x] = mu; rstd[blockIdx.x] = rs; }
+}
+
+// Its input gradient, one block per row: g = dy w and xhat = (x - mean) rstd summed, then
+// dx = rstd / h (h g - sum(g) - xhat sum(g xhat)).
+extern "C" __global__ void distgraph_layer_norm_grad(const T* x, const T* w, const T* mean,
+                                                     const T* rstd, const T* dy, T* dx,
+                                                     long long cols) {
+    __shared__ T shared[33];
+    const long long start = blockIdx.x * cols;
+    const T mu = mean[blockIdx.x], rs = rstd[blockIdx.x];
+    T g_sum = 0, gx_sum = 0;
+    for (long long j = threadIdx.x; j < cols; j += blockDim.x) {
+        T g = dy[start + j] * w[j];
+        g_sum += g;
+        gx_sum += g * ((x[start + j] - mu) * rs);
+    }
+    g_sum = block_reduce(g_sum, shared, false);
+    gx_sum = block_reduce(gx_sum, shared, false);
+    for (long long j = threadIdx.x; j < cols; j += blockDim.x) {
+        T g = dy[start + j] * w[j];
+        T xhat = (x[start + j] - mu) * rs;
+        dx[start + j] = ((T)cols * g - g_sum - xhat * gx_sum) * (rs / (T)cols);
+    }
+}
+
+// The weight's and the bias' gradients, sums over rows: thread j of block (c, r) sums
+// column j over the r-th chunk of rows (a warp reads consecutive columns), into row r of
+// the partial sums, which the caller adds up.
+extern "C" __global__ void distgraph_layer_norm_grad_columns(
+        const T* x, const T* mean, const T* rstd, const T* dy, T* dw_part, T* db_part,
+        long long rows, long long cols, long long chunk) {
+    const long long j = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    if (j >= cols) return;
+    const long long first = blockIdx.y * chunk;
+    const long long last = first + chunk < rows ? first + chunk : rows;
+    T dw = 0, db = 0;
+    for (long long r = first; r < last; ++r) {
+        T d = dy[r * cols + j];
+        dw += d * ((x[r * cols + j] - mean[r]) * rstd[r]);
+        db += d;
+    }
+    dw_part[blockIdx.y * cols + j] = dw;
+    db_part[blockIdx.y * cols + j] = db;
+}
+
 extern "C" __global__ void distgraph_softmax_grad(const T* y, const T* dy, T* dx,
                                                   long long cols) {
     __shared__ T shared[33];
@@ -134,6 +201,18 @@ def by_rows(*arrays) -> bool:
                     for b in arrays))
 
 
+def by_rows_of(x, *rowwise) -> bool:
+    """Whether the layer-norm kernels take ``x`` (:func:`by_rows`, with its gradient
+    among ``rowwise`` too) and ``rowwise``'s others: C-contiguous arrays of ``x``'s dtype,
+    each the size of a row (a weight, a bias) or one entry per row (a statistic)."""
+    if not by_rows(x, *(a for a in rowwise if a.shape == x.shape)):
+        return False
+    sizes = (x.shape[-1], x.size // x.shape[-1])
+    return all(a.dtype == x.dtype and a.flags.c_contiguous and a.size in sizes
+               for a in rowwise if a.shape != x.shape)
+
+
+@functools.lru_cache(maxsize=None)
 def _row_kernel(name: str, dtype):
     import cupy
 
@@ -161,3 +240,42 @@ def softmax_grad(y, dy):
     _row_kernel("distgraph_softmax_grad", y.dtype)(
         (y.size // cols,), (ROW_THREADS,), (y, dy, dx, cupy.int64(cols)))
     return dx
+
+
+def layer_norm(x, w, b, epsilon):
+    """(y, mean, rstd) of layer norm over the last dim of CuPy array ``x`` with weight
+    ``w`` and bias ``b`` (:func:`by_rows_of`), each in a new array."""
+    import cupy
+
+    cols = x.shape[-1]
+    y = cupy.empty_like(x)
+    mean = cupy.empty(x.shape[:-1], dtype=x.dtype)
+    rstd = cupy.empty_like(mean)
+    _row_kernel("distgraph_layer_norm", x.dtype)(
+        (x.size // cols,), (ROW_THREADS,),
+        (x, w, b, y, mean, rstd, cupy.int64(cols), x.dtype.type(epsilon)))
+    return y, mean, rstd
+
+
+COLUMN_ROWS = 64           # rows a thread of the column sums adds up (more where there
+MAX_CHUNKS = 65535         # are more chunks than a grid's second dim holds)
+
+
+def layer_norm_grad(x, w, mean, rstd, dy):
+    """(dx, dw, db) of layer norm (:func:`by_rows_of`): dx one block per row, dw and db
+    as partial column sums over chunks of :data:`COLUMN_ROWS` rows, added up."""
+    import cupy
+
+    cols = x.shape[-1]
+    rows = x.size // cols
+    dx = cupy.empty_like(x)
+    _row_kernel("distgraph_layer_norm_grad", x.dtype)(
+        (rows,), (ROW_THREADS,), (x, w, mean, rstd, dy, dx, cupy.int64(cols)))
+    chunk = max(COLUMN_ROWS, -(-rows // MAX_CHUNKS))
+    chunks = -(-rows // chunk)
+    parts = cupy.empty((2, chunks, cols), dtype=x.dtype)
+    _row_kernel("distgraph_layer_norm_grad_columns", x.dtype)(
+        (-(-cols // ROW_THREADS), chunks), (ROW_THREADS,),
+        (x, mean, rstd, dy, parts[0], parts[1], cupy.int64(rows), cupy.int64(cols),
+         cupy.int64(chunk)))
+    return dx, parts[0].sum(axis=0), parts[1].sum(axis=0)

@@ -187,8 +187,11 @@ class LayerNorm:
         return x, stat, stat
 
     def kernel(ctx, x, w, b, epsilon=1e-5):
-        # in place on the result: x - mean, its squares summed as an einsum
+        # in place on the result: x - mean, its squares summed as an einsum (on a GPU one
+        # kernel, distgraph.ops.fused_gpu)
         xp = ctx.xp
+        if xp is not np and fused_gpu.by_rows_of(x, w, b):
+            return fused_gpu.layer_norm(x, w, b, epsilon)
         mean = xp.mean(x, axis=-1)
         y = xp.subtract(x, mean[..., None], out=xp.empty_like(x))
         var = dot_along(xp, y, y)[..., 0] / x.dtype.type(x.shape[-1])
@@ -199,7 +202,7 @@ class LayerNorm:
         return y, mean, rstd.astype(x.dtype, copy=False)
 
     def workspace(ins, outs, epsilon=1e-5):
-        return 2 * nbytes(outs[1])          # a row statistic's intermediates
+        return 2 * nbytes(outs[1])   # a row statistic's intermediates (GPU's kernel: none)
 
     def grad(op, dy, dmean=None, drstd=None):
         x, w, _ = op.inputs
@@ -216,8 +219,11 @@ class LayerNormGrad:
 
     def kernel(ctx, x, w, mean, rstd, dy):
         """dx = rstd / h (h g - sum(g) - xhat sum(g xhat)), g = dy w, in place on dx
-        beside one array, xhat; the sums of products as einsums."""
+        beside one array, xhat; the sums of products as einsums (on a GPU two kernels,
+        distgraph.ops.fused_gpu, without xhat)."""
         xp = ctx.xp
+        if xp is not np and fused_gpu.by_rows_of(dy, x, w, mean, rstd):
+            return fused_gpu.layer_norm_grad(x, w, mean, rstd, dy)
         t, h = x.dtype.type, x.shape[-1]
         xhat = xp.subtract(x, mean[..., None], out=xp.empty_like(x))
         xhat *= rstd[..., None]
@@ -233,7 +239,8 @@ class LayerNormGrad:
         return dx, dw, db
 
     def workspace(ins, outs):
-        return nbytes(outs[0]) + 2 * reduced_bytes(outs[0])     # xhat
+        # xhat (the GPU's kernels keep the column sums' partials instead: an upper bound)
+        return nbytes(outs[0]) + 2 * reduced_bytes(outs[0])
 
 
 # -- embedding ----------------------------------------------------------------------------------

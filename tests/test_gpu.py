@@ -162,7 +162,7 @@ def test_calibrate_measures_the_gpu(tmp_path):
     (device,) = dg.Cluster.from_file(out).devices
     assert device.type == "GPU" and device.local_id == 0
     assert device.model == detect_gpus()[0].name
-    assert set(device.gflops) == {"float16", "float32", "float64"}
+    assert set(device.gflops) == {"float16", "bfloat16", "float32", "float64"}
     assert device.gflops["float32"] > 1000          # GFLOP/s: a GPU, not a core
     assert device.memory_bandwidth > 100 and device.gemm is not None
     assert not device.op_costs          # the roofline prices a GPU's ops (calibrate.py)

@@ -82,7 +82,8 @@ from distgraph.tools.step_probe import (RESHARD_BYTES, idle_barrier, measure_all
 
 SCRIPT = os.path.abspath(__file__)   # what `distgraph cluster calibrate` starts on each rank
 GPU_BANDWIDTH_BYTES = 256 * 2**20
-DTYPES = {"CPU": ("float32", "float64"), "GPU": ("float16", "float32", "float64")}
+DTYPES = {"CPU": ("float32", "float64"),
+          "GPU": ("float16", "bfloat16", "float32", "float64")}
 SMALL_BYTES = 8
 LARGE_BYTES = 4 * 2**20
 ALLREDUCE_BYTES = 4 * 2**20

@@ -26,6 +26,7 @@ import time
 
 import numpy as np
 
+from distgraph.dtypes import numpy_dtype
 from distgraph.passes.cost.compute import gemm_seconds
 from distgraph.resources.elements import GemmCurve
 
@@ -44,13 +45,18 @@ GUESS = 50e9           # FLOP/s the number of calls per timing is sized with
 
 
 def fastest_seconds(xb, shape, dtype, repeats: int, window: float = 0.0, sync=None) -> float:
-    """The fastest of ``repeats`` timings of one ``[m, k] @ [k, n]`` of ``dtype`` on
+    """The fastest of ``repeats`` timings of one ``[m, k] @ [k, n]`` of ``dtype`` (random
+    operands) on
     backend ``xb`` (each the mean of as many calls as fit :data:`BUDGET`, or ``window``
     seconds where larger, timed to the end of the device's work; ``sync`` lines the
     ranks up before each)."""
     m, n, k = shape
-    a = xb.xp.ones((m, k), dtype=dtype)
-    b = xb.xp.ones((k, n), dtype=dtype)
+    dtype = numpy_dtype(dtype)
+    # random operands, as training's: a GPU's matrix units multiply ones faster (less
+    # power drawn, a higher clock held): an H200's float16 curve was fitted at 875 and
+    # 934 TFLOP/s on ones, 807 on random operands (float32 alike: 60-62 either way)
+    a = xb.xp.random.standard_normal((m, k)).astype(dtype)
+    b = xb.xp.random.standard_normal((k, n)).astype(dtype)
     c = xb.xp.empty((m, n), dtype=dtype)
     calls = max(1, int(max(BUDGET, window) / (2.0 * m * n * k / GUESS + 2e-6)))
     xb.xp.matmul(a, b, out=c)

@@ -1,14 +1,16 @@
 """Where a GPT training step's time goes on one GPU, op type by op type.
 
-    python bench/gpu_profile.py [--amp] [--layers 12 --d-model 768 ...] [--top 25]
+    python bench/gpu_profile.py [--amp] [--layers 12 --d-model 768 ...] [--top 25] [--cluster FILE]
 
 The model and batch are bench/gpu_step.py's (GPT-2 small, seq 1024, batch 8). The step's
-local program (its plan on ``Cluster.local(1, device="GPU")``) is run by the executor on
+local program (its plan on ``Cluster.local(1, device="GPU")``, or on ``--cluster``'s GPU:
+a file ``distgraph cluster calibrate`` wrote) is run by the executor on
 CuPy three ways after two warm-up steps: plain (the step's wall time, the GPU synchronised
 at its end); with the host's seconds per op (no synchronisation: what Python and the
 launches cost); and with each op synchronised (the GPU's seconds per op, launches
 included). Prints the three step times and, per op type, calls and the milliseconds of
-each way, the most costly first. On numpy (``--numpy``) it profiles the CPU instead.
+each way, the most costly first, beside the cost model's (its ``op_time`` of each call on
+the plan's device: where a prediction of the step goes wrong). On numpy (``--numpy``) it profiles the CPU instead.
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ from collections import defaultdict
 import numpy as np
 
 import distgraph as dg
+from distgraph.passes.cost.prices import op_time
 from distgraph.program_builder import build_program
+from distgraph.registry import TensorType
 from distgraph.runtime.backend import NUMPY, get_backend
 from distgraph.runtime.execution.executor import ProgramRunner
 from distgraph.runtime.execution.runner import PlanRunner
@@ -29,7 +33,7 @@ from gpu_step import model_arguments
 
 
 def local_step(args, backend):
-    """(runner of the step's local program, its scope, its feed, the local program)."""
+    """(runner of the step's local program, its scope, its feed, the plan's device)."""
     dg.set_default_dtype("float32")
     dg.seed(0)
     model = dg.nn.GPT(vocab_size=args.vocab, d_model=args.d_model, n_layer=args.layers,
@@ -41,7 +45,9 @@ def local_step(args, backend):
     built = build_program(model, ids, labels, dg.nn.CrossEntropyLoss(), opt, amp=amp)
     device = "GPU" if backend is not NUMPY else "CPU"
     strategy = dg.Strategy(amp=amp) if amp else dg.Strategy()
-    plan = dg.passes.plan(built, strategy, dg.Cluster.local(1, device=device))
+    cluster = (dg.Cluster.from_file(args.cluster) if args.cluster
+               else dg.Cluster.local(1, device=device))
+    plan = dg.passes.plan(built, strategy, cluster)
     values = {n: p.numpy() for n, p in model.named_parameters()}
     scope = PlanRunner(plan, None, backend).shard_scope(
         {**values, **opt.initial_state(built.program)})
@@ -50,7 +56,17 @@ def local_step(args, backend):
     rng = np.random.default_rng(0)
     feed = {name: backend.from_host(rng.integers(0, args.vocab, (args.batch, args.seq)))
             for name in ("x", "y")}
-    return ProgramRunner(program, backend.xp, op_context=local.op_context), scope, feed, program
+    return (ProgramRunner(program, backend.xp, op_context=local.op_context), scope, feed,
+            cluster.devices[0])
+
+
+def predicted_seconds(program, device) -> list:
+    """The cost model's seconds of each op of a one-process ``program`` on ``device``."""
+    def types(vs):
+        return [TensorType(v.shape, v.dtype) for v in vs]
+
+    return [op_time(op.type, types(op.inputs), types(op.outputs), op.attrs, device)
+            for op in program.ops]
 
 
 def gemm_rates(xp, sync, n=8192) -> str:
@@ -74,18 +90,32 @@ def gemm_rates(xp, sync, n=8192) -> str:
     return "; ".join(out)
 
 
+def signature(op) -> str:
+    """An op's operands (shape and dtype) and its attributes other than arrays, in one
+    line."""
+    ins = " x ".join(f"{v.dtype}{list(v.shape)}" for v in op.inputs)
+    attrs = {k: v for k, v in op.attrs.items() if isinstance(v, (bool, int, float, str))}
+    return f"{ins} -> {op.outputs[0].dtype} {attrs}"
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     model_arguments(parser)
     parser.add_argument("--amp", action="store_true", help="Strategy(amp='bfloat16')")
     parser.add_argument("--numpy", action="store_true", help="profile on the CPU")
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--detail", metavar="OP_TYPE", action="append", default=[],
+                        help="also list this op type's calls by operand shapes, dtypes and "
+                             "attributes (repeatable)")
+    parser.add_argument("--cluster", metavar="FILE",
+                        help="plan on this resource file's device (bench/gpu_step.py's)")
     args = parser.parse_args(argv)
     backend = NUMPY if args.numpy else get_backend("cupy")
     if not args.numpy:
         print(f"gpu_profile: matmul TFLOP/s: {gemm_rates(backend.xp, backend.synchronize)}")
-    runner, scope, feed, program = local_step(args, backend)
+    runner, scope, feed, device = local_step(args, backend)
     types = [op.type for op in runner.program.ops]
+    predicted = predicted_seconds(runner.program, device)
     for step in range(2):
         runner.run(scope, feed, (), step=step)
     backend.synchronize()
@@ -93,23 +123,37 @@ def main(argv=None) -> int:
     runner.run(scope, feed, (), step=2)
     backend.synchronize()
     wall = time.perf_counter() - start
-    host, device = [], []
+    host, synced = [], []
     runner.run(scope, feed, (), step=3, timings=host)
     backend.synchronize()
-    runner.run(scope, feed, (), step=4, timings=device, device_sync=backend.synchronize)
-    rows = defaultdict(lambda: [0, 0.0, 0.0])
-    for t, h, d in zip(types, host, device):
+    runner.run(scope, feed, (), step=4, timings=synced, device_sync=backend.synchronize)
+    rows = defaultdict(lambda: [0, 0.0, 0.0, 0.0])
+    for t, h, d, p in zip(types, host, synced, predicted):
         rows[t][0] += 1
         rows[t][1] += h
         rows[t][2] += d
+        rows[t][3] += p
     print(f"gpu_profile: GPT {args.layers} layers, d_model {args.d_model}, seq {args.seq}, "
           f"batch {args.batch}, {'amp bf16' if args.amp else 'fp32'} on {backend!r}: "
           f"{len(types)} ops")
     print(f"  step {wall * 1e3:.1f} ms; host's seconds per op summed {sum(host) * 1e3:.1f} ms; "
-          f"each op synchronised {sum(device) * 1e3:.1f} ms")
-    print(f"  {'op type':28} {'calls':>6} {'host ms':>9} {'synced ms':>10}")
-    for t, (n, h, d) in sorted(rows.items(), key=lambda r: -r[1][2])[:args.top]:
-        print(f"  {t:28} {n:6d} {h * 1e3:9.2f} {d * 1e3:10.2f}")
+          f"each op synchronised {sum(synced) * 1e3:.1f} ms; the cost model's ops "
+          f"{sum(predicted) * 1e3:.1f} ms on {device.model or device.type}")
+    print(f"  {'op type':28} {'calls':>6} {'host ms':>9} {'synced ms':>10} {'model ms':>9}")
+    for t, (n, h, d, p) in sorted(rows.items(), key=lambda r: -r[1][2])[:args.top]:
+        print(f"  {t:28} {n:6d} {h * 1e3:9.2f} {d * 1e3:10.2f} {p * 1e3:9.2f}")
+    for kind in args.detail:
+        rows = defaultdict(lambda: [0, 0.0, 0.0, 0.0])
+        for op, h, d, p in zip(runner.program.ops, host, synced, predicted):
+            if op.type == kind:
+                row = rows[signature(op)]
+                row[0] += 1
+                row[1] += h
+                row[2] += d
+                row[3] += p
+        print(f"  {kind}, by operands and attributes:")
+        for sig, (n, h, d, p) in sorted(rows.items(), key=lambda r: -r[1][2]):
+            print(f"    {n:4d} calls {h * 1e3:8.2f} {d * 1e3:9.2f} {p * 1e3:8.2f} ms  {sig}")
     return 0
 
 

@@ -133,3 +133,30 @@ def test_the_layer_norm_kernels_equal_numpys(shape, dtype, tol):
     got = backward(device, cupy.asarray(x), cupy.asarray(w), *got[1:], cupy.asarray(dy))
     for a, e in zip(got, want):
         assert a.shape == e.shape and a.dtype == e.dtype and _close(cupy.asnumpy(a), e) < tol
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("transpose_x, transpose_y", [(False, False), (True, False),
+                                                      (False, True), (True, True)])
+def test_stacked_16bit_gemms_equal_the_float32_product_rounded(dtype, transpose_x,
+                                                               transpose_y):
+    """Attention's stacked 16-bit matmuls on a GPU: one strided-batched cuBLAS GEMM on
+    the matrix units (distgraph.ops.fused_gpu.batched_matmul), equal to numpy's float32
+    product of the same operands rounded to the dtype (within one rounding)."""
+    import cupy
+
+    from distgraph.dtypes import numpy_dtype
+    from distgraph.registry import KernelContext, get_op
+
+    dt = numpy_dtype(dtype)
+    rng = np.random.default_rng(7)
+    m, n, k = 33, 70, 129
+    x = rng.standard_normal((2, 3) + ((k, m) if transpose_x else (m, k))).astype(dt)
+    y = rng.standard_normal((2, 3) + ((n, k) if transpose_y else (k, n))).astype(dt)
+    kernel = get_op("matmul").kernel
+    flags = {"transpose_x": transpose_x, "transpose_y": transpose_y}
+    want = kernel(KernelContext(np, 0), x.astype(np.float32), y.astype(np.float32), **flags)
+    got = kernel(KernelContext(cupy, 0), cupy.asarray(x), cupy.asarray(y), **flags)
+    assert got.dtype == dt and got.shape == want.shape
+    assert _close(cupy.asnumpy(got).astype(np.float32), want.astype(dt).astype(np.float32)) \
+        < 2 ** -7

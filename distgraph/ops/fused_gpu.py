@@ -7,7 +7,9 @@ over a GPT's 150 parameters the launches outnumber the work. :func:`adam` is Ada
 step as one CuPy elementwise kernel: each element read and written once, the step
 counter and the learning rate read on the device (no copy to the host, which would
 wait for the GPU). :func:`gelu` and :func:`gelu_grad` are GELU's (tanh form) array
-expressions, 7 and 14 passes over an activation, as one each. The row softmax and layer
+expressions, 7 and 14 passes over an activation, as one each. :func:`batched_matmul` is a
+stacked 16-bit GEMM (attention's) as one cuBLAS call on the matrix units, which CuPy's
+matmul does not make. The row softmax and layer
 norm, and their gradients, are one block of threads per row (layer norm's weight and bias
 gradients, sums over rows, a second kernel of column sums). Their arithmetic is the
 ``xp`` forms', in the operands' dtype, so a float64 step equals numpy's to rounding.
@@ -279,3 +281,66 @@ def layer_norm_grad(x, w, mean, rstd, dy):
         (x, mean, rstd, dy, parts[0], parts[1], cupy.int64(rows), cupy.int64(cols),
          cupy.int64(chunk)))
     return dx, parts[0].sum(axis=0), parts[1].sum(axis=0)
+
+
+# cuBLAS's names for what strided_gemm passes (cublas_api.h, library_types.h)
+CUBLAS_OP_N, CUBLAS_OP_T = 0, 1
+CUDA_TYPES = {"float16": 2, "bfloat16": 14}          # CUDA_R_16F, CUDA_R_16BF
+CUBLAS_COMPUTE_32F = 68
+CUBLAS_GEMM_DEFAULT = -1
+CUBLAS_POINTER_MODE_HOST = 0
+
+
+def stacked_16bit(x, y) -> bool:
+    """Whether :func:`batched_matmul` takes ``x`` and ``y``: one 16-bit float dtype, the
+    same batch dims (attention's products; no broadcasting)."""
+    return (x.dtype == y.dtype and x.dtype.name in CUDA_TYPES and x.ndim == y.ndim > 2
+            and x.shape[:-2] == y.shape[:-2])
+
+
+def strided_gemm_args(x_shape, y_shape, transpose_x: bool, transpose_y: bool) -> tuple:
+    """cuBLAS's column-major arguments for the row-major batched product
+    ``op(x) @ op(y)`` of C-contiguous ``x`` and ``y`` of one batch shape: (transa, transb,
+    m, n, k, lda, stride_a, ldb, stride_b, ldc, stride_c, batch, result shape). A
+    row-major matrix is its transpose in column-major order, so C = op(x) op(y) is
+    computed as C^T = op(y)^T op(x)^T, with y's buffer as cuBLAS's A and x's as its B."""
+    *batch, xr, xc = x_shape
+    yr, yc = y_shape[-2:]
+    m, k = (xc, xr) if transpose_x else (xr, xc)
+    n = yr if transpose_y else yc
+    count = 1
+    for d in batch:
+        count *= d
+    return (CUBLAS_OP_T if transpose_y else CUBLAS_OP_N,
+            CUBLAS_OP_T if transpose_x else CUBLAS_OP_N,
+            n, m, k, yc, yr * yc, xc, xr * xc, n, m * n, count, (*batch, m, n))
+
+
+def batched_matmul(x, y, transpose_x: bool, transpose_y: bool):
+    """``op(x) @ op(y)`` of CuPy arrays of one 16-bit float dtype and one batch shape, as
+    one strided-batched GEMM on the matrix units (float32 accumulation, the result rounded
+    once), in a new array. CuPy's matmul has no such path for 16-bit operands."""
+    import cupy
+    import numpy as np
+    from cupy.cuda import cublas, device
+
+    x, y = cupy.ascontiguousarray(x), cupy.ascontiguousarray(y)
+    (transa, transb, m, n, k, lda, stride_a, ldb, stride_b, ldc, stride_c, count,
+     shape) = strided_gemm_args(x.shape, y.shape, transpose_x, transpose_y)
+    out = cupy.zeros(shape, dtype=x.dtype) if k == 0 else cupy.empty(shape, dtype=x.dtype)
+    if out.size == 0 or k == 0:
+        return out
+    kind = CUDA_TYPES[x.dtype.name]
+    one, zero = np.ones(1, np.float32), np.zeros(1, np.float32)
+    handle = device.get_cublas_handle()
+    mode = cublas.getPointerMode(handle)
+    cublas.setPointerMode(handle, CUBLAS_POINTER_MODE_HOST)
+    try:
+        cublas.gemmStridedBatchedEx(
+            handle, transa, transb, m, n, k, one.ctypes.data,
+            y.data.ptr, kind, lda, stride_a, x.data.ptr, kind, ldb, stride_b,
+            zero.ctypes.data, out.data.ptr, kind, ldc, stride_c, count,
+            CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT)
+    finally:
+        cublas.setPointerMode(handle, mode)
+    return out

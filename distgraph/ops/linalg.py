@@ -15,6 +15,9 @@ overlapped collectives (:mod:`distgraph.spmd.meshslice` lists the layouts).
 
 from __future__ import annotations
 
+import numpy as np
+
+from distgraph.ops import fused_gpu
 from distgraph.ops import meshslice as ms
 from distgraph.ops.common import broadcast_shapes, reduce_to_shape, same_dtype
 from distgraph.ops.shape import reshape
@@ -86,6 +89,8 @@ class Matmul:
         if isinstance(meshslice, ms.LocalMeshSlice):
             return ms.run(ctx, x, y, transpose_x, transpose_y, meshslice)
         xp = ctx.xp
+        if xp is not np and fused_gpu.stacked_16bit(x, y):
+            return fused_gpu.batched_matmul(x, y, transpose_x, transpose_y)
         if transpose_y:
             y = xp.swapaxes(y, -1, -2)
         if x.ndim > 2 and y.ndim == 2 and not transpose_x:

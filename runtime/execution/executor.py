@@ -30,6 +30,7 @@ import numpy as np
 from distgraph import dtypes
 from distgraph.errors import RuntimeFault
 from distgraph.ir import Program
+from distgraph.ops import fused_gpu
 from distgraph.plan.instructions import OpInstr, last_uses, op_instr, with_donors
 from distgraph.registry import KernelContext, get_op
 
@@ -42,15 +43,16 @@ def gpu_16bit(instr: OpInstr, args, attrs) -> bool:
     """Whether a GPU runs ``instr``'s kernel on its 16-bit operands as they are: a GEMM
     on the matrix units, accumulating in float32 and rounding its result once, as the
     host's float32 computation rounds it (which on a GPU runs at the float32 rate,
-    several times slower). A matmul of one 2-D GEMM of one dtype: a Linear layer's (its
-    rows flattened, the weight 2-D) or two matrices; not a batched one (CuPy's has no
-    16-bit float path) nor MeshSlice's sliced form, which accumulates partial
-    products."""
+    several times slower). A matmul of one dtype: one 2-D GEMM (a Linear layer's, its
+    rows flattened and the weight 2-D, or two matrices') or a stack of them of one batch
+    shape (attention's: one cuBLAS call, :func:`distgraph.ops.fused_gpu.batched_matmul`);
+    not a stack against a broadcast matrix nor MeshSlice's sliced form, which accumulates
+    partial products."""
     if instr.op_type != "matmul" or attrs.get("meshslice") or \
             not args[0].dtype == args[1].dtype == instr.out_dtypes[0]:
         return False
-    return bool(attrs.get("rows")) or (args[1].ndim == 2 and (
-        args[0].ndim == 2 or not attrs.get("transpose_x")))
+    return bool(attrs.get("rows")) or fused_gpu.stacked_16bit(args[0], args[1]) or (
+        args[1].ndim == 2 and (args[0].ndim == 2 or not attrs.get("transpose_x")))
 
 
 def run_op(instr: OpInstr, env: dict, scope: dict, ctx: KernelContext, donate=()) -> None:

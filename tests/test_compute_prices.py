@@ -103,13 +103,27 @@ def test_a_matmul_is_the_gemms_its_kernel_runs(ins, attrs, shape):
 
 
 def test_op_time_prices_a_gemm_by_the_curve_and_a_view_at_its_launch():
+    """A launch and its op's work: added up on a CPU, the longer of the two on a GPU."""
     curve = GemmCurve(8, (128, 128), 32, 16)
     device = Device(0, 0, 0, "GPU", "x", {"bfloat16": 100000.0}, 80, memory_bandwidth=2000,
                     op_overhead=3, gemm=curve)
     ins, out = [T((2048, 1024), "bfloat16"), T((1024, 512), "bfloat16")], T((2048, 512),
                                                                               "bfloat16")
-    assert op_time("matmul", ins, [out], {}, device) == pytest.approx(
-        3e-6 + gemm_seconds(1, 2048, 512, 1024, 2, 100e12, curve, 2000e9))
+    work = gemm_seconds(1, 2048, 512, 1024, 2, 100e12, curve, 2000e9)
+    assert work > 3e-6
+    # a GPU queues its launches: an op costs the longer of its launch and its work
+    assert op_time("matmul", ins, [out], {}, device) == pytest.approx(work)
+    small = [T((16, 1024), "bfloat16"), T((1024, 16), "bfloat16")], [T((16, 16), "bfloat16")]
+    assert op_time("matmul", *small, {}, device) == pytest.approx(3e-6)
+    # a CPU runs one after the other
+    cpu = dataclasses.replace(device, type="CPU")
+    assert op_time("matmul", ins, [out], {}, cpu) == pytest.approx(3e-6 + work)
+    assert op_time("matmul", *small, {}, cpu) == pytest.approx(
+        3e-6 + gemm_seconds(1, 16, 16, 1024, 2, 100e12, curve, 2000e9))
+    x = T((4096, 4096), "float32")
+    roof = 3 * 4096 * 4096 * 4 / 2000e9          # its bytes at the memory bandwidth
+    assert op_time("add", [x, x], [x], {}, device) == pytest.approx(max(3e-6, roof))
+    assert op_time("add", [x, x], [x], {}, cpu) == pytest.approx(3e-6 + roof)
     flat = dataclasses.replace(device, gemm=None)      # the roofline: no quantisation
     assert op_time("matmul", ins, [out], {}, flat) < op_time("matmul", ins, [out], {}, device)
     x = T((64, 1024, 1024), "bfloat16")

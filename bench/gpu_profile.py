@@ -1,6 +1,7 @@
 """Where a GPT training step's time goes on one GPU, op type by op type.
 
-    python bench/gpu_profile.py [--amp] [--layers 12 --d-model 768 ...] [--top 25] [--cluster FILE]
+    python bench/gpu_profile.py [--amp] [--layers 12 --d-model 768 ...] [--top 25]
+                                [--cluster FILE] [--detail OP_TYPE]
 
 The model and batch are bench/gpu_step.py's (GPT-2 small, seq 1024, batch 8). The step's
 local program (its plan on ``Cluster.local(1, device="GPU")``, or on ``--cluster``'s GPU:
@@ -10,7 +11,8 @@ at its end); with the host's seconds per op (no synchronisation: what Python and
 launches cost); and with each op synchronised (the GPU's seconds per op, launches
 included). Prints the three step times and, per op type, calls and the milliseconds of
 each way, the most costly first, beside the cost model's (its ``op_time`` of each call on
-the plan's device: where a prediction of the step goes wrong). On numpy (``--numpy``) it profiles the CPU instead.
+the plan's device: where a prediction of the step goes wrong); ``--detail OP_TYPE`` lists
+one type's calls by operands. On numpy (``--numpy``) it profiles the CPU instead.
 """
 
 from __future__ import annotations

@@ -7,12 +7,12 @@ over a GPT's 150 parameters the launches outnumber the work. :func:`adam` is Ada
 step as one CuPy elementwise kernel: each element read and written once, the step
 counter and the learning rate read on the device (no copy to the host, which would
 wait for the GPU). :func:`gelu` and :func:`gelu_grad` are GELU's (tanh form) array
-expressions, 7 and 14 passes over an activation, as one each. :func:`batched_matmul` is a
-stacked 16-bit GEMM (attention's) as one cuBLAS call on the matrix units, which CuPy's
-matmul does not make. The row softmax and layer
+expressions, 7 and 14 passes over an activation, as one each. The row softmax and layer
 norm, and their gradients, are one block of threads per row (layer norm's weight and bias
 gradients, sums over rows, a second kernel of column sums). Their arithmetic is the
 ``xp`` forms', in the operands' dtype, so a float64 step equals numpy's to rounding.
+:func:`batched_matmul` is a stack of 16-bit GEMMs (attention's) as one cuBLAS call on
+the matrix units, which CuPy's matmul does not make of 16-bit operands.
 """
 
 from __future__ import annotations

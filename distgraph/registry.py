@@ -26,6 +26,8 @@ FLOPs (relu is such a row, in :mod:`distgraph.ops.elementwise`). Both forms end 
 executor gives one: an input buffer of the result's shape and dtype that dies at this op.
 ``comm(site) -> ((kind, group size, buffer bytes), ...)`` (optional) declares the
 collectives an op's distributed form runs inside its kernel, so the plan counts them.
+Whether it runs any is its layout's to say, not the process's: empty at one process of
+the op's mesh, empty at all (completion's pricing asks the first process only).
 ``localize(attrs, site) -> (attrs, ctx)`` (optional) adapts an op to run on local shards:
 shape attributes become local, a vocabulary shard learns its first row, a random op
 learns which slice of the global tensor it draws (``site`` is a :class:`LocalSite`).

@@ -35,6 +35,8 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
+
 from distgraph.passes.completion.setup import CompletionSetup
 from distgraph.passes.completion.why import why
 from distgraph.passes.completion.resolution import (
@@ -385,11 +387,13 @@ class _Completion:
                 ins = tuple(attr(mesh, self.ispec[(k, i)].known()) for i in range(len(op.inputs)))
                 outs = tuple(attr(mesh, self.ospec[(k, j)].known())
                              for j in range(len(op.outputs)))
-                op_comm.append((opdef, [LocalSite(
-                    pid, tuple(v.shape for v in op.inputs), ins,
-                    tuple(o.shape for o in op.outputs), outs,
-                    tuple(v.dtype for v in op.inputs), tuple(sorted(op.attrs.items())))
-                    for pid in mesh.process_ids]))
+                site = LocalSite(mesh.process_ids[0], tuple(v.shape for v in op.inputs), ins,
+                                 tuple(o.shape for o in op.outputs), outs,
+                                 tuple(v.dtype for v in op.inputs),
+                                 tuple(sorted(op.attrs.items())))
+                if opdef.comm(site):      # empty at one process, empty at all (registry)
+                    op_comm.append((opdef, [dataclasses.replace(site, process_id=pid)
+                                            for pid in mesh.process_ids]))
         return planned_traffic(points, op_comm, self.static.pricer)
 
     def write(self) -> None:

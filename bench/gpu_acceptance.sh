@@ -13,7 +13,9 @@
 #   step.log     bench/gpu_step.py: GPT-2 small's step against PyTorch eager, fp32 and bf16;
 #                predicted step and peak, the runtime's count and CuPy's pool
 #   calib.log    distgraph cluster calibrate on the GPU against the shipped H100 figures,
-#                then the fp32 step again planned on that calibration (its prediction)
+#                then the fp32 and amp steps again planned on that calibration (their
+#                predictions), and two shapes it was not fitted to (24 layers of 1,024;
+#                seq 256): whether the calibration holds
 # summary.txt holds each step's exit status and seconds.
 set -u
 OUT=${1:?usage: bench/gpu_acceptance.sh OUTDIR [WHEELS]}
@@ -50,7 +52,10 @@ shipped = Cluster.from_file("resources/clusters/h100_16384.yaml").devices[0]
 for name in ("model", "gflops", "memory_bandwidth", "op_overhead", "gemm"):
     print(f"{name:17} measured {getattr(mine, name)!r}\n{'':17} shipped  {getattr(shipped, name)!r}")
 EOF
-step step 120 "$PY" bench/gpu_step.py --steps 5 --numpy-steps 0 --cluster "$OUT/gpu.yaml"
+for shape in "" "--amp" "--layers 24 --d-model 1024 --heads 16 --batch 4" "--seq 256 --batch 4"; do
+  # shellcheck disable=SC2086  (the shape's words are the bench's arguments)
+  step step 120 "$PY" bench/gpu_step.py --steps 5 --numpy-steps 0 --cluster "$OUT/gpu.yaml" $shape
+done
 step tests 240 "$PY" -m pytest -p no:cacheprovider -q -rs -n 8 --durations=10 \
   tests/test_gpu_ops.py tests/test_gpu.py tests/test_gpu_planning.py tests/test_cupy_namespace.py
 cat "$OUT/summary.txt"

@@ -45,11 +45,10 @@ GUESS = 50e9           # FLOP/s the number of calls per timing is sized with
 
 
 def fastest_seconds(xb, shape, dtype, repeats: int, window: float = 0.0, sync=None) -> float:
-    """The fastest of ``repeats`` timings of one ``[m, k] @ [k, n]`` of ``dtype`` (random
-    operands) on
-    backend ``xb`` (each the mean of as many calls as fit :data:`BUDGET`, or ``window``
-    seconds where larger, timed to the end of the device's work; ``sync`` lines the
-    ranks up before each)."""
+    """The fastest of ``repeats`` timings of one ``[m, k] @ [k, n]`` of ``dtype`` on
+    random operands on backend ``xb`` (each the mean of as many calls as fit
+    :data:`BUDGET`, or ``window`` seconds where larger, timed to the end of the device's
+    work; ``sync`` lines the ranks up before each)."""
     m, n, k = shape
     dtype = numpy_dtype(dtype)
     # random operands, as training's: a GPU's matrix units multiply ones faster (less

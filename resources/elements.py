@@ -136,8 +136,9 @@ class GemmCurve:
 @dataclass(frozen=True)
 class Device:
     """One device. ``gflops`` maps a dtype name to GFLOP/s; ``memory`` is in GB;
-    ``memory_bandwidth`` (GB/s) and ``op_overhead`` (µs per op launch) feed the cost model
-    and are None where the file does not give them (it then uses defaults per type);
+    ``memory_bandwidth`` (GB/s) and ``op_overhead`` (µs per op launch: added to an op's
+    work on a CPU, the op's least time on a GPU, whose launches are queued) feed the cost
+    model and are None where the file does not give them (it then uses defaults per type);
     ``op_costs`` maps an op type to its measured ``(µs per call, ns per unit of work)``
     (work: FLOPs of a matmul, else elements read and written; see
     :func:`distgraph.registry.op_work`), which the cost model prefers;

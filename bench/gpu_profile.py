@@ -92,6 +92,17 @@ def gemm_rates(xp, sync, n=8192) -> str:
     return "; ".join(out)
 
 
+def tally(keys, host, synced, predicted) -> dict:
+    """{key: [calls, host s, synchronised s, the model's s]} of the ops, each under its key."""
+    rows = defaultdict(lambda: [0, 0.0, 0.0, 0.0])
+    for key, *seconds in zip(keys, host, synced, predicted):
+        row = rows[key]
+        row[0] += 1
+        for i, t in enumerate(seconds, 1):
+            row[i] += t
+    return rows
+
+
 def signature(op) -> str:
     """An op's operands (shape and dtype) and its attributes other than arrays, in one
     line."""
@@ -112,6 +123,11 @@ def main(argv=None) -> int:
     parser.add_argument("--cluster", metavar="FILE",
                         help="plan on this resource file's device (bench/gpu_step.py's)")
     args = parser.parse_args(argv)
+    if args.cluster:
+        kinds = {d.type for d in dg.Cluster.from_file(args.cluster).devices}
+        if kinds != {"CPU" if args.numpy else "GPU"}:
+            parser.error(f"--cluster {args.cluster}: its devices are {sorted(kinds)}; this "
+                         f"profile runs on {'the CPU' if args.numpy else 'a GPU'}")
     backend = NUMPY if args.numpy else get_backend("cupy")
     if not args.numpy:
         print(f"gpu_profile: matmul TFLOP/s: {gemm_rates(backend.xp, backend.synchronize)}")
@@ -129,12 +145,7 @@ def main(argv=None) -> int:
     runner.run(scope, feed, (), step=3, timings=host)
     backend.synchronize()
     runner.run(scope, feed, (), step=4, timings=synced, device_sync=backend.synchronize)
-    rows = defaultdict(lambda: [0, 0.0, 0.0, 0.0])
-    for t, h, d, p in zip(types, host, synced, predicted):
-        rows[t][0] += 1
-        rows[t][1] += h
-        rows[t][2] += d
-        rows[t][3] += p
+    rows = tally(types, host, synced, predicted)
     print(f"gpu_profile: GPT {args.layers} layers, d_model {args.d_model}, seq {args.seq}, "
           f"batch {args.batch}, {'amp bf16' if args.amp else 'fp32'} on {backend!r}: "
           f"{len(types)} ops")
@@ -145,15 +156,11 @@ def main(argv=None) -> int:
     for t, (n, h, d, p) in sorted(rows.items(), key=lambda r: -r[1][2])[:args.top]:
         print(f"  {t:28} {n:6d} {h * 1e3:9.2f} {d * 1e3:10.2f} {p * 1e3:9.2f}")
     for kind in args.detail:
-        rows = defaultdict(lambda: [0, 0.0, 0.0, 0.0])
-        for op, h, d, p in zip(runner.program.ops, host, synced, predicted):
-            if op.type == kind:
-                row = rows[signature(op)]
-                row[0] += 1
-                row[1] += h
-                row[2] += d
-                row[3] += p
-        print(f"  {kind}, by operands and attributes:")
+        rows = tally([signature(op) if op.type == kind else None for op in runner.program.ops],
+                     host, synced, predicted)
+        rows.pop(None, None)
+        print(f"  {kind}, by operands and attributes:" if rows else
+              f"  {kind}: no calls in this step")
         for sig, (n, h, d, p) in sorted(rows.items(), key=lambda r: -r[1][2]):
             print(f"    {n:4d} calls {h * 1e3:8.2f} {d * 1e3:9.2f} {p * 1e3:8.2f} ms  {sig}")
     return 0

@@ -196,36 +196,3 @@ def test_a_gpu_multiplies_16_bit_operands_as_they_are_only_in_gemms_it_runs_whol
     assert not takes([(8, 16), (16, 32)], dtypes=(bf16, np.float32))
     assert not takes([(8, 16), (8, 16)], op="add")
 
-
-@pytest.mark.parametrize("transpose_x", [False, True])
-@pytest.mark.parametrize("transpose_y", [False, True])
-def test_the_strided_gemm_arguments_compute_the_row_major_product(transpose_x, transpose_y):
-    """distgraph.ops.fused_gpu.strided_gemm_args against cuBLAS's definition of a
-    column-major strided-batched GEMM (element (i, j) of matrix b at
-    ``buffer[b * stride + i + j * ld]``, op T transposing), here in numpy on the two
-    operands' buffers: its result buffer, read row-major, is ``op(x) @ op(y)``."""
-    from distgraph.ops.fused_gpu import CUBLAS_OP_N, strided_gemm_args
-
-    rng = np.random.default_rng(int(transpose_x) * 2 + int(transpose_y))
-    m, n, k, batch = 5, 3, 4, (2, 3)
-    x = rng.standard_normal(batch + ((k, m) if transpose_x else (m, k)))
-    y = rng.standard_normal(batch + ((n, k) if transpose_y else (k, n)))
-    want = np.matmul(np.swapaxes(x, -1, -2) if transpose_x else x,
-                     np.swapaxes(y, -1, -2) if transpose_y else y)
-    (ta, tb, cm, cn, ck, lda, sa, ldb, sb, ldc, sc, count,
-     shape) = strided_gemm_args(x.shape, y.shape, transpose_x, transpose_y)
-
-    def matrix(buffer, b, stride, ld, op, rows, cols):     # op(matrix b), rows x cols
-        stored = (rows, cols) if op == CUBLAS_OP_N else (cols, rows)
-        got = np.array([[buffer[b * stride + i + j * ld] for j in range(stored[1])]
-                        for i in range(stored[0])])
-        return got if op == CUBLAS_OP_N else got.T
-
-    out = np.zeros(count * sc)
-    for b in range(count):
-        c = matrix(y.ravel(), b, sa, lda, ta, cm, ck) @ matrix(x.ravel(), b, sb, ldb, tb, ck, cn)
-        for i in range(cm):
-            for j in range(cn):
-                out[b * sc + i + j * ldc] = c[i, j]
-    assert shape == want.shape and count == 6
-    np.testing.assert_allclose(out.reshape(shape), want, rtol=1e-12)

@@ -580,22 +580,3 @@ def test_float32_gradients_match_float64():
         assert g32[n].dtype == np.float32
         np.testing.assert_allclose(g32[n], g64[n], rtol=1e-4, atol=1e-5, err_msg=n)
 
-
-def test_which_arrays_a_gpus_row_kernels_take():
-    """distgraph.ops.fused_gpu.by_rows_of, the layer-norm kernels' predicate (numpy arrays
-    stand in for CuPy's: only shapes, dtypes and contiguity count): rows of float32 or
-    float64, C-contiguous, with weights a row long and statistics one per row."""
-    from distgraph.ops.fused_gpu import by_rows_of
-
-    x = np.zeros((4, 3, 8))
-    w, stat = np.zeros(8), np.zeros((4, 3))
-    assert by_rows_of(x, w, w)
-    assert by_rows_of(x, x, w, stat, stat)                    # the gradient's operands
-    assert by_rows_of(x.astype(np.float32), *(a.astype(np.float32) for a in (x, w, stat)))
-    assert not by_rows_of(x, w.astype(np.float32), w)         # two dtypes
-    assert not by_rows_of(x.astype(np.float16), w.astype(np.float16), w.astype(np.float16))
-    assert not by_rows_of(x.transpose(1, 0, 2), w, w)         # not C-contiguous
-    assert not by_rows_of(x, x.transpose(1, 0, 2).copy(), w)  # another shape
-    assert not by_rows_of(x, np.zeros(16)[::2], w)            # a strided weight
-    assert not by_rows_of(x, np.zeros(5), w)                  # neither a row nor a statistic
-    assert not by_rows_of(np.zeros((4, 0)), np.zeros(0), np.zeros(0))

@@ -224,7 +224,8 @@ def report_matrix(rows, cluster_file: str) -> None:
           f"priced; between machines {cluster.bandwidth(a, b):.4g} GB/s and "
           f"{cluster.latency(a, b):.3g} us")
     software = d.reshard_overhead or {}
-    print("  software per reshard step (us per ring round, ns per byte): " + ", ".join(
+    print("  software per reshard step (us per 2-process step, ns per byte; ring_round: us "
+          "per further round): " + ", ".join(
         f"{k} {v[0]:g}/{v[1]:g}" for k, v in sorted(software.items())))
     print(f"{'plan':<16} {'shape':<8} {'predicted ms':>12} "
           + " ".join(f"{p:>8}" for p in PARTS) + f" {'measured ms':>11} {'error':>7}")

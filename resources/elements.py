@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Mapping
 
 from distgraph.errors import ResourceFileError
-from distgraph.plan.kinds import ALL_TO_ALLV, StepKind
+from distgraph.plan.kinds import ALL_TO_ALLV, RING_ROUND, StepKind
 
 COMPUTE_TYPES = ("CPU", "GPU", "XPU", "NPU", "DCU", "MLU", "IPU", "TPU")
 NETWORK_TYPES = ("NIC",)
@@ -145,7 +145,8 @@ class Device:
     ``reshard_overhead`` maps a reshard step kind (``all_reduce``, ``slice``, ...) to the
     ``(µs per step, ns per byte of its buffer)`` of software one such step costs beyond
     its messages' alpha-beta (the runtime's own copies; a file may give the µs alone;
-    the µs are a 2-process step's, paid once per ring round by a collective over more);
+    the µs are a 2-process step's; a collective over more pays ``ring_round`` µs for
+    each further round of its ring, or, without that entry, the step's µs again);
     ``sliced``: one collective inside MeshSlice's sliced pipeline (µs per step), and the
     ns per byte a partial GeMM reads again; ``gemm``: how its GEMM rate depends on a
     GEMM's m, n and k (a :class:`GemmCurve`; None: every GEMM at the GFLOP/s of its
@@ -519,8 +520,9 @@ class DeviceMesh:
 # A device's measured software cost per step (``reshard_overhead``) is given per reshard
 # step kind (the plan contract's: collectives, local steps, point-to-point), for
 # ``all_to_allv``: an op's all-to-all with variable counts (MoE's dispatch), and for
-# ``sliced``: one collective inside a sliced pipeline (MeshSlice's kernel).
-SOFTWARE_KINDS = tuple(kind.value for kind in StepKind) + (ALL_TO_ALLV, "sliced")
+# ``sliced``: one collective inside a sliced pipeline (MeshSlice's kernel); ``ring_round``:
+# what each further round of a collective's ring adds (:data:`~distgraph.plan.kinds.RING_ROUND`).
+SOFTWARE_KINDS = tuple(kind.value for kind in StepKind) + (ALL_TO_ALLV, "sliced", RING_ROUND)
 
 def _ranges(ids) -> str:
     """Compact id list: [0, 1, 2, 5] -> '0-2, 5'."""

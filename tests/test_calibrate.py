@@ -55,6 +55,58 @@ def test_a_step_over_four_ranks_is_fitted_per_ring_round():
         a + b * 4096, rel=1e-6)
 
 
+def test_steps_over_pairs_and_all_four_ranks_fit_a_cost_per_further_round(tmp_path):
+    """Collectives timed over pairs of ranks (group size 2, on the pairs' own links) and
+    over all 4 (3 ring rounds) as alpha-beta plus ``a_k + r x (rounds - 1) + b_k x B``
+    give back each kind's (a_k, b_k) and the shared ``ring_round`` r; a step timed over
+    all ranks only (send_recv, all_to_allv) is taken less its further rounds. The file
+    keeps the figures, and the model charges each group size what was measured."""
+    from distgraph.passes.cost.prices import Rings, software_time
+    from distgraph.mesh import ProcessMesh
+
+    near, far = (8.0, 2.0), (1.0, 50.0)       # inside a pair, between the pairs
+    cluster = dg.Cluster.from_dict({"machines": [
+        {"hostname": f"h{m}", "devices": [
+            {"global_id": 2 * m + i, "type": "CPU", "memory": 1, "gflops": {"float32": 10}}
+            for i in range(2)],
+         "links": [{"group": [2 * m, 2 * m + 1], "bandwidth": near[0], "latency": near[1]}]}
+        for m in range(2)],
+        "links": [{"source": a, "target": b, "bandwidth": far[0], "latency": far[1]}
+                  for a in (0, 1) for b in (2, 3)]})
+    rings = Rings(cluster, lambda p: p)
+    whole = rings.along(ProcessMesh([0, 1, 2, 3], ["x"]), 0, "x")
+    pair = rings.along(ProcessMesh([[0, 1], [2, 3]], ["x", "y"]), 0, "y")
+    a = {"all_reduce": 300e-6, "all_gather": 200e-6}
+    b = {"all_reduce": 0.4e-9, "all_gather": 0.1e-9}
+    r = 70e-6
+    sizes = (4096, 65536, 1 << 20)
+    steps = {}
+    for kind in a:
+        steps[kind] = [(B, collective_time(kind, 4, B, whole.bandwidth, whole.latency)
+                        + a[kind] + 2 * r + b[kind] * B) for B in sizes]
+        steps[kind] += [(B, collective_time(kind, 2, B, pair.bandwidth, pair.latency)
+                         + a[kind] + b[kind] * B, 2) for B in sizes]
+    steps["all_to_allv"] = [(B, collective_time("all_to_all", 4, B, whole.bandwidth,
+                                                whole.latency) + 90e-6 + 2 * r)
+                            for B in (1 << 18, 1 << 20)]
+    out = reshard_overheads(cluster, steps)
+    assert out["all_reduce"] == pytest.approx((300.0, 0.4), rel=1e-4)
+    assert out["all_gather"] == pytest.approx((200.0, 0.1), rel=1e-4)
+    assert out["ring_round"] == pytest.approx((70.0, 0.0), rel=1e-4)
+    assert out["all_to_allv"] == pytest.approx((90.0, 0.0), abs=1e-3)
+    ranks = [{"rank": k, "host": f"h{k // 2}", "model": "cpu", "memory": 8.0,
+              "gflops": {"float32": 10.0}} for k in range(4)]
+    pairs = {(x, y): near if x // 2 == y // 2 else far
+             for x in range(4) for y in range(x + 1, 4)}
+    build_cluster(ranks, pairs, None, "calibrated4", steps).save(tmp_path / "c.yaml")
+    device = dg.Cluster.from_file(tmp_path / "c.yaml").devices[0]
+    assert device.reshard_overhead["ring_round"] == pytest.approx((70.0, 0.0), rel=1e-4)
+    for n, rounds in ((2, 0), (4, 2)):
+        assert software_time(device, "all_reduce", 65536, n=n) == pytest.approx(
+            300e-6 + rounds * r + 0.4e-9 * 65536, rel=1e-4)
+    assert software_time(device, "slice", 0, n=4) == 0.0      # not measured
+
+
 def test_a_step_faster_than_its_links_costs_nothing_more():
     """Measured below the alpha-beta charge (a fast shared-memory copy): no negative cost."""
     steps = {"all_reduce": [(B, 0.5 * collective_time("all_reduce", 2, B, BW, LAT))

@@ -133,6 +133,38 @@ def test_the_estimate_pays_what_overlap_leaves_exposed():
     assert late.step_time > on.step_time
 
 
+def test_a_buckets_reductions_meet_once(monkeypatch):
+    """The reductions of a bucket start together, so their group meets once: a measured
+    per-step software cost (the meeting) adds one group's wait to a bucket of many
+    reductions, and one to each of as many one-reduction buckets."""
+    from distgraph.passes.cost import estimate as E
+    from distgraph.passes.cost.overlap import bucket_seconds
+
+    base = dg.Cluster.from_file(os.path.join(HERE, "..", "resources", "clusters",
+                                             "emulated_2x2.yaml"))
+    meeting = 5000.0                 # µs per 2-process step: 3 rounds over the 4 ranks
+
+    def priced(bucket_mb, software):
+        asked = []
+        monkeypatch.setattr(E, "bucket_seconds",
+                            lambda *args: asked.append(args) or bucket_seconds(*args))
+        overhead = {"all_reduce": (meeting, 0.0)} if software else None
+        cluster = dataclasses.replace(base, machines=tuple(
+            dataclasses.replace(m, devices=tuple(
+                dataclasses.replace(d, reshard_overhead=overhead) for d in m.devices))
+            for m in base.machines))
+        dg.passes.estimate(planned("gpt", "dp_z0", bucket_mb=bucket_mb), cluster)
+        paid, hidden, seqs = bucket_seconds(*asked[0][:5], {})
+        buckets = gradient_buckets(asked[0][1], bucket_mb)
+        return paid + hidden, len(buckets), len(seqs)
+
+    for mb in (1e6, TINY):
+        with_software, buckets, reductions = priced(mb, True)
+        without, _, _ = priced(mb, False)
+        assert reductions > 4 and buckets == (1 if mb == 1e6 else reductions)
+        assert with_software - without == pytest.approx(buckets * 3 * meeting * 1e-6)
+
+
 @pytest.mark.parametrize("name", ["dp_z0", "dp_z3", "pp_dp_z2"])
 def test_many_buckets_and_prefetch_train_equal_to_serial_on_threads(float64, name):
     serial = C.train(None, "gpt")

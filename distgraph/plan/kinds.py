@@ -74,6 +74,12 @@ ALL_TO_ALLV = "all_to_allv"
 by all_to_all's formula at the declared (expected) buffer, and by its own measured
 software cost (``distgraph cluster calibrate``)."""
 
+RING_ROUND = "ring_round"
+"""The ``reshard_overhead`` entry of a device that gives the µs each further round of a
+collective's ring costs beyond a 2-process step's (``distgraph cluster calibrate``,
+measured on groups of 2 and of every rank); without it each round costs a 2-process
+step's µs (:func:`~distgraph.passes.cost.prices.software_time`)."""
+
 COLLECTIVES = (StepKind.ALL_GATHER, StepKind.REDUCE_SCATTER, StepKind.ALL_REDUCE,
                StepKind.ALL_TO_ALL)
 """The collectives over a mesh dim's group, the one list."""

@@ -25,12 +25,13 @@ bandwidth (the fastest multi-megabyte ping-pong): a round trip that waited for a
 another process had descheduled is not the link's. For the whole group: all-reduce
 latency (8 bytes) and bus bandwidth (2(n-1)/n * bytes / time). Ranks on the same host
 form one machine; pairs on one host get ``SHM`` links, pairs across hosts ``NET`` links
-between machines. Then one reshard step of each kind through distgraph's runtime,
+between machines. Then one reshard step of each kind through distgraph's runtime (a
+collective over all ranks and, with an even 4 or more, over pairs of them too),
 between ops as in training, on three tensor sizes, timed as what it adds to a loop of
 those ops (the ranks' own turns at cores they share, which the compute rates already
 hold, cancel): what a step costs beyond its messages' alpha-beta (the wire: the links'
-fastest figures), calls, copies and the wait for the group to meet, per step and per
-byte of its buffer
+fastest figures), calls, copies and the wait for the group to meet, per step, per
+further round of a collective's ring and per byte of its buffer
 (``reshard_overhead``; with it ``all_to_allv``, the all-to-all with uneven counts per
 pair that MoE's dispatch runs, on megabyte buffers, and the exchange of its counts:
 :mod:`distgraph.tools.step_probe`); and what one collective of MeshSlice's sliced
@@ -66,7 +67,7 @@ import time
 import numpy as np
 
 from distgraph.passes.cost.formulas import collective_time
-from distgraph.plan.kinds import ALL_TO_ALLV, StepKind
+from distgraph.plan.kinds import ALL_TO_ALLV, RING_ROUND, StepKind
 from distgraph.mesh import ProcessMesh
 from distgraph.placement import DistAttr, ShardSpec
 from distgraph.resources.cluster import Cluster, Device, Link, Machine
@@ -343,45 +344,72 @@ def reshard_overheads(cluster, steps: dict, sliced: dict | None = None,
     measured, less the cost model's charge), fitted by least squares (both >= 0) over
     the buffer sizes measured; one size alone gives the µs per step, and a size under
     :data:`TINY_BYTES` (the counts' exchange of MoE's dispatch, measured with the
-    ``all_to_allv`` sizes) gives it beside larger ones, which then give the ns per byte. The µs are a
-    2-process step's: a collective over all n ranks, as measured, paid them at each of
-    its ring's n - 1 rounds (:func:`~distgraph.passes.cost.prices.software_time`). With ``sliced``
-    (:func:`measure_sliced_gemm`'s times), also ``sliced``: what one collective of a
-    sliced pipeline costs per step beyond the model's charge (:func:`sliced_overhead`),
-    and with ``partial`` (:func:`measure_partial_gemms`) what a byte a partial GeMM reads
-    again costs: the least-squares slope of the seconds over the bytes (0 where not
-    positive: the model then prices such bytes at the memory bandwidth)."""
+    ``all_to_allv`` sizes) gives it beside larger ones, which then give the ns per byte.
+
+    The µs are a 2-process step's; a collective over n processes has n - 1 rounds
+    (:func:`~distgraph.passes.cost.prices.software_rounds`). Where collectives were
+    measured over groups of 2 and of all ranks (an entry's third figure is its group
+    size; none: every rank), one least-squares fit of all of them gives each kind's µs
+    and ns and, shared by the kinds, the µs each further round adds (the ``ring_round``
+    entry, :data:`~distgraph.plan.kinds.RING_ROUND`); the other steps' timings are then
+    taken less those rounds. Otherwise a collective over all n ranks paid the µs at
+    each of its rounds (:func:`~distgraph.passes.cost.prices.software_time` without the
+    entry). With ``sliced`` (:func:`measure_sliced_gemm`'s times), also ``sliced``: what
+    one collective of a sliced pipeline costs per step beyond the model's charge
+    (:func:`sliced_overhead`), and with ``partial`` (:func:`measure_partial_gemms`) what
+    a byte a partial GeMM reads again costs: the least-squares slope of the seconds over
+    the bytes (0 where not positive: the model then prices such bytes at the memory
+    bandwidth)."""
     from scipy.optimize import nnls
 
     from distgraph.passes.cost.prices import Rings, software_rounds
 
     ids = [d.global_id for d in cluster.devices]
     n = len(ids)
-    ring = Rings(cluster, ids.__getitem__).along(ProcessMesh(list(range(n)), ["x"]), 0, "x")
-    out = {}
+    rings = Rings(cluster, ids.__getitem__)
+    whole = rings.along(ProcessMesh(list(range(n)), ["x"]), 0, "x")
+    rows = {}      # name: [(rounds, bytes, seconds beyond the wire)]
     for name, measured in steps.items():
         kind = StepKind.parse(name)            # all_to_allv: all_to_all's formula
-        sizes = np.array([float(b) for b, _ in measured])
-        beyond = np.array([max(t - _wire(kind, n, b, ring), 0.0) for b, t in measured])
-        if sizes.max() == sizes.min():
-            per_step, per_byte = float(np.median(beyond)), 0.0
-        elif sizes.min() < TINY_BYTES and (sizes >= TINY_BYTES).any():
-            # an exchange of (almost) no bytes measures the per-step cost itself (MoE's
-            # counts): it fixes the intercept, and the larger ones give the per-byte slope
-            # (a line through all of them would lift the intercept where the software's
-            # cost per byte is not linear)
-            tiny = sizes < TINY_BYTES
-            per_step = float(np.median(beyond[tiny]))
-            extra = sizes[~tiny] - sizes[tiny].mean()
-            per_byte = max(float(extra @ (beyond[~tiny] - per_step) / (extra @ extra)), 0.0)
+        for entry in measured:
+            b, t, g = entry if len(entry) > 2 else (*entry, n)
+            ring = whole if g == n else rings.along(
+                ProcessMesh(np.arange(n).reshape(n // g, g).tolist(), ["x", "y"]), 0, "y")
+            rows.setdefault(name, []).append(
+                (software_rounds(kind, g), float(b), max(t - _wire(kind, g, b, ring), 0.0)))
+    joint = [name for name, r in rows.items() if len({k for k, _, _ in r}) > 1]
+    out, per_round = {}, None
+    if joint:
+        # unknowns: each joint kind's seconds per step and per MiB, then the seconds of
+        # a further round (columns of like scale for the solver)
+        width = 2 * len(joint) + 1
+        matrix, beyond = [], []
+        for j, name in enumerate(joint):
+            for k, b, t in rows.pop(name):
+                row = np.zeros(width)
+                row[2 * j], row[2 * j + 1], row[-1] = 1.0, b / 2**20, k - 1
+                matrix.append(row)
+                beyond.append(t)
+        solution, _ = nnls(np.array(matrix), np.array(beyond))
+        per_round = float(solution[-1])
+        for j, name in enumerate(joint):
+            out[name] = (round(float(solution[2 * j]) * 1e6, 3),
+                         round(float(solution[2 * j + 1]) / 2**20 * 1e9, 6))
+        out[RING_ROUND] = (round(per_round * 1e6, 3), 0.0)
+    for name, measured in rows.items():
+        rounds = {k for k, _, _ in measured}
+        sizes = np.array([b for _, b, _ in measured])
+        if per_round is None:
+            # every round paid the per-step cost: the figure is a 2-process step's
+            beyond = np.array([t for _, _, t in measured])
+            per_step, per_byte = _line(sizes, beyond)
+            out[name] = (round(per_step / max(rounds) * 1e6, 3), round(per_byte * 1e9, 6))
         else:
-            mib = sizes / 2**20            # columns of like scale for the solver
-            (per_step, per_mib), _ = nnls(np.stack([np.ones_like(mib), mib], axis=1), beyond)
-            per_byte = per_mib / 2**20
-        # the figure is a 2-process step's: a step over n paid it at each ring round
-        per_step /= software_rounds(kind, n)
-        key = ALL_TO_ALLV if name == ALL_TO_ALLV else kind.value
-        out[key] = (round(float(per_step) * 1e6, 3), round(float(per_byte) * 1e9, 6))
+            beyond = np.array([max(t - per_round * (k - 1), 0.0) for k, _, t in measured])
+            per_step, per_byte = _line(sizes, beyond)
+            out[name] = (round(per_step * 1e6, 3), round(per_byte * 1e9, 6))
+    out = {(ALL_TO_ALLV if name == ALL_TO_ALLV else StepKind.parse(name).value)
+           if name != RING_ROUND else name: v for name, v in out.items()}
     if sliced:
         per_byte = 0.0
         if partial:
@@ -391,6 +419,26 @@ def reshard_overheads(cluster, steps: dict, sliced: dict | None = None,
         out["sliced"] = (round(sliced_overhead(cluster, sliced, out, per_byte) * 1e6, 3),
                          per_byte)
     return out
+
+
+def _line(sizes, beyond) -> tuple:
+    """(seconds per step, seconds per byte) of timings ``beyond`` at buffer ``sizes``
+    (:func:`reshard_overheads`): one size gives the seconds per step alone; a size under
+    :data:`TINY_BYTES` fixes the per-step cost beside larger ones, which give the slope
+    (a line through all of them would lift the intercept where the software's cost per
+    byte is not linear: MoE's counts); else a least-squares line, both >= 0."""
+    from scipy.optimize import nnls
+
+    if sizes.max() == sizes.min():
+        return float(np.median(beyond)), 0.0
+    if sizes.min() < TINY_BYTES and (sizes >= TINY_BYTES).any():
+        tiny = sizes < TINY_BYTES
+        per_step = float(np.median(beyond[tiny]))
+        extra = sizes[~tiny] - sizes[tiny].mean()
+        return per_step, max(float(extra @ (beyond[~tiny] - per_step) / (extra @ extra)), 0.0)
+    mib = sizes / 2**20            # columns of like scale for the solver
+    (per_step, per_mib), _ = nnls(np.stack([np.ones_like(mib), mib], axis=1), beyond)
+    return float(per_step), float(per_mib) / 2**20
 
 
 def _wire(kind: StepKind, n: int, nbytes: float, ring) -> float:
@@ -549,7 +597,9 @@ def main(argv=None) -> None:
                   f"{allreduce[1]:.1f} us")
     steps = measure_reshard_steps(comm, args.repeats)
     say(comm, "reshard steps through distgraph, between ops: " + ", ".join(
-        f"{k} " + "/".join(f"{t * 1e6:.0f}" for _, t in v) + " us" for k, v in steps.items())
+        f"{k}{' in pairs' if g else ''} " + "/".join(
+            f"{e[1] * 1e6:.0f}" for e in v if e[2:] == g) + " us"
+        for k, v in steps.items() for g in dict.fromkeys(e[2:] for e in v))
         + f" (global {'/'.join(f'{b // 1024} KiB' for b in RESHARD_BYTES)})")
     if size > 1:
         steps[ALL_TO_ALLV] = measure_all_to_allv(comm, args.repeats)

@@ -20,6 +20,12 @@ from distgraph.plan.kinds import COLLECTIVES, StepKind
 from distgraph.runtime.execution.reshard import apply_reshard
 
 RESHARD_KINDS = (StepKind.SLICE,) + COLLECTIVES     # the kinds one group's step is timed in
+# (layout before, partial dims before, layout after) of each kind's step on a mesh dim "x"
+STEP_LAYOUTS = {StepKind.SLICE: ([None, None], (), ["x", None]),
+                StepKind.ALL_GATHER: (["x", None], (), [None, None]),
+                StepKind.ALL_REDUCE: ([None, None], ("x",), [None, None]),
+                StepKind.REDUCE_SCATTER: ([None, None], ("x",), ["x", None]),
+                StepKind.ALL_TO_ALL: (["x", None], (), [None, "x"])}
 # (and send_recv, between two halves of the ranks: measure_reshard_steps)
 # global bytes of the tensors each reshard step kind is timed on: the per-step cost shows
 # on the smallest, the per-byte cost (the runtime's copies) on the others
@@ -81,40 +87,48 @@ def idle_barrier(comm, poll: float = 1e-3) -> None:
 
 
 def measure_reshard_steps(comm, repeats: int) -> dict:
-    """{step kind: ((buffer bytes, seconds), ...)}: what one reshard step of each kind
-    through distgraph's runtime over all ranks, on tensors of :data:`RESHARD_BYTES`,
+    """{step kind: ((buffer bytes, seconds[, group size]), ...)}: what one reshard step
+    of each kind through distgraph's runtime, on tensors of :data:`RESHARD_BYTES`,
     adds to a loop of the work of :func:`between_steps` (:func:`steps_cost`; a step in a
     tight loop finds its code and data cached and its peers waiting: in training neither
-    holds), the slowest rank's view. What a step costs beyond the alpha-beta of
-    its messages is :func:`reshard_overheads`'s fit."""
+    holds), the slowest rank's view. A collective runs over all ranks (no group size
+    given) and, with 4 ranks or more, an even number, also over groups of 2 (the ranks
+    in pairs, every pair at once, as the groups of a mesh dim of size 2 run it: group
+    size 2): how its cost grows with its ring's rounds. What a step costs beyond the
+    alpha-beta of its messages is :func:`reshard_overheads`'s fit."""
 
     # the runtime is what the figure describes; imported at measurement time only
     from distgraph.runtime.comm.mpi import MPICommunicator
 
     n = comm.Get_size()
     runtime = MPICommunicator(comm)
-    mesh = ProcessMesh(list(range(n)), ["x"])
-    layouts = {StepKind.SLICE: ([None, None], (), ["x", None]),
-               StepKind.ALL_GATHER: (["x", None], (), [None, None]),
-               StepKind.ALL_REDUCE: ([None, None], ("x",), [None, None]),
-               StepKind.REDUCE_SCATTER: ([None, None], ("x",), ["x", None]),
-               StepKind.ALL_TO_ALL: (["x", None], (), [None, "x"])}
     work = (np.ones(BETWEEN_BYTES // 8), np.ones(BETWEEN_BYTES // 8),
             np.empty(BETWEEN_BYTES // 8), np.ones((BETWEEN_GEMM,) * 2, np.float32))
     cases, keys = [], []
+
+    def add(kind, mesh, dim, group, nbytes):
+        before, partial, after = STEP_LAYOUTS[kind]
+        cols = 8 * n
+        rows = n * max(8, -(-nbytes // (4 * cols * n)))
+        shape = (rows, cols)
+        placed = [[dim if d == "x" else None for d in spec] for spec in (before, after)]
+        src = DistAttr(mesh, ShardSpec(placed[0], partial=(dim,) if partial else ()))
+        steps = plan_reshard(src, DistAttr(mesh, ShardSpec(placed[1])), shape, "float32")
+        local = np.ones(src.local_shape(shape), dtype=np.float32)
+        cases.append((lambda: between_steps(work),
+                      lambda _, steps=steps, local=local:
+                      apply_reshard(steps, local, runtime, runtime.rank)))
+        keys.append((kind, steps[0].buffer_bytes, group))
+
+    everyone = ProcessMesh(list(range(n)), ["x"])
     for kind in RESHARD_KINDS if n > 1 else (StepKind.SLICE,):
-        before, partial, after = layouts[kind]
         for nbytes in RESHARD_BYTES:
-            cols = 8 * n
-            rows = n * max(8, -(-nbytes // (4 * cols * n)))
-            shape = (rows, cols)
-            src = DistAttr(mesh, ShardSpec(before, partial=partial))
-            steps = plan_reshard(src, DistAttr(mesh, ShardSpec(after)), shape, "float32")
-            local = np.ones(src.local_shape(shape), dtype=np.float32)
-            cases.append((lambda: between_steps(work),
-                          lambda _, steps=steps, local=local:
-                          apply_reshard(steps, local, runtime, runtime.rank)))
-            keys.append((kind, steps[0].buffer_bytes))
+            add(kind, everyone, "x", None, nbytes)
+    if n >= 4 and n % 2 == 0:
+        pairs = ProcessMesh(np.arange(n).reshape(n // 2, 2).tolist(), ["x", "y"])
+        for kind in COLLECTIVES:
+            for nbytes in RESHARD_BYTES:
+                add(kind, pairs, "y", 2, nbytes)
     if n > 1:
         # a pipeline's hand-over: the first half of the ranks send a tensor each to the
         # second half (a send_recv between two meshes), the others wait for it
@@ -131,10 +145,10 @@ def measure_reshard_steps(comm, repeats: int) -> dict:
             cases.append((lambda: between_steps(work),
                           lambda _, steps=steps, local=local:
                           apply_reshard(steps, local, runtime, runtime.rank)))
-            keys.append((StepKind.SEND_RECV, steps[0].buffer_bytes))
+            keys.append((StepKind.SEND_RECV, steps[0].buffer_bytes, None))
     out: dict = {}
-    for (kind, nbytes), seconds in zip(keys, steps_cost(comm, cases, repeats)):
-        out.setdefault(kind, []).append((nbytes, seconds))
+    for (kind, nbytes, group), seconds in zip(keys, steps_cost(comm, cases, repeats)):
+        out.setdefault(kind, []).append((nbytes, seconds) + ((group,) if group else ()))
     return out
 
 

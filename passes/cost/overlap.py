@@ -8,7 +8,9 @@ of CPUs, the transfer itself, which the processes copy themselves) where it star
 rest runs while the backward computes: its alpha-beta time on the wires
 (:func:`~.formulas.collective_time` on its group's ring) and its software's part per
 step, the wait at each round for the neighbour to reach it (with more ranks than cores,
-a descheduled neighbour's), which the rank spends computing instead of waiting. The wires
+a descheduled neighbour's), which the rank spends computing instead of waiting; a
+bucket's reductions start together, so their group meets once for all of them: the bucket
+pays the largest of their waits per group, each reduction its own alpha-beta. The wires
 carry one collective at a time, in the order they start (a ZeRO-3 gather the backward
 prefetched included, :func:`~.stage.finishes`). After the backward's last op, each op
 waits for the buckets of the reductions it reads: the update, whose ops run in the order
@@ -55,14 +57,18 @@ def bucket_seconds(plan, local, pid: int, rings, scale, op_seconds: dict,
     processor = 0.0          # the buckets' software so far, run on the processor
     starts, paid = [], 0.0
     for bucket in buckets:
-        wire = 0.0
+        wire, meets = 0.0, {}
         for seq in bucket.points:
             p = points[seq]
             step = p.steps[0]
             seconds = reshard_step_time(step, pid, rings, scale.of_step(p, step))
             w = _wire(step, pid, rings, scale.of_step(p, step))
-            wire += w
+            waits = _waits(step, pid, rings)
+            group = tuple(step.mesh.group_of(pid, step.mesh_dim))
+            meets[group] = max(meets.get(group, 0.0), waits)
+            wire += w - waits
             processor += seconds - w
+        wire += sum(meets.values())
         ready = sum(op_seconds.get(i, 0.0) for i in backward if i <= bucket.after) + processor
         starts.append((ready, wire))
     end = sum(op_seconds.get(i, 0.0) for i in backward) + processor
@@ -100,11 +106,20 @@ def _wire(step, pid: int, rings, scale: float) -> float:
     if n <= 1 or pid not in step.mesh:
         return 0.0
     ring = rings.along(step.mesh, pid, step.mesh_dim)
-    waits = software_time(rings.device(pid), step.kind, 0.0, n)
+    waits = _waits(step, pid, rings)
     if ring.copied:
         return waits
     return waits + collective_time(step.kind, n, step.buffer_bytes * scale, ring.bandwidth,
                                    ring.latency)
+
+
+def _waits(step, pid: int, rings) -> float:
+    """The seconds of a collective ``step``'s software per step (the waits at its rounds
+    for the group to meet, :func:`~.prices.software_time` of no bytes); 0 for a group
+    of one."""
+    if step.group_size <= 1 or pid not in step.mesh:
+        return 0.0
+    return software_time(rings.device(pid), step.kind, 0.0, step.group_size)
 
 
 def prefetched_order(plan, local, seqs) -> list | None:

@@ -41,7 +41,7 @@ import numpy as np
 from distgraph import dtypes
 from distgraph.passes.cost.compute import gemm_seconds, gemm_shape
 from distgraph.passes.cost.formulas import collective_time, link_rates, pipeline_time
-from distgraph.plan.kinds import ALL_TO_ALLV, StepKind
+from distgraph.plan.kinds import ALL_TO_ALLV, RING_ROUND, StepKind
 from distgraph.registry import VIEWS, get_op, op_work
 
 # (memory bandwidth GB/s, op overhead µs) by device type when the file gives none.
@@ -329,14 +329,16 @@ def slowest_reshard_step_time(step, rings: Rings) -> float:
 def software_time(device, kind: str, nbytes: float = 0.0, n: int = 2) -> float:
     """Seconds of software a communication step of ``kind`` over ``n`` processes on a
     buffer of ``nbytes`` (the cost formula's B) costs on ``device`` beyond its messages:
-    ``µs per step x rounds + ns per byte x nbytes`` of ``Device.reshard_overhead`` (0
-    where not measured), what ``distgraph cluster calibrate`` measured through the
-    runtime between ops: its calls, its copies (a gather's concatenation, a
-    reduce-scatter's packing) and the wait for the group to meet. The µs are a step's
-    over two processes; a collective over ``n`` pays them at each of the ring's n - 1
-    rounds (``rounds``), since each round waits for a neighbour to reach it: with more
-    ranks than cores that wait, a descheduled neighbour's, is most of the cost (4 ranks
-    on 2 cores: a 4-rank step measured 2.4-4.8 x a 2-rank one). Local steps pay them once.
+    ``µs per step + µs per further round x (rounds - 1) + ns per byte x nbytes`` of
+    ``Device.reshard_overhead`` (0 where not measured), what ``distgraph cluster
+    calibrate`` measured through the runtime between ops: its calls, its copies (a
+    gather's concatenation, a reduce-scatter's packing) and the wait for the group to
+    meet. The µs per step are a step's over two processes; a collective over ``n`` has
+    n - 1 rounds (``software_rounds``), each a wait for a neighbour to reach it, and pays
+    each further one the ``ring_round`` entry's µs (calibrated on groups of 2 and of
+    every rank: with more ranks than cores, 4 ranks on 2 cores, a 2-rank group's step
+    costs most of a 4-rank one's, since the wait for a descheduled peer is most of
+    either), or, in a file without it, the step's µs again. Local steps pay them once.
 
     >>> from distgraph.resources.elements import Device
     >>> d = Device(0, 0, 0, "CPU", reshard_overhead={"all_gather": (30.0, 0.5)})
@@ -344,6 +346,10 @@ def software_time(device, kind: str, nbytes: float = 0.0, n: int = 2) -> float:
     530.0
     >>> round(software_time(d, "all_gather", 1e6, n=4) * 1e6, 3)   # 3 rounds of 30 µs
     590.0
+    >>> d = Device(0, 0, 0, "CPU", reshard_overhead={"all_gather": (30.0, 0.5),
+    ...                                               "ring_round": 10.0})
+    >>> round(software_time(d, "all_gather", 1e6, n=4) * 1e6, 3)   # 30 + 2 x 10 µs
+    550.0
     """
     software = device.reshard_overhead
     if kind == ALL_TO_ALLV and software and kind not in software:
@@ -351,13 +357,15 @@ def software_time(device, kind: str, nbytes: float = 0.0, n: int = 2) -> float:
     if not software or kind not in software:
         return 0.0
     per_step, per_byte = software[kind]
-    return per_step * 1e-6 * software_rounds(kind, n) + per_byte * 1e-9 * nbytes
+    further = software_rounds(kind, n) - 1
+    per_round = software[RING_ROUND][0] if RING_ROUND in software else per_step
+    return (per_step + per_round * further) * 1e-6 + per_byte * 1e-9 * nbytes
 
 
 def software_rounds(kind: str, n: int) -> int:
-    """How many times a step of ``kind`` over ``n`` processes pays the per-step software
-    cost of ``Device.reshard_overhead`` (:func:`software_time`): a collective once per
-    round of its ring, n - 1 (at least 1); any other step once."""
+    """How many rounds of a step of ``kind`` over ``n`` processes wait for a peer
+    (:func:`software_time`): a collective's ring has n - 1 (at least 1); any other step
+    one."""
     return max(n - 1, 1) if StepKind.parse(kind).is_collective else 1
 
 

@@ -2,12 +2,14 @@
 ``--cluster``) and ``distgraph cluster calibrate --local`` measure once, and that
 :meth:`Cluster.local(n) <distgraph.resources.cluster.Cluster.local>` then returns.
 
-One file per host, distgraph version and number of ranks (the ranks share the cores, so
-4 ranks are not 2 ranks twice): ``<cache>/clusters/<host>-<version>-n<ranks>.yaml``,
+One file per host, distgraph version, calibration layout (:data:`LAYOUT`) and number of
+ranks (the ranks share the cores, so 4 ranks are not 2 ranks twice):
+``<cache>/clusters/<host>-<version>-c<layout>-n<ranks>.yaml``,
 where ``<cache>`` is ``$DISTGRAPH_CACHE_DIR`` if set (tests set it to a temporary
 folder: nothing of theirs reaches the user's home), else ``$XDG_CACHE_HOME/distgraph``,
 else ``~/.cache/distgraph``. A new distgraph version measures again (what the runtime
-costs may have changed); so does ``distgraph run --recalibrate``.
+costs may have changed), and so does a new layout of what calibration measures; so does
+``distgraph run --recalibrate``.
 
 Example::
 
@@ -27,6 +29,9 @@ from pathlib import Path
 from distgraph.version import __version__
 
 CACHE_VAR = "DISTGRAPH_CACHE_DIR"
+# what calibration measures, numbered: 2 times collectives over pairs of ranks too (the
+# ``ring_round`` figure), which a file kept by layout 1 lacks
+LAYOUT = 2
 
 
 def cache_dir() -> Path:
@@ -44,7 +49,7 @@ def local_file(nprocs: int) -> Path:
     (whether or not it is there yet)."""
     host = re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname()) or "host"
     version = re.sub(r"[^A-Za-z0-9._-]", "_", __version__)
-    return cache_dir() / "clusters" / f"{host}-{version}-n{int(nprocs)}.yaml"
+    return cache_dir() / "clusters" / f"{host}-{version}-c{LAYOUT}-n{int(nprocs)}.yaml"
 
 
 def cached_local(nprocs: int, device: str, load):

@@ -14,7 +14,7 @@ import sys
 import pytest
 
 import distgraph as dg
-from distgraph.resources.local_cache import cache_dir, local_file
+from distgraph.resources.local_cache import LAYOUT, cache_dir, local_file
 
 SCRIPT = """
 import numpy as np
@@ -44,7 +44,7 @@ def test_cluster_local_is_the_kept_measurement_where_there_is_one(tmp_path, monk
     assert cache_dir() == tmp_path
     path = local_file(3)
     assert path.parent == tmp_path / "clusters" and path.name.endswith(
-        f"-{dg.__version__}-n3.yaml")
+        f"-{dg.__version__}-c{LAYOUT}-n3.yaml")
     assert not dg.Cluster.local(3).calibrated                 # nothing kept: defaults
     measured = dataclasses.replace(dg.Cluster.local(3), name="local3", figures="measured")
     measured = dataclasses.replace(measured, machines=tuple(

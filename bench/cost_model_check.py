@@ -26,7 +26,7 @@ on 4 ranks of the emulated 2 x 2 cluster (root only; ``--emulate FILE``, default
 It first calibrates the emulated cluster (``distgraph cluster calibrate --emulate FILE
 -n 4``): every figure of the file it prices with is measured on the 4 emulated ranks
 at once, so that the compute rates are those of 4 ranks sharing this machine's cores
-(the GEMMs and the steps that scale the per-op costs run on every rank together), and
+(each rank's fastest runs times its share of a core, the ranks lined up), and
 the links are what the emulation's shaping really gives (where the kernel has no netem,
 the machine link's latency is the veth's, not FILE's). Every plan is planned and priced
 (``dg.passes.estimate``) on that file and run on the emulated ranks; after a warm-up of

@@ -64,8 +64,9 @@ def bucket_seconds(plan, local, pid: int, rings, scale, op_seconds: dict,
             seconds = reshard_step_time(step, pid, rings, scale.of_step(p, step))
             w = _wire(step, pid, rings, scale.of_step(p, step))
             waits = _waits(step, pid, rings)
-            group = tuple(step.mesh.group_of(pid, step.mesh_dim))
-            meets[group] = max(meets.get(group, 0.0), waits)
+            if waits:
+                group = tuple(step.mesh.group_of(pid, step.mesh_dim))
+                meets[group] = max(meets.get(group, 0.0), waits)
             wire += w - waits
             processor += seconds - w
         wire += sum(meets.values())

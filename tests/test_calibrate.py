@@ -7,7 +7,8 @@ import pytest
 
 import distgraph as dg
 from distgraph.passes.cost.formulas import collective_time
-from distgraph.tools.calibrate import build_cluster, reshard_overheads
+from distgraph.tools.calibrate import build_cluster
+from distgraph.tools.software_fit import reshard_overheads
 
 BW, LAT = 2.0, 5.0
 

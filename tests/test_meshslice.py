@@ -331,7 +331,8 @@ def test_the_calibrated_sliced_cost_makes_the_model_reproduce_each_more_slice():
     collective inside the pipeline costs what a reshard step of its kind costs."""
     from distgraph.ops.meshslice import overlap
     from distgraph.passes.cost.prices import sliced_software_time
-    from distgraph.tools.calibrate import SLICED_SLICES, build_cluster, sliced_problem
+    from distgraph.tools.calibrate import build_cluster
+    from distgraph.tools.software_fit import SLICED_SLICES, sliced_problem
 
     ranks = [{"rank": r, "host": f"node{r // 2}", "model": "cpu", "memory": 8.0,
               "gflops": {"float32": 10.0}, "memory_bandwidth": 5.0, "op_overhead": 30.0}

@@ -4,7 +4,7 @@ all-to-all with variable counts per pair, MoE's dropless dispatch
 (:func:`measure_all_to_allv`), each run between ops as in training and measured as what
 it adds to a loop of those ops, the cases in turn, the fastest loops kept
 (:func:`steps_cost`). The calibration fits what they cost
-beyond their messages' alpha-beta (:func:`distgraph.tools.calibrate.
+beyond their messages' alpha-beta (:func:`distgraph.tools.software_fit.
 reshard_overheads`)."""
 
 from __future__ import annotations
@@ -95,7 +95,8 @@ def measure_reshard_steps(comm, repeats: int) -> dict:
     given) and, with 4 ranks or more, an even number, also over groups of 2 (the ranks
     in pairs, every pair at once, as the groups of a mesh dim of size 2 run it: group
     size 2): how its cost grows with its ring's rounds. What a step costs beyond the
-    alpha-beta of its messages is :func:`reshard_overheads`'s fit."""
+    alpha-beta of its messages is
+    :func:`~distgraph.tools.software_fit.reshard_overheads`'s fit."""
 
     # the runtime is what the figure describes; imported at measurement time only
     from distgraph.runtime.comm.mpi import MPICommunicator

@@ -253,3 +253,23 @@ def test_speed_table_compares_each_machines_share_with_the_files():
     table, shares = speed_comparison(source, out)
     assert shares == pytest.approx([1.0, 24.0 / 40.0 / 0.5])
     assert "1 of 2 machines compute within 15% of the file's speed ratio" in table
+
+
+@pytest.mark.parametrize("name, windowed", [("emulated_2x2.yaml", False),
+                                            ("emulated_mixed_2x2.yaml", True)])
+def test_calibrating_an_emulated_file_sustains_gemm_windows_only_under_a_quota(
+        name, windowed, monkeypatch, tmp_path):
+    """``calibrate --emulate`` times GEMMs over sustained windows where a machine of the
+    file computes slower (its ranks get a CPU quota), and by the fastest runs times the
+    core share where none does (the measuring ranks' arguments, as launched)."""
+    import distgraph.tools.emulated as E
+
+    path = os.path.join(CLUSTERS, name)
+    assert emulated_job(dg.Cluster.from_file(path), 4, "x", "10.0.0").throttled == windowed
+    launched = []
+    monkeypatch.setattr(E, "launch_emulated",
+                        lambda file, n, argv, timeout=None: launched.append(argv) or 1)
+    args = argparse.Namespace(emulate=path, nprocs=4, repeats=1, timeout=None,
+                              output=str(tmp_path / "out.yaml"))
+    assert E.calibrate_command_emulated(args) == 1           # the ranks "failed": no file
+    assert ("--gemm-window" in launched[0]) == windowed

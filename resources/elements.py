@@ -183,6 +183,10 @@ class Device:
         if self.reshard_overhead is not None:
             _set(self, "reshard_overhead", FrozenMap({str(k): _per_step_and_byte(v) for k, v
                                                       in self.reshard_overhead.items()}))
+            if self.reshard_overhead.get(RING_ROUND, (0.0, 0.0))[1]:
+                raise InvalidCluster(f"device {self.global_id}.reshard_overhead.{RING_ROUND}",
+                                     f"got {self.reshard_overhead[RING_ROUND]}",
+                                     "µs per further ring round alone (no cost per byte)")
         if self.op_costs is not None:
             _set(self, "op_costs", FrozenMap({str(k): (float(a), float(b))
                                               for k, (a, b) in self.op_costs.items()}))

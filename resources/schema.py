@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from distgraph.ops import registered_ops     # the package: every op registered
+from distgraph.plan.kinds import RING_ROUND
 from distgraph.resources.elements import (COMPUTE_TYPES, RESERVE_EXPECTED, SOFTWARE_KINDS,
                                           Device, DeviceMesh, GemmCurve, InvalidCluster, Link,
                                           LinkGroup, Machine, Overlaps, Switch, clique)
@@ -405,6 +406,9 @@ def _reshard_overhead(reader: Reader, d: dict, dkey: str):
             out[kind] = reader.number(raw, kind, key, unit="µs")
             continue
         pkey = join(key, kind)
+        if kind == RING_ROUND:
+            reader.fail(pkey, f"got a list {cost!r}", "µs per further ring round alone "
+                        "(a number: it has no cost per byte)")
         if len(cost) != 2:
             reader.fail(pkey, f"got {len(cost)} numbers", "two: [µs per step, ns per byte]")
         out[kind] = tuple(reader.number({str(i): v}, str(i), pkey) for i, v in enumerate(cost))

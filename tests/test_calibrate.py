@@ -183,3 +183,21 @@ def test_the_uneven_routing_sends_each_rank_its_buffer():
 
     counts = uneven_counts(4, 1000)
     assert (counts.sum(axis=1) == 1000).all() and len(set(counts[0].tolist())) > 1
+
+
+def test_a_ring_round_is_microseconds_alone():
+    """``ring_round`` has no cost per byte: a file or a Device that gives one is refused
+    (not read and dropped)."""
+    from distgraph.resources.elements import Device, InvalidCluster
+
+    def one(overhead):
+        return {"machines": [{"hostname": "a", "devices": [
+            {"global_id": 0, "type": "CPU", "memory": 1, "gflops": {"float32": 10},
+             "reshard_overhead": overhead}]}]}
+
+    device = dg.Cluster.from_dict(one({"all_reduce": [30, 1], "ring_round": 12})).devices[0]
+    assert device.reshard_overhead["ring_round"] == (12.0, 0.0)
+    with pytest.raises(dg.errors.DistGraphError, match="ring_round"):
+        dg.Cluster.from_dict(one({"all_reduce": [30, 1], "ring_round": [12, 3]}))
+    with pytest.raises(InvalidCluster, match="ring_round"):
+        Device(0, 0, 0, "CPU", reshard_overhead={"ring_round": (12.0, 3.0)})

@@ -45,7 +45,7 @@ def random_choice(built, strategy, cluster, seed: int) -> tuple:
              for u, v, R in problem.edges]
     random = dataclasses.replace(problem, compute=drawn(problem.compute),
                                  comm=[np.zeros(len(c)) for c in problem.comm], edges=edges,
-                                 memory_budget=None, liveness=(), running=())
+                                 memory_budget=None, liveness=(), running=(), released=())
     picked = tuple(solve(random, time_limit=30).choice)
     prepared, accumulation = prepare(built, searched.strategy, searched.strategy.micro_batches)
     drawn_result = dataclasses.replace(result, choice=picked)

@@ -40,11 +40,12 @@ CASES = {
 }
 
 
-def planned(blocks, batch, cluster_file, fields):
+def planned(blocks, batch, cluster_file, fields, d_model=64, seq=16, dropout=0.0):
     dg.seed(0)
-    model = dg.nn.GPT(vocab_size=128, d_model=64, n_layer=blocks, n_head=4, max_seq_len=16)
-    built = build_program(model, [dg.InputSpec([batch, 16], "int64", "tokens")],
-                          [dg.InputSpec([batch, 16], "int64", "labels")],
+    model = dg.nn.GPT(vocab_size=128, d_model=d_model, n_layer=blocks, n_head=4,
+                      max_seq_len=seq, dropout=dropout)
+    built = build_program(model, [dg.InputSpec([batch, seq], "int64", "tokens")],
+                          [dg.InputSpec([batch, seq], "int64", "labels")],
                           loss=dg.nn.CrossEntropyLoss(), optimizer=dg.optim.AdamW(1e-3))
     cluster = dg.Cluster.from_file(CLUSTERS_DIR / cluster_file) if cluster_file else \
         dg.Cluster.local(4)
@@ -121,3 +122,16 @@ def test_the_step_takes_the_updates_once_and_the_slowest_stage_per_micro_batch()
     assert step_time(times, 4, virtual=2, updates=updates) == 3.5 + 3.5 * 3 + 5
     assert step_time(times, [4, 2, 4], updates=updates) == 7 + 6 + 5
     assert step_time(times, 4, schedule="FThenB", virtual=2) == 3.5 + 3 * 3
+
+
+@pytest.mark.parametrize("pipeline", [True, False])
+def test_a_dropouts_output_is_freed_at_the_residual_add_and_its_mask_kept(pipeline):
+    """A dropout's node makes two results: its output, read by the residual add only,
+    and its mask, kept for the backward. The runtime frees the output at the add; the
+    search's liveness held both to the backward (the peak +4.5% with stages, +2.6% on
+    one mesh, before): a result is released where it is freed."""
+    fields = dict(SAVERS_GIVEN, micro_batches=8, pipeline=pipeline)
+    plan = planned(8, 32, EMULATED, fields, d_model=128, seq=64, dropout=0.1)
+    assert any(op.type == "dropout" for op in plan.program.ops)
+    assert plan.search.peak_memory == pytest.approx(plan.estimate.peak_memory, rel=0.002)
+    assert plan.search.step_time == pytest.approx(plan.estimate.step_time, rel=TOLERANCE)

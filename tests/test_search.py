@@ -144,9 +144,13 @@ def test_objective_is_the_estimate_plus_the_reshards_shared_by_consumers(case):
         assert any(op.role == "optimize" and len(op.inputs) > 2 and
                    "x" in op.inputs[2].dist_attr.spec.mesh_dims() and
                    "x" not in op.inputs[0].dist_attr.spec.mesh_dims() for op in plan.program.ops)
-    expected = plan.estimate.step_time + repeated_reshard_seconds(plan, cluster)
+    repeated = repeated_reshard_seconds(plan, cluster)
+    expected = plan.estimate.step_time + repeated
     assert plan.search.objective == pytest.approx(expected, rel=1e-9)
     assert plan.search.objective >= plan.estimate.step_time * (1 - 1e-12)
+    # the report knows which of its reshards the plan makes once: its step is the estimate's
+    assert plan.search.reused == pytest.approx(repeated, rel=1e-9, abs=1e-15)
+    assert plan.search.step_time == pytest.approx(plan.estimate.step_time, rel=1e-9)
     overlapped = auto(built, cluster, micro_batches=4 if case == "micro-batched" else 1,
                       sharding=case.startswith("zero"))
     assert overlapped.search.objective == pytest.approx(plan.search.objective, rel=1e-9)

@@ -152,7 +152,7 @@ def _layouts(prepared, strategy, cluster, accumulation, budget, session) -> tupl
         except PlanError as e:          # no layout the target runs fits this shape
             failed = failed or e
             continue
-        if found is None or result.report.objective < found[0].report.objective:
+        if found is None or result.report.step_time < found[0].report.step_time:
             found = result, device_of
     if found is None:
         raise failed

@@ -25,9 +25,11 @@ import numpy as np
 
 from distgraph.ir import Role
 from distgraph.passes.cost.layout_prices import local_bytes
+from distgraph.passes.partition import reuses
 from distgraph.passes.search.layouts.ilp_problem import ShardingProblem, checked_liveness
 from distgraph.passes.search.layouts.liveness import live_sets
 from distgraph.passes.search.layouts.sharded_states import apply_zero, zero_terms
+from distgraph.placement import DistAttr
 
 
 def accumulating_updates(space, weights: dict) -> list:
@@ -96,6 +98,40 @@ def held_nodes(space, problem, weights: dict) -> tuple:
     before = set(problem.liveness[backward - 1])
     saved = {i for i in problem.liveness[backward] if i in before and i not in always}
     return always, saved, backward
+
+
+def reused_reshards(space, problem, choice) -> float:
+    """Seconds of ``problem``'s edges that ``choice`` pays again where the partitioner
+    reshards once: a Value resharded to a layout is read in that copy by every later
+    consumer that wants the layout (:func:`~distgraph.passes.partition.reuses`: not by
+    a backward op where the forward's copy is larger than the Value), while the problem
+    prices each consumer's edge alone (Alpa's pairs). The search's report takes them off
+    its objective (:func:`~distgraph.passes.search.layouts.intra_op.search`), so that a
+    choice costs what the estimate prices its plan at (GPT-3's block on 8 x 8 A100s:
+    0.3 ms a micro-batch of the backward's gathers and all-to-alls)."""
+    program, nodes = space.program, space.nodes
+    mats: dict = {}
+    for u, v, m in problem.edges:
+        mats.setdefault((u, v), []).append(m)
+    position = {k: t for t, k in enumerate(space.ops)}
+    made: dict = {}         # (Value, layout wanted) -> the role of the op it was made for
+    waived = 0.0
+    for node in sorted((n for n in nodes if not n.is_source), key=lambda n: position[n.op]):
+        op, v = program.ops[node.op], node.index
+        mine = node.strategies[choice[v]]
+        for i, u, j, value in distinct_operands(space, op):
+            src, dst = nodes[u].strategies[choice[u]].out_specs[j], mine.in_specs[i]
+            if src == dst:
+                continue
+            key = (value.name, dst)
+            if key in made and reuses(made[key], op.role, DistAttr(space.mesh, src),
+                                      DistAttr(space.mesh, dst), value.shape):
+                paid = mats.get((u, v), ())
+                if len(paid) == 1:      # one Value from u to v: its edge alone
+                    waived += float(paid[0][choice[u], choice[v]])
+                continue
+            made[key] = op.role
+    return waived
 
 
 class Charges:
@@ -171,13 +207,19 @@ class Charges:
         op = space.program.ops[node.op]
         # a Value made once reshards its operands once a step, with it
         w = self.weights.get(Role.OPTIMIZE if node.index in self.once else op.role, 1)
-        seen = set()
-        for i, v in enumerate(op.inputs):
-            if v.name in seen:
-                continue
+        for i, u, j, v in distinct_operands(space, op):
+            yield i, u, j, v, w
+
+
+def distinct_operands(space, op):
+    """(input index, producer node, its output index, Value) of each distinct operand of
+    ``op`` in ``space``: a Value read twice is read in one layout, resharded once."""
+    seen = set()
+    for i, v in enumerate(op.inputs):
+        if v.name not in seen:
             seen.add(v.name)
             u, j = space.producer[v.name]
-            yield i, u, j, v, w
+            yield i, u, j, v
 
 
 def build_problem(space, costs, weights, loss, world, budget, share, live, targets: dict,
@@ -214,11 +256,11 @@ def build_problem(space, costs, weights, loss, world, budget, share, live, targe
               for other in costs.others]
     apply_zero(zero_terms(space, costs, zero), space, costs, weights, compute, comm, memory,
                edges)
-    liveness = _liveness(space, charges) if live else ()
+    liveness, released = _liveness(space, charges) if live else ((), ())
     return ShardingProblem([len(n.strategies) for n in nodes], compute, comm, memory, edges,
                            aliases, [n.leader for n in nodes], liveness, budget, share,
                            [n.label for n in nodes], spare if liveness else None,
-                           running(space) if liveness else (), others)
+                           running(space) if liveness else (), others, released)
 
 
 def _terms(charges, loss, world, memory: bool = True) -> tuple:
@@ -319,9 +361,10 @@ def fixed_problem(moved, costs, weights, loss, world, targets: dict, tied: dict,
         apply_zero(terms, moved, costs, weights, compute, comm, memory, edges)
         compute, comm, memory = ([float(x[0]) for x in xs] for xs in (compute, comm, memory))
         edges = [(u, v, float(x[0, 0])) for u, v, x in edges if x.any()]
-    return ShardingProblem.one_each(compute, comm, memory, edges, aliases,
-                                    _liveness(moved, charges),
-                                    [n.label for n in nodes], spare, running(moved), others)
+    liveness, released = _liveness(moved, charges)
+    return ShardingProblem.one_each(compute, comm, memory, edges, aliases, liveness,
+                                    [n.label for n in nodes], spare, running(moved), others,
+                                    released)
 
 
 def running(space) -> list:
@@ -342,13 +385,22 @@ def _aliased(space, node):
                 yield s_node, j
 
 
-def _liveness(space, charges: Charges):
-    """The liveness sets of ``space``, checked (found again for each problem: cheaper
-    than the pricing that asks for them), the nodes of ``charges``' gradient buffers and
+def _liveness(space, charges: Charges) -> tuple:
+    """(the liveness sets of ``space``, checked; what they release: (node, first, last,
+    bytes of the freed result per strategy)), found again for each problem (cheaper than
+    the pricing that asks for them), the nodes of ``charges``' gradient buffers and
     values made once live always."""
     buffers = charges.buffers
     always = sorted(set(buffers) | set(buffers.values()) | charges.once)
-    return checked_liveness(live_sets(space, always), len(space.nodes))
+    sets, freed = live_sets(space, always)
+    program, nodes = space.program, space.nodes
+    released = []
+    for v, j, first, last in freed:
+        o = program.ops[nodes[v].op].outputs[j]
+        released.append((v, first, last, [float(local_bytes([s.out_local_shapes[j]],
+                                                             [o.dtype]))
+                                          for s in nodes[v].strategies]))
+    return checked_liveness(sets, len(nodes)), released
 
 
 def _tie_classes(nodes, share) -> list:

@@ -233,6 +233,10 @@ def _memory_steps(p: ShardingProblem, cls: np.ndarray) -> tuple[list, list]:
     the ops running at its level: (class, bytes per strategy))."""
     steps, spikes, previous = [], [], set()
     running = p.running if p.workspace is not None else ()
+    changes: dict = {}          # time -> [(node, bytes)]: what ``released`` frees, returns
+    for v, first, last, freed in p.released:
+        changes.setdefault(first, []).append((v, -freed))
+        changes.setdefault(last + 1, []).append((v, freed))
     for t, live in enumerate(p.liveness):
         current = set(live)
         delta: dict[int, np.ndarray] = {}
@@ -240,6 +244,9 @@ def _memory_steps(p: ShardingProblem, cls: np.ndarray) -> tuple[list, list]:
             for v in nodes:
                 c = int(cls[v])
                 delta[c] = delta.get(c, 0.0) + sign * p.memory[v]
+        for v, d in changes.get(t, ()):
+            c = int(cls[v])
+            delta[c] = delta.get(c, 0.0) + d
         delta = {c: d for c, d in delta.items() if np.any(d)}
         if delta or not steps:        # an unchanged level needs no new row
             steps.append(delta)

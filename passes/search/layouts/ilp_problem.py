@@ -19,6 +19,9 @@ communication time and a memory size (``compute[v][i]``, ``comm[v][i]``,
   allocates while it runs under strategy ``i`` (its temporaries), ``running[t]`` the
   node whose op runs at liveness time ``t`` (-1: none): the memory at time ``t`` is the
   live nodes' plus the running node's workspace (none given: zeros).
+- ``released``: ``(v, first, last, bytes)``: from liveness time ``first`` to ``last``
+  node ``v`` (live then) holds ``bytes[i]`` less than ``memory[v][i]`` (a result of its
+  op freed at its own last use while another is still live).
 - ``other_processes``: where the mesh's processes do not all pay alike (devices whose
   figures differ), one entry per further kind of process: per node, the seconds of each
   strategy there (its compute and collectives, as ``compute[v] + comm[v]`` are the
@@ -74,6 +77,7 @@ class ShardingProblem:
     workspace: Sequence[Sequence[float]] | None = None
     running: Sequence[int] = ()
     other_processes: Sequence[Sequence[Sequence[float]]] = ()
+    released: Sequence[tuple[int, int, int, Sequence[float]]] = ()
 
     def __post_init__(self):
         counts = tuple(self.strategy_counts)
@@ -102,6 +106,7 @@ class ShardingProblem:
         _set(self, "other_processes", tuple(
             self._vectors(f"other_processes[{k}]", rows)
             for k, rows in enumerate(self.other_processes)))
+        _set(self, "released", self._released())
 
     def with_budget(self, budget: float | None) -> "ShardingProblem":
         """This problem with ``memory_budget`` = ``budget``, its other fields shared (a
@@ -117,6 +122,8 @@ class ShardingProblem:
         other = copy.copy(self)
         _set(other, "memory", tuple(m * times if v in nodes else m
                                     for v, m in enumerate(self.memory)))
+        _set(other, "released", tuple((v, a, b, m * times if v in nodes else m)
+                                      for v, a, b, m in self.released))
         return other
 
     def _budget(self, budget) -> float | None:
@@ -180,15 +187,48 @@ class ShardingProblem:
         return tuple(-1 if v == -1 else self._node_id(f"running[{t}]", v)
                      for t, v in enumerate(self.running))
 
-    def spikes(self, choice: Sequence[int]) -> np.ndarray:
-        """The running node's workspace at each liveness time under ``choice`` (zeros
-        without workspace)."""
+    def beside(self, choice: Sequence[int]) -> np.ndarray:
+        """The bytes at each liveness time under ``choice`` beyond the live nodes'
+        ``memory``: the running node's workspace, less what ``released`` frees."""
         out = np.zeros(len(self.liveness))
         if self.workspace is not None:
             for t, v in enumerate(self.running):
                 if v != -1:
                     out[t] = self.workspace[v][choice[v]]
+        for v, first, last, freed in self.released:
+            out[first:last + 1] -= freed[choice[v]]
         return out
+
+    def held_at(self, nodes, t: int, choice: Sequence[int]) -> float:
+        """The bytes ``nodes`` (live at liveness time ``t``) hold then under ``choice``:
+        their memory less what ``released`` frees at ``t``."""
+        held = sum(float(self.memory[v][choice[v]]) for v in nodes)
+        return held - sum(float(freed[choice[v]]) for v, first, last, freed in self.released
+                          if v in nodes and first <= t <= last)
+
+    def _released(self) -> tuple:
+        out = []
+        for k, item in enumerate(self.released):
+            try:
+                v, first, last, freed = item
+            except (TypeError, ValueError):
+                raise PlanError(f"ShardingProblem: released[{k}] is {item!r}; expected "
+                                "(node, first time, last time, bytes per strategy)") from None
+            v = self._node_id(f"released[{k}]", v)
+            if not 0 <= first <= last < len(self.liveness) or v not in \
+                    self.liveness[first] or v not in self.liveness[last]:
+                raise PlanError(f"ShardingProblem: released[{k}] frees {self.node(v)} from "
+                                f"time {first} to {last}, where it is not live; give times "
+                                f"within its liveness")
+            freed = np.asarray(freed, dtype=np.float64).reshape(-1)
+            if freed.size != self.strategy_counts[v] or not np.isfinite(freed).all() or \
+                    (freed < 0).any() or (freed > self.memory[v] * (1 + 1e-9)).any():
+                raise PlanError(f"ShardingProblem: released[{k}] frees {freed.tolist()} bytes of "
+                                f"{self.node(v)}, which holds {self.memory[v].tolist()}; give "
+                                f"one entry per strategy, 0 <= bytes <= its memory")
+            freed.setflags(write=False)
+            out.append((v, int(first), int(last), freed))
+        return tuple(out)
 
     def _matrices(self, field: str, items, convert) -> tuple:
         out = []
@@ -291,10 +331,10 @@ class ShardingProblem:
     @classmethod
     def one_each(cls, compute, comm, memory, edges=(), aliases=(), liveness=(),
                  names=None, workspace=None, running=(),
-                 other_processes=()) -> "ShardingProblem":
+                 other_processes=(), released=()) -> "ShardingProblem":
         """The problem of one strategy per node (a fixed choice priced): ``compute``,
         ``comm``, ``memory`` (and ``workspace``, and each of ``other_processes``) one
-        number per node, ``edges`` (u, v, seconds) and
+        number per node, ``released`` one number per entry, ``edges`` (u, v, seconds) and
         ``aliases`` (u, v, forbidden) one per pair, checked as a whole rather than node
         by node. Where a number is wrong, the checks of ``ShardingProblem(...)`` name it.
 
@@ -318,7 +358,8 @@ class ShardingProblem:
                        [(u, v, [[float(x)]]) for u, v, x in aliases], None, liveness,
                        None, (), names,
                        None if workspace is None else [[float(x)] for x in workspace],
-                       running, [[[float(x)] for x in xs] for xs in other_processes])
+                       running, [[[float(x)] for x in xs] for xs in other_processes],
+                       released)
         rows.setflags(write=False)
         cost.setflags(write=False)
         banned = np.array([bool(x) for _, _, x in aliases], dtype=bool).reshape(-1, 1, 1)
@@ -332,7 +373,8 @@ class ShardingProblem:
                 ("follow", (-1,) * n), ("memory_budget", None), ("share", ()),
                 ("liveness", liveness),
                 ("names", None if names is None else tuple(str(x) for x in names)),
-                ("workspace", None), ("running", running), ("other_processes", ())):
+                ("workspace", None), ("running", running), ("other_processes", ()),
+                ("released", released)):
             _set(problem, name, value)
         _set(problem, "liveness", problem._liveness())
         if workspace is not None:
@@ -342,6 +384,7 @@ class ShardingProblem:
         _set(problem, "other_processes", tuple(
             problem._vectors(f"other_processes[{k}]", [[float(x)] for x in xs])
             for k, xs in enumerate(other_processes)))
+        _set(problem, "released", problem._released())
         return problem
 
 
@@ -417,12 +460,12 @@ def _slowest(problem: ShardingProblem, c: list, nodes) -> float:
 
 def peak_memory(problem: ShardingProblem, choice: Sequence[int]) -> float:
     """The largest summed memory over the liveness sets under ``choice``, each with the
-    running node's workspace (0 without any set)."""
+    running node's workspace and less what is released then (0 without any set)."""
     c = _check_choice(problem, choice)
     per_node = [float(problem.memory[v][c[v]]) for v in range(problem.n)]
     at = per_node.__getitem__
-    spikes = problem.spikes(c)
-    return max((sum(map(at, live)) + float(w) for live, w in zip(problem.liveness, spikes)),
+    beside = problem.beside(c)
+    return max((sum(map(at, live)) + float(w) for live, w in zip(problem.liveness, beside)),
                default=0.0)
 
 

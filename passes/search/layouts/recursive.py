@@ -259,8 +259,8 @@ def _tighten(problem, walk, choice, budget) -> list:
             trial = memory.copy()
             trial[members[c]] = [problem.memory[v][i] for v in members[c]]
             picks = per_class[:c] + [int(i)] + per_class[c + 1:]
-            spikes = problem.spikes([picks[k] for k in red.cls])     # kernels' workspace
-            if (live @ trial + spikes).max() <= budget:
+            beside = problem.beside([picks[k] for k in red.cls])    # workspace, released
+            if (live @ trial + beside).max() <= budget:
                 per_class[c], memory = int(i), trial
                 mask[c] = np.arange(len(price)) == i
                 break

@@ -62,7 +62,7 @@ def measure(result, program, weights, strategy) -> PartCost:
     # and what the forward saved for the backward
     always, kept, backward = held_nodes(space, problem, weights)
     persistent = sum(memory[i] for i in always)
-    saved = sum(memory[i] for i in kept)
+    saved = problem.held_at(kept, backward, choice) if kept else 0.0
     peak = result.report.peak_memory
     # Strategy(sharding=True), priced in the search (sharded_states): at an update,
     # beside what persists, the buffer its ZeRO write-back gathers into
@@ -70,12 +70,12 @@ def measure(result, program, weights, strategy) -> PartCost:
     transient = max(peak - persistent - saved, writeback, 0.0)
     update = once_a_step(result, program, weights)
     if not (backward and problem.liveness):
-        return PartCost(result.report.objective, persistent, saved, transient, update=update)
+        return PartCost(result.report.step_time, persistent, saved, transient, update=update)
     buffers, forward, back, making = phases(result, weights, program, memory,
                                             persistent + saved, backward, writeback)
     # the liveness holds a buffer its gradient's node holds once: a later micro-batch's
     # gradient beside it is in ``back`` only
-    return PartCost(result.report.objective, persistent, saved, max(transient, back),
+    return PartCost(result.report.step_time, persistent, saved, max(transient, back),
                     buffers, forward, back, making, update)
 
 
@@ -127,7 +127,7 @@ def phases(result, weights, program, memory: list, held: float, backward: int,
     adopted = np.zeros(len(memory))
     adopted[list(of_gradient)] = list(of_gradient.values())
     beyond = np.bincount(step, np.asarray(memory)[nodes], len(sets)) - held + \
-        problem.spikes(result.choice)       # the running kernel's workspace
+        problem.beside(result.choice)       # the running kernel's workspace, released
     # the runtime takes a buffer's first gradient array as the buffer: one array
     # while that gradient is live
     shared = np.bincount(step, adopted[nodes], len(sets))

@@ -307,7 +307,7 @@ def test_more_ranks_than_the_allocation_or_several_srun_tasks_start_nothing(clus
     said = [ln for ln in proc.stderr.splitlines() if ln.startswith("distgraph")]
     assert proc.returncode == 2 and proc.stdout == "", proc.stderr
     assert len(said) == 1 and said[0].startswith("distgraph run: started as 4 tasks of srun")
-    assert_clean(cluster, seconds=0)
+    assert_clean(cluster)       # the queue may show the refused job COMPLETING a moment
 
 
 @pytest.mark.mpi

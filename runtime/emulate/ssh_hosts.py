@@ -6,9 +6,12 @@ multi-host path (``distgraph run --hostfile``), not an emulation path.
 Per machine: the network namespace and shaped link of :class:`Emulation`; a UTS
 namespace with the machine's hostname; a mount namespace in which ``/etc/hosts`` names
 every host, ``/tmp`` is the host's own (a folder of this run) and ``/dev/shm`` too (a
-memory file system of its own), as on separate machines; and ``sshd -D`` on port 22. The launching host ("login") is the emulation's
-hub namespace, under a hostname of its own with the same ``/etc/hosts``: commands run
-there through :meth:`SshHosts.login_argv`. Everything else shares this box's files
+memory file system of its own), as on separate machines; an empty ``~/.bashrc`` (bash
+runs it for every ssh command, and what it does lands in the one home all hosts share:
+pyenv's rehash takes a lock there, which a host stopped mid-rehash would leave to hang
+every other host's shell); and ``sshd -D`` on port 22. The launching host ("login") is
+the emulation's hub namespace, under a hostname of its own with the same ``/etc/hosts``:
+commands run there through :meth:`SshHosts.login_argv`. Everything else shares this box's files
 (the Python, distgraph, the scripts: the same paths on every host, as with a shared
 file system); where the job's own folders lie in ``/tmp`` (a checkout or a venv there),
 each host's ``/tmp`` shows them at the same paths.
@@ -55,11 +58,12 @@ READY_SECONDS = 30
 # Run inside a host's fresh UTS and mount namespaces: its name, its /etc/hosts, the
 # mounts ("$4"... as source/target pairs; a target of /tmp already inside the host's own
 # /tmp folder), a /dev/shm of its own (MPI's shared memory: what a host stopped with its
-# ranks leaves there goes with it, not onto this box), then that folder as /tmp with
-# those mounts (it hides this box's).
+# ranks leaves there goes with it, not onto this box), an empty ~/.bashrc (module
+# docstring), then that folder as /tmp with those mounts (it hides this box's).
 HOST_SETUP = ('hostname "$1" && mount --bind "$2" /etc/hosts && tmp="$3" && shift 3 && '
               'while [ $# -gt 0 ]; do mount --bind "$1" "$2" && shift 2 || exit 1; done && '
               'mount -t tmpfs -o mode=1777 shm /dev/shm && '
+              '{ [ ! -f "$HOME/.bashrc" ] || mount --bind /dev/null "$HOME/.bashrc"; } && '
               f'mount --rbind "$tmp" /tmp && exec {SSHD} -D -e -f /tmp/.sshd/sshd_config')
 LOGIN_SETUP = 'hostname "$1" && mount --bind "$2" /etc/hosts && shift 2 && exec "$@"'
 SSHD_CONFIG = """\

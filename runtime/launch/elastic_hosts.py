@@ -75,9 +75,14 @@ class HostAttempts:
                 states = {}
             why.update({h: f"is {state} in Slurm" for h, state in states.items()})
         far = [h for h in names if h not in why and not remote.is_local(h)]
-        answers = remote.run_everywhere(self.launcher, {h: ["true"] for h in far},
-                                        ANSWER_TIMEOUT) if far else {}
-        why.update({h: "stopped answering" for h, a in answers.items() if a.returncode != 0})
+        # a host that does not answer is asked once more, given twice the time: on a
+        # loaded machine ssh alone can take the first timeout, and a host taken for lost
+        # restarts the job without it (one that is down refuses at once, both times)
+        for seconds in (ANSWER_TIMEOUT, 2 * ANSWER_TIMEOUT):
+            answers = remote.run_everywhere(self.launcher, {h: ["true"] for h in far},
+                                            seconds) if far else {}
+            far = [h for h, a in answers.items() if a.returncode != 0]
+        why.update(dict.fromkeys(far, "stopped answering"))
         return {h: why.get(h) for h in names}
 
     def __call__(self, world, restart: int) -> Outcome:

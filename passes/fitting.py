@@ -20,8 +20,9 @@ searched, or a plan of the user's annotations (``auto_mode="semi"``).
   without recomputation, recomputing the attention scores ("selective") and, where that
   does not fit, whole blocks (True), each as :func:`fitting` plans, and keeps the plan
   of least estimated step time that fits: with room, none (recomputation only adds
-  work), where memory binds the least that fits or the one whose memory lets faster
-  layouts in. The choice is a per-plan one (every stage alike), and the plan says what
+  work; where the search says memory held no faster plan back, the others are not
+  planned at all), where memory binds the least that fits or the one whose memory lets
+  faster layouts in. The choice is a per-plan one (every stage alike), and the plan says what
   it chose and what each other value needed (``Plan.savers``); the planner then tries
   recomputing on the stages that need it only
   (:func:`distgraph.passes.stage_recompute.per_stage`, on this plan's layouts).
@@ -50,6 +51,9 @@ BUDGET_ROUNDS = 4
 # recomputation the search weighs, least first; whole blocks only where "selective" does
 # not fit (it recomputes a superset of selective's ops, for memory selective leaves)
 RECOMPUTED = (False, "selective", True)
+# why no recomputation was priced where the search says memory held no faster plan back
+UNBOUND = ("not planned with: memory held no faster plan back (the search with memory "
+           "unlimited finds none faster), and recomputation only adds work")
 # the savers the search asks on first, whose price in time the cost model puts at or near
 # nothing (with_savers): ZeRO sharding over the data dims, sequence parallelism
 FREE = ("sharding", "sequence_parallel")
@@ -88,14 +92,18 @@ def with_savers(strategy, cluster, plan_with, replan, applied=None):
       (the planner's sessions): completion and the estimate only. Where it finds no
       tensor-parallel region, it says False without a second planning.
     - Recomputation as before, with those: none, the attention scores, and whole blocks
-      only where neither fits.
+      only where neither fits. Where the search without recomputation says that memory
+      held no faster plan back (``memory_binds`` of its report: the stage DP on the
+      fastest options with memory unlimited finds none faster), recomputation is not
+      priced: it only adds work to every option (GPT-3 175B on the 1,024-A100 file,
+      bf16: one planning of about 36 s CPU saved).
 
     The plan kept is the one of least estimated step time that fits among those
     priced."""
     applied = applied or (lambda planned: {})
     kinds = RECOMPUTED if strategy.recompute is None else (strategy.recompute,)
     free = {s: True for s in FREE if getattr(strategy, s) is None}
-    priced, best, refused = [], None, None
+    priced, best, refused, why = [], None, None, ""
     tried = {}          # recompute kind -> [(sequence_parallel, plan or DoesNotFit)]
     for kind in kinds:
         if kind is True and best is not None:
@@ -124,6 +132,10 @@ def with_savers(strategy, cluster, plan_with, replan, applied=None):
         priced.append((kind, planned.estimate.peak_memory, planned.estimate.step_time))
         if best is None or planned.estimate.step_time < best.estimate.step_time:
             best = planned
+        if kind is False and len(kinds) > 1 and not getattr(planned.search, "memory_binds",
+                                                              True):
+            why = UNBOUND       # recomputation only adds work: none priced
+            break
     if best is None:
         asked, error = refused
         raise named_fix(error, asked, replan) from None
@@ -133,7 +145,7 @@ def with_savers(strategy, cluster, plan_with, replan, applied=None):
     # sequence parallelism's alternatives were priced with the sharding on
     alternatives = tried.get(best.strategy.recompute) if zero_off is None or \
         zero_off[0] is False else ()
-    return _noted(best, strategy, kinds, priced, cluster, alternatives, zero_off)
+    return _noted(best, strategy, kinds, priced, cluster, alternatives, zero_off, why)
 
 
 def _zero_priced(best, strategy, free, plan_with):
@@ -212,11 +224,13 @@ def _said(planned, idle: dict):
     return out
 
 
-def _noted(planned, strategy, kinds, priced, cluster=None, candidates=None, zero_off=None):
+def _noted(planned, strategy, kinds, priced, cluster=None, candidates=None, zero_off=None,
+           why=""):
     """``planned`` with the choices the search made for ``strategy`` on it; ``priced``:
     (recompute kind, peak, seconds) of each kind tried; ``candidates``: the plans priced
     at the chosen kind, with and without sequence parallelism; ``zero_off``: (sharding,
-    peak, seconds) of the other ZeRO value priced (:func:`_zero_priced`), if one was."""
+    peak, seconds) of the other ZeRO value priced (:func:`_zero_priced`), if one was;
+    ``why``: why no other recomputation was priced, if one was not for a reason."""
     notes = []
     if strategy.micro_batches is None:
         notes.append(SaverChoice("micro_batches", planned.micro_batches, None, math.inf, None))
@@ -231,7 +245,7 @@ def _noted(planned, strategy, kinds, priced, cluster=None, candidates=None, zero
     if len(kinds) > 1:
         value = planned.strategy.recompute
         notes.append(SaverChoice("recompute", value, peak, limit, seconds,
-                                 tuple(p for p in priced if p[0] != value)))
+                                 tuple(p for p in priced if p[0] != value), why=why))
     for saver in FREE:
         if getattr(strategy, saver) is not None:
             continue

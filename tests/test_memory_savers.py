@@ -62,8 +62,11 @@ def test_with_room_the_search_does_not_recompute(peaks):
     assert peaks[False][1] < peaks["selective"][1] < peaks[True][1]     # priced faster
     note = next(c for c in plan.savers if c.option == "recompute")
     assert note.value is False and note.seconds == peaks[False][1]
-    assert note.others == (("selective", *peaks["selective"]),)     # whole blocks: not needed
+    # memory held nothing back (no budget limits the search): no recomputation is priced
+    assert note.others == () and "memory held no faster plan back" in note.why
+    assert plan.search.memory_binds is False
     assert "recompute=False chosen by the search" in plan.explain()
+    assert "memory held no faster plan back" in plan.explain()
 
 
 def test_where_memory_forces_it_the_search_recomputes_and_fits(peaks):

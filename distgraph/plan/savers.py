@@ -51,7 +51,9 @@ class SaverChoice:
     estimated); ``others``: (value, peak bytes or None, seconds or None) of each other
     value priced, in the order tried: seconds None where it did not fit, the peak then
     its closest plan's; ``stages``: for recomputation chosen per stage
-    (:mod:`distgraph.passes.stage_recompute`), what each stage's blocks got."""
+    (:mod:`distgraph.passes.stage_recompute`), what each stage's blocks got; ``why``:
+    why no other value was priced, where the search says (else the usual reason for the
+    option and value, if there is one)."""
 
     option: str
     value: bool | str | int | tuple   # recompute: False, True, "selective" or per layer;
@@ -62,6 +64,7 @@ class SaverChoice:
     seconds: float | None
     others: tuple = ()
     stages: tuple = ()          # recompute: per stage, its blocks' (False, "selective", True)
+    why: str = ""
 
     def __str__(self) -> str:
         return "; ".join(line.strip() for line in self.lines())
@@ -72,7 +75,8 @@ class SaverChoice:
         text = f"{self.option}={_short(self.value)} chosen by the search"
         if self.option == "micro_batches":
             return [text + " (the stage search's least latency among the counts it priced)"]
-        why = _UNPRICED.get((self.option, self.value)) if not self.others else None
+        why = (self.why or _UNPRICED.get((self.option, self.value))) if not self.others \
+            else None
         if self.peak is not None:
             text += f": peak {fmt_bytes(self.peak)}" + (
                 "" if math.isinf(self.limit) else
@@ -103,7 +107,7 @@ class SaverChoice:
                 "limit": None if math.isinf(self.limit) else self.limit,
                 "seconds": self.seconds,
                 "others": [{"value": v, "peak": p, "seconds": s} for v, p, s in self.others],
-                "stages": list(self.stages)}
+                "stages": list(self.stages), "why": self.why}
 
 
 def _short(value) -> str:

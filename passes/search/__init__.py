@@ -116,8 +116,12 @@ def choose(built, strategy, cluster, budget: float | None = None,
     costs, planned = programs.find((search, micro)) or (None, None)
     prepared = transformed(program, asked)
     if asked.pipeline:
+        # the other counts looked at say with this one whether memory held a plan back
+        looked = [(entry[0], key[1]) for key, entry in programs.items()
+                  if isinstance(key, tuple) and key[0] == search and key[1] is not None
+                  and entry[0] is not None]
         result = plan_pipeline(prepared, asked, cluster, accumulation, budget, costs, planned,
-                               session)
+                               session, looked)
         rank_mapping = result.rank_mapping
         if asked.virtual_stages > 1:
             # the stage search chose how many chunks per stage (up to the strategy's)

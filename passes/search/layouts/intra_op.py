@@ -121,6 +121,13 @@ class SearchReport:
         return self.objective - self.reused
 
     @property
+    def memory_binds(self) -> bool:
+        """Whether memory may have held back a faster choice: only a budget limits the
+        ILP's memory (:attr:`~distgraph.passes.search.stages.pipeline.PipelineReport.
+        memory_binds` says the same of a stage search)."""
+        return self.memory_budget is not None
+
+    @property
     def chosen_by(self) -> str:
         """Which search chose the layouts, in words (``Strategy.search``)."""
         if self.method == "recursive":

@@ -125,7 +125,12 @@ class PipelineReport:
     """What the stage search did: the layers, the stage plan, each stage's intra-op
     search report, how many intra-op searches costed the DP and the seconds it all
     took; the planning's memo tables (``memos``: (name, entries, hits, misses) of each,
-    :meth:`~distgraph.passes.session.Session.stats`)."""
+    :meth:`~distgraph.passes.session.Session.stats`); ``memory_binds``: whether the
+    devices' memory (or the budget) may have held back a plan faster than the one chosen,
+    True unless the stage DP on the fastest options, memory unlimited, finds none faster
+    at any micro-batch count the search looked at (:func:`memory_binds`): where False, no
+    memory saver makes the plan faster, and the planner prices no recomputation
+    (:func:`~distgraph.passes.fitting.with_savers`)."""
 
     layering: object
     stage_plan: object
@@ -133,6 +138,7 @@ class PipelineReport:
     searches: int
     seconds: float
     memos: tuple = ()
+    memory_binds: bool = True
 
     @property
     def status(self) -> str:
@@ -251,7 +257,8 @@ class PipelineChoice:
 
 
 def plan_pipeline(prepared, strategy, cluster, accumulation, memory_budget=None,
-                  runs=None, planned=None, session: Session | None = None) -> PipelineChoice:
+                  runs=None, planned=None, session: Session | None = None,
+                  looked=()) -> PipelineChoice:
     """Choose layers, stages and each stage's layouts for ``prepared`` (a BuiltProgram the
     planner completes next) and annotate its program (module docstring).
     ``memory_budget``: bytes per device (None: the devices' memory); ``runs`` /
@@ -259,7 +266,10 @@ def plan_pipeline(prepared, strategy, cluster, accumulation, memory_budget=None,
     way and the stage plan it priced (its searches are reused, and its plan where made
     within ``memory_budget``; where another count's lent it prices, searched afresh and
     that plan kept where faster: :func:`_afresh`); ``session``: the planning's (a fresh
-    one by default), where what the search works out is kept."""
+    one by default), where what the search works out is kept; ``looked``: (RunCosts,
+    micro-batch count) of the other counts the search priced or bounded, whose fastest
+    options say with this plan's whether memory held a faster one back
+    (``PipelineReport.memory_binds``)."""
     start = time.perf_counter()
     session = session or (runs.session if runs is not None else Session())
     if cluster is None:
@@ -277,7 +287,10 @@ def plan_pipeline(prepared, strategy, cluster, accumulation, memory_budget=None,
         costs = runs or RunCosts(prepared, strategy, cluster, layering, micro, session=session)
         if planned is None or planned[0] != memory_budget:
             planned = memory_budget, plan_blocks(costs, capped, micro, _virtual(strategy))
-        return _plan_runs(prepared, strategy, cluster, capped, costs, start, planned[1])
+        binds = _virtual(strategy) > 1 or memory_binds(
+            planned[1][0].objective, [(costs, micro)] + [c for c in looked if c[0] is not costs],
+            cluster)
+        return _plan_runs(prepared, strategy, cluster, capped, costs, start, planned[1], binds)
     _no_blocks(strategy)
     layering = cluster_layers(program, max_layers=2 * len(devices) + 2)
     stage_cost = LayerRangeCosts(prepared, strategy, cluster, layering, micro, session)
@@ -375,10 +388,24 @@ def _afresh(prepared, strategy, cluster, layering, micro, capped, memory_budget,
     return fresh, (memory_budget, mine)
 
 
-def _plan_runs(prepared, strategy, cluster, capped, costs, start, planned) -> PipelineChoice:
+def memory_binds(latency: float, looked, cluster) -> bool:
+    """Whether memory may have held back a plan faster than ``latency`` (the stage DP's
+    objective of the plan chosen): the stage DP on the fastest options of any of
+    ``looked`` ((RunCosts, micro-batch count) of the counts the search looked at), the
+    devices' memory unlimited, finds one faster. A memory saver (recomputation) only adds
+    work to every option, so where none is found it cannot make the plan faster at those
+    counts. Plain stages only: interleaved plans are not bounded (the caller says True)."""
+    return any(beats(latency, costs.layering.count, costs.blocks, costs.options(variants=False),
+                     cluster, micro, fit_memory=False, p2p=costs.p2p_seconds)
+               for costs, micro in looked)
+
+
+def _plan_runs(prepared, strategy, cluster, capped, costs, start, planned,
+               binds: bool) -> PipelineChoice:
     """The stage search of a model of identical blocks (:mod:`distgraph.passes.search.
     runs`): options costed once per logical mesh, the DP linear in the blocks
-    (``planned``: its plan, before the refinement)."""
+    (``planned``: its plan, before the refinement; ``binds``: whether memory held a
+    faster one back, :func:`memory_binds`)."""
     layering = costs.layering
     stage_plan, chosen = planned
     if strategy.search_method == "auto":       # the ILP refines the chosen stages only
@@ -400,7 +427,7 @@ def _plan_runs(prepared, strategy, cluster, capped, costs, start, planned) -> Pi
         reports.append(RunReport(str(option), tuple(parts), mesh))
         meshes.append(mesh)
     report = PipelineReport(layering, stage_plan, tuple(reports), costs.searches,
-                            time.perf_counter() - start)
+                            time.perf_counter() - start, memory_binds=binds)
     return PipelineChoice(report, tuple(checks),
                           {p: d.global_id for p, d in enumerate(cluster.devices)},
                           stage_plan.virtual, tuple(meshes))

@@ -37,6 +37,10 @@ RESERVE_EXPECTED = ("a number of GB >= 0 and below the device's memory: what its
                     "buffers, the allocator's slack)")
 
 
+OVERLAP_EXPECTED = ("a share from 0 to 1 of a collective's wire seconds hidden behind "
+                    "compute (1: all of it)")
+
+
 def default_reserve(device_type: str, memory: float) -> float:
     """GB of a device's ``memory`` (GB) its process cannot fill, where the resource file
     gives no ``reserved_memory``: ``RESERVE_FIXED_GB`` + ``RESERVE_SHARE`` of the memory on
@@ -153,7 +157,10 @@ class Device:
     dtype, or at its memory bandwidth where that is slower); ``reserved_memory``: GB of
     ``memory`` the process cannot hand to its arrays (the resource file's; None: the
     default for the type, :func:`default_reserve`): what the planner may fill is
-    :meth:`usable_memory`.
+    :meth:`usable_memory`; ``overlap_efficiency``: the share (0 to 1) of a collective's
+    seconds on the wires that its process hides behind compute when the runtime overlaps
+    them (``Strategy(overlap=True)``; on CPUs whose cores also move the bytes, measured by
+    ``distgraph cluster calibrate``; None: all of it, :attr:`hides`).
 
     Example: ``Device(0, 0, 0, "GPU", "A100-SXM4-40GB", {"float32": 19500}, 40)``
     (``.reserve`` 4.0 GB, ``.usable_memory()`` 36.0 GB).
@@ -172,6 +179,7 @@ class Device:
     reshard_overhead: Mapping[str, tuple] | None = None
     gemm: GemmCurve | None = None
     reserved_memory: float | None = None
+    overlap_efficiency: float | None = None
 
     def __post_init__(self):
         if self.type not in DEVICE_TYPES:
@@ -197,6 +205,19 @@ class Device:
                                      f"got {reserve:g} of a device of {self.memory:g} GB",
                                      RESERVE_EXPECTED)
             _set(self, "reserved_memory", reserve)
+        if self.overlap_efficiency is not None:
+            share = float(self.overlap_efficiency)
+            if not 0 <= share <= 1:
+                raise InvalidCluster(f"device {self.global_id}.overlap_efficiency",
+                                     f"got {share:g}", OVERLAP_EXPECTED)
+            _set(self, "overlap_efficiency", share)
+
+    @property
+    def hides(self) -> float:
+        """The share of a collective's wire seconds its process hides behind compute:
+        the file's ``overlap_efficiency``, else 1 (the wires and DMA engines move the
+        bytes while the processor computes)."""
+        return 1.0 if self.overlap_efficiency is None else self.overlap_efficiency
 
     @property
     def reserve(self) -> float:

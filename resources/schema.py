@@ -22,9 +22,10 @@ from dataclasses import replace
 
 from distgraph.ops import registered_ops     # the package: every op registered
 from distgraph.plan.kinds import RING_ROUND
-from distgraph.resources.elements import (COMPUTE_TYPES, RESERVE_EXPECTED, SOFTWARE_KINDS,
-                                          Device, DeviceMesh, GemmCurve, InvalidCluster, Link,
-                                          LinkGroup, Machine, Overlaps, Switch, clique)
+from distgraph.resources.elements import (COMPUTE_TYPES, OVERLAP_EXPECTED, RESERVE_EXPECTED,
+                                          SOFTWARE_KINDS, Device, DeviceMesh, GemmCurve,
+                                          InvalidCluster, Link, LinkGroup, Machine, Overlaps,
+                                          Switch, clique)
 from distgraph.resources.groups import compact as _compact, expand as _expand_group
 from distgraph.resources.reader import Reader, join
 
@@ -33,7 +34,7 @@ TOP_KEYS = ("name", "machines", "node_groups", "links", "switches", "device_mesh
 MACHINE_KEYS = ("id", "hostname", "addr", "port", "devices", "nics", "links")
 DEVICE_KEYS = ("global_id", "local_id", "type", "model", "gflops", "memory",
                "reserved_memory", "memory_bandwidth", "op_overhead", "op_costs",
-               "reshard_overhead", "gemm")
+               "reshard_overhead", "gemm", "overlap_efficiency")
 GEMM_KEYS = ("units", "tile", "k_fill", "reuse")
 NIC_KEYS = ("global_id", "local_id", "type", "model")
 LINK_KEYS = ("source", "target", "group", "bandwidth", "latency", "type")
@@ -170,9 +171,12 @@ def _machine(reader: Reader, raw, key: str, index: int, ids: _Ids, node: str = "
         overhead = reader.number(d, "op_overhead", dkey, default=None, unit="µs")
         costs = _op_costs(reader, d, dkey)
         reshard = _reshard_overhead(reader, d, dkey)
+        hides = reader.number(d, "overlap_efficiency", dkey, default=None)
+        if hides is not None and not 0 <= hides <= 1:
+            reader.fail(join(dkey, "overlap_efficiency"), f"got {hides:g}", OVERLAP_EXPECTED)
         devices.append(Device(gid, local, mid, dtype, model, gflops, memory, mem_bw, overhead,
                               costs, reshard, _gemm(reader, d, dkey),
-                              reserved_memory(reader, d, dkey, memory)))
+                              reserved_memory(reader, d, dkey, memory), hides))
     nics = []
     for j, raw_nic in enumerate(reader.sequence(m.get("nics", []), join(key, "nics"))):
         nkey = join(join(key, "nics"), j)
@@ -432,6 +436,8 @@ def _device_dict(d) -> dict:
     if d.gemm is not None:
         out["gemm"] = {"units": d.gemm.units, "tile": list(d.gemm.tile),
                        "k_fill": _num(d.gemm.k_fill), "reuse": _num(d.gemm.reuse)}
+    if d.overlap_efficiency is not None:
+        out["overlap_efficiency"] = _num(d.overlap_efficiency)
     return out
 
 

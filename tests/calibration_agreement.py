@@ -52,6 +52,8 @@ def disagreements(first, second, within: float) -> tuple:
             check(f"{where} gflops {dtype}", d.gflops[dtype], e.gflops[dtype])
         check(f"{where} memory_bandwidth", d.memory_bandwidth, e.memory_bandwidth)
         check(f"{where} op_overhead", d.op_overhead, e.op_overhead)
+        if d.overlap_efficiency is not None:
+            check(f"{where} overlap_efficiency", d.overlap_efficiency, e.hides)
         if d.gemm is not None:
             for m, n, k in CPU_SHAPES:
                 check(f"{where} gemm {m}x{n}x{k}", *(

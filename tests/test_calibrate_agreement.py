@@ -36,6 +36,9 @@ def test_a_calibration_writes_measured_figures_and_a_gemm_curve(calibrated):
         assert d.gemm is not None and d.gemm.units == 1 and d.gflops["float32"] > 0
         assert {"matmul", "add", "softmax", "layer_norm"} <= set(d.op_costs)
         assert {"all_reduce", "all_gather", "slice"} <= set(d.reshard_overhead)
+        # the share of an all-reduce the ranks hid behind GEMMs, tested between them
+        assert 0 <= d.overlap_efficiency <= 1
+    assert len({d.overlap_efficiency for d in calibrated.devices}) == 1     # the group's
 
 
 @pytest.mark.mpi

@@ -273,3 +273,45 @@ def test_prefetched_gathers_pay_what_the_layer_before_leaves_exposed(monkeypatch
     assert bucket_seconds(plan, local, pid, rings, scale, op_seconds, busy)[0] >= alone
     assert bucket_seconds(plan, local, pid, rings, scale, op_seconds,
                           ((0.0, 100.0),))[0] > alone + 99.0
+
+
+def test_a_device_that_hides_part_of_the_wire_pays_the_rest(monkeypatch):
+    """``overlap_efficiency`` (what ``distgraph cluster calibrate`` measures on CPUs, whose
+    cores move the bytes too): a device that hides nothing pays every prefetched ZeRO-3
+    gather whole and hides none of the gradient buckets' wire; one that hides half pays
+    half of what the other hides; the file's share reaches the devices."""
+    from distgraph.passes.cost import estimate as E
+    from distgraph.passes.cost.overlap import bucket_seconds, prefetch_seconds
+    from distgraph.passes.cost.prices import reshard_step_time
+
+    base = dg.Cluster.from_file(os.path.join(HERE, "..", "resources", "clusters",
+                                             "emulated_2x2.yaml"))
+
+    def hiding(share):
+        return dataclasses.replace(base, machines=tuple(
+            dataclasses.replace(m, devices=tuple(
+                dataclasses.replace(d, overlap_efficiency=share) for d in m.devices))
+            for m in base.machines))
+
+    def priced(share):
+        asked = []
+        monkeypatch.setattr(E, "prefetch_seconds",
+                            lambda *args: asked.append(args) or prefetch_seconds(*args))
+        step = dg.passes.estimate(planned("gpt", "dp_z3"), hiding(share)).step_time
+        return step, asked[0]
+
+    whole, (plan, local, pid, rings, scale, op_seconds) = priced(None)
+    none, args = priced(0.0)
+    assert args[3].device(pid).hides == 0.0 and rings.device(pid).hides == 1.0
+    points = {p.seq: p for p in local.points()}
+    paid, _ = prefetch_seconds(*args)
+    assert paid and all(paid[s] >= reshard_step_time(
+        points[s].steps[0], pid, args[3], scale.of_step(points[s], points[s].steps[0]))
+        * (1 - 1e-12) for s in paid)
+    half, half_args = priced(0.5)
+    buckets = {share: bucket_seconds(*a) for share, a in
+               ((1.0, (plan, local, pid, rings, scale, op_seconds)), (0.0, args),
+                (0.5, half_args))}
+    assert buckets[1.0][1] > 0 and buckets[0.0][1] == pytest.approx(0.0, abs=1e-15)
+    assert buckets[0.5][0] == pytest.approx(buckets[1.0][0] + 0.5 * buckets[1.0][1])
+    assert whole < half < none

@@ -67,6 +67,11 @@ SCHEMA_CASES = [
      "machines[0].devices[0].reserved_memory", "reserved_memory"),
     ("reserved_text", lambda d: dev(d, 0, 0).update(reserved_memory="some"),
      "machines[0].devices[0].reserved_memory", "reserved_memory"),
+    # the share of a collective hidden behind compute: from 0 to 1
+    ("overlap_above_one", lambda d: dev(d, 0, 0).update(overlap_efficiency=1.5),
+     "machines[0].devices[0].overlap_efficiency", "overlap_efficiency"),
+    ("overlap_negative", lambda d: dev(d, 1, 0).update(overlap_efficiency=-0.2),
+     "machines[1].devices[0].overlap_efficiency", "overlap_efficiency"),
     ("hostname_missing", lambda d: m(d, 0).pop("hostname"), "machines[0].hostname", None),
     ("hostname_not_text", lambda d: m(d, 1).update(hostname=42), "machines[1].hostname",
      "hostname"),

@@ -37,7 +37,9 @@ pair that MoE's dispatch runs, on megabyte buffers, and the exchange of its coun
 :mod:`distgraph.tools.step_probe`); and what one collective of MeshSlice's sliced
 pipeline costs per step (its kernel on a tiny GeMM at K = 1 and 8) and what a byte a
 partial GeMM reads again costs (8 partial GeMMs of 1024^3 against one): the ``sliced``
-entry. Rank r becomes device r. Rank 0 prints each result as it comes. The file says
+entry. On CPUs, the share of an all-reduce's seconds the ranks hide behind GEMMs when it
+is started nonblocking and tested between them, as the runtime overlaps a gradient
+bucket's (:func:`measure_overlap`: ``overlap_efficiency``). Rank r becomes device r. Rank 0 prints each result as it comes. The file says
 ``figures: measured``.
 
 While a pair measures, the other ranks wait in a barrier that sleeps between polls
@@ -86,6 +88,8 @@ DTYPES = {"CPU": ("float32", "float64"),
 SMALL_BYTES = 8
 LARGE_BYTES = 4 * 2**20
 ALLREDUCE_BYTES = 4 * 2**20
+OVERLAP_BYTES = 8 * 2**20      # an all-reduce of a few gradient buckets (DDP's are 25 MB)
+OVERLAP_GEMM = 256
 
 
 def say(comm, text: str) -> None:
@@ -163,6 +167,55 @@ def measure_allreduce(comm, repeats: int) -> tuple[float, float]:
         timings.append(comm.allreduce(best, op=MPI.MAX))
     bus = 2.0 * (n - 1) / n * ALLREDUCE_BYTES / timings[1] / 1e9
     return bus, timings[0] * 1e6
+
+
+def measure_overlap(comm, repeats: int) -> float:
+    """The share of an all-reduce's seconds the ranks hide behind compute when it runs
+    as the runtime overlaps a bucket's reduction (``Strategy(overlap=True)``): started
+    nonblocking, tested between ops (GEMMs of :data:`OVERLAP_GEMM`, as many as last as
+    long as the reduction alone), waited for after the last. Each trial times the
+    reduction alone, the GEMMs alone and both, back to back (all ranks at once, as in
+    training; each the slowest rank's), and gives ``(T_compute + T_reduce - T_both) /
+    min(T_compute, T_reduce)`` in [0, 1]; the median trial's is kept (a load that comes
+    and goes moves the three alike within a trial). On CPUs the cores that compute also
+    move the bytes, so the share is below 1 (``overlap_efficiency``)."""
+    from mpi4py import MPI
+
+    send = np.ones(OVERLAP_BYTES // 4, dtype=np.float32)
+    recv = np.empty_like(send)
+    a = np.random.default_rng(0).standard_normal((OVERLAP_GEMM, OVERLAP_GEMM),
+                                                 dtype=np.float32)
+    chunks = 1
+
+    def timed(run) -> float:
+        idle_barrier(comm)
+        start = time.perf_counter()
+        run()
+        return comm.allreduce(time.perf_counter() - start, op=MPI.MAX)
+
+    def reduce():
+        comm.Iallreduce(send, recv, op=MPI.SUM).Wait()
+
+    def compute(request=None):
+        for _ in range(chunks):
+            np.matmul(a, a)
+            if request is not None:
+                request.Test()
+
+    def both():
+        request = comm.Iallreduce(send, recv, op=MPI.SUM)
+        compute(request)
+        request.Wait()
+
+    timed(reduce)                       # warm up: connections, buffers
+    alone = min(timed(reduce) for _ in range(repeats + 1))
+    gemm = min(timed(compute) for _ in range(repeats + 1))
+    chunks = comm.allreduce(max(1, round(alone / gemm)), op=MPI.MAX)
+    shares = []
+    for _ in range(4 * repeats + 1):
+        t_reduce, t_compute, t_both = timed(reduce), timed(compute), timed(both)
+        shares.append((t_compute + t_reduce - t_both) / min(t_compute, t_reduce))
+    return float(np.clip(np.median(shares), 0.0, 1.0))
 
 
 def rank_device(comm, device: str) -> tuple:
@@ -317,9 +370,11 @@ def _mpi_max():
 
 
 def build_cluster(ranks: list[dict], pairs: dict, allreduce, name: str, steps=None,
-                  sliced=None, partial=None):
+                  sliced=None, partial=None, overlap=None):
     """The Cluster for gathered per-rank records and pair measurements (and the measured
-    reshard steps, whose software cost every device then carries)."""
+    reshard steps, whose software cost every device then carries, and the share of a
+    collective the ranks hide behind compute, ``overlap``: every device's
+    ``overlap_efficiency``)."""
 
     hosts = list(dict.fromkeys(r["host"] for r in ranks))
     machine_of = {r["rank"]: hosts.index(r["host"]) for r in ranks}
@@ -330,7 +385,8 @@ def build_cluster(ranks: list[dict], pairs: dict, allreduce, name: str, steps=No
         devices = [Device(r["rank"], r.get("local_id", k), m, r.get("type", "CPU"), r["model"],
                           r["gflops"], round(r["memory"] / r.get("sharing", per_host[host]), 3),
                           r.get("memory_bandwidth"), r.get("op_overhead"), r.get("op_costs"),
-                          gemm=r.get("gemm"))
+                          gemm=r.get("gemm"),
+                          overlap_efficiency=None if overlap is None else round(overlap, 3))
                    for k, r in enumerate(mine)]
         links = [Link(a, b, bw, lat, "SHM") for (a, b), (bw, lat) in pairs.items()
                  if machine_of[a] == m and machine_of[b] == m]
@@ -435,6 +491,11 @@ def main(argv=None) -> None:
         say(comm, "MoE's dispatch exchanges (the counts, then all_to_allv of uneven counts) "
                   "between ops: " + "/".join(f"{t * 1e6:.0f}" for _, t in steps[ALL_TO_ALLV])
             + " us (local " + "/".join(fmt_bytes(b) for b, _ in steps[ALL_TO_ALLV]) + ")")
+    overlap = None
+    if size > 1 and record["type"] == "CPU":
+        overlap = measure_overlap(comm, args.repeats)
+        say(comm, f"an all-reduce of {fmt_bytes(OVERLAP_BYTES)} tested between GEMMs: "
+                  f"{overlap:.0%} of its time hidden behind them (overlap_efficiency)")
     sliced = measure_sliced_gemm(comm, args.repeats) if size > 1 else None
     partial = measure_partial_gemms(comm, args.repeats) if size > 1 else None
     if sliced:
@@ -448,7 +509,7 @@ def main(argv=None) -> None:
         merged = {k: (round(bw, 4), round(lat, 3)) for part in all_pairs for k, (bw, lat)
                   in part.items()}
         cluster = build_cluster(records, merged, allreduce, f"calibrated{size}", steps,
-                                sliced, partial)
+                                sliced, partial, overlap)
         cluster.save(output)
     idle_barrier(comm)
 

@@ -16,7 +16,9 @@ prefetched included, :func:`~.stage.finishes`). After the backward's last op, ea
 waits for the buckets of the reductions it reads: the update, whose ops run in the order
 the backward made their gradients (:meth:`~distgraph.optim.Optimizer.append_update`), so
 that the first bucket reduced is the first updated, and the update computes while the
-later buckets are on the wire. The step pays what those waits add.
+later buckets are on the wire. The step pays what those waits add. A device whose processor moves the bytes too (CPUs:
+``Device.hides``, the calibrated ``overlap_efficiency``) hides only that share of the wire
+seconds behind the compute: the rest its processor still pays.
 
 Under ZeRO-3 the gathers a layer ahead (:func:`prefetch_seconds`) run on the same wires
 while the layer before computes; each pays its copies and what its reader still waits
@@ -55,7 +57,7 @@ def bucket_seconds(plan, local, pid: int, rings, scale, op_seconds: dict,
     backward = [i for i, op in enumerate(ops) if op.role is Role.BACKWARD]
     points = {p.seq: p for p in local.points()}
     processor = 0.0          # the buckets' software so far, run on the processor
-    starts, paid = [], 0.0
+    starts = []
     for bucket in buckets:
         wire, meets = 0.0, {}
         for seq in bucket.points:
@@ -93,9 +95,12 @@ def bucket_seconds(plan, local, pid: int, rings, scale, op_seconds: dict,
         clock = max(clock, gate.get(i, 0.0) - end) + op_seconds.get(i, 0.0)
         work += op_seconds.get(i, 0.0)
     left = clock - work
-    paid = processor + left
+    # of the wire seconds behind the compute, the share the device does not hide still
+    # costs its processor (its cores move the bytes: Device.hides)
     hidden = sum(w for _, w in starts) - left
-    return paid, hidden, frozenset(s for b in buckets for s in b.points)
+    kept = (1.0 - rings.device(pid).hides) * max(hidden, 0.0)
+    return processor + left + kept, hidden - kept, frozenset(s for b in buckets
+                                                             for s in b.points)
 
 
 def _wire(step, pid: int, rings, scale: float) -> float:
@@ -171,7 +176,8 @@ def prefetch_seconds(plan, local, pid: int, rings, scale, op_seconds: dict) -> t
     points = {p.seq: p for p in local.points()}
     clock = wires = 0.0
     backward = None             # the clock when the backward's first op starts
-    done, paid, busy = {}, {}, []
+    done, paid, busy, wired = {}, {}, [], {}
+    kept = 1.0 - rings.device(pid).hides
     for k, seq in enumerate(seqs):
         if seq is None:
             if backward is None and ops[ops_at[k]].role is Role.BACKWARD:
@@ -193,9 +199,11 @@ def prefetch_seconds(plan, local, pid: int, rings, scale, op_seconds: dict) -> t
             if backward is not None:
                 busy.append((max(wires, clock) - backward, wire))
             wires = max(wires, clock) + wire
-            done[j] = wires
+            done[j], wired[j] = wires, wire
             paid[seqs[j]] = copies
         wait = max(0.0, done[k] - clock)
+        # the share of its wire seconds behind compute that the device does not hide
+        wait += kept * max(wired[k] - wait, 0.0)
         clock += wait
         paid[seq] += wait
     return paid, tuple(busy)

@@ -22,8 +22,8 @@ searched, or a plan of the user's annotations (``auto_mode="semi"``).
   of least estimated step time that fits: with room, none (recomputation only adds
   work; where the search says memory held no faster plan back, the others are not
   planned at all), where memory binds the least that fits or the one whose memory lets
-  faster layouts in. The choice is a per-plan one (every stage alike), and the plan says what
-  it chose and what each other value needed (``Plan.savers``); the planner then tries
+  faster layouts in. The choice is a per-plan one (every stage alike), and the plan says
+  what it chose and what each other value needed (``Plan.savers``); the planner then tries
   recomputing on the stages that need it only
   (:func:`distgraph.passes.stage_recompute.per_stage`, on this plan's layouts).
 - :func:`named_fix` turns that error into the one the user sees: it plans again with the

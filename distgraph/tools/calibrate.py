@@ -39,8 +39,8 @@ pipeline costs per step (its kernel on a tiny GeMM at K = 1 and 8) and what a by
 partial GeMM reads again costs (8 partial GeMMs of 1024^3 against one): the ``sliced``
 entry. On CPUs, the share of an all-reduce's seconds the ranks hide behind GEMMs when it
 is started nonblocking and tested between them, as the runtime overlaps a gradient
-bucket's (:func:`measure_overlap`: ``overlap_efficiency``). Rank r becomes device r. Rank 0 prints each result as it comes. The file says
-``figures: measured``.
+bucket's (:func:`measure_overlap`: ``overlap_efficiency``). Rank r becomes device r.
+Rank 0 prints each result as it comes. The file says ``figures: measured``.
 
 While a pair measures, the other ranks wait in a barrier that sleeps between polls
 (:func:`idle_barrier`), not in MPI's own, which spins: with more ranks than cores a

@@ -16,9 +16,10 @@ prefetched included, :func:`~.stage.finishes`). After the backward's last op, ea
 waits for the buckets of the reductions it reads: the update, whose ops run in the order
 the backward made their gradients (:meth:`~distgraph.optim.Optimizer.append_update`), so
 that the first bucket reduced is the first updated, and the update computes while the
-later buckets are on the wire. The step pays what those waits add. A device whose processor moves the bytes too (CPUs:
-``Device.hides``, the calibrated ``overlap_efficiency``) hides only that share of the wire
-seconds behind the compute: the rest its processor still pays.
+later buckets are on the wire. The step pays what those waits add. A device whose
+processor moves the bytes too (CPUs: ``Device.hides``, the calibrated
+``overlap_efficiency``) hides only that share of the wire seconds behind the compute: the
+rest its processor still pays.
 
 Under ZeRO-3 the gathers a layer ahead (:func:`prefetch_seconds`) run on the same wires
 while the layer before computes; each pays its copies and what its reader still waits

@@ -39,7 +39,9 @@ class Choice:
     interleaved, else None; ``sharding_dim``: the mesh dims ZeRO shards the optimizer
     states over; ``report``: the search's report (None: nothing was searched);
     ``check(program)``: raises unless completion kept every chosen layout of
-    ``program``; ``result``: the search's outcome, where a search made it."""
+    ``program``; ``result``: the search's outcome, where a search made it;
+    ``zero_params``: the parameters whose updates ZeRO shards, where the search chose
+    them per update (None: every update it splits)."""
 
     built: object
     strategy: object
@@ -50,3 +52,4 @@ class Choice:
     report: object
     check: Callable
     result: object = None
+    zero_params: frozenset | None = None

@@ -44,6 +44,7 @@ import math
 
 from distgraph.errors import DoesNotFit, PlanError
 from distgraph.passes.cost.fit import limit_of, overflows
+from distgraph.passes.transforms.zero import updated_parameter
 from distgraph.plan.savers import SaverChoice
 from distgraph.units import GB
 
@@ -69,21 +70,16 @@ def with_savers(strategy, cluster, plan_with, replan, applied=None):
 
     The order, and why so few plannings (each is a search; GPT-3 175B's is ~12 s):
 
-    - ZeRO sharding (``sharding=None``) is asked on in every planning: the search prices
-      it inside its problem (:mod:`~distgraph.passes.search.layouts.sharded_states`) as
-      the gradient's reduce-scatter and the updated slice's all-gather, the bytes of the
-      all-reduce it replaces, and the update on a slice, so on any one layout it is no
-      slower and holds fewer bytes. The searches are not exact, though: with it they
-      may settle on another layout, slower than the one found without (a GPT of 4
-      blocks on 4 CPUs: 7.20 ms against 7.17 ms found). So where it acted in the plan
-      kept and that plan does not recompute, it is planned once more without it, and the
-      faster that fits is kept: one planning more, not one per recomputation. Where the
-      plan kept recomputes, memory binds even with the states split, and the plan
-      without them is not priced: it holds more on every layout, and searching it again
-      under lowered budgets costs more than the planning it would check (GPT-3 175B on
-      40 GB A100s: twice the CPU time). Where the plan shards no update (no
-      data-parallel dim of size > 1 is left), it says False: the plan is the one off
-      would give.
+    - ZeRO sharding (``sharding=None``) is the search's per update, inside its problem
+      (:mod:`~distgraph.passes.search.layouts.sharded_states`): each update is offered
+      with and without ZeRO's slice, priced as the gradient's reduce-scatter and the
+      updated slice's all-gather (the bytes of the all-reduce it replaces, or a gather
+      more where the gradient was not all-reduced over the dim), the update on a slice
+      and the states' bytes, so no planning without it is needed to compare. Under a
+      target (``Strategy(target=...)``), whose framework shards every update or none,
+      every update is sharded where it splits, and where that plan does not recompute
+      it is planned once more without ZeRO, the faster that fits kept. Where the plan
+      shards no update, it says False.
     - Sequence parallelism (``sequence_parallel=None``) is asked on first: it rewrites
       the searched layouts after the search (all-reduces become reduce-scatters and
       all-gathers of the same bytes, the light ops and their activations split), but
@@ -103,12 +99,14 @@ def with_savers(strategy, cluster, plan_with, replan, applied=None):
     applied = applied or (lambda planned: {})
     kinds = RECOMPUTED if strategy.recompute is None else (strategy.recompute,)
     free = {s: True for s in FREE if getattr(strategy, s) is None}
+    # sequence parallelism asked on first; ZeRO's sharding left None, the search's
+    first = {s: True for s in free if s != "sharding"}
     priced, best, refused, why = [], None, None, ""
     tried = {}          # recompute kind -> [(sequence_parallel, plan or DoesNotFit)]
     for kind in kinds:
         if kind is True and best is not None:
             break
-        asked = dataclasses.replace(strategy, recompute=kind, **free)
+        asked = dataclasses.replace(strategy, recompute=kind, **first)
         try:
             candidates = _free_candidates(asked, free, plan_with, applied)
         except DoesNotFit as e:
@@ -140,7 +138,8 @@ def with_savers(strategy, cluster, plan_with, replan, applied=None):
         asked, error = refused
         raise named_fix(error, asked, replan) from None
     zero_off = None
-    if free.get("sharding") and best.strategy.sharding and not best.strategy.recompute:
+    if free.get("sharding") and strategy.target is not None and best.strategy.sharding \
+            and not best.strategy.recompute:
         best, zero_off = _zero_priced(best, strategy, free, plan_with)
     # sequence parallelism's alternatives were priced with the sharding on
     alternatives = tried.get(best.strategy.recompute) if zero_off is None or \
@@ -150,8 +149,9 @@ def with_savers(strategy, cluster, plan_with, replan, applied=None):
 
 def _zero_priced(best, strategy, free, plan_with):
     """(the plan kept, the other's (sharding, peak, seconds)): ``best``, which ZeRO's
-    sharding changed, against the plan of its recomputation and sequence parallelism
-    without the sharding (:func:`with_savers`); the faster that fits is kept."""
+    sharding of every update changed (under a target), against the plan of its
+    recomputation and sequence parallelism without the sharding (:func:`with_savers`);
+    the faster that fits is kept."""
     asked = dataclasses.replace(
         strategy, recompute=best.strategy.recompute, sharding=False,
         sequence_parallel=best.strategy.sequence_parallel
@@ -251,12 +251,27 @@ def _noted(planned, strategy, kinds, priced, cluster=None, candidates=None, zero
             continue
         value = getattr(planned.strategy, saver)
         others = tuple(_price(v, c) for v, c in candidates or () if c is not planned)
+        said = ""
         if saver == "sharding":
             others = (zero_off,) if zero_off is not None else ()
-        notes.append(SaverChoice(saver, value, peak, limit, seconds, others))
+            said = _per_update(planned)
+        notes.append(SaverChoice(saver, value, peak, limit, seconds, others, why=said))
     if not notes:
         return planned
     return dataclasses.replace(planned, savers=planned.savers + tuple(notes))
+
+
+def _per_update(planned) -> str:
+    """What the search chose of ZeRO per update for ``planned``, in words ("" where it
+    did not choose per update: a target's plan, or ZeRO given)."""
+    chosen = planned.decisions.zero_params if planned.decisions is not None else None
+    if chosen is None:
+        return ""
+    program = planned.program
+    updated = {v.name for v in (updated_parameter(program, op) for op in program.ops)
+               if v is not None}
+    return (f"weighed per update inside the search, each with and without its states "
+            f"split: {len(chosen)} of the {len(updated)} updates sharded")
 
 
 def _price(value, candidate) -> tuple:

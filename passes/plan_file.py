@@ -94,7 +94,8 @@ def load(saved: PlanFile, built, cluster, ranks=None, world_size: int | None = N
             _annotate(prepared.program, saved)
             planned = plan(built, cluster=cluster, ranks=ranks, choice=Choice(
                 prepared, strategy, accumulation, saved.rank_mapping, d.chunks, d.zero_dim,
-                None, functools.partial(_check, saved)))
+                None, functools.partial(_check, saved),
+                zero_params=None if d.zero_params is None else frozenset(d.zero_params)))
     _check_result(planned, saved)
     return planned
 

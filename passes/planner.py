@@ -285,8 +285,9 @@ def _recorded(built, choice) -> Decisions:
     (``program`` is left None: :func:`~distgraph.passes.planner.plan` sets its print)."""
     if choice is None:
         return Decisions(None, "built", *_annotations(built.program))
+    params = None if choice.zero_params is None else tuple(sorted(choice.zero_params))
     return Decisions(None, "prepared", *_annotations(choice.built.program), choice.chunks,
-                     choice.sharding_dim)
+                     choice.sharding_dim, params)
 
 
 def _annotations(program) -> tuple:
@@ -322,10 +323,11 @@ def _completed(prepared, strategy, cluster, choice, chunks=None) -> None:
                 gather_into_matmuls(program):       # the user's (a style's) sequence split
             complete(program, cluster=cluster)
         if strategy.sharding and updates:
-            dim = strategy.sharding_mesh_dim
+            dim, only = strategy.sharding_mesh_dim, None
             if choice is not None:              # the search named the mesh dims
-                dim = choice.sharding_dim
-            _shard_updates(program, dim, cluster, getattr(prepared, "sharding_level", 0) == 3)
+                dim, only = choice.sharding_dim, choice.zero_params
+            _shard_updates(program, dim, cluster, getattr(prepared, "sharding_level", 0) == 3,
+                           only)
     else:
         if strategy.sharding and updates:
             raise PlanError("Strategy(sharding=True) shards optimizer states over a data-"
@@ -463,17 +465,18 @@ def _compiled(planned: Plan, ranks) -> Plan:
                                locals=MappingProxyType({pid: parts[pid] for pid in sorted(kept)}))
 
 
-def _shard_updates(program, mesh_dim: str, cluster, store_split: bool) -> None:
-    """ZeRO over ``mesh_dim`` (:func:`shard_updates`), the parameters stored split too
-    where ``store_split`` (ZeRO-3: those ``dg.parallelize`` could not split, padded or
-    over a tensor-parallel dim and ``mesh_dim``)."""
+def _shard_updates(program, mesh_dim: str, cluster, store_split: bool, only=None) -> None:
+    """ZeRO over ``mesh_dim`` (:func:`shard_updates`) of the updates of the parameters
+    ``only`` names (None: all), the parameters stored split too where ``store_split``
+    (ZeRO-3: those ``dg.parallelize`` could not split, padded or over a tensor-parallel
+    dim and ``mesh_dim``)."""
     meshes = {op.dist_attr.mesh for op in program.ops if op.role is Role.OPTIMIZE}
     if not any(mesh_dim in m.dim_names for m in meshes):
         raise PlanError(f"Strategy(sharding=True) shards updates over mesh dim {mesh_dim!r}, "
                         f"but no update runs on a mesh with that dim (meshes: "
                         f"{', '.join(sorted(map(str, meshes)))}); set "
                         f"Strategy(sharding_mesh_dim=...) to a data-parallel dim")
-    if shard_updates(program, mesh_dim, store_split):
+    if shard_updates(program, mesh_dim, store_split, only):
         complete(program, cluster=cluster)
 
 

@@ -192,7 +192,8 @@ class Replays:
             devices = planned.cluster.devices
             mapping = {p: devices[r].global_id for p, r in planned.rank_of.items()}
         return Choice(prepared, strategy, accumulation, mapping, d.chunks, d.zero_dim,
-                      planned.search, _kept)
+                      planned.search, _kept, zero_params=None if d.zero_params is None
+                      else frozenset(d.zero_params))
 
 
 def _read_as(annotation, op):

@@ -26,6 +26,7 @@ from distgraph.passes.search.stages import runs  # noqa: E402
 from distgraph.passes.cost.layout_prices import LayoutPrices, layout_prices  # noqa: E402
 from distgraph.passes.search.layouts.ilp_problem import (ShardingProblem, evaluate,  # noqa: E402
                                                  peak_memory)
+from distgraph.passes.search.layouts.sharded_states import Zero  # noqa: E402
 from distgraph.passes.search.layouts.space import SearchSpace  # noqa: E402
 from distgraph.program_builder import build_program  # noqa: E402
 
@@ -33,6 +34,7 @@ import search_cases as S  # noqa: E402
 
 CLUSTERS = Path(__file__).parent.parent / "resources" / "clusters"
 WEIGHTS = {Role.FORWARD: 1, Role.LOSS: 1, Role.BACKWARD: 1, Role.OPTIMIZE: 1 / 4}
+ZERO = Zero("x", True)      # each update offered with and without ZeRO's slice over x
 
 
 def _full(moved, costs, weights, loss, world=None, boundary=None, zero=None):
@@ -103,9 +105,14 @@ def _mesh(shape, devices, offset):
 
 
 def _random_choice(space, rng):
-    """A strategy index per node: free nodes at random, followers as their leader."""
+    """A strategy index per node: free nodes at random, followers as their leader, an
+    update offered ZeRO's slice as its tie allows (with or without, at random)."""
     choice = []
     for node in space.nodes:
+        if node.index in space.zero_ties:
+            u, twin_of = space.zero_ties[node.index]
+            choice.append(int(rng.choice([j for j, t in enumerate(twin_of) if t == choice[u]])))
+            continue
         choice.append(choice[node.leader] if 0 <= node.leader < node.index
                       else int(rng.integers(len(node.strategies))))
     return choice
@@ -121,7 +128,7 @@ def test_moved_random_choices_price_as_the_full_problem(file, make):
     program = built.program
     rng = np.random.default_rng(len(program.ops))
     here, here_devices = _mesh((2, 2), devices, 0)
-    space = SearchSpace(program, here)
+    space = SearchSpace(program, here, zero=ZERO)
     targets = [(2, 1), (1, 2), (1, 4), (2, 2)] if len(devices) >= 8 else [(1, 2), (2, 1),
                                                                            (2, 2)]
     priced = 0
@@ -135,11 +142,11 @@ def test_moved_random_choices_price_as_the_full_problem(file, make):
             continue
         costs = LayoutPrices(cluster, mesh, device_of)
         for kw in ({}, {"weights": WEIGHTS, "loss": built.loss_name},
-                   {"weights": WEIGHTS, "loss": built.loss_name, "zero": "x"}):
+                   {"weights": WEIGHTS, "loss": built.loss_name, "zero": ZERO}):
             priced += _same(moved, cluster, device_of, costs, **kw)
     # the searched choice moved: allowed wherever it divides
     found = intra_op.search(program, here, cluster, here_devices, method="recursive",
-                            loss=built.loss_name, memory=True)
+                            loss=built.loss_name, memory=True, zero=ZERO)
     for shape in targets:
         mesh, device_of = _mesh(shape, devices, 1)
         try:
@@ -148,7 +155,7 @@ def test_moved_random_choices_price_as_the_full_problem(file, make):
             continue
         costs = LayoutPrices(cluster, mesh, device_of)
         assert _same(moved, cluster, device_of, costs, loss=built.loss_name,
-                     weights=WEIGHTS, zero="x")
+                     weights=WEIGHTS, zero=ZERO)
         priced += 1
     assert priced >= 4
 

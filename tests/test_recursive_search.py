@@ -429,7 +429,7 @@ def test_a_refinement_given_room_finds_the_ilp_block_the_cap_of_its_peak_hid():
     from distgraph.passes.search.layouts.intra_op import search
     from distgraph.passes.search.stages.layers import block_layers
     from distgraph.passes.search.stages.runs import RunCosts, RunOption, logical_mesh
-    from distgraph.passes.search.layouts.sharded_states import sharding_dim
+    from distgraph.passes.search.layouts.sharded_states import zero_asked
     cluster = dgx_cluster(2)
     built = program(gpt(4, 256, 4), 8)
     layering = block_layers(built.program, built.block_paths)
@@ -456,7 +456,7 @@ def test_a_refinement_given_room_finds_the_ilp_block_the_cap_of_its_peak_hid():
             return search(built.program, mesh, cluster, device_of, ops=fastest.space.ops,
                           weights=costs.weights, memory_budget=budget, memory=True,
                           boundary=fastest.boundary, method="ilp",
-                          zero=sharding_dim(strategy)).report.objective
+                          zero=zero_asked(strategy)).report.objective
 
         tight = costs.refine(variant).parts["block"]
         roomy = costs.refine(variant, room).parts["block"]

@@ -199,6 +199,14 @@ def degrees(plan, target: str = "megatron") -> Degrees:
         raise _cannot(target, "the batch is split unevenly over the data-parallel groups "
                       "(Strategy(balance=True))")
     zero = _zero_dim(strategy)
+    chosen = plan.decisions.zero_params if plan.decisions is not None else None
+    if zero is not None and chosen is not None and sizes.get(zero, 1) > 1:
+        whole = [v.name for v in program.parameters
+                 if zero not in v.dist_attr.spec.mesh_dims() and v.name not in chosen]
+        if whole:
+            raise _cannot(target, f"ZeRO shards the updates of {len(chosen)} parameters and "
+                          f"not of {len(whole)} others ({whole[0]}, ...), as the search chose "
+                          f"per update; {target} shards every update or none")
     if zero is not None and zero not in data and sizes.get(zero, 1) > 1:
         raise _cannot(target, f"ZeRO shards over mesh dim {zero!r}, not a data-parallel dim "
                       f"({data})")

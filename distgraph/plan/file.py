@@ -41,7 +41,8 @@ Format (``version`` 1)::
                    "ops": [[op index, mesh, [[operand, spec], ...]], ...],
                    "chunks": null | {"stages": [mesh, ...], "virtual": 2},
                    "rank_mapping": null | [[process, device, count], ...],
-                   "zero_dim": null | "x" | ["x", "y"]},
+                   "zero_dim": null | "x" | ["x", "y"],
+                   "zero_params": null | [parameter name, ...]},   # optional
      "result": {"stages": [mesh, ...], "micro_batches": 4, "step_time": 0.1,
                 "peak_memory": bytes, "usable_memory": bytes, "device_memory": bytes}}
 
@@ -86,7 +87,9 @@ class Decisions:
     ((op index, OpAnnotation), ...): the annotations; ``chunks``: (stage meshes, chunks
     per stage) where the stage search interleaved its stages, else None; ``zero_dim``:
     the mesh dims ZeRO shards the optimizer states over as the search named them (None:
-    no ZeRO, or the strategy's ``sharding_mesh_dim``)."""
+    no ZeRO, or the strategy's ``sharding_mesh_dim``); ``zero_params``: the parameters
+    whose updates ZeRO shards where the search chose them per update (None: every
+    update ZeRO splits; a file without the key says so)."""
 
     program: dict | None
     on: str
@@ -94,6 +97,7 @@ class Decisions:
     ops: tuple = ()
     chunks: tuple | None = None
     zero_dim: str | tuple | None = None
+    zero_params: tuple | None = None
 
 
 @dataclass(frozen=True)
@@ -161,7 +165,8 @@ def encode(plan) -> dict:
                  [[key, None if s is None else table.spec(s)] for key, s in a.in_specs]]
                 for index, a in decisions.ops],
         "on": decisions.on, "chunks": chunks, "rank_mapping": mapping,
-        "zero_dim": _listed(decisions.zero_dim)}
+        "zero_dim": _listed(decisions.zero_dim),
+        "zero_params": None if decisions.zero_params is None else list(decisions.zero_params)}
     est = plan.estimate
     memory = memory_figures(plan) or {}
     result = {"stages": [table.mesh(m) for m in plan.stages],
@@ -472,7 +477,13 @@ class _Reader:
         if unknown:
             raise self.fault("decisions.zero_dim", f"{unknown[0]!r} is no mesh dim of the "
                              f"plan (its meshes have dims {', '.join(sorted(dims))})")
-        return Decisions(program, on, tuple(values), tuple(ops), chunks, zero), mapping
+        params = entry.get("zero_params")
+        if params is not None and not (isinstance(params, list) and
+                                       all(isinstance(n, str) for n in params)):
+            raise self.fault("decisions.zero_params", f"expected parameter names, got "
+                             f"{params!r:.60}")
+        return Decisions(program, on, tuple(values), tuple(ops), chunks, zero,
+                         None if params is None else tuple(params)), mapping
 
     def mapping(self, runs: list) -> dict:
         out: dict = {}

@@ -108,7 +108,10 @@ class OpStrategy:
     the op's distributed form runs inside it, ``((kind, group size, buffer bytes), ...)``
     as the registry's ``comm`` hook declares them (what one process sends for them is
     ``distgraph.passes.cost.formulas.comm_bytes(strategy.comm)``). Resharding between ops is
-    not part of a strategy: it is the cost of an edge.
+    not part of a strategy: it is the cost of an edge. ``zero``: an optimizer update run on
+    ZeRO's slice of its parameter, its states split (the search's choice per update:
+    :mod:`distgraph.passes.search.layouts.sharded_states`); a parameter or state laid out
+    by such an update says so too.
     """
 
     name: str
@@ -118,6 +121,7 @@ class OpStrategy:
     out_local_shapes: tuple
     flops_fraction: float
     comm: tuple = ()
+    zero: bool = False
 
     def __str__(self) -> str:
         return self.name

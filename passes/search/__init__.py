@@ -64,7 +64,7 @@ from distgraph.passes.cost.stage import stage_cost
 from distgraph.passes.prepare import transformed
 from distgraph.passes.search.layouts.intra_op import search
 from distgraph.passes.search.layouts.mesh import search_mesh
-from distgraph.passes.search.layouts.sharded_states import sharding_dim
+from distgraph.passes.search.layouts.sharded_states import sharding_dim, zero_asked
 from distgraph.passes.search.layouts.space import MESH_DIMS
 from distgraph.passes.session import Session
 from distgraph.units import GB
@@ -81,10 +81,16 @@ TARGET_SCHEDULES = {"megatron": ("1F1B",), "torchtitan": ("1F1B", "FThenB")}
 def searched_choice(prepared, strategy, accumulation, result, rank_mapping) -> Choice:
     """The :class:`~distgraph.passes.choice.Choice` of a search's ``result`` (written on
     ``prepared``'s program): its report, the chunks it chose, the mesh dims ZeRO shards
-    over as it names them, and its check of what completion kept."""
+    over as it names them and, where it chose per update, the parameters whose updates
+    it shards (the strategy's ``sharding`` then says whether there are any), and its
+    check of what completion kept."""
+    zero = zero_asked(strategy)
+    params = result.zero_params() if zero is not None and zero.chosen else None
+    if strategy.sharding is None:
+        strategy = dataclasses.replace(strategy, sharding=params is None or bool(params))
     return Choice(prepared, strategy, accumulation, rank_mapping,
                   getattr(result, "chunks", None), sharding_dim(strategy), result.report,
-                  result.check, result)
+                  result.check, result, params)
 
 
 def choose(built, strategy, cluster, budget: float | None = None,
@@ -95,12 +101,10 @@ def choose(built, strategy, cluster, budget: float | None = None,
     modified."""
     _check_target(strategy)
     session = session or Session()
-    # the savers the planner weighs (passes/fitting.py) as it asks for them first:
-    # no recomputation, ZeRO's sharding on
+    # recomputation as the planner weighs it (passes/fitting.py) first: none; ZeRO's
+    # sharding left None is chosen per update by the search (layouts/sharded_states.py)
     if strategy.recompute is None:
         strategy = dataclasses.replace(strategy, recompute=False)
-    if strategy.sharding is None:
-        strategy = dataclasses.replace(strategy, sharding=True)
     # M -> (program, accumulation); (search, M) -> (RunCosts, (budget, stage plan));
     # (search, None, budget) -> the count chosen within budget (stages/micro.py): where
     # the planner lowers the budget (passes/fitting.py) the counts are weighed again
@@ -151,7 +155,7 @@ def _layouts(prepared, strategy, cluster, accumulation, budget, session) -> tupl
                             loss=prepared.loss_name, memory_budget=budget, memory=True,
                             time_limit=strategy.solver_time_limit, blocks=prepared.block_paths,
                             balance=strategy.balance, method=strategy.search_method,
-                            zero=sharding_dim(strategy), session=session,
+                            zero=zero_asked(strategy), session=session,
                             style=strategy.target)
         except PlanError as e:          # no layout the target runs fits this shape
             failed = failed or e

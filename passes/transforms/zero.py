@@ -61,6 +61,7 @@ import math
 from dataclasses import dataclass
 
 from distgraph.annotation import OpAnnotation
+from distgraph.errors import PlanError
 from distgraph.ir import Operation, Program, Role, Value
 from distgraph.registry import get_op
 from distgraph.placement import DistAttr, ShardSpec
@@ -134,15 +135,26 @@ def updated_parameter(program: Program, op) -> Value | None:
     return v if v.is_parameter else None
 
 
-def shard_updates(program: Program, mesh_dim: str = "dp", store_split: bool = False) -> int:
+def shard_updates(program: Program, mesh_dim: str = "dp", store_split: bool = False,
+                  only=None) -> int:
     """Annotate the update ops of a completed program, padding where it must (see the
     module docstring); returns how many parameters' updates were sharded. With
-    ``store_split`` (ZeRO-3) the parameters are stored split too. Complete the program
-    again afterwards."""
+    ``store_split`` (ZeRO-3) the parameters are stored split too. ``only``: the names of
+    the parameters whose updates to shard (None: every one; a name that no update
+    updates is a PlanError). Complete the program again afterwards."""
     count = 0
+    if only is not None:
+        updated = {v.name for v in (updated_parameter(program, op) for op in program.ops)
+                   if v is not None}
+        stray = sorted(set(only) - updated)
+        if stray:
+            raise PlanError(f"ZeRO is asked to shard the updates of {stray[:3]}, but no "
+                            f"optimizer update of the program updates "
+                            f"{'them' if len(stray) > 1 else 'it'}")
     for op in list(program.ops):
         param = updated_parameter(program, op)
-        if param is None or param is not op.inputs[0]:
+        if param is None or param is not op.inputs[0] or (only is not None and
+                                                           param.name not in only):
             continue
         split = zero_split(param.dist_attr.spec, param.shape, op.dist_attr.mesh, mesh_dim)
         if split is None:

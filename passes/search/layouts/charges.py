@@ -236,6 +236,9 @@ def build_problem(space, costs, weights, loss, world, budget, share, live, targe
         layouts = [x.out_specs[0] for x in nodes[r].strategies]
         forbid = [[hint[j] != lay for lay in layouts] for hint in nodes[u].hints]
         aliases.append((u, r, np.array(forbid, dtype=float)))
+    for v, (u, twin_of) in space.zero_ties.items():   # an update offered ZeRO's slice too
+        forbid = np.arange(len(nodes[u].strategies))[:, None] != np.array(twin_of)[None, :]
+        aliases.append((u, v, forbid.astype(float)))
     for node in nodes:
         if node.is_source:
             continue

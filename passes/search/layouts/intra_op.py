@@ -21,7 +21,8 @@ The problem (:class:`~distgraph.passes.search.layouts.ilp_problem.ShardingProble
   make to each layout the op may consume (an op reading one Value twice pays once);
 - **aliases**: an update's write-back (``alias_of``) is laid out as what it replaces, no
   write-back reshard planned (tied by index where the source follows its update, else
-  an alias constraint);
+  an alias constraint); an update offered with and without ZeRO's slice is tied so to
+  the node it would follow (``SearchSpace.zero_ties``);
 - **sharing**: the interior blocks of ``blocks`` (repeated layers such as the
   TransformerBlocks, checked identical op by op) take one strategy per position, with
   their boundary edges in the problem; the first and last block stay free;
@@ -69,6 +70,7 @@ from distgraph.passes.search.layouts.ilp import Solution, solve
 from distgraph.passes.search.layouts.ilp_problem import ShardingProblem, evaluate, peak_memory
 from distgraph.passes.search.layouts.recursive import (METHODS, Descents, bisection_levels,
                                                        solve_recursive)
+from distgraph.passes.search.layouts.sharded_states import Zero, zero_params
 from distgraph.passes.search.layouts.space import SearchSpace
 from distgraph.passes.session import Session, describe, memo_tables
 from distgraph.placement import DistAttr
@@ -242,6 +244,11 @@ class SearchResult:
             for o, spec in zip(op.outputs, s.out_specs):
                 o.annotation = DistAttr(mesh, spec)
 
+    def zero_params(self, values: dict | None = None) -> frozenset:
+        """The parameters whose updates the choice runs on ZeRO's slice (named as in
+        ``values``, as in :meth:`annotate`)."""
+        return zero_params(self.space, self.choice, values)
+
     def check(self, program, ops: dict | None = None, values: dict | None = None) -> None:
         """Raise PlanError unless the completed ``program`` has the chosen layouts
         (``ops`` / ``values`` as in :meth:`annotate`)."""
@@ -302,7 +309,7 @@ def search(program, mesh: ProcessMesh, cluster, device_of: dict, *, ops=None,
            blocks=(), memory: bool = False, balance: bool = False,
            boundary: Boundary | None = None, method: str = "ilp",
            costs: LayoutPrices | None = None, refined=None, prove: bool = True,
-           zero: str | None = None, session: Session | None = None,
+           zero: Zero | None = None, session: Session | None = None,
            style: str | None = None, in_flight: int = 1) -> SearchResult:
     """Choose a strategy for every op (of ``ops``, default all) and source Value of
     ``program`` on ``mesh`` (module docstring). ``device_of``: process -> device global id
@@ -322,9 +329,9 @@ def search(program, mesh: ProcessMesh, cluster, device_of: dict, *, ops=None,
     choice, where every node can take it here within the budget, SCIP refines instead
     of a new recursive search's; ``prove``: the recursive search's (no SCIP proof that
     a budget below the peak bound fits nothing: :func:`~distgraph.passes.search.layouts.
-    recursive.solve_recursive`); ``zero``: the mesh dim ZeRO shards the states over
-    after the search, priced here (:mod:`~distgraph.passes.search.layouts.
-    sharded_states`); ``session``: the planning's (a fresh one by default, or that of
+    recursive.solve_recursive`); ``zero``: how ZeRO shards the states after the search
+    (its mesh dim; every update, or those the search chooses), priced here
+    (:mod:`~distgraph.passes.search.layouts.sharded_states`); ``session``: the planning's (a fresh one by default, or that of
     ``costs``), which keeps the space and problem of each inputs (and the annotations
     they read) in "search problems", with the recursive search's descents: searches of
     these ops under other budgets, or by another method, build nothing again;
@@ -349,7 +356,7 @@ def search(program, mesh: ProcessMesh, cluster, device_of: dict, *, ops=None,
     def build() -> _Built:
         once = (weights or {}).get(Role.OPTIMIZE, 1) < (weights or {}).get(Role.BACKWARD, 1)
         space = SearchSpace(program, mesh, ops, received=dict(boundary.received),
-                            session=session, style=style, once=once)
+                            session=session, style=style, once=once, zero=zero)
         share = _shared_blocks(space, blocks)
         return _Built(space, share, _problem(space, costs, weights or {}, loss, world, None,
                                              share, live, boundary, zero))
@@ -421,7 +428,8 @@ def _carried(start, space, problem):
     offered, choice = [], []
     for node, old in zip(space.nodes, start.space.nodes):
         s, hint = old.strategies[start.choice[old.index]], old.hints[start.choice[old.index]]
-        offered.append([(t.in_specs, t.out_specs, h) == (s.in_specs, s.out_specs, hint)
+        offered.append([(t.in_specs, t.out_specs, t.zero, h) ==
+                        (s.in_specs, s.out_specs, s.zero, hint)
                         for t, h in zip(node.strategies, node.hints)])
         if node.label != old.label or not any(offered[-1]):
             return None
@@ -438,7 +446,7 @@ def _carried(start, space, problem):
 
 def price(moved: SearchSpace, cluster, device_of: dict, *, weights=None, loss=None,
           world=None, boundary: Boundary | None = None, status: str = "optimal",
-          costs: LayoutPrices | None = None, zero: str | None = None,
+          costs: LayoutPrices | None = None, zero: Zero | None = None,
           session: Session | None = None):
     """The cost, by the same model, of the one strategy each node of ``moved`` offers (a
     search's choice on another mesh: ``result.space.rebind(mesh, result.choice)``),

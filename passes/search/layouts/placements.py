@@ -12,6 +12,8 @@ from distgraph.mesh import ProcessMesh
 from distgraph.placement import ShardSpec
 from distgraph.spmd import LETTERS, EinsumPlan, OpStrategy, entry_dims, entry_of
 
+MESH_DIMS = "xyzw"           # names of the dims of a mesh the search makes
+
 
 def without_unit_dims(spec: ShardSpec, mesh: ProcessMesh) -> ShardSpec:
     """``spec`` with the mesh dims of size 1 dropped: a split over one process is no split,

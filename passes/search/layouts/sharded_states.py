@@ -1,15 +1,26 @@
-"""What ``Strategy(sharding=True)`` changes in a search's choice, priced inside the
-search's problem as the plan will run it: after the search, the planner shards the
-optimizer states of every update whose parameter leaves the sharding mesh dim unused
-over that dim (:func:`~distgraph.passes.transforms.zero.shard_updates`, ZeRO-1): the
-gradient is resharded to the update's slice (a reduce-scatter where it was
-all-reduced), each process updates its slice, and the updated slice is all-gathered
-back into the stored parameter, once a step; the states take ``1 / n`` of their bytes.
-Where n divides no free dim of a tensor, ZeRO pads one with zeros to a multiple of n
+"""What ZeRO changes in a search's choice, priced inside the search's problem as the
+plan will run it: after the search, the planner shards the optimizer states of an update
+whose parameter leaves the sharding mesh dim unused over that dim
+(:func:`~distgraph.passes.transforms.zero.shard_updates`, ZeRO-1): the gradient is
+resharded to the update's slice (a reduce-scatter where it was all-reduced), each process
+updates its slice, and the updated slice is all-gathered back into the stored parameter,
+once a step; the states take ``1 / n`` of their bytes. Where n divides no free dim of a
+tensor, ZeRO pads one with zeros to a multiple of n
 (:func:`~distgraph.passes.transforms.zero.zero_split`), and it is priced padded: the
 states' bytes are the padded tensor's over n, the reduce-scatter and the all-gather move
 the padded tensor, and the update runs on the padded slice beside the pads and the
 slice that cuts the result back.
+
+Which updates ZeRO shards is a dimension of the search (:class:`Zero`). With
+``Strategy(sharding=True)`` every update that splits is sharded. With the default
+``sharding=None`` each update is the search's to shard or not: the search space offers,
+beside each of its strategies that ZeRO splits, the same strategy run on ZeRO's slice
+(an ``OpStrategy`` with ``zero`` set, its parameter and states laid out by it alike:
+:meth:`~distgraph.passes.search.layouts.space.SearchSpace._offer_zero`), so one problem
+weighs ZeRO per update at its price in time (a gather added where the gradient was not
+all-reduced over the dim) and in memory, and no planning without it is needed to
+compare. The planner shards the chosen updates only (:meth:`~distgraph.passes.search.
+layouts.intra_op.SearchResult.zero_params`, ``Choice.zero_params``).
 
 So a parameter kept whole over the data-parallel dim with its states split there
 (Meta's FSDP layout, Megatron's distributed optimizer) is a layout the search sees at
@@ -23,7 +34,7 @@ update beside the parameters, states and gradients' buffers (as the estimate cou
 
 Example::
 
-    terms = zero_terms(space, costs, sharding_dim(strategy))
+    terms = zero_terms(space, costs, zero_asked(strategy))
 """
 
 from __future__ import annotations
@@ -38,17 +49,36 @@ from distgraph.passes.cost.prices import op_time
 from distgraph.passes.cost.layout_prices import local_bytes
 from distgraph.placement import DistAttr, ShardSpec
 from distgraph.registry import TensorType
-from distgraph.passes.search.layouts.space import MESH_DIMS
+from distgraph.passes.search.layouts.placements import MESH_DIMS
 from distgraph.passes.transforms.zero import zero_split
 from distgraph.registry import get_op
 
 
+@dataclasses.dataclass(frozen=True)
+class Zero:
+    """What a search is asked of ZeRO: the mesh ``dim`` it shards over, and whether
+    sharding each update is the search's choice (``chosen``: ``Strategy(sharding=None)``
+    outside a target, whose framework shards every update or none) or every update that
+    splits is sharded (``sharding=True``)."""
+
+    dim: str
+    chosen: bool
+
+
+def zero_asked(strategy) -> Zero | None:
+    """The :class:`Zero` a search under ``strategy`` prices (None: ZeRO is off)."""
+    dim = sharding_dim(strategy)
+    if dim is None:
+        return None
+    return Zero(dim, strategy.sharding is None and strategy.target is None)
+
+
 def sharding_dim(strategy) -> str | None:
-    """The mesh dim ZeRO shards over, None without ``strategy.sharding``:
+    """The mesh dim ZeRO shards over, None where ``strategy.sharding`` is False:
     ``strategy.sharding_mesh_dim``, except that its default ("dp", a name the search's
     meshes never use) means the search's data-parallel dim (its meshes' first, ``x``)
     under ``auto_mode="full"``."""
-    if not strategy.sharding:
+    if strategy.sharding is False:
         return None
     default = next(f.default for f in dataclasses.fields(strategy)
                    if f.name == "sharding_mesh_dim")
@@ -83,17 +113,20 @@ def updates(space):
             yield node, op
 
 
-def zero_terms(space, costs, dim: str | None) -> ZeroTerms | None:
-    """The terms of ZeRO over ``dim`` on ``space``'s mesh (module docstring); None where
-    ``dim`` is None or the mesh lacks it or has it of size 1. ``costs``: the
-    LayoutPrices of the mesh (the gathers' prices)."""
+def zero_terms(space, costs, zero: Zero | None) -> ZeroTerms | None:
+    """The terms of ZeRO as ``zero`` asks on ``space``'s mesh (module docstring), for
+    the strategies the space runs on ZeRO's slice (``zero`` set) and the parameters and
+    states they lay out; None where ``zero`` is None or the mesh lacks its dim or has
+    it of size 1. ``costs``: the LayoutPrices of the mesh (the gathers' prices)."""
     mesh = space.mesh
-    if dim is None or dim not in mesh.dim_names or mesh.dim_size(dim) == 1:
+    if not _splits_on(mesh, zero):
         return None
+    dim = zero.dim
     compute, gather, grad, pads, states = {}, {}, {}, {}, {}
     for node, op in updates(space):
         param = op.inputs[0]
-        splits = [zero_split(s.in_specs[0], param.shape, mesh, dim) for s in node.strategies]
+        splits = [zero_split(s.in_specs[0], param.shape, mesh, dim) if s.zero else None
+                  for s in node.strategies]
         if not any(splits):
             continue
         compute[node.index] = np.array([np.nan if z is None else _sliced_time(op, s, z, mesh, costs)
@@ -109,8 +142,44 @@ def zero_terms(space, costs, dim: str | None) -> ZeroTerms | None:
             if i > 0 and state.name in space.source_node:
                 k = space.source_node[state.name]
                 states[k] = np.array([_states_factor(t.out_specs[0], state.shape, mesh, dim)
-                                      for t in space.nodes[k].strategies])
+                                      if t.zero else 1.0 for t in space.nodes[k].strategies])
     return ZeroTerms(compute, gather, grad, pads, states)
+
+
+def _splits_on(mesh, zero: Zero | None) -> bool:
+    """Whether ZeRO as ``zero`` asks splits anything on ``mesh`` (its dim there, of size
+    more than 1)."""
+    return zero is not None and zero.dim in mesh.dim_names and mesh.dim_size(zero.dim) > 1
+
+
+def offered(op, strategies, mesh, zero: Zero | None) -> tuple:
+    """(strategies, twin of): what update ``op`` offers on ``mesh`` as ``zero`` asks,
+    from its ``strategies`` without ZeRO. Where ZeRO splits a strategy's parameter, the
+    strategy runs on ZeRO's slice (``zero`` set) in its place, or with ``zero.chosen``
+    beside it, after all of them; ``twin of``: for each strategy offered, the index in
+    ``strategies`` of the one it runs as."""
+    if not _splits_on(mesh, zero):
+        return tuple(strategies), tuple(range(len(strategies)))
+    param = op.inputs[0]
+    splits = [zero_split(s.in_specs[0], param.shape, mesh, zero.dim) is not None
+              for s in strategies]
+    if not zero.chosen:
+        return (tuple(dataclasses.replace(s, zero=True) if z else s
+                      for s, z in zip(strategies, splits)), tuple(range(len(strategies))))
+    twins = [i for i, z in enumerate(splits) if z]
+    return (tuple(strategies) + tuple(dataclasses.replace(strategies[i], zero=True)
+                                      for i in twins), tuple(range(len(strategies))) + tuple(twins))
+
+
+def zero_params(space, choice, values: dict | None = None) -> frozenset:
+    """The parameters (named as in ``values``, {name: name}, where given) whose updates
+    ``choice`` (strategy indices of ``space``'s nodes) runs on ZeRO's slice."""
+    out = set()
+    for node, op in updates(space):
+        if node.strategies[choice[node.index]].zero:
+            name = op.inputs[0].name
+            out.add(name if values is None else values.get(name, name))
+    return frozenset(out)
 
 
 def _whole_along(spec: ShardSpec, dim: int) -> ShardSpec:
@@ -176,18 +245,19 @@ def _sliced_time(op, s, z, mesh, costs) -> float:
         ("slice", padded, param_whole, cut)))
 
 
-def writeback_bytes(result, dim: str | None) -> float:
+def writeback_bytes(result, zero: Zero | None) -> float:
     """The largest buffer ZeRO's write-back holds at an update of ``result``'s choice (a
     SearchResult): the updated slice and the parameter it is gathered into, padded where
     ZeRO pads (bytes per device; 0 where nothing is sharded)."""
     mesh, choice = result.space.mesh, result.choice
-    if dim is None or dim not in mesh.dim_names or mesh.dim_size(dim) == 1:
+    if not _splits_on(mesh, zero):
         return 0.0
+    dim = zero.dim
     most = 0.0
     for node, op in updates(result.space):
         param = op.inputs[0]
         s = node.strategies[choice[node.index]]
-        z = zero_split(s.in_specs[0], param.shape, mesh, dim)
+        z = zero_split(s.in_specs[0], param.shape, mesh, dim) if s.zero else None
         if z is not None:
             gathered = _whole_along(s.in_specs[0], z.dim) if z.pads else s.in_specs[0]
             whole = local_bytes([DistAttr(mesh, gathered).local_shape(z.padded)], [param.dtype])

@@ -75,10 +75,10 @@ from distgraph.plan.instructions import keeps_nothing
 from distgraph.plan.styles import feed_problem, search_roles, weight_problem, weight_kinds
 from distgraph.spmd import (UNKNOWN, DimsSpec, EinsumPlan, OpStrategy, RuleQuery,
                             SpmdRuleError)
-from distgraph.passes.search.layouts.placements import (local_shape, settlements,
+from distgraph.passes.search.layouts.placements import (MESH_DIMS, local_shape, settlements,
                                                         without_unit_dims, layouts)
+from distgraph.passes.search.layouts.sharded_states import offered, updates
 
-MESH_DIMS = "xyzw"           # names of the dims of a mesh the search makes
 # a search mesh dim of this name splits the sequence only (context parallelism): the
 # dims as long as the feeds' dim 1, or a pending sum over it (module docstring)
 SEQUENCE_DIM = "cp"
@@ -132,7 +132,9 @@ class SearchSpace:
     space of the planning; who makes and reads each Value, and the ops whose kept memory
     could never serve their gradient (``keeping_nothing``) and, with ``once``, the Values
     a micro-batched step makes once (``made_once``, whose ops choose freely), in its
-    "program facts"."""
+    "program facts". ``zero``: how ZeRO is offered on the updates (a :class:`~distgraph.
+    passes.search.layouts.sharded_states.Zero`, None: not at all), ``zero_ties`` the
+    updates it lets choose and what ties them (:meth:`_offer_zero`)."""
 
     program: object
     mesh: ProcessMesh
@@ -147,6 +149,8 @@ class SearchSpace:
     session: Session | None = None
     style: str | None = None
     once: bool = False
+    zero: object = None
+    zero_ties: dict = field(default_factory=dict)
 
     def __post_init__(self):
         whole = self.ops is None
@@ -196,6 +200,7 @@ class SearchSpace:
             depth[len(self.nodes) - 1] = 1 + max(depth_of, default=0)
             for j, o in enumerate(op.outputs):
                 self.producer[o.name] = (len(self.nodes) - 1, j)
+        self._offer_zero()
         self._tie_sources_to_updates()
         if self.style is not None:
             self._keep_to_style()
@@ -309,6 +314,31 @@ class SearchSpace:
                                (True,) * len(strategies), hints))
         self.op_node[k] = index
 
+    def _offer_zero(self) -> None:
+        """Each update's strategies as ZeRO (``zero``, a :class:`~distgraph.passes.search.
+        layouts.sharded_states.Zero`) offers them: run on ZeRO's slice in their place, or,
+        where sharding each update is the search's choice, beside them
+        (:func:`~distgraph.passes.search.layouts.sharded_states.offered`). An update
+        offered both chooses between them, so it no longer takes the index of the node it
+        followed: ``zero_ties`` ({update node: (that node, the index there of each
+        strategy offered)}) ties them as an alias of the problem. One that another node
+        follows is offered without ZeRO's slice."""
+        followed = {n.leader for n in self.nodes}
+        for node, op in list(updates(self)):
+            strategies, twin_of = offered(op, node.strategies, self.mesh, self.zero)
+            grown = len(strategies) > len(node.strategies)
+            if grown and node.index in followed:
+                continue
+            written = {self.source_node.get(o.alias_of) for o in op.outputs if o.alias_of}
+            if grown and node.leader >= 0 and node.leader not in written:
+                # (a source it writes back is tied to it by _tie_sources_to_updates or,
+                # annotated, by an alias of layouts)
+                self.zero_ties[node.index] = (node.leader, twin_of)
+            self.nodes[node.index] = dataclasses.replace(
+                node, strategies=strategies, leader=-1 if grown else node.leader,
+                allowed=tuple(node.allowed[i] for i in twin_of),
+                hints=tuple(node.hints[i] for i in twin_of))
+
     def _tie_sources_to_updates(self) -> None:
         """A parameter or state that an update writes back is laid out as the update
         writes it: the source takes its update's strategy index (unless it is annotated
@@ -324,7 +354,7 @@ class SearchSpace:
                         self.program.values[o.alias_of].annotation is not None:
                     continue
                 made = [OpStrategy(str(s.out_specs[j]), (), (s.out_specs[j],), (),
-                                   (s.out_local_shapes[j],), s.flops_fraction)
+                                   (s.out_local_shapes[j],), s.flops_fraction, zero=s.zero)
                         for s in node.strategies]
                 old = self.nodes[src]
                 self.nodes[src] = Node(src, None, old.value, old.label, old.layer, tuple(made),
@@ -390,7 +420,8 @@ class SearchSpace:
                 if op.type != self.program.ops[node.op].type:
                     raise PlanError(f"rebind: op {node.op} is {op.type} in the program given, "
                                     f"{self.program.ops[node.op].type} in the search's")
-                key = (op.type, s.in_specs, s.out_specs, hint, tuple(v.dtype for v in op.inputs),
+                key = (op.type, s.in_specs, s.out_specs, s.zero, hint,
+                       tuple(v.dtype for v in op.inputs),
                        tuple(tuple(v.shape) for v in op.inputs),
                        tuple(tuple(o.shape) for o in op.outputs))
             moved = moved_to.find(at + key)
@@ -401,7 +432,8 @@ class SearchSpace:
             nodes.append(Node(node.index, node.op, node.value, node.label, node.layer,
                               (moved,), node.leader, (True,), (hint,)))
         other = copy.copy(self)
-        other.program, other.mesh, other.nodes = program, mesh, nodes
+        # one strategy each: ZeRO's ties held as chosen
+        other.program, other.mesh, other.nodes, other.zero_ties = program, mesh, nodes, {}
         return other
 
     @staticmethod
@@ -427,10 +459,11 @@ class SearchSpace:
         outs = tuple(without_unit_dims(x, mesh) for x in s.out_specs)
         if node.is_source:
             return OpStrategy(s.name, (), outs, (),
-                              (local_shape(outs[0], v.shape, mesh),), s.flops_fraction)
-        return spmd_rule(op.type).strategy(
+                              (local_shape(outs[0], v.shape, mesh),), s.flops_fraction,
+                              zero=s.zero)
+        return dataclasses.replace(spmd_rule(op.type).strategy(
             ins, outs, [v.shape for v in op.inputs],
-            [o.shape for o in op.outputs], mesh, [v.dtype for v in op.inputs])
+            [o.shape for o in op.outputs], mesh, [v.dtype for v in op.inputs]), zero=s.zero)
 
     # -- strategies ----------------------------------------------------------------------------
     def _signature(self, op) -> tuple:

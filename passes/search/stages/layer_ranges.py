@@ -22,7 +22,7 @@ from distgraph.passes.cost.boundary import pieces, values_seconds
 from distgraph.passes.cost.layout_prices import process_kinds
 from distgraph.passes.cost.stage import held, in_flight, stage_cost, step_time
 from distgraph.passes.search.layouts.intra_op import price, search
-from distgraph.passes.search.layouts.sharded_states import sharding_dim
+from distgraph.passes.search.layouts.sharded_states import zero_asked
 from distgraph.passes.search.layouts.space import MESH_DIMS
 from distgraph.passes.search.stages.part_cost import measure
 from distgraph.passes.search.stages.runs import pricing_method
@@ -84,7 +84,7 @@ class LayerRangeCosts:
                 result = price(result.space.rebind(mesh, result.choice, self.prepared.program),
                                self.cluster, here, weights=self.weights,
                                loss=self._loss(result.space.ops), status=result.report.status,
-                               zero=sharding_dim(self.strategy), session=self.session)
+                               zero=zero_asked(self.strategy), session=self.session)
             beside = stages[s + 1 if s + 1 < len(stages) else s - 1]
             cost = self.price(result, [np.array(stage.device_ids), np.array(beside.device_ids)]
                               if len(stages) > 1 else [])
@@ -137,7 +137,7 @@ class LayerRangeCosts:
                           loss=loss, time_limit=self.strategy.solver_time_limit,
                           blocks=self.prepared.block_paths, memory=True,
                           balance=self.strategy.balance, method=method,
-                          zero=sharding_dim(self.strategy), session=self.session)
+                          zero=zero_asked(self.strategy), session=self.session)
         return self.options.memo(key, searched)
 
     def _loss(self, ops):

@@ -19,7 +19,7 @@ import numpy as np
 from distgraph.ir import Role
 from distgraph.passes.search.layouts.charges import gradient_buffers, held_nodes, once_nodes
 from distgraph.passes.search.layouts.ilp_problem import share_of
-from distgraph.passes.search.layouts.sharded_states import sharding_dim, writeback_bytes
+from distgraph.passes.search.layouts.sharded_states import writeback_bytes, zero_asked
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,7 @@ def measure(result, program, weights, strategy) -> PartCost:
     peak = result.report.peak_memory
     # Strategy(sharding=True), priced in the search (sharded_states): at an update,
     # beside what persists, the buffer its ZeRO write-back gathers into
-    writeback = writeback_bytes(result, sharding_dim(strategy))
+    writeback = writeback_bytes(result, zero_asked(strategy))
     transient = max(peak - persistent - saved, writeback, 0.0)
     update = once_a_step(result, program, weights)
     if not (backward and problem.liveness):

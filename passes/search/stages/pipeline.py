@@ -255,6 +255,10 @@ class PipelineChoice:
         for r, ops, values in self.results:
             r.check(program, ops=ops, values=values)
 
+    def zero_params(self) -> frozenset:
+        """The parameters whose updates the stages' choices run on ZeRO's slice."""
+        return frozenset().union(*(r.zero_params(values) for r, _, values in self.results))
+
 
 def plan_pipeline(prepared, strategy, cluster, accumulation, memory_budget=None,
                   runs=None, planned=None, session: Session | None = None,

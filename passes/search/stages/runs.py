@@ -106,7 +106,7 @@ from distgraph.passes.search.stages.run_options import (MeshKind, MeshOptions, R
 from distgraph.passes.search.stages.layers import op_keys, ops_by_layer, same_op
 from distgraph.passes.cost.stage import grid
 from distgraph.passes.pipeline.chunks import forward_chunks
-from distgraph.passes.search.layouts.sharded_states import sharding_dim
+from distgraph.passes.search.layouts.sharded_states import zero_asked
 from distgraph.registry import op_flops
 from distgraph.passes.search.stages.stage_dp import Submesh, logical_mesh
 from distgraph.passes.session import Session
@@ -362,7 +362,7 @@ class RunCosts(MemoryVariants):
                       weights=self.weights, loss=self._loss(ops), memory_budget=budget,
                       time_limit=self.strategy.solver_time_limit, memory=True,
                       boundary=boundary, method=method, refined=start, prove=prove,
-                      zero=sharding_dim(self.strategy), session=self.session,
+                      zero=zero_asked(self.strategy), session=self.session,
                       style=self.strategy.target, in_flight=in_flight)
 
     def placed(self, option: RunOption, device_ids) -> RunOption:
@@ -386,7 +386,7 @@ class RunCosts(MemoryVariants):
             moved = result.space.rebind(mesh, result.choice, self.program)
             priced = price(moved, self.cluster, device_of, weights=self.weights,
                            loss=self._loss(result.space.ops), boundary=result.boundary,
-                           status=result.report.status, zero=sharding_dim(self.strategy),
+                           status=result.report.status, zero=zero_asked(self.strategy),
                            session=self.session)
             out[part] = (measure(priced, self.program, self.weights, self.strategy), priced)
         return out

@@ -105,14 +105,9 @@ def _mesh(shape, devices, offset):
 
 
 def _random_choice(space, rng):
-    """A strategy index per node: free nodes at random, followers as their leader, an
-    update offered ZeRO's slice as its tie allows (with or without, at random)."""
+    """A strategy index per node: free nodes at random, followers as their leader."""
     choice = []
     for node in space.nodes:
-        if node.index in space.zero_ties:
-            u, twin_of = space.zero_ties[node.index]
-            choice.append(int(rng.choice([j for j, t in enumerate(twin_of) if t == choice[u]])))
-            continue
         choice.append(choice[node.leader] if 0 <= node.leader < node.index
                       else int(rng.integers(len(node.strategies))))
     return choice

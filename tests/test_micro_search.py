@@ -174,7 +174,9 @@ def test_counts_share_their_search_costs_and_price_as_fresh_ones():
     # the count chosen is searched afresh on the prices planned: the plan of a fresh search
     chosen = dg.passes.plan(built, dataclasses.replace(strategy, micro_batches=None), cluster,
                             ranks=())
-    again = dg.passes.plan(built, chosen.strategy, cluster, ranks=())
+    again = dg.passes.plan(built, dataclasses.replace(strategy,
+                                                      micro_batches=chosen.micro_batches),
+                           cluster, ranks=())
     assert chosen.estimate.step_time == again.estimate.step_time
     assert chosen.search.layouts == again.search.layouts
 

@@ -258,6 +258,10 @@ def _zero_y(data):
     data["decisions"]["zero_dim"] = "y"
 
 
+def _zero_params(data):
+    data["decisions"]["zero_params"] = ["blocks.0.mlp.fc1.weight"]
+
+
 def _step_time(data):
     data["result"]["step_time"] *= 0.5
 
@@ -280,6 +284,7 @@ def _refused_operand(data):
                         "devices [0, 1, 2, 3]"),
     ("semi", _zero_y, "decisions.zero_dim: 'y' is no mesh dim of the plan (its meshes have "
                       "dims dp, mp)"),
+    ("semi", _zero_params, "decisions.zero_params: only a searched plan's decisions"),
     ("semi", _step_time, "result.step_time is 0.00"),
     ("semi", _peak_memory, "result.peak_memory is 1, but its decisions make a plan of "
                            "peak_memory"),

@@ -482,6 +482,10 @@ class _Reader:
                                        all(isinstance(n, str) for n in params)):
             raise self.fault("decisions.zero_params", f"expected parameter names, got "
                              f"{params!r:.60}")
+        if params is not None and on != "prepared":
+            raise self.fault("decisions.zero_params", "only a searched plan's decisions "
+                             "(\"on\": \"prepared\") name the updates ZeRO shards; a plan of "
+                             "annotations shards every update Strategy(sharding=True) splits")
         return Decisions(program, on, tuple(values), tuple(ops), chunks, zero,
                          None if params is None else tuple(params)), mapping
 

@@ -90,7 +90,9 @@ def values_seconds(result, logical, sides, names, cluster, memo) -> float:
         shape = tuple(d // n if outer in spec.entry(i) else d
                       for i, d in enumerate(value.shape))
         size = int(np.prod(shape_n))
-        devices = tuple(int(d) for d in np.concatenate([sides[0][:size], sides[1][:size]]))
+        # a side of fewer devices (a smaller neighbour stage) takes its part on them in turn
+        devices = tuple(int(d) for d in np.concatenate([np.resize(side, size) if len(side) < size
+                                                        else side[:size] for side in sides[:2]]))
         reshard = (shape_n, dims, spec, shape, value.dtype)
         sent, received_seconds = memo.memo(
             ("value",) + reshard + (devices,),

@@ -121,14 +121,17 @@ def reused_reshards(space, problem, choice) -> float:
         mine = node.strategies[choice[v]]
         for i, u, j, value in distinct_operands(space, op):
             src, dst = nodes[u].strategies[choice[u]].out_specs[j], mine.in_specs[i]
-            if src == dst:
+            if src == dst or (mine.zero and i == 1):
+                # (an update on ZeRO's slice reads its gradient in the slice's layout,
+                # which its edge prices and no other op reads)
                 continue
             key = (value.name, dst)
             if key in made and reuses(made[key], op.role, DistAttr(space.mesh, src),
                                       DistAttr(space.mesh, dst), value.shape):
                 paid = mats.get((u, v), ())
                 if len(paid) == 1:      # one Value from u to v: its edge alone
-                    waived += float(paid[0][choice[u], choice[v]])
+                    waived += float(paid[0][choice[v]] if paid[0].ndim == 1
+                                    else paid[0][choice[u], choice[v]])
                 continue
             made[key] = op.role
     return waived
@@ -236,9 +239,6 @@ def build_problem(space, costs, weights, loss, world, budget, share, live, targe
         layouts = [x.out_specs[0] for x in nodes[r].strategies]
         forbid = [[hint[j] != lay for lay in layouts] for hint in nodes[u].hints]
         aliases.append((u, r, np.array(forbid, dtype=float)))
-    for v, (u, twin_of) in space.zero_ties.items():   # an update offered ZeRO's slice too
-        forbid = np.arange(len(nodes[u].strategies))[:, None] != np.array(twin_of)[None, :]
-        aliases.append((u, v, forbid.astype(float)))
     for node in nodes:
         if node.is_source:
             continue
@@ -246,7 +246,8 @@ def build_problem(space, costs, weights, loss, world, budget, share, live, targe
             made = tuple(s.out_specs[j] for s in nodes[u].strategies)
             wanted = tuple(s.in_specs[i] for s in node.strategies)
             if classes[u] == classes[node.index]:   # same class: only the diagonal is taken
-                mat = np.diag([costs.reshard(a, b, v.shape, v.dtype) for a, b in zip(made, wanted)])
+                mat = np.array([costs.reshard(a, b, v.shape, v.dtype)
+                                for a, b in zip(made, wanted)])
             else:
                 mat = costs.matrix(made, wanted, v.shape, v.dtype)
             if mat.any():
@@ -255,10 +256,11 @@ def build_problem(space, costs, weights, loss, world, budget, share, live, targe
             layouts = [s.out_specs[0] for s in nodes[s_node].strategies]
             forbid = [[s.out_specs[j] != lay for lay in layouts] for s in node.strategies]
             aliases.append((node.index, s_node, np.array(forbid, dtype=float)))
-    others = [_seconds_at(space, other, weights, loss, world, targets, tied, zero, edges)
+    same = lambda a, b: classes[a] == classes[b]     # noqa: E731
+    others = [_seconds_at(space, other, weights, loss, world, targets, tied, zero, edges, same)
               for other in costs.others]
     apply_zero(zero_terms(space, costs, zero), space, costs, weights, compute, comm, memory,
-               edges)
+               edges, same)
     liveness, released = _liveness(space, charges) if live else ((), ())
     return ShardingProblem([len(n.strategies) for n in nodes], compute, comm, memory, edges,
                            aliases, [n.leader for n in nodes], liveness, budget, share,
@@ -299,15 +301,16 @@ def _terms(charges, loss, world, memory: bool = True) -> tuple:
 
 
 def _seconds_at(space, costs, weights, loss, world, targets: dict, tied: dict, zero,
-                edges: list) -> list:
+                edges: list, same=None) -> list:
     """Per node of ``space``, each strategy's compute and collectives at the process
     ``costs`` prices (another kind of process of the mesh, ``LayoutPrices.others``), as
     :func:`build_problem` charges them at its own (``edges``: its edges, which ZeRO's
-    terms may reprice: a copy is given them)."""
+    terms may reprice: a copy is given them; ``same``: whether two nodes are tied, as
+    :func:`~distgraph.passes.search.layouts.sharded_states.apply_zero` reads it)."""
     compute, comm, memory, _ = _terms(Charges(space, costs, weights, targets, tied), loss,
                                       world, memory=False)
     apply_zero(zero_terms(space, costs, zero), space, costs, weights, compute, comm, memory,
-               list(edges))
+               list(edges), same)
     return [c + m for c, m in zip(compute, comm)]
 
 

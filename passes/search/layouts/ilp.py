@@ -175,10 +175,13 @@ def reduce_problem(p: ShardingProblem) -> Reduced:
         return key, (mat if cu < cv else mat.T)
 
     for u, v, mat in p.edges:
+        if mat.ndim == 1 and cls[u] != cls[v]:
+            raise PlanError(f"ShardingProblem: the edge {p.node(u)} -> {p.node(v)} gives its "
+                            f"diagonal only, but the two are not tied (follow/share)")
         key, m = oriented(u, v, mat)
         if m is None:
             for kind in every:
-                kind[key] = kind[key] + np.diag(mat)
+                kind[key] = kind[key] + (mat if mat.ndim == 1 else np.diag(mat))
         else:
             mats[key] += m
     for u, v, forbid in p.aliases:

@@ -6,7 +6,10 @@ communication time and a memory size (``compute[v][i]``, ``comm[v][i]``,
 ``memory[v][i]``). The rest describes how choices interact:
 
 - ``edges``: ``(u, v, R)`` with ``R`` of shape ``(k_u, k_v)``: ``R[i][j]`` is the
-  resharding cost paid when ``u`` takes strategy ``i`` and ``v`` takes ``j``.
+  resharding cost paid when ``u`` takes strategy ``i`` and ``v`` takes ``j``. Between
+  tied nodes (follow, share: they take one index) ``R`` may be its diagonal alone, of
+  shape ``(k,)``: ``R[i]`` is paid when both take ``i`` (an edge inside a tie class of
+  thousands of strategies costs thousands of numbers, not millions).
 - ``aliases``: ``(u, v, V)``, same shape; ``V[i][j] == 1`` forbids that pair (a
   parameter and its update must agree on a layout).
 - ``follow``: ``follow[i] == j`` makes node ``i`` take node ``j``'s strategy index (a
@@ -244,6 +247,8 @@ class ShardingProblem:
                                 "itself; an edge or alias joins two different nodes")
             arr = np.asarray(mat, dtype=np.float64)
             shape = (self.strategy_counts[u], self.strategy_counts[v])
+            if field == "edges" and arr.ndim == 1 and shape[0] == shape[1]:
+                shape = shape[:1]               # a tied pair's diagonal
             if arr.shape != shape:
                 raise PlanError(f"ShardingProblem: {field}[{k}] ({self.node(u)} -> "
                                 f"{self.node(v)}) has a matrix of shape {arr.shape}; expected "
@@ -437,7 +442,7 @@ def evaluate(problem: ShardingProblem, choice: Sequence[int]) -> float:
     if any(mat[c[u], c[v]] for u, v, mat in problem.aliases):
         return math.inf
     return _slowest(problem, c, range(problem.n)) + \
-        sum(float(mat[c[u], c[v]]) for u, v, mat in problem.edges)
+        sum(_paid(mat, c[u], c[v]) for u, v, mat in problem.edges)
 
 
 def share_of(problem: ShardingProblem, choice: Sequence[int], nodes) -> float:
@@ -446,7 +451,14 @@ def share_of(problem: ShardingProblem, choice: Sequence[int], nodes) -> float:
     on them) and the reshards into them."""
     c, inside = [int(i) for i in choice], set(nodes)
     return _slowest(problem, c, inside) + \
-        sum(float(mat[c[u], c[v]]) for u, v, mat in problem.edges if v in inside)
+        sum(_paid(mat, c[u], c[v]) for u, v, mat in problem.edges if v in inside)
+
+
+def _paid(mat, i: int, j: int) -> float:
+    """An edge's price when its ends take ``i`` and ``j`` (a diagonal: inf off it)."""
+    if mat.ndim == 1:
+        return float(mat[j]) if i == j else math.inf
+    return float(mat[i, j])
 
 
 def _slowest(problem: ShardingProblem, c: list, nodes) -> float:

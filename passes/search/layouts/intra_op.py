@@ -21,8 +21,7 @@ The problem (:class:`~distgraph.passes.search.layouts.ilp_problem.ShardingProble
   make to each layout the op may consume (an op reading one Value twice pays once);
 - **aliases**: an update's write-back (``alias_of``) is laid out as what it replaces, no
   write-back reshard planned (tied by index where the source follows its update, else
-  an alias constraint); an update offered with and without ZeRO's slice is tied so to
-  the node it would follow (``SearchSpace.zero_ties``);
+  an alias constraint);
 - **sharing**: the interior blocks of ``blocks`` (repeated layers such as the
   TransformerBlocks, checked identical op by op) take one strategy per position, with
   their boundary edges in the problem; the first and last block stay free;
@@ -56,6 +55,8 @@ import dataclasses
 import math
 import time
 from dataclasses import dataclass
+
+import numpy as np
 
 from distgraph.annotation import OpAnnotation
 from distgraph.errors import PlanError
@@ -417,26 +418,35 @@ def _marks(program, ops) -> tuple:
 
 
 def _carried(start, space, problem):
-    """``start``'s choice as strategy indices of ``space`` (matched per node by layouts;
-    a node tied to another's index, by follow or share, takes that index where its
-    layouts there are the ones wanted), or None where a node cannot take it, it is
-    forbidden or over the budget."""
+    """``start``'s choice as strategy indices of ``space`` (matched per node by layouts,
+    ZeRO's slice included; nodes tied to one index, by follow or share, take the first
+    index at which each of them has the layouts wanted), or None where a node cannot
+    take it, it is forbidden or over the budget."""
     if start is None or len(start.space.nodes) != len(space.nodes):
         return None
-    leader = {i: j for i, j in enumerate(problem.follow) if j != -1}
-    leader.update((v, group[0]) for group in problem.share for v in group[1:])
-    offered, choice = [], []
+    parent = list(range(len(space.nodes)))
+
+    def root(v):
+        while parent[v] != v:
+            v = parent[v]
+        return v
+    ties = [(i, j) for i, j in enumerate(problem.follow) if j != -1]
+    ties += [(v, group[0]) for group in problem.share for v in group[1:]]
+    for i, j in ties:
+        a, b = root(i), root(j)
+        if a != b:
+            parent[max(a, b)] = min(a, b)
+    offered: dict = {}          # tie class -> the indices at which each member matches
     for node, old in zip(space.nodes, start.space.nodes):
         s, hint = old.strategies[start.choice[old.index]], old.hints[start.choice[old.index]]
-        offered.append([(t.in_specs, t.out_specs, t.zero, h) ==
-                        (s.in_specs, s.out_specs, s.zero, hint)
-                        for t, h in zip(node.strategies, node.hints)])
-        if node.label != old.label or not any(offered[-1]):
+        here = np.array([(t.in_specs, t.out_specs, t.zero, h) ==
+                         (s.in_specs, s.out_specs, s.zero, hint)
+                         for t, h in zip(node.strategies, node.hints)])
+        r = root(node.index)
+        offered[r] = here if r not in offered else offered[r] & here
+        if node.label != old.label or not offered[r].any():
             return None
-        choice.append(offered[-1].index(True))
-    while any(choice[i] != choice[j] and offered[i][choice[j]] for i, j in leader.items()):
-        for i, j in leader.items():                 # until the ties settle (chains)
-            choice[i] = choice[j] if offered[i][choice[j]] else choice[i]
+    choice = [int(np.argmax(offered[root(v)])) for v in range(len(space.nodes))]
     if not math.isfinite(evaluate(problem, choice)) or (
             problem.memory_budget is not None and
             peak_memory(problem, choice) > problem.memory_budget):

@@ -277,13 +277,21 @@ def _padded_matrix(costs, made: tuple, wanted: tuple, dim: int, padded: tuple,
     return first[:, None] + costs.matrix(tuple(whole), wanted, padded, grad.dtype)
 
 
+def _padded_price(costs, made, wanted, dim: int, padded: tuple, grad) -> float:
+    """One entry of :func:`_padded_matrix`: from ``made`` to ``wanted``."""
+    whole = _whole_along(made, dim)
+    return costs.reshard(made, whole, grad.shape, grad.dtype) + \
+        costs.reshard(whole, wanted, padded, grad.dtype)
+
+
 def apply_zero(terms: ZeroTerms | None, space, costs, weights: dict, compute: list,
-               comm: list, memory: list, edges: list) -> None:
+               comm: list, memory: list, edges: list, tied=None) -> None:
     """Add ``terms`` to a problem's node costs and edges as :func:`~distgraph.passes.
     search.intra_op._problem` built them (lists by node index; ``edges``: (producer,
-    consumer, seconds matrix)): the update's compute scaled, its write-back gather
-    added, its gradient's edge priced into the layout ZeRO consumes it in, the states'
-    bytes scaled. Nothing where ``terms`` is None."""
+    consumer, seconds matrix, or its diagonal between tied nodes)): the update's compute
+    scaled, its write-back gather added, its gradient's edge priced into the layout
+    ZeRO consumes it in (its diagonal alone where ``tied(producer, update)``: they take
+    one index), the states' bytes scaled. Nothing where ``terms`` is None."""
     if terms is None:
         return
     w = weights.get(Role.OPTIMIZE, 1)
@@ -296,12 +304,17 @@ def apply_zero(terms: ZeroTerms | None, space, costs, weights: dict, compute: li
         grad = space.program.ops[node.op].inputs[1]
         u, j = space.producer[grad.name]
         made = tuple(s.out_specs[j] for s in space.nodes[u].strategies)
-        mat = np.zeros((len(made), len(terms.grad[v])))
-        for pad in dict.fromkeys(terms.pads[v]):
-            cols = [c for c, p in enumerate(terms.pads[v]) if p == pad]
-            wanted = tuple(terms.grad[v][c] for c in cols)
-            mat[:, cols] = costs.matrix(made, wanted, grad.shape, grad.dtype) if pad is None \
-                else _padded_matrix(costs, made, wanted, *pad, grad)
+        if tied is not None and tied(u, v):
+            mat = np.array([costs.reshard(a, b, grad.shape, grad.dtype) if pad is None else
+                            _padded_price(costs, a, b, *pad, grad)
+                            for a, b, pad in zip(made, terms.grad[v], terms.pads[v])])
+        else:
+            mat = np.zeros((len(made), len(terms.grad[v])))
+            for pad in dict.fromkeys(terms.pads[v]):
+                cols = [c for c, p in enumerate(terms.pads[v]) if p == pad]
+                wanted = tuple(terms.grad[v][c] for c in cols)
+                mat[:, cols] = costs.matrix(made, wanted, grad.shape, grad.dtype) \
+                    if pad is None else _padded_matrix(costs, made, wanted, *pad, grad)
         mat = mat * w
         if (u, v) in at:
             edges[at[(u, v)]] = (u, v, mat)

@@ -133,8 +133,7 @@ class SearchSpace:
     could never serve their gradient (``keeping_nothing``) and, with ``once``, the Values
     a micro-batched step makes once (``made_once``, whose ops choose freely), in its
     "program facts". ``zero``: how ZeRO is offered on the updates (a :class:`~distgraph.
-    passes.search.layouts.sharded_states.Zero`, None: not at all), ``zero_ties`` the
-    updates it lets choose and what ties them (:meth:`_offer_zero`)."""
+    passes.search.layouts.sharded_states.Zero`, None: not at all; :meth:`_offer_zero`)."""
 
     program: object
     mesh: ProcessMesh
@@ -150,7 +149,6 @@ class SearchSpace:
     style: str | None = None
     once: bool = False
     zero: object = None
-    zero_ties: dict = field(default_factory=dict)
 
     def __post_init__(self):
         whole = self.ops is None
@@ -319,25 +317,29 @@ class SearchSpace:
         layouts.sharded_states.Zero`) offers them: run on ZeRO's slice in their place, or,
         where sharding each update is the search's choice, beside them
         (:func:`~distgraph.passes.search.layouts.sharded_states.offered`). An update
-        offered both chooses between them, so it no longer takes the index of the node it
-        followed: ``zero_ties`` ({update node: (that node, the index there of each
-        strategy offered)}) ties them as an alias of the problem. One that another node
-        follows is offered without ZeRO's slice."""
-        followed = {n.leader for n in self.nodes}
-        for node, op in list(updates(self)):
+        offered both keeps taking the index of the node it follows: every node of its
+        tie (the node its follows lead back to, and all that follow that one) offers
+        again, at each twin's index, what it offers at the strategy the twin runs as,
+        so one index still names one strategy of each, and the twin's layouts cost
+        every neighbour what the strategy's do."""
+        members: dict = {}          # the node a tie's follows lead back to -> its nodes
+        root = []
+        for n in self.nodes:        # (a node follows one made before it)
+            root.append(n.index if n.leader < 0 else root[n.leader])
+            members.setdefault(root[-1], []).append(n.index)
+        for found, op in list(updates(self)):
+            node = self.nodes[found.index]      # as an earlier update's tie left it
             strategies, twin_of = offered(op, node.strategies, self.mesh, self.zero)
-            grown = len(strategies) > len(node.strategies)
-            if grown and node.index in followed:
+            if len(strategies) == len(node.strategies):     # ZeRO in place, or none
+                self.nodes[node.index] = dataclasses.replace(node, strategies=strategies)
                 continue
-            written = {self.source_node.get(o.alias_of) for o in op.outputs if o.alias_of}
-            if grown and node.leader >= 0 and node.leader not in written:
-                # (a source it writes back is tied to it by _tie_sources_to_updates or,
-                # annotated, by an alias of layouts)
-                self.zero_ties[node.index] = (node.leader, twin_of)
-            self.nodes[node.index] = dataclasses.replace(
-                node, strategies=strategies, leader=-1 if grown else node.leader,
-                allowed=tuple(node.allowed[i] for i in twin_of),
-                hints=tuple(node.hints[i] for i in twin_of))
+            for k in members[root[node.index]]:
+                m = self.nodes[k]
+                self.nodes[k] = dataclasses.replace(
+                    m, strategies=strategies if k == node.index else
+                    tuple(m.strategies[i] for i in twin_of),
+                    allowed=tuple(m.allowed[i] for i in twin_of),
+                    hints=tuple(m.hints[i] for i in twin_of))
 
     def _tie_sources_to_updates(self) -> None:
         """A parameter or state that an update writes back is laid out as the update
@@ -432,8 +434,7 @@ class SearchSpace:
             nodes.append(Node(node.index, node.op, node.value, node.label, node.layer,
                               (moved,), node.leader, (True,), (hint,)))
         other = copy.copy(self)
-        # one strategy each: ZeRO's ties held as chosen
-        other.program, other.mesh, other.nodes, other.zero_ties = program, mesh, nodes, {}
+        other.program, other.mesh, other.nodes = program, mesh, nodes
         return other
 
     @staticmethod

@@ -64,8 +64,10 @@ CASES = {"mlp": lambda: (S.mlp_program(1024, 128), S.line_cluster(4)),
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_a_random_choice_is_priced_as_the_estimate_prices_its_plan(case, seed):
     built, cluster = CASES[case]()
-    # the search prices the gradients' reductions run after the backward: overlap=False
-    strategy = dg.Strategy(auto_mode="full", search="ilp", overlap=False)
+    # the search prices the gradients' reductions run after the backward: overlap=False;
+    # ZeRO on every update (a choice per update drawn at random prices within 0.12% of
+    # the estimate, not to the last digits: issue #63's note)
+    strategy = dg.Strategy(auto_mode="full", search="ilp", overlap=False, sharding=True)
     choice, price = random_choice(built, strategy, cluster, seed)
     plan = dg.passes.plan(built, strategy, cluster, choice=choice, ranks=())
     assert plan.estimate.step_time > 0
@@ -103,8 +105,8 @@ def test_a_session_keeps_its_tables_and_counts_what_they_served():
     assert again.strategy.micro_batches == first.strategy.micro_batches
     # walked once: the second round is served the count chosen (within its budget, None:
     # the devices' memory), its split program and its stage options
-    # (keyed by the strategy choose searched: the savers as the planner asks them first)
-    search = searched_as(dataclasses.replace(strategy, recompute=False, sharding=True))
+    # (keyed by the strategy choose searched: recomputation as the planner asks it first)
+    search = searched_as(dataclasses.replace(strategy, recompute=False))
     assert programs[search, None, None] == first.strategy.micro_batches in programs
     assert (search, first.strategy.micro_batches) in programs
     assert (programs.hits, programs.misses) == (walked[0] + 3, walked[1])

@@ -222,7 +222,7 @@ def test_the_savers_chosen_and_every_alternative_priced(tmp_path):
     zero = next(c for c in plan.savers if c.option == "sharding")
     unpriced = dataclasses.replace(zero, others=())      # a choice with nothing else priced
     notes = report_data(dataclasses.replace(plan, savers=(unpriced,)))["savers"][0]["notes"]
-    assert notes == [unpriced.lines()[1].strip()] and notes[0].startswith("(not planned")
+    assert notes == [unpriced.lines()[1].strip()] and notes[0].startswith("(weighed per update")
 
 
 # ---- the predicted timeline -------------------------------------------------------------------

@@ -71,22 +71,25 @@ def zero_plans() -> dict:
 
 
 def test_with_room_the_search_shards_where_the_estimate_says_it_is_faster(zero_plans):
+    """ZeRO chosen per update inside the search: the plan is no slower than the plans of
+    every update sharded and of none, and says how many it shards."""
     plan = planned(_gpt(2), cluster_of(4, 1e12), sequence_parallel=False)
     fastest = min(zero_plans.values(), key=lambda p: p.estimate.step_time)
-    assert plan.strategy.sharding is fastest.strategy.sharding
-    assert plan.estimate.step_time == fastest.estimate.step_time
+    assert plan.estimate.step_time <= fastest.estimate.step_time * (1 + 1e-9)
     chosen = note(plan, "sharding")
     assert chosen.value is plan.strategy.sharding and chosen.seconds == plan.estimate.step_time
+    assert chosen.others == ()                  # no planning without ZeRO: none priced
+    sharded = len(plan.decisions.zero_params)
+    assert plan.strategy.sharding is (sharded > 0)
     assert f"sharding={plan.strategy.sharding!r} chosen by the search" in plan.explain()
-    if zero_plans[True].strategy.sharding:          # it acted: the other value was priced
-        assert [other[0] for other in chosen.others] == [not plan.strategy.sharding]
+    assert f": {sharded} of the " in plan.explain()
 
 
-def test_where_the_search_with_sharding_settles_on_a_slower_layout_the_plan_without_is_kept():
-    """A 4-block GPT on 4 local CPUs: with ZeRO the search's layouts were slower than those
-    it finds without when this was written, 7.20 ms against 7.17 (ZeRO is free on any one
-    layout; the searches are not exact). The choice is the faster of the two explicit
-    plans, and says what the other cost."""
+def test_the_plan_with_zero_per_update_is_no_slower_than_either_given():
+    """A 4-block GPT on 4 local CPUs (where, searched with ZeRO on every update, the
+    layouts were slower than those found without: 7.20 ms against 7.17 when the planner
+    planned both): the search that weighs ZeRO per update plans once and is no slower
+    than either explicit plan."""
     def gpt4():
         dg.seed(0)
         model = dg.nn.GPT(vocab_size=64, d_model=32, n_layer=4, n_head=4, max_seq_len=8)
@@ -98,11 +101,8 @@ def test_where_the_search_with_sharding_settles_on_a_slower_layout_the_plan_with
                 for given in (True, False)}
     plan = planned(gpt4(), dg.Cluster.local(4))
     fastest = min(explicit.values(), key=lambda p: p.estimate.step_time)
-    assert plan.estimate.step_time == fastest.estimate.step_time
-    assert plan.strategy.sharding is fastest.strategy.sharding
-    other = explicit[not plan.strategy.sharding]
-    assert note(plan, "sharding").others == (
-        (other.strategy.sharding, other.estimate.peak_memory, other.estimate.step_time),)
+    assert plan.estimate.step_time <= fastest.estimate.step_time * (1 + 1e-9)
+    assert note(plan, "sharding").others == ()
 
 
 def test_where_memory_binds_the_search_shards_and_fits(zero_plans):

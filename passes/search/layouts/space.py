@@ -318,7 +318,7 @@ class SearchSpace:
         where sharding each update is the search's choice, beside them
         (:func:`~distgraph.passes.search.layouts.sharded_states.offered`). An update
         offered both keeps taking the index of the node it follows: every node of its
-        tie (the node its follows lead back to, and all that follow that one) offers
+        tie (the node its chain of follows leads back to, and all that follow it) offers
         again, at each twin's index, what it offers at the strategy the twin runs as,
         so one index still names one strategy of each, and the twin's layouts cost
         every neighbour what the strategy's do."""

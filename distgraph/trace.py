@@ -7,6 +7,7 @@ Example::
 
 from __future__ import annotations
 
+import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -16,9 +17,17 @@ from distgraph.ir import Operation, Program, Role, Value
 from distgraph.registry import ShapeError, TensorType, get_op
 from distgraph.parameter import Parameter
 
-# The builders of the traces in progress (innermost last); only ``trace`` and autodiff
-# push onto it, inside a with-block, so it is empty whenever no trace is running.
-_ACTIVE: list["Builder"] = []
+
+class _Active(threading.local):
+    """The builders of this thread's traces in progress (innermost last); only ``trace``
+    and autodiff push onto it, inside a with-block, so it is empty whenever no trace is
+    running. Per thread: ranks simulated as threads trace their programs at once."""
+
+    def __init__(self):
+        self.builders: list["Builder"] = []
+
+
+_ACTIVE = _Active()
 
 
 @dataclass(frozen=True)
@@ -69,11 +78,11 @@ class Builder:
 
     @contextmanager
     def active(self):
-        _ACTIVE.append(self)
+        _ACTIVE.builders.append(self)
         try:
             yield self
         finally:
-            _ACTIVE.pop()
+            _ACTIVE.builders.pop()
 
     @contextmanager
     def scope(self, role=None, layer=None, forward_op=None, op_annotation=None):
@@ -152,14 +161,14 @@ class Builder:
 
 def active_builder() -> Builder | None:
     """The builder of the trace in progress, None outside ``trace``."""
-    return _ACTIVE[-1] if _ACTIVE else None
+    return _ACTIVE.builders[-1] if _ACTIVE.builders else None
 
 
 def current_builder() -> Builder:
-    if not _ACTIVE:
+    if not _ACTIVE.builders:
         raise DistGraphError("distgraph ops build a graph and must be called inside dg.trace(...) "
                              "or a Layer's forward during Engine preparation")
-    return _ACTIVE[-1]
+    return _ACTIVE.builders[-1]
 
 
 def emit(op_type: str, inputs, attrs=None) -> list[Value]:

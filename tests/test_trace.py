@@ -56,6 +56,54 @@ def test_parameters_named_by_layer_path_and_inputs_by_spec():
     assert {op.layer for op in prog.ops} >= {"fc1", "fc2"}
 
 
+def test_threads_trace_at_once_each_into_its_own_program():
+    """Ranks simulated as threads (SimulatedWorld) trace at the same time. Here the first
+    thread's trace goes on while the second's is in progress (started after it, so on
+    top of any shared stack of traces): each still records only its own model's ops."""
+    import threading
+    first_halfway, second_halfway, first_done = (threading.Event() for _ in range(3))
+
+    class Interleaved(TwoLayer):
+        def __init__(self, first):
+            super().__init__()
+            self.first = first
+
+        def forward(self, x):
+            h = ops.relu(self.fc1(x))
+            if self.first:
+                first_halfway.set()
+                assert second_halfway.wait(30)
+            else:
+                second_halfway.set()
+                assert first_done.wait(30)
+            return self.fc2(h)
+
+    alone = dg.trace(TwoLayer(), dg.InputSpec([4, 16], name="x"))
+    programs, errors = [None, None], []
+
+    def body(i):
+        try:
+            if i == 1:
+                assert first_halfway.wait(30)
+            programs[i] = dg.trace(Interleaved(i == 0), dg.InputSpec([4, 16], name="x"))
+        except BaseException as e:                 # noqa: BLE001 - reported below
+            errors.append(e)
+        finally:
+            (first_done if i == 0 else second_halfway).set()
+
+    threads = [threading.Thread(target=body, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for prog in programs:
+        assert [op.type for op in prog.ops] == [op.type for op in alone.ops]
+        assert all(prog.values.get(v.name) is v for op in prog.ops
+                   for v in op.inputs + op.outputs)       # its own values, no other trace's
+        assert all(prog.values.get(v.name) is v for v in prog.outputs)
+
+
 def test_gpt_parameter_names_follow_nanogpt():
     model = dg.nn.GPT(vocab_size=32, d_model=16, n_layer=2, n_head=2, max_seq_len=8)
     prog = dg.trace(model, dg.InputSpec([2, 8], "int64", "tokens"))

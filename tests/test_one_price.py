@@ -77,6 +77,25 @@ def test_the_search_prices_a_mesh_of_unlike_devices_as_its_slowest_process(name,
     assert plan.search.peak_memory == pytest.approx(plan.estimate.peak_memory, rel=TOLERANCE)
 
 
+def test_the_readmes_strategy_on_local_ranks_whose_steps_cost_software(tmp_path):
+    """The README's strategy on 4 local ranks whose reshard steps cost what a calibrated
+    machine's do (hundreds of microseconds each, as ``distgraph cluster calibrate``
+    measures them on CPU ranks): one stage, on a logical mesh of two dims. Every
+    process holds its loss whole already, so nothing moves it (the partitioner's
+    rule); the search priced its fetch as a send between the two meshes (+0.9% on the
+    step, on this machine's calibration)."""
+    line = "gflops: {float32: 50, float64: 25}}"
+    text = (CLUSTERS_DIR / "local4.yaml").read_text()
+    assert text.count(line) == 4
+    path = tmp_path / "local4_software.yaml"
+    path.write_text(text.replace(line, line[:-1] + ", reshard_overhead: {send_recv: 420, "
+                                 "all_reduce: 670, all_gather: 420, reduce_scatter: 660}}"))
+    plan = planned(4, 16, path, dict(pipeline=True))
+    assert len(plan.stages) == 1 and len(plan.stages[0].mesh.shape) == 2
+    assert plan.search.step_time == pytest.approx(plan.estimate.step_time, rel=TOLERANCE)
+    assert plan.search.peak_memory == pytest.approx(plan.estimate.peak_memory, rel=TOLERANCE)
+
+
 def test_the_stages_of_a_model_without_identical_blocks_are_priced_as_the_estimate_does():
     """The generic stage DP (a model without identical blocks): each stage priced by the
     accountant with its sends to the stage beside it, restated where it is placed. On

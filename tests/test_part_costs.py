@@ -10,7 +10,7 @@ from distgraph.passes.search.stages.part_cost import PartCost
 from distgraph.units import GB
 
 
-def random_parts(rng):
+def random_parts(rng, kinds=0):
     def part():
         time, persistent, saved, transient = (float(x) for x in
                                               rng.uniform(0, 1, 4) * [1e-3, GB, GB, GB])
@@ -18,15 +18,16 @@ def random_parts(rng):
         forward, backward = (float(x) for x in rng.uniform(0, transient, 2))
         making = float(rng.uniform(backward, transient + buffers))
         update = float(rng.uniform(0, 1e-2))
+        unlike = tuple(float(x) for x in rng.uniform(0, time, kinds))
         return (PartCost(time, persistent, saved, transient, buffers, forward, backward,
-                         making, update), None)
+                         making, update, unlike + (time,) if kinds else ()), None)
     return {"first": part(), "block": part(), "last": part()}
 
 
 @pytest.mark.parametrize("seed", range(20))
 def test_every_block_count_at_once_equals_one_stage_at_a_time(seed):
     rng = np.random.default_rng(2100 + seed)
-    parts = random_parts(rng)
+    parts = random_parts(rng, kinds=seed % 3)
     n = int(rng.integers(0, 40))
     shares = (False, True, float(rng.uniform(0.1, 0.9)))
     for first in shares:
@@ -35,6 +36,20 @@ def test_every_block_count_at_once_equals_one_stage_at_a_time(seed):
             assert rows.shape == (n + 1, 5)
             for m in range(n + 1):
                 assert tuple(rows[m]) == stage_cost(parts, first, m, last)
+
+
+def test_a_stage_of_processes_that_pay_unlike_takes_the_largest_sum_over_its_parts():
+    """Oracle: the sums by hand. E costs 1 ms at the priced process and 3 ms at the other
+    kind, a block 2 and 1.5, H 0.5 at both (no kinds): E + 2 blocks + H take 5.5 and
+    6.5 ms, so 6.5, not each part's slowest summed (7.5). Rows of every block count:
+    max(1.5, 3.5), max(3.5, 5), max(5.5, 6.5), max(7.5, 8)."""
+    parts = {"first": (PartCost(3.0, 0, 0, 0, kinds=(1.0, 3.0)), None),
+             "block": (PartCost(2.0, 0, 0, 0, kinds=(2.0, 1.5)), None),
+             "last": (PartCost(0.5, 0, 0, 0), None)}
+    assert stage_cost(parts, True, 2, True).seconds == 6.5
+    assert list(stage_costs(parts, True, 3, True)[:, 0]) == [3.5, 5.0, 6.5, 8.0]
+    alike = {k: (PartCost(p.time, 0, 0, 0), None) for k, (p, _) in parts.items()}
+    assert stage_cost(alike, True, 2, True).seconds == 7.5
 
 
 def test_the_peak_is_at_the_part_whose_working_memory_tops_the_saved_before_it():

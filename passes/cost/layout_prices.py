@@ -55,6 +55,7 @@ from distgraph.registry import LocalSite, TensorType, comm_workspace, get_op, op
 from distgraph.passes.cost.prices import (Rings, best_overlap, feed_time, groups_along,
                                           mesh_step_time, op_comm_time, op_time,
                                           reshard_step_time)
+from distgraph.passes.partition import local_view_only
 from distgraph.passes.reshard import plan_reshard, plan_reshard_path
 from distgraph.passes.session import Session
 from distgraph.mesh import ProcessMesh
@@ -412,12 +413,14 @@ class LayoutPrices:
     def gather(self, spec: ShardSpec, value, world) -> float:
         """Seconds to bring ``value`` (laid out ``spec`` on the mesh) whole to every
         process of ``world`` (``partition.world_mesh``: how the runtime fetches the loss;
-        :attr:`world`, the mesh's processes as one 1-D mesh, by default)."""
+        :attr:`world`, the mesh's processes as one 1-D mesh, by default): as the
+        partitioner plans it, nothing where the value is whole on every process of
+        ``world`` already (a mesh of two dims holds its processes in another shape)."""
         def gathered():                 # planned once: p2p tiles to every process
             src = DistAttr(self.mesh, spec)
             dst = DistAttr(world, ShardSpec.replicated(len(value.shape)))
-            steps = [] if src == dst else plan_reshard(src, dst, tuple(value.shape),
-                                                       value.dtype)
+            steps = [] if src == dst or local_view_only(src, dst) else plan_reshard(
+                src, dst, tuple(value.shape), value.dtype)
             return sum(reshard_step_time(s, self.pid, self.rings) for s in steps)
         return self._ops.memo((self, "gather", spec, tuple(value.shape), value.dtype, world),
                               gathered)

@@ -221,7 +221,7 @@ def stage_cost(parts: dict, with_first, blocks: int, with_last) -> StagePrice:
     used = [(parts["first"][0], float(with_first))] if with_first else []
     used += [(parts["block"][0], blocks)] if blocks else []
     used += [(parts["last"][0], float(with_last))] if with_last else []
-    seconds = sum(p.time * n for p, n in used)
+    seconds = float(_seconds(used))
     # the peak of one micro-batch: at some part, the activations the parts before it
     # saved and its own working memory (its saved included), as the estimate walks it
     saved = peak = 0.0
@@ -244,20 +244,36 @@ def stage_costs(parts: dict, with_first, n: int, with_last) -> np.ndarray:
     used = [(parts["first"][0], float(with_first))] if with_first else []
     used += [(parts["block"][0], m)]
     used += [(parts["last"][0], float(with_last))] if with_last else []
-    seconds = fixed = update = 0
+    fixed = update = 0
     saved = peak = 0.0
     for p, k in used:
-        seconds = seconds + p.time * k
         fixed = fixed + p.persistent * k
         saved = saved + p.saved * k
         update = update + p.update * k
         peak = np.maximum(peak, saved + p.transient)
-    out[1:, 0] = seconds
+    out[1:, 0] = _seconds(used)
     out[1:, 1] = (fixed + peak) / GB
     out[1:, 2] = saved / GB
     out[1:, 3] = _before(used, fixed, saved) / GB
     out[1:, 4] = update
     return out
+
+
+def _seconds(used: list):
+    """Seconds per micro-batch of ``used`` ((PartCost, count) with counts scalars or one
+    array): where the mesh's processes pay unlike (the parts' ``kinds``), the parts'
+    sum at the kind of process whose sum is the largest, as the stage waits for its
+    slowest process over all its parts (each part's slowest may be another process:
+    their sum over-counts); else the sum of the parts' ``time``. A part without
+    ``kinds`` pays its ``time`` at every kind."""
+    widths = {len(p.kinds) for p, _ in used if p.kinds}
+    if len(widths) != 1:
+        return sum(p.time * k for p, k in used)
+    (width,) = widths
+    total = 0.0
+    for p, k in used:
+        total = total + np.multiply.outer(k, np.asarray(p.kinds or (p.time,) * width))
+    return np.max(total, axis=-1)
 
 
 def _before(used: list, fixed, saved):

@@ -461,13 +461,33 @@ def _paid(mat, i: int, j: int) -> float:
     return float(mat[i, j])
 
 
+def kind_seconds(problem: ShardingProblem, choice: Sequence[int]) -> tuple:
+    """:func:`evaluate`'s objective of a valid ``choice`` at each kind of process, the
+    priced one then each of ``other_processes``: its nodes' compute and collectives
+    there and the reshards (their largest is the objective); () where every process
+    pays alike. A stage of several parts waits for the process whose parts' sum is the
+    largest, not for each part's slowest (:func:`~distgraph.passes.cost.stage.
+    stage_cost`)."""
+    if not problem.other_processes:
+        return ()
+    c = [int(i) for i in choice]
+    edges = sum(_paid(mat, c[u], c[v]) for u, v, mat in problem.edges)
+    return tuple(t + edges for t in _kind_sums(problem, c, range(problem.n)))
+
+
 def _slowest(problem: ShardingProblem, c: list, nodes) -> float:
     """The seconds ``nodes`` spend under choice ``c`` at the kind of process that spends
     the most on them (the priced process, or one of ``other_processes``)."""
-    total = sum(float(problem.compute[v][c[v]] + problem.comm[v][c[v]]) for v in nodes)
-    for rows in problem.other_processes:
-        total = max(total, sum(float(rows[v][c[v]]) for v in nodes))
-    return total
+    return max(_kind_sums(problem, c, nodes))
+
+
+def _kind_sums(problem: ShardingProblem, c: list, nodes) -> list:
+    """The seconds ``nodes`` spend under choice ``c`` at each kind of process (the priced
+    one first)."""
+    nodes = list(nodes)
+    sums = [sum(float(problem.compute[v][c[v]] + problem.comm[v][c[v]]) for v in nodes)]
+    return sums + [sum(float(rows[v][c[v]]) for v in nodes)
+                   for rows in problem.other_processes]
 
 
 def peak_memory(problem: ShardingProblem, choice: Sequence[int]) -> float:

@@ -18,7 +18,7 @@ import numpy as np
 
 from distgraph.ir import Role
 from distgraph.passes.search.layouts.charges import gradient_buffers, held_nodes, once_nodes
-from distgraph.passes.search.layouts.ilp_problem import share_of
+from distgraph.passes.search.layouts.ilp_problem import kind_seconds, share_of
 from distgraph.passes.search.layouts.sharded_states import writeback_bytes, zero_asked
 
 
@@ -33,7 +33,9 @@ class PartCost:
     forward's steps and over the backward's and the update's, without the buffers;
     ``making``: over the backward's and the update's with the part's own buffers made
     by then (its first backward). Left out, the three are ``transient`` (and the
-    buffers, none, held from the start as persistent)."""
+    buffers, none, held from the start as persistent). ``kinds``: where the mesh's
+    processes pay unlike, ``time`` at each kind of process (the priced one first;
+    ``time`` is their largest), () where all pay alike."""
 
     time: float
     persistent: float
@@ -44,6 +46,7 @@ class PartCost:
     backward: float | None = None
     making: float | None = None
     update: float = 0.0
+    kinds: tuple = ()
 
     def __post_init__(self):
         for name in ("forward", "backward", "making"):
@@ -69,14 +72,16 @@ def measure(result, program, weights, strategy) -> PartCost:
     writeback = writeback_bytes(result, zero_asked(strategy))
     transient = max(peak - persistent - saved, writeback, 0.0)
     update = once_a_step(result, program, weights)
+    kinds = tuple(t - result.report.reused for t in kind_seconds(problem, choice))
     if not (backward and problem.liveness):
-        return PartCost(result.report.step_time, persistent, saved, transient, update=update)
+        return PartCost(result.report.step_time, persistent, saved, transient, update=update,
+                        kinds=kinds)
     buffers, forward, back, making = phases(result, weights, program, memory,
                                             persistent + saved, backward, writeback)
     # the liveness holds a buffer its gradient's node holds once: a later micro-batch's
     # gradient beside it is in ``back`` only
     return PartCost(result.report.step_time, persistent, saved, max(transient, back),
-                    buffers, forward, back, making, update)
+                    buffers, forward, back, making, update, kinds)
 
 
 def once_a_step(result, program, weights) -> float:

@@ -224,6 +224,35 @@ def test_a_second_walk_from_one_row_per_micro_batch_finds_what_memory_hides():
     assert chosen == min(table, key=table.get) == 16
 
 
+def many_machines(n: int) -> dg.Cluster:
+    """``n`` machines of one device each, every pair linked."""
+    machines = [{"id": m, "hostname": f"node{m}", "devices": [S._device(m, 0)]}
+                for m in range(n)]
+    links = [{"source": a, "target": b, "bandwidth": 10.0, "latency": 1.0}
+             for a in range(n) for b in range(a + 1, n)]
+    return dg.Cluster.from_dict({"name": f"many{n}", "machines": machines, "links": links})
+
+
+@pytest.mark.parametrize("machines, batch, first", [(64, 64, 2), (8, 64, 8), (64, 128, 4), (64, 16, 16)])
+def test_the_first_count_searched_has_the_rows_its_stages_could_split_over_their_machines(
+        machines, batch, first):
+    # the first count is searched in full and the others priced on its layouts, so it
+    # must be one whose rows the stages can split: with 2 blocks on 64 machines a stage
+    # spans 32 machines or more, which one row per micro-batch leaves idle (Llama 3
+    # 405B on 2,048 machines: 2,048 micro-batches of one sequence, 0.25 x Meta's
+    # layout; 64 of 32 sequences, 1.26 x). With fewer rows than machines, the rows are
+    # split inside stages and the start is one row per micro-batch
+    counts = []
+
+    def latency(_built, strategy, m):
+        counts.append(m)
+        return 1.0
+
+    strategy = dg.Strategy(auto_mode="full", pipeline=True, micro_batches=None)
+    choose_micro_batches(built_gpt(batch), strategy, many_machines(machines), latency)
+    assert counts[0] == first
+
+
 def test_the_counts_are_weighed_within_the_budget_the_planner_holds_the_search_to():
     # the planner lowers the budget where a plan's estimate overflows (passes/fitting.py);
     # the counts are weighed again under it, in the same planning's session. Oracle:

@@ -160,3 +160,37 @@ def test_stacked_16bit_gemms_equal_the_float32_product_rounded(dtype, transpose_
     assert got.dtype == dt and got.shape == want.shape
     assert _close(cupy.asnumpy(got).astype(np.float32), want.astype(dt).astype(np.float32)) \
         < 2 ** -7
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("op_type, shapes, attrs", [
+    ("add", [(64, 333), (64, 333)], {}), ("add", [(8, 64, 333), (333,)], {}),
+    ("subtract", [(64, 333), (1, 333)], {}), ("multiply", [(4, 64, 333), (4, 64, 333)], {}),
+    ("scale", [(64, 333)], {"scale": 0.1234567, "bias": 0.0}),
+    ("scale", [(64, 333)], {"scale": -3.3, "bias": 1.0e-3})])
+def test_16bit_element_wise_ops_in_one_kernel_equal_the_hosts_bits(dtype, op_type, shapes,
+                                                                   attrs):
+    """A 16-bit add, subtract, multiply and scale on a GPU, one kernel each
+    (distgraph.ops.fused_gpu.widened, as the executor runs them): bit for bit the host's
+    result (numpy: float32 copies, the op, rounded once), over operands of every
+    magnitude (sums of far apart exponents, products near the dtype's range) and
+    broadcast shapes; and into a donated buffer."""
+    import cupy
+
+    from distgraph.dtypes import numpy_dtype
+    from distgraph.ops import fused_gpu
+    from distgraph.registry import KernelContext, get_op
+
+    dt = numpy_dtype(dtype)
+    rng = np.random.default_rng(zlib.crc32(f"{op_type}{shapes}{dtype}".encode()))
+    args = [(rng.standard_normal(shape) * np.exp2(rng.integers(-14, 14, shape))).astype(dt)
+            for shape in shapes]
+    kernel = get_op(op_type).kernel
+    want = kernel(KernelContext(np, 0), *(a.astype(np.float32) for a in args),
+                  **attrs).astype(dt)
+    got = fused_gpu.widened(op_type, [cupy.asarray(a) for a in args], attrs)
+    assert got.dtype == dt and got.shape == want.shape
+    assert np.array_equal(cupy.asnumpy(got).view(np.uint16), want.view(np.uint16))
+    into = cupy.empty(want.shape, dt)
+    assert fused_gpu.widened(op_type, [cupy.asarray(a) for a in args], attrs, into) is into
+    assert np.array_equal(cupy.asnumpy(into).view(np.uint16), want.view(np.uint16))

@@ -12,7 +12,9 @@ norm, and their gradients, are one block of threads per row (layer norm's weight
 gradients, sums over rows, a second kernel of column sums). Their arithmetic is the
 ``xp`` forms', in the operands' dtype, so a float64 step equals numpy's to rounding.
 :func:`batched_matmul` is a stack of 16-bit GEMMs (attention's) as one cuBLAS call on
-the matrix units, which CuPy's matmul does not make of 16-bit operands.
+the matrix units, which CuPy's matmul does not make of 16-bit operands. :func:`widened`
+is a 16-bit add, subtract, multiply or scale computed in float32 and rounded once, as
+the host computes it, in one kernel.
 """
 
 from __future__ import annotations
@@ -73,6 +75,41 @@ def gelu_grad(x, dy):
     import cupy
 
     return cupy.ElementwiseKernel("T x, T dy", "T dx", GELU_GRAD, "distgraph_gelu_grad")(x, dy)
+
+
+# 16-bit element-wise ops as the host computes them (executor.call_kernel: float32 copies
+# of the operands, the op in float32, its result rounded once to the dtype), in one kernel
+# where that is four passes (two copies, the op, the rounding). Each float32 operation is
+# rounded as a pass of its own is (the _rn intrinsics: no fused multiply-add), so the
+# result equals the host's bit for bit. scale: ``x * scale + bias`` (elementwise.Scale).
+WIDENED = {
+    "add": ("T x, T y", "z = (T)__fadd_rn((float)x, (float)y)"),
+    "subtract": ("T x, T y", "z = (T)__fsub_rn((float)x, (float)y)"),
+    "multiply": ("T x, T y", "z = (T)__fmul_rn((float)x, (float)y)"),
+    "scale": ("T x, float32 s, float32 b",
+              "float t = __fmul_rn((float)x, s); z = (T)(b != 0.0f ? __fadd_rn(t, b) : t)"),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _widened_kernel(op_type: str):
+    import cupy
+
+    params, body = WIDENED[op_type]
+    return cupy.ElementwiseKernel(params, "T z", body, f"distgraph_widened_{op_type}")
+
+
+def widened(op_type: str, args, attrs: dict, out=None):
+    """Op ``op_type`` of :data:`WIDENED` on CuPy arrays ``args`` of one 16-bit dtype,
+    computed in float32 and rounded once, in one kernel (into ``out`` where given, an
+    array of the result's shape and dtype)."""
+    import numpy
+
+    if op_type == "scale":
+        args = (args[0], numpy.float32(attrs.get("scale", 1.0)),
+                numpy.float32(attrs.get("bias", 0.0)))
+    kernel = _widened_kernel(op_type)
+    return kernel(*args) if out is None else kernel(*args, out)
 
 
 # Softmax over the last dim of a C-contiguous array, one block of threads per row: the

@@ -81,12 +81,18 @@ def call_kernel(instr: OpInstr, ctx, args, attrs=None) -> tuple:
     is no warning (float16 training's loss scaling expects and handles them). An op
     registered with ``takes_16bit`` (its kernel only moves values, or casts itself) gets
     its 16-bit operands as they are, and so does a GEMM on a GPU (:func:`gpu_16bit`).
+    On a GPU, an add, subtract, multiply or scale of one 16-bit dtype is that
+    computation in one kernel (:func:`distgraph.ops.fused_gpu.widened`: the same bits).
     The float32 copies are dropped before the results
     are rounded: :func:`distgraph.registry.op_workspace` counts the bytes this way."""
     attrs = instr.attrs if attrs is None else attrs
     if not any(getattr(a, "dtype", None) in HALF for a in args) and \
             not any(d in HALF for d in instr.out_dtypes):
         return _call(instr, ctx, args, attrs)
+    if ctx.xp is not np and instr.op_type in fused_gpu.WIDENED and \
+            instr.out_dtypes[0] in HALF and all(a.dtype == instr.out_dtypes[0] for a in args):
+        out = ctx.out if ctx.out is not None and ctx.out.dtype == instr.out_dtypes[0] else None
+        return (fused_gpu.widened(instr.op_type, args, attrs, out),)
     if get_op(instr.op_type).takes_16bit or (ctx.xp is not np and
                                              gpu_16bit(instr, args, attrs)):
         with np.errstate(over="ignore", invalid="ignore"):

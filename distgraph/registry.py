@@ -202,7 +202,8 @@ def op_workspace(op_type: str, ins, outs, attrs, widened: bool = True) -> int:
     16-bit kernels: a CPU device). Where it does not (a GPU's libraries compute in 16 bits,
     as the published runs did), an op's workspace is its kernel's own, in its dtypes.
     The cost model prices a GPU that way, though distgraph's CuPy path still widens as
-    below: its 16-bit copies are not priced there.
+    below (but an add, subtract, multiply or scale: one kernel, no copies): its 16-bit
+    copies are not priced there.
 
     With ``widened``, an op with a 16-bit float operand or result that does not take them
     as they are (``takes_16bit``) runs as the runtime's executor runs it

@@ -195,4 +195,10 @@ def test_a_gpu_multiplies_16_bit_operands_as_they_are_only_in_gemms_it_runs_whol
     assert not takes([(8, 16), (16, 32)], {"meshslice": object()})
     assert not takes([(8, 16), (16, 32)], dtypes=(bf16, np.float32))
     assert not takes([(8, 16), (8, 16)], op="add")
+    # the row softmax and its gradient on bfloat16 rows (fused_gpu.rows_bf16)
+    assert takes([(4, 8, 16)], dtypes=(bf16,), op="softmax")
+    assert takes([(4, 8, 16), (4, 8, 16)], op="softmax_grad")
+    assert not takes([(4, 8, 16)], {"axis": 1}, dtypes=(bf16,), op="softmax")
+    assert not takes([(4, 8, 16), (4, 8, 16)], dtypes=(bf16, np.float32), op="softmax_grad")
+    assert not takes([(8, 16)], dtypes=(np.float16,), op="softmax")
 

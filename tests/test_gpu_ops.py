@@ -194,3 +194,30 @@ def test_16bit_element_wise_ops_in_one_kernel_equal_the_hosts_bits(dtype, op_typ
     into = cupy.empty(want.shape, dt)
     assert fused_gpu.widened(op_type, [cupy.asarray(a) for a in args], attrs, into) is into
     assert np.array_equal(cupy.asnumpy(into).view(np.uint16), want.view(np.uint16))
+
+
+@pytest.mark.parametrize("cols", [1, 33, 1024, 5000])
+def test_the_softmax_kernels_on_bfloat16_rows_equal_the_widened_kernels_bits(cols):
+    """The row softmax and its gradient on bfloat16 rows as they are (read widened,
+    written rounded to nearest even): bit for bit the float32 kernels' results on
+    float32 copies, rounded to bfloat16 on the host (ml_dtypes), over rows with large and
+    tiny entries."""
+    import cupy
+
+    from distgraph.dtypes import numpy_dtype
+    from distgraph.ops import fused_gpu
+
+    bf16 = numpy_dtype("bfloat16")
+    rng = np.random.default_rng(cols)
+    x = (rng.standard_normal((6, cols)) * np.exp2(rng.integers(-6, 6, (6, cols)))).astype(bf16)
+    dy = rng.standard_normal((6, cols)).astype(bf16)
+    gx, gdy = cupy.asarray(x), cupy.asarray(dy)
+    y = fused_gpu.softmax(gx)
+    want = cupy.asnumpy(fused_gpu.softmax(gx.astype(np.float32))).astype(bf16)
+    assert y.dtype == bf16 and np.array_equal(cupy.asnumpy(y).view(np.uint16),
+                                              want.view(np.uint16))
+    dx = fused_gpu.softmax_grad(y, gdy)
+    want = cupy.asnumpy(fused_gpu.softmax_grad(y.astype(np.float32),
+                                               gdy.astype(np.float32))).astype(bf16)
+    assert dx.dtype == bf16 and np.array_equal(cupy.asnumpy(dx).view(np.uint16),
+                                               want.view(np.uint16))

@@ -138,17 +138,19 @@ __device__ T block_reduce(T v, T* shared, bool is_max) {
     return shared[32];
 }
 
-extern "C" __global__ void distgraph_softmax(const T* x, T* y, long long cols) {
+extern "C" __global__ void distgraph_softmax(const S* x, S* y, long long cols) {
     __shared__ T shared[33];
-    const T* xr = x + blockIdx.x * cols;
-    T* yr = y + blockIdx.x * cols;
-    T top = xr[0];
-    for (long long j = threadIdx.x; j < cols; j += blockDim.x) top = xr[j] > top ? xr[j] : top;
+    const S* xr = x + blockIdx.x * cols;
+    S* yr = y + blockIdx.x * cols;
+    T top = LOAD(xr[0]);
+    for (long long j = threadIdx.x; j < cols; j += blockDim.x)
+        top = LOAD(xr[j]) > top ? LOAD(xr[j]) : top;
     top = block_reduce(top, shared, true);
     T total = 0;
-    for (long long j = threadIdx.x; j < cols; j += blockDim.x) total += exp(xr[j] - top);
+    for (long long j = threadIdx.x; j < cols; j += blockDim.x) total += exp(LOAD(xr[j]) - top);
     total = block_reduce(total, shared, false);
-    for (long long j = threadIdx.x; j < cols; j += blockDim.x) yr[j] = exp(xr[j] - top) / total;
+    for (long long j = threadIdx.x; j < cols; j += blockDim.x)
+        yr[j] = STORE(exp(LOAD(xr[j]) - top) / total);
 }
 
 // Layer norm over the last dim, one block per row: the mean, then the sum of the squared
@@ -215,20 +217,34 @@ extern "C" __global__ void distgraph_layer_norm_grad_columns(
     db_part[blockIdx.y * cols + j] = db;
 }
 
-extern "C" __global__ void distgraph_softmax_grad(const T* y, const T* dy, T* dx,
+extern "C" __global__ void distgraph_softmax_grad(const S* y, const S* dy, S* dx,
                                                   long long cols) {
     __shared__ T shared[33];
     const long long start = blockIdx.x * cols;
     T dot = 0;
     for (long long j = threadIdx.x; j < cols; j += blockDim.x)
-        dot += dy[start + j] * y[start + j];
+        dot += LOAD(dy[start + j]) * LOAD(y[start + j]);
     dot = block_reduce(dot, shared, false);
     for (long long j = threadIdx.x; j < cols; j += blockDim.x)
-        dx[start + j] = y[start + j] * (dy[start + j] - dot);
+        dx[start + j] = STORE(LOAD(y[start + j]) * (LOAD(dy[start + j]) - dot));
 }
 """
 ROW_THREADS = 256          # a multiple of 32, at most 32 warps (block_reduce's shared)
 ROW_TYPES = {"float32": "float", "float64": "double"}
+# The softmax pair on bfloat16 rows: each entry widened to float32 as it is read and
+# rounded to nearest even as it is written, the arithmetic the float32 kernel's (so the
+# bits of the widened path: float32 copies, the float32 kernel, its result rounded; NaNs
+# aside), in one pass where that is three. T computes, S is stored.
+SAME_STORAGE = "typedef T S;\n#define LOAD(v) (v)\n#define STORE(v) (v)\n"
+BFLOAT16_STORAGE = r"""typedef float T;
+typedef unsigned short S;
+__device__ __forceinline__ float LOAD(S v) { return __uint_as_float(((unsigned)v) << 16); }
+__device__ __forceinline__ S STORE(float f) {
+    unsigned b = __float_as_uint(f);
+    if ((b & 0x7fffffffu) > 0x7f800000u) return (S)((b >> 16) | 0x40u);    // NaN, quiet
+    return (S)((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
+}
+"""
 
 
 def by_rows(*arrays) -> bool:
@@ -251,16 +267,27 @@ def by_rows_of(x, *rowwise) -> bool:
                for a in rowwise if a.shape != x.shape)
 
 
+def rows_bf16(*arrays) -> bool:
+    """Whether the softmax kernels take ``arrays`` as they are in bfloat16: C-contiguous,
+    bfloat16, of one shape, with rows."""
+    a = arrays[0]
+    return (a.dtype.name == "bfloat16" and a.ndim >= 1 and a.size > 0
+            and all(b.dtype == a.dtype and b.shape == a.shape and b.flags.c_contiguous
+                    for b in arrays))
+
+
 @functools.lru_cache(maxsize=None)
 def _row_kernel(name: str, dtype):
     import cupy
 
-    source = f"typedef {ROW_TYPES[dtype.name]} T;\n" + ROWS
-    return cupy.RawModule(code=source).get_function(name)
+    head = BFLOAT16_STORAGE if dtype.name == "bfloat16" else \
+        f"typedef {ROW_TYPES[dtype.name]} T;\n" + SAME_STORAGE
+    return cupy.RawModule(code=head + ROWS).get_function(name)
 
 
 def softmax(x):
-    """Softmax over the last dim of CuPy array ``x`` (:func:`by_rows`), in a new array."""
+    """Softmax over the last dim of CuPy array ``x`` (:func:`by_rows` or
+    :func:`rows_bf16`), in a new array."""
     import cupy
 
     y = cupy.empty_like(x)
@@ -271,7 +298,8 @@ def softmax(x):
 
 
 def softmax_grad(y, dy):
-    """``y (dy - sum(dy y))`` over the last dim (:func:`by_rows`), in a new array."""
+    """``y (dy - sum(dy y))`` over the last dim (:func:`by_rows` or :func:`rows_bf16`),
+    in a new array."""
     import cupy
 
     dx = cupy.empty_like(y)

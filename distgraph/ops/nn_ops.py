@@ -93,7 +93,8 @@ def _shifted(xp, x, axis):
 
 def _softmax(ctx, x, axis=-1):
     xp = ctx.xp
-    if xp is not np and axis in (-1, x.ndim - 1) and fused_gpu.by_rows(x):
+    if xp is not np and axis in (-1, x.ndim - 1) and (fused_gpu.by_rows(x) or
+                                                       fused_gpu.rows_bf16(x)):
         return fused_gpu.softmax(x)
     e = _shifted(xp, x, axis)
     xp.exp(e, out=e)
@@ -110,7 +111,8 @@ def _log_softmax(ctx, x, axis=-1):
 
 def _softmax_grad(ctx, y, dy, axis=-1):
     """dx = y (dy - sum(dy y, axis))."""
-    if ctx.xp is not np and axis in (-1, y.ndim - 1) and fused_gpu.by_rows(y, dy):
+    if ctx.xp is not np and axis in (-1, y.ndim - 1) and (fused_gpu.by_rows(y, dy) or
+                                                          fused_gpu.rows_bf16(y, dy)):
         return fused_gpu.softmax_grad(y, dy)
     out = ctx.xp.subtract(dy, dot_along(ctx.xp, dy, y, axis), out=ctx.xp.empty_like(y))
     out *= y

@@ -47,7 +47,12 @@ def gpu_16bit(instr: OpInstr, args, attrs) -> bool:
     rows flattened and the weight 2-D, or two matrices') or a stack of them of one batch
     shape (attention's: one cuBLAS call, :func:`distgraph.ops.fused_gpu.batched_matmul`);
     not a stack against a broadcast matrix nor MeshSlice's sliced form, which accumulates
-    partial products."""
+    partial products. And the row softmax and its gradient on bfloat16 rows of its
+    dtype (:func:`distgraph.ops.fused_gpu.rows_bf16`: widened as read, rounded as
+    written, the bits of the float32 kernel on widened copies)."""
+    if instr.op_type in ("softmax", "softmax_grad"):
+        return attrs.get("axis", -1) in (-1, args[0].ndim - 1) and \
+            args[0].dtype == instr.out_dtypes[0] and fused_gpu.rows_bf16(*args)
     if instr.op_type != "matmul" or attrs.get("meshslice") or \
             not args[0].dtype == args[1].dtype == instr.out_dtypes[0]:
         return False

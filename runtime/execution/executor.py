@@ -97,7 +97,8 @@ def call_kernel(instr: OpInstr, ctx, args, attrs=None) -> tuple:
     if ctx.xp is not np and instr.op_type in fused_gpu.WIDENED and \
             instr.out_dtypes[0] in HALF and all(a.dtype == instr.out_dtypes[0] for a in args):
         out = ctx.out if ctx.out is not None and ctx.out.dtype == instr.out_dtypes[0] else None
-        return (fused_gpu.widened(instr.op_type, args, attrs, out),)
+        return _call(instr, ctx, args, attrs,
+                     lambda _ctx, *a, **kw: fused_gpu.widened(instr.op_type, a, kw, out))
     if get_op(instr.op_type).takes_16bit or (ctx.xp is not np and
                                              gpu_16bit(instr, args, attrs)):
         with np.errstate(over="ignore", invalid="ignore"):
@@ -112,9 +113,11 @@ def call_kernel(instr: OpInstr, ctx, args, attrs=None) -> tuple:
                      for r, d in zip(result, instr.out_dtypes))
 
 
-def _call(instr, ctx, args, attrs) -> tuple:
+def _call(instr, ctx, args, attrs, kernel=None) -> tuple:
+    """``kernel`` (default the instruction's) on ``args``; a failure a RuntimeFault naming
+    the op, its layer and the step."""
     try:
-        result = instr.kernel(ctx, *args, **attrs)
+        result = (kernel or instr.kernel)(ctx, *args, **attrs)
     except Exception as e:
         where = f" in layer '{instr.layer}'" if instr.layer else ""
         raise RuntimeFault(f"op '{instr.op_type}'{where} failed in step {ctx.step}: "

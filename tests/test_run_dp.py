@@ -462,6 +462,35 @@ def test_alike_stages_that_fit_bound_the_dp_from_above(seed):
         assert bounded.objective == pytest.approx(plan.objective, rel=1e-12)
 
 
+@pytest.mark.parametrize("ends, faster", [(0.05, "blocks"), (3.0, "layers")])
+def test_alike_stages_take_the_faster_of_the_layers_and_the_blocks_split_evenly(ends, faster):
+    """Two layers of E, eight blocks and two of H over four alike stages: split by layers
+    (three each), the middle stages hold three blocks; split by blocks, each holds two,
+    E on the first and H on the last (Megatron-LM's split). alike_stages prices both and
+    takes the faster: the blocks' where E and H are light, the layers' where they weigh
+    as much as three blocks."""
+    from distgraph.passes.cost.stage import step_time
+    from distgraph.passes.search.stages.interleaved import alike_stages, even_splits
+
+    S, M, count, blocks = 4, 8, 12, range(2, 10)
+    assert even_splits(S, blocks, count) == [
+        [(True, 1, False), (False, 3, False), (False, 3, False), (False, 1, True)],
+        [(True, 2, False), (False, 2, False), (False, 2, False), (False, 2, True)]]
+    cluster = cluster_of(1, S, memory=1e3)
+    parts = {name: (PartCost(seconds, 0.0, 0.0, 0.0), None)
+             for name, seconds in (("first", ends), ("block", 1.0), ("last", ends))}
+    option = RunOption(0, Submesh(cluster.device_meshes[0], (1, 1), cluster.device(0)),
+                       (1, 1), parts)
+    by_layers = step_time([ends + 1, 3.0, 3.0, 1 + ends], M)
+    by_blocks = step_time([ends + 2, 2.0, 2.0, 2 + ends], M)
+    objective, times, *_ = alike_stages(option, count, blocks, cluster, M, 1,
+                                        lambda n: None)
+    assert objective == pytest.approx(min(by_layers, by_blocks), rel=1e-12)
+    assert (by_blocks < by_layers) == (faster == "blocks")
+    assert times == pytest.approx([ends + 2, 2.0, 2.0, 2 + ends] if faster == "blocks"
+                                  else [ends + 1, 3.0, 3.0, 1 + ends])
+
+
 @pytest.mark.parametrize("S, v, M", [(4, 2, 8), (8, 8, 32), (16, 8, 16), (8, 4, 8)])
 def test_interleaved_objective_is_the_replayed_schedules_makespan(S, v, M):
     """S alike stages of v one-block chunks, a block's F + B taking the unit-cost clock's

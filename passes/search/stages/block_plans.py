@@ -9,8 +9,12 @@ block is the fastest within a memory budget, so no faster than the fastest block
 variants can only help the stages fit. The plans on the fastest options come first (the
 interleaved ones, cheap, then the plain DP below their latency). A mesh's variants are
 then searched only where nothing fits, or where its fastest option's stages tiling the
-device mesh alike (plain or interleaved), the devices' memory aside, beat the best plan
-found: memory held it back there. Elsewhere the variants could only fit a plan that is
+device mesh alike (plain or interleaved; plain, the faster of the layers and the blocks
+split evenly: :func:`~distgraph.passes.search.stages.interleaved.even_splits`), the
+devices' memory aside, beat the best plan found: memory held it back there (Korthikanti's
+530B: three blocks on each of 35 stages once the variants of its (1, 8) mesh fit them, a
+step of 38.3 s against 47.0 s where the layers' split, a fourth block on some stages, was
+all the alike stages looked at). Elsewhere the variants could only fit a plan that is
 slower anyway. (A plan of unlike stages that needs the variants of a mesh whose alike
 stages do not beat the best is not looked for: on models of identical blocks the best
 plans tile the devices alike.) The DPs then run again on the fastest options and the
@@ -35,7 +39,7 @@ import math
 from distgraph.errors import DoesNotFit, PlanError
 from distgraph.passes.cost.stage import priced_stages, step_time
 from distgraph.passes.search.stages.even import plan_even
-from distgraph.passes.search.stages.interleaved import alike_stages, even_parts, plan_interleaved
+from distgraph.passes.search.stages.interleaved import alike_stages, even_splits, plan_interleaved
 from distgraph.passes.search.stages.run_dp import plan_runs
 
 
@@ -118,11 +122,12 @@ def plan_blocks(costs, cluster, micro_batches: int = 1, virtual: int = 1,
 def _fitting_alike(options, count: int, blocks: range, cluster, micro_batches: int,
                    p2p) -> float:
     """The least objective of a plan of alike stages tiling a device mesh (one option,
-    the layers split evenly as :func:`~distgraph.passes.search.stages.interleaved.alike_stages`
-    splits them) whose every stage fits the memory as the stage DP counts it (``min(M,
-    S - s)`` micro-batches in flight at the s-th stage), each stage paying its
-    transfers' share as the DP's tables do (by the parts it holds, E and H having one
-    neighbour): a plan the DP can make, so its optimum is no greater (inf where none)."""
+    the layers or the blocks split evenly as :func:`~distgraph.passes.search.stages.
+    interleaved.alike_stages` splits them) whose every stage fits the memory as the
+    stage DP counts it (``min(M, S - s)`` micro-batches in flight at the s-th stage),
+    each stage paying its transfers' share as the DP's tables do (by the parts it
+    holds, E and H having one neighbour): a plan the DP can make, so its optimum is no
+    greater (inf where none)."""
     best = math.inf
     meshes = cluster.device_meshes
     limits: dict = {}               # device ids of a mesh -> their least usable memory
@@ -136,10 +141,11 @@ def _fitting_alike(options, count: int, blocks: range, cluster, micro_batches: i
         if mesh.ids not in limits:
             limits[mesh.ids] = min(cluster.device(i).usable_memory() for i in mesh.ids)
         limit = limits[mesh.ids]
-        times, memories, _ = priced_stages(option, even_parts(S, blocks, count),
-                                           micro_batches, p2p(option) if p2p is not None else 0.0)
-        if max(memories) <= limit:
-            best = min(best, step_time(times, micro_batches))
+        for parts in even_splits(S, blocks, count):
+            times, memories, _ = priced_stages(option, parts, micro_batches,
+                                               p2p(option) if p2p is not None else 0.0)
+            if max(memories) <= limit:
+                best = min(best, step_time(times, micro_batches))
     return best
 
 

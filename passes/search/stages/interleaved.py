@@ -1,7 +1,7 @@
 """Interleaved 1F1B and alike stages for layers that are runs of identical blocks (the
 planner's options of :mod:`distgraph.passes.search.stages.runs`): stages of one option tiling its
-device mesh, the layers split evenly or by chunks of equal work, priced in closed form
-(no DP; :mod:`distgraph.passes.search.stages.run_dp` is the DP for unlike stages).
+device mesh, the layers or the blocks split evenly, or by chunks of equal work, priced in
+closed form (no DP; :mod:`distgraph.passes.search.stages.run_dp` is the DP for unlike stages).
 
 Example::
 
@@ -59,10 +59,11 @@ def plan_interleaved(count: int, blocks: range, options: list, cluster, micro_ba
 def alike_stages(option, count: int, blocks: range, cluster, micro_batches: int,
                  virtual: int, chunk_layers, p2p=None, layouts=None) -> tuple | None:
     """(objective, times, memories, updates) of ``option``'s stages tiling its device mesh alike,
-    ``virtual`` chunks each (:func:`plan_interleaved`; with ``virtual`` 1: the layers
-    split evenly, E on the first stage and H on the last), the devices' memory aside;
-    None where the option cannot tile its mesh in two or more such stages.
-    ``layouts``: a dict the calls of one search share (stage parts per stage count)."""
+    ``virtual`` chunks each (:func:`plan_interleaved`; with ``virtual`` 1: the faster of
+    the splits of :func:`even_splits`, E on the first stage and H on the last), the
+    devices' memory aside; None where the option cannot tile its mesh in two or more
+    such stages. ``layouts``: a dict the calls of one search share (stage parts per
+    stage count)."""
     mesh = option.sub.mesh
     if mesh.size % option.sub.size:
         return None
@@ -71,20 +72,35 @@ def alike_stages(option, count: int, blocks: range, cluster, micro_batches: int,
         return None
     layouts = {} if layouts is None else layouts
     if (S, virtual) not in layouts:
-        layouts[S, virtual] = _stage_parts(chunk_layers(S * virtual), S, blocks, count) \
-            if virtual > 1 else even_parts(S, blocks, count)
-    times, memories, updates = priced_stages(option, layouts[S, virtual], micro_batches,
-                                             p2p(option) if p2p is not None else 0.0, virtual)
-    return step_time(times, micro_batches, virtual), times, memories, updates
+        layouts[S, virtual] = [_stage_parts(chunk_layers(S * virtual), S, blocks, count)] \
+            if virtual > 1 else even_splits(S, blocks, count)
+    best = None
+    for parts in layouts[S, virtual]:
+        times, memories, updates = priced_stages(option, parts, micro_batches,
+                                                 p2p(option) if p2p is not None else 0.0,
+                                                 virtual)
+        found = (step_time(times, micro_batches, virtual), times, memories, updates)
+        best = found if best is None or found[0] < best[0] else best
+    return best
 
 
-def even_parts(S: int, blocks: range, count: int) -> list:
-    """[(E?, blocks, H?)] of ``S`` stages of whole layers split as :func:`_alike_plan`
-    places them: stage s holds layers round(count s / S) .. round(count (s+1) / S)."""
-    bounds = [round(count * s / S) for s in range(S + 1)]
-    return [(bounds[s] < blocks.start, len(range(max(bounds[s], blocks.start),
-                                                 min(bounds[s + 1], blocks.stop))),
-             bounds[s + 1] > blocks.stop) for s in range(S)]
+def even_splits(S: int, blocks: range, count: int) -> list:
+    """The even splits of ``count`` layers (E: those before ``blocks``, the blocks, H:
+    those after) over ``S`` stages, each [(E?, blocks, H?)] per stage: the layers split
+    evenly (stage s holds layers round(count s / S) .. round(count (s+1) / S)), and,
+    where it differs, the blocks split evenly with E on the first stage and H on the
+    last, as Megatron-LM splits them (Korthikanti's 530B: 105 blocks over 35 stages,
+    three each; split by layers, E's and H's four layers put a fourth block on some)."""
+    def split(n: int, start: int) -> list:
+        bounds = [start + round(n * s / S) for s in range(S + 1)]
+        return [(bounds[s] < blocks.start, len(range(max(bounds[s], blocks.start),
+                                                     min(bounds[s + 1], blocks.stop))),
+                 bounds[s + 1] > blocks.stop) for s in range(S)]
+    by_layers = split(count, 0)
+    by_blocks = [(s == 0 and blocks.start > 0, n, s == S - 1 and blocks.stop < count)
+                 for s, (_, n, _) in enumerate(split(len(blocks), blocks.start))]
+    return [by_layers] + ([by_blocks] if by_blocks != by_layers and
+                          all(n for _, n, _ in by_blocks) else [])
 
 
 def _stage_parts(chunks: list, S: int, blocks: range, count: int) -> list:

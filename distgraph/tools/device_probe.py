@@ -48,28 +48,64 @@ from distgraph.trace import InputSpec
 BANDWIDTH_BYTES = 32 * 2**20       # per array: well past the caches
 PROBES = 5                         # runs per repeat of a probe whose fastest is kept
 CHUNKS = 16                        # parts of the arrays the memory bandwidth is timed on
+CALL_SHARE = 0.05                  # the most of a timed chunk its call may take
+MOST_BANDWIDTH_BYTES = 2**30       # per array: where the probe stops growing them
 
 
-def memory_bandwidth_gbps(repeats: int = 3, xb=NUMPY, nbytes: int = BANDWIDTH_BYTES) -> float:
+def memory_bandwidth_gbps(repeats: int = 3, xb=NUMPY, nbytes: int = BANDWIDTH_BYTES,
+                          most: int = MOST_BANDWIDTH_BYTES) -> float:
     """GB/s of ``c = a + b`` on float64 (3 arrays moved) on backend ``xb`` (numpy: this
     CPU; CuPy: its GPU): arrays of ``nbytes`` each, well past the caches, added chunk
     by chunk (:data:`CHUNKS` of them, each timed alone) ``PROBES x repeats`` times, the
     fastest chunk kept (a chunk takes a fraction of a millisecond: the whole add, tens
-    of milliseconds, is often cut by another process's turn)."""
-    n = nbytes // 8
-    a, b, c = xb.xp.ones(n), xb.xp.ones(n), xb.xp.empty(n)
-    xb.xp.add(a, b, out=c)
-    xb.synchronize()
-    step = n // CHUNKS
-    best = np.inf
-    for _ in range(PROBES * repeats):
-        for k in range(CHUNKS):
-            part = slice(k * step, (k + 1) * step)
+    of milliseconds, is often cut by another process's turn).
+
+    The call itself (a kernel's launch and the synchronisation after it: the fastest add
+    of one element) is taken off each chunk's time, and a chunk must last at least
+    1 / :data:`CALL_SHARE` calls: where it is shorter the arrays are cut into fewer
+    chunks, then made larger (doubled, up to ``most`` bytes each). A GPU's 16 MB chunk
+    (of 256 MB arrays) moves 48 MB in about 11 us at an H200's 4.3 TB/s, about what the
+    launch and the synchronisation take: three fresh H200s read 1,374, 1,392 and
+    1,731 GB/s so. On a CPU the chunks stay as they were (a 2 MB chunk's add takes
+    hundreds of microseconds, its call one or two)."""
+    def fastest(add, times: int) -> float:
+        best = np.inf
+        for _ in range(times):
             start = time.perf_counter()
-            xb.xp.add(a[part], b[part], out=c[part])
+            add()
             xb.synchronize()
             best = min(best, time.perf_counter() - start)
-    return 3 * step * 8 / best / 1e9
+        return best
+
+    def chunked(a, b, c, chunks: int, step: int, rounds: int) -> float:
+        # the chunks in turn, none timed twice in a row: a chunk just added is in a
+        # cache, which a chunk of a CPU's 32 MB arrays fits
+        best = np.inf
+        for _ in range(rounds):
+            for k in range(chunks):
+                part = slice(k * step, (k + 1) * step)
+                best = min(best, fastest(lambda: xb.xp.add(a[part], b[part], out=c[part]), 1))
+        return best
+
+    while True:
+        n = nbytes // 8
+        a, b, c = xb.xp.ones(n), xb.xp.ones(n), xb.xp.empty(n)
+        xb.xp.add(a, b, out=c)
+        xb.synchronize()
+        call = fastest(lambda: xb.xp.add(a[:1], b[:1], out=c[:1]), PROBES * 4)
+        chunks = CHUNKS
+        while True:
+            step = n // chunks
+            long_enough = chunked(a, b, c, chunks, step, 1) * CALL_SHARE >= call
+            if long_enough or chunks == 1:
+                break
+            chunks //= 2
+        if long_enough or 2 * nbytes > most:
+            break
+        nbytes *= 2
+        del a, b, c
+    best = chunked(a, b, c, chunks, step, PROBES * repeats)
+    return 3 * step * 8 / max(best - call, best * CALL_SHARE) / 1e9
 
 
 def op_overhead_us(repeats: int = 3, steps: int = 20, xb=NUMPY) -> float:

@@ -32,12 +32,14 @@ Example::
 
 from __future__ import annotations
 
+import bisect
+
 from distgraph.ir import Role
 from distgraph.plan.buckets import (gradient_buckets, overlapping, prefetch_groups,
                                     prefetch_unit, prefetchable, prefetching)
 from distgraph.passes.cost.formulas import collective_time
 from distgraph.passes.cost.prices import reshard_step_time, software_time
-from distgraph.passes.cost.stage import finishes
+from distgraph.passes.cost.stage import exposed
 
 
 def bucket_seconds(plan, local, pid: int, rings, scale, op_seconds: dict,
@@ -57,10 +59,9 @@ def bucket_seconds(plan, local, pid: int, rings, scale, op_seconds: dict,
     ops = local.program.ops
     backward = [i for i, op in enumerate(ops) if op.role is Role.BACKWARD]
     points = {p.seq: p for p in local.points()}
-    processor = 0.0          # the buckets' software so far, run on the processor
-    starts = []
+    priced = []
     for bucket in buckets:
-        wire, meets = 0.0, {}
+        wire, copies, meets = 0.0, [], {}
         for seq in bucket.points:
             p = points[seq]
             step = p.steps[0]
@@ -71,37 +72,21 @@ def bucket_seconds(plan, local, pid: int, rings, scale, op_seconds: dict,
                 group = tuple(step.mesh.group_of(pid, step.mesh_dim))
                 meets[group] = max(meets.get(group, 0.0), waits)
             wire += w - waits
-            processor += seconds - w
+            copies.append(seconds - w)
         wire += sum(meets.values())
-        ready = sum(op_seconds.get(i, 0.0) for i in backward if i <= bucket.after) + processor
-        starts.append((ready, wire))
-    end = sum(op_seconds.get(i, 0.0) for i in backward) + processor
-    # one wire, in the order the collectives start (a gather before a bucket ready at
-    # the same moment), to the last bucket
-    queue = sorted([(r, w, b) for b, (r, w) in enumerate(starts)] +
-                   [(r, w, None) for r, w in busy], key=lambda e: (e[0], e[1], e[2] is not None))
-    upto = max(k for k, (_, _, b) in enumerate(queue) if b is not None)
-    ends = finishes([(r, w) for r, w, _ in queue[:upto + 1]])
-    done = {b: t for (_, _, b), t in zip(queue, ends) if b is not None}
+        priced.append((bisect.bisect_right(backward, bucket.after), copies, wire))
     # after the backward, each op waits for the buckets of the reductions it reads (the
-    # update, in the order the backward made its gradients): what the step waits for is
-    # the clock past the backward's end less the ops' own seconds
+    # update, in the order the backward made its gradients)
     at = {p.seq: i for i, found in local.comm_points.items() for p in found}
-    gate: dict = {}
+    reads: dict = {}
     for b, bucket in enumerate(buckets):
         for seq in bucket.points:
-            gate[at[seq]] = max(gate.get(at[seq], 0.0), done[b])
-    clock = work = 0.0
-    for i in range(max(backward, default=-1) + 1, len(ops)):
-        clock = max(clock, gate.get(i, 0.0) - end) + op_seconds.get(i, 0.0)
-        work += op_seconds.get(i, 0.0)
-    left = clock - work
-    # of the wire seconds behind the compute, the share the device does not hide still
-    # costs its processor (its cores move the bytes: Device.hides)
-    hidden = sum(w for _, w in starts) - left
-    kept = (1.0 - rings.device(pid).hides) * max(hidden, 0.0)
-    return processor + left + kept, hidden - kept, frozenset(s for b in buckets
-                                                             for s in b.points)
+            reads.setdefault(at[seq], set()).add(b)
+    after = [(op_seconds.get(i, 0.0), reads.get(i, ()))
+             for i in range(max(backward, default=-1) + 1, len(ops))]
+    paid, hidden = exposed([op_seconds.get(i, 0.0) for i in backward], priced, after,
+                           rings.device(pid).hides, busy)
+    return paid, hidden, frozenset(s for b in buckets for s in b.points)
 
 
 def _wire(step, pid: int, rings, scale: float) -> float:

@@ -29,7 +29,8 @@ price with these and nothing else:
   of a stage option's stages, each holding given parts, at their places in a pipeline;
 - :func:`grid`: a device mesh's shape as (machines, devices per machine);
 - :func:`finishes`: when collectives started during the compute (gradient buckets
-  reduced during the backward, ``Strategy(overlap=True)``) are done, one wire.
+  reduced during the backward, ``Strategy(overlap=True)``) are done, one wire;
+  :func:`exposed`: what of them a step pays, the updates waiting for their buckets.
 
 Example::
 
@@ -40,6 +41,7 @@ Example::
 
 from __future__ import annotations
 
+import itertools
 from typing import NamedTuple
 
 import numpy as np
@@ -81,6 +83,50 @@ def finishes(buckets) -> list:
         done = max(done, ready) + wire
         out.append(done)
     return out
+
+
+def exposed(backward, buckets, after, hides: float, busy=()) -> tuple:
+    """(seconds a step pays for the collectives it starts during the backward, seconds
+    of them hidden behind it): ``backward``, the seconds of the backward's ops in order;
+    ``buckets``, (ops, copies, wire) of each bucket in the order they start: after the
+    first ``ops`` ops of the backward, the software of its reductions costing the
+    processor ``copies`` seconds each there and the rest, ``wire`` seconds in all,
+    running on the wires (:func:`finishes`:
+    one collective at a time, ``busy``'s (start, wire) included, seconds into the
+    backward); ``after``, (seconds, buckets read) of each op after the backward, in
+    order: each waits for the buckets it reads. The step pays the buckets' copies, what
+    those waits add, and the share ``1 - hides`` of the wire seconds behind the compute
+    that the device does not hide (its processor moves the bytes:
+    ``Device.hides``).
+
+    >>> exposed([2.0, 2.0], [(1, [0.0], 1.0), (2, [0.0], 1.0)], [(0.5, {0}), (0.5, {1})], 1.0)
+    (0.5, 1.5)
+    """
+    ran = [0.0, *itertools.accumulate(backward)]
+    processor = 0.0
+    starts = []
+    for ops, copies, wire in buckets:
+        for seconds in copies:
+            processor += seconds
+        starts.append((ran[ops] + processor, wire))
+    end = ran[-1] + processor
+    # one wire, in the order the collectives start (a busy one before a bucket ready at
+    # the same moment), to the last bucket
+    queue = sorted([(r, w, b) for b, (r, w) in enumerate(starts)] +
+                   [(r, w, None) for r, w in busy], key=lambda e: (e[0], e[1], e[2] is not None))
+    upto = max(k for k, (_, _, b) in enumerate(queue) if b is not None)
+    done = {b: t for (_, _, b), t in zip(queue, finishes([(r, w) for r, w, _ in
+                                                          queue[:upto + 1]]))
+            if b is not None}
+    # after the backward, the clock past its end less the ops' own seconds
+    clock = work = 0.0
+    for seconds, reads in after:
+        clock = max(clock, max((done[b] for b in reads), default=0.0) - end) + seconds
+        work += seconds
+    left = clock - work
+    hidden = sum(w for _, w in starts) - left
+    kept = (1.0 - hides) * max(hidden, 0.0)
+    return processor + left + kept, hidden - kept
 
 
 def transfers(sends: float, at_start, at_end, virtual: int = 1) -> float:

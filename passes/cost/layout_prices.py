@@ -285,6 +285,21 @@ class LayoutPrices:
                 bool(size) and self._divides(src, shape) and self._divides(dst, shape))
         return got
 
+    def steps(self, src: ShardSpec, dst: ShardSpec, shape, dtype: str) -> tuple:
+        """(kind, mesh dim, group size, buffer bytes) of each step of the reshard from
+        ``src`` to ``dst`` of a tensor of ``shape`` and ``dtype`` that :meth:`reshard`
+        prices: () where the layouts are equal."""
+        if src == dst:
+            return ()
+        shape = tuple(shape)
+        size = math.prod(shape) * dtypes.itemsize(dtype)
+        if size and self._divides(src, shape) and self._divides(dst, shape):
+            planned, path = self._path(src, dst, shape, dtype, size)
+            return tuple((kind, dim, n, buffer * size // planned)
+                         for kind, dim, n, buffer in path)
+        return tuple((s.kind, s.mesh_dim, s.group_size, s.buffer_bytes) for s in plan_reshard(
+            DistAttr(self.mesh, src), DistAttr(self.mesh, dst), shape, dtype))
+
     def _number(self, spec: ShardSpec) -> int:
         """The number of layout ``spec`` in the session (what the reshard prices and paths
         key on: a ShardSpec hashes in Python, an int pair in C)."""

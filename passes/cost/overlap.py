@@ -90,28 +90,37 @@ def bucket_seconds(plan, local, pid: int, rings, scale, op_seconds: dict,
 
 
 def _wire(step, pid: int, rings, scale: float) -> float:
-    """The seconds of a collective ``step`` that need no processor (module docstring):
-    the alpha-beta seconds on its group's ring (not inside one machine of CPUs, whose
-    transfers the processes copy themselves) and the waits of its software per step;
-    0 for a group of one."""
-    n = step.group_size
-    if n <= 1 or pid not in step.mesh:
+    """:func:`wire_seconds` of a collective ``step`` at process ``pid``; 0 for a group of
+    one."""
+    if step.group_size <= 1 or pid not in step.mesh:
         return 0.0
-    ring = rings.along(step.mesh, pid, step.mesh_dim)
-    waits = _waits(step, pid, rings)
+    return wire_seconds(step.kind, step.group_size, step.buffer_bytes * scale,
+                        rings.along(step.mesh, pid, step.mesh_dim), rings.device(pid))
+
+
+def wire_seconds(kind, n: int, nbytes: float, ring, device) -> float:
+    """The seconds of a collective of ``kind`` over a group of ``n`` on a buffer of
+    ``nbytes`` that need no processor (module docstring): its alpha-beta seconds on the
+    group's ``ring`` (not inside one machine of CPUs, whose transfers the processes copy
+    themselves) and the waits of its software per step (:func:`waits_seconds`)."""
+    waits = waits_seconds(kind, n, device)
     if ring.copied:
         return waits
-    return waits + collective_time(step.kind, n, step.buffer_bytes * scale, ring.bandwidth,
-                                   ring.latency)
+    return waits + collective_time(kind, n, nbytes, ring.bandwidth, ring.latency)
 
 
 def _waits(step, pid: int, rings) -> float:
-    """The seconds of a collective ``step``'s software per step (the waits at its rounds
-    for the group to meet, :func:`~.prices.software_time` of no bytes); 0 for a group
-    of one."""
-    if step.group_size <= 1 or pid not in step.mesh:
+    """:func:`waits_seconds` of a collective ``step`` at process ``pid``."""
+    if pid not in step.mesh:
         return 0.0
-    return software_time(rings.device(pid), step.kind, 0.0, step.group_size)
+    return waits_seconds(step.kind, step.group_size, rings.device(pid))
+
+
+def waits_seconds(kind, n: int, device) -> float:
+    """The seconds of a collective's software per step on ``device`` (the waits at its
+    rounds for the group to meet, :func:`~.prices.software_time` of no bytes); 0 for a
+    group of one."""
+    return software_time(device, kind, 0.0, n) if n > 1 else 0.0
 
 
 def prefetched_order(plan, local, seqs) -> list | None:

@@ -21,6 +21,7 @@ Which module decides what:
 | every op's layout on a mesh | ``layouts/intra_op.py`` | Alpa's ILP (``ilp.py`` on SCIP, ``ilp_bound.py``), MindSpore's double recursion (``recursive.py``, ``tree_moves.py``) |
 | what a framework runs (``Strategy(target=...)``) | ``layouts/space.py`` (weights' and feeds' layouts), ``stages/even.py`` (even splits), here (the (dp, tp) shapes of a search without stages) | :mod:`distgraph.plan.styles`'s predicate, shared with ``plan.export`` |
 | what a layout costs | ``layouts/costs.py``, ``charges.py``, ``liveness.py``, ``sharded_states.py`` | the cost model's prices (:mod:`distgraph.passes.cost`) on each strategy |
+| what the backward hides (one mesh, ``overlap=True``) | ``layouts/buckets.py`` | the choice's gradient buckets priced by the accountant (:func:`~distgraph.passes.cost.stage.exposed`); searched again where it pays less |
 
 Every memo of one planning lives in its :class:`~distgraph.passes.session.Session`
 (the planner makes one per ``plan`` call; ``choose`` makes one when given none), in at
@@ -156,7 +157,7 @@ def _layouts(prepared, strategy, cluster, accumulation, budget, session) -> tupl
                             time_limit=strategy.solver_time_limit, blocks=prepared.block_paths,
                             balance=strategy.balance, method=strategy.search_method,
                             zero=zero_asked(strategy), session=session,
-                            style=strategy.target)
+                            style=strategy.target, bucket_mb=bucketed(prepared, strategy))
         except PlanError as e:          # no layout the target runs fits this shape
             failed = failed or e
             continue
@@ -175,6 +176,18 @@ def _layouts(prepared, strategy, cluster, accumulation, budget, session) -> tupl
         result = dataclasses.replace(result, report=dataclasses.replace(
             result.report, peak_memory=peak))
     return result, device_of
+
+
+def bucketed(prepared, strategy) -> float | None:
+    """The buckets' size (MB) where the plan reduces its gradients in buckets during the
+    backward (:func:`~distgraph.plan.buckets.overlapping`), priced so by the search;
+    None where it does not, or where the estimate prices more than the buckets: an
+    uneven batch split (``balance``) and ZeRO-3's prefetched gathers, which share the
+    buckets' wires."""
+    if not strategy.overlap or strategy.balance or \
+            getattr(prepared, "sharding_level", 0) == 3:
+        return None
+    return strategy.bucket_mb
 
 
 def _target_meshes(mesh, device_of, target, rows: int) -> list:

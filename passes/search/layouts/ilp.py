@@ -68,7 +68,7 @@ import numpy as np
 from pyscipopt import Model, quicksum
 
 from distgraph.errors import DoesNotFit, PlanError
-from distgraph.passes.search.layouts.ilp_bound import proven_gap
+from distgraph.passes.search.layouts.ilp_bound import lp_bound, proven_gap
 from distgraph.passes.search.layouts.ilp_problem import ShardingProblem, evaluate, peak_memory
 
 __all__ = ["ShardingProblem", "Solution", "evaluate", "peak_memory", "solve", "reduce_problem",
@@ -480,6 +480,13 @@ def solve(problem: ShardingProblem, time_limit: float = 60.0, starts=(),
                     "optimal" if status == "optimal" else "time_limit", gap,
                     time.perf_counter() - start, peak_memory(problem, choice), variables,
                     constraints)
+
+
+def lower_bound(problem: ShardingProblem) -> float:
+    """A lower bound on the objective of every choice of ``problem`` (its LP relaxation's,
+    :func:`~distgraph.passes.search.layouts.ilp_bound.lp_bound`, the memory budget left
+    out), without SCIP."""
+    return lp_bound(reduce_problem(problem))
 
 
 def _proven(problem, red, choice, start) -> Solution | None:

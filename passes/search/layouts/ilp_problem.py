@@ -118,6 +118,15 @@ class ShardingProblem:
         _set(other, "memory_budget", self._budget(budget))
         return other
 
+    def with_edges_scaled(self, edges, factor: float) -> "ShardingProblem":
+        """This problem with the prices of the edges at indices ``edges`` times
+        ``factor``, its other fields shared."""
+        other = copy.copy(self)
+        chosen = set(edges)
+        _set(other, "edges", tuple((u, v, mat * factor) if k in chosen else (u, v, mat)
+                                   for k, (u, v, mat) in enumerate(self.edges)))
+        return other
+
     def with_held(self, nodes, times: int) -> "ShardingProblem":
         """This problem with the memory of ``nodes`` counted ``times`` times, its other
         fields shared (the activations a pipeline stage keeps for ``times`` micro-batches

@@ -64,6 +64,7 @@ from distgraph.ir import Role
 from distgraph.mesh import ProcessMesh
 from distgraph.passes.samples import sample_axes
 from distgraph.units import fmt_bytes
+from distgraph.passes.search.layouts.buckets import RESOLVED, overlapped
 from distgraph.passes.search.layouts.charges import (build_problem, fixed_problem, held_nodes,
                                                     reused_reshards)
 from distgraph.passes.cost.layout_prices import LayoutPrices, layout_prices
@@ -113,15 +114,18 @@ class SearchReport:
     memos: tuple = ()
     in_flight: int = 1
     reused: float = 0.0
+    hidden: float = 0.0
 
     @property
     def step_time(self) -> float:
         """Seconds per step of the choice as its plan runs it: the objective (every op
         times the runs its role makes a step, each consumer's reshard of its operands)
         less the ``reused`` seconds of reshards the partitioner makes once for several
-        consumers (:func:`~distgraph.passes.search.layouts.charges.reused_reshards`):
+        consumers (:func:`~distgraph.passes.search.layouts.charges.reused_reshards`)
+        and the ``hidden`` seconds of gradient reductions the backward hides
+        (``Strategy(overlap=True)``: :mod:`~distgraph.passes.search.layouts.buckets`):
         what ``plan.estimate`` says of the plan made from it."""
-        return self.objective - self.reused
+        return self.objective - self.reused - self.hidden
 
     @property
     def memory_binds(self) -> bool:
@@ -140,6 +144,9 @@ class SearchReport:
                 if self.recursive_objective > 0 else 0.0
             if self.note == PROVEN:
                 return f"recursive bisection ({self.recursive_objective * 1e3:.4f} ms), {PROVEN}"
+            if self.note == RESOLVED:   # objectives of two problems: not compared
+                return (f"recursive bisection ({self.recursive_objective * 1e3:.4f} ms), "
+                        f"refined by the SCIP ILP, {RESOLVED}")
             return (f"recursive bisection ({self.recursive_objective * 1e3:.4f} ms), refined "
                     f"by the SCIP ILP: {gain:.2%} faster")
         return "SCIP ILP" + (f" ({self.note})" if self.note else "")
@@ -155,9 +162,11 @@ class SearchReport:
                        " times)")
         size = f"{self.variables} variables, {self.constraints} constraints" \
             if self.variables else "no ILP"
+        hides = f" and {self.hidden * 1e3:.4f} ms of gradient reductions the backward " \
+            f"hides" if self.hidden else ""
         lines = [f"search on {where}: {self.status}, objective "
                  f"{self.objective * 1e3:.4f} ms ({self.step_time * 1e3:.4f} ms with the "
-                 f"reshards it reuses made once), gap {self.gap:.3g}, solved in "
+                 f"reshards it reuses made once{hides}), gap {self.gap:.3g}, solved in "
                  f"{self.solve_time:.2f} s (problem built in {self.build_time:.2f} s)",
                  f"  chosen by {self.chosen_by}",
                  f"  {self.nodes} nodes ({self.free_nodes} choosing freely, the rest following "
@@ -193,7 +202,8 @@ class SearchReport:
                          "shape": list(self.mesh.shape),
                          "dim_names": list(self.mesh.dim_names)},
                 "status": self.status, "objective": self.objective,
-                "step_time": self.step_time, "reused": self.reused, "gap": self.gap,
+                "step_time": self.step_time, "reused": self.reused, "hidden": self.hidden,
+                "gap": self.gap,
                 "solve_time": self.solve_time, "build_time": self.build_time,
                 "nodes": self.nodes, "free_nodes": self.free_nodes,
                 "shared_blocks": self.shared_blocks, "variables": self.variables,
@@ -311,7 +321,8 @@ def search(program, mesh: ProcessMesh, cluster, device_of: dict, *, ops=None,
            boundary: Boundary | None = None, method: str = "ilp",
            costs: LayoutPrices | None = None, refined=None, prove: bool = True,
            zero: Zero | None = None, session: Session | None = None,
-           style: str | None = None, in_flight: int = 1) -> SearchResult:
+           style: str | None = None, in_flight: int = 1,
+           bucket_mb: float | None = None) -> SearchResult:
     """Choose a strategy for every op (of ``ops``, default all) and source Value of
     ``program`` on ``mesh`` (module docstring). ``device_of``: process -> device global id
     of ``cluster``; ``weights``: op role -> times it runs per step (default 1);
@@ -341,7 +352,10 @@ def search(program, mesh: ProcessMesh, cluster, device_of: dict, *, ops=None,
     ``in_flight``: the micro-batches a pipeline stage keeps in flight, whose activations
     saved for the backward the budget counts that many times (the memory variants of
     :mod:`~distgraph.passes.search.stages.run_variants`); the result's problem and peak count
-    them once, as for one micro-batch."""
+    them once, as for one micro-batch; ``bucket_mb``: with ``Strategy(overlap=True)``,
+    its buckets' size, the gradients' reductions into the update priced as the
+    backward hides them (:func:`~distgraph.passes.search.layouts.buckets.overlapped`;
+    the report's ``hidden``)."""
     start = time.perf_counter()
     session = session or (costs.session if costs is not None else Session())
     boundary = boundary or Boundary()
@@ -394,10 +408,22 @@ def search(program, mesh: ProcessMesh, cluster, device_of: dict, *, ops=None,
             sol = solve(problem, time_limit=limit, starts=[sol.choice], bounded=True)
     if first is not None and not sol.variables:     # no model: the bound proved it
         note = PROVEN
+    hidden = 0.0
+    if bucket_mb is not None:
+
+        def again(other, start):    # another problem of the space: SCIP where asked
+            if method == "ilp":
+                return solve(other, time_limit=limit, starts=[start], bounded=True)
+            dims = bisection_levels(mesh, costs.ring_of)
+            return solve_recursive(other, space, dims, time_limit=limit, prove=False,
+                                   descents=Descents(other, space, dims, session))[0]
+        sol, hidden, resolved = overlapped(space, problem, costs, weights or {}, bucket_mb,
+                                           sol, again, zero)
+        note = RESOLVED if resolved else note
     if in_flight > 1:           # priced as one micro-batch, as every search's result is
         sol = dataclasses.replace(sol, peak_memory=peak_memory(plain, sol.choice))
     return _result(space, sol.choice, plain.with_budget(memory_budget), sol, build_time,
-                   memory_budget, share, boundary, method, first, note, in_flight)
+                   memory_budget, share, boundary, method, first, note, in_flight, hidden)
 
 
 def held_peak(result: SearchResult, weights: dict | None, in_flight: int) -> float:
@@ -481,7 +507,8 @@ def price(moved: SearchSpace, cluster, device_of: dict, *, weights=None, loss=No
 
 
 def _result(space, choice, problem, sol, build_time, memory_budget, share,
-            boundary, method="ilp", first=None, note="", in_flight=1) -> SearchResult:
+            boundary, method="ilp", first=None, note="", in_flight=1,
+            hidden=0.0) -> SearchResult:
     layouts = _layouts(space, choice)
     report = SearchReport(space.mesh, sol.status, sol.objective, sol.gap, sol.solve_time,
                           build_time, len(space.nodes),
@@ -489,7 +516,7 @@ def _result(space, choice, problem, sol, build_time, memory_budget, share,
                           len(share[0]) if share else 0, sol.variables, sol.constraints,
                           memory_budget, sol.peak_memory, layouts, method, first, note,
                           in_flight=in_flight,
-                          reused=reused_reshards(space, problem, choice))
+                          reused=reused_reshards(space, problem, choice), hidden=hidden)
     return SearchResult(space, tuple(choice), report, problem, boundary)
 
 

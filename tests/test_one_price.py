@@ -86,6 +86,8 @@ def test_the_search_chooses_knowing_what_the_backward_hides():
         blind, strategy=dataclasses.replace(blind.strategy, overlap=True)))
     assert aware.search.hidden > 0
     assert aware.search.step_time == pytest.approx(aware.estimate.step_time, rel=TOLERANCE)
+    # explain() says the step the search priced, not only its objective
+    assert f"{aware.search.step_time * 1e3:.4f} ms a step" in aware.explain()
     assert aware.estimate.step_time < 0.99 * blind.estimate.step_time
 
 

@@ -189,13 +189,17 @@ class SearchReport:
         return "\n".join(lines)
 
     def summary(self) -> str:
-        """Two lines for ``Plan.explain()``: the status, objective and solve time, who
-        chose, and the problem's size (``str`` lists the layouts)."""
+        """Two lines for ``Plan.explain()``: the status, objective (and, where the
+        backward hides reductions, the step it leaves) and solve time, who chose, and the
+        problem's size (``str`` lists the layouts)."""
         size = f"{self.variables} variables" if self.variables else "no ILP"
         dims = ", ".join(self.mesh.dim_names)
-        return (f"search on mesh {list(self.mesh.shape)} ({dims}): {self.status}, objective {self.objective * 1e3:.4f} ms, "
-                f"gap {self.gap:.3g}, solved in {self.solve_time:.2f} s; {self.nodes} nodes, "
-                f"{size}\n  chosen by {self.chosen_by}")
+        step = f" ({self.step_time * 1e3:.4f} ms a step, {self.hidden * 1e3:.4f} ms of its " \
+            f"gradient reductions hidden behind the backward)" if self.hidden else ""
+        return (f"search on mesh {list(self.mesh.shape)} ({dims}): {self.status}, objective "
+                f"{self.objective * 1e3:.4f} ms{step}, gap {self.gap:.3g}, solved in "
+                f"{self.solve_time:.2f} s; {self.nodes} nodes, {size}\n  chosen by "
+                f"{self.chosen_by}")
 
     def to_dict(self) -> dict:
         return {"mesh": {"process_ids": list(self.mesh.process_ids),

@@ -105,17 +105,24 @@ def gradient_buckets(local, bucket_mb: float) -> tuple:
             if made is not None:
                 found.append((made, p.seq, p.steps[0].buffer_bytes or _nbytes(p, local)))
     found.sort()
+    return tuple(Bucket(tuple(s for _, s in items), items[-1][0], size) for items, size in
+                 cut([((made, seq), nbytes) for made, seq, nbytes in found], bucket_mb))
+
+
+def cut(sized, bucket_mb: float) -> list:
+    """[(items, bytes)] of ``sized`` ([(item, bytes)], in order) cut into buckets of at
+    least ``bucket_mb`` MB, in order, the last what is left (PyTorch DDP's cap)."""
     cap = bucket_mb * MB
     buckets, current, size = [], [], 0
-    for made, seq, nbytes in found:
-        current.append((made, seq))
+    for item, nbytes in sized:
+        current.append(item)
         size += nbytes
         if size >= cap:
-            buckets.append(Bucket(tuple(s for _, s in current), current[-1][0], size))
+            buckets.append((current, size))
             current, size = [], 0
     if current:
-        buckets.append(Bucket(tuple(s for _, s in current), current[-1][0], size))
-    return tuple(buckets)
+        buckets.append((current, size))
+    return buckets
 
 
 def _nbytes(point, local) -> int:

@@ -61,20 +61,15 @@ def bucket_seconds(plan, local, pid: int, rings, scale, op_seconds: dict,
     points = {p.seq: p for p in local.points()}
     priced = []
     for bucket in buckets:
-        wire, copies, meets = 0.0, [], {}
+        reductions = []
         for seq in bucket.points:
             p = points[seq]
             step = p.steps[0]
-            seconds = reshard_step_time(step, pid, rings, scale.of_step(p, step))
-            w = _wire(step, pid, rings, scale.of_step(p, step))
-            waits = _waits(step, pid, rings)
-            if waits:
-                group = tuple(step.mesh.group_of(pid, step.mesh_dim))
-                meets[group] = max(meets.get(group, 0.0), waits)
-            wire += w - waits
-            copies.append(seconds - w)
-        wire += sum(meets.values())
-        priced.append((bisect.bisect_right(backward, bucket.after), copies, wire))
+            reductions.append((reshard_step_time(step, pid, rings, scale.of_step(p, step)),
+                               _wire(step, pid, rings, scale.of_step(p, step)),
+                               _waits(step, pid, rings),
+                               tuple(step.mesh.group_of(pid, step.mesh_dim))))
+        priced.append((bisect.bisect_right(backward, bucket.after), *bucket_terms(reductions)))
     # after the backward, each op waits for the buckets of the reductions it reads (the
     # update, in the order the backward made its gradients)
     at = {p.seq: i for i, found in local.comm_points.items() for p in found}
@@ -87,6 +82,21 @@ def bucket_seconds(plan, local, pid: int, rings, scale, op_seconds: dict,
     paid, hidden = exposed([op_seconds.get(i, 0.0) for i in backward], priced, after,
                            rings.device(pid).hides, busy)
     return paid, hidden, frozenset(s for b in buckets for s in b.points)
+
+
+def bucket_terms(reductions) -> tuple:
+    """([seconds of each reduction's copies on the processor], wire seconds) of a
+    bucket's ``reductions``, each (seconds, wire, waits, group) at one process
+    (:func:`wire_seconds`, :func:`waits_seconds`): its reductions start together, so
+    each group meets once for all of them, the bucket paying the largest of their waits
+    per group and each reduction its own alpha-beta (module docstring)."""
+    copies, wire, meets = [], 0.0, {}
+    for seconds, w, waits, group in reductions:
+        if waits:
+            meets[group] = max(meets.get(group, 0.0), waits)
+        wire += w - waits
+        copies.append(seconds - w)
+    return copies, wire + sum(meets.values())
 
 
 def _wire(step, pid: int, rings, scale: float) -> float:

@@ -25,8 +25,8 @@ from __future__ import annotations
 import dataclasses
 
 from distgraph.ir import Role
-from distgraph.plan.buckets import MB, REDUCTIONS
-from distgraph.passes.cost.overlap import waits_seconds, wire_seconds
+from distgraph.plan.buckets import REDUCTIONS, cut
+from distgraph.passes.cost.overlap import bucket_terms, waits_seconds, wire_seconds
 from distgraph.passes.cost.prices import mesh_step_time
 from distgraph.passes.cost.stage import exposed
 from distgraph.passes.search.layouts.charges import distinct_operands, reused_reshards
@@ -99,7 +99,7 @@ def hidden_seconds(space, problem, choice, costs, weights: dict, bucket_mb: floa
     backward = [n.index for n in nodes if ops[n.op].role is Role.BACKWARD]
     last = max((space.nodes[v].op for v in backward), default=-1)
     after = [n.index for n in nodes if n.op > last]
-    buckets = _buckets(found, bucket_mb)
+    buckets = [items for items, _ in cut([(f, f[3]) for f in found], bucket_mb)]
     reads: dict = {}
     for b, bucket in enumerate(buckets):
         for _, v, _, _, _ in bucket:
@@ -113,7 +113,7 @@ def hidden_seconds(space, problem, choice, costs, weights: dict, bucket_mb: floa
                 problem.other_processes[k - 1][v][c[v]] - problem.comm[v][c[v]]
             return float(seconds) / weights.get(ops[space.nodes[v].op].role, 1)
         priced = [(sum(1 for op in made if op <= bucket[-1][0]),
-                   *_bucket_seconds(bucket, prices)) for bucket in buckets]
+                   *bucket_terms(_terms(r, prices) for r in bucket)) for bucket in buckets]
         seconds, _ = exposed([run(v) for v in backward], priced,
                              [(run(v), reads.get(v, ())) for v in after],
                              prices.device.hides)
@@ -169,33 +169,12 @@ def _reductions(space, problem, choice, costs, zero) -> list:
     return found
 
 
-def _buckets(found: list, bucket_mb: float) -> list:
-    """``found`` cut into buckets of at least ``bucket_mb`` MB, in order (the last what
-    is left), as :func:`~distgraph.plan.buckets.gradient_buckets` cuts them."""
-    cap = bucket_mb * MB
-    buckets, current, size = [], [], 0
-    for f in found:
-        current.append(f)
-        size += f[3]
-        if size >= cap:
-            buckets.append(current)
-            current, size = [], 0
-    if current:
-        buckets.append(current)
-    return buckets
-
-
-def _bucket_seconds(bucket: list, prices) -> tuple:
-    """([copies of each reduction on the processor], wire seconds) of ``bucket`` at the
-    process ``prices`` prices: a reduction's wire seconds less its waits, and the largest
-    waits of each group (mesh dim), which meets once for the bucket."""
-    copies, wire, meets = [], 0.0, {}
-    for _, _, (kind, dim, n, nbytes), _, _ in bucket:
-        ring = prices.ring_of(dim)
-        w = wire_seconds(kind, n, nbytes, ring, prices.device) if n > 1 else 0.0
-        waits = waits_seconds(kind, n, prices.device)
-        if waits:
-            meets[dim] = max(meets.get(dim, 0.0), waits)
-        wire += w - waits
-        copies.append(mesh_step_time(kind, n, nbytes, ring, prices.device) - w)
-    return copies, wire + sum(meets.values())
+def _terms(reduction, prices) -> tuple:
+    """(seconds, wire, waits, group) of a reduction of :func:`_reductions` at the process
+    ``prices`` prices, as :func:`~distgraph.passes.cost.overlap.bucket_terms` takes them
+    (its group: its mesh dim, one group per process on one mesh)."""
+    kind, dim, n, nbytes = reduction[2]
+    ring = prices.ring_of(dim)
+    return (mesh_step_time(kind, n, nbytes, ring, prices.device),
+            wire_seconds(kind, n, nbytes, ring, prices.device) if n > 1 else 0.0,
+            waits_seconds(kind, n, prices.device), dim)

@@ -186,12 +186,14 @@ def test_a_count_priced_on_another_counts_searches_plans_no_slower_than_priced()
     # rows, so another count's searches may price it faster than they do (Llama 3 405B
     # at one sequence per micro-batch: 434 against 132 TFLOP/s); the count was chosen on
     # that price, so its plan keeps the priced stages where its fresh search is slower.
-    # Oracle: the latencies of the count searched alone and priced from a donor
+    # Oracle: the latencies of the count searched alone and priced from a donor. (With
+    # the reductions bucketed during the backward the two searches here agree to 0.01%:
+    # overlap off keeps the donor the faster.)
     from distgraph.passes.search import choose
 
     built, cluster = built_gpt(batch=4, layers=4), S.line_cluster(8, bandwidth=1.0)
     strategy = dg.Strategy(auto_mode="full", pipeline=True, micro_batches=2,
-                           search="recursive", recompute=False, sharding=True)
+                           search="recursive", recompute=False, sharding=True, overlap=False)
     alone = count_latency(built, strategy, cluster, 2, Session())
     session = Session()
     count_latency(built, dataclasses.replace(strategy, micro_batches=4), cluster, 4, session)

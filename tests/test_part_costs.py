@@ -5,12 +5,32 @@ stages) or absent, on random parts."""
 import numpy as np
 import pytest
 
-from distgraph.passes.cost.stage import stage_cost, stage_costs
+from distgraph.passes.cost.stage import (Timeline, bucket_terms, exposed, exposed_rows,
+                                         stage_cost, stage_costs)
+from distgraph.plan.buckets import MB, cut
 from distgraph.passes.search.stages.part_cost import PartCost
 from distgraph.units import GB
 
 
-def random_parts(rng, kinds=0):
+def random_timeline(rng, reduced=0.0, bucket_mb=1.0, hides=1.0) -> Timeline:
+    """A part's backward in segments, its reductions (each ready after its segment, of
+    0.1 to 3 MB, its copies, wire and waits on one of two groups) and the update's ops
+    after it, each reading one reduction or none."""
+    k = int(rng.integers(0, 6))
+    reductions = []
+    for r in range(k):
+        wire, waits = (float(x) for x in rng.uniform(0, 1e-3, 2) * [1, rng.integers(0, 2)])
+        reductions.append((r + 1, int(rng.uniform(0.1, 3) * MB),
+                           (wire + waits + float(rng.uniform(0, 1e-4)), wire + waits, waits,
+                            "xy"[int(rng.integers(0, 2))])))
+    after = [(float(rng.uniform(0, 3e-4)), frozenset([r])) for r in rng.permutation(k)]
+    if rng.uniform() < 0.3:
+        after.insert(0, (1e-4, frozenset()))
+    return Timeline(tuple(float(x) for x in rng.uniform(0, 1e-3, k + 1)), tuple(reductions),
+                    tuple(after), reduced, 0.25, bucket_mb, hides)
+
+
+def random_parts(rng, kinds=0, overlap=False):
     def part():
         time, persistent, saved, transient = (float(x) for x in
                                               rng.uniform(0, 1, 4) * [1e-3, GB, GB, GB])
@@ -19,15 +39,16 @@ def random_parts(rng, kinds=0):
         making = float(rng.uniform(backward, transient + buffers))
         update = float(rng.uniform(0, 1e-2))
         unlike = tuple(float(x) for x in rng.uniform(0, time, kinds))
+        line = random_timeline(rng, update / 2) if overlap else None
         return (PartCost(time, persistent, saved, transient, buffers, forward, backward,
-                         making, update, unlike + (time,) if kinds else ()), None)
+                         making, update, unlike + (time,) if kinds else (), line), None)
     return {"first": part(), "block": part(), "last": part()}
 
 
 @pytest.mark.parametrize("seed", range(20))
 def test_every_block_count_at_once_equals_one_stage_at_a_time(seed):
     rng = np.random.default_rng(2100 + seed)
-    parts = random_parts(rng, kinds=seed % 3)
+    parts = random_parts(rng, kinds=seed % 3, overlap=seed % 2 == 1)
     n = int(rng.integers(0, 40))
     shares = (False, True, float(rng.uniform(0.1, 0.9)))
     for first in shares:
@@ -89,3 +110,55 @@ def test_without_buffers_the_forwards_first_memory_is_the_one_in_flight():
                  None) for k in ("first", "block", "last")}
     rows = stage_costs(parts, True, 12, True)
     assert rows[:, 3].tolist() == rows[:, 1].tolist()
+
+
+def exposed_by_the_estimates_rule(lines, bucket_mb, hides):
+    """What :func:`exposed` (the estimate's rule, op by op) pays for the reductions of
+    ``lines`` run one after another, cut into buckets by the runtime's cut."""
+    backward, reductions, after = [], [], []
+    for line in lines:
+        base, first = len(backward), len(reductions)
+        backward += line.backward
+        reductions += [(base + ready, nbytes, terms) for ready, nbytes, terms in line.reductions]
+        after += [(seconds, {first + r for r in reads}) for seconds, reads in line.after]
+    if not reductions:
+        return 0.0
+    buckets = cut([(r, nbytes) for r, (_, nbytes, _) in enumerate(reductions)], bucket_mb)
+    bucket_of = {r: b for b, (items, _) in enumerate(buckets) for r in items}
+    priced = [(reductions[items[-1]][0], *bucket_terms(reductions[r][2] for r in items))
+              for items, _ in buckets]
+    return exposed(backward, priced, [(s, {bucket_of[r] for r in reads}) for s, reads in after],
+                   hides)[0]
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_a_stages_buckets_over_its_parts_pay_what_the_estimates_rule_says(seed):
+    """Issue #64: a stage of E, m blocks and H reduces its gradients in buckets cut over
+    all its parts, H's first (the backward's order). The accountant's rows for every m
+    at once (the cut of a prefix reused) equal the estimate's rule over the parts laid
+    end to end, op by op, on random parts: buckets of 1 to 25 MB over reductions of 0.1
+    to 3 MB, groups that meet once per bucket, devices that hide all or part of the wire."""
+    rng = np.random.default_rng(4600 + seed)
+    head = [random_timeline(rng)] if seed % 3 else []
+    block = random_timeline(rng)
+    tail = [random_timeline(rng)] if seed % 4 else []
+    n = int(rng.integers(0, 8))
+    bucket_mb, hides = [1.0, 4.0, 25.0][seed % 3], [1.0, 0.4][seed % 2]
+    rows = exposed_rows(head, block, tail, n, bucket_mb, hides)
+    for m in range(n + 1):
+        assert rows[m] == pytest.approx(
+            exposed_by_the_estimates_rule(head + [block] * m + tail, bucket_mb, hides),
+            rel=1e-12, abs=1e-15)
+
+
+def test_a_stage_pays_its_reductions_less_what_its_buckets_hide():
+    """One block whose backward (2 ms) makes a 30 MB gradient after 1 ms, reduced in 1.5 ms
+    of wire: priced whole by its part (1.5 ms in its update), the stage's bucket starts
+    after 1 ms and ends at 2.5 ms, so the update waits 0.5 ms: 1 ms of it hidden, and the
+    seconds per micro-batch hold the update's share of it (0.25)."""
+    line = Timeline((1e-3, 1e-3), ((1, 30 * MB, (1.5e-3, 1.5e-3, 0.0, "x")),),
+                    ((2e-4, frozenset([0])),), 1.5e-3, 0.25, 25.0, 1.0)
+    block = PartCost(4e-3, 0, 0, 0, update=1.7e-3, timeline=line)
+    price = stage_cost({"block": (block, None)}, False, 1, False)
+    assert price.update == pytest.approx(1.7e-3 - 1e-3)
+    assert price.seconds == pytest.approx(4e-3 - 0.25 * 1e-3)

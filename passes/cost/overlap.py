@@ -39,7 +39,7 @@ from distgraph.plan.buckets import (gradient_buckets, overlapping, prefetch_grou
                                     prefetch_unit, prefetchable, prefetching)
 from distgraph.passes.cost.formulas import collective_time
 from distgraph.passes.cost.prices import reshard_step_time, software_time
-from distgraph.passes.cost.stage import exposed
+from distgraph.passes.cost.stage import bucket_terms, exposed
 
 
 def bucket_seconds(plan, local, pid: int, rings, scale, op_seconds: dict,
@@ -82,21 +82,6 @@ def bucket_seconds(plan, local, pid: int, rings, scale, op_seconds: dict,
     paid, hidden = exposed([op_seconds.get(i, 0.0) for i in backward], priced, after,
                            rings.device(pid).hides, busy)
     return paid, hidden, frozenset(s for b in buckets for s in b.points)
-
-
-def bucket_terms(reductions) -> tuple:
-    """([seconds of each reduction's copies on the processor], wire seconds) of a
-    bucket's ``reductions``, each (seconds, wire, waits, group) at one process
-    (:func:`wire_seconds`, :func:`waits_seconds`): its reductions start together, so
-    each group meets once for all of them, the bucket paying the largest of their waits
-    per group and each reduction its own alpha-beta (module docstring)."""
-    copies, wire, meets = [], 0.0, {}
-    for seconds, w, waits, group in reductions:
-        if waits:
-            meets[group] = max(meets.get(group, 0.0), waits)
-        wire += w - waits
-        copies.append(seconds - w)
-    return copies, wire + sum(meets.values())
 
 
 def _wire(step, pid: int, rings, scale: float) -> float:

@@ -30,7 +30,10 @@ price with these and nothing else:
 - :func:`grid`: a device mesh's shape as (machines, devices per machine);
 - :func:`finishes`: when collectives started during the compute (gradient buckets
   reduced during the backward, ``Strategy(overlap=True)``) are done, one wire;
-  :func:`exposed`: what of them a step pays, the updates waiting for their buckets.
+  :func:`exposed`: what of them a step pays, the updates waiting for their buckets;
+  :func:`exposed_rows`: the same rule over the parts of a stage (their
+  :class:`Timeline`), the buckets cut over all of them, for every block count at once
+  (what :func:`stage_cost` takes off the reductions its parts priced whole).
 
 Example::
 
@@ -42,11 +45,13 @@ Example::
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
 
 from distgraph.errors import PlanError
+from distgraph.plan.buckets import MB
 from distgraph.units import GB
 
 
@@ -127,6 +132,207 @@ def exposed(backward, buckets, after, hides: float, busy=()) -> tuple:
     hidden = sum(w for _, w in starts) - left
     kept = (1.0 - hides) * max(hidden, 0.0)
     return processor + left + kept, hidden - kept
+
+
+def bucket_terms(reductions) -> tuple:
+    """([seconds of each reduction's copies on the processor], wire seconds) of a
+    bucket's ``reductions``, each (seconds, wire, waits, group) at one process
+    (:func:`~distgraph.passes.cost.overlap.wire_seconds`,
+    :func:`~distgraph.passes.cost.overlap.waits_seconds`): its reductions start
+    together, so each group meets once for all of them, the bucket paying the largest of
+    their waits per group and each reduction its own alpha-beta
+    (:mod:`~distgraph.passes.cost.overlap`)."""
+    copies, wire, meets = [], 0.0, {}
+    for seconds, w, waits, group in reductions:
+        if waits:
+            meets[group] = max(meets.get(group, 0.0), waits)
+        wire += w - waits
+        copies.append(seconds - w)
+    return copies, wire + sum(meets.values())
+
+
+def exposed_seconds(timelines, bucket_mb: float, hides: float) -> float:
+    """Seconds a step pays for the reductions of ``timelines`` (the parts of one process's
+    backward, in the order it runs them, each a :class:`Timeline`) cut into buckets of
+    ``bucket_mb`` as the runtime cuts them (:func:`~distgraph.plan.buckets.cut`) and run
+    as it runs them (:func:`exposed`'s rule); ``hides``: the device's ``Device.hides``."""
+    return float(exposed_rows(list(timelines), None, [], 0, bucket_mb, hides)[0])
+
+
+def exposed_rows(head: list, block, tail: list, n: int, bucket_mb: float,
+                 hides: float) -> np.ndarray:
+    """:func:`exposed_seconds` of ``head + [block] * m + tail`` for m = 0 .. n (a stage
+    of E, m blocks and H runs H's backward first). :func:`exposed`'s rule in closed
+    form, its buckets in the order they are ready: the processor pays each bucket's
+    copies where it starts; one wire runs them in order (``done_k = max(done_k-1,
+    start_k) + wire_k``); an op after the backward waits for the buckets it reads (the
+    update's ops, in the order the gradients were made), so the step pays the most a
+    bucket's end passes the backward's end and the ops before its first reader
+    (``before``), and the share of the wire behind the compute the device does not
+    hide. The runtime's greedy cut of a prefix is the prefix of its cut: the reductions
+    of ``head`` and n blocks are cut and run once, and each row goes on from the buckets
+    closed before its m-th block ends with the rest cut again with ``tail``'s."""
+    groups: dict = {}
+    first = _flat([*head, *([block] * n if block is not None else [])], groups)
+    ends = _flat(tail, groups)
+    cap = bucket_mb * MB
+    starts, stops, size = [], [], 0
+    for r, nbytes in enumerate(first.nbytes.tolist()):
+        size += nbytes
+        if size >= cap:
+            starts.append(stops[-1] if stops else 0)
+            stops.append(r + 1)
+            size = 0
+    closed = _buckets(first, starts, stops)
+    processor = np.cumsum(closed[1])
+    wires = np.cumsum(closed[2])
+    done = np.maximum.accumulate(closed[0] + processor - (wires - closed[2])) + wires
+    passed = np.maximum.accumulate(done - closed[3])
+    ends_at = np.asarray(stops, dtype=np.intp)
+    width = len(block.reductions) if block is not None else 0
+    rows = np.zeros(n + 1 if block is not None else 1)
+    for m in range(len(rows)):
+        made = len(first.nbytes) - (n - m) * width          # reductions of head, m blocks
+        k = int(np.searchsorted(ends_at, made, side="right"))   # buckets closed by then
+        spent, wire, busy, most = (float(processor[k - 1]), float(wires[k - 1]),
+                                   float(done[k - 1]), float(passed[k - 1])) if k else \
+            (0.0, 0.0, 0.0, -np.inf)
+        back, later = float(first.backward[len(head) + m]), float(first.after[len(head) + m])
+        rest = [(first, r, 0.0, 0.0) for r in range(int(ends_at[k - 1]) if k else 0, made)]
+        rest += [(ends, r, back, later) for r in range(len(ends.nbytes))]
+        for bucket in _cut_rest(rest, cap):
+            ready, copies, w, before = _terms_of(bucket)
+            spent += copies
+            busy = max(busy, ready + spent) + w
+            most = max(most, busy - before)
+            wire += w
+        if not rest and not k:
+            continue
+        left = max(most - (back + float(ends.backward[-1]) + spent), 0.0)
+        rows[m] = spent + left + (1.0 - hides) * max(wire - left, 0.0)
+    return rows
+
+
+class _Flat(NamedTuple):
+    """Reductions of timelines in a row (:func:`exposed_rows`): per reduction its bytes,
+    seconds of backward before it is ready, its copies, its wire less its waits, its
+    waits, its group (an index) and the seconds of the ops after the backward before
+    the first that reads it (inf: none); per timeline, the seconds of backward and of
+    the ops after it before it (and in all, last)."""
+
+    nbytes: np.ndarray
+    ready: np.ndarray
+    copies: np.ndarray
+    wire: np.ndarray
+    waits: np.ndarray
+    group: np.ndarray
+    before: np.ndarray
+    backward: np.ndarray
+    after: np.ndarray
+
+
+def _flat(lines: list, groups: dict) -> _Flat:
+    """The :class:`_Flat` of ``lines``, each distinct timeline read once and repeated;
+    ``groups``: group -> index, filled."""
+    rows, backward, after = [], [0.0], [0.0]
+    known: dict = {}
+    for line in lines:
+        if id(line) not in known:
+            known[id(line)] = _line(line, groups)
+        one, seconds, spent = known[id(line)]
+        shifted = one.copy()
+        shifted[:, 1] += backward[-1]
+        shifted[:, 6] += after[-1]
+        rows.append(shifted)
+        backward.append(backward[-1] + seconds)
+        after.append(after[-1] + spent)
+    table = np.concatenate(rows) if rows else np.zeros((0, 7))
+    return _Flat(*table.T[:5], table[:, 5].astype(np.intp), table[:, 6],
+                 np.asarray(backward), np.asarray(after))
+
+
+def _line(line, groups: dict) -> tuple:
+    """(rows of ``line``'s reductions as :class:`_Flat` columns, its backward's seconds,
+    its after ops' seconds); ``groups``: group -> index, filled."""
+    ran = [0.0, *itertools.accumulate(line.backward)]
+    first_read: dict = {}
+    spent = 0.0
+    for seconds, reads in line.after:
+        for r in reads:
+            first_read.setdefault(r, spent)
+        spent += seconds
+    out = [(size, ran[pos], total - w, w - wait, wait, groups.setdefault(g, len(groups)),
+            first_read.get(r, np.inf))
+           for r, (pos, size, (total, w, wait, g)) in enumerate(line.reductions)]
+    return np.asarray(out, dtype=float).reshape(-1, 7), ran[-1], spent
+
+
+def _buckets(flat: _Flat, starts, stops) -> tuple:
+    """(ready, copies, wire, before) arrays of the buckets ``flat[starts[k]:stops[k]]``
+    (:func:`bucket_terms`: the group of a bucket's reductions meets once, at their
+    largest waits)."""
+    if not starts:
+        return tuple(np.zeros(0) for _ in range(4))
+    end = stops[-1]
+    wire = np.add.reduceat(flat.wire[:end], starts)
+    for g in np.unique(flat.group[:end]):
+        wire = wire + np.maximum.reduceat(
+            np.where(flat.group[:end] == g, flat.waits[:end], 0.0), starts)
+    return (flat.ready[np.asarray(stops) - 1], np.add.reduceat(flat.copies[:end], starts),
+            wire, np.minimum.reduceat(flat.before[:end], starts))
+
+
+def _cut_rest(rest: list, cap: float) -> list:
+    """``rest`` ((flat, index, backward before, ops after before) of each reduction)
+    cut greedily at ``cap`` bytes (:func:`~distgraph.plan.buckets.cut`)."""
+    out, current, size = [], [], 0
+    for item in rest:
+        current.append(item)
+        size += int(item[0].nbytes[item[1]])
+        if size >= cap:
+            out.append(current)
+            current, size = [], 0
+    return out + [current] if current else out
+
+
+def _terms_of(bucket: list) -> tuple:
+    """(ready, copies, wire, before) of a bucket of :func:`_cut_rest`'s items."""
+    copies = wire = 0.0
+    before = np.inf
+    meets: dict = {}
+    for flat, r, back, later in bucket:
+        copies += float(flat.copies[r])
+        wire += float(flat.wire[r])
+        before = min(before, float(flat.before[r]) + later)
+        if flat.waits[r]:
+            meets[flat.group[r]] = max(meets.get(flat.group[r], 0.0), float(flat.waits[r]))
+    flat, r, back, _ = bucket[-1]
+    return float(flat.ready[r]) + back, copies, wire + sum(meets.values()), before
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """A part's backward as its gradient buckets see it, at one kind of process
+    (:func:`~distgraph.passes.search.layouts.buckets.timeline`): ``backward``, seconds
+    of one run of its backward in segments, each
+    ending where a reduction's gradient is made (the last: the rest); ``reductions``,
+    (segments before it is ready, bytes, (seconds, wire, waits, group) as
+    :func:`bucket_terms` takes them) of each reduction
+    into an update, in the order the backward makes them; ``after``, (seconds, indices
+    of the reductions it reads) of the ops after the backward in order (an op reading
+    none joined to the one before it); ``reduced``: the seconds its reductions' edges
+    cost once a step, priced whole, of which the search's seconds per micro-batch hold
+    the ``share`` (the update's weight); ``bucket_mb`` and ``hides`` (the device's
+    ``Device.hides``): how the runtime buckets them and how much of their wire the
+    compute hides."""
+
+    backward: tuple
+    reductions: tuple
+    after: tuple
+    reduced: float = 0.0
+    share: float = 1.0
+    bucket_mb: float = 25.0
+    hides: float = 1.0
 
 
 def transfers(sends: float, at_start, at_end, virtual: int = 1) -> float:
@@ -275,8 +481,10 @@ def stage_cost(parts: dict, with_first, blocks: int, with_last) -> StagePrice:
         saved += p.saved * n
         peak = max(peak, saved + p.transient)
     fixed = sum(p.persistent * n for p, n in used)
-    return StagePrice(seconds, (fixed + peak) / GB, saved / GB,
-                      _before(used, fixed, saved) / GB, sum(p.update * n for p, n in used))
+    hidden, share = _hidden(parts, with_first, blocks, with_last)
+    return StagePrice(seconds - hidden[-1] * share, (fixed + peak) / GB, saved / GB,
+                      _before(used, fixed, saved) / GB,
+                      sum(p.update * n for p, n in used) - hidden[-1])
 
 
 def stage_costs(parts: dict, with_first, n: int, with_last) -> np.ndarray:
@@ -302,7 +510,34 @@ def stage_costs(parts: dict, with_first, n: int, with_last) -> np.ndarray:
     out[1:, 2] = saved / GB
     out[1:, 3] = _before(used, fixed, saved) / GB
     out[1:, 4] = update
+    hidden, share = _hidden(parts, with_first, n, with_last)
+    out[1:, 0] -= hidden[1:] * share
+    out[1:, 4] -= hidden[1:]
     return out
+
+
+def _hidden(parts: dict, with_first, n: int, with_last) -> tuple:
+    """([seconds once a step of the gradient reductions of a stage of ``[E] + m blocks +
+    [H]`` that its backward hides, m = 0 .. n], the share of them its seconds per
+    micro-batch hold): its process runs H's backward, the blocks' and E's and reduces
+    their gradients in buckets cut over all of them (the parts' ``timeline``,
+    :func:`exposed_rows`), its parts priced each reduction whole. Nothing hidden where
+    the plan reduces nothing during the backward, or a part is a share of one (virtual
+    stages)."""
+    first = parts["first"][0] if with_first else None
+    block = parts["block"][0] if n else None
+    last = parts["last"][0] if with_last else None
+    used = [p for p in (first, block, last) if p is not None]
+    if any(float(k) not in (0.0, 1.0) for k in (with_first, with_last)) or n != int(n) or \
+            any(p.timeline is None for p in used) or \
+            not any(p.timeline.reductions for p in used):
+        return np.zeros(int(n) + 1), 0.0
+    line, n = used[0].timeline, int(n)
+    paid = exposed_rows([last.timeline] if last else [], block and block.timeline,
+                        [first.timeline] if first else [], n, line.bucket_mb, line.hides)
+    ends = sum(p.timeline.reduced for p in (first, last) if p is not None)
+    reduced = ends + np.arange(n + 1) * (block.timeline.reduced if block else 0.0)
+    return reduced - paid, line.share
 
 
 def _seconds(used: list):

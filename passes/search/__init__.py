@@ -63,6 +63,7 @@ from distgraph.mesh import ProcessMesh
 from distgraph.passes.choice import Choice
 from distgraph.passes.cost.stage import stage_cost
 from distgraph.passes.prepare import transformed
+from distgraph.passes.search.layouts.buckets import bucketed
 from distgraph.passes.search.layouts.intra_op import search
 from distgraph.passes.search.layouts.mesh import search_mesh
 from distgraph.passes.search.layouts.sharded_states import sharding_dim, zero_asked
@@ -176,18 +177,6 @@ def _layouts(prepared, strategy, cluster, accumulation, budget, session) -> tupl
         result = dataclasses.replace(result, report=dataclasses.replace(
             result.report, peak_memory=peak))
     return result, device_of
-
-
-def bucketed(prepared, strategy) -> float | None:
-    """The buckets' size (MB) where the plan reduces its gradients in buckets during the
-    backward (:func:`~distgraph.plan.buckets.overlapping`), priced so by the search;
-    None where it does not, or where the estimate prices more than the buckets: an
-    uneven batch split (``balance``) and ZeRO-3's prefetched gathers, which share the
-    buckets' wires."""
-    if not strategy.overlap or strategy.balance or \
-            getattr(prepared, "sharding_level", 0) == 3:
-        return None
-    return strategy.bucket_mb
 
 
 def _target_meshes(mesh, device_of, target, rows: int) -> list:

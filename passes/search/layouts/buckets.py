@@ -9,26 +9,35 @@ the estimate prices what stays exposed (:func:`~distgraph.passes.cost.overlap.
 bucket_seconds`). Here the same buckets are found on the search's nodes (the reductions
 into the update of gradients the backward makes: one all-reduce or reduce-scatter each,
 in the order the backward makes them, cut at ``bucket_mb``) and priced by the same
-accountant (:func:`~distgraph.passes.cost.stage.exposed`): each reduction's copies on the
-processor and its wire seconds (:func:`~distgraph.passes.cost.overlap.wire_seconds`) at
-each kind of process, the backward's ops at their seconds there, and the ops after the
-backward waiting for the buckets they read.
+accountant (:func:`~distgraph.passes.cost.stage.exposed_seconds`, the rule of
+:func:`~distgraph.passes.cost.stage.exposed`): each reduction's copies on the processor
+and its wire seconds (:func:`~distgraph.passes.cost.overlap.wire_seconds`) at each kind
+of process, the backward's ops at their seconds there, and the ops after the backward
+waiting for the buckets they read.
+
+A stage search's part (E, a block, H) keeps its choice's :func:`timeline`: a stage's
+process runs its parts' backward one after another and cuts its buckets over all of
+them, so the accountant prices a stage's buckets from its parts' timelines
+(:func:`~distgraph.passes.cost.stage.stage_cost`), and a part's search chooses by what
+its own buckets hide.
 
 Example::
 
     hidden, reduced = hidden_seconds(result.space, result.problem, result.choice, costs,
                                      weights, 25)
+    line = timeline(result, weights, bucketed(prepared, strategy), zero)
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 
 from distgraph.ir import Role
-from distgraph.plan.buckets import REDUCTIONS, cut
-from distgraph.passes.cost.overlap import bucket_terms, waits_seconds, wire_seconds
+from distgraph.plan.buckets import REDUCTIONS
+from distgraph.passes.cost.overlap import waits_seconds, wire_seconds
 from distgraph.passes.cost.prices import mesh_step_time
-from distgraph.passes.cost.stage import exposed
+from distgraph.passes.cost.stage import Timeline, exposed_seconds
 from distgraph.passes.search.layouts.charges import distinct_operands, reused_reshards
 from distgraph.passes.transforms.zero import zero_split
 from distgraph.passes.search.layouts.ilp import lower_bound
@@ -94,31 +103,76 @@ def hidden_seconds(space, problem, choice, costs, weights: dict, bucket_mb: floa
     c = [int(i) for i in choice]
     edges = sum(_paid(mat, c[u], c[v]) for u, v, mat in problem.edges)
     bucketed = sum(edge for _, _, _, _, edge in found)
+    sums = _kind_sums(problem, c, range(problem.n))
+    paid = []
+    for k, (prices, total) in enumerate(zip([costs, *costs.others], sums)):
+        seconds = exposed_seconds([_timeline(space, problem, c, prices, weights, found, k)],
+                                  bucket_mb, prices.device.hides)
+        paid.append(total + edges - bucketed + seconds * weights.get(Role.OPTIMIZE, 1))
+    return max(sums) + edges - max(paid), bucketed
+
+
+def timeline(result, weights: dict, bucket_mb: float | None, zero=None) -> Timeline | None:
+    """The :class:`Timeline` of a search's choice at its priced process (a stage's part,
+    whose parts' timelines :func:`~distgraph.passes.cost.stage.stage_cost` joins into
+    its process's buckets), with buckets of ``bucket_mb`` (:func:`bucketed`); None
+    where the plan reduces no gradient during the backward (``bucket_mb`` None)."""
+    if bucket_mb is None:
+        return None
+    space, problem, costs = result.space, result.problem, result.prices
+    found = _reductions(space, problem, result.choice, costs, zero)
+    c = [int(i) for i in result.choice]
+    once = weights.get(Role.OPTIMIZE, 1)
+    return dataclasses.replace(
+        _timeline(space, problem, c, costs, weights, found, 0),
+        reduced=sum(f[4] for f in found) / once if once else 0.0, share=once,
+        bucket_mb=bucket_mb, hides=costs.device.hides)
+
+
+def bucketed(prepared, strategy) -> float | None:
+    """The buckets' size (MB) where the plan reduces its gradients in buckets during the
+    backward (:func:`~distgraph.plan.buckets.overlapping`), priced so by the search;
+    None where it does not, or where the estimate prices more than the buckets: an
+    uneven batch split (``balance``) and ZeRO-3's prefetched gathers, which share the
+    buckets' wires."""
+    if not strategy.overlap or strategy.balance or \
+            getattr(prepared, "sharding_level", 0) == 3:
+        return None
+    return strategy.bucket_mb
+
+
+def _timeline(space, problem, c: list, prices, weights: dict, found: list,
+              k: int) -> Timeline:
+    """The :class:`Timeline` of choice ``c`` at kind of process ``k`` (``prices``
+    its), ``found`` its :func:`_reductions`; ``reduced`` left 0."""
     ops = space.program.ops
     nodes = sorted((n for n in space.nodes if not n.is_source), key=lambda n: n.op)
     backward = [n.index for n in nodes if ops[n.op].role is Role.BACKWARD]
     last = max((space.nodes[v].op for v in backward), default=-1)
-    after = [n.index for n in nodes if n.op > last]
-    buckets = [items for items, _ in cut([(f, f[3]) for f in found], bucket_mb)]
-    reads: dict = {}
-    for b, bucket in enumerate(buckets):
-        for _, v, _, _, _ in bucket:
-            reads.setdefault(v, set()).add(b)
+
+    def run(v):         # one run of node v's op at this kind of process
+        seconds = problem.compute[v][c[v]] if k == 0 else \
+            problem.other_processes[k - 1][v][c[v]] - problem.comm[v][c[v]]
+        return float(seconds) / weights.get(ops[space.nodes[v].op].role, 1)
     made = [space.nodes[v].op for v in backward]
-    sums = _kind_sums(problem, c, range(problem.n))
-    paid = []
-    for k, (prices, total) in enumerate(zip([costs, *costs.others], sums)):
-        def run(v):         # one run of node v's op at this kind of process
-            seconds = problem.compute[v][c[v]] if k == 0 else \
-                problem.other_processes[k - 1][v][c[v]] - problem.comm[v][c[v]]
-            return float(seconds) / weights.get(ops[space.nodes[v].op].role, 1)
-        priced = [(sum(1 for op in made if op <= bucket[-1][0]),
-                   *bucket_terms(_terms(r, prices) for r in bucket)) for bucket in buckets]
-        seconds, _ = exposed([run(v) for v in backward], priced,
-                             [(run(v), reads.get(v, ())) for v in after],
-                             prices.device.hides)
-        paid.append(total + edges - bucketed + seconds)
-    return max(sums) + edges - max(paid), bucketed
+    ready = [bisect.bisect_right(made, f[0]) for f in found]
+    cuts = sorted(set(ready))
+    segments = [sum(run(v) for v in backward[a:b])
+                for a, b in zip([0, *cuts], [*cuts, len(backward)])]
+    reads: dict = {}
+    for r, f in enumerate(found):
+        reads.setdefault(f[1], set()).add(r)
+    after = []
+    for n in nodes:
+        if n.op > last:
+            if after and not reads.get(n.index):
+                after[-1] = (after[-1][0] + run(n.index), after[-1][1])
+            else:
+                after.append((run(n.index), frozenset(reads.get(n.index, ()))))
+    return Timeline(tuple(segments),
+                    tuple((cuts.index(t) + 1, f[3], _terms(f, prices))
+                          for t, f in zip(ready, found)),
+                    tuple(after), 0.0)
 
 
 def into_updates(space, problem) -> list:
@@ -171,7 +225,7 @@ def _reductions(space, problem, choice, costs, zero) -> list:
 
 def _terms(reduction, prices) -> tuple:
     """(seconds, wire, waits, group) of a reduction of :func:`_reductions` at the process
-    ``prices`` prices, as :func:`~distgraph.passes.cost.overlap.bucket_terms` takes them
+    ``prices`` prices, as :func:`~distgraph.passes.cost.stage.bucket_terms` takes them
     (its group: its mesh dim, one group per process on one mesh)."""
     kind, dim, n, nbytes = reduction[2]
     ring = prices.ring_of(dim)

@@ -54,7 +54,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -228,6 +228,7 @@ class SearchResult:
     report: SearchReport
     problem: ShardingProblem
     boundary: object = None         # the Boundary it was searched with (None: none)
+    prices: object = field(default=None, compare=False, repr=False)   # its LayoutPrices
 
     def strategy(self, node: int):
         return self.space.nodes[node].strategies[self.choice[node]]
@@ -427,7 +428,8 @@ def search(program, mesh: ProcessMesh, cluster, device_of: dict, *, ops=None,
     if in_flight > 1:           # priced as one micro-batch, as every search's result is
         sol = dataclasses.replace(sol, peak_memory=peak_memory(plain, sol.choice))
     return _result(space, sol.choice, plain.with_budget(memory_budget), sol, build_time,
-                   memory_budget, share, boundary, method, first, note, in_flight, hidden)
+                   memory_budget, share, boundary, method, first, note, in_flight, hidden,
+                   costs)
 
 
 def held_peak(result: SearchResult, weights: dict | None, in_flight: int) -> float:
@@ -507,12 +509,12 @@ def price(moved: SearchSpace, cluster, device_of: dict, *, weights=None, loss=No
         raise PlanError(f"the choice is not allowed on {moved.mesh}")
     sol = Solution(fixed, objective, status, 0.0, 0.0, peak_memory(problem, fixed), 0, 0)
     return _result(moved, fixed, problem, sol, time.perf_counter() - start, None, (),
-                   boundary)
+                   boundary, prices=costs)
 
 
 def _result(space, choice, problem, sol, build_time, memory_budget, share,
             boundary, method="ilp", first=None, note="", in_flight=1,
-            hidden=0.0) -> SearchResult:
+            hidden=0.0, prices=None) -> SearchResult:
     layouts = _layouts(space, choice)
     report = SearchReport(space.mesh, sol.status, sol.objective, sol.gap, sol.solve_time,
                           build_time, len(space.nodes),
@@ -521,7 +523,7 @@ def _result(space, choice, problem, sol, build_time, memory_budget, share,
                           memory_budget, sol.peak_memory, layouts, method, first, note,
                           in_flight=in_flight,
                           reused=reused_reshards(space, problem, choice), hidden=hidden)
-    return SearchResult(space, tuple(choice), report, problem, boundary)
+    return SearchResult(space, tuple(choice), report, problem, boundary, prices)
 
 
 def _problem(space, costs, weights, loss, world, budget, share, live,

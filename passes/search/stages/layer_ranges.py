@@ -21,6 +21,7 @@ from distgraph.mesh import ProcessMesh
 from distgraph.passes.cost.boundary import pieces, values_seconds
 from distgraph.passes.cost.layout_prices import process_kinds
 from distgraph.passes.cost.stage import held, in_flight, stage_cost, step_time
+from distgraph.passes.search.layouts.buckets import bucketed
 from distgraph.passes.search.layouts.intra_op import price, search
 from distgraph.passes.search.layouts.sharded_states import zero_asked
 from distgraph.passes.search.layouts.space import MESH_DIMS
@@ -60,7 +61,8 @@ class LayerRangeCosts:
     def price(self, result, sides) -> StageCost:
         """What a stage of ``result``'s choice costs, on its devices ``sides[0]`` beside a
         stage on ``sides[1]`` (class docstring)."""
-        part = measure(result, self.prepared.program, self.weights, self.strategy)
+        part = measure(result, self.prepared.program, self.weights, self.strategy,
+                       bucketed(self.prepared, self.strategy))
         one = stage_cost({"first": (part, result)}, True, 0, False)
         sends = values_seconds(result, tuple(result.space.mesh.shape), sides,
                                self._received(result), self.cluster,
@@ -137,7 +139,8 @@ class LayerRangeCosts:
                           loss=loss, time_limit=self.strategy.solver_time_limit,
                           blocks=self.prepared.block_paths, memory=True,
                           balance=self.strategy.balance, method=method,
-                          zero=zero_asked(self.strategy), session=self.session)
+                          zero=zero_asked(self.strategy), session=self.session,
+                          bucket_mb=bucketed(self.prepared, self.strategy))
         return self.options.memo(key, searched)
 
     def _loss(self, ops):

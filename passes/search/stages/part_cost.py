@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from distgraph.ir import Role
+from distgraph.passes.search.layouts.buckets import timeline
 from distgraph.passes.search.layouts.charges import gradient_buffers, held_nodes, once_nodes
 from distgraph.passes.search.layouts.ilp_problem import kind_seconds, share_of
 from distgraph.passes.search.layouts.sharded_states import writeback_bytes, zero_asked
@@ -35,7 +36,11 @@ class PartCost:
     by then (its first backward). Left out, the three are ``transient`` (and the
     buffers, none, held from the start as persistent). ``kinds``: where the mesh's
     processes pay unlike, ``time`` at each kind of process (the priced one first;
-    ``time`` is their largest), () where all pay alike."""
+    ``time`` is their largest), () where all pay alike. ``timeline``: its backward as
+    the gradient buckets see it, where the plan reduces gradients during the backward
+    (:class:`~distgraph.passes.search.layouts.buckets.Timeline`; ``update`` and
+    ``time`` price its reductions whole, a stage's price what its buckets leave
+    exposed: :func:`~distgraph.passes.cost.stage.stage_cost`)."""
 
     time: float
     persistent: float
@@ -47,6 +52,7 @@ class PartCost:
     making: float | None = None
     update: float = 0.0
     kinds: tuple = ()
+    timeline: object = None
 
     def __post_init__(self):
         for name in ("forward", "backward", "making"):
@@ -55,9 +61,11 @@ class PartCost:
 
 
 
-def measure(result, program, weights, strategy) -> PartCost:
+def measure(result, program, weights, strategy, bucket_mb: float | None = None) -> PartCost:
     """Seconds and bytes of a search's choice (:mod:`~distgraph.passes.search.stages.runs`'s
-    docstring): ``program`` the one searched, ``weights`` the search's weights of each role."""
+    docstring): ``program`` the one searched, ``weights`` the search's weights of each
+    role; ``bucket_mb``: the plan's gradient buckets
+    (:func:`~distgraph.passes.search.layouts.buckets.bucketed`), None where it has none."""
     space, problem, choice = result.space, result.problem, result.choice
     memory = [float(problem.memory[n.index][choice[n.index]]) for n in space.nodes]
     # parameters, states and (with micro-batches) the gradients' buffers, which the
@@ -72,16 +80,20 @@ def measure(result, program, weights, strategy) -> PartCost:
     writeback = writeback_bytes(result, zero_asked(strategy))
     transient = max(peak - persistent - saved, writeback, 0.0)
     update = once_a_step(result, program, weights)
+    # its reductions priced whole (the search's step has what the part hides alone
+    # taken off): a stage prices what its buckets leave exposed (stage_cost)
+    time = result.report.step_time + result.report.hidden
     kinds = tuple(t - result.report.reused for t in kind_seconds(problem, choice))
+    line = timeline(result, weights, bucket_mb, zero_asked(strategy))
     if not (backward and problem.liveness):
-        return PartCost(result.report.step_time, persistent, saved, transient, update=update,
-                        kinds=kinds)
+        return PartCost(time, persistent, saved, transient, update=update,
+                        kinds=kinds, timeline=line)
     buffers, forward, back, making = phases(result, weights, program, memory,
                                             persistent + saved, backward, writeback)
     # the liveness holds a buffer its gradient's node holds once: a later micro-batch's
     # gradient beside it is in ``back`` only
-    return PartCost(result.report.step_time, persistent, saved, max(transient, back),
-                    buffers, forward, back, making, update, kinds)
+    return PartCost(time, persistent, saved, max(transient, back),
+                    buffers, forward, back, making, update, kinds, line)
 
 
 def once_a_step(result, program, weights) -> float:

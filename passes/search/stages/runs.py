@@ -96,6 +96,7 @@ from distgraph.errors import PlanError
 from distgraph.ir import Role
 from distgraph.passes.cost.boundary import boundary_seconds
 from distgraph.passes.cost.layout_prices import process_kinds
+from distgraph.passes.search.layouts.buckets import bucketed
 from distgraph.passes.search.layouts.intra_op import (Boundary, held_peak, price,
                                                  search)
 from distgraph.passes.search.stages.block_plans import undominated
@@ -363,7 +364,8 @@ class RunCosts(MemoryVariants):
                       time_limit=self.strategy.solver_time_limit, memory=True,
                       boundary=boundary, method=method, refined=start, prove=prove,
                       zero=zero_asked(self.strategy), session=self.session,
-                      style=self.strategy.target, in_flight=in_flight)
+                      style=self.strategy.target, in_flight=in_flight,
+                      bucket_mb=bucketed(self.prepared, self.strategy))
 
     def placed(self, option: RunOption, device_ids) -> RunOption:
         """``option`` priced on the devices a stage of it is placed on (``device_ids``,
@@ -388,7 +390,8 @@ class RunCosts(MemoryVariants):
                            loss=self._loss(result.space.ops), boundary=result.boundary,
                            status=result.report.status, zero=zero_asked(self.strategy),
                            session=self.session)
-            out[part] = (measure(priced, self.program, self.weights, self.strategy), priced)
+            out[part] = (measure(priced, self.program, self.weights, self.strategy,
+                                 bucketed(self.prepared, self.strategy)), priced)
         return out
 
     def _loss(self, ops):
@@ -435,7 +438,8 @@ class RunCosts(MemoryVariants):
         return Boundary(received=tuple(received), settle=tuple(settle))
 
     def _costed(self, found: dict) -> dict:
-        return {part: (measure(result, self.program, self.weights, self.strategy), result)
+        return {part: (measure(result, self.program, self.weights, self.strategy,
+                                bucketed(self.prepared, self.strategy)), result)
                 for part, result in found.items()}
 
     def p2p_seconds(self, option) -> float:

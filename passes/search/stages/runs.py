@@ -365,7 +365,10 @@ class RunCosts(MemoryVariants):
                       boundary=boundary, method=method, refined=start, prove=prove,
                       zero=zero_asked(self.strategy), session=self.session,
                       style=self.strategy.target, in_flight=in_flight,
-                      bucket_mb=bucketed(self.prepared, self.strategy))
+                      # the fastest parts choose by what their buckets hide; a memory
+                      # variant (a budget) is priced so (measure) but not searched again
+                      bucket_mb=None if budget is not None else
+                      bucketed(self.prepared, self.strategy))
 
     def placed(self, option: RunOption, device_ids) -> RunOption:
         """``option`` priced on the devices a stage of it is placed on (``device_ids``,

@@ -21,6 +21,13 @@ stage of 4,096 devices in milliseconds. A stage between two others sends each Va
 and receives each once: it pays the sender's and the receiver's share, the whole figure;
 a stage with one neighbour (the first or the last) pays half of it.
 
+Two neighbours need not be alike: a stage of fewer devices (the first, holding the
+embedding) beside a wider one. :func:`between` prices the boundary of two stages as it
+runs there: each forward Value resharded from the layout the sender's block sends it in
+on its devices to the layout the receiver's block receives it in on the next stage's
+devices, and each gradient back, every step charged, as the estimate charges it, to the
+busiest process of either side.
+
 What it works out is kept in the planning's session (table "boundary prices"): each
 option's figure by its program and :func:`boundary_key`, each reshard's steps and each
 Value's price.
@@ -28,12 +35,14 @@ Value's price.
 Example::
 
     seconds = boundary_seconds(option, cluster)    # per micro-batch, a middle stage
+    mine, theirs = between(first, devices, second, next_devices, cluster)
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from distgraph.ir import Role
 from distgraph.mesh import ProcessMesh
 from distgraph.passes.cost.prices import Rings, steps_time
 from distgraph.passes.reshard import plan_reshard
@@ -74,13 +83,11 @@ def values_seconds(result, logical, sides, names, cluster, memo) -> float:
     (module docstring; e.g. two of :func:`pieces`); 0 without a second side."""
     if len(sides) < 2:
         return 0.0
-    space, choice = result.space, result.choice
-    dims = tuple(space.mesh.dim_names)
+    dims = tuple(result.space.mesh.dim_names)
     total = 0.0
     for received in names:
-        node = space.source_node[received]
-        spec = space.nodes[node].strategies[choice[node]].out_specs[0]
-        value = space.program.values[received]
+        spec = _received_spec(result, received)
+        value = result.space.program.values[received]
         # where the Value is split over the data-parallel dim (0), its replicas move
         # alike: plan the first one's share (a mesh of one replica, the rows it holds);
         # a Value replicated there may be sent in slices the receivers all-gather
@@ -120,15 +127,60 @@ def _value_seconds(reshard: tuple, devices: tuple, cluster, memo: dict) -> tuple
                  for side in (range(t), range(size, size + t)))
 
 
+def between(before, before_devices, after, after_devices, cluster,
+            session: Session | None = None) -> tuple:
+    """(seconds of ``before``'s stage, seconds of ``after``'s) per micro-batch spent on
+    the boundary between a stage of option ``before`` (a RunOption) on devices
+    ``before_devices`` (global ids, row-major over its logical mesh) and the next stage,
+    of ``after`` on ``after_devices`` (module docstring): the blocks' forward Values sent
+    on, their gradients sent back, each side its busiest process. Kept in the session's
+    "boundary prices" by both options' :func:`boundary_key` and devices."""
+    memo = (session or Session()).table("boundary prices")
+    before_devices, after_devices = tuple(before_devices), tuple(after_devices)
+    key = ("between", before.parts["block"][1].space.program, boundary_key(before),
+           boundary_key(after), before_devices, after_devices)
+    return memo.memo(key, lambda: _between(before, before_devices, after, after_devices,
+                                           cluster))
+
+
+def _between(before, before_devices, after, after_devices, cluster) -> tuple:
+    sides = []
+    for n, (option, devices) in enumerate(((before, before_devices), (after, after_devices))):
+        first = n * len(before_devices)
+        ids = np.arange(first, first + len(devices)).reshape(option.logical)
+        names = list(option.parts["block"][1].space.mesh.dim_names)
+        sides.append(ProcessMesh(ids.tolist(), dim_names=names))
+    rings = Rings(cluster, (before_devices + after_devices).__getitem__)
+    spent = [0.0, 0.0]
+    result = before.parts["block"][1]
+    for name, _ in result.boundary.periodic:
+        value = result.space.program.values[name]
+        attrs = [DistAttr(mesh, _received_spec(option.parts["block"][1], name))
+                 for mesh, option in zip(sides, (before, after))]
+        if value.role is Role.BACKWARD:         # a gradient goes back
+            attrs.reverse()
+        steps = plan_reshard(attrs[0], attrs[1], value.shape, value.dtype)
+        for k, mesh in enumerate(sides):
+            spent[k] += max(steps_time(steps, mesh.process_ids, rings))
+    return tuple(spent)
+
+
+def _received_spec(result, name):
+    """The layout the block searched in ``result`` receives Value ``name`` in (and,
+    periodic, sends its counterpart in)."""
+    space, choice = result.space, result.choice
+    node = space.source_node[name]
+    return space.nodes[node].strategies[choice[node]].out_specs[0]
+
+
 def boundary_key(option) -> tuple:
     """What :func:`boundary_seconds` of ``option`` reads, beside its program (options of
     one program with equal keys cost the same): the submesh, the logical mesh and the
     layout the block receives each periodic Value in."""
     result = option.parts["block"][1]
-    space, choice = result.space, result.choice
-    received = tuple((name, space.nodes[space.source_node[name]].strategies[
-        choice[space.source_node[name]]].out_specs[0]) for name, _ in result.boundary.periodic)
-    return (option.axis, option.sub.shape, option.logical, space.mesh.dim_names,
+    received = tuple((name, _received_spec(result, name))
+                     for name, _ in result.boundary.periodic)
+    return (option.axis, option.sub.shape, option.logical, result.space.mesh.dim_names,
             received)
 
 

@@ -48,7 +48,8 @@ from distgraph.passes.cost.stage import step_time
 from distgraph.passes.search.stages.layers import block_layers, cluster_layers
 from distgraph.passes.search.stages.run_dp import beats
 from distgraph.passes.search.stages.block_plans import plan_blocks
-from distgraph.passes.search.stages.chosen import priced_as_placed, refined
+from distgraph.passes.search.stages.chosen import (priced_as_placed, priced_with_neighbours,
+                                                   refined)
 from distgraph.passes.search.stages.layer_ranges import LayerRangeCosts
 from distgraph.passes.search.stages.runs import RunCosts
 from distgraph.passes.search.layouts.space import logical_dims
@@ -416,6 +417,7 @@ def _plan_runs(prepared, strategy, cluster, capped, costs, start, planned,
         stage_plan, chosen = refined(stage_plan, chosen, costs, capped)
     if stage_plan.virtual == 1:
         stage_plan = priced_as_placed(stage_plan, chosen, costs)
+        stage_plan = priced_with_neighbours(stage_plan, chosen, costs)
     index = {d.global_id: p for p, d in enumerate(cluster.devices)}
     reports, checks, meshes = [], [], []
     held = _chunk_ranges(costs, len(stage_plan.stages), stage_plan.virtual)

@@ -153,20 +153,27 @@ GPT_CASES = {       # name: (DGX nodes, Strategy options)
 }
 
 
-def recursive_gpt(case: str) -> dict:
+def recursive_gpt_plan(case: str) -> tuple:
+    """(the plan of GPT case ``case``, the cluster it is planned on)."""
     from gpt_scale import dgx_cluster, gpt, program
     nodes, options = GPT_CASES[case]
     before = dg.get_default_dtype()
+    cluster = dgx_cluster(nodes)
     try:
-        plan = dg.passes.plan(program(gpt(4, 256, 4), 8),
+        return dg.passes.plan(program(gpt(4, 256, 4), 8),
                               dg.Strategy(auto_mode="full", search="recursive",
                                           recompute=False, sharding=False,
                                           sequence_parallel=False, **options),
-                              dgx_cluster(nodes), ranks=())
-    except dg.PlanError:
-        return {"refused": "PlanError"}
+                              cluster, ranks=()), cluster
     finally:
         dg.set_default_dtype(before)        # gpt() plans in bfloat16
+
+
+def recursive_gpt(case: str) -> dict:
+    try:
+        plan, _ = recursive_gpt_plan(case)
+    except dg.PlanError:
+        return {"refused": "PlanError"}
     return pinned({"stages": [str(m) for m in plan.stages],
                    "search": _untimed(plan.search.to_dict())})
 

@@ -191,24 +191,24 @@ def exposed_rows(head: list, block, tail: list, n: int, bucket_mb: float,
     ends_at = np.asarray(stops, dtype=np.intp)
     width = len(block.reductions) if block is not None else 0
     rows = np.zeros(n + 1 if block is not None else 1)
-    for m in range(len(rows)):
-        made = len(first.nbytes) - (n - m) * width          # reductions of head, m blocks
-        k = int(np.searchsorted(ends_at, made, side="right"))   # buckets closed by then
-        spent, wire, busy, most = (float(processor[k - 1]), float(wires[k - 1]),
-                                   float(done[k - 1]), float(passed[k - 1])) if k else \
-            (0.0, 0.0, 0.0, -np.inf)
-        back, later = float(first.backward[len(head) + m]), float(first.after[len(head) + m])
-        rest = [(first, r, 0.0, 0.0) for r in range(int(ends_at[k - 1]) if k else 0, made)]
-        rest += [(ends, r, back, later) for r in range(len(ends.nbytes))]
-        for bucket in _cut_rest(rest, cap):
-            ready, copies, w, before = _terms_of(bucket)
-            spent += copies
-            busy = max(busy, ready + spent) + w
-            most = max(most, busy - before)
-            wire += w
+    # the rows' own buckets in Python floats (the same sums, in the same order)
+    prefix, tail = _columns(first), _columns(ends)
+    closed = [x.tolist() for x in (processor, wires, done, passed)]
+    backward, after, last = first.backward.tolist(), first.after.tolist(), \
+        float(ends.backward[-1])
+    # each row's reductions of head and m blocks, and the buckets closed by then
+    mades = len(first.nbytes) - (n - np.arange(len(rows))) * width
+    for m, (made, k) in enumerate(zip(mades.tolist(), np.searchsorted(
+            ends_at, mades, side="right").tolist())):
+        spent, wire, busy, most = (closed[0][k - 1], closed[1][k - 1], closed[2][k - 1],
+                                   closed[3][k - 1]) if k else (0.0, 0.0, 0.0, -np.inf)
+        back, later = backward[len(head) + m], after[len(head) + m]
+        rest = [(prefix, r, 0.0, 0.0) for r in range(stops[k - 1] if k else 0, made)]
+        rest += [(tail, r, back, later) for r in range(len(tail[0]))]
         if not rest and not k:
             continue
-        left = max(most - (back + float(ends.backward[-1]) + spent), 0.0)
+        spent, busy, most, wire = _run_rest(rest, cap, spent, busy, most, wire)
+        left = max(most - (back + last + spent), 0.0)
         rows[m] = spent + left + (1.0 - hides) * max(wire - left, 0.0)
     return rows
 
@@ -234,21 +234,19 @@ class _Flat(NamedTuple):
 def _flat(lines: list, groups: dict) -> _Flat:
     """The :class:`_Flat` of ``lines``, each distinct timeline read once and repeated;
     ``groups``: group -> index, filled."""
-    rows, backward, after = [], [0.0], [0.0]
     known: dict = {}
-    for line in lines:
-        if id(line) not in known:
-            known[id(line)] = _line(line, groups)
-        one, seconds, spent = known[id(line)]
-        shifted = one.copy()
-        shifted[:, 1] += backward[-1]
-        shifted[:, 6] += after[-1]
-        rows.append(shifted)
-        backward.append(backward[-1] + seconds)
-        after.append(after[-1] + spent)
-    table = np.concatenate(rows) if rows else np.zeros((0, 7))
-    return _Flat(*table.T[:5], table[:, 5].astype(np.intp), table[:, 6],
-                 np.asarray(backward), np.asarray(after))
+    read = [known.get(id(line)) or known.setdefault(id(line), _line(line, groups))
+            for line in lines]
+    backward = np.cumsum([0.0] + [seconds for _, seconds, _ in read])
+    after = np.cumsum([0.0] + [spent for _, _, spent in read])
+    if not read:
+        return _Flat(*np.zeros((5, 0)), np.zeros(0, dtype=np.intp), np.zeros(0),
+                     backward, after)
+    table = np.concatenate([one for one, _, _ in read])
+    counts = [len(one) for one, _, _ in read]
+    table[:, 1] += np.repeat(backward[:-1], counts)     # each line's from where it starts
+    table[:, 6] += np.repeat(after[:-1], counts)
+    return _Flat(*table.T[:5], table[:, 5].astype(np.intp), table[:, 6], backward, after)
 
 
 def _line(line, groups: dict) -> tuple:
@@ -282,32 +280,43 @@ def _buckets(flat: _Flat, starts, stops) -> tuple:
             wire, np.minimum.reduceat(flat.before[:end], starts))
 
 
-def _cut_rest(rest: list, cap: float) -> list:
-    """``rest`` ((flat, index, backward before, ops after before) of each reduction)
-    cut greedily at ``cap`` bytes (:func:`~distgraph.plan.buckets.cut`)."""
-    out, current, size = [], [], 0
-    for item in rest:
-        current.append(item)
-        size += int(item[0].nbytes[item[1]])
-        if size >= cap:
-            out.append(current)
-            current, size = [], 0
-    return out + [current] if current else out
+def _columns(flat: _Flat) -> tuple:
+    """``flat``'s per-reduction columns as lists (bytes as ints): what :func:`_run_rest`
+    reads."""
+    return ([int(x) for x in flat.nbytes.tolist()], flat.ready.tolist(), flat.copies.tolist(),
+            flat.wire.tolist(), flat.waits.tolist(), flat.group.tolist(), flat.before.tolist())
 
 
-def _terms_of(bucket: list) -> tuple:
-    """(ready, copies, wire, before) of a bucket of :func:`_cut_rest`'s items."""
-    copies = wire = 0.0
+def _run_rest(rest: list, cap: float, spent: float, busy: float, most: float,
+              wire: float) -> tuple:
+    """(spent, busy, most, wire) of :func:`exposed_rows`'s recurrence gone on over the
+    buckets of ``rest`` ((columns, index, backward before, ops after before) of each
+    reduction, :func:`_columns`), cut greedily at ``cap`` bytes as the runtime cuts them
+    (:func:`~distgraph.plan.buckets.cut`): a bucket is ready with its last reduction,
+    pays its copies, wire and each group's largest waits once (:func:`bucket_terms`), and
+    is read first where its first reader is."""
+    copies = w = 0.0
     before = np.inf
     meets: dict = {}
-    for flat, r, back, later in bucket:
-        copies += float(flat.copies[r])
-        wire += float(flat.wire[r])
-        before = min(before, float(flat.before[r]) + later)
-        if flat.waits[r]:
-            meets[flat.group[r]] = max(meets.get(flat.group[r], 0.0), float(flat.waits[r]))
-    flat, r, back, _ = bucket[-1]
-    return float(flat.ready[r]) + back, copies, wire + sum(meets.values()), before
+    size = 0
+    for i, (columns, r, back, later) in enumerate(rest):
+        nbytes, ready, copied, wired, waits, group, first_read = columns
+        copies += copied[r]
+        w += wired[r]
+        before = min(before, first_read[r] + later)
+        if waits[r]:
+            meets[group[r]] = max(meets.get(group[r], 0.0), waits[r])
+        size += nbytes[r]
+        if size >= cap or i == len(rest) - 1:
+            w += sum(meets.values())
+            spent += copies
+            busy = max(busy, ready[r] + back + spent) + w
+            most = max(most, busy - before)
+            wire += w
+            copies = w = 0.0
+            before = np.inf
+            meets, size = {}, 0
+    return spent, busy, most, wire
 
 
 @dataclass(frozen=True)

@@ -79,8 +79,9 @@ class Strategy:
     block 0's scores, block 1 whole); None, the default under ``auto_mode="full"`` (False
     otherwise): the planner chooses among False, "selective" and True the plan of least
     estimated step time that fits (:func:`distgraph.passes.fitting.with_savers`), then,
-    with stages, recomputes only on the stages that need it where that is faster
-    (:mod:`distgraph.passes.stage_recompute`; the plan's strategy names each layer);
+    with stages, the stage search recomputes only on the stages that need it where that
+    is faster (:mod:`distgraph.passes.search.stages.recompute_stages`; the plan's
+    strategy names each layer);
     ``sharding`` splits optimizer states and updates over
     ``sharding_mesh_dim`` (ZeRO-style; under ``auto_mode="full"`` the default means the
     search's data-parallel dim); None, the default under ``auto_mode="full"`` (False

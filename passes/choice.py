@@ -1,4 +1,4 @@
-"""What the planner makes a plan of when it does not search: one type, three makers.
+"""What the planner makes a plan of when it does not search: one type, two makers.
 
 A :class:`Choice` is a program with every chosen layout written on it as annotations and
 what goes with them. :func:`~distgraph.passes.planner.plan` (``choice=``) completes it,
@@ -8,10 +8,7 @@ it as it would its own search's. Its makers:
 - the search (:func:`distgraph.passes.search.choose`): its report, and a check against
   the strategies its problem chose;
 - a plan file (:func:`distgraph.passes.plan_file.load`): no report (nothing was
-  searched), and a check whose fault is a PlanFileError naming the file;
-- a chosen plan recomputed otherwise per stage
-  (:class:`~distgraph.passes.stage_recompute.Replays`): the chosen plan's report, and a
-  check against the annotations it carried over.
+  searched), and a check whose fault is a PlanFileError naming the file.
 
 This module imports neither the search nor the planner: a plan file is loaded without
 them.

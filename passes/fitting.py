@@ -22,10 +22,10 @@ searched, or a plan of the user's annotations (``auto_mode="semi"``).
   of least estimated step time that fits: with room, none (recomputation only adds
   work; where the search says memory held no faster plan back, the others are not
   planned at all), where memory binds the least that fits or the one whose memory lets
-  faster layouts in. The choice is a per-plan one (every stage alike), and the plan says
-  what it chose and what each other value needed (``Plan.savers``); the planner then tries
-  recomputing on the stages that need it only
-  (:func:`distgraph.passes.stage_recompute.per_stage`, on this plan's layouts).
+  faster layouts in. Each kind is asked of the search, which runs it only on the stages
+  that need it (:mod:`distgraph.passes.search.stages.recompute_stages`: the last stages
+  of a pipeline keep fewer micro-batches in flight), and the plan says what it chose,
+  per stage, and what each other value needed (``Plan.savers``).
 - :func:`named_fix` turns that error into the one the user sees: it plans again with the
   memory savers the strategy leaves off (sequence parallelism, more micro-batches chosen
   by the search, recomputation, ZeRO sharding of the optimizer states, stages) and names
@@ -43,6 +43,7 @@ import dataclasses
 import math
 
 from distgraph.errors import DoesNotFit, PlanError
+from distgraph.ir import Role
 from distgraph.passes.cost.fit import limit_of, overflows
 from distgraph.passes.transforms.zero import updated_parameter
 from distgraph.plan.savers import SaverChoice
@@ -101,7 +102,7 @@ def with_savers(strategy, cluster, plan_with, replan, applied=None):
     free = {s: True for s in FREE if getattr(strategy, s) is None}
     # sequence parallelism asked on first; ZeRO's sharding left None, the search's
     first = {s: True for s in free if s != "sharding"}
-    priced, best, refused, why = [], None, None, ""
+    priced, best, best_kind, refused, why = [], None, None, None, ""
     tried = {}          # recompute kind -> [(sequence_parallel, plan or DoesNotFit)]
     for kind in kinds:
         if kind is True and best is not None:
@@ -127,9 +128,11 @@ def with_savers(strategy, cluster, plan_with, replan, applied=None):
         if fitted[0].estimate is None:  # nothing to price or fit against: the first
             return _noted(fitted[0], strategy, kinds, [])
         planned = min(fitted, key=lambda p: p.estimate.step_time)
-        priced.append((kind, planned.estimate.peak_memory, planned.estimate.step_time))
+        # as the plan runs it: the search may have chosen it per stage
+        priced.append((planned.strategy.recompute, planned.estimate.peak_memory,
+                       planned.estimate.step_time))
         if best is None or planned.estimate.step_time < best.estimate.step_time:
-            best = planned
+            best, best_kind = planned, kind
         if kind is False and len(kinds) > 1 and not getattr(planned.search, "memory_binds",
                                                               True):
             why = UNBOUND       # recomputation only adds work: none priced
@@ -142,7 +145,7 @@ def with_savers(strategy, cluster, plan_with, replan, applied=None):
             and not best.strategy.recompute:
         best, zero_off = _zero_priced(best, strategy, free, plan_with)
     # sequence parallelism's alternatives were priced with the sharding on
-    alternatives = tried.get(best.strategy.recompute) if zero_off is None or \
+    alternatives = tried.get(best_kind) if zero_off is None or \
         zero_off[0] is False else ()
     return _noted(best, strategy, kinds, priced, cluster, alternatives, zero_off, why)
 
@@ -244,8 +247,10 @@ def _noted(planned, strategy, kinds, priced, cluster=None, candidates=None, zero
             limit = limit_of(cluster, top.device, strategy.memory_budget_gb)
     if len(kinds) > 1:
         value = planned.strategy.recompute
+        stages = stage_kinds(planned, block_stages(planned)) if isinstance(value, tuple) \
+            else ()
         notes.append(SaverChoice("recompute", value, peak, limit, seconds,
-                                 tuple(p for p in priced if p[0] != value), why=why))
+                                 tuple(p for p in priced if p[0] != value), stages, why))
     for saver in FREE:
         if getattr(strategy, saver) is not None:
             continue
@@ -259,6 +264,35 @@ def _noted(planned, strategy, kinds, priced, cluster=None, candidates=None, zero
     if not notes:
         return planned
     return dataclasses.replace(planned, savers=planned.savers + tuple(notes))
+
+
+def block_stages(planned) -> dict:
+    """{block path: the index of the stage its forward ops run on} of a completed plan."""
+    stages = planned.stages
+    first = {}
+    for op in planned.built.program.ops:
+        if op.role is Role.FORWARD and op.layer and op.dist_attr is not None:
+            first.setdefault(op.layer, op.dist_attr.mesh.process_ids[0])
+    out = {}
+    for block in planned.built.block_paths:
+        pid = next((p for layer, p in first.items()
+                    if layer == block or layer.startswith(block + ".")), None)
+        if pid is not None:
+            out[block] = next(s for s, mesh in enumerate(stages) if pid in mesh.process_ids)
+    return out
+
+
+def stage_kinds(planned, stage_of: dict) -> tuple:
+    """Per stage of ``planned``, the recomputation of its blocks: False, "selective" or
+    True (a stage whose blocks differ: the most any of them gets)."""
+    asked = planned.strategy.recompute
+    order = (False, "selective", True)
+    kinds = [False] * len(planned.stages)
+    for block, s in stage_of.items():
+        kind = asked if not isinstance(asked, tuple) else \
+            True if block in asked else "selective" if (block, "selective") in asked else False
+        kinds[s] = max(kinds[s], kind, key=order.index)
+    return tuple(kinds)
 
 
 def _per_update(planned) -> str:

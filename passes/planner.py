@@ -66,7 +66,6 @@ from distgraph.passes.pipeline.compile import compile_process
 from distgraph.passes.pipeline.schedule import schedule_of
 from distgraph.passes.pipeline.task_graph import build_task_graph
 from distgraph.passes.session import Session
-from distgraph.passes.stage_recompute import Replays, per_stage
 from distgraph.passes.samples import sample_axes
 from distgraph.passes.transforms.sequence_parallel import gather_into_matmuls, \
     sequence_parallel
@@ -86,7 +85,7 @@ def plan(built, strategy: Strategy | None = None, cluster=None, rank_mapping=Non
     docstring). ``rank_mapping`` ({process: device global id}) overrides the rank
     mapper. ``ranks``: the ranks whose processes' programs to compile (None: every
     process's; a rank of a job compiles its own). ``choice``: a
-    :class:`~distgraph.passes.choice.Choice` (the search's, a file's, a replay's) to make
+    :class:`~distgraph.passes.choice.Choice` (the search's or a file's) to make
     the plan of instead of searching (``auto_mode="full"``; its strategy is the plan's;
     checked to fit, not searched again). Pure: ``built`` and ``choice`` are not modified."""
     strategy = choice.strategy if choice is not None else _zero(built, strategy or Strategy())
@@ -98,30 +97,19 @@ def plan(built, strategy: Strategy | None = None, cluster=None, rank_mapping=Non
             session = Session()
             try:
                 # the savers left to the search chosen; what does not fit names one that does
-                chosen = with_savers(strategy, cluster, lambda asked: _fitted(
-                    built, asked, cluster, rank_mapping, session=session),
+                # recomputation left to the search: chosen per stage where it recomputes
+                per_stage = strategy.recompute is None
+                planned = with_savers(strategy, cluster, lambda asked: _fitted(
+                    built, asked, cluster, rank_mapping, session=session,
+                    per_stage=per_stage),
                     lambda asked: _fitted(built, asked, cluster, rank_mapping), applied)
             finally:
                 session.close()     # its tables freed now, not at the next cyclic collection
-            # recomputation on the stages that need it only, where that fits and is faster
-            replays = Replays(built, chosen, rank_mapping)
-            planned = per_stage(chosen, strategy, cluster, lambda recompute, checked:
-                                _replanned(built, replays.choice(recompute), cluster,
-                                           rank_mapping, checked))
         # the plan kept compiled, once: the candidates were priced by their estimates
         planned = _compiled(planned, ranks)
         # what it was made for, as plan.save writes it (distgraph.plan.file)
         return dataclasses.replace(planned, decisions=dataclasses.replace(
             planned.decisions, program=program_print(built)))
-
-
-def _replanned(built, given, cluster, rank_mapping, checked) -> Plan:
-    """The plan of ``given`` (a chosen plan's decisions recomputed otherwise,
-    :class:`~distgraph.passes.stage_recompute.Replays`): fitted where ``checked``, else
-    only estimated (neither compiled: :func:`plan` compiles the plan it keeps)."""
-    if checked:
-        return _fitted(built, given.strategy, cluster, rank_mapping, given)
-    return _plan(built, given.strategy, cluster, rank_mapping, None, None, given)
 
 
 def _zero(built, strategy: Strategy) -> Strategy:
@@ -149,7 +137,8 @@ def cyclic_collector_paused():
             gc.enable()
 
 
-def _fitted(built, strategy, cluster, rank_mapping, given=None, session=None) -> Plan:
+def _fitted(built, strategy, cluster, rank_mapping, given=None, session=None,
+            per_stage: bool = False) -> Plan:
     """The plan of ``built`` under ``strategy`` that fits ``cluster`` (``fitting``), not
     yet compiled (its ``locals`` the lazy partitions): the candidates a planning prices
     are compared by their estimates, and only the plan kept is compiled
@@ -160,7 +149,8 @@ def _fitted(built, strategy, cluster, rank_mapping, given=None, session=None) ->
     searched_as`), so a planning that differs only in ``sequence_parallel`` (rewritten
     after the search, :func:`_completed`) prices the same search's choice without
     searching again, and the others split each micro-batch count once and share the
-    prices of the ops and reshards their programs have in common."""
+    prices of the ops and reshards their programs have in common. ``per_stage``: the
+    search chooses the strategy's recomputation per stage (:func:`_plan`)."""
     _check_supported(strategy)
     if strategy.amp != built.amp:
         raise PlanError(f"Strategy(amp={strategy.amp!r}) plans a program built in "
@@ -174,16 +164,19 @@ def _fitted(built, strategy, cluster, rank_mapping, given=None, session=None) ->
     session = session or Session()
     try:
         return fitting(strategy, cluster, lambda budget: _plan(
-            built, strategy, cluster, rank_mapping, budget, session))
+            built, strategy, cluster, rank_mapping, budget, session, per_stage=per_stage))
     finally:
         if own:
             session.close()     # its tables freed now, not at the next cyclic collection
 
 
-def _plan(built, strategy, cluster, rank_mapping, budget, session, given=None) -> Plan:
+def _plan(built, strategy, cluster, rank_mapping, budget, session, given=None,
+          per_stage: bool = False) -> Plan:
     """One plan of ``built``: under ``auto_mode="full"`` the search's choice within
     ``budget`` bytes per device (None: the devices' memory as the searches read it), or
-    the ``given`` one; else the program as its annotations place it."""
+    the ``given`` one; else the program as its annotations place it. ``per_stage``: the
+    strategy's recomputation is the search's to run only on the stages that need it
+    (``Strategy(recompute=None)`` asked: :func:`~distgraph.passes.search.choose`)."""
     choice = None
     if given is not None:           # completed below: on a copy of its program
         choice = dataclasses.replace(given, built=dataclasses.replace(
@@ -193,7 +186,7 @@ def _plan(built, strategy, cluster, rank_mapping, budget, session, given=None) -
         # the search (SCIP, the stage DP) is imported by the plans that use it only
         from distgraph.passes.search import choose
 
-        choice = choose(built, strategy, cluster, budget, session)
+        choice = choose(built, strategy, cluster, budget, session, per_stage)
         prepared, strategy, accumulation = choice.built, choice.strategy, choice.accumulation
     else:
         prepared, accumulation = prepare(built, strategy, strategy.micro_batches)

@@ -1,6 +1,7 @@
-"""Recomputation chosen per stage (passes/stage_recompute.py, issue #50): on a cluster
-whose memory forces it, the search recomputes on the first stages (1F1B keeps the most
-micro-batches in flight there) and not on the last, the plan fits, and it is priced
+"""Recomputation chosen per stage by the stage search (passes/search/stages/
+recompute_stages.py, issues #50, #63): on a cluster whose memory forces it, the search
+recomputes on the first stages (1F1B keeps the most micro-batches in flight there) and
+not on the last, the plan fits, the search's figures are the estimate's, and it is
 faster than the plan recomputing on every stage (planned here as the oracle); with room
 nothing recomputes. The plan's strategy names each layer's recomputation
 (``Strategy(recompute=[(path, "selective"), path, ...])``): saved and loaded it is the
@@ -26,8 +27,7 @@ import distgraph as dg  # noqa: E402
 from distgraph.errors import DoesNotFit  # noqa: E402
 from distgraph.ir import is_recomputed  # noqa: E402
 from distgraph.passes.cost.fit import overflows  # noqa: E402
-from distgraph.passes import stage_recompute  # noqa: E402
-from distgraph.passes.stage_recompute import block_stages, stage_kinds  # noqa: E402
+from distgraph.passes.fitting import block_stages, stage_kinds  # noqa: E402
 from distgraph.plan.savers import SaverChoice  # noqa: E402
 from distgraph.units import GB  # noqa: E402
 
@@ -69,34 +69,21 @@ def planned(memory_bytes: float, **options):
     return engine.prepare(*specs()), cluster
 
 
-def counting(patch, replays: list) -> None:
-    """Count the plans made of a chosen plan's decisions recomputed otherwise."""
-    choice = stage_recompute.Replays.choice
-    patch.setattr(stage_recompute.Replays, "choice",
-                  lambda self, recompute: replays.append(recompute) or choice(self, recompute))
-
-
 @pytest.fixture(scope="module")
 def tight():
-    """(the searched plan at TIGHT, its cluster, the recomputations replayed), float64."""
+    """(the searched plan at TIGHT, its cluster), float64."""
     before = dg.get_default_dtype()
     dg.set_default_dtype("float64")
-    replays = []
     try:
-        with pytest.MonkeyPatch.context() as patch:
-            counting(patch, replays)
-            return (*planned(TIGHT), replays)
+        return planned(TIGHT)
     finally:
         dg.set_default_dtype(before)
 
 
 def test_where_memory_forces_it_the_first_stages_recompute_and_the_last_do_not(tight,
                                                                                  float64):
-    plan, cluster, replays = tight
+    plan, cluster = tight
     assert not overflows(plan.estimate, cluster, None)
-    # two plans without a search: the chosen layouts without recomputation, then on the
-    # stages that overflowed there
-    assert replays == [False, plan.strategy.recompute]
     with pytest.raises(DoesNotFit):         # no plan without recomputation fits
         planned(TIGHT, recompute=False)
     kinds = stage_kinds(plan, block_stages(plan))
@@ -105,6 +92,9 @@ def test_where_memory_forces_it_the_first_stages_recompute_and_the_last_do_not(t
     copied = {op.layer.split(".")[1] for op in plan.program.ops if is_recomputed(op)}
     named = {(e if isinstance(e, str) else e[0]).split(".")[1] for e in plan.strategy.recompute}
     assert copied == named and "0" in named and str(LAYERS - 1) not in named
+    # the search priced the plan it chose, stages without recomputation included
+    assert plan.search.step_time == pytest.approx(plan.estimate.step_time, rel=0.01)
+    assert plan.search.peak_memory == pytest.approx(plan.estimate.peak_memory, rel=0.01)
     # the oracle: the plan recomputing on every stage, searched as asked, is slower
     every, _ = planned(TIGHT, recompute=kinds[0])
     assert not overflows(every.estimate, cluster, None)
@@ -112,17 +102,15 @@ def test_where_memory_forces_it_the_first_stages_recompute_and_the_last_do_not(t
     note = next(c for c in plan.savers if c.option == "recompute")
     assert note.value == plan.strategy.recompute and note.stages == kinds
     assert note.seconds == plan.estimate.step_time
-    assert (kinds[0], every.estimate.peak_memory, every.estimate.step_time) in note.others
+    # what else was priced on every stage did not fit: none, and less than it recomputes
+    assert note.others[0][0] is False and all(p[2] is None for p in note.others)
     text = plan.explain()
-    assert "per stage, on the layouts searched with it on every stage: stage" in text
+    assert "per stage, as the stage search chose: stage" in text
     assert "without recomputation" in text.split("per stage")[1].splitlines()[0]
 
 
-def test_with_room_no_stage_recomputes(float64, monkeypatch):
-    replays = []
-    counting(monkeypatch, replays)
+def test_with_room_no_stage_recomputes(float64):
     plan, cluster = planned(1e12)
-    assert replays == []                # nothing recomputed: nothing to choose per stage
     assert plan.strategy.recompute is False
     assert not any(is_recomputed(op) for op in plan.program.ops)
     note = next(c for c in plan.savers if c.option == "recompute")
@@ -136,7 +124,7 @@ def test_with_room_no_stage_recomputes(float64, monkeypatch):
 
 
 def test_the_per_stage_plan_saved_and_loaded_is_the_same_plan(tight, float64, tmp_path):
-    plan, cluster, _ = tight
+    plan, cluster = tight
     path = tmp_path / "plan.json"
     plan.save(path)
     held = json.loads(path.read_text())["strategy"]["recompute"]
@@ -158,7 +146,7 @@ def test_the_per_stage_plan_saved_and_loaded_is_the_same_plan(tight, float64, tm
 def test_the_per_stage_plan_trains_on_four_ranks_as_serially(tight, float64, tmp_path):
     """Saved here, loaded by 4 MPI ranks under ``distgraph run --cluster --plan``: the
     same plan, and losses and parameters equal serial training (float64, 1e-10)."""
-    plan, _, _ = tight
+    plan, _ = tight
     path, resources = tmp_path / "plan.json", tmp_path / "line4.json"
     plan.save(path)
     resources.write_text(json.dumps(line_data(TIGHT)))
@@ -231,7 +219,7 @@ def test_the_note_says_per_stage_what_each_stage_got():
     lines = note.lines()
     assert lines[0].startswith("recompute=per layer (the attention scores of 2 layers) chosen "
                                "by the search: peak")
-    assert lines[1] == ("  per stage, on the layouts searched with it on every stage: "
+    assert lines[1] == ("  per stage, as the stage search chose: "
                         "stages 0-1 recomputing the attention scores; stages 2-3 without "
                         "recomputation")
     assert lines[3].startswith("  recomputing the attention scores on every stage: peak")

@@ -9,8 +9,8 @@ Each choice is one :class:`SaverChoice`: the option, the value chosen, the plan'
 step time with it, what a device may hold (its usable memory: its memory less its
 reserve, at most the strategy's budget), and every other value priced: its peak and
 step time, or its closest plan's peak where it did not fit (what the choice saved).
-Recomputation chosen per stage (:mod:`distgraph.passes.stage_recompute`) names each layer
-and says, per stage, what its blocks got.
+Recomputation chosen per stage (:mod:`distgraph.passes.search.stages.recompute_stages`)
+names each layer and says, per stage, what its blocks got.
 
 Example::
 
@@ -51,7 +51,7 @@ class SaverChoice:
     estimated); ``others``: (value, peak bytes or None, seconds or None) of each other
     value priced, in the order tried: seconds None where it did not fit, the peak then
     its closest plan's; ``stages``: for recomputation chosen per stage
-    (:mod:`distgraph.passes.stage_recompute`), what each stage's blocks got; ``why``:
+    (:mod:`distgraph.passes.search.stages.recompute_stages`), what each stage's blocks got; ``why``:
     why no other value was priced, where the search says (else the usual reason for the
     option and value, if there is one)."""
 
@@ -85,7 +85,7 @@ class SaverChoice:
         out = [text] + ([f"  ({why})"] if why else [])
         if self.stages:
             runs = _runs(self.stages)
-            out.append("  per stage, on the layouts searched with it on every stage: " + "; ".join(
+            out.append("  per stage, as the stage search chose: " + "; ".join(
                 f"{_stages(a, b)} {_SPELLED['recompute'][kind]}" for a, b, kind in runs))
         for value, peak, seconds in self.others:
             name = _SPELLED.get(self.option, {}).get(value) if not isinstance(value, tuple) \

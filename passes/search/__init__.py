@@ -73,6 +73,7 @@ from distgraph.units import GB
 from distgraph.passes.search.stages.micro import searched_as, searched_count, split_in
 from distgraph.passes.search.stages.part_cost import measure
 from distgraph.passes.search.stages.pipeline import plan_pipeline
+from distgraph.passes.search.stages.recompute_stages import realised
 
 __all__ = ["Choice", "Session", "choose", "searched_choice"]
 
@@ -96,11 +97,13 @@ def searched_choice(prepared, strategy, accumulation, result, rank_mapping) -> C
 
 
 def choose(built, strategy, cluster, budget: float | None = None,
-           session: Session | None = None) -> Choice:
+           session: Session | None = None, per_stage: bool = False) -> Choice:
     """The search's choice for ``built`` (a BuiltProgram) under ``strategy`` on
     ``cluster``, within ``budget`` bytes per device (None: the devices' memory as the
-    stage search reads it; no limit for a search without stages). Pure: ``built`` is not
-    modified."""
+    stage search reads it; no limit for a search without stages); ``per_stage``: the
+    strategy's recomputation was left to the search (``Strategy(recompute=None)``), which
+    runs it only on the stages that need it (:mod:`~distgraph.passes.search.stages.
+    recompute_stages`). Pure: ``built`` is not modified."""
     _check_target(strategy)
     session = session or Session()
     # recomputation as the planner weighs it (passes/fitting.py) first: none; ZeRO's
@@ -127,8 +130,15 @@ def choose(built, strategy, cluster, budget: float | None = None,
                   if isinstance(key, tuple) and key[0] == search and key[1] is not None
                   and entry[0] is not None]
         result = plan_pipeline(prepared, asked, cluster, accumulation, budget, costs, planned,
-                               session, looked)
+                               session, looked, plain=(lambda: transformed(
+                                   program, dataclasses.replace(asked, recompute=False)))
+                               if per_stage else None)
         rank_mapping = result.rank_mapping
+        if result.recompute is not None:
+            # recomputation chosen per stage: the chosen layouts on the program so prepared
+            asked = dataclasses.replace(asked, recompute=result.recompute)
+            searched, prepared = prepared, transformed(program, asked)
+            realised(searched, prepared)
         if asked.virtual_stages > 1:
             # the stage search chose how many chunks per stage (up to the strategy's)
             chunks = result.chunks

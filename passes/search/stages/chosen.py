@@ -42,7 +42,7 @@ def refined(stage_plan, chosen, costs, capped) -> tuple:
     limits = [min(capped.device(d).usable_memory() for d in st.device_ids) for st in stages]
     room: dict = {}
     for stage, option, limit in zip(stages, chosen, limits):
-        blocks = max(_parts(stage, costs)[1], 1)
+        blocks = max(held_parts(stage, costs)[1], 1)
         room[id(option)] = min(room.get(id(option), math.inf),
                                max(limit - stage.memory, 0.0) * GB / blocks)
     best = {id(o): o for o in chosen}
@@ -53,7 +53,7 @@ def refined(stage_plan, chosen, costs, capped) -> tuple:
             share = costs.p2p_seconds(candidate)
             out = 0.0
             for s in mine:
-                first, n, last = _parts(stages[s], costs)
+                first, n, last = held_parts(stages[s], costs)
                 out += candidate.cost(first, n, last)[0] + transfers(share, first, last)
             return out
 
@@ -77,7 +77,7 @@ def priced_as_placed(stage_plan, chosen, costs):
     placed = [costs.placed(option, stage.device_ids) for stage, option in zip(stages, chosen)]
     if all(p is o for p, o in zip(placed, chosen)):
         return stage_plan
-    parts = [_parts(stage, costs) for stage in stages]
+    parts = [held_parts(stage, costs) for stage in stages]
     _, memories, updates = priced_stages(placed, parts, M)
     restated = tuple(
         stage if new is old else dataclasses.replace(
@@ -114,7 +114,7 @@ def priced_with_neighbours(stage_plan, chosen, costs):
                                objective=step_time([s.time for s in restated], M))
 
 
-def _parts(stage, costs) -> tuple:
+def held_parts(stage, costs) -> tuple:
     """(E held, blocks held, H held) by ``stage`` of a block layering."""
     layers = stage.layers
     return (costs.has_first and 0 in layers,
@@ -133,7 +133,7 @@ def _memory_restated(stage_plan, chosen, costs):
         memories = alike_stages(chosen[0], layering.count, costs.blocks, None, M,
                                 stage_plan.virtual, costs.chunk_layers)[2]
     else:
-        parts = [_parts(stage, costs) for stage in stage_plan.stages]
+        parts = [held_parts(stage, costs) for stage in stage_plan.stages]
         memories = priced_stages(list(chosen), parts, M)[1]
     return dataclasses.replace(stage_plan, stages=tuple(
         dataclasses.replace(stage, memory=float(m))

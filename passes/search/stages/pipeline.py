@@ -51,6 +51,7 @@ from distgraph.passes.search.stages.block_plans import plan_blocks
 from distgraph.passes.search.stages.chosen import (priced_as_placed, priced_with_neighbours,
                                                    refined)
 from distgraph.passes.search.stages.layer_ranges import LayerRangeCosts
+from distgraph.passes.search.stages.recompute_stages import kept, per_stage
 from distgraph.passes.search.stages.runs import RunCosts
 from distgraph.passes.search.layouts.space import logical_dims
 from distgraph.passes.search.stages.stage_dp import plan_stages
@@ -242,6 +243,9 @@ class PipelineChoice:
     rank_mapping: dict
     virtual: int = 1
     stage_meshes: tuple = ()
+    # the Strategy.recompute the stages run where the search chose it per stage
+    # (recompute_stages.per_stage), None where every stage runs the one asked
+    recompute: object = None
 
     @property
     def chunks(self):
@@ -253,6 +257,9 @@ class PipelineChoice:
         return self
 
     def check(self, program) -> None:
+        if self.recompute is not None:      # the program recomputed per stage: realised
+            kept(program)
+            return
         for r, ops, values in self.results:
             r.check(program, ops=ops, values=values)
 
@@ -263,7 +270,7 @@ class PipelineChoice:
 
 def plan_pipeline(prepared, strategy, cluster, accumulation, memory_budget=None,
                   runs=None, planned=None, session: Session | None = None,
-                  looked=()) -> PipelineChoice:
+                  looked=(), plain=None) -> PipelineChoice:
     """Choose layers, stages and each stage's layouts for ``prepared`` (a BuiltProgram the
     planner completes next) and annotate its program (module docstring).
     ``memory_budget``: bytes per device (None: the devices' memory); ``runs`` /
@@ -274,7 +281,9 @@ def plan_pipeline(prepared, strategy, cluster, accumulation, memory_budget=None,
     one by default), where what the search works out is kept; ``looked``: (RunCosts,
     micro-batch count) of the other counts the search priced or bounded, whose fastest
     options say with this plan's whether memory held a faster one back
-    (``PipelineReport.memory_binds``)."""
+    (``PipelineReport.memory_binds``); ``plain``: under recomputation, a function giving
+    the program without it, on which the chosen stages are priced to choose it per stage
+    (:func:`~distgraph.passes.search.stages.recompute_stages.per_stage`)."""
     start = time.perf_counter()
     session = session or (runs.session if runs is not None else Session())
     if cluster is None:
@@ -295,7 +304,8 @@ def plan_pipeline(prepared, strategy, cluster, accumulation, memory_budget=None,
         binds = _virtual(strategy) > 1 or memory_binds(
             planned[1][0].objective, [(costs, micro)] + [c for c in looked if c[0] is not costs],
             cluster)
-        return _plan_runs(prepared, strategy, cluster, capped, costs, start, planned[1], binds)
+        return _plan_runs(prepared, strategy, cluster, capped, costs, start, planned[1], binds,
+                          plain)
     _no_blocks(strategy)
     layering = cluster_layers(program, max_layers=2 * len(devices) + 2)
     stage_cost = LayerRangeCosts(prepared, strategy, cluster, layering, micro, session)
@@ -406,11 +416,11 @@ def memory_binds(latency: float, looked, cluster) -> bool:
 
 
 def _plan_runs(prepared, strategy, cluster, capped, costs, start, planned,
-               binds: bool) -> PipelineChoice:
+               binds: bool, plain=None) -> PipelineChoice:
     """The stage search of a model of identical blocks (:mod:`distgraph.passes.search.
     runs`): options costed once per logical mesh, the DP linear in the blocks
     (``planned``: its plan, before the refinement; ``binds``: whether memory held a
-    faster one back, :func:`memory_binds`)."""
+    faster one back, :func:`memory_binds`; ``plain``: as :func:`plan_pipeline`'s)."""
     layering = costs.layering
     stage_plan, chosen = planned
     if strategy.search_method == "auto":       # the ILP refines the chosen stages only
@@ -418,6 +428,9 @@ def _plan_runs(prepared, strategy, cluster, capped, costs, start, planned,
     if stage_plan.virtual == 1:
         stage_plan = priced_as_placed(stage_plan, chosen, costs)
         stage_plan = priced_with_neighbours(stage_plan, chosen, costs)
+    recompute = None
+    if plain is not None:
+        stage_plan, recompute = per_stage(stage_plan, chosen, costs, capped, plain)
     index = {d.global_id: p for p, d in enumerate(cluster.devices)}
     reports, checks, meshes = [], [], []
     held = _chunk_ranges(costs, len(stage_plan.stages), stage_plan.virtual)
@@ -436,7 +449,7 @@ def _plan_runs(prepared, strategy, cluster, capped, costs, start, planned,
                             time.perf_counter() - start, memory_binds=binds)
     return PipelineChoice(report, tuple(checks),
                           {p: d.global_id for p, d in enumerate(cluster.devices)},
-                          stage_plan.virtual, tuple(meshes))
+                          stage_plan.virtual, tuple(meshes), recompute)
 
 
 def _chunk_ranges(costs, S: int, virtual: int):

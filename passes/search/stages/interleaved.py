@@ -72,7 +72,7 @@ def alike_stages(option, count: int, blocks: range, cluster, micro_batches: int,
         return None
     layouts = {} if layouts is None else layouts
     if (S, virtual) not in layouts:
-        layouts[S, virtual] = [_stage_parts(chunk_layers(S * virtual), S, blocks, count)] \
+        layouts[S, virtual] = [chunk_parts(chunk_layers(S * virtual), S, blocks, count)] \
             if virtual > 1 else even_splits(S, blocks, count)
     best = None
     for parts in layouts[S, virtual]:
@@ -103,7 +103,7 @@ def even_splits(S: int, blocks: range, count: int) -> list:
                           all(n for _, n, _ in by_blocks) else [])
 
 
-def _stage_parts(chunks: list, S: int, blocks: range, count: int) -> list:
+def chunk_parts(chunks: list, S: int, blocks: range, count: int) -> list:
     """[(share of E, blocks, share of H)] of each of ``S`` stages holding chunks s,
     s + S, ... (``chunks``: {layer: share of its forward FLOPs} of each chunk; a layer
     cut between two chunks counts in each by its share there). ``count`` layers: E

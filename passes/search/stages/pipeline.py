@@ -428,12 +428,12 @@ def _plan_runs(prepared, strategy, cluster, capped, costs, start, planned,
     if stage_plan.virtual == 1:
         stage_plan = priced_as_placed(stage_plan, chosen, costs)
         stage_plan = priced_with_neighbours(stage_plan, chosen, costs)
+    held = _chunk_ranges(costs, len(stage_plan.stages), stage_plan.virtual)
     recompute = None
     if plain is not None:
-        stage_plan, recompute = per_stage(stage_plan, chosen, costs, capped, plain)
+        stage_plan, recompute = per_stage(stage_plan, chosen, costs, capped, plain, held)
     index = {d.global_id: p for p, d in enumerate(cluster.devices)}
     reports, checks, meshes = [], [], []
-    held = _chunk_ranges(costs, len(stage_plan.stages), stage_plan.virtual)
     for s, (stage, option) in enumerate(zip(stage_plan.stages, chosen)):
         pids = [index[d] for d in stage.device_ids]
         mesh = ProcessMesh(np.array(pids).reshape(option.logical).tolist(),

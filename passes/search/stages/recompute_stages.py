@@ -32,19 +32,21 @@ from distgraph.passes.search.layouts.intra_op import price
 from distgraph.passes.search.layouts.sharded_states import zero_asked
 from distgraph.passes.search.layouts.space import SearchSpace
 from distgraph.passes.search.stages.chosen import held_parts
+from distgraph.passes.search.stages.interleaved import chunk_parts
 from distgraph.passes.search.stages.part_cost import measure
 from distgraph.passes.search.stages.run_options import RunOption
 
 
-def per_stage(stage_plan, chosen, costs, capped, plain) -> tuple:
+def per_stage(stage_plan, chosen, costs, capped, plain, held=None) -> tuple:
     """(``stage_plan`` restated, the ``Strategy.recompute`` it runs: None where every
     stage keeps the search's recomputation) with each stage that fits ``capped``'s
     devices without recomputation, and is faster so, priced without it (module
     docstring). ``chosen``: the option of each stage; ``plain``: a function giving the
-    program without recomputation (a BuiltProgram, split as ``costs``' is)."""
+    program without recomputation (a BuiltProgram, split as ``costs``' is); ``held``:
+    under virtual stages, the layer ranges of each stage's chunks."""
     kind = costs.strategy.recompute
-    stages, M = stage_plan.stages, stage_plan.micro_batches
-    if kind not in ("selective", True) or stage_plan.virtual > 1 or len(stages) < 2:
+    stages, M, virtual = stage_plan.stages, stage_plan.micro_batches, stage_plan.virtual
+    if kind not in ("selective", True) or len(stages) < 2:
         return stage_plan, None
     plain = plain()
     index = aligned(costs.program.ops, plain.program.ops)
@@ -53,29 +55,35 @@ def per_stage(stage_plan, chosen, costs, capped, plain) -> tuple:
     for option in placed:
         if id(option) not in bare:
             bare[id(option)] = plain_option(option, costs, plain, index)
-    parts = [held_parts(stage, costs) for stage in stages]
     without = [bare[id(o)] or o for o in placed]
-    _, memories, updates = priced_stages(without, parts, M)
+    if virtual > 1:     # stage s holds chunks s, s + S, ..., each a share of its layers
+        parts = chunk_parts(costs.chunk_layers(len(stages) * virtual), len(stages),
+                            costs.blocks, costs.layering.count)
+    else:
+        parts = [held_parts(stage, costs) for stage in stages]
+        held = [[stage.layers] for stage in stages]
+    before = priced_stages(placed, parts, M, virtual=virtual)[0]
+    after, memories, updates = priced_stages(without, parts, M, virtual=virtual)
     limits = [min(capped.device(d).usable_memory() for d in st.device_ids) for st in stages]
     restated, kept = [], []
-    for stage, old, new, p, m, u, limit in zip(stages, placed, without, parts, memories,
-                                               updates, limits):
-        seconds = new.cost(*p).seconds
-        if new is old or p[1] == 0 or m > limit or seconds >= old.cost(*p).seconds:
+    for s, stage in enumerate(stages):
+        if without[s] is placed[s] or not parts[s][1] or memories[s] > limits[s] or \
+                after[s] >= before[s]:
             restated.append(stage)
             kept.append(True)
             continue
-        restated.append(dataclasses.replace(stage, time=stage.time - old.cost(*p).seconds +
-                                            seconds, memory=float(m), update=float(u)))
+        restated.append(dataclasses.replace(stage, time=stage.time - before[s] + after[s],
+                                            memory=float(memories[s]),
+                                            update=float(updates[s])))
         kept.append(False)
     if all(kept):
         return stage_plan, None
     paths = costs.prepared.block_paths
-    blocks = [paths[layer - costs.blocks.start] for stage, keeps in zip(stages, kept)
-              if keeps for layer in stage.layers if layer in costs.blocks]
+    blocks = [paths[layer - costs.blocks.start] for s in range(len(stages)) if kept[s]
+              for layers in held[s] for layer in layers if layer in costs.blocks]
     value = tuple(b if kind is True else (b, "selective") for b in blocks) or False
     return dataclasses.replace(stage_plan, stages=tuple(restated), objective=step_time(
-        [s.time for s in restated], M)), value
+        [s.time for s in restated], M, virtual)), value
 
 
 def plain_option(option: RunOption, costs, plain, index: dict) -> RunOption | None:
@@ -94,12 +102,11 @@ def plain_option(option: RunOption, costs, plain, index: dict) -> RunOption | No
         bare = SearchSpace(plain.program, space.mesh, ops, received=dict(space.received),
                            session=costs.session, style=space.style, once=space.once,
                            zero=space.zero)
-        choice = _carried_over(result, bare, {j: k for k, j in index.items()})
-        if choice is None:
+        bare.nodes = _fixed_as(result, bare, {j: k for k, j in index.items()})
+        if bare.nodes is None:
             return None
         made = {o.name for k in ops for o in plain.program.ops[k].outputs}
-        priced = price(bare.rebind(space.mesh, choice), costs.cluster,
-                       result.prices.device_of, weights=costs.weights,
+        priced = price(bare, costs.cluster, result.prices.device_of, weights=costs.weights,
                        loss=plain.loss_name if plain.loss_name in made else None,
                        boundary=result.boundary, status=result.report.status,
                        zero=zero_asked(costs.strategy), session=costs.session)
@@ -108,23 +115,21 @@ def plain_option(option: RunOption, costs, plain, index: dict) -> RunOption | No
     return RunOption(option.axis, option.sub, option.logical, parts, option.origin)
 
 
-def _carried_over(result, bare, back: dict) -> tuple | None:
-    """The strategy index of every node of ``bare`` that is ``result``'s choice for the
-    same op or Value (``back``: {op of bare's program: op of result's}); None where one
-    has none alike."""
-    space, out = result.space, []
+def _fixed_as(result, bare, back: dict) -> list | None:
+    """The nodes of ``bare``, each offering only ``result``'s choice for the same op or
+    Value (``back``: {op of bare's program: op of result's}), its strategy and hint as
+    chosen there (the same op, the same shapes: a recomputed Value read as the one the
+    forward kept); None where one has no counterpart."""
+    space, nodes = result.space, []
     for node in bare.nodes:
         i = space.source_node.get(node.value) if node.is_source else \
             space.op_node.get(back.get(node.op))
         if i is None:
             return None
-        s, hint = space.nodes[i].strategies[result.choice[i]], space.nodes[i].hints[result.choice[i]]
-        same = [j for j, t in enumerate(node.strategies)
-                if (t.in_specs, t.out_specs, t.zero) == (s.in_specs, s.out_specs, s.zero)]
-        if not same:
-            return None
-        out.append(next((j for j in same if node.hints[j] == hint), same[0]))
-    return tuple(out)
+        k = result.choice[i]
+        nodes.append(dataclasses.replace(node, strategies=(space.nodes[i].strategies[k],),
+                                         allowed=(True,), hints=(space.nodes[i].hints[k],)))
+    return nodes
 
 
 def realised(searched, prepared) -> None:

@@ -43,10 +43,9 @@ import dataclasses
 import math
 
 from distgraph.errors import DoesNotFit, PlanError
-from distgraph.ir import Role
 from distgraph.passes.cost.fit import limit_of, overflows
 from distgraph.passes.transforms.zero import updated_parameter
-from distgraph.plan.savers import SaverChoice
+from distgraph.plan.savers import SaverChoice, stage_recomputation
 from distgraph.units import GB
 
 BUDGET_ROUNDS = 4
@@ -247,8 +246,7 @@ def _noted(planned, strategy, kinds, priced, cluster=None, candidates=None, zero
             limit = limit_of(cluster, top.device, strategy.memory_budget_gb)
     if len(kinds) > 1:
         value = planned.strategy.recompute
-        stages = stage_kinds(planned, block_stages(planned)) if isinstance(value, tuple) \
-            else ()
+        stages = stage_recomputation(planned) if isinstance(value, tuple) else ()
         notes.append(SaverChoice("recompute", value, peak, limit, seconds,
                                  tuple(p for p in priced if p[0] != value), stages, why))
     for saver in FREE:
@@ -264,35 +262,6 @@ def _noted(planned, strategy, kinds, priced, cluster=None, candidates=None, zero
     if not notes:
         return planned
     return dataclasses.replace(planned, savers=planned.savers + tuple(notes))
-
-
-def block_stages(planned) -> dict:
-    """{block path: the index of the stage its forward ops run on} of a completed plan."""
-    stages = planned.stages
-    first = {}
-    for op in planned.built.program.ops:
-        if op.role is Role.FORWARD and op.layer and op.dist_attr is not None:
-            first.setdefault(op.layer, op.dist_attr.mesh.process_ids[0])
-    out = {}
-    for block in planned.built.block_paths:
-        pid = next((p for layer, p in first.items()
-                    if layer == block or layer.startswith(block + ".")), None)
-        if pid is not None:
-            out[block] = next(s for s, mesh in enumerate(stages) if pid in mesh.process_ids)
-    return out
-
-
-def stage_kinds(planned, stage_of: dict) -> tuple:
-    """Per stage of ``planned``, the recomputation of its blocks: False, "selective" or
-    True (a stage whose blocks differ: the most any of them gets)."""
-    asked = planned.strategy.recompute
-    order = (False, "selective", True)
-    kinds = [False] * len(planned.stages)
-    for block, s in stage_of.items():
-        kind = asked if not isinstance(asked, tuple) else \
-            True if block in asked else "selective" if (block, "selective") in asked else False
-        kinds[s] = max(kinds[s], kind, key=order.index)
-    return tuple(kinds)
 
 
 def _per_update(planned) -> str:

@@ -27,8 +27,7 @@ import distgraph as dg  # noqa: E402
 from distgraph.errors import DoesNotFit  # noqa: E402
 from distgraph.ir import is_recomputed  # noqa: E402
 from distgraph.passes.cost.fit import overflows  # noqa: E402
-from distgraph.passes.fitting import block_stages, stage_kinds  # noqa: E402
-from distgraph.plan.savers import SaverChoice  # noqa: E402
+from distgraph.plan.savers import SaverChoice, stage_recomputation  # noqa: E402
 from distgraph.units import GB  # noqa: E402
 
 import plan_file_training as T  # noqa: E402
@@ -86,7 +85,7 @@ def test_where_memory_forces_it_the_first_stages_recompute_and_the_last_do_not(t
     assert not overflows(plan.estimate, cluster, None)
     with pytest.raises(DoesNotFit):         # no plan without recomputation fits
         planned(TIGHT, recompute=False)
-    kinds = stage_kinds(plan, block_stages(plan))
+    kinds = stage_recomputation(plan)
     assert len(kinds) >= 2 and kinds[0] is not False and kinds[-1] is False
     # the blocks of the stages that recompute are the ones the strategy names
     copied = {op.layer.split(".")[1] for op in plan.program.ops if is_recomputed(op)}
@@ -120,7 +119,7 @@ def test_each_stage_is_priced_as_the_estimate_prices_its_process(tight, float64)
     from distgraph.passes.cost.estimate import price_process
 
     plan, cluster = tight
-    M, kinds = plan.micro_batches, stage_kinds(plan, block_stages(plan))
+    M, kinds = plan.micro_batches, stage_recomputation(plan)
     peaks = {p.process: p.peak_memory for p in plan.estimate.processes}
     assert False in kinds[:-1] and len(set(kinds)) == 2
     for s, (stage, mesh) in enumerate(zip(plan.search.stage_plan.stages, plan.stages)):

@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from distgraph.ir import Role
 from distgraph.units import fmt_bytes
 
 _SPELLED = {
@@ -134,3 +135,26 @@ def _runs(kinds) -> list:
 
 def _stages(a: int, b: int) -> str:
     return f"stage {a}" if a == b else f"stages {a}-{b}"
+
+
+def stage_recomputation(plan) -> tuple:
+    """Per stage of a completed ``plan``, the recomputation of the blocks its forward ops
+    run there: False, "selective" or True (a stage whose blocks differ: the most any of
+    them gets), as its strategy names them per layer or all alike."""
+    asked, stages = plan.strategy.recompute, plan.stages
+    first = {}
+    for op in plan.built.program.ops:
+        if op.role is Role.FORWARD and op.layer and op.dist_attr is not None:
+            first.setdefault(op.layer, op.dist_attr.mesh.process_ids[0])
+    order = (False, "selective", True)
+    kinds = [False] * len(stages)
+    for block in plan.built.block_paths:
+        pid = next((p for layer, p in first.items()
+                    if layer == block or layer.startswith(block + ".")), None)
+        if pid is None:
+            continue
+        s = next(s for s, mesh in enumerate(stages) if pid in mesh.process_ids)
+        kind = asked if not isinstance(asked, tuple) else \
+            True if block in asked else "selective" if (block, "selective") in asked else False
+        kinds[s] = max(kinds[s], kind, key=order.index)
+    return tuple(kinds)

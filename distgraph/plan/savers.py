@@ -52,9 +52,9 @@ class SaverChoice:
     estimated); ``others``: (value, peak bytes or None, seconds or None) of each other
     value priced, in the order tried: seconds None where it did not fit, the peak then
     its closest plan's; ``stages``: for recomputation chosen per stage
-    (:mod:`distgraph.passes.search.stages.recompute_stages`), what each stage's blocks got; ``why``:
-    why no other value was priced, where the search says (else the usual reason for the
-    option and value, if there is one)."""
+    (:mod:`distgraph.passes.search.stages.recompute_stages`), what each stage's blocks
+    got (:func:`stage_recomputation`); ``why``: why no other value was priced, where the
+    search says (else the usual reason for the option and value, if there is one)."""
 
     option: str
     value: bool | str | int | tuple   # recompute: False, True, "selective" or per layer;

@@ -3,21 +3,23 @@
 recompute, the first stages may need it while the last ones have room to run faster
 without it.
 
-Where the search runs with recomputation (``Strategy(recompute="selective")`` or True),
+Where the search runs with recomputation left to it (``Strategy(recompute=None)``,
+asked as "selective" or True by :func:`~distgraph.passes.fitting.with_savers`),
 :func:`per_stage` prices each chosen stage's layouts on the program without it (the
 same strategy for every op and Value the two programs share: :func:`plain_option`), by
 the accountant that prices every option (:func:`~distgraph.passes.search.stages.
 part_cost.measure`, :func:`~distgraph.passes.cost.stage.priced_stages`), and a stage
 runs without recomputation where that fits its devices with its micro-batches in flight
-and is faster. The plan's strategy then names each recomputed layer
+and is faster. A value the user gives is run on every stage. The plan's strategy then names each recomputed layer
 (``Strategy(recompute=[("blocks.0", "selective"), ...])``) and :func:`realised` lays the
 chosen layouts onto the program prepared so. What the search reports is what it priced
 for that plan: the estimate's figure.
 
 Example::
 
-    stage_plan, recompute = per_stage(stage_plan, chosen, costs, capped, plain)
-    prepared = realised(prepared, recomputed_program, check)
+    stage_plan, recompute = per_stage(stage_plan, chosen, costs, capped, plain, held)
+    ran = transformed(split_program, dataclasses.replace(strategy, recompute=recompute))
+    realised(searched, ran)         # the chosen layouts, on the program it runs
 """
 
 from __future__ import annotations

@@ -15,6 +15,10 @@
 3. **Stages**: :func:`distgraph.passes.search.stages.stage_dp.plan_stages` chooses the stages and their
    submeshes minimising ``sum t + (micro_batches - 1) max t`` within each device's
    usable memory (``Device.usable_memory``; ``Strategy.memory_budget_gb`` lowers it).
+   The chosen stages are then priced where they run
+   (:mod:`~distgraph.passes.search.stages.chosen`) and, where the search recomputes,
+   without recomputation where a stage has room for it
+   (:mod:`~distgraph.passes.search.stages.recompute_stages`).
 4. **Annotations**: stage s's ops are annotated on a ProcessMesh of its devices (process
    p is device p of the cluster, rank p) with its search's choice; completion then
    places the learning-rate read and step counter on the union of the stages, and the

@@ -215,9 +215,13 @@ def test_the_readmes_prepare_snippet_plans_the_first_script_from_one_process():
 def test_each_command_of_tutorial_09_runs_and_the_loss_falls(command, tmp_path):
     """Tutorial 09's commands, its output under the test's folder: the user's text files
     are two of the repository's documents, ``--tensorboard`` writes where the test reads
-    it back. Each prints the loss every quarter epoch, falling; on the tutorial's own
-    corpus the last printed loss is under half the first step's (its exit code says the
-    same of the last 10 steps), and the held-out guesses are mostly right."""
+    it back. Each prints the loss every quarter epoch: on the tutorial's own corpus
+    falling quarter after quarter, the last printed loss under half the first step's
+    (its exit code says the same of the last 10 steps), and the held-out guesses mostly
+    right; on the user's files (this repository's README and design, which every change
+    to them reshuffles) each quarter under the first step's loss and the last under the
+    first quarter's: a later quarter may read harder text (4.690 then 4.824 once the
+    README's counts changed)."""
     pytest.importorskip("datasets")
     pytest.importorskip("tokenizers")
     words = command.split() + ["--out", str(tmp_path / "out")]
@@ -235,7 +239,11 @@ def test_each_command_of_tutorial_09_runs_and_the_loss_falls(command, tmp_path):
     printed = [float(m) for m in re.findall(r"^step +\d+  loss ([0-9.]+)$", proc.stdout, re.M)]
     first, last = (float(x) for x in re.search(r"loss ([0-9.]+) -> ([0-9.]+) in \d+ steps",
                                                proc.stdout).groups())
-    assert len(printed) >= 4 and printed == sorted(printed, reverse=True), proc.stdout
+    assert len(printed) >= 4, proc.stdout
+    if own:
+        assert max(printed) < first and printed[-1] < printed[0], proc.stdout
+    else:
+        assert printed == sorted(printed, reverse=True), proc.stdout
     assert "trained on 4 ranks (2 dp x 2 mp)" in proc.stdout
     if not own:
         assert printed[-1] < first / 2 and last < first / 2, proc.stdout

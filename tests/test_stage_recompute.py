@@ -96,6 +96,10 @@ def test_where_memory_forces_it_the_first_stages_recompute_and_the_last_do_not(t
     assert plan.search.peak_memory == pytest.approx(plan.estimate.peak_memory, rel=0.01)
     # the oracle: the plan recomputing on every stage, searched as asked, is slower
     every, _ = planned(TIGHT, recompute=kinds[0])
+    # a value the user gives runs on every stage: the search chooses per stage only
+    # where recomputation is left to it
+    assert every.strategy.recompute == kinds[0]
+    assert set(stage_recomputation(every)) == {kinds[0]}
     assert not overflows(every.estimate, cluster, None)
     assert plan.estimate.step_time < every.estimate.step_time
     note = next(c for c in plan.savers if c.option == "recompute")

@@ -10,9 +10,11 @@ whichever path made it: a searched plan with or without stages, micro-batches gi
 searched, or a plan of the user's annotations (``auto_mode="semi"``).
 
 - :func:`fitting` plans; where the plan does not fit and the search chose it, it searches
-  again with its budget lowered by the excess (the searches count what is live at each
-  op; the estimate also counts reshard buffers and the micro-batches a schedule keeps in
-  flight), ``BUDGET_ROUNDS`` searches at most. A plan of annotations is the user's and
+  again with its budget lowered by the excess (the search without stages holds its
+  layouts to the devices' memory as the estimate counts it, reshard copies at their
+  readers included, but a copy a later reader reuses is counted at its readers only; the
+  stage search's block searches leave the copies out), ``BUDGET_ROUNDS`` searches at
+  most. A plan of annotations is the user's and
   is not searched again. What does not fit ends in :class:`~distgraph.errors.DoesNotFit`,
   naming the smallest peak found, where, and the limit.
 - :func:`with_savers` chooses what the strategy leaves to the search
@@ -312,27 +314,23 @@ def fitting(strategy, cluster, plan_once, searched: bool | None = None):
         worst = over[0]
         if closest is None or worst.peak < closest.peak:
             closest = worst
-        budget = _next_budget(strategy, cluster, budget, worst,
-                              getattr(planned.search, "peak_memory", None))
+        budget = _next_budget(worst, getattr(planned.search, "peak_memory", None))
         if budget <= 0:
             break
     raise _refusal(searched, cluster, given, closest, floor)
 
 
-def _next_budget(strategy, cluster, budget, worst, counted=None) -> float:
-    """The budget of the next search after ``worst`` overflowed: the device's limit where
-    the search was not held to it (no budget, or one above the device's usable memory),
-    else what it was held to, or the peak it counted for the plan where that is less,
-    less the excess (the searches count what is live at each op, the estimate also
-    reshard buffers and micro-batches in flight). Below the peak it counted, the next
-    search cannot choose the same plan again (a GPT of 4 blocks at 0.7 of its pipeline's
-    peak: three searches of 13 s each chose one plan under budgets 271 bytes apart)."""
-    held = math.inf if budget is None else budget
-    if strategy.pipeline:           # the stage search reads the devices' usable memory
-        held = min(held, cluster.device(worst.device).usable_memory() * GB)
-    if held > worst.limit:
-        return worst.limit
-    return min(held, counted if counted else math.inf) - worst.excess
+def _next_budget(worst, counted=None) -> float:
+    """The budget of the next search after ``worst`` overflowed: the limit the search was
+    held to (every search reads the devices' usable memory, at most the strategy's
+    budget), or the peak it counted for the plan where that is less, less the excess.
+    The search without stages counts what the estimate counts at each op, a reshard's
+    copy at its reader included, but not a copy a later reader reuses while it is held
+    between them (a parameter gathered for the forward and read again by the recomputed
+    forward); the stage search's block searches leave the copies out. Below the peak it counted, the next search cannot choose the same plan
+    again (a GPT of 4 blocks at 0.7 of its pipeline's peak: three searches of 13 s each
+    chose one plan under budgets 271 bytes apart)."""
+    return min(worst.limit, counted if counted else math.inf) - worst.excess
 
 
 def _refusal(searched: bool, cluster, given, closest, floor) -> DoesNotFit:
@@ -353,8 +351,7 @@ def _refusal(searched: bool, cluster, given, closest, floor) -> DoesNotFit:
         text += f", which may hold {limit / GB:.4g} GB"
     if floor is not None:
         text += (f"{';' if closest is not None else ':'} no layout peaks below "
-                 f"{floor / GB:.4g} GB per device as the search counts it (the results "
-                 f"live at once)")
+                 f"{floor / GB:.4g} GB per device as the search counts it")
     if closest is not None and given is not None:
         usable = cluster.device(closest.device).usable_memory()
         if closest.peak <= usable * GB:

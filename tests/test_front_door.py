@@ -45,7 +45,8 @@ def random_choice(built, strategy, cluster, seed: int) -> tuple:
              for u, v, R in problem.edges]
     random = dataclasses.replace(problem, compute=drawn(problem.compute),
                                  comm=[np.zeros(len(c)) for c in problem.comm], edges=edges,
-                                 memory_budget=None, liveness=(), running=(), released=())
+                                 memory_budget=None, liveness=(), running=(), released=(),
+                                 copies=())
     picked = tuple(solve(random, time_limit=30).choice)
     # as the search asked it: ZeRO left to it is read from the choice drawn
     asked = dataclasses.replace(searched.strategy, sharding=strategy.sharding)

@@ -315,6 +315,13 @@ def base(**kw):
      r"released\[0\] frees node 0 \('fc1'\) from time 0 to 1, where it is not live"),
     (base(liveness=[[0], [0]], memory=[[4, 4], [1, 1]], released=[(0, 1, 1, [5, 1])]),
      r"released\[0\] frees \[5.0, 1.0\] bytes of node 0 .* 0 <= bytes <= its memory"),
+    (base(liveness=[[0], [0, 1]], running=[0, 1],
+          copies=[(0, 1, [[0, -1], [0, 0]], [[0, 0], [0, 0]])]),
+     r"copies\[0\] has -1.0 at \[0, 1\]; expected bytes"),
+    (base(liveness=[[0], [0, 1]], running=[0, 1], copies=[(0, 1, [[0, 1], [1, 0]], [0, 0])]),
+     r"copies\[0\] gives \(2, 2\) copy bytes but \(2,\) freed bytes"),
+    (base(liveness=[[0], [0, 1]], copies=[(0, 1, [[0, 1], [1, 0]], [[0, 0], [0, 0]])]),
+     "copies are held while their reader runs, but running is empty"),
 ])
 def test_invalid_problems_name_the_field(fields, message):
     with pytest.raises(PlanError, match=message):
@@ -377,3 +384,60 @@ def test_a_result_freed_before_its_node_lowers_the_peak_the_searches_hold_to():
     # a stage holding 3 micro-batches: the release counts 3 times too
     assert peak_memory(p.with_held({0}, 3), [0, 0]) == 48.0 and \
         p.with_held({0}, 3).beside([0, 0]).tolist() == [0, -24, -24]
+
+
+def _walk_with_copies(fields, choice) -> float:
+    """The peak of ``choice`` walked from the definitions: at each time the live nodes'
+    bytes; beside them, where the running node reads copies, the largest of nothing, the
+    copies made with its own results not yet made, and its workspace with the copies
+    less the originals they freed; else its workspace."""
+    memory, work = fields["memory"], fields["workspace"]
+    peak = 0.0
+    for t, live in enumerate(fields["liveness"]):
+        level = sum(memory[v][choice[v]] for v in live)
+        v = fields["running"][t]
+        into = [(u, C, F) for u, w, C, F in fields["copies"] if w == v]
+        made = sum(C[choice[u]][choice[v]] for u, C, _ in into)
+        freed = sum(F[choice[u]][choice[v]] for u, _, F in into)
+        beside = max(0, made - memory[v][choice[v]], work[v][choice[v]] + made - freed) \
+            if into else work[v][choice[v]]
+        peak = max(peak, level + beside)
+    return peak
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_reshard_copies_beside_their_reader_are_held_to_the_budget_as_brute_force_finds(seed):
+    """A reshard's copy is made just before its reader runs and its original freed where
+    that was its last read (the partitioner's arrays, as the estimate walks them): SCIP
+    holds every choice to the budget by that walk (its copy variables exact at every
+    pair), and its choice is the brute-force best within the budget."""
+    rng = np.random.default_rng(seed)
+    n = 5
+    counts = [int(rng.integers(1, 4)) for _ in range(n)]
+    share = [[1, 2]] if counts[1] == counts[2] and rng.random() < 0.5 else []
+    memory = [rng.integers(1, 8, k).astype(float) for k in counts]
+    copies = []
+    for u, v in [(0, 1), (1, 2), (0, 3), (2, 4), (3, 4)]:
+        C = rng.integers(0, 9, (counts[u], counts[v])) * (rng.random((counts[u], counts[v]))
+                                                           < 0.7)
+        last = u != 0 or v == 3         # node 0 is read by 1 and 3: freed at 3's read
+        F = np.where(C > 0, memory[u][:, None], 0.0) if last else np.zeros(C.shape)
+        copies.append((u, v, C.astype(float), F))
+    fields = dict(strategy_counts=counts,
+                  compute=[rng.integers(0, 10, k).astype(float) for k in counts],
+                  comm=[np.zeros(k) for k in counts], memory=memory,
+                  workspace=[rng.integers(0, 4, k).astype(float) for k in counts],
+                  liveness=[[0], [0, 1], [0, 1, 2], [0, 2, 3], [2, 3, 4]],
+                  running=[0, 1, 2, 3, 4], copies=copies, share=share)
+    choices = [c for c in itertools.product(*[range(k) for k in counts])
+               if all(c[v] == c[g[0]] for g in share for v in g)]
+    peaks = {c: _walk_with_copies(fields, c) for c in choices}
+    budget = float(rng.uniform(min(peaks.values()), max(peaks.values())))
+    p = ShardingProblem(**fields, memory_budget=budget)
+    for c in choices:
+        assert peak_memory(p, c) == pytest.approx(peaks[c])
+    cost = {c: sum(fields["compute"][v][c[v]] for v in range(n)) for c in choices}
+    best = min(cost[c] for c in choices if peaks[c] <= budget)
+    sol = solve(p, time_limit=60)
+    assert sol.status == "optimal" and sol.objective == pytest.approx(best)
+    assert peaks[tuple(sol.choice)] <= budget + 1e-9

@@ -17,7 +17,6 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import distgraph as dg  # noqa: E402
-from distgraph.errors import DoesNotFit  # noqa: E402
 from distgraph.program_builder import build_program  # noqa: E402
 from distgraph.units import GB  # noqa: E402
 
@@ -147,17 +146,26 @@ def test_with_room_the_search_picks_the_faster_sequence_parallelism(sp_plans):
         plan.explain()
 
 
-def test_where_memory_forces_it_the_search_splits_the_sequence(sp_plans):
-    """Just above the sequence-parallel plan's peak: without it nothing fits (the user's
-    False is refused, naming sequence parallelism as the fix), the search's plan splits
-    the sequence and fits."""
+def test_just_above_the_sequence_parallel_peak_the_plan_is_the_fastest_that_fits(sp_plans):
+    """Just above the sequence-parallel plan's peak, where the plan without it made with
+    room does not fit: the search, counting the copies its reshards make beside their
+    readers, finds layouts without sequence parallelism that fit there and run faster
+    than those with it (on this model the least peak is the same either way, 466,640
+    bytes as the search counts it; it once counted fewer bytes than the plans held, and
+    refused sequence_parallel=False here). The plan is the faster of the two priced and
+    fits, the other named with its peak and seconds; the user's False fits too."""
     cluster = fast_cluster(1.002 * sp_plans[True].estimate.peak_memory)
+    assert not fits(sp_plans[False], cluster)
     plan = planned(one_sequence_gpt(), cluster, sharding=False)
-    assert plan.strategy.sequence_parallel is True and fits(plan, cluster)
+    assert fits(plan, cluster)
     said = note(plan, "sequence_parallel")
-    assert [(v, s) for v, _, s in said.others] == [(False, None)]
-    with pytest.raises(DoesNotFit, match=r"Strategy\(sequence_parallel=True\) makes it fit"):
-        planned(one_sequence_gpt(), cluster, sharding=False, sequence_parallel=False)
+    [(value, peak, seconds)] = said.others
+    assert value is (not plan.strategy.sequence_parallel)
+    assert seconds is not None and plan.estimate.step_time < seconds
+    assert plan.strategy.sequence_parallel is False
+    given = planned(one_sequence_gpt(), cluster, sharding=False, sequence_parallel=False)
+    assert fits(given, cluster)
+    assert given.estimate.step_time < sp_plans[True].estimate.step_time
 
 
 def test_a_plan_with_searched_savers_saves_and_loads_as_made(tmp_path):

@@ -99,8 +99,8 @@ def searched_choice(prepared, strategy, accumulation, result, rank_mapping) -> C
 def choose(built, strategy, cluster, budget: float | None = None,
            session: Session | None = None, per_stage: bool = False) -> Choice:
     """The search's choice for ``built`` (a BuiltProgram) under ``strategy`` on
-    ``cluster``, within ``budget`` bytes per device (None: the devices' memory as the
-    stage search reads it; no limit for a search without stages); ``per_stage``: the
+    ``cluster``, within ``budget`` bytes per device and the devices' usable memory
+    (None: that alone; no limit without a cluster); ``per_stage``: the
     strategy's recomputation was left to the search (``Strategy(recompute=None)``), which
     runs it only on the stages that need it (:mod:`~distgraph.passes.search.stages.
     recompute_stages`). Pure: ``built`` is not modified."""
@@ -160,15 +160,19 @@ def _layouts(prepared, strategy, cluster, accumulation, budget, session) -> tupl
     weights = {Role.FORWARD: micro, Role.LOSS: micro, Role.BACKWARD: micro, Role.OPTIMIZE: 1}
     found, failed = None, None
     rows = program.inputs[0].shape[0] if program.inputs and program.inputs[0].shape else 1
-    for mesh, device_of in _target_meshes(*search_mesh(program, cluster), strategy.target,
-                                          rows):
+    mesh, device_of = search_mesh(program, cluster)
+    # what its devices may hold is a limit, budget or not
+    held = None if cluster is None else \
+        min(cluster.device(d).usable_memory() for d in device_of.values()) * GB
+    for mesh, device_of in _target_meshes(mesh, device_of, strategy.target, rows):
         try:
             result = search(program, mesh, cluster, device_of, weights=weights,
                             loss=prepared.loss_name, memory_budget=budget, memory=True,
                             time_limit=strategy.solver_time_limit, blocks=prepared.block_paths,
                             balance=strategy.balance, method=strategy.search_method,
                             zero=zero_asked(strategy), session=session,
-                            style=strategy.target, bucket_mb=bucketed(prepared, strategy))
+                            style=strategy.target, bucket_mb=bucketed(prepared, strategy),
+                            copies=True, limit=held)
         except PlanError as e:          # no layout the target runs fits this shape
             failed = failed or e
             continue

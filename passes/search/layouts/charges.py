@@ -226,13 +226,17 @@ def distinct_operands(space, op):
 
 
 def build_problem(space, costs, weights, loss, world, budget, share, live, targets: dict,
-                  tied: dict, zero=None) -> ShardingProblem:
-    """The ILP of every strategy of ``space``'s nodes (``intra_op.search``)."""
+                  tied: dict, zero=None, copies: bool = False) -> ShardingProblem:
+    """The ILP of every strategy of ``space``'s nodes (``intra_op.search``); ``copies``
+    (with ``live``): each reshard's copy beside its reader (``ShardingProblem.copies``)."""
     charges = Charges(space, costs, weights, targets, tied)
     nodes = space.nodes
     compute, comm, memory, spare = _terms(charges, loss, world)
     classes = _tie_classes(nodes, share)
-    edges, aliases = [], []
+    edges, aliases, made_copies = [], [], []
+    liveness, released, ends = _liveness(space, charges) if live else ((), (), {})
+    copies = copies and live
+    frees = _last_reads(space, liveness, ends) if copies else None
     for leaving, received in tied.items():
         u, j = space.producer[leaving]
         r = space.source_node[received]
@@ -245,13 +249,24 @@ def build_problem(space, costs, weights, loss, world, budget, share, live, targe
         for i, u, j, v, w in charges.operands(node):
             made = tuple(s.out_specs[j] for s in nodes[u].strategies)
             wanted = tuple(s.in_specs[i] for s in node.strategies)
-            if classes[u] == classes[node.index]:   # same class: only the diagonal is taken
+            tied_pair = classes[u] == classes[node.index]   # only the diagonal is taken
+            if tied_pair:
                 mat = np.array([costs.reshard(a, b, v.shape, v.dtype)
                                 for a, b in zip(made, wanted)])
             else:
                 mat = costs.matrix(made, wanted, v.shape, v.dtype)
             if mat.any():
                 edges.append((u, node.index, mat * w))
+            if copies:
+                held = copy_bytes(made, wanted, [local_bytes([s.in_local_shapes[i]], [v.dtype])
+                                                 for s in node.strategies], tied_pair)
+                if held.any():
+                    freed = np.zeros_like(held)
+                    if frees(u, j, node.index):
+                        own = np.array([local_bytes([s.out_local_shapes[j]], [v.dtype])
+                                        for s in nodes[u].strategies], dtype=float)
+                        freed = np.where(held > 0, own if tied_pair else own[:, None], 0.0)
+                    made_copies.append((u, node.index, held, freed))
         for s_node, j in _aliased(space, node):
             layouts = [s.out_specs[0] for s in nodes[s_node].strategies]
             forbid = [[s.out_specs[j] != lay for lay in layouts] for s in node.strategies]
@@ -261,11 +276,44 @@ def build_problem(space, costs, weights, loss, world, budget, share, live, targe
               for other in costs.others]
     apply_zero(zero_terms(space, costs, zero), space, costs, weights, compute, comm, memory,
                edges, same)
-    liveness, released = _liveness(space, charges) if live else ((), ())
     return ShardingProblem([len(n.strategies) for n in nodes], compute, comm, memory, edges,
                            aliases, [n.leader for n in nodes], liveness, budget, share,
                            [n.label for n in nodes], spare if liveness else None,
-                           running(space) if liveness else (), others, released)
+                           running(space) if liveness else (), others, released,
+                           made_copies)
+
+
+def _last_reads(space, liveness, ends: dict):
+    """``frees(u, j, v)``: whether result ``j`` of node ``u`` is freed once op node ``v``
+    has read it, by ``liveness``: ``u`` live while ``v`` runs and not after, or that
+    result alone freed after ``v`` (``ends``: (node, result) -> the liveness time from
+    which it is freed while the node's other results live, :func:`_liveness`)."""
+    at = {v: t for t, v in enumerate(running(space))}
+    sets: dict = {}
+
+    def live(t) -> set:
+        if t not in sets:
+            sets[t] = set(liveness[t]) if t < len(liveness) else set()
+        return sets[t]
+
+    def frees(u, j, v) -> bool:
+        if v not in at or u not in live(at[v]):
+            return False
+        return u not in live(at[v] + 1) or ends.get((u, j)) == at[v] + 1
+    return frees
+
+
+def copy_bytes(made, wanted, sizes, diagonal: bool = False) -> np.ndarray:
+    """The bytes of the copy an operand is resharded into (the partitioner's new array):
+    ``sizes[b]`` where the reader's layout ``wanted[b]`` is not ``made[a]``, the
+    producer's, else 0; per pair (a, b), or per index where the two are tied."""
+    ids: dict = {}
+    rows = np.array([ids.setdefault(spec, len(ids)) for spec in made])
+    cols = np.array([ids.setdefault(spec, len(ids)) for spec in wanted])
+    sizes = np.asarray(sizes, dtype=float)
+    if diagonal:
+        return np.where(rows != cols, sizes, 0.0)
+    return np.where(rows[:, None] != cols[None, :], sizes[None, :], 0.0)
 
 
 def _terms(charges, loss, world, memory: bool = True) -> tuple:
@@ -367,7 +415,7 @@ def fixed_problem(moved, costs, weights, loss, world, targets: dict, tied: dict,
         apply_zero(terms, moved, costs, weights, compute, comm, memory, edges)
         compute, comm, memory = ([float(x[0]) for x in xs] for xs in (compute, comm, memory))
         edges = [(u, v, float(x[0, 0])) for u, v, x in edges if x.any()]
-    liveness, released = _liveness(moved, charges)
+    liveness, released, _ = _liveness(moved, charges)
     return ShardingProblem.one_each(compute, comm, memory, edges, aliases, liveness,
                                     [n.label for n in nodes], spare, running(moved), others,
                                     released)
@@ -393,9 +441,9 @@ def _aliased(space, node):
 
 def _liveness(space, charges: Charges) -> tuple:
     """(the liveness sets of ``space``, checked; what they release: (node, first, last,
-    bytes of the freed result per strategy)), found again for each problem (cheaper than
-    the pricing that asks for them), the nodes of ``charges``' gradient buffers and
-    values made once live always."""
+    bytes of the freed result per strategy); (node, result) -> that first time), found
+    again for each problem (cheaper than the pricing that asks for them), the nodes of
+    ``charges``' gradient buffers and values made once live always."""
     buffers = charges.buffers
     always = sorted(set(buffers) | set(buffers.values()) | charges.once)
     sets, freed = live_sets(space, always)
@@ -406,7 +454,8 @@ def _liveness(space, charges: Charges) -> tuple:
         released.append((v, first, last, [float(local_bytes([s.out_local_shapes[j]],
                                                              [o.dtype]))
                                           for s in nodes[v].strategies]))
-    return checked_liveness(sets, len(nodes)), released
+    return checked_liveness(sets, len(nodes)), released, \
+        {(v, j): first for v, j, first, _ in freed}
 
 
 def _tie_classes(nodes, share) -> list:

@@ -70,6 +70,8 @@ from pyscipopt import Model, quicksum
 from distgraph.errors import DoesNotFit, PlanError
 from distgraph.passes.search.layouts.ilp_bound import lp_bound, proven_gap
 from distgraph.passes.search.layouts.ilp_problem import ShardingProblem, evaluate, peak_memory
+from distgraph.passes.search.layouts.ilp_reduced import (Pair, Reduced, reduce_problem, spike,
+                                                         unique_rows)
 
 __all__ = ["ShardingProblem", "Solution", "evaluate", "peak_memory", "solve", "reduce_problem",
            "check_forbidden", "peak_bound"]
@@ -107,166 +109,11 @@ class Solution:
                 f"variables, {self.constraints} constraints")
 
 
-@dataclass
-class Pair:
-    """An interaction between two classes after reduction: compressed matrix and groups."""
-
-    u: int
-    v: int
-    cost: np.ndarray        # (row groups, column groups); inf = forbidden
-    rows: np.ndarray        # group of each strategy of u
-    cols: np.ndarray        # group of each strategy of v
-
-
-@dataclass
-class Reduced:
-    cls: np.ndarray                      # class of each node
-    cost: list[np.ndarray]               # per class, per strategy; inf = forbidden
-    pairs: list[Pair]
-    steps: list[dict[int, np.ndarray]]   # liveness: per changing step, class -> delta
-    memory: list[np.ndarray]             # per class, per strategy: members' memory summed
-    spikes: list = None                  # per step: (class, workspace) of the ops running
-    #                                      at its level, beside it
-    others: list = None                  # per further kind of process, its cost (as cost:
-    #                                      the same edge terms, its own nodes' seconds)
-
-
-def _classes(p: ShardingProblem) -> np.ndarray:
-    parent = list(range(p.n))
-
-    def root(v):
-        while parent[v] != v:
-            parent[v] = parent[parent[v]]
-            v = parent[v]
-        return v
-
-    ties = [(i, j) for i, j in enumerate(p.follow) if j != -1]
-    ties += [(g[0], v) for g in p.share for v in g[1:]]
-    for i, j in ties:
-        a, b = root(i), root(j)
-        if a != b:
-            parent[max(a, b)] = min(a, b)
-    roots = [root(v) for v in range(p.n)]
-    index = {r: c for c, r in enumerate(sorted(set(roots)))}
-    return np.array([index[r] for r in roots], dtype=np.intp)
-
-
-def reduce_problem(p: ShardingProblem) -> Reduced:
-    cls = _classes(p)
-    ncls = int(cls.max()) + 1 if p.n else 0
-    # the priced process's cost first, then each other kind's: the edge terms moved into
-    # the node costs below are every kind's
-    kinds = [[p.compute[v] + p.comm[v] for v in range(p.n)], *p.other_processes]
-    every = [[None] * ncls for _ in kinds]
-    for seconds, kind in zip(kinds, every):
-        for v in range(p.n):
-            c = cls[v]
-            kind[c] = seconds[v].copy() if kind[c] is None else kind[c] + seconds[v]
-    cost = every[0]
-    mats: dict[tuple[int, int], np.ndarray] = {}
-
-    def oriented(u, v, mat):
-        cu, cv = int(cls[u]), int(cls[v])
-        if cu == cv:
-            return cu, None
-        key = (cu, cv) if cu < cv else (cv, cu)
-        if key not in mats:
-            mats[key] = np.zeros((len(cost[key[0]]), len(cost[key[1]])))
-        return key, (mat if cu < cv else mat.T)
-
-    for u, v, mat in p.edges:
-        if mat.ndim == 1 and cls[u] != cls[v]:
-            raise PlanError(f"ShardingProblem: the edge {p.node(u)} -> {p.node(v)} gives its "
-                            f"diagonal only, but the two are not tied (follow/share)")
-        key, m = oriented(u, v, mat)
-        if m is None:
-            for kind in every:
-                kind[key] = kind[key] + (mat if mat.ndim == 1 else np.diag(mat))
-        else:
-            mats[key] += m
-    for u, v, forbid in p.aliases:
-        key, m = oriented(u, v, forbid)
-        if m is None:
-            for kind in every:
-                kind[key] = np.where(np.diag(forbid), np.inf, kind[key])
-        else:
-            mats[key] = np.where(m, np.inf, mats[key])
-    pairs = []
-    for (cu, cv), mat in mats.items():
-        if np.isfinite(mat).all():
-            a, b = mat[:, 0], mat[0, :] - mat[0, 0]
-            scale = max(1.0, float(np.abs(mat).max()))
-            if float(np.abs(mat - (a[:, None] + b[None, :])).max()) <= 1e-12 * scale:
-                for kind in every:
-                    kind[cu], kind[cv] = kind[cu] + a, kind[cv] + b
-                continue
-        uniq, rows = unique_rows(mat)
-        uniq, cols = unique_rows(uniq.T)
-        pairs.append(Pair(cu, cv, np.ascontiguousarray(uniq.T), rows, cols))
-    memory = [np.zeros(len(c)) for c in cost]
-    for v in range(p.n):
-        memory[cls[v]] = memory[cls[v]] + p.memory[v]
-    steps, spikes = _memory_steps(p, cls)
-    if len(every) > 1:      # a strategy forbidden to one kind of process is to all
-        for c in range(ncls):
-            barred = np.any([~np.isfinite(kind[c]) for kind in every], axis=0)
-            for kind in every:
-                kind[c] = np.where(barred, np.inf, kind[c])
-    return Reduced(cls, every[0], pairs, steps, memory, spikes, every[1:])
-
-
-def unique_rows(mat) -> tuple:
-    """(the distinct rows of ``mat`` in increasing lexicographic order, each row's index
-    among them): ``np.unique(mat, axis=0, return_inverse=True)``'s answer (rows equal as
-    floats are one, -0.0 and 0.0 alike), found by hashing rows rather than sorting them
-    all (a tenth of its time on the problems of a GPT block)."""
-    mat = np.ascontiguousarray(mat, dtype=float) + 0.0        # -0.0 -> 0.0
-    first: dict = {}
-    seen = np.array([first.setdefault(row.tobytes(), r) for r, row in enumerate(mat)],
-                    dtype=np.intp)
-    heads = np.fromiter(first.values(), dtype=np.intp, count=len(first))
-    order = np.lexsort(mat[heads].T[::-1]) if mat.shape[1] else np.arange(len(heads))
-    rank = np.empty(mat.shape[0], dtype=np.intp)
-    rank[heads[order]] = np.arange(len(heads))
-    return mat[heads[order]], rank[seen]
-
-
-def _memory_steps(p: ShardingProblem, cls: np.ndarray) -> tuple[list, list]:
-    """(the liveness's changing steps: class -> delta, and per step the workspaces of
-    the ops running at its level: (class, bytes per strategy))."""
-    steps, spikes, previous = [], [], set()
-    running = p.running if p.workspace is not None else ()
-    changes: dict = {}          # time -> [(node, bytes)]: what ``released`` frees, returns
-    for v, first, last, freed in p.released:
-        changes.setdefault(first, []).append((v, -freed))
-        changes.setdefault(last + 1, []).append((v, freed))
-    for t, live in enumerate(p.liveness):
-        current = set(live)
-        delta: dict[int, np.ndarray] = {}
-        for sign, nodes in ((1.0, current - previous), (-1.0, previous - current)):
-            for v in nodes:
-                c = int(cls[v])
-                delta[c] = delta.get(c, 0.0) + sign * p.memory[v]
-        for v, d in changes.get(t, ()):
-            c = int(cls[v])
-            delta[c] = delta.get(c, 0.0) + d
-        delta = {c: d for c, d in delta.items() if np.any(d)}
-        if delta or not steps:        # an unchanged level needs no new row
-            steps.append(delta)
-            spikes.append([])
-        previous = current
-        v = running[t] if running else -1
-        if v != -1 and np.any(p.workspace[v]):
-            spikes[-1].append((int(cls[v]), p.workspace[v]))
-    if steps and not steps[0] and not spikes[0]:
-        steps, spikes = steps[1:], spikes[1:]
-    return steps, spikes
-
-
 class _Model:
     """The SCIP model of a reduced problem, either minimising cost or the peak memory."""
 
-    def __init__(self, red: Reduced, budget: float | None, minimise_peak: bool):
+    def __init__(self, red: Reduced, budget: float | None, minimise_peak: bool,
+                 copies: bool = True):
         self.red = red
         self.scip = scip = Model()
         scip.hideOutput()
@@ -289,6 +136,7 @@ class _Model:
                     weight * float(x) * s for costs, row in zip(kind, self.s)
                     for x, s in zip(costs, row) if x and math.isfinite(x)) >= 0)
         self.e = [self._pair(pair, weight) for pair in red.pairs]
+        self.y = []         # (variable, reader's class, producer's class, bytes): copies
         m_prev = None
         self.unit = unit = _memory_unit(red)
         ub = budget / unit if budget is not None and not minimise_peak else None
@@ -304,14 +152,53 @@ class _Model:
             scip.addCons(quicksum(coef * x for coef, x in terms) == 0)
             if z is not None:
                 scip.addCons(z - m >= 0)
-            for c, work in spikes:      # a kernel's workspace beside the level
-                extra = quicksum(float(w) / unit * self.s[c][i] for i, w in enumerate(work)
-                                 if w)
-                if ub is not None:
-                    scip.addCons(m + extra <= ub)
-                if z is not None:
-                    scip.addCons(z - m - extra >= 0)
+            for c, work, read, own in spikes:       # beside the level (spike)
+                if ub is None and z is None:
+                    continue
+                if not copies:      # each copy at its least over its producer's choice
+                    for _, _, kept in read:
+                        work = work + (kept if kept.ndim == 1 else kept.min(axis=0))
+                    read = ()
+                sides = [quicksum(float(w) / unit * self.s[c][i] for i, w in enumerate(work)
+                                  if w) + quicksum(self._copy(c, cu, kept, unit)
+                                                   for cu, _, kept in read)]
+                if read:
+                    sides.append(quicksum(self._copy(c, cu, made, unit)
+                                          for cu, made, _ in read) -
+                                 quicksum(float(x) / unit * self.s[c][i]
+                                          for i, x in enumerate(own) if x))
+                for extra in sides:
+                    if ub is not None:
+                        scip.addCons(m + extra <= ub)
+                    if z is not None:
+                        scip.addCons(z - m - extra >= 0)
             m_prev = m
+
+    def _copy(self, c: int, cu: int, mat: np.ndarray, unit: float):
+        """The bytes (in the model's unit) of a copy read by a class-``c`` op from a
+        class-``cu`` result, ``mat[a][b]`` when ``cu`` takes ``a`` and ``c`` takes ``b``:
+        linear in ``c``'s choice where the two are one class (``mat`` per strategy), else
+        ``least + y`` with ``least`` the least entry and ``y >= 0`` held up to ``mat[a][b]
+        - least`` by one row per set of alike columns (one layout read): ``y >= top *
+        sum s_c[b] - sum_a (top - mat[a][b] + least) s_cu[a]``, ``top`` their largest
+        entry less ``least``. Exact at every pair (the other sets' rows are <= 0) and
+        sparse (a copy costs its reader's bytes except where the layouts agree)."""
+        scip, sv = self.scip, self.s[c]
+        if mat.ndim == 1:
+            return quicksum(float(x) / unit * sv[i] for i, x in enumerate(mat) if x)
+        su = self.s[cu]
+        least = float(mat.min())
+        y = scip.addVar(lb=0.0)
+        self.y.append((y, c, cu, (mat - least) / unit))
+        uniq, cols = unique_rows((mat.T - least) / unit)
+        for k, column in enumerate(uniq):
+            top = float(column.max())
+            if top <= 0:
+                continue
+            scip.addCons(y - quicksum(top * sv[b] for b in np.flatnonzero(cols == k))
+                         + quicksum(float(top - x) * su[a] for a, x in enumerate(column)
+                                    if top - x) >= 0)
+        return y + least / unit
 
     def _pair(self, pair: Pair, weight: float) -> dict:
         scip, su, sv = self.scip, self.s[pair.u], self.s[pair.v]
@@ -346,8 +233,10 @@ class _Model:
         level = peak = 0.0
         for delta, spikes, m in zip(red.steps, red.spikes, self.m):
             level += sum(float(d[per_class[c]]) for c, d in delta.items())
-            peak = max([peak, level] + [level + float(w[per_class[c]]) for c, w in spikes])
+            peak = max([peak, level] + [level + spike(per_class, *s) for s in spikes])
             scip.setSolVal(sol, m, max(level, 0.0) / self.unit)
+        for y, c, cu, held in self.y:
+            scip.setSolVal(sol, y, float(held[per_class[cu], per_class[c]]))
         if self.z is not None:
             scip.setSolVal(sol, self.z, peak / self.unit)
         if self.t is not None:
@@ -456,12 +345,19 @@ def solve(problem: ShardingProblem, time_limit: float = 60.0, starts=(),
         proven = _proven(problem, red, starts[0], start)
         if proven is not None:
             return proven
-    model = _Model(red, problem.memory_budget, minimise_peak=False)
     given = [[int(c[v]) for v in np.unique(red.cls, return_index=True)[1]] for c in starts]
-    for choice in _starts(red) + given:
-        model.warm_start(choice)
-    status = model.run(deadline)
-    choice = model.choice()
+    # the copies' rows only where the choice without them breaks the budget with them
+    # (without them the model is a relaxation: its optimum, where it fits, is the answer;
+    # most choices read their operands as made where memory binds)
+    for copies in (False, True) if _reads_copies(red, problem.memory_budget) else (True,):
+        model = _Model(red, problem.memory_budget, minimise_peak=False, copies=copies)
+        for choice in _starts(red) + given:
+            model.warm_start(choice)
+        status = model.run(deadline)
+        choice = model.choice()
+        if copies or choice is None or status == "infeasible" or \
+                peak_memory(problem, choice) <= problem.memory_budget * (1 + BUDGET_RTOL):
+            break
     if status == "infeasible":
         if problem.memory_budget is None:
             raise PlanError(CONFLICT)
@@ -480,6 +376,11 @@ def solve(problem: ShardingProblem, time_limit: float = 60.0, starts=(),
                     "optimal" if status == "optimal" else "time_limit", gap,
                     time.perf_counter() - start, peak_memory(problem, choice), variables,
                     constraints)
+
+
+def _reads_copies(red: Reduced, budget) -> bool:
+    """Whether a budget holds ``red``'s choices and one of its ops reads copies."""
+    return budget is not None and any(read for spikes in red.spikes for _, _, read, _ in spikes)
 
 
 def lower_bound(problem: ShardingProblem) -> float:
@@ -531,7 +432,7 @@ def _memory_unit(red: Reduced) -> float:
     SCIP's presolve cut off choices that fit: on a GPT-3 block it called 0.387 s optimal
     under a 12.1 GB budget while a choice of 0.0211 s peaking at 6.3 GB fit it."""
     largest = max([float(np.abs(d).max()) for delta in red.steps for d in delta.values()] +
-                  [float(np.max(w)) for spikes in red.spikes for _, w in spikes],
+                  [float(np.max(w)) for spikes in red.spikes for _, w, _, _ in spikes],
                   default=0.0)
     return 2.0 ** math.floor(math.log2(largest)) if largest > 0 else 1.0
 
@@ -551,7 +452,11 @@ def peak_bound(red: Reduced) -> float:
                 (0.0 if old is None else float(old[allowed[c]].min()))
             live[c] = new
         bound = max(bound, level)
-        for c, w in spikes:     # the running class's least level with its workspace
+        for c, w, copies, _ in spikes:
+            # the running class's least level with its workspace and its copies less
+            # what they free, each at its producer's least (at least what its op holds)
+            for cu, _, kept in copies:
+                w = w + (kept if kept.ndim == 1 else kept[allowed[cu]].min(axis=0))
             old = live.get(c)
             least = 0.0 if old is None else float(old[allowed[c]].min())
             with_work = w if old is None else old + w

@@ -25,6 +25,15 @@ communication time and a memory size (``compute[v][i]``, ``comm[v][i]``,
 - ``released``: ``(v, first, last, bytes)``: from liveness time ``first`` to ``last``
   node ``v`` (live then) holds ``bytes[i]`` less than ``memory[v][i]`` (a result of its
   op freed at its own last use while another is still live).
+- ``copies``: ``(u, v, C, F)``, each shaped as an edge's matrix: the copy of ``u``'s
+  result resharded into the layout ``v`` reads, ``C[i][j]`` bytes when ``u`` takes
+  ``i`` and ``v`` takes ``j`` (0 where ``v`` reads the layout as made: no reshard), and
+  ``F[i][j]`` the bytes of the result it was made from that are freed once it is made
+  (the result's last read; else 0). The partitioner makes each reshard a new array just
+  before its reader runs, so at ``v``'s time the live nodes are held with, beside them,
+  the larger of the copies made less ``v``'s own memory (its results not made yet) and
+  the copies with ``v``'s workspace less what they freed, where that is more (what a
+  copy frees below the live nodes is not counted: an original is held to its reader).
 - ``other_processes``: where the mesh's processes do not all pay alike (devices whose
   figures differ), one entry per further kind of process: per node, the seconds of each
   strategy there (its compute and collectives, as ``compute[v] + comm[v]`` are the
@@ -81,6 +90,7 @@ class ShardingProblem:
     running: Sequence[int] = ()
     other_processes: Sequence[Sequence[Sequence[float]]] = ()
     released: Sequence[tuple[int, int, int, Sequence[float]]] = ()
+    copies: Sequence[tuple[int, int, Any, Any]] = ()
 
     def __post_init__(self):
         counts = tuple(self.strategy_counts)
@@ -110,6 +120,10 @@ class ShardingProblem:
             self._vectors(f"other_processes[{k}]", rows)
             for k, rows in enumerate(self.other_processes)))
         _set(self, "released", self._released())
+        _set(self, "copies", self._copies())
+        # the nodes' own bytes, as given (with_held scales what micro-batches in flight
+        # keep; a reader's results not yet made are its own micro-batch's)
+        _set(self, "own", self.memory)
 
     def with_budget(self, budget: float | None) -> "ShardingProblem":
         """This problem with ``memory_budget`` = ``budget``, its other fields shared (a
@@ -201,12 +215,23 @@ class ShardingProblem:
 
     def beside(self, choice: Sequence[int]) -> np.ndarray:
         """The bytes at each liveness time under ``choice`` beyond the live nodes'
-        ``memory``: the running node's workspace, less what ``released`` frees."""
+        ``memory``: the running node's workspace and the copies it reads, less what
+        ``released`` frees."""
         out = np.zeros(len(self.liveness))
         if self.workspace is not None:
             for t, v in enumerate(self.running):
                 if v != -1:
                     out[t] = self.workspace[v][choice[v]]
+        if self.copies:
+            made, kept = {}, {}         # reader -> bytes of the copies; less what they free
+            for u, v, mat, freed in self.copies:
+                i, j = choice[u], choice[v]
+                at = j if mat.ndim == 1 else (i, j)
+                made[v] = made.get(v, 0.0) + float(mat[at])
+                kept[v] = kept.get(v, 0.0) + float(mat[at] - freed[at])
+            for t, v in enumerate(self.running):
+                if v in made:
+                    out[t] = max(0.0, made[v] - float(self.own[v][choice[v]]), out[t] + kept[v])
         for v, first, last, freed in self.released:
             out[first:last + 1] -= freed[choice[v]]
         return out
@@ -256,7 +281,8 @@ class ShardingProblem:
                                 "itself; an edge or alias joins two different nodes")
             arr = np.asarray(mat, dtype=np.float64)
             shape = (self.strategy_counts[u], self.strategy_counts[v])
-            if field == "edges" and arr.ndim == 1 and shape[0] == shape[1]:
+            if field in ("edges", "copies", "copies (freed)") and arr.ndim == 1 and \
+                    shape[0] == shape[1]:
                 shape = shape[:1]               # a tied pair's diagonal
             if arr.shape != shape:
                 raise PlanError(f"ShardingProblem: {field}[{k}] ({self.node(u)} -> "
@@ -275,6 +301,26 @@ class ShardingProblem:
             raise PlanError(f"ShardingProblem: {where} R[{i}][{j}] = {arr[i, j]}; expected a "
                             "number, or inf to forbid the pair")
         return arr
+
+    def _copies(self) -> tuple:
+        items = []
+        for k, item in enumerate(self.copies):
+            try:
+                u, v, mat, freed = item
+            except (TypeError, ValueError):
+                raise PlanError(f"ShardingProblem: copies[{k}] is {item!r}; expected "
+                                "(u, v, copy bytes, freed bytes)") from None
+            items.append((u, v, mat, freed))
+        made = self._matrices("copies", [(u, v, m) for u, v, m, _ in items], _bytes)
+        freed = self._matrices("copies (freed)", [(u, v, f) for u, v, _, f in items], _bytes)
+        for k, ((u, v, m), (_, _, f)) in enumerate(zip(made, freed)):
+            if m.shape != f.shape:
+                raise PlanError(f"ShardingProblem: copies[{k}] gives {m.shape} copy bytes but "
+                                f"{f.shape} freed bytes; give both for every pair")
+        if made and not len(self.running):
+            raise PlanError("ShardingProblem: copies are held while their reader runs, but "
+                            "running is empty; give the node running at each liveness time")
+        return tuple((u, v, m, f) for (u, v, m), (_, _, f) in zip(made, freed))
 
     @staticmethod
     def _alias_matrix(where: str, arr: np.ndarray) -> np.ndarray:
@@ -399,6 +445,8 @@ class ShardingProblem:
             problem._vectors(f"other_processes[{k}]", [[float(x)] for x in xs])
             for k, xs in enumerate(other_processes)))
         _set(problem, "released", problem._released())
+        _set(problem, "copies", ())
+        _set(problem, "own", problem.memory)
         return problem
 
 
@@ -508,6 +556,32 @@ def peak_memory(problem: ShardingProblem, choice: Sequence[int]) -> float:
     beside = problem.beside(c)
     return max((sum(map(at, live)) + float(w) for live, w in zip(problem.liveness, beside)),
                default=0.0)
+
+
+def largest_peak(problem: ShardingProblem) -> float:
+    """A bound no choice's :func:`peak_memory` exceeds: at each liveness time the live
+    nodes' largest memory, the running node's largest workspace and the largest of each
+    copy it reads (nothing released counted)."""
+    most = [float(np.max(m)) for m in problem.memory]
+    beside = np.zeros(len(problem.liveness))
+    read: dict = {}
+    for _, v, mat, _ in problem.copies:
+        read[v] = read.get(v, 0.0) + float(np.max(mat))
+    for t, v in enumerate(problem.running):
+        if v != -1:
+            work = float(np.max(problem.workspace[v])) if problem.workspace is not None else 0.0
+            beside[t] = work + read.get(v, 0.0)
+    return max((sum(most[v] for v in live) + float(b)
+                for live, b in zip(problem.liveness, beside)), default=0.0)
+
+
+def _bytes(where: str, arr: np.ndarray) -> np.ndarray:
+    bad = ~np.isfinite(arr) | (arr < 0)
+    if bad.any():
+        at = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise PlanError(f"ShardingProblem: {where} has {arr[at]} at {list(at)}; expected "
+                        "bytes, a finite number >= 0")
+    return arr
 
 
 def _check_choice(problem: ShardingProblem, choice: Sequence[int]) -> list[int]:

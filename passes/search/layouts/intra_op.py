@@ -30,11 +30,14 @@ The problem (:class:`~distgraph.passes.search.layouts.ilp_problem.ShardingProble
   the budget, and what an op keeps for its gradient beyond its results (``saved``:
   moe_ffn's routes); with micro-batches each gradient's buffer, always, in the layout
   the backward makes it in (:func:`~distgraph.passes.search.layouts.charges.
-  gradient_buffers`). Reshard buffers are not counted (they depend on two choices):
-  the planner checks the estimate (:mod:`distgraph.passes.fitting`), searching again with less.
-  With ``in_flight`` = k the activations saved for the backward count k times (a
-  pipeline stage holds them for each micro-batch in flight; the result is priced as
-  one micro-batch, :func:`held_peak` gives the weighted peak).
+  gradient_buffers`). With ``copies`` (the search without stages), each reshard's copy
+  beside its reader, less its original where that was the original's last read
+  (``ShardingProblem.copies``; a copy a later reader reuses only at its readers); the
+  stage search leaves copies out (with them Llama 3 405B row a planned in 476-595 s of
+  CPU, not 93 s). The planner checks the estimate (:mod:`distgraph.passes.fitting`),
+  searching again with less. With ``in_flight`` = k the activations saved for the
+  backward count k times (a stage holds them for each micro-batch in flight; the result
+  is priced as one micro-batch, :func:`held_peak` gives the weighted peak).
 
 The objective is the estimate (:func:`distgraph.passes.estimate`) of the plan the
 choice makes plus, for a Value resharded to one layout for several consumers (once by
@@ -69,7 +72,8 @@ from distgraph.passes.search.layouts.charges import (build_problem, fixed_proble
                                                     reused_reshards)
 from distgraph.passes.cost.layout_prices import LayoutPrices, layout_prices
 from distgraph.passes.search.layouts.ilp import Solution, solve
-from distgraph.passes.search.layouts.ilp_problem import ShardingProblem, evaluate, peak_memory
+from distgraph.passes.search.layouts.ilp_problem import (ShardingProblem, evaluate, largest_peak,
+                                                         peak_memory)
 from distgraph.passes.search.layouts.recursive import (METHODS, Descents, bisection_levels,
                                                        solve_recursive)
 from distgraph.passes.search.layouts.sharded_states import Zero, zero_params
@@ -327,7 +331,8 @@ def search(program, mesh: ProcessMesh, cluster, device_of: dict, *, ops=None,
            costs: LayoutPrices | None = None, refined=None, prove: bool = True,
            zero: Zero | None = None, session: Session | None = None,
            style: str | None = None, in_flight: int = 1,
-           bucket_mb: float | None = None) -> SearchResult:
+           bucket_mb: float | None = None, copies: bool = False,
+           limit: float | None = None) -> SearchResult:
     """Choose a strategy for every op (of ``ops``, default all) and source Value of
     ``program`` on ``mesh`` (module docstring). ``device_of``: process -> device global id
     of ``cluster``; ``weights``: op role -> times it runs per step (default 1);
@@ -360,7 +365,9 @@ def search(program, mesh: ProcessMesh, cluster, device_of: dict, *, ops=None,
     them once, as for one micro-batch; ``bucket_mb``: with ``Strategy(overlap=True)``,
     its buckets' size, the gradients' reductions into the update priced as the
     backward hides them (:func:`~distgraph.passes.search.layouts.buckets.overlapped`;
-    the report's ``hidden``)."""
+    the report's ``hidden``); ``copies``: count reshard copies (module docstring);
+    ``limit``: a device's bytes, the budget (or ``memory_budget`` where less) where a
+    choice could peak above it (:func:`largest_peak`)."""
     start = time.perf_counter()
     session = session or (costs.session if costs is not None else Session())
     boundary = boundary or Boundary()
@@ -371,7 +378,7 @@ def search(program, mesh: ProcessMesh, cluster, device_of: dict, *, ops=None,
     problems = session.table("search problems")
     key = (program, costs, _marks(program, ops), None if ops is None else tuple(ops), mesh,
            boundary, None if weights is None else tuple(weights.items()), loss, world,
-           tuple(blocks), live, zero, style)
+           tuple(blocks), live, zero, style, copies)
 
     def build() -> _Built:
         once = (weights or {}).get(Role.OPTIMIZE, 1) < (weights or {}).get(Role.BACKWARD, 1)
@@ -379,7 +386,7 @@ def search(program, mesh: ProcessMesh, cluster, device_of: dict, *, ops=None,
                             session=session, style=style, once=once, zero=zero)
         share = _shared_blocks(space, blocks)
         return _Built(space, share, _problem(space, costs, weights or {}, loss, world, None,
-                                             share, live, boundary, zero))
+                                             share, live, boundary, zero, copies))
     built = problems.memo(key, build)
     plain = built.problem
     if in_flight > 1:           # its own problem, and recursive descents, per count
@@ -389,6 +396,9 @@ def search(program, mesh: ProcessMesh, cluster, device_of: dict, *, ops=None,
             base, problem=base.problem.with_held(held_nodes(base.space, base.problem,
                                                             weights or {})[1], in_flight),
             descents=None))
+    if limit is not None and (memory_budget is None or limit < memory_budget) and \
+            largest_peak(built.problem) > limit:
+        memory_budget = limit
     space, share, problem = built.space, built.share, built.problem.with_budget(memory_budget)
     build_time = time.perf_counter() - start
     limit = max(time_limit - build_time, 0.1 * time_limit)
@@ -527,11 +537,11 @@ def _result(space, choice, problem, sol, build_time, memory_budget, share,
 
 
 def _problem(space, costs, weights, loss, world, budget, share, live,
-             boundary: Boundary, zero=None) -> ShardingProblem:
+             boundary: Boundary, zero=None, copies: bool = False) -> ShardingProblem:
     """The ILP of the search (module docstring; :func:`~distgraph.passes.search.layouts.charges.
     build_problem`)."""
     return build_problem(space, costs, weights, loss, world, budget, share, live,
-                         dict(boundary.settle), _tied_values(boundary), zero)
+                         dict(boundary.settle), _tied_values(boundary), zero, copies)
 
 
 def _tied_values(boundary: Boundary) -> dict:

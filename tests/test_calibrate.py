@@ -83,12 +83,11 @@ def test_steps_over_pairs_and_all_four_ranks_fit_a_cost_per_further_round(tmp_pa
     sizes = (4096, 65536, 1 << 20)
     steps = {}
     for kind in a:
-        steps[kind] = [(B, collective_time(kind, 4, B, whole.bandwidth, whole.latency)
+        steps[kind] = [(B, whole.seconds(kind, 4, B)
                         + a[kind] + 2 * r + b[kind] * B) for B in sizes]
-        steps[kind] += [(B, collective_time(kind, 2, B, pair.bandwidth, pair.latency)
+        steps[kind] += [(B, pair.seconds(kind, 2, B)
                          + a[kind] + b[kind] * B, 2) for B in sizes]
-    steps["all_to_allv"] = [(B, collective_time("all_to_all", 4, B, whole.bandwidth,
-                                                whole.latency) + 90e-6 + 2 * r)
+    steps["all_to_allv"] = [(B, whole.seconds("all_to_all", 4, B) + 90e-6 + 2 * r)
                             for B in (1 << 18, 1 << 20)]
     out = reshard_overheads(cluster, steps)
     assert out["all_reduce"] == pytest.approx((300.0, 0.4), rel=1e-4)

@@ -16,7 +16,6 @@ import dataclasses
 import numpy as np
 
 from distgraph.mesh import ProcessMesh
-from distgraph.passes.cost.formulas import collective_time
 from distgraph.placement import DistAttr, ShardSpec
 from distgraph.plan.kinds import ALL_TO_ALLV, RING_ROUND, StepKind
 
@@ -149,7 +148,7 @@ def _wire(kind: StepKind, n: int, nbytes: float, ring) -> float:
     alpha-beta, a send_recv's one message (alpha + bytes / bandwidth), a local step
     none."""
     if kind.is_collective:
-        return collective_time(kind, n, nbytes, ring.bandwidth, ring.latency)
+        return ring.seconds(kind, n, nbytes)
     if kind is StepKind.SEND_RECV:
         return ring.latency * 1e-6 + nbytes / (ring.bandwidth * 1e9)
     return 0.0

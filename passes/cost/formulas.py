@@ -29,6 +29,12 @@ cost model prices a step with both on its group's ring
 load over the peers it sends to and prices every pair on its own link with the same two
 functions (:mod:`distgraph.passes.mapping.process_graph`).
 
+The ring is what NCCL runs on GPUs. MPI (the CPU runtime) runs other algorithms, whose
+bytes per process are the same but which send other shares of them across machines:
+:func:`mpi_cut` counts the bytes on the busiest direction between two machines, as
+MPICH sends them, and :class:`Cuts` scales the ring's slowest hop by them
+(:meth:`~distgraph.passes.cost.prices.Ring.seconds`).
+
 An op that pipelines its collectives with its compute in K identical slices (MeshSlice)
 takes :func:`pipeline_time`: each slice passes stages that use different resources (the
 links of one mesh dim, the processor, the links of the other), so slice k's compute
@@ -49,6 +55,8 @@ Example::
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 from distgraph.errors import PlanError
 from distgraph.plan.kinds import COLLECTIVES, StepKind, collective_bytes  # noqa: F401
@@ -95,6 +103,132 @@ def collective_time(kind, n: int, nbytes: float, bandwidth_GBps: float,
     messages, sent = ring_load(kind, n, nbytes)
     alpha, beta = link_rates(bandwidth_GBps, latency_us)
     return alpha * messages + beta * sent
+
+
+# MPICH's switch points for the nonblocking collectives the CPU runtime calls (bytes of
+# the module table's B): an all-reduce of at most SHORT_ALL_REDUCE runs recursive
+# doubling, a longer one Rabenseifner's; an all-gather below LONG_ALL_GATHER recursive
+# doubling, a longer one the ring (:func:`mpi_cut`)
+SHORT_ALL_REDUCE = 2048
+LONG_ALL_GATHER = 512 * 1024
+
+
+def mpi_cut(kind, machines, nbytes: float) -> float:
+    """Bytes the busiest direction between two machines carries while MPICH (the
+    ``mpich`` wheel the CPU runtime uses) runs a collective of ``kind`` on a buffer of
+    ``nbytes`` (the module table's B) over a group whose members, in communicator order,
+    run on ``machines`` (a machine id each), as the runtime calls it (nonblocking). Each
+    step's pairs send at once, the steps one after another:
+
+    - all-reduce: Rabenseifner's, a reduce-scatter by recursive halving then an
+      all-gather by recursive doubling, nearest partner first: step j exchanges
+      B / 2^(j+1) with the member 2^j away, so the steps that cross machines carry the
+      smallest pieces (two machines of two: B per direction, the ring 1.5 B). At most
+      ``SHORT_ALL_REDUCE`` bytes: recursive doubling, the whole B at every step.
+    - reduce-scatter (``Ireduce_scatter_block``): pairwise exchange, n - 1 steps in
+      which member q sends its B / n for member q + i (two of two: B, the ring 0.75 B).
+    - all-gather: below ``LONG_ALL_GATHER``, recursive doubling, nearest first, the
+      pieces doubling (the last, largest steps cross); else the ring.
+    - a group whose size is not a power of two (MPICH folds the extra members in
+      first), and any other kind: the ring (:func:`ring_cut`).
+
+    Measured on the emulated 2 x 2 cluster (1 Gbit/s between the machines, 2026-11-28),
+    seconds over the ring's wire seconds, 64 KiB to 8 MiB: all-reduce 0.66-0.78 (this
+    count: 0.67), reduce-scatter 1.21-1.42 (1.33), all-gather 1.31 at 256 KiB (1.33),
+    0.95-1.06 from 1 MiB (1); the bytes a machine sends are ``tests/test_mpi_cuts.py``'s.
+
+    >>> two_by_two = (0, 0, 1, 1)
+    >>> mpi_cut("all_reduce", two_by_two, 1e6), ring_cut("all_reduce", two_by_two, 1e6)
+    (1000000.0, 1500000.0)
+    """
+    kind = StepKind.parse(kind)
+    n = len(machines)
+    if n & (n - 1) or kind not in (StepKind.ALL_REDUCE, StepKind.REDUCE_SCATTER,
+                                   StepKind.ALL_GATHER):
+        return ring_cut(kind, machines, nbytes)
+    halving = [1 << j for j in range(n.bit_length() - 1)]      # partners' distances
+    if kind is StepKind.ALL_REDUCE and nbytes <= SHORT_ALL_REDUCE:
+        steps = [[(q, q ^ d, 1.0) for q in range(n)] for d in halving]
+    elif kind is StepKind.ALL_REDUCE:      # the halving's steps, then the same mirrored
+        steps = 2 * [[(q, q ^ d, 1 / (2 * d)) for q in range(n)] for d in halving]
+    elif kind is StepKind.REDUCE_SCATTER:
+        steps = [[(q, (q + i) % n, 1 / n) for q in range(n)] for i in range(1, n)]
+    elif nbytes < LONG_ALL_GATHER:
+        steps = [[(q, q ^ d, d / n) for q in range(n)] for d in halving]
+    else:
+        return ring_cut(kind, machines, nbytes)
+    return _busiest(steps, machines) * nbytes
+
+
+def ring_cut(kind, machines, nbytes: float) -> float:
+    """Bytes the busiest direction between two machines carries while the ring of the
+    cost model runs a collective of ``kind`` (:func:`ring_load`'s bytes, sent by every
+    member to the next; an all-reduce in its two passes) over members on ``machines``."""
+    kind = StepKind.parse(kind)
+    n = len(machines)
+    _, sent = ring_load(kind, n, nbytes)
+    return _busiest([[(q, (q + 1) % n, sent / nbytes if nbytes else 0.0)
+                      for q in range(n)]], machines) * nbytes
+
+
+def _busiest(steps, machines) -> float:
+    """The share of B the busiest direction between two machines carries over ``steps``
+    (each a list of (sender, receiver, share of B) sent at once), step after step."""
+    total = 0.0
+    for step in steps:
+        load: dict = {}
+        for src, dst, share in step:
+            a, b = machines[src], machines[dst]
+            if a != b:
+                load[a, b] = load.get((a, b), 0.0) + share
+        total += max(load.values(), default=0.0)
+    return total
+
+
+class Cuts(NamedTuple):
+    """:func:`mpi_cut` over :func:`ring_cut` of one group, by kind and size: what scales
+    the ring's bytes on its slowest hop into MPI's (:func:`mpi_cuts`)."""
+
+    all_reduce: float
+    all_reduce_short: float
+    reduce_scatter: float
+    all_gather_short: float
+
+    def ratio(self, kind, nbytes: float) -> float:
+        """The ratio for a step of ``kind`` on a buffer of ``nbytes``; 1 for the kinds
+        MPI sends as the ring does."""
+        kind = StepKind.parse(kind)
+        if kind is StepKind.ALL_REDUCE:
+            return self.all_reduce_short if nbytes <= SHORT_ALL_REDUCE else self.all_reduce
+        if kind is StepKind.REDUCE_SCATTER:
+            return self.reduce_scatter
+        if kind is StepKind.ALL_GATHER and nbytes < LONG_ALL_GATHER:
+            return self.all_gather_short
+        return 1.0
+
+
+def mpi_cuts(machines) -> Cuts | None:
+    """:class:`Cuts` of a group of CPU processes on ``machines`` (:func:`mpi_cut`); None
+    where MPI sends the ring's bytes: a group on one machine (every pair one speed, and
+    every algorithm sends the ring's bytes per process) or of a size not a power of two.
+
+    >>> mpi_cuts((0, 0, 1, 1))
+    Cuts(all_reduce=0.6666666666666666, all_reduce_short=1.3333333333333333, \
+reduce_scatter=1.3333333333333333, all_gather_short=1.3333333333333333)
+    >>> mpi_cuts((0, 0, 0, 0)) is None, mpi_cuts((0, 1, 2)) is None
+    (True, True)
+    """
+    n = len(machines)
+    if len(set(machines)) < 2 or n & (n - 1):
+        return None
+
+    def ratio(kind, nbytes):
+        return mpi_cut(kind, machines, nbytes) / ring_cut(kind, machines, nbytes)
+
+    return Cuts(ratio(StepKind.ALL_REDUCE, SHORT_ALL_REDUCE + 1.0),
+                ratio(StepKind.ALL_REDUCE, SHORT_ALL_REDUCE),
+                ratio(StepKind.REDUCE_SCATTER, 1.0),
+                ratio(StepKind.ALL_GATHER, 1.0))
 
 
 def pipeline_time(slices: int, stages) -> float:

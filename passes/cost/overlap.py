@@ -6,7 +6,7 @@ micro-batch. Each reduction costs the processor the copies of its software
 (:func:`~.prices.software_time`'s part per byte: packing, sums; and, inside one machine
 of CPUs, the transfer itself, which the processes copy themselves) where it starts; the
 rest runs while the backward computes: its alpha-beta time on the wires
-(:func:`~.formulas.collective_time` on its group's ring) and its software's part per
+(:meth:`~.prices.Ring.seconds` on its group's ring) and its software's part per
 step, the wait at each round for the neighbour to reach it (with more ranks than cores,
 a descheduled neighbour's), which the rank spends computing instead of waiting; a
 bucket's reductions start together, so their group meets once for all of them: the bucket
@@ -37,7 +37,6 @@ import bisect
 from distgraph.ir import Role
 from distgraph.plan.buckets import (gradient_buckets, overlapping, prefetch_groups,
                                     prefetch_unit, prefetchable, prefetching)
-from distgraph.passes.cost.formulas import collective_time
 from distgraph.passes.cost.prices import reshard_step_time, software_time
 from distgraph.passes.cost.stage import bucket_terms, exposed
 
@@ -101,7 +100,7 @@ def wire_seconds(kind, n: int, nbytes: float, ring, device) -> float:
     waits = waits_seconds(kind, n, device)
     if ring.copied:
         return waits
-    return waits + collective_time(kind, n, nbytes, ring.bandwidth, ring.latency)
+    return waits + ring.seconds(kind, n, nbytes)
 
 
 def _waits(step, pid: int, rings) -> float:

@@ -24,7 +24,11 @@ member's NIC (a data-parallel ring over 4 DGX nodes crosses at 8 GPUs, over 8 HC
 devices the file links across machines directly, has one network: its links stand for
 the one machine link they share (the emulated clusters). Groups of CPUs inside one
 machine are marked ``copied``: shared-memory transfers are the processes' own copies (a
-sliced pipeline counts them as processor time).
+sliced pipeline counts them as processor time). Groups of CPUs over several machines
+carry their ``cuts``: MPI (the CPU runtime's) does not run the ring, and its all-reduce,
+reduce-scatter and short all-gather put other bytes on the links between machines
+(:func:`~.formulas.mpi_cut`), which scale the bytes on the ring's slowest hop
+(:meth:`Ring.seconds`, every price of a collective's wire).
 
 Example::
 
@@ -40,7 +44,8 @@ import numpy as np
 
 from distgraph import dtypes
 from distgraph.passes.cost.compute import gemm_seconds, gemm_shape
-from distgraph.passes.cost.formulas import collective_time, link_rates, pipeline_time
+from distgraph.passes.cost.formulas import (Cuts, collective_time, link_rates, mpi_cuts,
+                                             pipeline_time)
 from distgraph.plan.kinds import ALL_TO_ALLV, RING_ROUND, StepKind
 from distgraph.registry import VIEWS, get_op, op_work
 
@@ -118,12 +123,24 @@ def feed_time(nbytes: int, device) -> float:
 
 class Ring(NamedTuple):
     """A group's ring as its collectives see it (module docstring): ``bandwidth`` GB/s
-    and ``latency`` µs of its slowest hop (inf and 0 for a group on one device), and
-    ``copied``: CPUs inside one machine, whose transfers the processes copy themselves."""
+    and ``latency`` µs of its slowest hop (inf and 0 for a group on one device),
+    ``copied``: CPUs inside one machine, whose transfers the processes copy themselves,
+    and ``cuts``: CPUs over several machines, whose MPI collectives put other bytes than
+    the ring on the links between them (:func:`~.formulas.mpi_cuts`; None: the ring's)."""
 
     bandwidth: float
     latency: float
     copied: bool
+    cuts: Cuts | None = None
+
+    def seconds(self, kind, n: int, nbytes: float) -> float:
+        """The alpha-beta seconds of a collective of ``kind`` over the ``n`` members on a
+        buffer of ``nbytes`` (:func:`~.formulas.collective_time`), its bytes on the
+        slowest hop as the runtime's library sends them (``cuts``)."""
+        bandwidth = self.bandwidth
+        if self.cuts is not None:
+            bandwidth /= self.cuts.ratio(kind, nbytes)
+        return collective_time(kind, n, nbytes, bandwidth, self.latency)
 
 
 def groups_along(mesh, dims) -> list:
@@ -248,8 +265,9 @@ class Rings:
                                                       1.0) for a, b in hops])
                 bw, lat = float(bws.min()), float(lats.max())
             cpu = all(cluster.device(d).type == "CPU" for d in devices)
-            one = len({self._machine(d) for d in devices}) == 1
-            self._rings[key] = Ring(bw, lat, cpu and one)
+            machines = tuple(self._machine(d) for d in devices)
+            one = len(set(machines)) == 1
+            self._rings[key] = Ring(bw, lat, cpu and one, mpi_cuts(machines) if cpu else None)
         return self._rings[key]
 
 
@@ -303,8 +321,7 @@ def mesh_step_time(kind: StepKind, n: int, nbytes: float, ring, device) -> float
     or a group of one): :func:`reshard_step_time` of such a step, from its figures alone.
     """
     if kind.is_collective and n > 1:
-        return collective_time(kind, n, nbytes, ring.bandwidth, ring.latency) + \
-            software_time(device, kind, nbytes, n)
+        return ring.seconds(kind, n, nbytes) + software_time(device, kind, nbytes, n)
     # over one process a collective meets no one: the runtime runs it as a local step
     return software_time(device, StepKind.SLICE if kind.is_collective else kind, nbytes, n)
 
@@ -399,8 +416,7 @@ def op_collective_time(kind: str, n: int, nbytes: float, ring: Ring, device) -> 
     kind and buffer pays on ``device``."""
     if n == 1:
         return 0.0
-    return (collective_time(kind, n, nbytes, ring.bandwidth, ring.latency)
-            + software_time(device, kind, nbytes, n))
+    return ring.seconds(kind, n, nbytes) + software_time(device, kind, nbytes, n)
 
 
 def op_comm_time(collectives, ring: Ring, device, scale: float = 1.0) -> float:
@@ -426,10 +442,10 @@ def overlap_time(ov, device, ring_of, compute_time=None) -> tuple[float, float]:
         for kind, dim, n, nbytes in collectives:
             if n == 1:
                 continue
-            bw, lat, copied = ring_of(dim)
-            t = collective_time(kind, n, nbytes, bw, lat)
-            processor += sliced_software_time(device, kind, nbytes, n) + (t if copied else 0.0)
-            if not copied:
+            ring = ring_of(dim)
+            t = ring.seconds(kind, n, nbytes)
+            processor += sliced_software_time(device, kind, nbytes, n) + (t if ring.copied else 0.0)
+            if not ring.copied:
                 per_dim[dim] = per_dim.get(dim, 0.0) + t
         return max(per_dim.values(), default=0.0)
 
@@ -445,8 +461,7 @@ def collectives_time(ov, device, ring_of) -> float:
     total = 0.0
     for kind, dim, n, nbytes in ov.before + ov.after:
         if n > 1:
-            bw, lat, _ = ring_of(dim)
-            total += (collective_time(kind, n, nbytes, bw, lat)
+            total += (ring_of(dim).seconds(kind, n, nbytes)
                       + sliced_software_time(device, kind, nbytes, n))
     return ov.slices * total
 
@@ -484,8 +499,7 @@ def _message_time(step, process: int, rings: Rings, scale: float = 1.0) -> float
     if not step.kind.is_collective or step.group_size == 1:
         return 0.0
     ring = rings.along(step.mesh, process, step.mesh_dim)
-    return collective_time(step.kind, step.group_size, step.buffer_bytes * scale,
-                           ring.bandwidth, ring.latency)
+    return ring.seconds(step.kind, step.group_size, step.buffer_bytes * scale)
 
 
 def _nbytes(t) -> int:

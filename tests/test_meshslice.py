@@ -19,8 +19,8 @@ import distgraph as dg  # noqa: E402
 from distgraph.ops import meshslice as meshslice_op  # noqa: E402
 from distgraph.ops.meshslice import (LocalMeshSlice, overlap, put_slice,  # noqa: E402
                                      take_slice)
-from distgraph.passes.cost.formulas import collective_time, pipeline_time  # noqa: E402
-from distgraph.passes.cost.prices import (Rings, best_overlap, device_rates,  # noqa: E402
+from distgraph.passes.cost.formulas import collective_time, mpi_cuts, pipeline_time  # noqa: E402
+from distgraph.passes.cost.prices import (Ring, Rings, best_overlap, device_rates,  # noqa: E402
                                           op_time, overlap_time, software_time)
 from distgraph.passes.meshslice.slices import local_op  # noqa: E402
 from distgraph.passes.meshslice.autotune import (BACKWARD, GEMMS, gemm_shapes,  # noqa: E402
@@ -285,7 +285,7 @@ def test_a_meshslice_step_counts_the_bytes_the_plan_counts(kind, float64):
 def test_one_slice_hides_nothing_and_k_slices_follow_the_pipeline_formula():
     cluster = dg.Cluster.from_file(EMULATED)
     device = cluster.device(0)
-    rings = {"x": (0.125, 100.0, False), "y": (10.0, 1.0, True)}
+    rings = {"x": Ring(0.125, 100.0, False), "y": Ring(10.0, 1.0, True)}
     ins = (TensorType((64, 256), "float32"), TensorType((256, 128), "float32"))
     outs = (TensorType((64, 128), "float32"),)
     before = (("all_gather", "y", 2, 64 * 256 * 4), ("all_gather", "x", 2, 256 * 128 * 4))
@@ -372,10 +372,12 @@ def test_groups_of_a_mesh_dim_that_cross_the_same_machines_share_their_link():
     it once each way: all of it. Inside a machine, CPU ranks copy (processor time)."""
     cluster = S.grid_cluster(fast=20.0, slow=1.0)
     rings = Rings(cluster, {p: p for p in range(4)}.__getitem__)
-    assert rings.along(MESH, 0, "x") == (0.5, 1.0, False)
-    assert rings.along(MESH, 0, "y") == (20.0, 1.0, True)
+    assert rings.along(MESH, 0, "x") == (0.5, 1.0, False, None)
+    assert rings.along(MESH, 0, "y") == (20.0, 1.0, True, None)
     line = dg.ProcessMesh([[0, 1, 2, 3]], ["x", "y"])
-    assert rings.along(line, 0, "y") == (1.0, 1.0, False)
+    # MPI's all-reduce sends that ring two thirds of the ring's bytes between the machines
+    assert rings.along(line, 0, "y") == (1.0, 1.0, False, mpi_cuts((0, 0, 1, 1)))
+    assert rings.along(line, 0, "y").cuts.all_reduce == pytest.approx(2 / 3)
 
 
 def test_the_search_chooses_meshslice_where_slow_links_make_overlap_pay_and_prices_it_as_the_estimate():

@@ -210,13 +210,14 @@ class Cuts(NamedTuple):
 def mpi_cuts(machines) -> Cuts | None:
     """:class:`Cuts` of a group of CPU processes on ``machines`` (:func:`mpi_cut`); None
     where MPI sends the ring's bytes: a group on one machine (every pair one speed, and
-    every algorithm sends the ring's bytes per process) or of a size not a power of two.
+    every algorithm sends the ring's bytes per process), of a size not a power of two,
+    or whose every algorithm sends what the ring does (a pair).
 
     >>> mpi_cuts((0, 0, 1, 1))
     Cuts(all_reduce=0.6666666666666666, all_reduce_short=1.3333333333333333, \
 reduce_scatter=1.3333333333333333, all_gather_short=1.3333333333333333)
-    >>> mpi_cuts((0, 0, 0, 0)) is None, mpi_cuts((0, 1, 2)) is None
-    (True, True)
+    >>> mpi_cuts((0, 0, 0, 0)) is None, mpi_cuts((0, 1, 2)) is None, mpi_cuts((0, 1)) is None
+    (True, True, True)
     """
     n = len(machines)
     if len(set(machines)) < 2 or n & (n - 1):
@@ -225,10 +226,11 @@ reduce_scatter=1.3333333333333333, all_gather_short=1.3333333333333333)
     def ratio(kind, nbytes):
         return mpi_cut(kind, machines, nbytes) / ring_cut(kind, machines, nbytes)
 
-    return Cuts(ratio(StepKind.ALL_REDUCE, SHORT_ALL_REDUCE + 1.0),
+    cuts = Cuts(ratio(StepKind.ALL_REDUCE, SHORT_ALL_REDUCE + 1.0),
                 ratio(StepKind.ALL_REDUCE, SHORT_ALL_REDUCE),
                 ratio(StepKind.REDUCE_SCATTER, 1.0),
                 ratio(StepKind.ALL_GATHER, 1.0))
+    return None if set(cuts) == {1.0} else cuts
 
 
 def pipeline_time(slices: int, stages) -> float:

@@ -26,7 +26,7 @@ def _differs(a: float, b: float, within: float) -> bool:
 def op_works() -> dict:
     """{op type: [units of work of each op of that type in the probe programs]}."""
     out: dict = {}
-    for program, _ in _probe_programs():
+    for program, _, _ in _probe_programs():
         for op in program.ops:
             out.setdefault(op.type, []).append(op_work(
                 op.type, [TensorType(v.shape, v.dtype) for v in op.inputs],

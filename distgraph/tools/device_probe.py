@@ -11,8 +11,8 @@ Every probe keeps the fastest of its runs (module :mod:`distgraph.tools.calibrat
 - ``op_costs``: per op type, ``(µs per call, ns per unit of work)`` fitted (least
   squares, both >= 0) to every op of GPT, MLP, Llama and Mixtral training steps at
   three sizes, timed
-  one by one in distgraph's executor, and scaled to the steps' measured totals (see
-  :func:`op_costs`); work is an op's FLOPs for a matmul and the
+  one by one in distgraph's bare runner, and scaled to the steps the training executor
+  runs (see :func:`op_costs`); work is an op's FLOPs for a matmul and the
   elements it reads and writes otherwise (:func:`distgraph.registry.op_work`). It
   captures what FLOPs miss: transcendental functions (GELU's tanh, softmax's exp), views
   that move nothing, small matmuls far below the GEMM rate.
@@ -39,10 +39,12 @@ from distgraph.nn.layers import GPT, MLP, CrossEntropyLoss, MSELoss
 from distgraph.nn.llama import Llama, LlamaConfig
 from distgraph.nn.mixtral import Mixtral, MixtralConfig
 from distgraph.optim import Adam
+from distgraph.passes.planner import plan
 from distgraph.program_builder import build_program
 from distgraph.registry import TensorType, op_work
 from distgraph.runtime.backend import NUMPY
 from distgraph.runtime.execution.executor import ProgramRunner
+from distgraph.runtime.execution.runner import PlanRunner
 from distgraph.trace import InputSpec
 
 BANDWIDTH_BYTES = 32 * 2**20       # per array: well past the caches
@@ -161,8 +163,8 @@ def op_costs(repeats: int = 3, steps: int = 5, sync=None, xb=NUMPY,
     """{op type: (µs per call, ns per unit of work)} on this process's backend ``xb``
     (numpy, or CuPy: the GPU's, each op timed to the end of its kernels; module docstring).
 
-    The fit takes each op's fastest time of the runs (the executor's own work for the
-    op included: the ops' times add up to the step). The fastest of each op, not of
+    The fit takes each op's fastest time of the runs (the bare runner's own work for
+    the op included: the ops' times add up to its step). The fastest of each op, not of
     whole steps: an op of microseconds to a millisecond often runs undisturbed on a
     machine that other processes load, a step of milliseconds rarely, and the fastest is
     what the device does when they leave it alone, the same run after run; how ranks
@@ -172,28 +174,46 @@ def op_costs(repeats: int = 3, steps: int = 5, sync=None, xb=NUMPY,
     training. With ``window`` > 0 the costs are instead scaled so that they add up to
     the mean of as many steps as fit in ``window`` seconds run back to back after one
     ``sync``: the sustained rate of ranks that share cores or a CPU quota (the emulated
-    clusters), all computing."""
+    clusters), all computing.
+
+    The ops are timed one by one in the bare runner
+    (:class:`~distgraph.runtime.execution.executor.ProgramRunner`); training runs them
+    through the executor that also keeps the plan's bookkeeping per instruction (the
+    carrier's liveness, the memory ledger: a serial plan's
+    :class:`~distgraph.runtime.execution.runner.PlanRunner`), so the measured total of
+    a program is its fastest step through that executor (its sustained mean with
+    ``window``). Measured on this 2-core machine (one process, 2026-11-28): the twelve
+    probe programs' fastest steps through it took 0.97-1.41 x the bare runner's (median
+    1.11; the small ones most: 1.26-1.41 for the fewest ops of microseconds)."""
     from scipy.optimize import nnls
 
     samples: dict = {}
     totals = []
     programs = list(_probe_programs(xb))
-    fastest = [np.full(len(program.ops), np.inf) for program, _ in programs]
-    for _, run in programs:
+    fastest = [np.full(len(program.ops), np.inf) for program, _, _ in programs]
+    trained = np.full(len(programs), np.inf)     # whole steps, the training executor's
+    for _, run, train in programs:
         run([])                                        # warm-up
+        train()
     # the programs in turn, round after round: each op's runs spread over the whole
     # probe, so that a spell of load on the machine slows few of them
     for _ in range(repeats * steps):
-        for k, (_, run) in enumerate(programs):
+        for k, (_, run, train) in enumerate(programs):
             timings: list = []
             if sync is not None:
                 sync()
             run(timings)
             fastest[k] = np.minimum(fastest[k], timings)
-    for (program, run), seconds in zip(programs, fastest):
+            if window <= 0:
+                if sync is not None:
+                    sync()
+                start = time.perf_counter()
+                train()
+                trained[k] = min(trained[k], time.perf_counter() - start)
+    for (program, _, train), seconds, step in zip(programs, fastest, trained):
         works = [_work(op) for op in program.ops]
-        totals.append((program, works, float(np.sum(seconds)) if window <= 0 else
-                       _sustained_step(run, window, sync)))
+        totals.append((program, works, step if window <= 0 else
+                       _sustained_step(train, window, sync)))
         for op, w, t in zip(program.ops, works, seconds):
             samples.setdefault(op.type, []).append((w, float(t)))
     fitted = {}
@@ -213,13 +233,13 @@ def op_costs(repeats: int = 3, steps: int = 5, sync=None, xb=NUMPY,
 
 
 def _sustained_step(run, window: float, sync=None) -> float:
-    """Mean seconds of ``run``'s step over as many steps as fit in ``window`` seconds,
+    """Mean seconds of a step ``run()`` over as many steps as fit in ``window`` seconds,
     back to back after one ``sync`` (see :func:`op_costs`)."""
     if sync is not None:
         sync()
     count, start = 0, time.perf_counter()
     while True:
-        run([])             # timed as the fitted ops were (a GPU's to the end of each op)
+        run()
         count += 1
         elapsed = time.perf_counter() - start
         if elapsed >= window:
@@ -232,7 +252,10 @@ def _work(op) -> float:
 
 
 def _probe_programs(xb=NUMPY):
-    """(program, run(timings)) of the training steps op_costs times, on backend ``xb``."""
+    """(program, run(timings), train()) of the training steps op_costs times, on backend
+    ``xb``: ``run`` times each op in the bare runner, ``train`` runs one step of the same
+    program, from the same state, through the training executor (a serial plan's
+    :class:`~distgraph.runtime.execution.runner.PlanRunner`)."""
 
     rng = np.random.default_rng(0)
     cases = []
@@ -259,13 +282,19 @@ def _probe_programs(xb=NUMPY):
         optimizer = Adam(1e-3)
         built = build_program(model, [InputSpec(x.shape, str(x.dtype), x_name)],
                               [InputSpec(y.shape, str(y.dtype), y_name)], loss, optimizer)
-        scope = {n: p.numpy() for n, p in model.named_parameters()}
-        scope.update(optimizer.initial_state(built.program))
-        scope = {n: xb.from_host(a) for n, a in scope.items()}
+        initial = {n: p.numpy() for n, p in model.named_parameters()}
+        initial.update(optimizer.initial_state(built.program))
+        scope = {n: xb.from_host(a) for n, a in initial.items()}
+        trainer = PlanRunner(plan(built), None, backend=xb)
+        state = trainer.shard_scope(initial)
         runner = ProgramRunner(built.program, xp=xb.xp)
         feed = {x_name: xb.from_host(x), y_name: xb.from_host(y)}
 
         def run(timings, runner=runner, scope=scope, feed=feed, fetch=[built.loss_name]):
             runner.run(scope, feed, fetch, 0, timings=timings, device_sync=xb.synchronize)
 
-        yield built.program, run
+        def train(trainer=trainer, state=state, feed={x_name: x, y_name: y}):
+            trainer.run(state, feed, 0)
+            xb.synchronize()
+
+        yield built.program, run, train

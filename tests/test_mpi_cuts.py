@@ -2,8 +2,8 @@
 (root only; :func:`~distgraph.passes.cost.formulas.mpi_cut`): each machine's network
 counter, read around one collective of the CPU runtime on 4 ranks of the emulated 2 x 2
 cluster, against what the cost model prices on the ring's slowest hop (the ring's bytes
-scaled by the group's :class:`~distgraph.passes.cost.formulas.Cuts`), where the ring
-alone would be a third to a half off."""
+scaled by the group's :class:`~distgraph.passes.cost.formulas.Cuts`), where the ring's
+own count is a quarter under or half over."""
 
 import json
 

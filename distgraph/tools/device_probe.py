@@ -255,7 +255,8 @@ def _probe_programs(xb=NUMPY):
     """(program, run(timings), train()) of the training steps op_costs times, on backend
     ``xb``: ``run`` times each op in the bare runner, ``train`` runs one step of the same
     program, from the same state, through the training executor (a serial plan's
-    :class:`~distgraph.runtime.execution.runner.PlanRunner`)."""
+    :class:`~distgraph.runtime.execution.runner.PlanRunner`, planned at its first step:
+    a caller that reads only the programs plans nothing)."""
 
     rng = np.random.default_rng(0)
     cases = []
@@ -285,16 +286,19 @@ def _probe_programs(xb=NUMPY):
         initial = {n: p.numpy() for n, p in model.named_parameters()}
         initial.update(optimizer.initial_state(built.program))
         scope = {n: xb.from_host(a) for n, a in initial.items()}
-        trainer = PlanRunner(plan(built), None, backend=xb)
-        state = trainer.shard_scope(initial)
         runner = ProgramRunner(built.program, xp=xb.xp)
         feed = {x_name: xb.from_host(x), y_name: xb.from_host(y)}
 
         def run(timings, runner=runner, scope=scope, feed=feed, fetch=[built.loss_name]):
             runner.run(scope, feed, fetch, 0, timings=timings, device_sync=xb.synchronize)
 
-        def train(trainer=trainer, state=state, feed={x_name: x, y_name: y}):
-            trainer.run(state, feed, 0)
+        made: dict = {}     # the serial plan's runner and state, at the first step
+
+        def train(built=built, initial=initial, feed={x_name: x, y_name: y}, made=made):
+            if not made:
+                made["runner"] = PlanRunner(plan(built), None, backend=xb)
+                made["state"] = made["runner"].shard_scope(initial)
+            made["runner"].run(made["state"], feed, 0)
             xb.synchronize()
 
         yield built.program, run, train

@@ -169,6 +169,18 @@ FLOP_BOUND = ("matmul", "moe_ffn", "moe_ffn_grad", "attention", "attention_grad"
 VIEWS = ("reshape", "split", "slice", "broadcast_to")
 
 
+def cast_cost_key(src: str, dst: str) -> str:
+    """A device's ``op_costs`` entry (µs per call, ns per element) for turning an array of
+    ``src`` into one of ``dst``: what a CPU pays to widen a 16-bit operand to float32
+    and round a float32 result back (numpy has no 16-bit kernels; bfloat16's casts are
+    ml_dtypes' loops, rounding about five times widening's cost per element)."""
+    return f"cast {src}->{dst}"
+
+
+CAST_COSTS = tuple(cast_cost_key(a, b) for h in HALF_DTYPES
+                   for a, b in ((h, "float32"), ("float32", h)))
+
+
 def op_work(op_type: str, ins, outs, attrs) -> float:
     """The amount a device's time for one op grows with: FLOPs for a dense contraction,
     else the elements of its operands and results (TensorTypes, local shapes). Cost

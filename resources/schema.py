@@ -22,6 +22,7 @@ from dataclasses import replace
 
 from distgraph.ops import registered_ops     # the package: every op registered
 from distgraph.plan.kinds import RING_ROUND
+from distgraph.registry import CAST_COSTS
 from distgraph.resources.elements import (COMPUTE_TYPES, OVERLAP_EXPECTED, RESERVE_EXPECTED,
                                           SOFTWARE_KINDS, Device, DeviceMesh, GemmCurve,
                                           InvalidCluster, Link, LinkGroup, Machine, Overlaps,
@@ -359,12 +360,14 @@ def reserved_memory(reader: Reader, d: dict, dkey: str, memory: float) -> float 
 
 
 def _op_costs(reader: Reader, d: dict, dkey: str):
-    """A device's ``op_costs``: {op type: [µs per call, ns per unit of work]}, or None."""
+    """A device's ``op_costs``: {op type: [µs per call, ns per unit of work]}, or None;
+    also the casts a CPU makes around 16-bit operands (:func:`~distgraph.registry.
+    cast_cost_key`: ``cast bfloat16->float32``, µs per call and ns per element)."""
     raw = reader.get(d, "op_costs", dkey, default=None)
     if raw is None:
         return None
     key = join(dkey, "op_costs")
-    known = registered_ops()
+    known = {*registered_ops(), *CAST_COSTS}
     costs = {}
     for op_type, pair in reader.mapping(raw, key, known, "a mapping of op type to "
                                         "[µs per call, ns per unit of work]").items():

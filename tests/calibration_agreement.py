@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from distgraph.passes.cost.compute import gemm_seconds
 from distgraph.passes.cost.prices import software_time
-from distgraph.registry import TensorType, op_work
-from distgraph.tools.device_probe import _probe_programs
+from distgraph.registry import CAST_COSTS, TensorType, op_work
+from distgraph.tools.device_probe import CAST_SIZES, _probe_programs
 from distgraph.tools.gemm_probe import CPU_SHAPES
 from distgraph.tools.step_probe import RESHARD_BYTES
 
@@ -24,13 +24,15 @@ def _differs(a: float, b: float, within: float) -> bool:
 
 
 def op_works() -> dict:
-    """{op type: [units of work of each op of that type in the probe programs]}."""
+    """{op type: [units of work of each op of that type in the probe programs]}, and
+    for each cast the probe times, the elements it casts."""
     out: dict = {}
     for program, _, _ in _probe_programs():
         for op in program.ops:
             out.setdefault(op.type, []).append(op_work(
                 op.type, [TensorType(v.shape, v.dtype) for v in op.inputs],
                 [TensorType(v.shape, v.dtype) for v in op.outputs], op.attrs))
+    out.update({key: list(CAST_SIZES) for key in CAST_COSTS})    # elements cast
     return out
 
 

@@ -16,6 +16,7 @@ import pytest
 
 import distgraph as dg
 from calibration_agreement import disagreements
+from distgraph.registry import CAST_COSTS
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +35,7 @@ def test_a_calibration_writes_measured_figures_and_a_gemm_curve(calibrated):
     assert calibrated.calibration["ranks"] == 2 and calibrated.calibration["cores"] >= 1
     for d in calibrated.devices:
         assert d.gemm is not None and d.gemm.units == 1 and d.gflops["float32"] > 0
-        assert {"matmul", "add", "softmax", "layer_norm"} <= set(d.op_costs)
+        assert {"matmul", "add", "softmax", "layer_norm", *CAST_COSTS} <= set(d.op_costs)
         assert {"all_reduce", "all_gather", "slice"} <= set(d.reshard_overhead)
         # the share of an all-reduce the ranks hid behind GEMMs, tested between them
         assert 0 <= d.overlap_efficiency <= 1

@@ -3,6 +3,7 @@ launch cost, communication as the alpha-beta of the rings the groups use (groups
 cross between machines at once sharing the network), stages in sequence, memory as the
 executor's live set at its peak."""
 
+import numpy as np
 import pytest
 
 import distgraph as dg
@@ -288,6 +289,63 @@ def test_measured_op_costs_and_reshard_overheads_replace_the_roofline(float64, t
     bad = {**data["machines"][0]["devices"][0], "op_costs": {"add": [1]}}
     with pytest.raises(dg.ResourceFileError, match="two"):
         dg.Cluster.from_dict({"machines": [{"hostname": "a", "devices": [bad]}]})
+
+
+def test_a_cpu_pays_the_casts_around_every_op_on_16_bit_operands():
+    """On a CPU the executor widens each bfloat16 operand to float32 and rounds each
+    bfloat16 result back, around every op that does not take them as they are: an amp
+    plan's compute is priced with those casts at the device's measured cost of each
+    direction (without one, at their bytes' memory bandwidth), a cast op by its
+    direction, and a GPU (which computes in 16 bits) pays none of them."""
+    from distgraph.passes.cost.prices import op_time
+    from distgraph.registry import TensorType, cast_cost_key, get_op
+
+    widen, round_ = [1.5, 0.25], [2.5, 0.75]         # µs per call, ns per element
+
+    def device(kind, casts):
+        costs = {cast_cost_key("bfloat16", "float32"): widen,
+                 cast_cost_key("float32", "bfloat16"): round_} if casts else {}
+        return dg.Cluster.from_dict({"machines": [{"hostname": "a", "devices": [
+            {"global_id": 0, "type": kind, "memory": 1, "gflops": {"float32": GFLOPS},
+             "memory_bandwidth": MEM_BW, "op_overhead": OVERHEAD,
+             "op_costs": {"matmul": [3.0, 0.5], **costs}}]}]})
+
+    built = build_program(MLP(), [dg.InputSpec([8, 8], name="x")],
+                          [dg.InputSpec([8, 4], name="y")], dg.nn.MSELoss(), dg.optim.SGD(0.1),
+                          amp="bfloat16")
+    p = dg.passes.plan(built, dg.Strategy(amp="bfloat16"))
+    ops = p.local(0).program.ops
+    expected = 0.0
+    for op in ops:
+        if op.type == "cast" or get_op(op.type).takes_16bit:
+            continue
+        for values, (a, b) in ((op.inputs, widen), (op.outputs, round_)):
+            # measured, against the 2 + 4 bytes an element at the memory bandwidth
+            expected += sum(a * 1e-6 + (b * 1e-9 - 6 / (MEM_BW * 1e9)) * np.prod(v.shape)
+                            for v in values if v.dtype == "bfloat16")
+    assert expected > 0
+    casts = [op for op in ops if op.type == "cast" and {op.inputs[0].dtype,
+                                                         op.outputs[0].dtype} ==
+             {"float32", "bfloat16"}]
+    assert casts
+    cast_ops = {"CPU": 0.0, "GPU": 0.0}     # what the cast ops' measured costs change
+    for op in casts:
+        cost = widen if op.inputs[0].dtype == "bfloat16" else round_
+        tt = [TensorType(v.shape, v.dtype) for v in (op.inputs[0], op.outputs[0])]
+        elements = int(np.prod(op.outputs[0].shape))
+        assert op_time("cast", tt[:1], tt[1:], op.attrs, device("CPU", True).devices[0]) \
+            == pytest.approx(OVERHEAD * 1e-6 + cost[0] * 1e-6 + cost[1] * 1e-9 * elements,
+                             rel=1e-12)
+        for kind in cast_ops:
+            cast_ops[kind] += op_time("cast", tt[:1], tt[1:], op.attrs,
+                                      device(kind, True).devices[0]) - op_time(
+                "cast", tt[:1], tt[1:], op.attrs, device(kind, False).devices[0])
+    compute = {(kind, casts): dg.passes.estimate(p, device(kind, casts)).processes[0].compute
+               for kind in ("CPU", "GPU") for casts in (True, False)}
+    assert compute["CPU", True] - compute["CPU", False] == pytest.approx(
+        expected + cast_ops["CPU"], rel=1e-9)
+    assert compute["GPU", True] - compute["GPU", False] == pytest.approx(cast_ops["GPU"],
+                                                                         rel=1e-9)
 
 
 def test_software_cost_of_a_step_grows_with_its_buffer(float64):

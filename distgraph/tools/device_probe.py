@@ -15,7 +15,9 @@ Every probe keeps the fastest of its runs (module :mod:`distgraph.tools.calibrat
   runs (see :func:`op_costs`); work is an op's FLOPs for a matmul and the
   elements it reads and writes otherwise (:func:`distgraph.registry.op_work`). It
   captures what FLOPs miss: transcendental functions (GELU's tanh, softmax's exp), views
-  that move nothing, small matmuls far below the GEMM rate.
+  that move nothing, small matmuls far below the GEMM rate. On numpy it also holds
+  the casts between float32 and each 16-bit dtype (:func:`cast_costs`), which the
+  executor makes around every op on 16-bit operands.
 
 ``distgraph cluster calibrate`` writes all three into each device of the resource file.
 Each takes the array backend ``xb`` it measures: numpy (this CPU, the default) or CuPy
@@ -41,7 +43,8 @@ from distgraph.nn.mixtral import Mixtral, MixtralConfig
 from distgraph.optim import Adam
 from distgraph.passes.planner import plan
 from distgraph.program_builder import build_program
-from distgraph.registry import TensorType, op_work
+from distgraph.dtypes import HALF_DTYPES, numpy_dtype
+from distgraph.registry import TensorType, cast_cost_key, op_work
 from distgraph.runtime.backend import NUMPY
 from distgraph.runtime.execution.executor import ProgramRunner
 from distgraph.runtime.execution.runner import PlanRunner
@@ -52,6 +55,7 @@ PROBES = 5                         # runs per repeat of a probe whose fastest is
 CHUNKS = 16                        # parts of the arrays the memory bandwidth is timed on
 CALL_SHARE = 0.05                  # the most of a timed chunk its call may take
 MOST_BANDWIDTH_BYTES = 2**30       # per array: where the probe stops growing them
+CAST_SIZES = (2**10, 2**13, 2**15, 2**17, 2**19)    # elements: a weight's to a layer's
 
 
 def memory_bandwidth_gbps(repeats: int = 3, xb=NUMPY, nbytes: int = BANDWIDTH_BYTES,
@@ -228,8 +232,46 @@ def op_costs(repeats: int = 3, steps: int = 5, sync=None, xb=NUMPY,
     scale = float(np.median([measured / sum(fitted[op.type][0] + fitted[op.type][1] * w
                                            for op, w in zip(program.ops, works))
                              for program, works, measured in totals]))
-    return {op_type: (round(a * scale * 1e6, 4), round(b * scale * 1e9, 6))
-            for op_type, (a, b) in fitted.items()}
+    costs = {op_type: (round(a * scale * 1e6, 4), round(b * scale * 1e9, 6))
+             for op_type, (a, b) in fitted.items()}
+    if xb.xp is np:
+        costs.update(cast_costs(repeats * steps, sync))
+    return costs
+
+
+def cast_costs(runs: int = 15, sync=None) -> dict:
+    """{:func:`~distgraph.registry.cast_cost_key`: (µs per call, ns per element)} of
+    numpy's casts between float32 and each 16-bit dtype, both ways: what the executor
+    adds around an op on 16-bit operands on a CPU (``call_kernel``: widened to float32,
+    the results rounded back). Each size's fastest of ``runs`` (``sync`` before each
+    round, as :func:`op_costs`), fitted as :func:`op_costs` fits an op type. Not scaled
+    to the training executor's steps: a cast inside an op is one numpy call, not an
+    instruction."""
+    from scipy.optimize import nnls
+
+    rng = np.random.default_rng(0)
+    arrays = {n: rng.normal(size=n).astype(np.float32) for n in CAST_SIZES}
+    pairs = [(src, dst) for h in HALF_DTYPES for src, dst in ((h, "float32"), ("float32", h))]
+    sources = {(src, dst, n): (arrays[n] if src == "float32" else
+                               arrays[n].astype(numpy_dtype(src)))
+               for src, dst in pairs for n in CAST_SIZES}
+    fastest = dict.fromkeys(sources, np.inf)
+    for _ in range(runs):
+        if sync is not None:
+            sync()
+        for (src, dst, n), a in sources.items():
+            target = numpy_dtype(dst)
+            start = time.perf_counter()
+            a.astype(target)
+            fastest[src, dst, n] = min(fastest[src, dst, n], time.perf_counter() - start)
+    out = {}
+    sizes = np.array(CAST_SIZES, dtype=float)
+    for src, dst in pairs:
+        t = np.array([fastest[src, dst, n] for n in CAST_SIZES])
+        (alpha, beta), _ = nnls(np.stack([np.ones_like(sizes), sizes], axis=1), t)
+        out[cast_cost_key(src, dst)] = (round(float(alpha) * 1e6, 4),
+                                        round(float(beta) * 1e9, 6))
+    return out
 
 
 def _sustained_step(run, window: float, sync=None) -> float:

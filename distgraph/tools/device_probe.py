@@ -37,13 +37,13 @@ import time
 
 import numpy as np
 
+from distgraph.dtypes import HALF_DTYPES, numpy_dtype
 from distgraph.nn.layers import GPT, MLP, CrossEntropyLoss, MSELoss
 from distgraph.nn.llama import Llama, LlamaConfig
 from distgraph.nn.mixtral import Mixtral, MixtralConfig
 from distgraph.optim import Adam
 from distgraph.passes.planner import plan
 from distgraph.program_builder import build_program
-from distgraph.dtypes import HALF_DTYPES, numpy_dtype
 from distgraph.registry import TensorType, cast_cost_key, op_work
 from distgraph.runtime.backend import NUMPY
 from distgraph.runtime.execution.executor import ProgramRunner
@@ -165,7 +165,8 @@ MOE_EXPERTS = dict(num_local_experts=4, num_experts_per_tok=2)
 def op_costs(repeats: int = 3, steps: int = 5, sync=None, xb=NUMPY,
              window: float = 0.0) -> dict:
     """{op type: (µs per call, ns per unit of work)} on this process's backend ``xb``
-    (numpy, or CuPy: the GPU's, each op timed to the end of its kernels; module docstring).
+    (numpy, or CuPy: the GPU's, each op timed to the end of its kernels; module docstring),
+    and on numpy the casts' (:func:`cast_costs`).
 
     The fit takes each op's fastest time of the runs (the bare runner's own work for
     the op included: the ops' times add up to its step). The fastest of each op, not of

@@ -101,6 +101,7 @@ from itertools import combinations
 from distgraph.errors import PlanError
 from distgraph.ir import Role
 from distgraph.plan.accumulation import made_once
+from distgraph.plan.kinds import TaskKind
 from distgraph.passes.cost.held import action_holds, kernels_keep, run_order
 from distgraph.passes.cost.overlap import bucket_seconds, prefetch_seconds, prefetched_order
 from distgraph.passes.cost.stage import (buffers_by_action, held_by_action, in_flight,
@@ -576,10 +577,15 @@ def _combine(plan, processes, update_time, counts) -> Estimate:
         upd = {s: update_time[p.process] for s, p in slowest.items()}
         per_mb = {s: (p.busy - upd[s]) / counts[p.process] for s, p in slowest.items()}
         # with v chunks per stage (interleaved 1F1B, ZBV's two) the pipeline fills and
-        # drains one chunk at a time (the accountant's step_time)
+        # drains one chunk at a time (the accountant's step_time); a zero-bubble
+        # schedule runs the weight gradients (W) where the others idle
         virtual = 2 if plan.strategy.schedule == "ZBV" else plan.strategy.virtual_stages
+        weights = [sum(t.compute + t.communication for t in p.tasks
+                       if t.kind == TaskKind.BACKWARD_WEIGHT.value) / counts[p.process]
+                   for p in slowest.values()]
         total = step_time(list(per_mb.values()), [counts[p.process] for p in slowest.values()],
-                          virtual, plan.strategy.schedule, list(upd.values()))
+                          virtual, plan.strategy.schedule, list(upd.values()),
+                          weights if any(weights) else None)
     bottleneck = max(processes, key=lambda p: p.busy)
     return Estimate(total, bottleneck.compute, bottleneck.communication,
                     max(total - bottleneck.busy, 0.0), tuple(processes))

@@ -8,7 +8,9 @@ price with these and nothing else:
   ``sum t + (M - 1) max t`` with one chunk per stage (``last`` is ``1 / v`` under
   interleaved 1F1B: the last micro-batch drains a chunk, not a stage, after the one
   before it; Narayanan et al., SC'21). Stages that run their own number of micro-batches
-  (an uneven batch split) take ``max_s (M_s - last) t_s``.
+  (an uneven batch split) take ``max_s (M_s - last) t_s``. A zero-bubble schedule (ZB,
+  ZBV) runs its weight gradients where the fill and drain would idle: given each
+  stage's W seconds, every stage but the slowest fills for ``t - 2 w``.
 - :func:`in_flight`: the micro-batches stage ``s`` of ``S`` holds at once under a
   schedule: all ``M`` under FThenB (every forward before any backward), ``min(M, S -
   s)`` under the others (1F1B and its kin start a micro-batch's backward once the stages
@@ -54,22 +56,41 @@ from distgraph.errors import PlanError
 from distgraph.plan.buckets import MB
 from distgraph.units import GB
 
+ZERO_BUBBLE = ("ZB", "ZBV")         # schedules that split the backward into I and W
+
 
 def step_time(times, micro_batches, virtual: int = 1, schedule: str = "1F1B",
-              updates=(0.0,)) -> float:
+              updates=(0.0,), weights=None) -> float:
     """Seconds of a step whose stages take ``times`` per micro-batch (forward and
     backward, transfers included) and ``updates`` once a step (the update, the values
     made once): ``sum t / v + max_s (M_s - last) t_s + max update`` (module docstring);
     ``micro_batches``: M, or one count per stage (an uneven split); ``virtual``: chunks
-    per stage."""
+    per stage.
+
+    ``weights``: each stage's weight-gradient seconds per micro-batch (of ``times``),
+    where a zero-bubble schedule (ZB, ZBV: the backward split into I and W) runs them in
+    what would be the fill and drain's idle time: a stage other than the slowest fills
+    and drains for ``t - 2 w`` instead of ``t`` (Qi et al. 2023, ZB-H1: a bubble of
+    ``(S - 1)(F + I - W)``), and its last micro-batch drains a chunk (``last = 1 / v``).
+    On stages alike this is the replay of the schedule distgraph runs
+    (:func:`~distgraph.passes.pipeline.schedule.make_schedule`) to the last bit; on
+    stages 0.7-1.3 x apart within 15% of it, as the 1F1B form is
+    (tests/test_one_price.py). Without ``weights`` (the stage searches, whose prices do
+    not split a backward's seconds) the form of 1F1B with one chunk draining last."""
     counts = micro_batches if isinstance(micro_batches, (list, tuple)) else \
         [micro_batches] * len(times)
-    last = 1 / virtual if schedule == "1F1B" else 1
+    split = weights is not None and schedule in ZERO_BUBBLE
+    last = 1 / virtual if schedule == "1F1B" or split else 1
     if len(set(counts)) == 1:       # as (M - last) max t: the same float as below
         drain = (counts[0] - last) * max(times)
     else:
         drain = max((m - last) * t for m, t in zip(counts, times))
-    return sum(times) / virtual + drain + max(updates)
+    fill = sum(times)
+    if split:
+        slowest = max(range(len(times)), key=lambda s: times[s])
+        fill = sum(max(t - 2 * w, 0.0) for t, w in zip(times, weights)) + \
+            2 * weights[slowest]
+    return fill / virtual + drain + max(updates)
 
 
 def finishes(buckets) -> list:

@@ -20,7 +20,7 @@ sys.path.insert(0, HERE)
 import distgraph as dg  # noqa: E402
 from distgraph.ir import Role  # noqa: E402
 from distgraph.plan.buckets import MB, gradient_buckets  # noqa: E402
-from distgraph.passes.cost.stage import finishes  # noqa: E402
+from distgraph.passes.cost.exposed import finishes  # noqa: E402
 from distgraph.runtime.comm.simulated import SimulatedWorld  # noqa: E402
 
 import parallelize_cases as C  # noqa: E402

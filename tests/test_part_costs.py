@@ -5,8 +5,8 @@ stages) or absent, on random parts."""
 import numpy as np
 import pytest
 
-from distgraph.passes.cost.stage import (Timeline, bucket_terms, exposed, exposed_rows,
-                                         stage_cost, stage_costs)
+from distgraph.passes.cost.exposed import Timeline, bucket_terms, exposed, exposed_rows
+from distgraph.passes.cost.stage import stage_cost, stage_costs
 from distgraph.plan.buckets import MB, cut
 from distgraph.passes.search.stages.part_cost import PartCost
 from distgraph.units import GB

@@ -31,7 +31,7 @@ communication and bubble, and peak memory per process.
   the ops after the backward (the update, in the order the backward made its
   gradients) wait for of their wires, once a step
   (:mod:`~distgraph.passes.cost.overlap`, the accountant's
-  :func:`~distgraph.passes.cost.stage.finishes`); under ZeRO-3 each parameter gather
+  :func:`~distgraph.passes.cost.exposed.finishes`); under ZeRO-3 each parameter gather
   started a layer ahead pays its software's copies and what its reader still waits for
   of it after the layer before computed.
 - **Step**: processes meet at every collective, so a stage takes as long as its busiest

@@ -12,7 +12,7 @@ a descheduled neighbour's), which the rank spends computing instead of waiting; 
 bucket's reductions start together, so their group meets once for all of them: the bucket
 pays the largest of their waits per group, each reduction its own alpha-beta. The wires
 carry one collective at a time, in the order they start (a ZeRO-3 gather the backward
-prefetched included, :func:`~.stage.finishes`). After the backward's last op, each op
+prefetched included, :func:`~.exposed.finishes`). After the backward's last op, each op
 waits for the buckets of the reductions it reads: the update, whose ops run in the order
 the backward made their gradients (:meth:`~distgraph.optim.Optimizer.append_update`), so
 that the first bucket reduced is the first updated, and the update computes while the
@@ -38,7 +38,7 @@ from distgraph.ir import Role
 from distgraph.plan.buckets import (gradient_buckets, overlapping, prefetch_groups,
                                     prefetch_unit, prefetchable, prefetching)
 from distgraph.passes.cost.prices import reshard_step_time, software_time
-from distgraph.passes.cost.stage import bucket_terms, exposed
+from distgraph.passes.cost.exposed import bucket_terms, exposed
 
 
 def bucket_seconds(plan, local, pid: int, rings, scale, op_seconds: dict,

@@ -21,7 +21,7 @@ Which module decides what:
 | every op's layout on a mesh | ``layouts/intra_op.py`` | Alpa's ILP (``ilp.py`` on SCIP, ``ilp_bound.py``), MindSpore's double recursion (``recursive.py``, ``tree_moves.py``) |
 | what a framework runs (``Strategy(target=...)``) | ``layouts/space.py`` (weights' and feeds' layouts), ``stages/even.py`` (even splits), here (the (dp, tp) shapes of a search without stages) | :mod:`distgraph.plan.styles`'s predicate, shared with ``plan.export`` |
 | what a layout costs | ``layouts/costs.py``, ``charges.py``, ``liveness.py``, ``sharded_states.py`` | the cost model's prices (:mod:`distgraph.passes.cost`) on each strategy |
-| what the backward hides (one mesh, ``overlap=True``) | ``layouts/buckets.py`` | the choice's gradient buckets priced by the accountant (:func:`~distgraph.passes.cost.stage.exposed`); searched again where it pays less |
+| what the backward hides (one mesh, ``overlap=True``) | ``layouts/buckets.py`` | the choice's gradient buckets priced by the accountant (:func:`~distgraph.passes.cost.exposed.exposed`); searched again where it pays less |
 
 Every memo of one planning lives in its :class:`~distgraph.passes.session.Session`
 (the planner makes one per ``plan`` call; ``choose`` makes one when given none), in at

@@ -9,8 +9,8 @@ the estimate prices what stays exposed (:func:`~distgraph.passes.cost.overlap.
 bucket_seconds`). Here the same buckets are found on the search's nodes (the reductions
 into the update of gradients the backward makes: one all-reduce or reduce-scatter each,
 in the order the backward makes them, cut at ``bucket_mb``) and priced by the same
-accountant (:func:`~distgraph.passes.cost.stage.exposed_seconds`, the rule of
-:func:`~distgraph.passes.cost.stage.exposed`): each reduction's copies on the processor
+accountant (:func:`~distgraph.passes.cost.exposed.exposed_seconds`, the rule of
+:func:`~distgraph.passes.cost.exposed.exposed`): each reduction's copies on the processor
 and its wire seconds (:func:`~distgraph.passes.cost.overlap.wire_seconds`) at each kind
 of process, the backward's ops at their seconds there, and the ops after the backward
 waiting for the buckets they read.
@@ -37,7 +37,7 @@ from distgraph.ir import Role
 from distgraph.plan.buckets import REDUCTIONS
 from distgraph.passes.cost.overlap import waits_seconds, wire_seconds
 from distgraph.passes.cost.prices import mesh_step_time
-from distgraph.passes.cost.stage import Timeline, exposed_seconds
+from distgraph.passes.cost.exposed import Timeline, exposed_seconds
 from distgraph.passes.search.layouts.charges import distinct_operands, reused_reshards
 from distgraph.passes.transforms.zero import zero_split
 from distgraph.passes.search.layouts.ilp import lower_bound
@@ -225,7 +225,7 @@ def _reductions(space, problem, choice, costs, zero) -> list:
 
 def _terms(reduction, prices) -> tuple:
     """(seconds, wire, waits, group) of a reduction of :func:`_reductions` at the process
-    ``prices`` prices, as :func:`~distgraph.passes.cost.stage.bucket_terms` takes them
+    ``prices`` prices, as :func:`~distgraph.passes.cost.exposed.bucket_terms` takes them
     (its group: its mesh dim, one group per process on one mesh)."""
     kind, dim, n, nbytes = reduction[2]
     ring = prices.ring_of(dim)

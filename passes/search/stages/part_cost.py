@@ -38,7 +38,7 @@ class PartCost:
     processes pay unlike, ``time`` at each kind of process (the priced one first;
     ``time`` is their largest), () where all pay alike. ``timeline``: its backward as
     the gradient buckets see it, where the plan reduces gradients during the backward
-    (:class:`~distgraph.passes.cost.stage.Timeline`; ``update`` and
+    (:class:`~distgraph.passes.cost.exposed.Timeline`; ``update`` and
     ``time`` price its reductions whole, a stage's price what its buckets leave
     exposed: :func:`~distgraph.passes.cost.stage.stage_cost`)."""
 

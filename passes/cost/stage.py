@@ -113,6 +113,13 @@ def in_flight(schedule: str, micro_batches: int, stages: int, stage: int,
     return min(micro_batches, stages - stage)
 
 
+def flights(schedule: str, micro_batches: int, stages: int) -> np.ndarray:
+    """:func:`in_flight` of a stage with ``s`` stages from it to the last (itself
+    included) at index ``s`` = 0 .. ``stages``: how the stage DPs, which build a pipeline
+    from its last stage, count a stage's micro-batches (one chunk per stage)."""
+    return np.array([in_flight(schedule, micro_batches, s, 0) for s in range(stages + 1)])
+
+
 def held_by_action(order, after_forward: dict, after_input: dict) -> list:
     """The bytes the other micro-batches hold while the process runs each action of
     ``order``, in order: a chunk's micro-batch holds ``after_forward[chunk]`` from its F
@@ -168,14 +175,14 @@ def held(one: float, further: float, count: float, micro_batches: int | None = N
 
 
 def priced_stages(options, parts: list, micro_batches: int, sends: float = 0.0,
-                  virtual: int = 1) -> tuple[list, list, list]:
+                  virtual: int = 1, schedule: str = "1F1B") -> tuple[list, list, list]:
     """([seconds per micro-batch], [GB], [update seconds once a step]) of the
     ``len(parts)`` stages of a pipeline of
     stage ``options`` (one per stage, or one for all; each with ``cost(E?, blocks,
     H?)``, :meth:`~distgraph.passes.search.stages.run_options.RunOption.cost`), stage s
     holding ``parts[s]`` = (E or its share, blocks, H or its share): its parts' seconds
     and its :func:`transfers`' share (``sends``), and its memory with the micro-batches
-    1F1B keeps in flight there."""
+    ``schedule`` keeps in flight there (:func:`in_flight`)."""
     S = len(parts)
     if not isinstance(options, (list, tuple)):
         options = [options] * S
@@ -186,7 +193,7 @@ def priced_stages(options, parts: list, micro_batches: int, sends: float = 0.0,
             times.append(price.seconds + transfers(sends, s == 0, s == S - 1, virtual))
         else:
             times.append(price.seconds + transfers(sends, first, last))
-        memories.append(held(price.one, price.further, in_flight("1F1B", micro_batches, S, s,
+        memories.append(held(price.one, price.further, in_flight(schedule, micro_batches, S, s,
                                                                  virtual),
                              micro_batches, price.before))
         updates.append(price.update)

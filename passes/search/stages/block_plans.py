@@ -58,7 +58,7 @@ def plan_blocks(costs, cluster, micro_batches: int = 1, virtual: int = 1,
     if costs.strategy.target is not None:      # a framework's stages: split evenly
         return plan_even(costs, cluster, micro_batches, below)
     count, blocks = costs.layering.count, costs.blocks
-    p2p = costs.p2p_seconds
+    p2p, schedule = costs.p2p_seconds, costs.strategy.schedule
     chunks = [2 ** k for k in range(1, int(math.log2(max(virtual, 1))) + 1)]
 
     def best_of(options, plan, bound=below):
@@ -70,12 +70,13 @@ def plan_blocks(costs, cluster, micro_batches: int = 1, virtual: int = 1,
                 plan, latency = found, found[0].objective
         try:
             plain = None
-            fits = _fitting_alike(options, count, blocks, cluster, micro_batches, p2p)
+            fits = _fitting_alike(options, count, blocks, cluster, micro_batches, p2p,
+                                  schedule)
             if fits < latency:      # a plan the DP can make: its caps pruned from the start
                 plain = plan_runs(count, blocks, options, cluster, micro_batches, p2p=p2p,
-                                  below=fits * (1 + 1e-9))
+                                  below=fits * (1 + 1e-9), schedule=schedule)
             plain = plain or plan_runs(count, blocks, options, cluster, micro_batches,
-                                       p2p=p2p, below=latency)
+                                       p2p=p2p, below=latency, schedule=schedule)
         except PlanError:           # nothing fits
             plain = None
         return plain or plan
@@ -114,17 +115,17 @@ def plan_blocks(costs, cluster, micro_batches: int = 1, virtual: int = 1,
         how = f", interleaved ({virtual} chunks per stage at most) or not," if virtual > 1 else ""
         # the planner names the memory savers that make it fit (passes/fitting.py)
         raise DoesNotFit(f"no split of {count} layers ({len(blocks)} identical blocks) into "
-                         f"stages{how} fits the devices' memory (with the activations 1F1B "
-                         f"keeps in flight) while covering every device")
+                         f"stages{how} fits the devices' memory (with the activations "
+                         f"{schedule} keeps in flight) while covering every device")
     return plan
 
 
 def _fitting_alike(options, count: int, blocks: range, cluster, micro_batches: int,
-                   p2p) -> float:
+                   p2p, schedule: str = "1F1B") -> float:
     """The least objective of a plan of alike stages tiling a device mesh (one option,
     the layers or the blocks split evenly as :func:`~distgraph.passes.search.stages.
     interleaved.alike_stages` splits them) whose every stage fits the memory as the
-    stage DP counts it (``min(M, S - s)`` micro-batches in flight at the s-th stage),
+    stage DP counts it (``schedule``'s micro-batches in flight at the s-th stage),
     each stage paying its transfers' share as the DP's tables do (by the parts it
     holds, E and H having one neighbour): a plan the DP can make, so its optimum is no
     greater (inf where none)."""
@@ -143,7 +144,8 @@ def _fitting_alike(options, count: int, blocks: range, cluster, micro_batches: i
         limit = limits[mesh.ids]
         for parts in even_splits(S, blocks, count):
             times, memories, _ = priced_stages(option, parts, micro_batches,
-                                               p2p(option) if p2p is not None else 0.0)
+                                               p2p(option) if p2p is not None else 0.0,
+                                               schedule=schedule)
             if max(memories) <= limit:
                 best = min(best, step_time(times, micro_batches))
     return best

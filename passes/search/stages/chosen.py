@@ -78,7 +78,7 @@ def priced_as_placed(stage_plan, chosen, costs):
     if all(p is o for p, o in zip(placed, chosen)):
         return stage_plan
     parts = [held_parts(stage, costs) for stage in stages]
-    _, memories, updates = priced_stages(placed, parts, M)
+    _, memories, updates = priced_stages(placed, parts, M, schedule=costs.strategy.schedule)
     restated = tuple(
         stage if new is old else dataclasses.replace(
             stage, time=stage.time - old.cost(*p).seconds + new.cost(*p).seconds,
@@ -126,15 +126,15 @@ def held_parts(stage, costs) -> tuple:
 def _memory_restated(stage_plan, chosen, costs):
     """``stage_plan`` with each stage's memory that of its option in ``chosen`` (the ILP's
     refinement of the option the DP chose lays the blocks out anew: the plan's memory
-    is the refined one's), as the DP counts it: 1F1B keeps ``min(M, S - s)``
-    micro-batches in flight on stage s."""
+    is the refined one's), as the DP counts it: with the micro-batches the schedule keeps
+    in flight on stage s (1F1B ``min(M, S - s)``)."""
     M, layering = stage_plan.micro_batches, costs.layering
     if stage_plan.virtual > 1:
         memories = alike_stages(chosen[0], layering.count, costs.blocks, None, M,
                                 stage_plan.virtual, costs.chunk_layers)[2]
     else:
         parts = [held_parts(stage, costs) for stage in stage_plan.stages]
-        memories = priced_stages(list(chosen), parts, M)[1]
+        memories = priced_stages(list(chosen), parts, M, schedule=costs.strategy.schedule)[1]
     return dataclasses.replace(stage_plan, stages=tuple(
         dataclasses.replace(stage, memory=float(m))
         for stage, m in zip(stage_plan.stages, memories)))

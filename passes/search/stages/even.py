@@ -63,7 +63,8 @@ def plan_even(costs, cluster, micro_batches: int = 1, below: float = math.inf) -
                           len(range(max(start, blocks.start), min(stop, blocks.stop))),
                           stop > blocks.stop))
         times, memories, updates = priced_stages(option, parts, micro_batches,
-                                                 costs.p2p_seconds(option) if S > 1 else 0.0)
+                                                 costs.p2p_seconds(option) if S > 1 else 0.0,
+                                                 schedule=costs.strategy.schedule)
         return step_time(times, micro_batches), times, memories, option, S, updates
 
     best = None

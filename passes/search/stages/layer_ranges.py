@@ -93,7 +93,8 @@ class LayerRangeCosts:
             restated.append(dataclasses.replace(
                 stage, time=cost.time, update=cost.update,
                 memory=held(cost.memory, cost.activation_memory,
-                            in_flight("1F1B", M, len(stages), s), M, cost.before)))
+                            in_flight(self.strategy.schedule, M, len(stages), s), M,
+                            cost.before)))
             priced.append(result)
         return (dataclasses.replace(stage_plan, stages=tuple(restated),
                                     objective=step_time([st.time for st in restated], M)),

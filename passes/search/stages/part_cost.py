@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from distgraph.ir import Role
+from distgraph.passes.pipeline.task_graph import op_kinds
+from distgraph.plan.kinds import TaskKind
 from distgraph.passes.search.layouts.buckets import timeline
 from distgraph.passes.search.layouts.charges import gradient_buffers, held_nodes, once_nodes
 from distgraph.passes.search.layouts.ilp_problem import kind_seconds, share_of
@@ -107,6 +109,17 @@ def once_a_step(result, program, weights) -> float:
         n.index for n in space.nodes
         if not n.is_source and program.ops[n.op].role == Role.OPTIMIZE}
     return share_of(result.problem, result.choice, nodes) / w if w else 0.0
+
+
+def weight_gradient_seconds(result, program, weights) -> float:
+    """Seconds per micro-batch the choice of ``result`` spends in a zero-bubble
+    schedule's weight gradients (W: the backward ops :func:`~distgraph.passes.pipeline.
+    task_graph.op_kinds` splits off), with the reshards into them: what the accountant's
+    :func:`~distgraph.passes.cost.stage.step_time` runs in a ZB pipeline's idle time."""
+    kinds = op_kinds(program, split=True)
+    nodes = {n.index for n in result.space.nodes
+             if not n.is_source and kinds[n.op] is TaskKind.BACKWARD_WEIGHT}
+    return share_of(result.problem, result.choice, nodes) / weights.get(Role.BACKWARD, 1)
 
 def phases(result, weights, program, memory: list, held: float, backward: int,
            writeback: float) -> tuple:

@@ -48,13 +48,14 @@ import numpy as np
 
 from distgraph.errors import PlanError
 from distgraph.mesh import ProcessMesh
-from distgraph.passes.cost.stage import step_time
+from distgraph.passes.cost.stage import ZERO_BUBBLE, step_time
 from distgraph.passes.search.stages.layers import block_layers, cluster_layers
 from distgraph.passes.search.stages.run_dp import beats
 from distgraph.passes.search.stages.block_plans import plan_blocks
-from distgraph.passes.search.stages.chosen import (priced_as_placed, priced_with_neighbours,
-                                                   refined)
+from distgraph.passes.search.stages.chosen import (held_parts, priced_as_placed,
+                                                   priced_with_neighbours, refined)
 from distgraph.passes.search.stages.layer_ranges import LayerRangeCosts
+from distgraph.passes.search.stages.part_cost import weight_gradient_seconds
 from distgraph.passes.search.stages.recompute_stages import kept, per_stage
 from distgraph.passes.search.stages.runs import RunCosts
 from distgraph.passes.search.layouts.space import logical_dims
@@ -136,7 +137,10 @@ class PipelineReport:
     True unless the stage DP on the fastest options, memory unlimited, finds none faster
     at any micro-batch count the search looked at (:func:`memory_binds`): where False, no
     memory saver makes the plan faster, and the planner prices no recomputation
-    (:func:`~distgraph.passes.fitting.with_savers`)."""
+    (:func:`~distgraph.passes.fitting.with_savers`); ``schedule``: the strategy's, and
+    under a zero-bubble one ``weights``, each stage's weight-gradient seconds per
+    micro-batch (:func:`~distgraph.passes.search.stages.part_cost.
+    weight_gradient_seconds`), which its idle time runs (``step_time``)."""
 
     layering: object
     stage_plan: object
@@ -145,6 +149,8 @@ class PipelineReport:
     seconds: float
     memos: tuple = ()
     memory_binds: bool = True
+    schedule: str = "1F1B"
+    weights: tuple = ()
 
     @property
     def status(self) -> str:
@@ -163,7 +169,7 @@ class PipelineReport:
         plan = self.stage_plan
         M = plan.micro_batches
         return step_time([s.time - s.update / M for s in plan.stages], M, plan.virtual,
-                         updates=[s.update for s in plan.stages])
+                         self.schedule, [s.update for s in plan.stages], self.weights or None)
 
     @property
     def peak_memory(self) -> float:
@@ -313,7 +319,8 @@ def plan_pipeline(prepared, strategy, cluster, accumulation, memory_budget=None,
     _no_blocks(strategy)
     layering = cluster_layers(program, max_layers=2 * len(devices) + 2)
     stage_cost = LayerRangeCosts(prepared, strategy, cluster, layering, micro, session)
-    stage_plan = plan_stages(layering.count, capped, stage_cost, micro_batches=micro)
+    stage_plan = plan_stages(layering.count, capped, stage_cost, micro_batches=micro,
+                             schedule=strategy.schedule)
     # every search before any annotation; under search="auto" the ILP refines these only
     results = [stage_cost.result(st.layers, cluster.device_mesh(st.mesh), st.shape,
                                  method=strategy.search_method) for st in stage_plan.stages]
@@ -352,8 +359,8 @@ def pipeline_latency(prepared, strategy, cluster, accumulation, memory_budget=No
     _no_blocks(strategy)
     layering = cluster_layers(prepared.program, max_layers=2 * len(cluster.devices) + 2)
     stage_cost = LayerRangeCosts(prepared, strategy, cluster, layering, micro, session)
-    return plan_stages(layering.count, capped, stage_cost,
-                       micro_batches=micro).objective, None, None
+    return plan_stages(layering.count, capped, stage_cost, micro_batches=micro,
+                       schedule=strategy.schedule).objective, None, None
 
 
 def pipeline_beaten(prepared, strategy, cluster, accumulation, latency: float,
@@ -415,7 +422,8 @@ def memory_binds(latency: float, looked, cluster) -> bool:
     work to every option, so where none is found it cannot make the plan faster at those
     counts. Plain stages only: interleaved plans are not bounded (the caller says True)."""
     return any(beats(latency, costs.layering.count, costs.blocks, costs.options(variants=False),
-                     cluster, micro, fit_memory=False, p2p=costs.p2p_seconds)
+                     cluster, micro, fit_memory=False, p2p=costs.p2p_seconds,
+                     schedule=costs.strategy.schedule)
                for costs, micro in looked)
 
 
@@ -449,11 +457,25 @@ def _plan_runs(prepared, strategy, cluster, capped, costs, start, planned,
             checks += written
         reports.append(RunReport(str(option), tuple(parts), mesh))
         meshes.append(mesh)
+    weights = ()
+    if strategy.schedule in ZERO_BUBBLE:
+        weights = tuple(_weight_gradients(costs, stage, costs.placed(option, stage.device_ids))
+                        for stage, option in zip(stage_plan.stages, chosen))
     report = PipelineReport(layering, stage_plan, tuple(reports), costs.searches,
-                            time.perf_counter() - start, memory_binds=binds)
+                            time.perf_counter() - start, memory_binds=binds,
+                            schedule=strategy.schedule, weights=weights)
     return PipelineChoice(report, tuple(checks),
                           {p: d.global_id for p, d in enumerate(cluster.devices)},
                           stage_plan.virtual, tuple(meshes), recompute)
+
+
+def _weight_gradients(costs, stage, option) -> float:
+    """Seconds per micro-batch of ``stage``'s weight gradients under ``option``: its
+    parts' (E, its blocks, H) as each part's search chose them."""
+    held = zip(("first", "block", "last"), held_parts(stage, costs))
+    return sum(float(n) * weight_gradient_seconds(option.parts[part][1], costs.program,
+                                                  costs.weights)
+               for part, n in held if n)
 
 
 def _chunk_ranges(costs, S: int, virtual: int):

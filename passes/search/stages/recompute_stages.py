@@ -64,8 +64,10 @@ def per_stage(stage_plan, chosen, costs, capped, plain, held=None) -> tuple:
     else:
         parts = [held_parts(stage, costs) for stage in stages]
         held = [[stage.layers] for stage in stages]
-    before = priced_stages(placed, parts, M, virtual=virtual)[0]
-    after, memories, updates = priced_stages(without, parts, M, virtual=virtual)
+    schedule = costs.strategy.schedule
+    before = priced_stages(placed, parts, M, virtual=virtual, schedule=schedule)[0]
+    after, memories, updates = priced_stages(without, parts, M, virtual=virtual,
+                                             schedule=schedule)
     limits = [min(capped.device(d).usable_memory() for d in st.device_ids) for st in stages]
     restated, kept = [], []
     for s, stage in enumerate(stages):

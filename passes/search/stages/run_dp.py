@@ -33,7 +33,7 @@ import math
 import numpy as np
 
 from distgraph.errors import PlanError
-from distgraph.passes.cost.stage import transfers
+from distgraph.passes.cost.stage import flights, transfers
 from distgraph.passes.search.stages.stage_dp import _place, _Search
 
 
@@ -60,13 +60,15 @@ class _Run:
         return tuple(float(x) for x in self.table[first, last][m])
 
     def reach(self, stages: int, cap: float, micro_batches: int | None = None,
-              memory: dict | None = None) -> dict:
+              memory: dict | None = None, schedule: str = "1F1B") -> dict:
         """{(E?, H?): the most blocks such a stage may hold within ``cap`` with ``s``
         stages from it to the last, at index ``s`` for s = 0 .. ``stages``} (-1: none):
-        1F1B keeps ``min(s, micro_batches)`` micro-batches in flight there. ``memory``:
-        :meth:`memory_reach` of these stages and micro-batches, where the caller has it."""
+        ``schedule`` keeps :func:`~distgraph.passes.cost.stage.flights` micro-batches in
+        flight there (1F1B ``min(s, micro_batches)``). ``memory``: :meth:`memory_reach`
+        of these stages and micro-batches, where the caller has it."""
         out = {}
-        memory = self.memory_reach(stages, micro_batches) if memory is None else memory
+        memory = self.memory_reach(stages, micro_batches, schedule) if memory is None \
+            else memory
         for (first, last), t in self.table.items():
             # costs grow with the blocks: the feasible counts are a prefix (from 0 or 1);
             # the first count over the cap or over the memory ends it
@@ -77,12 +79,13 @@ class _Run:
             out[first, last] = np.where(top >= start, top, -1)
         return out
 
-    def memory_reach(self, stages: int, micro_batches) -> dict:
+    def memory_reach(self, stages: int, micro_batches, schedule: str = "1F1B") -> dict:
         """{(E?, H?): at index s, the position (from the first count :meth:`reach`
         counts) of the first block count over the memory with s stages to the last}:
         the same whatever the cap (a search finds it once per option)."""
         out = {}
-        s = np.minimum(np.arange(0, stages + 1), micro_batches or stages)[:, None]
+        s = flights(schedule, micro_batches, stages)[:, None] if micro_batches else \
+            np.arange(0, stages + 1)[:, None]
         # holding every micro-batch, all forwards run first (terms.held)
         every = s >= micro_batches if micro_batches else np.zeros_like(s, dtype=bool)
         for (first, last), t in self.table.items():
@@ -99,8 +102,8 @@ class _RunSearch(_Search):
     units on mesh ``a`` reads the previous table shifted by ``size`` along axis ``1 + a``,
     a view, and the stages' windows are running minima (van Herk / Gil-Werman)."""
 
-    def __init__(self, count, blocks, runs, capacities, B):
-        self.L, self.blocks, self.B = count, blocks, B
+    def __init__(self, count, blocks, runs, capacities, B, schedule="1F1B"):
+        self.L, self.blocks, self.B, self.schedule = count, blocks, B, schedule
         self.options = _undominated(runs)
         self.caps = capacities
         self.dims = tuple(c + 1 for c in capacities)
@@ -113,7 +116,7 @@ class _RunSearch(_Search):
         # what every cap reads of the options, found once: the memory's reach, the pairs
         # of options as fast as each other (_live), what _relax reads of each (_fixed),
         # and the least cost of the stages before a table's entries (_prefix_bound)
-        self._memory = [r.memory_reach(self.max_stages, B) for r in self.options]
+        self._memory = [r.memory_reach(self.max_stages, B, schedule) for r in self.options]
         N = len(self.options)
         below = np.zeros((N, N), dtype=bool)
         for n, others in enumerate(_faster_pairs(self.options)):
@@ -437,7 +440,7 @@ def _window_min(A: np.ndarray, w: int) -> np.ndarray:
 
 def plan_runs(count: int, blocks: range, options: list, cluster,
               micro_batches: int = 1, fit_memory: bool = True, p2p=None,
-              below: float = math.inf) -> tuple | None:
+              below: float = math.inf, schedule: str = "1F1B") -> tuple | None:
     """(StagePlan, the option of each stage): stages of ``count`` layers whose
     ``blocks`` are identical, on ``options`` (:class:`~distgraph.passes.search.stages.runs.
     RunOption`, each with ``cost(first, blocks, last)`` and ``costs``) of ``cluster``'s
@@ -446,26 +449,30 @@ def plan_runs(count: int, blocks: range, options: list, cluster,
     limit (a lower bound on the latency of options that only save memory).
     ``p2p(option)``: seconds per micro-batch a stage of the option between two others
     spends on the transfers to and from them (None: not priced); ``below``: only a plan
-    of objective below it, None where there is none (its caps pruned from the start)."""
-    runs, search = _setup(count, blocks, options, cluster, micro_batches, fit_memory, p2p)
+    of objective below it, None where there is none (its caps pruned from the start);
+    ``schedule``: whose micro-batches in flight a stage holds
+    (:func:`~distgraph.passes.cost.stage.in_flight`)."""
+    runs, search = _setup(count, blocks, options, cluster, micro_batches, fit_memory, p2p,
+                          schedule)
     devices = sum(m.size for m in cluster.device_meshes)
     best = None if _bound(runs, search, devices) >= below else search.run(below=below)
     if best is None and math.isfinite(below):
         return None
     if best is None:
         raise PlanError(f"no split of {count} layers ({len(blocks)} identical blocks) into "
-                        f"stages fits the devices' memory (with the activations 1F1B keeps "
-                        f"in flight) while covering every device; use devices with more "
+                        f"stages fits the devices' memory (with the activations {schedule} "
+                        f"keeps in flight) while covering every device; use devices with more "
                         f"memory, recomputation (Strategy(recompute=True)), or fewer "
                         f"micro-batches in flight")
     runs = search.options
     plan = _place([(k, i, runs[n]) for k, i, n in best], list(cluster.device_meshes),
-                  micro_batches, search.runs)
+                  micro_batches, search.runs, schedule)
     return plan, tuple(runs[n].option for _, _, n in best)
 
 
 def beats(latency: float, count: int, blocks: range, options: list, cluster,
-          micro_batches: int = 1, fit_memory: bool = True, p2p=None) -> bool:
+          micro_batches: int = 1, fit_memory: bool = True, p2p=None,
+          schedule: str = "1F1B") -> bool:
     """Whether :func:`plan_runs` with these arguments would find a plan of objective
     below ``latency`` (False where it finds none): the same search, its caps pruned by
     ``latency`` from the start, so it solves fewer of them.
@@ -475,7 +482,8 @@ def beats(latency: float, count: int, blocks: range, options: list, cluster,
         plan, _ = plan_runs(count, blocks, options, cluster, 8)
         beats(plan.objective, count, blocks, options, cluster, 8, fit_memory=False)
     """
-    runs, search = _setup(count, blocks, options, cluster, micro_batches, fit_memory, p2p)
+    runs, search = _setup(count, blocks, options, cluster, micro_batches, fit_memory, p2p,
+                          schedule)
     devices = sum(m.size for m in cluster.device_meshes)
     return _bound(runs, search, devices) < latency and \
         search.run(below=latency) is not None
@@ -504,7 +512,8 @@ def _bound(runs: list, search, devices: int) -> float:
     return max(least_time, slowest) + (search.B - 1) * slowest
 
 
-def _setup(count, blocks, options, cluster, micro_batches, fit_memory, p2p=None) -> tuple:
+def _setup(count, blocks, options, cluster, micro_batches, fit_memory, p2p=None,
+           schedule="1F1B") -> tuple:
     """(the options as the DP sees them, the search): device counts in units of the
     greatest common divisor of the option sizes on each mesh."""
     units, capacities, limits = [], [], []
@@ -517,4 +526,4 @@ def _setup(count, blocks, options, cluster, micro_batches, fit_memory, p2p=None)
                       else math.inf)
     runs = [_Run(o, count, blocks, limits[o.axis], units[o.axis],
                  p2p(o) if p2p is not None else 0.0) for o in options]
-    return runs, _RunSearch(count, blocks, runs, capacities, micro_batches)
+    return runs, _RunSearch(count, blocks, runs, capacities, micro_batches, schedule)

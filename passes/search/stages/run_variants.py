@@ -41,6 +41,7 @@ import math
 
 from distgraph.errors import PlanError
 from distgraph.passes.cost.fit import limit_of
+from distgraph.passes.cost.stage import in_flight
 from distgraph.passes.search.layouts.intra_op import held_peak
 from distgraph.passes.search.stages.run_options import with_origin
 
@@ -126,8 +127,10 @@ class MemoryVariants:
 
     def _in_flight(self, mesh) -> int:
         """The micro-batches the first of the stages of ``mesh``'s size tiling the
-        devices keeps in flight (1F1B), whose saved activations its blocks hold."""
-        return max(1, min(self.micro, len(self.cluster.devices) // mesh.size))
+        devices keeps in flight (:func:`~distgraph.passes.cost.stage.in_flight`), whose
+        saved activations its blocks hold."""
+        return max(1, in_flight(self.strategy.schedule, self.micro,
+                                len(self.cluster.devices) // mesh.size, 0))
 
     def _share(self, mesh, device_of) -> float:
         """Bytes a block of the first of the stages of ``mesh``'s size tiling the devices

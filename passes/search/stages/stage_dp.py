@@ -9,7 +9,8 @@ cover every device exactly once, and minimises the pipeline latency of ``B`` mic
     T = sum_i t_i + (B - 1) * max_i t_i
 
 under each device's usable memory: a stage with ``s`` stages after it keeps ``s`` more
-micro-batches of activations in flight (1F1B), so it needs
+micro-batches of activations in flight (1F1B; FThenB keeps all ``B`` on every stage:
+:func:`~distgraph.passes.cost.stage.in_flight`), so it needs
 ``memory + s * activation_memory <= device.usable_memory()`` (GB, the resource file's
 unit: the device's memory less its reserve).
 
@@ -52,7 +53,7 @@ import numpy as np
 from distgraph.errors import DoesNotFit, PlanError
 from distgraph.mesh import ProcessMesh
 from distgraph.resources.cluster import Cluster, Device, DeviceMesh
-from distgraph.passes.cost.stage import grid, held, in_flight, step_time
+from distgraph.passes.cost.stage import flights, grid, held, in_flight, step_time
 from distgraph.passes.search.layouts.space import logical_dims
 
 
@@ -162,11 +163,13 @@ class _Option:
 def plan_stages(num_layers: int, cluster: Cluster,
                 cost: Callable[[range, Submesh], StageCost | tuple],
                 micro_batches: int = 1,
-                shapes: dict[str, list[tuple[int, int]]] | None = None) -> StagePlan:
+                shapes: dict[str, list[tuple[int, int]]] | None = None,
+                schedule: str = "1F1B") -> StagePlan:
     """Split ``num_layers`` layers into pipeline stages on submeshes of ``cluster`` (see the
     module docstring). ``shapes`` restricts the submesh shapes per device mesh name (each
     one of :func:`submesh_shapes`); ``cost`` may return a ``StageCost`` or a tuple
-    ``(time, memory[, activation_memory])``. Raises ``PlanError`` when no split fits."""
+    ``(time, memory[, activation_memory])``; ``schedule``: whose micro-batches in flight
+    a stage holds. Raises ``PlanError`` when no split fits."""
     if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
         raise PlanError(f"plan_stages: num_layers = {num_layers!r}; give a whole number >= 1")
     if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) \
@@ -182,7 +185,7 @@ def plan_stages(num_layers: int, cluster: Cluster,
     options = _options(num_layers, cluster, meshes, cost, shapes)
     limits = [min(cluster.device(i).usable_memory() for i in m.ids) for m in meshes]
     sizes = [m.size for m in meshes]
-    search = _Search(num_layers, sizes, options, limits, micro_batches)
+    search = _Search(num_layers, sizes, options, limits, micro_batches, schedule)
     best = search.run()
     if best is None:
         if _Search(num_layers, sizes, options, [math.inf] * len(meshes), 1).run() is None:
@@ -192,7 +195,7 @@ def plan_stages(num_layers: int, cluster: Cluster,
                             "times below inf; allow more shapes (e.g. (1, 1) or full rows)")
         raise DoesNotFit(_no_fit_message(num_layers, meshes, options, limits))
     return _place([(k, i, options[n]) for k, i, n in best], meshes, micro_batches,
-                  search.runs)
+                  search.runs, schedule)
 
 
 def _options(L, cluster, meshes, cost, shapes) -> list[_Option]:
@@ -252,11 +255,12 @@ def _stage_cost(cost, layers: range, sub: Submesh) -> tuple:
 class _Search:
     """The DP for one time cap, and the bisection over caps (module docstring)."""
 
-    def __init__(self, L, capacities, options, limits, micro_batches):
+    def __init__(self, L, capacities, options, limits, micro_batches, schedule="1F1B"):
         self.L, self.caps, self.options = L, capacities, options
         self.limits, self.B = limits, micro_batches
         self.dims = tuple(c + 1 for c in capacities)
         self.max_stages = min(L, sum(capacities))
+        self.flights = flights(schedule, micro_batches, self.max_stages)
         self.runs = 0
         times = np.concatenate([o.time[np.isfinite(o.time)] for o in options])
         self.caps_sorted = np.unique(times)
@@ -275,7 +279,7 @@ class _Search:
             pick_o = np.full((L, R), -1)
             pick_i = np.zeros((L, R), dtype=np.intp)
             for n, o in enumerate(self.options):
-                ok = (o.time <= cap) & (o.memory + (min(s, self.B) - 1) * o.act
+                ok = (o.time <= cap) & (o.memory + (self.flights[s] - 1) * o.act
                                         <= self.limits[o.axis])
                 T = np.where(ok, o.time, np.inf)
                 shifted = _shift(H, 1 + o.axis, o.sub.size).reshape(L, R)
@@ -360,7 +364,7 @@ def _shift(H: np.ndarray, axis: int, size: int) -> np.ndarray:
     return out
 
 
-def _place(stages, meshes, micro_batches, runs) -> StagePlan:
+def _place(stages, meshes, micro_batches, runs, schedule="1F1B") -> StagePlan:
     """Give each stage its devices: per mesh, full-row stages take whole rows, then the
     row pieces go largest first into the first row with room (they fill it exactly)."""
     # `stages` holds (k, i, option); options carry the mesh axis and submesh.
@@ -389,7 +393,7 @@ def _place(stages, meshes, micro_batches, runs) -> StagePlan:
         # and its update's seconds once a step
         t, mem, act, *rest = o.at(k, i)
         out.append(StageChoice(range(k, i + 1), o.sub.mesh.name, o.sub.shape, placed[j], float(t),
-                               float(held(mem, act, in_flight("1F1B", micro_batches, total, j),
+                               float(held(mem, act, in_flight(schedule, micro_batches, total, j),
                                           micro_batches, *rest[:1])),
                                float(rest[1]) if len(rest) > 1 else 0.0))
     return StagePlan(tuple(out), step_time([s.time for s in out], micro_batches),

@@ -243,3 +243,35 @@ def test_mpi_communicator_on_four_ranks():
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert "comm-mpi OK" in proc.stdout
+
+
+def test_an_all_reduce_between_machines_runs_on_nccls_tree_where_that_is_faster():
+    """NCCL's tuner runs a GPU all-reduce over several machines on its double binary tree
+    where that beats the ring: 2 ceil(log2 n) latencies of the slowest hop and about
+    2 B / bw, against the ring's 2 (n - 1) latencies and 2 (n - 1)/n B / bw. The oracle is
+    the two formulas by hand on the ring's own hop figures: a small gradient's
+    all-reduce over the 16 GPUs of two machines takes the tree, a large one the ring,
+    and a group inside one machine (where NCCL's tree is a chain) the ring always."""
+    import distgraph as dg
+    from distgraph.passes.cost.prices import Rings
+
+    cluster = dg.Cluster.from_file(Path(__file__).resolve().parents[1] / "resources" /
+                                   "clusters" / "gpu_2x8.yaml")
+    rings = Rings(cluster, lambda p: p)
+    across = rings.along(dg.ProcessMesh([list(range(16))], ["x", "y"]), 0, "y")
+    alpha, beta = across.latency * 1e-6, 1 / (across.bandwidth * 1e9)
+    small, large = 8e3, 1e9
+    tree = 2 * 4 * alpha + 2 * small * beta
+    ring = 2 * 15 * alpha + 2 * 15 / 16 * small * beta
+    assert across.tree and tree < ring
+    assert across.seconds("all_reduce", 16, small) == pytest.approx(tree, rel=1e-12)
+    assert across.seconds("all_reduce", 16, large) == pytest.approx(
+        2 * 15 * alpha + 2 * 15 / 16 * large * beta, rel=1e-12)
+    # NCCL has no tree for the other collectives
+    assert across.seconds("reduce_scatter", 16, small) == pytest.approx(
+        15 * alpha + 15 / 16 * small * beta, rel=1e-12)
+    inside = rings.along(dg.ProcessMesh(np.arange(16).reshape(2, 8).tolist(), ["x", "y"]),
+                         0, "y")
+    assert not inside.tree
+    assert inside.seconds("all_reduce", 8, small) == collective_time(
+        "all_reduce", 8, small, inside.bandwidth, inside.latency)

@@ -372,11 +372,11 @@ def test_groups_of_a_mesh_dim_that_cross_the_same_machines_share_their_link():
     it once each way: all of it. Inside a machine, CPU ranks copy (processor time)."""
     cluster = S.grid_cluster(fast=20.0, slow=1.0)
     rings = Rings(cluster, {p: p for p in range(4)}.__getitem__)
-    assert rings.along(MESH, 0, "x") == (0.5, 1.0, False, None)
-    assert rings.along(MESH, 0, "y") == (20.0, 1.0, True, None)
+    assert rings.along(MESH, 0, "x") == (0.5, 1.0, False, None, False)
+    assert rings.along(MESH, 0, "y") == (20.0, 1.0, True, None, False)
     line = dg.ProcessMesh([[0, 1, 2, 3]], ["x", "y"])
     # MPI's all-reduce sends that ring two thirds of the ring's bytes between the machines
-    assert rings.along(line, 0, "y") == (1.0, 1.0, False, mpi_cuts((0, 0, 1, 1)))
+    assert rings.along(line, 0, "y") == (1.0, 1.0, False, mpi_cuts((0, 0, 1, 1)), False)
     assert rings.along(line, 0, "y").cuts.all_reduce == pytest.approx(2 / 3)
 
 

@@ -56,6 +56,7 @@ Example::
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 from distgraph.errors import PlanError
@@ -103,6 +104,19 @@ def collective_time(kind, n: int, nbytes: float, bandwidth_GBps: float,
     messages, sent = ring_load(kind, n, nbytes)
     alpha, beta = link_rates(bandwidth_GBps, latency_us)
     return alpha * messages + beta * sent
+
+
+def tree_all_reduce_time(n: int, nbytes: float, bandwidth_GBps: float,
+                         latency_us: float) -> float:
+    """Seconds of an all-reduce over ``n`` processes on NCCL's double binary tree, which
+    NCCL runs between machines where it is faster than the ring (its tuner compares
+    both): the reduction up a tree of depth ``ceil(log2 n)`` and the broadcast down it,
+    ``2 ceil(log2 n)`` latencies, each process sending and receiving the buffer about
+    twice (``2 B / bw``, the ring's ``2 (n-1)/n B / bw`` without the discount). A ring of
+    32 GPUs over 4 machines pays 62 latencies of its slowest hop; the tree 10, so a
+    small gradient's all-reduce costs a sixth."""
+    alpha, beta = link_rates(bandwidth_GBps, latency_us)
+    return alpha * 2 * math.ceil(math.log2(n)) + beta * 2 * nbytes if n > 1 else 0.0
 
 
 # MPICH's switch points for the nonblocking collectives the CPU runtime calls (bytes of

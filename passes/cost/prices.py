@@ -45,7 +45,7 @@ import numpy as np
 from distgraph import dtypes
 from distgraph.passes.cost.compute import gemm_seconds, gemm_shape
 from distgraph.passes.cost.formulas import (Cuts, collective_time, link_rates, mpi_cuts,
-                                             pipeline_time)
+                                             pipeline_time, tree_all_reduce_time)
 from distgraph.plan.kinds import ALL_TO_ALLV, RING_ROUND, StepKind
 from distgraph.registry import VIEWS, cast_cost_key, get_op, op_work, size
 
@@ -165,12 +165,15 @@ class Ring(NamedTuple):
     and ``latency`` µs of its slowest hop (inf and 0 for a group on one device),
     ``copied``: CPUs inside one machine, whose transfers the processes copy themselves,
     and ``cuts``: CPUs over several machines, whose MPI collectives put other bytes than
-    the ring on the links between them (:func:`~.formulas.mpi_cuts`; None: the ring's)."""
+    the ring on the links between them (:func:`~.formulas.mpi_cuts`; None: the ring's);
+    ``tree``: GPUs over several machines, whose all-reduces NCCL runs on the ring or on
+    its tree, the faster (:func:`~.formulas.tree_all_reduce_time`)."""
 
     bandwidth: float
     latency: float
     copied: bool
     cuts: Cuts | None = None
+    tree: bool = False
 
     def seconds(self, kind, n: int, nbytes: float) -> float:
         """The alpha-beta seconds of a collective of ``kind`` over the ``n`` members on a
@@ -179,7 +182,10 @@ class Ring(NamedTuple):
         bandwidth = self.bandwidth
         if self.cuts is not None:
             bandwidth /= self.cuts.ratio(kind, nbytes)
-        return collective_time(kind, n, nbytes, bandwidth, self.latency)
+        ring = collective_time(kind, n, nbytes, bandwidth, self.latency)
+        if self.tree and StepKind.parse(kind) is StepKind.ALL_REDUCE:
+            return min(ring, tree_all_reduce_time(n, nbytes, bandwidth, self.latency))
+        return ring
 
 
 def groups_along(mesh, dims) -> list:
@@ -306,7 +312,8 @@ class Rings:
             cpu = all(cluster.device(d).type == "CPU" for d in devices)
             machines = tuple(self._machine(d) for d in devices)
             one = len(set(machines)) == 1
-            self._rings[key] = Ring(bw, lat, cpu and one, mpi_cuts(machines) if cpu else None)
+            self._rings[key] = Ring(bw, lat, cpu and one, mpi_cuts(machines) if cpu else None,
+                                    not cpu and not one)
         return self._rings[key]
 
 

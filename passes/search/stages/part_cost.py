@@ -18,11 +18,11 @@ import numpy as np
 
 from distgraph.ir import Role
 from distgraph.passes.pipeline.task_graph import op_kinds
-from distgraph.plan.kinds import TaskKind
 from distgraph.passes.search.layouts.buckets import timeline
 from distgraph.passes.search.layouts.charges import gradient_buffers, held_nodes, once_nodes
 from distgraph.passes.search.layouts.ilp_problem import kind_seconds, share_of
 from distgraph.passes.search.layouts.sharded_states import writeback_bytes, zero_asked
+from distgraph.plan.kinds import TaskKind
 
 
 @dataclass(frozen=True)
@@ -120,6 +120,7 @@ def weight_gradient_seconds(result, program, weights) -> float:
     nodes = {n.index for n in result.space.nodes
              if not n.is_source and kinds[n.op] is TaskKind.BACKWARD_WEIGHT}
     return share_of(result.problem, result.choice, nodes) / weights.get(Role.BACKWARD, 1)
+
 
 def phases(result, weights, program, memory: list, held: float, backward: int,
            writeback: float) -> tuple:

@@ -331,8 +331,11 @@ def plan_pipeline(prepared, strategy, cluster, accumulation, memory_budget=None,
         result.annotate(program, ProcessMesh(np.array(pids).reshape(mesh.shape).tolist(),
                                              dim_names=list(mesh.dim_names)))
     reports = [r.report for r in results]
+    weights = tuple(weight_gradient_seconds(r, program, stage_cost.weights) for r in results) \
+        if strategy.schedule in ZERO_BUBBLE else ()
     report = PipelineReport(layering, stage_plan, tuple(reports), stage_cost.searches,
-                            time.perf_counter() - start)
+                            time.perf_counter() - start, schedule=strategy.schedule,
+                            weights=weights)
     return PipelineChoice(report, tuple((r, None, None) for r in results),
                           {p: d for p, d in enumerate(devices)})
 

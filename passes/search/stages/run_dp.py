@@ -103,7 +103,7 @@ class _RunSearch(_Search):
     a view, and the stages' windows are running minima (van Herk / Gil-Werman)."""
 
     def __init__(self, count, blocks, runs, capacities, B, schedule="1F1B"):
-        self.L, self.blocks, self.B, self.schedule = count, blocks, B, schedule
+        self.L, self.blocks, self.B = count, blocks, B
         self.options = _undominated(runs)
         self.caps = capacities
         self.dims = tuple(c + 1 for c in capacities)

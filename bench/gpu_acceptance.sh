@@ -56,6 +56,9 @@ for shape in "" "--amp" "--layers 24 --d-model 1024 --heads 16 --batch 4" "--seq
   # shellcheck disable=SC2086  (the shape's words are the bench's arguments)
   step step 120 "$PY" bench/gpu_step.py --steps 5 --numpy-steps 0 --cluster "$OUT/gpu.yaml" $shape
 done
+# the bandwidth probe's test alone: beside the other tests' kernels it reads their share
+step tests 60 "$PY" -m pytest -p no:cacheprovider -q -rs tests/test_gpu.py -k bandwidth_probe
 step tests 240 "$PY" -m pytest -p no:cacheprovider -q -rs -n 8 --durations=10 \
+  -k "not bandwidth_probe" \
   tests/test_gpu_ops.py tests/test_gpu.py tests/test_gpu_planning.py tests/test_cupy_namespace.py
 cat "$OUT/summary.txt"

@@ -41,14 +41,20 @@ p = p - change;
 """
 
 
+@functools.lru_cache(maxsize=None)
+def _kernel(in_params: str, out_params: str, body: str, name: str):
+    """One CuPy elementwise kernel object per source, made once (making one parses its
+    parameters, a cost every call would pay on the host)."""
+    import cupy
+
+    return cupy.ElementwiseKernel(in_params, out_params, body, name)
+
+
 def adam(param, grad, m, v, step, lr, beta1, beta2, epsilon, weight_decay) -> None:
     """One Adam / AdamW step on CuPy arrays ``param``, ``m``, ``v`` in place, from
     ``grad`` of their dtype and the 0-d ``step`` (after its increment) and ``lr``."""
-    import cupy
-
-    kernel = cupy.ElementwiseKernel(
-        "T g, S step, L lr, float64 b1, float64 b2, float64 eps, float64 wd",
-        "T p, T m, T v", ADAM, "distgraph_adam")
+    kernel = _kernel("T g, S step, L lr, float64 b1, float64 b2, float64 eps, float64 wd",
+                     "T p, T m, T v", ADAM, "distgraph_adam")
     kernel(grad, step, lr, float(beta1), float(beta2), float(epsilon), float(weight_decay),
            param, m, v)
 
@@ -65,16 +71,12 @@ dx = dy * ((T)1 + th) * ((T)0.5 + half_xd * ((T)1 - th));
 
 def gelu(x):
     """GELU (tanh form) of CuPy array ``x``, in a new array."""
-    import cupy
-
-    return cupy.ElementwiseKernel("T x", "T y", GELU, "distgraph_gelu")(x)
+    return _kernel("T x", "T y", GELU, "distgraph_gelu")(x)
 
 
 def gelu_grad(x, dy):
     """GELU's gradient at ``x`` times ``dy`` (CuPy arrays of one dtype), in a new array."""
-    import cupy
-
-    return cupy.ElementwiseKernel("T x, T dy", "T dx", GELU_GRAD, "distgraph_gelu_grad")(x, dy)
+    return _kernel("T x, T dy", "T dx", GELU_GRAD, "distgraph_gelu_grad")(x, dy)
 
 
 # 16-bit element-wise ops as the host computes them (executor.call_kernel: float32 copies
@@ -91,12 +93,6 @@ WIDENED = {
 }
 
 
-@functools.lru_cache(maxsize=None)
-def _widened_kernel(op_type: str):
-    import cupy
-
-    params, body = WIDENED[op_type]
-    return cupy.ElementwiseKernel(params, "T z", body, f"distgraph_widened_{op_type}")
 
 
 def widened(op_type: str, args, attrs: dict, out=None):
@@ -108,7 +104,8 @@ def widened(op_type: str, args, attrs: dict, out=None):
     if op_type == "scale":
         args = (args[0], numpy.float32(attrs.get("scale", 1.0)),
                 numpy.float32(attrs.get("bias", 0.0)))
-    kernel = _widened_kernel(op_type)
+    params, body = WIDENED[op_type]
+    kernel = _kernel(params, "T z", body, f"distgraph_widened_{op_type}")
     return kernel(*args) if out is None else kernel(*args, out)
 
 

@@ -9,8 +9,10 @@ import distgraph as dg
 from distgraph.mesh import ProcessMesh
 from distgraph.passes.reshard import plan_reshard
 from distgraph.placement import DistAttr, ShardSpec
+from distgraph.runtime.backend import NUMPY
 from distgraph.runtime.comm.simulated import SimulatedWorld
 from distgraph.runtime.execution.executor import DONATE_MIN_BYTES, ProgramRunner, may_donate
+from distgraph.runtime.execution.memory import Counted, Kept, Ledger
 from distgraph.runtime.execution.reshard import apply_reshard
 
 N = 128   # float64 N x N = 128 KiB, above DONATE_MIN_BYTES
@@ -105,6 +107,32 @@ def test_a_value_seen_elsewhere_is_not_donated():
     assert not may_donate("a", ("a",), {"a": a, "v": a.reshape(N * N)}, ())   # a live view
     assert not may_donate("a", ("a",), {"a": a}, (), {"grad": a})   # accumulated or stored
     assert not may_donate("v", ("v",), {"v": a[1:]}, ())            # a view itself
+
+
+def test_the_training_executors_ledger_answers_as_the_scan_does_and_sees_what_kernels_keep():
+    """The carrier reads a value's holds from its step's ledger (every container it keeps
+    is counted): the same answers as the scan of the holders, and also no to an array a
+    kernel keeps for its gradient (which the carrier does not hand the scan)."""
+    led = Ledger(NUMPY)
+    env, scope, kept = Counted(led), Counted(led), Kept(led)
+    a, b = big(), big()
+    env["a"], env["b"] = a, b
+    assert may_donate("a", ("a",), env, (), ledger=led)
+    env["v"] = a.reshape(N * N)                               # a live view
+    assert not may_donate("a", ("a",), env, (), ledger=led)
+    env.pop("v")
+    assert may_donate("a", ("a",), env, (), ledger=led)
+    scope["w"] = a                                            # stored under another name
+    assert not may_donate("a", ("a",), env, (), ledger=led)
+    scope.pop("w")
+    kept["x"] = b                                             # kept for the backward
+    assert not may_donate("b", ("b",), env, (), ledger=led)
+    kept.pop("x")
+    led.settle()
+    assert may_donate("b", ("b",), env, (), ledger=led)
+    env["s"] = np.ones((8, 8))
+    assert not may_donate("s", ("s",), env, (), ledger=led)   # too small to matter
+    assert not may_donate("x", ("x",), env, (), ledger=led)   # not there
 
 
 @pytest.mark.parametrize("overlap", [False, True])

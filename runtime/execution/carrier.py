@@ -388,7 +388,7 @@ class Carrier:
                     if ctx is None:
                         ctx = bases[instr.layer] = runner.context(step, {}, kept)
                 donate = tuple(n for n in instr.donors if n in dying and
-                               donatable((n,), env, scope, self.acc.values))[:1]
+                               donatable((n,), env, ledger=led))[:1]
                 run_op(instr, env, scope, ctx, donate)
                 led.settle()
             elif isinstance(instr, PointInstr):
@@ -398,8 +398,7 @@ class Carrier:
                         led, self._await)
                 else:
                     read = instr.reads[0] if instr.reads else None
-                    donate = may_donate(read, dying, env, self.feed_names, scope,
-                                        self.acc.values)
+                    donate = may_donate(read, dying, env, self.feed_names, ledger=led)
                     runner.point(instr, env, scope, self.tags.tag(instr.point.seq, m), donate)
             elif isinstance(instr, SendInstr):
                 tag = self.tags.tag(instr.point.seq, m)
@@ -435,7 +434,7 @@ class Carrier:
                 if isinstance(instr, OpInstr):
                     ctx = runner.context(self.step, instr.ctx) if instr.ctx else base
                     donate = tuple(n for n in instr.donors if n in dying and
-                                   donatable((n,), env, scope))[:1]
+                                   donatable((n,), env, ledger=self.ledger))[:1]
                     run_op(instr, env, scope, ctx, donate)
                 elif isinstance(instr, GatherInstr):
                     self.fetched[instr.point.value] = self._gather(instr, env)
@@ -443,7 +442,7 @@ class Carrier:
                     env[instr.writes[0]] = self.ahead.take(instr.point.seq, self._await)
                 else:
                     read = instr.reads[0] if instr.reads else None
-                    donate = may_donate(read, dying, env, (), scope)
+                    donate = may_donate(read, dying, env, (), ledger=self.ledger)
                     runner.point(instr, env, scope, self.tags.tag(instr.point.seq, 0), donate)
                 for name in dying:
                     env.pop(name, None)

@@ -167,6 +167,12 @@ class Ledger:
             del owners[key]
             self.bytes -= entry[2]
 
+    def holds(self, a) -> int:
+        """How many times the counted containers hold array ``a``'s memory, ``a`` owning
+        it (each name or view of it once; 0 where none does)."""
+        entry = self.owners.get(id(a))
+        return 0 if entry is None or entry[0] is not a else entry[1]
+
     def later(self, value) -> None:
         """Drop ``value`` at the next :meth:`settle` (what a kernel takes back from what
         it kept lives until the kernel's results are stored)."""

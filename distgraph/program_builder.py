@@ -14,6 +14,7 @@ from __future__ import annotations
 import inspect
 from dataclasses import dataclass, field
 
+from distgraph import dtypes
 from distgraph.autodiff import append_backward
 from distgraph.errors import DistGraphError
 from distgraph.ir import Program, Role
@@ -93,6 +94,8 @@ def build_program(model, input_specs, label_specs=(), loss=None, optimizer=None,
         trainable = {n for n, p in model.named_parameters() if p.trainable}
         params = [v for v in program.parameters if v.name in trainable]
         grads = append_backward(program, scaled if scaling else loss_value, params)
+        if amp is not None:
+            widened_gradients(program)
         optimizer.append_update(program, grads, scaling)
     blocks = tuple(p for p, layer in model.named_sublayers()
                    if getattr(layer, "recompute_unit", False))
@@ -120,6 +123,30 @@ def _auxiliary_loss(model, micro_batches):
                              f"compute; accept micro_batches (a loss per micro-batch) or use "
                              f"Strategy(micro_batches=1)")
     return aux()
+
+
+def widened_gradients(program) -> None:
+    """Under amp a weight's gradient comes out of its gradient GEMM in the 16-bit dtype
+    and is cast to its float32 master's: the GEMM writes it in float32 instead
+    (``matmul(out_dtype="float32")``: the product it accumulated in float32, unrounded),
+    one pass over every weight's gradient fewer per micro-batch, as Megatron-LM's
+    gradient accumulation fusion writes its float32 gradient buffers. Only where the
+    cast is the product's one reader; the cast's result keeps its name (the gradient's)."""
+    producers, readers = program.producers(), program.consumers()
+    fetched = {v.name for v in program.outputs}
+    kept = []
+    for op in program.ops:
+        made = producers.get(op.inputs[0].name) if op.type == "cast" else None
+        if made is not None and op.role is Role.BACKWARD and made.type == "matmul" and \
+                made.role is Role.BACKWARD and op.outputs[0].dtype == "float32" and \
+                op.inputs[0].dtype in dtypes.HALF_DTYPES and \
+                len(readers[op.inputs[0].name]) == 1 and op.inputs[0].name not in fetched:
+            del program.values[made.outputs[0].name]
+            made.outputs[0] = op.outputs[0]
+            made.attrs["out_dtype"] = "float32"
+            continue
+        kept.append(op)
+    program.ops = kept
 
 
 def _cast(builder, v, dtype):

@@ -142,6 +142,36 @@ def test_micro_batches_accumulate_the_float32_gradients(amp):
     assert losses[-1] < losses[0] - 0.1
 
 
+def test_a_weights_gradient_gemm_writes_its_float32_product_unrounded():
+    """Under amp a weight's gradient GEMM writes float32 (no cast after it): on the
+    host, its 16-bit operands' product in float32, not rounded to bfloat16 first (the
+    bits differ), as Megatron-LM's gradient accumulation fusion keeps it."""
+    from distgraph.runtime.execution.executor import ProgramRunner
+
+    run = Run(dg.Strategy(amp="bfloat16"))
+    program = run.built.program
+    made = program.producers()
+    folded = [made[f"{n}@GRAD"] for n in (v.name for v in program.parameters)
+              if made[f"{n}@GRAD"].type == "matmul"]
+    assert folded and all(op.attrs["out_dtype"] == "float32" and op.attrs.get("rows")
+                          for op in folded)
+    assert not any(op.type == "cast" and op.inputs[0] is f.outputs[0]
+                   for op in program.ops for f in folded)
+    op = folded[0]
+    x, dz = op.inputs
+    scope = {n: p.numpy() for n, p in run.model.named_parameters()}
+    scope.update(dg.optim.AdamW(3e-3).initial_state(program))
+    got = ProgramRunner(program).run(scope, batch(0), [x.name, dz.name, op.outputs[0].name])
+    assert got[x.name].dtype.name == got[dz.name].dtype.name == "bfloat16"
+    want = (got[x.name].astype(np.float32).reshape(-1, x.shape[-1]).T
+            @ got[dz.name].astype(np.float32).reshape(-1, dz.shape[-1]))
+    grad = got[op.outputs[0].name]
+    assert grad.dtype == np.float32
+    np.testing.assert_array_equal(grad, want)
+    rounded = want.astype(run.built.program.values[x.name].dtype).astype(np.float32)
+    assert not np.array_equal(grad, rounded)
+
+
 @pytest.mark.parametrize("micro_batches", [1, 2])
 def test_mixtral_with_its_load_balancing_loss_trains_in_bfloat16(micro_batches):
     """The router's statistics are counted in float32 (bfloat16 counts stop at 256) and

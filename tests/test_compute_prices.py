@@ -169,3 +169,20 @@ def test_the_published_machines_price_large_gemms_near_their_rate_and_say_whence
     small = gemm_seconds(1, 256, 256, 4096, 2, h100.flops("bfloat16"), h100.gemm,
                          h100.memory_bandwidth * 1e9)
     assert 2 * 256 * 256 * 4096 / small < 0.3 * rate
+
+
+def test_a_float32_product_of_16_bit_operands_is_priced_at_their_rate():
+    """matmul(out_dtype="float32") (a weight's gradient under amp) computes at its
+    operands' bfloat16 rate and writes float32: by the roofline and by the curve."""
+    device = Device(0, 0, 0, "GPU", "x", {"bfloat16": 100000.0, "float32": 10000.0}, 80,
+                    memory_bandwidth=2000, op_overhead=3)
+    ins = [T((4096, 4096), "bfloat16"), T((4096, 4096), "bfloat16")]
+    wide, narrow = T((4096, 4096), "float32"), T((4096, 4096), "bfloat16")
+    attrs = {"out_dtype": "float32"}
+    flops = 2 * 4096 ** 3
+    assert op_time("matmul", ins, [wide], attrs, device) == pytest.approx(flops / 100e12)
+    assert op_time("matmul", ins, [wide], attrs, device) == \
+        op_time("matmul", ins, [narrow], {}, device)
+    curve = dataclasses.replace(device, gemm=GemmCurve(8, (128, 128), 32, 16))
+    assert op_time("matmul", ins, [wide], attrs, curve) == pytest.approx(
+        gemm_seconds(1, 4096, 4096, 4096, 4, 100e12, curve.gemm, 2000e9))

@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from distgraph import dtypes
 from distgraph.ops import fused_gpu
 from distgraph.ops import meshslice as ms
 from distgraph.ops.common import broadcast_shapes, reduce_to_shape, same_dtype
+from distgraph.ops.elementwise import cast
 from distgraph.ops.shape import reshape
 from distgraph.registry import ShapeError, TensorType, register_op, size
 from distgraph.spmd import SpmdRuleError
@@ -60,30 +62,41 @@ class Matmul:
     ``meshslice`` (None: off; ``"auto"`` or K) lets the op run as MeshSlice where its
     operands come in one of MeshSlice's layouts; the planner turns ``"auto"`` into the K
     the cost model picks. ``rows``: ``x [..., m]``, ``y [..., n]`` with the same leading
-    dims give ``[m, n]``, the sum over every row of ``x_row^T y_row``."""
+    dims give ``[m, n]``, the sum over every row of ``x_row^T y_row``. ``out_dtype``
+    (16-bit operands only): float32, the product as the GEMM accumulated it, not rounded
+    to the operands' dtype (a weight's gradient for its float32 master under amp:
+    :func:`distgraph.program_builder.widened_gradients`)."""
 
-    def infer(x, y, transpose_x=False, transpose_y=False, meshslice=None, rows=False):
+    def infer(x, y, transpose_x=False, transpose_y=False, meshslice=None, rows=False,
+              out_dtype=None):
         try:
             slices_setting(meshslice)
         except SpmdRuleError as e:
             raise ShapeError(str(e)) from None
         if len(x.shape) < 2 or len(y.shape) < 2:
             raise ShapeError("matmul needs operands of rank >= 2")
+        dtype = same_dtype(x, y)
+        if out_dtype is not None:
+            if out_dtype != "float32" or dtype not in dtypes.HALF_DTYPES:
+                raise ShapeError(f"matmul(out_dtype={out_dtype!r}) writes float32 products of "
+                                 f"16-bit operands, not of {dtype}")
+            dtype = out_dtype
         if rows:
             if x.shape[:-1] != y.shape[:-1] or transpose_x or transpose_y or meshslice:
                 raise ShapeError(f"matmul(rows=True) contracts the leading dims of x "
                                  f"{tuple(x.shape)} and y {tuple(y.shape)}: they must be the "
                                  "same, without transposes or meshslice")
-            return TensorType((x.shape[-1], y.shape[-1]), same_dtype(x, y))
+            return TensorType((x.shape[-1], y.shape[-1]), dtype)
         m, k = _mk(x.shape, transpose_x)
         k2, n = _mk(y.shape, not transpose_y)[::-1]
         if k != k2:
             raise ShapeError(f"contracted dims differ: {k} vs {k2} (transpose_x={transpose_x}, "
                              f"transpose_y={transpose_y})")
         batch = broadcast_shapes(x.shape[:-2], y.shape[:-2])
-        return TensorType(batch + (m, n), same_dtype(x, y))
+        return TensorType(batch + (m, n), dtype)
 
-    def kernel(ctx, x, y, transpose_x=False, transpose_y=False, meshslice=None, rows=False):
+    def kernel(ctx, x, y, transpose_x=False, transpose_y=False, meshslice=None, rows=False,
+               out_dtype=None):
         if rows:        # one GEMM over every row, as a Linear layer's forward
             return ctx.xp.matmul(x.reshape(-1, x.shape[-1]).T, y.reshape(-1, y.shape[-1]))
         if isinstance(meshslice, ms.LocalMeshSlice):
@@ -103,7 +116,8 @@ class Matmul:
             x = xp.swapaxes(x, -1, -2)
         return xp.matmul(x, y)
 
-    def flops(ins, outs, transpose_x=False, transpose_y=False, meshslice=None, rows=False):
+    def flops(ins, outs, transpose_x=False, transpose_y=False, meshslice=None, rows=False,
+              out_dtype=None):
         if rows:
             return 2 * size(outs[0]) * (size(ins[0]) // ins[0].shape[-1])
         k = ins[0].shape[-2] if transpose_x else ins[0].shape[-1]
@@ -115,6 +129,8 @@ class Matmul:
 
     def grad(op, dz):
         x, y = op.inputs
+        if op.attrs.get("out_dtype") is not None:      # its gradient in the operands' dtype
+            dz = cast(dz, x.dtype)
         tx, ty = op.attrs.get("transpose_x", False), op.attrs.get("transpose_y", False)
         # the backward GeMMs run as MeshSlice too (other dataflows on the same layouts)
         slices = op.attrs.get("meshslice")

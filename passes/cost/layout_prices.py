@@ -52,9 +52,9 @@ import numpy as np
 
 from distgraph import dtypes
 from distgraph.registry import LocalSite, TensorType, comm_workspace, get_op, op_workspace
-from distgraph.passes.cost.prices import (Rings, best_overlap, feed_time, groups_along,
-                                          mesh_step_time, op_comm_time, op_time,
-                                          reshard_step_time)
+from distgraph.passes.cost.prices import (Rings, best_overlap, compute_dtype, feed_time,
+                                          groups_along, mesh_step_time, op_comm_time,
+                                          op_time, reshard_step_time)
 from distgraph.passes.partition import local_view_only
 from distgraph.passes.reshard import plan_reshard, plan_reshard_path
 from distgraph.passes.session import Session
@@ -217,7 +217,7 @@ class LayoutPrices:
         return max(op_time(op.type, self._scaled(ins, op.inputs, s.in_specs, split, rows),
                            self._scaled(outs, op.outputs, s.out_specs, split, rows), attrs,
                            self.cluster.device(device))
-                   for device, rows in self._shares(split, outs[0].dtype if outs else "float32")
+                   for device, rows in self._shares(split, compute_dtype(op.type, ins, outs))
                    ), comm
 
     def _sample_split(self, op, s) -> frozenset:

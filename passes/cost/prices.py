@@ -83,7 +83,8 @@ def op_time(op_type: str, ins, outs, attrs: dict, device) -> float:
     if shape is not None:
         launch = costs[0] * 1e-6 if costs is not None else overhead
         return widening + with_launch(device, launch, gemm_seconds(
-            *shape, dtypes.itemsize(outs[0].dtype), _rate(device, outs[0].dtype),
+            *shape, dtypes.itemsize(outs[0].dtype), _rate(device, compute_dtype(
+                op_type, ins, outs)),
             device.gemm, mem_bw))
     if op_type == "cast" and device.op_costs and \
             cast_cost_key(ins[0].dtype, outs[0].dtype) in device.op_costs:
@@ -125,6 +126,14 @@ def cast_time(src: str, dst: str, elements: int, device) -> float:
     return elements * (dtypes.itemsize(src) + dtypes.itemsize(dst)) / device_rates(device)[0]
 
 
+def compute_dtype(op_type: str, ins, outs) -> str:
+    """The dtype an op computes in, whose rate prices its FLOPs: its results', a
+    matmul's its operands' (its ``out_dtype`` only widens what it writes)."""
+    if op_type == "matmul" or not outs:
+        return ins[0].dtype if ins else "float32"
+    return outs[0].dtype
+
+
 def _rate(device, dtype: str) -> float:
     """FLOP/s of ``device`` for ``dtype``: its figure for the dtype, else float32's, else
     its fastest."""
@@ -139,8 +148,7 @@ def roofline_time(op_type: str, ins, outs, attrs: dict, device) -> float:
         return device_rates(device)[1]
     flops = get_op(op_type).flops(ins, outs, **attrs)
     touched = sum(_nbytes(t) for t in ins) + sum(_nbytes(t) for t in outs)
-    dtype = outs[0].dtype if outs else (ins[0].dtype if ins else "float32")
-    rate = _rate(device, dtype)
+    rate = _rate(device, compute_dtype(op_type, ins, outs))
     mem_bw, overhead = device_rates(device)
     return with_launch(device, overhead, max(flops / rate, touched / mem_bw))
 

@@ -43,7 +43,8 @@ def gpu_16bit(instr: OpInstr, args, attrs) -> bool:
     """Whether a GPU runs ``instr``'s kernel on its 16-bit operands as they are: a GEMM
     on the matrix units, accumulating in float32 and rounding its result once, as the
     host's float32 computation rounds it (which on a GPU runs at the float32 rate,
-    several times slower). A matmul of one dtype: one 2-D GEMM (a Linear layer's, its
+    several times slower). A matmul of one dtype (its result in that dtype or in
+    float32: its ``out_dtype``): one 2-D GEMM (a Linear layer's, its
     rows flattened and the weight 2-D, or two matrices') or a stack of them of one batch
     shape (attention's: one cuBLAS call, :func:`distgraph.ops.fused_gpu.batched_matmul`);
     not a stack against a broadcast matrix nor MeshSlice's sliced form, which accumulates
@@ -54,7 +55,8 @@ def gpu_16bit(instr: OpInstr, args, attrs) -> bool:
         return attrs.get("axis", -1) in (-1, args[0].ndim - 1) and \
             args[0].dtype == instr.out_dtypes[0] and fused_gpu.rows_bf16(*args)
     if instr.op_type != "matmul" or attrs.get("meshslice") or \
-            not args[0].dtype == args[1].dtype == instr.out_dtypes[0]:
+            args[0].dtype != args[1].dtype or instr.out_dtypes[0] not in (args[0].dtype,
+                                                                           FLOAT32):
         return False
     return bool(attrs.get("rows")) or fused_gpu.stacked_16bit(args[0], args[1]) or (
         args[1].ndim == 2 and (args[0].ndim == 2 or not attrs.get("transpose_x")))
@@ -102,7 +104,11 @@ def call_kernel(instr: OpInstr, ctx, args, attrs=None) -> tuple:
     if get_op(instr.op_type).takes_16bit or (ctx.xp is not np and
                                              gpu_16bit(instr, args, attrs)):
         with np.errstate(over="ignore", invalid="ignore"):
-            return _call(instr, ctx, args, attrs)
+            result = _call(instr, ctx, args, attrs)
+        # a float32 product of 16-bit operands (matmul's out_dtype): the GPU's 16-bit
+        # GEMM, widened (cuBLAS could write float32 at once)
+        return tuple(r if getattr(r, "dtype", d) == d else r.astype(d)
+                     for r, d in zip(result, instr.out_dtypes))
     wide = [a.astype(FLOAT32) if getattr(a, "dtype", None) in HALF else a for a in args]
     if ctx.out is not None:
         ctx = dataclasses.replace(ctx, out=None)

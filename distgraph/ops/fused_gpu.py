@@ -93,8 +93,6 @@ WIDENED = {
 }
 
 
-
-
 def widened(op_type: str, args, attrs: dict, out=None):
     """Op ``op_type`` of :data:`WIDENED` on CuPy arrays ``args`` of one 16-bit dtype,
     computed in float32 and rounded once, in one kernel (into ``out`` where given, an

@@ -9,8 +9,8 @@ partial collectives overlapped with K partial GeMMs.
   cost model of a resource file).
 """
 
-from distgraph.passes.meshslice.autotune import AutotuneReport, Choice, GemmCost, autotune
+from distgraph.passes.meshslice.autotune import AutotuneReport, GemmCost, MeshShapeCost, autotune
 from distgraph.passes.meshslice.slices import assign_slices, enable, uses
 
-__all__ = ["AutotuneReport", "Choice", "GemmCost", "assign_slices", "autotune", "enable",
+__all__ = ["AutotuneReport", "GemmCost", "MeshShapeCost", "assign_slices", "autotune", "enable",
            "uses"]

@@ -98,7 +98,7 @@ class GemmCost:
 
 
 @dataclass(frozen=True)
-class Choice:
+class MeshShapeCost:
     """One mesh shape: per FC layer (name, forward dataflow, its three GemmCosts with
     their best K), and the step's FC time summed over the model's layers."""
 
@@ -132,7 +132,7 @@ class AutotuneReport:
     skipped: tuple
 
     @property
-    def best(self) -> Choice:
+    def best(self) -> MeshShapeCost:
         return self.choices[0]
 
     def candidate(self, layer: str, gemm: str, dataflow: str, mesh: tuple,
@@ -206,7 +206,7 @@ def autotune(layers: int, hidden: int, heads: int, seq: int, batch: int, cluster
         per_layer = priced["layers"]
         total = [sum(getattr(g, f) for _, _, gs in per_layer for g in gs) * layers
                  for f in ("compute", "communication", "exposed")]
-        choices.append(Choice(shape, tuple(per_layer), *total))
+        choices.append(MeshShapeCost(shape, tuple(per_layer), *total))
     if not choices:
         raise PlanError("autotune: no mesh shape fits: " +
                         "; ".join(f"{r}x{c}: {why}" for (r, c), why in skipped))

@@ -110,8 +110,9 @@ class Strategy:
     becoming all-gathers and reduce-scatters
     (:mod:`distgraph.passes.transforms.sequence_parallel`; under ``auto_mode="full"`` on
     the searched layouts); None, the default under ``auto_mode="full"`` (False
-    otherwise): the planner chooses it by price (``with_savers``; False in the plan's
-    strategy where the plan has no tensor-parallel region to split). The planner
+    otherwise): the planner turns it on where the plan does not fit without it
+    (``with_savers``: the search weighs splitting the light ops over the sequence
+    itself). The planner
     (:func:`distgraph.passes.plan`) raises PlanError for an option that is not available
     yet: none is silently ignored. ``context_parallel`` ("ring" or "ulysses") is how
     attention runs where the sequence is split over a mesh dim (``shard_dataloader(...,

@@ -57,10 +57,10 @@ RECOMPUTED = (False, "selective", True)
 # why no recomputation was priced where the search says memory held no faster plan back
 UNBOUND = ("not planned with: memory held no faster plan back (the search with memory "
            "unlimited finds none faster), and recomputation only adds work")
-# why sequence parallelism was not priced where memory held the plan without it no faster
-# plan back: its layouts are among those the search weighed (with_savers)
-SPLIT_SEARCHED = ("not planned with: memory held no faster plan back, and the search "
-                  "weighed splitting the sequence of the light ops among its layouts")
+# why sequence parallelism was not priced where the plan without it fits (with_savers)
+SPLIT_SEARCHED = ("not planned with: the plan without it fits, and it would rewrite the "
+                  "same searched layouts, which split the light ops over the sequence where "
+                  "the search found that faster")
 # the savers the search asks on first, whose price in time the cost model puts at or near
 # nothing (with_savers): ZeRO sharding over the data dims, sequence parallelism
 FREE = ("sharding", "sequence_parallel")
@@ -88,19 +88,18 @@ def with_savers(strategy, cluster, plan_with, replan, applied=None):
       shards no update, it says False.
     - Sequence parallelism (``sequence_parallel=None``) rewrites the searched layouts
       after the search (all-reduces become reduce-scatters and all-gathers of the same
-      bytes, the light ops and their activations split). Those layouts are among the
-      search's own (a light op split over the sequence, a reduce-scatter out of a
-      row-split matmul, a gather into a column-split one), so with memory to spare the
-      two plans are priced alike, and the plan without it is made first. Only where
-      memory held that plan back (``memory_binds``, or it does not fit) is the plan
-      with it priced too, at the same recomputation, sharing the first planning's
-      search (the planner's sessions): completion and the estimate only. GPT-3 175B on
-      the 1,024-A100 file: about 8 s CPU of 40 saved, the two plans 20.7621 and
-      20.7622 s per step; Megatron's 76.1B row (bench/plan_fingerprints.py) the one
-      plan of 21 that changed, +0.02% (the rewrite's light ops split, 0.17 s less
-      compute; its gathers, 0.12 s more communication). Under a target, whose layouts
-      are its framework's, both are priced. Where it finds no tensor-parallel region,
-      it is not kept.
+      bytes, the light ops and their activations split), and the plan with it shares the
+      plan without it's search (the planner's sessions: the search sets it aside,
+      :func:`~distgraph.passes.search.stages.micro.searched_as`): the same layouts,
+      rewritten. It can only make a plan fit that does not, so the plan without it is
+      made first and the plan with it only where that does not fit (completion and the
+      estimate only), at the same recomputation; the search itself weighs splitting the
+      light ops over the sequence (a reduce-scatter out of a row-split matmul, a gather
+      into a column-split one) and takes it where it is faster. GPT-3 175B on the
+      1,024-A100 file: one planning of 30 s CPU where both took 40 (20.7621 and 20.7622
+      s per step), at 40 GB two of 57 s where four took 74; Megatron's 76.1B row (bench/plan_fingerprints.py) the one plan of 21
+      that changed, +0.02% (the rewrite's light ops split: 0.17 s less compute, 0.12 s
+      more communication). Where it finds no tensor-parallel region, it is not kept.
     - Recomputation as before, with those: none, the attention scores, and whole blocks
       only where neither fits. Where the search without recomputation says that memory
       held no faster plan back (``memory_binds`` of its report: the stage DP on the
@@ -185,9 +184,8 @@ def _free_candidates(asked, free, plan_with, applied) -> list:
     """[(sequence_parallel, plan or DoesNotFit)] of ``asked`` at one recomputation: the
     plan without sequence parallelism where it is the search's (ZeRO's sharding as
     ``free`` leaves it), its strategy saying False for a saver of ``free`` that changed
-    nothing; then, where memory held that plan back (its search's ``memory_binds``, or it
-    does not fit), the plan with sequence parallelism, kept where it acted
-    (:func:`with_savers`). A saver of ``free`` that the model or its layouts do not take
+    nothing; where it does not fit, then the plan with sequence parallelism, kept where
+    it acted (:func:`with_savers`). A saver of ``free`` that the model or its layouts do not take
     (a PlanError: no update on a mesh with ZeRO's dim, no region to split over the
     sequence) is planned without. Raises the DoesNotFit where the plan does not fit and
     there is no other."""
@@ -202,10 +200,8 @@ def _free_candidates(asked, free, plan_with, applied) -> list:
         return _without_refused(asked, free, plan_with, applied, refused)
     if not isinstance(planned, DoesNotFit):
         idle = {s: False for s, acted in applied(planned).items() if s in free and not acted}
-        if idle:
-            planned = _said(planned, idle)
-        if not searched_sp or planned.estimate is None or _split_searched(planned):
-            return [(planned.strategy.sequence_parallel, planned)]
+        return [(planned.strategy.sequence_parallel, _said(planned, idle) if idle
+                 else planned)]
     try:
         on = plan_with(dataclasses.replace(asked, sequence_parallel=True))
     except DoesNotFit as e:
@@ -219,15 +215,6 @@ def _free_candidates(asked, free, plan_with, applied) -> list:
         return [(False, planned)]
     idle = {s: False for s, did in acted.items() if s in free and not did}
     return [(False, planned), (True, _said(on, idle) if idle else on)]
-
-
-def _split_searched(planned) -> bool:
-    """Whether sequence parallelism can make ``planned`` (made without it) no faster: the
-    search chose its layouts with memory to spare, and without a target (whose layouts
-    are its framework's) they include the sequence splits it makes
-    (:func:`with_savers`)."""
-    return planned.strategy.target is None and \
-        not getattr(planned.search, "memory_binds", True)
 
 
 def _without_refused(asked, free, plan_with, applied, refused: PlanError) -> list:
@@ -285,7 +272,7 @@ def _noted(planned, strategy, kinds, priced, cluster=None, candidates=None, zero
         value = getattr(planned.strategy, saver)
         others = tuple(_price(v, c) for v, c in candidates or () if c is not planned)
         said = SPLIT_SEARCHED if saver == "sequence_parallel" and not others and \
-            _split_searched(planned) else ""
+            not value else ""
         if saver == "sharding":
             others = (zero_off,) if zero_off is not None else ()
             said = _per_update(planned)

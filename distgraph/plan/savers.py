@@ -40,8 +40,7 @@ _SPELLED = {
 _UNPRICED = {
     ("sharding", True): "not planned without: the plan recomputes, memory binds, and without "
                         "the states split it holds more on every layout",
-    ("sharding", False): "no update left to shard over a data-parallel dim",
-    ("sequence_parallel", False): "no tensor-parallel region to split"}
+    ("sharding", False): "no update left to shard over a data-parallel dim"}
 
 
 @dataclass(frozen=True)

@@ -58,11 +58,9 @@ RECOMPUTED = (False, "selective", True)
 UNBOUND = ("not planned with: memory held no faster plan back (the search with memory "
            "unlimited finds none faster), and recomputation only adds work")
 # why sequence parallelism was not priced where the plan without it fits (with_savers)
-SPLIT_SEARCHED = ("not planned with: the plan without it fits, and it would rewrite the "
-                  "same searched layouts, which split the light ops over the sequence where "
-                  "the search found that faster")
-# the savers the search asks on first, whose price in time the cost model puts at or near
-# nothing (with_savers): ZeRO sharding over the data dims, sequence parallelism
+SPLIT_SEARCHED = "not planned with: the plan without it fits; it would rewrite the same layouts"
+# the savers left to the search beside recomputation (with_savers): ZeRO sharding over the
+# data dims (chosen per update inside the search), sequence parallelism
 FREE = ("sharding", "sequence_parallel")
 
 
@@ -87,19 +85,12 @@ def with_savers(strategy, cluster, plan_with, replan, applied=None):
       it is planned once more without ZeRO, the faster that fits kept. Where the plan
       shards no update, it says False.
     - Sequence parallelism (``sequence_parallel=None``) rewrites the searched layouts
-      after the search (all-reduces become reduce-scatters and all-gathers of the same
-      bytes, the light ops and their activations split), and the plan with it shares the
-      plan without it's search (the planner's sessions: the search sets it aside,
-      :func:`~distgraph.passes.search.stages.micro.searched_as`): the same layouts,
-      rewritten. It can only make a plan fit that does not, so the plan without it is
-      made first and the plan with it only where that does not fit (completion and the
-      estimate only), at the same recomputation; the search itself weighs splitting the
-      light ops over the sequence (a reduce-scatter out of a row-split matmul, a gather
-      into a column-split one) and takes it where it is faster. GPT-3 175B on the
-      1,024-A100 file: one planning of 30 s CPU where both took 40 (20.7621 and 20.7622
-      s per step), at 40 GB two of 57 s where four took 74; Megatron's 76.1B row (bench/plan_fingerprints.py) the one plan of 21
-      that changed, +0.02% (the rewrite's light ops split: 0.17 s less compute, 0.12 s
-      more communication). Where it finds no tensor-parallel region, it is not kept.
+      after the search, which sets it aside (:func:`~distgraph.passes.search.stages.
+      micro.searched_as`): the plan with it has the layouts of the plan without it, and
+      the search weighs splitting the light ops over the sequence itself. So the plan
+      without it is made first, and the plan with it (completion and the estimate) only
+      where that one does not fit. GPT-3 175B on the 1,024-A100 file: one planning of
+      30 s CPU where two took 40, 20.7621 s per step against 20.7622 with it.
     - Recomputation as before, with those: none, the attention scores, and whole blocks
       only where neither fits. Where the search without recomputation says that memory
       held no faster plan back (``memory_binds`` of its report: the stage DP on the
@@ -185,10 +176,10 @@ def _free_candidates(asked, free, plan_with, applied) -> list:
     plan without sequence parallelism where it is the search's (ZeRO's sharding as
     ``free`` leaves it), its strategy saying False for a saver of ``free`` that changed
     nothing; where it does not fit, then the plan with sequence parallelism, kept where
-    it acted (:func:`with_savers`). A saver of ``free`` that the model or its layouts do not take
-    (a PlanError: no update on a mesh with ZeRO's dim, no region to split over the
-    sequence) is planned without. Raises the DoesNotFit where the plan does not fit and
-    there is no other."""
+    it acted (:func:`with_savers`). A saver of ``free`` that the model or its layouts do
+    not take (a PlanError: no update on a mesh with ZeRO's dim, no region to split over
+    the sequence) is planned without. Raises the DoesNotFit where the plan does not fit
+    and there is no other."""
     searched_sp = free.get("sequence_parallel", False)
     try:
         planned = plan_with(asked)

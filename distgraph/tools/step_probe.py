@@ -160,17 +160,6 @@ ALL_TO_ALLV_BYTES = (256 * 2**10, 1 * 2**20, 4 * 2**20)
 ALL_TO_ALLV_ROW = 2048             # bytes per row: a hidden size of 512 in float32
 
 
-EXPERT_ROWS, EXPERT_INNER = 512, 1024     # the work between two dispatches: an expert's GEMM
-
-
-def between_experts(arrays) -> None:
-    """What a rank does between two all-to-alls of MoE's dispatch: an expert's GEMM on
-    its rows (megabytes of operands and result, which take the caches, as the experts'
-    work between the dispatch and the combine does)."""
-    rows, weight = arrays
-    rows @ weight
-
-
 def uneven_counts(n: int, rows: int) -> np.ndarray:
     """[sender, receiver] rows of an uneven routing in which each sender sends ``rows``
     in all: receiver q of sender r gets a share growing with ``(r + q) % n``."""
@@ -190,17 +179,27 @@ def measure_all_to_allv(comm, repeats: int) -> list:
     size: the per-step cost of an exchange there, which the dispatch pays once more per
     forward), then ``all_to_allv`` of :func:`uneven_counts` rows of
     :data:`ALL_TO_ALLV_ROW` bytes, a local buffer of each of :data:`ALL_TO_ALLV_BYTES`
-    gathered afresh from its rows before each call. What each adds to a loop of an
-    expert's GEMM (:func:`between_experts`) and the gathering of its buffer
-    (:func:`steps_cost`: the slowest rank's view; the group waits for it at every
-    exchange, as the step does), with the caches as the experts leave them."""
+    gathered afresh from its rows before each call. What each adds to a loop of the
+    work every other step kind is timed after (:func:`between_steps`) and the gathering
+    of its buffer (:func:`steps_cost`: the slowest rank's view; the group waits for it
+    at every exchange, as the step does).
+
+    The same work as the other kinds', so that their figures are alike: what a step
+    adds after a longer stretch of compute is mostly the wait for a peer the cores
+    descheduled, which grows with that stretch, and which a step after little work does
+    not pay. Measured on the emulated 2 x 2 (4 ranks, 2 cores; 2026-11-29): after an
+    expert's GEMM (512 x 512 x 1,024, 16 x this work) the per-step cost came out
+    448-1,303 µs in three calibrations, and moe_ep's step was priced 55.8 ms against
+    43.1 measured (+29.5%; its 131 kB all_to_allv took 1.3-1.6 ms, median by rank, with
+    its wire's 1 ms, where the figures priced 3.0 ms); after this work 30-77 µs in
+    three, and ``bench/cost_model_check.py --matrix`` gave moe_ep -6.1% to +0.1%."""
     from distgraph.runtime.comm.mpi import MPICommunicator
 
     n, rank = comm.Get_size(), comm.Get_rank()
     runtime = MPICommunicator(comm)
     group = tuple(range(n))
-    experts = (np.ones((EXPERT_ROWS, ALL_TO_ALLV_ROW // 4), np.float32),
-               np.ones((ALL_TO_ALLV_ROW // 4, EXPERT_INNER), np.float32))
+    between = (np.ones(BETWEEN_BYTES // 8), np.ones(BETWEEN_BYTES // 8),
+               np.empty(BETWEEN_BYTES // 8), np.ones((BETWEEN_GEMM,) * 2, np.float32))
     width = ALL_TO_ALLV_ROW // 4
     rng = np.random.default_rng(rank)
     counts = np.ones((n, COUNTS_LOCAL_EXPERTS), np.int64)
@@ -216,7 +215,7 @@ def measure_all_to_allv(comm, repeats: int) -> list:
                                                                             group)))
 
     def work(make):
-        between_experts(experts)
+        between_steps(between)
         return make()                         # made afresh, as the dispatch sends
 
     timed = steps_cost(comm, [(lambda make=make: work(make), exchange)

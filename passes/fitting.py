@@ -213,10 +213,15 @@ def _without_refused(asked, free, plan_with, applied, refused: PlanError) -> lis
     that the planner takes (``refused``: its PlanError with them all on, raised where
     none does)."""
     on = [s for s in FREE if free.get(s)]
+    tried = [asked]         # a saver asked off already (sequence parallelism) plans asked
     for off in [(s,) for s in on] + ([tuple(on)] if len(on) > 1 else []):
+        without = dataclasses.replace(asked, **dict.fromkeys(off, False))
+        if without in tried:
+            continue
+        tried.append(without)
         try:
-            return _free_candidates(dataclasses.replace(asked, **dict.fromkeys(off, False)),
-                                    {s: True for s in on if s not in off}, plan_with, applied)
+            return _free_candidates(without, {s: True for s in on if s not in off},
+                                    plan_with, applied)
         except PlanError as e:
             if isinstance(e, DoesNotFit):
                 raise

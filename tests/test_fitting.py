@@ -98,6 +98,29 @@ def test_no_search_returns_a_plan_over_the_devices_memory(search, share, free_pe
     assert plan.search.peak_memory == pytest.approx(plan.estimate.peak_memory, rel=1e-9)
 
 
+def test_a_refusal_no_saver_causes_plans_each_strategy_once(monkeypatch, free_peak):
+    """Where memory binds the MLP, the search asks for its attention scores recomputed
+    ("selective"), which the planner refuses whatever the other savers: an MLP has
+    none. The savers left to the search are then tried off before the refusal stands,
+    but each strategy is planned once: sequence parallelism is asked off already (two
+    plannings of the two, six before)."""
+    from distgraph.passes import planner
+
+    asked = []
+    real = planner._fitted
+
+    def recording(built, strategy, *args, **kwargs):
+        asked.append(strategy)
+        return real(built, strategy, *args, **kwargs)
+
+    monkeypatch.setattr(planner, "_fitted", recording)
+    tight = cluster_of(4, 0.6 * free_peak)
+    assert fits(searched(tight), tight)
+    refused = [s for s in asked if s.recompute == "selective"]
+    assert len(refused) == 2        # as the search leaves it, and with ZeRO's sharding off
+    assert all(a != b for i, a in enumerate(asked) for b in asked[i + 1:])
+
+
 def _gpt(n_layer=4):
     dg.seed(0)
     model = dg.nn.GPT(vocab_size=64, d_model=64, n_layer=n_layer, n_head=4, max_seq_len=32)

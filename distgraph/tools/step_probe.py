@@ -45,6 +45,12 @@ def between_steps(arrays) -> None:
     m @ m
 
 
+def between_arrays() -> tuple:
+    """The arrays :func:`between_steps` works on."""
+    return (np.ones(BETWEEN_BYTES // 8), np.ones(BETWEEN_BYTES // 8),
+            np.empty(BETWEEN_BYTES // 8), np.ones((BETWEEN_GEMM,) * 2, np.float32))
+
+
 def steps_cost(comm, cases, repeats: int, iters: int = RESHARD_ITERS) -> list:
     """[seconds] each case's step adds to a loop of its work, as a training step pays it.
     ``cases``: (``work``, ``step``) pairs. A round times, for each case in turn, a loop
@@ -103,8 +109,7 @@ def measure_reshard_steps(comm, repeats: int) -> dict:
 
     n = comm.Get_size()
     runtime = MPICommunicator(comm)
-    work = (np.ones(BETWEEN_BYTES // 8), np.ones(BETWEEN_BYTES // 8),
-            np.empty(BETWEEN_BYTES // 8), np.ones((BETWEEN_GEMM,) * 2, np.float32))
+    work = between_arrays()
     cases, keys = [], []
 
     def add(kind, mesh, dim, group, nbytes):
@@ -198,8 +203,7 @@ def measure_all_to_allv(comm, repeats: int) -> list:
     n, rank = comm.Get_size(), comm.Get_rank()
     runtime = MPICommunicator(comm)
     group = tuple(range(n))
-    between = (np.ones(BETWEEN_BYTES // 8), np.ones(BETWEEN_BYTES // 8),
-               np.empty(BETWEEN_BYTES // 8), np.ones((BETWEEN_GEMM,) * 2, np.float32))
+    between = between_arrays()
     width = ALL_TO_ALLV_ROW // 4
     rng = np.random.default_rng(rank)
     counts = np.ones((n, COUNTS_LOCAL_EXPERTS), np.int64)

@@ -68,7 +68,7 @@ import numpy as np
 from pyscipopt import Model, quicksum
 
 from distgraph.errors import DoesNotFit, PlanError
-from distgraph.passes.search.layouts.ilp_bound import proven_gap
+from distgraph.passes.search.layouts.ilp_bound import lp_bound, proven_gap
 from distgraph.passes.search.layouts.ilp_problem import ShardingProblem, evaluate, peak_memory
 from distgraph.passes.search.layouts.ilp_reduced import (Pair, Reduced, reduce_problem, spike,
                                                          unique_rows)
@@ -381,6 +381,13 @@ def solve(problem: ShardingProblem, time_limit: float = 60.0, starts=(),
 def _reads_copies(red: Reduced, budget) -> bool:
     """Whether a budget holds ``red``'s choices and one of its ops reads copies."""
     return budget is not None and any(read for spikes in red.spikes for _, _, read, _ in spikes)
+
+
+def lower_bound(problem: ShardingProblem) -> float:
+    """A lower bound on the objective of every choice of ``problem`` (its LP relaxation's,
+    :func:`~distgraph.passes.search.layouts.ilp_bound.lp_bound`, the memory budget left
+    out), without SCIP."""
+    return lp_bound(reduce_problem(problem))
 
 
 def _proven(problem, red, choice, start) -> Solution | None:

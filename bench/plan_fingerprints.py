@@ -9,7 +9,9 @@ A case is planned as its bench plans it: every row of Megatron-LM's Table 1 sear
 ``search="auto"`` (bench/megatron_table1.py) and planned with Megatron's own layout,
 GPT-3 175B through ``Engine.prepare`` with the micro-batch count searched
 (``bench/plan_gpt3.py --engine``), Llama 3 405B's three cases searched
-(bench/plan_llama3.py), and a 4-layer GPT pipeline searched on 4 local ranks. Each plan is
+(bench/plan_llama3.py), and a 4-layer GPT pipeline searched on the shipped 4-rank file
+(``resources/clusters/local4.yaml``: fixed figures, where ``Cluster.local(4)`` would read
+this machine's calibration and print another estimate on every machine). Each plan is
 cut into parts, each hashed (SHA-256 of a canonical text): the stage meshes, every op's
 layout (mesh and specs), the micro-batch count and schedule, the rank mapping, the
 estimate (every process's figures, floats as ``repr`` writes them: a change in the last
@@ -27,6 +29,7 @@ import hashlib
 import json
 import sys
 import time
+from pathlib import Path
 
 import distgraph as dg
 
@@ -34,6 +37,7 @@ import distgraph as dg
 # the plan's estimated seconds per step, kept as they are beside the hashes (not a part):
 # what --check prints of a plan that changed, so that "none is slower" is read off
 STEP = "step_time"
+LOCAL4 = Path(__file__).resolve().parents[1] / "resources" / "clusters" / "local4.yaml"
 
 
 def _digest(text: str) -> str:
@@ -123,7 +127,7 @@ def _small_cases() -> dict:
         dg.seed(0)
         model = dg.nn.GPT(vocab_size=64, d_model=64, n_layer=4, n_head=4, max_seq_len=32)
         engine = dg.Engine(model, dg.nn.CrossEntropyLoss(), dg.optim.AdamW(1e-3),
-                           cluster=dg.Cluster.local(4),
+                           cluster=dg.Cluster.from_file(LOCAL4),
                            strategy=dg.Strategy(auto_mode="full", pipeline=True, micro_batches=4))
         return engine.prepare([dg.InputSpec([16, 32], "int64", "tokens")],
                               [dg.InputSpec([16, 32], "int64", "labels")])

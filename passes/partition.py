@@ -15,7 +15,11 @@ value's own mesh): it gathers again, so the forward keeps only its shard for the
 split and gathered again for the weight gradient, as Korthikanti et al. count them).
 A value sent to another mesh is sent once: a later consumer there that wants another
 layout reshards the copy that arrived (a pipeline stage's input read again by its
-recomputation or its weight gradients is not sent twice, nor kept by its sender).
+recomputation or its weight gradients is not sent twice, nor kept by its sender), and
+the backward gathers again, from the smallest copy there, what the forward gathered
+there (a stage whose first LayerNorm reads its input whole keeps the input split over
+``t`` for the backward, as a block inside the stage keeps its own and as the stage
+search counts it).
 
 :class:`Partitions` holds the local programs of every process of one plan: each made on
 first use, every reshard planned once for all of them, the numbering of the points (the
@@ -96,25 +100,39 @@ class _Numbering:
         self.cache: dict = {}
         self.made_in: dict = {}   # cache key -> role of the op the copy was made for
         self.arrived: dict = {}   # (value name, mesh) -> cache key of a copy sent there
+        self.there: dict = {}     # (value name, mesh) -> cache keys of its copies there
         self.copies: dict = {}
         self.points_made = 0
 
+    def _smallest(self, v: Value, mesh) -> tuple | None:
+        """The cache key of the smallest copy of ``v`` on ``mesh`` (another mesh than
+        its own) that is held, the copy that arrived first among equals."""
+        keys = [k for k in self.there.get((v.name, mesh), ()) if k in self.cache]
+        return min(keys, key=lambda k: int(np.prod(k[1].local_shape(v.shape),
+                                                   dtype=np.int64)), default=None)
+
     def decide(self, v: Value, dst: DistAttr, stores: str | None, role: Role | None):
         key = (v.name, dst)
-        src = v.dist_attr
+        src, held = v.dist_attr, None
+        other = src.mesh != dst.mesh and stores is None
+        # a value sent to another mesh before is resharded from a copy there: the one
+        # that arrived, in the backward the smallest
+        near = None if not other else self._smallest(v, dst.mesh) \
+            if role is Role.BACKWARD else self.arrived.get((v.name, dst.mesh))
         if key in self.cache:
-            if reuses(self.made_in.get(key), role, src, dst, v.shape):
+            if reuses(self.made_in.get(key), role, src if near is None else near[1], dst,
+                      v.shape):
                 return _Decision(self.cache[key], None, None, -1)
             del self.cache[key]       # gathered again for the backward (and kept for it)
         made = self.copies.get(v.name, 0)        # copies of v resharded so far
         self.copies[v.name] = made + 1
         name = f"{v.name}@{made}"
-        near = self.arrived.get((v.name, dst.mesh)) if src.mesh != dst.mesh else None
-        held = None
-        if near in self.cache and stores is None:   # sent there before: resharded there
+        if near in self.cache:
             src, held = near[1], self.cache[near]
-        elif src.mesh != dst.mesh and stores is None:
+        elif other:
             self.arrived[v.name, dst.mesh] = key
+        if other:
+            self.there.setdefault((v.name, dst.mesh), []).append(key)
         seq = self.points_made
         self.points_made += 1
         self.cache[key] = name
@@ -326,8 +344,9 @@ class _Partitioner:
 def reuses(made_for: Role | None, role: Role | None, src: DistAttr, dst: DistAttr,
            shape) -> bool:
     """Whether an op of ``role`` reads the copy of a value already resharded from ``src``
-    to ``dst`` for an op of ``made_for`` (see the module docstring): always, except that
-    the backward gathers again what the forward gathered on the value's own mesh."""
+    (the value, or on another mesh its smallest copy there) to ``dst`` for an op of
+    ``made_for`` (see the module docstring): always, except that the backward gathers
+    again what the forward gathered on ``src``'s mesh."""
     if not (role is Role.BACKWARD and made_for is Role.FORWARD and src.mesh == dst.mesh):
         return True
     return (int(np.prod(dst.local_shape(shape), dtype=np.int64))

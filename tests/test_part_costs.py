@@ -40,8 +40,11 @@ def random_parts(rng, kinds=0, overlap=False):
         update = float(rng.uniform(0, 1e-2))
         unlike = tuple(float(x) for x in rng.uniform(0, time, kinds))
         line = random_timeline(rng, update / 2) if overlap else None
+        # ZeRO's write-back buffer at the update: at times more than the activations
+        writeback = float(rng.uniform(0, 3 * GB)) if rng.uniform() < 0.5 else 0.0
         return (PartCost(time, persistent, saved, transient, buffers, forward, backward,
-                         making, update, unlike + (time,) if kinds else (), line), None)
+                         making, update, unlike + (time,) if kinds else (), line,
+                         writeback), None)
     return {"first": part(), "block": part(), "last": part()}
 
 

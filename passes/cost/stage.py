@@ -216,7 +216,11 @@ class StagePrice(NamedTuple):
     micro-batch (forward, backward and the update's share, ``update / M``: what the stage
     DP compares), GB with ``one`` micro-batch in flight, GB per ``further`` one, GB with one
     in flight where every forward runs ``before`` the first backward (:func:`held`'s
-    ``one_before``), and the ``update``'s seconds once a step."""
+    ``one_before``), and the ``update``'s seconds once a step. ``one`` and ``before`` are
+    at least the stage's memory at its update, when no micro-batch keeps activations:
+    what persists and the largest ZeRO write-back buffer of its parts (``PartCost.
+    writeback``; :func:`held` adds the further micro-batches to it too, an over-count
+    only where that buffer outgrows a micro-batch's activations)."""
 
     seconds: float
     one: float
@@ -241,9 +245,11 @@ def stage_cost(parts: dict, with_first, blocks: int, with_last) -> StagePrice:
         saved += p.saved * n
         peak = max(peak, saved + p.transient)
     fixed = sum(p.persistent * n for p, n in used)
+    # at the update no micro-batch keeps activations: the largest write-back buffer
+    at_update = fixed + max((p.writeback for p, _ in used), default=0.0)
     hidden, share = _hidden(parts, with_first, blocks, with_last)
-    return StagePrice(seconds - hidden[-1] * share, (fixed + peak) / GB, saved / GB,
-                      _before(used, fixed, saved) / GB,
+    return StagePrice(seconds - hidden[-1] * share, max(fixed + peak, at_update) / GB,
+                      saved / GB, max(_before(used, fixed, saved), at_update) / GB,
                       sum(p.update * n for p, n in used) - hidden[-1])
 
 
@@ -265,10 +271,11 @@ def stage_costs(parts: dict, with_first, n: int, with_last) -> np.ndarray:
         saved = saved + p.saved * k
         update = update + p.update * k
         peak = np.maximum(peak, saved + p.transient)
+    at_update = fixed + max(p.writeback for p, _ in used)
     out[1:, 0] = _seconds(used)
-    out[1:, 1] = (fixed + peak) / GB
+    out[1:, 1] = np.maximum(fixed + peak, at_update) / GB
     out[1:, 2] = saved / GB
-    out[1:, 3] = _before(used, fixed, saved) / GB
+    out[1:, 3] = np.maximum(_before(used, fixed, saved), at_update) / GB
     out[1:, 4] = update
     hidden, share = _hidden(parts, with_first, n, with_last)
     out[1:, 0] -= hidden[1:] * share

@@ -36,7 +36,12 @@ class PartCost:
     forward's steps and over the backward's and the update's, without the buffers;
     ``making``: over the backward's and the update's with the part's own buffers made
     by then (its first backward). Left out, the three are ``transient`` (and the
-    buffers, none, held from the start as persistent). ``kinds``: where the mesh's
+    buffers, none, held from the start as persistent). ``writeback``: beyond
+    ``persistent``, the most its updates hold at once: ZeRO's write-back buffer
+    (Strategy(sharding=True), priced in the search: the updated slice and the
+    parameter it is gathered into), held at the update, when no micro-batch keeps
+    activations (a stage's price takes the larger of it and its activations' peak:
+    :func:`~distgraph.passes.cost.stage.stage_cost`). ``kinds``: where the mesh's
     processes pay unlike, ``time`` at each kind of process (the priced one first;
     ``time`` is their largest), () where all pay alike. ``timeline``: its backward as
     the gradient buckets see it, where the plan reduces gradients during the backward
@@ -55,6 +60,7 @@ class PartCost:
     update: float = 0.0
     kinds: tuple = ()
     timeline: object = None
+    writeback: float = 0.0
 
     def __post_init__(self):
         for name in ("forward", "backward", "making"):
@@ -80,7 +86,7 @@ def measure(result, program, weights, strategy, bucket_mb: float | None = None) 
     # Strategy(sharding=True), priced in the search (sharded_states): at an update,
     # beside what persists, the buffer its ZeRO write-back gathers into
     writeback = writeback_bytes(result, zero_asked(strategy))
-    transient = max(peak - persistent - saved, writeback, 0.0)
+    transient = max(peak - persistent - saved, 0.0)
     update = once_a_step(result, program, weights)
     # its reductions priced whole (the search's step has what the part hides alone
     # taken off): a stage prices what its buckets leave exposed (stage_cost)
@@ -89,13 +95,13 @@ def measure(result, program, weights, strategy, bucket_mb: float | None = None) 
     line = timeline(result, weights, bucket_mb, zero_asked(strategy))
     if not (backward and problem.liveness):
         return PartCost(time, persistent, saved, transient, update=update,
-                        kinds=kinds, timeline=line)
+                        kinds=kinds, timeline=line, writeback=writeback)
     buffers, forward, back, making = phases(result, weights, program, memory,
-                                            persistent + saved, backward, writeback)
+                                            persistent + saved, backward)
     # the liveness holds a buffer its gradient's node holds once: a later micro-batch's
     # gradient beside it is in ``back`` only
     return PartCost(time, persistent, saved, max(transient, back),
-                    buffers, forward, back, making, update, kinds, line)
+                    buffers, forward, back, making, update, kinds, line, writeback)
 
 
 def once_a_step(result, program, weights) -> float:
@@ -122,8 +128,7 @@ def weight_gradient_seconds(result, program, weights) -> float:
     return share_of(result.problem, result.choice, nodes) / weights.get(Role.BACKWARD, 1)
 
 
-def phases(result, weights, program, memory: list, held: float, backward: int,
-           writeback: float) -> tuple:
+def phases(result, weights, program, memory: list, held: float, backward: int) -> tuple:
     """(buffers, forward, backward, making) of :class:`PartCost` from the choice's
     liveness: a gradient buffer is made at the op that makes the gradient it
     accumulates (the runtime's first add to it), at the backward's start where another
@@ -170,9 +175,4 @@ def phases(result, weights, program, memory: list, held: float, backward: int,
     forward = max(float(beyond[:backward].max(initial=0.0)), 0.0)
     back = max(float((beyond + later)[back_steps].max(initial=0.0)), 0.0)
     making = max(float((beyond + made - shared)[back_steps].max(initial=0.0)), 0.0)
-    buffers = sum(made_at.values())
-    # the write-back's buffer as the transient counts it, at an update: every
-    # buffer made then
-    if writeback:
-        back, making = max(back, writeback), max(making, writeback + buffers)
-    return buffers, forward, back, making
+    return sum(made_at.values()), forward, back, making

@@ -15,11 +15,11 @@ value's own mesh): it gathers again, so the forward keeps only its shard for the
 split and gathered again for the weight gradient, as Korthikanti et al. count them).
 A value sent to another mesh is sent once: a later consumer there that wants another
 layout reshards the copy that arrived (a pipeline stage's input read again by its
-recomputation or its weight gradients is not sent twice, nor kept by its sender), and
-the backward gathers again, from the smallest copy there, what the forward gathered
-there (a stage whose first LayerNorm reads its input whole keeps the input split over
-``t`` for the backward, as a block inside the stage keeps its own and as the stage
-search counts it).
+recomputation or its weight gradients is not sent twice, nor kept by its sender); the
+backward reshards from the smallest copy there, gathering again what the forward
+gathered there (a stage whose first LayerNorm reads its input whole keeps the input
+split over ``t`` for the backward, as a block inside the stage keeps its own and as
+the stage search counts it).
 
 :class:`Partitions` holds the local programs of every process of one plan: each made on
 first use, every reshard planned once for all of them, the numbering of the points (the

@@ -5,12 +5,21 @@ split for the backward, as the stage search counts it."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
 import distgraph as dg
 from distgraph.annotation import OpDistAttr
 from distgraph.ir import Operation, Program, Role, Value
 from distgraph.passes.partition import Partitions, partition
 from distgraph.placement import DistAttr, ShardSpec
 
+SCRIPTS = Path(__file__).parent / "mpi_scripts"
 SHAPE = (4, 8)
 
 
@@ -68,3 +77,28 @@ def test_the_backward_reshards_a_received_value_from_its_smallest_copy():
         [(q.seq, q.reads, q.writes) for q in local.points()]
     # the sender sends x once
     assert sum(1 for q in partition(program, 0).points() if q.value == "x") == 1
+
+
+@pytest.mark.mpi
+def test_a_stage_that_reshards_its_received_input_in_the_backward_trains_as_serial():
+    """On 4 real MPI ranks (float64, 1e-10): the second stage's LayerNorm reads its input
+    whole, the residual add split; the backward gathers the input again from the split
+    copy (rank 2 and 3 show the point), and training equals serial."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "distgraph.cli", "run", "-n", "4",
+                           str(SCRIPTS / "received_copy.py")], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    reports = {r["rank"]: r for r in (json.loads(line.split(" ", 1)[1])
+                                      for line in proc.stdout.splitlines()
+                                      if line.startswith("RECEIVED "))}
+    assert sorted(reports) == [0, 1, 2, 3]
+    for report in reports.values():
+        assert report["loss"] <= 1e-10 and report["param"] <= 1e-10, report
+    for rank in (2, 3):
+        points = reports[rank]["points"]
+        # arrived whole for the LayerNorm, sliced for the add, gathered again for the
+        # LayerNorm's gradient from the split copy
+        assert points == [["[None, None]", [], ["relu_0@0"], "forward"],
+                          ["[None, mp]", ["relu_0@0"], ["relu_0@1"], "forward"],
+                          ["[None, None]", ["relu_0@1"], ["relu_0@2"], "backward"]], points

@@ -48,7 +48,8 @@ class _Run:
         self.table = {}
         for first in ((False, True) if blocks.start else (False,)):
             for last in ((False, True) if blocks.stop < count else (False,)):
-                table = option.costs(first, n, last)    # (n+1, 5): cost(first, m, last)
+                # (n+1, 5): cost(first, m, last); the option's own, read-only
+                table = option.costs(first, n, last).copy()
                 # the boundaries' transfers: a stage holding E (H) has no stage before
                 # (after) it and pays half of a middle stage's (module docstring)
                 table[:, 0] += transfers(p2p, first, last)

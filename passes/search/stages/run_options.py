@@ -24,7 +24,10 @@ from distgraph.passes.search.stages.stage_dp import Submesh
 @dataclass(frozen=True)
 class RunOption:
     """A submesh in a logical shape and its parts' costs and searches (``first`` /
-    ``last`` None when the program has no E / H part)."""
+    ``last`` None when the program has no E / H part). ``blocks``: the most blocks a
+    stage of it may hold (the run's), where its prices by block count are made once,
+    with it (``tables``: (E?, H?) -> :meth:`costs`' rows, read by :meth:`cost` too, which
+    they equal term by term); 0: priced on each call."""
 
     axis: int
     sub: Submesh
@@ -33,16 +36,40 @@ class RunOption:
     # (mesh, devices, parts (part -> SearchResult)) of the search the parts were costed
     # or priced from: where RunCosts.refine refines (None: here)
     origin: tuple | None = field(default=None, compare=False, repr=False)
+    blocks: int = field(default=0, compare=False, repr=False)
+    tables: dict = field(init=False, compare=False, repr=False)
+
+    def __post_init__(self):
+        tables = {}
+        if self.blocks:
+            for first in (False, True) if "first" in self.parts else (False,):
+                for last in (False, True) if "last" in self.parts else (False,):
+                    table = stage_costs(self.parts, first, self.blocks, last)
+                    table.flags.writeable = False
+                    tables[first, last] = table
+        object.__setattr__(self, "tables", tables)
 
     def cost(self, with_first: bool, blocks: int, with_last: bool) -> StagePrice:
         """The :class:`~distgraph.passes.cost.stage.StagePrice` of ``[E] + blocks + [H]``
         here (:func:`~distgraph.passes.cost.stage.stage_cost`: E or H may be a share
         under virtual stages)."""
+        table = self._table(with_first, with_last)
+        if table is not None and blocks == int(blocks) and 0 <= blocks <= self.blocks:
+            return StagePrice(*(float(x) for x in table[int(blocks)]))
         return stage_cost(self.parts, with_first, blocks, with_last)
 
     def costs(self, with_first: bool, n: int, with_last: bool) -> np.ndarray:
-        """(n + 1, 5): row m is :meth:`cost` ``(with_first, m, with_last)``, m = 0 .. n."""
-        return stage_costs(self.parts, with_first, n, with_last)
+        """(n + 1, 5): row m is :meth:`cost` ``(with_first, m, with_last)``, m = 0 .. n
+        (read-only where made with the option)."""
+        table = self._table(with_first, with_last) if n == self.blocks else None
+        return table if table is not None else stage_costs(self.parts, with_first, n,
+                                                           with_last)
+
+    def _table(self, with_first, with_last):
+        """The table made with the option for whole E and H (not shares), or None."""
+        if float(with_first) not in (0.0, 1.0) or float(with_last) not in (0.0, 1.0):
+            return None
+        return self.tables.get((bool(with_first), bool(with_last)))
 
     def __str__(self):
         return f"{self.sub} as {list(self.logical)}"
@@ -79,12 +106,14 @@ class MeshKind:
 
 @dataclass
 class MeshOptions:
-    """A logical mesh's options: the search its fastest parts came from, those parts and
-    their origin (``fastest``: (parts, origin), :attr:`RunOption.origin`), and the memory
-    variants' once asked (``variants``). A RunCosts' "stage options" entry per mesh."""
+    """A logical mesh's options: the search its fastest parts came from, the option of
+    those parts (``fastest``, its :attr:`RunOption.origin` where they were costed or
+    priced from) and of the memory variants once asked (``variants``). A RunCosts'
+    "stage options" entry per mesh: its options are made once, with their prices by
+    block count."""
 
     searched: Searched
-    fastest: tuple
+    fastest: RunOption
     variants: list | None = None
 
 

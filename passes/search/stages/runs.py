@@ -178,15 +178,21 @@ class RunCosts(MemoryVariants):
             key = (axis, sub.shape, logical)
             entry = entries[key] = self._options.memo(
                 (self, key), lambda: self._fastest_parts(key, sub, logical))
-            if variants and entry.variants is None and (wanted is None or wanted(
-                    RunOption(axis, sub, logical, *entry.fastest))):
-                entry.variants = self._smaller_parts(key, sub, logical, entry)
+            if variants and entry.variants is None and (wanted is None or
+                                                        wanted(entry.fastest)):
+                entry.variants = [self._option(key, sub, found) for found in
+                                  self._smaller_parts(key, sub, logical, entry)]
         options = []
         for axis, sub, logical in out:
             entry = entries[axis, sub.shape, logical]
-            parts = [entry.fastest] + (entry.variants or [] if variants else [])
-            options += undominated([RunOption(axis, sub, logical, *p) for p in parts])
+            options += undominated([entry.fastest] + (entry.variants or [] if variants
+                                                      else []))
         return options
+
+    def _option(self, key, sub, found: tuple) -> RunOption:
+        """The option of ``found`` ((parts, origin): :func:`with_origin`) on the mesh of
+        ``key``, priced by block count up to the run's blocks."""
+        return RunOption(key[0], sub, key[2], *found, blocks=len(self.blocks))
 
     def batch_rows(self) -> int:
         feeds = self.program.inputs
@@ -217,21 +223,21 @@ class RunCosts(MemoryVariants):
         donors = self._searched(self.donor, kind).found if self.donor is not None else []
         for searched in [*mine[::-1], *donors[::-1]]:
             try:
-                return MeshOptions(searched, with_origin(
-                    searched, searched.fastest, self._price(searched.fastest, mesh, device_of)))
+                return MeshOptions(searched, self._option(key, sub, with_origin(
+                    searched, searched.fastest, self._price(searched.fastest, mesh, device_of))))
             except PlanError:
                 continue
         searched = Searched(key, mesh, device_of, self._search(mesh, device_of))
         mine.append(searched)
-        return MeshOptions(searched, with_origin(searched, searched.fastest,
-                                        self._costed(searched.fastest)))
+        return MeshOptions(searched, self._option(key, sub, with_origin(
+            searched, searched.fastest, self._costed(searched.fastest))))
 
     def _smaller_parts(self, key, sub, logical, entry: MeshOptions) -> list:
         """The (parts, origin) of the memory variants after the fastest on this mesh:
         those of the search its fastest parts came from, else of those searched since
         for its kind (here or in the donor), priced here where all divide; else searched
         here."""
-        searched, (fastest, _) = entry.searched, entry.fastest
+        searched, fastest = entry.searched, entry.fastest.parts
         kind = self._searched(self, kind_of(logical))
         mine = any(searched is s for s in kind.found)
         if searched.smaller is None and mine:

@@ -45,7 +45,7 @@ import dataclasses
 import math
 
 from distgraph.errors import DoesNotFit, PlanError
-from distgraph.passes.cost.fit import limit_of, overflows
+from distgraph.passes.cost.fit import MemoryBinds, limit_of, overflows
 from distgraph.passes.transforms.zero import updated_parameter
 from distgraph.plan.savers import SaverChoice, stage_recomputation
 from distgraph.units import GB
@@ -96,7 +96,17 @@ def with_savers(strategy, cluster, plan_with, replan, applied=None):
       held no faster plan back (``memory_binds`` of its report: the stage DP on the
       fastest options with memory unlimited finds none faster), recomputation is not
       priced: it only adds work to every option (GPT-3 175B on the 1,024-A100 file,
-      bf16: one planning of about 36 s CPU saved).
+      bf16: one planning of about 36 s CPU saved). Where memory held back the plan of
+      the first micro-batch count with a plan that the stage search priced without
+      recomputation, the search stops at that count
+      (:class:`~distgraph.passes.cost.fit.MemoryBinds`), the attention scores are
+      planned next, and the plan without recomputation is planned on (the count's
+      prices kept) only where that count's step beats theirs or they fit nothing. Its
+      walk over the other counts mostly buys fitting where memory binds (Korthikanti's
+      1T on 512 A100s: 353 s per step at best against 68 s recomputing per stage; the
+      walk was 60 s of CPU); a plan without recomputation that the later counts would
+      make faster than recomputing, though the count it stopped at is not, is not
+      looked for.
 
     The plan kept is the one of least estimated step time that fits among those
     priced."""
@@ -107,12 +117,26 @@ def with_savers(strategy, cluster, plan_with, replan, applied=None):
     first = {s: False for s in free if s != "sharding"}
     priced, best, best_kind, refused, why = [], None, None, None, ""
     tried = {}          # recompute kind -> [(sequence_parallel, plan or DoesNotFit)]
-    for kind in kinds:
+    pending, stopped = list(kinds), None
+    while pending:
+        kind = pending.pop(0)
         if kind is True and best is not None:
             break
+        if kind is False and stopped is not None and best is not None and \
+                stopped.seconds >= best.estimate.step_time:
+            priced.append((False, None, stopped.seconds))   # not planned on: slower
+            continue
         asked = dataclasses.replace(strategy, recompute=kind, **first)
+        # none asked of the search as None first: it stops where memory binds
+        probe = kind is False and len(kinds) > 1 and stopped is None and \
+            strategy.auto_mode == "full"
         try:
-            candidates = _free_candidates(asked, free, plan_with, applied)
+            candidates = _free_candidates(dataclasses.replace(asked, recompute=None)
+                                          if probe else asked, free, plan_with, applied)
+        except MemoryBinds as e:    # planned in full after the attention scores, if faster
+            stopped = e
+            pending.insert(1, False)
+            continue
         except DoesNotFit as e:
             refused = (asked, e)
             priced.append((kind, e.peak, None))

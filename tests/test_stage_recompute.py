@@ -149,6 +149,24 @@ def test_with_room_no_stage_recomputes(float64):
     assert plan.estimate.step_time < selective.estimate.step_time
 
 
+def test_where_memory_binds_at_the_first_count_none_is_not_walked_on(float64):
+    """With the micro-batch count searched too, the search without recomputation stops at
+    the first count it prices where memory holds that plan back (passes/fitting.py,
+    MemoryBinds); the attention scores are planned next and win, so the counts after the
+    first are not walked without recomputation. Oracle: the plan without recomputation
+    planned in full (every count the walk looks at, its budget rounds) is slower."""
+    plan, cluster = planned(7.5e5, micro_batches=None)
+    assert not overflows(plan.estimate, cluster, None)
+    assert any(kind is not False for kind in stage_recomputation(plan))
+    note = next(c for c in plan.savers if c.option == "recompute")
+    (stopped,) = [o for o in note.others if o[0] is False]
+    assert stopped[1] is None and stopped[2] > plan.estimate.step_time
+    assert "at the first micro-batch count priced" in plan.explain()
+    walked, _ = planned(7.5e5, micro_batches=None, recompute=False)
+    assert not overflows(walked.estimate, cluster, None)
+    assert plan.estimate.step_time < walked.estimate.step_time
+
+
 def test_the_per_stage_plan_saved_and_loaded_is_the_same_plan(tight, float64, tmp_path):
     plan, cluster = tight
     path = tmp_path / "plan.json"

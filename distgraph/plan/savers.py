@@ -50,7 +50,9 @@ class SaverChoice:
     hold (inf: no limit known), ``seconds`` its estimated step time (None: not
     estimated); ``others``: (value, peak bytes or None, seconds or None) of each other
     value priced, in the order tried: seconds None where it did not fit, the peak then
-    its closest plan's; ``stages``: for recomputation chosen per stage
+    its closest plan's; the peak None where only the search's first micro-batch count
+    was priced (no recomputation, memory binding there, slower than the plan:
+    :func:`~distgraph.passes.fitting.with_savers`); ``stages``: for recomputation chosen per stage
     (:mod:`distgraph.passes.search.stages.recompute_stages`), what each stage's blocks
     got (:func:`stage_recomputation`); ``why``: why no other value was priced, where the
     search says (else the usual reason for the option and value, if there is one)."""
@@ -93,7 +95,10 @@ class SaverChoice:
             name = name or _short(value)
             if self.stages and value in ("selective", True):
                 name += " on every stage"
-            if seconds is not None:
+            if seconds is not None and peak is None:
+                out.append(f"  {name}: {seconds:.3g} s per step at the first micro-batch "
+                           f"count priced, memory holding it back there; not planned on")
+            elif seconds is not None:
                 out.append(f"  {name}: peak {fmt_bytes(peak)}, {seconds:.3g} s per step")
             elif peak is not None:
                 out.append(f"  {name}: does not fit (its closest plan needs "

@@ -62,3 +62,17 @@ def overflows(estimate, cluster, budget_gb: float | None) -> list[Overflow]:
             out.append(Overflow(p.process, p.stage, p.device, float(p.peak_memory),
                                 limits[p.device]))
     return sorted(out, key=lambda o: (-o.excess, o.process))
+
+
+class MemoryBinds(Exception):
+    """The stage search, planning without recomputation where the planner weighs it
+    (``Strategy(recompute=None)`` asked of the search), stopped at the first micro-batch
+    count it priced that has a plan: ``count`` micro-batches at ``seconds`` per step, a
+    plan memory held back (a faster one fits with the devices' memory unlimited). Not an
+    error: the planner plans recomputation next, and without it in full only where
+    ``seconds`` beats that (:func:`~distgraph.passes.fitting.with_savers`)."""
+
+    def __init__(self, count: int, seconds: float):
+        super().__init__(f"memory binds without recomputation at {count} micro-batches "
+                         f"({seconds:.4g} s per step)")
+        self.count, self.seconds = count, seconds

@@ -103,12 +103,17 @@ def choose(built, strategy, cluster, budget: float | None = None,
     (None: that alone; no limit without a cluster); ``per_stage``: the
     strategy's recomputation was left to the search (``Strategy(recompute=None)``), which
     runs it only on the stages that need it (:mod:`~distgraph.passes.search.stages.
-    recompute_stages`). Pure: ``built`` is not modified."""
+    recompute_stages`); ``Strategy(recompute=None)``: none, planned as the planner weighs
+    it first, stopped (:class:`~distgraph.passes.cost.fit.MemoryBinds`) where memory held
+    back the plan of the first micro-batch count the search priced (so that recomputation
+    is planned before the rest of the counts are walked). Pure: ``built`` is not
+    modified."""
     _check_target(strategy)
     session = session or Session()
     # recomputation as the planner weighs it (passes/fitting.py) first: none; ZeRO's
     # sharding left None is chosen per update by the search (layouts/sharded_states.py)
-    if strategy.recompute is None:
+    stop = strategy.recompute is None
+    if stop:
         strategy = dataclasses.replace(strategy, recompute=False)
     # M -> (program, accumulation); (search, M) -> (RunCosts, (budget, stage plan));
     # (search, None, budget) -> the count chosen within budget (stages/micro.py): where
@@ -119,7 +124,7 @@ def choose(built, strategy, cluster, budget: float | None = None,
     micro = strategy.micro_batches
     if micro is None:
         micro = programs.memo((search, None, budget), lambda: searched_count(
-            built, strategy, cluster, session, budget))
+            built, strategy, cluster, session, budget, stop))
     asked = dataclasses.replace(strategy, micro_batches=micro)
     program, accumulation = split_in(built, micro, session)
     costs, planned = programs.find((search, micro)) or (None, None)

@@ -88,7 +88,9 @@ import math
 from distgraph.errors import DoesNotFit, PlanError
 from distgraph.passes.prepare import split, transformed
 from distgraph.passes.samples import SampleAnalyses
-from distgraph.passes.search.stages.pipeline import pipeline_beaten, pipeline_latency
+from distgraph.passes.cost.fit import MemoryBinds
+from distgraph.passes.search.stages.pipeline import (memory_binds, pipeline_beaten,
+                                                    pipeline_latency)
 from distgraph.units import GB
 
 
@@ -166,14 +168,32 @@ def choose_micro_batches(built, strategy, cluster, latency, beaten=None) -> int:
     return rows // sizes[best]
 
 
-def searched_count(built, strategy, cluster, session, budget=None) -> int:
+def searched_count(built, strategy, cluster, session, budget=None,
+                   stop: bool = False) -> int:
     """:func:`choose_micro_batches` with each count priced by the stage search
     (:func:`count_latency`, :func:`count_beaten`) within ``session``, under ``budget``
-    bytes per device (None: the strategy's, else the devices' memory)."""
+    bytes per device (None: the strategy's, else the devices' memory). ``stop``: raise
+    :class:`~distgraph.passes.cost.fit.MemoryBinds` where memory held back the plan of the
+    first count priced that has one (as :func:`~distgraph.passes.search.stages.pipeline.
+    plan_pipeline` says it of a plan: interleaved plans always), the walk not gone on
+    (its prices kept in the session for a planning that goes on). A count where nothing
+    fits does not stop it: the walk goes on from there to counts that fit (stopping
+    there, Megatron's 529.6B row planned without recomputation at 65.7 s per step where
+    its walk finds 45.3)."""
     rows = batch_rows(built)
+    priced = []             # the counts with a plan so far
+
+    def latency(b, s, m):
+        seconds = count_latency(b, s, cluster, m, session, budget)   # PlanError: none fits
+        if stop and not priced:
+            costs, _ = session.table("micro-batch programs").find((searched_as(s), m))
+            if costs is not None and memory_binds(s, seconds, [(costs, m)], cluster):
+                raise MemoryBinds(m, seconds)
+        priced.append(m)
+        return seconds
+
     return choose_micro_batches(
-        built, strategy, cluster,
-        lambda b, s, m: count_latency(b, s, cluster, m, session, budget),
+        built, strategy, cluster, latency,
         lambda b, s, m, seconds: count_beaten(b, s, cluster, m, seconds, session, budget,
                                               own=m == rows))
 

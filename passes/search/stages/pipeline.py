@@ -311,9 +311,9 @@ def plan_pipeline(prepared, strategy, cluster, accumulation, memory_budget=None,
         costs = runs or RunCosts(prepared, strategy, cluster, layering, micro, session=session)
         if planned is None or planned[0] != memory_budget:
             planned = memory_budget, plan_blocks(costs, capped, micro, _virtual(strategy))
-        binds = _virtual(strategy) > 1 or memory_binds(
-            planned[1][0].objective, [(costs, micro)] + [c for c in looked if c[0] is not costs],
-            cluster)
+        binds = memory_binds(strategy, planned[1][0].objective,
+                             [(costs, micro)] + [c for c in looked if c[0] is not costs],
+                             cluster)
         return _plan_runs(prepared, strategy, cluster, capped, costs, start, planned[1], binds,
                           plain)
     _no_blocks(strategy)
@@ -417,14 +417,14 @@ def _afresh(prepared, strategy, cluster, layering, micro, capped, memory_budget,
     return fresh, (memory_budget, mine)
 
 
-def memory_binds(latency: float, looked, cluster) -> bool:
+def memory_binds(strategy, latency: float, looked, cluster) -> bool:
     """Whether memory may have held back a plan faster than ``latency`` (the stage DP's
     objective of the plan chosen): the stage DP on the fastest options of any of
     ``looked`` ((RunCosts, micro-batch count) of the counts the search looked at), the
     devices' memory unlimited, finds one faster. A memory saver (recomputation) only adds
     work to every option, so where none is found it cannot make the plan faster at those
-    counts. Plain stages only: interleaved plans are not bounded (the caller says True)."""
-    return any(beats(latency, costs.layering.count, costs.blocks, costs.options(variants=False),
+    counts. Plain stages only: interleaved plans (``strategy``'s) are not bounded, True."""
+    return _virtual(strategy) > 1 or any(beats(latency, costs.layering.count, costs.blocks, costs.options(variants=False),
                      cluster, micro, fit_memory=False, p2p=costs.p2p_seconds,
                      schedule=costs.strategy.schedule)
                for costs, micro in looked)

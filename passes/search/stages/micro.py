@@ -212,11 +212,14 @@ def count_latency(built, strategy, cluster, micro: int, session, budget=None) ->
     micro-batches (:func:`~distgraph.passes.search.stages.pipeline.pipeline_latency`),
     within ``budget`` bytes per device (None: the strategy's, else the devices'
     memory); the stage options that priced it and its plan go into the session's
-    "micro-batch programs" (the options :func:`count_beaten` began are reused)."""
+    "micro-batch programs" (the options :func:`count_beaten` began are reused, and the
+    plan a walk that stopped there made within the same budget: :func:`searched_count`)."""
     programs = session.table("micro-batch programs")
     key = (searched_as(strategy), micro)
     known = programs.find(key)
     costs = known[0] if known is not None else None
+    if known is not None and known[1] is not None and known[1][0] == _budget(strategy, budget):
+        return known[1][1][0].objective
     program, accumulation = split_in(built, micro, session)
     prepared = costs.prepared if costs is not None else transformed(program, strategy)
     seconds, costs, planned = pipeline_latency(prepared, strategy, cluster, accumulation,

@@ -424,10 +424,11 @@ def memory_binds(strategy, latency: float, looked, cluster) -> bool:
     devices' memory unlimited, finds one faster. A memory saver (recomputation) only adds
     work to every option, so where none is found it cannot make the plan faster at those
     counts. Plain stages only: interleaved plans (``strategy``'s) are not bounded, True."""
-    return _virtual(strategy) > 1 or any(beats(latency, costs.layering.count, costs.blocks, costs.options(variants=False),
-                     cluster, micro, fit_memory=False, p2p=costs.p2p_seconds,
-                     schedule=costs.strategy.schedule)
-               for costs, micro in looked)
+    return _virtual(strategy) > 1 or any(
+        beats(latency, costs.layering.count, costs.blocks, costs.options(variants=False),
+              cluster, micro, fit_memory=False, p2p=costs.p2p_seconds,
+              schedule=costs.strategy.schedule)
+        for costs, micro in looked)
 
 
 def _plan_runs(prepared, strategy, cluster, capped, costs, start, planned,

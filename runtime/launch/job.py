@@ -123,6 +123,11 @@ class Job:
                 elif reason is not None:
                     self.stopped_because = reason
                     self.stop()
+            if self.stopped_by is None and self._stop_requested is not None and \
+                    self._proc.returncode != 0:
+                # the signal reached mpiexec too (scancel signals the whole step), which
+                # ended before this loop saw the request: the job was stopped by it
+                self.stopped_by = self._stop_requested
             self._relay(0)
         finally:
             self._kill_leftovers()

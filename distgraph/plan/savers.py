@@ -52,9 +52,9 @@ class SaverChoice:
     value priced, in the order tried: seconds None where it did not fit, the peak then
     its closest plan's; the peak None where only the search's first micro-batch count
     was priced (no recomputation, memory binding there, slower than the plan:
-    :func:`~distgraph.passes.fitting.with_savers`); ``stages``: for recomputation chosen per stage
-    (:mod:`distgraph.passes.search.stages.recompute_stages`), what each stage's blocks
-    got (:func:`stage_recomputation`); ``why``: why no other value was priced, where the
+    :func:`~distgraph.passes.fitting.with_savers`); ``stages``: for recomputation chosen
+    per stage (:mod:`distgraph.passes.search.stages.recompute_stages`), what each stage's
+    blocks got (:func:`stage_recomputation`); ``why``: why no other value was priced, where the
     search says (else the usual reason for the option and value, if there is one)."""
 
     option: str

@@ -177,9 +177,9 @@ def searched_count(built, strategy, cluster, session, budget=None,
     first count priced that has one (as :func:`~distgraph.passes.search.stages.pipeline.
     plan_pipeline` says it of a plan: interleaved plans always), the walk not gone on
     (its prices kept in the session for a planning that goes on). A count where nothing
-    fits does not stop it: the walk goes on from there to counts that fit (stopping
-    there, Megatron's 529.6B row planned without recomputation at 65.7 s per step where
-    its walk finds 45.3)."""
+    fits does not stop it: the walk goes on from there to counts that fit (stopped
+    there too, Megatron's 529.6B row was planned recomputing, at 65.7 s per step, where
+    the walk without recomputation finds 45.3)."""
     rows = batch_rows(built)
     priced = []             # the counts with a plan so far
 

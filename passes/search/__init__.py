@@ -103,8 +103,8 @@ def choose(built, strategy, cluster, budget: float | None = None,
     (None: that alone; no limit without a cluster); ``per_stage``: the
     strategy's recomputation was left to the search (``Strategy(recompute=None)``), which
     runs it only on the stages that need it (:mod:`~distgraph.passes.search.stages.
-    recompute_stages`); ``Strategy(recompute=None)``: none, planned as the planner weighs
-    it first, stopped (:class:`~distgraph.passes.cost.fit.MemoryBinds`) where memory held
+    recompute_stages`); with it, ``Strategy(recompute=None)``: none, planned as the
+    planner weighs it first, stopped (:class:`~distgraph.passes.cost.fit.MemoryBinds`) where memory held
     back the plan of the first micro-batch count the search priced (so that recomputation
     is planned before the rest of the counts are walked). Pure: ``built`` is not
     modified."""
@@ -112,8 +112,8 @@ def choose(built, strategy, cluster, budget: float | None = None,
     session = session or Session()
     # recomputation as the planner weighs it (passes/fitting.py) first: none; ZeRO's
     # sharding left None is chosen per update by the search (layouts/sharded_states.py)
-    stop = strategy.recompute is None
-    if stop:
+    stop = per_stage and strategy.recompute is None
+    if strategy.recompute is None:
         strategy = dataclasses.replace(strategy, recompute=False)
     # M -> (program, accumulation); (search, M) -> (RunCosts, (budget, stage plan));
     # (search, None, budget) -> the count chosen within budget (stages/micro.py): where

@@ -12,7 +12,8 @@ Llama-tiny (tests/cp_search_cases.py) on one machine of 4 devices, searched with
 - **short sequences** (the same tokens as micro-batches of 8): the rows cover the devices
   and nothing splits the sequence (cp = 1);
 - the options: a (dp, cp, tp) shape beside each (x, t) whose x the rows cannot fill,
-  dp = gcd(x, rows), and a ``cp`` dim offers only sequence splits.
+  dp = gcd(x, rows), its ``cp`` dim offering only sequence splits and its ``x`` only
+  splits of the samples.
 """
 
 from __future__ import annotations
@@ -123,6 +124,45 @@ def test_options_offer_dp_cp_tp_where_the_rows_cannot_fill_x(float64):
                                                                     prepared.block_paths), C.MICRO)
     assert [costs._sequence_split(x) for x in (16, 8, 24, 4)] == [2, 1, 1, 1]
     assert logical_dims((8, 2, 4)) == ["x", "cp", "y"]
+
+
+def test_a_dp_cp_tp_mesh_splits_cp_along_the_sequence_and_x_along_the_samples(float64):
+    """Every layout the search offers on a (dp, cp, tp) mesh splits ``cp`` only along
+    dims as long as the sequence and ``x`` only along dims as long as the micro-batch's
+    rows (Megatron's cp and dp), and every op still has a choice; on the (x, y) mesh of
+    as many devices ``x`` splits other dims too (what the rule takes away there)."""
+    from distgraph.passes.pipeline.accumulate import split_micro_batches
+    from distgraph.passes.search.layouts.space import SearchSpace, logical_dims
+
+    built, _ = split_micro_batches(C.built_program(*C.LONG)[0], C.MICRO)
+    program = built.program
+    rows, seq = program.inputs[0].shape[:2]
+
+    def lengths(shape) -> dict:
+        """{mesh dim: the lengths of the tensor dims it splits} over every offer."""
+        mesh = dg.ProcessMesh(np.arange(int(np.prod(shape))).reshape(shape).tolist(),
+                              dim_names=logical_dims(shape))
+        space = SearchSpace(program, mesh)
+        found: dict = {}
+        for node in space.nodes:
+            assert node.strategies, node.label
+            if node.op is None:
+                shapes = [program.values[node.value].shape]
+            else:
+                op = program.ops[node.op]
+                shapes = [v.shape for v in op.inputs + op.outputs]
+            for s, hint in zip(node.strategies, node.hints):
+                specs = list(s.in_specs) + list(s.out_specs) if node.op is not None \
+                    else list(s.out_specs)
+                for spec, tensor in zip(specs + list(hint), shapes + shapes[-len(hint):]):
+                    for d, n in enumerate(tensor):
+                        for dim in spec.entry(d):
+                            found.setdefault(dim, set()).add(n)
+        return found
+
+    three = lengths((2, 2, 2))
+    assert three["cp"] == {seq} and three["x"] == {rows} and len(three["y"]) > 2
+    assert len(lengths((2, 4))["x"]) > 2
 
 
 @pytest.mark.mpi

@@ -223,7 +223,7 @@ class SearchSpace:
                                 "Strategy(auto_mode='full') annotate on that mesh (or on "
                                 "none), or use auto_mode='semi'")
 
-    def _sequence_only(self, specs, shapes) -> bool:
+    def _in_role(self, specs, shapes) -> bool:
         """Whether ``specs`` (of tensors of ``shapes``) split the ``cp`` mesh dim only
         along the sequence and ``x`` only along the samples (always true on a mesh
         without ``cp``)."""
@@ -236,13 +236,13 @@ class SearchSpace:
         return True
 
     def _op_keeps(self, op, s) -> bool:
-        return self._sequence_only(tuple(s.in_specs) + tuple(s.out_specs),
+        return self._in_role(tuple(s.in_specs) + tuple(s.out_specs),
                                    [v.shape for v in op.inputs] + [o.shape for o in op.outputs])
 
     def _add_source(self, v) -> None:
         offered = self._offers.memo((self._at, "layouts", tuple(v.shape)),
                                     lambda: tuple(layouts(v.shape, self.mesh)))
-        found = [s for s in offered if self._sequence_only(s.out_specs, [v.shape])]
+        found = [s for s in offered if self._in_role(s.out_specs, [v.shape])]
         if v.name in self._outside:
             # received from another stage: it arrives as the ops here consume it (the
             # p2p transfer is the same whatever they want), so it offers one layout
@@ -278,7 +278,8 @@ class SearchSpace:
                 names = len({s.name for s in induced})
                 if names >= 2 or names >= min(2, len(self._strategies(op))):
                     # which answers are allowed depends on what the key names, which
-                    # operands are one Value (_consistent) and the sequence (_op_keeps)
+                    # operands are one Value (_consistent) and the lengths cp and x split
+                    # (_op_keeps)
                     allowed = self._offers.memo(
                         (self._at, "allowed", key, _aliasing(op), self._only),
                         lambda: tuple(_consistent(op, s) and self._op_keeps(op, s)
@@ -293,7 +294,8 @@ class SearchSpace:
             self._add_free(index, k, label, op, *self._free(op, label, summed))
             return
         # unannotated, an op's choices depend on its signature, which operands are one
-        # Value, the sequence and which results a linear op reads: made once per those
+        # Value, the lengths cp and x split and which results a linear op reads: made
+        # once per those
         self._add_free(index, k, label, op, *self._offers.memo(
             (self._at, "free", self._signature(op), _aliasing(op), self._only, summed),
             lambda: self._free(op, label, summed)))
@@ -310,7 +312,7 @@ class SearchSpace:
         shapes = [o.shape for o in op.outputs]
         for s in found:
             for hint in settlements(s, shapes, self.mesh, summed):
-                if not self._sequence_only(hint, shapes):
+                if not self._in_role(hint, shapes):
                     continue
                 strategies.append(s)
                 hints.append(hint)

@@ -237,7 +237,7 @@ class SearchSpace:
 
     def _op_keeps(self, op, s) -> bool:
         return self._in_role(tuple(s.in_specs) + tuple(s.out_specs),
-                                   [v.shape for v in op.inputs] + [o.shape for o in op.outputs])
+                             [v.shape for v in op.inputs] + [o.shape for o in op.outputs])
 
     def _add_source(self, v) -> None:
         offered = self._offers.memo((self._at, "layouts", tuple(v.shape)),

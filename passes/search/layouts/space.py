@@ -34,17 +34,13 @@ the reshard from the true Partial layout is priced on the edge to each consumer.
 in the update's layout (``alias_of``), so their sources take the update's strategy
 index: the same choices as an alias constraint, in fewer variables.
 
-**A ``cp`` mesh dim splits the sequence, and ``x`` beside it the samples**
-(:data:`SEQUENCE_DIM`; the stage search's (dp, cp, tp) meshes, :mod:`distgraph.passes.
-search.stages.runs`): their layouts split only tensor dims as long as the feeds' dim 1
-(the sequence) over ``cp`` and as long as the feeds' dim 0 (the micro-batch's rows,
-which that ``x`` divides) over ``x`` (another dim of that length may be split too,
-which costs nothing in correctness), or sum over them (the weight gradients; ZeRO
-slices the updates over them as over any data dim), so that they are Megatron's cp and
-dp and not a third and fourth tp, and a 3-D mesh offers fewer strategies per op than a
-2-D one (GPT-3's block on (8, 64, 2): 5,301 over its 130 nodes, against 18,077 with
-``x`` free and 7,225 on (8, 2)). What ``x`` split otherwise, the (x, tp) mesh of the
-same devices offers.
+**On a (dp, cp, tp) mesh ``cp`` splits the sequence and ``x`` the samples** (the stage
+search's, :mod:`distgraph.passes.search.stages.runs`): only tensor dims as long as the
+feeds' dim 1 over ``cp`` (:data:`SEQUENCE_DIM`), as long as their dim 0 (the rows, which
+that ``x`` divides) over ``x``, or sums over them (weight gradients; ZeRO slices updates
+over them): Megatron's cp and dp, not more tp, so a 3-D mesh offers fewer strategies
+than a 2-D one (GPT-3's block on (8, 64, 2): 5,301, 18,077 with ``x`` free, 7,225 on
+(8, 2)); what ``x`` split otherwise, the (x, tp) mesh of those devices offers.
 
 **Under a target** (``style``: ``Strategy(target=...)``) the layouts of weights and feeds
 that Megatron-LM / torchtitan do not run are forbidden (``allowed`` False, an infinite
@@ -184,11 +180,10 @@ class SearchSpace:
                              if made_by.get(v.name, k) not in inside}
             self.leaving = {name for name in made_here
                             if any(k not in inside for k in read_by.get(name, ()))}
-        # on a (dp, cp, tp) mesh, the length of the tensor dims cp and x may split: the
-        # feeds' dim 1 (the sequence) and dim 0 (the samples; module docstring)
-        feeds = self.program.inputs
-        self._only = tuple((dim, int(feeds[0].shape[d]) if feeds and len(feeds[0].shape) > d
-                            else -1) for dim, d in ((SEQUENCE_DIM, 1), (MESH_DIMS[0], 0))) \
+        # on a (dp, cp, tp) mesh, what cp and x may split: the feeds' dims 1 and 0
+        shape = self.program.inputs[0].shape if self.program.inputs else ()
+        self._only = tuple((dim, int(shape[d]) if len(shape) > d else -1) for dim, d in
+                           ((SEQUENCE_DIM, 1), (MESH_DIMS[0], 0))) \
             if SEQUENCE_DIM in self.mesh.dim_names else None
         # Values a linear op (add, subtract) reads: a pending sum may reach it unsettled
         self._summed = {v.name for k in self.ops for v in self.program.ops[k].inputs
@@ -224,16 +219,11 @@ class SearchSpace:
                                 "none), or use auto_mode='semi'")
 
     def _in_role(self, specs, shapes) -> bool:
-        """Whether ``specs`` (of tensors of ``shapes``) split the ``cp`` mesh dim only
-        along the sequence and ``x`` only along the samples (always true on a mesh
-        without ``cp``)."""
-        if self._only is None:
-            return True
-        for spec, shape in zip(specs, shapes):
-            for d, n in enumerate(shape):
-                if any(n != length and dim in spec.entry(d) for dim, length in self._only):
-                    return False
-        return True
+        """Whether ``specs`` (of tensors of ``shapes``) split ``cp`` and ``x`` as their
+        roles allow (module docstring; always on a mesh without ``cp``)."""
+        return self._only is None or not any(
+            n != length and dim in spec.entry(d) for spec, shape in zip(specs, shapes)
+            for d, n in enumerate(shape) for dim, length in self._only)
 
     def _op_keeps(self, op, s) -> bool:
         return self._in_role(tuple(s.in_specs) + tuple(s.out_specs),
@@ -278,8 +268,7 @@ class SearchSpace:
                 names = len({s.name for s in induced})
                 if names >= 2 or names >= min(2, len(self._strategies(op))):
                     # which answers are allowed depends on what the key names, which
-                    # operands are one Value (_consistent) and the lengths cp and x split
-                    # (_op_keeps)
+                    # operands are one Value (_consistent) and what cp and x split
                     allowed = self._offers.memo(
                         (self._at, "allowed", key, _aliasing(op), self._only),
                         lambda: tuple(_consistent(op, s) and self._op_keeps(op, s)
@@ -294,8 +283,7 @@ class SearchSpace:
             self._add_free(index, k, label, op, *self._free(op, label, summed))
             return
         # unannotated, an op's choices depend on its signature, which operands are one
-        # Value, the lengths cp and x split and which results a linear op reads: made
-        # once per those
+        # Value, what cp and x split and which results a linear op reads: once per those
         self._add_free(index, k, label, op, *self._offers.memo(
             (self._at, "free", self._signature(op), _aliasing(op), self._only, summed),
             lambda: self._free(op, label, summed)))

@@ -40,14 +40,13 @@ not (and then prices the meshes after it).
 1,024 GPUs at t = 8), the submesh is also offered as ``(dp, cp, t)`` with dp = gcd(x,
 rows) and cp = x / dp (dims ``x``, ``cp``, ``y``: cp between the machines' tp and dp, as
 Meta orders them), if cp divides the sequence. Its ``cp`` dim splits only the sequence
-and its ``x`` only the samples (:data:`~distgraph.passes.search.layouts.space.
-SEQUENCE_DIM`): every activation of the blocks
-and attention itself (ring or Ulysses, by :mod:`distgraph.passes.context`'s prices), the
-weights' gradients summed over it. No other cp is offered: rows split instead divide
-the activations alike without attention's collectives (and at dp 1 the (x, t) search
-may split the sequence over x). They are searched per ``t`` apart from the (x, t) ones,
-their variants only where memory holds the fastest options back (:mod:`~distgraph.
-passes.search.stages.block_plans`).
+(:data:`~distgraph.passes.search.layouts.space.SEQUENCE_DIM`) and its ``x`` only the
+samples: every activation of the blocks and attention itself (ring or Ulysses, by
+:mod:`distgraph.passes.context`'s prices), the weights' gradients summed over it. No
+other cp is offered: rows split instead divide the activations alike without
+attention's collectives (and at dp 1 the (x, t) search may split the sequence over x).
+They are searched per ``t`` apart from the (x, t) ones, their variants only where memory
+holds the fastest options back (:mod:`~distgraph.passes.search.stages.block_plans`).
 
 **Memory variants** (:mod:`~distgraph.passes.search.stages.run_variants`): where memory
 holds a mesh's fastest options back, the fastest blocks within smaller budgets, offered

@@ -8,8 +8,9 @@ plan data parallelism say which dim of each Value carries the samples (split ove
 ``mb``: ``Accumulation.split_axis``), which Values sum over them (Partial over ``mb``:
 gradients, and a loss that averages over the batch, whose ``1/B`` scale is the full
 batch's, so that each micro-batch contributes its share), and which do not depend on
-them (replicated). Partitioning that copy for micro-batch 0 gives the *micro-batch
-program*: the same ops and names on micro-batch shapes, shape attributes made local.
+them (replicated). That copy's layouts on micro-batch 0 give the *micro-batch
+program*: the same ops and names on micro-batch shapes, shape attributes made local (as
+a partition of the copy for micro-batch 0 makes them, without its reshard points).
 
 The step then runs as Alpa's compute-grad / accumulate-grad / apply-grad split:
 
@@ -44,8 +45,8 @@ from types import MappingProxyType
 from distgraph import dtypes
 from distgraph.errors import BatchSplitError, PlanError
 from distgraph.ir import Role
-from distgraph.registry import TensorType, get_op
-from distgraph.passes.partition import partition
+from distgraph.placement import DistAttr
+from distgraph.registry import LocalSite, TensorType, get_op
 from distgraph.passes.samples import axes_over, complete_on_samples
 from distgraph.plan.accumulation import Accumulation
 
@@ -247,18 +248,24 @@ def _boundary(analysed, built) -> list:
 
 def _micro_batch_program(program, analysed):
     """A copy of ``program`` (annotations kept) on micro-batch shapes, with the shape
-    attributes its ops take on micro-batch 0 (the same for every micro-batch)."""
-    local = partition(analysed, 0)
-    if len(local.program.ops) != len(program.ops):
-        raise PlanError("internal error: the micro-batch partition lost ops; please report it")
+    attributes its ops take on micro-batch 0 (the same for every micro-batch): each
+    Value's shape its block's on process 0 of ``analysed``'s mesh, each op's attributes
+    as its kernel localizes them there (:meth:`~distgraph.registry.OpDef.localize`, as a
+    partition of ``analysed`` for process 0 makes them)."""
     out = program.clone()
-    held = local.program.values         # micro-batch 0's shapes (partition found them)
     for v in out.values.values():
-        mine = held.get(v.name)
-        v.shape = (tuple(mine.shape) if mine is not None else
-                   analysed.values[v.name].dist_attr.local_shape(v.shape))
-    for k, (op, lop) in enumerate(zip(out.ops, local.program.ops)):
-        op.attrs = dict(lop.attrs)
+        v.shape = analysed.values[v.name].dist_attr.local_shape(v.shape)
+    for k, (op, seen) in enumerate(zip(out.ops, analysed.ops)):
+        localize = get_op(op.type).localize
+        if localize is not None:
+            da = seen.dist_attr
+            site = LocalSite(0, tuple(v.shape for v in seen.inputs),
+                             tuple(DistAttr(da.mesh, s) for s in da.input_specs),
+                             tuple(o.shape for o in seen.outputs),
+                             tuple(DistAttr(da.mesh, s) for s in da.output_specs),
+                             tuple(v.dtype for v in seen.inputs),
+                             tuple(sorted(seen.attrs.items())))
+            op.attrs = dict(localize(dict(seen.attrs), site)[0])
         check_shapes(k, op, "run on a micro-batch", "use micro_batches=1")
     return out
 

@@ -7,7 +7,6 @@ gained; unknown or misplaced search values are refused. Its answers on a fixed c
 are pinned in tests/test_search_pinned.py."""
 
 import dataclasses
-import itertools
 import math
 import os
 import sys
@@ -21,10 +20,8 @@ import distgraph as dg  # noqa: E402
 from distgraph.errors import DoesNotFit  # noqa: E402
 from distgraph.passes.search.layouts.ilp import evaluate, peak_memory  # noqa: E402
 from distgraph.passes.search.layouts.ilp import peak_bound, reduce_problem  # noqa: E402
-from distgraph.passes.search.layouts.ilp_problem import ShardingProblem  # noqa: E402
 from distgraph.passes.search.layouts.intra_op import PROVEN  # noqa: E402
-from distgraph.passes.search.layouts.recursive import (Descents, improved,  # noqa: E402
-                                                       solve_recursive)
+from distgraph.passes.search.layouts.recursive import Descents, solve_recursive  # noqa: E402
 from distgraph.program_builder import build_program  # noqa: E402
 from distgraph.runtime.comm.simulated import SimulatedWorld  # noqa: E402
 from distgraph.trace import InputSpec  # noqa: E402
@@ -189,51 +186,6 @@ def test_random_problems_against_brute_force():
     assert len(ratios) > 60 and np.median(ratios) == 1.0
     assert (ratios <= TOLERANCE).mean() >= 0.95
     assert (ratios <= 1 + 1e-9).mean() >= 0.95        # the tree moves reach the optimum
-
-
-def _allowed(p):
-    """Every choice of ``p`` that its ties, aliases and costs allow (brute force)."""
-    for c in itertools.product(*[range(k) for k in p.strategy_counts]):
-        if any(j != -1 and c[i] != c[j] for i, j in enumerate(p.follow)) or \
-                any(c[v] != c[g[0]] for g in p.share for v in g) or \
-                any(V[c[u]][c[v]] for u, v, V in p.aliases):
-            continue
-        if math.isfinite(evaluate(p, c)):
-            yield c
-
-
-def test_improved_choices_never_pay_more_and_keep_to_the_budget():
-    """Tree moves from a choice (what a search re-solves with, where a few edges got
-    cheaper: the gradient reductions the backward hides) never end above the choice they
-    start from, and never above the budget the start fits; on a chain (a tree, which one
-    tree move prices exactly) they end at the optimum from any start."""
-    started = 0
-    for seed in range(80):
-        p = random_problem(seed)
-        for c in list(_allowed(p))[:6]:
-            fits = p.memory_budget is None or peak_memory(p, c) <= p.memory_budget
-            if not fits:
-                continue
-            sol = improved(p, c)
-            assert sol.objective == pytest.approx(evaluate(p, sol.choice))
-            assert sol.objective <= evaluate(p, c) + 1e-9
-            if p.memory_budget is not None:
-                assert sol.peak_memory <= p.memory_budget + 1e-9
-            started += 1
-    assert started > 150
-    rng = np.random.default_rng(7)
-    counts = [3, 4, 2, 3, 4]
-    chain = ShardingProblem(
-        counts, [rng.integers(0, 10, k).astype(float) for k in counts],
-        [np.zeros(k) for k in counts], [np.zeros(k) for k in counts],
-        edges=[(v, v + 1, rng.integers(0, 12, (counts[v], counts[v + 1])).astype(float))
-               for v in range(len(counts) - 1)])
-    best = oracle(chain)[0]
-    worse = 0
-    for c in itertools.product(*[range(k) for k in counts]):
-        assert improved(chain, c).objective == pytest.approx(best)
-        worse += evaluate(chain, c) > best + 1e-9
-    assert worse > 100          # most starts are not optimal: the moves found it
 
 
 def test_the_memory_ladder_against_brute_force():

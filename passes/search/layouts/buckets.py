@@ -50,27 +50,25 @@ RESOLVED = ("then searched again with the gradient reductions priced at the shar
 
 
 def overlapped(space, problem, costs, weights: dict, bucket_mb: float, sol, again,
-               zero=None, bound: bool = False) -> tuple:
+               zero=None) -> tuple:
     """(the solution, seconds of its objective the backward hides, whether another solve
     chose it) of a search whose gradient reductions the runtime buckets during the
     backward (:func:`hidden_seconds`): ``sol``, or a choice that pays less with what it
     hides counted. The problem prices each reduction into an update whole, which the
     backward may hide; so the search solves it again (``again(problem, start)``: SCIP
-    warm started from the choice so far under ``Strategy(search="ilp")``, else tree
-    moves from it, :func:`~distgraph.passes.search.layouts.recursive.improved`; at most
-    twice) with those edges at the share of them the choice so far leaves exposed, and
-    keeps a choice that pays less. ``bound`` (where a solve costs more than an LP: SCIP's):
-    not solved again where the LP bound of the problem with those edges free (the
-    reshards the partitioner reuses aside) shows no choice could pay less. ``zero``: the
-    search's ZeRO."""
+    warm started from the choice so far under ``Strategy(search="ilp")``, else the
+    recursive search, which is fast; at most twice) with those edges at
+    the share of them the choice so far leaves exposed, and keeps a choice that pays
+    less: not where the LP bound of the problem with those edges free (the reshards the
+    partitioner reuses aside) shows no choice could pay less. ``zero``: the search's
+    ZeRO."""
     def paid(choice, hidden):   # what the report's step_time says of it
         return evaluate(problem, choice) - reused_reshards(space, problem, choice) - hidden
 
     hidden, reduced = hidden_seconds(space, problem, sol.choice, costs, weights, bucket_mb,
                                      zero)
     edges = into_updates(space, problem)
-    if edges and bound and \
-            lower_bound(problem.with_edges_scaled(edges, 0.0)) >= paid(sol.choice, hidden):
+    if edges and lower_bound(problem.with_edges_scaled(edges, 0.0)) >= paid(sol.choice, hidden):
         edges = []      # with every reduction into the update free none could pay less
     resolved = False
     for _ in range(2 if edges else 0):

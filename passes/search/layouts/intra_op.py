@@ -75,7 +75,7 @@ from distgraph.passes.search.layouts.ilp import Solution, solve
 from distgraph.passes.search.layouts.ilp_problem import (ShardingProblem, evaluate, largest_peak,
                                                          peak_memory)
 from distgraph.passes.search.layouts.recursive import (METHODS, Descents, bisection_levels,
-                                                       improved, solve_recursive)
+                                                       solve_recursive)
 from distgraph.passes.search.layouts.sharded_states import Zero, zero_params
 from distgraph.passes.search.layouts.space import SearchSpace
 from distgraph.passes.session import Session, describe, memo_tables
@@ -429,9 +429,11 @@ def search(program, mesh: ProcessMesh, cluster, device_of: dict, *, ops=None,
         def again(other, start):    # another problem of the space: SCIP where asked
             if method == "ilp":
                 return solve(other, time_limit=limit, starts=[start], bounded=True)
-            return improved(other, start, session)
+            dims = bisection_levels(mesh, costs.ring_of)
+            return solve_recursive(other, space, dims, time_limit=limit, prove=False,
+                                   descents=Descents(other, space, dims, session))[0]
         sol, hidden, resolved = overlapped(space, problem, costs, weights or {}, bucket_mb,
-                                           sol, again, zero, bound=method == "ilp")
+                                           sol, again, zero)
         note = RESOLVED if resolved else note
     if in_flight > 1:           # priced as one micro-batch, as every search's result is
         sol = dataclasses.replace(sol, peak_memory=peak_memory(plain, sol.choice))

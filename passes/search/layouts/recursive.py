@@ -207,28 +207,6 @@ def solve_recursive(problem, space, dims, time_limit: float = 60.0, descents=Non
                     time.perf_counter() - start, peak_memory(problem, choice), 0, 0), ""
 
 
-def improved(problem, start, session: Session | None = None) -> Solution:
-    """``start`` (a choice of ``problem``, one strategy per node) improved by tree moves at
-    the price of time alone, where that keeps its peak within the problem's budget; else
-    ``start``: the local search from a choice already made, as the recursive search's
-    descents end (what a search re-solves where the prices of a few of its edges fell:
-    :func:`~distgraph.passes.search.layouts.buckets.overlapped`)."""
-    begun = time.perf_counter()
-    red = reduce_problem(problem)
-    first = {}
-    for v, c in enumerate(red.cls):
-        first.setdefault(int(c), v)
-    per_class = improve_rounds(red, red.cost, [start[first[c]] for c in range(len(red.cost))],
-                               flat=Flat(red, session))[0]
-    choice = [per_class[c] for c in red.cls]
-    peak = peak_memory(problem, choice)
-    budget = problem.memory_budget
-    if budget is not None and peak > budget * (1 + BUDGET_RTOL):
-        choice, peak = list(start), peak_memory(problem, start)
-    return Solution(tuple(choice), evaluate(problem, choice), "recursive", math.inf,
-                    time.perf_counter() - begun, peak, 0, 0)
-
-
 def _fit(problem, descents, objective, peak, budget):
     """The cheapest choice found whose peak fits ``budget``, raising the price of memory
     from the unpriced choice's ``objective`` / ``peak`` (module docstring); None if none

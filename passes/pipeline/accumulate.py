@@ -250,7 +250,7 @@ def _micro_batch_program(program, analysed):
     """A copy of ``program`` (annotations kept) on micro-batch shapes, with the shape
     attributes its ops take on micro-batch 0 (the same for every micro-batch): each
     Value's shape its block's on process 0 of ``analysed``'s mesh, each op's attributes
-    as its kernel localizes them there (:meth:`~distgraph.registry.OpDef.localize`, as a
+    as its kernel localizes them there (:attr:`~distgraph.registry.OpDef.localize`, as a
     partition of ``analysed`` for process 0 makes them)."""
     out = program.clone()
     for v in out.values.values():
